@@ -1,0 +1,98 @@
+"""Read path: attention of pre-rotated queries over the packed INT2 history, as online-softmax partials.
+
+``history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n)`` with
+
+* ``q_rot`` ``[B, Hk, M, D]`` float32: the queries of one KV head's group (``M = g * q_len``,
+  query-head-major), already rotated by ``R_K`` (unscaled),
+* ``k``, ``v``: :class:`oscar_hf.quant.QuantizedRows` with ``codes [B, Hk, N, D/4]``,
+  ``scale``/``zero`` ``[B, Hk, N, D/G]``; only the first ``N`` entries are read,
+* ``start`` ``[B]`` int: row ``b`` has valid history entries ``start[b] <= j < N`` (left padding),
+* ``key_mask`` None or bool broadcastable to ``[B, Hk|1, M|1, N]`` (the attention mask),
+* ``qk_offset`` None or ``[B, Hk, M]`` float32 ``q · mu_K`` (centering; added to every logit),
+* logits are ``scaling * (q_rot · k_hat + qk_offset)``.
+
+Returns ``(m, l, acc)``: running max ``[B, Hk, M]``, softmax denominator ``[B, Hk, M]`` relative
+to ``m``, and the unnormalized ``sum_j p_j * v_hat_j`` ``[B, Hk, M, D]`` in the *rotated* value
+space (float32). A row with no valid key has ``m = -inf, l = 0, acc = 0``. The caller rotates
+``acc`` back by ``R_Vᵀ``, adds ``l * mu_V`` and merges with the full-precision partial
+(:func:`merge_partials`).
+
+The reference below dequantizes ``block_n`` history tokens at a time (never the whole history)
+and merges blocks with the online-softmax rule: exactly what the split-K kernel does in
+registers. The Triton kernels (CUDA) are dispatched by :func:`history_partial`.
+"""
+from __future__ import annotations
+
+import torch
+
+from oscar_hf.quant import QuantizedRows, dequantize_rows
+
+NEG_INF = float("-inf")
+
+
+def empty_partial(q_rot: torch.Tensor):
+    b, h, m, d = q_rot.shape
+    dev = q_rot.device
+    return (
+        torch.full((b, h, m), NEG_INF, device=dev),
+        torch.zeros(b, h, m, device=dev),
+        torch.zeros(b, h, m, d, device=dev),
+    )
+
+
+def merge_partials(parts):
+    """Combine ``(m, l, acc)`` partials over disjoint key sets by log-sum-exp."""
+    parts = [p for p in parts if p is not None]
+    m = parts[0][0]
+    for p in parts[1:]:
+        m = torch.maximum(m, p[0])
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    l = torch.zeros_like(parts[0][1])
+    acc = torch.zeros_like(parts[0][2])
+    for pm, pl, pacc in parts:
+        w = torch.exp(pm - m_safe)  # exp(-inf) = 0 for empty partials
+        l = l + w * pl
+        acc = acc + w.unsqueeze(-1) * pacc
+    return m, l, acc
+
+
+def partial_from_logits(logits: torch.Tensor, values: torch.Tensor):
+    """Softmax partial of ``logits [..., M, N]`` (masked = -inf) over ``values [..., N, D]``."""
+    m = logits.amax(-1)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(logits - m_safe.unsqueeze(-1))
+    return m, p.sum(-1), torch.matmul(p, values.float())
+
+
+def history_partial_reference(
+    q_rot, k: QuantizedRows, v: QuantizedRows, start, key_mask, qk_offset, scaling, group_size, block_n=1024
+):
+    n = k.codes.shape[-2]
+    part = empty_partial(q_rot)
+    pos = torch.arange(n, device=q_rot.device)
+    for j0 in range(0, n, block_n):
+        j1 = min(n, j0 + block_n)
+        sl = slice(j0, j1)
+        kb = dequantize_rows(QuantizedRows(k.codes[:, :, sl], k.scale[:, :, sl], k.zero[:, :, sl]), group_size)
+        vb = dequantize_rows(QuantizedRows(v.codes[:, :, sl], v.scale[:, :, sl], v.zero[:, :, sl]), group_size)
+        logits = torch.matmul(q_rot, kb.transpose(-1, -2))  # [B, Hk, M, nb]
+        if qk_offset is not None:
+            logits = logits + qk_offset.unsqueeze(-1)
+        logits = logits * scaling
+        valid = (pos[sl][None, :] >= start[:, None])[:, None, None, :]  # [B, 1, 1, nb]
+        if key_mask is not None:
+            valid = valid & key_mask[..., sl]
+        logits = logits.masked_fill(~valid, NEG_INF)
+        part = merge_partials([part, partial_from_logits(logits, vb)])
+    return part
+
+
+def history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n=1024, use_kernels="auto"):
+    """Dispatch: split-K Triton kernels on CUDA (when importable and allowed), else the reference."""
+    from . import triton_enabled
+
+    if triton_enabled(q_rot, use_kernels) and q_rot.shape[-2] <= 64:
+        from .decode_triton import history_partial_triton
+
+        return history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size)
+    return history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n)

@@ -1,0 +1,185 @@
+"""`OscarConfig`: the cache's settings, and `ModelFingerprint`: what an artifact was made for."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .quant import SUPPORTED_META_DTYPES, check_group_size
+
+_META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
+
+# Layer types (config.layer_types) that OSCAR quantizes, and those that keep Transformers' own
+# full-precision sliding-window layer (bounded by the window already, see README).
+FULL_LAYER_TYPES = ("full_attention",)
+SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class OscarConfig:
+    """Settings of an :class:`~oscar_hf.OscarCache` (frozen: a user's config is never mutated).
+
+    Args:
+        sink: first tokens of each sequence kept in the model dtype (attention sinks), paper: 64.
+        recent: last tokens before the current position kept in the model dtype, paper: 256.
+        group_size: channels per quantization group along head_dim (one scale + zero each).
+        bits: code width; only 2 is implemented.
+        clip_k, clip_v: clip ratio override, a float for all layers or one per layer; ``None``
+            takes the artifact's calibrated ratios (1.0 for artifact-free methods).
+        meta_dtype: dtype of scale/zero ("bfloat16", "float16" or "float32").
+        method: rotation for ``OscarCache(model_config, ...)`` without an artifact:
+            "identity" (naive INT2) or "hadamard" (QuaRot-style).
+        center: use the artifact's calibrated offsets mu_K / mu_V when it has them.
+        skip_layers: layers kept entirely in full precision (negative indices count from the end).
+        block_size: history tokens dequantized at once by the CPU reference decode (bounded memory).
+        prefill_chunk: tokens quantized at once when a long prompt is written to history.
+        use_kernels: "auto" (Triton on CUDA when available), True (require) or False (torch reference).
+    """
+
+    sink: int = 64
+    recent: int = 256
+    group_size: int = 64
+    bits: int = 2
+    clip_k: float | tuple[float, ...] | None = None
+    clip_v: float | tuple[float, ...] | None = None
+    meta_dtype: str = "bfloat16"
+    method: str = "hadamard"
+    center: bool = True
+    skip_layers: tuple[int, ...] = ()
+    block_size: int = 1024
+    prefill_chunk: int = 4096
+    use_kernels: bool | str = "auto"
+
+    def __post_init__(self):
+        for name in ("sink", "recent"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"OscarConfig.{name} must be a non-negative int, got {getattr(self, name)!r}")
+        if self.recent < 1:
+            raise ValueError("OscarConfig.recent must be >= 1 (the current token's predecessor stays in full precision)")
+        if self.bits != 2:
+            raise NotImplementedError(f"only bits=2 is implemented, got bits={self.bits}")
+        if self.meta_dtype not in _META_DTYPES:
+            raise ValueError(f"meta_dtype must be one of {sorted(_META_DTYPES)}, got {self.meta_dtype!r}")
+        if self.block_size < 1 or self.prefill_chunk < 1:
+            raise ValueError("block_size and prefill_chunk must be positive")
+        if self.use_kernels not in ("auto", True, False):
+            raise ValueError(f"use_kernels must be 'auto', True or False, got {self.use_kernels!r}")
+        for name in ("clip_k", "clip_v"):
+            val = getattr(self, name)
+            if isinstance(val, Sequence) and not isinstance(val, str):
+                object.__setattr__(self, name, tuple(float(v) for v in val))
+                vals = getattr(self, name)
+            elif val is None:
+                vals = ()
+            else:
+                vals = (float(val),)
+            if any(not (0.0 < v <= 1.0) for v in vals):
+                raise ValueError(f"OscarConfig.{name} ratios must lie in (0, 1], got {val!r}")
+        object.__setattr__(self, "skip_layers", tuple(int(i) for i in self.skip_layers))
+
+    @property
+    def torch_meta_dtype(self) -> torch.dtype:
+        return _META_DTYPES[self.meta_dtype]
+
+    def clip_for(self, kind: str, layer_idx: int, default: float) -> float:
+        val = getattr(self, f"clip_{kind}")
+        if val is None:
+            return default
+        if isinstance(val, tuple):
+            if layer_idx >= len(val):
+                raise ValueError(f"OscarConfig.clip_{kind} has {len(val)} entries, no ratio for layer {layer_idx}")
+            return val[layer_idx]
+        return float(val)
+
+    def skipped(self, num_layers: int) -> set[int]:
+        out = set()
+        for i in self.skip_layers:
+            j = i + num_layers if i < 0 else i
+            if not 0 <= j < num_layers:
+                raise ValueError(f"skip_layers entry {i} is out of range for a model with {num_layers} layers")
+            out.add(j)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **kw) -> "OscarConfig":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFingerprint:
+    """The shape facts an artifact depends on, read from a model's text config."""
+
+    architecture: str
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    name_or_path: str = ""
+
+    @classmethod
+    def from_config(cls, config) -> "ModelFingerprint":
+        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        n_heads = int(cfg.num_attention_heads)
+        n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        n_layers = int(cfg.num_hidden_layers)
+        archs = getattr(config, "architectures", None) or getattr(cfg, "architectures", None) or []
+        return cls(
+            architecture=archs[0] if archs else type(cfg).__name__.replace("Config", "ForCausalLM"),
+            model_type=str(getattr(cfg, "model_type", "")),
+            num_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv,
+            head_dim=int(head_dim),
+            layer_types=tuple(layer_types_of(cfg)),
+            name_or_path=str(getattr(config, "_name_or_path", "") or ""),
+        )
+
+    def mismatches(self, other: "ModelFingerprint") -> list[str]:
+        """Human-readable differences that make an artifact unusable (the name is informative only)."""
+        out = []
+        for f in ("model_type", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            a, b = getattr(self, f), getattr(other, f)
+            if a != b:
+                out.append(f"{f}: artifact has {a!r}, model has {b!r}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelFingerprint":
+        try:
+            return cls(**{**d, "layer_types": tuple(d.get("layer_types", ()))})
+        except TypeError as e:
+            raise ValueError(f"corrupted model fingerprint in artifact: {json.dumps(d)[:200]} ({e})") from None
+
+
+def layer_types_of(cfg) -> list[str]:
+    """Per-layer attention type, as Transformers' caches infer it (works on 5.10 .. 5.2x)."""
+    n = int(cfg.num_hidden_layers)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        if getattr(cfg, "sliding_window", None) is not None:
+            types = ["sliding_attention"] * n
+        elif getattr(cfg, "attention_chunk_size", None) is not None:
+            types = ["chunked_attention"] * n
+        else:
+            types = ["full_attention"] * n
+    return list(types)
+
+
+def validate_head_dim(fp: ModelFingerprint, group_size: int) -> None:
+    try:
+        check_group_size(fp.head_dim, group_size)
+    except ValueError as e:
+        raise ValueError(f"{fp.architecture}: {e}") from None

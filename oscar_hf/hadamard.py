@@ -1,0 +1,138 @@
+"""Orthogonal building blocks of the rotations: normalized Hadamard matrices and the
+bit-reversal (digit-reversal) permutation.
+
+``R = U · H · P_br``: ``U`` (eigenvectors, descending) orders directions by importance, ``H``
+spreads every direction evenly over all channels (``diag(H Λ Hᵀ) = tr(Λ)/d``, the paper's
+Lemma 1), and ``P_br`` makes every power-of-two group of contiguous channels receive one
+channel of each importance level.
+
+head_dim that is not a power of two: ``H = H_m ⊗ H_{2^k}`` with a Paley-construction Hadamard
+matrix of order ``m`` (12, 20, 24, 28, 36, 44, ...), e.g. 96 = 12·8 (Phi-3), 80 = 20·4.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def _is_prime(n: int) -> bool:
+    return n >= 2 and all(n % p for p in range(2, int(n**0.5) + 1))
+
+
+def _legendre(a: int, q: int) -> int:
+    a %= q
+    if a == 0:
+        return 0
+    return 1 if pow(a, (q - 1) // 2, q) == 1 else -1
+
+
+def _paley(n: int) -> torch.Tensor | None:
+    """Unnormalized ±1 Hadamard matrix of order ``n`` by Paley I/II, or None."""
+    q = n - 1  # Paley I: q prime, q = 3 (mod 4), order q + 1
+    if _is_prime(q) and q % 4 == 3:
+        Q = torch.tensor([[_legendre(j - i, q) for j in range(q)] for i in range(q)], dtype=torch.float64)
+        S = torch.zeros(n, n, dtype=torch.float64)
+        S[0, 1:] = 1
+        S[1:, 0] = -1
+        S[1:, 1:] = Q
+        return torch.eye(n, dtype=torch.float64) + S
+    if n % 2 == 0:  # Paley II: q prime, q = 1 (mod 4), order 2(q + 1)
+        q = n // 2 - 1
+        if _is_prime(q) and q % 4 == 1:
+            Q = torch.tensor([[_legendre(j - i, q) for j in range(q)] for i in range(q)], dtype=torch.float64)
+            C = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+            C[0, 1:] = 1
+            C[1:, 0] = 1
+            C[1:, 1:] = Q
+            A = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+            B = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+            return torch.kron(C, A) + torch.kron(torch.eye(q + 1, dtype=torch.float64), B)
+    return None
+
+
+def _sylvester(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_f64(d: int) -> torch.Tensor:
+    if d <= 0:
+        raise ValueError(f"head_dim must be positive, got {d}")
+    pow2 = d & -d  # largest power of two dividing d
+    m = d // pow2
+    if m == 1:
+        h = _sylvester(d)
+    else:
+        # move factors of two into the Paley order until one is known (e.g. 24 = 24·1 or 12·2)
+        h = None
+        p = pow2
+        while p >= 1 and h is None:
+            base = _paley(d // p)
+            if base is not None:
+                h = torch.kron(base, _sylvester(p))
+            p //= 2
+        if h is None:
+            raise ValueError(
+                f"No Hadamard matrix is known to this library for head_dim={d} (= {m}·2^k with no Paley "
+                f"construction of order {m}·2^j). Supported: powers of two and 2^k times 12, 20, 24, 28, 36, 44, ..."
+            )
+    hn = h / (d**0.5)
+    err = (hn @ hn.T - torch.eye(d, dtype=torch.float64)).abs().max().item()
+    assert err < 1e-9, f"internal error: Hadamard of order {d} is not orthogonal ({err})"
+    return hn
+
+
+def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Normalized Hadamard matrix ``[d, d]`` (orthogonal, entries ±1/sqrt(d))."""
+    return _hadamard_f64(d).to(dtype).clone()
+
+
+def _prime_factors(n: int) -> list[int]:
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out
+
+
+def bit_reversal_permutation(d: int) -> torch.Tensor:
+    """``perm[i]`` = position of importance level ``i``: the bit reversal of ``i`` for ``d = 2^k``.
+
+    For other ``d`` this is the mixed-radix digit reversal over d's prime factors (twos first), which
+    reduces to the bit reversal for powers of two and still spreads consecutive importance levels
+    over all power-of-two groups.
+    """
+    radices = sorted(_prime_factors(d)) if d > 1 else []
+    perm = []
+    for i in range(d):
+        digits, r = [], i
+        for rad in radices:  # least significant digit first
+            digits.append(r % rad)
+            r //= rad
+        # reversed: the least significant digit of i becomes the most significant of the position
+        pos = 0
+        for rad, dig in zip(radices, digits):
+            pos = pos * rad + dig
+        perm.append(pos)
+    return torch.tensor(perm, dtype=torch.long)
+
+
+def permutation_matrix(perm: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``P`` with ``P[i, perm[i]] = 1``: ``(x @ P)[perm[i]] = x[i]``."""
+    d = perm.numel()
+    p = torch.zeros(d, d, dtype=dtype)
+    p[torch.arange(d), perm] = 1
+    return p
+
+
+def oscar_rotation(eigvecs: torch.Tensor) -> torch.Tensor:
+    """``R = U · H · P_br`` for ``U [..., d, d]`` with eigenvectors as columns in descending order."""
+    d = eigvecs.shape[-1]
+    hp = hadamard_matrix(d, torch.float64) @ permutation_matrix(bit_reversal_permutation(d), torch.float64)
+    return (eigvecs.to(torch.float64) @ hp).to(torch.float32)

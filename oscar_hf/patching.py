@@ -1,0 +1,124 @@
+"""Route a model's attention through OSCAR without per-architecture code.
+
+Transformers' attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``.
+We register wrapped implementations named ``<prefix><base>`` (e.g. ``oscar_sdpa``,
+``oscar_eager``): each calls a *handler* first, and the handler either serves the call (an
+OSCAR cache handle arrived as ``key``, or calibration statistics are being recorded) or returns
+``NotImplemented``, in which case the user's original implementation ``<base>`` runs unchanged.
+The base name lives in the registered name, so a patched model still works with any other cache,
+and :func:`unpatch_model` restores the user's choice exactly.
+
+The matching mask builder is registered under the same name (without it the attention function
+would receive ``attention_mask=None`` and silently ignore padding).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable
+
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+# Implementations we know how to wrap. "eager" is not in ALL_ATTENTION_FUNCTIONS: it is each
+# modeling file's own `eager_attention_forward`.
+BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+Handler = Callable[..., object]
+_HANDLERS: dict[str, Handler] = {}
+
+
+def base_attention_function(module, base: str) -> Callable:
+    """The user's original attention function for ``module`` (``eager`` resolved per modeling file)."""
+    if base == "eager":
+        fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if fn is None:
+            raise NotImplementedError(
+                f"{type(module).__name__} has no module-level eager_attention_forward; load the model with "
+                "attn_implementation='sdpa' to use OSCAR"
+            )
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _wrapped(module, query, key, value, attention_mask, *args, _prefix: str, _base: str, **kwargs):
+    out = _HANDLERS[_prefix](module, query, key, value, attention_mask, *args, base=_base, **kwargs)
+    if out is NotImplemented:
+        return base_attention_function(module, _base)(module, query, key, value, attention_mask, *args, **kwargs)
+    return out
+
+
+def register_handler(prefix: str, handler: Handler) -> None:
+    """Register ``<prefix><base>`` attention + mask functions for every known base implementation."""
+    _HANDLERS[prefix] = handler
+    for base in BASE_IMPLEMENTATIONS:
+        name = prefix + base
+        AttentionInterface.register(name, functools.partial(_wrapped, _prefix=prefix, _base=base))
+        mask_base = base if base in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping else "sdpa"
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[mask_base])
+
+
+def split_name(impl: str | None, prefixes=None) -> tuple[str | None, str]:
+    """``"oscar_sdpa"`` -> ``("oscar_", "sdpa")``; unprefixed names -> ``(None, name)``."""
+    impl = impl or "sdpa"
+    for p in prefixes or _HANDLERS:
+        if impl.startswith(p):
+            return p, impl[len(p) :]
+    return None, impl
+
+
+def _text_configs(model):
+    seen, out = set(), []
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation") and id(cfg) not in seen:
+            seen.add(id(cfg))
+            out.append(cfg)
+    return out
+
+
+def patch_model(model, prefix: str) -> str:
+    """Switch ``model`` to ``<prefix><its current implementation>``; returns the new name. Idempotent."""
+    if prefix not in _HANDLERS:
+        raise ValueError(f"no attention handler registered for prefix {prefix!r}")
+    current = model.config._attn_implementation
+    old_prefix, base = split_name(current)
+    if old_prefix == prefix:
+        return current
+    if base not in BASE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"OSCAR cannot wrap attn_implementation={current!r}; load the model with one of {BASE_IMPLEMENTATIONS}"
+        )
+    name = prefix + base
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    # Modules may hold their own config objects (sub-configs); make every one agree.
+    for cfg in _text_configs(model):
+        if split_name(cfg._attn_implementation)[1] == base or cfg._attn_implementation is None:
+            cfg._attn_implementation_internal = name
+    return name
+
+
+def unpatch_model(model) -> str:
+    """Restore the user's original attention implementation."""
+    _, base = split_name(model.config._attn_implementation)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(base)
+    for cfg in _text_configs(model):
+        cfg._attn_implementation_internal = split_name(cfg._attn_implementation)[1]
+    return base
+
+
+@contextlib.contextmanager
+def patched(model, prefix: str):
+    """Temporarily route ``model``'s attention through ``prefix``'s handler."""
+    before = model.config._attn_implementation
+    patch_model(model, prefix)
+    try:
+        yield model
+    finally:
+        if split_name(before)[0] is None:
+            unpatch_model(model)
+        else:
+            model.set_attn_implementation(before)

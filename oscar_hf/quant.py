@@ -1,0 +1,113 @@
+"""Per-token asymmetric INT2 group quantization: the torch reference of the write path.
+
+Layout (shared by the torch reference and the Triton kernels in ``oscar_hf.kernels``):
+
+* a row ``x[..., D]`` (one token of one KV head, already rotated and centered) is split into
+  ``D // G`` groups of ``G`` *contiguous* channels; each group gets its own ``scale`` and
+  ``zero`` (the group minimum after clipping), stored in the metadata dtype;
+* the clip ratio ``c`` shrinks each group's range around its midpoint before the scale is
+  set: ``lo' = mid - c * (hi - lo) / 2``, ``hi' = mid + c * (hi - lo) / 2``; values outside are
+  saturated to the end codes;
+* ``code = clamp(round((x - zero) / scale), 0, 3)`` and ``x_hat = zero + code * scale`` with
+  ``scale = (hi' - lo') / 3``. Codes are computed against the *stored* (rounded) metadata so
+  the error bound ``|x - x_hat| <= scale / 2`` holds for unclipped values;
+* four codes are packed per byte in *planes*: byte ``j`` (``0 <= j < D/4``) holds channel
+  ``j + p * D/4`` in bits ``2p .. 2p+1`` (``p = 0..3``). Unpacking plane ``p`` of every byte
+  gives the contiguous channel block ``[p*D/4, (p+1)*D/4)``: a kernel dequantizes four
+  contiguous sub-vectors with one shift and mask each, no interleaving shuffle.
+
+A group whose range is zero (constant or all-zero rows) gets ``scale = 0`` and reconstructs
+exactly to its constant.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+BITS = 2
+LEVELS = (1 << BITS) - 1  # 3: the largest INT2 code
+CODES_PER_BYTE = 8 // BITS  # 4
+
+SUPPORTED_META_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class QuantizedRows(NamedTuple):
+    """Packed INT2 rows: ``codes [..., D/4] uint8``, ``scale``/``zero`` ``[..., D/G]``."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+
+def check_group_size(head_dim: int, group_size: int) -> None:
+    """Raise a clear ValueError when ``group_size`` cannot group ``head_dim`` channels."""
+    if group_size <= 0 or head_dim % group_size != 0:
+        raise ValueError(
+            f"group_size={group_size} does not divide head_dim={head_dim}: every quantization group must "
+            f"cover whole channels of one head (valid group sizes here: "
+            f"{[g for g in (16, 32, 64, 128, 256) if head_dim % g == 0]})."
+        )
+    if head_dim % CODES_PER_BYTE != 0:
+        raise ValueError(f"head_dim={head_dim} must be a multiple of {CODES_PER_BYTE} to pack INT2 codes.")
+
+
+def pack_int2(codes: torch.Tensor) -> torch.Tensor:
+    """``codes [..., D]`` (integers 0..3) -> ``[..., D/4] uint8`` in the plane layout."""
+    d = codes.shape[-1]
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], CODES_PER_BYTE, d // CODES_PER_BYTE)
+    return c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
+
+
+def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., D/4] uint8`` -> ``codes [..., D] uint8`` (inverse of :func:`pack_int2`)."""
+    return torch.cat([(packed >> (2 * p)) & 3 for p in range(CODES_PER_BYTE)], dim=-1)
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    group_size: int,
+    clip: float | torch.Tensor = 1.0,
+    meta_dtype: torch.dtype = torch.bfloat16,
+) -> QuantizedRows:
+    """Quantize ``x [..., D]`` per row and group to packed INT2.
+
+    ``clip`` is a float or a tensor broadcastable to ``x.shape[:-1] + (1,)`` (e.g. per KV head).
+    Computation is in float32 whatever the input dtype.
+    """
+    d = x.shape[-1]
+    check_group_size(d, group_size)
+    if meta_dtype not in SUPPORTED_META_DTYPES:
+        raise ValueError(f"metadata dtype {meta_dtype} is not supported; use one of {SUPPORTED_META_DTYPES}")
+    xg = x.float().reshape(*x.shape[:-1], d // group_size, group_size)  # [..., n_groups, G]
+    lo, hi = xg.amin(-1), xg.amax(-1)  # [..., n_groups]
+    if isinstance(clip, torch.Tensor):
+        clip = clip.float()
+    mid, half = (hi + lo) * 0.5, (hi - lo) * 0.5 * clip
+    lo_c = mid - half
+    scale = (2.0 * half) / LEVELS
+    # Round the metadata first and quantize against the stored values (see module docstring).
+    scale_m = scale.to(meta_dtype)
+    zero_m = lo_c.to(meta_dtype)
+    scale_f, zero_f = scale_m.float(), zero_m.float()
+    safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
+    q = torch.round((xg - zero_f.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, LEVELS)
+    q = torch.where((scale_f > 0).unsqueeze(-1), q, torch.zeros_like(q))
+    codes = pack_int2(q.reshape(*x.shape[:-1], d))
+    return QuantizedRows(codes, scale_m, zero_m)
+
+
+def dequantize_rows(q: QuantizedRows, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed rows -> ``[..., D]`` in ``dtype`` (the reference; the decode path never does this
+    for the whole history, only for bounded blocks)."""
+    codes = unpack_int2(q.codes).float()
+    d = codes.shape[-1]
+    cg = codes.reshape(*codes.shape[:-1], d // group_size, group_size)
+    x = q.zero.float().unsqueeze(-1) + cg * q.scale.float().unsqueeze(-1)
+    return x.reshape(*codes.shape[:-1], d).to(dtype)
+
+
+def bits_per_element(head_dim: int, group_size: int, meta_dtype: torch.dtype) -> float:
+    """Bits per stored history element: 2 for the code + two metadata values per group."""
+    meta_bits = torch.finfo(meta_dtype).bits
+    return BITS + 2 * meta_bits / group_size

@@ -1,0 +1,258 @@
+"""`OscarRotations`: the rotation artifact (calibrate -> artifact -> cache).
+
+Per quantized layer ``i`` and KV head ``h``:
+
+* ``layers.{i}.r_k``, ``layers.{i}.r_v``: ``[kv_heads, head_dim, head_dim]`` float32, orthogonal.
+  Row-vector convention: the history stores ``(k - mu_K) @ R_K`` and ``(v - mu_V) @ R_V``.
+* ``layers.{i}.mu_k``, ``layers.{i}.mu_v``: optional ``[kv_heads, head_dim]`` offsets (centering).
+* clip ratios ``c_K``, ``c_V`` per layer (JSON), the model fingerprint, the method and free-form
+  calibration metadata (JSON).
+
+On disk: ``oscar_rotations.safetensors`` (tensors) + ``oscar_config.json`` (everything else).
+Loading never unpickles: safetensors and JSON only, and every tensor is validated (shape, dtype,
+finite, orthogonal) before use.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ModelFingerprint
+from .hadamard import hadamard_matrix
+
+logger = logging.getLogger("oscar_hf")
+
+WEIGHTS_NAME = "oscar_rotations.safetensors"
+CONFIG_NAME = "oscar_config.json"
+FORMAT_VERSION = 1
+BUILTIN_METHODS = ("identity", "hadamard")
+ORTHOGONALITY_TOL = 1e-3
+
+
+@dataclasses.dataclass
+class LayerRotation:
+    r_k: torch.Tensor  # [Hk, D, D]
+    r_v: torch.Tensor  # [Hk, D, D]
+    clip_k: float = 1.0
+    clip_v: float = 1.0
+    mu_k: torch.Tensor | None = None  # [Hk, D]
+    mu_v: torch.Tensor | None = None  # [Hk, D]
+
+    def to(self, device) -> "LayerRotation":
+        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return dataclasses.replace(self, r_k=mv(self.r_k), r_v=mv(self.r_v), mu_k=mv(self.mu_k), mu_v=mv(self.mu_v))
+
+
+@dataclasses.dataclass
+class OscarRotations:
+    """Rotations, offsets and clip ratios for every quantized layer of one model."""
+
+    fingerprint: ModelFingerprint
+    method: str
+    layers: dict[int, LayerRotation]
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def builtin(cls, model_or_config, method: str = "hadamard") -> "OscarRotations":
+        """Artifact-free rotations: ``identity`` (naive INT2) or ``hadamard`` (QuaRot-style), for
+        every full-attention layer of the model."""
+        config = getattr(model_or_config, "config", model_or_config)
+        fp = ModelFingerprint.from_config(config)
+        if method not in BUILTIN_METHODS:
+            raise ValueError(
+                f"method={method!r} needs a calibrated artifact (scripts/calibrate.py / oscar_hf.calibrate); "
+                f"artifact-free methods are {BUILTIN_METHODS}"
+            )
+        d, hk = fp.head_dim, fp.num_key_value_heads
+        base = torch.eye(d) if method == "identity" else hadamard_matrix(d)
+        rot = base.expand(hk, d, d).contiguous()
+        layers = {i: LayerRotation(rot, rot) for i, t in enumerate(fp.layer_types) if t == "full_attention"}
+        return cls(fp, method, layers, {"builtin": True})
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        """Shapes, dtypes, finiteness, orthogonality and clip ranges; raises ValueError naming the culprit."""
+        fp = self.fingerprint
+        hk, d = fp.num_key_value_heads, fp.head_dim
+        for i, lr in self.layers.items():
+            if not 0 <= i < fp.num_layers:
+                raise ValueError(f"artifact has rotations for layer {i}, but the model has {fp.num_layers} layers")
+            for name in ("r_k", "r_v"):
+                r = getattr(lr, name)
+                if not isinstance(r, torch.Tensor) or r.dtype != torch.float32:
+                    raise ValueError(f"layer {i} {name}: expected a float32 tensor, got {getattr(r, 'dtype', type(r))}")
+                if tuple(r.shape) != (hk, d, d):
+                    raise ValueError(
+                        f"layer {i} {name}: shape {tuple(r.shape)} does not match (kv_heads={hk}, head_dim={d}, {d})"
+                    )
+                if not torch.isfinite(r).all():
+                    raise ValueError(f"layer {i} {name}: contains NaN or Inf")
+                eye = torch.eye(d, device=r.device)
+                err = (r.transpose(-1, -2) @ r - eye).abs().amax().item()
+                if err > ORTHOGONALITY_TOL:
+                    raise ValueError(f"layer {i} {name}: not orthogonal (max |RᵀR - I| = {err:.3g})")
+            for name in ("mu_k", "mu_v"):
+                m = getattr(lr, name)
+                if m is None:
+                    continue
+                if m.dtype != torch.float32 or tuple(m.shape) != (hk, d):
+                    raise ValueError(f"layer {i} {name}: expected float32 [{hk}, {d}], got {m.dtype} {tuple(m.shape)}")
+                if not torch.isfinite(m).all():
+                    raise ValueError(f"layer {i} {name}: contains NaN or Inf")
+            for name in ("clip_k", "clip_v"):
+                c = getattr(lr, name)
+                if not isinstance(c, float) or not 0.0 < c <= 1.0:
+                    raise ValueError(f"layer {i} {name}: clip ratio must be a float in (0, 1], got {c!r}")
+
+    def check_compatible(self, config) -> None:
+        """Refuse an artifact made for another model, naming every mismatch."""
+        other = ModelFingerprint.from_config(config)
+        problems = self.fingerprint.mismatches(other)
+        if problems:
+            raise ValueError(
+                f"OSCAR rotations were calibrated for {self.fingerprint.name_or_path or self.fingerprint.architecture!r}"
+                f" and do not fit this model ({other.name_or_path or other.architecture!r}): " + "; ".join(problems)
+            )
+        if self.fingerprint.name_or_path and other.name_or_path and self.fingerprint.name_or_path != other.name_or_path:
+            logger.warning(
+                "OSCAR rotations were calibrated on %r, loading them into %r (same shapes)",
+                self.fingerprint.name_or_path,
+                other.name_or_path,
+            )
+
+    # ------------------------------------------------------------------ serialization
+    def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **hub_kwargs) -> None:
+        from safetensors.torch import save_file
+
+        self.validate()
+        path = Path(save_directory)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors, layer_meta = {}, {}
+        for i, lr in sorted(self.layers.items()):
+            tensors[f"layers.{i}.r_k"] = lr.r_k.detach().cpu().contiguous()
+            tensors[f"layers.{i}.r_v"] = lr.r_v.detach().cpu().contiguous()
+            if lr.mu_k is not None:
+                tensors[f"layers.{i}.mu_k"] = lr.mu_k.detach().cpu().contiguous()
+            if lr.mu_v is not None:
+                tensors[f"layers.{i}.mu_v"] = lr.mu_v.detach().cpu().contiguous()
+            layer_meta[str(i)] = {"clip_k": lr.clip_k, "clip_v": lr.clip_v}
+        save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "oscar_hf", "version": str(FORMAT_VERSION)})
+        doc = {
+            "format_version": FORMAT_VERSION,
+            "method": self.method,
+            "fingerprint": self.fingerprint.to_dict(),
+            "layers": layer_meta,
+            "metadata": self.metadata,
+        }
+        (path / CONFIG_NAME).write_text(json.dumps(doc, indent=2, sort_keys=True))
+        if push_to_hub:
+            self.push_to_hub(save_directory=path, **hub_kwargs)
+
+    def push_to_hub(self, repo_id: str | None = None, save_directory=None, token=None, private=None, **kw) -> str:
+        from huggingface_hub import HfApi
+
+        if repo_id is None:
+            raise ValueError("push_to_hub needs repo_id='user/name'")
+        api = HfApi(token=token)
+        api.create_repo(repo_id, exist_ok=True, private=private)
+        if save_directory is None:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                self.save_pretrained(tmp)
+                return api.upload_folder(repo_id=repo_id, folder_path=tmp, **kw)
+        return api.upload_folder(repo_id=repo_id, folder_path=str(save_directory), **kw)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike,
+        revision: str | None = None,
+        cache_dir: str | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+    ) -> "OscarRotations":
+        """Load from a local directory or a Hub repo id (``HF_HUB_OFFLINE`` respected)."""
+        path = Path(name_or_path)
+        if path.is_dir():
+            cfg_file, w_file = path / CONFIG_NAME, path / WEIGHTS_NAME
+            for f in (cfg_file, w_file):
+                if not f.is_file():
+                    raise OSError(f"{path} is not an OSCAR rotation artifact: missing {f.name}")
+        elif path.exists():
+            raise OSError(f"{path} is a file; OSCAR rotations are a directory with {CONFIG_NAME} and {WEIGHTS_NAME}")
+        else:
+            name = str(name_or_path)
+            if name.count("/") != 1 or name.startswith((".", "/")):
+                raise OSError(f"OSCAR rotation artifact {name!r} not found (no such directory, and not a Hub repo id)")
+            from huggingface_hub import hf_hub_download
+
+            kw = dict(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
+            try:
+                cfg_file = Path(hf_hub_download(name, CONFIG_NAME, **kw))
+                w_file = Path(hf_hub_download(name, WEIGHTS_NAME, **kw))
+            except Exception as e:  # network, auth, offline mode: one clear OSError
+                raise OSError(f"could not fetch OSCAR rotations {name!r} from the Hub: {e}") from e
+        return cls._load_files(cfg_file, w_file)
+
+    @classmethod
+    def _load_files(cls, cfg_file: Path, w_file: Path) -> "OscarRotations":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            doc = json.loads(cfg_file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{cfg_file}: corrupted OSCAR config JSON ({e})") from None
+        if not isinstance(doc, dict) or "fingerprint" not in doc or "layers" not in doc:
+            raise ValueError(f"{cfg_file}: not an OSCAR config (missing 'fingerprint' / 'layers')")
+        if doc.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{cfg_file}: unsupported format_version {doc.get('format_version')!r}")
+        try:
+            tensors = load_file(str(w_file))
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{w_file}: corrupted or truncated safetensors file ({e})") from None
+        fp = ModelFingerprint.from_dict(doc["fingerprint"])
+        layers: dict[int, LayerRotation] = {}
+        if not isinstance(doc["layers"], dict):
+            raise ValueError(f"{cfg_file}: 'layers' must be an object")
+        for key, meta in doc["layers"].items():
+            try:
+                i = int(key)
+                clip_k, clip_v = float(meta["clip_k"]), float(meta["clip_v"])
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(f"{cfg_file}: bad layer entry {key!r}: {meta!r} ({e})") from None
+            try:
+                r_k, r_v = tensors.pop(f"layers.{i}.r_k"), tensors.pop(f"layers.{i}.r_v")
+            except KeyError as e:
+                raise ValueError(f"{w_file}: missing tensor {e.args[0]} for layer {i}") from None
+            layers[i] = LayerRotation(
+                r_k, r_v, clip_k, clip_v, tensors.pop(f"layers.{i}.mu_k", None), tensors.pop(f"layers.{i}.mu_v", None)
+            )
+        if tensors:
+            raise ValueError(f"{w_file}: unexpected tensors {sorted(tensors)[:5]} (no matching layer in {cfg_file.name})")
+        rot = cls(fp, str(doc.get("method", "unknown")), layers, dict(doc.get("metadata") or {}))
+        rot.validate()
+        return rot
+
+    # ------------------------------------------------------------------ misc
+    @property
+    def has_offsets(self) -> bool:
+        return any(lr.mu_k is not None or lr.mu_v is not None for lr in self.layers.values())
+
+    def clips(self) -> dict[int, tuple[float, float]]:
+        return {i: (lr.clip_k, lr.clip_v) for i, lr in sorted(self.layers.items())}
+
+    def __repr__(self) -> str:
+        return (
+            f"OscarRotations(method={self.method!r}, model={self.fingerprint.name_or_path or self.fingerprint.architecture!r}, "
+            f"layers={len(self.layers)}, kv_heads={self.fingerprint.num_key_value_heads}, head_dim={self.fingerprint.head_dim}, "
+            f"offsets={self.has_offsets})"
+        )
