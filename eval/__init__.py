@@ -1,0 +1,1 @@
+"""Quality evaluation (installed as ``oscar_hf.eval``): perplexity, needle-in-a-haystack, attention KL, method comparison, lm-eval adapter."""

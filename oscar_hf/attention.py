@@ -1,0 +1,167 @@
+"""Read path: the attention function that consumes an :class:`~oscar_hf.cache.OscarKV` handle.
+
+Registered as ``oscar_<base>`` for every base implementation (``oscar_sdpa``, ``oscar_eager``, ...,
+see :mod:`oscar_hf.patching`); any call whose ``key`` is a plain tensor (other caches, sliding or
+skipped layers) goes to the user's own implementation untouched.
+
+For one layer and a forward of ``L`` new tokens at slots ``[T, T + L)``:
+
+* nothing quantized yet (``tail_start == 0``): the tail holds every slot in order, so the base
+  implementation runs on ``cat(tail, new)`` with the model's own mask: bit-identical to a
+  ``DynamicCache`` (prompts shorter than ``sink + recent``);
+* otherwise three online-softmax partials, merged by log-sum-exp:
+  1. full precision: sink (row ``b``'s slots ``pad[b] + j``), recent tail ``[tail_start, T)``
+     and the new rows (causal among themselves);
+  2. INT2 history ``[S0 + pad[b], tail_start)``: ``q`` is rotated once by ``R_K``
+     (``q·k = (q R_K)·(k R_K)``), logits get ``+ q·mu_K``; the values are accumulated in the
+     rotated space, rotated back once by ``R_Vᵀ`` and get ``+ (Σ_history p)·mu_V``. The history
+     is read in bounded blocks (torch reference) or by the split-K Triton kernel (CUDA): no
+     full-precision copy of it is ever built;
+* then :meth:`OscarLayer.commit` demotes/appends.
+
+The attention mask (left padding, holes, custom 4D masks) is honoured in all three parts by
+indexing it at each part's absolute slots.
+"""
+from __future__ import annotations
+
+import torch
+
+from oscar_hf.kernels.int2_attention import NEG_INF, history_partial, merge_partials, partial_from_logits
+
+from .cache import OscarKV
+from .patching import base_attention_function, patch_model, register_handler, unpatch_model
+
+PREFIX = "oscar_"
+
+
+def _allowed(mask: torch.Tensor | None, b: int, l: int, kv: int, t_old: int) -> torch.Tensor | None:
+    """Normalize any Transformers mask to bool ``[B, L, kv]`` (True = may attend) or None (all, causal)."""
+    if mask is None:
+        return None
+    if mask.dim() == 2:  # flash-style padding mask [B, kv]: add causality for the new rows
+        pos = torch.arange(kv, device=mask.device)
+        causal = pos[None, :] <= (t_old + torch.arange(l, device=mask.device))[:, None]
+        return mask.bool()[:, None, :kv] & causal[None]
+    if mask.dim() != 4:
+        raise ValueError(f"unsupported attention mask shape {tuple(mask.shape)}")
+    m = mask[:, 0, -l:, :kv]
+    if m.dtype != torch.bool:  # additive float mask (eager): 0 = attend, large negative = masked
+        m = m > torch.finfo(m.dtype).min / 2
+    return m.expand(b, l, kv)
+
+
+def _first_real_slot(allowed: torch.Tensor | None, b: int, device) -> torch.Tensor:
+    """Row ``b``'s first attended slot, read from the last query row (left padding)."""
+    if allowed is None:
+        return torch.zeros(b, dtype=torch.long, device=device)
+    last = allowed[:, -1, :]
+    first = last.to(torch.int8).argmax(-1)
+    return torch.where(last.any(-1), first, torch.full_like(first, last.shape[-1]))
+
+
+def _group(x: torch.Tensor, hk: int) -> torch.Tensor:
+    """``[B, Hq, L, D]`` -> ``[B, Hk, g*L, D]`` (query heads of one KV head, query-head-major)."""
+    b, hq, l, d = x.shape
+    return x.reshape(b, hk, (hq // hk) * l, d)
+
+
+def _mask_rows(m: torch.Tensor, g: int) -> torch.Tensor:
+    """``[B, L, N]`` -> ``[B, 1, g*L, N]`` matching :func:`_group`'s row order."""
+    b, l, n = m.shape
+    return m[:, None, None].expand(b, 1, g, l, n).reshape(b, 1, g * l, n)
+
+
+def oscar_decode_attention(layer, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs):
+    """Attention for one forward through an OSCAR layer; commits the new rows. Returns ``[B, L, Hq, D]``."""
+    new_k, new_v = handle.key_states, handle.value_states
+    b, hq, l, d = query.shape
+    hk = new_k.shape[1]
+    g = hq // hk
+    t_old = layer.seq_len
+    kv = t_old + l
+    allowed = _allowed(attention_mask, b, l, kv, t_old)
+    pad = _first_real_slot(allowed, b, query.device) if layer.pad is None else None
+
+    if layer.tail_start == 0:
+        # Nothing quantized yet: exactly what DynamicCache + the user's attention would compute.
+        tk, tv = layer.tail_view()
+        keys = torch.cat([tk, new_k], 2) if tk.shape[2] else new_k
+        values = torch.cat([tv, new_v], 2) if tv.shape[2] else new_v
+        out, _ = base_attention_function(module, base)(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
+        layer.commit(new_k, new_v, pad)
+        return out
+
+    qf = _group(query.float(), hk)  # [B, Hk, M, D], M = g*L
+    slots = torch.arange(kv, device=query.device)
+    # 1. full precision: sink + recent tail + new rows
+    s0 = layer.config.sink
+    sink_slot = layer.pad[:, None] + torch.arange(s0, device=query.device)[None, :]  # [B, S0]
+    sink_ok = torch.arange(s0, device=query.device)[None, :] < layer.sink_count()[:, None]  # [B, S0]
+    sink_ok = sink_ok[:, None, :].expand(b, l, s0)
+    if allowed is not None:
+        sink_ok = sink_ok & allowed.gather(2, sink_slot.clamp(max=kv - 1)[:, None, :].expand(b, l, s0))
+    tk, tv = layer.tail_view()
+    fk = torch.cat([layer.sink_k, tk, new_k], 2).float()  # [B, Hk, S0 + W + L, D]: bounded, independent of T
+    fv = torch.cat([layer.sink_v, tv, new_v], 2).float()
+    if allowed is not None:
+        tail_ok = allowed[:, :, layer.tail_start :]
+    else:  # causal among the new rows
+        tail_ok = slots[None, layer.tail_start :] <= (t_old + torch.arange(l, device=query.device))[:, None]
+        tail_ok = tail_ok[None].expand(b, l, -1)
+    ok = torch.cat([sink_ok, tail_ok], -1)  # [B, L, S0 + (kv - tail_start)]
+    logits = torch.matmul(qf, fk.transpose(-1, -2)) * scaling
+    logits = logits.masked_fill(~_mask_rows(ok, g), NEG_INF)
+    full = partial_from_logits(logits, fv)
+
+    # 2. INT2 history, in the rotated space
+    rot = layer.rot
+    hist_k, hist_v = layer.hist_view()
+    n = hist_k.codes.shape[2]
+    q_rot = torch.matmul(qf, rot.r_k.unsqueeze(0))  # rotate the query once
+    qk_off = torch.matmul(qf, rot.mu_k[None, :, :, None]).squeeze(-1) if (layer.use_offsets and rot.mu_k is not None) else None
+    key_mask = _mask_rows(allowed[:, :, s0 : s0 + n], g) if allowed is not None else None
+    hm, hl, hacc = history_partial(
+        q_rot, hist_k, hist_v, layer.pad, key_mask, qk_off, scaling, layer.config.group_size,
+        block_n=layer.config.block_size, use_kernels=layer.config.use_kernels,
+    )
+    hacc = torch.matmul(hacc, rot.r_v.transpose(-1, -2).unsqueeze(0))  # back from the rotated value space
+    if layer.use_offsets and rot.mu_v is not None:
+        hacc = hacc + hl.unsqueeze(-1) * rot.mu_v[None, :, None, :]
+
+    m, lse, acc = merge_partials([full, (hm, hl, hacc)])
+    out = acc / lse.clamp_min(1e-30).unsqueeze(-1)  # a fully-masked row gives 0, not NaN
+    out = out.reshape(b, hq, l, d).transpose(1, 2).to(query.dtype).contiguous()
+    layer.commit(new_k, new_v, pad)
+    return out
+
+
+def _handler(module, query, key, value, attention_mask, *args, base: str, dropout: float = 0.0, scaling=None,
+             sliding_window=None, softcap=None, **kwargs):
+    if not isinstance(key, OscarKV):
+        return NotImplemented
+    if softcap is not None:
+        raise NotImplementedError("OSCAR attention does not implement logit soft-capping")
+    if kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
+        raise NotImplementedError("OSCAR attention does not implement attention sinks (s_aux) / position_bias")
+    if dropout and module.training:
+        raise NotImplementedError("OSCAR attention is for inference; attention dropout in training mode is not supported")
+    if args:
+        raise TypeError(f"unexpected positional arguments to the attention function: {len(args)}")
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+    kwargs.pop("is_causal", None)
+    out = oscar_decode_attention(key.layer, key, query, attention_mask, scaling, module, base, dropout=dropout, **kwargs)
+    return out, None
+
+
+register_handler(PREFIX, _handler)
+
+
+def enable_oscar(model) -> str:
+    """Route ``model``'s attention through OSCAR (keeps the user's implementation for other caches)."""
+    return patch_model(model, PREFIX)
+
+
+def disable_oscar(model) -> str:
+    """Restore the user's attention implementation."""
+    return unpatch_model(model)

@@ -1,0 +1,466 @@
+"""`OscarCache`: a `transformers.Cache` of BF16 sink + BF16 recent window + packed INT2 rotated history.
+
+Storage of one quantized layer (``OscarLayer``), for a batch of ``B`` rows, ``Hk`` KV heads:
+
+* slots are absolute positions in the (left-padded) batch, ``0 <= s < T``; row ``b``'s first real
+  token is at slot ``pad[b]`` (read from the attention mask at the first forward);
+* **tail** (``tail_k/v [B, Hk, cap, D]``, model dtype): slots ``[tail_start, T)``: the last
+  ``recent`` tokens (and, while nothing is quantized yet, everything). Slot ``s`` lives at
+  physical index ``s - buf_slot0``; slots ``[buf_slot0, tail_start)`` were already demoted but are
+  kept as a small rollback reserve so that ``crop`` (assisted decoding) is exact;
+* **sink** (``sink_k/v [B, Hk, S0, D]``): row ``b``'s first ``S0`` real tokens, slots
+  ``pad[b] + j``, gathered per row when demoted (rows of different padding demote at their own pace);
+* **history** (``QuantizedRows`` of ``[B, Hk, cap_h, ...]``): slot ``S0 + j`` at index ``j`` for
+  every row, rotated/centered/clipped INT2; row ``b`` reads ``pad[b] <= j < tail_start - S0``
+  (indices below ``pad[b]`` hold that row's padding or sink tokens and are never read).
+
+So every slot of row ``b`` is in exactly one part: pad ``[0, pad_b)``, sink ``[pad_b, min(tail_start,
+pad_b + S0))``, history ``[pad_b + S0, tail_start)``, recent ``[tail_start, T)``; per-row counts are
+derived from ``tail_start`` and ``pad`` (no per-row counters to keep in sync).
+
+Life of a forward: ``update(k, v)`` only parks the new rows and returns an :class:`OscarKV`
+handle; the registered attention function (``oscar_hf.attention``) reads the cache as it was
+*before* this forward plus the new rows in full precision (prefill is exact), then calls
+:meth:`OscarLayer.commit`, which demotes everything older than the last ``recent`` slots (bulk,
+in ``prefill_chunk`` pieces, at prefill; one row per step while decoding) and appends the
+remaining new rows to the tail. A long prompt therefore never has its history held in full
+precision inside the cache.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+
+from .config import FULL_LAYER_TYPES, SLIDING_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
+from .quant import QuantizedRows, bits_per_element
+from .rotations import LayerRotation, OscarRotations
+from oscar_hf.kernels.write_path import rotate_quantize
+
+logger = logging.getLogger("oscar_hf")
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CROP_RESERVE = 64  # demoted slots kept in full precision so that crop(-n) can undo a demotion exactly
+TAIL_SLACK = 64  # extra tail capacity so that compaction happens once every TAIL_SLACK appends
+
+
+class OscarKV:
+    """What ``update`` returns to the attention function: the layer and the new rows."""
+
+    __slots__ = ("layer", "key_states", "value_states")
+
+    def __init__(self, layer: "OscarLayer", key_states: torch.Tensor, value_states: torch.Tensor):
+        self.layer, self.key_states, self.value_states = layer, key_states, value_states
+
+    @property
+    def shape(self):  # what a DynamicCache would have returned: [B, Hk, T + L, D]
+        b, h, l, d = self.key_states.shape
+        return torch.Size((b, h, self.layer.seq_len + l, d))
+
+    @property
+    def dtype(self):
+        return self.key_states.dtype
+
+    @property
+    def device(self):
+        return self.key_states.device
+
+
+class OscarLayer(CacheLayerMixin):
+    """One quantized decoder layer's cache (see the module docstring for the layout)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self._rotation_cpu = rotation
+        self.clip_k = config.clip_for("k", layer_idx, rotation.clip_k)
+        self.clip_v = config.clip_for("v", layer_idx, rotation.clip_v)
+        self.use_offsets = config.center and (rotation.mu_k is not None or rotation.mu_v is not None)
+        self._clear()
+
+    # ------------------------------------------------------------------ state
+    def _clear(self):
+        self.is_initialized = False
+        self.keys = self.values = None  # CacheLayerMixin attributes; unused (no full-precision copy)
+        self.rot: LayerRotation | None = None
+        self.pad: torch.Tensor | None = None  # [B] first real slot per row
+        self.pad_max = 0
+        self.seq_len = 0  # T: committed slots
+        self.tail_start = 0
+        self.buf_slot0 = 0
+        self.tail_k = self.tail_v = None
+        self.sink_k = self.sink_v = None
+        self.hist_k: QuantizedRows | None = None
+        self.hist_v: QuantizedRows | None = None
+        self.pending: OscarKV | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"OscarCache supports model dtypes {SUPPORTED_DTYPES}, got {key_states.dtype}")
+        b, hk, _, d = key_states.shape
+        r = self._rotation_cpu
+        if r.r_k.shape[0] != hk or r.r_k.shape[-1] != d:
+            raise ValueError(
+                f"layer {self.layer_idx}: rotations are for kv_heads={r.r_k.shape[0]}, head_dim={r.r_k.shape[-1]} "
+                f"but the model produced keys with kv_heads={hk}, head_dim={d}"
+            )
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_kv_heads, self.head_dim = b, hk, d
+        self.rot = r.to(self.device)
+        s0, g, meta = self.config.sink, self.config.group_size, self.config.torch_meta_dtype
+        kw = dict(dtype=self.dtype, device=self.device)
+        cap = self.config.recent + CROP_RESERVE + TAIL_SLACK
+        self.tail_k = torch.zeros(b, hk, cap, d, **kw)
+        self.tail_v = torch.zeros(b, hk, cap, d, **kw)
+        self.sink_k = torch.zeros(b, hk, s0, d, **kw)
+        self.sink_v = torch.zeros(b, hk, s0, d, **kw)
+        self.hist_k = self._alloc_hist(0, b, hk, d, g, meta)
+        self.hist_v = self._alloc_hist(0, b, hk, d, g, meta)
+        self.is_initialized = True
+
+    def _alloc_hist(self, cap, b, hk, d, g, meta):
+        return QuantizedRows(
+            torch.zeros(b, hk, cap, d // 4, dtype=torch.uint8, device=self.device),
+            torch.zeros(b, hk, cap, d // g, dtype=meta, device=self.device),
+            torch.zeros(b, hk, cap, d // g, dtype=meta, device=self.device),
+        )
+
+    # ------------------------------------------------------------------ Cache layer API
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.pending is not None:
+            raise RuntimeError(
+                f"OscarCache layer {self.layer_idx}: update() was called again before the previous rows were consumed "
+                "by the 'oscar_*' attention function. The model's attention does not go through OSCAR: build the "
+                "cache with OscarCache(model, ...) / OscarCache.from_pretrained(path, model), or call "
+                "oscar_hf.patch_model(model)."
+            )
+        if key_states.shape[0] != self.batch_size:
+            raise ValueError(
+                f"OscarCache layer {self.layer_idx} holds batch size {self.batch_size}, got {key_states.shape[0]} rows "
+                "(use batch_repeat_interleave / batch_select_indices, or a fresh cache)"
+            )
+        if key_states.dtype != self.dtype or key_states.device != self.device:
+            raise ValueError(
+                f"OscarCache layer {self.layer_idx}: got {key_states.dtype} on {key_states.device}, "
+                f"cache holds {self.dtype} on {self.device}"
+            )
+        self.pending = OscarKV(self, key_states, value_states)
+        return self.pending, self.pending
+
+    def get_seq_length(self) -> int:
+        return self.seq_len + (self.pending.key_states.shape[-2] if self.pending is not None else 0)
+
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        return self.seq_len + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # transformers < 5.2x name
+        return -1
+
+    def reset(self) -> None:
+        self._clear()
+
+    # ------------------------------------------------------------------ derived per-row views
+    @property
+    def n_hist(self) -> int:
+        """History entries stored (shared index space); row b reads [pad[b], n_hist)."""
+        return max(0, self.tail_start - self.config.sink)
+
+    def sink_count(self) -> torch.Tensor:
+        """``[B]`` valid sink entries per row."""
+        return (self.tail_start - self.pad).clamp(0, self.config.sink)
+
+    def tail_view(self):
+        """Full-precision slots ``[tail_start, T)``: ``(k, v)`` views ``[B, Hk, T - tail_start, D]``."""
+        a, b = self.tail_start - self.buf_slot0, self.seq_len - self.buf_slot0
+        return self.tail_k[:, :, a:b], self.tail_v[:, :, a:b]
+
+    def hist_view(self):
+        n = self.n_hist
+        cut = lambda q: QuantizedRows(*(t[:, :, :n] for t in q))  # noqa: E731
+        return cut(self.hist_k), cut(self.hist_v)
+
+    # ------------------------------------------------------------------ write path
+    def commit(self, new_k: torch.Tensor, new_v: torch.Tensor, pad: torch.Tensor | None = None) -> None:
+        """Append ``new_k/v [B, Hk, L, D]`` (slots ``[T, T + L)``) and demote what left the recent window."""
+        if not self.is_initialized:
+            self.lazy_initialization(new_k, new_v)
+        self.pending = None
+        if self.pad is None:
+            self.pad = (pad if pad is not None else torch.zeros(self.batch_size, dtype=torch.long)).to(self.device)
+            self.pad_max = int(self.pad.max()) if self.pad.numel() else 0
+        t_old, n_new = self.seq_len, new_k.shape[-2]
+        t_new = t_old + n_new
+        s0, w = self.config.sink, self.config.recent
+        # Nothing is quantized until some row has a history token: while T - W <= S0 the tail holds all.
+        target = t_new - w if t_new - w > s0 else self.tail_start
+        target = max(target, self.tail_start)
+        if target > self.tail_start:
+            self._demote(self.tail_start, target, t_old, new_k, new_v)
+        # Append the new rows that stay in full precision, plus the rollback reserve.
+        self._append(new_k, new_v, t_old, t_new, target)
+        self.tail_start = target
+        self.seq_len = t_new
+
+    def _source(self, a: int, b: int, t_old: int, new_k, new_v):
+        """Rows of slots ``[a, b)`` from the old tail and/or the new rows (views, no copy when possible)."""
+        parts_k, parts_v = [], []
+        if a < t_old:
+            pa, pb = a - self.buf_slot0, min(b, t_old) - self.buf_slot0
+            parts_k.append(self.tail_k[:, :, pa:pb])
+            parts_v.append(self.tail_v[:, :, pa:pb])
+        if b > t_old:
+            na, nb = max(a, t_old) - t_old, b - t_old
+            parts_k.append(new_k[:, :, na:nb])
+            parts_v.append(new_v[:, :, na:nb])
+        if len(parts_k) == 1:
+            return parts_k[0], parts_v[0]
+        return torch.cat(parts_k, 2), torch.cat(parts_v, 2)
+
+    def _demote(self, a: int, b: int, t_old: int, new_k, new_v) -> None:
+        s0 = self.config.sink
+        # Sink: rows whose first S0 real slots intersect [a, b) copy them in (per-row gather).
+        if a < self.pad_max + s0:
+            j = torch.arange(s0, device=self.device)
+            slot = self.pad[:, None] + j[None, :]  # [B, S0]
+            sel = (slot >= a) & (slot < b)
+            lo, hi = a, min(b, self.pad_max + s0)
+            src_k, src_v = self._source(lo, hi, t_old, new_k, new_v)
+            idx = (slot - lo).clamp(0, hi - lo - 1)[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
+            m = sel[:, None, :, None]
+            self.sink_k = torch.where(m, src_k.gather(2, idx), self.sink_k)
+            self.sink_v = torch.where(m, src_v.gather(2, idx), self.sink_v)
+        # History: slots [max(a, S0), b) -> indices [.. - S0], every row (masked per row on read).
+        ha = max(a, s0)
+        if b <= ha:
+            return
+        self._reserve_hist(b - s0)
+        step = self.config.prefill_chunk
+        r, g, meta = self.rot, self.config.group_size, self.config.torch_meta_dtype
+        mu_k = r.mu_k if self.use_offsets else None
+        mu_v = r.mu_v if self.use_offsets else None
+        for c0 in range(ha, b, step):
+            c1 = min(b, c0 + step)
+            xk, xv = self._source(c0, c1, t_old, new_k, new_v)
+            uk = self.config.use_kernels
+            rotate_quantize(xk, r.r_k, mu_k, self.clip_k, g, meta, out=self.hist_k, out_offset=c0 - s0, use_kernels=uk)
+            rotate_quantize(xv, r.r_v, mu_v, self.clip_v, g, meta, out=self.hist_v, out_offset=c0 - s0, use_kernels=uk)
+
+    def _reserve_hist(self, n: int) -> None:
+        cap = self.hist_k.codes.shape[2]
+        if n <= cap:
+            return
+        new_cap = max(n, int(cap * 1.5), 1024)  # amortized growth, never an O(n) copy per step
+
+        def grow(q: QuantizedRows) -> QuantizedRows:
+            out = []
+            for t in q:
+                z = t.new_zeros(*t.shape[:2], new_cap, t.shape[3])
+                z[:, :, :cap] = t
+                out.append(z)
+            return QuantizedRows(*out)
+
+        self.hist_k, self.hist_v = grow(self.hist_k), grow(self.hist_v)
+
+    def _append(self, new_k, new_v, t_old: int, t_new: int, target: int) -> None:
+        """Write new slots ``[first, t_new)`` into the tail buffer (``first`` includes up to
+        ``CROP_RESERVE`` already-demoted slots), compacting or growing the buffer when it is full.
+        Compaction copies at most ``recent + CROP_RESERVE`` rows once every ``TAIL_SLACK`` steps."""
+        first = max(t_old, target - CROP_RESERVE)
+        keep_from = max(self.buf_slot0, target - CROP_RESERVE)  # oldest slot worth keeping
+        cap = self.tail_k.shape[2]
+        if t_new - self.buf_slot0 > cap or keep_from > t_old:
+            need = t_new - keep_from + TAIL_SLACK
+            n_keep = max(0, t_old - keep_from)
+            a = keep_from - self.buf_slot0
+            old_k = self.tail_k[:, :, a : a + n_keep].clone()
+            old_v = self.tail_v[:, :, a : a + n_keep].clone()
+            if need > cap:
+                self.tail_k = self.tail_k.new_zeros(*self.tail_k.shape[:2], need, self.head_dim)
+                self.tail_v = self.tail_v.new_zeros(*self.tail_v.shape[:2], need, self.head_dim)
+            self.tail_k[:, :, :n_keep] = old_k
+            self.tail_v[:, :, :n_keep] = old_v
+            self.buf_slot0 = keep_from
+        p = first - self.buf_slot0
+        self.tail_k[:, :, p : p + t_new - first] = new_k[:, :, first - t_old :]
+        self.tail_v[:, :, p : p + t_new - first] = new_v[:, :, first - t_old :]
+
+    # ------------------------------------------------------------------ generate() contract
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens. Exact (as if they were never added) while the
+        demoted slots are still in the rollback reserve; beyond it the tail is refilled as far as possible."""
+        if tokens_to_remove > 0:
+            raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
+        if self.pending is not None:
+            raise RuntimeError("crop() during a forward pass")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        t_new = max(0, self.seq_len - n)
+        s0, w = self.config.sink, self.config.recent
+        want = t_new - w if t_new - w > s0 else 0  # where the tail would start had we decoded to t_new
+        # Undo demotions as far as the reserve allows (slots >= buf_slot0 are still in full precision).
+        self.tail_start = min(max(want, self.buf_slot0), self.tail_start, t_new)
+        if t_new < self.buf_slot0:
+            self.buf_slot0 = self.tail_start = t_new
+        self.seq_len = t_new
+        if self.tail_start > want:
+            logger.debug("layer %d: crop beyond the rollback reserve; recent window refills as decoding goes on", self.layer_idx)
+
+    def _batch_apply(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        self.tail_k, self.tail_v = fn(self.tail_k), fn(self.tail_v)
+        self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
+        self.hist_k = QuantizedRows(*(fn(t) for t in self.hist_k))
+        self.hist_v = QuantizedRows(*(fn(t) for t in self.hist_v))
+        if self.pad is not None:
+            self.pad = fn(self.pad)
+            self.pad_max = int(self.pad.max()) if self.pad.numel() else 0
+        self.batch_size = self.tail_k.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
+        self._batch_apply(lambda t: t.index_select(0, idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._batch_apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def offload(self):
+        raise NotImplementedError("OscarCache does not support offloading (its history is already ~7x smaller)")
+
+    def prefetch(self):
+        return None
+
+    # ------------------------------------------------------------------ accounting
+    def memory(self) -> dict[str, int]:
+        """Bytes actually used by the cached tokens (logical) and allocated by the buffers."""
+        if not self.is_initialized:
+            return dict(sink=0, recent=0, history_codes=0, history_meta=0, allocated=0, tokens=0)
+        b, hk, d = self.batch_size, self.num_kv_heads, self.head_dim
+        el = self.tail_k.element_size()
+        g = self.config.group_size
+        meta_el = self.hist_k.scale.element_size()
+        n_sink = int(self.sink_count().sum())
+        n_rec = (self.seq_len - self.tail_start) * b
+        n_hist = int((self.n_hist - self.pad.clamp(max=self.n_hist)).sum()) if self.pad is not None else 0
+        alloc = sum(t.numel() * t.element_size() for t in (self.tail_k, self.tail_v, self.sink_k, self.sink_v))
+        alloc += sum(t.numel() * t.element_size() for q in (self.hist_k, self.hist_v) for t in q)
+        return dict(
+            sink=2 * n_sink * hk * d * el,
+            recent=2 * n_rec * hk * d * el,
+            history_codes=2 * n_hist * hk * d // 4,
+            history_meta=2 * n_hist * hk * (d // g) * 2 * meta_el,
+            allocated=alloc,
+            tokens=n_sink + n_rec + n_hist,
+        )
+
+
+class OscarCache(Cache):
+    """Drop-in ``past_key_values`` for ``generate``: 2-bit OSCAR history, full-precision sink + recent.
+
+    ``OscarCache(model, rotations=None, config=None, **overrides)`` with ``rotations`` an
+    :class:`OscarRotations` (e.g. from ``scripts/calibrate.py``) or None for the artifact-free
+    ``method`` ("identity" / "hadamard"); overrides are :class:`OscarConfig` fields. Passing the
+    model (not only its config) routes its attention through OSCAR (``oscar_hf.patch_model``);
+    the user's attention implementation still serves every layer OSCAR does not quantize.
+    Layers: full attention -> :class:`OscarLayer`; sliding-window / chunked -> Transformers'
+    full-precision ``DynamicSlidingWindowLayer`` (bounded by its window already); ``skip_layers`` ->
+    ``DynamicLayer``.
+    """
+
+    def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, **overrides):
+        config = (config or OscarConfig()).replace(**overrides) if overrides else (config or OscarConfig())
+        is_model = isinstance(model_or_config, torch.nn.Module)
+        model_config = model_or_config.config if is_model else model_or_config
+        text_cfg = model_config.get_text_config(decoder=True)
+        if rotations is None:
+            rotations = OscarRotations.builtin(model_config, config.method)
+        else:
+            rotations.check_compatible(model_config)
+        fp = ModelFingerprint.from_config(model_config)
+        validate_head_dim(fp, config.group_size)
+        cal_g = rotations.metadata.get("group_size")
+        if cal_g is not None and int(cal_g) != config.group_size:
+            logger.warning("rotations were calibrated for group_size=%s, cache uses %s", cal_g, config.group_size)
+        for name in ("softcap", "attn_logit_softcapping"):
+            if getattr(text_cfg, name, None):
+                raise NotImplementedError(f"{fp.architecture}: attention logit soft-capping ({name}) is not supported by OSCAR")
+        skipped = config.skipped(fp.num_layers)
+        layers: list[Any] = []
+        for i, kind in enumerate(fp.layer_types):
+            if kind in SLIDING_LAYER_TYPES:
+                window = getattr(text_cfg, "sliding_window", None) if kind == "sliding_attention" else text_cfg.attention_chunk_size
+                layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+            elif kind in FULL_LAYER_TYPES:
+                if i in skipped or i not in rotations.layers:
+                    layers.append(DynamicLayer())
+                else:
+                    layers.append(OscarLayer(config, rotations.layers[i], i))
+            else:
+                raise NotImplementedError(f"{fp.architecture}: layer type {kind!r} (layer {i}) is not supported by OscarCache")
+        super().__init__(layers=layers)
+        self.oscar_config, self.rotations, self.fingerprint = config, rotations, fp
+        if is_model:
+            from .attention import enable_oscar
+
+            enable_oscar(model_or_config)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path, model, config: OscarConfig | None = None, *, revision=None, cache_dir=None,
+                        local_files_only=False, token=None, **overrides) -> "OscarCache":
+        """Load a rotation artifact (local dir or Hub repo id) and build a cache for ``model``."""
+        rot = OscarRotations.from_pretrained(
+            name_or_path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token
+        )
+        if config is None and "group_size" in rot.metadata and "group_size" not in overrides:
+            overrides["group_size"] = int(rot.metadata["group_size"])
+        return cls(model, rot, config, **overrides)
+
+    # ------------------------------------------------------------------ reporting
+    def memory_report(self) -> dict[str, float]:
+        """Bytes by part (summed over layers), bits per element, and the BF16 DynamicCache equivalent."""
+        tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, allocated=0, full_precision_layers=0)
+        elements = 0
+        for layer in self.layers:
+            if isinstance(layer, OscarLayer):
+                m = layer.memory()
+                for k in ("sink", "recent", "history_codes", "history_meta", "allocated"):
+                    tot[k] += m[k]
+                if layer.is_initialized:
+                    elements += 2 * m["tokens"] * layer.num_kv_heads * layer.head_dim
+            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
+                nb = layer.keys.numel() * layer.keys.element_size() * 2
+                tot["full_precision_layers"] += nb
+                tot["allocated"] += nb
+                elements += 2 * layer.keys.numel()
+        used = tot["sink"] + tot["recent"] + tot["history_codes"] + tot["history_meta"] + tot["full_precision_layers"]
+        tot["total"] = used
+        tot["bf16_equivalent"] = 2 * elements
+        tot["bits_per_element"] = 8 * used / elements if elements else float("nan")
+        tot["compression_vs_bf16"] = tot["bf16_equivalent"] / used if used else float("nan")
+        tot["history_bits_per_element"] = bits_per_element(
+            self.fingerprint.head_dim, self.oscar_config.group_size, self.oscar_config.torch_meta_dtype
+        )
+        return tot
+
+    def __repr__(self) -> str:
+        n_q = sum(isinstance(layer, OscarLayer) for layer in self.layers)
+        c = self.oscar_config
+        return (
+            f"OscarCache(method={self.rotations.method!r}, quantized_layers={n_q}/{len(self.layers)}, sink={c.sink}, "
+            f"recent={c.recent}, group_size={c.group_size}, seq_len={self.get_seq_length()})"
+        )

