@@ -349,7 +349,7 @@ class OscarLayer(CacheLayerMixin):
     def memory(self) -> dict[str, int]:
         """Bytes actually used by the cached tokens (logical) and allocated by the buffers."""
         if not self.is_initialized:
-            return dict(sink=0, recent=0, history_codes=0, history_meta=0, allocated=0, tokens=0)
+            return dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, allocated=0, tokens=0)
         b, hk, d = self.batch_size, self.num_kv_heads, self.head_dim
         el = self.tail_k.element_size()
         g = self.config.group_size
@@ -364,6 +364,7 @@ class OscarLayer(CacheLayerMixin):
             recent=2 * n_rec * hk * d * el,
             history_codes=2 * n_hist * hk * d // 4,
             history_meta=2 * n_hist * hk * (d // g) * 2 * meta_el,
+            history_elements=2 * n_hist * hk * d,
             allocated=alloc,
             tokens=n_sink + n_rec + n_hist,
         )
@@ -433,12 +434,12 @@ class OscarCache(Cache):
     # ------------------------------------------------------------------ reporting
     def memory_report(self) -> dict[str, float]:
         """Bytes by part (summed over layers), bits per element, and the BF16 DynamicCache equivalent."""
-        tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, allocated=0, full_precision_layers=0)
+        tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, allocated=0, full_precision_layers=0)
         elements = 0
         for layer in self.layers:
             if isinstance(layer, OscarLayer):
                 m = layer.memory()
-                for k in ("sink", "recent", "history_codes", "history_meta", "allocated"):
+                for k in ("sink", "recent", "history_codes", "history_meta", "history_elements", "allocated"):
                     tot[k] += m[k]
                 if layer.is_initialized:
                     elements += 2 * m["tokens"] * layer.num_kv_heads * layer.head_dim

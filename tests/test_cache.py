@@ -1,0 +1,194 @@
+"""OscarLayer / OscarCache bookkeeping against a brute-force model, and the Cache contract."""
+import inspect
+
+import pytest
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+
+from oscar_hf import OscarCache, OscarConfig
+from oscar_hf.cache import OscarLayer
+from oscar_hf.models import tiny_config
+from oscar_hf.quant import dequantize_rows
+from oscar_hf.rotations import LayerRotation
+
+D, HK = 32, 2
+
+
+def identity_layer(sink, recent, g=32):
+    eye = torch.eye(D).expand(HK, D, D).contiguous()
+    cfg = OscarConfig(sink=sink, recent=recent, group_size=g, meta_dtype="float32", prefill_chunk=4)
+    return OscarLayer(cfg, LayerRotation(eye, eye), 0)
+
+
+def parts_of(layer, b):
+    """Which part each slot of row b is in, read off the layer's own state."""
+    p = int(layer.pad[b])
+    out = {}
+    for s in range(layer.seq_len):
+        if s < p:
+            out[s] = "pad"
+        elif s >= layer.tail_start:
+            out[s] = "recent"
+        elif s - p < layer.config.sink:
+            out[s] = "sink"
+        else:
+            out[s] = "history"
+    return out
+
+
+def brute_force(total, pad, sink, recent):
+    """The rule: nothing is quantized while T - recent <= sink; then recent = last `recent` slots."""
+    out = {}
+    start = total - recent if total - recent > sink else 0
+    for s in range(total):
+        if s < pad:
+            out[s] = "pad"
+        elif s >= start:
+            out[s] = "recent"
+        elif s - pad < sink:
+            out[s] = "sink"
+        else:
+            out[s] = "history"
+    return out
+
+
+@pytest.mark.parametrize("sink,recent", [(4, 8), (0, 1), (3, 16), (64, 256)])
+def test_every_slot_in_exactly_one_part_and_data_where_it_belongs(sink, recent):
+    torch.manual_seed(0)
+    pads = torch.tensor([0, 3, 11])
+    total = 350 if recent == 256 else 90
+    K = torch.arange(total, dtype=torch.float32)[None, None, :, None].expand(3, HK, total, D).contiguous()
+    K = K + torch.linspace(0, 0.5, D)  # distinct, exactly representable rows
+    layer = identity_layer(sink, recent)
+    layer.lazy_initialization(K[:, :, :1], K[:, :, :1])
+    t = 0
+    for l in [7, 1, 1, 5] + [1] * (total - 14):
+        layer.commit(K[:, :, t : t + l], K[:, :, t : t + l], pads)
+        t += l
+        for b in range(3):
+            assert parts_of(layer, b) == brute_force(t, int(pads[b]), sink, recent), f"t={t} row={b}"
+        # contents: sink holds row b's slots pad+j, tail holds [tail_start, T), history dequantizes close
+        tk, _ = layer.tail_view()
+        assert torch.equal(tk, K[:, :, layer.tail_start : t])
+        for b in range(3):
+            n_sink = int(layer.sink_count()[b])
+            p = int(pads[b])
+            assert torch.equal(layer.sink_k[b, :, :n_sink], K[b, :, p : p + n_sink])
+        hk, _ = layer.hist_view()
+        if layer.n_hist:
+            deq = dequantize_rows(hk, 32)
+            ref = K[:, :, sink : sink + layer.n_hist]
+            for b in range(3):
+                lo = int(pads[b])
+                if lo < layer.n_hist:
+                    assert (deq[b, :, lo:] - ref[b, :, lo:]).abs().max() < 0.5 / 3 + 1e-5
+    assert layer.get_seq_length() == total
+
+
+def test_crop_within_reserve_is_exact_rollback():
+    torch.manual_seed(0)
+    total = 60
+    K = torch.randn(2, HK, total, D)
+    pads = torch.tensor([0, 5])
+    a, b = identity_layer(4, 8), identity_layer(4, 8)
+    for layer, n in ((a, 50), (b, 60)):
+        layer.lazy_initialization(K[:, :, :1], K[:, :, :1])
+        layer.commit(K[:, :, :20], K[:, :, :20], pads)
+        for t in range(20, n):
+            layer.commit(K[:, :, t : t + 1], K[:, :, t : t + 1])
+    b.crop(-10)
+    assert b.get_seq_length() == a.get_seq_length() == 50
+    assert (a.tail_start, a.n_hist) == (b.tail_start, b.n_hist)
+    assert torch.equal(a.tail_view()[0], b.tail_view()[0])
+    assert torch.equal(a.sink_count(), b.sink_count())
+    n = a.n_hist
+    assert torch.equal(a.hist_k.codes[:, :, :n], b.hist_k.codes[:, :, :n])
+    # continue both: identical again
+    for layer in (a, b):
+        layer.commit(K[:, :, 50:51], K[:, :, 50:51])
+    assert torch.equal(a.tail_view()[0], b.tail_view()[0]) and a.tail_start == b.tail_start
+
+
+def test_crop_beyond_reserve_keeps_parts_consistent():
+    K = torch.randn(1, HK, 400, D)
+    layer = identity_layer(4, 8)
+    layer.lazy_initialization(K[:, :, :1], K[:, :, :1])
+    layer.commit(K, K)
+    layer.crop(-300)
+    assert layer.get_seq_length() == 100
+    assert layer.tail_start <= 100 and layer.n_hist == max(0, layer.tail_start - 4)
+    layer.commit(K[:, :, :1], K[:, :, :1])
+    assert layer.get_seq_length() == 101
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(5)
+
+
+def test_reorder_and_batch_ops_follow_rows():
+    torch.manual_seed(0)
+    K = torch.randn(3, HK, 40, D)
+    pads = torch.tensor([0, 2, 7])
+    layer = identity_layer(4, 8)
+    layer.lazy_initialization(K[:, :, :1], K[:, :, :1])
+    layer.commit(K, K, pads)
+    before = (layer.sink_k.clone(), layer.hist_k.codes.clone(), layer.tail_view()[0].clone(), layer.pad.clone())
+    idx = torch.tensor([2, 0, 0])
+    layer.reorder_cache(idx)
+    assert torch.equal(layer.sink_k, before[0][idx]) and torch.equal(layer.hist_k.codes, before[1][idx])
+    assert torch.equal(layer.tail_view()[0], before[2][idx]) and torch.equal(layer.pad, before[3][idx])
+    layer.batch_select_indices(torch.tensor([1]))
+    assert layer.batch_size == 1 and int(layer.pad[0]) == 0
+    layer.batch_repeat_interleave(4)
+    assert layer.batch_size == 4 and layer.sink_k.shape[0] == 4
+    layer.reset()
+    assert not layer.is_initialized and layer.get_seq_length() == 0
+
+
+def test_update_without_oscar_attention_is_a_clear_error():
+    layer = identity_layer(4, 8)
+    k = torch.randn(1, HK, 3, D)
+    layer.update(k, k)
+    with pytest.raises(RuntimeError, match="does not go through OSCAR"):
+        layer.update(k, k)
+
+
+def test_unsupported_dtype_and_head_count():
+    layer = identity_layer(4, 8)
+    with pytest.raises(ValueError, match="dtypes"):
+        layer.update(torch.randn(1, HK, 3, D, dtype=torch.float64), torch.randn(1, HK, 3, D, dtype=torch.float64))
+    layer = identity_layer(4, 8)
+    with pytest.raises(ValueError, match="kv_heads=2"):
+        layer.update(torch.randn(1, 3, 3, D), torch.randn(1, 3, 3, D))
+
+
+def test_cache_layers_per_type_and_skip_layers():
+    cfg = tiny_config("gemma3_text", num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
+    user_cfg = OscarConfig(group_size=32, skip_layers=(-1,))
+    cache = OscarCache(cfg, config=user_cfg)
+    kinds = [type(layer) for layer in cache.layers]
+    assert kinds == [DynamicSlidingWindowLayer, OscarLayer, DynamicSlidingWindowLayer, DynamicLayer]
+    assert user_cfg.skip_layers == (-1,)  # the user's config object is not mutated
+    assert cache.layers[0].sliding_window == 16
+
+
+def test_bad_config_values():
+    with pytest.raises(ValueError, match="does not divide head_dim=32"):
+        OscarCache(tiny_config("llama"), group_size=64)
+    with pytest.raises(NotImplementedError, match="bits=2"):
+        OscarConfig(bits=3)
+    with pytest.raises(ValueError, match="meta_dtype"):
+        OscarConfig(meta_dtype="int8")
+    with pytest.raises(ValueError, match="clip_k"):
+        OscarConfig(clip_k=1.5)
+    with pytest.raises(ValueError, match="out of range"):
+        OscarCache(tiny_config("llama"), group_size=32, skip_layers=(5,))
+
+
+def test_base_class_signatures_have_not_drifted():
+    """OscarCache relies on these Transformers 5.x signatures; fail loudly when they change."""
+    assert list(inspect.signature(CacheLayerMixin.lazy_initialization).parameters) == ["self", "key_states", "value_states"]
+    assert list(inspect.signature(CacheLayerMixin.get_mask_sizes).parameters)[:2] == ["self", "query_length"]
+    assert list(inspect.signature(DynamicLayer.crop).parameters) == ["self", "tokens_to_remove"]
+    assert "layers" in inspect.signature(Cache.__init__).parameters
+    for name in ("update", "get_seq_length", "get_mask_sizes", "reorder_cache", "crop", "reset",
+                 "batch_repeat_interleave", "batch_select_indices"):
+        assert callable(getattr(Cache, name)), name
