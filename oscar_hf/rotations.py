@@ -136,12 +136,12 @@ class OscarRotations:
         path.mkdir(parents=True, exist_ok=True)
         tensors, layer_meta = {}, {}
         for i, lr in sorted(self.layers.items()):
-            tensors[f"layers.{i}.r_k"] = lr.r_k.detach().cpu().contiguous()
-            tensors[f"layers.{i}.r_v"] = lr.r_v.detach().cpu().contiguous()
+            tensors[f"layers.{i}.r_k"] = lr.r_k.detach().cpu().clone()
+            tensors[f"layers.{i}.r_v"] = lr.r_v.detach().cpu().clone()
             if lr.mu_k is not None:
-                tensors[f"layers.{i}.mu_k"] = lr.mu_k.detach().cpu().contiguous()
+                tensors[f"layers.{i}.mu_k"] = lr.mu_k.detach().cpu().clone()
             if lr.mu_v is not None:
-                tensors[f"layers.{i}.mu_v"] = lr.mu_v.detach().cpu().contiguous()
+                tensors[f"layers.{i}.mu_v"] = lr.mu_v.detach().cpu().clone()
             layer_meta[str(i)] = {"clip_k": lr.clip_k, "clip_v": lr.clip_v}
         save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "oscar_hf", "version": str(FORMAT_VERSION)})
         doc = {
@@ -215,11 +215,13 @@ class OscarRotations:
             raise ValueError(f"{cfg_file}: not an OSCAR config (missing 'fingerprint' / 'layers')")
         if doc.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{cfg_file}: unsupported format_version {doc.get('format_version')!r}")
+        if not isinstance(doc["fingerprint"], dict):
+            raise ValueError(f"{cfg_file}: 'fingerprint' must be an object")
+        fp = ModelFingerprint.from_dict(doc["fingerprint"])
         try:
             tensors = load_file(str(w_file))
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ValueError(f"{w_file}: corrupted or truncated safetensors file ({e})") from None
-        fp = ModelFingerprint.from_dict(doc["fingerprint"])
         layers: dict[int, LayerRotation] = {}
         if not isinstance(doc["layers"], dict):
             raise ValueError(f"{cfg_file}: 'layers' must be an object")
