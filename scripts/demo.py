@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))  # `eval/` helpers when run from a checkout (insta
 from oscar_hf import OscarCache, OscarRotations  # noqa: E402
 from oscar_hf.eval.perplexity import cache_nll  # noqa: E402
 from oscar_hf.models import DEFAULT_MODEL, load_model, wikitext_path  # noqa: E402
+from oscar_hf.rotations import BUILTIN_METHODS  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -54,6 +55,8 @@ def parse_args(argv=None):
 def get_rotations(args, model, tok, calib_text: str) -> OscarRotations:
     if args.rotations:
         return OscarRotations.from_pretrained(args.rotations)
+    if args.method in BUILTIN_METHODS:  # artifact-free: identity (naive INT2) / hadamard (QuaRot-style)
+        return OscarRotations.builtin(model, args.method)
     name = Path(str(args.model).rstrip("/")).name.replace("/", "--")
     out = Path(args.artifacts) / f"{name}-{args.method}-g{args.group_size}"
     if (out / "oscar_config.json").is_file():

@@ -1,0 +1,180 @@
+#!/usr/bin/env python
+"""End-to-end decode speed and KV memory in `generate`: BF16 DynamicCache (SDPA), BF16 static cache
+(compiled), and OscarCache, on a random-initialised model of a real shape (default Qwen3-8B:
+36 layers, 32 query / 8 KV heads, head_dim 128). Every figure is a ratio against BF16
+DynamicCache measured in the same run.
+
+    python scripts/bench_generate.py --contexts 8192 32768 100000 --batches 1 8 --out benchmarks/results/generate.json
+
+Per (method, batch, context): prefill time, decode ms/token and tokens/s (timestamps taken by a
+logits processor at every generate step, after a CUDA sync), peak memory
+(``torch.cuda.max_memory_allocated`` minus the weights) and cache bytes. Then capacity: the largest
+batch at ``--capacity-context`` that fits ``--kv-budget-gib`` for BF16 and for OSCAR (from the
+measured bytes per token), and the aggregate decode throughput of each at that batch.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList
+
+ROOT = Path(__file__).resolve().parent.parent
+from oscar_hf import OscarCache  # noqa: E402
+
+SHAPES = {
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "tiny": dict(model_type="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000),
+}
+
+
+class StepClock(LogitsProcessor):
+    """Records a synchronized timestamp at every generation step (the first one ends the prefill)."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def build_model(shape: str, dtype, device, max_pos: int):
+    kw = dict(SHAPES[shape])
+    cfg = AutoConfig.for_model(kw.pop("model_type"), max_position_embeddings=max_pos, **kw)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def cache_bytes(cache) -> int:
+    if isinstance(cache, OscarCache):
+        return int(cache.memory_report()["total"])
+    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers
+               if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4)
+
+
+def run_one(model, method: str, batch: int, context: int, new_tokens: int, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ids = torch.randint(100, model.config.vocab_size - 100, (batch, context), generator=g).to(device)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if method == "bf16":
+        kwargs["past_key_values"] = DynamicCache(config=model.config)
+    elif method == "bf16-static":
+        kwargs["cache_implementation"] = "static"
+    elif method.startswith("oscar"):
+        kwargs["past_key_values"] = OscarCache(model, method="hadamard", group_size=64)
+    else:
+        raise ValueError(method)
+    clock = StepClock()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True, **kwargs)
+    st = clock.stamps
+    res = dict(method=method, batch=batch, context=context, new_tokens=new_tokens,
+               prefill_s=st[0] - t0, decode_ms_per_token=(st[-1] - st[0]) / (len(st) - 1) * 1000)
+    res["tokens_per_s"] = batch * 1000 / res["decode_ms_per_token"]
+    if device == "cuda":
+        res["peak_mem_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    cache = kwargs.get("past_key_values", getattr(out, "past_key_values", None))
+    res["cache_bytes"] = cache_bytes(cache) if cache is not None else None
+    res["first_tokens"] = out.sequences[0, context : context + 8].tolist()
+    if method.startswith("oscar"):
+        from oscar_hf import disable_oscar
+
+        disable_oscar(model)
+    del out, kwargs, cache
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 100000])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--methods", nargs="+", default=["bf16", "oscar"])
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--capacity-context", type=int, default=32768)
+    p.add_argument("--kv-budget-gib", type=float, default=48.0)
+    p.add_argument("--capacity-run", action="store_true", help="measure throughput at each method's largest batch")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    dtype = torch.bfloat16
+    model = build_model(args.shape, dtype, args.device, max(args.contexts) + args.new_tokens + 16)
+    results = []
+    free_gib = None
+    combos = [(b, t, m) for t in args.contexts for b in args.batches for m in args.methods]
+    for b, t, m in tqdm(combos, desc="bench"):
+        try:
+            r = run_one(model, m, b, t, args.new_tokens, args.device)
+        except torch.OutOfMemoryError:
+            r = dict(method=m, batch=b, context=t, error="out of memory")
+            gc.collect()
+            torch.cuda.empty_cache()
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    # ratios against BF16 DynamicCache, same (batch, context), same run
+    for r in results:
+        ref = next((x for x in results if x["method"] == "bf16" and x["batch"] == r["batch"]
+                    and x["context"] == r["context"] and "error" not in x), None)
+        if ref and "error" not in r:
+            r["speedup_vs_bf16"] = ref["decode_ms_per_token"] / r["decode_ms_per_token"]
+            if r.get("cache_bytes") and ref.get("cache_bytes"):
+                r["kv_bytes_ratio_vs_bf16"] = ref["cache_bytes"] / r["cache_bytes"]
+    capacity = {}
+    per_tok = {}
+    for m in ("bf16", "oscar"):
+        rs = [r for r in results if r["method"] == m and r.get("cache_bytes")]
+        if rs:
+            big = max(rs, key=lambda r: r["batch"] * r["context"])
+            per_tok[m] = big["cache_bytes"] / (big["batch"] * (big["context"] + big["new_tokens"] - 1))
+    budget = args.kv_budget_gib * 2**30
+    for m, bpt in per_tok.items():
+        capacity[m] = dict(bytes_per_token=bpt, max_tokens=int(budget / bpt),
+                           max_batch_at_context=int(budget / (bpt * (args.capacity_context + args.new_tokens))))
+    if args.capacity_run and capacity:
+        for m, c in capacity.items():
+            b = max(1, c["max_batch_at_context"])
+            try:
+                r = run_one(model, m, b, args.capacity_context, args.new_tokens, args.device)
+                c.update(batch=b, aggregate_tokens_per_s=r["tokens_per_s"], peak_mem_gib=r.get("peak_mem_gib"))
+            except torch.OutOfMemoryError:
+                c.update(batch=b, error="out of memory")
+                gc.collect()
+                torch.cuda.empty_cache()
+            print(json.dumps({m: c}), flush=True)
+    env = dict(python=platform.python_version(), torch=torch.__version__,
+               gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               command="python " + " ".join([sys.argv[0].split("/")[-1]] + (argv or sys.argv[1:])))
+    import transformers
+
+    env["transformers"] = transformers.__version__
+    doc = dict(env=env, shape=SHAPES[args.shape], results=results, capacity=capacity,
+               kv_budget_gib=args.kv_budget_gib, capacity_context=args.capacity_context)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
