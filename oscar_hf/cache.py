@@ -431,6 +431,20 @@ class OscarCache(Cache):
             overrides["group_size"] = int(rot.metadata["group_size"])
         return cls(model, rot, config, **overrides)
 
+    # ------------------------------------------------------------------ persistence
+    def save(self, directory) -> None:
+        """Write the live cache (INT2 history, windows, positions, rotations) to ``directory``."""
+        from .serialization import save_cache
+
+        save_cache(self, directory)
+
+    @classmethod
+    def load(cls, directory, model, device=None) -> "OscarCache":
+        """Load a cache written by :meth:`save` to continue generation exactly where it stopped."""
+        from .serialization import load_cache
+
+        return load_cache(cls, directory, model, device)
+
     # ------------------------------------------------------------------ reporting
     def memory_report(self) -> dict[str, float]:
         """Bytes by part (summed over layers), bits per element, and the BF16 DynamicCache equivalent."""

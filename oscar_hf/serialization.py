@@ -1,0 +1,167 @@
+"""Save a live :class:`~oscar_hf.OscarCache` to disk and load it back to continue generation exactly.
+
+A long document prefilled once can be reused across program runs at the cache's own size
+(INT2 history + full-precision windows), not BF16's. Layout of a saved cache directory:
+
+* ``cache_state.json``: format/version, the ``OscarConfig``, the model fingerprint, and per layer its
+  kind (``oscar`` / ``dynamic`` / ``sliding``) and scalar positions (``seq_len``, ``tail_start``,
+  ``buf_slot0``, ...);
+* ``cache_tensors.safetensors``: per layer only the *used* part of each buffer (pad offsets, sink,
+  the tail slots ``[buf_slot0, seq_len)``, history ``[:n_hist]``; full K/V for unquantized layers);
+* ``rotations/``: the rotation artifact the cache was built with.
+
+Loading validates every tensor's shape and dtype against the JSON before use; nothing is unpickled.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+from .config import ModelFingerprint, OscarConfig
+from .quant import QuantizedRows
+from .rotations import OscarRotations
+
+STATE_NAME = "cache_state.json"
+TENSORS_NAME = "cache_tensors.safetensors"
+FORMAT = "oscar_hf.cache"
+VERSION = 1
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def save_cache(cache, directory: str | os.PathLike) -> None:
+    from safetensors.torch import save_file
+
+    from .cache import OscarLayer
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors, layers = {}, []
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, OscarLayer):
+            if layer.pending is not None:
+                raise RuntimeError("cannot save an OscarCache in the middle of a forward pass")
+            if not layer.is_initialized or layer.pad is None:
+                layers.append(dict(kind="oscar", empty=True))
+                continue
+            # the rollback reserve [buf_slot0, tail_start) is not saved: a loaded cache starts without one
+            a, b = layer.tail_start - layer.buf_slot0, layer.seq_len - layer.buf_slot0
+            n = layer.n_hist
+            t = {
+                "pad": layer.pad,
+                "sink_k": layer.sink_k, "sink_v": layer.sink_v,
+                "tail_k": layer.tail_k[:, :, a:b], "tail_v": layer.tail_v[:, :, a:b],
+                "hist_k_codes": layer.hist_k.codes[:, :, :n], "hist_k_scale": layer.hist_k.scale[:, :, :n],
+                "hist_k_zero": layer.hist_k.zero[:, :, :n], "hist_v_codes": layer.hist_v.codes[:, :, :n],
+                "hist_v_scale": layer.hist_v.scale[:, :, :n], "hist_v_zero": layer.hist_v.zero[:, :, :n],
+            }
+            tensors.update({f"layers.{i}.{k}": v.detach().cpu().contiguous() for k, v in t.items()})
+            layers.append(dict(kind="oscar", empty=False, seq_len=layer.seq_len, tail_start=layer.tail_start,
+                               buf_slot0=layer.tail_start, dtype=str(layer.dtype).removeprefix("torch."),
+                               batch_size=layer.batch_size, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim))
+        elif isinstance(layer, DynamicLayer):
+            kind = "sliding" if isinstance(layer, DynamicSlidingWindowLayer) else "dynamic"
+            entry = dict(kind=kind, empty=not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0)
+            if kind == "sliding":
+                entry.update(sliding_window=layer.sliding_window, cumulative_length=layer.cumulative_length)
+            if not entry["empty"]:
+                tensors[f"layers.{i}.keys"] = layer.keys.detach().cpu().contiguous()
+                tensors[f"layers.{i}.values"] = layer.values.detach().cpu().contiguous()
+            layers.append(entry)
+        else:
+            raise NotImplementedError(f"cannot serialize cache layer {type(layer).__name__}")
+    save_file(tensors, str(path / TENSORS_NAME), metadata={"format": FORMAT})
+    cache.rotations.save_pretrained(path / "rotations")
+    doc = dict(format=FORMAT, version=VERSION, config=cache.oscar_config.to_dict(),
+               fingerprint=cache.fingerprint.to_dict(), layers=layers)
+    (path / STATE_NAME).write_text(json.dumps(doc, indent=2))
+
+
+def _expect(t: dict, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    if key not in t:
+        raise ValueError(f"saved cache is missing tensor {key}")
+    x = t.pop(key)
+    if tuple(x.shape) != tuple(shape) or x.dtype != dtype:
+        raise ValueError(f"saved cache tensor {key}: expected {dtype} {tuple(shape)}, got {x.dtype} {tuple(x.shape)}")
+    return x
+
+
+def load_cache(cls, directory: str | os.PathLike, model, device=None):
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from .cache import CROP_RESERVE, TAIL_SLACK, OscarLayer
+
+    path = Path(directory)
+    if not (path / STATE_NAME).is_file() or not (path / TENSORS_NAME).is_file():
+        raise OSError(f"{path} is not a saved OscarCache (needs {STATE_NAME} and {TENSORS_NAME})")
+    try:
+        doc = json.loads((path / STATE_NAME).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path / STATE_NAME}: corrupted JSON ({e})") from None
+    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        raise ValueError(f"{path}: not an oscar_hf cache of version {VERSION}")
+    try:
+        tensors = load_file(str(path / TENSORS_NAME))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path / TENSORS_NAME}: corrupted or truncated ({e})") from None
+    config = OscarConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc["config"].items()})
+    saved_fp = ModelFingerprint.from_dict(doc["fingerprint"])
+    problems = saved_fp.mismatches(ModelFingerprint.from_config(model.config))
+    if problems:
+        raise ValueError("saved cache was made for another model: " + "; ".join(problems))
+    rot = OscarRotations.from_pretrained(path / "rotations")
+    cache = cls(model, rot, config)
+    if device is None:
+        device = next(model.parameters()).device
+    if len(doc["layers"]) != len(cache.layers):
+        raise ValueError(f"saved cache has {len(doc['layers'])} layers, model has {len(cache.layers)}")
+    meta = config.torch_meta_dtype
+    for i, (entry, layer) in enumerate(zip(doc["layers"], cache.layers)):
+        if entry.get("empty"):
+            continue
+        if entry["kind"] == "oscar":
+            if not isinstance(layer, OscarLayer):
+                raise ValueError(f"layer {i}: saved as quantized, but this cache does not quantize it")
+            b, hk, d = entry["batch_size"], entry["num_kv_heads"], entry["head_dim"]
+            dtype = _DTYPES[entry["dtype"]]
+            s0, g = config.sink, config.group_size
+            seq, ts, bs0 = entry["seq_len"], entry["tail_start"], entry["buf_slot0"]
+            if not 0 <= bs0 <= ts <= seq:
+                raise ValueError(f"layer {i}: inconsistent positions {bs0=} {ts=} {seq=}")
+            n = max(0, ts - s0)
+            p = f"layers.{i}."
+            pad = _expect(tensors, p + "pad", (b,), torch.long)
+            sink = [_expect(tensors, p + k, (b, hk, s0, d), dtype) for k in ("sink_k", "sink_v")]
+            tail = [_expect(tensors, p + k, (b, hk, seq - bs0, d), dtype) for k in ("tail_k", "tail_v")]
+            hist = []
+            for kv in ("k", "v"):
+                hist.append(QuantizedRows(
+                    _expect(tensors, f"{p}hist_{kv}_codes", (b, hk, n, d // 4), torch.uint8),
+                    _expect(tensors, f"{p}hist_{kv}_scale", (b, hk, n, d // g), meta),
+                    _expect(tensors, f"{p}hist_{kv}_zero", (b, hk, n, d // g), meta),
+                ))
+            layer.lazy_initialization(tail[0][:, :, :0].to(device), tail[1][:, :, :0].to(device))
+            layer.pad = pad.to(device)
+            layer.pad_max = int(pad.max()) if pad.numel() else 0
+            layer.sink_k, layer.sink_v = (x.to(device) for x in sink)
+            cap = max(seq - bs0 + TAIL_SLACK, config.recent + CROP_RESERVE + TAIL_SLACK)
+            layer.tail_k = tail[0].new_zeros(b, hk, cap, d, device=device)
+            layer.tail_v = tail[1].new_zeros(b, hk, cap, d, device=device)
+            layer.tail_k[:, :, : seq - bs0] = tail[0].to(device)
+            layer.tail_v[:, :, : seq - bs0] = tail[1].to(device)
+            layer.hist_k, layer.hist_v = (QuantizedRows(*(x.to(device) for x in h)) for h in hist)
+            layer.seq_len, layer.tail_start, layer.buf_slot0 = seq, ts, bs0
+        else:
+            keys, values = tensors.pop(f"layers.{i}.keys", None), tensors.pop(f"layers.{i}.values", None)
+            if keys is None or values is None or keys.shape != values.shape or keys.dim() != 4:
+                raise ValueError(f"layer {i}: missing or malformed full-precision keys/values")
+            layer.update(keys.to(device), values.to(device))
+            if entry["kind"] == "sliding":
+                layer.cumulative_length = int(entry["cumulative_length"])
+    if tensors:
+        raise ValueError(f"saved cache has unexpected tensors {sorted(tensors)[:5]}")
+    return cache
