@@ -23,7 +23,7 @@ import dataclasses
 import torch
 
 from .patching import base_attention_function, patched, register_handler
-from .quant import dequantize_rows, quantize_rows
+from .quant import LEVELS
 
 PREFIX = "oscarcalib_"
 _ACTIVE: list = []
@@ -98,6 +98,17 @@ def _output_tensor(result, batch, q_len, hq, d) -> torch.Tensor:
             f"attention returned an output of shape {tuple(out.shape)}, expected [B, q, Hq, D] = {(batch, q_len, hq, d)}"
         )
     return out
+
+
+def _rows(x: torch.Tensor, hk: int, valid: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, L, D]`` -> ``[Hk, rows, D]``: the rows of the (H / Hk) heads sharing each KV head, real
+    tokens (``valid [B, L]``) only. Query head ``h`` belongs to KV head ``h // (H / Hk)`` (repeat_kv)."""
+    b, h, l, d = x.shape
+    x = x.reshape(b, hk, (h // hk) * l, d).transpose(0, 1)  # [Hk, B, g*L, D]
+    if bool(valid.all()):
+        return x.reshape(hk, -1, d)
+    m = valid[:, None, :].expand(b, h // hk, l).reshape(b, -1)  # [B, g*L]
+    return x[:, m]
 
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -205,21 +216,32 @@ class StatsRecorder:
         result = base_attention_function(module, base)(module, query, key, value, attention_mask, *args, **kwargs)
         b, hq, q_len, d = query.shape
         hk, kv_len = key.shape[1], key.shape[2]
-        g = hq // hk
         vq, vk = token_validity(attention_mask, b, q_len, kv_len, key.device)
-        mk = vk[:, None, :, None]
-        kd = torch.where(mk, key.double(), 0.0)
-        vd = torch.where(mk, value.double(), 0.0)
         if i not in self.stats:
             self.stats[i] = LayerStats.zeros(hk, d, key.device)
         s = self.stats[i]
         self.calls += 1
+        kd = _rows(key, hk, vk).double()  # [Hk, n, D] real tokens only
+        vd = _rows(value, hk, vk).double()
         if self.phase == "score_weighted":
-            w = torch.einsum("bhld,hde,bhle->bhl", kd, self._cq[i], kd)
-            s.sw_w += w.sum((0, 2))
-            s.sw_v += torch.einsum("bhl,bhld->hd", w, vd)
-            s.sw_vv += torch.einsum("bhld,bhle->hde", vd * w[..., None], vd)
+            w = ((kd @ self._cq[i]) * kd).sum(-1)  # [Hk, n]: w_t = k_t C_Q k_tᵀ
+            s.sw_w += w.sum(1)
+            s.sw_v += (w[..., None] * vd).sum(1)
+            s.sw_vv += (vd * w[..., None]).transpose(1, 2) @ vd
             return result
+        out = _output_tensor(result, b, q_len, hq, d).transpose(1, 2)  # [B, Hq, q, D]
+        qd = _rows(query, hk, vq).double()  # [Hk, n*g, D]
+        od = _rows(out, hk, vq).double()  # padded rows (possibly NaN) are dropped, not multiplied
+        s.qq += qd.transpose(1, 2) @ qd
+        s.k_sum += kd.sum(1)
+        s.kk += kd.transpose(1, 2) @ kd
+        s.v_sum += vd.sum(1)
+        s.vv += vd.transpose(1, 2) @ vd
+        s.o_sum += od.sum(1)
+        s.oo += od.transpose(1, 2) @ od
+        s.n_q += qd.shape[1]
+        s.n_kv += kd.shape[1]
+        return result
         mq = vq[:, None, None, :, None]
         qd = torch.where(mq, query.double().view(b, hk, g, q_len, d), 0.0)
         out = _output_tensor(result, b, q_len, hq, d)
@@ -240,7 +262,8 @@ class StatsRecorder:
 @dataclasses.dataclass
 class LayerCandidates:
     """What to evaluate in one layer: ``k_rots [Ck, Hk, D, D]``, ``v_rots [Cv, Hk, D, D]`` (row-vector
-    convention, history stores ``(x - mu) @ R``), offsets (or None) and clip grids."""
+    convention, history stores ``(x - mu) @ R``), offsets (or None) and clip grids; optional reference
+    rotations ``k_ref [Cr, Hk, D, D]`` / ``v_ref`` evaluated at clip 1.0 only (for reports)."""
 
     k_rots: torch.Tensor
     v_rots: torch.Tensor
@@ -248,6 +271,8 @@ class LayerCandidates:
     mu_v: torch.Tensor | None
     clips_k: torch.Tensor
     clips_v: torch.Tensor
+    k_ref: torch.Tensor | None = None
+    v_ref: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -266,6 +291,8 @@ class LayerErrors:
     v_count: float = 0.0
     k_signal: torch.Tensor | None = None
     v_signal: torch.Tensor | None = None
+    k_ref: torch.Tensor | None = None  # [Cr, 1, Hk]: reference rotations at clip 1.0
+    v_ref: torch.Tensor | None = None
 
     def k_mean(self) -> torch.Tensor:
         return self.k / max(self.k_count, 1.0)
@@ -281,20 +308,38 @@ class LayerErrors:
         return self.v / self.v_signal.clamp_min(1e-300)
 
 
-def fake_quant_error(x: torch.Tensor, clips: torch.Tensor, group_size: int, meta_dtype) -> torch.Tensor:
-    """``x - dequant(quant(x))`` for each clip ratio: ``x [..., D]`` -> ``[N, ..., D]`` (float32)."""
-    shape = (clips.numel(),) + (1,) * x.dim()
-    xs = x.float().unsqueeze(0).expand(clips.numel(), *x.shape)
-    q = quantize_rows(xs, group_size, clips.float().view(shape), meta_dtype)
-    return xs - dequantize_rows(q, group_size)
+def quant_error(x: torch.Tensor, clips: torch.Tensor, group_size: int, meta_dtype) -> torch.Tensor:
+    """``dequant(quant(x)) - x`` for each clip ratio: ``x [..., D]`` -> ``[..., N, D]`` float32 (the clip
+    axis second to last).
+
+    The same arithmetic as :func:`oscar_hf.quant.quantize_rows` followed by ``dequantize_rows``
+    (bit-identical, see tests), without packing the codes and mostly in place, for speed."""
+    d = x.shape[-1]
+    n = clips.numel()
+    xg = x.float().reshape(*x.shape[:-1], 1, d // group_size, group_size)  # [..., 1, ng, G]
+    lo, hi = torch.aminmax(xg, dim=-1)  # [..., 1, ng]
+    clip = clips.float().to(x.device).view(n, 1)
+    mid, half = (hi + lo) * 0.5, (hi - lo) * 0.5 * clip  # [..., N, ng]
+    lo_c = mid - half
+    scale = (2.0 * half) / LEVELS
+    scale_f = scale.to(meta_dtype).float().unsqueeze(-1)
+    zero_f = lo_c.to(meta_dtype).float().unsqueeze(-1)
+    pos = scale_f > 0
+    all_pos = bool(pos.all())
+    safe = scale_f if all_pos else torch.where(pos, scale_f, torch.ones_like(scale_f))
+    q = (xg - zero_f).div_(safe).round_().clamp_(0, LEVELS)  # [..., N, ng, G] codes
+    if not all_pos:
+        q.masked_fill_(~pos, 0.0)
+    return q.mul_(scale_f).add_(zero_f).sub_(xg).reshape(*x.shape[:-1], n, d)
 
 
 class ErrorRecorder:
     """Evaluates every candidate rotation x clip ratio of each layer on held-out tokens, on the fly."""
 
     def __init__(self, candidates: dict[int, LayerCandidates], group_size: int, meta_dtype=torch.bfloat16,
-                 query_samples: int = 256):
+                 query_samples: int = 128, window: tuple[int, int] | None = None):
         self.candidates = candidates
+        self.window = window
         self.group_size = group_size
         self.meta_dtype = meta_dtype
         self.query_samples = query_samples
@@ -323,36 +368,58 @@ class ErrorRecorder:
             self.errors[i] = LayerErrors(
                 z(cand.k_rots.shape[0], cand.clips_k.numel(), hk), z(cand.v_rots.shape[0], cand.clips_v.numel(), hk),
                 0.0, 0.0, z(hk), z(hk),
+                None if cand.k_ref is None else z(cand.k_ref.shape[0], 1, hk),
+                None if cand.v_ref is None else z(cand.v_ref.shape[0], 1, hk),
             )
         err = self.errors[i]
-        k_rots, v_rots = cand.k_rots.to(dev, torch.float32), cand.v_rots.to(dev, torch.float32)
-        clips_k, clips_v = cand.clips_k.to(dev), cand.clips_v.to(dev)
+        one = torch.ones(1, device=dev)
+        f32 = lambda t: t.to(dev, torch.float32)  # noqa: E731
+        k_jobs = [(f32(cand.k_rots), cand.clips_k.to(dev), err.k)]
+        v_jobs = [(f32(cand.v_rots), cand.clips_v.to(dev), err.v)]
+        if cand.k_ref is not None:
+            k_jobs.append((f32(cand.k_ref), one, err.k_ref))
+        if cand.v_ref is not None:
+            v_jobs.append((f32(cand.v_ref), one, err.v_ref))
+        s2 = float(scaling) ** 2
         for bi in range(b):
             qpos = vq[bi].nonzero().squeeze(-1)
             kpos = vk[bi].nonzero().squeeze(-1)
             nq, nk = qpos.numel(), kpos.numel()
             if nq == 0 or nk == 0:
                 continue
-            qb = query[bi][:, qpos].float()  # [Hq, nq, D]
             kb = key[bi][:, kpos].float()  # [Hk, nk, D]
             vb = value[bi][:, kpos].float()
-            # ---- keys: pooled query Gram matrix per KV head, all (query, key) pairs of the sequence
-            qg = qb.view(hk, g * nq, d)
-            gram = (qg.transpose(1, 2) @ qg).double()  # [Hk, D, D]
-            s2 = float(scaling) ** 2
-            err.k_signal += s2 * ((kb.double() @ gram) * kb.double()).sum((-1, -2))
             xk = kb - cand.mu_k.to(dev, torch.float32)[:, None, :] if cand.mu_k is not None else kb
-            for c in range(k_rots.shape[0]):
-                r = k_rots[c]  # [Hk, D, D]
-                e = fake_quant_error(xk @ r, clips_k, self.group_size, self.meta_dtype).double()  # [Nk, Hk, nk, D]
-                g_rot = r.double().transpose(1, 2) @ gram @ r.double()
-                err.k[c] += s2 * ((e @ g_rot) * e).sum((-1, -2))
-            err.k_count += g * nq * nk
-            # ---- values: real attention probabilities of sampled queries
-            ns = min(self.query_samples, nq)
-            sel = qpos[torch.linspace(0, nq - 1, ns, device=dev).round().long().unique()]
+            xv = vb - cand.mu_v.to(dev, torch.float32)[:, None, :] if cand.mu_v is not None else vb
+            hist = None
+            if self.window is None:
+                # ---- keys: pooled query Gram matrix per KV head, all (query, key) pairs of the sequence
+                qg = query[bi][:, qpos].float().reshape(hk, g * nq, d)
+                gram = (qg.transpose(1, 2) @ qg).double()  # [Hk, D, D]
+                err.k_signal += s2 * ((kb.double() @ gram) * kb.double()).sum((-1, -2))
+                for rots, clips, target in k_jobs:
+                    for c in range(rots.shape[0]):
+                        r = rots[c]  # [Hk, D, D]
+                        e = quant_error(xk @ r, clips, self.group_size, self.meta_dtype).view(hk, -1, d)  # [Hk, nk*Nk, D]
+                        g_rot = (r.double().transpose(1, 2) @ gram @ r.double()).float()
+                        le = ((e @ g_rot) * e).sum(-1).view(hk, nk, -1).double().sum(1)  # [Hk, Nk]
+                        target[c] += s2 * le.T
+                err.k_count += g * nq * nk
+                cand_q = qpos
+            else:
+                # only queries that have history keys: ordinal t_q >= sink + recent + 1
+                sink, recent = self.window
+                ordinal = vk[bi].cumsum(0) - 1  # position among real tokens
+                tq_all = ordinal[kv_len - q_len + qpos]
+                cand_q = qpos[tq_all > sink + recent]
+                if cand_q.numel() == 0:
+                    continue
+            # ---- sampled queries (evenly spaced) and their real attention probabilities
+            nc = cand_q.numel()
+            ns = min(self.query_samples, nc)
+            sel = cand_q[torch.linspace(0, nc - 1, ns, device=dev).round().long().unique()]
             ns = sel.numel()
-            qs = query[bi][:, sel].float().view(hk, g * ns, d)
+            qs = query[bi][:, sel].float().reshape(hk, g * ns, d)
             logits = (qs @ key[bi].float().transpose(1, 2)) * scaling  # [Hk, g*ns, kv]
             if softcap is not None:
                 logits = torch.tanh(logits / softcap) * softcap
@@ -361,20 +428,39 @@ class ErrorRecorder:
             probs = torch.softmax(logits.masked_fill(~al, float("-inf")), dim=-1).nan_to_num(0.0)
             p = probs[:, :, kpos]  # [Hk, g*ns, nk]
             err.v_signal += ((p @ vb).double() ** 2).sum((-1, -2))
-            xv = vb - cand.mu_v.to(dev, torch.float32)[:, None, :] if cand.mu_v is not None else vb
-            for c in range(v_rots.shape[0]):
-                e = fake_quant_error(xv @ v_rots[c], clips_v, self.group_size, self.meta_dtype)  # [Nv, Hk, nk, D]
-                err.v[c] += ((p @ e).double() ** 2).sum((-1, -2))
+            if self.window is not None:
+                # history pairs: sink <= t_k < t_q - recent (what the cache quantizes for that query)
+                tq = (vk[bi].cumsum(0) - 1)[kv_len - q_len + sel]  # [ns]
+                tk = torch.arange(nk, device=dev)
+                hist = ((tk[None, :] >= sink) & (tk[None, :] < tq[:, None] - recent)).repeat(g, 1)  # [g*ns, nk]
+                hf = hist.float()
+                qsc = qs * scaling
+                lsig = (qsc @ kb.transpose(1, 2)) ** 2  # [Hk, g*ns, nk]
+                err.k_signal += (lsig * hf).sum((-1, -2)).double()
+                for rots, clips, target in k_jobs:
+                    for c in range(rots.shape[0]):
+                        r = rots[c]
+                        e = quant_error(xk @ r, clips, self.group_size, self.meta_dtype)  # [Hk, nk, Nk, D]
+                        qr = qsc @ r  # rotate the queries instead of un-rotating the errors
+                        for j in range(e.shape[2]):
+                            le = ((qr @ e[:, :, j].transpose(1, 2)) ** 2 * hf).sum((-1, -2)).double()
+                            target[c, j] += le
+                err.k_count += float(hist.sum())
+                p = p * hf
+            for rots, clips, target in v_jobs:
+                for c in range(rots.shape[0]):
+                    e = quant_error(xv @ rots[c], clips, self.group_size, self.meta_dtype).view(hk, nk, -1)
+                    oe = (p @ e).pow_(2).view(hk, g * ns, -1, d).sum(-1).double().sum(1)  # [Hk, Nv]
+                    target[c] += oe.T
             err.v_count += g * ns
         return result
 
 
-def select_best(errors: torch.Tensor, selectable: int | None = None) -> tuple[int, list[int]]:
+def select_best(errors: torch.Tensor) -> tuple[int, list[int]]:
     """Joint choice for one layer from ``errors [C, N, Hk]``: one clip index for the layer and one
     candidate per KV head, minimizing the layer's summed error. Ties prefer the larger clip
     ratio (the grid is ascending) and the earlier candidate."""
-    e = errors[:selectable] if selectable else errors
-    best, arg = e.min(dim=0)  # [N, Hk]
+    best, arg = errors.min(dim=0)  # [N, Hk]
     total = best.sum(-1)  # [N]
     n = total.numel()
     j = n - 1 - int(torch.argmin(total.flip(0)))

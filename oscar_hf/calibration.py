@@ -217,27 +217,24 @@ def candidate_rotation(name: str, kind: str, s: LayerStats, center: bool) -> tor
     return oscar_rotation(eigvecs_desc(cov().cpu())[1]).contiguous()
 
 
-def _candidate_names(method: str, value_target: str) -> tuple[list[str], list[str], int, int]:
-    """(key names, value names, selectable key count, selectable value count); non-selectable
-    trailing candidates are references for the report (identity = naive INT2)."""
+def _candidate_names(method: str, value_target: str) -> tuple[list[str], list[str]]:
+    """(key candidate names, value candidate names) that the selection chooses from."""
     if method == "auto":
-        return list(K_CANDIDATES), list(V_CANDIDATES), len(K_CANDIDATES), len(V_CANDIDATES)
-    kname = method
+        return list(K_CANDIDATES), list(V_CANDIDATES)
     vname = ("score-weighted" if value_target == "score-weighted" else "oscar") if method == "oscar" else method
-    ks, vs = [kname], [vname]
-    if method != "identity":
-        ks.append("identity")
-        vs.append("identity")
-    return ks, vs, 1, 1
+    return [method], [vname]
 
 
 def build_candidates(
     stats: CalibrationStats, method: str, *, center: bool = True, value_target: str = "sst", clip_grid=CLIP_GRID
 ) -> tuple[dict[int, LayerCandidates], list[str], list[str]]:
-    knames, vnames, _, _ = _candidate_names(method, value_target)
+    """Candidate rotations of every layer; for a single method the identity rotation (naive INT2,
+    clip 1.0) is added as a reference for the report (never selected)."""
+    knames, vnames = _candidate_names(method, value_target)
     grid = torch.tensor(sorted(float(c) for c in clip_grid), dtype=torch.float32)
     out = {}
     for i, s in sorted(stats.layers.items()):
+        ref = None if "identity" in knames else candidate_rotation("identity", "k", s, center)[None]
         out[i] = LayerCandidates(
             torch.stack([candidate_rotation(n, "k", s, center) for n in knames]),
             torch.stack([candidate_rotation(n, "v", s, center) for n in vnames]),
@@ -245,18 +242,21 @@ def build_candidates(
             s.mu_v.float().cpu() if center else None,
             grid,
             grid.clone(),
+            ref,
+            ref,
         )
     return out, knames, vnames
 
 
 def evaluate_candidates(
     model, input_ids, candidates: dict[int, LayerCandidates], *, group_size: int = 64, meta_dtype="bfloat16",
-    batch_size: int = 1, pad_id: int = 0, query_samples: int = 256, progress: bool = False, _bar=None,
+    batch_size: int = 1, pad_id: int = 0, query_samples: int = 128, window: tuple[int, int] | None = None,
+    progress: bool = False, _bar=None,
 ) -> dict[int, LayerErrors]:
     """Held-out attention error of every candidate x clip of every layer (see the module docstring)."""
     meta = _META[meta_dtype] if isinstance(meta_dtype, str) else meta_dtype
     seqs = _as_sequences(input_ids)
-    rec = ErrorRecorder(candidates, group_size, meta, query_samples)
+    rec = ErrorRecorder(candidates, group_size, meta, query_samples, window)
     bar = _bar or _progress(progress, math.ceil(len(seqs) / batch_size), "OSCAR held-out error")
     with recording(model, rec):
         for ids, mask in _batches(seqs, batch_size, pad_id):
@@ -269,7 +269,7 @@ def evaluate_candidates(
 
 def attention_error(
     model, rotations: OscarRotations, input_ids, *, group_size: int = 64, center: bool = True,
-    meta_dtype="bfloat16", batch_size: int = 1, pad_id: int = 0, query_samples: int = 256, progress: bool = False,
+    meta_dtype="bfloat16", batch_size: int = 1, pad_id: int = 0, query_samples: int = 128, progress: bool = False,
 ) -> dict:
     """The library's attention-error measure of an artifact on ``input_ids`` (use held-out text):
     per layer the mean squared key-logit error ``k``, the mean squared output error of values ``v``,
@@ -325,7 +325,7 @@ def calibrate(
     batch_size: int = 1,
     progress: bool = True,
     meta_dtype: str = "bfloat16",
-    query_samples: int = 256,
+    query_samples: int = 128,
     metadata: dict | None = None,
 ) -> OscarRotations:
     """Calibrate OSCAR rotations, offsets and clip ratios for ``model``.
@@ -419,7 +419,6 @@ def calibrate(
     finally:
         bar.close()
 
-    _, _, ksel, vsel = _candidate_names(method, value_target)
     layers: dict[int, LayerRotation] = {}
     winners = {"k": {}, "v": {}}
     held: dict[str, dict] = {}
@@ -427,16 +426,19 @@ def calibrate(
     for i, c in sorted(cands.items()):
         if i in errors:
             e = errors[i]
-            jk, wk = select_best(e.k, ksel)
-            jv, wv = select_best(e.v, vsel)
+            jk, wk = select_best(e.k)
+            jv, wv = select_best(e.v)
             hk = c.k_rots.shape[1]
             ek = sum(float(e.k[wk[h], jk, h]) for h in range(hk))
             ev = sum(float(e.v[wv[h], jv, h]) for h in range(hk))
             ks, vs = float(e.k_signal.sum()), float(e.v_signal.sum())
             held[str(i)] = {"k_rel": ek / ks, "v_rel": ev / vs}
-            if "identity" in knames:
+            if "identity" in knames and float(grid[ref_clip]) == 1.0:
                 held[str(i)]["k_rel_identity"] = float(e.k[knames.index("identity"), ref_clip].sum()) / ks
                 held[str(i)]["v_rel_identity"] = float(e.v[vnames.index("identity"), ref_clip].sum()) / vs
+            elif e.k_ref is not None:
+                held[str(i)]["k_rel_identity"] = float(e.k_ref[0, 0].sum()) / ks
+                held[str(i)]["v_rel_identity"] = float(e.v_ref[0, 0].sum()) / vs
             clip_k, clip_v = float(grid[jk]), float(grid[jv])
         else:
             hk = c.k_rots.shape[1]

@@ -1,0 +1,127 @@
+"""Teacher-forced fake-quantized attention: score a whole window in ONE forward, with exactly the
+keys/values each position would see while decoding token by token through a quantized cache.
+
+A :class:`FakeQuantSpec` describes a KV method by two things:
+
+* ``layer_kv(layer_idx, k, v) -> (k_hat, v_hat) | None``: the reconstruction of every token's
+  key/value as the cache would read it back once that token is quantized (rotate, center, clip,
+  quantize, dequantize, un-rotate, un-center). Tokens are quantized once, independently of when
+  (true of OSCAR's per-token rows, KIVI's fixed token groups, per-vector codebooks); ``None`` keeps
+  the layer in full precision;
+* ``exact_mask(n, prefill_len) -> bool [n, n]``: ``True`` where query ``p`` reads key ``j`` in full
+  precision (for ``j <= p``); the other causal keys are read from the quantized copy.
+
+The registered attention handler (prefix ``oscareval_``) concatenates ``[K_exact ; K_hat]`` (and
+values) along the key axis and masks them with ``[causal & exact ; causal & ~exact]``, so both
+key sets enter ONE softmax, exactly like the cache's log-sum-exp merge of its full-precision and
+history partials. Positions before ``prefill_len`` are the prompt: exact (OscarCache's prefill is
+exact on the prompt's own K/V). Layer ``i``'s input at position ``p`` already comes from the
+quantized view of every lower layer at ``p``, so one forward reproduces token-by-token decoding
+(:func:`oscar_hf.eval.perplexity.cache_nll`), proven equal in ``tests/eval/test_perplexity.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+import torch.nn.functional as F
+
+from oscar_hf.patching import patched, register_handler
+
+PREFIX = "oscareval_"
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("oscar_eval_spec", default=None)
+_PREFILL: contextvars.ContextVar = contextvars.ContextVar("oscar_eval_prefill", default=1)
+
+
+class FakeQuantSpec:
+    """Base class: subclasses implement :meth:`layer_kv` and :meth:`exact_mask`."""
+
+    name = "spec"
+
+    def layer_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor):
+        raise NotImplementedError
+
+    def exact_mask(self, n: int, prefill_len: int, device) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def window_exact_mask(n: int, prefill_len: int, sink: int, recent: int, device=None) -> torch.Tensor:
+    """OscarCache's rule. A decode query at position ``p`` has ``T = p`` committed slots; once
+    ``T - recent > sink`` the slots ``[sink, T - recent)`` are INT2 history, everything else (sink,
+    the last ``recent`` slots, the query's own token) is full precision. Nothing is quantized while
+    ``T - recent <= sink``, nor for prompt positions ``p < prefill_len``."""
+    p = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    quantizing = (p - recent > sink) & (p >= prefill_len)
+    return ~quantizing | (j < sink) | (j >= p - recent)
+
+
+def residual_exact_mask(n: int, prefill_len: int, residual: int, device=None) -> torch.Tensor:
+    """KIVI's rule: after ``T`` committed tokens, the first ``residual * floor(T / residual)`` are
+    quantized (flushed in whole blocks of ``residual``), the rest and the query itself are exact."""
+    p = torch.arange(n, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    n_quant = torch.div(p, residual, rounding_mode="floor") * residual
+    return (p < prefill_len) | (j >= n_quant)
+
+
+def _allowed(attention_mask, n: int):
+    """The model's own mask as bool ``[B|1, 1, n, n]`` (True = may attend), or None."""
+    if attention_mask is None or not isinstance(attention_mask, torch.Tensor):
+        return None
+    if attention_mask.dim() != 4:
+        raise ValueError(f"fake-quant attention expects a 4D mask, got {tuple(attention_mask.shape)}")
+    m = attention_mask[:, :, -n:, -n:]
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
+    return m
+
+
+def _handler(module, query, key, value, attention_mask, *args, base: str, dropout: float = 0.0, scaling=None,
+             sliding_window=None, softcap=None, **kwargs):
+    spec = _ACTIVE.get()
+    if spec is None or not isinstance(key, torch.Tensor) or sliding_window is not None:
+        return NotImplemented
+    n = query.shape[2]
+    if key.shape[2] != n:
+        raise RuntimeError("fake-quant scoring runs without a cache (use_cache=False): keys must match the queries")
+    if softcap is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("fake-quant attention does not implement soft-capping / attention sinks")
+    fq = spec.layer_kv(module.layer_idx, key, value)
+    if fq is None:
+        return NotImplemented
+    k_hat, v_hat = fq
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+    dev = query.device
+    causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+    exact = spec.exact_mask(n, _PREFILL.get(), dev)
+    mask = torch.cat([causal & exact, causal & ~exact], dim=-1)  # [n, 2n]
+    allowed = _allowed(attention_mask, n)
+    if allowed is not None:
+        mask = mask & torch.cat([allowed, allowed], dim=-1)
+    keys = torch.cat([key.float(), k_hat.float()], dim=2)
+    values = torch.cat([value.float(), v_hat.float()], dim=2)
+    out = F.scaled_dot_product_attention(
+        query.float(), keys, values, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
+    return out.transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+register_handler(PREFIX, _handler)
+
+
+@contextlib.contextmanager
+def fake_quant(model, spec: FakeQuantSpec | None, prefill_len: int = 1):
+    """Within the block, ``model(ids, use_cache=False)`` attends through ``spec`` (None: plain model)."""
+    if spec is None:
+        yield model
+        return
+    t1, t2 = _ACTIVE.set(spec), _PREFILL.set(prefill_len)
+    try:
+        with patched(model, PREFIX):
+            yield model
+    finally:
+        _ACTIVE.reset(t1)
+        _PREFILL.reset(t2)

@@ -1,0 +1,348 @@
+"""KV-cache methods behind one interface (kvpress style: a new method is one new entry in ``METHODS``).
+
+Every method is a :class:`KVMethod` with
+
+* ``fake_spec(model)``: a :class:`~oscar_hf.eval.fakequant.FakeQuantSpec` for the one-forward
+  scorer, ``None`` for "no quantization" (plain forward), or raises ``NotImplementedError`` when
+  the method has no teacher-forced equivalent (then only the token-by-token path scores it);
+* ``make_cache(model)``: a fresh ``transformers.Cache`` for generation / token-by-token scoring;
+* ``bits(T, head_dim, prefill_len)``: effective bits per KV element after ``T`` cached tokens, counted
+  the same way for every row: codes + metadata (16-bit scale/zero/norm) of the quantized tokens +
+  16 bits (BF16) for every token kept in full precision (sink, recent window, KIVI residual).
+
+Rows: ``fp`` (DynamicCache), ``bf16-kv`` (keys/values rounded to bf16), ``identity`` (naive INT2),
+``hadamard``, ``oscar``, ``pca-kv`` (OscarCache with a rotation; calibrated ones take an artifact),
+``kivi`` (KIVI-style: per-channel keys grouped along tokens, per-token values, full-precision
+residual), ``turbo`` (TurboQuant-style: random rotation, per-vector norm, Lloyd–Max levels for a
+Gaussian), ``hf-quanto`` / ``hf-hqq`` (Transformers' ``QuantizedCache``, token-by-token only).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from transformers import DynamicCache
+
+from oscar_hf import OscarCache, OscarConfig, OscarRotations
+from oscar_hf.config import ModelFingerprint, validate_head_dim
+from oscar_hf.kernels.write_path import rotate_quantize_reference
+from oscar_hf.quant import dequantize_rows, quantize_rows
+
+from .fakequant import FakeQuantSpec, residual_exact_mask, window_exact_mask
+
+FP_BITS = 16  # full-precision tokens are counted as BF16 (the deployed dtype), whatever the eval dtype
+
+
+def _window_counts(T: int, sink: int, recent: int) -> tuple[int, int]:
+    """(full-precision tokens, quantized tokens) of a sink/recent cache after T tokens."""
+    if T - recent > sink:
+        return sink + recent, T - sink - recent
+    return T, 0
+
+
+def _mix(n_fp: int, n_q: int, q_bits: float) -> float:
+    return (n_fp * FP_BITS + n_q * q_bits) / max(n_fp + n_q, 1)
+
+
+class KVMethod:
+    """Base class of a row in the comparison."""
+
+    name = "base"
+    fast = True  # has a teacher-forced fake-quant equivalent
+
+    def fake_spec(self, model) -> FakeQuantSpec | None:
+        raise NotImplementedError(f"{self.name} has no fake-quant equivalent; score it token by token")
+
+    def make_cache(self, model):
+        raise NotImplementedError(f"{self.name} has no real cache implementation")
+
+    def bits(self, T: int, head_dim: int, prefill_len: int = 1) -> float:
+        raise NotImplementedError
+
+    def settings(self) -> dict:
+        return {k: v for k, v in vars(self).items() if not k.startswith("_") and isinstance(v, (int, float, str, bool))}
+
+
+# ------------------------------------------------------------------------------------------ full precision
+class FullPrecision(KVMethod):
+    name = "fp"
+
+    def fake_spec(self, model):
+        return None
+
+    def make_cache(self, model):
+        return DynamicCache(config=model.config)
+
+    def bits(self, T, head_dim, prefill_len=1):
+        return float(FP_BITS)
+
+
+class _RoundSpec(FakeQuantSpec):
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def layer_kv(self, i, k, v):
+        return k.to(self.dtype).to(k.dtype), v.to(self.dtype).to(v.dtype)
+
+    def exact_mask(self, n, prefill_len, device):  # every cached token (the query's own too) is rounded
+        p = torch.arange(n, device=device)[:, None]
+        return (p < prefill_len).expand(n, n)
+
+
+class BF16KV(KVMethod):
+    """Keys and values rounded to bf16 (what a BF16 DynamicCache stores) on a float32 model."""
+
+    name = "bf16-kv"
+
+    def fake_spec(self, model):
+        return _RoundSpec(torch.bfloat16)
+
+    def bits(self, T, head_dim, prefill_len=1):
+        return float(FP_BITS)
+
+
+# ------------------------------------------------------------------------------------------ OSCAR family
+class OscarSpec(FakeQuantSpec):
+    """OscarCache's history reconstruction: ``dequant(quant((x - mu) R)) Rᵀ + mu`` per layer."""
+
+    def __init__(self, model, rotations: OscarRotations, config: OscarConfig):
+        self.rot, self.config = rotations, config
+        fp = ModelFingerprint.from_config(model.config)
+        validate_head_dim(fp, config.group_size)
+        rotations.check_compatible(model.config)
+        self.skipped = config.skipped(fp.num_layers)
+        self._dev_cache = {}
+
+    def _layer(self, i, device):
+        key = (i, str(device))
+        if key not in self._dev_cache:
+            lr = self.rot.layers[i].to(device)
+            c = self.config
+            center = c.center and (lr.mu_k is not None or lr.mu_v is not None)
+            self._dev_cache[key] = (lr, c.clip_for("k", i, lr.clip_k), c.clip_for("v", i, lr.clip_v), center)
+        return self._dev_cache[key]
+
+    def _fq(self, x, r, mu, clip):
+        g, meta = self.config.group_size, self.config.torch_meta_dtype
+        q = rotate_quantize_reference(x, r, mu, clip, g, meta)
+        xh = torch.matmul(dequantize_rows(q, g), r.transpose(-1, -2).unsqueeze(0))
+        return xh + mu[None, :, None, :] if mu is not None else xh
+
+    def layer_kv(self, i, k, v):
+        if i in self.skipped or i not in self.rot.layers:
+            return None
+        lr, ck, cv, center = self._layer(i, k.device)
+        return (self._fq(k, lr.r_k, lr.mu_k if center else None, ck),
+                self._fq(v, lr.r_v, lr.mu_v if center else None, cv))
+
+    def exact_mask(self, n, prefill_len, device):
+        return window_exact_mask(n, prefill_len, self.config.sink, self.config.recent, device)
+
+
+class OscarFamily(KVMethod):
+    """OscarCache with a rotation: built-in ``identity``/``hadamard`` (no artifact) or an artifact."""
+
+    def __init__(self, name: str = "oscar", rotations: OscarRotations | None = None, method: str | None = None,
+                 **config):
+        self.name = name
+        self.rotations = rotations
+        self.method = method or (rotations.method if rotations is not None else "hadamard")
+        self.config = OscarConfig(**({"method": self.method} if rotations is None else {}), **config)
+
+    def _rot(self, model):
+        if self.rotations is None:
+            self.rotations = OscarRotations.builtin(model, self.config.method)
+        return self.rotations
+
+    def fake_spec(self, model):
+        return OscarSpec(model, self._rot(model), self.config)
+
+    def make_cache(self, model):
+        return OscarCache(model, self._rot(model), self.config)
+
+    def bits(self, T, head_dim, prefill_len=1):
+        c = self.config
+        meta = torch.finfo(c.torch_meta_dtype).bits
+        n_fp, n_q = _window_counts(T, c.sink, c.recent)
+        return _mix(n_fp, n_q, c.bits + 2 * meta / c.group_size)
+
+    def settings(self):
+        c = self.config
+        d = dict(method=self.method, sink=c.sink, recent=c.recent, group_size=c.group_size, center=c.center)
+        if self.rotations is not None:
+            d["artifact"] = self.rotations.metadata.get("path", self.rotations.method)
+            d["offsets"] = self.rotations.has_offsets
+        return d
+
+
+# ------------------------------------------------------------------------------------------ KIVI-2
+class KiviSpec(FakeQuantSpec):
+    def __init__(self, bits, group_size, residual, meta_dtype):
+        self.bits, self.g, self.residual, self.meta = bits, group_size, residual, meta_dtype
+
+    def _uniform(self, x, g):  # per-row asymmetric uniform quantization in groups of g along the last dim
+        if self.bits == 2:
+            return dequantize_rows(quantize_rows(x, g, 1.0, self.meta), g)
+        xg = x.float().reshape(*x.shape[:-1], -1, g)
+        lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+        scale = ((hi - lo) / (2**self.bits - 1)).to(self.meta).float()
+        lo = lo.to(self.meta).float()
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round((xg - lo) / safe).clamp(0, 2**self.bits - 1)
+        return (lo + q * scale).reshape(x.shape)
+
+    def layer_kv(self, i, k, v):
+        b, h, n, d = k.shape
+        g = self.g
+        full = (n // g) * g
+        k_hat = k.float().clone()
+        if full:  # keys: per channel, groups of g consecutive tokens
+            kg = k[:, :, :full].float().reshape(b, h, full // g, g, d).transpose(-1, -2)  # [.., n/g, d, g]
+            k_hat[:, :, :full] = self._uniform(kg, g).transpose(-1, -2).reshape(b, h, full, d)
+        v_hat = self._uniform(v.float(), min(g, d))  # values: per token, groups of g channels
+        return k_hat, v_hat
+
+    def exact_mask(self, n, prefill_len, device):
+        return residual_exact_mask(n, prefill_len, self.residual, device)
+
+
+class Kivi(KVMethod):
+    """KIVI-style cache (Liu et al. 2024), fake-quant only: keys per channel in groups of ``group_size``
+    tokens, values per token in groups of ``group_size`` channels, 16-bit scale + zero per group;
+    the last ``T mod residual`` tokens stay in full precision (flushed in blocks of ``residual``)."""
+
+    def __init__(self, name="kivi", bits=2, group_size=64, residual=128, meta_dtype="bfloat16"):
+        if residual % group_size:
+            raise ValueError("KIVI needs residual to be a multiple of group_size (whole token groups are flushed)")
+        self.name, self.nbits, self.group_size, self.residual, self.meta_dtype = name, bits, group_size, residual, meta_dtype
+
+    def fake_spec(self, model):
+        return KiviSpec(self.nbits, self.group_size, self.residual, getattr(torch, self.meta_dtype))
+
+    def bits(self, T, head_dim, prefill_len=1):
+        n_q = (T // self.residual) * self.residual
+        g_v = min(self.group_size, head_dim)
+        q_bits = self.nbits + 0.5 * (32 / self.group_size + 32 / g_v)  # keys and values, 2 x 16-bit metadata
+        return _mix(T - n_q, n_q, q_bits)
+
+
+# ------------------------------------------------------------------------------------------ TurboQuant-style
+@functools.lru_cache(maxsize=None)
+def lloyd_max_gaussian(levels: int, iters: int = 200) -> torch.Tensor:
+    """Optimal scalar quantizer levels (MSE) for N(0, 1), by Lloyd's iteration on the exact density."""
+    from scipy.stats import norm
+
+    c = torch.linspace(-2.0, 2.0, levels, dtype=torch.float64).numpy()
+    for _ in range(iters):
+        edges = [-math.inf, *((c[:-1] + c[1:]) / 2), math.inf]
+        new = []
+        for a, b in zip(edges[:-1], edges[1:]):
+            mass = norm.cdf(b) - norm.cdf(a)
+            new.append((norm.pdf(a) - norm.pdf(b)) / mass)
+        c = torch.tensor(new, dtype=torch.float64).numpy()
+    return torch.tensor(c, dtype=torch.float32)
+
+
+class TurboSpec(FakeQuantSpec):
+    def __init__(self, bits, sink, recent, seed, norm_dtype):
+        self.levels = lloyd_max_gaussian(2**bits)
+        self.sink, self.recent, self.seed, self.norm_dtype = sink, recent, seed, norm_dtype
+        self._rot = {}
+
+    def _rotation(self, i, kind, h, d, device):
+        key = (i, kind, h, d)
+        if key not in self._rot:
+            gen = torch.Generator().manual_seed(self.seed * 100003 + 2 * i + (kind == "v"))
+            q, r = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))
+            q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)  # Haar-distributed
+            self._rot[key] = q.float()
+        return self._rot[key].to(device)
+
+    def _fq(self, x, r):
+        d = x.shape[-1]
+        xr = torch.matmul(x.float(), r.unsqueeze(0))
+        norm = xr.norm(dim=-1, keepdim=True).to(self.norm_dtype).float()
+        u = xr / xr.norm(dim=-1, keepdim=True).clamp_min(1e-30) * math.sqrt(d)  # coordinates ~ N(0, 1)
+        lv = self.levels.to(x.device)
+        code = (u.unsqueeze(-1) - lv).abs().argmin(-1)
+        return torch.matmul(lv[code] / math.sqrt(d) * norm, r.transpose(-1, -2).unsqueeze(0))
+
+    def layer_kv(self, i, k, v):
+        h, d = k.shape[1], k.shape[-1]
+        return self._fq(k, self._rotation(i, "k", h, d, k.device)), self._fq(v, self._rotation(i, "v", h, d, v.device))
+
+    def exact_mask(self, n, prefill_len, device):
+        return window_exact_mask(n, prefill_len, self.sink, self.recent, device)
+
+
+class Turbo(KVMethod):
+    """TurboQuant-style (MSE variant), fake-quant only: a random orthogonal rotation per layer and KV
+    head, the vector's norm in 16 bits, each normalized coordinate to the nearest of ``2**bits``
+    Lloyd–Max levels for a Gaussian. ``sink=0, recent=0``: every token but the query's own is quantized."""
+
+    def __init__(self, name="turbo", bits=3, sink=0, recent=0, seed=0):
+        self.name, self.nbits, self.sink, self.recent, self.seed = name, bits, sink, recent, seed
+
+    def fake_spec(self, model):
+        return TurboSpec(self.nbits, self.sink, self.recent, self.seed, torch.bfloat16)
+
+    def bits(self, T, head_dim, prefill_len=1):
+        n_fp, n_q = _window_counts(T, self.sink, self.recent) if self.recent or self.sink else (0, T)
+        return _mix(n_fp, n_q, self.nbits + FP_BITS / head_dim)
+
+
+# ------------------------------------------------------------------------------------------ Transformers' QuantizedCache
+class HFQuantized(KVMethod):
+    """Transformers' ``QuantizedCache`` (quanto / HQQ backend): re-quantizes the dequantized history
+    with the residual every ``residual`` steps, so it has no one-forward equivalent (token by token only)."""
+
+    fast = False
+
+    def __init__(self, name="hf-quanto", backend="quanto", nbits=2, group_size=64, residual=128, axis_key=None,
+                 axis_value=None):
+        self.name, self.backend, self.nbits, self.group_size, self.residual = name, backend, nbits, group_size, residual
+        default_axis = 0 if backend == "quanto" else 1
+        self.axis_key = default_axis if axis_key is None else axis_key
+        self.axis_value = default_axis if axis_value is None else axis_value
+
+    def make_cache(self, model):
+        from transformers import QuantizedCache
+
+        return QuantizedCache(self.backend, model.config, nbits=self.nbits, q_group_size=self.group_size,
+                              residual_length=self.residual, axis_key=self.axis_key, axis_value=self.axis_value)
+
+    def bits(self, T, head_dim, prefill_len=1):
+        n_fp = max(0, T - prefill_len) % self.residual  # the prompt is quantized at prefill
+        return _mix(n_fp, T - n_fp, self.nbits + 32 / self.group_size)
+
+
+# ------------------------------------------------------------------------------------------ registry
+METHODS = {
+    "fp": FullPrecision,
+    "bf16-kv": BF16KV,
+    "identity": functools.partial(OscarFamily, "identity", method="identity"),
+    "hadamard": functools.partial(OscarFamily, "hadamard", method="hadamard"),
+    "oscar": OscarFamily,  # give rotations=OscarRotations (an artifact)
+    "pca-kv": functools.partial(OscarFamily, "pca-kv"),
+    "kivi": Kivi,
+    "turbo": Turbo,
+    "hf-quanto": functools.partial(HFQuantized, "hf-quanto", "quanto"),
+    "hf-hqq": functools.partial(HFQuantized, "hf-hqq", "hqq"),
+}
+
+
+def get_method(name: str, **kwargs) -> KVMethod:
+    """``get_method("oscar", rotations=rot, sink=64, recent=256)``; unknown names raise ValueError."""
+    if name not in METHODS:
+        raise ValueError(f"unknown KV method {name!r}; known: {sorted(METHODS)}")
+    return METHODS[name](**kwargs)
+
+
+def with_label(method: KVMethod, label: str) -> KVMethod:
+    method.name = label
+    return method
+
+
+__all__ = ["KVMethod", "METHODS", "get_method", "with_label", "OscarFamily", "Kivi", "Turbo", "HFQuantized",
+           "FullPrecision", "BF16KV", "lloyd_max_gaussian"]

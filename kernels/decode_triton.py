@@ -1,0 +1,530 @@
+"""Split-K decode attention over the packed INT2 history (Triton).
+
+Two public entry points, each exactly **two kernel launches** per call:
+
+* :func:`history_partial_triton` -- the contract of
+  :func:`oscar_hf.kernels.int2_attention.history_partial_reference`: online-softmax partials
+  ``(m, l, acc)`` of the history in the rotated value space.
+  Launch 1 ``_split_kernel``, grid ``(B * Hk, S)``: program ``(bh, s)`` streams history tokens
+  ``[s * L, (s + 1) * L)`` of one KV head in blocks of ``BLOCK_N`` and keeps a running max / sum /
+  accumulator for all ``M`` query rows of that head (GQA: ``M = group * q_len``, padded to
+  ``M_PAD >= 16`` for ``tl.dot``). Launch 2 ``_combine_kernel``, grid ``(B * Hk * M,)``: one program
+  per query row merges the ``S`` partials by log-sum-exp.
+* :func:`decode_attention_triton` -- the whole decode attention op of one layer on top of it:
+  INT2 history + a full-precision window (sink + recent, unrotated) -> normalized output in the
+  original value space. Same two launches: the split kernel gets extra programs for the window
+  (so the window runs concurrently with the history instead of after it), history programs rotate
+  their accumulator back by ``R_Vᵀ`` and add ``l * mu_V`` before writing (the merge is linear, so
+  un-rotating per split equals un-rotating the merged sum), and the combine kernel normalizes.
+
+Math of one history block (``n`` = token, ``c`` = channel, ``g(c)`` its group, ``p`` a plane):
+byte ``j`` holds the codes of channels ``j + p * D/4`` in bits ``2p..2p+1``, so one shift and mask
+of the ``[BLOCK_N, D/4]`` byte tile yields the codes of the contiguous channel block ``p``. The
+keys are dequantized in registers plane by plane, ``k_hat = zero[n, g(c)] + code[n, c] * scale[n, g(c)]``
+(bf16, like the operands of a BF16 flash kernel), and ``logits = sum_p q_p · k_hat_pᵀ`` accumulates
+over the four planes in one tensor-core accumulator; the values likewise: ``acc_p += P · v_hat_p``.
+The full-precision history is never materialized: at most one ``BLOCK_N`` tile per program lives in
+registers. Logits are computed in base 2: ``q`` and ``qk_offset`` are pre-scaled by
+``scaling * log2(e)`` and ``exp2`` is used; ``m`` is returned in natural units (``m2 * ln 2``),
+``l`` is the same in either base.
+
+Masking: token ``n`` of row ``b`` is valid when ``start[b] <= n < N`` and ``key_mask[b, h, 0, n]``;
+the kernel takes ``key_mask`` None or broadcastable to ``[B, Hk, 1, N]`` (no per-query masks: the
+dispatcher falls back to the reference for those). Blocks entirely below ``start[b]`` are skipped.
+Value metadata of invalid tokens is never read (masked loads), so stale storage cannot poison
+``acc`` with NaN.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_hf.quant import QuantizedRows
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_LN2 = tl.constexpr(LN2)  # jit code may only read constexpr globals
+
+# Tunables (read by the dispatch below; the benchmark may override them).
+CONFIG = {
+    "block_n": 64,  # history tokens per inner-loop step
+    "num_warps": 4,
+    "num_stages": 3,
+    "programs_per_sm": 4,  # split-K target: B * Hk * S ~ programs_per_sm * SMs
+    "min_split": 256,  # never fewer tokens than this per split
+    "win_split": 128,  # window tokens per window program
+}
+
+
+@triton.jit
+def _op(x, LOWP: tl.constexpr):
+    """Operand dtype of the attention dots: bf16 on the GPU (LOWP=1); float32 under the Triton
+    interpreter (LOWP=0), whose ``tl.dot`` multiplies the raw uint16 bits of bf16 tensors."""
+    if LOWP:
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _int2_plane(bytes_, P: tl.constexpr, s_tile, z_tile, s_row, z_row, nmask,
+                D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, LOWP: tl.constexpr):
+    """Dequantize plane ``P`` (channels ``[P*D4, (P+1)*D4)``) of a ``[BLOCK_N, D4]`` byte tile to the
+    dot operand dtype: ``zero[n, g(c)] + code[n, c] * scale[n, g(c)]``."""
+    code = ((bytes_ >> (2 * P)) & 3).to(tl.float32)
+    if G >= D4:
+        # The plane lies in one group g: pick column g of the [BLOCK_N, NG] metadata tiles (a
+        # one-hot sum over NG <= 8 register values; the tiles were loaded once per block).
+        onehot = tl.arange(0, NG)[None, :] == (P * D4) // G
+        s = tl.sum(tl.where(onehot, s_tile, 0.0), 1)
+        z = tl.sum(tl.where(onehot, z_tile, 0.0), 1)
+        return _op(z[:, None] + code * s[:, None], LOWP)
+    else:
+        # D4 // G groups inside the plane (D=256, G=32): gather scale/zero per channel (L1 hits).
+        g = (P * D4 + tl.arange(0, D4)) // G
+        s = tl.load(s_row[:, None] + g[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
+        z = tl.load(z_row[:, None] + g[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
+        return _op(z + code * s, LOWP)
+
+
+@triton.jit
+def _meta_tiles(s_base, z_base, offs_n, nmask, NG: tl.constexpr):
+    """``[BLOCK_N, NG]`` scale/zero tiles (float32) of a block: rows are contiguous (``NG``
+    values per token), so this is one vectorized, pipelinable load per tensor; plus the row pointers."""
+    offs = offs_n.to(tl.int64)[:, None] * NG + tl.arange(0, NG)[None, :]
+    s_tile = tl.load(s_base + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
+    z_tile = tl.load(z_base + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
+    row = offs_n.to(tl.int64) * NG
+    return s_tile, z_tile, s_base + row, z_base + row
+
+
+@triton.jit
+def _softmax_step(s, valid, m_i, l_i):
+    """Online-softmax update in base 2 for a ``[M_PAD, BLOCK_N]`` logit tile. Fully masked rows keep
+    ``m = -inf`` and contribute nothing (``m_safe`` avoids ``-inf - -inf``)."""
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _split_kernel(
+    Q, KC, KS, KZ, VC, VS, VZ, START, KMASK, QKOFF,  # history inputs
+    QW, KW, VW, WMASK,  # full-precision window (decode_attention only)
+    PM, PL, PACC,  # partials [B*Hk, S_TOT, M], [B*Hk, S_TOT, M], [B*Hk, S_TOT, M, D]
+    N, M, Hk, S, S_TOT, split_len, W, win_split, qk_scale,
+    sqb, sqh, sqm,  # q_rot strides (last dim contiguous)
+    skb, skh, skn, smkb, smkh,  # K codes [.., N, D/4] / K metadata [.., N, NG] strides (rows contiguous)
+    svb, svh, svn, smvb, smvh,  # V likewise
+    smb, smh, smn,  # key_mask strides
+    sob, soh, som,  # qk_offset strides
+    sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,  # window strides
+    D: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_OFF: tl.constexpr,
+    HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr,
+):
+    D4: tl.constexpr = D // 4
+    NG: tl.constexpr = D // G
+    BLOCK_W: tl.constexpr = 32  # window tokens per step
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = pid_bh // Hk
+    h = pid_bh % Hk
+    offs_m = tl.arange(0, M_PAD)
+    offs_j = tl.arange(0, D4)
+    offs_d = tl.arange(0, D)
+    mrow = offs_m < M
+    m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((M_PAD,), tl.float32)
+    part = (pid_bh.to(tl.int64) * S_TOT + pid_s) * M  # first partial row of this program
+
+    if pid_s < S:
+        # ---------------- INT2 history split ----------------
+        # q planes, pre-scaled so that logits come out in log2 units.
+        q_ptr = Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_j[None, :]
+        q0 = _op(tl.load(q_ptr + 0 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
+        q1 = _op(tl.load(q_ptr + 1 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
+        q2 = _op(tl.load(q_ptr + 2 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
+        q3 = _op(tl.load(q_ptr + 3 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
+        if HAS_OFF:
+            off = tl.load(QKOFF + b.to(tl.int64) * sob + h * soh + offs_m * som, mask=mrow, other=0.0) * qk_scale
+        else:
+            off = tl.zeros((M_PAD,), tl.float32)
+        acc0 = tl.zeros((M_PAD, D4), tl.float32)
+        acc1 = tl.zeros((M_PAD, D4), tl.float32)
+        acc2 = tl.zeros((M_PAD, D4), tl.float32)
+        acc3 = tl.zeros((M_PAD, D4), tl.float32)
+
+        start = tl.load(START + b).to(tl.int32)
+        hi = tl.minimum(pid_s * split_len + split_len, N)
+        lo = tl.maximum(pid_s * split_len, (start // BLOCK_N) * BLOCK_N)  # skip all-padding blocks
+        kc_base = KC + b.to(tl.int64) * skb + h * skh
+        ks_base = KS + b.to(tl.int64) * smkb + h * smkh
+        kz_base = KZ + b.to(tl.int64) * smkb + h * smkh
+        vc_base = VC + b.to(tl.int64) * svb + h * svh
+        vs_base = VS + b.to(tl.int64) * smvb + h * smvh
+        vz_base = VZ + b.to(tl.int64) * smvb + h * smvh
+        for n0 in range(lo, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            inb = offs_n < hi
+            valid = inb & (offs_n >= start)
+            if HAS_MASK:
+                km = tl.load(KMASK + b.to(tl.int64) * smb + h * smh + offs_n * smn, mask=inb, other=0)
+                valid = valid & (km != 0)
+            # K: unpack + dequantize 4 planes, logits = sum_p q_p k_p^T (one accumulator).
+            kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
+            ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, inb, NG)
+            s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)))
+            s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
+            s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
+            s = tl.dot(q3, tl.trans(_int2_plane(kb, 3, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
+            p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i)
+            p = _op(p, LOWP)
+            # V: only valid tokens are read, invalid ones dequantize to exactly 0.
+            vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
+            vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, valid, NG)
+            acc0 = tl.dot(p, _int2_plane(vb, 0, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc0 * alpha[:, None])
+            acc1 = tl.dot(p, _int2_plane(vb, 1, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc1 * alpha[:, None])
+            acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc2 * alpha[:, None])
+            acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc3 * alpha[:, None])
+
+        a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
+        tl.store(a_ptr + 0 * D4, acc0, mask=mrow[:, None])
+        tl.store(a_ptr + 1 * D4, acc1, mask=mrow[:, None])
+        tl.store(a_ptr + 2 * D4, acc2, mask=mrow[:, None])
+        tl.store(a_ptr + 3 * D4, acc3, mask=mrow[:, None])
+        tl.store(PM + part + offs_m, m_i, mask=mrow)
+        tl.store(PL + part + offs_m, l_i, mask=mrow)
+    else:
+        if HAS_WIN:
+            # ---------------- full-precision window split (unrotated q, k, v) ----------------
+            qw = tl.load(QW + b.to(tl.int64) * sqwb + h * sqwh + offs_m[:, None] * sqwm + offs_d[None, :],
+                         mask=mrow[:, None], other=0.0).to(tl.float32)
+            qw = _op(qw * qk_scale, LOWP)
+            acc = tl.zeros((M_PAD, D), tl.float32)
+            w0 = (pid_s - S) * win_split
+            w1 = tl.minimum(w0 + win_split, W)
+            # Not software-pipelined (num_stages=1) and small tiles: keeps the shared memory of this
+            # branch below the history branch's, so occupancy is set by the history programs.
+            for n0 in tl.range(w0, w1, BLOCK_W, num_stages=1):
+                offs_n = n0 + tl.arange(0, BLOCK_W)
+                valid = offs_n < w1
+                if HAS_WMASK:
+                    wm = tl.load(WMASK + b.to(tl.int64) * swb + h * swh + offs_n * swn, mask=valid, other=0)
+                    valid = valid & (wm != 0)
+                kw = tl.load(KW + b.to(tl.int64) * skwb + h * skwh + offs_n[:, None] * skwn + offs_d[None, :],
+                             mask=valid[:, None], other=0.0)
+                s = tl.dot(qw, tl.trans(_op(kw, LOWP)))
+                p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
+                vw = tl.load(VW + b.to(tl.int64) * svwb + h * svwh + offs_n[:, None] * svwn + offs_d[None, :],
+                             mask=valid[:, None], other=0.0)
+                acc = tl.dot(_op(p, LOWP), _op(vw, LOWP), acc * alpha[:, None])
+            tl.store(PACC + (part + offs_m[:, None]) * D + offs_d[None, :], acc, mask=mrow[:, None])
+            tl.store(PM + part + offs_m, m_i, mask=mrow)
+            tl.store(PL + part + offs_m, l_i, mask=mrow)
+
+
+@triton.jit
+def _combine_kernel(
+    PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
+    D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
+):
+    """One program per (b, h, query row): log-sum-exp merge of the split partials.
+
+    Splits ``[0, S_HIST)`` are history (rotated value space), ``[S_HIST, S_TOT)`` window (value space).
+    Not FINAL (history_partial): write ``m`` (natural units), ``l``, ``acc``.
+    FINAL (decode_attention): ``out = (w_h (acc_h R_Vᵀ + l_h mu_V) + w_w acc_w) / (w_h l_h + w_w l_w)``,
+    where ``w = exp(m_part - m)``; the un-rotation is a per-row mat-vec over ``C_BLOCK`` output channels
+    at a time, so only the merged history row (not each split) is rotated back. Rows without any
+    valid key are 0."""
+    row = tl.program_id(0)  # = bh * M + mm
+    bh = row // M
+    mm = row % M
+    offs_s = tl.arange(0, S_BLOCK)
+    offs_d = tl.arange(0, D)
+    base = bh.to(tl.int64) * S_TOT * M + mm  # partial (bh, s, mm) lives at base + s * M
+    # pass 1: the global max over all splits
+    m_max = tl.full((S_BLOCK,), float("-inf"), tl.float32)
+    for s0 in range(0, S_TOT, S_BLOCK):
+        sm = s0 + offs_s < S_TOT
+        m_max = tl.maximum(m_max, tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf")))
+    m = tl.max(m_max, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    # pass 2: history splits, rescaled and summed (empty splits have m = -inf -> weight 0)
+    l_h = tl.zeros((S_BLOCK,), tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    for s0 in range(0, S_HIST, S_BLOCK):
+        sm = s0 + offs_s < S_HIST
+        w = tl.exp2(tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf")) - m_safe)
+        l_h += w * tl.load(PL + base + (s0 + offs_s) * M, mask=sm, other=0.0)
+        a = tl.load(PACC + (base + (s0 + offs_s)[:, None] * M) * D + offs_d[None, :], mask=sm[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * a, 0)
+    lh = tl.sum(l_h, 0)
+    if FINAL:
+        l_w = tl.zeros((S_BLOCK,), tl.float32)
+        for s0 in range(S_HIST, S_TOT, S_BLOCK):
+            sm = s0 + offs_s < S_TOT
+            w = tl.exp2(tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf")) - m_safe)
+            l_w += w * tl.load(PL + base + (s0 + offs_s) * M, mask=sm, other=0.0)
+        l_tot = lh + tl.sum(l_w, 0)
+        inv = tl.where(l_tot > 0, 1.0 / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
+        h = bh % Hk
+        for c0 in tl.static_range(0, D, C_BLOCK):
+            offs_c = c0 + tl.arange(0, C_BLOCK)
+            # history: (acc R_Vᵀ)[c] = sum_d R_V[c, d] acc[d], plus l_h * mu_V[c]
+            r = tl.load(RV + h * D * D + offs_c[:, None] * D + offs_d[None, :])
+            o = tl.sum(r * acc[None, :], 1)
+            if HAS_MUV:
+                o += lh * tl.load(MUV + h * D + offs_c)
+            # window splits: already in the value space
+            for s0 in range(S_HIST, S_TOT, S_BLOCK):
+                sm = s0 + offs_s < S_TOT
+                w = tl.exp2(tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf")) - m_safe)
+                a = tl.load(PACC + (base + (s0 + offs_s)[:, None] * M) * D + offs_c[None, :], mask=sm[:, None], other=0.0)
+                o += tl.sum(w[:, None] * a, 0)
+            tl.store(OACC + row.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
+    else:
+        tl.store(OM + row, m * _LN2)
+        tl.store(OL + row, lh)
+        tl.store(OACC + row.to(tl.int64) * D + offs_d, acc)
+
+
+# ----------------------------------------------------------------------------------------------
+# host side
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(n: int, bh: int, device: torch.device, cfg=None) -> int:
+    """Split-K factor: enough programs (``programs_per_sm`` x SMs) to fill the GPU at small batch,
+    at least ``min_split`` tokens per split, at most one split per block."""
+    cfg = cfg or CONFIG
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 4
+    s = triton.cdiv(cfg["programs_per_sm"] * sms, max(bh, 1))
+    s = min(s, triton.cdiv(n, cfg["min_split"]), triton.cdiv(n, cfg["block_n"]))
+    return max(s, 1)
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def _mask_4d(mask, b, hk, n):
+    """``mask`` (None or bool broadcastable to [B, Hk, 1, N]) -> (uint8 view expanded to [B, Hk, 1, N], ok)."""
+    if mask is None:
+        return None, True
+    if mask.dim() != 4 or mask.shape[2] != 1 or mask.shape[3] != n or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, hk):
+        return None, False
+    if mask.dtype != torch.bool:  # additive float masks etc.: the reference decides
+        return None, False
+    return mask.expand(b, hk, 1, n).view(torch.uint8), True
+
+
+def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask) -> bool:
+    """Shapes the kernels serve (anything else: the reference)."""
+    b, hk, m, d = q_rot.shape
+    n = k.codes.shape[-2]
+    pow2 = lambda x: x > 0 and (x & (x - 1)) == 0  # noqa: E731
+    return (
+        pow2(d) and 64 <= d <= 256 and pow2(group_size) and group_size <= d and d % group_size == 0
+        and 1 <= m <= 64 and _mask_4d(key_mask, b, hk, n)[1]
+    )
+
+
+def _rows_layout(x: QuantizedRows) -> QuantizedRows:
+    """The kernel reads codes with contiguous bytes per token and metadata as contiguous
+    ``[token, group]`` rows with one shared layout for scale and zero (what the cache's storage
+    and its ``[:, :, :N]`` views are); anything else is copied once."""
+    codes, scale, zero = x
+    if codes.stride(-1) != 1:
+        codes = codes.contiguous()
+    ng = scale.shape[-1]
+    if scale.stride(-1) != 1 or scale.stride(-2) != ng or zero.stride() != scale.stride():
+        scale, zero = scale.contiguous(), zero.contiguous()
+    return QuantizedRows(codes, scale, zero)
+
+
+def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window=None, cfg=None):
+    """Shared host code; ``window`` = (q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype) or None."""
+    cfg = cfg or CONFIG
+    b, hk, m, d = q_rot.shape
+    n = k.codes.shape[-2]
+    dev = q_rot.device
+    q_rot = q_rot.float()
+    if q_rot.stride(-1) != 1:
+        q_rot = q_rot.contiguous()
+    k, v = _rows_layout(k), _rows_layout(v)
+    if start is None:
+        start = torch.zeros(b, dtype=torch.int32, device=dev)
+    elif not isinstance(start, torch.Tensor):
+        start = torch.full((b,), int(start), dtype=torch.int32, device=dev)
+    start = start.to(device=dev).reshape(b)
+    kmask, _ = _mask_4d(key_mask, b, hk, n)
+    if qk_offset is not None:
+        qk_offset = qk_offset.float().expand(b, hk, m)
+
+    bh = b * hk
+    s_hist = num_splits(n, bh, dev, cfg) if n > 0 else 0
+    split_len = triton.cdiv(triton.cdiv(max(n, 1), max(s_hist, 1)), cfg["block_n"]) * cfg["block_n"]
+    s_hist = triton.cdiv(n, split_len) if n > 0 else 0  # drop splits that would be empty
+    fused = window is not None
+    if fused:
+        q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype = window
+        w = 0 if k_win is None else k_win.shape[-2]
+        s_win = triton.cdiv(w, cfg["win_split"])
+        if w:
+            q_win = q_win if q_win.stride(-1) == 1 else q_win.contiguous()
+            k_win = k_win if k_win.stride(-1) == 1 else k_win.contiguous()
+            v_win = v_win if v_win.stride(-1) == 1 else v_win.contiguous()
+        wmask, _ = _mask_4d(win_mask, b, hk, w)
+        r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
+        mu_v = None if mu_v is None else mu_v.to(device=dev, dtype=torch.float32).contiguous()
+    else:
+        w, s_win, wmask = 0, 0, None
+        q_win = k_win = v_win = r_v = mu_v = None
+    s_tot = s_hist + s_win
+    m_pad = _pow2_at_least(m, 16)
+
+    pm = torch.empty(bh, max(s_tot, 1), m, device=dev, dtype=torch.float32)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(bh, max(s_tot, 1), m, d, device=dev, dtype=torch.float32)
+    if s_tot == 0:  # nothing to attend to: one empty partial
+        pm.fill_(float("-inf"))
+        pl.zero_()
+        pacc.zero_()
+        s_tot = 1
+    else:
+        z3 = (0, 0, 0)
+        _split_kernel[(bh, s_tot)](
+            q_rot, *k, *v, start, kmask, qk_offset,
+            q_win, k_win, v_win, wmask,
+            pm, pl, pacc,
+            n, m, hk, s_hist, s_tot, split_len, w, cfg["win_split"], float(scaling) * LOG2E,
+            *q_rot.stride()[:3],
+            *k.codes.stride()[:3], *k.scale.stride()[:2],
+            *v.codes.stride()[:3], *v.scale.stride()[:2],
+            *(kmask.stride()[0], kmask.stride()[1], kmask.stride()[3]) if kmask is not None else z3,
+            *qk_offset.stride() if qk_offset is not None else z3,
+            *(q_win.stride()[:3] if w else z3), *(k_win.stride()[:3] if w else z3), *(v_win.stride()[:3] if w else z3),
+            *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
+            D=d, G=group_size, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
+            HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
+            HAS_WIN=s_win > 0, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
+            # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
+            # (checked without spills by tests/kernels/test_compile_sm90.py)
+            num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],
+            num_stages=2 if d > 128 else cfg["num_stages"],
+        )
+    s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1), 64)
+    if fused:
+        out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
+        _combine_kernel[(bh * m,)](
+            pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
+            D=d, S_BLOCK=s_block, C_BLOCK=min(d, 32), FINAL=True, HAS_MUV=mu_v is not None, num_warps=4,
+        )
+        return out
+    om = torch.empty(b, hk, m, device=dev, dtype=torch.float32)
+    ol = torch.empty_like(om)
+    oacc = torch.empty(b, hk, m, d, device=dev, dtype=torch.float32)
+    _combine_kernel[(bh * m,)](
+        pm, pl, pacc, om, ol, oacc, None, None, m, hk, s_tot, s_tot,
+        D=d, S_BLOCK=s_block, C_BLOCK=min(d, 32), FINAL=False, HAS_MUV=False, num_warps=4,
+    )
+    return om, ol, oacc
+
+
+def history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n=None):
+    """Triton version of :func:`~oscar_hf.kernels.int2_attention.history_partial_reference` (same
+    contract; ``block_n`` is accepted for signature compatibility and ignored: the kernel's tile is
+    ``CONFIG["block_n"]``). Two launches."""
+    from .int2_attention import history_partial_reference
+
+    if not kernel_supported(q_rot, k, group_size, key_mask):
+        return history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n or 1024)
+    return _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# the full decode attention op
+
+
+def decode_attention_reference(
+    q_rot, k, v, start, key_mask, qk_offset, scaling, group_size,
+    q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, block_n=1024,
+):
+    """Torch reference of :func:`decode_attention_triton`: history partial (INT2, rotated) -> back to
+    the value space (``acc R_Vᵀ + l mu_V``), merged with the window partial, normalized."""
+    from .int2_attention import history_partial_reference, merge_partials, partial_from_logits
+
+    out_dtype = out_dtype or (q_win.dtype if q_win is not None else torch.float32)
+    hm, hl, hacc = history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n)
+    hacc = torch.matmul(hacc, r_v.float().transpose(-1, -2).unsqueeze(0))
+    if mu_v is not None:
+        hacc = hacc + hl.unsqueeze(-1) * mu_v.float()[None, :, None, :]
+    parts = [(hm, hl, hacc)]
+    if k_win is not None and k_win.shape[-2] > 0:
+        logits = torch.matmul(q_win.float(), k_win.float().transpose(-1, -2)) * scaling
+        if win_mask is not None:
+            logits = logits.masked_fill(~win_mask, float("-inf"))
+        parts.append(partial_from_logits(logits, v_win))
+    _, l, acc = merge_partials(parts)
+    out = acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)
+    return out.to(out_dtype)
+
+
+def decode_attention_triton(
+    q_rot, k, v, start, key_mask, qk_offset, scaling, group_size,
+    q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None,
+):
+    """Decode attention of one layer over INT2 history + full-precision window, in two launches.
+
+    Args (``B`` batch, ``Hk`` KV heads, ``M`` query rows per KV head, ``D`` head_dim):
+        q_rot, k, v, start, key_mask, qk_offset, scaling, group_size: as for ``history_partial``
+            (history keys/values rotated by R_K/R_V and centered).
+        q_win: ``[B, Hk, M, D]`` the *unrotated* queries (any float dtype), for the window keys.
+        k_win, v_win: ``[B, Hk, W, D]`` unrotated full-precision window (sink + recent, one buffer),
+            or None.
+        win_mask: None or bool broadcastable to ``[B, Hk, 1, W]`` (False = masked).
+        r_v: ``[Hk, D, D]`` float32 value rotation; mu_v: ``[Hk, D]`` or None.
+        out_dtype: dtype of the result (default: q_win's).
+    Returns ``[B, Hk, M, D]``: softmax attention over history and window, in the value space.
+    Rows without any valid key are 0. Unsupported shapes or masks fall back to the reference.
+    """
+    out_dtype = out_dtype or (q_win.dtype if q_win is not None else torch.float32)
+    b, hk, _, _ = q_rot.shape
+    w = 0 if k_win is None else k_win.shape[-2]
+    if not kernel_supported(q_rot, k, group_size, key_mask) or not _mask_4d(win_mask, b, hk, w)[1]:
+        return decode_attention_reference(
+            q_rot, k, v, start, key_mask, qk_offset, scaling, group_size,
+            q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype,
+        )
+    return _launch(
+        q_rot, k, v, start, key_mask, qk_offset, scaling, group_size,
+        window=(q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype),
+    )
+
+
+def decode_attention(*args, use_kernels="auto", **kwargs):
+    """Dispatch :func:`decode_attention_triton` (CUDA / forced interpreter) or the reference."""
+    from . import triton_enabled
+
+    q_rot = args[0] if args else kwargs["q_rot"]
+    if triton_enabled(q_rot, use_kernels):
+        return decode_attention_triton(*args, **kwargs)
+    return decode_attention_reference(*args, **kwargs)
+
+
+__all__ = [
+    "CONFIG", "history_partial_triton", "decode_attention_triton", "decode_attention_reference",
+    "decode_attention", "num_splits", "kernel_supported",
+]

@@ -1,0 +1,175 @@
+"""Fused write path: center + rotate + clip + INT2-quantize + pack, one Triton kernel.
+
+``rotate_quantize_triton`` has the signature and semantics of
+:func:`oscar_hf.kernels.write_path.rotate_quantize_reference` (see there and ``oscar_hf/quant.py``
+for the layout). One launch per call; grid ``(cdiv(T, BLOCK_T), B * Hk)``: each program owns
+``BLOCK_T`` rows of one (batch, KV head) and does, without touching device memory in between:
+
+1. ``rows = (x - mu) @ R`` as a K-blocked ``tl.dot`` (fp32 operands; ``tf32x3`` on the GPU, which
+   is float32-accurate, so codes agree with the fp32 reference except on rounding ties);
+2. per group of ``G`` contiguous channels: ``lo, hi`` -> clipped ``lo', scale = (hi' - lo') / 3``,
+   rounded to the metadata dtype *before* the codes are computed (as the reference does);
+3. ``code = clamp(rint((x - zero) / scale), 0, 3)`` (0 where the group range is 0);
+4. pack: byte ``j`` = ``code[j] | code[j + D/4] << 2 | code[j + D/2] << 4 | code[j + 3D/4] << 6``.
+
+Requirements for the kernel (anything else falls back to the reference): power-of-two ``D`` in
+[32, 256], ``G`` a power of two dividing ``D``, a float ``clip``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_hf.quant import LEVELS, QuantizedRows, check_group_size
+
+_LEVELS = tl.constexpr(float(LEVELS))  # 3.0; jit code may only read constexpr globals
+
+_META_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+@triton.jit
+def _rint(y):
+    """Round half to even (what ``torch.round`` does) for |y| < 2**22: adding and subtracting
+    1.5 * 2**23 leaves no fraction bits, so the FPU's round-to-nearest-even does the rounding."""
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _round_meta(v, META_KIND: tl.constexpr):
+    """Round float32 ``v`` to the metadata dtype (0: bf16, 1: fp16, 2: fp32), round-to-nearest-even
+    like torch. Returns ``(stored, stored as float32)``. The bf16 rounding is done on the bits: the
+    Triton interpreter truncates on float32 -> bfloat16 casts, the GPU rounds; bit arithmetic
+    gives the torch result on both."""
+    if META_KIND == 0:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)  # RNE on the 16 dropped bits
+        hi16 = bits >> 16
+        stored = hi16.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        vf = (hi16 << 16).to(tl.float32, bitcast=True)
+    elif META_KIND == 1:
+        stored = v.to(tl.float16)
+        vf = stored.to(tl.float32)
+    else:
+        stored = v
+        vf = v
+    return stored, vf
+
+
+@triton.jit
+def _rotate_quantize_kernel(
+    X, R, MU, CODES, SCALE, ZERO,
+    T, Hk, out_offset, clip,
+    sxb, sxh, sxt, sxd,  # x strides [B, Hk, T, D]
+    scb, sch, sct,  # codes strides [B, Hk, cap, D/4] (last dim contiguous)
+    ssb, ssh, sst,  # scale/zero strides [B, Hk, cap, D/G] (last dim contiguous)
+    D: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_MU: tl.constexpr, META_KIND: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hk
+    h = pid_bh % Hk
+    NG: tl.constexpr = D // G
+    D4: tl.constexpr = D // 4
+
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    offs_d = tl.arange(0, D)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    # 1. rot = (x - mu) @ R[h], accumulated over BLOCK_K input channels at a time.
+    x_base = X + b.to(tl.int64) * sxb + h * sxh + rows[:, None].to(tl.int64) * sxt
+    r_base = R + h * D * D
+    rot = tl.zeros((BLOCK_T, D), dtype=tl.float32)
+    for k0 in tl.static_range(0, D, BLOCK_K):
+        x = tl.load(x_base + (k0 + offs_k)[None, :] * sxd, mask=rmask[:, None], other=0.0).to(tl.float32)
+        if HAS_MU:
+            x = x - tl.load(MU + h * D + k0 + offs_k)[None, :]
+        r = tl.load(r_base + (k0 + offs_k)[:, None] * D + offs_d[None, :])
+        rot = tl.dot(x, r, rot, input_precision=PRECISION)
+
+    # 2. per-group range, clipped around its midpoint; metadata rounded to the stored dtype.
+    xg = tl.reshape(rot, (BLOCK_T, NG, G))
+    lo = tl.min(xg, 2)
+    hi = tl.max(xg, 2)
+    mid = (hi + lo) * 0.5
+    half = (hi - lo) * 0.5 * clip
+    scale_m, s = _round_meta(tl.math.div_rn(2.0 * half, 3.0), META_KIND)  # scale = (hi' - lo') / LEVELS
+    zero_m, z = _round_meta(mid - half, META_KIND)  # zero = lo'
+
+    # 3. codes against the stored metadata; a zero-range group gets code 0 (x_hat = zero exactly).
+    safe = tl.where(s > 0, s, 1.0)
+    y = tl.math.div_rn(xg - z[:, :, None], safe[:, :, None])
+    y = tl.minimum(tl.maximum(y, -1.0), _LEVELS + 1.0)  # keep _rint's argument small
+    q = tl.minimum(tl.maximum(_rint(y), 0.0), _LEVELS)
+    q = tl.where(s[:, :, None] > 0, q, 0.0).to(tl.int32)
+
+    # 4. pack the plane layout: channel p * D/4 + j goes to bits 2p..2p+1 of byte j. Reshaping the
+    # channel axis to (4, D/4) puts plane p on axis 1; the shifted planes share no bits, so a sum is an OR.
+    q4 = tl.reshape(q, (BLOCK_T, 4, D4))
+    shift = 2 * tl.arange(0, 4)
+    packed = tl.sum(q4 << shift[None, :, None], axis=1).to(tl.uint8)
+
+    orow = (out_offset + rows).to(tl.int64)
+    c_ptr = CODES + b.to(tl.int64) * scb + h * sch + orow[:, None] * sct + tl.arange(0, D4)[None, :]
+    tl.store(c_ptr, packed, mask=rmask[:, None])
+    m_off = b.to(tl.int64) * ssb + h * ssh + orow[:, None] * sst + tl.arange(0, NG)[None, :]
+    tl.store(SCALE + m_off, scale_m, mask=rmask[:, None])
+    tl.store(ZERO + m_off, zero_m, mask=rmask[:, None])
+
+
+def kernel_supported(x: torch.Tensor, group_size: int, clip) -> bool:
+    d = x.shape[-1]
+    pow2 = lambda n: n > 0 and (n & (n - 1)) == 0  # noqa: E731
+    return pow2(d) and 32 <= d <= 256 and pow2(group_size) and d % group_size == 0 and (
+        not isinstance(clip, torch.Tensor) or clip.numel() == 1
+    )
+
+
+def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0):
+    """Triton version of :func:`~oscar_hf.kernels.write_path.rotate_quantize_reference` (same contract)."""
+    from .write_path import rotate_quantize_reference
+
+    b, hk, t, d = x.shape
+    check_group_size(d, group_size)
+    if not kernel_supported(x, group_size, clip) or meta_dtype not in _META_KIND:
+        return rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset)
+    ng = d // group_size
+    if out is None:
+        res = QuantizedRows(
+            torch.empty(b, hk, t, d // 4, dtype=torch.uint8, device=x.device),
+            torch.empty(b, hk, t, ng, dtype=meta_dtype, device=x.device),
+            torch.empty(b, hk, t, ng, dtype=meta_dtype, device=x.device),
+        )
+        offset = 0
+    else:
+        res, offset = out, int(out_offset)
+        if out.scale.dtype != meta_dtype or out.zero.dtype != meta_dtype:
+            raise ValueError(f"out metadata dtype {out.scale.dtype} != meta_dtype {meta_dtype}")
+        if offset < 0 or offset + t > out.codes.shape[2]:
+            raise ValueError(f"rows [{offset}, {offset + t}) do not fit the storage capacity {out.codes.shape[2]}")
+    if t == 0 or b == 0:
+        return res
+    codes, scale, zero = res
+    assert codes.stride(-1) == 1 and scale.stride(-1) == 1 and zero.stride(-1) == 1, "storage must be contiguous in D"
+    assert scale.stride() == zero.stride(), "scale and zero storage must share a layout"
+    r = r.to(device=x.device, dtype=torch.float32).contiguous()
+    if mu is not None:
+        mu = mu.to(device=x.device, dtype=torch.float32).contiguous()
+    clip = float(clip)
+    block_k = min(d, 64)
+    block_t = 64 if d <= 128 else 16  # D = 256: smaller row tiles, no register spills
+    grid = (triton.cdiv(t, block_t), b * hk)
+    _rotate_quantize_kernel[grid](
+        x, r, mu if mu is not None else r, codes, scale, zero,
+        t, hk, offset, clip,
+        *x.stride(),
+        *codes.stride()[:3],
+        *scale.stride()[:3],
+        D=d, G=group_size, BLOCK_T=block_t, BLOCK_K=block_k,
+        HAS_MU=mu is not None, META_KIND=_META_KIND[meta_dtype],
+        PRECISION="tf32x3" if x.is_cuda else "ieee",
+        num_warps=4 if d <= 128 else 8,
+    )
+    return res

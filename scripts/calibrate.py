@@ -1,0 +1,112 @@
+#!/usr/bin/env python
+"""Calibrate OSCAR rotations for a model and write the artifact, a report and a spectra plot.
+
+Examples::
+
+    python scripts/calibrate.py --model smollm2 --out artifacts/smollm2-oscar
+    python scripts/calibrate.py --model smollm2 --method auto --out artifacts/smollm2-auto
+    python scripts/calibrate.py --model Qwen/Qwen3-0.6B --data wikitext --data-config wikitext-2-raw-v1 \\
+        --split test --device cuda --dtype bfloat16 --out artifacts/qwen3-0.6b
+
+Only the calibration part of the data is read (the first ~25 % of its characters, see
+``oscar_hf.data``); the rest is held out for evaluation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+EXIT_EXISTS = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from oscar_hf.calibration import CLIP_GRID, METHODS, VALUE_TARGETS
+    from oscar_hf.data import CALIBRATION_FRACTION
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help='hub id, local path, or "smollm2" (the packaged default)')
+    p.add_argument("--gguf-file", default=None, help="GGUF file inside --model (dequantized on load)")
+    p.add_argument("--data", default=None, help="file.txt | file.jsonl | file.json | datasets Hub name "
+                   "(default: the WikiText-2 test file shipped with the repository)")
+    p.add_argument("--data-config", default=None, help="datasets config name (Hub datasets)")
+    p.add_argument("--split", default="test", help="datasets split (Hub datasets)")
+    p.add_argument("--text-field", default="text", help="field holding the text (json / Hub datasets)")
+    p.add_argument("--calibration-fraction", type=float, default=CALIBRATION_FRACTION,
+                   help="leading fraction of the corpus reserved for calibration (the rest is evaluation text)")
+    p.add_argument("--tokens", type=int, default=8192, help="statistics tokens")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--method", default="oscar", choices=METHODS)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--no-center", action="store_true", help="do not calibrate offsets mu_K / mu_V")
+    p.add_argument("--value-target", default="sst", choices=VALUE_TARGETS)
+    p.add_argument("--clip-grid", default=None,
+                   help=f"comma-separated clip ratios (default {CLIP_GRID[0]}..{CLIP_GRID[-1]} step 0.02); '1' disables the search")
+    p.add_argument("--holdout-fraction", type=float, default=0.25)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--force", action="store_true", help="overwrite an existing artifact in --out")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("-q", "--quiet", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from oscar_hf.rotations import CONFIG_NAME, WEIGHTS_NAME
+
+    out = Path(args.out)
+    existing = [f for f in (CONFIG_NAME, WEIGHTS_NAME) if (out / f).exists()]
+    if existing and not args.force:
+        print(f"error: {out} already contains an OSCAR artifact ({', '.join(existing)}); "
+              "pass --force to overwrite it", file=sys.stderr)
+        return EXIT_EXISTS
+    if out.exists() and not out.is_dir():
+        print(f"error: {out} exists and is not a directory", file=sys.stderr)
+        return EXIT_EXISTS
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    log = logging.getLogger("oscar_hf.calibrate")
+
+    import torch
+
+    from oscar_hf import data
+    from oscar_hf.calibration import CLIP_GRID, calibrate, calibration_report, plot_spectra
+    from oscar_hf.models import load_model, wikitext_path
+
+    clip_grid = CLIP_GRID if args.clip_grid is None else tuple(float(c) for c in args.clip_grid.split(",") if c.strip())
+    source = args.data or str(wikitext_path())
+    t0 = time.perf_counter()
+    texts = data.load_texts(source, data_config=args.data_config, split=args.split, text_field=args.text_field)
+    split = data.split_texts(texts, args.calibration_fraction)
+    log.info("data: %s -- %s", source, split.describe())
+    model, tok = load_model(args.model, gguf_file=args.gguf_file, dtype=getattr(torch, args.dtype), device=args.device)
+    log.info("model %s loaded in %.1f s", args.model, time.perf_counter() - t0)
+    rot = calibrate(
+        model, tok, split.calibration,
+        method=args.method, tokens=args.tokens, seq_len=args.seq_len, group_size=args.group_size,
+        center=not args.no_center, value_target=args.value_target, clip_grid=clip_grid,
+        holdout_fraction=args.holdout_fraction, batch_size=args.batch_size, progress=not args.no_progress,
+        metadata={"data": {"source": source, "config": args.data_config, "split": args.split,
+                           "text_field": args.text_field, "calibration_fraction": args.calibration_fraction,
+                           "calibration_chars": [0, split.boundary], "total_chars": split.total_chars},
+                  "model_arg": args.model, "dtype": args.dtype, "device": args.device},
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    rot.save_pretrained(out)
+    report = calibration_report(rot)
+    (out / "report.txt").write_text(report)
+    plot_spectra(rot, out / "spectra.png")
+    if not args.quiet:
+        print(report)
+    print(json.dumps({"out": str(out), "time_s": rot.metadata["calibration"]["time_s"],
+                      "tokens": rot.metadata["calibration"]["tokens"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

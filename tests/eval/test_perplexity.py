@@ -1,0 +1,138 @@
+"""The one-forward fake-quant scorer equals token-by-token decoding through the real cache."""
+import math
+
+import pytest
+import torch
+from transformers.utils import logging as hf_logging
+
+import oscar_hf.eval.methods as methods_mod
+from oscar_hf import OscarRotations
+from oscar_hf.eval.fakequant import window_exact_mask
+from oscar_hf.eval.methods import OscarFamily, get_method
+from oscar_hf.eval.perplexity import cache_nll, evaluation_ids, fast_nll, perplexity
+from oscar_hf.models import tiny_model
+from oscar_hf.rotations import LayerRotation
+
+hf_logging.disable_progress_bar()
+
+
+def random_artifact(model, seed=0, clip=(0.9, 0.85)):
+    """A calibrated-looking artifact: random orthogonal R per KV head, offsets, clip ratios."""
+    fp = OscarRotations.builtin(model, "identity").fingerprint
+    g = torch.Generator().manual_seed(seed)
+    hk, d = fp.num_key_value_heads, fp.head_dim
+    layers = {}
+    for i in range(fp.num_layers):
+        r_k = torch.linalg.qr(torch.randn(hk, d, d, generator=g, dtype=torch.float64))[0].float()
+        r_v = torch.linalg.qr(torch.randn(hk, d, d, generator=g, dtype=torch.float64))[0].float()
+        mu = lambda: 0.3 * torch.randn(hk, d, generator=g)  # noqa: E731
+        layers[i] = LayerRotation(r_k, r_v, clip[0], clip[1], mu(), mu())
+    return OscarRotations(fp, "oscar", layers, {})
+
+
+def both(model, ids, method, prefill):
+    f = fast_nll(model, ids, prefill, method.fake_spec(model), return_token_nll=True)["token_nll"]
+    c = cache_nll(model, ids, prefill, lambda: method.make_cache(model), progress=False, return_token_nll=True)
+    return f, c["token_nll"]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def peaky(request):
+    # initializer_range=0.2: sharp attention, so a wrong window / wrong reconstruction shows clearly
+    return tiny_model(request.param, initializer_range=0.2)
+
+
+CASES = [
+    ("identity", dict(sink=4, recent=8, group_size=16), 9),
+    ("hadamard", dict(sink=3, recent=5, group_size=32, clip_k=0.9, clip_v=0.85), 1),
+    ("artifact", dict(sink=2, recent=6, group_size=16), 20),
+    ("artifact-nocenter", dict(sink=2, recent=6, group_size=16, center=False), 4),
+    ("skip", dict(sink=4, recent=8, group_size=32, skip_layers=(0,)), 1),
+]
+
+
+@pytest.mark.parametrize("kind,cfg,prefill", CASES, ids=[c[0] for c in CASES])
+def test_fast_equals_token_by_token_tiny(peaky, kind, cfg, prefill):
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (1, 64))
+    if kind.startswith("artifact"):
+        method = OscarFamily("oscar", rotations=random_artifact(peaky), **cfg)
+    else:
+        method = get_method("identity" if kind == "skip" else kind, **cfg)
+    f, c = both(peaky, ids, method, prefill)
+    fp = fast_nll(peaky, ids, prefill, None, return_token_nll=True)["token_nll"]
+    assert f.shape == c.shape == (64 - prefill,)
+    assert (f - c).abs().max() < 2e-5, (f - c).abs().max()
+    assert (f - fp).abs().max() > 1e-2  # the quantization is visible, so the equality is not vacuous
+
+
+def test_wrong_window_rule_is_detected(peaky, monkeypatch):
+    """Negative control: shifting the recent window by one token breaks the equality."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (1, 64))
+    method = get_method("identity", sink=4, recent=8, group_size=16)
+    _, c = both(peaky, ids, method, 9)
+    monkeypatch.setattr(methods_mod, "window_exact_mask", lambda n, p, s, r, d=None: window_exact_mask(n, p, s, r + 1, d))
+    f = fast_nll(peaky, ids, 9, method.fake_spec(peaky), return_token_nll=True)["token_nll"]
+    assert (f - c).abs().max() > 1e-3
+
+
+def test_window_rule_matches_cache_parts():
+    """The mask's quantized region is exactly the cache's history [sink, T - recent) once T - recent > sink."""
+    m = window_exact_mask(40, 1, 4, 8)
+    for p in range(40):
+        hist = [j for j in range(p + 1) if not m[p, j]]
+        want = list(range(4, p - 8)) if p - 8 > 4 else []
+        assert hist == want, p
+
+
+@pytest.mark.slow
+def test_fast_equals_token_by_token_smollm2(smollm2):
+    """Real model. Float noise (~1e-6) can flip an INT2 code or a bf16 scale, and the flip propagates
+    through later quantized layers, so the full-depth check is statistical; with the first 4 layers
+    quantized (no flips there) the two paths agree per token."""
+    model, tok = smollm2
+    ids = evaluation_ids(tok, 96)[None]
+    fp = fast_nll(model, ids, 1, None, return_token_nll=True)["token_nll"]
+    for name in ("identity", "hadamard"):
+        method = get_method(name, sink=4, recent=8, group_size=32, skip_layers=tuple(range(4, 30)))
+        f, c = both(model, ids, method, 1)
+        assert (f - c).abs().max() < 2e-3, (name, (f - c).abs().max())
+        assert abs(f.mean() - c.mean()) / c.mean() < 1e-4
+        assert (f - fp).abs().max() > 5e-2  # quantizing 4 layers is visible
+    method = get_method("hadamard", sink=8, recent=16, group_size=32)
+    f, c = both(model, ids, method, 1)
+    rel = abs(f.mean() - c.mean()) / c.mean()
+    effect = abs(f.mean() - fp.mean()) / fp.mean()
+    assert rel < 2e-3 and rel < 0.2 * effect, (rel, effect)
+
+
+def test_perplexity_runner_windows_and_bits():
+    model = tiny_model("llama", initializer_range=0.2)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 256, (200,))
+    m = get_method("hadamard", sink=4, recent=16, group_size=32)
+    r = perplexity(model, ids, m, context_len=64, n_windows=3, progress=False)
+    assert r["tokens"] == 3 * 63 and len(r["window_ppl"]) == 3
+    assert math.isclose(math.log(r["ppl"]), r["nll"], rel_tol=1e-9)
+    # the runner's windows are consecutive: window 1 alone gives the runner's second window ppl
+    r1 = perplexity(model, ids[64:128], m, context_len=64, n_windows=1, progress=False)
+    assert math.isclose(r1["ppl"], r["window_ppl"][1], rel_tol=1e-6)
+    # exact path agrees with the fast one
+    r2 = perplexity(model, ids[64:128], m, context_len=64, n_windows=1, exact=True, progress=False)
+    assert math.isclose(r1["ppl"], r2["ppl"], rel_tol=1e-4)
+    with pytest.raises(ValueError):
+        perplexity(model, ids, m, context_len=64, n_windows=4, progress=False)
+
+
+def test_bits_match_memory_report():
+    """Effective bits counted by the methods = OscarCache.memory_report() on a bf16 model."""
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    for cfg in (dict(sink=4, recent=8, group_size=16), dict(sink=2, recent=40, group_size=32)):
+        m = get_method("hadamard", **cfg)
+        cache = m.make_cache(model)
+        for T in (30, 57):
+            cache = m.make_cache(model)
+            with torch.no_grad():
+                model(torch.randint(0, 256, (1, T)), past_key_values=cache, use_cache=True)
+            assert math.isclose(cache.memory_report()["bits_per_element"], m.bits(T, 32), rel_tol=1e-9), (cfg, T)

@@ -1,0 +1,119 @@
+"""Compile the Triton kernels for Hopper (sm_90) without a GPU, with the arguments real calls pass.
+
+Run as a script in a fresh process with ``TRITON_INTERPRET`` unset (``test_compile_sm90.py`` does):
+the host code of each kernel runs on small CPU tensors with the launches recorded instead of
+executed; each recorded launch is then compiled by ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``
+(ptxas ships with triton) and its resource usage read back with cuobjdump. Prints one JSON line per
+kernel variant: name, registers, spilled (local) bytes, shared memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+
+_TY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
+       torch.int64: "i64", torch.int32: "i32", torch.bool: "i1"}
+
+
+class Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kw)`` is recorded, not run."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((grid, args, kw))
+
+
+def compile_call(fn, args, kw, cuda_kw):
+    kw = {**kw, **{k: v for k, v in cuda_kw.items() if k in fn.arg_names}}
+    vals = dict(zip(fn.arg_names, args))
+    vals.update({k: v for k, v in kw.items() if k in fn.arg_names})
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        v = vals[name]
+        if fn.params[i].is_constexpr or v is None or isinstance(v, str):
+            sig[name], consts[name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):  # device allocations are 16-byte aligned, like the JIT assumes
+            sig[name], attrs[(i,)] = "*" + _TY[v.dtype], [["tt.divisibility", 16]]
+        elif isinstance(v, bool):
+            sig[name] = "i1"
+        elif isinstance(v, int):
+            if v == 1:  # the JIT specializes integers equal to 1
+                sig[name], consts[name] = "constexpr", 1
+            else:
+                sig[name] = "i32" if abs(v) < 2**31 else "i64"
+                if v % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        else:
+            raise TypeError(f"{name}: {type(v)}")
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    opts = {"num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3)}
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.asm["cubin"])
+        f.flush()
+        res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
+    return {"regs": regs, "spill_bytes": local, "smem": c.metadata.shared, "num_warps": opts["num_warps"]}
+
+
+def main():
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+    from oscar_hf.kernels import decode_triton as dt
+    from oscar_hf.kernels import write_triton as wt
+    from oscar_hf.quant import quantize_rows
+
+    split, comb, write = Recorder(dt._split_kernel), Recorder(dt._combine_kernel), Recorder(wt._rotate_quantize_kernel)
+    dt._split_kernel, dt._combine_kernel, wt._rotate_quantize_kernel = split, comb, write
+    g0 = torch.Generator().manual_seed(0)
+    labels = []
+
+    def attn(b, hk, m, n, d, g, window):
+        q = torch.randn(b, hk, m, d, generator=g0)
+        k, v = quantize_rows(torch.randn(b, hk, n, d, generator=g0), g), quantize_rows(torch.randn(b, hk, n, d, generator=g0), g)
+        start = torch.zeros(b, dtype=torch.int64)
+        off = torch.randn(b, hk, m, generator=g0)
+        if window:
+            w = 320
+            kw_ = torch.randn(b, hk, w, d, generator=g0).bfloat16()
+            dt.decode_attention_triton(q, k, v, start, None, off, 0.1, g, q.bfloat16(), kw_, kw_, None,
+                                       torch.randn(hk, d, d, generator=g0), torch.randn(hk, d, generator=g0), torch.bfloat16)
+        else:
+            mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
+            dt.history_partial_triton(q, k, v, start, mask, off, 0.1, g)
+        labels.append(f"attn d={d} g={g} m={m} window={window}")
+
+    attn(1, 8, 4, 8192, 128, 64, True)  # the benchmark's shape, full decode op
+    attn(1, 8, 4, 8192, 128, 128, False)
+    attn(1, 2, 8, 4096, 64, 32, False)
+    attn(1, 2, 32, 4096, 128, 64, False)
+    attn(1, 2, 4, 4096, 256, 32, False)
+    for d, g, meta in ((128, 64, torch.bfloat16), (64, 32, torch.float16), (256, 128, torch.bfloat16)):
+        x = torch.randn(1, 2, 100, d, generator=g0).bfloat16()
+        wt.rotate_quantize_triton(x, torch.randn(2, d, d, generator=g0), torch.randn(2, d, generator=g0), 0.95, g, meta)
+    cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3"}
+    for i, (grid, args, kw) in enumerate(split.calls):
+        print(json.dumps({"kernel": "split", "case": labels[i], **compile_call(split.fn, args, kw, cuda_kw)}))
+    for i, (grid, args, kw) in enumerate(comb.calls[:2]):
+        print(json.dumps({"kernel": "combine", "case": labels[i], **compile_call(comb.fn, args, kw, cuda_kw)}))
+    for grid, args, kw in write.calls:
+        case = f"write d={kw['D']} g={kw['G']}"
+        print(json.dumps({"kernel": "write", "case": case, **compile_call(write.fn, args, kw, cuda_kw)}))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

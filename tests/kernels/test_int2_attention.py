@@ -1,0 +1,297 @@
+"""Split-K INT2 decode attention: the torch reference against plain softmax attention, and the
+Triton kernels (``history_partial_triton``, ``decode_attention_triton``) against the references.
+
+CPU: kernels run under the Triton interpreter (float32 dot operands there, so tolerances are
+tight); GPU (``-m gpu``): compiled kernels (bf16 dot operands) at real shapes.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from kernel_utils import HAS_CUDA, random_rotation, rel_err, setup_interpreter
+
+INTERPRETED = setup_interpreter()  # before any kernel module is imported
+
+from oscar_hf.kernels.int2_attention import (  # noqa: E402
+    history_partial,
+    history_partial_reference,
+    merge_partials,
+)
+from oscar_hf.quant import QuantizedRows, dequantize_rows, quantize_rows  # noqa: E402
+
+interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRITON_INTERPRET=1 without CUDA)")
+on_gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs CUDA (compiled kernels)")
+
+
+def _dt():
+    from oscar_hf.kernels import decode_triton
+
+    return decode_triton
+
+
+def make_case(b, hk, m, n, d, g, *, meta=torch.bfloat16, seed=0, device="cpu", mag=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hk, m, d, generator=gen) * mag
+    k = quantize_rows(torch.randn(b, hk, n, d, generator=gen).to(device) * 2.0, g, 0.96, meta)
+    v = quantize_rows(torch.randn(b, hk, n, d, generator=gen).to(device), g, 0.92, meta)
+    return q.to(device), k, v, gen
+
+
+def plain_attention(q_rot, k, v, start, key_mask, qk_offset, scaling, g):
+    """Independent float64 computation: dequantize the whole history, mask, softmax, weighted sum.
+    Returns (normalized output, log-sum-exp), with NaN/-inf rows for rows without valid keys."""
+    kh = dequantize_rows(QuantizedRows(*(t.cpu() for t in k)), g, torch.float64)
+    vh = dequantize_rows(QuantizedRows(*(t.cpu() for t in v)), g, torch.float64)
+    logits = torch.einsum("bhmd,bhnd->bhmn", q_rot.double().cpu(), kh)
+    if qk_offset is not None:
+        logits = logits + qk_offset.double().cpu()[..., None]
+    logits = logits * scaling
+    n = kh.shape[-2]
+    valid = torch.arange(n)[None, :] >= start.cpu()[:, None]  # [B, N]
+    valid = valid[:, None, None, :].expand_as(logits)
+    if key_mask is not None:
+        valid = valid & key_mask.cpu()
+    logits = logits.masked_fill(~valid, -math.inf)
+    lse = torch.logsumexp(logits, -1)
+    out = torch.einsum("bhmn,bhnd->bhmd", torch.softmax(logits, -1), vh)
+    return out, lse
+
+
+def normalized(part):
+    m, l, acc = (t.double().cpu() for t in part)
+    return acc / l.unsqueeze(-1), m + torch.log(l)
+
+
+def assert_partials_close(got, ref, tol):
+    """m, l, acc individually (the contract) and the normalized output / log-sum-exp."""
+    (gm, gl, ga), (rm, rl, ra) = got, ref
+    assert gm.shape == rm.shape and gl.shape == rl.shape and ga.shape == ra.shape
+    assert gm.dtype == gl.dtype == ga.dtype == torch.float32
+    empty = torch.isinf(rm)
+    assert torch.equal(torch.isinf(gm), empty), "rows without valid keys must have m = -inf"
+    assert (gl[empty] == 0).all() and (ga[empty] == 0).all()
+    assert torch.isfinite(ga).all() and torch.isfinite(gl).all()
+    full = ~empty
+    assert (gm[full] - rm[full]).abs().max().item() <= tol * max(1.0, rm[full].abs().max().item())
+    go, gl_ = normalized(got)
+    ro, rl_ = normalized(ref)
+    assert rel_err(go[full], ro[full]) <= tol
+    assert (gl_[full] - rl_[full]).abs().max().item() <= tol * max(1.0, rl_[full].abs().max().item())
+    # l and acc themselves are relative to m: compare after moving both to the reference's m
+    shift = torch.exp(gm[full].double() - rm[full].double())
+    assert rel_err(gl[full].double() * shift, rl[full]) <= tol
+    assert rel_err(ga[full].double() * shift.unsqueeze(-1), ra[full]) <= tol
+
+
+# ------------------------------------------------------------------------------ the reference itself
+
+
+@pytest.mark.parametrize("block_n", [7, 64, 1024])
+def test_reference_equals_plain_softmax(block_n):
+    b, hk, m, n, d, g = 3, 2, 3, 50, 64, 32
+    q, k, v, gen = make_case(b, hk, m, n, d, g, seed=block_n)
+    start = torch.tensor([0, 13, n])  # row 2 has no valid history
+    key_mask = torch.rand(b, 1, m, n, generator=gen) > 0.3  # per-query mask: the reference handles any
+    off = torch.randn(b, hk, m, generator=gen)
+    part = history_partial_reference(q, k, v, start, key_mask, off, 0.125, g, block_n)
+    out, lse = normalized(part)
+    ref_out, ref_lse = plain_attention(q, k, v, start, key_mask, off, 0.125, g)
+    full = torch.isfinite(ref_lse)
+    assert (~full[2]).all() and full[:2].all()
+    assert rel_err(out[full], ref_out[full]) < 1e-5
+    assert (lse[full] - ref_lse[full]).abs().max() < 1e-4
+    m_, l_, acc = part
+    assert torch.isinf(m_[2]).all() and (l_[2] == 0).all() and (acc[2] == 0).all()
+
+
+def test_merge_partials_is_order_free_and_handles_empty():
+    q, k, v, _ = make_case(2, 1, 2, 40, 64, 64, seed=1)
+    start = torch.tensor([0, 5])
+    whole = history_partial_reference(q, k, v, start, None, None, 0.2, 64, 1024)
+
+    def sl(a, b):
+        return QuantizedRows(*(t[:, :, a:b] for t in k)), QuantizedRows(*(t[:, :, a:b] for t in v))
+
+    k1, v1 = sl(0, 17)
+    k2, v2 = sl(17, 40)
+    p1 = history_partial_reference(q, k1, v1, start, None, None, 0.2, 64, 1024)
+    p2 = history_partial_reference(q, k2, v2, (start - 17).clamp_min(0), None, None, 0.2, 64, 1024)
+    empty = history_partial_reference(q, k2, v2, torch.tensor([40, 40]), None, None, 0.2, 64, 1024)
+    for parts in ([p1, p2], [p2, empty, p1]):
+        assert_partials_close(merge_partials(parts), whole, 1e-6)
+
+
+# ------------------------------------------------------------------- Triton vs reference (interpreter)
+
+# block_n is 64 in the kernel; min_split is lowered so that small N gets several splits on the CPU.
+SMALL_SPLITS = {"min_split": 64}
+
+
+@pytest.fixture
+def small_splits(monkeypatch):
+    dt = _dt()
+    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS})
+    return dt
+
+
+@interp
+@pytest.mark.parametrize(
+    "b,hk,group,q_len,n,d,g,meta,starts,mask,off",
+    [
+        (1, 2, 1, 1, 63, 64, 32, torch.bfloat16, (0,), None, False),  # N = BLOCK_N - 1, MHA
+        (2, 1, 3, 1, 64, 64, 64, torch.float16, (0, 10), "b", True),  # N = BLOCK_N, GQA 3
+        (1, 2, 4, 1, 65, 128, 32, torch.bfloat16, (0,), None, True),  # N = BLOCK_N + 1, GQA 4
+        (3, 1, 8, 1, 203, 128, 64, torch.bfloat16, (0, 70, 203), "bh", True),  # odd N, splits, empty row
+        (2, 2, 4, 2, 130, 128, 128, torch.float16, (64, 1), "b", False),  # q_len 2 -> M 8, G = D
+        (1, 1, 8, 4, 77, 64, 32, torch.bfloat16, (5,), None, True),  # M = 32 (8 warps)
+        (1, 1, 2, 1, 70, 256, 32, torch.bfloat16, (3,), None, True),  # D 256, G < D/4 (gather path)
+    ],
+)
+def test_history_partial_kernel(small_splits, b, hk, group, q_len, n, d, g, meta, starts, mask, off):
+    m = group * q_len
+    q, k, v, gen = make_case(b, hk, m, n, d, g, meta=meta, seed=n + m)
+    start = torch.tensor(starts)
+    key_mask = None
+    if mask == "b":
+        key_mask = torch.rand(b, 1, 1, n, generator=gen) > 0.25
+    elif mask == "bh":
+        key_mask = torch.rand(b, hk, 1, n, generator=gen) > 0.25
+    qk_offset = torch.randn(b, hk, m, generator=gen) * 3 if off else None
+    scaling = d**-0.5
+    got = small_splits.history_partial_triton(q, k, v, start, key_mask, qk_offset, scaling, g)
+    ref = history_partial_reference(q, k, v, start, key_mask, qk_offset, scaling, g, 64)
+    assert_partials_close(got, ref, 2e-5)
+    # and through the public dispatcher
+    got2 = history_partial(q, k, v, start, key_mask, qk_offset, scaling, g, use_kernels=True)
+    assert_partials_close(got2, ref, 2e-5)
+
+
+@interp
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_history_partial_kernel_ignores_stale_storage(small_splits):
+    """Padding positions (< start) and masked tokens may hold garbage (NaN metadata): never read for V."""
+    b, hk, m, n, d, g = 2, 1, 4, 150, 64, 32
+    q, k, v, gen = make_case(b, hk, m, n, d, g, seed=11)
+    start = torch.tensor([0, 100])
+    key_mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
+    key_mask[0, 0, 0, 30:40] = False
+    ref = history_partial_reference(q, k, v, start, key_mask, None, 0.1, g, 64)
+    for t in (k.scale, k.zero, v.scale, v.zero):
+        t[1, :, :100] = float("nan")
+        t[0, :, 30:40] = float("inf")
+    got = small_splits.history_partial_triton(q, k, v, start, key_mask, None, 0.1, g)
+    assert_partials_close(got, ref, 2e-5)
+
+
+@interp
+def test_history_partial_falls_back_for_per_query_masks_and_large_m():
+    dt = _dt()
+    q, k, v, gen = make_case(1, 1, 4, 40, 64, 32, seed=2)
+    start = torch.tensor([0])
+    key_mask = torch.rand(1, 1, 4, 40, generator=gen) > 0.5  # depends on the query row
+    ref = history_partial_reference(q, k, v, start, key_mask, None, 0.1, 32, 1024)
+    got = dt.history_partial_triton(q, k, v, start, key_mask, None, 0.1, 32)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    assert not dt.kernel_supported(torch.zeros(1, 1, 65, 64), k, 32, None)
+    assert not dt.kernel_supported(torch.zeros(1, 1, 4, 64), k, 32, torch.zeros(1, 1, 1, 40))  # float mask
+
+
+@interp
+def test_num_splits_and_empty_history():
+    dt = _dt()
+    dev = torch.device("cpu")
+    assert dt.num_splits(128 * 1024, 8, dev) >= 2  # B=1: split the sequence
+    assert dt.num_splits(100, 8, dev) == 1
+    q, k, v, _ = make_case(2, 1, 3, 0, 64, 32, seed=0)
+    m, l, acc = dt.history_partial_triton(q, k, v, torch.tensor([0, 0]), None, None, 0.1, 32)
+    assert torch.isinf(m).all() and (l == 0).all() and (acc == 0).all()
+
+
+def _window_case(b, hk, m, n, w, d, g, seed, device="cpu", mu=True, wmask=True):
+    q, k, v, gen = make_case(b, hk, m, n, d, g, seed=seed, device=device)
+    q = q.cpu()
+    r_k, r_v = random_rotation(hk, d, gen), random_rotation(hk, d, gen)
+    q_rot = torch.matmul(q, r_k.unsqueeze(0))
+    mu_v = torch.randn(hk, d, generator=gen) * 0.3 if mu else None
+    k_win = (torch.randn(b, hk, w, d, generator=gen) * 2).to(torch.bfloat16) if w else None
+    v_win = torch.randn(b, hk, w, d, generator=gen).to(torch.bfloat16) if w else None
+    win_mask = (torch.rand(b, 1, 1, w, generator=gen) > 0.2) if (w and wmask) else None
+    qk_offset = torch.randn(b, hk, m, generator=gen)
+    mv = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    args = dict(
+        q_rot=mv(q_rot), k=QuantizedRows(*map(mv, k)), v=QuantizedRows(*map(mv, v)), start=mv(torch.zeros(b, dtype=torch.long)),
+        key_mask=None, qk_offset=mv(qk_offset), scaling=d**-0.5, group_size=g,
+        q_win=mv(q.to(torch.bfloat16)), k_win=mv(k_win), v_win=mv(v_win), win_mask=mv(win_mask),
+        r_v=mv(r_v), mu_v=mv(mu_v), out_dtype=torch.float32,
+    )
+    return args, gen
+
+
+@interp
+@pytest.mark.parametrize(
+    "b,hk,m,n,w,d,g,mu,wmask",
+    [
+        (2, 2, 4, 150, 70, 64, 32, True, True),
+        (1, 1, 8, 65, 320, 128, 64, False, False),  # paper window 64 + 256, GQA 8
+        (1, 2, 3, 0, 33, 64, 64, True, True),  # no history yet
+        (2, 1, 4, 100, 0, 128, 128, True, False),  # no window
+    ],
+)
+def test_decode_attention_kernel(small_splits, b, hk, m, n, w, d, g, mu, wmask):
+    args, gen = _window_case(b, hk, m, n, w, d, g, seed=n + w, mu=mu, wmask=wmask)
+    args["start"] = torch.tensor([0, 17][:b])
+    if n:
+        args["key_mask"] = torch.rand(b, 1, 1, n, generator=gen) > 0.1
+    got = small_splits.decode_attention_triton(**args)
+    ref = small_splits.decode_attention_reference(**args)
+    assert got.shape == (b, hk, m, d) and got.dtype == torch.float32
+    assert rel_err(got, ref) < 2e-5
+
+
+@interp
+def test_decode_attention_reference_is_plain_attention():
+    """The composed reference equals softmax over [history (dequantized, un-rotated, + mu) ; window]."""
+    dt = _dt()
+    b, hk, m, n, w, d, g = 1, 2, 4, 40, 9, 64, 32
+    args, _ = _window_case(b, hk, m, n, w, d, g, seed=4)
+    ref = dt.decode_attention_reference(**args).double()
+    kh = dequantize_rows(args["k"], g, torch.float64)
+    vh = dequantize_rows(args["v"], g, torch.float64)
+    logits_h = (torch.einsum("bhmd,bhnd->bhmn", args["q_rot"].double(), kh) + args["qk_offset"].double()[..., None])
+    v_back = torch.matmul(vh, args["r_v"].double().transpose(-1, -2).unsqueeze(0)) + args["mu_v"].double()[None, :, None]
+    logits_w = torch.einsum("bhmd,bhnd->bhmn", args["q_win"].double(), args["k_win"].double())
+    logits_w = logits_w.masked_fill(~args["win_mask"], -math.inf)
+    p = torch.softmax(torch.cat([logits_h, logits_w], -1) * args["scaling"], -1)
+    out = torch.einsum("bhmn,bhnd->bhmd", p, torch.cat([v_back, args["v_win"].double()], -2))
+    assert rel_err(ref, out) < 1e-5
+
+
+# ---------------------------------------------------------------------------------- GPU, real shapes
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("b,n", [(1, 131072), (4, 32771), (8, 8192)])
+def test_gpu_history_partial_real_shapes(b, n):
+    hq, hk, d, g = 32, 8, 128, 64
+    q, k, v, gen = make_case(b, hk, hq // hk, n, d, g, seed=n, device="cuda")
+    start = torch.randint(0, 300, (b,), generator=gen).cuda() if b > 1 else torch.zeros(1, dtype=torch.long, device="cuda")
+    key_mask = (torch.rand(b, 1, 1, n, generator=gen) > 0.05).cuda() if b > 1 else None
+    off = torch.randn(b, hk, hq // hk, generator=gen).cuda()
+    got = _dt().history_partial_triton(q, k, v, start, key_mask, off, d**-0.5, g)
+    ref = history_partial_reference(q, k, v, start, key_mask, off, d**-0.5, g, 4096)
+    assert_partials_close(got, ref, 2e-2)  # bf16 dot operands (like a BF16 flash kernel)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("b,n", [(1, 131072 - 320), (8, 32768 - 320)])
+def test_gpu_decode_attention_real_shapes(b, n):
+    args, _ = _window_case(b, 8, 4, n, 320, 128, 64, seed=b, device="cuda")
+    args["out_dtype"] = torch.bfloat16
+    got = _dt().decode_attention_triton(**args)
+    ref = _dt().decode_attention_reference(**args)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got.float(), ref.float()) < 2e-2
