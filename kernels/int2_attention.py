@@ -96,3 +96,39 @@ def history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size
 
         return history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size)
     return history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n)
+
+
+def decode_attention_reference(
+    q_rot, k, v, start, key_mask, qk_offset, scaling, group_size,
+    q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, block_n=1024,
+):
+    """The whole decode attention of one layer (torch reference of ``decode_attention_triton``):
+    the INT2 history partial (rotated) is brought back to the value space (``acc R_Vᵀ + l mu_V``),
+    merged with the full-precision window partial (``q_win``/``k_win``/``v_win`` unrotated,
+    ``win_mask`` bool broadcastable to ``[B, Hk, M, W]``) and normalized. Rows with no valid key give 0."""
+    out_dtype = out_dtype or (q_win.dtype if q_win is not None else torch.float32)
+    hm, hl, hacc = history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n)
+    hacc = torch.matmul(hacc, r_v.float().transpose(-1, -2).unsqueeze(0))
+    if mu_v is not None:
+        hacc = hacc + hl.unsqueeze(-1) * mu_v.float()[None, :, None, :]
+    parts = [(hm, hl, hacc)]
+    if k_win is not None and k_win.shape[-2] > 0:
+        logits = torch.matmul(q_win.float(), k_win.float().transpose(-1, -2)) * scaling
+        if win_mask is not None:
+            logits = logits.masked_fill(~win_mask, NEG_INF)
+        parts.append(partial_from_logits(logits, v_win))
+    _, l, acc = merge_partials(parts)
+    out = acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)
+    return out.to(out_dtype)
+
+
+def decode_attention(*args, block_n=1024, use_kernels="auto", **kwargs):
+    """Dispatch: the two-launch Triton decode attention on CUDA (when importable and allowed), else the reference."""
+    from . import triton_enabled
+
+    q_rot = args[0] if args else kwargs["q_rot"]
+    if triton_enabled(q_rot, use_kernels):
+        from .decode_triton import decode_attention_triton
+
+        return decode_attention_triton(*args, **kwargs)
+    return decode_attention_reference(*args, block_n=block_n, **kwargs)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.kernels.int2_attention import NEG_INF, history_partial, merge_partials, partial_from_logits
+from oscar_hf.kernels.int2_attention import decode_attention
 
 from .cache import OscarKV
 from .patching import base_attention_function, patch_model, register_handler, unpatch_model
@@ -92,45 +92,46 @@ def oscar_decode_attention(layer, handle: OscarKV, query, attention_mask, scalin
         return out
 
     qf = _group(query.float(), hk)  # [B, Hk, M, D], M = g*L
-    slots = torch.arange(kv, device=query.device)
-    # 1. full precision: sink + recent tail + new rows
     s0 = layer.config.sink
-    sink_slot = layer.pad[:, None] + torch.arange(s0, device=query.device)[None, :]  # [B, S0]
-    sink_ok = torch.arange(s0, device=query.device)[None, :] < layer.sink_count()[:, None]  # [B, S0]
-    sink_ok = sink_ok[:, None, :].expand(b, l, s0)
-    if allowed is not None:
-        sink_ok = sink_ok & allowed.gather(2, sink_slot.clamp(max=kv - 1)[:, None, :].expand(b, l, s0))
+    dev = query.device
+    # 1. full-precision window: sink (row b's slots pad[b] + j) + recent tail + the new rows.
+    #    Its size is bounded (S0 + W + L), independent of the context length.
     tk, tv = layer.tail_view()
-    fk = torch.cat([layer.sink_k, tk, new_k], 2).float()  # [B, Hk, S0 + W + L, D]: bounded, independent of T
-    fv = torch.cat([layer.sink_v, tv, new_v], 2).float()
-    if allowed is not None:
-        tail_ok = allowed[:, :, layer.tail_start :]
-    else:  # causal among the new rows
-        tail_ok = slots[None, layer.tail_start :] <= (t_old + torch.arange(l, device=query.device))[:, None]
-        tail_ok = tail_ok[None].expand(b, l, -1)
-    ok = torch.cat([sink_ok, tail_ok], -1)  # [B, L, S0 + (kv - tail_start)]
-    logits = torch.matmul(qf, fk.transpose(-1, -2)) * scaling
-    logits = logits.masked_fill(~_mask_rows(ok, g), NEG_INF)
-    full = partial_from_logits(logits, fv)
+    win_k = torch.cat([layer.sink_k, tk, new_k], 2)  # [B, Hk, S0 + (T - tail_start) + L, D]
+    win_v = torch.cat([layer.sink_v, tv, new_v], 2)
+    sinks_full = allowed is None and layer.tail_start >= layer.pad_max + s0
+    if sinks_full and l == 1:
+        win_mask = None  # decode without padding: every window slot is valid (the common fast case)
+    else:
+        sink_slot = layer.pad[:, None] + torch.arange(s0, device=dev)[None, :]  # [B, S0]
+        sink_ok = (torch.arange(s0, device=dev)[None, :] < layer.sink_count()[:, None])[:, None, :].expand(b, l, s0)
+        if allowed is not None:
+            sink_ok = sink_ok & allowed.gather(2, sink_slot.clamp(max=kv - 1)[:, None, :].expand(b, l, s0))
+            tail_ok = allowed[:, :, layer.tail_start :]
+        else:  # causal among the new rows
+            tail_ok = torch.arange(layer.tail_start, kv, device=dev)[None, :] <= (t_old + torch.arange(l, device=dev))[:, None]
+            tail_ok = tail_ok[None].expand(b, l, -1)
+        ok = torch.cat([sink_ok, tail_ok], -1)  # [B, L, window]
+        win_mask = ok[:, None] if l == 1 else _mask_rows(ok, g)  # [B, 1, 1|M, window]
 
-    # 2. INT2 history, in the rotated space
+    # 2. INT2 history, in the rotated space: q rotated once; + q.mu_K on logits; values rotated back once.
     rot = layer.rot
     hist_k, hist_v = layer.hist_view()
     n = hist_k.codes.shape[2]
-    q_rot = torch.matmul(qf, rot.r_k.unsqueeze(0))  # rotate the query once
+    q_rot = torch.matmul(qf, rot.r_k.unsqueeze(0))
     qk_off = torch.matmul(qf, rot.mu_k[None, :, :, None]).squeeze(-1) if (layer.use_offsets and rot.mu_k is not None) else None
-    key_mask = _mask_rows(allowed[:, :, s0 : s0 + n], g) if allowed is not None else None
-    hm, hl, hacc = history_partial(
+    key_mask = None
+    if allowed is not None:
+        hm = allowed[:, :, s0 : s0 + n]
+        key_mask = hm[:, None] if l == 1 else _mask_rows(hm, g)
+    mu_v = rot.mu_v if layer.use_offsets else None
+    # 1 + 2 merged by log-sum-exp: two Triton launches on CUDA (split-K + combine), torch reference elsewhere.
+    out = decode_attention(
         q_rot, hist_k, hist_v, layer.pad, key_mask, qk_off, scaling, layer.config.group_size,
-        block_n=layer.config.block_size, use_kernels=layer.config.use_kernels,
+        qf, win_k, win_v, win_mask, rot.r_v, mu_v, out_dtype=query.dtype, block_n=layer.config.block_size,
+        use_kernels=layer.config.use_kernels,
     )
-    hacc = torch.matmul(hacc, rot.r_v.transpose(-1, -2).unsqueeze(0))  # back from the rotated value space
-    if layer.use_offsets and rot.mu_v is not None:
-        hacc = hacc + hl.unsqueeze(-1) * rot.mu_v[None, :, None, :]
-
-    m, lse, acc = merge_partials([full, (hm, hl, hacc)])
-    out = acc / lse.clamp_min(1e-30).unsqueeze(-1)  # a fully-masked row gives 0, not NaN
-    out = out.reshape(b, hq, l, d).transpose(1, 2).to(query.dtype).contiguous()
+    out = out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
     layer.commit(new_k, new_v, pad)
     return out
 
