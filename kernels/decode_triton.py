@@ -13,16 +13,23 @@ Two public entry points, each exactly **two kernel launches** per call:
 * :func:`decode_attention_triton` -- the whole decode attention op of one layer on top of it:
   INT2 history + a full-precision window (sink + recent, unrotated) -> normalized output in the
   original value space. Same two launches: the split kernel gets extra programs for the window
-  (so the window runs concurrently with the history instead of after it), history programs rotate
-  their accumulator back by ``R_Vᵀ`` and add ``l * mu_V`` before writing (the merge is linear, so
-  un-rotating per split equals un-rotating the merged sum), and the combine kernel normalizes.
+  (so the window runs concurrently with the history instead of after it); the combine kernel merges
+  history and window partials, rotates the merged history row back (``acc R_Vᵀ + l mu_V``, a per-row
+  mat-vec) and normalizes.
 
 Math of one history block (``n`` = token, ``c`` = channel, ``g(c)`` its group, ``p`` a plane):
 byte ``j`` holds the codes of channels ``j + p * D/4`` in bits ``2p..2p+1``, so one shift and mask
-of the ``[BLOCK_N, D/4]`` byte tile yields the codes of the contiguous channel block ``p``. The
-keys are dequantized in registers plane by plane, ``k_hat = zero[n, g(c)] + code[n, c] * scale[n, g(c)]``
-(bf16, like the operands of a BF16 flash kernel), and ``logits = sum_p q_p · k_hat_pᵀ`` accumulates
-over the four planes in one tensor-core accumulator; the values likewise: ``acc_p += P · v_hat_p``.
+of the ``[BLOCK_N, D/4]`` byte tile yields the codes of the contiguous channel block ``p``. Two
+inner-loop variants (``CONFIG["factored"]``):
+
+* dequant (default, the one measured on the H100): keys are dequantized in registers plane by plane,
+  ``k_hat = zero[n, g(c)] + code[n, c] * scale[n, g(c)]`` (bf16, like the operands of a BF16 flash
+  kernel), and ``logits = sum_p q_p · k_hat_pᵀ`` accumulates over the four planes in one tensor-core
+  accumulator; the values likewise: ``acc_p += P · v_hat_p``;
+* factored (needs each plane inside one group, ``G >= D/4``): codes go to the tensor cores as exact
+  bf16 ``v = 1 + code/4`` and scale/zero are applied to the ``[M, BLOCK_N]`` results
+  (:func:`_k_plane`, :func:`_v_plane`): fewer instructions per code, not yet timed on a GPU.
+
 The full-precision history is never materialized: at most one ``BLOCK_N`` tile per program lives in
 registers. Logits are computed in base 2: ``q`` and ``qk_offset`` are pre-scaled by
 ``scaling * log2(e)`` and ``exp2`` is used; ``m`` is returned in natural units (``m2 * ln 2``),
@@ -49,13 +56,16 @@ LN2 = 0.6931471805599453
 _LN2 = tl.constexpr(LN2)  # jit code may only read constexpr globals
 
 # Tunables (read by the dispatch below; the benchmark may override them).
+# Defaults: the best of the 8-config sweep on an H100 (scripts/bench_kernels.py --sweep,
+# benchmarks/results/kernels_h100.json).
 CONFIG = {
-    "block_n": 64,  # history tokens per inner-loop step
+    "block_n": 128,  # history tokens per inner-loop step
     "num_warps": 4,
     "num_stages": 3,
-    "programs_per_sm": 4,  # split-K target: B * Hk * S ~ programs_per_sm * SMs
+    "programs_per_sm": 2,  # split-K target: B * Hk * S ~ programs_per_sm * SMs
     "min_split": 256,  # never fewer tokens than this per split
     "win_split": 128,  # window tokens per window program
+    "factored": False,  # inner-loop variant, see _split_kernel (False: the one measured on the H100)
 }
 
 
@@ -88,6 +98,56 @@ def _int2_plane(bytes_, P: tl.constexpr, s_tile, z_tile, s_row, z_row, nmask,
         s = tl.load(s_row[:, None] + g[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
         z = tl.load(z_row[:, None] + g[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
         return _op(z + code * s, LOWP)
+
+
+@triton.jit
+def _col(tile, g: tl.constexpr, NG: tl.constexpr):
+    """Column ``g`` of a ``[BLOCK_N, NG]`` register tile (one-hot sum over NG <= 8 values)."""
+    return tl.sum(tl.where(tl.arange(0, NG)[None, :] == g, tile, 0.0), 1)
+
+
+@triton.jit
+def _code_operand(bytes_, P: tl.constexpr, LOWP: tl.constexpr):
+    """Codes of plane ``P`` as exact bf16 tensor-core operands ``v = 1 + code / 4``: the bf16 bit
+    pattern ``0x3F80 | code << 5`` (1.0 with the code in the top two mantissa bits), i.e. one shift
+    and one and-or per code, no int->float conversion. float32 under the interpreter (LOWP=0)."""
+    b16 = bytes_.to(tl.uint16)
+    if 2 * P >= 5:
+        sh = b16 >> (2 * P - 5)
+    else:
+        sh = b16 << (5 - 2 * P)
+    v = ((sh & 0x60) | 0x3F80).to(tl.bfloat16, bitcast=True)
+    if LOWP:
+        return v
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _k_plane(q_p, qs_p, kbT, P: tl.constexpr, s_tile, z_tile,
+             D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, LOWP: tl.constexpr):
+    """Logits of plane ``P`` (``[M_PAD, BLOCK_N]``) from the transposed byte tile ``kbT [D4, BLOCK_N]``:
+    ``sum_c q[c] (z + s code[c]) = 4 s (q_p · v_p) + (z - 4 s) sum_c q[c]`` (the plane lies in group g)."""
+    g: tl.constexpr = (P * D4) // G
+    s = _col(s_tile, g, NG)
+    z = _col(z_tile, g, NG)
+    qv = tl.dot(q_p, _code_operand(kbT, P, LOWP))
+    return (4.0 * s)[None, :] * qv + (z - 4.0 * s)[None, :] * qs_p[:, None]
+
+
+@triton.jit
+def _v_plane(p, alpha, vb, P: tl.constexpr, s_tile, z_tile, acc, zacc,
+             D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, LOWP: tl.constexpr):
+    """``acc_p += sum_n p (z + s code) = W · v_p - sum_n W + sum_n p z`` with ``W = bf16(4 p s)``
+    rounded once and used in both terms (so the offset cancels exactly); the two row sums go to
+    ``zacc`` (added to every channel of the plane at the end)."""
+    g: tl.constexpr = (P * D4) // G
+    s = _col(s_tile, g, NG)
+    z = _col(z_tile, g, NG)
+    w = _op(p * (4.0 * s)[None, :], LOWP)
+    acc = tl.dot(w, _code_operand(vb, P, LOWP), acc * alpha[:, None])
+    zacc = zacc * alpha + tl.sum(p * z[None, :], 1) - tl.sum(w.to(tl.float32), 1)
+    return acc, zacc
 
 
 @triton.jit
@@ -128,7 +188,7 @@ def _split_kernel(
     sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,  # window strides
     D: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_OFF: tl.constexpr,
-    HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr,
+    HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, FACTORED: tl.constexpr,
 ):
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -171,29 +231,67 @@ def _split_kernel(
         vc_base = VC + b.to(tl.int64) * svb + h * svh
         vs_base = VS + b.to(tl.int64) * smvb + h * smvh
         vz_base = VZ + b.to(tl.int64) * smvb + h * smvh
-        for n0 in range(lo, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            inb = offs_n < hi
-            valid = inb & (offs_n >= start)
-            if HAS_MASK:
-                km = tl.load(KMASK + b.to(tl.int64) * smb + h * smh + offs_n * smn, mask=inb, other=0)
-                valid = valid & (km != 0)
-            # K: unpack + dequantize 4 planes, logits = sum_p q_p k_p^T (one accumulator).
-            kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
-            ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, inb, NG)
-            s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)))
-            s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
-            s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
-            s = tl.dot(q3, tl.trans(_int2_plane(kb, 3, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
-            p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i)
-            p = _op(p, LOWP)
-            # V: only valid tokens are read, invalid ones dequantize to exactly 0.
-            vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
-            vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, valid, NG)
-            acc0 = tl.dot(p, _int2_plane(vb, 0, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc0 * alpha[:, None])
-            acc1 = tl.dot(p, _int2_plane(vb, 1, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc1 * alpha[:, None])
-            acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc2 * alpha[:, None])
-            acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc3 * alpha[:, None])
+        if FACTORED:
+            # Factored form (each plane inside one group): codes go to the tensor cores as exact
+            # bf16 v = 1 + code/4, scale/zero are applied to the [M_PAD, BLOCK_N] results, see
+            # _k_plane / _v_plane. Per code: a shift and an and-or (K and V alike).
+            qs0 = tl.sum(q0.to(tl.float32), 1)
+            qs1 = tl.sum(q1.to(tl.float32), 1)
+            qs2 = tl.sum(q2.to(tl.float32), 1)
+            qs3 = tl.sum(q3.to(tl.float32), 1)
+            zacc0 = tl.zeros((M_PAD,), tl.float32)
+            zacc1 = tl.zeros((M_PAD,), tl.float32)
+            zacc2 = tl.zeros((M_PAD,), tl.float32)
+            zacc3 = tl.zeros((M_PAD,), tl.float32)
+            for n0 in range(lo, hi, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                inb = offs_n < hi
+                valid = inb & (offs_n >= start)
+                if HAS_MASK:
+                    km = tl.load(KMASK + b.to(tl.int64) * smb + h * smh + offs_n * smn, mask=inb, other=0)
+                    valid = valid & (km != 0)
+                # K bytes loaded transposed, [D4, BLOCK_N]: the tensor cores' B operand as is.
+                kbT = tl.load(kc_base + offs_n[None, :].to(tl.int64) * skn + offs_j[:, None], mask=inb[None, :], other=0)
+                ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, inb, NG)
+                s = _k_plane(q0, qs0, kbT, 0, ks_t, kz_t, D4, G, NG, LOWP)
+                s += _k_plane(q1, qs1, kbT, 1, ks_t, kz_t, D4, G, NG, LOWP)
+                s += _k_plane(q2, qs2, kbT, 2, ks_t, kz_t, D4, G, NG, LOWP)
+                s += _k_plane(q3, qs3, kbT, 3, ks_t, kz_t, D4, G, NG, LOWP)
+                p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i)
+                vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
+                vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, valid, NG)
+                acc0, zacc0 = _v_plane(p, alpha, vb, 0, vs_t, vz_t, acc0, zacc0, D4, G, NG, LOWP)
+                acc1, zacc1 = _v_plane(p, alpha, vb, 1, vs_t, vz_t, acc1, zacc1, D4, G, NG, LOWP)
+                acc2, zacc2 = _v_plane(p, alpha, vb, 2, vs_t, vz_t, acc2, zacc2, D4, G, NG, LOWP)
+                acc3, zacc3 = _v_plane(p, alpha, vb, 3, vs_t, vz_t, acc3, zacc3, D4, G, NG, LOWP)
+            acc0 += zacc0[:, None]
+            acc1 += zacc1[:, None]
+            acc2 += zacc2[:, None]
+            acc3 += zacc3[:, None]
+        else:
+            for n0 in range(lo, hi, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                inb = offs_n < hi
+                valid = inb & (offs_n >= start)
+                if HAS_MASK:
+                    km = tl.load(KMASK + b.to(tl.int64) * smb + h * smh + offs_n * smn, mask=inb, other=0)
+                    valid = valid & (km != 0)
+                # K: unpack + dequantize 4 planes, logits = sum_p q_p k_p^T (one accumulator).
+                kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
+                ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, inb, NG)
+                s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)))
+                s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
+                s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
+                s = tl.dot(q3, tl.trans(_int2_plane(kb, 3, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
+                p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i)
+                p = _op(p, LOWP)
+                # V: only valid tokens are read, invalid ones dequantize to exactly 0.
+                vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
+                vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, valid, NG)
+                acc0 = tl.dot(p, _int2_plane(vb, 0, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc0 * alpha[:, None])
+                acc1 = tl.dot(p, _int2_plane(vb, 1, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc1 * alpha[:, None])
+                acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc2 * alpha[:, None])
+                acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc3 * alpha[:, None])
 
         a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
         tl.store(a_ptr + 0 * D4, acc0, mask=mrow[:, None])
@@ -373,6 +471,11 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     if qk_offset is not None:
         qk_offset = qk_offset.float().expand(b, hk, m)
 
+    m_pad = _pow2_at_least(m, 16)
+    # CONFIG was tuned for D = 128 and <= 16 query rows per KV head; other shapes take 64-token
+    # blocks (the 128-token tiles would spill registers there).
+    if not (d == 128 and m_pad == 16):
+        cfg = {**cfg, "block_n": 64}
     bh = b * hk
     s_hist = num_splits(n, bh, dev, cfg) if n > 0 else 0
     split_len = triton.cdiv(triton.cdiv(max(n, 1), max(s_hist, 1)), cfg["block_n"]) * cfg["block_n"]
@@ -393,7 +496,6 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         w, s_win, wmask = 0, 0, None
         q_win = k_win = v_win = r_v = mu_v = None
     s_tot = s_hist + s_win
-    m_pad = _pow2_at_least(m, 16)
 
     pm = torch.empty(bh, max(s_tot, 1), m, device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
@@ -420,6 +522,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             D=d, G=group_size, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
             HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
             HAS_WIN=s_win > 0, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
+            FACTORED=bool(cfg["factored"]) and group_size >= d // 4,
             # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
             # (checked without spills by tests/kernels/test_compile_sm90.py)
             num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],

@@ -3,7 +3,8 @@
 
 Decode (one new token, Hq=32, Hk=8, D=128, G=64 bf16 metadata, sink 64 + recent 256 = 320 BF16
 window tokens, the rest INT2 history; total length T):
-* ``oscar``: the whole decode attention op -- query rotation ``q R_K`` and centering offset
+* ``oscar``: the whole decode attention op (with the chosen CONFIG; ``oscar_dequant_ms`` and
+  ``oscar_factored_ms`` time both inner-loop variants of the split kernel with that CONFIG) -- query rotation ``q R_K`` and centering offset
   ``q_rot · (mu_K R_K)`` (2 torch launches) + :func:`decode_attention_triton` (2 Triton launches:
   split-K over history and window, then merge + ``R_Vᵀ`` + ``mu_V`` + normalize);
 * ``oscar_composed``: ``history_partial_triton`` + the window partial, merge and rotate-back in torch
@@ -19,6 +20,7 @@ Write path: ``rotate_quantize_triton`` on [1, 8, 32768, 128] BF16 rows (rows/s, 
 (K and V) relative to BF16 causal prefill attention (SDPA, B=1, T=32K).
 
 Usage: python scripts/bench_kernels.py --out benchmarks/results/kernels_h100.json [--sweep]
+       python scripts/bench_kernels.py --plot benchmarks/results/kernels_h100.json   (CPU: the PNG beside it)
 """
 from __future__ import annotations
 
@@ -205,14 +207,15 @@ def oscar_bytes(b, n):
 
 
 SWEEP = [
-    dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4),
-    dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4),
-    dict(block_n=64, num_warps=8, num_stages=3, programs_per_sm=2),
-    dict(block_n=64, num_warps=8, num_stages=3, programs_per_sm=4),
-    dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=2),
-    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2),
-    dict(block_n=128, num_warps=8, num_stages=3, programs_per_sm=2),
-    dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=8),
+    # the inner-loop variant measured first ("dequant") around the H100 winner, then "factored"
+    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, factored=False),
+    dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=2, factored=False),
+    dict(block_n=64, num_warps=8, num_stages=3, programs_per_sm=4, factored=False),
+    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, factored=True),
+    dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=2, factored=True),
+    dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=3, factored=True),
+    dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=3, factored=True),
+    dict(block_n=64, num_warps=8, num_stages=3, programs_per_sm=4, factored=True),
 ]
 
 
@@ -274,6 +277,12 @@ def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
             row["sdpa_graph_error"] = repr(e)[:160]
         del sk, sv
         op = oscar_op(st)
+        for variant in (False, True):  # both inner loops, same data, same run
+            saved = dict(dt.CONFIG)
+            dt.CONFIG["factored"] = variant
+            row["oscar_factored_ms" if variant else "oscar_dequant_ms"] = timed(op)
+            dt.CONFIG.clear()
+            dt.CONFIG.update(saved)
         row["oscar_ms"] = timed(op)
         row["oscar_graph_ms"] = timed(op, graph=True)
         row["oscar_composed_ms"] = timed(oscar_composed_op(st))
@@ -352,15 +361,55 @@ def bench_write(gen, copy_bw, t=32768):
     return res
 
 
+def plot(path):
+    """Speedup over the best BF16 SDPA vs T, one line per batch size (eager and CUDA graph), and the
+    achieved share of copy bandwidth; written next to the JSON as ``<name>_speedup.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        res = json.load(f)
+    rows = res["decode"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for b in sorted({r["B"] for r in rows}):
+        rs = sorted((r for r in rows if r["B"] == b), key=lambda r: r["T"])
+        t = [r["T"] // 1024 for r in rs]
+        (line,) = axes[0].plot(t, [r["speedup"] for r in rs], "o-", label=f"B={b} eager")
+        axes[0].plot(t, [r.get("speedup_graph", float("nan")) for r in rs], "s--", color=line.get_color(), label=f"B={b} CUDA graph")
+        axes[1].plot(t, [r["oscar_pct_copy_bw"] for r in rs], "o-", color=line.get_color(), label=f"B={b}")
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[0].axhline(4.5, color="red", lw=0.8, ls=":", label="target 4.5x")
+    axes[0].set(xscale="log", xlabel="context T (K tokens)", ylabel="speedup vs BF16 SDPA",
+                title=f"OSCAR INT2 decode attention, {res['device']}")
+    axes[1].axhline(70, color="red", lw=0.8, ls=":", label="target 70%")
+    axes[1].set(xscale="log", xlabel="context T (K tokens)", ylabel="% of D2D copy bandwidth",
+                title=f"INT2 bytes / time (copy {res['copy_GBps']:.0f} GB/s)")
+    for ax in axes:
+        ax.set_xticks(sorted({r["T"] // 1024 for r in rows}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = path.rsplit(".json", 1)[0] + "_speedup.png"
+    fig.savefig(out, dpi=120)
+    print("wrote", out)
+
+
 def main():
     global FLUSH
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--plot", help="only make the PNG from an existing result JSON")
     ap.add_argument("--sweep", action="store_true", help="pick the split-kernel config on this GPU first")
+    ap.add_argument("--no-write", action="store_true", help="skip the write-path benchmark")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="8192,32768,131072")
     args = ap.parse_args()
-    assert torch.cuda.is_available()
+    if args.plot:
+        return plot(args.plot)
+    assert args.out and torch.cuda.is_available(), "--out and a CUDA device are needed to benchmark"
     torch.backends.cuda.matmul.allow_tf32 = False
     FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     gen = torch.Generator().manual_seed(0)
@@ -387,16 +436,19 @@ def main():
     save()
     result["decode"] = []
     bench_decode(gen, batches, lengths, result["copy_GBps"], result["decode"], save)
-    result["write"] = bench_write(gen, result["copy_GBps"])
-    save()
-    log("\n B      T   sdpa(ms)  oscar(ms)  speedup  graph-speedup  oscar GB/s  %copy  hist-only %copy")
+    if not args.no_write:
+        result["write"] = bench_write(gen, result["copy_GBps"])
+        save()
+    log("\n B      T   sdpa(ms)  oscar(ms)  speedup  graph-speedup  oscar GB/s  %copy  hist-only %copy"
+        "  dequant(ms)  factored(ms)")
     for r in result["decode"]:
         log(f"{r['B']:>2} {r['T']:>6}  {r['sdpa_best_ms']:8.4f}  {r['oscar_ms']:9.4f}  {r['speedup']:7.2f}  "
             f"{r.get('speedup_graph', float('nan')):13.2f}  {r['oscar_GBps']:10.0f}  {r['oscar_pct_copy_bw']:5.1f}  "
-            f"{r['history_partial_pct_copy_bw']:5.1f}")
-    w = result["write"]
-    log(f"write: {w['rows_per_s'] / 1e6:.1f} M rows/s, {w['GBps']:.0f} GB/s, share of 32K prefill attention "
-        f"{w['write_share_of_prefill_attention_pct']:.2f}%")
+            f"{r['history_partial_pct_copy_bw']:5.1f}  {r['oscar_dequant_ms']:11.4f}  {r['oscar_factored_ms']:12.4f}")
+    w = result.get("write")
+    if w:
+        log(f"write: {w['rows_per_s'] / 1e6:.1f} M rows/s, {w['GBps']:.0f} GB/s, share of 32K prefill attention "
+            f"{w['write_share_of_prefill_attention_pct']:.2f}%")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,18 @@
 """Session-scoped fixtures shared by the whole suite (the real model loads once)."""
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+import shutil
 
-from oscar_hf.models import load_model, tiny_model, wikitext_path
+# Triton kernels run on the CPU under the interpreter in CI. The variable must be set before triton is
+# first imported (transformers and torch import it), so it is set here, before anything else.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from oscar_hf.models import load_model, tiny_model, wikitext_path  # noqa: E402
 
 TINY_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3")
 

@@ -94,9 +94,13 @@ def main():
         else:
             mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
             dt.history_partial_triton(q, k, v, start, mask, off, 0.1, g)
-        labels.append(f"attn d={d} g={g} m={m} window={window}")
+        labels.append(f"attn d={d} g={g} m={m} window={window} factored={dt.CONFIG['factored']}")
 
     attn(1, 8, 4, 8192, 128, 64, True)  # the benchmark's shape, full decode op
+    dt.CONFIG["factored"] = True
+    attn(1, 8, 4, 8192, 128, 64, True)  # same, the factored inner loop
+    attn(1, 2, 4, 4096, 64, 64, False)
+    dt.CONFIG["factored"] = False
     attn(1, 8, 4, 8192, 128, 128, False)
     attn(1, 2, 8, 4096, 64, 32, False)
     attn(1, 2, 32, 4096, 128, 64, False)
@@ -107,7 +111,8 @@ def main():
     cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3"}
     for i, (grid, args, kw) in enumerate(split.calls):
         print(json.dumps({"kernel": "split", "case": labels[i], **compile_call(split.fn, args, kw, cuda_kw)}))
-    for i, (grid, args, kw) in enumerate(comb.calls[:2]):
+    for i in (0, 3):
+        grid, args, kw = comb.calls[i]
         print(json.dumps({"kernel": "combine", "case": labels[i], **compile_call(comb.fn, args, kw, cuda_kw)}))
     for grid, args, kw in write.calls:
         case = f"write d={kw['D']} g={kw['G']}"
