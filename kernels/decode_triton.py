@@ -19,16 +19,20 @@ Two public entry points, each exactly **two kernel launches** per call:
 
 Math of one history block (``n`` = token, ``c`` = channel, ``g(c)`` its group, ``p`` a plane):
 byte ``j`` holds the codes of channels ``j + p * D/4`` in bits ``2p..2p+1``, so one shift and mask
-of the ``[BLOCK_N, D/4]`` byte tile yields the codes of the contiguous channel block ``p``. Two
-inner-loop variants (``CONFIG["factored"]``):
+of the ``[BLOCK_N, D/4]`` byte tile yields the codes of the contiguous channel block ``p``. Three
+inner-loop variants (``CONFIG["loop"]``):
 
-* dequant (default, the one measured on the H100): keys are dequantized in registers plane by plane,
-  ``k_hat = zero[n, g(c)] + code[n, c] * scale[n, g(c)]`` (bf16, like the operands of a BF16 flash
-  kernel), and ``logits = sum_p q_p · k_hat_pᵀ`` accumulates over the four planes in one tensor-core
-  accumulator; the values likewise: ``acc_p += P · v_hat_p``;
-* factored (needs each plane inside one group, ``G >= D/4``): codes go to the tensor cores as exact
-  bf16 ``v = 1 + code/4`` and scale/zero are applied to the ``[M, BLOCK_N]`` results
-  (:func:`_k_plane`, :func:`_v_plane`): fewer instructions per code, not yet timed on a GPU.
+* rowdot (default, needs each plane inside one group, ``G >= D/4``; measured on the H100): the K byte
+  tile is the tensor cores' A operand in its natural ``[token, channel]`` layout (no transposition),
+  logits are computed transposed (``[BLOCK_N, M_PAD]``, softmax over axis 0), codes enter as exact
+  fp16 ``1024 + 4^p code`` (bit pattern ``0x6400 | (byte & 3 << 2p)``: one and-or per code, no shift,
+  no int->float conversion), scale/zero are applied to the logits and to ``P`` (see the comment in
+  :func:`_split_kernel` and :func:`_u_plane`, :func:`_rd_v_plane`);
+* factored: codes as exact bf16 ``v = 1 + code/4``, K bytes loaded transposed, scale/zero applied to
+  the ``[M, BLOCK_N]`` results (:func:`_k_plane`, :func:`_v_plane`);
+* dequant (the first version; also the fallback when ``G < D/4``): keys are dequantized in registers
+  plane by plane, ``k_hat = zero[n, g(c)] + code[n, c] * scale[n, g(c)]`` (bf16), and
+  ``logits = sum_p q_p · k_hat_pᵀ`` accumulates over the four planes; the values likewise.
 
 The full-precision history is never materialized: at most one ``BLOCK_N`` tile per program lives in
 registers. Logits are computed in base 2: ``q`` and ``qk_offset`` are pre-scaled by
@@ -56,17 +60,56 @@ LN2 = 0.6931471805599453
 _LN2 = tl.constexpr(LN2)  # jit code may only read constexpr globals
 
 # Tunables (read by the dispatch below; the benchmark may override them).
-# Defaults: the best of the 8-config sweep on an H100 (scripts/bench_kernels.py --sweep,
-# benchmarks/results/kernels_h100.json).
+# Defaults: the best of the sweep on an H100 (scripts/bench_kernels.py --sweep,
+# benchmarks/results/kernels_h100.json; the "rowdot" loop, 64-token blocks, 4 programs per SM).
 CONFIG = {
-    "block_n": 128,  # history tokens per inner-loop step
+    "block_n": 64,  # history tokens per inner-loop step
     "num_warps": 4,
-    "num_stages": 3,
-    "programs_per_sm": 2,  # split-K target: B * Hk * S ~ programs_per_sm * SMs
+    "num_stages": 4,
+    "programs_per_sm": 4,  # split-K target: B * Hk * S ~ programs_per_sm * SMs
     "min_split": 256,  # never fewer tokens than this per split
     "win_split": 128,  # window tokens per window program
-    "factored": False,  # inner-loop variant, see _split_kernel (False: the one measured on the H100)
+    "loop": "rowdot",  # inner-loop variant of the history split: "rowdot" | "factored" | "dequant" (see _split_kernel)
 }
+
+
+@triton.jit
+def _op16(x, LOWP: tl.constexpr):
+    """fp16 dot operand on the GPU, float32 under the interpreter (see :func:`_op`)."""
+    if LOWP:
+        return x.to(tl.float16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _u_plane(bytes_, P: tl.constexpr, LOWP: tl.constexpr, EXACT: tl.constexpr):
+    """Codes of plane ``P`` of a byte tile as exact tensor-core operands, with no shift and no
+    int->float conversion: ``byte & (3 << 2P)`` is ``4^P code``; or-ed into the fp16 bit pattern of
+    1024 (``0x6400``, whose mantissa LSB is worth 1; ``4^P code <= 192`` fits the 10 mantissa bits)
+    it reads as ``u = 1024 + 4^P code``: one and-or per code. ``EXACT`` subtracts the 1024 (exact in
+    fp16), else the caller removes the offset from the result. Interpreter (float32): ``u = 1 + 4^P
+    code`` (offset ``OFFS = 1``), so the offset bookkeeping is exercised on the CPU too."""
+    m = bytes_ & (3 << (2 * P))
+    if LOWP:
+        u = (m.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        if EXACT:
+            u = u - 1024.0
+        return u
+    else:
+        u = m.to(tl.float32)
+        if not EXACT:
+            u = u + 1.0
+        return u
+
+
+@triton.jit
+def _gsum(t, g: tl.constexpr, PPG: tl.constexpr):
+    """Sum of the per-plane vectors ``t[P]`` of the planes of group ``g`` (planes ``g*PPG ..``)."""
+    acc = t[g * PPG]
+    for j in tl.static_range(1, PPG):
+        acc += t[g * PPG + j]
+    return acc
 
 
 @triton.jit
@@ -151,6 +194,21 @@ def _v_plane(p, alpha, vb, P: tl.constexpr, s_tile, z_tile, acc, zacc,
 
 
 @triton.jit
+def _rd_v_plane(p, alpha, vb, P: tl.constexpr, vs_base, vz_base, meta, valid, acc, zacc,
+                D4: tl.constexpr, G: tl.constexpr, LOWP: tl.constexpr):
+    """Row-dot values of plane ``P`` (group ``g``): ``acc += W_g . (4^P code_P)`` with
+    ``W_g = (p s_g)ᵀ`` ([M_PAD, BLOCK_N], fp16), ``zacc += sum_n p z_g``; both rescaled by ``alpha``.
+    Planes of one group compute the same ``W_g`` / ``zacc`` terms (merged by the compiler's CSE)."""
+    g: tl.constexpr = (P * D4) // G
+    s = tl.load(vs_base + meta + g, mask=valid, other=0.0).to(tl.float32)
+    z = tl.load(vz_base + meta + g, mask=valid, other=0.0).to(tl.float32)
+    w = _op16(tl.trans(p * s[:, None]), LOWP)
+    acc = tl.dot(w, _u_plane(vb, P, LOWP, True), acc * alpha[:, None])
+    zacc = zacc * alpha + tl.sum(p * z[:, None], 0)
+    return acc, zacc
+
+
+@triton.jit
 def _meta_tiles(s_base, z_base, offs_n, nmask, NG: tl.constexpr):
     """``[BLOCK_N, NG]`` scale/zero tiles (float32) of a block: rows are contiguous (``NG``
     values per token), so this is one vectorized, pipelinable load per tensor; plus the row pointers."""
@@ -188,7 +246,7 @@ def _split_kernel(
     sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,  # window strides
     D: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_OFF: tl.constexpr,
-    HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, FACTORED: tl.constexpr,
+    HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, LOOP: tl.constexpr,
 ):
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -231,7 +289,70 @@ def _split_kernel(
         vc_base = VC + b.to(tl.int64) * svb + h * svh
         vs_base = VS + b.to(tl.int64) * smvb + h * smvh
         vz_base = VZ + b.to(tl.int64) * smvb + h * smvh
-        if FACTORED:
+        if LOOP == 2:
+            # Row-dot form (each plane inside one group, G >= D/4): the K byte tile is the A operand
+            # of the tensor cores in its natural [token, channel] layout (no transposition), logits
+            # are computed transposed, [BLOCK_N, M_PAD], and scale/zero are applied to them:
+            #   logit[n, m] = sum_g s[n, g] * (sum_{P in g} u_P[n] . q_P[m] / 4^P - C_g[m]) + z[n, g] * Qs_g[m]
+            # with u_P = OFFS + 4^P code (see _u_plane), C_g[m] = OFFS sum_{P in g} sum_c q_P[m, c] / 4^P
+            # (the offset, from the same rounded operands the dot sees) and Qs_g[m] = sum_{c in g} q[m, c].
+            # Values: acc_P[m, :] += W_g[m, :] . (4^P code_P) with W_g[m, n] = p[n, m] s[n, g] (the only
+            # per-token-and-row multiply), zacc_g[m] += sum_n p[n, m] z[n, g]; at the end
+            # acc_P / 4^P + zacc_g(P). Per code: one and-or (K), one and-or and one exact fp16 subtract (V).
+            PPG: tl.constexpr = G // D4  # planes per group
+            OFFS = 1.0 + 1023.0 * LOWP  # the code offset of _u_plane (1024 on the GPU)
+            qf0 = tl.load(q_ptr + 0 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+            qf1 = tl.load(q_ptr + 1 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+            qf2 = tl.load(q_ptr + 2 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+            qf3 = tl.load(q_ptr + 3 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+            # B operands [D4, M_PAD]: q_P / 4^P (exact power-of-two scaling before the fp16 rounding)
+            qts = (_op16(tl.trans(qf0), LOWP), _op16(tl.trans(qf1 * 0.25), LOWP),
+                   _op16(tl.trans(qf2 * 0.0625), LOWP), _op16(tl.trans(qf3 * 0.015625), LOWP))
+            cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
+                   OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
+            qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))
+            zacc0 = tl.zeros((M_PAD,), tl.float32)
+            zacc1 = tl.zeros((M_PAD,), tl.float32)
+            zacc2 = tl.zeros((M_PAD,), tl.float32)
+            zacc3 = tl.zeros((M_PAD,), tl.float32)
+            for n0 in range(lo, hi, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                inb = offs_n < hi
+                valid = inb & (offs_n >= start)
+                if HAS_MASK:
+                    km = tl.load(KMASK + b.to(tl.int64) * smb + h * smh + offs_n * smn, mask=inb, other=0)
+                    valid = valid & (km != 0)
+                meta = offs_n.to(tl.int64) * NG  # first metadata entry of each token
+                kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
+                st = tl.zeros((BLOCK_N, M_PAD), tl.float32) + off[None, :]
+                d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                for P in tl.static_range(4):
+                    d = tl.dot(_u_plane(kb, P, LOWP, False), qts[P], d)
+                    if P % PPG == PPG - 1:  # last plane of group g: apply its scale / zero
+                        sg = tl.load(ks_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
+                        zg = tl.load(kz_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
+                        st += (sg[:, None] * (d - _gsum(cps, P // PPG, PPG)[None, :])
+                               + zg[:, None] * _gsum(qss, P // PPG, PPG)[None, :])
+                        d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                # online softmax over the token axis (0) of the transposed tile
+                st = tl.where(valid[:, None], st, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(st, 0))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(st - m_safe[None, :])
+                l_i = l_i * alpha + tl.sum(p, 0)
+                m_i = m_new
+                # V: only valid tokens are read (p = 0 and s = z = 0 elsewhere)
+                vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
+                acc0, zacc0 = _rd_v_plane(p, alpha, vb, 0, vs_base, vz_base, meta, valid, acc0, zacc0, D4, G, LOWP)
+                acc1, zacc1 = _rd_v_plane(p, alpha, vb, 1, vs_base, vz_base, meta, valid, acc1, zacc1, D4, G, LOWP)
+                acc2, zacc2 = _rd_v_plane(p, alpha, vb, 2, vs_base, vz_base, meta, valid, acc2, zacc2, D4, G, LOWP)
+                acc3, zacc3 = _rd_v_plane(p, alpha, vb, 3, vs_base, vz_base, meta, valid, acc3, zacc3, D4, G, LOWP)
+            acc0 = acc0 + zacc0[:, None]
+            acc1 = acc1 * 0.25 + zacc1[:, None]
+            acc2 = acc2 * 0.0625 + zacc2[:, None]
+            acc3 = acc3 * 0.015625 + zacc3[:, None]
+        elif LOOP == 1:
             # Factored form (each plane inside one group): codes go to the tensor cores as exact
             # bf16 v = 1 + code/4, scale/zero are applied to the [M_PAD, BLOCK_N] results, see
             # _k_plane / _v_plane. Per code: a shift and an and-or (K and V alike).
@@ -413,6 +534,9 @@ def num_splits(n: int, bh: int, device: torch.device, cfg=None) -> int:
     return max(s, 1)
 
 
+_LOOPS = {"dequant": 0, "factored": 1, "rowdot": 2}
+
+
 def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, triton.next_power_of_2(n))
 
@@ -522,7 +646,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             D=d, G=group_size, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
             HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
             HAS_WIN=s_win > 0, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
-            FACTORED=bool(cfg["factored"]) and group_size >= d // 4,
+            LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
             # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
             # (checked without spills by tests/kernels/test_compile_sm90.py)
             num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],

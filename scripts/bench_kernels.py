@@ -3,8 +3,9 @@
 
 Decode (one new token, Hq=32, Hk=8, D=128, G=64 bf16 metadata, sink 64 + recent 256 = 320 BF16
 window tokens, the rest INT2 history; total length T):
-* ``oscar``: the whole decode attention op (with the chosen CONFIG; ``oscar_dequant_ms`` and
-  ``oscar_factored_ms`` time both inner-loop variants of the split kernel with that CONFIG) -- query rotation ``q R_K`` and centering offset
+* ``oscar``: the whole decode attention op (with the chosen CONFIG; ``oscar_rowdot_ms``, ``oscar_factored_ms``
+  and ``oscar_dequant_ms`` time the three inner-loop variants of the split kernel with that CONFIG, so
+  old and new loops are compared on the same data in the same run) -- query rotation ``q R_K`` and centering offset
   ``q_rot · (mu_K R_K)`` (2 torch launches) + :func:`decode_attention_triton` (2 Triton launches:
   split-K over history and window, then merge + ``R_Vᵀ`` + ``mu_V`` + normalize);
 * ``oscar_composed``: ``history_partial_triton`` + the window partial, merge and rotate-back in torch
@@ -207,16 +208,15 @@ def oscar_bytes(b, n):
 
 
 SWEEP = [
-    # the inner-loop variant measured first ("dequant") around the H100 winner, then "factored"
-    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, factored=False),
-    dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=2, factored=False),
-    dict(block_n=64, num_warps=8, num_stages=3, programs_per_sm=4, factored=False),
-    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, factored=True),
-    dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=2, factored=True),
-    dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=3, factored=True),
-    dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=3, factored=True),
-    dict(block_n=64, num_warps=8, num_stages=3, programs_per_sm=4, factored=True),
+    # the earlier H100 winner ("dequant" loop) for reference, then the "rowdot" loop around it
+    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, loop="dequant"),
+    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, loop="rowdot"),
+    dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=3, loop="rowdot"),
+    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4, loop="rowdot"),
+    dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4, loop="rowdot"),
+    dict(block_n=256, num_warps=8, num_stages=3, programs_per_sm=2, loop="rowdot"),
 ]
+LOOPS = ("rowdot", "factored", "dequant")
 
 
 def sweep(gen):
@@ -277,10 +277,11 @@ def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
             row["sdpa_graph_error"] = repr(e)[:160]
         del sk, sv
         op = oscar_op(st)
-        for variant in (False, True):  # both inner loops, same data, same run
+        for loop in LOOPS:  # every inner loop, same data, same run
             saved = dict(dt.CONFIG)
-            dt.CONFIG["factored"] = variant
-            row["oscar_factored_ms" if variant else "oscar_dequant_ms"] = timed(op)
+            dt.CONFIG["loop"] = loop
+            row[f"oscar_{loop}_ms"] = timed(op)
+            row[f"oscar_{loop}_graph_ms"] = timed(op, graph=True)
             dt.CONFIG.clear()
             dt.CONFIG.update(saved)
         row["oscar_ms"] = timed(op)
@@ -440,11 +441,12 @@ def main():
         result["write"] = bench_write(gen, result["copy_GBps"])
         save()
     log("\n B      T   sdpa(ms)  oscar(ms)  speedup  graph-speedup  oscar GB/s  %copy  hist-only %copy"
-        "  dequant(ms)  factored(ms)")
+        "  rowdot(ms)  factored(ms)  dequant(ms)  dequant graph(ms)")
     for r in result["decode"]:
         log(f"{r['B']:>2} {r['T']:>6}  {r['sdpa_best_ms']:8.4f}  {r['oscar_ms']:9.4f}  {r['speedup']:7.2f}  "
             f"{r.get('speedup_graph', float('nan')):13.2f}  {r['oscar_GBps']:10.0f}  {r['oscar_pct_copy_bw']:5.1f}  "
-            f"{r['history_partial_pct_copy_bw']:5.1f}  {r['oscar_dequant_ms']:11.4f}  {r['oscar_factored_ms']:12.4f}")
+            f"{r['history_partial_pct_copy_bw']:5.1f}  {r['oscar_rowdot_ms']:10.4f}  {r['oscar_factored_ms']:12.4f}  "
+            f"{r['oscar_dequant_ms']:11.4f}  {r['oscar_dequant_graph_ms']:17.4f}")
     w = result.get("write")
     if w:
         log(f"write: {w['rows_per_s'] / 1e6:.1f} M rows/s, {w['GBps']:.0f} GB/s, share of 32K prefill attention "

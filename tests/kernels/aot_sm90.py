@@ -94,17 +94,19 @@ def main():
         else:
             mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
             dt.history_partial_triton(q, k, v, start, mask, off, 0.1, g)
-        labels.append(f"attn d={d} g={g} m={m} window={window} factored={dt.CONFIG['factored']}")
+        labels.append(f"attn d={d} g={g} m={m} window={window} loop={dt.CONFIG['loop']}")
 
-    attn(1, 8, 4, 8192, 128, 64, True)  # the benchmark's shape, full decode op
-    dt.CONFIG["factored"] = True
-    attn(1, 8, 4, 8192, 128, 64, True)  # same, the factored inner loop
-    attn(1, 2, 4, 4096, 64, 64, False)
-    dt.CONFIG["factored"] = False
-    attn(1, 8, 4, 8192, 128, 128, False)
+    attn(1, 8, 4, 8192, 128, 64, True)  # the benchmark's shape, full decode op (default loop: rowdot)
+    attn(1, 2, 4, 4096, 64, 64, False)  # rowdot, 4 planes per group
+    attn(1, 8, 4, 8192, 128, 128, False)  # rowdot, G = D
+    attn(1, 2, 32, 4096, 128, 64, False)  # rowdot, M = 32 (8 warps)
+    for loop in ("factored", "dequant"):  # the earlier inner loops, still selectable
+        dt.CONFIG["loop"] = loop
+        attn(1, 8, 4, 8192, 128, 64, True)
     attn(1, 2, 8, 4096, 64, 32, False)
     attn(1, 2, 32, 4096, 128, 64, False)
     attn(1, 2, 4, 4096, 256, 32, False)
+    dt.CONFIG["loop"] = "rowdot"
     for d, g, meta in ((128, 64, torch.bfloat16), (64, 32, torch.float16), (256, 128, torch.bfloat16)):
         x = torch.randn(1, 2, 100, d, generator=g0).bfloat16()
         wt.rotate_quantize_triton(x, torch.randn(2, d, d, generator=g0), torch.randn(2, d, generator=g0), 0.95, g, meta)
