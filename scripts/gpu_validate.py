@@ -31,7 +31,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--calib-tokens", type=int, default=8192)
-    p.add_argument("--calib-method", default="oscar")
+    p.add_argument("--calib-method", nargs="+", default=["oscar"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -75,18 +75,18 @@ def main(argv=None):
         n = args.calib_tokens
         seq_len = min(2048, n)
         chunks = torch.randint(100, model.config.vocab_size - 100, (n // seq_len, seq_len))
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        rot = calibrate(model, None, list(chunks.to(args.device)), method=args.calib_method, tokens=n, seq_len=seq_len,
-                        group_size=64, progress=False)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        res["calibration_seconds"] = time.perf_counter() - t
-        res["calibration_method"] = args.calib_method
-        res["calibration_tokens"] = n
-        res["calibrated_layers"] = len(rot.layers)
-        print(json.dumps({k: res[k] for k in ("calibration_seconds", "calibration_method", "calibration_tokens")}), flush=True)
+        for method in args.calib_method:
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            rot = calibrate(model, None, list(chunks.to(args.device)), method=method, tokens=n, seq_len=seq_len,
+                            group_size=64, progress=False)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            res[f"calibration_seconds_{method}"] = time.perf_counter() - t
+            res["calibration_tokens"] = n
+            res["calibrated_layers"] = len(rot.layers)
+            print(json.dumps({"method": method, "seconds": res[f"calibration_seconds_{method}"], "tokens": n}), flush=True)
     res["tolerance_ok"] = rel < 0.05
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
