@@ -63,7 +63,44 @@ def main(argv=None):
             ker = model(tok, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1].float()
             errs.append(((ker - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item())
             agree.append((ker.argmax(-1) == ref.argmax(-1)).float().mean().item())
+        # Per layer, per row: the read path's output from the same inputs, kernel vs reference (one step).
+        import oscar_hf.attention as attn
+        from oscar_hf.kernels.int2_attention import decode_attention_reference
+
+        layer_errs = []
+        real = attn.decode_attention
+
+        def both(*a, block_n=1024, use_kernels="auto", **kw):
+            ker = real(*a, block_n=block_n, use_kernels=use_kernels, **kw)
+            ref = decode_attention_reference(*a, block_n=block_n, **kw)
+            e = (ker.float() - ref.float()).flatten(1).norm(dim=-1) / ref.float().flatten(1).norm(dim=-1)
+            layer_errs.append(e.tolist())
+            return ker
+
+        attn.decode_attention = both
+        try:
+            tok = steps_tok[:, :1]
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            model(tok, attention_mask=mask, past_key_values=cache, use_cache=True)
+        finally:
+            attn.decode_attention = real
+        res["per_layer_rel_err_attention_output_by_row"] = layer_errs
+        res["max_per_layer_rel_err_attention_output"] = max(max(r) for r in layer_errs)
     disable_oscar(model)
+    # Noise floor of this random-weight model: BF16 DynamicCache with SDPA vs with eager attention
+    # (two exact BF16 attentions that differ only in rounding), same tokens.
+    from transformers import DynamicCache
+
+    floor = {}
+    with torch.no_grad():
+        for impl in ("sdpa", "eager"):
+            model.set_attn_implementation(impl)
+            dc = DynamicCache(config=model.config)
+            model(ids, attention_mask=am, past_key_values=dc, use_cache=True, logits_to_keep=1)
+            m2 = torch.cat([am, torch.ones_like(steps_tok[:, :1])], 1)
+            floor[impl] = model(steps_tok[:, :1], attention_mask=m2, past_key_values=dc, use_cache=True).logits[:, -1].float()
+        model.set_attn_implementation("sdpa")
+    res["noise_floor_rel_logit_err_sdpa_vs_eager"] = ((floor["sdpa"] - floor["eager"]).norm(dim=-1) / floor["eager"].norm(dim=-1)).max().item()
     res["per_step_max_rel_logit_err"] = errs
     res["max_rel_logit_err_kernels_vs_reference"] = max(errs)
     res["same_argmax_fraction"] = sum(agree) / len(agree)
@@ -87,7 +124,12 @@ def main(argv=None):
             res["calibration_tokens"] = n
             res["calibrated_layers"] = len(rot.layers)
             print(json.dumps({"method": method, "seconds": res[f"calibration_seconds_{method}"], "tokens": n}), flush=True)
-    res["tolerance_ok"] = rel < 0.05
+    # The read path must match the reference per layer to BF16 precision, and the end-to-end logit
+    # difference must stay within the model's own BF16 noise floor (SDPA vs eager).
+    res["tolerance_ok"] = bool(
+        res.get("max_per_layer_rel_err_attention_output", 0.0) < 5e-3
+        and rel <= 1.5 * res["noise_floor_rel_logit_err_sdpa_vs_eager"]
+    )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=2))
