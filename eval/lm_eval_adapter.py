@@ -1,0 +1,101 @@
+"""lm-eval (0.4.13) adapter: ``--model oscar`` = Hugging Face model + an OSCAR-family KV cache.
+
+    python -m oscar_hf.eval.lm_eval_adapter --model oscar \\
+        --model_args pretrained=smollm2,method=oscar,rotations=artifacts/smollm2-oscar,sink=64,recent=256,group_size=64 \\
+        --tasks wikitext_local --include_path eval/tasks --limit 4
+
+or from Python: ``lm_eval.simple_evaluate(model=OscarLM(pretrained="smollm2", method="hadamard"), tasks=[...])``.
+
+lm-eval has no plugin scan, so this module registers ``oscar`` when imported and its ``__main__``
+hands over to lm-eval's own CLI.
+
+What the cache changes, per request type:
+
+* ``loglikelihood`` / ``loglikelihood_rolling`` (``_model_call``, right-padded batches): OscarCache's
+  prefill is exact, so one forward through it would score the full-precision model. Every position is
+  instead scored as a decode step of the cache, with the one-forward fake-quant path proven equal to
+  token-by-token decoding (:mod:`oscar_hf.eval.fakequant`; ``score_mode="decode"``, the default).
+  ``score_mode="prefill"`` runs the forward through a fresh cache (exact, like deployment on a prompt).
+* ``generate_until`` (``_model_generate``): ``model.generate`` with a fresh cache per call.
+
+``pretrained=smollm2`` loads the packaged SmolLM2-135M GGUF (``gguf_file`` is filled in).
+``method``: ``fp`` (DynamicCache), ``identity``, ``hadamard`` (no artifact) or ``oscar`` / ``pca-kv`` /
+any calibrated method (``rotations=DIR``).
+"""
+from __future__ import annotations
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from oscar_hf.models import DEFAULT_MODEL, SMOLLM2_GGUF, smollm2_dir
+
+from .fakequant import fake_quant
+from .methods import OscarFamily, get_method
+
+
+def _bool(x) -> bool:
+    return x if isinstance(x, bool) else str(x).lower() in ("1", "true", "yes")
+
+
+@register_model("oscar")
+class OscarLM(HFLM):
+    def __init__(self, pretrained: str = DEFAULT_MODEL, method: str = "oscar", rotations: str | None = None,
+                 sink: int = 64, recent: int = 256, group_size: int = 64, center=True, clip_k: float | None = None,
+                 clip_v: float | None = None, score_mode: str = "decode", gguf_file: str | None = None, **kwargs):
+        if pretrained == DEFAULT_MODEL:
+            pretrained, gguf_file = str(smollm2_dir()), gguf_file or SMOLLM2_GGUF
+        if score_mode not in ("decode", "prefill"):
+            raise ValueError(f"score_mode must be 'decode' or 'prefill', got {score_mode!r}")
+        kwargs.setdefault("dtype", "float32")
+        super().__init__(pretrained=pretrained, gguf_file=gguf_file, **kwargs)
+        cfg = dict(sink=int(sink), recent=int(recent), group_size=int(group_size), center=_bool(center))
+        if clip_k is not None:
+            cfg["clip_k"] = float(clip_k)
+        if clip_v is not None:
+            cfg["clip_v"] = float(clip_v)
+        if method == "fp":
+            self.kv_method = get_method("fp")
+        elif rotations:
+            from oscar_hf import OscarRotations
+
+            self.kv_method = OscarFamily(method, rotations=OscarRotations.from_pretrained(rotations), **cfg)
+        elif method in ("identity", "hadamard"):
+            self.kv_method = get_method(method, **cfg)
+        else:
+            raise ValueError(f"method={method!r} needs rotations=<artifact dir> (artifact-free: fp, identity, hadamard)")
+        self.oscar_settings = dict(method=method, rotations=rotations, score_mode=score_mode, **cfg)
+        self.score_mode = score_mode
+        self._spec = self.kv_method.fake_spec(self.model)
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        with torch.no_grad():
+            if self.score_mode == "decode":
+                with fake_quant(self.model, self._spec, prefill_len=1):
+                    return self.model(inps, use_cache=False).logits
+            cache = self.kv_method.make_cache(self.model)  # fresh per call
+            return self.model(inps, past_key_values=cache, use_cache=True).logits
+
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        generation_kwargs["past_key_values"] = self.kv_method.make_cache(self.model)  # fresh per call
+        generation_kwargs.pop("use_cache", None)
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    def get_model_info(self) -> dict:
+        info = super().get_model_info()
+        info["oscar"] = dict(self.oscar_settings, kv_method=type(self.kv_method).__name__,
+                             bits_per_element_at_2048=self.kv_method.bits(2048, self.model.config.head_dim
+                                                                          if getattr(self.model.config, "head_dim", None)
+                                                                          else self.model.config.hidden_size // self.model.config.num_attention_heads))
+        return info
+
+
+def cli() -> None:
+    """Console entry: lm-eval's own CLI with ``--model oscar`` registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    cli()
