@@ -95,7 +95,8 @@ def _output_tensor(result, batch, q_len, hq, d) -> torch.Tensor:
     out = result[0] if isinstance(result, tuple) else result
     if tuple(out.shape) != (batch, q_len, hq, d):
         raise NotImplementedError(
-            f"attention returned an output of shape {tuple(out.shape)}, expected [B, q, Hq, D] = {(batch, q_len, hq, d)}"
+            f"attention returned an output of shape {tuple(out.shape)}, "
+            f"expected [B, q, Hq, D] = {(batch, q_len, hq, d)}"
         )
     return out
 
@@ -164,7 +165,8 @@ class LayerStats:
         c = xx / n
         if center:  # E[(x-mu)ᵀ(x-mu)] = E[xᵀx] - muᵀ x̄ - x̄ᵀ mu + muᵀ mu
             xbar = x_sum / n
-            c = c - mu[:, :, None] * xbar[:, None, :] - xbar[:, :, None] * mu[:, None, :] + mu[:, :, None] * mu[:, None, :]
+            m, xb = mu[:, :, None], xbar[:, :, None]
+            c = c - m * xbar[:, None, :] - xb * mu[:, None, :] + m * mu[:, None, :]
         return c
 
     def c_s(self, center: bool = False) -> torch.Tensor:
@@ -192,10 +194,16 @@ class LayerStats:
 class StatsRecorder:
     """Accumulates :class:`LayerStats` for the given layers. ``phase="moments"`` records queries,
     keys, values and outputs; ``phase="score_weighted"`` (a second pass over the same windows, once
-    ``C_Q`` of the whole set is known) records the score-weighted value sums."""
+    ``C_Q`` of the whole set is known) records the score-weighted value sums.
 
-    def __init__(self, layers):
+    ``kv_skip``: the first ``kv_skip`` real tokens of every sequence are left out of the key / value
+    statistics (means, ``C_K``, ``C_V``, score-weighted target): the cache keeps them in the sink
+    window and never quantizes them, and attention-sink tokens carry atypical, huge activations.
+    Queries and outputs are recorded at every position."""
+
+    def __init__(self, layers, kv_skip: int = 0):
         self.layers = set(int(i) for i in layers)
+        self.kv_skip = int(kv_skip)
         self.stats: dict[int, LayerStats] = {}
         self.phase = "moments"
         self._cq: dict[int, torch.Tensor] = {}
@@ -221,8 +229,9 @@ class StatsRecorder:
             self.stats[i] = LayerStats.zeros(hk, d, key.device)
         s = self.stats[i]
         self.calls += 1
-        kd = _rows(key, hk, vk).double()  # [Hk, n, D] real tokens only
-        vd = _rows(value, hk, vk).double()
+        vkk = vk & (vk.cumsum(1) > self.kv_skip) if self.kv_skip else vk
+        kd = _rows(key, hk, vkk).double()  # [Hk, n, D] real tokens only
+        vd = _rows(value, hk, vkk).double()
         if self.phase == "score_weighted":
             w = ((kd @ self._cq[i]) * kd).sum(-1)  # [Hk, n]: w_t = k_t C_Q k_tᵀ
             s.sw_w += w.sum(1)
@@ -262,8 +271,9 @@ class StatsRecorder:
 @dataclasses.dataclass
 class LayerCandidates:
     """What to evaluate in one layer: ``k_rots [Ck, Hk, D, D]``, ``v_rots [Cv, Hk, D, D]`` (row-vector
-    convention, history stores ``(x - mu) @ R``), offsets (or None) and clip grids; optional reference
-    rotations ``k_ref [Cr, Hk, D, D]`` / ``v_ref`` evaluated at clip 1.0 only (for reports)."""
+    convention, history stores ``(x - mu) @ R``), offsets ``mu_k`` (``[Hk, D]`` shared by all candidates,
+    ``[Ck, Hk, D]`` one per candidate, or None) and ``mu_v``, and clip grids; optional reference
+    rotations ``k_ref [Cr, Hk, D, D]`` / ``v_ref`` evaluated uncentered at clip 1.0 only (for reports)."""
 
     k_rots: torch.Tensor
     v_rots: torch.Tensor
@@ -374,12 +384,19 @@ class ErrorRecorder:
         err = self.errors[i]
         one = torch.ones(1, device=dev)
         f32 = lambda t: t.to(dev, torch.float32)  # noqa: E731
-        k_jobs = [(f32(cand.k_rots), cand.clips_k.to(dev), err.k)]
-        v_jobs = [(f32(cand.v_rots), cand.clips_v.to(dev), err.v)]
+
+        def mus(mu, n):  # -> [n, Hk, D] or None
+            if mu is None:
+                return None
+            mu = f32(mu)
+            return mu.expand(n, *mu.shape) if mu.dim() == 2 else mu
+
+        k_jobs = [(f32(cand.k_rots), mus(cand.mu_k, cand.k_rots.shape[0]), cand.clips_k.to(dev), err.k)]
+        v_jobs = [(f32(cand.v_rots), mus(cand.mu_v, cand.v_rots.shape[0]), cand.clips_v.to(dev), err.v)]
         if cand.k_ref is not None:
-            k_jobs.append((f32(cand.k_ref), one, err.k_ref))
+            k_jobs.append((f32(cand.k_ref), None, one, err.k_ref))
         if cand.v_ref is not None:
-            v_jobs.append((f32(cand.v_ref), one, err.v_ref))
+            v_jobs.append((f32(cand.v_ref), None, one, err.v_ref))
         s2 = float(scaling) ** 2
         for bi in range(b):
             qpos = vq[bi].nonzero().squeeze(-1)
@@ -389,18 +406,18 @@ class ErrorRecorder:
                 continue
             kb = key[bi][:, kpos].float()  # [Hk, nk, D]
             vb = value[bi][:, kpos].float()
-            xk = kb - cand.mu_k.to(dev, torch.float32)[:, None, :] if cand.mu_k is not None else kb
-            xv = vb - cand.mu_v.to(dev, torch.float32)[:, None, :] if cand.mu_v is not None else vb
             hist = None
             if self.window is None:
                 # ---- keys: pooled query Gram matrix per KV head, all (query, key) pairs of the sequence
                 qg = query[bi][:, qpos].float().reshape(hk, g * nq, d)
                 gram = (qg.transpose(1, 2) @ qg).double()  # [Hk, D, D]
                 err.k_signal += s2 * ((kb.double() @ gram) * kb.double()).sum((-1, -2))
-                for rots, clips, target in k_jobs:
+                for rots, mu, clips, target in k_jobs:
                     for c in range(rots.shape[0]):
                         r = rots[c]  # [Hk, D, D]
-                        e = quant_error(xk @ r, clips, self.group_size, self.meta_dtype).view(hk, -1, d)  # [Hk, nk*Nk, D]
+                        xk = kb if mu is None else kb - mu[c][:, None, :]
+                        e = quant_error(xk @ r, clips, self.group_size, self.meta_dtype)
+                        e = e.view(hk, -1, d)  # [Hk, nk*Nk, D]
                         g_rot = (r.double().transpose(1, 2) @ gram @ r.double()).float()
                         le = ((e @ g_rot) * e).sum(-1).view(hk, nk, -1).double().sum(1)  # [Hk, Nk]
                         target[c] += s2 * le.T
@@ -437,9 +454,10 @@ class ErrorRecorder:
                 qsc = qs * scaling
                 lsig = (qsc @ kb.transpose(1, 2)) ** 2  # [Hk, g*ns, nk]
                 err.k_signal += (lsig * hf).sum((-1, -2)).double()
-                for rots, clips, target in k_jobs:
+                for rots, mu, clips, target in k_jobs:
                     for c in range(rots.shape[0]):
                         r = rots[c]
+                        xk = kb if mu is None else kb - mu[c][:, None, :]
                         e = quant_error(xk @ r, clips, self.group_size, self.meta_dtype)  # [Hk, nk, Nk, D]
                         qr = qsc @ r  # rotate the queries instead of un-rotating the errors
                         for j in range(e.shape[2]):
@@ -447,8 +465,9 @@ class ErrorRecorder:
                             target[c, j] += le
                 err.k_count += float(hist.sum())
                 p = p * hf
-            for rots, clips, target in v_jobs:
+            for rots, mu, clips, target in v_jobs:
                 for c in range(rots.shape[0]):
+                    xv = vb if mu is None else vb - mu[c][:, None, :]
                     e = quant_error(xv @ rots[c], clips, self.group_size, self.meta_dtype).view(hk, nk, -1)
                     oe = (p @ e).pow_(2).view(hk, g * ns, -1, d).sum(-1).double().sum(1)  # [Hk, Nv]
                     target[c] += oe.T

@@ -7,7 +7,8 @@ Passes (all with ``use_cache=False`` so every attention call sees a whole window
 1. **statistics** over the statistics windows: per full-attention layer and KV head, streaming float64
    sums for ``C_Q`` (post-RoPE queries pooled over the KV head's query heads), ``C_S`` (attention
    outputs, pooled likewise; the exact ``sst`` value target), ``C_K``, ``C_V`` and the means
-   ``mu_K``, ``mu_V``;
+   ``mu_K``, ``mu_V``. The first ``sink`` tokens of every window are left out of the key/value
+   statistics (the cache keeps them in full precision, and attention-sink tokens are outliers);
 2. **score-weighted** (only for ``value_target="score-weighted"`` and ``method="auto"``): the
    reference implementation's value target ``Σ_t w_t v_tᵀ v_t / Σ_t w_t`` with ``w_t = k_t C_Q k_tᵀ``
    needs ``C_Q`` of the *whole* calibration set, so a second forward pass over the same windows
@@ -15,15 +16,20 @@ Passes (all with ``use_cache=False`` so every attention call sees a whole window
 3. **held-out selection** (when there is a clip grid to search or ``method="auto"``): on held-out
    windows that follow the statistics windows, every candidate rotation x clip ratio is quantized
    with the INT2 reference quantizer (:mod:`oscar_hf.quant`, group size ``G``, bf16 metadata) and its
-   attention error is measured on the fly:
+   attention error is measured on the fly, on the real held-out activations, for ``query_samples``
+   evenly spaced queries per sequence:
 
-   * keys: mean over (query head, query, key) pairs of a sequence of the squared logit error
-     ``(scaling · q·(k - k̂))²``, with the real held-out queries (``k̂`` dequantized, rotated back and
-     re-centered);
-   * values: mean over (query head, sampled query) of ``||Σ_t p_t (v_t - v̂_t)||²`` with the real
-     attention probabilities ``p`` of up to ``query_samples`` evenly spaced queries per sequence
-     (the output error itself, not a proxy).
+   * keys: the squared logit error ``(scaling · q·(k - k̂))²`` summed over (query head, query, key)
+     pairs (``k̂`` dequantized, rotated back and re-centered) -- the logit error weighted by real
+     held-out queries;
+   * values: ``||Σ_t p_t (v_t - v̂_t)||²`` per (query head, query) with the real attention
+     probabilities ``p`` (the output error itself, not a proxy).
 
+   With ``window=(sink, recent)`` (default ``(64, 256)``, the cache's defaults) only the pairs the cache
+   actually quantizes count: key ``t`` for query ``i`` when ``sink <= t < i - recent``; the sink token
+   (large attention mass, never quantized) would otherwise weigh heavily in the value error. With
+   ``window=None`` every query and key of a sequence count (keys: all (query, key) pairs, through the
+   queries' Gram matrix; values: the full causal attention).
    One clip ratio per layer (for keys and values separately) and one candidate per KV head are
    chosen jointly to minimize the layer's summed error.
 
@@ -150,8 +156,8 @@ def _progress(progress: bool, total: int, desc: str):
 
 
 def collect_statistics(
-    model, input_ids, *, score_weighted: bool = False, batch_size: int = 1, pad_id: int = 0, progress: bool = False,
-    _bar=None,
+    model, input_ids, *, score_weighted: bool = False, kv_skip: int = 0, batch_size: int = 1, pad_id: int = 0,
+    progress: bool = False, _bar=None,
 ) -> CalibrationStats:
     """Run ``model`` over ``input_ids`` (tensor ``[n, L]`` or a list of 1-D sequences, right-padded per
     batch) and return the accumulated statistics of every full-attention layer. With
@@ -161,7 +167,7 @@ def collect_statistics(
     if not layers:
         raise ValueError(f"{fp.architecture} has no full-attention layers: nothing for OSCAR to calibrate")
     seqs = _as_sequences(input_ids)
-    rec = StatsRecorder(layers)
+    rec = StatsRecorder(layers, kv_skip)
     passes = 2 if score_weighted else 1
     bar = _bar or _progress(progress, passes * math.ceil(len(seqs) / batch_size), "OSCAR statistics")
     with recording(model, rec):
@@ -179,7 +185,7 @@ def collect_statistics(
             f"the calibration hook saw no attention call for layers {missing[:8]}; does this model route attention "
             "through transformers' attention interface (config._attn_implementation)?"
         )
-    tokens = rec.stats[layers[0]].n_kv
+    tokens = sum(s.numel() for s in seqs)
     return CalibrationStats(fp, rec.stats, tokens, len(seqs))
 
 
@@ -225,21 +231,42 @@ def _candidate_names(method: str, value_target: str) -> tuple[list[str], list[st
     return [method], [vname]
 
 
+def _center_modes(center) -> list[bool]:
+    if center == "auto":
+        return [False, True]
+    if isinstance(center, bool):
+        return [center]
+    raise ValueError(f"center must be True, False or 'auto', got {center!r}")
+
+
 def build_candidates(
-    stats: CalibrationStats, method: str, *, center: bool = True, value_target: str = "sst", clip_grid=CLIP_GRID
+    stats: CalibrationStats, method: str, *, center: bool | str = True, value_target: str = "sst", clip_grid=CLIP_GRID
 ) -> tuple[dict[int, LayerCandidates], list[str], list[str]]:
-    """Candidate rotations of every layer; for a single method the identity rotation (naive INT2,
-    clip 1.0) is added as a reference for the report (never selected)."""
-    knames, vnames = _candidate_names(method, value_target)
+    """Candidate rotations (and offsets) of every layer, and their names.
+
+    ``center=True``/``False``: every candidate is centered / uncentered; ``"auto"``: each rotation
+    appears twice, uncentered (``"oscar"``) and centered (``"oscar+center"``, covariances taken around
+    the means), so the selection also decides per layer, KV head and K/V whether to center. The
+    identity rotation without offsets at clip 1.0 (naive INT2) is always evaluated as a reference
+    for the report (never selected)."""
+    names = _candidate_names(method, value_target)
+    modes = _center_modes(center)
+    suffix = (lambda c: "+center" if c else "") if len(modes) > 1 else (lambda c: "")  # noqa: E731
+    knames = [n + suffix(c) for c in modes for n in names[0]]
+    vnames = [n + suffix(c) for c in modes for n in names[1]]
     grid = torch.tensor(sorted(float(c) for c in clip_grid), dtype=torch.float32)
     out = {}
     for i, s in sorted(stats.layers.items()):
-        ref = None if "identity" in knames else candidate_rotation("identity", "k", s, center)[None]
+        hk, d = s.k_sum.shape
+        zero = torch.zeros(hk, d)
+        ref = candidate_rotation("identity", "k", s, False)[None]
+        mk = [s.mu_k.float().cpu() if c else zero for c in modes for _ in names[0]]
+        mv = [s.mu_v.float().cpu() if c else zero for c in modes for _ in names[1]]
         out[i] = LayerCandidates(
-            torch.stack([candidate_rotation(n, "k", s, center) for n in knames]),
-            torch.stack([candidate_rotation(n, "v", s, center) for n in vnames]),
-            s.mu_k.float().cpu() if center else None,
-            s.mu_v.float().cpu() if center else None,
+            torch.stack([candidate_rotation(n, "k", s, c) for c in modes for n in names[0]]),
+            torch.stack([candidate_rotation(n, "v", s, c) for c in modes for n in names[1]]),
+            torch.stack(mk) if any(modes) else None,
+            torch.stack(mv) if any(modes) else None,
             grid,
             grid.clone(),
             ref,
@@ -269,13 +296,15 @@ def evaluate_candidates(
 
 def attention_error(
     model, rotations: OscarRotations, input_ids, *, group_size: int = 64, center: bool = True,
-    meta_dtype="bfloat16", batch_size: int = 1, pad_id: int = 0, query_samples: int = 128, progress: bool = False,
+    meta_dtype="bfloat16", batch_size: int = 1, pad_id: int = 0, query_samples: int = 128,
+    window: tuple[int, int] | None = (64, 256), progress: bool = False,
 ) -> dict:
     """The library's attention-error measure of an artifact on ``input_ids`` (use held-out text):
     per layer the mean squared key-logit error ``k``, the mean squared output error of values ``v``,
     and both relative to the signal (``k_rel`` = / mean squared logit, ``v_rel`` = / mean ||o||²);
     plus their means over layers ``k_rel``, ``v_rel`` and ``total`` = ``k_rel + v_rel``. Uses the
-    artifact's rotations, clips and (with ``center``) offsets."""
+    artifact's rotations, clips and (with ``center``) offsets. ``window=(sink, recent)``: only the
+    (query, key) pairs the cache quantizes count (``sink <= key < query - recent``); ``None``: all pairs."""
     rotations.check_compatible(model.config)
     validate_head_dim(rotations.fingerprint, group_size)
     cands = {
@@ -288,7 +317,7 @@ def attention_error(
     }
     errs = evaluate_candidates(
         model, input_ids, cands, group_size=group_size, meta_dtype=meta_dtype, batch_size=batch_size, pad_id=pad_id,
-        query_samples=query_samples, progress=progress,
+        query_samples=query_samples, window=window, progress=progress,
     )
     per = {}
     for i, e in sorted(errs.items()):
@@ -318,7 +347,7 @@ def calibrate(
     tokens: int = 8192,
     seq_len: int = 2048,
     group_size: int = 64,
-    center: bool = True,
+    center: bool | str = True,
     value_target: str = "sst",
     clip_grid: Sequence[float] | None = CLIP_GRID,
     holdout_fraction: float = 0.25,
@@ -326,6 +355,7 @@ def calibrate(
     progress: bool = True,
     meta_dtype: str = "bfloat16",
     query_samples: int = 128,
+    window: tuple[int, int] | None = (64, 256),
     metadata: dict | None = None,
 ) -> OscarRotations:
     """Calibrate OSCAR rotations, offsets and clip ratios for ``model``.
@@ -340,7 +370,8 @@ def calibrate(
         tokens: statistics tokens: ``ceil(tokens / seq_len)`` windows of ``min(seq_len, tokens)`` tokens
             from the start of the text (ignored for token-id input: all rows are used).
         group_size: the quantization group size the clips (and ``auto``) are chosen for.
-        center: store and use the per-KV-head means ``mu_K``/``mu_V``.
+        center: store and use the per-KV-head means ``mu_K``/``mu_V``; ``"auto"``: decide per layer, KV head
+            and K/V on the held-out error (an unchosen offset is stored as zeros).
         value_target: "sst" (exact ``C_S = Σ oᵀo``) or "score-weighted" (the reference code's target).
         clip_grid: clip ratios searched per layer (default 0.80..1.00 step 0.02); ``None`` or one value:
             no search (clips 1.0 or that value).
@@ -349,14 +380,21 @@ def calibrate(
         batch_size: windows per forward.
         progress: tqdm bar (also honours ``transformers.utils.logging.disable_progress_bar()``).
         meta_dtype: dtype of the quantizer's scale/zero during the clip search (as the cache will use).
-        query_samples: queries per held-out sequence whose real attention probabilities weigh the value error.
+        query_samples: queries per held-out sequence whose real attention probabilities weigh the errors.
+        window: ``(sink, recent)`` of the cache the artifact is for (``OscarConfig`` defaults 64, 256):
+            the first ``sink`` tokens of every window are left out of the key/value statistics (never
+            quantized; attention sinks have atypical activations), and held-out errors count only the
+            (query, key) pairs the cache quantizes, ``sink <= key < query - recent``. Windows not longer than
+            ``sink + recent + 1`` get a proportionally smaller window ``(min(sink, L//8), min(recent, L//4))``
+            with a warning (recorded in the metadata). ``None``: all tokens, all (query, key) pairs.
         metadata: extra JSON-able entries stored in the artifact's metadata (e.g. the data source).
     """
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if value_target not in VALUE_TARGETS:
         raise ValueError(f"value_target must be one of {VALUE_TARGETS}, got {value_target!r}")
+    _center_modes(center)
     if not 0.0 < holdout_fraction <= 1.0:
         raise ValueError(f"holdout_fraction must lie in (0, 1], got {holdout_fraction}")
     if batch_size < 1 or tokens < 2 or seq_len < 2:
@@ -372,11 +410,13 @@ def calibrate(
     validate_head_dim(fp, group_size)
     if not full_attention_layers(fp):
         raise ValueError(f"{fp.architecture} has no full-attention layers: nothing for OSCAR to calibrate")
-    from .hadamard import hadamard_matrix as _h
+    hadamard_matrix(fp.head_dim)  # fail early (clear error) for a head_dim without a Hadamard construction
 
-    _h(fp.head_dim)  # fail early (clear error) for a head_dim without a Hadamard construction
-
-    need_holdout = method == "auto" or len(grid) > 1
+    if window is not None:
+        window = (int(window[0]), int(window[1]))
+        if window[0] < 0 or window[1] < 0:
+            raise ValueError(f"window=(sink, recent) must be non-negative, got {window}")
+    need_holdout = method == "auto" or len(grid) > 1 or center == "auto"
     need_sw = method == "auto" or (method == "oscar" and value_target == "score-weighted")
     pad_id = 0
     if _is_texts(texts):
@@ -395,25 +435,41 @@ def calibrate(
         n_hold = 0
         if need_holdout:
             if len(seqs) < 2:
-                raise ValueError("clip search / method='auto' need at least 2 token sequences (one is held out)")
+                raise ValueError(
+                    "a clip search, method='auto' or center='auto' need at least 2 token sequences (one is held out)"
+                )
             n_hold = min(len(seqs) - 1, max(1, round(len(seqs) * holdout_fraction / (1 + holdout_fraction))))
         stats_seqs, hold_seqs = seqs[: len(seqs) - n_hold], seqs[len(seqs) - n_hold :]
         if tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None:
             pad_id = tokenizer.pad_token_id
 
+    if window is not None:
+        shortest = min(max(s.numel() for s in stats_seqs), max((s.numel() for s in hold_seqs), default=1 << 30))
+        if shortest <= sum(window) + 1:
+            fitted = (min(window[0], shortest // 8), min(window[1], shortest // 4))
+            logger.warning(
+                "calibration windows of %d tokens are too short for window=(sink=%d, recent=%d); using (%d, %d) "
+                "(pass seq_len > %d for the cache's own window)", shortest, *window, *fitted, sum(window) + 1,
+            )
+            window = fitted
     n_fw = math.ceil(len(stats_seqs) / batch_size) * (2 if need_sw else 1) + math.ceil(len(hold_seqs) / batch_size)
     bar = _progress(progress, n_fw, f"OSCAR calibration ({method})")
     try:
         t_stats = time.perf_counter()
-        stats = collect_statistics(model, stats_seqs, score_weighted=need_sw, batch_size=batch_size, pad_id=pad_id, _bar=bar)
+        stats = collect_statistics(
+            model, stats_seqs, score_weighted=need_sw, kv_skip=window[0] if window else 0, batch_size=batch_size,
+            pad_id=pad_id, _bar=bar,
+        )
         t_stats = time.perf_counter() - t_stats
-        cands, knames, vnames = build_candidates(stats, method, center=center, value_target=value_target, clip_grid=grid)
+        cands, knames, vnames = build_candidates(
+            stats, method, center=center, value_target=value_target, clip_grid=grid
+        )
         errors, t_hold = {}, 0.0
         if need_holdout:
             t_hold = time.perf_counter()
             errors = evaluate_candidates(
                 model, hold_seqs, cands, group_size=group_size, meta_dtype=meta_dtype, batch_size=batch_size,
-                pad_id=pad_id, query_samples=query_samples, _bar=bar,
+                pad_id=pad_id, query_samples=query_samples, window=window, _bar=bar,
             )
             t_hold = time.perf_counter() - t_hold
     finally:
@@ -422,31 +478,29 @@ def calibrate(
     layers: dict[int, LayerRotation] = {}
     winners = {"k": {}, "v": {}}
     held: dict[str, dict] = {}
-    ref_clip = len(grid) - 1  # the largest ratio (1.0 with the default grid): naive INT2 reference
     for i, c in sorted(cands.items()):
+        hk = c.k_rots.shape[1]
         if i in errors:
             e = errors[i]
             jk, wk = select_best(e.k)
             jv, wv = select_best(e.v)
-            hk = c.k_rots.shape[1]
             ek = sum(float(e.k[wk[h], jk, h]) for h in range(hk))
             ev = sum(float(e.v[wv[h], jv, h]) for h in range(hk))
-            ks, vs = float(e.k_signal.sum()), float(e.v_signal.sum())
+            ks, vs = max(float(e.k_signal.sum()), 1e-300), max(float(e.v_signal.sum()), 1e-300)
             held[str(i)] = {"k_rel": ek / ks, "v_rel": ev / vs}
-            if "identity" in knames and float(grid[ref_clip]) == 1.0:
-                held[str(i)]["k_rel_identity"] = float(e.k[knames.index("identity"), ref_clip].sum()) / ks
-                held[str(i)]["v_rel_identity"] = float(e.v[vnames.index("identity"), ref_clip].sum()) / vs
-            elif e.k_ref is not None:
+            if e.k_ref is not None:
                 held[str(i)]["k_rel_identity"] = float(e.k_ref[0, 0].sum()) / ks
                 held[str(i)]["v_rel_identity"] = float(e.v_ref[0, 0].sum()) / vs
             clip_k, clip_v = float(grid[jk]), float(grid[jv])
         else:
-            hk = c.k_rots.shape[1]
             wk, wv = [0] * hk, [0] * hk
             clip_k = clip_v = float(grid[-1])
-        r_k = torch.stack([c.k_rots[wk[h], h] for h in range(hk)]).float().contiguous()
-        r_v = torch.stack([c.v_rots[wv[h], h] for h in range(hk)]).float().contiguous()
-        layers[i] = LayerRotation(r_k, r_v, clip_k, clip_v, c.mu_k, c.mu_v)
+
+        def pick(t, w, hk=hk):  # per KV head, the winning candidate's tensor
+            return None if t is None else torch.stack([t[w[h], h] for h in range(hk)]).float().contiguous()
+
+        layers[i] = LayerRotation(pick(c.k_rots, wk), pick(c.v_rots, wv), clip_k, clip_v, pick(c.mu_k, wk),
+                                  pick(c.mu_v, wv))
         winners["k"][str(i)] = [knames[w] for w in wk]
         winners["v"][str(i)] = [vnames[w] for w in wv]
 
@@ -477,9 +531,11 @@ def calibrate(
             "batch_size": batch_size,
             "clip_grid": list(grid) if need_holdout else None,
             "query_samples": query_samples if need_holdout else None,
+            "window": list(window) if window else None,
             "passes": ["statistics"] + (["score-weighted (2nd pass, same windows)"] if need_sw else [])
             + (["held-out selection"] if need_holdout else []),
             "time_s": round(time.perf_counter() - t0, 2),
+            "cpu_time_s": round(time.process_time() - c0, 2),
             "time_statistics_s": round(t_stats, 2),
             "time_selection_s": round(t_hold, 2),
             "oscar_hf": __version__,
@@ -492,9 +548,10 @@ def calibrate(
     }
     if held:
         meta["heldout_error"] = held
-    if method == "auto":
+    if method == "auto" or center == "auto":
         meta["auto_counts"] = {
-            kind: dict(Counter(n for names in winners[kind].values() for n in names).most_common()) for kind in ("k", "v")
+            kind: dict(Counter(n for names in winners[kind].values() for n in names).most_common())
+            for kind in ("k", "v")
         }
     if metadata:
         meta.update(metadata)
@@ -519,7 +576,8 @@ def calibration_report(rotations: OscarRotations) -> str:
         lines.append(
             f"  tokens: {cal.get('tokens')} statistics ({cal.get('windows')} x {cal.get('seq_len')}) + "
             f"{cal.get('holdout_tokens')} held-out; group_size={cal.get('group_size')}, meta={cal.get('meta_dtype')}, "
-            f"center={cal.get('center')}, value_target={cal.get('value_target')}"
+            f"center={cal.get('center')}, value_target={cal.get('value_target')}, "
+            f"window(sink, recent)={cal.get('window')}"
         )
         lines.append(
             f"  time: {cal.get('time_s')} s (statistics {cal.get('time_statistics_s')} s, selection "
@@ -535,7 +593,9 @@ def calibration_report(rotations: OscarRotations) -> str:
     if "auto_counts" in md:
         for kind, name in (("k", "keys"), ("v", "values")):
             cnt = md["auto_counts"].get(kind, {})
-            lines.append(f"  auto winners ({name}, per layer x kv head): " + ", ".join(f"{k} {v}" for k, v in cnt.items()))
+            lines.append(
+                f"  auto winners ({name}, per layer x kv head): " + ", ".join(f"{k} {v}" for k, v in cnt.items())
+            )
     clips = [(lr.clip_k, lr.clip_v) for _, lr in sorted(rotations.layers.items())]
     if clips:
         lines.append(
@@ -587,14 +647,14 @@ def plot_spectra(obj: CalibrationStats | OscarRotations, path) -> None:
     else:
         raise TypeError(f"plot_spectra takes CalibrationStats or OscarRotations, got {type(obj).__name__}")
     layer_ids = sorted(spectra, key=int)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), constrained_layout=True)
     cmap = plt.get_cmap("viridis")
     for ax, name in zip(axes[:2], ("C_Q", "C_K")):
         for n, li in enumerate(layer_ids):
             ev = torch.tensor(spectra[li][name]["eigvals"], dtype=torch.float64).mean(0)
-            ax.semilogy(range(1, ev.numel() + 1), ev.clamp_min(1e-12).numpy(), color=cmap(n / max(len(layer_ids) - 1, 1)),
-                        lw=1)
-        ax.set_title(f"{name} eigen-spectrum (normalized, mean over KV heads)")
+            color = cmap(n / max(len(layer_ids) - 1, 1))
+            ax.semilogy(range(1, ev.numel() + 1), ev.clamp_min(1e-12).numpy(), color=color, lw=1)
+        ax.set_title(f"{name} eigen-spectrum")
         ax.set_xlabel("eigenvalue index")
         ax.set_ylabel("share of trace")
         ax.grid(alpha=0.3)
@@ -608,6 +668,7 @@ def plot_spectra(obj: CalibrationStats | OscarRotations, path) -> None:
     axes[2].legend()
     axes[2].grid(alpha=0.3)
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(min(x), max(x)))
-    fig.colorbar(sm, ax=axes[:2], label="layer", fraction=0.03)
+    fig.colorbar(sm, ax=axes[1], label="layer")
+    fig.suptitle("normalized eigenvalues (share of the trace), mean over KV heads")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

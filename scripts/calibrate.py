@@ -27,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     from oscar_hf.calibration import CLIP_GRID, METHODS, VALUE_TARGETS
     from oscar_hf.data import CALIBRATION_FRACTION
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2", help='hub id, local path, or "smollm2" (the packaged default)')
     p.add_argument("--gguf-file", default=None, help="GGUF file inside --model (dequantized on load)")
     p.add_argument("--data", default=None, help="file.txt | file.jsonl | file.json | datasets Hub name "
@@ -41,11 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--method", default="oscar", choices=METHODS)
     p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--no-center", action="store_true", help="do not calibrate offsets mu_K / mu_V")
+    p.add_argument("--center", default="on", choices=["on", "off", "auto"],
+                   help="offsets mu_K / mu_V: on (default), off, or auto (chosen per layer, KV head and K/V "
+                   "on held-out error)")
+    p.add_argument("--no-center", action="store_true", help="same as --center off")
     p.add_argument("--value-target", default="sst", choices=VALUE_TARGETS)
     p.add_argument("--clip-grid", default=None,
-                   help=f"comma-separated clip ratios (default {CLIP_GRID[0]}..{CLIP_GRID[-1]} step 0.02); '1' disables the search")
+                   help=f"comma-separated clip ratios (default {CLIP_GRID[0]}..{CLIP_GRID[-1]} step 0.02); "
+                   "'1' disables the search")
     p.add_argument("--holdout-fraction", type=float, default=0.25)
+    p.add_argument("--window", default="64,256",
+                   help="SINK,RECENT of the cache the artifact is for (errors count only quantized history pairs, "
+                   "sink tokens leave the K/V statistics); 'none': all tokens")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -78,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_hf.calibration import CLIP_GRID, calibrate, calibration_report, plot_spectra
     from oscar_hf.models import load_model, wikitext_path
 
+    window = None if args.window.strip().lower() == "none" else tuple(int(x) for x in args.window.split(","))
+    if window is not None and len(window) != 2:
+        print(f"error: --window must be SINK,RECENT or none, got {args.window!r}", file=sys.stderr)
+        return 1
     clip_grid = CLIP_GRID if args.clip_grid is None else tuple(float(c) for c in args.clip_grid.split(",") if c.strip())
     source = args.data or str(wikitext_path())
     t0 = time.perf_counter()
@@ -89,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     rot = calibrate(
         model, tok, split.calibration,
         method=args.method, tokens=args.tokens, seq_len=args.seq_len, group_size=args.group_size,
-        center=not args.no_center, value_target=args.value_target, clip_grid=clip_grid,
+        center={"on": True, "off": False, "auto": "auto"}["off" if args.no_center else args.center],
+        value_target=args.value_target, clip_grid=clip_grid,
         holdout_fraction=args.holdout_fraction, batch_size=args.batch_size, progress=not args.no_progress,
+        window=window,
         metadata={"data": {"source": source, "config": args.data_config, "split": args.split,
                            "text_field": args.text_field, "calibration_fraction": args.calibration_fraction,
                            "calibration_chars": [0, split.boundary], "total_chars": split.total_chars},

@@ -123,6 +123,21 @@ def test_statistics_match_brute_force_with_padding(kv_heads, impl):
         # the padded tokens really are different data: including them would change the statistics
         k_all = c["k"].double()[:, 0].reshape(-1, c["k"].shape[-1])
         assert not torch.allclose(s.mu_k[0], k_all.mean(0))
+    # kv_skip: the first 3 real tokens of each sequence leave the key/value statistics only
+    rec3 = StatsRecorder(rec.layers, kv_skip=3)
+    with recording(model, rec3):
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+    skip_mask = mask * (mask.cumsum(1) > 3)
+    for i, c in acts.items():
+        bf, bf_all = _brute_force(c, skip_mask), _brute_force(c, mask)
+        s3 = rec3.stats[i]
+        assert s3.n_kv == int(skip_mask.sum()) and s3.n_q == rec.stats[i].n_q
+        for h in range(kv_heads):
+            K, V = bf["K"][h], bf["V"][h]
+            torch.testing.assert_close(s3.mu_k[h], K.mean(0), rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(s3.c_v(center=True)[h], (V - V.mean(0)).T @ (V - V.mean(0)) / len(V))
+            Q = bf_all["Q"][h]
+            torch.testing.assert_close(s3.c_q()[h], Q.T @ Q / len(Q))
 
 
 def test_quant_error_is_the_reference_quantizer():
@@ -193,7 +208,7 @@ def test_heldout_errors_match_brute_force(window):
                                 v_count += int(rows.sum())
                     torch.testing.assert_close(float(e.k[ci, j, h]), ek, rtol=2e-4, atol=1e-9)
                     torch.testing.assert_close(float(e.v[ci, j, h]), ev, rtol=2e-4, atol=1e-9)
-        assert e.k_count == k_count * (1 if window else 1) and e.v_count == v_count
+        assert e.k_count == k_count and e.v_count == v_count
         assert float(e.k.min()) > 0 and float(e.v.min()) > 0
 
 
@@ -226,7 +241,7 @@ def test_calibrate_tiny_models_every_family(tiny):
     impl = model.config._attn_implementation
     ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
     gs = 32 if model.config.model_type == "phi3" else 16
-    rot = calibrate(model, None, ids, method="auto", group_size=gs, progress=False)
+    rot = calibrate(model, None, ids, method="auto", group_size=gs, window=(4, 8), progress=False)
     _check_artifact(rot, model)
     assert model.config._attn_implementation == impl
     fp = ModelFingerprint.from_config(model.config)
@@ -242,7 +257,7 @@ def test_methods_build_the_documented_rotations():
     model = tiny_model("llama")
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
     stats = collect_statistics(model, ids, score_weighted=True)
-    one = dict(progress=False, group_size=16, clip_grid=None)
+    one = dict(progress=False, group_size=16, clip_grid=None, window=None)
     for method, vt in (("oscar", "sst"), ("oscar", "score-weighted"), ("pca-kv", "sst")):
         rot = calibrate(model, None, ids, method=method, value_target=vt, **one)
         for i, lr in rot.layers.items():
@@ -255,6 +270,34 @@ def test_methods_build_the_documented_rotations():
     rot = calibrate(model, None, ids, method="hadamard", center=False, **one)
     assert rot.layers[0].mu_k is None and not rot.has_offsets
     torch.testing.assert_close(rot.layers[0].r_k, OscarRotations.builtin(model, "hadamard").layers[0].r_k)
+
+
+def test_center_auto_chooses_offsets_per_head():
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, 256, (4, 48), generator=torch.Generator().manual_seed(2))
+    rot = calibrate(model, None, ids, method="oscar", center="auto", group_size=16, window=(4, 8), progress=False)
+    stats = collect_statistics(model, ids[:3], kv_skip=4)
+    for i, lr in rot.layers.items():
+        for kind, mu, ref in (("k", lr.mu_k, stats.layers[i].mu_k), ("v", lr.mu_v, stats.layers[i].mu_v)):
+            names = rot.metadata["winners"][kind][str(i)]
+            assert set(names) <= {"oscar", "oscar+center"}
+            for h, name in enumerate(names):
+                if name.endswith("+center"):
+                    torch.testing.assert_close(mu[h], ref[h].float())
+                else:
+                    assert not mu[h].any()
+    assert rot.metadata["calibration"]["center"] == "auto"
+    assert sum(rot.metadata["auto_counts"]["k"].values()) == 2 * 2
+
+
+def test_plot_spectra_from_statistics(tmp_path):
+    model = tiny_model("gemma3_text")
+    stats = collect_statistics(model, torch.randint(0, 256, (1, 24)))
+    assert sorted(stats.layers) == [1]  # the sliding layer 0 is skipped
+    plot_spectra(stats, tmp_path / "s.png")
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(TypeError):
+        plot_spectra(object(), tmp_path / "x.png")
 
 
 def test_eigvecs_descending_and_sign_fixed():
@@ -282,6 +325,18 @@ def test_bad_arguments_are_refused():
         calibrate(model, None, ids, clip_grid=(0.0, 1.0), progress=False, group_size=16)
     with pytest.raises(ValueError, match="at least 2"):
         calibrate(model, None, ids[:1], method="auto", progress=False, group_size=16)
+    with pytest.raises(ValueError, match="window"):
+        calibrate(model, None, ids, progress=False, group_size=16, window=(-1, 4))
+
+
+def test_too_short_windows_get_a_fitted_window(caplog):
+    model = tiny_model("llama")
+    ids = torch.randint(0, 256, (3, 40), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level("WARNING", logger="oscar_hf"):
+        rot = calibrate(model, None, ids, group_size=16, progress=False)  # default window (64, 256)
+    assert rot.metadata["calibration"]["window"] == [5, 10]
+    assert "too short" in caplog.text
+    assert all(h["k_rel"] > 0 and h["v_rel"] > 0 for h in rot.metadata["heldout_error"].values())
 
 
 def test_model_is_restored_after_an_error(monkeypatch):
@@ -293,7 +348,7 @@ def test_model_is_restored_after_an_error(monkeypatch):
 
     monkeypatch.setattr(StatsRecorder, "__call__", boom)
     with pytest.raises(RuntimeError, match="boom"):
-        calibrate(model, None, torch.randint(0, 256, (2, 16)), progress=False, group_size=16)
+        calibrate(model, None, torch.randint(0, 256, (2, 16)), progress=False, group_size=16, window=None)
     assert model.config._attn_implementation == "eager"
     assert model.training
 
@@ -305,11 +360,11 @@ def test_progress_bar_honours_transformers_switch(capsys):
     ids = torch.randint(0, 256, (2, 16))
     hf_logging.disable_progress_bar()
     try:
-        calibrate(model, None, ids, group_size=16, clip_grid=None, progress=True)
+        calibrate(model, None, ids, group_size=16, clip_grid=None, window=None, progress=True)
         assert "OSCAR calibration" not in capsys.readouterr().err
     finally:
         hf_logging.enable_progress_bar()
-    calibrate(model, None, ids, group_size=16, clip_grid=None, progress=True)
+    calibrate(model, None, ids, group_size=16, clip_grid=None, window=None, progress=True)
     assert "OSCAR calibration" in capsys.readouterr().err
 
 
@@ -327,7 +382,8 @@ def smol_oscar(smollm2, smol_windows):
     model, tok = smollm2
     cal, _ = smol_windows
     return {
-        center: calibrate(model, tok, cal, method="oscar", tokens=512, seq_len=256, center=center, progress=False)
+        center: calibrate(model, tok, cal, method="oscar", tokens=512, seq_len=256, center=center, window=(16, 64),
+                          clip_grid=(0.8, 0.9, 1.0), query_samples=64, progress=False)
         for center in (True, False)
     }
 
@@ -339,7 +395,7 @@ def test_smollm2_end_to_end_and_round_trip(smollm2, smol_oscar, tmp_path):
     assert len(rot.layers) == 30
     md = rot.metadata["calibration"]
     assert md["tokens"] == 512 and md["windows"] == 2 and md["seq_len"] == 256 and md["holdout_tokens"] == 256
-    assert md["group_size"] == 64 and md["method"] == "oscar" and md["time_s"] > 0
+    assert md["group_size"] == 64 and md["method"] == "oscar" and md["time_s"] > 0 and md["window"] == [16, 64]
     assert set(rot.metadata["spectra"]["0"]) == {"C_Q", "C_K", "C_S", "C_V"}
     rot.save_pretrained(tmp_path / "art")
     back = OscarRotations.from_pretrained(tmp_path / "art")
@@ -365,9 +421,9 @@ def test_smollm2_oscar_beats_identity_and_centering_helps(smollm2, smol_oscar, s
     _, heldout = smol_windows
     ident = OscarRotations.builtin(model, "identity")
     err = {
-        "identity": attention_error(model, ident, heldout),
-        "oscar": attention_error(model, smol_oscar[False], heldout),
-        "oscar+center": attention_error(model, smol_oscar[True], heldout),
+        "identity": attention_error(model, ident, heldout, query_samples=64),
+        "oscar": attention_error(model, smol_oscar[False], heldout, query_samples=64),
+        "oscar+center": attention_error(model, smol_oscar[True], heldout, query_samples=64),
     }
     tot = {k: v["total"] for k, v in err.items()}
     assert tot["identity"] > 2 * tot["oscar"], tot
@@ -379,7 +435,8 @@ def test_smollm2_oscar_beats_identity_and_centering_helps(smollm2, smol_oscar, s
 def test_smollm2_auto(smollm2, smol_windows):
     model, tok = smollm2
     cal, _ = smol_windows
-    rot = calibrate(model, tok, cal, method="auto", tokens=512, seq_len=256, progress=False)
+    rot = calibrate(model, tok, cal, method="auto", tokens=512, seq_len=256, window=(16, 64), clip_grid=(0.8, 1.0),
+                    query_samples=64, progress=False)
     _check_artifact(rot, model)
     counts = rot.metadata["auto_counts"]
     assert sum(counts["k"].values()) == sum(counts["v"].values()) == 30 * 3
@@ -407,7 +464,7 @@ def test_cli_runs_and_refuses_to_overwrite(tiny_model_dir, tmp_path, capsys):
         sys.path.pop(0)
     out = tmp_path / "out"
     argv = ["--model", str(tiny_model_dir), "--tokens", "128", "--seq-len", "64", "--method", "auto",
-            "--group-size", "16", "--out", str(out), "--no-progress", "-q"]
+            "--group-size", "16", "--window", "4,16", "--out", str(out), "--no-progress", "-q"]
     assert cli.main(argv) == 0
     for f in ("oscar_config.json", "oscar_rotations.safetensors", "report.txt", "spectra.png"):
         assert (out / f).is_file(), f
@@ -418,8 +475,9 @@ def test_cli_runs_and_refuses_to_overwrite(tiny_model_dir, tmp_path, capsys):
     assert cli.main(argv) == cli.EXIT_EXISTS
     assert "--force" in capsys.readouterr().err
     assert (out / "oscar_rotations.safetensors").read_bytes() == before
-    assert cli.main(argv + ["--force", "--method", "hadamard", "--clip-grid", "1"]) == 0
-    assert OscarRotations.from_pretrained(out).method == "hadamard"
+    assert cli.main(argv + ["--force", "--method", "hadamard", "--clip-grid", "1", "--window", "none"]) == 0
+    back = OscarRotations.from_pretrained(out)
+    assert back.method == "hadamard" and back.metadata["calibration"]["window"] is None
 
 
 def test_cli_script_refuses_existing_artifact_before_loading(tmp_path):
