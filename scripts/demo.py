@@ -127,6 +127,12 @@ def main(argv=None):
           f"INT2 codes {report['history_codes']:,} B, metadata {report['history_meta']:,} B; "
           f"{report['bits_per_element']:.2f} bits/element overall, {report['history_bits_per_element']:.2f} in history "
           f"(perplexity over {args.ppl_tokens} tokens after a {args.ppl_context}-token context)")
+    # The windows are a fixed cost: project the ratio to the model's full context length.
+    t_max = int(getattr(model.config, "max_position_embeddings", 8192))
+    win = args.sink + args.recent
+    proj = 16 * t_max / (16 * win + report["history_bits_per_element"] * (t_max - win))
+    print(f"At the model's full context ({t_max} tokens) the OSCAR cache would be {proj:.2f}x smaller than BF16 "
+          f"({16 * win + report['history_bits_per_element'] * (t_max - win):.0f} vs {16 * t_max} bits per channel).")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(ppl=ppl, kv_bytes=mem, memory_report=report,
                                                    generations={k: v[0] for k, v in gens.items()}), indent=2))
