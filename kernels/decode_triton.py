@@ -685,28 +685,8 @@ def history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, gro
 # the full decode attention op
 
 
-def decode_attention_reference(
-    q_rot, k, v, start, key_mask, qk_offset, scaling, group_size,
-    q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, block_n=1024,
-):
-    """Torch reference of :func:`decode_attention_triton`: history partial (INT2, rotated) -> back to
-    the value space (``acc R_Vᵀ + l mu_V``), merged with the window partial, normalized."""
-    from .int2_attention import history_partial_reference, merge_partials, partial_from_logits
-
-    out_dtype = out_dtype or (q_win.dtype if q_win is not None else torch.float32)
-    hm, hl, hacc = history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n)
-    hacc = torch.matmul(hacc, r_v.float().transpose(-1, -2).unsqueeze(0))
-    if mu_v is not None:
-        hacc = hacc + hl.unsqueeze(-1) * mu_v.float()[None, :, None, :]
-    parts = [(hm, hl, hacc)]
-    if k_win is not None and k_win.shape[-2] > 0:
-        logits = torch.matmul(q_win.float(), k_win.float().transpose(-1, -2)) * scaling
-        if win_mask is not None:
-            logits = logits.masked_fill(~win_mask, float("-inf"))
-        parts.append(partial_from_logits(logits, v_win))
-    _, l, acc = merge_partials(parts)
-    out = acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)
-    return out.to(out_dtype)
+# The torch reference of the fused op lives beside the history reference (triton-free module).
+from .int2_attention import decode_attention_reference  # noqa: E402
 
 
 def decode_attention_triton(
@@ -741,14 +721,7 @@ def decode_attention_triton(
     )
 
 
-def decode_attention(*args, use_kernels="auto", **kwargs):
-    """Dispatch :func:`decode_attention_triton` (CUDA / forced interpreter) or the reference."""
-    from . import triton_enabled
-
-    q_rot = args[0] if args else kwargs["q_rot"]
-    if triton_enabled(q_rot, use_kernels):
-        return decode_attention_triton(*args, **kwargs)
-    return decode_attention_reference(*args, **kwargs)
+from .int2_attention import decode_attention  # noqa: E402  (the dispatcher: kernels on CUDA, reference elsewhere)
 
 
 __all__ = [
