@@ -220,6 +220,19 @@ def _meta_tiles(s_base, z_base, offs_n, nmask, NG: tl.constexpr):
 
 
 @triton.jit
+def _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
+    """History tokens ``[n0, n0 + BLOCK_N)`` of one (row, KV head): their indices, which are in
+    bounds (``< hi``), and which are valid (in bounds, ``>= start`` of the row, and not masked)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    inb = offs_n < hi
+    valid = inb & (offs_n >= start)
+    if HAS_MASK:
+        km = tl.load(KMASK + b.to(tl.int64) * smb + h * smh + offs_n * smn, mask=inb, other=0)
+        valid = valid & (km != 0)
+    return offs_n, inb, valid
+
+
+@triton.jit
 def _softmax_step(s, valid, m_i, l_i):
     """Online-softmax update in base 2 for a ``[M_PAD, BLOCK_N]`` logit tile. Fully masked rows keep
     ``m = -inf`` and contribute nothing (``m_safe`` avoids ``-inf - -inf``)."""
@@ -316,12 +329,7 @@ def _split_kernel(
             zacc2 = tl.zeros((M_PAD,), tl.float32)
             zacc3 = tl.zeros((M_PAD,), tl.float32)
             for n0 in range(lo, hi, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                inb = offs_n < hi
-                valid = inb & (offs_n >= start)
-                if HAS_MASK:
-                    km = tl.load(KMASK + b.to(tl.int64) * smb + h * smh + offs_n * smn, mask=inb, other=0)
-                    valid = valid & (km != 0)
+                offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 meta = offs_n.to(tl.int64) * NG  # first metadata entry of each token
                 kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
                 st = tl.zeros((BLOCK_N, M_PAD), tl.float32) + off[None, :]
@@ -365,12 +373,7 @@ def _split_kernel(
             zacc2 = tl.zeros((M_PAD,), tl.float32)
             zacc3 = tl.zeros((M_PAD,), tl.float32)
             for n0 in range(lo, hi, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                inb = offs_n < hi
-                valid = inb & (offs_n >= start)
-                if HAS_MASK:
-                    km = tl.load(KMASK + b.to(tl.int64) * smb + h * smh + offs_n * smn, mask=inb, other=0)
-                    valid = valid & (km != 0)
+                offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 # K bytes loaded transposed, [D4, BLOCK_N]: the tensor cores' B operand as is.
                 kbT = tl.load(kc_base + offs_n[None, :].to(tl.int64) * skn + offs_j[:, None], mask=inb[None, :], other=0)
                 ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, inb, NG)
@@ -391,12 +394,7 @@ def _split_kernel(
             acc3 += zacc3[:, None]
         else:
             for n0 in range(lo, hi, BLOCK_N):
-                offs_n = n0 + tl.arange(0, BLOCK_N)
-                inb = offs_n < hi
-                valid = inb & (offs_n >= start)
-                if HAS_MASK:
-                    km = tl.load(KMASK + b.to(tl.int64) * smb + h * smh + offs_n * smn, mask=inb, other=0)
-                    valid = valid & (km != 0)
+                offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 # K: unpack + dequantize 4 planes, logits = sum_p q_p k_p^T (one accumulator).
                 kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
                 ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, inb, NG)
