@@ -201,16 +201,19 @@ class OscarLayer(CacheLayerMixin):
             self.pad_max = int(self.pad.max()) if self.pad.numel() else 0
         t_old, n_new = self.seq_len, new_k.shape[-2]
         t_new = t_old + n_new
-        s0, w = self.config.sink, self.config.recent
-        # Nothing is quantized until some row has a history token: while T - W <= S0 the tail holds all.
-        target = t_new - w if t_new - w > s0 else self.tail_start
-        target = max(target, self.tail_start)
+        target = max(self._recent_start(t_new), self.tail_start)
         if target > self.tail_start:
             self._demote(self.tail_start, target, t_old, new_k, new_v)
         # Append the new rows that stay in full precision, plus the rollback reserve.
         self._append(new_k, new_v, t_old, t_new, target)
         self.tail_start = target
         self.seq_len = t_new
+
+    def _recent_start(self, t: int) -> int:
+        """First full-precision recent slot for a sequence of ``t`` slots. Nothing is quantized until
+        some row has a history token: while ``t - recent <= sink`` the tail holds every slot (0)."""
+        s0, w = self.config.sink, self.config.recent
+        return t - w if t - w > s0 else 0
 
     def _source(self, a: int, b: int, t_old: int, new_k, new_v):
         """Rows of slots ``[a, b)`` from the old tail and/or the new rows (views, no copy when possible)."""
@@ -307,8 +310,7 @@ class OscarLayer(CacheLayerMixin):
         if n == 0 or not self.is_initialized:
             return
         t_new = max(0, self.seq_len - n)
-        s0, w = self.config.sink, self.config.recent
-        want = t_new - w if t_new - w > s0 else 0  # where the tail would start had we decoded to t_new
+        want = self._recent_start(t_new)  # where the tail would start had we decoded to t_new
         # Undo demotions as far as the reserve allows (slots >= buf_slot0 are still in full precision).
         self.tail_start = min(max(want, self.buf_slot0), self.tail_start, t_new)
         if t_new < self.buf_slot0:
