@@ -28,6 +28,14 @@ from .fakequant import FakeQuantSpec, fake_quant
 EVAL_START_FRACTION = 0.5
 
 
+def _scored_ids(model, input_ids: torch.Tensor, context_len: int):
+    """``input_ids`` on the model's device and its length, checking that some token is scored."""
+    n = input_ids.shape[1]
+    if not 0 < context_len < n:
+        raise ValueError(f"context_len={context_len} must lie in (0, {n})")
+    return input_ids.to(next(model.parameters()).device), n
+
+
 def _bar_disabled(progress: bool) -> bool:
     return not progress or not hf_logging.is_progress_bar_enabled()
 
@@ -49,11 +57,7 @@ def cache_nll(
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError("cache_nll scores one sequence: input_ids must be [1, n]")
-    n = input_ids.shape[1]
-    if not 0 < context_len < n:
-        raise ValueError(f"context_len={context_len} must lie in (0, {n})")
-    dev = next(model.parameters()).device
-    ids = input_ids.to(dev)
+    ids, n = _scored_ids(model, input_ids, context_len)
     cache = make_cache()
     out = model(ids[:, :context_len], past_key_values=cache, use_cache=True)
     logits = out.logits[:, -1].float()
@@ -79,11 +83,7 @@ def fast_nll(model, input_ids: torch.Tensor, context_len: int, spec: FakeQuantSp
     """
     if input_ids.dim() != 2:
         raise ValueError("input_ids must be [B, n]")
-    n = input_ids.shape[1]
-    if not 0 < context_len < n:
-        raise ValueError(f"context_len={context_len} must lie in (0, {n})")
-    dev = next(model.parameters()).device
-    ids = input_ids.to(dev)
+    ids, n = _scored_ids(model, input_ids, context_len)
     keep = n - context_len + 1  # logits of positions [context_len - 1, n)
     with fake_quant(model, spec, prefill_len=context_len):
         logits = model(ids, use_cache=False, logits_to_keep=keep).logits[:, :-1]
