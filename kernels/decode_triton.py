@@ -40,6 +40,8 @@ registers. Logits are computed in base 2: ``q`` and ``qk_offset`` are pre-scaled
 ``l`` is the same in either base.
 
 Masking: token ``n`` of row ``b`` is valid when ``start[b] <= n < N`` and ``key_mask[b, h, 0, n]``;
+with ``n_valid`` (a device scalar, the static cache under CUDA graphs) ``N`` is the storage capacity
+and ``n < n_valid`` is read by the kernel itself, so nothing on the host depends on the length;
 the kernel takes ``key_mask`` None or broadcastable to ``[B, Hk, 1, N]`` (no per-query masks: the
 dispatcher falls back to the reference for those). Blocks entirely below ``start[b]`` are skipped.
 Value metadata of invalid tokens is never read (masked loads), so stale storage cannot poison
@@ -247,7 +249,7 @@ def _softmax_step(s, valid, m_i, l_i):
 
 @triton.jit
 def _split_kernel(
-    Q, KC, KS, KZ, VC, VS, VZ, START, KMASK, QKOFF,  # history inputs
+    Q, KC, KS, KZ, VC, VS, VZ, START, KMASK, QKOFF, NPTR,  # history inputs (NPTR: device history length or None)
     QW, KW, VW, WMASK,  # full-precision window (decode_attention only)
     PM, PL, PACC,  # partials [B*Hk, S_TOT, M], [B*Hk, S_TOT, M], [B*Hk, S_TOT, M, D]
     N, M, Hk, S, S_TOT, split_len, W, win_split, qk_scale,
@@ -260,6 +262,7 @@ def _split_kernel(
     D: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_OFF: tl.constexpr,
     HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, LOOP: tl.constexpr,
+    N_DEV: tl.constexpr,
 ):
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -294,7 +297,14 @@ def _split_kernel(
         acc3 = tl.zeros((M_PAD, D4), tl.float32)
 
         start = tl.load(START + b).to(tl.int32)
-        hi = tl.minimum(pid_s * split_len + split_len, N)
+        if N_DEV:
+            # Static cache (CUDA graphs): N is the storage capacity, the valid length is read from
+            # device memory and the S splits share it (the grid cannot change between replays).
+            n_tot = tl.minimum(tl.load(NPTR).to(tl.int32), N)
+            split_len = tl.cdiv(tl.cdiv(tl.maximum(n_tot, 1), S), BLOCK_N) * BLOCK_N
+        else:
+            n_tot = N
+        hi = tl.minimum(pid_s * split_len + split_len, n_tot)
         lo = tl.maximum(pid_s * split_len, (start // BLOCK_N) * BLOCK_N)  # skip all-padding blocks
         kc_base = KC + b.to(tl.int64) * skb + h * skh
         ks_base = KS + b.to(tl.int64) * smkb + h * smkh
@@ -574,8 +584,12 @@ def _rows_layout(x: QuantizedRows) -> QuantizedRows:
     return QuantizedRows(codes, scale, zero)
 
 
-def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window=None, cfg=None):
-    """Shared host code; ``window`` = (q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype) or None."""
+def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window=None, cfg=None, n_valid=None,
+            splits=None):
+    """Shared host code; ``window`` = (q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype) or None.
+    ``n_valid``: None, or a 0-d int device tensor (history entries ``< n_valid`` are valid; the grid is
+    sized by the capacity and ``splits`` history programs per (row, head), so that a CUDA graph of
+    this call stays valid while the cache grows)."""
     cfg = cfg or CONFIG
     b, hk, m, d = q_rot.shape
     n = k.codes.shape[-2]
@@ -599,9 +613,13 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     if not (d == 128 and m_pad == 16):
         cfg = {**cfg, "block_n": 64}
     bh = b * hk
-    s_hist = num_splits(n, bh, dev, cfg) if n > 0 else 0
-    split_len = triton.cdiv(triton.cdiv(max(n, 1), max(s_hist, 1)), cfg["block_n"]) * cfg["block_n"]
-    s_hist = triton.cdiv(n, split_len) if n > 0 else 0  # drop splits that would be empty
+    if n_valid is not None:  # static: fixed grid, split bounds computed in the kernel from n_valid
+        s_hist = (splits or num_splits(n, bh, dev, cfg)) if n > 0 else 0
+        split_len = 0
+    else:
+        s_hist = num_splits(n, bh, dev, cfg) if n > 0 else 0
+        split_len = triton.cdiv(triton.cdiv(max(n, 1), max(s_hist, 1)), cfg["block_n"]) * cfg["block_n"]
+        s_hist = triton.cdiv(n, split_len) if n > 0 else 0  # drop splits that would be empty
     fused = window is not None
     if fused:
         q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype = window
@@ -630,7 +648,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     else:
         z3 = (0, 0, 0)
         _split_kernel[(bh, s_tot)](
-            q_rot, *k, *v, start, kmask, qk_offset,
+            q_rot, *k, *v, start, kmask, qk_offset, n_valid,
             q_win, k_win, v_win, wmask,
             pm, pl, pacc,
             n, m, hk, s_hist, s_tot, split_len, w, cfg["win_split"], float(scaling) * LOG2E,
@@ -645,6 +663,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
             HAS_WIN=s_win > 0, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
             LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
+            N_DEV=n_valid is not None,
             # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
             # (checked without spills by tests/kernels/test_compile_sm90.py)
             num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],
@@ -689,7 +708,7 @@ from .int2_attention import decode_attention_reference  # noqa: E402
 
 def decode_attention_triton(
     q_rot, k, v, start, key_mask, qk_offset, scaling, group_size,
-    q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None,
+    q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, n_valid=None, splits=None,
 ):
     """Decode attention of one layer over INT2 history + full-precision window, in two launches.
 
@@ -702,6 +721,8 @@ def decode_attention_triton(
         win_mask: None or bool broadcastable to ``[B, Hk, 1, W]`` (False = masked).
         r_v: ``[Hk, D, D]`` float32 value rotation; mu_v: ``[Hk, D]`` or None.
         out_dtype: dtype of the result (default: q_win's).
+        n_valid, splits: the static cache's device-side history length (0-d int tensor) and its
+            fixed number of history splits (see :func:`_launch`); None for the dynamic cache.
     Returns ``[B, Hk, M, D]``: softmax attention over history and window, in the value space.
     Rows without any valid key are 0. Unsupported shapes or masks fall back to the reference.
     """
@@ -711,11 +732,11 @@ def decode_attention_triton(
     if not kernel_supported(q_rot, k, group_size, key_mask) or not _mask_4d(win_mask, b, hk, w)[1]:
         return decode_attention_reference(
             q_rot, k, v, start, key_mask, qk_offset, scaling, group_size,
-            q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype,
+            q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype, n_valid=n_valid,
         )
     return _launch(
         q_rot, k, v, start, key_mask, qk_offset, scaling, group_size,
-        window=(q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype),
+        window=(q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype), n_valid=n_valid, splits=splits,
     )
 
 

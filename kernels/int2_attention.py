@@ -65,7 +65,8 @@ def partial_from_logits(logits: torch.Tensor, values: torch.Tensor):
 
 
 def history_partial_reference(
-    q_rot, k: QuantizedRows, v: QuantizedRows, start, key_mask, qk_offset, scaling, group_size, block_n=1024
+    q_rot, k: QuantizedRows, v: QuantizedRows, start, key_mask, qk_offset, scaling, group_size, block_n=1024,
+    n_valid=None,
 ):
     n = k.codes.shape[-2]
     part = empty_partial(q_rot)
@@ -80,6 +81,8 @@ def history_partial_reference(
             logits = logits + qk_offset.unsqueeze(-1)
         logits = logits * scaling
         valid = (pos[sl][None, :] >= start[:, None])[:, None, None, :]  # [B, 1, 1, nb]
+        if n_valid is not None:  # static storage: only entries below the device-side length
+            valid = valid & (pos[sl] < n_valid)
         if key_mask is not None:
             valid = valid & key_mask[..., sl]
         logits = logits.masked_fill(~valid, NEG_INF)
@@ -100,14 +103,18 @@ def history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size
 
 def decode_attention_reference(
     q_rot, k, v, start, key_mask, qk_offset, scaling, group_size,
-    q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, block_n=1024,
+    q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, block_n=1024, n_valid=None, splits=None,
 ):
     """The whole decode attention of one layer (torch reference of ``decode_attention_triton``):
     the INT2 history partial (rotated) is brought back to the value space (``acc R_Vᵀ + l mu_V``),
     merged with the full-precision window partial (``q_win``/``k_win``/``v_win`` unrotated,
-    ``win_mask`` bool broadcastable to ``[B, Hk, M, W]``) and normalized. Rows with no valid key give 0."""
+    ``win_mask`` bool broadcastable to ``[B, Hk, M, W]``) and normalized. Rows with no valid key give 0.
+    ``n_valid`` (0-d tensor or None): only history entries below it are read (static cache);
+    ``splits`` is the kernel's grid parameter, unused here."""
     out_dtype = out_dtype or (q_win.dtype if q_win is not None else torch.float32)
-    hm, hl, hacc = history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n)
+    hm, hl, hacc = history_partial_reference(
+        q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n, n_valid=n_valid
+    )
     hacc = torch.matmul(hacc, r_v.float().transpose(-1, -2).unsqueeze(0))
     if mu_v is not None:
         hacc = hacc + hl.unsqueeze(-1) * mu_v.float()[None, :, None, :]

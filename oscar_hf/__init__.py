@@ -10,6 +10,7 @@ import logging
 from .config import ModelFingerprint, OscarConfig
 from .rotations import LayerRotation, OscarRotations
 from .cache import OscarCache, OscarLayer
+from .static_cache import StaticOscarCache, StaticOscarLayer
 from .attention import disable_oscar, enable_oscar
 
 logging.getLogger("oscar_hf").addHandler(logging.NullHandler())

@@ -29,6 +29,8 @@ import torch
 from oscar_hf.kernels.int2_attention import decode_attention
 
 from .cache import OscarKV
+from .quant import QuantizedRows
+from .static_cache import StaticOscarLayer
 from .patching import base_attention_function, patch_model, register_handler, unpatch_model
 
 PREFIX = "oscar_"
@@ -136,6 +138,78 @@ def oscar_decode_attention(layer, handle: OscarKV, query, attention_mask, scalin
     return out
 
 
+def oscar_static_attention(layer, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs):
+    """Attention through a :class:`~oscar_hf.static_cache.StaticOscarLayer`. One-token steps write
+    first, then read the stored state with tensor ops only (what ``torch.compile`` / CUDA graphs
+    capture); multi-token forwards (prefill, eager) read the old state + the new rows, then write."""
+    new_k, new_v = handle.key_states, handle.value_states
+    b, hq, l, d = query.shape
+    hk = new_k.shape[1]
+    g = hq // hk
+    s0, cfg = layer.config.sink, layer.config
+    dev = query.device
+    t_old = None
+    if not layer.pad_known:  # first forward of this cache (eager): left padding from the mask
+        t_old = int(layer.length)
+        allowed = _allowed(attention_mask, b, l, t_old + l, t_old)
+        layer.set_pad(_first_real_slot(allowed, b, dev))
+    rot = layer.rot
+    mu_v = rot.mu_v if layer.use_offsets else None
+
+    if l == 1:
+        # Decode step: the static mask is not read: left padding was recorded at the first forward.
+        layer.write_one(new_k, new_v)
+        t = layer.length  # slot of the new token; the window holds slots [T - W, T]
+        qf = _group(query.float(), hk)  # [B, Hk, g, D]
+        win_mask = layer.window_mask(t + 1, cfg.recent + 1)[:, None, None, :]  # [B, 1, 1, S0 + W + 1]
+        n_valid = layer.n_hist(t)
+        hist_k, hist_v = layer.hist_k, layer.hist_v
+        from oscar_hf.kernels import triton_enabled
+
+        if not torch.compiler.is_compiling() and not triton_enabled(query, cfg.use_kernels):
+            n = int(n_valid)  # eager reference: read only the filled part
+            hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (hist_k, hist_v))
+            n_valid = None
+        q_rot = torch.matmul(qf, rot.r_k.unsqueeze(0))
+        qk_off = torch.matmul(qf, rot.mu_k[None, :, :, None]).squeeze(-1) if (layer.use_offsets and rot.mu_k is not None) else None
+        out = decode_attention(
+            q_rot, hist_k, hist_v, layer.pad, None, qk_off, scaling, cfg.group_size,
+            qf, layer.win_k, layer.win_v, win_mask, rot.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size,
+            use_kernels=cfg.use_kernels, n_valid=n_valid, splits=layer.splits,
+        )
+        layer.demote_one()
+        return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
+
+    t_old = int(layer.length) if t_old is None else t_old
+    kv = t_old + l
+    if t_old == 0:  # prefill of an empty cache: exactly the user's attention over the prompt
+        mask = attention_mask[..., :l] if attention_mask is not None and attention_mask.dim() == 4 else attention_mask
+        out, _ = base_attention_function(module, base)(module, query, new_k, new_v, mask, scaling=scaling, **kwargs)
+        layer.commit_bulk(new_k, new_v)
+        return out
+    # A multi-token forward on a non-empty cache (next turn): stored window + new rows, history.
+    allowed = _allowed(attention_mask, b, l, kv, t_old)
+    if allowed is None:  # causal among the new rows
+        allowed = (torch.arange(kv, device=dev)[None, :] <= (t_old + torch.arange(l, device=dev))[:, None])[None].expand(b, l, kv)
+    t = torch.tensor(t_old, device=dev)
+    slots = torch.cat([layer.pad[:, None] + torch.arange(s0, device=dev)[None, :],  # sink j
+                       layer.ring_slots(t).clamp(min=0).expand(b, -1)], 1)  # ring entries
+    ok = layer.window_mask(t, cfg.recent)[:, None, :] & allowed.gather(2, slots.clamp(max=kv - 1)[:, None, :].expand(b, l, -1))
+    ok = torch.cat([ok, allowed[:, :, t_old:]], -1)  # [B, L, S0 + W + L]
+    qf = _group(query.float(), hk)
+    n = int(layer.n_hist(t))
+    hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (layer.hist_k, layer.hist_v))
+    q_rot = torch.matmul(qf, rot.r_k.unsqueeze(0))
+    qk_off = torch.matmul(qf, rot.mu_k[None, :, :, None]).squeeze(-1) if (layer.use_offsets and rot.mu_k is not None) else None
+    out = decode_attention(
+        q_rot, hist_k, hist_v, layer.pad, _mask_rows(allowed[:, :, s0 : s0 + n], g), qk_off, scaling, cfg.group_size,
+        qf, torch.cat([layer.win_k, new_k], 2), torch.cat([layer.win_v, new_v], 2), _mask_rows(ok, g), rot.r_v, mu_v,
+        out_dtype=query.dtype, block_n=cfg.block_size, use_kernels=cfg.use_kernels,
+    )
+    layer.commit_bulk(new_k, new_v)
+    return out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
+
+
 def _handler(module, query, key, value, attention_mask, *args, base: str, dropout: float = 0.0, scaling=None,
              sliding_window=None, softcap=None, **kwargs):
     if not isinstance(key, OscarKV):
@@ -151,6 +225,8 @@ def _handler(module, query, key, value, attention_mask, *args, base: str, dropou
     if scaling is None:
         scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
     kwargs.pop("is_causal", None)
+    if isinstance(key.layer, StaticOscarLayer):
+        return oscar_static_attention(key.layer, key, query, attention_mask, scaling, module, base, dropout=dropout, **kwargs), None
     out = oscar_decode_attention(key.layer, key, query, attention_mask, scaling, module, base, dropout=dropout, **kwargs)
     return out, None
 

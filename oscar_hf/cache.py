@@ -46,6 +46,18 @@ CROP_RESERVE = 64  # demoted slots kept in full precision so that crop(-n) can u
 TAIL_SLACK = 64  # extra tail capacity so that compaction happens once every TAIL_SLACK appends
 
 
+def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.Tensor) -> None:
+    """The first keys a layer sees must match its rotations (head count, head_dim) and a supported dtype."""
+    if key_states.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"OscarCache supports model dtypes {SUPPORTED_DTYPES}, got {key_states.dtype}")
+    _, hk, _, d = key_states.shape
+    if rotation.r_k.shape[0] != hk or rotation.r_k.shape[-1] != d:
+        raise ValueError(
+            f"layer {layer_idx}: rotations are for kv_heads={rotation.r_k.shape[0]}, head_dim={rotation.r_k.shape[-1]} "
+            f"but the model produced keys with kv_heads={hk}, head_dim={d}"
+        )
+
+
 class OscarKV:
     """What ``update`` returns to the attention function: the layer and the new rows."""
 
@@ -101,15 +113,9 @@ class OscarLayer(CacheLayerMixin):
         self.pending: OscarKV | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if key_states.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"OscarCache supports model dtypes {SUPPORTED_DTYPES}, got {key_states.dtype}")
+        check_first_keys(self.layer_idx, self._rotation_cpu, key_states)
         b, hk, _, d = key_states.shape
         r = self._rotation_cpu
-        if r.r_k.shape[0] != hk or r.r_k.shape[-1] != d:
-            raise ValueError(
-                f"layer {self.layer_idx}: rotations are for kv_heads={r.r_k.shape[0]}, head_dim={r.r_k.shape[-1]} "
-                f"but the model produced keys with kv_heads={hk}, head_dim={d}"
-            )
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_kv_heads, self.head_dim = b, hk, d
         self.rot = r.to(self.device)
@@ -407,20 +413,35 @@ class OscarCache(Cache):
         for i, kind in enumerate(fp.layer_types):
             if kind in SLIDING_LAYER_TYPES:
                 window = getattr(text_cfg, "sliding_window", None) if kind == "sliding_attention" else text_cfg.attention_chunk_size
-                layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+                layers.append(self._sliding_layer(window))
             elif kind in FULL_LAYER_TYPES:
                 if i in skipped or i not in rotations.layers:
-                    layers.append(DynamicLayer())
+                    layers.append(self._full_precision_layer())
                 else:
-                    layers.append(OscarLayer(config, rotations.layers[i], i))
+                    layers.append(self._oscar_layer(config, rotations.layers[i], i))
             else:
                 raise NotImplementedError(f"{fp.architecture}: layer type {kind!r} (layer {i}) is not supported by OscarCache")
         super().__init__(layers=layers)
         self.oscar_config, self.rotations, self.fingerprint = config, rotations, fp
+        self.tp_layout = None  # [tensor parallelism] set by oscar_hf/distributed.py: each rank keeps its own KV heads
+        if is_model:
+            from .distributed import shard_cache_for_tensor_parallel
+
+            shard_cache_for_tensor_parallel(self, model_or_config)  # [tensor parallelism] no-op without TP
         if is_model:
             from .attention import enable_oscar
 
             enable_oscar(model_or_config)
+
+    # Layer factories (the static-capacity subclass, oscar_hf.static_cache, overrides them).
+    def _sliding_layer(self, window: int):
+        return DynamicSlidingWindowLayer(sliding_window=window)
+
+    def _full_precision_layer(self):
+        return DynamicLayer()
+
+    def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int):
+        return OscarLayer(config, rotation, layer_idx)
 
     @classmethod
     def from_pretrained(cls, name_or_path, model, config: OscarConfig | None = None, *, revision=None, cache_dir=None,
@@ -453,7 +474,7 @@ class OscarCache(Cache):
         tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, allocated=0, full_precision_layers=0)
         elements = 0
         for layer in self.layers:
-            if isinstance(layer, OscarLayer):
+            if hasattr(layer, "memory"):  # OscarLayer and the static StaticOscarLayer
                 m = layer.memory()
                 for k in ("sink", "recent", "history_codes", "history_meta", "history_elements", "allocated"):
                     tot[k] += m[k]
@@ -475,7 +496,7 @@ class OscarCache(Cache):
         return tot
 
     def __repr__(self) -> str:
-        n_q = sum(isinstance(layer, OscarLayer) for layer in self.layers)
+        n_q = sum(hasattr(layer, "memory") for layer in self.layers)
         c = self.oscar_config
         return (
             f"OscarCache(method={self.rotations.method!r}, quantized_layers={n_q}/{len(self.layers)}, sink={c.sink}, "

@@ -1,8 +1,16 @@
 #!/usr/bin/env python
-"""End-to-end decode speed and KV memory in `generate`: BF16 DynamicCache (SDPA), BF16 static cache
-(compiled), and OscarCache, on a random-initialised model of a real shape (default Qwen3-8B:
-36 layers, 32 query / 8 KV heads, head_dim 128). Every figure is a ratio against BF16
-DynamicCache measured in the same run.
+"""End-to-end decode speed and KV memory in `generate` on a random-initialised model of a real shape
+(default Qwen3-8B: 36 layers, 32 query / 8 KV heads, head_dim 128). Methods (``--methods``):
+
+* ``bf16``: BF16 ``DynamicCache``, SDPA, eager;
+* ``bf16-static``: ``cache_implementation="static"`` (``generate`` compiles the decode step:
+  ``torch.compile(mode="reduce-overhead")``, CUDA graphs);
+* ``oscar``: ``OscarCache`` (eager); ``oscar-static``: ``StaticOscarCache`` (compiled like bf16-static);
+* ``hqq2`` / ``hqq4`` / ``quanto2`` / ``quanto4``: Transformers' ``QuantizedCache`` (HQQ / quanto
+  backend, 2 / 4 bits, group 64, residual 128; eager).
+
+Every figure is a ratio against BF16 DynamicCache measured in the same run (and the static rows
+also against bf16-static).
 
     python scripts/bench_generate.py --contexts 8192 32768 100000 --batches 1 8 --out benchmarks/results/generate.json
 
@@ -27,7 +35,11 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList
 
 ROOT = Path(__file__).resolve().parent.parent
-from oscar_hf import OscarCache  # noqa: E402
+from oscar_hf import OscarCache, StaticOscarCache  # noqa: E402
+
+torch._dynamo.config.cache_size_limit = 64  # one compiled decode step per (method, batch, context)
+if hasattr(torch._dynamo.config, "recompile_limit"):
+    torch._dynamo.config.recompile_limit = 64
 
 SHAPES = {
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
@@ -58,11 +70,37 @@ def build_model(shape: str, dtype, device, max_pos: int):
     return model.eval()
 
 
+def _tensor_bytes(obj, seen: set, depth: int = 0) -> int:
+    """Bytes of the distinct tensor storages reachable from ``obj`` (tensors, containers, and the
+    attributes of small objects such as QuantizedCache's packed tensors and metadata dicts)."""
+    if depth > 4 or obj is None:
+        return 0
+    if isinstance(obj, torch.Tensor):
+        try:
+            st = obj.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+        except (RuntimeError, NotImplementedError, TypeError):  # tensor subclasses without one storage
+            return sum(_tensor_bytes(v, seen, depth + 1) for v in vars(obj).values()) if hasattr(obj, "__dict__") else 0
+        if key in seen:
+            return 0
+        seen.add(key)
+        return st.nbytes()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, seen, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v, seen, depth + 1) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+        return sum(_tensor_bytes(v, seen, depth + 1) for v in vars(obj).values())
+    return 0
+
+
 def cache_bytes(cache) -> int:
+    """OSCAR: its memory report (codes + metadata + windows). Others: every tensor the cache holds
+    (for static caches that is the preallocated capacity, which is what they occupy)."""
     if isinstance(cache, OscarCache):
         return int(cache.memory_report()["total"])
-    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers
-               if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4)
+    seen: set = set()
+    return sum(_tensor_bytes(layer, seen) for layer in cache.layers)
 
 
 def run_one(model, method: str, batch: int, context: int, new_tokens: int, device, seed=0):
@@ -73,8 +111,17 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
         kwargs["past_key_values"] = DynamicCache(config=model.config)
     elif method == "bf16-static":
         kwargs["cache_implementation"] = "static"
-    elif method.startswith("oscar"):
+    elif method == "oscar":
         kwargs["past_key_values"] = OscarCache(model, method="hadamard", group_size=64)
+    elif method == "oscar-static":
+        kwargs["past_key_values"] = StaticOscarCache(model, method="hadamard", group_size=64,
+                                                     max_cache_len=context + new_tokens)
+    elif method[:-1] in ("hqq", "quanto"):
+        from transformers import QuantizedCache
+
+        kwargs["past_key_values"] = QuantizedCache(method[:-1], model.config, nbits=int(method[-1]), q_group_size=64,
+                                                   residual_length=128, axis_key=1 if method.startswith("hqq") else 0,
+                                                   axis_value=1 if method.startswith("hqq") else 0)
     else:
         raise ValueError(method)
     clock = StepClock()
@@ -96,7 +143,10 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
         res["peak_mem_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
     cache = kwargs.get("past_key_values", getattr(out, "past_key_values", None))
     res["cache_bytes"] = cache_bytes(cache) if cache is not None else None
+    if isinstance(cache, OscarCache):
+        res["cache_allocated_bytes"] = int(cache.memory_report()["allocated"])
     res["first_tokens"] = out.sequences[0, context : context + 8].tolist()
+    res["compiled"] = method.endswith("-static")
     if method.startswith("oscar"):
         from oscar_hf import disable_oscar
 
@@ -118,6 +168,9 @@ def main(argv=None):
     p.add_argument("--capacity-context", type=int, default=32768)
     p.add_argument("--kv-budget-gib", type=float, default=48.0)
     p.add_argument("--capacity-run", action="store_true", help="measure throughput at each method's largest batch")
+    p.add_argument("--capacity-methods", nargs="+", default=None,
+                   help="methods run at the largest batch (default bf16 oscar); a -static suffix runs the compiled "
+                        "variant at the batch computed for its base method")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -133,6 +186,10 @@ def main(argv=None):
             r = dict(method=m, batch=b, context=t, error="out of memory")
             gc.collect()
             torch.cuda.empty_cache()
+        except Exception as e:  # a backend that is missing or fails: record it, keep measuring the others
+            r = dict(method=m, batch=b, context=t, error=f"{type(e).__name__}: {str(e)[:300]}")
+            gc.collect()
+            torch.cuda.empty_cache()
         print(json.dumps(r), flush=True)
         results.append(r)
     # ratios against BF16 DynamicCache, same (batch, context), same run
@@ -143,6 +200,10 @@ def main(argv=None):
             r["speedup_vs_bf16"] = ref["decode_ms_per_token"] / r["decode_ms_per_token"]
             if r.get("cache_bytes") and ref.get("cache_bytes"):
                 r["kv_bytes_ratio_vs_bf16"] = ref["cache_bytes"] / r["cache_bytes"]
+        sref = next((x for x in results if x["method"] == "bf16-static" and x["batch"] == r["batch"]
+                     and x["context"] == r["context"] and "error" not in x), None)
+        if sref and "error" not in r and r["method"] != "bf16":
+            r["speedup_vs_bf16_static"] = sref["decode_ms_per_token"] / r["decode_ms_per_token"]
     capacity = {}
     per_tok = {}
     for m in ("bf16", "oscar"):
@@ -155,11 +216,16 @@ def main(argv=None):
         capacity[m] = dict(bytes_per_token=bpt, max_tokens=int(budget / bpt),
                            max_batch_at_context=int(budget / (bpt * (args.capacity_context + args.new_tokens))))
     if args.capacity_run and capacity:
-        for m, c in capacity.items():
+        for m in args.capacity_methods or list(capacity):
+            base = m.removesuffix("-static")
+            if base not in capacity:
+                continue
+            c = capacity.setdefault(m, dict(capacity[base]))
             b = max(1, c["max_batch_at_context"])
             try:
                 r = run_one(model, m, b, args.capacity_context, args.new_tokens, args.device)
-                c.update(batch=b, aggregate_tokens_per_s=r["tokens_per_s"], peak_mem_gib=r.get("peak_mem_gib"))
+                c.update(batch=b, aggregate_tokens_per_s=r["tokens_per_s"], peak_mem_gib=r.get("peak_mem_gib"),
+                         decode_ms_per_token=r["decode_ms_per_token"])
             except torch.OutOfMemoryError:
                 c.update(batch=b, error="out of memory")
                 gc.collect()

@@ -1,0 +1,235 @@
+"""Tensor parallelism: give each rank's :class:`~oscar_hf.OscarCache` the rotations of its own KV heads.
+
+Under ``from_pretrained(..., tp_plan="auto")`` (Transformers' DTensor TP, 5.17 .. 5.2x) the Llama / Qwen2 /
+Qwen3 / Mistral plans shard ``k_proj`` and ``v_proj`` column-wise (``"colwise"``: weight ``Shard(0)``,
+output ``Shard(-1)``, kept local). Rank ``r`` of ``W`` therefore computes the output features
+``[r*Hk*D/W, (r+1)*Hk*D/W)`` of ``k_proj``, i.e. the KV heads ``[r*Hk/W, (r+1)*Hk/W)`` (the attention
+reshapes with ``view(..., -1, head_dim)``), and its cache only ever sees ``[B, Hk/W, T, D]`` keys.
+The rotation artifact is per KV head (``r_k``, ``r_v`` ``[Hk, D, D]``, ``mu_k``, ``mu_v`` ``[Hk, D]``;
+clip ratios are per layer), so each rank keeps the slice of its heads.
+
+Which heads a rank holds is read from the model itself, per layer: the ``k_proj`` / ``v_proj`` weight
+of each decoder layer's attention is a DTensor whose global offset along the output dimension gives the
+first head. Models whose attention has no separate ``k_proj`` / ``v_proj`` (fused ``qkv_proj``) fall back
+to the even layout above, from the model's TP rank (``model._device_mesh`` / ``model.tp_size`` /
+``torch.distributed``). Without tensor parallelism nothing changes, so an artifact with the wrong
+head count still fails with OscarLayer's clear error at the first ``update``.
+
+The cache keeps the full artifact in ``cache.rotations`` (saving a cache writes the whole artifact);
+only each :class:`~oscar_hf.cache.OscarLayer` gets its rank's slice.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+
+from .rotations import LayerRotation, OscarRotations
+
+logger = logging.getLogger("oscar_hf")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadShard:
+    """KV heads ``[start, stop)`` of one projection held by this rank."""
+
+    start: int
+    stop: int
+
+    @property
+    def n(self) -> int:
+        return self.stop - self.start
+
+    def is_full(self, num_heads: int) -> bool:
+        return self.start == 0 and self.stop == num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class TPLayout:
+    """This rank's KV heads in every decoder layer (``k[i]``, ``v[i]``), and how they were found."""
+
+    rank: int
+    world: int
+    num_kv_heads: int
+    k: dict[int, HeadShard]
+    v: dict[int, HeadShard]
+    source: str  # "dtensor" (read from the k_proj/v_proj weights) or "even" (rank arithmetic)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(rank=self.rank, world=self.world, num_kv_heads=self.num_kv_heads, source=self.source,
+                    k={i: (s.start, s.stop) for i, s in sorted(self.k.items())},
+                    v={i: (s.start, s.stop) for i, s in sorted(self.v.items())})
+
+
+# ---------------------------------------------------------------------------------------------- head slicing
+def even_head_shard(num_kv_heads: int, rank: int, world: int) -> HeadShard:
+    """The heads of rank ``rank`` when ``k_proj``/``v_proj`` are column-sharded evenly over ``world`` ranks."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"bad tensor-parallel rank {rank} of world size {world}")
+    if num_kv_heads % world:
+        raise ValueError(
+            f"tensor parallelism over {world} ranks needs the number of KV heads ({num_kv_heads}) to be a multiple "
+            f"of the TP size: column-sharding k_proj/v_proj would otherwise split a head across ranks"
+        )
+    per = num_kv_heads // world
+    return HeadShard(rank * per, (rank + 1) * per)
+
+
+def slice_layer_rotation(lr: LayerRotation, k: HeadShard, v: HeadShard | None = None) -> LayerRotation:
+    """``lr`` restricted to KV heads ``k`` (keys: ``r_k``, ``mu_k``) and ``v`` (values: ``r_v``, ``mu_v``;
+    defaults to ``k``). Clip ratios are per layer and carried over. Works on any device, meta included."""
+    v = k if v is None else v
+    hk = lr.r_k.shape[0]
+    for name, s, t in (("k", k, lr.r_k), ("v", v, lr.r_v)):
+        if not 0 <= s.start < s.stop <= t.shape[0]:
+            raise ValueError(f"KV heads [{s.start}, {s.stop}) out of range for a rotation of {t.shape[0]} heads ({name})")
+    cut = lambda t, s: None if t is None else t[s.start : s.stop].contiguous()  # noqa: E731
+    if k.is_full(hk) and v.is_full(lr.r_v.shape[0]):
+        return lr
+    return dataclasses.replace(lr, r_k=cut(lr.r_k, k), r_v=cut(lr.r_v, v), mu_k=cut(lr.mu_k, k), mu_v=cut(lr.mu_v, v))
+
+
+def shard_rotations(rotations: OscarRotations, layout: TPLayout) -> dict[int, LayerRotation]:
+    """Per quantized layer, the slice of ``rotations`` that this rank's cache layer needs."""
+    out = {}
+    for i, lr in rotations.layers.items():
+        k = layout.k.get(i) or even_head_shard(lr.r_k.shape[0], layout.rank, layout.world)
+        v = layout.v.get(i) or even_head_shard(lr.r_v.shape[0], layout.rank, layout.world)
+        out[i] = slice_layer_rotation(lr, k, v)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- detection
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _dim0_range(w) -> tuple[int, int, int]:
+    """``(offset, local_size, global_size)`` of a DTensor weight along dim 0 (its output features)."""
+    n = int(w.shape[0])
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+        return int(offset[0]), int(shape[0]), n
+    except ImportError:  # pragma: no cover - older/newer torch: plain chunk arithmetic (torch.chunk semantics)
+        off, size = 0, n
+        coord = w.device_mesh.get_coordinate()
+        for mdim, p in enumerate(w.placements):
+            if getattr(p, "dim", None) in (0, -w.ndim) and p.is_shard():
+                parts = w.device_mesh.size(mdim)
+                chunk = -(-size // parts)
+                lo = min(coord[mdim] * chunk, size)
+                off, size = off + lo, min(size, lo + chunk) - lo
+        return off, size, n
+
+
+def _heads_of(weight, head_dim: int, num_kv_heads: int, what: str) -> HeadShard | None:
+    """The KV heads a ``k_proj``/``v_proj`` weight produces on this rank (None: not a DTensor)."""
+    if not _is_dtensor(weight):
+        return None
+    off, size, n = _dim0_range(weight)
+    if n != num_kv_heads * head_dim:
+        raise ValueError(f"{what}: {n} output features, expected kv_heads*head_dim = {num_kv_heads}*{head_dim}")
+    if off % head_dim or size % head_dim or size == 0:
+        raise ValueError(
+            f"{what}: this rank holds output features [{off}, {off + size}) of {n}, which is not a whole number of "
+            f"KV heads (head_dim={head_dim}); the tensor-parallel size must divide the number of KV heads ({num_kv_heads})"
+        )
+    return HeadShard(off // head_dim, (off + size) // head_dim)
+
+
+def tp_rank_world(model) -> tuple[int, int] | None:
+    """``(rank, world)`` of the model's tensor-parallel group, or None when it is not tensor-parallel."""
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is not None:
+        names = getattr(mesh, "mesh_dim_names", None) or ()
+        tp = mesh["tp"] if "tp" in names else (mesh if mesh.ndim == 1 else None)
+        if tp is not None and tp.size() > 1:
+            return int(tp.get_local_rank()), int(tp.size())
+    size = getattr(model, "_tp_size", None)
+    if size and int(size) > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() % int(size), int(size)
+    return None
+
+
+def _attention_modules(model) -> dict[int, torch.nn.Module]:
+    """Decoder-layer attention modules by ``layer_idx`` (searched inside the text decoder when there is one)."""
+    root = model
+    get_dec = getattr(model, "get_decoder", None)
+    if callable(get_dec):
+        try:
+            root = get_dec() or model
+        except Exception:  # noqa: BLE001 - some wrappers raise instead of returning None
+            root = model
+    out = {}
+    for _, mod in root.named_modules():
+        idx = getattr(mod, "layer_idx", None)
+        if isinstance(idx, int) and hasattr(mod, "k_proj") and hasattr(mod, "v_proj") and idx not in out:
+            out[idx] = mod
+    return out
+
+
+def tp_layout(model, num_kv_heads: int, head_dim: int, layers=None) -> TPLayout | None:
+    """This rank's KV heads per decoder layer, or None when the model is not tensor-parallel (no DTensor
+    ``k_proj``/``v_proj`` and no TP group), in which case the cache must be used exactly as without TP."""
+    attn = _attention_modules(model) if isinstance(model, torch.nn.Module) else {}
+    ks, vs = {}, {}
+    for i, mod in attn.items():
+        if layers is not None and i not in layers:
+            continue
+        k = _heads_of(getattr(mod.k_proj, "weight", None), head_dim, num_kv_heads, f"layer {i} k_proj")
+        v = _heads_of(getattr(mod.v_proj, "weight", None), head_dim, num_kv_heads, f"layer {i} v_proj")
+        if k is not None:
+            ks[i] = k
+        if v is not None:
+            vs[i] = v
+    rw = tp_rank_world(model)
+    if not ks and not vs and rw is None:
+        return None
+    if rw is None:  # DTensor weights without a TP group on the model (a custom parallelize): infer from the mesh
+        any_w = next(getattr(m.k_proj, "weight", None) for m in attn.values())
+        mesh = any_w.device_mesh if _is_dtensor(any_w) else None
+        rw = (int(mesh.get_local_rank()), int(mesh.size())) if mesh is not None and mesh.ndim == 1 else (0, 1)
+    rank, world = rw
+    missing = [i for i in (layers if layers is not None else attn) if i not in ks or i not in vs]
+    if missing and world > 1:
+        logger.warning(
+            "tensor parallelism: no sharded k_proj/v_proj found for layers %s; assuming the even column-sharded layout "
+            "(rank %d of %d holds KV heads [%d*Hk/W, (%d+1)*Hk/W))", missing[:8], rank, world, rank, rank,
+        )
+    source = "dtensor" if ks else "even"
+    if world > 1:
+        even = even_head_shard(num_kv_heads, rank, world)
+        for i in missing:
+            ks.setdefault(i, even)
+            vs.setdefault(i, even)
+    return TPLayout(rank, world, num_kv_heads, ks, vs, source)
+
+
+# ---------------------------------------------------------------------------------------------- the cache hook
+def shard_cache_for_tensor_parallel(cache, model) -> TPLayout | None:
+    """Called by ``OscarCache.__init__`` (with the model): under tensor parallelism, replace every
+    ``OscarLayer``'s rotation by the slice of this rank's KV heads; no-op (returns None) otherwise."""
+    if not isinstance(model, torch.nn.Module):
+        return None
+    fp = cache.fingerprint
+    # quantized layers: OscarLayer and any subclass / sibling that keeps its rotation in ``_rotation_cpu``
+    q_layers = {i for i, layer in enumerate(cache.layers) if getattr(layer, "_rotation_cpu", None) is not None}
+    layout = tp_layout(model, fp.num_key_value_heads, fp.head_dim, layers=q_layers)
+    if layout is None:
+        return None
+    for i in q_layers:
+        layer = cache.layers[i]
+        full = cache.rotations.layers[i]
+        layer._rotation_cpu = slice_layer_rotation(full, layout.k[i], layout.v[i]) if i in layout.k else full
+    cache.tp_layout = layout
+    logger.info("OscarCache: tensor-parallel rank %d/%d (%s), KV heads %s", layout.rank, layout.world, layout.source,
+                sorted({(s.start, s.stop) for s in layout.k.values()}))
+    return layout
