@@ -301,11 +301,12 @@ def _split_kernel(
             # Static cache (CUDA graphs): N is the storage capacity, the valid length is read from
             # device memory and the S splits share it (the grid cannot change between replays).
             n_tot = tl.minimum(tl.load(NPTR).to(tl.int32), N)
-            split_len = tl.cdiv(tl.cdiv(tl.maximum(n_tot, 1), S), BLOCK_N) * BLOCK_N
+            slen = tl.cdiv(tl.cdiv(tl.maximum(n_tot, 1), S), BLOCK_N) * BLOCK_N
         else:
             n_tot = N
-        hi = tl.minimum(pid_s * split_len + split_len, n_tot)
-        lo = tl.maximum(pid_s * split_len, (start // BLOCK_N) * BLOCK_N)  # skip all-padding blocks
+            slen = split_len
+        hi = tl.minimum(pid_s * slen + slen, n_tot)
+        lo = tl.maximum(pid_s * slen, (start // BLOCK_N) * BLOCK_N)  # skip all-padding blocks
         kc_base = KC + b.to(tl.int64) * skb + h * skh
         ks_base = KS + b.to(tl.int64) * smkb + h * smkh
         kz_base = KZ + b.to(tl.int64) * smkb + h * smkh
@@ -557,7 +558,10 @@ def _mask_4d(mask, b, hk, n):
         return None, False
     if mask.dtype != torch.bool:  # additive float masks etc.: the reference decides
         return None, False
-    return mask.expand(b, hk, 1, n).view(torch.uint8), True
+    m = mask.expand(b, hk, 1, n)
+    # Eager: a free uint8 view. Compiled (static cache): a small uint8 copy, since the functionalized
+    # graph must not see a kernel argument that aliases a bool tensor.
+    return (m.to(torch.uint8) if torch.compiler.is_compiling() else m.view(torch.uint8)), True
 
 
 def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask) -> bool:

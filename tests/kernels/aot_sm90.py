@@ -107,6 +107,14 @@ def main():
     attn(1, 2, 32, 4096, 128, 64, False)
     attn(1, 2, 4, 4096, 256, 32, False)
     dt.CONFIG["loop"] = "rowdot"
+    # the static cache's call: device-side history length, fixed splits, a bool window mask
+    q = torch.randn(2, 8, 4, 128, generator=g0)
+    k = v = quantize_rows(torch.randn(2, 8, 4097, 128, generator=g0), 64)
+    kw_ = torch.randn(2, 8, 321, 128, generator=g0).bfloat16()
+    dt.decode_attention_triton(q, k, v, torch.zeros(2, dtype=torch.int64), None, None, 0.1, 64, q.bfloat16(), kw_, kw_,
+                               torch.ones(2, 1, 1, 321, dtype=torch.bool), torch.randn(8, 128, 128, generator=g0), None,
+                               torch.bfloat16, n_valid=torch.tensor(3000), splits=16)
+    labels.append("attn d=128 g=64 m=4 window=True static (n_valid)")
     for d, g, meta in ((128, 64, torch.bfloat16), (64, 32, torch.float16), (256, 128, torch.bfloat16)):
         x = torch.randn(1, 2, 100, d, generator=g0).bfloat16()
         wt.rotate_quantize_triton(x, torch.randn(2, d, d, generator=g0), torch.randn(2, d, generator=g0), 0.95, g, meta)

@@ -265,6 +265,41 @@ def test_decode_attention_kernel(small_splits, b, hk, m, n, w, d, g, mu, wmask):
 
 
 @interp
+@pytest.mark.parametrize("n_valid", [0, 1, 150, 299])
+def test_decode_attention_kernel_device_length(small_splits, n_valid):
+    """Static cache: storage of capacity N, valid length read on the device, fixed split count:
+    equals the reference over the first n_valid entries."""
+    b, hk, m, n, w, d, g = 2, 2, 4, 300, 37, 64, 32
+    args, _ = _window_case(b, hk, m, n, w, d, g, seed=n_valid)
+    args["start"] = torch.tensor([0, 9])
+    got = small_splits.decode_attention_triton(**args, n_valid=torch.tensor(n_valid), splits=3)
+    cut = {k: (type(args[k])(*(t[:, :, :n_valid] for t in args[k])) if k in ("k", "v") else args[k]) for k in args}
+    ref = small_splits.decode_attention_reference(**cut)
+    assert rel_err(got, ref) < 2e-5
+    ref_masked = small_splits.decode_attention_reference(**args, n_valid=torch.tensor(n_valid))
+    assert rel_err(ref_masked, ref) < 1e-6
+
+
+@interp
+def test_static_op_traces_as_one_opaque_call(small_splits):
+    """The static cache's kernel call compiles as one custom op (aot_eager: fake shapes + real run)."""
+    from oscar_hf.kernels.int2_attention import decode_attention
+
+    b, hk, m, n, w, d, g = 2, 2, 4, 300, 37, 64, 32
+    args, _ = _window_case(b, hk, m, n, w, d, g, seed=3)
+    args["start"] = torch.tensor([0, 9])
+    nv = torch.tensor(200)
+
+    def f(nv):
+        return decode_attention(**args, n_valid=nv, splits=3, use_kernels=True)
+
+    torch._dynamo.reset()
+    got = torch.compile(f, backend="aot_eager", fullgraph=True)(nv)
+    cut = {k: (type(args[k])(*(t[:, :, :200] for t in args[k])) if k in ("k", "v") else args[k]) for k in args}
+    assert rel_err(got.float(), small_splits.decode_attention_reference(**cut).float()) < 2e-5
+
+
+@interp
 def test_decode_attention_reference_is_plain_attention():
     """The composed reference equals softmax over [history (dequantized, un-rotated, + mu) ; window]."""
     dt = _dt()
