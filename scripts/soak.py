@@ -1,0 +1,380 @@
+#!/usr/bin/env python
+"""Long-run soak of OscarCache in ``generate`` (issue 7).
+
+    python scripts/soak.py --out benchmarks/results/soak_h100.json          # GPU: both parts, a few minutes
+    python scripts/soak.py --tiny --out /tmp/soak.json                       # CPU: tiny shapes, seconds
+
+Model: Qwen3-shaped, random weights (head_dim 128, 8 KV heads, 32 query heads, but 4 layers and a small
+hidden size / vocabulary so that the decode step is cheap); ``eos_token_id`` is set, so ``min_new_tokens``
+is what keeps ``generate`` going.
+
+(a) ``--parts long``: ONE ``generate`` call producing ``--long-new-tokens`` (32768) tokens after a
+    ``--long-prompt`` prompt, batch ``--long-batch`` with left padding. A logits processor checks every
+    step's scores for NaN/Inf (the ``-inf`` that ``min_new_tokens`` puts on the EOS column excepted;
+    accumulated on the device, no per-step sync) and every ``--every`` tokens records
+    ``torch.cuda.memory_allocated``, the peak since the previous record, ``cache.memory_report()`` and
+    the time. Checks: no non-finite score; every token generated; the memory that is *not* the cache's own
+    buffers (``memory_allocated - memory_report()["allocated"]``) and the per-window peak above the cache
+    stay within ``--mem-tol-mib`` of their first post-warm-up value (the peak may also exceed it by one
+    layer's old history buffer, which a x1.5 buffer growth briefly keeps alive; a full-precision copy of the
+    history, or anything else growing with the context, breaks this); the cache's used bytes grow linearly
+    (constant bytes per token once the history is non-empty); the final cache holds no NaN/Inf.
+
+(b) ``--parts calls``: ``--calls`` (200) consecutive ``generate`` calls on the same prompts, cycling
+    through greedy with ``cache.reset()`` of one long-lived cache, greedy with a fresh ``OscarCache``,
+    seeded sampling with the reset cache, seeded sampling with a fresh cache. Checks: every greedy output
+    equals the first greedy output and every sampled output equals the first sampled output (same seed);
+    ``memory_allocated`` between calls and each call's peak do not grow after ``--warmup`` calls (within
+    ``--calls-mem-tol-mib``); the number of live tensors (``gc``) does not grow.
+
+Writes every measurement to ``--out`` (JSON) and exits with status 1 when a check fails. ``--tiny`` (CPU):
+tiny shapes, sink 8 / recent 16, 160 new tokens and 8 calls; CUDA memory checks are skipped
+on CPU (the live-tensor count still runs). ``--inject-nan-at N`` corrupts the cache at step N (a test that
+the checks fire).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+from oscar_hf import OscarCache
+
+MiB = 2**20
+EOS = 2
+SHAPES = {
+    "soak": dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, vocab_size=32000),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, vocab_size=256),
+}
+TINY_DEFAULTS = dict(long_prompt=48, long_new_tokens=160, long_batch=2, every=32, calls=8, calls_prompt=40,
+                     calls_new_tokens=6, warmup=2, sink=8, recent=16, count_every=2)
+GPU_DEFAULTS = dict(long_prompt=1024, long_new_tokens=32768, long_batch=2, every=1024, calls=200, calls_prompt=512,
+                    calls_new_tokens=32, warmup=8, sink=64, recent=256, count_every=25)
+
+
+def build_model(shape: str, dtype, device, max_pos: int, seed: int):
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model("qwen3", max_position_embeddings=max_pos, eos_token_id=EOS, pad_token_id=0,
+                               **SHAPES[shape])
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def prompts(vocab: int, batch: int, length: int, seed: int, device):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, vocab - 1, (batch, length), generator=g)
+    am = torch.ones_like(ids)
+    for b in range(1, batch):  # row b left-padded by b * length // 4 (capped)
+        am[b, : min(length - 4, b * length // 4)] = 0
+    return ids.masked_fill(am == 0, 0).to(device), am.to(device)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cuda_mem(device) -> dict:
+    if device.type != "cuda":
+        return {}
+    return dict(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
+                peak=torch.cuda.max_memory_allocated(device))
+
+
+def rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
+
+
+def live_tensors() -> int:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on lazily deprecated module attributes may warn
+        warnings.simplefilter("ignore")
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def cache_finite(cache) -> bool:
+    ok = True
+    for layer in cache.layers:
+        if not getattr(layer, "is_initialized", False) or getattr(layer, "hist_k", None) is None:
+            continue
+        tk, tv = layer.tail_view()
+        n = layer.n_hist
+        for t in (tk, tv, layer.sink_k, layer.sink_v, layer.hist_k.scale[:, :, :n], layer.hist_k.zero[:, :, :n],
+                  layer.hist_v.scale[:, :, :n], layer.hist_v.zero[:, :, :n]):
+            ok &= bool(torch.isfinite(t).all())
+    return ok
+
+
+class Monitor(LogitsProcessor):
+    """Per step: non-finite scores (device-side count, no sync). Every ``every`` steps: memory + cache report."""
+
+    def __init__(self, cache, every: int, vocab: int, device, inject_nan_at: int | None = None):
+        self.cache, self.every, self.device = cache, every, device
+        keep = torch.ones(vocab, dtype=torch.bool)
+        keep[EOS] = False  # min_new_tokens sets the EOS score to -inf until the minimum is reached
+        self.keep = keep.nonzero().squeeze(1).to(device)
+        self.bad = torch.zeros((), dtype=torch.long, device=device)
+        self.bad_eos = torch.zeros((), dtype=torch.long, device=device)  # NaN / +inf on the EOS column
+        self.first_bad_step = None
+        self.step, self.samples, self.t0 = 0, [], None
+        self.inject_nan_at = inject_nan_at
+
+    def record(self):
+        sync(self.device)
+        rep = self.cache.memory_report()
+        mem = cuda_mem(self.device)
+        s = dict(step=self.step, seq_len=self.cache.get_seq_length(), t=time.perf_counter() - self.t0,
+                 cache_used=int(rep["total"]), cache_allocated=int(rep["allocated"]),
+                 history_codes=int(rep["history_codes"]), history_meta=int(rep["history_meta"]),
+                 bits_per_element=rep["bits_per_element"], nonfinite_so_far=int(self.bad))
+        s["sinks_full"] = all(bool((layer.sink_count() == layer.config.sink).all()) for layer in self.cache.layers
+                              if getattr(layer, "hist_k", None) is not None and layer.is_initialized and layer.pad is not None)
+        s["hist_layer_alloc_max"] = max((sum(t.numel() * t.element_size() for q in (layer.hist_k, layer.hist_v) for t in q)
+                                         for layer in self.cache.layers if getattr(layer, "hist_k", None) is not None), default=0)
+        if mem:
+            s.update(mem_allocated=mem["allocated"], mem_reserved=mem["reserved"], window_peak=mem["peak"],
+                     non_cache=mem["allocated"] - s["cache_allocated"], window_peak_non_cache=mem["peak"] - s["cache_allocated"])
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            s["rss"] = rss_bytes()
+        if self.first_bad_step is None and s["nonfinite_so_far"]:
+            self.first_bad_step = self.step
+        self.samples.append(s)
+
+    def __call__(self, input_ids, scores):
+        if self.t0 is None:
+            self.t0 = time.perf_counter()
+        if self.inject_nan_at is not None and self.step == self.inject_nan_at:
+            for layer in self.cache.layers:  # corrupt one stored scale: its history token's logits become NaN
+                if getattr(layer, "hist_k", None) is not None and layer.n_hist > 0:
+                    layer.hist_k.scale[:, :, layer.n_hist - 1] = float("nan")
+        self.bad += (~torch.isfinite(scores.index_select(1, self.keep))).sum()
+        e = scores[:, EOS]
+        self.bad_eos += (torch.isnan(e) | torch.isposinf(e)).sum()
+        if self.step % self.every == 0:
+            self.record()
+        self.step += 1
+        return scores
+
+
+def check(checks: dict, name: str, ok: bool, **detail):
+    checks[name] = dict(ok=bool(ok), **detail)
+    if not ok:
+        print(f"CHECK FAILED: {name}: {detail}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- (a)
+def long_run(model, a, device, checks) -> dict:
+    vocab = model.config.vocab_size
+    ids, am = prompts(vocab, a.long_batch, a.long_prompt, a.seed, device)
+    cache = OscarCache(model, method="hadamard", sink=a.sink, recent=a.recent)
+    mon = Monitor(cache, a.every, vocab, device, a.inject_nan_at)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    base = cuda_mem(device)
+    n = a.long_new_tokens
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, logits_processor=LogitsProcessorList([mon]))
+    sync(device)
+    wall = time.perf_counter() - t0
+    mon.record()  # final state (after the last token's forward)
+    new = out.shape[1] - ids.shape[1]
+    res = dict(prompt=a.long_prompt, batch=a.long_batch, new_tokens=new, wall_s=wall, ms_per_token=1000 * wall / max(new, 1),
+               mem_before=base, samples=mon.samples, memory_report_final={k: float(v) for k, v in cache.memory_report().items()},
+               nonfinite_scores=int(mon.bad), nonfinite_eos=int(mon.bad_eos), first_nonfinite_record_step=mon.first_bad_step)
+    check(checks, "long.tokens", new == n, generated=new, requested=n)
+    check(checks, "long.finite_scores", int(mon.bad) == 0 and int(mon.bad_eos) == 0, nonfinite=int(mon.bad),
+          eos=int(mon.bad_eos), first_record_step=mon.first_bad_step)
+    check(checks, "long.finite_cache", cache_finite(cache))
+    # the last generated token is never fed back: the cache holds prompt + n - 1 positions
+    check(checks, "long.seq_len", cache.get_seq_length() == a.long_prompt + n - 1, seq_len=cache.get_seq_length(),
+          expected=a.long_prompt + n - 1)
+    # Cache grows linearly: once every row's sink is full (left-padded rows fill theirs later), each new token
+    # adds the same bytes (one token demoted to INT2 per row), so used bytes per step are constant.
+    s = mon.samples
+    hist = [x for x in s if x["history_codes"] > 0 and x["sinks_full"]]
+    if len(hist) >= 3:
+        rates = [(b["cache_used"] - a_["cache_used"]) / (b["seq_len"] - a_["seq_len"])
+                 for a_, b in zip(hist[1:], hist[2:]) if b["seq_len"] > a_["seq_len"]]
+        if rates:
+            spread = (max(rates) - min(rates)) / max(rates)
+            res["cache_bytes_per_token"] = dict(min=min(rates), max=max(rates))
+            check(checks, "long.cache_linear", spread < 1e-6, bytes_per_token_min=min(rates), bytes_per_token_max=max(rates))
+    if device.type == "cuda" and len(s) >= 3:
+        ref = s[1]  # first record after the warm-up window (prefill, Triton compiles)
+        tol = a.mem_tol_mib * MiB
+        grow = max(x["non_cache"] for x in s[1:]) - ref["non_cache"]
+        res["non_cache_growth_mib"] = grow / MiB
+        check(checks, "long.memory_flat", grow <= tol, growth_mib=grow / MiB, tol_mib=a.mem_tol_mib)
+        if len(s) > 3:
+            # Window peaks above the cache: a history buffer that grows (x1.5, amortized) briefly holds the old and
+            # the new buffer of one layer, so each window may exceed the first by that layer's old history buffer.
+            excess = [x["window_peak_non_cache"] - s[2]["window_peak_non_cache"] - x["hist_layer_alloc_max"] / 1.5 for x in s[2:]]
+            res["window_peak_non_cache_excess_mib"] = max(excess) / MiB
+            check(checks, "long.peak_flat", max(excess) <= tol, excess_mib=max(excess) / MiB, tol_mib=a.mem_tol_mib)
+    # decode speed per record window (ms/token), for the trend
+    res["ms_per_token_by_window"] = [dict(seq_len=b["seq_len"], ms=1000 * (b["t"] - a_["t"]) / (b["step"] - a_["step"]))
+                                     for a_, b in zip(s, s[1:]) if b["step"] > a_["step"]]
+    del out, cache, mon
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- (b)
+def many_calls(model, a, device, checks) -> dict:
+    vocab = model.config.vocab_size
+    ids, am = prompts(vocab, 2, a.calls_prompt, a.seed + 1, device)
+    n = a.calls_new_tokens
+    keep = OscarCache(model, method="hadamard", sink=a.sink, recent=a.recent)
+    ref = {}
+    calls, counts = [], []
+    mismatches = {"greedy": [], "sample": []}
+    t_start = time.perf_counter()
+    for i in range(a.calls):
+        reuse, sample = i % 2 == 0, (i // 2) % 2 == 1
+        kind = "sample" if sample else "greedy"
+        if reuse:
+            keep.reset()
+            cache = keep
+        else:
+            cache = OscarCache(model, method="hadamard", sink=a.sink, recent=a.recent)
+        if cache.get_seq_length() != 0:
+            check(checks, f"calls.reset_{i}", False, seq_len=cache.get_seq_length())
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        kw = dict(do_sample=True, top_k=50, temperature=1.0) if sample else dict(do_sample=False)
+        torch.manual_seed(a.seed + 7)
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=n, min_new_tokens=n, **kw)
+            sync(device)
+        except Exception as e:  # noqa: BLE001 - a crash is a failed check, reported with the rest
+            check(checks, "calls.no_exception", False, call=i, kind=kind, reuse=reuse, error=repr(e)[:500])
+            break
+        toks = out[:, ids.shape[1]:].cpu()
+        rec = dict(i=i, kind=kind, reuse=reuse, s=time.perf_counter() - t0, cache_used=int(cache.memory_report()["total"]))
+        if kind not in ref:
+            ref[kind] = toks
+            rec["tokens"] = toks.tolist()
+        elif not torch.equal(toks, ref[kind]):
+            mismatches[kind].append(i)
+            rec["tokens"] = toks.tolist()
+        if device.type == "cuda":
+            rec["peak"] = torch.cuda.max_memory_allocated(device)
+        del out, toks
+        if not reuse:
+            del cache
+        else:
+            keep.reset()  # the long-lived cache releases its buffers between calls
+            cache = None
+        gc.collect()
+        if device.type == "cuda":
+            rec["allocated_between_calls"] = torch.cuda.memory_allocated(device)
+        else:
+            rec["rss"] = rss_bytes()
+        if i >= a.warmup and ((i - a.warmup) % a.count_every == 0 or i == a.calls - 1):
+            counts.append(dict(i=i, live_tensors=live_tensors()))
+        calls.append(rec)
+    res = dict(calls=a.calls, prompt=a.calls_prompt, new_tokens=n, wall_s=time.perf_counter() - t_start, records=calls,
+               live_tensor_counts=counts, reference_tokens={k: v.tolist() for k, v in ref.items()}, mismatches=mismatches)
+    checks.setdefault("calls.no_exception", dict(ok=True))
+    check(checks, "calls.all_calls_ran", len(calls) == a.calls, ran=len(calls), requested=a.calls)
+    check(checks, "calls.greedy_identical", not mismatches["greedy"], mismatching_calls=mismatches["greedy"][:20])
+    check(checks, "calls.sampled_identical", not mismatches["sample"], mismatching_calls=mismatches["sample"][:20])
+    check(checks, "calls.sampling_is_random", "sample" not in ref or "greedy" not in ref or not torch.equal(ref["sample"], ref["greedy"]))
+    used = {r["cache_used"] for r in calls}
+    check(checks, "calls.cache_bytes_identical", len(used) == 1, distinct=sorted(used)[:5])
+    if len(counts) >= 2:
+        growth = max(c["live_tensors"] for c in counts) - counts[0]["live_tensors"]
+        check(checks, "calls.live_tensors_flat", growth <= 2, first=counts[0]["live_tensors"],
+              max=max(c["live_tensors"] for c in counts), last=counts[-1]["live_tensors"])
+    if device.type == "cuda":
+        post = [r for r in calls if r["i"] >= a.warmup]
+        if post:
+            tol = a.calls_mem_tol_mib * MiB
+            base = post[0]["allocated_between_calls"]
+            grow = max(r["allocated_between_calls"] for r in post) - base
+            peak_grow = max(max(r["peak"] for r in post if r["kind"] == k) - next(r["peak"] for r in post if r["kind"] == k)
+                            for k in {r["kind"] for r in post})
+            res.update(allocated_growth_mib=grow / MiB, peak_growth_mib=peak_grow / MiB,
+                       allocated_first=base, allocated_last=post[-1]["allocated_between_calls"])
+            check(checks, "calls.memory_flat", grow <= tol, growth_mib=grow / MiB, tol_mib=a.calls_mem_tol_mib)
+            check(checks, "calls.peak_flat", peak_grow <= tol, growth_mib=peak_grow / MiB, tol_mib=a.calls_mem_tol_mib)
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU test)")
+    p.add_argument("--parts", nargs="+", default=["long", "calls"], choices=["long", "calls"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    for k, v in GPU_DEFAULTS.items():
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {v} ({TINY_DEFAULTS[k]} with --tiny)")
+    p.add_argument("--mem-tol-mib", type=float, default=64.0, help="(a) allowed growth of non-cache memory / window peak")
+    p.add_argument("--calls-mem-tol-mib", type=float, default=4.0, help="(b) allowed growth of memory between calls / per-call peak")
+    p.add_argument("--inject-nan-at", type=int, default=None, help="(a) corrupt a stored scale at this step (checks must fail)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    for k, v in (TINY_DEFAULTS if a.tiny else GPU_DEFAULTS).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.calls_prompt <= a.sink + a.recent or a.long_prompt + a.long_new_tokens <= a.sink + a.recent:
+        p.error("prompts must exceed sink + recent so that the INT2 history is exercised")
+    device = torch.device(a.device)
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    shape = "tiny" if a.tiny else "soak"
+    if a.layers:
+        SHAPES[shape] = {**SHAPES[shape], "num_hidden_layers": a.layers}
+    max_pos = max(a.long_prompt + a.long_new_tokens, a.calls_prompt + a.calls_new_tokens) + 16
+    model = build_model(shape, dtype, device, max_pos, a.seed)
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    res = dict(shape=dict(SHAPES[shape]), dtype=str(dtype), device=dev_name,
+               torch=torch.__version__, transformers=__import__("transformers").__version__, args=vars(a))
+    checks: dict = {}
+    if device.type == "cuda":
+        res["weights_bytes"] = torch.cuda.memory_allocated(device)
+    if "long" in a.parts:
+        try:
+            res["long"] = long_run(model, a, device, checks)
+        except Exception as e:  # noqa: BLE001 - reported as a failed check, the JSON is still written
+            check(checks, "long.no_exception", False, error=repr(e)[:500])
+            res["long"] = {}
+        print(json.dumps({k: v for k, v in res["long"].items() if k not in ("samples", "ms_per_token_by_window")}), flush=True)
+    if "calls" in a.parts:
+        res["calls"] = many_calls(model, a, device, checks)
+        print(json.dumps({k: v for k, v in res["calls"].items() if k not in ("records", "reference_tokens")}), flush=True)
+    res["checks"] = checks
+    res["ok"] = all(c["ok"] for c in checks.values())
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1, default=str))
+    print(json.dumps(dict(ok=res["ok"], failed=[k for k, c in checks.items() if not c["ok"]])), flush=True)
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Tensor parallelism: per-rank KV-head slicing of the rotations (oscar_hf.distributed) and the torchrun check."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import oscar_hf.distributed as tpd
+from oscar_hf import LayerRotation, ModelFingerprint, OscarCache, OscarRotations
+from oscar_hf.distributed import HeadShard, even_head_shard, shard_rotations, slice_layer_rotation, tp_layout, tp_rank_world
+from oscar_hf.models import tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def distinct_rotation(hk, d, device="cpu", offsets=True):
+    """Per-head tensors whose every entry names its head (head h holds values in [h, h+1))."""
+    base = torch.arange(hk, dtype=torch.float32, device=device)
+    r = base[:, None, None] + torch.rand(hk, d, d, device=device) * 0.5
+    mu = (base[:, None] + 0.5 + torch.rand(hk, d, device=device) * 0.25) if offsets else None
+    return LayerRotation(r, r + 0.75, 0.9, 0.8, mu, None if mu is None else -mu)
+
+
+# ------------------------------------------------------------------ pure head arithmetic
+@pytest.mark.parametrize("hk,rank,world,want",
+                         [(8, 0, 2, (0, 4)), (8, 1, 2, (4, 8)), (8, 3, 4, (6, 8)), (8, 7, 8, (7, 8)), (2, 0, 1, (0, 2))])
+def test_even_head_shard(hk, rank, world, want):
+    s = even_head_shard(hk, rank, world)
+    assert (s.start, s.stop) == want and s.n == want[1] - want[0]
+
+
+def test_even_head_shard_rejects_uneven_and_bad_rank():
+    with pytest.raises(ValueError, match="multiple of the TP size"):
+        even_head_shard(6, 0, 4)
+    with pytest.raises(ValueError, match="bad tensor-parallel rank"):
+        even_head_shard(8, 2, 2)
+
+
+def test_slice_on_meta_tensors_shapes_and_clips():
+    hk, d = 8, 128
+    lr = LayerRotation(torch.empty(hk, d, d, device="meta"), torch.empty(hk, d, d, device="meta"), 0.9, 0.7,
+                       torch.empty(hk, d, device="meta"), None)
+    out = slice_layer_rotation(lr, HeadShard(2, 4), HeadShard(6, 8))
+    assert out.r_k.shape == (2, d, d) and out.r_v.shape == (2, d, d) and out.mu_k.shape == (2, d)
+    assert out.mu_v is None and (out.clip_k, out.clip_v) == (0.9, 0.7)
+    assert out.r_k.device.type == "meta"
+    assert lr.r_k.shape[0] == hk  # the artifact itself is not modified
+
+
+def test_slice_values_pick_the_right_heads():
+    hk, d = 8, 16
+    lr = distinct_rotation(hk, d)
+    out = slice_layer_rotation(lr, HeadShard(4, 6), HeadShard(2, 4))
+    torch.testing.assert_close(out.r_k, lr.r_k[4:6], rtol=0, atol=0)
+    torch.testing.assert_close(out.mu_k, lr.mu_k[4:6], rtol=0, atol=0)
+    torch.testing.assert_close(out.r_v, lr.r_v[2:4], rtol=0, atol=0)
+    torch.testing.assert_close(out.mu_v, lr.mu_v[2:4], rtol=0, atol=0)
+    assert out.r_k.floor().unique().tolist() == [4.0, 5.0]  # the entries name their heads
+    assert out.r_k.is_contiguous() and out.r_k.data_ptr() != lr.r_k.data_ptr()
+
+
+def test_slice_full_range_is_a_no_op_and_out_of_range_raises():
+    lr = distinct_rotation(4, 8)
+    assert slice_layer_rotation(lr, HeadShard(0, 4)) is lr
+    with pytest.raises(ValueError, match="out of range"):
+        slice_layer_rotation(lr, HeadShard(2, 6))
+    with pytest.raises(ValueError, match="out of range"):
+        slice_layer_rotation(lr, HeadShard(2, 2))
+
+
+def test_shard_rotations_every_layer():
+    rot = {i: distinct_rotation(8, 8) for i in range(3)}
+    layout = tpd.TPLayout(rank=1, world=4, num_kv_heads=8, k={0: HeadShard(2, 4)}, v={0: HeadShard(2, 4)}, source="dtensor")
+    out = shard_rotations(OscarRotations(None, "x", rot), layout)
+    for i in range(3):  # layer 0 from the layout, layers 1-2 from the even layout of rank 1 / 4
+        torch.testing.assert_close(out[i].r_k, rot[i].r_k[2:4])
+        torch.testing.assert_close(out[i].mu_v, rot[i].mu_v[2:4])
+
+
+# ------------------------------------------------------------------ detecting the model's TP group
+class FakeMesh:
+    def __init__(self, sizes, names, coord):
+        self.sizes, self.mesh_dim_names, self.coord = sizes, names, coord
+        self.ndim = len(sizes)
+
+    def __getitem__(self, name):
+        j = self.mesh_dim_names.index(name)
+        return FakeMesh((self.sizes[j],), (name,), (self.coord[j],))
+
+    def size(self, dim=None):
+        if dim is not None:
+            return self.sizes[dim]
+        return int(torch.tensor(self.sizes).prod())
+
+    def get_local_rank(self, dim=None):
+        assert self.ndim == 1
+        return self.coord[0]
+
+
+def test_tp_rank_world_from_meshes():
+    m = torch.nn.Linear(2, 2)
+    assert tp_rank_world(m) is None
+    m._device_mesh = FakeMesh((1, 1, 4), ("pp", "fsdp", "tp"), (0, 0, 3))  # transformers 5.2x: 3-D mesh
+    assert tp_rank_world(m) == (3, 4)
+    m._device_mesh = FakeMesh((2,), ("tp",), (1,))  # transformers 5.17: the TP mesh itself
+    assert tp_rank_world(m) == (1, 2)
+    m._device_mesh = FakeMesh((1, 2, 1), ("pp", "fsdp", "tp"), (0, 1, 0))  # FSDP only: not tensor parallel
+    assert tp_rank_world(m) is None
+
+
+def test_no_tensor_parallel_changes_nothing():
+    model = tiny_model("qwen3")
+    assert tp_layout(model, 2, 32) is None
+    cache = OscarCache(model, method="hadamard", group_size=32)
+    assert cache.tp_layout is None
+    for i, layer in enumerate(cache.layers):
+        assert layer._rotation_cpu is cache.rotations.layers[i]
+
+
+def test_wrong_head_count_without_tp_still_raises():
+    model = tiny_model("qwen3")  # 2 KV heads, head_dim 32
+    fp = ModelFingerprint.from_config(model.config)
+    rot = OscarRotations(fp, "bad", {i: distinct_rotation(1, 32) for i in range(fp.num_layers)})  # 1 head per layer
+    cache = OscarCache(model, rot, group_size=32)
+    assert cache.tp_layout is None
+    with pytest.raises(ValueError, match="rotations are for kv_heads=1.*kv_heads=2"):
+        with torch.no_grad():
+            model(torch.arange(8)[None], past_key_values=cache)
+
+
+def fake_tp(monkeypatch, model, rank, world, head_dim, shift=0):
+    """Make every k_proj / v_proj weight look like rank ``rank``'s column shard of ``world``."""
+    for mod in model.modules():
+        for name in ("k_proj", "v_proj"):
+            lin = getattr(mod, name, None)
+            if isinstance(lin, torch.nn.Linear):
+                n = lin.weight.shape[0]
+                lin.weight._fake_range = (rank * n // world + shift, n // world, n)
+    monkeypatch.setattr(tpd, "_is_dtensor", lambda w: hasattr(w, "_fake_range"))
+    monkeypatch.setattr(tpd, "_dim0_range", lambda w: w._fake_range)
+    model._device_mesh = FakeMesh((world,), ("tp",), (rank,))
+
+
+def test_cache_layers_get_this_ranks_heads(monkeypatch):
+    model = tiny_model("qwen3", num_key_value_heads=4, num_attention_heads=8)  # head_dim 32
+    fp = ModelFingerprint.from_config(model.config)
+    rot = OscarRotations(fp, "distinct", {i: distinct_rotation(4, 32) for i in range(fp.num_layers)})
+    fake_tp(monkeypatch, model, rank=1, world=2, head_dim=32)
+    cache = OscarCache(model, rot, group_size=32)
+    lay = cache.tp_layout
+    assert (lay.rank, lay.world, lay.source) == (1, 2, "dtensor")
+    assert {i: (s.start, s.stop) for i, s in lay.k.items()} == {0: (2, 4), 1: (2, 4)}
+    for i, layer in enumerate(cache.layers):
+        torch.testing.assert_close(layer._rotation_cpu.r_k, rot.layers[i].r_k[2:4], rtol=0, atol=0)
+        torch.testing.assert_close(layer._rotation_cpu.mu_v, rot.layers[i].mu_v[2:4], rtol=0, atol=0)
+        assert cache.rotations.layers[i].r_k.shape[0] == 4  # the cache keeps the whole artifact (save())
+    # This rank's attention produces 2 heads: the first update is accepted and moves the slice into place.
+    k = torch.randn(1, 2, 5, 32)
+    layer = cache.layers[0]
+    layer.update(k, k)
+    torch.testing.assert_close(layer.rot.r_k, rot.layers[0].r_k[2:4], rtol=0, atol=0)
+    assert layer.num_kv_heads == 2
+    json.dumps(lay.to_dict())  # reportable
+
+
+def test_static_cache_layers_are_sliced_too(monkeypatch):
+    static = pytest.importorskip("oscar_hf.static_cache")
+    model = tiny_model("qwen3", num_key_value_heads=4, num_attention_heads=8)
+    fp = ModelFingerprint.from_config(model.config)
+    rot = OscarRotations(fp, "distinct", {i: distinct_rotation(4, 32) for i in range(fp.num_layers)})
+    fake_tp(monkeypatch, model, rank=0, world=4, head_dim=32)
+    cache = static.StaticOscarCache(model, rot, group_size=32, max_cache_len=64)
+    assert cache.tp_layout is not None and cache.tp_layout.world == 4
+    for i, layer in enumerate(cache.layers):
+        torch.testing.assert_close(layer._rotation_cpu.r_k, rot.layers[i].r_k[0:1], rtol=0, atol=0)
+
+
+def test_shard_that_splits_a_head_is_refused(monkeypatch):
+    model = tiny_model("qwen3", num_key_value_heads=4, num_attention_heads=8)
+    fake_tp(monkeypatch, model, rank=1, world=2, head_dim=32, shift=16)
+    with pytest.raises(ValueError, match="not a whole number of KV heads"):
+        OscarCache(model, method="hadamard", group_size=32)
+
+
+# ------------------------------------------------------------------ the real thing: torchrun, gloo, DTensor TP
+def test_tp_check_script_under_torchrun(tmp_path):
+    pytest.importorskip("torch.distributed.tensor")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    out = tmp_path / "tp.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "scripts/tp_check.py"), "--shape", "tiny", "--layers", "2", "--context", "96", "--sink", "8",
+           "--recent", "16", "--new-tokens", "6", "--batch", "3", "--pad", "16", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["ok"] and res["world"] == 2
+    for g in res["ranks"]:
+        assert g["k_proj_weight"]["type"] == "DTensor" and g["k_proj_weight"]["local_rows"] == 2 * 64
+        assert g["cache_heads_per_layer"] == [2]  # 4 KV heads over 2 ranks
+        want = [2 * g["rank"], 2 * g["rank"] + 2]
+        assert all(list(s) == want for s in g["tp_layout"]["k"].values())
+        assert all(v["k"] == 1.0 and v["v"] == 1.0 and v["entries"] > 0 for v in g["history_code_agreement"].values())
+        assert g["tp"]["oscar_memory_report"]["history_codes"] > 0
+    # float32 on CPU: TP reproduces the single-process tokens exactly, and a wrong slice is caught.
+    assert res["oscar_tp_equals_single"] and res["bf16_tp_equals_single"]
+    assert res["negative_control_max_code_agreement"] < 0.6

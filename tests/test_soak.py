@@ -1,0 +1,74 @@
+"""scripts/soak.py in its tiny CPU mode: the checks pass on the real cache and fire on broken ones."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def soak():
+    spec = importlib.util.spec_from_file_location("oscar_soak_script", REPO / "scripts/soak.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(soak, tmp_path, *extra):
+    out = tmp_path / "soak.json"
+    rc = soak.main(["--tiny", "--device", "cpu", "--out", str(out), *extra])
+    return rc, json.loads(out.read_text())
+
+
+def test_tiny_soak_passes(soak, tmp_path):
+    rc, res = run(soak, tmp_path)
+    assert rc == 0 and res["ok"], {k: c for k, c in res["checks"].items() if not c["ok"]}
+    long, calls = res["long"], res["calls"]
+    assert long["new_tokens"] == 160 and long["nonfinite_scores"] == 0
+    assert long["memory_report_final"]["history_codes"] > 0  # the INT2 history was exercised
+    assert len(long["samples"]) >= 5 and long["samples"][-1]["seq_len"] == 48 + 160 - 1
+    assert res["checks"]["long.cache_linear"]["ok"]
+    assert calls["calls"] == 8 and not calls["mismatches"]["greedy"] and not calls["mismatches"]["sample"]
+    assert set(calls["reference_tokens"]) == {"greedy", "sample"}
+    assert [r["reuse"] for r in calls["records"][:4]] == [True, False, True, False]
+    assert [r["kind"] for r in calls["records"][:4]] == ["greedy", "greedy", "sample", "sample"]
+    assert res["checks"]["calls.live_tensors_flat"]["ok"]
+
+
+def test_nan_in_the_cache_is_caught(soak, tmp_path):
+    rc, res = run(soak, tmp_path, "--parts", "long", "--inject-nan-at", "100")
+    assert rc == 1 and not res["ok"]
+    assert not res["checks"]["long.finite_scores"]["ok"] and not res["checks"]["long.finite_cache"]["ok"]
+    assert res["checks"]["long.tokens"]["ok"]
+
+
+def test_a_leak_is_caught(soak, tmp_path, monkeypatch):
+    leaked = []
+
+    class LeakyCache(soak.OscarCache):
+        """Keeps one tensor alive per cache built (what a registry of caches that is never cleaned would do)."""
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            leaked.append(torch.zeros(4))
+
+    monkeypatch.setattr(soak, "OscarCache", LeakyCache)
+    rc, res = run(soak, tmp_path, "--parts", "calls")
+    assert rc == 1
+    failed = {k for k, c in res["checks"].items() if not c["ok"]}
+    assert failed == {"calls.live_tensors_flat"}, failed
+
+
+def test_a_reset_that_keeps_state_is_caught(soak, tmp_path, monkeypatch):
+    class StaleCache(soak.OscarCache):
+        def reset(self):
+            pass
+
+    monkeypatch.setattr(soak, "OscarCache", StaleCache)
+    rc, res = run(soak, tmp_path, "--parts", "calls")
+    assert rc == 1
+    failed = {k for k, c in res["checks"].items() if not c["ok"]}
+    assert "calls.all_calls_ran" in failed and ("calls.no_exception" in failed or any(k.startswith("calls.reset_") for k in failed))
