@@ -103,19 +103,51 @@ def cache_bytes(cache) -> int:
     return sum(_tensor_bytes(layer, seen) for layer in cache.layers)
 
 
-def run_one(model, method: str, batch: int, context: int, new_tokens: int, device, seed=0):
+def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 4096) -> None:
+    """Leave in every layer what a prefill of ``context`` tokens would: random K/V rows written through
+    the cache's own write path (OSCAR: demotion = rotate + quantize + pack), chunk by chunk. Decode speed
+    does not depend on the values, and this skips the prompt's forward pass, whose activations (not the
+    cache) are what stops a batch of 64 x 32K prompts from being prefilled in one ``generate`` call."""
+    from oscar_hf.cache import OscarLayer
+    from oscar_hf.static_cache import StaticOscarLayer
+
+    cfg = model.config.get_text_config(decoder=True)
+    hk, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    g = torch.Generator(device=device).manual_seed(0)
+    for layer in tqdm(cache.layers, desc="synthetic fill", leave=False):
+        step = chunk if isinstance(layer, (OscarLayer, StaticOscarLayer)) or hasattr(layer, "max_cache_len") else context
+        for c0 in range(0, context, step):
+            n = min(step, context - c0)
+            k = torch.randn(batch, hk, n, d, device=device, dtype=model.dtype, generator=g)
+            v = torch.randn(batch, hk, n, d, device=device, dtype=model.dtype, generator=g)
+            if isinstance(layer, StaticOscarLayer):
+                if not layer.is_initialized:
+                    layer.lazy_initialization(k, v)
+                    layer.set_pad(None)
+                layer.commit_bulk(k, v)
+            elif isinstance(layer, OscarLayer):
+                layer.commit(k, v, None)
+            else:  # DynamicLayer / StaticLayer
+                layer.update(k, v)
+
+
+def run_one(model, method: str, batch: int, context: int, new_tokens: int, device, seed=0, fill=False):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    ids = torch.randint(100, model.config.vocab_size - 100, (batch, context), generator=g).to(device)
+    ids = torch.randint(100, model.config.vocab_size - 100, (batch, context + int(fill)), generator=g).to(device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     if method == "bf16":
         kwargs["past_key_values"] = DynamicCache(config=model.config)
+    elif method == "bf16-static" and fill:
+        from transformers import StaticCache
+
+        kwargs["past_key_values"] = StaticCache(config=model.config, max_cache_len=context + new_tokens + 1)
     elif method == "bf16-static":
         kwargs["cache_implementation"] = "static"
     elif method == "oscar":
         kwargs["past_key_values"] = OscarCache(model, method="hadamard", group_size=64)
     elif method == "oscar-static":
         kwargs["past_key_values"] = StaticOscarCache(model, method="hadamard", group_size=64,
-                                                     max_cache_len=context + new_tokens)
+                                                     max_cache_len=context + new_tokens + int(fill))
     elif method[:-1] in ("hqq", "quanto"):
         from transformers import QuantizedCache
 
@@ -129,13 +161,16 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    if fill:  # the cache holds `context` tokens; generate feeds the last prompt token, then decodes
+        with torch.no_grad():
+            synthetic_fill(model, kwargs["past_key_values"], batch, context, device)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True, **kwargs)
     st = clock.stamps
     # median step time: robust to the one-off Triton JIT compile of a new kernel specialization
     steps = sorted(b - a for a, b in zip(st, st[1:]))
-    res = dict(method=method, batch=batch, context=context, new_tokens=new_tokens,
+    res = dict(method=method, batch=batch, context=context, new_tokens=new_tokens, synthetic_fill=fill,
                prefill_s=st[0] - t0, decode_ms_per_token=steps[len(steps) // 2] * 1000,
                decode_ms_mean=(st[-1] - st[0]) / (len(st) - 1) * 1000)
     res["tokens_per_s"] = batch * 1000 / res["decode_ms_per_token"]
@@ -171,6 +206,12 @@ def main(argv=None):
     p.add_argument("--capacity-methods", nargs="+", default=None,
                    help="methods run at the largest batch (default bf16 oscar); a -static suffix runs the compiled "
                         "variant at the batch computed for its base method")
+    p.add_argument("--synthetic-fill", action="store_true",
+                   help="fill the caches with random K/V through their write path instead of a prefill "
+                        "(decode-only measurements at batch x context whose prefill activations would not fit)")
+    p.add_argument("--capacity-only", action="store_true", help="skip the sweep; capacity from --bytes-per-token")
+    p.add_argument("--bytes-per-token", nargs=2, type=float, metavar=("BF16", "OSCAR"), default=None,
+                   help="KV bytes per token (all layers) measured by an earlier sweep, for --capacity-only")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -178,10 +219,10 @@ def main(argv=None):
     model = build_model(args.shape, dtype, args.device, max(args.contexts) + args.new_tokens + 16)
     results = []
     free_gib = None
-    combos = [(b, t, m) for t in args.contexts for b in args.batches for m in args.methods]
+    combos = [] if args.capacity_only else [(b, t, m) for t in args.contexts for b in args.batches for m in args.methods]
     for b, t, m in tqdm(combos, desc="bench"):
         try:
-            r = run_one(model, m, b, t, args.new_tokens, args.device)
+            r = run_one(model, m, b, t, args.new_tokens, args.device, fill=args.synthetic_fill)
         except torch.OutOfMemoryError:
             r = dict(method=m, batch=b, context=t, error="out of memory")
             gc.collect()
@@ -211,6 +252,8 @@ def main(argv=None):
         if rs:
             big = max(rs, key=lambda r: r["batch"] * r["context"])
             per_tok[m] = big["cache_bytes"] / (big["batch"] * (big["context"] + big["new_tokens"] - 1))
+    if args.bytes_per_token:
+        per_tok = dict(zip(("bf16", "oscar"), args.bytes_per_token))
     budget = args.kv_budget_gib * 2**30
     for m, bpt in per_tok.items():
         capacity[m] = dict(bytes_per_token=bpt, max_tokens=int(budget / bpt),
@@ -223,7 +266,7 @@ def main(argv=None):
             c = capacity.setdefault(m, dict(capacity[base]))
             b = max(1, c["max_batch_at_context"])
             try:
-                r = run_one(model, m, b, args.capacity_context, args.new_tokens, args.device)
+                r = run_one(model, m, b, args.capacity_context, args.new_tokens, args.device, fill=args.synthetic_fill)
                 c.update(batch=b, aggregate_tokens_per_s=r["tokens_per_s"], peak_mem_gib=r.get("peak_mem_gib"),
                          decode_ms_per_token=r["decode_ms_per_token"])
             except torch.OutOfMemoryError:
