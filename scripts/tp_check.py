@@ -45,31 +45,20 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsProcessorList  # noqa: E402
 
 from oscar_hf import LayerRotation, ModelFingerprint, OscarCache, OscarRotations, disable_oscar  # noqa: E402
 from oscar_hf.distributed import even_head_shard, slice_layer_rotation  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import SHAPES as _BENCH_SHAPES, StepClock  # noqa: E402
+
 SHAPES = {
-    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    "qwen3-8b": _BENCH_SHAPES["qwen3-8b"],
     # CPU: 4 KV heads so that 2 ranks hold 2 heads each (a slice, not a single index)
     "tiny": dict(model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=512),
 }
-
-
-class StepClock(LogitsProcessor):
-    """A synchronized timestamp at every generation step (the first one ends the prefill)."""
-
-    def __init__(self):
-        self.stamps = []
-
-    def __call__(self, input_ids, scores):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.stamps.append(time.perf_counter())
-        return scores
 
 
 def log(rank, *msg):
