@@ -7,7 +7,7 @@ One full-precision forward captures every layer's post-RoPE ``q, k, v``; each me
 per layer on the SAME inputs (no propagation through earlier layers), averaged over heads and the
 ``n_queries`` positions just before each context length.
 
-    python -m oscar_hf.eval.attention_fidelity --lengths 512,1024,2048
+    python -P scripts/eval_attention_fidelity.py --lengths 512,1024,2048,4096,8192
 """
 from __future__ import annotations
 
@@ -91,30 +91,51 @@ def fidelity(model, ids: torch.Tensor, methods: dict, lengths=(512, 1024, 2048),
 
 
 def plot_fidelity(results: dict, path: Path) -> None:
+    """Per-layer KL and relative output error at the longest context, and both (mean over layers) vs context."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     for name, res in results.items():
         lengths = sorted(res, key=int)
         top = res[lengths[-1]]
-        axes[0].semilogy(top["kl"], label=name)
-        axes[1].plot(top["rel_err"], label=name)
-        axes[2].semilogy([int(L) for L in lengths], [sum(res[L]["kl"]) / len(res[L]["kl"]) for L in lengths], "o-", label=name)
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        line = axes[0].semilogy(top["kl"], label=name)[0]
+        axes[1].semilogy(top["rel_err"], color=line.get_color())
+        axes[2].loglog([int(L) for L in lengths], [mean(res[L]["kl"]) for L in lengths], "o-", color=line.get_color())
+        axes[3].semilogx([int(L) for L in lengths], [mean(res[L]["rel_err"]) for L in lengths], "o-",
+                         color=line.get_color())
     axes[0].set(xlabel="layer", ylabel="KL(full || quantized), nats", title=f"per layer, context {lengths[-1]}")
     axes[1].set(xlabel="layer", ylabel="relative output error", title=f"per layer, context {lengths[-1]}")
-    axes[2].set(xlabel="context length", ylabel="mean KL over layers", title="vs context length")
+    axes[2].set(xlabel="context length", ylabel="mean KL over layers", title="KL vs context length")
+    axes[3].set(xlabel="context length", ylabel="mean relative output error", title="output error vs context length")
     axes[2].set_xscale("log", base=2)
+    axes[3].set_xscale("log", base=2)
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def summary_table(results: dict) -> str:
+    """Markdown: mean over layers of KL and relative output error per method and context length."""
+    names = list(results)
+    lengths = sorted(results[names[0]], key=int)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    head = "| method | " + " | ".join(f"KL @{L}" for L in lengths) + " | " + " | ".join(f"err @{L}" for L in lengths) + " |"
+    lines = [head, "|---" * (1 + 2 * len(lengths)) + "|"]
+    for n in names:
+        r = results[n]
+        lines.append(f"| {n} | " + " | ".join(f"{mean(r[L]['kl']):.4f}" for L in lengths) + " | "
+                     + " | ".join(f"{mean(r[L]['rel_err']):.3f}" for L in lengths) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     import argparse
+    import sys
 
     from oscar_hf.models import load_model
 
@@ -125,30 +146,44 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="512,1024,2048")
     p.add_argument("--queries", type=int, default=32)
+    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lengths = tuple(int(x) for x in args.lengths.split(","))
     model, tok = load_model("smollm2", dtype=torch.float32)
     W = dict(sink=64, recent=256, group_size=64)
-    methods = {"naive INT2": get_method("identity", **W), "Hadamard": get_method("hadamard", **W),
-               "KIVI-2": get_method("kivi", group_size=64, residual=128), "Turbo 3-bit": get_method("turbo", bits=3)}
+    methods = {"naive INT2": get_method("identity", **W), "Hadamard": get_method("hadamard", **W)}
     osc = find_artifact("oscar", 64)
+    pca = find_artifact("pca-kv", 64)
     if osc is not None:
+        methods["naive INT2 + centering"] = OscarFamily("ic", rotations=swap_rotation(osc, "identity"), **W)
         methods["Hadamard + centering"] = OscarFamily("hc", rotations=swap_rotation(osc, "hadamard"), **W)
+    if pca is not None:
+        methods["raw K/V PCA"] = OscarFamily("pca", rotations=pca, center=False, **W)
+        methods["raw K/V PCA + centering"] = OscarFamily("pca-c", rotations=pca, **W)
+    if osc is not None:
         methods["OSCAR"] = OscarFamily("oscar", rotations=osc, center=False, **W)
         methods["OSCAR + centering"] = OscarFamily("oscar-c", rotations=osc, **W)
-    pca = find_artifact("pca-kv", 64)
-    if pca is not None:
-        methods["raw PCA"] = OscarFamily("pca", rotations=pca, center=False, **W)
+    methods["KIVI-2"] = get_method("kivi", group_size=64, residual=128)
+    methods["Turbo 3-bit"] = get_method("turbo", bits=3)
     ids = evaluation_ids(tok, max(lengths))
     res = fidelity(model, ids, methods, lengths, args.queries)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "attention_fidelity.json").write_text(json.dumps(res, indent=1))
+    command = "python -P scripts/eval_attention_fidelity.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    setup = dict(model="SmolLM2-135M float32", text="WikiText-2 held-out half (evaluation_ids)", window=W,
+                 queries_per_length=args.queries, artifacts={"oscar": osc.metadata.get("path") if osc else None,
+                                                             "pca-kv": pca.metadata.get("path") if pca else None},
+                 note="per layer on the same captured q/k/v (no error propagation), mean over query heads and the "
+                      "last `queries` positions before each length")
+    (out / "attention_fidelity.json").write_text(json.dumps(dict(command=command, setup=setup, results=res), indent=1))
     plot_fidelity(res, out / "attention_fidelity.png")
-    for name, r in res.items():
-        print(f"{name:22s} " + "  ".join(f"L={L}: KL {sum(r[L]['kl']) / len(r[L]['kl']):.4f} err {sum(r[L]['rel_err']) / len(r[L]['rel_err']):.3f}"
-                                         for L in lengths))
+    table = summary_table(res)
+    (out / "attention_fidelity.md").write_text(f"# Attention fidelity (SmolLM2-135M)\n\nCommand: `{command}`\n\n"
+                                               "Mean over the 30 layers.\n\n" + table)
+    print(table)
 
 
 if __name__ == "__main__":

