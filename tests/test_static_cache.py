@@ -135,3 +135,37 @@ def test_gpu_static_kernels_and_cuda_graphs_match_reference():
     compiled = _gen(m, ids, am, StaticOscarCache(m, max_cache_len=2100, **kw), n=24)
     same = (compiled.sequences == eager.sequences).float().mean().item()
     assert same > 0.97, same
+
+
+def test_static_beam_search_and_reset_reuse():
+    """Beam search reorders the static buffers in place (same beams as OscarCache); reset() makes a
+    used cache behave like a fresh one."""
+    m = tiny_model("qwen3")
+    torch.manual_seed(4)
+    ids = torch.randint(1, 200, (1, 30))
+    beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = m.generate(ids, past_key_values=OscarCache(m, **SMALL), **beams)
+    got = m.generate(ids, past_key_values=StaticOscarCache(m, max_cache_len=40, **SMALL), **beams)
+    assert torch.equal(got, ref)
+    cache = StaticOscarCache(m, max_cache_len=60, **SMALL)
+    first = m.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    other = torch.randint(1, 200, (1, 30))
+    cache.reset()
+    m.generate(other, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    cache.reset()
+    again = m.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(first, again)
+
+
+def test_static_sliding_window_model_compiles():
+    """Gemma 3 (sliding layers -> StaticSlidingWindowLayer, full layers -> StaticOscarLayer) under fullgraph."""
+    m = tiny_model("gemma3_text")
+    ids, am = _padded_batch([7, 28], seed=11)
+    ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=8)
+    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    cc._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    out = _gen(m, ids, am, StaticOscarCache(m, max_cache_len=ids.shape[1] + 8, **SMALL), n=8, compile_config=cc)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert not counters["graph_break"]
