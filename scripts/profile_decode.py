@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Where a decode step's time goes: torch.profiler over a few `generate` decode steps (issue 6).
+
+    python scripts/profile_decode.py --methods oscar-static bf16-static --batch 1 --context 32768 \
+        --out benchmarks/results/profile_h100.json
+
+For each method: the cache is filled with ``--context`` random tokens through its own write path
+(``bench_generate.synthetic_fill``), ``generate`` runs ``--warmup`` steps (compilation, CUDA-graph
+recording), then ``--steps`` more under the profiler. Reported per method: wall ms per step, device
+(kernel) ms per step, their ratio (how GPU-bound the step is), and the top kernels by device time,
+grouped into OSCAR's decode kernels (``_split_kernel``, ``_combine_kernel``), its write path, GEMMs,
+attention (SDPA / flash), and the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import LogitsProcessorList
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import SHAPES, StepClock, build_model, synthetic_fill  # noqa: E402
+
+GROUPS = (
+    ("oscar decode (split + combine)", ("_split_kernel", "_combine_kernel")),
+    ("oscar write path", ("_rotate_quantize", "quantize")),
+    ("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "matmul", "addmm", "mm_")),
+    ("attention (sdpa/flash)", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+)
+
+
+def _group(name: str) -> str:
+    low = name.lower()
+    for g, keys in GROUPS:
+        if any(k.lower() in low for k in keys):
+            return g
+    return "other"
+
+
+def profile_method(model, method: str, batch: int, context: int, warmup: int, steps: int, device):
+    from bench_generate import StaticOscarCache, OscarCache  # the same cache settings as the benchmark
+    from transformers import DynamicCache, StaticCache
+
+    new = warmup + steps
+    if method == "bf16":
+        cache = DynamicCache(config=model.config)
+    elif method == "bf16-static":
+        cache = StaticCache(config=model.config, max_cache_len=context + new + 1)
+    elif method == "oscar":
+        cache = OscarCache(model, method="hadamard", group_size=64)
+    elif method == "oscar-static":
+        cache = StaticOscarCache(model, method="hadamard", group_size=64, max_cache_len=context + new + 1)
+    else:
+        raise ValueError(method)
+    ids = torch.randint(100, model.config.vocab_size - 100, (batch, context + 1), device=device)
+    with torch.no_grad():
+        synthetic_fill(model, cache, batch, context, device)
+    clock, prof_box = StepClock(), {}
+
+    class Window(StepClock):
+        """Starts the profiler after `warmup` steps and stops it after `steps` more."""
+
+        def __call__(self, input_ids, scores):
+            n = len(clock.stamps)
+            if n == warmup:
+                prof_box["p"] = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else []))
+                prof_box["p"].__enter__()
+                prof_box["t0"] = time.perf_counter()
+            if n == warmup + steps:
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                prof_box["t1"] = time.perf_counter()
+                prof_box["p"].__exit__(None, None, None)
+            return scores
+
+    with torch.no_grad():
+        model.generate(ids, past_key_values=cache, max_new_tokens=new + 1, min_new_tokens=new + 1, do_sample=False,
+                       pad_token_id=0, logits_processor=LogitsProcessorList([clock, Window()]))
+    prof = prof_box["p"]
+    wall_ms = (prof_box["t1"] - prof_box["t0"]) * 1000 / steps
+    by_kernel, by_group = defaultdict(float), defaultdict(float)
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(ev, "self_cuda_time_total", 0.0)
+        if dev_us and ev.device_type != torch.autograd.DeviceType.CPU:
+            by_kernel[ev.key] += dev_us / 1000 / steps
+            by_group[_group(ev.key)] += dev_us / 1000 / steps
+    dev_ms = sum(by_group.values())
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
+    if method.startswith("oscar"):
+        from oscar_hf import disable_oscar
+
+        disable_oscar(model)
+    return dict(method=method, batch=batch, context=context, steps=steps, wall_ms_per_step=wall_ms,
+                device_ms_per_step=dev_ms, gpu_busy_fraction=dev_ms / wall_ms if wall_ms else None,
+                groups_ms=dict(sorted(by_group.items(), key=lambda kv: -kv[1])), top_kernels_ms=dict(top))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    p.add_argument("--methods", nargs="+", default=["oscar-static", "bf16-static"])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--warmup", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    model = build_model(a.shape, torch.bfloat16, a.device, a.context + a.warmup + a.steps + 16)
+    rows = []
+    for m in a.methods:
+        r = profile_method(model, m, a.batch, a.context, a.warmup, a.steps, a.device)
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+    env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               command="python " + " ".join([sys.argv[0].split("/")[-1]] + (argv or sys.argv[1:])))
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(dict(env=env, results=rows), indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
