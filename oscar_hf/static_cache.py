@@ -198,6 +198,8 @@ class StaticOscarLayer(CacheLayerMixin):
         ring = (s0 + torch.remainder(t, r)).reshape(1)
         self.win_k.index_copy_(2, ring, new_k)
         self.win_v.index_copy_(2, ring, new_v)
+        if s0 == 0:
+            return
         r_b = t - self.pad  # [B] real tokens of each row before this one
         in_sink = ((r_b >= 0) & (r_b < s0))[:, None, None, None]
         idx = r_b.clamp(0, s0 - 1)[:, None, None, None].expand(-1, self.num_kv_heads, 1, self.head_dim)

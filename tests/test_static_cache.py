@@ -62,6 +62,16 @@ def test_static_decode_step_is_tensor_only_and_matches_per_step():
     assert int(sta.get_seq_length()) == dyn.get_seq_length() == 60
 
 
+@pytest.mark.parametrize("windows", [dict(sink=0, recent=8), dict(sink=4, recent=1)])
+def test_static_edge_windows_match_dynamic(windows):
+    m = tiny_model("llama")
+    ids, am = _padded_batch([5, 26], seed=12)
+    kw = dict(SMALL, **windows)
+    dyn = _gen(m, ids, am, OscarCache(m, **kw), n=10)
+    sta = _gen(m, ids, am, StaticOscarCache(m, max_cache_len=ids.shape[1] + 10, **kw), n=10)
+    assert torch.equal(sta.sequences, dyn.sequences)
+
+
 def test_static_multi_turn_prefill_continues_like_dynamic():
     m = tiny_model("llama")
     torch.manual_seed(1)
