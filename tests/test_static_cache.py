@@ -179,3 +179,16 @@ def test_static_sliding_window_model_compiles():
     out = _gen(m, ids, am, StaticOscarCache(m, max_cache_len=ids.shape[1] + 8, **SMALL), n=8, compile_config=cc)
     assert torch.equal(out.sequences, ref.sequences)
     assert not counters["graph_break"]
+
+
+def test_static_from_pretrained_artifact(tmp_path):
+    from oscar_hf import OscarRotations
+
+    m = tiny_model("qwen3")
+    OscarRotations.builtin(m, "hadamard").save_pretrained(tmp_path / "rot")
+    cache = StaticOscarCache.from_pretrained(tmp_path / "rot", m, max_cache_len=50, sink=4, recent=8, group_size=32)
+    assert isinstance(cache, StaticOscarCache) and cache.capacity == 50
+    ids = torch.randint(1, 200, (1, 30))
+    ref = m.generate(ids, past_key_values=OscarCache(m, **SMALL), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    out = m.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
