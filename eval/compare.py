@@ -237,7 +237,7 @@ def _ref_ppl(ref: dict, row: dict) -> float:
     return math.exp(sum(math.log(x) for x in w) / len(w))
 
 
-HEADER = """Artifacts: OSCAR = `artifacts/smollm2-oscar` (8192 calibration tokens, G=64, offsets, clips all 0.80); raw PCA =
+HEADER = """Artifacts: OSCAR = `artifacts/smollm2-oscar` (8192 calibration tokens in 4 x 2048-token sequences, G=64, offsets mu_K/mu_V, clips 0.80 except one c_V of 0.82); raw PCA =
 `python -P scripts/calibrate.py --model smollm2 --method pca-kv --out artifacts/eval/smollm2-pca-kv-g64` (same settings).
 "naive INT2 / Hadamard + centering" = the OSCAR artifact's offsets mu_K/mu_V with an identity/Hadamard rotation and clip 1.0.
 Model: SmolLM2-135M float32 on CPU; 'FP32 KV' is the reference (BF16 rounding of K/V changes nothing visible).
@@ -374,7 +374,7 @@ def main(argv=None):
         hf_logging.disable_progress_bar()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/eval_compare.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -P scripts/eval_compare.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     if args.report_only:
         done = json.loads((out / "compare.json").read_text())
         results = [r for r in done.values() if r["table"] in args.tables.split(",")]

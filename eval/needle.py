@@ -130,6 +130,29 @@ def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, tri
     return {"accuracy": accuracy_table(raw), "answers": raw}
 
 
+def markdown_table(res: dict) -> str:
+    """Accuracy per method, length and depth (trials per cell in brackets) + the per-length ratio to the reference."""
+    acc, raw = res["accuracy"], res["answers"]
+    names = list(acc)
+    lengths = sorted({str(r["length"]) for r in raw}, key=int)
+    depths = sorted({str(r["depth"]) for r in raw}, key=float)
+    n = {}
+    for r in raw:
+        n[(r["method"], str(r["length"]), str(r["depth"]))] = n.get((r["method"], str(r["length"]), str(r["depth"])), 0) + 1
+    lines = ["| method | length | " + " | ".join(f"depth {float(d):.0%}" for d in depths) + " | mean | vs " + names[0] + " |",
+             "|---" * (len(depths) + 4) + "|"]
+    summ = length_summary(acc, names[0])
+    for m in names:
+        for L in lengths:
+            if L not in acc[m]:
+                continue
+            cells = [f"{acc[m][L][d]:.0%} ({n[(m, L, d)]})" if d in acc[m][L] else "—" for d in depths]
+            ratio = summ[m][L].get("ratio_to_reference")
+            lines.append(f"| {m} | {L} | " + " | ".join(cells) + f" | {summ[m][L]['accuracy']:.0%} | "
+                         + (f"{ratio:.2f}" if ratio is not None else "—") + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot_heatmaps(acc: dict, path: Path) -> None:
     import matplotlib
 
@@ -185,7 +208,8 @@ def main(argv=None):
     if args.report_only:
         res = json.loads((out / f"{stem}.json").read_text())
         plot_heatmaps(res["accuracy"], out / f"{stem}.png")
-        print(json.dumps(res["by_length"], indent=1))
+        (out / f"{stem}.md").write_text(f"Command: `{res['command']}`\n\n" + markdown_table(res))
+        print(markdown_table(res))
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -235,7 +259,8 @@ def main(argv=None):
     res = run_grid(model, tok, hay, methods, lengths, depths, args.trials, args.seed, done=done, on_result=save)
     save(res["answers"])
     plot_heatmaps(res["accuracy"], out / f"{stem}.png")
-    print(json.dumps(length_summary(res["accuracy"], next(iter(methods))), indent=1))
+    (out / f"{stem}.md").write_text(f"Command: `{command}`\n\n" + markdown_table(res))
+    print(markdown_table(res))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def test_answer_runs_through_cache():
 
 
 def test_run_grid_shares_cells_and_resumes():
-    from oscar_hf.eval.needle import accuracy_table, length_summary, run_grid
+    from oscar_hf.eval.needle import accuracy_table, length_summary, markdown_table, run_grid
 
     model = tiny_model("llama")
     tok = CharTok()
@@ -95,3 +95,5 @@ def test_run_grid_shares_cells_and_resumes():
     assert acc == {"a": {"1": {"0.0": 1.0, "0.5": 0.0}}, "b": {"1": {"0.0": 1.0, "0.5": 1.0}}}
     s = length_summary(acc, "b")
     assert s["a"]["1"] == {"accuracy": 0.5, "ratio_to_reference": 0.5}
+    md = markdown_table({"accuracy": accuracy_table(fake[2:] + fake[:2]), "answers": fake[2:] + fake[:2]})
+    assert "| a | 1 | 100% (1) | 0% (1) | 50% | 0.50 |" in md and "| b | 1 | 100% (1) | 100% (1) | 100% | 1.00 |" in md
