@@ -2,7 +2,7 @@
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import CompileConfig
+from transformers import CompileConfig, StaticCache
 
 from oscar_hf import OscarCache, StaticOscarCache, StaticOscarLayer
 from oscar_hf.models import tiny_model
@@ -85,19 +85,25 @@ def test_static_multi_turn_prefill_continues_like_dynamic():
     torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
 
 
-def test_static_compiles_without_graph_breaks():
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_static_compiles_without_graph_breaks(model_type):
     """generate() auto-compiles the decode step of a compileable cache; fullgraph=True makes any
-    graph break an error (CPU, eager backend: the CUDA run is in scripts/bench_generate.py)."""
-    m = tiny_model("llama")
+    graph break an error (CPU, eager backend; the CUDA run is the -m gpu test below). Gemma 3 mixes
+    StaticSlidingWindowLayer and StaticOscarLayer. Tokens equal the dynamic OscarCache's."""
+    m = tiny_model(model_type)
     ids, am = _padded_batch([6, 30], seed=9)
-    ref = _gen(m, ids, am, StaticOscarCache(m, max_cache_len=ids.shape[1] + 10, **SMALL), n=10)
+    ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=10)
     cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
     cc._compile_all_devices = True
     torch._dynamo.reset()
     counters.clear()
+    _gen(m, ids, am, StaticCache(config=m.config, max_cache_len=ids.shape[1] + 10), n=10, compile_config=cc)
+    bf16_graphs = counters["stats"]["unique_graphs"]  # Transformers' own StaticCache: 1 (Llama), 2 (Gemma 3)
+    torch._dynamo.reset()
+    counters.clear()
     out = _gen(m, ids, am, StaticOscarCache(m, max_cache_len=ids.shape[1] + 10, **SMALL), n=10, compile_config=cc)
     assert torch.equal(out.sequences, ref.sequences)
-    assert counters["stats"]["unique_graphs"] == 1, "the decode step must compile once (no recompilation per step)"
+    assert 1 <= counters["stats"]["unique_graphs"] <= bf16_graphs, "no recompilation beyond StaticCache's own"
     assert not counters["graph_break"]
 
 
@@ -165,20 +171,6 @@ def test_static_beam_search_and_reset_reuse():
     cache.reset()
     again = m.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(first, again)
-
-
-def test_static_sliding_window_model_compiles():
-    """Gemma 3 (sliding layers -> StaticSlidingWindowLayer, full layers -> StaticOscarLayer) under fullgraph."""
-    m = tiny_model("gemma3_text")
-    ids, am = _padded_batch([7, 28], seed=11)
-    ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=8)
-    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
-    cc._compile_all_devices = True
-    torch._dynamo.reset()
-    counters.clear()
-    out = _gen(m, ids, am, StaticOscarCache(m, max_cache_len=ids.shape[1] + 8, **SMALL), n=8, compile_config=cc)
-    assert torch.equal(out.sequences, ref.sequences)
-    assert not counters["graph_break"]
 
 
 def test_static_from_pretrained_artifact(tmp_path):
