@@ -295,6 +295,10 @@ def _split_kernel(
         acc1 = tl.zeros((M_PAD, D4), tl.float32)
         acc2 = tl.zeros((M_PAD, D4), tl.float32)
         acc3 = tl.zeros((M_PAD, D4), tl.float32)
+        zacc0 = tl.zeros((M_PAD,), tl.float32)  # sum_n p z of the value groups (rowdot / factored loops)
+        zacc1 = tl.zeros((M_PAD,), tl.float32)
+        zacc2 = tl.zeros((M_PAD,), tl.float32)
+        zacc3 = tl.zeros((M_PAD,), tl.float32)
 
         start = tl.load(START + b).to(tl.int32)
         if N_DEV:
@@ -335,10 +339,6 @@ def _split_kernel(
             cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
                    OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
             qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))
-            zacc0 = tl.zeros((M_PAD,), tl.float32)
-            zacc1 = tl.zeros((M_PAD,), tl.float32)
-            zacc2 = tl.zeros((M_PAD,), tl.float32)
-            zacc3 = tl.zeros((M_PAD,), tl.float32)
             for n0 in range(lo, hi, BLOCK_N):
                 offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 meta = offs_n.to(tl.int64) * NG  # first metadata entry of each token
@@ -379,10 +379,6 @@ def _split_kernel(
             qs1 = tl.sum(q1.to(tl.float32), 1)
             qs2 = tl.sum(q2.to(tl.float32), 1)
             qs3 = tl.sum(q3.to(tl.float32), 1)
-            zacc0 = tl.zeros((M_PAD,), tl.float32)
-            zacc1 = tl.zeros((M_PAD,), tl.float32)
-            zacc2 = tl.zeros((M_PAD,), tl.float32)
-            zacc3 = tl.zeros((M_PAD,), tl.float32)
             for n0 in range(lo, hi, BLOCK_N):
                 offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 # K bytes loaded transposed, [D4, BLOCK_N]: the tensor cores' B operand as is.
