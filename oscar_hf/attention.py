@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from oscar_hf.kernels import triton_enabled
 from oscar_hf.kernels.int2_attention import decode_attention
 
 from .cache import OscarKV
@@ -71,6 +72,15 @@ def _mask_rows(m: torch.Tensor, g: int) -> torch.Tensor:
     """``[B, L, N]`` -> ``[B, 1, g*L, N]`` matching :func:`_group`'s row order."""
     b, l, n = m.shape
     return m[:, None, None].expand(b, 1, g, l, n).reshape(b, 1, g * l, n)
+
+
+def _rotated_query(qf: torch.Tensor, layer):
+    """``qf [B, Hk, M, D]`` -> the history's query ``q R_K`` and its logit offset ``q · mu_K`` ``[B, Hk, M]``
+    (None without key centering): ``q·k = (q R_K)·(k R_K)`` and the history holds ``(k - mu_K) R_K``."""
+    rot = layer.rot
+    q_rot = torch.matmul(qf, rot.r_k.unsqueeze(0))
+    use = layer.use_offsets and rot.mu_k is not None
+    return q_rot, (torch.matmul(qf, rot.mu_k[None, :, :, None]).squeeze(-1) if use else None)
 
 
 def oscar_decode_attention(layer, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs):
@@ -120,8 +130,7 @@ def oscar_decode_attention(layer, handle: OscarKV, query, attention_mask, scalin
     rot = layer.rot
     hist_k, hist_v = layer.hist_view()
     n = hist_k.codes.shape[2]
-    q_rot = torch.matmul(qf, rot.r_k.unsqueeze(0))
-    qk_off = torch.matmul(qf, rot.mu_k[None, :, :, None]).squeeze(-1) if (layer.use_offsets and rot.mu_k is not None) else None
+    q_rot, qk_off = _rotated_query(qf, layer)
     key_mask = None
     if allowed is not None:
         hm = allowed[:, :, s0 : s0 + n]
@@ -164,14 +173,11 @@ def oscar_static_attention(layer, handle: OscarKV, query, attention_mask, scalin
         win_mask = layer.window_mask(t + 1, cfg.recent + 1)[:, None, None, :]  # [B, 1, 1, S0 + W + 1]
         n_valid = layer.n_hist(t)
         hist_k, hist_v = layer.hist_k, layer.hist_v
-        from oscar_hf.kernels import triton_enabled
-
         if not torch.compiler.is_compiling() and not triton_enabled(query, cfg.use_kernels):
             n = int(n_valid)  # eager reference: read only the filled part
             hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (hist_k, hist_v))
             n_valid = None
-        q_rot = torch.matmul(qf, rot.r_k.unsqueeze(0))
-        qk_off = torch.matmul(qf, rot.mu_k[None, :, :, None]).squeeze(-1) if (layer.use_offsets and rot.mu_k is not None) else None
+        q_rot, qk_off = _rotated_query(qf, layer)
         out = decode_attention(
             q_rot, hist_k, hist_v, layer.pad, None, qk_off, scaling, cfg.group_size,
             qf, layer.win_k, layer.win_v, win_mask, rot.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size,
@@ -199,8 +205,7 @@ def oscar_static_attention(layer, handle: OscarKV, query, attention_mask, scalin
     qf = _group(query.float(), hk)
     n = int(layer.n_hist(t))
     hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (layer.hist_k, layer.hist_v))
-    q_rot = torch.matmul(qf, rot.r_k.unsqueeze(0))
-    qk_off = torch.matmul(qf, rot.mu_k[None, :, :, None]).squeeze(-1) if (layer.use_offsets and rot.mu_k is not None) else None
+    q_rot, qk_off = _rotated_query(qf, layer)
     out = decode_attention(
         q_rot, hist_k, hist_v, layer.pad, _mask_rows(allowed[:, :, s0 : s0 + n], g), qk_off, scaling, cfg.group_size,
         qf, torch.cat([layer.win_k, new_k], 2), torch.cat([layer.win_v, new_v], 2), _mask_rows(ok, g), rot.r_v, mu_v,
