@@ -135,18 +135,10 @@ def decode_attention(*args, block_n=1024, use_kernels="auto", **kwargs):
 
     q_rot = args[0] if args else kwargs["q_rot"]
     if triton_enabled(q_rot, use_kernels):
-        if kwargs.get("n_valid") is not None and kwargs.get("win_mask", args[11] if len(args) > 11 else None) is not None:
-            # the static cache (CUDA graphs): one opaque op, see static_op.py
+        if kwargs.get("n_valid") is not None:  # the static cache (CUDA graphs): one opaque op, see static_op.py
             from .static_op import decode_attention_static_call
 
-            names = ("q_rot", "k", "v", "start", "key_mask", "qk_offset", "scaling", "group_size",
-                     "q_win", "k_win", "v_win", "win_mask", "r_v", "mu_v")
-            a = dict(zip(names, args), **kwargs)
-            return decode_attention_static_call(
-                a["q_rot"], a["k"], a["v"], a["start"], a["qk_offset"], a["scaling"], a["group_size"], a["q_win"],
-                a["k_win"], a["v_win"], a["win_mask"], a["r_v"], a["mu_v"], a["n_valid"], a.get("splits"),
-                a.get("out_dtype") or a["q_win"].dtype,
-            )
+            return decode_attention_static_call(*args, **kwargs)
         from .decode_triton import decode_attention_triton
 
         return decode_attention_triton(*args, **kwargs)

@@ -38,8 +38,17 @@ def _(q_rot, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, start, qk_offse
     return q_rot.new_empty(q_rot.shape, dtype=out_dtype)
 
 
-def decode_attention_static_call(q_rot, k: QuantizedRows, v: QuantizedRows, start, qk_offset, scaling, group_size,
-                                 q_win, k_win, v_win, win_mask, r_v, mu_v, n_valid, splits, out_dtype):
+def decode_attention_static_call(q_rot, k: QuantizedRows, v: QuantizedRows, start, key_mask, qk_offset, scaling,
+                                 group_size, q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, n_valid=None,
+                                 splits=None):
+    """:func:`decode_attention_triton`'s signature; the static cache's calls (a device-side ``n_valid``,
+    a window mask, no key mask) go through the opaque op, anything else straight to the kernels."""
+    from .decode_triton import decode_attention_triton
+
+    out_dtype = out_dtype or q_win.dtype
+    if n_valid is None or key_mask is not None or win_mask is None:
+        return decode_attention_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, q_win, k_win,
+                                       v_win, win_mask, r_v, mu_v, out_dtype, n_valid=n_valid, splits=splits)
     return decode_attention_static(
         q_rot.float().contiguous(), *k, *v, start, qk_offset, float(scaling), int(group_size),
         q_win, k_win, v_win, win_mask, r_v, mu_v, n_valid, int(splits or 0), out_dtype,
