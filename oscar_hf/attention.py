@@ -77,10 +77,9 @@ def _mask_rows(m: torch.Tensor, g: int) -> torch.Tensor:
 def _rotated_query(qf: torch.Tensor, layer):
     """``qf [B, Hk, M, D]`` -> the history's query ``q R_K`` and its logit offset ``q · mu_K`` ``[B, Hk, M]``
     (None without key centering): ``q·k = (q R_K)·(k R_K)`` and the history holds ``(k - mu_K) R_K``."""
-    rot = layer.rot
-    q_rot = torch.matmul(qf, rot.r_k.unsqueeze(0))
-    use = layer.use_offsets and rot.mu_k is not None
-    return q_rot, (torch.matmul(qf, rot.mu_k[None, :, :, None]).squeeze(-1) if use else None)
+    mu_k = layer.offsets()[0]
+    q_rot = torch.matmul(qf, layer.rot.r_k.unsqueeze(0))
+    return q_rot, (torch.matmul(qf, mu_k[None, :, :, None]).squeeze(-1) if mu_k is not None else None)
 
 
 def oscar_decode_attention(layer, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs):
@@ -135,7 +134,7 @@ def oscar_decode_attention(layer, handle: OscarKV, query, attention_mask, scalin
     if allowed is not None:
         hm = allowed[:, :, s0 : s0 + n]
         key_mask = hm[:, None] if l == 1 else _mask_rows(hm, g)
-    mu_v = rot.mu_v if layer.use_offsets else None
+    mu_v = layer.offsets()[1]
     # 1 + 2 merged by log-sum-exp: two Triton launches on CUDA (split-K + combine), torch reference elsewhere.
     out = decode_attention(
         q_rot, hist_k, hist_v, layer.pad, key_mask, qk_off, scaling, layer.config.group_size,
@@ -163,7 +162,7 @@ def oscar_static_attention(layer, handle: OscarKV, query, attention_mask, scalin
         allowed = _allowed(attention_mask, b, l, t_old + l, t_old)
         layer.set_pad(_first_real_slot(allowed, b, dev))
     rot = layer.rot
-    mu_v = rot.mu_v if layer.use_offsets else None
+    mu_v = layer.offsets()[1]
 
     if l == 1:
         # Decode step: the static mask is not read: left padding was recorded at the first forward.

@@ -80,20 +80,35 @@ class OscarKV:
         return self.key_states.device
 
 
-class OscarLayer(CacheLayerMixin):
-    """One quantized decoder layer's cache (see the module docstring for the layout)."""
+class QuantizedLayerBase(CacheLayerMixin):
+    """What both quantized layers (:class:`OscarLayer`, ``static_cache.StaticOscarLayer``) take from the
+    config and the artifact: the layer's clip ratios and whether its offsets are used. ``self.rot`` is the
+    rotation moved to the cache's device at the first forward."""
 
     is_sliding = False
-    is_compileable = False
-    is_croppable = True
 
     def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
-        self._rotation_cpu = rotation
+        self._rotation_cpu = rotation  # (oscar_hf.distributed replaces it by the rank's slice under TP)
         self.clip_k = config.clip_for("k", layer_idx, rotation.clip_k)
         self.clip_v = config.clip_for("v", layer_idx, rotation.clip_v)
         self.use_offsets = config.center and (rotation.mu_k is not None or rotation.mu_v is not None)
+
+    def offsets(self):
+        """``(mu_K, mu_V)`` on the cache's device, each None when centering is off or absent."""
+        r = self.rot
+        return (r.mu_k if self.use_offsets else None), (r.mu_v if self.use_offsets else None)
+
+
+class OscarLayer(QuantizedLayerBase):
+    """One quantized decoder layer's cache (see the module docstring for the layout)."""
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int):
+        super().__init__(config, rotation, layer_idx)
         self._clear()
 
     # ------------------------------------------------------------------ state
@@ -256,8 +271,7 @@ class OscarLayer(CacheLayerMixin):
         self._reserve_hist(b - s0)
         step = self.config.prefill_chunk
         r, g, meta = self.rot, self.config.group_size, self.config.torch_meta_dtype
-        mu_k = r.mu_k if self.use_offsets else None
-        mu_v = r.mu_v if self.use_offsets else None
+        mu_k, mu_v = self.offsets()
         for c0 in range(ha, b, step):
             c1 = min(b, c0 + step)
             xk, xv = self._source(c0, c1, t_old, new_k, new_v)
@@ -425,12 +439,10 @@ class OscarCache(Cache):
         self.oscar_config, self.rotations, self.fingerprint = config, rotations, fp
         self.tp_layout = None  # [tensor parallelism] set by oscar_hf/distributed.py: each rank keeps its own KV heads
         if is_model:
+            from .attention import enable_oscar
             from .distributed import shard_cache_for_tensor_parallel
 
             shard_cache_for_tensor_parallel(self, model_or_config)  # [tensor parallelism] no-op without TP
-        if is_model:
-            from .attention import enable_oscar
-
             enable_oscar(model_or_config)
 
     # Layer factories (the static-capacity subclass, oscar_hf.static_cache, overrides them).

@@ -36,11 +36,11 @@ growing past ``max_cache_len``, saving a live static cache.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, StaticLayer, StaticSlidingWindowLayer
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from oscar_hf.kernels.write_path import rotate_quantize, rotate_quantize_reference
 
-from .cache import OscarCache, OscarKV, check_first_keys
+from .cache import OscarCache, OscarKV, QuantizedLayerBase, check_first_keys
 from .config import OscarConfig
 from .quant import QuantizedRows
 from .rotations import LayerRotation
@@ -67,23 +67,18 @@ def _static(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class StaticOscarLayer(CacheLayerMixin):
+class StaticOscarLayer(QuantizedLayerBase):
     """One quantized decoder layer with preallocated storage (see the module docstring)."""
 
-    is_sliding = False
     is_compileable = True
     is_croppable = False
 
     def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, max_cache_len: int):
-        super().__init__()
+        super().__init__(config, rotation, layer_idx)
         s0, w = config.sink, config.recent
         if w < 1:
             raise ValueError("StaticOscarCache needs recent >= 1 (the ring buffer of the recent window)")
-        self.config, self.layer_idx, self.max_cache_len = config, layer_idx, int(max_cache_len)
-        self._rotation_cpu = rotation
-        self.clip_k = config.clip_for("k", layer_idx, rotation.clip_k)
-        self.clip_v = config.clip_for("v", layer_idx, rotation.clip_v)
-        self.use_offsets = config.center and (rotation.mu_k is not None or rotation.mu_v is not None)
+        self.max_cache_len = int(max_cache_len)
         self.hist_cap = max(self.max_cache_len - s0 - w, 0)  # history indices 0..hist_cap-1 (+1 trash row)
         self.is_initialized = False
         self.keys = self.values = None  # CacheLayerMixin attributes; unused
@@ -184,10 +179,6 @@ class StaticOscarLayer(CacheLayerMixin):
                 self.pad.copy_(pad)
             self.pad_known = True
 
-    def _offsets(self):
-        r = self.rot
-        return (r.mu_k if self.use_offsets else None), (r.mu_v if self.use_offsets else None)
-
     def write_one(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
         """Decode step, part 1: token ``[B, Hk, 1, D]`` at slot ``T`` into the ring (and the sink of
         rows with fewer than ``S0`` real tokens). Tensor ops only (CUDA-graph safe)."""
@@ -214,7 +205,7 @@ class StaticOscarLayer(CacheLayerMixin):
         ring = (s0 + torch.remainder(t - w, w + 1)).reshape(1)
         e = t - w - s0
         j = torch.where((e >= 0) & (e < self.hist_cap), e, torch.full_like(e, self.hist_cap)).reshape(1)
-        mu_k, mu_v = self._offsets()
+        mu_k, mu_v = self.offsets()
         for win, hist, r, mu, clip in ((self.win_k, self.hist_k, self.rot.r_k, mu_k, self.clip_k),
                                        (self.win_v, self.hist_v, self.rot.r_v, mu_v, self.clip_v)):
             q = rotate_quantize_reference(win.index_select(2, ring), r, mu, clip, g, meta)  # one row [B, Hk, 1, ...]
@@ -232,7 +223,7 @@ class StaticOscarLayer(CacheLayerMixin):
         dev = self.device
         # 1. history: slots [max(T - W, S0), T + L - W), from the ring (< T) or the new rows (>= T)
         a, b = max(t_old - w, s0), t_new - w
-        mu_k, mu_v = self._offsets()
+        mu_k, mu_v = self.offsets()
         for c0 in range(a, b, self.config.prefill_chunk):
             c1 = min(b, c0 + self.config.prefill_chunk)
             ring_idx = s0 + torch.remainder(torch.arange(c0, max(c0, min(c1, t_old)), device=dev), w + 1)
