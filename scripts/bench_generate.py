@@ -131,31 +131,36 @@ def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 
                 layer.update(k, v)
 
 
+def cache_kwargs(model, method: str, capacity: int, explicit: bool = False) -> dict:
+    """The ``generate`` keyword that selects ``method``'s cache (``capacity`` = prompt + new tokens, what
+    the static caches preallocate). ``explicit``: always a ``past_key_values`` object (BF16 static as a
+    ``StaticCache`` rather than ``cache_implementation="static"``), e.g. to fill it before ``generate``."""
+    if method == "bf16":
+        return dict(past_key_values=DynamicCache(config=model.config))
+    if method == "bf16-static" and explicit:
+        from transformers import StaticCache
+
+        return dict(past_key_values=StaticCache(config=model.config, max_cache_len=capacity))
+    if method == "bf16-static":
+        return dict(cache_implementation="static")
+    if method == "oscar":
+        return dict(past_key_values=OscarCache(model, method="hadamard", group_size=64))
+    if method == "oscar-static":
+        return dict(past_key_values=StaticOscarCache(model, method="hadamard", group_size=64, max_cache_len=capacity))
+    if method[:-1] in ("hqq", "quanto"):
+        from transformers import QuantizedCache
+
+        axis = 1 if method.startswith("hqq") else 0
+        return dict(past_key_values=QuantizedCache(method[:-1], model.config, nbits=int(method[-1]), q_group_size=64,
+                                                   residual_length=128, axis_key=axis, axis_value=axis))
+    raise ValueError(method)
+
+
 def run_one(model, method: str, batch: int, context: int, new_tokens: int, device, seed=0, fill=False):
     g = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(100, model.config.vocab_size - 100, (batch, context + int(fill)), generator=g).to(device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    if method == "bf16":
-        kwargs["past_key_values"] = DynamicCache(config=model.config)
-    elif method == "bf16-static" and fill:
-        from transformers import StaticCache
-
-        kwargs["past_key_values"] = StaticCache(config=model.config, max_cache_len=context + new_tokens + 1)
-    elif method == "bf16-static":
-        kwargs["cache_implementation"] = "static"
-    elif method == "oscar":
-        kwargs["past_key_values"] = OscarCache(model, method="hadamard", group_size=64)
-    elif method == "oscar-static":
-        kwargs["past_key_values"] = StaticOscarCache(model, method="hadamard", group_size=64,
-                                                     max_cache_len=context + new_tokens + int(fill))
-    elif method[:-1] in ("hqq", "quanto"):
-        from transformers import QuantizedCache
-
-        kwargs["past_key_values"] = QuantizedCache(method[:-1], model.config, nbits=int(method[-1]), q_group_size=64,
-                                                   residual_length=128, axis_key=1 if method.startswith("hqq") else 0,
-                                                   axis_value=1 if method.startswith("hqq") else 0)
-    else:
-        raise ValueError(method)
+    kwargs.update(cache_kwargs(model, method, context + new_tokens + int(fill), explicit=fill))
     clock = StepClock()
     if device == "cuda":
         torch.cuda.synchronize()

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import SHAPES, StepClock, build_model, synthetic_fill  # noqa: E402
+from bench_generate import SHAPES, StepClock, build_model, cache_kwargs, synthetic_fill  # noqa: E402
 
 GROUPS = (
     ("oscar decode (split + combine)", ("_split_kernel", "_combine_kernel")),
@@ -44,26 +44,14 @@ def _group(name: str) -> str:
 
 
 def profile_method(model, method: str, batch: int, context: int, warmup: int, steps: int, device):
-    from bench_generate import StaticOscarCache, OscarCache  # the same cache settings as the benchmark
-    from transformers import DynamicCache, StaticCache
-
     new = warmup + steps
-    if method == "bf16":
-        cache = DynamicCache(config=model.config)
-    elif method == "bf16-static":
-        cache = StaticCache(config=model.config, max_cache_len=context + new + 1)
-    elif method == "oscar":
-        cache = OscarCache(model, method="hadamard", group_size=64)
-    elif method == "oscar-static":
-        cache = StaticOscarCache(model, method="hadamard", group_size=64, max_cache_len=context + new + 1)
-    else:
-        raise ValueError(method)
+    cache = cache_kwargs(model, method, context + new + 1, explicit=True)["past_key_values"]
     ids = torch.randint(100, model.config.vocab_size - 100, (batch, context + 1), device=device)
     with torch.no_grad():
         synthetic_fill(model, cache, batch, context, device)
     clock, prof_box = StepClock(), {}
 
-    class Window(StepClock):
+    class Window(LogitsProcessor):
         """Starts the profiler after `warmup` steps and stops it after `steps` more."""
 
         def __call__(self, input_ids, scores):
