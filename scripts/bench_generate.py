@@ -238,6 +238,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
         print(json.dumps(r), flush=True)
         results.append(r)
+        save(args, argv, results, {})
     # ratios against BF16 DynamicCache, same (batch, context), same run
     for r in results:
         ref = next((x for x in results if x["method"] == "bf16" and x["batch"] == r["batch"]
@@ -279,12 +280,17 @@ def main(argv=None):
                 gc.collect()
                 torch.cuda.empty_cache()
             print(json.dumps({m: c}), flush=True)
-    env = dict(python=platform.python_version(), torch=torch.__version__,
-               gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               command="python " + " ".join([sys.argv[0].split("/")[-1]] + (argv or sys.argv[1:])))
+            save(args, argv, results, capacity)
+    return save(args, argv, results, capacity)
+
+
+def save(args, argv, results, capacity) -> dict:
+    """The run's document; written to ``--out`` after every measurement, so a run cut short keeps its rows."""
     import transformers
 
-    env["transformers"] = transformers.__version__
+    env = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+               gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               command="python " + " ".join([sys.argv[0].split("/")[-1]] + (argv or sys.argv[1:])))
     doc = dict(env=env, shape=SHAPES[args.shape], results=results, capacity=capacity,
                kv_budget_gib=args.kv_budget_gib, capacity_context=args.capacity_context)
     if args.out:

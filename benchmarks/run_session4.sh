@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Session-4 device runs (transformers 5.17 there), from the repository root, one `run` call each:
+#   bash benchmarks/run_session4.sh a   # nvidia-h200-x2: TP check on both GPUs, then B=8/32K bench (GPU 0) || 32K-token soak (GPU 1)
+#   bash benchmarks/run_session4.sh b   # nvidia-h100-x1: capacity run + decode profile
+#   bash benchmarks/run_session4.sh c   # nvidia-h100-x1: compiled B=1 rows at 8K / 32K
+# Results land in $OUT (copied to benchmarks/results/ afterwards). NVLink multicast stays off.
+set -uo pipefail
+R=$PWD
+export PYTHONPATH=$(bash scripts/device_pythonpath.sh) PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; cd /tmp
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpus_$1.txt"
+case "$1" in
+a)
+  timeout 200 python3 -m torch.distributed.run --standalone --nproc-per-node 2 "$R/scripts/tp_check.py" \
+      --layers 8 --context 4096 --new-tokens 16 --out "$OUT/tp_h200x2.json" > "$OUT/tp_h200x2.log" 2>&1
+  echo "tp rc=$?"
+  CUDA_VISIBLE_DEVICES=0 timeout 330 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 \
+      --methods bf16 oscar-static bf16-static oscar --out "$OUT/generate_h200_b8_t32768.json" > "$OUT/bench_b8.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 370 python3 "$R/scripts/soak.py" --parts long --out "$OUT/soak_long_h200.json" \
+      > "$OUT/soak_long.log" 2>&1 &
+  wait
+  ;;
+b)  # nvidia-h100-x1: capacity at 32K in a 48 GiB KV budget (both compiled), then a decode profile
+  timeout 330 python3 "$R/scripts/bench_generate.py" --capacity-only \
+      --bytes-per-token 147456 23438 --capacity-run --synthetic-fill --capacity-methods bf16-static oscar-static \
+      --kv-budget-gib 48 --capacity-context 32768 --out "$OUT/capacity_h100_48gib.json" > "$OUT/capacity.log" 2>&1
+  timeout 240 python3 "$R/scripts/profile_decode.py" --context 32768 \
+      --methods oscar-static bf16-static --out "$OUT/profile_h100_t32768.json" > "$OUT/profile.log" 2>&1
+  ;;
+c)  # nvidia-h100-x1: the compiled batch-1 rows at 8K and 32K
+  timeout 570 python3 "$R/scripts/bench_generate.py" --contexts 8192 32768 --batches 1 \
+      --methods bf16-static oscar-static --out "$OUT/generate_h100_static_b1.json" > "$OUT/bench_b1.log" 2>&1
+  ;;
+esac
+tail -n 3 "$OUT"/*.log
