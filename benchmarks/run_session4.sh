@@ -3,6 +3,7 @@
 #   bash benchmarks/run_session4.sh a   # nvidia-h200-x2: TP check on both GPUs, then B=8/32K bench (GPU 0) || 32K-token soak (GPU 1)
 #   bash benchmarks/run_session4.sh b   # nvidia-h100-x1: capacity run + decode profile
 #   bash benchmarks/run_session4.sh c   # nvidia-h100-x1: compiled B=1 rows at 8K / 32K
+#   bash benchmarks/run_session4.sh d   # nvidia-h100-x1: one generate call of 32768 new tokens (soak part a)
 # Results land in $OUT (copied to benchmarks/results/ afterwards). NVLink multicast stays off.
 set -uo pipefail
 R=$PWD
@@ -30,6 +31,9 @@ b)  # nvidia-h100-x1: capacity at 32K in a 48 GiB KV budget (both compiled), the
 c)  # nvidia-h100-x1: the compiled batch-1 rows at 8K and 32K
   timeout 570 python3 "$R/scripts/bench_generate.py" --contexts 8192 32768 --batches 1 \
       --methods bf16-static oscar-static --out "$OUT/generate_h100_static_b1.json" > "$OUT/bench_b1.log" 2>&1
+  ;;
+d)  # nvidia-h100-x1: soak (a), 32768 new tokens in one call
+  timeout 585 python3 "$R/scripts/soak.py" --parts long --out "$OUT/soak_long_h100.json" > "$OUT/soak_long.log" 2>&1
   ;;
 esac
 tail -n 3 "$OUT"/*.log

@@ -156,6 +156,9 @@ class Monitor(LogitsProcessor):
         if self.first_bad_step is None and s["nonfinite_so_far"]:
             self.first_bad_step = self.step
         self.samples.append(s)
+        # one progress line per record (a run cut short by a time limit still shows how far it got)
+        print(json.dumps({k: s.get(k) for k in ("step", "seq_len", "t", "cache_used", "non_cache", "nonfinite_so_far")}),
+              flush=True)
 
     def __call__(self, input_ids, scores):
         if self.t0 is None:
