@@ -38,6 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 from oscar_hf import OscarCache, StaticOscarCache  # noqa: E402
 
 torch._dynamo.config.cache_size_limit = 64  # one compiled decode step per (method, batch, context)
+# A second (batch, context) in the same process would otherwise be recompiled with symbolic sizes, which failed in
+# inductor on the H100 (torch 2.11) for StaticCache and StaticOscarCache alike; each shape gets its own static graph.
+torch._dynamo.config.automatic_dynamic_shapes = False
 if hasattr(torch._dynamo.config, "recompile_limit"):
     torch._dynamo.config.recompile_limit = 64
 
@@ -103,7 +106,7 @@ def cache_bytes(cache) -> int:
     return sum(_tensor_bytes(layer, seen) for layer in cache.layers)
 
 
-def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 4096) -> None:
+def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 1024) -> None:
     """Leave in every layer what a prefill of ``context`` tokens would: random K/V rows written through
     the cache's own write path (OSCAR: demotion = rotate + quantize + pack), chunk by chunk. Decode speed
     does not depend on the values, and this skips the prompt's forward pass, whose activations (not the
