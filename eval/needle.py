@@ -67,6 +67,25 @@ def answer(model, tokenizer, context, question, make_cache, max_new_tokens: int 
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
+@torch.no_grad()
+def answer_nll(model, tokenizer, context, question, value: str, make_cache) -> tuple[float, int]:
+    """``(nll, n)``: negative log-likelihood (nats, summed) of the right answer ``" <value>"`` teacher-forced
+    after the question, read through the cache like :func:`answer`; ``n`` answer tokens. A continuous
+    retrieval score: far less noisy than exact-match accuracy on a handful of needles."""
+    dev = next(model.parameters()).device
+    target = torch.tensor(tokenizer(" " + value, add_special_tokens=False)["input_ids"])
+    cache = make_cache()
+    out = model(context[None].to(dev), past_key_values=cache, use_cache=True)
+    for t in question:
+        out = model(t.view(1, 1).to(dev), past_key_values=cache, use_cache=True)
+    nll = 0.0
+    for i, t in enumerate(target):
+        nll -= torch.log_softmax(out.logits[0, -1].float(), -1)[t].item()
+        if i + 1 < len(target):
+            out = model(t.view(1, 1).to(dev), past_key_values=cache, use_cache=True)
+    return nll, len(target)
+
+
 def make_cells(lengths, depths, trials: int = 1, seed: int = 0) -> list[tuple]:
     """``(length, depth, key, value)`` per trial; the same cells (needles) for every method."""
     rng = random.Random(seed)  # trial-major: a run cut short still covers every (length, depth) once
@@ -78,8 +97,19 @@ def accuracy_table(raw: list[dict]) -> dict:
     """``{method: {length: {depth: accuracy}}}`` from raw answer records (keys as strings, JSON-ready)."""
     acc = {}
     for r in raw:
+        if "correct" not in r:  # answer-NLL records (score="nll")
+            continue
         acc.setdefault(r["method"], {}).setdefault(str(r["length"]), {}).setdefault(str(r["depth"]), []).append(r["correct"])
     return {m: {L: {d: sum(v) / len(v) for d, v in dd.items()} for L, dd in ld.items()} for m, ld in acc.items()}
+
+
+def nll_table(raw: list[dict]) -> dict:
+    """``{method: {length: mean answer NLL per answer token}}`` over the records that have one."""
+    acc = {}
+    for r in raw:
+        if "nll" in r:
+            acc.setdefault(r["method"], {}).setdefault(str(r["length"]), []).append(r["nll"] / r["n_answer_tokens"])
+    return {m: {L: sum(v) / len(v) for L, v in ld.items()} for m, ld in acc.items()}
 
 
 def length_summary(acc: dict, reference: str | None = None) -> dict:
@@ -98,22 +128,27 @@ def length_summary(acc: dict, reference: str | None = None) -> dict:
 
 
 def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, trials: int = 1, seed: int = 0,
-             progress: bool = True, done: list[dict] | None = None, on_result=None, run_depths=None) -> dict:
+             progress: bool = True, done: list[dict] | None = None, on_result=None, run_depths=None,
+             score: str = "generate") -> dict:
     """``{"accuracy": {method: {length: {depth: accuracy}}}, "answers": [...]}``.
 
     Cells (needle position and value) are shared by all methods; every cell runs all methods before the next
     one, so a shortened run still compares the methods on the same needles. ``done``: raw records of an
     earlier run (resumed: cells already answered are not run again); ``on_result(raw)`` after each answer.
     ``run_depths``: only these depths are run, on the needles the full ``depths`` grid draws (so a run of
-    the interior depths meets the same needles as a full run).
+    the interior depths meets the same needles as a full run). ``score="nll"``: instead of generating, record
+    the teacher-forced NLL of the right answer (:func:`answer_nll`).
     """
+    if score not in ("generate", "nll"):
+        raise ValueError(f"score must be 'generate' or 'nll', got {score!r}")
     from tqdm.auto import tqdm
 
     cells = make_cells(lengths, depths, trials, seed)
     if run_depths is not None:
         cells = [c for c in cells if c[1] in set(run_depths)]
     raw = list(done or [])
-    seen = {(r["method"], r["length"], r["depth"], r["value"], r.get("trial", 0)) for r in raw}
+    seen = {(r["method"], r["length"], r["depth"], r["value"], r.get("trial", 0)) for r in raw
+            if ("nll" in r) == (score == "nll")}
     trial_of = {}
     bar = tqdm(total=len(cells) * len(methods), desc="needle", disable=not progress)
     for L, d, key, value in cells:
@@ -122,16 +157,21 @@ def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, tri
         for name, method in methods.items():
             bar.set_postfix_str(f"L={L} depth={d:.2f} {name}")
             if (name, L, d, value, t) not in seen:
-                a = answer(model, tokenizer, ctx, q, lambda: method.make_cache(model))
-                raw.append(dict(method=name, length=L, depth=d, trial=t, key=key, value=value, needle_at=at,
-                                answer=a, correct=score_answer(a, value)))
+                rec = dict(method=name, length=L, depth=d, trial=t, key=key, value=value, needle_at=at)
+                if score == "nll":
+                    nll, n = answer_nll(model, tokenizer, ctx, q, value, lambda: method.make_cache(model))
+                    rec.update(nll=nll, n_answer_tokens=n)
+                else:
+                    a = answer(model, tokenizer, ctx, q, lambda: method.make_cache(model))
+                    rec.update(answer=a, correct=score_answer(a, value))
+                raw.append(rec)
                 if on_result is not None:
                     on_result(raw)
             bar.update()
     bar.close()
     keep = {(n, L, d, v) for L, d, _, v in cells for n in methods}
     raw = [r for r in raw if (r["method"], r["length"], r["depth"], r["value"]) in keep]
-    return {"accuracy": accuracy_table(raw), "answers": raw}
+    return {"accuracy": accuracy_table(raw), "nll": nll_table(raw), "answers": raw}
 
 
 def markdown_table(res: dict) -> str:
@@ -154,6 +194,15 @@ def markdown_table(res: dict) -> str:
             ratio = summ[m][L].get("ratio_to_reference")
             lines.append(f"| {m} | {L} | " + " | ".join(cells) + f" | {summ[m][L]['accuracy']:.0%} | "
                          + (f"{ratio:.2f}" if ratio is not None else "—") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def nll_markdown(nll: dict) -> str:
+    """Mean answer NLL (nats per answer token) per method and length; lower is better."""
+    lengths = sorted({L for ld in nll.values() for L in ld}, key=int)
+    lines = ["| method | " + " | ".join(lengths) + " |", "|---" * (len(lengths) + 1) + "|"]
+    for m, ld in nll.items():
+        lines.append(f"| {m} | " + " | ".join(f"{ld[L]:.3f}" if L in ld else "—" for L in lengths) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -198,6 +247,8 @@ def main(argv=None):
     p.add_argument("--run-depths", default=None,
                    help="comma list: run only these of --depths, on the same needles (e.g. the interior ones)")
     p.add_argument("--trials", type=int, default=1)
+    p.add_argument("--score", choices=["generate", "nll"], default="generate",
+                   help="generate: greedy answer, exact match; nll: teacher-forced NLL of the right answer")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--haystack", choices=["wikitext", "filler"], default="wikitext")
     p.add_argument("--methods", default="fp,identity,hadamard,oscar",
@@ -265,12 +316,17 @@ def main(argv=None):
         acc = accuracy_table(raw)
         ref = next(iter(methods))
         store.write_text(json.dumps(dict(command=command, setup=setup, accuracy=acc,
-                                         by_length=length_summary(acc, ref), answers=raw), indent=1))
+                                         by_length=length_summary(acc, ref), answer_nll=nll_table(raw),
+                                         answers=raw), indent=1))
 
     run_depths = [float(x) for x in args.run_depths.split(",")] if args.run_depths else None
     res = run_grid(model, tok, hay, methods, lengths, depths, args.trials, args.seed, done=done, on_result=save,
-                   run_depths=run_depths)
+                   run_depths=run_depths, score=args.score)
     save(res["answers"])
+    if args.score == "nll":
+        print(nll_markdown(res["nll"]))
+        (out / f"{stem}.md").write_text(f"Command: `{command}`\n\n" + nll_markdown(res["nll"]))
+        return
     plot_heatmaps(res["accuracy"], out / f"{stem}.png")
     (out / f"{stem}.md").write_text(f"Command: `{command}`\n\n" + markdown_table(res))
     print(markdown_table(res))

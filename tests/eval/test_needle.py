@@ -97,3 +97,26 @@ def test_run_grid_shares_cells_and_resumes():
     assert s["a"]["1"] == {"accuracy": 0.5, "ratio_to_reference": 0.5}
     md = markdown_table({"accuracy": accuracy_table(fake[2:] + fake[:2]), "answers": fake[2:] + fake[:2]})
     assert "| a | 1 | 100% (1) | 0% (1) | 50% | 0.50 |" in md and "| b | 1 | 100% (1) | 100% (1) | 100% | 1.00 |" in md
+
+
+def test_answer_nll_equals_one_forward_for_full_precision_cache():
+    """Teacher-forced answer NLL through a DynamicCache = the NLL of the answer tokens in one forward
+    over context + question + answer; an INT2 cache reads a different (noisier) history."""
+    from oscar_hf.eval.needle import answer_nll
+
+    model = tiny_model("llama")
+    tok = CharTok()
+    hay = filler_ids(tok, 400) % 250
+    ctx, q, _ = make_needle_prompt(tok, hay, 200, 0.5, "k", "42")
+    ctx, q = ctx % 250, q % 250
+    nll, n = answer_nll(model, tok, ctx, q, "42", lambda: get_method("fp").make_cache(model))
+    target = torch.tensor(tok(" 42")["input_ids"])
+    assert n == len(target) == 3
+    with torch.no_grad():
+        logits = model(torch.cat([ctx, q, target])[None]).logits[0].float()
+    lp = torch.log_softmax(logits[len(ctx) + len(q) - 1 : -1], -1)
+    ref = -lp[torch.arange(n), target].sum().item()
+    assert abs(nll - ref) < 1e-4 * max(1.0, abs(ref))
+    nll_q, _ = answer_nll(model, tok, ctx, q, "42",
+                          lambda: get_method("identity", sink=4, recent=16, group_size=32).make_cache(model))
+    assert nll_q != nll
