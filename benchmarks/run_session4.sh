@@ -6,6 +6,7 @@
 #   bash benchmarks/run_session4.sh e   # nvidia-h100-x1: capacity run again at a 40 GiB KV budget (48 GiB + weights OOMed)
 #   bash benchmarks/run_session4.sh f   # nvidia-h100-x1: BF16 DynamicCache at the same capacity batch, then part c
 #   bash benchmarks/run_session4.sh g   # nvidia-h100-x1: the compiled B=1 rows at 32K (recompiling for a 2nd shape failed in f)
+#   bash benchmarks/run_session4.sh h   # nvidia-h100-x1: profile of the eager steps at B=1 / 100K (host-bound?)
 #   bash benchmarks/run_session4.sh d   # nvidia-h100-x1: one generate call of 32768 new tokens (soak part a)
 # Results land in $OUT (copied to benchmarks/results/ afterwards). NVLink multicast stays off.
 set -uo pipefail
@@ -50,6 +51,10 @@ f)  # nvidia-h100-x1: BF16 DynamicCache (eager) at BF16's largest batch in 40 Gi
 g)  # nvidia-h100-x1: compiled B=1 rows at 32K (automatic dynamic shapes now off in bench_generate)
   timeout 500 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 1 \
       --methods oscar-static bf16-static --out "$OUT/generate_h100_static_b1_t32768.json" > "$OUT/bench_b1_32k.log" 2>&1
+  ;;
+h)  # nvidia-h100-x1: eager decode profile at B=1 / 100K (how busy the GPU is in eager generate)
+  timeout 400 python3 "$R/scripts/profile_decode.py" --context 100000 \
+      --methods bf16 oscar --out "$OUT/profile_h100_eager_t100000.json" > "$OUT/profile_eager.log" 2>&1
   ;;
 d)  # nvidia-h100-x1: soak (a), 32768 new tokens in one call
   timeout 585 python3 "$R/scripts/soak.py" --parts long --out "$OUT/soak_long_h100.json" > "$OUT/soak_long.log" 2>&1
