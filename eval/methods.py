@@ -111,6 +111,9 @@ class OscarSpec(FakeQuantSpec):
         fp = ModelFingerprint.from_config(model.config)
         validate_head_dim(fp, config.group_size)
         rotations.check_compatible(model.config)
+        if config.key_offset != "calibrated":
+            raise NotImplementedError("the fake-quant path models key_offset='calibrated' only; score "
+                                      "key_offset='prefill' token by token through OscarCache")
         self.skipped = config.skipped(fp.num_layers)
         self._dev_cache = {}
 

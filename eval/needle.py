@@ -257,6 +257,8 @@ def main(argv=None):
     p.add_argument("--group-size", type=int, default=64, help="group size of the quantized rows (default 64)")
     p.add_argument("--clip-k", type=float, default=None, help="OSCAR row: key clip ratio (default: the artifact's)")
     p.add_argument("--clip-v", type=float, default=None, help="OSCAR row: value clip ratio (default: the artifact's)")
+    p.add_argument("--key-offset", choices=["calibrated", "prefill"], default="calibrated",
+                   help="OSCAR row: key offset of the history (OscarConfig.key_offset)")
     p.add_argument("--label", default=None, help="label of the OSCAR row (default 'OSCAR + centering')")
     p.add_argument("--dtype", default="float32", help="model dtype (bfloat16: the cache keeps K/V in bf16)")
     p.add_argument("--threads", type=int, default=None)
@@ -281,6 +283,7 @@ def main(argv=None):
     hay = evaluation_ids(tok, max(lengths)) if args.haystack == "wikitext" else filler_ids(tok, max(lengths))
     W = dict(sink=64, recent=256, group_size=args.group_size)
     clips = {k: v for k, v in (("clip_k", args.clip_k), ("clip_v", args.clip_v)) if v is not None}
+    clips["key_offset"] = args.key_offset
     kv = "BF16" if dtype == torch.bfloat16 else str(args.dtype).replace("float", "FP")
     builders = {
         "fp": lambda: (f"{kv} DynamicCache", get_method("fp")),

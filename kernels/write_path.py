@@ -22,8 +22,8 @@ from oscar_hf.quant import QuantizedRows, quantize_rows
 
 def rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0):
     xf = x.float()
-    if mu is not None:
-        xf = xf - mu[None, :, None, :]
+    if mu is not None:  # [Hk, D] (calibrated) or [B, Hk, D] (per sequence)
+        xf = xf - (mu[None, :, None, :] if mu.dim() == 2 else mu[:, :, None, :])
     rows = torch.matmul(xf, r.unsqueeze(0))  # [B, Hk, T, D] @ [1, Hk, D, D]
     q = quantize_rows(rows, group_size, clip, meta_dtype)
     if out is None:

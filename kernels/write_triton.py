@@ -60,6 +60,7 @@ def _round_meta(v, META_KIND: tl.constexpr):
 def _rotate_quantize_kernel(
     X, R, MU, CODES, SCALE, ZERO,
     T, Hk, out_offset, clip,
+    smb,  # mu's batch stride: 0 for a per-head offset [Hk, D], Hk*D for a per-sequence one [B, Hk, D]
     sxb, sxh, sxt, sxd,  # x strides [B, Hk, T, D]
     scb, sch, sct,  # codes strides [B, Hk, cap, D/4] (last dim contiguous)
     ssb, ssh, sst,  # scale/zero strides [B, Hk, cap, D/G] (last dim contiguous)
@@ -85,7 +86,7 @@ def _rotate_quantize_kernel(
     for k0 in tl.static_range(0, D, BLOCK_K):
         x = tl.load(x_base + (k0 + offs_k)[None, :] * sxd, mask=rmask[:, None], other=0.0).to(tl.float32)
         if HAS_MU:
-            x = x - tl.load(MU + h * D + k0 + offs_k)[None, :]
+            x = x - tl.load(MU + b.to(tl.int64) * smb + h * D + k0 + offs_k)[None, :]
         r = tl.load(r_base + (k0 + offs_k)[:, None] * D + offs_d[None, :])
         rot = tl.dot(x, r, rot, input_precision=PRECISION)
 
@@ -164,6 +165,7 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
     _rotate_quantize_kernel[grid](
         x, r, mu if mu is not None else r, codes, scale, zero,
         t, hk, offset, clip,
+        (hk * d if mu is not None and mu.dim() == 3 else 0),
         *x.stride(),
         *codes.stride()[:3],
         *scale.stride()[:3],

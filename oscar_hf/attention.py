@@ -77,9 +77,11 @@ def _mask_rows(m: torch.Tensor, g: int) -> torch.Tensor:
 def _rotated_query(qf: torch.Tensor, layer):
     """``qf [B, Hk, M, D]`` -> the history's query ``q R_K`` and its logit offset ``q · mu_K`` ``[B, Hk, M]``
     (None without key centering): ``q·k = (q R_K)·(k R_K)`` and the history holds ``(k - mu_K) R_K``."""
-    mu_k = layer.offsets()[0]
+    mu_k = layer.offsets()[0]  # [Hk, D] calibrated, or [B, Hk, D] per sequence (key_offset="prefill")
     q_rot = torch.matmul(qf, layer.rot.r_k.unsqueeze(0))
-    return q_rot, (torch.matmul(qf, mu_k[None, :, :, None]).squeeze(-1) if mu_k is not None else None)
+    if mu_k is None:
+        return q_rot, None
+    return q_rot, torch.matmul(qf, (mu_k[None] if mu_k.dim() == 2 else mu_k).unsqueeze(-1)).squeeze(-1)
 
 
 def oscar_decode_attention(layer, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs):

@@ -95,10 +95,15 @@ class QuantizedLayerBase(CacheLayerMixin):
         self.clip_v = config.clip_for("v", layer_idx, rotation.clip_v)
         self.use_offsets = config.center and (rotation.mu_k is not None or rotation.mu_v is not None)
 
+    mu_k_seq: torch.Tensor | None = None  # [B, Hk, D] float32, key_offset="prefill" once known
+
     def offsets(self):
-        """``(mu_K, mu_V)`` on the cache's device, each None when centering is off or absent."""
+        """``(mu_K, mu_V)`` on the cache's device, each None when centering is off or absent. mu_K is
+        ``[Hk, D]`` (calibrated) or ``[B, Hk, D]`` (``key_offset="prefill"``, once the first history row
+        was written)."""
         r = self.rot
-        return (r.mu_k if self.use_offsets else None), (r.mu_v if self.use_offsets else None)
+        mu_k = self.mu_k_seq if self.mu_k_seq is not None else (r.mu_k if self.use_offsets else None)
+        return mu_k, (r.mu_v if self.use_offsets else None)
 
 
 class OscarLayer(QuantizedLayerBase):
@@ -125,6 +130,7 @@ class OscarLayer(QuantizedLayerBase):
         self.sink_k = self.sink_v = None
         self.hist_k: QuantizedRows | None = None
         self.hist_v: QuantizedRows | None = None
+        self.mu_k_seq = None
         self.pending: OscarKV | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -269,6 +275,8 @@ class OscarLayer(QuantizedLayerBase):
         if b <= ha:
             return
         self._reserve_hist(b - s0)
+        if self.config.key_offset == "prefill" and self.mu_k_seq is None:
+            self.mu_k_seq = self._sequence_key_mean(b, t_old, new_k, new_v)
         step = self.config.prefill_chunk
         r, g, meta = self.rot, self.config.group_size, self.config.torch_meta_dtype
         mu_k, mu_v = self.offsets()
@@ -278,6 +286,19 @@ class OscarLayer(QuantizedLayerBase):
             uk = self.config.use_kernels
             rotate_quantize(xk, r.r_k, mu_k, self.clip_k, g, meta, out=self.hist_k, out_offset=c0 - s0, use_kernels=uk)
             rotate_quantize(xv, r.r_v, mu_v, self.clip_v, g, meta, out=self.hist_v, out_offset=c0 - s0, use_kernels=uk)
+
+    def _sequence_key_mean(self, b: int, t_old: int, new_k, new_v) -> torch.Tensor:
+        """``[B, Hk, D]``: per row, the mean of its non-sink keys in slots ``[pad + S0, b)`` (everything up to
+        the end of this first demotion: the prompt, when it is longer than sink + recent). Nothing was demoted
+        before, so those slots are all in the full-precision tail or the new rows. A row without such a
+        key (all padding) takes the calibrated mu_K, or zero."""
+        k, _ = self._source(0, b, t_old, new_k, new_v)  # [B, Hk, b, D]
+        slot = torch.arange(b, device=self.device)
+        w = (slot[None, :] >= (self.pad + self.config.sink)[:, None]).float()  # [B, b]
+        n = w.sum(1)  # [B]
+        mean = torch.einsum("bt,bhtd->bhd", w, k.float()) / n.clamp(min=1)[:, None, None]
+        fallback = self.rot.mu_k.float() if self.rot.mu_k is not None else torch.zeros_like(mean[0])
+        return torch.where((n > 0)[:, None, None], mean, fallback[None]).contiguous()
 
     def _reserve_hist(self, n: int) -> None:
         cap = self.hist_k.codes.shape[2]
@@ -349,6 +370,8 @@ class OscarLayer(QuantizedLayerBase):
         if self.pad is not None:
             self.pad = fn(self.pad)
             self.pad_max = int(self.pad.max()) if self.pad.numel() else 0
+        if self.mu_k_seq is not None:
+            self.mu_k_seq = fn(self.mu_k_seq)
         self.batch_size = self.tail_k.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

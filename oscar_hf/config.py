@@ -33,6 +33,12 @@ class OscarConfig:
         method: rotation for ``OscarCache(model_config, ...)`` without an artifact:
             "identity" (naive INT2) or "hadamard" (QuaRot-style).
         center: use the artifact's calibrated offsets mu_K / mu_V when it has them.
+        key_offset: which key offset the INT2 history is centered on. "calibrated": the artifact's
+            mu_K (with ``center``); "prefill": per sequence and KV head, the mean of the sequence's own
+            non-sink keys at its first demotion (usually the prompt), fixed from then on. Any offset is
+            exact for attention (``q·k = q·(k - mu) + q·mu``); the prompt's own mean follows the
+            position-dependent drift of RoPE'd keys that a calibrated mean misses at long context
+            (``scripts/eval_block_centering.py``). ``OscarCache`` only (not ``StaticOscarCache``).
         skip_layers: layers kept entirely in full precision (negative indices count from the end).
         block_size: history tokens dequantized at once by the CPU reference decode (bounded memory).
         prefill_chunk: tokens quantized at once when a long prompt is written to history.
@@ -48,6 +54,7 @@ class OscarConfig:
     meta_dtype: str = "bfloat16"
     method: str = "hadamard"
     center: bool = True
+    key_offset: str = "calibrated"
     skip_layers: tuple[int, ...] = ()
     block_size: int = 1024
     prefill_chunk: int = 4096
@@ -65,6 +72,8 @@ class OscarConfig:
             raise ValueError(f"meta_dtype must be one of {sorted(_META_DTYPES)}, got {self.meta_dtype!r}")
         if self.block_size < 1 or self.prefill_chunk < 1:
             raise ValueError("block_size and prefill_chunk must be positive")
+        if self.key_offset not in ("calibrated", "prefill"):
+            raise ValueError(f"key_offset must be 'calibrated' or 'prefill', got {self.key_offset!r}")
         if self.use_kernels not in ("auto", True, False):
             raise ValueError(f"use_kernels must be 'auto', True or False, got {self.use_kernels!r}")
         for name in ("clip_k", "clip_v"):

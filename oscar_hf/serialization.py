@@ -58,6 +58,8 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
                 "hist_k_zero": layer.hist_k.zero[:, :, :n], "hist_v_codes": layer.hist_v.codes[:, :, :n],
                 "hist_v_scale": layer.hist_v.scale[:, :, :n], "hist_v_zero": layer.hist_v.zero[:, :, :n],
             }
+            if layer.mu_k_seq is not None:  # key_offset="prefill": the history is centered on it
+                t["mu_k_seq"] = layer.mu_k_seq
             tensors.update({f"layers.{i}.{k}": v.detach().cpu().contiguous() for k, v in t.items()})
             layers.append(dict(kind="oscar", empty=False, seq_len=layer.seq_len, tail_start=layer.tail_start,
                                buf_slot0=layer.tail_start, dtype=str(layer.dtype).removeprefix("torch."),
@@ -155,6 +157,11 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None):
             layer.tail_v[:, :, : seq - bs0] = tail[1].to(device)
             layer.hist_k, layer.hist_v = (QuantizedRows(*(x.to(device) for x in h)) for h in hist)
             layer.seq_len, layer.tail_start, layer.buf_slot0 = seq, ts, bs0
+            if config.key_offset == "prefill" and n > 0:
+                layer.mu_k_seq = _expect(tensors, p + "mu_k_seq", (b, hk, d), torch.float32).to(device)
+            elif p + "mu_k_seq" in tensors:
+                raise ValueError(f"layer {i}: the saved history is centered on per-sequence key means "
+                                 "(key_offset='prefill'), this cache's config says key_offset='calibrated'")
         else:
             keys, values = tensors.pop(f"layers.{i}.keys", None), tensors.pop(f"layers.{i}.values", None)
             if keys is None or values is None or keys.shape != values.shape or keys.dim() != 4:

@@ -302,6 +302,9 @@ class StaticOscarCache(OscarCache):
             raise ValueError("StaticOscarCache needs max_cache_len >= 1 (prompt + new tokens, padding included)")
         self.capacity = int(max_cache_len)  # (transformers 5.17's Cache has a read-only max_cache_len property)
         super().__init__(model_or_config, rotations, config, **overrides)
+        if self.oscar_config.key_offset != "calibrated":
+            raise NotImplementedError("StaticOscarCache supports key_offset='calibrated' only; "
+                                      "key_offset='prefill' needs OscarCache")
 
     def _sliding_layer(self, window: int):
         return StaticSlidingWindowLayer(max_cache_len=self.capacity, sliding_window=window)

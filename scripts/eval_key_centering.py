@@ -8,17 +8,14 @@ Writes eval/results/key_centering.json.
 
     python -P scripts/eval_key_centering.py --lengths 2048,4096,8192 --threads 1
 """
-import argparse
 import json
 from pathlib import Path
 
 import torch
 
-from oscar_hf.eval.attention_fidelity import capture_qkv, layer_errors
-from oscar_hf.eval.compare import ROOT, find_artifact
+from oscar_hf.eval.attention_fidelity import captured_smollm2_window, layer_errors, study_args
+from oscar_hf.eval.compare import ROOT
 from oscar_hf.eval.methods import OscarFamily
-from oscar_hf.eval.perplexity import evaluation_ids
-from oscar_hf.models import load_model
 from oscar_hf.rotations import LayerRotation, OscarRotations
 
 
@@ -28,19 +25,10 @@ def values_only(rot: OscarRotations) -> OscarRotations:
 
 
 def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--lengths", default="2048,4096,8192")
-    p.add_argument("--queries", type=int, default=32)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=str(ROOT / "eval" / "results" / "key_centering.json"))
-    args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    lengths = [int(x) for x in args.lengths.split(",")]
+    args = study_args(__doc__.split("\n\n")[0], str(ROOT / "eval" / "results" / "key_centering.json"))
+    lengths = args.lengths_list
     n = max(lengths)
-    model, tok = load_model("smollm2", dtype=torch.float32)
-    osc = find_artifact("oscar", 64)
-    cap = capture_qkv(model, evaluation_ids(tok, n))
+    model, osc, cap = captured_smollm2_window(n)
     drift = {"k": [], "v": []}
     for i in sorted(cap):
         _, k, v, _ = cap[i]

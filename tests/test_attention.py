@@ -18,7 +18,7 @@ def random_rotation(hk, d, seed):
     return q.float()
 
 
-def make_layer(hk, d, sink, recent, g, offsets, seed=0):
+def make_layer(hk, d, sink, recent, g, offsets, seed=0, key_offset="calibrated"):
     gen = torch.Generator().manual_seed(seed + 1)
     rot = LayerRotation(
         r_k=random_rotation(hk, d, seed),
@@ -28,22 +28,39 @@ def make_layer(hk, d, sink, recent, g, offsets, seed=0):
         mu_k=torch.randn(hk, d, generator=gen) if offsets else None,
         mu_v=torch.randn(hk, d, generator=gen) if offsets else None,
     )
-    cfg = OscarConfig(sink=sink, recent=recent, group_size=g, block_size=7, prefill_chunk=5, meta_dtype="float32")
+    cfg = OscarConfig(sink=sink, recent=recent, group_size=g, block_size=7, prefill_chunk=5, meta_dtype="float32",
+                      key_offset=key_offset)
     return OscarLayer(cfg, rot, 0), rot, cfg
 
 
 def fake_quant(x, r, mu, clip, g):
-    """The history as the reference sees it: rotate, quantize, dequantize, rotate back, re-center."""
-    xc = x - mu[None, :, None] if mu is not None else x
+    """The history as the reference sees it: rotate, quantize, dequantize, rotate back, re-center
+    (``mu`` ``[Hk, D]``, or ``[B, Hk, D]`` per sequence)."""
+    if mu is not None:
+        mu = mu[None, :, None] if mu.dim() == 2 else mu[:, :, None]
+    xc = x - mu if mu is not None else x
     xh = dequantize_rows(quantize_rows(xc @ r[None], g, clip, torch.float32), g) @ r.transpose(-1, -2)[None]
-    return xh + mu[None, :, None] if mu is not None else xh
+    return xh + mu if mu is not None else xh
 
 
-def reference_attention(K, V, pads, t_old, q, mask2d, layer, rot, cfg, scaling):
+def prefill_key_mean(K, pads, sink, end, fallback):
+    """key_offset="prefill" by its definition: per row the mean of the keys in slots [pad + sink, end)
+    (``end`` = the end of the first demotion), ``fallback`` (or 0) for a row without such a slot."""
+    out = []
+    for i in range(K.shape[0]):
+        a = int(pads[i]) + sink
+        if a < end:
+            out.append(K[i, :, a:end].float().mean(1))
+        else:
+            out.append(fallback if fallback is not None else torch.zeros(K.shape[1], K.shape[3]))
+    return torch.stack(out)
+
+
+def reference_attention(K, V, pads, t_old, q, mask2d, layer, rot, cfg, scaling, mu_k=None):
     """Brute force from the bookkeeping rule: per row, every slot's K/V from the part it belongs to."""
     b, hq, l, d = q.shape
     hk = K.shape[1]
-    kq = fake_quant(K.float(), rot.r_k, rot.mu_k, rot.clip_k, cfg.group_size)
+    kq = fake_quant(K.float(), rot.r_k, rot.mu_k if mu_k is None else mu_k, rot.clip_k, cfg.group_size)
     vq = fake_quant(V.float(), rot.r_v, rot.mu_v, rot.clip_v, cfg.group_size)
     ts = layer.tail_start
     outs = []
@@ -69,18 +86,22 @@ def sdpa_mask(mask2d, t_old, l):
     return (mask2d.bool()[:, None, :] & causal[None])[:, None]  # [B, 1, L, kv]
 
 
+@pytest.mark.parametrize("key_offset", ["calibrated", "prefill"])
 @pytest.mark.parametrize(
     "hq,hk,d,g,offsets",
     [(4, 4, 64, 32, False), (6, 2, 64, 64, True), (8, 2, 128, 32, True), (8, 1, 256, 64, False), (4, 1, 64, 16, True)],
 )
-def test_decode_attention_matches_fake_quant_reference(hq, hk, d, g, offsets):
+def test_decode_attention_matches_fake_quant_reference(hq, hk, d, g, offsets, key_offset):
     torch.manual_seed(hq * 100 + d)
     b, sink, recent = 3, 3, 5
     pads = torch.tensor([0, 4, 9])
     total = 40
     K, V = torch.randn(b, hk, total, d), torch.randn(b, hk, total, d)
+    K = K + 3 * torch.randn(b, hk, 1, d)  # a per-sequence key offset (what key_offset="prefill" follows)
     mask2d = (torch.arange(total)[None, :] >= pads[:, None]).long()
-    layer, rot, cfg = make_layer(hk, d, sink, recent, g, offsets)
+    layer, rot, cfg = make_layer(hk, d, sink, recent, g, offsets, key_offset=key_offset)
+    # the first forward (14 tokens) demotes slots [0, 14 - recent): row 2 (pad 9) has none -> fallback
+    mu_k = prefill_key_mean(K, pads, sink, 14 - recent, rot.mu_k) if key_offset == "prefill" else None
     module = types.SimpleNamespace(num_key_value_groups=hq // hk, is_causal=True, training=False)
     # prefill 14 tokens, then a 3-token chunk, then single-token decode steps: check every forward
     t, steps = 0, [14, 3] + [1] * 23
@@ -95,11 +116,14 @@ def test_decode_attention_matches_fake_quant_reference(hq, hk, d, g, offsets):
         out = oscar_decode_attention(layer, handle, q, mask, 0.125, module, "sdpa")
         # the reference uses the state *before* the commit of this forward
         layer_before = types.SimpleNamespace(tail_start=ref_layer_state)
-        ref = reference_attention(K[:, :, :kv], V[:, :, :kv], pads, t, q, mask2d[:, :kv], layer_before, rot, cfg, 0.125)
+        ref = reference_attention(K[:, :, :kv], V[:, :, :kv], pads, t, q, mask2d[:, :kv], layer_before, rot, cfg, 0.125,
+                                  mu_k=mu_k)
         real = (t + torch.arange(l))[None, :] >= pads[:, None]  # padding query rows are garbage by definition
         torch.testing.assert_close(out.float()[real], ref[real], rtol=2e-4, atol=2e-4, msg=f"mismatch at t={t}, l={l}")
         t = kv
     assert layer.seq_len == total and layer.n_hist > 0
+    if key_offset == "prefill":
+        torch.testing.assert_close(layer.mu_k_seq, mu_k)
 
 
 def test_history_never_materialized_in_full_precision(monkeypatch):

@@ -49,8 +49,9 @@ def check_against_reference(got: QuantizedRows, x, r, mu, clip, g, meta, ref: Qu
     assert frac < 5e-3, f"{frac:.2%} of codes differ"
     # error bound against the exact rotated rows
     xf = x.double().cpu()
-    if mu is not None:
-        xf = xf - mu.double().cpu()[None, :, None, :]
+    if mu is not None:  # [Hk, D] or, per sequence, [B, Hk, D]
+        mu64 = mu.double().cpu()
+        xf = xf - (mu64[None, :, None, :] if mu64.dim() == 2 else mu64[:, :, None, :])
     rows = torch.matmul(xf, r.double().cpu().unsqueeze(0))
     d = rows.shape[-1]
     rg = rows.reshape(*rows.shape[:-1], d // g, g)
@@ -83,6 +84,19 @@ def test_kernel_matches_reference(b, hk, t, d, g, meta, center, clip):
     x, r, mu = _inputs(b, hk, t, d, center=center, seed=t + d)
     got = _triton()(x, r, mu, clip, g, meta)
     check_against_reference(got, x, r, mu, clip, g, meta)
+
+
+@interp
+def test_kernel_per_sequence_offset():
+    """key_offset="prefill": one offset per (row, KV head), ``mu [B, Hk, D]``; rows with very different
+    offsets must each be centered on their own (a per-head offset would leave row 1 badly quantized)."""
+    x, r, _ = _inputs(3, 2, 40, 64, seed=5)
+    mu = torch.randn(3, 2, 64) * 4.0
+    x = (x.float() + mu[:, :, None]).to(torch.bfloat16)
+    got = _triton()(x, r, mu, 0.96, 32, torch.bfloat16)
+    check_against_reference(got, x, r, mu, 0.96, 32, torch.bfloat16)
+    wrong = rotate_quantize_reference(x, r, mu[0], 0.96, 32, torch.bfloat16)  # row 0's offset for every row
+    assert not torch.equal(wrong.codes[1:], got.codes[1:])
 
 
 @interp
