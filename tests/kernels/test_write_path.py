@@ -207,3 +207,14 @@ def test_gpu_real_shapes(t, g, meta):
     got = _triton()(x, r, mu, 0.96, g, meta)
     ref = rotate_quantize_reference(x, r, mu, 0.96, g, meta)
     check_against_reference(got, x, r, mu, 0.96, g, meta, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs CUDA (compiled kernels)")
+def test_gpu_per_sequence_offset():
+    """key_offset="prefill" on the GPU: mu [B, Hk, D], rows with very different offsets, real shapes."""
+    x, r, _ = _inputs(4, 8, 4099, 128, seed=7, device="cuda")
+    mu = torch.randn(4, 8, 128, device="cuda") * 4.0
+    x = (x.float() + mu[:, :, None]).to(torch.bfloat16)
+    got = _triton()(x, r, mu, 0.96, 64, torch.bfloat16)
+    check_against_reference(got, x, r, mu, 0.96, 64, torch.bfloat16)
