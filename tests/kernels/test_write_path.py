@@ -41,8 +41,10 @@ def check_against_reference(got: QuantizedRows, x, r, mu, clip, g, meta, ref: Qu
     for name in ("scale", "zero"):
         a, b = getattr(got, name).double(), getattr(ref, name).double()
         assert getattr(got, name).dtype == meta
-        tol = 1e-3 * b.abs().amax().clamp_min(1e-6)
-        assert (a - b).abs().max() <= tol, f"{name} differs by {(a - b).abs().max():.3g}"
+        # 1e-3 of the range, plus one step of the stored dtype: a value whose fp32 computation (tf32x3
+        # matmul on the GPU vs the reference's) straddles a rounding boundary of ``meta`` lands one ulp apart
+        tol = 1e-3 * b.abs().amax().clamp_min(1e-6) + torch.finfo(meta).eps * b.abs()
+        assert ((a - b).abs() <= tol).all(), f"{name} differs by {(a - b).abs().max():.3g}"
     codes_g, codes_r = unpack_int2(got.codes), unpack_int2(ref.codes)
     assert codes_g.shape == codes_r.shape
     frac = (codes_g != codes_r).double().mean().item()
