@@ -152,6 +152,8 @@ class OscarFamily(KVMethod):
         self.rotations = rotations
         self.method = method or (rotations.method if rotations is not None else "hadamard")
         self.config = OscarConfig(**({"method": self.method} if rotations is None else {}), **config)
+        # the fake-quant path models the calibrated key offset only: key_offset="prefill" is scored token by token
+        self.fast = self.config.key_offset == "calibrated"
 
     def _rot(self, model):
         if self.rotations is None:

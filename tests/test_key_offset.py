@@ -98,5 +98,10 @@ def test_refusals():
         StaticOscarCache(m, **KW, key_offset="prefill", max_cache_len=64)
     from oscar_hf.eval.methods import OscarFamily
 
+    fam = OscarFamily("oscar", method="hadamard", sink=4, recent=8, group_size=32, key_offset="prefill")
     with pytest.raises(NotImplementedError, match="fake-quant"):
-        OscarFamily("oscar", method="hadamard", sink=4, recent=8, group_size=32, key_offset="prefill").fake_spec(m)
+        fam.fake_spec(m)
+    from oscar_hf.eval.perplexity import perplexity
+
+    r = perplexity(m, torch.randint(1, 200, (64,)), fam, context_len=32, n_windows=2, prefill_len=20, progress=False)
+    assert r["path"] == "token-by-token" and r["tokens"] == 2 * 12
