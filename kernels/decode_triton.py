@@ -60,6 +60,7 @@ from oscar_hf.quant import QuantizedRows
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _LN2 = tl.constexpr(LN2)  # jit code may only read constexpr globals
+DF_LIM = tl.constexpr(64.0)  # deferred loop: largest excess of a row's max over its reference (log2 units)
 
 # Tunables (read by the dispatch below; the benchmark may override them).
 # Defaults: the best of the sweep on an H100 (scripts/bench_kernels.py --sweep,
@@ -211,6 +212,43 @@ def _rd_v_plane(p, alpha, vb, P: tl.constexpr, vs_base, vz_base, meta, valid, ac
 
 
 @triton.jit
+def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.constexpr,
+               BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, LOWP: tl.constexpr):
+    """Row-dot logits ``[BLOCK_N, M_PAD]`` (log2 units, offset ``q·mu_K`` included) of one K byte tile
+    ``kb [BLOCK_N, D/4]``: four plane dots with the tile as the A operand; after the last plane of a
+    group, its scale / zero are applied (see the rowdot comment in :func:`_split_kernel`)."""
+    st = tl.zeros((BLOCK_N, M_PAD), tl.float32) + off[None, :]
+    d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+    for P in tl.static_range(4):
+        d = tl.dot(_u_plane(kb, P, LOWP, False), qts[P], d)
+        if P % PPG == PPG - 1:  # last plane of group g: apply its scale / zero
+            sg = tl.load(ks_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
+            zg = tl.load(kz_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
+            st += (sg[:, None] * (d - _gsum(cps, P // PPG, PPG)[None, :])
+                   + zg[:, None] * _gsum(qss, P // PPG, PPG)[None, :])
+            d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+    return st
+
+
+@triton.jit
+def _df_v_plane(p, vb, P: tl.constexpr, vs_base, vz_base, meta, valid, acc, zt,
+                D4: tl.constexpr, G: tl.constexpr, PPG: tl.constexpr, LOWP: tl.constexpr):
+    """Deferred-loop values of plane ``P`` (group ``g``): ``acc += bf16((p s_g)ᵀ) . (code_P / 4)`` -- bf16,
+    since ``p`` is relative to a fixed reference and may exceed 1 -- and the elementwise tile
+    ``zt += p z_g`` (reduced over tokens once, after the loop; kept by the group's first plane only).
+    No rescaling: the reference is fixed. Planes of one group compute the same ``W_g`` (merged by CSE)."""
+    g: tl.constexpr = (P * D4) // G
+    s = tl.load(vs_base + meta + g, mask=valid, other=0.0).to(tl.float32)
+    z = tl.load(vz_base + meta + g, mask=valid, other=0.0).to(tl.float32)
+    w = _op(tl.trans(p * (4.0 * s)[:, None]), LOWP)
+    c = _code_operand(vb, P, LOWP) - 1.0  # code / 4, exact in bf16 (and float32)
+    acc = tl.dot(w, c.to(w.dtype), acc)
+    if P % PPG == 0:
+        zt += p * z[:, None]
+    return acc, zt
+
+
+@triton.jit
 def _meta_tiles(s_base, z_base, offs_n, nmask, NG: tl.constexpr):
     """``[BLOCK_N, NG]`` scale/zero tiles (float32) of a block: rows are contiguous (``NG``
     values per token), so this is one vectorized, pipelinable load per tensor; plus the row pointers."""
@@ -343,16 +381,7 @@ def _split_kernel(
                 offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 meta = offs_n.to(tl.int64) * NG  # first metadata entry of each token
                 kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
-                st = tl.zeros((BLOCK_N, M_PAD), tl.float32) + off[None, :]
-                d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                for P in tl.static_range(4):
-                    d = tl.dot(_u_plane(kb, P, LOWP, False), qts[P], d)
-                    if P % PPG == PPG - 1:  # last plane of group g: apply its scale / zero
-                        sg = tl.load(ks_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
-                        zg = tl.load(kz_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
-                        st += (sg[:, None] * (d - _gsum(cps, P // PPG, PPG)[None, :])
-                               + zg[:, None] * _gsum(qss, P // PPG, PPG)[None, :])
-                        d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG, BLOCK_N, M_PAD, LOWP)
                 # online softmax over the token axis (0) of the transposed tile
                 st = tl.where(valid[:, None], st, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(st, 0))
@@ -371,6 +400,81 @@ def _split_kernel(
             acc1 = acc1 * 0.25 + zacc1[:, None]
             acc2 = acc2 * 0.0625 + zacc2[:, None]
             acc3 = acc3 * 0.015625 + zacc3[:, None]
+        elif LOOP == 3:
+            # Deferred form: the rowdot K logits, but no per-block reductions. Every block is
+            # exponentiated against one fixed reference phi[m] (the max of the split's first block),
+            # and l, sum p z and the running max are kept as elementwise [BLOCK_N, M_PAD] tiles
+            # (registers only: no shuffles, no barriers, no rescaling of acc), reduced once after the
+            # loop, where acc, l, zacc are rescaled to the true max. Guard: if any row's true max
+            # differs from phi by more than DF_LIM (log2 units: p up to 2^DF_LIM stays far from
+            # float32 / bf16 overflow; phi = 0 when the first block has no valid token could also
+            # underflow every p) the split is run again with phi = its true max (at most once).
+            PPG: tl.constexpr = G // D4
+            OFFS = 1.0 + 1023.0 * LOWP
+            qf0 = tl.load(q_ptr + 0 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+            qf1 = tl.load(q_ptr + 1 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+            qf2 = tl.load(q_ptr + 2 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+            qf3 = tl.load(q_ptr + 3 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+            qts = (_op16(tl.trans(qf0), LOWP), _op16(tl.trans(qf1 * 0.25), LOWP),
+                   _op16(tl.trans(qf2 * 0.0625), LOWP), _op16(tl.trans(qf3 * 0.015625), LOWP))
+            cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
+                   OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
+            qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))
+            # phi: max of the first block's valid logits (0 for rows without any there)
+            offs_n, inb, valid = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+            kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
+            st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, offs_n.to(tl.int64) * NG, inb, off,
+                            PPG, BLOCK_N, M_PAD, LOWP)
+            phi = tl.max(tl.where(valid[:, None], st, float("-inf")), 0)
+            phi = tl.where(phi == float("-inf"), 0.0, phi)
+            lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+            mt = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
+            zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # sum p z per group: tile of the group's first plane
+            zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+            zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+            zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+            m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
+            run = 1
+            while run > 0:
+                lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                mt = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
+                zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                acc0 = tl.zeros((M_PAD, D4), tl.float32)
+                acc1 = tl.zeros((M_PAD, D4), tl.float32)
+                acc2 = tl.zeros((M_PAD, D4), tl.float32)
+                acc3 = tl.zeros((M_PAD, D4), tl.float32)
+                for n0 in range(lo, hi, BLOCK_N):
+                    offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                    meta = offs_n.to(tl.int64) * NG
+                    kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
+                    st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG, BLOCK_N, M_PAD, LOWP)
+                    st = tl.where(valid[:, None], st, float("-inf"))
+                    mt = tl.maximum(mt, st)
+                    p = tl.exp2(st - phi[None, :])
+                    lt += p
+                    vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
+                    acc0, zt0 = _df_v_plane(p, vb, 0, vs_base, vz_base, meta, valid, acc0, zt0, D4, G, PPG, LOWP)
+                    acc1, zt1 = _df_v_plane(p, vb, 1, vs_base, vz_base, meta, valid, acc1, zt1, D4, G, PPG, LOWP)
+                    acc2, zt2 = _df_v_plane(p, vb, 2, vs_base, vz_base, meta, valid, acc2, zt2, D4, G, PPG, LOWP)
+                    acc3, zt3 = _df_v_plane(p, vb, 3, vs_base, vz_base, meta, valid, acc3, zt3, D4, G, PPG, LOWP)
+                m_i = tl.max(mt, 0)
+                over = tl.where(m_i == float("-inf"), 0.0, m_i - phi)
+                run = 0
+                if tl.max(tl.where(mrow, tl.abs(over), 0.0), 0) > DF_LIM:
+                    phi = tl.where(m_i == float("-inf"), phi, m_i)
+                    run = 1
+            # rescale from phi to the true max (rows without valid tokens: l = 0, m = -inf)
+            m_safe = tl.where(m_i == float("-inf"), phi, m_i)
+            alpha = tl.exp2(phi - m_safe)
+            l_i = tl.sum(lt, 0) * alpha
+            zs = (tl.sum(zt0, 0), tl.sum(zt1, 0), tl.sum(zt2, 0), tl.sum(zt3, 0))
+            acc0 = (acc0 + zs[0][:, None]) * alpha[:, None]
+            acc1 = (acc1 + zs[1 - 1 % PPG][:, None]) * alpha[:, None]
+            acc2 = (acc2 + zs[2 - 2 % PPG][:, None]) * alpha[:, None]
+            acc3 = (acc3 + zs[3 - 3 % PPG][:, None]) * alpha[:, None]
         elif LOOP == 1:
             # Factored form (each plane inside one group): codes go to the tensor cores as exact
             # bf16 v = 1 + code/4, scale/zero are applied to the [M_PAD, BLOCK_N] results, see
@@ -539,7 +643,7 @@ def num_splits(n: int, bh: int, device: torch.device, cfg=None) -> int:
     return max(s, 1)
 
 
-_LOOPS = {"dequant": 0, "factored": 1, "rowdot": 2}
+_LOOPS = {"dequant": 0, "factored": 1, "rowdot": 2, "deferred": 3}
 
 
 def _pow2_at_least(n: int, lo: int) -> int:

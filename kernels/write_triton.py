@@ -27,6 +27,13 @@ _LEVELS = tl.constexpr(float(LEVELS))  # 3.0; jit code may only read constexpr g
 
 _META_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
+# Tunables for D <= 128 (D = 256 always takes 16-row tiles and 8 warps: no register spills).
+# ``block_t`` rows per program: each program reads and splits the fp32 R of its head once (tf32x3),
+# so taller tiles amortize that over more rows. ``precision``: "tf32x3" (float32-accurate, the
+# default) or "tf32" (one pass; codes then differ from the fp32 reference on ~1e-3 of entries,
+# for the benchmark's comparison only). scripts/bench_kernels.py --sweep times the alternatives.
+WRITE_CONFIG = {"block_t": 64, "num_warps": 4, "precision": "tf32x3"}
+
 
 @triton.jit
 def _rint(y):
@@ -160,7 +167,7 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
         mu = mu.to(device=x.device, dtype=torch.float32).contiguous()
     clip = float(clip)
     block_k = min(d, 64)
-    block_t = 64 if d <= 128 else 16  # D = 256: smaller row tiles, no register spills
+    block_t = WRITE_CONFIG["block_t"] if d <= 128 else 16  # D = 256: smaller row tiles, no register spills
     grid = (triton.cdiv(t, block_t), b * hk)
     _rotate_quantize_kernel[grid](
         x, r, mu if mu is not None else r, codes, scale, zero,
@@ -171,7 +178,7 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
         *scale.stride()[:3],
         D=d, G=group_size, BLOCK_T=block_t, BLOCK_K=block_k,
         HAS_MU=mu is not None, META_KIND=_META_KIND[meta_dtype],
-        PRECISION="tf32x3" if x.is_cuda else "ieee",
-        num_warps=4 if d <= 128 else 8,
+        PRECISION=WRITE_CONFIG["precision"] if x.is_cuda else "ieee",
+        num_warps=WRITE_CONFIG["num_warps"] if d <= 128 else 8,
     )
     return res

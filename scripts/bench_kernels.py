@@ -3,8 +3,8 @@
 
 Decode (one new token, Hq=32, Hk=8, D=128, G=64 bf16 metadata, sink 64 + recent 256 = 320 BF16
 window tokens, the rest INT2 history; total length T):
-* ``oscar``: the whole decode attention op (with the chosen CONFIG; ``oscar_rowdot_ms``, ``oscar_factored_ms``
-  and ``oscar_dequant_ms`` time the three inner-loop variants of the split kernel with that CONFIG, so
+* ``oscar``: the whole decode attention op (with the chosen CONFIG; ``oscar_rowdot_ms``, ``oscar_deferred_ms``,
+  ``oscar_factored_ms`` and ``oscar_dequant_ms`` time the inner-loop variants of the split kernel with that CONFIG, so
   old and new loops are compared on the same data in the same run) -- query rotation ``q R_K`` and centering offset
   ``q_rot · (mu_K R_K)`` (2 torch launches) + :func:`decode_attention_triton` (2 Triton launches:
   split-K over history and window, then merge + ``R_Vᵀ`` + ``mu_V`` + normalize);
@@ -18,7 +18,8 @@ CUDA graph. Bandwidth: bytes the op must read (INT2 codes + scale/zero of K and 
 over its time, against a measured device-to-device copy (bytes read + written).
 
 Write path: ``rotate_quantize_triton`` on [1, 8, 32768, 128] BF16 rows (rows/s, GB/s) and its time
-(K and V) relative to BF16 causal prefill attention (SDPA, B=1, T=32K).
+(K and V) relative to BF16 causal prefill attention (SDPA, B=1, T=32K); with ``--sweep`` the
+``WRITE_SWEEP`` tile configs are timed first and the fastest float32-accurate one is used.
 
 Usage: python scripts/bench_kernels.py --out benchmarks/results/kernels_h100.json [--sweep]
        python scripts/bench_kernels.py --plot benchmarks/results/kernels_h100.json   (CPU: the PNG beside it)
@@ -208,15 +209,26 @@ def oscar_bytes(b, n):
 
 
 SWEEP = [
-    # the earlier H100 winner ("dequant" loop) for reference, then the "rowdot" loop around it
-    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, loop="dequant"),
-    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=2, loop="rowdot"),
-    dict(block_n=128, num_warps=4, num_stages=2, programs_per_sm=3, loop="rowdot"),
-    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4, loop="rowdot"),
+    # the rowdot loop's configs (the H100 winner of session 3 first), then the deferred loop around them
     dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4, loop="rowdot"),
-    dict(block_n=256, num_warps=8, num_stages=3, programs_per_sm=2, loop="rowdot"),
+    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4, loop="rowdot"),
+    dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4, loop="deferred"),
+    dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, loop="deferred"),
+    dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=8, loop="deferred"),
+    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4, loop="deferred"),
+    dict(block_n=128, num_warps=8, num_stages=3, programs_per_sm=4, loop="deferred"),
+    dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=2, loop="deferred"),
 ]
-LOOPS = ("rowdot", "factored", "dequant")
+LOOPS = ("rowdot", "deferred", "factored", "dequant")
+# write-path kernel configs (kernels/write_triton.py WRITE_CONFIG), timed under --sweep at T = 32K
+WRITE_SWEEP = [
+    dict(block_t=64, num_warps=4, precision="tf32x3"),
+    dict(block_t=128, num_warps=4, precision="tf32x3"),
+    dict(block_t=128, num_warps=8, precision="tf32x3"),
+    dict(block_t=256, num_warps=8, precision="tf32x3"),
+    dict(block_t=64, num_warps=4, precision="tf32"),
+    dict(block_t=128, num_warps=8, precision="tf32"),
+]
 
 
 def sweep(gen):
@@ -316,7 +328,10 @@ def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
     return rows
 
 
-def bench_write(gen, copy_bw, t=32768):
+def bench_write(gen, copy_bw, t=32768, do_sweep=False):
+    from oscar_hf.kernels import write_triton as wt
+    from oscar_hf.quant import unpack_int2
+
     x = torch.randn(1, HK, t, D, device="cuda", dtype=torch.bfloat16)
     r = orthogonal(HK, D, gen).cuda()
     mu = torch.randn(HK, D, device="cuda") * 0.3
@@ -326,6 +341,25 @@ def bench_write(gen, copy_bw, t=32768):
         torch.empty(1, HK, t, NG, dtype=torch.bfloat16, device="cuda"),
     )
     res = {"T": t, "rows": HK * t}
+    if do_sweep:  # each config: time and agreement with the reference; keep the fastest float32-accurate one
+        ref = rotate_quantize_reference(x, r, mu, 0.96, GS, torch.bfloat16)
+        base, res["sweep"] = dict(wt.WRITE_CONFIG), []
+        for cfg in WRITE_SWEEP:
+            wt.WRITE_CONFIG.update(cfg)
+            try:
+                ms = timed(lambda: rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16, out=store))
+                a = rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16)
+                mis = (unpack_int2(a.codes) != unpack_int2(ref.codes)).float().mean().item()
+            except Exception as e:
+                log("write sweep config failed", cfg, repr(e)[:200])
+                continue
+            res["sweep"].append({"config": dict(cfg), "ms": ms, "codes_mismatch_frac": mis})
+            log("write sweep", cfg, round(ms, 4), "mismatch", mis)
+            wt.WRITE_CONFIG.update(base)
+        exact = [w for w in res["sweep"] if w["config"]["precision"] == "tf32x3"]
+        wt.WRITE_CONFIG.update(min(exact, key=lambda w: w["ms"])["config"])
+        del ref
+    res["config"] = dict(wt.WRITE_CONFIG)
     res["triton_ms"] = timed(lambda: rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16, out=store))
     res["reference_ms"] = timed(lambda: rotate_quantize_reference(x, r, mu, 0.96, GS, torch.bfloat16, out=store), iters=10)
     nbytes = x.numel() * 2 + store.codes.numel() + 2 * store.scale.numel() * 2
@@ -354,8 +388,6 @@ def bench_write(gen, copy_bw, t=32768):
     # sanity: the kernel agrees with the reference at this size
     a = rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16)
     ref = rotate_quantize_reference(x, r, mu, 0.96, GS, torch.bfloat16)
-    from oscar_hf.quant import unpack_int2
-
     res["codes_mismatch_frac"] = (unpack_int2(a.codes) != unpack_int2(ref.codes)).float().mean().item()
     res["scale_max_abs_diff"] = (a.scale.float() - ref.scale.float()).abs().max().item()
     log(json.dumps(res))
@@ -435,18 +467,18 @@ def main():
     batches = [int(x) for x in args.batches.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
     save()
+    if not args.no_write:  # first: short, and its numbers survive a decode run cut off by a time limit
+        result["write"] = bench_write(gen, result["copy_GBps"], do_sweep=args.sweep)
+        save()
     result["decode"] = []
     bench_decode(gen, batches, lengths, result["copy_GBps"], result["decode"], save)
-    if not args.no_write:
-        result["write"] = bench_write(gen, result["copy_GBps"])
-        save()
     log("\n B      T   sdpa(ms)  oscar(ms)  speedup  graph-speedup  oscar GB/s  %copy  hist-only %copy"
-        "  rowdot(ms)  factored(ms)  dequant(ms)  dequant graph(ms)")
+        "  rowdot(ms)  deferred(ms)  factored(ms)  dequant(ms)")
     for r in result["decode"]:
         log(f"{r['B']:>2} {r['T']:>6}  {r['sdpa_best_ms']:8.4f}  {r['oscar_ms']:9.4f}  {r['speedup']:7.2f}  "
             f"{r.get('speedup_graph', float('nan')):13.2f}  {r['oscar_GBps']:10.0f}  {r['oscar_pct_copy_bw']:5.1f}  "
-            f"{r['history_partial_pct_copy_bw']:5.1f}  {r['oscar_rowdot_ms']:10.4f}  {r['oscar_factored_ms']:12.4f}  "
-            f"{r['oscar_dequant_ms']:11.4f}  {r['oscar_dequant_graph_ms']:17.4f}")
+            f"{r['history_partial_pct_copy_bw']:5.1f}  {r['oscar_rowdot_ms']:10.4f}  {r['oscar_deferred_ms']:12.4f}  "
+            f"{r['oscar_factored_ms']:12.4f}  {r['oscar_dequant_ms']:11.4f}")
     w = result.get("write")
     if w:
         log(f"write: {w['rows_per_s'] / 1e6:.1f} M rows/s, {w['GBps']:.0f} GB/s, share of 32K prefill attention "

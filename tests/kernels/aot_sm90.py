@@ -100,7 +100,7 @@ def main():
     attn(1, 2, 4, 4096, 64, 64, False)  # rowdot, 4 planes per group
     attn(1, 8, 4, 8192, 128, 128, False)  # rowdot, G = D
     attn(1, 2, 32, 4096, 128, 64, False)  # rowdot, M = 32 (8 warps)
-    for loop in ("factored", "dequant"):  # the earlier inner loops, still selectable
+    for loop in ("deferred", "factored", "dequant"):  # the other inner loops, still selectable
         dt.CONFIG["loop"] = loop
         attn(1, 8, 4, 8192, 128, 64, True)
     attn(1, 2, 8, 4096, 64, 32, False)

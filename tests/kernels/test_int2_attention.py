@@ -127,11 +127,12 @@ def test_merge_partials_is_order_free_and_handles_empty():
 # ------------------------------------------------------------------- Triton vs reference (interpreter)
 
 # 64-token blocks (the shapes below sit on their boundaries) and min_split lowered so that small N
-# gets several splits on the CPU; every inner-loop variant ("rowdot", the default, "factored", "dequant").
+# gets several splits on the CPU; every inner-loop variant ("rowdot", the default, "deferred", "factored",
+# "dequant").
 SMALL_SPLITS = {"min_split": 64, "block_n": 64}
 
 
-@pytest.fixture(params=["rowdot", "factored", "dequant"])
+@pytest.fixture(params=["rowdot", "deferred", "factored", "dequant"])
 def small_splits(request, monkeypatch):
     dt = _dt()
     monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "loop": request.param})
@@ -180,6 +181,38 @@ def test_history_partial_default_config(n):
     off = torch.randn(2, 1, 4, generator=gen)
     got = dt.history_partial_triton(q, k, v, start, None, off, 0.1, 64)
     assert_partials_close(got, history_partial_reference(q, k, v, start, None, off, 0.1, 64, 128), 2e-5)
+
+
+@interp
+@pytest.mark.parametrize("loop", ["deferred", "rowdot"])
+@pytest.mark.parametrize("case", ["spike", "underflow"])
+def test_deferred_loop_reference_guard(monkeypatch, case, loop):
+    """The deferred loop exponentiates against the max of a split's first block: a later logit far
+    above it (spike: ~700 log2 units, exp2 would overflow) or every logit far below the fallback
+    reference 0 (underflow: first block masked out, logits ~ -3600 log2 units) must trigger its rerun
+    with the split's true max, not inf / NaN / all-zero partials. (rowdot, with its running max, as a
+    control; at logits of this size float32 itself leaves ~1e-4 relative error, in both loops.)"""
+    dt = _dt()
+    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "min_split": 192, "loop": loop})
+    b, hk, m, n, d, g = 1, 1, 4, 192, 64, 32
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(b, hk, m, d, generator=gen)
+    kf = torch.randn(b, hk, n, d, generator=gen)
+    key_mask, off = None, None
+    if case == "spike":
+        kf[0, 0, 150] = 60.0 * q[0, 0].mean(0).sign()  # one key in the last block aligned with the queries
+    else:
+        key_mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
+        key_mask[..., :64] = False  # the split's first block holds no valid token
+        off = torch.full((b, hk, m), -20000.0)
+    k = quantize_rows(kf, g, 1.0, torch.bfloat16)
+    v = quantize_rows(torch.randn(b, hk, n, d, generator=gen), g, 1.0, torch.bfloat16)
+    start = torch.zeros(b, dtype=torch.long)
+    ref = history_partial_reference(q, k, v, start, key_mask, off, d**-0.5, g, 64)
+    if case == "spike":
+        assert ref[0].max().item() / math.log(2) > 64 + 10  # the spike really exceeds the first block's max
+    got = dt.history_partial_triton(q, k, v, start, key_mask, off, d**-0.5, g)
+    assert_partials_close(got, ref, 5e-4)
 
 
 @interp
@@ -364,8 +397,10 @@ def test_gpu_history_partial_real_shapes(b, n):
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("loop", ["rowdot", "deferred"])
 @pytest.mark.parametrize("b,n", [(1, 131072 - 320), (8, 32768 - 320)])
-def test_gpu_decode_attention_real_shapes(b, n):
+def test_gpu_decode_attention_real_shapes(b, n, loop, monkeypatch):
+    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "loop": loop})
     args, _ = _window_case(b, 8, 4, n, 320, 128, 64, seed=b, device="cuda")
     args["out_dtype"] = torch.bfloat16
     got = _dt().decode_attention_triton(**args)
