@@ -19,10 +19,17 @@ Two public entry points, each exactly **two kernel launches** per call:
 
 Math of one history block (``n`` = token, ``c`` = channel, ``g(c)`` its group, ``p`` a plane):
 byte ``j`` holds the codes of channels ``j + p * D/4`` in bits ``2p..2p+1``, so one shift and mask
-of the ``[BLOCK_N, D/4]`` byte tile yields the codes of the contiguous channel block ``p``. Three
+of the ``[BLOCK_N, D/4]`` byte tile yields the codes of the contiguous channel block ``p``. Four
 inner-loop variants (``CONFIG["loop"]``):
 
-* rowdot (default, needs each plane inside one group, ``G >= D/4``; measured on the H100): the K byte
+* deferred (default, ``G >= D/4``): the rowdot K logits, but no per-block reductions: each split
+  exponentiates against one fixed reference (the max of its first block) and keeps ``l``, ``sum p z``
+  and the running max as elementwise ``[BLOCK_N, M_PAD]`` tiles, reduced once after the loop; values
+  as bf16 ``(p s)ᵀ . code/4`` (``p`` may exceed 1). A split whose true max strays more than
+  ``DF_LIM`` from the reference is run again against its true max (see :func:`_split_kernel`).
+  21% fewer SASS instructions per block than rowdot (683 vs 833, no shuffles) but no faster on the
+  H200 at B=8 (Nsight Compute: both latency-bound, ~2 active warps per scheduler);
+* rowdot (``G >= D/4``; measured on the H100): the K byte
   tile is the tensor cores' A operand in its natural ``[token, channel]`` layout (no transposition),
   logits are computed transposed (``[BLOCK_N, M_PAD]``, softmax over axis 0), codes enter as exact
   fp16 ``1024 + 4^p code`` (bit pattern ``0x6400 | (byte & 3 << 2p)``: one and-or per code, no shift,
@@ -63,8 +70,10 @@ _LN2 = tl.constexpr(LN2)  # jit code may only read constexpr globals
 DF_LIM = tl.constexpr(64.0)  # deferred loop: largest excess of a row's max over its reference (log2 units)
 
 # Tunables (read by the dispatch below; the benchmark may override them).
-# Defaults: the best of the sweep on an H100 (scripts/bench_kernels.py --sweep,
-# benchmarks/results/kernels_h100.json; the "rowdot" loop, 64-token blocks, 4 programs per SM).
+# Defaults: the best tile config of the sweep on an H100 (scripts/bench_kernels.py --sweep,
+# benchmarks/results/kernels_h100.json: 64-token blocks, 4 programs per SM) with the "deferred" loop,
+# which with that config was as fast as "rowdot" or faster at every graph-timed H200 point from 32K on
+# (B=1/128K 0.157 vs 0.201 ms) and within 3% below (benchmarks/results/kernels_h200.json).
 CONFIG = {
     "block_n": 64,  # history tokens per inner-loop step
     "num_warps": 4,
@@ -72,7 +81,7 @@ CONFIG = {
     "programs_per_sm": 4,  # split-K target: B * Hk * S ~ programs_per_sm * SMs
     "min_split": 256,  # never fewer tokens than this per split
     "win_split": 128,  # window tokens per window program
-    "loop": "rowdot",  # inner-loop variant of the history split: "rowdot" | "factored" | "dequant" (see _split_kernel)
+    "loop": "deferred",  # inner loop of the history split: "deferred" | "rowdot" | "factored" | "dequant" (module doc)
 }
 
 
@@ -716,6 +725,10 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     # blocks (the 128-token tiles would spill registers there).
     if not (d == 128 and m_pad == 16):
         cfg = {**cfg, "block_n": 64}
+    if cfg["loop"] == "deferred" and m_pad > 16:
+        # its elementwise [BLOCK_N, M_PAD] tiles (sum p, max, sum p z per group) would spill registers
+        # beyond 16 query rows per KV head (speculative decoding, prefill chunks): the rowdot loop serves
+        cfg = {**cfg, "loop": "rowdot"}
     bh = b * hk
     if n_valid is not None:  # static: fixed grid, split bounds computed in the kernel from n_valid
         s_hist = (splits or num_splits(n, bh, dev, cfg)) if n > 0 else 0

@@ -28,11 +28,16 @@ _LEVELS = tl.constexpr(float(LEVELS))  # 3.0; jit code may only read constexpr g
 _META_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 # Tunables for D <= 128 (D = 256 always takes 16-row tiles and 8 warps: no register spills).
-# ``block_t`` rows per program: each program reads and splits the fp32 R of its head once (tf32x3),
-# so taller tiles amortize that over more rows. ``precision``: "tf32x3" (float32-accurate, the
-# default) or "tf32" (one pass; codes then differ from the fp32 reference on ~1e-3 of entries,
-# for the benchmark's comparison only). scripts/bench_kernels.py --sweep times the alternatives.
-WRITE_CONFIG = {"block_t": 64, "num_warps": 4, "precision": "tf32x3"}
+# ``block_t``: rows per program for bulk writes (prefill); each program reads and splits the fp32 R
+# of its head once (tf32x3), so taller tiles amortize that over more rows. Short writes (decode-time
+# demotion: one row per sequence) take the smallest power of two >= T, at least 16, with 4 warps,
+# so a one-row write does not run a 256-row tile. ``num_warps``: for tiles of >= 128 rows.
+# ``precision``: "tf32x3" (float32-accurate, the default) or "tf32" (one pass; codes then differ
+# from the fp32 reference on ~2e-3 of entries; for the benchmark's comparison only).
+# Default, from `scripts/bench_kernels.py --sweep` on an H200 (benchmarks/results/kernels_h200.json,
+# T = 32K): 128-row tiles with 8 warps, 0.32 ms against 0.41 ms for 64-row tiles; 256-row tiles were
+# faster there (0.27 ms) but spill registers when compiled by newer Triton (tests/kernels/aot_sm90.py).
+WRITE_CONFIG = {"block_t": 128, "num_warps": 8, "precision": "tf32x3"}
 
 
 @triton.jit
@@ -167,7 +172,11 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
         mu = mu.to(device=x.device, dtype=torch.float32).contiguous()
     clip = float(clip)
     block_k = min(d, 64)
-    block_t = WRITE_CONFIG["block_t"] if d <= 128 else 16  # D = 256: smaller row tiles, no register spills
+    if d <= 128:
+        block_t = min(WRITE_CONFIG["block_t"], max(16, triton.next_power_of_2(t)))
+        warps = WRITE_CONFIG["num_warps"] if block_t >= 128 else 4
+    else:  # D = 256: smaller row tiles, no register spills
+        block_t, warps = 16, 8
     grid = (triton.cdiv(t, block_t), b * hk)
     _rotate_quantize_kernel[grid](
         x, r, mu if mu is not None else r, codes, scale, zero,
@@ -179,6 +188,6 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
         D=d, G=group_size, BLOCK_T=block_t, BLOCK_K=block_k,
         HAS_MU=mu is not None, META_KIND=_META_KIND[meta_dtype],
         PRECISION=WRITE_CONFIG["precision"] if x.is_cuda else "ieee",
-        num_warps=WRITE_CONFIG["num_warps"] if d <= 128 else 8,
+        num_warps=warps,
     )
     return res

@@ -115,8 +115,10 @@ def main():
                                torch.ones(2, 1, 1, 321, dtype=torch.bool), torch.randn(8, 128, 128, generator=g0), None,
                                torch.bfloat16, n_valid=torch.tensor(3000), splits=16)
     labels.append("attn d=128 g=64 m=4 window=True static (n_valid)")
-    for d, g, meta in ((128, 64, torch.bfloat16), (64, 32, torch.float16), (256, 128, torch.bfloat16)):
-        x = torch.randn(1, 2, 100, d, generator=g0).bfloat16()
+    # write path: tile heights 128 (T=100 and bulk, T=1000) and 16 (one-row demotion) at D=128
+    for d, g, meta, t in ((128, 64, torch.bfloat16, 100), (128, 64, torch.bfloat16, 1000), (128, 64, torch.bfloat16, 1),
+                          (64, 32, torch.float16, 100), (256, 128, torch.bfloat16, 100)):
+        x = torch.randn(1, 2, t, d, generator=g0).bfloat16()
         wt.rotate_quantize_triton(x, torch.randn(2, d, d, generator=g0), torch.randn(2, d, generator=g0), 0.95, g, meta)
     cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3"}
     for i, (grid, args, kw) in enumerate(split.calls):
@@ -125,7 +127,7 @@ def main():
         grid, args, kw = comb.calls[i]
         print(json.dumps({"kernel": "combine", "case": labels[i], **compile_call(comb.fn, args, kw, cuda_kw)}))
     for grid, args, kw in write.calls:
-        case = f"write d={kw['D']} g={kw['G']}"
+        case = f"write d={kw['D']} g={kw['G']} block_t={kw['BLOCK_T']}"
         print(json.dumps({"kernel": "write", "case": case, **compile_call(write.fn, args, kw, cuda_kw)}))
     sys.stdout.flush()
 
