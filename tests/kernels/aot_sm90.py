@@ -96,17 +96,17 @@ def main():
             dt.history_partial_triton(q, k, v, start, mask, off, 0.1, g)
         labels.append(f"attn d={d} g={g} m={m} window={window} loop={dt.CONFIG['loop']}")
 
-    attn(1, 8, 4, 8192, 128, 64, True)  # the benchmark's shape, full decode op (default loop: rowdot)
-    attn(1, 2, 4, 4096, 64, 64, False)  # rowdot, 4 planes per group
-    attn(1, 8, 4, 8192, 128, 128, False)  # rowdot, G = D
-    attn(1, 2, 32, 4096, 128, 64, False)  # rowdot, M = 32 (8 warps)
-    for loop in ("deferred", "factored", "dequant"):  # the other inner loops, still selectable
+    attn(1, 8, 4, 8192, 128, 64, True)  # the benchmark's shape, full decode op (default loop: deferred)
+    attn(1, 2, 4, 4096, 64, 64, False)  # deferred, 4 planes per group
+    attn(1, 8, 4, 8192, 128, 128, False)  # deferred, G = D
+    attn(1, 2, 32, 4096, 128, 64, False)  # M = 32 (8 warps): rowdot serves
+    for loop in ("rowdot", "factored", "dequant"):  # the other inner loops, still selectable
         dt.CONFIG["loop"] = loop
         attn(1, 8, 4, 8192, 128, 64, True)
     attn(1, 2, 8, 4096, 64, 32, False)
     attn(1, 2, 32, 4096, 128, 64, False)
     attn(1, 2, 4, 4096, 256, 32, False)
-    dt.CONFIG["loop"] = "rowdot"
+    dt.CONFIG["loop"] = "deferred"
     # the static cache's call: device-side history length, fixed splits, a bool window mask
     q = torch.randn(2, 8, 4, 128, generator=g0)
     k = v = quantize_rows(torch.randn(2, 8, 4097, 128, generator=g0), 64)

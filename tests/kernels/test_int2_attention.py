@@ -127,7 +127,7 @@ def test_merge_partials_is_order_free_and_handles_empty():
 # ------------------------------------------------------------------- Triton vs reference (interpreter)
 
 # 64-token blocks (the shapes below sit on their boundaries) and min_split lowered so that small N
-# gets several splits on the CPU; every inner-loop variant ("rowdot", the default, "deferred", "factored",
+# gets several splits on the CPU; every inner-loop variant ("deferred", the default, "rowdot", "factored",
 # "dequant").
 SMALL_SPLITS = {"min_split": 64, "block_n": 64}
 
