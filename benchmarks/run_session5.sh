@@ -4,6 +4,7 @@
 #   bash benchmarks/run_session5.sh a   # GPU kernel tests + Nsight Compute of the split kernel (rowdot, deferred)
 #   bash benchmarks/run_session5.sh b   # kernel benchmark with the config sweeps (decode loops, write tiles)
 #   bash benchmarks/run_session5.sh c   # GPU kernel tests again + the write path at its new default tile
+#   bash benchmarks/run_session5.sh d   # with "deferred" the default: GPU kernel + StaticOscarCache tests, decode rows B=1,8 x 32K,128K
 set -uo pipefail
 R=$PWD
 export PYTHONPATH=$(bash scripts/device_pythonpath.sh) PYTHONUNBUFFERED=1
@@ -24,5 +25,10 @@ b)
 c)
   python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" --rootdir "$R" 2>&1 | tee "$OUT/gpu_tests_session5.log" | tail -3
   python3 "$R/scripts/bench_kernels.py" --batches 1 --lengths 8192 --out "$OUT/kernels_h200_write_default.json"
+  ;;
+d)
+  python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" --rootdir "$R" 2>&1 \
+      | tee "$OUT/gpu_tests_deferred_default.log" | tail -4
+  python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8 --lengths 32768,131072 --out "$OUT/kernels_h200_deferred_default.json"
   ;;
 esac
