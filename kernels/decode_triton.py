@@ -364,16 +364,8 @@ def _split_kernel(
         vc_base = VC + b.to(tl.int64) * svb + h * svh
         vs_base = VS + b.to(tl.int64) * smvb + h * smvh
         vz_base = VZ + b.to(tl.int64) * smvb + h * smvh
-        if LOOP == 2:
-            # Row-dot form (each plane inside one group, G >= D/4): the K byte tile is the A operand
-            # of the tensor cores in its natural [token, channel] layout (no transposition), logits
-            # are computed transposed, [BLOCK_N, M_PAD], and scale/zero are applied to them:
-            #   logit[n, m] = sum_g s[n, g] * (sum_{P in g} u_P[n] . q_P[m] / 4^P - C_g[m]) + z[n, g] * Qs_g[m]
-            # with u_P = OFFS + 4^P code (see _u_plane), C_g[m] = OFFS sum_{P in g} sum_c q_P[m, c] / 4^P
-            # (the offset, from the same rounded operands the dot sees) and Qs_g[m] = sum_{c in g} q[m, c].
-            # Values: acc_P[m, :] += W_g[m, :] . (4^P code_P) with W_g[m, n] = p[n, m] s[n, g] (the only
-            # per-token-and-row multiply), zacc_g[m] += sum_n p[n, m] z[n, g]; at the end
-            # acc_P / 4^P + zacc_g(P). Per code: one and-or (K), one and-or and one exact fp16 subtract (V).
+        if LOOP >= 2:
+            # The row-dot K operands, shared by the rowdot and deferred loops (see the rowdot comment).
             PPG: tl.constexpr = G // D4  # planes per group
             OFFS = 1.0 + 1023.0 * LOWP  # the code offset of _u_plane (1024 on the GPU)
             qf0 = tl.load(q_ptr + 0 * D4, mask=mrow[:, None], other=0.0) * qk_scale
@@ -386,6 +378,16 @@ def _split_kernel(
             cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
                    OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
             qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))
+        if LOOP == 2:
+            # Row-dot form (each plane inside one group, G >= D/4): the K byte tile is the A operand
+            # of the tensor cores in its natural [token, channel] layout (no transposition), logits
+            # are computed transposed, [BLOCK_N, M_PAD], and scale/zero are applied to them:
+            #   logit[n, m] = sum_g s[n, g] * (sum_{P in g} u_P[n] . q_P[m] / 4^P - C_g[m]) + z[n, g] * Qs_g[m]
+            # with u_P = OFFS + 4^P code (see _u_plane), C_g[m] = OFFS sum_{P in g} sum_c q_P[m, c] / 4^P
+            # (the offset, from the same rounded operands the dot sees) and Qs_g[m] = sum_{c in g} q[m, c].
+            # Values: acc_P[m, :] += W_g[m, :] . (4^P code_P) with W_g[m, n] = p[n, m] s[n, g] (the only
+            # per-token-and-row multiply), zacc_g[m] += sum_n p[n, m] z[n, g]; at the end
+            # acc_P / 4^P + zacc_g(P). Per code: one and-or (K), one and-or and one exact fp16 subtract (V).
             for n0 in range(lo, hi, BLOCK_N):
                 offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 meta = offs_n.to(tl.int64) * NG  # first metadata entry of each token
@@ -418,17 +420,6 @@ def _split_kernel(
             # differs from phi by more than DF_LIM (log2 units: p up to 2^DF_LIM stays far from
             # float32 / bf16 overflow; phi = 0 when the first block has no valid token could also
             # underflow every p) the split is run again with phi = its true max (at most once).
-            PPG: tl.constexpr = G // D4
-            OFFS = 1.0 + 1023.0 * LOWP
-            qf0 = tl.load(q_ptr + 0 * D4, mask=mrow[:, None], other=0.0) * qk_scale
-            qf1 = tl.load(q_ptr + 1 * D4, mask=mrow[:, None], other=0.0) * qk_scale
-            qf2 = tl.load(q_ptr + 2 * D4, mask=mrow[:, None], other=0.0) * qk_scale
-            qf3 = tl.load(q_ptr + 3 * D4, mask=mrow[:, None], other=0.0) * qk_scale
-            qts = (_op16(tl.trans(qf0), LOWP), _op16(tl.trans(qf1 * 0.25), LOWP),
-                   _op16(tl.trans(qf2 * 0.0625), LOWP), _op16(tl.trans(qf3 * 0.015625), LOWP))
-            cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
-                   OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
-            qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))
             # phi: max of the first block's valid logits (0 for rows without any there)
             offs_n, inb, valid = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
             kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
