@@ -27,8 +27,8 @@ inner-loop variants (``CONFIG["loop"]``):
   and the running max as elementwise ``[BLOCK_N, M_PAD]`` tiles, reduced once after the loop; values
   as bf16 ``(p s)ᵀ . code/4`` (``p`` may exceed 1). A split whose true max strays more than
   ``DF_LIM`` from the reference is run again against its true max (see :func:`_split_kernel`).
-  21% fewer SASS instructions per block than rowdot (683 vs 833, no shuffles) but no faster on the
-  H200 at B=8 (Nsight Compute: both latency-bound, ~2 active warps per scheduler);
+  18% fewer SASS instructions per 64-token block than rowdot (681 vs 833, no shuffles; 21% fewer
+  executed in the whole kernel, Nsight Compute) but no faster on the H200 at B=8 (Nsight Compute: both latency-bound, ~2 active warps per scheduler);
 * rowdot (``G >= D/4``; measured on the H100): the K byte
   tile is the tensor cores' A operand in its natural ``[token, channel]`` layout (no transposition),
   logits are computed transposed (``[BLOCK_N, M_PAD]``, softmax over axis 0), codes enter as exact
@@ -427,13 +427,13 @@ def _split_kernel(
                             PPG, BLOCK_N, M_PAD, LOWP)
             phi = tl.max(tl.where(valid[:, None], st, float("-inf")), 0)
             phi = tl.where(phi == float("-inf"), 0.0, phi)
+            # the tiles carried out of the rerun loop must exist before it (they are reset per pass)
             lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
             mt = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
             zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # sum p z per group: tile of the group's first plane
             zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
             zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
             zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-            m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
             run = 1
             while run > 0:
                 lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)

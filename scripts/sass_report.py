@@ -2,8 +2,9 @@
 
 Compiles ``_split_kernel`` with the arguments the benchmark shape passes (Hq=32, Hk=8, D=128, G=64,
 one decode query, BF16 window) for each inner-loop variant named on the command line, disassembles
-it with the cuobjdump bundled with Triton, finds the hottest loop (the longest backward branch) and
-prints its length and opcode histogram, per code (history codes one thread handles per iteration).
+it with the cuobjdump bundled with Triton, finds the hot loop (the innermost loop holding the history
+K dot's wgmma) and prints its length and opcode histogram, per code (history codes one thread handles
+per iteration).
 A proxy for the per-code work, not a timing: the timings come from ``bench_kernels.py`` on a GPU.
 
     python -P scripts/sass_report.py rowdot deferred [--top 25] [--dump DIR]
@@ -14,38 +15,14 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 from aot_sm90 import Recorder, compile_call  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-
-
-_last_sass = ""
-
-
-def _patch_compile():
-    """Wrap triton.compile so that compile_call's cubin is disassembled as a side effect."""
-    real = triton.compile
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-    def wrapped(*a, **k):
-        global _last_sass
-        c = real(*a, **k)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(c.asm["cubin"])
-            f.flush()
-            _last_sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-        return c
-
-    triton.compile = wrapped
 
 
 def hot_loop(sass: str):
@@ -78,7 +55,6 @@ def main():
     ap.add_argument("--dump", default=None, help="write each variant's full SASS here")
     ap.add_argument("--block-n", type=int, default=None)
     args = ap.parse_args()
-    _patch_compile()
     from oscar_hf.kernels import decode_triton as dt
     from oscar_hf.quant import quantize_rows
 
@@ -98,8 +74,8 @@ def main():
                                    0.1, g, q.bfloat16(), kw_, kw_, None, torch.randn(hk, d, d, generator=g0),
                                    torch.randn(hk, d, generator=g0), torch.bfloat16)
         grid, a, kw = split.calls[0]
-        res = compile_call(split.fn, a, kw, {"LOWP": 1})
-        sass = _last_sass
+        res = compile_call(split.fn, a, kw, {"LOWP": 1}, sass=True)
+        sass = res["sass"]
         if args.dump:
             Path(args.dump).mkdir(parents=True, exist_ok=True)
             Path(args.dump, f"split_{loop}.sass").write_text(sass)

@@ -33,7 +33,9 @@ class Recorder:
         return lambda *args, **kw: self.calls.append((grid, args, kw))
 
 
-def compile_call(fn, args, kw, cuda_kw):
+def compile_call(fn, args, kw, cuda_kw, sass=False):
+    """Compile one recorded launch for sm_90; its resource usage (and, with ``sass``, the SASS text
+    under ``"sass"``, for ``scripts/sass_report.py``)."""
     kw = {**kw, **{k: v for k, v in cuda_kw.items() if k in fn.arg_names}}
     vals = dict(zip(fn.arg_names, args))
     vals.update({k: v for k, v in kw.items() if k in fn.arg_names})
@@ -65,9 +67,11 @@ def compile_call(fn, args, kw, cuda_kw):
         f.write(c.asm["cubin"])
         f.flush()
         res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        text = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout if sass else None
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     local = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
-    return {"regs": regs, "spill_bytes": local, "smem": c.metadata.shared, "num_warps": opts["num_warps"]}
+    out = {"regs": regs, "spill_bytes": local, "smem": c.metadata.shared, "num_warps": opts["num_warps"]}
+    return {**out, "sass": text} if sass else out
 
 
 def main():
