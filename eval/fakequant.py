@@ -18,6 +18,10 @@ history partials. Positions before ``prefill_len`` are the prompt: exact (OscarC
 exact on the prompt's own K/V). Layer ``i``'s input at position ``p`` already comes from the
 quantized view of every lower layer at ``p``, so one forward reproduces token-by-token decoding
 (:func:`oscar_hf.eval.perplexity.cache_nll`), proven equal in ``tests/eval/test_perplexity.py``.
+
+The forward may also continue an exact prefix held in a ``DynamicCache`` (``use_cache=True`` after a plain
+prefill of ``prefill_len`` tokens): the queries are then the last ``n`` of ``kv`` positions and the masks are
+the matching rows (the needle scorer's fast path, :func:`oscar_hf.eval.needle.fast_answer_scores`).
 """
 from __future__ import annotations
 
@@ -66,13 +70,13 @@ def residual_exact_mask(n: int, prefill_len: int, residual: int, device=None) ->
     return (p < prefill_len) | (j >= n_quant)
 
 
-def _allowed(attention_mask, n: int):
-    """The model's own mask as bool ``[B|1, 1, n, n]`` (True = may attend), or None."""
+def _allowed(attention_mask, n: int, kv: int):
+    """The model's own mask as bool ``[B|1, 1, n, kv]`` (True = may attend), or None."""
     if attention_mask is None or not isinstance(attention_mask, torch.Tensor):
         return None
     if attention_mask.dim() != 4:
         raise ValueError(f"fake-quant attention expects a 4D mask, got {tuple(attention_mask.shape)}")
-    m = attention_mask[:, :, -n:, -n:]
+    m = attention_mask[:, :, -n:, -kv:]
     if m.dtype != torch.bool:
         m = m > torch.finfo(m.dtype).min / 2
     return m
@@ -83,9 +87,10 @@ def _handler(module, query, key, value, attention_mask, *args, base: str, dropou
     spec = _ACTIVE.get()
     if spec is None or not isinstance(key, torch.Tensor) or sliding_window is not None:
         return NotImplemented
-    n = query.shape[2]
-    if key.shape[2] != n:
-        raise RuntimeError("fake-quant scoring runs without a cache (use_cache=False): keys must match the queries")
+    n, kv = query.shape[2], key.shape[2]
+    if kv < n:
+        raise RuntimeError(f"fake-quant attention got {n} queries but only {kv} keys")
+    off = kv - n  # > 0: the queries are the last n positions after an exact prefix held by a DynamicCache
     if softcap is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("fake-quant attention does not implement soft-capping / attention sinks")
     fq = spec.layer_kv(module.layer_idx, key, value)
@@ -95,10 +100,10 @@ def _handler(module, query, key, value, attention_mask, *args, base: str, dropou
     if scaling is None:
         scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
     dev = query.device
-    causal = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-    exact = spec.exact_mask(n, _PREFILL.get(), dev)
-    mask = torch.cat([causal & exact, causal & ~exact], dim=-1)  # [n, 2n]
-    allowed = _allowed(attention_mask, n)
+    causal = torch.arange(kv, device=dev)[None, :] <= (off + torch.arange(n, device=dev))[:, None]  # [n, kv]
+    exact = spec.exact_mask(kv, _PREFILL.get(), dev)[off:]
+    mask = torch.cat([causal & exact, causal & ~exact], dim=-1)  # [n, 2 kv]
+    allowed = _allowed(attention_mask, n, kv)
     if allowed is not None:
         mask = mask & torch.cat([allowed, allowed], dim=-1)
     keys = torch.cat([key.float(), k_hat.float()], dim=2)

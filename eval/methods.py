@@ -115,6 +115,10 @@ class OscarSpec(FakeQuantSpec):
             raise NotImplementedError("the fake-quant path models key_offset='calibrated' only; score "
                                       "key_offset='prefill' token by token through OscarCache")
         self.skipped = config.skipped(fp.num_layers)
+        want = config.full_precision_heads
+        self.fp_heads = {}  # {layer: [kv heads read exactly]} (OscarConfig.full_precision_heads)
+        for i, h in (rotations.top_retrieval_heads(want) if isinstance(want, int) else want):
+            self.fp_heads.setdefault(i, []).append(h)
         self._dev_cache = {}
 
     def _layer(self, i, device):
@@ -136,8 +140,16 @@ class OscarSpec(FakeQuantSpec):
         if i in self.skipped or i not in self.rot.layers:
             return None
         lr, ck, cv, center = self._layer(i, k.device)
-        return (self._fq(k, lr.r_k, lr.mu_k if center else None, ck),
-                self._fq(v, lr.r_v, lr.mu_v if center else None, cv))
+        if i not in self.fp_heads:
+            return (self._fq(k, lr.r_k, lr.mu_k if center else None, ck),
+                    self._fq(v, lr.r_v, lr.mu_v if center else None, cv))
+        # full-precision heads: every position read exactly; the other heads quantized as the cache does
+        q = [h for h in range(k.shape[1]) if h not in self.fp_heads[i]]
+        lq = lr.select_heads(q)
+        kh, vh = k.float().clone(), v.float().clone()
+        kh[:, q] = self._fq(k[:, q], lq.r_k, lq.mu_k if center else None, ck).float()
+        vh[:, q] = self._fq(v[:, q], lq.r_v, lq.mu_v if center else None, cv).float()
+        return kh, vh
 
     def exact_mask(self, n, prefill_len, device):
         return window_exact_mask(n, prefill_len, self.config.sink, self.config.recent, device)
@@ -170,11 +182,26 @@ class OscarFamily(KVMethod):
         c = self.config
         meta = torch.finfo(c.torch_meta_dtype).bits
         n_fp, n_q = _window_counts(T, c.sink, c.recent)
-        return _mix(n_fp, n_q, c.bits + 2 * meta / c.group_size)
+        q_bits = c.bits + 2 * meta / c.group_size
+        share = self.full_precision_share()
+        return _mix(n_fp, n_q, (1 - share) * q_bits + share * FP_BITS)
+
+    def full_precision_share(self) -> float:
+        """Fraction of the quantized layers' KV heads kept in full precision (``full_precision_heads``)."""
+        want = self.config.full_precision_heads
+        if not want:
+            return 0.0
+        if self.rotations is None:
+            raise ValueError("full_precision_heads needs the rotations to count the quantized heads")
+        n_heads = len(self.rotations.layers) * self.rotations.fingerprint.num_key_value_heads
+        return (want if isinstance(want, int) else len(want)) / n_heads
 
     def settings(self):
         c = self.config
         d = dict(method=self.method, sink=c.sink, recent=c.recent, group_size=c.group_size, center=c.center)
+        if c.full_precision_heads:
+            d["full_precision_heads"] = c.full_precision_heads if isinstance(c.full_precision_heads, int) else len(
+                c.full_precision_heads)
         if self.rotations is not None:
             d["artifact"] = self.rotations.metadata.get("path", self.rotations.method)
             d["offsets"] = self.rotations.has_offsets

@@ -86,6 +86,39 @@ def answer_nll(model, tokenizer, context, question, value: str, make_cache) -> t
     return nll, len(target)
 
 
+@torch.no_grad()
+def fast_answer_scores(model, tokenizer, context, question, value: str, specs: dict) -> dict:
+    """Teacher-forced answer scores of several cache methods on one needle, sharing one exact prefill.
+
+    ``specs``: ``{name: FakeQuantSpec | None}``. The haystack is prefilled once into a ``DynamicCache``
+    (OscarCache's prefill is exact on the prompt); then, per method, ``question + answer`` runs as ONE forward
+    whose attention reads the prefix through the method's fake-quantized view with the decode-time window of
+    every position (:mod:`oscar_hf.eval.fakequant`), i.e. what :func:`answer_nll` computes token by token.
+    Returns ``{name: {"nll": summed nats, "n_answer_tokens": n, "argmax_correct": bool}}``;
+    ``argmax_correct`` (every answer token is the argmax given the right prefix) is what greedy decoding of
+    the right answer needs."""
+    from transformers import DynamicCache
+
+    from .fakequant import fake_quant
+
+    dev = next(model.parameters()).device
+    target = torch.tensor(tokenizer(" " + value, add_special_tokens=False)["input_ids"])
+    cache = DynamicCache(config=model.config)
+    model(context[None].to(dev), past_key_values=cache, use_cache=True)
+    seq = torch.cat([question, target[:-1]])[None].to(dev)
+    n_ctx, n_q = len(context), len(question)
+    out = {}
+    for name, spec in specs.items():
+        with fake_quant(model, spec, prefill_len=n_ctx):
+            logits = model(seq, past_key_values=cache, use_cache=True).logits[0, n_q - 1 :].float()
+        cache.crop(-(cache.get_seq_length() - n_ctx))  # back to the exact prefix
+        logp = torch.log_softmax(logits, -1)
+        tgt = target.to(logits.device)
+        out[name] = dict(nll=float(-logp.gather(1, tgt[:, None]).sum()), n_answer_tokens=len(target),
+                         argmax_correct=bool((logits.argmax(-1) == tgt).all()))
+    return out
+
+
 def make_cells(lengths, depths, trials: int = 1, seed: int = 0) -> list[tuple]:
     """``(length, depth, key, value)`` per trial; the same cells (needles) for every method."""
     rng = random.Random(seed)  # trial-major: a run cut short still covers every (length, depth) once
@@ -260,6 +293,9 @@ def main(argv=None):
     p.add_argument("--clip-v", type=float, default=None, help="OSCAR row: value clip ratio (default: the artifact's)")
     p.add_argument("--key-offset", choices=["calibrated", "prefill"], default="calibrated",
                    help="OSCAR row: key offset of the history (OscarConfig.key_offset)")
+    p.add_argument("--full-precision-heads", type=int, default=0,
+                   help="OSCAR row: keep the artifact's k best retrieval heads in full precision "
+                        "(OscarConfig.full_precision_heads; needs scripts/find_retrieval_heads.py scores)")
     p.add_argument("--label", default=None, help="label of the OSCAR row (default 'OSCAR + centering')")
     p.add_argument("--dtype", default="float32", help="model dtype (bfloat16: the cache keeps K/V in bf16)")
     p.add_argument("--threads", type=int, default=None)
@@ -286,6 +322,8 @@ def main(argv=None):
     # the OSCAR row's settings beyond the windows: clip overrides and the key offset
     oscar_kw = {k: v for k, v in (("clip_k", args.clip_k), ("clip_v", args.clip_v)) if v is not None}
     oscar_kw["key_offset"] = args.key_offset
+    if args.full_precision_heads:
+        oscar_kw["full_precision_heads"] = args.full_precision_heads
     kv = "BF16" if dtype == torch.bfloat16 else str(args.dtype).replace("float", "FP")
     builders = {
         "fp": lambda: (f"{kv} DynamicCache", get_method("fp")),

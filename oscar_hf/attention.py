@@ -17,6 +17,9 @@ For one layer and a forward of ``L`` new tokens at slots ``[T, T + L)``:
      rotated space, rotated back once by ``R_Vᵀ`` and get ``+ (Σ_history p)·mu_V``. The history
      is read in bounded blocks (torch reference) or by the split-K Triton kernel (CUDA): no
      full-precision copy of it is ever built;
+* full-precision heads (``OscarConfig.full_precision_heads``): those KV heads keep every slot in
+  ``layer.fp_k/v`` and are read by one SDPA call over them, as a ``DynamicCache`` would
+  (:func:`full_precision_heads_attention`); the two parts above run on the other heads only;
 * then :meth:`OscarLayer.commit` demotes/appends.
 
 The attention mask (left padding, holes, custom 4D masks) is honoured in all three parts by
@@ -84,6 +87,28 @@ def _rotated_query(qf: torch.Tensor, layer):
     return q_rot, torch.matmul(qf, (mu_k[None] if mu_k.dim() == 2 else mu_k).unsqueeze(-1)).squeeze(-1)
 
 
+def full_precision_heads_attention(layer, query, new_k, new_v, allowed, t_old: int, scaling: float) -> torch.Tensor:
+    """``[B, P, g*L, D]``: exact attention of the layer's full-precision heads over their slots ``[0, T + L)``
+    (SDPA in the model dtype, the model's mask or causal, left padding masked from ``layer.pad``)."""
+    b, hq, l, d = query.shape
+    hk = new_k.shape[1]
+    g = hq // hk
+    layer.write_full_precision_heads(new_k, new_v, t_old)
+    kv = t_old + l
+    dev = query.device
+    if allowed is None:
+        slot = torch.arange(kv, device=dev)
+        ok = slot[None, :] <= (t_old + torch.arange(l, device=dev))[:, None]  # causal among the new rows
+        ok = ok[None] & (slot[None, None, :] >= layer.pad[:, None, None])  # [B, L, kv]
+        mask = None if (l == 1 and layer.pad_max == 0) else _mask_rows(ok, g)
+    else:
+        mask = _mask_rows(allowed, g)  # [B, 1, g*L, kv]
+    q = _group(query, hk).index_select(1, layer.fp_idx)  # [B, P, g*L, D]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, layer.fp_k[:, :, :kv], layer.fp_v[:, :, :kv], attn_mask=mask, scale=scaling
+    )
+
+
 def oscar_decode_attention(layer, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs):
     """Attention for one forward through an OSCAR layer; commits the new rows. Returns ``[B, L, Hq, D]``."""
     new_k, new_v = handle.key_states, handle.value_states
@@ -126,6 +151,10 @@ def oscar_decode_attention(layer, handle: OscarKV, query, attention_mask, scalin
             tail_ok = tail_ok[None].expand(b, l, -1)
         ok = torch.cat([sink_ok, tail_ok], -1)  # [B, L, window]
         win_mask = ok[:, None] if l == 1 else _mask_rows(ok, g)  # [B, 1, 1|M, window]
+    out_fp = None
+    if layer.fp_heads:  # full-precision heads apart; the rest reads window + INT2 history below
+        out_fp = full_precision_heads_attention(layer, query, new_k, new_v, allowed, t_old, scaling)
+        qf, win_k, win_v = (x.index_select(1, layer.q_idx) for x in (qf, win_k, win_v))
 
     # 2. INT2 history, in the rotated space: q rotated once; + q.mu_K on logits; values rotated back once.
     rot = layer.rot
@@ -143,6 +172,11 @@ def oscar_decode_attention(layer, handle: OscarKV, query, attention_mask, scalin
         qf, win_k, win_v, win_mask, rot.r_v, mu_v, out_dtype=query.dtype, block_n=layer.config.block_size,
         use_kernels=layer.config.use_kernels,
     )
+    if out_fp is not None:
+        full = out.new_empty(b, hk, out.shape[2], d)
+        full[:, layer.q_idx] = out
+        full[:, layer.fp_idx] = out_fp.to(out.dtype)
+        out = full
     out = out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
     layer.commit(new_k, new_v, pad)
     return out

@@ -10,9 +10,12 @@ Storage of one quantized layer (``OscarLayer``), for a batch of ``B`` rows, ``Hk
   kept as a small rollback reserve so that ``crop`` (assisted decoding) is exact;
 * **sink** (``sink_k/v [B, Hk, S0, D]``): row ``b``'s first ``S0`` real tokens, slots
   ``pad[b] + j``, gathered per row when demoted (rows of different padding demote at their own pace);
-* **history** (``QuantizedRows`` of ``[B, Hk, cap_h, ...]``): slot ``S0 + j`` at index ``j`` for
+* **history** (``QuantizedRows`` of ``[B, Hq, cap_h, ...]``): slot ``S0 + j`` at index ``j`` for
   every row, rotated/centered/clipped INT2; row ``b`` reads ``pad[b] <= j < tail_start - S0``
   (indices below ``pad[b]`` hold that row's padding or sink tokens and are never read).
+  ``Hq = Hk`` unless the layer has **full-precision heads** (``OscarConfig.full_precision_heads``,
+  e.g. the retrieval heads): those ``P`` heads are left out of the INT2 history and instead keep every
+  slot ``[0, T)`` in ``fp_k/v [B, P, cap, D]`` (model dtype), read like a ``DynamicCache``.
 
 So every slot of row ``b`` is in exactly one part: pad ``[0, pad_b)``, sink ``[pad_b, min(tail_start,
 pad_b + S0))``, history ``[pad_b + S0, tail_start)``, recent ``[tail_start, T)``; per-row counts are
@@ -112,8 +115,9 @@ class OscarLayer(QuantizedLayerBase):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int):
+    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=()):
         super().__init__(config, rotation, layer_idx)
+        self.fp_heads = tuple(sorted(set(int(h) for h in fp_heads)))  # KV heads kept in full precision
         self._clear()
 
     # ------------------------------------------------------------------ state
@@ -132,6 +136,8 @@ class OscarLayer(QuantizedLayerBase):
         self.hist_v: QuantizedRows | None = None
         self.mu_k_seq = None
         self.pending: OscarKV | None = None
+        self.fp_k = self.fp_v = None  # [B, P, cap, D]: every slot of the full-precision heads
+        self._fp_written = False  # this forward's new rows are already in fp_k/v
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         check_first_keys(self.layer_idx, self._rotation_cpu, key_states)
@@ -139,7 +145,13 @@ class OscarLayer(QuantizedLayerBase):
         r = self._rotation_cpu
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_kv_heads, self.head_dim = b, hk, d
-        self.rot = r.to(self.device)
+        if self.fp_heads and self.fp_heads[-1] >= hk:
+            raise ValueError(f"layer {self.layer_idx}: full_precision_heads {self.fp_heads} out of range for {hk} KV heads")
+        # quantized heads: all but the full-precision ones; their rotations / offsets only
+        self.q_heads = tuple(h for h in range(hk) if h not in self.fp_heads)
+        self.q_idx = torch.tensor(self.q_heads, dtype=torch.long, device=self.device)
+        self.fp_idx = torch.tensor(self.fp_heads, dtype=torch.long, device=self.device)
+        self.rot = (r.select_heads(self.q_heads) if self.fp_heads else r).to(self.device)
         s0, g, meta = self.config.sink, self.config.group_size, self.config.torch_meta_dtype
         kw = dict(dtype=self.dtype, device=self.device)
         cap = self.config.recent + CROP_RESERVE + TAIL_SLACK
@@ -147,9 +159,31 @@ class OscarLayer(QuantizedLayerBase):
         self.tail_v = torch.zeros(b, hk, cap, d, **kw)
         self.sink_k = torch.zeros(b, hk, s0, d, **kw)
         self.sink_v = torch.zeros(b, hk, s0, d, **kw)
-        self.hist_k = self._alloc_hist(0, b, hk, d, g, meta)
-        self.hist_v = self._alloc_hist(0, b, hk, d, g, meta)
+        self.hist_k = self._alloc_hist(0, b, len(self.q_heads), d, g, meta)
+        self.hist_v = self._alloc_hist(0, b, len(self.q_heads), d, g, meta)
+        if self.fp_heads:
+            self.fp_k = torch.zeros(b, len(self.fp_heads), 0, d, **kw)
+            self.fp_v = torch.zeros(b, len(self.fp_heads), 0, d, **kw)
         self.is_initialized = True
+
+    def _quantized_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, Hk, ...]`` -> the heads stored in INT2 ``[B, Hq, ...]`` (``x`` itself without full-precision heads)."""
+        return x.index_select(1, self.q_idx) if self.fp_heads else x
+
+    def write_full_precision_heads(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
+        """Slots ``[t_old, t_old + L)`` of the full-precision heads (amortized growth). The attention function
+        calls it before reading them; ``commit`` then does not write again."""
+        if not self.fp_heads or self._fp_written:
+            return
+        t_new = t_old + new_k.shape[2]
+        cap = self.fp_k.shape[2]
+        if t_new > cap:
+            new_cap = max(t_new, int(cap * 1.5), 1024)
+            grow = lambda t: torch.cat([t[:, :, :t_old], t.new_zeros(*t.shape[:2], new_cap - t_old, t.shape[3])], 2)  # noqa: E731
+            self.fp_k, self.fp_v = grow(self.fp_k), grow(self.fp_v)
+        self.fp_k[:, :, t_old:t_new] = new_k.index_select(1, self.fp_idx)
+        self.fp_v[:, :, t_old:t_new] = new_v.index_select(1, self.fp_idx)
+        self._fp_written = True
 
     def _alloc_hist(self, cap, b, hk, d, g, meta):
         return QuantizedRows(
@@ -223,6 +257,8 @@ class OscarLayer(QuantizedLayerBase):
         if not self.is_initialized:
             self.lazy_initialization(new_k, new_v)
         self.pending = None
+        self.write_full_precision_heads(new_k, new_v, self.seq_len)
+        self._fp_written = False
         if self.pad is None:
             self.pad = (pad if pad is not None else torch.zeros(self.batch_size, dtype=torch.long)).to(self.device)
             self.pad_max = int(self.pad.max()) if self.pad.numel() else 0
@@ -282,7 +318,7 @@ class OscarLayer(QuantizedLayerBase):
         mu_k, mu_v = self.offsets()
         for c0 in range(ha, b, step):
             c1 = min(b, c0 + step)
-            xk, xv = self._source(c0, c1, t_old, new_k, new_v)
+            xk, xv = (self._quantized_heads(x) for x in self._source(c0, c1, t_old, new_k, new_v))
             uk = self.config.use_kernels
             rotate_quantize(xk, r.r_k, mu_k, self.clip_k, g, meta, out=self.hist_k, out_offset=c0 - s0, use_kernels=uk)
             rotate_quantize(xv, r.r_v, mu_v, self.clip_v, g, meta, out=self.hist_v, out_offset=c0 - s0, use_kernels=uk)
@@ -292,7 +328,7 @@ class OscarLayer(QuantizedLayerBase):
         the end of this first demotion: the prompt, when it is longer than sink + recent). Nothing was demoted
         before, so those slots are all in the full-precision tail or the new rows. A row without such a
         key (all padding) takes the calibrated mu_K, or zero."""
-        k, _ = self._source(0, b, t_old, new_k, new_v)  # [B, Hk, b, D]
+        k = self._quantized_heads(self._source(0, b, t_old, new_k, new_v)[0])  # [B, Hq, b, D]
         slot = torch.arange(b, device=self.device)
         w = (slot[None, :] >= (self.pad + self.config.sink)[:, None]).float()  # [B, b]
         n = w.sum(1)  # [B]
@@ -367,6 +403,8 @@ class OscarLayer(QuantizedLayerBase):
         self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
         self.hist_k = QuantizedRows(*(fn(t) for t in self.hist_k))
         self.hist_v = QuantizedRows(*(fn(t) for t in self.hist_v))
+        if self.fp_k is not None:
+            self.fp_k, self.fp_v = fn(self.fp_k), fn(self.fp_v)
         if self.pad is not None:
             self.pad = fn(self.pad)
             self.pad_max = int(self.pad.max()) if self.pad.numel() else 0
@@ -394,8 +432,10 @@ class OscarLayer(QuantizedLayerBase):
     def memory(self) -> dict[str, int]:
         """Bytes actually used by the cached tokens (logical) and allocated by the buffers."""
         if not self.is_initialized:
-            return dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, allocated=0, tokens=0)
+            return dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, full_precision_heads=0,
+                        allocated=0, tokens=0)
         b, hk, d = self.batch_size, self.num_kv_heads, self.head_dim
+        hq = len(self.q_heads)  # heads in the INT2 history
         el = self.tail_k.element_size()
         g = self.config.group_size
         meta_el = self.hist_k.scale.element_size()
@@ -404,12 +444,18 @@ class OscarLayer(QuantizedLayerBase):
         n_hist = int((self.n_hist - self.pad.clamp(max=self.n_hist)).sum()) if self.pad is not None else 0
         alloc = sum(t.numel() * t.element_size() for t in (self.tail_k, self.tail_v, self.sink_k, self.sink_v))
         alloc += sum(t.numel() * t.element_size() for q in (self.hist_k, self.hist_v) for t in q)
+        n_real = int((self.seq_len - self.pad.clamp(max=self.seq_len)).sum()) if self.pad is not None else 0
+        fp_bytes = 0
+        if self.fp_k is not None:  # every real slot of those heads (their sink/recent copies are counted above)
+            fp_bytes = 2 * n_real * len(self.fp_heads) * d * el
+            alloc += 2 * self.fp_k.numel() * el
         return dict(
             sink=2 * n_sink * hk * d * el,
             recent=2 * n_rec * hk * d * el,
-            history_codes=2 * n_hist * hk * d // 4,
-            history_meta=2 * n_hist * hk * (d // g) * 2 * meta_el,
-            history_elements=2 * n_hist * hk * d,
+            history_codes=2 * n_hist * hq * d // 4,
+            history_meta=2 * n_hist * hq * (d // g) * 2 * meta_el,
+            history_elements=2 * n_hist * hq * d,
+            full_precision_heads=fp_bytes,
             allocated=alloc,
             tokens=n_sink + n_rec + n_hist,
         )
@@ -446,14 +492,19 @@ class OscarCache(Cache):
             if getattr(text_cfg, name, None):
                 raise NotImplementedError(f"{fp.architecture}: attention logit soft-capping ({name}) is not supported by OSCAR")
         skipped = config.skipped(fp.num_layers)
+        fp_heads = self._resolve_full_precision_heads(config, rotations, fp, skipped)
+        if fp_heads:  # the saved / reported config names the heads, not "the top k"
+            config = config.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in fp_heads.items() for h in hs)))
         layers: list[Any] = []
         for i, kind in enumerate(fp.layer_types):
             if kind in SLIDING_LAYER_TYPES:
                 window = getattr(text_cfg, "sliding_window", None) if kind == "sliding_attention" else text_cfg.attention_chunk_size
                 layers.append(self._sliding_layer(window))
             elif kind in FULL_LAYER_TYPES:
-                if i in skipped or i not in rotations.layers:
+                if i in skipped or i not in rotations.layers or len(fp_heads.get(i, ())) == fp.num_key_value_heads:
                     layers.append(self._full_precision_layer())
+                elif i in fp_heads:
+                    layers.append(self._oscar_layer(config, rotations.layers[i], i, fp_heads[i]))
                 else:
                     layers.append(self._oscar_layer(config, rotations.layers[i], i))
             else:
@@ -468,6 +519,21 @@ class OscarCache(Cache):
             shard_cache_for_tensor_parallel(self, model_or_config)  # [tensor parallelism] no-op without TP
             enable_oscar(model_or_config)
 
+    @staticmethod
+    def _resolve_full_precision_heads(config: OscarConfig, rotations: OscarRotations, fp: ModelFingerprint,
+                                      skipped: set[int]) -> dict[int, tuple[int, ...]]:
+        """``{layer: kv heads}`` kept in full precision: the artifact's top-k retrieval heads or the given pairs."""
+        want = config.full_precision_heads
+        pairs = rotations.top_retrieval_heads(want) if isinstance(want, int) else want
+        out: dict[int, list[int]] = {}
+        for i, h in pairs:
+            if not 0 <= i < fp.num_layers or not 0 <= h < fp.num_key_value_heads:
+                raise ValueError(f"full_precision_heads: ({i}, {h}) is not a (layer, kv_head) of this model "
+                                 f"({fp.num_layers} layers, {fp.num_key_value_heads} KV heads)")
+            if i in rotations.layers and i not in skipped and fp.layer_types[i] in FULL_LAYER_TYPES:
+                out.setdefault(i, []).append(h)  # heads of unquantized layers are full precision already
+        return {i: tuple(sorted(hs)) for i, hs in out.items()}
+
     # Layer factories (the static-capacity subclass, oscar_hf.static_cache, overrides them).
     def _sliding_layer(self, window: int):
         return DynamicSlidingWindowLayer(sliding_window=window)
@@ -475,8 +541,8 @@ class OscarCache(Cache):
     def _full_precision_layer(self):
         return DynamicLayer()
 
-    def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int):
-        return OscarLayer(config, rotation, layer_idx)
+    def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=()):
+        return OscarLayer(config, rotation, layer_idx, fp_heads)
 
     @classmethod
     def from_pretrained(cls, name_or_path, model, config: OscarConfig | None = None, *, revision=None, cache_dir=None,
@@ -506,13 +572,15 @@ class OscarCache(Cache):
     # ------------------------------------------------------------------ reporting
     def memory_report(self) -> dict[str, float]:
         """Bytes by part (summed over layers), bits per element, and the BF16 DynamicCache equivalent."""
-        tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, allocated=0, full_precision_layers=0)
+        tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, full_precision_heads=0,
+                   allocated=0, full_precision_layers=0)
         elements = 0
         for layer in self.layers:
             if hasattr(layer, "memory"):  # OscarLayer and the static StaticOscarLayer
                 m = layer.memory()
                 for k in ("sink", "recent", "history_codes", "history_meta", "history_elements", "allocated"):
                     tot[k] += m[k]
+                tot["full_precision_heads"] += m.get("full_precision_heads", 0)
                 if layer.is_initialized:
                     elements += 2 * m["tokens"] * layer.num_kv_heads * layer.head_dim
             elif getattr(layer, "is_initialized", False) and layer.keys is not None:
@@ -520,7 +588,8 @@ class OscarCache(Cache):
                 tot["full_precision_layers"] += nb
                 tot["allocated"] += nb
                 elements += 2 * layer.keys.numel()
-        used = tot["sink"] + tot["recent"] + tot["history_codes"] + tot["history_meta"] + tot["full_precision_layers"]
+        used = (tot["sink"] + tot["recent"] + tot["history_codes"] + tot["history_meta"] + tot["full_precision_layers"]
+                + tot["full_precision_heads"])
         tot["total"] = used
         tot["bf16_equivalent"] = 2 * elements
         tot["bits_per_element"] = 8 * used / elements if elements else float("nan")

@@ -40,6 +40,12 @@ class OscarConfig:
             position-dependent drift of RoPE'd keys that a calibrated mean misses at long context
             (``scripts/eval_block_centering.py``). ``OscarCache`` only (not ``StaticOscarCache``).
         skip_layers: layers kept entirely in full precision (negative indices count from the end).
+        full_precision_heads: KV heads kept entirely in full precision (keys and values, every position),
+            the rest of their layer quantized as usual: an int ``k`` takes the ``k`` best "retrieval heads"
+            of the artifact (``OscarRotations.retrieval_scores``, see ``oscar_hf.retrieval_heads``), or
+            explicit ``(layer, kv_head)`` pairs. Each head costs ``16 - 2.5`` bits per element of its share
+            of the cache (SmolLM2: 8 of 90 heads -> 3.7 history bits per element instead of 2.5) and gives
+            back retrieval of single facts from far back (needle in a haystack). ``OscarCache`` only.
         block_size: history tokens dequantized at once by the CPU reference decode (bounded memory).
         prefill_chunk: tokens quantized at once when a long prompt is written to history.
         use_kernels: "auto" (Triton on CUDA when available), True (require) or False (torch reference).
@@ -56,6 +62,7 @@ class OscarConfig:
     center: bool = True
     key_offset: str = "calibrated"
     skip_layers: tuple[int, ...] = ()
+    full_precision_heads: int | tuple[tuple[int, int], ...] = 0
     block_size: int = 1024
     prefill_chunk: int = 4096
     use_kernels: bool | str = "auto"
@@ -88,6 +95,20 @@ class OscarConfig:
             if any(not (0.0 < v <= 1.0) for v in vals):
                 raise ValueError(f"OscarConfig.{name} ratios must lie in (0, 1], got {val!r}")
         object.__setattr__(self, "skip_layers", tuple(int(i) for i in self.skip_layers))
+        fph = self.full_precision_heads
+        if isinstance(fph, bool) or not isinstance(fph, (int, Sequence)) or isinstance(fph, str):
+            raise ValueError(f"full_precision_heads must be an int or (layer, kv_head) pairs, got {fph!r}")
+        if isinstance(fph, int):
+            if fph < 0:
+                raise ValueError(f"full_precision_heads must be >= 0, got {fph}")
+        else:
+            try:
+                pairs = tuple(sorted({(int(a), int(b)) for a, b in fph}))
+            except (TypeError, ValueError):
+                raise ValueError(f"full_precision_heads pairs must be (layer, kv_head) ints, got {fph!r}") from None
+            if any(a < 0 or b < 0 for a, b in pairs):
+                raise ValueError(f"full_precision_heads pairs must be non-negative, got {fph!r}")
+            object.__setattr__(self, "full_precision_heads", pairs)
 
     @property
     def torch_meta_dtype(self) -> torch.dtype:

@@ -225,6 +225,9 @@ def shard_cache_for_tensor_parallel(cache, model) -> TPLayout | None:
     layout = tp_layout(model, fp.num_key_value_heads, fp.head_dim, layers=q_layers)
     if layout is None:
         return None
+    if any(getattr(cache.layers[i], "fp_heads", ()) for i in q_layers):
+        raise NotImplementedError("full_precision_heads is not supported under tensor parallelism (the heads are "
+                                  "global indices); use it on one device")
     for i in q_layers:
         layer = cache.layers[i]
         full = cache.rotations.layers[i]

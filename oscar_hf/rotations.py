@@ -48,6 +48,12 @@ class LayerRotation:
         mv = lambda t: None if t is None else t.to(device)  # noqa: E731
         return dataclasses.replace(self, r_k=mv(self.r_k), r_v=mv(self.r_v), mu_k=mv(self.mu_k), mu_v=mv(self.mu_v))
 
+    def select_heads(self, heads) -> "LayerRotation":
+        """The rotations / offsets of the KV heads ``heads`` (a list of indices), in that order."""
+        idx = torch.as_tensor(list(heads), dtype=torch.long, device=self.r_k.device)
+        sel = lambda t: None if t is None else t.index_select(0, idx.to(t.device)).contiguous()  # noqa: E731
+        return dataclasses.replace(self, r_k=sel(self.r_k), r_v=sel(self.r_v), mu_k=sel(self.mu_k), mu_v=sel(self.mu_v))
+
 
 @dataclasses.dataclass
 class OscarRotations:
@@ -57,6 +63,9 @@ class OscarRotations:
     method: str
     layers: dict[int, LayerRotation]
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # [num_layers, Hk] float32 >= 0: how much each KV head retrieves facts from far back
+    # (oscar_hf.retrieval_heads); OscarConfig(full_precision_heads=k) keeps the top k in full precision.
+    retrieval_scores: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -110,6 +119,34 @@ class OscarRotations:
                 c = getattr(lr, name)
                 if not isinstance(c, float) or not 0.0 < c <= 1.0:
                     raise ValueError(f"layer {i} {name}: clip ratio must be a float in (0, 1], got {c!r}")
+        s = self.retrieval_scores
+        if s is not None:
+            if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (fp.num_layers, hk):
+                raise ValueError(f"retrieval_scores: expected float32 [{fp.num_layers}, {hk}], got "
+                                 f"{getattr(s, 'dtype', type(s))} {tuple(getattr(s, 'shape', ()))}")
+            if not torch.isfinite(s).all() or (s < 0).any():
+                raise ValueError("retrieval_scores: must be finite and non-negative")
+
+    def top_retrieval_heads(self, k: int) -> tuple[tuple[int, int], ...]:
+        """The ``k`` KV heads ``(layer, head)`` of quantized layers with the highest retrieval scores."""
+        if k == 0:
+            return ()
+        if self.retrieval_scores is None:
+            raise ValueError(
+                "full_precision_heads=<int> needs retrieval scores in the rotation artifact: run "
+                "scripts/find_retrieval_heads.py --artifact <dir> (or calibrate with --retrieval-probes), "
+                "or pass explicit (layer, kv_head) pairs"
+            )
+        s = self.retrieval_scores.clone()
+        for i in range(s.shape[0]):
+            if i not in self.layers:
+                s[i] = -1.0  # full-precision already (sliding / unquantized layers)
+        n_q = len(self.layers) * s.shape[1]
+        if not 0 < k <= n_q:
+            raise ValueError(f"full_precision_heads={k}: must lie in [0, {n_q}] (KV heads of the quantized layers)")
+        hk = s.shape[1]
+        order = torch.argsort(s.flatten(), descending=True, stable=True)[:k]
+        return tuple((int(i) // hk, int(i) % hk) for i in order)
 
     def check_compatible(self, config) -> None:
         """Refuse an artifact made for another model, naming every mismatch."""
@@ -143,6 +180,8 @@ class OscarRotations:
             if lr.mu_v is not None:
                 tensors[f"layers.{i}.mu_v"] = lr.mu_v.detach().cpu().clone()
             layer_meta[str(i)] = {"clip_k": lr.clip_k, "clip_v": lr.clip_v}
+        if self.retrieval_scores is not None:
+            tensors["retrieval_scores"] = self.retrieval_scores.detach().cpu().float().clone()
         save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "oscar_hf", "version": str(FORMAT_VERSION)})
         doc = {
             "format_version": FORMAT_VERSION,
@@ -223,6 +262,7 @@ class OscarRotations:
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise ValueError(f"{w_file}: corrupted or truncated safetensors file ({e})") from None
         layers: dict[int, LayerRotation] = {}
+        scores = tensors.pop("retrieval_scores", None)
         if not isinstance(doc["layers"], dict):
             raise ValueError(f"{cfg_file}: 'layers' must be an object")
         for key, meta in doc["layers"].items():
@@ -240,7 +280,7 @@ class OscarRotations:
             )
         if tensors:
             raise ValueError(f"{w_file}: unexpected tensors {sorted(tensors)[:5]} (no matching layer in {cfg_file.name})")
-        rot = cls(fp, str(doc.get("method", "unknown")), layers, dict(doc.get("metadata") or {}))
+        rot = cls(fp, str(doc.get("method", "unknown")), layers, dict(doc.get("metadata") or {}), scores)
         rot.validate()
         return rot
 

@@ -7,7 +7,8 @@ A long document prefilled once can be reused across program runs at the cache's 
   kind (``oscar`` / ``dynamic`` / ``sliding``) and scalar positions (``seq_len``, ``tail_start``,
   ``buf_slot0``, ...);
 * ``cache_tensors.safetensors``: per layer only the *used* part of each buffer (pad offsets, sink,
-  the tail slots ``[buf_slot0, seq_len)``, history ``[:n_hist]``; full K/V for unquantized layers);
+  the tail slots ``[buf_slot0, seq_len)``, history ``[:n_hist]`` (quantized heads), the slots
+  ``[0, seq_len)`` of full-precision heads; full K/V for unquantized layers);
 * ``rotations/``: the rotation artifact the cache was built with.
 
 Loading validates every tensor's shape and dtype against the JSON before use; nothing is unpickled.
@@ -60,6 +61,8 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
             }
             if layer.mu_k_seq is not None:  # key_offset="prefill": the history is centered on it
                 t["mu_k_seq"] = layer.mu_k_seq
+            if layer.fp_heads:  # full-precision heads: every slot [0, seq_len)
+                t["fp_k"], t["fp_v"] = layer.fp_k[:, :, : layer.seq_len], layer.fp_v[:, :, : layer.seq_len]
             tensors.update({f"layers.{i}.{k}": v.detach().cpu().contiguous() for k, v in t.items()})
             layers.append(dict(kind="oscar", empty=False, seq_len=layer.seq_len, tail_start=layer.tail_start,
                                buf_slot0=layer.tail_start, dtype=str(layer.dtype).removeprefix("torch."),
@@ -140,12 +143,14 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None):
             sink = [_expect(tensors, p + k, (b, hk, s0, d), dtype) for k in ("sink_k", "sink_v")]
             tail = [_expect(tensors, p + k, (b, hk, seq - bs0, d), dtype) for k in ("tail_k", "tail_v")]
             hist = []
+            hq, n_fp = hk - len(layer.fp_heads), len(layer.fp_heads)  # quantized / full-precision heads
             for kv in ("k", "v"):
                 hist.append(QuantizedRows(
-                    _expect(tensors, f"{p}hist_{kv}_codes", (b, hk, n, d // 4), torch.uint8),
-                    _expect(tensors, f"{p}hist_{kv}_scale", (b, hk, n, d // g), meta),
-                    _expect(tensors, f"{p}hist_{kv}_zero", (b, hk, n, d // g), meta),
+                    _expect(tensors, f"{p}hist_{kv}_codes", (b, hq, n, d // 4), torch.uint8),
+                    _expect(tensors, f"{p}hist_{kv}_scale", (b, hq, n, d // g), meta),
+                    _expect(tensors, f"{p}hist_{kv}_zero", (b, hq, n, d // g), meta),
                 ))
+            fp_kv = [_expect(tensors, p + k, (b, n_fp, seq, d), dtype) for k in ("fp_k", "fp_v")] if n_fp else None
             layer.lazy_initialization(tail[0][:, :, :0].to(device), tail[1][:, :, :0].to(device))
             layer.pad = pad.to(device)
             layer.pad_max = int(pad.max()) if pad.numel() else 0
@@ -157,8 +162,10 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None):
             layer.tail_v[:, :, : seq - bs0] = tail[1].to(device)
             layer.hist_k, layer.hist_v = (QuantizedRows(*(x.to(device) for x in h)) for h in hist)
             layer.seq_len, layer.tail_start, layer.buf_slot0 = seq, ts, bs0
+            if fp_kv is not None:
+                layer.fp_k, layer.fp_v = (x.to(device) for x in fp_kv)
             if config.key_offset == "prefill" and n > 0:
-                layer.mu_k_seq = _expect(tensors, p + "mu_k_seq", (b, hk, d), torch.float32).to(device)
+                layer.mu_k_seq = _expect(tensors, p + "mu_k_seq", (b, hq, d), torch.float32).to(device)
             elif p + "mu_k_seq" in tensors:
                 raise ValueError(f"layer {i}: the saved history is centered on per-sequence key means "
                                  "(key_offset='prefill'), this cache's config says key_offset='calibrated'")

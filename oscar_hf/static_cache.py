@@ -312,7 +312,9 @@ class StaticOscarCache(OscarCache):
     def _full_precision_layer(self):
         return StaticLayer(max_cache_len=self.capacity)
 
-    def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int):
+    def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=()):
+        if fp_heads:
+            raise NotImplementedError("StaticOscarCache does not support full_precision_heads; use OscarCache")
         return StaticOscarLayer(config, rotation, layer_idx, self.capacity)
 
     def save(self, directory) -> None:

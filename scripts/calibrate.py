@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SINK,RECENT of the cache the artifact is for (errors count only quantized history pairs, "
                    "sink tokens leave the K/V statistics); 'none': all tokens")
     p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--retrieval-probes", type=int, default=12,
+                   help="synthetic key/value probes in the calibration text that score the retrieval heads "
+                        "(OscarConfig(full_precision_heads=k)); 0: none")
+    p.add_argument("--retrieval-lengths", default="2048,4096", help="probe lengths in tokens")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -111,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
                            "calibration_chars": [0, split.boundary], "total_chars": split.total_chars},
                   "model_arg": args.model, "dtype": args.dtype, "device": args.device},
     )
+    if args.retrieval_probes > 0:
+        from oscar_hf.retrieval_heads import find_retrieval_heads
+
+        lengths = tuple(int(x) for x in args.retrieval_lengths.split(","))
+        rot.retrieval_scores = find_retrieval_heads(model, tok, split.calibration, args.retrieval_probes, lengths,
+                                                    progress=not args.no_progress)
+        rot.metadata["retrieval_probes"] = {"n": args.retrieval_probes, "lengths": list(lengths)}
     out.mkdir(parents=True, exist_ok=True)
     rot.save_pretrained(out)
     report = calibration_report(rot)

@@ -33,8 +33,12 @@ def main(argv=None):
     p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--calib-method", nargs="+", default=["oscar"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--full-precision-heads", default="",
+                   help="LAYER:HEAD,... kept in full precision (OscarConfig.full_precision_heads): the kernels then "
+                        "run on the other heads of those layers")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    fph = tuple(tuple(int(x) for x in pair.split(":")) for pair in args.full_precision_heads.split(",") if pair)
     torch.manual_seed(0)
     model = build_model(args.shape, torch.bfloat16, args.device, args.context + args.steps + 16)
     ids = torch.randint(100, model.config.vocab_size - 100, (args.batch, args.context), device=args.device)
@@ -47,7 +51,8 @@ def main(argv=None):
     steps_tok = torch.randint(100, model.config.vocab_size - 100, (args.batch, args.steps), device=args.device)
     # Read-path check from identical states: at every decode step the cache is deep-copied, the copy
     # runs the torch reference (use_kernels=False) and the original runs the Triton kernels.
-    cache = OscarCache(model, method="hadamard", group_size=64, use_kernels="auto")
+    cache = OscarCache(model, method="hadamard", group_size=64, use_kernels="auto", full_precision_heads=fph)
+    res["full_precision_heads"] = [list(x) for x in fph]
     errs, agree = [], []
     with torch.no_grad():
         model(ids, attention_mask=am, past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -464,20 +464,26 @@ def test_cli_runs_and_refuses_to_overwrite(tiny_model_dir, tmp_path, capsys):
         sys.path.pop(0)
     out = tmp_path / "out"
     argv = ["--model", str(tiny_model_dir), "--tokens", "128", "--seq-len", "64", "--method", "auto",
-            "--group-size", "16", "--window", "4,16", "--out", str(out), "--no-progress", "-q"]
+            "--group-size", "16", "--window", "4,16", "--out", str(out), "--no-progress", "-q",
+            "--retrieval-probes", "2", "--retrieval-lengths", "160"]
     assert cli.main(argv) == 0
     for f in ("oscar_config.json", "oscar_rotations.safetensors", "report.txt", "spectra.png"):
         assert (out / f).is_file(), f
     rot = OscarRotations.from_pretrained(out)
     assert rot.method == "auto" and rot.metadata["data"]["calibration_chars"][1] < rot.metadata["data"]["total_chars"]
+    fp = rot.fingerprint  # retrieval scores: attention mass in [0, 1] per (layer, KV head)
+    assert rot.retrieval_scores.shape == (fp.num_layers, fp.num_key_value_heads)
+    assert 0 < rot.retrieval_scores.max() <= 1 + 1e-5
     before = (out / "oscar_rotations.safetensors").read_bytes()
     capsys.readouterr()
     assert cli.main(argv) == cli.EXIT_EXISTS
     assert "--force" in capsys.readouterr().err
     assert (out / "oscar_rotations.safetensors").read_bytes() == before
-    assert cli.main(argv + ["--force", "--method", "hadamard", "--clip-grid", "1", "--window", "none"]) == 0
+    assert cli.main(argv + ["--force", "--method", "hadamard", "--clip-grid", "1", "--window", "none",
+                            "--retrieval-probes", "0"]) == 0
     back = OscarRotations.from_pretrained(out)
     assert back.method == "hadamard" and back.metadata["calibration"]["window"] is None
+    assert back.retrieval_scores is None
 
 
 def test_cli_script_refuses_existing_artifact_before_loading(tmp_path):

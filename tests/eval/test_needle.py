@@ -120,3 +120,25 @@ def test_answer_nll_equals_one_forward_for_full_precision_cache():
     nll_q, _ = answer_nll(model, tok, ctx, q, "42",
                           lambda: get_method("identity", sink=4, recent=16, group_size=32).make_cache(model))
     assert nll_q != nll
+
+
+@pytest.mark.parametrize("method", ["fp", "hadamard"])
+def test_fast_answer_scores_equal_token_by_token(method):  # fp: DynamicCache; hadamard: OscarCache
+    """One exact prefill + one fake-quantized forward of question + answer gives the answer NLL that
+    feeding the question and answer token by token through the real cache gives (OscarCache for INT2),
+    including the decode-time window shift (the needle sits in the INT2 history)."""
+    from oscar_hf.eval.needle import answer_nll, fast_answer_scores
+
+    model = tiny_model("llama")
+    tok = CharTok()
+    hay = filler_ids(tok, 400) % 250
+    ctx, q, at = make_needle_prompt(tok, hay, 240, 0.5, "k", "42")
+    ctx, q = ctx % 250, q % 250
+    m = get_method(method) if method == "fp" else get_method(method, sink=4, recent=16, group_size=32)
+    assert 4 < at < len(ctx) - 16  # the needle is history, not window
+    nll, n = answer_nll(model, tok, ctx, q, "42", lambda: m.make_cache(model))
+    other = get_method("identity", sink=4, recent=16, group_size=32).fake_spec(model)
+    fast = fast_answer_scores(model, tok, ctx, q, "42", {"m": m.fake_spec(model), "other": other})
+    assert fast["m"]["n_answer_tokens"] == n
+    assert abs(fast["m"]["nll"] - nll) < 2e-4 * max(1.0, abs(nll))
+    assert abs(fast["other"]["nll"] - nll) > 1e-3  # a different method scores differently

@@ -48,6 +48,10 @@ CASES = [
     ("artifact", dict(sink=2, recent=6, group_size=16), 20),
     ("artifact-nocenter", dict(sink=2, recent=6, group_size=16, center=False), 4),
     ("skip", dict(sink=4, recent=8, group_size=32, skip_layers=(0,)), 1),
+    # full-precision heads, in the last quantized layer only: a float-noise code flip in a layer below would
+    # propagate and hide what is tested (the fp heads' exact reads beside the other heads' INT2 history)
+    ("artifact-fpheads", dict(sink=2, recent=6, group_size=16, full_precision_heads=((0, 1),), skip_layers=(1,)), 20),
+    ("artifact-fpheads-decode", dict(sink=2, recent=6, group_size=16, full_precision_heads=((1, 1),)), 1),
 ]
 
 

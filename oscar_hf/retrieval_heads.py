@@ -1,0 +1,124 @@
+"""Retrieval heads: the KV heads that copy a fact from far back in the context (calibration side).
+
+A 2-bit history keeps attention statistics close (perplexity +2-5%) but can lose the one needle a
+retrieval query must find among thousands of keys. Those lookups are done by a few heads (Wu et al.,
+"Retrieval Head Mechanistically Explains Long-Context Factuality", 2024). This module finds them with
+synthetic key/value probes placed in *calibration* text: per ``(layer, query head)`` the attention mass
+that the positions predicting the answer put on the probe's fact sentence, pooled per KV head by the max
+over its query heads. ``OscarConfig(full_precision_heads=...)`` then keeps the top few in full precision.
+
+Probe prompts: ``<haystack> <fact> <haystack> <question> <answer>`` with
+fact = "The access code of <name> is <7 digits>." and question "What is the access code of <name>?
+The access code of <name> is" (words and names other than the needle evaluation's).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .patching import patched, register_handler
+
+FACT = "The access code of {name} is {value}."
+ASK = " What is the access code of {name}? The access code of {name} is"
+NAMES = ("Miriam Okafor", "Tomas Lindqvist", "Priya Raman", "Hugo Moreau", "Aiko Tanaka", "Pavel Novak",
+         "Lucia Ferreira", "Samuel Adeyemi")
+
+
+@dataclass
+class Probe:
+    ids: torch.Tensor  # [n] context + question + answer
+    fact: tuple[int, int]  # [start, end) of the fact sentence
+    answer: tuple[int, int]  # [start, end) of the answer tokens (the rows predicting them start one earlier)
+
+
+def probe_needles(tokenizer, haystack_ids: torch.Tensor, n: int = 12, lengths=(2048, 4096),
+                  depths=(0.25, 0.5, 0.75), seed: int = 1000) -> list[Probe]:
+    """``n`` probes cycling over ``lengths x depths``; ``haystack_ids`` should be calibration text."""
+    rng = random.Random(seed)
+    enc = lambda s: torch.tensor(tokenizer(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    cells = [(L, d) for L in lengths for d in depths]
+    out = []
+    hay = haystack_ids.reshape(-1)
+    for i in range(n):
+        L, d = cells[i % len(cells)]
+        name, value = rng.choice(NAMES), str(rng.randint(1_000_000, 9_999_999))
+        fact, ask, ans = enc(" " + FACT.format(name=name, value=value) + " "), enc(ASK.format(name=name)), enc(" " + value)
+        n_hay = L - len(fact) - len(ask) - len(ans)
+        if n_hay < 1 or hay.numel() < n_hay + i:
+            raise ValueError(f"haystack too short for a probe of length {L}")
+        h = hay[i : i + n_hay]  # shift the haystack per probe
+        at = int(round(d * n_hay))
+        ids = torch.cat([h[:at], fact, h[at:], ask, ans])
+        a0 = len(ids) - len(ans)
+        out.append(Probe(ids, (at, at + len(fact)), (a0, len(ids))))
+    return out
+
+
+_STATE: dict = {}
+
+
+def _probe_handler(module, query, key, value, attention_mask, *args, base: str, scaling=None, **kwargs):
+    """Records, for the answer-predicting rows, the attention mass on the fact span; the base attention
+    then runs as usual (``NotImplemented``)."""
+    st = _STATE.get("probe")
+    if st is None or not isinstance(key, torch.Tensor):
+        return NotImplemented
+    (f0, f1), (a0, a1) = st["fact"], st["answer"]
+    rows = torch.arange(a0 - 1, a1 - 1, device=query.device)  # the positions whose next token is an answer token
+    q = query[:, :, rows].float()  # [B, Hq, m, D]
+    hq, hk = q.shape[1], key.shape[1]
+    k = key.float().repeat_interleave(hq // hk, dim=1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * (scaling or q.shape[-1] ** -0.5)  # [B, Hq, m, kv]
+    s = s.masked_fill(torch.arange(k.shape[2], device=q.device)[None, :] > rows[:, None], float("-inf"))
+    mass = F.softmax(s, -1)[..., f0:f1].sum(-1).mean((0, 2))  # [Hq]
+    st["mass"][module.layer_idx] += mass.cpu()
+    return NotImplemented
+
+
+register_handler("oscarprobe_", _probe_handler)
+
+
+@torch.no_grad()
+def retrieval_scores(model, probes: list[Probe], progress: bool = True) -> torch.Tensor:
+    """``[num_layers, num_kv_heads]``: mean over probes of the max (over the KV head's query heads) of the
+    attention mass the answer-predicting rows put on the fact sentence. Layers without attention
+    (``layer_idx`` absent) stay zero."""
+    from tqdm.auto import tqdm
+
+    cfg = model.config.get_text_config(decoder=True)
+    nl, hq = cfg.num_hidden_layers, cfg.num_attention_heads
+    hk = getattr(cfg, "num_key_value_heads", None) or hq
+    mass = torch.zeros(nl, hq)
+    dev = next(model.parameters()).device
+    with patched(model, "oscarprobe_"):
+        for pr in tqdm(probes, desc="retrieval probes", disable=not progress):
+            _STATE["probe"] = dict(fact=pr.fact, answer=pr.answer, mass=mass)
+            try:
+                model(pr.ids[None].to(dev), use_cache=False, logits_to_keep=1)
+            finally:
+                _STATE.pop("probe", None)
+    return (mass / len(probes)).reshape(nl, hk, hq // hk).amax(-1)
+
+
+def top_heads(scores: torch.Tensor, k: int) -> tuple[tuple[int, int], ...]:
+    """The ``k`` highest-scoring ``(layer, kv_head)`` pairs, best first."""
+    hk = scores.shape[1]
+    order = torch.argsort(scores.flatten(), descending=True)[:k]
+    return tuple((int(i) // hk, int(i) % hk) for i in order)
+
+
+def find_retrieval_heads(model, tokenizer, calibration_text: str, n_probes: int = 12, lengths=(2048, 4096),
+                         seed: int = 1000, progress: bool = True) -> torch.Tensor:
+    """``[num_layers, Hk]`` float32 retrieval scores of ``model`` from ``n_probes`` probes in calibration text
+    (store them as ``OscarRotations.retrieval_scores``). Lengths beyond the model's context are dropped."""
+    from .data import tokenize
+
+    cfg = model.config.get_text_config(decoder=True)
+    limit = getattr(cfg, "max_position_embeddings", None) or max(lengths)
+    lengths = tuple(L for L in lengths if L <= limit) or (min(limit, min(lengths)),)
+    hay = tokenize(tokenizer, calibration_text, max(lengths) + n_probes)
+    probes = probe_needles(tokenizer, hay, n=n_probes, lengths=lengths, seed=seed)
+    return retrieval_scores(model, probes, progress=progress).float()
