@@ -6,6 +6,8 @@
 * ``bf16-static``: ``cache_implementation="static"`` (``generate`` compiles the decode step:
   ``torch.compile(mode="reduce-overhead")``, CUDA graphs);
 * ``oscar``: ``OscarCache`` (eager); ``oscar-static``: ``StaticOscarCache`` (compiled like bf16-static);
+  ``oscar-fpN``: ``OscarCache`` with N KV heads (spread over the layers) in full precision
+  (``OscarConfig.full_precision_heads``, e.g. the retrieval heads);
 * ``hqq2`` / ``hqq4`` / ``quanto2`` / ``quanto4``: Transformers' ``QuantizedCache`` (HQQ / quanto
   backend, 2 / 4 bits, group 64, residual 128; eager).
 
@@ -148,6 +150,11 @@ def cache_kwargs(model, method: str, capacity: int, explicit: bool = False) -> d
         return dict(cache_implementation="static")
     if method == "oscar":
         return dict(past_key_values=OscarCache(model, method="hadamard", group_size=64))
+    if method.startswith("oscar-fp"):  # oscar-fpN: N KV heads in full precision (full_precision_heads), spread
+        n, cfg = int(method.removeprefix("oscar-fp")), model.config.get_text_config(decoder=True)
+        nl, hk = cfg.num_hidden_layers, cfg.num_key_value_heads
+        heads = tuple(((j * nl) // n, j % hk) for j in range(n))
+        return dict(past_key_values=OscarCache(model, method="hadamard", group_size=64, full_precision_heads=heads))
     if method == "oscar-static":
         return dict(past_key_values=StaticOscarCache(model, method="hadamard", group_size=64, max_cache_len=capacity))
     if method[:-1] in ("hqq", "quanto"):

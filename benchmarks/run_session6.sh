@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Session-6 device runs (torch 2.11, triton 3.6, transformers 5.17 there), from the repository root, one
+# `run` call each; results were copied from $OUT to benchmarks/results/ afterwards:
+#   bash benchmarks/run_session6.sh a   # full-precision (retrieval) heads on the GPU: the kernels on a head subset
+#                                       # vs the reference in generate (Qwen3-8B shape), CPU tests on transformers
+#                                       # 5.17, GPU kernel tests, decode speed / memory with 8 and 26 fp heads
+set -uo pipefail
+R=$PWD
+export PYTHONPATH=$(bash scripts/device_pythonpath.sh) PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; cd /tmp
+nvidia-smi --query-gpu=name --format=csv,noheader
+case "$1" in
+a)
+  python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" --rootdir "$R" 2>&1 | tee "$OUT/tests_session6.log" | tail -3
+  python3 -m pytest -q -p no:cacheprovider "$R/tests/test_retrieval_heads.py" "$R/tests/eval/test_needle.py" \
+      "$R/tests/eval/test_perplexity.py" -k "not smollm2" --rootdir "$R" 2>&1 | tee -a "$OUT/tests_session6.log" | tail -3
+  python3 "$R/scripts/gpu_validate.py" --context 8192 --batch 2 --steps 8 --calib-tokens 0 \
+      --full-precision-heads 0:0,5:3,17:1,17:6,35:7 --out "$OUT/gpu_validate_fpheads_h200.json" | tail -c 600
+  timeout 400 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 1 8 \
+      --methods bf16 oscar oscar-fp8 oscar-fp26 --new-tokens 32 --out "$OUT/generate_fpheads_h200.json" 2>&1 \
+      | tee "$OUT/bench_generate_fpheads.log" | grep -v "it/s" | tail -20
+  ;;
+esac
