@@ -4,6 +4,8 @@
 #   bash benchmarks/run_session6.sh a   # full-precision (retrieval) heads on the GPU: the kernels on a head subset
 #                                       # vs the reference in generate (Qwen3-8B shape), CPU tests on transformers
 #                                       # 5.17, GPU kernel tests, decode speed / memory with 8 and 26 fp heads
+#   bash benchmarks/run_session6.sh b   # GPU kernel tests (with L2 prefetch), prefetch-distance sweep + decode rows,
+#                                       # fp-heads decode speed again (methods interleaved, twice each)
 set -uo pipefail
 R=$PWD
 export PYTHONPATH=$(bash scripts/device_pythonpath.sh) PYTHONUNBUFFERED=1
@@ -19,5 +21,13 @@ a)
   timeout 400 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 1 8 \
       --methods bf16 oscar oscar-fp8 oscar-fp26 --new-tokens 32 --out "$OUT/generate_fpheads_h200.json" 2>&1 \
       | tee "$OUT/bench_generate_fpheads.log" | grep -v "it/s" | tail -20
+  ;;
+b)
+  python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" --rootdir "$R" 2>&1 | tee "$OUT/tests_session6b.log" | tail -3
+  timeout 300 python3 "$R/scripts/bench_kernels.py" --sweep --sweep-set prefetch --no-write --batches 1,8 \
+      --lengths 32768,131072 --out "$OUT/kernels_h200_prefetch.json" 2>&1 | tee "$OUT/bench_kernels_prefetch.log" | tail -12
+  timeout 240 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 1 \
+      --methods oscar oscar-fp8 oscar-fp26 oscar oscar-fp8 oscar-fp26 --new-tokens 48 \
+      --out "$OUT/generate_fpheads_h200_repeat.json" 2>&1 | grep -o '"method[^,]*, "batch[^,]*,.\{0,80\}decode_ms_per_token": [0-9.]*'
   ;;
 esac

@@ -82,6 +82,7 @@ CONFIG = {
     "min_split": 256,  # never fewer tokens than this per split
     "win_split": 128,  # window tokens per window program
     "loop": "deferred",  # inner loop of the history split: "deferred" | "rowdot" | "factored" | "dequant" (module doc)
+    "prefetch": 0,  # deferred / rowdot loops: L2 prefetch of the codes and metadata this many blocks ahead (0: off)
 }
 
 
@@ -269,6 +270,33 @@ def _meta_tiles(s_base, z_base, offs_n, nmask, NG: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_l2(ptrs, mask):
+    """``prefetch.global.L2`` of each address (where ``mask``): the split kernel is latency-bound on its
+    synchronous 2-byte scale/zero loads (benchmarks/results/ncu_split_h200.txt), which then hit L2 instead of
+    HBM. GPU only (inline PTX); the result is a dummy kept alive by ``is_pure=False``."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+    )
+
+
+@triton.jit
+def _prefetch_block(n0, hi, kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, skn, svn,
+                    NG: tl.constexpr, BLOCK_N: tl.constexpr):
+    """L2 prefetch of history block ``[n0, n0 + BLOCK_N)``: each token's code row (``D/4 <= 128`` bytes,
+    one line or two) and its scale / zero entries."""
+    offs = n0 + tl.arange(0, BLOCK_N)
+    pm = offs < hi
+    o64 = offs.to(tl.int64)
+    _prefetch_l2(kc_base + o64 * skn, pm)
+    _prefetch_l2(vc_base + o64 * svn, pm)
+    _prefetch_l2(ks_base + o64 * NG, pm)
+    _prefetch_l2(kz_base + o64 * NG, pm)
+    _prefetch_l2(vs_base + o64 * NG, pm)
+    _prefetch_l2(vz_base + o64 * NG, pm)
+
+
+@triton.jit
 def _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
     """History tokens ``[n0, n0 + BLOCK_N)`` of one (row, KV head): their indices, which are in
     bounds (``< hi``), and which are valid (in bounds, ``>= start`` of the row, and not masked)."""
@@ -309,7 +337,7 @@ def _split_kernel(
     D: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_OFF: tl.constexpr,
     HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, LOOP: tl.constexpr,
-    N_DEV: tl.constexpr,
+    N_DEV: tl.constexpr, PREFETCH: tl.constexpr = 0,
 ):
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -389,6 +417,9 @@ def _split_kernel(
             # per-token-and-row multiply), zacc_g[m] += sum_n p[n, m] z[n, g]; at the end
             # acc_P / 4^P + zacc_g(P). Per code: one and-or (K), one and-or and one exact fp16 subtract (V).
             for n0 in range(lo, hi, BLOCK_N):
+                if PREFETCH > 0:
+                    _prefetch_block(n0 + PREFETCH * BLOCK_N, hi, kc_base, vc_base, ks_base, kz_base, vs_base, vz_base,
+                                    skn, svn, NG, BLOCK_N)
                 offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 meta = offs_n.to(tl.int64) * NG  # first metadata entry of each token
                 kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
@@ -447,6 +478,9 @@ def _split_kernel(
                 acc2 = tl.zeros((M_PAD, D4), tl.float32)
                 acc3 = tl.zeros((M_PAD, D4), tl.float32)
                 for n0 in range(lo, hi, BLOCK_N):
+                    if PREFETCH > 0:
+                        _prefetch_block(n0 + PREFETCH * BLOCK_N, hi, kc_base, vc_base, ks_base, kz_base, vs_base,
+                                        vz_base, skn, svn, NG, BLOCK_N)
                     offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                     meta = offs_n.to(tl.int64) * NG
                     kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
@@ -772,6 +806,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             HAS_WIN=s_win > 0, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
             LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
             N_DEV=n_valid is not None,
+            PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
             # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
             # (checked without spills by tests/kernels/test_compile_sm90.py)
             num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],

@@ -219,6 +219,10 @@ SWEEP = [
     dict(block_n=128, num_warps=8, num_stages=3, programs_per_sm=4, loop="deferred"),
     dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=2, loop="deferred"),
 ]
+# --sweep-set prefetch: the default tile with L2 prefetch of the codes / metadata 0 (off), 1, 2, 4 blocks ahead
+PREFETCH_SWEEP = [dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4, loop=loop, prefetch=pf)
+                  for loop, pf in (("deferred", 0), ("deferred", 1), ("deferred", 2), ("deferred", 4),
+                                   ("rowdot", 0), ("rowdot", 2))]
 LOOPS = ("rowdot", "deferred", "factored", "dequant")
 # write-path kernel configs (kernels/write_triton.py WRITE_CONFIG), timed under --sweep at T = 32K
 WRITE_SWEEP = [
@@ -231,12 +235,12 @@ WRITE_SWEEP = [
 ]
 
 
-def sweep(gen):
+def sweep(gen, configs=None):
     points = [(1, 131072), (8, 131072), (32, 32768)]
     states = {p: make_decode(*p, gen) for p in points}
     base = dict(dt.CONFIG)
     rows = []
-    for cfg in SWEEP:
+    for cfg in configs or SWEEP:
         dt.CONFIG.update(base)
         dt.CONFIG.update(cfg)
         try:
@@ -436,6 +440,8 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--plot", help="only make the PNG from an existing result JSON")
     ap.add_argument("--sweep", action="store_true", help="pick the split-kernel config on this GPU first")
+    ap.add_argument("--sweep-set", choices=["tiles", "prefetch"], default="tiles",
+                    help="--sweep over the tile / loop configs (SWEEP) or the L2 prefetch distances (PREFETCH_SWEEP)")
     ap.add_argument("--no-write", action="store_true", help="skip the write-path benchmark")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="8192,32768,131072")
@@ -461,7 +467,7 @@ def main():
     result["copy_GBps"] = copy_bandwidth_gbps()
     log("copy bandwidth GB/s (read+write):", round(result["copy_GBps"], 1))
     if args.sweep:
-        result["sweep"], result["config"] = sweep(gen)
+        result["sweep"], result["config"] = sweep(gen, PREFETCH_SWEEP if args.sweep_set == "prefetch" else SWEEP)
     result["config"] = dict(dt.CONFIG)
     log("config", result["config"])
     batches = [int(x) for x in args.batches.split(",")]

@@ -127,6 +127,10 @@ def main():
     cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3"}
     for i, (grid, args, kw) in enumerate(split.calls):
         print(json.dumps({"kernel": "split", "case": labels[i], **compile_call(split.fn, args, kw, cuda_kw)}))
+    for i, loop in ((0, "deferred"), (4, "rowdot")):  # CONFIG["prefetch"] (L2 prefetch, GPU only) at the benchmark shape
+        grid, args, kw = split.calls[i]
+        print(json.dumps({"kernel": "split", "case": labels[i].replace(f"loop={loop}", f"loop={loop} prefetch=2"),
+                          **compile_call(split.fn, args, kw, {**cuda_kw, "PREFETCH": 2})}))
     for i in (0, 3):
         grid, args, kw = comb.calls[i]
         print(json.dumps({"kernel": "combine", "case": labels[i], **compile_call(comb.fn, args, kw, cuda_kw)}))

@@ -397,10 +397,10 @@ def test_gpu_history_partial_real_shapes(b, n):
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("loop", ["rowdot", "deferred"])
+@pytest.mark.parametrize("loop,prefetch", [("rowdot", 0), ("deferred", 0), ("deferred", 2)])
 @pytest.mark.parametrize("b,n", [(1, 131072 - 320), (8, 32768 - 320)])
-def test_gpu_decode_attention_real_shapes(b, n, loop, monkeypatch):
-    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "loop": loop})
+def test_gpu_decode_attention_real_shapes(b, n, loop, prefetch, monkeypatch):
+    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "loop": loop, "prefetch": prefetch})
     args, _ = _window_case(b, 8, 4, n, 320, 128, 64, seed=b, device="cuda")
     args["out_dtype"] = torch.bfloat16
     got = _dt().decode_attention_triton(**args)
