@@ -129,8 +129,9 @@ def main():
         print(json.dumps({"kernel": "split", "case": labels[i], **compile_call(split.fn, args, kw, cuda_kw)}))
     for i, loop in ((0, "deferred"), (4, "rowdot")):  # CONFIG["prefetch"] (L2 prefetch, GPU only) at the benchmark shape
         grid, args, kw = split.calls[i]
-        print(json.dumps({"kernel": "split", "case": labels[i].replace(f"loop={loop}", f"loop={loop} prefetch=2"),
-                          **compile_call(split.fn, args, kw, {**cuda_kw, "PREFETCH": 2})}))
+        pf = dt.CONFIG["prefetch"] or 4
+        print(json.dumps({"kernel": "split", "case": labels[i].replace(f"loop={loop}", f"loop={loop} prefetch={pf}"),
+                          **compile_call(split.fn, args, kw, {**cuda_kw, "PREFETCH": pf})}))
     for i in (0, 3):
         grid, args, kw = comb.calls[i]
         print(json.dumps({"kernel": "combine", "case": labels[i], **compile_call(comb.fn, args, kw, cuda_kw)}))

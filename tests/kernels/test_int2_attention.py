@@ -397,7 +397,7 @@ def test_gpu_history_partial_real_shapes(b, n):
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("loop,prefetch", [("rowdot", 0), ("deferred", 0), ("deferred", 2)])
+@pytest.mark.parametrize("loop,prefetch", [("rowdot", 0), ("deferred", 0), ("deferred", 2), ("deferred", 4)])
 @pytest.mark.parametrize("b,n", [(1, 131072 - 320), (8, 32768 - 320)])
 def test_gpu_decode_attention_real_shapes(b, n, loop, prefetch, monkeypatch):
     monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "loop": loop, "prefetch": prefetch})
