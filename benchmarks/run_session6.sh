@@ -6,6 +6,8 @@
 #                                       # 5.17, GPU kernel tests, decode speed / memory with 8 and 26 fp heads
 #   bash benchmarks/run_session6.sh b   # GPU kernel tests (with L2 prefetch), prefetch-distance sweep + decode rows,
 #                                       # fp-heads decode speed again (methods interleaved, twice each)
+#   bash benchmarks/run_session6.sh c   # final tree (prefetch 4 the default): GPU kernel + StaticOscarCache tests,
+#                                       # decode rows B=1,8,32 x 8K,32K,128K
 set -uo pipefail
 R=$PWD
 export PYTHONPATH=$(bash scripts/device_pythonpath.sh) PYTHONUNBUFFERED=1
@@ -29,5 +31,11 @@ b)
   timeout 240 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 1 \
       --methods oscar oscar-fp8 oscar-fp26 oscar oscar-fp8 oscar-fp26 --new-tokens 48 \
       --out "$OUT/generate_fpheads_h200_repeat.json" 2>&1 | grep -o '"method[^,]*, "batch[^,]*,.\{0,80\}decode_ms_per_token": [0-9.]*'
+  ;;
+c)
+  python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" --rootdir "$R" 2>&1 \
+      | tee "$OUT/tests_session6c.log" | tail -3
+  timeout 420 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_h200_prefetch_default.json" 2>&1 | tee "$OUT/bench_kernels_prefetch_default.log" | tail -12
   ;;
 esac
