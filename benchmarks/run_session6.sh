@@ -8,6 +8,7 @@
 #                                       # fp-heads decode speed again (methods interleaved, twice each)
 #   bash benchmarks/run_session6.sh c   # final tree (prefetch 4 the default): GPU kernel + StaticOscarCache tests,
 #                                       # decode rows B=1,8,32 x 8K,32K,128K
+#   bash benchmarks/run_session6.sh d   # tile / warp / split sweep with prefetch 4, decode rows at the winner
 set -uo pipefail
 R=$PWD
 export PYTHONPATH=$(bash scripts/device_pythonpath.sh) PYTHONUNBUFFERED=1
@@ -37,5 +38,9 @@ c)
       | tee "$OUT/tests_session6c.log" | tail -3
   timeout 420 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
       --out "$OUT/kernels_h200_prefetch_default.json" 2>&1 | tee "$OUT/bench_kernels_prefetch_default.log" | tail -12
+  ;;
+d)
+  timeout 400 python3 "$R/scripts/bench_kernels.py" --sweep --sweep-set tiles-pf --no-write --batches 1,8 \
+      --lengths 131072 --out "$OUT/kernels_h200_tiles_pf.json" 2>&1 | tee "$OUT/bench_kernels_tiles_pf.log" | grep -E "sweep|config|^ *[0-9]"
   ;;
 esac

@@ -214,6 +214,7 @@ class OscarLayer(QuantizedLayerBase):
                 f"cache holds {self.dtype} on {self.device}"
             )
         self.pending = OscarKV(self, key_states, value_states)
+        self._fp_written = False  # (a forward that failed after writing its full-precision rows left it set)
         return self.pending, self.pending
 
     def get_seq_length(self) -> int:
