@@ -33,8 +33,8 @@ from oscar_hf.retrieval_heads import probe_needles, retrieval_scores, top_heads
 class KeepHeads(FakeQuantSpec):
     """``base`` with the listed ``(layer, kv_head)`` pairs read in full precision."""
 
-    def __init__(self, base: FakeQuantSpec, heads):
-        self.base, self.heads = base, {}
+    def __init__(self, base: FakeQuantSpec, heads, keys_only: bool = False):
+        self.base, self.heads, self.keys_only = base, {}, keys_only
         for li, h in heads:
             self.heads.setdefault(int(li), []).append(int(h))
 
@@ -44,7 +44,9 @@ class KeepHeads(FakeQuantSpec):
             return fq
         kh, vh = fq[0].clone(), fq[1].clone()
         idx = self.heads[i]
-        kh[:, idx], vh[:, idx] = k[:, idx].to(kh.dtype), v[:, idx].to(vh.dtype)
+        kh[:, idx] = k[:, idx].to(kh.dtype)
+        if not self.keys_only:
+            vh[:, idx] = v[:, idx].to(vh.dtype)
         return kh, vh
 
     def exact_mask(self, n, prefill_len, device):
@@ -58,6 +60,8 @@ def main():
     p.add_argument("--lengths", default="1024,2048,4096,8176")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--keys-only-ks", default="", help="also: the top k heads' keys only in full precision")
+    p.add_argument("--no-random", action="store_true")
     p.add_argument("--out", default="runs/exp_retrieval_heads.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -74,8 +78,11 @@ def main():
     specs = {"fp": None, "oscar": base}
     for k in (int(x) for x in args.ks.split(",")):
         specs[f"top{k}"] = KeepHeads(base, ranked[:k])
-    k_rand = max(int(x) for x in args.ks.split(","))
-    specs[f"rand{k_rand}"] = KeepHeads(base, rng.sample(ranked, k_rand))
+    for k in (int(x) for x in args.keys_only_ks.split(",") if x):
+        specs[f"top{k}-keys"] = KeepHeads(base, ranked[:k], keys_only=True)
+    if not args.no_random:
+        k_rand = max(int(x) for x in args.ks.split(","))
+        specs[f"rand{k_rand}"] = KeepHeads(base, rng.sample(ranked, k_rand))
     lengths = [int(x) for x in args.lengths.split(",")]
     hay = evaluation_ids(tok, max(lengths))
     cells = [c for c in make_cells(lengths, [0, 0.25, 0.5, 0.75, 1], 3, 0) if c[1] in (0.25, 0.5, 0.75)]
