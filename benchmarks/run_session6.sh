@@ -9,6 +9,7 @@
 #   bash benchmarks/run_session6.sh c   # final tree (prefetch 4 the default): GPU kernel + StaticOscarCache tests,
 #                                       # decode rows B=1,8,32 x 8K,32K,128K
 #   bash benchmarks/run_session6.sh d   # tile / warp / split sweep with prefetch 4, decode rows at the winner
+#   bash benchmarks/run_session6.sh e   # paired 4-byte metadata loads in the deferred loop: GPU tests + sweep
 set -uo pipefail
 R=$PWD
 export PYTHONPATH=$(bash scripts/device_pythonpath.sh) PYTHONUNBUFFERED=1
@@ -42,5 +43,11 @@ c)
 d)
   timeout 400 python3 "$R/scripts/bench_kernels.py" --sweep --sweep-set tiles-pf --no-write --batches 1,8 \
       --lengths 131072 --out "$OUT/kernels_h200_tiles_pf.json" 2>&1 | tee "$OUT/bench_kernels_tiles_pf.log" | grep -E "sweep|config|^ *[0-9]"
+  ;;
+e)
+  python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" -k decode_attention \
+      --rootdir "$R" 2>&1 | tee "$OUT/tests_session6e.log" | tail -3
+  timeout 300 python3 "$R/scripts/bench_kernels.py" --sweep --sweep-set pair --no-write --batches 1,8 \
+      --lengths 131072 --out "$OUT/kernels_h200_pair.json" 2>&1 | tee "$OUT/bench_kernels_pair.log" | grep -E "sweep|config|^ *[0-9]"
   ;;
 esac

@@ -90,6 +90,8 @@ CONFIG = {
     # fastest of 0/1/2/4 on the H200 (benchmarks/results/kernels_h200_prefetch.json: geomean of B=1/128K,
     # B=8/128K, B=32/32K 0.616 -> 0.525 ms, -15%); the synchronous 2-byte metadata loads then hit L2.
     "prefetch": 4,
+    # deferred loop, NG = 2 groups with bf16 scale/zero: one 4-byte load per token for both groups (_bf16_pair)
+    "pair_meta": False,
 }
 
 
@@ -229,18 +231,33 @@ def _rd_v_plane(p, alpha, vb, P: tl.constexpr, vs_base, vz_base, meta, valid, ac
 
 
 @triton.jit
+def _bf16_pair(base, meta, mask):
+    """Scale (or zero) of groups 0 and 1 of each token (NG = 2, bf16 metadata) with ONE 4-byte load per
+    token instead of two 2-byte ones, widened to float32 by a 16-bit shift (little endian: group 0 in the
+    low half). Halves the synchronous metadata loads the split kernel waits on."""
+    w = tl.load((base + meta).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.constexpr,
-               BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, LOWP: tl.constexpr):
+               BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, LOWP: tl.constexpr, PAIR: tl.constexpr = 0,
+               s_pair=None, z_pair=None):
     """Row-dot logits ``[BLOCK_N, M_PAD]`` (log2 units, offset ``q·mu_K`` included) of one K byte tile
     ``kb [BLOCK_N, D/4]``: four plane dots with the tile as the A operand; after the last plane of a
-    group, its scale / zero are applied (see the rowdot comment in :func:`_split_kernel`)."""
+    group, its scale / zero are applied (see the rowdot comment in :func:`_split_kernel`). ``PAIR``:
+    scale / zero come preloaded (``s_pair``, ``z_pair``: groups 0 and 1, :func:`_bf16_pair`)."""
     st = tl.zeros((BLOCK_N, M_PAD), tl.float32) + off[None, :]
     d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
     for P in tl.static_range(4):
         d = tl.dot(_u_plane(kb, P, LOWP, False), qts[P], d)
         if P % PPG == PPG - 1:  # last plane of group g: apply its scale / zero
-            sg = tl.load(ks_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
-            zg = tl.load(kz_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
+            if PAIR:
+                sg = s_pair[P // PPG]
+                zg = z_pair[P // PPG]
+            else:
+                sg = tl.load(ks_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
+                zg = tl.load(kz_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
             st += (sg[:, None] * (d - _gsum(cps, P // PPG, PPG)[None, :])
                    + zg[:, None] * _gsum(qss, P // PPG, PPG)[None, :])
             d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
@@ -249,14 +266,19 @@ def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.cons
 
 @triton.jit
 def _df_v_plane(p, vb, P: tl.constexpr, vs_base, vz_base, meta, valid, acc, zt,
-                D4: tl.constexpr, G: tl.constexpr, PPG: tl.constexpr, LOWP: tl.constexpr):
+                D4: tl.constexpr, G: tl.constexpr, PPG: tl.constexpr, LOWP: tl.constexpr, PAIR: tl.constexpr = 0,
+                s_pair=None, z_pair=None):
     """Deferred-loop values of plane ``P`` (group ``g``): ``acc += bf16((p s_g)ᵀ) . (code_P / 4)`` -- bf16,
     since ``p`` is relative to a fixed reference and may exceed 1 -- and the elementwise tile
     ``zt += p z_g`` (reduced over tokens once, after the loop; kept by the group's first plane only).
     No rescaling: the reference is fixed. Planes of one group compute the same ``W_g`` (merged by CSE)."""
     g: tl.constexpr = (P * D4) // G
-    s = tl.load(vs_base + meta + g, mask=valid, other=0.0).to(tl.float32)
-    z = tl.load(vz_base + meta + g, mask=valid, other=0.0).to(tl.float32)
+    if PAIR:
+        s = s_pair[g]
+        z = z_pair[g]
+    else:
+        s = tl.load(vs_base + meta + g, mask=valid, other=0.0).to(tl.float32)
+        z = tl.load(vz_base + meta + g, mask=valid, other=0.0).to(tl.float32)
     w = _op(tl.trans(p * (4.0 * s)[:, None]), LOWP)
     c = _code_operand(vb, P, LOWP) - 1.0  # code / 4, exact in bf16 (and float32)
     acc = tl.dot(w, c.to(w.dtype), acc)
@@ -344,7 +366,7 @@ def _split_kernel(
     D: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_OFF: tl.constexpr,
     HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, LOOP: tl.constexpr,
-    N_DEV: tl.constexpr, PREFETCH: tl.constexpr = 0,
+    N_DEV: tl.constexpr, PREFETCH: tl.constexpr = 0, PAIR: tl.constexpr = 0,
 ):
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -490,17 +512,32 @@ def _split_kernel(
                                         vz_base, skn, svn, NG, BLOCK_N)
                     offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                     meta = offs_n.to(tl.int64) * NG
+                    if PAIR:  # NG = 2, bf16: one 4-byte load per token and tensor for both groups
+                        ksp = _bf16_pair(ks_base, meta, inb)
+                        kzp = _bf16_pair(kz_base, meta, inb)
+                        vsp = _bf16_pair(vs_base, meta, valid)
+                        vzp = _bf16_pair(vz_base, meta, valid)
+                    else:
+                        ksp = (off, off)  # unused
+                        kzp = ksp
+                        vsp = ksp
+                        vzp = ksp
                     kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
-                    st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG, BLOCK_N, M_PAD, LOWP)
+                    st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG, BLOCK_N, M_PAD, LOWP,
+                                    PAIR, ksp, kzp)
                     st = tl.where(valid[:, None], st, float("-inf"))
                     mt = tl.maximum(mt, st)
                     p = tl.exp2(st - phi[None, :])
                     lt += p
                     vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
-                    acc0, zt0 = _df_v_plane(p, vb, 0, vs_base, vz_base, meta, valid, acc0, zt0, D4, G, PPG, LOWP)
-                    acc1, zt1 = _df_v_plane(p, vb, 1, vs_base, vz_base, meta, valid, acc1, zt1, D4, G, PPG, LOWP)
-                    acc2, zt2 = _df_v_plane(p, vb, 2, vs_base, vz_base, meta, valid, acc2, zt2, D4, G, PPG, LOWP)
-                    acc3, zt3 = _df_v_plane(p, vb, 3, vs_base, vz_base, meta, valid, acc3, zt3, D4, G, PPG, LOWP)
+                    acc0, zt0 = _df_v_plane(p, vb, 0, vs_base, vz_base, meta, valid, acc0, zt0, D4, G, PPG, LOWP,
+                                            PAIR, vsp, vzp)
+                    acc1, zt1 = _df_v_plane(p, vb, 1, vs_base, vz_base, meta, valid, acc1, zt1, D4, G, PPG, LOWP,
+                                            PAIR, vsp, vzp)
+                    acc2, zt2 = _df_v_plane(p, vb, 2, vs_base, vz_base, meta, valid, acc2, zt2, D4, G, PPG, LOWP,
+                                            PAIR, vsp, vzp)
+                    acc3, zt3 = _df_v_plane(p, vb, 3, vs_base, vz_base, meta, valid, acc3, zt3, D4, G, PPG, LOWP,
+                                            PAIR, vsp, vzp)
                 m_i = tl.max(mt, 0)
                 over = tl.where(m_i == float("-inf"), 0.0, m_i - phi)
                 run = 0
@@ -729,6 +766,13 @@ def _rows_layout(x: QuantizedRows) -> QuantizedRows:
     return QuantizedRows(codes, scale, zero)
 
 
+def _pairable(k: QuantizedRows, v: QuantizedRows, d: int, group_size: int) -> bool:
+    """Whether the deferred loop may read both groups' bf16 scale (zero) of a token as one aligned 4-byte word."""
+    return d // group_size == 2 and all(
+        t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0 and all(st % 2 == 0 for st in t.stride()[:-1])
+        for t in (k.scale, k.zero, v.scale, v.zero))
+
+
 def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window=None, cfg=None, n_valid=None,
             splits=None):
     """Shared host code; ``window`` = (q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype) or None.
@@ -814,6 +858,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
             N_DEV=n_valid is not None,
             PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
+            PAIR=int(cfg.get("pair_meta", False) and _pairable(k, v, d, group_size)),
             # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
             # (checked without spills by tests/kernels/test_compile_sm90.py)
             num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],

@@ -229,6 +229,9 @@ TILES_PF_SWEEP = [dict(block_n=bn, num_warps=nw, num_stages=ns, programs_per_sm=
                                                 ("deferred", 32, 4, 4, 4), ("deferred", 64, 4, 3, 8),
                                                 ("deferred", 128, 8, 3, 4), ("rowdot", 64, 4, 4, 4),
                                                 ("rowdot", 128, 4, 3, 4), ("rowdot", 64, 4, 4, 8))]
+# --sweep-set pair: the deferred loop's metadata as one 4-byte word per token and tensor (CONFIG["pair_meta"])
+PAIR_SWEEP = [dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4, loop="deferred", prefetch=pf, pair_meta=pm)
+              for pf, pm in ((4, False), (4, True), (0, True), (2, True))]
 LOOPS = ("rowdot", "deferred", "factored", "dequant")
 # write-path kernel configs (kernels/write_triton.py WRITE_CONFIG), timed under --sweep at T = 32K
 WRITE_SWEEP = [
@@ -446,7 +449,7 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--plot", help="only make the PNG from an existing result JSON")
     ap.add_argument("--sweep", action="store_true", help="pick the split-kernel config on this GPU first")
-    ap.add_argument("--sweep-set", choices=["tiles", "prefetch", "tiles-pf"], default="tiles",
+    ap.add_argument("--sweep-set", choices=["tiles", "prefetch", "tiles-pf", "pair"], default="tiles",
                     help="--sweep over the tile / loop configs (SWEEP) or the L2 prefetch distances (PREFETCH_SWEEP)")
     ap.add_argument("--no-write", action="store_true", help="skip the write-path benchmark")
     ap.add_argument("--batches", default="1,8,32")
@@ -473,7 +476,7 @@ def main():
     result["copy_GBps"] = copy_bandwidth_gbps()
     log("copy bandwidth GB/s (read+write):", round(result["copy_GBps"], 1))
     if args.sweep:
-        sets = {"tiles": SWEEP, "prefetch": PREFETCH_SWEEP, "tiles-pf": TILES_PF_SWEEP}
+        sets = {"tiles": SWEEP, "prefetch": PREFETCH_SWEEP, "tiles-pf": TILES_PF_SWEEP, "pair": PAIR_SWEEP}
         result["sweep"], result["config"] = sweep(gen, sets[args.sweep_set])
     result["config"] = dict(dt.CONFIG)
     log("config", result["config"])

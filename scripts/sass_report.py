@@ -55,6 +55,7 @@ def main():
     ap.add_argument("--dump", default=None, help="write each variant's full SASS here")
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--prefetch", type=int, default=0, help="CONFIG['prefetch']: L2 prefetch distance in blocks")
+    ap.add_argument("--pair", action="store_true", help="CONFIG['pair_meta']: one 4-byte metadata load per token")
     args = ap.parse_args()
     from oscar_hf.kernels import decode_triton as dt
     from oscar_hf.quant import quantize_rows
@@ -75,7 +76,7 @@ def main():
                                    0.1, g, q.bfloat16(), kw_, kw_, None, torch.randn(hk, d, d, generator=g0),
                                    torch.randn(hk, d, generator=g0), torch.bfloat16)
         grid, a, kw = split.calls[0]
-        res = compile_call(split.fn, a, kw, {"LOWP": 1, "PREFETCH": args.prefetch}, sass=True)
+        res = compile_call(split.fn, a, kw, {"LOWP": 1, "PREFETCH": args.prefetch, "PAIR": int(args.pair)}, sass=True)
         sass = res["sass"]
         if args.dump:
             Path(args.dump).mkdir(parents=True, exist_ok=True)
@@ -84,7 +85,7 @@ def main():
         bn = kw["BLOCK_N"]
         codes_per_thread = bn * d * 2 / (32 * kw.get("num_warps", 4))
         hist = collections.Counter(opcode(i) for _, i in body)
-        print(f"== {loop}: prefetch={args.prefetch} BLOCK_N={bn} warps={kw.get('num_warps')} regs={res['regs']} spill={res['spill_bytes']} "
+        print(f"== {loop}: prefetch={args.prefetch} pair={int(args.pair)} BLOCK_N={bn} warps={kw.get('num_warps')} regs={res['regs']} spill={res['spill_bytes']} "
               f"smem={res['smem']}  loop body {len(body)} instructions, {len(body) / codes_per_thread:.2f} per code")
         for op, c in hist.most_common(args.top):
             print(f"   {op:<14}{c:5d}")

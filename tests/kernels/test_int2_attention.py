@@ -132,10 +132,12 @@ def test_merge_partials_is_order_free_and_handles_empty():
 SMALL_SPLITS = {"min_split": 64, "block_n": 64}
 
 
-@pytest.fixture(params=["rowdot", "deferred", "factored", "dequant"])
+@pytest.fixture(params=["rowdot", "deferred", "deferred-pair", "factored", "dequant"])
 def small_splits(request, monkeypatch):
+    """deferred-pair: the deferred loop reading both groups' bf16 scale/zero as one 4-byte word (NG = 2)."""
     dt = _dt()
-    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "loop": request.param})
+    loop, pair = request.param.removesuffix("-pair"), request.param.endswith("-pair")
+    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "loop": loop, "pair_meta": pair})
     return dt
 
 
@@ -397,10 +399,12 @@ def test_gpu_history_partial_real_shapes(b, n):
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("loop,prefetch", [("rowdot", 0), ("deferred", 0), ("deferred", 2), ("deferred", 4)])
+@pytest.mark.parametrize("loop,prefetch", [("rowdot", 0), ("deferred", 0), ("deferred", 2), ("deferred", 4),
+                                           ("deferred-pair", 4)])
 @pytest.mark.parametrize("b,n", [(1, 131072 - 320), (8, 32768 - 320)])
 def test_gpu_decode_attention_real_shapes(b, n, loop, prefetch, monkeypatch):
-    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "loop": loop, "prefetch": prefetch})
+    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "loop": loop.removesuffix("-pair"), "prefetch": prefetch,
+                                          "pair_meta": loop.endswith("-pair")})
     args, _ = _window_case(b, 8, 4, n, 320, 128, 64, seed=b, device="cuda")
     args["out_dtype"] = torch.bfloat16
     got = _dt().decode_attention_triton(**args)
