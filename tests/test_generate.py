@@ -1,6 +1,7 @@
 """`generate` with OscarCache on real and tiny models: exactness, left padding, beam/sample/crop/multi-turn."""
 import pytest
 import torch
+from batch_utils import left_pad
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, disable_oscar
@@ -52,11 +53,8 @@ def test_left_padded_batch_rows_equal_their_solo_runs(model_type):
     torch.manual_seed(2)
     lens = [5, 12, 30, 41, 9, 26, 60, 3]  # some past sink + recent = 12
     prompts = [torch.randint(1, 200, (n,)) for n in lens]
-    t = max(lens)
-    ids = torch.zeros(len(lens), t, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, t - len(p) :], am[i, t - len(p) :] = p, 1
+    ids, am = left_pad(prompts)
+    t = ids.shape[1]
     out = m.generate(ids, attention_mask=am, max_new_tokens=12, do_sample=False, past_key_values=OscarCache(m, **SMALL), pad_token_id=0)
     eos = eos_ids(m)
     for i, p in enumerate(prompts):

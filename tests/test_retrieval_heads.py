@@ -1,6 +1,7 @@
 """Retrieval-head probes (oscar_hf.retrieval_heads) and full-precision heads in OscarCache."""
 import pytest
 import torch
+from batch_utils import left_pad
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, OscarRotations
@@ -99,11 +100,7 @@ def test_full_precision_heads_change_outputs_and_left_padding_matches_solo_runs(
     torch.manual_seed(2)
     lens = [5, 30, 41, 17]
     prompts = [torch.randint(1, 200, (n,)) for n in lens]
-    t = max(lens)
-    ids = torch.zeros(len(lens), t, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, t - len(p) :], am[i, t - len(p) :] = p, 1
+    ids, am = left_pad(prompts)
     kw = dict(output_scores=True, return_dict_in_generate=True)
     out = greedy(m, ids, OscarCache(m, **SMALL, full_precision_heads=FPH), attention_mask=am, **kw)
     for i, p in enumerate(prompts):
