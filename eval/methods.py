@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, OscarRotations
+from oscar_hf.cache import resolve_full_precision_heads
 from oscar_hf.config import ModelFingerprint, validate_head_dim
 from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.quant import dequantize_rows, quantize_rows
@@ -115,10 +116,8 @@ class OscarSpec(FakeQuantSpec):
             raise NotImplementedError("the fake-quant path models key_offset='calibrated' only; score "
                                       "key_offset='prefill' token by token through OscarCache")
         self.skipped = config.skipped(fp.num_layers)
-        want = config.full_precision_heads
-        self.fp_heads = {}  # {layer: [kv heads read exactly]} (OscarConfig.full_precision_heads)
-        for i, h in (rotations.top_retrieval_heads(want) if isinstance(want, int) else want):
-            self.fp_heads.setdefault(i, []).append(h)
+        # {layer: kv heads read exactly} (OscarConfig.full_precision_heads), resolved as OscarCache does
+        self.fp_heads = resolve_full_precision_heads(config, rotations, fp, self.skipped)
         self._dev_cache = {}
 
     def _layer(self, i, device):
@@ -145,6 +144,8 @@ class OscarSpec(FakeQuantSpec):
                     self._fq(v, lr.r_v, lr.mu_v if center else None, cv))
         # full-precision heads: every position read exactly; the other heads quantized as the cache does
         q = [h for h in range(k.shape[1]) if h not in self.fp_heads[i]]
+        if not q:  # every head listed: OscarCache keeps the whole layer in full precision
+            return None
         lq = lr.select_heads(q)
         kh, vh = k.float().clone(), v.float().clone()
         kh[:, q] = self._fq(k[:, q], lq.r_k, lq.mu_k if center else None, ck).float()
@@ -188,13 +189,14 @@ class OscarFamily(KVMethod):
 
     def full_precision_share(self) -> float:
         """Fraction of the quantized layers' KV heads kept in full precision (``full_precision_heads``)."""
-        want = self.config.full_precision_heads
-        if not want:
+        c = self.config
+        if not c.full_precision_heads:
             return 0.0
         if self.rotations is None:
             raise ValueError("full_precision_heads needs the rotations to count the quantized heads")
-        n_heads = len(self.rotations.layers) * self.rotations.fingerprint.num_key_value_heads
-        return (want if isinstance(want, int) else len(want)) / n_heads
+        fp = self.rotations.fingerprint
+        heads = resolve_full_precision_heads(c, self.rotations, fp, c.skipped(fp.num_layers))
+        return sum(map(len, heads.values())) / (len(self.rotations.layers) * fp.num_key_value_heads)
 
     def settings(self):
         c = self.config

@@ -96,11 +96,13 @@ def full_precision_heads_attention(layer, query, new_k, new_v, allowed, t_old: i
     layer.write_full_precision_heads(new_k, new_v, t_old)
     kv = t_old + l
     dev = query.device
-    if allowed is None:
+    if allowed is None and l == 1 and layer.pad_max == 0:
+        mask = None  # one decode row without padding: every slot (the common step, no mask built)
+    elif allowed is None:
         slot = torch.arange(kv, device=dev)
         ok = slot[None, :] <= (t_old + torch.arange(l, device=dev))[:, None]  # causal among the new rows
         ok = ok[None] & (slot[None, None, :] >= layer.pad[:, None, None])  # [B, L, kv]
-        mask = None if (l == 1 and layer.pad_max == 0) else _mask_rows(ok, g)
+        mask = _mask_rows(ok, g)
     else:
         mask = _mask_rows(allowed, g)  # [B, 1, g*L, kv]
     q = _group(query, hk).index_select(1, layer.fp_idx)  # [B, P, g*L, D]

@@ -49,6 +49,34 @@ CROP_RESERVE = 64  # demoted slots kept in full precision so that crop(-n) can u
 TAIL_SLACK = 64  # extra tail capacity so that compaction happens once every TAIL_SLACK appends
 
 
+def grown(t: torch.Tensor, keep: int, need: int) -> torch.Tensor:
+    """``t [B, H, cap, X]`` with room for at least ``need`` entries along dim 2 (amortized growth: never an O(n)
+    copy per step); its first ``keep`` entries are kept. ``t`` itself when it is large enough."""
+    cap = t.shape[2]
+    if need <= cap:
+        return t
+    z = t.new_zeros(*t.shape[:2], max(need, int(cap * 1.5), 1024), t.shape[3])
+    z[:, :, :keep] = t[:, :, :keep]
+    return z
+
+
+def resolve_full_precision_heads(config: OscarConfig, rotations: OscarRotations, fp: ModelFingerprint,
+                                 skipped: set[int]) -> dict[int, tuple[int, ...]]:
+    """``{layer: kv heads}`` kept in full precision (``OscarConfig.full_precision_heads``): the artifact's top-k
+    retrieval heads or the given pairs, checked against the model; heads of unquantized layers (skipped, sliding,
+    without rotation) are left out, being full precision already."""
+    want = config.full_precision_heads
+    pairs = rotations.top_retrieval_heads(want) if isinstance(want, int) else want
+    out: dict[int, list[int]] = {}
+    for i, h in pairs:
+        if not 0 <= i < fp.num_layers or not 0 <= h < fp.num_key_value_heads:
+            raise ValueError(f"full_precision_heads: ({i}, {h}) is not a (layer, kv_head) of this model "
+                             f"({fp.num_layers} layers, {fp.num_key_value_heads} KV heads)")
+        if i in rotations.layers and i not in skipped and fp.layer_types[i] in FULL_LAYER_TYPES:
+            out.setdefault(i, []).append(h)
+    return {i: tuple(sorted(hs)) for i, hs in out.items()}
+
+
 def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.Tensor) -> None:
     """The first keys a layer sees must match its rotations (head count, head_dim) and a supported dtype."""
     if key_states.dtype not in SUPPORTED_DTYPES:
@@ -176,11 +204,7 @@ class OscarLayer(QuantizedLayerBase):
         if not self.fp_heads or self._fp_written:
             return
         t_new = t_old + new_k.shape[2]
-        cap = self.fp_k.shape[2]
-        if t_new > cap:
-            new_cap = max(t_new, int(cap * 1.5), 1024)
-            grow = lambda t: torch.cat([t[:, :, :t_old], t.new_zeros(*t.shape[:2], new_cap - t_old, t.shape[3])], 2)  # noqa: E731
-            self.fp_k, self.fp_v = grow(self.fp_k), grow(self.fp_v)
+        self.fp_k, self.fp_v = grown(self.fp_k, t_old, t_new), grown(self.fp_v, t_old, t_new)
         self.fp_k[:, :, t_old:t_new] = new_k.index_select(1, self.fp_idx)
         self.fp_v[:, :, t_old:t_new] = new_v.index_select(1, self.fp_idx)
         self._fp_written = True
@@ -339,19 +363,7 @@ class OscarLayer(QuantizedLayerBase):
 
     def _reserve_hist(self, n: int) -> None:
         cap = self.hist_k.codes.shape[2]
-        if n <= cap:
-            return
-        new_cap = max(n, int(cap * 1.5), 1024)  # amortized growth, never an O(n) copy per step
-
-        def grow(q: QuantizedRows) -> QuantizedRows:
-            out = []
-            for t in q:
-                z = t.new_zeros(*t.shape[:2], new_cap, t.shape[3])
-                z[:, :, :cap] = t
-                out.append(z)
-            return QuantizedRows(*out)
-
-        self.hist_k, self.hist_v = grow(self.hist_k), grow(self.hist_v)
+        self.hist_k, self.hist_v = (QuantizedRows(*(grown(t, cap, n) for t in q)) for q in (self.hist_k, self.hist_v))
 
     def _append(self, new_k, new_v, t_old: int, t_new: int, target: int) -> None:
         """Write new slots ``[first, t_new)`` into the tail buffer (``first`` includes up to
@@ -493,7 +505,7 @@ class OscarCache(Cache):
             if getattr(text_cfg, name, None):
                 raise NotImplementedError(f"{fp.architecture}: attention logit soft-capping ({name}) is not supported by OSCAR")
         skipped = config.skipped(fp.num_layers)
-        fp_heads = self._resolve_full_precision_heads(config, rotations, fp, skipped)
+        fp_heads = resolve_full_precision_heads(config, rotations, fp, skipped)
         if fp_heads:  # the saved / reported config names the heads, not "the top k"
             config = config.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in fp_heads.items() for h in hs)))
         layers: list[Any] = []
@@ -519,21 +531,6 @@ class OscarCache(Cache):
 
             shard_cache_for_tensor_parallel(self, model_or_config)  # [tensor parallelism] no-op without TP
             enable_oscar(model_or_config)
-
-    @staticmethod
-    def _resolve_full_precision_heads(config: OscarConfig, rotations: OscarRotations, fp: ModelFingerprint,
-                                      skipped: set[int]) -> dict[int, tuple[int, ...]]:
-        """``{layer: kv heads}`` kept in full precision: the artifact's top-k retrieval heads or the given pairs."""
-        want = config.full_precision_heads
-        pairs = rotations.top_retrieval_heads(want) if isinstance(want, int) else want
-        out: dict[int, list[int]] = {}
-        for i, h in pairs:
-            if not 0 <= i < fp.num_layers or not 0 <= h < fp.num_key_value_heads:
-                raise ValueError(f"full_precision_heads: ({i}, {h}) is not a (layer, kv_head) of this model "
-                                 f"({fp.num_layers} layers, {fp.num_key_value_heads} KV heads)")
-            if i in rotations.layers and i not in skipped and fp.layer_types[i] in FULL_LAYER_TYPES:
-                out.setdefault(i, []).append(h)  # heads of unquantized layers are full precision already
-        return {i: tuple(sorted(hs)) for i, hs in out.items()}
 
     # Layer factories (the static-capacity subclass, oscar_hf.static_cache, overrides them).
     def _sliding_layer(self, window: int):
