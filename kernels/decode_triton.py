@@ -92,6 +92,10 @@ CONFIG = {
     "prefetch": 4,
     # deferred loop, NG = 2 groups with bf16 scale/zero: one 4-byte load per token for both groups (_bf16_pair)
     "pair_meta": False,
+    "merge_block": 64,  # combine kernel: split partials merged per step (a power of two; more splits: online rescaling)
+    # smallest query-row tile (power of two). 8 halves the deferred loop's registers (238 -> 128, 4 programs per SM
+    # instead of 2) but was 1.5x SLOWER on the H200 at B=8/128K (benchmarks/results/kernels_h200_mpad.json)
+    "m_pad_min": 16,
 }
 
 
@@ -265,13 +269,33 @@ def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.cons
 
 
 @triton.jit
+def _v_code_operand(vb, P: tl.constexpr, LOWP: tl.constexpr):
+    """Codes of plane ``P`` of a value byte tile as exact bf16 ``KP * code`` with ``KP = 2 * 4^min(P, 2)``, no
+    per-code shift for planes 0-2: ``byte & (3 << 2P)`` (``4^P code <= 48``) or-ed into the bit pattern of 256.0
+    (``0x4380``, mantissa LSB worth 2) reads as ``256 + KP code``, and the subtraction of 256 is exact (one
+    and-or + one packed subtract per two codes, against two shifts, a byte merge, an and-or and a subtract
+    for ``_code_operand``); plane 3's bits 6-7 would reach the exponent, so it is shifted down to bits 4-5 first.
+    Float32 under the interpreter (the same bit pattern, widened)."""
+    if P < 3:
+        m = vb & (3 << (2 * P))
+    else:
+        m = (vb >> 2) & 0x30
+    u = (m.to(tl.uint16) | 0x4380).to(tl.bfloat16, bitcast=True)
+    if LOWP:
+        return u - 256.0
+    else:
+        return u.to(tl.float32) - 256.0
+
+
+@triton.jit
 def _df_v_plane(p, vb, P: tl.constexpr, vs_base, vz_base, meta, valid, acc, zt,
                 D4: tl.constexpr, G: tl.constexpr, PPG: tl.constexpr, LOWP: tl.constexpr, PAIR: tl.constexpr = 0,
                 s_pair=None, z_pair=None):
-    """Deferred-loop values of plane ``P`` (group ``g``): ``acc += bf16((p s_g)ᵀ) . (code_P / 4)`` -- bf16,
-    since ``p`` is relative to a fixed reference and may exceed 1 -- and the elementwise tile
-    ``zt += p z_g`` (reduced over tokens once, after the loop; kept by the group's first plane only).
-    No rescaling: the reference is fixed. Planes of one group compute the same ``W_g`` (merged by CSE)."""
+    """Deferred-loop values of plane ``P`` (group ``g``): ``acc += bf16((p s_g)ᵀ) . (KP code_P)`` -- bf16,
+    since ``p`` is relative to a fixed reference and may exceed 1; ``KP`` (:func:`_v_code_operand`) is divided
+    out after the loop -- and the elementwise tile ``zt += p z_g`` (reduced over tokens once, after the loop;
+    kept by the group's first plane only). No rescaling: the reference is fixed. Planes of one group compute
+    the same ``W_g`` (merged by CSE: one transposition through shared memory per group)."""
     g: tl.constexpr = (P * D4) // G
     if PAIR:
         s = s_pair[g]
@@ -279,9 +303,8 @@ def _df_v_plane(p, vb, P: tl.constexpr, vs_base, vz_base, meta, valid, acc, zt,
     else:
         s = tl.load(vs_base + meta + g, mask=valid, other=0.0).to(tl.float32)
         z = tl.load(vz_base + meta + g, mask=valid, other=0.0).to(tl.float32)
-    w = _op(tl.trans(p * (4.0 * s)[:, None]), LOWP)
-    c = _code_operand(vb, P, LOWP) - 1.0  # code / 4, exact in bf16 (and float32)
-    acc = tl.dot(w, c.to(w.dtype), acc)
+    w = _op(tl.trans(p * s[:, None]), LOWP)
+    acc = tl.dot(w, _v_code_operand(vb, P, LOWP).to(w.dtype), acc)
     if P % PPG == 0:
         zt += p * z[:, None]
     return acc, zt
@@ -549,10 +572,10 @@ def _split_kernel(
             alpha = tl.exp2(phi - m_safe)
             l_i = tl.sum(lt, 0) * alpha
             zs = (tl.sum(zt0, 0), tl.sum(zt1, 0), tl.sum(zt2, 0), tl.sum(zt3, 0))
-            acc0 = (acc0 + zs[0][:, None]) * alpha[:, None]
-            acc1 = (acc1 + zs[1 - 1 % PPG][:, None]) * alpha[:, None]
-            acc2 = (acc2 + zs[2 - 2 % PPG][:, None]) * alpha[:, None]
-            acc3 = (acc3 + zs[3 - 3 % PPG][:, None]) * alpha[:, None]
+            acc0 = (acc0 * 0.5 + zs[0][:, None]) * alpha[:, None]  # / KP of _v_code_operand: 2, 8, 32, 32
+            acc1 = (acc1 * 0.125 + zs[1 - 1 % PPG][:, None]) * alpha[:, None]
+            acc2 = (acc2 * 0.03125 + zs[2 - 2 % PPG][:, None]) * alpha[:, None]
+            acc3 = (acc3 * 0.03125 + zs[3 - 3 % PPG][:, None]) * alpha[:, None]
         elif LOOP == 1:
             # Factored form (each plane inside one group): codes go to the tensor cores as exact
             # bf16 v = 1 + code/4, scale/zero are applied to the [M_PAD, BLOCK_N] results, see
@@ -649,43 +672,62 @@ def _combine_kernel(
     FINAL (decode_attention): ``out = (w_h (acc_h R_Vᵀ + l_h mu_V) + w_w acc_w) / (w_h l_h + w_w l_w)``,
     where ``w = exp(m_part - m)``; the un-rotation is a per-row mat-vec over ``C_BLOCK`` output channels
     at a time, so only the merged history row (not each split) is rotated back. Rows without any
-    valid key are 0."""
+    valid key are 0.
+
+    Latency, not bandwidth, sets this kernel's time (a few programs per SM, each a chain of dependent
+    loads; 10 us of a 46 us B=1 op before session 7): the history is merged in ONE pass with a running
+    max (one round of loads when ``S_HIST <= S_BLOCK``), and with ``C_BLOCK == D`` the whole ``R_V[h]``
+    is loaded first, so its latency overlaps the partials' loads."""
     row = tl.program_id(0)  # = bh * M + mm
     bh = row // M
     mm = row % M
+    h = bh % Hk
     offs_s = tl.arange(0, S_BLOCK)
     offs_d = tl.arange(0, D)
     base = bh.to(tl.int64) * S_TOT * M + mm  # partial (bh, s, mm) lives at base + s * M
-    # pass 1: the global max over all splits
-    m_max = tl.full((S_BLOCK,), float("-inf"), tl.float32)
-    for s0 in range(0, S_TOT, S_BLOCK):
-        sm = s0 + offs_s < S_TOT
-        m_max = tl.maximum(m_max, tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf")))
-    m = tl.max(m_max, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    # pass 2: history splits, rescaled and summed (empty splits have m = -inf -> weight 0)
-    l_h = tl.zeros((S_BLOCK,), tl.float32)
+    if FINAL and C_BLOCK == D:
+        r_all = tl.load(RV + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # issued before the partials
+    # history splits: online log-sum-exp (log2 units), blocks of S_BLOCK splits
+    m_h = tl.max(tl.full((S_BLOCK,), float("-inf"), tl.float32), 0)
+    l_h = tl.sum(tl.zeros((S_BLOCK,), tl.float32), 0)
     acc = tl.zeros((D,), tl.float32)
     for s0 in range(0, S_HIST, S_BLOCK):
         sm = s0 + offs_s < S_HIST
-        w = tl.exp2(tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf")) - m_safe)
-        l_h += w * tl.load(PL + base + (s0 + offs_s) * M, mask=sm, other=0.0)
+        pm = tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf"))
+        pl = tl.load(PL + base + (s0 + offs_s) * M, mask=sm, other=0.0)
         a = tl.load(PACC + (base + (s0 + offs_s)[:, None] * M) * D + offs_d[None, :], mask=sm[:, None], other=0.0)
-        acc += tl.sum(w[:, None] * a, 0)
-    lh = tl.sum(l_h, 0)
+        m_new = tl.maximum(m_h, tl.max(pm, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_h - m_safe)  # 0 while m_h = -inf (empty splits so far)
+        w = tl.exp2(pm - m_safe)
+        l_h = l_h * alpha + tl.sum(w * pl, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * a, 0)
+        m_h = m_new
     if FINAL:
-        l_w = tl.zeros((S_BLOCK,), tl.float32)
+        # window splits (value space): their max and sum first; their acc rows per output chunk below
+        m_w = tl.max(tl.full((S_BLOCK,), float("-inf"), tl.float32), 0)
+        for s0 in range(S_HIST, S_TOT, S_BLOCK):
+            sm = s0 + offs_s < S_TOT
+            m_w = tl.maximum(m_w, tl.max(tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf")), 0))
+        m = tl.maximum(m_h, m_w)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w_h = tl.exp2(m_h - m_safe)
+        l_w = tl.sum(tl.zeros((S_BLOCK,), tl.float32), 0)
         for s0 in range(S_HIST, S_TOT, S_BLOCK):
             sm = s0 + offs_s < S_TOT
             w = tl.exp2(tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf")) - m_safe)
-            l_w += w * tl.load(PL + base + (s0 + offs_s) * M, mask=sm, other=0.0)
-        l_tot = lh + tl.sum(l_w, 0)
+            l_w += tl.sum(w * tl.load(PL + base + (s0 + offs_s) * M, mask=sm, other=0.0), 0)
+        lh = w_h * l_h
+        l_tot = lh + l_w
         inv = tl.where(l_tot > 0, 1.0 / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
-        h = bh % Hk
+        acc = acc * w_h
         for c0 in tl.static_range(0, D, C_BLOCK):
             offs_c = c0 + tl.arange(0, C_BLOCK)
             # history: (acc R_Vᵀ)[c] = sum_d R_V[c, d] acc[d], plus l_h * mu_V[c]
-            r = tl.load(RV + h * D * D + offs_c[:, None] * D + offs_d[None, :])
+            if C_BLOCK == D:
+                r = r_all
+            else:
+                r = tl.load(RV + h * D * D + offs_c[:, None] * D + offs_d[None, :])
             o = tl.sum(r * acc[None, :], 1)
             if HAS_MUV:
                 o += lh * tl.load(MUV + h * D + offs_c)
@@ -697,8 +739,8 @@ def _combine_kernel(
                 o += tl.sum(w[:, None] * a, 0)
             tl.store(OACC + row.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
     else:
-        tl.store(OM + row, m * _LN2)
-        tl.store(OL + row, lh)
+        tl.store(OM + row, m_h * _LN2)
+        tl.store(OL + row, l_h)
         tl.store(OACC + row.to(tl.int64) * D + offs_d, acc)
 
 
@@ -796,10 +838,10 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     if qk_offset is not None:
         qk_offset = qk_offset.float().expand(b, hk, m)
 
-    m_pad = _pow2_at_least(m, 16)
+    m_pad = _pow2_at_least(m, cfg.get("m_pad_min", 16))
     # CONFIG was tuned for D = 128 and <= 16 query rows per KV head; other shapes take 64-token
     # blocks (the 128-token tiles would spill registers there).
-    if not (d == 128 and m_pad == 16):
+    if not (d == 128 and m_pad <= 16):
         cfg = {**cfg, "block_n": 64}
     if cfg["loop"] == "deferred" and m_pad > 16:
         # its elementwise [BLOCK_N, M_PAD] tiles (sum p, max, sum p z per group) would spill registers
@@ -864,12 +906,13 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],
             num_stages=2 if d > 128 else cfg["num_stages"],
         )
-    s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1), 64)
+    s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1), cfg.get("merge_block", 64))
     if fused:
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
         _combine_kernel[(bh * m,)](
             pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
-            D=d, S_BLOCK=s_block, C_BLOCK=min(d, 32), FINAL=True, HAS_MUV=mu_v is not None, num_warps=4,
+            D=d, S_BLOCK=s_block, C_BLOCK=d if d <= 128 else 32, FINAL=True, HAS_MUV=mu_v is not None,
+            num_warps=8 if d >= 128 else 4,
         )
         return out
     om = torch.empty(b, hk, m, device=dev, dtype=torch.float32)

@@ -90,6 +90,31 @@ def history_partial_reference(
     return part
 
 
+def rotate_query_reference(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None):
+    """The history's query: ``qf [B, Hk, M, D]`` -> ``q R_K`` (float32) and the logit offset ``q · mu_K``
+    ``[B, Hk, M]`` (None without key centering; ``mu_k`` ``[Hk, D]`` calibrated or ``[B, Hk, D]`` per
+    sequence): ``q·k = (q R_K)·(k R_K)`` and the history holds ``(k - mu_K) R_K``."""
+    qf = qf.float()
+    q_rot = torch.matmul(qf, r_k.float().unsqueeze(0))
+    if mu_k is None:
+        return q_rot, None
+    mu_k = mu_k.float()
+    return q_rot, torch.matmul(qf, (mu_k[None] if mu_k.dim() == 2 else mu_k).unsqueeze(-1)).squeeze(-1)
+
+
+def rotate_query(qf, r_k, mu_k, use_kernels="auto"):
+    """Dispatch: one Triton launch on CUDA for decode-sized queries (not while ``torch.compile`` traces,
+    where inductor fuses the torch ops itself), else the reference."""
+    from . import triton_enabled
+
+    if triton_enabled(qf, use_kernels) and not torch.compiler.is_compiling():
+        from .query_triton import query_kernel_supported, rotate_query_triton
+
+        if query_kernel_supported(qf):
+            return rotate_query_triton(qf, r_k, mu_k)
+    return rotate_query_reference(qf, r_k, mu_k)
+
+
 def history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n=1024, use_kernels="auto"):
     """Dispatch: split-K Triton kernels on CUDA (when importable and allowed), else the reference."""
     from . import triton_enabled

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from oscar_hf.kernels import triton_enabled
-from oscar_hf.kernels.int2_attention import decode_attention
+from oscar_hf.kernels.int2_attention import decode_attention, rotate_query
 
 from .cache import OscarKV
 from .quant import QuantizedRows
@@ -79,12 +79,8 @@ def _mask_rows(m: torch.Tensor, g: int) -> torch.Tensor:
 
 def _rotated_query(qf: torch.Tensor, layer):
     """``qf [B, Hk, M, D]`` -> the history's query ``q R_K`` and its logit offset ``q · mu_K`` ``[B, Hk, M]``
-    (None without key centering): ``q·k = (q R_K)·(k R_K)`` and the history holds ``(k - mu_K) R_K``."""
-    mu_k = layer.offsets()[0]  # [Hk, D] calibrated, or [B, Hk, D] per sequence (key_offset="prefill")
-    q_rot = torch.matmul(qf, layer.rot.r_k.unsqueeze(0))
-    if mu_k is None:
-        return q_rot, None
-    return q_rot, torch.matmul(qf, (mu_k[None] if mu_k.dim() == 2 else mu_k).unsqueeze(-1)).squeeze(-1)
+    (None without key centering); one Triton launch on CUDA (:func:`~oscar_hf.kernels.int2_attention.rotate_query`)."""
+    return rotate_query(qf, layer.rot.r_k, layer.offsets()[0], layer.config.use_kernels)
 
 
 def full_precision_heads_attention(layer, query, new_k, new_v, allowed, t_old: int, scaling: float) -> torch.Tensor:

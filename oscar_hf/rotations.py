@@ -45,7 +45,8 @@ class LayerRotation:
     mu_v: torch.Tensor | None = None  # [Hk, D]
 
     def to(self, device) -> "LayerRotation":
-        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+        # contiguous: the decode kernels read R row-major and would otherwise copy it at every step
+        mv = lambda t: None if t is None else t.to(device).contiguous()  # noqa: E731
         return dataclasses.replace(self, r_k=mv(self.r_k), r_v=mv(self.r_v), mu_k=mv(self.mu_k), mu_v=mv(self.mu_v))
 
     def select_heads(self, heads) -> "LayerRotation":

@@ -6,7 +6,8 @@ window tokens, the rest INT2 history; total length T):
 * ``oscar``: the whole decode attention op (with the chosen CONFIG; ``oscar_rowdot_ms``, ``oscar_deferred_ms``,
   ``oscar_factored_ms`` and ``oscar_dequant_ms`` time the inner-loop variants of the split kernel with that CONFIG, so
   old and new loops are compared on the same data in the same run) -- query rotation ``q R_K`` and centering offset
-  ``q_rot · (mu_K R_K)`` (2 torch launches) + :func:`decode_attention_triton` (2 Triton launches:
+  ``q · mu_K`` (one Triton launch since session 7, :func:`rotate_query`, as in the model's attention; before: a cast,
+  a GEMM and a GEMV in torch) + :func:`decode_attention_triton` (2 Triton launches:
   split-K over history and window, then merge + ``R_Vᵀ`` + ``mu_V`` + normalize);
 * ``oscar_composed``: ``history_partial_triton`` + the window partial, merge and rotate-back in torch
   (what an integration gets from the contract functions alone);
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 import triton
 
 from oscar_hf.kernels import decode_triton as dt
-from oscar_hf.kernels.int2_attention import merge_partials, partial_from_logits
+from oscar_hf.kernels.int2_attention import merge_partials, partial_from_logits, rotate_query
 from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.kernels.write_triton import rotate_quantize_triton
 from oscar_hf.quant import QuantizedRows
@@ -113,7 +114,7 @@ def copy_bandwidth_gbps():
 
 def orthogonal(n, d, gen):
     a = torch.randn(n, d, d, generator=gen, dtype=torch.float64)
-    return torch.linalg.qr(a)[0].float()
+    return torch.linalg.qr(a)[0].float().contiguous()  # as the cache holds them (LayerRotation.to)
 
 
 def make_decode(b, t, gen):
@@ -147,8 +148,7 @@ def oscar_op(st):
     qg = st["q"].view(b, HK, GQ, D)  # query heads of one KV head are consecutive (repeat_kv order)
 
     def run():
-        q_rot = torch.matmul(qg.float(), st["r_k"])
-        qk_off = torch.matmul(q_rot, st["mu_rot_k"].unsqueeze(-1)).squeeze(-1)
+        q_rot, qk_off = rotate_query(qg, st["r_k"], st["mu_k"])  # one launch (kernels/query_triton.py)
         out = dt.decode_attention_triton(
             q_rot, st["k"], st["v"], st["start"], None, qk_off, SCALING, GS,
             qg, st["k_win"], st["v_win"], None, st["r_v"], st["mu_v"], torch.bfloat16,
@@ -232,6 +232,13 @@ TILES_PF_SWEEP = [dict(block_n=bn, num_warps=nw, num_stages=ns, programs_per_sm=
 # --sweep-set pair: the deferred loop's metadata as one 4-byte word per token and tensor (CONFIG["pair_meta"])
 PAIR_SWEEP = [dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4, loop="deferred", prefetch=pf, pair_meta=pm)
               for pf, pm in ((4, False), (4, True), (0, True), (2, True))]
+# --sweep-set mpad: query-row tile 16 (sessions 3-6) against 8 (Triton pads the dots itself: 238 -> 128 registers,
+# 2 -> 4 programs per SM for the deferred loop), with more programs per SM and 128-token blocks around it (session 7)
+MPAD_SWEEP = [dict(block_n=bn, num_warps=4, num_stages=ns, programs_per_sm=pps, loop=loop, prefetch=4, m_pad_min=mp)
+              for loop, mp, bn, ns, pps in (("deferred", 16, 64, 4, 4), ("deferred", 8, 64, 4, 4),
+                                            ("deferred", 8, 64, 4, 8), ("deferred", 8, 64, 3, 8),
+                                            ("rowdot", 8, 64, 4, 4), ("rowdot", 8, 64, 4, 8),
+                                            ("rowdot", 8, 128, 3, 4), ("deferred", 8, 128, 3, 4))]
 LOOPS = ("rowdot", "deferred", "factored", "dequant")
 # write-path kernel configs (kernels/write_triton.py WRITE_CONFIG), timed under --sweep at T = 32K
 WRITE_SWEEP = [
@@ -449,7 +456,7 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--plot", help="only make the PNG from an existing result JSON")
     ap.add_argument("--sweep", action="store_true", help="pick the split-kernel config on this GPU first")
-    ap.add_argument("--sweep-set", choices=["tiles", "prefetch", "tiles-pf", "pair"], default="tiles",
+    ap.add_argument("--sweep-set", choices=["tiles", "prefetch", "tiles-pf", "pair", "mpad"], default="tiles",
                     help="--sweep over the tile / loop configs (SWEEP) or the L2 prefetch distances (PREFETCH_SWEEP)")
     ap.add_argument("--no-write", action="store_true", help="skip the write-path benchmark")
     ap.add_argument("--batches", default="1,8,32")
@@ -476,7 +483,7 @@ def main():
     result["copy_GBps"] = copy_bandwidth_gbps()
     log("copy bandwidth GB/s (read+write):", round(result["copy_GBps"], 1))
     if args.sweep:
-        sets = {"tiles": SWEEP, "prefetch": PREFETCH_SWEEP, "tiles-pf": TILES_PF_SWEEP, "pair": PAIR_SWEEP}
+        sets = {"tiles": SWEEP, "prefetch": PREFETCH_SWEEP, "tiles-pf": TILES_PF_SWEEP, "pair": PAIR_SWEEP, "mpad": MPAD_SWEEP}
         result["sweep"], result["config"] = sweep(gen, sets[args.sweep_set])
     result["config"] = dict(dt.CONFIG)
     log("config", result["config"])

@@ -56,6 +56,7 @@ def main():
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--prefetch", type=int, default=0, help="CONFIG['prefetch']: L2 prefetch distance in blocks")
     ap.add_argument("--pair", action="store_true", help="CONFIG['pair_meta']: one 4-byte metadata load per token")
+    ap.add_argument("--m-pad", type=int, default=None, help="CONFIG['m_pad_min']")
     args = ap.parse_args()
     from oscar_hf.kernels import decode_triton as dt
     from oscar_hf.quant import quantize_rows
@@ -69,6 +70,8 @@ def main():
     kw_ = torch.randn(b, hk, 320, d, generator=g0).bfloat16()
     for loop in args.loops:
         dt.CONFIG["loop"] = loop
+        if args.m_pad:
+            dt.CONFIG["m_pad_min"] = args.m_pad
         if args.block_n:
             dt.CONFIG["block_n"] = args.block_n
         split.calls.clear()

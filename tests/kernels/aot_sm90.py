@@ -82,6 +82,10 @@ def main():
 
     split, comb, write = Recorder(dt._split_kernel), Recorder(dt._combine_kernel), Recorder(wt._rotate_quantize_kernel)
     dt._split_kernel, dt._combine_kernel, wt._rotate_quantize_kernel = split, comb, write
+    from oscar_hf.kernels import query_triton as qt
+
+    rotq = Recorder(qt._rotate_query_kernel)
+    qt._rotate_query_kernel = rotq
     g0 = torch.Generator().manual_seed(0)
     labels = []
 
@@ -124,6 +128,10 @@ def main():
                           (64, 32, torch.float16, 100), (256, 128, torch.bfloat16, 100)):
         x = torch.randn(1, 2, t, d, generator=g0).bfloat16()
         wt.rotate_quantize_triton(x, torch.randn(2, d, d, generator=g0), torch.randn(2, d, generator=g0), 0.95, g, meta)
+    # the decode step's query prologue: GQA 4 at D = 128 with offsets, MHA at D = 256 without
+    qt.rotate_query_triton(torch.randn(2, 8, 4, 128, generator=g0), torch.randn(8, 128, 128, generator=g0),
+                           torch.randn(8, 128, generator=g0))
+    qt.rotate_query_triton(torch.randn(1, 2, 1, 256, generator=g0), torch.randn(2, 256, 256, generator=g0), None)
     cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3"}
     for i, (grid, args, kw) in enumerate(split.calls):
         print(json.dumps({"kernel": "split", "case": labels[i], **compile_call(split.fn, args, kw, cuda_kw)}))
@@ -135,6 +143,9 @@ def main():
     for i in (0, 3):
         grid, args, kw = comb.calls[i]
         print(json.dumps({"kernel": "combine", "case": labels[i], **compile_call(comb.fn, args, kw, cuda_kw)}))
+    for grid, args, kw in rotq.calls:
+        print(json.dumps({"kernel": "rotate_query", "case": f"d={kw['D']} m_pad={kw['M_PAD']}",
+                          **compile_call(rotq.fn, args, kw, cuda_kw)}))
     for grid, args, kw in write.calls:
         case = f"write d={kw['D']} g={kw['G']} block_t={kw['BLOCK_T']}"
         print(json.dumps({"kernel": "write", "case": case, **compile_call(write.fn, args, kw, cuda_kw)}))

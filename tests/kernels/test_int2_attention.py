@@ -300,6 +300,28 @@ def test_decode_attention_kernel(small_splits, b, hk, m, n, w, d, g, mu, wmask):
 
 
 @interp
+@pytest.mark.parametrize("merge_block", [1, 2, 4])
+def test_combine_merges_splits_in_several_blocks(monkeypatch, merge_block):
+    """The combine kernel merges the split partials in blocks of ``merge_block`` with a running max (on the GPU:
+    blocks of 64, and B=1 has 66 history splits): with blocks smaller than the split count, the online
+    rescaling across blocks (history and window, history_partial and decode_attention) must equal the reference.
+    The last history split holds keys with 30x scales (the largest logits), so a merge that kept the first
+    block's max would overflow or lose the earlier blocks."""
+    dt = _dt()
+    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "merge_block": merge_block})
+    b, hk, m, n, w, d, g = 2, 1, 4, 600, 300, 64, 32
+    args, gen = _window_case(b, hk, m, n, w, d, g, seed=merge_block)
+    args["start"] = torch.tensor([0, 70])
+    args["k"].scale[:, :, 540:560] *= 30  # large logits (of either sign) in the last history split
+    assert dt.num_splits(n, b * hk, torch.device("cpu")) > merge_block
+    got = dt.decode_attention_triton(**args)
+    assert rel_err(got, dt.decode_attention_reference(**args)) < 2e-5
+    h = ("q_rot", "k", "v", "start", "key_mask", "qk_offset", "scaling", "group_size")
+    hargs = {k: args[k] for k in h}
+    assert_partials_close(dt.history_partial_triton(**hargs), history_partial_reference(**hargs, block_n=64), 5e-5)
+
+
+@interp
 @pytest.mark.parametrize("n_valid", [0, 1, 150, 299])
 def test_decode_attention_kernel_device_length(small_splits, n_valid):
     """Static cache: storage of capacity N, valid length read on the device, fixed split count:

@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""Where the time of one OSCAR decode-attention call goes, kernel by kernel (CUDA GPU).
+
+Runs the benchmark's decode op (``scripts/bench_kernels.py``: query rotation + centering offset in torch, then
+``decode_attention_triton``: split-K kernel + combine kernel) eagerly under ``torch.profiler`` and reports each
+GPU kernel's mean device time per call, for each (B, T) point and each ``--configs`` entry (CONFIG overrides as
+JSON). The L2 flush between calls (as in the benchmark) is profiled too and left out of the table. Together with
+the CUDA-graph time of the whole op this separates the fixed per-call cost (small kernels, split prologue, merge)
+from the per-token cost of the history loop.
+
+    python scripts/profile_decode_op.py --points 1x8192,1x131072,8x131072 \\
+        --configs '{"m_pad_min": 16}' '{"m_pad_min": 8}' --out profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kernels as bk  # noqa: E402
+from oscar_hf.kernels import decode_triton as dt  # noqa: E402
+
+
+def kernel_times(fn, iters):
+    """Mean device microseconds per call of each kernel ``fn`` launches (flush kernels excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            bk.FLUSH.zero_()
+            fn()
+        torch.cuda.synchronize()
+    tot = collections.defaultdict(float)
+    cnt = collections.Counter()
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        tot[e.name] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        cnt[e.name] += 1
+    out = {}
+    for name, us in tot.items():
+        if "fill" in name.lower() or "zero" in name.lower():  # the L2 flush
+            continue
+        out[name[:90]] = {"us_per_call": us / iters, "launches_per_call": cnt[name] / iters}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--points", default="1x8192,1x131072,8x131072")
+    ap.add_argument("--configs", nargs="*", default=["{}"])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    bk.FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    base = dict(dt.CONFIG)
+    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "command": " ".join(sys.argv),
+           "base_config": base, "rows": []}
+    for pt in args.points.split(","):
+        b, t = (int(x) for x in pt.split("x"))
+        st = bk.make_decode(b, t, gen)
+        op = bk.oscar_op(st)
+        for cj in args.configs:
+            dt.CONFIG.clear()
+            dt.CONFIG.update({**base, **json.loads(cj)})
+            row = {"B": b, "T": t, "config": json.loads(cj), "graph_ms": bk.timed(op, graph=True),
+                   "kernels": kernel_times(op, args.iters)}
+            row["kernel_sum_us"] = sum(k["us_per_call"] for k in row["kernels"].values())
+            res["rows"].append(row)
+            print(f"B={b} T={t} {cj}: graph {row['graph_ms'] * 1e3:.1f} us, kernels {row['kernel_sum_us']:.1f} us")
+            for name, k in sorted(row["kernels"].items(), key=lambda kv: -kv[1]["us_per_call"]):
+                print(f"   {k['us_per_call']:8.1f} us  x{k['launches_per_call']:.0f}  {name}")
+            Path(args.out).write_text(json.dumps(res, indent=1))
+        del st, op
+        torch.cuda.empty_cache()
+    dt.CONFIG.clear()
+    dt.CONFIG.update(base)
+
+
+if __name__ == "__main__":
+    main()

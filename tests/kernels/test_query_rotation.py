@@ -1,0 +1,73 @@
+"""The decode step's query prologue (``q R_K`` and ``q · mu_K`` in one launch) against its torch reference:
+under the Triton interpreter on the CPU, compiled on a GPU (``-m gpu``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import HAS_CUDA, random_rotation, rel_err, setup_interpreter
+
+INTERPRETED = setup_interpreter()  # before any kernel module is imported
+
+from oscar_hf.kernels.int2_attention import rotate_query, rotate_query_reference  # noqa: E402
+
+interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRITON_INTERPRET=1 without CUDA)")
+on_gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs CUDA (compiled kernels)")
+
+
+def _case(b, hk, m, d, mu, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hk * m * 2, d, generator=gen) * 3).to(dtype)[:, ::2].reshape(b, hk, m, d)  # strided rows
+    r_k = random_rotation(hk, d, gen)
+    mu_k = {None: None, "head": torch.randn(hk, d, generator=gen), "row": torch.randn(b, hk, d, generator=gen)}[mu]
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return to(q), to(r_k), to(mu_k)
+
+
+def _check(q, r_k, mu_k, tol):
+    from oscar_hf.kernels.query_triton import rotate_query_triton
+
+    got_q, got_off = rotate_query_triton(q, r_k, mu_k)
+    ref_q, ref_off = rotate_query_reference(q.cpu().double(), r_k.cpu().double(), None if mu_k is None else mu_k.cpu().double())
+    assert got_q.dtype == torch.float32 and got_q.shape == ref_q.shape
+    assert rel_err(got_q.cpu().double(), ref_q) < tol
+    if mu_k is None:
+        assert got_off is None
+    else:
+        assert got_off.shape == ref_off.shape and rel_err(got_off.cpu().double(), ref_off) < tol
+
+
+@interp
+@pytest.mark.parametrize("b,hk,m,d,mu,dtype", [
+    (1, 2, 1, 64, None, torch.float32),  # MHA decode row
+    (2, 3, 4, 128, "head", torch.bfloat16),  # GQA 4, calibrated offsets
+    (2, 1, 7, 32, "row", torch.float16),  # odd M, per-sequence offsets (key_offset="prefill")
+    (1, 2, 16, 256, "head", torch.float32),  # the largest M the kernel serves
+])
+def test_rotate_query_kernel(b, hk, m, d, mu, dtype):
+    _check(*_case(b, hk, m, d, mu, dtype, "cpu", seed=m), 1e-6)
+
+
+@interp
+def test_rotate_query_kernel_uses_each_heads_rotation_and_offset():
+    """A kernel reading head 0's rotation or offset for every head would pass a one-head test: swap them."""
+    from oscar_hf.kernels.query_triton import rotate_query_triton
+
+    q, r_k, mu_k = _case(2, 2, 4, 64, "row", torch.float32, "cpu", seed=3)
+    got_q, got_off = rotate_query_triton(q, r_k, mu_k)
+    ref_q, ref_off = rotate_query_reference(q, r_k.flip(0), mu_k.flip(1))
+    assert rel_err(got_q, ref_q) > 0.5 and rel_err(got_off, ref_off) > 0.5
+
+
+def test_rotate_query_dispatch_falls_back_to_reference():
+    """Prefill-sized queries (M > 16) and the CPU without the interpreter take the torch reference."""
+    q, r_k, mu_k = _case(1, 2, 24, 64, "head", torch.float32, "cpu")
+    got = rotate_query(q, r_k, mu_k, use_kernels="auto")
+    ref = rotate_query_reference(q, r_k, mu_k)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,mu", [(4, "head"), (8, "row"), (1, None)])
+def test_rotate_query_kernel_gpu(m, mu):
+    _check(*_case(8, 8, m, 128, mu, torch.bfloat16, "cuda", seed=m), 1e-5)
