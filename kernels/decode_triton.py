@@ -704,21 +704,22 @@ def _combine_kernel(
         acc = acc * alpha + tl.sum(w[:, None] * a, 0)
         m_h = m_new
     if FINAL:
-        # window splits (value space): their max and sum first; their acc rows per output chunk below
+        # window splits (value space): their max and sum in one online pass; their acc rows per output chunk below
         m_w = tl.max(tl.full((S_BLOCK,), float("-inf"), tl.float32), 0)
-        for s0 in range(S_HIST, S_TOT, S_BLOCK):
-            sm = s0 + offs_s < S_TOT
-            m_w = tl.maximum(m_w, tl.max(tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf")), 0))
-        m = tl.maximum(m_h, m_w)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w_h = tl.exp2(m_h - m_safe)
         l_w = tl.sum(tl.zeros((S_BLOCK,), tl.float32), 0)
         for s0 in range(S_HIST, S_TOT, S_BLOCK):
             sm = s0 + offs_s < S_TOT
-            w = tl.exp2(tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf")) - m_safe)
-            l_w += tl.sum(w * tl.load(PL + base + (s0 + offs_s) * M, mask=sm, other=0.0), 0)
+            pm = tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf"))
+            m_new = tl.maximum(m_w, tl.max(pm, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_w = l_w * tl.exp2(m_w - m_safe) + tl.sum(tl.exp2(pm - m_safe) * tl.load(PL + base + (s0 + offs_s) * M,
+                                                                                   mask=sm, other=0.0), 0)
+            m_w = m_new
+        m = tl.maximum(m_h, m_w)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w_h = tl.exp2(m_h - m_safe)
         lh = w_h * l_h
-        l_tot = lh + l_w
+        l_tot = lh + l_w * tl.exp2(m_w - m_safe)
         inv = tl.where(l_tot > 0, 1.0 / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
         acc = acc * w_h
         for c0 in tl.static_range(0, D, C_BLOCK):
