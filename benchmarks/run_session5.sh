@@ -5,11 +5,7 @@
 #   bash benchmarks/run_session5.sh b   # kernel benchmark with the config sweeps (decode loops, write tiles)
 #   bash benchmarks/run_session5.sh c   # GPU kernel tests again + the write path at its new default tile
 #   bash benchmarks/run_session5.sh d   # with "deferred" the default: GPU kernel + StaticOscarCache tests, decode rows B=1,8 x 32K,128K
-set -uo pipefail
-R=$PWD
-export PYTHONPATH=$(bash scripts/device_pythonpath.sh) PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; cd /tmp
-nvidia-smi --query-gpu=name --format=csv,noheader
+source benchmarks/device_env.sh
 case "$1" in
 a)
   python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" --rootdir "$R" 2>&1 | tee "$OUT/gpu_tests.log" | tail -6

@@ -10,11 +10,7 @@
 #                                       # decode rows B=1,8,32 x 8K,32K,128K
 #   bash benchmarks/run_session6.sh d   # tile / warp / split sweep with prefetch 4, decode rows at the winner
 #   bash benchmarks/run_session6.sh e   # paired 4-byte metadata loads in the deferred loop: GPU tests + sweep
-set -uo pipefail
-R=$PWD
-export PYTHONPATH=$(bash scripts/device_pythonpath.sh) PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; cd /tmp
-nvidia-smi --query-gpu=name --format=csv,noheader
+source benchmarks/device_env.sh
 case "$1" in
 a)
   python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" --rootdir "$R" 2>&1 | tee "$OUT/tests_session6.log" | tail -3

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session-7 device runs (torch 2.11, triton 3.6 there), from the repository root, one `run` call each; results
 # were copied from $OUT to benchmarks/results/ afterwards:
-#   bash benchmarks/run_session7.sh a   # query-row tile 8 (CONFIG["m_pad_min"], new default) vs 16: GPU kernel +
+#   bash benchmarks/run_session7.sh a   # query-row tile 8 (CONFIG["m_pad_min"]; the default during this run, 16 again after it) vs 16: GPU kernel +
 #                                       # StaticOscarCache tests, per-kernel profile of the op, sweep, decode rows
 #   bash benchmarks/run_session7.sh b   # final tree (query prologue kernel, one-pass combine, shift-free value codes):
 #                                       # GPU kernel + StaticOscarCache tests, per-kernel profile, decode rows
@@ -9,11 +9,17 @@
 #                                       # (b's float32 FMA dot took 58 us): the same tests, profile and decode rows
 #   bash benchmarks/run_session7.sh d   # final tree (the benchmark's rotations contiguous, as the cache holds them:
 #                                       # c's rows include two 2.5 us copies of R): profile + decode rows
-set -uo pipefail
-R=$PWD
-export PYTHONPATH=$(bash scripts/device_pythonpath.sh) PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; cd /tmp
-nvidia-smi --query-gpu=name --format=csv,noheader
+source benchmarks/device_env.sh
+# GPU kernel + StaticOscarCache tests (log tests_session7$1.log, unless $1 is empty), the per-kernel profile and the
+# decode rows B=1,8,32 x 8K,32K,128K; $2: the name of the result files
+final_rows() {
+  [ -n "$1" ] && timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" \
+      --rootdir "$R" 2>&1 | tee "$OUT/tests_session7$1.log" | tail -3
+  timeout 60 python3 "$R/scripts/profile_decode_op.py" --points 1x8192,1x131072,8x131072 \
+      --out "$OUT/profile_op_h200_final.json" 2>&1 | tail -24
+  timeout 320 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_h200_$2.json" 2>&1 | tee "$OUT/bench_kernels_$2.log" | tail -12
+}
 case "$1" in
 a)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" \
@@ -25,25 +31,12 @@ a)
       | grep -E "sweep|config|^ *[0-9]"
   ;;
 b)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" \
-      --rootdir "$R" 2>&1 | tee "$OUT/tests_session7b.log" | tail -3
-  timeout 60 python3 "$R/scripts/profile_decode_op.py" --points 1x8192,1x131072,8x131072 \
-      --out "$OUT/profile_op_h200_final.json" 2>&1 | tail -24
-  timeout 320 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
-      --out "$OUT/kernels_h200_session7.json" 2>&1 | tee "$OUT/bench_kernels_session7.log" | tail -12
+  final_rows b session7
   ;;
 c)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" \
-      --rootdir "$R" 2>&1 | tee "$OUT/tests_session7c.log" | tail -3
-  timeout 60 python3 "$R/scripts/profile_decode_op.py" --points 1x8192,1x131072,8x131072 \
-      --out "$OUT/profile_op_h200_final.json" 2>&1 | tail -24
-  timeout 320 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
-      --out "$OUT/kernels_h200_session7.json" 2>&1 | tee "$OUT/bench_kernels_session7.log" | tail -12
+  final_rows c session7
   ;;
 d)
-  timeout 60 python3 "$R/scripts/profile_decode_op.py" --points 1x8192,1x131072,8x131072 \
-      --out "$OUT/profile_op_h200_final.json" 2>&1 | tail -24
-  timeout 320 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
-      --out "$OUT/kernels_h200_session7_final.json" 2>&1 | tee "$OUT/bench_kernels_session7_final.log" | tail -12
+  final_rows "" session7_final
   ;;
 esac
