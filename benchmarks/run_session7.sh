@@ -9,6 +9,7 @@
 #                                       # (b's float32 FMA dot took 58 us): the same tests, profile and decode rows
 #   bash benchmarks/run_session7.sh d   # final tree (the benchmark's rotations contiguous, as the cache holds them:
 #                                       # c's rows include two 2.5 us copies of R): profile + decode rows
+#   bash benchmarks/run_session7.sh e   # the reviewed tree (window splits merged in one pass): tests, profile, rows
 source benchmarks/device_env.sh
 # GPU kernel + StaticOscarCache tests (log tests_session7$1.log, unless $1 is empty), the per-kernel profile and the
 # decode rows B=1,8,32 x 8K,32K,128K; $2: the name of the result files
@@ -38,5 +39,8 @@ c)
   ;;
 d)
   final_rows "" session7_final
+  ;;
+e)
+  final_rows e session7_review
   ;;
 esac
