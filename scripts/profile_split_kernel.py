@@ -11,6 +11,7 @@ of ``_split_kernel`` for one inner-loop variant (stall reasons, issue-slot use, 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -28,9 +29,11 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=131072)
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--config", default="{}", help="further CONFIG overrides (JSON)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA device"
     dt.CONFIG["loop"] = args.loop
+    dt.CONFIG.update(json.loads(args.config))
     op = bk.oscar_op(bk.make_decode(args.batch, args.length, torch.Generator().manual_seed(0)))
     for _ in range(args.calls):
         op()

@@ -40,6 +40,15 @@ def hot_loop(sass: str):
             body = [x for x in lines if int(t.group(1), 16) <= x[0] <= addr]
             if any("HGMMA" in i for _, i in body) and (best is None or len(body) < len(best)):
                 best = body
+    if best is None:  # no wgmma (small tiles take mma.sync): the loop with the most tensor-core ops
+        n_mma = lambda body: sum("MMA" in i for _, i in body)  # noqa: E731
+        for addr, ins in lines:
+            t = re.search(r"0x([0-9a-f]+)", ins) if "BRA" in ins else None
+            if t and int(t.group(1), 16) < addr:
+                body = [x for x in lines if int(t.group(1), 16) <= x[0] <= addr]
+                if n_mma(body) and (best is None or n_mma(body) > n_mma(best)
+                                    or (n_mma(body) == n_mma(best) and len(body) < len(best))):
+                    best = body
     return best or []
 
 
@@ -57,6 +66,8 @@ def main():
     ap.add_argument("--prefetch", type=int, default=0, help="CONFIG['prefetch']: L2 prefetch distance in blocks")
     ap.add_argument("--pair", action="store_true", help="CONFIG['pair_meta']: one 4-byte metadata load per token")
     ap.add_argument("--m-pad", type=int, default=None, help="CONFIG['m_pad_min']")
+    ap.add_argument("--num-warps", type=int, default=None, help="CONFIG['num_warps']")
+    ap.add_argument("--num-stages", type=int, default=None, help="CONFIG['num_stages']")
     args = ap.parse_args()
     from oscar_hf.kernels import decode_triton as dt
     from oscar_hf.quant import quantize_rows
@@ -74,6 +85,11 @@ def main():
             dt.CONFIG["m_pad_min"] = args.m_pad
         if args.block_n:
             dt.CONFIG["block_n"] = args.block_n
+        if os.environ.get("STACK_MP"):
+            dt.CONFIG["stack_mp_min"] = int(os.environ["STACK_MP"])
+        for key in ("num_warps", "num_stages"):
+            if getattr(args, key):
+                dt.CONFIG[key] = getattr(args, key)
         split.calls.clear()
         dt.decode_attention_triton(q, k, k, torch.zeros(b, dtype=torch.int64), None, torch.randn(b, hk, m, generator=g0),
                                    0.1, g, q.bfloat16(), kw_, kw_, None, torch.randn(hk, d, d, generator=g0),

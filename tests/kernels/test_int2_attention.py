@@ -132,7 +132,7 @@ def test_merge_partials_is_order_free_and_handles_empty():
 SMALL_SPLITS = {"min_split": 64, "block_n": 64}
 
 
-@pytest.fixture(params=["rowdot", "deferred", "deferred-pair", "factored", "dequant"])
+@pytest.fixture(params=["rowdot", "deferred", "deferred-pair", "stacked", "factored", "dequant"])
 def small_splits(request, monkeypatch):
     """deferred-pair: the deferred loop reading both groups' bf16 scale/zero as one 4-byte word (NG = 2)."""
     dt = _dt()
@@ -186,7 +186,7 @@ def test_history_partial_default_config(n):
 
 
 @interp
-@pytest.mark.parametrize("loop", ["deferred", "rowdot"])
+@pytest.mark.parametrize("loop", ["deferred", "stacked", "rowdot"])
 @pytest.mark.parametrize("case", ["spike", "underflow"])
 def test_deferred_loop_reference_guard(monkeypatch, case, loop):
     """The deferred loop exponentiates against the max of a split's first block: a later logit far
@@ -422,7 +422,7 @@ def test_gpu_history_partial_real_shapes(b, n):
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("loop,prefetch", [("rowdot", 0), ("deferred", 0), ("deferred", 2), ("deferred", 4),
-                                           ("deferred-pair", 4)])
+                                           ("deferred-pair", 4), ("stacked", 0)])
 @pytest.mark.parametrize("b,n", [(1, 131072 - 320), (8, 32768 - 320)])
 def test_gpu_decode_attention_real_shapes(b, n, loop, prefetch, monkeypatch):
     monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "loop": loop.removesuffix("-pair"), "prefetch": prefetch,
