@@ -84,7 +84,13 @@ CONFIG = {
     "block_n": 64,  # history tokens per inner-loop step
     "num_warps": 4,
     "num_stages": 4,
-    "programs_per_sm": 4,  # split-K target: B * Hk * S ~ programs_per_sm * SMs
+    # split-K factor S: None = the wave model of num_splits (programs resident per SM below); a number = the rule of
+    # sessions 3-7, B * Hk * S ~ programs_per_sm * SMs (kept so that the recorded sweeps' commands still mean the same)
+    "programs_per_sm": None,
+    # programs of the split kernel one SM holds at once: 2 for the default tile (238-242 registers x 128 threads, the
+    # sm_90 compile test and ncu), which the wave model of num_splits fills
+    "resident_programs": 2,
+    "max_waves": 4,  # at most this many waves of programs (more splits: more partials to merge, more prologues)
     "min_split": 256,  # never fewer tokens than this per split
     "win_split": 128,  # window tokens per window program
     "loop": "deferred",  # inner loop of the history split: "deferred" | "rowdot" | "factored" | "dequant" (module doc)
@@ -94,6 +100,10 @@ CONFIG = {
     "prefetch": 4,
     # deferred loop, NG = 2 groups with bf16 scale/zero: one 4-byte load per token for both groups (_bf16_pair)
     "pair_meta": False,
+    # deferred loop: load each block's scale / zero one iteration ahead (registers), so that their latency overlaps a
+    # block's work (ncu: the loop stalled on them, "long scoreboard"). H200, split kernel (session 8,
+    # benchmarks/results/profile_op_h200_session8b.json): B=8/128K 946 -> 891 us, B=32/32K 717 -> 677, B=1/128K 104 -> 102
+    "meta_ahead": True,
     "merge_block": 64,  # combine kernel: split partials merged per step (a power of two; more splits: online rescaling)
     # smallest query-row tile (power of two). 8 halves the deferred loop's registers (238 -> 128, 4 programs per SM
     # instead of 2) but was 1.5x SLOWER on the H200 at B=8/128K (benchmarks/results/kernels_h200_mpad.json)
@@ -246,6 +256,33 @@ def _bf16_pair(base, meta, mask):
 
 
 @triton.jit
+def _meta_groups(base, meta, mask, NG: tl.constexpr):
+    """Scale (or zero) of every group of a block's tokens, as a tuple of ``NG <= 4`` float32 vectors."""
+    g0 = tl.load(base + meta, mask=mask, other=0.0).to(tl.float32)
+    if NG == 1:
+        return (g0,)
+    elif NG == 2:
+        return (g0, tl.load(base + meta + 1, mask=mask, other=0.0).to(tl.float32))
+    else:
+        return (g0, tl.load(base + meta + 1, mask=mask, other=0.0).to(tl.float32),
+                tl.load(base + meta + 2, mask=mask, other=0.0).to(tl.float32),
+                tl.load(base + meta + 3, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _df_meta(ks_base, kz_base, vs_base, vz_base, offs_n, inb, valid, NG: tl.constexpr, PAIR: tl.constexpr):
+    """The deferred loop's metadata of one block: K scale / zero (in-bounds tokens) and V scale / zero (valid
+    tokens only: stale storage may hold NaN), each a tuple over the groups (:func:`_bf16_pair` when ``PAIR``)."""
+    meta = offs_n.to(tl.int64) * NG
+    if PAIR:
+        return (_bf16_pair(ks_base, meta, inb), _bf16_pair(kz_base, meta, inb),
+                _bf16_pair(vs_base, meta, valid), _bf16_pair(vz_base, meta, valid))
+    else:
+        return (_meta_groups(ks_base, meta, inb, NG), _meta_groups(kz_base, meta, inb, NG),
+                _meta_groups(vs_base, meta, valid, NG), _meta_groups(vz_base, meta, valid, NG))
+
+
+@triton.jit
 def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.constexpr,
                BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, LOWP: tl.constexpr, PAIR: tl.constexpr = 0,
                s_pair=None, z_pair=None):
@@ -391,7 +428,8 @@ def _split_kernel(
     D: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_OFF: tl.constexpr,
     HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, LOOP: tl.constexpr,
-    N_DEV: tl.constexpr, PREFETCH: tl.constexpr = 0, PAIR: tl.constexpr = 0, MP_STK: tl.constexpr = 4,
+    N_DEV: tl.constexpr, PREFETCH: tl.constexpr = 0, PAIR: tl.constexpr = 0, AHEAD: tl.constexpr = 0,
+    MP_STK: tl.constexpr = 4,
     KROWS: tl.constexpr = 0,
 ):
     D4: tl.constexpr = D // 4
@@ -532,38 +570,48 @@ def _split_kernel(
                 acc1 = tl.zeros((M_PAD, D4), tl.float32)
                 acc2 = tl.zeros((M_PAD, D4), tl.float32)
                 acc3 = tl.zeros((M_PAD, D4), tl.float32)
+                if AHEAD:  # metadata of the first block, loaded before the loop (see META_AHEAD below)
+                    offs_a, inb_a, valid_a = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                    md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_a, inb_a, valid_a, NG, PAIR)
                 for n0 in range(lo, hi, BLOCK_N):
                     if PREFETCH > 0:
                         _prefetch_block(n0 + PREFETCH * BLOCK_N, hi, kc_base, vc_base, ks_base, kz_base, vs_base,
                                         vz_base, skn, svn, NG, BLOCK_N)
-                    offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-                    meta = offs_n.to(tl.int64) * NG
-                    if PAIR:  # NG = 2, bf16: one 4-byte load per token and tensor for both groups
-                        ksp = _bf16_pair(ks_base, meta, inb)
-                        kzp = _bf16_pair(kz_base, meta, inb)
-                        vsp = _bf16_pair(vs_base, meta, valid)
-                        vzp = _bf16_pair(vz_base, meta, valid)
+                    if AHEAD:
+                        # The scale / zero loads are synchronous 2-byte loads (the pipeliner cannot make them
+                        # asynchronous copies) and the loop stalled on them (ncu: long scoreboard): issue the next
+                        # block's here, one iteration before their use, and use the ones issued last iteration.
+                        offs_n, inb, valid = offs_a, inb_a, valid_a
+                        ksp, kzp, vsp, vzp = md_a
+                        offs_a, inb_a, valid_a = _token_block(n0 + BLOCK_N, hi, start, KMASK, b, h, smb, smh, smn,
+                                                              BLOCK_N, HAS_MASK)
+                        md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_a, inb_a, valid_a, NG, PAIR)
                     else:
-                        ksp = (off, off)  # unused
-                        kzp = ksp
-                        vsp = ksp
-                        vzp = ksp
+                        offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                        if PAIR:  # NG = 2, bf16: one 4-byte load per token and tensor for both groups
+                            ksp, kzp, vsp, vzp = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_n, inb, valid, NG, 1)
+                        else:
+                            ksp = (off, off)  # unused
+                            kzp = ksp
+                            vsp = ksp
+                            vzp = ksp
+                    meta = offs_n.to(tl.int64) * NG
                     kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
                     st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG, BLOCK_N, M_PAD, LOWP,
-                                    PAIR, ksp, kzp)
+                                    PAIR or AHEAD, ksp, kzp)
                     st = tl.where(valid[:, None], st, float("-inf"))
                     mt = tl.maximum(mt, st)
                     p = tl.exp2(st - phi[None, :])
                     lt += p
                     vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
                     acc0, zt0 = _df_v_plane(p, vb, 0, vs_base, vz_base, meta, valid, acc0, zt0, D4, G, PPG, LOWP,
-                                            PAIR, vsp, vzp)
+                                            PAIR or AHEAD, vsp, vzp)
                     acc1, zt1 = _df_v_plane(p, vb, 1, vs_base, vz_base, meta, valid, acc1, zt1, D4, G, PPG, LOWP,
-                                            PAIR, vsp, vzp)
+                                            PAIR or AHEAD, vsp, vzp)
                     acc2, zt2 = _df_v_plane(p, vb, 2, vs_base, vz_base, meta, valid, acc2, zt2, D4, G, PPG, LOWP,
-                                            PAIR, vsp, vzp)
+                                            PAIR or AHEAD, vsp, vzp)
                     acc3, zt3 = _df_v_plane(p, vb, 3, vs_base, vz_base, meta, valid, acc3, zt3, D4, G, PPG, LOWP,
-                                            PAIR, vsp, vzp)
+                                            PAIR or AHEAD, vsp, vzp)
                 m_i = tl.max(mt, 0)
                 over = tl.where(m_i == float("-inf"), 0.0, m_i - phi)
                 run = 0
@@ -773,13 +821,29 @@ def _num_sms(device_index: int) -> int:
 
 
 def num_splits(n: int, bh: int, device: torch.device, cfg=None) -> int:
-    """Split-K factor: enough programs (``programs_per_sm`` x SMs) to fill the GPU at small batch,
-    at least ``min_split`` tokens per split, at most one split per block."""
+    """Split-K factor ``S`` for ``bh`` (row, KV head) pairs of ``n`` history tokens.
+
+    The wave model (default): the GPU runs ``slots = resident_programs x SMs`` programs at once, so ``bh * S``
+    programs take ``ceil(bh * S / slots)`` waves, each as long as one split, ``ceil(n / S)`` tokens (plus half a
+    block for the deferred loop's reference prologue). Take the ``S`` of least ``waves x blocks per split`` (the
+    smallest on ties: fewer partials to merge), at least ``min_split`` tokens per split, at most ``max_waves``.
+    On the H200 the split kernel's time followed this cost within 2% over S = 5, 9, 17 at B=8/128K (session 8,
+    benchmarks/results/profile_op_h200_session8c.json), where the older rule below left a last wave mostly empty.
+    ``cfg["programs_per_sm"]`` set: that rule, ``bh * S ~ programs_per_sm x SMs``."""
     cfg = cfg or CONFIG
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 4
-    s = triton.cdiv(cfg["programs_per_sm"] * sms, max(bh, 1))
-    s = min(s, triton.cdiv(n, cfg["min_split"]), triton.cdiv(n, cfg["block_n"]))
-    return max(s, 1)
+    bh = max(bh, 1)
+    s_max = max(1, min(triton.cdiv(n, cfg["min_split"]), triton.cdiv(n, cfg["block_n"])))
+    if cfg.get("programs_per_sm"):
+        return max(1, min(triton.cdiv(cfg["programs_per_sm"] * sms, bh), s_max))
+    slots = cfg.get("resident_programs", 2) * sms
+    s_max = min(s_max, max(1, cfg.get("max_waves", 4) * slots // bh))
+    best, best_cost = 1, None
+    for s in range(1, s_max + 1):
+        cost = triton.cdiv(bh * s, slots) * (triton.cdiv(n, s * cfg["block_n"]) + 0.5)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
 
 
 _LOOPS = {"dequant": 0, "factored": 1, "rowdot": 2, "deferred": 3, "stacked": 4}
@@ -924,6 +988,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             N_DEV=n_valid is not None,
             PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
             PAIR=int(cfg.get("pair_meta", False) and _pairable(k, v, d, group_size)),
+            AHEAD=int(cfg.get("meta_ahead", False)),
             MP_STK=mp_stk, KROWS=int(k.codes.stride(-2) == d // 4),
             # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
             # (checked without spills by tests/kernels/test_compile_sm90.py)

@@ -65,6 +65,7 @@ def main():
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--prefetch", type=int, default=0, help="CONFIG['prefetch']: L2 prefetch distance in blocks")
     ap.add_argument("--pair", action="store_true", help="CONFIG['pair_meta']: one 4-byte metadata load per token")
+    ap.add_argument("--ahead", action="store_true", help="CONFIG['meta_ahead']: metadata loaded one block ahead")
     ap.add_argument("--m-pad", type=int, default=None, help="CONFIG['m_pad_min']")
     ap.add_argument("--num-warps", type=int, default=None, help="CONFIG['num_warps']")
     ap.add_argument("--num-stages", type=int, default=None, help="CONFIG['num_stages']")
@@ -95,7 +96,8 @@ def main():
                                    0.1, g, q.bfloat16(), kw_, kw_, None, torch.randn(hk, d, d, generator=g0),
                                    torch.randn(hk, d, generator=g0), torch.bfloat16)
         grid, a, kw = split.calls[0]
-        res = compile_call(split.fn, a, kw, {"LOWP": 1, "PREFETCH": args.prefetch, "PAIR": int(args.pair)}, sass=True)
+        res = compile_call(split.fn, a, kw, {"LOWP": 1, "PREFETCH": args.prefetch, "PAIR": int(args.pair),
+                                                "AHEAD": int(args.ahead)}, sass=True)
         sass = res["sass"]
         if args.dump:
             Path(args.dump).mkdir(parents=True, exist_ok=True)

@@ -129,15 +129,22 @@ def test_merge_partials_is_order_free_and_handles_empty():
 # 64-token blocks (the shapes below sit on their boundaries) and min_split lowered so that small N
 # gets several splits on the CPU; every inner-loop variant ("deferred", the default, "rowdot", "factored",
 # "dequant").
-SMALL_SPLITS = {"min_split": 64, "block_n": 64}
+# programs_per_sm: the older split rule, which on the CPU's 4 nominal SMs gives more splits than the wave model
+SMALL_SPLITS = {"min_split": 64, "block_n": 64, "programs_per_sm": 4}
 
 
-@pytest.fixture(params=["rowdot", "deferred", "deferred-pair", "stacked", "factored", "dequant"])
+def _loop_config(name: str) -> dict:
+    """CONFIG overrides of a loop variant name: ``<loop>[-ahead][-pair]`` (metadata one block ahead; both groups'
+    bf16 scale/zero as one 4-byte word)."""
+    loop = name.split("-")[0]
+    return {"loop": loop, "meta_ahead": "-ahead" in name, "pair_meta": name.endswith("-pair")}
+
+
+@pytest.fixture(params=["rowdot", "deferred", "deferred-pair", "deferred-ahead", "deferred-ahead-pair", "stacked",
+                        "factored", "dequant"])
 def small_splits(request, monkeypatch):
-    """deferred-pair: the deferred loop reading both groups' bf16 scale/zero as one 4-byte word (NG = 2)."""
     dt = _dt()
-    loop, pair = request.param.removesuffix("-pair"), request.param.endswith("-pair")
-    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "loop": loop, "pair_meta": pair})
+    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, **_loop_config(request.param)})
     return dt
 
 
@@ -186,7 +193,7 @@ def test_history_partial_default_config(n):
 
 
 @interp
-@pytest.mark.parametrize("loop", ["deferred", "stacked", "rowdot"])
+@pytest.mark.parametrize("loop", ["deferred", "deferred-ahead", "stacked", "rowdot"])
 @pytest.mark.parametrize("case", ["spike", "underflow"])
 def test_deferred_loop_reference_guard(monkeypatch, case, loop):
     """The deferred loop exponentiates against the max of a split's first block: a later logit far
@@ -195,7 +202,7 @@ def test_deferred_loop_reference_guard(monkeypatch, case, loop):
     with the split's true max, not inf / NaN / all-zero partials. (rowdot, with its running max, as a
     control; at logits of this size float32 itself leaves ~1e-4 relative error, in both loops.)"""
     dt = _dt()
-    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "min_split": 192, "loop": loop})
+    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "min_split": 192, **_loop_config(loop)})
     b, hk, m, n, d, g = 1, 1, 4, 192, 64, 32
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(b, hk, m, d, generator=gen)
@@ -248,6 +255,28 @@ def test_history_partial_falls_back_for_per_query_masks_and_large_m():
 
 
 @interp
+def test_num_splits_wave_model(monkeypatch):
+    """The wave model fills the GPU's resident program slots in whole waves: on 132 SMs x 2 programs, B=1 (8 KV
+    heads) takes 33 splits (one wave), B=8 4, B=32 1, where the older rule (programs_per_sm 4: 66, 9, 3 splits)
+    ran a last wave mostly empty; and its waves x blocks per split is never worse than that rule's."""
+    dt = _dt()
+    monkeypatch.setattr(dt, "_num_sms", lambda index: 132)
+    dev = torch.device("cuda", 0)  # only read for its type: no GPU needed
+    cfg = {**dt.CONFIG, "programs_per_sm": None, "resident_programs": 2, "max_waves": 4, "min_split": 256, "block_n": 64}
+    old = {**cfg, "programs_per_sm": 4}
+    assert [dt.num_splits(131072, bh, dev, cfg) for bh in (8, 64, 256)] == [33, 4, 1]
+    assert [dt.num_splits(131072, bh, dev, old) for bh in (8, 64, 256)] == [66, 9, 3]
+
+    def cost(n, bh, s):
+        return math.ceil(bh * s / 264) * math.ceil(n / (s * 64))
+
+    for n in (300, 8192, 32768, 100_000, 131072):
+        for bh in (1, 8, 24, 64, 256, 1024):
+            s = dt.num_splits(n, bh, dev, cfg)
+            assert 1 <= s <= max(1, math.ceil(n / 256))
+            assert cost(n, bh, s) <= cost(n, bh, dt.num_splits(n, bh, dev, old))
+
+
 def test_num_splits_and_empty_history():
     dt = _dt()
     dev = torch.device("cpu")
@@ -422,11 +451,11 @@ def test_gpu_history_partial_real_shapes(b, n):
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("loop,prefetch", [("rowdot", 0), ("deferred", 0), ("deferred", 2), ("deferred", 4),
-                                           ("deferred-pair", 4), ("stacked", 0)])
+                                           ("deferred-pair", 4), ("deferred-ahead", 4), ("deferred-ahead-pair", 4),
+                                           ("stacked", 0)])
 @pytest.mark.parametrize("b,n", [(1, 131072 - 320), (8, 32768 - 320)])
 def test_gpu_decode_attention_real_shapes(b, n, loop, prefetch, monkeypatch):
-    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "loop": loop.removesuffix("-pair"), "prefetch": prefetch,
-                                          "pair_meta": loop.endswith("-pair")})
+    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, **_loop_config(loop), "prefetch": prefetch})
     args, _ = _window_case(b, 8, 4, n, 320, 128, 64, seed=b, device="cuda")
     args["out_dtype"] = torch.bfloat16
     got = _dt().decode_attention_triton(**args)
