@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session-8 device runs (torch 2.11, triton 3.6 there), from the repository root, one `run` call each; results
 # were copied from $OUT to benchmarks/results/ afterwards:
-#   bash benchmarks/run_session8.sh a   # the "stacked" history loop (kernels/decode_stacked.py) against the deferred
+#   bash benchmarks/run_session8.sh a   # (at commit 5ab8b33, which has it; removed after this run since it lost everywhere)
+#                                       # the "stacked" history loop (kernels/decode_stacked.py) against the deferred
 #                                       # default: its GPU tests, per-kernel profile of the op over tile configs,
 #                                       # Nsight Compute stall reasons of both loops at B=8/128K
 #   bash benchmarks/run_session8.sh b   # the deferred loop with each block's scale/zero loaded one iteration ahead

@@ -41,6 +41,10 @@ inner-loop variants (``CONFIG["loop"]``):
   plane by plane, ``k_hat = zero[n, g(c)] + code[n, c] * scale[n, g(c)]`` (bf16), and
   ``logits = sum_p q_p · k_hat_pᵀ`` accumulates over the four planes; the values likewise.
 
+The deferred loop loads each block's scale/zero one iteration ahead (``CONFIG["meta_ahead"]``): those 2-byte
+loads are synchronous, and carried in registers their latency overlaps a block's work. The split-K factor fills
+the GPU's resident program slots in whole waves (:func:`num_splits`).
+
 Both the deferred and rowdot loops can prefetch the codes and scale/zero of the block ``CONFIG["prefetch"]``
 blocks ahead into L2 (inline PTX ``prefetch.global.L2``, :func:`_prefetch_block`): the kernel is
 latency-bound on its synchronous 2-byte metadata loads, and this took 15% off the H200 sweep (default 4).
@@ -68,7 +72,6 @@ import triton.language as tl
 
 from oscar_hf.quant import QuantizedRows
 
-from .decode_stacked import _stacked_history
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -429,8 +432,6 @@ def _split_kernel(
     HAS_MASK: tl.constexpr, HAS_OFF: tl.constexpr,
     HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, LOOP: tl.constexpr,
     N_DEV: tl.constexpr, PREFETCH: tl.constexpr = 0, PAIR: tl.constexpr = 0, AHEAD: tl.constexpr = 0,
-    MP_STK: tl.constexpr = 4,
-    KROWS: tl.constexpr = 0,
 ):
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -485,7 +486,7 @@ def _split_kernel(
         vc_base = VC + b.to(tl.int64) * svb + h * svh
         vs_base = VS + b.to(tl.int64) * smvb + h * smvh
         vz_base = VZ + b.to(tl.int64) * smvb + h * smvh
-        if LOOP == 2 or LOOP == 3:
+        if LOOP >= 2:
             # The row-dot K operands, shared by the rowdot and deferred loops (see the rowdot comment).
             PPG: tl.constexpr = G // D4  # planes per group
             OFFS = 1.0 + 1023.0 * LOWP  # the code offset of _u_plane (1024 on the GPU)
@@ -627,20 +628,6 @@ def _split_kernel(
             acc1 = (acc1 * 0.125 + zs[1 - 1 % PPG][:, None]) * alpha[:, None]
             acc2 = (acc2 * 0.03125 + zs[2 - 2 % PPG][:, None]) * alpha[:, None]
             acc3 = (acc3 * 0.03125 + zs[3 - 3 % PPG][:, None]) * alpha[:, None]
-        elif LOOP == 4:
-            # Stacked form (kernels/decode_stacked.py): the deferred loop with the padding of the query-row
-            # tile filled by tokens; stores its own partials (MP_STK rows).
-            if HAS_OFF:
-                qoff_row = QKOFF + b.to(tl.int64) * sob + h * soh + tl.arange(0, MP_STK) * som
-            else:
-                qoff_row = PM  # unused
-            _stacked_history(
-                Q + b.to(tl.int64) * sqb + h * sqh + tl.arange(0, MP_STK)[:, None] * sqm + offs_j[None, :], qoff_row, HAS_OFF, qk_scale, M,
-                kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, skn, svn,
-                start, lo, hi, KMASK, b, h, smb, smh, smn, HAS_MASK,
-                PACC, PM, PL, part,
-                D, G, MP_STK, BLOCK_N, LOWP, KROWS,
-            )
         elif LOOP == 1:
             # Factored form (each plane inside one group): codes go to the tensor cores as exact
             # bf16 v = 1 + code/4, scale/zero are applied to the [M_PAD, BLOCK_N] results, see
@@ -689,14 +676,13 @@ def _split_kernel(
                 acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc2 * alpha[:, None])
                 acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc3 * alpha[:, None])
 
-        if LOOP != 4:
-            a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
-            tl.store(a_ptr + 0 * D4, acc0, mask=mrow[:, None])
-            tl.store(a_ptr + 1 * D4, acc1, mask=mrow[:, None])
-            tl.store(a_ptr + 2 * D4, acc2, mask=mrow[:, None])
-            tl.store(a_ptr + 3 * D4, acc3, mask=mrow[:, None])
-            tl.store(PM + part + offs_m, m_i, mask=mrow)
-            tl.store(PL + part + offs_m, l_i, mask=mrow)
+        a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
+        tl.store(a_ptr + 0 * D4, acc0, mask=mrow[:, None])
+        tl.store(a_ptr + 1 * D4, acc1, mask=mrow[:, None])
+        tl.store(a_ptr + 2 * D4, acc2, mask=mrow[:, None])
+        tl.store(a_ptr + 3 * D4, acc3, mask=mrow[:, None])
+        tl.store(PM + part + offs_m, m_i, mask=mrow)
+        tl.store(PL + part + offs_m, l_i, mask=mrow)
     else:
         if HAS_WIN:
             # ---------------- full-precision window split (unrotated q, k, v) ----------------
@@ -846,7 +832,7 @@ def num_splits(n: int, bh: int, device: torch.device, cfg=None) -> int:
     return best
 
 
-_LOOPS = {"dequant": 0, "factored": 1, "rowdot": 2, "deferred": 3, "stacked": 4}
+_LOOPS = {"dequant": 0, "factored": 1, "rowdot": 2, "deferred": 3}
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -926,10 +912,6 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     # blocks (the 128-token tiles would spill registers there).
     if not (d == 128 and m_pad <= 16):
         cfg = {**cfg, "block_n": 64}
-    mp_stk = _pow2_at_least(m, cfg.get("stack_mp_min", 4))
-    if cfg["loop"] == "stacked" and mp_stk > 8:
-        # the stacked loop fills the 16 query-row columns with 16 // MP token classes: nothing to fill beyond 8 rows
-        cfg = {**cfg, "loop": "deferred"}
     if cfg["loop"] == "deferred" and m_pad > 16:
         # its elementwise [BLOCK_N, M_PAD] tiles (sum p, max, sum p z per group) would spill registers
         # beyond 16 query rows per KV head (speculative decoding, prefill chunks): the rowdot loop serves
@@ -989,7 +971,6 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
             PAIR=int(cfg.get("pair_meta", False) and _pairable(k, v, d, group_size)),
             AHEAD=int(cfg.get("meta_ahead", False)),
-            MP_STK=mp_stk, KROWS=int(k.codes.stride(-2) == d // 4),
             # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
             # (checked without spills by tests/kernels/test_compile_sm90.py)
             num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],

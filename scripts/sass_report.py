@@ -86,8 +86,6 @@ def main():
             dt.CONFIG["m_pad_min"] = args.m_pad
         if args.block_n:
             dt.CONFIG["block_n"] = args.block_n
-        if os.environ.get("STACK_MP"):
-            dt.CONFIG["stack_mp_min"] = int(os.environ["STACK_MP"])
         for key in ("num_warps", "num_stages"):
             if getattr(args, key):
                 dt.CONFIG[key] = getattr(args, key)

@@ -43,7 +43,7 @@ def _reinterpret_loaded_triton() -> None:
         for attr, obj in list(vars(mod).items()):
             if type(obj) is JITFunction:
                 setattr(mod, attr, InterpretedFunction(obj.fn))
-    for name in ("oscar_hf.kernels.write_triton", "oscar_hf.kernels.decode_stacked", "oscar_hf.kernels.decode_triton", "oscar_hf.kernels.query_triton"):
+    for name in ("oscar_hf.kernels.write_triton", "oscar_hf.kernels.decode_triton", "oscar_hf.kernels.query_triton"):
         mod = sys.modules.get(name)
         if mod is not None and any(type(v) is JITFunction for v in vars(mod).values()):
             importlib.reload(mod)

@@ -140,8 +140,8 @@ def _loop_config(name: str) -> dict:
     return {"loop": loop, "meta_ahead": "-ahead" in name, "pair_meta": name.endswith("-pair")}
 
 
-@pytest.fixture(params=["rowdot", "deferred", "deferred-pair", "deferred-ahead", "deferred-ahead-pair", "stacked",
-                        "factored", "dequant"])
+@pytest.fixture(params=["rowdot", "deferred", "deferred-pair", "deferred-ahead", "deferred-ahead-pair", "factored",
+                        "dequant"])
 def small_splits(request, monkeypatch):
     dt = _dt()
     monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, **_loop_config(request.param)})
@@ -193,7 +193,7 @@ def test_history_partial_default_config(n):
 
 
 @interp
-@pytest.mark.parametrize("loop", ["deferred", "deferred-ahead", "stacked", "rowdot"])
+@pytest.mark.parametrize("loop", ["deferred", "deferred-ahead", "rowdot"])
 @pytest.mark.parametrize("case", ["spike", "underflow"])
 def test_deferred_loop_reference_guard(monkeypatch, case, loop):
     """The deferred loop exponentiates against the max of a split's first block: a later logit far
@@ -451,8 +451,7 @@ def test_gpu_history_partial_real_shapes(b, n):
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.parametrize("loop,prefetch", [("rowdot", 0), ("deferred", 0), ("deferred", 2), ("deferred", 4),
-                                           ("deferred-pair", 4), ("deferred-ahead", 4), ("deferred-ahead-pair", 4),
-                                           ("stacked", 0)])
+                                           ("deferred-pair", 4), ("deferred-ahead", 4), ("deferred-ahead-pair", 4)])
 @pytest.mark.parametrize("b,n", [(1, 131072 - 320), (8, 32768 - 320)])
 def test_gpu_decode_attention_real_shapes(b, n, loop, prefetch, monkeypatch):
     monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, **_loop_config(loop), "prefetch": prefetch})
