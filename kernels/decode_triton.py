@@ -105,7 +105,7 @@ CONFIG = {
     "pair_meta": False,
     # deferred loop: load each block's scale / zero one iteration ahead (registers), so that their latency overlaps a
     # block's work (ncu: the loop stalled on them, "long scoreboard"). H200, split kernel (session 8,
-    # benchmarks/results/profile_op_h200_session8b.json): B=8/128K 946 -> 891 us, B=32/32K 717 -> 677, B=1/128K 104 -> 102
+    # benchmarks/results/profile_op_h200_session8c.json): B=8/128K 939 -> 886 us, B=32/32K 711 -> 671, B=1/128K 103 -> 100
     "meta_ahead": True,
     "merge_block": 64,  # combine kernel: split partials merged per step (a power of two; more splits: online rescaling)
     # smallest query-row tile (power of two). 8 halves the deferred loop's registers (238 -> 128, 4 programs per SM
@@ -287,20 +287,20 @@ def _df_meta(ks_base, kz_base, vs_base, vz_base, offs_n, inb, valid, NG: tl.cons
 
 @triton.jit
 def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.constexpr,
-               BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, LOWP: tl.constexpr, PAIR: tl.constexpr = 0,
-               s_pair=None, z_pair=None):
+               BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, LOWP: tl.constexpr, PRE: tl.constexpr = 0,
+               s_pre=None, z_pre=None):
     """Row-dot logits ``[BLOCK_N, M_PAD]`` (log2 units, offset ``q·mu_K`` included) of one K byte tile
     ``kb [BLOCK_N, D/4]``: four plane dots with the tile as the A operand; after the last plane of a
-    group, its scale / zero are applied (see the rowdot comment in :func:`_split_kernel`). ``PAIR``:
-    scale / zero come preloaded (``s_pair``, ``z_pair``: groups 0 and 1, :func:`_bf16_pair`)."""
+    group, its scale / zero are applied (see the rowdot comment in :func:`_split_kernel`). ``PRE``:
+    scale / zero come preloaded (``s_pre``, ``z_pre``: one vector per group, :func:`_df_meta`)."""
     st = tl.zeros((BLOCK_N, M_PAD), tl.float32) + off[None, :]
     d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
     for P in tl.static_range(4):
         d = tl.dot(_u_plane(kb, P, LOWP, False), qts[P], d)
         if P % PPG == PPG - 1:  # last plane of group g: apply its scale / zero
-            if PAIR:
-                sg = s_pair[P // PPG]
-                zg = z_pair[P // PPG]
+            if PRE:
+                sg = s_pre[P // PPG]
+                zg = z_pre[P // PPG]
             else:
                 sg = tl.load(ks_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
                 zg = tl.load(kz_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
@@ -331,17 +331,17 @@ def _v_code_operand(vb, P: tl.constexpr, LOWP: tl.constexpr):
 
 @triton.jit
 def _df_v_plane(p, vb, P: tl.constexpr, vs_base, vz_base, meta, valid, acc, zt,
-                D4: tl.constexpr, G: tl.constexpr, PPG: tl.constexpr, LOWP: tl.constexpr, PAIR: tl.constexpr = 0,
-                s_pair=None, z_pair=None):
+                D4: tl.constexpr, G: tl.constexpr, PPG: tl.constexpr, LOWP: tl.constexpr, PRE: tl.constexpr = 0,
+                s_pre=None, z_pre=None):
     """Deferred-loop values of plane ``P`` (group ``g``): ``acc += bf16((p s_g)ᵀ) . (KP code_P)`` -- bf16,
     since ``p`` is relative to a fixed reference and may exceed 1; ``KP`` (:func:`_v_code_operand`) is divided
     out after the loop -- and the elementwise tile ``zt += p z_g`` (reduced over tokens once, after the loop;
     kept by the group's first plane only). No rescaling: the reference is fixed. Planes of one group compute
     the same ``W_g`` (merged by CSE: one transposition through shared memory per group)."""
     g: tl.constexpr = (P * D4) // G
-    if PAIR:
-        s = s_pair[g]
-        z = z_pair[g]
+    if PRE:  # preloaded (:func:`_df_meta`)
+        s = s_pre[g]
+        z = z_pre[g]
     else:
         s = tl.load(vs_base + meta + g, mask=valid, other=0.0).to(tl.float32)
         z = tl.load(vz_base + meta + g, mask=valid, other=0.0).to(tl.float32)
@@ -824,10 +824,19 @@ def num_splits(n: int, bh: int, device: torch.device, cfg=None) -> int:
         return max(1, min(triton.cdiv(cfg["programs_per_sm"] * sms, bh), s_max))
     slots = cfg.get("resident_programs", 2) * sms
     s_max = min(s_max, max(1, cfg.get("max_waves", 4) * slots // bh))
+    bn = cfg["block_n"]
+    # cost(S) = waves(S) * (blocks(S) + 1/2), waves non-decreasing and blocks non-increasing in S: among the S with
+    # w waves the largest is cheapest, and the smallest S with its block count costs no more. So one candidate per
+    # wave count instead of a scan over S (this runs on the host at every decode step of every layer).
     best, best_cost = 1, None
-    for s in range(1, s_max + 1):
-        cost = triton.cdiv(bh * s, slots) * (triton.cdiv(n, s * cfg["block_n"]) + 0.5)
-        if best_cost is None or cost < best_cost:
+    for w in range(1, triton.cdiv(bh * s_max, slots) + 1):
+        s_top = min(s_max, w * slots // bh)
+        if s_top < 1:
+            continue
+        blocks = triton.cdiv(n, s_top * bn)
+        s = triton.cdiv(n, blocks * bn)  # the smallest S with that many blocks per split (<= s_top)
+        cost = triton.cdiv(bh * s, slots) * (blocks + 0.5)
+        if best_cost is None or cost < best_cost or (cost == best_cost and s < best):
             best, best_cost = s, cost
     return best
 

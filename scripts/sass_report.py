@@ -33,22 +33,15 @@ def hot_loop(sass: str):
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", ln)
         if m:
             lines.append((int(m.group(1), 16), m.group(2).strip()))
-    best = None
+    loops = []  # the body of every backward branch
     for addr, ins in lines:
         t = re.search(r"0x([0-9a-f]+)", ins) if "BRA" in ins else None
         if t and int(t.group(1), 16) < addr:
-            body = [x for x in lines if int(t.group(1), 16) <= x[0] <= addr]
-            if any("HGMMA" in i for _, i in body) and (best is None or len(body) < len(best)):
-                best = body
-    if best is None:  # no wgmma (small tiles take mma.sync): the loop with the most tensor-core ops
+            loops.append([x for x in lines if int(t.group(1), 16) <= x[0] <= addr])
+    best = min((body for body in loops if any("HGMMA" in i for _, i in body)), key=len, default=None)
+    if best is None:  # no wgmma (small tiles take mma.sync): the loop with the most tensor-core ops, then the shortest
         n_mma = lambda body: sum("MMA" in i for _, i in body)  # noqa: E731
-        for addr, ins in lines:
-            t = re.search(r"0x([0-9a-f]+)", ins) if "BRA" in ins else None
-            if t and int(t.group(1), 16) < addr:
-                body = [x for x in lines if int(t.group(1), 16) <= x[0] <= addr]
-                if n_mma(body) and (best is None or n_mma(body) > n_mma(best)
-                                    or (n_mma(body) == n_mma(best) and len(body) < len(best))):
-                    best = body
+        best = min((body for body in loops if n_mma(body)), key=lambda body: (-n_mma(body), len(body)), default=None)
     return best or []
 
 
@@ -65,7 +58,8 @@ def main():
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--prefetch", type=int, default=0, help="CONFIG['prefetch']: L2 prefetch distance in blocks")
     ap.add_argument("--pair", action="store_true", help="CONFIG['pair_meta']: one 4-byte metadata load per token")
-    ap.add_argument("--ahead", action="store_true", help="CONFIG['meta_ahead']: metadata loaded one block ahead")
+    ap.add_argument("--ahead", type=int, choices=(0, 1), default=None,
+                    help="CONFIG['meta_ahead'] (metadata loaded one block ahead); default: as CONFIG")
     ap.add_argument("--m-pad", type=int, default=None, help="CONFIG['m_pad_min']")
     ap.add_argument("--num-warps", type=int, default=None, help="CONFIG['num_warps']")
     ap.add_argument("--num-stages", type=int, default=None, help="CONFIG['num_stages']")
@@ -95,7 +89,7 @@ def main():
                                    torch.randn(hk, d, generator=g0), torch.bfloat16)
         grid, a, kw = split.calls[0]
         res = compile_call(split.fn, a, kw, {"LOWP": 1, "PREFETCH": args.prefetch, "PAIR": int(args.pair),
-                                                "AHEAD": int(args.ahead)}, sass=True)
+                                                **({} if args.ahead is None else {"AHEAD": args.ahead})}, sass=True)
         sass = res["sass"]
         if args.dump:
             Path(args.dump).mkdir(parents=True, exist_ok=True)

@@ -267,14 +267,17 @@ def test_num_splits_wave_model(monkeypatch):
     assert [dt.num_splits(131072, bh, dev, cfg) for bh in (8, 64, 256)] == [33, 4, 1]
     assert [dt.num_splits(131072, bh, dev, old) for bh in (8, 64, 256)] == [66, 9, 3]
 
-    def cost(n, bh, s):
-        return math.ceil(bh * s / 264) * math.ceil(n / (s * 64))
+    def cost(n, bh, s, half=0.0):
+        return math.ceil(bh * s / 264) * (math.ceil(n / (s * 64)) + half)
 
-    for n in (300, 8192, 32768, 100_000, 131072):
-        for bh in (1, 8, 24, 64, 256, 1024):
+    for n in (300, 1000, 8192, 32768, 100_000, 131072):
+        for bh in (1, 3, 8, 24, 64, 256, 1024, 4096):
             s = dt.num_splits(n, bh, dev, cfg)
             assert 1 <= s <= max(1, math.ceil(n / 256))
             assert cost(n, bh, s) <= cost(n, bh, dt.num_splits(n, bh, dev, old))
+            # num_splits tries one candidate per wave count: it must equal the exhaustive minimum (smallest S on ties)
+            s_max = max(1, min(math.ceil(n / 256), 4 * 264 // bh))
+            assert s == min(range(1, s_max + 1), key=lambda x: (cost(n, bh, x, 0.5), x))
 
 
 def test_num_splits_and_empty_history():
