@@ -90,9 +90,10 @@ CONFIG = {
     # split-K factor S: None = the wave model of num_splits (programs resident per SM below); a number = the rule of
     # sessions 3-7, B * Hk * S ~ programs_per_sm * SMs (kept so that the recorded sweeps' commands still mean the same)
     "programs_per_sm": None,
-    # programs of the split kernel one SM holds at once: 2 for the default tile (238-242 registers x 128 threads, the
-    # sm_90 compile test and ncu), which the wave model of num_splits fills
-    "resident_programs": 2,
+    # programs of the split kernel one SM holds at once, which the wave model of num_splits fills. None: from the
+    # register cap below (65536 // (maxnreg * 32 * num_warps): 3 at 168), else 2 (ptxas takes 238-255 registers
+    # x 128 threads for the default tile: the sm_90 compile test and ncu)
+    "resident_programs": None,
     "max_waves": 4,  # at most this many waves of programs (more splits: more partials to merge, more prologues)
     "min_split": 256,  # never fewer tokens than this per split
     "win_split": 128,  # window tokens per window program
@@ -100,7 +101,10 @@ CONFIG = {
     # deferred / rowdot loops: L2 prefetch of the codes and scale/zero this many blocks ahead (0: off). 4 was the
     # fastest of 0/1/2/4 on the H200 (benchmarks/results/kernels_h200_prefetch.json: geomean of B=1/128K,
     # B=8/128K, B=32/32K 0.616 -> 0.525 ms, -15%); the synchronous 2-byte metadata loads then hit L2.
-    "prefetch": 4,
+    # Session 9: 0 is the default again. With the deferred loop's code tiles software-pipelined (asynchronous copies,
+    # see meta_ahead) and 3 programs per SM the prefetch only cost instructions: split kernel B=8/128K 635 -> 608 us,
+    # B=1/128K 87 -> 83 us, B=32/32K 631 -> 602 us (benchmarks/results/profile_op_h200_session9b.json).
+    "prefetch": 0,
     # deferred loop, NG = 2 groups with bf16 scale/zero: one 4-byte load per token for both groups (_bf16_pair)
     "pair_meta": False,
     # deferred loop: load each block's scale / zero one iteration ahead (registers), so that their latency overlaps a
@@ -111,6 +115,12 @@ CONFIG = {
     # smallest query-row tile (power of two). 8 halves the deferred loop's registers (238 -> 128, 4 programs per SM
     # instead of 2) but was 1.5x SLOWER on the H200 at B=8/128K (benchmarks/results/kernels_h200_mpad.json)
     "m_pad_min": 16,
+    # ptxas register cap of the deferred loop's threads at its default tile (D = 128, <= 16 query rows, 4 warps; other
+    # shapes and loops keep ptxas's choice). None: 255 registers, 2 programs per SM. 168 fits 3 programs of 4 warps in
+    # an SM's 64K registers at the price of ~60 bytes of spills; 128 fits 4 but spills ~300 bytes. H200, split kernel
+    # (benchmarks/results/profile_op_h200_session9b.json, prefetch 4): B=8/128K 659 -> 635 us, B=1/128K 94 -> 87 us,
+    # B=32/32K 657 -> 631 us, B=8/8K 55 -> 50 us; with 128: 20% slower than 255 (profile_op_h200_session9a.json).
+    "maxnreg": 168,
 }
 
 
@@ -582,8 +592,11 @@ def _split_kernel(
                         # The scale / zero loads are synchronous 2-byte loads (the pipeliner cannot make them
                         # asynchronous copies) and the loop stalled on them (ncu: long scoreboard): issue the next
                         # block's here, one iteration before their use, and use the ones issued last iteration.
-                        offs_n, inb, valid = offs_a, inb_a, valid_a
+                        # Only the metadata is carried: the token indices and masks are recomputed from n0, since
+                        # code loads whose addresses depend on a loop-carried value are not software-pipelined by
+                        # Triton 3.6 (no asynchronous copies at all: the loop waited on its own global loads).
                         ksp, kzp, vsp, vzp = md_a
+                        offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                         offs_a, inb_a, valid_a = _token_block(n0 + BLOCK_N, hi, start, KMASK, b, h, smb, smh, smn,
                                                               BLOCK_N, HAS_MASK)
                         md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_a, inb_a, valid_a, NG, PAIR)
@@ -806,7 +819,16 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def num_splits(n: int, bh: int, device: torch.device, cfg=None) -> int:
+def resident_programs(cfg) -> int:
+    """Split-kernel programs one SM holds at once (see CONFIG["resident_programs"])."""
+    if cfg.get("resident_programs"):
+        return cfg["resident_programs"]
+    if cfg.get("maxnreg"):
+        return max(1, 65536 // (cfg["maxnreg"] * 32 * cfg["num_warps"]))
+    return 2
+
+
+def num_splits(n: int, bh: int, device: torch.device, cfg=None, static: bool = False) -> int:
     """Split-K factor ``S`` for ``bh`` (row, KV head) pairs of ``n`` history tokens.
 
     The wave model (default): the GPU runs ``slots = resident_programs x SMs`` programs at once, so ``bh * S``
@@ -815,14 +837,17 @@ def num_splits(n: int, bh: int, device: torch.device, cfg=None) -> int:
     smallest on ties: fewer partials to merge), at least ``min_split`` tokens per split, at most ``max_waves``.
     On the H200 the split kernel's time followed this cost within 2% over S = 5, 9, 17 at B=8/128K (session 8,
     benchmarks/results/profile_op_h200_session8c.json), where the older rule below left a last wave mostly empty.
-    ``cfg["programs_per_sm"]`` set: that rule, ``bh * S ~ programs_per_sm x SMs``."""
+    ``cfg["programs_per_sm"]`` set: that rule, ``bh * S ~ programs_per_sm x SMs``. ``static``: the grid of the
+    static cache's call, which runs without the register cap (so with fewer programs per SM)."""
     cfg = cfg or CONFIG
+    if static:
+        cfg = {**cfg, "maxnreg": None}
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 4
     bh = max(bh, 1)
     s_max = max(1, min(triton.cdiv(n, cfg["min_split"]), triton.cdiv(n, cfg["block_n"])))
     if cfg.get("programs_per_sm"):
         return max(1, min(triton.cdiv(cfg["programs_per_sm"] * sms, bh), s_max))
-    slots = cfg.get("resident_programs", 2) * sms
+    slots = resident_programs(cfg) * sms
     s_max = min(s_max, max(1, cfg.get("max_waves", 4) * slots // bh))
     bn = cfg["block_n"]
     # cost(S) = waves(S) * (blocks(S) + 1/2), waves non-decreasing and blocks non-increasing in S: among the S with
@@ -925,6 +950,10 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         # its elementwise [BLOCK_N, M_PAD] tiles (sum p, max, sum p z per group) would spill registers
         # beyond 16 query rows per KV head (speculative decoding, prefill chunks): the rowdot loop serves
         cfg = {**cfg, "loop": "rowdot"}
+    if n_valid is not None or not (cfg["loop"] == "deferred" and d == 128 and m_pad <= 16 and group_size >= d // 4):
+        # the register cap was measured for the deferred loop's default tile only; the static cache's variant (length
+        # read on the device) would spill 184 bytes under it (tests/kernels/test_compile_sm90.py)
+        cfg = {**cfg, "maxnreg": None}
     bh = b * hk
     if n_valid is not None:  # static: fixed grid, split bounds computed in the kernel from n_valid
         s_hist = (splits or num_splits(n, bh, dev, cfg)) if n > 0 else 0
@@ -984,6 +1013,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             # (checked without spills by tests/kernels/test_compile_sm90.py)
             num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],
             num_stages=2 if d > 128 else cfg["num_stages"],
+            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
         )
     s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1), cfg.get("merge_block", 64))
     if fused:
@@ -1062,5 +1092,5 @@ from .int2_attention import decode_attention  # noqa: E402  (the dispatcher: ker
 
 __all__ = [
     "CONFIG", "history_partial_triton", "decode_attention_triton", "decode_attention_reference",
-    "decode_attention", "num_splits", "kernel_supported",
+    "decode_attention", "num_splits", "resident_programs", "kernel_supported",
 ]

@@ -115,7 +115,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         if self.device.type == "cuda" and self.hist_cap > 0:
             from oscar_hf.kernels.decode_triton import num_splits  # host-side grid size, fixed for the cache's life
 
-            self.splits = num_splits(self.hist_cap, b * hk, self.device)
+            self.splits = num_splits(self.hist_cap, b * hk, self.device, static=True)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--m-pad", type=int, default=None, help="CONFIG['m_pad_min']")
     ap.add_argument("--num-warps", type=int, default=None, help="CONFIG['num_warps']")
     ap.add_argument("--num-stages", type=int, default=None, help="CONFIG['num_stages']")
+    ap.add_argument("--maxnreg", type=int, default=None, help="CONFIG['maxnreg'] (ptxas register cap)")
     args = ap.parse_args()
     from oscar_hf.kernels import decode_triton as dt
     from oscar_hf.quant import quantize_rows
@@ -80,7 +81,7 @@ def main():
             dt.CONFIG["m_pad_min"] = args.m_pad
         if args.block_n:
             dt.CONFIG["block_n"] = args.block_n
-        for key in ("num_warps", "num_stages"):
+        for key in ("num_warps", "num_stages", "maxnreg"):
             if getattr(args, key):
                 dt.CONFIG[key] = getattr(args, key)
         split.calls.clear()

@@ -61,6 +61,8 @@ def compile_call(fn, args, kw, cuda_kw, sass=False):
             raise TypeError(f"{name}: {type(v)}")
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     opts = {"num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3)}
+    if kw.get("maxnreg"):
+        opts["maxnreg"] = kw["maxnreg"]
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -70,7 +72,8 @@ def compile_call(fn, args, kw, cuda_kw, sass=False):
         text = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout if sass else None
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     local = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
-    out = {"regs": regs, "spill_bytes": local, "smem": c.metadata.shared, "num_warps": opts["num_warps"]}
+    out = {"regs": regs, "spill_bytes": local, "smem": c.metadata.shared, "num_warps": opts["num_warps"],
+           "maxnreg": opts.get("maxnreg")}
     return {**out, "sass": text} if sass else out
 
 

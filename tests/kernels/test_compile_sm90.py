@@ -34,8 +34,15 @@ def test_kernels_compile_for_sm90_without_spills():
     kinds = {r["kernel"] for r in rows}
     assert kinds == {"split", "combine", "write", "rotate_query"}, rows
     for r in rows:
-        assert r["spill_bytes"] <= 64, r  # at most a few words of stack frame
+        # at most a few words of stack frame; under the deferred loop's register cap (CONFIG["maxnreg"]) a few more
+        assert r["spill_bytes"] <= (128 if r["maxnreg"] else 64), r
         assert r["smem"] <= 227 * 1024, r
-    # the decode hot loop at the benchmark shape: room for >= 2 programs per SM
+    # the decode hot loop at the benchmark shape: room for >= 2 programs per SM, or the programs the cap promises
+    # (the wave model of num_splits sizes the grid by them)
+    from oscar_hf.kernels import decode_triton as dt
+
     for main in (r for r in rows if r["kernel"] == "split" and "window=True" in r["case"]):
-        assert main["regs"] * 32 * main["num_warps"] * 2 <= 65536, main
+        resident = dt.resident_programs({**dt.CONFIG, "maxnreg": main["maxnreg"]})
+        assert main["regs"] * 32 * main["num_warps"] * max(2, resident) <= 65536, main
+    capped = [r for r in rows if r["maxnreg"]]
+    assert capped and all("loop=deferred" in r["case"] and "d=128" in r["case"] for r in capped), capped

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session-9 device runs (torch 2.11, triton 3.6 there), from the repository root, one `run` call each; results
+# were copied from $OUT to benchmarks/results/ afterwards:
+#   bash benchmarks/run_session9.sh a   # occupancy: the split kernel under a ptxas register cap (CONFIG["maxnreg"]
+#                                       # 168 / 128 = 3 / 4 programs per SM, resident_programs to match) against the
+#                                       # default (255 registers, 2 per SM): per-kernel profile, ncu stall reasons
+#   bash benchmarks/run_session9.sh b   # the deferred loop's code tiles software-pipelined again under Triton 3.6
+#                                       # (meta_ahead had made their addresses loop-carried: no asynchronous copies):
+#                                       # per-kernel profile over register cap / stages / L2 prefetch, ncu stalls
+source benchmarks/device_env.sh
+case "$1" in
+a)
+  timeout 330 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' '{"maxnreg": 168, "resident_programs": 3}' '{"maxnreg": 128, "resident_programs": 4}' \
+      '{"maxnreg": 168, "resident_programs": 3, "num_stages": 3}' '{"maxnreg": 128, "resident_programs": 4, "num_stages": 3}' \
+      '{"maxnreg": 168, "resident_programs": 3, "meta_ahead": false}' '{"maxnreg": 168, "resident_programs": 2}' \
+      '{"maxnreg": 128, "resident_programs": 4, "prefetch": 0}' \
+      --out "$OUT/profile_op_h200_session9a.json" 2>&1 | grep -E "^B=|split"
+  timeout 150 ncu --clock-control none -k regex:_split_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+    --section LaunchStats --section InstructionStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" python3 "$R/scripts/profile_split_kernel.py" \
+    --loop deferred --config '{"maxnreg": 168, "resident_programs": 3}' > "$OUT/ncu_split_session9a.txt" 2>&1
+  grep -E "Duration|Registers Per|Achieved Occ|Issued Warp|No Eligible|Active Warps Per|long_scoreboard|_wait_|Executed Instructions  " \
+      "$OUT/ncu_split_session9a.txt" | head -20
+  ;;
+b)
+  timeout 360 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' '{"maxnreg": 168, "resident_programs": 3}' '{"maxnreg": 168, "resident_programs": 3, "num_stages": 3}' \
+      '{"maxnreg": 168, "resident_programs": 3, "prefetch": 0}' '{"maxnreg": 168, "resident_programs": 3, "prefetch": 2}' \
+      '{"prefetch": 0}' '{"meta_ahead": false}' '{"maxnreg": 168, "resident_programs": 3, "meta_ahead": false}' \
+      '{"num_stages": 3}' \
+      --out "$OUT/profile_op_h200_session9b.json" 2>&1 | grep -E "^B=|split"
+  timeout 150 ncu --clock-control none -k regex:_split_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+    --section LaunchStats --section InstructionStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" python3 "$R/scripts/profile_split_kernel.py" \
+    --loop deferred --config '{"maxnreg": 168, "resident_programs": 3}' > "$OUT/ncu_split_session9b.txt" 2>&1
+  grep -E "Duration|Registers Per|Achieved Occ|Issued Warp|No Eligible|Active Warps Per|long_scoreboard|_wait_|Executed Instructions  " \
+      "$OUT/ncu_split_session9b.txt" | head -20
+  ;;
+esac
