@@ -7,6 +7,8 @@
 #   bash benchmarks/run_session9.sh b   # the deferred loop's code tiles software-pipelined again under Triton 3.6
 #                                       # (meta_ahead had made their addresses loop-carried: no asynchronous copies):
 #                                       # per-kernel profile over register cap / stages / L2 prefetch, ncu stalls
+#   bash benchmarks/run_session9.sh c   # code extraction in inline PTX (CONFIG["asm_codes"]) and the session's new
+#                                       # defaults: GPU kernel + StaticOscarCache tests, per-kernel profile, ncu
 source benchmarks/device_env.sh
 case "$1" in
 a)
@@ -38,5 +40,20 @@ b)
     --loop deferred --config '{"maxnreg": 168, "resident_programs": 3}' > "$OUT/ncu_split_session9b.txt" 2>&1
   grep -E "Duration|Registers Per|Achieved Occ|Issued Warp|No Eligible|Active Warps Per|long_scoreboard|_wait_|Executed Instructions  " \
       "$OUT/ncu_split_session9b.txt" | head -20
+  ;;
+c)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" \
+      --rootdir "$R" 2>&1 | tee "$OUT/tests_session9c.log" | tail -3
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' '{"asm_codes": 0}' '{"pair_meta": true}' '{"num_stages": 3}' \
+      '{"maxnreg": null, "resident_programs": 2}' '{"prefetch": 2}' \
+      --out "$OUT/profile_op_h200_session9c.json" 2>&1 | grep -E "^B=|split"
+  timeout 150 ncu --clock-control none -k regex:_split_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+    --section LaunchStats --section InstructionStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" python3 "$R/scripts/profile_split_kernel.py" \
+    --loop deferred > "$OUT/ncu_split_session9c.txt" 2>&1
+  grep -E "Duration|Registers Per|Achieved Occ|Issued Warp|No Eligible|Active Warps Per|long_scoreboard|_wait_|Executed Instructions  " \
+      "$OUT/ncu_split_session9c.txt" | head -20
   ;;
 esac

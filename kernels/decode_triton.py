@@ -105,8 +105,10 @@ CONFIG = {
     # see meta_ahead) and 3 programs per SM the prefetch only cost instructions: split kernel B=8/128K 635 -> 608 us,
     # B=1/128K 87 -> 83 us, B=32/32K 631 -> 602 us (benchmarks/results/profile_op_h200_session9b.json).
     "prefetch": 0,
-    # deferred loop, NG = 2 groups with bf16 scale/zero: one 4-byte load per token for both groups (_bf16_pair)
-    "pair_meta": False,
+    # deferred loop, NG = 2 groups with bf16 scale/zero: one 4-byte load per token for both groups (_bf16_pair).
+    # Default since session 9: with the code tiles pipelined again it gained at every point (H200 split kernel,
+    # benchmarks/results/profile_op_h200_session9c.json: B=8/128K 559 -> 526 us, B=1/128K 78 -> 72, B=32/32K 559 -> 523)
+    "pair_meta": True,
     # deferred loop: load each block's scale / zero one iteration ahead (registers), so that their latency overlaps a
     # block's work (ncu: the loop stalled on them, "long scoreboard"). H200, split kernel (session 8,
     # benchmarks/results/profile_op_h200_session8c.json): B=8/128K 939 -> 886 us, B=32/32K 711 -> 671, B=1/128K 103 -> 100
@@ -121,6 +123,11 @@ CONFIG = {
     # (benchmarks/results/profile_op_h200_session9b.json, prefetch 4): B=8/128K 659 -> 635 us, B=1/128K 94 -> 87 us,
     # B=32/32K 657 -> 631 us, B=8/8K 55 -> 50 us; with 128: 20% slower than 255 (profile_op_h200_session9a.json).
     "maxnreg": 168,
+    # deferred loop on the GPU: the code extraction of K and V written in inline PTX (_u_plane_asm, _v_code_asm): one
+    # prmt per two bytes shared by the four planes, then one lop3 per two codes. SASS per 64-token block (Triton 3.6,
+    # the device's): 642 -> 547 instructions (scripts/sass_report.py deferred --asm 0|1); H200 split kernel
+    # (profile_op_h200_session9c.json): B=8/128K 610 -> 559 us, B=1/128K 83 -> 78, B=32/32K 608 -> 559
+    "asm_codes": 1,
 }
 
 
@@ -152,6 +159,32 @@ def _u_plane(bytes_, P: tl.constexpr, LOWP: tl.constexpr, EXACT: tl.constexpr):
         if not EXACT:
             u = u + 1.0
         return u
+
+
+@triton.jit
+def _u_plane_asm(bytes_, P: tl.constexpr):
+    """:func:`_u_plane` (not EXACT) in PTX, two codes at a time: ``prmt`` moves the two bytes into the low bytes of
+    the two 16-bit halves (the same for the four planes of a byte tile: ptxas merges it), then one ``lop3`` keeps
+    plane ``P``'s bits and or-s in 0x6400 (the fp16 bit pattern of 1024). Written out because the Triton versions
+    differ in what they make of the same arithmetic (3.6: an and and an or per two codes; 3.9: the masks
+    re-materialized in registers). GPU only."""
+    if P == 0:
+        u = tl.inline_asm_elementwise(
+            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; lop3.b32 $0, w, 0x00030003, 0x64006400, 0xEA; }",
+            "=r,h", [bytes_], dtype=tl.float16, is_pure=True, pack=2)
+    elif P == 1:
+        u = tl.inline_asm_elementwise(
+            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; lop3.b32 $0, w, 0x000C000C, 0x64006400, 0xEA; }",
+            "=r,h", [bytes_], dtype=tl.float16, is_pure=True, pack=2)
+    elif P == 2:
+        u = tl.inline_asm_elementwise(
+            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; lop3.b32 $0, w, 0x00300030, 0x64006400, 0xEA; }",
+            "=r,h", [bytes_], dtype=tl.float16, is_pure=True, pack=2)
+    else:
+        u = tl.inline_asm_elementwise(
+            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; lop3.b32 $0, w, 0x00C000C0, 0x64006400, 0xEA; }",
+            "=r,h", [bytes_], dtype=tl.float16, is_pure=True, pack=2)
+    return u
 
 
 @triton.jit
@@ -298,7 +331,7 @@ def _df_meta(ks_base, kz_base, vs_base, vz_base, offs_n, inb, valid, NG: tl.cons
 @triton.jit
 def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.constexpr,
                BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, LOWP: tl.constexpr, PRE: tl.constexpr = 0,
-               s_pre=None, z_pre=None):
+               s_pre=None, z_pre=None, ASM: tl.constexpr = 0):
     """Row-dot logits ``[BLOCK_N, M_PAD]`` (log2 units, offset ``q·mu_K`` included) of one K byte tile
     ``kb [BLOCK_N, D/4]``: four plane dots with the tile as the A operand; after the last plane of a
     group, its scale / zero are applied (see the rowdot comment in :func:`_split_kernel`). ``PRE``:
@@ -306,7 +339,10 @@ def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.cons
     st = tl.zeros((BLOCK_N, M_PAD), tl.float32) + off[None, :]
     d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
     for P in tl.static_range(4):
-        d = tl.dot(_u_plane(kb, P, LOWP, False), qts[P], d)
+        if ASM:
+            d = tl.dot(_u_plane_asm(kb, P), qts[P], d)
+        else:
+            d = tl.dot(_u_plane(kb, P, LOWP, False), qts[P], d)
         if P % PPG == PPG - 1:  # last plane of group g: apply its scale / zero
             if PRE:
                 sg = s_pre[P // PPG]
@@ -340,9 +376,38 @@ def _v_code_operand(vb, P: tl.constexpr, LOWP: tl.constexpr):
 
 
 @triton.jit
+def _v_code_asm(vb, P: tl.constexpr):
+    """:func:`_v_code_operand` on the GPU in PTX, two codes at a time: ``prmt`` moves the two bytes into the low
+    bytes of the two 16-bit halves (shared by the four planes), one ``lop3`` keeps plane ``P``'s bits and or-s in
+    the bit pattern of 256.0 (plane 3: shifted down by 2 first, its bits 6-7 would reach the exponent). Same values
+    as :func:`_v_code_operand`: ``256 + KP code``; the caller's subtraction of 256 is exact."""
+    if P == 0:
+        u = tl.inline_asm_elementwise(
+            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; "
+            "lop3.b32 $0, w, 0x00030003, 0x43804380, 0xEA; }",
+            "=r,h", [vb], dtype=tl.bfloat16, is_pure=True, pack=2)
+    elif P == 1:
+        u = tl.inline_asm_elementwise(
+            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; "
+            "lop3.b32 $0, w, 0x000C000C, 0x43804380, 0xEA; }",
+            "=r,h", [vb], dtype=tl.bfloat16, is_pure=True, pack=2)
+    elif P == 2:
+        u = tl.inline_asm_elementwise(
+            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; "
+            "lop3.b32 $0, w, 0x00300030, 0x43804380, 0xEA; }",
+            "=r,h", [vb], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        u = tl.inline_asm_elementwise(
+            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; shr.b32 w, w, 2; "
+            "lop3.b32 $0, w, 0x00300030, 0x43804380, 0xEA; }",
+            "=r,h", [vb], dtype=tl.bfloat16, is_pure=True, pack=2)
+    return u - 256.0
+
+
+@triton.jit
 def _df_v_plane(p, vb, P: tl.constexpr, vs_base, vz_base, meta, valid, acc, zt,
                 D4: tl.constexpr, G: tl.constexpr, PPG: tl.constexpr, LOWP: tl.constexpr, PRE: tl.constexpr = 0,
-                s_pre=None, z_pre=None):
+                s_pre=None, z_pre=None, ASM: tl.constexpr = 0):
     """Deferred-loop values of plane ``P`` (group ``g``): ``acc += bf16((p s_g)ᵀ) . (KP code_P)`` -- bf16,
     since ``p`` is relative to a fixed reference and may exceed 1; ``KP`` (:func:`_v_code_operand`) is divided
     out after the loop -- and the elementwise tile ``zt += p z_g`` (reduced over tokens once, after the loop;
@@ -356,7 +421,10 @@ def _df_v_plane(p, vb, P: tl.constexpr, vs_base, vz_base, meta, valid, acc, zt,
         s = tl.load(vs_base + meta + g, mask=valid, other=0.0).to(tl.float32)
         z = tl.load(vz_base + meta + g, mask=valid, other=0.0).to(tl.float32)
     w = _op(tl.trans(p * s[:, None]), LOWP)
-    acc = tl.dot(w, _v_code_operand(vb, P, LOWP).to(w.dtype), acc)
+    if ASM:
+        acc = tl.dot(w, _v_code_asm(vb, P), acc)
+    else:
+        acc = tl.dot(w, _v_code_operand(vb, P, LOWP).to(w.dtype), acc)
     if P % PPG == 0:
         zt += p * z[:, None]
     return acc, zt
@@ -442,6 +510,7 @@ def _split_kernel(
     HAS_MASK: tl.constexpr, HAS_OFF: tl.constexpr,
     HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, LOOP: tl.constexpr,
     N_DEV: tl.constexpr, PREFETCH: tl.constexpr = 0, PAIR: tl.constexpr = 0, AHEAD: tl.constexpr = 0,
+    ASM: tl.constexpr = 0,
 ):
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -612,20 +681,20 @@ def _split_kernel(
                     meta = offs_n.to(tl.int64) * NG
                     kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
                     st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG, BLOCK_N, M_PAD, LOWP,
-                                    PAIR or AHEAD, ksp, kzp)
+                                    PAIR or AHEAD, ksp, kzp, ASM and LOWP)
                     st = tl.where(valid[:, None], st, float("-inf"))
                     mt = tl.maximum(mt, st)
                     p = tl.exp2(st - phi[None, :])
                     lt += p
                     vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
                     acc0, zt0 = _df_v_plane(p, vb, 0, vs_base, vz_base, meta, valid, acc0, zt0, D4, G, PPG, LOWP,
-                                            PAIR or AHEAD, vsp, vzp)
+                                            PAIR or AHEAD, vsp, vzp, ASM and LOWP)
                     acc1, zt1 = _df_v_plane(p, vb, 1, vs_base, vz_base, meta, valid, acc1, zt1, D4, G, PPG, LOWP,
-                                            PAIR or AHEAD, vsp, vzp)
+                                            PAIR or AHEAD, vsp, vzp, ASM and LOWP)
                     acc2, zt2 = _df_v_plane(p, vb, 2, vs_base, vz_base, meta, valid, acc2, zt2, D4, G, PPG, LOWP,
-                                            PAIR or AHEAD, vsp, vzp)
+                                            PAIR or AHEAD, vsp, vzp, ASM and LOWP)
                     acc3, zt3 = _df_v_plane(p, vb, 3, vs_base, vz_base, meta, valid, acc3, zt3, D4, G, PPG, LOWP,
-                                            PAIR or AHEAD, vsp, vzp)
+                                            PAIR or AHEAD, vsp, vzp, ASM and LOWP)
                 m_i = tl.max(mt, 0)
                 over = tl.where(m_i == float("-inf"), 0.0, m_i - phi)
                 run = 0
@@ -1009,6 +1078,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
             PAIR=int(cfg.get("pair_meta", False) and _pairable(k, v, d, group_size)),
             AHEAD=int(cfg.get("meta_ahead", False)),
+            ASM=int(cfg.get("asm_codes", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
             # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
             # (checked without spills by tests/kernels/test_compile_sm90.py)
             num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],

@@ -57,12 +57,15 @@ def main():
     ap.add_argument("--dump", default=None, help="write each variant's full SASS here")
     ap.add_argument("--block-n", type=int, default=None)
     ap.add_argument("--prefetch", type=int, default=0, help="CONFIG['prefetch']: L2 prefetch distance in blocks")
-    ap.add_argument("--pair", action="store_true", help="CONFIG['pair_meta']: one 4-byte metadata load per token")
+    ap.add_argument("--pair", type=int, choices=(0, 1), default=None,
+                    help="CONFIG['pair_meta'] (one 4-byte metadata load per token); default: as CONFIG")
     ap.add_argument("--ahead", type=int, choices=(0, 1), default=None,
                     help="CONFIG['meta_ahead'] (metadata loaded one block ahead); default: as CONFIG")
     ap.add_argument("--m-pad", type=int, default=None, help="CONFIG['m_pad_min']")
     ap.add_argument("--num-warps", type=int, default=None, help="CONFIG['num_warps']")
     ap.add_argument("--num-stages", type=int, default=None, help="CONFIG['num_stages']")
+    ap.add_argument("--asm", type=int, choices=(0, 1), default=None,
+                    help="CONFIG['asm_codes'] (code extraction in inline PTX); default: as CONFIG")
     ap.add_argument("--maxnreg", type=int, default=None, help="CONFIG['maxnreg'] (ptxas register cap)")
     args = ap.parse_args()
     from oscar_hf.kernels import decode_triton as dt
@@ -89,7 +92,8 @@ def main():
                                    0.1, g, q.bfloat16(), kw_, kw_, None, torch.randn(hk, d, d, generator=g0),
                                    torch.randn(hk, d, generator=g0), torch.bfloat16)
         grid, a, kw = split.calls[0]
-        res = compile_call(split.fn, a, kw, {"LOWP": 1, "PREFETCH": args.prefetch, "PAIR": int(args.pair),
+        res = compile_call(split.fn, a, kw, {"LOWP": 1, "PREFETCH": args.prefetch, "PAIR": int(dt.CONFIG["pair_meta"] if args.pair is None else args.pair),
+                                                "ASM": int(dt.CONFIG["asm_codes"] if args.asm is None else args.asm),
                                                 **({} if args.ahead is None else {"AHEAD": args.ahead})}, sass=True)
         sass = res["sass"]
         if args.dump:
@@ -99,7 +103,7 @@ def main():
         bn = kw["BLOCK_N"]
         codes_per_thread = bn * d * 2 / (32 * kw.get("num_warps", 4))
         hist = collections.Counter(opcode(i) for _, i in body)
-        print(f"== {loop}: prefetch={args.prefetch} pair={int(args.pair)} BLOCK_N={bn} warps={kw.get('num_warps')} regs={res['regs']} spill={res['spill_bytes']} "
+        print(f"== {loop}: prefetch={args.prefetch} pair={int(dt.CONFIG['pair_meta'] if args.pair is None else args.pair)} BLOCK_N={bn} warps={kw.get('num_warps')} regs={res['regs']} spill={res['spill_bytes']} "
               f"smem={res['smem']}  loop body {len(body)} instructions, {len(body) / codes_per_thread:.2f} per code")
         for op, c in hist.most_common(args.top):
             print(f"   {op:<14}{c:5d}")

@@ -135,7 +135,8 @@ def main():
     qt.rotate_query_triton(torch.randn(2, 8, 4, 128, generator=g0), torch.randn(8, 128, 128, generator=g0),
                            torch.randn(8, 128, generator=g0))
     qt.rotate_query_triton(torch.randn(1, 2, 1, 256, generator=g0), torch.randn(2, 256, 256, generator=g0), None)
-    cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3"}
+    # what the launch sets on a GPU only (a CPU tensor's launch, recorded here, sets the interpreter's values)
+    cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3", "ASM": int(dt.CONFIG["asm_codes"])}
     for i, (grid, args, kw) in enumerate(split.calls):
         print(json.dumps({"kernel": "split", "case": labels[i], **compile_call(split.fn, args, kw, cuda_kw)}))
     for i, loop in ((0, "deferred"), (4, "rowdot")):  # CONFIG["prefetch"] (L2 prefetch, GPU only) at the benchmark shape
