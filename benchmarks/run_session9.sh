@@ -9,6 +9,8 @@
 #                                       # per-kernel profile over register cap / stages / L2 prefetch, ncu stalls
 #   bash benchmarks/run_session9.sh c   # code extraction in inline PTX (CONFIG["asm_codes"]) and the session's new
 #                                       # defaults: GPU kernel + StaticOscarCache tests, per-kernel profile, ncu
+#   bash benchmarks/run_session9.sh d   # values transposed (CONFIG["v_trans"]: the group's two code planes as the A
+#                                       # operand of one wgmma, p s as its B operand): GPU tests, per-kernel profile
 source benchmarks/device_env.sh
 case "$1" in
 a)
@@ -55,5 +57,12 @@ c)
     --loop deferred > "$OUT/ncu_split_session9c.txt" 2>&1
   grep -E "Duration|Registers Per|Achieved Occ|Issued Warp|No Eligible|Active Warps Per|long_scoreboard|_wait_|Executed Instructions  " \
       "$OUT/ncu_split_session9c.txt" | head -20
+  ;;
+d)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" -k "vt or asm" \
+      --rootdir "$R" 2>&1 | tee "$OUT/tests_session9d.log" | tail -3
+  timeout 240 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' '{"v_trans": 1}' '{"v_trans": 1, "num_stages": 3}' '{"v_trans": 1, "asm_codes": 0}' \
+      --out "$OUT/profile_op_h200_session9d.json" 2>&1 | grep -E "^B=|split"
   ;;
 esac
