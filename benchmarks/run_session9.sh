@@ -9,8 +9,11 @@
 #                                       # per-kernel profile over register cap / stages / L2 prefetch, ncu stalls
 #   bash benchmarks/run_session9.sh c   # code extraction in inline PTX (CONFIG["asm_codes"]) and the session's new
 #                                       # defaults: GPU kernel + StaticOscarCache tests, per-kernel profile, ncu
-#   bash benchmarks/run_session9.sh d   # values transposed (CONFIG["v_trans"]: the group's two code planes as the A
-#                                       # operand of one wgmma, p s as its B operand): GPU tests, per-kernel profile
+#   bash benchmarks/run_session9.sh d   # (at commit 3d0e65d, which has it; removed after this run since it lost) values
+#                                       # transposed (CONFIG["v_trans"]: the group's two code planes as the A operand
+#                                       # of one wgmma, p s as its B operand): GPU tests, per-kernel profile
+#   bash benchmarks/run_session9.sh e   # the final tree: GPU kernel + StaticOscarCache tests, decode rows B=1,8,32 x
+#                                       # 8K,32K,128K against BF16 SDPA (CUDA graphs), per-kernel profile of the op
 source benchmarks/device_env.sh
 case "$1" in
 a)
@@ -64,5 +67,13 @@ d)
   timeout 240 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
       --configs '{}' '{"v_trans": 1}' '{"v_trans": 1, "num_stages": 3}' '{"v_trans": 1, "asm_codes": 0}' \
       --out "$OUT/profile_op_h200_session9d.json" 2>&1 | grep -E "^B=|split"
+  ;;
+e)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" \
+      --rootdir "$R" 2>&1 | tee "$OUT/tests_session9e.log" | tail -3
+  timeout 330 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_h200_session9.json" 2>&1 | tee "$OUT/bench_kernels_session9.log" | tail -12
+  timeout 60 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,1x8192 --iters 10 \
+      --configs '{}' --out "$OUT/profile_op_h200_session9e.json" 2>&1 | grep -E "^B=|split|combine|rotate"
   ;;
 esac

@@ -431,26 +431,6 @@ def _df_v_plane(p, vb, P: tl.constexpr, vs_base, vz_base, meta, valid, acc, zt,
 
 
 @triton.jit
-def _df_vt_group(p, vb, g: tl.constexpr, vs, vz, acct, zt, D4: tl.constexpr, BLOCK_N: tl.constexpr,
-                 LOWP: tl.constexpr, ASM: tl.constexpr):
-    """Deferred-loop values of group ``g`` (planes ``2g``, ``2g + 1``: ``G = D/2``), computed transposed:
-    ``acctᵀ[c, m] += sum_n (KP code)[n, c] (p s)[n, m]`` with the two planes' codes stacked as the 64 rows of the
-    tensor cores' A operand (row ``c = b * D/4 + j`` is channel ``(2g + b) * D/4 + j``: the group's channels in
-    order) and ``p s`` as the B operand in the layout the logits have (no transposition of ``W``). ``zt += p z``."""
-    w = _op(p * vs[g][:, None], LOWP)
-    if ASM:
-        ua = _v_code_asm(vb, 2 * g)
-        ub = _v_code_asm(vb, 2 * g + 1)
-    else:
-        ua = _v_code_operand(vb, 2 * g, LOWP).to(w.dtype)
-        ub = _v_code_operand(vb, 2 * g + 1, LOWP).to(w.dtype)
-    vt = tl.reshape(tl.permute(tl.join(ua, ub), (2, 1, 0)), (2 * D4, BLOCK_N))
-    acct = tl.dot(vt, w, acct)
-    zt += p * vz[g][:, None]
-    return acct, zt
-
-
-@triton.jit
 def _meta_tiles(s_base, z_base, offs_n, nmask, NG: tl.constexpr):
     """``[BLOCK_N, NG]`` scale/zero tiles (float32) of a block: rows are contiguous (``NG``
     values per token), so this is one vectorized, pipelinable load per tensor; plus the row pointers."""
@@ -530,7 +510,7 @@ def _split_kernel(
     HAS_MASK: tl.constexpr, HAS_OFF: tl.constexpr,
     HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, LOOP: tl.constexpr,
     N_DEV: tl.constexpr, PREFETCH: tl.constexpr = 0, PAIR: tl.constexpr = 0, AHEAD: tl.constexpr = 0,
-    ASM: tl.constexpr = 0, VT: tl.constexpr = 0,
+    ASM: tl.constexpr = 0,
 ):
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -658,8 +638,6 @@ def _split_kernel(
             zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
             zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
             zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-            acct0 = tl.zeros((2 * D4, M_PAD), tl.float32)
-            acct1 = tl.zeros((2 * D4, M_PAD), tl.float32)
             run = 1
             while run > 0:
                 lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
@@ -672,8 +650,6 @@ def _split_kernel(
                 acc1 = tl.zeros((M_PAD, D4), tl.float32)
                 acc2 = tl.zeros((M_PAD, D4), tl.float32)
                 acc3 = tl.zeros((M_PAD, D4), tl.float32)
-                acct0 = tl.zeros((2 * D4, M_PAD), tl.float32)  # VT: values of groups 0 and 1, transposed
-                acct1 = tl.zeros((2 * D4, M_PAD), tl.float32)
                 if AHEAD:  # metadata of the first block, loaded before the loop (see META_AHEAD below)
                     offs_a, inb_a, valid_a = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                     md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_a, inb_a, valid_a, NG, PAIR)
@@ -711,18 +687,14 @@ def _split_kernel(
                     p = tl.exp2(st - phi[None, :])
                     lt += p
                     vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
-                    if VT:
-                        acct0, zt0 = _df_vt_group(p, vb, 0, vsp, vzp, acct0, zt0, D4, BLOCK_N, LOWP, ASM and LOWP)
-                        acct1, zt2 = _df_vt_group(p, vb, 1, vsp, vzp, acct1, zt2, D4, BLOCK_N, LOWP, ASM and LOWP)
-                    else:
-                        acc0, zt0 = _df_v_plane(p, vb, 0, vs_base, vz_base, meta, valid, acc0, zt0, D4, G, PPG, LOWP,
-                                                PAIR or AHEAD, vsp, vzp, ASM and LOWP)
-                        acc1, zt1 = _df_v_plane(p, vb, 1, vs_base, vz_base, meta, valid, acc1, zt1, D4, G, PPG, LOWP,
-                                                PAIR or AHEAD, vsp, vzp, ASM and LOWP)
-                        acc2, zt2 = _df_v_plane(p, vb, 2, vs_base, vz_base, meta, valid, acc2, zt2, D4, G, PPG, LOWP,
-                                                PAIR or AHEAD, vsp, vzp, ASM and LOWP)
-                        acc3, zt3 = _df_v_plane(p, vb, 3, vs_base, vz_base, meta, valid, acc3, zt3, D4, G, PPG, LOWP,
-                                                PAIR or AHEAD, vsp, vzp, ASM and LOWP)
+                    acc0, zt0 = _df_v_plane(p, vb, 0, vs_base, vz_base, meta, valid, acc0, zt0, D4, G, PPG, LOWP,
+                                            PAIR or AHEAD, vsp, vzp, ASM and LOWP)
+                    acc1, zt1 = _df_v_plane(p, vb, 1, vs_base, vz_base, meta, valid, acc1, zt1, D4, G, PPG, LOWP,
+                                            PAIR or AHEAD, vsp, vzp, ASM and LOWP)
+                    acc2, zt2 = _df_v_plane(p, vb, 2, vs_base, vz_base, meta, valid, acc2, zt2, D4, G, PPG, LOWP,
+                                            PAIR or AHEAD, vsp, vzp, ASM and LOWP)
+                    acc3, zt3 = _df_v_plane(p, vb, 3, vs_base, vz_base, meta, valid, acc3, zt3, D4, G, PPG, LOWP,
+                                            PAIR or AHEAD, vsp, vzp, ASM and LOWP)
                 m_i = tl.max(mt, 0)
                 over = tl.where(m_i == float("-inf"), 0.0, m_i - phi)
                 run = 0
@@ -738,13 +710,6 @@ def _split_kernel(
             acc1 = (acc1 * 0.125 + zs[1 - 1 % PPG][:, None]) * alpha[:, None]
             acc2 = (acc2 * 0.03125 + zs[2 - 2 % PPG][:, None]) * alpha[:, None]
             acc3 = (acc3 * 0.03125 + zs[3 - 3 % PPG][:, None]) * alpha[:, None]
-            if VT:  # rows: channels of the group in order; / KP of _v_code_operand (2, 8 | 32, 32)
-                offs_c = tl.arange(0, 2 * D4)
-                acct0 = (acct0 * tl.where(offs_c < D4, 0.5, 0.125)[:, None] + zs[0][None, :]) * alpha[None, :]
-                acct1 = (acct1 * 0.03125 + zs[2][None, :]) * alpha[None, :]
-                t_ptr = PACC + (part + offs_m[None, :]) * D + offs_c[:, None]
-                tl.store(t_ptr, acct0, mask=mrow[None, :])
-                tl.store(t_ptr + 2 * D4, acct1, mask=mrow[None, :])
         elif LOOP == 1:
             # Factored form (each plane inside one group): codes go to the tensor cores as exact
             # bf16 v = 1 + code/4, scale/zero are applied to the [M_PAD, BLOCK_N] results, see
@@ -793,12 +758,11 @@ def _split_kernel(
                 acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc2 * alpha[:, None])
                 acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc3 * alpha[:, None])
 
-        if not (LOOP == 3 and VT):  # (VT stored its transposed accumulators above)
-            a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
-            tl.store(a_ptr + 0 * D4, acc0, mask=mrow[:, None])
-            tl.store(a_ptr + 1 * D4, acc1, mask=mrow[:, None])
-            tl.store(a_ptr + 2 * D4, acc2, mask=mrow[:, None])
-            tl.store(a_ptr + 3 * D4, acc3, mask=mrow[:, None])
+        a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
+        tl.store(a_ptr + 0 * D4, acc0, mask=mrow[:, None])
+        tl.store(a_ptr + 1 * D4, acc1, mask=mrow[:, None])
+        tl.store(a_ptr + 2 * D4, acc2, mask=mrow[:, None])
+        tl.store(a_ptr + 3 * D4, acc3, mask=mrow[:, None])
         tl.store(PM + part + offs_m, m_i, mask=mrow)
         tl.store(PL + part + offs_m, l_i, mask=mrow)
     else:
@@ -1094,7 +1058,6 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         s_tot = 1
     else:
         z3 = (0, 0, 0)
-        pair = int(cfg.get("pair_meta", False) and _pairable(k, v, d, group_size))
         _split_kernel[(bh, s_tot)](
             q_rot, *k, *v, start, kmask, qk_offset, n_valid,
             q_win, k_win, v_win, wmask,
@@ -1113,11 +1076,9 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
             N_DEV=n_valid is not None,
             PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
-            PAIR=pair,
+            PAIR=int(cfg.get("pair_meta", False) and _pairable(k, v, d, group_size)),
             AHEAD=int(cfg.get("meta_ahead", False)),
             ASM=int(cfg.get("asm_codes", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
-            # values transposed (two planes per group: G = D/2), with the metadata preloaded
-            VT=int(cfg.get("v_trans", 0) and group_size * 2 == d and (cfg.get("meta_ahead") or pair)),
             # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
             # (checked without spills by tests/kernels/test_compile_sm90.py)
             num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],

@@ -66,7 +66,6 @@ def main():
     ap.add_argument("--num-stages", type=int, default=None, help="CONFIG['num_stages']")
     ap.add_argument("--asm", type=int, choices=(0, 1), default=None,
                     help="CONFIG['asm_codes'] (code extraction in inline PTX); default: as CONFIG")
-    ap.add_argument("--vt", type=int, choices=(0, 1), default=None, help="CONFIG['v_trans'] (values transposed)")
     ap.add_argument("--maxnreg", type=int, default=None, help="CONFIG['maxnreg'] (ptxas register cap)")
     args = ap.parse_args()
     from oscar_hf.kernels import decode_triton as dt
@@ -95,7 +94,6 @@ def main():
         grid, a, kw = split.calls[0]
         res = compile_call(split.fn, a, kw, {"LOWP": 1, "PREFETCH": args.prefetch, "PAIR": int(dt.CONFIG["pair_meta"] if args.pair is None else args.pair),
                                                 "ASM": int(dt.CONFIG["asm_codes"] if args.asm is None else args.asm),
-                                                **({} if args.vt is None else {"VT": args.vt}),
                                                 **({} if args.ahead is None else {"AHEAD": args.ahead})}, sass=True)
         sass = res["sass"]
         if args.dump:

@@ -134,15 +134,14 @@ SMALL_SPLITS = {"min_split": 64, "block_n": 64, "programs_per_sm": 4}
 
 
 def _loop_config(name: str) -> dict:
-    """CONFIG overrides of a loop variant name: ``<loop>[-ahead][-pair][-asm][-vt]`` (metadata one block ahead; both
-    groups' bf16 scale/zero as one 4-byte word; code extraction in inline PTX, GPU only; values transposed)."""
+    """CONFIG overrides of a loop variant name: ``<loop>[-ahead][-pair][-asm]`` (metadata one block ahead; both
+    groups' bf16 scale/zero as one 4-byte word; code extraction in inline PTX, GPU only)."""
     loop = name.split("-")[0]
-    return {"loop": loop, "meta_ahead": "-ahead" in name, "pair_meta": "-pair" in name, "asm_codes": int("-asm" in name),
-            "v_trans": int("-vt" in name)}
+    return {"loop": loop, "meta_ahead": "-ahead" in name, "pair_meta": "-pair" in name, "asm_codes": int("-asm" in name)}
 
 
-@pytest.fixture(params=["rowdot", "deferred", "deferred-pair", "deferred-ahead", "deferred-ahead-pair",
-                        "deferred-ahead-pair-vt", "deferred-ahead-vt", "factored", "dequant"])
+@pytest.fixture(params=["rowdot", "deferred", "deferred-pair", "deferred-ahead", "deferred-ahead-pair", "factored",
+                        "dequant"])
 def small_splits(request, monkeypatch):
     dt = _dt()
     monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, **_loop_config(request.param)})
@@ -457,8 +456,7 @@ def test_gpu_history_partial_real_shapes(b, n):
 @pytest.mark.parametrize("loop,prefetch", [("rowdot", 0), ("deferred", 0), ("deferred", 2), ("deferred", 4),
                                            ("deferred-pair", 4), ("deferred-ahead", 4), ("deferred-ahead-pair", 4),
                                            ("deferred-ahead", 0), ("deferred-ahead-asm", 0), ("deferred-asm", 4),
-                                           ("deferred-ahead-pair-asm", 0), ("deferred-ahead-pair-asm-vt", 0),
-                                           ("deferred-ahead-vt", 0)])
+                                           ("deferred-ahead-pair-asm", 0)])
 @pytest.mark.parametrize("b,n", [(1, 131072 - 320), (8, 32768 - 320)])
 def test_gpu_decode_attention_real_shapes(b, n, loop, prefetch, monkeypatch):
     monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, **_loop_config(loop), "prefetch": prefetch})
