@@ -15,6 +15,16 @@
 #   bash benchmarks/run_session9.sh e   # the final tree: GPU kernel + StaticOscarCache tests, decode rows B=1,8,32 x
 #                                       # 8K,32K,128K against BF16 SDPA (CUDA graphs), per-kernel profile of the op
 source benchmarks/device_env.sh
+# Nsight Compute stall reasons, issue rate and occupancy of the split kernel (deferred loop, B=8/128K) under a CONFIG
+ncu_split() {
+  timeout 150 ncu --clock-control none -k regex:_split_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+    --section LaunchStats --section InstructionStats \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" python3 "$R/scripts/profile_split_kernel.py" \
+    --loop deferred --config "$2" > "$1" 2>&1
+  grep -E "Duration|Registers Per|Achieved Occ|Issued Warp|No Eligible|Active Warps Per|long_scoreboard|_wait_|Executed Instructions  " \
+      "$1" | head -20
+}
 case "$1" in
 a)
   timeout 330 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
@@ -23,13 +33,7 @@ a)
       '{"maxnreg": 168, "resident_programs": 3, "meta_ahead": false}' '{"maxnreg": 168, "resident_programs": 2}' \
       '{"maxnreg": 128, "resident_programs": 4, "prefetch": 0}' \
       --out "$OUT/profile_op_h200_session9a.json" 2>&1 | grep -E "^B=|split"
-  timeout 150 ncu --clock-control none -k regex:_split_kernel --launch-skip 3 --launch-count 1 \
-    --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
-    --section LaunchStats --section InstructionStats \
-    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" python3 "$R/scripts/profile_split_kernel.py" \
-    --loop deferred --config '{"maxnreg": 168, "resident_programs": 3}' > "$OUT/ncu_split_session9a.txt" 2>&1
-  grep -E "Duration|Registers Per|Achieved Occ|Issued Warp|No Eligible|Active Warps Per|long_scoreboard|_wait_|Executed Instructions  " \
-      "$OUT/ncu_split_session9a.txt" | head -20
+  ncu_split "$OUT/ncu_split_session9a.txt" '{"maxnreg": 168, "resident_programs": 3}'
   ;;
 b)
   timeout 360 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
@@ -38,13 +42,7 @@ b)
       '{"prefetch": 0}' '{"meta_ahead": false}' '{"maxnreg": 168, "resident_programs": 3, "meta_ahead": false}' \
       '{"num_stages": 3}' \
       --out "$OUT/profile_op_h200_session9b.json" 2>&1 | grep -E "^B=|split"
-  timeout 150 ncu --clock-control none -k regex:_split_kernel --launch-skip 3 --launch-count 1 \
-    --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
-    --section LaunchStats --section InstructionStats \
-    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" python3 "$R/scripts/profile_split_kernel.py" \
-    --loop deferred --config '{"maxnreg": 168, "resident_programs": 3}' > "$OUT/ncu_split_session9b.txt" 2>&1
-  grep -E "Duration|Registers Per|Achieved Occ|Issued Warp|No Eligible|Active Warps Per|long_scoreboard|_wait_|Executed Instructions  " \
-      "$OUT/ncu_split_session9b.txt" | head -20
+  ncu_split "$OUT/ncu_split_session9b.txt" '{"maxnreg": 168, "resident_programs": 3}'
   ;;
 c)
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" \
@@ -53,13 +51,7 @@ c)
       --configs '{}' '{"asm_codes": 0}' '{"pair_meta": true}' '{"num_stages": 3}' \
       '{"maxnreg": null, "resident_programs": 2}' '{"prefetch": 2}' \
       --out "$OUT/profile_op_h200_session9c.json" 2>&1 | grep -E "^B=|split"
-  timeout 150 ncu --clock-control none -k regex:_split_kernel --launch-skip 3 --launch-count 1 \
-    --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
-    --section LaunchStats --section InstructionStats \
-    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" python3 "$R/scripts/profile_split_kernel.py" \
-    --loop deferred > "$OUT/ncu_split_session9c.txt" 2>&1
-  grep -E "Duration|Registers Per|Achieved Occ|Issued Warp|No Eligible|Active Warps Per|long_scoreboard|_wait_|Executed Instructions  " \
-      "$OUT/ncu_split_session9c.txt" | head -20
+  ncu_split "$OUT/ncu_split_session9c.txt" '{}'
   ;;
 d)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" -k "vt or asm" \

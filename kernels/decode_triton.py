@@ -42,12 +42,16 @@ inner-loop variants (``CONFIG["loop"]``):
   ``logits = sum_p q_p · k_hat_pᵀ`` accumulates over the four planes; the values likewise.
 
 The deferred loop loads each block's scale/zero one iteration ahead (``CONFIG["meta_ahead"]``): those 2-byte
-loads are synchronous, and carried in registers their latency overlaps a block's work. The split-K factor fills
-the GPU's resident program slots in whole waves (:func:`num_splits`).
+loads are synchronous, and carried in registers their latency overlaps a block's work (the code tiles' addresses
+stay functions of the loop index, so that the software pipeliner still turns them into asynchronous copies). On
+the GPU it extracts the codes in inline PTX (``CONFIG["asm_codes"]``, :func:`_u_plane_asm`, :func:`_v_code_asm`)
+and runs under a register cap that fits 3 programs per SM (``CONFIG["maxnreg"]``). The split-K factor fills the
+GPU's resident program slots in whole waves (:func:`num_splits`).
 
 Both the deferred and rowdot loops can prefetch the codes and scale/zero of the block ``CONFIG["prefetch"]``
-blocks ahead into L2 (inline PTX ``prefetch.global.L2``, :func:`_prefetch_block`): the kernel is
-latency-bound on its synchronous 2-byte metadata loads, and this took 15% off the H200 sweep (default 4).
+blocks ahead into L2 (inline PTX ``prefetch.global.L2``, :func:`_prefetch_block`). It took 15% off the H200 sweep
+of session 6, when the metadata loads were what the kernel waited on; since session 9 (codes pipelined, 3
+programs per SM) it only costs instructions and is off by default.
 
 The full-precision history is never materialized: at most one ``BLOCK_N`` tile per program lives in
 registers. Logits are computed in base 2: ``q`` and ``qk_offset`` are pre-scaled by
@@ -79,8 +83,8 @@ _LN2 = tl.constexpr(LN2)  # jit code may only read constexpr globals
 DF_LIM = tl.constexpr(64.0)  # deferred loop: largest excess of a row's max over its reference (log2 units)
 
 # Tunables (read by the dispatch below; the benchmark may override them).
-# Defaults: the best tile config of the sweep on an H100 (scripts/bench_kernels.py --sweep,
-# benchmarks/results/kernels_h100.json: 64-token blocks, 4 programs per SM) with the "deferred" loop,
+# Tile: the best of the sweep on an H100 (scripts/bench_kernels.py --sweep,
+# benchmarks/results/kernels_h100.json: 64-token blocks, 4 warps, 4 stages) with the "deferred" loop,
 # which with that config was as fast as "rowdot" or faster at every graph-timed H200 point from 32K on
 # (B=1/128K 0.157 vs 0.201 ms) and within 3% below (benchmarks/results/kernels_h200.json).
 CONFIG = {
