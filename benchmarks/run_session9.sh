@@ -14,6 +14,8 @@
 #                                       # of one wgmma, p s as its B operand): GPU tests, per-kernel profile
 #   bash benchmarks/run_session9.sh e   # the final tree: GPU kernel + StaticOscarCache tests, decode rows B=1,8,32 x
 #                                       # 8K,32K,128K against BF16 SDPA (CUDA graphs), per-kernel profile of the op
+#   bash benchmarks/run_session9.sh f   # the logit epilogue as fused multiply-adds and the reference phi folded into
+#                                       # the row offset: GPU tests, per-kernel profile, ncu instruction count
 source benchmarks/device_env.sh
 # Nsight Compute stall reasons, issue rate and occupancy of the split kernel (deferred loop, B=8/128K) under a CONFIG
 ncu_split() {
@@ -67,5 +69,12 @@ e)
       --out "$OUT/kernels_h200_session9.json" 2>&1 | tee "$OUT/bench_kernels_session9.log" | tail -12
   timeout 60 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,1x8192 --iters 10 \
       --configs '{}' --out "$OUT/profile_op_h200_session9e.json" 2>&1 | grep -E "^B=|split|combine|rotate"
+  ;;
+f)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" \
+      --rootdir "$R" 2>&1 | tee "$OUT/tests_session9f.log" | tail -3
+  timeout 120 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' --out "$OUT/profile_op_h200_session9f.json" 2>&1 | grep -E "^B=|split"
+  ncu_split "$OUT/ncu_split_session9f.txt" '{}'
   ;;
 esac

@@ -354,8 +354,11 @@ def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.cons
             else:
                 sg = tl.load(ks_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
                 zg = tl.load(kz_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
-            st += (sg[:, None] * (d - _gsum(cps, P // PPG, PPG)[None, :])
-                   + zg[:, None] * _gsum(qss, P // PPG, PPG)[None, :])
+            # s (d - C) + z Qs as three fused multiply-adds into st (d - C first took a separate add and multiply;
+            # the rounding of s d + st is of the order of the tensor cores' own fp32 accumulation error in d)
+            st = tl.fma(sg[:, None], d, st)
+            st = tl.fma(-sg[:, None], _gsum(cps, P // PPG, PPG)[None, :], st)
+            st = tl.fma(zg[:, None], _gsum(qss, P // PPG, PPG)[None, :], st)
             d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
     return st
 
@@ -654,6 +657,7 @@ def _split_kernel(
                 acc1 = tl.zeros((M_PAD, D4), tl.float32)
                 acc2 = tl.zeros((M_PAD, D4), tl.float32)
                 acc3 = tl.zeros((M_PAD, D4), tl.float32)
+                off_phi = off - phi
                 if AHEAD:  # metadata of the first block, loaded before the loop (see META_AHEAD below)
                     offs_a, inb_a, valid_a = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                     md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_a, inb_a, valid_a, NG, PAIR)
@@ -684,11 +688,12 @@ def _split_kernel(
                             vzp = ksp
                     meta = offs_n.to(tl.int64) * NG
                     kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
-                    st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG, BLOCK_N, M_PAD, LOWP,
+                    # logits relative to the reference (off_phi = off - phi: one subtraction per row, not per logit)
+                    st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off_phi, PPG, BLOCK_N, M_PAD, LOWP,
                                     PAIR or AHEAD, ksp, kzp, ASM and LOWP)
                     st = tl.where(valid[:, None], st, float("-inf"))
                     mt = tl.maximum(mt, st)
-                    p = tl.exp2(st - phi[None, :])
+                    p = tl.exp2(st)
                     lt += p
                     vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
                     acc0, zt0 = _df_v_plane(p, vb, 0, vs_base, vz_base, meta, valid, acc0, zt0, D4, G, PPG, LOWP,
@@ -699,7 +704,7 @@ def _split_kernel(
                                             PAIR or AHEAD, vsp, vzp, ASM and LOWP)
                     acc3, zt3 = _df_v_plane(p, vb, 3, vs_base, vz_base, meta, valid, acc3, zt3, D4, G, PPG, LOWP,
                                             PAIR or AHEAD, vsp, vzp, ASM and LOWP)
-                m_i = tl.max(mt, 0)
+                m_i = tl.max(mt, 0) + phi  # (-inf stays -inf)
                 over = tl.where(m_i == float("-inf"), 0.0, m_i - phi)
                 run = 0
                 if tl.max(tl.where(mrow, tl.abs(over), 0.0), 0) > DF_LIM:
