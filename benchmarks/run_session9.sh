@@ -16,6 +16,7 @@
 #                                       # 8K,32K,128K against BF16 SDPA (CUDA graphs), per-kernel profile of the op
 #   bash benchmarks/run_session9.sh f   # the logit epilogue as fused multiply-adds and the reference phi folded into
 #                                       # the row offset: GPU tests, per-kernel profile, ncu instruction count
+#   bash benchmarks/run_session9.sh g   # the final tree's decode rows B=1,8,32 x 8K,32K,128K against BF16 SDPA
 source benchmarks/device_env.sh
 # Nsight Compute stall reasons, issue rate and occupancy of the split kernel (deferred loop, B=8/128K) under a CONFIG
 ncu_split() {
@@ -76,5 +77,9 @@ f)
   timeout 120 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
       --configs '{}' --out "$OUT/profile_op_h200_session9f.json" 2>&1 | grep -E "^B=|split"
   ncu_split "$OUT/ncu_split_session9f.txt" '{}'
+  ;;
+g)
+  timeout 330 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_h200_session9g.json" 2>&1 | tee "$OUT/bench_kernels_session9g.log" | tail -12
   ;;
 esac
