@@ -6,6 +6,9 @@ it with the cuobjdump bundled with Triton, finds the hot loop (the innermost loo
 K dot's wgmma) and prints its length and opcode histogram, per code (history codes one thread handles
 per iteration).
 A proxy for the per-code work, not a timing: the timings come from ``bench_kernels.py`` on a GPU.
+Flags left out follow ``CONFIG``. The device runs Triton 3.6, whose code can differ from a newer local
+Triton's (session 9: 3.6 did not pipeline a loop that 3.9 did); run this script with a Triton 3.6 install
+(e.g. ``python -m venv --system-site-packages v && v/bin/pip install triton==3.6.0``) to see the device's SASS.
 
     python -P scripts/sass_report.py rowdot deferred [--top 25] [--dump DIR]
 """
@@ -92,9 +95,11 @@ def main():
                                    0.1, g, q.bfloat16(), kw_, kw_, None, torch.randn(hk, d, d, generator=g0),
                                    torch.randn(hk, d, generator=g0), torch.bfloat16)
         grid, a, kw = split.calls[0]
-        res = compile_call(split.fn, a, kw, {"LOWP": 1, "PREFETCH": args.prefetch, "PAIR": int(dt.CONFIG["pair_meta"] if args.pair is None else args.pair),
-                                                "ASM": int(dt.CONFIG["asm_codes"] if args.asm is None else args.asm),
-                                                **({} if args.ahead is None else {"AHEAD": args.ahead})}, sass=True)
+        pair = int(dt.CONFIG["pair_meta"] if args.pair is None else args.pair)
+        asm = int(dt.CONFIG["asm_codes"] if args.asm is None else args.asm)
+        gpu_kw = {"LOWP": 1, "PREFETCH": args.prefetch, "PAIR": pair, "ASM": asm,
+                  **({} if args.ahead is None else {"AHEAD": args.ahead})}
+        res = compile_call(split.fn, a, kw, gpu_kw, sass=True)
         sass = res["sass"]
         if args.dump:
             Path(args.dump).mkdir(parents=True, exist_ok=True)
@@ -103,7 +108,7 @@ def main():
         bn = kw["BLOCK_N"]
         codes_per_thread = bn * d * 2 / (32 * kw.get("num_warps", 4))
         hist = collections.Counter(opcode(i) for _, i in body)
-        print(f"== {loop}: prefetch={args.prefetch} pair={int(dt.CONFIG['pair_meta'] if args.pair is None else args.pair)} BLOCK_N={bn} warps={kw.get('num_warps')} regs={res['regs']} spill={res['spill_bytes']} "
+        print(f"== {loop}: prefetch={args.prefetch} pair={pair} asm={asm} BLOCK_N={bn} warps={kw.get('num_warps')} regs={res['regs']} spill={res['spill_bytes']} "
               f"smem={res['smem']}  loop body {len(body)} instructions, {len(body) / codes_per_thread:.2f} per code")
         for op, c in hist.most_common(args.top):
             print(f"   {op:<14}{c:5d}")
