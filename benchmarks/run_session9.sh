@@ -17,6 +17,8 @@
 #   bash benchmarks/run_session9.sh f   # the logit epilogue as fused multiply-adds and the reference phi folded into
 #                                       # the row offset: GPU tests, per-kernel profile, ncu instruction count
 #   bash benchmarks/run_session9.sh g   # the final tree's decode rows B=1,8,32 x 8K,32K,128K against BF16 SDPA
+#   bash benchmarks/run_session9.sh h   # end to end on the final tree: generate at B=8 / 32K (session 4's command,
+#                                       # without the eager OSCAR row), BF16 DynamicCache / StaticCache vs StaticOscarCache
 source benchmarks/device_env.sh
 # Nsight Compute stall reasons, issue rate and occupancy of the split kernel (deferred loop, B=8/128K) under a CONFIG
 ncu_split() {
@@ -81,5 +83,10 @@ f)
 g)
   timeout 330 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
       --out "$OUT/kernels_h200_session9g.json" 2>&1 | tee "$OUT/bench_kernels_session9g.log" | tail -12
+  ;;
+h)
+  timeout 420 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 \
+      --methods bf16 oscar-static bf16-static --out "$OUT/generate_h200_b8_t32768_session9.json" 2>&1 \
+      | tee "$OUT/bench_generate_session9.log" | grep -v "it/s" | tail -15
   ;;
 esac
