@@ -165,6 +165,17 @@ def _u_plane(bytes_, P: tl.constexpr, LOWP: tl.constexpr, EXACT: tl.constexpr):
         return u
 
 
+# PTX of _u_plane_asm / _v_code_asm, one string per plane P (the mask 3 << 2P in both 16-bit halves). Key codes:
+# fp16 1024 + 4^P code; value codes: bf16 256 + KP code, plane 3 shifted down by 2 first (its bits would reach the
+# exponent). The leading cvt + prmt is the same for the four planes of a tile, so ptxas computes it once.
+_K_PLANE_ASM = tl.constexpr(tuple(
+    "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; "
+    f"lop3.b32 $0, w, 0x{(3 << 2 * p) * 0x10001:08X}, 0x64006400, 0xEA; }}" for p in range(4)))
+_V_PLANE_ASM = tl.constexpr(tuple(
+    "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; " + ("shr.b32 w, w, 2; " if p == 3 else "")
+    + f"lop3.b32 $0, w, 0x{(3 << 2 * min(p, 2)) * 0x10001:08X}, 0x43804380, 0xEA; }}" for p in range(4)))
+
+
 @triton.jit
 def _u_plane_asm(bytes_, P: tl.constexpr):
     """:func:`_u_plane` (not EXACT) in PTX, two codes at a time: ``prmt`` moves the two bytes into the low bytes of
@@ -172,23 +183,7 @@ def _u_plane_asm(bytes_, P: tl.constexpr):
     plane ``P``'s bits and or-s in 0x6400 (the fp16 bit pattern of 1024). Written out because the Triton versions
     differ in what they make of the same arithmetic (3.6: an and and an or per two codes; 3.9: the masks
     re-materialized in registers). GPU only."""
-    if P == 0:
-        u = tl.inline_asm_elementwise(
-            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; lop3.b32 $0, w, 0x00030003, 0x64006400, 0xEA; }",
-            "=r,h", [bytes_], dtype=tl.float16, is_pure=True, pack=2)
-    elif P == 1:
-        u = tl.inline_asm_elementwise(
-            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; lop3.b32 $0, w, 0x000C000C, 0x64006400, 0xEA; }",
-            "=r,h", [bytes_], dtype=tl.float16, is_pure=True, pack=2)
-    elif P == 2:
-        u = tl.inline_asm_elementwise(
-            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; lop3.b32 $0, w, 0x00300030, 0x64006400, 0xEA; }",
-            "=r,h", [bytes_], dtype=tl.float16, is_pure=True, pack=2)
-    else:
-        u = tl.inline_asm_elementwise(
-            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; lop3.b32 $0, w, 0x00C000C0, 0x64006400, 0xEA; }",
-            "=r,h", [bytes_], dtype=tl.float16, is_pure=True, pack=2)
-    return u
+    return tl.inline_asm_elementwise(_K_PLANE_ASM[P], "=r,h", [bytes_], dtype=tl.float16, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -388,26 +383,7 @@ def _v_code_asm(vb, P: tl.constexpr):
     bytes of the two 16-bit halves (shared by the four planes), one ``lop3`` keeps plane ``P``'s bits and or-s in
     the bit pattern of 256.0 (plane 3: shifted down by 2 first, its bits 6-7 would reach the exponent). Same values
     as :func:`_v_code_operand`: ``256 + KP code``; the caller's subtraction of 256 is exact."""
-    if P == 0:
-        u = tl.inline_asm_elementwise(
-            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; "
-            "lop3.b32 $0, w, 0x00030003, 0x43804380, 0xEA; }",
-            "=r,h", [vb], dtype=tl.bfloat16, is_pure=True, pack=2)
-    elif P == 1:
-        u = tl.inline_asm_elementwise(
-            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; "
-            "lop3.b32 $0, w, 0x000C000C, 0x43804380, 0xEA; }",
-            "=r,h", [vb], dtype=tl.bfloat16, is_pure=True, pack=2)
-    elif P == 2:
-        u = tl.inline_asm_elementwise(
-            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; "
-            "lop3.b32 $0, w, 0x00300030, 0x43804380, 0xEA; }",
-            "=r,h", [vb], dtype=tl.bfloat16, is_pure=True, pack=2)
-    else:
-        u = tl.inline_asm_elementwise(
-            "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; shr.b32 w, w, 2; "
-            "lop3.b32 $0, w, 0x00300030, 0x43804380, 0xEA; }",
-            "=r,h", [vb], dtype=tl.bfloat16, is_pure=True, pack=2)
+    u = tl.inline_asm_elementwise(_V_PLANE_ASM[P], "=r,h", [vb], dtype=tl.bfloat16, is_pure=True, pack=2)
     return u - 256.0
 
 
