@@ -132,6 +132,19 @@ CONFIG = {
     # the device's): 642 -> 547 instructions (scripts/sass_report.py deferred --asm 0|1); H200 split kernel
     # (profile_op_h200_session9c.json): B=8/128K 610 -> 559 us, B=1/128K 83 -> 78, B=32/32K 608 -> 559
     "asm_codes": 1,
+    # the history splits of the common decode shape (D = 128, G = 64, <= 8 query rows per KV head, bf16 metadata, no
+    # key mask) run on the Gluon kernel of kernels/decode_gluon.py (one warp per program, layouts stated, ~12 SASS
+    # instructions per history token instead of ~32); the window programs and the combine stay here. 0: this file's
+    # kernel for everything.
+    "gluon": 1,
+    # Gluon programs (one warp each) resident per SM, for the wave model of num_splits: ptxas gives the kernel
+    # ~206 registers, 65536 // (208 * 32) = 9
+    "gluon_resident": 12,
+    "gluon_prefetch": 0,  # the next step's loads issued before each step's work (registers)
+    "gluon_splitk": 1,  # one key accumulator per plane (shorter MMA chains)
+    "gluon_maxnreg": 168,  # ptxas register cap of the Gluon kernel
+    "gluon_l2pf": 1,  # Gluon kernel without `gluon_prefetch`: L2 prefetch this many steps ahead (0: off)
+    "gluon_min_work": 500_000,  # history tokens x (row, KV head) pairs of a call from which the Gluon kernel serves
 }
 
 
@@ -482,7 +495,7 @@ def _split_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, START, KMASK, QKOFF, NPTR,  # history inputs (NPTR: device history length or None)
     QW, KW, VW, WMASK,  # full-precision window (decode_attention only)
     PM, PL, PACC,  # partials [B*Hk, S_TOT, M], [B*Hk, S_TOT, M], [B*Hk, S_TOT, M, D]
-    N, M, Hk, S, S_TOT, split_len, W, win_split, qk_scale,
+    N, M, Hk, S, S_TOT, split_len, W, win_split, qk_scale, PID_OFF,
     sqb, sqh, sqm,  # q_rot strides (last dim contiguous)
     skb, skh, skn, smkb, smkh,  # K codes [.., N, D/4] / K metadata [.., N, NG] strides (rows contiguous)
     svb, svh, svn, smvb, smvh,  # V likewise
@@ -499,7 +512,7 @@ def _split_kernel(
     NG: tl.constexpr = D // G
     BLOCK_W: tl.constexpr = 32  # window tokens per step
     pid_bh = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    pid_s = tl.program_id(1) + PID_OFF  # > 0: only the window programs are launched (the history ran on Gluon)
     b = pid_bh // Hk
     h = pid_bh % Hk
     offs_m = tl.arange(0, M_PAD)
@@ -972,6 +985,16 @@ def _pairable(k: QuantizedRows, v: QuantizedRows, d: int, group_size: int) -> bo
         for t in (k.scale, k.zero, v.scale, v.zero))
 
 
+@functools.lru_cache(maxsize=None)
+def _gluon_module():
+    """kernels/decode_gluon.py, or None where this Triton has no Gluon (it needs ``triton.experimental.gluon``)."""
+    try:
+        from . import decode_gluon
+    except Exception:  # noqa: BLE001 -- an older Triton: the kernel of this file serves every shape
+        return None
+    return decode_gluon
+
+
 def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window=None, cfg=None, n_valid=None,
             splits=None):
     """Shared host code; ``window`` = (q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype) or None.
@@ -1009,6 +1032,17 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         # read on the device) would spill 184 bytes under it (tests/kernels/test_compile_sm90.py)
         cfg = {**cfg, "maxnreg": None}
     bh = b * hk
+    # the Gluon kernel pays off from ~0.5 M history token-heads per call (H200, session 10: B=8 at 8K gains, B=1 at 32K
+    # loses to the extra window launch and the larger merge); below that this file's kernel runs everything
+    glu = _gluon_module() if (cfg.get("gluon") and q_rot.is_cuda and b * hk * n >= cfg.get("gluon_min_work", 0)) else None
+    if glu is not None and not glu.gluon_supported(q_rot, k, v, group_size, kmask, _pairable(k, v, d, group_size)):
+        glu = None
+    if glu is not None:
+        # the Gluon kernel's step (16 or 32 tokens) and residency; the static cache's `splits` (sized for this file's
+        # kernel) are not used: its grid follows from the capacity alone, so it is just as fixed
+        cfg = {**cfg, "block_n": glu.tokens_per_step(m), "resident_programs": cfg.get("gluon_resident", 9),
+               "maxnreg": None}
+        splits = None
     if n_valid is not None:  # static: fixed grid, split bounds computed in the kernel from n_valid
         s_hist = (splits or num_splits(n, bh, dev, cfg)) if n > 0 else 0
         split_len = 0
@@ -1043,33 +1077,42 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         s_tot = 1
     else:
         z3 = (0, 0, 0)
-        _split_kernel[(bh, s_tot)](
-            q_rot, *k, *v, start, kmask, qk_offset, n_valid,
-            q_win, k_win, v_win, wmask,
-            pm, pl, pacc,
-            n, m, hk, s_hist, s_tot, split_len, w, cfg["win_split"], float(scaling) * LOG2E,
-            *q_rot.stride()[:3],
-            *k.codes.stride()[:3], *k.scale.stride()[:2],
-            *v.codes.stride()[:3], *v.scale.stride()[:2],
-            *(kmask.stride()[0], kmask.stride()[1], kmask.stride()[3]) if kmask is not None else z3,
-            *qk_offset.stride() if qk_offset is not None else z3,
-            *(q_win.stride()[:3] if w else z3), *(k_win.stride()[:3] if w else z3), *(v_win.stride()[:3] if w else z3),
-            *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
-            D=d, G=group_size, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
-            HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
-            HAS_WIN=s_win > 0, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
-            LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
-            N_DEV=n_valid is not None,
-            PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
-            PAIR=int(cfg.get("pair_meta", False) and _pairable(k, v, d, group_size)),
-            AHEAD=int(cfg.get("meta_ahead", False)),
-            ASM=int(cfg.get("asm_codes", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
-            # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
-            # (checked without spills by tests/kernels/test_compile_sm90.py)
-            num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],
-            num_stages=2 if d > 128 else cfg["num_stages"],
-            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
-        )
+        pid_off = 0
+        if glu is not None:  # history on the Gluon kernel; this file's kernel runs the window programs only
+            if s_hist:
+                glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len,
+                                   float(scaling) * LOG2E, prefetch=int(cfg.get("gluon_prefetch", 1)),
+                                   splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
+                                   l2pf=int(cfg.get("gluon_l2pf", 0)))
+            pid_off = s_hist
+        if s_tot > pid_off:
+            _split_kernel[(bh, s_tot - pid_off)](
+                q_rot, *k, *v, start, kmask, qk_offset, n_valid,
+                q_win, k_win, v_win, wmask,
+                pm, pl, pacc,
+                n, m, hk, s_hist, s_tot, split_len, w, cfg["win_split"], float(scaling) * LOG2E, pid_off,
+                *q_rot.stride()[:3],
+                *k.codes.stride()[:3], *k.scale.stride()[:2],
+                *v.codes.stride()[:3], *v.scale.stride()[:2],
+                *(kmask.stride()[0], kmask.stride()[1], kmask.stride()[3]) if kmask is not None else z3,
+                *qk_offset.stride() if qk_offset is not None else z3,
+                *(q_win.stride()[:3] if w else z3), *(k_win.stride()[:3] if w else z3), *(v_win.stride()[:3] if w else z3),
+                *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
+                D=d, G=group_size, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
+                HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
+                HAS_WIN=s_win > 0, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
+                LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
+                N_DEV=n_valid is not None,
+                PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
+                PAIR=int(cfg.get("pair_meta", False) and _pairable(k, v, d, group_size)),
+                AHEAD=int(cfg.get("meta_ahead", False)),
+                ASM=int(cfg.get("asm_codes", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
+                # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
+                # (checked without spills by tests/kernels/test_compile_sm90.py)
+                num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],
+                num_stages=2 if d > 128 else cfg["num_stages"],
+                **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+            )
     s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1), cfg.get("merge_block", 64))
     if fused:
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)

@@ -137,7 +137,10 @@ def _loop_config(name: str) -> dict:
     """CONFIG overrides of a loop variant name: ``<loop>[-ahead][-pair][-asm]`` (metadata one block ahead; both
     groups' bf16 scale/zero as one 4-byte word; code extraction in inline PTX, GPU only)."""
     loop = name.split("-")[0]
-    return {"loop": loop, "meta_ahead": "-ahead" in name, "pair_meta": "-pair" in name, "asm_codes": int("-asm" in name)}
+    if loop == "gluon":  # the Gluon history kernel (kernels/decode_gluon.py, GPU only) with the default CONFIG
+        return {"gluon": 1, "gluon_min_work": 0}
+    return {"loop": loop, "meta_ahead": "-ahead" in name, "pair_meta": "-pair" in name, "asm_codes": int("-asm" in name),
+            "gluon": 0}
 
 
 @pytest.fixture(params=["rowdot", "deferred", "deferred-pair", "deferred-ahead", "deferred-ahead-pair", "factored",
@@ -456,7 +459,7 @@ def test_gpu_history_partial_real_shapes(b, n):
 @pytest.mark.parametrize("loop,prefetch", [("rowdot", 0), ("deferred", 0), ("deferred", 2), ("deferred", 4),
                                            ("deferred-pair", 4), ("deferred-ahead", 4), ("deferred-ahead-pair", 4),
                                            ("deferred-ahead", 0), ("deferred-ahead-asm", 0), ("deferred-asm", 4),
-                                           ("deferred-ahead-pair-asm", 0)])
+                                           ("deferred-ahead-pair-asm", 0), ("gluon", 0)])
 @pytest.mark.parametrize("b,n", [(1, 131072 - 320), (8, 32768 - 320)])
 def test_gpu_decode_attention_real_shapes(b, n, loop, prefetch, monkeypatch):
     monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, **_loop_config(loop), "prefetch": prefetch})
@@ -466,3 +469,94 @@ def test_gpu_decode_attention_real_shapes(b, n, loop, prefetch, monkeypatch):
     ref = _dt().decode_attention_reference(**args)
     assert got.dtype == torch.bfloat16
     assert rel_err(got.float(), ref.float()) < 2e-2
+
+
+# ------------------------------------------------------------------------- the Gluon history kernel (GPU)
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """Counts the Gluon kernel's launches (so that a test fails if the dispatch silently took the Triton kernel)."""
+    glu = _dt()._gluon_module()
+    assert glu is not None, "this Triton has no Gluon"
+    calls = []
+    real = glu.launch_history
+    monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (calls.append(a[0].shape), real(*a, **kw))[1])
+    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "gluon": 1, "gluon_min_work": 0})
+    return calls
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize(
+    "b,m,n,starts,off",
+    [
+        (1, 4, 1, (0,), True),  # one token (TB = 2: 32-token steps)
+        (1, 4, 33, (0,), False),  # one step + 1
+        (3, 4, 5003, (0, 17, 4000), True),  # left padding, odd length, splits
+        (2, 1, 777, (0, 31), True),  # MHA (one query row; TB = 2)
+        (2, 3, 1000, (5, 0), True),  # GQA 3 (padding columns)
+        (2, 6, 2049, (0, 100), True),  # 6 rows: TB = 1 (16-token steps)
+        (1, 8, 131072 - 5, (0,), True),  # GQA 8 at 128K
+        (4, 4, 32768 + 7, (0, 1, 2, 3000), True),  # the benchmark shape
+    ],
+)
+def test_gpu_gluon_history_partial(gluon_calls, b, m, n, starts, off):
+    hk, d, g = 8 if b <= 2 else 2, 128, 64
+    q, k, v, gen = make_case(b, hk, m, n, d, g, seed=n + m, device="cuda")
+    start = torch.tensor(starts, device="cuda")
+    qk_offset = (torch.randn(b, hk, m, generator=gen) * 3).cuda() if off else None
+    got = _dt().history_partial_triton(q.cuda(), k, v, start, None, qk_offset, d**-0.5, g)
+    ref = history_partial_reference(q.cuda(), k, v, start, None, qk_offset, d**-0.5, g, 4096)
+    assert gluon_calls, "the Gluon kernel did not run"
+    assert_partials_close(got, ref, 2e-2)
+    # and the Triton kernel on the same case agrees with it to the same tolerance
+    tri = _dt()._launch(q.cuda(), k, v, start, None, qk_offset, d**-0.5, g, cfg={**_dt().CONFIG, "gluon": 0})
+    assert_partials_close(got, tri, 2e-2)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("case", ["spike", "underflow"])
+def test_gpu_gluon_reference_guard(gluon_calls, case):
+    """The rerun of a split against its true max (see test_deferred_loop_reference_guard), per logit column."""
+    b, hk, m, n, d, g = 1, 1, 4, 4000, 128, 64
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(b, hk, m, d, generator=gen)
+    kf = torch.randn(b, hk, n, d, generator=gen)
+    start = torch.zeros(b, dtype=torch.long)
+    off = None
+    if case == "spike":
+        kf[0, 0, 3900] = 60.0 * q[0, 0].mean(0).sign()
+    else:
+        start[0] = 40  # the first step's tokens are padding: reference 0, logits ~ -3600 log2 units
+        off = torch.full((b, hk, m), -20000.0)
+    k = quantize_rows(kf, g, 1.0, torch.bfloat16)
+    v = quantize_rows(torch.randn(b, hk, n, d, generator=gen), g, 1.0, torch.bfloat16)
+    args = (q.cuda(), QuantizedRows(*(t.cuda() for t in k)), QuantizedRows(*(t.cuda() for t in v)), start.cuda(), None,
+            None if off is None else off.cuda(), d**-0.5, g)
+    ref = history_partial_reference(*args, 1024)
+    got = _dt().history_partial_triton(*args)
+    assert gluon_calls
+    assert_partials_close(got, ref, 2e-2)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("n_valid", [0, 1, 31, 32, 2000, 2999])
+def test_gpu_gluon_decode_op_device_length_and_stale_storage(gluon_calls, n_valid):
+    """The fused op with the Gluon history: static storage (length on the device), a window, left padding whose
+    storage holds NaN (never read for V), against the reference over the first n_valid entries."""
+    b, hk, m, n, w, d, g = 2, 8, 4, 3000, 320, 128, 64
+    args, _ = _window_case(b, hk, m, n, w, d, g, seed=n_valid, device="cuda")
+    args = {k_: (v_.cuda() if isinstance(v_, torch.Tensor) else v_) for k_, v_ in args.items()}
+    args["start"] = torch.tensor([0, 9], device="cuda")
+    cut = {k_: (type(args[k_])(*(t[:, :, :n_valid] for t in args[k_])) if k_ in ("k", "v") else args[k_]) for k_ in args}
+    ref = _dt().decode_attention_reference(**cut)
+    for t in (args["v"].scale, args["v"].zero):
+        t[1, :, :9] = float("nan")
+    got = _dt().decode_attention_triton(**args, n_valid=torch.tensor(n_valid, device="cuda"), splits=3)
+    assert (not n_valid) or gluon_calls
+    assert torch.isfinite(got).all()
+    assert rel_err(got, ref) < 2e-2

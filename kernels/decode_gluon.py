@@ -1,0 +1,491 @@
+"""Split-K decode attention over the INT2 history in Gluon (Triton's explicit-layout dialect).
+
+The same contract as the history programs of :func:`oscar_hf.kernels.decode_triton._split_kernel` (partials
+``(m, l, acc)`` per split, in the rotated value space, written where the combine kernel reads them), for the
+common decode shape: ``D = 128``, ``G = 64`` (two groups, bf16 scale / zero read as one 4-byte word per token),
+``M <= 8`` query rows per KV head, no key mask. Everything else stays on the Triton kernel.
+
+Why a second kernel. The Triton kernel spends ~32 warp instructions per history token (session 9's SASS count),
+most of it on layout work the compiler chooses: byte gathers of the value codes into the tensor cores' operand
+layout, ``W = p s`` transposed through shared memory, a 16-row query tile of which GQA 4 fills 4 rows. Gluon lets
+the kernel state its layouts, so here every operand is built in the registers that hold it:
+
+* **One warp per program**, mma.sync ``m16n8k16`` (``MMA``), no shared memory, no barriers.
+* **Logits transposed**, ``Sᵀ [16 tokens, 8 columns]``: tokens are the MMA's M, query rows its N (8 wide, not 16).
+  With ``M <= 4`` the 8 columns hold two token sets (``TB = 2``): column ``n = tb * MH + h`` is query row ``h``
+  over tokens ``n0 + 16 tb + t'``, with a block-diagonal query operand, so no column is padding.
+* **Key codes straight into the A operand.** A thread of the A layout needs the bytes ``8c .. 8c + 7`` of its
+  token rows if the channels of a plane are taken in the order ``j -> sigma_K(j)`` (:func:`_k_operand`), i.e.
+  one 8-byte load per token row; ``prmt`` + ``lop3`` per two codes (fp16 ``1024 + 4^P code``, offset removed by
+  the accumulator's initial value ``-1024 C``). The query operand is gathered in the same channel order once.
+* **Value codes straight into the A operand of ``outᵀ = Vᵀ Wᵀ``** (channels on M, tokens on K): a thread needs
+  two consecutive tokens of one channel per register; it loads 4-byte words of tokens ``2c, 2c + 1`` and one
+  ``prmt`` per byte position pairs them (:func:`_v_planes`). Output rows come out in channel order ``sigma_V``,
+  undone by the final store.
+* **``Wᵀ`` by ``movmatrix``**: the logit tile's accumulator registers, transposed per 8x8 block by one
+  ``movmatrix.trans`` each, are exactly the B operand of the value MMA (:func:`_w_operand`).
+* **Value offset cancelled in the MMA chain**: codes enter as exact bf16 ``256 + KP code``; one more MMA against
+  a constant ``-256`` tile after each value MMA removes ``256 sum W`` from the accumulator while it is one
+  block's worth (no per-code subtraction, no long-range cancellation in float32).
+* The deferred softmax of the Triton kernel: one fixed reference per column (the max of the split's first
+  block), elementwise ``l``, ``max``, ``sum p z`` tiles reduced after the loop, a rerun against the true max if a
+  column strays more than ``DF_LIM``.
+
+Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets): key bytes ``[T, 32]`` (8 per row),
+value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``), logits ``[16, 8]`` float32 (rows ``r, r + 8``,
+columns ``2c, 2c + 1``), value accumulators 4 x ``[32, 8]`` float32 (one per plane).
+
+GPU only: Gluon has no interpreter mode. ``tests/kernels/test_compile_sm90.py`` compiles it on any machine
+(with a check that no shared memory is used and nothing spills); the GPU tests compare it with the reference.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+DF_LIM = gl.constexpr(64.0)  # as in decode_triton: largest excess of a column's max over its reference (log2)
+
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
+B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
+# [T, 8] key words (4 bytes): lane 4r + c holds words 2c, 2c + 1 (bytes 8c .. 8c + 7) of rows r, r + 8, ... (one
+# 8-byte load per row). Codes travel as 32-bit words: uint8 tensors carried through the loop or a branch would be
+# kept one byte per register
+KLOAD = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]))
+# [T, 8] value words (4 bytes): lane 4r + c holds word r of tokens 2c, 2c + 1 (+ 8 i)
+VLOAD = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
+# [8, 64] query rows of one group (column sums)
+QLOAD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))
+
+# Key codes of one 32-bit word ($16, bytes 0..3 of a token row): two prmt put bytes 0, 1 (2, 3) into the low bytes of
+# the two 16-bit halves, one lop3 per plane and pair keeps the plane's bits and or-s in 0x6400 (fp16 1024):
+# 1024 + 4^P code. Outputs: byte B of plane P in $4P+B (fp16; the halves of the lop3 results, free in registers).
+_K_ASM = gl.constexpr(
+    "{ .reg .b32 w, x, r0, r1; prmt.b32 w, $16, 0, 0x4140; prmt.b32 x, $16, 0, 0x4342; "
+    + " ".join(f"lop3.b32 r0, w, 0x{(3 << 2 * p) * 0x10001:08X}, 0x64006400, 0xEA; "
+               f"lop3.b32 r1, x, 0x{(3 << 2 * p) * 0x10001:08X}, 0x64006400, 0xEA; "
+               f"mov.b32 {{${4 * p}, ${4 * p + 1}}}, r0; mov.b32 {{${4 * p + 2}, ${4 * p + 3}}}, r1;" for p in range(4))
+    + " }")
+# Value codes of byte position BB of two tokens' words ($4: token t, $5: token t + 1): prmt pairs the two bytes
+# (selector nibble i = source of destination byte i: byte 0 <- byte BB of $4, byte 2 <- byte BB of $5; half 0: token t), one lop3 per plane or-s them into 0x4380 (bf16 256, mantissa LSB worth 2): 256 + KP code
+# with KP = 2, 8, 32; plane 3's bits would reach the exponent and are shifted down to bits 4-5 first (KP = 32).
+_V_ASM = gl.constexpr(tuple(
+    f"{{ .reg .b32 w, y; prmt.b32 w, $4, $5, 0x{bb | ((4 + bb) << 8):04X}; shr.b32 y, w, 2; "
+    "lop3.b32 $0, w, 0x00030003, 0x43804380, 0xEA; lop3.b32 $1, w, 0x000C000C, 0x43804380, 0xEA; "
+    "lop3.b32 $2, w, 0x00300030, 0x43804380, 0xEA; lop3.b32 $3, y, 0x00300030, 0x43804380, 0xEA; }"
+    for bb in range(4)))
+# prefetch.global.L2 of one address where the predicate ($2) is set (the result is a dummy)
+_PF_ASM = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
+LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
+# movmatrix.trans on each 8x8 block of a 16-bit accumulator-layout tile (see _w_operand)
+_MOVM_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+
+
+@gluon.jit
+def _k_plane(b0, b1, b2, b3):
+    """A plane's codes of byte positions 0..3 of each word (``[T, 8 w]`` each) as ``[T, 32 s]``, ``s = 4w + B``."""
+    j = gl.join(gl.join(b0, b1), gl.join(b2, b3))  # [T, 8, 2, 2]: t, w, B & 1, B >> 1
+    j = gl.permute(j, [0, 1, 3, 2])
+    return gl.reshape(j, [j.shape[0], 32])
+
+
+@gluon.jit
+def _k_operand(y, TB: gl.constexpr):
+    """Plane tile ``y [16 TB, 32 s]`` (rows ``tb * 16 + t'``, byte ``s``) -> the A operand ``[16 t', 32 TB k]``,
+    ``k = tb * 32 + j`` with ``s = 8c + 4kt + 2h + b`` for ``j = 16kt + 8h + 2c + b`` (``sigma_K``). A pure
+    renaming of registers (checked at compile time)."""
+    y = gl.reshape(y, [TB, 16, 4, 2, 2, 2])  # tb, t', c, kt, h, b
+    y = gl.permute(y, [1, 0, 3, 4, 2, 5])  # t', tb, kt, h, c, b
+    y = gl.reshape(y, [16, 32 * TB])
+    return gl.convert_layout(y, A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _v_planes(x, BB: gl.constexpr):
+    """Value codes of byte position ``BB`` of the word tile ``x [T, 8]`` (int32): four bf16 tiles (planes)."""
+    return gl.inline_asm_elementwise(_V_ASM[BB], "=r,=r,=r,=r,r,r", [x],
+                                     dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2)
+
+
+@gluon.jit
+def _v_operand(o0, o1, o2, o3, T: gl.constexpr):
+    """One plane's tiles of byte positions 0..3 (``[T t, 8 w]``) -> the A operand ``[32 m, T t]`` of
+    ``outᵀ = Vᵀ Wᵀ``, row ``m = 8 bb + w`` (channel ``4 w + bb`` of the plane: ``sigma_V``). Register renaming."""
+    j = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [T, 8, 2, 2]: t, w, bb & 1, bb >> 1
+    j = gl.permute(j, [3, 2, 1, 0])
+    j = gl.reshape(j, [32, T])
+    return gl.convert_layout(j, A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _w_operand(w, kdiag, TB: gl.constexpr):
+    """``w [16 t', 8 n]`` (bf16, accumulator layout) -> the B operand ``[16 TB k, 8 n]`` of the value MMA.
+    ``movmatrix.trans`` transposes each 8x8 block in registers; the result, read as the block-transposed tile
+    ``y[8a + i, j] = w[8a + j, i]``, is ``w`` itself in the B layout (a reshape / permute, register renaming).
+    TB = 2: rows ``k = 16 tb + t'`` see column ``n`` only where ``tb`` is the column's token set (``kdiag``)."""
+    y = gl.inline_asm_elementwise(_MOVM_ASM, "=r,r", [w], dtype=gl.bfloat16, is_pure=True, pack=2)
+    y = gl.reshape(y, [2, 8, 8])
+    y = gl.permute(y, [0, 2, 1])
+    y = gl.reshape(y, [16, 8])
+    if TB == 1:
+        return gl.convert_layout(y, B_OP, assert_trivial=True)
+    else:
+        y = gl.join(y, y)  # [16, 8, TB]
+        y = gl.permute(y, [2, 0, 1])
+        y = gl.reshape(y, [16 * TB, 8])
+        y = gl.convert_layout(y, B_OP, assert_trivial=True)
+        return gl.where(kdiag, y, gl.zeros_like(y))
+
+
+@gluon.jit
+def _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi,
+                 SKN: gl.constexpr, SVN4: gl.constexpr, T: gl.constexpr):
+    """Prefetch the step at ``n0`` into L2, one 128-byte line per lane: lanes ``0 .. T/4`` the key codes, the next
+    ``T/4`` the value codes, then one lane per metadata tensor (``4 T`` bytes each). The loads of that step then
+    wait for L2, not HBM (Nsight Compute: the kernel's top stall was the global loads' latency)."""
+    NL: gl.constexpr = T * 32 // 128  # lines of key (value) codes
+    ln = gl.arange(0, 32, layout=LANES)
+    i = gl.where(ln < NL, ln, gl.where(ln < 2 * NL, ln - NL, 0))
+    kp = (kc_base + n0.to(gl.int64) * (SKN // 4)) + i * 32  # int32 pointers: 32 words a line
+    vp = (vc_base + n0.to(gl.int64) * SVN4) + i * 32
+    ptr = gl.where(ln < NL, kp, gl.where(ln < 2 * NL, vp, gl.where(ln == 2 * NL, ks_base + n0, gl.where(
+        ln == 2 * NL + 1, kz_base + n0, gl.where(ln == 2 * NL + 2, vs_base + n0, vz_base + n0)))))
+    ok = (ln < 2 * NL + 4) & (n0 < hi)
+    gl.inline_asm_elementwise(_PF_ASM, "=r,l,r", [ptr, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _f32_pair(wd):
+    """Both groups' bf16 scale (or zero) of a token, one int32 word, as float32 (group 0 in the low half)."""
+    return (wd << 16).to(gl.float32, bitcast=True), (wd & -65536).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi, start,
+           SKN: gl.constexpr, SVN4: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr, MASKED: gl.constexpr):
+    """Global loads of the step at ``n0``: key bytes ``[T, 32]``, value words ``[T, 8]``, and the four metadata
+    words (both groups' scale / zero) of each logit's token ``[16, 8]``. Offsets are block-relative with
+    compile-time row strides, so that they fold into the load instructions. ``MASKED``: tokens ``>= hi`` read
+    nothing, and value metadata is read for valid tokens only (stale storage may hold NaN); a step past ``hi`` is
+    all masked (no memory traffic): the loop's prefetch of the step after the last."""
+    T: gl.constexpr = 16 * TB
+    rk = gl.arange(0, T, layout=gl.SliceLayout(1, KLOAD))
+    sk = gl.arange(0, 8, layout=gl.SliceLayout(0, KLOAD))
+    kptr = (kc_base + n0.to(gl.int64) * (SKN // 4)) + (rk[:, None] * (SKN // 4) + sk[None, :])
+    rv = gl.arange(0, T, layout=gl.SliceLayout(1, VLOAD))
+    wv = gl.arange(0, 8, layout=gl.SliceLayout(0, VLOAD))
+    vptr = (vc_base + n0.to(gl.int64) * SVN4) + (rv[:, None] * SVN4 + wv[None, :])
+    tr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    tn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    tl_ = tr[:, None] + 16 * (tn // MH)[None, :]  # token (in the step) of each logit: column n is token set n // MH
+    if MASKED:
+        xk = gl.load(kptr, mask=((n0 + rk) < hi)[:, None], other=0)
+        xv = gl.load(vptr, mask=(((n0 + rv) < hi) & ((n0 + rv) >= start))[:, None], other=0)
+        inb = (n0 + tl_) < hi
+        valid = inb & ((n0 + tl_) >= start)
+        ks = gl.load(ks_base + n0 + tl_, mask=inb, other=0)
+        kz = gl.load(kz_base + n0 + tl_, mask=inb, other=0)
+        vs = gl.load(vs_base + n0 + tl_, mask=valid, other=0)
+        vz = gl.load(vz_base + n0 + tl_, mask=valid, other=0)
+    else:
+        xk = gl.load(kptr)
+        xv = gl.load(vptr)
+        ks = gl.load(ks_base + n0 + tl_)
+        kz = gl.load(kz_base + n0 + tl_)
+        vs = gl.load(vs_base + n0 + tl_)
+        vz = gl.load(vz_base + n0 + tl_)
+    return xk, xv, ks, kz, vs, vz
+
+
+@gluon.jit
+def _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc,
+            TB: gl.constexpr, MH: gl.constexpr, MASKED: gl.constexpr, SPLITK: gl.constexpr):
+    """Logits ``[16, 8]`` (log2 units, minus the reference: ``offc`` holds ``off - phi``) of a step from its key
+    bytes and key metadata words; invalid tokens -inf when ``MASKED``."""
+    s0, s1 = _f32_pair(ks)
+    z0, z1 = _f32_pair(kz)
+    u = gl.inline_asm_elementwise(_K_ASM, "=h," * 16 + "r", [xk], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
+    if SPLITK:  # one accumulator per plane: four independent MMA chains of half the length
+        zk = gl.zeros_like(c0)
+        a0 = mma_v2(_k_operand(_k_plane(u[0], u[1], u[2], u[3]), TB), qb0, c0) + \
+            mma_v2(_k_operand(_k_plane(u[4], u[5], u[6], u[7]), TB), qb1, zk)
+        a1 = mma_v2(_k_operand(_k_plane(u[8], u[9], u[10], u[11]), TB), qb2, c1) + \
+            mma_v2(_k_operand(_k_plane(u[12], u[13], u[14], u[15]), TB), qb3, zk)
+    else:
+        a0 = mma_v2(_k_operand(_k_plane(u[0], u[1], u[2], u[3]), TB), qb0, c0)
+        a0 = mma_v2(_k_operand(_k_plane(u[4], u[5], u[6], u[7]), TB), qb1, a0)
+        a1 = mma_v2(_k_operand(_k_plane(u[8], u[9], u[10], u[11]), TB), qb2, c1)
+        a1 = mma_v2(_k_operand(_k_plane(u[12], u[13], u[14], u[15]), TB), qb3, a1)
+    bias = gl.fma(z0, qs0[None, :], gl.fma(z1, qs1[None, :], offc[None, :]))
+    lg = gl.fma(s0, a0, gl.fma(s1, a1, bias))
+    if MASKED:
+        tr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+        tn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        tok = n0 + tr[:, None] + 16 * (tn // MH)[None, :]
+        lg = gl.where((tok < hi) & (tok >= start), lg, float("-inf"))
+    return lg
+
+
+@gluon.jit
+def _step(xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+          lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, TB: gl.constexpr, MH: gl.constexpr, MASKED: gl.constexpr,
+          SPLITK: gl.constexpr):
+    """One step of ``16 TB`` tokens from its loaded words: logits, deferred softmax tiles, value MMAs."""
+    T: gl.constexpr = 16 * TB
+    lg = _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, MASKED, SPLITK)
+    vs0, vs1 = _f32_pair(vs)
+    vz0, vz1 = _f32_pair(vz)
+    mt = gl.maximum(mt, lg)
+    p = gl.exp2(lg)
+    lt += p
+    zt0 = gl.fma(p, vz0, zt0)
+    zt1 = gl.fma(p, vz1, zt1)
+    w0 = _w_operand((p * vs0).to(gl.bfloat16), kdiag, TB)
+    w1 = _w_operand((p * vs1).to(gl.bfloat16), kdiag, TB)
+    a00, a01, a02, a03 = _v_planes(xv, 0)
+    a10, a11, a12, a13 = _v_planes(xv, 1)
+    a20, a21, a22, a23 = _v_planes(xv, 2)
+    a30, a31, a32, a33 = _v_planes(xv, 3)
+    acc0 = mma_v2(neg, w0, mma_v2(_v_operand(a00, a10, a20, a30, T), w0, acc0))
+    acc1 = mma_v2(neg, w0, mma_v2(_v_operand(a01, a11, a21, a31, T), w0, acc1))
+    acc2 = mma_v2(neg, w1, mma_v2(_v_operand(a02, a12, a22, a32, T), w1, acc2))
+    acc3 = mma_v2(neg, w1, mma_v2(_v_operand(a03, a13, a23, a33, T), w1, acc3))
+    return lt, mt, zt0, zt1, acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _q_operand(q_ptr, sqm, M, qk_scale, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr):
+    """B operand ``[32 TB, 8]`` of plane ``P``: ``q[h, 32 P + sigma_K(j)] qk_scale / 4^P`` (fp16) at row
+    ``tb * 32 + j``, column ``tb * MH + h``; zero off the block diagonal and in padding columns."""
+    k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, B_OP))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
+    j = k % 32
+    sig = 8 * ((j >> 1) & 3) + 4 * (j >> 4) + 2 * ((j >> 3) & 1) + (j & 1)
+    h = n % MH
+    ok = ((k // 32)[:, None] == (n // MH)[None, :]) & (h < M)[None, :] & (n < TB * MH)[None, :]
+    q = gl.load(q_ptr + h[None, :] * sqm + (32 * P + sig)[:, None], mask=ok, other=0.0)
+    return (q * (qk_scale * (0.25 ** P))).to(gl.float16)
+
+
+@gluon.jit
+def _hist_kernel(
+    Q, KC, KS, KZ, VC, VS, VZ, START, QKOFF, NPTR,
+    PM, PL, PACC,
+    N, M, Hk, S, S_TOT, split_len, qk_scale,
+    sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
+    SKN: gl.constexpr, SVN: gl.constexpr,
+    TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
+    PREFETCH: gl.constexpr = 1, SPLITK: gl.constexpr = 0, L2PF: gl.constexpr = 0,
+):
+    MH: gl.constexpr = 8 // TB
+    T: gl.constexpr = 16 * TB
+    pid_bh = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    b = pid_bh // Hk
+    h = pid_bh % Hk
+    part = (pid_bh.to(gl.int64) * S_TOT + pid_s) * M
+
+    # ---- query operands (once per program) ----
+    q_ptr = Q + b.to(gl.int64) * sqb + h * sqh
+    qb0 = _q_operand(q_ptr, sqm, M, qk_scale, 0, TB, MH)
+    qb1 = _q_operand(q_ptr, sqm, M, qk_scale, 1, TB, MH)
+    qb2 = _q_operand(q_ptr, sqm, M, qk_scale, 2, TB, MH)
+    qb3 = _q_operand(q_ptr, sqm, M, qk_scale, 3, TB, MH)
+    # accumulator start -1024 C_g (the code offset of the planes of group g, from the rounded operands)
+    cg0 = gl.sum(qb0.to(gl.float32), 0) + gl.sum(qb1.to(gl.float32), 0)
+    cg1 = gl.sum(qb2.to(gl.float32), 0) + gl.sum(qb3.to(gl.float32), 0)
+    zero_t = gl.zeros([16, 8], gl.float32, layout=MMA)
+    c0 = zero_t - 1024.0 * gl.convert_layout(cg0, gl.SliceLayout(0, MMA))[None, :]
+    c1 = zero_t - 1024.0 * gl.convert_layout(cg1, gl.SliceLayout(0, MMA))[None, :]
+    # per column: Qs_g = sum of the group's (scaled) query channels, the logit offset q.mu_K
+    qn = gl.arange(0, 8, layout=gl.SliceLayout(1, QLOAD))
+    qd = gl.arange(0, 64, layout=gl.SliceLayout(0, QLOAD))
+    qh = qn % MH
+    qok = ((qh < M) & (qn < TB * MH))[:, None]
+    qs0 = gl.sum(gl.load(q_ptr + qh[:, None] * sqm + qd[None, :], mask=qok, other=0.0), 1) * qk_scale
+    qs1 = gl.sum(gl.load(q_ptr + qh[:, None] * sqm + 64 + qd[None, :], mask=qok, other=0.0), 1) * qk_scale
+    qs0 = gl.convert_layout(qs0, gl.SliceLayout(0, MMA))
+    qs1 = gl.convert_layout(qs1, gl.SliceLayout(0, MMA))
+    cn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    ch = cn % MH
+    cvalid = (ch < M) & (cn < TB * MH)
+    if HAS_OFF:
+        off = gl.load(QKOFF + b.to(gl.int64) * sob + h * soh + ch * som, mask=cvalid, other=0.0) * qk_scale
+    else:
+        off = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
+    # B-operand mask of the block-diagonal value MMA (TB = 2) and the constant -256 tile
+    kk = gl.arange(0, 16 * TB, layout=gl.SliceLayout(1, B_OP))
+    kn = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
+    kdiag = (kk // 16)[:, None] == (kn // MH)[None, :]
+    neg = gl.full([32, T], -256.0, gl.bfloat16, layout=A_OP)
+
+    # ---- this split's tokens ----
+    start = gl.load(START + b).to(gl.int32)
+    if N_DEV:
+        n_tot = gl.minimum(gl.load(NPTR).to(gl.int32), N)
+        slen = gl.cdiv(gl.cdiv(gl.maximum(n_tot, 1), S), T) * T
+    else:
+        n_tot = N
+        slen = split_len
+    hi = gl.minimum(pid_s * slen + slen, n_tot)
+    lo = gl.maximum(pid_s * slen, (start // T) * T)  # skip all-padding blocks
+    kc_base = (KC + b.to(gl.int64) * skb + h * skh).to(gl.pointer_type(gl.int32))
+    vc_base = (VC + b.to(gl.int64) * svb + h * svh).to(gl.pointer_type(gl.int32))
+    ks_base = (KS + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))
+    kz_base = (KZ + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))
+    vs_base = (VS + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
+    vz_base = (VZ + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
+    SVN4: gl.constexpr = SVN // 4
+
+    # reference phi per column: the max of the first step's valid logits (0 where there is none)
+    xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo, hi, start,
+                                    SKN, SVN4, TB, MH, True)
+    lg = _logits(xk, ks, kz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off, TB, MH, True, SPLITK)
+    phi = gl.max(lg, 0)
+    phi = gl.where(phi == float("-inf"), 0.0, phi)
+    phi = gl.where(cvalid, phi, 0.0)
+
+    lt = gl.zeros([16, 8], gl.float32, layout=MMA)
+    mt = gl.full([16, 8], float("-inf"), gl.float32, layout=MMA)
+    zt0 = gl.zeros([16, 8], gl.float32, layout=MMA)
+    zt1 = gl.zeros([16, 8], gl.float32, layout=MMA)
+    acc0 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    acc1 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    acc2 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    m_c = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    run = 1
+    while run > 0:
+        lt = gl.zeros([16, 8], gl.float32, layout=MMA)
+        mt = gl.full([16, 8], float("-inf"), gl.float32, layout=MMA)
+        zt0 = gl.zeros([16, 8], gl.float32, layout=MMA)
+        zt1 = gl.zeros([16, 8], gl.float32, layout=MMA)
+        acc0 = gl.zeros([32, 8], gl.float32, layout=MMA)
+        acc1 = gl.zeros([32, 8], gl.float32, layout=MMA)
+        acc2 = gl.zeros([32, 8], gl.float32, layout=MMA)
+        acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
+        offc = off - phi
+        if PREFETCH:
+            # software pipeline by hand: the loads of step i + 1 are issued before the work of step i (a step is
+            # full -- unmasked -- when all its tokens are valid; the first and last may not be)
+            if (lo >= start) & (lo + T <= hi):
+                xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo, hi, start,
+                                                SKN, SVN4, TB, MH, False)
+            else:
+                xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo, hi, start,
+                                                SKN, SVN4, TB, MH, True)
+            for n0 in range(lo, hi, T):
+                nn = n0 + T
+                if (nn >= start) & (nn + T <= hi):
+                    nk, nv, nks, nkz, nvs, nvz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, nn, hi,
+                                                        start, SKN, SVN4, TB, MH, False)
+                else:
+                    nk, nv, nks, nkz, nvs, nvz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, nn, hi,
+                                                        start, SKN, SVN4, TB, MH, True)
+                if (n0 >= start) & (n0 + T <= hi):
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3 = _step(
+                        xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, TB, MH, False, SPLITK)
+                else:
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3 = _step(
+                        xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, TB, MH, True, SPLITK)
+                xk, xv, ks, kz, vs, vz = nk, nv, nks, nkz, nvs, nvz
+        else:
+            for n0 in range(lo, hi, T):
+                if L2PF > 0:
+                    _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0 + L2PF * T, hi, SKN, SVN4, T)
+                if (n0 >= start) & (n0 + T <= hi):
+                    xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi,
+                                                    start, SKN, SVN4, TB, MH, False)
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3 = _step(
+                        xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, TB, MH, False, SPLITK)
+                else:
+                    xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi,
+                                                    start, SKN, SVN4, TB, MH, True)
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3 = _step(
+                        xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, TB, MH, True, SPLITK)
+        m_c = gl.max(mt, 0) + phi  # per column, -inf stays -inf
+        over = gl.where(m_c == float("-inf"), 0.0, m_c - phi)
+        run = 0
+        if gl.max(gl.where(cvalid, gl.abs(over), 0.0), 0) > DF_LIM:
+            phi = gl.where(m_c == float("-inf"), phi, m_c)
+            run = 1
+
+    # ---- per column -> per query row: the TB token sets merged by log-sum-exp ----
+    if TB == 1:
+        m_r = m_c
+        m_b = m_c
+    else:  # the row max [MH], and back to columns: m_b[tb * MH + h] = m_r[h]
+        m_r = gl.max(gl.reshape(m_c, [TB, MH]), 0)
+        m_b = gl.reshape(gl.permute(gl.join(m_r, m_r), [1, 0]), [2 * MH])
+        m_b = gl.convert_layout(m_b, gl.SliceLayout(0, MMA))
+    # per column: rescale from its reference to the row's max (a column without valid tokens adds nothing; its
+    # reference 0 may lie far above a very negative row max, so its factor is set to 0, not exp2(0 - m))
+    alpha = gl.where(m_c == float("-inf"), 0.0, gl.exp2(phi - gl.where(m_b == float("-inf"), phi, m_b)))
+    l_c = gl.sum(lt, 0) * alpha
+    zs0 = gl.sum(zt0, 0)
+    zs1 = gl.sum(zt1, 0)
+    o0 = (acc0 * 0.5 + zs0[None, :]) * alpha[None, :]  # / KP: 2, 8, 32, 32
+    o1 = (acc1 * 0.125 + zs0[None, :]) * alpha[None, :]
+    o2 = (acc2 * 0.03125 + zs1[None, :]) * alpha[None, :]
+    o3 = (acc3 * 0.03125 + zs1[None, :]) * alpha[None, :]
+    l_r = gl.sum(gl.reshape(l_c, [TB, MH]), 0)
+    o0 = gl.sum(gl.reshape(o0, [32, TB, MH]), 1)
+    o1 = gl.sum(gl.reshape(o1, [32, TB, MH]), 1)
+    o2 = gl.sum(gl.reshape(o2, [32, TB, MH]), 1)
+    o3 = gl.sum(gl.reshape(o3, [32, TB, MH]), 1)
+    # stores: row h < M; output row m of plane P is channel 32 P + sigma_V(m) = 32 P + 4 (m % 8) + m // 8
+    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 1], [1, 0])
+    o0 = gl.convert_layout(o0, OL)
+    o1 = gl.convert_layout(o1, OL)
+    o2 = gl.convert_layout(o2, OL)
+    o3 = gl.convert_layout(o3, OL)
+    om = gl.arange(0, 32, layout=gl.SliceLayout(1, OL))
+    oh = gl.arange(0, MH, layout=gl.SliceLayout(0, OL))
+    sig = 4 * (om % 8) + om // 8
+    optr = PACC + (part + oh[None, :]) * 128 + sig[:, None]
+    omask = (oh < M)[None, :]
+    gl.store(optr, o0, mask=omask)
+    gl.store(optr + 32, o1, mask=omask)
+    gl.store(optr + 64, o2, mask=omask)
+    gl.store(optr + 96, o3, mask=omask)
+    RL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    rh = gl.arange(0, MH, layout=RL)
+    gl.store(PM + part + rh, gl.convert_layout(m_r, RL), mask=rh < M)
+    gl.store(PL + part + rh, gl.convert_layout(l_r, RL), mask=rh < M)
+
+
+def gluon_supported(q_rot, k, v, group_size: int, key_mask, pairable: bool) -> bool:
+    """The shapes this kernel serves (the rest: the Triton kernel)."""
+    b, hk, m, d = q_rot.shape
+    return (q_rot.is_cuda and torch.cuda.get_device_capability(q_rot.device)[0] >= 8 and d == 128
+            and group_size == 64 and 1 <= m <= 8 and key_mask is None and pairable
+            and k.codes.stride(-1) == 1 and v.codes.stride(-1) == 1
+            and all(st % 8 == 0 for st in k.codes.stride()[:-1]) and all(st % 4 == 0 for st in v.codes.stride()[:-1])
+            and k.codes.data_ptr() % 8 == 0 and v.codes.data_ptr() % 4 == 0)
+
+
+def tokens_per_step(m: int) -> int:
+    return 32 if m <= 4 else 16
+
+
+def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
+                   prefetch=1, splitk=0, maxnreg=None, l2pf=0):
+    """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
+    b, hk, m, d = q_rot.shape
+    z3 = (0, 0, 0)
+    _hist_kernel[(b * hk, s_hist)](
+        q_rot, *k, *v, start, qk_offset, n_valid, pm, pl, pacc,
+        n, m, hk, s_hist, s_tot, split_len, qk_scale,
+        *q_rot.stride()[:3], *k.codes.stride()[:2], *k.scale.stride()[:2],
+        *v.codes.stride()[:2], *v.scale.stride()[:2],
+        *(qk_offset.stride() if qk_offset is not None else z3),
+        SKN=k.codes.stride(2), SVN=v.codes.stride(2), TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
+        PREFETCH=prefetch, SPLITK=splitk, L2PF=l2pf, num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
+    )
+

@@ -1,0 +1,89 @@
+"""Compile the Gluon history kernel (``kernels/decode_gluon.py``) for Hopper (sm_90) without a GPU.
+
+Run as a script with ``TRITON_INTERPRET`` unset (``test_compile_sm90.py`` does): compiles ``_hist_kernel`` with the
+signature ``launch_history`` passes at the benchmark shape (``D = 128``, ``G = 64``, code rows of 32 bytes, bf16
+metadata) for both token-set layouts (``TB = 2``: <= 4 query rows, ``TB = 1``: 5-8) under the default CONFIG, and
+prints one JSON line each: registers, spilled bytes, shared memory, and the opcode counts of the hot loop (the
+innermost loop that holds the tensor-core ops).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+
+def _hot_loop(sass: str):
+    lines = []
+    for ln in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", ln)
+        if m:
+            lines.append((int(m.group(1), 16), m.group(2).strip()))
+    loops = []
+    for addr, ins in lines:
+        t = re.search(r"0x([0-9a-f]+)", ins) if "BRA" in ins else None
+        if t and int(t.group(1), 16) < addr:
+            loops.append([i for a, i in lines if int(t.group(1), 16) <= a <= addr])
+    with_mma = [body for body in loops if any("HMMA" in i for i in body)]
+    return min(with_mma, key=len) if with_mma else []
+
+
+def main():
+    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from oscar_hf.kernels import decode_gluon as dg
+    from oscar_hf.kernels.decode_triton import CONFIG
+
+    ptrs = dict(Q="*fp32", KC="*u8", KS="*bf16", KZ="*bf16", VC="*u8", VS="*bf16", VZ="*bf16", START="*i32",
+                QKOFF="*fp32")
+    ints = "N M Hk S S_TOT split_len".split()
+    strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
+    for tb in (2, 1):
+        consts = {"NPTR": None, "SKN": 32, "SVN": 32, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
+                  "PREFETCH": int(CONFIG["gluon_prefetch"]), "SPLITK": int(CONFIG["gluon_splitk"]),
+                  "L2PF": int(CONFIG["gluon_l2pf"])}
+        sig = {}
+        for name in dg._hist_kernel.arg_names:
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name in ptrs or name in ("PM", "PL", "PACC"):
+                sig[name] = ptrs.get(name, "*fp32")
+            elif name == "qk_scale":
+                sig[name] = "fp32"
+            else:
+                assert name in ints or name in strides, name
+                sig[name] = "i32"
+        # pointers 16-byte aligned and strides (but sqm, som) multiples of 16, as the JIT specializes them
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(dg._hist_kernel.arg_names)
+                 if sig[n].startswith("*") or (n in strides and n not in ("sqm", "som")) or n == "split_len"}
+        src = GluonASTSource(fn=dg._hist_kernel, signature=sig, constexprs=consts, attrs=attrs)
+        opts = {"num_warps": 1}
+        if CONFIG.get("gluon_maxnreg"):
+            opts["maxnreg"] = CONFIG["gluon_maxnreg"]
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(c.asm["cubin"])
+            f.flush()
+            res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+            sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        op = lambda s: re.sub(r"^@!?U?P\w+\s+", "", s).split()[0]  # noqa: E731
+        loop = collections.Counter(op(i) for i in _hot_loop(sass))
+        print(json.dumps({
+            "kernel": "gluon", "tb": tb, "regs": int(re.search(r"REG:(\d+)", res).group(1)),
+            "spill_bytes": int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1)),
+            "maxnreg": opts.get("maxnreg"), "loop": dict(loop),
+        }))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
