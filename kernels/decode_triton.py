@@ -1,6 +1,9 @@
 """Split-K decode attention over the packed INT2 history (Triton).
 
-Two public entry points, each exactly **two kernel launches** per call:
+Two public entry points, each **two kernel launches** per call -- **three** where the history programs run on the
+Gluon kernel of :mod:`kernels.decode_gluon` (CUDA, D = 128, G = 64, <= 8 query rows per KV head, bf16 metadata, no
+key mask, at least ``CONFIG["gluon_min_work"]`` history token-heads): that kernel, then ``_split_kernel`` for the
+window programs only (``PID_OFF``), then the combine kernel:
 
 * :func:`history_partial_triton` -- the contract of
   :func:`oscar_hf.kernels.int2_attention.history_partial_reference`: online-softmax partials
