@@ -277,7 +277,7 @@ def _hist_kernel(
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     SKN: gl.constexpr, SVN: gl.constexpr,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
-    PREFETCH: gl.constexpr = 1, SPLITK: gl.constexpr = 0, L2PF: gl.constexpr = 0,
+    PREFETCH: gl.constexpr = 0, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -475,7 +475,7 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   prefetch=1, splitk=0, maxnreg=None, l2pf=0):
+                   prefetch=0, splitk=1, maxnreg=168, l2pf=1):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)

@@ -1035,10 +1035,11 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         # read on the device) would spill 184 bytes under it (tests/kernels/test_compile_sm90.py)
         cfg = {**cfg, "maxnreg": None}
     bh = b * hk
+    pairable = _pairable(k, v, d, group_size)
     # the Gluon kernel pays off from ~0.5 M history token-heads per call (H200, session 10: B=8 at 8K gains, B=1 at 32K
     # loses to the extra window launch and the larger merge); below that this file's kernel runs everything
     glu = _gluon_module() if (cfg.get("gluon") and q_rot.is_cuda and b * hk * n >= cfg.get("gluon_min_work", 0)) else None
-    if glu is not None and not glu.gluon_supported(q_rot, k, v, group_size, kmask, _pairable(k, v, d, group_size)):
+    if glu is not None and not glu.gluon_supported(q_rot, k, v, group_size, kmask, pairable):
         glu = None
     if glu is not None:
         # the Gluon kernel's step (16 or 32 tokens) and residency; the static cache's `splits` (sized for this file's
@@ -1107,7 +1108,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                 LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
                 N_DEV=n_valid is not None,
                 PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
-                PAIR=int(cfg.get("pair_meta", False) and _pairable(k, v, d, group_size)),
+                PAIR=int(cfg.get("pair_meta", False) and pairable),
                 AHEAD=int(cfg.get("meta_ahead", False)),
                 ASM=int(cfg.get("asm_codes", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
                 # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers

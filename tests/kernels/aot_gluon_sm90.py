@@ -12,11 +12,10 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import triton
+from aot_sm90 import cubin_report
 from triton.backends.compiler import GPUTarget
 
 
@@ -69,19 +68,11 @@ def main():
         if CONFIG.get("gluon_maxnreg"):
             opts["maxnreg"] = CONFIG["gluon_maxnreg"]
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-        cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(c.asm["cubin"])
-            f.flush()
-            res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-            sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        regs, spill, sass = cubin_report(c.asm["cubin"], sass=True)
         op = lambda s: re.sub(r"^@!?U?P\w+\s+", "", s).split()[0]  # noqa: E731
         loop = collections.Counter(op(i) for i in _hot_loop(sass))
-        print(json.dumps({
-            "kernel": "gluon", "tb": tb, "regs": int(re.search(r"REG:(\d+)", res).group(1)),
-            "spill_bytes": int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1)),
-            "maxnreg": opts.get("maxnreg"), "loop": dict(loop),
-        }))
+        print(json.dumps({"kernel": "gluon", "tb": tb, "regs": regs, "spill_bytes": spill,
+                          "maxnreg": opts.get("maxnreg"), "loop": dict(loop)}))
     sys.stdout.flush()
 
 

@@ -33,6 +33,20 @@ class Recorder:
         return lambda *args, **kw: self.calls.append((grid, args, kw))
 
 
+def cubin_report(cubin: bytes, sass: bool = False):
+    """(registers, spilled local + stack bytes, SASS text or None) of a compiled kernel, read with the cuobjdump
+    bundled with Triton."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        text = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout if sass else None
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
+    return regs, local, text
+
+
 def compile_call(fn, args, kw, cuda_kw, sass=False):
     """Compile one recorded launch for sm_90; its resource usage (and, with ``sass``, the SASS text
     under ``"sass"``, for ``scripts/sass_report.py``)."""
@@ -64,14 +78,7 @@ def compile_call(fn, args, kw, cuda_kw, sass=False):
     if kw.get("maxnreg"):
         opts["maxnreg"] = kw["maxnreg"]
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(c.asm["cubin"])
-        f.flush()
-        res = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-        text = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout if sass else None
-    regs = int(re.search(r"REG:(\d+)", res).group(1))
-    local = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
+    regs, local, text = cubin_report(c.asm["cubin"], sass)
     out = {"regs": regs, "spill_bytes": local, "smem": c.metadata.shared, "num_warps": opts["num_warps"],
            "maxnreg": opts.get("maxnreg")}
     return {**out, "sass": text} if sass else out
