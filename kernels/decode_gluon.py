@@ -230,9 +230,11 @@ def _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off
 
 @gluon.jit
 def _step(xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-          lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, TB: gl.constexpr, MH: gl.constexpr, MASKED: gl.constexpr,
-          SPLITK: gl.constexpr):
-    """One step of ``16 TB`` tokens from its loaded words: logits, deferred softmax tiles, value MMAs."""
+          lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB: gl.constexpr, MH: gl.constexpr,
+          MASKED: gl.constexpr, SPLITK: gl.constexpr, GSUM: gl.constexpr):
+    """One step of ``16 TB`` tokens from its loaded words: logits, deferred softmax tiles, value MMAs. ``GSUM``:
+    ``neg`` is a tile of ones and ``sw_g`` accumulate ``sum W`` of each group (every row the same), subtracted
+    ``256 x`` once after the loop; otherwise ``neg`` is the ``-256`` tile, one MMA after each value MMA."""
     T: gl.constexpr = 16 * TB
     lg = _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, MASKED, SPLITK)
     vs0, vs1 = _f32_pair(vs)
@@ -248,11 +250,19 @@ def _step(xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0
     a10, a11, a12, a13 = _v_planes(xv, 1)
     a20, a21, a22, a23 = _v_planes(xv, 2)
     a30, a31, a32, a33 = _v_planes(xv, 3)
-    acc0 = mma_v2(neg, w0, mma_v2(_v_operand(a00, a10, a20, a30, T), w0, acc0))
-    acc1 = mma_v2(neg, w0, mma_v2(_v_operand(a01, a11, a21, a31, T), w0, acc1))
-    acc2 = mma_v2(neg, w1, mma_v2(_v_operand(a02, a12, a22, a32, T), w1, acc2))
-    acc3 = mma_v2(neg, w1, mma_v2(_v_operand(a03, a13, a23, a33, T), w1, acc3))
-    return lt, mt, zt0, zt1, acc0, acc1, acc2, acc3
+    if GSUM:  # 2 TB MMAs a step for the offsets instead of 8 TB
+        acc0 = mma_v2(_v_operand(a00, a10, a20, a30, T), w0, acc0)
+        acc1 = mma_v2(_v_operand(a01, a11, a21, a31, T), w0, acc1)
+        acc2 = mma_v2(_v_operand(a02, a12, a22, a32, T), w1, acc2)
+        acc3 = mma_v2(_v_operand(a03, a13, a23, a33, T), w1, acc3)
+        sw0 = mma_v2(neg, w0, sw0)
+        sw1 = mma_v2(neg, w1, sw1)
+    else:
+        acc0 = mma_v2(neg, w0, mma_v2(_v_operand(a00, a10, a20, a30, T), w0, acc0))
+        acc1 = mma_v2(neg, w0, mma_v2(_v_operand(a01, a11, a21, a31, T), w0, acc1))
+        acc2 = mma_v2(neg, w1, mma_v2(_v_operand(a02, a12, a22, a32, T), w1, acc2))
+        acc3 = mma_v2(neg, w1, mma_v2(_v_operand(a03, a13, a23, a33, T), w1, acc3))
+    return lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1
 
 
 @gluon.jit
@@ -277,7 +287,8 @@ def _hist_kernel(
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     SKN: gl.constexpr, SVN: gl.constexpr,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
-    PREFETCH: gl.constexpr = 0, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1,
+    PREFETCH: gl.constexpr = 0, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
+    PDL: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -286,6 +297,10 @@ def _hist_kernel(
     b = pid_bh // Hk
     h = pid_bh % Hk
     part = (pid_bh.to(gl.int64) * S_TOT + pid_s) * M
+    if PDL:  # programmatic dependent launch: let the window programs launch, wait for the query rotation
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     # ---- query operands (once per program) ----
     q_ptr = Q + b.to(gl.int64) * sqb + h * sqh
@@ -319,7 +334,10 @@ def _hist_kernel(
     kk = gl.arange(0, 16 * TB, layout=gl.SliceLayout(1, B_OP))
     kn = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
     kdiag = (kk // 16)[:, None] == (kn // MH)[None, :]
-    neg = gl.full([32, T], -256.0, gl.bfloat16, layout=A_OP)
+    if GSUM:
+        neg = gl.full([16, T], 1.0, gl.bfloat16, layout=A_OP)
+    else:
+        neg = gl.full([32, T], -256.0, gl.bfloat16, layout=A_OP)
 
     # ---- this split's tokens ----
     start = gl.load(START + b).to(gl.int32)
@@ -355,6 +373,8 @@ def _hist_kernel(
     acc1 = gl.zeros([32, 8], gl.float32, layout=MMA)
     acc2 = gl.zeros([32, 8], gl.float32, layout=MMA)
     acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    sw0 = gl.zeros([16, 8], gl.float32, layout=MMA)
+    sw1 = gl.zeros([16, 8], gl.float32, layout=MMA)
     m_c = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     run = 1
     while run > 0:
@@ -366,6 +386,8 @@ def _hist_kernel(
         acc1 = gl.zeros([32, 8], gl.float32, layout=MMA)
         acc2 = gl.zeros([32, 8], gl.float32, layout=MMA)
         acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
+        sw0 = gl.zeros([16, 8], gl.float32, layout=MMA)
+        sw1 = gl.zeros([16, 8], gl.float32, layout=MMA)
         offc = off - phi
         if PREFETCH:
             # software pipeline by hand: the loads of step i + 1 are issued before the work of step i (a step is
@@ -385,13 +407,13 @@ def _hist_kernel(
                     nk, nv, nks, nkz, nvs, nvz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, nn, hi,
                                                         start, SKN, SVN4, TB, MH, True)
                 if (n0 >= start) & (n0 + T <= hi):
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3 = _step(
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                         xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, TB, MH, False, SPLITK)
+                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM)
                 else:
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3 = _step(
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                         xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, TB, MH, True, SPLITK)
+                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
                 xk, xv, ks, kz, vs, vz = nk, nv, nks, nkz, nvs, nvz
         else:
             for n0 in range(lo, hi, T):
@@ -400,15 +422,15 @@ def _hist_kernel(
                 if (n0 >= start) & (n0 + T <= hi):
                     xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi,
                                                     start, SKN, SVN4, TB, MH, False)
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3 = _step(
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                         xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, TB, MH, False, SPLITK)
+                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM)
                 else:
                     xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi,
                                                     start, SKN, SVN4, TB, MH, True)
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3 = _step(
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                         xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, TB, MH, True, SPLITK)
+                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
         m_c = gl.max(mt, 0) + phi  # per column, -inf stays -inf
         over = gl.where(m_c == float("-inf"), 0.0, m_c - phi)
         run = 0
@@ -430,6 +452,11 @@ def _hist_kernel(
     l_c = gl.sum(lt, 0) * alpha
     zs0 = gl.sum(zt0, 0)
     zs1 = gl.sum(zt1, 0)
+    if GSUM:  # the codes' offset 256 sum W of each group (every row of sw_g holds the column sums)
+        acc0 = acc0 - 256.0 * gl.max(sw0, 0)[None, :]
+        acc1 = acc1 - 256.0 * gl.max(sw0, 0)[None, :]
+        acc2 = acc2 - 256.0 * gl.max(sw1, 0)[None, :]
+        acc3 = acc3 - 256.0 * gl.max(sw1, 0)[None, :]
     o0 = (acc0 * 0.5 + zs0[None, :]) * alpha[None, :]  # / KP: 2, 8, 32, 32
     o1 = (acc1 * 0.125 + zs0[None, :]) * alpha[None, :]
     o2 = (acc2 * 0.03125 + zs1[None, :]) * alpha[None, :]
@@ -475,7 +502,7 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   prefetch=0, splitk=1, maxnreg=168, l2pf=1):
+                   prefetch=0, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=False):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -486,6 +513,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
         SKN=k.codes.stride(2), SVN=v.codes.stride(2), TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
-        PREFETCH=prefetch, SPLITK=splitk, L2PF=l2pf, num_warps=1, **({"maxnreg": maxnreg} if maxnreg else {}),
+        PREFETCH=prefetch, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), num_warps=1,
+        **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

@@ -76,6 +76,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from oscar_hf.quant import QuantizedRows
 
@@ -140,14 +141,24 @@ CONFIG = {
     # instructions per history token instead of ~32); the window programs and the combine stay here. 0: this file's
     # kernel for everything.
     "gluon": 1,
-    # Gluon programs (one warp each) resident per SM, for the wave model of num_splits: ptxas gives the kernel
-    # ~206 registers, 65536 // (208 * 32) = 9
+    # Gluon programs (one warp each) resident per SM, for the wave model of num_splits: under the 168-register cap
+    # below, 65536 // (168 * 32) = 12
     "gluon_resident": 12,
     "gluon_prefetch": 0,  # the next step's loads issued before each step's work (registers)
     "gluon_splitk": 1,  # one key accumulator per plane (shorter MMA chains)
     "gluon_maxnreg": 168,  # ptxas register cap of the Gluon kernel
     "gluon_l2pf": 1,  # Gluon kernel without `gluon_prefetch`: L2 prefetch this many steps ahead (0: off)
+    # the value codes' offset (256 per code) removed by one MMA against a ones tile per group and token tile, the
+    # column sums subtracted after the loop, instead of a -256 MMA after every value MMA (36 MMAs a step, not 48)
+    "gluon_gsum": 0,
     "gluon_min_work": 500_000,  # history tokens x (row, KV head) pairs of a call from which the Gluon kernel serves
+    # window tokens per window program when the history runs on the Gluon kernel and there are few programs (at most 4
+    # per SM): the window programs are then a launch of their own, after the history, so their latency chain is on
+    # the critical path (H200, B=1/128K: 9.7 -> 3.9 us; B=32/32K, 2560 programs of 32 tokens: 24.7 -> 31.7 us, so not
+    # there; benchmarks/results/profile_op_h200_session11a.json)
+    "gluon_win_split": 32,
+    "gluon_win_stages": 2,  # software-pipeline stages of the window steps in a window-only launch
+    "pdl": 1,  # programmatic dependent launch of the Gluon path's launches (see _launch)
 }
 
 
@@ -494,6 +505,52 @@ def _softmax_step(s, valid, m_i, l_i):
 
 
 @triton.jit
+def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, h, part, w0, W, win_split, qk_scale,
+                  sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+                  M, D: tl.constexpr, M_PAD: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr,
+                  PDL: tl.constexpr, WIN_STAGES: tl.constexpr):
+    """One window program of :func:`_split_kernel`: full-precision (unrotated) window tokens ``[w0, w0 + win_split)``
+    of one (row, KV head), online softmax over ``BLOCK_W``-token steps, partial ``(m, l, acc)`` at ``part``."""
+    BLOCK_W: tl.constexpr = 32  # window tokens per step
+    offs_m = tl.arange(0, M_PAD)
+    offs_d = tl.arange(0, D)
+    mrow = offs_m < M
+    m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((M_PAD,), tl.float32)
+    if PDL:  # the combine may launch (it waits for this grid's completion before reading partials)
+        gdc_launch_dependents()
+    qw = tl.load(QW + b.to(tl.int64) * sqwb + h * sqwh + offs_m[:, None] * sqwm + offs_d[None, :],
+                 mask=mrow[:, None], other=0.0).to(tl.float32)
+    qw = _op(qw * qk_scale, LOWP)
+    acc = tl.zeros((M_PAD, D), tl.float32)
+    w1 = tl.minimum(w0 + win_split, W)
+    # Small tiles, and not software-pipelined (WIN_STAGES = 1) when the history programs share the launch:
+    # keeps the shared memory of this branch below the history branch's, so occupancy is set by the history
+    # programs. A window-only launch (the Gluon path) pipelines its steps.
+    for n0 in tl.range(w0, w1, BLOCK_W, num_stages=WIN_STAGES):
+        offs_n = n0 + tl.arange(0, BLOCK_W)
+        valid = offs_n < w1
+        if HAS_WMASK:
+            wm = tl.load(WMASK + b.to(tl.int64) * swb + h * swh + offs_n * swn, mask=valid, other=0)
+            valid = valid & (wm != 0)
+        # keys and values loaded together: one round of memory latency per step, not two
+        kw = tl.load(KW + b.to(tl.int64) * skwb + h * skwh + offs_n[:, None] * skwn + offs_d[None, :],
+                     mask=valid[:, None], other=0.0)
+        vw = tl.load(VW + b.to(tl.int64) * svwb + h * svwh + offs_n[:, None] * svwn + offs_d[None, :],
+                     mask=valid[:, None], other=0.0)
+        s = tl.dot(qw, tl.trans(_op(kw, LOWP)))
+        p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
+        acc = tl.dot(_op(p, LOWP), _op(vw, LOWP), acc * alpha[:, None])
+    tl.store(PACC + (part + offs_m[:, None]) * D + offs_d[None, :], acc, mask=mrow[:, None])
+    tl.store(PM + part + offs_m, m_i, mask=mrow)
+    tl.store(PL + part + offs_m, l_i, mask=mrow)
+    if PDL:
+        # launched while the Gluon history kernel runs (it reads nothing that kernel writes), this grid must
+        # not complete before it: the combine's wait covers the grid just before it only
+        gdc_wait()
+
+
+@triton.jit
 def _split_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, START, KMASK, QKOFF, NPTR,  # history inputs (NPTR: device history length or None)
     QW, KW, VW, WMASK,  # full-precision window (decode_attention only)
@@ -509,11 +566,10 @@ def _split_kernel(
     HAS_MASK: tl.constexpr, HAS_OFF: tl.constexpr,
     HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, LOOP: tl.constexpr,
     N_DEV: tl.constexpr, PREFETCH: tl.constexpr = 0, PAIR: tl.constexpr = 0, AHEAD: tl.constexpr = 0,
-    ASM: tl.constexpr = 0,
+    ASM: tl.constexpr = 0, PDL: tl.constexpr = 0, WIN_STAGES: tl.constexpr = 1, WIN_ONLY: tl.constexpr = 0,
 ):
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
-    BLOCK_W: tl.constexpr = 32  # window tokens per step
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1) + PID_OFF  # > 0: only the window programs are launched (the history ran on Gluon)
     b = pid_bh // Hk
@@ -526,279 +582,263 @@ def _split_kernel(
     l_i = tl.zeros((M_PAD,), tl.float32)
     part = (pid_bh.to(tl.int64) * S_TOT + pid_s) * M  # first partial row of this program
 
-    if pid_s < S:
-        # ---------------- INT2 history split ----------------
-        # q planes, pre-scaled so that logits come out in log2 units.
-        q_ptr = Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_j[None, :]
-        q0 = _op(tl.load(q_ptr + 0 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
-        q1 = _op(tl.load(q_ptr + 1 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
-        q2 = _op(tl.load(q_ptr + 2 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
-        q3 = _op(tl.load(q_ptr + 3 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
-        if HAS_OFF:
-            off = tl.load(QKOFF + b.to(tl.int64) * sob + h * soh + offs_m * som, mask=mrow, other=0.0) * qk_scale
-        else:
-            off = tl.zeros((M_PAD,), tl.float32)
-        acc0 = tl.zeros((M_PAD, D4), tl.float32)
-        acc1 = tl.zeros((M_PAD, D4), tl.float32)
-        acc2 = tl.zeros((M_PAD, D4), tl.float32)
-        acc3 = tl.zeros((M_PAD, D4), tl.float32)
-        zacc0 = tl.zeros((M_PAD,), tl.float32)  # sum_n p z of the value groups (rowdot / factored loops)
-        zacc1 = tl.zeros((M_PAD,), tl.float32)
-        zacc2 = tl.zeros((M_PAD,), tl.float32)
-        zacc3 = tl.zeros((M_PAD,), tl.float32)
+    if WIN_ONLY:  # the window programs of the Gluon path: this launch compiles without the history branch
+        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, h, part, (pid_s - S) * win_split, W, win_split,
+                      qk_scale, sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+                      M, D, M_PAD, HAS_WMASK, LOWP, PDL, WIN_STAGES)
+    else:
+        if pid_s < S:
+            # ---------------- INT2 history split ----------------
+            # q planes, pre-scaled so that logits come out in log2 units.
+            q_ptr = Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_j[None, :]
+            q0 = _op(tl.load(q_ptr + 0 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
+            q1 = _op(tl.load(q_ptr + 1 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
+            q2 = _op(tl.load(q_ptr + 2 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
+            q3 = _op(tl.load(q_ptr + 3 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
+            if HAS_OFF:
+                off = tl.load(QKOFF + b.to(tl.int64) * sob + h * soh + offs_m * som, mask=mrow, other=0.0) * qk_scale
+            else:
+                off = tl.zeros((M_PAD,), tl.float32)
+            acc0 = tl.zeros((M_PAD, D4), tl.float32)
+            acc1 = tl.zeros((M_PAD, D4), tl.float32)
+            acc2 = tl.zeros((M_PAD, D4), tl.float32)
+            acc3 = tl.zeros((M_PAD, D4), tl.float32)
+            zacc0 = tl.zeros((M_PAD,), tl.float32)  # sum_n p z of the value groups (rowdot / factored loops)
+            zacc1 = tl.zeros((M_PAD,), tl.float32)
+            zacc2 = tl.zeros((M_PAD,), tl.float32)
+            zacc3 = tl.zeros((M_PAD,), tl.float32)
 
-        start = tl.load(START + b).to(tl.int32)
-        if N_DEV:
-            # Static cache (CUDA graphs): N is the storage capacity, the valid length is read from
-            # device memory and the S splits share it (the grid cannot change between replays).
-            n_tot = tl.minimum(tl.load(NPTR).to(tl.int32), N)
-            slen = tl.cdiv(tl.cdiv(tl.maximum(n_tot, 1), S), BLOCK_N) * BLOCK_N
-        else:
-            n_tot = N
-            slen = split_len
-        hi = tl.minimum(pid_s * slen + slen, n_tot)
-        lo = tl.maximum(pid_s * slen, (start // BLOCK_N) * BLOCK_N)  # skip all-padding blocks
-        kc_base = KC + b.to(tl.int64) * skb + h * skh
-        ks_base = KS + b.to(tl.int64) * smkb + h * smkh
-        kz_base = KZ + b.to(tl.int64) * smkb + h * smkh
-        vc_base = VC + b.to(tl.int64) * svb + h * svh
-        vs_base = VS + b.to(tl.int64) * smvb + h * smvh
-        vz_base = VZ + b.to(tl.int64) * smvb + h * smvh
-        if LOOP >= 2:
-            # The row-dot K operands, shared by the rowdot and deferred loops (see the rowdot comment).
-            PPG: tl.constexpr = G // D4  # planes per group
-            OFFS = 1.0 + 1023.0 * LOWP  # the code offset of _u_plane (1024 on the GPU)
-            qf0 = tl.load(q_ptr + 0 * D4, mask=mrow[:, None], other=0.0) * qk_scale
-            qf1 = tl.load(q_ptr + 1 * D4, mask=mrow[:, None], other=0.0) * qk_scale
-            qf2 = tl.load(q_ptr + 2 * D4, mask=mrow[:, None], other=0.0) * qk_scale
-            qf3 = tl.load(q_ptr + 3 * D4, mask=mrow[:, None], other=0.0) * qk_scale
-            # B operands [D4, M_PAD]: q_P / 4^P (exact power-of-two scaling before the fp16 rounding)
-            qts = (_op16(tl.trans(qf0), LOWP), _op16(tl.trans(qf1 * 0.25), LOWP),
-                   _op16(tl.trans(qf2 * 0.0625), LOWP), _op16(tl.trans(qf3 * 0.015625), LOWP))
-            cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
-                   OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
-            qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))
-        if LOOP == 2:
-            # Row-dot form (each plane inside one group, G >= D/4): the K byte tile is the A operand
-            # of the tensor cores in its natural [token, channel] layout (no transposition), logits
-            # are computed transposed, [BLOCK_N, M_PAD], and scale/zero are applied to them:
-            #   logit[n, m] = sum_g s[n, g] * (sum_{P in g} u_P[n] . q_P[m] / 4^P - C_g[m]) + z[n, g] * Qs_g[m]
-            # with u_P = OFFS + 4^P code (see _u_plane), C_g[m] = OFFS sum_{P in g} sum_c q_P[m, c] / 4^P
-            # (the offset, from the same rounded operands the dot sees) and Qs_g[m] = sum_{c in g} q[m, c].
-            # Values: acc_P[m, :] += W_g[m, :] . (4^P code_P) with W_g[m, n] = p[n, m] s[n, g] (the only
-            # per-token-and-row multiply), zacc_g[m] += sum_n p[n, m] z[n, g]; at the end
-            # acc_P / 4^P + zacc_g(P). Per code: one and-or (K), one and-or and one exact fp16 subtract (V).
-            for n0 in range(lo, hi, BLOCK_N):
-                if PREFETCH > 0:
-                    _prefetch_block(n0 + PREFETCH * BLOCK_N, hi, kc_base, vc_base, ks_base, kz_base, vs_base, vz_base,
-                                    skn, svn, NG, BLOCK_N)
-                offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-                meta = offs_n.to(tl.int64) * NG  # first metadata entry of each token
+            start = tl.load(START + b).to(tl.int32)
+            if N_DEV:
+                # Static cache (CUDA graphs): N is the storage capacity, the valid length is read from
+                # device memory and the S splits share it (the grid cannot change between replays).
+                n_tot = tl.minimum(tl.load(NPTR).to(tl.int32), N)
+                slen = tl.cdiv(tl.cdiv(tl.maximum(n_tot, 1), S), BLOCK_N) * BLOCK_N
+            else:
+                n_tot = N
+                slen = split_len
+            hi = tl.minimum(pid_s * slen + slen, n_tot)
+            lo = tl.maximum(pid_s * slen, (start // BLOCK_N) * BLOCK_N)  # skip all-padding blocks
+            kc_base = KC + b.to(tl.int64) * skb + h * skh
+            ks_base = KS + b.to(tl.int64) * smkb + h * smkh
+            kz_base = KZ + b.to(tl.int64) * smkb + h * smkh
+            vc_base = VC + b.to(tl.int64) * svb + h * svh
+            vs_base = VS + b.to(tl.int64) * smvb + h * smvh
+            vz_base = VZ + b.to(tl.int64) * smvb + h * smvh
+            if LOOP >= 2:
+                # The row-dot K operands, shared by the rowdot and deferred loops (see the rowdot comment).
+                PPG: tl.constexpr = G // D4  # planes per group
+                OFFS = 1.0 + 1023.0 * LOWP  # the code offset of _u_plane (1024 on the GPU)
+                qf0 = tl.load(q_ptr + 0 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+                qf1 = tl.load(q_ptr + 1 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+                qf2 = tl.load(q_ptr + 2 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+                qf3 = tl.load(q_ptr + 3 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+                # B operands [D4, M_PAD]: q_P / 4^P (exact power-of-two scaling before the fp16 rounding)
+                qts = (_op16(tl.trans(qf0), LOWP), _op16(tl.trans(qf1 * 0.25), LOWP),
+                       _op16(tl.trans(qf2 * 0.0625), LOWP), _op16(tl.trans(qf3 * 0.015625), LOWP))
+                cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
+                       OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
+                qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))
+            if LOOP == 2:
+                # Row-dot form (each plane inside one group, G >= D/4): the K byte tile is the A operand
+                # of the tensor cores in its natural [token, channel] layout (no transposition), logits
+                # are computed transposed, [BLOCK_N, M_PAD], and scale/zero are applied to them:
+                #   logit[n, m] = sum_g s[n, g] * (sum_{P in g} u_P[n] . q_P[m] / 4^P - C_g[m]) + z[n, g] * Qs_g[m]
+                # with u_P = OFFS + 4^P code (see _u_plane), C_g[m] = OFFS sum_{P in g} sum_c q_P[m, c] / 4^P
+                # (the offset, from the same rounded operands the dot sees) and Qs_g[m] = sum_{c in g} q[m, c].
+                # Values: acc_P[m, :] += W_g[m, :] . (4^P code_P) with W_g[m, n] = p[n, m] s[n, g] (the only
+                # per-token-and-row multiply), zacc_g[m] += sum_n p[n, m] z[n, g]; at the end
+                # acc_P / 4^P + zacc_g(P). Per code: one and-or (K), one and-or and one exact fp16 subtract (V).
+                for n0 in range(lo, hi, BLOCK_N):
+                    if PREFETCH > 0:
+                        _prefetch_block(n0 + PREFETCH * BLOCK_N, hi, kc_base, vc_base, ks_base, kz_base, vs_base, vz_base,
+                                        skn, svn, NG, BLOCK_N)
+                    offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                    meta = offs_n.to(tl.int64) * NG  # first metadata entry of each token
+                    kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
+                    st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG, BLOCK_N, M_PAD, LOWP)
+                    # online softmax over the token axis (0) of the transposed tile
+                    st = tl.where(valid[:, None], st, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(st, 0))
+                    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_i - m_safe)
+                    p = tl.exp2(st - m_safe[None, :])
+                    l_i = l_i * alpha + tl.sum(p, 0)
+                    m_i = m_new
+                    # V: only valid tokens are read (p = 0 and s = z = 0 elsewhere)
+                    vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
+                    acc0, zacc0 = _rd_v_plane(p, alpha, vb, 0, vs_base, vz_base, meta, valid, acc0, zacc0, D4, G, LOWP)
+                    acc1, zacc1 = _rd_v_plane(p, alpha, vb, 1, vs_base, vz_base, meta, valid, acc1, zacc1, D4, G, LOWP)
+                    acc2, zacc2 = _rd_v_plane(p, alpha, vb, 2, vs_base, vz_base, meta, valid, acc2, zacc2, D4, G, LOWP)
+                    acc3, zacc3 = _rd_v_plane(p, alpha, vb, 3, vs_base, vz_base, meta, valid, acc3, zacc3, D4, G, LOWP)
+                acc0 = acc0 + zacc0[:, None]
+                acc1 = acc1 * 0.25 + zacc1[:, None]
+                acc2 = acc2 * 0.0625 + zacc2[:, None]
+                acc3 = acc3 * 0.015625 + zacc3[:, None]
+            elif LOOP == 3:
+                # Deferred form: the rowdot K logits, but no per-block reductions. Every block is
+                # exponentiated against one fixed reference phi[m] (the max of the split's first block),
+                # and l, sum p z and the running max are kept as elementwise [BLOCK_N, M_PAD] tiles
+                # (registers only: no shuffles, no barriers, no rescaling of acc), reduced once after the
+                # loop, where acc, l, zacc are rescaled to the true max. Guard: if any row's true max
+                # differs from phi by more than DF_LIM (log2 units: p up to 2^DF_LIM stays far from
+                # float32 / bf16 overflow; phi = 0 when the first block has no valid token could also
+                # underflow every p) the split is run again with phi = its true max (at most once).
+                # phi: max of the first block's valid logits (0 for rows without any there)
+                offs_n, inb, valid = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
-                st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG, BLOCK_N, M_PAD, LOWP)
-                # online softmax over the token axis (0) of the transposed tile
-                st = tl.where(valid[:, None], st, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(st, 0))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(st - m_safe[None, :])
-                l_i = l_i * alpha + tl.sum(p, 0)
-                m_i = m_new
-                # V: only valid tokens are read (p = 0 and s = z = 0 elsewhere)
-                vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
-                acc0, zacc0 = _rd_v_plane(p, alpha, vb, 0, vs_base, vz_base, meta, valid, acc0, zacc0, D4, G, LOWP)
-                acc1, zacc1 = _rd_v_plane(p, alpha, vb, 1, vs_base, vz_base, meta, valid, acc1, zacc1, D4, G, LOWP)
-                acc2, zacc2 = _rd_v_plane(p, alpha, vb, 2, vs_base, vz_base, meta, valid, acc2, zacc2, D4, G, LOWP)
-                acc3, zacc3 = _rd_v_plane(p, alpha, vb, 3, vs_base, vz_base, meta, valid, acc3, zacc3, D4, G, LOWP)
-            acc0 = acc0 + zacc0[:, None]
-            acc1 = acc1 * 0.25 + zacc1[:, None]
-            acc2 = acc2 * 0.0625 + zacc2[:, None]
-            acc3 = acc3 * 0.015625 + zacc3[:, None]
-        elif LOOP == 3:
-            # Deferred form: the rowdot K logits, but no per-block reductions. Every block is
-            # exponentiated against one fixed reference phi[m] (the max of the split's first block),
-            # and l, sum p z and the running max are kept as elementwise [BLOCK_N, M_PAD] tiles
-            # (registers only: no shuffles, no barriers, no rescaling of acc), reduced once after the
-            # loop, where acc, l, zacc are rescaled to the true max. Guard: if any row's true max
-            # differs from phi by more than DF_LIM (log2 units: p up to 2^DF_LIM stays far from
-            # float32 / bf16 overflow; phi = 0 when the first block has no valid token could also
-            # underflow every p) the split is run again with phi = its true max (at most once).
-            # phi: max of the first block's valid logits (0 for rows without any there)
-            offs_n, inb, valid = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-            kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
-            st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, offs_n.to(tl.int64) * NG, inb, off,
-                            PPG, BLOCK_N, M_PAD, LOWP)
-            phi = tl.max(tl.where(valid[:, None], st, float("-inf")), 0)
-            phi = tl.where(phi == float("-inf"), 0.0, phi)
-            # the tiles carried out of the rerun loop must exist before it (they are reset per pass)
-            lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-            mt = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
-            zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # sum p z per group: tile of the group's first plane
-            zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-            zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-            zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-            run = 1
-            while run > 0:
+                st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, offs_n.to(tl.int64) * NG, inb, off,
+                                PPG, BLOCK_N, M_PAD, LOWP)
+                phi = tl.max(tl.where(valid[:, None], st, float("-inf")), 0)
+                phi = tl.where(phi == float("-inf"), 0.0, phi)
+                # the tiles carried out of the rerun loop must exist before it (they are reset per pass)
                 lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
                 mt = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
-                zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # sum p z per group: tile of the group's first plane
                 zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
                 zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
                 zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                acc0 = tl.zeros((M_PAD, D4), tl.float32)
-                acc1 = tl.zeros((M_PAD, D4), tl.float32)
-                acc2 = tl.zeros((M_PAD, D4), tl.float32)
-                acc3 = tl.zeros((M_PAD, D4), tl.float32)
-                off_phi = off - phi
-                if AHEAD:  # metadata of the first block, loaded before the loop (see META_AHEAD below)
-                    offs_a, inb_a, valid_a = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-                    md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_a, inb_a, valid_a, NG, PAIR)
-                for n0 in range(lo, hi, BLOCK_N):
-                    if PREFETCH > 0:
-                        _prefetch_block(n0 + PREFETCH * BLOCK_N, hi, kc_base, vc_base, ks_base, kz_base, vs_base,
-                                        vz_base, skn, svn, NG, BLOCK_N)
-                    if AHEAD:
-                        # The scale / zero loads are synchronous 2-byte loads (the pipeliner cannot make them
-                        # asynchronous copies) and the loop stalled on them (ncu: long scoreboard): issue the next
-                        # block's here, one iteration before their use, and use the ones issued last iteration.
-                        # Only the metadata is carried: the token indices and masks are recomputed from n0, since
-                        # code loads whose addresses depend on a loop-carried value are not software-pipelined by
-                        # Triton 3.6 (no asynchronous copies at all: the loop waited on its own global loads).
-                        ksp, kzp, vsp, vzp = md_a
-                        offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-                        offs_a, inb_a, valid_a = _token_block(n0 + BLOCK_N, hi, start, KMASK, b, h, smb, smh, smn,
-                                                              BLOCK_N, HAS_MASK)
+                run = 1
+                while run > 0:
+                    lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                    mt = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
+                    zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                    zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                    zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                    zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                    acc0 = tl.zeros((M_PAD, D4), tl.float32)
+                    acc1 = tl.zeros((M_PAD, D4), tl.float32)
+                    acc2 = tl.zeros((M_PAD, D4), tl.float32)
+                    acc3 = tl.zeros((M_PAD, D4), tl.float32)
+                    off_phi = off - phi
+                    if AHEAD:  # metadata of the first block, loaded before the loop (see META_AHEAD below)
+                        offs_a, inb_a, valid_a = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                         md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_a, inb_a, valid_a, NG, PAIR)
-                    else:
-                        offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-                        if PAIR:  # NG = 2, bf16: one 4-byte load per token and tensor for both groups
-                            ksp, kzp, vsp, vzp = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_n, inb, valid, NG, 1)
+                    for n0 in range(lo, hi, BLOCK_N):
+                        if PREFETCH > 0:
+                            _prefetch_block(n0 + PREFETCH * BLOCK_N, hi, kc_base, vc_base, ks_base, kz_base, vs_base,
+                                            vz_base, skn, svn, NG, BLOCK_N)
+                        if AHEAD:
+                            # The scale / zero loads are synchronous 2-byte loads (the pipeliner cannot make them
+                            # asynchronous copies) and the loop stalled on them (ncu: long scoreboard): issue the next
+                            # block's here, one iteration before their use, and use the ones issued last iteration.
+                            # Only the metadata is carried: the token indices and masks are recomputed from n0, since
+                            # code loads whose addresses depend on a loop-carried value are not software-pipelined by
+                            # Triton 3.6 (no asynchronous copies at all: the loop waited on its own global loads).
+                            ksp, kzp, vsp, vzp = md_a
+                            offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                            offs_a, inb_a, valid_a = _token_block(n0 + BLOCK_N, hi, start, KMASK, b, h, smb, smh, smn,
+                                                                  BLOCK_N, HAS_MASK)
+                            md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_a, inb_a, valid_a, NG, PAIR)
                         else:
-                            ksp = (off, off)  # unused
-                            kzp = ksp
-                            vsp = ksp
-                            vzp = ksp
-                    meta = offs_n.to(tl.int64) * NG
-                    kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
-                    # logits relative to the reference (off_phi = off - phi: one subtraction per row, not per logit)
-                    st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off_phi, PPG, BLOCK_N, M_PAD, LOWP,
-                                    PAIR or AHEAD, ksp, kzp, ASM and LOWP)
-                    st = tl.where(valid[:, None], st, float("-inf"))
-                    mt = tl.maximum(mt, st)
-                    p = tl.exp2(st)
-                    lt += p
+                            offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                            if PAIR:  # NG = 2, bf16: one 4-byte load per token and tensor for both groups
+                                ksp, kzp, vsp, vzp = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_n, inb, valid, NG, 1)
+                            else:
+                                ksp = (off, off)  # unused
+                                kzp = ksp
+                                vsp = ksp
+                                vzp = ksp
+                        meta = offs_n.to(tl.int64) * NG
+                        kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
+                        # logits relative to the reference (off_phi = off - phi: one subtraction per row, not per logit)
+                        st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off_phi, PPG, BLOCK_N, M_PAD, LOWP,
+                                        PAIR or AHEAD, ksp, kzp, ASM and LOWP)
+                        st = tl.where(valid[:, None], st, float("-inf"))
+                        mt = tl.maximum(mt, st)
+                        p = tl.exp2(st)
+                        lt += p
+                        vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
+                        acc0, zt0 = _df_v_plane(p, vb, 0, vs_base, vz_base, meta, valid, acc0, zt0, D4, G, PPG, LOWP,
+                                                PAIR or AHEAD, vsp, vzp, ASM and LOWP)
+                        acc1, zt1 = _df_v_plane(p, vb, 1, vs_base, vz_base, meta, valid, acc1, zt1, D4, G, PPG, LOWP,
+                                                PAIR or AHEAD, vsp, vzp, ASM and LOWP)
+                        acc2, zt2 = _df_v_plane(p, vb, 2, vs_base, vz_base, meta, valid, acc2, zt2, D4, G, PPG, LOWP,
+                                                PAIR or AHEAD, vsp, vzp, ASM and LOWP)
+                        acc3, zt3 = _df_v_plane(p, vb, 3, vs_base, vz_base, meta, valid, acc3, zt3, D4, G, PPG, LOWP,
+                                                PAIR or AHEAD, vsp, vzp, ASM and LOWP)
+                    m_i = tl.max(mt, 0) + phi  # (-inf stays -inf)
+                    over = tl.where(m_i == float("-inf"), 0.0, m_i - phi)
+                    run = 0
+                    if tl.max(tl.where(mrow, tl.abs(over), 0.0), 0) > DF_LIM:
+                        phi = tl.where(m_i == float("-inf"), phi, m_i)
+                        run = 1
+                # rescale from phi to the true max (rows without valid tokens: l = 0, m = -inf)
+                m_safe = tl.where(m_i == float("-inf"), phi, m_i)
+                alpha = tl.exp2(phi - m_safe)
+                l_i = tl.sum(lt, 0) * alpha
+                zs = (tl.sum(zt0, 0), tl.sum(zt1, 0), tl.sum(zt2, 0), tl.sum(zt3, 0))
+                acc0 = (acc0 * 0.5 + zs[0][:, None]) * alpha[:, None]  # / KP of _v_code_operand: 2, 8, 32, 32
+                acc1 = (acc1 * 0.125 + zs[1 - 1 % PPG][:, None]) * alpha[:, None]
+                acc2 = (acc2 * 0.03125 + zs[2 - 2 % PPG][:, None]) * alpha[:, None]
+                acc3 = (acc3 * 0.03125 + zs[3 - 3 % PPG][:, None]) * alpha[:, None]
+            elif LOOP == 1:
+                # Factored form (each plane inside one group): codes go to the tensor cores as exact
+                # bf16 v = 1 + code/4, scale/zero are applied to the [M_PAD, BLOCK_N] results, see
+                # _k_plane / _v_plane. Per code: a shift and an and-or (K and V alike).
+                qs0 = tl.sum(q0.to(tl.float32), 1)
+                qs1 = tl.sum(q1.to(tl.float32), 1)
+                qs2 = tl.sum(q2.to(tl.float32), 1)
+                qs3 = tl.sum(q3.to(tl.float32), 1)
+                for n0 in range(lo, hi, BLOCK_N):
+                    offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                    # K bytes loaded transposed, [D4, BLOCK_N]: the tensor cores' B operand as is.
+                    kbT = tl.load(kc_base + offs_n[None, :].to(tl.int64) * skn + offs_j[:, None], mask=inb[None, :], other=0)
+                    ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, inb, NG)
+                    s = _k_plane(q0, qs0, kbT, 0, ks_t, kz_t, D4, G, NG, LOWP)
+                    s += _k_plane(q1, qs1, kbT, 1, ks_t, kz_t, D4, G, NG, LOWP)
+                    s += _k_plane(q2, qs2, kbT, 2, ks_t, kz_t, D4, G, NG, LOWP)
+                    s += _k_plane(q3, qs3, kbT, 3, ks_t, kz_t, D4, G, NG, LOWP)
+                    p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i)
                     vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
-                    acc0, zt0 = _df_v_plane(p, vb, 0, vs_base, vz_base, meta, valid, acc0, zt0, D4, G, PPG, LOWP,
-                                            PAIR or AHEAD, vsp, vzp, ASM and LOWP)
-                    acc1, zt1 = _df_v_plane(p, vb, 1, vs_base, vz_base, meta, valid, acc1, zt1, D4, G, PPG, LOWP,
-                                            PAIR or AHEAD, vsp, vzp, ASM and LOWP)
-                    acc2, zt2 = _df_v_plane(p, vb, 2, vs_base, vz_base, meta, valid, acc2, zt2, D4, G, PPG, LOWP,
-                                            PAIR or AHEAD, vsp, vzp, ASM and LOWP)
-                    acc3, zt3 = _df_v_plane(p, vb, 3, vs_base, vz_base, meta, valid, acc3, zt3, D4, G, PPG, LOWP,
-                                            PAIR or AHEAD, vsp, vzp, ASM and LOWP)
-                m_i = tl.max(mt, 0) + phi  # (-inf stays -inf)
-                over = tl.where(m_i == float("-inf"), 0.0, m_i - phi)
-                run = 0
-                if tl.max(tl.where(mrow, tl.abs(over), 0.0), 0) > DF_LIM:
-                    phi = tl.where(m_i == float("-inf"), phi, m_i)
-                    run = 1
-            # rescale from phi to the true max (rows without valid tokens: l = 0, m = -inf)
-            m_safe = tl.where(m_i == float("-inf"), phi, m_i)
-            alpha = tl.exp2(phi - m_safe)
-            l_i = tl.sum(lt, 0) * alpha
-            zs = (tl.sum(zt0, 0), tl.sum(zt1, 0), tl.sum(zt2, 0), tl.sum(zt3, 0))
-            acc0 = (acc0 * 0.5 + zs[0][:, None]) * alpha[:, None]  # / KP of _v_code_operand: 2, 8, 32, 32
-            acc1 = (acc1 * 0.125 + zs[1 - 1 % PPG][:, None]) * alpha[:, None]
-            acc2 = (acc2 * 0.03125 + zs[2 - 2 % PPG][:, None]) * alpha[:, None]
-            acc3 = (acc3 * 0.03125 + zs[3 - 3 % PPG][:, None]) * alpha[:, None]
-        elif LOOP == 1:
-            # Factored form (each plane inside one group): codes go to the tensor cores as exact
-            # bf16 v = 1 + code/4, scale/zero are applied to the [M_PAD, BLOCK_N] results, see
-            # _k_plane / _v_plane. Per code: a shift and an and-or (K and V alike).
-            qs0 = tl.sum(q0.to(tl.float32), 1)
-            qs1 = tl.sum(q1.to(tl.float32), 1)
-            qs2 = tl.sum(q2.to(tl.float32), 1)
-            qs3 = tl.sum(q3.to(tl.float32), 1)
-            for n0 in range(lo, hi, BLOCK_N):
-                offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-                # K bytes loaded transposed, [D4, BLOCK_N]: the tensor cores' B operand as is.
-                kbT = tl.load(kc_base + offs_n[None, :].to(tl.int64) * skn + offs_j[:, None], mask=inb[None, :], other=0)
-                ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, inb, NG)
-                s = _k_plane(q0, qs0, kbT, 0, ks_t, kz_t, D4, G, NG, LOWP)
-                s += _k_plane(q1, qs1, kbT, 1, ks_t, kz_t, D4, G, NG, LOWP)
-                s += _k_plane(q2, qs2, kbT, 2, ks_t, kz_t, D4, G, NG, LOWP)
-                s += _k_plane(q3, qs3, kbT, 3, ks_t, kz_t, D4, G, NG, LOWP)
-                p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i)
-                vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
-                vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, valid, NG)
-                acc0, zacc0 = _v_plane(p, alpha, vb, 0, vs_t, vz_t, acc0, zacc0, D4, G, NG, LOWP)
-                acc1, zacc1 = _v_plane(p, alpha, vb, 1, vs_t, vz_t, acc1, zacc1, D4, G, NG, LOWP)
-                acc2, zacc2 = _v_plane(p, alpha, vb, 2, vs_t, vz_t, acc2, zacc2, D4, G, NG, LOWP)
-                acc3, zacc3 = _v_plane(p, alpha, vb, 3, vs_t, vz_t, acc3, zacc3, D4, G, NG, LOWP)
-            acc0 += zacc0[:, None]
-            acc1 += zacc1[:, None]
-            acc2 += zacc2[:, None]
-            acc3 += zacc3[:, None]
-        else:
-            for n0 in range(lo, hi, BLOCK_N):
-                offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-                # K: unpack + dequantize 4 planes, logits = sum_p q_p k_p^T (one accumulator).
-                kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
-                ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, inb, NG)
-                s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)))
-                s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
-                s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
-                s = tl.dot(q3, tl.trans(_int2_plane(kb, 3, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
-                p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i)
-                p = _op(p, LOWP)
-                # V: only valid tokens are read, invalid ones dequantize to exactly 0.
-                vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
-                vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, valid, NG)
-                acc0 = tl.dot(p, _int2_plane(vb, 0, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc0 * alpha[:, None])
-                acc1 = tl.dot(p, _int2_plane(vb, 1, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc1 * alpha[:, None])
-                acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc2 * alpha[:, None])
-                acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc3 * alpha[:, None])
+                    vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, valid, NG)
+                    acc0, zacc0 = _v_plane(p, alpha, vb, 0, vs_t, vz_t, acc0, zacc0, D4, G, NG, LOWP)
+                    acc1, zacc1 = _v_plane(p, alpha, vb, 1, vs_t, vz_t, acc1, zacc1, D4, G, NG, LOWP)
+                    acc2, zacc2 = _v_plane(p, alpha, vb, 2, vs_t, vz_t, acc2, zacc2, D4, G, NG, LOWP)
+                    acc3, zacc3 = _v_plane(p, alpha, vb, 3, vs_t, vz_t, acc3, zacc3, D4, G, NG, LOWP)
+                acc0 += zacc0[:, None]
+                acc1 += zacc1[:, None]
+                acc2 += zacc2[:, None]
+                acc3 += zacc3[:, None]
+            else:
+                for n0 in range(lo, hi, BLOCK_N):
+                    offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                    # K: unpack + dequantize 4 planes, logits = sum_p q_p k_p^T (one accumulator).
+                    kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
+                    ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, inb, NG)
+                    s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)))
+                    s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
+                    s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
+                    s = tl.dot(q3, tl.trans(_int2_plane(kb, 3, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
+                    p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i)
+                    p = _op(p, LOWP)
+                    # V: only valid tokens are read, invalid ones dequantize to exactly 0.
+                    vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
+                    vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, valid, NG)
+                    acc0 = tl.dot(p, _int2_plane(vb, 0, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc0 * alpha[:, None])
+                    acc1 = tl.dot(p, _int2_plane(vb, 1, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc1 * alpha[:, None])
+                    acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc2 * alpha[:, None])
+                    acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc3 * alpha[:, None])
 
-        a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
-        tl.store(a_ptr + 0 * D4, acc0, mask=mrow[:, None])
-        tl.store(a_ptr + 1 * D4, acc1, mask=mrow[:, None])
-        tl.store(a_ptr + 2 * D4, acc2, mask=mrow[:, None])
-        tl.store(a_ptr + 3 * D4, acc3, mask=mrow[:, None])
-        tl.store(PM + part + offs_m, m_i, mask=mrow)
-        tl.store(PL + part + offs_m, l_i, mask=mrow)
-    else:
-        if HAS_WIN:
-            # ---------------- full-precision window split (unrotated q, k, v) ----------------
-            qw = tl.load(QW + b.to(tl.int64) * sqwb + h * sqwh + offs_m[:, None] * sqwm + offs_d[None, :],
-                         mask=mrow[:, None], other=0.0).to(tl.float32)
-            qw = _op(qw * qk_scale, LOWP)
-            acc = tl.zeros((M_PAD, D), tl.float32)
-            w0 = (pid_s - S) * win_split
-            w1 = tl.minimum(w0 + win_split, W)
-            # Not software-pipelined (num_stages=1) and small tiles: keeps the shared memory of this
-            # branch below the history branch's, so occupancy is set by the history programs.
-            for n0 in tl.range(w0, w1, BLOCK_W, num_stages=1):
-                offs_n = n0 + tl.arange(0, BLOCK_W)
-                valid = offs_n < w1
-                if HAS_WMASK:
-                    wm = tl.load(WMASK + b.to(tl.int64) * swb + h * swh + offs_n * swn, mask=valid, other=0)
-                    valid = valid & (wm != 0)
-                kw = tl.load(KW + b.to(tl.int64) * skwb + h * skwh + offs_n[:, None] * skwn + offs_d[None, :],
-                             mask=valid[:, None], other=0.0)
-                s = tl.dot(qw, tl.trans(_op(kw, LOWP)))
-                p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
-                vw = tl.load(VW + b.to(tl.int64) * svwb + h * svwh + offs_n[:, None] * svwn + offs_d[None, :],
-                             mask=valid[:, None], other=0.0)
-                acc = tl.dot(_op(p, LOWP), _op(vw, LOWP), acc * alpha[:, None])
-            tl.store(PACC + (part + offs_m[:, None]) * D + offs_d[None, :], acc, mask=mrow[:, None])
+            a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
+            tl.store(a_ptr + 0 * D4, acc0, mask=mrow[:, None])
+            tl.store(a_ptr + 1 * D4, acc1, mask=mrow[:, None])
+            tl.store(a_ptr + 2 * D4, acc2, mask=mrow[:, None])
+            tl.store(a_ptr + 3 * D4, acc3, mask=mrow[:, None])
             tl.store(PM + part + offs_m, m_i, mask=mrow)
             tl.store(PL + part + offs_m, l_i, mask=mrow)
+        else:
+            if HAS_WIN:
+                _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, h, part, (pid_s - S) * win_split, W, win_split,
+                              qk_scale, sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+                              M, D, M_PAD, HAS_WMASK, LOWP, PDL, WIN_STAGES)
 
 
 @triton.jit
 def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
+    PDL: tl.constexpr = 0,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
 
@@ -822,6 +862,8 @@ def _combine_kernel(
     base = bh.to(tl.int64) * S_TOT * M + mm  # partial (bh, s, mm) lives at base + s * M
     if FINAL and C_BLOCK == D:
         r_all = tl.load(RV + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # issued before the partials
+    if PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
+        gdc_wait()
     # history splits: online log-sum-exp (log2 units), blocks of S_BLOCK splits
     m_h = tl.max(tl.full((S_BLOCK,), float("-inf"), tl.float32), 0)
     l_h = tl.sum(tl.zeros((S_BLOCK,), tl.float32), 0)
@@ -1058,7 +1100,11 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     if fused:
         q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype = window
         w = 0 if k_win is None else k_win.shape[-2]
-        s_win = triton.cdiv(w, cfg["win_split"])
+        win_split = cfg["win_split"]
+        gws = cfg.get("gluon_win_split")
+        if glu is not None and gws and bh * triton.cdiv(w, gws) <= 4 * _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()):
+            win_split = gws
+        s_win = triton.cdiv(w, win_split)
         if w:
             q_win = q_win if q_win.stride(-1) == 1 else q_win.contiguous()
             k_win = k_win if k_win.stride(-1) == 1 else k_win.contiguous()
@@ -1067,9 +1113,15 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
         mu_v = None if mu_v is None else mu_v.to(device=dev, dtype=torch.float32).contiguous()
     else:
-        w, s_win, wmask = 0, 0, None
+        w, s_win, wmask, win_split = 0, 0, None, cfg["win_split"]
         q_win = k_win = v_win = r_v = mu_v = None
     s_tot = s_hist + s_win
+    # programmatic dependent launch (sm_90+) when the history runs on the Gluon kernel: each launch of the call may
+    # start before the one before it completes -- the Gluon kernel's setup under the query rotation, the window
+    # programs (which read nothing the history writes) in the history kernel's tail, the combine's R_V load -- and
+    # waits (griddepcontrol.wait) before it reads what that one writes
+    pdl = bool(glu is not None and s_hist and cfg.get("pdl") and torch.cuda.get_device_capability(dev)[0] >= 9)
+    pdl_kw = {"launch_pdl": True} if pdl else {}
 
     pm = torch.empty(bh, max(s_tot, 1), m, device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
@@ -1087,14 +1139,14 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                 glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len,
                                    float(scaling) * LOG2E, prefetch=int(cfg.get("gluon_prefetch", 1)),
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
-                                   l2pf=int(cfg.get("gluon_l2pf", 0)))
+                                   l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)), pdl=pdl)
             pid_off = s_hist
         if s_tot > pid_off:
             _split_kernel[(bh, s_tot - pid_off)](
                 q_rot, *k, *v, start, kmask, qk_offset, n_valid,
                 q_win, k_win, v_win, wmask,
                 pm, pl, pacc,
-                n, m, hk, s_hist, s_tot, split_len, w, cfg["win_split"], float(scaling) * LOG2E, pid_off,
+                n, m, hk, s_hist, s_tot, split_len, w, win_split, float(scaling) * LOG2E, pid_off,
                 *q_rot.stride()[:3],
                 *k.codes.stride()[:3], *k.scale.stride()[:2],
                 *v.codes.stride()[:3], *v.scale.stride()[:2],
@@ -1115,6 +1167,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                 # (checked without spills by tests/kernels/test_compile_sm90.py)
                 num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],
                 num_stages=2 if d > 128 else cfg["num_stages"],
+                PDL=int(pdl), WIN_STAGES=int(cfg.get("gluon_win_stages", 1)) if pid_off else 1, WIN_ONLY=int(pid_off > 0),
+                **pdl_kw,
                 **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
             )
     s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1), cfg.get("merge_block", 64))
@@ -1123,7 +1177,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         _combine_kernel[(bh * m,)](
             pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
             D=d, S_BLOCK=s_block, C_BLOCK=d if d <= 128 else 32, FINAL=True, HAS_MUV=mu_v is not None,
-            num_warps=8 if d >= 128 else 4,
+            PDL=int(pdl), num_warps=8 if d >= 128 else 4, **pdl_kw,
         )
         return out
     om = torch.empty(b, hk, m, device=dev, dtype=torch.float32)
@@ -1131,7 +1185,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     oacc = torch.empty(b, hk, m, d, device=dev, dtype=torch.float32)
     _combine_kernel[(bh * m,)](
         pm, pl, pacc, om, ol, oacc, None, None, m, hk, s_tot, s_tot,
-        D=d, S_BLOCK=s_block, C_BLOCK=min(d, 32), FINAL=False, HAS_MUV=False, num_warps=4,
+        D=d, S_BLOCK=s_block, C_BLOCK=min(d, 32), FINAL=False, HAS_MUV=False, PDL=int(pdl), num_warps=4, **pdl_kw,
     )
     return om, ol, oacc
 

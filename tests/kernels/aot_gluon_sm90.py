@@ -2,7 +2,8 @@
 
 Run as a script with ``TRITON_INTERPRET`` unset (``test_compile_sm90.py`` does): compiles ``_hist_kernel`` with the
 signature ``launch_history`` passes at the benchmark shape (``D = 128``, ``G = 64``, code rows of 32 bytes, bf16
-metadata) for both token-set layouts (``TB = 2``: <= 4 query rows, ``TB = 1``: 5-8) under the default CONFIG, and
+metadata) for both token-set layouts (``TB = 2``: <= 4 query rows, ``TB = 1``: 5-8) and both ways of removing the value codes'
+offset (``GSUM``) under the default CONFIG otherwise, and
 prints one JSON line each: registers, spilled bytes, shared memory, and the opcode counts of the hot loop (the
 innermost loop that holds the tensor-core ops).
 """
@@ -45,10 +46,10 @@ def main():
                 QKOFF="*fp32")
     ints = "N M Hk S S_TOT split_len".split()
     strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
-    for tb in (2, 1):
+    for tb, gsum in ((2, 0), (1, 0), (2, 1), (1, 1)):
         consts = {"NPTR": None, "SKN": 32, "SVN": 32, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "PREFETCH": int(CONFIG["gluon_prefetch"]), "SPLITK": int(CONFIG["gluon_splitk"]),
-                  "L2PF": int(CONFIG["gluon_l2pf"])}
+                  "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "PDL": 1}
         sig = {}
         for name in dg._hist_kernel.arg_names:
             if name in consts:
@@ -71,7 +72,7 @@ def main():
         regs, spill, sass = cubin_report(c.asm["cubin"], sass=True)
         op = lambda s: re.sub(r"^@!?U?P\w+\s+", "", s).split()[0]  # noqa: E731
         loop = collections.Counter(op(i) for i in _hot_loop(sass))
-        print(json.dumps({"kernel": "gluon", "tb": tb, "regs": regs, "spill_bytes": spill,
+        print(json.dumps({"kernel": "gluon", "tb": tb, "gsum": gsum, "regs": regs, "spill_bytes": spill,
                           "maxnreg": opts.get("maxnreg"), "loop": dict(loop)}))
     sys.stdout.flush()
 

@@ -143,7 +143,7 @@ def main():
                            torch.randn(8, 128, generator=g0))
     qt.rotate_query_triton(torch.randn(1, 2, 1, 256, generator=g0), torch.randn(2, 256, 256, generator=g0), None)
     # what the launch sets on a GPU only (a CPU tensor's launch, recorded here, sets the interpreter's values)
-    cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3", "ASM": int(dt.CONFIG["asm_codes"])}
+    cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3", "ASM": int(dt.CONFIG["asm_codes"]), "PDL": int(dt.CONFIG["pdl"])}
     for i, (grid, args, kw) in enumerate(split.calls):
         print(json.dumps({"kernel": "split", "case": labels[i], **compile_call(split.fn, args, kw, cuda_kw)}))
     for i, loop in ((0, "deferred"), (4, "rowdot")):  # CONFIG["prefetch"] (L2 prefetch, GPU only) at the benchmark shape
@@ -151,6 +151,12 @@ def main():
         pf = dt.CONFIG["prefetch"] or 4
         print(json.dumps({"kernel": "split", "case": labels[i].replace(f"loop={loop}", f"loop={loop} prefetch={pf}"),
                           **compile_call(split.fn, args, kw, {**cuda_kw, "PREFETCH": pf})}))
+    # the window-only launch of the Gluon path (its steps software-pipelined), at the benchmark shape
+    grid, args, kw = split.calls[0]
+    print(json.dumps({"kernel": "split", "case": labels[0] + " window-only", **compile_call(
+        split.fn, args, {**{k: v for k, v in kw.items() if k != "maxnreg"}, "WIN_STAGES": dt.CONFIG["gluon_win_stages"],
+                   "WIN_ONLY": 1},
+        cuda_kw)}))  # (no register cap on the Gluon path)
     for i in (0, 3):
         grid, args, kw = comb.calls[i]
         print(json.dumps({"kernel": "combine", "case": labels[i], **compile_call(comb.fn, args, kw, cuda_kw)}))

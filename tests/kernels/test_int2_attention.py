@@ -137,8 +137,10 @@ def _loop_config(name: str) -> dict:
     """CONFIG overrides of a loop variant name: ``<loop>[-ahead][-pair][-asm]`` (metadata one block ahead; both
     groups' bf16 scale/zero as one 4-byte word; code extraction in inline PTX, GPU only)."""
     loop = name.split("-")[0]
-    if loop == "gluon":  # the Gluon history kernel (kernels/decode_gluon.py, GPU only) with the default CONFIG
-        return {"gluon": 1, "gluon_min_work": 0}
+    if loop == "gluon":  # the Gluon history kernel (kernels/decode_gluon.py, GPU only); -gsum / -negmma: its two ways of
+        # removing the value codes' offset (default: CONFIG's)
+        variant = {"-gsum": {"gluon_gsum": 1}, "-negmma": {"gluon_gsum": 0}}.get(name[len(loop):], {})
+        return {"gluon": 1, "gluon_min_work": 0, **variant}
     return {"loop": loop, "meta_ahead": "-ahead" in name, "pair_meta": "-pair" in name, "asm_codes": int("-asm" in name),
             "gluon": 0}
 
@@ -323,7 +325,9 @@ def _window_case(b, hk, m, n, w, d, g, seed, device="cpu", mu=True, wmask=True):
         (2, 1, 4, 100, 0, 128, 128, True, False),  # no window
     ],
 )
-def test_decode_attention_kernel(small_splits, b, hk, m, n, w, d, g, mu, wmask):
+@pytest.mark.parametrize("win_split", [32, 128])  # window tokens per window program (32: the Gluon path's)
+def test_decode_attention_kernel(small_splits, monkeypatch, b, hk, m, n, w, d, g, mu, wmask, win_split):
+    monkeypatch.setitem(small_splits.CONFIG, "win_split", win_split)
     args, gen = _window_case(b, hk, m, n, w, d, g, seed=n + w, mu=mu, wmask=wmask)
     args["start"] = torch.tensor([0, 17][:b])
     if n:
@@ -459,7 +463,7 @@ def test_gpu_history_partial_real_shapes(b, n):
 @pytest.mark.parametrize("loop,prefetch", [("rowdot", 0), ("deferred", 0), ("deferred", 2), ("deferred", 4),
                                            ("deferred-pair", 4), ("deferred-ahead", 4), ("deferred-ahead-pair", 4),
                                            ("deferred-ahead", 0), ("deferred-ahead-asm", 0), ("deferred-asm", 4),
-                                           ("deferred-ahead-pair-asm", 0), ("gluon", 0)])
+                                           ("deferred-ahead-pair-asm", 0), ("gluon-negmma", 0), ("gluon-gsum", 0)])
 @pytest.mark.parametrize("b,n", [(1, 131072 - 320), (8, 32768 - 320)])
 def test_gpu_decode_attention_real_shapes(b, n, loop, prefetch, monkeypatch):
     monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, **_loop_config(loop), "prefetch": prefetch})
@@ -474,15 +478,16 @@ def test_gpu_decode_attention_real_shapes(b, n, loop, prefetch, monkeypatch):
 # ------------------------------------------------------------------------- the Gluon history kernel (GPU)
 
 
-@pytest.fixture
-def gluon_calls(monkeypatch):
-    """Counts the Gluon kernel's launches (so that a test fails if the dispatch silently took the Triton kernel)."""
+@pytest.fixture(params=[0, 1], ids=["negmma", "gsum"])
+def gluon_calls(request, monkeypatch):
+    """Counts the Gluon kernel's launches (so that a test fails if the dispatch silently took the Triton kernel); each
+    test runs with both ways of removing the value codes' offset (CONFIG["gluon_gsum"])."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
     real = glu.launch_history
     monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (calls.append(a[0].shape), real(*a, **kw))[1])
-    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "gluon": 1, "gluon_min_work": 0})
+    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_gsum": request.param})
     return calls
 
 
