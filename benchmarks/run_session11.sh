@@ -9,6 +9,8 @@
 #                                        # launch without the history branch (75 registers, pipelined), programmatic
 #                                        # dependent launch of the Gluon path: all GPU kernel + StaticOscarCache tests,
 #                                        # then the per-kernel profile (pdl / gsum / window variants)
+#   bash benchmarks/run_session11.sh c   # Nsight Compute of the combine kernel (B=1/128K, B=32/32K; no PDL, so that its
+#                                        # time is its own), and the op's profile over the combine's merge block
 source benchmarks/device_env.sh
 case "$1" in
 a)
@@ -27,5 +29,23 @@ b)
   timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
       --configs '{}' '{"pdl": 0}' '{"gluon_gsum": 1}' '{"gluon_win_stages": 1}' '{"gluon_win_split": 0}' \
       --out "$OUT/profile_op_h200_session11b.json" 2>&1 | grep -E "^B=|_hist|_split|_combine|graph"
+  ;;
+esac
+ncu_comb() {
+  timeout 150 ncu --clock-control none -k regex:_combine_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+    --section LaunchStats --section MemoryWorkloadAnalysis \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" python3 "$R/scripts/profile_split_kernel.py" \
+    --batch "$2" --length "$3" --config '{"pdl": 0}' > "$1" 2>&1
+  grep -E "Duration|Registers Per|Achieved Occ|Issued Warp|No Eligible|Active Warps Per|long_scoreboard|_wait_|_barrier|_math_pipe|_mio|_short_score|_lg_throttle|Executed Instructions  |Memory Throughput|DRAM Throughput|L2 Hit|Grid Size|Block Size|Waves" \
+      "$1" | head -30
+}
+case "$1" in
+c)
+  ncu_comb "$OUT/ncu_combine_b1_session11c.txt" 1 131072
+  ncu_comb "$OUT/ncu_combine_b32_session11c.txt" 32 32768
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,32x32768 --iters 10 \
+      --configs '{"pdl": 0}' '{"pdl": 0, "merge_block": 16}' '{"pdl": 0, "merge_block": 32}' '{"pdl": 0, "merge_block": 128}' \
+      --out "$OUT/profile_op_h200_session11c.json" 2>&1 | grep -E "^B=|_combine"
   ;;
 esac

@@ -149,8 +149,10 @@ CONFIG = {
     "gluon_maxnreg": 168,  # ptxas register cap of the Gluon kernel
     "gluon_l2pf": 1,  # Gluon kernel without `gluon_prefetch`: L2 prefetch this many steps ahead (0: off)
     # the value codes' offset (256 per code) removed by one MMA against a ones tile per group and token tile, the
-    # column sums subtracted after the loop, instead of a -256 MMA after every value MMA (36 MMAs a step, not 48)
-    "gluon_gsum": 0,
+    # column sums subtracted after the loop, instead of a -256 MMA after every value MMA (36 MMAs a step, not 48;
+    # costs 40 bytes of spill at TB = 2). H200 graph time of the op: B=8/128K 308.7 -> 303.4 us, B=32/32K 339.6 ->
+    # 331.6, B=1/128K 63.7 -> 64.4 (benchmarks/results/profile_op_h200_session11b.json)
+    "gluon_gsum": 1,
     "gluon_min_work": 500_000,  # history tokens x (row, KV head) pairs of a call from which the Gluon kernel serves
     # window tokens per window program when the history runs on the Gluon kernel and there are few programs (at most 4
     # per SM): the window programs are then a launch of their own, after the history, so their latency chain is on
@@ -158,7 +160,9 @@ CONFIG = {
     # there; benchmarks/results/profile_op_h200_session11a.json)
     "gluon_win_split": 32,
     "gluon_win_stages": 2,  # software-pipeline stages of the window steps in a window-only launch
-    "pdl": 1,  # programmatic dependent launch of the Gluon path's launches (see _launch)
+    # programmatic dependent launch of the Gluon path's launches (see _launch). H200 graph time of the op: B=1/128K
+    # 66.5 -> 63.7 us, B=8/128K 311.2 -> 308.7, B=32/32K 343.3 -> 339.6 (profile_op_h200_session11b.json)
+    "pdl": 1,
 }
 
 

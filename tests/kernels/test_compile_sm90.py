@@ -63,11 +63,10 @@ def test_gluon_history_kernel_compiles_for_sm90_in_registers():
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = {(r["tb"], r["gsum"]): r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
     assert set(rows) == {(1, 0), (2, 0), (1, 1), (2, 1)}, rows
-    from oscar_hf.kernels.decode_triton import CONFIG
-
     for (tb, gsum), r in rows.items():
-        if gsum == CONFIG["gluon_gsum"]:  # the variant that serves (the other: a measured alternative)
-            assert r["spill_bytes"] == 0, r
+        # in registers: none spilled, but the group sums' two accumulators at TB = 2 (40 bytes: their 8 registers
+        # over the cap of 12 programs per SM, measured faster than the -256 MMAs without spills)
+        assert r["spill_bytes"] <= (64 if (gsum and tb == 2) else 0), r
         assert r["regs"] <= (r["maxnreg"] or 255), r
         loop = r["loop"]
         assert not any(op.startswith(("LDS", "STS", "BAR", "LDSM")) for op in loop), loop
