@@ -11,6 +11,11 @@
 #                                        # then the per-kernel profile (pdl / gsum / window variants)
 #   bash benchmarks/run_session11.sh c   # Nsight Compute of the combine kernel (B=1/128K, B=32/32K; no PDL, so that its
 #                                        # time is its own), and the op's profile over the combine's merge block
+#   bash benchmarks/run_session11.sh d   # the combine's merge block / warps / un-rotation chunk: per-kernel profile
+#   bash benchmarks/run_session11.sh e   # the final tree (gsum, PDL, window-only launch, merge block 128, 4-warp combine
+#                                        # when many rows): all GPU kernel + StaticOscarCache tests, decode rows
+#                                        # B=1,8,32 x 8K,32K,128K against BF16 SDPA, per-kernel profile
+#   bash benchmarks/run_session11.sh f   # end to end: generate at B=8 / 32K (session 9's command)
 source benchmarks/device_env.sh
 case "$1" in
 a)
@@ -47,5 +52,32 @@ c)
   timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,32x32768 --iters 10 \
       --configs '{"pdl": 0}' '{"pdl": 0, "merge_block": 16}' '{"pdl": 0, "merge_block": 32}' '{"pdl": 0, "merge_block": 128}' \
       --out "$OUT/profile_op_h200_session11c.json" 2>&1 | grep -E "^B=|_combine"
+  ;;
+esac
+case "$1" in
+d)
+  timeout 400 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' '{"merge_block": 128}' '{"merge_block": 128, "merge_warps": 16}' \
+      '{"merge_block": 256, "merge_warps": 16}' '{"merge_warps": 4, "merge_cblock": 32}' \
+      '{"merge_block": 128, "merge_warps": 4, "merge_cblock": 32}' '{"merge_block": 32, "merge_warps": 4, "merge_cblock": 32}' \
+      '{"merge_block": 128, "merge_warps": 8, "merge_cblock": 32}' \
+      --out "$OUT/profile_op_h200_session11d.json" 2>&1 | grep -E "^B=|_combine"
+  ;;
+esac
+case "$1" in
+e)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" \
+      --rootdir "$R" 2>&1 | tee "$OUT/tests_session11e.log" | tail -3
+  timeout 250 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_h200_session11e.json" 2>&1 | tee "$OUT/bench_kernels_session11e.log" | tail -12
+  timeout 100 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' --out "$OUT/profile_op_h200_session11e.json" 2>&1 | grep -E "^B=|_kernel"
+  ;;
+esac
+case "$1" in
+f)
+  timeout 500 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 \
+      --methods bf16 oscar-static bf16-static --out "$OUT/generate_h200_b8_t32768_session11.json" 2>&1 \
+      | tee "$OUT/bench_generate_session11.log" | grep -v "it/s" | tail -15
   ;;
 esac

@@ -121,7 +121,12 @@ CONFIG = {
     # block's work (ncu: the loop stalled on them, "long scoreboard"). H200, split kernel (session 8,
     # benchmarks/results/profile_op_h200_session8c.json): B=8/128K 939 -> 886 us, B=32/32K 711 -> 671, B=1/128K 103 -> 100
     "meta_ahead": True,
-    "merge_block": 64,  # combine kernel: split partials merged per step (a power of two; more splits: online rescaling)
+    # combine kernel: split partials merged per step (a power of two; more splits: online rescaling). 128: B=1/128K with
+    # the Gluon history (208 partials per row) in two rounds instead of four, combine 12.5 -> 9.1 us (H200,
+    # benchmarks/results/profile_op_h200_session11d.json)
+    "merge_block": 128,
+    "merge_warps": None,  # combine kernel (decode op): warps per program (None: automatic, see _launch)
+    "merge_cblock": None,  # combine kernel (decode op): output channels per un-rotation step (None: automatic)
     # smallest query-row tile (power of two). 8 halves the deferred loop's registers (238 -> 128, 4 programs per SM
     # instead of 2) but was 1.5x SLOWER on the H200 at B=8/128K (benchmarks/results/kernels_h200_mpad.json)
     "m_pad_min": 16,
@@ -1177,11 +1182,17 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             )
     s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1), cfg.get("merge_block", 64))
     if fused:
+        # combine programs (one per query row): few -> 8 warps, the whole R_V[h] loaded with the partials; many (at
+        # least 4 per SM) -> 4 warps, R_V in 32-row chunks, so that more programs fit an SM (H200, B=32/32K: 31 -> 18
+        # us, the op 330 -> 317 us; B=1 and B=8 slower or even that way: profile_op_h200_session11d.json)
+        many = dev.type == "cuda" and bh * m >= 4 * _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+        merge_warps = cfg.get("merge_warps") or (4 if many or d < 128 else 8)
+        c_block = min(d, cfg.get("merge_cblock") or (32 if many or d > 128 else d))
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
         _combine_kernel[(bh * m,)](
             pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
-            D=d, S_BLOCK=s_block, C_BLOCK=d if d <= 128 else 32, FINAL=True, HAS_MUV=mu_v is not None,
-            PDL=int(pdl), num_warps=8 if d >= 128 else 4, **pdl_kw,
+            D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl),
+            num_warps=merge_warps, **pdl_kw,
         )
         return out
     om = torch.empty(b, hk, m, device=dev, dtype=torch.float32)
