@@ -16,6 +16,9 @@
 #                                        # when many rows): all GPU kernel + StaticOscarCache tests, decode rows
 #                                        # B=1,8,32 x 8K,32K,128K against BF16 SDPA, per-kernel profile
 #   bash benchmarks/run_session11.sh f   # end to end: generate at B=8 / 32K (session 9's command)
+#   bash benchmarks/run_session11.sh g   # run f's StaticOscarCache step was slower than session 10's (29.7 vs 28.0 ms):
+#                                        # generate B=8 / 32K, oscar-static under this tree's CONFIG, without PDL, and
+#                                        # under session 10's choices, one process each
 source benchmarks/device_env.sh
 case "$1" in
 a)
@@ -79,5 +82,16 @@ f)
   timeout 500 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 \
       --methods bf16 oscar-static bf16-static --out "$OUT/generate_h200_b8_t32768_session11.json" 2>&1 \
       | tee "$OUT/bench_generate_session11.log" | grep -v "it/s" | tail -15
+  ;;
+esac
+case "$1" in
+g)
+  S10='{"pdl": 0, "gluon_gsum": 0, "merge_block": 64, "gluon_win_split": 0, "gluon_win_stages": 1}'
+  i=0
+  for c in '{}' '{"pdl": 0}' "$S10"; do
+    i=$((i+1))
+    timeout 180 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 --methods oscar-static \
+        --config "$c" --out "$OUT/generate_h200_b8_t32768_session11g$i.json" 2>&1 | grep '"method"' | cut -c1-200
+  done
   ;;
 esac

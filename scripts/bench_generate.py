@@ -227,6 +227,9 @@ def main(argv=None):
     p.add_argument("--capacity-only", action="store_true", help="skip the sweep; capacity from --bytes-per-token")
     p.add_argument("--bytes-per-token", nargs=2, type=float, metavar=("BF16", "OSCAR"), default=None,
                    help="KV bytes per token (all layers) measured by an earlier sweep, for --capacity-only")
+    p.add_argument("--config", default="{}",
+                   help="kernel CONFIG overrides (JSON, oscar_hf.kernels.decode_triton.CONFIG) for this process (one "
+                        "per process: a compiled decode step's CUDA graph keeps the launches it recorded)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -235,6 +238,10 @@ def main(argv=None):
     results = []
     free_gib = None
     combos = [] if args.capacity_only else [(b, t, m) for t in args.contexts for b in args.batches for m in args.methods]
+    if json.loads(args.config):
+        from oscar_hf.kernels import decode_triton as dt
+
+        dt.CONFIG.update(json.loads(args.config))
     for b, t, m in tqdm(combos, desc="bench"):
         try:
             r = run_one(model, m, b, t, args.new_tokens, args.device, fill=args.synthetic_fill)
