@@ -165,9 +165,11 @@ CONFIG = {
     # there; benchmarks/results/profile_op_h200_session11a.json)
     "gluon_win_split": 32,
     "gluon_win_stages": 2,  # software-pipeline stages of the window steps in a window-only launch
-    # programmatic dependent launch of the Gluon path's launches (see _launch). H200 graph time of the op: B=1/128K
-    # 66.5 -> 63.7 us, B=8/128K 311.2 -> 308.7, B=32/32K 343.3 -> 339.6 (profile_op_h200_session11b.json)
-    "pdl": 1,
+    # programmatic dependent launch of the Gluon path's launches (see _launch). Off: it took the op alone from 66.5 to
+    # 63.7 us at B=1/128K and 311.2 to 308.7 at B=8/128K (H200, graph time, profile_op_h200_session11b.json), but made
+    # the compiled StaticOscarCache decode step of a Qwen3-8B-shaped model at B=8 / 32K slower, 28.7 -> 30.1 ms per
+    # token (generate_h200_b8_t32768_session11g*.json)
+    "pdl": 0,
 }
 
 

@@ -143,7 +143,7 @@ def main():
                            torch.randn(8, 128, generator=g0))
     qt.rotate_query_triton(torch.randn(1, 2, 1, 256, generator=g0), torch.randn(2, 256, 256, generator=g0), None)
     # what the launch sets on a GPU only (a CPU tensor's launch, recorded here, sets the interpreter's values)
-    cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3", "ASM": int(dt.CONFIG["asm_codes"]), "PDL": int(dt.CONFIG["pdl"])}
+    cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3", "ASM": int(dt.CONFIG["asm_codes"]), "PDL": 1}  # (PDL: the griddepcontrol path)
     for i, (grid, args, kw) in enumerate(split.calls):
         print(json.dumps({"kernel": "split", "case": labels[i], **compile_call(split.fn, args, kw, cuda_kw)}))
     for i, loop in ((0, "deferred"), (4, "rowdot")):  # CONFIG["prefetch"] (L2 prefetch, GPU only) at the benchmark shape

@@ -478,16 +478,18 @@ def test_gpu_decode_attention_real_shapes(b, n, loop, prefetch, monkeypatch):
 # ------------------------------------------------------------------------- the Gluon history kernel (GPU)
 
 
-@pytest.fixture(params=[0, 1], ids=["negmma", "gsum"])
+@pytest.fixture(params=[(0, 0), (1, 0), (1, 1)], ids=["negmma", "gsum", "gsum-pdl"])
 def gluon_calls(request, monkeypatch):
     """Counts the Gluon kernel's launches (so that a test fails if the dispatch silently took the Triton kernel); each
-    test runs with both ways of removing the value codes' offset (CONFIG["gluon_gsum"])."""
+    test runs with both ways of removing the value codes' offset (CONFIG["gluon_gsum"]), and with programmatic
+    dependent launch of the Gluon path's launches (CONFIG["pdl"])."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
     real = glu.launch_history
     monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (calls.append(a[0].shape), real(*a, **kw))[1])
-    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_gsum": request.param})
+    gsum, pdl = request.param
+    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_gsum": gsum, "pdl": pdl})
     return calls
 
 
