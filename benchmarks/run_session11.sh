@@ -20,8 +20,9 @@
 #                                        # generate B=8 / 32K, oscar-static under this tree's CONFIG, without PDL, and
 #                                        # under session 10's choices, one process each
 #   bash benchmarks/run_session11.sh h   # the final tree (PDL off by default after run g): all GPU kernel +
-#                                        # StaticOscarCache tests, decode rows against BF16 SDPA, per-kernel profile,
-#                                        # generate B=8 / 32K (bf16, oscar-static, bf16-static)
+#                                        # StaticOscarCache tests, decode rows against BF16 SDPA, per-kernel profile
+#   bash benchmarks/run_session11.sh i   # the final tree end to end: generate B=8 / 32K (bf16, oscar-static,
+#                                        # bf16-static)
 source benchmarks/device_env.sh
 case "$1" in
 a)
@@ -100,13 +101,17 @@ g)
 esac
 case "$1" in
 h)
-  timeout 220 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" \
       --rootdir "$R" 2>&1 | tee "$OUT/tests_session11h.log" | tail -3
   timeout 120 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
       --out "$OUT/kernels_h200_session11h.json" 2>&1 | tee "$OUT/bench_kernels_session11h.log" | tail -11
   timeout 60 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
       --configs '{}' --out "$OUT/profile_op_h200_session11h.json" 2>&1 | grep -E "^B=|_kernel"
-  timeout 230 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 \
+  ;;
+esac
+case "$1" in
+i)
+  timeout 400 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 \
       --methods bf16 oscar-static bf16-static --out "$OUT/generate_h200_b8_t32768_session11h.json" 2>&1 \
       | grep '"method"' | cut -c1-160
   ;;
