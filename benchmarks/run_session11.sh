@@ -23,6 +23,8 @@
 #                                        # StaticOscarCache tests, decode rows against BF16 SDPA, per-kernel profile
 #   bash benchmarks/run_session11.sh i   # the final tree end to end: generate B=8 / 32K (bf16, oscar-static,
 #                                        # bf16-static)
+#   bash benchmarks/run_session11.sh j   # after the review (the Gluon kernel's loop state from one helper; same SASS hot
+#                                        # loop and registers): the Gluon GPU tests
 source benchmarks/device_env.sh
 case "$1" in
 a)
@@ -114,5 +116,11 @@ i)
   timeout 400 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 \
       --methods bf16 oscar-static bf16-static --out "$OUT/generate_h200_b8_t32768_session11h.json" 2>&1 \
       | grep '"method"' | cut -c1-160
+  ;;
+esac
+case "$1" in
+j)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" -k gluon \
+      --rootdir "$R" 2>&1 | tee "$OUT/tests_session11j.log" | tail -3
   ;;
 esac

@@ -24,9 +24,10 @@ the kernel state its layouts, so here every operand is built in the registers th
   undone by the final store.
 * **``Wᵀ`` by ``movmatrix``**: the logit tile's accumulator registers, transposed per 8x8 block by one
   ``movmatrix.trans`` each, are exactly the B operand of the value MMA (:func:`_w_operand`).
-* **Value offset cancelled in the MMA chain**: codes enter as exact bf16 ``256 + KP code``; one more MMA against
-  a constant ``-256`` tile after each value MMA removes ``256 sum W`` from the accumulator while it is one
-  block's worth (no per-code subtraction, no long-range cancellation in float32).
+* **Value offset removed by the tensor cores**: codes enter as exact bf16 ``256 + KP code``. By default
+  (``GSUM``) one MMA per group and token tile against a tile of ones accumulates ``sum W`` of the group, and
+  ``256 sum W`` is subtracted once after the loop (36 MMAs per 32 tokens); the alternative, one MMA against a
+  constant ``-256`` tile after each value MMA, cancels it while it is one block's worth (48 MMAs).
 * The deferred softmax of the Triton kernel: one fixed reference per column (the max of the split's first
   block), elementwise ``l``, ``max``, ``sum p z`` tiles reduced after the loop, a rerun against the true max if a
   column strays more than ``DF_LIM``.
@@ -36,7 +37,8 @@ value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``), logits ``[16, 
 columns ``2c, 2c + 1``), value accumulators 4 x ``[32, 8]`` float32 (one per plane).
 
 GPU only: Gluon has no interpreter mode. ``tests/kernels/test_compile_sm90.py`` compiles it on any machine
-(with a check that no shared memory is used and nothing spills); the GPU tests compare it with the reference.
+(with a check that no shared memory is used, and that nothing spills but the group sums' 40 bytes at TB = 2); the
+GPU tests compare it with the reference.
 """
 from __future__ import annotations
 
@@ -229,6 +231,15 @@ def _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off
 
 
 @gluon.jit
+def _fresh_state():
+    """The split's running tiles at the start of a pass: ``l``, ``max``, ``sum p z`` per group (``[16, 8]``), the four
+    plane accumulators (``[32, 8]``) and the group sums of ``W`` (``[16, 8]``, GSUM)."""
+    z16 = gl.zeros([16, 8], gl.float32, layout=MMA)
+    z32 = gl.zeros([32, 8], gl.float32, layout=MMA)
+    return z16, gl.full([16, 8], float("-inf"), gl.float32, layout=MMA), z16, z16, z32, z32, z32, z32, z16, z16
+
+
+@gluon.jit
 def _step(xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
           lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB: gl.constexpr, MH: gl.constexpr,
           MASKED: gl.constexpr, SPLITK: gl.constexpr, GSUM: gl.constexpr):
@@ -330,7 +341,7 @@ def _hist_kernel(
         off = gl.load(QKOFF + b.to(gl.int64) * sob + h * soh + ch * som, mask=cvalid, other=0.0) * qk_scale
     else:
         off = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
-    # B-operand mask of the block-diagonal value MMA (TB = 2) and the constant -256 tile
+    # B-operand mask of the block-diagonal value MMA (TB = 2) and the constant A tile of the offset (ones / -256)
     kk = gl.arange(0, 16 * TB, layout=gl.SliceLayout(1, B_OP))
     kn = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
     kdiag = (kk // 16)[:, None] == (kn // MH)[None, :]
@@ -365,29 +376,12 @@ def _hist_kernel(
     phi = gl.where(phi == float("-inf"), 0.0, phi)
     phi = gl.where(cvalid, phi, 0.0)
 
-    lt = gl.zeros([16, 8], gl.float32, layout=MMA)
-    mt = gl.full([16, 8], float("-inf"), gl.float32, layout=MMA)
-    zt0 = gl.zeros([16, 8], gl.float32, layout=MMA)
-    zt1 = gl.zeros([16, 8], gl.float32, layout=MMA)
-    acc0 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    acc1 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    acc2 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    sw0 = gl.zeros([16, 8], gl.float32, layout=MMA)
-    sw1 = gl.zeros([16, 8], gl.float32, layout=MMA)
+    # (defined before the loop: loop-carried values of the rerun loop below)
+    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _fresh_state()
     m_c = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     run = 1
     while run > 0:
-        lt = gl.zeros([16, 8], gl.float32, layout=MMA)
-        mt = gl.full([16, 8], float("-inf"), gl.float32, layout=MMA)
-        zt0 = gl.zeros([16, 8], gl.float32, layout=MMA)
-        zt1 = gl.zeros([16, 8], gl.float32, layout=MMA)
-        acc0 = gl.zeros([32, 8], gl.float32, layout=MMA)
-        acc1 = gl.zeros([32, 8], gl.float32, layout=MMA)
-        acc2 = gl.zeros([32, 8], gl.float32, layout=MMA)
-        acc3 = gl.zeros([32, 8], gl.float32, layout=MMA)
-        sw0 = gl.zeros([16, 8], gl.float32, layout=MMA)
-        sw1 = gl.zeros([16, 8], gl.float32, layout=MMA)
+        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _fresh_state()
         offc = off - phi
         if PREFETCH:
             # software pipeline by hand: the loads of step i + 1 are issued before the work of step i (a step is

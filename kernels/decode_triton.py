@@ -942,6 +942,13 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_sms(device: torch.device) -> int:
+    """SMs of a CUDA device (its index, or the current one); 4 elsewhere (the interpreter's stand-in)."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def resident_programs(cfg) -> int:
     """Split-kernel programs one SM holds at once (see CONFIG["resident_programs"])."""
     if cfg.get("resident_programs"):
@@ -965,7 +972,7 @@ def num_splits(n: int, bh: int, device: torch.device, cfg=None, static: bool = F
     cfg = cfg or CONFIG
     if static:
         cfg = {**cfg, "maxnreg": None}
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 4
+    sms = _device_sms(device)
     bh = max(bh, 1)
     s_max = max(1, min(triton.cdiv(n, cfg["min_split"]), triton.cdiv(n, cfg["block_n"])))
     if cfg.get("programs_per_sm"):
@@ -1113,7 +1120,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         w = 0 if k_win is None else k_win.shape[-2]
         win_split = cfg["win_split"]
         gws = cfg.get("gluon_win_split")
-        if glu is not None and gws and bh * triton.cdiv(w, gws) <= 4 * _num_sms(dev.index if dev.index is not None else torch.cuda.current_device()):
+        if glu is not None and gws and bh * triton.cdiv(w, gws) <= 4 * _device_sms(dev):
             win_split = gws
         s_win = triton.cdiv(w, win_split)
         if w:
@@ -1187,7 +1194,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         # combine programs (one per query row): few -> 8 warps, the whole R_V[h] loaded with the partials; many (at
         # least 4 per SM) -> 4 warps, R_V in 32-row chunks, so that more programs fit an SM (H200, B=32/32K: 31 -> 18
         # us, the op 330 -> 317 us; B=1 and B=8 slower or even that way: profile_op_h200_session11d.json)
-        many = dev.type == "cuda" and bh * m >= 4 * _num_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+        many = dev.type == "cuda" and bh * m >= 4 * _device_sms(dev)
         merge_warps = cfg.get("merge_warps") or (4 if many or d < 128 else 8)
         c_block = min(d, cfg.get("merge_cblock") or (32 if many or d > 128 else d))
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
