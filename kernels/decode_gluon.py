@@ -83,6 +83,34 @@ _PF_ASM = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global
 LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 # movmatrix.trans on each 8x8 block of a 16-bit accumulator-layout tile (see _w_operand)
 _MOVM_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
+# Loads from one address per lane (lane 4r + c; the rest are immediates, so that a step computes one address per
+# tensor, not one per register). Rows are 32 bytes (D = 128 codes at 2 bits), metadata words 4 bytes. Index
+# [2 (TB - 1) + MASKED]: MASKED loads row offset o only where lo <= o < hi for the lane's bounds (lo, hi) -- given
+# relative to its first row -- and return 0 elsewhere.
+
+
+def _lane_loads(vec, offs, strides):
+    """PTX (plain, masked) of ``vec * len(offs)`` outputs loaded ``vec`` at a time from ``[ptr + offs[i] * stride]``;
+    the operands after the outputs: pointer, then (masked) the lane's bounds lo, hi."""
+    n_out = vec * len(offs)
+    p, lo, hi = f"${n_out}", f"${n_out + 1}", f"${n_out + 2}"
+    plain, masked = [], ["{ .reg .pred p, q;"]
+    for i, o in enumerate(offs):
+        regs = ", ".join(f"${vec * i + j}" for j in range(vec))
+        ld = f"ld.global.v{vec}.b32 {{{regs}}}" if vec > 1 else f"ld.global.b32 {regs}"
+        plain.append(f"{ld}, [{p}+{o * strides}];")
+        masked += [f"mov.b32 ${vec * i + j}, 0;" for j in range(vec)]
+        masked.append(f"setp.gt.s32 p, {hi}, {o}; setp.le.s32 q, {lo}, {o}; and.pred p, p, q; @p {ld}, [{p}+{o * strides}];")
+    return " ".join(plain), " ".join(masked + ["}"])
+
+
+# keys: words 2c, 2c + 1 of rows r + 8i, i < 2 TB (address: row r, byte 8c)
+_KLD_ASM = gl.constexpr(sum((_lane_loads(2, [8 * i for i in range(2 * tb)], 32) for tb in (1, 2)), ()))
+# values: word r of tokens 2c + 8i + j, i < 2 TB, j < 2, output 2i + j (address: token 2c, byte 4r)
+_VLD_ASM = gl.constexpr(sum((_lane_loads(1, [8 * i + j for i in range(2 * tb) for j in range(2)], 32)
+                              for tb in (1, 2)), ()))
+# metadata of logit rows r and r + 8 (address: the word of row r's token)
+_MLD_ASM = gl.constexpr(_lane_loads(1, [0, 8], 4))
 
 
 @gluon.jit
@@ -138,7 +166,9 @@ def _w_operand(w, kdiag, TB: gl.constexpr):
         y = gl.permute(y, [2, 0, 1])
         y = gl.reshape(y, [16 * TB, 8])
         y = gl.convert_layout(y, B_OP, assert_trivial=True)
-        return gl.where(kdiag, y, gl.zeros_like(y))
+        # kdiag: int16 -1 / 0; one `and` per register (two bf16), not a select per element and a repack
+        return gl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [y, kdiag], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
 
 
 @gluon.jit
@@ -156,6 +186,69 @@ def _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi,
         ln == 2 * NL + 1, kz_base + n0, gl.where(ln == 2 * NL + 2, vs_base + n0, vz_base + n0)))))
     ok = (ln < 2 * NL + 4) & (n0 < hi)
     gl.inline_asm_elementwise(_PF_ASM, "=r,l,r", [ptr, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _rc(x):
+    """A per-lane value ``[32]`` (lane ``4r + c``) as ``[8 r, 4 c]``."""
+    return gl.reshape(x, [8, 4])
+
+
+@gluon.jit
+def _lane_asm(KIND: gl.constexpr, TB: gl.constexpr, ptr, lo, hi, MASKED: gl.constexpr):
+    """Loads from one address per lane (``KIND`` 0: key rows, 1: value tokens, 2: metadata words)."""
+    if KIND == 0:
+        asm: gl.constexpr = _KLD_ASM[2 * TB - 2 + MASKED]
+        n: gl.constexpr = 4 * TB
+    elif KIND == 1:
+        asm: gl.constexpr = _VLD_ASM[2 * TB - 2 + MASKED]
+        n: gl.constexpr = 4 * TB
+    else:
+        asm: gl.constexpr = _MLD_ASM[MASKED]
+        n: gl.constexpr = 2
+    if MASKED:
+        return gl.inline_asm_elementwise(asm, "=r," * n + "l,r,r", [ptr, lo, hi], dtype=(gl.int32,) * n,
+                                         is_pure=False, pack=1)
+    else:
+        return gl.inline_asm_elementwise(asm, "=r," * n + "l", [ptr], dtype=(gl.int32,) * n, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, lo, hi, lr, lc, mr, TB: gl.constexpr, MASKED: gl.constexpr):
+    """The loads of the step at ``n0`` from per-lane addresses (``[32]`` each, at token 0; lane ``4r + c`` reads key
+    row ``r``, value token ``2c``, metadata of logit row ``r`` (token ``mr``)): the tiles of :func:`_loads`, in its
+    layouts. ``MASKED``: only tokens in ``[lo, hi)`` are read (keys and their metadata: ``< hi``), else 0."""
+    big = -(1 << 30)
+    k = _lane_asm(0, TB, kl + n0 * 8, big - lr, hi - n0 - lr, MASKED)
+    v = _lane_asm(1, TB, vl + n0 * 8, big - lr, hi - n0 - 2 * lc, MASKED)
+    ks = _meta_tile(_lane_asm(2, TB, ksl + n0, big - mr, hi - n0 - mr, MASKED))
+    kz = _meta_tile(_lane_asm(2, TB, kzl + n0, big - mr, hi - n0 - mr, MASKED))
+    vs = _meta_tile(_lane_asm(2, TB, vsl + n0, lo - n0 - mr, hi - n0 - mr, MASKED))
+    vz = _meta_tile(_lane_asm(2, TB, vzl + n0, lo - n0 - mr, hi - n0 - mr, MASKED))
+    if TB == 2:
+        k = gl.join(gl.join(gl.join(_rc(k[0]), _rc(k[1])), gl.join(_rc(k[2]), _rc(k[3]))),
+                    gl.join(gl.join(_rc(k[4]), _rc(k[5])), gl.join(_rc(k[6]), _rc(k[7]))))  # r, c, j, i0, i1
+        k = gl.permute(k, [4, 3, 0, 1, 2])  # i1, i0, r, c, j
+        v = gl.join(gl.join(gl.join(_rc(v[0]), _rc(v[1])), gl.join(_rc(v[2]), _rc(v[3]))),
+                    gl.join(gl.join(_rc(v[4]), _rc(v[5])), gl.join(_rc(v[6]), _rc(v[7]))))  # r, c, j, i0, i1
+        v = gl.permute(v, [4, 3, 1, 2, 0])  # i1, i0, c, j, r
+    else:
+        k = gl.join(gl.join(_rc(k[0]), _rc(k[1])), gl.join(_rc(k[2]), _rc(k[3])))  # r, c, j, i0
+        k = gl.permute(k, [3, 0, 1, 2])
+        v = gl.join(gl.join(_rc(v[0]), _rc(v[1])), gl.join(_rc(v[2]), _rc(v[3])))  # r, c, j, i0
+        v = gl.permute(v, [3, 1, 2, 0])
+    xk = gl.convert_layout(gl.reshape(k, [16 * TB, 8]), KLOAD, assert_trivial=True)
+    xv = gl.convert_layout(gl.reshape(v, [16 * TB, 8]), VLOAD, assert_trivial=True)
+    return xk, xv, ks, kz, vs, vz
+
+
+@gluon.jit
+def _meta_tile(w):
+    """Metadata words of logit rows ``r``, ``r + 8`` (two ``[32]``) as the logit tile ``[16, 8]`` (both columns of a
+    lane: the same token)."""
+    x = gl.join(_rc(w[0]), _rc(w[1]))  # r, c, a
+    x = gl.permute(gl.join(x, x), [2, 0, 1, 3])  # a, r, c, j
+    return gl.convert_layout(gl.reshape(x, [16, 8]), MMA, assert_trivial=True)
 
 
 @gluon.jit
@@ -243,11 +336,18 @@ def _fresh_state():
 def _step(xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
           lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB: gl.constexpr, MH: gl.constexpr,
           MASKED: gl.constexpr, SPLITK: gl.constexpr, GSUM: gl.constexpr):
-    """One step of ``16 TB`` tokens from its loaded words: logits, deferred softmax tiles, value MMAs. ``GSUM``:
-    ``neg`` is a tile of ones and ``sw_g`` accumulate ``sum W`` of each group (every row the same), subtracted
-    ``256 x`` once after the loop; otherwise ``neg`` is the ``-256`` tile, one MMA after each value MMA."""
-    T: gl.constexpr = 16 * TB
+    """One step of ``16 TB`` tokens from its loaded words: logits, then :func:`_accumulate`."""
     lg = _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, MASKED, SPLITK)
+    return _accumulate(lg, xv, vs, vz, kdiag, neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
+
+
+@gluon.jit
+def _accumulate(lg, xv, vs, vz, kdiag, neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB: gl.constexpr,
+                GSUM: gl.constexpr):
+    """A step's logits ``lg [16, 8]`` (minus the reference) into the deferred softmax tiles and the value MMAs.
+    ``GSUM``: ``neg`` is a tile of ones and ``sw_g`` accumulate ``sum W`` of each group (every row the same),
+    subtracted ``256 x`` once after the loop; otherwise ``neg`` is the ``-256`` tile, one MMA after each value MMA."""
+    T: gl.constexpr = 16 * TB
     vs0, vs1 = _f32_pair(vs)
     vz0, vz1 = _f32_pair(vz)
     mt = gl.maximum(mt, lg)
@@ -298,7 +398,7 @@ def _hist_kernel(
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     SKN: gl.constexpr, SVN: gl.constexpr,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
-    PREFETCH: gl.constexpr = 0, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
+    PEEL: gl.constexpr = 1, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
     PDL: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
@@ -344,7 +444,7 @@ def _hist_kernel(
     # B-operand mask of the block-diagonal value MMA (TB = 2) and the constant A tile of the offset (ones / -256)
     kk = gl.arange(0, 16 * TB, layout=gl.SliceLayout(1, B_OP))
     kn = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
-    kdiag = (kk // 16)[:, None] == (kn // MH)[None, :]
+    kdiag = gl.where((kk // 16)[:, None] == (kn // MH)[None, :], -1, 0).to(gl.int16)
     if GSUM:
         neg = gl.full([16, T], 1.0, gl.bfloat16, layout=A_OP)
     else:
@@ -368,47 +468,58 @@ def _hist_kernel(
     vz_base = (VZ + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
     SVN4: gl.constexpr = SVN // 4
 
+    if PEEL:  # per-lane addresses at token 0 (_loads_lanes)
+        ln = gl.arange(0, 32, layout=LANES)
+        lr = ln // 4
+        lc = ln % 4
+        kl = kc_base + (lr * 8 + 2 * lc)
+        vl = vc_base + (2 * lc * 8 + lr)
+        mr = lr
+        if TB == 2:  # columns 4..7 (lanes with c >= 2) are the second token set
+            mr = lr + 16 * (lc // 2)
+        ksl = ks_base + mr
+        kzl = kz_base + mr
+        vsl = vs_base + mr
+        vzl = vz_base + mr
+        xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
+        if L2PF > 0:  # the first full step's lines, while this one is read
+            _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo + T, hi, SKN, SVN4, T)
+    else:
+        xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo, hi, start,
+                                        SKN, SVN4, TB, MH, True)
     # reference phi per column: the max of the first step's valid logits (0 where there is none)
-    xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo, hi, start,
-                                    SKN, SVN4, TB, MH, True)
     lg = _logits(xk, ks, kz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off, TB, MH, True, SPLITK)
     phi = gl.max(lg, 0)
     phi = gl.where(phi == float("-inf"), 0.0, phi)
     phi = gl.where(cvalid, phi, 0.0)
 
-    # (defined before the loop: loop-carried values of the rerun loop below)
     lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _fresh_state()
     m_c = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    if PEEL:
+        # the first step (which may hold padding) is the reference step, its logits known; then the full steps
+        # [f0, f1) in a loop without masks, and a last step [f1, hi) if any (full steps: all tokens >= start,
+        # since lo + T > start)
+        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _accumulate(
+            lg - phi[None, :], xv, vs, vz, kdiag, neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
+        f0 = lo + T
+        f1 = f0 + gl.maximum(hi - f0, 0) // T * T
     run = 1
     while run > 0:
-        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _fresh_state()
         offc = off - phi
-        if PREFETCH:
-            # software pipeline by hand: the loads of step i + 1 are issued before the work of step i (a step is
-            # full -- unmasked -- when all its tokens are valid; the first and last may not be)
-            if (lo >= start) & (lo + T <= hi):
-                xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo, hi, start,
-                                                SKN, SVN4, TB, MH, False)
-            else:
-                xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo, hi, start,
-                                                SKN, SVN4, TB, MH, True)
-            for n0 in range(lo, hi, T):
-                nn = n0 + T
-                if (nn >= start) & (nn + T <= hi):
-                    nk, nv, nks, nkz, nvs, nvz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, nn, hi,
-                                                        start, SKN, SVN4, TB, MH, False)
-                else:
-                    nk, nv, nks, nkz, nvs, nvz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, nn, hi,
-                                                        start, SKN, SVN4, TB, MH, True)
-                if (n0 >= start) & (n0 + T <= hi):
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                        xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM)
-                else:
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                        xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
-                xk, xv, ks, kz, vs, vz = nk, nv, nks, nkz, nvs, nvz
+        if PEEL:
+            for n0 in range(f0, f1, T):
+                if L2PF > 0:
+                    _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0 + L2PF * T, hi, SKN, SVN4, T)
+                xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, start, hi, lr, lc, mr, TB,
+                                                      False)
+                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
+                    xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM)
+            if f1 < hi:
+                xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, True)
+                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
+                    xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
         else:
             for n0 in range(lo, hi, T):
                 if L2PF > 0:
@@ -429,8 +540,15 @@ def _hist_kernel(
         over = gl.where(m_c == float("-inf"), 0.0, m_c - phi)
         run = 0
         if gl.max(gl.where(cvalid, gl.abs(over), 0.0), 0) > DF_LIM:
+            # a rerun against the true max (rare: a column's max strayed more than DF_LIM from the first step's)
             phi = gl.where(m_c == float("-inf"), phi, m_c)
             run = 1
+            lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _fresh_state()
+            if PEEL:  # the first step again, against the new reference
+                xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
+                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
+                    xk, xv, ks, kz, vs, vz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off - phi, kdiag,
+                    neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
 
     # ---- per column -> per query row: the TB token sets merged by log-sum-exp ----
     if TB == 1:
@@ -496,7 +614,7 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   prefetch=0, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=False):
+                   peel=1, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=False):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -507,7 +625,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
         SKN=k.codes.stride(2), SVN=v.codes.stride(2), TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
-        PREFETCH=prefetch, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), num_warps=1,
+        PEEL=peel, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

@@ -149,10 +149,10 @@ CONFIG = {
     # Gluon programs (one warp each) resident per SM, for the wave model of num_splits: under the 168-register cap
     # below, 65536 // (168 * 32) = 12
     "gluon_resident": 12,
-    "gluon_prefetch": 0,  # the next step's loads issued before each step's work (registers)
+    "gluon_peel": 1,  # full steps in a loop of their own, loads from one address per lane (else: one loop, masks)
     "gluon_splitk": 1,  # one key accumulator per plane (shorter MMA chains)
     "gluon_maxnreg": 168,  # ptxas register cap of the Gluon kernel
-    "gluon_l2pf": 1,  # Gluon kernel without `gluon_prefetch`: L2 prefetch this many steps ahead (0: off)
+    "gluon_l2pf": 1,  # Gluon kernel: L2 prefetch this many steps ahead (0: off)
     # the value codes' offset (256 per code) removed by one MMA against a ones tile per group and token tile, the
     # column sums subtracted after the loop, instead of a -256 MMA after every value MMA (36 MMAs a step, not 48;
     # costs 40 bytes of spill at TB = 2). H200 graph time of the op: B=8/128K 308.7 -> 303.4 us, B=32/32K 339.6 ->
@@ -1155,7 +1155,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         if glu is not None:  # history on the Gluon kernel; this file's kernel runs the window programs only
             if s_hist:
                 glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len,
-                                   float(scaling) * LOG2E, prefetch=int(cfg.get("gluon_prefetch", 1)),
+                                   float(scaling) * LOG2E, peel=int(cfg.get("gluon_peel", 1)),
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)), pdl=pdl)
             pid_off = s_hist
