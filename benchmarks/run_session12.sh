@@ -6,6 +6,9 @@
 #                                        # last step) and W's block diagonal by one `and` per register: Gluon GPU tests,
 #                                        # per-kernel profile against the one-loop kernel and register caps, Nsight
 #                                        # Compute of the history kernel at B=8/128K
+#   bash benchmarks/run_session12.sh b   # the peeled loop's full steps through a cp.async shared-memory pipeline
+#                                        # (gluon_stages 2 / 4): Gluon GPU tests over every loop variant, per-kernel
+#                                        # profile, Nsight Compute of the 4-stage kernel at B=8/128K
 source benchmarks/device_env.sh
 ncu_hist() {
   timeout 150 ncu --clock-control none -k regex:_hist_kernel --launch-skip 3 --launch-count 1 \
@@ -25,5 +28,15 @@ a)
       '{"gluon_maxnreg": 152, "gluon_resident": 13}' \
       --out "$OUT/profile_op_h200_session12a.json" 2>&1 | grep -E "^B=|_hist|graph"
   ncu_hist "$OUT/ncu_hist_session12a.txt" '{"pdl": 0}'
+  ;;
+esac
+case "$1" in
+b)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" \
+      -k "gluon" --rootdir "$R" 2>&1 | tee "$OUT/tests_session12b.log" | tail -6
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' '{"gluon_stages": 2}' '{"gluon_stages": 4}' \
+      --out "$OUT/profile_op_h200_session12b.json" 2>&1 | grep -E "^B=|_hist|graph"
+  ncu_hist "$OUT/ncu_hist_session12b.txt" '{"pdl": 0, "gluon_stages": 4}'
   ;;
 esac

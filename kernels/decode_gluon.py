@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 DF_LIM = gl.constexpr(64.0)  # as in decode_triton: largest excess of a column's max over its reference (log2)
 
@@ -60,6 +60,16 @@ KLOAD = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]))
 VLOAD = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
 # [8, 64] query rows of one group (column sums)
 QLOAD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))
+# cp.async pipeline (STAGES > 0): copies of 16 bytes a lane (8 for TB = 1's metadata) -- [T, 8] code words,
+# [4 TB, 16] metadata words (row j TB + tb: token set tb of key scale, key zero, value scale, value zero) -- into plain
+# row-major shared buffers; metadata read back as [16 t', TB] (TB = 2: the token sets on lane bit 1, broadcast over
+# the others) and expanded to the logit tile
+CP_CODES = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0]))
+CP_META = gl.constexpr((gl.BlockedLayout([1, 2], [4, 8], [1, 1], [1, 0]), gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])))
+SMEM3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # (the layout of one stage)
+META3 = gl.constexpr(gl.BlockedLayout([1, 1, 2], [8, 2, 2], [1, 1, 1], [2, 1, 0]))  # [16 t', 2 sets, 4 columns]
+_sync = getattr(gl, "thread_barrier", None) or gl.barrier  # (Triton 3.6 / newer)
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 # Key codes of one 32-bit word ($16, bytes 0..3 of a token row): two prmt put bytes 0, 1 (2, 3) into the low bytes of
 # the two 16-bit halves, one lop3 per plane and pair keeps the plane's bits and or-s in 0x6400 (fp16 1024):
@@ -252,6 +262,29 @@ def _meta_tile(w):
 
 
 @gluon.jit
+def _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, n0, f1):
+    """cp.async of the full step at ``n0`` (if ``n0 < f1``) into ``stage``; one commit group either way."""
+    if n0 < f1:
+        _cp_async(kbuf.index(stage), ck + n0 * 8)
+        _cp_async(vbuf.index(stage), cv + n0 * 8)
+        _cp_async(mbuf.index(stage), cm + n0)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _smem_meta(mb, j: gl.constexpr, TB: gl.constexpr):
+    """Metadata words ``j`` (0..3: key scale, key zero, value scale, value zero) of a stage as the logit tile."""
+    x = mb.slice(j * TB, TB, dim=0).permute([1, 0])  # [16 t', TB sets]
+    if TB == 2:
+        y = x.load(gl.SliceLayout(2, META3))
+        y = gl.expand_dims(y, 2) + gl.zeros([16, 2, 4], gl.int32, layout=META3)  # (a broadcast: + 0 folds)
+        return gl.convert_layout(gl.reshape(y, [16, 8]), MMA, assert_trivial=True)
+    else:
+        y = x.load(MMA)  # [16, 1]
+        return y + gl.zeros([16, 8], gl.int32, layout=MMA)
+
+
+@gluon.jit
 def _f32_pair(wd):
     """Both groups' bf16 scale (or zero) of a token, one int32 word, as float32 (group 0 in the low half)."""
     return (wd << 16).to(gl.float32, bitcast=True), (wd & -65536).to(gl.float32, bitcast=True)
@@ -398,7 +431,7 @@ def _hist_kernel(
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     SKN: gl.constexpr, SVN: gl.constexpr,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
-    PEEL: gl.constexpr = 1, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
+    PEEL: gl.constexpr = 1, STAGES: gl.constexpr = 0, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
     PDL: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
@@ -503,10 +536,49 @@ def _hist_kernel(
             lg - phi[None, :], xv, vs, vz, kdiag, neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
         f0 = lo + T
         f1 = f0 + gl.maximum(hi - f0, 0) // T * T
+    if STAGES > 0:
+        kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8], SMEM3)
+        vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8], SMEM3)
+        mbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4 * TB, 16], SMEM3)
+        cr = gl.arange(0, T, layout=gl.SliceLayout(1, CP_CODES))
+        cw = gl.arange(0, 8, layout=gl.SliceLayout(0, CP_CODES))
+        ck = kc_base + (cr[:, None] * 8 + cw[None, :])
+        cv = vc_base + (cr[:, None] * 8 + cw[None, :])
+        CPM: gl.constexpr = CP_META[TB - 1]
+        mrow = gl.arange(0, 4 * TB, layout=gl.SliceLayout(1, CPM))[:, None]
+        mj = mrow // TB
+        mt_ = (mrow % TB) * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, CPM))[None, :]
+        cm = gl.where(mj == 0, ks_base + mt_, gl.where(mj == 1, kz_base + mt_, gl.where(mj == 2, vs_base + mt_,
+                                                                                       vz_base + mt_)))
     run = 1
     while run > 0:
         offc = off - phi
-        if PEEL:
+        if STAGES > 0:
+            # full steps through shared memory: the copies of step i + STAGES - 1 are issued before step i is read
+            # (its stage was read in step i - 1: the barrier orders the two); wait_group leaves STAGES - 2 newer
+            # groups in flight, the barrier makes every lane's copies of step i visible to the others
+            for i in gl.static_range(STAGES - 1):
+                _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, f0 + i * T, f1)
+            for n0 in range(f0, f1, T):
+                it = (n0 - f0) // T
+                async_copy.wait_group(STAGES - 2)
+                _sync()
+                _issue_copies(kbuf, vbuf, mbuf, (it + STAGES - 1) % STAGES, ck, cv, cm, n0 + (STAGES - 1) * T, f1)
+                st = it % STAGES
+                xk = kbuf.index(st).load(KLOAD)
+                xv = vbuf.index(st).load(VLOAD)
+                mb = mbuf.index(st)
+                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
+                    xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB),
+                    n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM)
+            async_copy.wait_group(0)
+            if f1 < hi:
+                xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, True)
+                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
+                    xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
+        elif PEEL:
             for n0 in range(f0, f1, T):
                 if L2PF > 0:
                     _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0 + L2PF * T, hi, SKN, SVN4, T)
@@ -614,7 +686,7 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   peel=1, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=False):
+                   peel=1, stages=0, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=False):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -625,7 +697,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
         SKN=k.codes.stride(2), SVN=v.codes.stride(2), TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
-        PEEL=peel, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), num_warps=1,
+        PEEL=peel, STAGES=stages if peel else 0, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

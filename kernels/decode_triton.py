@@ -149,6 +149,7 @@ CONFIG = {
     # Gluon programs (one warp each) resident per SM, for the wave model of num_splits: under the 168-register cap
     # below, 65536 // (168 * 32) = 12
     "gluon_resident": 12,
+    "gluon_stages": 0,  # full steps through a cp.async shared-memory pipeline of this many stages (0: loads to registers)
     "gluon_peel": 1,  # full steps in a loop of their own, loads from one address per lane (else: one loop, masks)
     "gluon_splitk": 1,  # one key accumulator per plane (shorter MMA chains)
     "gluon_maxnreg": 168,  # ptxas register cap of the Gluon kernel
@@ -1156,6 +1157,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             if s_hist:
                 glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len,
                                    float(scaling) * LOG2E, peel=int(cfg.get("gluon_peel", 1)),
+                                   stages=int(cfg.get("gluon_stages", 0)),
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)), pdl=pdl)
             pid_off = s_hist

@@ -478,18 +478,29 @@ def test_gpu_decode_attention_real_shapes(b, n, loop, prefetch, monkeypatch):
 # ------------------------------------------------------------------------- the Gluon history kernel (GPU)
 
 
-@pytest.fixture(params=[(0, 0), (1, 0), (1, 1)], ids=["negmma", "gsum", "gsum-pdl"])
+_GLUON_VARIANTS = {
+    "negmma": {"gluon_gsum": 0, "pdl": 0},
+    "gsum": {"gluon_gsum": 1, "pdl": 0},
+    "gsum-pdl": {"gluon_gsum": 1, "pdl": 1},
+    "one-loop": {"gluon_gsum": 1, "pdl": 0, "gluon_peel": 0, "gluon_stages": 0},
+    "smem2": {"gluon_gsum": 1, "pdl": 0, "gluon_peel": 1, "gluon_stages": 2},
+    "smem4": {"gluon_gsum": 1, "pdl": 0, "gluon_peel": 1, "gluon_stages": 4},
+}
+
+
+@pytest.fixture(params=list(_GLUON_VARIANTS), ids=list(_GLUON_VARIANTS))
 def gluon_calls(request, monkeypatch):
     """Counts the Gluon kernel's launches (so that a test fails if the dispatch silently took the Triton kernel); each
-    test runs with both ways of removing the value codes' offset (CONFIG["gluon_gsum"]), and with programmatic
-    dependent launch of the Gluon path's launches (CONFIG["pdl"])."""
+    test runs with both ways of removing the value codes' offset (CONFIG["gluon_gsum"]), with programmatic dependent
+    launch of the Gluon path's launches (CONFIG["pdl"]), and with each way of feeding the history loop: one loop with
+    masked loads (gluon_peel 0), peeled with loads to registers (stages 0) or through shared memory (stages 2, 4)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
     real = glu.launch_history
     monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (calls.append(a[0].shape), real(*a, **kw))[1])
-    gsum, pdl = request.param
-    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_gsum": gsum, "pdl": pdl})
+    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "gluon": 1, "gluon_min_work": 0,
+                                          **_GLUON_VARIANTS[request.param]})
     return calls
 
 
