@@ -9,6 +9,10 @@
 #   bash benchmarks/run_session12.sh b   # the peeled loop's full steps through a cp.async shared-memory pipeline
 #                                        # (gluon_stages 2 / 4): Gluon GPU tests over every loop variant, per-kernel
 #                                        # profile, Nsight Compute of the 4-stage kernel at B=8/128K
+#   bash benchmarks/run_session12.sh c   # copies without predicates (past the last full step they repeat it), the 1-warp
+#                                        # loop without the one-loop variant, a skewed 4-stage loop (gluon_skew: the next
+#                                        # step's logits beside this step's values): Gluon GPU tests over every variant,
+#                                        # per-kernel profile
 source benchmarks/device_env.sh
 ncu_hist() {
   timeout 150 ncu --clock-control none -k regex:_hist_kernel --launch-skip 3 --launch-count 1 \
@@ -38,5 +42,14 @@ b)
       --configs '{}' '{"gluon_stages": 2}' '{"gluon_stages": 4}' \
       --out "$OUT/profile_op_h200_session12b.json" 2>&1 | grep -E "^B=|_hist|graph"
   ncu_hist "$OUT/ncu_hist_session12b.txt" '{"pdl": 0, "gluon_stages": 4}'
+  ;;
+esac
+case "$1" in
+c)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" \
+      -k "gluon" --rootdir "$R" 2>&1 | tee "$OUT/tests_session12c.log" | tail -6
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' '{"gluon_stages": 4}' '{"gluon_stages": 4, "gluon_skew": 1}' '{"gluon_stages": 0}' \
+      --out "$OUT/profile_op_h200_session12c.json" 2>&1 | grep -E "^B=|_hist|graph"
   ;;
 esac

@@ -262,12 +262,11 @@ def _meta_tile(w):
 
 
 @gluon.jit
-def _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, n0, f1):
-    """cp.async of the full step at ``n0`` (if ``n0 < f1``) into ``stage``; one commit group either way."""
-    if n0 < f1:
-        _cp_async(kbuf.index(stage), ck + n0 * 8)
-        _cp_async(vbuf.index(stage), cv + n0 * 8)
-        _cp_async(mbuf.index(stage), cm + n0)
+def _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, n0):
+    """cp.async of the full step at ``n0`` into ``stage``, as one commit group."""
+    _cp_async(kbuf.index(stage), ck + n0 * 8)
+    _cp_async(vbuf.index(stage), cv + n0 * 8)
+    _cp_async(mbuf.index(stage), cm + n0)
     async_copy.commit_group()
 
 
@@ -288,43 +287,6 @@ def _smem_meta(mb, j: gl.constexpr, TB: gl.constexpr):
 def _f32_pair(wd):
     """Both groups' bf16 scale (or zero) of a token, one int32 word, as float32 (group 0 in the low half)."""
     return (wd << 16).to(gl.float32, bitcast=True), (wd & -65536).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi, start,
-           SKN: gl.constexpr, SVN4: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr, MASKED: gl.constexpr):
-    """Global loads of the step at ``n0``: key bytes ``[T, 32]``, value words ``[T, 8]``, and the four metadata
-    words (both groups' scale / zero) of each logit's token ``[16, 8]``. Offsets are block-relative with
-    compile-time row strides, so that they fold into the load instructions. ``MASKED``: tokens ``>= hi`` read
-    nothing, and value metadata is read for valid tokens only (stale storage may hold NaN); a step past ``hi`` is
-    all masked (no memory traffic): the loop's prefetch of the step after the last."""
-    T: gl.constexpr = 16 * TB
-    rk = gl.arange(0, T, layout=gl.SliceLayout(1, KLOAD))
-    sk = gl.arange(0, 8, layout=gl.SliceLayout(0, KLOAD))
-    kptr = (kc_base + n0.to(gl.int64) * (SKN // 4)) + (rk[:, None] * (SKN // 4) + sk[None, :])
-    rv = gl.arange(0, T, layout=gl.SliceLayout(1, VLOAD))
-    wv = gl.arange(0, 8, layout=gl.SliceLayout(0, VLOAD))
-    vptr = (vc_base + n0.to(gl.int64) * SVN4) + (rv[:, None] * SVN4 + wv[None, :])
-    tr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    tn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    tl_ = tr[:, None] + 16 * (tn // MH)[None, :]  # token (in the step) of each logit: column n is token set n // MH
-    if MASKED:
-        xk = gl.load(kptr, mask=((n0 + rk) < hi)[:, None], other=0)
-        xv = gl.load(vptr, mask=(((n0 + rv) < hi) & ((n0 + rv) >= start))[:, None], other=0)
-        inb = (n0 + tl_) < hi
-        valid = inb & ((n0 + tl_) >= start)
-        ks = gl.load(ks_base + n0 + tl_, mask=inb, other=0)
-        kz = gl.load(kz_base + n0 + tl_, mask=inb, other=0)
-        vs = gl.load(vs_base + n0 + tl_, mask=valid, other=0)
-        vz = gl.load(vz_base + n0 + tl_, mask=valid, other=0)
-    else:
-        xk = gl.load(kptr)
-        xv = gl.load(vptr)
-        ks = gl.load(ks_base + n0 + tl_)
-        kz = gl.load(kz_base + n0 + tl_)
-        vs = gl.load(vs_base + n0 + tl_)
-        vz = gl.load(vz_base + n0 + tl_)
-    return xk, xv, ks, kz, vs, vz
 
 
 @gluon.jit
@@ -431,7 +393,7 @@ def _hist_kernel(
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     SKN: gl.constexpr, SVN: gl.constexpr,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
-    PEEL: gl.constexpr = 1, STAGES: gl.constexpr = 0, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
+    STAGES: gl.constexpr = 2, SKEW: gl.constexpr = 0, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
     PDL: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
@@ -501,25 +463,22 @@ def _hist_kernel(
     vz_base = (VZ + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
     SVN4: gl.constexpr = SVN // 4
 
-    if PEEL:  # per-lane addresses at token 0 (_loads_lanes)
-        ln = gl.arange(0, 32, layout=LANES)
-        lr = ln // 4
-        lc = ln % 4
-        kl = kc_base + (lr * 8 + 2 * lc)
-        vl = vc_base + (2 * lc * 8 + lr)
-        mr = lr
-        if TB == 2:  # columns 4..7 (lanes with c >= 2) are the second token set
-            mr = lr + 16 * (lc // 2)
-        ksl = ks_base + mr
-        kzl = kz_base + mr
-        vsl = vs_base + mr
-        vzl = vz_base + mr
-        xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
-        if L2PF > 0:  # the first full step's lines, while this one is read
-            _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo + T, hi, SKN, SVN4, T)
-    else:
-        xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo, hi, start,
-                                        SKN, SVN4, TB, MH, True)
+    # per-lane addresses at token 0 (_loads_lanes)
+    ln = gl.arange(0, 32, layout=LANES)
+    lr = ln // 4
+    lc = ln % 4
+    kl = kc_base + (lr * 8 + 2 * lc)
+    vl = vc_base + (2 * lc * 8 + lr)
+    mr = lr
+    if TB == 2:  # columns 4..7 (lanes with c >= 2) are the second token set
+        mr = lr + 16 * (lc // 2)
+    ksl = ks_base + mr
+    kzl = kz_base + mr
+    vsl = vs_base + mr
+    vzl = vz_base + mr
+    xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
+    if (L2PF > 0) & (STAGES == 0):  # the first full step's lines, while this one is read
+        _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo + T, hi, SKN, SVN4, T)
     # reference phi per column: the max of the first step's valid logits (0 where there is none)
     lg = _logits(xk, ks, kz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off, TB, MH, True, SPLITK)
     phi = gl.max(lg, 0)
@@ -528,14 +487,12 @@ def _hist_kernel(
 
     lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _fresh_state()
     m_c = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    if PEEL:
-        # the first step (which may hold padding) is the reference step, its logits known; then the full steps
-        # [f0, f1) in a loop without masks, and a last step [f1, hi) if any (full steps: all tokens >= start,
-        # since lo + T > start)
-        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _accumulate(
-            lg - phi[None, :], xv, vs, vz, kdiag, neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
-        f0 = lo + T
-        f1 = f0 + gl.maximum(hi - f0, 0) // T * T
+    # the first step (which may hold padding) is the reference step, its logits known; then the full steps [f0, f1)
+    # in a loop without masks, and a last step [f1, hi) if any (full steps: all tokens >= start, since lo + T > start)
+    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _accumulate(
+        lg - phi[None, :], xv, vs, vz, kdiag, neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
+    f0 = lo + T
+    f1 = f0 + gl.maximum(hi - f0, 0) // T * T
     if STAGES > 0:
         kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8], SMEM3)
         vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8], SMEM3)
@@ -557,14 +514,40 @@ def _hist_kernel(
             # full steps through shared memory: the copies of step i + STAGES - 1 are issued before step i is read
             # (its stage was read in step i - 1: the barrier orders the two); wait_group leaves STAGES - 2 newer
             # groups in flight, the barrier makes every lane's copies of step i visible to the others
-            for i in gl.static_range(STAGES - 1):
-                _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, f0 + i * T, f1)
-            for n0 in range(f0, f1, T):
-                it = (n0 - f0) // T
+            # (past the last full step the copies repeat it -- f1 - T -- so that every step issues the same)
+            if f1 > f0:
+                for i in gl.static_range(STAGES - 1):
+                    _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
+            if SKEW:
+                # skewed: an iteration computes the logits of step i + 1 and the values of step i (two independent
+                # chains for the scheduler); stages i, i + 1 are read while i + 3 is copied (STAGES = 4)
                 async_copy.wait_group(STAGES - 2)
                 _sync()
-                _issue_copies(kbuf, vbuf, mbuf, (it + STAGES - 1) % STAGES, ck, cv, cm, n0 + (STAGES - 1) * T, f1)
-                st = it % STAGES
+                mb = mbuf.index(0)
+                lg_n = _logits(kbuf.index(0).load(KLOAD), _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), f0, hi, start,
+                               qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, False, SPLITK)
+                for it in range(0, (f1 - f0) // T):
+                    lg = lg_n
+                    async_copy.wait_group(STAGES - 3)
+                    _sync()
+                    _issue_copies(kbuf, vbuf, mbuf, (it + STAGES - 1) & (STAGES - 1), ck, cv, cm,
+                                  gl.minimum(f0 + (it + STAGES - 1) * T, f1 - T))
+                    sn = (it + 1) & (STAGES - 1)  # (past the last step: the repeated copy, its logits unused)
+                    mn = mbuf.index(sn)
+                    lg_n = _logits(kbuf.index(sn).load(KLOAD), _smem_meta(mn, 0, TB), _smem_meta(mn, 1, TB), f0, hi,
+                                   start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, False, SPLITK)
+                    st = it & (STAGES - 1)
+                    mb = mbuf.index(st)
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _accumulate(
+                        lg, vbuf.index(st).load(VLOAD), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB), kdiag, neg,
+                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
+            for it in range(0, (f1 - f0) // T * (1 - SKEW)):
+                n0 = f0 + it * T
+                async_copy.wait_group(STAGES - 2)
+                _sync()
+                _issue_copies(kbuf, vbuf, mbuf, (it + STAGES - 1) & (STAGES - 1), ck, cv, cm,
+                              gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
+                st = it & (STAGES - 1)
                 xk = kbuf.index(st).load(KLOAD)
                 xv = vbuf.index(st).load(VLOAD)
                 mb = mbuf.index(st)
@@ -578,7 +561,7 @@ def _hist_kernel(
                 lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                     xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
                     lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
-        elif PEEL:
+        else:
             for n0 in range(f0, f1, T):
                 if L2PF > 0:
                     _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0 + L2PF * T, hi, SKN, SVN4, T)
@@ -592,22 +575,6 @@ def _hist_kernel(
                 lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                     xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
                     lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
-        else:
-            for n0 in range(lo, hi, T):
-                if L2PF > 0:
-                    _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0 + L2PF * T, hi, SKN, SVN4, T)
-                if (n0 >= start) & (n0 + T <= hi):
-                    xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi,
-                                                    start, SKN, SVN4, TB, MH, False)
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                        xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM)
-                else:
-                    xk, xv, ks, kz, vs, vz = _loads(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi,
-                                                    start, SKN, SVN4, TB, MH, True)
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                        xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
         m_c = gl.max(mt, 0) + phi  # per column, -inf stays -inf
         over = gl.where(m_c == float("-inf"), 0.0, m_c - phi)
         run = 0
@@ -616,11 +583,11 @@ def _hist_kernel(
             phi = gl.where(m_c == float("-inf"), phi, m_c)
             run = 1
             lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _fresh_state()
-            if PEEL:  # the first step again, against the new reference
-                xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
-                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                    xk, xv, ks, kz, vs, vz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off - phi, kdiag,
-                    neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
+            # the first step again, against the new reference
+            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
+            lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
+                xk, xv, ks, kz, vs, vz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off - phi, kdiag,
+                neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
 
     # ---- per column -> per query row: the TB token sets merged by log-sum-exp ----
     if TB == 1:
@@ -686,7 +653,7 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   peel=1, stages=0, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=False):
+                   stages=2, skew=0, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=False):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -697,7 +664,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
         SKN=k.codes.stride(2), SVN=v.codes.stride(2), TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
-        PEEL=peel, STAGES=stages if peel else 0, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), num_warps=1,
+        STAGES=stages, SKEW=skew, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

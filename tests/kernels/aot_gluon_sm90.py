@@ -48,7 +48,7 @@ def main():
     strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
     for tb, gsum in ((2, 0), (1, 0), (2, 1), (1, 1)):
         consts = {"NPTR": None, "SKN": 32, "SVN": 32, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
-                  "PEEL": int(CONFIG["gluon_peel"]), "SPLITK": int(CONFIG["gluon_splitk"]),
+                  "STAGES": int(CONFIG["gluon_stages"]), "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "PDL": 1}
         sig = {}
         for name in dg._hist_kernel.arg_names:
