@@ -10,7 +10,8 @@ most of it on layout work the compiler chooses: byte gathers of the value codes 
 layout, ``W = p s`` transposed through shared memory, a 16-row query tile of which GQA 4 fills 4 rows. Gluon lets
 the kernel state its layouts, so here every operand is built in the registers that hold it:
 
-* **One warp per program**, mma.sync ``m16n8k16`` (``MMA``), no shared memory, no barriers.
+* **One warp per program**, mma.sync ``m16n8k16`` (``MMA``); shared memory only as the landing buffer of the codes'
+  and metadata's cp.async copies (no layout conversion goes through it).
 * **Logits transposed**, ``Sᵀ [16 tokens, 8 columns]``: tokens are the MMA's M, query rows its N (8 wide, not 16).
   With ``M <= 4`` the 8 columns hold two token sets (``TB = 2``): column ``n = tb * MH + h`` is query row ``h``
   over tokens ``n0 + 16 tb + t'``, with a block-diagonal query operand, so no column is padding.
@@ -31,14 +32,19 @@ the kernel state its layouts, so here every operand is built in the registers th
 * The deferred softmax of the Triton kernel: one fixed reference per column (the max of the split's first
   block), elementwise ``l``, ``max``, ``sum p z`` tiles reduced after the loop, a rerun against the true max if a
   column strays more than ``DF_LIM``.
+* **A peeled loop.** The split's first step (which may hold left padding) is the reference step: its logits are
+  computed once, masked. Then the full steps, without masks, each from one address per lane plus immediates,
+  through a cp.async pipeline of ``STAGES`` shared-memory buffers (2 by default: the copies of step ``i + 1`` are in
+  flight while step ``i`` is computed; ``STAGES = 0``: loads to registers with an L2 prefetch); then the masked last
+  step, if the split does not end on a step boundary.
 
 Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets): key bytes ``[T, 32]`` (8 per row),
 value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``), logits ``[16, 8]`` float32 (rows ``r, r + 8``,
 columns ``2c, 2c + 1``), value accumulators 4 x ``[32, 8]`` float32 (one per plane).
 
 GPU only: Gluon has no interpreter mode. ``tests/kernels/test_compile_sm90.py`` compiles it on any machine
-(with a check that no shared memory is used, and that nothing spills but the group sums' 40 bytes at TB = 2); the
-GPU tests compare it with the reference.
+(with checks of the hot loop: its MMA and copy counts, no spill and no shared-memory store inside it); the GPU tests
+compare it with the reference for every loop variant.
 """
 from __future__ import annotations
 
@@ -393,7 +399,7 @@ def _hist_kernel(
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     SKN: gl.constexpr, SVN: gl.constexpr,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
-    STAGES: gl.constexpr = 2, SKEW: gl.constexpr = 0, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
+    STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
     PDL: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
@@ -518,30 +524,7 @@ def _hist_kernel(
             if f1 > f0:
                 for i in gl.static_range(STAGES - 1):
                     _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
-            if SKEW:
-                # skewed: an iteration computes the logits of step i + 1 and the values of step i (two independent
-                # chains for the scheduler); stages i, i + 1 are read while i + 3 is copied (STAGES = 4)
-                async_copy.wait_group(STAGES - 2)
-                _sync()
-                mb = mbuf.index(0)
-                lg_n = _logits(kbuf.index(0).load(KLOAD), _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), f0, hi, start,
-                               qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, False, SPLITK)
-                for it in range(0, (f1 - f0) // T):
-                    lg = lg_n
-                    async_copy.wait_group(STAGES - 3)
-                    _sync()
-                    _issue_copies(kbuf, vbuf, mbuf, (it + STAGES - 1) & (STAGES - 1), ck, cv, cm,
-                                  gl.minimum(f0 + (it + STAGES - 1) * T, f1 - T))
-                    sn = (it + 1) & (STAGES - 1)  # (past the last step: the repeated copy, its logits unused)
-                    mn = mbuf.index(sn)
-                    lg_n = _logits(kbuf.index(sn).load(KLOAD), _smem_meta(mn, 0, TB), _smem_meta(mn, 1, TB), f0, hi,
-                                   start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, False, SPLITK)
-                    st = it & (STAGES - 1)
-                    mb = mbuf.index(st)
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _accumulate(
-                        lg, vbuf.index(st).load(VLOAD), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB), kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
-            for it in range(0, (f1 - f0) // T * (1 - SKEW)):
+            for it in range(0, (f1 - f0) // T):
                 n0 = f0 + it * T
                 async_copy.wait_group(STAGES - 2)
                 _sync()
@@ -644,6 +627,7 @@ def gluon_supported(q_rot, k, v, group_size: int, key_mask, pairable: bool) -> b
     return (q_rot.is_cuda and torch.cuda.get_device_capability(q_rot.device)[0] >= 8 and d == 128
             and group_size == 64 and 1 <= m <= 8 and key_mask is None and pairable
             and k.codes.stride(-1) == 1 and v.codes.stride(-1) == 1
+            and k.codes.stride(2) == 32 and v.codes.stride(2) == 32  # one 32-byte row per token (_loads_lanes)
             and all(st % 8 == 0 for st in k.codes.stride()[:-1]) and all(st % 4 == 0 for st in v.codes.stride()[:-1])
             and k.codes.data_ptr() % 8 == 0 and v.codes.data_ptr() % 4 == 0)
 
@@ -653,7 +637,7 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, skew=0, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=False):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=False):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -664,7 +648,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
         SKN=k.codes.stride(2), SVN=v.codes.stride(2), TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
-        STAGES=stages, SKEW=skew, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), num_warps=1,
+        STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

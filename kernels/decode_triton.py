@@ -150,9 +150,9 @@ CONFIG = {
     # below, 65536 // (168 * 32) = 12
     "gluon_resident": 12,
     # the Gluon kernel's full steps through a cp.async shared-memory pipeline of 2 or 4 stages (0: loads to registers
-    # with an L2 prefetch): B=8/128K history kernel 247 -> 225 us with 2 stages, 229 with 4 (H200, session 12 run b)
+    # with an L2 prefetch): B=8/128K history kernel 247 -> 219 us with 2 stages, 219 with 4 (H200, session 12 run c;
+    # a skewed 4-stage loop, the next step's logits beside this step's values, 224 us: dropped)
     "gluon_stages": 2,
-    "gluon_skew": 0,  # 4 stages only: each iteration the logits of the next step and the values of this one
     "gluon_splitk": 1,  # one key accumulator per plane (shorter MMA chains)
     "gluon_maxnreg": 168,  # ptxas register cap of the Gluon kernel
     "gluon_l2pf": 1,  # Gluon kernel: L2 prefetch this many steps ahead (0: off)
@@ -1159,7 +1159,6 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             if s_hist:
                 glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len,
                                    float(scaling) * LOG2E, stages=int(cfg.get("gluon_stages", 2)),
-                                   skew=int(cfg.get("gluon_skew", 0)),
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)), pdl=pdl)
             pid_off = s_hist

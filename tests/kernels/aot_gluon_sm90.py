@@ -3,7 +3,8 @@
 Run as a script with ``TRITON_INTERPRET`` unset (``test_compile_sm90.py`` does): compiles ``_hist_kernel`` with the
 signature ``launch_history`` passes at the benchmark shape (``D = 128``, ``G = 64``, code rows of 32 bytes, bf16
 metadata) for both token-set layouts (``TB = 2``: <= 4 query rows, ``TB = 1``: 5-8) and both ways of removing the value codes'
-offset (``GSUM``) under the default CONFIG otherwise, and
+offset (``GSUM``), with the default pipeline (``STAGES``) and, for ``GSUM = 1``, the register-load loop
+(``STAGES = 0``), under the default CONFIG otherwise, and
 prints one JSON line each: registers, spilled bytes, shared memory, and the opcode counts of the hot loop (the
 innermost loop that holds the tensor-core ops).
 """
@@ -46,9 +47,13 @@ def main():
                 QKOFF="*fp32")
     ints = "N M Hk S S_TOT split_len".split()
     strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
-    for tb, gsum in ((2, 0), (1, 0), (2, 1), (1, 1)):
+    stages = int(CONFIG["gluon_stages"])
+    cases = [(2, 0, stages), (1, 0, stages), (2, 1, stages), (1, 1, stages)]
+    if stages:
+        cases += [(2, 1, 0), (1, 1, 0)]  # the register-load loop too
+    for tb, gsum, st in cases:
         consts = {"NPTR": None, "SKN": 32, "SVN": 32, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
-                  "STAGES": int(CONFIG["gluon_stages"]), "SPLITK": int(CONFIG["gluon_splitk"]),
+                  "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "PDL": 1}
         sig = {}
         for name in dg._hist_kernel.arg_names:
@@ -72,7 +77,7 @@ def main():
         regs, spill, sass = cubin_report(c.asm["cubin"], sass=True)
         op = lambda s: re.sub(r"^@!?U?P\w+\s+", "", s).split()[0]  # noqa: E731
         loop = collections.Counter(op(i) for i in _hot_loop(sass))
-        print(json.dumps({"kernel": "gluon", "tb": tb, "gsum": gsum, "regs": regs, "spill_bytes": spill,
+        print(json.dumps({"kernel": "gluon", "tb": tb, "gsum": gsum, "stages": st, "regs": regs, "spill_bytes": spill,
                           "maxnreg": opts.get("maxnreg"), "loop": dict(loop)}))
     sys.stdout.flush()
 

@@ -51,30 +51,42 @@ def test_kernels_compile_for_sm90_without_spills():
 @pytest.mark.skipif(not _ptxas_available(), reason="triton without its bundled ptxas/cuobjdump")
 def test_gluon_history_kernel_compiles_for_sm90_in_registers():
     """The Gluon history kernel (no interpreter exists for Gluon: this and the GPU tests are its checks on CI and on
-    the GPU): it compiles for sm_90 at both token-set layouts, keeps everything in registers under its cap, and its
-    hot loop has the structure the kernel's docstring states -- no shared memory (every operand built in the
-    registers that hold it: a layout conversion through shared memory would show as LDS/STS/BAR), mma.sync only,
-    one movmatrix per 8x8 block of W, the value codes loaded as 4-byte words and the key codes as 8-byte rows."""
+    the GPU): it compiles for sm_90 at both token-set layouts, stays under its register cap with no spill inside the
+    hot loop, and the hot loop (one full step) has the structure the kernel's docstring states -- mma.sync only, one
+    movmatrix per 8x8 block of W, the step's codes and metadata copied to shared memory by cp.async (16-byte copies),
+    and no thread writing shared memory (a layout conversion through shared memory would show as STS)."""
     pytest.importorskip("triton.experimental.gluon")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
     script = Path(__file__).with_name("aot_gluon_sm90.py")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = {(r["tb"], r["gsum"]): r for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
-    assert set(rows) == {(1, 0), (2, 0), (1, 1), (2, 1)}, rows
-    for (tb, gsum), r in rows.items():
-        # in registers: none spilled, but the group sums' two accumulators at TB = 2 (40 bytes: their 8 registers
-        # over the cap of 12 programs per SM, measured faster than the -256 MMAs without spills)
-        assert r["spill_bytes"] <= (64 if (gsum and tb == 2) else 0), r
+    from oscar_hf.kernels.decode_triton import CONFIG
+
+    rows = {(r["tb"], r["gsum"], r["stages"]): r
+            for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    default = int(CONFIG["gluon_stages"])
+    assert set(rows) == {(1, 0, default), (2, 0, default), (1, 1, default), (2, 1, default), (1, 1, 0), (2, 1, 0)}, rows
+    for (tb, gsum, stages), r in rows.items():
+        # spills only outside the loop (the setup's tiles while the query operands are built; <= 136 bytes measured,
+        # Triton 3.9): the cap of 12 programs per SM was measured faster than 13-14 programs without them
+        assert r["spill_bytes"] <= 256, r
         assert r["regs"] <= (r["maxnreg"] or 255), r
         loop = r["loop"]
-        assert not any(op.startswith(("LDS", "STS", "BAR", "LDSM")) for op in loop), loop
-        assert not any("GMMA" in op for op in loop), loop
+        assert not any(op.startswith(("LDL", "STL", "STS", "GMMA", "WGMMA")) for op in loop), loop
         # one step (16 TB tokens): key MMAs 4 planes x 2 TB k-tiles, value MMAs 4 planes x 2 m-tiles x TB k-tiles, and
         # the codes' offset: as many MMAs against the -256 tile, or (gsum) one against the ones tile per group and
-        # k-tile; once in the unmasked and once in the masked copy of the step
+        # k-tile
         hmma = sum(n for op, n in loop.items() if op.startswith("HMMA"))
-        assert hmma == 2 * (8 * tb + 8 * tb + (2 * tb if gsum else 8 * tb)), (tb, gsum, loop)
-        assert loop.get("MOVM.16.MT88", 0) == 2 * 2 * 2, loop  # two 8x8 blocks per group, two groups, two copies
-        assert loop.get("LDG.E.64", 0) >= tb * 2 * 2, loop  # key rows: one 8-byte load per row and thread
+        assert hmma == 8 * tb + 8 * tb + (2 * tb if gsum else 8 * tb), (tb, gsum, loop)
+        assert loop.get("MOVM.16.MT88", 0) == 2 * 2, loop  # two 8x8 blocks per group, two groups
+        copies = sum(n for op, n in loop.items() if op.startswith("LDGSTS"))
+        if stages:
+            # [T, 8] key words + [T, 8] value words (T = 16 TB, 16 bytes a lane: TB copies each) + the [4 TB, 16]
+            # metadata words (one copy a lane); one commit group a step; the codes read back from shared memory
+            assert copies == 2 * tb + 1 and loop.get("LDGDEPBAR", 0) == 1, loop
+            assert loop.get("LDGSTS.E.BYPASS.128", 0) == 2 * tb + (tb == 2), loop
+            assert any(op.startswith("LDS") for op in loop) and any(op.startswith("BAR") for op in loop), loop
+        else:  # key rows one 8-byte load per row and lane, no shared memory
+            assert copies == 0 and loop.get("LDG.E.64", 0) == 2 * tb, loop  # T / 8 rows a lane
+            assert not any(op.startswith(("LDS", "BAR")) for op in loop), loop

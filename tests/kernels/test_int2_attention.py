@@ -484,7 +484,6 @@ _GLUON_VARIANTS = {
     "gsum-pdl": {"gluon_gsum": 1, "pdl": 1},
     "regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0},
     "smem4": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 4},
-    "smem4-skew": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 4, "gluon_skew": 1},
 }
 
 
@@ -493,7 +492,7 @@ def gluon_calls(request, monkeypatch):
     """Counts the Gluon kernel's launches (so that a test fails if the dispatch silently took the Triton kernel); each
     test runs with both ways of removing the value codes' offset (CONFIG["gluon_gsum"]), with programmatic dependent
     launch of the Gluon path's launches (CONFIG["pdl"]), and with each way of feeding the history loop's full steps:
-    loads to registers (gluon_stages 0) or through shared memory (2 stages, the default, and 4, also skewed)."""
+    loads to registers (gluon_stages 0) or through shared memory (2 stages, the default, and 4)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
