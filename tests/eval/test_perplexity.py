@@ -93,17 +93,20 @@ def test_window_rule_matches_cache_parts():
 @pytest.mark.slow
 def test_fast_equals_token_by_token_smollm2(smollm2):
     """Real model. Float noise (~1e-6) can flip an INT2 code or a bf16 scale, and the flip propagates
-    through later quantized layers, so the full-depth check is statistical; with the first 4 layers
-    quantized (no flips there) the two paths agree per token."""
+    through later quantized layers, so the full-depth check is statistical; with one layer quantized at a time
+    (no flips reach a later quantized layer: with layers 0-3 together, identity flipped codes from token 48 on under
+    transformers 5.23) the two paths agree per token."""
     model, tok = smollm2
     ids = evaluation_ids(tok, 96)[None]
     fp = fast_nll(model, ids, 1, None, return_token_nll=True)["token_nll"]
     for name in ("identity", "hadamard"):
-        method = get_method(name, sink=4, recent=8, group_size=32, skip_layers=tuple(range(4, 30)))
-        f, c = both(model, ids, method, 1)
-        assert (f - c).abs().max() < 2e-3, (name, (f - c).abs().max())
-        assert abs(f.mean() - c.mean()) / c.mean() < 1e-4
-        assert (f - fp).abs().max() > 5e-2  # quantizing 4 layers is visible
+        for layer in range(4):
+            method = get_method(name, sink=4, recent=8, group_size=32,
+                                skip_layers=tuple(i for i in range(30) if i != layer))
+            f, c = both(model, ids, method, 1)
+            assert (f - c).abs().max() < 2e-3, (name, layer, (f - c).abs().max())
+            assert abs(f.mean() - c.mean()) / c.mean() < 1e-4
+            assert (f - fp).abs().max() > 5e-2, (name, layer)  # quantizing the layer is visible
     method = get_method("hadamard", sink=8, recent=16, group_size=32)
     f, c = both(model, ids, method, 1)
     rel = abs(f.mean() - c.mean()) / c.mean()

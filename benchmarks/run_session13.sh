@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Session-13 device runs (device nvidia-h200: torch 2.11, triton 3.6), from the repository root, one `run` call each;
+# results were copied from $OUT to benchmarks/results/ afterwards:
+#   bash benchmarks/run_session12.sh c   # (re-run this session: session 12's run c was cut off) the skewed 4-stage
+#                                        # loop against 2 and 4 stages and register loads
+#   bash benchmarks/run_session13.sh a   # the final tree: every GPU kernel + StaticOscarCache test, the kernel
+#                                        # benchmark, the per-kernel profile (default, with PDL, the 4-warp combine)
+#   bash benchmarks/run_session13.sh b   # end to end: generate on a Qwen3-8B-shaped random model, B=8, 32K prompt
+source benchmarks/device_env.sh
+case "$1" in
+a)
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" "$R/tests/test_static_cache.py" \
+      --rootdir "$R" 2>&1 | tee "$OUT/tests_session13a.log" | tail -3
+  timeout 150 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_h200_session13a.json" 2>&1 | tee "$OUT/bench_kernels_session13a.log" | tail -11
+  timeout 70 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' '{"pdl": 1}' '{"merge_warps": 4, "merge_cblock": 32}' \
+      --out "$OUT/profile_op_h200_session13a.json" 2>&1 | grep -E "^B=|_kernel"
+  ;;
+b)
+  timeout 420 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 \
+      --methods bf16 oscar-static bf16-static --out "$OUT/generate_h200_b8_t32768_session13.json" 2>&1 \
+      | grep '"method"' | cut -c1-160
+  ;;
+esac
