@@ -5,7 +5,10 @@
 #                                        # loop against 2 and 4 stages and register loads
 #   bash benchmarks/run_session13.sh a   # the final tree: every GPU kernel + StaticOscarCache test, the kernel
 #                                        # benchmark, the per-kernel profile (default, with PDL, the 4-warp combine)
-#   bash benchmarks/run_session13.sh b   # end to end: generate on a Qwen3-8B-shaped random model, B=8, 32K prompt
+#   bash benchmarks/run_session13.sh b   # the 4-warp combine from one row per SM (B=8): the GPU tests of the decode op and
+#                                        # the static cache, the kernel benchmark and per-kernel profile again
+#   bash benchmarks/run_session13.sh c   # end to end: generate on a Qwen3-8B-shaped random model, B=8, 32K prompt (the
+#                                        # static cache also with programmatic dependent launch)
 source benchmarks/device_env.sh
 case "$1" in
 a)
@@ -18,8 +21,18 @@ a)
       --out "$OUT/profile_op_h200_session13a.json" 2>&1 | grep -E "^B=|_kernel"
   ;;
 b)
-  timeout 420 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" \
+      "$R/tests/test_static_cache.py" -k "not gluon_history_partial and not reference_guard" --rootdir "$R" 2>&1 | tee "$OUT/tests_session13b.log" | tail -3
+  timeout 60 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_h200_session13b.json" 2>&1 | tee "$OUT/bench_kernels_session13b.log" | tail -11
+  timeout 30 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' --out "$OUT/profile_op_h200_session13b.json" 2>&1 | grep -E "^B=|_kernel"
+  ;;
+c)
+  timeout 250 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 \
       --methods bf16 oscar-static bf16-static --out "$OUT/generate_h200_b8_t32768_session13.json" 2>&1 \
       | grep '"method"' | cut -c1-160
+  timeout 120 python3 "$R/scripts/bench_generate.py" --contexts 32768 --batches 8 --methods oscar-static \
+      --config '{"pdl": 1}' --out "$OUT/generate_h200_b8_t32768_session13_pdl.json" 2>&1 | grep '"method"' | cut -c1-160
   ;;
 esac

@@ -1195,9 +1195,10 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1), cfg.get("merge_block", 64))
     if fused:
         # combine programs (one per query row): few -> 8 warps, the whole R_V[h] loaded with the partials; many (at
-        # least 4 per SM) -> 4 warps, R_V in 32-row chunks, so that more programs fit an SM (H200, B=32/32K: 31 -> 18
-        # us, the op 330 -> 317 us; B=1 and B=8 slower or even that way: profile_op_h200_session11d.json)
-        many = dev.type == "cuda" and bh * m >= 4 * _device_sms(dev)
+        # least one per SM) -> 4 warps, R_V in 32-row chunks, so that more programs fit an SM (H200: B=32/32K 31 -> 18
+        # us, the op 330 -> 317 us, session 11 run d; B=8/128K 13.8 -> 9.9 us, the op 245.7 -> 241.9, session 13 run a;
+        # B=1 (32 rows) 9.2 -> 9.9 us: not there)
+        many = dev.type == "cuda" and bh * m >= _device_sms(dev)
         merge_warps = cfg.get("merge_warps") or (4 if many or d < 128 else 8)
         c_block = min(d, cfg.get("merge_cblock") or (32 if many or d > 128 else d))
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
