@@ -23,7 +23,7 @@ a)
 b)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" \
       "$R/tests/test_static_cache.py" -k "not gluon_history_partial and not reference_guard" --rootdir "$R" 2>&1 | tee "$OUT/tests_session13b.log" | tail -3
-  timeout 60 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+  timeout 90 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
       --out "$OUT/kernels_h200_session13b.json" 2>&1 | tee "$OUT/bench_kernels_session13b.log" | tail -11
   timeout 30 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
       --configs '{}' --out "$OUT/profile_op_h200_session13b.json" 2>&1 | grep -E "^B=|_kernel"
