@@ -36,3 +36,13 @@ c)
       --config '{"pdl": 1}' --out "$OUT/generate_h200_b8_t32768_session13_pdl.json" 2>&1 | grep '"method"' | cut -c1-160
   ;;
 esac
+# (appended) run d: fewer, longer history splits where the batch is small (CONFIG["min_split"] binds only there) and a
+# one-round combine at B=1: per-kernel profile
+#   bash benchmarks/run_session13.sh d
+case "$1" in
+d)
+  timeout 100 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x131072 --iters 10 \
+      --configs '{}' '{"min_split": 512}' '{"min_split": 1024}' '{"min_split": 2048}' '{"merge_block": 256}' \
+      --out "$OUT/profile_op_h200_session13d.json" 2>&1 | grep -E "^B=|_kernel"
+  ;;
+esac
