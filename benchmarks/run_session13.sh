@@ -46,3 +46,12 @@ d)
       --out "$OUT/profile_op_h200_session13d.json" 2>&1 | grep -E "^B=|_kernel"
   ;;
 esac
+# (appended) run e: shorter window programs at B=8 (64 / 32 tokens instead of 128): per-kernel profile
+#   bash benchmarks/run_session13.sh e
+case "$1" in
+e)
+  timeout 100 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,8x8192,32x32768,1x131072 --iters 10 \
+      --configs '{}' '{"win_split": 64}' '{"win_split": 32}' '{"win_split": 64, "gluon_win_split": 64}' \
+      --out "$OUT/profile_op_h200_session13e.json" 2>&1 | grep -E "^B=|_kernel"
+  ;;
+esac
