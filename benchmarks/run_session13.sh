@@ -55,3 +55,14 @@ e)
       --out "$OUT/profile_op_h200_session13e.json" 2>&1 | grep -E "^B=|_kernel"
   ;;
 esac
+# (appended) run f: 32-token window programs up to 8 per SM (B=8): the GPU tests of the decode op and the static cache,
+# the kernel benchmark
+#   bash benchmarks/run_session13.sh f
+case "$1" in
+f)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" \
+      "$R/tests/test_static_cache.py" -k "not gluon_history_partial and not reference_guard" --rootdir "$R" 2>&1 | tee "$OUT/tests_session13f.log" | tail -3
+  timeout 60 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_h200_session13f.json" 2>&1 | tee "$OUT/bench_kernels_session13f.log" | tail -11
+  ;;
+esac

@@ -162,10 +162,11 @@ CONFIG = {
     # 331.6, B=1/128K 63.7 -> 64.4 (benchmarks/results/profile_op_h200_session11b.json)
     "gluon_gsum": 1,
     "gluon_min_work": 500_000,  # history tokens x (row, KV head) pairs of a call from which the Gluon kernel serves
-    # window tokens per window program when the history runs on the Gluon kernel and there are few programs (at most 4
+    # window tokens per window program when the history runs on the Gluon kernel and there are few programs (at most 8
     # per SM): the window programs are then a launch of their own, after the history, so their latency chain is on
     # the critical path (H200, B=1/128K: 9.7 -> 3.9 us; B=32/32K, 2560 programs of 32 tokens: 24.7 -> 31.7 us, so not
-    # there; benchmarks/results/profile_op_h200_session11a.json)
+    # there; benchmarks/results/profile_op_h200_session11a.json). Up to 8 per SM since session 13 (B=8, 640 programs:
+    # window kernel 9.8 -> 7.6 us, op 51.0 -> 48.8 us at 8K, 8.6 -> 6.7 us at 128K; profile_op_h200_session13e.json)
     "gluon_win_split": 32,
     "gluon_win_stages": 2,  # software-pipeline stages of the window steps in a window-only launch
     # programmatic dependent launch of the Gluon path's launches (see _launch). Off: it took the op alone from 66.5 to
@@ -1123,7 +1124,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         w = 0 if k_win is None else k_win.shape[-2]
         win_split = cfg["win_split"]
         gws = cfg.get("gluon_win_split")
-        if glu is not None and gws and bh * triton.cdiv(w, gws) <= 4 * _device_sms(dev):
+        if glu is not None and gws and bh * triton.cdiv(w, gws) <= 8 * _device_sms(dev):
             win_split = gws
         s_win = triton.cdiv(w, win_split)
         if w:
