@@ -188,16 +188,15 @@ def _w_operand(w, kdiag, TB: gl.constexpr):
 
 
 @gluon.jit
-def _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi,
-                 SKN: gl.constexpr, SVN4: gl.constexpr, T: gl.constexpr):
+def _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi, T: gl.constexpr):
     """Prefetch the step at ``n0`` into L2, one 128-byte line per lane: lanes ``0 .. T/4`` the key codes, the next
     ``T/4`` the value codes, then one lane per metadata tensor (``4 T`` bytes each). The loads of that step then
     wait for L2, not HBM (Nsight Compute: the kernel's top stall was the global loads' latency)."""
     NL: gl.constexpr = T * 32 // 128  # lines of key (value) codes
     ln = gl.arange(0, 32, layout=LANES)
     i = gl.where(ln < NL, ln, gl.where(ln < 2 * NL, ln - NL, 0))
-    kp = (kc_base + n0.to(gl.int64) * (SKN // 4)) + i * 32  # int32 pointers: 32 words a line
-    vp = (vc_base + n0.to(gl.int64) * SVN4) + i * 32
+    kp = (kc_base + n0.to(gl.int64) * 8) + i * 32  # int32 pointers: 8 words a token row, 32 a line
+    vp = (vc_base + n0.to(gl.int64) * 8) + i * 32
     ptr = gl.where(ln < NL, kp, gl.where(ln < 2 * NL, vp, gl.where(ln == 2 * NL, ks_base + n0, gl.where(
         ln == 2 * NL + 1, kz_base + n0, gl.where(ln == 2 * NL + 2, vs_base + n0, vz_base + n0)))))
     ok = (ln < 2 * NL + 4) & (n0 < hi)
@@ -397,7 +396,6 @@ def _hist_kernel(
     PM, PL, PACC,
     N, M, Hk, S, S_TOT, split_len, qk_scale,
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
-    SKN: gl.constexpr, SVN: gl.constexpr,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
     PDL: gl.constexpr = 0,
@@ -467,7 +465,6 @@ def _hist_kernel(
     kz_base = (KZ + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))
     vs_base = (VS + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
     vz_base = (VZ + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
-    SVN4: gl.constexpr = SVN // 4
 
     # per-lane addresses at token 0 (_loads_lanes)
     ln = gl.arange(0, 32, layout=LANES)
@@ -484,7 +481,7 @@ def _hist_kernel(
     vzl = vz_base + mr
     xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
     if (L2PF > 0) & (STAGES == 0):  # the first full step's lines, while this one is read
-        _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo + T, hi, SKN, SVN4, T)
+        _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo + T, hi, T)
     # reference phi per column: the max of the first step's valid logits (0 where there is none)
     lg = _logits(xk, ks, kz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off, TB, MH, True, SPLITK)
     phi = gl.max(lg, 0)
@@ -547,7 +544,7 @@ def _hist_kernel(
         else:
             for n0 in range(f0, f1, T):
                 if L2PF > 0:
-                    _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0 + L2PF * T, hi, SKN, SVN4, T)
+                    _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0 + L2PF * T, hi, T)
                 xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, start, hi, lr, lc, mr, TB,
                                                       False)
                 lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
@@ -627,7 +624,7 @@ def gluon_supported(q_rot, k, v, group_size: int, key_mask, pairable: bool) -> b
     return (q_rot.is_cuda and torch.cuda.get_device_capability(q_rot.device)[0] >= 8 and d == 128
             and group_size == 64 and 1 <= m <= 8 and key_mask is None and pairable
             and k.codes.stride(-1) == 1 and v.codes.stride(-1) == 1
-            and k.codes.stride(2) == 32 and v.codes.stride(2) == 32  # one 32-byte row per token (_loads_lanes)
+            and k.codes.stride(2) == 32 and v.codes.stride(2) == 32  # 32-byte token rows: the addressing assumes them
             and all(st % 8 == 0 for st in k.codes.stride()[:-1]) and all(st % 4 == 0 for st in v.codes.stride()[:-1])
             and k.codes.data_ptr() % 8 == 0 and v.codes.data_ptr() % 4 == 0)
 
@@ -647,7 +644,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *q_rot.stride()[:3], *k.codes.stride()[:2], *k.scale.stride()[:2],
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
-        SKN=k.codes.stride(2), SVN=v.codes.stride(2), TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
+        TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )

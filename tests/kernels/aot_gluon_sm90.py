@@ -52,7 +52,7 @@ def main():
     if stages:
         cases += [(2, 1, 0), (1, 1, 0)]  # the register-load loop too
     for tb, gsum, st in cases:
-        consts = {"NPTR": None, "SKN": 32, "SVN": 32, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
+        consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "PDL": 1}
         sig = {}
