@@ -37,6 +37,11 @@ the kernel state its layouts, so here every operand is built in the registers th
   through a cp.async pipeline of ``STAGES`` shared-memory buffers (2 by default: the copies of step ``i + 1`` are in
   flight while step ``i`` is computed; ``STAGES = 0``: loads to registers with an L2 prefetch); then the masked last
   step, if the split does not end on a step boundary.
+* **The first loads before the query** (``EARLY``, ``CONFIG["gluon_early"]``): the split's bounds, the reference
+  step's words and the first full steps' copies are issued before the query operands are built, so that their
+  memory latency overlaps the query's loads -- and, with ``PDL == 2``, the launch before this one, which computes the
+  query (programmatic dependent launch: ``griddepcontrol.wait`` comes after those loads; ``decode_triton._launch``
+  says when that is safe).
 
 Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets): key bytes ``[T, 32]`` (8 per row),
 value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``), logits ``[16, 8]`` float32 (rows ``r, r + 8``,
@@ -391,6 +396,63 @@ def _q_operand(q_ptr, sqm, M, qk_scale, P: gl.constexpr, TB: gl.constexpr, MH: g
 
 
 @gluon.jit
+def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
+                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T: gl.constexpr, TB: gl.constexpr, N_DEV: gl.constexpr):
+    """This split's tokens and addresses: the row's first valid token ``start``, the split ``[lo, hi)`` (all-padding
+    steps skipped), its full steps ``[f0, f1)`` after the reference step, the per-lane addresses at token 0 of
+    :func:`_loads_lanes` and the base pointers (int32 words) of the six history tensors."""
+    start = gl.load(START + b).to(gl.int32)
+    if N_DEV:
+        n_tot = gl.minimum(gl.load(NPTR).to(gl.int32), N)
+        slen = gl.cdiv(gl.cdiv(gl.maximum(n_tot, 1), S), T) * T
+    else:
+        n_tot = N
+        slen = split_len
+    hi = gl.minimum(pid_s * slen + slen, n_tot)
+    lo = gl.maximum(pid_s * slen, (start // T) * T)  # skip all-padding blocks
+    f0 = lo + T
+    f1 = f0 + gl.maximum(hi - f0, 0) // T * T
+    kc_base = (KC + b.to(gl.int64) * skb + h * skh).to(gl.pointer_type(gl.int32))
+    vc_base = (VC + b.to(gl.int64) * svb + h * svh).to(gl.pointer_type(gl.int32))
+    ks_base = (KS + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))
+    kz_base = (KZ + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))
+    vs_base = (VS + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
+    vz_base = (VZ + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
+    # per-lane addresses at token 0 (_loads_lanes)
+    ln = gl.arange(0, 32, layout=LANES)
+    lr = ln // 4
+    lc = ln % 4
+    kl = kc_base + (lr * 8 + 2 * lc)
+    vl = vc_base + (2 * lc * 8 + lr)
+    mr = lr
+    if TB == 2:  # columns 4..7 (lanes with c >= 2) are the second token set
+        mr = lr + 16 * (lc // 2)
+    return (start, hi, lo, f0, f1, kl, vl, ks_base + mr, kz_base + mr, vs_base + mr, vz_base + mr, lr, lc, mr,
+            kc_base, vc_base, ks_base, kz_base, vs_base, vz_base)
+
+
+@gluon.jit
+def _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T: gl.constexpr, TB: gl.constexpr,
+                STAGES: gl.constexpr):
+    """The cp.async pipeline's shared buffers (``STAGES`` stages) and its per-lane source addresses at token 0:
+    code words ``[T, 8]`` of keys and values, metadata words ``[4 TB, 16]`` (see ``CP_META``)."""
+    kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8], SMEM3)
+    vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8], SMEM3)
+    mbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4 * TB, 16], SMEM3)
+    cr = gl.arange(0, T, layout=gl.SliceLayout(1, CP_CODES))
+    cw = gl.arange(0, 8, layout=gl.SliceLayout(0, CP_CODES))
+    ck = kc_base + (cr[:, None] * 8 + cw[None, :])
+    cv = vc_base + (cr[:, None] * 8 + cw[None, :])
+    CPM: gl.constexpr = CP_META[TB - 1]
+    mrow = gl.arange(0, 4 * TB, layout=gl.SliceLayout(1, CPM))[:, None]
+    mj = mrow // TB
+    mt_ = (mrow % TB) * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, CPM))[None, :]
+    cm = gl.where(mj == 0, ks_base + mt_, gl.where(mj == 1, kz_base + mt_, gl.where(mj == 2, vs_base + mt_,
+                                                                                   vz_base + mt_)))
+    return kbuf, vbuf, mbuf, ck, cv, cm
+
+
+@gluon.jit
 def _hist_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, START, QKOFF, NPTR,
     PM, PL, PACC,
@@ -398,7 +460,7 @@ def _hist_kernel(
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
-    PDL: gl.constexpr = 0,
+    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -407,10 +469,26 @@ def _hist_kernel(
     b = pid_bh // Hk
     h = pid_bh % Hk
     part = (pid_bh.to(gl.int64) * S_TOT + pid_s) * M
-    if PDL:  # programmatic dependent launch: let the window programs launch, wait for the query rotation
+    if PDL == 1:  # programmatic dependent launch: let the window programs launch, wait for the query rotation
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    if EARLY:
+        # the split's first loads before anything that needs the query: the reference step's words into registers
+        # and the first full steps' copies, so that their memory latency overlaps the query's loads (PDL == 2: and
+        # the launch before this one, which computes the query)
+        (start, hi, lo, f0, f1, kl, vl, ksl, kzl, vsl, vzl, lr, lc, mr, kc_base, vc_base, ks_base, kz_base, vs_base,
+         vz_base) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
+                                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, N_DEV)
+        xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
+        if STAGES > 0:
+            kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB,
+                                                       STAGES)
+            if f1 > f0:
+                for i in gl.static_range(STAGES - 1):
+                    _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
+        if PDL == 2:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     # ---- query operands (once per program) ----
     q_ptr = Q + b.to(gl.int64) * sqb + h * sqh
@@ -450,36 +528,11 @@ def _hist_kernel(
         neg = gl.full([32, T], -256.0, gl.bfloat16, layout=A_OP)
 
     # ---- this split's tokens ----
-    start = gl.load(START + b).to(gl.int32)
-    if N_DEV:
-        n_tot = gl.minimum(gl.load(NPTR).to(gl.int32), N)
-        slen = gl.cdiv(gl.cdiv(gl.maximum(n_tot, 1), S), T) * T
-    else:
-        n_tot = N
-        slen = split_len
-    hi = gl.minimum(pid_s * slen + slen, n_tot)
-    lo = gl.maximum(pid_s * slen, (start // T) * T)  # skip all-padding blocks
-    kc_base = (KC + b.to(gl.int64) * skb + h * skh).to(gl.pointer_type(gl.int32))
-    vc_base = (VC + b.to(gl.int64) * svb + h * svh).to(gl.pointer_type(gl.int32))
-    ks_base = (KS + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))
-    kz_base = (KZ + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))
-    vs_base = (VS + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
-    vz_base = (VZ + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
-
-    # per-lane addresses at token 0 (_loads_lanes)
-    ln = gl.arange(0, 32, layout=LANES)
-    lr = ln // 4
-    lc = ln % 4
-    kl = kc_base + (lr * 8 + 2 * lc)
-    vl = vc_base + (2 * lc * 8 + lr)
-    mr = lr
-    if TB == 2:  # columns 4..7 (lanes with c >= 2) are the second token set
-        mr = lr + 16 * (lc // 2)
-    ksl = ks_base + mr
-    kzl = kz_base + mr
-    vsl = vs_base + mr
-    vzl = vz_base + mr
-    xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
+    if not EARLY:
+        (start, hi, lo, f0, f1, kl, vl, ksl, kzl, vsl, vzl, lr, lc, mr, kc_base, vc_base, ks_base, kz_base, vs_base,
+         vz_base) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
+                                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, N_DEV)
+        xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
     if (L2PF > 0) & (STAGES == 0):  # the first full step's lines, while this one is read
         _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo + T, hi, T)
     # reference phi per column: the max of the first step's valid logits (0 where there is none)
@@ -494,22 +547,8 @@ def _hist_kernel(
     # in a loop without masks, and a last step [f1, hi) if any (full steps: all tokens >= start, since lo + T > start)
     lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _accumulate(
         lg - phi[None, :], xv, vs, vz, kdiag, neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
-    f0 = lo + T
-    f1 = f0 + gl.maximum(hi - f0, 0) // T * T
-    if STAGES > 0:
-        kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8], SMEM3)
-        vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8], SMEM3)
-        mbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4 * TB, 16], SMEM3)
-        cr = gl.arange(0, T, layout=gl.SliceLayout(1, CP_CODES))
-        cw = gl.arange(0, 8, layout=gl.SliceLayout(0, CP_CODES))
-        ck = kc_base + (cr[:, None] * 8 + cw[None, :])
-        cv = vc_base + (cr[:, None] * 8 + cw[None, :])
-        CPM: gl.constexpr = CP_META[TB - 1]
-        mrow = gl.arange(0, 4 * TB, layout=gl.SliceLayout(1, CPM))[:, None]
-        mj = mrow // TB
-        mt_ = (mrow % TB) * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, CPM))[None, :]
-        cm = gl.where(mj == 0, ks_base + mt_, gl.where(mj == 1, kz_base + mt_, gl.where(mj == 2, vs_base + mt_,
-                                                                                       vz_base + mt_)))
+    if (STAGES > 0) & (EARLY == 0):
+        kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB, STAGES)
     run = 1
     while run > 0:
         offc = off - phi
@@ -517,10 +556,16 @@ def _hist_kernel(
             # full steps through shared memory: the copies of step i + STAGES - 1 are issued before step i is read
             # (its stage was read in step i - 1: the barrier orders the two); wait_group leaves STAGES - 2 newer
             # groups in flight, the barrier makes every lane's copies of step i visible to the others
-            # (past the last full step the copies repeat it -- f1 - T -- so that every step issues the same)
+            # (past the last full step the copies repeat it -- f1 - T -- so that every step issues the same).
+            # EARLY: the first pass's first copies were issued before the query's loads (a rerun, run == 2, issues them)
             if f1 > f0:
-                for i in gl.static_range(STAGES - 1):
-                    _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
+                if EARLY:
+                    if run == 2:
+                        for i in gl.static_range(STAGES - 1):
+                            _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
+                else:
+                    for i in gl.static_range(STAGES - 1):
+                        _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
             for it in range(0, (f1 - f0) // T):
                 n0 = f0 + it * T
                 async_copy.wait_group(STAGES - 2)
@@ -561,7 +606,7 @@ def _hist_kernel(
         if gl.max(gl.where(cvalid, gl.abs(over), 0.0), 0) > DF_LIM:
             # a rerun against the true max (rare: a column's max strayed more than DF_LIM from the first step's)
             phi = gl.where(m_c == float("-inf"), phi, m_c)
-            run = 1
+            run = 2
             lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _fresh_state()
             # the first step again, against the new reference
             xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
@@ -634,7 +679,7 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=False):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -645,7 +690,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
         TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
-        STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), num_warps=1,
+        STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl == 2), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

@@ -19,6 +19,10 @@ window programs only (``PID_OFF``), then the combine kernel:
   (so the window runs concurrently with the history instead of after it); the combine kernel merges
   history and window partials, rotates the merged history row back (``acc R_Vᵀ + l mu_V``, a per-row
   mat-vec) and normalizes.
+* :func:`decode_attention_rotating_triton` -- the same op from the *unrotated* query (what the dynamic cache's
+  attention calls since session 14): the op launches the query rotation itself, on the Gluon path in one launch with
+  the window programs (:func:`_prologue_kernel`), so that path makes three launches (rotation + window, Gluon history,
+  combine), with programmatic dependent launch between the first two (``CONFIG["pdl"]`` 2).
 
 Math of one history block (``n`` = token, ``c`` = channel, ``g(c)`` its group, ``p`` a plane):
 byte ``j`` holds the codes of channels ``j + p * D/4`` in bits ``2p..2p+1``, so one shift and mask
@@ -80,6 +84,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from oscar_hf.quant import QuantizedRows
 
+from .query_triton import C_BLOCK as ROT_C_BLOCK, _rotate_block, _rotate_query_kernel
+
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -125,6 +131,9 @@ CONFIG = {
     # the Gluon history (208 partials per row) in two rounds instead of four, combine 12.5 -> 9.1 us (H200,
     # benchmarks/results/profile_op_h200_session11d.json)
     "merge_block": 128,
+    # the same where the combine has fewer programs than SMs (8 warps each, B=1 at Hk=8: ~200 splits a row): all of a
+    # row's splits in one round (H100, B=1/128K: combine 9.9 -> 8.6 us, op 65.5 -> 64.4; profile_op_h100_session14a.json)
+    "merge_block_few": 256,
     "merge_warps": None,  # combine kernel (decode op): warps per program (None: automatic, see _launch)
     "merge_cblock": None,  # combine kernel (decode op): output channels per un-rotation step (None: automatic)
     # smallest query-row tile (power of two). 8 halves the deferred loop's registers (238 -> 128, 4 programs per SM
@@ -172,8 +181,18 @@ CONFIG = {
     # programmatic dependent launch of the Gluon path's launches (see _launch). Off: it took the op alone from 66.5 to
     # 63.7 us at B=1/128K and 311.2 to 308.7 at B=8/128K (H200, graph time, profile_op_h200_session11b.json), but made
     # the compiled StaticOscarCache decode step of a Qwen3-8B-shaped model at B=8 / 32K slower, 28.7 -> 30.1 ms per
-    # token (generate_h200_b8_t32768_session11g*.json)
-    "pdl": 0,
+    # token (generate_h200_b8_t32768_session11g*.json). 2 (the default since session 14): only between the rotation's
+    # launch (with the window programs) and the history kernel, which issues its first loads before it waits
+    # (gluon_early), and only where the op rotates the query itself (decode_attention_rotating_triton: the dynamic
+    # cache; the static cache rotates outside its op). H200, graph time: B=1/128K 53.2 -> 52.3 us, B=8/128K 237.5 ->
+    # 236.1, B=8/8K 47.9 -> 46.8 (profile_op_h200_session14b.json)
+    "pdl": 2,
+    # Gluon kernel: the split's first loads (the reference step's words, the first full steps' copies) issued before the
+    # query's (pdl 2 needs them there: before its wait)
+    "gluon_early": 1,
+    # decode_attention_rotating_triton on the Gluon path: the query rotation and the window programs in one launch
+    # (_prologue_kernel) instead of one launch each (0: the rotation kernel, then the window-only launch)
+    "fused_prologue": 1,
 }
 
 
@@ -850,6 +869,37 @@ def _split_kernel(
 
 
 @triton.jit
+def _prologue_kernel(
+    Q, RK, MU, QR, QO,  # rotation: q [B, Hk, M, D] (also the window's query), R_K, mu_K -> q_rot, q . mu_K
+    KW, VW, WMASK, PM, PL, PACC,  # window keys / values / mask -> its partials (slots S .. S_TOT - 1)
+    M, Hk, S, S_TOT, W, win_split, qk_scale,
+    sqb, sqh, sqm, smb, smh,
+    skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+    D: tl.constexpr, M_PAD: tl.constexpr, M_PAD_ROT: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
+    HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
+):
+    """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
+    what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
+    block ``j`` of the query, the rest are window programs ``j - D / C_BLOCK``). Before, each was a launch of its own,
+    before and after the history kernel."""
+    if PDL:  # the history kernel may launch now: it loads its first steps, then waits for this grid (the query)
+        gdc_launch_dependents()
+    pid_bh = tl.program_id(0)
+    j = tl.program_id(1)
+    NROT: tl.constexpr = D // C_BLOCK
+    if j < NROT:
+        _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
+                      D, M_PAD_ROT, C_BLOCK, HAS_MU)
+    else:
+        b = pid_bh // Hk
+        h = pid_bh % Hk
+        part = (pid_bh.to(tl.int64) * S_TOT + S + (j - NROT)) * M
+        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, h, part, (j - NROT) * win_split, W, win_split, qk_scale,
+                      sqb, sqh, sqm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+                      M, D, M_PAD, HAS_WMASK, LOWP, 0, WIN_STAGES)
+
+
+@triton.jit
 def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
@@ -1063,8 +1113,12 @@ def _gluon_module():
 
 
 def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window=None, cfg=None, n_valid=None,
-            splits=None):
+            splits=None, rotate=None):
     """Shared host code; ``window`` = (q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype) or None.
+    ``rotate``: None (``q_rot`` / ``qk_offset`` hold the rotated query), or ``(qf, r_k, mu_k)`` from
+    :func:`~oscar_hf.kernels.query_triton.rotation_args` (``q_rot`` / ``qk_offset`` are its empty outputs): the
+    query is rotated here, by the first launch -- on the Gluon path the same launch as the window programs
+    (:func:`_prologue_kernel`), so that the op takes three launches, not four.
     ``n_valid``: None, or a 0-d int device tensor (history entries ``< n_valid`` are valid; the grid is
     sized by the capacity and ``splits`` history programs per (row, head), so that a CUDA graph of
     this call stays valid while the cache grows)."""
@@ -1142,7 +1196,14 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     # start before the one before it completes -- the Gluon kernel's setup under the query rotation, the window
     # programs (which read nothing the history writes) in the history kernel's tail, the combine's R_V load -- and
     # waits (griddepcontrol.wait) before it reads what that one writes
-    pdl = bool(glu is not None and s_hist and cfg.get("pdl") and torch.cuda.get_device_capability(dev)[0] >= 9)
+    # pdl 2: only the rotation's launch and the history kernel, which loads its first steps before it waits; only where
+    # this call launches the rotation itself, right before the history (what the history reads before its wait must be
+    # complete before the launch it overlaps)
+    pdl_mode = int(cfg.get("pdl") or 0) if (glu is not None and s_hist and dev.type == "cuda"
+                                            and torch.cuda.get_device_capability(dev)[0] >= 9) else 0
+    if pdl_mode == 2 and rotate is None:
+        pdl_mode = 0
+    pdl = pdl_mode == 1
     pdl_kw = {"launch_pdl": True} if pdl else {}
 
     pm = torch.empty(bh, max(s_tot, 1), m, device=dev, dtype=torch.float32)
@@ -1156,15 +1217,39 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     else:
         z3 = (0, 0, 0)
         pid_off = 0
+        fused_pro = False
+        if rotate is not None:
+            qf_r, r_k_r, mu_k_r = rotate
+            c_rot = min(d, ROT_C_BLOCK)
+            rot_strides = (*qf_r.stride()[:3], *(mu_k_r.stride()[:2] if mu_k_r is not None else (0, 0)))
+            fp = cfg.get("fused_prologue", 1)  # 2: on the Triton path too (its window programs leave the history launch)
+            fused_pro = bool(s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)))
+            if fused_pro:  # rotation + window programs in one launch (the window's query is qf_r: see the caller)
+                _prologue_kernel[(bh, d // c_rot + s_win)](
+                    qf_r, r_k_r, mu_k_r, q_rot, qk_offset, k_win, v_win, wmask, pm, pl, pacc,
+                    m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rot_strides,
+                    *k_win.stride()[:3], *v_win.stride()[:3],
+                    *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
+                    D=d, M_PAD=m_pad, M_PAD_ROT=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None,
+                    HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
+                    WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode == 2), num_warps=cfg["num_warps"],
+                )
+            else:
+                _rotate_query_kernel[(bh, d // c_rot)](
+                    qf_r, r_k_r, mu_k_r, q_rot, qk_offset, m, hk, *rot_strides,
+                    D=d, M_PAD=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None, num_warps=4,
+                )
         if glu is not None:  # history on the Gluon kernel; this file's kernel runs the window programs only
             if s_hist:
                 glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len,
                                    float(scaling) * LOG2E, stages=int(cfg.get("gluon_stages", 2)),
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
-                                   l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)), pdl=pdl)
+                                   l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)), pdl=pdl_mode,
+                                   early=int(cfg.get("gluon_early", 0)))
             pid_off = s_hist
-        if s_tot > pid_off:
-            _split_kernel[(bh, s_tot - pid_off)](
+        s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
+        if s_run > pid_off:
+            _split_kernel[(bh, s_run - pid_off)](
                 q_rot, *k, *v, start, kmask, qk_offset, n_valid,
                 q_win, k_win, v_win, wmask,
                 pm, pl, pacc,
@@ -1178,7 +1263,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                 *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
                 D=d, G=group_size, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
                 HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
-                HAS_WIN=s_win > 0, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
+                HAS_WIN=s_win > 0 and not fused_pro, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
                 LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
                 N_DEV=n_valid is not None,
                 PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
@@ -1193,13 +1278,15 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                 **pdl_kw,
                 **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
             )
-    s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1), cfg.get("merge_block", 64))
+    few = dev.type == "cuda" and bh * m < _device_sms(dev)  # combine programs (one per query row)
+    s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1),
+                  cfg.get("merge_block_few" if few else "merge_block") or cfg.get("merge_block", 64))
     if fused:
         # combine programs (one per query row): few -> 8 warps, the whole R_V[h] loaded with the partials; many (at
         # least one per SM) -> 4 warps, R_V in 32-row chunks, so that more programs fit an SM (H200: B=32/32K 31 -> 18
         # us, the op 330 -> 317 us, session 11 run d; B=8/128K 13.8 -> 9.9 us, the op 245.7 -> 241.9, session 13 run a;
         # B=1 (32 rows) 9.2 -> 9.9 us: not there)
-        many = dev.type == "cuda" and bh * m >= _device_sms(dev)
+        many = not few and dev.type == "cuda"
         merge_warps = cfg.get("merge_warps") or (4 if many or d < 128 else 8)
         c_block = min(d, cfg.get("merge_cblock") or (32 if many or d > 128 else d))
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
@@ -1272,10 +1359,38 @@ def decode_attention_triton(
     )
 
 
+
+def decode_attention_rotating_triton(
+    qf, r_k, mu_k, k, v, start, key_mask, scaling, group_size,
+    k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, n_valid=None, splits=None,
+):
+    """:func:`decode_attention_triton` from the unrotated query: ``qf [B, Hk, M, D]`` is rotated here (``q R_K`` and
+    ``q · mu_K``, :func:`~oscar_hf.kernels.int2_attention.rotate_query_reference`; ``r_k [Hk, D, D]``, ``mu_k`` None,
+    ``[Hk, D]`` or ``[B, Hk, D]``) and is also the window's query. Three launches on the Gluon path (rotation +
+    window, history, combine), else the rotation's launch and :func:`decode_attention_triton`'s two."""
+    from .int2_attention import rotate_query_reference
+    from .query_triton import query_kernel_supported, rotation_args
+
+    b, hk, m, d = qf.shape
+    out_dtype = out_dtype or qf.dtype
+    w = 0 if k_win is None else k_win.shape[-2]
+    if not (query_kernel_supported(qf) and kernel_supported(qf, k, group_size, key_mask)
+            and _mask_4d(win_mask, b, hk, w)[1]):
+        q_rot, qk_off = rotate_query_reference(qf, r_k, mu_k)
+        return decode_attention_triton(q_rot, k, v, start, key_mask, qk_off, scaling, group_size, qf, k_win, v_win,
+                                       win_mask, r_v, mu_v, out_dtype, n_valid=n_valid, splits=splits)
+    qf_r, r_k_r, mu_k_r, q_rot, qk_off = rotation_args(qf, r_k, mu_k)
+    return _launch(
+        q_rot, k, v, start, key_mask, qk_off, scaling, group_size,
+        window=(qf_r, k_win, v_win, win_mask, r_v, mu_v, out_dtype), n_valid=n_valid, splits=splits,
+        rotate=(qf_r, r_k_r, mu_k_r),
+    )
+
 from .int2_attention import decode_attention  # noqa: E402  (the dispatcher: kernels on CUDA, reference elsewhere)
 
 
 __all__ = [
-    "CONFIG", "history_partial_triton", "decode_attention_triton", "decode_attention_reference",
+    "CONFIG", "history_partial_triton", "decode_attention_triton", "decode_attention_rotating_triton",
+    "decode_attention_reference",
     "decode_attention", "num_splits", "resident_programs", "kernel_supported",
 ]

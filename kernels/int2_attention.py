@@ -168,3 +168,30 @@ def decode_attention(*args, block_n=1024, use_kernels="auto", **kwargs):
 
         return decode_attention_triton(*args, **kwargs)
     return decode_attention_reference(*args, block_n=block_n, **kwargs)
+
+
+def decode_attention_rotating(
+    qf, r_k, mu_k, k, v, start, key_mask, scaling, group_size, k_win, v_win, win_mask, r_v, mu_v,
+    out_dtype=None, block_n=1024, n_valid=None, splits=None, use_kernels="auto",
+):
+    """The whole decode attention from the *unrotated* query ``qf [B, Hk, M, D]`` (which is also the window's):
+    :func:`rotate_query` (``r_k``, ``mu_k``) then :func:`decode_attention`, with the same arguments otherwise. On CUDA
+    the rotation is the first launch of the op itself (on the Gluon path together with the window programs:
+    ``decode_triton.decode_attention_rotating_triton``). The static cache (``n_valid``, compiled into CUDA graphs) and
+    everything off CUDA take the two steps as before: with the rotation inside its opaque op the compiled
+    StaticOscarCache step was slower end to end, 26.9 vs 22.2 ms per token (H200, Qwen3-8B-shaped, B=8 / 32K,
+    ``benchmarks/results/generate_h200_b8_t32768_session14e*.json``), although the op alone was faster."""
+    from . import triton_enabled
+
+    if n_valid is None and triton_enabled(qf, use_kernels) and not torch.compiler.is_compiling():
+        from .decode_triton import decode_attention_rotating_triton
+
+        return decode_attention_rotating_triton(
+            qf, r_k, mu_k, k, v, start, key_mask, scaling, group_size, k_win, v_win, win_mask, r_v, mu_v,
+            out_dtype=out_dtype,
+        )
+    q_rot, qk_off = rotate_query(qf, r_k, mu_k, use_kernels)
+    return decode_attention(
+        q_rot, k, v, start, key_mask, qk_off, scaling, group_size, qf, k_win, v_win, win_mask, r_v, mu_v,
+        out_dtype=out_dtype, block_n=block_n, n_valid=n_valid, splits=splits, use_kernels=use_kernels,
+    )

@@ -17,14 +17,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_query_kernel(
-    Q, RK, MU, QR, QO, M, Hk,
-    sqb, sqh, sqm,  # q strides (last dim contiguous)
-    smb, smh,  # mu_K strides (smb = 0: one offset per KV head for every row)
+def _rotate_block(
+    Q, RK, MU, QR, QO, pid, c0, M, Hk,
+    sqb, sqh, sqm, smb, smh,
     D: tl.constexpr, M_PAD: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
 ):
-    pid = tl.program_id(0)  # b * Hk + h
-    c0 = tl.program_id(1) * C_BLOCK  # this program's block of output channels
+    """Columns ``[c0, c0 + C_BLOCK)`` of ``q_rot`` for the ``M`` query rows of ``pid = b * Hk + h`` (and, in the
+    program of the first column block, the offset ``q · mu_K``). Shared by :func:`_rotate_query_kernel` and the
+    Gluon path's prologue launch (``decode_triton._prologue_kernel``: rotation + window programs)."""
     b = pid // Hk
     h = pid % Hk
     offs_m = tl.arange(0, M_PAD)
@@ -42,10 +42,22 @@ def _rotate_query_kernel(
             tl.store(QO + pid.to(tl.int64) * M + offs_m, tl.sum(q * mu[None, :], 1), mask=mrow)
 
 
-def rotate_query_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None):
-    """:func:`~oscar_hf.kernels.int2_attention.rotate_query_reference` in one launch (same contract):
-    ``qf [B, Hk, M, D]`` (any float dtype), ``r_k [Hk, D, D]``, ``mu_k`` None, ``[Hk, D]`` or ``[B, Hk, D]``
-    -> ``(q_rot [B, Hk, M, D] float32, qk_offset [B, Hk, M] float32 or None)``."""
+@triton.jit
+def _rotate_query_kernel(
+    Q, RK, MU, QR, QO, M, Hk,
+    sqb, sqh, sqm,  # q strides (last dim contiguous)
+    smb, smh,  # mu_K strides (smb = 0: one offset per KV head for every row)
+    D: tl.constexpr, M_PAD: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
+):
+    # program (b * Hk + h, c): this program's block of output channels
+    _rotate_block(Q, RK, MU, QR, QO, tl.program_id(0), tl.program_id(1) * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
+                  D, M_PAD, C_BLOCK, HAS_MU)
+
+
+def rotation_args(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None):
+    """Host side of a rotation launch: ``(qf, r_k, mu_k)`` in the kernel's layouts (float32 ``R_K``, ``mu_K``
+    expanded to ``[B, Hk, D]`` with unit last stride) and the outputs ``q_rot [B, Hk, M, D]``, ``qk_offset [B, Hk, M]``
+    (None without ``mu_K``), both float32."""
     b, hk, m, d = qf.shape
     if qf.stride(-1) != 1:
         qf = qf.contiguous()
@@ -58,7 +70,19 @@ def rotate_query_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor 
         if mu_k.stride(-1) != 1:
             mu_k = mu_k.contiguous()
         off = torch.empty(b, hk, m, device=qf.device, dtype=torch.float32)
-    c_block = min(d, 32)
+    return qf, r_k, mu_k, q_rot, off
+
+
+C_BLOCK = 32  # output channels of q_rot per rotation program (4 programs per (row, KV head) at D = 128)
+
+
+def rotate_query_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None):
+    """:func:`~oscar_hf.kernels.int2_attention.rotate_query_reference` in one launch (same contract):
+    ``qf [B, Hk, M, D]`` (any float dtype), ``r_k [Hk, D, D]``, ``mu_k`` None, ``[Hk, D]`` or ``[B, Hk, D]``
+    -> ``(q_rot [B, Hk, M, D] float32, qk_offset [B, Hk, M] float32 or None)``."""
+    b, hk, m, d = qf.shape
+    qf, r_k, mu_k, q_rot, off = rotation_args(qf, r_k, mu_k)
+    c_block = min(d, C_BLOCK)
     _rotate_query_kernel[(b * hk, d // c_block)](
         qf, r_k, mu_k, q_rot, off, m, hk, *qf.stride()[:3],
         *(mu_k.stride()[:2] if mu_k is not None else (0, 0)),

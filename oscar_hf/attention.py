@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from oscar_hf.kernels import triton_enabled
-from oscar_hf.kernels.int2_attention import decode_attention, rotate_query
+from oscar_hf.kernels.int2_attention import decode_attention_rotating
 
 from .cache import OscarKV
 from .quant import QuantizedRows
@@ -75,12 +75,6 @@ def _mask_rows(m: torch.Tensor, g: int) -> torch.Tensor:
     """``[B, L, N]`` -> ``[B, 1, g*L, N]`` matching :func:`_group`'s row order."""
     b, l, n = m.shape
     return m[:, None, None].expand(b, 1, g, l, n).reshape(b, 1, g * l, n)
-
-
-def _rotated_query(qf: torch.Tensor, layer):
-    """``qf [B, Hk, M, D]`` -> the history's query ``q R_K`` and its logit offset ``q · mu_K`` ``[B, Hk, M]``
-    (None without key centering); one Triton launch on CUDA (:func:`~oscar_hf.kernels.int2_attention.rotate_query`)."""
-    return rotate_query(qf, layer.rot.r_k, layer.offsets()[0], layer.config.use_kernels)
 
 
 def full_precision_heads_attention(layer, query, new_k, new_v, allowed, t_old: int, scaling: float) -> torch.Tensor:
@@ -158,16 +152,16 @@ def oscar_decode_attention(layer, handle: OscarKV, query, attention_mask, scalin
     rot = layer.rot
     hist_k, hist_v = layer.hist_view()
     n = hist_k.codes.shape[2]
-    q_rot, qk_off = _rotated_query(qf, layer)
     key_mask = None
     if allowed is not None:
         hm = allowed[:, :, s0 : s0 + n]
         key_mask = hm[:, None] if l == 1 else _mask_rows(hm, g)
-    mu_v = layer.offsets()[1]
-    # 1 + 2 merged by log-sum-exp: two Triton launches on CUDA (split-K + combine), torch reference elsewhere.
-    out = decode_attention(
-        q_rot, hist_k, hist_v, layer.pad, key_mask, qk_off, scaling, layer.config.group_size,
-        qf, win_k, win_v, win_mask, rot.r_v, mu_v, out_dtype=query.dtype, block_n=layer.config.block_size,
+    mu_k, mu_v = layer.offsets()
+    # 1 + 2 merged by log-sum-exp, the query rotated inside: three Triton launches on CUDA (rotation + window,
+    # split-K history, combine), torch reference elsewhere.
+    out = decode_attention_rotating(
+        qf, rot.r_k, mu_k, hist_k, hist_v, layer.pad, key_mask, scaling, layer.config.group_size,
+        win_k, win_v, win_mask, rot.r_v, mu_v, out_dtype=query.dtype, block_n=layer.config.block_size,
         use_kernels=layer.config.use_kernels,
     )
     if out_fp is not None:
@@ -210,10 +204,9 @@ def oscar_static_attention(layer, handle: OscarKV, query, attention_mask, scalin
             n = int(n_valid)  # eager reference: read only the filled part
             hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (hist_k, hist_v))
             n_valid = None
-        q_rot, qk_off = _rotated_query(qf, layer)
-        out = decode_attention(
-            q_rot, hist_k, hist_v, layer.pad, None, qk_off, scaling, cfg.group_size,
-            qf, layer.win_k, layer.win_v, win_mask, rot.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size,
+        out = decode_attention_rotating(
+            qf, rot.r_k, layer.offsets()[0], hist_k, hist_v, layer.pad, None, scaling, cfg.group_size,
+            layer.win_k, layer.win_v, win_mask, rot.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size,
             use_kernels=cfg.use_kernels, n_valid=n_valid, splits=layer.splits,
         )
         layer.demote_one()
@@ -238,11 +231,10 @@ def oscar_static_attention(layer, handle: OscarKV, query, attention_mask, scalin
     qf = _group(query.float(), hk)
     n = int(layer.n_hist(t))
     hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (layer.hist_k, layer.hist_v))
-    q_rot, qk_off = _rotated_query(qf, layer)
-    out = decode_attention(
-        q_rot, hist_k, hist_v, layer.pad, _mask_rows(allowed[:, :, s0 : s0 + n], g), qk_off, scaling, cfg.group_size,
-        qf, torch.cat([layer.win_k, new_k], 2), torch.cat([layer.win_v, new_v], 2), _mask_rows(ok, g), rot.r_v, mu_v,
-        out_dtype=query.dtype, block_n=cfg.block_size, use_kernels=cfg.use_kernels,
+    out = decode_attention_rotating(
+        qf, rot.r_k, layer.offsets()[0], hist_k, hist_v, layer.pad, _mask_rows(allowed[:, :, s0 : s0 + n], g), scaling,
+        cfg.group_size, torch.cat([layer.win_k, new_k], 2), torch.cat([layer.win_v, new_v], 2), _mask_rows(ok, g),
+        rot.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size, use_kernels=cfg.use_kernels,
     )
     layer.commit_bulk(new_k, new_v)
     return out.reshape(b, hq, l, d).transpose(1, 2).contiguous()

@@ -5,10 +5,11 @@ Decode (one new token, Hq=32, Hk=8, D=128, G=64 bf16 metadata, sink 64 + recent 
 window tokens, the rest INT2 history; total length T):
 * ``oscar``: the whole decode attention op (with the chosen CONFIG; ``oscar_rowdot_ms``, ``oscar_deferred_ms``,
   ``oscar_factored_ms`` and ``oscar_dequant_ms`` time the inner-loop variants of the split kernel with that CONFIG, so
-  old and new loops are compared on the same data in the same run) -- query rotation ``q R_K`` and centering offset
-  ``q · mu_K`` (one Triton launch since session 7, :func:`rotate_query`, as in the model's attention; before: a cast,
-  a GEMM and a GEMV in torch) + :func:`decode_attention_triton` (2 Triton launches:
-  split-K over history and window, then merge + ``R_Vᵀ`` + ``mu_V`` + normalize);
+  old and new loops are compared on the same data in the same run): :func:`decode_attention_rotating_triton`, as in
+  the model's attention -- query rotation ``q R_K`` and centering offset ``q · mu_K`` (one Triton launch since
+  session 7; before: a cast, a GEMM and a GEMV in torch), split-K over history and window, then merge + ``R_Vᵀ`` +
+  ``mu_V`` + normalize; 3 launches (since session 14 the rotation shares its launch with the window programs on the
+  Gluon path: ``CONFIG["fused_prologue"]``);
 * ``oscar_composed``: ``history_partial_triton`` + the window partial, merge and rotate-back in torch
   (what an integration gets from the contract functions alone);
 * ``sdpa``: ``F.scaled_dot_product_attention(q, K, V, enable_gqa=True)`` on BF16 K/V of length T,
@@ -41,7 +42,7 @@ import torch.nn.functional as F
 import triton
 
 from oscar_hf.kernels import decode_triton as dt
-from oscar_hf.kernels.int2_attention import merge_partials, partial_from_logits, rotate_query
+from oscar_hf.kernels.int2_attention import merge_partials, partial_from_logits
 from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.kernels.write_triton import rotate_quantize_triton
 from oscar_hf.quant import QuantizedRows
@@ -147,11 +148,10 @@ def oscar_op(st):
     b = st["q"].shape[0]
     qg = st["q"].view(b, HK, GQ, D)  # query heads of one KV head are consecutive (repeat_kv order)
 
-    def run():
-        q_rot, qk_off = rotate_query(qg, st["r_k"], st["mu_k"])  # one launch (kernels/query_triton.py)
-        out = dt.decode_attention_triton(
-            q_rot, st["k"], st["v"], st["start"], None, qk_off, SCALING, GS,
-            qg, st["k_win"], st["v_win"], None, st["r_v"], st["mu_v"], torch.bfloat16,
+    def run():  # the query rotated inside the op, as in the model's attention (rotation + window: one launch)
+        out = dt.decode_attention_rotating_triton(
+            qg, st["r_k"], st["mu_k"], st["k"], st["v"], st["start"], None, SCALING, GS,
+            st["k_win"], st["v_win"], None, st["r_v"], st["mu_v"], torch.bfloat16,
         )
         return out.view(b, HQ, 1, D)
 

@@ -4,7 +4,8 @@ Run as a script with ``TRITON_INTERPRET`` unset (``test_compile_sm90.py`` does):
 signature ``launch_history`` passes at the benchmark shape (``D = 128``, ``G = 64``, code rows of 32 bytes, bf16
 metadata) for both token-set layouts (``TB = 2``: <= 4 query rows, ``TB = 1``: 5-8) and both ways of removing the value codes'
 offset (``GSUM``), with the default pipeline (``STAGES``) and, for ``GSUM = 1``, the register-load loop
-(``STAGES = 0``), under the default CONFIG otherwise, and
+(``STAGES = 0``), under the default CONFIG otherwise (the split's first loads before the query's: ``EARLY`` from
+``CONFIG["gluon_early"]``, or ``$AOT_EARLY``; programmatic dependent launch compiled in, ``PDL`` 2 with it, else 1), and
 prints one JSON line each: registers, spilled bytes, shared memory, and the opcode counts of the hot loop (the
 innermost loop that holds the tensor-core ops).
 """
@@ -51,10 +52,12 @@ def main():
     cases = [(2, 0, stages), (1, 0, stages), (2, 1, stages), (1, 1, stages)]
     if stages:
         cases += [(2, 1, 0), (1, 1, 0)]  # the register-load loop too
+    early = int(os.environ.get("AOT_EARLY", CONFIG.get("gluon_early", 0)))
     for tb, gsum, st in cases:
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
-                  "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "PDL": 1}
+                  "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early,
+                  "PDL": 2 if early else 1}  # (programmatic dependent launch compiled in: its variant of the prologue)
         sig = {}
         for name in dg._hist_kernel.arg_names:
             if name in consts:

@@ -15,9 +15,11 @@ from kernel_utils import HAS_CUDA, random_rotation, rel_err, setup_interpreter
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from oscar_hf.kernels.int2_attention import (  # noqa: E402
+    decode_attention_reference,
     history_partial,
     history_partial_reference,
     merge_partials,
+    rotate_query_reference,
 )
 from oscar_hf.quant import QuantizedRows, dequantize_rows, quantize_rows  # noqa: E402
 
@@ -376,6 +378,44 @@ def test_decode_attention_kernel_device_length(small_splits, n_valid):
     assert rel_err(ref_masked, ref) < 1e-6
 
 
+def _rotating_case(b, hk, m, n, w, d, g, seed, device="cpu"):
+    """A decode case for the rotating entry: the unrotated query (also the window's), R_K and a per-KV-head mu_K."""
+    args, gen = _window_case(b, hk, m, n, w, d, g, seed=seed, device=device)
+    qf = args.pop("q_win").float()
+    for k_ in ("q_rot", "qk_offset"):
+        args.pop(k_)
+    r_k = random_rotation(hk, d, gen).to(device)
+    mu_k = (torch.randn(hk, d, generator=gen) * 0.5).to(device)
+    return {"qf": qf, "r_k": r_k, "mu_k": mu_k, **args}
+
+
+def _rotating_reference(args, **kw):
+    q_rot, qk_off = rotate_query_reference(args["qf"], args["r_k"], args["mu_k"])
+    rest = {k_: v_ for k_, v_ in args.items() if k_ not in ("qf", "r_k", "mu_k")}
+    return decode_attention_reference(q_rot=q_rot, qk_offset=qk_off, q_win=args["qf"], **rest, **kw)
+
+
+@interp
+@pytest.mark.parametrize("fused", [0, 2])
+@pytest.mark.parametrize("b,hk,m,n,w,d,g", [(2, 2, 4, 150, 70, 64, 32), (1, 1, 8, 65, 320, 128, 64),
+                                            (2, 1, 4, 100, 0, 128, 128), (1, 2, 3, 0, 33, 64, 64)])
+def test_decode_attention_rotating(small_splits, monkeypatch, fused, b, hk, m, n, w, d, g):
+    """The op from the unrotated query (what the model's attention calls): the rotation launched by the op itself --
+    as its own launch, or (``fused_prologue`` 2, the Gluon path's layout forced onto the Triton path) in one launch
+    with the window programs (``_prologue_kernel``, which must then run whenever there are history and window) --
+    equals rotate-then-reference."""
+    monkeypatch.setitem(small_splits.CONFIG, "fused_prologue", fused)
+    args = _rotating_case(b, hk, m, n, w, d, g, seed=n + w)
+    args["start"] = torch.tensor([0, 17][:b])
+    launches = []
+    real = small_splits._prologue_kernel
+    monkeypatch.setattr(small_splits, "_prologue_kernel",
+                        type("Spy", (), {"__getitem__": lambda self, grid: (launches.append(grid), real[grid])[1]})())
+    got = small_splits.decode_attention_rotating_triton(**args)
+    assert rel_err(got, _rotating_reference(args)) < 2e-5
+    assert len(launches) == int(bool(fused and n and w)), launches
+
+
 @interp
 def test_static_op_traces_as_one_opaque_call(small_splits):
     """The static cache's kernel call compiles as one custom op (aot_eager: fake shapes + real run)."""
@@ -484,6 +524,8 @@ _GLUON_VARIANTS = {
     "gsum-pdl": {"gluon_gsum": 1, "pdl": 1},
     "regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0},
     "smem4": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 4},
+    "early": {"gluon_gsum": 1, "pdl": 0, "gluon_early": 1},
+    "early-pdl2": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1},
 }
 
 
@@ -491,8 +533,9 @@ _GLUON_VARIANTS = {
 def gluon_calls(request, monkeypatch):
     """Counts the Gluon kernel's launches (so that a test fails if the dispatch silently took the Triton kernel); each
     test runs with both ways of removing the value codes' offset (CONFIG["gluon_gsum"]), with programmatic dependent
-    launch of the Gluon path's launches (CONFIG["pdl"]), and with each way of feeding the history loop's full steps:
-    loads to registers (gluon_stages 0) or through shared memory (2 stages, the default, and 4)."""
+    launch of the Gluon path's launches (CONFIG["pdl"] 1; 2: only rotation -> history, where the op rotates), with
+    each way of feeding the history loop's full steps: loads to registers (gluon_stages 0) or through shared memory
+    (2 stages, the default, and 4), and with the split's first loads before the query's (gluon_early)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
@@ -577,3 +620,31 @@ def test_gpu_gluon_decode_op_device_length_and_stale_storage(gluon_calls, n_vali
     assert (not n_valid) or gluon_calls
     assert torch.isfinite(got).all()
     assert rel_err(got, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fused", [0, 1])
+@pytest.mark.parametrize("b,n,n_valid", [(2, 3000, None), (2, 3000, 2001), (1, 131072 - 320, None),
+                                         (8, 32768 - 320, None)])
+def test_gpu_gluon_decode_op_rotating(gluon_calls, monkeypatch, fused, b, n, n_valid):
+    """The op from the unrotated query on the Gluon path (what the model's attention calls): the rotation in its own
+    launch or with the window programs (``fused_prologue``), left padding, dynamic and device-side lengths, against
+    rotate-then-reference."""
+    monkeypatch.setitem(_dt().CONFIG, "fused_prologue", fused)
+    args = _rotating_case(b, 8, 4, n, 320, 128, 64, seed=b + n, device="cuda")
+    args["qf"] = args["qf"].cuda()
+    args["start"] = torch.tensor([0, 9, 0, 1, 2, 3, 4, 5][:b], device="cuda")
+    args["out_dtype"] = torch.bfloat16
+    if n_valid is None:
+        ref = _rotating_reference(args)
+        got = _dt().decode_attention_rotating_triton(**args)
+    else:
+        cut = {k_: (type(args[k_])(*(t[:, :, :n_valid] for t in args[k_])) if k_ in ("k", "v") else args[k_])
+               for k_ in args}
+        ref = _rotating_reference(cut)
+        got = _dt().decode_attention_rotating_triton(**args, n_valid=torch.tensor(n_valid, device="cuda"), splits=3)
+    assert gluon_calls, "the Gluon kernel did not run"
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got.float(), ref.float()) < 2e-2
