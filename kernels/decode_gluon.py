@@ -281,6 +281,15 @@ def _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, n0):
 
 
 @gluon.jit
+def _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T: gl.constexpr, STAGES: gl.constexpr):
+    """The pipeline's start: the copies of the first ``STAGES - 1`` full steps of ``[f0, f1)`` into stages
+    ``0 .. STAGES - 2`` (none without full steps; past the last full step the copies repeat it, as in the loop)."""
+    if f1 > f0:
+        for i in gl.static_range(STAGES - 1):
+            _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
+
+
+@gluon.jit
 def _smem_meta(mb, j: gl.constexpr, TB: gl.constexpr):
     """Metadata words ``j`` (0..3: key scale, key zero, value scale, value zero) of a stage as the logit tile."""
     x = mb.slice(j * TB, TB, dim=0).permute([1, 0])  # [16 t', TB sets]
@@ -484,9 +493,7 @@ def _hist_kernel(
         if STAGES > 0:
             kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB,
                                                        STAGES)
-            if f1 > f0:
-                for i in gl.static_range(STAGES - 1):
-                    _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
+            _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
         if PDL == 2:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
@@ -558,14 +565,11 @@ def _hist_kernel(
             # groups in flight, the barrier makes every lane's copies of step i visible to the others
             # (past the last full step the copies repeat it -- f1 - T -- so that every step issues the same).
             # EARLY: the first pass's first copies were issued before the query's loads (a rerun, run == 2, issues them)
-            if f1 > f0:
-                if EARLY:
-                    if run == 2:
-                        for i in gl.static_range(STAGES - 1):
-                            _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
-                else:
-                    for i in gl.static_range(STAGES - 1):
-                        _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
+            if EARLY:
+                if run == 2:
+                    _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
+            else:
+                _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
             for it in range(0, (f1 - f0) // T):
                 n0 = f0 + it * T
                 async_copy.wait_group(STAGES - 2)

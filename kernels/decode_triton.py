@@ -84,7 +84,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from oscar_hf.quant import QuantizedRows
 
-from .query_triton import C_BLOCK as ROT_C_BLOCK, _rotate_block, _rotate_query_kernel
+from .query_triton import C_BLOCK as ROT_C_BLOCK, _rotate_block, launch_rotation, rotation_strides
 
 
 LOG2E = 1.4426950408889634
@@ -1220,14 +1220,13 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         fused_pro = False
         if rotate is not None:
             qf_r, r_k_r, mu_k_r = rotate
-            c_rot = min(d, ROT_C_BLOCK)
-            rot_strides = (*qf_r.stride()[:3], *(mu_k_r.stride()[:2] if mu_k_r is not None else (0, 0)))
             fp = cfg.get("fused_prologue", 1)  # 2: on the Triton path too (its window programs leave the history launch)
             fused_pro = bool(s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)))
             if fused_pro:  # rotation + window programs in one launch (the window's query is qf_r: see the caller)
+                c_rot = min(d, ROT_C_BLOCK)
                 _prologue_kernel[(bh, d // c_rot + s_win)](
                     qf_r, r_k_r, mu_k_r, q_rot, qk_offset, k_win, v_win, wmask, pm, pl, pacc,
-                    m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rot_strides,
+                    m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rotation_strides(qf_r, mu_k_r),
                     *k_win.stride()[:3], *v_win.stride()[:3],
                     *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
                     D=d, M_PAD=m_pad, M_PAD_ROT=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None,
@@ -1235,10 +1234,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                     WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode == 2), num_warps=cfg["num_warps"],
                 )
             else:
-                _rotate_query_kernel[(bh, d // c_rot)](
-                    qf_r, r_k_r, mu_k_r, q_rot, qk_offset, m, hk, *rot_strides,
-                    D=d, M_PAD=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None, num_warps=4,
-                )
+                launch_rotation(qf_r, r_k_r, mu_k_r, q_rot, qk_offset)
         if glu is not None:  # history on the Gluon kernel; this file's kernel runs the window programs only
             if s_hist:
                 glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len,

@@ -76,18 +76,27 @@ def rotation_args(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None
 C_BLOCK = 32  # output channels of q_rot per rotation program (4 programs per (row, KV head) at D = 128)
 
 
+def rotation_strides(qf: torch.Tensor, mu_k: torch.Tensor | None) -> tuple:
+    """The strides a rotation block takes (``sqb, sqh, sqm, smb, smh``), from :func:`rotation_args`' tensors."""
+    return (*qf.stride()[:3], *(mu_k.stride()[:2] if mu_k is not None else (0, 0)))
+
+
+def launch_rotation(qf, r_k, mu_k, q_rot, off):
+    """One launch of :func:`_rotate_query_kernel` over :func:`rotation_args`' tensors (grid ``(B * Hk, D / C_BLOCK)``)."""
+    b, hk, m, d = qf.shape
+    c_block = min(d, C_BLOCK)
+    _rotate_query_kernel[(b * hk, d // c_block)](
+        qf, r_k, mu_k, q_rot, off, m, hk, *rotation_strides(qf, mu_k),
+        D=d, M_PAD=max(16, triton.next_power_of_2(m)), C_BLOCK=c_block, HAS_MU=mu_k is not None, num_warps=4,
+    )
+
+
 def rotate_query_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None):
     """:func:`~oscar_hf.kernels.int2_attention.rotate_query_reference` in one launch (same contract):
     ``qf [B, Hk, M, D]`` (any float dtype), ``r_k [Hk, D, D]``, ``mu_k`` None, ``[Hk, D]`` or ``[B, Hk, D]``
     -> ``(q_rot [B, Hk, M, D] float32, qk_offset [B, Hk, M] float32 or None)``."""
-    b, hk, m, d = qf.shape
     qf, r_k, mu_k, q_rot, off = rotation_args(qf, r_k, mu_k)
-    c_block = min(d, C_BLOCK)
-    _rotate_query_kernel[(b * hk, d // c_block)](
-        qf, r_k, mu_k, q_rot, off, m, hk, *qf.stride()[:3],
-        *(mu_k.stride()[:2] if mu_k is not None else (0, 0)),
-        D=d, M_PAD=max(16, triton.next_power_of_2(m)), C_BLOCK=c_block, HAS_MU=mu_k is not None, num_warps=4,
-    )
+    launch_rotation(qf, r_k, mu_k, q_rot, off)
     return q_rot, off
 
 
