@@ -63,6 +63,9 @@ DF_LIM = gl.constexpr(64.0)  # as in decode_triton: largest excess of a column's
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
+# int8 operands of mma.sync m16n8k32 (K8): a register holds 4 consecutive k of one row (A) / one column (B)
+A8_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=4))
+B8_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=4))
 # [T, 8] key words (4 bytes): lane 4r + c holds words 2c, 2c + 1 (bytes 8c .. 8c + 7) of rows r, r + 8, ... (one
 # 8-byte load per row). Codes travel as 32-bit words: uint8 tensors carried through the loop or a branch would be
 # kept one byte per register
@@ -91,6 +94,13 @@ _K_ASM = gl.constexpr(
                f"lop3.b32 r1, x, 0x{(3 << 2 * p) * 0x10001:08X}, 0x64006400, 0xEA; "
                f"mov.b32 {{${4 * p}, ${4 * p + 1}}}, r0; mov.b32 {{${4 * p + 2}, ${4 * p + 3}}}, r1;" for p in range(4))
     + " }")
+# K8: plane P of 4 key bytes (one 32-bit word, $1; $2..$4 are copies of it) as 4 int8 operands in one instruction:
+# (x & mask_P) ^ flip_P = 4^P code -- plane 3 with its top bit flipped, 64 code - 128, so that it fits int8 (the -128 is
+# given back by the accumulator's start)
+_K8_ASM = gl.constexpr(tuple(
+    f"lop3.b32 $0, $1, 0x{(3 << 2 * p) * 0x01010101:08X}, 0x{0x80808080 if p == 3 else 0:08X}, 0x6A;"
+    for p in range(4)))
+_RNI_ASM = gl.constexpr("cvt.rni.f32.f32 $0, $1;")  # round to the nearest integer (even on ties)
 # Value codes of byte position BB of two tokens' words ($4: token t, $5: token t + 1): prmt pairs the two bytes
 # (selector nibble i = source of destination byte i: byte 0 <- byte BB of $4, byte 2 <- byte BB of $5; half 0: token t), one lop3 per plane or-s them into 0x4380 (bf16 256, mantissa LSB worth 2): 256 + KP code
 # with KP = 2, 8, 32; plane 3's bits would reach the exponent and are shifted down to bits 4-5 first (KP = 32).
@@ -151,6 +161,79 @@ def _k_operand(y, TB: gl.constexpr):
     y = gl.permute(y, [1, 0, 3, 4, 2, 5])  # t', tb, kt, h, c, b
     y = gl.reshape(y, [16, 32 * TB])
     return gl.convert_layout(y, A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _k8_operand(xk, P: gl.constexpr, TB: gl.constexpr):
+    """K8: plane ``P`` of the key words ``xk [16 TB, 8]`` (int32, ``KLOAD``) as the int8 A operand ``[16 t', 32 TB k]``
+    of ``m16n8k32``, ``k = 32 tb + 16 hh + 4 c + i`` holding byte ``8 c + 4 hh + i`` of token ``16 tb + t'`` (``sigma8``):
+    a lane's words ``2c, 2c + 1`` are its registers, so one ``lop3`` per word and a renaming of registers."""
+    x = gl.join(gl.join(xk, xk), gl.join(xk, xk))  # [T, 8, 2, 2]: four copies of each word (one asm instance)
+    x = gl.reshape(x, [16 * TB, 32])
+    y = gl.inline_asm_elementwise(_K8_ASM[P], "=r,r,r,r,r", [x], dtype=gl.int8, is_pure=True, pack=4)
+    y = gl.reshape(y, [TB, 16, 4, 2, 4])  # tb, t', c, hh, i (byte 8 c + 4 hh + i)
+    y = gl.permute(y, [1, 0, 3, 2, 4])  # t', tb, hh, c, i
+    y = gl.reshape(y, [16, 32 * TB])
+    return gl.convert_layout(y, A8_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _q8_plane(q_ptr, sqm, M, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr):
+    """K8: ``q[h, 32 P + sigma8(j)]`` (float32) in the B layout ``[32 TB, 8]`` of ``m16n8k32``, row ``tb * 32 + j``,
+    column ``tb * MH + h``; zero off the block diagonal and in padding columns."""
+    k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, B8_OP))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, B8_OP))
+    j = k % 32
+    sig = 8 * ((j % 16) // 4) + 4 * (j // 16) + j % 4
+    h = n % MH
+    ok = ((k // 32)[:, None] == (n // MH)[None, :]) & (h < M)[None, :] & (n < TB * MH)[None, :]
+    return gl.load(q_ptr + h[None, :] * sqm + (32 * P + sig)[:, None], mask=ok, other=0.0)
+
+
+@gluon.jit
+def _rni(x):
+    return gl.inline_asm_elementwise(_RNI_ASM, "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _absmax(q):
+    """Largest ``|q|`` of a B-layout tile: over k first (mostly a lane's own registers, then 2 shuffle rounds), then 3
+    rounds over the columns (the other order shuffles each lane's 16 values of k: ~200 shuffles, ~4 us per program)."""
+    return gl.max(gl.max(gl.abs(q), 0), 0)
+
+
+@gluon.jit
+def _q8_split(q, f):
+    """``q f = hi + lo / 254`` with int8 ``hi`` (``|q f| <= 127``) and ``lo``: 15 bits of the group's largest entry,
+    where fp16 operands keep 11 of each entry's own."""
+    x = q * f
+    hi = _rni(x)
+    lo = _rni((x - hi) * 254.0)
+    return hi.to(gl.int8), lo.to(gl.int8)
+
+
+@gluon.jit
+def _q8_operands(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
+    """K8 query operands: per plane the pair ``(hi, lo)`` (int8, ``B8_OP``) of ``q_P = q qk_scale / 4^P`` (plane codes
+    enter as ``4^P code``) over ``sigma_g``; per group ``g`` the accumulator starts ``(hi, lo)`` (int32 ``[16, 8]``:
+    plane 3's ``+128 sum q``) and the factor ``sigma_g / 254`` of ``Y = 254 acc_hi + acc_lo``. ``sigma_g``: the
+    group's largest ``|q_P|`` (all columns) / 127."""
+    q0 = _q8_plane(q_ptr, sqm, M, 0, TB, MH)
+    q1 = _q8_plane(q_ptr, sqm, M, 1, TB, MH)
+    q2 = _q8_plane(q_ptr, sqm, M, 2, TB, MH)
+    q3 = _q8_plane(q_ptr, sqm, M, 3, TB, MH)
+    sg0 = gl.maximum(gl.maximum(_absmax(q0), 0.25 * _absmax(q1)) * qk_scale, 1e-30) / 127.0
+    sg1 = gl.maximum(gl.maximum(_absmax(q2), 0.25 * _absmax(q3)) * (qk_scale / 16.0), 1e-30) / 127.0
+    h0, l0 = _q8_split(q0, qk_scale / sg0)
+    h1, l1 = _q8_split(q1, qk_scale * 0.25 / sg0)
+    h2, l2 = _q8_split(q2, qk_scale * 0.0625 / sg1)
+    h3, l3 = _q8_split(q3, qk_scale * 0.015625 / sg1)
+    # plane 3's codes enter as 64 code - 128: its group's accumulators start at 128 sum_k q (per column)
+    hs = gl.convert_layout(gl.sum(h3.to(gl.int32), 0), gl.SliceLayout(0, MMA))
+    ls = gl.convert_layout(gl.sum(l3.to(gl.int32), 0), gl.SliceLayout(0, MMA))
+    z = gl.zeros([16, 8], gl.int32, layout=MMA)
+    return ((h0, l0), (h1, l1), (h2, l2), (h3, l3), (z, z, sg0 / 254.0),
+            (z + 128 * hs[None, :], z + 128 * ls[None, :], sg1 / 254.0))
 
 
 @gluon.jit
@@ -310,25 +393,37 @@ def _f32_pair(wd):
 
 @gluon.jit
 def _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc,
-            TB: gl.constexpr, MH: gl.constexpr, MASKED: gl.constexpr, SPLITK: gl.constexpr):
+            TB: gl.constexpr, MH: gl.constexpr, MASKED: gl.constexpr, SPLITK: gl.constexpr, K8: gl.constexpr):
     """Logits ``[16, 8]`` (log2 units, minus the reference: ``offc`` holds ``off - phi``) of a step from its key
-    bytes and key metadata words; invalid tokens -inf when ``MASKED``."""
+    bytes and key metadata words; invalid tokens -inf when ``MASKED``. ``K8``: int8 MMAs (``_q8_operands``:
+    ``qb_P`` are ``(hi, lo)`` pairs, ``c_g`` the accumulator starts and factor of group ``g``)."""
     s0, s1 = _f32_pair(ks)
     z0, z1 = _f32_pair(kz)
-    u = gl.inline_asm_elementwise(_K_ASM, "=h," * 16 + "r", [xk], dtype=(gl.float16,) * 16, is_pure=True, pack=1)
-    if SPLITK:  # one accumulator per plane: four independent MMA chains of half the length
-        zk = gl.zeros_like(c0)
-        a0 = mma_v2(_k_operand(_k_plane(u[0], u[1], u[2], u[3]), TB), qb0, c0) + \
-            mma_v2(_k_operand(_k_plane(u[4], u[5], u[6], u[7]), TB), qb1, zk)
-        a1 = mma_v2(_k_operand(_k_plane(u[8], u[9], u[10], u[11]), TB), qb2, c1) + \
-            mma_v2(_k_operand(_k_plane(u[12], u[13], u[14], u[15]), TB), qb3, zk)
+    if K8:
+        k0 = _k8_operand(xk, 0, TB)
+        k1 = _k8_operand(xk, 1, TB)
+        k2 = _k8_operand(xk, 2, TB)
+        k3 = _k8_operand(xk, 3, TB)
+        y0 = mma_v2(k1, qb1[0], mma_v2(k0, qb0[0], c0[0])) * 254 + mma_v2(k1, qb1[1], mma_v2(k0, qb0[1], c0[1]))
+        y1 = mma_v2(k3, qb3[0], mma_v2(k2, qb2[0], c1[0])) * 254 + mma_v2(k3, qb3[1], mma_v2(k2, qb2[1], c1[1]))
+        bias = gl.fma(z0, qs0[None, :], gl.fma(z1, qs1[None, :], offc[None, :]))
+        lg = gl.fma(s0 * c0[2], y0.to(gl.float32), gl.fma(s1 * c1[2], y1.to(gl.float32), bias))
     else:
-        a0 = mma_v2(_k_operand(_k_plane(u[0], u[1], u[2], u[3]), TB), qb0, c0)
-        a0 = mma_v2(_k_operand(_k_plane(u[4], u[5], u[6], u[7]), TB), qb1, a0)
-        a1 = mma_v2(_k_operand(_k_plane(u[8], u[9], u[10], u[11]), TB), qb2, c1)
-        a1 = mma_v2(_k_operand(_k_plane(u[12], u[13], u[14], u[15]), TB), qb3, a1)
-    bias = gl.fma(z0, qs0[None, :], gl.fma(z1, qs1[None, :], offc[None, :]))
-    lg = gl.fma(s0, a0, gl.fma(s1, a1, bias))
+        u = gl.inline_asm_elementwise(_K_ASM, "=h," * 16 + "r", [xk], dtype=(gl.float16,) * 16, is_pure=True,
+                                      pack=1)
+        if SPLITK:  # one accumulator per plane: four independent MMA chains of half the length
+            zk = gl.zeros_like(c0)
+            a0 = mma_v2(_k_operand(_k_plane(u[0], u[1], u[2], u[3]), TB), qb0, c0) + \
+                mma_v2(_k_operand(_k_plane(u[4], u[5], u[6], u[7]), TB), qb1, zk)
+            a1 = mma_v2(_k_operand(_k_plane(u[8], u[9], u[10], u[11]), TB), qb2, c1) + \
+                mma_v2(_k_operand(_k_plane(u[12], u[13], u[14], u[15]), TB), qb3, zk)
+        else:
+            a0 = mma_v2(_k_operand(_k_plane(u[0], u[1], u[2], u[3]), TB), qb0, c0)
+            a0 = mma_v2(_k_operand(_k_plane(u[4], u[5], u[6], u[7]), TB), qb1, a0)
+            a1 = mma_v2(_k_operand(_k_plane(u[8], u[9], u[10], u[11]), TB), qb2, c1)
+            a1 = mma_v2(_k_operand(_k_plane(u[12], u[13], u[14], u[15]), TB), qb3, a1)
+        bias = gl.fma(z0, qs0[None, :], gl.fma(z1, qs1[None, :], offc[None, :]))
+        lg = gl.fma(s0, a0, gl.fma(s1, a1, bias))
     if MASKED:
         tr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
         tn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
@@ -349,9 +444,9 @@ def _fresh_state():
 @gluon.jit
 def _step(xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
           lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB: gl.constexpr, MH: gl.constexpr,
-          MASKED: gl.constexpr, SPLITK: gl.constexpr, GSUM: gl.constexpr):
+          MASKED: gl.constexpr, SPLITK: gl.constexpr, GSUM: gl.constexpr, K8: gl.constexpr):
     """One step of ``16 TB`` tokens from its loaded words: logits, then :func:`_accumulate`."""
-    lg = _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, MASKED, SPLITK)
+    lg = _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, MASKED, SPLITK, K8)
     return _accumulate(lg, xv, vs, vz, kdiag, neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
 
 
@@ -469,7 +564,7 @@ def _hist_kernel(
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
-    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0,
+    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -499,16 +594,19 @@ def _hist_kernel(
 
     # ---- query operands (once per program) ----
     q_ptr = Q + b.to(gl.int64) * sqb + h * sqh
-    qb0 = _q_operand(q_ptr, sqm, M, qk_scale, 0, TB, MH)
-    qb1 = _q_operand(q_ptr, sqm, M, qk_scale, 1, TB, MH)
-    qb2 = _q_operand(q_ptr, sqm, M, qk_scale, 2, TB, MH)
-    qb3 = _q_operand(q_ptr, sqm, M, qk_scale, 3, TB, MH)
-    # accumulator start -1024 C_g (the code offset of the planes of group g, from the rounded operands)
-    cg0 = gl.sum(qb0.to(gl.float32), 0) + gl.sum(qb1.to(gl.float32), 0)
-    cg1 = gl.sum(qb2.to(gl.float32), 0) + gl.sum(qb3.to(gl.float32), 0)
-    zero_t = gl.zeros([16, 8], gl.float32, layout=MMA)
-    c0 = zero_t - 1024.0 * gl.convert_layout(cg0, gl.SliceLayout(0, MMA))[None, :]
-    c1 = zero_t - 1024.0 * gl.convert_layout(cg1, gl.SliceLayout(0, MMA))[None, :]
+    if K8:
+        qb0, qb1, qb2, qb3, c0, c1 = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
+    else:
+        qb0 = _q_operand(q_ptr, sqm, M, qk_scale, 0, TB, MH)
+        qb1 = _q_operand(q_ptr, sqm, M, qk_scale, 1, TB, MH)
+        qb2 = _q_operand(q_ptr, sqm, M, qk_scale, 2, TB, MH)
+        qb3 = _q_operand(q_ptr, sqm, M, qk_scale, 3, TB, MH)
+        # accumulator start -1024 C_g (the code offset of the planes of group g, from the rounded operands)
+        cg0 = gl.sum(qb0.to(gl.float32), 0) + gl.sum(qb1.to(gl.float32), 0)
+        cg1 = gl.sum(qb2.to(gl.float32), 0) + gl.sum(qb3.to(gl.float32), 0)
+        zero_t = gl.zeros([16, 8], gl.float32, layout=MMA)
+        c0 = zero_t - 1024.0 * gl.convert_layout(cg0, gl.SliceLayout(0, MMA))[None, :]
+        c1 = zero_t - 1024.0 * gl.convert_layout(cg1, gl.SliceLayout(0, MMA))[None, :]
     # per column: Qs_g = sum of the group's (scaled) query channels, the logit offset q.mu_K
     qn = gl.arange(0, 8, layout=gl.SliceLayout(1, QLOAD))
     qd = gl.arange(0, 64, layout=gl.SliceLayout(0, QLOAD))
@@ -543,7 +641,7 @@ def _hist_kernel(
     if (L2PF > 0) & (STAGES == 0):  # the first full step's lines, while this one is read
         _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo + T, hi, T)
     # reference phi per column: the max of the first step's valid logits (0 where there is none)
-    lg = _logits(xk, ks, kz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off, TB, MH, True, SPLITK)
+    lg = _logits(xk, ks, kz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off, TB, MH, True, SPLITK, K8)
     phi = gl.max(lg, 0)
     phi = gl.where(phi == float("-inf"), 0.0, phi)
     phi = gl.where(cvalid, phi, 0.0)
@@ -583,13 +681,13 @@ def _hist_kernel(
                 lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                     xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB),
                     n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM)
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
             async_copy.wait_group(0)
             if f1 < hi:
                 xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, True)
                 lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                     xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8)
         else:
             for n0 in range(f0, f1, T):
                 if L2PF > 0:
@@ -598,12 +696,12 @@ def _hist_kernel(
                                                       False)
                 lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                     xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM)
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
             if f1 < hi:
                 xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, True)
                 lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                     xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8)
         m_c = gl.max(mt, 0) + phi  # per column, -inf stays -inf
         over = gl.where(m_c == float("-inf"), 0.0, m_c - phi)
         run = 0
@@ -616,7 +714,7 @@ def _hist_kernel(
             xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
             lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                 xk, xv, ks, kz, vs, vz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off - phi, kdiag,
-                neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM)
+                neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8)
 
     # ---- per column -> per query row: the TB token sets merged by log-sum-exp ----
     if TB == 1:
@@ -683,7 +781,7 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -694,7 +792,8 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
         TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
-        STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl == 2), num_warps=1,
+        STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl == 2), K8=int(k8),
+        num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

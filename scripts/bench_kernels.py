@@ -461,6 +461,7 @@ def main():
     ap.add_argument("--no-write", action="store_true", help="skip the write-path benchmark")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="8192,32768,131072")
+    ap.add_argument("--config", default="{}", help="kernel CONFIG overrides (JSON, decode_triton.CONFIG)")
     args = ap.parse_args()
     if args.plot:
         return plot(args.plot)
@@ -485,6 +486,7 @@ def main():
     if args.sweep:
         sets = {"tiles": SWEEP, "prefetch": PREFETCH_SWEEP, "tiles-pf": TILES_PF_SWEEP, "pair": PAIR_SWEEP, "mpad": MPAD_SWEEP}
         result["sweep"], result["config"] = sweep(gen, sets[args.sweep_set])
+    dt.CONFIG.update(json.loads(args.config))
     result["config"] = dict(dt.CONFIG)
     log("config", result["config"])
     batches = [int(x) for x in args.batches.split(",")]

@@ -63,11 +63,12 @@ def test_gluon_history_kernel_compiles_for_sm90_in_registers():
     assert proc.returncode == 0, proc.stderr[-4000:]
     from oscar_hf.kernels.decode_triton import CONFIG
 
-    rows = {(r["tb"], r["gsum"], r["stages"]): r
+    rows = {(r["tb"], r["gsum"], r["stages"], r["k8"]): r
             for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
-    default = int(CONFIG["gluon_stages"])
-    assert set(rows) == {(1, 0, default), (2, 0, default), (1, 1, default), (2, 1, default), (1, 1, 0), (2, 1, 0)}, rows
-    for (tb, gsum, stages), r in rows.items():
+    st, k8 = int(CONFIG["gluon_stages"]), int(CONFIG["gluon_k8"])
+    assert set(rows) == {(1, 0, st, k8), (2, 0, st, k8), (1, 1, st, k8), (2, 1, st, k8), (1, 1, 0, k8), (2, 1, 0, k8),
+                         (1, 1, st, 1 - k8), (2, 1, st, 1 - k8)}, rows
+    for (tb, gsum, stages, k8), r in rows.items():
         # spills only outside the loop (the setup's tiles while the query operands are built; <= 136 bytes measured,
         # Triton 3.9): the cap of 12 programs per SM was measured faster than 13-14 programs without them
         assert r["spill_bytes"] <= 256, r
@@ -78,7 +79,12 @@ def test_gluon_history_kernel_compiles_for_sm90_in_registers():
         # the codes' offset: as many MMAs against the -256 tile, or (gsum) one against the ones tile per group and
         # k-tile
         hmma = sum(n for op, n in loop.items() if op.startswith("HMMA"))
-        assert hmma == 8 * tb + 8 * tb + (2 * tb if gsum else 8 * tb), (tb, gsum, loop)
+        imma = sum(n for op, n in loop.items() if op.startswith("IMMA"))
+        if k8:  # key MMAs int8 m16n8k32: 4 planes x TB k-tiles x (hi, lo); one lop3 per key word and plane, no prmt
+            assert imma == 8 * tb and hmma == 8 * tb + (2 * tb if gsum else 8 * tb), (tb, gsum, loop)
+            assert loop.get("PRMT", 0) == 8 * tb, loop  # the value codes' pairing only
+        else:
+            assert imma == 0 and hmma == 8 * tb + 8 * tb + (2 * tb if gsum else 8 * tb), (tb, gsum, loop)
         assert loop.get("MOVM.16.MT88", 0) == 2 * 2, loop  # two 8x8 blocks per group, two groups
         copies = sum(n for op, n in loop.items() if op.startswith("LDGSTS"))
         if stages:

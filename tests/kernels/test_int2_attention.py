@@ -526,6 +526,8 @@ _GLUON_VARIANTS = {
     "smem4": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 4},
     "early": {"gluon_gsum": 1, "pdl": 0, "gluon_early": 1},
     "early-pdl2": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1},
+    "k8": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1},
+    "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 1},
 }
 
 
@@ -535,7 +537,8 @@ def gluon_calls(request, monkeypatch):
     test runs with both ways of removing the value codes' offset (CONFIG["gluon_gsum"]), with programmatic dependent
     launch of the Gluon path's launches (CONFIG["pdl"] 1; 2: only rotation -> history, where the op rotates), with
     each way of feeding the history loop's full steps: loads to registers (gluon_stages 0) or through shared memory
-    (2 stages, the default, and 4), and with the split's first loads before the query's (gluon_early)."""
+    (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
+    logits on int8 tensor cores (gluon_k8)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
