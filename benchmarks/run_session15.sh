@@ -30,3 +30,12 @@ b)
       | tee "$OUT/bench_kernels_${GPU}_session15b.log" | tail -11
   ;;
 esac
+# (appended) run c: every GPU kernel test of the tree with the int8 key path on by default where a split holds at
+# least gluon_k8_min_split tokens (gluon_k8 1)
+#   bash benchmarks/run_session15.sh c
+case "$1" in
+c)
+  timeout 550 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" --rootdir "$R" 2>&1 \
+      | tee "$OUT/tests_${GPU}_session15c.log" | tail -3
+  ;;
+esac

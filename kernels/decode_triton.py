@@ -196,8 +196,11 @@ CONFIG = {
     # Gluon kernel: the key logits on int8 tensor cores (mma m16n8k32): a plane of 4 key bytes is one int8 operand
     # register after one lop3 (fp16 operands: 2.5 instructions per register of 2 codes), the query as two int8 operands
     # (hi + lo / 254: 15 bits of each group's largest entry). 324 instead of 374 instructions per 32-token step
-    # (sm_90 SASS, Triton 3.9)
-    "gluon_k8": 0,
+    # (sm_90 SASS, Triton 3.9), but a longer setup (the query's int8 split): H200 history kernel B=8/128K 217.4 ->
+    # 201.1 us, B=32/32K 216.1 -> 195.9, but B=1/128K (21 steps a program) 36.5 -> 38.4, B=8/8K 22.8 -> 24.3
+    # (profile_op_h200_session15b.json). 1: where a program has at least gluon_k8_min_split tokens; 2: always; 0: never
+    "gluon_k8": 1,
+    "gluon_k8_min_split": 2048,
 }
 
 
@@ -1058,6 +1061,14 @@ def num_splits(n: int, bh: int, device: torch.device, cfg=None, static: bool = F
 _LOOPS = {"dequant": 0, "factored": 1, "rowdot": 2, "deferred": 3}
 
 
+def gluon_k8(cfg, n: int, s_hist: int) -> int:
+    """Whether the Gluon kernel takes its int8 key path for ``n`` history tokens in ``s_hist`` splits (per (row, head)):
+    ``CONFIG["gluon_k8"]`` 2 always, 0 never, 1 where a split has at least ``gluon_k8_min_split`` tokens (its setup,
+    the query's int8 split, costs more than the fp16 path's: it pays back over a long split only)."""
+    mode = int(cfg.get("gluon_k8", 0))
+    return int(mode == 2 or (mode == 1 and n >= max(s_hist, 1) * cfg.get("gluon_k8_min_split", 0)))
+
+
 def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, triton.next_power_of_2(n))
 
@@ -1177,6 +1188,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         s_hist = num_splits(n, bh, dev, cfg) if n > 0 else 0
         split_len = triton.cdiv(triton.cdiv(max(n, 1), max(s_hist, 1)), cfg["block_n"]) * cfg["block_n"]
         s_hist = triton.cdiv(n, split_len) if n > 0 else 0  # drop splits that would be empty
+    k8 = gluon_k8(cfg, n, s_hist)
     fused = window is not None
     if fused:
         q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype = window
@@ -1246,7 +1258,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    float(scaling) * LOG2E, stages=int(cfg.get("gluon_stages", 2)),
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)), pdl=pdl_mode,
-                                   early=int(cfg.get("gluon_early", 0)), k8=int(cfg.get("gluon_k8", 0)))
+                                   early=int(cfg.get("gluon_early", 0)), k8=k8)
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
@@ -1393,5 +1405,5 @@ from .int2_attention import decode_attention  # noqa: E402  (the dispatcher: ker
 __all__ = [
     "CONFIG", "history_partial_triton", "decode_attention_triton", "decode_attention_rotating_triton",
     "decode_attention_reference",
-    "decode_attention", "num_splits", "resident_programs", "kernel_supported",
+    "decode_attention", "num_splits", "resident_programs", "kernel_supported", "gluon_k8",
 ]

@@ -4,7 +4,7 @@ Run as a script with ``TRITON_INTERPRET`` unset (``test_compile_sm90.py`` does):
 signature ``launch_history`` passes at the benchmark shape (``D = 128``, ``G = 64``, code rows of 32 bytes, bf16
 metadata) for both token-set layouts (``TB = 2``: <= 4 query rows, ``TB = 1``: 5-8) and both ways of removing the value codes'
 offset (``GSUM``), with the default pipeline (``STAGES``) and, for ``GSUM = 1``, the register-load loop
-(``STAGES = 0``) and the other key path (``K8``: int8 or fp16 key MMAs), under the default CONFIG otherwise (the split's first loads before the query's: ``EARLY`` from
+(``STAGES = 0``), each key path (``K8``: fp16 or int8 key MMAs; the register-load loop: fp16), under the default CONFIG otherwise (the split's first loads before the query's: ``EARLY`` from
 ``CONFIG["gluon_early"]``, or ``$AOT_EARLY``; programmatic dependent launch compiled in, ``PDL`` 2 with it, else 1), and
 prints one JSON line each: registers, spilled bytes, shared memory, and the opcode counts of the hot loop (the
 innermost loop that holds the tensor-core ops).
@@ -49,11 +49,10 @@ def main():
     ints = "N M Hk S S_TOT split_len".split()
     strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
     stages = int(CONFIG["gluon_stages"])
-    k8 = int(CONFIG.get("gluon_k8", 0))
-    cases = [(2, 0, stages, k8), (1, 0, stages, k8), (2, 1, stages, k8), (1, 1, stages, k8)]
+    # both key paths (fp16 / int8 key MMAs: CONFIG["gluon_k8"] picks one per call)
+    cases = [(tb, gsum, stages, k8) for k8 in (0, 1) for gsum in (0, 1) for tb in (2, 1)]
     if stages:
-        cases += [(2, 1, 0, k8), (1, 1, 0, k8)]  # the register-load loop too
-    cases += [(2, 1, stages, 1 - k8), (1, 1, stages, 1 - k8)]  # the other key path (fp16 / int8 key MMAs)
+        cases += [(2, 1, 0, 0), (1, 1, 0, 0)]  # the register-load loop too (fp16 keys)
     early = int(os.environ.get("AOT_EARLY", CONFIG.get("gluon_early", 0)))
     for tb, gsum, st, k8_ in cases:
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,

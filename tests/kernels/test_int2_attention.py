@@ -297,6 +297,18 @@ def test_num_splits_and_empty_history():
     assert torch.isinf(m).all() and (l == 0).all() and (acc == 0).all()
 
 
+def test_gluon_int8_key_path_choice():
+    """CONFIG["gluon_k8"]: 0 never, 2 always, 1 only where a split holds at least gluon_k8_min_split tokens (the int8
+    query's longer setup measured slower over short splits: B=1/128K, B=8/8K)."""
+    dt = _dt()
+    cfg = {"gluon_k8": 1, "gluon_k8_min_split": 2048}
+    assert dt.gluon_k8(cfg, 131072, 195) == 0  # B=1/128K: 672 tokens a split
+    assert dt.gluon_k8(cfg, 131072, 24) == 1  # B=8/128K: 5461
+    assert dt.gluon_k8(cfg, 2048, 1) == 1 and dt.gluon_k8(cfg, 2047, 1) == 0 and dt.gluon_k8(cfg, 2048, 0) == 1
+    assert dt.gluon_k8({**cfg, "gluon_k8": 2}, 100, 50) == 1
+    assert dt.gluon_k8({**cfg, "gluon_k8": 0}, 10**6, 1) == 0
+
+
 def _window_case(b, hk, m, n, w, d, g, seed, device="cpu", mu=True, wmask=True):
     q, k, v, gen = make_case(b, hk, m, n, d, g, seed=seed, device=device)
     q = q.cpu()
@@ -526,8 +538,9 @@ _GLUON_VARIANTS = {
     "smem4": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 4},
     "early": {"gluon_gsum": 1, "pdl": 0, "gluon_early": 1},
     "early-pdl2": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1},
-    "k8": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1},
-    "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 1},
+    "fp16-keys": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 0},
+    "k8": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2},
+    "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 2},
 }
 
 
