@@ -39,3 +39,17 @@ c)
       | tee "$OUT/tests_${GPU}_session15c.log" | tail -3
   ;;
 esac
+# (appended) run d: the GPU tests run c's time limit cut off (the last 4 decode-op tests of the k8-regs variant, query
+# rotation, write path), the StaticOscarCache GPU tests, and the kernel benchmark of the final tree
+#   bash benchmarks/run_session15.sh d
+case "$1" in
+d)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels" --rootdir "$R" \
+      -k "k8-regs-1-130752 or k8-regs-8-32448 or rotate_query or test_write_path" 2>&1 \
+      | tee "$OUT/tests_${GPU}_session15d.log" | tail -2
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/test_static_cache.py" --rootdir "$R" 2>&1 \
+      | tee -a "$OUT/tests_${GPU}_session15d.log" | tail -2
+  timeout 150 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session15d.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session15d.log" | tail -11
+  ;;
+esac
