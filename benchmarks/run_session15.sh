@@ -53,3 +53,13 @@ d)
       --out "$OUT/kernels_${GPU}_session15d.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session15d.log" | tail -11
   ;;
 esac
+# (appended) run e (nvidia-h100-x1): the kernel benchmark of the final tree and the one-launch read floor on the H100
+#   bash benchmarks/run_session15.sh e
+case "$1" in
+e)
+  timeout 150 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session15e.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session15e.log" | tail -11
+  timeout 100 python3 "$R/scripts/bench_read_floor.py" --batches 1,8 --length 131072 \
+      --out "$OUT/read_floor_${GPU}_session15e.json" 2>&1 | grep "^{"
+  ;;
+esac
