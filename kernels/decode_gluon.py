@@ -178,19 +178,6 @@ def _k8_operand(xk, P: gl.constexpr, TB: gl.constexpr):
 
 
 @gluon.jit
-def _q8_plane(q_ptr, sqm, M, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr):
-    """K8: ``q[h, 32 P + sigma8(j)]`` (float32) in the B layout ``[32 TB, 8]`` of ``m16n8k32``, row ``tb * 32 + j``,
-    column ``tb * MH + h``; zero off the block diagonal and in padding columns."""
-    k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, B8_OP))
-    n = gl.arange(0, 8, layout=gl.SliceLayout(0, B8_OP))
-    j = k % 32
-    sig = 8 * ((j % 16) // 4) + 4 * (j // 16) + j % 4
-    h = n % MH
-    ok = ((k // 32)[:, None] == (n // MH)[None, :]) & (h < M)[None, :] & (n < TB * MH)[None, :]
-    return gl.load(q_ptr + h[None, :] * sqm + (32 * P + sig)[:, None], mask=ok, other=0.0)
-
-
-@gluon.jit
 def _rni(x):
     return gl.inline_asm_elementwise(_RNI_ASM, "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
 
@@ -218,10 +205,10 @@ def _q8_operands(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
     enter as ``4^P code``) over ``sigma_g``; per group ``g`` the accumulator starts ``(hi, lo)`` (int32 ``[16, 8]``:
     plane 3's ``+128 sum q``) and the factor ``sigma_g / 254`` of ``Y = 254 acc_hi + acc_lo``. ``sigma_g``: the
     group's largest ``|q_P|`` (all columns) / 127."""
-    q0 = _q8_plane(q_ptr, sqm, M, 0, TB, MH)
-    q1 = _q8_plane(q_ptr, sqm, M, 1, TB, MH)
-    q2 = _q8_plane(q_ptr, sqm, M, 2, TB, MH)
-    q3 = _q8_plane(q_ptr, sqm, M, 3, TB, MH)
+    q0 = _q_plane(q_ptr, sqm, M, 0, TB, MH, True)
+    q1 = _q_plane(q_ptr, sqm, M, 1, TB, MH, True)
+    q2 = _q_plane(q_ptr, sqm, M, 2, TB, MH, True)
+    q3 = _q_plane(q_ptr, sqm, M, 3, TB, MH, True)
     sg0 = gl.maximum(gl.maximum(_absmax(q0), 0.25 * _absmax(q1)) * qk_scale, 1e-30) / 127.0
     sg1 = gl.maximum(gl.maximum(_absmax(q2), 0.25 * _absmax(q3)) * (qk_scale / 16.0), 1e-30) / 127.0
     h0, l0 = _q8_split(q0, qk_scale / sg0)
@@ -406,6 +393,7 @@ def _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off
         k3 = _k8_operand(xk, 3, TB)
         y0 = mma_v2(k1, qb1[0], mma_v2(k0, qb0[0], c0[0])) * 254 + mma_v2(k1, qb1[1], mma_v2(k0, qb0[1], c0[1]))
         y1 = mma_v2(k3, qb3[0], mma_v2(k2, qb2[0], c1[0])) * 254 + mma_v2(k3, qb3[1], mma_v2(k2, qb2[1], c1[1]))
+        # (bias after the MMAs in each branch: computed before them, ptxas spills 16 more bytes in the fp16 path)
         bias = gl.fma(z0, qs0[None, :], gl.fma(z1, qs1[None, :], offc[None, :]))
         lg = gl.fma(s0 * c0[2], y0.to(gl.float32), gl.fma(s1 * c1[2], y1.to(gl.float32), bias))
     else:
@@ -486,16 +474,27 @@ def _accumulate(lg, xv, vs, vz, kdiag, neg, lt, mt, zt0, zt1, acc0, acc1, acc2, 
 
 
 @gluon.jit
-def _q_operand(q_ptr, sqm, M, qk_scale, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr):
-    """B operand ``[32 TB, 8]`` of plane ``P``: ``q[h, 32 P + sigma_K(j)] qk_scale / 4^P`` (fp16) at row
-    ``tb * 32 + j``, column ``tb * MH + h``; zero off the block diagonal and in padding columns."""
-    k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, B_OP))
-    n = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
+def _q_plane(q_ptr, sqm, M, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr, K8: gl.constexpr):
+    """``q[h, 32 P + sigma(j)]`` (float32) in the B layout ``[32 TB, 8]`` of the key MMA, row ``tb * 32 + j``, column
+    ``tb * MH + h``; zero off the block diagonal and in padding columns. The channel order is the key operand's:
+    ``sigma_K`` (fp16 ``m16n8k16``, :func:`_k_operand`) or, ``K8``, ``sigma8`` (int8 ``m16n8k32``, :func:`_k8_operand`)."""
+    OP: gl.constexpr = B8_OP if K8 else B_OP
+    k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, OP))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, OP))
     j = k % 32
-    sig = 8 * ((j >> 1) & 3) + 4 * (j >> 4) + 2 * ((j >> 3) & 1) + (j & 1)
+    if K8:
+        sig = 8 * ((j % 16) // 4) + 4 * (j // 16) + j % 4
+    else:
+        sig = 8 * ((j >> 1) & 3) + 4 * (j >> 4) + 2 * ((j >> 3) & 1) + (j & 1)
     h = n % MH
     ok = ((k // 32)[:, None] == (n // MH)[None, :]) & (h < M)[None, :] & (n < TB * MH)[None, :]
-    q = gl.load(q_ptr + h[None, :] * sqm + (32 * P + sig)[:, None], mask=ok, other=0.0)
+    return gl.load(q_ptr + h[None, :] * sqm + (32 * P + sig)[:, None], mask=ok, other=0.0)
+
+
+@gluon.jit
+def _q_operand(q_ptr, sqm, M, qk_scale, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr):
+    """fp16 B operand of plane ``P``: :func:`_q_plane` times ``qk_scale / 4^P``."""
+    q = _q_plane(q_ptr, sqm, M, P, TB, MH, False)
     return (q * (qk_scale * (0.25 ** P))).to(gl.float16)
 
 

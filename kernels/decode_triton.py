@@ -1188,7 +1188,6 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         s_hist = num_splits(n, bh, dev, cfg) if n > 0 else 0
         split_len = triton.cdiv(triton.cdiv(max(n, 1), max(s_hist, 1)), cfg["block_n"]) * cfg["block_n"]
         s_hist = triton.cdiv(n, split_len) if n > 0 else 0  # drop splits that would be empty
-    k8 = gluon_k8(cfg, n, s_hist)
     fused = window is not None
     if fused:
         q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype = window
@@ -1258,7 +1257,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    float(scaling) * LOG2E, stages=int(cfg.get("gluon_stages", 2)),
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)), pdl=pdl_mode,
-                                   early=int(cfg.get("gluon_early", 0)), k8=k8)
+                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist))
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
@@ -1372,7 +1371,6 @@ def decode_attention_triton(
     )
 
 
-
 def decode_attention_rotating_triton(
     qf, r_k, mu_k, k, v, start, key_mask, scaling, group_size,
     k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, n_valid=None, splits=None,
@@ -1398,6 +1396,7 @@ def decode_attention_rotating_triton(
         window=(qf_r, k_win, v_win, win_mask, r_v, mu_v, out_dtype), n_valid=n_valid, splits=splits,
         rotate=(qf_r, r_k_r, mu_k_r),
     )
+
 
 from .int2_attention import decode_attention  # noqa: E402  (the dispatcher: kernels on CUDA, reference elsewhere)
 
