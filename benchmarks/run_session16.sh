@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Session-16 device runs, from the repository root, one `run` call each; results were copied from $OUT to
+# benchmarks/results/ afterwards (GPU name in each file; "h100"/"h200" in the file names):
+#   bash benchmarks/run_session16.sh a   # programmatic dependent launch mode 3 (the window programs a launch of their
+#                                        # own in the history kernel's tail, the combine under PDL): its GPU tests and
+#                                        # the per-kernel profile against the default (2) and mode 1
+source benchmarks/device_env.sh
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200" | tr A-Z a-z)
+case "$1" in
+a)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" \
+      -k "gluon and pdl3" --rootdir "$R" 2>&1 | tee "$OUT/tests_${GPU}_session16a.log" | tail -3
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' '{"pdl": 3}' '{"pdl": 3, "merge_cblock": 128, "merge_warps": 8}' \
+      '{"pdl": 1, "fused_prologue": 0}' --out "$OUT/profile_op_${GPU}_session16a.json" 2>&1 | grep -E "^B=|_kernel"
+  ;;
+esac
