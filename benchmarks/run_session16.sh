@@ -15,3 +15,16 @@ a)
       '{"pdl": 1, "fused_prologue": 0}' --out "$OUT/profile_op_${GPU}_session16a.json" 2>&1 | grep -E "^B=|_kernel"
   ;;
 esac
+# (appended) run b: pdl 4 (pdl 2, and the combine launched in the history kernel's tail): its GPU tests; the profile
+# of it, of one wave of history programs (max_waves 1: half the partials at B=8/128K) and of the combine with R_V
+# loaded before its wait
+#   bash benchmarks/run_session16.sh b
+case "$1" in
+b)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" \
+      -k "gluon and pdl4" --rootdir "$R" 2>&1 | tee "$OUT/tests_${GPU}_session16b.log" | tail -3
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' '{"pdl": 4}' '{"pdl": 4, "merge_cblock": 128, "merge_warps": 8}' '{"max_waves": 1}' \
+      '{"pdl": 4, "max_waves": 1}' --out "$OUT/profile_op_${GPU}_session16b.json" 2>&1 | grep -E "^B=|_kernel"
+  ;;
+esac

@@ -1216,12 +1216,13 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     # this call launches the rotation itself, right before the history (what the history reads before its wait must be
     # complete before the launch it overlaps)
     # pdl 3: pdl 2, and the window programs a launch of their own after the history (which lets it launch at once, so
-    # that they run in its tail), then the combine, each under PDL: nothing but the query rotation before the history
+    # that they run in its tail), then the combine, each under PDL: nothing but the query rotation before the history.
+    # pdl 4: pdl 2, and the combine under PDL (its launch in the history's tail)
     pdl_mode = int(cfg.get("pdl") or 0) if (glu is not None and s_hist and dev.type == "cuda"
                                             and torch.cuda.get_device_capability(dev)[0] >= 9) else 0
-    if pdl_mode in (2, 3) and rotate is None:
+    if pdl_mode >= 2 and rotate is None:
         pdl_mode = 0
-    pdl = pdl_mode in (1, 3)  # the launches after the history's
+    pdl = pdl_mode in (1, 3, 4)  # the launches after the history's
     pdl_kw = {"launch_pdl": True} if pdl else {}
 
     pm = torch.empty(bh, max(s_tot, 1), m, device=dev, dtype=torch.float32)
@@ -1249,7 +1250,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                     *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
                     D=d, M_PAD=m_pad, M_PAD_ROT=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None,
                     HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
-                    WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode in (2, 3)),
+                    WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode >= 2),
                     num_warps=cfg["num_warps"],
                 )
             else:
