@@ -28,3 +28,14 @@ b)
       '{"pdl": 4, "max_waves": 1}' --out "$OUT/profile_op_${GPU}_session16b.json" 2>&1 | grep -E "^B=|_kernel"
   ;;
 esac
+# (appended) run c: the history kernel's memory-level parallelism with the int8 key path: shared-memory pipeline
+# stages (gluon_stages) and an L2 prefetch past the pipeline's copies (gluon_smem_l2pf)
+#   bash benchmarks/run_session16.sh c
+case "$1" in
+c)
+  timeout 400 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_stages": 4}' '{"gluon_smem_l2pf": 1}' '{"gluon_smem_l2pf": 2}' \
+      '{"gluon_stages": 4, "gluon_smem_l2pf": 1}' '{"gluon_smem_l2pf": 4}' \
+      --out "$OUT/profile_op_${GPU}_session16c.json" 2>&1 | grep -E "^B=|_hist"
+  ;;
+esac

@@ -563,7 +563,7 @@ def _hist_kernel(
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
-    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
+    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0, SL2PF: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -674,6 +674,9 @@ def _hist_kernel(
                 _sync()
                 _issue_copies(kbuf, vbuf, mbuf, (it + STAGES - 1) & (STAGES - 1), ck, cv, cm,
                               gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
+                if SL2PF > 0:  # and the lines of the step SL2PF steps past those copies into L2
+                    _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0 + (STAGES - 1 + SL2PF) * T,
+                                 hi, T)
                 st = it & (STAGES - 1)
                 xk = kbuf.index(st).load(KLOAD)
                 xv = vbuf.index(st).load(VLOAD)
@@ -781,7 +784,7 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, smem_l2pf=0):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -793,6 +796,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *(qk_offset.stride() if qk_offset is not None else z3),
         TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
+        SL2PF=int(smem_l2pf) if stages else 0,
         num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )

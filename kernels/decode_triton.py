@@ -164,7 +164,8 @@ CONFIG = {
     "gluon_stages": 2,
     "gluon_splitk": 1,  # one key accumulator per plane (shorter MMA chains)
     "gluon_maxnreg": 168,  # ptxas register cap of the Gluon kernel
-    "gluon_l2pf": 1,  # Gluon kernel: L2 prefetch this many steps ahead (0: off)
+    "gluon_l2pf": 1,  # Gluon kernel, register loads (gluon_stages 0): L2 prefetch this many steps ahead (0: off)
+    "gluon_smem_l2pf": 0,  # Gluon kernel, shared-memory pipeline: L2 prefetch this many steps past its copies (0: off)
     # the value codes' offset (256 per code) removed by one MMA against a ones tile per group and token tile, the
     # column sums subtracted after the loop, instead of a -256 MMA after every value MMA (36 MMAs a step, not 48;
     # costs 40 bytes of spill at TB = 2). H200 graph time of the op: B=8/128K 308.7 -> 303.4 us, B=32/32K 339.6 ->
@@ -1261,7 +1262,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    float(scaling) * LOG2E, stages=int(cfg.get("gluon_stages", 2)),
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)), pdl=pdl_mode,
-                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist))
+                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist),
+                                   smem_l2pf=int(cfg.get("gluon_smem_l2pf", 0)))
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:

@@ -58,6 +58,7 @@ def main():
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_,
+                  "SL2PF": int(CONFIG.get("gluon_smem_l2pf", 0)) if st else 0,
                   # programmatic dependent launch compiled in: the prologue of CONFIG's mode (1 without EARLY)
                   "PDL": int(CONFIG["pdl"]) if early and CONFIG.get("pdl") in (2, 3) else 1}
         sig = {}
