@@ -39,3 +39,16 @@ c)
       --out "$OUT/profile_op_${GPU}_session16c.json" 2>&1 | grep -E "^B=|_hist"
   ;;
 esac
+# (appended) run d: the decode op's combine with one program per (row, KV head) (merge_heads 2, _combine_head_kernel):
+# its GPU tests (with 4 pipeline stages in the history kernel), the profile of it with variants and of 4 stages
+#   bash benchmarks/run_session16.sh d
+case "$1" in
+d)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" \
+      -k "gluon and heads" --rootdir "$R" 2>&1 | tee "$OUT/tests_${GPU}_session16d.log" | tail -3
+  timeout 400 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' '{"merge_heads": 2}' '{"merge_heads": 2, "merge_head_step": 16}' \
+      '{"merge_heads": 2, "merge_head_warps": 4}' '{"gluon_stages": 4}' '{"gluon_stages": 4, "merge_heads": 2}' \
+      --out "$OUT/profile_op_${GPU}_session16d.json" 2>&1 | grep -E "^B=|_kernel"
+  ;;
+esac
