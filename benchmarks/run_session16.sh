@@ -52,3 +52,16 @@ d)
       --out "$OUT/profile_op_${GPU}_session16d.json" 2>&1 | grep -E "^B=|_kernel"
   ;;
 esac
+# (appended) run e: with 4 pipeline stages in the history kernel (run c): 8 stages (11 or 12 programs an SM), and the
+# prologue's window programs of 64 / 128 tokens and without software pipelining. (Run d's per-head combine,
+# _combine_head_kernel, was 2-4x slower than the per-row one where a row has many splits: removed.)
+#   bash benchmarks/run_session16.sh e
+case "$1" in
+e)
+  timeout 400 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768 --iters 10 \
+      --configs '{"gluon_stages": 4}' '{"gluon_stages": 4, "gluon_win_split": 64}' \
+      '{"gluon_stages": 4, "gluon_win_split": 128}' '{"gluon_stages": 4, "gluon_win_stages": 1}' \
+      '{"gluon_stages": 8}' '{"gluon_stages": 8, "gluon_resident": 11}' \
+      --out "$OUT/profile_op_${GPU}_session16e.json" 2>&1 | grep -E "^B=|_kernel"
+  ;;
+esac

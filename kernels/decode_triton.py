@@ -134,13 +134,6 @@ CONFIG = {
     # the same where the combine has fewer programs than SMs (8 warps each, B=1 at Hk=8: ~200 splits a row): all of a
     # row's splits in one round (H100, B=1/128K: combine 9.9 -> 8.6 us, op 65.5 -> 64.4; profile_op_h100_session14a.json)
     "merge_block_few": 256,
-    # the decode op's combine with one program per (row, KV head), R_V loaded once per head (_combine_head_kernel): 2
-    # always, 1 from merge_heads_min (row, head) pairs per SM, 0 never
-    "merge_heads": 0,
-    "merge_heads_min": 0.5,
-    "merge_head_step": 8,  # its history partials per loop step
-    "merge_head_stages": 3,  # its software-pipeline stages
-    "merge_head_warps": 8,
     "merge_warps": None,  # combine kernel (decode op): warps per program (None: automatic, see _launch)
     "merge_cblock": None,  # combine kernel (decode op): output channels per un-rotation step (None: automatic)
     # smallest query-row tile (power of two). 8 halves the deferred loop's registers (238 -> 128, 4 programs per SM
@@ -1003,76 +996,6 @@ def _combine_kernel(
         tl.store(OACC + row.to(tl.int64) * D + offs_d, acc)
 
 
-@triton.jit
-def _combine_head_kernel(
-    PM, PL, PACC, OUT, RV, MUV, M, Hk, S_HIST, S_TOT,
-    D: tl.constexpr, M_PAD: tl.constexpr, S_STEP: tl.constexpr, SW_PAD: tl.constexpr, HAS_MUV: tl.constexpr,
-    STAGES: tl.constexpr, PDL: tl.constexpr = 0,
-):
-    """:func:`_combine_kernel` (FINAL) with one program per (b, h) for all its ``M`` query rows: ``R_V[h]`` is loaded
-    once per head and row (not once per query row: 64 KB each at D = 128), before anything else, and the merged
-    history rows ``[M, D]`` are rotated back by one tensor-core product ``acc R_Vᵀ`` (tf32x3: float32 accuracy).
-    The history partials stream in blocks of ``S_STEP`` splits ``[S_STEP, M_PAD, D]`` (software-pipelined), the
-    window partials (at most ``SW_PAD``) are loaded with ``R_V``: the program's loads are in flight together instead
-    of a chain of rounds (the per-row kernel's R_V chunks and window partials each wait for the merge before them).
-    ``M_PAD`` (a power of two <= 16): the query rows in registers; the product takes 16 rows, ``M_PAD``-row copies."""
-    bh = tl.program_id(0)
-    h = bh % Hk
-    offs_m = tl.arange(0, M_PAD)
-    offs_d = tl.arange(0, D)
-    mrow = offs_m < M
-    base = bh.to(tl.int64) * S_TOT * M  # partial (bh, s, m) lives at base + s * M + m
-    r = tl.load(RV + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # R_V[h] [D (out c), D (in d)]
-    # window partials [SW_PAD, M_PAD] / [SW_PAD, M_PAD, D] (value space), slots S_HIST .. S_TOT - 1
-    offs_w = S_HIST + tl.arange(0, SW_PAD)
-    wmask = (offs_w < S_TOT)[:, None] & mrow[None, :]
-    pw_at = base + offs_w[:, None] * M + offs_m[None, :]
-    if PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
-        gdc_wait()
-    pm_w = tl.load(PM + pw_at, mask=wmask, other=float("-inf"))
-    pl_w = tl.load(PL + pw_at, mask=wmask, other=0.0)
-    a_w = tl.load(PACC + pw_at[:, :, None] * D + offs_d[None, None, :], mask=wmask[:, :, None], other=0.0)
-    # history splits: online log-sum-exp per row (log2 units), blocks of S_STEP splits
-    m_h = tl.full((M_PAD,), float("-inf"), tl.float32)
-    l_h = tl.zeros((M_PAD,), tl.float32)
-    acc = tl.zeros((M_PAD, D), tl.float32)
-    for s0 in tl.range(0, S_HIST, S_STEP, num_stages=STAGES):
-        offs_s = s0 + tl.arange(0, S_STEP)
-        sm = (offs_s < S_HIST)[:, None] & mrow[None, :]
-        at = base + offs_s[:, None] * M + offs_m[None, :]  # [S_STEP, M_PAD]
-        pm = tl.load(PM + at, mask=sm, other=float("-inf"))
-        pl = tl.load(PL + at, mask=sm, other=0.0)
-        a = tl.load(PACC + at[:, :, None] * D + offs_d[None, None, :], mask=sm[:, :, None], other=0.0)
-        m_new = tl.maximum(m_h, tl.max(pm, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_h - m_safe)  # 0 while m_h = -inf
-        w = tl.exp2(pm - m_safe[None, :])  # [S_STEP, M_PAD]
-        l_h = l_h * alpha + tl.sum(w * pl, 0)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * a, 0)
-        m_h = m_new
-    # window: its max, sum and (value-space) weighted rows
-    m_w = tl.max(pm_w, 0)
-    m_w_safe = tl.where(m_w == float("-inf"), 0.0, m_w)
-    w_w = tl.exp2(pm_w - m_w_safe[None, :])
-    l_w = tl.sum(w_w * pl_w, 0)
-    o_w = tl.sum(w_w[:, :, None] * a_w, 0)  # [M_PAD, D]
-    # history rows back to the value space: [16, D] copies of the M_PAD rows (tl.dot takes >= 16) times R_Vᵀ
-    a16 = tl.reshape(tl.broadcast_to(acc[None, :, :], (16 // M_PAD, M_PAD, D)), (16, D))
-    o16 = tl.dot(a16, tl.trans(r), input_precision="tf32x3")
-    o_h = tl.max(tl.reshape(o16, (16 // M_PAD, M_PAD, D)), 0)  # the copies are equal: any of them
-    if HAS_MUV:
-        o_h += l_h[:, None] * tl.load(MUV + h * D + offs_d)[None, :]
-    m = tl.maximum(m_h, m_w)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    wh = tl.exp2(m_h - m_safe)
-    ww = tl.exp2(m_w - m_safe)
-    l_tot = wh * l_h + ww * l_w
-    inv = tl.where(l_tot > 0, 1.0 / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
-    o = (o_h * wh[:, None] + o_w * ww[:, None]) * inv[:, None]
-    tl.store(OUT + (bh.to(tl.int64) * M + offs_m[:, None]) * D + offs_d[None, :], o.to(OUT.dtype.element_ty),
-             mask=mrow[:, None])
-
-
 # ----------------------------------------------------------------------------------------------
 # host side
 
@@ -1145,17 +1068,6 @@ def gluon_k8(cfg, n: int, s_hist: int) -> int:
     the query's int8 split, costs more than the fp16 path's: it pays back over a long split only)."""
     mode = int(cfg.get("gluon_k8", 0))
     return int(mode == 2 or (mode == 1 and n >= max(s_hist, 1) * cfg.get("gluon_k8_min_split", 0)))
-
-
-def _combine_per_head(cfg, bh: int, m: int, d: int, s_win: int, device: torch.device) -> bool:
-    """Whether the decode op's combine takes :func:`_combine_head_kernel` (one program per (row, KV head)) rather than
-    :func:`_combine_kernel` (one per query row): ``CONFIG["merge_heads"]`` 2 always, 0 never, 1 where there are at
-    least ``merge_heads_min`` (row, head) pairs per SM; shapes it serves: D = 128 (its R_V tile in registers), at most
-    16 query rows and 16 window splits per (row, head)."""
-    mode = int(cfg.get("merge_heads", 0))
-    if mode == 0 or d != 128 or m > 16 or s_win > 16:
-        return False
-    return mode == 2 or bh >= cfg.get("merge_heads_min", 0.5) * _device_sms(device)
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -1396,15 +1308,6 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         merge_warps = cfg.get("merge_warps") or (4 if many or d < 128 else 8)
         c_block = min(d, cfg.get("merge_cblock") or (32 if many or d > 128 else d))
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
-        if _combine_per_head(cfg, bh, m, d, s_tot - s_hist, dev):
-            _combine_head_kernel[(bh,)](
-                pm, pl, pacc, out, r_v, mu_v, m, hk, s_hist, s_tot,
-                D=d, M_PAD=_pow2_at_least(m, 1), S_STEP=cfg.get("merge_head_step", 8),
-                SW_PAD=_pow2_at_least(s_tot - s_hist, 1), HAS_MUV=mu_v is not None,
-                STAGES=cfg.get("merge_head_stages", 3), PDL=int(pdl), num_warps=cfg.get("merge_head_warps", 8),
-                **pdl_kw,
-            )
-            return out
         _combine_kernel[(bh * m,)](
             pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
             D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl),

@@ -375,39 +375,6 @@ def test_combine_merges_splits_in_several_blocks(monkeypatch, merge_block):
 
 
 @interp
-@pytest.mark.parametrize("step", [2, 8])
-@pytest.mark.parametrize(
-    "b,hk,m,n,w,mu",
-    [
-        (2, 2, 4, 600, 70, True),  # GQA 4, left padding, key mask, several history blocks at step 2
-        (1, 1, 8, 65, 320, False),  # GQA 8, the paper's window
-        (2, 1, 3, 300, 33, True),  # 3 rows (padded to 4)
-        (1, 2, 1, 0, 33, True),  # no history yet, MHA
-        (2, 1, 4, 100, 0, True),  # no window
-    ],
-)
-def test_combine_per_head(monkeypatch, step, b, hk, m, n, w, mu):
-    """The decode op's combine with one program per (row, KV head) (``merge_heads`` 2: R_V once per head, the merged
-    history rows rotated back by one tf32x3 product of 16 row copies) equals the reference, with the history partials
-    merged in blocks of ``step`` splits with a running max (the last split holds 30x key scales: the largest logits)."""
-    dt = _dt()
-    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "merge_heads": 2, "merge_head_step": step})
-    calls = []
-    real = dt._combine_head_kernel
-    monkeypatch.setattr(dt, "_combine_head_kernel", type("K", (), {
-        "__getitem__": lambda self, grid: (calls.append(grid), real[grid])[1]})())
-    args, gen = _window_case(b, hk, m, n, w, 128, 64, seed=n + w + m, mu=mu)
-    args["start"] = torch.tensor([0, 17][:b])
-    if n:
-        args["key_mask"] = torch.rand(b, 1, 1, n, generator=gen) > 0.1
-        args["k"].scale[:, :, n - 40:n - 20] *= 30
-    got = dt.decode_attention_triton(**args)
-    assert calls == [(b * hk,)], "the per-head combine did not run"
-    assert got.shape == (b, hk, m, 128)
-    assert rel_err(got, dt.decode_attention_reference(**args)) < 2e-5
-
-
-@interp
 @pytest.mark.parametrize("n_valid", [0, 1, 150, 299])
 def test_decode_attention_kernel_device_length(small_splits, n_valid):
     """Static cache: storage of capacity N, valid length read on the device, fixed split count:
@@ -576,7 +543,6 @@ _GLUON_VARIANTS = {
     "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 2},
     "pdl3": {"gluon_gsum": 1, "pdl": 3, "gluon_early": 1, "gluon_k8": 2},
     "pdl4": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "gluon_k8": 2},
-    "heads": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1, "merge_heads": 2, "gluon_stages": 4},
 }
 
 
@@ -588,7 +554,7 @@ def gluon_calls(request, monkeypatch):
     the window programs and the combine after the history; 4: 2 and the combine), with
     each way of feeding the history loop's full steps: loads to registers (gluon_stages 0) or through shared memory
     (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
-    logits on int8 tensor cores (gluon_k8); "heads": the decode op's combine with one program per (row, KV head)."""
+    logits on int8 tensor cores (gluon_k8)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
