@@ -65,3 +65,17 @@ e)
       --out "$OUT/profile_op_${GPU}_session16e.json" 2>&1 | grep -E "^B=|_kernel"
   ;;
 esac
+# (appended) After run e: pdl 3 / 4 (runs a, b: no gain, B=8/128K 220.0 / 221.9 vs 221.8 / 221.5 us) and
+# gluon_smem_l2pf (run c: slower) removed again. Run f (nvidia-h100-x1): the history kernel's 4 pipeline stages on the
+# H100 (profile against 2), and the kernel benchmark with them
+#   bash benchmarks/run_session16.sh f
+case "$1" in
+f)
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{"gluon_stages": 2}' '{"gluon_stages": 4}' --out "$OUT/profile_op_${GPU}_session16f.json" 2>&1 \
+      | grep -E "^B=|_hist"
+  timeout 200 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --config '{"gluon_stages": 4}' --out "$OUT/kernels_${GPU}_session16f.json" 2>&1 \
+      | tee "$OUT/bench_kernels_${GPU}_session16f.log" | tail -11
+  ;;
+esac

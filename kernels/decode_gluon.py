@@ -39,9 +39,9 @@ the kernel state its layouts, so here every operand is built in the registers th
   step, if the split does not end on a step boundary.
 * **The first loads before the query** (``EARLY``, ``CONFIG["gluon_early"]``): the split's bounds, the reference
   step's words and the first full steps' copies are issued before the query operands are built, so that their
-  memory latency overlaps the query's loads -- and, with ``PDL >= 2``, the launch before this one, which computes
-  the query (programmatic dependent launch: ``griddepcontrol.wait`` comes after those loads; ``decode_triton._launch``
-  says when that is safe). ``PDL`` 1, 3 and 4 also let the next launch start in this grid's tail.
+  memory latency overlaps the query's loads -- and, with ``PDL == 2``, the launch before this one, which computes the
+  query (programmatic dependent launch: ``griddepcontrol.wait`` comes after those loads; ``decode_triton._launch``
+  says when that is safe).
 
 Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets): key bytes ``[T, 32]`` (8 per row),
 value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``), logits ``[16, 8]`` float32 (rows ``r, r + 8``,
@@ -563,7 +563,7 @@ def _hist_kernel(
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
-    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0, SL2PF: gl.constexpr = 0,
+    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -572,10 +572,9 @@ def _hist_kernel(
     b = pid_bh // Hk
     h = pid_bh % Hk
     part = (pid_bh.to(gl.int64) * S_TOT + pid_s) * M
-    if PDL == 1 or PDL >= 3:  # programmatic dependent launch: the next launch may start (in this grid's tail)
+    if PDL == 1:  # programmatic dependent launch: let the window programs launch, wait for the query rotation
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
-    if PDL == 1:  # wait for the query rotation
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     if EARLY:
         # the split's first loads before anything that needs the query: the reference step's words into registers
@@ -589,7 +588,7 @@ def _hist_kernel(
             kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB,
                                                        STAGES)
             _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
-        if PDL >= 2:
+        if PDL == 2:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     # ---- query operands (once per program) ----
@@ -674,9 +673,6 @@ def _hist_kernel(
                 _sync()
                 _issue_copies(kbuf, vbuf, mbuf, (it + STAGES - 1) & (STAGES - 1), ck, cv, cm,
                               gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
-                if SL2PF > 0:  # and the lines of the step SL2PF steps past those copies into L2
-                    _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0 + (STAGES - 1 + SL2PF) * T,
-                                 hi, T)
                 st = it & (STAGES - 1)
                 xk = kbuf.index(st).load(KLOAD)
                 xv = vbuf.index(st).load(VLOAD)
@@ -784,7 +780,7 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, smem_l2pf=0):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -795,8 +791,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
         TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
-        STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
-        SL2PF=int(smem_l2pf) if stages else 0,
+        STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl == 2), K8=int(k8),
         num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )

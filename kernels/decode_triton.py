@@ -164,8 +164,7 @@ CONFIG = {
     "gluon_stages": 2,
     "gluon_splitk": 1,  # one key accumulator per plane (shorter MMA chains)
     "gluon_maxnreg": 168,  # ptxas register cap of the Gluon kernel
-    "gluon_l2pf": 1,  # Gluon kernel, register loads (gluon_stages 0): L2 prefetch this many steps ahead (0: off)
-    "gluon_smem_l2pf": 0,  # Gluon kernel, shared-memory pipeline: L2 prefetch this many steps past its copies (0: off)
+    "gluon_l2pf": 1,  # Gluon kernel: L2 prefetch this many steps ahead (0: off)
     # the value codes' offset (256 per code) removed by one MMA against a ones tile per group and token tile, the
     # column sums subtracted after the loop, instead of a -256 MMA after every value MMA (36 MMAs a step, not 48;
     # costs 40 bytes of spill at TB = 2). H200 graph time of the op: B=8/128K 308.7 -> 303.4 us, B=32/32K 339.6 ->
@@ -179,7 +178,7 @@ CONFIG = {
     # window kernel 9.8 -> 7.6 us, op 51.0 -> 48.8 us at 8K, 8.6 -> 6.7 us at 128K; profile_op_h200_session13e.json)
     "gluon_win_split": 32,
     "gluon_win_stages": 2,  # software-pipeline stages of the window steps in a window-only launch
-    # programmatic dependent launch of the Gluon path's launches (see _launch). 1 (all of them), off: it took the op alone from 66.5 to
+    # programmatic dependent launch of the Gluon path's launches (see _launch). Off: it took the op alone from 66.5 to
     # 63.7 us at B=1/128K and 311.2 to 308.7 at B=8/128K (H200, graph time, profile_op_h200_session11b.json), but made
     # the compiled StaticOscarCache decode step of a Qwen3-8B-shaped model at B=8 / 32K slower, 28.7 -> 30.1 ms per
     # token (generate_h200_b8_t32768_session11g*.json). 2 (the default since session 14): only between the rotation's
@@ -1216,14 +1215,11 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     # pdl 2: only the rotation's launch and the history kernel, which loads its first steps before it waits; only where
     # this call launches the rotation itself, right before the history (what the history reads before its wait must be
     # complete before the launch it overlaps)
-    # pdl 3: pdl 2, and the window programs a launch of their own after the history (which lets it launch at once, so
-    # that they run in its tail), then the combine, each under PDL: nothing but the query rotation before the history.
-    # pdl 4: pdl 2, and the combine under PDL (its launch in the history's tail)
     pdl_mode = int(cfg.get("pdl") or 0) if (glu is not None and s_hist and dev.type == "cuda"
                                             and torch.cuda.get_device_capability(dev)[0] >= 9) else 0
-    if pdl_mode >= 2 and rotate is None:
+    if pdl_mode == 2 and rotate is None:
         pdl_mode = 0
-    pdl = pdl_mode in (1, 3, 4)  # the launches after the history's
+    pdl = pdl_mode == 1
     pdl_kw = {"launch_pdl": True} if pdl else {}
 
     pm = torch.empty(bh, max(s_tot, 1), m, device=dev, dtype=torch.float32)
@@ -1241,18 +1237,17 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         if rotate is not None:
             qf_r, r_k_r, mu_k_r = rotate
             fp = cfg.get("fused_prologue", 1)  # 2: on the Triton path too (its window programs leave the history launch)
-            fused_pro = bool(s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)) and pdl_mode != 3)
-            if fused_pro or (pdl_mode == 3 and s_win):  # rotation (+ window programs): one launch (window query qf_r)
+            fused_pro = bool(s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)))
+            if fused_pro:  # rotation + window programs in one launch (the window's query is qf_r: see the caller)
                 c_rot = min(d, ROT_C_BLOCK)
-                _prologue_kernel[(bh, d // c_rot + (s_win if fused_pro else 0))](
+                _prologue_kernel[(bh, d // c_rot + s_win)](
                     qf_r, r_k_r, mu_k_r, q_rot, qk_offset, k_win, v_win, wmask, pm, pl, pacc,
                     m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rotation_strides(qf_r, mu_k_r),
-                    *(k_win.stride()[:3] if w else z3), *(v_win.stride()[:3] if w else z3),
+                    *k_win.stride()[:3], *v_win.stride()[:3],
                     *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
                     D=d, M_PAD=m_pad, M_PAD_ROT=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None,
                     HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
-                    WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode >= 2),
-                    num_warps=cfg["num_warps"],
+                    WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode == 2), num_warps=cfg["num_warps"],
                 )
             else:
                 launch_rotation(qf_r, r_k_r, mu_k_r, q_rot, qk_offset)
@@ -1262,8 +1257,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    float(scaling) * LOG2E, stages=int(cfg.get("gluon_stages", 2)),
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)), pdl=pdl_mode,
-                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist),
-                                   smem_l2pf=int(cfg.get("gluon_smem_l2pf", 0)))
+                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist))
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:

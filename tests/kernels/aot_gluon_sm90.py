@@ -5,7 +5,7 @@ signature ``launch_history`` passes at the benchmark shape (``D = 128``, ``G = 6
 metadata) for both token-set layouts (``TB = 2``: <= 4 query rows, ``TB = 1``: 5-8) and both ways of removing the value codes'
 offset (``GSUM``), with the default pipeline (``STAGES``) and, for ``GSUM = 1``, the register-load loop
 (``STAGES = 0``), each key path (``K8``: fp16 or int8 key MMAs; the register-load loop: fp16), under the default CONFIG otherwise (the split's first loads before the query's: ``EARLY`` from
-``CONFIG["gluon_early"]``, or ``$AOT_EARLY``; programmatic dependent launch compiled in, ``PDL`` of CONFIG (2 or 3) with it, else 1), and
+``CONFIG["gluon_early"]``, or ``$AOT_EARLY``; programmatic dependent launch compiled in, ``PDL`` 2 with it, else 1), and
 prints one JSON line each: registers, spilled bytes, shared memory, and the opcode counts of the hot loop (the
 innermost loop that holds the tensor-core ops).
 """
@@ -58,9 +58,7 @@ def main():
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_,
-                  "SL2PF": int(CONFIG.get("gluon_smem_l2pf", 0)) if st else 0,
-                  # programmatic dependent launch compiled in: the prologue of CONFIG's mode (1 without EARLY)
-                  "PDL": int(CONFIG["pdl"]) if early and CONFIG.get("pdl") in (2, 3) else 1}
+                  "PDL": 2 if early else 1}  # (programmatic dependent launch compiled in: its variant of the prologue)
         sig = {}
         for name in dg._hist_kernel.arg_names:
             if name in consts:

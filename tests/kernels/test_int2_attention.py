@@ -541,8 +541,6 @@ _GLUON_VARIANTS = {
     "fp16-keys": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 0},
     "k8": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2},
     "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 2},
-    "pdl3": {"gluon_gsum": 1, "pdl": 3, "gluon_early": 1, "gluon_k8": 2},
-    "pdl4": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "gluon_k8": 2},
 }
 
 
@@ -550,8 +548,7 @@ _GLUON_VARIANTS = {
 def gluon_calls(request, monkeypatch):
     """Counts the Gluon kernel's launches (so that a test fails if the dispatch silently took the Triton kernel); each
     test runs with both ways of removing the value codes' offset (CONFIG["gluon_gsum"]), with programmatic dependent
-    launch of the Gluon path's launches (CONFIG["pdl"] 1; 2: only rotation -> history, where the op rotates; 3: 2 and
-    the window programs and the combine after the history; 4: 2 and the combine), with
+    launch of the Gluon path's launches (CONFIG["pdl"] 1; 2: only rotation -> history, where the op rotates), with
     each way of feeding the history loop's full steps: loads to registers (gluon_stages 0) or through shared memory
     (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
     logits on int8 tensor cores (gluon_k8)."""
