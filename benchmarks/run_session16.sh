@@ -79,3 +79,16 @@ f)
       | tee "$OUT/bench_kernels_${GPU}_session16f.log" | tail -11
   ;;
 esac
+# (appended) run g: the final tree (4 pipeline stages where a split holds >= gluon_long_split tokens): the GPU tests of
+# the Gluon variants that take them (the defaults' stages), the StaticOscarCache GPU tests, the kernel benchmark
+#   bash benchmarks/run_session16.sh g
+case "$1" in
+g)
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" \
+      -k "gluon and (k8 or smem4 or early-pdl2)" --rootdir "$R" 2>&1 | tee "$OUT/tests_${GPU}_session16g.log" | tail -2
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/test_static_cache.py" --rootdir "$R" 2>&1 \
+      | tee -a "$OUT/tests_${GPU}_session16g.log" | tail -2
+  timeout 150 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session16g.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session16g.log" | tail -11
+  ;;
+esac

@@ -162,6 +162,11 @@ CONFIG = {
     # with an L2 prefetch): B=8/128K history kernel 247 -> 219 us with 2 stages, 219 with 4 (H200, session 12 run c;
     # a skewed 4-stage loop, the next step's logits beside this step's values, 224 us: dropped)
     "gluon_stages": 2,
+    # the same where a split is long (at least gluon_long_split tokens): 4 stages (3 steps of copies in flight) took the
+    # H200 history kernel from 198.9 to 195.8 us at B=8/128K and 195.4 to 191.2 at B=32/32K (graph time of the op
+    # 221.3 -> 217.9, 235.6 -> 231.7), but short splits pay for the longer pipeline start (B=8/8K op 46.2 -> 47.0 us)
+    # (benchmarks/results/profile_op_h200_session16{c,d,e}.json); the H100 is indifferent (profile_op_h100_session16f)
+    "gluon_stages_long": 4,
     "gluon_splitk": 1,  # one key accumulator per plane (shorter MMA chains)
     "gluon_maxnreg": 168,  # ptxas register cap of the Gluon kernel
     "gluon_l2pf": 1,  # Gluon kernel: L2 prefetch this many steps ahead (0: off)
@@ -198,9 +203,9 @@ CONFIG = {
     # (hi + lo / 254: 15 bits of each group's largest entry). 324 instead of 374 instructions per 32-token step
     # (sm_90 SASS, Triton 3.9), but a longer setup (the query's int8 split): H200 history kernel B=8/128K 217.4 ->
     # 201.1 us, B=32/32K 216.1 -> 195.9, but B=1/128K (21 steps a program) 36.5 -> 38.4, B=8/8K 22.8 -> 24.3
-    # (profile_op_h200_session15b.json). 1: where a program has at least gluon_k8_min_split tokens; 2: always; 0: never
+    # (profile_op_h200_session15b.json). 1: where a split is long (gluon_long_split); 2: always; 0: never
     "gluon_k8": 1,
-    "gluon_k8_min_split": 2048,
+    "gluon_long_split": 2048,  # history tokens of a split from which the Gluon kernel's long-split choices apply
 }
 
 
@@ -1061,12 +1066,26 @@ def num_splits(n: int, bh: int, device: torch.device, cfg=None, static: bool = F
 _LOOPS = {"dequant": 0, "factored": 1, "rowdot": 2, "deferred": 3}
 
 
+def _long_splits(cfg, n: int, s_hist: int) -> bool:
+    """Whether ``n`` history tokens in ``s_hist`` splits (per (row, head)) make splits of at least
+    ``CONFIG["gluon_long_split"]`` tokens."""
+    return n >= max(s_hist, 1) * cfg.get("gluon_long_split", 0)
+
+
 def gluon_k8(cfg, n: int, s_hist: int) -> int:
     """Whether the Gluon kernel takes its int8 key path for ``n`` history tokens in ``s_hist`` splits (per (row, head)):
-    ``CONFIG["gluon_k8"]`` 2 always, 0 never, 1 where a split has at least ``gluon_k8_min_split`` tokens (its setup,
-    the query's int8 split, costs more than the fp16 path's: it pays back over a long split only)."""
+    ``CONFIG["gluon_k8"]`` 2 always, 0 never, 1 where the splits are long (its setup, the query's int8 split, costs
+    more than the fp16 path's: it pays back over a long split only)."""
     mode = int(cfg.get("gluon_k8", 0))
-    return int(mode == 2 or (mode == 1 and n >= max(s_hist, 1) * cfg.get("gluon_k8_min_split", 0)))
+    return int(mode == 2 or (mode == 1 and _long_splits(cfg, n, s_hist)))
+
+
+def gluon_stages(cfg, n: int, s_hist: int) -> int:
+    """The Gluon kernel's pipeline stages for ``n`` history tokens in ``s_hist`` splits: ``CONFIG["gluon_stages_long"]``
+    where the splits are long (and it is set), else ``CONFIG["gluon_stages"]``."""
+    if cfg.get("gluon_stages_long") and _long_splits(cfg, n, s_hist):
+        return int(cfg["gluon_stages_long"])
+    return int(cfg.get("gluon_stages", 2))
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -1254,7 +1273,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         if glu is not None:  # history on the Gluon kernel; this file's kernel runs the window programs only
             if s_hist:
                 glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len,
-                                   float(scaling) * LOG2E, stages=int(cfg.get("gluon_stages", 2)),
+                                   float(scaling) * LOG2E, stages=gluon_stages(cfg, n, s_hist),
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)), pdl=pdl_mode,
                                    early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist))
@@ -1404,5 +1423,5 @@ from .int2_attention import decode_attention  # noqa: E402  (the dispatcher: ker
 __all__ = [
     "CONFIG", "history_partial_triton", "decode_attention_triton", "decode_attention_rotating_triton",
     "decode_attention_reference",
-    "decode_attention", "num_splits", "resident_programs", "kernel_supported", "gluon_k8",
+    "decode_attention", "num_splits", "resident_programs", "kernel_supported", "gluon_k8", "gluon_stages",
 ]

@@ -2,10 +2,11 @@
 
 Run as a script with ``TRITON_INTERPRET`` unset (``test_compile_sm90.py`` does): compiles ``_hist_kernel`` with the
 signature ``launch_history`` passes at the benchmark shape (``D = 128``, ``G = 64``, code rows of 32 bytes, bf16
-metadata) for both token-set layouts (``TB = 2``: <= 4 query rows, ``TB = 1``: 5-8) and both ways of removing the value codes'
-offset (``GSUM``), with the default pipeline (``STAGES``) and, for ``GSUM = 1``, the register-load loop
-(``STAGES = 0``), each key path (``K8``: fp16 or int8 key MMAs; the register-load loop: fp16), under the default CONFIG otherwise (the split's first loads before the query's: ``EARLY`` from
-``CONFIG["gluon_early"]``, or ``$AOT_EARLY``; programmatic dependent launch compiled in, ``PDL`` 2 with it, else 1), and
+metadata) for both token-set layouts (``TB = 2``: <= 4 query rows, ``TB = 1``: 5-8), both ways of removing the value
+codes' offset (``GSUM``), each key path (``K8``: fp16 or int8 key MMAs) and the default pipelines (``STAGES``: of
+short and of long splits), and, for ``GSUM = 1``, the register-load loop (``STAGES = 0``, fp16 keys), under the
+default CONFIG otherwise (the split's first loads before the query's: ``EARLY`` from ``CONFIG["gluon_early"]``, or
+``$AOT_EARLY``; programmatic dependent launch compiled in, ``PDL`` 2 with it, else 1), and
 prints one JSON line each: registers, spilled bytes, shared memory, and the opcode counts of the hot loop (the
 innermost loop that holds the tensor-core ops).
 """
@@ -49,8 +50,10 @@ def main():
     ints = "N M Hk S S_TOT split_len".split()
     strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
     stages = int(CONFIG["gluon_stages"])
-    # both key paths (fp16 / int8 key MMAs: CONFIG["gluon_k8"] picks one per call)
-    cases = [(tb, gsum, stages, k8) for k8 in (0, 1) for gsum in (0, 1) for tb in (2, 1)]
+    # both key paths (fp16 / int8 key MMAs: CONFIG["gluon_k8"] picks one per call) with both pipelines (short and long
+    # splits: CONFIG["gluon_stages"], ["gluon_stages_long"])
+    pipes = sorted({stages, int(CONFIG.get("gluon_stages_long") or stages)})
+    cases = [(tb, gsum, st, k8) for st in pipes for k8 in (0, 1) for gsum in (0, 1) for tb in (2, 1)]
     if stages:
         cases += [(2, 1, 0, 0), (1, 1, 0, 0)]  # the register-load loop too (fp16 keys)
     early = int(os.environ.get("AOT_EARLY", CONFIG.get("gluon_early", 0)))

@@ -297,11 +297,15 @@ def test_num_splits_and_empty_history():
     assert torch.isinf(m).all() and (l == 0).all() and (acc == 0).all()
 
 
-def test_gluon_int8_key_path_choice():
-    """CONFIG["gluon_k8"]: 0 never, 2 always, 1 only where a split holds at least gluon_k8_min_split tokens (the int8
-    query's longer setup measured slower over short splits: B=1/128K, B=8/8K)."""
+def test_gluon_long_split_choices():
+    """CONFIG["gluon_k8"]: 0 never, 2 always, 1 only where a split holds at least gluon_long_split tokens (the int8
+    query's longer setup measured slower over short splits: B=1/128K, B=8/8K); the pipeline's stages likewise
+    (gluon_stages_long there, gluon_stages elsewhere or when it is unset)."""
     dt = _dt()
-    cfg = {"gluon_k8": 1, "gluon_k8_min_split": 2048}
+    cfg = {"gluon_k8": 1, "gluon_long_split": 2048, "gluon_stages": 2, "gluon_stages_long": 4}
+    assert dt.gluon_stages(cfg, 131072, 195) == 2 and dt.gluon_stages(cfg, 131072, 24) == 4
+    assert dt.gluon_stages(cfg, 2048, 1) == 4 and dt.gluon_stages(cfg, 2047, 1) == 2
+    assert dt.gluon_stages({**cfg, "gluon_stages_long": None}, 131072, 24) == 2
     assert dt.gluon_k8(cfg, 131072, 195) == 0  # B=1/128K: 672 tokens a split
     assert dt.gluon_k8(cfg, 131072, 24) == 1  # B=8/128K: 5461
     assert dt.gluon_k8(cfg, 2048, 1) == 1 and dt.gluon_k8(cfg, 2047, 1) == 0 and dt.gluon_k8(cfg, 2048, 0) == 1
