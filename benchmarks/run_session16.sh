@@ -92,3 +92,12 @@ g)
       --out "$OUT/kernels_${GPU}_session16g.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session16g.log" | tail -11
   ;;
 esac
+# (appended) run h (nvidia-h100-x1): the kernel benchmark of the final tree on the H100 (run f's had 4 stages for every
+# split)
+#   bash benchmarks/run_session16.sh h
+case "$1" in
+h)
+  timeout 150 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session16h.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session16h.log" | tail -11
+  ;;
+esac
