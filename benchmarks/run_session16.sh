@@ -101,3 +101,16 @@ h)
       --out "$OUT/kernels_${GPU}_session16h.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session16h.log" | tail -11
   ;;
 esac
+# (appended) run i: the combine's loads hoisted (merge_hoist: window partials and R_V's first chunk with the history
+# partials, each next R_V chunk ahead of its use): its GPU tests, the profile with it and variants
+#   bash benchmarks/run_session16.sh i
+case "$1" in
+i)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" \
+      -k "gluon and hoist" --rootdir "$R" 2>&1 | tee "$OUT/tests_${GPU}_session16i.log" | tail -2
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+      --configs '{}' '{"merge_hoist": 1}' '{"merge_hoist": 1, "merge_warps": 8}' \
+      '{"merge_hoist": 1, "merge_cblock": 64}' '{"merge_hoist": 1, "merge_cblock": 32}' \
+      --out "$OUT/profile_op_${GPU}_session16i.json" 2>&1 | grep -E "^B=|_kernel"
+  ;;
+esac

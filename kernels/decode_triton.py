@@ -134,6 +134,11 @@ CONFIG = {
     # the same where the combine has fewer programs than SMs (8 warps each, B=1 at Hk=8: ~200 splits a row): all of a
     # row's splits in one round (H100, B=1/128K: combine 9.9 -> 8.6 us, op 65.5 -> 64.4; profile_op_h100_session14a.json)
     "merge_block_few": 256,
+    # combine kernel (decode op), R_V in chunks: the window partials and R_V's first chunk loaded with the history
+    # partials, each next chunk before the one before it is used (HOIST in _combine_kernel), where there are at most
+    # merge_hoist_win window splits a row
+    "merge_hoist": 0,
+    "merge_hoist_win": 16,
     "merge_warps": None,  # combine kernel (decode op): warps per program (None: automatic, see _launch)
     "merge_cblock": None,  # combine kernel (decode op): output channels per un-rotation step (None: automatic)
     # smallest query-row tile (power of two). 8 halves the deferred loop's registers (238 -> 128, 4 programs per SM
@@ -916,7 +921,7 @@ def _prologue_kernel(
 def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
-    PDL: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
 
@@ -930,7 +935,12 @@ def _combine_kernel(
     Latency, not bandwidth, sets this kernel's time (a few programs per SM, each a chain of dependent
     loads; 10 us of a 46 us B=1 op before session 7): the history is merged in ONE pass with a running
     max (one round of loads when ``S_HIST <= S_BLOCK``), and with ``C_BLOCK == D`` the whole ``R_V[h]``
-    is loaded first, so its latency overlaps the partials' loads."""
+    is loaded first, so its latency overlaps the partials' loads.
+
+    ``HOIST`` (FINAL, ``C_BLOCK < D``, at most ``SW_BLOCK`` window splits): one round of loads before the merge -- the
+    history partials, all window partials (``[SW_BLOCK, D]``) and ``R_V``'s first chunk -- and each further chunk's
+    load issued before the chunk before it is used, instead of a round for the window's max, then per chunk one for
+    ``R_V`` and the window's rows."""
     row = tl.program_id(0)  # = bh * M + mm
     bh = row // M
     mm = row % M
@@ -940,8 +950,16 @@ def _combine_kernel(
     base = bh.to(tl.int64) * S_TOT * M + mm  # partial (bh, s, mm) lives at base + s * M
     if FINAL and C_BLOCK == D:
         r_all = tl.load(RV + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # issued before the partials
+    if FINAL and HOIST:
+        r_next = tl.load(RV + h * D * D + tl.arange(0, C_BLOCK)[:, None] * D + offs_d[None, :])  # R_V's chunk 0
     if PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
         gdc_wait()
+    if FINAL and HOIST:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
+        offs_w = S_HIST + tl.arange(0, SW_BLOCK)
+        wm = offs_w < S_TOT
+        pm_w = tl.load(PM + base + offs_w * M, mask=wm, other=float("-inf"))
+        pl_w = tl.load(PL + base + offs_w * M, mask=wm, other=0.0)
+        a_w = tl.load(PACC + (base + offs_w[:, None] * M) * D + offs_d[None, :], mask=wm[:, None], other=0.0)
     # history splits: online log-sum-exp (log2 units), blocks of S_BLOCK splits
     m_h = tl.max(tl.full((S_BLOCK,), float("-inf"), tl.float32), 0)
     l_h = tl.sum(tl.zeros((S_BLOCK,), tl.float32), 0)
@@ -958,7 +976,32 @@ def _combine_kernel(
         l_h = l_h * alpha + tl.sum(w * pl, 0)
         acc = acc * alpha + tl.sum(w[:, None] * a, 0)
         m_h = m_new
-    if FINAL:
+    if FINAL and HOIST:
+        # window (value space): its max, sum and weighted row [D] from the hoisted partials
+        m_w = tl.max(pm_w, 0)
+        w_w = tl.exp2(pm_w - tl.where(m_w == float("-inf"), 0.0, m_w))
+        l_w = tl.sum(w_w * pl_w, 0)
+        o_w = tl.reshape(tl.sum(w_w[:, None] * a_w, 0), (D // C_BLOCK, C_BLOCK))  # [chunk, C_BLOCK]
+        m = tl.maximum(m_h, m_w)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w_h = tl.exp2(m_h - m_safe)
+        ww = tl.exp2(m_w - m_safe)
+        lh = w_h * l_h
+        l_tot = lh + l_w * ww
+        inv = tl.where(l_tot > 0, 1.0 / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
+        acc = acc * w_h
+        for ci in tl.static_range(D // C_BLOCK):
+            offs_c = ci * C_BLOCK + tl.arange(0, C_BLOCK)
+            r = r_next
+            if ci + 1 < D // C_BLOCK:  # the next chunk's load in flight while this one is used
+                r_next = tl.load(RV + h * D * D + (offs_c + C_BLOCK)[:, None] * D + offs_d[None, :])
+            o = tl.sum(r * acc[None, :], 1)
+            if HAS_MUV:
+                o += lh * tl.load(MUV + h * D + offs_c)
+            # this chunk of the window's row (a masked sum over the chunk axis: no slicing of register tensors)
+            o += ww * tl.sum(tl.where(tl.arange(0, D // C_BLOCK)[:, None] == ci, o_w, 0.0), 0)
+            tl.store(OACC + row.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
+    elif FINAL:
         # window splits (value space): their max and sum in one online pass; their acc rows per output chunk below
         m_w = tl.max(tl.full((S_BLOCK,), float("-inf"), tl.float32), 0)
         l_w = tl.sum(tl.zeros((S_BLOCK,), tl.float32), 0)
@@ -1321,10 +1364,12 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         merge_warps = cfg.get("merge_warps") or (4 if many or d < 128 else 8)
         c_block = min(d, cfg.get("merge_cblock") or (32 if many or d > 128 else d))
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
+        hoist = bool(cfg.get("merge_hoist")) and c_block < d and s_tot - s_hist <= cfg.get("merge_hoist_win", 16)
         _combine_kernel[(bh * m,)](
             pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
             D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl),
-            num_warps=merge_warps, **pdl_kw,
+            HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, num_warps=merge_warps,
+            **pdl_kw,
         )
         return out
     om = torch.empty(b, hk, m, device=dev, dtype=torch.float32)

@@ -379,6 +379,38 @@ def test_combine_merges_splits_in_several_blocks(monkeypatch, merge_block):
 
 
 @interp
+@pytest.mark.parametrize("cblock", [16, 32])
+@pytest.mark.parametrize(
+    "b,hk,m,n,w,d,mu",
+    [
+        (2, 2, 4, 600, 70, 64, True),  # GQA 4, left padding, key mask, 3 window splits
+        (1, 1, 8, 65, 320, 128, False),  # GQA 8, the paper's window (10 window splits of 32)
+        (1, 2, 3, 0, 33, 64, True),  # no history yet
+        (2, 1, 4, 100, 0, 128, True),  # no window
+    ],
+)
+def test_combine_hoisted_loads(monkeypatch, cblock, b, hk, m, n, w, d, mu):
+    """The decode op's combine with its loads hoisted (``merge_hoist``: the window partials and R_V's first chunk with
+    the history partials, each next chunk ahead of its use, the window row's chunk picked by a masked sum) equals the
+    reference; the last history split holds 30x key scales (the largest logits)."""
+    dt = _dt()
+    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "win_split": 32, "merge_hoist": 1,
+                                       "merge_cblock": cblock})
+    hoisted = []
+    real = dt._combine_kernel
+    monkeypatch.setattr(dt, "_combine_kernel", type("K", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **kw: (hoisted.append(kw["HOIST"]), real[grid](*a, **kw))[1])})())
+    args, gen = _window_case(b, hk, m, n, w, d, 64 if d == 128 else 32, seed=n + w + m, mu=mu)
+    args["start"] = torch.tensor([0, 17][:b])
+    if n:
+        args["key_mask"] = torch.rand(b, 1, 1, n, generator=gen) > 0.1
+        args["k"].scale[:, :, n - 40:n - 20] *= 30
+    got = dt.decode_attention_triton(**args)
+    assert hoisted == [1], "the hoisted combine did not run"
+    assert rel_err(got, dt.decode_attention_reference(**args)) < 2e-5
+
+
+@interp
 @pytest.mark.parametrize("n_valid", [0, 1, 150, 299])
 def test_decode_attention_kernel_device_length(small_splits, n_valid):
     """Static cache: storage of capacity N, valid length read on the device, fixed split count:
@@ -545,6 +577,7 @@ _GLUON_VARIANTS = {
     "fp16-keys": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 0},
     "k8": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2},
     "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 2},
+    "hoist": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1, "merge_hoist": 1, "merge_cblock": 32},
 }
 
 
@@ -555,7 +588,7 @@ def gluon_calls(request, monkeypatch):
     launch of the Gluon path's launches (CONFIG["pdl"] 1; 2: only rotation -> history, where the op rotates), with
     each way of feeding the history loop's full steps: loads to registers (gluon_stages 0) or through shared memory
     (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
-    logits on int8 tensor cores (gluon_k8)."""
+    logits on int8 tensor cores (gluon_k8); "hoist": the decode op's combine with its loads hoisted (merge_hoist)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
