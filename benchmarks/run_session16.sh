@@ -114,3 +114,26 @@ i)
       --out "$OUT/profile_op_${GPU}_session16i.json" 2>&1 | grep -E "^B=|_kernel"
   ;;
 esac
+# (appended) run j: the final tree (combine loads hoisted, R_V in 64-row chunks, by default): the GPU decode-op tests
+# (Triton path and the Gluon variants k8, k8-regs, hoist, pdl-less ones), the StaticOscarCache GPU test, the kernel
+# benchmark
+#   bash benchmarks/run_session16.sh j
+case "$1" in
+j)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" --rootdir "$R" \
+      -k "(decode_op or decode_attention) and not (negmma or gsum or smem4 or early or fp16)" 2>&1 \
+      | tee "$OUT/tests_${GPU}_session16j.log" | tail -2
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/test_static_cache.py" --rootdir "$R" 2>&1 \
+      | tee -a "$OUT/tests_${GPU}_session16j.log" | tail -2
+  timeout 150 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session16j.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session16j.log" | tail -11
+  ;;
+esac
+# (appended) run k (nvidia-h100-x1): the kernel benchmark of the final tree on the H100
+#   bash benchmarks/run_session16.sh k
+case "$1" in
+k)
+  timeout 150 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session16k.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session16k.log" | tail -11
+  ;;
+esac

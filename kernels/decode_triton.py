@@ -136,8 +136,11 @@ CONFIG = {
     "merge_block_few": 256,
     # combine kernel (decode op), R_V in chunks: the window partials and R_V's first chunk loaded with the history
     # partials, each next chunk before the one before it is used (HOIST in _combine_kernel), where there are at most
-    # merge_hoist_win window splits a row
-    "merge_hoist": 0,
+    # merge_hoist_win window splits a row and D <= 128; with it R_V in 64-row chunks at D = 128 (merge_cblock None).
+    # H200, combine / graph time of the op (benchmarks/results/profile_op_h200_session16i.json): B=8/128K 11.2 -> 7.0
+    # us / 215.7 -> 212.1, B=8/8K 10.8 -> 6.0 / 46.7 -> 42.2, B=1/128K 8.2 -> 6.7 / 51.0 -> 51.1, B=32/32K 15.2 -> 15.2
+    # / 229.1 -> 229.1 (32-row chunks: 7.4, 7.1, 7.8, 15.8 us)
+    "merge_hoist": 1,
     "merge_hoist_win": 16,
     "merge_warps": None,  # combine kernel (decode op): warps per program (None: automatic, see _launch)
     "merge_cblock": None,  # combine kernel (decode op): output channels per un-rotation step (None: automatic)
@@ -1362,9 +1365,11 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         # B=1 (32 rows) 9.2 -> 9.9 us: not there)
         many = not few and dev.type == "cuda"
         merge_warps = cfg.get("merge_warps") or (4 if many or d < 128 else 8)
-        c_block = min(d, cfg.get("merge_cblock") or (32 if many or d > 128 else d))
+        c_block = min(d, cfg.get("merge_cblock") or (
+            64 if cfg.get("merge_hoist") and d == 128 else (32 if many or d > 128 else d)))
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
-        hoist = bool(cfg.get("merge_hoist")) and c_block < d and s_tot - s_hist <= cfg.get("merge_hoist_win", 16)
+        hoist = (bool(cfg.get("merge_hoist")) and c_block < d <= 128
+                 and s_tot - s_hist <= cfg.get("merge_hoist_win", 16))
         _combine_kernel[(bh * m,)](
             pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
             D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl),
@@ -1377,7 +1382,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     oacc = torch.empty(b, hk, m, d, device=dev, dtype=torch.float32)
     _combine_kernel[(bh * m,)](
         pm, pl, pacc, om, ol, oacc, None, None, m, hk, s_tot, s_tot,
-        D=d, S_BLOCK=s_block, C_BLOCK=min(d, 32), FINAL=False, HAS_MUV=False, PDL=int(pdl), num_warps=4, **pdl_kw,
+        D=d, S_BLOCK=s_block, C_BLOCK=min(d, 32), FINAL=False, HAS_MUV=False, PDL=int(pdl), HOIST=0, SW_BLOCK=1,
+        num_warps=4, **pdl_kw,
     )
     return om, ol, oacc
 

@@ -161,12 +161,16 @@ def main():
         grid, args, kw = comb.calls[i]
         print(json.dumps({"kernel": "combine", "case": labels[i], **compile_call(comb.fn, args, kw, cuda_kw)}))
     # the decode op's combine as an H200 launches it with the Gluon history: few programs (B=1: 208 splits, blocks of
-    # CONFIG["merge_block"], 8 warps, the whole R_V) and many (B=32: 9 splits, 4 warps, R_V in 32-row chunks)
+    # CONFIG["merge_block"], 8 warps) and many (B=8: 49 splits, B=32: 9; 4 warps), R_V whole or in chunks, with the
+    # loads hoisted (merge_hoist: the window's 10 partials of 32 tokens, R_V in 64-row chunks) or not
     grid, args, kw = comb.calls[0]
-    for s_block, warps, c_block in ((dt.CONFIG["merge_block"], 8, 128), (16, 4, 32)):
-        kw2 = {**kw, "S_BLOCK": s_block, "C_BLOCK": c_block, "num_warps": warps}
-        print(json.dumps({"kernel": "combine", "case": f"decode op s_block={s_block} warps={warps} c_block={c_block}",
-                          **compile_call(comb.fn, args, kw2, cuda_kw)}))
+    assert kw["FINAL"], kw
+    for s_block, warps, c_block, hoist in ((dt.CONFIG["merge_block"], 8, 128, 0), (16, 4, 32, 0),
+                                           (dt.CONFIG["merge_block_few"], 8, 64, 1), (64, 4, 64, 1), (16, 4, 64, 1)):
+        kw2 = {**kw, "S_BLOCK": s_block, "C_BLOCK": c_block, "num_warps": warps, "HOIST": hoist,
+               "SW_BLOCK": 16 if hoist else 1}
+        print(json.dumps({"kernel": "combine", "case": f"decode op s_block={s_block} warps={warps} c_block={c_block}"
+                          f" hoist={hoist}", **compile_call(comb.fn, args, kw2, cuda_kw)}))
     for grid, args, kw in rotq.calls:
         print(json.dumps({"kernel": "rotate_query", "case": f"d={kw['D']} m_pad={kw['M_PAD']}",
                           **compile_call(rotq.fn, args, kw, cuda_kw)}))
