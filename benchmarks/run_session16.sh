@@ -137,3 +137,15 @@ k)
       --out "$OUT/kernels_${GPU}_session16k.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session16k.log" | tail -11
   ;;
 esac
+# (appended) run l: run j's kernel benchmark again at 128K (B=8 was 0.9 us over 4.5x of SDPA; the run-to-run spread of
+# the graph times is about that much), twice
+#   bash benchmarks/run_session16.sh l
+case "$1" in
+l)
+  for rep in 1 2; do
+    timeout 120 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 131072 \
+        --out "$OUT/kernels_${GPU}_session16l${rep}.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session16l${rep}.log" \
+        | tail -4
+  done
+  ;;
+esac
