@@ -149,3 +149,13 @@ l)
   done
   ;;
 esac
+# (appended) run m: B=32/128K was slower in runs j, l (4.63-4.74x vs 4.96x in run g): the profile with and without the
+# hoisted combine there and at B=8/128K
+#   bash benchmarks/run_session16.sh m
+case "$1" in
+m)
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 32x131072,8x131072,32x32768 --iters 10 \
+      --configs '{}' '{"merge_hoist": 0}' '{"merge_cblock": 32}' --out "$OUT/profile_op_${GPU}_session16m.json" 2>&1 \
+      | grep -E "^B=|_kernel"
+  ;;
+esac
