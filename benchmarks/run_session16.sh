@@ -159,3 +159,13 @@ m)
       | grep -E "^B=|_kernel"
   ;;
 esac
+# (appended) run n: the prologue's window programs of 64 tokens (5 a row and head at B=8 instead of 10 of 32), with and
+# without their software pipeline, against the default, 20 iterations
+#   bash benchmarks/run_session16.sh n
+case "$1" in
+n)
+  timeout 250 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,1x131072,8x8192,32x32768 --iters 20 \
+      --configs '{}' '{"gluon_win_split": 64}' '{"gluon_win_split": 64, "gluon_win_stages": 1}' \
+      --out "$OUT/profile_op_${GPU}_session16n.json" 2>&1 | grep -E "^B=|_prologue"
+  ;;
+esac
