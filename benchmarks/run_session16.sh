@@ -169,3 +169,14 @@ n)
       --out "$OUT/profile_op_${GPU}_session16n.json" 2>&1 | grep -E "^B=|_prologue"
   ;;
 esac
+# (appended) run o: the final tree (window programs of 64 tokens on the Gluon path): the Gluon decode-op GPU tests of the
+# default-pipeline variants, the kernel benchmark
+#   bash benchmarks/run_session16.sh o
+case "$1" in
+o)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" --rootdir "$R" \
+      -k "gluon and decode_op and (k8 or early-pdl2 or hoist)" 2>&1 | tee "$OUT/tests_${GPU}_session16o.log" | tail -2
+  timeout 150 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session16o.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session16o.log" | tail -11
+  ;;
+esac

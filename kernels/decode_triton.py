@@ -189,7 +189,9 @@ CONFIG = {
     # the critical path (H200, B=1/128K: 9.7 -> 3.9 us; B=32/32K, 2560 programs of 32 tokens: 24.7 -> 31.7 us, so not
     # there; benchmarks/results/profile_op_h200_session11a.json). Up to 8 per SM since session 13 (B=8, 640 programs:
     # window kernel 9.8 -> 7.6 us, op 51.0 -> 48.8 us at 8K, 8.6 -> 6.7 us at 128K; profile_op_h200_session13e.json)
-    "gluon_win_split": 32,
+    # 64 since session 16 (B=8: 5 programs a row and head, not 10): H200 prologue B=8/128K 10.6 -> 9.7 us, op 212.1 ->
+    # 210.8, B=8/8K 42.2 -> 40.1, B=1/128K 51.2 -> 51.2 (benchmarks/results/profile_op_h200_session16n.json)
+    "gluon_win_split": 64,
     "gluon_win_stages": 2,  # software-pipeline stages of the window steps in a window-only launch
     # programmatic dependent launch of the Gluon path's launches (see _launch). Off: it took the op alone from 66.5 to
     # 63.7 us at B=1/128K and 311.2 to 308.7 at B=8/128K (H200, graph time, profile_op_h200_session11b.json), but made
