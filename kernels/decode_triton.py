@@ -1364,7 +1364,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         # combine programs (one per query row): few -> 8 warps, the whole R_V[h] loaded with the partials; many (at
         # least one per SM) -> 4 warps, R_V in 32-row chunks, so that more programs fit an SM (H200: B=32/32K 31 -> 18
         # us, the op 330 -> 317 us, session 11 run d; B=8/128K 13.8 -> 9.9 us, the op 245.7 -> 241.9, session 13 run a;
-        # B=1 (32 rows) 9.2 -> 9.9 us: not there)
+        # B=1 (32 rows) 9.2 -> 9.9 us: not there). Since session 16 (merge_hoist) R_V in 64-row chunks for both at
+        # D = 128, the next chunk's load ahead of its use
         many = not few and dev.type == "cuda"
         merge_warps = cfg.get("merge_warps") or (4 if many or d < 128 else 8)
         c_block = min(d, cfg.get("merge_cblock") or (
