@@ -180,3 +180,13 @@ o)
       --out "$OUT/kernels_${GPU}_session16o.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session16o.log" | tail -11
   ;;
 esac
+# (appended) run p: after the review's refactor of the combine (one helper for the history/window merge weights of both
+# FINAL branches): the decode-op GPU tests of the Gluon variants k8 and hoist, and of the Triton path
+#   bash benchmarks/run_session16.sh p
+case "$1" in
+p)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" --rootdir "$R" \
+      -k "(gluon and decode_op and (k8 or hoist)) or decode_attention_real_shapes" 2>&1 \
+      | tee "$OUT/tests_${GPU}_session16p.log" | tail -2
+  ;;
+esac

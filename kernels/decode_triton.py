@@ -923,6 +923,20 @@ def _prologue_kernel(
 
 
 @triton.jit
+def _history_window_weights(m_h, l_h, m_w, l_w):
+    """The decode op's final merge of the history's ``(m_h, l_h)`` and the window's ``(m_w, l_w)`` (log2 units):
+    ``(m_safe, w_h, w_w, w_h l_h, 1 / l_tot)`` with ``w = exp2(m_part - m)``, ``m_safe`` = the joint max (0 when both
+    are -inf) and ``1 / l_tot`` 0 for a row without any valid key."""
+    m = tl.maximum(m_h, m_w)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w_h = tl.exp2(m_h - m_safe)
+    w_w = tl.exp2(m_w - m_safe)
+    lh = w_h * l_h
+    l_tot = lh + l_w * w_w
+    return m_safe, w_h, w_w, lh, tl.where(l_tot > 0, 1.0 / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
+
+
+@triton.jit
 def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
@@ -987,13 +1001,7 @@ def _combine_kernel(
         w_w = tl.exp2(pm_w - tl.where(m_w == float("-inf"), 0.0, m_w))
         l_w = tl.sum(w_w * pl_w, 0)
         o_w = tl.reshape(tl.sum(w_w[:, None] * a_w, 0), (D // C_BLOCK, C_BLOCK))  # [chunk, C_BLOCK]
-        m = tl.maximum(m_h, m_w)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w_h = tl.exp2(m_h - m_safe)
-        ww = tl.exp2(m_w - m_safe)
-        lh = w_h * l_h
-        l_tot = lh + l_w * ww
-        inv = tl.where(l_tot > 0, 1.0 / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
+        m_safe, w_h, ww, lh, inv = _history_window_weights(m_h, l_h, m_w, l_w)
         acc = acc * w_h
         for ci in tl.static_range(D // C_BLOCK):
             offs_c = ci * C_BLOCK + tl.arange(0, C_BLOCK)
@@ -1018,12 +1026,7 @@ def _combine_kernel(
             l_w = l_w * tl.exp2(m_w - m_safe) + tl.sum(tl.exp2(pm - m_safe) * tl.load(PL + base + (s0 + offs_s) * M,
                                                                                    mask=sm, other=0.0), 0)
             m_w = m_new
-        m = tl.maximum(m_h, m_w)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w_h = tl.exp2(m_h - m_safe)
-        lh = w_h * l_h
-        l_tot = lh + l_w * tl.exp2(m_w - m_safe)
-        inv = tl.where(l_tot > 0, 1.0 / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
+        m_safe, w_h, ww, lh, inv = _history_window_weights(m_h, l_h, m_w, l_w)
         acc = acc * w_h
         for c0 in tl.static_range(0, D, C_BLOCK):
             offs_c = c0 + tl.arange(0, C_BLOCK)

@@ -588,7 +588,8 @@ def gluon_calls(request, monkeypatch):
     launch of the Gluon path's launches (CONFIG["pdl"] 1; 2: only rotation -> history, where the op rotates), with
     each way of feeding the history loop's full steps: loads to registers (gluon_stages 0) or through shared memory
     (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
-    logits on int8 tensor cores (gluon_k8); "hoist": the decode op's combine with its loads hoisted (merge_hoist)."""
+    logits on int8 tensor cores (gluon_k8); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
+    with R_V in 32-row chunks instead of the default 64."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
