@@ -39,9 +39,9 @@ the kernel state its layouts, so here every operand is built in the registers th
   step, if the split does not end on a step boundary.
 * **The first loads before the query** (``EARLY``, ``CONFIG["gluon_early"]``): the split's bounds, the reference
   step's words and the first full steps' copies are issued before the query operands are built, so that their
-  memory latency overlaps the query's loads -- and, with ``PDL == 2``, the launch before this one, which computes the
+  memory latency overlaps the query's loads -- and, with ``PDL`` 2 or 3, the launch before this one, which computes the
   query (programmatic dependent launch: ``griddepcontrol.wait`` comes after those loads; ``decode_triton._launch``
-  says when that is safe).
+  says when that is safe). ``PDL`` 1 and 3 also let the next launch (the combine) start in this grid's tail.
 
 Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets): key bytes ``[T, 32]`` (8 per row),
 value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``), logits ``[16, 8]`` float32 (rows ``r, r + 8``,
@@ -572,9 +572,10 @@ def _hist_kernel(
     b = pid_bh // Hk
     h = pid_bh % Hk
     part = (pid_bh.to(gl.int64) * S_TOT + pid_s) * M
-    if PDL == 1:  # programmatic dependent launch: let the window programs launch, wait for the query rotation
+    if PDL == 1 or PDL == 3:  # programmatic dependent launch: the next launch may start (in this grid's tail)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
+    if PDL == 1:  # wait for the query rotation
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     if EARLY:
         # the split's first loads before anything that needs the query: the reference step's words into registers
@@ -588,7 +589,7 @@ def _hist_kernel(
             kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB,
                                                        STAGES)
             _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
-        if PDL == 2:
+        if PDL >= 2:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     # ---- query operands (once per program) ----
@@ -791,7 +792,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
         TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
-        STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl == 2), K8=int(k8),
+        STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
         num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )

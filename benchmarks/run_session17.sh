@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Session-17 device runs, from the repository root, one `run` call each; results were copied from $OUT to
+# benchmarks/results/ afterwards (GPU name in each file; "h100"/"h200" in the file names):
+#   bash benchmarks/run_session17.sh a   # the window attended by the combine kernel itself (combine_window: the
+#                                        # history kernel waits for the query rotation alone), with and without the
+#                                        # combine under PDL (pdl 4): its GPU tests and the per-kernel profile
+source benchmarks/device_env.sh
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200" | tr A-Z a-z)
+case "$1" in
+a)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" --rootdir "$R" \
+      -k "gluon and decode_op and cwin" 2>&1 | tee "$OUT/tests_${GPU}_session17a.log" | tail -2
+  timeout 350 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,1x131072,8x8192,32x32768 --iters 20 \
+      --configs '{}' '{"combine_window": 1, "combine_window_max": 512}' \
+      '{"combine_window": 1, "combine_window_max": 512, "pdl": 4}' \
+      '{"combine_window": 1, "combine_window_max": 512, "pdl": 4, "combine_window_stages": 3}' \
+      --out "$OUT/profile_op_${GPU}_session17a.json" 2>&1 | grep -E "^B=|_kernel"
+  ;;
+esac
