@@ -17,3 +17,14 @@ a)
       --out "$OUT/profile_op_${GPU}_session17a.json" 2>&1 | grep -E "^B=|_kernel"
   ;;
 esac
+# (appended) run b: where each kernel starts and ends inside a CUDA-graph replay of the op (profile_decode_op.py
+# --timeline), for the default (pdl 2), no PDL, pdl 4 (the combine under PDL) and the rotation and window programs in
+# launches of their own
+#   bash benchmarks/run_session17.sh b
+case "$1" in
+b)
+  timeout 400 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,1x131072,32x32768 --iters 20 --timeline \
+      --configs '{}' '{"pdl": 0}' '{"pdl": 4}' '{"fused_prologue": 0}' \
+      --out "$OUT/profile_op_${GPU}_session17b.json" 2>&1 | grep -E "^B=|graph:"
+  ;;
+esac
