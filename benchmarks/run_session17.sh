@@ -28,3 +28,16 @@ b)
       --out "$OUT/profile_op_${GPU}_session17b.json" 2>&1 | grep -E "^B=|graph:"
   ;;
 esac
+# (appended) run c: the history kernel's residency again, now with int8 keys and 4 stages (register caps 152 / 144 /
+# 136 / 128: 13-16 one-warp programs an SM; session 12 found 144 and 152 slower with the fp16 keys and 2 stages), and
+# the wave model's limit of waves (max_waves 2, 3)
+#   bash benchmarks/run_session17.sh c
+case "$1" in
+c)
+  timeout 500 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,32x32768,1x131072 --iters 20 \
+      --configs '{}' '{"gluon_maxnreg": 152, "gluon_resident": 13}' '{"gluon_maxnreg": 144, "gluon_resident": 14}' \
+      '{"gluon_maxnreg": 136, "gluon_resident": 15}' '{"gluon_maxnreg": 128, "gluon_resident": 16}' \
+      '{"max_waves": 2}' '{"max_waves": 3}' \
+      --out "$OUT/profile_op_${GPU}_session17c.json" 2>&1 | grep -E "^B=|_hist"
+  ;;
+esac
