@@ -41,3 +41,15 @@ c)
       --out "$OUT/profile_op_${GPU}_session17c.json" 2>&1 | grep -E "^B=|_hist"
   ;;
 esac
+# (appended) run d: the window programs on a second stream (window_stream: the history kernel waits for the rotation
+# alone): its GPU tests (eager and in a CUDA graph), the profile with the graph timeline against the default
+#   bash benchmarks/run_session17.sh d
+case "$1" in
+d)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" --rootdir "$R" \
+      -k "gluon and (wstream or in_graph) and (decode_op or in_graph)" 2>&1 | tee "$OUT/tests_${GPU}_session17d.log" | tail -2
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,1x131072,32x32768,8x8192 --iters 20 \
+      --timeline --configs '{}' '{"window_stream": 1}' '{"window_stream": 1, "gluon_win_split": 128}' \
+      --out "$OUT/profile_op_${GPU}_session17d.json" 2>&1 | grep -E "^B=|graph:"
+  ;;
+esac

@@ -221,6 +221,9 @@ CONFIG = {
     # the history kernel then waits for the query rotation alone. 1: on the Gluon path; 2: wherever the op runs (tests)
     "combine_window": 0,
     "combine_window_max": 256,
+    # the Gluon path of the op from the unrotated query: the window programs in a launch of their own on a second
+    # stream (fork / join), so that the history kernel waits for the query rotation alone, not for the window
+    "window_stream": 0,
 }
 
 
@@ -1105,6 +1108,17 @@ def _device_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The second stream of the window programs on ``device`` (one per device, made on first use)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return _SIDE_STREAMS[idx]
+
+
 def resident_programs(cfg) -> int:
     """Split-kernel programs one SM holds at once (see CONFIG["resident_programs"])."""
     if cfg.get("resident_programs"):
@@ -1336,7 +1350,41 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     pdl_comb = pdl_mode in (1, 4)  # the combine's launch
     pdl_kw = {"launch_pdl": True} if pdl else {}
 
+    def split_launch(pid_off, s_run, has_win):
+        """``_split_kernel`` for the programs ``[pid_off, s_run)`` (history splits, then window programs; with
+        ``pid_off > 0`` the window programs alone)."""
+        _split_kernel[(bh, s_run - pid_off)](
+            q_rot, *k, *v, start, kmask, qk_offset, n_valid,
+            q_win, k_win, v_win, wmask,
+            pm, pl, pacc,
+            n, m, hk, s_hist, s_tot, split_len, w, win_split, float(scaling) * LOG2E, pid_off,
+            *q_rot.stride()[:3],
+            *k.codes.stride()[:3], *k.scale.stride()[:2],
+            *v.codes.stride()[:3], *v.scale.stride()[:2],
+            *(kmask.stride()[0], kmask.stride()[1], kmask.stride()[3]) if kmask is not None else z3,
+            *qk_offset.stride() if qk_offset is not None else z3,
+            *(q_win.stride()[:3] if w else z3), *(k_win.stride()[:3] if w else z3), *(v_win.stride()[:3] if w else z3),
+            *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
+            D=d, G=group_size, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
+            HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
+            HAS_WIN=has_win, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
+            LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
+            N_DEV=n_valid is not None,
+            PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
+            PAIR=int(cfg.get("pair_meta", False) and pairable),
+            AHEAD=int(cfg.get("meta_ahead", False)),
+            ASM=int(cfg.get("asm_codes", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
+            # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
+            # (checked without spills by tests/kernels/test_compile_sm90.py)
+            num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],
+            num_stages=2 if d > 128 else cfg["num_stages"],
+            PDL=int(pdl), WIN_STAGES=int(cfg.get("gluon_win_stages", 1)) if pid_off else 1, WIN_ONLY=int(pid_off > 0),
+            **pdl_kw,
+            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+        )
+
     z3 = (0, 0, 0)
+    wside = None  # the second stream of the window programs (CONFIG["window_stream"]), if they run on one
     pm = torch.empty(bh, max(s_tot, 1), m, device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(bh, max(s_tot, 1), m, d, device=dev, dtype=torch.float32)
@@ -1353,9 +1401,18 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             fp = cfg.get("fused_prologue", 1)  # 2: on the Triton path too (its window programs leave the history launch)
             # (with the window in the combine, the "prologue" is the rotation alone: the launch the history waits for)
             fused_pro = bool(s_hist and (s_win or cwin) and (fp == 2 or (fp == 1 and glu is not None)))
+            if fused_pro and s_win and glu is not None and dev.type == "cuda" and cfg.get("window_stream"):
+                # the window programs in a launch of their own on a second stream, beside the rotation and the history
+                # (which waits for the rotation alone); the combine waits for both streams (a fork and a join: two
+                # parallel branches in a CUDA graph). The partials and the window's inputs were allocated on this
+                # stream and are last used by the combine, after the join: the allocator needs no record_stream
+                wside = _side_stream(dev)
+                wside.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(wside):
+                    split_launch(s_hist, s_tot, True)
             if fused_pro:  # rotation + window programs in one launch (the window's query is qf_r: see the caller)
                 c_rot = min(d, ROT_C_BLOCK)
-                _prologue_kernel[(bh, d // c_rot + s_win)](
+                _prologue_kernel[(bh, d // c_rot + (0 if wside is not None else s_win))](
                     qf_r, r_k_r, mu_k_r, q_rot, qk_offset, k_win, v_win, wmask, pm, pl, pacc,
                     m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rotation_strides(qf_r, mu_k_r),
                     *k_win.stride()[:3], *v_win.stride()[:3],
@@ -1376,37 +1433,11 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    pdl=3 if pdl_mode == 4 else pdl_mode,
                                    early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist))
             pid_off = s_hist
-        s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
+        s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch (or beside it)
         if s_run > pid_off:
-            _split_kernel[(bh, s_run - pid_off)](
-                q_rot, *k, *v, start, kmask, qk_offset, n_valid,
-                q_win, k_win, v_win, wmask,
-                pm, pl, pacc,
-                n, m, hk, s_hist, s_tot, split_len, w, win_split, float(scaling) * LOG2E, pid_off,
-                *q_rot.stride()[:3],
-                *k.codes.stride()[:3], *k.scale.stride()[:2],
-                *v.codes.stride()[:3], *v.scale.stride()[:2],
-                *(kmask.stride()[0], kmask.stride()[1], kmask.stride()[3]) if kmask is not None else z3,
-                *qk_offset.stride() if qk_offset is not None else z3,
-                *(q_win.stride()[:3] if w else z3), *(k_win.stride()[:3] if w else z3), *(v_win.stride()[:3] if w else z3),
-                *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
-                D=d, G=group_size, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
-                HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
-                HAS_WIN=s_win > 0 and not fused_pro, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
-                LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
-                N_DEV=n_valid is not None,
-                PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
-                PAIR=int(cfg.get("pair_meta", False) and pairable),
-                AHEAD=int(cfg.get("meta_ahead", False)),
-                ASM=int(cfg.get("asm_codes", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
-                # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
-                # (checked without spills by tests/kernels/test_compile_sm90.py)
-                num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],
-                num_stages=2 if d > 128 else cfg["num_stages"],
-                PDL=int(pdl), WIN_STAGES=int(cfg.get("gluon_win_stages", 1)) if pid_off else 1, WIN_ONLY=int(pid_off > 0),
-                **pdl_kw,
-                **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
-            )
+            split_launch(pid_off, s_run, s_win > 0 and not fused_pro)
+    if wside is not None:  # the join: the combine reads the window partials
+        torch.cuda.current_stream(dev).wait_stream(wside)
     few = dev.type == "cuda" and bh * m < _device_sms(dev)  # combine programs (one per query row)
     s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1),
                   cfg.get("merge_block_few" if few else "merge_block") or cfg.get("merge_block", 64))

@@ -622,6 +622,7 @@ _GLUON_VARIANTS = {
     "hoist": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1, "merge_hoist": 1, "merge_cblock": 32},
     "cwin": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "combine_window": 1, "combine_window_max": 512},
     "cwin-pdl4": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "combine_window": 1, "combine_window_max": 512},
+    "wstream": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "window_stream": 1},
 }
 
 
@@ -634,7 +635,8 @@ def gluon_calls(request, monkeypatch):
     (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
     logits on int8 tensor cores (gluon_k8); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
     with R_V in 32-row chunks instead of the default 64; "cwin": the window attended by the combine itself
-    (combine_window; the tests' 320-token windows under its limit), "cwin-pdl4" with the combine under PDL (pdl 4)."""
+    (combine_window; the tests' 320-token windows under its limit), "cwin-pdl4" with the combine under PDL (pdl 4);
+    "wstream": the window programs on a second stream (window_stream)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
@@ -747,3 +749,32 @@ def test_gpu_gluon_decode_op_rotating(gluon_calls, monkeypatch, fused, b, n, n_v
     assert gluon_calls, "the Gluon kernel did not run"
     assert got.dtype == torch.bfloat16
     assert rel_err(got.float(), ref.float()) < 2e-2
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_gpu_gluon_decode_op_rotating_in_graph(gluon_calls):
+    """The op from the unrotated query captured in a CUDA graph (programmatic dependent launch and, with
+    window_stream, the window programs' fork / join become graph edges): replays with new queries and window values
+    written into the captured inputs equal the reference each time."""
+    args = _rotating_case(4, 8, 4, 20000, 320, 128, 64, seed=11, device="cuda")
+    args["qf"] = args["qf"].cuda()
+    args["start"] = torch.tensor([0, 9, 0, 300], device="cuda")
+    args["out_dtype"] = torch.bfloat16
+    op = lambda: _dt().decode_attention_rotating_triton(**args)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = op()
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        args["qf"].copy_(torch.randn(args["qf"].shape, generator=gen))
+        args["v_win"].copy_(torch.randn(args["v_win"].shape, generator=gen))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out.float(), _rotating_reference(args).float()) < 2e-2
+    assert gluon_calls, "the Gluon kernel did not run"
