@@ -53,3 +53,14 @@ d)
       --out "$OUT/profile_op_${GPU}_session17d.json" 2>&1 | grep -E "^B=|graph:"
   ;;
 esac
+# (appended) run e: the combine's latency (the op's idle tail): warps per row program (merge_warps 1 / 2 / 8, R_V in
+# 32- or 64-row chunks), alone and with the combine under PDL (pdl 4)
+#   bash benchmarks/run_session17.sh e
+case "$1" in
+e)
+  timeout 500 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,1x131072,32x32768,8x8192 --iters 20 \
+      --configs '{}' '{"merge_warps": 2}' '{"merge_warps": 2, "merge_cblock": 32}' '{"merge_warps": 1, "merge_cblock": 32}' \
+      '{"merge_warps": 8}' '{"pdl": 4}' '{"pdl": 4, "merge_warps": 2}' \
+      --out "$OUT/profile_op_${GPU}_session17e.json" 2>&1 | grep -E "^B=|_combine"
+  ;;
+esac
