@@ -64,3 +64,16 @@ e)
       --out "$OUT/profile_op_${GPU}_session17e.json" 2>&1 | grep -E "^B=|_combine"
   ;;
 esac
+# (appended) run f: the combine kernel with one warp per row where rows crowd the SMs (merge_one_warp_rows 4: B=32; R_V
+# in 16-row chunks, no spills) and pdl 4 (the combine under PDL): GPU tests of the variant that forces both, the
+# in-graph test, and the profile against the combine of 4 warps (merge_one_warp_rows 1000) and 32-row chunks
+#   bash benchmarks/run_session17.sh f
+case "$1" in
+f)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" --rootdir "$R" \
+      -k "gluon and (pdl4-warp or in_graph) and (decode_op or in_graph)" 2>&1 | tee "$OUT/tests_${GPU}_session17f.log" | tail -2
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 32x32768,32x131072,16x32768,8x131072,1x131072 \
+      --iters 20 --configs '{}' '{"merge_one_warp_rows": 1000}' '{"merge_cblock": 32}' '{"pdl": 4}' \
+      --out "$OUT/profile_op_${GPU}_session17f.json" 2>&1 | grep -E "^B=|_combine"
+  ;;
+esac

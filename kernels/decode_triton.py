@@ -216,14 +216,8 @@ CONFIG = {
     # (profile_op_h200_session15b.json). 1: where a split is long (gluon_long_split); 2: always; 0: never
     "gluon_k8": 1,
     "gluon_long_split": 2048,  # history tokens of a split from which the Gluon kernel's long-split choices apply
-    # the decode op's window (sink + recent, at most combine_window_max tokens) attended by the combine kernel itself,
-    # one query row a program, instead of by window programs in the launch before the history (_combine_kernel's WIN):
-    # the history kernel then waits for the query rotation alone. 1: on the Gluon path; 2: wherever the op runs (tests)
-    "combine_window": 0,
-    "combine_window_max": 256,
-    # the Gluon path of the op from the unrotated query: the window programs in a launch of their own on a second
-    # stream (fork / join), so that the history kernel waits for the query rotation alone, not for the window
-    "window_stream": 0,
+    # the decode op's combine: one warp per query row from this many rows per SM on (see _launch)
+    "merge_one_warp_rows": 4,
 }
 
 
@@ -947,11 +941,8 @@ def _history_window_weights(m_h, l_h, m_w, l_w):
 @triton.jit
 def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
-    QW, KW, VW, WMASK, W, qk_scale,  # the window itself (WIN): unrotated query, keys, values, mask
-    sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
-    PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, WIN: tl.constexpr = 0,
-    HAS_WMASK: tl.constexpr = 0, BLOCK_W: tl.constexpr = 32, WIN_STAGES: tl.constexpr = 1,
+    PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
 
@@ -970,12 +961,7 @@ def _combine_kernel(
     ``HOIST`` (FINAL, ``C_BLOCK < D``, at most ``SW_BLOCK`` window splits): one round of loads before the merge -- the
     history partials, all window partials (``[SW_BLOCK, D]``) and ``R_V``'s first chunk -- and each further chunk's
     load issued before the chunk before it is used, instead of a round for the window's max, then per chunk one for
-    ``R_V`` and the window's rows.
-
-    ``WIN`` (FINAL; ``CONFIG["combine_window"]``): no window partials -- this program attends its row's query to the
-    full-precision window itself (``W`` tokens, ``BLOCK_W`` a step, float32), before it waits for the history (under
-    ``PDL``: while the history kernel's last programs run), so that nothing but the query rotation precedes the
-    history kernel."""
+    ``R_V`` and the window's rows."""
     row = tl.program_id(0)  # = bh * M + mm
     bh = row // M
     mm = row % M
@@ -985,35 +971,11 @@ def _combine_kernel(
     base = bh.to(tl.int64) * S_TOT * M + mm  # partial (bh, s, mm) lives at base + s * M
     if FINAL and C_BLOCK == D:
         r_all = tl.load(RV + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # issued before the partials
-    if FINAL and (HOIST or WIN):
+    if FINAL and HOIST:
         r_next = tl.load(RV + h * D * D + tl.arange(0, C_BLOCK)[:, None] * D + offs_d[None, :])  # R_V's chunk 0
-    if FINAL and WIN:
-        # the window (value space) of this row: online softmax over BLOCK_W-token steps, m_w in log2 units
-        b = bh // Hk
-        qw = tl.load(QW + b.to(tl.int64) * sqwb + h * sqwh + mm * sqwm + offs_d).to(tl.float32) * qk_scale  # [D]
-        m_w = tl.max(tl.full((BLOCK_W,), float("-inf"), tl.float32), 0)
-        l_w = tl.sum(tl.zeros((BLOCK_W,), tl.float32), 0)
-        o_w = tl.zeros((D,), tl.float32)
-        for n0 in tl.range(0, W, BLOCK_W, num_stages=WIN_STAGES):
-            offs_n = n0 + tl.arange(0, BLOCK_W)
-            valid = offs_n < W
-            if HAS_WMASK:
-                valid = valid & (tl.load(WMASK + b.to(tl.int64) * swb + h * swh + offs_n * swn, mask=valid, other=0) != 0)
-            kw = tl.load(KW + b.to(tl.int64) * skwb + h * skwh + offs_n[:, None] * skwn + offs_d[None, :],
-                         mask=valid[:, None], other=0.0)  # [BLOCK_W, D], keys and values in one round of loads
-            vw = tl.load(VW + b.to(tl.int64) * svwb + h * svwh + offs_n[:, None] * svwn + offs_d[None, :],
-                         mask=valid[:, None], other=0.0)
-            s = tl.where(valid, tl.sum(kw.to(tl.float32) * qw[None, :], 1), float("-inf"))  # [BLOCK_W] logits
-            m_new = tl.maximum(m_w, tl.max(s, 0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_w - m_safe)
-            p = tl.exp2(s - m_safe)
-            l_w = l_w * alpha + tl.sum(p, 0)
-            o_w = o_w * alpha + tl.sum(p[:, None] * vw.to(tl.float32), 0)
-            m_w = m_new
     if PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
         gdc_wait()
-    if FINAL and HOIST and not WIN:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
+    if FINAL and HOIST:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
         offs_w = S_HIST + tl.arange(0, SW_BLOCK)
         wm = offs_w < S_TOT
         pm_w = tl.load(PM + base + offs_w * M, mask=wm, other=float("-inf"))
@@ -1035,13 +997,12 @@ def _combine_kernel(
         l_h = l_h * alpha + tl.sum(w * pl, 0)
         acc = acc * alpha + tl.sum(w[:, None] * a, 0)
         m_h = m_new
-    if FINAL and (HOIST or WIN):
-        if not WIN:  # window (value space): its max, sum and weighted row [D] from the hoisted partials
-            m_w = tl.max(pm_w, 0)
-            w_w = tl.exp2(pm_w - tl.where(m_w == float("-inf"), 0.0, m_w))
-            l_w = tl.sum(w_w * pl_w, 0)
-            o_w = tl.sum(w_w[:, None] * a_w, 0)
-        o_w = tl.reshape(o_w, (D // C_BLOCK, C_BLOCK))  # [chunk, C_BLOCK]
+    if FINAL and HOIST:
+        # window (value space): its max, sum and weighted row [D] from the hoisted partials
+        m_w = tl.max(pm_w, 0)
+        w_w = tl.exp2(pm_w - tl.where(m_w == float("-inf"), 0.0, m_w))
+        l_w = tl.sum(w_w * pl_w, 0)
+        o_w = tl.reshape(tl.sum(w_w[:, None] * a_w, 0), (D // C_BLOCK, C_BLOCK))  # [chunk, C_BLOCK]
         m_safe, w_h, ww, lh, inv = _history_window_weights(m_h, l_h, m_w, l_w)
         acc = acc * w_h
         for ci in tl.static_range(D // C_BLOCK):
@@ -1106,17 +1067,6 @@ def _device_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The second stream of the window programs on ``device`` (one per device, made on first use)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SIDE_STREAMS:
-        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
-    return _SIDE_STREAMS[idx]
 
 
 def resident_programs(cfg) -> int:
@@ -1318,10 +1268,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         gws = cfg.get("gluon_win_split")
         if glu is not None and gws and bh * triton.cdiv(w, gws) <= 8 * _device_sms(dev):
             win_split = gws
-        # the window attended by the combine kernel itself (WIN): no window programs, no window partials
-        cw = int(cfg.get("combine_window") or 0)
-        cwin = bool(w and w <= cfg.get("combine_window_max", 256) and (cw == 2 or (cw == 1 and glu is not None)))
-        s_win = 0 if cwin else triton.cdiv(w, win_split)
+        s_win = triton.cdiv(w, win_split)
         if w:
             q_win = q_win if q_win.stride(-1) == 1 else q_win.contiguous()
             k_win = k_win if k_win.stride(-1) == 1 else k_win.contiguous()
@@ -1330,7 +1277,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
         mu_v = None if mu_v is None else mu_v.to(device=dev, dtype=torch.float32).contiguous()
     else:
-        w, s_win, wmask, win_split, cwin = 0, 0, None, cfg["win_split"], False
+        w, s_win, wmask, win_split = 0, 0, None, cfg["win_split"]
         q_win = k_win = v_win = r_v = mu_v = None
     s_tot = s_hist + s_win
     # programmatic dependent launch (sm_90+) when the history runs on the Gluon kernel: each launch of the call may
@@ -1340,8 +1287,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     # pdl 2: only the rotation's launch and the history kernel, which loads its first steps before it waits; only where
     # this call launches the rotation itself, right before the history (what the history reads before its wait must be
     # complete before the launch it overlaps)
-    # pdl 4: pdl 2, and the combine under PDL: the history kernel lets it launch at once, so that its programs start in
-    # the history's tail (with the window in the combine, combine_window, they attend the window there, then wait)
+    # pdl 4: pdl 2, and the combine under PDL: the history kernel lets it launch at once, so that its programs load R_V
+    # in the history's tail
     pdl_mode = int(cfg.get("pdl") or 0) if (glu is not None and s_hist and dev.type == "cuda"
                                             and torch.cuda.get_device_capability(dev)[0] >= 9) else 0
     if pdl_mode >= 2 and rotate is None:
@@ -1350,41 +1297,6 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     pdl_comb = pdl_mode in (1, 4)  # the combine's launch
     pdl_kw = {"launch_pdl": True} if pdl else {}
 
-    def split_launch(pid_off, s_run, has_win):
-        """``_split_kernel`` for the programs ``[pid_off, s_run)`` (history splits, then window programs; with
-        ``pid_off > 0`` the window programs alone)."""
-        _split_kernel[(bh, s_run - pid_off)](
-            q_rot, *k, *v, start, kmask, qk_offset, n_valid,
-            q_win, k_win, v_win, wmask,
-            pm, pl, pacc,
-            n, m, hk, s_hist, s_tot, split_len, w, win_split, float(scaling) * LOG2E, pid_off,
-            *q_rot.stride()[:3],
-            *k.codes.stride()[:3], *k.scale.stride()[:2],
-            *v.codes.stride()[:3], *v.scale.stride()[:2],
-            *(kmask.stride()[0], kmask.stride()[1], kmask.stride()[3]) if kmask is not None else z3,
-            *qk_offset.stride() if qk_offset is not None else z3,
-            *(q_win.stride()[:3] if w else z3), *(k_win.stride()[:3] if w else z3), *(v_win.stride()[:3] if w else z3),
-            *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
-            D=d, G=group_size, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
-            HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
-            HAS_WIN=has_win, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
-            LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
-            N_DEV=n_valid is not None,
-            PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
-            PAIR=int(cfg.get("pair_meta", False) and pairable),
-            AHEAD=int(cfg.get("meta_ahead", False)),
-            ASM=int(cfg.get("asm_codes", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
-            # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
-            # (checked without spills by tests/kernels/test_compile_sm90.py)
-            num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],
-            num_stages=2 if d > 128 else cfg["num_stages"],
-            PDL=int(pdl), WIN_STAGES=int(cfg.get("gluon_win_stages", 1)) if pid_off else 1, WIN_ONLY=int(pid_off > 0),
-            **pdl_kw,
-            **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
-        )
-
-    z3 = (0, 0, 0)
-    wside = None  # the second stream of the window programs (CONFIG["window_stream"]), if they run on one
     pm = torch.empty(bh, max(s_tot, 1), m, device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(bh, max(s_tot, 1), m, d, device=dev, dtype=torch.float32)
@@ -1394,25 +1306,16 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         pacc.zero_()
         s_tot = 1
     else:
+        z3 = (0, 0, 0)
         pid_off = 0
         fused_pro = False
         if rotate is not None:
             qf_r, r_k_r, mu_k_r = rotate
             fp = cfg.get("fused_prologue", 1)  # 2: on the Triton path too (its window programs leave the history launch)
-            # (with the window in the combine, the "prologue" is the rotation alone: the launch the history waits for)
-            fused_pro = bool(s_hist and (s_win or cwin) and (fp == 2 or (fp == 1 and glu is not None)))
-            if fused_pro and s_win and glu is not None and dev.type == "cuda" and cfg.get("window_stream"):
-                # the window programs in a launch of their own on a second stream, beside the rotation and the history
-                # (which waits for the rotation alone); the combine waits for both streams (a fork and a join: two
-                # parallel branches in a CUDA graph). The partials and the window's inputs were allocated on this
-                # stream and are last used by the combine, after the join: the allocator needs no record_stream
-                wside = _side_stream(dev)
-                wside.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(wside):
-                    split_launch(s_hist, s_tot, True)
+            fused_pro = bool(s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)))
             if fused_pro:  # rotation + window programs in one launch (the window's query is qf_r: see the caller)
                 c_rot = min(d, ROT_C_BLOCK)
-                _prologue_kernel[(bh, d // c_rot + (0 if wside is not None else s_win))](
+                _prologue_kernel[(bh, d // c_rot + s_win)](
                     qf_r, r_k_r, mu_k_r, q_rot, qk_offset, k_win, v_win, wmask, pm, pl, pacc,
                     m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rotation_strides(qf_r, mu_k_r),
                     *k_win.stride()[:3], *v_win.stride()[:3],
@@ -1433,11 +1336,37 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    pdl=3 if pdl_mode == 4 else pdl_mode,
                                    early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist))
             pid_off = s_hist
-        s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch (or beside it)
+        s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
-            split_launch(pid_off, s_run, s_win > 0 and not fused_pro)
-    if wside is not None:  # the join: the combine reads the window partials
-        torch.cuda.current_stream(dev).wait_stream(wside)
+            _split_kernel[(bh, s_run - pid_off)](
+                q_rot, *k, *v, start, kmask, qk_offset, n_valid,
+                q_win, k_win, v_win, wmask,
+                pm, pl, pacc,
+                n, m, hk, s_hist, s_tot, split_len, w, win_split, float(scaling) * LOG2E, pid_off,
+                *q_rot.stride()[:3],
+                *k.codes.stride()[:3], *k.scale.stride()[:2],
+                *v.codes.stride()[:3], *v.scale.stride()[:2],
+                *(kmask.stride()[0], kmask.stride()[1], kmask.stride()[3]) if kmask is not None else z3,
+                *qk_offset.stride() if qk_offset is not None else z3,
+                *(q_win.stride()[:3] if w else z3), *(k_win.stride()[:3] if w else z3), *(v_win.stride()[:3] if w else z3),
+                *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
+                D=d, G=group_size, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
+                HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
+                HAS_WIN=s_win > 0 and not fused_pro, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
+                LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
+                N_DEV=n_valid is not None,
+                PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
+                PAIR=int(cfg.get("pair_meta", False) and pairable),
+                AHEAD=int(cfg.get("meta_ahead", False)),
+                ASM=int(cfg.get("asm_codes", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
+                # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
+                # (checked without spills by tests/kernels/test_compile_sm90.py)
+                num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],
+                num_stages=2 if d > 128 else cfg["num_stages"],
+                PDL=int(pdl), WIN_STAGES=int(cfg.get("gluon_win_stages", 1)) if pid_off else 1, WIN_ONLY=int(pid_off > 0),
+                **pdl_kw,
+                **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+            )
     few = dev.type == "cuda" and bh * m < _device_sms(dev)  # combine programs (one per query row)
     s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1),
                   cfg.get("merge_block_few" if few else "merge_block") or cfg.get("merge_block", 64))
@@ -1447,22 +1376,24 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         # us, the op 330 -> 317 us, session 11 run d; B=8/128K 13.8 -> 9.9 us, the op 245.7 -> 241.9, session 13 run a;
         # B=1 (32 rows) 9.2 -> 9.9 us: not there). Since session 16 (merge_hoist) R_V in 64-row chunks for both at
         # D = 128, the next chunk's load ahead of its use
+        # Session 17: where there are at least merge_one_warp_rows rows per SM, one warp per row, R_V in 16-row chunks
+        # and at most 16 splits a round, so that a warp holds them without spilling (H200, B=32/32K, 1024 rows, with
+        # 32-row chunks: combine 15.1 -> 9.1 us, the op 230.0 -> 224.7; but B=8, 256 rows: 6.8 -> 13.0 us;
+        # profile_op_h200_session17e.json)
         many = not few and dev.type == "cuda"
-        merge_warps = cfg.get("merge_warps") or (4 if many or d < 128 else 8)
-        c_block = min(d, cfg.get("merge_cblock") or (
+        crowd = many and d <= 128 and bh * m >= cfg.get("merge_one_warp_rows", 4) * _device_sms(dev)
+        merge_warps = cfg.get("merge_warps") or (1 if crowd else 4 if many or d < 128 else 8)
+        c_block = min(d, cfg.get("merge_cblock") or (16 if crowd else
             64 if cfg.get("merge_hoist") and d == 128 else (32 if many or d > 128 else d)))
+        if crowd and merge_warps == 1:  # a [S_BLOCK, D] tile of partials in one warp's registers
+            s_block = min(s_block, 16)
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
         hoist = (bool(cfg.get("merge_hoist")) and c_block < d <= 128
                  and s_tot - s_hist <= cfg.get("merge_hoist_win", 16))
         _combine_kernel[(bh * m,)](
             pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
-            q_win, k_win, v_win, wmask, w, float(scaling) * LOG2E,
-            *(q_win.stride()[:3] if w else z3), *(k_win.stride()[:3] if w else z3), *(v_win.stride()[:3] if w else z3),
-            *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
             D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
-            HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, WIN=int(cwin),
-            HAS_WMASK=wmask is not None, BLOCK_W=int(cfg.get("combine_window_block", 32)),
-            WIN_STAGES=int(cfg.get("combine_window_stages", 1)), num_warps=merge_warps,
+            HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, num_warps=merge_warps,
             **({"launch_pdl": True} if pdl_comb else {}),
         )
         return out
@@ -1470,9 +1401,9 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     ol = torch.empty_like(om)
     oacc = torch.empty(b, hk, m, d, device=dev, dtype=torch.float32)
     _combine_kernel[(bh * m,)](
-        pm, pl, pacc, om, ol, oacc, None, None, m, hk, s_tot, s_tot, None, None, None, None, 0, 1.0, *z3, *z3, *z3, *z3,
+        pm, pl, pacc, om, ol, oacc, None, None, m, hk, s_tot, s_tot,
         D=d, S_BLOCK=s_block, C_BLOCK=min(d, 32), FINAL=False, HAS_MUV=False, PDL=int(pdl), HOIST=0, SW_BLOCK=1,
-        WIN=0, HAS_WMASK=0, BLOCK_W=32, WIN_STAGES=1, num_warps=4, **pdl_kw,
+        num_warps=4, **pdl_kw,
     )
     return om, ol, oacc
 

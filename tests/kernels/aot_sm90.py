@@ -165,19 +165,14 @@ def main():
     # loads hoisted (merge_hoist: the window's 10 partials of 32 tokens, R_V in 64-row chunks) or not
     grid, args, kw = comb.calls[0]
     assert kw["FINAL"], kw
+    # (and one warp per row where rows crowd the SMs: B=32, 16 splits a round, R_V in 32-row chunks)
     for s_block, warps, c_block, hoist in ((dt.CONFIG["merge_block"], 8, 128, 0), (16, 4, 32, 0),
-                                           (dt.CONFIG["merge_block_few"], 8, 64, 1), (64, 4, 64, 1), (16, 4, 64, 1)):
+                                           (dt.CONFIG["merge_block_few"], 8, 64, 1), (64, 4, 64, 1), (16, 4, 64, 1),
+                                           (16, 1, 16, 1)):
         kw2 = {**kw, "S_BLOCK": s_block, "C_BLOCK": c_block, "num_warps": warps, "HOIST": hoist,
                "SW_BLOCK": 16 if hoist else 1}
         print(json.dumps({"kernel": "combine", "case": f"decode op s_block={s_block} warps={warps} c_block={c_block}"
                           f" hoist={hoist}", **compile_call(comb.fn, args, kw2, cuda_kw)}))
-    # the window attended by the combine itself (combine_window: no window partials; the window of calls[0] is 320
-    # tokens), few and many programs
-    for s_block, warps, c_block, hoist in ((dt.CONFIG["merge_block_few"], 8, 64, 1), (64, 4, 64, 1), (16, 4, 128, 0)):
-        kw2 = {**kw, "S_BLOCK": s_block, "C_BLOCK": c_block, "num_warps": warps, "HOIST": hoist, "SW_BLOCK": 1,
-               "WIN": 1}
-        print(json.dumps({"kernel": "combine", "case": f"decode op window-in-combine s_block={s_block} warps={warps}"
-                          f" c_block={c_block}", **compile_call(comb.fn, args, kw2, cuda_kw)}))
     for grid, args, kw in rotq.calls:
         print(json.dumps({"kernel": "rotate_query", "case": f"d={kw['D']} m_pad={kw['M_PAD']}",
                           **compile_call(rotq.fn, args, kw, cuda_kw)}))

@@ -411,48 +411,6 @@ def test_combine_hoisted_loads(monkeypatch, cblock, b, hk, m, n, w, d, mu):
 
 
 @interp
-@pytest.mark.parametrize("hoist,cblock", [(1, 16), (1, 32), (0, None)])
-@pytest.mark.parametrize(
-    "b,hk,m,n,w,d,mu,wmask",
-    [
-        (2, 2, 4, 600, 70, 64, True, True),  # GQA 4, left padding, key and window masks, 3 window steps
-        (1, 1, 8, 65, 320, 128, False, False),  # GQA 8, the paper's window: over combine_window_max, window programs
-        (1, 2, 3, 0, 33, 64, True, True),  # no history yet
-        (2, 1, 4, 100, 0, 128, True, False),  # no window
-    ],
-)
-def test_combine_attends_window(monkeypatch, hoist, cblock, b, hk, m, n, w, d, mu, wmask):
-    """``combine_window``: the combine kernel attends each row's query to the window itself (no window programs, no
-    window partials) where the window holds at most ``combine_window_max`` tokens, and equals the reference; the last
-    history split holds 30x key scales (the largest logits)."""
-    dt = _dt()
-    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "combine_window": 2, "combine_window_max": 256,
-                                       "merge_hoist": hoist, "merge_cblock": cblock})
-    seen = []
-    real = dt._combine_kernel
-    monkeypatch.setattr(dt, "_combine_kernel", type("K", (), {"__getitem__": lambda self, grid: (
-        lambda *a, **kw: (seen.append((kw["WIN"], a[11] - a[10])), real[grid](*a, **kw))[1])})())
-    args, gen = _window_case(b, hk, m, n, w, d, 64 if d == 128 else 32, seed=n + w + m, mu=mu, wmask=wmask)
-    args["start"] = torch.tensor([0, 17][:b])
-    if n:
-        args["key_mask"] = torch.rand(b, 1, 1, n, generator=gen) > 0.1
-        args["k"].scale[:, :, n - 40:n - 20] *= 30
-    got = dt.decode_attention_triton(**args)
-    # (WIN, window partials): the window in the combine, or (over the limit / no window) as before
-    if 0 < w <= 256:
-        assert seen == [(1, 0 if n else 1)], seen  # no history: one empty partial, merged as nothing
-    else:
-        assert seen == [(0, -(-w // dt.CONFIG["win_split"]))], seen
-    assert rel_err(got, dt.decode_attention_reference(**args)) < 2e-5
-    # the same from the unrotated query, the rotation in the prologue launch (forced onto the Triton path): with the
-    # window in the combine that launch holds the rotation programs alone
-    monkeypatch.setitem(dt.CONFIG, "fused_prologue", 2)
-    rargs = _rotating_case(b, hk, m, n, w, d, 64 if d == 128 else 32, seed=n + w)
-    rargs["start"] = torch.tensor([0, 17][:b])
-    assert rel_err(dt.decode_attention_rotating_triton(**rargs), _rotating_reference(rargs)) < 2e-5
-
-
-@interp
 @pytest.mark.parametrize("n_valid", [0, 1, 150, 299])
 def test_decode_attention_kernel_device_length(small_splits, n_valid):
     """Static cache: storage of capacity N, valid length read on the device, fixed split count:
@@ -620,9 +578,7 @@ _GLUON_VARIANTS = {
     "k8": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2},
     "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 2},
     "hoist": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1, "merge_hoist": 1, "merge_cblock": 32},
-    "cwin": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "combine_window": 1, "combine_window_max": 512},
-    "cwin-pdl4": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "combine_window": 1, "combine_window_max": 512},
-    "wstream": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "window_stream": 1},
+    "pdl4-warp": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "merge_one_warp_rows": 0},
 }
 
 
@@ -634,9 +590,8 @@ def gluon_calls(request, monkeypatch):
     each way of feeding the history loop's full steps: loads to registers (gluon_stages 0) or through shared memory
     (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
     logits on int8 tensor cores (gluon_k8); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
-    with R_V in 32-row chunks instead of the default 64; "cwin": the window attended by the combine itself
-    (combine_window; the tests' 320-token windows under its limit), "cwin-pdl4" with the combine under PDL (pdl 4);
-    "wstream": the window programs on a second stream (window_stream)."""
+    with R_V in 32-row chunks instead of the default 64; "pdl4-warp": the combine under PDL (pdl 4), one warp per row
+    wherever there are more rows than SMs (merge_one_warp_rows 0)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
@@ -754,9 +709,8 @@ def test_gpu_gluon_decode_op_rotating(gluon_calls, monkeypatch, fused, b, n, n_v
 @pytest.mark.gpu
 @on_gpu
 def test_gpu_gluon_decode_op_rotating_in_graph(gluon_calls):
-    """The op from the unrotated query captured in a CUDA graph (programmatic dependent launch and, with
-    window_stream, the window programs' fork / join become graph edges): replays with new queries and window values
-    written into the captured inputs equal the reference each time."""
+    """The op from the unrotated query captured in a CUDA graph (programmatic dependent launch becomes graph edges):
+    replays with new queries and window values written into the captured inputs equal the reference each time."""
     args = _rotating_case(4, 8, 4, 20000, 320, 128, 64, seed=11, device="cuda")
     args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 9, 0, 300], device="cuda")
