@@ -77,3 +77,15 @@ f)
       --out "$OUT/profile_op_${GPU}_session17f.json" 2>&1 | grep -E "^B=|_combine"
   ;;
 esac
+# (appended) run g (H200) / h (H100): the final tree (one-warp combine where rows crowd the SMs): decode-op GPU tests of
+# the Triton path and the default Gluon variants, the kernel benchmark
+#   bash benchmarks/run_session17.sh g
+case "$1" in
+g|h)
+  timeout 250 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" --rootdir "$R" \
+      -k "decode_attention_real_shapes or (gluon and decode_op and (k8 or hoist)) or (gluon and in_graph and k8)" 2>&1 \
+      | tee "$OUT/tests_${GPU}_session17$1.log" | tail -2
+  timeout 200 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session17$1.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session17$1.log" | tail -11
+  ;;
+esac
