@@ -63,21 +63,23 @@ def log(*a):
 # ------------------------------------------------------------------------------------------- timing
 
 
+def capture_graph(fn) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of one call of ``fn`` (two warm-up calls on a side stream first: compilation, allocator)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 def timed(fn, *, graph=False, iters=30, warmup=3):
     """Median ms of ``fn`` with a cold L2 (flush before each call, not timed)."""
-    if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        call = g.replay
-    else:
-        call = fn
+    call = capture_graph(fn).replay if graph else fn
     for _ in range(warmup):
         call()
     torch.cuda.synchronize()

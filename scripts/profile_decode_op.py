@@ -59,15 +59,7 @@ def graph_timeline(fn, iters):
     dependent launch gives inside the graph. None where the profiler reports no kernels of graph replays."""
     from torch.profiler import ProfilerActivity, profile
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = bk.capture_graph(fn)
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
