@@ -89,3 +89,14 @@ g|h)
       --out "$OUT/kernels_${GPU}_session17$1.json" 2>&1 | tee "$OUT/bench_kernels_${GPU}_session17$1.log" | tail -11
   ;;
 esac
+# (appended) run i: after the review's refactor (one graph-capture helper for bench_kernels.timed and the profile's
+# timeline): both scripts at one small point
+#   bash benchmarks/run_session17.sh i
+case "$1" in
+i)
+  timeout 120 python3 "$R/scripts/profile_decode_op.py" --points 8x8192 --iters 5 --timeline --configs '{}' \
+      --out "$OUT/profile_op_${GPU}_session17i.json" 2>&1 | grep -E "^B=|graph:"
+  timeout 120 python3 "$R/scripts/bench_kernels.py" --no-write --batches 8 --lengths 8192 \
+      --out "$OUT/kernels_${GPU}_session17i.json" 2>&1 | tail -2
+  ;;
+esac
