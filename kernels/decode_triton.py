@@ -200,7 +200,8 @@ CONFIG = {
     # launch (with the window programs) and the history kernel, which issues its first loads before it waits
     # (gluon_early), and only where the op rotates the query itself (decode_attention_rotating_triton: the dynamic
     # cache; the static cache rotates outside its op). H200, graph time: B=1/128K 53.2 -> 52.3 us, B=8/128K 237.5 ->
-    # 236.1, B=8/8K 47.9 -> 46.8 (profile_op_h200_session14b.json)
+    # 236.1, B=8/8K 47.9 -> 46.8 (profile_op_h200_session14b.json). 4: pdl 2 and the combine under PDL (see _launch):
+    # +-1 us, mixed (profile_op_h200_session17{e,f}.json)
     "pdl": 2,
     # Gluon kernel: the split's first loads (the reference step's words, the first full steps' copies) issued before the
     # query's (pdl 2 needs them there: before its wait)
@@ -1377,9 +1378,9 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         # B=1 (32 rows) 9.2 -> 9.9 us: not there). Since session 16 (merge_hoist) R_V in 64-row chunks for both at
         # D = 128, the next chunk's load ahead of its use
         # Session 17: where there are at least merge_one_warp_rows rows per SM, one warp per row, R_V in 16-row chunks
-        # and at most 16 splits a round, so that a warp holds them without spilling (H200, B=32/32K, 1024 rows, with
-        # 32-row chunks: combine 15.1 -> 9.1 us, the op 230.0 -> 224.7; but B=8, 256 rows: 6.8 -> 13.0 us;
-        # profile_op_h200_session17e.json)
+        # and at most 16 splits a round, so that a warp holds them without spilling (H200, B=32/32K, 1024 rows: combine
+        # 15.1 -> 10.4 us, the op 231.6 -> 225.7, profile_op_h200_session17f.json; 32-row chunks spill 128 bytes for
+        # 9.1-9.2 us; one warp at B=8, 256 rows: 6.8 -> 13.0 us, profile_op_h200_session17e.json)
         many = not few and dev.type == "cuda"
         crowd = many and d <= 128 and bh * m >= cfg.get("merge_one_warp_rows", 4) * _device_sms(dev)
         merge_warps = cfg.get("merge_warps") or (1 if crowd else 4 if many or d < 128 else 8)

@@ -165,7 +165,7 @@ def main():
     # loads hoisted (merge_hoist: the window's 10 partials of 32 tokens, R_V in 64-row chunks) or not
     grid, args, kw = comb.calls[0]
     assert kw["FINAL"], kw
-    # (and one warp per row where rows crowd the SMs: B=32, 16 splits a round, R_V in 32-row chunks)
+    # (and one warp per row where rows crowd the SMs: B=32, 16 splits a round, R_V in 16-row chunks)
     for s_block, warps, c_block, hoist in ((dt.CONFIG["merge_block"], 8, 128, 0), (16, 4, 32, 0),
                                            (dt.CONFIG["merge_block_few"], 8, 64, 1), (64, 4, 64, 1), (16, 4, 64, 1),
                                            (16, 1, 16, 1)):
