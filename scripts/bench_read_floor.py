@@ -37,6 +37,77 @@ def _read_kernel(X, OUT, n_vec, ITERS: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(OUT + pid, tl.sum(tl.sum(acc, 1), 0))
 
 
+# ---- the access pattern's floor (--pattern): the history kernel's grid and streams, no arithmetic
+@triton.jit
+def _stream(P, bh, st, steps, WS: tl.constexpr, BLK: tl.constexpr, ok):
+    """The ``WS`` words of step ``st`` of (row, head) ``bh`` of one history stream (``[bh, steps, WS]`` words)."""
+    r = tl.arange(0, BLK)
+    return tl.load(P + (bh.to(tl.int64) * steps + st) * WS + r, mask=r < tl.where(ok, WS, 0), other=0)
+
+
+@triton.jit
+def _pattern_kernel(P0, P1, P2, P3, P4, P5, OUT, steps, split_steps,
+                    W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr, W4: tl.constexpr,
+                    W5: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr,
+                    B4: tl.constexpr, B5: tl.constexpr, UNROLL: tl.constexpr):
+    """Program (bh, s) reads steps ``[s * split_steps, ...)`` of every stream ``P_i`` (``W_i`` words a step, 0: no
+    stream), ``UNROLL`` steps' loads at a time, and xors them (so that nothing is optimized away)."""
+    bh = tl.program_id(0)
+    st0 = tl.program_id(1) * split_steps
+    st1 = tl.minimum(st0 + split_steps, steps)
+    a0 = tl.zeros([B0], tl.int32)
+    a1 = tl.zeros([B1], tl.int32)
+    a2 = tl.zeros([B2], tl.int32)
+    a3 = tl.zeros([B3], tl.int32)
+    a4 = tl.zeros([B4], tl.int32)
+    a5 = tl.zeros([B5], tl.int32)
+    for st in range(st0, st1, UNROLL):
+        for u in tl.static_range(UNROLL):
+            ok = st + u < st1
+            a0 ^= _stream(P0, bh, st + u, steps, W0, B0, ok)
+            if W1 > 0:
+                a1 ^= _stream(P1, bh, st + u, steps, W1, B1, ok)
+            if W2 > 0:
+                a2 ^= _stream(P2, bh, st + u, steps, W2, B2, ok)
+            if W3 > 0:
+                a3 ^= _stream(P3, bh, st + u, steps, W3, B3, ok)
+            if W4 > 0:
+                a4 ^= _stream(P4, bh, st + u, steps, W4, B4, ok)
+            if W5 > 0:
+                a5 ^= _stream(P5, bh, st + u, steps, W5, B5, ok)
+    x = tl.sum(a0, 0) ^ tl.sum(a1, 0) ^ tl.sum(a2, 0) ^ tl.sum(a3, 0) ^ tl.sum(a4, 0) ^ tl.sum(a5, 0)
+    tl.store(OUT + bh * tl.num_programs(1) + tl.program_id(1), x)
+
+
+# words a step of 32 tokens (D = 128 at 2 bits: 32 bytes of codes a token; bf16 scale / zero of 2 groups: 4 bytes)
+PATTERNS = {
+    "cache6": (256, 256, 32, 32, 32, 32),  # as the cache stores them: K codes, V codes, K scale, K zero, V scale, V zero
+    "meta1": (256, 256, 128),  # the four metadata words of a token in one tensor
+    "one": (640,),  # a step's codes and metadata in one block
+}
+
+
+def pattern_op(b, n, pattern, unroll, maxnreg, dev="cuda"):
+    """The history kernel's grid (Gluon path: splits from the wave model at its residency, 32-token steps) reading
+    the history's bytes laid out as ``pattern``; ``maxnreg`` caps registers as the Gluon kernel does (12 one-warp
+    programs an SM at 168), None leaves them free (more programs an SM)."""
+    from oscar_hf.kernels import decode_triton as dt
+
+    bh, steps = b * bk.HK, n // 32
+    cfg = {**dt.CONFIG, "block_n": 32, "resident_programs": dt.CONFIG.get("gluon_resident", 12), "maxnreg": None}
+    s = dt.num_splits(n, bh, torch.device(dev), cfg)
+    split_steps = triton.cdiv(steps, s)
+    ws = PATTERNS[pattern]
+    bufs = [torch.randint(-2**31, 2**31 - 1, (bh * steps * w,), dtype=torch.int32, device=dev) for w in ws]
+    ws6 = list(ws) + [0] * (6 - len(ws))
+    bufs += [bufs[0]] * (6 - len(bufs))
+    blk = [triton.next_power_of_2(max(w, 1)) for w in ws6]
+    out = torch.empty(bh * s, dtype=torch.int32, device=dev)
+    kw = {f"W{i}": ws6[i] for i in range(6)} | {f"B{i}": blk[i] for i in range(6)}
+    kw |= {"maxnreg": maxnreg} if maxnreg else {}
+    return lambda: _pattern_kernel[(bh, s)](*bufs, out, steps, split_steps, UNROLL=unroll, num_warps=1, **kw), s
+
+
 def read_op(buf, iters, block, warps):
     n_vec = buf.numel() // 4
     grid = triton.cdiv(n_vec, iters * block)
@@ -49,6 +120,8 @@ def main():
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--length", type=int, default=131072)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--pattern", action="store_true",
+                    help="also the history kernel's access pattern: its grid and streams (PATTERNS), no arithmetic")
     args = ap.parse_args()
     bk.FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
@@ -73,7 +146,17 @@ def main():
             except Exception:  # (a backend that does not take this shape)
                 pass
         sdpa = min(sdpa)
-        row = {"B": b, "T": args.length, "history_bytes": hist, "read_floor_us": best["graph_us"],
+        patterns = []
+        if args.pattern:  # the same bytes as the history kernel reads them (1-warp programs, its splits)
+            for name in PATTERNS:
+                for unroll, maxnreg in ((3, 168), (1, 168), (3, None)):
+                    fn, s = pattern_op(b, args.length - bk.W, name, unroll, maxnreg)
+                    patterns.append({"pattern": name, "unroll": unroll, "maxnreg": maxnreg, "splits": s,
+                                     "graph_us": bk.timed(fn, graph=True) * 1e3})
+                    print(" ", patterns[-1], flush=True)
+                    del fn
+                    torch.cuda.empty_cache()
+        row = {"B": b, "T": args.length, "history_bytes": hist, "read_floor_us": best["graph_us"], "patterns": patterns,
                "read_floor_GBps": hist / best["graph_us"] / 1e3, "sdpa_best_graph_us": sdpa,
                "target_4_5x_us": sdpa / 4.5, "left_for_the_rest_us": sdpa / 4.5 - best["graph_us"], "shapes": shapes}
         res["rows"].append(row)
