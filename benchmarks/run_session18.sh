@@ -16,3 +16,17 @@ a)
       --out "$OUT/profile_op_${GPU}_session18a.json" 2>&1 | grep -E "^B=|_kernel"
   ;;
 esac
+# (appended) run b: the Gluon history loop two full steps at a time between barriers (gluon_pair: both steps' logits,
+# then both steps' values, so that ptxas interleaves the second step's key MMAs with the first's softmax and values;
+# sm_90 SASS: 644 instructions a pair against 2 x 324), its GPU tests (variants "pair": int8 keys, "pair-fp16") and
+# the per-kernel profile against the default
+#   bash benchmarks/run_session18.sh b
+case "$1" in
+b)
+  timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" --rootdir "$R" \
+      -k "gluon and pair" 2>&1 | tee "$OUT/tests_${GPU}_session18b.log" | tail -2
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,1x131072,32x32768,8x8192 --iters 20 \
+      --configs '{}' '{"gluon_pair": 1}' '{"gluon_pair": 1, "gluon_stages": 4}' \
+      --out "$OUT/profile_op_${GPU}_session18b.json" 2>&1 | grep -E "^B=|_kernel"
+  ;;
+esac

@@ -175,6 +175,8 @@ CONFIG = {
     # 221.3 -> 217.9, 235.6 -> 231.7), but short splits pay for the longer pipeline start (B=8/8K op 46.2 -> 47.0 us)
     # (benchmarks/results/profile_op_h200_session16{c,d,e}.json); the H100 is indifferent (profile_op_h100_session16f)
     "gluon_stages_long": 4,
+    # Gluon kernel, 4+ stages: two steps between barriers (pairs of stages), so that ptxas may interleave them
+    "gluon_pair": 0,
     "gluon_splitk": 1,  # one key accumulator per plane (shorter MMA chains)
     "gluon_maxnreg": 168,  # ptxas register cap of the Gluon kernel
     "gluon_l2pf": 1,  # Gluon kernel: L2 prefetch this many steps ahead (0: off)
@@ -1346,7 +1348,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
                                    pdl=3 if pdl_mode == 4 else pdl_mode,
-                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist))
+                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist),
+                                   pair=int(cfg.get("gluon_pair", 0)))
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
