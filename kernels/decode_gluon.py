@@ -351,33 +351,12 @@ def _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, n0):
 
 
 @gluon.jit
-def _issue_pair_copies(kbuf, vbuf, mbuf, slot, ck, cv, cm, n0, f1, T: gl.constexpr):
-    """PAIR: cp.async of the two full steps at ``n0``, ``n0 + T`` into stages ``2 slot``, ``2 slot + 1``, as one
-    commit group (past the last full step the copies repeat it)."""
-    na = gl.minimum(n0, f1 - T)
-    nb = gl.minimum(n0 + T, f1 - T)
-    _cp_async(kbuf.index(2 * slot), ck + na * 8)
-    _cp_async(vbuf.index(2 * slot), cv + na * 8)
-    _cp_async(mbuf.index(2 * slot), cm + na)
-    _cp_async(kbuf.index(2 * slot + 1), ck + nb * 8)
-    _cp_async(vbuf.index(2 * slot + 1), cv + nb * 8)
-    _cp_async(mbuf.index(2 * slot + 1), cm + nb)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T: gl.constexpr, STAGES: gl.constexpr,
-                        PAIR: gl.constexpr = 0):
+def _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T: gl.constexpr, STAGES: gl.constexpr):
     """The pipeline's start: the copies of the first ``STAGES - 1`` full steps of ``[f0, f1)`` into stages
-    ``0 .. STAGES - 2`` (none without full steps; past the last full step the copies repeat it, as in the loop).
-    ``PAIR``: the first ``STAGES / 2 - 1`` pairs of steps into their slots (pairs of stages)."""
+    ``0 .. STAGES - 2`` (none without full steps; past the last full step the copies repeat it, as in the loop)."""
     if f1 > f0:
-        if PAIR:
-            for i in gl.static_range(STAGES // 2 - 1):
-                _issue_pair_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, f0 + 2 * i * T, f1, T)
-        else:
-            for i in gl.static_range(STAGES - 1):
-                _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
+        for i in gl.static_range(STAGES - 1):
+            _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
 
 
 @gluon.jit
@@ -584,7 +563,7 @@ def _hist_kernel(
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
-    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0, PAIR: gl.constexpr = 0,
+    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -609,7 +588,7 @@ def _hist_kernel(
         if STAGES > 0:
             kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB,
                                                        STAGES)
-            _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES, PAIR)
+            _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
         if PDL >= 2:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
@@ -686,62 +665,23 @@ def _hist_kernel(
             # EARLY: the first pass's first copies were issued before the query's loads (a rerun, run == 2, issues them)
             if EARLY:
                 if run == 2:
-                    _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES, PAIR)
+                    _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
             else:
-                _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES, PAIR)
-            if PAIR:
-                # two steps between barriers, so that ptxas may interleave them (the logits of one while the values of
-                # the other are decoded): slot p % NS (stages 2 slot, 2 slot + 1) holds pair p, the copies of pair
-                # p + NS - 1 are issued before pair p is read (its slot was read in pair p - 1: the barrier orders
-                # the two). An odd last full step arrives with the copies of the pair after the last one.
-                NS: gl.constexpr = STAGES // 2
-                nfull = (f1 - f0) // T
-                for ip in range(0, nfull // 2):
-                    n0 = f0 + ip * (2 * T)
-                    async_copy.wait_group(NS - 2)
-                    _sync()
-                    _issue_pair_copies(kbuf, vbuf, mbuf, (ip + NS - 1) % NS, ck, cv, cm, n0 + (NS - 1) * (2 * T), f1,
-                                       T)
-                    sa = 2 * (ip % NS)
-                    ma = mbuf.index(sa)
-                    mb2 = mbuf.index(sa + 1)
-                    # both steps' logits first (the second's key MMAs beside the first's softmax), then their values
-                    lga = _logits(kbuf.index(sa).load(KLOAD), _smem_meta(ma, 0, TB), _smem_meta(ma, 1, TB), n0, hi,
-                                  start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, False, SPLITK, K8)
-                    lgb = _logits(kbuf.index(sa + 1).load(KLOAD), _smem_meta(mb2, 0, TB), _smem_meta(mb2, 1, TB),
-                                  n0 + T, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, False, SPLITK,
-                                  K8)
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _accumulate(
-                        lga, vbuf.index(sa).load(VLOAD), _smem_meta(ma, 2, TB), _smem_meta(ma, 3, TB), kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _accumulate(
-                        lgb, vbuf.index(sa + 1).load(VLOAD), _smem_meta(mb2, 2, TB), _smem_meta(mb2, 3, TB), kdiag,
-                        neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
-                async_copy.wait_group(0)
-                if nfull % 2 == 1:  # the odd last full step: the first half of the slot after the last pair's
-                    _sync()
-                    sa = 2 * ((nfull // 2) % NS)
-                    ma = mbuf.index(sa)
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                        kbuf.index(sa).load(KLOAD), vbuf.index(sa).load(VLOAD), _smem_meta(ma, 0, TB),
-                        _smem_meta(ma, 1, TB), _smem_meta(ma, 2, TB), _smem_meta(ma, 3, TB),
-                        f1 - T, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
-            else:
-                for it in range(0, (f1 - f0) // T):
-                    n0 = f0 + it * T
-                    async_copy.wait_group(STAGES - 2)
-                    _sync()
-                    _issue_copies(kbuf, vbuf, mbuf, (it + STAGES - 1) & (STAGES - 1), ck, cv, cm,
-                                  gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
-                    st = it & (STAGES - 1)
-                    xk = kbuf.index(st).load(KLOAD)
-                    xv = vbuf.index(st).load(VLOAD)
-                    mb = mbuf.index(st)
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                        xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB),
-                        n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
+                _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
+            for it in range(0, (f1 - f0) // T):
+                n0 = f0 + it * T
+                async_copy.wait_group(STAGES - 2)
+                _sync()
+                _issue_copies(kbuf, vbuf, mbuf, (it + STAGES - 1) & (STAGES - 1), ck, cv, cm,
+                              gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
+                st = it & (STAGES - 1)
+                xk = kbuf.index(st).load(KLOAD)
+                xv = vbuf.index(st).load(VLOAD)
+                mb = mbuf.index(st)
+                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
+                    xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB),
+                    n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
             async_copy.wait_group(0)
             if f1 < hi:
                 xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, True)
@@ -841,7 +781,7 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, pair=0):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -853,7 +793,6 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *(qk_offset.stride() if qk_offset is not None else z3),
         TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
-        PAIR=int(bool(pair) and stages >= 4 and stages % 2 == 0),
         num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )

@@ -175,8 +175,6 @@ CONFIG = {
     # 221.3 -> 217.9, 235.6 -> 231.7), but short splits pay for the longer pipeline start (B=8/8K op 46.2 -> 47.0 us)
     # (benchmarks/results/profile_op_h200_session16{c,d,e}.json); the H100 is indifferent (profile_op_h100_session16f)
     "gluon_stages_long": 4,
-    # Gluon kernel, 4+ stages: two steps between barriers (pairs of stages), so that ptxas may interleave them
-    "gluon_pair": 0,
     "gluon_splitk": 1,  # one key accumulator per plane (shorter MMA chains)
     "gluon_maxnreg": 168,  # ptxas register cap of the Gluon kernel
     "gluon_l2pf": 1,  # Gluon kernel: L2 prefetch this many steps ahead (0: off)
@@ -221,9 +219,6 @@ CONFIG = {
     "gluon_long_split": 2048,  # history tokens of a split from which the Gluon kernel's long-split choices apply
     # the decode op's combine: one warp per query row from this many rows per SM on (see _launch)
     "merge_one_warp_rows": 4,
-    # combine kernel (decode op, hoisted loads): programs a query row, each rotating back D / merge_csplit output
-    # channels (a power of two, at most D / C_BLOCK)
-    "merge_csplit": 1,
 }
 
 
@@ -948,10 +943,9 @@ def _history_window_weights(m_h, l_h, m_w, l_w):
 def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
-    PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, C_SPLIT: tl.constexpr = 1,
+    PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1,
 ):
-    """One program per (b, h, query row) (``C_SPLIT`` > 1: per row and slice of output channels): log-sum-exp merge
-    of the split partials.
+    """One program per (b, h, query row): log-sum-exp merge of the split partials.
 
     Splits ``[0, S_HIST)`` are history (rotated value space), ``[S_HIST, S_TOT)`` window (value space).
     Not FINAL (history_partial): write ``m`` (natural units), ``l``, ``acc``.
@@ -968,14 +962,8 @@ def _combine_kernel(
     ``HOIST`` (FINAL, ``C_BLOCK < D``, at most ``SW_BLOCK`` window splits): one round of loads before the merge -- the
     history partials, all window partials (``[SW_BLOCK, D]``) and ``R_V``'s first chunk -- and each further chunk's
     load issued before the chunk before it is used, instead of a round for the window's max, then per chunk one for
-    ``R_V`` and the window's rows.
-
-    ``C_SPLIT`` (HOIST only): ``C_SPLIT`` programs a row, each merging all of the row's partials but rotating back
-    only its ``D / C_SPLIT`` output channels -- ``R_V[h]``'s rows are most of a program's bytes (64 KB of ~90 at
-    B=8/128K), and more, smaller programs hide more of the load latency where rows are few."""
-    NCH: tl.constexpr = D // C_BLOCK // C_SPLIT  # R_V chunks of this program
-    row = tl.program_id(0) // C_SPLIT  # = bh * M + mm
-    c_first = (tl.program_id(0) % C_SPLIT) * NCH  # this program's first chunk
+    ``R_V`` and the window's rows."""
+    row = tl.program_id(0)  # = bh * M + mm
     bh = row // M
     mm = row % M
     h = bh % Hk
@@ -984,8 +972,8 @@ def _combine_kernel(
     base = bh.to(tl.int64) * S_TOT * M + mm  # partial (bh, s, mm) lives at base + s * M
     if FINAL and C_BLOCK == D:
         r_all = tl.load(RV + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # issued before the partials
-    if FINAL and HOIST:  # R_V's first chunk of this program
-        r_next = tl.load(RV + h * D * D + (c_first * C_BLOCK + tl.arange(0, C_BLOCK))[:, None] * D + offs_d[None, :])
+    if FINAL and HOIST:
+        r_next = tl.load(RV + h * D * D + tl.arange(0, C_BLOCK)[:, None] * D + offs_d[None, :])  # R_V's chunk 0
     if PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
         gdc_wait()
     if FINAL and HOIST:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
@@ -1018,11 +1006,10 @@ def _combine_kernel(
         o_w = tl.reshape(tl.sum(w_w[:, None] * a_w, 0), (D // C_BLOCK, C_BLOCK))  # [chunk, C_BLOCK]
         m_safe, w_h, ww, lh, inv = _history_window_weights(m_h, l_h, m_w, l_w)
         acc = acc * w_h
-        for cj in tl.static_range(NCH):
-            ci = c_first + cj
+        for ci in tl.static_range(D // C_BLOCK):
             offs_c = ci * C_BLOCK + tl.arange(0, C_BLOCK)
             r = r_next
-            if cj + 1 < NCH:  # the next chunk's load in flight while this one is used
+            if ci + 1 < D // C_BLOCK:  # the next chunk's load in flight while this one is used
                 r_next = tl.load(RV + h * D * D + (offs_c + C_BLOCK)[:, None] * D + offs_d[None, :])
             o = tl.sum(r * acc[None, :], 1)
             if HAS_MUV:
@@ -1348,8 +1335,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
                                    pdl=3 if pdl_mode == 4 else pdl_mode,
-                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist),
-                                   pair=int(cfg.get("gluon_pair", 0)))
+                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist))
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
@@ -1405,13 +1391,10 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
         hoist = (bool(cfg.get("merge_hoist")) and c_block < d <= 128
                  and s_tot - s_hist <= cfg.get("merge_hoist_win", 16))
-        # programs a row, each rotating back d / c_split output channels (HOIST only; at most one per R_V chunk)
-        c_split = max(1, min(int(cfg.get("merge_csplit") or 1), d // c_block)) if hoist else 1
-        _combine_kernel[(bh * m * c_split,)](
+        _combine_kernel[(bh * m,)](
             pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
             D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
             HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, num_warps=merge_warps,
-            C_SPLIT=c_split,
             **({"launch_pdl": True} if pdl_comb else {}),
         )
         return out

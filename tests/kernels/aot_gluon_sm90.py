@@ -57,15 +57,13 @@ def main():
     if stages:
         cases += [(2, 1, 0, 0), (1, 1, 0, 0)]  # the register-load loop too (fp16 keys)
     early = int(os.environ.get("AOT_EARLY", CONFIG.get("gluon_early", 0)))
-    pair = int(os.environ.get("AOT_PAIR", CONFIG.get("gluon_pair", 0)))  # two steps between barriers (4+ stages)
-    if "AOT_STAGES" in os.environ:  # only these pipelines (e.g. "4,6"), default key path and offsets, TB = 2
+    if "AOT_STAGES" in os.environ:  # only these pipelines (e.g. "2,4"), default key path and offsets, TB = 2
         cases = [(2, 1, int(x), 1) for x in os.environ["AOT_STAGES"].split(",")]
     for tb, gsum, st, k8_ in cases:
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_,
-                  "PDL": 2 if early else 1,  # (programmatic dependent launch compiled in: its variant of the prologue)
-                  "PAIR": int(pair and st >= 4 and st % 2 == 0)}
+                  "PDL": 2 if early else 1}  # (programmatic dependent launch compiled in: its variant of the prologue)
         sig = {}
         for name in dg._hist_kernel.arg_names:
             if name in consts:
@@ -89,10 +87,9 @@ def main():
         op = lambda s: re.sub(r"^@!?U?P\w+\s+", "", s).split()[0]  # noqa: E731
         loop = collections.Counter(op(i) for i in _hot_loop(sass))
         if os.environ.get("AOT_DUMP"):  # the hot loop's SASS, one file a case
-            with open(f"{os.environ['AOT_DUMP']}_tb{tb}_g{gsum}_s{st}_k{k8_}_p{consts['PAIR']}.sass", "w") as f:
+            with open(f"{os.environ['AOT_DUMP']}_tb{tb}_g{gsum}_s{st}_k{k8_}.sass", "w") as f:
                 f.write("\n".join(_hot_loop(sass)))
-        print(json.dumps({"kernel": "gluon", "tb": tb, "gsum": gsum, "stages": st, "k8": k8_, "pair": consts["PAIR"],
-                          "regs": regs,
+        print(json.dumps({"kernel": "gluon", "tb": tb, "gsum": gsum, "stages": st, "k8": k8_, "regs": regs,
                           "spill_bytes": spill,
                           "maxnreg": opts.get("maxnreg"), "loop": dict(loop)}))
     sys.stdout.flush()

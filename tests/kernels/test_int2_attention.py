@@ -379,7 +379,7 @@ def test_combine_merges_splits_in_several_blocks(monkeypatch, merge_block):
 
 
 @interp
-@pytest.mark.parametrize("cblock,csplit", [(16, 1), (32, 1), (32, 2), (16, 8)])
+@pytest.mark.parametrize("cblock", [16, 32])
 @pytest.mark.parametrize(
     "b,hk,m,n,w,d,mu",
     [
@@ -389,25 +389,24 @@ def test_combine_merges_splits_in_several_blocks(monkeypatch, merge_block):
         (2, 1, 4, 100, 0, 128, True),  # no window
     ],
 )
-def test_combine_hoisted_loads(monkeypatch, cblock, csplit, b, hk, m, n, w, d, mu):
+def test_combine_hoisted_loads(monkeypatch, cblock, b, hk, m, n, w, d, mu):
     """The decode op's combine with its loads hoisted (``merge_hoist``: the window partials and R_V's first chunk with
     the history partials, each next chunk ahead of its use, the window row's chunk picked by a masked sum) equals the
-    reference; the last history split holds 30x key scales (the largest logits). ``csplit``: programs a row, each
-    rotating back its slice of the output channels (at most one per chunk: 8 clamps to D / cblock)."""
+    reference; the last history split holds 30x key scales (the largest logits)."""
     dt = _dt()
     monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "win_split": 32, "merge_hoist": 1,
-                                       "merge_cblock": cblock, "merge_csplit": csplit})
+                                       "merge_cblock": cblock})
     hoisted = []
     real = dt._combine_kernel
     monkeypatch.setattr(dt, "_combine_kernel", type("K", (), {"__getitem__": lambda self, grid: (
-        lambda *a, **kw: (hoisted.append(kw["HOIST"] * kw["C_SPLIT"]), real[grid](*a, **kw))[1])})())
+        lambda *a, **kw: (hoisted.append(kw["HOIST"]), real[grid](*a, **kw))[1])})())
     args, gen = _window_case(b, hk, m, n, w, d, 64 if d == 128 else 32, seed=n + w + m, mu=mu)
     args["start"] = torch.tensor([0, 17][:b])
     if n:
         args["key_mask"] = torch.rand(b, 1, 1, n, generator=gen) > 0.1
         args["k"].scale[:, :, n - 40:n - 20] *= 30
     got = dt.decode_attention_triton(**args)
-    assert hoisted == [min(csplit, d // cblock)], "the hoisted combine did not run with its channel split"
+    assert hoisted == [1], "the hoisted combine did not run"
     assert rel_err(got, dt.decode_attention_reference(**args)) < 2e-5
 
 
@@ -580,8 +579,6 @@ _GLUON_VARIANTS = {
     "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 2},
     "hoist": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1, "merge_hoist": 1, "merge_cblock": 32},
     "pdl4-warp": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "merge_one_warp_rows": 0},
-    "pair": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_stages": 4, "gluon_pair": 1},
-    "pair-fp16": {"gluon_gsum": 1, "pdl": 0, "gluon_k8": 0, "gluon_stages": 4, "gluon_pair": 1},
 }
 
 
@@ -594,8 +591,7 @@ def gluon_calls(request, monkeypatch):
     (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
     logits on int8 tensor cores (gluon_k8); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
     with R_V in 32-row chunks instead of the default 64; "pdl4-warp": the combine under PDL (pdl 4), one warp per row
-    wherever there are more rows than SMs (merge_one_warp_rows 0); "pair", "pair-fp16": 4 stages for every split, the
-    full steps two at a time between barriers (gluon_pair), int8 / fp16 keys."""
+    wherever there are more rows than SMs (merge_one_warp_rows 0)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
