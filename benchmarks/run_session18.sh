@@ -30,3 +30,19 @@ b)
       --out "$OUT/profile_op_${GPU}_session18b.json" 2>&1 | grep -E "^B=|_kernel"
   ;;
 esac
+# (appended) run c: the int8 query operands in shared memory (gluon_qsmem: ldmatrix at each step, 32 registers fewer,
+# sm_90 SASS 336 instructions a step against 324, no spill in the loop down to 136 registers), so that 13-15 one-warp
+# programs fit an SM instead of 12: its GPU tests (variant "qsmem") and the profile at the points where the int8 key
+# path runs
+#   bash benchmarks/run_session18.sh c
+case "$1" in
+c)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" --rootdir "$R" \
+      -k "gluon and qsmem" 2>&1 | tee "$OUT/tests_${GPU}_session18c.log" | tail -2
+  timeout 350 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,32x32768,32x131072 --iters 20 \
+      --configs '{}' '{"gluon_qsmem": 1}' '{"gluon_qsmem": 1, "gluon_maxnreg": 152, "gluon_resident": 13}' \
+      '{"gluon_qsmem": 1, "gluon_maxnreg": 144, "gluon_resident": 14}' \
+      '{"gluon_qsmem": 1, "gluon_maxnreg": 136, "gluon_resident": 15}' \
+      --out "$OUT/profile_op_${GPU}_session18c.json" 2>&1 | grep -E "^B=|_hist"
+  ;;
+esac

@@ -63,7 +63,7 @@ def main():
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_,
-                  "PDL": 2 if early else 1}  # (programmatic dependent launch compiled in: its variant of the prologue)
+                  "PDL": 2 if early else 1, "QSMEM": int(os.environ.get("AOT_QSMEM", CONFIG.get("gluon_qsmem", 0)))}  # (programmatic dependent launch compiled in: its variant of the prologue)
         sig = {}
         for name in dg._hist_kernel.arg_names:
             if name in consts:
@@ -80,8 +80,8 @@ def main():
                  if sig[n].startswith("*") or (n in strides and n not in ("sqm", "som")) or n == "split_len"}
         src = GluonASTSource(fn=dg._hist_kernel, signature=sig, constexprs=consts, attrs=attrs)
         opts = {"num_warps": 1}
-        if CONFIG.get("gluon_maxnreg"):
-            opts["maxnreg"] = CONFIG["gluon_maxnreg"]
+        if os.environ.get("AOT_MAXNREG") or CONFIG.get("gluon_maxnreg"):
+            opts["maxnreg"] = int(os.environ.get("AOT_MAXNREG") or CONFIG["gluon_maxnreg"])
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
         regs, spill, sass = cubin_report(c.asm["cubin"], sass=True)
         op = lambda s: re.sub(r"^@!?U?P\w+\s+", "", s).split()[0]  # noqa: E731
