@@ -81,7 +81,6 @@ QLOAD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))
 CP_CODES = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0]))
 CP_META = gl.constexpr((gl.BlockedLayout([1, 2], [4, 8], [1, 1], [1, 0]), gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])))
 SMEM3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # (the layout of one stage)
-QSMEM_L = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0, 1]))  # the int8 query operands [8, 32 TB, 8]
 META3 = gl.constexpr(gl.BlockedLayout([1, 1, 2], [8, 2, 2], [1, 1, 1], [2, 1, 0]))  # [16 t', 2 sets, 4 columns]
 _sync = getattr(gl, "thread_barrier", None) or gl.barrier  # (Triton 3.6 / newer)
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -380,18 +379,8 @@ def _f32_pair(wd):
 
 
 @gluon.jit
-def _qop(q, QSM: gl.constexpr):
-    """A K8 query operand: kept in registers, or (``QSM``) read from its shared-memory copy at each use."""
-    if QSM:
-        return q.load(B8_OP)
-    else:
-        return q
-
-
-@gluon.jit
 def _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc,
-            TB: gl.constexpr, MH: gl.constexpr, MASKED: gl.constexpr, SPLITK: gl.constexpr, K8: gl.constexpr,
-            QSM: gl.constexpr = 0):
+            TB: gl.constexpr, MH: gl.constexpr, MASKED: gl.constexpr, SPLITK: gl.constexpr, K8: gl.constexpr):
     """Logits ``[16, 8]`` (log2 units, minus the reference: ``offc`` holds ``off - phi``) of a step from its key
     bytes and key metadata words; invalid tokens -inf when ``MASKED``. ``K8``: int8 MMAs (``_q8_operands``:
     ``qb_P`` are ``(hi, lo)`` pairs, ``c_g`` the accumulator starts and factor of group ``g``)."""
@@ -402,10 +391,8 @@ def _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off
         k1 = _k8_operand(xk, 1, TB)
         k2 = _k8_operand(xk, 2, TB)
         k3 = _k8_operand(xk, 3, TB)
-        y0 = mma_v2(k1, _qop(qb1[0], QSM), mma_v2(k0, _qop(qb0[0], QSM), c0[0])) * 254 + \
-            mma_v2(k1, _qop(qb1[1], QSM), mma_v2(k0, _qop(qb0[1], QSM), c0[1]))
-        y1 = mma_v2(k3, _qop(qb3[0], QSM), mma_v2(k2, _qop(qb2[0], QSM), c1[0])) * 254 + \
-            mma_v2(k3, _qop(qb3[1], QSM), mma_v2(k2, _qop(qb2[1], QSM), c1[1]))
+        y0 = mma_v2(k1, qb1[0], mma_v2(k0, qb0[0], c0[0])) * 254 + mma_v2(k1, qb1[1], mma_v2(k0, qb0[1], c0[1]))
+        y1 = mma_v2(k3, qb3[0], mma_v2(k2, qb2[0], c1[0])) * 254 + mma_v2(k3, qb3[1], mma_v2(k2, qb2[1], c1[1]))
         # (bias after the MMAs in each branch: computed before them, ptxas spills 16 more bytes in the fp16 path)
         bias = gl.fma(z0, qs0[None, :], gl.fma(z1, qs1[None, :], offc[None, :]))
         lg = gl.fma(s0 * c0[2], y0.to(gl.float32), gl.fma(s1 * c1[2], y1.to(gl.float32), bias))
@@ -445,10 +432,9 @@ def _fresh_state():
 @gluon.jit
 def _step(xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
           lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB: gl.constexpr, MH: gl.constexpr,
-          MASKED: gl.constexpr, SPLITK: gl.constexpr, GSUM: gl.constexpr, K8: gl.constexpr, QSM: gl.constexpr = 0):
+          MASKED: gl.constexpr, SPLITK: gl.constexpr, GSUM: gl.constexpr, K8: gl.constexpr):
     """One step of ``16 TB`` tokens from its loaded words: logits, then :func:`_accumulate`."""
-    lg = _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, MASKED, SPLITK, K8,
-                 QSM)
+    lg = _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, MASKED, SPLITK, K8)
     return _accumulate(lg, xv, vs, vz, kdiag, neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
 
 
@@ -577,7 +563,7 @@ def _hist_kernel(
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
-    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0, QSMEM: gl.constexpr = 0,
+    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -608,24 +594,8 @@ def _hist_kernel(
 
     # ---- query operands (once per program) ----
     q_ptr = Q + b.to(gl.int64) * sqb + h * sqh
-    QSM: gl.constexpr = QSMEM and K8  # the int8 query operands in shared memory (32 registers fewer)
     if K8:
         qb0, qb1, qb2, qb3, c0, c1 = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
-        if QSM:
-            qsm = gl.allocate_shared_memory(gl.int8, [8, 32 * TB, 8], QSMEM_L)
-            qsm.index(0).store(qb0[0])
-            qsm.index(1).store(qb0[1])
-            qsm.index(2).store(qb1[0])
-            qsm.index(3).store(qb1[1])
-            qsm.index(4).store(qb2[0])
-            qsm.index(5).store(qb2[1])
-            qsm.index(6).store(qb3[0])
-            qsm.index(7).store(qb3[1])
-            _sync()
-            qb0 = (qsm.index(0), qsm.index(1))
-            qb1 = (qsm.index(2), qsm.index(3))
-            qb2 = (qsm.index(4), qsm.index(5))
-            qb3 = (qsm.index(6), qsm.index(7))
     else:
         qb0 = _q_operand(q_ptr, sqm, M, qk_scale, 0, TB, MH)
         qb1 = _q_operand(q_ptr, sqm, M, qk_scale, 1, TB, MH)
@@ -671,7 +641,7 @@ def _hist_kernel(
     if (L2PF > 0) & (STAGES == 0):  # the first full step's lines, while this one is read
         _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo + T, hi, T)
     # reference phi per column: the max of the first step's valid logits (0 where there is none)
-    lg = _logits(xk, ks, kz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off, TB, MH, True, SPLITK, K8, QSM)
+    lg = _logits(xk, ks, kz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off, TB, MH, True, SPLITK, K8)
     phi = gl.max(lg, 0)
     phi = gl.where(phi == float("-inf"), 0.0, phi)
     phi = gl.where(cvalid, phi, 0.0)
@@ -711,13 +681,13 @@ def _hist_kernel(
                 lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                     xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB),
                     n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8, QSM)
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
             async_copy.wait_group(0)
             if f1 < hi:
                 xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, True)
                 lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                     xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8, QSM)
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8)
         else:
             for n0 in range(f0, f1, T):
                 if L2PF > 0:
@@ -726,12 +696,12 @@ def _hist_kernel(
                                                       False)
                 lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                     xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8, QSM)
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
             if f1 < hi:
                 xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, True)
                 lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                     xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8, QSM)
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8)
         m_c = gl.max(mt, 0) + phi  # per column, -inf stays -inf
         over = gl.where(m_c == float("-inf"), 0.0, m_c - phi)
         run = 0
@@ -744,7 +714,7 @@ def _hist_kernel(
             xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
             lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                 xk, xv, ks, kz, vs, vz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off - phi, kdiag,
-                neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8, QSM)
+                neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8)
 
     # ---- per column -> per query row: the TB token sets merged by log-sum-exp ----
     if TB == 1:
@@ -811,7 +781,7 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qsmem=0):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -823,7 +793,6 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *(qk_offset.stride() if qk_offset is not None else z3),
         TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
-        QSMEM=int(qsmem),
         num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )

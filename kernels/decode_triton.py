@@ -216,8 +216,6 @@ CONFIG = {
     # 201.1 us, B=32/32K 216.1 -> 195.9, but B=1/128K (21 steps a program) 36.5 -> 38.4, B=8/8K 22.8 -> 24.3
     # (profile_op_h200_session15b.json). 1: where a split is long (gluon_long_split); 2: always; 0: never
     "gluon_k8": 1,
-    # Gluon kernel, int8 keys: the query operands in shared memory (read by ldmatrix at each step; 32 registers fewer)
-    "gluon_qsmem": 0,
     "gluon_long_split": 2048,  # history tokens of a split from which the Gluon kernel's long-split choices apply
     # the decode op's combine: one warp per query row from this many rows per SM on (see _launch)
     "merge_one_warp_rows": 4,
@@ -1337,8 +1335,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
                                    pdl=3 if pdl_mode == 4 else pdl_mode,
-                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist),
-                                   qsmem=int(cfg.get("gluon_qsmem", 0)))
+                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist))
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:

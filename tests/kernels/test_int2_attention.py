@@ -579,8 +579,6 @@ _GLUON_VARIANTS = {
     "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 2},
     "hoist": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1, "merge_hoist": 1, "merge_cblock": 32},
     "pdl4-warp": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "merge_one_warp_rows": 0},
-    "qsmem": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qsmem": 1, "gluon_maxnreg": 136,
-              "gluon_resident": 15},
 }
 
 
@@ -593,8 +591,7 @@ def gluon_calls(request, monkeypatch):
     (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
     logits on int8 tensor cores (gluon_k8); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
     with R_V in 32-row chunks instead of the default 64; "pdl4-warp": the combine under PDL (pdl 4), one warp per row
-    wherever there are more rows than SMs (merge_one_warp_rows 0); "qsmem": int8 keys everywhere, the query operands
-    in shared memory (gluon_qsmem), 136 registers (15 programs an SM)."""
+    wherever there are more rows than SMs (merge_one_warp_rows 0)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
