@@ -46,3 +46,12 @@ c)
       --out "$OUT/profile_op_${GPU}_session18c.json" 2>&1 | grep -E "^B=|_hist"
   ;;
 esac
+# (appended) run d: the benchmark of the final tree (the defaults of session 17: runs a-c changed no default) on this
+# session's H200, one more sample of the run-to-run spread at B=8/128K
+#   bash benchmarks/run_session18.sh d
+case "$1" in
+d)
+  timeout 300 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session18d.json" 2>&1 | grep -v Warn | tail -12
+  ;;
+esac
