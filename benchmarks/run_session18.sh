@@ -55,3 +55,13 @@ d)
       --out "$OUT/kernels_${GPU}_session18d.json" 2>&1 | grep -v Warn | tail -12
   ;;
 esac
+# (appended) run e: R_V in bf16 for the combine (half of its 64 KB a row program; the products stay float32), with R_V
+# in 64-row chunks (the default), 32-row chunks, or whole (merge_cblock 128: loaded before the partials)
+#   bash benchmarks/run_session18.sh e
+case "$1" in
+e)
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,1x131072,32x32768,8x8192 --iters 20 \
+      --configs '{}' '{"_rv": "bf16"}' '{"_rv": "bf16", "merge_cblock": 32}' '{"_rv": "bf16", "merge_cblock": 128}' \
+      --out "$OUT/profile_op_${GPU}_session18e.json" 2>&1 | grep -E "^B=|_combine"
+  ;;
+esac
