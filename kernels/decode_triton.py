@@ -1275,8 +1275,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             k_win = k_win if k_win.stride(-1) == 1 else k_win.contiguous()
             v_win = v_win if v_win.stride(-1) == 1 else v_win.contiguous()
         wmask, _ = _mask_4d(win_mask, b, hk, w)
-        # R_V in float32, or bf16 as given (the combine then reads half the bytes; its products are float32)
-        r_v = r_v.to(device=dev, dtype=r_v.dtype if r_v.dtype == torch.bfloat16 else torch.float32).contiguous()
+        r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
         mu_v = None if mu_v is None else mu_v.to(device=dev, dtype=torch.float32).contiguous()
     else:
         w, s_win, wmask, win_split = 0, 0, None, cfg["win_split"]

@@ -100,12 +100,10 @@ def main():
     for pt in args.points.split(","):
         b, t = (int(x) for x in pt.split("x"))
         st = bk.make_decode(b, t, gen)
+        op = bk.oscar_op(st)
         for cj in args.configs:
-            cfg = json.loads(cj)
-            # "_rv": "bf16": the op given R_V in bf16 (the combine reads half the bytes); not a CONFIG key
-            op = bk.oscar_op({**st, "r_v": st["r_v"].bfloat16()}) if cfg.pop("_rv", None) == "bf16" else bk.oscar_op(st)
             dt.CONFIG.clear()
-            dt.CONFIG.update({**base, **cfg})
+            dt.CONFIG.update({**base, **json.loads(cj)})
             try:
                 row = {"B": b, "T": t, "config": json.loads(cj), "graph_ms": bk.timed(op, graph=True),
                        "kernels": kernel_times(op, args.iters)}
