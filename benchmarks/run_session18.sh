@@ -4,6 +4,9 @@
 #   bash benchmarks/run_session18.sh a   # the history kernel's access pattern without its arithmetic (the read floor
 #                                        # over its grid and its six streams, and over two denser layouts of the same
 #                                        # bytes), and the combine with 2 / 4 / 8 programs a row (merge_csplit)
+# Runs a, b, c, e measured options that were removed afterwards (benchmarks/README_kernels.md, "Session 18"); each ran
+# at the commit that added it: a at 134ba4f (merge_csplit), b at abd5bc3 (gluon_pair), c at efd216d (gluon_qsmem),
+# e at 145766c (profile_decode_op's "_rv": "bf16"). Run d ran on the final tree's defaults.
 source benchmarks/device_env.sh
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200" | tr A-Z a-z)
 case "$1" in
