@@ -68,3 +68,17 @@ e)
       --out "$OUT/profile_op_${GPU}_session18e.json" 2>&1 | grep -E "^B=|_combine"
   ;;
 esac
+# (appended) run f: Nsight Compute on the final tree's history kernel at B=8/128K: stall reasons, issue slots and the
+# utilization of each pipe (which one binds the ~31 us above the access pattern's floor)
+#   bash benchmarks/run_session18.sh f
+case "$1" in
+f)
+  timeout 300 ncu --clock-control none -k regex:_hist_kernel --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+    --section ComputeWorkloadAnalysis --section InstructionStats --section MemoryWorkloadAnalysis \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active" \
+    python3 "$R/scripts/profile_split_kernel.py" --batch 8 --length 131072 > "$OUT/ncu_hist_h200_session18f.txt" 2>&1
+  grep -E "Duration|Issued Warp|No Eligible|Active Warps Per|_wait_|_math_pipe|long_scoreboard|short_score|_mio|_not_selected|_selected|_dispatch|pipe_.*(tensor|alu|fma|fp16|lsu|xu|uniform|shared).*%|Executed Ipc|Issue Slots|DRAM Throughput|L2 Cache Throughput" \
+      "$OUT/ncu_hist_h200_session18f.txt" | head -60
+  ;;
+esac
