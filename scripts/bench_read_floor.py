@@ -8,7 +8,11 @@ int32 written per program -- over a few grid shapes, keeping the fastest. Beside
 shape and what 4.5x of it leaves (issue #4's target), so that the time the decode op has left for everything that is
 not reading (the query rotation, the BF16 window, the merge, its own inefficiency) is measured, not guessed.
 
-    python scripts/bench_read_floor.py --batches 1,8 --length 131072 --out floor.json
+``--pattern`` adds the floor of the history kernel's own access pattern: its grid (one-warp programs, the splits of the
+wave model at its residency, 32-token steps, 168 registers) reading the same bytes with no arithmetic, laid out as the
+cache stores them (six streams) and in two denser layouts (``PATTERNS``).
+
+    python scripts/bench_read_floor.py --batches 1,8 --length 131072 [--pattern] --out floor.json
 """
 from __future__ import annotations
 
