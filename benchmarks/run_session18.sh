@@ -82,3 +82,15 @@ f)
       "$OUT/ncu_hist_h200_session18f.txt" | head -60
   ;;
 esac
+# (appended) run g: after the review's refactor (one helper, decode_triton.gluon_split_cfg, gives the Gluon path's
+# wave-model inputs to the dispatch and to the access pattern's floor): the Gluon decode-op GPU tests of the default
+# variants and the pattern floor at B=8 (the same 49 splits as run a)
+#   bash benchmarks/run_session18.sh g
+case "$1" in
+g)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" --rootdir "$R" \
+      -k "gluon and (decode_op or history_partial) and (k8 or hoist)" 2>&1 | tee "$OUT/tests_${GPU}_session18g.log" | tail -2
+  timeout 150 python3 "$R/scripts/bench_read_floor.py" --batches 8 --length 131072 --pattern \
+      --out "$OUT/read_floor_${GPU}_session18g.json" 2>&1 | grep -E "cache6|read_floor_us" | cut -c1-160
+  ;;
+esac

@@ -1142,6 +1142,13 @@ def gluon_stages(cfg, n: int, s_hist: int) -> int:
     return int(cfg.get("gluon_stages", 2))
 
 
+def gluon_split_cfg(cfg, m: int, glu=None):
+    """``cfg`` as :func:`num_splits` must see it on the Gluon path (``m`` query rows a KV head): the Gluon kernel's
+    step (16 or 32 tokens), its residency (``gluon_resident``) and no register cap of this file's kernel."""
+    glu = glu or _gluon_module()
+    return {**cfg, "block_n": glu.tokens_per_step(m), "resident_programs": cfg.get("gluon_resident", 9), "maxnreg": None}
+
+
 def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, triton.next_power_of_2(n))
 
@@ -1251,8 +1258,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     if glu is not None:
         # the Gluon kernel's step (16 or 32 tokens) and residency; the static cache's `splits` (sized for this file's
         # kernel) are not used: its grid follows from the capacity alone, so it is just as fixed
-        cfg = {**cfg, "block_n": glu.tokens_per_step(m), "resident_programs": cfg.get("gluon_resident", 9),
-               "maxnreg": None}
+        cfg = gluon_split_cfg(cfg, m, glu)
         splits = None
     if n_valid is not None:  # static: fixed grid, split bounds computed in the kernel from n_valid
         s_hist = (splits or num_splits(n, bh, dev, cfg)) if n > 0 else 0
@@ -1496,4 +1502,5 @@ __all__ = [
     "CONFIG", "history_partial_triton", "decode_attention_triton", "decode_attention_rotating_triton",
     "decode_attention_reference",
     "decode_attention", "num_splits", "resident_programs", "kernel_supported", "gluon_k8", "gluon_stages",
+    "gluon_split_cfg",
 ]

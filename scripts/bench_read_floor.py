@@ -98,8 +98,7 @@ def pattern_op(b, n, pattern, unroll, maxnreg, dev="cuda"):
     from oscar_hf.kernels import decode_triton as dt
 
     bh, steps = b * bk.HK, n // 32
-    cfg = {**dt.CONFIG, "block_n": 32, "resident_programs": dt.CONFIG.get("gluon_resident", 12), "maxnreg": None}
-    s = dt.num_splits(n, bh, torch.device(dev), cfg)
+    s = dt.num_splits(n, bh, torch.device(dev), dt.gluon_split_cfg(dt.CONFIG, bk.GQ))  # (GQ = 4 rows: 32-token steps)
     split_steps = triton.cdiv(steps, s)
     ws = PATTERNS[pattern]
     bufs = [torch.randint(-2**31, 2**31 - 1, (bh * steps * w,), dtype=torch.int32, device=dev) for w in ws]
