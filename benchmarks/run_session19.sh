@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session-19 device runs, from the repository root, one `run` call each; results were copied from $OUT to
+# benchmarks/results/ afterwards (GPU name in each file; "h100"/"h200" in the file names):
+#   bash benchmarks/run_session19.sh a   # the int8 key path with one int8 query operand a plane (gluon_k8_lo 0: 8 MMAs
+#                                        # a 32-token step fewer, 16 registers fewer -- no spill in the loop down to 144
+#                                        # registers, sm_90 SASS 317 instructions a step against 324): its GPU tests
+#                                        # (variants "k8-single", "k8-single-144") and its precision against the (hi, lo)
+#                                        # pairs and the fp16 path, beside the INT2 cache's own error
+#   bash benchmarks/run_session19.sh b   # the op's per-kernel profile: default, gluon_k8_lo 0 under caps of 168 / 152 /
+#                                        # 144 / 136 registers (12-15 one-warp programs an SM), and int8 keys everywhere
+source benchmarks/device_env.sh
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200" | tr A-Z a-z)
+case "$1" in
+a)
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" --rootdir "$R" \
+      -k "gluon and k8-single" 2>&1 | tee "$OUT/tests_${GPU}_session19a.log" | tail -2
+  timeout 200 python3 "$R/scripts/gluon_q8_precision.py" --out "$OUT/q8_precision_${GPU}_session19a.json" 2>&1 \
+      | grep -v Warn
+  ;;
+b)
+  timeout 560 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,1x131072,32x32768,8x8192 --iters 20 \
+      --configs '{}' '{"gluon_k8_lo": 0}' '{"gluon_k8_lo": 0, "gluon_maxnreg": 152, "gluon_resident": 13}' \
+      '{"gluon_k8_lo": 0, "gluon_maxnreg": 144, "gluon_resident": 14}' \
+      '{"gluon_k8_lo": 0, "gluon_maxnreg": 136, "gluon_resident": 15}' '{"gluon_k8_lo": 0, "gluon_k8": 2}' \
+      --out "$OUT/profile_op_${GPU}_session19b.json" 2>&1 | grep -E "^B=|_hist"
+  ;;
+esac
