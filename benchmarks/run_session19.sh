@@ -8,6 +8,10 @@
 #                                        # pairs and the fp16 path, beside the INT2 cache's own error
 #   bash benchmarks/run_session19.sh b   # the op's per-kernel profile: default, gluon_k8_lo 0 under caps of 168 / 152 /
 #                                        # 144 / 136 registers (12-15 one-warp programs an SM), and int8 keys everywhere
+# Runs a and b ran at commit f4ddcb2, which added gluon_k8_lo; it was removed afterwards (README_kernels, "Session 19").
+#   bash benchmarks/run_session19.sh c   # fewer one-warp programs an SM (register caps 184 / 200 / 232: 11 / 10 / 8,
+#                                        # no spill at 232) against the default 168 (12), then the benchmark of the tree
+#                                        # (one more sample of the run-to-run spread at B=8/128K)
 source benchmarks/device_env.sh
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200" | tr A-Z a-z)
 case "$1" in
@@ -23,5 +27,15 @@ b)
       '{"gluon_k8_lo": 0, "gluon_maxnreg": 144, "gluon_resident": 14}' \
       '{"gluon_k8_lo": 0, "gluon_maxnreg": 136, "gluon_resident": 15}' '{"gluon_k8_lo": 0, "gluon_k8": 2}' \
       --out "$OUT/profile_op_${GPU}_session19b.json" 2>&1 | grep -E "^B=|_hist"
+  ;;
+esac
+case "$1" in
+c)
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,1x131072,32x32768 --iters 20 \
+      --configs '{}' '{"gluon_maxnreg": 184, "gluon_resident": 11}' '{"gluon_maxnreg": 200, "gluon_resident": 10}' \
+      '{"gluon_maxnreg": 232, "gluon_resident": 8}' \
+      --out "$OUT/profile_op_${GPU}_session19c.json" 2>&1 | grep -E "^B=|_hist"
+  timeout 280 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session19c.json" 2>&1 | grep -v Warn | tail -12
   ;;
 esac

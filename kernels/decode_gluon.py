@@ -224,44 +224,6 @@ def _q8_operands(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
 
 
 @gluon.jit
-def _pow2_ceil(r):
-    """The smallest power of two ``>= r`` (float32 ``r >= 1``; exact: the exponent of ``r`` rounded up by its bits)."""
-    return ((r.to(gl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _q8_pair(qa, qb, sa: gl.constexpr, sb: gl.constexpr):
-    """K8 ``single`` (``K8 == 2``): the two planes ``a`` (even), ``b`` (odd) of a group as one int8 operand each, in units
-    of ``1 / F`` with ``F`` from plane ``b``'s largest ``|q_b sb|`` (127 at most), plane ``a`` at ``F / R``: ``R`` the
-    smallest power of two that fits its largest ``|q_a sa|`` into 127 (at most 2^10, so that ``R y_a + y_b`` fits int32),
-    so that the group's logit is ``(R y_a + y_b) / F`` from two int8 MMA chains and one ``IMAD`` -- 7-8 bits of each
-    plane's largest entry (the ``hi, lo`` pair keeps 15 of the group's, at two MMAs a plane)."""
-    ma = _absmax(qa) * sa
-    mb = _absmax(qb) * sb
-    f = 127.0 / gl.maximum(gl.maximum(mb, ma * (1.0 / 1024.0)), 1e-30)
-    r = _pow2_ceil(gl.maximum(ma * f / 127.0, 1.0))
-    ha = gl.minimum(gl.maximum(_rni(qa * (sa * f / r)), -127.0), 127.0)
-    hb = gl.minimum(gl.maximum(_rni(qb * (sb * f)), -127.0), 127.0)
-    return ha.to(gl.int8), hb.to(gl.int8), r.to(gl.int32), 1.0 / f
-
-
-@gluon.jit
-def _q8_single(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
-    """K8 ``single`` query operands (see :func:`_q8_pair`): per plane one int8 ``B8_OP`` operand of ``q_P qk_scale /
-    4^P``; per group ``(start_a, start_b, R, 1 / F)`` (plane 3's chain starts at ``128 sum h_3``, its codes entering
-    as ``64 code - 128``)."""
-    q0 = _q_plane(q_ptr, sqm, M, 0, TB, MH, True)
-    q1 = _q_plane(q_ptr, sqm, M, 1, TB, MH, True)
-    q2 = _q_plane(q_ptr, sqm, M, 2, TB, MH, True)
-    q3 = _q_plane(q_ptr, sqm, M, 3, TB, MH, True)
-    h0, h1, r0, u0 = _q8_pair(q0, q1, qk_scale, qk_scale * 0.25)
-    h2, h3, r1, u1 = _q8_pair(q2, q3, qk_scale * 0.0625, qk_scale * 0.015625)
-    hs = gl.convert_layout(gl.sum(h3.to(gl.int32), 0), gl.SliceLayout(0, MMA))
-    z = gl.zeros([16, 8], gl.int32, layout=MMA)
-    return h0, h1, h2, h3, (z, z, r0, u0), (z, z + 128 * hs[None, :], r1, u1)
-
-
-@gluon.jit
 def _v_planes(x, BB: gl.constexpr):
     """Value codes of byte position ``BB`` of the word tile ``x [T, 8]`` (int32): four bf16 tiles (planes)."""
     return gl.inline_asm_elementwise(_V_ASM[BB], "=r,=r,=r,=r,r,r", [x],
@@ -429,16 +391,11 @@ def _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off
         k1 = _k8_operand(xk, 1, TB)
         k2 = _k8_operand(xk, 2, TB)
         k3 = _k8_operand(xk, 3, TB)
-        if K8 == 2:  # one operand a plane, two chains a group: R y_a + y_b (_q8_pair)
-            y0 = mma_v2(k0, qb0, c0[0]) * c0[2] + mma_v2(k1, qb1, c0[1])
-            y1 = mma_v2(k2, qb2, c1[0]) * c1[2] + mma_v2(k3, qb3, c1[1])
-        else:  # (hi, lo) pairs: 254 y_hi + y_lo
-            y0 = mma_v2(k1, qb1[0], mma_v2(k0, qb0[0], c0[0])) * 254 + mma_v2(k1, qb1[1], mma_v2(k0, qb0[1], c0[1]))
-            y1 = mma_v2(k3, qb3[0], mma_v2(k2, qb2[0], c1[0])) * 254 + mma_v2(k3, qb3[1], mma_v2(k2, qb2[1], c1[1]))
+        y0 = mma_v2(k1, qb1[0], mma_v2(k0, qb0[0], c0[0])) * 254 + mma_v2(k1, qb1[1], mma_v2(k0, qb0[1], c0[1]))
+        y1 = mma_v2(k3, qb3[0], mma_v2(k2, qb2[0], c1[0])) * 254 + mma_v2(k3, qb3[1], mma_v2(k2, qb2[1], c1[1]))
         # (bias after the MMAs in each branch: computed before them, ptxas spills 16 more bytes in the fp16 path)
         bias = gl.fma(z0, qs0[None, :], gl.fma(z1, qs1[None, :], offc[None, :]))
-        lg = gl.fma(s0 * c0[3 if K8 == 2 else 2], y0.to(gl.float32),
-                    gl.fma(s1 * c1[3 if K8 == 2 else 2], y1.to(gl.float32), bias))
+        lg = gl.fma(s0 * c0[2], y0.to(gl.float32), gl.fma(s1 * c1[2], y1.to(gl.float32), bias))
     else:
         u = gl.inline_asm_elementwise(_K_ASM, "=h," * 16 + "r", [xk], dtype=(gl.float16,) * 16, is_pure=True,
                                       pack=1)
@@ -637,9 +594,7 @@ def _hist_kernel(
 
     # ---- query operands (once per program) ----
     q_ptr = Q + b.to(gl.int64) * sqb + h * sqh
-    if K8 == 2:
-        qb0, qb1, qb2, qb3, c0, c1 = _q8_single(q_ptr, sqm, M, qk_scale, TB, MH)
-    elif K8:
+    if K8:
         qb0, qb1, qb2, qb3, c0, c1 = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
     else:
         qb0 = _q_operand(q_ptr, sqm, M, qk_scale, 0, TB, MH)

@@ -216,10 +216,6 @@ CONFIG = {
     # 201.1 us, B=32/32K 216.1 -> 195.9, but B=1/128K (21 steps a program) 36.5 -> 38.4, B=8/8K 22.8 -> 24.3
     # (profile_op_h200_session15b.json). 1: where a split is long (gluon_long_split); 2: always; 0: never
     "gluon_k8": 1,
-    # the int8 key path's query: 1 as (hi, lo) int8 pairs (15 bits of each group's largest entry, two MMAs a plane);
-    # 0 one int8 operand a plane (7-8 bits of the plane's largest entry, one MMA a plane: 8 MMAs a 32-token step fewer,
-    # 16 registers of query operands fewer)
-    "gluon_k8_lo": 1,
     "gluon_long_split": 2048,  # history tokens of a split from which the Gluon kernel's long-split choices apply
     # the decode op's combine: one warp per query row from this many rows per SM on (see _launch)
     "merge_one_warp_rows": 4,
@@ -1133,11 +1129,9 @@ def _long_splits(cfg, n: int, s_hist: int) -> bool:
 def gluon_k8(cfg, n: int, s_hist: int) -> int:
     """Whether the Gluon kernel takes its int8 key path for ``n`` history tokens in ``s_hist`` splits (per (row, head)):
     ``CONFIG["gluon_k8"]`` 2 always, 0 never, 1 where the splits are long (its setup, the query's int8 split, costs
-    more than the fp16 path's: it pays back over a long split only). The int8 path's kind (the kernel's ``K8``): 1 the
-    query as ``(hi, lo)`` int8 pairs, 2 one int8 operand a plane (``CONFIG["gluon_k8_lo"]`` 0)."""
+    more than the fp16 path's: it pays back over a long split only)."""
     mode = int(cfg.get("gluon_k8", 0))
-    on = mode == 2 or (mode == 1 and _long_splits(cfg, n, s_hist))
-    return (1 if cfg.get("gluon_k8_lo", 1) else 2) if on else 0
+    return int(mode == 2 or (mode == 1 and _long_splits(cfg, n, s_hist)))
 
 
 def gluon_stages(cfg, n: int, s_hist: int) -> int:

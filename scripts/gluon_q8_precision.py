@@ -1,6 +1,6 @@
 """How much the Gluon history kernel's query precision costs (GPU): the kernel's error against the reference (float32
 logits from the same INT2 codes) for each key path -- fp16 operands (``gluon_k8`` 0), int8 ``(hi, lo)`` pairs
-(``gluon_k8_lo`` 1), one int8 operand a plane (``gluon_k8_lo`` 0) -- beside the error the INT2 cache itself makes
+(``gluon_k8`` 2) -- beside the error the INT2 cache itself makes
 (the reference on the quantized keys / values against exact attention on the float ones), on queries with and
 without outlier channels and with planes of unequal size.
 
@@ -19,8 +19,9 @@ from oscar_hf.kernels import decode_triton as dt
 from oscar_hf.kernels.int2_attention import history_partial_reference
 from oscar_hf.quant import QuantizedRows, quantize_rows
 
-PATHS = {"fp16": {"gluon_k8": 0}, "int8_hilo": {"gluon_k8": 2, "gluon_k8_lo": 1},
-         "int8_single": {"gluon_k8": 2, "gluon_k8_lo": 0}}
+# (session 19 measured a third path here, one int8 query operand a plane -- gluon_k8_lo 0, since removed: its rows in
+# benchmarks/results/q8_precision_h200_session19a.json ran at commit f4ddcb2)
+PATHS = {"fp16": {"gluon_k8": 0}, "int8_hilo": {"gluon_k8": 2}}
 
 
 def rel(a, b):

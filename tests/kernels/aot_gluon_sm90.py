@@ -11,7 +11,7 @@ prints one JSON line each: registers, spilled bytes, shared memory, and the opco
 innermost loop that holds the tensor-core ops).
 
 For experiments (not used by the test): ``AOT_STAGES=2,4`` compiles only those pipelines (TB = 2, GSUM, int8 keys),
-``AOT_K8`` picks their key path (default 1; 2: one int8 query operand a plane), ``AOT_MAXNREG`` overrides the register cap, ``AOT_DUMP=prefix`` writes each case's hot loop SASS to a file.
+``AOT_MAXNREG`` overrides the register cap, ``AOT_DUMP=prefix`` writes each case's hot loop SASS to a file.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def main():
         cases += [(2, 1, 0, 0), (1, 1, 0, 0)]  # the register-load loop too (fp16 keys)
     early = int(os.environ.get("AOT_EARLY", CONFIG.get("gluon_early", 0)))
     if "AOT_STAGES" in os.environ:  # only these pipelines (e.g. "2,4"), default key path and offsets, TB = 2
-        cases = [(2, 1, int(x), int(os.environ.get("AOT_K8", 1))) for x in os.environ["AOT_STAGES"].split(",")]
+        cases = [(2, 1, int(x), 1) for x in os.environ["AOT_STAGES"].split(",")]
     for tb, gsum, st, k8_ in cases:
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),

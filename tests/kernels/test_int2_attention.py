@@ -299,8 +299,7 @@ def test_num_splits_and_empty_history():
 
 def test_gluon_long_split_choices():
     """CONFIG["gluon_k8"]: 0 never, 2 always, 1 only where a split holds at least gluon_long_split tokens (the int8
-    query's longer setup measured slower over short splits: B=1/128K, B=8/8K), of the kind gluon_k8_lo picks; the
-    pipeline's stages likewise
+    query's longer setup measured slower over short splits: B=1/128K, B=8/8K); the pipeline's stages likewise
     (gluon_stages_long there, gluon_stages elsewhere or when it is unset)."""
     dt = _dt()
     cfg = {"gluon_k8": 1, "gluon_long_split": 2048, "gluon_stages": 2, "gluon_stages_long": 4}
@@ -312,9 +311,6 @@ def test_gluon_long_split_choices():
     assert dt.gluon_k8(cfg, 2048, 1) == 1 and dt.gluon_k8(cfg, 2047, 1) == 0 and dt.gluon_k8(cfg, 2048, 0) == 1
     assert dt.gluon_k8({**cfg, "gluon_k8": 2}, 100, 50) == 1
     assert dt.gluon_k8({**cfg, "gluon_k8": 0}, 10**6, 1) == 0
-    # the kind of int8 path (the kernel's K8): 1 (hi, lo) query pairs, 2 one int8 operand a plane (gluon_k8_lo 0)
-    assert dt.gluon_k8({**cfg, "gluon_k8_lo": 0}, 131072, 24) == 2 and dt.gluon_k8({**cfg, "gluon_k8_lo": 0}, 9, 9) == 0
-    assert dt.gluon_k8({**cfg, "gluon_k8_lo": 1}, 131072, 24) == 1
 
 
 def _window_case(b, hk, m, n, w, d, g, seed, device="cpu", mu=True, wmask=True):
@@ -581,9 +577,6 @@ _GLUON_VARIANTS = {
     "fp16-keys": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 0},
     "k8": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2},
     "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 2},
-    "k8-single": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_k8_lo": 0},
-    "k8-single-144": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_k8_lo": 0,
-                      "gluon_maxnreg": 144, "gluon_resident": 14},
     "hoist": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1, "merge_hoist": 1, "merge_cblock": 32},
     "pdl4-warp": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "merge_one_warp_rows": 0},
 }
@@ -596,8 +589,7 @@ def gluon_calls(request, monkeypatch):
     launch of the Gluon path's launches (CONFIG["pdl"] 1; 2: only rotation -> history, where the op rotates), with
     each way of feeding the history loop's full steps: loads to registers (gluon_stages 0) or through shared memory
     (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
-    logits on int8 tensor cores (gluon_k8; "k8-single": one int8 query operand a plane, gluon_k8_lo 0, also under a
-    144-register cap); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
+    logits on int8 tensor cores (gluon_k8); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
     with R_V in 32-row chunks instead of the default 64; "pdl4-warp": the combine under PDL (pdl 4), one warp per row
     wherever there are more rows than SMs (merge_one_warp_rows 0)."""
     glu = _dt()._gluon_module()
