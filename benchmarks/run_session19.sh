@@ -39,3 +39,15 @@ c)
       --out "$OUT/kernels_${GPU}_session19c.json" 2>&1 | grep -v Warn | tail -12
   ;;
 esac
+# (appended) run d: run c's 8 programs an SM (232 registers) again, with ptxas uncapped (255) and with 8 / 2 pipeline
+# stages on long splits, at five points
+#   bash benchmarks/run_session19.sh d
+case "$1" in
+d)
+  timeout 400 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,1x131072,32x32768,8x8192,32x131072 \
+      --iters 20 --configs '{}' '{"gluon_maxnreg": 232, "gluon_resident": 8}' '{"gluon_maxnreg": 255, "gluon_resident": 8}' \
+      '{"gluon_maxnreg": 232, "gluon_resident": 8, "gluon_stages_long": 8}' \
+      '{"gluon_maxnreg": 232, "gluon_resident": 8, "gluon_stages_long": 2}' \
+      --out "$OUT/profile_op_${GPU}_session19d.json" 2>&1 | grep -E "^B=|_hist"
+  ;;
+esac
