@@ -51,3 +51,23 @@ d)
       --out "$OUT/profile_op_${GPU}_session19d.json" 2>&1 | grep -E "^B=|_hist"
   ;;
 esac
+# (appended) run e: the long splits' residency as the default (gluon_resident_long 8, gluon_maxnreg_long 255): the Gluon
+# GPU tests of the default, int8-key and long-split variants ("long": every split long), then the benchmark
+#   bash benchmarks/run_session19.sh e
+# run f (H100): the same change against the old residency (gluon_resident_long None) per kernel, and the benchmark
+#   bash benchmarks/run_session19.sh f
+case "$1" in
+e)
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu "$R/tests/kernels/test_int2_attention.py" --rootdir "$R" \
+      -k "gluon and (long or k8 or early-pdl2)" 2>&1 | tee "$OUT/tests_${GPU}_session19e.log" | tail -2
+  timeout 250 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session19e.json" 2>&1 | grep -v Warn | tail -10
+  ;;
+f)
+  timeout 250 python3 "$R/scripts/profile_decode_op.py" --points 8x131072,1x131072,32x32768,8x8192,32x131072 \
+      --iters 20 --configs '{}' '{"gluon_resident_long": null}' \
+      --out "$OUT/profile_op_${GPU}_session19f.json" 2>&1 | grep -E "^B=|_hist"
+  timeout 300 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session19f.json" 2>&1 | grep -v Warn | tail -10
+  ;;
+esac

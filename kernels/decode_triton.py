@@ -177,6 +177,13 @@ CONFIG = {
     "gluon_stages_long": 4,
     "gluon_splitk": 1,  # one key accumulator per plane (shorter MMA chains)
     "gluon_maxnreg": 168,  # ptxas register cap of the Gluon kernel
+    # where the splits are long (gluon_long_split: the int8 key path, 4 stages), 8 programs an SM (2 warps a scheduler)
+    # under ptxas's own limit instead of 12 under 168 registers (which spill ~200 bytes): H200 graph time of the op
+    # B=8/128K 212.3 -> 202.7 us, B=32/32K 228.7 -> 220.9, B=32/128K 741.7 -> 726.9; 11 and 10 programs an SM (184,
+    # 200 registers) were slower than either (232.2, 220.0 against 210.5), and short splits lose (B=1/128K 50.9 -> 52.1,
+    # B=8/8K 39.6 -> 40.6) so they keep the cap (benchmarks/results/profile_op_h200_session19{c,d}.json)
+    "gluon_resident_long": 8,
+    "gluon_maxnreg_long": 255,
     "gluon_l2pf": 1,  # Gluon kernel: L2 prefetch this many steps ahead (0: off)
     # the value codes' offset (256 per code) removed by one MMA against a ones tile per group and token tile, the
     # column sums subtracted after the loop, instead of a -256 MMA after every value MMA (36 MMAs a step, not 48;
@@ -1142,11 +1149,18 @@ def gluon_stages(cfg, n: int, s_hist: int) -> int:
     return int(cfg.get("gluon_stages", 2))
 
 
-def gluon_split_cfg(cfg, m: int, glu=None):
+def gluon_split_cfg(cfg, m: int, glu=None, n: int = 0, bh: int = 0, device=None):
     """``cfg`` as :func:`num_splits` must see it on the Gluon path (``m`` query rows a KV head): the Gluon kernel's
-    step (16 or 32 tokens), its residency (``gluon_resident``) and no register cap of this file's kernel."""
+    step (16 or 32 tokens), its residency (``gluon_resident``) and no register cap of this file's kernel. Given the
+    call's ``n`` history tokens of ``bh`` (row, KV head) pairs on ``device``: where the splits at that residency are
+    long (``gluon_long_split``), the long-split residency and register cap (``gluon_resident_long``,
+    ``gluon_maxnreg_long``) instead -- fewer programs an SM only make splits longer, so they stay long."""
     glu = glu or _gluon_module()
-    return {**cfg, "block_n": glu.tokens_per_step(m), "resident_programs": cfg.get("gluon_resident", 9), "maxnreg": None}
+    out = {**cfg, "block_n": glu.tokens_per_step(m), "resident_programs": cfg.get("gluon_resident", 9), "maxnreg": None}
+    if n > 0 and cfg.get("gluon_resident_long") and _long_splits(out, n, num_splits(n, bh, device, out)):
+        out.update(resident_programs=cfg["gluon_resident_long"],
+                   gluon_maxnreg=cfg.get("gluon_maxnreg_long", cfg.get("gluon_maxnreg")))
+    return out
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -1258,7 +1272,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     if glu is not None:
         # the Gluon kernel's step (16 or 32 tokens) and residency; the static cache's `splits` (sized for this file's
         # kernel) are not used: its grid follows from the capacity alone, so it is just as fixed
-        cfg = gluon_split_cfg(cfg, m, glu)
+        cfg = gluon_split_cfg(cfg, m, glu, n, bh, dev)
         splits = None
     if n_valid is not None:  # static: fixed grid, split bounds computed in the kernel from n_valid
         s_hist = (splits or num_splits(n, bh, dev, cfg)) if n > 0 else 0

@@ -98,7 +98,8 @@ def pattern_op(b, n, pattern, unroll, maxnreg, dev="cuda"):
     from oscar_hf.kernels import decode_triton as dt
 
     bh, steps = b * bk.HK, n // 32
-    s = dt.num_splits(n, bh, torch.device(dev), dt.gluon_split_cfg(dt.CONFIG, bk.GQ))  # (GQ = 4 rows: 32-token steps)
+    cfg = dt.gluon_split_cfg(dt.CONFIG, bk.GQ, None, n, bh, torch.device(dev))  # (GQ = 4 rows: 32-token steps)
+    s = dt.num_splits(n, bh, torch.device(dev), cfg)
     split_steps = triton.cdiv(steps, s)
     ws = PATTERNS[pattern]
     bufs = [torch.randint(-2**31, 2**31 - 1, (bh * steps * w,), dtype=torch.int32, device=dev) for w in ws]

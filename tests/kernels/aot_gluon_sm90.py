@@ -4,11 +4,11 @@ Run as a script with ``TRITON_INTERPRET`` unset (``test_compile_sm90.py`` does):
 signature ``launch_history`` passes at the benchmark shape (``D = 128``, ``G = 64``, code rows of 32 bytes, bf16
 metadata) for both token-set layouts (``TB = 2``: <= 4 query rows, ``TB = 1``: 5-8), both ways of removing the value
 codes' offset (``GSUM``), each key path (``K8``: fp16 or int8 key MMAs) and the default pipelines (``STAGES``: of
-short and of long splits), and, for ``GSUM = 1``, the register-load loop (``STAGES = 0``, fp16 keys), under the
-default CONFIG otherwise (the split's first loads before the query's: ``EARLY`` from ``CONFIG["gluon_early"]``, or
-``$AOT_EARLY``; programmatic dependent launch compiled in, ``PDL`` 2 with it, else 1), and
-prints one JSON line each: registers, spilled bytes, shared memory, and the opcode counts of the hot loop (the
-innermost loop that holds the tensor-core ops).
+short and of long splits; the long splits' int8-key kernel under ``CONFIG["gluon_maxnreg_long"]``), and, for ``GSUM
+= 1``, the register-load loop (``STAGES = 0``, fp16 keys), under the default CONFIG otherwise (the split's first
+loads before the query's: ``EARLY`` from ``CONFIG["gluon_early"]``, or ``$AOT_EARLY``; programmatic dependent launch
+compiled in, ``PDL`` 2 with it, else 1), and prints one JSON line each: registers, spilled bytes, shared memory, and
+the opcode counts of the hot loop (the innermost loop that holds the tensor-core ops).
 
 For experiments (not used by the test): ``AOT_STAGES=2,4`` compiles only those pipelines (TB = 2, GSUM, int8 keys),
 ``AOT_MAXNREG`` overrides the register cap, ``AOT_DUMP=prefix`` writes each case's hot loop SASS to a file.
@@ -83,8 +83,11 @@ def main():
                  if sig[n].startswith("*") or (n in strides and n not in ("sqm", "som")) or n == "split_len"}
         src = GluonASTSource(fn=dg._hist_kernel, signature=sig, constexprs=consts, attrs=attrs)
         opts = {"num_warps": 1}
-        if os.environ.get("AOT_MAXNREG") or CONFIG.get("gluon_maxnreg"):
-            opts["maxnreg"] = int(os.environ.get("AOT_MAXNREG") or CONFIG["gluon_maxnreg"])
+        # the long splits' kernel (their pipeline and int8 keys) runs under its own cap (CONFIG["gluon_maxnreg_long"])
+        long_ = st == int(CONFIG.get("gluon_stages_long") or -1) and k8_ and CONFIG.get("gluon_resident_long")
+        cap = CONFIG.get("gluon_maxnreg_long") if long_ else CONFIG.get("gluon_maxnreg")
+        if os.environ.get("AOT_MAXNREG") or cap:
+            opts["maxnreg"] = int(os.environ.get("AOT_MAXNREG") or cap)
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
         regs, spill, sass = cubin_report(c.asm["cubin"], sass=True)
         op = lambda s: re.sub(r"^@!?U?P\w+\s+", "", s).split()[0]  # noqa: E731
@@ -92,7 +95,8 @@ def main():
         if os.environ.get("AOT_DUMP"):  # the hot loop's SASS, one file a case
             with open(f"{os.environ['AOT_DUMP']}_tb{tb}_g{gsum}_s{st}_k{k8_}.sass", "w") as f:
                 f.write("\n".join(_hot_loop(sass)))
-        print(json.dumps({"kernel": "gluon", "tb": tb, "gsum": gsum, "stages": st, "k8": k8_, "regs": regs,
+        print(json.dumps({"kernel": "gluon", "tb": tb, "gsum": gsum, "stages": st, "k8": k8_, "long": bool(long_),
+                          "regs": regs,
                           "spill_bytes": spill,
                           "maxnreg": opts.get("maxnreg"), "loop": dict(loop)}))
     sys.stdout.flush()

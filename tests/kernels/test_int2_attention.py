@@ -7,6 +7,7 @@ tight); GPU (``-m gpu``): compiled kernels (bf16 dot operands) at real shapes.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -313,6 +314,24 @@ def test_gluon_long_split_choices():
     assert dt.gluon_k8({**cfg, "gluon_k8": 0}, 10**6, 1) == 0
 
 
+def test_gluon_long_split_residency():
+    """Where the splits are long at the Gluon kernel's default residency, the wave model sizes the grid for
+    gluon_resident_long programs an SM and the kernel runs under gluon_maxnreg_long; short splits keep the defaults."""
+    dt = _dt()
+    glu = SimpleNamespace(tokens_per_step=lambda m: 32 if m <= 4 else 16)
+    cfg = {**dt.CONFIG, "gluon_resident": 12, "gluon_maxnreg": 168, "gluon_resident_long": 8,
+           "gluon_maxnreg_long": 255, "gluon_long_split": 2048}
+    dev = torch.device("cpu")  # (4 SMs: _device_sms's stand-in)
+    long_ = dt.gluon_split_cfg(cfg, 4, glu, 131072, 64, dev)
+    assert long_["resident_programs"] == 8 and long_["gluon_maxnreg"] == 255 and long_["block_n"] == 32
+    assert dt._long_splits(long_, 131072, dt.num_splits(131072, 64, dev, long_))  # still long at the new residency
+    short = dt.gluon_split_cfg(cfg, 4, glu, 8192, 8, dev)  # 8192 / S < 2048
+    assert short["resident_programs"] == 12 and short["gluon_maxnreg"] == 168
+    assert dt.num_splits(8192, 8, dev, short) * 2048 > 8192
+    assert dt.gluon_split_cfg({**cfg, "gluon_resident_long": None}, 4, glu, 131072, 64, dev)["resident_programs"] == 12
+    assert dt.gluon_split_cfg(cfg, 4, glu)["resident_programs"] == 12  # (no call size given: the defaults)
+
+
 def _window_case(b, hk, m, n, w, d, g, seed, device="cpu", mu=True, wmask=True):
     q, k, v, gen = make_case(b, hk, m, n, d, g, seed=seed, device=device)
     q = q.cpu()
@@ -578,6 +597,7 @@ _GLUON_VARIANTS = {
     "k8": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2},
     "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 2},
     "hoist": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1, "merge_hoist": 1, "merge_cblock": 32},
+    "long": {"gluon_long_split": 64},  # every split long: int8 keys, 4 stages, 8 programs an SM without a cap
     "pdl4-warp": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "merge_one_warp_rows": 0},
 }
 
@@ -590,7 +610,8 @@ def gluon_calls(request, monkeypatch):
     each way of feeding the history loop's full steps: loads to registers (gluon_stages 0) or through shared memory
     (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
     logits on int8 tensor cores (gluon_k8); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
-    with R_V in 32-row chunks instead of the default 64; "pdl4-warp": the combine under PDL (pdl 4), one warp per row
+    with R_V in 32-row chunks instead of the default 64; "long": the defaults with every split long (the long splits'
+    key path, pipeline, residency and register cap); "pdl4-warp": the combine under PDL (pdl 4), one warp per row
     wherever there are more rows than SMs (merge_one_warp_rows 0)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
