@@ -1154,10 +1154,11 @@ def gluon_split_cfg(cfg, m: int, glu=None, n: int = 0, bh: int = 0, device=None)
     step (16 or 32 tokens), its residency (``gluon_resident``) and no register cap of this file's kernel. Given the
     call's ``n`` history tokens of ``bh`` (row, KV head) pairs on ``device``: where the splits at that residency are
     long (``gluon_long_split``), the long-split residency and register cap (``gluon_resident_long``,
-    ``gluon_maxnreg_long``) instead -- fewer programs an SM only make splits longer, so they stay long."""
+    ``gluon_maxnreg_long``) instead (with fewer slots the wave model picks fewer, so longer, splits)."""
     glu = glu or _gluon_module()
     out = {**cfg, "block_n": glu.tokens_per_step(m), "resident_programs": cfg.get("gluon_resident", 9), "maxnreg": None}
-    if n > 0 and cfg.get("gluon_resident_long") and _long_splits(out, n, num_splits(n, bh, device, out)):
+    if n > 0 and device is not None and cfg.get("gluon_resident_long") and _long_splits(
+            out, n, num_splits(n, bh, device, out)):
         out.update(resident_programs=cfg["gluon_resident_long"],
                    gluon_maxnreg=cfg.get("gluon_maxnreg_long", cfg.get("gluon_maxnreg")))
     return out
