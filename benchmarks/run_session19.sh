@@ -71,3 +71,11 @@ f)
       --out "$OUT/kernels_${GPU}_session19f.json" 2>&1 | grep -v Warn | tail -10
   ;;
 esac
+# (appended) run g (H200): the benchmark of the final tree again, a second sample of the new default
+#   bash benchmarks/run_session19.sh g
+case "$1" in
+g)
+  timeout 280 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session19g.json" 2>&1 | grep -v Warn | tail -10
+  ;;
+esac
