@@ -9,7 +9,7 @@ shape and what 4.5x of it leaves (issue #4's target), so that the time the decod
 not reading (the query rotation, the BF16 window, the merge, its own inefficiency) is measured, not guessed.
 
 ``--pattern`` adds the floor of the history kernel's own access pattern: its grid (one-warp programs, the splits of the
-wave model at its residency, 32-token steps, 168 registers) reading the same bytes with no arithmetic, laid out as the
+wave model at its residency, 32-token steps) reading the same bytes with no arithmetic, laid out as the
 cache stores them (six streams) and in two denser layouts (``PATTERNS``).
 
     python scripts/bench_read_floor.py --batches 1,8 --length 131072 [--pattern] --out floor.json
@@ -93,8 +93,9 @@ PATTERNS = {
 
 def pattern_op(b, n, pattern, unroll, maxnreg, dev="cuda"):
     """The history kernel's grid (Gluon path: splits from the wave model at its residency, 32-token steps) reading
-    the history's bytes laid out as ``pattern``; ``maxnreg`` caps registers as the Gluon kernel does (12 one-warp
-    programs an SM at 168), None leaves them free (more programs an SM)."""
+    the history's bytes laid out as ``pattern``; ``maxnreg`` caps this reader's registers (168: as the Gluon kernel's
+    short splits), None leaves them free. (The grid follows ``gluon_split_cfg``: since session 19 it is sized for 8
+    programs an SM where the splits are long, as B=8/128K's are; session 18's floors had the 12 of the older default.)"""
     from oscar_hf.kernels import decode_triton as dt
 
     bh, steps = b * bk.HK, n // 32

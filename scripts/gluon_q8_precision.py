@@ -1,8 +1,7 @@
 """How much the Gluon history kernel's query precision costs (GPU): the kernel's error against the reference (float32
 logits from the same INT2 codes) for each key path -- fp16 operands (``gluon_k8`` 0), int8 ``(hi, lo)`` pairs
-(``gluon_k8`` 2) -- beside the error the INT2 cache itself makes
-(the reference on the quantized keys / values against exact attention on the float ones), on queries with and
-without outlier channels and with planes of unequal size.
+(``gluon_k8`` 2) -- beside the error the INT2 cache itself makes (the reference on the quantized keys / values against
+exact attention on the float ones), on queries with and without outlier channels and with planes of unequal size.
 
     python scripts/gluon_q8_precision.py --out q8_precision.json
 
@@ -66,8 +65,8 @@ def main():
             ref_o = ra / rl[..., None]
             # the INT2 cache's own error: exact attention on the float keys / values (in the rotated space, as here)
             p = torch.softmax((q.double() @ kf.double().transpose(-1, -2)) * d**-0.5, -1)
-            exact = (p @ vf.double()).to(dev)
-            row = {"queries": kind, "key_scale": ks, "int2_cache_vs_exact": rel(ref_o.cpu(), exact.cpu())}
+            exact = p @ vf.double()
+            row = {"queries": kind, "key_scale": ks, "int2_cache_vs_exact": rel(ref_o.cpu(), exact)}
             for name, cfg in PATHS.items():
                 pm, pl, pa = dt._launch(*call, cfg={**dt.CONFIG, "gluon": 1, "gluon_min_work": 0, **cfg})
                 row[name] = rel(pa / pl[..., None], ref_o)
