@@ -223,7 +223,13 @@ CONFIG = {
     # 201.1 us, B=32/32K 216.1 -> 195.9, but B=1/128K (21 steps a program) 36.5 -> 38.4, B=8/8K 22.8 -> 24.3
     # (profile_op_h200_session15b.json). 1: where a split is long (gluon_long_split); 2: always; 0: never
     "gluon_k8": 1,
-    "gluon_long_split": 2048,  # history tokens of a split from which the Gluon kernel's long-split choices apply
+    # history tokens of a split from which the Gluon kernel's long-split choices apply (int8 keys, gluon_stages_long,
+    # gluon_resident_long). 2048 until session 19, tuned under the old "dirty" L2 flush (scripts/bench_kernels.py
+    # FLUSH_MODE), which charged every timed call ~50 MB of write-back: under the clean flush the long-split path wins
+    # on short splits too (H200 graph us, 2048 -> 256: B=1/128K 46.3 -> 43.1, B=8/8K 36.7 -> 35.1, B=8/32K 77.9 ->
+    # 71.0, B=16/32K 144.3 -> 131.2, B=32/8K 92.0 -> 84.9, the rest unchanged; profile_op_h200_session20c.json). With
+    # min_split 256 that is nearly every Gluon call
+    "gluon_long_split": 256,
     # the decode op's combine: one warp per query row from this many rows per SM on (see _launch)
     "merge_one_warp_rows": 4,
 }

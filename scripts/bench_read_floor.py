@@ -127,10 +127,12 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--pattern", action="store_true",
                     help="also the history kernel's access pattern: its grid and streams (PATTERNS), no arithmetic")
+    bk.add_flush_arg(ap)
     args = ap.parse_args()
     bk.FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    bk.FLUSH_MODE = args.flush
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-           "command": " ".join(sys.argv), "copy_GBps": bk.copy_bandwidth_gbps(), "rows": []}
+           "command": " ".join(sys.argv), "flush": args.flush, "copy_GBps": bk.copy_bandwidth_gbps(), "rows": []}
     for b in (int(x) for x in args.batches.split(",")):
         hist, _ = bk.oscar_bytes(b, args.length)
         buf = torch.randint(-2**31, 2**31 - 1, (hist // 4,), dtype=torch.int32, device="cuda")

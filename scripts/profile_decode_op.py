@@ -35,7 +35,7 @@ def kernel_times(fn, iters):
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            bk.FLUSH.zero_()
+            bk.flush_l2()
             fn()
         torch.cuda.synchronize()
     tot = collections.defaultdict(float)
@@ -47,7 +47,7 @@ def kernel_times(fn, iters):
         cnt[e.name] += 1
     out = {}
     for name, us in tot.items():
-        if "fill" in name.lower() or "zero" in name.lower():  # the L2 flush
+        if any(w in name.lower() for w in ("fill", "zero", "reduce_kernel", "memset")):  # the L2 flush
             continue
         out[name[:90]] = {"us_per_call": us / iters, "launches_per_call": cnt[name] / iters}
     return out
@@ -65,7 +65,7 @@ def graph_timeline(fn, iters):
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            bk.FLUSH.zero_()
+            bk.flush_l2()
             g.replay()
         torch.cuda.synchronize()
     evs = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
@@ -91,12 +91,14 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", required=True)
     ap.add_argument("--timeline", action="store_true", help="also each kernel's start / end inside a graph replay")
+    bk.add_flush_arg(ap)
     args = ap.parse_args()
     bk.FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    bk.FLUSH_MODE = args.flush
     gen = torch.Generator().manual_seed(0)
     base = dict(dt.CONFIG)
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "command": " ".join(sys.argv),
-           "base_config": base, "rows": []}
+           "flush": args.flush, "base_config": base, "rows": []}
     for pt in args.points.split(","):
         b, t = (int(x) for x in pt.split("x"))
         st = bk.make_decode(b, t, gen)

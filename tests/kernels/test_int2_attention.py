@@ -598,6 +598,7 @@ _GLUON_VARIANTS = {
     "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 2},
     "hoist": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1, "merge_hoist": 1, "merge_cblock": 32},
     "long": {"gluon_long_split": 64},  # every split long: int8 keys, 4 stages, 8 programs an SM without a cap
+    "short": {"gluon_long_split": 1 << 30},  # no split long: fp16 keys, 2 stages, 12 programs an SM under a cap
     "pdl4-warp": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "merge_one_warp_rows": 0},
 }
 
@@ -611,7 +612,8 @@ def gluon_calls(request, monkeypatch):
     (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
     logits on int8 tensor cores (gluon_k8); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
     with R_V in 32-row chunks instead of the default 64; "long": the defaults with every split long (the long splits'
-    key path, pipeline, residency and register cap); "pdl4-warp": the combine under PDL (pdl 4), one warp per row
+    key path, pipeline, residency and register cap; since session 20 the default from 256 tokens a split), "short":
+    no split long (the short-split path, the default before session 20); "pdl4-warp": the combine under PDL (pdl 4), one warp per row
     wherever there are more rows than SMs (merge_one_warp_rows 0)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Session-20 device runs, from the repository root, one `run` call each; results were copied from $OUT to
+# benchmarks/results/ afterwards (GPU name in each file; "h100"/"h200" in the file names):
+#   bash benchmarks/run_session20.sh a   # the cold-L2 flush: the read floor and the op's per-kernel profile + graph
+#                                        # timeline at B=1 and B=8 (128K) with the old flush (zero a 256 MB buffer:
+#                                        # the timed call pays the write-back of the L2's dirty lines) and the new one
+#                                        # (zero it, then read it back)
+source benchmarks/device_env.sh
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200" | tr A-Z a-z)
+case "$1" in
+a)
+  for fl in dirty clean; do
+    timeout 150 python3 "$R/scripts/bench_read_floor.py" --batches 1,8 --length 131072 --flush $fl \
+        --out "$OUT/read_floor_${GPU}_session20a_$fl.json" 2>&1 | grep -v Warn
+    timeout 150 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072 --iters 20 --timeline --flush $fl \
+        --out "$OUT/profile_op_${GPU}_session20a_$fl.json" 2>&1 | grep -v Warn
+  done
+  ;;
+esac
+# (appended) run b (H200): B=1/128K's knobs again under the clean flush (tuned under the dirty one, which adds ~40% to
+# B=1's DRAM traffic): residency, stages, int8 keys, L2 prefetch, splits, PDL; the read floor of the history
+# kernel's access pattern at B=1
+#   bash benchmarks/run_session20.sh b
+case "$1" in
+b)
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 1x131072 --iters 20 --configs '{}' \
+      '{"gluon_resident": 8, "gluon_maxnreg": 255}' '{"gluon_resident": 8, "gluon_maxnreg": 255, "gluon_long_split": 512}' \
+      '{"gluon_stages": 4}' '{"gluon_k8": 2}' '{"gluon_l2pf": 0}' '{"gluon_l2pf": 2}' '{"programs_per_sm": 24}' \
+      '{"programs_per_sm": 6}' '{"pdl": 4}' '{"gluon_early": 0}' '{"gluon_resident": 4, "gluon_maxnreg": 255}' \
+      --out "$OUT/profile_op_${GPU}_session20b.json" 2>&1 | grep -E "^B=|_hist|_comb"
+  timeout 150 python3 "$R/scripts/bench_read_floor.py" --batches 1 --length 131072 --pattern \
+      --out "$OUT/read_floor_${GPU}_session20b.json" 2>&1 | grep -v -E "Warn|return F"
+  ;;
+esac
+# (appended) run c (H200): run b's best B=1 config is the long-split path (8 programs an SM, int8 keys, 4 stages) for
+# splits of >= 512 tokens: the threshold gluon_long_split 2048 (default) / 512 / 256 at eight points, clean flush
+#   bash benchmarks/run_session20.sh c
+case "$1" in
+c)
+  timeout 400 python3 "$R/scripts/profile_decode_op.py" \
+      --points 1x32768,1x131072,8x8192,8x32768,8x131072,16x32768,32x8192,32x32768 --iters 20 \
+      --configs '{}' '{"gluon_long_split": 512}' '{"gluon_long_split": 256}' \
+      --out "$OUT/profile_op_${GPU}_session20c.json" 2>&1 | grep -E "^B=|_hist|_comb"
+  ;;
+esac
+# (appended) run d (H200): gluon_long_split 256 as the default: the GPU tests of the Gluon path (the default-like
+# variants, "short": the old short-split path, "long", fp16 keys), the write path, the static cache; then the benchmark
+# of the tree under the clean flush
+# run e (H100): the same benchmark
+#   bash benchmarks/run_session20.sh d
+#   bash benchmarks/run_session20.sh e
+case "$1" in
+d)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
+      "$R/tests/kernels/test_int2_attention.py" "$R/tests/kernels/test_write_path.py" "$R/tests/test_static_cache.py" \
+      -k "not gluon or early-pdl2 or short or long or fp16-keys" 2>&1 | tee "$OUT/tests_${GPU}_session20d.log" | tail -3
+  timeout 280 python3 "$R/scripts/bench_kernels.py" --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session20d.json" 2>&1 | grep -v -E "Warn|return F" | tail -12
+  ;;
+e)
+  timeout 330 python3 "$R/scripts/bench_kernels.py" --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session20e.json" 2>&1 | grep -v -E "Warn|return F" | tail -12
+  timeout 200 python3 "$R/scripts/bench_read_floor.py" --batches 1,8 --length 131072 \
+      --out "$OUT/read_floor_${GPU}_session20e.json" 2>&1 | grep -v -E "Warn|return F"
+  ;;
+esac
+# (appended) run f (H200): B=1/128K's combine (32 query rows: 8 warps a row, the whole [S, D] tile of partials in one
+# round) under the clean flush, with the new default: rounds of 128 / 64 splits, 4 / 16 warps, R_V chunks of 32 /
+# 128 rows, no hoisting; the graph timeline of the default
+#   bash benchmarks/run_session20.sh f
+case "$1" in
+f)
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 1x131072 --iters 20 --timeline --configs '{}' \
+      '{"merge_block_few": 128}' '{"merge_block_few": 64}' '{"merge_warps": 4}' '{"merge_warps": 16}' \
+      '{"merge_cblock": 32}' '{"merge_cblock": 128}' '{"merge_hoist": 0}' \
+      --out "$OUT/profile_op_${GPU}_session20f.json" 2>&1 | grep -E "^B=|_comb|graph:"
+  ;;
+esac
