@@ -64,7 +64,7 @@ e)
       --out "$OUT/read_floor_${GPU}_session20e.json" 2>&1 | grep -v -E "Warn|return F"
   ;;
 esac
-# (appended) run f (H200): B=1/128K's combine (32 query rows: 8 warps a row, the whole [S, D] tile of partials in one
+# (appended) run f (H100: no H200 could be started): B=1/128K's combine (32 query rows: 8 warps a row, the whole [S, D] tile of partials in one
 # round) under the clean flush, with the new default: rounds of 128 / 64 splits, 4 / 16 warps, R_V chunks of 32 /
 # 128 rows, no hoisting; the graph timeline of the default
 #   bash benchmarks/run_session20.sh f
