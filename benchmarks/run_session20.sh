@@ -76,3 +76,16 @@ f)
       --out "$OUT/profile_op_${GPU}_session20f.json" 2>&1 | grep -E "^B=|_comb|graph:"
   ;;
 esac
+# (appended) run g: the prologue launch (query rotation + BF16 window programs) takes 23.7 us of B=32/8K's 84.9 (the
+# history waits for all of it): window tokens a program (win_split 64 / 256; 128 is used from 8 programs an SM on),
+# window pipeline stages 1 / 3, warps 8 / 2 (the prologue's; also the Triton split kernel's), the rotation in a launch
+# of its own (fused_prologue 0), at six points
+#   bash benchmarks/run_session20.sh g
+case "$1" in
+g)
+  timeout 500 python3 "$R/scripts/profile_decode_op.py" --points 32x8192,32x32768,16x32768,8x8192,8x131072,1x131072 \
+      --iters 20 --configs '{}' '{"win_split": 64}' '{"win_split": 256}' '{"gluon_win_stages": 1}' \
+      '{"gluon_win_stages": 3}' '{"num_warps": 8}' '{"num_warps": 2}' '{"fused_prologue": 0}' \
+      --out "$OUT/profile_op_${GPU}_session20g.json" 2>&1 | grep -E "^B=|_prol|_split|_rot"
+  ;;
+esac
