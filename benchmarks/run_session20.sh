@@ -89,3 +89,20 @@ g)
       --out "$OUT/profile_op_${GPU}_session20g.json" 2>&1 | grep -E "^B=|_prol|_split|_rot"
   ;;
 esac
+# (appended) run h (H200, at commit ff888bc, which added gluon_qflag; removed after it): the history programs wait for their own (row, head)'s query flag instead of the whole
+# prologue launch (gluon_qflag 1, the new default): GPU tests (decode op from the unrotated query, in a graph, the
+# flags cleared after each call, the bounded spin's fallback; variants default / noqflag / short / long), the per-kernel
+# profile and timeline against gluon_qflag 0, then the benchmark
+#   bash benchmarks/run_session20.sh h
+case "$1" in
+h)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" -x \
+      "$R/tests/kernels/test_int2_attention.py" -k "rotating or query_flag or (gluon and (noqflag or early-pdl2))" \
+      2>&1 | tee "$OUT/tests_${GPU}_session20h.log" | tail -3
+  timeout 150 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,8x8192,32x8192,32x32768,16x32768 \
+      --iters 20 --timeline --configs '{}' '{"gluon_qflag": 0}' \
+      --out "$OUT/profile_op_${GPU}_session20h.json" 2>&1 | grep -E "^B=|graph:"
+  timeout 200 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session20h.json" 2>&1 | grep -v -E "Warn|return F" | tail -10
+  ;;
+esac

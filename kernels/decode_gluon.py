@@ -144,25 +144,6 @@ _VLD_ASM = gl.constexpr(sum((_lane_loads(1, [8 * i + j for i in range(2 * tb) fo
 _MLD_ASM = gl.constexpr(_lane_loads(1, [0, 8], 4))
 
 
-SPIN_MAX = gl.constexpr(1 << 16)  # polls of a query-ready flag before falling back to the grid dependency
-
-
-@gluon.jit
-def _wait_query(flag_ptr, FULL: gl.constexpr):
-    """Wait until the prologue launch's rotation programs of this (row, head) have set every bit of ``FULL`` in
-    ``flag_ptr`` (``decode_triton._prologue_kernel``, release; here acquire, GPU scope: the rotated query and
-    ``q · mu_K`` are then visible). Safe from deadlock: under programmatic dependent launch this grid starts only once
-    every program of that launch has started, so the rotation programs run. A bounded spin: should the bits never come
-    (a caller that did not arm them), it falls back to ``griddepcontrol.wait``, which is always correct."""
-    v = gl.atomic_or(flag_ptr, 0, sem="acquire", scope="gpu")
-    i = 0
-    while (v != FULL) & (i < SPIN_MAX):
-        v = gl.atomic_or(flag_ptr, 0, sem="acquire", scope="gpu")
-        i += 1
-    if v != FULL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
 @gluon.jit
 def _k_plane(b0, b1, b2, b3):
     """A plane's codes of byte positions 0..3 of each word (``[T, 8 w]`` each) as ``[T, 32 s]``, ``s = 4w + B``."""
@@ -576,13 +557,13 @@ def _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T: gl.cons
 
 @gluon.jit
 def _hist_kernel(
-    Q, KC, KS, KZ, VC, VS, VZ, START, QKOFF, NPTR, QFLAG,
+    Q, KC, KS, KZ, VC, VS, VZ, START, QKOFF, NPTR,
     PM, PL, PACC,
     N, M, Hk, S, S_TOT, split_len, qk_scale,
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
-    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0, QFULL: gl.constexpr = 0,
+    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -609,11 +590,7 @@ def _hist_kernel(
                                                        STAGES)
             _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
         if PDL >= 2:
-            if QFULL:  # only this (row, head)'s query, not the window programs beside its rotation
-                _wait_query(QFLAG + pid_bh, QFULL)
-            else:
-                gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                          pack=1)
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
     # ---- query operands (once per program) ----
     q_ptr = Q + b.to(gl.int64) * sqb + h * sqh
@@ -786,8 +763,6 @@ def _hist_kernel(
     rh = gl.arange(0, MH, layout=RL)
     gl.store(PM + part + rh, gl.convert_layout(m_r, RL), mask=rh < M)
     gl.store(PL + part + rh, gl.convert_layout(l_r, RL), mask=rh < M)
-    if QFULL:  # this grid completes after the one before (whose window partials the combine reads), as with the wait
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 def gluon_supported(q_rot, k, v, group_size: int, key_mask, pairable: bool) -> bool:
@@ -806,22 +781,19 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qflag=None, qfull=0):
-    """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
-    ``qflag`` (with ``pdl`` 2 / 3): wait for ``qflag[b * Hk + h] == qfull`` (:func:`_wait_query`), not for the grid
-    before."""
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0):
+    """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
-    qfull = qfull if (qflag is not None and pdl >= 2) else 0
     _hist_kernel[(b * hk, s_hist)](
-        q_rot, *k, *v, start, qk_offset, n_valid, qflag if qfull else None, pm, pl, pacc,
+        q_rot, *k, *v, start, qk_offset, n_valid, pm, pl, pacc,
         n, m, hk, s_hist, s_tot, split_len, qk_scale,
         *q_rot.stride()[:3], *k.codes.stride()[:2], *k.scale.stride()[:2],
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
         TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
-        QFULL=int(qfull), num_warps=1,
+        num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

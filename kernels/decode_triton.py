@@ -210,10 +210,6 @@ CONFIG = {
     # 236.1, B=8/8K 47.9 -> 46.8 (profile_op_h200_session14b.json). 4: pdl 2 and the combine under PDL (see _launch):
     # +-1 us, mixed (profile_op_h200_session17{e,f}.json)
     "pdl": 2,
-    # with pdl 2 / 4: the history programs wait for their own (row, head)'s rotated query (a flag the prologue's rotation
-    # programs set, decode_gluon._wait_query) instead of for the whole prologue launch, whose window programs take
-    # longer than the rotation (session 20)
-    "gluon_qflag": 1,
     # Gluon kernel: the split's first loads (the reference step's words, the first full steps' copies) issued before the
     # query's (pdl 2 needs them there: before its wait)
     "gluon_early": 1,
@@ -920,17 +916,11 @@ def _prologue_kernel(
     skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
     D: tl.constexpr, M_PAD: tl.constexpr, M_PAD_ROT: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
     HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
-    QFLAG=None, FLAG: tl.constexpr = 0,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
     what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
     block ``j`` of the query, the rest are window programs ``j - D / C_BLOCK``). Before, each was a launch of its own,
-    before and after the history kernel.
-
-    ``FLAG`` (``CONFIG["gluon_qflag"]``): each rotation program, once its block of ``q_rot`` (and ``q · mu_K``) is
-    stored, sets bit ``j`` of ``QFLAG[b * Hk + h]`` (release, GPU scope), so that the history programs of that (row,
-    head) can start as soon as its query is complete instead of waiting for the whole grid, window programs included
-    (``decode_gluon._wait_query``). Bits, not a count: a store that several threads made is still one bit."""
+    before and after the history kernel."""
     if PDL:  # the history kernel may launch now: it loads its first steps, then waits for this grid (the query)
         gdc_launch_dependents()
     pid_bh = tl.program_id(0)
@@ -939,9 +929,6 @@ def _prologue_kernel(
     if j < NROT:
         _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
                       D, M_PAD_ROT, C_BLOCK, HAS_MU)
-        if FLAG:
-            tl.debug_barrier()  # every thread's stores of the block before the release
-            tl.atomic_or(QFLAG + pid_bh, 1 << j, sem="release", scope="gpu")
     else:
         b = pid_bh // Hk
         h = pid_bh % Hk
@@ -969,7 +956,7 @@ def _history_window_weights(m_h, l_h, m_w, l_w):
 def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
-    PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, QFLAG=None, RESET: tl.constexpr = 0,
+    PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
 
@@ -988,10 +975,7 @@ def _combine_kernel(
     ``HOIST`` (FINAL, ``C_BLOCK < D``, at most ``SW_BLOCK`` window splits): one round of loads before the merge -- the
     history partials, all window partials (``[SW_BLOCK, D]``) and ``R_V``'s first chunk -- and each further chunk's
     load issued before the chunk before it is used, instead of a round for the window's max, then per chunk one for
-    ``R_V`` and the window's rows.
-
-    ``RESET``: the query-ready flags of this call (``_prologue_kernel``'s ``FLAG``) back to 0 for the next call, once
-    the history grid is complete (this launch's own order, or its PDL wait)."""
+    ``R_V`` and the window's rows."""
     row = tl.program_id(0)  # = bh * M + mm
     bh = row // M
     mm = row % M
@@ -1005,9 +989,6 @@ def _combine_kernel(
         r_next = tl.load(RV + h * D * D + tl.arange(0, C_BLOCK)[:, None] * D + offs_d[None, :])  # R_V's chunk 0
     if PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
         gdc_wait()
-    if RESET:
-        if mm == 0:
-            tl.store(QFLAG + bh, 0)
     if FINAL and HOIST:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
         offs_w = S_HIST + tl.arange(0, SW_BLOCK)
         wm = offs_w < S_TOT
@@ -1189,21 +1170,6 @@ def gluon_split_cfg(cfg, m: int, glu=None, n: int = 0, bh: int = 0, device=None)
     return out
 
 
-_QFLAGS: dict = {}
-
-
-def _query_flags(dev: torch.device, bh: int) -> torch.Tensor:
-    """The query-ready flags of the Gluon path (``CONFIG["gluon_qflag"]``): one int32 word per (row, KV head), 0 between
-    calls (the prologue launch sets bits, the combine clears them), one buffer per device and stream (calls on one
-    stream run in order), grown when a call has more (row, head) pairs."""
-    key = (dev.index, torch.cuda.current_stream(dev).cuda_stream)
-    bufs = _QFLAGS.setdefault(key, [])
-    if not bufs or bufs[-1].numel() < bh:
-        # the smaller ones stay allocated: a CUDA graph captured with one keeps its address
-        bufs.append(torch.zeros(max(bh, 256), dtype=torch.int32, device=dev))
-    return bufs[-1]
-
-
 def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, triton.next_power_of_2(n))
 
@@ -1362,122 +1328,112 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     pm = torch.empty(bh, max(s_tot, 1), m, device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(bh, max(s_tot, 1), m, d, device=dev, dtype=torch.float32)
-    qflag = None  # query-ready flags of the Gluon path (CONFIG["gluon_qflag"]), armed by the prologue launch
-    try:
-        if s_tot == 0:  # nothing to attend to: one empty partial
-            pm.fill_(float("-inf"))
-            pl.zero_()
-            pacc.zero_()
-            s_tot = 1
-        else:
-            z3 = (0, 0, 0)
-            pid_off = 0
-            fused_pro = False
-            if rotate is not None:
-                qf_r, r_k_r, mu_k_r = rotate
-                fp = cfg.get("fused_prologue", 1)  # 2: on the Triton path too (its window programs leave the history launch)
-                fused_pro = bool(s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)))
-                if fused_pro:  # rotation + window programs in one launch (the window's query is qf_r: see the caller)
-                    c_rot = min(d, ROT_C_BLOCK)
-                    if glu is not None and pdl_mode in (2, 4) and cfg.get("gluon_qflag"):
-                        qflag = _query_flags(dev, bh)
-                    _prologue_kernel[(bh, d // c_rot + s_win)](
-                        qf_r, r_k_r, mu_k_r, q_rot, qk_offset, k_win, v_win, wmask, pm, pl, pacc,
-                        m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rotation_strides(qf_r, mu_k_r),
-                        *k_win.stride()[:3], *v_win.stride()[:3],
-                        *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
-                        D=d, M_PAD=m_pad, M_PAD_ROT=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None,
-                        HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
-                        WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode in (2, 4)),
-                        QFLAG=qflag, FLAG=int(qflag is not None), num_warps=cfg["num_warps"],
-                    )
-                else:
-                    launch_rotation(qf_r, r_k_r, mu_k_r, q_rot, qk_offset)
-            if glu is not None:  # history on the Gluon kernel; this file's kernel runs the window programs only
-                if s_hist:
-                    glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len,
-                                       float(scaling) * LOG2E, stages=gluon_stages(cfg, n, s_hist),
-                                       splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
-                                       l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
-                                       pdl=3 if pdl_mode == 4 else pdl_mode,
-                                       early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist),
-                                       qflag=qflag, qfull=(1 << (d // c_rot)) - 1 if qflag is not None else 0)
-                pid_off = s_hist
-            s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
-            if s_run > pid_off:
-                _split_kernel[(bh, s_run - pid_off)](
-                    q_rot, *k, *v, start, kmask, qk_offset, n_valid,
-                    q_win, k_win, v_win, wmask,
-                    pm, pl, pacc,
-                    n, m, hk, s_hist, s_tot, split_len, w, win_split, float(scaling) * LOG2E, pid_off,
-                    *q_rot.stride()[:3],
-                    *k.codes.stride()[:3], *k.scale.stride()[:2],
-                    *v.codes.stride()[:3], *v.scale.stride()[:2],
-                    *(kmask.stride()[0], kmask.stride()[1], kmask.stride()[3]) if kmask is not None else z3,
-                    *qk_offset.stride() if qk_offset is not None else z3,
-                    *(q_win.stride()[:3] if w else z3), *(k_win.stride()[:3] if w else z3), *(v_win.stride()[:3] if w else z3),
+    if s_tot == 0:  # nothing to attend to: one empty partial
+        pm.fill_(float("-inf"))
+        pl.zero_()
+        pacc.zero_()
+        s_tot = 1
+    else:
+        z3 = (0, 0, 0)
+        pid_off = 0
+        fused_pro = False
+        if rotate is not None:
+            qf_r, r_k_r, mu_k_r = rotate
+            fp = cfg.get("fused_prologue", 1)  # 2: on the Triton path too (its window programs leave the history launch)
+            fused_pro = bool(s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)))
+            if fused_pro:  # rotation + window programs in one launch (the window's query is qf_r: see the caller)
+                c_rot = min(d, ROT_C_BLOCK)
+                _prologue_kernel[(bh, d // c_rot + s_win)](
+                    qf_r, r_k_r, mu_k_r, q_rot, qk_offset, k_win, v_win, wmask, pm, pl, pacc,
+                    m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rotation_strides(qf_r, mu_k_r),
+                    *k_win.stride()[:3], *v_win.stride()[:3],
                     *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
-                    D=d, G=group_size, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
-                    HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
-                    HAS_WIN=s_win > 0 and not fused_pro, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
-                    LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
-                    N_DEV=n_valid is not None,
-                    PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
-                    PAIR=int(cfg.get("pair_meta", False) and pairable),
-                    AHEAD=int(cfg.get("meta_ahead", False)),
-                    ASM=int(cfg.get("asm_codes", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
-                    # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
-                    # (checked without spills by tests/kernels/test_compile_sm90.py)
-                    num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],
-                    num_stages=2 if d > 128 else cfg["num_stages"],
-                    PDL=int(pdl), WIN_STAGES=int(cfg.get("gluon_win_stages", 1)) if pid_off else 1, WIN_ONLY=int(pid_off > 0),
-                    **pdl_kw,
-                    **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
+                    D=d, M_PAD=m_pad, M_PAD_ROT=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None,
+                    HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
+                    WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode in (2, 4)),
+                    num_warps=cfg["num_warps"],
                 )
-        few = dev.type == "cuda" and bh * m < _device_sms(dev)  # combine programs (one per query row)
-        s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1),
-                      cfg.get("merge_block_few" if few else "merge_block") or cfg.get("merge_block", 64))
-        if fused:
-            # combine programs (one per query row): few -> 8 warps, the whole R_V[h] loaded with the partials; many (at
-            # least one per SM) -> 4 warps, R_V in 32-row chunks, so that more programs fit an SM (H200: B=32/32K 31 -> 18
-            # us, the op 330 -> 317 us, session 11 run d; B=8/128K 13.8 -> 9.9 us, the op 245.7 -> 241.9, session 13 run a;
-            # B=1 (32 rows) 9.2 -> 9.9 us: not there). Since session 16 (merge_hoist) R_V in 64-row chunks for both at
-            # D = 128, the next chunk's load ahead of its use
-            # Session 17: where there are at least merge_one_warp_rows rows per SM, one warp per row, R_V in 16-row chunks
-            # and at most 16 splits a round, so that a warp holds them without spilling (H200, B=32/32K, 1024 rows: combine
-            # 15.1 -> 10.4 us, the op 231.6 -> 225.7, profile_op_h200_session17f.json; 32-row chunks spill 128 bytes for
-            # 9.1-9.2 us; one warp at B=8, 256 rows: 6.8 -> 13.0 us, profile_op_h200_session17e.json)
-            many = not few and dev.type == "cuda"
-            crowd = many and d <= 128 and bh * m >= cfg.get("merge_one_warp_rows", 4) * _device_sms(dev)
-            merge_warps = cfg.get("merge_warps") or (1 if crowd else 4 if many or d < 128 else 8)
-            c_block = min(d, cfg.get("merge_cblock") or (16 if crowd else
-                64 if cfg.get("merge_hoist") and d == 128 else (32 if many or d > 128 else d)))
-            if crowd and merge_warps == 1:  # a [S_BLOCK, D] tile of partials in one warp's registers
-                s_block = min(s_block, 16)
-            out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
-            hoist = (bool(cfg.get("merge_hoist")) and c_block < d <= 128
-                     and s_tot - s_hist <= cfg.get("merge_hoist_win", 16))
-            _combine_kernel[(bh * m,)](
-                pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
-                D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
-                HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, num_warps=merge_warps,
-                QFLAG=qflag, RESET=int(qflag is not None),
-                **({"launch_pdl": True} if pdl_comb else {}),
+            else:
+                launch_rotation(qf_r, r_k_r, mu_k_r, q_rot, qk_offset)
+        if glu is not None:  # history on the Gluon kernel; this file's kernel runs the window programs only
+            if s_hist:
+                glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len,
+                                   float(scaling) * LOG2E, stages=gluon_stages(cfg, n, s_hist),
+                                   splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
+                                   l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
+                                   pdl=3 if pdl_mode == 4 else pdl_mode,
+                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist))
+            pid_off = s_hist
+        s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
+        if s_run > pid_off:
+            _split_kernel[(bh, s_run - pid_off)](
+                q_rot, *k, *v, start, kmask, qk_offset, n_valid,
+                q_win, k_win, v_win, wmask,
+                pm, pl, pacc,
+                n, m, hk, s_hist, s_tot, split_len, w, win_split, float(scaling) * LOG2E, pid_off,
+                *q_rot.stride()[:3],
+                *k.codes.stride()[:3], *k.scale.stride()[:2],
+                *v.codes.stride()[:3], *v.scale.stride()[:2],
+                *(kmask.stride()[0], kmask.stride()[1], kmask.stride()[3]) if kmask is not None else z3,
+                *qk_offset.stride() if qk_offset is not None else z3,
+                *(q_win.stride()[:3] if w else z3), *(k_win.stride()[:3] if w else z3), *(v_win.stride()[:3] if w else z3),
+                *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
+                D=d, G=group_size, M_PAD=m_pad, BLOCK_N=cfg["block_n"],
+                HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
+                HAS_WIN=s_win > 0 and not fused_pro, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
+                LOOP=_LOOPS[cfg["loop"]] if group_size >= d // 4 else 0,  # rowdot/factored: each plane in one group
+                N_DEV=n_valid is not None,
+                PREFETCH=int(cfg.get("prefetch", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
+                PAIR=int(cfg.get("pair_meta", False) and pairable),
+                AHEAD=int(cfg.get("meta_ahead", False)),
+                ASM=int(cfg.get("asm_codes", 0)) if q_rot.is_cuda else 0,  # inline PTX: not under the interpreter
+                # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers
+                # (checked without spills by tests/kernels/test_compile_sm90.py)
+                num_warps=8 if (d > 128 or m_pad >= 64) else cfg["num_warps"],
+                num_stages=2 if d > 128 else cfg["num_stages"],
+                PDL=int(pdl), WIN_STAGES=int(cfg.get("gluon_win_stages", 1)) if pid_off else 1, WIN_ONLY=int(pid_off > 0),
+                **pdl_kw,
+                **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
             )
-            return out
-        om = torch.empty(b, hk, m, device=dev, dtype=torch.float32)
-        ol = torch.empty_like(om)
-        oacc = torch.empty(b, hk, m, d, device=dev, dtype=torch.float32)
+    few = dev.type == "cuda" and bh * m < _device_sms(dev)  # combine programs (one per query row)
+    s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1),
+                  cfg.get("merge_block_few" if few else "merge_block") or cfg.get("merge_block", 64))
+    if fused:
+        # combine programs (one per query row): few -> 8 warps, the whole R_V[h] loaded with the partials; many (at
+        # least one per SM) -> 4 warps, R_V in 32-row chunks, so that more programs fit an SM (H200: B=32/32K 31 -> 18
+        # us, the op 330 -> 317 us, session 11 run d; B=8/128K 13.8 -> 9.9 us, the op 245.7 -> 241.9, session 13 run a;
+        # B=1 (32 rows) 9.2 -> 9.9 us: not there). Since session 16 (merge_hoist) R_V in 64-row chunks for both at
+        # D = 128, the next chunk's load ahead of its use
+        # Session 17: where there are at least merge_one_warp_rows rows per SM, one warp per row, R_V in 16-row chunks
+        # and at most 16 splits a round, so that a warp holds them without spilling (H200, B=32/32K, 1024 rows: combine
+        # 15.1 -> 10.4 us, the op 231.6 -> 225.7, profile_op_h200_session17f.json; 32-row chunks spill 128 bytes for
+        # 9.1-9.2 us; one warp at B=8, 256 rows: 6.8 -> 13.0 us, profile_op_h200_session17e.json)
+        many = not few and dev.type == "cuda"
+        crowd = many and d <= 128 and bh * m >= cfg.get("merge_one_warp_rows", 4) * _device_sms(dev)
+        merge_warps = cfg.get("merge_warps") or (1 if crowd else 4 if many or d < 128 else 8)
+        c_block = min(d, cfg.get("merge_cblock") or (16 if crowd else
+            64 if cfg.get("merge_hoist") and d == 128 else (32 if many or d > 128 else d)))
+        if crowd and merge_warps == 1:  # a [S_BLOCK, D] tile of partials in one warp's registers
+            s_block = min(s_block, 16)
+        out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
+        hoist = (bool(cfg.get("merge_hoist")) and c_block < d <= 128
+                 and s_tot - s_hist <= cfg.get("merge_hoist_win", 16))
         _combine_kernel[(bh * m,)](
-            pm, pl, pacc, om, ol, oacc, None, None, m, hk, s_tot, s_tot,
-            D=d, S_BLOCK=s_block, C_BLOCK=min(d, 32), FINAL=False, HAS_MUV=False, PDL=int(pdl), HOIST=0, SW_BLOCK=1,
-            num_warps=4, **pdl_kw,
+            pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
+            D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
+            HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, num_warps=merge_warps,
+            **({"launch_pdl": True} if pdl_comb else {}),
         )
-        return om, ol, oacc
-    except BaseException:
-        if qflag is not None:  # a launch after the prologue failed: no combine will clear what it set
-            qflag.zero_()
-        raise
+        return out
+    om = torch.empty(b, hk, m, device=dev, dtype=torch.float32)
+    ol = torch.empty_like(om)
+    oacc = torch.empty(b, hk, m, d, device=dev, dtype=torch.float32)
+    _combine_kernel[(bh * m,)](
+        pm, pl, pacc, om, ol, oacc, None, None, m, hk, s_tot, s_tot,
+        D=d, S_BLOCK=s_block, C_BLOCK=min(d, 32), FINAL=False, HAS_MUV=False, PDL=int(pdl), HOIST=0, SW_BLOCK=1,
+        num_warps=4, **pdl_kw,
+    )
+    return om, ol, oacc
 
 
 def history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n=None):

@@ -7,8 +7,7 @@ codes' offset (``GSUM``), each key path (``K8``: fp16 or int8 key MMAs) and the 
 short and of long splits; the long splits' int8-key kernel under ``CONFIG["gluon_maxnreg_long"]``), and, for ``GSUM
 = 1``, the register-load loop (``STAGES = 0``, fp16 keys), under the default CONFIG otherwise (the split's first
 loads before the query's: ``EARLY`` from ``CONFIG["gluon_early"]``, or ``$AOT_EARLY``; programmatic dependent launch
-compiled in, ``PDL`` 2 with it, else 1; with ``PDL`` 2 and ``CONFIG["gluon_qflag"]`` the wait for the query's flag,
-``QFULL``), and prints one JSON line each: registers, spilled bytes, shared memory, and
+compiled in, ``PDL`` 2 with it, else 1), and prints one JSON line each: registers, spilled bytes, shared memory, and
 the opcode counts of the hot loop (the innermost loop that holds the tensor-core ops).
 
 For experiments (not used by the test): ``AOT_STAGES=2,4`` compiles only those pipelines (TB = 2, GSUM, int8 keys),
@@ -50,7 +49,7 @@ def main():
     from oscar_hf.kernels.decode_triton import CONFIG
 
     ptrs = dict(Q="*fp32", KC="*u8", KS="*bf16", KZ="*bf16", VC="*u8", VS="*bf16", VZ="*bf16", START="*i32",
-                QKOFF="*fp32", QFLAG="*i32")
+                QKOFF="*fp32")
     ints = "N M Hk S S_TOT split_len".split()
     strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
     stages = int(CONFIG["gluon_stages"])
@@ -68,10 +67,6 @@ def main():
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_,
                   "PDL": 2 if early else 1}  # (programmatic dependent launch compiled in: its variant of the prologue)
-        # the per-(row, head) query flag instead of the grid dependency (CONFIG["gluon_qflag"], with PDL 2)
-        consts["QFULL"] = 15 if (early and CONFIG.get("gluon_qflag")) else 0
-        if not consts["QFULL"]:
-            consts["QFLAG"] = None
         sig = {}
         for name in dg._hist_kernel.arg_names:
             if name in consts:

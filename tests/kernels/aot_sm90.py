@@ -8,6 +8,7 @@ kernel variant: name, registers, spilled (local) bytes, shared memory.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -51,7 +52,8 @@ def compile_call(fn, args, kw, cuda_kw, sass=False):
     """Compile one recorded launch for sm_90; its resource usage (and, with ``sass``, the SASS text
     under ``"sass"``, for ``scripts/sass_report.py``)."""
     kw = {**kw, **{k: v for k, v in cuda_kw.items() if k in fn.arg_names}}
-    vals = dict(zip(fn.arg_names, args))
+    vals = {k: p.default for k, p in inspect.signature(fn.fn).parameters.items() if p.default is not p.empty}
+    vals.update(zip(fn.arg_names, args))
     vals.update({k: v for k, v in kw.items() if k in fn.arg_names})
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -599,7 +599,6 @@ _GLUON_VARIANTS = {
     "hoist": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1, "merge_hoist": 1, "merge_cblock": 32},
     "long": {"gluon_long_split": 64},  # every split long: int8 keys, 4 stages, 8 programs an SM without a cap
     "short": {"gluon_long_split": 1 << 30},  # no split long: fp16 keys, 2 stages, 12 programs an SM under a cap
-    "noqflag": {"gluon_qflag": 0},  # the history waits for the whole prologue launch (griddepcontrol.wait)
     "pdl4-warp": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "merge_one_warp_rows": 0},
 }
 
@@ -614,8 +613,7 @@ def gluon_calls(request, monkeypatch):
     logits on int8 tensor cores (gluon_k8); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
     with R_V in 32-row chunks instead of the default 64; "long": the defaults with every split long (the long splits'
     key path, pipeline, residency and register cap; since session 20 the default from 256 tokens a split), "short":
-    no split long (the short-split path, the default before session 20); "noqflag": the history kernel waits for the
-    whole prologue launch, not for its own query's flag (the default before session 20); "pdl4-warp": the combine under PDL (pdl 4), one warp per row
+    no split long (the short-split path, the default before session 20); "pdl4-warp": the combine under PDL (pdl 4), one warp per row
     wherever there are more rows than SMs (merge_one_warp_rows 0)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
@@ -729,46 +727,6 @@ def test_gpu_gluon_decode_op_rotating(gluon_calls, monkeypatch, fused, b, n, n_v
     assert gluon_calls, "the Gluon kernel did not run"
     assert got.dtype == torch.bfloat16
     assert rel_err(got.float(), ref.float()) < 2e-2
-    # the query-ready flags (CONFIG["gluon_qflag"]) are armed by the prologue launch and cleared by the combine
-    torch.cuda.synchronize()
-    flags = [f for bufs in _dt()._QFLAGS.values() for f in bufs]
-    cfg = _dt().CONFIG
-    if fused and cfg.get("gluon_qflag") and cfg.get("pdl") in (2, 4):
-        assert flags, "the query-ready flags were not used"
-    assert all(int(f.count_nonzero()) == 0 for f in flags), "a flag was left set after the call"
-
-
-class _PrologueWithoutFlags:
-    """``_prologue_kernel`` launched with ``FLAG = 0``: its rotation programs never set the query-ready flags that the
-    history kernel waits for."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        return lambda *a, **kw: self.kernel[grid](*a, **{**kw, "FLAG": 0})
-
-
-@pytest.mark.gpu
-@on_gpu
-def test_gpu_gluon_query_flag_wait_falls_back(monkeypatch):
-    """A history kernel whose query-ready flags never come (its bounded spin gives up) falls back to the grid
-    dependency and still reads the finished query: the result equals the reference, no hang."""
-    dt = _dt()
-    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_qflag": 1, "pdl": 2,
-                                       "fused_prologue": 1})
-    monkeypatch.setattr(dt, "_prologue_kernel", _PrologueWithoutFlags(dt._prologue_kernel))
-    calls = []
-    glu = dt._gluon_module()
-    real = glu.launch_history
-    monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (calls.append(kw.get("qfull")), real(*a, **kw))[1])
-    args = _rotating_case(2, 8, 4, 3000, 320, 128, 64, seed=3, device="cuda")
-    args["qf"] = args["qf"].cuda()
-    args["start"] = torch.tensor([0, 9], device="cuda")
-    args["out_dtype"] = torch.bfloat16
-    got = dt.decode_attention_rotating_triton(**args)
-    assert calls == [15], calls  # the history kernel did wait for the flags (4 column blocks of 32)
-    assert rel_err(got.float(), _rotating_reference(args).float()) < 2e-2
 
 
 @pytest.mark.gpu
