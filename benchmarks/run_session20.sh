@@ -106,3 +106,14 @@ h)
       --out "$OUT/kernels_${GPU}_session20h.json" 2>&1 | grep -v -E "Warn|return F" | tail -10
   ;;
 esac
+# (appended) run i (H200): B=1/128K on the long-split path (the default since this session): pipeline stages 3 / 6 /
+# 8, L2 prefetch 0 / 2, no early loads, 12 programs an SM with it; B=8/128K beside it
+#   bash benchmarks/run_session20.sh i
+case "$1" in
+i)
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072 --iters 20 --configs '{}' \
+      '{"gluon_stages_long": 3}' '{"gluon_stages_long": 6}' '{"gluon_stages_long": 8}' '{"gluon_l2pf": 0}' \
+      '{"gluon_l2pf": 2}' '{"gluon_early": 0}' '{"gluon_resident_long": 12, "gluon_maxnreg_long": 168}' \
+      --out "$OUT/profile_op_${GPU}_session20i.json" 2>&1 | grep -E "^B=|_hist"
+  ;;
+esac
