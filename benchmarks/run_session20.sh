@@ -117,3 +117,25 @@ i)
       --out "$OUT/profile_op_${GPU}_session20i.json" 2>&1 | grep -E "^B=|_hist"
   ;;
 esac
+# (appended) run j (H200): the eager op's host time (cProfile over back-to-back calls)
+#   bash benchmarks/run_session20.sh j
+case "$1" in
+j)
+  timeout 200 python3 "$R/scripts/profile_op_host.py" --points 1x8192,8x32768,1x131072 --calls 300 \
+      --out "$OUT/host_profile_${GPU}_session20j.txt" 2>&1 | grep -v Warn
+  head -c 9000 "$OUT/host_profile_${GPU}_session20j.txt"
+  ;;
+esac
+# (appended) run k (H200): the host code without triton.cdiv / next_power_of_2 (constexpr functions) and with the
+# device capability cached: the host profile again, the GPU tests of the decode op (Triton and Gluon paths, default
+# variant), the write path, the query rotation and the static cache
+#   bash benchmarks/run_session20.sh k
+case "$1" in
+k)
+  timeout 120 python3 "$R/scripts/profile_op_host.py" --points 1x8192,8x32768,1x131072 --calls 300 \
+      --out "$OUT/host_profile_${GPU}_session20k.txt" 2>&1 | grep -v Warn
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      "$R/tests/kernels/test_write_path.py" "$R/tests/kernels/test_query_rotation.py" "$R/tests/test_static_cache.py" \
+      -k "not gluon or early-pdl2" 2>&1 | tee "$OUT/tests_${GPU}_session20k.log" | tail -3
+  ;;
+esac

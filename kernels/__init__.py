@@ -36,3 +36,29 @@ def triton_enabled(t: torch.Tensor, use_kernels="auto") -> bool:
             "or set use_kernels='auto'."
         )
     return ok
+
+
+# ---- host-side helpers of the kernels' per-call launch code. Plain Python on purpose: triton.cdiv and
+# triton.next_power_of_2 are constexpr functions (each call goes through Triton's constexpr wrapper, ~1-2 us), and the
+# decode op called ~35 of them a call (session 20, benchmarks/results/host_profile_h200_session20j.txt)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of non-negative ints (``b > 0``)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def cuda_major(device: torch.device) -> int:
+    """Compute capability major of a CUDA device (cached: ``get_device_capability`` costs ~10 us a call)."""
+    return _cuda_major(device.index if device.index is not None else torch.cuda.current_device())
+

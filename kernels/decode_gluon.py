@@ -58,6 +58,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from . import cuda_major
+
 DF_LIM = gl.constexpr(64.0)  # as in decode_triton: largest excess of a column's max over its reference (log2)
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
@@ -768,7 +770,7 @@ def _hist_kernel(
 def gluon_supported(q_rot, k, v, group_size: int, key_mask, pairable: bool) -> bool:
     """The shapes this kernel serves (the rest: the Triton kernel)."""
     b, hk, m, d = q_rot.shape
-    return (q_rot.is_cuda and torch.cuda.get_device_capability(q_rot.device)[0] >= 8 and d == 128
+    return (q_rot.is_cuda and cuda_major(q_rot.device) >= 8 and d == 128
             and group_size == 64 and 1 <= m <= 8 and key_mask is None and pairable
             and k.codes.stride(-1) == 1 and v.codes.stride(-1) == 1
             and k.codes.stride(2) == 32 and v.codes.stride(2) == 32  # 32-byte token rows: the addressing assumes them

@@ -84,6 +84,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from oscar_hf.quant import QuantizedRows
 
+from . import cdiv, cuda_major, next_pow2
 from .query_triton import C_BLOCK as ROT_C_BLOCK, _rotate_block, launch_rotation, rotation_strides
 
 
@@ -1108,9 +1109,9 @@ def num_splits(n: int, bh: int, device: torch.device, cfg=None, static: bool = F
         cfg = {**cfg, "maxnreg": None}
     sms = _device_sms(device)
     bh = max(bh, 1)
-    s_max = max(1, min(triton.cdiv(n, cfg["min_split"]), triton.cdiv(n, cfg["block_n"])))
+    s_max = max(1, min(cdiv(n, cfg["min_split"]), cdiv(n, cfg["block_n"])))
     if cfg.get("programs_per_sm"):
-        return max(1, min(triton.cdiv(cfg["programs_per_sm"] * sms, bh), s_max))
+        return max(1, min(cdiv(cfg["programs_per_sm"] * sms, bh), s_max))
     slots = resident_programs(cfg) * sms
     s_max = min(s_max, max(1, cfg.get("max_waves", 4) * slots // bh))
     bn = cfg["block_n"]
@@ -1118,13 +1119,13 @@ def num_splits(n: int, bh: int, device: torch.device, cfg=None, static: bool = F
     # w waves the largest is cheapest, and the smallest S with its block count costs no more. So one candidate per
     # wave count instead of a scan over S (this runs on the host at every decode step of every layer).
     best, best_cost = 1, None
-    for w in range(1, triton.cdiv(bh * s_max, slots) + 1):
+    for w in range(1, cdiv(bh * s_max, slots) + 1):
         s_top = min(s_max, w * slots // bh)
         if s_top < 1:
             continue
-        blocks = triton.cdiv(n, s_top * bn)
-        s = triton.cdiv(n, blocks * bn)  # the smallest S with that many blocks per split (<= s_top)
-        cost = triton.cdiv(bh * s, slots) * (blocks + 0.5)
+        blocks = cdiv(n, s_top * bn)
+        s = cdiv(n, blocks * bn)  # the smallest S with that many blocks per split (<= s_top)
+        cost = cdiv(bh * s, slots) * (blocks + 0.5)
         if best_cost is None or cost < best_cost or (cost == best_cost and s < best):
             best, best_cost = s, cost
     return best
@@ -1171,7 +1172,7 @@ def gluon_split_cfg(cfg, m: int, glu=None, n: int = 0, bh: int = 0, device=None)
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
-    return max(lo, triton.next_power_of_2(n))
+    return max(lo, next_pow2(n))
 
 
 def _mask_4d(mask, b, hk, n):
@@ -1286,17 +1287,17 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         split_len = 0
     else:
         s_hist = num_splits(n, bh, dev, cfg) if n > 0 else 0
-        split_len = triton.cdiv(triton.cdiv(max(n, 1), max(s_hist, 1)), cfg["block_n"]) * cfg["block_n"]
-        s_hist = triton.cdiv(n, split_len) if n > 0 else 0  # drop splits that would be empty
+        split_len = cdiv(cdiv(max(n, 1), max(s_hist, 1)), cfg["block_n"]) * cfg["block_n"]
+        s_hist = cdiv(n, split_len) if n > 0 else 0  # drop splits that would be empty
     fused = window is not None
     if fused:
         q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype = window
         w = 0 if k_win is None else k_win.shape[-2]
         win_split = cfg["win_split"]
         gws = cfg.get("gluon_win_split")
-        if glu is not None and gws and bh * triton.cdiv(w, gws) <= 8 * _device_sms(dev):
+        if glu is not None and gws and bh * cdiv(w, gws) <= 8 * _device_sms(dev):
             win_split = gws
-        s_win = triton.cdiv(w, win_split)
+        s_win = cdiv(w, win_split)
         if w:
             q_win = q_win if q_win.stride(-1) == 1 else q_win.contiguous()
             k_win = k_win if k_win.stride(-1) == 1 else k_win.contiguous()
@@ -1318,7 +1319,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     # pdl 4: pdl 2, and the combine under PDL: the history kernel lets it launch at once, so that its programs load R_V
     # in the history's tail
     pdl_mode = int(cfg.get("pdl") or 0) if (glu is not None and s_hist and dev.type == "cuda"
-                                            and torch.cuda.get_device_capability(dev)[0] >= 9) else 0
+                                            and cuda_major(dev) >= 9) else 0
     if pdl_mode >= 2 and rotate is None:
         pdl_mode = 0
     pdl = pdl_mode == 1

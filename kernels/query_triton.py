@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import next_pow2
+
 
 @triton.jit
 def _rotate_block(
@@ -87,7 +89,7 @@ def launch_rotation(qf, r_k, mu_k, q_rot, off):
     c_block = min(d, C_BLOCK)
     _rotate_query_kernel[(b * hk, d // c_block)](
         qf, r_k, mu_k, q_rot, off, m, hk, *rotation_strides(qf, mu_k),
-        D=d, M_PAD=max(16, triton.next_power_of_2(m)), C_BLOCK=c_block, HAS_MU=mu_k is not None, num_warps=4,
+        D=d, M_PAD=max(16, next_pow2(m)), C_BLOCK=c_block, HAS_MU=mu_k is not None, num_warps=4,
     )
 
 

@@ -23,6 +23,8 @@ import triton.language as tl
 
 from oscar_hf.quant import LEVELS, QuantizedRows, check_group_size
 
+from . import cdiv, next_pow2
+
 _LEVELS = tl.constexpr(float(LEVELS))  # 3.0; jit code may only read constexpr globals
 
 _META_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -173,11 +175,11 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
     clip = float(clip)
     block_k = min(d, 64)
     if d <= 128:
-        block_t = min(WRITE_CONFIG["block_t"], max(16, triton.next_power_of_2(t)))
+        block_t = min(WRITE_CONFIG["block_t"], max(16, next_pow2(t)))
         warps = WRITE_CONFIG["num_warps"] if block_t >= 128 else 4
     else:  # D = 256: smaller row tiles, no register spills
         block_t, warps = 16, 8
-    grid = (triton.cdiv(t, block_t), b * hk)
+    grid = (cdiv(t, block_t), b * hk)
     _rotate_quantize_kernel[grid](
         x, r, mu if mu is not None else r, codes, scale, zero,
         t, hk, offset, clip,

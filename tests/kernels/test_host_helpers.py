@@ -1,0 +1,21 @@
+"""The kernels' plain-Python host helpers (``oscar_hf.kernels``) agree with Triton's own."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+triton = pytest.importorskip("triton")
+from oscar_hf.kernels import cdiv, next_pow2  # noqa: E402
+
+
+@given(st.integers(0, 1 << 40), st.integers(1, 1 << 20))
+def test_cdiv_matches_triton(a, b):
+    assert cdiv(a, b) == triton.cdiv(a, b) == (a + b - 1) // b
+
+
+@given(st.integers(1, 1 << 40))
+def test_next_pow2_matches_triton(n):
+    p = next_pow2(n)
+    assert p == triton.next_power_of_2(n)
+    assert p >= n and p & (p - 1) == 0 and (p == 1 or p // 2 < n)
