@@ -139,3 +139,11 @@ k)
       -k "not gluon or early-pdl2" 2>&1 | tee "$OUT/tests_${GPU}_session20k.log" | tail -3
   ;;
 esac
+# (appended) run l (H200): the benchmark of the final tree
+#   bash benchmarks/run_session20.sh l
+case "$1" in
+l)
+  timeout 330 python3 "$R/scripts/bench_kernels.py" --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session20l.json" 2>&1 | grep -v -E "Warn|return F" | tail -12
+  ;;
+esac
