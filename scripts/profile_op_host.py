@@ -15,22 +15,12 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402
-
-
-def wall_us(fn, calls):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def main():
@@ -48,10 +38,10 @@ def main():
         op = bk.oscar_op(st)
         for _ in range(5):
             op()
-        plain = wall_us(op, args.calls)
+        plain = bk.host_us_per_call(op, args.calls)
         prof = cProfile.Profile()
         prof.enable()
-        profiled = wall_us(op, args.calls)
+        profiled = bk.host_us_per_call(op, args.calls)
         prof.disable()
         report.append(f"\n=== B={b} T={t}: {plain:.1f} us a call ({profiled:.1f} under cProfile), {args.calls} calls")
         for key in ("tottime", "cumulative"):
