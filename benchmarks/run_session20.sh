@@ -147,3 +147,18 @@ l)
       --out "$OUT/kernels_${GPU}_session20l.json" 2>&1 | grep -v -E "Warn|return F" | tail -12
   ;;
 esac
+# (appended) run m (H200): the prologue's rotation as one program per (KV head, tile of up to 64 query rows of the batch,
+# column block) instead of one per (row, head, column block): GPU tests of the decode op from the unrotated query
+# (Gluon default variant, in a graph), the per-kernel profile at six points, the benchmark
+#   bash benchmarks/run_session20.sh m
+case "$1" in
+m)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      "$R/tests/kernels/test_query_rotation.py" -k "rotat and (not gluon or early-pdl2 or long)" 2>&1 \
+      | tee "$OUT/tests_${GPU}_session20m.log" | tail -3
+  timeout 120 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,8x8192,32x8192,32x32768,16x32768 \
+      --iters 20 --out "$OUT/profile_op_${GPU}_session20m.json" 2>&1 | grep -E "^B=|_prol"
+  timeout 250 python3 "$R/scripts/bench_kernels.py" --no-write --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session20m.json" 2>&1 | grep -v -E "Warn|return F" | tail -10
+  ;;
+esac

@@ -465,15 +465,19 @@ def _rotating_reference(args, **kw):
 @interp
 @pytest.mark.parametrize("fused", [0, 2])
 @pytest.mark.parametrize("b,hk,m,n,w,d,g", [(2, 2, 4, 150, 70, 64, 32), (1, 1, 8, 65, 320, 128, 64),
-                                            (2, 1, 4, 100, 0, 128, 128), (1, 2, 3, 0, 33, 64, 64)])
+                                            (2, 1, 4, 100, 0, 128, 128), (1, 2, 3, 0, 33, 64, 64),
+                                            (19, 2, 4, 40, 33, 64, 32)])
 def test_decode_attention_rotating(small_splits, monkeypatch, fused, b, hk, m, n, w, d, g):
     """The op from the unrotated query (what the model's attention calls): the rotation launched by the op itself --
     as its own launch, or (``fused_prologue`` 2, the Gluon path's layout forced onto the Triton path) in one launch
     with the window programs (``_prologue_kernel``, which must then run whenever there are history and window) --
-    equals rotate-then-reference."""
+    equals rotate-then-reference. B = 19: 76 query rows a KV head, two row tiles of the prologue's rotation (the last
+    one partial), and a per-sequence ``mu_K`` (``key_offset="prefill"``)."""
     monkeypatch.setitem(small_splits.CONFIG, "fused_prologue", fused)
     args = _rotating_case(b, hk, m, n, w, d, g, seed=n + w)
-    args["start"] = torch.tensor([0, 17][:b])
+    args["start"] = torch.tensor(([0, 17] * b)[:b])
+    if b > 2:
+        args["mu_k"] = torch.randn(b, hk, d, generator=torch.Generator().manual_seed(b)) * 0.5
     launches = []
     real = small_splits._prologue_kernel
     monkeypatch.setattr(small_splits, "_prologue_kernel",
