@@ -147,7 +147,7 @@ l)
       --out "$OUT/kernels_${GPU}_session20l.json" 2>&1 | grep -v -E "Warn|return F" | tail -12
   ;;
 esac
-# (appended) run m (H200): the prologue's rotation as one program per (KV head, tile of up to 64 query rows of the batch,
+# (appended) run m (H200, at commit cb88216, which added it; removed after it): the prologue's rotation as one program per (KV head, tile of up to 64 query rows of the batch,
 # column block) instead of one per (row, head, column block): GPU tests of the decode op from the unrotated query
 # (Gluon default variant, in a graph), the per-kernel profile at six points, the benchmark
 #   bash benchmarks/run_session20.sh m

@@ -85,7 +85,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from oscar_hf.quant import QuantizedRows
 
 from . import cdiv, cuda_major, next_pow2
-from .query_triton import C_BLOCK as ROT_C_BLOCK, _rotate_rows, launch_rotation, rotation_row_tiles, rotation_strides
+from .query_triton import C_BLOCK as ROT_C_BLOCK, _rotate_block, launch_rotation, rotation_strides
 
 
 LOG2E = 1.4426950408889634
@@ -912,36 +912,29 @@ def _split_kernel(
 def _prologue_kernel(
     Q, RK, MU, QR, QO,  # rotation: q [B, Hk, M, D] (also the window's query), R_K, mu_K -> q_rot, q . mu_K
     KW, VW, WMASK, PM, PL, PACC,  # window keys / values / mask -> its partials (slots S .. S_TOT - 1)
-    M, Hk, S, S_TOT, W, win_split, qk_scale, ROWS, N_RT,
+    M, Hk, S, S_TOT, W, win_split, qk_scale,
     sqb, sqh, sqm, smb, smh,
     skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
-    D: tl.constexpr, M_PAD: tl.constexpr, R_TILE: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
+    D: tl.constexpr, M_PAD: tl.constexpr, M_PAD_ROT: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
     HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
-    what the other writes. Grid ``(Hk * N_RT * D / C_BLOCK + B * Hk * (S_TOT - S),)``: first the rotation programs,
-    one per (KV head, tile of ``R_TILE`` of its ``ROWS = B * M`` query rows, column block), so that a block of
-    ``R_K`` is loaded once for up to 64 rows (``query_triton.rotation_row_tiles``; one program per (row, head, column
-    block) before session 20: 1024 programs at B=32), then one window program per (row, head, window split). Before
-    session 14, each was a launch of its own, before and after the history kernel."""
+    what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
+    block ``j`` of the query, the rest are window programs ``j - D / C_BLOCK``). Before, each was a launch of its own,
+    before and after the history kernel."""
     if PDL:  # the history kernel may launch now: it loads its first steps, then waits for this grid (the query)
         gdc_launch_dependents()
-    pid = tl.program_id(0)
+    pid_bh = tl.program_id(0)
+    j = tl.program_id(1)
     NROT: tl.constexpr = D // C_BLOCK
-    n_rot = Hk * N_RT * NROT
-    if pid < n_rot:
-        h = pid // (N_RT * NROT)
-        rt = (pid // NROT) % N_RT
-        _rotate_rows(Q, RK, MU, QR, QO, h, rt * R_TILE, ROWS, (pid % NROT) * C_BLOCK, M, Hk,
-                     sqb, sqh, sqm, smb, smh, D, R_TILE, C_BLOCK, HAS_MU)
+    if j < NROT:
+        _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
+                      D, M_PAD_ROT, C_BLOCK, HAS_MU)
     else:
-        s_win = S_TOT - S
-        pid_bh = (pid - n_rot) // s_win
-        j = (pid - n_rot) % s_win
         b = pid_bh // Hk
         h = pid_bh % Hk
-        part = (pid_bh.to(tl.int64) * S_TOT + S + j) * M
-        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, h, part, j * win_split, W, win_split, qk_scale,
+        part = (pid_bh.to(tl.int64) * S_TOT + S + (j - NROT)) * M
+        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, h, part, (j - NROT) * win_split, W, win_split, qk_scale,
                       sqb, sqh, sqm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                       M, D, M_PAD, HAS_WMASK, LOWP, 0, WIN_STAGES)
 
@@ -1351,13 +1344,12 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             fused_pro = bool(s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)))
             if fused_pro:  # rotation + window programs in one launch (the window's query is qf_r: see the caller)
                 c_rot = min(d, ROT_C_BLOCK)
-                r_tile, n_rt = rotation_row_tiles(b * m)
-                _prologue_kernel[(hk * n_rt * (d // c_rot) + bh * s_win,)](
+                _prologue_kernel[(bh, d // c_rot + s_win)](
                     qf_r, r_k_r, mu_k_r, q_rot, qk_offset, k_win, v_win, wmask, pm, pl, pacc,
-                    m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, b * m, n_rt,
-                    *rotation_strides(qf_r, mu_k_r), *k_win.stride()[:3], *v_win.stride()[:3],
+                    m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rotation_strides(qf_r, mu_k_r),
+                    *k_win.stride()[:3], *v_win.stride()[:3],
                     *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
-                    D=d, M_PAD=m_pad, R_TILE=r_tile, C_BLOCK=c_rot, HAS_MU=mu_k_r is not None,
+                    D=d, M_PAD=m_pad, M_PAD_ROT=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None,
                     HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
                     WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode in (2, 4)),
                     num_warps=cfg["num_warps"],

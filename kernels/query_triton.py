@@ -15,35 +15,33 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cdiv, next_pow2
+from . import next_pow2
 
 
 @triton.jit
-def _rotate_rows(
-    Q, RK, MU, QR, QO, h, r0, r1, c0, M, Hk,
+def _rotate_block(
+    Q, RK, MU, QR, QO, pid, c0, M, Hk,
     sqb, sqh, sqm, smb, smh,
-    D: tl.constexpr, R_TILE: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
+    D: tl.constexpr, M_PAD: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
 ):
-    """Columns ``[c0, c0 + C_BLOCK)`` of ``q_rot`` for the query rows ``r`` in ``[r0, min(r0 + R_TILE, r1))`` of KV
-    head ``h``, a row ``r = b * M + m`` being query row ``m`` of batch row ``b`` (and, in the programs of the first
-    column block, the offset ``q · mu_K``): ``[R_TILE, D] x [D, C_BLOCK]`` on the tensor cores, ``R_K``'s block loaded
-    once for all of those rows. Shared by :func:`_rotate_query_kernel` (the ``M`` rows of one batch row) and the
-    Gluon path's prologue launch (``decode_triton._prologue_kernel``: up to 64 rows of the batch a program)."""
-    offs_r = r0 + tl.arange(0, R_TILE)
-    rok = offs_r < r1
-    b = (offs_r // M).to(tl.int64)
-    m = offs_r % M
+    """Columns ``[c0, c0 + C_BLOCK)`` of ``q_rot`` for the ``M`` query rows of ``pid = b * Hk + h`` (and, in the
+    program of the first column block, the offset ``q · mu_K``). Shared by :func:`_rotate_query_kernel` and the
+    Gluon path's prologue launch (``decode_triton._prologue_kernel``: rotation + window programs)."""
+    b = pid // Hk
+    h = pid % Hk
+    offs_m = tl.arange(0, M_PAD)
     offs_d = tl.arange(0, D)
     offs_c = c0 + tl.arange(0, C_BLOCK)
-    q = tl.load(Q + b[:, None] * sqb + h * sqh + m[:, None] * sqm + offs_d[None, :],
-                mask=rok[:, None], other=0.0).to(tl.float32)  # [R_TILE, D]
+    mrow = offs_m < M
+    q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                mask=mrow[:, None], other=0.0).to(tl.float32)  # [M_PAD, D]
     r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + offs_c[None, :])  # R_K[h][:, c-block]
-    row = (b * Hk + h) * M + m  # q_rot [B, Hk, M, D], qk_offset [B, Hk, M] contiguous
-    tl.store(QR + row[:, None] * D + offs_c[None, :], tl.dot(q, r, input_precision="tf32x3"), mask=rok[:, None])
+    out = QR + (pid.to(tl.int64) * M + offs_m[:, None]) * D  # q_rot [B, Hk, M, D] contiguous
+    tl.store(out + offs_c[None, :], tl.dot(q, r, input_precision="tf32x3"), mask=mrow[:, None])
     if HAS_MU:
         if c0 == 0:
-            mu = tl.load(MU + b[:, None] * smb + h * smh + offs_d[None, :], mask=rok[:, None], other=0.0)
-            tl.store(QO + row, tl.sum(q * mu.to(tl.float32), 1), mask=rok)
+            mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)
+            tl.store(QO + pid.to(tl.int64) * M + offs_m, tl.sum(q * mu[None, :], 1), mask=mrow)
 
 
 @triton.jit
@@ -53,11 +51,9 @@ def _rotate_query_kernel(
     smb, smh,  # mu_K strides (smb = 0: one offset per KV head for every row)
     D: tl.constexpr, M_PAD: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
 ):
-    # program (b * Hk + h, c): this program's block of output channels for the M query rows of (b, h)
-    pid = tl.program_id(0)
-    b = pid // Hk
-    _rotate_rows(Q, RK, MU, QR, QO, pid % Hk, b * M, b * M + M, tl.program_id(1) * C_BLOCK, M, Hk,
-                 sqb, sqh, sqm, smb, smh, D, M_PAD, C_BLOCK, HAS_MU)
+    # program (b * Hk + h, c): this program's block of output channels
+    _rotate_block(Q, RK, MU, QR, QO, tl.program_id(0), tl.program_id(1) * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
+                  D, M_PAD, C_BLOCK, HAS_MU)
 
 
 def rotation_args(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None):
@@ -80,14 +76,6 @@ def rotation_args(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None
 
 
 C_BLOCK = 32  # output channels of q_rot per rotation program (4 programs per (row, KV head) at D = 128)
-R_TILE_MAX = 64  # query rows (batch rows x query heads of a KV head) of one prologue rotation program
-
-
-def rotation_row_tiles(rows: int) -> tuple[int, int]:
-    """``(R_TILE, tiles)`` of the Gluon path's prologue rotation: ``rows = B * M`` query rows of a KV head in tiles of
-    ``R_TILE`` (16 .. R_TILE_MAX, a power of two)."""
-    r_tile = min(R_TILE_MAX, max(16, next_pow2(rows)))
-    return r_tile, cdiv(rows, r_tile)
 
 
 def rotation_strides(qf: torch.Tensor, mu_k: torch.Tensor | None) -> tuple:

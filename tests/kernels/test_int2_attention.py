@@ -471,8 +471,8 @@ def test_decode_attention_rotating(small_splits, monkeypatch, fused, b, hk, m, n
     """The op from the unrotated query (what the model's attention calls): the rotation launched by the op itself --
     as its own launch, or (``fused_prologue`` 2, the Gluon path's layout forced onto the Triton path) in one launch
     with the window programs (``_prologue_kernel``, which must then run whenever there are history and window) --
-    equals rotate-then-reference. B = 19: 76 query rows a KV head, two row tiles of the prologue's rotation (the last
-    one partial), and a per-sequence ``mu_K`` (``key_offset="prefill"``)."""
+    equals rotate-then-reference. B = 19: many rotation programs beside the window programs, and a per-sequence
+    ``mu_K`` (``key_offset="prefill"``)."""
     monkeypatch.setitem(small_splits.CONFIG, "fused_prologue", fused)
     args = _rotating_case(b, hk, m, n, w, d, g, seed=n + w)
     args["start"] = torch.tensor(([0, 17] * b)[:b])
