@@ -16,8 +16,9 @@ window tokens, the rest INT2 history; total length T):
   each available backend forced in turn; the fastest is the baseline.
 Every timing is the median over calls with a cold L2 (a 256 MB buffer is zeroed and read back before each
 call, outside the timed region; ``--flush dirty``: zeroed only, as in sessions 4-19, see ``FLUSH_MODE``),
-measured with CUDA events around each call, eagerly and as a replayed CUDA graph. Bandwidth: bytes the op must read (INT2 codes + scale/zero of K and V, BF16 window)
-over its time, against a measured device-to-device copy (bytes read + written).
+measured with CUDA events around each call, eagerly and as a replayed CUDA graph. Bandwidth: bytes the op must
+read (INT2 codes + scale/zero of K and V, BF16 window) over its time, against a measured device-to-device copy
+(bytes read + written).
 
 Write path: ``rotate_quantize_triton`` on [1, 8, 32768, 128] BF16 rows (rows/s, GB/s) and its time
 (K and V) relative to BF16 causal prefill attention (SDPA, B=1, T=32K); with ``--sweep`` the

@@ -617,8 +617,8 @@ def gluon_calls(request, monkeypatch):
     logits on int8 tensor cores (gluon_k8); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
     with R_V in 32-row chunks instead of the default 64; "long": the defaults with every split long (the long splits'
     key path, pipeline, residency and register cap; since session 20 the default from 256 tokens a split), "short":
-    no split long (the short-split path, the default before session 20); "pdl4-warp": the combine under PDL (pdl 4), one warp per row
-    wherever there are more rows than SMs (merge_one_warp_rows 0)."""
+    no split long (the short-split path, the default before session 20); "pdl4-warp": the combine under PDL (pdl 4),
+    one warp per row wherever there are more rows than SMs (merge_one_warp_rows 0)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
