@@ -233,6 +233,14 @@ CONFIG = {
     "gluon_long_split": 256,
     # the decode op's combine: one warp per query row from this many rows per SM on (see _launch)
     "merge_one_warp_rows": 4,
+    # the decode op's combine where it has fewer rows than SMs: this many programs a row, each un-rotating a slice of
+    # the output channels (1 / parts of R_V's rows; _combine_kernel PARTS)
+    "merge_out_parts": 1,
+    # the Gluon history programs prefetch R_V into L2 for the combine at their end (1; 2: evict-last; 0: off)
+    "gluon_rv_prefetch": 0,
+    # query rotation in the Gluon path's prologue launch: output channels per rotation program (None: query_triton's
+    # C_BLOCK, 32; 16 halves each program's cold load of R_K)
+    "rot_cblock": None,
 }
 
 
@@ -957,7 +965,7 @@ def _history_window_weights(m_h, l_h, m_w, l_w):
 def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
-    PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1,
+    PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
 
@@ -976,8 +984,13 @@ def _combine_kernel(
     ``HOIST`` (FINAL, ``C_BLOCK < D``, at most ``SW_BLOCK`` window splits): one round of loads before the merge -- the
     history partials, all window partials (``[SW_BLOCK, D]``) and ``R_V``'s first chunk -- and each further chunk's
     load issued before the chunk before it is used, instead of a round for the window's max, then per chunk one for
-    ``R_V`` and the window's rows."""
-    row = tl.program_id(0)  # = bh * M + mm
+    ``R_V`` and the window's rows.
+
+    ``PARTS`` (FINAL, ``C_BLOCK <= D / PARTS``): ``PARTS`` programs per row, each merging the row's partials and
+    writing output channels ``[pc D / PARTS, (pc + 1) D / PARTS)`` only, so that each loads ``1 / PARTS`` of ``R_V[h]``
+    (the partials are read ``PARTS`` times, from L2): more programs and fewer bytes each where there are few rows."""
+    row = tl.program_id(0) // PARTS  # = bh * M + mm
+    c_lo = (tl.program_id(0) % PARTS) * (D // PARTS)  # this program's first output channel
     bh = row // M
     mm = row % M
     h = bh % Hk
@@ -986,8 +999,8 @@ def _combine_kernel(
     base = bh.to(tl.int64) * S_TOT * M + mm  # partial (bh, s, mm) lives at base + s * M
     if FINAL and C_BLOCK == D:
         r_all = tl.load(RV + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # issued before the partials
-    if FINAL and HOIST:
-        r_next = tl.load(RV + h * D * D + tl.arange(0, C_BLOCK)[:, None] * D + offs_d[None, :])  # R_V's chunk 0
+    if FINAL and HOIST:  # R_V's first chunk of this program's channels
+        r_next = tl.load(RV + h * D * D + (c_lo + tl.arange(0, C_BLOCK))[:, None] * D + offs_d[None, :])
     if PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
         gdc_wait()
     if FINAL and HOIST:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
@@ -1020,16 +1033,16 @@ def _combine_kernel(
         o_w = tl.reshape(tl.sum(w_w[:, None] * a_w, 0), (D // C_BLOCK, C_BLOCK))  # [chunk, C_BLOCK]
         m_safe, w_h, ww, lh, inv = _history_window_weights(m_h, l_h, m_w, l_w)
         acc = acc * w_h
-        for ci in tl.static_range(D // C_BLOCK):
-            offs_c = ci * C_BLOCK + tl.arange(0, C_BLOCK)
+        for ci in tl.static_range(D // C_BLOCK // PARTS):
+            offs_c = c_lo + ci * C_BLOCK + tl.arange(0, C_BLOCK)
             r = r_next
-            if ci + 1 < D // C_BLOCK:  # the next chunk's load in flight while this one is used
+            if ci + 1 < D // C_BLOCK // PARTS:  # the next chunk's load in flight while this one is used
                 r_next = tl.load(RV + h * D * D + (offs_c + C_BLOCK)[:, None] * D + offs_d[None, :])
             o = tl.sum(r * acc[None, :], 1)
             if HAS_MUV:
                 o += lh * tl.load(MUV + h * D + offs_c)
             # this chunk of the window's row (a masked sum over the chunk axis: no slicing of register tensors)
-            o += ww * tl.sum(tl.where(tl.arange(0, D // C_BLOCK)[:, None] == ci, o_w, 0.0), 0)
+            o += ww * tl.sum(tl.where(tl.arange(0, D // C_BLOCK)[:, None] == c_lo // C_BLOCK + ci, o_w, 0.0), 0)
             tl.store(OACC + row.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
     elif FINAL:
         # window splits (value space): their max and sum in one online pass; their acc rows per output chunk below
@@ -1045,8 +1058,8 @@ def _combine_kernel(
             m_w = m_new
         m_safe, w_h, ww, lh, inv = _history_window_weights(m_h, l_h, m_w, l_w)
         acc = acc * w_h
-        for c0 in tl.static_range(0, D, C_BLOCK):
-            offs_c = c0 + tl.arange(0, C_BLOCK)
+        for c0 in tl.static_range(0, D // PARTS, C_BLOCK):
+            offs_c = c_lo + c0 + tl.arange(0, C_BLOCK)
             # history: (acc R_Vᵀ)[c] = sum_d R_V[c, d] acc[d], plus l_h * mu_V[c]
             if C_BLOCK == D:
                 r = r_all
@@ -1343,7 +1356,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             fp = cfg.get("fused_prologue", 1)  # 2: on the Triton path too (its window programs leave the history launch)
             fused_pro = bool(s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)))
             if fused_pro:  # rotation + window programs in one launch (the window's query is qf_r: see the caller)
-                c_rot = min(d, ROT_C_BLOCK)
+                c_rot = min(d, cfg.get("rot_cblock") or ROT_C_BLOCK)
                 _prologue_kernel[(bh, d // c_rot + s_win)](
                     qf_r, r_k_r, mu_k_r, q_rot, qk_offset, k_win, v_win, wmask, pm, pl, pacc,
                     m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rotation_strides(qf_r, mu_k_r),
@@ -1363,7 +1376,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
                                    pdl=3 if pdl_mode == 4 else pdl_mode,
-                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist))
+                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist),
+                                   r_v=r_v, rvpf=int(cfg.get("gluon_rv_prefetch", 0)))
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
@@ -1416,13 +1430,18 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             64 if cfg.get("merge_hoist") and d == 128 else (32 if many or d > 128 else d)))
         if crowd and merge_warps == 1:  # a [S_BLOCK, D] tile of partials in one warp's registers
             s_block = min(s_block, 16)
+        # fewer rows than SMs: merge_out_parts programs a row, each un-rotating a slice of the output channels
+        parts = int(cfg.get("merge_out_parts") or 1) if (few or not q_rot.is_cuda) else 1
+        if parts > 1:
+            c_block = min(c_block, d // parts)
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
         hoist = (bool(cfg.get("merge_hoist")) and c_block < d <= 128
                  and s_tot - s_hist <= cfg.get("merge_hoist_win", 16))
-        _combine_kernel[(bh * m,)](
+        _combine_kernel[(bh * m * parts,)](
             pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
             D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
-            HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, num_warps=merge_warps,
+            HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, PARTS=parts,
+            num_warps=merge_warps,
             **({"launch_pdl": True} if pdl_comb else {}),
         )
         return out

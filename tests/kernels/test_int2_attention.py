@@ -430,6 +430,30 @@ def test_combine_hoisted_loads(monkeypatch, cblock, b, hk, m, n, w, d, mu):
 
 
 @interp
+@pytest.mark.parametrize("hoist,cblock", [(1, 16), (1, 32), (0, None)])
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("b,hk,m,n,w,d,mu", [(2, 2, 4, 600, 70, 64, True), (1, 1, 8, 65, 320, 128, False)])
+def test_combine_output_parts(monkeypatch, hoist, cblock, parts, b, hk, m, n, w, d, mu):
+    """``merge_out_parts``: the combine's rows split over ``parts`` programs, each un-rotating its slice of the output
+    channels (R_V's rows), equals the reference -- the hoisted loads and the plain ones, several chunks a slice or
+    one; the grid has ``parts`` programs a row."""
+    dt = _dt()
+    monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "win_split": 32, "merge_hoist": hoist,
+                                       "merge_cblock": cblock, "merge_out_parts": parts})
+    grids = []
+    real = dt._combine_kernel
+    monkeypatch.setattr(dt, "_combine_kernel", type("K", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **kw: (grids.append((grid, kw["PARTS"], kw["HOIST"])), real[grid](*a, **kw))[1])})())
+    args, gen = _window_case(b, hk, m, n, w, d, 64 if d == 128 else 32, seed=n + w + m + parts, mu=mu)
+    args["start"] = torch.tensor([0, 17][:b])
+    args["key_mask"] = torch.rand(b, 1, 1, n, generator=gen) > 0.1
+    args["k"].scale[:, :, n - 40:n - 20] *= 30
+    got = dt.decode_attention_triton(**args)
+    assert grids == [((b * hk * m * parts,), parts, hoist)], grids
+    assert rel_err(got, dt.decode_attention_reference(**args)) < 2e-5
+
+
+@interp
 @pytest.mark.parametrize("n_valid", [0, 1, 150, 299])
 def test_decode_attention_kernel_device_length(small_splits, n_valid):
     """Static cache: storage of capacity N, valid length read on the device, fixed split count:
@@ -463,7 +487,7 @@ def _rotating_reference(args, **kw):
 
 
 @interp
-@pytest.mark.parametrize("fused", [0, 2])
+@pytest.mark.parametrize("fused", [0, 2, "2-c16"])
 @pytest.mark.parametrize("b,hk,m,n,w,d,g", [(2, 2, 4, 150, 70, 64, 32), (1, 1, 8, 65, 320, 128, 64),
                                             (2, 1, 4, 100, 0, 128, 128), (1, 2, 3, 0, 33, 64, 64),
                                             (19, 2, 4, 40, 33, 64, 32)])
@@ -472,7 +496,11 @@ def test_decode_attention_rotating(small_splits, monkeypatch, fused, b, hk, m, n
     as its own launch, or (``fused_prologue`` 2, the Gluon path's layout forced onto the Triton path) in one launch
     with the window programs (``_prologue_kernel``, which must then run whenever there are history and window) --
     equals rotate-then-reference. B = 19: many rotation programs beside the window programs, and a per-sequence
-    ``mu_K`` (``key_offset="prefill"``)."""
+    ``mu_K`` (``key_offset="prefill"``). "2-c16": the prologue's rotation programs 16 output channels each
+    (``rot_cblock``) instead of 32."""
+    if fused == "2-c16":
+        fused = 2
+        monkeypatch.setitem(small_splits.CONFIG, "rot_cblock", 16)
     monkeypatch.setitem(small_splits.CONFIG, "fused_prologue", fused)
     args = _rotating_case(b, hk, m, n, w, d, g, seed=n + w)
     args["start"] = torch.tensor(([0, 17] * b)[:b])
@@ -604,6 +632,7 @@ _GLUON_VARIANTS = {
     "long": {"gluon_long_split": 64},  # every split long: int8 keys, 4 stages, 8 programs an SM without a cap
     "short": {"gluon_long_split": 1 << 30},  # no split long: fp16 keys, 2 stages, 12 programs an SM under a cap
     "pdl4-warp": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "merge_one_warp_rows": 0},
+    "rvpf-parts": {"gluon_rv_prefetch": 2, "merge_out_parts": 2, "rot_cblock": 16},
 }
 
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session-21 device runs, from the repository root, one `run` call each; results were copied from $OUT to
+# benchmarks/results/ afterwards (GPU name in each file; "h100"/"h200" in the file names):
+#   bash benchmarks/run_session21.sh a   # the combine's fixed cost at few rows: R_V prefetched into L2 by the history
+#                                        # programs' tails (gluon_rv_prefetch 1, 2: evict-last), the combine's rows
+#                                        # split over programs by output channels (merge_out_parts), the prologue's
+#                                        # rotation in 16-channel programs (rot_cblock), the combine under PDL (pdl 4);
+#                                        # the GPU tests of the new variant first
+source benchmarks/device_env.sh
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200" | tr A-Z a-z)
+case "$1" in
+a)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" -x \
+      "$R/tests/kernels/test_int2_attention.py" -k "gluon and (rvpf-parts or early-pdl2)" \
+      2>&1 | tee "$OUT/tests_${GPU}_session21a.log" | tail -3
+  timeout 380 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x8192,8x131072 --iters 20 \
+      --configs '{}' '{"gluon_rv_prefetch": 1}' '{"gluon_rv_prefetch": 2}' '{"merge_out_parts": 2}' \
+      '{"merge_out_parts": 4}' '{"rot_cblock": 16}' '{"gluon_rv_prefetch": 2, "merge_out_parts": 2}' \
+      '{"pdl": 4, "gluon_rv_prefetch": 2}' \
+      --out "$OUT/profile_op_${GPU}_session21a.json" 2>&1 | grep -E "^B=|_comb|_prol|graph"
+  ;;
+esac
