@@ -20,3 +20,16 @@ a)
       --out "$OUT/profile_op_${GPU}_session21a.json" 2>&1 | grep -E "^B=|_comb|_prol|graph"
   ;;
 esac
+# (appended) run b (H200): run a's winners together -- merge_out_parts 4 (the combine 6.4 -> 5.5 us at B=1/128K, 5.4
+# -> 4.2 at B=1/32K), with the R_V prefetch (evict-last), with the combine under PDL, 4 warps a combine program, 8
+# parts -- at seven points
+#   bash benchmarks/run_session21.sh b
+case "$1" in
+b)
+  timeout 500 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,1x8192,8x8192,8x131072,16x32768,32x8192 \
+      --iters 20 --configs '{}' '{"merge_out_parts": 4}' '{"merge_out_parts": 4, "gluon_rv_prefetch": 2}' \
+      '{"merge_out_parts": 4, "gluon_rv_prefetch": 2, "pdl": 4}' '{"merge_out_parts": 4, "pdl": 4}' \
+      '{"merge_out_parts": 4, "merge_warps": 4}' '{"merge_out_parts": 8}' \
+      --out "$OUT/profile_op_${GPU}_session21b.json" 2>&1 | grep -E "^B=|_comb"
+  ;;
+esac
