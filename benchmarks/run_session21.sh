@@ -33,3 +33,19 @@ b)
       --out "$OUT/profile_op_${GPU}_session21b.json" 2>&1 | grep -E "^B=|_comb"
   ;;
 esac
+# (appended) run c (H200): the combine's tile of a row's splits is a power of two (B=1/128K: 132 splits in a tile of
+# 256): the split count rounded down to a power of two within 5% / 10% (splits_pow2_slack), 4 warps a combine program
+# where rows are few (merge_warps_few), with merge_out_parts 4, the R_V prefetch and the combine under PDL
+#   bash benchmarks/run_session21.sh c
+case "$1" in
+c)
+  P='"merge_out_parts": 4'
+  timeout 500 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,1x8192,8x8192,8x131072,16x32768,32x8192 \
+      --iters 20 --configs '{}' "{$P}" "{$P, \"splits_pow2_slack\": 0.05}" \
+      "{$P, \"splits_pow2_slack\": 0.05, \"merge_warps_few\": 4}" "{$P, \"splits_pow2_slack\": 0.05, \"gluon_rv_prefetch\": 2}" \
+      "{$P, \"splits_pow2_slack\": 0.05, \"gluon_rv_prefetch\": 2, \"pdl\": 4}" \
+      "{$P, \"splits_pow2_slack\": 0.05, \"merge_warps_few\": 4, \"gluon_rv_prefetch\": 2}" \
+      "{$P, \"splits_pow2_slack\": 0.1, \"merge_warps_few\": 4}" \
+      --out "$OUT/profile_op_${GPU}_session21c.json" 2>&1 | grep -E "^B=|_comb|_hist|_split"
+  ;;
+esac

@@ -236,6 +236,10 @@ CONFIG = {
     # the decode op's combine where it has fewer rows than SMs: this many programs a row, each un-rotating a slice of
     # the output channels (1 / parts of R_V's rows; _combine_kernel PARTS)
     "merge_out_parts": 1,
+    "merge_warps_few": None,  # warps of such a combine program at D = 128 (None: 8)
+    # the split-K factor rounded down to a power of two where that drops at most this share of the splits (0: never),
+    # so that the combine's power-of-two tile of a row's splits is full (_pow2_below_within)
+    "splits_pow2_slack": 0,
     # the Gluon history programs prefetch R_V into L2 for the combine at their end (1; 2: evict-last; 0: off)
     "gluon_rv_prefetch": 0,
     # query rotation in the Gluon path's prologue launch: output channels per rotation program (None: query_triton's
@@ -1184,6 +1188,13 @@ def gluon_split_cfg(cfg, m: int, glu=None, n: int = 0, bh: int = 0, device=None)
     return out
 
 
+def _pow2_below_within(s: int, slack: float) -> int:
+    """``s`` splits, or the power of two below it if that is at most ``slack * s`` fewer: the combine merges a row's
+    splits in tiles of a power of two (132 splits would fill a tile of 256 rows, 128 fill one of 128)."""
+    p = 1 << max(s.bit_length() - 1, 0)
+    return p if s > p and s - p <= slack * s else s
+
+
 def _pow2_at_least(n: int, lo: int) -> int:
     return max(lo, next_pow2(n))
 
@@ -1300,6 +1311,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         split_len = 0
     else:
         s_hist = num_splits(n, bh, dev, cfg) if n > 0 else 0
+        s_hist = _pow2_below_within(s_hist, cfg.get("splits_pow2_slack") or 0)
         split_len = cdiv(cdiv(max(n, 1), max(s_hist, 1)), cfg["block_n"]) * cfg["block_n"]
         s_hist = cdiv(n, split_len) if n > 0 else 0  # drop splits that would be empty
     fused = window is not None
@@ -1425,7 +1437,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         # 9.1-9.2 us; one warp at B=8, 256 rows: 6.8 -> 13.0 us, profile_op_h200_session17e.json)
         many = not few and dev.type == "cuda"
         crowd = many and d <= 128 and bh * m >= cfg.get("merge_one_warp_rows", 4) * _device_sms(dev)
-        merge_warps = cfg.get("merge_warps") or (1 if crowd else 4 if many or d < 128 else 8)
+        merge_warps = cfg.get("merge_warps") or (1 if crowd else 4 if many or d < 128 else
+                                                 cfg.get("merge_warps_few") or 8)
         c_block = min(d, cfg.get("merge_cblock") or (16 if crowd else
             64 if cfg.get("merge_hoist") and d == 128 else (32 if many or d > 128 else d)))
         if crowd and merge_warps == 1:  # a [S_BLOCK, D] tile of partials in one warp's registers

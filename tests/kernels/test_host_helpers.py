@@ -19,3 +19,16 @@ def test_next_pow2_matches_triton(n):
     p = next_pow2(n)
     assert p == triton.next_power_of_2(n)
     assert p >= n and p & (p - 1) == 0 and (p == 1 or p // 2 < n)
+
+
+@given(st.integers(0, 1 << 20), st.floats(0.0, 0.5))
+def test_pow2_below_within(s, slack):
+    """The split count's rounding: ``s`` itself, or the largest power of two below it when at most ``slack * s``
+    fewer."""
+    from oscar_hf.kernels.decode_triton import _pow2_below_within
+
+    r = _pow2_below_within(s, slack)
+    p = next_pow2(s + 1) // 2 if s else 0  # the largest power of two <= s
+    assert r in (s, p)
+    assert r == s or (p < s and s - p <= slack * s)
+    assert (r == p) or s == p or s - p > slack * s
