@@ -49,3 +49,22 @@ c)
       --out "$OUT/profile_op_${GPU}_session21c.json" 2>&1 | grep -E "^B=|_comb|_hist|_split"
   ;;
 esac
+# (appended) run d (H200): the new defaults (merge_out_parts 4, merge_warps_few 4, splits_pow2_slack 0.05 where the
+# combine has fewer rows than SMs): the GPU tests of the decode op (Gluon variants incl. "parts1", the old few-row
+# combine; the rotating op; the static cache), then the benchmark of the tree
+# run e (H100): the same benchmark
+#   bash benchmarks/run_session21.sh d
+#   bash benchmarks/run_session21.sh e
+case "$1" in
+d)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
+      "$R/tests/kernels/test_int2_attention.py" "$R/tests/test_static_cache.py" \
+      -k "not gluon or early-pdl2 or parts1 or long or pdl4-warp" 2>&1 | tee "$OUT/tests_${GPU}_session21d.log" | tail -3
+  timeout 280 python3 "$R/scripts/bench_kernels.py" --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session21d.json" 2>&1 | grep -v -E "Warn|return F" | tail -12
+  ;;
+e)
+  timeout 330 python3 "$R/scripts/bench_kernels.py" --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session21e.json" 2>&1 | grep -v -E "Warn|return F" | tail -12
+  ;;
+esac

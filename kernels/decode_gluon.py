@@ -113,9 +113,6 @@ _V_ASM = gl.constexpr(tuple(
     for bb in range(4)))
 # prefetch.global.L2 of one address where the predicate ($2) is set (the result is a dummy)
 _PF_ASM = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
-# the same with the L2's evict-last priority (lines the streaming history should not push out)
-_PF_LAST_ASM = gl.constexpr(
-    "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }")
 LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 # movmatrix.trans on each 8x8 block of a 16-bit accumulator-layout tile (see _w_operand)
 _MOVM_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
@@ -563,12 +560,12 @@ def _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T: gl.cons
 @gluon.jit
 def _hist_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, START, QKOFF, NPTR,
-    PM, PL, PACC, RV,
+    PM, PL, PACC,
     N, M, Hk, S, S_TOT, split_len, qk_scale,
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
-    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0, RVPF: gl.constexpr = 0,
+    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -721,20 +718,6 @@ def _hist_kernel(
                 xk, xv, ks, kz, vs, vz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off - phi, kdiag,
                 neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8)
 
-    if RVPF > 0:
-        # the combine's R_V[h] (128 x 128 float32: 512 lines of 128 bytes) into L2 while the other splits finish, so
-        # that the combine's first loads wait for L2, not HBM: program s of row 0 takes lines s + S (32 j + lane)
-        # (RVPF 2: with the evict-last priority)
-        ln = gl.arange(0, 32, layout=LANES)
-        for j in range(0, gl.cdiv(512, 32 * S)):
-            li = pid_s + S * (32 * j + ln)
-            ok = ((li < 512) & (b == 0)).to(gl.int32)
-            ptr = RV + h * 16384 + li * 32
-            if RVPF == 2:
-                gl.inline_asm_elementwise(_PF_LAST_ASM, "=r,l,r", [ptr, ok], dtype=gl.int32, is_pure=False, pack=1)
-            else:
-                gl.inline_asm_elementwise(_PF_ASM, "=r,l,r", [ptr, ok], dtype=gl.int32, is_pure=False, pack=1)
-
     # ---- per column -> per query row: the TB token sets merged by log-sum-exp ----
     if TB == 1:
         m_r = m_c
@@ -800,22 +783,18 @@ def tokens_per_step(m: int) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, r_v=None, rvpf=0):
-    """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``;
-    ``r_v`` (float32 ``[Hk, 128, 128]``, contiguous) with ``rvpf`` 1 or 2: prefetched into L2 for the combine."""
-    if r_v is None or q_rot.shape[-1] != 128:
-        rvpf = 0
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0):
+    """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
     _hist_kernel[(b * hk, s_hist)](
-        q_rot, *k, *v, start, qk_offset, n_valid, pm, pl, pacc, r_v if rvpf else None,
+        q_rot, *k, *v, start, qk_offset, n_valid, pm, pl, pacc,
         n, m, hk, s_hist, s_tot, split_len, qk_scale,
         *q_rot.stride()[:3], *k.codes.stride()[:2], *k.scale.stride()[:2],
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
         TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
-        RVPF=int(rvpf),
         num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )

@@ -233,18 +233,18 @@ CONFIG = {
     "gluon_long_split": 256,
     # the decode op's combine: one warp per query row from this many rows per SM on (see _launch)
     "merge_one_warp_rows": 4,
-    # the decode op's combine where it has fewer rows than SMs: this many programs a row, each un-rotating a slice of
-    # the output channels (1 / parts of R_V's rows; _combine_kernel PARTS)
-    "merge_out_parts": 1,
-    "merge_warps_few": None,  # warps of such a combine program at D = 128 (None: 8)
-    # the split-K factor rounded down to a power of two where that drops at most this share of the splits (0: never),
-    # so that the combine's power-of-two tile of a row's splits is full (_pow2_below_within)
-    "splits_pow2_slack": 0,
-    # the Gluon history programs prefetch R_V into L2 for the combine at their end (1; 2: evict-last; 0: off)
-    "gluon_rv_prefetch": 0,
-    # query rotation in the Gluon path's prologue launch: output channels per rotation program (None: query_triton's
-    # C_BLOCK, 32; 16 halves each program's cold load of R_K)
-    "rot_cblock": None,
+    # the decode op's combine where it has fewer rows than SMs (B * Hk * M: B=1 at Hk=8, GQA 4): this many programs a
+    # row, each un-rotating a slice of the output channels (1 / parts of R_V's rows; _combine_kernel PARTS), with
+    # merge_warps_few warps each (None: 8), and the split-K factor rounded down to a power of two where that drops at
+    # most splits_pow2_slack of the splits (_pow2_below_within), so that the combine's power-of-two tile of a row's
+    # splits is full (132 splits a row at B=1/128K filled half of a 256-row tile). H200, session 21 (graph us of the
+    # op, combine kernel us; profile_op_h200_session21{b,c}.json): B=1/128K 43.6 -> 40.6 (6.3 -> 3.7), B=1/32K 37.5 ->
+    # 36.0 (5.4 -> 3.5), B=1/8K 24.9 -> 22.4 (5.4 -> 3.1); 4 parts alone 41.4 / 36.2 / 24.2; 8 parts 46.2 / 38.1 /
+    # 24.8; 4 warps without the rounding 43.9 at B=1/128K (7.5 us: a 256-row tile in 4 warps). The rounding costs the
+    # history kernel ~0.7 us there, and 4 us at B=8/128K (where the combine is no matter): only where rows are few
+    "merge_out_parts": 4,
+    "merge_warps_few": 4,
+    "splits_pow2_slack": 0.05,
 }
 
 
@@ -1188,6 +1188,11 @@ def gluon_split_cfg(cfg, m: int, glu=None, n: int = 0, bh: int = 0, device=None)
     return out
 
 
+def _few_rows(rows: int, device: torch.device) -> bool:
+    """Fewer combine rows (query rows x KV heads x batch) than SMs: the combine's choices for few rows apply."""
+    return device.type == "cuda" and rows < _device_sms(device)
+
+
 def _pow2_below_within(s: int, slack: float) -> int:
     """``s`` splits, or the power of two below it if that is at most ``slack * s`` fewer: the combine merges a row's
     splits in tiles of a power of two (132 splits would fill a tile of 256 rows, 128 fill one of 128)."""
@@ -1311,7 +1316,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         split_len = 0
     else:
         s_hist = num_splits(n, bh, dev, cfg) if n > 0 else 0
-        s_hist = _pow2_below_within(s_hist, cfg.get("splits_pow2_slack") or 0)
+        if window is not None and _few_rows(bh * m, dev):  # the combine's tile full (CONFIG["splits_pow2_slack"])
+            s_hist = _pow2_below_within(s_hist, cfg.get("splits_pow2_slack") or 0)
         split_len = cdiv(cdiv(max(n, 1), max(s_hist, 1)), cfg["block_n"]) * cfg["block_n"]
         s_hist = cdiv(n, split_len) if n > 0 else 0  # drop splits that would be empty
     fused = window is not None
@@ -1368,7 +1374,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             fp = cfg.get("fused_prologue", 1)  # 2: on the Triton path too (its window programs leave the history launch)
             fused_pro = bool(s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)))
             if fused_pro:  # rotation + window programs in one launch (the window's query is qf_r: see the caller)
-                c_rot = min(d, cfg.get("rot_cblock") or ROT_C_BLOCK)
+                c_rot = min(d, ROT_C_BLOCK)
                 _prologue_kernel[(bh, d // c_rot + s_win)](
                     qf_r, r_k_r, mu_k_r, q_rot, qk_offset, k_win, v_win, wmask, pm, pl, pacc,
                     m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rotation_strides(qf_r, mu_k_r),
@@ -1388,8 +1394,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
                                    pdl=3 if pdl_mode == 4 else pdl_mode,
-                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist),
-                                   r_v=r_v, rvpf=int(cfg.get("gluon_rv_prefetch", 0)))
+                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist))
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
@@ -1422,10 +1427,11 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                 **pdl_kw,
                 **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
             )
-    few = dev.type == "cuda" and bh * m < _device_sms(dev)  # combine programs (one per query row)
+    few = _few_rows(bh * m, dev)  # combine programs (one per query row)
     s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1),
                   cfg.get("merge_block_few" if few else "merge_block") or cfg.get("merge_block", 64))
     if fused:
+        # Session 21: few -> merge_out_parts programs a row of merge_warps_few warps each (CONFIG).
         # combine programs (one per query row): few -> 8 warps, the whole R_V[h] loaded with the partials; many (at
         # least one per SM) -> 4 warps, R_V in 32-row chunks, so that more programs fit an SM (H200: B=32/32K 31 -> 18
         # us, the op 330 -> 317 us, session 11 run d; B=8/128K 13.8 -> 9.9 us, the op 245.7 -> 241.9, session 13 run a;
@@ -1444,7 +1450,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         if crowd and merge_warps == 1:  # a [S_BLOCK, D] tile of partials in one warp's registers
             s_block = min(s_block, 16)
         # fewer rows than SMs: merge_out_parts programs a row, each un-rotating a slice of the output channels
-        parts = int(cfg.get("merge_out_parts") or 1) if (few or not q_rot.is_cuda) else 1
+        parts = int(cfg.get("merge_out_parts") or 1) if few else 1
         if parts > 1:
             c_block = min(c_block, d // parts)
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)

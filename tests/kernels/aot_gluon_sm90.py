@@ -66,12 +66,12 @@ def main():
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_,
-                  "PDL": 2 if early else 1, "RVPF": int(CONFIG.get("gluon_rv_prefetch", 0))}  # (programmatic dependent launch compiled in: its variant of the prologue)
+                  "PDL": 2 if early else 1}  # (programmatic dependent launch compiled in: its variant of the prologue)
         sig = {}
         for name in dg._hist_kernel.arg_names:
             if name in consts:
                 sig[name] = "constexpr"
-            elif name in ptrs or name in ("PM", "PL", "PACC", "RV"):
+            elif name in ptrs or name in ("PM", "PL", "PACC"):
                 sig[name] = ptrs.get(name, "*fp32")
             elif name == "qk_scale":
                 sig[name] = "fp32"

@@ -436,10 +436,15 @@ def test_combine_hoisted_loads(monkeypatch, cblock, b, hk, m, n, w, d, mu):
 def test_combine_output_parts(monkeypatch, hoist, cblock, parts, b, hk, m, n, w, d, mu):
     """``merge_out_parts``: the combine's rows split over ``parts`` programs, each un-rotating its slice of the output
     channels (R_V's rows), equals the reference -- the hoisted loads and the plain ones, several chunks a slice or
-    one; the grid has ``parts`` programs a row."""
+    one; the grid has ``parts`` programs a row. The choices for fewer rows than SMs (a GPU's) forced on: also the
+    split count rounded down to a power of two (``splits_pow2_slack``, here 0.5: always)."""
     dt = _dt()
     monkeypatch.setattr(dt, "CONFIG", {**dt.CONFIG, **SMALL_SPLITS, "win_split": 32, "merge_hoist": hoist,
-                                       "merge_cblock": cblock, "merge_out_parts": parts})
+                                       "merge_cblock": cblock, "merge_out_parts": parts, "splits_pow2_slack": 0.5})
+    monkeypatch.setattr(dt, "_few_rows", lambda rows, device: True)
+    rounded = []
+    real_round = dt._pow2_below_within
+    monkeypatch.setattr(dt, "_pow2_below_within", lambda s_, slack: rounded.append(real_round(s_, slack)) or rounded[-1])
     grids = []
     real = dt._combine_kernel
     monkeypatch.setattr(dt, "_combine_kernel", type("K", (), {"__getitem__": lambda self, grid: (
@@ -450,6 +455,7 @@ def test_combine_output_parts(monkeypatch, hoist, cblock, parts, b, hk, m, n, w,
     args["k"].scale[:, :, n - 40:n - 20] *= 30
     got = dt.decode_attention_triton(**args)
     assert grids == [((b * hk * m * parts,), parts, hoist)], grids
+    assert len(rounded) == 1 and rounded[0] & (rounded[0] - 1) == 0, rounded  # a power of two splits
     assert rel_err(got, dt.decode_attention_reference(**args)) < 2e-5
 
 
@@ -487,7 +493,7 @@ def _rotating_reference(args, **kw):
 
 
 @interp
-@pytest.mark.parametrize("fused", [0, 2, "2-c16"])
+@pytest.mark.parametrize("fused", [0, 2])
 @pytest.mark.parametrize("b,hk,m,n,w,d,g", [(2, 2, 4, 150, 70, 64, 32), (1, 1, 8, 65, 320, 128, 64),
                                             (2, 1, 4, 100, 0, 128, 128), (1, 2, 3, 0, 33, 64, 64),
                                             (19, 2, 4, 40, 33, 64, 32)])
@@ -496,11 +502,7 @@ def test_decode_attention_rotating(small_splits, monkeypatch, fused, b, hk, m, n
     as its own launch, or (``fused_prologue`` 2, the Gluon path's layout forced onto the Triton path) in one launch
     with the window programs (``_prologue_kernel``, which must then run whenever there are history and window) --
     equals rotate-then-reference. B = 19: many rotation programs beside the window programs, and a per-sequence
-    ``mu_K`` (``key_offset="prefill"``). "2-c16": the prologue's rotation programs 16 output channels each
-    (``rot_cblock``) instead of 32."""
-    if fused == "2-c16":
-        fused = 2
-        monkeypatch.setitem(small_splits.CONFIG, "rot_cblock", 16)
+    ``mu_K`` (``key_offset="prefill"``)."""
     monkeypatch.setitem(small_splits.CONFIG, "fused_prologue", fused)
     args = _rotating_case(b, hk, m, n, w, d, g, seed=n + w)
     args["start"] = torch.tensor(([0, 17] * b)[:b])
@@ -632,7 +634,7 @@ _GLUON_VARIANTS = {
     "long": {"gluon_long_split": 64},  # every split long: int8 keys, 4 stages, 8 programs an SM without a cap
     "short": {"gluon_long_split": 1 << 30},  # no split long: fp16 keys, 2 stages, 12 programs an SM under a cap
     "pdl4-warp": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "merge_one_warp_rows": 0},
-    "rvpf-parts": {"gluon_rv_prefetch": 2, "merge_out_parts": 2, "rot_cblock": 16},
+    "parts1": {"merge_out_parts": 1, "merge_warps_few": None, "splits_pow2_slack": 0},
 }
 
 
@@ -647,7 +649,8 @@ def gluon_calls(request, monkeypatch):
     with R_V in 32-row chunks instead of the default 64; "long": the defaults with every split long (the long splits'
     key path, pipeline, residency and register cap; since session 20 the default from 256 tokens a split), "short":
     no split long (the short-split path, the default before session 20); "pdl4-warp": the combine under PDL (pdl 4),
-    one warp per row wherever there are more rows than SMs (merge_one_warp_rows 0)."""
+    one warp per row wherever there are more rows than SMs (merge_one_warp_rows 0); "parts1": the combine for fewer
+    rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
