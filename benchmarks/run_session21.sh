@@ -66,5 +66,9 @@ d)
 e)
   timeout 330 python3 "$R/scripts/bench_kernels.py" --batches 1,8,32 --lengths 8192,32768,131072 \
       --out "$OUT/kernels_${GPU}_session21e.json" 2>&1 | grep -v -E "Warn|return F" | tail -12
+  # B=1's timeline under the new defaults; the old few-row combine; fp16 keys on the long-split path; pdl 4
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768 --iters 20 --timeline \
+      --configs '{}' '{"merge_out_parts": 1, "merge_warps_few": null, "splits_pow2_slack": 0}' '{"gluon_k8": 0}' \
+      '{"pdl": 4}' --out "$OUT/profile_op_${GPU}_session21e.json" 2>&1 | grep -E "^B=|graph:|_comb|_hist|_prol|_split"
   ;;
 esac
