@@ -72,3 +72,15 @@ e)
       '{"pdl": 4}' --out "$OUT/profile_op_${GPU}_session21e.json" 2>&1 | grep -E "^B=|graph:|_comb|_hist|_prol|_split"
   ;;
 esac
+# (appended) run f (H100): B=1/128K's prologue ends at 7.2 us in the graph (4.4 us alone): what it waits for -- the
+# history's early loads (gluon_early 0), the window programs (gluon_win_split 32 / 128, 1 stage), no PDL overlap at all
+# (pdl 0), fp16 keys (gluon_k8 0), the rotation in a launch of its own (fused_prologue 0)
+#   bash benchmarks/run_session21.sh f
+case "$1" in
+f)
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 1x131072 --iters 20 --timeline \
+      --configs '{}' '{"gluon_early": 0}' '{"gluon_win_split": 32}' '{"gluon_win_split": 128}' \
+      '{"gluon_win_stages": 1}' '{"pdl": 0}' '{"gluon_k8": 0}' '{"fused_prologue": 0}' \
+      --out "$OUT/profile_op_${GPU}_session21f.json" 2>&1 | grep -E "^B=|graph:"
+  ;;
+esac
