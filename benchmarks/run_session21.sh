@@ -84,3 +84,15 @@ f)
       --out "$OUT/profile_op_${GPU}_session21f.json" 2>&1 | grep -E "^B=|graph:"
   ;;
 esac
+# (appended) run g (H100): the split count at B=1/128K -- the rounding to 128 splits a row shortened the H100's
+# history kernel by ~2.5 us (run e): without it; 7 and 6 resident programs an SM for the wave model (115 / 99 splits);
+# fp16 keys with it
+#   bash benchmarks/run_session21.sh g
+case "$1" in
+g)
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x65536 --iters 20 --timeline \
+      --configs '{}' '{"splits_pow2_slack": 0}' '{"gluon_resident_long": 7}' '{"gluon_resident_long": 6}' \
+      '{"gluon_resident_long": 7, "gluon_k8": 0}' '{"splits_pow2_slack": 0.3}' \
+      --out "$OUT/profile_op_${GPU}_session21g.json" 2>&1 | grep -E "^B=|graph:"
+  ;;
+esac
