@@ -96,3 +96,16 @@ g)
       --out "$OUT/profile_op_${GPU}_session21g.json" 2>&1 | grep -E "^B=|graph:"
   ;;
 esac
+# (appended) run h (H200): the split rounding also on the static (device-length) path, merge_warps_few only for a
+# tile of <= 128 splits at D = 128: the GPU tests of the decode op (all Gluon variants' device-length, rotating and
+# in-graph tests, the static cache), then B=1's profile
+#   bash benchmarks/run_session21.sh h
+case "$1" in
+h)
+  timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
+      "$R/tests/kernels/test_int2_attention.py" "$R/tests/test_static_cache.py" \
+      -k "device_length or rotating or static or parts1 or early-pdl2" 2>&1 | tee "$OUT/tests_${GPU}_session21h.log" | tail -3
+  timeout 150 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x131072 --iters 20 --configs '{}' \
+      --out "$OUT/profile_op_${GPU}_session21h.json" 2>&1 | grep -E "^B=|_comb"
+  ;;
+esac

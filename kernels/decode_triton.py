@@ -1312,12 +1312,16 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         # kernel) are not used: its grid follows from the capacity alone, so it is just as fixed
         cfg = gluon_split_cfg(cfg, m, glu, n, bh, dev)
         splits = None
+    # where the combine has fewer rows than SMs, the split count rounded so that its tile is full (splits_pow2_slack)
+    round_splits = window is not None and not splits and _few_rows(bh * m, dev)
     if n_valid is not None:  # static: fixed grid, split bounds computed in the kernel from n_valid
         s_hist = (splits or num_splits(n, bh, dev, cfg)) if n > 0 else 0
+        if round_splits:
+            s_hist = _pow2_below_within(s_hist, cfg.get("splits_pow2_slack") or 0)
         split_len = 0
     else:
         s_hist = num_splits(n, bh, dev, cfg) if n > 0 else 0
-        if window is not None and _few_rows(bh * m, dev):  # the combine's tile full (CONFIG["splits_pow2_slack"])
+        if round_splits:
             s_hist = _pow2_below_within(s_hist, cfg.get("splits_pow2_slack") or 0)
         split_len = cdiv(cdiv(max(n, 1), max(s_hist, 1)), cfg["block_n"]) * cfg["block_n"]
         s_hist = cdiv(n, split_len) if n > 0 else 0  # drop splits that would be empty
@@ -1444,8 +1448,10 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         # 9.1-9.2 us; one warp at B=8, 256 rows: 6.8 -> 13.0 us, profile_op_h200_session17e.json)
         many = not few and dev.type == "cuda"
         crowd = many and d <= 128 and bh * m >= cfg.get("merge_one_warp_rows", 4) * _device_sms(dev)
-        merge_warps = cfg.get("merge_warps") or (1 if crowd else 4 if many or d < 128 else
-                                                 cfg.get("merge_warps_few") or 8)
+        # merge_warps_few: measured at D = 128 with a row's splits in one tile of <= 128 (4 warps on a 256-row tile
+        # were slower than 8)
+        few_warps = cfg.get("merge_warps_few") if (d == 128 and s_block <= 128) else None
+        merge_warps = cfg.get("merge_warps") or (1 if crowd else 4 if many or d < 128 else few_warps or 8)
         c_block = min(d, cfg.get("merge_cblock") or (16 if crowd else
             64 if cfg.get("merge_hoist") and d == 128 else (32 if many or d > 128 else d)))
         if crowd and merge_warps == 1:  # a [S_BLOCK, D] tile of partials in one warp's registers

@@ -432,8 +432,10 @@ def test_combine_hoisted_loads(monkeypatch, cblock, b, hk, m, n, w, d, mu):
 @interp
 @pytest.mark.parametrize("hoist,cblock", [(1, 16), (1, 32), (0, None)])
 @pytest.mark.parametrize("parts", [2, 4])
-@pytest.mark.parametrize("b,hk,m,n,w,d,mu", [(2, 2, 4, 600, 70, 64, True), (1, 1, 8, 65, 320, 128, False)])
-def test_combine_output_parts(monkeypatch, hoist, cblock, parts, b, hk, m, n, w, d, mu):
+@pytest.mark.parametrize("b,hk,m,n,w,d,mu,n_valid", [(2, 2, 4, 600, 70, 64, True, None),
+                                                     (1, 1, 8, 65, 320, 128, False, None),
+                                                     (2, 1, 4, 600, 40, 128, True, 433)])  # static: length on device
+def test_combine_output_parts(monkeypatch, hoist, cblock, parts, b, hk, m, n, w, d, mu, n_valid):
     """``merge_out_parts``: the combine's rows split over ``parts`` programs, each un-rotating its slice of the output
     channels (R_V's rows), equals the reference -- the hoisted loads and the plain ones, several chunks a slice or
     one; the grid has ``parts`` programs a row. The choices for fewer rows than SMs (a GPU's) forced on: also the
@@ -453,10 +455,11 @@ def test_combine_output_parts(monkeypatch, hoist, cblock, parts, b, hk, m, n, w,
     args["start"] = torch.tensor([0, 17][:b])
     args["key_mask"] = torch.rand(b, 1, 1, n, generator=gen) > 0.1
     args["k"].scale[:, :, n - 40:n - 20] *= 30
-    got = dt.decode_attention_triton(**args)
+    extra = {} if n_valid is None else {"n_valid": torch.tensor(n_valid)}
+    got = dt.decode_attention_triton(**args, **extra)
     assert grids == [((b * hk * m * parts,), parts, hoist)], grids
     assert len(rounded) == 1 and rounded[0] & (rounded[0] - 1) == 0, rounded  # a power of two splits
-    assert rel_err(got, dt.decode_attention_reference(**args)) < 2e-5
+    assert rel_err(got, dt.decode_attention_reference(**args, **extra)) < 2e-5
 
 
 @interp
