@@ -109,3 +109,12 @@ h)
       --out "$OUT/profile_op_${GPU}_session21h.json" 2>&1 | grep -E "^B=|_comb"
   ;;
 esac
+# (appended) run i (H100): run h's pytest met its time limit after 210 passed tests (none failed) of
+# test_int2_attention.py, before test_static_cache.py: the static cache's GPU tests alone
+#   bash benchmarks/run_session21.sh i
+case "$1" in
+i)
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/test_static_cache.py" \
+      2>&1 | tee "$OUT/tests_${GPU}_session21i.log" | tail -3
+  ;;
+esac
