@@ -1312,17 +1312,14 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         # kernel) are not used: its grid follows from the capacity alone, so it is just as fixed
         cfg = gluon_split_cfg(cfg, m, glu, n, bh, dev)
         splits = None
-    # where the combine has fewer rows than SMs, the split count rounded so that its tile is full (splits_pow2_slack)
-    round_splits = window is not None and not splits and _few_rows(bh * m, dev)
+    few = _few_rows(bh * m, dev)  # combine programs (one per query row) fewer than SMs
+    # (the static cache's own `splits` serve as given; the dynamic path sizes its grid itself)
+    s_hist = ((splits if n_valid is not None and splits else num_splits(n, bh, dev, cfg)) if n > 0 else 0)
+    if window is not None and few and not splits:  # the combine's tile of a row's splits full (splits_pow2_slack)
+        s_hist = _pow2_below_within(s_hist, cfg.get("splits_pow2_slack") or 0)
     if n_valid is not None:  # static: fixed grid, split bounds computed in the kernel from n_valid
-        s_hist = (splits or num_splits(n, bh, dev, cfg)) if n > 0 else 0
-        if round_splits:
-            s_hist = _pow2_below_within(s_hist, cfg.get("splits_pow2_slack") or 0)
         split_len = 0
     else:
-        s_hist = num_splits(n, bh, dev, cfg) if n > 0 else 0
-        if round_splits:
-            s_hist = _pow2_below_within(s_hist, cfg.get("splits_pow2_slack") or 0)
         split_len = cdiv(cdiv(max(n, 1), max(s_hist, 1)), cfg["block_n"]) * cfg["block_n"]
         s_hist = cdiv(n, split_len) if n > 0 else 0  # drop splits that would be empty
     fused = window is not None
@@ -1432,7 +1429,6 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                 **pdl_kw,
                 **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
             )
-    few = _few_rows(bh * m, dev)  # combine programs (one per query row)
     s_block = min(_pow2_at_least(max(s_hist, s_win, 1), 1),
                   cfg.get("merge_block_few" if few else "merge_block") or cfg.get("merge_block", 64))
     if fused:
