@@ -241,8 +241,8 @@ CONFIG = {
     # op, combine kernel us; profile_op_h200_session21{b,c}.json): B=1/128K 43.6 -> 40.6 (6.3 -> 3.7), B=1/32K 37.5 ->
     # 36.0 (5.4 -> 3.5), B=1/8K 24.9 -> 22.4 (5.4 -> 3.1); 4 parts alone 41.4 / 36.2 / 24.2; 8 parts 46.2 / 38.1 /
     # 24.8; 4 warps without the rounding 43.9 at B=1/128K (7.5 us: a 256-row tile in 4 warps). The rounding costs the
-    # H200's history kernel ~0.7 us there (the H100's it saves 3.2 us: graph 53.5 -> 47.6, profile_op_h100_session21g),
-    # and 4 us at B=8/128K (where the combine is no matter): only where rows are few
+    # H200's history kernel ~0.7 us there (the H100's ends 3.2 us sooner: 42.5 -> 39.3 us in the timeline of
+    # profile_op_h100_session21g), and 4 us at B=8/128K (where the combine is no matter): only where rows are few
     "merge_out_parts": 4,
     "merge_warps_few": 4,
     "splits_pow2_slack": 0.05,
