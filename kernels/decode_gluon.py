@@ -280,6 +280,27 @@ def _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi, T
     gl.inline_asm_elementwise(_PF_ASM, "=r,l,r", [ptr, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
 
 
+# Per-program timestamps (``TIMED``, a diagnostic: ``scripts/timeline_hist_programs.py``): %globaltimer (ns) read after
+# ``$1`` is available, so that the stamp follows the work that produced it; %clock64 and %smid beside them
+_GT_ASM = gl.constexpr("mov.u64 $0, %globaltimer; // $1")
+_CLK_ASM = gl.constexpr("mov.u64 $0, %clock64; // $1")
+_SMID_ASM = gl.constexpr("mov.u32 $0, %smid; // $1")
+TIME_SLOTS = gl.constexpr(8)  # entry, after the PDL wait, after the reference step, after the loop, exit, clock64 entry / exit, SM
+
+
+@gluon.jit
+def _stamp(TIMES, prog, slot: gl.constexpr, dep, ASM: gl.constexpr = _GT_ASM):
+    """Write the timer ``ASM`` reads, once ``dep`` (an int32 scalar) is known, to ``TIMES[prog, slot]``."""
+    t = gl.inline_asm_elementwise(ASM, "=l,r", [dep], dtype=gl.int64, is_pure=False, pack=1)
+    gl.store(TIMES + prog * TIME_SLOTS + slot, t)
+
+
+@gluon.jit
+def _dep(x):
+    """An int32 scalar that depends on the float tensor ``x`` (the stamp after the work that made it)."""
+    return gl.max(x, 0).to(gl.int32, bitcast=True)
+
+
 @gluon.jit
 def _rc(x):
     """A per-lane value ``[32]`` (lane ``4r + c``) as ``[8 r, 4 c]``."""
@@ -566,6 +587,7 @@ def _hist_kernel(
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
     PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
+    TIMES=None, TIMED: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -574,11 +596,16 @@ def _hist_kernel(
     b = pid_bh // Hk
     h = pid_bh % Hk
     part = (pid_bh.to(gl.int64) * S_TOT + pid_s) * M
+    prog = pid_bh * S + pid_s
+    if TIMED:
+        _stamp(TIMES, prog, 0, pid_s)
+        _stamp(TIMES, prog, 5, pid_s, _CLK_ASM)
+    wdep = pid_s
     if PDL == 1 or PDL == 3:  # programmatic dependent launch: the next launch may start (in this grid's tail)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
     if PDL == 1:  # wait for the query rotation
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        wdep = gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     if EARLY:
         # the split's first loads before anything that needs the query: the reference step's words into registers
         # and the first full steps' copies, so that their memory latency overlaps the query's loads (PDL == 2: and
@@ -592,7 +619,10 @@ def _hist_kernel(
                                                        STAGES)
             _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
         if PDL >= 2:
-            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            wdep = gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                             pack=1)
+    if TIMED:
+        _stamp(TIMES, prog, 1, wdep)
 
     # ---- query operands (once per program) ----
     q_ptr = Q + b.to(gl.int64) * sqb + h * sqh
@@ -647,6 +677,8 @@ def _hist_kernel(
     phi = gl.max(lg, 0)
     phi = gl.where(phi == float("-inf"), 0.0, phi)
     phi = gl.where(cvalid, phi, 0.0)
+    if TIMED:
+        _stamp(TIMES, prog, 2, _dep(phi))
 
     lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _fresh_state()
     m_c = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
@@ -718,6 +750,8 @@ def _hist_kernel(
                 xk, xv, ks, kz, vs, vz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off - phi, kdiag,
                 neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8)
 
+    if TIMED:
+        _stamp(TIMES, prog, 3, _dep(m_c))
     # ---- per column -> per query row: the TB token sets merged by log-sum-exp ----
     if TB == 1:
         m_r = m_c
@@ -765,6 +799,11 @@ def _hist_kernel(
     rh = gl.arange(0, MH, layout=RL)
     gl.store(PM + part + rh, gl.convert_layout(m_r, RL), mask=rh < M)
     gl.store(PL + part + rh, gl.convert_layout(l_r, RL), mask=rh < M)
+    if TIMED:
+        _stamp(TIMES, prog, 4, _dep(l_r))
+        _stamp(TIMES, prog, 6, _dep(l_r), _CLK_ASM)
+        sm = gl.inline_asm_elementwise(_SMID_ASM, "=r,r", [pid_s], dtype=gl.int32, is_pure=False, pack=1)
+        gl.store(TIMES + prog * TIME_SLOTS + 7, sm.to(gl.int64))
 
 
 def gluon_supported(q_rot, k, v, group_size: int, key_mask, pairable: bool) -> bool:
@@ -782,9 +821,13 @@ def tokens_per_step(m: int) -> int:
     return 32 if m <= 4 else 16
 
 
+TIMES_BUF = None  # diagnostic: an int64 CUDA tensor of >= programs * TIME_SLOTS entries (launch_history stamps into it)
+
+
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
                    stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0):
-    """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``."""
+    """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
+    With :data:`TIMES_BUF` set (a diagnostic), each program's timestamps go there (``[programs, TIME_SLOTS]`` int64)."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
     _hist_kernel[(b * hk, s_hist)](
@@ -795,7 +838,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *(qk_offset.stride() if qk_offset is not None else z3),
         TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
-        num_warps=1,
+        TIMES=TIMES_BUF, TIMED=int(TIMES_BUF is not None), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

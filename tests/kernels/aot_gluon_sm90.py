@@ -11,7 +11,8 @@ compiled in, ``PDL`` 2 with it, else 1), and prints one JSON line each: register
 the opcode counts of the hot loop (the innermost loop that holds the tensor-core ops).
 
 For experiments (not used by the test): ``AOT_STAGES=2,4`` compiles only those pipelines (TB = 2, GSUM, int8 keys),
-``AOT_MAXNREG`` overrides the register cap, ``AOT_DUMP=prefix`` writes each case's hot loop SASS to a file.
+``AOT_MAXNREG`` overrides the register cap, ``AOT_DUMP=prefix`` writes each case's hot loop SASS to a file,
+``AOT_TIMED=1`` compiles the diagnostic timestamps in (``TIMED``).
 """
 from __future__ import annotations
 
@@ -66,7 +67,12 @@ def main():
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_,
-                  "PDL": 2 if early else 1}  # (programmatic dependent launch compiled in: its variant of the prologue)
+                  "PDL": 2 if early else 1,  # (programmatic dependent launch compiled in: its variant of the prologue)
+                  "TIMES": None, "TIMED": 0}
+        if os.environ.get("AOT_TIMED"):  # the diagnostic per-program timestamps compiled in
+            consts["TIMED"] = 1
+            del consts["TIMES"]
+            ptrs["TIMES"] = "*i64"
         sig = {}
         for name in dg._hist_kernel.arg_names:
             if name in consts:

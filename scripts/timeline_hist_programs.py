@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""Where each program of the Gluon history kernel spends its time, inside one decode op (CUDA GPU; a diagnostic).
+
+``profile_decode_op.py --timeline`` shows when each *kernel* of the op starts and ends; this shows the history
+kernel's *programs*: with ``decode_gluon.TIMES_BUF`` set, every program stamps ``%globaltimer`` at its entry, after
+its PDL wait (the query rotation complete), after its reference step (the query operands built, the first step's
+logits known), after its loop and at its exit, with ``%clock64`` and its SM beside them
+(``decode_gluon._stamp``). The op runs as the benchmark's (``bench_kernels.oscar_op``: rotation + window launch,
+history, combine) in a CUDA graph with a cold L2, ``--iters`` times; each statistic is the median over the replays.
+
+What it separates: the per-program fixed costs (the wait, the setup of the query operands, the epilogue) from the
+streaming loop, and the spread of the programs' ends (the tail: SMs with more programs than others, stragglers),
+which the kernel-level timeline cannot.
+
+    python scripts/timeline_hist_programs.py --points 1x131072 --configs '{}' '{"pdl": 0}' --out timeline.json
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kernels as bk  # noqa: E402
+from oscar_hf.kernels import decode_gluon as dg  # noqa: E402
+from oscar_hf.kernels import decode_triton as dt  # noqa: E402
+
+SLOTS = ("entry", "waited", "ref_step", "loop_end", "exit")
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+def summarize(t: torch.Tensor) -> dict:
+    """Statistics of one replay's stamps ``t [programs, TIME_SLOTS]`` (int64, rows of programs that ran)."""
+    t = t[t[:, 0] != 0].double()
+    n = t.shape[0]
+    t0 = t[:, 0].min()
+    rel = (t[:, :5] - t0) / 1e3  # us from the first program's entry
+    dur = {f"{SLOTS[i]}->{SLOTS[i + 1]}": (t[:, i + 1] - t[:, i]) / 1e3 for i in range(4)}
+    out = {"programs": n}
+    for i, name in enumerate(SLOTS):
+        col = rel[:, i].tolist()
+        out[f"{name}_us"] = {"min": min(col), "p10": _pct(col, 0.1), "p50": _pct(col, 0.5), "p90": _pct(col, 0.9),
+                             "max": max(col)}
+    for name, d in dur.items():
+        col = d.tolist()
+        out[f"{name}_us"] = {"p10": _pct(col, 0.1), "p50": _pct(col, 0.5), "p90": _pct(col, 0.9), "max": max(col)}
+    ns = (t[:, 4] - t[:, 0]).clamp(min=1)
+    out["sm_clock_ghz_p50"] = float(((t[:, 6] - t[:, 5]) / ns).median())
+    sm = t[:, 7].long().tolist()
+    per_sm = collections.Counter(sm)
+    out["sms_used"] = len(per_sm)
+    out["programs_per_sm"] = dict(sorted(collections.Counter(per_sm.values()).items()))
+    # the SMs' last exits: how far apart they end, by how many programs they held
+    last = collections.defaultdict(float)
+    for s, e in zip(sm, rel[:, 4].tolist()):
+        last[s] = max(last[s], e)
+    by_count = collections.defaultdict(list)
+    for s, e in last.items():
+        by_count[per_sm[s]].append(e)
+    out["sm_last_exit_us_by_programs"] = {str(k): {"n": len(v), "p50": _pct(v, 0.5), "max": max(v)}
+                                          for k, v in sorted(by_count.items())}
+    return out
+
+
+def median_dict(ds):
+    """Elementwise median of a list of equally shaped nested dicts of numbers."""
+    first = ds[0]
+    if isinstance(first, dict):
+        return {k: median_dict([d[k] for d in ds if k in d]) for k in first}
+    return statistics.median(ds)
+
+
+def run_point(b, t, cfg, iters, gen):
+    st = bk.make_decode(b, t, gen)
+    op = bk.oscar_op(st)
+    base = dict(dt.CONFIG)
+    dt.CONFIG.update(cfg)
+    try:
+        untimed_ms = bk.timed(op, graph=True)
+        buf = torch.zeros(1 << 16, dg.TIME_SLOTS, dtype=torch.int64, device="cuda")
+        dg.TIMES_BUF = buf
+        try:
+            stamped_ms = bk.timed(op, graph=True)
+            g = bk.capture_graph(op)
+            sums = []
+            for _ in range(iters):
+                buf.zero_()
+                bk.flush_l2()
+                g.replay()
+                torch.cuda.synchronize()
+                sums.append(summarize(buf.cpu()))
+        finally:
+            dg.TIMES_BUF = None
+    finally:
+        dt.CONFIG.clear()
+        dt.CONFIG.update(base)
+    return {"B": b, "T": t, "config": cfg, "graph_us": untimed_ms * 1e3, "graph_us_stamped": stamped_ms * 1e3,
+            "programs": median_dict(sums)}
+
+
+def show(row):
+    p = row["programs"]
+    print(f"B={row['B']} T={row['T']} {json.dumps(row['config'])}: graph {row['graph_us']:.1f} us "
+          f"(stamped {row['graph_us_stamped']:.1f}), {p['programs']:.0f} programs on {p['sms_used']:.0f} SMs "
+          f"{p['programs_per_sm']}, SM clock {p['sm_clock_ghz_p50']:.2f} GHz")
+    for name in SLOTS:
+        s = p[f"{name}_us"]
+        print(f"   {name:>9} at  min {s['min']:6.1f}  p10 {s['p10']:6.1f}  p50 {s['p50']:6.1f}  p90 {s['p90']:6.1f}"
+              f"  max {s['max']:6.1f} us")
+    for i in range(4):
+        k = f"{SLOTS[i]}->{SLOTS[i + 1]}"
+        s = p[f"{k}_us"]
+        print(f"   {k:>20}  p10 {s['p10']:6.2f}  p50 {s['p50']:6.2f}  p90 {s['p90']:6.2f}  max {s['max']:6.2f} us")
+    print("   SMs' last exit by programs held: " + ", ".join(
+        f"{k}: n={v['n']:.0f} p50 {v['p50']:.1f} max {v['max']:.1f}" for k, v in p["sm_last_exit_us_by_programs"].items()))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--points", default="1x131072")
+    ap.add_argument("--configs", nargs="*", default=["{}"])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", required=True)
+    bk.add_flush_arg(ap)
+    args = ap.parse_args()
+    bk.FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    bk.FLUSH_MODE = args.flush
+    gen = torch.Generator().manual_seed(0)
+    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "command": " ".join(sys.argv),
+           "flush": args.flush, "rows": []}
+    for pt in args.points.split(","):
+        b, t = (int(x) for x in pt.split("x"))
+        for cj in args.configs:
+            try:
+                row = run_point(b, t, json.loads(cj), args.iters, gen)
+            except Exception as e:  # a config that does not run the Gluon kernel or does not compile: record it
+                res["rows"].append({"B": b, "T": t, "config": json.loads(cj), "error": repr(e)[:300]})
+                print(f"B={b} T={t} {cj}: failed {repr(e)[:300]}")
+                continue
+            res["rows"].append(row)
+            show(row)
+            Path(args.out).write_text(json.dumps(res, indent=1))
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
