@@ -18,3 +18,18 @@ a|b)
       --out "$OUT/profile_op_${GPU}_session22$1.json" 2>&1 | grep -E "^B=|graph:"
   ;;
 esac
+# (appended) run c (H100), d (H200): run a found the B=1/128K history programs waiting 5.1 us for the rotation (their
+# early copies, 3 steps, done long before) and then 3.3 us on the query operands before the loop, which streams at the
+# copy bandwidth (24.6 us for 31 steps): 8 pipeline stages on the long-split path (7 steps of copies in flight before
+# the wait), with int8 / fp16 keys; graph time at B=1 and B=8
+#   bash benchmarks/run_session22.sh c
+case "$1" in
+c|d)
+  timeout 200 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_stages_long": 8}' '{"gluon_stages_long": 8, "gluon_k8": 0}' \
+      --out "$OUT/timeline_hist_${GPU}_session22$1.json" 2>&1 | grep -v -E "Warn|warn"
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_stages_long": 8}' '{"gluon_stages_long": 8, "gluon_k8": 0}' \
+      --out "$OUT/profile_op_${GPU}_session22$1.json" 2>&1 | grep -E "^B=|_hist"
+  ;;
+esac
