@@ -33,3 +33,13 @@ c|d)
       --out "$OUT/profile_op_${GPU}_session22$1.json" 2>&1 | grep -E "^B=|_hist"
   ;;
 esac
+# (appended) run e (H100): 8 stages did not help (run c: the rotation ends later under the deeper early copies, the
+# setup after it takes longer); the prologue's programs stamped too (rotation / window: entry, exit)
+#   bash benchmarks/run_session22.sh e
+case "$1" in
+e)
+  timeout 200 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"pdl": 0}' '{"gluon_early": 0}' \
+      --out "$OUT/timeline_hist_${GPU}_session22$1.json" 2>&1 | grep -v -E "Warn|warn"
+  ;;
+esac

@@ -930,6 +930,7 @@ def _prologue_kernel(
     skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
     D: tl.constexpr, M_PAD: tl.constexpr, M_PAD_ROT: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
     HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
+    TIMES=None, TIMED: tl.constexpr = 0,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
     what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
@@ -940,6 +941,10 @@ def _prologue_kernel(
     pid_bh = tl.program_id(0)
     j = tl.program_id(1)
     NROT: tl.constexpr = D // C_BLOCK
+    if TIMED:  # diagnostic (decode_gluon.TIMES_BUF): this program's entry and exit, its kind (0 rotation, 1 window)
+        trow = TIMES + (PROLOGUE_TIME_ROW + pid_bh * tl.num_programs(1) + j) * 8
+        tl.store(trow, _stamp_asm(j))
+        tl.store(trow + 3, (j >= NROT).to(tl.int64))
     if j < NROT:
         _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
                       D, M_PAD_ROT, C_BLOCK, HAS_MU)
@@ -950,6 +955,20 @@ def _prologue_kernel(
         _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, h, part, (j - NROT) * win_split, W, win_split, qk_scale,
                       sqb, sqh, sqm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                       M, D, M_PAD, HAS_WMASK, LOWP, 0, WIN_STAGES)
+    if TIMED:
+        tl.store(trow + 4, _stamp_asm(j))
+        tl.store(trow + 7, tl.inline_asm_elementwise("mov.u32 $0, %smid; // $1", "=r,r", [j], dtype=tl.int32,
+                                                     is_pure=False, pack=1).to(tl.int64))
+
+
+PROLOGUE_TIME_ROW = tl.constexpr(60000)  # the prologue's rows of the diagnostic timestamp buffer
+
+
+@triton.jit
+def _stamp_asm(dep):
+    """%globaltimer (ns) once ``dep`` (int32) is known."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep], dtype=tl.int64, is_pure=False,
+                                     pack=1)
 
 
 @triton.jit
@@ -1385,7 +1404,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                     D=d, M_PAD=m_pad, M_PAD_ROT=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None,
                     HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
                     WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode in (2, 4)),
-                    num_warps=cfg["num_warps"],
+                    TIMES=glu.TIMES_BUF if glu is not None else None,
+                    TIMED=int(glu is not None and glu.TIMES_BUF is not None), num_warps=cfg["num_warps"],
                 )
             else:
                 launch_rotation(qf_r, r_k_r, mu_k_r, q_rot, qk_offset)

@@ -2,7 +2,8 @@
 """Where each program of the Gluon history kernel spends its time, inside one decode op (CUDA GPU; a diagnostic).
 
 ``profile_decode_op.py --timeline`` shows when each *kernel* of the op starts and ends; this shows the history
-kernel's *programs*: with ``decode_gluon.TIMES_BUF`` set, every program stamps ``%globaltimer`` at its entry, after
+kernel's *programs* (and those of the launch before it, the rotation + window prologue: entry and exit): with
+``decode_gluon.TIMES_BUF`` set, every program stamps ``%globaltimer`` at its entry, after
 its PDL wait (the query rotation complete), after its reference step (the query operands built, the first step's
 logits known), after its loop and at its exit, with ``%clock64`` and its SM beside them
 (``decode_gluon._stamp``). The op runs as the benchmark's (``bench_kernels.oscar_op``: rotation + window launch,
@@ -38,14 +39,26 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
-def summarize(t: torch.Tensor) -> dict:
-    """Statistics of one replay's stamps ``t [programs, TIME_SLOTS]`` (int64, rows of programs that ran)."""
+def summarize(buf: torch.Tensor) -> dict:
+    """Statistics of one replay's stamps ``buf [rows, TIME_SLOTS]`` (int64): the history kernel's programs in the rows
+    below ``PROLOGUE_TIME_ROW``, the prologue's (rotation + window) from there on; times in us from the first
+    prologue program's entry (the history's first entry where there is no prologue)."""
+    pro = buf[dt.PROLOGUE_TIME_ROW.value:]
+    pro = pro[pro[:, 0] != 0].double()
+    t = buf[:dt.PROLOGUE_TIME_ROW.value]
     t = t[t[:, 0] != 0].double()
     n = t.shape[0]
-    t0 = t[:, 0].min()
+    t0 = min(t[:, 0].min(), pro[:, 0].min()) if pro.shape[0] else t[:, 0].min()
+    out = {}
+    for kind, name in ((0, "rotation"), (1, "window")):
+        r = pro[pro[:, 3] == kind]
+        if r.shape[0]:
+            ent, ext = ((r[:, 0] - t0) / 1e3).tolist(), ((r[:, 4] - t0) / 1e3).tolist()
+            out[f"prologue_{name}"] = {"programs": r.shape[0], "entry_max": max(ent), "exit_p50": _pct(ext, 0.5),
+                                       "exit_max": max(ext)}
     rel = (t[:, :5] - t0) / 1e3  # us from the first program's entry
     dur = {f"{SLOTS[i]}->{SLOTS[i + 1]}": (t[:, i + 1] - t[:, i]) / 1e3 for i in range(4)}
-    out = {"programs": n}
+    out["programs"] = n
     for i, name in enumerate(SLOTS):
         col = rel[:, i].tolist()
         out[f"{name}_us"] = {"min": min(col), "p10": _pct(col, 0.1), "p50": _pct(col, 0.5), "p90": _pct(col, 0.9),
@@ -112,6 +125,11 @@ def show(row):
     print(f"B={row['B']} T={row['T']} {json.dumps(row['config'])}: graph {row['graph_us']:.1f} us "
           f"(stamped {row['graph_us_stamped']:.1f}), {p['programs']:.0f} programs on {p['sms_used']:.0f} SMs "
           f"{p['programs_per_sm']}, SM clock {p['sm_clock_ghz_p50']:.2f} GHz")
+    for name in ("rotation", "window"):
+        if f"prologue_{name}" in p:
+            s = p[f"prologue_{name}"]
+            print(f"   prologue's {s['programs']:.0f} {name} programs: last entry {s['entry_max']:.1f}, exit p50 "
+                  f"{s['exit_p50']:.1f} max {s['exit_max']:.1f} us")
     for name in SLOTS:
         s = p[f"{name}_us"]
         print(f"   {name:>9} at  min {s['min']:6.1f}  p10 {s['p10']:6.1f}  p50 {s['p50']:6.1f}  p90 {s['p90']:6.1f}"
