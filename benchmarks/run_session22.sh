@@ -43,3 +43,21 @@ e)
       --out "$OUT/timeline_hist_${GPU}_session22$1.json" 2>&1 | grep -v -E "Warn|warn"
   ;;
 esac
+# (appended) run f (H100): run e showed the rotation programs ending at p50 3.3 but max 6.1 us under the history's
+# early loads, and the history's query setup taking 3.2 us after its wait, with the query sums' loads issued after
+# the operands' arithmetic (a second round trip, sm_90 SASS). Changes: mu_K loaded with q and R_K by every rotation
+# program (_rotate_block), the query sums from the loaded planes (_q_sums), the offset's load first. GPU tests of the
+# Gluon path (its variants, the rotating op, the timestamps), then the timeline and the op's graph time
+#   bash benchmarks/run_session22.sh f
+case "$1" in
+f)
+  timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" -x \
+      "$R/tests/kernels/test_int2_attention.py" "$R/tests/kernels/test_query_rotation.py" \
+      -k "timestamps or rotation or (gluon and (early-pdl2 or fp16-keys or k8 or long or short or regs))" \
+      2>&1 | tee "$OUT/tests_${GPU}_session22$1.log" | tail -3
+  timeout 120 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 --configs '{}' \
+      --out "$OUT/timeline_hist_${GPU}_session22$1.json" 2>&1 | grep -v -E "Warn|warn"
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' --out "$OUT/profile_op_${GPU}_session22$1.json" 2>&1 | grep -E "^B=|_hist|_prol"
+  ;;
+esac

@@ -74,8 +74,6 @@ B8_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_wi
 KLOAD = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]))
 # [T, 8] value words (4 bytes): lane 4r + c holds word r of tokens 2c, 2c + 1 (+ 8 i)
 VLOAD = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
-# [8, 64] query rows of one group (column sums)
-QLOAD = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0]))
 # cp.async pipeline (STAGES > 0): copies of 16 bytes a lane (8 for TB = 1's metadata) -- [T, 8] code words,
 # [4 TB, 16] metadata words (row j TB + tb: token set tb of key scale, key zero, value scale, value zero) -- into plain
 # row-major shared buffers; metadata read back as [16 t', TB] (TB = 2: the token sets on lane bit 1, broadcast over
@@ -206,7 +204,7 @@ def _q8_operands(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
     """K8 query operands: per plane the pair ``(hi, lo)`` (int8, ``B8_OP``) of ``q_P = q qk_scale / 4^P`` (plane codes
     enter as ``4^P code``) over ``sigma_g``; per group ``g`` the accumulator starts ``(hi, lo)`` (int32 ``[16, 8]``:
     plane 3's ``+128 sum q``) and the factor ``sigma_g / 254`` of ``Y = 254 acc_hi + acc_lo``. ``sigma_g``: the
-    group's largest ``|q_P|`` (all columns) / 127."""
+    group's largest ``|q_P|`` (all columns) / 127. Last: the groups' query sums (:func:`_q_sums`)."""
     q0 = _q_plane(q_ptr, sqm, M, 0, TB, MH, True)
     q1 = _q_plane(q_ptr, sqm, M, 1, TB, MH, True)
     q2 = _q_plane(q_ptr, sqm, M, 2, TB, MH, True)
@@ -222,7 +220,7 @@ def _q8_operands(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
     ls = gl.convert_layout(gl.sum(l3.to(gl.int32), 0), gl.SliceLayout(0, MMA))
     z = gl.zeros([16, 8], gl.int32, layout=MMA)
     return ((h0, l0), (h1, l1), (h2, l2), (h3, l3), (z, z, sg0 / 254.0),
-            (z + 128 * hs[None, :], z + 128 * ls[None, :], sg1 / 254.0))
+            (z + 128 * hs[None, :], z + 128 * ls[None, :], sg1 / 254.0), _q_sums(q0, q1, q2, q3, qk_scale))
 
 
 @gluon.jit
@@ -515,10 +513,20 @@ def _q_plane(q_ptr, sqm, M, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr,
 
 
 @gluon.jit
-def _q_operand(q_ptr, sqm, M, qk_scale, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr):
-    """fp16 B operand of plane ``P``: :func:`_q_plane` times ``qk_scale / 4^P``."""
-    q = _q_plane(q_ptr, sqm, M, P, TB, MH, False)
+def _q_operand(q, qk_scale, P: gl.constexpr):
+    """fp16 B operand of plane ``P`` from its :func:`_q_plane` ``q``: times ``qk_scale / 4^P``."""
     return (q * (qk_scale * (0.25 ** P))).to(gl.float16)
+
+
+@gluon.jit
+def _q_sums(q0, q1, q2, q3, qk_scale):
+    """Per column (``SliceLayout(0, MMA)``): ``Qs_g``, the sum of group ``g``'s query channels times ``qk_scale``,
+    from the planes of :func:`_q_plane` (zero off the column's token set; a sum over a permutation of the channels),
+    so that the query is loaded once."""
+    s0 = gl.sum(q0, 0) + gl.sum(q1, 0)
+    s1 = gl.sum(q2, 0) + gl.sum(q3, 0)
+    return (gl.convert_layout(s0 * qk_scale, gl.SliceLayout(0, MMA)),
+            gl.convert_layout(s1 * qk_scale, gl.SliceLayout(0, MMA)))
 
 
 @gluon.jit
@@ -626,35 +634,33 @@ def _hist_kernel(
 
     # ---- query operands (once per program) ----
     q_ptr = Q + b.to(gl.int64) * sqb + h * sqh
-    if K8:
-        qb0, qb1, qb2, qb3, c0, c1 = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
+    cn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    ch = cn % MH
+    cvalid = (ch < M) & (cn < TB * MH)
+    if HAS_OFF:  # the logit offset q.mu_K per column
+        off = gl.load(QKOFF + b.to(gl.int64) * sob + h * soh + ch * som, mask=cvalid, other=0.0) * qk_scale
     else:
-        qb0 = _q_operand(q_ptr, sqm, M, qk_scale, 0, TB, MH)
-        qb1 = _q_operand(q_ptr, sqm, M, qk_scale, 1, TB, MH)
-        qb2 = _q_operand(q_ptr, sqm, M, qk_scale, 2, TB, MH)
-        qb3 = _q_operand(q_ptr, sqm, M, qk_scale, 3, TB, MH)
+        off = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
+    # per column: Qs_g = sum of the group's (scaled) query channels, from the planes (before session 22 a load of its
+    # own, which the compiler issued after the operands' arithmetic: a second round trip)
+    if K8:
+        qb0, qb1, qb2, qb3, c0, c1, (qs0, qs1) = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
+    else:
+        p0 = _q_plane(q_ptr, sqm, M, 0, TB, MH, False)
+        p1 = _q_plane(q_ptr, sqm, M, 1, TB, MH, False)
+        p2 = _q_plane(q_ptr, sqm, M, 2, TB, MH, False)
+        p3 = _q_plane(q_ptr, sqm, M, 3, TB, MH, False)
+        qs0, qs1 = _q_sums(p0, p1, p2, p3, qk_scale)
+        qb0 = _q_operand(p0, qk_scale, 0)
+        qb1 = _q_operand(p1, qk_scale, 1)
+        qb2 = _q_operand(p2, qk_scale, 2)
+        qb3 = _q_operand(p3, qk_scale, 3)
         # accumulator start -1024 C_g (the code offset of the planes of group g, from the rounded operands)
         cg0 = gl.sum(qb0.to(gl.float32), 0) + gl.sum(qb1.to(gl.float32), 0)
         cg1 = gl.sum(qb2.to(gl.float32), 0) + gl.sum(qb3.to(gl.float32), 0)
         zero_t = gl.zeros([16, 8], gl.float32, layout=MMA)
         c0 = zero_t - 1024.0 * gl.convert_layout(cg0, gl.SliceLayout(0, MMA))[None, :]
         c1 = zero_t - 1024.0 * gl.convert_layout(cg1, gl.SliceLayout(0, MMA))[None, :]
-    # per column: Qs_g = sum of the group's (scaled) query channels, the logit offset q.mu_K
-    qn = gl.arange(0, 8, layout=gl.SliceLayout(1, QLOAD))
-    qd = gl.arange(0, 64, layout=gl.SliceLayout(0, QLOAD))
-    qh = qn % MH
-    qok = ((qh < M) & (qn < TB * MH))[:, None]
-    qs0 = gl.sum(gl.load(q_ptr + qh[:, None] * sqm + qd[None, :], mask=qok, other=0.0), 1) * qk_scale
-    qs1 = gl.sum(gl.load(q_ptr + qh[:, None] * sqm + 64 + qd[None, :], mask=qok, other=0.0), 1) * qk_scale
-    qs0 = gl.convert_layout(qs0, gl.SliceLayout(0, MMA))
-    qs1 = gl.convert_layout(qs1, gl.SliceLayout(0, MMA))
-    cn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    ch = cn % MH
-    cvalid = (ch < M) & (cn < TB * MH)
-    if HAS_OFF:
-        off = gl.load(QKOFF + b.to(gl.int64) * sob + h * soh + ch * som, mask=cvalid, other=0.0) * qk_scale
-    else:
-        off = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
     # B-operand mask of the block-diagonal value MMA (TB = 2) and the constant A tile of the offset (ones / -256)
     kk = gl.arange(0, 16 * TB, layout=gl.SliceLayout(1, B_OP))
     kn = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))

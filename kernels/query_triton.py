@@ -35,12 +35,15 @@ def _rotate_block(
     mrow = offs_m < M
     q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
                 mask=mrow[:, None], other=0.0).to(tl.float32)  # [M_PAD, D]
+    if HAS_MU:  # loaded with q and R_K by every program (512 bytes), used by the first column block's: loaded only
+        # there, after the product, it was a second round trip that made those programs the prologue's last to end
+        # (H100, B=1/128K under the history's early loads: 6.1 against 3.3 us; timeline_hist_h100_session22e.json)
+        mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)
     r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + offs_c[None, :])  # R_K[h][:, c-block]
     out = QR + (pid.to(tl.int64) * M + offs_m[:, None]) * D  # q_rot [B, Hk, M, D] contiguous
     tl.store(out + offs_c[None, :], tl.dot(q, r, input_precision="tf32x3"), mask=mrow[:, None])
     if HAS_MU:
         if c0 == 0:
-            mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)
             tl.store(QO + pid.to(tl.int64) * M + offs_m, tl.sum(q * mu[None, :], 1), mask=mrow)
 
 

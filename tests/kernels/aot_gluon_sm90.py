@@ -98,9 +98,9 @@ def main():
         regs, spill, sass = cubin_report(c.asm["cubin"], sass=True)
         op = lambda s: re.sub(r"^@!?U?P\w+\s+", "", s).split()[0]  # noqa: E731
         loop = collections.Counter(op(i) for i in _hot_loop(sass))
-        if os.environ.get("AOT_DUMP"):  # the hot loop's SASS, one file a case
+        if os.environ.get("AOT_DUMP"):  # the hot loop's SASS, one file a case (AOT_DUMP_ALL: the whole kernel's)
             with open(f"{os.environ['AOT_DUMP']}_tb{tb}_g{gsum}_s{st}_k{k8_}.sass", "w") as f:
-                f.write("\n".join(_hot_loop(sass)))
+                f.write(sass if os.environ.get("AOT_DUMP_ALL") else "\n".join(_hot_loop(sass)))
         print(json.dumps({"kernel": "gluon", "tb": tb, "gsum": gsum, "stages": st, "k8": k8_, "long": bool(long_),
                           "regs": regs,
                           "spill_bytes": spill,

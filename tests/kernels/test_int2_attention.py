@@ -794,3 +794,29 @@ def test_gpu_gluon_decode_op_rotating_in_graph(gluon_calls):
         torch.cuda.synchronize()
         assert rel_err(out.float(), _rotating_reference(args).float()) < 2e-2
     assert gluon_calls, "the Gluon kernel did not run"
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_gpu_gluon_timestamps(monkeypatch):
+    """The diagnostic per-program timestamps (``decode_gluon.TIMES_BUF``, ``scripts/timeline_hist_programs.py``):
+    the op's output is unchanged with them compiled in, every history program stamps its five points in order on a
+    real SM, and every prologue program (rotation / window) its entry before its exit."""
+    monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "gluon": 1, "gluon_min_work": 0})
+    glu = _dt()._gluon_module()
+    args = _rotating_case(2, 8, 4, 20000, 320, 128, 64, seed=3, device="cuda")
+    args["qf"] = args["qf"].cuda()
+    args["out_dtype"] = torch.bfloat16
+    plain = _dt().decode_attention_rotating_triton(**args)
+    buf = torch.zeros(1 << 16, glu.TIME_SLOTS.value, dtype=torch.int64, device="cuda")
+    monkeypatch.setattr(glu, "TIMES_BUF", buf)
+    stamped = _dt().decode_attention_rotating_triton(**args)
+    torch.cuda.synchronize()
+    assert torch.equal(plain, stamped)
+    row = _dt().PROLOGUE_TIME_ROW.value
+    hist, pro = buf[:row].cpu(), buf[row:].cpu()
+    hist, pro = hist[hist[:, 0] != 0], pro[pro[:, 0] != 0]
+    assert hist.shape[0] >= 2 * 8 and pro.shape[0] >= 2 * 8  # programs of every (row, head)
+    assert (hist[:, 1:5] >= hist[:, 0:4]).all(), "history stamps out of order"
+    assert (hist[:, 6] > hist[:, 5]).all() and (hist[:, 7] < torch.cuda.get_device_properties(0).multi_processor_count).all()
+    assert (pro[:, 4] >= pro[:, 0]).all() and set(pro[:, 3].tolist()) == {0, 1}
