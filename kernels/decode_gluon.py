@@ -204,7 +204,7 @@ def _q8_operands(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
     """K8 query operands: per plane the pair ``(hi, lo)`` (int8, ``B8_OP``) of ``q_P = q qk_scale / 4^P`` (plane codes
     enter as ``4^P code``) over ``sigma_g``; per group ``g`` the accumulator starts ``(hi, lo)`` (int32 ``[16, 8]``:
     plane 3's ``+128 sum q``) and the factor ``sigma_g / 254`` of ``Y = 254 acc_hi + acc_lo``. ``sigma_g``: the
-    group's largest ``|q_P|`` (all columns) / 127. Last: the groups' query sums (:func:`_q_sums`)."""
+    group's largest ``|q_P|`` (all columns) / 127. Last two: the groups' query sums (:func:`_q_sums`)."""
     q0 = _q_plane(q_ptr, sqm, M, 0, TB, MH, True)
     q1 = _q_plane(q_ptr, sqm, M, 1, TB, MH, True)
     q2 = _q_plane(q_ptr, sqm, M, 2, TB, MH, True)
@@ -219,8 +219,9 @@ def _q8_operands(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
     hs = gl.convert_layout(gl.sum(h3.to(gl.int32), 0), gl.SliceLayout(0, MMA))
     ls = gl.convert_layout(gl.sum(l3.to(gl.int32), 0), gl.SliceLayout(0, MMA))
     z = gl.zeros([16, 8], gl.int32, layout=MMA)
+    qs0, qs1 = _q_sums(q0, q1, q2, q3, qk_scale)
     return ((h0, l0), (h1, l1), (h2, l2), (h3, l3), (z, z, sg0 / 254.0),
-            (z + 128 * hs[None, :], z + 128 * ls[None, :], sg1 / 254.0), _q_sums(q0, q1, q2, q3, qk_scale))
+            (z + 128 * hs[None, :], z + 128 * ls[None, :], sg1 / 254.0), qs0, qs1)
 
 
 @gluon.jit
@@ -644,7 +645,7 @@ def _hist_kernel(
     # per column: Qs_g = sum of the group's (scaled) query channels, from the planes (before session 22 a load of its
     # own, which the compiler issued after the operands' arithmetic: a second round trip)
     if K8:
-        qb0, qb1, qb2, qb3, c0, c1, (qs0, qs1) = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
+        qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
     else:
         p0 = _q_plane(q_ptr, sqm, M, 0, TB, MH, False)
         p1 = _q_plane(q_ptr, sqm, M, 1, TB, MH, False)
