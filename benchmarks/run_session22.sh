@@ -61,3 +61,22 @@ f)
       --configs '{}' --out "$OUT/profile_op_${GPU}_session22$1.json" 2>&1 | grep -E "^B=|_hist|_prol"
   ;;
 esac
+# (appended) run g (H100): run f's tests passed up to the command's time limit (128, none failed); the rest of them
+# (the rotating op, the rotation kernel, the timestamps), then the benchmark of the tree
+# run h (H200): the same, the B=1/128K timeline
+#   bash benchmarks/run_session22.sh g
+#   bash benchmarks/run_session22.sh h
+case "$1" in
+g|h)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
+      "$R/tests/kernels/test_int2_attention.py" "$R/tests/kernels/test_query_rotation.py" \
+      -k "timestamps or rotating or rotation or (gluon and early-pdl2)" \
+      2>&1 | tee "$OUT/tests_${GPU}_session22$1.log" | tail -3
+  timeout 330 python3 "$R/scripts/bench_kernels.py" --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session22$1.json" 2>&1 | grep -v -E "Warn|return F" | tail -12
+  if [ "$1" = h ]; then
+    timeout 60 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 --configs '{}' \
+        --out "$OUT/timeline_hist_${GPU}_session22$1.json" 2>&1 | grep -v -E "Warn|warn"
+  fi
+  ;;
+esac
