@@ -68,10 +68,18 @@ esac
 #   bash benchmarks/run_session22.sh h
 case "$1" in
 g|h)
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
-      "$R/tests/kernels/test_int2_attention.py" "$R/tests/kernels/test_query_rotation.py" \
-      -k "timestamps or rotating or rotation or (gluon and early-pdl2)" \
-      2>&1 | tee "$OUT/tests_${GPU}_session22$1.log" | tail -3
+  # (run h: only the new test, the rotating op in a graph and the rotation kernel, with their names)
+  if [ "$1" = h ]; then
+    timeout 150 python3 -m pytest -v -p no:cacheprovider -m gpu --rootdir "$R" \
+        "$R/tests/kernels/test_int2_attention.py" "$R/tests/kernels/test_query_rotation.py" \
+        -k "timestamps or (rotating_in_graph and early-pdl2) or rotate_query_kernel_gpu" 2>&1 \
+        | grep -E "PASS|FAIL|passed|failed" | tee "$OUT/tests_${GPU}_session22$1.log" | tail -8
+  else
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
+        "$R/tests/kernels/test_int2_attention.py" "$R/tests/kernels/test_query_rotation.py" \
+        -k "timestamps or rotating or rotation or (gluon and early-pdl2)" \
+        2>&1 | tee "$OUT/tests_${GPU}_session22$1.log" | tail -3
+  fi
   timeout 330 python3 "$R/scripts/bench_kernels.py" --batches 1,8,32 --lengths 8192,32768,131072 \
       --out "$OUT/kernels_${GPU}_session22$1.json" 2>&1 | grep -v -E "Warn|return F" | tail -12
   if [ "$1" = h ]; then
