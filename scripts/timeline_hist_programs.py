@@ -14,6 +14,7 @@ streaming loop, and the spread of the programs' ends (the tail: SMs with more pr
 which the kernel-level timeline cannot.
 
     python scripts/timeline_hist_programs.py --points 1x131072 --configs '{}' '{"pdl": 0}' --out timeline.json
+    python scripts/timeline_hist_programs.py --plot timeline.json [more.json ...] --out timeline.png
 """
 from __future__ import annotations
 
@@ -142,14 +143,50 @@ def show(row):
         f"{k}: n={v['n']:.0f} p50 {v['p50']:.1f} max {v['max']:.1f}" for k, v in p["sm_last_exit_us_by_programs"].items()))
 
 
+def plot(paths, out):
+    """One PNG of the first row of each result JSON: per stamp, the programs' p10-p90 range (bar) with min / p50 / max
+    marks, and the prologue's rotation / window programs' last exits -- where the history's programs wait, set up,
+    stream and end."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(paths), 1, figsize=(9, 2.6 * len(paths)), squeeze=False)
+    for ax, path in zip(axes[:, 0], paths):
+        res = json.loads(Path(path).read_text())
+        row = next(r for r in res["rows"] if "programs" in r)
+        p = row["programs"]
+        for y, name in enumerate(SLOTS):
+            s = p[f"{name}_us"]
+            ax.barh(y, s["p90"] - s["p10"], left=s["p10"], color="C0", alpha=0.5)
+            ax.plot([s["min"], s["p50"], s["max"]], [y] * 3, "k|", markersize=12)
+        for k, (name, col) in enumerate((("rotation", "C1"), ("window", "C2"))):
+            if f"prologue_{name}" in p:
+                ax.axvline(p[f"prologue_{name}"]["exit_max"], color=col, ls="--", label=f"last {name} program's exit")
+        ax.set_yticks(range(len(SLOTS)), [f"{n}" for n in SLOTS])
+        ax.invert_yaxis()
+        ax.set_xlabel("us from the prologue's start")
+        ax.set_xlim(left=0)
+        ax.set_title(f"{Path(path).stem} -- {res['device']}: B={row['B']} T={row['T']}, {p['programs']:.0f} history programs "
+                     f"(graph {row['graph_us']:.1f} us)", fontsize=9)
+        ax.legend(fontsize=7, loc="center")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plot", nargs="+", help="only make a PNG (--out) from existing result JSONs (first row each)")
     ap.add_argument("--points", default="1x131072")
     ap.add_argument("--configs", nargs="*", default=["{}"])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", required=True)
     bk.add_flush_arg(ap)
     args = ap.parse_args()
+    if args.plot:
+        return plot(args.plot, args.out)
     bk.FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     bk.FLUSH_MODE = args.flush
     gen = torch.Generator().manual_seed(0)
