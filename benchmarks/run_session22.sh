@@ -88,3 +88,15 @@ g|h)
   fi
   ;;
 esac
+# (appended) run i (H200), j (H100): the timestamps also record each program's warp slot (%warpid; slot % 4 is its
+# scheduler): do the programs that end last share their scheduler with more programs? (H200 run h: programs of the same
+# SM ended up to ~5 us apart); the timestamp test again
+#   bash benchmarks/run_session22.sh i
+case "$1" in
+i|j)
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "timestamps" 2>&1 | tee "$OUT/tests_${GPU}_session22$1.log" | tail -2
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072,8x131072 --iters 10 --configs '{}' \
+      --out "$OUT/timeline_hist_${GPU}_session22$1.json" 2>&1 | grep -v -E "Warn|warn"
+  ;;
+esac

@@ -280,11 +280,12 @@ def _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi, T
 
 
 # Per-program timestamps (``TIMED``, a diagnostic: ``scripts/timeline_hist_programs.py``): %globaltimer (ns) read after
-# ``$1`` is available, so that the stamp follows the work that produced it; %clock64 and %smid beside them
+# ``$1`` is available, so that the stamp follows the work that produced it; %clock64, %smid and %warpid beside them
 _GT_ASM = gl.constexpr("mov.u64 $0, %globaltimer; // $1")
 _CLK_ASM = gl.constexpr("mov.u64 $0, %clock64; // $1")
-_SMID_ASM = gl.constexpr("mov.u32 $0, %smid; // $1")
-TIME_SLOTS = gl.constexpr(8)  # entry, after the PDL wait, after the reference step, after the loop, exit, clock64 entry / exit, SM
+# %smid in the low 16 bits, %warpid (the warp's slot in the SM; slot % 4 is its scheduler) in the high ones
+_SMID_ASM = gl.constexpr("{ .reg .b32 w; mov.u32 $0, %smid; mov.u32 w, %warpid; shl.b32 w, w, 16; or.b32 $0, $0, w; } // $1")
+TIME_SLOTS = gl.constexpr(8)  # entry, after the PDL wait, after the reference step, after the loop, exit, clock64 entry / exit, SM + warp slot << 16
 
 
 @gluon.jit

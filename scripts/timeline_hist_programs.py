@@ -69,7 +69,16 @@ def summarize(buf: torch.Tensor) -> dict:
         out[f"{name}_us"] = {"p10": _pct(col, 0.1), "p50": _pct(col, 0.5), "p90": _pct(col, 0.9), "max": max(col)}
     ns = (t[:, 4] - t[:, 0]).clamp(min=1)
     out["sm_clock_ghz_p50"] = float(((t[:, 6] - t[:, 5]) / ns).median())
-    sm = t[:, 7].long().tolist()
+    sm = (t[:, 7].long() & 0xFFFF).tolist()
+    # the warp's scheduler (warp slot % 4): how unevenly an SM's one-warp programs share its four schedulers, and
+    # whether a program's end follows how many programs its scheduler held
+    sched = [(s, (int(v) >> 16) % 4) for s, v in zip(sm, t[:, 7].long().tolist())]
+    per_sched = collections.Counter(sched)
+    by_load = collections.defaultdict(list)
+    for key, e in zip(sched, rel[:, 4].tolist()):
+        by_load[per_sched[key]].append(e)
+    out["exit_us_by_programs_on_scheduler"] = {str(k): {"n": len(v), "p50": _pct(v, 0.5), "max": max(v)}
+                                               for k, v in sorted(by_load.items())}
     per_sm = collections.Counter(sm)
     out["sms_used"] = len(per_sm)
     out["programs_per_sm"] = dict(sorted(collections.Counter(per_sm.values()).items()))
@@ -139,6 +148,9 @@ def show(row):
         k = f"{SLOTS[i]}->{SLOTS[i + 1]}"
         s = p[f"{k}_us"]
         print(f"   {k:>20}  p10 {s['p10']:6.2f}  p50 {s['p50']:6.2f}  p90 {s['p90']:6.2f}  max {s['max']:6.2f} us")
+    print("   exits by programs on the program's scheduler: " + ", ".join(
+        f"{k}: n={v['n']:.0f} p50 {v['p50']:.1f} max {v['max']:.1f}"
+        for k, v in p.get("exit_us_by_programs_on_scheduler", {}).items()))
     print("   SMs' last exit by programs held: " + ", ".join(
         f"{k}: n={v['n']:.0f} p50 {v['p50']:.1f} max {v['max']:.1f}" for k, v in p["sm_last_exit_us_by_programs"].items()))
 
