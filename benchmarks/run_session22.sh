@@ -100,3 +100,13 @@ i|j)
       --out "$OUT/timeline_hist_${GPU}_session22$1.json" 2>&1 | grep -v -E "Warn|warn"
   ;;
 esac
+# (appended) run k (H100), after the review: the timestamp buffer's shape checked on the host before the launches
+# (_check_times_buf); the timestamps test and the rotating op (in a graph) again
+#   bash benchmarks/run_session22.sh k
+case "$1" in
+k)
+  timeout 200 python3 -m pytest -v -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "timestamps or (rotating and early-pdl2)" 2>&1 | grep -E "PASS|FAIL|passed|failed" \
+      | tee "$OUT/tests_${GPU}_session22$1.log" | tail -12
+  ;;
+esac

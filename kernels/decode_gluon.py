@@ -829,7 +829,9 @@ def tokens_per_step(m: int) -> int:
     return 32 if m <= 4 else 16
 
 
-TIMES_BUF = None  # diagnostic: an int64 CUDA tensor of >= programs * TIME_SLOTS entries (launch_history stamps into it)
+# diagnostic: None, or a contiguous int64 CUDA tensor [rows, TIME_SLOTS] -- the history programs stamp rows
+# 0 .. programs - 1 (launch_history), the prologue launch rows from decode_triton.PROLOGUE_TIME_ROW on (checked there)
+TIMES_BUF = None
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,

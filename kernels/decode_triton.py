@@ -930,7 +930,7 @@ def _prologue_kernel(
     skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
     D: tl.constexpr, M_PAD: tl.constexpr, M_PAD_ROT: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
     HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
-    TIMES=None, TIMED: tl.constexpr = 0,
+    TIMES=None, TIMED: tl.constexpr = 0, TIME_SLOTS: tl.constexpr = 8,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
     what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
@@ -942,7 +942,7 @@ def _prologue_kernel(
     j = tl.program_id(1)
     NROT: tl.constexpr = D // C_BLOCK
     if TIMED:  # diagnostic (decode_gluon.TIMES_BUF): this program's entry and exit, its kind (0 rotation, 1 window)
-        trow = TIMES + (PROLOGUE_TIME_ROW + pid_bh * tl.num_programs(1) + j) * 8
+        trow = TIMES + (PROLOGUE_TIME_ROW + pid_bh * tl.num_programs(1) + j) * TIME_SLOTS
         tl.store(trow, _stamp_asm(j))
         tl.store(trow + 3, (j >= NROT).to(tl.int64))
     if j < NROT:
@@ -962,6 +962,18 @@ def _prologue_kernel(
 
 
 PROLOGUE_TIME_ROW = tl.constexpr(60000)  # the prologue's rows of the diagnostic timestamp buffer
+
+
+def _check_times_buf(buf, slots: int, hist_programs: int, prologue_programs: int):
+    """The diagnostic timestamp buffer (``decode_gluon.TIMES_BUF``, ``[rows, slots]``) must hold the history's programs
+    below ``PROLOGUE_TIME_ROW`` and the prologue's from there on: a clear error, not stamps written past its end."""
+    row0 = PROLOGUE_TIME_ROW.value
+    if buf.dim() != 2 or buf.shape[1] != slots or hist_programs > row0 or buf.shape[0] < row0 + prologue_programs:
+        raise ValueError(f"decode_gluon.TIMES_BUF: shape {tuple(buf.shape)} for {hist_programs} history programs (at "
+                         f"most {row0}) and {prologue_programs} prologue programs from row {row0}: needs [>= "
+                         f"{row0 + prologue_programs}, {slots}]")
+    if buf.dtype != torch.int64 or not buf.is_cuda or not buf.is_contiguous():
+        raise ValueError("decode_gluon.TIMES_BUF must be a contiguous int64 CUDA tensor")
 
 
 @triton.jit
@@ -1389,13 +1401,16 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     else:
         z3 = (0, 0, 0)
         pid_off = 0
-        fused_pro = False
+        fp = cfg.get("fused_prologue", 1)  # 2: on the Triton path too (its window programs leave the history launch)
+        fused_pro = bool(rotate is not None and s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)))
+        c_rot = min(d, ROT_C_BLOCK)
+        timed = glu is not None and glu.TIMES_BUF is not None  # diagnostic timestamps (both launches stamp)
+        if timed:
+            _check_times_buf(glu.TIMES_BUF, glu.TIME_SLOTS.value, bh * s_hist,
+                             bh * (d // c_rot + s_win) if fused_pro else 0)
         if rotate is not None:
             qf_r, r_k_r, mu_k_r = rotate
-            fp = cfg.get("fused_prologue", 1)  # 2: on the Triton path too (its window programs leave the history launch)
-            fused_pro = bool(s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)))
             if fused_pro:  # rotation + window programs in one launch (the window's query is qf_r: see the caller)
-                c_rot = min(d, ROT_C_BLOCK)
                 _prologue_kernel[(bh, d // c_rot + s_win)](
                     qf_r, r_k_r, mu_k_r, q_rot, qk_offset, k_win, v_win, wmask, pm, pl, pacc,
                     m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rotation_strides(qf_r, mu_k_r),
@@ -1404,8 +1419,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                     D=d, M_PAD=m_pad, M_PAD_ROT=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None,
                     HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
                     WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode in (2, 4)),
-                    TIMES=glu.TIMES_BUF if glu is not None else None,
-                    TIMED=int(glu is not None and glu.TIMES_BUF is not None), num_warps=cfg["num_warps"],
+                    TIMES=glu.TIMES_BUF if timed else None, TIMED=int(timed),
+                    TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8, num_warps=cfg["num_warps"],
                 )
             else:
                 launch_rotation(qf_r, r_k_r, mu_k_r, q_rot, qk_offset)

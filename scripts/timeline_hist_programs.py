@@ -5,7 +5,7 @@
 kernel's *programs* (and those of the launch before it, the rotation + window prologue: entry and exit): with
 ``decode_gluon.TIMES_BUF`` set, every program stamps ``%globaltimer`` at its entry, after
 its PDL wait (the query rotation complete), after its reference step (the query operands built, the first step's
-logits known), after its loop and at its exit, with ``%clock64`` and its SM beside them
+logits known), after its loop and at its exit, with ``%clock64``, its SM and its warp slot (scheduler) beside them
 (``decode_gluon._stamp``). The op runs as the benchmark's (``bench_kernels.oscar_op``: rotation + window launch,
 history, combine) in a CUDA graph with a cold L2, ``--iters`` times; each statistic is the median over the replays.
 
@@ -173,10 +173,10 @@ def plot(paths, out):
             s = p[f"{name}_us"]
             ax.barh(y, s["p90"] - s["p10"], left=s["p10"], color="C0", alpha=0.5)
             ax.plot([s["min"], s["p50"], s["max"]], [y] * 3, "k|", markersize=12)
-        for k, (name, col) in enumerate((("rotation", "C1"), ("window", "C2"))):
+        for name, col in (("rotation", "C1"), ("window", "C2")):
             if f"prologue_{name}" in p:
                 ax.axvline(p[f"prologue_{name}"]["exit_max"], color=col, ls="--", label=f"last {name} program's exit")
-        ax.set_yticks(range(len(SLOTS)), [f"{n}" for n in SLOTS])
+        ax.set_yticks(range(len(SLOTS)), list(SLOTS))
         ax.invert_yaxis()
         ax.set_xlabel("us from the prologue's start")
         ax.set_xlim(left=0)

@@ -32,3 +32,22 @@ def test_pow2_below_within(s, slack):
     assert r in (s, p)
     assert r == s or (p < s and s - p <= slack * s)
     assert (r == p) or s == p or s - p > slack * s
+
+
+def test_times_buf_checked():
+    """The diagnostic timestamp buffer: a shape that would let the stamps run past its end (too few rows for the
+    prologue's, history programs reaching the prologue's rows, the wrong width) or a buffer not on CUDA / not int64 is
+    a clear error before any launch."""
+    import torch
+
+    from oscar_hf.kernels.decode_triton import PROLOGUE_TIME_ROW, _check_times_buf
+
+    row0 = PROLOGUE_TIME_ROW.value
+    for shape, hist, pro in (((row0 + 71, 8), 1024, 72), ((1 << 16, 8), row0 + 1, 0), ((1 << 16, 7), 1024, 72),
+                             ((8 * (1 << 16),), 1024, 72)):
+        with pytest.raises(ValueError, match="needs"):
+            _check_times_buf(torch.zeros(shape, dtype=torch.int64), 8, hist, pro)
+    with pytest.raises(ValueError, match="CUDA"):  # the right shape, but on the CPU
+        _check_times_buf(torch.zeros(row0 + 72, 8, dtype=torch.int64), 8, 1024, 72)
+    with pytest.raises(ValueError, match="int64"):
+        _check_times_buf(torch.zeros(row0 + 72, 8, dtype=torch.int32), 8, 1024, 72)
