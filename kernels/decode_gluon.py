@@ -225,6 +225,34 @@ def _q8_operands(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
 
 
 @gluon.jit
+def _q8_tile(base, P: gl.constexpr, HL: gl.constexpr, TB: gl.constexpr):
+    """Tile ``(P, HL)`` of the prologue's int8 query operands (``query_triton._rotate_group_q8``: ``[4, 2, 8 n,
+    32 TB k]``, k contiguous) in the B layout of ``m16n8k32``: a lane's 4 consecutive k are one 4-byte word."""
+    k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, B8_OP))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, B8_OP))
+    return gl.load(base + ((P * 2 + HL) * 8 + n[None, :]) * (32 * TB) + k[:, None])
+
+
+@gluon.jit
+def _q8_loaded(QP8, QPF, pid_bh, TB: gl.constexpr):
+    """:func:`_q8_operands`' results loaded from what the prologue built for this (row, KV head) (``QPRE``): the
+    tiles, the accumulator starts (plane 3's ``128 sum``), ``sigma_g / 254`` and the query sums."""
+    base = QP8 + pid_bh.to(gl.int64) * (2048 * TB)  # (query_triton.Q8_TILE_BYTES * TB)
+    fp = QPF + pid_bh.to(gl.int64) * 64
+    cn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    qs0 = gl.load(fp + cn)
+    qs1 = gl.load(fp + 8 + cn)
+    hs = gl.load(fp + 16 + cn).to(gl.int32)
+    ls = gl.load(fp + 24 + cn).to(gl.int32)
+    f0 = gl.load(fp + 32)
+    f1 = gl.load(fp + 40)
+    z = gl.zeros([16, 8], gl.int32, layout=MMA)
+    return ((_q8_tile(base, 0, 0, TB), _q8_tile(base, 0, 1, TB)), (_q8_tile(base, 1, 0, TB), _q8_tile(base, 1, 1, TB)),
+            (_q8_tile(base, 2, 0, TB), _q8_tile(base, 2, 1, TB)), (_q8_tile(base, 3, 0, TB), _q8_tile(base, 3, 1, TB)),
+            (z, z, f0), (z + hs[None, :], z + ls[None, :], f1), qs0, qs1)
+
+
+@gluon.jit
 def _v_planes(x, BB: gl.constexpr):
     """Value codes of byte position ``BB`` of the word tile ``x [T, 8]`` (int32): four bf16 tiles (planes)."""
     return gl.inline_asm_elementwise(_V_ASM[BB], "=r,=r,=r,=r,r,r", [x],
@@ -597,7 +625,7 @@ def _hist_kernel(
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
     PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
-    TIMES=None, TIMED: gl.constexpr = 0,
+    TIMES=None, TIMED: gl.constexpr = 0, QP8=None, QPF=None, QPRE: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -646,7 +674,10 @@ def _hist_kernel(
     # per column: Qs_g = sum of the group's (scaled) query channels, from the planes (before session 22 a load of its
     # own, which the compiler issued after the operands' arithmetic: a second round trip)
     if K8:
-        qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
+        if QPRE:  # built by the prologue, once per row and KV head
+            qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_loaded(QP8, QPF, pid_bh, TB)
+        else:
+            qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
     else:
         p0 = _q_plane(q_ptr, sqm, M, 0, TB, MH, False)
         p1 = _q_plane(q_ptr, sqm, M, 1, TB, MH, False)
@@ -835,8 +866,9 @@ TIMES_BUF = None
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
+    ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
     With :data:`TIMES_BUF` set (a diagnostic), each program's timestamps go there (``[programs, TIME_SLOTS]`` int64)."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -848,7 +880,8 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *(qk_offset.stride() if qk_offset is not None else z3),
         TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
-        TIMES=TIMES_BUF, TIMED=int(TIMES_BUF is not None), num_warps=1,
+        TIMES=TIMES_BUF, TIMED=int(TIMES_BUF is not None),
+        QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

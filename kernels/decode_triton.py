@@ -85,7 +85,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from oscar_hf.quant import QuantizedRows
 
 from . import cdiv, cuda_major, next_pow2
-from .query_triton import C_BLOCK as ROT_C_BLOCK, _rotate_block, launch_rotation, rotation_strides
+from .query_triton import (C_BLOCK as ROT_C_BLOCK, Q8_FIELDS, Q8_TILE_BYTES, _rotate_block, _rotate_group_q8,
+                           launch_rotation, rotation_strides)
 
 
 LOG2E = 1.4426950408889634
@@ -246,6 +247,11 @@ CONFIG = {
     "merge_out_parts": 4,
     "merge_warps_few": 4,
     "splits_pow2_slack": 0.05,
+    # the int8 key path's query operands (hi / lo planes, scales, sums) built once per (row, KV head) by the fused
+    # prologue's rotation programs (one per group of 64 channels; query_triton._rotate_group_q8) and loaded by the
+    # history programs, instead of built by each of them from q_rot (the B=1/128K programs spent 3.2 us on it after
+    # their PDL wait, H100, session 22). 0: each history program builds them
+    "gluon_qpre": 1,
 }
 
 
@@ -931,11 +937,13 @@ def _prologue_kernel(
     D: tl.constexpr, M_PAD: tl.constexpr, M_PAD_ROT: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
     HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
     TIMES=None, TIMED: tl.constexpr = 0, TIME_SLOTS: tl.constexpr = 8,
+    QP8=None, QPF=None, QPRE: tl.constexpr = 0, TB: tl.constexpr = 2,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
     what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
     block ``j`` of the query, the rest are window programs ``j - D / C_BLOCK``). Before, each was a launch of its own,
-    before and after the history kernel."""
+    before and after the history kernel. ``QPRE`` (``C_BLOCK`` = the group size, 64): each rotation program also
+    writes its group's int8 query operands of the Gluon kernel's int8 key path (``query_triton._rotate_group_q8``)."""
     if PDL:  # the history kernel may launch now: it loads its first steps, then waits for this grid (the query)
         gdc_launch_dependents()
     pid_bh = tl.program_id(0)
@@ -946,8 +954,12 @@ def _prologue_kernel(
         tl.store(trow, _stamp_asm(j))
         tl.store(trow + 3, (j >= NROT).to(tl.int64))
     if j < NROT:
-        _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
-                      D, M_PAD_ROT, C_BLOCK, HAS_MU)
+        if QPRE:
+            _rotate_group_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
+                             D, TB, HAS_MU, LOWP)
+        else:
+            _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
+                          D, M_PAD_ROT, C_BLOCK, HAS_MU)
     else:
         b = pid_bh // Hk
         h = pid_bh % Hk
@@ -1403,7 +1415,16 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         pid_off = 0
         fp = cfg.get("fused_prologue", 1)  # 2: on the Triton path too (its window programs leave the history launch)
         fused_pro = bool(rotate is not None and s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)))
-        c_rot = min(d, ROT_C_BLOCK)
+        k8 = gluon_k8(cfg, n, s_hist) if glu is not None else 0
+        # the int8 key path's query operands built once per (row, KV head) by the prologue's rotation programs, one per
+        # group of channels (CONFIG["gluon_qpre"]), not by every history program
+        qpre = bool(fused_pro and k8 and cfg.get("gluon_qpre"))
+        c_rot = group_size if qpre else min(d, ROT_C_BLOCK)
+        qp8 = qpf = None
+        if qpre:
+            tb = glu.tokens_per_step(m) // 16
+            qp8 = torch.empty(bh * Q8_TILE_BYTES * tb, device=dev, dtype=torch.int8)
+            qpf = torch.empty(bh * Q8_FIELDS, device=dev, dtype=torch.float32)
         timed = glu is not None and glu.TIMES_BUF is not None  # diagnostic timestamps (both launches stamp)
         if timed:
             _check_times_buf(glu.TIMES_BUF, glu.TIME_SLOTS.value, bh * s_hist,
@@ -1420,7 +1441,9 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                     HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
                     WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode in (2, 4)),
                     TIMES=glu.TIMES_BUF if timed else None, TIMED=int(timed),
-                    TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8, num_warps=cfg["num_warps"],
+                    TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8,
+                    QP8=qp8, QPF=qpf, QPRE=int(qpre), TB=glu.tokens_per_step(m) // 16 if qpre else 2,
+                    num_warps=cfg["num_warps"],
                 )
             else:
                 launch_rotation(qf_r, r_k_r, mu_k_r, q_rot, qk_offset)
@@ -1431,7 +1454,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
                                    pdl=3 if pdl_mode == 4 else pdl_mode,
-                                   early=int(cfg.get("gluon_early", 0)), k8=gluon_k8(cfg, n, s_hist))
+                                   early=int(cfg.get("gluon_early", 0)), k8=k8,
+                                   qpre=(qp8, qpf) if qpre else None)
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:

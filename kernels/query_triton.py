@@ -109,3 +109,162 @@ def query_kernel_supported(qf: torch.Tensor) -> bool:
     """Decode-sized queries (at most 16 rows per KV head) with a power-of-two head_dim in [32, 256]."""
     d, m = qf.shape[-1], qf.shape[-2]
     return qf.dim() == 4 and 32 <= d <= 256 and (d & (d - 1)) == 0 and 1 <= m <= 16
+
+
+# The Gluon history kernel's int8 key path (decode_gluon, K8) multiplies the key planes by the query as two int8
+# operands per plane, hi + lo / 254 of q_P / sigma_g (q_P = q_rot's plane P times qk_scale / 4^P, sigma_g = the largest
+# |q_P| of group g over its planes and rows / 127). Before session 23 every history program built them from q_rot
+# (~850 instructions, 3.2 us of a B=1 / 128K program on the H100, all before its loop); QPRE prologues build them once
+# per (row, KV head) here, one program per group of 64 channels (both of its planes), in the layout the history kernel
+# loads as its tensor-core operands:
+#   tiles  int8    [B * Hk, 4 planes, 2 (hi, lo), 8 columns n, 32 TB k]: column n is query row n % MH of token set
+#                  n // MH (TB = 2 for <= 4 rows a KV head, else 1; MH = 8 // TB), k = 32 tb + j holds channel
+#                  32 P + sigma8(j) of that row where tb = n // MH, 0 elsewhere (the block-diagonal B operand)
+#   fields float32 [B * Hk, 8, 8 columns]: 0, 1: Qs_g (the sum of group g's channels of the column's row, times
+#                  qk_scale); 2, 3: 128 x the sum of plane 3's hi (lo) codes (plane 3 enters as 64 code - 128);
+#                  4, 5: sigma_g / 254 (every column); 6, 7 unused
+Q8_TILE_BYTES = 4 * 2 * 8 * 32  # per token set: a (row, KV head)'s tiles are Q8_TILE_BYTES * TB bytes
+Q8_FIELDS = 64
+
+
+@triton.jit
+def _rni(x, ASM: tl.constexpr):
+    """Round to the nearest integer, ties to even: ``cvt.rni`` as in the history kernel (``ASM``, the GPU), or under
+    the interpreter (no inline PTX there) by adding and removing 1.5 * 2^23 (exact for ``|x| < 2^22``)."""
+    if ASM:
+        return tl.inline_asm_elementwise("cvt.rni.f32.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _rotate_group_q8(
+    Q, RK, MU, QR, QO, QP8, QPF, pid, g, M, Hk, qk_scale,
+    sqb, sqh, sqm, smb, smh,
+    D: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
+):
+    """Group ``g`` (channels ``[64 g, 64 g + 64)``, planes ``2 g, 2 g + 1``) of ``q_rot`` for the query rows of
+    ``pid = b * Hk + h`` and its int8 operands (see above); the program of group 0 also writes ``q · mu_K``. The
+    product's rows are the operand's columns (``n``: row ``n % MH``, padded to 16 for ``tl.dot``) and its columns
+    the channels already in the operand's order (``R_K``'s columns loaded permuted), so that every output is a
+    plain store. ``ASM``: the rounding in inline PTX (the GPU; not under the interpreter)."""
+    MH: tl.constexpr = 8 // TB
+    b = pid // Hk
+    h = pid % Hk
+    n = tl.arange(0, 16)
+    hn = n % MH
+    nval = (hn < M) & (n < 8)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + hn[:, None] * sqm + offs_d[None, :],
+                mask=nval[:, None], other=0.0).to(tl.float32)  # [16, D]: row n = query row n % MH
+    if HAS_MU:
+        mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)
+    j = tl.arange(0, 64)
+    jj = j % 32
+    col = 64 * g + 32 * (j // 32) + 8 * ((jj % 16) // 4) + 4 * (jj // 16) + jj % 4  # channel 32 P + sigma8(jj)
+    r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + col[None, :])  # [D, 64]
+    y = tl.dot(q, r, input_precision="tf32x3")  # [16, 64]: q_rot[n % MH, col]
+    tl.store(QR + (pid.to(tl.int64) * M + n[:, None]) * D + col[None, :], y, mask=(n < M)[:, None])
+    if HAS_MU:
+        if g == 0:
+            tl.store(QO + pid.to(tl.int64) * M + n, tl.sum(q * mu[None, :], 1), mask=n < M)
+    # sigma_g: the group's largest |q_P| (plane 2g + 1 counts a quarter: its codes enter 4x larger)
+    lo_plane = (j < 32)[None, :]
+    a = tl.abs(y)
+    am0 = tl.max(tl.max(tl.where(lo_plane, a, 0.0), 1), 0)
+    am1 = tl.max(tl.max(tl.where(lo_plane, 0.0, a), 1), 0)
+    gsc = tl.where(g == 0, qk_scale, qk_scale / 16.0)
+    sg = tl.maximum(tl.maximum(am0, 0.25 * am1) * gsc, 1e-30) / 127.0
+    # factor of plane P: qk_scale / 4^P / sigma_g
+    f = tl.where(lo_plane, qk_scale * tl.where(g == 0, 1.0, 0.0625), qk_scale * tl.where(g == 0, 0.25, 0.015625)) / sg
+    x = y * f
+    hi = _rni(x, ASM)
+    lo = _rni((x - hi) * 254.0, ASM)
+    # tiles: plane P = 2g + j // 32, rows n < 8; the other token set's half of the row (TB = 2) holds zeros
+    TILE: tl.constexpr = 32 * TB
+    row = QP8 + pid.to(tl.int64) * (8 * 8 * TILE) + ((2 * g + j // 32) * 2)[None, :] * (8 * TILE) + n[:, None] * TILE
+    kk = (32 * (n // MH))[:, None] + jj[None, :]
+    smask = (n < 8)[:, None]
+    tl.store(row + kk, hi.to(tl.int8), mask=smask)
+    tl.store(row + 8 * TILE + kk, lo.to(tl.int8), mask=smask)
+    if TB == 2:
+        kz = (32 - 32 * (n // MH))[:, None] + jj[None, :]
+        zero = tl.zeros([16, 64], tl.int8)
+        tl.store(row + kz, zero, mask=smask)
+        tl.store(row + 8 * TILE + kz, zero, mask=smask)
+    # fields, per column n
+    fp = QPF + pid.to(tl.int64) * 64
+    tl.store(fp + 8 * g + n, tl.sum(y, 1) * qk_scale, mask=n < 8)
+    tl.store(fp + 8 * (4 + g) + n, tl.zeros([16], tl.float32) + sg / 254.0, mask=n < 8)
+    if g == 1:  # plane 3 (j >= 32): 128 x its codes' sums
+        tl.store(fp + 16 + n, 128.0 * tl.sum(tl.where(lo_plane, 0.0, hi), 1), mask=n < 8)
+        tl.store(fp + 24 + n, 128.0 * tl.sum(tl.where(lo_plane, 0.0, lo), 1), mask=n < 8)
+
+
+@triton.jit
+def _rotate_q8_kernel(
+    Q, RK, MU, QR, QO, QP8, QPF, M, Hk, qk_scale,
+    sqb, sqh, sqm, smb, smh,
+    D: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
+):
+    # program (b * Hk + h, g): group g of the query rotation and its int8 operands (the fused prologue's QPRE programs)
+    _rotate_group_q8(Q, RK, MU, QR, QO, QP8, QPF, tl.program_id(0), tl.program_id(1), M, Hk, qk_scale,
+                     sqb, sqh, sqm, smb, smh, D, TB, HAS_MU, ASM)
+
+
+def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None, qk_scale: float):
+    """:func:`rotate_query_triton` and the int8 key path's query operands (:func:`q8_operands_reference`) in one
+    launch of :func:`_rotate_group_q8` programs, as the decode op's fused prologue runs them (``D = 128``, ``M <= 8``)
+    -> ``(q_rot, qk_offset, tiles, fields)``."""
+    qf, r_k, mu_k, q_rot, off = rotation_args(qf, r_k, mu_k)
+    b, hk, m, d = qf.shape
+    if d != 128 or not 1 <= m <= 8:
+        raise ValueError(f"the int8 query operands need head_dim 128 and 1..8 query rows a KV head, got {d}, {m}")
+    tb = 2 if m <= 4 else 1
+    tiles = torch.empty(b * hk, 4, 2, 8, 32 * tb, device=qf.device, dtype=torch.int8)
+    fields = torch.zeros(b * hk, 8, 8, device=qf.device, dtype=torch.float32)
+    _rotate_q8_kernel[(b * hk, 2)](
+        qf, r_k, mu_k, q_rot, off, tiles, fields, m, hk, float(qk_scale), *rotation_strides(qf, mu_k),
+        D=d, TB=tb, HAS_MU=mu_k is not None, ASM=int(qf.is_cuda), num_warps=4,
+    )
+    return q_rot, off, tiles, fields
+
+
+def q8_operands_reference(q_rot: torch.Tensor, qk_scale: float):
+    """:func:`_rotate_group_q8`'s outputs in torch from ``q_rot [B, Hk, M, D]`` (D = 128, M <= 8): ``(tiles int8
+    [B * Hk, 4, 2, 8, 32 TB], fields float32 [B * Hk, 8, 8])`` (fields 6, 7 zero)."""
+    b, hk, m, d = q_rot.shape
+    assert d == 128 and 1 <= m <= 8
+    tb = 2 if m <= 4 else 1
+    mh = 8 // tb
+    jj = torch.arange(32)
+    sig = 8 * ((jj % 16) // 4) + 4 * (jj // 16) + jj % 4
+    q = q_rot.float().reshape(b * hk, m, d)
+    rows = torch.zeros(b * hk, 8, d, device=q.device)  # column n: row n % MH where it exists
+    for n in range(8):
+        if n % mh < m:
+            rows[:, n] = q[:, n % mh]
+    planes = torch.stack([rows[..., 32 * p + sig] for p in range(4)], 1)  # [BH, 4, 8, 32]
+    tiles = torch.zeros(b * hk, 4, 2, 8, 32 * tb, dtype=torch.int8, device=q.device)
+    fields = torch.zeros(b * hk, 8, 8, device=q.device)
+    for g in range(2):
+        a0 = planes[:, 2 * g].abs().amax((1, 2))
+        a1 = planes[:, 2 * g + 1].abs().amax((1, 2))
+        gsc = qk_scale if g == 0 else qk_scale / 16.0
+        sg = torch.clamp(torch.maximum(a0, 0.25 * a1) * gsc, min=1e-30) / 127.0  # [BH]
+        for pp in range(2):
+            p = 2 * g + pp
+            x = planes[:, p] * ((qk_scale * 0.25 ** p) / sg)[:, None, None]
+            hi = torch.round(x)
+            lo = torch.round((x - hi) * 254.0)
+            for n in range(8):
+                t = n // mh
+                tiles[:, p, 0, n, 32 * t:32 * t + 32] = hi[:, n].to(torch.int8)
+                tiles[:, p, 1, n, 32 * t:32 * t + 32] = lo[:, n].to(torch.int8)
+            if p == 3:
+                fields[:, 2] = 128.0 * hi.sum(-1)
+                fields[:, 3] = 128.0 * lo.sum(-1)
+        fields[:, g] = (planes[:, 2 * g].sum(-1) + planes[:, 2 * g + 1].sum(-1)) * qk_scale
+        fields[:, 4 + g] = (sg / 254.0)[:, None]
+    return tiles, fields

@@ -50,25 +50,32 @@ def main():
     from oscar_hf.kernels.decode_triton import CONFIG
 
     ptrs = dict(Q="*fp32", KC="*u8", KS="*bf16", KZ="*bf16", VC="*u8", VS="*bf16", VZ="*bf16", START="*i32",
-                QKOFF="*fp32")
+                QKOFF="*fp32", QP8="*i8", QPF="*fp32")
     ints = "N M Hk S S_TOT split_len".split()
     strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
     stages = int(CONFIG["gluon_stages"])
     # both key paths (fp16 / int8 key MMAs: CONFIG["gluon_k8"] picks one per call) with both pipelines (short and long
     # splits: CONFIG["gluon_stages"], ["gluon_stages_long"])
     pipes = sorted({stages, int(CONFIG.get("gluon_stages_long") or stages)})
-    cases = [(tb, gsum, st, k8) for st in pipes for k8 in (0, 1) for gsum in (0, 1) for tb in (2, 1)]
+    # int8 keys: the query operands from the prologue (QPRE, CONFIG["gluon_qpre"]; the rotating op) and, for one case,
+    # built by the kernel itself (the static cache's op, which takes the rotated query)
+    qpre = int(os.environ.get("AOT_QPRE", int(bool(CONFIG.get("gluon_qpre")))))
+    cases = [(tb, gsum, st, k8, qpre * k8) for st in pipes for k8 in (0, 1) for gsum in (0, 1) for tb in (2, 1)]
+    if qpre:
+        cases += [(2, 1, pipes[-1], 1, 0)]
     if stages:
-        cases += [(2, 1, 0, 0), (1, 1, 0, 0)]  # the register-load loop too (fp16 keys)
+        cases += [(2, 1, 0, 0, 0), (1, 1, 0, 0, 0)]  # the register-load loop too (fp16 keys)
     early = int(os.environ.get("AOT_EARLY", CONFIG.get("gluon_early", 0)))
     if "AOT_STAGES" in os.environ:  # only these pipelines (e.g. "2,4"), default key path and offsets, TB = 2
-        cases = [(2, 1, int(x), 1) for x in os.environ["AOT_STAGES"].split(",")]
-    for tb, gsum, st, k8_ in cases:
+        cases = [(2, 1, int(x), 1, qpre) for x in os.environ["AOT_STAGES"].split(",")]
+    for tb, gsum, st, k8_, qp in cases:
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
-                  "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_,
+                  "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_, "QPRE": qp,
                   "PDL": 2 if early else 1,  # (programmatic dependent launch compiled in: its variant of the prologue)
                   "TIMES": None, "TIMED": 0}
+        if not qp:
+            consts.update(QP8=None, QPF=None)
         if os.environ.get("AOT_TIMED"):  # the diagnostic per-program timestamps compiled in
             consts["TIMED"] = 1
             del consts["TIMES"]
@@ -99,10 +106,12 @@ def main():
         op = lambda s: re.sub(r"^@!?U?P\w+\s+", "", s).split()[0]  # noqa: E731
         loop = collections.Counter(op(i) for i in _hot_loop(sass))
         if os.environ.get("AOT_DUMP"):  # the hot loop's SASS, one file a case (AOT_DUMP_ALL: the whole kernel's)
-            with open(f"{os.environ['AOT_DUMP']}_tb{tb}_g{gsum}_s{st}_k{k8_}.sass", "w") as f:
+            with open(f"{os.environ['AOT_DUMP']}_tb{tb}_g{gsum}_s{st}_k{k8_}_q{qp}.sass", "w") as f:
                 f.write(sass if os.environ.get("AOT_DUMP_ALL") else "\n".join(_hot_loop(sass)))
-        print(json.dumps({"kernel": "gluon", "tb": tb, "gsum": gsum, "stages": st, "k8": k8_, "long": bool(long_),
-                          "regs": regs,
+        print(json.dumps({"kernel": "gluon", "tb": tb, "gsum": gsum, "stages": st, "k8": k8_, "qpre": qp,
+                          "long": bool(long_),
+                          "regs": regs, "frnd": sum(1 for i in re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?(\w+)", sass)
+                                                    if i.startswith("FRND")),
                           "spill_bytes": spill,
                           "maxnreg": opts.get("maxnreg"), "loop": dict(loop)}))
     sys.stdout.flush()

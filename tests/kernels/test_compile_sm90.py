@@ -63,12 +63,17 @@ def test_gluon_history_kernel_compiles_for_sm90_in_registers():
     assert proc.returncode == 0, proc.stderr[-4000:]
     from oscar_hf.kernels.decode_triton import CONFIG
 
-    rows = {(r["tb"], r["gsum"], r["stages"], r["k8"]): r
+    rows = {(r["tb"], r["gsum"], r["stages"], r["k8"], r["qpre"]): r
             for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
     pipes = {int(CONFIG["gluon_stages"]), int(CONFIG.get("gluon_stages_long") or CONFIG["gluon_stages"])}
-    assert set(rows) == {(tb, gsum, st, k8) for st in pipes for tb in (1, 2) for gsum in (0, 1) for k8 in (0, 1)} | {
-        (1, 1, 0, 0), (2, 1, 0, 0)}, rows
-    for (tb, gsum, stages, k8), r in rows.items():
+    qpre = int(bool(CONFIG.get("gluon_qpre")))
+    assert set(rows) == {(tb, gsum, st, k8, qpre * k8) for st in pipes for tb in (1, 2) for gsum in (0, 1)
+                         for k8 in (0, 1)} | {(1, 1, 0, 0, 0), (2, 1, 0, 0, 0)} | (
+                             {(2, 1, max(pipes), 1, 0)} if qpre else set()), rows
+    for (tb, gsum, stages, k8, qp), r in rows.items():
+        # the int8 query operands' rounding (cvt.rni: FRND) only where the kernel builds them itself; with QPRE it
+        # loads what the prologue built
+        assert (r["frnd"] == 0) if qp else (r["frnd"] > 0 if k8 else True), r
         # spills only outside the loop (the setup's tiles while the query operands are built; <= 136 bytes measured,
         # Triton 3.9): the cap of 12 programs per SM was measured faster than 13-14 programs without them (long
         # splits: 8 programs an SM under ptxas's own limit, faster still)

@@ -633,6 +633,8 @@ _GLUON_VARIANTS = {
     "fp16-keys": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 0},
     "k8": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2},
     "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 2},
+    "k8-noqpre": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 0},
+    "k8-qpre-nopdl": {"gluon_gsum": 1, "pdl": 0, "gluon_k8": 2, "gluon_qpre": 1},
     "hoist": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1, "merge_hoist": 1, "merge_cblock": 32},
     "long": {"gluon_long_split": 64},  # every split long: int8 keys, 4 stages, 8 programs an SM without a cap
     "short": {"gluon_long_split": 1 << 30},  # no split long: fp16 keys, 2 stages, 12 programs an SM under a cap
@@ -648,7 +650,8 @@ def gluon_calls(request, monkeypatch):
     launch of the Gluon path's launches (CONFIG["pdl"] 1; 2: only rotation -> history, where the op rotates), with
     each way of feeding the history loop's full steps: loads to registers (gluon_stages 0) or through shared memory
     (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
-    logits on int8 tensor cores (gluon_k8); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
+    logits on int8 tensor cores (gluon_k8), their query operands built by the history programs or (where the op
+    rotates the query, the default) by the prologue (gluon_qpre); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
     with R_V in 32-row chunks instead of the default 64; "long": the defaults with every split long (the long splits'
     key path, pipeline, residency and register cap; since session 20 the default from 256 tokens a split), "short":
     no split long (the short-split path, the default before session 20); "pdl4-warp": the combine under PDL (pdl 4),
@@ -766,6 +769,32 @@ def test_gpu_gluon_decode_op_rotating(gluon_calls, monkeypatch, fused, b, n, n_v
     assert gluon_calls, "the Gluon kernel did not run"
     assert got.dtype == torch.bfloat16
     assert rel_err(got.float(), ref.float()) < 2e-2
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("m", [1, 4, 6, 8])
+def test_gpu_gluon_prologue_query_operands(monkeypatch, m):
+    """The int8 key path's query operands built once by the prologue (gluon_qpre) or by every history program: the
+    rotating op's outputs agree with each other to float32 rounding and with the reference, at both token-set layouts
+    (TB = 2 for <= 4 rows, else 1) and with padding columns; and the prologue's operands reach the history kernel."""
+    glu = _dt()._gluon_module()
+    seen = []
+    real = glu.launch_history
+    monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (seen.append(kw.get("qpre") is not None),
+                                                                 real(*a, **kw))[1])
+    args = _rotating_case(2, 8, m, 9000, 320, 128, 64, seed=m, device="cuda")
+    args["qf"] = args["qf"].cuda()
+    args["start"] = torch.tensor([0, 37], device="cuda")
+    args["out_dtype"] = torch.float32
+    outs = {}
+    for qpre in (1, 0):
+        monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_k8": 2,
+                                              "gluon_qpre": qpre})
+        outs[qpre] = _dt().decode_attention_rotating_triton(**args)
+    assert seen == [True, False]
+    assert rel_err(outs[1], outs[0]) < 1e-4
+    assert rel_err(outs[1], _rotating_reference(args).float()) < 2e-2
 
 
 @pytest.mark.gpu

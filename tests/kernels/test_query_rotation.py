@@ -73,3 +73,70 @@ def test_rotate_query_dispatch_falls_back_to_reference():
 @pytest.mark.parametrize("m,mu", [(4, "head"), (8, "row"), (1, None)])
 def test_rotate_query_kernel_gpu(m, mu):
     _check(*_case(8, 8, m, 128, mu, torch.bfloat16, "cuda", seed=m), 1e-5)
+
+
+def _check_q8(q, r_k, mu_k, scale, exact):
+    """The int8 key path's query operands (``rotate_query_q8_triton``, the fused prologue's QPRE programs) against
+    :func:`q8_operands_reference` of the kernel's own ``q_rot``, which is checked against the rotation's reference;
+    and the reference against what the operands mean: ``sigma_g (hi + lo / 254)`` is ``q_P qk_scale / 4^P`` to half
+    a step of ``lo``."""
+    from oscar_hf.kernels.query_triton import q8_operands_reference, rotate_query_q8_triton
+
+    q_rot, off, tiles, fields = rotate_query_q8_triton(q, r_k, mu_k, scale)
+    ref_q, ref_off = rotate_query_reference(q.cpu().double(), r_k.cpu().double(),
+                                            None if mu_k is None else mu_k.cpu().double())
+    assert rel_err(q_rot.cpu().double(), ref_q) < 1e-5
+    assert (off is None) == (mu_k is None) and (off is None or rel_err(off.cpu().double(), ref_off) < 1e-5)
+    ref_t, ref_f = q8_operands_reference(q_rot, scale)
+    assert tiles.shape == ref_t.shape and tiles.dtype == torch.int8
+    diff = (tiles.int() - ref_t.int()).abs()
+    if exact:
+        assert torch.equal(tiles, ref_t)
+    else:  # (the GPU's float32 division may differ in its last bit: a rounding tie may then go the other way)
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+    assert torch.equal(fields[:, 2:4], ref_f[:, 2:4]) if exact else torch.allclose(fields[:, 2:4], ref_f[:, 2:4], atol=256)
+    assert torch.allclose(fields[:, [0, 1, 4, 5]], ref_f[:, [0, 1, 4, 5]], rtol=1e-5, atol=1e-5)
+    # the reference's meaning, column by column (token set n // MH of query row n % MH)
+    b, hk, m, d = q.shape
+    tb = ref_t.shape[-1] // 32
+    mh = 8 // tb
+    jj = torch.arange(32)
+    sig = 8 * ((jj % 16) // 4) + 4 * (jj // 16) + jj % 4
+    qr = q_rot.cpu().reshape(b * hk, m, d)
+    rt, rf = ref_t.cpu().float(), ref_f.cpu()
+    for n in range(8):
+        t, row = n // mh, n % mh
+        other = rt[:, :, :, n, 32 * (1 - t):32 * (2 - t)] if tb == 2 else torch.zeros(1)
+        assert not other.any(), "the other token set's half of a column must be zero"
+        for p in range(4):
+            sg = rf[:, 4 + p // 2, n] * 254.0  # [BH]
+            approx = sg[:, None] * (rt[:, p, 0, n, 32 * t:32 * t + 32] + rt[:, p, 1, n, 32 * t:32 * t + 32] / 254.0)
+            want = qr[:, row, 32 * p + sig] * scale * 0.25 ** p if row < m else torch.zeros(b * hk, 32)
+            assert ((approx - want).abs() <= sg[:, None] * (0.5 / 254.0) * 1.001 + 1e-6).all(), (n, p)
+
+
+@interp
+@pytest.mark.parametrize("b,hk,m,mu,dtype", [
+    (2, 3, 4, "head", torch.bfloat16),  # GQA 4: two token sets per column block
+    (1, 2, 1, None, torch.float32),  # one row: padding columns
+    (2, 2, 7, "row", torch.float16),  # one token set, padding column 7
+    (1, 1, 8, "head", torch.float32),  # GQA 8
+])
+def test_rotate_query_q8_kernel(b, hk, m, mu, dtype):
+    _check_q8(*_case(b, hk, m, 128, mu, dtype, "cpu", seed=m + 10), 128**-0.5 * 1.4426950408889634, exact=True)
+
+
+@interp
+def test_rotate_query_q8_rejects_shapes_it_cannot_serve():
+    from oscar_hf.kernels.query_triton import rotate_query_q8_triton
+
+    q, r_k, mu_k = _case(1, 2, 4, 64, "head", torch.float32, "cpu")
+    with pytest.raises(ValueError, match="head_dim 128"):
+        rotate_query_q8_triton(q, r_k, mu_k, 0.1)
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,mu", [(4, "head"), (8, "row"), (1, None), (6, "head")])
+def test_rotate_query_q8_kernel_gpu(m, mu):
+    _check_q8(*_case(8, 8, m, 128, mu, torch.bfloat16, "cuda", seed=m), 128**-0.5 * 1.4426950408889634, exact=False)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Session-23 device runs, from the repository root, one `run` call each; results were copied from $OUT to
+# benchmarks/results/ afterwards (GPU name in each file; "h100"/"h200" in the file names):
+#   bash benchmarks/run_session23.sh a   # (H100; run b: H200) the int8 key path's query operands built once per (row,
+#                                        # KV head) by the prologue (CONFIG["gluon_qpre"]): GPU tests of it, then the
+#                                        # B=1/128K per-program timeline and the op's graph time, with and without it
+source benchmarks/device_env.sh
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200" | tr A-Z a-z)
+case "$1" in
+a|b)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
+      "$R/tests/kernels/test_query_rotation.py" "$R/tests/kernels/test_int2_attention.py" \
+      -k "q8 or prologue_query_operands or timestamps or (rotating and (k8 or long or early-pdl2))" \
+      2>&1 | tee "$OUT/tests_${GPU}_session23$1.log" | tail -4
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_qpre": 0}' \
+      --out "$OUT/timeline_hist_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn"
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_qpre": 0}' --out "$OUT/profile_op_${GPU}_session23$1.json" 2>&1 | grep -E "^B=|_hist|_prol"
+  ;;
+esac
