@@ -19,3 +19,24 @@ a|b)
       --configs '{}' '{"gluon_qpre": 0}' --out "$OUT/profile_op_${GPU}_session23$1.json" 2>&1 | grep -E "^B=|_hist|_prol"
   ;;
 esac
+# (appended) run c (H100): run a's timeline: the history programs' setup after the wait 3.6 -> 1.0 us with the
+# prologue's operands, but the prologue's 16 group programs end at 8.4-9.0 us instead of 3.5 (the op 46.3 -> 48.3 us;
+# B=32/32K prologue 26 -> 44 us: 224 registers a thread (sm_90 compile) for the 64-column tf32x3 product, so fewer
+# window programs an SM). Now the product in two halves of D (167 registers); the rotation alone in each variant
+# (scripts/bench_query_prologue.py), the timeline and the op with 4 or 8 warps a prologue program
+#   bash benchmarks/run_session23.sh c
+case "$1" in
+c|d)
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_query_rotation.py" \
+      "$R/tests/kernels/test_int2_attention.py" -k "q8 or prologue_query_operands" 2>&1 \
+      | tee "$OUT/tests_${GPU}_session23$1.log" | tail -2
+  timeout 100 python3 "$R/scripts/bench_query_prologue.py" --batches 1,8,32 \
+      --out "$OUT/query_prologue_${GPU}_session23$1.json" 2>&1 | grep -E "^B="
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"prologue_warps": 8}' '{"gluon_qpre": 0}' \
+      --out "$OUT/timeline_hist_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn"
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"prologue_warps": 8}' '{"gluon_qpre": 0}' --out "$OUT/profile_op_${GPU}_session23$1.json" \
+      2>&1 | grep -E "^B=|_hist|_prol"
+  ;;
+esac

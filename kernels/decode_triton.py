@@ -252,6 +252,7 @@ CONFIG = {
     # history programs, instead of built by each of them from q_rot (the B=1/128K programs spent 3.2 us on it after
     # their PDL wait, H100, session 22). 0: each history program builds them
     "gluon_qpre": 1,
+    "prologue_warps": None,  # warps of the fused prologue's programs (None: num_warps)
 }
 
 
@@ -956,7 +957,7 @@ def _prologue_kernel(
     if j < NROT:
         if QPRE:
             _rotate_group_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
-                             D, TB, HAS_MU, LOWP)
+                             D, TB, HAS_MU, LOWP, 1)  # (K split: the registers of _rotate_block, not 224)
         else:
             _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
                           D, M_PAD_ROT, C_BLOCK, HAS_MU)
@@ -1443,7 +1444,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                     TIMES=glu.TIMES_BUF if timed else None, TIMED=int(timed),
                     TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8,
                     QP8=qp8, QPF=qpf, QPRE=int(qpre), TB=glu.tokens_per_step(m) // 16 if qpre else 2,
-                    num_warps=cfg["num_warps"],
+                    num_warps=cfg.get("prologue_warps") or cfg["num_warps"],
                 )
             else:
                 launch_rotation(qf_r, r_k_r, mu_k_r, q_rot, qk_offset)

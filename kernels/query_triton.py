@@ -142,13 +142,13 @@ def _rni(x, ASM: tl.constexpr):
 def _rotate_group_q8(
     Q, RK, MU, QR, QO, QP8, QPF, pid, g, M, Hk, qk_scale,
     sqb, sqh, sqm, smb, smh,
-    D: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
+    D: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr, KSPLIT: tl.constexpr = 0,
 ):
     """Group ``g`` (channels ``[64 g, 64 g + 64)``, planes ``2 g, 2 g + 1``) of ``q_rot`` for the query rows of
     ``pid = b * Hk + h`` and its int8 operands (see above); the program of group 0 also writes ``q · mu_K``. The
-    product's rows are the operand's columns (``n``: row ``n % MH``, padded to 16 for ``tl.dot``) and its columns
-    the channels already in the operand's order (``R_K``'s columns loaded permuted), so that every output is a
-    plain store. ``ASM``: the rounding in inline PTX (the GPU; not under the interpreter)."""
+    product's rows are the operand's columns (``n``: row ``n % MH``, padded to 16 for ``tl.dot``), so that the
+    operands are stores of it (channels scattered into the operand's order). ``ASM``: the rounding in inline PTX
+    (the GPU; not under the interpreter)."""
     MH: tl.constexpr = 8 // TB
     b = pid // Hk
     h = pid % Hk
@@ -160,60 +160,74 @@ def _rotate_group_q8(
                 mask=nval[:, None], other=0.0).to(tl.float32)  # [16, D]: row n = query row n % MH
     if HAS_MU:
         mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)
-    j = tl.arange(0, 64)
-    jj = j % 32
-    col = 64 * g + 32 * (j // 32) + 8 * ((jj % 16) // 4) + 4 * (jj // 16) + jj % 4  # channel 32 P + sigma8(jj)
-    r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + col[None, :])  # [D, 64]
-    y = tl.dot(q, r, input_precision="tf32x3")  # [16, 64]: q_rot[n % MH, col]
-    tl.store(QR + (pid.to(tl.int64) * M + n[:, None]) * D + col[None, :], y, mask=(n < M)[:, None])
+    c = tl.arange(0, 64)  # channel 64 g + c: plane 2g + c // 32
+    rp = RK + h.to(tl.int64) * D * D + (64 * g + c)[None, :]
+    if KSPLIT:  # the product in two halves of D (fewer registers: half of R_K's tile split into tf32 at a time)
+        dh = tl.arange(0, D // 2)
+        qp = Q + b.to(tl.int64) * sqb + h * sqh + hn[:, None] * sqm + dh[None, :]
+        qa = tl.load(qp, mask=nval[:, None], other=0.0).to(tl.float32)
+        qb = tl.load(qp + D // 2, mask=nval[:, None], other=0.0).to(tl.float32)
+        y = tl.dot(qa, tl.load(rp + dh[:, None] * D), input_precision="tf32x3")
+        y = tl.dot(qb, tl.load(rp + (D // 2 + dh)[:, None] * D), y, input_precision="tf32x3")
+    else:
+        y = tl.dot(q, tl.load(rp + offs_d[:, None] * D), input_precision="tf32x3")  # [16, 64]: q_rot[n % MH, 64 g + c]
+    tl.store(QR + (pid.to(tl.int64) * M + n[:, None]) * D + (64 * g + c)[None, :], y, mask=(n < M)[:, None])
     if HAS_MU:
         if g == 0:
             tl.store(QO + pid.to(tl.int64) * M + n, tl.sum(q * mu[None, :], 1), mask=n < M)
-    # sigma_g: the group's largest |q_P| (plane 2g + 1 counts a quarter: its codes enter 4x larger)
-    lo_plane = (j < 32)[None, :]
-    a = tl.abs(y)
-    am0 = tl.max(tl.max(tl.where(lo_plane, a, 0.0), 1), 0)
-    am1 = tl.max(tl.max(tl.where(lo_plane, 0.0, a), 1), 0)
+    # sigma_g: the group's largest |q_P| (plane 2g + 1 counts a quarter: its codes enter 4x larger), one reduction
+    lo_plane = (c < 32)[None, :]
+    am = tl.max(tl.abs(y) * tl.where(lo_plane, 1.0, 0.25))
     gsc = tl.where(g == 0, qk_scale, qk_scale / 16.0)
-    sg = tl.maximum(tl.maximum(am0, 0.25 * am1) * gsc, 1e-30) / 127.0
+    sg = tl.maximum(am * gsc, 1e-30) / 127.0
     # factor of plane P: qk_scale / 4^P / sigma_g
     f = tl.where(lo_plane, qk_scale * tl.where(g == 0, 1.0, 0.0625), qk_scale * tl.where(g == 0, 0.25, 0.015625)) / sg
     x = y * f
     hi = _rni(x, ASM)
     lo = _rni((x - hi) * 254.0, ASM)
-    # tiles: plane P = 2g + j // 32, rows n < 8; the other token set's half of the row (TB = 2) holds zeros
+    # tiles: plane P = 2g + c // 32, rows n < 8, channel c % 32 at k = 32 (n // MH) + sigma8^-1(c % 32); the other
+    # token set's half of the row (TB = 2) holds zeros
     TILE: tl.constexpr = 32 * TB
-    row = QP8 + pid.to(tl.int64) * (8 * 8 * TILE) + ((2 * g + j // 32) * 2)[None, :] * (8 * TILE) + n[:, None] * TILE
-    kk = (32 * (n // MH))[:, None] + jj[None, :]
+    ch = c % 32
+    kj = 16 * ((ch // 4) % 2) + 4 * (ch // 8) + ch % 4  # sigma8^-1
+    row = QP8 + pid.to(tl.int64) * (8 * 8 * TILE) + ((2 * g + c // 32) * 2)[None, :] * (8 * TILE) + n[:, None] * TILE
+    kk = (32 * (n // MH))[:, None] + kj[None, :]
     smask = (n < 8)[:, None]
     tl.store(row + kk, hi.to(tl.int8), mask=smask)
     tl.store(row + 8 * TILE + kk, lo.to(tl.int8), mask=smask)
     if TB == 2:
-        kz = (32 - 32 * (n // MH))[:, None] + jj[None, :]
+        kz = (32 - 32 * (n // MH))[:, None] + kj[None, :]
         zero = tl.zeros([16, 64], tl.int8)
         tl.store(row + kz, zero, mask=smask)
         tl.store(row + 8 * TILE + kz, zero, mask=smask)
-    # fields, per column n
+    # fields, per column n: the group's sum and plane 3's codes' sums in one reduction
+    qs, hs, ls = tl.reduce((y, tl.where(lo_plane, 0.0, hi), tl.where(lo_plane, 0.0, lo)), 1, _sum3)
     fp = QPF + pid.to(tl.int64) * 64
-    tl.store(fp + 8 * g + n, tl.sum(y, 1) * qk_scale, mask=n < 8)
+    tl.store(fp + 8 * g + n, qs * qk_scale, mask=n < 8)
     tl.store(fp + 8 * (4 + g) + n, tl.zeros([16], tl.float32) + sg / 254.0, mask=n < 8)
-    if g == 1:  # plane 3 (j >= 32): 128 x its codes' sums
-        tl.store(fp + 16 + n, 128.0 * tl.sum(tl.where(lo_plane, 0.0, hi), 1), mask=n < 8)
-        tl.store(fp + 24 + n, 128.0 * tl.sum(tl.where(lo_plane, 0.0, lo), 1), mask=n < 8)
+    if g == 1:  # plane 3 (c >= 32): 128 x its codes' sums
+        tl.store(fp + 16 + n, 128.0 * hs, mask=n < 8)
+        tl.store(fp + 24 + n, 128.0 * ls, mask=n < 8)
+
+
+@triton.jit
+def _sum3(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, a1 + b1, a2 + b2
 
 
 @triton.jit
 def _rotate_q8_kernel(
     Q, RK, MU, QR, QO, QP8, QPF, M, Hk, qk_scale,
     sqb, sqh, sqm, smb, smh,
-    D: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
+    D: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr, KSPLIT: tl.constexpr = 0,
 ):
     # program (b * Hk + h, g): group g of the query rotation and its int8 operands (the fused prologue's QPRE programs)
     _rotate_group_q8(Q, RK, MU, QR, QO, QP8, QPF, tl.program_id(0), tl.program_id(1), M, Hk, qk_scale,
-                     sqb, sqh, sqm, smb, smh, D, TB, HAS_MU, ASM)
+                     sqb, sqh, sqm, smb, smh, D, TB, HAS_MU, ASM, KSPLIT)
 
 
-def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None, qk_scale: float):
+def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None, qk_scale: float,
+                           ksplit: int = 1, num_warps: int = 4):
     """:func:`rotate_query_triton` and the int8 key path's query operands (:func:`q8_operands_reference`) in one
     launch of :func:`_rotate_group_q8` programs, as the decode op's fused prologue runs them (``D = 128``, ``M <= 8``)
     -> ``(q_rot, qk_offset, tiles, fields)``."""
@@ -226,7 +240,7 @@ def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tens
     fields = torch.zeros(b * hk, 8, 8, device=qf.device, dtype=torch.float32)
     _rotate_q8_kernel[(b * hk, 2)](
         qf, r_k, mu_k, q_rot, off, tiles, fields, m, hk, float(qk_scale), *rotation_strides(qf, mu_k),
-        D=d, TB=tb, HAS_MU=mu_k is not None, ASM=int(qf.is_cuda), num_warps=4,
+        D=d, TB=tb, HAS_MU=mu_k is not None, ASM=int(qf.is_cuda), KSPLIT=ksplit, num_warps=num_warps,
     )
     return q_rot, off, tiles, fields
 
