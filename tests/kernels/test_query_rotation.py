@@ -124,8 +124,10 @@ def _check_q8(q, r_k, mu_k, scale, exact, ksplit=1):
 ])
 @pytest.mark.parametrize("ksplit", [0, 1])
 def test_rotate_query_q8_kernel(b, hk, m, mu, dtype, ksplit):
-    _check_q8(*_case(b, hk, m, 128, mu, dtype, "cpu", seed=m + 10), 128**-0.5 * 1.4426950408889634, exact=True,
-              ksplit=ksplit)
+    # (the interpreter's accumulating dot, ksplit, may hold the product a bit wider than the float32 q_rot it stores:
+    # a rounding tie of the reference may then go the other way)
+    _check_q8(*_case(b, hk, m, 128, mu, dtype, "cpu", seed=m + 10), 128**-0.5 * 1.4426950408889634,
+              exact=ksplit == 0, ksplit=ksplit)
 
 
 @interp
