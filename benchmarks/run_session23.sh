@@ -40,3 +40,17 @@ c|d)
       2>&1 | grep -E "^B=|_hist|_prol"
   ;;
 esac
+# (appended) run e (H100): run c: with the product in two halves the B=32/32K prologue is back to 25.5 us, B=1/128K
+# 45.2 vs 45.9 us without the prologue's operands, but its 16 group programs still end at p50 6.9 / max 8.2 us (the
+# rotation's 32 programs: 3.3 / 3.6). The group programs now stamp after their product, sigma_g and sums; the
+# rotation-alone benchmark with its errors shown
+#   bash benchmarks/run_session23.sh e
+case "$1" in
+e)
+  timeout 100 python3 "$R/scripts/bench_query_prologue.py" --batches 1,32 \
+      --out "$OUT/query_prologue_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn" | tail -12
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"prologue_warps": 8}' \
+      --out "$OUT/timeline_hist_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn" | grep -E "^B=|prologue|product"
+  ;;
+esac

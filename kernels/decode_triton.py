@@ -86,7 +86,7 @@ from oscar_hf.quant import QuantizedRows
 
 from . import cdiv, cuda_major, next_pow2
 from .query_triton import (C_BLOCK as ROT_C_BLOCK, Q8_FIELDS, Q8_TILE_BYTES, _rotate_block, _rotate_group_q8,
-                           launch_rotation, rotation_strides)
+                           launch_rotation, rotation_strides, stamp_asm as _stamp_asm)
 
 
 LOG2E = 1.4426950408889634
@@ -955,9 +955,13 @@ def _prologue_kernel(
         tl.store(trow, _stamp_asm(j))
         tl.store(trow + 3, (j >= NROT).to(tl.int64))
     if j < NROT:
-        if QPRE:
-            _rotate_group_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
-                             D, TB, HAS_MU, LOWP, 1)  # (K split: the registers of _rotate_block, not 224)
+        if QPRE:  # (K split: the registers of _rotate_block, not 224 a thread)
+            if TIMED:
+                _rotate_group_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
+                                 D, TB, HAS_MU, LOWP, 1, trow, 1)
+            else:
+                _rotate_group_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
+                                 D, TB, HAS_MU, LOWP, 1)
         else:
             _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
                           D, M_PAD_ROT, C_BLOCK, HAS_MU)
@@ -987,13 +991,6 @@ def _check_times_buf(buf, slots: int, hist_programs: int, prologue_programs: int
                          f"{row0 + prologue_programs}, {slots}]")
     if buf.dtype != torch.int64 or not buf.is_cuda or not buf.is_contiguous():
         raise ValueError("decode_gluon.TIMES_BUF must be a contiguous int64 CUDA tensor")
-
-
-@triton.jit
-def _stamp_asm(dep):
-    """%globaltimer (ns) once ``dep`` (int32) is known."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep], dtype=tl.int64, is_pure=False,
-                                     pack=1)
 
 
 @triton.jit

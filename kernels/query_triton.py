@@ -143,12 +143,14 @@ def _rotate_group_q8(
     Q, RK, MU, QR, QO, QP8, QPF, pid, g, M, Hk, qk_scale,
     sqb, sqh, sqm, smb, smh,
     D: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr, KSPLIT: tl.constexpr = 0,
+    TROW=None, TIMED: tl.constexpr = 0,
 ):
     """Group ``g`` (channels ``[64 g, 64 g + 64)``, planes ``2 g, 2 g + 1``) of ``q_rot`` for the query rows of
     ``pid = b * Hk + h`` and its int8 operands (see above); the program of group 0 also writes ``q · mu_K``. The
     product's rows are the operand's columns (``n``: row ``n % MH``, padded to 16 for ``tl.dot``), so that the
     operands are stores of it (channels scattered into the operand's order). ``ASM``: the rounding in inline PTX
-    (the GPU; not under the interpreter)."""
+    (the GPU; not under the interpreter). ``TIMED`` (a diagnostic, the prologue's row ``TROW`` of
+    ``decode_gluon.TIMES_BUF``): %globaltimer after the product (slot 1), after ``sigma_g`` (2) and after the sums (5)."""
     MH: tl.constexpr = 8 // TB
     b = pid // Hk
     h = pid % Hk
@@ -171,6 +173,8 @@ def _rotate_group_q8(
         y = tl.dot(qb, tl.load(rp + (D // 2 + dh)[:, None] * D), y, input_precision="tf32x3")
     else:
         y = tl.dot(q, tl.load(rp + offs_d[:, None] * D), input_precision="tf32x3")  # [16, 64]: q_rot[n % MH, 64 g + c]
+    if TIMED:
+        _stamp_at(TROW + 1, y, (n == 0)[:, None] & (c == 0)[None, :])
     tl.store(QR + (pid.to(tl.int64) * M + n[:, None]) * D + (64 * g + c)[None, :], y, mask=(n < M)[:, None])
     if HAS_MU:
         if g == 0:
@@ -180,6 +184,8 @@ def _rotate_group_q8(
     am = tl.max(tl.abs(y) * tl.where(lo_plane, 1.0, 0.25))
     gsc = tl.where(g == 0, qk_scale, qk_scale / 16.0)
     sg = tl.maximum(am * gsc, 1e-30) / 127.0
+    if TIMED:
+        tl.store(TROW + 2, stamp_asm(sg.to(tl.int32, bitcast=True)))
     # factor of plane P: qk_scale / 4^P / sigma_g
     f = tl.where(lo_plane, qk_scale * tl.where(g == 0, 1.0, 0.0625), qk_scale * tl.where(g == 0, 0.25, 0.015625)) / sg
     x = y * f
@@ -202,12 +208,28 @@ def _rotate_group_q8(
         tl.store(row + 8 * TILE + kz, zero, mask=smask)
     # fields, per column n: the group's sum and plane 3's codes' sums in one reduction
     qs, hs, ls = tl.reduce((y, tl.where(lo_plane, 0.0, hi), tl.where(lo_plane, 0.0, lo)), 1, _sum3)
+    if TIMED:
+        _stamp_at(TROW + 5, qs + hs + ls, n == 0)
     fp = QPF + pid.to(tl.int64) * 64
     tl.store(fp + 8 * g + n, qs * qk_scale, mask=n < 8)
     tl.store(fp + 8 * (4 + g) + n, tl.zeros([16], tl.float32) + sg / 254.0, mask=n < 8)
     if g == 1:  # plane 3 (c >= 32): 128 x its codes' sums
         tl.store(fp + 16 + n, 128.0 * hs, mask=n < 8)
         tl.store(fp + 24 + n, 128.0 * ls, mask=n < 8)
+
+
+@triton.jit
+def stamp_asm(dep):
+    """%globaltimer (ns) once ``dep`` (int32) is known (the diagnostic timestamps, ``decode_gluon.TIMES_BUF``)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def _stamp_at(ptr, x, where):
+    """Store at ``ptr`` the %globaltimer of the thread that holds the element of ``x`` (float32) marked by ``where``,
+    read once that element is known."""
+    tl.store(ptr + tl.zeros(x.shape, tl.int32), stamp_asm(x.to(tl.int32, bitcast=True)), mask=where)
 
 
 @triton.jit

@@ -57,6 +57,12 @@ def summarize(buf: torch.Tensor) -> dict:
             ent, ext = ((r[:, 0] - t0) / 1e3).tolist(), ((r[:, 4] - t0) / 1e3).tolist()
             out[f"prologue_{name}"] = {"programs": r.shape[0], "entry_max": max(ent), "exit_p50": _pct(ext, 0.5),
                                        "exit_max": max(ext)}
+            if kind == 0 and (r[:, [1, 2, 5]] != 0).all():  # the int8 operands' group programs (gluon_qpre) stamp
+                # after their product, after sigma_g and after their sums
+                for slot, mark in ((1, "product"), (2, "sigma"), (5, "sums")):
+                    col = ((r[:, slot] - t0) / 1e3).tolist()
+                    out[f"prologue_{name}"][f"{mark}_p50"] = _pct(col, 0.5)
+                    out[f"prologue_{name}"][f"{mark}_max"] = max(col)
     rel = (t[:, :5] - t0) / 1e3  # us from the first program's entry
     dur = {f"{SLOTS[i]}->{SLOTS[i + 1]}": (t[:, i + 1] - t[:, i]) / 1e3 for i in range(4)}
     out["programs"] = n
@@ -140,6 +146,9 @@ def show(row):
             s = p[f"prologue_{name}"]
             print(f"   prologue's {s['programs']:.0f} {name} programs: last entry {s['entry_max']:.1f}, exit p50 "
                   f"{s['exit_p50']:.1f} max {s['exit_max']:.1f} us")
+            if "product_p50" in s:
+                print("      " + ", ".join(f"{mark} p50 {s[mark + '_p50']:.1f} max {s[mark + '_max']:.1f}"
+                                           for mark in ("product", "sigma", "sums")) + " us")
     for name in SLOTS:
         s = p[f"{name}_us"]
         print(f"   {name:>9} at  min {s['min']:6.1f}  p10 {s['p10']:6.1f}  p50 {s['p50']:6.1f}  p90 {s['p90']:6.1f}"

