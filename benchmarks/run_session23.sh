@@ -54,3 +54,23 @@ e)
       --out "$OUT/timeline_hist_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn" | grep -E "^B=|prologue|product"
   ;;
 esac
+# (appended) run f (H100): run e: the 64-column group programs spend 5.5 us on the product alone (the 32-column
+# rotation programs: 3.3 us for everything). Now the operands are built by the rotation's own programs, one plane of
+# 32 channels each, with sigma_g from the largest row norm of the query (the same in both planes' programs, no
+# exchange between them); GPU tests, the rotation alone, the timeline and the op's graph time with and without it
+#   bash benchmarks/run_session23.sh f
+case "$1" in
+f|g)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
+      "$R/tests/kernels/test_query_rotation.py" "$R/tests/kernels/test_int2_attention.py" \
+      -k "q8 or prologue_query_operands or timestamps or (rotating and (k8 or long or early-pdl2))" \
+      2>&1 | tee "$OUT/tests_${GPU}_session23$1.log" | tail -3
+  timeout 60 python3 "$R/scripts/bench_query_prologue.py" --batches 1,32 \
+      --out "$OUT/query_prologue_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn" | tail -6
+  timeout 120 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_qpre": 0}' \
+      --out "$OUT/timeline_hist_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn"
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_qpre": 0}' --out "$OUT/profile_op_${GPU}_session23$1.json" 2>&1 | grep -E "^B=|_hist|_prol"
+  ;;
+esac

@@ -240,12 +240,12 @@ def _q8_loaded(QP8, QPF, pid_bh, TB: gl.constexpr):
     base = QP8 + pid_bh.to(gl.int64) * (2048 * TB)  # (query_triton.Q8_TILE_BYTES * TB)
     fp = QPF + pid_bh.to(gl.int64) * 64
     cn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    qs0 = gl.load(fp + cn)
-    qs1 = gl.load(fp + 8 + cn)
-    hs = gl.load(fp + 16 + cn).to(gl.int32)
-    ls = gl.load(fp + 24 + cn).to(gl.int32)
-    f0 = gl.load(fp + 32)
-    f1 = gl.load(fp + 40)
+    qs0 = gl.load(fp + cn) + gl.load(fp + 8 + cn)  # (the planes' sums)
+    qs1 = gl.load(fp + 16 + cn) + gl.load(fp + 24 + cn)
+    hs = gl.load(fp + 32 + cn).to(gl.int32)
+    ls = gl.load(fp + 40 + cn).to(gl.int32)
+    f0 = gl.load(fp + 48) / 254.0
+    f1 = gl.load(fp + 56) / 254.0
     z = gl.zeros([16, 8], gl.int32, layout=MMA)
     return ((_q8_tile(base, 0, 0, TB), _q8_tile(base, 0, 1, TB)), (_q8_tile(base, 1, 0, TB), _q8_tile(base, 1, 1, TB)),
             (_q8_tile(base, 2, 0, TB), _q8_tile(base, 2, 1, TB)), (_q8_tile(base, 3, 0, TB), _q8_tile(base, 3, 1, TB)),

@@ -85,7 +85,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from oscar_hf.quant import QuantizedRows
 
 from . import cdiv, cuda_major, next_pow2
-from .query_triton import (C_BLOCK as ROT_C_BLOCK, Q8_FIELDS, Q8_TILE_BYTES, _rotate_block, _rotate_group_q8,
+from .query_triton import (C_BLOCK as ROT_C_BLOCK, Q8_FIELDS, Q8_TILE_BYTES, _rotate_block, _rotate_plane_q8,
                            launch_rotation, rotation_strides, stamp_asm as _stamp_asm)
 
 
@@ -248,7 +248,7 @@ CONFIG = {
     "merge_warps_few": 4,
     "splits_pow2_slack": 0.05,
     # the int8 key path's query operands (hi / lo planes, scales, sums) built once per (row, KV head) by the fused
-    # prologue's rotation programs (one per group of 64 channels; query_triton._rotate_group_q8) and loaded by the
+    # prologue's rotation programs (one per plane of 32 channels; query_triton._rotate_plane_q8) and loaded by the
     # history programs, instead of built by each of them from q_rot (the B=1/128K programs spent 3.2 us on it after
     # their PDL wait, H100, session 22). 0: each history program builds them
     "gluon_qpre": 1,
@@ -943,8 +943,8 @@ def _prologue_kernel(
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
     what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
     block ``j`` of the query, the rest are window programs ``j - D / C_BLOCK``). Before, each was a launch of its own,
-    before and after the history kernel. ``QPRE`` (``C_BLOCK`` = the group size, 64): each rotation program also
-    writes its group's int8 query operands of the Gluon kernel's int8 key path (``query_triton._rotate_group_q8``)."""
+    before and after the history kernel. ``QPRE`` (``C_BLOCK`` = 32, one plane): each rotation program also
+    writes its plane's int8 query operands of the Gluon kernel's int8 key path (``query_triton._rotate_plane_q8``)."""
     if PDL:  # the history kernel may launch now: it loads its first steps, then waits for this grid (the query)
         gdc_launch_dependents()
     pid_bh = tl.program_id(0)
@@ -955,13 +955,13 @@ def _prologue_kernel(
         tl.store(trow, _stamp_asm(j))
         tl.store(trow + 3, (j >= NROT).to(tl.int64))
     if j < NROT:
-        if QPRE:  # (K split: the registers of _rotate_block, not 224 a thread)
+        if QPRE:  # (C_BLOCK = 32: plane j)
             if TIMED:
-                _rotate_group_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
-                                 D, TB, HAS_MU, LOWP, 1, trow, 1)
+                _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
+                                 D, TB, HAS_MU, LOWP, trow, 1)
             else:
-                _rotate_group_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
-                                 D, TB, HAS_MU, LOWP, 1)
+                _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
+                                 D, TB, HAS_MU, LOWP)
         else:
             _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
                           D, M_PAD_ROT, C_BLOCK, HAS_MU)
@@ -1415,9 +1415,9 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         fused_pro = bool(rotate is not None and s_hist and s_win and (fp == 2 or (fp == 1 and glu is not None)))
         k8 = gluon_k8(cfg, n, s_hist) if glu is not None else 0
         # the int8 key path's query operands built once per (row, KV head) by the prologue's rotation programs, one per
-        # group of channels (CONFIG["gluon_qpre"]), not by every history program
+        # plane (CONFIG["gluon_qpre"]), not by every history program
         qpre = bool(fused_pro and k8 and cfg.get("gluon_qpre"))
-        c_rot = group_size if qpre else min(d, ROT_C_BLOCK)
+        c_rot = min(d, ROT_C_BLOCK)
         qp8 = qpf = None
         if qpre:
             tb = glu.tokens_per_step(m) // 16

@@ -112,19 +112,24 @@ def query_kernel_supported(qf: torch.Tensor) -> bool:
 
 
 # The Gluon history kernel's int8 key path (decode_gluon, K8) multiplies the key planes by the query as two int8
-# operands per plane, hi + lo / 254 of q_P / sigma_g (q_P = q_rot's plane P times qk_scale / 4^P, sigma_g = the largest
-# |q_P| of group g over its planes and rows / 127). Before session 23 every history program built them from q_rot
-# (~850 instructions, 3.2 us of a B=1 / 128K program on the H100, all before its loop); QPRE prologues build them once
-# per (row, KV head) here, one program per group of 64 channels (both of its planes), in the layout the history kernel
-# loads as its tensor-core operands:
+# operands per plane, hi + lo / 254 of q_P / sigma_g (q_P = q_rot's plane P times qk_scale / 4^P; sigma_g a bound of
+# |q_P| over group g's planes and the head's rows, / 127). Before session 23 every history program built them from
+# q_rot (~850 instructions, 3.2 us of a B=1 / 128K program on the H100, all before its loop); QPRE prologues build
+# them once per (row, KV head) here, in the rotation's own programs (one per plane of 32 channels), in the layout the
+# history kernel loads as its tensor-core operands. A plane's program cannot see its group's other plane, so sigma_g
+# is not their largest entry (as in the history kernel's own setup) but a bound both programs compute alike: the
+# largest norm of the head's query rows (R_K is orthogonal, so no rotated entry exceeds it; 1.001 x for rounding,
+# and the codes clamped to +-127 all the same), 1.7 bits coarser than the largest entry of a typical query (15 bits
+# relative to the norm instead of the entry):
 #   tiles  int8    [B * Hk, 4 planes, 2 (hi, lo), 8 columns n, 32 TB k]: column n is query row n % MH of token set
 #                  n // MH (TB = 2 for <= 4 rows a KV head, else 1; MH = 8 // TB), k = 32 tb + j holds channel
 #                  32 P + sigma8(j) of that row where tb = n // MH, 0 elsewhere (the block-diagonal B operand)
-#   fields float32 [B * Hk, 8, 8 columns]: 0, 1: Qs_g (the sum of group g's channels of the column's row, times
-#                  qk_scale); 2, 3: 128 x the sum of plane 3's hi (lo) codes (plane 3 enters as 64 code - 128);
-#                  4, 5: sigma_g / 254 (every column); 6, 7 unused
+#   fields float32 [B * Hk, 8, 8 columns]: 0..3: the sum of plane P's channels of the column's row, times qk_scale
+#                  (Qs_g is the sum of its planes'); 4, 5: 128 x the sum of plane 3's hi (lo) codes (plane 3 enters
+#                  as 64 code - 128); 6, 7: sigma_g (every column)
 Q8_TILE_BYTES = 4 * 2 * 8 * 32  # per token set: a (row, KV head)'s tiles are Q8_TILE_BYTES * TB bytes
 Q8_FIELDS = 64
+Q8_NORM_MARGIN = tl.constexpr(1.001)
 
 
 @triton.jit
@@ -139,18 +144,18 @@ def _rni(x, ASM: tl.constexpr):
 
 
 @triton.jit
-def _rotate_group_q8(
-    Q, RK, MU, QR, QO, QP8, QPF, pid, g, M, Hk, qk_scale,
+def _rotate_plane_q8(
+    Q, RK, MU, QR, QO, QP8, QPF, pid, P, M, Hk, qk_scale,
     sqb, sqh, sqm, smb, smh,
-    D: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr, KSPLIT: tl.constexpr = 0,
+    D: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
     TROW=None, TIMED: tl.constexpr = 0,
 ):
-    """Group ``g`` (channels ``[64 g, 64 g + 64)``, planes ``2 g, 2 g + 1``) of ``q_rot`` for the query rows of
-    ``pid = b * Hk + h`` and its int8 operands (see above); the program of group 0 also writes ``q · mu_K``. The
-    product's rows are the operand's columns (``n``: row ``n % MH``, padded to 16 for ``tl.dot``), so that the
-    operands are stores of it (channels scattered into the operand's order). ``ASM``: the rounding in inline PTX
-    (the GPU; not under the interpreter). ``TIMED`` (a diagnostic, the prologue's row ``TROW`` of
-    ``decode_gluon.TIMES_BUF``): %globaltimer after the product (slot 1), after ``sigma_g`` (2) and after the sums (5)."""
+    """Plane ``P`` (channels ``[32 P, 32 P + 32)``) of ``q_rot`` for the query rows of ``pid = b * Hk + h`` and its
+    int8 operands (see above); the program of plane 0 also writes ``q · mu_K``. The product's rows are the operand's
+    columns (``n``: query row ``n % MH``, padded to 16 for ``tl.dot``), so that the operands are stores of it (channels
+    scattered into the operand's order). ``ASM``: the rounding in inline PTX (the GPU; not under the interpreter).
+    ``TIMED`` (a diagnostic, the prologue's row ``TROW`` of ``decode_gluon.TIMES_BUF``): %globaltimer after the product
+    (slot 1), after sigma_g (2) and after the sums (5)."""
     MH: tl.constexpr = 8 // TB
     b = pid // Hk
     h = pid % Hk
@@ -162,60 +167,50 @@ def _rotate_group_q8(
                 mask=nval[:, None], other=0.0).to(tl.float32)  # [16, D]: row n = query row n % MH
     if HAS_MU:
         mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)
-    c = tl.arange(0, 64)  # channel 64 g + c: plane 2g + c // 32
-    rp = RK + h.to(tl.int64) * D * D + (64 * g + c)[None, :]
-    if KSPLIT:  # the product in two halves of D (fewer registers: half of R_K's tile split into tf32 at a time)
-        dh = tl.arange(0, D // 2)
-        qp = Q + b.to(tl.int64) * sqb + h * sqh + hn[:, None] * sqm + dh[None, :]
-        qa = tl.load(qp, mask=nval[:, None], other=0.0).to(tl.float32)
-        qb = tl.load(qp + D // 2, mask=nval[:, None], other=0.0).to(tl.float32)
-        y = tl.dot(qa, tl.load(rp + dh[:, None] * D), input_precision="tf32x3")
-        y = tl.dot(qb, tl.load(rp + (D // 2 + dh)[:, None] * D), y, input_precision="tf32x3")
-    else:
-        y = tl.dot(q, tl.load(rp + offs_d[:, None] * D), input_precision="tf32x3")  # [16, 64]: q_rot[n % MH, 64 g + c]
+    c = tl.arange(0, 32)
+    r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + (32 * P + c)[None, :])  # [D, 32]
+    y = tl.dot(q, r, input_precision="tf32x3")  # [16, 32]: q_rot[n % MH, 32 P + c]
     if TIMED:
         _stamp_at(TROW + 1, y, (n == 0)[:, None] & (c == 0)[None, :])
-    tl.store(QR + (pid.to(tl.int64) * M + n[:, None]) * D + (64 * g + c)[None, :], y, mask=(n < M)[:, None])
+    tl.store(QR + (pid.to(tl.int64) * M + n[:, None]) * D + (32 * P + c)[None, :], y, mask=(n < M)[:, None])
     if HAS_MU:
-        if g == 0:
+        if P == 0:
             tl.store(QO + pid.to(tl.int64) * M + n, tl.sum(q * mu[None, :], 1), mask=n < M)
-    # sigma_g: the group's largest |q_P| (plane 2g + 1 counts a quarter: its codes enter 4x larger), one reduction
-    lo_plane = (c < 32)[None, :]
-    am = tl.max(tl.abs(y) * tl.where(lo_plane, 1.0, 0.25))
-    gsc = tl.where(g == 0, qk_scale, qk_scale / 16.0)
-    sg = tl.maximum(am * gsc, 1e-30) / 127.0
+    # sigma_g from the largest row norm (the same in both planes' programs); the group's scale qk_scale / 16^g
+    bound = tl.sqrt(tl.max(tl.sum(q * q, 1))) * Q8_NORM_MARGIN
+    g = P // 2
+    sg = tl.maximum(bound * tl.where(g == 0, qk_scale, qk_scale / 16.0), 1e-30) / 127.0
     if TIMED:
         tl.store(TROW + 2, stamp_asm(sg.to(tl.int32, bitcast=True)))
-    # factor of plane P: qk_scale / 4^P / sigma_g
-    f = tl.where(lo_plane, qk_scale * tl.where(g == 0, 1.0, 0.0625), qk_scale * tl.where(g == 0, 0.25, 0.015625)) / sg
-    x = y * f
-    hi = _rni(x, ASM)
-    lo = _rni((x - hi) * 254.0, ASM)
-    # tiles: plane P = 2g + c // 32, rows n < 8, channel c % 32 at k = 32 (n // MH) + sigma8^-1(c % 32); the other
-    # token set's half of the row (TB = 2) holds zeros
+    # x = q_P qk_scale / 4^P / sigma_g (|x| <= 127 for plane 2g, 32 for 2g + 1); hi + lo / 254
+    x = y * ((qk_scale * tl.where(P == 0, 1.0, tl.where(P == 1, 0.25, tl.where(P == 2, 0.0625, 0.015625)))) / sg)
+    hi = tl.minimum(tl.maximum(_rni(x, ASM), -127.0), 127.0)
+    lo = tl.minimum(tl.maximum(_rni((x - hi) * 254.0, ASM), -127.0), 127.0)
+    # tiles: rows n < 8, channel c at k = 32 (n // MH) + sigma8^-1(c); the other token set's half of the row (TB = 2)
+    # holds zeros
     TILE: tl.constexpr = 32 * TB
-    ch = c % 32
-    kj = 16 * ((ch // 4) % 2) + 4 * (ch // 8) + ch % 4  # sigma8^-1
-    row = QP8 + pid.to(tl.int64) * (8 * 8 * TILE) + ((2 * g + c // 32) * 2)[None, :] * (8 * TILE) + n[:, None] * TILE
+    kj = 16 * ((c // 4) % 2) + 4 * (c // 8) + c % 4  # sigma8^-1
+    row = QP8 + pid.to(tl.int64) * (8 * 8 * TILE) + P * (2 * 8 * TILE) + n[:, None] * TILE
     kk = (32 * (n // MH))[:, None] + kj[None, :]
     smask = (n < 8)[:, None]
     tl.store(row + kk, hi.to(tl.int8), mask=smask)
     tl.store(row + 8 * TILE + kk, lo.to(tl.int8), mask=smask)
     if TB == 2:
         kz = (32 - 32 * (n // MH))[:, None] + kj[None, :]
-        zero = tl.zeros([16, 64], tl.int8)
+        zero = tl.zeros([16, 32], tl.int8)
         tl.store(row + kz, zero, mask=smask)
         tl.store(row + 8 * TILE + kz, zero, mask=smask)
-    # fields, per column n: the group's sum and plane 3's codes' sums in one reduction
-    qs, hs, ls = tl.reduce((y, tl.where(lo_plane, 0.0, hi), tl.where(lo_plane, 0.0, lo)), 1, _sum3)
+    # fields, per column n: the plane's sum (and plane 3's codes' sums) in one reduction
+    qs, hs, ls = tl.reduce((y, hi, lo), 1, _sum3)
     if TIMED:
         _stamp_at(TROW + 5, qs + hs + ls, n == 0)
-    fp = QPF + pid.to(tl.int64) * 64
-    tl.store(fp + 8 * g + n, qs * qk_scale, mask=n < 8)
-    tl.store(fp + 8 * (4 + g) + n, tl.zeros([16], tl.float32) + sg / 254.0, mask=n < 8)
-    if g == 1:  # plane 3 (c >= 32): 128 x its codes' sums
-        tl.store(fp + 16 + n, 128.0 * hs, mask=n < 8)
-        tl.store(fp + 24 + n, 128.0 * ls, mask=n < 8)
+    fp = QPF + pid.to(tl.int64) * 64 + n
+    tl.store(fp + 8 * P, qs * qk_scale, mask=n < 8)
+    if P % 2 == 0:
+        tl.store(fp + 8 * (6 + g), tl.zeros([16], tl.float32) + sg, mask=n < 8)
+    if P == 3:  # 128 x its codes' sums
+        tl.store(fp + 32, 128.0 * hs, mask=n < 8)
+        tl.store(fp + 40, 128.0 * ls, mask=n < 8)
 
 
 @triton.jit
@@ -241,17 +236,16 @@ def _sum3(a0, a1, a2, b0, b1, b2):
 def _rotate_q8_kernel(
     Q, RK, MU, QR, QO, QP8, QPF, M, Hk, qk_scale,
     sqb, sqh, sqm, smb, smh,
-    D: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr, KSPLIT: tl.constexpr = 0,
+    D: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
 ):
-    # program (b * Hk + h, g): group g of the query rotation and its int8 operands (the fused prologue's QPRE programs)
-    _rotate_group_q8(Q, RK, MU, QR, QO, QP8, QPF, tl.program_id(0), tl.program_id(1), M, Hk, qk_scale,
-                     sqb, sqh, sqm, smb, smh, D, TB, HAS_MU, ASM, KSPLIT)
+    # program (b * Hk + h, P): plane P of the query rotation and its int8 operands (the fused prologue's QPRE programs)
+    _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, tl.program_id(0), tl.program_id(1), M, Hk, qk_scale,
+                     sqb, sqh, sqm, smb, smh, D, TB, HAS_MU, ASM)
 
 
-def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None, qk_scale: float,
-                           ksplit: int = 1, num_warps: int = 4):
+def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None, qk_scale: float):
     """:func:`rotate_query_triton` and the int8 key path's query operands (:func:`q8_operands_reference`) in one
-    launch of :func:`_rotate_group_q8` programs, as the decode op's fused prologue runs them (``D = 128``, ``M <= 8``)
+    launch of :func:`_rotate_plane_q8` programs, as the decode op's fused prologue runs them (``D = 128``, ``M <= 8``)
     -> ``(q_rot, qk_offset, tiles, fields)``."""
     qf, r_k, mu_k, q_rot, off = rotation_args(qf, r_k, mu_k)
     b, hk, m, d = qf.shape
@@ -260,16 +254,17 @@ def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tens
     tb = 2 if m <= 4 else 1
     tiles = torch.empty(b * hk, 4, 2, 8, 32 * tb, device=qf.device, dtype=torch.int8)
     fields = torch.zeros(b * hk, 8, 8, device=qf.device, dtype=torch.float32)
-    _rotate_q8_kernel[(b * hk, 2)](
+    _rotate_q8_kernel[(b * hk, 4)](
         qf, r_k, mu_k, q_rot, off, tiles, fields, m, hk, float(qk_scale), *rotation_strides(qf, mu_k),
-        D=d, TB=tb, HAS_MU=mu_k is not None, ASM=int(qf.is_cuda), KSPLIT=ksplit, num_warps=num_warps,
+        D=d, TB=tb, HAS_MU=mu_k is not None, ASM=int(qf.is_cuda), num_warps=4,
     )
     return q_rot, off, tiles, fields
 
 
-def q8_operands_reference(q_rot: torch.Tensor, qk_scale: float):
-    """:func:`_rotate_group_q8`'s outputs in torch from ``q_rot [B, Hk, M, D]`` (D = 128, M <= 8): ``(tiles int8
-    [B * Hk, 4, 2, 8, 32 TB], fields float32 [B * Hk, 8, 8])`` (fields 6, 7 zero)."""
+def q8_operands_reference(q_rot: torch.Tensor, qk_scale: float, sg: torch.Tensor | None = None):
+    """:func:`_rotate_plane_q8`'s outputs in torch from ``q_rot [B, Hk, M, D]`` (D = 128, M <= 8): ``(tiles int8
+    [B * Hk, 4, 2, 8, 32 TB], fields float32 [B * Hk, 8, 8])``. ``sg [B * Hk, 2]``: sigma_g as given (e.g. the
+    kernel's own, so that a tie of the rounding goes the same way), else from the rows' norms as the kernel does."""
     b, hk, m, d = q_rot.shape
     assert d == 128 and 1 <= m <= 8
     tb = 2 if m <= 4 else 1
@@ -277,30 +272,28 @@ def q8_operands_reference(q_rot: torch.Tensor, qk_scale: float):
     jj = torch.arange(32)
     sig = 8 * ((jj % 16) // 4) + 4 * (jj // 16) + jj % 4
     q = q_rot.float().reshape(b * hk, m, d)
+    if sg is None:
+        bound = q.norm(dim=-1).amax(-1) * Q8_NORM_MARGIN.value
+        sg = torch.stack([torch.clamp(bound * s, min=1e-30) / 127.0 for s in (qk_scale, qk_scale / 16.0)], -1)
     rows = torch.zeros(b * hk, 8, d, device=q.device)  # column n: row n % MH where it exists
     for n in range(8):
         if n % mh < m:
             rows[:, n] = q[:, n % mh]
-    planes = torch.stack([rows[..., 32 * p + sig] for p in range(4)], 1)  # [BH, 4, 8, 32]
     tiles = torch.zeros(b * hk, 4, 2, 8, 32 * tb, dtype=torch.int8, device=q.device)
     fields = torch.zeros(b * hk, 8, 8, device=q.device)
-    for g in range(2):
-        a0 = planes[:, 2 * g].abs().amax((1, 2))
-        a1 = planes[:, 2 * g + 1].abs().amax((1, 2))
-        gsc = qk_scale if g == 0 else qk_scale / 16.0
-        sg = torch.clamp(torch.maximum(a0, 0.25 * a1) * gsc, min=1e-30) / 127.0  # [BH]
-        for pp in range(2):
-            p = 2 * g + pp
-            x = planes[:, p] * ((qk_scale * 0.25 ** p) / sg)[:, None, None]
-            hi = torch.round(x)
-            lo = torch.round((x - hi) * 254.0)
-            for n in range(8):
-                t = n // mh
-                tiles[:, p, 0, n, 32 * t:32 * t + 32] = hi[:, n].to(torch.int8)
-                tiles[:, p, 1, n, 32 * t:32 * t + 32] = lo[:, n].to(torch.int8)
-            if p == 3:
-                fields[:, 2] = 128.0 * hi.sum(-1)
-                fields[:, 3] = 128.0 * lo.sum(-1)
-        fields[:, g] = (planes[:, 2 * g].sum(-1) + planes[:, 2 * g + 1].sum(-1)) * qk_scale
-        fields[:, 4 + g] = (sg / 254.0)[:, None]
+    for p in range(4):
+        plane = rows[..., 32 * p + sig]  # [BH, 8, 32] in the operand's order
+        f = torch.full_like(sg[:, p // 2], qk_scale * 0.25 ** p) / sg[:, p // 2]  # (scalar / tensor: a reciprocal)
+        x = plane * f[:, None, None]
+        hi = torch.round(x).clamp(-127, 127)
+        lo = torch.round((x - hi) * 254.0).clamp(-127, 127)
+        for n in range(8):
+            t = n // mh
+            tiles[:, p, 0, n, 32 * t:32 * t + 32] = hi[:, n].to(torch.int8)
+            tiles[:, p, 1, n, 32 * t:32 * t + 32] = lo[:, n].to(torch.int8)
+        fields[:, p] = plane.sum(-1) * qk_scale
+        if p == 3:
+            fields[:, 4] = 128.0 * hi.sum(-1)
+            fields[:, 5] = 128.0 * lo.sum(-1)
+    fields[:, 6:8] = sg[:, :, None]
     return tiles, fields

@@ -3,9 +3,8 @@
 
 Device microseconds per launch (``torch.profiler``, cold L2 as in ``scripts/profile_decode_op.py``) of
 ``query_triton.rotate_query_triton`` (4 programs of 32 channels per (row, KV head)) against
-``rotate_query_q8_triton`` (2 programs of one 64-channel group each, which also build the operands the Gluon history
-kernel's int8 key path loads under ``CONFIG["gluon_qpre"]``), the latter in its variants (the product whole or in two
-halves of D, ``ksplit``; 4 or 8 warps), at the benchmark shape (Hk = 8, D = 128, GQA 4) for each batch size.
+``rotate_query_q8_triton`` (the same 4 programs, which also build the operands the Gluon history kernel's int8 key
+path loads under ``CONFIG["gluon_qpre"]``), at the benchmark shape (Hk = 8, D = 128, GQA 4) for each batch size.
 
     python scripts/bench_query_prologue.py --batches 1,8,32 --out prologue.json
 """
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kernels as bk  # noqa: E402
 from profile_decode_op import kernel_times  # noqa: E402
 from oscar_hf.kernels import query_triton as qt  # noqa: E402
 
@@ -30,6 +30,7 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    bk.FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     hk, d = 8, 128
     gen = torch.Generator().manual_seed(0)
     r_k = torch.linalg.qr(torch.randn(hk, d, d, generator=gen))[0].cuda()
@@ -37,11 +38,8 @@ def main():
     rows = []
     for b in (int(x) for x in a.batches.split(",")):
         q = torch.randn(b, hk, a.m, d, generator=gen).cuda().bfloat16()
-        variants = {"rotation": lambda: qt.rotate_query_triton(q, r_k, mu_k)}
-        for ks in (0, 1):
-            for w in (4, 8):
-                variants[f"q8 ksplit={ks} warps={w}"] = (
-                    lambda ks=ks, w=w: qt.rotate_query_q8_triton(q, r_k, mu_k, 0.127, ksplit=ks, num_warps=w))
+        variants = {"rotation": lambda: qt.rotate_query_triton(q, r_k, mu_k),
+                    "rotation + int8 operands": lambda: qt.rotate_query_q8_triton(q, r_k, mu_k, 0.127)}
         for name, fn in variants.items():
             t = kernel_times(fn, a.iters)
             us = sum(v["us_per_call"] for v in t.values())

@@ -75,27 +75,32 @@ def test_rotate_query_kernel_gpu(m, mu):
     _check(*_case(8, 8, m, 128, mu, torch.bfloat16, "cuda", seed=m), 1e-5)
 
 
-def _check_q8(q, r_k, mu_k, scale, exact, ksplit=1):
+def _check_q8(q, r_k, mu_k, scale, exact):
     """The int8 key path's query operands (``rotate_query_q8_triton``, the fused prologue's QPRE programs) against
     :func:`q8_operands_reference` of the kernel's own ``q_rot``, which is checked against the rotation's reference;
     and the reference against what the operands mean: ``sigma_g (hi + lo / 254)`` is ``q_P qk_scale / 4^P`` to half
-    a step of ``lo``."""
+    a step of ``lo``, ``sigma_g`` from the largest norm of the head's query rows."""
     from oscar_hf.kernels.query_triton import q8_operands_reference, rotate_query_q8_triton
 
-    q_rot, off, tiles, fields = rotate_query_q8_triton(q, r_k, mu_k, scale, ksplit=ksplit)
+    q_rot, off, tiles, fields = rotate_query_q8_triton(q, r_k, mu_k, scale)
     ref_q, ref_off = rotate_query_reference(q.cpu().double(), r_k.cpu().double(),
                                             None if mu_k is None else mu_k.cpu().double())
     assert rel_err(q_rot.cpu().double(), ref_q) < 1e-5
     assert (off is None) == (mu_k is None) and (off is None or rel_err(off.cpu().double(), ref_off) < 1e-5)
-    ref_t, ref_f = q8_operands_reference(q_rot, scale)
+    sg = fields[:, 6:8, 0].cpu()  # the kernel's sigma_g (both plane programs of a group write it)
+    want_sg = q.float().cpu().reshape(-1, q.shape[2], q.shape[3]).norm(dim=-1).amax(-1)[:, None] * 1.001 * (
+        scale * torch.tensor([1.0, 1 / 16.0])) / 127.0
+    assert torch.allclose(sg, want_sg, rtol=1e-5)
+    ref_t, ref_f = q8_operands_reference(q_rot.cpu(), scale, sg)
+    tiles, fields = tiles.cpu(), fields.cpu()
     assert tiles.shape == ref_t.shape and tiles.dtype == torch.int8
     diff = (tiles.int() - ref_t.int()).abs()
     if exact:
         assert torch.equal(tiles, ref_t)
     else:  # (the GPU's float32 division may differ in its last bit: a rounding tie may then go the other way)
         assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
-    assert torch.equal(fields[:, 2:4], ref_f[:, 2:4]) if exact else torch.allclose(fields[:, 2:4], ref_f[:, 2:4], atol=256)
-    assert torch.allclose(fields[:, [0, 1, 4, 5]], ref_f[:, [0, 1, 4, 5]], rtol=1e-5, atol=1e-5)
+    assert torch.equal(fields[:, 4:6], ref_f[:, 4:6]) if exact else torch.allclose(fields[:, 4:6], ref_f[:, 4:6], atol=256)
+    assert torch.allclose(fields[:, [0, 1, 2, 3, 6, 7]], ref_f[:, [0, 1, 2, 3, 6, 7]], rtol=1e-5, atol=1e-5)
     # the reference's meaning, column by column (token set n // MH of query row n % MH)
     b, hk, m, d = q.shape
     tb = ref_t.shape[-1] // 32
@@ -109,7 +114,7 @@ def _check_q8(q, r_k, mu_k, scale, exact, ksplit=1):
         other = rt[:, :, :, n, 32 * (1 - t):32 * (2 - t)] if tb == 2 else torch.zeros(1)
         assert not other.any(), "the other token set's half of a column must be zero"
         for p in range(4):
-            sg = rf[:, 4 + p // 2, n] * 254.0  # [BH]
+            sg = rf[:, 6 + p // 2, n]  # [BH]
             approx = sg[:, None] * (rt[:, p, 0, n, 32 * t:32 * t + 32] + rt[:, p, 1, n, 32 * t:32 * t + 32] / 254.0)
             want = qr[:, row, 32 * p + sig] * scale * 0.25 ** p if row < m else torch.zeros(b * hk, 32)
             assert ((approx - want).abs() <= sg[:, None] * (0.5 / 254.0) * 1.001 + 1e-6).all(), (n, p)
@@ -122,12 +127,8 @@ def _check_q8(q, r_k, mu_k, scale, exact, ksplit=1):
     (2, 2, 7, "row", torch.float16),  # one token set, padding column 7
     (1, 1, 8, "head", torch.float32),  # GQA 8
 ])
-@pytest.mark.parametrize("ksplit", [0, 1])
-def test_rotate_query_q8_kernel(b, hk, m, mu, dtype, ksplit):
-    # (the interpreter's accumulating dot, ksplit, may hold the product a bit wider than the float32 q_rot it stores:
-    # a rounding tie of the reference may then go the other way)
-    _check_q8(*_case(b, hk, m, 128, mu, dtype, "cpu", seed=m + 10), 128**-0.5 * 1.4426950408889634,
-              exact=ksplit == 0, ksplit=ksplit)
+def test_rotate_query_q8_kernel(b, hk, m, mu, dtype):
+    _check_q8(*_case(b, hk, m, 128, mu, dtype, "cpu", seed=m + 10), 128**-0.5 * 1.4426950408889634, exact=True)
 
 
 @interp
