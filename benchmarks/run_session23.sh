@@ -74,3 +74,18 @@ f|g)
       --configs '{}' '{"gluon_qpre": 0}' --out "$OUT/profile_op_${GPU}_session23$1.json" 2>&1 | grep -E "^B=|_hist|_prol"
   ;;
 esac
+# (appended) run g (H100): run f: B=1/128K graph 44.2-44.5 us against 46.0-46.9 without the prologue's operands (the
+# rotation's programs end 0.9 us later, at 4.5 us, the history's setup after its wait 3.6 -> 1.3 us); but the
+# history's wait ends at 5.9 us with or without them, 1.4-2.3 us after the prologue's last program. Is the release held
+# by the history's early copies (9 MB in flight from ~2 us)? The timeline with fewer early stages and without the early
+# loads; the operands' test with its errors against the reference
+#   bash benchmarks/run_session23.sh g
+case "$1" in
+g)
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "prologue_query_operands" 2>&1 | tee "$OUT/tests_${GPU}_session23$1.log" | tail -2
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_stages_long": 2}' '{"gluon_early": 0, "pdl": 0}' \
+      --out "$OUT/timeline_hist_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn" | grep -E "^B=|prologue|waited|ref_step|exit at"
+  ;;
+esac

@@ -793,10 +793,15 @@ def test_gpu_gluon_prologue_query_operands(monkeypatch, m):
                                               "gluon_qpre": qpre})
         outs[qpre] = _dt().decode_attention_rotating_triton(**args)
     assert seen == [True, False]
-    # (float32 rounding of q_rot moves some lo codes by one step: ~2e-4 at M = 8, H100 run c; a wrong tile or field
-    # would be O(1))
-    assert rel_err(outs[1], outs[0]) < 2e-3
-    assert rel_err(outs[1], _rotating_reference(args).float()) < 2e-2
+    # The prologue's sigma_g (from the query rows' largest norm, not the largest entry) makes the operands ~5x coarser
+    # (q_rot to ~3e-4 instead of ~6e-5, relative; the bf16 query itself holds ~4e-3), and the bf16 rounding of the value
+    # MMA's weights p s amplifies such a change of the logits (a rounding that flips costs a bf16 step): the op with
+    # either operands differs by 2-4e-3 (H100, session 23 run f) and from the reference by about as much as the
+    # kernel's own operands do. A wrong tile, field or plane would be O(0.1 - 1).
+    ref = _rotating_reference(args).float()
+    err_pre, err_own = rel_err(outs[1], ref), rel_err(outs[0], ref)
+    assert rel_err(outs[1], outs[0]) < 1e-2
+    assert err_pre < 2e-2 and err_pre < err_own + 3e-3, (err_pre, err_own)
 
 
 @pytest.mark.gpu
