@@ -116,3 +116,19 @@ i)
       --configs '{}' '{"gluon_qpre": 0}' --out "$OUT/profile_op_${GPU}_session23$1.json" 2>&1 | grep -E "^B=|_hist|_prol"
   ;;
 esac
+# (appended) run k (H100), l (H200): the history's wait is released 1.4 us (H100) / 0.8 us (H200) after the prologue's
+# last program; with two pipeline stages (run g2) 1 us sooner. Now the stages stay 4 but only gluon_early_steps of the
+# three first steps' copies go out before the wait (the rest right after it); GPU tests of it, the timeline and the op
+#   bash benchmarks/run_session23.sh k
+case "$1" in
+k|l)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "long-early1 and (rotating or history_partial)" 2>&1 | tee "$OUT/tests_${GPU}_session23$1.log" | tail -2
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_early_steps": 0}' '{"gluon_early_steps": 1}' '{"gluon_early_steps": 2}' \
+      --out "$OUT/timeline_hist_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn" | grep -E "^B=|prologue|waited|ref_step|exit at"
+  timeout 150 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,8x8192 --iters 10 \
+      --configs '{}' '{"gluon_early_steps": 0}' '{"gluon_early_steps": 1}' '{"gluon_early_steps": 2}' \
+      --out "$OUT/profile_op_${GPU}_session23$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
