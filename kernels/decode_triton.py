@@ -253,9 +253,6 @@ CONFIG = {
     # their PDL wait, H100, session 22). 0: each history program builds them
     "gluon_qpre": 1,
     "prologue_warps": None,  # warps of the fused prologue's programs (None: num_warps)
-    # Gluon kernel with early loads: how many of the pipeline's first steps of copies go out before the PDL wait (None:
-    # all, STAGES - 1), the rest right after it
-    "gluon_early_steps": None,
 }
 
 
@@ -1456,7 +1453,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
                                    pdl=3 if pdl_mode == 4 else pdl_mode,
                                    early=int(cfg.get("gluon_early", 0)), k8=k8,
-                                   qpre=(qp8, qpf) if qpre else None, early_steps=cfg.get("gluon_early_steps"))
+                                   qpre=(qp8, qpf) if qpre else None)
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:

@@ -72,7 +72,6 @@ def main():
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_, "QPRE": qp,
-                  "EARLY_STEPS": int(os.environ.get("AOT_EARLY_STEPS", -1)),
                   "PDL": 2 if early else 1,  # (programmatic dependent launch compiled in: its variant of the prologue)
                   "TIMES": None, "TIMED": 0}
         if not qp:

@@ -637,7 +637,6 @@ _GLUON_VARIANTS = {
     "k8-qpre-nopdl": {"gluon_gsum": 1, "pdl": 0, "gluon_k8": 2, "gluon_qpre": 1},
     "hoist": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 1, "merge_hoist": 1, "merge_cblock": 32},
     "long": {"gluon_long_split": 64},  # every split long: int8 keys, 4 stages, 8 programs an SM without a cap
-    "long-early1": {"gluon_long_split": 64, "gluon_early_steps": 1},  # one step of copies before the PDL wait
     "short": {"gluon_long_split": 1 << 30},  # no split long: fp16 keys, 2 stages, 12 programs an SM under a cap
     "pdl4-warp": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "merge_one_warp_rows": 0},
     "parts1": {"merge_out_parts": 1, "merge_warps_few": None, "splits_pow2_slack": 0},
