@@ -8,6 +8,10 @@ batched GEMM and a GEMV: three or four launches, 13-15 us of a 46 us B=1 / 8K de
 the ``M`` query rows by the ``C_BLOCK`` columns ``c`` of ``R_K`` on the tensor cores in tf32x3 (three tf32
 products: float32 accuracy, as for the write path's rotation); the first column block's program also writes
 the offset. (A float32 FMA dot, ``input_precision="ieee"``, took 58 us per call on the H200.)
+
+The same programs can also build the Gluon history kernel's int8 query operands (:func:`_rotate_plane_q8`, the decode
+op's fused prologue under ``CONFIG["gluon_qpre"]``; reference :func:`q8_operands_reference`): see the comment above
+it for their layout and scale.
 """
 from __future__ import annotations
 
