@@ -226,7 +226,7 @@ def _q8_operands(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
 
 @gluon.jit
 def _q8_tile(base, P: gl.constexpr, HL: gl.constexpr, TB: gl.constexpr):
-    """Tile ``(P, HL)`` of the prologue's int8 query operands (``query_triton._rotate_group_q8``: ``[4, 2, 8 n,
+    """Tile ``(P, HL)`` of the prologue's int8 query operands (``query_triton._rotate_plane_q8``: ``[4, 2, 8 n,
     32 TB k]``, k contiguous) in the B layout of ``m16n8k32``: a lane's 4 consecutive k are one 4-byte word."""
     k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, B8_OP))
     n = gl.arange(0, 8, layout=gl.SliceLayout(0, B8_OP))
@@ -236,7 +236,8 @@ def _q8_tile(base, P: gl.constexpr, HL: gl.constexpr, TB: gl.constexpr):
 @gluon.jit
 def _q8_loaded(QP8, QPF, pid_bh, TB: gl.constexpr):
     """:func:`_q8_operands`' results loaded from what the prologue built for this (row, KV head) (``QPRE``): the
-    tiles, the accumulator starts (plane 3's ``128 sum``), ``sigma_g / 254`` and the query sums."""
+    tiles, the accumulator starts (plane 3's ``128 sum``), ``sigma_g / 254`` and the query sums (``Qs_g``: the sum of
+    its planes' sums)."""
     base = QP8 + pid_bh.to(gl.int64) * (2048 * TB)  # (query_triton.Q8_TILE_BYTES * TB)
     fp = QPF + pid_bh.to(gl.int64) * 64
     cn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))

@@ -252,7 +252,9 @@ CONFIG = {
     # history programs, instead of built by each of them from q_rot (the B=1/128K programs spent 3.2 us on it after
     # their PDL wait, H100, session 22). 0: each history program builds them
     "gluon_qpre": 1,
-    "prologue_warps": None,  # warps of the fused prologue's programs (None: num_warps)
+    # warps of the fused prologue's programs (None: num_warps). 8 were slower (H100, session 23 run c: B=8/128K 254.3 ->
+    # 255.2 us, B=32/32K 267.6 -> 274.8; its window programs)
+    "prologue_warps": None,
 }
 
 

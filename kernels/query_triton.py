@@ -123,8 +123,9 @@ def query_kernel_supported(qf: torch.Tensor) -> bool:
 # history kernel loads as its tensor-core operands. A plane's program cannot see its group's other plane, so sigma_g
 # is not their largest entry (as in the history kernel's own setup) but a bound both programs compute alike: the
 # largest norm of the head's query rows (R_K is orthogonal, so no rotated entry exceeds it; 1.001 x for rounding,
-# and the codes clamped to +-127 all the same), 1.7 bits coarser than the largest entry of a typical query (15 bits
-# relative to the norm instead of the entry):
+# and the codes clamped to +-127 all the same), ~2 bits coarser than the largest entry of a random query (15 bits
+# relative to the norm instead of the entry; q_rot to ~3e-4 relative instead of ~6e-5, where the bf16 query itself
+# holds ~4e-3):
 #   tiles  int8    [B * Hk, 4 planes, 2 (hi, lo), 8 columns n, 32 TB k]: column n is query row n % MH of token set
 #                  n // MH (TB = 2 for <= 4 rows a KV head, else 1; MH = 8 // TB), k = 32 tb + j holds channel
 #                  32 P + sigma8(j) of that row where tb = n // MH, 0 elsewhere (the block-diagonal B operand)
