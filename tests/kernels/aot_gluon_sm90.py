@@ -8,8 +8,9 @@ short and of long splits; the long splits' int8-key kernel under ``CONFIG["gluon
 = 1``, the register-load loop (``STAGES = 0``, fp16 keys), under the default CONFIG otherwise (the split's first
 loads before the query's: ``EARLY`` from ``CONFIG["gluon_early"]``, or ``$AOT_EARLY``; programmatic dependent launch
 compiled in, ``PDL`` 2 with it, else 1; the int8 key path with its query operands from the prologue, ``QPRE`` from
-``CONFIG["gluon_qpre"]`` or ``$AOT_QPRE``, and once without), and prints one JSON line each: registers, spilled bytes, shared memory, and
-the opcode counts of the hot loop (the innermost loop that holds the tensor-core ops).
+``CONFIG["gluon_qpre"]`` or ``$AOT_QPRE``, and once without), and prints one JSON line each: registers, spilled
+bytes, shared memory, the rounding instructions of the whole kernel (``frnd``) and the opcode counts of the hot loop
+(the innermost loop that holds the tensor-core ops).
 
 For experiments (not used by the test): ``AOT_STAGES=2,4`` compiles only those pipelines (TB = 2, GSUM, int8 keys),
 ``AOT_MAXNREG`` overrides the register cap, ``AOT_DUMP=prefix`` writes each case's hot loop SASS to a file,

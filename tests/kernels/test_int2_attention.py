@@ -651,8 +651,8 @@ def gluon_calls(request, monkeypatch):
     each way of feeding the history loop's full steps: loads to registers (gluon_stages 0) or through shared memory
     (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
     logits on int8 tensor cores (gluon_k8), their query operands built by the history programs or (where the op
-    rotates the query, the default) by the prologue (gluon_qpre); "hoist": the decode op's combine (loads hoisted, merge_hoist, the default)
-    with R_V in 32-row chunks instead of the default 64; "long": the defaults with every split long (the long splits'
+    rotates the query, the default) by the prologue (gluon_qpre); "hoist": the decode op's combine (loads hoisted,
+    merge_hoist, the default) with R_V in 32-row chunks instead of the default 64; "long": the defaults with every split long (the long splits'
     key path, pipeline, residency and register cap; since session 20 the default from 256 tokens a split), "short":
     no split long (the short-split path, the default before session 20); "pdl4-warp": the combine under PDL (pdl 4),
     one warp per row wherever there are more rows than SMs (merge_one_warp_rows 0); "parts1": the combine for fewer

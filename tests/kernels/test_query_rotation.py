@@ -99,7 +99,10 @@ def _check_q8(q, r_k, mu_k, scale, exact):
         assert torch.equal(tiles, ref_t)
     else:  # (the GPU's float32 division may differ in its last bit: a rounding tie may then go the other way)
         assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
-    assert torch.equal(fields[:, 4:6], ref_f[:, 4:6]) if exact else torch.allclose(fields[:, 4:6], ref_f[:, 4:6], atol=256)
+    if exact:
+        assert torch.equal(fields[:, 4:6], ref_f[:, 4:6])
+    else:  # (128 x a sum of codes: one code a step off is 128)
+        assert torch.allclose(fields[:, 4:6], ref_f[:, 4:6], atol=256)
     assert torch.allclose(fields[:, [0, 1, 2, 3, 6, 7]], ref_f[:, [0, 1, 2, 3, 6, 7]], rtol=1e-5, atol=1e-5)
     # the reference's meaning, column by column (token set n // MH of query row n % MH)
     b, hk, m, d = q.shape
