@@ -136,3 +136,13 @@ esac
 # the setup after it takes as much longer (the reference step then waits for its copies): B=1/128K graph 44.1-45.3 us
 # against 44.6 (default), B=8/128K 253.2-254.6 against 253.2, B=8/8K 36.8-37.2 against 36.0. Dropped (the option was
 # removed again; run l not made).
+# (appended) run m (H100): the whole path with the prologue's operands: generate on a random Qwen3-8B-shaped model at
+# a context where the decode op takes the Gluon path with int8 keys (B=2 x 8 KV heads x 32K history tokens > 0.5 M),
+# kernels against the torch reference semantics (scripts/gpu_validate.py: per-layer attention outputs, logits)
+#   bash benchmarks/run_session23.sh m
+case "$1" in
+m)
+  timeout 500 python3 "$R/scripts/gpu_validate.py" --context 32768 --batch 2 --steps 8 --calib-tokens 0 \
+      --out "$OUT/gpu_validate_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn" | cut -c1-600 | tail -6
+  ;;
+esac
