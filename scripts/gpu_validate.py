@@ -69,26 +69,27 @@ def main(argv=None):
             errs.append(((ker - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item())
             agree.append((ker.argmax(-1) == ref.argmax(-1)).float().mean().item())
         # Per layer, per row: the read path's output from the same inputs, kernel vs reference (one step).
+        # (the attention calls decode_attention_rotating since session 14: the op from the unrotated query; its
+        # reference is the same call on the torch path, use_kernels=False)
         import oscar_hf.attention as attn
-        from oscar_hf.kernels.int2_attention import decode_attention_reference
 
         layer_errs = []
-        real = attn.decode_attention
+        real = attn.decode_attention_rotating
 
-        def both(*a, block_n=1024, use_kernels="auto", **kw):
-            ker = real(*a, block_n=block_n, use_kernels=use_kernels, **kw)
-            ref = decode_attention_reference(*a, block_n=block_n, **kw)
+        def both(*a, use_kernels="auto", **kw):
+            ker = real(*a, use_kernels=use_kernels, **kw)
+            ref = real(*a, use_kernels=False, **kw)
             e = (ker.float() - ref.float()).flatten(1).norm(dim=-1) / ref.float().flatten(1).norm(dim=-1)
             layer_errs.append(e.tolist())
             return ker
 
-        attn.decode_attention = both
+        attn.decode_attention_rotating = both
         try:
             tok = steps_tok[:, :1]
             mask = torch.cat([mask, torch.ones_like(tok)], 1)
             model(tok, attention_mask=mask, past_key_values=cache, use_cache=True)
         finally:
-            attn.decode_attention = real
+            attn.decode_attention_rotating = real
         res["per_layer_rel_err_attention_output_by_row"] = layer_errs
         res["max_per_layer_rel_err_attention_output"] = max(max(r) for r in layer_errs)
     disable_oscar(model)
