@@ -146,3 +146,14 @@ m)
       --out "$OUT/gpu_validate_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn" | cut -c1-600 | tail -6
   ;;
 esac
+# (appended) run m: tolerance_ok (per-layer attention output within 4.3e-3 of the reference, layer 0; the others
+# ~7e-4; logits 5.4% against a 5.7% noise floor). Run n (H100): the same without the prologue's operands, to see
+# whether layer 0's 4e-3 is theirs
+#   bash benchmarks/run_session23.sh n
+case "$1" in
+n)
+  timeout 500 python3 "$R/scripts/gpu_validate.py" --context 32768 --batch 2 --steps 8 --calib-tokens 0 \
+      --config '{"gluon_qpre": 0}' --out "$OUT/gpu_validate_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | cut -c1-600 | tail -3
+  ;;
+esac

@@ -36,8 +36,12 @@ def main(argv=None):
     p.add_argument("--full-precision-heads", default="",
                    help="LAYER:HEAD,... kept in full precision (OscarConfig.full_precision_heads): the kernels then "
                         "run on the other heads of those layers")
+    p.add_argument("--config", default="{}", help="kernel CONFIG overrides (JSON, decode_triton.CONFIG)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    from oscar_hf.kernels import decode_triton
+
+    decode_triton.CONFIG.update(json.loads(args.config))
     fph = tuple(tuple(int(x) for x in pair.split(":")) for pair in args.full_precision_heads.split(",") if pair)
     torch.manual_seed(0)
     model = build_model(args.shape, torch.bfloat16, args.device, args.context + args.steps + 16)
@@ -47,6 +51,7 @@ def main(argv=None):
     if args.batch > 1:
         am[1, : args.context // 3] = 0
     res = {"shape": SHAPES[args.shape], "context": args.context, "batch": args.batch, "steps": args.steps,
+           "config": json.loads(args.config),
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     steps_tok = torch.randint(100, model.config.vocab_size - 100, (args.batch, args.steps), device=args.device)
     # Read-path check from identical states: at every decode step the cache is deep-copied, the copy
