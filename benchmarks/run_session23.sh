@@ -157,3 +157,17 @@ n)
       | cut -c1-600 | tail -3
   ;;
 esac
+# (appended) run n: the same per-layer errors to the last digit -- with the second row's left padding the attention
+# passes a key mask, and the op takes the Triton kernel (the Gluon kernel has no key mask), so runs m and n did not
+# exercise the prologue's operands. Run o (H100): without padding (--no-pad), with and without them, counting the
+# Gluon launches (gluon_launches in the JSON)
+#   bash benchmarks/run_session23.sh o
+case "$1" in
+o)
+  for cfg in '{}' '{"gluon_qpre": 0}'; do
+    timeout 250 python3 "$R/scripts/gpu_validate.py" --context 32768 --batch 2 --steps 8 --calib-tokens 0 --no-pad \
+        --config "$cfg" --out "$OUT/gpu_validate_${GPU}_session23$1_$(echo "$cfg" | tr -dc 'a-z0-9').json" 2>&1 \
+        | grep -v -E "Warn|warn" | cut -c1-300 | tail -2
+  done
+  ;;
+esac

@@ -37,6 +37,9 @@ def main(argv=None):
                    help="LAYER:HEAD,... kept in full precision (OscarConfig.full_precision_heads): the kernels then "
                         "run on the other heads of those layers")
     p.add_argument("--config", default="{}", help="kernel CONFIG overrides (JSON, decode_triton.CONFIG)")
+    p.add_argument("--no-pad", action="store_true",
+                   help="no left padding of the second row (with a padding mask the attention passes a key mask, so "
+                        "the decode op takes the Triton kernel, not the Gluon one)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from oscar_hf.kernels import decode_triton
@@ -48,14 +51,20 @@ def main(argv=None):
     ids = torch.randint(100, model.config.vocab_size - 100, (args.batch, args.context), device=args.device)
     # left-pad the second row so the padded kernel path is exercised too
     am = torch.ones_like(ids)
-    if args.batch > 1:
+    if args.batch > 1 and not args.no_pad:
         am[1, : args.context // 3] = 0
     res = {"shape": SHAPES[args.shape], "context": args.context, "batch": args.batch, "steps": args.steps,
-           "config": json.loads(args.config),
+           "config": json.loads(args.config), "left_padding": bool(args.batch > 1 and not args.no_pad),
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     steps_tok = torch.randint(100, model.config.vocab_size - 100, (args.batch, args.steps), device=args.device)
     # Read-path check from identical states: at every decode step the cache is deep-copied, the copy
     # runs the torch reference (use_kernels=False) and the original runs the Triton kernels.
+    launches = []  # the Gluon history kernel's launches (GPU)
+    if args.device == "cuda":
+        glu = decode_triton._gluon_module()
+        if glu is not None:
+            real_launch = glu.launch_history
+            glu.launch_history = lambda *a, **kw: (launches.append(kw.get("qpre") is not None), real_launch(*a, **kw))[1]
     cache = OscarCache(model, method="hadamard", group_size=64, use_kernels="auto", full_precision_heads=fph)
     res["full_precision_heads"] = [list(x) for x in fph]
     errs, agree = [], []
@@ -118,6 +127,8 @@ def main(argv=None):
         model.set_attn_implementation("sdpa")
         del dc
     res["noise_floor_rel_logit_err_sdpa_vs_eager"] = ((floor["sdpa"] - floor["eager"]).norm(dim=-1) / floor["eager"].norm(dim=-1)).max().item()
+    res["gluon_launches"] = len(launches)
+    res["gluon_launches_with_prologue_operands"] = sum(launches)
     res["per_step_max_rel_logit_err"] = errs
     res["max_rel_logit_err_kernels_vs_reference"] = max(errs)
     res["same_argmax_fraction"] = sum(agree) / len(agree)
