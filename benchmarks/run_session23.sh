@@ -171,3 +171,6 @@ o)
   done
   ;;
 esac
+# Result of run o: without padding 324 Gluon launches (all with the prologue's operands), per-layer attention outputs
+# within 5.0e-3 of the reference (4.7e-3 with the kernel's own operands), logits 5.6% against a 5.5% noise floor:
+# tolerance_ok both.
