@@ -174,3 +174,13 @@ esac
 # Result of run o: without padding 324 Gluon launches (all with the prologue's operands), per-layer attention outputs
 # within 5.0e-3 of the reference (4.7e-3 with the kernel's own operands), logits 5.6% against a 5.5% noise floor:
 # tolerance_ok both.
+# (appended) run p (H100): a decode step's mask that only hides each row's left padding now reaches the op as a later
+# per-row start without a key mask (oscar_hf.attention._left_padding_only, one host sync per forward): the padded
+# gpu_validate of run m, now on the Gluon path
+#   bash benchmarks/run_session23.sh p
+case "$1" in
+p)
+  timeout 250 python3 "$R/scripts/gpu_validate.py" --context 32768 --batch 2 --steps 8 --calib-tokens 0 \
+      --out "$OUT/gpu_validate_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn" | cut -c1-300 | tail -2
+  ;;
+esac

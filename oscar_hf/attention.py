@@ -65,6 +65,28 @@ def _first_real_slot(allowed: torch.Tensor | None, b: int, device) -> torch.Tens
     return torch.where(last.any(-1), first, torch.full_like(first, last.shape[-1]))
 
 
+# one forward's answer of _left_padding_only, shared by its layers: (mask, t_old, answer); the mask held so that its id
+# cannot be reused while the entry lives
+_LEFT_PAD_MEMO: list = [None]
+
+
+def _left_padding_only(attention_mask, allowed: torch.Tensor, t_old: int) -> bool:
+    """Whether a decode step's mask (``allowed [B, 1, kv]``) only hides a left-padding prefix of each row (every row
+    False...False True...True). Then the history's key mask says no more than a per-row start (its first allowed
+    slot), which the decode op takes without a mask -- and so can run on the Gluon history kernel, which has none.
+    One host sync per forward: the answer is kept for the other layers given the same mask (a layer with another
+    mask, e.g. a sliding window, gets its own); none while compiling or capturing a CUDA graph (the mask is kept)."""
+    if torch.compiler.is_compiling() or (allowed.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    memo = _LEFT_PAD_MEMO[0]
+    if memo is not None and memo[0] is attention_mask and memo[1] == t_old:
+        return memo[2]
+    row = allowed[:, -1, :]
+    ok = bool((row[:, 1:] >= row[:, :-1]).all())
+    _LEFT_PAD_MEMO[0] = (attention_mask, t_old, ok)
+    return ok
+
+
 def _group(x: torch.Tensor, hk: int) -> torch.Tensor:
     """``[B, Hq, L, D]`` -> ``[B, Hk, g*L, D]`` (query heads of one KV head, query-head-major)."""
     b, hq, l, d = x.shape
@@ -153,14 +175,19 @@ def oscar_decode_attention(layer, handle: OscarKV, query, attention_mask, scalin
     hist_k, hist_v = layer.hist_view()
     n = hist_k.codes.shape[2]
     key_mask = None
+    hist_start = layer.pad  # history entry j of row b is slot s0 + j; entries below pad[b] are sink or padding
     if allowed is not None:
-        hm = allowed[:, :, s0 : s0 + n]
-        key_mask = hm[:, None] if l == 1 else _mask_rows(hm, g)
+        if l == 1 and _left_padding_only(attention_mask, allowed, t_old):
+            # the mask's padding prefix as a later start, not a key mask (same entries; on the GPU the Gluon kernel)
+            hist_start = torch.maximum(layer.pad, _first_real_slot(allowed, b, dev) - s0)
+        else:
+            hm = allowed[:, :, s0 : s0 + n]
+            key_mask = hm[:, None] if l == 1 else _mask_rows(hm, g)
     mu_k, mu_v = layer.offsets()
     # 1 + 2 merged by log-sum-exp, the query rotated inside: three Triton launches on CUDA (rotation + window,
     # split-K history, combine), torch reference elsewhere.
     out = decode_attention_rotating(
-        qf, rot.r_k, mu_k, hist_k, hist_v, layer.pad, key_mask, scaling, layer.config.group_size,
+        qf, rot.r_k, mu_k, hist_k, hist_v, hist_start, key_mask, scaling, layer.config.group_size,
         win_k, win_v, win_mask, rot.r_v, mu_v, out_dtype=query.dtype, block_n=layer.config.block_size,
         use_kernels=layer.config.use_kernels,
     )

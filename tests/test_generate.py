@@ -133,3 +133,48 @@ def test_smollm2_real_weights(smollm2, wikitext_text):
     assert base < osc < base * 1.5, (base, osc)
     out = model.generate(ctx, max_new_tokens=8, do_sample=False, past_key_values=OscarCache(model, method="hadamard"))
     assert out.shape[1] == 528
+
+
+def test_left_padding_mask_becomes_a_start_not_a_key_mask(monkeypatch):
+    """A decode step whose mask only hides each row's left padding reaches the decode op as a later per-row start with
+    no key mask (so that on the GPU it can take the Gluon history kernel, which has none); the tokens are those of
+    the same run with the key mask kept; a mask with a hole in the history keeps its key mask."""
+    import oscar_hf.attention as attn
+
+    m = tiny_model("llama")
+    torch.manual_seed(4)
+    prompts = [torch.randint(1, 200, (n,)) for n in (40, 17, 29)]
+    ids, am = left_pad(prompts)
+    seen = []
+    real = attn.decode_attention_rotating
+
+    def spy(qf, r_k, mu_k, k, v, start, key_mask, *a, **kw):
+        seen.append((key_mask is None, start.clone()))
+        return real(qf, r_k, mu_k, k, v, start, key_mask, *a, **kw)
+
+    monkeypatch.setattr(attn, "decode_attention_rotating", spy)
+    run = lambda: m.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False,  # noqa: E731
+                             past_key_values=OscarCache(m, **SMALL), pad_token_id=0)
+    out = run()
+    assert seen and all(no_mask for no_mask, _ in seen)
+    pads = (am == 0).sum(1)
+    assert any(bool((start > 0).any()) for _, start in seen)  # the padded rows start later
+    assert all(bool((start >= pads - SMALL["sink"]).all()) for _, start in seen)
+    seen.clear()
+    monkeypatch.setattr(attn, "_left_padding_only", lambda *a: False)
+    assert torch.equal(run(), out)
+    assert seen and not any(no_mask for no_mask, _ in seen)
+
+
+def test_left_padding_only_detects_holes_and_is_shared_by_a_forwards_layers():
+    from oscar_hf.attention import _LEFT_PAD_MEMO, _left_padding_only
+
+    ok = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)[:, None]
+    hole = ok.clone()
+    hole[1, 0, 2] = False
+    mask_a, mask_b = object(), object()
+    assert _left_padding_only(mask_a, ok, 4)
+    assert not _left_padding_only(mask_b, hole, 4)
+    assert not _left_padding_only(mask_a, hole, 5)  # another step: asked again
+    assert _LEFT_PAD_MEMO[0][0] is mask_a and _LEFT_PAD_MEMO[0][1] == 5
+    assert not _left_padding_only(mask_a, ok, 5)  # the same forward (mask, step): the kept answer
