@@ -184,3 +184,5 @@ p)
       --out "$OUT/gpu_validate_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn" | cut -c1-300 | tail -2
   ;;
 esac
+# Result of run p: left_padding true, 324 Gluon launches (all with the prologue's operands), per-layer 4.5e-3 (layer
+# 0; median 8.6e-4), logits 5.5% against a 5.7% floor: tolerance_ok.
