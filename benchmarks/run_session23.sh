@@ -186,3 +186,16 @@ p)
 esac
 # Result of run p: left_padding true, 324 Gluon launches (all with the prologue's operands), per-layer 4.5e-3 (layer
 # 0; median 8.6e-4), logits 5.5% against a 5.7% floor: tolerance_ok.
+# (appended) run q (H100), after the review: the plane programs take their product from _rotate_block (its twin
+# removed); GPU tests of the operands and the rotating op's int8-key variants, the B=1/128K timeline and the op
+#   bash benchmarks/run_session23.sh q
+case "$1" in
+q)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
+      "$R/tests/kernels/test_query_rotation.py" "$R/tests/kernels/test_int2_attention.py" \
+      -k "q8 or prologue_query_operands or timestamps or (rotating and (k8 or long))" \
+      2>&1 | tee "$OUT/tests_${GPU}_session23$1.log" | tail -2
+  timeout 100 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 --configs '{}' \
+      --out "$OUT/timeline_hist_${GPU}_session23$1.json" 2>&1 | grep -v -E "Warn|warn" | grep -E "^B=|prologue|product|waited|ref_step"
+  ;;
+esac

@@ -960,10 +960,10 @@ def _prologue_kernel(
         if QPRE:  # (C_BLOCK = 32: plane j)
             if TIMED:
                 _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
-                                 D, TB, HAS_MU, LOWP, trow, 1)
+                                 D, M_PAD_ROT, TB, HAS_MU, LOWP, trow, 1)
             else:
                 _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
-                                 D, TB, HAS_MU, LOWP)
+                                 D, M_PAD_ROT, TB, HAS_MU, LOWP)
         else:
             _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
                           D, M_PAD_ROT, C_BLOCK, HAS_MU)

@@ -30,7 +30,8 @@ def _rotate_block(
 ):
     """Columns ``[c0, c0 + C_BLOCK)`` of ``q_rot`` for the ``M`` query rows of ``pid = b * Hk + h`` (and, in the
     program of the first column block, the offset ``q · mu_K``). Shared by :func:`_rotate_query_kernel` and the
-    Gluon path's prologue launch (``decode_triton._prologue_kernel``: rotation + window programs)."""
+    Gluon path's prologue launch (``decode_triton._prologue_kernel``: rotation + window programs). Returns the query
+    ``[M_PAD, D]`` and the block ``[M_PAD, C_BLOCK]`` (float32; rows ``>= M`` zero), for :func:`_rotate_plane_q8`."""
     b = pid // Hk
     h = pid % Hk
     offs_m = tl.arange(0, M_PAD)
@@ -45,10 +46,12 @@ def _rotate_block(
         mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)
     r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + offs_c[None, :])  # R_K[h][:, c-block]
     out = QR + (pid.to(tl.int64) * M + offs_m[:, None]) * D  # q_rot [B, Hk, M, D] contiguous
-    tl.store(out + offs_c[None, :], tl.dot(q, r, input_precision="tf32x3"), mask=mrow[:, None])
+    y = tl.dot(q, r, input_precision="tf32x3")
+    tl.store(out + offs_c[None, :], y, mask=mrow[:, None])
     if HAS_MU:
         if c0 == 0:
             tl.store(QO + pid.to(tl.int64) * M + offs_m, tl.sum(q * mu[None, :], 1), mask=mrow)
+    return q, y
 
 
 @triton.jit
@@ -152,35 +155,21 @@ def _rni(x, ASM: tl.constexpr):
 def _rotate_plane_q8(
     Q, RK, MU, QR, QO, QP8, QPF, pid, P, M, Hk, qk_scale,
     sqb, sqh, sqm, smb, smh,
-    D: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
+    D: tl.constexpr, M_PAD: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
     TROW=None, TIMED: tl.constexpr = 0,
 ):
-    """Plane ``P`` (channels ``[32 P, 32 P + 32)``) of ``q_rot`` for the query rows of ``pid = b * Hk + h`` and its
-    int8 operands (see above); the program of plane 0 also writes ``q · mu_K``. The product's rows are the operand's
-    columns (``n``: query row ``n % MH``, padded to 16 for ``tl.dot``), so that the operands are stores of it (channels
-    scattered into the operand's order). ``ASM``: the rounding in inline PTX (the GPU; not under the interpreter).
-    ``TIMED`` (a diagnostic, the prologue's row ``TROW`` of ``decode_gluon.TIMES_BUF``): %globaltimer after the product
-    (slot 1), after sigma_g (2) and after the sums (5)."""
+    """Plane ``P`` (channels ``[32 P, 32 P + 32)``) of ``q_rot`` for the query rows of ``pid = b * Hk + h``
+    (:func:`_rotate_block`, which also writes ``q · mu_K`` in the program of plane 0) and its int8 operands (see
+    above): query row ``m`` is column ``tb * MH + m`` of token set ``tb``, so each row's codes are stored once per token
+    set (channels scattered into the operand's order). ``ASM``: the rounding in inline PTX (the GPU; not under the
+    interpreter). ``TIMED`` (a diagnostic, the prologue's row ``TROW`` of ``decode_gluon.TIMES_BUF``): %globaltimer
+    after the product (slot 1), after sigma_g (2) and after the sums (5)."""
     MH: tl.constexpr = 8 // TB
-    b = pid // Hk
-    h = pid % Hk
-    n = tl.arange(0, 16)
-    hn = n % MH
-    nval = (hn < M) & (n < 8)
-    offs_d = tl.arange(0, D)
-    q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + hn[:, None] * sqm + offs_d[None, :],
-                mask=nval[:, None], other=0.0).to(tl.float32)  # [16, D]: row n = query row n % MH
-    if HAS_MU:
-        mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)
+    q, y = _rotate_block(Q, RK, MU, QR, QO, pid, 32 * P, M, Hk, sqb, sqh, sqm, smb, smh, D, M_PAD, 32, HAS_MU)
+    m = tl.arange(0, M_PAD)  # [M_PAD, 32]: q_rot[m, 32 P + c] (rows >= M zero)
     c = tl.arange(0, 32)
-    r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + (32 * P + c)[None, :])  # [D, 32]
-    y = tl.dot(q, r, input_precision="tf32x3")  # [16, 32]: q_rot[n % MH, 32 P + c]
     if TIMED:
-        _stamp_at(TROW + 1, y, (n == 0)[:, None] & (c == 0)[None, :])
-    tl.store(QR + (pid.to(tl.int64) * M + n[:, None]) * D + (32 * P + c)[None, :], y, mask=(n < M)[:, None])
-    if HAS_MU:
-        if P == 0:
-            tl.store(QO + pid.to(tl.int64) * M + n, tl.sum(q * mu[None, :], 1), mask=n < M)
+        _stamp_at(TROW + 1, y, (m == 0)[:, None] & (c == 0)[None, :])
     # sigma_g from the largest row norm (the same in both planes' programs); the group's scale qk_scale / 16^g
     bound = tl.sqrt(tl.max(tl.sum(q * q, 1))) * Q8_NORM_MARGIN
     g = P // 2
@@ -191,31 +180,34 @@ def _rotate_plane_q8(
     x = y * ((qk_scale * tl.where(P == 0, 1.0, tl.where(P == 1, 0.25, tl.where(P == 2, 0.0625, 0.015625)))) / sg)
     hi = tl.minimum(tl.maximum(_rni(x, ASM), -127.0), 127.0)
     lo = tl.minimum(tl.maximum(_rni((x - hi) * 254.0, ASM), -127.0), 127.0)
-    # tiles: rows n < 8, channel c at k = 32 (n // MH) + sigma8^-1(c); the other token set's half of the row (TB = 2)
-    # holds zeros
-    TILE: tl.constexpr = 32 * TB
-    kj = 16 * ((c // 4) % 2) + 4 * (c // 8) + c % 4  # sigma8^-1
-    row = QP8 + pid.to(tl.int64) * (8 * 8 * TILE) + P * (2 * 8 * TILE) + n[:, None] * TILE
-    kk = (32 * (n // MH))[:, None] + kj[None, :]
-    smask = (n < 8)[:, None]
-    tl.store(row + kk, hi.to(tl.int8), mask=smask)
-    tl.store(row + 8 * TILE + kk, lo.to(tl.int8), mask=smask)
-    if TB == 2:
-        kz = (32 - 32 * (n // MH))[:, None] + kj[None, :]
-        zero = tl.zeros([16, 32], tl.int8)
-        tl.store(row + kz, zero, mask=smask)
-        tl.store(row + 8 * TILE + kz, zero, mask=smask)
-    # fields, per column n: the plane's sum (and plane 3's codes' sums) in one reduction
+    # fields, per row: the plane's sum (and plane 3's codes' sums) in one reduction
     qs, hs, ls = tl.reduce((y, hi, lo), 1, _sum3)
     if TIMED:
-        _stamp_at(TROW + 5, qs + hs + ls, n == 0)
-    fp = QPF + pid.to(tl.int64) * 64 + n
-    tl.store(fp + 8 * P, qs * qk_scale, mask=n < 8)
-    if P % 2 == 0:
-        tl.store(fp + 8 * (6 + g), tl.zeros([16], tl.float32) + sg, mask=n < 8)
-    if P == 3:  # 128 x its codes' sums
-        tl.store(fp + 32, 128.0 * hs, mask=n < 8)
-        tl.store(fp + 40, 128.0 * ls, mask=n < 8)
+        _stamp_at(TROW + 5, qs + hs + ls, m == 0)
+    # tiles: row m of token set tb is column n = tb MH + m (m < MH: rows M..MH-1 are the zero padding columns);
+    # channel c at k = 32 tb + sigma8^-1(c), the other token set's half of the row (TB = 2) zeros
+    TILE: tl.constexpr = 32 * TB
+    kj = 16 * ((c // 4) % 2) + 4 * (c // 8) + c % 4  # sigma8^-1
+    plane = QP8 + pid.to(tl.int64) * (8 * 8 * TILE) + P * (2 * 8 * TILE)
+    fp = QPF + pid.to(tl.int64) * 64
+    rmask = m < MH
+    for tb in tl.static_range(TB):
+        row = plane + ((tb * MH + m) * TILE)[:, None]
+        kk = 32 * tb + kj[None, :]
+        tl.store(row + kk, hi.to(tl.int8), mask=rmask[:, None])
+        tl.store(row + 8 * TILE + kk, lo.to(tl.int8), mask=rmask[:, None])
+        if TB == 2:
+            kz = 32 - 32 * tb + kj[None, :]
+            zero = tl.zeros([M_PAD, 32], tl.int8)
+            tl.store(row + kz, zero, mask=rmask[:, None])
+            tl.store(row + 8 * TILE + kz, zero, mask=rmask[:, None])
+        col = fp + tb * MH + m
+        tl.store(col + 8 * P, qs * qk_scale, mask=rmask)
+        if P % 2 == 0:
+            tl.store(col + 8 * (6 + g), tl.zeros([M_PAD], tl.float32) + sg, mask=rmask)
+        if P == 3:  # 128 x its codes' sums
+            tl.store(col + 32, 128.0 * hs, mask=rmask)
+            tl.store(col + 40, 128.0 * ls, mask=rmask)
 
 
 @triton.jit
@@ -241,11 +233,11 @@ def _sum3(a0, a1, a2, b0, b1, b2):
 def _rotate_q8_kernel(
     Q, RK, MU, QR, QO, QP8, QPF, M, Hk, qk_scale,
     sqb, sqh, sqm, smb, smh,
-    D: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
+    D: tl.constexpr, M_PAD: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
 ):
     # program (b * Hk + h, P): plane P of the query rotation and its int8 operands (the fused prologue's QPRE programs)
     _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, tl.program_id(0), tl.program_id(1), M, Hk, qk_scale,
-                     sqb, sqh, sqm, smb, smh, D, TB, HAS_MU, ASM)
+                     sqb, sqh, sqm, smb, smh, D, M_PAD, TB, HAS_MU, ASM)
 
 
 def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None, qk_scale: float):
@@ -261,7 +253,7 @@ def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tens
     fields = torch.zeros(b * hk, 8, 8, device=qf.device, dtype=torch.float32)
     _rotate_q8_kernel[(b * hk, 4)](
         qf, r_k, mu_k, q_rot, off, tiles, fields, m, hk, float(qk_scale), *rotation_strides(qf, mu_k),
-        D=d, TB=tb, HAS_MU=mu_k is not None, ASM=int(qf.is_cuda), num_warps=4,
+        D=d, M_PAD=16, TB=tb, HAS_MU=mu_k is not None, ASM=int(qf.is_cuda), num_warps=4,
     )
     return q_rot, off, tiles, fields
 

@@ -57,7 +57,8 @@ def summarize(buf: torch.Tensor) -> dict:
             ent, ext = ((r[:, 0] - t0) / 1e3).tolist(), ((r[:, 4] - t0) / 1e3).tolist()
             out[f"prologue_{name}"] = {"programs": r.shape[0], "entry_max": max(ent), "exit_p50": _pct(ext, 0.5),
                                        "exit_max": max(ext)}
-            if kind == 0 and (r[:, [1, 2, 5]] != 0).all():  # the int8 operands' group programs (gluon_qpre) stamp
+            if kind == 0 and (r[:, [1, 2, 5]] != 0).all():  # the rotation programs building the int8 operands
+                # (gluon_qpre, query_triton._rotate_plane_q8) stamp
                 # after their product, after sigma_g and after their sums
                 for slot, mark in ((1, "product"), (2, "sigma"), (5, "sums")):
                     col = ((r[:, slot] - t0) / 1e3).tolist()

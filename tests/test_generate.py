@@ -138,7 +138,7 @@ def test_smollm2_real_weights(smollm2, wikitext_text):
 def test_left_padding_mask_becomes_a_start_not_a_key_mask(monkeypatch):
     """A decode step whose mask only hides each row's left padding reaches the decode op as a later per-row start with
     no key mask (so that on the GPU it can take the Gluon history kernel, which has none); the tokens are those of
-    the same run with the key mask kept; a mask with a hole in the history keeps its key mask."""
+    the same run with the key mask kept (masks with holes: the next test)."""
     import oscar_hf.attention as attn
 
     m = tiny_model("llama")
