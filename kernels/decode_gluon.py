@@ -111,6 +111,13 @@ _V_ASM = gl.constexpr(tuple(
     for bb in range(4)))
 # prefetch.global.L2 of one address where the predicate ($2) is set (the result is a dummy)
 _PF_ASM = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
+# Wait until the 32-bit counter at $1 reaches $2 (acquire, GPU scope; QFLAG): poll with a short sleep, trap after
+# ~2^22 polls (seconds) rather than hang; $0 is 0, an opaque offset for the loads that must follow the wait
+_SPIN_ASM = gl.constexpr(
+    "{ .reg .pred p; .reg .u32 v, n; mov.u32 n, 0; "
+    "SPIN${:uid}: ld.acquire.gpu.global.u32 v, [$1]; setp.ge.u32 p, v, $2; @p bra DONE${:uid}; "
+    "add.u32 n, n, 1; setp.gt.u32 p, n, 4194304; @p trap; nanosleep.u32 32; bra SPIN${:uid}; "
+    "DONE${:uid}: mov.u32 $0, 0; }")
 LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 # movmatrix.trans on each 8x8 block of a 16-bit accumulator-layout tile (see _w_operand)
 _MOVM_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
@@ -627,6 +634,7 @@ def _hist_kernel(
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
     PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
     TIMES=None, TIMED: gl.constexpr = 0, QP8=None, QPF=None, QPRE: gl.constexpr = 0,
+    READY=None, QFLAG: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -657,7 +665,13 @@ def _hist_kernel(
             kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB,
                                                        STAGES)
             _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
-        if PDL >= 2:
+        if QFLAG:
+            # instead of the PDL wait for the whole prologue grid: its rotation programs of this (row, head) count
+            # themselves done in READY once their operands are stored (4 planes); the wait above ends when this
+            # head's are, not when the last prologue program has exited and the grid's completion reached us
+            wdep = gl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r", [READY + pid_bh, 4], dtype=gl.int32,
+                                             is_pure=False, pack=1)
+        elif PDL >= 2:
             wdep = gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                              pack=1)
     if TIMED:
@@ -668,15 +682,18 @@ def _hist_kernel(
     cn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     ch = cn % MH
     cvalid = (ch < M) & (cn < TB * MH)
+    qz = 0
+    if QFLAG:  # (the wait's 0 in the addresses of what the prologue wrote: these loads cannot move above it)
+        qz = wdep
     if HAS_OFF:  # the logit offset q.mu_K per column
-        off = gl.load(QKOFF + b.to(gl.int64) * sob + h * soh + ch * som, mask=cvalid, other=0.0) * qk_scale
+        off = gl.load(QKOFF + qz + b.to(gl.int64) * sob + h * soh + ch * som, mask=cvalid, other=0.0) * qk_scale
     else:
         off = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
     # per column: Qs_g = sum of the group's (scaled) query channels, from the planes (before session 22 a load of its
     # own, which the compiler issued after the operands' arithmetic: a second round trip)
     if K8:
         if QPRE:  # built by the prologue, once per row and KV head
-            qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_loaded(QP8, QPF, pid_bh, TB)
+            qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_loaded(QP8, QPF, pid_bh + qz, TB)
         else:
             qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
     else:
@@ -792,6 +809,9 @@ def _hist_kernel(
 
     if TIMED:
         _stamp(TIMES, prog, 3, _dep(m_c))
+    if PDL == 4:  # the combine may launch once every program is past its loop (an input from m_c orders it there)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $1", "=r,f", [m_c], dtype=gl.int32,
+                                  is_pure=False, pack=1)
     # ---- per column -> per query row: the TB token sets merged by log-sum-exp ----
     if TB == 1:
         m_r = m_c
@@ -839,6 +859,9 @@ def _hist_kernel(
     rh = gl.arange(0, MH, layout=RL)
     gl.store(PM + part + rh, gl.convert_layout(m_r, RL), mask=rh < M)
     gl.store(PL + part + rh, gl.convert_layout(l_r, RL), mask=rh < M)
+    if QFLAG:  # the PDL wait after all (the prologue grid is long done): this grid completes after it, as without QFLAG
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,f", [l_r], dtype=gl.int32, is_pure=False,
+                                  pack=1)
     if TIMED:
         _stamp(TIMES, prog, 4, _dep(l_r))
         _stamp(TIMES, prog, 6, _dep(l_r), _CLK_ASM)
@@ -867,9 +890,11 @@ TIMES_BUF = None
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
     ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
+    ``ready`` (with ``qpre`` and ``pdl`` >= 2): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise
+    when their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``).
     With :data:`TIMES_BUF` set (a diagnostic), each program's timestamps go there (``[programs, TIME_SLOTS]`` int64)."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -882,7 +907,8 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
         TIMES=TIMES_BUF, TIMED=int(TIMES_BUF is not None),
-        QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)), num_warps=1,
+        QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),
+        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

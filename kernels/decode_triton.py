@@ -210,8 +210,11 @@ CONFIG = {
     # (gluon_early), and only where the op rotates the query itself (decode_attention_rotating_triton: the dynamic
     # cache; the static cache rotates outside its op). H200, graph time: B=1/128K 53.2 -> 52.3 us, B=8/128K 237.5 ->
     # 236.1, B=8/8K 47.9 -> 46.8 (profile_op_h200_session14b.json). 4: pdl 2 and the combine under PDL (see _launch):
-    # +-1 us, mixed (profile_op_h200_session17{e,f}.json)
-    "pdl": 2,
+    # +-1 us, mixed (profile_op_h200_session17{e,f}.json). 5 (the default since session 24): pdl 2 and the combine
+    # under PDL, let go by each history program after its loop (not on entry as with 4, whose combine programs then
+    # sit beside the whole history): H100 graph us B=1/128K 44.8-45.0 -> 44.3-44.6, B=8 and B=32 even
+    # (profile_op_h100_session24e.json)
+    "pdl": 5,
     # Gluon kernel: the split's first loads (the reference step's words, the first full steps' copies) issued before the
     # query's (pdl 2 needs them there: before its wait)
     "gluon_early": 1,
@@ -255,6 +258,11 @@ CONFIG = {
     # warps of the fused prologue's programs (None: num_warps). 8 were slower (H100, session 23 run c: B=8/128K 254.3 ->
     # 255.2 us, B=32/32K 267.6 -> 274.8; its window programs)
     "prologue_warps": None,
+    # with gluon_qpre and pdl >= 2: the history programs of a (row, KV head) wait for its 4 rotation programs' counter
+    # (raised once their operands are stored; _ready_counters), not for the whole prologue grid's completion
+    # (griddepcontrol.wait, released ~1.4 us after the last prologue program's exit). H100, session 24 (graph us,
+    # with pdl 5): B=1/128K 44.4-44.7 -> 43.3-44.0, B=8/128K 253.3-254.2 -> 252.3-252.7 (profile_op_h100_session24g)
+    "gluon_qflag": 1,
 }
 
 
@@ -940,18 +948,22 @@ def _prologue_kernel(
     D: tl.constexpr, M_PAD: tl.constexpr, M_PAD_ROT: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
     HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
     TIMES=None, TIMED: tl.constexpr = 0, TIME_SLOTS: tl.constexpr = 8,
-    QP8=None, QPF=None, QPRE: tl.constexpr = 0, TB: tl.constexpr = 2,
+    QP8=None, QPF=None, QPRE: tl.constexpr = 0, TB: tl.constexpr = 2, READY=None, QFLAG: tl.constexpr = 0,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
     what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
     block ``j`` of the query, the rest are window programs ``j - D / C_BLOCK``). Before, each was a launch of its own,
     before and after the history kernel. ``QPRE`` (``C_BLOCK`` = 32, one plane): each rotation program also
-    writes its plane's int8 query operands of the Gluon kernel's int8 key path (``query_triton._rotate_plane_q8``)."""
-    if PDL:  # the history kernel may launch now: it loads its first steps, then waits for this grid (the query)
-        gdc_launch_dependents()
+    writes its plane's int8 query operands of the Gluon kernel's int8 key path (``query_triton._rotate_plane_q8``).
+
+    ``QFLAG`` (with ``QPRE``): each rotation program adds 1 to ``READY[b * Hk + h]`` (release, GPU scope) once its
+    plane's operands are stored; the history programs of that (row, head) wait for 4 there, not for this grid's
+    completion (the combine sets it back to 0)."""
     pid_bh = tl.program_id(0)
     j = tl.program_id(1)
     NROT: tl.constexpr = D // C_BLOCK
+    if PDL:  # the history kernel may launch now: it loads its first steps, then waits for the query (or QFLAG)
+        gdc_launch_dependents()
     if TIMED:  # diagnostic (decode_gluon.TIMES_BUF): this program's entry and exit, its kind (0 rotation, 1 window)
         trow = TIMES + (PROLOGUE_TIME_ROW + pid_bh * tl.num_programs(1) + j) * TIME_SLOTS
         tl.store(trow, _stamp_asm(j))
@@ -964,6 +976,9 @@ def _prologue_kernel(
             else:
                 _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
                                  D, M_PAD_ROT, TB, HAS_MU, LOWP)
+            if QFLAG:  # every thread's stores before the release (the barrier), then one atomic for the program
+                tl.debug_barrier()
+                tl.atomic_add(READY + pid_bh, 1, sem="release", scope="gpu")
         else:
             _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
                           D, M_PAD_ROT, C_BLOCK, HAS_MU)
@@ -1014,6 +1029,7 @@ def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
     PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
+    READY=None, RESET: tl.constexpr = 0,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
 
@@ -1036,7 +1052,10 @@ def _combine_kernel(
 
     ``PARTS`` (FINAL, ``C_BLOCK <= D / PARTS``): ``PARTS`` programs per row, each merging the row's partials and
     writing output channels ``[pc D / PARTS, (pc + 1) D / PARTS)`` only, so that each loads ``1 / PARTS`` of ``R_V[h]``
-    (the partials are read ``PARTS`` times, from L2): more programs and fewer bytes each where there are few rows."""
+    (the partials are read ``PARTS`` times, from L2): more programs and fewer bytes each where there are few rows.
+
+    ``RESET``: one program per (b, h) sets ``READY[b * Hk + h]`` (the prologue -> history counter of ``QFLAG``) back to
+    0 for the next call (this call's history grid, and with it the prologue's, is complete by then)."""
     row = tl.program_id(0) // PARTS  # = bh * M + mm
     c_lo = (tl.program_id(0) % PARTS) * (D // PARTS)  # this program's first output channel
     bh = row // M
@@ -1051,6 +1070,9 @@ def _combine_kernel(
         r_next = tl.load(RV + h * D * D + (c_lo + tl.arange(0, C_BLOCK))[:, None] * D + offs_d[None, :])
     if PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
         gdc_wait()
+    if RESET:
+        if tl.program_id(0) % (M * PARTS) == 0:  # (query row 0, part 0 of each (b, h))
+            tl.store(READY + bh, 0)
     if FINAL and HOIST:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
         offs_w = S_HIST + tl.arange(0, SW_BLOCK)
         wm = offs_w < S_TOT
@@ -1293,6 +1315,32 @@ def _pairable(k: QuantizedRows, v: QuantizedRows, d: int, group_size: int) -> bo
         for t in (k.scale, k.zero, v.scale, v.zero))
 
 
+_READY = {}  # device -> [int32 counters of QFLAG (prologue -> history), zero between calls; the last stream]
+
+
+def _ready_counters(dev: torch.device, n: int):
+    """``n`` zeroed int32 counters for the prologue -> history handoff (``CONFIG["gluon_qflag"]``), one buffer per
+    device: each call's combine sets them back to 0, so successive calls reuse them. A call from another stream than
+    the last one's first waits for that stream's work (the last call's combine) -- except while a CUDA graph is being
+    captured, whose replays must then not overlap the op on another stream. None while capturing if no buffer that
+    large exists yet (the call then takes the PDL wait; allocating here would capture a memset into every replay)."""
+    dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+    entry = _READY.get(dev)
+    stream = torch.cuda.current_stream(dev)
+    capturing = torch.cuda.is_current_stream_capturing()
+    if entry is None or entry[0].numel() < n:
+        if capturing:
+            return None
+        if entry is not None and entry[1] != stream:
+            stream.wait_stream(entry[1])  # (the old buffer may still be in use there)
+        entry = [torch.zeros(max(n, 256), device=dev, dtype=torch.int32), stream]
+        _READY[dev] = entry
+    elif entry[1] != stream and not capturing:
+        stream.wait_stream(entry[1])
+        entry[1] = stream
+    return entry[0]
+
+
 @functools.lru_cache(maxsize=None)
 def _gluon_module():
     """kernels/decode_gluon.py, or None where this Triton has no Gluon (it needs ``triton.experimental.gluon``)."""
@@ -1393,18 +1441,20 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     # this call launches the rotation itself, right before the history (what the history reads before its wait must be
     # complete before the launch it overlaps)
     # pdl 4: pdl 2, and the combine under PDL: the history kernel lets it launch at once, so that its programs load R_V
-    # in the history's tail
+    # in the history's tail; pdl 5: the same, but each history program lets it launch only after its loop (the
+    # combine's grid starts once the last history program is past its loop, not beside the whole history)
     pdl_mode = int(cfg.get("pdl") or 0) if (glu is not None and s_hist and dev.type == "cuda"
                                             and cuda_major(dev) >= 9) else 0
     if pdl_mode >= 2 and rotate is None:
         pdl_mode = 0
     pdl = pdl_mode == 1
-    pdl_comb = pdl_mode in (1, 4)  # the combine's launch
+    pdl_comb = pdl_mode in (1, 4, 5)  # the combine's launch
     pdl_kw = {"launch_pdl": True} if pdl else {}
 
     pm = torch.empty(bh, max(s_tot, 1), m, device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(bh, max(s_tot, 1), m, d, device=dev, dtype=torch.float32)
+    ready = None
     if s_tot == 0:  # nothing to attend to: one empty partial
         pm.fill_(float("-inf"))
         pl.zero_()
@@ -1419,6 +1469,9 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         # the int8 key path's query operands built once per (row, KV head) by the prologue's rotation programs, one per
         # plane (CONFIG["gluon_qpre"]), not by every history program
         qpre = bool(fused_pro and k8 and cfg.get("gluon_qpre"))
+        # ... and the history programs' wait for them: on counters the rotation programs raise, not the PDL wait for
+        # the whole prologue grid (CONFIG["gluon_qflag"])
+        ready = _ready_counters(dev, bh) if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag")) else None
         c_rot = min(d, ROT_C_BLOCK)
         qp8 = qpf = None
         if qpre:
@@ -1439,10 +1492,11 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                     *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
                     D=d, M_PAD=m_pad, M_PAD_ROT=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None,
                     HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
-                    WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode in (2, 4)),
+                    WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode >= 2),
                     TIMES=glu.TIMES_BUF if timed else None, TIMED=int(timed),
                     TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8,
                     QP8=qp8, QPF=qpf, QPRE=int(qpre), TB=glu.tokens_per_step(m) // 16 if qpre else 2,
+                    READY=ready, QFLAG=int(ready is not None),
                     num_warps=cfg.get("prologue_warps") or cfg["num_warps"],
                 )
             else:
@@ -1453,9 +1507,9 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                    float(scaling) * LOG2E, stages=gluon_stages(cfg, n, s_hist),
                                    splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                    l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
-                                   pdl=3 if pdl_mode == 4 else pdl_mode,
+                                   pdl={4: 3, 5: 4}.get(pdl_mode, pdl_mode),
                                    early=int(cfg.get("gluon_early", 0)), k8=k8,
-                                   qpre=(qp8, qpf) if qpre else None)
+                                   qpre=(qp8, qpf) if qpre else None, ready=ready)
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
@@ -1522,6 +1576,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
             pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
             D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
             HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, PARTS=parts,
+            READY=ready, RESET=int(ready is not None),
             num_warps=merge_warps,
             **({"launch_pdl": True} if pdl_comb else {}),
         )

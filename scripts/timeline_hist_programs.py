@@ -98,6 +98,17 @@ def summarize(buf: torch.Tensor) -> dict:
         by_count[per_sm[s]].append(e)
     out["sm_last_exit_us_by_programs"] = {str(k): {"n": len(v), "p50": _pct(v, 0.5), "max": max(v)}
                                           for k, v in sorted(by_count.items())}
+    # the history programs on SMs that also ran a prologue program (whose registers hold back some of the SM's
+    # history programs until it exits) against the rest: entry and exit
+    if pro.shape[0]:
+        psm = set((pro[:, 7].long() & 0xFFFF).tolist())
+        for tag, want in (("prologue_sms", True), ("other_sms", False)):
+            sel = [i for i, s in enumerate(sm) if (s in psm) == want]
+            if sel:
+                for slot, name in ((0, "entry"), (4, "exit")):
+                    col = rel[sel, slot].tolist()
+                    out[f"{name}_us_{tag}"] = {"n": len(col), "sms": len({sm[i] for i in sel}), "p50": _pct(col, 0.5),
+                                               "p90": _pct(col, 0.9), "max": max(col)}
     return out
 
 
@@ -163,6 +174,11 @@ def show(row):
         for k, v in p.get("exit_us_by_programs_on_scheduler", {}).items()))
     print("   SMs' last exit by programs held: " + ", ".join(
         f"{k}: n={v['n']:.0f} p50 {v['p50']:.1f} max {v['max']:.1f}" for k, v in p["sm_last_exit_us_by_programs"].items()))
+    for tag, what in (("prologue_sms", "on SMs that ran a prologue program"), ("other_sms", "on the other SMs")):
+        if f"entry_us_{tag}" in p:
+            e, x = p[f"entry_us_{tag}"], p[f"exit_us_{tag}"]
+            print(f"   {e['n']:.0f} programs {what} ({e['sms']:.0f}): entry p50 {e['p50']:.1f} p90 {e['p90']:.1f} max "
+                  f"{e['max']:.1f}, exit p50 {x['p50']:.1f} p90 {x['p90']:.1f} max {x['max']:.1f} us")
 
 
 def plot(paths, out):

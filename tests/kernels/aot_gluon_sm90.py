@@ -52,7 +52,7 @@ def main():
     from oscar_hf.kernels.decode_triton import CONFIG
 
     ptrs = dict(Q="*fp32", KC="*u8", KS="*bf16", KZ="*bf16", VC="*u8", VS="*bf16", VZ="*bf16", START="*i32",
-                QKOFF="*fp32", QP8="*i8", QPF="*fp32")
+                QKOFF="*fp32", QP8="*i8", QPF="*fp32", READY="*i32")
     ints = "N M Hk S S_TOT split_len".split()
     strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
     stages = int(CONFIG["gluon_stages"])
@@ -74,10 +74,16 @@ def main():
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_, "QPRE": qp,
-                  "PDL": 2 if early else 1,  # (programmatic dependent launch compiled in: its variant of the prologue)
+                  # (programmatic dependent launch compiled in: its variant of the prologue; AOT_PDL: another)
+                  "PDL": int(os.environ.get("AOT_PDL", 2 if early else 1)),
                   "TIMES": None, "TIMED": 0}
+        # the prologue -> history counters (CONFIG["gluon_qflag"], with the prologue's operands and PDL 2)
+        qflag = int(bool(qp) and consts["PDL"] >= 2 and int(os.environ.get("AOT_QFLAG", CONFIG.get("gluon_qflag") or 0)))
+        consts["QFLAG"] = qflag
         if not qp:
             consts.update(QP8=None, QPF=None)
+        if not qflag:
+            consts["READY"] = None
         if os.environ.get("AOT_TIMED"):  # the diagnostic per-program timestamps compiled in
             consts["TIMED"] = 1
             del consts["TIMES"]

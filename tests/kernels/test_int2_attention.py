@@ -631,7 +631,7 @@ _GLUON_VARIANTS = {
     "early": {"gluon_gsum": 1, "pdl": 0, "gluon_early": 1},
     "early-pdl2": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1},
     "fp16-keys": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 0},
-    "k8": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2},
+    "k8": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qflag": 0},
     "k8-regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0, "gluon_k8": 2},
     "k8-noqpre": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 0},
     "k8-qpre-nopdl": {"gluon_gsum": 1, "pdl": 0, "gluon_k8": 2, "gluon_qpre": 1},
@@ -639,6 +639,8 @@ _GLUON_VARIANTS = {
     "long": {"gluon_long_split": 64},  # every split long: int8 keys, 4 stages, 8 programs an SM without a cap
     "short": {"gluon_long_split": 1 << 30},  # no split long: fp16 keys, 2 stages, 12 programs an SM under a cap
     "pdl4-warp": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "merge_one_warp_rows": 0},
+    "pdl5": {"gluon_gsum": 1, "pdl": 5, "gluon_early": 1},
+    "qflag": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qflag": 1},
     "parts1": {"merge_out_parts": 1, "merge_warps_few": None, "splits_pow2_slack": 0},
 }
 
@@ -655,7 +657,9 @@ def gluon_calls(request, monkeypatch):
     merge_hoist, the default) with R_V in 32-row chunks instead of the default 64; "long": the defaults with every split long (the long splits'
     key path, pipeline, residency and register cap; since session 20 the default from 256 tokens a split), "short":
     no split long (the short-split path, the default before session 20); "pdl4-warp": the combine under PDL (pdl 4),
-    one warp per row wherever there are more rows than SMs (merge_one_warp_rows 0); "parts1": the combine for fewer
+    one warp per row wherever there are more rows than SMs (merge_one_warp_rows 0); "pdl5": the combine under PDL,
+    launched once every history program is past its loop (pdl 5); "qflag": the history programs wait for
+    counters their head's rotation programs raise, not for the prologue grid (gluon_qflag); "parts1": the combine for fewer
     rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
@@ -806,6 +810,39 @@ def test_gpu_gluon_prologue_query_operands(monkeypatch, m):
 
 @pytest.mark.gpu
 @on_gpu
+def test_gpu_gluon_qflag_counters(monkeypatch):
+    """The prologue -> history counters (gluon_qflag): the op's output is bit-identical to the PDL wait's (the same
+    kernels, only the wait differs), call after call, from a second stream too, and every call leaves the counters at
+    0 (the combine resets them: a counter left raised would let the next call's history read stale operands)."""
+    dt = _dt()
+    args = _rotating_case(2, 8, 4, 9000, 320, 128, 64, seed=3, device="cuda")
+    args["qf"] = args["qf"].cuda()
+    args["start"] = torch.tensor([0, 37], device="cuda")
+    args["out_dtype"] = torch.float32
+    base = {**dt.CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_k8": 2, "gluon_qpre": 1, "pdl": 2}
+    monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_qflag": 0})
+    want = dt.decode_attention_rotating_triton(**args)
+    monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_qflag": 1})
+    seen = []
+    real = dt._ready_counters
+    monkeypatch.setattr(dt, "_ready_counters", lambda *a: (seen.append(1), real(*a))[1])
+    for _ in range(3):
+        assert torch.equal(dt.decode_attention_rotating_triton(**args), want)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = dt.decode_attention_rotating_triton(**args)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, want)
+    assert torch.equal(dt.decode_attention_rotating_triton(**args), want)
+    assert len(seen) == 5
+    counters = dt._READY[torch.device("cuda", torch.cuda.current_device())][0]
+    torch.cuda.synchronize()
+    assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@on_gpu
 def test_gpu_gluon_decode_op_rotating_in_graph(gluon_calls):
     """The op from the unrotated query captured in a CUDA graph (programmatic dependent launch becomes graph edges):
     replays with new queries and window values written into the captured inputs equal the reference each time."""
@@ -830,6 +867,8 @@ def test_gpu_gluon_decode_op_rotating_in_graph(gluon_calls):
         torch.cuda.synchronize()
         assert rel_err(out.float(), _rotating_reference(args).float()) < 2e-2
     assert gluon_calls, "the Gluon kernel did not run"
+    torch.cuda.synchronize()  # (gluon_qflag: every replay's combine set the prologue -> history counters back to 0)
+    assert all(int(e[0].abs().sum()) == 0 for e in _dt()._READY.values())
 
 
 @pytest.mark.gpu
