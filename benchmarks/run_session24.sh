@@ -120,3 +120,12 @@ l|m)
   fi
   ;;
 esac
+# (appended) run n (H100): end to end with the new defaults (gluon_qflag, pdl 5): kernels against the torch reference
+# semantics on a random Qwen3-8B-shaped model at 32K, B=2 with the second row left padded (scripts/gpu_validate.py)
+#   bash benchmarks/run_session24.sh n
+case "$1" in
+n)
+  timeout 400 python3 "$R/scripts/gpu_validate.py" --context 32768 --batch 2 --steps 8 --calib-tokens 0 \
+      --out "$OUT/gpu_validate_${GPU}_session24$1.json" 2>&1 | grep -v -E "Warn|warn" | cut -c1-400 | tail -6
+  ;;
+esac

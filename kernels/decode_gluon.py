@@ -39,9 +39,11 @@ the kernel state its layouts, so here every operand is built in the registers th
   step, if the split does not end on a step boundary.
 * **The first loads before the query** (``EARLY``, ``CONFIG["gluon_early"]``): the split's bounds, the reference
   step's words and the first full steps' copies are issued before the query operands are built, so that their
-  memory latency overlaps the query's loads -- and, with ``PDL`` 2 or 3, the launch before this one, which computes the
-  query (programmatic dependent launch: ``griddepcontrol.wait`` comes after those loads; ``decode_triton._launch``
-  says when that is safe). ``PDL`` 1 and 3 also let the next launch (the combine) start in this grid's tail.
+  memory latency overlaps the query's loads -- and, with ``PDL`` 2, 3 or 4, the launch before this one, which computes
+  the query (programmatic dependent launch: ``griddepcontrol.wait`` comes after those loads; ``decode_triton._launch``
+  says when that is safe). ``PDL`` 1 and 3 also let the next launch (the combine) start in this grid's tail, 4 once
+  every program is past its loop. ``QFLAG`` (session 24): instead of that wait, a poll of a counter the (row, head)'s
+  rotation programs raise once its query operands are stored (the PDL wait then comes at the program's end).
 
 Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets): key bytes ``[T, 32]`` (8 per row),
 value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``), logits ``[16, 8]`` float32 (rows ``r, r + 8``,

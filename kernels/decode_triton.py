@@ -22,7 +22,9 @@ window programs only (``PID_OFF``), then the combine kernel:
 * :func:`decode_attention_rotating_triton` -- the same op from the *unrotated* query (what the dynamic cache's
   attention calls since session 14): the op launches the query rotation itself, on the Gluon path in one launch with
   the window programs (:func:`_prologue_kernel`), so that path makes three launches (rotation + window, Gluon history,
-  combine), with programmatic dependent launch between the first two (``CONFIG["pdl"]`` 2).
+  combine), with programmatic dependent launch between them (``CONFIG["pdl"]`` 5: the history's first loads under the
+  rotation, the combine's launch under the history's tail; ``CONFIG["gluon_qflag"]``: the history waits for counters
+  the rotation programs raise, not for the rotation's grid).
 
 Math of one history block (``n`` = token, ``c`` = channel, ``g(c)`` its group, ``p`` a plane):
 byte ``j`` holds the codes of channels ``j + p * D/4`` in bits ``2p..2p+1``, so one shift and mask
