@@ -129,3 +129,13 @@ n)
       --out "$OUT/gpu_validate_${GPU}_session24$1.json" 2>&1 | grep -v -E "Warn|warn" | cut -c1-400 | tail -6
   ;;
 esac
+# (appended) run o (H200): the new defaults' GPU tests on the H200 too (the counters, the pdl5 / qflag variants of the
+# decode op's Gluon tests, the op in a CUDA graph, the prologue's operands, the timestamps)
+#   bash benchmarks/run_session24.sh o
+case "$1" in
+o)
+  timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "qflag or pdl5 or in_graph or prologue_query_operands or timestamps or (rotating and long)" \
+      2>&1 | tee "$OUT/tests_${GPU}_session24$1.log" | tail -3
+  ;;
+esac

@@ -74,8 +74,9 @@ def main():
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_, "QPRE": qp,
-                  # (programmatic dependent launch compiled in: its variant of the prologue; AOT_PDL: another)
-                  "PDL": int(os.environ.get("AOT_PDL", 2 if early else 1)),
+                  # (programmatic dependent launch compiled in as the default CONFIG["pdl"] launches it: 5 -> 4, the
+                  # combine let go after the loop; 2 -> 2; AOT_PDL: another)
+                  "PDL": int(os.environ.get("AOT_PDL", {4: 3, 5: 4}.get(int(CONFIG.get("pdl") or 0), 2) if early else 1)),
                   "TIMES": None, "TIMED": 0}
         # the prologue -> history counters (CONFIG["gluon_qflag"], with the prologue's operands and PDL 2)
         qflag = int(bool(qp) and consts["PDL"] >= 2 and int(os.environ.get("AOT_QFLAG", CONFIG.get("gluon_qflag") or 0)))
