@@ -139,3 +139,12 @@ o)
       2>&1 | tee "$OUT/tests_${GPU}_session24$1.log" | tail -3
   ;;
 esac
+# (appended) run p (H100): after the review -- a launch that fails after the prologue raised the counters sets them
+# back to 0 (decode_triton._counters_reset_on_error): the counters' test and the qflag / pdl5 variants again
+#   bash benchmarks/run_session24.sh p
+case "$1" in
+p)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "qflag or pdl5 or in_graph" 2>&1 | tee "$OUT/tests_${GPU}_session24$1.log" | tail -3
+  ;;
+esac

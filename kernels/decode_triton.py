@@ -77,6 +77,7 @@ Value metadata of invalid tokens is never read (masked loads), so stale storage 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -1343,6 +1344,19 @@ def _ready_counters(dev: torch.device, n: int):
     return entry[0]
 
 
+@contextlib.contextmanager
+def _counters_reset_on_error(ready):
+    """Around the launches after the prologue raised ``ready``'s counters: if one fails (say, a kernel that does not
+    compile), the counters are set back to 0 here (the combine that would have done it never runs), so that the next
+    call's history cannot take them for its own prologue's and read its operands before they are written."""
+    try:
+        yield
+    except BaseException:
+        if ready is not None:
+            ready.zero_()
+        raise
+
+
 @functools.lru_cache(maxsize=None)
 def _gluon_module():
     """kernels/decode_gluon.py, or None where this Triton has no Gluon (it needs ``triton.experimental.gluon``)."""
@@ -1505,13 +1519,14 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                 launch_rotation(qf_r, r_k_r, mu_k_r, q_rot, qk_offset)
         if glu is not None:  # history on the Gluon kernel; this file's kernel runs the window programs only
             if s_hist:
-                glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len,
-                                   float(scaling) * LOG2E, stages=gluon_stages(cfg, n, s_hist),
-                                   splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
-                                   l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
-                                   pdl={4: 3, 5: 4}.get(pdl_mode, pdl_mode),
-                                   early=int(cfg.get("gluon_early", 0)), k8=k8,
-                                   qpre=(qp8, qpf) if qpre else None, ready=ready)
+                with _counters_reset_on_error(ready):
+                    glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot,
+                                       split_len, float(scaling) * LOG2E, stages=gluon_stages(cfg, n, s_hist),
+                                       splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
+                                       l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
+                                       pdl={4: 3, 5: 4}.get(pdl_mode, pdl_mode),
+                                       early=int(cfg.get("gluon_early", 0)), k8=k8,
+                                       qpre=(qp8, qpf) if qpre else None, ready=ready)
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
@@ -1574,14 +1589,15 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
         hoist = (bool(cfg.get("merge_hoist")) and c_block < d <= 128
                  and s_tot - s_hist <= cfg.get("merge_hoist_win", 16))
-        _combine_kernel[(bh * m * parts,)](
-            pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
-            D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
-            HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, PARTS=parts,
-            READY=ready, RESET=int(ready is not None),
-            num_warps=merge_warps,
-            **({"launch_pdl": True} if pdl_comb else {}),
-        )
+        with _counters_reset_on_error(ready):
+            _combine_kernel[(bh * m * parts,)](
+                pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
+                D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
+                HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, PARTS=parts,
+                READY=ready, RESET=int(ready is not None),
+                num_warps=merge_warps,
+                **({"launch_pdl": True} if pdl_comb else {}),
+            )
         return out
     om = torch.empty(b, hk, m, device=dev, dtype=torch.float32)
     ol = torch.empty_like(om)

@@ -813,7 +813,8 @@ def test_gpu_gluon_prologue_query_operands(monkeypatch, m):
 def test_gpu_gluon_qflag_counters(monkeypatch):
     """The prologue -> history counters (gluon_qflag): the op's output is bit-identical to the PDL wait's (the same
     kernels, only the wait differs), call after call, from a second stream too, and every call leaves the counters at
-    0 (the combine resets them: a counter left raised would let the next call's history read stale operands)."""
+    0 (the combine resets them: a counter left raised would let the next call's history read stale operands) -- also
+    a call whose launches fail after the prologue's."""
     dt = _dt()
     args = _rotating_case(2, 8, 4, 9000, 320, 128, 64, seed=3, device="cuda")
     args["qf"] = args["qf"].cuda()
@@ -839,6 +840,21 @@ def test_gpu_gluon_qflag_counters(monkeypatch):
     counters = dt._READY[torch.device("cuda", torch.cuda.current_device())][0]
     torch.cuda.synchronize()
     assert int(counters.abs().sum()) == 0
+    # a launch that fails after the prologue raised the counters (here the history's) sets them back to 0, and the
+    # next call is right again
+    glu = dt._gluon_module()
+    real_hist = glu.launch_history
+
+    def broken(*a, **kw):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(glu, "launch_history", broken)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        dt.decode_attention_rotating_triton(**args)
+    torch.cuda.synchronize()
+    assert int(counters.abs().sum()) == 0
+    monkeypatch.setattr(glu, "launch_history", real_hist)
+    assert torch.equal(dt.decode_attention_rotating_triton(**args), want)
 
 
 @pytest.mark.gpu
