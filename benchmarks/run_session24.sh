@@ -148,3 +148,13 @@ p)
       -k "qflag or pdl5 or in_graph" 2>&1 | tee "$OUT/tests_${GPU}_session24$1.log" | tail -3
   ;;
 esac
+# (appended) run q (H200): the op's graph time with the session-23 defaults (pdl 2, the PDL wait) against the new ones,
+# paired in one run
+#   bash benchmarks/run_session24.sh q
+case "$1" in
+q)
+  timeout 240 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{"gluon_qflag": 0, "pdl": 2}' '{}' '{"gluon_qflag": 0, "pdl": 2}' '{}' \
+      --out "$OUT/profile_op_${GPU}_session24$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
