@@ -158,3 +158,12 @@ q)
       --out "$OUT/profile_op_${GPU}_session24$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) run r (H100): after the final review (_ready_counters' capture case first, one stream wait): the
+# counters' test and the op in a CUDA graph with the qflag / pdl5 variants
+#   bash benchmarks/run_session24.sh r
+case "$1" in
+r)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "qflag_counters or (in_graph) or (rotating and qflag)" 2>&1 | tee "$OUT/tests_${GPU}_session24$1.log" | tail -3
+  ;;
+esac

@@ -1329,18 +1329,15 @@ def _ready_counters(dev: torch.device, n: int):
     large exists yet (the call then takes the PDL wait; allocating here would capture a memset into every replay)."""
     dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
     entry = _READY.get(dev)
+    if torch.cuda.is_current_stream_capturing():
+        return entry[0] if entry is not None and entry[0].numel() >= n else None
     stream = torch.cuda.current_stream(dev)
-    capturing = torch.cuda.is_current_stream_capturing()
+    if entry is not None and entry[1] != stream:
+        stream.wait_stream(entry[1])  # (the buffer may still be in use there)
     if entry is None or entry[0].numel() < n:
-        if capturing:
-            return None
-        if entry is not None and entry[1] != stream:
-            stream.wait_stream(entry[1])  # (the old buffer may still be in use there)
         entry = [torch.zeros(max(n, 256), device=dev, dtype=torch.int32), stream]
         _READY[dev] = entry
-    elif entry[1] != stream and not capturing:
-        stream.wait_stream(entry[1])
-        entry[1] = stream
+    entry[1] = stream
     return entry[0]
 
 

@@ -38,8 +38,8 @@ def main(argv=None):
                         "run on the other heads of those layers")
     p.add_argument("--config", default="{}", help="kernel CONFIG overrides (JSON, decode_triton.CONFIG)")
     p.add_argument("--no-pad", action="store_true",
-                   help="no left padding of the second row (with a padding mask the attention passes a key mask, so "
-                        "the decode op takes the Triton kernel, not the Gluon one)")
+                   help="no left padding of the second row (a padding mask reaches the decode op as a later per-row "
+                        "start, attention._left_padding_only: both take the Gluon kernel)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     from oscar_hf.kernels import decode_triton
