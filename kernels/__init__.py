@@ -53,21 +53,6 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-# ---- PTX of the counters between the decode op's launches (CONFIG["gluon_qflag"], CONFIG["gluon_cflag"] of
-# decode_triton), shared by its Triton and Gluon kernels (each wraps them in its own constexpr)
-
-# Wait until the 32-bit counter at $1 reaches $2 (acquire, GPU scope): poll with a short sleep, trap after ~2^22 polls
-# (seconds) rather than hang; $0 is 0, an opaque offset for the loads that must follow the wait
-SPIN_PTX = ("{ .reg .pred p; .reg .u32 v, n; mov.u32 n, 0; "
-            "SPIN${:uid}: ld.acquire.gpu.global.u32 v, [$1]; setp.ge.u32 p, v, $2; @p bra DONE${:uid}; "
-            "add.u32 n, n, 1; setp.gt.u32 p, n, 4194304; @p trap; nanosleep.u32 32; bra SPIN${:uid}; "
-            "DONE${:uid}: mov.u32 $0, 0; }")
-# The program's end, counted in the 32-bit counter at $1: the PDL wait (the grid before this one complete and its
-# writes visible), a barrier (every thread's stores before it), then one release add by thread 0 ($0 is a dummy)
-DONE_PTX = ("{ .reg .pred p; .reg .u32 t; griddepcontrol.wait; bar.sync 0; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "@p red.release.gpu.global.add.u32 [$1], 1; mov.u32 $0, 0; }")
-
-
 @functools.lru_cache(maxsize=None)
 def _cuda_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]

@@ -44,8 +44,6 @@ the kernel state its layouts, so here every operand is built in the registers th
   says when that is safe). ``PDL`` 1 and 3 also let the next launch (the combine) start in this grid's tail, 4 once
   every program is past its loop. ``QFLAG`` (session 24): instead of that wait, a poll of a counter the (row, head)'s
   rotation programs raise once its query operands are stored (the PDL wait then comes at the program's end).
-  ``CFLAG`` (session 25, with ``QFLAG``): after that end wait each program adds 1 to a second counter of its (row, head),
-  ``DONE``, which the combine polls instead of waiting for this grid's completion.
 
 Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets): key bytes ``[T, 32]`` (8 per row),
 value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``), logits ``[16, 8]`` float32 (rows ``r, r + 8``,
@@ -62,7 +60,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from . import DONE_PTX, SPIN_PTX, cuda_major
+from . import cuda_major
 
 DF_LIM = gl.constexpr(64.0)  # as in decode_triton: largest excess of a column's max over its reference (log2)
 
@@ -115,8 +113,13 @@ _V_ASM = gl.constexpr(tuple(
     for bb in range(4)))
 # prefetch.global.L2 of one address where the predicate ($2) is set (the result is a dummy)
 _PF_ASM = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
-_SPIN_ASM = gl.constexpr(SPIN_PTX)  # wait for a counter (QFLAG; kernels.SPIN_PTX)
-_DONE_ASM = gl.constexpr(DONE_PTX)  # PDL wait, then count the program done (CFLAG; kernels.DONE_PTX)
+# Wait until the 32-bit counter at $1 reaches $2 (acquire, GPU scope; QFLAG): poll with a short sleep, trap after
+# ~2^22 polls (seconds) rather than hang; $0 is 0, an opaque offset for the loads that must follow the wait
+_SPIN_ASM = gl.constexpr(
+    "{ .reg .pred p; .reg .u32 v, n; mov.u32 n, 0; "
+    "SPIN${:uid}: ld.acquire.gpu.global.u32 v, [$1]; setp.ge.u32 p, v, $2; @p bra DONE${:uid}; "
+    "add.u32 n, n, 1; setp.gt.u32 p, n, 4194304; @p trap; nanosleep.u32 32; bra SPIN${:uid}; "
+    "DONE${:uid}: mov.u32 $0, 0; }")
 LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 # movmatrix.trans on each 8x8 block of a 16-bit accumulator-layout tile (see _w_operand)
 _MOVM_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
@@ -633,7 +636,7 @@ def _hist_kernel(
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
     PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
     TIMES=None, TIMED: gl.constexpr = 0, QP8=None, QPF=None, QPRE: gl.constexpr = 0,
-    READY=None, QFLAG: gl.constexpr = 0, DONE=None, CFLAG: gl.constexpr = 0,
+    READY=None, QFLAG: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -858,9 +861,7 @@ def _hist_kernel(
     rh = gl.arange(0, MH, layout=RL)
     gl.store(PM + part + rh, gl.convert_layout(m_r, RL), mask=rh < M)
     gl.store(PL + part + rh, gl.convert_layout(l_r, RL), mask=rh < M)
-    if CFLAG:  # (with QFLAG) the PDL wait as below, then this program counted in DONE[row, head] for the combine
-        gl.inline_asm_elementwise(_DONE_ASM, "=r,l", [DONE + pid_bh], dtype=gl.int32, is_pure=False, pack=1)
-    elif QFLAG:  # the PDL wait after all (the prologue grid is long done): this grid completes after it, as without QFLAG
+    if QFLAG:  # the PDL wait after all (the prologue grid is long done): this grid completes after it, as without QFLAG
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,f", [l_r], dtype=gl.int32, is_pure=False,
                                   pack=1)
     if TIMED:
@@ -891,20 +892,14 @@ TIMES_BUF = None
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None,
-                   done=None):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
     ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
     ``ready`` (with ``qpre`` and ``pdl`` >= 2): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise
     when their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``).
-    ``done`` (with ``ready``): int32 counters ``[B * Hk]``, 0 at the launch, to which each program adds 1 at its end
-    (``CFLAG``: the combine waits for ``s_hist`` there).
     With :data:`TIMES_BUF` set (a diagnostic), each program's timestamps go there (``[programs, TIME_SLOTS]`` int64)."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
-    qflag = int(ready is not None and bool(qpre and k8) and pdl >= 2)
-    if done is not None and not qflag:
-        raise ValueError("launch_history: `done` counters need the QFLAG wait (ready, qpre, k8, pdl >= 2)")
     _hist_kernel[(b * hk, s_hist)](
         q_rot, *k, *v, start, qk_offset, n_valid, pm, pl, pacc,
         n, m, hk, s_hist, s_tot, split_len, qk_scale,
@@ -915,7 +910,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
         TIMES=TIMES_BUF, TIMED=int(TIMES_BUF is not None),
         QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),
-        READY=ready, QFLAG=qflag, DONE=done, CFLAG=int(qflag and done is not None), num_warps=1,
+        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

@@ -87,7 +87,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from oscar_hf.quant import QuantizedRows
 
-from . import SPIN_PTX, cdiv, cuda_major, next_pow2
+from . import cdiv, cuda_major, next_pow2
 from .query_triton import (C_BLOCK as ROT_C_BLOCK, Q8_FIELDS, Q8_TILE_BYTES, _rotate_block, _rotate_plane_q8,
                            launch_rotation, rotation_strides, stamp_asm as _stamp_asm)
 
@@ -95,14 +95,6 @@ from .query_triton import (C_BLOCK as ROT_C_BLOCK, Q8_FIELDS, Q8_TILE_BYTES, _ro
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _LN2 = tl.constexpr(LN2)  # jit code may only read constexpr globals
-_SPIN_ASM = tl.constexpr(SPIN_PTX)  # wait for a counter (the combine's CFLAG; kernels.SPIN_PTX)
-# the combine's ticket (CFLAG): thread 0 adds 1 to the counter at $1 ($2: a dependency) and gets its old value, the
-# other threads -1
-_TICKET_ASM = tl.constexpr("{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; mov.u32 $0, -1; "
-                           "@p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; add.u32 $0, $0, $2; }")
-# ... and the counters at $3 and $4 set to 0 by the thread whose ticket $1 is the last one, $2
-_RESET_ASM = tl.constexpr("{ .reg .pred p; setp.eq.u32 p, $1, $2; @p st.relaxed.gpu.global.u32 [$3], 0; "
-                          "@p st.relaxed.gpu.global.u32 [$4], 0; mov.u32 $0, 0; }")
 DF_LIM = tl.constexpr(64.0)  # deferred loop: largest excess of a row's max over its reference (log2 units)
 
 # Tunables (read by the dispatch below; the benchmark may override them).
@@ -274,10 +266,6 @@ CONFIG = {
     # (griddepcontrol.wait, released ~1.4 us after the last prologue program's exit). H100, session 24 (graph us,
     # with pdl 5): B=1/128K 44.4-44.7 -> 43.3-44.0, B=8/128K 253.3-254.2 -> 252.3-252.7 (profile_op_h100_session24g)
     "gluon_qflag": 1,
-    # with gluon_qflag and the combine under PDL (pdl 5): the combine's programs of a (row, KV head) wait for a counter
-    # its history programs raise at their end (after their own PDL wait for the prologue), not for the history grid's
-    # completion; the rotation program of plane 0 sets it to 0 (the second half of _ready_counters' buffer)
-    "gluon_cflag": 0,
 }
 
 
@@ -1011,20 +999,16 @@ def _prologue_kernel(
 
 
 PROLOGUE_TIME_ROW = tl.constexpr(60000)  # the prologue's rows of the diagnostic timestamp buffer
-COMBINE_TIME_ROW = tl.constexpr(63000)  # the combine's (HOIST path only)
 
 
-def _check_times_buf(buf, slots: int, hist_programs: int, prologue_programs: int, combine_programs: int = 0):
+def _check_times_buf(buf, slots: int, hist_programs: int, prologue_programs: int):
     """The diagnostic timestamp buffer (``decode_gluon.TIMES_BUF``, ``[rows, slots]``) must hold the history's programs
-    below ``PROLOGUE_TIME_ROW``, the prologue's from there on up to ``COMBINE_TIME_ROW`` and the combine's from there
-    on: a clear error, not stamps written past its end or over each other."""
-    row0, row1 = PROLOGUE_TIME_ROW.value, COMBINE_TIME_ROW.value
-    if (buf.dim() != 2 or buf.shape[1] != slots or hist_programs > row0 or row0 + prologue_programs > row1
-            or buf.shape[0] < (row1 + combine_programs if combine_programs else row0 + prologue_programs)):
+    below ``PROLOGUE_TIME_ROW`` and the prologue's from there on: a clear error, not stamps written past its end."""
+    row0 = PROLOGUE_TIME_ROW.value
+    if buf.dim() != 2 or buf.shape[1] != slots or hist_programs > row0 or buf.shape[0] < row0 + prologue_programs:
         raise ValueError(f"decode_gluon.TIMES_BUF: shape {tuple(buf.shape)} for {hist_programs} history programs (at "
-                         f"most {row0}), {prologue_programs} prologue programs from row {row0} (at most {row1 - row0}) "
-                         f"and {combine_programs} combine programs from row {row1}: needs [>= "
-                         f"{row1 + combine_programs if combine_programs else row0 + prologue_programs}, {slots}]")
+                         f"most {row0}) and {prologue_programs} prologue programs from row {row0}: needs [>= "
+                         f"{row0 + prologue_programs}, {slots}]")
     if buf.dtype != torch.int64 or not buf.is_cuda or not buf.is_contiguous():
         raise ValueError("decode_gluon.TIMES_BUF must be a contiguous int64 CUDA tensor")
 
@@ -1048,8 +1032,7 @@ def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
     PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
-    READY=None, RESET: tl.constexpr = 0, DONE=None, SEEN=None, CFLAG: tl.constexpr = 0,
-    TIMES=None, TIMED: tl.constexpr = 0, TIME_SLOTS: tl.constexpr = 8,
+    READY=None, RESET: tl.constexpr = 0,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
 
@@ -1075,16 +1058,7 @@ def _combine_kernel(
     (the partials are read ``PARTS`` times, from L2): more programs and fewer bytes each where there are few rows.
 
     ``RESET``: one program per (b, h) sets ``READY[b * Hk + h]`` (the prologue -> history counter of ``QFLAG``) back to
-    0 for the next call (this call's history grid, and with it the prologue's, is complete by then).
-
-    ``CFLAG`` (with ``PDL``, session 25): instead of the PDL wait for the history grid's completion, a poll until
-    ``DONE[b * Hk + h]`` -- to which each history program of (b, h) adds 1 at its end, after its own PDL wait for the
-    prologue -- reaches ``S_HIST`` (the partials' addresses take the poll's opaque 0); the PDL wait comes at the end, so
-    that this grid still completes after the history's. ``DONE`` must be 0 again for the next call, but only once every
-    program of (b, h) has read it: each takes a ticket from ``SEEN[b * Hk + h]`` after its poll (an atomic whose result
-    is used only at the program's end, so that its latency overlaps the merge), and the one that draws the last
-    (``M * PARTS - 1``) sets both counters to 0 there. ``TIMED``: diagnostic timestamps (entry, after the wait, exit)
-    in ``TIMES`` rows from ``COMBINE_TIME_ROW``."""
+    0 for the next call (this call's history grid, and with it the prologue's, is complete by then)."""
     row = tl.program_id(0) // PARTS  # = bh * M + mm
     c_lo = (tl.program_id(0) % PARTS) * (D // PARTS)  # this program's first output channel
     bh = row // M
@@ -1097,23 +1071,11 @@ def _combine_kernel(
         r_all = tl.load(RV + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # issued before the partials
     if FINAL and HOIST:  # R_V's first chunk of this program's channels
         r_next = tl.load(RV + h * D * D + (c_lo + tl.arange(0, C_BLOCK))[:, None] * D + offs_d[None, :])
-    if TIMED:
-        trow = TIMES + (COMBINE_TIME_ROW + tl.program_id(0)) * TIME_SLOTS
-        tl.store(trow, _stamp_asm(bh))
-    qz = 0
-    if CFLAG:  # the history programs of (b, h) all counted done (see the docstring)
-        qz = tl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r", [DONE + bh, S_HIST], dtype=tl.int32, is_pure=False, pack=1)
-        base += qz
-        # (thread 0's ticket; the poll's acquire keeps the atomic after the poll's read)
-        ticket = tl.inline_asm_elementwise(_TICKET_ASM, "=r,l,r", [SEEN + bh, qz], dtype=tl.int32, is_pure=False,
-                                           pack=1)
-    elif PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
+    if PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
         gdc_wait()
-    if TIMED:
-        tl.store(trow + 1, _stamp_asm(base.to(tl.int32)))
     if RESET:
         if tl.program_id(0) % (M * PARTS) == 0:  # (query row 0, part 0 of each (b, h))
-            tl.store(READY + bh + qz, 0)
+            tl.store(READY + bh, 0)
     if FINAL and HOIST:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
         offs_w = S_HIST + tl.arange(0, SW_BLOCK)
         wm = offs_w < S_TOT
@@ -1155,8 +1117,6 @@ def _combine_kernel(
             # this chunk of the window's row (a masked sum over the chunk axis: no slicing of register tensors)
             o += ww * tl.sum(tl.where(tl.arange(0, D // C_BLOCK)[:, None] == c_lo // C_BLOCK + ci, o_w, 0.0), 0)
             tl.store(OACC + row.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
-        if TIMED:
-            tl.store(trow + 4, _stamp_asm(tl.max(o, 0).to(tl.int32, bitcast=True)))
     elif FINAL:
         # window splits (value space): their max and sum in one online pass; their acc rows per output chunk below
         m_w = tl.max(tl.full((S_BLOCK,), float("-inf"), tl.float32), 0)
@@ -1192,12 +1152,6 @@ def _combine_kernel(
         tl.store(OM + row, m_h * _LN2)
         tl.store(OL + row, l_h)
         tl.store(OACC + row.to(tl.int64) * D + offs_d, acc)
-    if CFLAG:
-        # the last ticket of (b, h): every program of it has read DONE, which is set back to 0 (with SEEN); then the
-        # PDL wait after all (the history grid is done or nearly): this grid completes after it
-        tl.inline_asm_elementwise(_RESET_ASM, "=r,r,r,l,l", [ticket, M * PARTS - 1, DONE + bh, SEEN + bh],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-        gdc_wait()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1513,8 +1467,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     pm = torch.empty(bh, max(s_tot, 1), m, device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(bh, max(s_tot, 1), m, d, device=dev, dtype=torch.float32)
-    ready = done = None
-    timed = False
+    ready = None
     if s_tot == 0:  # nothing to attend to: one empty partial
         pm.fill_(float("-inf"))
         pl.zero_()
@@ -1531,11 +1484,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         qpre = bool(fused_pro and k8 and cfg.get("gluon_qpre"))
         # ... and the history programs' wait for them: on counters the rotation programs raise, not the PDL wait for
         # the whole prologue grid (CONFIG["gluon_qflag"])
-        ready = _ready_counters(dev, 3 * bh) if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag")) else None
-        # ... and the combine's wait for the history: on counters the history programs raise at their end, not the PDL
-        # wait for the history grid's completion (CONFIG["gluon_cflag"]; the same buffer's second third, the combine's
-        # tickets in its last)
-        done = ready[bh:2 * bh] if (ready is not None and pdl_comb and cfg.get("gluon_cflag")) else None
+        ready = _ready_counters(dev, bh) if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag")) else None
         c_rot = min(d, ROT_C_BLOCK)
         qp8 = qpf = None
         if qpre:
@@ -1574,7 +1523,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                        l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
                                        pdl={4: 3, 5: 4}.get(pdl_mode, pdl_mode),
                                        early=int(cfg.get("gluon_early", 0)), k8=k8,
-                                       qpre=(qp8, qpf) if qpre else None, ready=ready, done=done)
+                                       qpre=(qp8, qpf) if qpre else None, ready=ready)
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
@@ -1637,17 +1586,12 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
         hoist = (bool(cfg.get("merge_hoist")) and c_block < d <= 128
                  and s_tot - s_hist <= cfg.get("merge_hoist_win", 16))
-        if timed and hoist:
-            _check_times_buf(glu.TIMES_BUF, glu.TIME_SLOTS.value, 0, 0, bh * m * parts)
         with _counters_reset_on_error(ready):
             _combine_kernel[(bh * m * parts,)](
                 pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
                 D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
                 HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, PARTS=parts,
-                READY=ready, RESET=int(ready is not None), DONE=done, SEEN=None if done is None else ready[2 * bh:3 * bh],
-                CFLAG=int(done is not None),
-                TIMES=glu.TIMES_BUF if timed and hoist else None, TIMED=int(timed and hoist),
-                TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8,
+                READY=ready, RESET=int(ready is not None),
                 num_warps=merge_warps,
                 **({"launch_pdl": True} if pdl_comb else {}),
             )

@@ -52,7 +52,7 @@ def main():
     from oscar_hf.kernels.decode_triton import CONFIG
 
     ptrs = dict(Q="*fp32", KC="*u8", KS="*bf16", KZ="*bf16", VC="*u8", VS="*bf16", VZ="*bf16", START="*i32",
-                QKOFF="*fp32", QP8="*i8", QPF="*fp32", READY="*i32", DONE="*i32")
+                QKOFF="*fp32", QP8="*i8", QPF="*fp32", READY="*i32")
     ints = "N M Hk S S_TOT split_len".split()
     strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
     stages = int(CONFIG["gluon_stages"])
@@ -81,11 +81,6 @@ def main():
         # the prologue -> history counters (CONFIG["gluon_qflag"], with the prologue's operands and PDL 2)
         qflag = int(bool(qp) and consts["PDL"] >= 2 and int(os.environ.get("AOT_QFLAG", CONFIG.get("gluon_qflag") or 0)))
         consts["QFLAG"] = qflag
-        # the history -> combine counters (CONFIG["gluon_cflag"], with QFLAG)
-        cflag = int(qflag and int(os.environ.get("AOT_CFLAG", CONFIG.get("gluon_cflag") or 0)))
-        consts["CFLAG"] = cflag
-        if not cflag:
-            consts["DONE"] = None
         if not qp:
             consts.update(QP8=None, QPF=None)
         if not qflag:

@@ -175,12 +175,6 @@ def main():
                "SW_BLOCK": 16 if hoist else 1}
         print(json.dumps({"kernel": "combine", "case": f"decode op s_block={s_block} warps={warps} c_block={c_block}"
                           f" hoist={hoist}", **compile_call(comb.fn, args, kw2, cuda_kw)}))
-    # the history -> combine counters (CONFIG["gluon_cflag"]): the poll, the ticket and the reset compiled in, as B=1
-    # launches the combine at 128K (128 splits a row in one tile, 4 programs a row, R_V in 32-row chunks)
-    cnt = torch.zeros(24, dtype=torch.int32)
-    kw2 = {**kw, "S_BLOCK": 128, "C_BLOCK": 32, "num_warps": 4, "HOIST": 1, "SW_BLOCK": 8,
-           "PARTS": 4, "READY": cnt, "RESET": 1, "DONE": cnt, "SEEN": cnt, "CFLAG": 1}
-    print(json.dumps({"kernel": "combine", "case": "decode op parts=4 cflag", **compile_call(comb.fn, args, kw2, cuda_kw)}))
     for grid, args, kw in rotq.calls:
         print(json.dumps({"kernel": "rotate_query", "case": f"d={kw['D']} m_pad={kw['M_PAD']}",
                           **compile_call(rotq.fn, args, kw, cuda_kw)}))

@@ -640,10 +640,7 @@ _GLUON_VARIANTS = {
     "short": {"gluon_long_split": 1 << 30},  # no split long: fp16 keys, 2 stages, 12 programs an SM under a cap
     "pdl4-warp": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "merge_one_warp_rows": 0},
     "pdl5": {"gluon_gsum": 1, "pdl": 5, "gluon_early": 1},
-    "qflag": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qflag": 1,
-              "gluon_cflag": 0},
-    "cflag": {"gluon_gsum": 1, "pdl": 5, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qflag": 1,
-              "gluon_cflag": 1},
+    "qflag": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qflag": 1},
     "parts1": {"merge_out_parts": 1, "merge_warps_few": None, "splits_pow2_slack": 0},
 }
 
@@ -662,8 +659,7 @@ def gluon_calls(request, monkeypatch):
     no split long (the short-split path, the default before session 20); "pdl4-warp": the combine under PDL (pdl 4),
     one warp per row wherever there are more rows than SMs (merge_one_warp_rows 0); "pdl5": the combine under PDL,
     launched once every history program is past its loop (pdl 5); "qflag": the history programs wait for
-    counters their head's rotation programs raise, not for the prologue grid (gluon_qflag); "cflag": and the combine for
-    counters the history programs raise at their end, not for the history grid (gluon_cflag); "parts1": the combine for fewer
+    counters their head's rotation programs raise, not for the prologue grid (gluon_qflag); "parts1": the combine for fewer
     rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
@@ -814,32 +810,20 @@ def test_gpu_gluon_prologue_query_operands(monkeypatch, m):
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("cflag", [0, 1], ids=["qflag", "qflag+cflag"])
-def test_gpu_gluon_qflag_counters(monkeypatch, cflag):
-    """The prologue -> history counters (gluon_qflag) and the history -> combine ones (gluon_cflag, with the combine's
-    tickets): the op's output is bit-identical to the PDL waits' (the same kernels, only the waits differ), call after
-    call, from a second stream too, and every call leaves all counters at 0 (the combine resets them: a counter left
-    raised would let the next call's history or combine read stale operands or partials) -- also a call whose launches
-    fail after the prologue's."""
+def test_gpu_gluon_qflag_counters(monkeypatch):
+    """The prologue -> history counters (gluon_qflag): the op's output is bit-identical to the PDL wait's (the same
+    kernels, only the wait differs), call after call, from a second stream too, and every call leaves the counters at
+    0 (the combine resets them: a counter left raised would let the next call's history read stale operands) -- also
+    a call whose launches fail after the prologue's."""
     dt = _dt()
     args = _rotating_case(2, 8, 4, 9000, 320, 128, 64, seed=3, device="cuda")
     args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 37], device="cuda")
     args["out_dtype"] = torch.float32
-    base = {**dt.CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_k8": 2, "gluon_qpre": 1, "pdl": 5 if cflag else 2,
-            "gluon_cflag": cflag}
+    base = {**dt.CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_k8": 2, "gluon_qpre": 1, "pdl": 2}
     monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_qflag": 0})
     want = dt.decode_attention_rotating_triton(**args)
     monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_qflag": 1})
-    if cflag:  # the combine takes the counters (its kernel compiled with CFLAG)
-        real_comb = dt._combine_kernel
-        cflags = []
-
-        class Spy:
-            def __getitem__(self, grid):
-                return lambda *a, **kw: (cflags.append(kw.get("CFLAG")), real_comb[grid](*a, **kw))[1]
-
-        monkeypatch.setattr(dt, "_combine_kernel", Spy())
     seen = []
     real = dt._ready_counters
     monkeypatch.setattr(dt, "_ready_counters", lambda *a: (seen.append(1), real(*a))[1])
@@ -853,8 +837,6 @@ def test_gpu_gluon_qflag_counters(monkeypatch, cflag):
     assert torch.equal(got, want)
     assert torch.equal(dt.decode_attention_rotating_triton(**args), want)
     assert len(seen) == 5
-    if cflag:
-        assert cflags == [1] * 5, cflags
     counters = dt._READY[torch.device("cuda", torch.cuda.current_device())][0]
     torch.cuda.synchronize()
     assert int(counters.abs().sum()) == 0
@@ -922,14 +904,9 @@ def test_gpu_gluon_timestamps(monkeypatch):
     stamped = _dt().decode_attention_rotating_triton(**args)
     torch.cuda.synchronize()
     assert torch.equal(plain, stamped)
-    row, row_c = _dt().PROLOGUE_TIME_ROW.value, _dt().COMBINE_TIME_ROW.value
-    hist, pro, comb = buf[:row].cpu(), buf[row:row_c].cpu(), buf[row_c:].cpu()
-    hist, pro, comb = hist[hist[:, 0] != 0], pro[pro[:, 0] != 0], comb[comb[:, 0] != 0]
-    # the combine's programs (2 x 8 x 4 query rows, fewer than SMs: merge_out_parts a row): entry, wait, exit -- the
-    # wait ending after every history program's loop
-    parts = _dt().CONFIG["merge_out_parts"] if 64 < torch.cuda.get_device_properties(0).multi_processor_count else 1
-    assert comb.shape[0] == 64 * parts and (comb[:, 1] >= comb[:, 0]).all() and (comb[:, 4] >= comb[:, 1]).all()
-    assert comb[:, 1].min() >= hist[:, 3].max()
+    row = _dt().PROLOGUE_TIME_ROW.value
+    hist, pro = buf[:row].cpu(), buf[row:].cpu()
+    hist, pro = hist[hist[:, 0] != 0], pro[pro[:, 0] != 0]
     assert hist.shape[0] >= 2 * 8 and pro.shape[0] >= 2 * 8  # programs of every (row, head)
     assert (hist[:, 1:5] >= hist[:, 0:4]).all(), "history stamps out of order"
     assert (hist[:, 6] > hist[:, 5]).all() and ((hist[:, 7] & 0xFFFF) < torch.cuda.get_device_properties(0).multi_processor_count).all()
