@@ -999,16 +999,20 @@ def _prologue_kernel(
 
 
 PROLOGUE_TIME_ROW = tl.constexpr(60000)  # the prologue's rows of the diagnostic timestamp buffer
+COMBINE_TIME_ROW = tl.constexpr(63000)  # the combine's (its hoisted variant only)
 
 
-def _check_times_buf(buf, slots: int, hist_programs: int, prologue_programs: int):
+def _check_times_buf(buf, slots: int, hist_programs: int, prologue_programs: int, combine_programs: int = 0):
     """The diagnostic timestamp buffer (``decode_gluon.TIMES_BUF``, ``[rows, slots]``) must hold the history's programs
-    below ``PROLOGUE_TIME_ROW`` and the prologue's from there on: a clear error, not stamps written past its end."""
-    row0 = PROLOGUE_TIME_ROW.value
-    if buf.dim() != 2 or buf.shape[1] != slots or hist_programs > row0 or buf.shape[0] < row0 + prologue_programs:
+    below ``PROLOGUE_TIME_ROW``, the prologue's from there on up to ``COMBINE_TIME_ROW`` and the combine's from there
+    on: a clear error, not stamps written past its end or over each other."""
+    row0, row1 = PROLOGUE_TIME_ROW.value, COMBINE_TIME_ROW.value
+    if (buf.dim() != 2 or buf.shape[1] != slots or hist_programs > row0 or row0 + prologue_programs > row1
+            or buf.shape[0] < (row1 + combine_programs if combine_programs else row0 + prologue_programs)):
         raise ValueError(f"decode_gluon.TIMES_BUF: shape {tuple(buf.shape)} for {hist_programs} history programs (at "
-                         f"most {row0}) and {prologue_programs} prologue programs from row {row0}: needs [>= "
-                         f"{row0 + prologue_programs}, {slots}]")
+                         f"most {row0}), {prologue_programs} prologue programs from row {row0} (at most {row1 - row0}) "
+                         f"and {combine_programs} combine programs from row {row1}: needs [>= "
+                         f"{row1 + combine_programs if combine_programs else row0 + prologue_programs}, {slots}]")
     if buf.dtype != torch.int64 or not buf.is_cuda or not buf.is_contiguous():
         raise ValueError("decode_gluon.TIMES_BUF must be a contiguous int64 CUDA tensor")
 
@@ -1033,6 +1037,7 @@ def _combine_kernel(
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
     PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
     READY=None, RESET: tl.constexpr = 0,
+    TIMES=None, TIMED: tl.constexpr = 0, TIME_SLOTS: tl.constexpr = 8,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
 
@@ -1058,7 +1063,10 @@ def _combine_kernel(
     (the partials are read ``PARTS`` times, from L2): more programs and fewer bytes each where there are few rows.
 
     ``RESET``: one program per (b, h) sets ``READY[b * Hk + h]`` (the prologue -> history counter of ``QFLAG``) back to
-    0 for the next call (this call's history grid, and with it the prologue's, is complete by then)."""
+    0 for the next call (this call's history grid, and with it the prologue's, is complete by then).
+
+    ``TIMED`` (FINAL, ``HOIST``; a diagnostic, ``decode_gluon.TIMES_BUF``): %globaltimer at the entry (slot 0), after the
+    PDL wait (1) and at the exit (4), in the rows from ``COMBINE_TIME_ROW``."""
     row = tl.program_id(0) // PARTS  # = bh * M + mm
     c_lo = (tl.program_id(0) % PARTS) * (D // PARTS)  # this program's first output channel
     bh = row // M
@@ -1071,8 +1079,13 @@ def _combine_kernel(
         r_all = tl.load(RV + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # issued before the partials
     if FINAL and HOIST:  # R_V's first chunk of this program's channels
         r_next = tl.load(RV + h * D * D + (c_lo + tl.arange(0, C_BLOCK))[:, None] * D + offs_d[None, :])
+    if TIMED:
+        trow = TIMES + (COMBINE_TIME_ROW + tl.program_id(0)) * TIME_SLOTS
+        tl.store(trow, _stamp_asm(bh))
     if PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
         gdc_wait()
+    if TIMED:
+        tl.store(trow + 1, _stamp_asm(bh))
     if RESET:
         if tl.program_id(0) % (M * PARTS) == 0:  # (query row 0, part 0 of each (b, h))
             tl.store(READY + bh, 0)
@@ -1117,6 +1130,8 @@ def _combine_kernel(
             # this chunk of the window's row (a masked sum over the chunk axis: no slicing of register tensors)
             o += ww * tl.sum(tl.where(tl.arange(0, D // C_BLOCK)[:, None] == c_lo // C_BLOCK + ci, o_w, 0.0), 0)
             tl.store(OACC + row.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
+        if TIMED:
+            tl.store(trow + 4, _stamp_asm(tl.max(o, 0).to(tl.int32, bitcast=True)))
     elif FINAL:
         # window splits (value space): their max and sum in one online pass; their acc rows per output chunk below
         m_w = tl.max(tl.full((S_BLOCK,), float("-inf"), tl.float32), 0)
@@ -1468,6 +1483,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     pl = torch.empty_like(pm)
     pacc = torch.empty(bh, max(s_tot, 1), m, d, device=dev, dtype=torch.float32)
     ready = None
+    timed = False
     if s_tot == 0:  # nothing to attend to: one empty partial
         pm.fill_(float("-inf"))
         pl.zero_()
@@ -1586,12 +1602,16 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
         hoist = (bool(cfg.get("merge_hoist")) and c_block < d <= 128
                  and s_tot - s_hist <= cfg.get("merge_hoist_win", 16))
+        if timed and hoist:
+            _check_times_buf(glu.TIMES_BUF, glu.TIME_SLOTS.value, 0, 0, bh * m * parts)
         with _counters_reset_on_error(ready):
             _combine_kernel[(bh * m * parts,)](
                 pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
                 D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
                 HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, PARTS=parts,
                 READY=ready, RESET=int(ready is not None),
+                TIMES=glu.TIMES_BUF if timed and hoist else None, TIMED=int(timed and hoist),
+                TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8,
                 num_warps=merge_warps,
                 **({"launch_pdl": True} if pdl_comb else {}),
             )

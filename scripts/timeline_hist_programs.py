@@ -44,8 +44,10 @@ def summarize(buf: torch.Tensor) -> dict:
     """Statistics of one replay's stamps ``buf [rows, TIME_SLOTS]`` (int64): the history kernel's programs in the rows
     below ``PROLOGUE_TIME_ROW``, the prologue's (rotation + window) from there on; times in us from the first
     prologue program's entry (the history's first entry where there is no prologue)."""
-    pro = buf[dt.PROLOGUE_TIME_ROW.value:]
+    pro = buf[dt.PROLOGUE_TIME_ROW.value:dt.COMBINE_TIME_ROW.value]
     pro = pro[pro[:, 0] != 0].double()
+    comb = buf[dt.COMBINE_TIME_ROW.value:]
+    comb = comb[comb[:, 0] != 0].double()
     t = buf[:dt.PROLOGUE_TIME_ROW.value]
     t = t[t[:, 0] != 0].double()
     n = t.shape[0]
@@ -64,6 +66,12 @@ def summarize(buf: torch.Tensor) -> dict:
                     col = ((r[:, slot] - t0) / 1e3).tolist()
                     out[f"prologue_{name}"][f"{mark}_p50"] = _pct(col, 0.5)
                     out[f"prologue_{name}"][f"{mark}_max"] = max(col)
+    if comb.shape[0]:  # the combine's programs (the decode op's hoisted combine): entry, end of its wait, exit
+        out["combine"] = {"programs": comb.shape[0]}
+        for slot, name in ((0, "entry"), (1, "waited"), (4, "exit")):
+            col = ((comb[:, slot] - t0) / 1e3).tolist()
+            out["combine"].update({f"{name}_p10": _pct(col, 0.1), f"{name}_p50": _pct(col, 0.5),
+                                   f"{name}_max": max(col)})
     rel = (t[:, :5] - t0) / 1e3  # us from the first program's entry
     dur = {f"{SLOTS[i]}->{SLOTS[i + 1]}": (t[:, i + 1] - t[:, i]) / 1e3 for i in range(4)}
     out["programs"] = n
@@ -161,6 +169,11 @@ def show(row):
             if "product_p50" in s:
                 print("      " + ", ".join(f"{mark} p50 {s[mark + '_p50']:.1f} max {s[mark + '_max']:.1f}"
                                            for mark in ("product", "sigma", "sums")) + " us")
+    if "combine" in p:
+        c = p["combine"]
+        print(f"   combine's {c['programs']:.0f} programs: " + ", ".join(
+            f"{name} p10 {c[name + '_p10']:.1f} p50 {c[name + '_p50']:.1f} max {c[name + '_max']:.1f}"
+            for name in ("entry", "waited", "exit")) + " us")
     for name in SLOTS:
         s = p[f"{name}_us"]
         print(f"   {name:>9} at  min {s['min']:6.1f}  p10 {s['p10']:6.1f}  p50 {s['p50']:6.1f}  p90 {s['p90']:6.1f}"

@@ -40,13 +40,17 @@ def test_times_buf_checked():
     a clear error before any launch."""
     import torch
 
-    from oscar_hf.kernels.decode_triton import PROLOGUE_TIME_ROW, _check_times_buf
+    from oscar_hf.kernels.decode_triton import COMBINE_TIME_ROW, PROLOGUE_TIME_ROW, _check_times_buf
 
-    row0 = PROLOGUE_TIME_ROW.value
-    for shape, hist, pro in (((row0 + 71, 8), 1024, 72), ((1 << 16, 8), row0 + 1, 0), ((1 << 16, 7), 1024, 72),
-                             ((8 * (1 << 16),), 1024, 72)):
+    row0, row1 = PROLOGUE_TIME_ROW.value, COMBINE_TIME_ROW.value
+    for shape, hist, pro, comb in (((row0 + 71, 8), 1024, 72, 0), ((1 << 16, 8), row0 + 1, 0, 0),
+                                   ((1 << 16, 7), 1024, 72, 0), ((8 * (1 << 16),), 1024, 72, 0),
+                                   ((row1 + 127, 8), 1024, 72, 128),  # the combine's stamps past the end
+                                   ((1 << 16, 8), 1024, row1 - row0 + 1, 0)):  # the prologue's into the combine's
         with pytest.raises(ValueError, match="needs"):
-            _check_times_buf(torch.zeros(shape, dtype=torch.int64), 8, hist, pro)
+            _check_times_buf(torch.zeros(shape, dtype=torch.int64), 8, hist, pro, comb)
+    with pytest.raises(ValueError, match="CUDA"):  # the shape fits (the check gets as far as the device)
+        _check_times_buf(torch.zeros(row1 + 128, 8, dtype=torch.int64), 8, 1024, 72, 128)
     with pytest.raises(ValueError, match="CUDA"):  # the right shape, but on the CPU
         _check_times_buf(torch.zeros(row0 + 72, 8, dtype=torch.int64), 8, 1024, 72)
     with pytest.raises(ValueError, match="int64"):

@@ -904,9 +904,14 @@ def test_gpu_gluon_timestamps(monkeypatch):
     stamped = _dt().decode_attention_rotating_triton(**args)
     torch.cuda.synchronize()
     assert torch.equal(plain, stamped)
-    row = _dt().PROLOGUE_TIME_ROW.value
-    hist, pro = buf[:row].cpu(), buf[row:].cpu()
-    hist, pro = hist[hist[:, 0] != 0], pro[pro[:, 0] != 0]
+    row, row_c = _dt().PROLOGUE_TIME_ROW.value, _dt().COMBINE_TIME_ROW.value
+    hist, pro, comb = buf[:row].cpu(), buf[row:row_c].cpu(), buf[row_c:].cpu()
+    hist, pro, comb = hist[hist[:, 0] != 0], pro[pro[:, 0] != 0], comb[comb[:, 0] != 0]
+    # the combine's programs (2 x 8 x 4 query rows, fewer than SMs: merge_out_parts a row): entry, wait, exit -- the
+    # wait ending after every history program's loop
+    parts = _dt().CONFIG["merge_out_parts"] if 64 < torch.cuda.get_device_properties(0).multi_processor_count else 1
+    assert comb.shape[0] == 64 * parts and (comb[:, 1] >= comb[:, 0]).all() and (comb[:, 4] >= comb[:, 1]).all()
+    assert comb[:, 1].min() >= hist[:, 3].max()
     assert hist.shape[0] >= 2 * 8 and pro.shape[0] >= 2 * 8  # programs of every (row, head)
     assert (hist[:, 1:5] >= hist[:, 0:4]).all(), "history stamps out of order"
     assert (hist[:, 6] > hist[:, 5]).all() and ((hist[:, 7] & 0xFFFF) < torch.cuda.get_device_properties(0).multi_processor_count).all()

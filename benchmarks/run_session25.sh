@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Session-25 device runs, from the repository root, one `run` call each; results were copied from $OUT to
+# benchmarks/results/ afterwards (GPU name in each file; "h100"/"h200" in the file names):
+#   bash benchmarks/run_session25.sh a   # (H100) the combine's wait for the history on counters the history programs
+#                                        # raise at their end (CONFIG["gluon_cflag"]) instead of the PDL wait for the
+#                                        # history grid's completion: GPU tests, the B=1/128K timeline (now with the
+#                                        # combine's programs) and the op's graph time, paired
+source benchmarks/device_env.sh
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200" | tr A-Z a-z)
+case "$1" in
+a|b)
+  timeout 220 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "qflag_counters or timestamps or (in_graph and (cflag or qflag)) or (rotating and cflag)" 2>&1 \
+      | tee "$OUT/tests_${GPU}_session25$1.log" | tail -3
+  timeout 120 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_cflag": 1}' \
+      --out "$OUT/timeline_hist_${GPU}_session25$1.json" 2>&1 | grep -v -E "Warn|warn"
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_cflag": 1}' '{}' '{"gluon_cflag": 1}' \
+      --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B=|_hist|_prol|_comb"
+  ;;
+esac
+# (appended) run a's result: gluon_cflag is slower (B=1/128K 44.2-44.7 against 42.7-43.7 us): the combine's programs
+# already enter ~1.3 us after the last history program's trigger (the PDL launch's latency) and find the history grid
+# complete (their PDL wait ends at once), while the counter costs each history program ~0.5 us at its end (the
+# release's membar waits for its partials' stores) and the poll ~0.5 us more. Code reverted; the combine's timestamps
+# kept. Run c (H100): more pipeline stages on the long-split path, so that more of the history's copies are issued
+# before the wait for the query (~6 us at B=1/128K, in which 4 stages load ~8 of the 84 MB), and 8 combine programs
+# a row; GPU test of the timestamps
+#   bash benchmarks/run_session25.sh c
+case "$1" in
+c|d)
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "timestamps" 2>&1 | tee "$OUT/tests_${GPU}_session25$1.log" | tail -2
+  timeout 160 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_stages_long": 6}' '{"gluon_stages_long": 8}' '{"merge_out_parts": 8}' \
+      --out "$OUT/timeline_hist_${GPU}_session25$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | grep -E "^B=|prologue|combine|at  |->"
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x131072,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_stages_long": 6}' '{"gluon_stages_long": 8}' '{"merge_out_parts": 8}' '{}' \
+      --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
