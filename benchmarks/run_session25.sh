@@ -41,3 +41,20 @@ c|d)
       --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) run c's result: 6 pipeline stages on the long-split path (CONFIG["gluon_stages_long"], 4 until now) took
+# B=1/128K from 42.4-43.4 to 41.1 us, B=8/128K 249.2-249.6 -> 234.6, B=32/32K 271.6-271.8 -> 261.3 (H100): the loop
+# itself runs faster with more copies in flight (ref_step -> loop_end p50 24.6 -> 21.0 us) although the rotation ends
+# later (its loads queue behind the larger early copies: wait p50 5.5 -> 7.9 us); 8 stages: 45.6 / 255.8 / 278.9;
+# 8 combine programs a row: 44.0-44.8. Run e (H100): 5, 6, 7 stages, 6 with the L2 prefetch off or 2 steps ahead,
+# over the benchmark's points
+#   bash benchmarks/run_session25.sh e
+case "$1" in
+e|f)
+  timeout 420 python3 "$R/scripts/profile_decode_op.py" \
+      --points 1x8192,1x32768,1x131072,8x8192,8x32768,8x131072,32x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_stages_long": 5}' '{"gluon_stages_long": 6}' '{"gluon_stages_long": 7}' \
+      '{"gluon_stages_long": 6, "gluon_l2pf": 0}' '{"gluon_stages_long": 6, "gluon_l2pf": 2}' '{}' \
+      '{"gluon_stages_long": 6}' \
+      --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
