@@ -58,3 +58,18 @@ e|f)
       --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) run e's result (H100, graph us, defaults -> 5 stages): B=1/128K 43.1-43.9 -> 39.4, B=8/32K 83.0-83.2 ->
+# 72.8, B=8/128K 250.8 -> 203.1, B=32/8K 103.4-103.7 -> 92.6, B=32/32K 270.4-270.9 -> 225.3; 7 stages about as fast
+# (40.7 / 74.3 / 202.8 / 93.0 / 237.4), 6 well behind (40.8-41.0 / 76.6 / 234.0 / 99.6 / 260.0), the L2 prefetch
+# indifferent; short splits (B=1 at 8K and 32K, 2 stages) unchanged. Run g (H200): the same sweep, and 3 stages on
+# the short-split path (CONFIG["gluon_stages"])
+#   bash benchmarks/run_session25.sh g
+case "$1" in
+g|h)
+  timeout 420 python3 "$R/scripts/profile_decode_op.py" \
+      --points 1x8192,1x32768,1x131072,8x8192,8x32768,8x131072,32x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_stages_long": 5}' '{"gluon_stages_long": 6}' '{"gluon_stages_long": 7}' \
+      '{"gluon_stages_long": 5, "gluon_stages": 3}' '{"gluon_stages_long": 3}' '{}' '{"gluon_stages_long": 5}' \
+      --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
