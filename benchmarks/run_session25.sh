@@ -73,3 +73,19 @@ g|h)
       --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) runs c, e: INVALID for 5, 6 and 7 stages -- the loop took the stage as it & (STAGES - 1), right only for a
+# power of two (5 stages read stages 0 and 4 only: wrong data). The ring now carries its stage (any length, 325
+# instead of 322 SASS instructions a step at 5 stages). Run i (H100): the GPU tests of 3- and 5-stage rings, then the
+# sweep again (4, 5, 6, 7 stages; 8 was measured right: slower than 4)
+#   bash benchmarks/run_session25.sh i
+case "$1" in
+i|j)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "smem3 or long5" 2>&1 | tee "$OUT/tests_${GPU}_session25$1.log" | tail -3
+  timeout 300 python3 "$R/scripts/profile_decode_op.py" \
+      --points 1x131072,8x32768,8x131072,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_stages_long": 5}' '{"gluon_stages_long": 6}' '{"gluon_stages_long": 7}' \
+      '{"gluon_stages_long": 3}' '{}' '{"gluon_stages_long": 5}' \
+      --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac

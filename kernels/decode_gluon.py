@@ -761,13 +761,19 @@ def _hist_kernel(
                     _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
             else:
                 _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
+            st_n = 0
             for it in range(0, (f1 - f0) // T):
                 n0 = f0 + it * T
                 async_copy.wait_group(STAGES - 2)
                 _sync()
-                _issue_copies(kbuf, vbuf, mbuf, (it + STAGES - 1) & (STAGES - 1), ck, cv, cm,
-                              gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
-                st = it & (STAGES - 1)
+                if (STAGES & (STAGES - 1)) == 0:
+                    st = it & (STAGES - 1)
+                    st_w = (it + STAGES - 1) & (STAGES - 1)
+                else:  # (a ring of any length: stage it % STAGES, carried; step it + STAGES - 1 goes to the one before)
+                    st = st_n
+                    st_w = gl.where(st == 0, STAGES - 1, st - 1)
+                    st_n = gl.where(st == STAGES - 1, 0, st + 1)
+                _issue_copies(kbuf, vbuf, mbuf, st_w, ck, cv, cm, gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
                 xk = kbuf.index(st).load(KLOAD)
                 xv = vbuf.index(st).load(VLOAD)
                 mb = mbuf.index(st)

@@ -628,6 +628,8 @@ _GLUON_VARIANTS = {
     "gsum-pdl": {"gluon_gsum": 1, "pdl": 1},
     "regs": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 0},
     "smem4": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 4},
+    "smem3": {"gluon_gsum": 1, "pdl": 0, "gluon_stages": 3},  # a ring whose length is no power of two
+    "long5": {"gluon_long_split": 64, "gluon_stages_long": 5},
     "early": {"gluon_gsum": 1, "pdl": 0, "gluon_early": 1},
     "early-pdl2": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1},
     "fp16-keys": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 0},
@@ -651,11 +653,12 @@ def gluon_calls(request, monkeypatch):
     test runs with both ways of removing the value codes' offset (CONFIG["gluon_gsum"]), with programmatic dependent
     launch of the Gluon path's launches (CONFIG["pdl"] 1; 2: only rotation -> history, where the op rotates), with
     each way of feeding the history loop's full steps: loads to registers (gluon_stages 0) or through shared memory
-    (2 stages, the default, and 4), with the split's first loads before the query's (gluon_early), and with the key
+    (2 stages, the default, 3 and 4), with the split's first loads before the query's (gluon_early), and with the key
     logits on int8 tensor cores (gluon_k8), their query operands built by the history programs or (where the op
     rotates the query, the default) by the prologue (gluon_qpre); "hoist": the decode op's combine (loads hoisted,
     merge_hoist, the default) with R_V in 32-row chunks instead of the default 64; "long": the defaults with every split long (the long splits'
-    key path, pipeline, residency and register cap; since session 20 the default from 256 tokens a split), "short":
+    key path, pipeline, residency and register cap; since session 20 the default from 256 tokens a split; "long5": with
+    a 5-stage ring), "short":
     no split long (the short-split path, the default before session 20); "pdl4-warp": the combine under PDL (pdl 4),
     one warp per row wherever there are more rows than SMs (merge_one_warp_rows 0); "pdl5": the combine under PDL,
     launched once every history program is past its loop (pdl 5); "qflag": the history programs wait for
