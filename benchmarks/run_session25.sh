@@ -89,3 +89,23 @@ i|j)
       --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) run i's result: with the ring right, more stages are no faster (H100 graph us, 4 -> 5 / 6 / 7 stages:
+# B=1/128K 42.7-43.9 -> 44.0-44.3 / 44.4 / 45.4, B=8/128K 249.2-249.6 -> 250.5 / 251.2 / 253.2); 3 stages even with 4.
+# 50 GPU tests of the 3- and 5-stage rings passed. Run k (H100): half the programs per SM on the long-split path
+# (CONFIG["gluon_resident_long"] 4: one warp a scheduler, 64 splits a row at B=1/128K, so half the partials to merge)
+# with deeper rings (the smem of 4 programs, not 8), and 6 per SM
+#   bash benchmarks/run_session25.sh k
+case "$1" in
+k|l)
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_resident_long": 4, "gluon_stages_long": 8}' \
+      --out "$OUT/timeline_hist_${GPU}_session25$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | grep -E "^B=|prologue|combine|at  |->"
+  timeout 330 python3 "$R/scripts/profile_decode_op.py" \
+      --points 1x131072,8x32768,8x131072,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_resident_long": 4}' '{"gluon_resident_long": 4, "gluon_stages_long": 8}' \
+      '{"gluon_resident_long": 4, "gluon_stages_long": 6}' '{"gluon_resident_long": 6, "gluon_stages_long": 6}' \
+      '{"gluon_resident_long": 6}' '{}' \
+      --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
