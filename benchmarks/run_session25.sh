@@ -109,3 +109,24 @@ k|l)
       --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) run k's result: a lower residency setting does not make fewer programs share an SM -- the hardware still
+# packs 8 (512 programs on 66 SMs): B=1/128K 58-60 us. Run m (H100): the history programs wait for the query operands
+# themselves (CONFIG["gluon_qsent"]: persistent buffers of sentinels, loaded until none is left) instead of a counter
+# the rotation programs raise after a release (~1 us of membar) -- the key offset now travels in the operands' fields
+# too; GPU tests, the B=1/128K timeline and the op's graph time, paired
+#   bash benchmarks/run_session25.sh m
+case "$1" in
+m|n)
+  timeout 280 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
+      "$R/tests/kernels/test_int2_attention.py" "$R/tests/kernels/test_query_rotation.py" \
+      -k "qflag_counters or qsent or timestamps or q8 or prologue_query_operands" 2>&1 \
+      | tee "$OUT/tests_${GPU}_session25$1.log" | tail -3
+  timeout 120 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_qsent": 1}' \
+      --out "$OUT/timeline_hist_${GPU}_session25$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | grep -E "^B=|prologue|combine|at  |->"
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_qsent": 1}' '{}' '{"gluon_qsent": 1}' \
+      --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
