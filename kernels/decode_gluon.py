@@ -300,7 +300,8 @@ def _q8_missing(t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, hs, ls, ko, f0, 
                    gl.maximum(gl.maximum(_sent8(t4), _sent8(t5)), gl.maximum(_sent8(t6), _sent8(t7))))
     w = gl.maximum(gl.maximum(gl.maximum(_sent32(a0), _sent32(a1)), gl.maximum(_sent32(a2), _sent32(a3))),
                    gl.maximum(gl.maximum(_sent32(hs), _sent32(ls)), _sent32(ko)))
-    return gl.maximum(gl.maximum(t, w), gl.maximum((f0 == Q8_SENT_WORD).to(gl.int32), (f1 == Q8_SENT_WORD).to(gl.int32)))
+    f = gl.maximum((f0 == Q8_SENT_WORD).to(gl.int32), (f1 == Q8_SENT_WORD).to(gl.int32))
+    return gl.maximum(gl.maximum(t, w), f)
 
 
 @gluon.jit
@@ -759,15 +760,17 @@ def _hist_kernel(
         # combine writes them back): no release / acquire between the rotation programs and these, and the loads
         # that see the data are the operands themselves. Rarely more than one round: a plane's first field word is
         # among its program's last stores
-        t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, hs, ls, ko, f0, f1 = _q8_raw(QP8, QPF, pid_bh + qz, TB, 1)
-        miss = _q8_missing(t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, hs, ls, ko, f0, f1)
+        (qt0, qt1, qt2, qt3, qt4, qt5, qt6, qt7,
+         qa0, qa1, qa2, qa3, qhs, qls, qko, qf0, qf1) = _q8_raw(QP8, QPF, pid_bh + qz, TB, 1)
+        miss = _q8_missing(qt0, qt1, qt2, qt3, qt4, qt5, qt6, qt7, qa0, qa1, qa2, qa3, qhs, qls, qko, qf0, qf1)
         while miss > 0:
-            t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, hs, ls, ko, f0, f1 = _q8_raw(QP8, QPF, pid_bh, TB, 2)
-            miss = _q8_missing(t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, hs, ls, ko, f0, f1)
-        qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_assemble(t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, hs, ls, f0,
-                                                            f1)
+            (qt0, qt1, qt2, qt3, qt4, qt5, qt6, qt7,
+             qa0, qa1, qa2, qa3, qhs, qls, qko, qf0, qf1) = _q8_raw(QP8, QPF, pid_bh, TB, 2)
+            miss = _q8_missing(qt0, qt1, qt2, qt3, qt4, qt5, qt6, qt7, qa0, qa1, qa2, qa3, qhs, qls, qko, qf0, qf1)
+        qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_assemble(qt0, qt1, qt2, qt3, qt4, qt5, qt6, qt7,
+                                                            qa0, qa1, qa2, qa3, qhs, qls, qf0, qf1)
         # the logit offset q.mu_K per column (the field row 8: 0 in the padding columns, and without mu_K)
-        off = ko.to(gl.float32, bitcast=True) * qk_scale
+        off = qko.to(gl.float32, bitcast=True) * qk_scale
     elif HAS_OFF:  # the logit offset q.mu_K per column
         off = gl.load(QKOFF + qz + b.to(gl.int64) * sob + h * soh + ch * som, mask=cvalid, other=0.0) * qk_scale
     else:
