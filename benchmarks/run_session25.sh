@@ -130,3 +130,9 @@ m|n)
       --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) run m: wrong results (the operands' names shadowed the split's bounds: the loop did not run); fixed, run n
+# (H100, `bash benchmarks/run_session25.sh n`): 36 GPU tests passed, but gluon_qsent is slower -- B=1/128K 46.0-46.7
+# against 42.6-43.5 us: the rotation programs exit sooner (p50 4.2 against 4.9 us), but the history's poll of the
+# four field words ends later (p50 6.5 against 5.5: the polls of 1024 programs queue behind their early copies) and
+# its first loads often find a plane's tiles not yet all written, so the loads repeat (waited -> ref_step p50 3.3
+# against 1.0 us); B=8 and B=32 +0.4%. Code reverted (the counter after a release stays).

@@ -44,8 +44,6 @@ the kernel state its layouts, so here every operand is built in the registers th
   says when that is safe). ``PDL`` 1 and 3 also let the next launch (the combine) start in this grid's tail, 4 once
   every program is past its loop. ``QFLAG`` (session 24): instead of that wait, a poll of a counter the (row, head)'s
   rotation programs raise once its query operands are stored (the PDL wait then comes at the program's end).
-  ``QSENT`` (session 25): no counter -- the operand buffers hold sentinels between calls, and the history program
-  loads the operands themselves until none is left (see ``query_triton``'s comment on the operands).
 
 Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets): key bytes ``[T, 32]`` (8 per row),
 value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``), logits ``[16, 8]`` float32 (rows ``r, r + 8``,
@@ -121,16 +119,6 @@ _SPIN_ASM = gl.constexpr(
     "{ .reg .pred p; .reg .u32 v, n; mov.u32 n, 0; "
     "SPIN${:uid}: ld.acquire.gpu.global.u32 v, [$1]; setp.ge.u32 p, v, $2; @p bra DONE${:uid}; "
     "add.u32 n, n, 1; setp.gt.u32 p, n, 4194304; @p trap; nanosleep.u32 32; bra SPIN${:uid}; "
-    "DONE${:uid}: mov.u32 $0, 0; }")
-Q8_SENT_WORD = gl.constexpr(0x7FBADBAD)  # (query_triton.Q8_SENT_WORD)
-# QSENT: wait until none of the 32-bit words at $1, $1 + 32, + 64, + 96 bytes (the four planes' first field words) is
-# $2 (the sentinel): poll all four at once with a short sleep, trap after ~2^22 polls rather than hang; $0 is 0
-_SENT_SPIN_ASM = gl.constexpr(
-    "{ .reg .pred p, q; .reg .u32 a, b, c, d, n; mov.u32 n, 0; "
-    "SPIN${:uid}: ld.relaxed.gpu.global.u32 a, [$1]; ld.relaxed.gpu.global.u32 b, [$1+32]; "
-    "ld.relaxed.gpu.global.u32 c, [$1+64]; ld.relaxed.gpu.global.u32 d, [$1+96]; "
-    "setp.eq.u32 p, a, $2; setp.eq.or.u32 p, b, $2, p; setp.eq.or.u32 p, c, $2, p; setp.eq.or.u32 p, d, $2, p; "
-    "@!p bra DONE${:uid}; add.u32 n, n, 1; setp.gt.u32 q, n, 4194304; @q trap; nanosleep.u32 32; bra SPIN${:uid}; "
     "DONE${:uid}: mov.u32 $0, 0; }")
 LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 # movmatrix.trans on each 8x8 block of a 16-bit accumulator-layout tile (see _w_operand)
@@ -246,12 +234,12 @@ def _q8_operands(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
 
 
 @gluon.jit
-def _q8_tile(base, P: gl.constexpr, HL: gl.constexpr, TB: gl.constexpr, MODE: gl.constexpr = 0):
+def _q8_tile(base, P: gl.constexpr, HL: gl.constexpr, TB: gl.constexpr):
     """Tile ``(P, HL)`` of the prologue's int8 query operands (``query_triton._rotate_plane_q8``: ``[4, 2, 8 n,
     32 TB k]``, k contiguous) in the B layout of ``m16n8k32``: a lane's 4 consecutive k are one 4-byte word."""
     k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, B8_OP))
     n = gl.arange(0, 8, layout=gl.SliceLayout(0, B8_OP))
-    return _ld(base + ((P * 2 + HL) * 8 + n[None, :]) * (32 * TB) + k[:, None], MODE)
+    return gl.load(base + ((P * 2 + HL) * 8 + n[None, :]) * (32 * TB) + k[:, None])
 
 
 @gluon.jit
@@ -259,71 +247,19 @@ def _q8_loaded(QP8, QPF, pid_bh, TB: gl.constexpr):
     """:func:`_q8_operands`' results loaded from what the prologue built for this (row, KV head) (``QPRE``): the
     tiles, the accumulator starts (plane 3's ``128 sum``), ``sigma_g / 254`` and the query sums (``Qs_g``: the sum of
     its planes' sums)."""
-    t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, hs, ls, ko, f0, f1 = _q8_raw(QP8, QPF, pid_bh, TB, 0)
-    return _q8_assemble(t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, hs, ls, f0, f1)
-
-
-@gluon.jit
-def _q8_raw(QP8, QPF, pid_bh, TB: gl.constexpr, MODE: gl.constexpr):
-    """The prologue's operands for this (row, KV head) as stored: 8 int8 tiles (plane P, hi / lo), the field words
-    (int32 bits) of rows 0..5 and 8 per column, and sigma_g of both groups (column 0). ``MODE`` 0: plain loads; 1:
-    past L1 (``ld.global.cg``, still vectorized); 2: volatile (``QSENT``'s repeated loads, which the compiler must
-    neither merge nor hoist)."""
     base = QP8 + pid_bh.to(gl.int64) * (2048 * TB)  # (query_triton.Q8_TILE_BYTES * TB)
-    fp = (QPF + pid_bh.to(gl.int64) * 72).to(gl.pointer_type(gl.int32), bitcast=True)  # (query_triton.Q8_FIELDS)
+    fp = QPF + pid_bh.to(gl.int64) * 64
     cn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    return (_q8_tile(base, 0, 0, TB, MODE), _q8_tile(base, 0, 1, TB, MODE),
-            _q8_tile(base, 1, 0, TB, MODE), _q8_tile(base, 1, 1, TB, MODE),
-            _q8_tile(base, 2, 0, TB, MODE), _q8_tile(base, 2, 1, TB, MODE),
-            _q8_tile(base, 3, 0, TB, MODE), _q8_tile(base, 3, 1, TB, MODE),
-            _ld(fp + cn, MODE), _ld(fp + 8 + cn, MODE), _ld(fp + 16 + cn, MODE), _ld(fp + 24 + cn, MODE),
-            _ld(fp + 32 + cn, MODE), _ld(fp + 40 + cn, MODE), _ld(fp + 64 + cn, MODE), _ld(fp + 48, MODE),
-            _ld(fp + 56, MODE))
-
-
-@gluon.jit
-def _ld(ptr, MODE: gl.constexpr):
-    """A load as :func:`_q8_raw`'s ``MODE`` says."""
-    if MODE == 2:
-        return gl.load(ptr, volatile=True)
-    elif MODE == 1:
-        return gl.load(ptr, cache_modifier=".cg")
-    else:
-        return gl.load(ptr)
-
-
-@gluon.jit
-def _q8_missing(t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, hs, ls, ko, f0, f1):
-    """1 where any of :func:`_q8_raw`'s bytes / words still holds the sentinel (``query_triton.Q8_SENT_BYTE`` /
-    ``Q8_SENT_WORD``: not yet written by this call's prologue), else 0 (a scalar, the same in every lane)."""
-    t = gl.maximum(gl.maximum(gl.maximum(_sent8(t0), _sent8(t1)), gl.maximum(_sent8(t2), _sent8(t3))),
-                   gl.maximum(gl.maximum(_sent8(t4), _sent8(t5)), gl.maximum(_sent8(t6), _sent8(t7))))
-    w = gl.maximum(gl.maximum(gl.maximum(_sent32(a0), _sent32(a1)), gl.maximum(_sent32(a2), _sent32(a3))),
-                   gl.maximum(gl.maximum(_sent32(hs), _sent32(ls)), _sent32(ko)))
-    f = gl.maximum((f0 == Q8_SENT_WORD).to(gl.int32), (f1 == Q8_SENT_WORD).to(gl.int32))
-    return gl.maximum(gl.maximum(t, w), f)
-
-
-@gluon.jit
-def _sent8(t):
-    return gl.max(gl.max((t == -128).to(gl.int32), 0), 0)
-
-
-@gluon.jit
-def _sent32(w):
-    return gl.max((w == Q8_SENT_WORD).to(gl.int32), 0)
-
-
-@gluon.jit
-def _q8_assemble(t0, t1, t2, t3, t4, t5, t6, t7, a0, a1, a2, a3, hs, ls, f0, f1):
-    """:func:`_q8_raw`'s words as :func:`_q8_operands`' results."""
-    qs0 = a0.to(gl.float32, bitcast=True) + a1.to(gl.float32, bitcast=True)  # (the planes' sums)
-    qs1 = a2.to(gl.float32, bitcast=True) + a3.to(gl.float32, bitcast=True)
-    hsi = hs.to(gl.float32, bitcast=True).to(gl.int32)
-    lsi = ls.to(gl.float32, bitcast=True).to(gl.int32)
+    qs0 = gl.load(fp + cn) + gl.load(fp + 8 + cn)  # (the planes' sums)
+    qs1 = gl.load(fp + 16 + cn) + gl.load(fp + 24 + cn)
+    hs = gl.load(fp + 32 + cn).to(gl.int32)
+    ls = gl.load(fp + 40 + cn).to(gl.int32)
+    f0 = gl.load(fp + 48) / 254.0
+    f1 = gl.load(fp + 56) / 254.0
     z = gl.zeros([16, 8], gl.int32, layout=MMA)
-    return ((t0, t1), (t2, t3), (t4, t5), (t6, t7), (z, z, f0.to(gl.float32, bitcast=True) / 254.0),
-            (z + hsi[None, :], z + lsi[None, :], f1.to(gl.float32, bitcast=True) / 254.0), qs0, qs1)
+    return ((_q8_tile(base, 0, 0, TB), _q8_tile(base, 0, 1, TB)), (_q8_tile(base, 1, 0, TB), _q8_tile(base, 1, 1, TB)),
+            (_q8_tile(base, 2, 0, TB), _q8_tile(base, 2, 1, TB)), (_q8_tile(base, 3, 0, TB), _q8_tile(base, 3, 1, TB)),
+            (z, z, f0), (z + hs[None, :], z + ls[None, :], f1), qs0, qs1)
 
 
 @gluon.jit
@@ -700,7 +636,7 @@ def _hist_kernel(
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
     PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
     TIMES=None, TIMED: gl.constexpr = 0, QP8=None, QPF=None, QPRE: gl.constexpr = 0,
-    READY=None, QFLAG: gl.constexpr = 0, QSENT: gl.constexpr = 0,
+    READY=None, QFLAG: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -731,11 +667,7 @@ def _hist_kernel(
             kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB,
                                                        STAGES)
             _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
-        if QSENT:
-            # the four planes' first field words written (each by its plane's rotation program): see QSENT below
-            wdep = gl.inline_asm_elementwise(_SENT_SPIN_ASM, "=r,l,r", [QPF + pid_bh.to(gl.int64) * 72, Q8_SENT_WORD],
-                                             dtype=gl.int32, is_pure=False, pack=1)
-        elif QFLAG:
+        if QFLAG:
             # instead of the PDL wait for the whole prologue grid: its rotation programs of this (row, head) count
             # themselves done in READY once their operands are stored (4 planes); the wait above ends when this
             # head's are, not when the last prologue program has exited and the grid's completion reached us
@@ -753,34 +685,16 @@ def _hist_kernel(
     ch = cn % MH
     cvalid = (ch < M) & (cn < TB * MH)
     qz = 0
-    if QFLAG or QSENT:  # (the wait's 0 in the addresses of what the prologue wrote: these loads cannot move above it)
+    if QFLAG:  # (the wait's 0 in the addresses of what the prologue wrote: these loads cannot move above it)
         qz = wdep
-    if QSENT:
-        # the operands loaded (past L1) until none holds its sentinel -- the buffers hold sentinels between calls (the
-        # combine writes them back): no release / acquire between the rotation programs and these, and the loads
-        # that see the data are the operands themselves. Rarely more than one round: a plane's first field word is
-        # among its program's last stores
-        (qt0, qt1, qt2, qt3, qt4, qt5, qt6, qt7,
-         qa0, qa1, qa2, qa3, qhs, qls, qko, qf0, qf1) = _q8_raw(QP8, QPF, pid_bh + qz, TB, 1)
-        miss = _q8_missing(qt0, qt1, qt2, qt3, qt4, qt5, qt6, qt7, qa0, qa1, qa2, qa3, qhs, qls, qko, qf0, qf1)
-        while miss > 0:
-            (qt0, qt1, qt2, qt3, qt4, qt5, qt6, qt7,
-             qa0, qa1, qa2, qa3, qhs, qls, qko, qf0, qf1) = _q8_raw(QP8, QPF, pid_bh, TB, 2)
-            miss = _q8_missing(qt0, qt1, qt2, qt3, qt4, qt5, qt6, qt7, qa0, qa1, qa2, qa3, qhs, qls, qko, qf0, qf1)
-        qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_assemble(qt0, qt1, qt2, qt3, qt4, qt5, qt6, qt7,
-                                                            qa0, qa1, qa2, qa3, qhs, qls, qf0, qf1)
-        # the logit offset q.mu_K per column (the field row 8: 0 in the padding columns, and without mu_K)
-        off = qko.to(gl.float32, bitcast=True) * qk_scale
-    elif HAS_OFF:  # the logit offset q.mu_K per column
+    if HAS_OFF:  # the logit offset q.mu_K per column
         off = gl.load(QKOFF + qz + b.to(gl.int64) * sob + h * soh + ch * som, mask=cvalid, other=0.0) * qk_scale
     else:
         off = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
     # per column: Qs_g = sum of the group's (scaled) query channels, from the planes (before session 22 a load of its
     # own, which the compiler issued after the operands' arithmetic: a second round trip)
     if K8:
-        if QSENT:  # (loaded above)
-            pass
-        elif QPRE:  # built by the prologue, once per row and KV head
+        if QPRE:  # built by the prologue, once per row and KV head
             qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_loaded(QP8, QPF, pid_bh + qz, TB)
         else:
             qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
@@ -953,7 +867,7 @@ def _hist_kernel(
     rh = gl.arange(0, MH, layout=RL)
     gl.store(PM + part + rh, gl.convert_layout(m_r, RL), mask=rh < M)
     gl.store(PL + part + rh, gl.convert_layout(l_r, RL), mask=rh < M)
-    if QFLAG or QSENT:  # the PDL wait after all (the prologue grid is long done): this grid completes after it
+    if QFLAG:  # the PDL wait after all (the prologue grid is long done): this grid completes after it, as without QFLAG
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,f", [l_r], dtype=gl.int32, is_pure=False,
                                   pack=1)
     if TIMED:
@@ -984,14 +898,11 @@ TIMES_BUF = None
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None,
-                   qsent=False):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
     ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
     ``ready`` (with ``qpre`` and ``pdl`` >= 2): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise
     when their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``).
-    ``qsent`` (with ``qpre``, ``k8`` and ``pdl`` >= 2, not with ``ready``): ``qpre``'s buffers held their sentinels when
-    the prologue began, and the history programs wait for them to be overwritten (``QSENT``).
     With :data:`TIMES_BUF` set (a diagnostic), each program's timestamps go there (``[programs, TIME_SLOTS]`` int64)."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -1005,8 +916,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
         TIMES=TIMES_BUF, TIMED=int(TIMES_BUF is not None),
         QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),
-        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2),
-        QSENT=int(bool(qsent and qpre and k8) and pdl >= 2 and ready is None), num_warps=1,
+        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

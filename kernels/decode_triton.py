@@ -88,16 +88,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from oscar_hf.quant import QuantizedRows
 
 from . import cdiv, cuda_major, next_pow2
-from .query_triton import (C_BLOCK as ROT_C_BLOCK, Q8_FIELDS, Q8_SENT_BYTE, Q8_SENT_WORD, Q8_TILE_BYTES, _rotate_block,
-                           _rotate_plane_q8,
+from .query_triton import (C_BLOCK as ROT_C_BLOCK, Q8_FIELDS, Q8_TILE_BYTES, _rotate_block, _rotate_plane_q8,
                            launch_rotation, rotation_strides, stamp_asm as _stamp_asm)
 
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 _LN2 = tl.constexpr(LN2)  # jit code may only read constexpr globals
-_SENT_BYTE = tl.constexpr(Q8_SENT_BYTE)  # (the operand buffers' sentinels, CONFIG["gluon_qsent"])
-_SENT_WORD = tl.constexpr(Q8_SENT_WORD)
 DF_LIM = tl.constexpr(64.0)  # deferred loop: largest excess of a row's max over its reference (log2 units)
 
 # Tunables (read by the dispatch below; the benchmark may override them).
@@ -269,11 +266,6 @@ CONFIG = {
     # (griddepcontrol.wait, released ~1.4 us after the last prologue program's exit). H100, session 24 (graph us,
     # with pdl 5): B=1/128K 44.4-44.7 -> 43.3-44.0, B=8/128K 253.3-254.2 -> 252.3-252.7 (profile_op_h100_session24g)
     "gluon_qflag": 1,
-    # with gluon_qpre and pdl >= 2: instead of gluon_qflag's counter, the history programs load the query operands
-    # themselves until none holds the sentinel their persistent buffers hold between calls (_q8_buffers; the combine
-    # writes the sentinels back), so that the rotation programs store them without a release (a membar that waited
-    # ~1 us for their stores) and the history needs no separate poll before its loads
-    "gluon_qsent": 0,
 }
 
 
@@ -991,7 +983,7 @@ def _prologue_kernel(
                 tl.debug_barrier()
                 tl.atomic_add(READY + pid_bh, 1, sem="release", scope="gpu")
         else:
-            q_, y_, qo_ = _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
+            _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
                           D, M_PAD_ROT, C_BLOCK, HAS_MU)
     else:
         b = pid_bh // Hk
@@ -1044,7 +1036,7 @@ def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
     PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
-    READY=None, RESET: tl.constexpr = 0, QP8=None, QPF=None, QRESET: tl.constexpr = 0, QTB: tl.constexpr = 2,
+    READY=None, RESET: tl.constexpr = 0,
     TIMES=None, TIMED: tl.constexpr = 0, TIME_SLOTS: tl.constexpr = 8,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
@@ -1073,10 +1065,6 @@ def _combine_kernel(
     ``RESET``: one program per (b, h) sets ``READY[b * Hk + h]`` (the prologue -> history counter of ``QFLAG``) back to
     0 for the next call (this call's history grid, and with it the prologue's, is complete by then).
 
-    ``QRESET`` (``CONFIG["gluon_qsent"]``): the same program fills (b, h)'s int8 query operands (``QTB`` token sets:
-    ``QP8`` int8) and fields (``QPF`` as int32) back with their sentinels (``query_triton.Q8_SENT_BYTE``,
-    ``Q8_SENT_WORD``), for the next call's history programs to wait on.
-
     ``TIMED`` (FINAL, ``HOIST``; a diagnostic, ``decode_gluon.TIMES_BUF``): %globaltimer at the entry (slot 0), after the
     PDL wait (1) and at the exit (4), in the rows from ``COMBINE_TIME_ROW``."""
     row = tl.program_id(0) // PARTS  # = bh * M + mm
@@ -1101,12 +1089,6 @@ def _combine_kernel(
     if RESET:
         if tl.program_id(0) % (M * PARTS) == 0:  # (query row 0, part 0 of each (b, h))
             tl.store(READY + bh, 0)
-    if QRESET:
-        if tl.program_id(0) % (M * PARTS) == 0:
-            ob = tl.arange(0, 2048 * QTB)  # (query_triton.Q8_TILE_BYTES * QTB)
-            tl.store(QP8 + bh.to(tl.int64) * (2048 * QTB) + ob, tl.full([2048 * QTB], _SENT_BYTE, tl.int8))
-            of = tl.arange(0, 128)
-            tl.store(QPF + bh.to(tl.int64) * 72 + of, tl.full([128], _SENT_WORD, tl.int32), mask=of < 72)
     if FINAL and HOIST:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
         offs_w = S_HIST + tl.arange(0, SW_BLOCK)
         wm = offs_w < S_TOT
@@ -1354,67 +1336,36 @@ def _pairable(k: QuantizedRows, v: QuantizedRows, d: int, group_size: int) -> bo
 _READY = {}  # device -> [int32 counters of QFLAG (prologue -> history), zero between calls; the last stream]
 
 
-_Q8 = {}  # device -> [(tiles, fields) of CONFIG["gluon_qsent"], holding their sentinels between calls; capacity; stream]
-
-
-def _persistent(registry: dict, dev: torch.device, n: int, make):
-    """One buffer (or tuple of buffers) per device for ``n`` (row, KV head) pairs, made by ``make(capacity, device)``
-    (capacity ``max(n, 256)``) and left by each call's combine as it found it (counters at 0, sentinels), so that
-    successive calls reuse it. A call from another stream than the last one's first waits for that stream's work (the
-    last call's combine) -- except while a CUDA graph is being captured, whose replays must then not overlap the op on
-    another stream. None while capturing if no buffer that large exists yet (the call then takes another wait;
-    allocating here would capture a memset into every replay)."""
+def _ready_counters(dev: torch.device, n: int):
+    """``n`` zeroed int32 counters for the prologue -> history handoff (``CONFIG["gluon_qflag"]``), one buffer per
+    device: each call's combine sets them back to 0, so successive calls reuse them. A call from another stream than
+    the last one's first waits for that stream's work (the last call's combine) -- except while a CUDA graph is being
+    captured, whose replays must then not overlap the op on another stream. None while capturing if no buffer that
+    large exists yet (the call then takes the PDL wait; allocating here would capture a memset into every replay)."""
     dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
-    entry = registry.get(dev)
+    entry = _READY.get(dev)
     if torch.cuda.is_current_stream_capturing():
-        return entry[0] if entry is not None and entry[1] >= n else None
+        return entry[0] if entry is not None and entry[0].numel() >= n else None
     stream = torch.cuda.current_stream(dev)
-    if entry is not None and entry[2] != stream:
-        stream.wait_stream(entry[2])  # (the buffer may still be in use there)
-    if entry is None or entry[1] < n:
-        entry = [make(max(n, 256), dev), max(n, 256), stream]
-        registry[dev] = entry
-    entry[2] = stream
+    if entry is not None and entry[1] != stream:
+        stream.wait_stream(entry[1])  # (the buffer may still be in use there)
+    if entry is None or entry[0].numel() < n:
+        entry = [torch.zeros(max(n, 256), device=dev, dtype=torch.int32), stream]
+        _READY[dev] = entry
+    entry[1] = stream
     return entry[0]
 
 
-def _ready_counters(dev: torch.device, n: int):
-    """``n`` zeroed int32 counters for the prologue -> history handoff (``CONFIG["gluon_qflag"]``), one buffer per
-    device (:func:`_persistent`: each call's combine sets them back to 0)."""
-    return _persistent(_READY, dev, n, lambda cap, d: torch.zeros(cap, device=d, dtype=torch.int32))
-
-
-def _q8_sentinel_fill(tiles: torch.Tensor, fields: torch.Tensor):
-    tiles.fill_(Q8_SENT_BYTE)
-    fields.view(torch.int32).fill_(Q8_SENT_WORD)
-
-
-def _q8_buffers(dev: torch.device, n: int):
-    """``(tiles int8, fields float32)`` for the int8 query operands of ``n`` (row, KV head) pairs, filled with their
-    sentinels (``CONFIG["gluon_qsent"]``; :func:`_persistent`: each call's combine fills what it used back). Room for
-    two token sets a pair (``query_triton.Q8_TILE_BYTES * 2``); a call with one uses the first half of the layout."""
-    def make(cap, d):
-        bufs = (torch.empty(cap * Q8_TILE_BYTES * 2, device=d, dtype=torch.int8),
-                torch.empty(cap * Q8_FIELDS, device=d, dtype=torch.float32))
-        _q8_sentinel_fill(*bufs)
-        return bufs
-
-    return _persistent(_Q8, dev, n, make)
-
-
 @contextlib.contextmanager
-def _counters_reset_on_error(ready, q8=None):
-    """Around the launches after the prologue raised ``ready``'s counters (or wrote over ``q8``'s sentinels): if one
-    fails (say, a kernel that does not compile), the counters are set back to 0 (the sentinels written back) here --
-    the combine that would have done it never runs -- so that the next call's history cannot take them for its own
-    prologue's and read its operands before they are written."""
+def _counters_reset_on_error(ready):
+    """Around the launches after the prologue raised ``ready``'s counters: if one fails (say, a kernel that does not
+    compile), the counters are set back to 0 here (the combine that would have done it never runs), so that the next
+    call's history cannot take them for its own prologue's and read its operands before they are written."""
     try:
         yield
     except BaseException:
         if ready is not None:
             ready.zero_()
-        if q8 is not None:
-            _q8_sentinel_fill(*q8)
         raise
 
 
@@ -1531,7 +1482,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     pm = torch.empty(bh, max(s_tot, 1), m, device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(bh, max(s_tot, 1), m, d, device=dev, dtype=torch.float32)
-    ready = q8 = None
+    ready = None
     timed = False
     if s_tot == 0:  # nothing to attend to: one empty partial
         pm.fill_(float("-inf"))
@@ -1549,20 +1500,13 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         qpre = bool(fused_pro and k8 and cfg.get("gluon_qpre"))
         # ... and the history programs' wait for them: on counters the rotation programs raise, not the PDL wait for
         # the whole prologue grid (CONFIG["gluon_qflag"])
-        # ... or on the operands themselves, loaded until none holds the sentinel its buffer held since the last call
-        # (CONFIG["gluon_qsent"]: persistent buffers, no counter)
-        q8 = _q8_buffers(dev, bh) if (qpre and pdl_mode >= 2 and cfg.get("gluon_qsent")) else None
-        ready = (_ready_counters(dev, bh) if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag") and q8 is None)
-                 else None)
+        ready = _ready_counters(dev, bh) if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag")) else None
         c_rot = min(d, ROT_C_BLOCK)
         qp8 = qpf = None
         if qpre:
             tb = glu.tokens_per_step(m) // 16
-            if q8 is not None:
-                qp8, qpf = q8
-            else:
-                qp8 = torch.empty(bh * Q8_TILE_BYTES * tb, device=dev, dtype=torch.int8)
-                qpf = torch.empty(bh * Q8_FIELDS, device=dev, dtype=torch.float32)
+            qp8 = torch.empty(bh * Q8_TILE_BYTES * tb, device=dev, dtype=torch.int8)
+            qpf = torch.empty(bh * Q8_FIELDS, device=dev, dtype=torch.float32)
         timed = glu is not None and glu.TIMES_BUF is not None  # diagnostic timestamps (both launches stamp)
         if timed:
             _check_times_buf(glu.TIMES_BUF, glu.TIME_SLOTS.value, bh * s_hist,
@@ -1588,14 +1532,14 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                 launch_rotation(qf_r, r_k_r, mu_k_r, q_rot, qk_offset)
         if glu is not None:  # history on the Gluon kernel; this file's kernel runs the window programs only
             if s_hist:
-                with _counters_reset_on_error(ready, q8):
+                with _counters_reset_on_error(ready):
                     glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot,
                                        split_len, float(scaling) * LOG2E, stages=gluon_stages(cfg, n, s_hist),
                                        splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                        l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
                                        pdl={4: 3, 5: 4}.get(pdl_mode, pdl_mode),
                                        early=int(cfg.get("gluon_early", 0)), k8=k8,
-                                       qpre=(qp8, qpf) if qpre else None, ready=ready, qsent=q8 is not None)
+                                       qpre=(qp8, qpf) if qpre else None, ready=ready)
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
@@ -1660,14 +1604,12 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                  and s_tot - s_hist <= cfg.get("merge_hoist_win", 16))
         if timed and hoist:
             _check_times_buf(glu.TIMES_BUF, glu.TIME_SLOTS.value, 0, 0, bh * m * parts)
-        with _counters_reset_on_error(ready, q8):
+        with _counters_reset_on_error(ready):
             _combine_kernel[(bh * m * parts,)](
                 pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
                 D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
                 HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, PARTS=parts,
-                READY=ready, RESET=int(ready is not None), QP8=None if q8 is None else q8[0],
-                QPF=None if q8 is None else q8[1].view(torch.int32), QRESET=int(q8 is not None),
-                QTB=glu.tokens_per_step(m) // 16 if q8 is not None else 2,
+                READY=ready, RESET=int(ready is not None),
                 TIMES=glu.TIMES_BUF if timed and hoist else None, TIMED=int(timed and hoist),
                 TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8,
                 num_warps=merge_warps,

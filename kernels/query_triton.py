@@ -31,8 +31,7 @@ def _rotate_block(
     """Columns ``[c0, c0 + C_BLOCK)`` of ``q_rot`` for the ``M`` query rows of ``pid = b * Hk + h`` (and, in the
     program of the first column block, the offset ``q · mu_K``). Shared by :func:`_rotate_query_kernel` and the
     Gluon path's prologue launch (``decode_triton._prologue_kernel``: rotation + window programs). Returns the query
-    ``[M_PAD, D]``, the block ``[M_PAD, C_BLOCK]`` and the offset ``q · mu_K`` ``[M_PAD]`` (0 without ``mu_K``) (float32;
-    rows ``>= M`` zero), for :func:`_rotate_plane_q8`."""
+    ``[M_PAD, D]`` and the block ``[M_PAD, C_BLOCK]`` (float32; rows ``>= M`` zero), for :func:`_rotate_plane_q8`."""
     b = pid // Hk
     h = pid % Hk
     offs_m = tl.arange(0, M_PAD)
@@ -50,12 +49,9 @@ def _rotate_block(
     y = tl.dot(q, r, input_precision="tf32x3")
     tl.store(out + offs_c[None, :], y, mask=mrow[:, None])
     if HAS_MU:
-        qo = tl.sum(q * mu[None, :], 1)
         if c0 == 0:
-            tl.store(QO + pid.to(tl.int64) * M + offs_m, qo, mask=mrow)
-    else:
-        qo = tl.zeros([M_PAD], tl.float32)
-    return q, y, qo
+            tl.store(QO + pid.to(tl.int64) * M + offs_m, tl.sum(q * mu[None, :], 1), mask=mrow)
+    return q, y
 
 
 @triton.jit
@@ -66,8 +62,8 @@ def _rotate_query_kernel(
     D: tl.constexpr, M_PAD: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
 ):
     # program (b * Hk + h, c): this program's block of output channels
-    q, y, qo = _rotate_block(Q, RK, MU, QR, QO, tl.program_id(0), tl.program_id(1) * C_BLOCK, M, Hk, sqb, sqh, sqm,
-                             smb, smh, D, M_PAD, C_BLOCK, HAS_MU)
+    _rotate_block(Q, RK, MU, QR, QO, tl.program_id(0), tl.program_id(1) * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
+                  D, M_PAD, C_BLOCK, HAS_MU)
 
 
 def rotation_args(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None):
@@ -138,16 +134,9 @@ def query_kernel_supported(qf: torch.Tensor) -> bool:
 #                  32 P + sigma8(j) of that row where tb = n // MH, 0 elsewhere (the block-diagonal B operand)
 #   fields float32 [B * Hk, 8, 8 columns]: 0..3: the sum of plane P's channels of the column's row, times qk_scale
 #                  (Qs_g is the sum of its planes'); 4, 5: 128 x the sum of plane 3's hi (lo) codes (plane 3 enters
-#                  as 64 code - 128); 6, 7: sigma_g (every column); 8 (session 25): the offset q . mu_K of the
-#                  column's row (0 without mu_K), so that the history reads everything the rotation writes for it here
-# Every byte of the tiles and every word of the fields is written (padding columns with 0), and no tile byte is ever
-# -128 (the codes are clamped to +-127) nor a field word Q8_SENT_WORD (a NaN no arithmetic makes): buffers filled with
-# those sentinels (CONFIG["gluon_qsent"]) show the history program, word by word, what is written yet.
+#                  as 64 code - 128); 6, 7: sigma_g (every column)
 Q8_TILE_BYTES = 4 * 2 * 8 * 32  # per token set: a (row, KV head)'s tiles are Q8_TILE_BYTES * TB bytes
-Q8_FIELDS = 72
-Q8_FIELDS_C = tl.constexpr(Q8_FIELDS)
-Q8_SENT_BYTE = -128
-Q8_SENT_WORD = 0x7FBADBAD
+Q8_FIELDS = 64
 Q8_NORM_MARGIN = tl.constexpr(1.001)
 
 
@@ -176,7 +165,7 @@ def _rotate_plane_q8(
     interpreter). ``TIMED`` (a diagnostic, the prologue's row ``TROW`` of ``decode_gluon.TIMES_BUF``): %globaltimer
     after the product (slot 1), after sigma_g (2) and after the sums (5)."""
     MH: tl.constexpr = 8 // TB
-    q, y, qo = _rotate_block(Q, RK, MU, QR, QO, pid, 32 * P, M, Hk, sqb, sqh, sqm, smb, smh, D, M_PAD, 32, HAS_MU)
+    q, y = _rotate_block(Q, RK, MU, QR, QO, pid, 32 * P, M, Hk, sqb, sqh, sqm, smb, smh, D, M_PAD, 32, HAS_MU)
     m = tl.arange(0, M_PAD)  # [M_PAD, 32]: q_rot[m, 32 P + c] (rows >= M zero)
     c = tl.arange(0, 32)
     if TIMED:
@@ -200,7 +189,7 @@ def _rotate_plane_q8(
     TILE: tl.constexpr = 32 * TB
     kj = 16 * ((c // 4) % 2) + 4 * (c // 8) + c % 4  # sigma8^-1
     plane = QP8 + pid.to(tl.int64) * (8 * 8 * TILE) + P * (2 * 8 * TILE)
-    fp = QPF + pid.to(tl.int64) * Q8_FIELDS_C
+    fp = QPF + pid.to(tl.int64) * 64
     rmask = m < MH
     for tb in tl.static_range(TB):
         row = plane + ((tb * MH + m) * TILE)[:, None]
@@ -219,8 +208,6 @@ def _rotate_plane_q8(
         if P == 3:  # 128 x its codes' sums
             tl.store(col + 32, 128.0 * hs, mask=rmask)
             tl.store(col + 40, 128.0 * ls, mask=rmask)
-        if P == 0:  # the key offset
-            tl.store(col + 64, qo, mask=rmask)
 
 
 @triton.jit
@@ -256,14 +243,14 @@ def _rotate_q8_kernel(
 def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None, qk_scale: float):
     """:func:`rotate_query_triton` and the int8 key path's query operands (:func:`q8_operands_reference`) in one
     launch of :func:`_rotate_plane_q8` programs, as the decode op's fused prologue runs them (``D = 128``, ``M <= 8``)
-    -> ``(q_rot, qk_offset, tiles, fields)`` (fields ``[B * Hk, 9, 8]``)."""
+    -> ``(q_rot, qk_offset, tiles, fields)``."""
     qf, r_k, mu_k, q_rot, off = rotation_args(qf, r_k, mu_k)
     b, hk, m, d = qf.shape
     if d != 128 or not 1 <= m <= 8:
         raise ValueError(f"the int8 query operands need head_dim 128 and 1..8 query rows a KV head, got {d}, {m}")
     tb = 2 if m <= 4 else 1
     tiles = torch.empty(b * hk, 4, 2, 8, 32 * tb, device=qf.device, dtype=torch.int8)
-    fields = torch.zeros(b * hk, Q8_FIELDS // 8, 8, device=qf.device, dtype=torch.float32)
+    fields = torch.zeros(b * hk, 8, 8, device=qf.device, dtype=torch.float32)
     _rotate_q8_kernel[(b * hk, 4)](
         qf, r_k, mu_k, q_rot, off, tiles, fields, m, hk, float(qk_scale), *rotation_strides(qf, mu_k),
         D=d, M_PAD=16, TB=tb, HAS_MU=mu_k is not None, ASM=int(qf.is_cuda), num_warps=4,
@@ -271,12 +258,10 @@ def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tens
     return q_rot, off, tiles, fields
 
 
-def q8_operands_reference(q_rot: torch.Tensor, qk_scale: float, sg: torch.Tensor | None = None,
-                          qk_offset: torch.Tensor | None = None):
+def q8_operands_reference(q_rot: torch.Tensor, qk_scale: float, sg: torch.Tensor | None = None):
     """:func:`_rotate_plane_q8`'s outputs in torch from ``q_rot [B, Hk, M, D]`` (D = 128, M <= 8): ``(tiles int8
-    [B * Hk, 4, 2, 8, 32 TB], fields float32 [B * Hk, 9, 8])``. ``sg [B * Hk, 2]``: sigma_g as given (e.g. the
-    kernel's own, so that a tie of the rounding goes the same way), else from the rows' norms as the kernel does.
-    ``qk_offset [B, Hk, M]``: the key offsets of field row 8 (0 without)."""
+    [B * Hk, 4, 2, 8, 32 TB], fields float32 [B * Hk, 8, 8])``. ``sg [B * Hk, 2]``: sigma_g as given (e.g. the
+    kernel's own, so that a tie of the rounding goes the same way), else from the rows' norms as the kernel does."""
     b, hk, m, d = q_rot.shape
     assert d == 128 and 1 <= m <= 8
     tb = 2 if m <= 4 else 1
@@ -292,12 +277,7 @@ def q8_operands_reference(q_rot: torch.Tensor, qk_scale: float, sg: torch.Tensor
         if n % mh < m:
             rows[:, n] = q[:, n % mh]
     tiles = torch.zeros(b * hk, 4, 2, 8, 32 * tb, dtype=torch.int8, device=q.device)
-    fields = torch.zeros(b * hk, Q8_FIELDS // 8, 8, device=q.device)
-    if qk_offset is not None:
-        off = qk_offset.float().reshape(b * hk, m).to(q.device)
-        for n in range(8):
-            if n % mh < m:
-                fields[:, 8, n] = off[:, n % mh]
+    fields = torch.zeros(b * hk, 8, 8, device=q.device)
     for p in range(4):
         plane = rows[..., 32 * p + sig]  # [BH, 8, 32] in the operand's order
         f = torch.full_like(sg[:, p // 2], qk_scale * 0.25 ** p) / sg[:, p // 2]  # (scalar / tensor: a reciprocal)

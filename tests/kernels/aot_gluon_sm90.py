@@ -80,11 +80,7 @@ def main():
                   "TIMES": None, "TIMED": 0}
         # the prologue -> history counters (CONFIG["gluon_qflag"], with the prologue's operands and PDL 2)
         qflag = int(bool(qp) and consts["PDL"] >= 2 and int(os.environ.get("AOT_QFLAG", CONFIG.get("gluon_qflag") or 0)))
-        # or the operands' sentinels (CONFIG["gluon_qsent"], which takes the place of the counters)
-        qsent = int(bool(qp) and consts["PDL"] >= 2 and int(os.environ.get("AOT_QSENT", CONFIG.get("gluon_qsent") or 0)))
-        qflag = 0 if qsent else qflag
         consts["QFLAG"] = qflag
-        consts["QSENT"] = qsent
         if not qp:
             consts.update(QP8=None, QPF=None)
         if not qflag:

@@ -642,9 +642,7 @@ _GLUON_VARIANTS = {
     "short": {"gluon_long_split": 1 << 30},  # no split long: fp16 keys, 2 stages, 12 programs an SM under a cap
     "pdl4-warp": {"gluon_gsum": 1, "pdl": 4, "gluon_early": 1, "merge_one_warp_rows": 0},
     "pdl5": {"gluon_gsum": 1, "pdl": 5, "gluon_early": 1},
-    "qflag": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qflag": 1,
-              "gluon_qsent": 0},
-    "qsent": {"gluon_gsum": 1, "pdl": 5, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qsent": 1},
+    "qflag": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qflag": 1},
     "parts1": {"merge_out_parts": 1, "merge_warps_few": None, "splits_pow2_slack": 0},
 }
 
@@ -664,8 +662,7 @@ def gluon_calls(request, monkeypatch):
     no split long (the short-split path, the default before session 20); "pdl4-warp": the combine under PDL (pdl 4),
     one warp per row wherever there are more rows than SMs (merge_one_warp_rows 0); "pdl5": the combine under PDL,
     launched once every history program is past its loop (pdl 5); "qflag": the history programs wait for
-    counters their head's rotation programs raise, not for the prologue grid (gluon_qflag); "qsent": for the operands
-    themselves, loaded until none holds its sentinel (gluon_qsent); "parts1": the combine for fewer
+    counters their head's rotation programs raise, not for the prologue grid (gluon_qflag); "parts1": the combine for fewer
     rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
@@ -814,37 +811,25 @@ def test_gpu_gluon_prologue_query_operands(monkeypatch, m):
     assert err_pre < 2e-2 and err_pre < err_own + 3e-3, (err_pre, err_own)
 
 
-def _q8_at_rest(dt):
-    """Whether every persistent operand buffer (gluon_qsent) holds only its sentinels."""
-    from oscar_hf.kernels.query_triton import Q8_SENT_BYTE, Q8_SENT_WORD
-
-    torch.cuda.synchronize()
-    return all(bool((e[0][0] == Q8_SENT_BYTE).all()) and bool((e[0][1].view(torch.int32) == Q8_SENT_WORD).all())
-               for e in dt._Q8.values())
-
-
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("wait", ["qflag", "qsent"])
-def test_gpu_gluon_qflag_counters(monkeypatch, wait):
-    """The prologue -> history handoff without the PDL wait for the prologue grid -- counters (gluon_qflag) or the
-    operands' sentinels (gluon_qsent): the op's output is bit-identical to the PDL wait's (the same kernels, only the
-    wait differs), call after call, from a second stream too, and every call leaves the counters at 0 / the operand
-    buffers full of sentinels (the combine resets them: a counter left raised or an operand left in place would let the
-    next call's history read stale operands) -- also a call whose launches fail after the prologue's."""
+def test_gpu_gluon_qflag_counters(monkeypatch):
+    """The prologue -> history counters (gluon_qflag): the op's output is bit-identical to the PDL wait's (the same
+    kernels, only the wait differs), call after call, from a second stream too, and every call leaves the counters at
+    0 (the combine resets them: a counter left raised would let the next call's history read stale operands) -- also
+    a call whose launches fail after the prologue's."""
     dt = _dt()
     args = _rotating_case(2, 8, 4, 9000, 320, 128, 64, seed=3, device="cuda")
     args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 37], device="cuda")
     args["out_dtype"] = torch.float32
     base = {**dt.CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_k8": 2, "gluon_qpre": 1, "pdl": 2}
-    monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_qflag": 0, "gluon_qsent": 0})
+    monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_qflag": 0})
     want = dt.decode_attention_rotating_triton(**args)
-    monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_qflag": int(wait == "qflag"), "gluon_qsent": int(wait == "qsent")})
+    monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_qflag": 1})
     seen = []
-    name = "_ready_counters" if wait == "qflag" else "_q8_buffers"
-    real = getattr(dt, name)
-    monkeypatch.setattr(dt, name, lambda *a: (seen.append(1), real(*a))[1])
+    real = dt._ready_counters
+    monkeypatch.setattr(dt, "_ready_counters", lambda *a: (seen.append(1), real(*a))[1])
     for _ in range(3):
         assert torch.equal(dt.decode_attention_rotating_triton(**args), want)
     side = torch.cuda.Stream()
@@ -855,9 +840,9 @@ def test_gpu_gluon_qflag_counters(monkeypatch, wait):
     assert torch.equal(got, want)
     assert torch.equal(dt.decode_attention_rotating_triton(**args), want)
     assert len(seen) == 5
-    counters = dt._READY[torch.device("cuda", torch.cuda.current_device())][0] if wait == "qflag" else None
+    counters = dt._READY[torch.device("cuda", torch.cuda.current_device())][0]
     torch.cuda.synchronize()
-    assert int(counters.abs().sum()) == 0 if wait == "qflag" else _q8_at_rest(dt)
+    assert int(counters.abs().sum()) == 0
     # a launch that fails after the prologue raised the counters (here the history's) sets them back to 0, and the
     # next call is right again
     glu = dt._gluon_module()
@@ -870,7 +855,7 @@ def test_gpu_gluon_qflag_counters(monkeypatch, wait):
     with pytest.raises(RuntimeError, match="no kernel"):
         dt.decode_attention_rotating_triton(**args)
     torch.cuda.synchronize()
-    assert int(counters.abs().sum()) == 0 if wait == "qflag" else _q8_at_rest(dt)
+    assert int(counters.abs().sum()) == 0
     monkeypatch.setattr(glu, "launch_history", real_hist)
     assert torch.equal(dt.decode_attention_rotating_triton(**args), want)
 
@@ -903,7 +888,6 @@ def test_gpu_gluon_decode_op_rotating_in_graph(gluon_calls):
     assert gluon_calls, "the Gluon kernel did not run"
     torch.cuda.synchronize()  # (gluon_qflag: every replay's combine set the prologue -> history counters back to 0)
     assert all(int(e[0].abs().sum()) == 0 for e in _dt()._READY.values())
-    assert _q8_at_rest(_dt())  # (gluon_qsent: ... and filled the operand buffers with their sentinels)
 
 
 @pytest.mark.gpu
