@@ -136,3 +136,19 @@ esac
 # four field words ends later (p50 6.5 against 5.5: the polls of 1024 programs queue behind their early copies) and
 # its first loads often find a plane's tiles not yet all written, so the loads repeat (waited -> ref_step p50 3.3
 # against 1.0 us); B=8 and B=32 +0.4%. Code reverted (the counter after a release stays).
+# Run o (H100): two waves of shorter splits at B=1 (CONFIG["programs_per_sm"] 16: 256 splits a row and head instead of
+# 128), so that the hardware hands the second wave's programs to the SMs that finish first (a balance of the ends'
+# spread at no cost inside the loop), with the combine's 256-split tile in 4 or 8 warps
+#   bash benchmarks/run_session25.sh o
+case "$1" in
+o|p)
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"programs_per_sm": 16}' \
+      --out "$OUT/timeline_hist_${GPU}_session25$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | grep -E "^B=|prologue|combine|at  |->"
+  timeout 250 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768 --iters 10 \
+      --configs '{}' '{"programs_per_sm": 16}' '{"programs_per_sm": 16, "merge_warps_few": 8}' \
+      '{"programs_per_sm": 12}' '{"programs_per_sm": 24}' '{}' '{"programs_per_sm": 16}' \
+      --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
