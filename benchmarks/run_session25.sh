@@ -152,3 +152,16 @@ o|p)
       --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) run o's result: two waves are slower -- B=1/128K 47.0-47.7 against 42.4-43.6 us, B=1/32K 44.6-45.4
+# against 35.8-36.1 (the second wave enters at ~20 us and ends by 36.4, later than one wave's 34.7, and the combine of
+# 256 splits a row takes 4.9 instead of 2.4 us). Run q (H100): the combine's shape for few rows at B=1 (programs a row,
+# warps, output channels a step), and the history's L2 prefetch off / 2 steps ahead
+#   bash benchmarks/run_session25.sh q
+case "$1" in
+q|r)
+  timeout 250 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768 --iters 10 \
+      --configs '{}' '{"merge_out_parts": 2}' '{"merge_warps_few": 8}' '{"merge_out_parts": 2, "merge_warps_few": 8}' \
+      '{"merge_cblock": 16}' '{"gluon_l2pf": 0}' '{"gluon_l2pf": 2}' '{}' \
+      --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B=|_comb"
+  ;;
+esac
