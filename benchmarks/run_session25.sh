@@ -165,3 +165,15 @@ q|r)
       --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B=|_comb"
   ;;
 esac
+# (appended) run q's result: the defaults are the best of these (B=1/128K combine 3.8 us; 2 programs a row 4.1, 8 warps
+# 5.5, 16-channel steps 4.8), the L2 prefetch indifferent. Run s (H100): fewer warps a combine program (the trend of
+# 8 -> 4 warps), with a row's splits in one or two rounds
+#   bash benchmarks/run_session25.sh s
+case "$1" in
+s|t)
+  timeout 250 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768 --iters 10 \
+      --configs '{}' '{"merge_warps_few": 2}' '{"merge_warps_few": 2, "merge_block_few": 64}' \
+      '{"merge_warps_few": 2, "merge_out_parts": 8}' '{"merge_warps_few": 1, "merge_block_few": 32}' '{}' \
+      --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B=|_comb"
+  ;;
+esac
