@@ -177,3 +177,15 @@ s|t)
       --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B=|_comb"
   ;;
 esac
+# (appended) run s's result: fewer warps are slower at 128K (2 warps: 44.1-47.2 us, 1 warp 46.4; 0.3-0.5 us faster at
+# 32K). Nothing of runs a-s is kept but the ring fix and the combine's timestamps. Run u (H100): the GPU tests of the
+# decode op's Gluon path on the final tree
+#   bash benchmarks/run_session25.sh u
+case "$1" in
+u)
+  timeout 560 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
+      "$R/tests/kernels/test_query_rotation.py" "$R/tests/kernels/test_int2_attention.py" \
+      -k "qflag or pdl5 or q8 or prologue_query_operands or timestamps or in_graph or smem3 or long5 or (rotating and (k8 or long or early-pdl2))" \
+      2>&1 | tee "$OUT/tests_${GPU}_session25$1.log" | tail -4
+  ;;
+esac
