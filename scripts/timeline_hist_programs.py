@@ -2,7 +2,8 @@
 """Where each program of the Gluon history kernel spends its time, inside one decode op (CUDA GPU; a diagnostic).
 
 ``profile_decode_op.py --timeline`` shows when each *kernel* of the op starts and ends; this shows the history
-kernel's *programs* (and those of the launch before it, the rotation + window prologue: entry and exit): with
+kernel's *programs* (and those of the launch before it, the rotation + window prologue: entry and exit; and since
+session 25 those of the launch after it, the combine: entry, end of its PDL wait, exit): with
 ``decode_gluon.TIMES_BUF`` set, every program stamps ``%globaltimer`` at its entry, after
 its PDL wait (the query rotation complete), after its reference step (the query operands built, the first step's
 logits known), after its loop and at its exit, with ``%clock64``, its SM and its warp slot (scheduler) beside them
@@ -42,8 +43,9 @@ def _pct(xs, q):
 
 def summarize(buf: torch.Tensor) -> dict:
     """Statistics of one replay's stamps ``buf [rows, TIME_SLOTS]`` (int64): the history kernel's programs in the rows
-    below ``PROLOGUE_TIME_ROW``, the prologue's (rotation + window) from there on; times in us from the first
-    prologue program's entry (the history's first entry where there is no prologue)."""
+    below ``PROLOGUE_TIME_ROW``, the prologue's (rotation + window) from there on, the combine's from
+    ``COMBINE_TIME_ROW`` on; times in us from the first prologue program's entry (the history's first entry where
+    there is no prologue)."""
     pro = buf[dt.PROLOGUE_TIME_ROW.value:dt.COMBINE_TIME_ROW.value]
     pro = pro[pro[:, 0] != 0].double()
     comb = buf[dt.COMBINE_TIME_ROW.value:]

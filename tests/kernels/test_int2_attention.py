@@ -895,7 +895,8 @@ def test_gpu_gluon_decode_op_rotating_in_graph(gluon_calls):
 def test_gpu_gluon_timestamps(monkeypatch):
     """The diagnostic per-program timestamps (``decode_gluon.TIMES_BUF``, ``scripts/timeline_hist_programs.py``):
     the op's output is unchanged with them compiled in, every history program stamps its five points in order on a
-    real SM, and every prologue program (rotation / window) its entry before its exit."""
+    real SM, every prologue program (rotation / window) its entry before its exit, and every combine program its
+    entry, the end of its wait (after every history program's loop) and its exit, in order."""
     monkeypatch.setattr(_dt(), "CONFIG", {**_dt().CONFIG, "gluon": 1, "gluon_min_work": 0})
     glu = _dt()._gluon_module()
     args = _rotating_case(2, 8, 4, 20000, 320, 128, 64, seed=3, device="cuda")
