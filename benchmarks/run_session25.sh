@@ -189,3 +189,13 @@ u)
       2>&1 | tee "$OUT/tests_${GPU}_session25$1.log" | tail -4
   ;;
 esac
+# Run v (H100): the short-split path at B=1 on the H100 (fp16 keys, 2 stages, 12 programs an SM under 168 registers;
+# session 20 chose the long-split path everywhere from H200 numbers), and the long path at 12 programs an SM
+#   bash benchmarks/run_session25.sh v
+case "$1" in
+v)
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x131072 --iters 10 \
+      --configs '{}' '{"gluon_long_split": 1073741824}' '{"gluon_resident_long": 12, "gluon_maxnreg_long": 168}' '{}' \
+      --out "$OUT/profile_op_${GPU}_session25$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
