@@ -1257,6 +1257,12 @@ def gluon_stages(cfg, n: int, s_hist: int) -> int:
     return int(cfg.get("gluon_stages", 2))
 
 
+def gluon_history_pdl(pdl_mode: int) -> int:
+    """The Gluon history kernel's ``PDL`` for the op's ``CONFIG["pdl"]`` mode: 4 (the combine launched at once) is the
+    kernel's 3, 5 (the combine let go after each program's loop) its 4; the others are the same number."""
+    return {4: 3, 5: 4}.get(pdl_mode, pdl_mode)
+
+
 def gluon_split_cfg(cfg, m: int, glu=None, n: int = 0, bh: int = 0, device=None):
     """``cfg`` as :func:`num_splits` must see it on the Gluon path (``m`` query rows a KV head): the Gluon kernel's
     step (16 or 32 tokens), its residency (``gluon_resident``) and no register cap of this file's kernel. Given the
@@ -1537,7 +1543,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                        split_len, float(scaling) * LOG2E, stages=gluon_stages(cfg, n, s_hist),
                                        splitk=int(cfg.get("gluon_splitk", 0)), maxnreg=cfg.get("gluon_maxnreg"),
                                        l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
-                                       pdl={4: 3, 5: 4}.get(pdl_mode, pdl_mode),
+                                       pdl=gluon_history_pdl(pdl_mode),
                                        early=int(cfg.get("gluon_early", 0)), k8=k8,
                                        qpre=(qp8, qpf) if qpre else None, ready=ready)
             pid_off = s_hist
@@ -1714,5 +1720,6 @@ __all__ = [
     "CONFIG", "history_partial_triton", "decode_attention_triton", "decode_attention_rotating_triton",
     "decode_attention_reference",
     "decode_attention", "num_splits", "resident_programs", "kernel_supported", "gluon_k8", "gluon_stages",
+    "gluon_history_pdl",
     "gluon_split_cfg",
 ]

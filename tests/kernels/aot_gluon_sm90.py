@@ -49,7 +49,7 @@ def main():
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from oscar_hf.kernels import decode_gluon as dg
-    from oscar_hf.kernels.decode_triton import CONFIG
+    from oscar_hf.kernels.decode_triton import CONFIG, gluon_history_pdl
 
     ptrs = dict(Q="*fp32", KC="*u8", KS="*bf16", KZ="*bf16", VC="*u8", VS="*bf16", VZ="*bf16", START="*i32",
                 QKOFF="*fp32", QP8="*i8", QPF="*fp32", READY="*i32")
@@ -74,9 +74,10 @@ def main():
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_, "QPRE": qp,
-                  # (programmatic dependent launch compiled in as the default CONFIG["pdl"] launches it: 5 -> 4, the
-                  # combine let go after the loop; 2 -> 2; AOT_PDL: another)
-                  "PDL": int(os.environ.get("AOT_PDL", {4: 3, 5: 4}.get(int(CONFIG.get("pdl") or 0), 2) if early else 1)),
+                  # (programmatic dependent launch compiled in as the default CONFIG["pdl"] launches it -- 5 -> 4, the
+                  # combine let go after the loop; at least 2, the prologue's wait; AOT_PDL: another)
+                  "PDL": int(os.environ.get("AOT_PDL", max(2, gluon_history_pdl(int(CONFIG.get("pdl") or 0)))
+                                            if early else 1)),
                   "TIMES": None, "TIMED": 0}
         # the prologue -> history counters (CONFIG["gluon_qflag"], with the prologue's operands and PDL 2)
         qflag = int(bool(qp) and consts["PDL"] >= 2 and int(os.environ.get("AOT_QFLAG", CONFIG.get("gluon_qflag") or 0)))
