@@ -121,6 +121,13 @@ _SPIN_ASM = gl.constexpr(
     "add.u32 n, n, 1; setp.gt.u32 p, n, 4194304; @p trap; nanosleep.u32 32; bra SPIN${:uid}; "
     "DONE${:uid}: mov.u32 $0, 0; }")
 LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
+# the work pool (POOL): lane 0 takes a ticket (relaxed atomic add of 1; the other lanes' $0 is 0), and the
+# broadcast of lane 0's value, kept apart so that the atomic's latency passes between the two (the ticket is fetched
+# one chunk before it is used)
+_TICKET_ASM = gl.constexpr(
+    "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; mov.u32 $0, 0; "
+    "@p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }")
+_BCAST_ASM = gl.constexpr("shfl.sync.idx.b32 $0, $1, 0, 31, -1;")
 # movmatrix.trans on each 8x8 block of a 16-bit accumulator-layout tile (see _w_operand)
 _MOVM_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
 # Loads from one address per lane (lane 4r + c; the rest are immediates, so that a step computes one address per
@@ -421,6 +428,47 @@ def _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T: gl.constexpr, S
 
 
 @gluon.jit
+def _pool_issue(kbuf, vbuf, mbuf, stage, ck, cv, cm, c_nxt, c_end, tk, nk, j, pend, rerun,
+                WORK, PLIST, lbase, p0, pe, nc, T: gl.constexpr, CHS: gl.constexpr, MAXC: gl.constexpr):
+    """``POOL``: the copies of a program's next step into ``stage``, one commit group; returns the new state.
+
+    A program's steps are its split's full steps ``[c_nxt, c_end)``, then the pool chunks it takes: chunk ``t`` (of
+    ``nc``) is the full steps ``[p0 + t CHS, min(p0 + (t + 1) CHS, pe))`` (all four in steps of ``T`` tokens). Tickets come from the atomic counter
+    ``WORK`` of the (row, KV head), fetched one chunk before they are used (``tk``: lane 0's, see ``_TICKET_ASM``) so
+    that the atomic's latency passes under a chunk's steps; a program that gets one below ``nc`` records it in
+    ``PLIST[lbase + nk]`` and fetches the next, up to ``MAXC`` chunks (the host keeps ``nc <= S MAXC``, so the others
+    take the rest). A rerun (``rerun`` 1) takes the recorded chunks ``j = 0 .. nk - 1`` again. Past its last step a
+    program copies the history's first step (every call commits one group; those stages are never read); ``pend``
+    counts the steps issued and not yet read, so the steps run while it is positive -- whichever programs end their
+    split first take more of the pool, and the programs' last steps end together (within a chunk)."""
+    # (c_nxt, c_end, p0, pe in steps, not tokens: the copies' addresses are then multiples of T to the compiler,
+    # which keeps their 16-byte vectors; a token count carried through the loop loses that)
+    if c_nxt >= c_end:
+        if rerun:
+            if j < nk:
+                t = gl.load(PLIST + lbase + j)
+                j += 1
+                c_nxt = p0 + t * CHS
+                c_end = gl.minimum(c_nxt + CHS, pe)
+        else:
+            t = gl.inline_asm_elementwise(_BCAST_ASM, "=r,r", [tk], dtype=gl.int32, is_pure=False, pack=1)
+            if t < nc:
+                gl.store(PLIST + lbase + nk, t)
+                nk += 1
+                c_nxt = p0 + t * CHS
+                c_end = gl.minimum(c_nxt + CHS, pe)
+                tk = nc
+                if nk < MAXC:
+                    tk = gl.inline_asm_elementwise(_TICKET_ASM, "=r,l", [WORK], dtype=gl.int32, is_pure=False,
+                                                   pack=1)
+    real = c_nxt < c_end
+    _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, gl.where(real, c_nxt, 0) * T)
+    pend += real.to(gl.int32)
+    c_nxt += 1
+    return c_nxt, c_end, tk, nk, j, pend
+
+
+@gluon.jit
 def _smem_meta(mb, j: gl.constexpr, TB: gl.constexpr):
     """Metadata words ``j`` (0..3: key scale, key zero, value scale, value zero) of a stage as the logit tile."""
     x = mb.slice(j * TB, TB, dim=0).permute([1, 0])  # [16 t', TB sets]
@@ -570,11 +618,18 @@ def _q_sums(q0, q1, q2, q3, qk_scale):
 
 
 @gluon.jit
-def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
-                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T: gl.constexpr, TB: gl.constexpr, N_DEV: gl.constexpr):
+def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len, pool_len,
+                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T: gl.constexpr, TB: gl.constexpr, N_DEV: gl.constexpr,
+                 POOL: gl.constexpr, CHS: gl.constexpr):
     """This split's tokens and addresses: the row's first valid token ``start``, the split ``[lo, hi)`` (all-padding
-    steps skipped), its full steps ``[f0, f1)`` after the reference step, the per-lane addresses at token 0 of
-    :func:`_loads_lanes` and the base pointers (int32 words) of the six history tensors."""
+    steps skipped), its full steps ``[f0, f1)`` after the reference step, its masked last step ``[t_lo, t_hi)`` (none
+    where ``t_lo >= t_hi``), the per-lane addresses at token 0 of :func:`_loads_lanes` and the base pointers (int32
+    words) of the six history tensors.
+
+    ``POOL`` (see :func:`_pool_issue`): where the row has no padding past ``p0 = S pool_len``, the splits are
+    ``pool_len`` tokens (full steps only) and the rest of the history, ``[p0, pe)`` in full steps, is the pool of
+    ``nc`` chunks of ``CHS`` steps that the programs take as they get to it; the last split also takes the masked step
+    ``[pe, n_tot)``. Otherwise ``nc`` is 0 and the splits are as without ``POOL``."""
     start = gl.load(START + b).to(gl.int32)
     if N_DEV:
         n_tot = gl.minimum(gl.load(NPTR).to(gl.int32), N)
@@ -582,10 +637,24 @@ def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_l
     else:
         n_tot = N
         slen = split_len
+    p0 = S * pool_len
+    pe = p0
+    nc = 0
+    if POOL:
+        use = (start <= p0) & (p0 < n_tot) & (pool_len > 0)
+        slen = gl.where(use, pool_len, slen)
+        pe = p0 + (n_tot - p0) // T * T
+        nc = gl.where(use, gl.cdiv((n_tot - p0) // T, CHS), 0)
     hi = gl.minimum(pid_s * slen + slen, n_tot)
     lo = gl.maximum(pid_s * slen, (start // T) * T)  # skip all-padding blocks
     f0 = lo + T
     f1 = f0 + gl.maximum(hi - f0, 0) // T * T
+    t_lo = f1
+    t_hi = hi
+    if POOL:
+        last = (nc > 0) & (pid_s == S - 1)  # the pool's masked tail goes to the last split
+        t_lo = gl.where(last, pe, f1)
+        t_hi = gl.where(last, n_tot, hi)
     kc_base = (KC + b.to(gl.int64) * skb + h * skh).to(gl.pointer_type(gl.int32))
     vc_base = (VC + b.to(gl.int64) * svb + h * svh).to(gl.pointer_type(gl.int32))
     ks_base = (KS + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))
@@ -602,7 +671,7 @@ def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_l
     if TB == 2:  # columns 4..7 (lanes with c >= 2) are the second token set
         mr = lr + 16 * (lc // 2)
     return (start, hi, lo, f0, f1, kl, vl, ks_base + mr, kz_base + mr, vs_base + mr, vz_base + mr, lr, lc, mr,
-            kc_base, vc_base, ks_base, kz_base, vs_base, vz_base)
+            kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, p0, pe, nc, t_lo, t_hi)
 
 
 @gluon.jit
@@ -637,6 +706,7 @@ def _hist_kernel(
     PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
     TIMES=None, TIMED: gl.constexpr = 0, QP8=None, QPF=None, QPRE: gl.constexpr = 0,
     READY=None, QFLAG: gl.constexpr = 0,
+    WORK=None, PLIST=None, pool_len=0, POOL: gl.constexpr = 0, CHS: gl.constexpr = 2, MAXC: gl.constexpr = 32,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -655,18 +725,38 @@ def _hist_kernel(
                                   pack=1)
     if PDL == 1:  # wait for the query rotation
         wdep = gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    if POOL:  # (the pool's loop is the shared-memory ring's, its first copies issued early)
+        gl.static_assert(EARLY and STAGES >= 2 and (STAGES & (STAGES - 1)) == 0 and N_DEV == 0)
     if EARLY:
         # the split's first loads before anything that needs the query: the reference step's words into registers
         # and the first full steps' copies, so that their memory latency overlaps the query's loads (PDL == 2: and
         # the launch before this one, which computes the query)
         (start, hi, lo, f0, f1, kl, vl, ksl, kzl, vsl, vzl, lr, lc, mr, kc_base, vc_base, ks_base, kz_base, vs_base,
-         vz_base) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
-                                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, N_DEV)
+         vz_base, p0, pe, nc, t_lo, t_hi) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S,
+                                                          split_len, pool_len, skb, skh, smkb, smkh, svb, svh, smvb,
+                                                          smvh, T, TB, N_DEV, POOL, CHS)
         xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
         if STAGES > 0:
             kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB,
                                                        STAGES)
-            _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
+            if POOL:  # the pool's state (_pool_issue): the first ticket fetched now, used when the split's steps end
+                wptr = WORK + pid_bh
+                lbase = prog * MAXC
+                tk = nc
+                if nc > 0:
+                    tk = gl.inline_asm_elementwise(_TICKET_ASM, "=r,l", [wptr], dtype=gl.int32, is_pure=False,
+                                                   pack=1)
+                c_nxt = f0 // T
+                c_end = f1 // T
+                nk = 0
+                jr = 0
+                pend = 0
+                for i in gl.static_range(STAGES - 1):
+                    c_nxt, c_end, tk, nk, jr, pend = _pool_issue(kbuf, vbuf, mbuf, i, ck, cv, cm, c_nxt, c_end, tk,
+                                                                 nk, jr, pend, 0, wptr, PLIST, lbase, p0 // T, pe // T,
+                                                                 nc, T, CHS, MAXC)
+            else:
+                _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
         if QFLAG:
             # instead of the PDL wait for the whole prologue grid: its rotation programs of this (row, head) count
             # themselves done in READY once their operands are stored (4 planes); the wait above ends when this
@@ -726,8 +816,9 @@ def _hist_kernel(
     # ---- this split's tokens ----
     if not EARLY:
         (start, hi, lo, f0, f1, kl, vl, ksl, kzl, vsl, vzl, lr, lc, mr, kc_base, vc_base, ks_base, kz_base, vs_base,
-         vz_base) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
-                                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, N_DEV)
+         vz_base, p0, pe, nc, t_lo, t_hi) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S,
+                                                          split_len, pool_len, skb, skh, smkb, smkh, svb, svh, smvb,
+                                                          smvh, T, TB, N_DEV, POOL, CHS)
         xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
     if (L2PF > 0) & (STAGES == 0):  # the first full step's lines, while this one is read
         _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo + T, hi, T)
@@ -756,36 +847,67 @@ def _hist_kernel(
             # groups in flight, the barrier makes every lane's copies of step i visible to the others
             # (past the last full step the copies repeat it -- f1 - T -- so that every step issues the same).
             # EARLY: the first pass's first copies were issued before the query's loads (a rerun, run == 2, issues them)
-            if EARLY:
+            if POOL:  # the split's steps, then pool chunks while there are any (_pool_issue); a rerun takes the same
                 if run == 2:
-                    _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
-            else:
-                _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
-            st_n = 0
-            for it in range(0, (f1 - f0) // T):
-                n0 = f0 + it * T
-                async_copy.wait_group(STAGES - 2)
-                _sync()
-                if (STAGES & (STAGES - 1)) == 0:
+                    _sync()  # (the recorded chunks: stored by lane 0)
+                    c_nxt = f0 // T
+                    c_end = f1 // T
+                    jr = 0
+                    pend = 0
+                    for i in gl.static_range(STAGES - 1):
+                        c_nxt, c_end, tk, nk, jr, pend = _pool_issue(kbuf, vbuf, mbuf, i, ck, cv, cm, c_nxt, c_end,
+                                                                     tk, nk, jr, pend, 1, wptr, PLIST, lbase, p0 // T,
+                                                                     pe // T, nc, T, CHS, MAXC)
+                it = 0
+                while pend > 0:
+                    async_copy.wait_group(STAGES - 2)
+                    _sync()
                     st = it & (STAGES - 1)
-                    st_w = (it + STAGES - 1) & (STAGES - 1)
-                else:  # (a ring of any length: stage it % STAGES, carried; step it + STAGES - 1 goes to the one before)
-                    st = st_n
-                    st_w = gl.where(st == 0, STAGES - 1, st - 1)
-                    st_n = gl.where(st == STAGES - 1, 0, st + 1)
-                _issue_copies(kbuf, vbuf, mbuf, st_w, ck, cv, cm, gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
-                xk = kbuf.index(st).load(KLOAD)
-                xv = vbuf.index(st).load(VLOAD)
-                mb = mbuf.index(st)
-                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                    xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB),
-                    n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
+                    c_nxt, c_end, tk, nk, jr, pend = _pool_issue(kbuf, vbuf, mbuf, (it + STAGES - 1) & (STAGES - 1),
+                                                                 ck, cv, cm, c_nxt, c_end, tk, nk, jr, pend,
+                                                                 (run == 2).to(gl.int32), wptr, PLIST, lbase, p0 // T,
+                                                                 pe // T, nc, T, CHS, MAXC)
+                    xk = kbuf.index(st).load(KLOAD)
+                    xv = vbuf.index(st).load(VLOAD)
+                    mb = mbuf.index(st)
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
+                        xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB),
+                        _smem_meta(mb, 3, TB), 0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
+                    pend -= 1
+                    it += 1
+            else:
+                if EARLY:
+                    if run == 2:
+                        _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
+                else:
+                    _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
+                st_n = 0
+                for it in range(0, (f1 - f0) // T):
+                    n0 = f0 + it * T
+                    async_copy.wait_group(STAGES - 2)
+                    _sync()
+                    if (STAGES & (STAGES - 1)) == 0:
+                        st = it & (STAGES - 1)
+                        st_w = (it + STAGES - 1) & (STAGES - 1)
+                    else:  # (a ring of any length: stage it % STAGES, carried; step it + STAGES - 1 goes to the one before)
+                        st = st_n
+                        st_w = gl.where(st == 0, STAGES - 1, st - 1)
+                        st_n = gl.where(st == STAGES - 1, 0, st + 1)
+                    _issue_copies(kbuf, vbuf, mbuf, st_w, ck, cv, cm, gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
+                    xk = kbuf.index(st).load(KLOAD)
+                    xv = vbuf.index(st).load(VLOAD)
+                    mb = mbuf.index(st)
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
+                        xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB),
+                        n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
             async_copy.wait_group(0)
-            if f1 < hi:
-                xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, True)
+            if t_lo < t_hi:  # the masked last step (POOL: the last split's, after the pool)
+                xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, t_lo, start, t_hi, lr, lc, mr, TB,
+                                                      True)
                 lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                    xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                    xk, xv, ks, kz, vs, vz, t_lo, t_hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
                     lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8)
         else:
             for n0 in range(f0, f1, T):
@@ -892,20 +1014,45 @@ def tokens_per_step(m: int) -> int:
     return 32 if m <= 4 else 16
 
 
+POOL_MAXC = 32  # pool chunks one program takes at most (its record in PLIST); the pool has at most S x this many
+
+
+def pool_split_len(n: int, s: int, m: int, stages: int, frac: float, chunk_steps: int) -> int:
+    """``POOL``'s split length for ``n`` history tokens in ``s`` splits of ``m`` query rows: the splits take about
+    ``1 - frac`` of the tokens (whole steps), the pool the rest; 0 (no pool) where ``frac`` is 0, the ring is not a
+    power of two, a split would be too short for the ring's first copies, or the pool has more than ``s POOL_MAXC``
+    chunks."""
+    t = tokens_per_step(m)
+    if frac <= 0 or s < 2 or stages < 2 or stages & (stages - 1):
+        return 0
+    sl = int(n * (1 - frac)) // s // t * t
+    if sl < (stages + 1) * t or s * sl >= n:
+        return 0
+    chunks = -(-((n - s * sl) // t) // chunk_steps)
+    return sl if chunks <= s * POOL_MAXC else 0
+
+
 # diagnostic: None, or a contiguous int64 CUDA tensor [rows, TIME_SLOTS] -- the history programs stamp rows
 # 0 .. programs - 1 (launch_history), the prologue launch rows from decode_triton.PROLOGUE_TIME_ROW on (checked there)
 TIMES_BUF = None
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None,
+                   pool=None):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
     ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
     ``ready`` (with ``qpre`` and ``pdl`` >= 2): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise
     when their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``).
+    ``pool``: None, or ``(work, pool_len, chunk_steps)`` (:func:`pool_split_len`; ``early`` and ``stages`` >= 2 only):
+    splits of ``pool_len`` tokens and the rest of the history handed out in chunks of ``chunk_steps`` steps from the
+    int32 counters ``work`` ``[B * Hk]`` (zero before the call; the combine sets them back, ``_combine_kernel`` WORK).
     With :data:`TIMES_BUF` set (a diagnostic), each program's timestamps go there (``[programs, TIME_SLOTS]`` int64)."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
+    plist = None
+    if pool is not None:
+        plist = torch.empty(b * hk * s_hist * POOL_MAXC, device=q_rot.device, dtype=torch.int32)
     _hist_kernel[(b * hk, s_hist)](
         q_rot, *k, *v, start, qk_offset, n_valid, pm, pl, pacc,
         n, m, hk, s_hist, s_tot, split_len, qk_scale,
@@ -916,7 +1063,9 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
         TIMES=TIMES_BUF, TIMED=int(TIMES_BUF is not None),
         QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),
-        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2), num_warps=1,
+        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2),
+        WORK=pool[0] if pool else None, PLIST=plist, pool_len=pool[1] if pool else 0, POOL=int(pool is not None),
+        CHS=pool[2] if pool else 2, MAXC=POOL_MAXC, num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

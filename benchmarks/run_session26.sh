@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Session-26 device runs, from the repository root, one `run` call each; results were copied from $OUT to
+# benchmarks/results/ afterwards (GPU name in each file; "h100"/"h200" in the file names):
+#   bash benchmarks/run_session26.sh a   # the history's work pool (CONFIG["gluon_pool"]: a share of each (row, head)'s
+#                                        # history handed out in chunks by an atomic counter to the programs that end
+#                                        # their split first): GPU tests, the B=1/128K timeline, the op's graph time
+#                                        # at the benchmark's corners, paired with the defaults
+source benchmarks/device_env.sh
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200" | tr A-Z a-z)
+case "$1" in
+a|b)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "work_pool or (rotating and pool) or qflag_counters or timestamps" 2>&1 \
+      | tee "$OUT/tests_${GPU}_session26$1.log" | tail -3
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_pool": 0.1}' '{"gluon_pool": 0.2}' '{"gluon_pool": 0.1, "gluon_pool_chunk": 1}' \
+      --out "$OUT/timeline_hist_${GPU}_session26$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | grep -E "^B=|prologue|combine|at  |->"
+  timeout 220 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_pool": 0.1}' '{"gluon_pool": 0.2}' '{"gluon_pool": 0.1, "gluon_pool_chunk": 1}' \
+      '{"gluon_pool": 0.05}' '{}' '{"gluon_pool": 0.1}' \
+      --out "$OUT/profile_op_${GPU}_session26$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
