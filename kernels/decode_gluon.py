@@ -433,14 +433,16 @@ def _pool_issue(kbuf, vbuf, mbuf, stage, ck, cv, cm, c_nxt, c_end, tk, nk, j, pe
     """``POOL``: the copies of a program's next step into ``stage``, one commit group; returns the new state.
 
     A program's steps are its split's full steps ``[c_nxt, c_end)``, then the pool chunks it takes: chunk ``t`` (of
-    ``nc``) is the full steps ``[p0 + t CHS, min(p0 + (t + 1) CHS, pe))`` (all four in steps of ``T`` tokens). Tickets come from the atomic counter
-    ``WORK`` of the (row, KV head), fetched one chunk before they are used (``tk``: lane 0's, see ``_TICKET_ASM``) so
-    that the atomic's latency passes under a chunk's steps; a program that gets one below ``nc`` records it in
-    ``PLIST[lbase + nk]`` and fetches the next, up to ``MAXC`` chunks (the host keeps ``nc <= S MAXC``, so the others
-    take the rest). A rerun (``rerun`` 1) takes the recorded chunks ``j = 0 .. nk - 1`` again. Past its last step a
-    program copies the history's first step (every call commits one group; those stages are never read); ``pend``
-    counts the steps issued and not yet read, so the steps run while it is positive -- whichever programs end their
-    split first take more of the pool, and the programs' last steps end together (within a chunk)."""
+    ``nc``) is the full steps ``[p0 + t CHS, min(p0 + (t + 1) CHS, pe))`` (all four in steps of ``T`` tokens). Tickets
+    come from the atomic counter ``WORK`` of the (row, KV head), fetched by lane 0 (``_TICKET_ASM``) when the copies
+    reach the last ``CHS`` steps of the current range, so that the atomic's latency passes under those steps and a
+    program asks for more only when it is about to need it (``tk``: -1 none asked for yet, ``nc`` none to ask for).
+    A program that gets one below ``nc`` records it in ``PLIST[lbase + nk]``, up to ``MAXC`` chunks (the host keeps
+    ``nc <= S MAXC``, so the others take the rest). A rerun (``rerun`` 1) takes the recorded chunks ``j = 0 .. nk -
+    1`` again. Past its last step a program copies the history's first step (every call commits one group; those
+    stages are never read); ``pend`` counts the steps issued and not yet read, so the steps run while it is
+    positive -- the programs that end their split first take more of the pool, and the programs' last steps end
+    together (within a chunk)."""
     # (c_nxt, c_end, p0, pe in steps, not tokens: the copies' addresses are then multiples of T to the compiler,
     # which keeps their 16-byte vectors; a token count carried through the loop loses that)
     if c_nxt >= c_end:
@@ -452,17 +454,21 @@ def _pool_issue(kbuf, vbuf, mbuf, stage, ck, cv, cm, c_nxt, c_end, tk, nk, j, pe
                 c_end = gl.minimum(c_nxt + CHS, pe)
         else:
             t = gl.inline_asm_elementwise(_BCAST_ASM, "=r,r", [tk], dtype=gl.int32, is_pure=False, pack=1)
+            if t == -1:  # none asked for ahead (a range shorter than CHS steps): ask now
+                t = gl.inline_asm_elementwise(_TICKET_ASM, "=r,l", [WORK], dtype=gl.int32, is_pure=False, pack=1)
+                t = gl.inline_asm_elementwise(_BCAST_ASM, "=r,r", [t], dtype=gl.int32, is_pure=False, pack=1)
+            tk = nc
             if t < nc:
                 gl.store(PLIST + lbase + nk, t)
                 nk += 1
                 c_nxt = p0 + t * CHS
                 c_end = gl.minimum(c_nxt + CHS, pe)
-                tk = nc
                 if nk < MAXC:
-                    tk = gl.inline_asm_elementwise(_TICKET_ASM, "=r,l", [WORK], dtype=gl.int32, is_pure=False,
-                                                   pack=1)
+                    tk = -1
     real = c_nxt < c_end
     _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, gl.where(real, c_nxt, 0) * T)
+    if (c_nxt == c_end - CHS) & (tk == -1):  # the range's last CHS steps: the next ticket
+        tk = gl.inline_asm_elementwise(_TICKET_ASM, "=r,l", [WORK], dtype=gl.int32, is_pure=False, pack=1)
     pend += real.to(gl.int32)
     c_nxt += 1
     return c_nxt, c_end, tk, nk, j, pend
@@ -739,13 +745,10 @@ def _hist_kernel(
         if STAGES > 0:
             kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB,
                                                        STAGES)
-            if POOL:  # the pool's state (_pool_issue): the first ticket fetched now, used when the split's steps end
-                wptr = WORK + pid_bh
+            if POOL:  # the pool's state (_pool_issue); its counters one 128-byte line each (atomics on one line queue)
+                wptr = WORK + pid_bh * 32
                 lbase = prog * MAXC
-                tk = nc
-                if nc > 0:
-                    tk = gl.inline_asm_elementwise(_TICKET_ASM, "=r,l", [wptr], dtype=gl.int32, is_pure=False,
-                                                   pack=1)
+                tk = gl.where(nc > 0, -1, nc)
                 c_nxt = f0 // T
                 c_end = f1 // T
                 nk = 0
@@ -1015,6 +1018,7 @@ def tokens_per_step(m: int) -> int:
 
 
 POOL_MAXC = 32  # pool chunks one program takes at most (its record in PLIST); the pool has at most S x this many
+POOL_STRIDE = 32  # int32 words between two (row, head)s' pool counters: one 128-byte line each
 
 
 def pool_split_len(n: int, s: int, m: int, stages: int, frac: float, chunk_steps: int) -> int:
@@ -1046,7 +1050,8 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
     when their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``).
     ``pool``: None, or ``(work, pool_len, chunk_steps)`` (:func:`pool_split_len`; ``early`` and ``stages`` >= 2 only):
     splits of ``pool_len`` tokens and the rest of the history handed out in chunks of ``chunk_steps`` steps from the
-    int32 counters ``work`` ``[B * Hk]`` (zero before the call; the combine sets them back, ``_combine_kernel`` WORK).
+    int32 counters ``work[POOL_STRIDE i]``, ``i < B * Hk`` (zero before the call; the combine sets them back,
+    ``_combine_kernel`` WORK).
     With :data:`TIMES_BUF` set (a diagnostic), each program's timestamps go there (``[programs, TIME_SLOTS]`` int64)."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)

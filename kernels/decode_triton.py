@@ -1070,7 +1070,7 @@ def _combine_kernel(
 
     ``RESET``: one program per (b, h) sets ``READY[b * Hk + h]`` (the prologue -> history counter of ``QFLAG``) back to
     0 for the next call (this call's history grid, and with it the prologue's, is complete by then); with ``WORK``, the
-    history's work-pool counter ``WORK[b * Hk + h]`` too.
+    history's work-pool counter ``WORK[32 (b * Hk + h)]`` too.
 
     ``TIMED`` (FINAL, ``HOIST``; a diagnostic, ``decode_gluon.TIMES_BUF``): %globaltimer at the entry (slot 0), after the
     PDL wait (1) and at the exit (4), in the rows from ``COMBINE_TIME_ROW``."""
@@ -1097,7 +1097,7 @@ def _combine_kernel(
         if tl.program_id(0) % (M * PARTS) == 0:  # (query row 0, part 0 of each (b, h))
             tl.store(READY + bh, 0)
             if WORK is not None:
-                tl.store(WORK + bh, 0)
+                tl.store(WORK + bh * 32, 0)  # (decode_gluon.POOL_STRIDE)
     if FINAL and HOIST:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
         offs_w = S_HIST + tl.arange(0, SW_BLOCK)
         wm = offs_w < S_TOT
@@ -1515,13 +1515,16 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         qpre = bool(fused_pro and k8 and cfg.get("gluon_qpre"))
         # ... and the history programs' wait for them: on counters the rotation programs raise, not the PDL wait for
         # the whole prologue grid (CONFIG["gluon_qflag"])
-        ready = _ready_counters(dev, 2 * bh) if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag")) else None
-        # the work pool (CONFIG["gluon_pool"]): its counters are ready[bh:], reset by the combine with ready[:bh]
+        # the work pool's counters (CONFIG["gluon_pool"]) after the prologue -> history ones, from the next 128-byte
+        # line on, one line each (decode_gluon.POOL_STRIDE); the combine resets both
+        w0 = cdiv(bh + 1, 32) * 32
+        ready = (_ready_counters(dev, w0 + 32 * bh if cfg.get("gluon_pool") else bh)
+                 if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag")) else None)
         if ready is not None and glu is not None and n_valid is None and cfg.get("gluon_pool"):
             chs = int(cfg.get("gluon_pool_chunk") or 2)
             pool_len = glu.pool_split_len(n, s_hist, m, gluon_stages(cfg, n, s_hist), float(cfg["gluon_pool"]), chs)
             if pool_len:
-                pool = (ready[bh:2 * bh], pool_len, chs)
+                pool = (ready[w0:], pool_len, chs)
         c_rot = min(d, ROT_C_BLOCK)
         qp8 = qpf = None
         if qpre:
