@@ -22,3 +22,26 @@ a|b)
       --out "$OUT/profile_op_${GPU}_session26$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) run a's result (H100): the pool balances the programs' ends (SMs' last exits p50 34.8, max 35.7 us against
+# 34.2 / 35.7) but every program asked for its first ticket at its start, so the first 128 chunks of a head were
+# handed out at once, not to the programs that end first, and those 1024 atomics shared a 128-byte line with the
+# prologue -> history counters the history programs poll: their wait ended ~1 us later (p50 6.8 against 5.8 us). B=1/128K
+# graph 43.0-43.7 against 42.7-43.5 us; B=8/128K 249.7-249.8 against 252.0-252.2, B=32/32K 265.5-266.2 against
+# 269.4-270.0. The GPU test's case had splits too short for the pool (it never engaged: 6 failed, as they should).
+# Run c (H100): tickets asked for a chunk before a range ends, counters one line each, the GPU test at 30K
+#   bash benchmarks/run_session26.sh c
+case "$1" in
+c|d)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "work_pool or (rotating and pool) or qflag_counters or timestamps" 2>&1 \
+      | tee "$OUT/tests_${GPU}_session26$1.log" | tail -3
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_pool": 0.1}' '{"gluon_pool": 0.2}' '{"gluon_pool": 0.2, "gluon_pool_chunk": 1}' \
+      --out "$OUT/timeline_hist_${GPU}_session26$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | grep -E "^B=|prologue|combine|at  |->"
+  timeout 220 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_pool": 0.1}' '{"gluon_pool": 0.2}' '{"gluon_pool": 0.2, "gluon_pool_chunk": 1}' \
+      '{"gluon_pool": 0.3}' '{}' '{"gluon_pool": 0.2}' \
+      --out "$OUT/profile_op_${GPU}_session26$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
