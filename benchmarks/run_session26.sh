@@ -45,3 +45,22 @@ c|d)
       --out "$OUT/profile_op_${GPU}_session26$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) run c's result (H100): 17 GPU tests passed. The waits end as without the pool (p50 5.6 against 6.1 us)
+# and the loop ends are even (p10 32.6, max 34.3 us with one-step chunks, against 30.2 / 34.9), but the loop is bound
+# by the HBM: balanced, every program ends near the old last one. B=1/128K graph 42.5-43.1 (pool 0.1-0.3) against
+# 42.6-43.4 us; B=8/128K 248.2-252.3 against 252.6; B=32/32K 266.6-267.7 (0.1, 0.2) against 269.2-270.2.
+# Run e (H200): the pool's tests, its sweep, and the benchmark's B=1/128K and B=8/128K with the back-to-back graph
+# timing (bench_kernels.py timed_seq) under the pool 0.1
+#   bash benchmarks/run_session26.sh e
+case "$1" in
+e|f)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "work_pool or (rotating and pool)" 2>&1 | tee "$OUT/tests_${GPU}_session26$1.log" | tail -3
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_pool": 0.1}' '{"gluon_pool": 0.2}' '{"gluon_pool": 0.2, "gluon_pool_chunk": 1}' \
+      '{}' '{"gluon_pool": 0.1}' \
+      --out "$OUT/profile_op_${GPU}_session26$1.json" 2>&1 | grep -E "^B="
+  timeout 200 python3 "$R/scripts/bench_kernels.py" --batches 1,8 --lengths 131072 --no-write \
+      --config '{"gluon_pool": 0.1}' --out "$OUT/kernels_${GPU}_session26$1.json" 2>&1 | grep -v -E "Warn|warn" | tail -4
+  ;;
+esac
