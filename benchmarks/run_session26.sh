@@ -64,3 +64,25 @@ e|f)
       --config '{"gluon_pool": 0.1}' --out "$OUT/kernels_${GPU}_session26$1.json" 2>&1 | grep -v -E "Warn|warn" | tail -4
   ;;
 esac
+# (appended) run e's result (H200): 15 GPU tests passed; the pool is slower on the H200, whose loop is issue-bound
+# (its ~13 more instructions a step): B=8/128K 201.1 against 196.2-196.3 us, B=32/32K 227.3-228.9 against 218.8-219.2,
+# B=1/128K 37.9-38.3 against 37.1-37.4; only B=8/8K gains (33.1 against 33.9-34.1). The pool stays off. The benchmark
+# with the back-to-back timing (4 calls a graph, the pool on): B=1/128K 3.40x one call a graph, 3.60x back to back;
+# B=8/128K 4.74x / 4.69x. Run g (H100): the L2 prefetch in the history's wait for the rotation (CONFIG["gluon_wpf"]:
+# after gluon_wpf_ns from its entry, a program prefetches its next steps into L2, so that the memory does not idle
+# between its first copies' arrival and the loop's start)
+#   bash benchmarks/run_session26.sh g
+case "$1" in
+g|h)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "rotating and (wpf or pool)" 2>&1 | tee "$OUT/tests_${GPU}_session26$1.log" | tail -3
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_wpf": 3}' '{"gluon_wpf": 6}' '{"gluon_wpf": 3, "gluon_wpf_ns": 1000}' \
+      --out "$OUT/timeline_hist_${GPU}_session26$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | grep -E "^B=|prologue|combine|at  |->"
+  timeout 250 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_wpf": 3}' '{"gluon_wpf": 6}' '{"gluon_wpf": 3, "gluon_wpf_ns": 1000}' \
+      '{"gluon_wpf": 3, "gluon_wpf_ns": 3000}' '{"gluon_wpf": 10}' '{}' '{"gluon_wpf": 6}' \
+      --out "$OUT/profile_op_${GPU}_session26$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac

@@ -120,6 +120,13 @@ _SPIN_ASM = gl.constexpr(
     "SPIN${:uid}: ld.acquire.gpu.global.u32 v, [$1]; setp.ge.u32 p, v, $2; @p bra DONE${:uid}; "
     "add.u32 n, n, 1; setp.gt.u32 p, n, 4194304; @p trap; nanosleep.u32 32; bra SPIN${:uid}; "
     "DONE${:uid}: mov.u32 $0, 0; }")
+# The same wait, given up once %globaltimer passes the deadline $3 (ns): $0 = 1 when the counter reached $2, else 0
+# (WPF: the history's own bytes prefetched into L2 while the wait goes on, then the wait above)
+_SPIN_UNTIL_ASM = gl.constexpr(
+    "{ .reg .pred p; .reg .u32 v; .reg .u64 t; "
+    "SPIN${:uid}: ld.acquire.gpu.global.u32 v, [$1]; setp.ge.u32 p, v, $2; @p bra OK${:uid}; "
+    "mov.u64 t, %globaltimer; setp.ge.u64 p, t, $3; @p bra LATE${:uid}; nanosleep.u32 32; bra SPIN${:uid}; "
+    "OK${:uid}: mov.u32 $0, 1; bra END${:uid}; LATE${:uid}: mov.u32 $0, 0; END${:uid}: }")
 LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 # the work pool (POOL): lane 0 takes a ticket (relaxed atomic add of 1; the other lanes' $0 is 0), and the
 # broadcast of lane 0's value, kept apart so that the atomic's latency passes between the two (the ticket is fetched
@@ -713,6 +720,7 @@ def _hist_kernel(
     TIMES=None, TIMED: gl.constexpr = 0, QP8=None, QPF=None, QPRE: gl.constexpr = 0,
     READY=None, QFLAG: gl.constexpr = 0,
     WORK=None, PLIST=None, pool_len=0, POOL: gl.constexpr = 0, CHS: gl.constexpr = 2, MAXC: gl.constexpr = 32,
+    WPF: gl.constexpr = 0, WPF_NS: gl.constexpr = 2000,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -722,6 +730,8 @@ def _hist_kernel(
     h = pid_bh % Hk
     part = (pid_bh.to(gl.int64) * S_TOT + pid_s) * M
     prog = pid_bh * S + pid_s
+    if WPF:
+        t_entry = gl.inline_asm_elementwise(_GT_ASM, "=l,r", [pid_s], dtype=gl.int64, is_pure=False, pack=1)
     if TIMED:
         _stamp(TIMES, prog, 0, pid_s)
         _stamp(TIMES, prog, 5, pid_s, _CLK_ASM)
@@ -764,8 +774,23 @@ def _hist_kernel(
             # instead of the PDL wait for the whole prologue grid: its rotation programs of this (row, head) count
             # themselves done in READY once their operands are stored (4 planes); the wait above ends when this
             # head's are, not when the last prologue program has exited and the grid's completion reached us
-            wdep = gl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r", [READY + pid_bh, 4], dtype=gl.int32,
-                                             is_pure=False, pack=1)
+            if WPF:
+                # a wait longer than WPF_NS from the entry: the memory would idle until the loop starts (the first
+                # copies, issued above, are in by then), so the next WPF steps are prefetched into L2 at that time
+                # -- not with the first copies, whose traffic would slow the rotation's own loads -- then the wait
+                # goes on
+                ok = gl.inline_asm_elementwise(_SPIN_UNTIL_ASM, "=r,l,r,l", [READY + pid_bh, 4, t_entry + WPF_NS],
+                                               dtype=gl.int32, is_pure=False, pack=1)
+                wdep = ok * 0
+                if ok == 0:
+                    for i in gl.static_range(WPF):
+                        _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
+                                     f0 + (STAGES - 1 + i) * T, f1, T)
+                    wdep = gl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r", [READY + pid_bh, 4], dtype=gl.int32,
+                                                     is_pure=False, pack=1)
+            else:
+                wdep = gl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r", [READY + pid_bh, 4], dtype=gl.int32,
+                                                 is_pure=False, pack=1)
         elif PDL >= 2:
             wdep = gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                              pack=1)
@@ -1043,7 +1068,7 @@ TIMES_BUF = None
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
                    stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None,
-                   pool=None):
+                   pool=None, wpf=0, wpf_ns=2000):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
     ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
     ``ready`` (with ``qpre`` and ``pdl`` >= 2): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise
@@ -1052,6 +1077,8 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
     splits of ``pool_len`` tokens and the rest of the history handed out in chunks of ``chunk_steps`` steps from the
     int32 counters ``work[POOL_STRIDE i]``, ``i < B * Hk`` (zero before the call; the combine sets them back,
     ``_combine_kernel`` WORK).
+    ``wpf`` (with the counters of ``ready``): a wait for them longer than ``wpf_ns`` from the program's entry prefetches
+    the ``wpf`` steps after the first copies into L2 then, and waits on (``WPF``).
     With :data:`TIMES_BUF` set (a diagnostic), each program's timestamps go there (``[programs, TIME_SLOTS]`` int64)."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -1070,7 +1097,9 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),
         READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2),
         WORK=pool[0] if pool else None, PLIST=plist, pool_len=pool[1] if pool else 0, POOL=int(pool is not None),
-        CHS=pool[2] if pool else 2, MAXC=POOL_MAXC, num_warps=1,
+        CHS=pool[2] if pool else 2, MAXC=POOL_MAXC,
+        WPF=int(wpf) if (ready is not None and qpre and k8 and pdl >= 2 and stages > 0) else 0, WPF_NS=int(wpf_ns),
+        num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

@@ -272,6 +272,11 @@ CONFIG = {
     # B=1/128K: the last loop end came 3.3 us after the median, session 25 run c). 0: off
     "gluon_pool": 0.0,
     "gluon_pool_chunk": 2,
+    # Gluon history with the counters of gluon_qflag: a program whose wait for them lasts more than gluon_wpf_ns from its
+    # entry prefetches its next gluon_wpf steps (after the first copies) into L2 then, so that the memory does not idle
+    # between the first copies' arrival and the loop's start (decode_gluon WPF). 0: off
+    "gluon_wpf": 0,
+    "gluon_wpf_ns": 2000,
 }
 
 
@@ -1563,7 +1568,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                        l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
                                        pdl=gluon_history_pdl(pdl_mode),
                                        early=int(cfg.get("gluon_early", 0)), k8=k8,
-                                       qpre=(qp8, qpf) if qpre else None, ready=ready, pool=pool)
+                                       qpre=(qp8, qpf) if qpre else None, ready=ready, pool=pool,
+                                       wpf=int(cfg.get("gluon_wpf") or 0), wpf_ns=int(cfg.get("gluon_wpf_ns") or 0))
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:

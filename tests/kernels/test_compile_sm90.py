@@ -63,16 +63,17 @@ def test_gluon_history_kernel_compiles_for_sm90_in_registers():
     assert proc.returncode == 0, proc.stderr[-4000:]
     from oscar_hf.kernels.decode_triton import CONFIG
 
-    rows = {(r["tb"], r["gsum"], r["stages"], r["k8"], r["qpre"], r["pool"]): r
+    rows = {(r["tb"], r["gsum"], r["stages"], r["k8"], r["qpre"], r["pool"], r["wpf"]): r
             for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
     pipes = {int(CONFIG["gluon_stages"]), int(CONFIG.get("gluon_stages_long") or CONFIG["gluon_stages"])}
     qpre = int(bool(CONFIG.get("gluon_qpre")))
-    assert set(rows) == {(tb, gsum, st, k8, qpre * k8, 0) for st in pipes for tb in (1, 2) for gsum in (0, 1)
-                         for k8 in (0, 1)} | {(1, 1, 0, 0, 0, 0), (2, 1, 0, 0, 0, 0)} | (
-                             {(2, 1, max(pipes), 1, 0, 0)} if qpre else set()) | (
-                             {(tb, 1, max(pipes), 1, qpre, 1) for tb in (1, 2)} if CONFIG.get("gluon_early") else set()
-                         ), rows
-    for (tb, gsum, stages, k8, qp, pool), r in rows.items():
+    early = bool(CONFIG.get("gluon_early"))
+    assert set(rows) == {(tb, gsum, st, k8, qpre * k8, 0, 0) for st in pipes for tb in (1, 2) for gsum in (0, 1)
+                         for k8 in (0, 1)} | {(1, 1, 0, 0, 0, 0, 0), (2, 1, 0, 0, 0, 0, 0)} | (
+                             {(2, 1, max(pipes), 1, 0, 0, 0)} if qpre else set()) | (
+                             {(tb, 1, max(pipes), 1, qpre, 1, 0) for tb in (1, 2)} if early else set()) | (
+                             {(2, 1, max(pipes), 1, 1, 0, 3)} if early and qpre else set()), rows
+    for (tb, gsum, stages, k8, qp, pool, wpf), r in rows.items():
         # the int8 query operands' rounding (cvt.rni: FRND) only where the kernel builds them itself; with QPRE it
         # loads what the prologue built
         assert (r["frnd"] == 0) if qp else (r["frnd"] > 0 if k8 else True), r

@@ -668,6 +668,7 @@ _GLUON_VARIANTS = {
     "qflag": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qflag": 1},
     "parts1": {"merge_out_parts": 1, "merge_warps_few": None, "splits_pow2_slack": 0},
     "pool": {"gluon_pool": 0.3, "gluon_pool_chunk": 1},  # where the op rotates: 30% of the history handed out
+    "wpf": {"gluon_wpf": 3, "gluon_wpf_ns": 0},  # where the op rotates: the L2 prefetch in the wait, at once
 }
 
 
@@ -688,7 +689,8 @@ def gluon_calls(request, monkeypatch):
     launched once every history program is past its loop (pdl 5); "qflag": the history programs wait for
     counters their head's rotation programs raise, not for the prologue grid (gluon_qflag); "parts1": the combine for fewer
     rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded); "pool": 30% of each
-    (row, head)'s history handed out in one-step chunks to the programs that end their split first (gluon_pool)."""
+    (row, head)'s history handed out in one-step chunks to the programs that end their split first (gluon_pool); "wpf":
+    the history programs prefetch their next steps into L2 while they wait for the rotation (gluon_wpf)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
