@@ -86,3 +86,16 @@ g|h)
       --out "$OUT/profile_op_${GPU}_session26$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) run g's result (H100): 18 GPU tests passed. The prefetch shortens the loop (ref_step -> loop_end p50 24.6
+# -> 23.8 / 22.9 us with 3 / 6 steps) but the wait ends later (waited p50 5.8 -> 6.7 / 6.9 us: the handoff's release,
+# poll and operand loads queue behind the prefetches, as behind more early copies in session 25), so the last loop end
+# does not move (34.4 -> 34.8 / 34.8); B=1/128K graph 43.0-44.2 against 42.8-43.7 us, B=8 and B=32 within +-0.5%.
+# The pool (runs a, c, e) and the wait's prefetch are dropped, their code removed. Run i (H100) and j (H200): the
+# benchmark of the defaults (unchanged since session 24) with the back-to-back graph timing (timed_seq)
+#   bash benchmarks/run_session26.sh i
+case "$1" in
+i|j)
+  timeout 480 python3 "$R/scripts/bench_kernels.py" --batches 1,8,32 --lengths 8192,32768,131072 \
+      --out "$OUT/kernels_${GPU}_session26$1.json" 2>&1 | grep -v -E "Warn|return F" | tail -14
+  ;;
+esac

@@ -120,21 +120,7 @@ _SPIN_ASM = gl.constexpr(
     "SPIN${:uid}: ld.acquire.gpu.global.u32 v, [$1]; setp.ge.u32 p, v, $2; @p bra DONE${:uid}; "
     "add.u32 n, n, 1; setp.gt.u32 p, n, 4194304; @p trap; nanosleep.u32 32; bra SPIN${:uid}; "
     "DONE${:uid}: mov.u32 $0, 0; }")
-# The same wait, given up once %globaltimer passes the deadline $3 (ns): $0 = 1 when the counter reached $2, else 0
-# (WPF: the history's own bytes prefetched into L2 while the wait goes on, then the wait above)
-_SPIN_UNTIL_ASM = gl.constexpr(
-    "{ .reg .pred p; .reg .u32 v; .reg .u64 t; "
-    "SPIN${:uid}: ld.acquire.gpu.global.u32 v, [$1]; setp.ge.u32 p, v, $2; @p bra OK${:uid}; "
-    "mov.u64 t, %globaltimer; setp.ge.u64 p, t, $3; @p bra LATE${:uid}; nanosleep.u32 32; bra SPIN${:uid}; "
-    "OK${:uid}: mov.u32 $0, 1; bra END${:uid}; LATE${:uid}: mov.u32 $0, 0; END${:uid}: }")
 LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
-# the work pool (POOL): lane 0 takes a ticket (relaxed atomic add of 1; the other lanes' $0 is 0), and the
-# broadcast of lane 0's value, kept apart so that the atomic's latency passes between the two (the ticket is fetched
-# one chunk before it is used)
-_TICKET_ASM = gl.constexpr(
-    "{ .reg .pred p; .reg .u32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; mov.u32 $0, 0; "
-    "@p atom.relaxed.gpu.global.add.u32 $0, [$1], 1; }")
-_BCAST_ASM = gl.constexpr("shfl.sync.idx.b32 $0, $1, 0, 31, -1;")
 # movmatrix.trans on each 8x8 block of a 16-bit accumulator-layout tile (see _w_operand)
 _MOVM_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
 # Loads from one address per lane (lane 4r + c; the rest are immediates, so that a step computes one address per
@@ -435,53 +421,6 @@ def _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T: gl.constexpr, S
 
 
 @gluon.jit
-def _pool_issue(kbuf, vbuf, mbuf, stage, ck, cv, cm, c_nxt, c_end, tk, nk, j, pend, rerun,
-                WORK, PLIST, lbase, p0, pe, nc, T: gl.constexpr, CHS: gl.constexpr, MAXC: gl.constexpr):
-    """``POOL``: the copies of a program's next step into ``stage``, one commit group; returns the new state.
-
-    A program's steps are its split's full steps ``[c_nxt, c_end)``, then the pool chunks it takes: chunk ``t`` (of
-    ``nc``) is the full steps ``[p0 + t CHS, min(p0 + (t + 1) CHS, pe))`` (all four in steps of ``T`` tokens). Tickets
-    come from the atomic counter ``WORK`` of the (row, KV head), fetched by lane 0 (``_TICKET_ASM``) when the copies
-    reach the last ``CHS`` steps of the current range, so that the atomic's latency passes under those steps and a
-    program asks for more only when it is about to need it (``tk``: -1 none asked for yet, ``nc`` none to ask for).
-    A program that gets one below ``nc`` records it in ``PLIST[lbase + nk]``, up to ``MAXC`` chunks (the host keeps
-    ``nc <= S MAXC``, so the others take the rest). A rerun (``rerun`` 1) takes the recorded chunks ``j = 0 .. nk -
-    1`` again. Past its last step a program copies the history's first step (every call commits one group; those
-    stages are never read); ``pend`` counts the steps issued and not yet read, so the steps run while it is
-    positive -- the programs that end their split first take more of the pool, and the programs' last steps end
-    together (within a chunk)."""
-    # (c_nxt, c_end, p0, pe in steps, not tokens: the copies' addresses are then multiples of T to the compiler,
-    # which keeps their 16-byte vectors; a token count carried through the loop loses that)
-    if c_nxt >= c_end:
-        if rerun:
-            if j < nk:
-                t = gl.load(PLIST + lbase + j)
-                j += 1
-                c_nxt = p0 + t * CHS
-                c_end = gl.minimum(c_nxt + CHS, pe)
-        else:
-            t = gl.inline_asm_elementwise(_BCAST_ASM, "=r,r", [tk], dtype=gl.int32, is_pure=False, pack=1)
-            if t == -1:  # none asked for ahead (a range shorter than CHS steps): ask now
-                t = gl.inline_asm_elementwise(_TICKET_ASM, "=r,l", [WORK], dtype=gl.int32, is_pure=False, pack=1)
-                t = gl.inline_asm_elementwise(_BCAST_ASM, "=r,r", [t], dtype=gl.int32, is_pure=False, pack=1)
-            tk = nc
-            if t < nc:
-                gl.store(PLIST + lbase + nk, t)
-                nk += 1
-                c_nxt = p0 + t * CHS
-                c_end = gl.minimum(c_nxt + CHS, pe)
-                if nk < MAXC:
-                    tk = -1
-    real = c_nxt < c_end
-    _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, gl.where(real, c_nxt, 0) * T)
-    if (c_nxt == c_end - CHS) & (tk == -1):  # the range's last CHS steps: the next ticket
-        tk = gl.inline_asm_elementwise(_TICKET_ASM, "=r,l", [WORK], dtype=gl.int32, is_pure=False, pack=1)
-    pend += real.to(gl.int32)
-    c_nxt += 1
-    return c_nxt, c_end, tk, nk, j, pend
-
-
-@gluon.jit
 def _smem_meta(mb, j: gl.constexpr, TB: gl.constexpr):
     """Metadata words ``j`` (0..3: key scale, key zero, value scale, value zero) of a stage as the logit tile."""
     x = mb.slice(j * TB, TB, dim=0).permute([1, 0])  # [16 t', TB sets]
@@ -631,18 +570,11 @@ def _q_sums(q0, q1, q2, q3, qk_scale):
 
 
 @gluon.jit
-def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len, pool_len,
-                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T: gl.constexpr, TB: gl.constexpr, N_DEV: gl.constexpr,
-                 POOL: gl.constexpr, CHS: gl.constexpr):
+def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
+                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T: gl.constexpr, TB: gl.constexpr, N_DEV: gl.constexpr):
     """This split's tokens and addresses: the row's first valid token ``start``, the split ``[lo, hi)`` (all-padding
-    steps skipped), its full steps ``[f0, f1)`` after the reference step, its masked last step ``[t_lo, t_hi)`` (none
-    where ``t_lo >= t_hi``), the per-lane addresses at token 0 of :func:`_loads_lanes` and the base pointers (int32
-    words) of the six history tensors.
-
-    ``POOL`` (see :func:`_pool_issue`): where the row has no padding past ``p0 = S pool_len``, the splits are
-    ``pool_len`` tokens (full steps only) and the rest of the history, ``[p0, pe)`` in full steps, is the pool of
-    ``nc`` chunks of ``CHS`` steps that the programs take as they get to it; the last split also takes the masked step
-    ``[pe, n_tot)``. Otherwise ``nc`` is 0 and the splits are as without ``POOL``."""
+    steps skipped), its full steps ``[f0, f1)`` after the reference step, the per-lane addresses at token 0 of
+    :func:`_loads_lanes` and the base pointers (int32 words) of the six history tensors."""
     start = gl.load(START + b).to(gl.int32)
     if N_DEV:
         n_tot = gl.minimum(gl.load(NPTR).to(gl.int32), N)
@@ -650,24 +582,10 @@ def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_l
     else:
         n_tot = N
         slen = split_len
-    p0 = S * pool_len
-    pe = p0
-    nc = 0
-    if POOL:
-        use = (start <= p0) & (p0 < n_tot) & (pool_len > 0)
-        slen = gl.where(use, pool_len, slen)
-        pe = p0 + (n_tot - p0) // T * T
-        nc = gl.where(use, gl.cdiv((n_tot - p0) // T, CHS), 0)
     hi = gl.minimum(pid_s * slen + slen, n_tot)
     lo = gl.maximum(pid_s * slen, (start // T) * T)  # skip all-padding blocks
     f0 = lo + T
     f1 = f0 + gl.maximum(hi - f0, 0) // T * T
-    t_lo = f1
-    t_hi = hi
-    if POOL:
-        last = (nc > 0) & (pid_s == S - 1)  # the pool's masked tail goes to the last split
-        t_lo = gl.where(last, pe, f1)
-        t_hi = gl.where(last, n_tot, hi)
     kc_base = (KC + b.to(gl.int64) * skb + h * skh).to(gl.pointer_type(gl.int32))
     vc_base = (VC + b.to(gl.int64) * svb + h * svh).to(gl.pointer_type(gl.int32))
     ks_base = (KS + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))
@@ -684,7 +602,7 @@ def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_l
     if TB == 2:  # columns 4..7 (lanes with c >= 2) are the second token set
         mr = lr + 16 * (lc // 2)
     return (start, hi, lo, f0, f1, kl, vl, ks_base + mr, kz_base + mr, vs_base + mr, vz_base + mr, lr, lc, mr,
-            kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, p0, pe, nc, t_lo, t_hi)
+            kc_base, vc_base, ks_base, kz_base, vs_base, vz_base)
 
 
 @gluon.jit
@@ -719,8 +637,6 @@ def _hist_kernel(
     PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
     TIMES=None, TIMED: gl.constexpr = 0, QP8=None, QPF=None, QPRE: gl.constexpr = 0,
     READY=None, QFLAG: gl.constexpr = 0,
-    WORK=None, PLIST=None, pool_len=0, POOL: gl.constexpr = 0, CHS: gl.constexpr = 2, MAXC: gl.constexpr = 32,
-    WPF: gl.constexpr = 0, WPF_NS: gl.constexpr = 2000,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -730,8 +646,6 @@ def _hist_kernel(
     h = pid_bh % Hk
     part = (pid_bh.to(gl.int64) * S_TOT + pid_s) * M
     prog = pid_bh * S + pid_s
-    if WPF:
-        t_entry = gl.inline_asm_elementwise(_GT_ASM, "=l,r", [pid_s], dtype=gl.int64, is_pure=False, pack=1)
     if TIMED:
         _stamp(TIMES, prog, 0, pid_s)
         _stamp(TIMES, prog, 5, pid_s, _CLK_ASM)
@@ -741,56 +655,24 @@ def _hist_kernel(
                                   pack=1)
     if PDL == 1:  # wait for the query rotation
         wdep = gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    if POOL:  # (the pool's loop is the shared-memory ring's, its first copies issued early)
-        gl.static_assert(EARLY and STAGES >= 2 and (STAGES & (STAGES - 1)) == 0 and N_DEV == 0)
     if EARLY:
         # the split's first loads before anything that needs the query: the reference step's words into registers
         # and the first full steps' copies, so that their memory latency overlaps the query's loads (PDL == 2: and
         # the launch before this one, which computes the query)
         (start, hi, lo, f0, f1, kl, vl, ksl, kzl, vsl, vzl, lr, lc, mr, kc_base, vc_base, ks_base, kz_base, vs_base,
-         vz_base, p0, pe, nc, t_lo, t_hi) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S,
-                                                          split_len, pool_len, skb, skh, smkb, smkh, svb, svh, smvb,
-                                                          smvh, T, TB, N_DEV, POOL, CHS)
+         vz_base) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
+                                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, N_DEV)
         xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
         if STAGES > 0:
             kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB,
                                                        STAGES)
-            if POOL:  # the pool's state (_pool_issue); its counters one 128-byte line each (atomics on one line queue)
-                wptr = WORK + pid_bh * 32
-                lbase = prog * MAXC
-                tk = gl.where(nc > 0, -1, nc)
-                c_nxt = f0 // T
-                c_end = f1 // T
-                nk = 0
-                jr = 0
-                pend = 0
-                for i in gl.static_range(STAGES - 1):
-                    c_nxt, c_end, tk, nk, jr, pend = _pool_issue(kbuf, vbuf, mbuf, i, ck, cv, cm, c_nxt, c_end, tk,
-                                                                 nk, jr, pend, 0, wptr, PLIST, lbase, p0 // T, pe // T,
-                                                                 nc, T, CHS, MAXC)
-            else:
-                _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
+            _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
         if QFLAG:
             # instead of the PDL wait for the whole prologue grid: its rotation programs of this (row, head) count
             # themselves done in READY once their operands are stored (4 planes); the wait above ends when this
             # head's are, not when the last prologue program has exited and the grid's completion reached us
-            if WPF:
-                # a wait longer than WPF_NS from the entry: the memory would idle until the loop starts (the first
-                # copies, issued above, are in by then), so the next WPF steps are prefetched into L2 at that time
-                # -- not with the first copies, whose traffic would slow the rotation's own loads -- then the wait
-                # goes on
-                ok = gl.inline_asm_elementwise(_SPIN_UNTIL_ASM, "=r,l,r,l", [READY + pid_bh, 4, t_entry + WPF_NS],
-                                               dtype=gl.int32, is_pure=False, pack=1)
-                wdep = ok * 0
-                if ok == 0:
-                    for i in gl.static_range(WPF):
-                        _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base,
-                                     f0 + (STAGES - 1 + i) * T, f1, T)
-                    wdep = gl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r", [READY + pid_bh, 4], dtype=gl.int32,
-                                                     is_pure=False, pack=1)
-            else:
-                wdep = gl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r", [READY + pid_bh, 4], dtype=gl.int32,
-                                                 is_pure=False, pack=1)
+            wdep = gl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r", [READY + pid_bh, 4], dtype=gl.int32,
+                                             is_pure=False, pack=1)
         elif PDL >= 2:
             wdep = gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                              pack=1)
@@ -844,9 +726,8 @@ def _hist_kernel(
     # ---- this split's tokens ----
     if not EARLY:
         (start, hi, lo, f0, f1, kl, vl, ksl, kzl, vsl, vzl, lr, lc, mr, kc_base, vc_base, ks_base, kz_base, vs_base,
-         vz_base, p0, pe, nc, t_lo, t_hi) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S,
-                                                          split_len, pool_len, skb, skh, smkb, smkh, svb, svh, smvb,
-                                                          smvh, T, TB, N_DEV, POOL, CHS)
+         vz_base) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
+                                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, N_DEV)
         xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
     if (L2PF > 0) & (STAGES == 0):  # the first full step's lines, while this one is read
         _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo + T, hi, T)
@@ -875,67 +756,36 @@ def _hist_kernel(
             # groups in flight, the barrier makes every lane's copies of step i visible to the others
             # (past the last full step the copies repeat it -- f1 - T -- so that every step issues the same).
             # EARLY: the first pass's first copies were issued before the query's loads (a rerun, run == 2, issues them)
-            if POOL:  # the split's steps, then pool chunks while there are any (_pool_issue); a rerun takes the same
+            if EARLY:
                 if run == 2:
-                    _sync()  # (the recorded chunks: stored by lane 0)
-                    c_nxt = f0 // T
-                    c_end = f1 // T
-                    jr = 0
-                    pend = 0
-                    for i in gl.static_range(STAGES - 1):
-                        c_nxt, c_end, tk, nk, jr, pend = _pool_issue(kbuf, vbuf, mbuf, i, ck, cv, cm, c_nxt, c_end,
-                                                                     tk, nk, jr, pend, 1, wptr, PLIST, lbase, p0 // T,
-                                                                     pe // T, nc, T, CHS, MAXC)
-                it = 0
-                while pend > 0:
-                    async_copy.wait_group(STAGES - 2)
-                    _sync()
-                    st = it & (STAGES - 1)
-                    c_nxt, c_end, tk, nk, jr, pend = _pool_issue(kbuf, vbuf, mbuf, (it + STAGES - 1) & (STAGES - 1),
-                                                                 ck, cv, cm, c_nxt, c_end, tk, nk, jr, pend,
-                                                                 (run == 2).to(gl.int32), wptr, PLIST, lbase, p0 // T,
-                                                                 pe // T, nc, T, CHS, MAXC)
-                    xk = kbuf.index(st).load(KLOAD)
-                    xv = vbuf.index(st).load(VLOAD)
-                    mb = mbuf.index(st)
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                        xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB),
-                        _smem_meta(mb, 3, TB), 0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
-                    pend -= 1
-                    it += 1
-            else:
-                if EARLY:
-                    if run == 2:
-                        _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
-                else:
                     _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
-                st_n = 0
-                for it in range(0, (f1 - f0) // T):
-                    n0 = f0 + it * T
-                    async_copy.wait_group(STAGES - 2)
-                    _sync()
-                    if (STAGES & (STAGES - 1)) == 0:
-                        st = it & (STAGES - 1)
-                        st_w = (it + STAGES - 1) & (STAGES - 1)
-                    else:  # (a ring of any length: stage it % STAGES, carried; step it + STAGES - 1 goes to the one before)
-                        st = st_n
-                        st_w = gl.where(st == 0, STAGES - 1, st - 1)
-                        st_n = gl.where(st == STAGES - 1, 0, st + 1)
-                    _issue_copies(kbuf, vbuf, mbuf, st_w, ck, cv, cm, gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
-                    xk = kbuf.index(st).load(KLOAD)
-                    xv = vbuf.index(st).load(VLOAD)
-                    mb = mbuf.index(st)
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                        xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB),
-                        n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                        lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
-            async_copy.wait_group(0)
-            if t_lo < t_hi:  # the masked last step (POOL: the last split's, after the pool)
-                xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, t_lo, start, t_hi, lr, lc, mr, TB,
-                                                      True)
+            else:
+                _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
+            st_n = 0
+            for it in range(0, (f1 - f0) // T):
+                n0 = f0 + it * T
+                async_copy.wait_group(STAGES - 2)
+                _sync()
+                if (STAGES & (STAGES - 1)) == 0:
+                    st = it & (STAGES - 1)
+                    st_w = (it + STAGES - 1) & (STAGES - 1)
+                else:  # (a ring of any length: stage it % STAGES, carried; step it + STAGES - 1 goes to the one before)
+                    st = st_n
+                    st_w = gl.where(st == 0, STAGES - 1, st - 1)
+                    st_n = gl.where(st == STAGES - 1, 0, st + 1)
+                _issue_copies(kbuf, vbuf, mbuf, st_w, ck, cv, cm, gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
+                xk = kbuf.index(st).load(KLOAD)
+                xv = vbuf.index(st).load(VLOAD)
+                mb = mbuf.index(st)
                 lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                    xk, xv, ks, kz, vs, vz, t_lo, t_hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                    xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB),
+                    n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
+                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
+            async_copy.wait_group(0)
+            if f1 < hi:
+                xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, True)
+                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
+                    xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
                     lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8)
         else:
             for n0 in range(f0, f1, T):
@@ -1042,49 +892,20 @@ def tokens_per_step(m: int) -> int:
     return 32 if m <= 4 else 16
 
 
-POOL_MAXC = 32  # pool chunks one program takes at most (its record in PLIST); the pool has at most S x this many
-POOL_STRIDE = 32  # int32 words between two (row, head)s' pool counters: one 128-byte line each
-
-
-def pool_split_len(n: int, s: int, m: int, stages: int, frac: float, chunk_steps: int) -> int:
-    """``POOL``'s split length for ``n`` history tokens in ``s`` splits of ``m`` query rows: the splits take about
-    ``1 - frac`` of the tokens (whole steps), the pool the rest; 0 (no pool) where ``frac`` is 0, the ring is not a
-    power of two, a split would be too short for the ring's first copies, or the pool has more than ``s POOL_MAXC``
-    chunks."""
-    t = tokens_per_step(m)
-    if frac <= 0 or s < 2 or stages < 2 or stages & (stages - 1):
-        return 0
-    sl = int(n * (1 - frac)) // s // t * t
-    if sl < (stages + 1) * t or s * sl >= n:
-        return 0
-    chunks = -(-((n - s * sl) // t) // chunk_steps)
-    return sl if chunks <= s * POOL_MAXC else 0
-
-
 # diagnostic: None, or a contiguous int64 CUDA tensor [rows, TIME_SLOTS] -- the history programs stamp rows
 # 0 .. programs - 1 (launch_history), the prologue launch rows from decode_triton.PROLOGUE_TIME_ROW on (checked there)
 TIMES_BUF = None
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None,
-                   pool=None, wpf=0, wpf_ns=2000):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
     ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
     ``ready`` (with ``qpre`` and ``pdl`` >= 2): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise
     when their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``).
-    ``pool``: None, or ``(work, pool_len, chunk_steps)`` (:func:`pool_split_len`; ``early`` and ``stages`` >= 2 only):
-    splits of ``pool_len`` tokens and the rest of the history handed out in chunks of ``chunk_steps`` steps from the
-    int32 counters ``work[POOL_STRIDE i]``, ``i < B * Hk`` (zero before the call; the combine sets them back,
-    ``_combine_kernel`` WORK).
-    ``wpf`` (with the counters of ``ready``): a wait for them longer than ``wpf_ns`` from the program's entry prefetches
-    the ``wpf`` steps after the first copies into L2 then, and waits on (``WPF``).
     With :data:`TIMES_BUF` set (a diagnostic), each program's timestamps go there (``[programs, TIME_SLOTS]`` int64)."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
-    plist = None
-    if pool is not None:
-        plist = torch.empty(b * hk * s_hist * POOL_MAXC, device=q_rot.device, dtype=torch.int32)
     _hist_kernel[(b * hk, s_hist)](
         q_rot, *k, *v, start, qk_offset, n_valid, pm, pl, pacc,
         n, m, hk, s_hist, s_tot, split_len, qk_scale,
@@ -1095,11 +916,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
         TIMES=TIMES_BUF, TIMED=int(TIMES_BUF is not None),
         QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),
-        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2),
-        WORK=pool[0] if pool else None, PLIST=plist, pool_len=pool[1] if pool else 0, POOL=int(pool is not None),
-        CHS=pool[2] if pool else 2, MAXC=POOL_MAXC,
-        WPF=int(wpf) if (ready is not None and qpre and k8 and pdl >= 2 and stages > 0) else 0, WPF_NS=int(wpf_ns),
-        num_warps=1,
+        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

@@ -266,17 +266,6 @@ CONFIG = {
     # (griddepcontrol.wait, released ~1.4 us after the last prologue program's exit). H100, session 24 (graph us,
     # with pdl 5): B=1/128K 44.4-44.7 -> 43.3-44.0, B=8/128K 253.3-254.2 -> 252.3-252.7 (profile_op_h100_session24g)
     "gluon_qflag": 1,
-    # Gluon history with the counters of gluon_qflag: this share of each (row, KV head)'s history tokens is not split
-    # up front but handed out as chunks of gluon_pool_chunk steps to the programs that end their split first (an
-    # atomic counter per (row, head), decode_gluon._pool_issue), so that the programs' loops end together (H100,
-    # B=1/128K: the last loop end came 3.3 us after the median, session 25 run c). 0: off
-    "gluon_pool": 0.0,
-    "gluon_pool_chunk": 2,
-    # Gluon history with the counters of gluon_qflag: a program whose wait for them lasts more than gluon_wpf_ns from its
-    # entry prefetches its next gluon_wpf steps (after the first copies) into L2 then, so that the memory does not idle
-    # between the first copies' arrival and the loop's start (decode_gluon WPF). 0: off
-    "gluon_wpf": 0,
-    "gluon_wpf_ns": 2000,
 }
 
 
@@ -1047,7 +1036,7 @@ def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
     PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
-    READY=None, RESET: tl.constexpr = 0, WORK=None,
+    READY=None, RESET: tl.constexpr = 0,
     TIMES=None, TIMED: tl.constexpr = 0, TIME_SLOTS: tl.constexpr = 8,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
@@ -1074,8 +1063,7 @@ def _combine_kernel(
     (the partials are read ``PARTS`` times, from L2): more programs and fewer bytes each where there are few rows.
 
     ``RESET``: one program per (b, h) sets ``READY[b * Hk + h]`` (the prologue -> history counter of ``QFLAG``) back to
-    0 for the next call (this call's history grid, and with it the prologue's, is complete by then); with ``WORK``, the
-    history's work-pool counter ``WORK[32 (b * Hk + h)]`` too.
+    0 for the next call (this call's history grid, and with it the prologue's, is complete by then).
 
     ``TIMED`` (FINAL, ``HOIST``; a diagnostic, ``decode_gluon.TIMES_BUF``): %globaltimer at the entry (slot 0), after the
     PDL wait (1) and at the exit (4), in the rows from ``COMBINE_TIME_ROW``."""
@@ -1101,8 +1089,6 @@ def _combine_kernel(
     if RESET:
         if tl.program_id(0) % (M * PARTS) == 0:  # (query row 0, part 0 of each (b, h))
             tl.store(READY + bh, 0)
-            if WORK is not None:
-                tl.store(WORK + bh * 32, 0)  # (decode_gluon.POOL_STRIDE)
     if FINAL and HOIST:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
         offs_w = S_HIST + tl.arange(0, SW_BLOCK)
         wm = offs_w < S_TOT
@@ -1502,7 +1488,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     pm = torch.empty(bh, max(s_tot, 1), m, device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(bh, max(s_tot, 1), m, d, device=dev, dtype=torch.float32)
-    ready = pool = None
+    ready = None
     timed = False
     if s_tot == 0:  # nothing to attend to: one empty partial
         pm.fill_(float("-inf"))
@@ -1520,16 +1506,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         qpre = bool(fused_pro and k8 and cfg.get("gluon_qpre"))
         # ... and the history programs' wait for them: on counters the rotation programs raise, not the PDL wait for
         # the whole prologue grid (CONFIG["gluon_qflag"])
-        # the work pool's counters (CONFIG["gluon_pool"]) after the prologue -> history ones, from the next 128-byte
-        # line on, one line each (decode_gluon.POOL_STRIDE); the combine resets both
-        w0 = cdiv(bh + 1, 32) * 32
-        ready = (_ready_counters(dev, w0 + 32 * bh if cfg.get("gluon_pool") else bh)
-                 if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag")) else None)
-        if ready is not None and glu is not None and n_valid is None and cfg.get("gluon_pool"):
-            chs = int(cfg.get("gluon_pool_chunk") or 2)
-            pool_len = glu.pool_split_len(n, s_hist, m, gluon_stages(cfg, n, s_hist), float(cfg["gluon_pool"]), chs)
-            if pool_len:
-                pool = (ready[w0:], pool_len, chs)
+        ready = _ready_counters(dev, bh) if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag")) else None
         c_rot = min(d, ROT_C_BLOCK)
         qp8 = qpf = None
         if qpre:
@@ -1568,8 +1545,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                        l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
                                        pdl=gluon_history_pdl(pdl_mode),
                                        early=int(cfg.get("gluon_early", 0)), k8=k8,
-                                       qpre=(qp8, qpf) if qpre else None, ready=ready, pool=pool,
-                                       wpf=int(cfg.get("gluon_wpf") or 0), wpf_ns=int(cfg.get("gluon_wpf_ns") or 0))
+                                       qpre=(qp8, qpf) if qpre else None, ready=ready)
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
@@ -1639,7 +1615,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                 pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
                 D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
                 HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, PARTS=parts,
-                READY=ready, RESET=int(ready is not None), WORK=pool[0] if pool else None,
+                READY=ready, RESET=int(ready is not None),
                 TIMES=glu.TIMES_BUF if timed and hoist else None, TIMED=int(timed and hoist),
                 TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8,
                 num_warps=merge_warps,

@@ -52,8 +52,8 @@ def main():
     from oscar_hf.kernels.decode_triton import CONFIG, gluon_history_pdl
 
     ptrs = dict(Q="*fp32", KC="*u8", KS="*bf16", KZ="*bf16", VC="*u8", VS="*bf16", VZ="*bf16", START="*i32",
-                QKOFF="*fp32", QP8="*i8", QPF="*fp32", READY="*i32", WORK="*i32", PLIST="*i32")
-    ints = "N M Hk S S_TOT split_len pool_len".split()
+                QKOFF="*fp32", QP8="*i8", QPF="*fp32", READY="*i32")
+    ints = "N M Hk S S_TOT split_len".split()
     strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
     stages = int(CONFIG["gluon_stages"])
     # both key paths (fp16 / int8 key MMAs: CONFIG["gluon_k8"] picks one per call) with both pipelines (short and long
@@ -62,21 +62,15 @@ def main():
     # int8 keys: the query operands from the prologue (QPRE, CONFIG["gluon_qpre"]; the rotating op) and, for one case,
     # built by the kernel itself (the static cache's op, which takes the rotated query)
     qpre = int(os.environ.get("AOT_QPRE", int(bool(CONFIG.get("gluon_qpre")))))
-    cases = [(tb, gsum, st, k8, qpre * k8, 0, 0) for st in pipes for k8 in (0, 1) for gsum in (0, 1)
-             for tb in (2, 1)]
+    cases = [(tb, gsum, st, k8, qpre * k8) for st in pipes for k8 in (0, 1) for gsum in (0, 1) for tb in (2, 1)]
     if qpre:
-        cases += [(2, 1, pipes[-1], 1, 0, 0, 0)]
+        cases += [(2, 1, pipes[-1], 1, 0)]
     if stages:
-        cases += [(2, 1, 0, 0, 0, 0, 0), (1, 1, 0, 0, 0, 0, 0)]  # the register-load loop too (fp16 keys)
+        cases += [(2, 1, 0, 0, 0), (1, 1, 0, 0, 0)]  # the register-load loop too (fp16 keys)
     early = int(os.environ.get("AOT_EARLY", CONFIG.get("gluon_early", 0)))
-    if early:  # the work pool (CONFIG["gluon_pool"]) on the long splits' pipeline, both token-set layouts
-        cases += [(tb, 1, pipes[-1], 1, qpre, 1, 0) for tb in (2, 1)]
-        if qpre:  # the L2 prefetch in a long wait (CONFIG["gluon_wpf"])
-            cases += [(2, 1, pipes[-1], 1, 1, 0, 3)]
     if "AOT_STAGES" in os.environ:  # only these pipelines (e.g. "2,4"), default key path and offsets, TB = 2
-        cases = [(2, 1, int(x), 1, qpre, int(os.environ.get("AOT_POOL", 0)), int(os.environ.get("AOT_WPF", 0)))
-                 for x in os.environ["AOT_STAGES"].split(",")]
-    for tb, gsum, st, k8_, qp, pool, wpf in cases:
+        cases = [(2, 1, int(x), 1, qpre) for x in os.environ["AOT_STAGES"].split(",")]
+    for tb, gsum, st, k8_, qp in cases:
         consts = {"NPTR": None, "TB": tb, "HAS_OFF": 1, "N_DEV": 0,
                   "STAGES": st, "SPLITK": int(CONFIG["gluon_splitk"]),
                   "L2PF": int(CONFIG["gluon_l2pf"]), "GSUM": gsum, "EARLY": early, "K8": k8_, "QPRE": qp,
@@ -84,11 +78,7 @@ def main():
                   # combine let go after the loop; at least 2, the prologue's wait; AOT_PDL: another)
                   "PDL": int(os.environ.get("AOT_PDL", max(2, gluon_history_pdl(int(CONFIG.get("pdl") or 0)))
                                             if early else 1)),
-                  "TIMES": None, "TIMED": 0,
-                  "POOL": pool, "CHS": int(CONFIG.get("gluon_pool_chunk") or 2), "MAXC": dg.POOL_MAXC,
-                  "WPF": wpf, "WPF_NS": 2000}
-        if not pool:
-            consts.update(WORK=None, PLIST=None)
+                  "TIMES": None, "TIMED": 0}
         # the prologue -> history counters (CONFIG["gluon_qflag"], with the prologue's operands and PDL 2)
         qflag = int(bool(qp) and consts["PDL"] >= 2 and int(os.environ.get("AOT_QFLAG", CONFIG.get("gluon_qflag") or 0)))
         consts["QFLAG"] = qflag
@@ -113,7 +103,7 @@ def main():
                 sig[name] = "i32"
         # pointers 16-byte aligned and strides (but sqm, som) multiples of 16, as the JIT specializes them
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(dg._hist_kernel.arg_names)
-                 if sig[n].startswith("*") or (n in strides and n not in ("sqm", "som")) or n in ("split_len", "pool_len")}
+                 if sig[n].startswith("*") or (n in strides and n not in ("sqm", "som")) or n == "split_len"}
         src = GluonASTSource(fn=dg._hist_kernel, signature=sig, constexprs=consts, attrs=attrs)
         opts = {"num_warps": 1}
         # the long splits' kernel (their pipeline and int8 keys) runs under its own cap (CONFIG["gluon_maxnreg_long"])
@@ -126,10 +116,10 @@ def main():
         op = lambda s: re.sub(r"^@!?U?P\w+\s+", "", s).split()[0]  # noqa: E731
         loop = collections.Counter(op(i) for i in _hot_loop(sass))
         if os.environ.get("AOT_DUMP"):  # the hot loop's SASS, one file a case (AOT_DUMP_ALL: the whole kernel's)
-            with open(f"{os.environ['AOT_DUMP']}_tb{tb}_g{gsum}_s{st}_k{k8_}_q{qp}_p{pool}_w{wpf}.sass", "w") as f:
+            with open(f"{os.environ['AOT_DUMP']}_tb{tb}_g{gsum}_s{st}_k{k8_}_q{qp}.sass", "w") as f:
                 f.write(sass if os.environ.get("AOT_DUMP_ALL") else "\n".join(_hot_loop(sass)))
         print(json.dumps({"kernel": "gluon", "tb": tb, "gsum": gsum, "stages": st, "k8": k8_, "qpre": qp,
-                          "pool": pool, "wpf": wpf, "long": bool(long_),
+                          "long": bool(long_),
                           "regs": regs, "frnd": sum(1 for i in re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?(\w+)", sass)
                                                     if i.startswith("FRND")),
                           "spill_bytes": spill,

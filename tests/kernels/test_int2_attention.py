@@ -314,29 +314,6 @@ def test_gluon_long_split_choices():
     assert dt.gluon_k8({**cfg, "gluon_k8": 0}, 10**6, 1) == 0
 
 
-def test_gluon_pool_split_len():
-    """The work pool's split length (CONFIG["gluon_pool"]): whole steps, about 1 - frac of the history in the splits,
-    the rest (at least a step) in at most S x POOL_MAXC chunks; 0 (no pool) for frac 0, a ring that is no power of
-    two or shorter than 2, a single split, splits too short for the ring's first copies, or too many chunks."""
-    glu = _dt()._gluon_module()
-    if glu is None:
-        pytest.skip("this Triton has no Gluon")
-    n, s = 131072 - 320, 128
-    for m, frac, chs in [(4, 0.1, 2), (4, 0.25, 1), (6, 0.5, 3), (1, 0.05, 2)]:
-        t = glu.tokens_per_step(m)
-        sl = glu.pool_split_len(n, s, m, 4, frac, chs)
-        assert sl > 0 and sl % t == 0 and s * sl < n, (m, frac, sl)
-        assert abs(s * sl - n * (1 - frac)) <= s * t  # the splits' share, to a step each
-        assert -(-((n - s * sl) // t) // chs) <= s * glu.POOL_MAXC
-    assert glu.pool_split_len(n, s, 4, 4, 0.0, 2) == 0
-    assert glu.pool_split_len(n, s, 4, 3, 0.1, 2) == 0 and glu.pool_split_len(n, s, 4, 1, 0.1, 2) == 0
-    assert glu.pool_split_len(n, 1, 4, 4, 0.1, 2) == 0
-    assert glu.pool_split_len(2000, s, 4, 4, 0.1, 2) == 0  # 14 tokens a split: shorter than the ring's start
-    assert glu.pool_split_len(n, s, 4, 4, 0.99, 1) == 0  # 10 tokens a split
-    assert glu.pool_split_len(1 << 20, s, 4, 4, 0.9, 1) == 0  # 29568 one-step chunks > 128 x 32
-    assert glu.pool_split_len(1 << 20, s, 4, 4, 0.9, 8) == 800  # 3696 eight-step chunks
-
-
 def test_gluon_long_split_residency():
     """Where the splits are long at the Gluon kernel's default residency, the wave model sizes the grid for
     gluon_resident_long programs an SM and the kernel runs under gluon_maxnreg_long; short splits keep the defaults."""
@@ -667,8 +644,6 @@ _GLUON_VARIANTS = {
     "pdl5": {"gluon_gsum": 1, "pdl": 5, "gluon_early": 1},
     "qflag": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qflag": 1},
     "parts1": {"merge_out_parts": 1, "merge_warps_few": None, "splits_pow2_slack": 0},
-    "pool": {"gluon_pool": 0.3, "gluon_pool_chunk": 1},  # where the op rotates: 30% of the history handed out
-    "wpf": {"gluon_wpf": 3, "gluon_wpf_ns": 0},  # where the op rotates: the L2 prefetch in the wait, at once
 }
 
 
@@ -688,9 +663,7 @@ def gluon_calls(request, monkeypatch):
     one warp per row wherever there are more rows than SMs (merge_one_warp_rows 0); "pdl5": the combine under PDL,
     launched once every history program is past its loop (pdl 5); "qflag": the history programs wait for
     counters their head's rotation programs raise, not for the prologue grid (gluon_qflag); "parts1": the combine for fewer
-    rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded); "pool": 30% of each
-    (row, head)'s history handed out in one-step chunks to the programs that end their split first (gluon_pool); "wpf":
-    the history programs prefetch their next steps into L2 while they wait for the rotation (gluon_wpf)."""
+    rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
@@ -885,59 +858,6 @@ def test_gpu_gluon_qflag_counters(monkeypatch):
     assert int(counters.abs().sum()) == 0
     monkeypatch.setattr(glu, "launch_history", real_hist)
     assert torch.equal(dt.decode_attention_rotating_triton(**args), want)
-
-
-@pytest.mark.gpu
-@on_gpu
-@pytest.mark.parametrize("m", [4, 6])
-@pytest.mark.parametrize("frac,chunk", [(0.5, 1), (0.3, 2), (0.7, 3)])
-def test_gpu_gluon_work_pool(monkeypatch, m, frac, chunk):
-    """The history's work pool (gluon_pool): part of each (row, head)'s history handed out in chunks by an atomic
-    counter. Against the reference and the op without the pool, for rows with no padding, padding inside the first
-    splits, padding over whole splits (those programs' reference step is all padding, so the pool's chunks are all
-    they see, and a large mu_K puts their logits hundreds of log2 units from that reference: they rerun against the
-    true max, over the chunks they recorded) and padding past the pool's start (that row runs without the pool);
-    the counters are back at 0 after each call, in a CUDA graph too."""
-    dt = _dt()
-    glu = dt._gluon_module()
-    args = _rotating_case(4, 8, m, 30000 + 7, 320, 128, 64, seed=m + chunk, device="cuda")
-    args["qf"] = args["qf"].cuda()
-    args["mu_k"] = args["mu_k"] * 300  # |q . mu_K| ~ 1e2 in log2 units: a reference step of padding is far off
-    args["start"] = torch.tensor([0, 37, 7300, 29990], device="cuda")
-    args["out_dtype"] = torch.float32
-    pools = []
-    real = glu.launch_history
-    monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (pools.append(kw.get("pool")), real(*a, **kw))[1])
-    base = {**dt.CONFIG, "gluon": 1, "gluon_min_work": 0}
-    monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_pool": 0})
-    want = dt.decode_attention_rotating_triton(**args)
-    monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_pool": frac, "gluon_pool_chunk": chunk})
-    got = dt.decode_attention_rotating_triton(**args)
-    assert pools[0] is None and pools[1] is not None and pools[1][2] == chunk, pools
-    pool_len = pools[1][1]
-    assert 0 < pool_len and pool_len % glu.tokens_per_step(m) == 0
-    ref = _rotating_reference(args).float()
-    assert rel_err(want, ref) < 2e-2
-    assert rel_err(got, ref) < 2e-2
-    assert rel_err(got, want) < 1e-2
-    torch.cuda.synchronize()
-    assert all(int(e[0].abs().sum()) == 0 for e in dt._READY.values())
-    # in a graph: replays with new queries, the counters reset by each replay's combine
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        dt.decode_attention_rotating_triton(**args)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = dt.decode_attention_rotating_triton(**args)
-    gen = torch.Generator().manual_seed(7)
-    for _ in range(3):
-        args["qf"].copy_(torch.randn(args["qf"].shape, generator=gen))
-        g.replay()
-        torch.cuda.synchronize()
-        assert rel_err(out, _rotating_reference(args).float()) < 2e-2
-    assert all(int(e[0].abs().sum()) == 0 for e in dt._READY.values())
 
 
 @pytest.mark.gpu
