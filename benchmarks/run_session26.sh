@@ -5,6 +5,8 @@
 #                                        # history handed out in chunks by an atomic counter to the programs that end
 #                                        # their split first): GPU tests, the B=1/128K timeline, the op's graph time
 #                                        # at the benchmark's corners, paired with the defaults
+# Runs a-g ran code that was measured and removed afterwards: run a at af76148, c and e at d6f03da (the work pool),
+# g at 9af38b2 (the wait's prefetch); `git checkout <commit>` to run them again. Runs i, j: the final tree.
 source benchmarks/device_env.sh
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200" | tr A-Z a-z)
 case "$1" in
@@ -23,12 +25,13 @@ a|b)
   ;;
 esac
 # (appended) run a's result (H100): the pool balances the programs' ends (SMs' last exits p50 34.8, max 35.7 us against
-# 34.2 / 35.7) but every program asked for its first ticket at its start, so the first 128 chunks of a head were
-# handed out at once, not to the programs that end first, and those 1024 atomics shared a 128-byte line with the
-# prologue -> history counters the history programs poll: their wait ended ~1 us later (p50 6.8 against 5.8 us). B=1/128K
-# graph 43.0-44.8 (pool 0.05-0.2) against 42.7-43.5 us; B=8/128K 248.4-249.9 (but 256.7 with one-step chunks) against
-# 252.0-252.2, B=32/32K 265.5-266.2 against 269.4-270.0. The GPU test's case had splits too short for the pool (it never engaged: 6 failed, as they should).
-# Run c (H100): tickets asked for a chunk before a range ends, counters one line each, the GPU test at 30K
+# 34.2 / 35.7) but every program asked for its first ticket at its start, so the first 128 chunks of a head were handed
+# out at once, not to the programs that end first, and those 1024 atomics shared a 128-byte line with the prologue ->
+# history counters the history programs poll: their wait ended ~1 us later (p50 6.8 against 5.8 us). B=1/128K graph
+# 43.0-44.8 (pool 0.05-0.2) against 42.7-43.5 us; B=8/128K 248.4-249.9 (but 256.7 with one-step chunks) against
+# 252.0-252.2, B=32/32K 265.5-266.2 against 269.4-270.0. The GPU test's case had splits too short for the pool (it never
+# engaged: 6 failed, as they should). Run c (H100): tickets asked for a chunk before a range ends, counters one line
+# each, the GPU test at 30K
 #   bash benchmarks/run_session26.sh c
 case "$1" in
 c|d)
@@ -45,12 +48,12 @@ c|d)
       --out "$OUT/profile_op_${GPU}_session26$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
-# (appended) run c's result (H100): 17 GPU tests passed. The waits end as without the pool (p50 5.6 against 6.1 us)
-# and the loop ends are even (p10 32.6, max 34.3 us with one-step chunks, against 30.2 / 34.9), but the loop is bound
-# by the HBM: balanced, every program ends near the old last one. B=1/128K graph 42.5-43.3 (pool 0.1-0.3) against
-# 42.6-43.4 us; B=8/128K 248.2-252.3 against 252.6; B=32/32K 266.6-267.7 (0.1, 0.2) against 269.2-270.2.
-# Run e (H200): the pool's tests, its sweep, and the benchmark's B=1/128K and B=8/128K with the back-to-back graph
-# timing (bench_kernels.py timed_seq) under the pool 0.1
+# (appended) run c's result (H100): 17 GPU tests passed. The waits end as without the pool (p50 5.6 against 6.1 us) and
+# the loop ends are even (p10 32.6, max 34.3 us with one-step chunks, against 30.2 / 34.9), but the loop is bound by the
+# HBM: balanced, every program ends near the old last one. B=1/128K graph 42.5-43.3 (pool 0.1-0.3) against 42.6-43.4 us;
+# B=8/128K 248.2-252.3 against 252.6; B=32/32K 266.6-267.7 (0.1, 0.2) against 269.2-270.2. Run e (H200): the pool's
+# tests, its sweep, and the benchmark's B=1/128K and B=8/128K with the back-to-back graph timing (bench_kernels.py
+# timed_seq) under the pool 0.1
 #   bash benchmarks/run_session26.sh e
 case "$1" in
 e|f)
@@ -64,14 +67,14 @@ e|f)
       --config '{"gluon_pool": 0.1}' --out "$OUT/kernels_${GPU}_session26$1.json" 2>&1 | grep -v -E "Warn|warn" | tail -4
   ;;
 esac
-# (appended) run e's result (H200): 15 GPU tests passed; the pool is slower on the H200, whose loop is issue-bound
-# (its ~13 more instructions a step): B=8/128K 201.1-203.8 against 196.2-196.3 us, B=32/32K 227.3-228.9 against
-# 218.8-219.2 (218.4 with one-step chunks), B=1/128K 37.9-39.0 against 37.1-37.4; only B=8/8K gains (33.1-33.2 against
-# 33.9-34.1). The pool stays off. The benchmark
-# with the back-to-back timing (4 calls a graph, the pool on): B=1/128K 3.40x one call a graph, 3.60x back to back;
-# B=8/128K 4.74x / 4.69x. Run g (H100): the L2 prefetch in the history's wait for the rotation (CONFIG["gluon_wpf"]:
-# after gluon_wpf_ns from its entry, a program prefetches its next steps into L2, so that the memory does not idle
-# between its first copies' arrival and the loop's start)
+# (appended) run e's result (H200): 15 GPU tests passed; the pool is slower on the H200, whose loop is issue-bound (its
+# instructions: the loop's SASS with its branches 381 against 322): B=8/128K 201.1-203.8 against 196.2-196.3 us,
+# B=32/32K 227.3-228.9 against 218.8-219.2 (218.4 with one-step chunks), B=1/128K 37.9-39.0 against 37.1-37.4; only
+# B=8/8K gains (33.1-33.2 against 33.9-34.1). The pool stays off. The benchmark with the back-to-back timing (4 calls a
+# graph, the pool on): B=1/128K 3.40x one call a graph, 3.60x back to back; B=8/128K 4.74x / 4.69x. Run g (H100): the L2
+# prefetch in the history's wait for the rotation (CONFIG["gluon_wpf"]: after gluon_wpf_ns from its entry, a program
+# prefetches its next steps into L2, so that the memory does not idle between its first copies' arrival and the loop's
+# start)
 #   bash benchmarks/run_session26.sh g
 case "$1" in
 g|h)
@@ -90,10 +93,10 @@ esac
 # (appended) run g's result (H100): 18 GPU tests passed. The prefetch shortens the loop (ref_step -> loop_end p50 24.6
 # -> 23.8 / 22.9 us with 3 / 6 steps) but the wait ends later (waited p50 5.8 -> 6.7 / 6.9 us: the handoff's release,
 # poll and operand loads queue behind the prefetches, as behind more early copies in session 25), so the last loop end
-# does not move (34.4 -> 34.8 / 34.8); B=1/128K graph 43.0-44.2 against 42.8-43.7 us, B=8 and B=32 within -1.2% /
-# +0.4% (B=8/8K: 35.8-36.4 against 36.0-36.5).
-# The pool (runs a, c, e) and the wait's prefetch are dropped, their code removed. Run i (H100) and j (H200): the
-# benchmark of the defaults (unchanged since session 24) with the back-to-back graph timing (timed_seq)
+# does not move (34.4 -> 34.8 / 34.8); B=1/128K graph 43.0-44.2 against 42.8-43.7 us, B=8 and B=32 within -1.2% / +0.4%
+# (B=8/8K: 35.8-36.4 against 36.0-36.5). The pool (runs a, c, e) and the wait's prefetch are dropped, their code
+# removed. Run i (H100) and j (H200): the benchmark of the defaults (unchanged since session 24) with the back-to-back
+# graph timing (timed_seq)
 #   bash benchmarks/run_session26.sh i
 case "$1" in
 i|j)
@@ -102,6 +105,6 @@ i|j)
   ;;
 esac
 # (appended) runs i, j: the benchmark reproduces session 24's within noise (graph speedup at 128K, B = 1 / 8 / 32: H100
-# 4.26x / 5.50x / 5.86x, H200 3.49x / 4.86x / 4.93x); back to back, 4 calls a graph: H100 4.35x / 5.52x (B=32/128K:
-# not enough memory for 4 states), H200 3.68x / 4.82x / 4.99x. Nothing else changed in the kernels this session (the
-# tree's kernels are session 25's, GPU-tested in its run u).
+# 4.26x / 5.50x / 5.86x, H200 3.49x / 4.86x / 4.93x); back to back, 4 calls a graph: H100 4.35x / 5.52x (B=32/128K: not
+# enough memory for 4 states), H200 3.68x / 4.82x / 4.99x. Nothing else changed in the kernels this session (the tree's
+# kernels are session 25's, GPU-tested in its run u).
