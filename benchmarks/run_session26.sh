@@ -5,7 +5,7 @@
 #                                        # history handed out in chunks by an atomic counter to the programs that end
 #                                        # their split first): GPU tests, the B=1/128K timeline, the op's graph time
 #                                        # at the benchmark's corners, paired with the defaults
-# Runs a-g ran code that was measured and removed afterwards: run a at af76148, c and e at d6f03da (the work pool),
+# Runs a-g ran code that was measured and removed afterwards: run a at af76148, c at 4484a2f, e at be71f0d (the pool),
 # g at 9af38b2 (the wait's prefetch); `git checkout <commit>` to run them again. Runs i, j: the final tree.
 source benchmarks/device_env.sh
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200" | tr A-Z a-z)

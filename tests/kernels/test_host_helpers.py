@@ -55,3 +55,42 @@ def test_times_buf_checked():
         _check_times_buf(torch.zeros(row0 + 72, 8, dtype=torch.int64), 8, 1024, 72)
     with pytest.raises(ValueError, match="int64"):
         _check_times_buf(torch.zeros(row0 + 72, 8, dtype=torch.int32), 8, 1024, 72)
+
+
+@pytest.mark.parametrize("name", ["kernels_h100_session26i.json", "kernels_h200_session24m.json"])
+def test_bench_kernels_plot(tmp_path, name):
+    """The kernel benchmark's plot (``scripts/bench_kernels.py --plot``, on any machine) from a committed result, with
+    the back-to-back graph timing (session 26 on) and without it (before): the PNG is written beside the JSON and has
+    one speedup line more per batch size where the result holds that timing."""
+    import importlib.util
+    import json
+    import shutil
+    from pathlib import Path
+
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    root = Path(__file__).resolve().parents[2]
+    src = root / "benchmarks" / "results" / name
+    shutil.copy(src, tmp_path / name)
+    spec = importlib.util.spec_from_file_location("bench_kernels_for_test", root / "scripts" / "bench_kernels.py")
+    bk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bk)
+    lines = []
+    real_savefig = plt.Figure.savefig
+
+    def spy(fig, *a, **kw):
+        lines.append(len(fig.axes[0].get_lines()))
+        return real_savefig(fig, *a, **kw)
+
+    plt.Figure.savefig = spy
+    try:
+        bk.plot(str(tmp_path / name))
+    finally:
+        plt.Figure.savefig = real_savefig
+    png = tmp_path / name.replace(".json", "_speedup.png")
+    assert png.stat().st_size > 10_000
+    rows = json.loads(src.read_text())["decode"]
+    batches = {r["B"] for r in rows}
+    seq = {r["B"] for r in rows if "speedup_graph_seq" in r}
+    assert lines == [2 * len(batches) + len(seq) + 2]  # eager + graph (+ back to back) per B, the 1x and 4.5x lines
