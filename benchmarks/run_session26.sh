@@ -108,3 +108,12 @@ esac
 # 4.26x / 5.50x / 5.86x, H200 3.49x / 4.86x / 4.93x); back to back, 4 calls a graph: H100 4.35x / 5.52x (B=32/128K: not
 # enough memory for 4 states), H200 3.68x / 4.82x / 4.99x. Nothing else changed in the kernels this session (the tree's
 # kernels are session 25's, GPU-tested in its run u).
+# Run k (H100): the benchmark's B=1/128K and B=8/128K again after timed_seq became a call of timed (the same graph of
+# the 4 calls, the same 20 replays): the code the committed numbers describe runs as before
+#   bash benchmarks/run_session26.sh k
+case "$1" in
+k|l)
+  timeout 300 python3 "$R/scripts/bench_kernels.py" --batches 1,8 --lengths 131072 --no-write \
+      --out "$OUT/kernels_${GPU}_session26$1.json" 2>&1 | grep -v -E "Warn|return F" | tail -4
+  ;;
+esac

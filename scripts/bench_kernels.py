@@ -107,24 +107,12 @@ def timed(fn, *, graph=False, iters=30, warmup=3):
     return ts[len(ts) // 2]
 
 
-def timed_seq(fns, iters=20, warmup=3):
+def timed_seq(fns, iters=20):
     """Median ms per call of one CUDA graph that makes the calls ``fns`` back to back (each on its own data, so that
     none finds another's bytes in L2; the L2 flushed before each replay, not timed): a call's cost inside a captured
     step of many calls, as a decode step runs its layers, with the graph's own launch (~4 us, in every single-call
     replay of :func:`timed`) spread over ``len(fns)`` calls."""
-    g = capture_graph(lambda: [fn() for fn in fns])
-    for _ in range(warmup):
-        g.replay()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in ev:
-        flush_l2()
-        a.record()
-        g.replay()
-        b.record()
-    torch.cuda.synchronize()
-    ts = sorted(a.elapsed_time(b) for a, b in ev)
-    return ts[len(ts) // 2] / len(fns)
+    return timed(lambda: [fn() for fn in fns], graph=True, iters=iters) / len(fns)
 
 
 def flush_l2():
