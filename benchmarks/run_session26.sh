@@ -117,3 +117,30 @@ k|l)
       --out "$OUT/kernels_${GPU}_session26$1.json" 2>&1 | grep -v -E "Warn|return F" | tail -4
   ;;
 esac
+# (appended) run k's result (H100): B=1/128K as in run i (one call a graph 43.4 us, back to back 41.6; 4.23x / 4.35x),
+# but B=8/128K back to back 286.9 us against 250.4 in run i (one call a graph 251.0 in both). Run m (H100): how much
+# the back-to-back timing moves from one measurement to the next: B=1 and B=8 at 128K, the one-call graph and the
+# back-to-back graph timed alternately, three times each, on the same 4 states
+#   bash benchmarks/run_session26.sh m
+case "$1" in
+m|n)
+  timeout 300 python3 - "$R" "$OUT/seq_check_${GPU}_session26$1.json" <<'PY' 2>&1 | grep -v -E "Warn|warn"
+import json, sys, torch
+sys.path.insert(0, sys.argv[1] + "/scripts")
+import bench_kernels as bk
+bk.FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+gen = torch.Generator().manual_seed(0)
+res = {"device": torch.cuda.get_device_name(0), "rows": []}
+for b in (1, 8):
+    ops = [bk.oscar_op(bk.make_decode(b, 131072, gen)) for _ in range(bk.SEQ_CALLS)]
+    for rep in range(3):
+        one = bk.timed(ops[0], graph=True) * 1e3
+        seq = bk.timed_seq(ops) * 1e3
+        res["rows"].append({"B": b, "rep": rep, "graph_us": one, "graph_seq_us": seq})
+        print(f"B={b} rep {rep}: one call a graph {one:.1f} us, back to back {seq:.1f} us", flush=True)
+    del ops
+    torch.cuda.empty_cache()
+json.dump(res, open(sys.argv[2], "w"), indent=1)
+PY
+  ;;
+esac
