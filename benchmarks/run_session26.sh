@@ -144,3 +144,6 @@ json.dump(res, open(sys.argv[2], "w"), indent=1)
 PY
   ;;
 esac
+# (appended) run m's result (H100): steady -- B=1/128K one call a graph 42.8-43.1 us, back to back 41.4-41.6; B=8/128K
+# 247.1-248.4 and 248.3-248.9. Run k's 286.9 us at B=8 was not seen again (one measurement, the first of the OSCAR
+# timings after that point's SDPA runs).
