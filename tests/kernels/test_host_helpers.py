@@ -58,7 +58,7 @@ def test_times_buf_checked():
 
 
 @pytest.mark.parametrize("name", ["kernels_h100_session26i.json", "kernels_h200_session24m.json"])
-def test_bench_kernels_plot(tmp_path, name):
+def test_bench_kernels_plot(tmp_path, monkeypatch, name):
     """The kernel benchmark's plot (``scripts/bench_kernels.py --plot``, on any machine) from a committed result, with
     the back-to-back graph timing (session 26 on) and without it (before): the PNG is written beside the JSON and has
     one speedup line more per batch size where the result holds that timing."""
@@ -83,11 +83,8 @@ def test_bench_kernels_plot(tmp_path, name):
         lines.append(len(fig.axes[0].get_lines()))
         return real_savefig(fig, *a, **kw)
 
-    plt.Figure.savefig = spy
-    try:
-        bk.plot(str(tmp_path / name))
-    finally:
-        plt.Figure.savefig = real_savefig
+    monkeypatch.setattr(plt.Figure, "savefig", spy)
+    bk.plot(str(tmp_path / name))
     png = tmp_path / name.replace(".json", "_speedup.png")
     assert png.stat().st_size > 10_000
     rows = json.loads(src.read_text())["decode"]
