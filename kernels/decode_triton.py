@@ -1007,12 +1007,12 @@ def _check_times_buf(buf, slots: int, hist_programs: int, prologue_programs: int
     below ``PROLOGUE_TIME_ROW``, the prologue's from there on up to ``COMBINE_TIME_ROW`` and the combine's from there
     on: a clear error, not stamps written past its end or over each other."""
     row0, row1 = PROLOGUE_TIME_ROW.value, COMBINE_TIME_ROW.value
+    rows = row1 + combine_programs if combine_programs else row0 + prologue_programs  # the buffer's rows needed
     if (buf.dim() != 2 or buf.shape[1] != slots or hist_programs > row0 or row0 + prologue_programs > row1
-            or buf.shape[0] < (row1 + combine_programs if combine_programs else row0 + prologue_programs)):
+            or buf.shape[0] < rows):
         raise ValueError(f"decode_gluon.TIMES_BUF: shape {tuple(buf.shape)} for {hist_programs} history programs (at "
                          f"most {row0}), {prologue_programs} prologue programs from row {row0} (at most {row1 - row0}) "
-                         f"and {combine_programs} combine programs from row {row1}: needs [>= "
-                         f"{row1 + combine_programs if combine_programs else row0 + prologue_programs}, {slots}]")
+                         f"and {combine_programs} combine programs from row {row1}: needs [>= {rows}, {slots}]")
     if buf.dtype != torch.int64 or not buf.is_cuda or not buf.is_contiguous():
         raise ValueError("decode_gluon.TIMES_BUF must be a contiguous int64 CUDA tensor")
 
