@@ -266,6 +266,10 @@ CONFIG = {
     # (griddepcontrol.wait, released ~1.4 us after the last prologue program's exit). H100, session 24 (graph us,
     # with pdl 5): B=1/128K 44.4-44.7 -> 43.3-44.0, B=8/128K 253.3-254.2 -> 252.3-252.7 (profile_op_h100_session24g)
     "gluon_qflag": 1,
+    # (session 27) the counters' spacing in int32 elements (1: the (row, head)s of 8 KV heads share one 32-byte
+    # sector, which all their history programs poll; 32: one 128-byte line each) and the poll's sleep in ns
+    "gluon_qflag_stride": 1,
+    "gluon_qflag_sleep": 32,
 }
 
 
@@ -952,6 +956,7 @@ def _prologue_kernel(
     HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
     TIMES=None, TIMED: tl.constexpr = 0, TIME_SLOTS: tl.constexpr = 8,
     QP8=None, QPF=None, QPRE: tl.constexpr = 0, TB: tl.constexpr = 2, READY=None, QFLAG: tl.constexpr = 0,
+    RSTRIDE: tl.constexpr = 1,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
     what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
@@ -981,7 +986,7 @@ def _prologue_kernel(
                                  D, M_PAD_ROT, TB, HAS_MU, LOWP)
             if QFLAG:  # every thread's stores before the release (the barrier), then one atomic for the program
                 tl.debug_barrier()
-                tl.atomic_add(READY + pid_bh, 1, sem="release", scope="gpu")
+                tl.atomic_add(READY + pid_bh * RSTRIDE, 1, sem="release", scope="gpu")
         else:
             _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
                           D, M_PAD_ROT, C_BLOCK, HAS_MU)
@@ -1036,7 +1041,7 @@ def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
     PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
-    READY=None, RESET: tl.constexpr = 0,
+    READY=None, RESET: tl.constexpr = 0, RSTRIDE: tl.constexpr = 1,
     TIMES=None, TIMED: tl.constexpr = 0, TIME_SLOTS: tl.constexpr = 8,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
@@ -1088,7 +1093,7 @@ def _combine_kernel(
         tl.store(trow + 1, _stamp_asm(bh))
     if RESET:
         if tl.program_id(0) % (M * PARTS) == 0:  # (query row 0, part 0 of each (b, h))
-            tl.store(READY + bh, 0)
+            tl.store(READY + bh * RSTRIDE, 0)
     if FINAL and HOIST:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
         offs_w = S_HIST + tl.arange(0, SW_BLOCK)
         wm = offs_w < S_TOT
@@ -1489,6 +1494,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     pl = torch.empty_like(pm)
     pacc = torch.empty(bh, max(s_tot, 1), m, d, device=dev, dtype=torch.float32)
     ready = None
+    rstride = 1
     timed = False
     if s_tot == 0:  # nothing to attend to: one empty partial
         pm.fill_(float("-inf"))
@@ -1506,7 +1512,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         qpre = bool(fused_pro and k8 and cfg.get("gluon_qpre"))
         # ... and the history programs' wait for them: on counters the rotation programs raise, not the PDL wait for
         # the whole prologue grid (CONFIG["gluon_qflag"])
-        ready = _ready_counters(dev, bh) if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag")) else None
+        rstride = int(cfg.get("gluon_qflag_stride", 1))  # int32 elements between two (row, head)s' counters
+        ready = _ready_counters(dev, bh * rstride) if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag")) else None
         c_rot = min(d, ROT_C_BLOCK)
         qp8 = qpf = None
         if qpre:
@@ -1531,7 +1538,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                     TIMES=glu.TIMES_BUF if timed else None, TIMED=int(timed),
                     TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8,
                     QP8=qp8, QPF=qpf, QPRE=int(qpre), TB=glu.tokens_per_step(m) // 16 if qpre else 2,
-                    READY=ready, QFLAG=int(ready is not None),
+                    READY=ready, QFLAG=int(ready is not None), RSTRIDE=rstride,
                     num_warps=cfg.get("prologue_warps") or cfg["num_warps"],
                 )
             else:
@@ -1545,7 +1552,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                        l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
                                        pdl=gluon_history_pdl(pdl_mode),
                                        early=int(cfg.get("gluon_early", 0)), k8=k8,
-                                       qpre=(qp8, qpf) if qpre else None, ready=ready)
+                                       qpre=(qp8, qpf) if qpre else None, ready=ready, rstride=rstride,
+                                       sleep_ns=int(cfg.get("gluon_qflag_sleep", 32)))
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
@@ -1615,7 +1623,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                 pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
                 D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
                 HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, PARTS=parts,
-                READY=ready, RESET=int(ready is not None),
+                READY=ready, RESET=int(ready is not None), RSTRIDE=rstride,
                 TIMES=glu.TIMES_BUF if timed and hoist else None, TIMED=int(timed and hoist),
                 TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8,
                 num_warps=merge_warps,

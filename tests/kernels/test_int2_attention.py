@@ -813,17 +813,20 @@ def test_gpu_gluon_prologue_query_operands(monkeypatch, m):
 
 @pytest.mark.gpu
 @on_gpu
-def test_gpu_gluon_qflag_counters(monkeypatch):
+@pytest.mark.parametrize("stride,sleep", [(1, 32), (32, 256)], ids=["packed", "lines"])
+def test_gpu_gluon_qflag_counters(monkeypatch, stride, sleep):
     """The prologue -> history counters (gluon_qflag): the op's output is bit-identical to the PDL wait's (the same
     kernels, only the wait differs), call after call, from a second stream too, and every call leaves the counters at
     0 (the combine resets them: a counter left raised would let the next call's history read stale operands) -- also
-    a call whose launches fail after the prologue's."""
+    a call whose launches fail after the prologue's. "lines": each (row, head)'s counter on a 128-byte line of its own
+    (gluon_qflag_stride 32), polled every 256 ns."""
     dt = _dt()
     args = _rotating_case(2, 8, 4, 9000, 320, 128, 64, seed=3, device="cuda")
     args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 37], device="cuda")
     args["out_dtype"] = torch.float32
-    base = {**dt.CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_k8": 2, "gluon_qpre": 1, "pdl": 2}
+    base = {**dt.CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_k8": 2, "gluon_qpre": 1, "pdl": 2,
+            "gluon_qflag_stride": stride, "gluon_qflag_sleep": sleep}
     monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_qflag": 0})
     want = dt.decode_attention_rotating_triton(**args)
     monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_qflag": 1})

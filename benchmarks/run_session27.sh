@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session-27 device runs, from the repository root, one `run` call each; results were copied from $OUT to
+# benchmarks/results/ afterwards (GPU name in each file; "h100"/"h200" in the file names):
+#   bash benchmarks/run_session27.sh a   # the prologue -> history counters one 128-byte line each and a longer poll
+#                                        # sleep (CONFIG["gluon_qflag_stride"], ["gluon_qflag_sleep"]): their GPU
+#                                        # tests, the B=1/128K timeline, the op's graph time at the benchmark's
+#                                        # corners paired with the defaults; the fixed-cost probe
+#                                        # (scripts/probe_fixed_costs.py: the rotation's first load under four
+#                                        # flushes, a graph's trivial launches)
+source benchmarks/device_env.sh
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200" | tr A-Z a-z)
+case "$1" in
+a|b)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "qflag_counters or timestamps" 2>&1 | tee "$OUT/tests_${GPU}_session27$1.log" | tail -3
+  timeout 120 python3 "$R/scripts/probe_fixed_costs.py" --out "$OUT/probe_fixed_costs_${GPU}_session27$1.json" 2>&1 \
+      | grep -E "^loads|^graph"
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_qflag_stride": 32}' '{"gluon_qflag_stride": 32, "gluon_qflag_sleep": 128}' \
+      '{"gluon_qflag_sleep": 256}' \
+      --out "$OUT/timeline_hist_${GPU}_session27$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | grep -E "^B=|prologue|combine|at  |->"
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_qflag_stride": 32}' '{"gluon_qflag_stride": 32, "gluon_qflag_sleep": 128}' \
+      '{"gluon_qflag_sleep": 256}' '{}' '{"gluon_qflag_stride": 32}' \
+      --out "$OUT/profile_op_${GPU}_session27$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
