@@ -51,6 +51,38 @@ def _load_probe(RK, Q, OUT, TIMES, D: tl.constexpr, M_PAD: tl.constexpr):
 
 
 @triton.jit
+def _rot_probe(RK, Q, Y, TIMES, M, D: tl.constexpr, M_PAD: tl.constexpr, MODE: tl.constexpr):
+    # a rotation program's loads and product (query_triton._rotate_block: q [M_PAD, D] (rows >= M zero) times plane p
+    # of R_K[h]), stamped at entry, once the loads are in (the thread that holds element 0 of both) and once the
+    # product is. MODE: 0 tl.dot tf32x3 (the prologue's), 1 tl.dot tf32, 2 tl.dot ieee, 3 broadcast FMAs (M_PAD rows)
+    h = tl.program_id(0)
+    p = tl.program_id(1)
+    pid = h * tl.num_programs(1) + p
+    t0 = _stamp(pid)
+    offs_m = tl.arange(0, M_PAD)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + (h * M_PAD + offs_m)[:, None] * D + offs_d[None, :], mask=(offs_m < M)[:, None],
+                other=0.0).to(tl.float32)
+    r = tl.load(RK + h * D * D + offs_d[:, None] * D + (32 * p + tl.arange(0, 32))[None, :])
+    first = (offs_d[:, None] == 0) & (tl.arange(0, 32)[None, :] == 0)
+    tl.store(TIMES + 3 * pid + 1 + tl.zeros(r.shape, tl.int32),
+             _stamp((r + tl.sum(q * (offs_m[:, None] + offs_d[None, :] == 0), 0)[:, None]).to(tl.int32, bitcast=True)),
+             mask=first)
+    if MODE == 0:
+        y = tl.dot(q, r, input_precision="tf32x3")
+    elif MODE == 1:
+        y = tl.dot(q, r, input_precision="tf32")
+    elif MODE == 2:
+        y = tl.dot(q, r, input_precision="ieee")
+    else:
+        y = tl.sum(q[:, :, None] * r[None, :, :], 1)
+    yfirst = (offs_m[:, None] == 0) & (tl.arange(0, 32)[None, :] == 0)
+    tl.store(TIMES + 3 * pid + 2 + tl.zeros(y.shape, tl.int32), _stamp(y.to(tl.int32, bitcast=True)), mask=yfirst)
+    tl.store(Y + (pid * M_PAD + offs_m)[:, None] * 32 + tl.arange(0, 32)[None, :], y)
+    tl.store(TIMES + 3 * pid, t0)
+
+
+@triton.jit
 def _touch_pages(X, N, PAGE: tl.constexpr, OUT):
     # one word of each 2 MB page of X (its translation into the TLBs, one line into L2)
     i = tl.arange(0, 64)
@@ -105,6 +137,41 @@ def probe_loads(iters: int):
     return res
 
 
+def probe_rotation(iters: int):
+    """Entry -> loads in -> product of a rotation program (``_rot_probe``), each way of computing the product, after
+    the clean flush: where the prologue's ~3 us before its product go."""
+    d, hk, m = 128, 8, 4
+    rk = torch.randn(hk, d, d, device="cuda")
+    res = {}
+    # (after the clean flush; "_data_in_l2": then R_K and q read into the L2 by another kernel -- this kernel's code
+    # still cold; "_hot": no flush)
+    variants = ((0, "dot_tf32x3", 16, "flush"), (1, "dot_tf32", 16, "flush"), (2, "dot_ieee", 16, "flush"),
+                (3, "fma", 4, "flush"), (0, "dot_tf32x3_data_in_l2", 16, "data"), (0, "dot_tf32x3_hot", 16, "hot"))
+    for mode, name, m_pad, cond in variants:
+        q = torch.randn(hk, m_pad, d, device="cuda").to(torch.bfloat16)
+        before = {"flush": bk.flush_l2, "hot": lambda: None,
+                  "data": lambda: (bk.flush_l2(), rk.sum(), q.float().sum())}[cond]
+        y = torch.empty(hk * 4, m_pad, 32, device="cuda")
+        times = torch.zeros(hk * 4 * 3, device="cuda", dtype=torch.int64)
+        loads, prods = [], []
+        for i in range(iters + 2):
+            before()
+            _rot_probe[(hk, 4)](rk, q, y, times, m, D=d, M_PAD=m_pad, MODE=mode, num_warps=4)
+            torch.cuda.synchronize()
+            if i >= 2:
+                t = times.view(-1, 3).double() / 1e3
+                loads += (t[:, 1] - t[:, 0]).tolist()
+                prods += (t[:, 2] - t[:, 0]).tolist()
+        ref = torch.stack([q.float()[h, :m] @ rk[h][:, 32 * p:32 * p + 32] for h in range(hk) for p in range(4)])
+        err = float((y[:, :m] - ref).abs().max() / ref.abs().max())
+        loads.sort()
+        prods.sort()
+        res[name] = {"loads_in_us_p50": loads[len(loads) // 2], "loads_in_us_max": loads[-1],
+                     "product_us_p50": prods[len(prods) // 2], "product_us_max": prods[-1], "max_rel_err": err}
+        bk.log(f"rotation {name:12s} " + " ".join(f"{k} {v:.3g}" for k, v in res[name].items()))
+    return res
+
+
 def probe_graph(iters: int):
     out = torch.empty(132, device="cuda", dtype=torch.int32)
     res = {}
@@ -130,7 +197,8 @@ def main():
     bk.FLUSH = torch.empty(256 << 20, device="cuda", dtype=torch.uint8)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "command": " ".join(sys.argv), "flush": bk.FLUSH_MODE,
-           "loads": probe_loads(args.iters), "graph_us": probe_graph(args.iters)}
+           "loads": probe_loads(args.iters), "rotation": probe_rotation(args.iters),
+           "graph_us": probe_graph(args.iters)}
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     bk.log("wrote", args.out)
