@@ -40,3 +40,22 @@ b)
       | grep -E "^loads|^graph|^rotation"
   ;;
 esac
+# (appended) run b's result (H100, probe_fixed_costs_h100_session27b.json): a rotation program's entry -> product
+# after the clean flush, p50: tl.dot tf32x3 (the prologue's) 2.75 us, tf32 2.0, ieee 2.25, float32 FMAs 1.75 (max rel.
+# error 4e-7 / 4e-4 / 3e-7 / 2e-7); tf32x3 with its data in L2 but its code cold 2.5, hot 2.25. Run c: the prologue's
+# rotation product in FMAs (CONFIG["rotation_fma"]): GPU tests, the B=1/128K timeline, the op's graph time paired
+#   bash benchmarks/run_session27.sh c
+case "$1" in
+c|d)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_query_rotation.py" \
+      "$R/tests/kernels/test_int2_attention.py" -k "q8 or rotfma or qflag_counters" 2>&1 \
+      | tee "$OUT/tests_${GPU}_session27$1.log" | tail -3
+  timeout 120 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"rotation_fma": 1}' \
+      --out "$OUT/timeline_hist_${GPU}_session27$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | grep -E "^B=|prologue|combine|at  |->"
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"rotation_fma": 1}' '{}' '{"rotation_fma": 1}' \
+      --out "$OUT/profile_op_${GPU}_session27$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac

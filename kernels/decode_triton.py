@@ -270,6 +270,10 @@ CONFIG = {
     # sector, which all their history programs poll; 32: one 128-byte line each) and the poll's sleep in ns
     "gluon_qflag_stride": 1,
     "gluon_qflag_sleep": 32,
+    # (session 27) the fused prologue's rotation programs (with gluon_qpre) multiply the query by R_K's plane in
+    # float32 FMAs (query_triton._rotate_block FMA), not a tf32x3 tl.dot: as exact, ~1 us sooner after a cold start
+    # on the H100 (scripts/probe_fixed_costs.py, run b)
+    "rotation_fma": 0,
 }
 
 
@@ -956,7 +960,7 @@ def _prologue_kernel(
     HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
     TIMES=None, TIMED: tl.constexpr = 0, TIME_SLOTS: tl.constexpr = 8,
     QP8=None, QPF=None, QPRE: tl.constexpr = 0, TB: tl.constexpr = 2, READY=None, QFLAG: tl.constexpr = 0,
-    RSTRIDE: tl.constexpr = 1,
+    RSTRIDE: tl.constexpr = 1, ROT_FMA: tl.constexpr = 0,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
     what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
@@ -980,10 +984,10 @@ def _prologue_kernel(
         if QPRE:  # (C_BLOCK = 32: plane j)
             if TIMED:
                 _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
-                                 D, M_PAD_ROT, TB, HAS_MU, LOWP, trow, 1)
+                                 D, M_PAD_ROT, TB, HAS_MU, LOWP, trow, 1, ROT_FMA)
             else:
                 _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
-                                 D, M_PAD_ROT, TB, HAS_MU, LOWP)
+                                 D, M_PAD_ROT, TB, HAS_MU, LOWP, FMA=ROT_FMA)
             if QFLAG:  # every thread's stores before the release (the barrier), then one atomic for the program
                 tl.debug_barrier()
                 tl.atomic_add(READY + pid_bh * RSTRIDE, 1, sem="release", scope="gpu")
@@ -1515,6 +1519,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         rstride = int(cfg.get("gluon_qflag_stride", 1))  # int32 elements between two (row, head)s' counters
         ready = _ready_counters(dev, bh * rstride) if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag")) else None
         c_rot = min(d, ROT_C_BLOCK)
+        tbq = glu.tokens_per_step(m) // 16 if qpre else 2  # token sets of the operands (8 // tbq columns each)
+        rot_fma = bool(qpre and cfg.get("rotation_fma"))  # the rotation programs' product as FMAs
         qp8 = qpf = None
         if qpre:
             tb = glu.tokens_per_step(m) // 16
@@ -1532,13 +1538,14 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                     m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rotation_strides(qf_r, mu_k_r),
                     *k_win.stride()[:3], *v_win.stride()[:3],
                     *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
-                    D=d, M_PAD=m_pad, M_PAD_ROT=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None,
+                    D=d, M_PAD=m_pad, M_PAD_ROT=8 // tbq if rot_fma else max(16, m_pad), C_BLOCK=c_rot,
+                    HAS_MU=mu_k_r is not None,
                     HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
                     WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode >= 2),
                     TIMES=glu.TIMES_BUF if timed else None, TIMED=int(timed),
                     TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8,
-                    QP8=qp8, QPF=qpf, QPRE=int(qpre), TB=glu.tokens_per_step(m) // 16 if qpre else 2,
-                    READY=ready, QFLAG=int(ready is not None), RSTRIDE=rstride,
+                    QP8=qp8, QPF=qpf, QPRE=int(qpre), TB=tbq, READY=ready, QFLAG=int(ready is not None),
+                    RSTRIDE=rstride, ROT_FMA=int(rot_fma),
                     num_warps=cfg.get("prologue_warps") or cfg["num_warps"],
                 )
             else:

@@ -644,6 +644,7 @@ _GLUON_VARIANTS = {
     "pdl5": {"gluon_gsum": 1, "pdl": 5, "gluon_early": 1},
     "qflag": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qflag": 1},
     "parts1": {"merge_out_parts": 1, "merge_warps_few": None, "splits_pow2_slack": 0},
+    "rotfma": {"rotation_fma": 1},  # the prologue's rotation product in float32 FMAs
 }
 
 
@@ -663,7 +664,8 @@ def gluon_calls(request, monkeypatch):
     one warp per row wherever there are more rows than SMs (merge_one_warp_rows 0); "pdl5": the combine under PDL,
     launched once every history program is past its loop (pdl 5); "qflag": the history programs wait for
     counters their head's rotation programs raise, not for the prologue grid (gluon_qflag); "parts1": the combine for fewer
-    rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded)."""
+    rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded); "rotfma": the prologue's
+    rotation programs multiply in float32 FMAs (rotation_fma)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
