@@ -59,3 +59,9 @@ c|d)
       --out "$OUT/profile_op_${GPU}_session27$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) run c's result (H100): 35 GPU tests passed (the operands by both products, the op's rotfma variant, the
+# counters). But the op's rotation programs got their product at 7.2 us instead of 3.3 (exit 8.2 against 4.9), B=1/128K
+# graph 46.5-46.8 against 42.9-43.9 us: the FMA product summed 4 chunks of 32 k, each loaded after the last one's sum,
+# whose barriers the loads could not move above -- 4 round trips. Now every load comes first (2 halves of k; sm_90
+# SASS: all 41 LDG before the first BAR). Run d: the same as c
+#   bash benchmarks/run_session27.sh d
