@@ -65,3 +65,25 @@ esac
 # whose barriers the loads could not move above -- 4 round trips. Now every load comes first (2 halves of k; sm_90
 # SASS: all 41 LDG before the first BAR). Run d: the same as c
 #   bash benchmarks/run_session27.sh d
+# (appended) run d's result (H100): 35 GPU tests passed. With every load first the FMA product comes at p50 3.1 us
+# (3.6 with tl.dot in the same run, 3.3 in run c), not 1.75 as in the probe: in the op the rotation's loads share the
+# memory with the window programs' and the history's first copies (launched at 1.3 us). The rotation programs' exit
+# (4.9 against 5.1) and the history's wait (p50 5.9 both) do not move; B=1/128K graph 43.3-43.6 against 43.1-43.7 us,
+# the other corners within noise. Run e: the prologue lets the history launch start later (CONFIG["prologue_trigger"]
+# 1: once the rotation programs have their product, 2: once they raised their counters), so that the history's first
+# copies do not slow the rotation's loads
+#   bash benchmarks/run_session27.sh e
+case "$1" in
+e|f)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "trig or qflag_counters" 2>&1 | tee "$OUT/tests_${GPU}_session27$1.log" | tail -3
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"prologue_trigger": 1}' '{"prologue_trigger": 2}' '{"prologue_trigger": 1, "rotation_fma": 1}' \
+      --out "$OUT/timeline_hist_${GPU}_session27$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | grep -E "^B=|prologue|combine|at  |->"
+  timeout 200 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"prologue_trigger": 1}' '{"prologue_trigger": 2}' '{"prologue_trigger": 1, "rotation_fma": 1}' \
+      '{}' '{"prologue_trigger": 1, "rotation_fma": 1}' \
+      --out "$OUT/profile_op_${GPU}_session27$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac

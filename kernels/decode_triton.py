@@ -274,6 +274,10 @@ CONFIG = {
     # float32 FMAs (query_triton._rotate_block FMA), not a tf32x3 tl.dot: as exact, ~1 us sooner after a cold start
     # on the H100 (scripts/probe_fixed_costs.py, run b)
     "rotation_fma": 0,
+    # (session 27) where the fused prologue lets the history launch start (TRIG): 0 at every program's entry; 1 (with
+    # gluon_qpre) the rotation programs once their product is known, 2 once their operands are out, so that the
+    # history's early copies do not slow the rotation's loads
+    "prologue_trigger": 0,
 }
 
 
@@ -960,7 +964,7 @@ def _prologue_kernel(
     HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
     TIMES=None, TIMED: tl.constexpr = 0, TIME_SLOTS: tl.constexpr = 8,
     QP8=None, QPF=None, QPRE: tl.constexpr = 0, TB: tl.constexpr = 2, READY=None, QFLAG: tl.constexpr = 0,
-    RSTRIDE: tl.constexpr = 1, ROT_FMA: tl.constexpr = 0,
+    RSTRIDE: tl.constexpr = 1, ROT_FMA: tl.constexpr = 0, TRIG: tl.constexpr = 0,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
     what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
@@ -970,12 +974,19 @@ def _prologue_kernel(
 
     ``QFLAG`` (with ``QPRE``): each rotation program adds 1 to ``READY[b * Hk + h]`` (release, GPU scope) once its
     plane's operands are stored; the history programs of that (row, head) wait for 4 there, not for this grid's
-    completion (the combine sets it back to 0)."""
+    completion (the combine sets it back to 0).
+
+    ``TRIG`` (with ``PDL``): where the programs let the history launch start (it starts once every program has):
+    0 at their entry; 1 the rotation programs (``QPRE``) once their product is known, 2 once they raised the counter
+    (the window programs at their entry)."""
     pid_bh = tl.program_id(0)
     j = tl.program_id(1)
     NROT: tl.constexpr = D // C_BLOCK
     if PDL:  # the history kernel may launch now: it loads its first steps, then waits for the query (or QFLAG)
-        gdc_launch_dependents()
+        if TRIG == 0 or not QPRE:
+            gdc_launch_dependents()
+        elif j >= NROT:
+            gdc_launch_dependents()
     if TIMED:  # diagnostic (decode_gluon.TIMES_BUF): this program's entry and exit, its kind (0 rotation, 1 window)
         trow = TIMES + (PROLOGUE_TIME_ROW + pid_bh * tl.num_programs(1) + j) * TIME_SLOTS
         tl.store(trow, _stamp_asm(j))
@@ -984,13 +995,15 @@ def _prologue_kernel(
         if QPRE:  # (C_BLOCK = 32: plane j)
             if TIMED:
                 _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
-                                 D, M_PAD_ROT, TB, HAS_MU, LOWP, trow, 1, ROT_FMA)
+                                 D, M_PAD_ROT, TB, HAS_MU, LOWP, trow, 1, ROT_FMA, PDL and TRIG == 1)
             else:
                 _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
-                                 D, M_PAD_ROT, TB, HAS_MU, LOWP, FMA=ROT_FMA)
+                                 D, M_PAD_ROT, TB, HAS_MU, LOWP, FMA=ROT_FMA, TRIGGER=PDL and TRIG == 1)
             if QFLAG:  # every thread's stores before the release (the barrier), then one atomic for the program
                 tl.debug_barrier()
                 tl.atomic_add(READY + pid_bh * RSTRIDE, 1, sem="release", scope="gpu")
+            if PDL and TRIG == 2:
+                gdc_launch_dependents()
         else:
             _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
                           D, M_PAD_ROT, C_BLOCK, HAS_MU)
@@ -1545,7 +1558,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                     TIMES=glu.TIMES_BUF if timed else None, TIMED=int(timed),
                     TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8,
                     QP8=qp8, QPF=qpf, QPRE=int(qpre), TB=tbq, READY=ready, QFLAG=int(ready is not None),
-                    RSTRIDE=rstride, ROT_FMA=int(rot_fma),
+                    RSTRIDE=rstride, ROT_FMA=int(rot_fma), TRIG=int(cfg.get("prologue_trigger", 0)) if qpre else 0,
                     num_warps=cfg.get("prologue_warps") or cfg["num_warps"],
                 )
             else:

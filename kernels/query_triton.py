@@ -173,7 +173,7 @@ def _rotate_plane_q8(
     Q, RK, MU, QR, QO, QP8, QPF, pid, P, M, Hk, qk_scale,
     sqb, sqh, sqm, smb, smh,
     D: tl.constexpr, M_PAD: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
-    TROW=None, TIMED: tl.constexpr = 0, FMA: tl.constexpr = 0,
+    TROW=None, TIMED: tl.constexpr = 0, FMA: tl.constexpr = 0, TRIGGER: tl.constexpr = 0,
 ):
     """Plane ``P`` (channels ``[32 P, 32 P + 32)``) of ``q_rot`` for the query rows of ``pid = b * Hk + h``
     (:func:`_rotate_block`, which also writes ``q · mu_K`` in the program of plane 0) and its int8 operands (see
@@ -181,11 +181,15 @@ def _rotate_plane_q8(
     set (channels scattered into the operand's order). ``ASM``: the rounding in inline PTX (the GPU; not under the
     interpreter). ``TIMED`` (a diagnostic, the prologue's row ``TROW`` of ``decode_gluon.TIMES_BUF``): %globaltimer
     after the product (slot 1), after sigma_g (2) and after the sums (5). ``FMA``: see :func:`_rotate_block` (``M_PAD``
-    at least ``8 // TB``, the operand's columns per token set)."""
+    at least ``8 // TB``, the operand's columns per token set). ``TRIGGER`` (the fused prologue under PDL): let the
+    next launch start once the product is known (``griddepcontrol.launch_dependents``, each thread after its part)."""
     MH: tl.constexpr = 8 // TB
     q, y = _rotate_block(Q, RK, MU, QR, QO, pid, 32 * P, M, Hk, sqb, sqh, sqm, smb, smh, D, M_PAD, 32, HAS_MU, FMA)
     m = tl.arange(0, M_PAD)  # [M_PAD, 32]: q_rot[m, 32 P + c] (rows >= M zero)
     c = tl.arange(0, 32)
+    if TRIGGER:
+        y = tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, $1;", "=r,r", [y], dtype=tl.float32,
+                                      is_pure=False, pack=1)
     if TIMED:
         _stamp_at(TROW + 1, y, (m == 0)[:, None] & (c == 0)[None, :])
     # sigma_g from the largest row norm (the same in both planes' programs); the group's scale qk_scale / 16^g

@@ -645,6 +645,8 @@ _GLUON_VARIANTS = {
     "qflag": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qflag": 1},
     "parts1": {"merge_out_parts": 1, "merge_warps_few": None, "splits_pow2_slack": 0},
     "rotfma": {"rotation_fma": 1},  # the prologue's rotation product in float32 FMAs
+    "trig1": {"prologue_trigger": 1, "rotation_fma": 1},  # the history launched once the rotation's products are known
+    "trig2": {"prologue_trigger": 2},  # ... once the rotation programs raised their counters
 }
 
 
@@ -665,7 +667,8 @@ def gluon_calls(request, monkeypatch):
     launched once every history program is past its loop (pdl 5); "qflag": the history programs wait for
     counters their head's rotation programs raise, not for the prologue grid (gluon_qflag); "parts1": the combine for fewer
     rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded); "rotfma": the prologue's
-    rotation programs multiply in float32 FMAs (rotation_fma)."""
+    rotation programs multiply in float32 FMAs (rotation_fma); "trig1", "trig2": the prologue lets the history launch
+    start once its rotation programs have their product / have raised their counters (prologue_trigger)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
