@@ -87,3 +87,11 @@ e|f)
       --out "$OUT/profile_op_${GPU}_session27$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) run e's result (H100): 52 GPU tests passed (the trig1 / trig2 variants of the decode op, the counters).
+# Uncontended, the rotation programs end sooner (exit p50 4.1 us, 3.6 with the FMA product, against 5.0) but the
+# history enters only at 4.1-5.1 us (the launch ~1.5 us after the last trigger) and its programs' polls then queue
+# behind their own first copies (entry -> wait end p50 4.35 us although the counters were already up): wait end p50
+# 8.4-9.5 against 5.8, B=1/128K graph 44.8-45.9 against 42.8-43.7 us (B=8 and B=32 within noise).
+# Runs a-e ran code that was removed afterwards (the knobs gluon_qflag_stride / gluon_qflag_sleep, rotation_fma,
+# prologue_trigger): run a at e0bf973, b at 829b6e5, c at 078e97f, d at 3bf246f, e at dc28500; `git checkout <commit>`
+# to run them again. scripts/probe_fixed_costs.py stays (runs a, b).

@@ -113,12 +113,12 @@ _V_ASM = gl.constexpr(tuple(
     for bb in range(4)))
 # prefetch.global.L2 of one address where the predicate ($2) is set (the result is a dummy)
 _PF_ASM = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
-# Wait until the 32-bit counter at $1 reaches $2 (acquire, GPU scope; QFLAG): poll with a sleep of $3 ns, trap after
+# Wait until the 32-bit counter at $1 reaches $2 (acquire, GPU scope; QFLAG): poll with a short sleep, trap after
 # ~2^22 polls (seconds) rather than hang; $0 is 0, an opaque offset for the loads that must follow the wait
 _SPIN_ASM = gl.constexpr(
     "{ .reg .pred p; .reg .u32 v, n; mov.u32 n, 0; "
     "SPIN${:uid}: ld.acquire.gpu.global.u32 v, [$1]; setp.ge.u32 p, v, $2; @p bra DONE${:uid}; "
-    "add.u32 n, n, 1; setp.gt.u32 p, n, 4194304; @p trap; nanosleep.u32 $3; bra SPIN${:uid}; "
+    "add.u32 n, n, 1; setp.gt.u32 p, n, 4194304; @p trap; nanosleep.u32 32; bra SPIN${:uid}; "
     "DONE${:uid}: mov.u32 $0, 0; }")
 LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 # movmatrix.trans on each 8x8 block of a 16-bit accumulator-layout tile (see _w_operand)
@@ -636,7 +636,7 @@ def _hist_kernel(
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
     PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
     TIMES=None, TIMED: gl.constexpr = 0, QP8=None, QPF=None, QPRE: gl.constexpr = 0,
-    READY=None, QFLAG: gl.constexpr = 0, RSTRIDE: gl.constexpr = 1, SLEEP=32,
+    READY=None, QFLAG: gl.constexpr = 0,
 ):
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
@@ -671,8 +671,8 @@ def _hist_kernel(
             # instead of the PDL wait for the whole prologue grid: its rotation programs of this (row, head) count
             # themselves done in READY once their operands are stored (4 planes); the wait above ends when this
             # head's are, not when the last prologue program has exited and the grid's completion reached us
-            wdep = gl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r,r", [READY + pid_bh * RSTRIDE, 4, SLEEP],
-                                             dtype=gl.int32, is_pure=False, pack=1)
+            wdep = gl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r", [READY + pid_bh, 4], dtype=gl.int32,
+                                             is_pure=False, pack=1)
         elif PDL >= 2:
             wdep = gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                              pack=1)
@@ -898,13 +898,11 @@ TIMES_BUF = None
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None,
-                   rstride=1, sleep_ns=32):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
     ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
     ``ready`` (with ``qpre`` and ``pdl`` >= 2): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise
-    when their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``): the
-    counter of ``b * Hk + h`` at element ``(b * Hk + h) * rstride``, polled every ``sleep_ns`` ns.
+    when their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``).
     With :data:`TIMES_BUF` set (a diagnostic), each program's timestamps go there (``[programs, TIME_SLOTS]`` int64)."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
@@ -918,8 +916,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
         TIMES=TIMES_BUF, TIMED=int(TIMES_BUF is not None),
         QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),
-        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2), RSTRIDE=rstride,
-        SLEEP=int(sleep_ns), num_warps=1,
+        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
 

@@ -266,18 +266,6 @@ CONFIG = {
     # (griddepcontrol.wait, released ~1.4 us after the last prologue program's exit). H100, session 24 (graph us,
     # with pdl 5): B=1/128K 44.4-44.7 -> 43.3-44.0, B=8/128K 253.3-254.2 -> 252.3-252.7 (profile_op_h100_session24g)
     "gluon_qflag": 1,
-    # (session 27) the counters' spacing in int32 elements (1: the (row, head)s of 8 KV heads share one 32-byte
-    # sector, which all their history programs poll; 32: one 128-byte line each) and the poll's sleep in ns
-    "gluon_qflag_stride": 1,
-    "gluon_qflag_sleep": 32,
-    # (session 27) the fused prologue's rotation programs (with gluon_qpre) multiply the query by R_K's plane in
-    # float32 FMAs (query_triton._rotate_block FMA), not a tf32x3 tl.dot: as exact, ~1 us sooner after a cold start
-    # on the H100 (scripts/probe_fixed_costs.py, run b)
-    "rotation_fma": 0,
-    # (session 27) where the fused prologue lets the history launch start (TRIG): 0 at every program's entry; 1 (with
-    # gluon_qpre) the rotation programs once their product is known, 2 once their operands are out, so that the
-    # history's early copies do not slow the rotation's loads
-    "prologue_trigger": 0,
 }
 
 
@@ -964,7 +952,6 @@ def _prologue_kernel(
     HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
     TIMES=None, TIMED: tl.constexpr = 0, TIME_SLOTS: tl.constexpr = 8,
     QP8=None, QPF=None, QPRE: tl.constexpr = 0, TB: tl.constexpr = 2, READY=None, QFLAG: tl.constexpr = 0,
-    RSTRIDE: tl.constexpr = 1, ROT_FMA: tl.constexpr = 0, TRIG: tl.constexpr = 0,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
     what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
@@ -974,19 +961,12 @@ def _prologue_kernel(
 
     ``QFLAG`` (with ``QPRE``): each rotation program adds 1 to ``READY[b * Hk + h]`` (release, GPU scope) once its
     plane's operands are stored; the history programs of that (row, head) wait for 4 there, not for this grid's
-    completion (the combine sets it back to 0).
-
-    ``TRIG`` (with ``PDL``): where the programs let the history launch start (it starts once every program has):
-    0 at their entry; 1 the rotation programs (``QPRE``) once their product is known, 2 once they raised the counter
-    (the window programs at their entry)."""
+    completion (the combine sets it back to 0)."""
     pid_bh = tl.program_id(0)
     j = tl.program_id(1)
     NROT: tl.constexpr = D // C_BLOCK
     if PDL:  # the history kernel may launch now: it loads its first steps, then waits for the query (or QFLAG)
-        if TRIG == 0 or not QPRE:
-            gdc_launch_dependents()
-        elif j >= NROT:
-            gdc_launch_dependents()
+        gdc_launch_dependents()
     if TIMED:  # diagnostic (decode_gluon.TIMES_BUF): this program's entry and exit, its kind (0 rotation, 1 window)
         trow = TIMES + (PROLOGUE_TIME_ROW + pid_bh * tl.num_programs(1) + j) * TIME_SLOTS
         tl.store(trow, _stamp_asm(j))
@@ -995,15 +975,13 @@ def _prologue_kernel(
         if QPRE:  # (C_BLOCK = 32: plane j)
             if TIMED:
                 _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
-                                 D, M_PAD_ROT, TB, HAS_MU, LOWP, trow, 1, ROT_FMA, PDL and TRIG == 1)
+                                 D, M_PAD_ROT, TB, HAS_MU, LOWP, trow, 1)
             else:
                 _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
-                                 D, M_PAD_ROT, TB, HAS_MU, LOWP, FMA=ROT_FMA, TRIGGER=PDL and TRIG == 1)
+                                 D, M_PAD_ROT, TB, HAS_MU, LOWP)
             if QFLAG:  # every thread's stores before the release (the barrier), then one atomic for the program
                 tl.debug_barrier()
-                tl.atomic_add(READY + pid_bh * RSTRIDE, 1, sem="release", scope="gpu")
-            if PDL and TRIG == 2:
-                gdc_launch_dependents()
+                tl.atomic_add(READY + pid_bh, 1, sem="release", scope="gpu")
         else:
             _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
                           D, M_PAD_ROT, C_BLOCK, HAS_MU)
@@ -1058,7 +1036,7 @@ def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
     PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
-    READY=None, RESET: tl.constexpr = 0, RSTRIDE: tl.constexpr = 1,
+    READY=None, RESET: tl.constexpr = 0,
     TIMES=None, TIMED: tl.constexpr = 0, TIME_SLOTS: tl.constexpr = 8,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
@@ -1110,7 +1088,7 @@ def _combine_kernel(
         tl.store(trow + 1, _stamp_asm(bh))
     if RESET:
         if tl.program_id(0) % (M * PARTS) == 0:  # (query row 0, part 0 of each (b, h))
-            tl.store(READY + bh * RSTRIDE, 0)
+            tl.store(READY + bh, 0)
     if FINAL and HOIST:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
         offs_w = S_HIST + tl.arange(0, SW_BLOCK)
         wm = offs_w < S_TOT
@@ -1511,7 +1489,6 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
     pl = torch.empty_like(pm)
     pacc = torch.empty(bh, max(s_tot, 1), m, d, device=dev, dtype=torch.float32)
     ready = None
-    rstride = 1
     timed = False
     if s_tot == 0:  # nothing to attend to: one empty partial
         pm.fill_(float("-inf"))
@@ -1529,11 +1506,8 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
         qpre = bool(fused_pro and k8 and cfg.get("gluon_qpre"))
         # ... and the history programs' wait for them: on counters the rotation programs raise, not the PDL wait for
         # the whole prologue grid (CONFIG["gluon_qflag"])
-        rstride = int(cfg.get("gluon_qflag_stride", 1))  # int32 elements between two (row, head)s' counters
-        ready = _ready_counters(dev, bh * rstride) if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag")) else None
+        ready = _ready_counters(dev, bh) if (qpre and pdl_mode >= 2 and cfg.get("gluon_qflag")) else None
         c_rot = min(d, ROT_C_BLOCK)
-        tbq = glu.tokens_per_step(m) // 16 if qpre else 2  # token sets of the operands (8 // tbq columns each)
-        rot_fma = bool(qpre and cfg.get("rotation_fma"))  # the rotation programs' product as FMAs
         qp8 = qpf = None
         if qpre:
             tb = glu.tokens_per_step(m) // 16
@@ -1551,14 +1525,13 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                     m, hk, s_hist, s_tot, w, win_split, float(scaling) * LOG2E, *rotation_strides(qf_r, mu_k_r),
                     *k_win.stride()[:3], *v_win.stride()[:3],
                     *(wmask.stride()[0], wmask.stride()[1], wmask.stride()[3]) if wmask is not None else z3,
-                    D=d, M_PAD=m_pad, M_PAD_ROT=8 // tbq if rot_fma else max(16, m_pad), C_BLOCK=c_rot,
-                    HAS_MU=mu_k_r is not None,
+                    D=d, M_PAD=m_pad, M_PAD_ROT=max(16, m_pad), C_BLOCK=c_rot, HAS_MU=mu_k_r is not None,
                     HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
                     WIN_STAGES=int(cfg.get("gluon_win_stages", 1)), PDL=int(pdl_mode >= 2),
                     TIMES=glu.TIMES_BUF if timed else None, TIMED=int(timed),
                     TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8,
-                    QP8=qp8, QPF=qpf, QPRE=int(qpre), TB=tbq, READY=ready, QFLAG=int(ready is not None),
-                    RSTRIDE=rstride, ROT_FMA=int(rot_fma), TRIG=int(cfg.get("prologue_trigger", 0)) if qpre else 0,
+                    QP8=qp8, QPF=qpf, QPRE=int(qpre), TB=glu.tokens_per_step(m) // 16 if qpre else 2,
+                    READY=ready, QFLAG=int(ready is not None),
                     num_warps=cfg.get("prologue_warps") or cfg["num_warps"],
                 )
             else:
@@ -1572,8 +1545,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                                        l2pf=int(cfg.get("gluon_l2pf", 0)), gsum=int(cfg.get("gluon_gsum", 0)),
                                        pdl=gluon_history_pdl(pdl_mode),
                                        early=int(cfg.get("gluon_early", 0)), k8=k8,
-                                       qpre=(qp8, qpf) if qpre else None, ready=ready, rstride=rstride,
-                                       sleep_ns=int(cfg.get("gluon_qflag_sleep", 32)))
+                                       qpre=(qp8, qpf) if qpre else None, ready=ready)
             pid_off = s_hist
         s_run = s_hist if fused_pro else s_tot  # the window programs ran in the prologue launch
         if s_run > pid_off:
@@ -1643,7 +1615,7 @@ def _launch(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, window
                 pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
                 D=d, S_BLOCK=s_block, C_BLOCK=c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(pdl_comb),
                 HOIST=int(hoist), SW_BLOCK=_pow2_at_least(s_tot - s_hist, 1) if hoist else 1, PARTS=parts,
-                READY=ready, RESET=int(ready is not None), RSTRIDE=rstride,
+                READY=ready, RESET=int(ready is not None),
                 TIMES=glu.TIMES_BUF if timed and hoist else None, TIMED=int(timed and hoist),
                 TIME_SLOTS=glu.TIME_SLOTS.value if timed else 8,
                 num_warps=merge_warps,

@@ -26,16 +26,12 @@ from . import next_pow2
 def _rotate_block(
     Q, RK, MU, QR, QO, pid, c0, M, Hk,
     sqb, sqh, sqm, smb, smh,
-    D: tl.constexpr, M_PAD: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr, FMA: tl.constexpr = 0,
+    D: tl.constexpr, M_PAD: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
 ):
     """Columns ``[c0, c0 + C_BLOCK)`` of ``q_rot`` for the ``M`` query rows of ``pid = b * Hk + h`` (and, in the
     program of the first column block, the offset ``q · mu_K``). Shared by :func:`_rotate_query_kernel` and the
     Gluon path's prologue launch (``decode_triton._prologue_kernel``: rotation + window programs). Returns the query
-    ``[M_PAD, D]`` and the block ``[M_PAD, C_BLOCK]`` (float32; rows ``>= M`` zero), for :func:`_rotate_plane_q8`.
-    ``FMA``: the product as float32 FMAs over 32-row chunks of ``R_K``'s block (``M_PAD`` = the rows, not 16), not a
-    tf32x3 ``tl.dot``: as exact, and on the H100 ~1 us sooner after a cold start -- tl.dot's operand layouts go
-    through shared memory (``scripts/probe_fixed_costs.py``, session 27 run b: entry -> product p50 1.75 against
-    2.75 us for a 32-column plane of 4 rows)."""
+    ``[M_PAD, D]`` and the block ``[M_PAD, C_BLOCK]`` (float32; rows ``>= M`` zero), for :func:`_rotate_plane_q8`."""
     b = pid // Hk
     h = pid % Hk
     offs_m = tl.arange(0, M_PAD)
@@ -48,22 +44,9 @@ def _rotate_block(
         # there, after the product, it was a second round trip that made those programs the prologue's last to end
         # (H100, B=1/128K under the history's early loads: 6.1 against 3.3 us; timeline_hist_h100_session22e.json)
         mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)
+    r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + offs_c[None, :])  # R_K[h][:, c-block]
     out = QR + (pid.to(tl.int64) * M + offs_m[:, None]) * D  # q_rot [B, Hk, M, D] contiguous
-    if FMA:  # y[m, c] = sum_k q[m, k] R_K[h][k, c] as [M_PAD, D / 2, C_BLOCK] products summed over k, twice. Every
-        # load comes before the first sum: a sum across warps has barriers the loads after it cannot move above (a
-        # loop of 4 load-and-sum chunks was 4 round trips: product at 7.2 us instead of 3.3, session 27 run c)
-        K2: tl.constexpr = D // 2
-        offs_a = tl.arange(0, K2)
-        q_row = Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm
-        r_col = RK + h.to(tl.int64) * D * D + offs_c[None, :]
-        qa = tl.load(q_row + offs_a[None, :], mask=mrow[:, None], other=0.0).to(tl.float32)  # [M_PAD, D / 2]
-        qb = tl.load(q_row + (K2 + offs_a)[None, :], mask=mrow[:, None], other=0.0).to(tl.float32)
-        ra = tl.load(r_col + offs_a[:, None] * D)  # [D / 2, C_BLOCK]
-        rb = tl.load(r_col + (K2 + offs_a)[:, None] * D)
-        y = tl.sum(qa[:, :, None] * ra[None, :, :], 1) + tl.sum(qb[:, :, None] * rb[None, :, :], 1)
-    else:
-        r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + offs_c[None, :])  # R_K[h][:, c-block]
-        y = tl.dot(q, r, input_precision="tf32x3")
+    y = tl.dot(q, r, input_precision="tf32x3")
     tl.store(out + offs_c[None, :], y, mask=mrow[:, None])
     if HAS_MU:
         if c0 == 0:
@@ -173,23 +156,18 @@ def _rotate_plane_q8(
     Q, RK, MU, QR, QO, QP8, QPF, pid, P, M, Hk, qk_scale,
     sqb, sqh, sqm, smb, smh,
     D: tl.constexpr, M_PAD: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
-    TROW=None, TIMED: tl.constexpr = 0, FMA: tl.constexpr = 0, TRIGGER: tl.constexpr = 0,
+    TROW=None, TIMED: tl.constexpr = 0,
 ):
     """Plane ``P`` (channels ``[32 P, 32 P + 32)``) of ``q_rot`` for the query rows of ``pid = b * Hk + h``
     (:func:`_rotate_block`, which also writes ``q · mu_K`` in the program of plane 0) and its int8 operands (see
     above): query row ``m`` is column ``tb * MH + m`` of token set ``tb``, so each row's codes are stored once per token
     set (channels scattered into the operand's order). ``ASM``: the rounding in inline PTX (the GPU; not under the
     interpreter). ``TIMED`` (a diagnostic, the prologue's row ``TROW`` of ``decode_gluon.TIMES_BUF``): %globaltimer
-    after the product (slot 1), after sigma_g (2) and after the sums (5). ``FMA``: see :func:`_rotate_block` (``M_PAD``
-    at least ``8 // TB``, the operand's columns per token set). ``TRIGGER`` (the fused prologue under PDL): let the
-    next launch start once the product is known (``griddepcontrol.launch_dependents``, each thread after its part)."""
+    after the product (slot 1), after sigma_g (2) and after the sums (5)."""
     MH: tl.constexpr = 8 // TB
-    q, y = _rotate_block(Q, RK, MU, QR, QO, pid, 32 * P, M, Hk, sqb, sqh, sqm, smb, smh, D, M_PAD, 32, HAS_MU, FMA)
+    q, y = _rotate_block(Q, RK, MU, QR, QO, pid, 32 * P, M, Hk, sqb, sqh, sqm, smb, smh, D, M_PAD, 32, HAS_MU)
     m = tl.arange(0, M_PAD)  # [M_PAD, 32]: q_rot[m, 32 P + c] (rows >= M zero)
     c = tl.arange(0, 32)
-    if TRIGGER:
-        y = tl.inline_asm_elementwise("griddepcontrol.launch_dependents; mov.b32 $0, $1;", "=r,r", [y], dtype=tl.float32,
-                                      is_pure=False, pack=1)
     if TIMED:
         _stamp_at(TROW + 1, y, (m == 0)[:, None] & (c == 0)[None, :])
     # sigma_g from the largest row norm (the same in both planes' programs); the group's scale qk_scale / 16^g
@@ -256,18 +234,16 @@ def _rotate_q8_kernel(
     Q, RK, MU, QR, QO, QP8, QPF, M, Hk, qk_scale,
     sqb, sqh, sqm, smb, smh,
     D: tl.constexpr, M_PAD: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
-    FMA: tl.constexpr = 0,
 ):
     # program (b * Hk + h, P): plane P of the query rotation and its int8 operands (the fused prologue's QPRE programs)
     _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, tl.program_id(0), tl.program_id(1), M, Hk, qk_scale,
-                     sqb, sqh, sqm, smb, smh, D, M_PAD, TB, HAS_MU, ASM, FMA=FMA)
+                     sqb, sqh, sqm, smb, smh, D, M_PAD, TB, HAS_MU, ASM)
 
 
-def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None, qk_scale: float,
-                           fma: bool = False):
+def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None, qk_scale: float):
     """:func:`rotate_query_triton` and the int8 key path's query operands (:func:`q8_operands_reference`) in one
     launch of :func:`_rotate_plane_q8` programs, as the decode op's fused prologue runs them (``D = 128``, ``M <= 8``)
-    -> ``(q_rot, qk_offset, tiles, fields)``. ``fma``: the product as float32 FMAs (see :func:`_rotate_block`)."""
+    -> ``(q_rot, qk_offset, tiles, fields)``."""
     qf, r_k, mu_k, q_rot, off = rotation_args(qf, r_k, mu_k)
     b, hk, m, d = qf.shape
     if d != 128 or not 1 <= m <= 8:
@@ -277,8 +253,7 @@ def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tens
     fields = torch.zeros(b * hk, 8, 8, device=qf.device, dtype=torch.float32)
     _rotate_q8_kernel[(b * hk, 4)](
         qf, r_k, mu_k, q_rot, off, tiles, fields, m, hk, float(qk_scale), *rotation_strides(qf, mu_k),
-        D=d, M_PAD=8 // tb if fma else 16, TB=tb, HAS_MU=mu_k is not None, ASM=int(qf.is_cuda), FMA=int(fma),
-        num_warps=4,
+        D=d, M_PAD=16, TB=tb, HAS_MU=mu_k is not None, ASM=int(qf.is_cuda), num_warps=4,
     )
     return q_rot, off, tiles, fields
 

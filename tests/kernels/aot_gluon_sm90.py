@@ -53,7 +53,7 @@ def main():
 
     ptrs = dict(Q="*fp32", KC="*u8", KS="*bf16", KZ="*bf16", VC="*u8", VS="*bf16", VZ="*bf16", START="*i32",
                 QKOFF="*fp32", QP8="*i8", QPF="*fp32", READY="*i32")
-    ints = "N M Hk S S_TOT split_len SLEEP".split()
+    ints = "N M Hk S S_TOT split_len".split()
     strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
     stages = int(CONFIG["gluon_stages"])
     # both key paths (fp16 / int8 key MMAs: CONFIG["gluon_k8"] picks one per call) with both pipelines (short and long
@@ -78,7 +78,7 @@ def main():
                   # combine let go after the loop; at least 2, the prologue's wait; AOT_PDL: another)
                   "PDL": int(os.environ.get("AOT_PDL", max(2, gluon_history_pdl(int(CONFIG.get("pdl") or 0)))
                                             if early else 1)),
-                  "TIMES": None, "TIMED": 0, "RSTRIDE": int(CONFIG.get("gluon_qflag_stride", 1))}
+                  "TIMES": None, "TIMED": 0}
         # the prologue -> history counters (CONFIG["gluon_qflag"], with the prologue's operands and PDL 2)
         qflag = int(bool(qp) and consts["PDL"] >= 2 and int(os.environ.get("AOT_QFLAG", CONFIG.get("gluon_qflag") or 0)))
         consts["QFLAG"] = qflag

@@ -644,9 +644,6 @@ _GLUON_VARIANTS = {
     "pdl5": {"gluon_gsum": 1, "pdl": 5, "gluon_early": 1},
     "qflag": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qflag": 1},
     "parts1": {"merge_out_parts": 1, "merge_warps_few": None, "splits_pow2_slack": 0},
-    "rotfma": {"rotation_fma": 1},  # the prologue's rotation product in float32 FMAs
-    "trig1": {"prologue_trigger": 1, "rotation_fma": 1},  # the history launched once the rotation's products are known
-    "trig2": {"prologue_trigger": 2},  # ... once the rotation programs raised their counters
 }
 
 
@@ -666,9 +663,7 @@ def gluon_calls(request, monkeypatch):
     one warp per row wherever there are more rows than SMs (merge_one_warp_rows 0); "pdl5": the combine under PDL,
     launched once every history program is past its loop (pdl 5); "qflag": the history programs wait for
     counters their head's rotation programs raise, not for the prologue grid (gluon_qflag); "parts1": the combine for fewer
-    rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded); "rotfma": the prologue's
-    rotation programs multiply in float32 FMAs (rotation_fma); "trig1", "trig2": the prologue lets the history launch
-    start once its rotation programs have their product / have raised their counters (prologue_trigger)."""
+    rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
@@ -818,20 +813,17 @@ def test_gpu_gluon_prologue_query_operands(monkeypatch, m):
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("stride,sleep", [(1, 32), (32, 256)], ids=["packed", "lines"])
-def test_gpu_gluon_qflag_counters(monkeypatch, stride, sleep):
+def test_gpu_gluon_qflag_counters(monkeypatch):
     """The prologue -> history counters (gluon_qflag): the op's output is bit-identical to the PDL wait's (the same
     kernels, only the wait differs), call after call, from a second stream too, and every call leaves the counters at
     0 (the combine resets them: a counter left raised would let the next call's history read stale operands) -- also
-    a call whose launches fail after the prologue's. "lines": each (row, head)'s counter on a 128-byte line of its own
-    (gluon_qflag_stride 32), polled every 256 ns."""
+    a call whose launches fail after the prologue's."""
     dt = _dt()
     args = _rotating_case(2, 8, 4, 9000, 320, 128, 64, seed=3, device="cuda")
     args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 37], device="cuda")
     args["out_dtype"] = torch.float32
-    base = {**dt.CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_k8": 2, "gluon_qpre": 1, "pdl": 2,
-            "gluon_qflag_stride": stride, "gluon_qflag_sleep": sleep}
+    base = {**dt.CONFIG, "gluon": 1, "gluon_min_work": 0, "gluon_k8": 2, "gluon_qpre": 1, "pdl": 2}
     monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_qflag": 0})
     want = dt.decode_attention_rotating_triton(**args)
     monkeypatch.setattr(dt, "CONFIG", {**base, "gluon_qflag": 1})

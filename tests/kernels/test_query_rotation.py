@@ -75,15 +75,14 @@ def test_rotate_query_kernel_gpu(m, mu):
     _check(*_case(8, 8, m, 128, mu, torch.bfloat16, "cuda", seed=m), 1e-5)
 
 
-def _check_q8(q, r_k, mu_k, scale, exact, fma=False):
+def _check_q8(q, r_k, mu_k, scale, exact):
     """The int8 key path's query operands (``rotate_query_q8_triton``, the fused prologue's QPRE programs) against
     :func:`q8_operands_reference` of the kernel's own ``q_rot``, which is checked against the rotation's reference;
     and the reference against what the operands mean: ``sigma_g (hi + lo / 254)`` is ``q_P qk_scale / 4^P`` to half
-    a step of ``lo``, ``sigma_g`` from the largest norm of the head's query rows. ``fma``: the product as float32 FMAs
-    (CONFIG["rotation_fma"]), not tl.dot tf32x3."""
+    a step of ``lo``, ``sigma_g`` from the largest norm of the head's query rows."""
     from oscar_hf.kernels.query_triton import q8_operands_reference, rotate_query_q8_triton
 
-    q_rot, off, tiles, fields = rotate_query_q8_triton(q, r_k, mu_k, scale, fma=fma)
+    q_rot, off, tiles, fields = rotate_query_q8_triton(q, r_k, mu_k, scale)
     ref_q, ref_off = rotate_query_reference(q.cpu().double(), r_k.cpu().double(),
                                             None if mu_k is None else mu_k.cpu().double())
     assert rel_err(q_rot.cpu().double(), ref_q) < 1e-5
@@ -131,10 +130,8 @@ def _check_q8(q, r_k, mu_k, scale, exact, fma=False):
     (2, 2, 7, "row", torch.float16),  # one token set, padding column 7
     (1, 1, 8, "head", torch.float32),  # GQA 8
 ])
-@pytest.mark.parametrize("fma", [False, True], ids=["dot", "fma"])
-def test_rotate_query_q8_kernel(b, hk, m, mu, dtype, fma):
-    _check_q8(*_case(b, hk, m, 128, mu, dtype, "cpu", seed=m + 10), 128**-0.5 * 1.4426950408889634, exact=True,
-              fma=fma)
+def test_rotate_query_q8_kernel(b, hk, m, mu, dtype):
+    _check_q8(*_case(b, hk, m, 128, mu, dtype, "cpu", seed=m + 10), 128**-0.5 * 1.4426950408889634, exact=True)
 
 
 @interp
@@ -149,7 +146,5 @@ def test_rotate_query_q8_rejects_shapes_it_cannot_serve():
 @on_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,mu", [(4, "head"), (8, "row"), (1, None), (6, "head")])
-@pytest.mark.parametrize("fma", [False, True], ids=["dot", "fma"])
-def test_rotate_query_q8_kernel_gpu(m, mu, fma):
-    _check_q8(*_case(8, 8, m, 128, mu, torch.bfloat16, "cuda", seed=m), 128**-0.5 * 1.4426950408889634, exact=False,
-              fma=fma)
+def test_rotate_query_q8_kernel_gpu(m, mu):
+    _check_q8(*_case(8, 8, m, 128, mu, torch.bfloat16, "cuda", seed=m), 128**-0.5 * 1.4426950408889634, exact=False)
