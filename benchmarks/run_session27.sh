@@ -95,3 +95,21 @@ esac
 # Runs a-e ran code that was removed afterwards (the knobs gluon_qflag_stride / gluon_qflag_sleep, rotation_fma,
 # prologue_trigger): run a at e0bf973, b at 829b6e5, c at 078e97f, d at 3bf246f, e at dc28500; `git checkout <commit>`
 # to run them again. scripts/probe_fixed_costs.py stays (runs a, b).
+# Run f: fewer of the history's first copies before its wait for the query operands (CONFIG["gluon_early_copies"]
+# 0, 1, 2 of the 3; the rest issued once the operands' loads are out), so that the handoff's polls and loads queue
+# behind fewer copies
+#   bash benchmarks/run_session27.sh f
+case "$1" in
+f|g)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "fewcopies" 2>&1 | tee "$OUT/tests_${GPU}_session27$1.log" | tail -3
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_early_copies": 0}' '{"gluon_early_copies": 1}' '{"gluon_early_copies": 2}' \
+      --out "$OUT/timeline_hist_${GPU}_session27$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | grep -E "^B=|prologue|combine|at  |->"
+  timeout 220 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,1x32768,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_early_copies": 0}' '{"gluon_early_copies": 1}' '{"gluon_early_copies": 2}' \
+      '{}' '{"gluon_early_copies": 1}' \
+      --out "$OUT/profile_op_${GPU}_session27$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
