@@ -121,4 +121,4 @@ esac
 # 25.3-26.0 against 24.6 us) and ends later (max 35.3-35.8 against 34.9): B=1/128K graph 44.1-44.2 (0 or 1 of the 3
 # copies early) / 43.2-43.7 (2) against 42.6-43.6 us; B=8/128K 249.1-250.9 against 249.8, B=32/32K within 0.3%. The
 # early copies are worth more than the sooner handoff: the HBM's time is what ends the op. Removed (run f ran at
-# 1f8cdbb; its block is below as it ran, with "e|f" now "e").
+# 1315bd2; its block is above; run e's is now under "e" alone).
