@@ -115,10 +115,11 @@ f|g)
 esac
 # (appended) run f's result (H100; the run script still had run e's block under "e|f", so run f first ran that block
 # too -- its prologue_trigger / rotation_fma keys were no-ops by then, so it timed the defaults: B=1/128K graph
-# 42.9-44.0 us over 9 measurements; its files were overwritten by run f's own): 50 GPU tests passed (the decode op's
+# 42.9-44.0 us in the 8 measurements its output shows; its files were overwritten by run f's own): 50 GPU tests passed (the decode op's
 # fewcopies0 / fewcopies1 variants). Fewer first copies before the wait end it sooner (p50 5.1 against 5.9 us) and
 # start the loop sooner (ref_step p50 6.1 against 6.9), but the loop then takes longer (ref_step -> loop_end p50
 # 25.3-26.0 against 24.6 us) and ends later (max 35.3-35.8 against 34.9): B=1/128K graph 44.1-44.2 (0 or 1 of the 3
-# copies early) / 43.2-43.7 (2) against 42.6-43.6 us; B=8/128K 249.1-250.9 against 249.8, B=32/32K within 0.3%. The
+# copies early) / 43.2-43.7 (2) against 42.6-43.6 us; B=8/128K 249.1-250.9 against 249.8, B=8/8K 36.5-36.9 against
+# 36.2-36.6, B=32/32K within 0.3%. The
 # early copies are worth more than the sooner handoff: the HBM's time is what ends the op. Removed (run f ran at
 # 1315bd2; its block is above; run e's is now under "e" alone).
