@@ -100,7 +100,7 @@ esac
 # behind fewer copies
 #   bash benchmarks/run_session27.sh f
 case "$1" in
-f|g)
+f)
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
       -k "fewcopies" 2>&1 | tee "$OUT/tests_${GPU}_session27$1.log" | tail -3
   timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
@@ -123,3 +123,12 @@ esac
 # 36.2-36.6, B=32/32K within 0.3%. The
 # early copies are worth more than the sooner handoff: the HBM's time is what ends the op. Removed (run f ran at
 # 1315bd2; its block is above; run e's is now under "e" alone).
+# Run g: can a Triton-compiled kernel (num_ctas 1) run as thread-block clusters and exchange through distributed
+# shared memory here (scripts/probe_cluster.py: launched through cuLaunchKernelEx with a cluster dimension; eagerly,
+# under PDL, from a CUDA graph)?
+#   bash benchmarks/run_session27.sh g
+case "$1" in
+g)
+  timeout 120 python3 "$R/scripts/probe_cluster.py" --out "$OUT/probe_cluster_${GPU}_session27$1.json" 2>&1 | tail -8
+  ;;
+esac
