@@ -7,7 +7,8 @@ compiles cluster launches only with ``num_ctas > 1``, whose layouts split tensor
 ``num_ctas = 1`` and launches the compiled function itself through the driver (``cuLaunchKernelEx`` with a cluster
 dimension, via ctypes), the exchange in one inline-PTX block (a static ``.shared`` word per lane, ``barrier.cluster``,
 ``mapa`` + ``ld.shared::cluster`` of the next rank's word). It checks the values eagerly, under programmatic dependent
-launch and replayed from a CUDA graph, and times the exchange (``%globaltimer`` around it).
+launch and replayed from a CUDA graph, and times two exchanges in a row (``%globaltimer`` around each; the first
+also waits for the cluster's last CTA to start).
 
     python3 scripts/probe_cluster.py --out probe_cluster.json
 """
@@ -34,16 +35,22 @@ _GT = tl.constexpr("mov.u64 $0, %globaltimer; // $1")
 
 
 @triton.jit
-def _probe(OUT, TIMES):
+def _probe(OUT, OUT2, TIMES):
     i = tl.arange(0, 32)
     v = tl.program_id(0) * 100 + i
     t0 = tl.inline_asm_elementwise(_GT, "=l,r", [v], dtype=tl.int64, is_pure=False, pack=1)
     w = tl.inline_asm_elementwise(_EXCHANGE, "=r,r", [v + (t0 * 0).to(tl.int32)], dtype=tl.int32, is_pure=False,
                                   pack=1)
     t1 = tl.inline_asm_elementwise(_GT, "=l,r", [w], dtype=tl.int64, is_pure=False, pack=1)
-    tl.store(OUT + tl.program_id(0) * 32 + i, w)
-    tl.store(TIMES + tl.program_id(0) * 2 + i * 0, t0, mask=i == 0)
-    tl.store(TIMES + tl.program_id(0) * 2 + 1 + i * 0, t1, mask=i == 0)
+    # a second exchange, the cluster's CTAs now in step (the first one also waits for the last of them to start)
+    w2 = tl.inline_asm_elementwise(_EXCHANGE, "=r,r", [w + (t1 * 0).to(tl.int32)], dtype=tl.int32, is_pure=False,
+                                   pack=1)
+    t2 = tl.inline_asm_elementwise(_GT, "=l,r", [w2], dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(OUT + tl.program_id(0) * 32 + i, w + (w2 - w2))
+    tl.store(OUT2 + tl.program_id(0) * 32 + i, w2)
+    tl.store(TIMES + tl.program_id(0) * 3 + i * 0, t0, mask=i == 0)
+    tl.store(TIMES + tl.program_id(0) * 3 + 1 + i * 0, t1, mask=i == 0)
+    tl.store(TIMES + tl.program_id(0) * 3 + 2 + i * 0, t2, mask=i == 0)
 
 
 class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, padding, a 64-byte value union
@@ -90,31 +97,38 @@ def main():
     args = ap.parse_args()
     n, cl = 1024, 4
     out = torch.zeros(n, 32, device="cuda", dtype=torch.int32)
-    times = torch.zeros(n, 2, device="cuda", dtype=torch.int64)
-    kernel = _probe[(1,)](out, times, num_warps=1)  # (compiles; one program, a cluster of one)
+    out2 = torch.zeros_like(out)
+    times = torch.zeros(n, 3, device="cuda", dtype=torch.int64)
+    kernel = _probe[(1,)](out, out2, times, num_warps=1)  # (compiles; one program, a cluster of one)
     pid = torch.arange(n, device="cuda")[:, None]
-    want = ((pid // cl) * cl + (pid % cl + 1) % cl) * 100 + torch.arange(32, device="cuda")[None, :]
+    lane = torch.arange(32, device="cuda")[None, :]
+    want = ((pid // cl) * cl + (pid % cl + 1) % cl) * 100 + lane
+    want2 = ((pid // cl) * cl + (pid % cl + 2) % cl) * 100 + lane  # (the next rank's word: its next rank's)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "command": " ".join(sys.argv), "programs": n, "cluster": cl}
     for name, pdl in (("eager", False), ("eager_pdl", True)):
         out.zero_()
-        launch_clusters(kernel, (n, 1, 1), cl, (out.data_ptr(), times.data_ptr()), pdl=pdl)
+        out2.zero_()
+        launch_clusters(kernel, (n, 1, 1), cl, (out.data_ptr(), out2.data_ptr(), times.data_ptr()), pdl=pdl)
         torch.cuda.synchronize()
-        res[name] = bool(torch.equal(out, want))
-        t = (times[:, 1] - times[:, 0]).double().sort().values / 1e3
-        res[name + "_exchange_us_p50"] = float(t[n // 2])
-        print(name, res[name], "exchange us p50", res[name + "_exchange_us_p50"], "max", float(t[-1]), flush=True)
+        res[name] = bool(torch.equal(out, want) and torch.equal(out2, want2))
+        for j, what in ((1, "first"), (2, "second")):
+            t = (times[:, j] - times[:, j - 1]).double().sort().values / 1e3
+            res[f"{name}_{what}_exchange_us_p50"] = float(t[n // 2])
+            res[f"{name}_{what}_exchange_us_max"] = float(t[-1])
+        print(name, {k: v for k, v in res.items() if k.startswith(name)}, flush=True)
     g = torch.cuda.CUDAGraph()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         with torch.cuda.graph(g):
-            launch_clusters(kernel, (n, 1, 1), cl, (out.data_ptr(), times.data_ptr()), pdl=True)
+            launch_clusters(kernel, (n, 1, 1), cl, (out.data_ptr(), out2.data_ptr(), times.data_ptr()), pdl=True)
     ok = True
     for _ in range(3):
         out.zero_()
+        out2.zero_()
         g.replay()
         torch.cuda.synchronize()
-        ok &= bool(torch.equal(out, want))
+        ok &= bool(torch.equal(out, want) and torch.equal(out2, want2))
     res["graph"] = ok
     print("graph", ok, flush=True)
     with open(args.out, "w") as f:
