@@ -132,3 +132,23 @@ g)
   timeout 120 python3 "$R/scripts/probe_cluster.py" --out "$OUT/probe_cluster_${GPU}_session27$1.json" 2>&1 | tail -8
   ;;
 esac
+# (appended) run g's result (H100, probe_cluster_h100_session27g.json): yes. The probe kernel (num_ctas 1) launched
+# through cuLaunchKernelEx as 256 clusters of 4 exchanged its words through DSMEM correctly, eagerly, under PDL and
+# replayed from a CUDA graph; an exchange (two cluster barriers and one DSMEM load) took p50 1.2 us the first time
+# (the cluster's CTAs not yet in step) and 1.0 us the second. Run h (proxy for a clustered history): the history
+# kernel as it is, launched as clusters of 2 or 4 CTAs (CONFIG["gluon_cluster"]: Triton's launcher told num_ctas =
+# 2 / 4 for a kernel compiled with 1), to see what cluster scheduling costs the stream
+#   bash benchmarks/run_session27.sh h
+case "$1" in
+h)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "cluster4" 2>&1 | tee "$OUT/tests_${GPU}_session27$1.log" | tail -3
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_cluster": 4}' '{"gluon_cluster": 2}' \
+      --out "$OUT/timeline_hist_${GPU}_session27$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | grep -E "^B=|prologue|combine|at  |->"
+  timeout 220 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_cluster": 4}' '{"gluon_cluster": 2}' '{}' '{"gluon_cluster": 4}' \
+      --out "$OUT/profile_op_${GPU}_session27$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
