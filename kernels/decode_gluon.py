@@ -636,9 +636,8 @@ def _hist_kernel(
     STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
     PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
     TIMES=None, TIMED: gl.constexpr = 0, QP8=None, QPF=None, QPRE: gl.constexpr = 0,
-    READY=None, QFLAG: gl.constexpr = 0, CLUSTER: gl.constexpr = 1,
+    READY=None, QFLAG: gl.constexpr = 0,
 ):
-    # (CLUSTER: a separate specialization for launch_history's clustered launches; the body does not use it)
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
     pid_bh = gl.program_id(0)
@@ -899,8 +898,7 @@ TIMES_BUF = None
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None,
-                   cluster=1):
+                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
     ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
     ``ready`` (with ``qpre`` and ``pdl`` >= 2): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise
@@ -908,9 +906,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
     With :data:`TIMES_BUF` set (a diagnostic), each program's timestamps go there (``[programs, TIME_SLOTS]`` int64)."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
-    if cluster > 1 and (b * hk) % cluster:
-        cluster = 1
-    return _launch_clustered(lambda grid: _hist_kernel[grid](
+    _hist_kernel[(b * hk, s_hist)](
         q_rot, *k, *v, start, qk_offset, n_valid, pm, pl, pacc,
         n, m, hk, s_hist, s_tot, split_len, qk_scale,
         *q_rot.stride()[:3], *k.codes.stride()[:2], *k.scale.stride()[:2],
@@ -920,30 +916,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
         TIMES=TIMES_BUF, TIMED=int(TIMES_BUF is not None),
         QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),
-        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2), CLUSTER=cluster, num_warps=1,
+        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
-    ), b * hk, s_hist, cluster)
-
-
-_CLUSTERED = set()  # ids of compiled kernels whose launches were made clustered
-
-
-def _launch_clustered(launch, gx, gy, cluster):
-    """(session 27 proxy experiment) ``launch(grid)`` as thread-block clusters of ``cluster`` CTAs along x: the
-    kernel is compiled with num_ctas 1 (its code knows nothing of clusters); its launcher's packed metadata gets
-    num_ctas = ``cluster``, so that a launch of grid ``(gx / cluster, gy)`` runs ``gx / cluster`` clusters of ``cluster``
-    CTAs along x (blockIdx.x, the kernel's program_id(0), 0 .. gx - 1). A specialization's first launch (which
-    compiles it) runs unclustered over a quarter of the grid, then again clustered over all of it."""
-    if cluster <= 1:
-        return launch((gx, gy))
-    kernel = launch((gx // cluster, gy))
-    if id(kernel) not in _CLUSTERED:
-        pm = list(kernel.packed_metadata)
-        pm[1] = cluster  # (num_warps, num_ctas, shared, ...)
-        if len(pm) >= 6:  # (older Triton: cluster_dims x, y, z after them)
-            pm[3] = cluster
-        kernel.packed_metadata = tuple(pm)
-        _CLUSTERED.add(id(kernel))
-        kernel = launch((gx // cluster, gy))
-    return kernel
+    )
 

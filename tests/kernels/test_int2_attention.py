@@ -644,7 +644,6 @@ _GLUON_VARIANTS = {
     "pdl5": {"gluon_gsum": 1, "pdl": 5, "gluon_early": 1},
     "qflag": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qflag": 1},
     "parts1": {"merge_out_parts": 1, "merge_warps_few": None, "splits_pow2_slack": 0},
-    "cluster4": {"gluon_cluster": 4},  # the history launched as clusters of 4 CTAs
 }
 
 
