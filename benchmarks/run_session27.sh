@@ -155,6 +155,6 @@ esac
 # (appended) run h's result (H100): 25 GPU tests passed (the decode op's cluster4 variant). Clusters of 4 break the
 # history's single wave: at B=1/128K its 1024 programs went to 124 SMs, up to 12 on one, the last entering at 29.3 us
 # -- graph 57.9-59.8 us against 42.8-43.5; B=8/128K 295.9-297.0 against 249.5-249.9, B=32/32K 403.8-404.3 against
-# 270.6. Clusters of 2 cost nothing measurable (B=1/128K 43.2-43.3, B=8/128K 250.1, B=32/32K 272.1). Removed (run h
+# 270.6. Clusters of 2 cost little (B=1/128K 43.2-43.3, B=8/128K 250.1, B=32/32K 272.1: within 0.6%). Removed (run h
 # ran at 728cbae). Run g's JSON is its second run's (at 883c3aa: two exchanges timed); the first run (one exchange,
 # 1.2 us) was at b0de60c.
