@@ -158,3 +158,23 @@ esac
 # 270.6. Clusters of 2 cost little (B=1/128K 43.2-43.3, B=8/128K 250.1, B=32/32K 272.1: within 0.6%). Removed (run h
 # ran at 728cbae). Run g's JSON is its second run's (at 883c3aa: two exchanges timed); the first run (one exchange,
 # 1.2 us) was at b0de60c.
+# Run i: a deeper ring for the loop without more copies before the handoff -- 6 or 8 stages (gluon_stages_long), of
+# whose first 5 / 7 copies only 3 go out before the wait (gluon_early_copies, run f's mechanism, back for this run),
+# the rest behind the operands' loads; and 8 stages all early, as in session 25
+#   bash benchmarks/run_session27.sh i
+case "$1" in
+i)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/kernels/test_int2_attention.py" \
+      -k "deep8" 2>&1 | tee "$OUT/tests_${GPU}_session27$1.log" | tail -3
+  timeout 150 python3 "$R/scripts/timeline_hist_programs.py" --points 1x131072 --iters 10 \
+      --configs '{}' '{"gluon_stages_long": 8, "gluon_early_copies": 3}' \
+      '{"gluon_stages_long": 6, "gluon_early_copies": 3}' '{"gluon_stages_long": 8}' \
+      --out "$OUT/timeline_hist_${GPU}_session27$1.json" 2>&1 | grep -v -E "Warn|warn" \
+      | grep -E "^B=|prologue|combine|at  |->"
+  timeout 220 python3 "$R/scripts/profile_decode_op.py" --points 1x131072,8x131072,8x8192,32x32768 --iters 10 \
+      --configs '{}' '{"gluon_stages_long": 8, "gluon_early_copies": 3}' \
+      '{"gluon_stages_long": 6, "gluon_early_copies": 3}' '{"gluon_stages_long": 8}' '{}' \
+      '{"gluon_stages_long": 8, "gluon_early_copies": 3}' \
+      --out "$OUT/profile_op_${GPU}_session27$1.json" 2>&1 | grep -E "^B="
+  ;;
+esac
