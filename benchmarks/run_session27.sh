@@ -178,3 +178,10 @@ i)
       --out "$OUT/profile_op_${GPU}_session27$1.json" 2>&1 | grep -E "^B="
   ;;
 esac
+# (appended) run i's result (H100): 25 GPU tests passed (the decode op's deep8 variant). Deeper rings are slower: 6
+# stages with 3 early copies B=1/128K 44.6-45.0 us, 8 stages with 3 early 48.0, 8 all early 45.2-45.6, against
+# 42.8-44.0 (B=8/128K 253.0 / 256.8-257.3 / 254.6 against 248.6-249.3; B=32/32K 273.2 / 275.7-275.9 / 276.9 against
+# 270.5-271.1). The loop itself gets shorter (ref_step -> loop_end p50 23.8 / 23.8 / 22.5 against 24.6 us), but with
+# 8 stages the history's shared memory leaves room for fewer programs beside the prologue's (129 SMs used, entry p50
+# 4.2-4.5 against 1.3 us) and the handoff's loads queue longer (waited -> ref_step p90 2.0-2.9 against 1.3 us).
+# Removed (run i ran at 807e0d7).

@@ -78,7 +78,7 @@ def main():
                   # combine let go after the loop; at least 2, the prologue's wait; AOT_PDL: another)
                   "PDL": int(os.environ.get("AOT_PDL", max(2, gluon_history_pdl(int(CONFIG.get("pdl") or 0)))
                                             if early else 1)),
-                  "TIMES": None, "TIMED": 0, "EARLYN": int(os.environ.get("AOT_EARLYN", -1))}
+                  "TIMES": None, "TIMED": 0}
         # the prologue -> history counters (CONFIG["gluon_qflag"], with the prologue's operands and PDL 2)
         qflag = int(bool(qp) and consts["PDL"] >= 2 and int(os.environ.get("AOT_QFLAG", CONFIG.get("gluon_qflag") or 0)))
         consts["QFLAG"] = qflag

@@ -644,9 +644,6 @@ _GLUON_VARIANTS = {
     "pdl5": {"gluon_gsum": 1, "pdl": 5, "gluon_early": 1},
     "qflag": {"gluon_gsum": 1, "pdl": 2, "gluon_early": 1, "gluon_k8": 2, "gluon_qpre": 1, "gluon_qflag": 1},
     "parts1": {"merge_out_parts": 1, "merge_warps_few": None, "splits_pow2_slack": 0},
-    "fewcopies0": {"gluon_early_copies": 0},  # no first copies before the wait for the query operands
-    "fewcopies1": {"gluon_early_copies": 1},  # one before it, the rest behind the operands' loads
-    "deep8": {"gluon_stages_long": 8, "gluon_early_copies": 3},  # an 8-stage ring, 3 of its first 7 copies early
 }
 
 
@@ -666,8 +663,7 @@ def gluon_calls(request, monkeypatch):
     one warp per row wherever there are more rows than SMs (merge_one_warp_rows 0); "pdl5": the combine under PDL,
     launched once every history program is past its loop (pdl 5); "qflag": the history programs wait for
     counters their head's rotation programs raise, not for the prologue grid (gluon_qflag); "parts1": the combine for fewer
-    rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded); "fewcopies0", "fewcopies1":
-    only 0 / 1 of the first copies before the history's wait for the query operands (gluon_early_copies)."""
+    rows than SMs as before session 21 (one 8-warp program a row, the split count not rounded)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
