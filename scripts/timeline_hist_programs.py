@@ -15,13 +15,14 @@ streaming loop, and the spread of the programs' ends (the tail: SMs with more pr
 which the kernel-level timeline cannot.
 
     python scripts/timeline_hist_programs.py --points 1x131072 --configs '{}' '{"pdl": 0}' --out timeline.json
-    python scripts/timeline_hist_programs.py --plot timeline.json [more.json ...] --out timeline.png
+    python scripts/timeline_hist_programs.py --plot timeline.json [more.json:ROW ...] --out timeline.png
 """
 from __future__ import annotations
 
 import argparse
 import collections
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -196,19 +197,29 @@ def show(row):
                   f"{e['max']:.1f}, exit p50 {x['p50']:.1f} p90 {x['p90']:.1f} max {x['max']:.1f} us")
 
 
+def _plot_source(spec: str):
+    """``PATH`` or ``PATH:ROW`` -> (path, the result, its row ROW among those with per-program stamps: 0 by default;
+    an IndexError naming the path where it has no such row)."""
+    path, _, idx = spec.rpartition(":") if re.fullmatch(r".*:\d+", spec) else (spec, "", "0")
+    res = json.loads(Path(path).read_text())
+    rows = [r for r in res["rows"] if "programs" in r]
+    if int(idx) >= len(rows):
+        raise IndexError(f"{path}: row {idx} asked for, {len(rows)} rows with per-program stamps")
+    return path, res, rows[int(idx)]
+
+
 def plot(paths, out):
-    """One PNG of the first row of each result JSON: per stamp, the programs' p10-p90 range (bar) with min / p50 / max
-    marks, and the prologue's rotation / window programs' last exits -- where the history's programs wait, set up,
-    stream and end."""
+    """One PNG of one row of each result JSON (``PATH``: its first, ``PATH:ROW``: that one): per stamp, the programs'
+    p10-p90 range (bar) with min / p50 / max marks, and the prologue's rotation / window programs' last exits -- where
+    the history's programs wait, set up, stream and end."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(paths), 1, figsize=(9, 2.6 * len(paths)), squeeze=False)
-    for ax, path in zip(axes[:, 0], paths):
-        res = json.loads(Path(path).read_text())
-        row = next(r for r in res["rows"] if "programs" in r)
+    fig, axes = plt.subplots(len(paths), 1, figsize=(9, 2.8 * len(paths)), squeeze=False, sharex=True)
+    for ax, spec in zip(axes[:, 0], paths):
+        path, res, row = _plot_source(spec)
         p = row["programs"]
         for y, name in enumerate(SLOTS):
             s = p[f"{name}_us"]
@@ -221,8 +232,9 @@ def plot(paths, out):
         ax.invert_yaxis()
         ax.set_xlabel("us from the prologue's start")
         ax.set_xlim(left=0)
-        ax.set_title(f"{Path(path).stem} -- {res['device']}: B={row['B']} T={row['T']}, {p['programs']:.0f} history programs "
-                     f"(graph {row['graph_us']:.1f} us)", fontsize=9)
+        cfg = json.dumps(row.get("config") or {})
+        ax.set_title(f"{Path(path).stem} {cfg}\n{res['device']}: B={row['B']} T={row['T']}, {p['programs']:.0f} "
+                     f"history programs (graph {row['graph_us']:.1f} us)", fontsize=8)
         ax.legend(fontsize=7, loc="center")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

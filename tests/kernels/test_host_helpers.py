@@ -91,3 +91,41 @@ def test_bench_kernels_plot(tmp_path, monkeypatch, name):
     batches = {r["B"] for r in rows}
     seq = {r["B"] for r in rows if "speedup_graph_seq" in r}
     assert lines == [2 * len(batches) + len(seq) + 2]  # eager + graph (+ back to back) per B, the 1x and 4.5x lines
+
+
+def test_timeline_plot_rows(tmp_path, monkeypatch):
+    """The per-program timeline's plot (``scripts/timeline_hist_programs.py --plot PATH[:ROW] ...``, on any machine)
+    from committed results: each panel shows the row asked for (its config in the title, its stamps as bars), the
+    first row without ``:ROW``; a row the result does not hold is an error that names the file."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    root = Path(__file__).resolve().parents[2]
+    src = root / "benchmarks" / "results" / "timeline_hist_h100_session27e.json"
+    spec = importlib.util.spec_from_file_location("timeline_for_test", root / "scripts" / "timeline_hist_programs.py")
+    tl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tl)
+    panels = []
+    real_savefig = plt.Figure.savefig
+
+    def spy(fig, *a, **kw):
+        panels.extend((ax.get_title(), [p.get_x() for p in ax.patches]) for ax in fig.axes)
+        return real_savefig(fig, *a, **kw)
+
+    monkeypatch.setattr(plt.Figure, "savefig", spy)
+    out = tmp_path / "timeline.png"
+    tl.plot([str(src), f"{src}:3"], str(out))
+    assert out.stat().st_size > 10_000
+    rows = [r for r in json.loads(src.read_text())["rows"] if "programs" in r]
+    assert len(panels) == 2
+    for (title, lefts), row in zip(panels, (rows[0], rows[3])):
+        assert json.dumps(row["config"]) in title and f"graph {row['graph_us']:.1f} us" in title
+        # one bar per stamp, from its p10
+        assert lefts == pytest.approx([row["programs"][f"{s}_us"]["p10"] for s in tl.SLOTS])
+    assert rows[0]["config"] != rows[3]["config"]
+    with pytest.raises(IndexError, match="timeline_hist_h100_session27e.json: row 9"):
+        tl.plot([f"{src}:9"], str(out))
