@@ -1,6 +1,8 @@
 """The kernels' plain-Python host helpers (``oscar_hf.kernels``) agree with Triton's own."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -57,33 +59,45 @@ def test_times_buf_checked():
         _check_times_buf(torch.zeros(row0 + 72, 8, dtype=torch.int32), 8, 1024, 72)
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(name: str):
+    """``scripts/<name>.py`` loaded as a module (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_for_test", ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _spy_savefig(monkeypatch, record):
+    """Figure.savefig that first appends ``record(fig)`` to the returned list (matplotlib needed)."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    seen = []
+    real_savefig = plt.Figure.savefig
+
+    def spy(fig, *a, **kw):
+        seen.append(record(fig))
+        return real_savefig(fig, *a, **kw)
+
+    monkeypatch.setattr(plt.Figure, "savefig", spy)
+    return seen
+
+
 @pytest.mark.parametrize("name", ["kernels_h100_session26i.json", "kernels_h200_session24m.json"])
 def test_bench_kernels_plot(tmp_path, monkeypatch, name):
     """The kernel benchmark's plot (``scripts/bench_kernels.py --plot``, on any machine) from a committed result, with
     the back-to-back graph timing (session 26 on) and without it (before): the PNG is written beside the JSON and has
     one speedup line more per batch size where the result holds that timing."""
-    import importlib.util
     import json
     import shutil
-    from pathlib import Path
 
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
-
-    root = Path(__file__).resolve().parents[2]
-    src = root / "benchmarks" / "results" / name
+    src = ROOT / "benchmarks" / "results" / name
     shutil.copy(src, tmp_path / name)
-    spec = importlib.util.spec_from_file_location("bench_kernels_for_test", root / "scripts" / "bench_kernels.py")
-    bk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bk)
-    lines = []
-    real_savefig = plt.Figure.savefig
-
-    def spy(fig, *a, **kw):
-        lines.append(len(fig.axes[0].get_lines()))
-        return real_savefig(fig, *a, **kw)
-
-    monkeypatch.setattr(plt.Figure, "savefig", spy)
+    bk = _script("bench_kernels")
+    lines = _spy_savefig(monkeypatch, lambda fig: len(fig.axes[0].get_lines()))
     bk.plot(str(tmp_path / name))
     png = tmp_path / name.replace(".json", "_speedup.png")
     assert png.stat().st_size > 10_000
@@ -97,31 +111,17 @@ def test_timeline_plot_rows(tmp_path, monkeypatch):
     """The per-program timeline's plot (``scripts/timeline_hist_programs.py --plot PATH[:ROW] ...``, on any machine)
     from committed results: each panel shows the row asked for (its config in the title, its stamps as bars), the
     first row without ``:ROW``; a row the result does not hold is an error that names the file."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
-
-    root = Path(__file__).resolve().parents[2]
-    src = root / "benchmarks" / "results" / "timeline_hist_h100_session27e.json"
-    spec = importlib.util.spec_from_file_location("timeline_for_test", root / "scripts" / "timeline_hist_programs.py")
-    tl = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tl)
-    panels = []
-    real_savefig = plt.Figure.savefig
-
-    def spy(fig, *a, **kw):
-        panels.extend((ax.get_title(), [p.get_x() for p in ax.patches]) for ax in fig.axes)
-        return real_savefig(fig, *a, **kw)
-
-    monkeypatch.setattr(plt.Figure, "savefig", spy)
+    src = ROOT / "benchmarks" / "results" / "timeline_hist_h100_session27e.json"
+    tl = _script("timeline_hist_programs")
+    figs = _spy_savefig(monkeypatch, lambda fig: [(ax.get_title(), [p.get_x() for p in ax.patches]) for ax in fig.axes])
     out = tmp_path / "timeline.png"
     tl.plot([str(src), f"{src}:3"], str(out))
     assert out.stat().st_size > 10_000
     rows = [r for r in json.loads(src.read_text())["rows"] if "programs" in r]
-    assert len(panels) == 2
+    assert len(figs) == 1 and len(figs[0]) == 2
+    panels = figs[0]
     for (title, lefts), row in zip(panels, (rows[0], rows[3])):
         assert json.dumps(row["config"]) in title and f"graph {row['graph_us']:.1f} us" in title
         # one bar per stamp, from its p10
