@@ -185,3 +185,12 @@ esac
 # 8 stages the history's shared memory leaves room for fewer programs beside the prologue's (129 SMs used, entry p50
 # 4.2-4.5 against 1.3 us) and the handoff's loads queue longer (waited -> ref_step p90 2.0-2.9 against 1.3 us).
 # Removed (run i ran at 807e0d7).
+# Run j (H200): the two probes on the other GPU
+#   bash benchmarks/run_session27.sh j
+case "$1" in
+j)
+  timeout 150 python3 "$R/scripts/probe_fixed_costs.py" --out "$OUT/probe_fixed_costs_${GPU}_session27$1.json" 2>&1 \
+      | grep -E "^loads|^graph|^rotation"
+  timeout 120 python3 "$R/scripts/probe_cluster.py" --out "$OUT/probe_cluster_${GPU}_session27$1.json" 2>&1 | tail -4
+  ;;
+esac
