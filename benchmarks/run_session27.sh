@@ -194,3 +194,7 @@ j)
   timeout 120 python3 "$R/scripts/probe_cluster.py" --out "$OUT/probe_cluster_${GPU}_session27$1.json" 2>&1 | tail -4
   ;;
 esac
+# (appended) run j's result (H200): the same as on the H100 but the exchange -- one round of a rotation program's
+# loads 1.5 us after the clean flush (0.75 hot, no TLB part), entry -> product tf32x3 2.75 / FMAs 1.75 us, a graph of
+# 1 / 2 / 3 trivial launches 4.0 / 5.8 / 7.5 us (5.7 / 6.9 under PDL); the cluster probe right eagerly, under PDL and
+# from a graph, an exchange p50 0.61 us the first time and 0.51 the second (H100: 1.2 / 1.0).
