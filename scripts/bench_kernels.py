@@ -115,11 +115,13 @@ def timed_seq(fns, iters=20):
     return timed(lambda: [fn() for fn in fns], graph=True, iters=iters) / len(fns)
 
 
-def flush_l2():
-    """Make the L2 cold before a timed call (untimed), as ``FLUSH_MODE`` says."""
-    FLUSH.zero_()
+def flush_l2(buf=None):
+    """Make the L2 cold before a timed call (untimed), as ``FLUSH_MODE`` says, with ``FLUSH`` (or ``buf``, a byte
+    buffer of another size)."""
+    buf = FLUSH if buf is None else buf
+    buf.zero_()
     if FLUSH_MODE == "clean":
-        FLUSH.view(torch.int32).sum(dtype=torch.int32)  # (the name of its kernel: "reduce_kernel")
+        buf.view(torch.int32).sum(dtype=torch.int32)  # (the name of its kernel: "reduce_kernel")
 
 
 def add_flush_arg(ap):

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oscar_hf.kernels.query_triton import stamp_asm  # (%globaltimer once its int32 input is known)
+
 # own value into a static .shared word per lane, cluster barrier, the next rank's word through DSMEM, barrier again
 # (so that no CTA exits while a peer may still read its shared memory); $0 = that word
 _EXCHANGE = tl.constexpr(
@@ -31,22 +33,21 @@ _EXCHANGE = tl.constexpr(
     "st.shared.u32 [a], $1; barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; "
     "add.u32 p, r, 1; rem.u32 p, p, n; mapa.shared::cluster.u32 a, a, p; ld.shared::cluster.u32 $0, [a]; "
     "barrier.cluster.arrive.release.aligned; barrier.cluster.wait.acquire.aligned; }")
-_GT = tl.constexpr("mov.u64 $0, %globaltimer; // $1")
 
 
 @triton.jit
 def _probe(OUT, OUT2, TIMES):
     i = tl.arange(0, 32)
     v = tl.program_id(0) * 100 + i
-    t0 = tl.inline_asm_elementwise(_GT, "=l,r", [v], dtype=tl.int64, is_pure=False, pack=1)
+    t0 = stamp_asm(v)
     w = tl.inline_asm_elementwise(_EXCHANGE, "=r,r", [v + (t0 * 0).to(tl.int32)], dtype=tl.int32, is_pure=False,
                                   pack=1)
-    t1 = tl.inline_asm_elementwise(_GT, "=l,r", [w], dtype=tl.int64, is_pure=False, pack=1)
+    t1 = stamp_asm(w)
     # a second exchange, the cluster's CTAs now in step (the first one also waits for the last of them to start)
     w2 = tl.inline_asm_elementwise(_EXCHANGE, "=r,r", [w + (t1 * 0).to(tl.int32)], dtype=tl.int32, is_pure=False,
                                    pack=1)
-    t2 = tl.inline_asm_elementwise(_GT, "=l,r", [w2], dtype=tl.int64, is_pure=False, pack=1)
-    tl.store(OUT + tl.program_id(0) * 32 + i, w + (w2 - w2))
+    t2 = stamp_asm(w2)
+    tl.store(OUT + tl.program_id(0) * 32 + i, w)
     tl.store(OUT2 + tl.program_id(0) * 32 + i, w2)
     tl.store(TIMES + tl.program_id(0) * 3 + i * 0, t0, mask=i == 0)
     tl.store(TIMES + tl.program_id(0) * 3 + 1 + i * 0, t1, mask=i == 0)

@@ -25,12 +25,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_kernels as bk  # noqa: E402
-
-
-@triton.jit
-def _stamp(dep):
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep], dtype=tl.int64,
-                                     is_pure=False, pack=1)
+from oscar_hf.kernels.query_triton import stamp_asm as _stamp  # noqa: E402  (%globaltimer once dep is known)
 
 
 @triton.jit
@@ -114,7 +109,7 @@ def probe_loads(iters: int):
 
     conditions = {
         "clean_flush_256MB": bk.flush_l2,
-        "flush_64MB": lambda: (small.zero_(), small.view(torch.int32).sum(dtype=torch.int32)),
+        "flush_64MB": lambda: bk.flush_l2(small),
         "clean_flush_then_pages_touched": lambda: (bk.flush_l2(), touch()),
         "hot": lambda: None,
     }
