@@ -198,3 +198,10 @@ esac
 # loads 1.5 us after the clean flush (0.75 hot, no TLB part), entry -> product tf32x3 2.75 / FMAs 1.75 us, a graph of
 # 1 / 2 / 3 trivial launches 4.0 / 5.8 / 7.5 us (5.7 / 6.9 under PDL); the cluster probe right eagerly, under PDL and
 # from a graph, an exchange p50 0.61 us the first time and 0.51 the second (H100: 1.2 / 1.0).
+# Run k (H100, at 1b63795, after the probes' review: the stamp from query_triton.stamp_asm, the 64 MB flush through
+# bench_kernels.flush_l2(buf)): both probes again, as one device call --
+#   source benchmarks/device_env.sh; python3 "$R/scripts/probe_fixed_costs.py" --iters 10 --out "$OUT/pf.json";
+#   python3 "$R/scripts/probe_cluster.py" --out "$OUT/pc.json"
+# (results/probe_fixed_costs_h100_session27k.json, probe_cluster_h100_session27k.json): the same numbers as runs a, b,
+# g (loads 1.5 us cold / 0.75 hot, entry -> product tf32x3 2.75 / FMAs 1.75 us, exchange 1.2 / 1.0 us, all right);
+# one trivial launch's graph 3.68 us here against 4.1-4.3 in runs a, b.
