@@ -70,7 +70,7 @@ def probe_asm(mode: str, nbytes: int) -> str:
 def _probe(SRC, FLAG, OPS, TIMES, WORDS, NBYTES: tl.constexpr, ASM: tl.constexpr):
     pid = tl.program_id(0)
     i = tl.arange(0, 32)
-    src = (SRC + pid.to(tl.int64) * NBYTES + i * 0).to(tl.int64, bitcast=True)
+    src = (SRC + pid.to(tl.int64) * (NBYTES // 4) + i * 0).to(tl.int64, bitcast=True)
     t0, t1, t2, t3, t4, w, sm = tl.inline_asm_elementwise(
         ASM, "=l,=l,=l,=l,=l,=r,=r,l,l,l",
         [src, (FLAG + i * 0).to(tl.int64, bitcast=True), (OPS + i * 0).to(tl.int64, bitcast=True)],
