@@ -120,7 +120,8 @@ def run_mode(mode, nbytes, n, iters):
     res = {"mode": mode, "bytes": nbytes, "programs": n, "copied_right": ok if mode != "none" else None,
            "sms_used": int(sms.unique().numel()), "max_programs_an_sm": int(torch.bincount(sms).max()),
            "entry_us": _pct(start), "issue_us": _pct(t[:, 1] - t[:, 0]), "poll_us": _pct(t[:, 2] - t[:, 1]),
-           "operands_us": _pct(t[:, 3] - t[:, 2]), "copies_landed_us": _pct(t[:, 4] - t[:, 0]),
+           "operands_us": _pct(t[:, 3] - t[:, 2]),
+           "entry_to_operands_us": _pct(t[:, 3] - t[:, 0]), "copies_landed_us": _pct(t[:, 4] - t[:, 0]),
            "span_us_p50": round(float(span.median()) / 1e3, 3),
            "gbps_p50": round(n * nbytes / float(span.median()), 1)}
     print(mode, nbytes, {k: v for k, v in res.items() if k not in ("mode", "bytes")}, flush=True)
