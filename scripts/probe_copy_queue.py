@@ -140,12 +140,18 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     bk.add_flush_arg(ap)
     args = ap.parse_args()
+    sizes = [int(b) for b in args.bytes.split(",")]
+    if any(b <= 0 or b % 1536 for b in sizes):  # (512-byte warp copies; three bulk pieces of 16-byte multiples)
+        ap.error(f"--bytes: each a positive multiple of 1536, got {args.bytes}")
+    bad = set(args.modes.split(",")) - set(MODES)
+    if bad:
+        ap.error(f"--modes: unknown {sorted(bad)}, choose from {MODES}")
     bk.FLUSH_MODE = args.flush
     bk.FLUSH = torch.empty(256 << 20, device="cuda", dtype=torch.uint8)
     n = 8 * torch.cuda.get_device_properties(0).multi_processor_count
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "command": " ".join(sys.argv), "rows": []}
-    for nbytes in (int(b) for b in args.bytes.split(",")):
+    for nbytes in sizes:
         for mode in args.modes.split(","):
             res["rows"].append(run_mode(mode, nbytes, n, args.iters))
     with open(args.out, "w") as f:
