@@ -14,7 +14,7 @@
 Every figure is a ratio against BF16 DynamicCache measured in the same run (and the static rows
 also against bf16-static).
 
-    python scripts/bench_generate.py --contexts 8192 32768 100000 --batches 1 8 --out benchmarks/results/generate.json
+    python benchmarks/bench_generate.py --contexts 8192 32768 100000 --batches 1 8 --out generate.json
 
 Per (method, batch, context): prefill time, decode ms/token and tokens/s (timestamps taken by a
 logits processor at every generate step, after a CUDA sync), peak memory
@@ -113,8 +113,7 @@ def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 
     the cache's own write path (OSCAR: demotion = rotate + quantize + pack), chunk by chunk. Decode speed
     does not depend on the values, and this skips the prompt's forward pass, whose activations (not the
     cache) are what stops a batch of 64 x 32K prompts from being prefilled in one ``generate`` call."""
-    from oscar_hf.cache import OscarLayer
-    from oscar_hf.static_cache import StaticOscarLayer
+    from oscar_hf.cache import OscarLayer, StaticOscarLayer
 
     cfg = model.config.get_text_config(decoder=True)
     hk, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -227,9 +226,6 @@ def main(argv=None):
     p.add_argument("--capacity-only", action="store_true", help="skip the sweep; capacity from --bytes-per-token")
     p.add_argument("--bytes-per-token", nargs=2, type=float, metavar=("BF16", "OSCAR"), default=None,
                    help="KV bytes per token (all layers) measured by an earlier sweep, for --capacity-only")
-    p.add_argument("--config", default="{}",
-                   help="kernel CONFIG overrides (JSON, oscar_hf.kernels.decode_triton.CONFIG) for this process (one "
-                        "per process: a compiled decode step's CUDA graph keeps the launches it recorded)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -238,10 +234,6 @@ def main(argv=None):
     results = []
     free_gib = None
     combos = [] if args.capacity_only else [(b, t, m) for t in args.contexts for b in args.batches for m in args.methods]
-    if json.loads(args.config):
-        from oscar_hf.kernels import decode_triton as dt
-
-        dt.CONFIG.update(json.loads(args.config))
     for b, t, m in tqdm(combos, desc="bench"):
         try:
             r = run_one(model, m, b, t, args.new_tokens, args.device, fill=args.synthetic_fill)

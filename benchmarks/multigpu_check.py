@@ -3,7 +3,7 @@
 rotations live on that layer's device. Greedy tokens of the split model are compared with the same
 weights on one GPU (and BF16 DynamicCache split vs single as the control).
 
-    NCCL_NVLS_ENABLE=0 python scripts/multigpu_check.py --out benchmarks/results/multigpu_h200x2.json
+    NCCL_NVLS_ENABLE=0 python benchmarks/multigpu_check.py --out benchmarks/results/multigpu_h200x2.json
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 """Plot throughput bars (PNG): a bench_generate.py sweep at one (batch, context), same run, and the capacity
 runs (aggregate decode tokens/s of each method at its largest batch in a KV budget).
 
-    python scripts/plot_capacity.py --sweep benchmarks/results/generate_h200_b8_t32768.json \
+    python benchmarks/plot_capacity.py --sweep benchmarks/results/generate_h200_b8_t32768_four_caches.json \
         --capacity benchmarks/results/capacity_h100_40gib.json benchmarks/results/capacity_h100_40gib_bf16.json \
         --out benchmarks/results/throughput_capacity.png
 """

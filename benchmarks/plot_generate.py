@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Plot bench_generate.py results (PNG): decode ms/token vs context (B=1), tokens/s at B=8, and KV GiB.
 
-    python scripts/plot_generate.py benchmarks/results/generate_h100_b1_run1.json \
+    python benchmarks/plot_generate.py benchmarks/results/generate_h100_b1_five_caches.json \
         benchmarks/results/generate_h100_static_b1_t100000.json benchmarks/results/generate_h100_static_b8_t32768.json \
         --out benchmarks/results/generate_static_h100.png
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Where a decode step's time goes: torch.profiler over a few `generate` decode steps (issue 6).
+"""Where a decode step's time goes: torch.profiler over a few `generate` decode steps.
 
-    python scripts/profile_decode.py --methods oscar-static bf16-static --batch 1 --context 32768 \
-        --out benchmarks/results/profile_h100.json
+    python benchmarks/profile_decode.py --methods oscar-static bf16-static --batch 1 --context 32768 \
+        --out benchmarks/results/profile_h100_t32768.json
 
 For each method: the cache is filled with ``--context`` random tokens through its own write path
 (``bench_generate.synthetic_fill``), ``generate`` runs ``--warmup`` steps (compilation, CUDA-graph

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Long-run soak of OscarCache in ``generate`` (issue 7).
+"""Long-run soak of OscarCache in ``generate``.
 
-    python scripts/soak.py --out benchmarks/results/soak_h100.json          # GPU: both parts, a few minutes
-    python scripts/soak.py --tiny --out /tmp/soak.json                       # CPU: tiny shapes, seconds
+    python benchmarks/soak.py --parts calls --out soak_calls.json             # GPU: 200 generate calls, a few minutes
+    python benchmarks/soak.py --tiny --out /tmp/soak.json                       # CPU: tiny shapes, seconds
 
 Model: Qwen3-shaped, random weights (head_dim 128, 8 KV heads, 32 query heads, but 4 layers and a small
 hidden size / vocabulary so that the decode step is cheap); ``eos_token_id`` is set, so ``min_new_tokens``

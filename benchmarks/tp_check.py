@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """OscarCache under tensor parallelism (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``).
 
-    torchrun --nproc-per-node 2 scripts/tp_check.py --layers 8 --context 4096 --out benchmarks/results/tp_h200x2.json
+    torchrun --nproc-per-node 2 benchmarks/tp_check.py --layers 8 --context 4096 --out benchmarks/results/tp_h200x2.json
 
 Every rank: (1) rank 0 builds a Qwen3-8B-shaped random-weights model (``--layers`` cuts it short; same seed)
 and saves it, plus a random per-head orthogonal rotation artifact with offsets (``--rotations random``; or the
@@ -221,7 +221,7 @@ def main(argv=None):
 
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:
-        raise SystemExit("run under torchrun: torchrun --nproc-per-node 2 scripts/tp_check.py ...")
+        raise SystemExit("run under torchrun: torchrun --nproc-per-node 2 benchmarks/tp_check.py ...")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# Reproduces the GPU figures that README.md and docs/ publish. Run from the repository root on a CUDA machine:
+#
+#   bash benchmarks/run_gpu.sh <what> [<what> ...]     results under $OUT (default /tmp/out)
+#
+#   tests       the GPU test suite (pytest -m gpu)                      gpu_tests_<gpu>.log
+#   kernels     decode op vs BF16 SDPA, B = 1, 8, 32 x 8K, 32K, 128K,   kernels_<gpu>.json, kernels_<gpu>_speedup.png
+#               and the write path (bench_kernels.py)
+#   profile-op  the decode op's kernels one by one in a CUDA graph       profile_op_<gpu>.json
+#   generate    compiled generate: B=8/32K (BF16 eager, BF16 static,     generate_<gpu>_b8_t32768.json,
+#               StaticOscarCache) and B=1 at 8K, 32K, 100K               generate_<gpu>_static_b1_t{8192,32768,100000}.json
+#   eager       eager generate: B=1 at 8K/32K/100K, B=8 at 8K/32K       generate_<gpu>_b1.json, generate_<gpu>_b8.json
+#   fpheads     decode cost of 8 / 26 full-precision KV heads, 32K     generate_<gpu>_fpheads_t32768.json
+#   capacity    aggregate decode throughput at each cache's largest     capacity_<gpu>_40gib.json,
+#               batch in a 40 GiB KV budget at 32K                      capacity_<gpu>_40gib_bf16.json
+#   profile     torch.profiler of one decode step: compiled at 32K,      profile_<gpu>_t32768.json,
+#               eager at 100K (B=1)                                     profile_<gpu>_eager_t100000.json
+#   validate    Triton/Gluon read path vs the torch reference in a      gpu_validate_<gpu>.json
+#               32K generate (B=2, left padding): per-layer outputs, logits
+#   soak        200 generate calls; one call of 32,768 new tokens        soak_calls_<gpu>.json, soak_long_<gpu>.json
+#   multigpu    device_map over 2 GPUs vs one GPU (needs 2 GPUs)         multigpu_<gpu>x2.json
+#   tp          tensor parallelism under torchrun, 2 ranks (2 GPUs)      tp_<gpu>x2.json
+#
+# Each <what> fits in the device machine's 10-minute command limit except `generate`, `eager` and `soak`: run their
+# parts one call each (`generate-b8`, `generate-b1`; `eager-b1`, `eager-b8`; `soak-calls`, `soak-long`;
+# `CONTEXTS=100000 bash benchmarks/run_gpu.sh generate-b1` runs one of the B=1 contexts). The numbers in
+# the docs come from H100 and H200 machines (the GPU name is in every file and file name); copy $OUT's files to
+# benchmarks/results/ to publish them.
+#
+# The device machine cannot `pip install -e .`: the package is laid out as it would install (`kernels/` ->
+# `oscar_hf/kernels`, `eval/` -> `oscar_hf/eval`) under /tmp/oscar_site, put on PYTHONPATH, and the scripts run from
+# /tmp by absolute path, so that the repository's top-level `kernels/` folder can never be imported as `kernels`.
+set -uo pipefail
+[ $# -ge 1 ] || { sed -n 2,28p "$0"; exit 2; }
+R=$(cd "$(dirname "$0")/.." && pwd)
+SITE=/tmp/oscar_site
+rm -rf "$SITE" && mkdir -p "$SITE"
+cp -r "$R/oscar_hf" "$SITE/oscar_hf"
+cp -r "$R/kernels" "$SITE/oscar_hf/kernels"
+cp -r "$R/eval" "$SITE/oscar_hf/eval"
+# NVLink multicast stays off for NCCL and symmetric memory (the lent machines do not support it).
+export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; cd /tmp
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200|A100|B200|L40S" | tr A-Z a-z)
+GPU=${GPU:-gpu}
+B="$R/benchmarks"
+PY=python3
+
+run() {  # run <name> <command...>: its output to $OUT/<name>.log, the tail to the console
+  echo "== $1"; local name=$1; shift
+  "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  grep -v -E "Warn|warn" "$OUT/$name.log" | tail -16; echo "rc=$rc"
+}
+
+for what in "$@"; do
+  case "$what" in
+  tests)
+    run "gpu_tests_$GPU" $PY -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests" ;;
+  kernels)
+    run "kernels_$GPU" $PY "$B/bench_kernels.py" --batches 1,8,32 --lengths 8192,32768,131072 \
+        --out "$OUT/kernels_$GPU.json"
+    $PY "$B/bench_kernels.py" --plot "$OUT/kernels_$GPU.json" ;;
+  profile-op)
+    run "profile_op_$GPU" $PY "$B/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
+        --out "$OUT/profile_op_$GPU.json" ;;
+  generate|generate-b8|generate-b1)
+    if [ "$what" != generate-b1 ]; then
+      run "generate_${GPU}_b8_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \
+          --methods bf16 oscar-static bf16-static --out "$OUT/generate_${GPU}_b8_t32768.json"
+    fi
+    if [ "$what" != generate-b8 ]; then
+      for t in ${CONTEXTS:-8192 32768 100000}; do  # one process per shape: a second compiled shape in one process recompiles
+        run "generate_${GPU}_static_b1_t$t" $PY "$B/bench_generate.py" --contexts $t --batches 1 \
+            --methods bf16-static oscar-static --new-tokens 32 --out "$OUT/generate_${GPU}_static_b1_t$t.json"
+      done
+    fi ;;
+  eager|eager-b1|eager-b8)
+    if [ "$what" != eager-b8 ]; then
+      run "generate_${GPU}_b1" $PY "$B/bench_generate.py" --contexts 8192 32768 100000 --batches 1 \
+          --new-tokens 24 --out "$OUT/generate_${GPU}_b1.json"
+    fi
+    if [ "$what" != eager-b1 ]; then
+      run "generate_${GPU}_b8" $PY "$B/bench_generate.py" --contexts 8192 32768 --batches 8 \
+          --new-tokens 24 --out "$OUT/generate_${GPU}_b8.json"
+    fi ;;
+  fpheads)
+    # the methods twice, interleaved: the docs quote the second round (the first one warms the kernels up)
+    run "generate_${GPU}_fpheads_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 1 \
+        --methods oscar oscar-fp8 oscar-fp26 oscar oscar-fp8 oscar-fp26 --new-tokens 48 \
+        --out "$OUT/generate_${GPU}_fpheads_t32768.json" ;;
+  capacity)
+    # 147456 / 23438 bytes per token: BF16 and OSCAR KV of the Qwen3-8B shape, measured by the `generate` sweep
+    run "capacity_${GPU}_40gib" $PY "$B/bench_generate.py" --capacity-only --bytes-per-token 147456 23438 \
+        --capacity-run --synthetic-fill --capacity-methods oscar-static bf16-static --kv-budget-gib 40 \
+        --capacity-context 32768 --out "$OUT/capacity_${GPU}_40gib.json"
+    run "capacity_${GPU}_40gib_bf16" $PY "$B/bench_generate.py" --capacity-only --bytes-per-token 147456 23438 \
+        --capacity-run --synthetic-fill --capacity-methods bf16 --kv-budget-gib 40 --capacity-context 32768 \
+        --out "$OUT/capacity_${GPU}_40gib_bf16.json" ;;
+  profile)
+    run "profile_${GPU}_t32768" $PY "$B/profile_decode.py" --context 32768 --methods oscar-static bf16-static \
+        --out "$OUT/profile_${GPU}_t32768.json"
+    run "profile_${GPU}_eager_t100000" $PY "$B/profile_decode.py" --context 100000 --methods bf16 oscar \
+        --out "$OUT/profile_${GPU}_eager_t100000.json" ;;
+  validate)
+    run "gpu_validate_$GPU" $PY "$B/gpu_validate.py" --context 32768 --batch 2 --steps 8 --calib-tokens 0 \
+        --out "$OUT/gpu_validate_$GPU.json" ;;
+  soak|soak-calls|soak-long)
+    [ "$what" != soak-long ] && run "soak_calls_$GPU" $PY "$B/soak.py" --parts calls --out "$OUT/soak_calls_$GPU.json"
+    [ "$what" != soak-calls ] && run "soak_long_$GPU" $PY "$B/soak.py" --parts long --out "$OUT/soak_long_$GPU.json" ;;
+  multigpu)
+    run "multigpu_${GPU}x2" $PY "$B/multigpu_check.py" --out "$OUT/multigpu_${GPU}x2.json" ;;
+  tp)
+    run "tp_${GPU}x2" $PY -m torch.distributed.run --standalone --nproc-per-node 2 "$B/tp_check.py" \
+        --layers 8 --context 4096 --new-tokens 16 --out "$OUT/tp_${GPU}x2.json" ;;
+  *)
+    echo "unknown: $what (see the head of $0)"; exit 2 ;;
+  esac
+done
