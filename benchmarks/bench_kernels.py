@@ -3,37 +3,35 @@
 
 Decode (one new token, Hq=32, Hk=8, D=128, G=64 bf16 metadata, sink 64 + recent 256 = 320 BF16
 window tokens, the rest INT2 history; total length T):
-* ``oscar``: the whole decode attention op (with the chosen CONFIG; ``oscar_rowdot_ms``, ``oscar_deferred_ms``,
-  ``oscar_factored_ms`` and ``oscar_dequant_ms`` time the inner-loop variants of the split kernel with that CONFIG, so
-  old and new loops are compared on the same data in the same run): :func:`decode_attention_rotating_triton`, as in
-  the model's attention -- query rotation ``q R_K`` and centering offset ``q · mu_K`` (one Triton launch since
-  session 7; before: a cast, a GEMM and a GEMV in torch), split-K over history and window, then merge + ``R_Vᵀ`` +
-  ``mu_V`` + normalize; 3 launches (since session 14 the rotation shares its launch with the window programs on the
-  Gluon path: ``CONFIG["fused_prologue"]``);
+* ``oscar``: the whole decode attention op (with the kernel defaults, ``oscar_hf.kernels.plan.DEFAULTS``, or
+  ``--config`` overrides of them): :func:`decode_attention_rotating_triton`, as in the model's attention -- query
+  rotation ``q R_K`` and centering offset ``q · mu_K``, split-K over history and window, then merge + ``R_Vᵀ`` +
+  ``mu_V`` + normalize; 3 launches (on the Gluon path the rotation shares its launch with the window programs);
 * ``oscar_composed``: ``history_partial_triton`` + the window partial, merge and rotate-back in torch
   (what an integration gets from the contract functions alone);
 * ``sdpa``: ``F.scaled_dot_product_attention(q, K, V, enable_gqa=True)`` on BF16 K/V of length T,
   each available backend forced in turn; the fastest is the baseline.
 Every timing is the median over calls with a cold L2 (a 256 MB buffer is zeroed and read back before each
-call, outside the timed region; ``--flush dirty``: zeroed only, as in sessions 4-19, see ``FLUSH_MODE``),
-measured with CUDA events around each call, eagerly and as a replayed CUDA graph; and (since session 26,
-``*_graph_seq_ms``, ``speedup_graph_seq``) per call in one graph of ``SEQ_CALLS`` back-to-back calls on as many
-states of the point, as the layers of a captured decode step run them (the graph's launch, paid by every one-call
+call, outside the timed region; ``--flush dirty``: zeroed only, see ``FLUSH_MODE``),
+measured with CUDA events around each call, eagerly and as a replayed CUDA graph; and (``*_graph_seq_ms``,
+``speedup_graph_seq``) per call in one graph of ``SEQ_CALLS`` back-to-back calls on as many states of the point, as the layers of a captured decode step run them (the graph's launch, paid by every one-call
 replay, spread over the calls; where the GPU holds the extra states). Bandwidth: bytes the op must
 read (INT2 codes + scale/zero of K and V, BF16 window) over its time, against a measured device-to-device copy
 (bytes read + written).
 
 Write path: ``rotate_quantize_triton`` on [1, 8, 32768, 128] BF16 rows (rows/s, GB/s) and its time
 (K and V) relative to BF16 causal prefill attention (SDPA, B=1, T=32K); with ``--sweep`` the
-``WRITE_SWEEP`` tile configs are timed first and the fastest float32-accurate one is used.
+``WRITE_SWEEP`` row tiles are timed first and the fastest is used (and the decode op's ``SWEEP`` tiles before).
 
-Usage: python scripts/bench_kernels.py --out benchmarks/results/kernels_h100.json [--sweep]
-       python scripts/bench_kernels.py --plot benchmarks/results/kernels_h100.json   (CPU: the PNG beside it)
+Usage: python benchmarks/bench_kernels.py --batches 1,8,32 --lengths 8192,32768,131072 \
+           --out benchmarks/results/kernels_h100.json [--sweep] [--config '{"gluon_min_work": 0}']
+       python benchmarks/bench_kernels.py --plot benchmarks/results/kernels_h100.json   (CPU: the PNG beside it)
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import math
@@ -46,7 +44,8 @@ import torch.nn.functional as F
 import triton
 
 from oscar_hf.kernels import decode_triton as dt
-from oscar_hf.kernels.int2_attention import merge_partials, partial_from_logits
+from oscar_hf.kernels.int2_attention import decode_attention_reference, merge_partials, partial_from_logits
+from oscar_hf.kernels.plan import DEFAULTS
 from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.kernels.write_triton import rotate_quantize_triton
 from oscar_hf.quant import QuantizedRows
@@ -58,8 +57,9 @@ W = SINK + RECENT
 NG = D // GS
 SCALING = D**-0.5
 FLUSH = None
-# How the L2 is made cold before each timed call (``--flush``; session 20):
-#   "dirty": zero the 256 MB FLUSH buffer (sessions 4-19). The L2 is then full of the flush's dirty lines, and the
+KERNEL_DEFAULTS = DEFAULTS  # the decode kernels' defaults of this run (--config: dataclasses.replace of DEFAULTS)
+# How the L2 is made cold before each timed call (``--flush``):
+#   "dirty": zero the 256 MB FLUSH buffer. The L2 is then full of the flush's dirty lines, and the
 #            timed call pays their write-back to DRAM as it evicts them: up to one L2 of extra DRAM traffic (~50 MB),
 #            charged to every timed call alike -- about 60% on top of B=1/128K's 84 MB of INT2 history, 9% on top of
 #            SDPA's 537 MB.
@@ -127,7 +127,7 @@ def flush_l2(buf=None):
 def add_flush_arg(ap):
     ap.add_argument("--flush", choices=["clean", "dirty"], default="clean",
                     help="cold L2 before each timed call: 'clean' (zero + read back a 256 MB buffer) or 'dirty' "
-                         "(zero only: the timed call pays the write-back of ~one L2 of dirty lines; sessions 4-19)")
+                         "(zero only: the timed call pays the write-back of ~one L2 of dirty lines)")
 
 
 def host_us_per_call(fn, n=50):
@@ -189,7 +189,7 @@ def oscar_op(st):
     def run():  # the query rotated inside the op, as in the model's attention (rotation + window: one launch)
         out = dt.decode_attention_rotating_triton(
             qg, st["r_k"], st["mu_k"], st["k"], st["v"], st["start"], None, SCALING, GS,
-            st["k_win"], st["v_win"], None, st["r_v"], st["mu_v"], torch.bfloat16,
+            st["k_win"], st["v_win"], None, st["r_v"], st["mu_v"], torch.bfloat16, defaults=KERNEL_DEFAULTS,
         )
         return out.view(b, HQ, 1, D)
 
@@ -203,7 +203,8 @@ def oscar_composed_op(st):
     def run():
         q_rot = torch.matmul(qg.float(), st["r_k"])
         qk_off = torch.matmul(q_rot, st["mu_rot_k"].unsqueeze(-1)).squeeze(-1)
-        hm, hl, hacc = dt.history_partial_triton(q_rot, st["k"], st["v"], st["start"], None, qk_off, SCALING, GS)
+        hm, hl, hacc = dt.history_partial_triton(q_rot, st["k"], st["v"], st["start"], None, qk_off, SCALING, GS,
+                                                 defaults=KERNEL_DEFAULTS)
         hacc = torch.matmul(hacc, st["r_v_t"]) + hl.unsqueeze(-1) * st["mu_v"][None, :, None, :]
         logits = torch.matmul(qg, st["k_win"].transpose(-1, -2)).float() * SCALING
         wpart = partial_from_logits(logits, st["v_win"])
@@ -216,7 +217,8 @@ def oscar_composed_op(st):
 def history_only_op(st):
     b = st["q"].shape[0]
     q_rot = torch.matmul(st["q"].view(b, HK, GQ, D).float(), st["r_k"])
-    return lambda: dt.history_partial_triton(q_rot, st["k"], st["v"], st["start"], None, None, SCALING, GS)
+    return lambda: dt.history_partial_triton(q_rot, st["k"], st["v"], st["start"], None, None, SCALING, GS,
+                                             defaults=KERNEL_DEFAULTS)
 
 
 def sdpa_backends():
@@ -246,57 +248,26 @@ def oscar_bytes(b, n):
 # ------------------------------------------------------------------------------------------ benches
 
 
+# --sweep: the split kernel's tile (block_n, num_warps, num_stages; the register cap where 3 programs fit an SM),
+# as overrides of the kernel defaults (it runs the history where the Gluon kernel does not, and the window programs)
 SWEEP = [
-    # the rowdot loop's configs (the H100 winner of session 3 first), then the deferred loop around them
-    dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4, loop="rowdot"),
-    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4, loop="rowdot"),
-    dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4, loop="deferred"),
-    dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=4, loop="deferred"),
-    dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=8, loop="deferred"),
-    dict(block_n=128, num_warps=4, num_stages=3, programs_per_sm=4, loop="deferred"),
-    dict(block_n=128, num_warps=8, num_stages=3, programs_per_sm=4, loop="deferred"),
-    dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=2, loop="deferred"),
+    dict(block_n=64, num_warps=4, num_stages=4, maxnreg=168),
+    dict(block_n=64, num_warps=4, num_stages=4, maxnreg=None),
+    dict(block_n=64, num_warps=4, num_stages=3, maxnreg=168),
+    dict(block_n=128, num_warps=8, num_stages=3, maxnreg=None),
 ]
-# --sweep-set prefetch: the default tile with L2 prefetch of the codes / metadata 0 (off), 1, 2, 4 blocks ahead
-PREFETCH_SWEEP = [dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4, loop=loop, prefetch=pf)
-                  for loop, pf in (("deferred", 0), ("deferred", 1), ("deferred", 2), ("deferred", 4),
-                                   ("rowdot", 0), ("rowdot", 2))]
-# --sweep-set tiles-pf: tile / warp / split configs around the prefetch default (session 6)
-TILES_PF_SWEEP = [dict(block_n=bn, num_warps=nw, num_stages=ns, programs_per_sm=pps, loop=loop, prefetch=4)
-                  for loop, bn, nw, ns, pps in (("deferred", 64, 4, 4, 4), ("deferred", 64, 8, 4, 4),
-                                                ("deferred", 32, 4, 4, 4), ("deferred", 64, 4, 3, 8),
-                                                ("deferred", 128, 8, 3, 4), ("rowdot", 64, 4, 4, 4),
-                                                ("rowdot", 128, 4, 3, 4), ("rowdot", 64, 4, 4, 8))]
-# --sweep-set pair: the deferred loop's metadata as one 4-byte word per token and tensor (CONFIG["pair_meta"])
-PAIR_SWEEP = [dict(block_n=64, num_warps=4, num_stages=4, programs_per_sm=4, loop="deferred", prefetch=pf, pair_meta=pm)
-              for pf, pm in ((4, False), (4, True), (0, True), (2, True))]
-# --sweep-set mpad: query-row tile 16 (sessions 3-6) against 8 (Triton pads the dots itself: 238 -> 128 registers,
-# 2 -> 4 programs per SM for the deferred loop), with more programs per SM and 128-token blocks around it (session 7)
-MPAD_SWEEP = [dict(block_n=bn, num_warps=4, num_stages=ns, programs_per_sm=pps, loop=loop, prefetch=4, m_pad_min=mp)
-              for loop, mp, bn, ns, pps in (("deferred", 16, 64, 4, 4), ("deferred", 8, 64, 4, 4),
-                                            ("deferred", 8, 64, 4, 8), ("deferred", 8, 64, 3, 8),
-                                            ("rowdot", 8, 64, 4, 4), ("rowdot", 8, 64, 4, 8),
-                                            ("rowdot", 8, 128, 3, 4), ("deferred", 8, 128, 3, 4))]
-LOOPS = ("rowdot", "deferred", "factored", "dequant")
-# write-path kernel configs (kernels/write_triton.py WRITE_CONFIG), timed under --sweep at T = 32K
-WRITE_SWEEP = [
-    dict(block_t=64, num_warps=4, precision="tf32x3"),
-    dict(block_t=128, num_warps=4, precision="tf32x3"),
-    dict(block_t=128, num_warps=8, precision="tf32x3"),
-    dict(block_t=256, num_warps=8, precision="tf32x3"),
-    dict(block_t=64, num_warps=4, precision="tf32"),
-    dict(block_t=128, num_warps=8, precision="tf32"),
-]
+# write-path row tiles (write_triton.rotate_quantize_triton's block_t), timed under --sweep at T = 32K
+WRITE_SWEEP = [64, 128, 256]
 
 
 def sweep(gen, configs=None):
+    global KERNEL_DEFAULTS
     points = [(1, 131072), (8, 131072), (32, 32768)]
     states = {p: make_decode(*p, gen) for p in points}
-    base = dict(dt.CONFIG)
+    base = KERNEL_DEFAULTS
     rows = []
     for cfg in configs or SWEEP:
-        dt.CONFIG.update(base)
-        dt.CONFIG.update(cfg)
+        KERNEL_DEFAULTS = dataclasses.replace(base, **cfg)
         try:
             times = {f"B{b}_T{t}": timed(oscar_op(states[(b, t)]), iters=15) for b, t in points}
         except Exception as e:  # a config the compiler rejects (resources): skip it
@@ -305,9 +276,8 @@ def sweep(gen, configs=None):
         gm = math.exp(sum(math.log(x) for x in times.values()) / len(times))
         rows.append({"config": cfg, "ms": times, "geomean_ms": gm})
         log("sweep", cfg, {k: round(v, 4) for k, v in times.items()}, "geomean", round(gm, 4))
-    dt.CONFIG.update(base)
     best = min(rows, key=lambda r: r["geomean_ms"])
-    dt.CONFIG.update(best["config"])
+    KERNEL_DEFAULTS = dataclasses.replace(base, **best["config"])
     del states
     torch.cuda.empty_cache()
     return rows, best["config"]
@@ -370,13 +340,6 @@ def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
             row["graph_seq_calls"] = seq
             row["speedup_graph_seq"] = row["sdpa_best_graph_seq_ms"] / row["oscar_graph_seq_ms"]
             del more
-        for loop in LOOPS:  # every inner loop, same data, same run
-            saved = dict(dt.CONFIG)
-            dt.CONFIG["loop"] = loop
-            row[f"oscar_{loop}_ms"] = timed(op)
-            row[f"oscar_{loop}_graph_ms"] = timed(op, graph=True)
-            dt.CONFIG.clear()
-            dt.CONFIG.update(saved)
         row["oscar_ms"] = timed(op)
         row["oscar_graph_ms"] = timed(op, graph=True)
         row["oscar_composed_ms"] = timed(oscar_composed_op(st))
@@ -396,7 +359,7 @@ def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
         row["speedup_composed"] = row["sdpa_best_ms"] / row["oscar_composed_ms"]
         if b == 1 and t == 32768:  # spot-check the fused op against the torch reference here
             out = op()
-            ref = dt.decode_attention_reference(
+            ref = decode_attention_reference(
                 torch.matmul(st["q"].view(b, HK, GQ, D).float(), st["r_k"]), st["k"], st["v"], st["start"], None,
                 torch.matmul(torch.matmul(st["q"].view(b, HK, GQ, D).float(), st["r_k"]), st["mu_rot_k"].unsqueeze(-1)).squeeze(-1),
                 SCALING, GS, st["q"].view(b, HK, GQ, D), st["k_win"], st["v_win"], None, st["r_v"], st["mu_v"], torch.float32,
@@ -423,26 +386,25 @@ def bench_write(gen, copy_bw, t=32768, do_sweep=False):
         torch.empty(1, HK, t, NG, dtype=torch.bfloat16, device="cuda"),
     )
     res = {"T": t, "rows": HK * t}
-    if do_sweep:  # each config: time and agreement with the reference; keep the fastest float32-accurate one
+    block_t = wt.BLOCK_T
+    if do_sweep:  # each row tile: time and agreement with the reference; keep the fastest
         ref = rotate_quantize_reference(x, r, mu, 0.96, GS, torch.bfloat16)
-        base, res["sweep"] = dict(wt.WRITE_CONFIG), []
-        for cfg in WRITE_SWEEP:
-            wt.WRITE_CONFIG.update(cfg)
+        res["sweep"] = []
+        for bt in WRITE_SWEEP:
             try:
-                ms = timed(lambda: rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16, out=store))
-                a = rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16)
+                ms = timed(lambda: rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16, out=store, block_t=bt))
+                a = rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16, block_t=bt)
                 mis = (unpack_int2(a.codes) != unpack_int2(ref.codes)).float().mean().item()
             except Exception as e:
-                log("write sweep config failed", cfg, repr(e)[:200])
+                log("write sweep config failed", bt, repr(e)[:200])
                 continue
-            res["sweep"].append({"config": dict(cfg), "ms": ms, "codes_mismatch_frac": mis})
-            log("write sweep", cfg, round(ms, 4), "mismatch", mis)
-            wt.WRITE_CONFIG.update(base)
-        exact = [w for w in res["sweep"] if w["config"]["precision"] == "tf32x3"]
-        wt.WRITE_CONFIG.update(min(exact, key=lambda w: w["ms"])["config"])
+            res["sweep"].append({"config": {"block_t": bt}, "ms": ms, "codes_mismatch_frac": mis})
+            log("write sweep", bt, round(ms, 4), "mismatch", mis)
+        block_t = min(res["sweep"], key=lambda w: w["ms"])["config"]["block_t"]
         del ref
-    res["config"] = dict(wt.WRITE_CONFIG)
-    res["triton_ms"] = timed(lambda: rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16, out=store))
+    res["config"] = {"block_t": block_t, "num_warps": wt.NUM_WARPS}
+    res["triton_ms"] = timed(lambda: rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16, out=store,
+                                                            block_t=block_t))
     res["reference_ms"] = timed(lambda: rotate_quantize_reference(x, r, mu, 0.96, GS, torch.bfloat16, out=store), iters=10)
     nbytes = x.numel() * 2 + store.codes.numel() + 2 * store.scale.numel() * 2
     res["rows_per_s"] = HK * t / (res["triton_ms"] / 1e3)
@@ -524,17 +486,17 @@ def plot(path):
 
 
 def main():
-    global FLUSH, FLUSH_MODE
+    global FLUSH, FLUSH_MODE, KERNEL_DEFAULTS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--plot", help="only make the PNG from an existing result JSON")
-    ap.add_argument("--sweep", action="store_true", help="pick the split-kernel config on this GPU first")
-    ap.add_argument("--sweep-set", choices=["tiles", "prefetch", "tiles-pf", "pair", "mpad"], default="tiles",
-                    help="--sweep over the tile / loop configs (SWEEP) or the L2 prefetch distances (PREFETCH_SWEEP)")
+    ap.add_argument("--sweep", action="store_true", help="pick the split kernel's and the write kernel's tiles on this "
+                    "GPU first (SWEEP, WRITE_SWEEP)")
     ap.add_argument("--no-write", action="store_true", help="skip the write-path benchmark")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="8192,32768,131072")
-    ap.add_argument("--config", default="{}", help="kernel CONFIG overrides (JSON, decode_triton.CONFIG)")
+    ap.add_argument("--config", default="{}", help="overrides of the decode kernels' defaults (JSON of "
+                    "oscar_hf.kernels.plan.DecodeDefaults fields, e.g. '{\"gluon_min_work\": 0}')")
     add_flush_arg(ap)
     args = ap.parse_args()
     if args.plot:
@@ -558,11 +520,10 @@ def main():
 
     result["copy_GBps"] = copy_bandwidth_gbps()
     log("copy bandwidth GB/s (read+write):", round(result["copy_GBps"], 1))
+    KERNEL_DEFAULTS = dataclasses.replace(DEFAULTS, **json.loads(args.config))
     if args.sweep:
-        sets = {"tiles": SWEEP, "prefetch": PREFETCH_SWEEP, "tiles-pf": TILES_PF_SWEEP, "pair": PAIR_SWEEP, "mpad": MPAD_SWEEP}
-        result["sweep"], result["config"] = sweep(gen, sets[args.sweep_set])
-    dt.CONFIG.update(json.loads(args.config))
-    result["config"] = dict(dt.CONFIG)
+        result["sweep"], _ = sweep(gen, SWEEP)
+    result["config"] = dataclasses.asdict(KERNEL_DEFAULTS)
     log("config", result["config"])
     batches = [int(x) for x in args.batches.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -572,14 +533,12 @@ def main():
         save()
     result["decode"] = []
     bench_decode(gen, batches, lengths, result["copy_GBps"], result["decode"], save)
-    log("\n B      T   sdpa(ms)  oscar(ms)  speedup  graph-speedup  seq-speedup  oscar GB/s  %copy  hist-only %copy"
-        "  rowdot(ms)  deferred(ms)  factored(ms)  dequant(ms)")
+    log("\n B      T   sdpa(ms)  oscar(ms)  speedup  graph-speedup  seq-speedup  oscar GB/s  %copy  hist-only %copy")
     for r in result["decode"]:
         log(f"{r['B']:>2} {r['T']:>6}  {r['sdpa_best_ms']:8.4f}  {r['oscar_ms']:9.4f}  {r['speedup']:7.2f}  "
             f"{r.get('speedup_graph', float('nan')):13.2f}  {r.get('speedup_graph_seq', float('nan')):11.2f}  "
             f"{r['oscar_GBps']:10.0f}  {r['oscar_pct_copy_bw']:5.1f}  "
-            f"{r['history_partial_pct_copy_bw']:5.1f}  {r['oscar_rowdot_ms']:10.4f}  {r['oscar_deferred_ms']:12.4f}  "
-            f"{r['oscar_factored_ms']:12.4f}  {r['oscar_dequant_ms']:11.4f}")
+            f"{r['history_partial_pct_copy_bw']:5.1f}")
     w = result.get("write")
     if w:
         log(f"write: {w['rows_per_s'] / 1e6:.1f} M rows/s, {w['GBps']:.0f} GB/s, share of 32K prefill attention "

@@ -5,7 +5,7 @@
    path (fake-quant semantics, also on the GPU): per-step logits must agree to tolerance;
 2. calibration wall time (``oscar_hf.calibration.calibrate``) at ``--calib-tokens`` tokens.
 
-    python scripts/gpu_validate.py --out benchmarks/results/gpu_validate.json
+    python benchmarks/gpu_validate.py --out benchmarks/results/gpu_validate.json
 """
 from __future__ import annotations
 
@@ -36,15 +36,11 @@ def main(argv=None):
     p.add_argument("--full-precision-heads", default="",
                    help="LAYER:HEAD,... kept in full precision (OscarConfig.full_precision_heads): the kernels then "
                         "run on the other heads of those layers")
-    p.add_argument("--config", default="{}", help="kernel CONFIG overrides (JSON, decode_triton.CONFIG)")
     p.add_argument("--no-pad", action="store_true",
                    help="no left padding of the second row (a padding mask reaches the decode op as a later per-row "
                         "start, attention._left_padding_only: both take the Gluon kernel)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    from oscar_hf.kernels import decode_triton
-
-    decode_triton.CONFIG.update(json.loads(args.config))
     fph = tuple(tuple(int(x) for x in pair.split(":")) for pair in args.full_precision_heads.split(",") if pair)
     torch.manual_seed(0)
     model = build_model(args.shape, torch.bfloat16, args.device, args.context + args.steps + 16)
@@ -54,13 +50,15 @@ def main(argv=None):
     if args.batch > 1 and not args.no_pad:
         am[1, : args.context // 3] = 0
     res = {"shape": SHAPES[args.shape], "context": args.context, "batch": args.batch, "steps": args.steps,
-           "config": json.loads(args.config), "left_padding": bool(args.batch > 1 and not args.no_pad),
+           "left_padding": bool(args.batch > 1 and not args.no_pad),
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     steps_tok = torch.randint(100, model.config.vocab_size - 100, (args.batch, args.steps), device=args.device)
     # Read-path check from identical states: at every decode step the cache is deep-copied, the copy
     # runs the torch reference (use_kernels=False) and the original runs the Triton kernels.
     launches = []  # the Gluon history kernel's launches (GPU)
     if args.device == "cuda":
+        from oscar_hf.kernels import decode_triton
+
         glu = decode_triton._gluon_module()
         if glu is not None:
             real_launch = glu.launch_history
@@ -83,8 +81,8 @@ def main(argv=None):
             errs.append(((ker - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item())
             agree.append((ker.argmax(-1) == ref.argmax(-1)).float().mean().item())
         # Per layer, per row: the read path's output from the same inputs, kernel vs reference (one step).
-        # (the attention calls decode_attention_rotating since session 14: the op from the unrotated query; its
-        # reference is the same call on the torch path, use_kernels=False)
+        # (the attention calls decode_attention_rotating, the op from the unrotated query; its reference is the same
+        # call on the torch path, use_kernels=False)
         import oscar_hf.attention as attn
 
         layer_errs = []

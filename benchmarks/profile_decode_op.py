@@ -1,20 +1,22 @@
 #!/usr/bin/env python
 """Where the time of one OSCAR decode-attention call goes, kernel by kernel (CUDA GPU).
 
-Runs the benchmark's decode op (``scripts/bench_kernels.py``: query rotation + centering offset in torch, then
-``decode_attention_triton``: split-K kernel + combine kernel) eagerly under ``torch.profiler`` and reports each
-GPU kernel's mean device time per call, for each (B, T) point and each ``--configs`` entry (CONFIG overrides as
-JSON). The L2 flush between calls (as in the benchmark) is profiled too and left out of the table. Together with
-the CUDA-graph time of the whole op this separates the fixed per-call cost (small kernels, split prologue, merge)
+Runs the benchmark's decode op (``benchmarks/bench_kernels.py``: ``decode_attention_rotating_triton``, the query
+rotation, the split-K history (Gluon or split kernel) and window programs, the combine) eagerly under
+``torch.profiler`` and reports each GPU kernel's mean device time per call, for each (B, T) point and each
+``--configs`` entry (overrides of the kernel defaults, ``oscar_hf.kernels.plan.DecodeDefaults`` fields, as JSON).
+The L2 flush between calls (as in the benchmark) is profiled too and left out of the table. Together with the
+CUDA-graph time of the whole op this separates the fixed per-call cost (small kernels, split prologue, merge)
 from the per-token cost of the history loop.
 
-    python scripts/profile_decode_op.py --points 1x8192,1x131072,8x131072 \\
-        --configs '{"m_pad_min": 16}' '{"m_pad_min": 8}' --out profile.json
+    python benchmarks/profile_decode_op.py --points 1x8192,1x131072,8x131072 \\
+        --configs '{}' '{"gluon_min_work": 0}' --out profile.json
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -23,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402
-from oscar_hf.kernels import decode_triton as dt  # noqa: E402
+from oscar_hf.kernels.plan import DEFAULTS  # noqa: E402
 
 
 def kernel_times(fn, iters):
@@ -96,7 +98,7 @@ def main():
     bk.FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     bk.FLUSH_MODE = args.flush
     gen = torch.Generator().manual_seed(0)
-    base = dict(dt.CONFIG)
+    base = dataclasses.asdict(DEFAULTS)
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "command": " ".join(sys.argv),
            "flush": args.flush, "base_config": base, "rows": []}
     for pt in args.points.split(","):
@@ -104,8 +106,7 @@ def main():
         st = bk.make_decode(b, t, gen)
         op = bk.oscar_op(st)
         for cj in args.configs:
-            dt.CONFIG.clear()
-            dt.CONFIG.update({**base, **json.loads(cj)})
+            bk.KERNEL_DEFAULTS = dataclasses.replace(DEFAULTS, **json.loads(cj))  # (read by bk.oscar_op's calls)
             try:
                 row = {"B": b, "T": t, "config": json.loads(cj), "graph_ms": bk.timed(op, graph=True),
                        "kernels": kernel_times(op, args.iters)}
@@ -125,8 +126,7 @@ def main():
             Path(args.out).write_text(json.dumps(res, indent=1))
         del st, op
         torch.cuda.empty_cache()
-    dt.CONFIG.clear()
-    dt.CONFIG.update(base)
+    bk.KERNEL_DEFAULTS = DEFAULTS
 
 
 if __name__ == "__main__":

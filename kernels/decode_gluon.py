@@ -1,11 +1,11 @@
 """Split-K decode attention over the INT2 history in Gluon (Triton's explicit-layout dialect).
 
-The same contract as the history programs of :func:`oscar_hf.kernels.decode_triton._split_kernel` (partials
+The same contract as the history programs of :func:`oscar_hf.kernels.decode_split._split_kernel` (partials
 ``(m, l, acc)`` per split, in the rotated value space, written where the combine kernel reads them), for the
 common decode shape: ``D = 128``, ``G = 64`` (two groups, bf16 scale / zero read as one 4-byte word per token),
 ``M <= 8`` query rows per KV head, no key mask. Everything else stays on the Triton kernel.
 
-Why a second kernel. The Triton kernel spends ~32 warp instructions per history token (session 9's SASS count),
+Why a second kernel. The Triton kernel spends ~32 warp instructions per history token (its SASS count),
 most of it on layout work the compiler chooses: byte gathers of the value codes into the tensor cores' operand
 layout, ``W = p s`` transposed through shared memory, a 16-row query tile of which GQA 4 fills 4 rows. Gluon lets
 the kernel state its layouts, so here every operand is built in the registers that hold it:
@@ -25,25 +25,26 @@ the kernel state its layouts, so here every operand is built in the registers th
   undone by the final store.
 * **``Wᵀ`` by ``movmatrix``**: the logit tile's accumulator registers, transposed per 8x8 block by one
   ``movmatrix.trans`` each, are exactly the B operand of the value MMA (:func:`_w_operand`).
-* **Value offset removed by the tensor cores**: codes enter as exact bf16 ``256 + KP code``. By default
-  (``GSUM``) one MMA per group and token tile against a tile of ones accumulates ``sum W`` of the group, and
-  ``256 sum W`` is subtracted once after the loop (36 MMAs per 32 tokens); the alternative, one MMA against a
-  constant ``-256`` tile after each value MMA, cancels it while it is one block's worth (48 MMAs).
+* **Value offset removed by the tensor cores**: codes enter as exact bf16 ``256 + KP code``. One MMA per group and
+  token tile against a tile of ones accumulates ``sum W`` of the group, and ``256 sum W`` is subtracted once after
+  the loop (36 MMAs per 32 tokens).
 * The deferred softmax of the Triton kernel: one fixed reference per column (the max of the split's first
   block), elementwise ``l``, ``max``, ``sum p z`` tiles reduced after the loop, a rerun against the true max if a
   column strays more than ``DF_LIM``.
 * **A peeled loop.** The split's first step (which may hold left padding) is the reference step: its logits are
-  computed once, masked. Then the full steps, without masks, each from one address per lane plus immediates,
-  through a cp.async pipeline of ``STAGES`` shared-memory buffers (2 by default: the copies of step ``i + 1`` are in
-  flight while step ``i`` is computed; ``STAGES = 0``: loads to registers with an L2 prefetch); then the masked last
-  step, if the split does not end on a step boundary.
-* **The first loads before the query** (``EARLY``, ``CONFIG["gluon_early"]``): the split's bounds, the reference
-  step's words and the first full steps' copies are issued before the query operands are built, so that their
-  memory latency overlaps the query's loads -- and, with ``PDL`` 2, 3 or 4, the launch before this one, which computes
-  the query (programmatic dependent launch: ``griddepcontrol.wait`` comes after those loads; ``decode_triton._launch``
-  says when that is safe). ``PDL`` 1 and 3 also let the next launch (the combine) start in this grid's tail, 4 once
-  every program is past its loop. ``QFLAG`` (session 24): instead of that wait, a poll of a counter the (row, head)'s
-  rotation programs raise once its query operands are stored (the PDL wait then comes at the program's end).
+  computed once, masked. Then the full steps, without masks, through a cp.async pipeline of ``STAGES``
+  shared-memory buffers (2 for short splits: the copies of step ``i + 1`` are in flight while step ``i`` is computed;
+  4 for long ones); then the masked last step, if the split does not end on a step boundary.
+* **Int8 keys on long splits** (``K8``): the key logits on int8 tensor cores (``m16n8k32``), a plane of 4 key bytes
+  one operand register after one ``lop3``, the query as two int8 operands (``hi + lo / 254``); their setup pays back
+  over a long split only. ``QPRE``: those query operands built once per (row, KV head) by the prologue's rotation
+  programs (:func:`oscar_hf.kernels.query_triton._rotate_plane_q8`) instead of by every program.
+* **The first loads before the query**: the split's bounds, the reference step's words and the first full steps'
+  copies are issued before the query operands are built, so that their memory latency overlaps the query's loads --
+  and, with ``PDL``, the launch before this one, which computes the query (programmatic dependent launch:
+  ``griddepcontrol.wait`` comes after those loads); the next launch (the combine) may start once every program is
+  past its loop. ``QFLAG``: instead of that wait, a poll of a counter the (row, head)'s rotation programs raise once
+  its query operands are stored (the PDL wait then comes at the program's end).
 
 Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets): key bytes ``[T, 32]`` (8 per row),
 value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``), logits ``[16, 8]`` float32 (rows ``r, r + 8``,
@@ -51,579 +52,19 @@ columns ``2c, 2c + 1``), value accumulators 4 x ``[32, 8]`` float32 (one per pla
 
 GPU only: Gluon has no interpreter mode. ``tests/kernels/test_compile_sm90.py`` compiles it on any machine
 (with checks of the hot loop: its MMA and copy counts, no spill and no shared-memory store inside it); the GPU tests
-compare it with the reference for every loop variant.
+compare it with the reference. The building blocks (layouts, inline PTX, operands) are in
+:mod:`~oscar_hf.kernels.decode_gluon_ops`.
 """
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
-
-from . import cuda_major
-
-DF_LIM = gl.constexpr(64.0)  # as in decode_triton: largest excess of a column's max over its reference (log2)
-
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
-A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
-B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
-# int8 operands of mma.sync m16n8k32 (K8): a register holds 4 consecutive k of one row (A) / one column (B)
-A8_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=4))
-B8_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=4))
-# [T, 8] key words (4 bytes): lane 4r + c holds words 2c, 2c + 1 (bytes 8c .. 8c + 7) of rows r, r + 8, ... (one
-# 8-byte load per row). Codes travel as 32-bit words: uint8 tensors carried through the loop or a branch would be
-# kept one byte per register
-KLOAD = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]))
-# [T, 8] value words (4 bytes): lane 4r + c holds word r of tokens 2c, 2c + 1 (+ 8 i)
-VLOAD = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
-# cp.async pipeline (STAGES > 0): copies of 16 bytes a lane (8 for TB = 1's metadata) -- [T, 8] code words,
-# [4 TB, 16] metadata words (row j TB + tb: token set tb of key scale, key zero, value scale, value zero) -- into plain
-# row-major shared buffers; metadata read back as [16 t', TB] (TB = 2: the token sets on lane bit 1, broadcast over
-# the others) and expanded to the logit tile
-CP_CODES = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0]))
-CP_META = gl.constexpr((gl.BlockedLayout([1, 2], [4, 8], [1, 1], [1, 0]), gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])))
-SMEM3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # (the layout of one stage)
-META3 = gl.constexpr(gl.BlockedLayout([1, 1, 2], [8, 2, 2], [1, 1, 1], [2, 1, 0]))  # [16 t', 2 sets, 4 columns]
-_sync = getattr(gl, "thread_barrier", None) or gl.barrier  # (Triton 3.6 / newer)
-_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-
-# Key codes of one 32-bit word ($16, bytes 0..3 of a token row): two prmt put bytes 0, 1 (2, 3) into the low bytes of
-# the two 16-bit halves, one lop3 per plane and pair keeps the plane's bits and or-s in 0x6400 (fp16 1024):
-# 1024 + 4^P code. Outputs: byte B of plane P in $4P+B (fp16; the halves of the lop3 results, free in registers).
-_K_ASM = gl.constexpr(
-    "{ .reg .b32 w, x, r0, r1; prmt.b32 w, $16, 0, 0x4140; prmt.b32 x, $16, 0, 0x4342; "
-    + " ".join(f"lop3.b32 r0, w, 0x{(3 << 2 * p) * 0x10001:08X}, 0x64006400, 0xEA; "
-               f"lop3.b32 r1, x, 0x{(3 << 2 * p) * 0x10001:08X}, 0x64006400, 0xEA; "
-               f"mov.b32 {{${4 * p}, ${4 * p + 1}}}, r0; mov.b32 {{${4 * p + 2}, ${4 * p + 3}}}, r1;" for p in range(4))
-    + " }")
-# K8: plane P of 4 key bytes (one 32-bit word, $1; $2..$4 are copies of it) as 4 int8 operands in one instruction:
-# (x & mask_P) ^ flip_P = 4^P code -- plane 3 with its top bit flipped, 64 code - 128, so that it fits int8 (the -128 is
-# given back by the accumulator's start)
-_K8_ASM = gl.constexpr(tuple(
-    f"lop3.b32 $0, $1, 0x{(3 << 2 * p) * 0x01010101:08X}, 0x{0x80808080 if p == 3 else 0:08X}, 0x6A;"
-    for p in range(4)))
-_RNI_ASM = gl.constexpr("cvt.rni.f32.f32 $0, $1;")  # round to the nearest integer (even on ties)
-# Value codes of byte position BB of two tokens' words ($4: token t, $5: token t + 1): prmt pairs the two bytes
-# (selector nibble i = source of destination byte i: byte 0 <- byte BB of $4, byte 2 <- byte BB of $5; half 0: token t), one lop3 per plane or-s them into 0x4380 (bf16 256, mantissa LSB worth 2): 256 + KP code
-# with KP = 2, 8, 32; plane 3's bits would reach the exponent and are shifted down to bits 4-5 first (KP = 32).
-_V_ASM = gl.constexpr(tuple(
-    f"{{ .reg .b32 w, y; prmt.b32 w, $4, $5, 0x{bb | ((4 + bb) << 8):04X}; shr.b32 y, w, 2; "
-    "lop3.b32 $0, w, 0x00030003, 0x43804380, 0xEA; lop3.b32 $1, w, 0x000C000C, 0x43804380, 0xEA; "
-    "lop3.b32 $2, w, 0x00300030, 0x43804380, 0xEA; lop3.b32 $3, y, 0x00300030, 0x43804380, 0xEA; }"
-    for bb in range(4)))
-# prefetch.global.L2 of one address where the predicate ($2) is set (the result is a dummy)
-_PF_ASM = gl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }")
-# Wait until the 32-bit counter at $1 reaches $2 (acquire, GPU scope; QFLAG): poll with a short sleep, trap after
-# ~2^22 polls (seconds) rather than hang; $0 is 0, an opaque offset for the loads that must follow the wait
-_SPIN_ASM = gl.constexpr(
-    "{ .reg .pred p; .reg .u32 v, n; mov.u32 n, 0; "
-    "SPIN${:uid}: ld.acquire.gpu.global.u32 v, [$1]; setp.ge.u32 p, v, $2; @p bra DONE${:uid}; "
-    "add.u32 n, n, 1; setp.gt.u32 p, n, 4194304; @p trap; nanosleep.u32 32; bra SPIN${:uid}; "
-    "DONE${:uid}: mov.u32 $0, 0; }")
-LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
-# movmatrix.trans on each 8x8 block of a 16-bit accumulator-layout tile (see _w_operand)
-_MOVM_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
-# Loads from one address per lane (lane 4r + c; the rest are immediates, so that a step computes one address per
-# tensor, not one per register). Rows are 32 bytes (D = 128 codes at 2 bits), metadata words 4 bytes. Index
-# [2 (TB - 1) + MASKED]: MASKED loads row offset o only where lo <= o < hi for the lane's bounds (lo, hi) -- given
-# relative to its first row -- and return 0 elsewhere.
-
-
-def _lane_loads(vec, offs, strides):
-    """PTX (plain, masked) of ``vec * len(offs)`` outputs loaded ``vec`` at a time from ``[ptr + offs[i] * stride]``;
-    the operands after the outputs: pointer, then (masked) the lane's bounds lo, hi."""
-    n_out = vec * len(offs)
-    p, lo, hi = f"${n_out}", f"${n_out + 1}", f"${n_out + 2}"
-    plain, masked = [], ["{ .reg .pred p, q;"]
-    for i, o in enumerate(offs):
-        regs = ", ".join(f"${vec * i + j}" for j in range(vec))
-        ld = f"ld.global.v{vec}.b32 {{{regs}}}" if vec > 1 else f"ld.global.b32 {regs}"
-        plain.append(f"{ld}, [{p}+{o * strides}];")
-        masked += [f"mov.b32 ${vec * i + j}, 0;" for j in range(vec)]
-        masked.append(f"setp.gt.s32 p, {hi}, {o}; setp.le.s32 q, {lo}, {o}; and.pred p, p, q; @p {ld}, [{p}+{o * strides}];")
-    return " ".join(plain), " ".join(masked + ["}"])
-
-
-# keys: words 2c, 2c + 1 of rows r + 8i, i < 2 TB (address: row r, byte 8c)
-_KLD_ASM = gl.constexpr(sum((_lane_loads(2, [8 * i for i in range(2 * tb)], 32) for tb in (1, 2)), ()))
-# values: word r of tokens 2c + 8i + j, i < 2 TB, j < 2, output 2i + j (address: token 2c, byte 4r)
-_VLD_ASM = gl.constexpr(sum((_lane_loads(1, [8 * i + j for i in range(2 * tb) for j in range(2)], 32)
-                              for tb in (1, 2)), ()))
-# metadata of logit rows r and r + 8 (address: the word of row r's token)
-_MLD_ASM = gl.constexpr(_lane_loads(1, [0, 8], 4))
-
-
-@gluon.jit
-def _k_plane(b0, b1, b2, b3):
-    """A plane's codes of byte positions 0..3 of each word (``[T, 8 w]`` each) as ``[T, 32 s]``, ``s = 4w + B``."""
-    j = gl.join(gl.join(b0, b1), gl.join(b2, b3))  # [T, 8, 2, 2]: t, w, B & 1, B >> 1
-    j = gl.permute(j, [0, 1, 3, 2])
-    return gl.reshape(j, [j.shape[0], 32])
-
-
-@gluon.jit
-def _k_operand(y, TB: gl.constexpr):
-    """Plane tile ``y [16 TB, 32 s]`` (rows ``tb * 16 + t'``, byte ``s``) -> the A operand ``[16 t', 32 TB k]``,
-    ``k = tb * 32 + j`` with ``s = 8c + 4kt + 2h + b`` for ``j = 16kt + 8h + 2c + b`` (``sigma_K``). A pure
-    renaming of registers (checked at compile time)."""
-    y = gl.reshape(y, [TB, 16, 4, 2, 2, 2])  # tb, t', c, kt, h, b
-    y = gl.permute(y, [1, 0, 3, 4, 2, 5])  # t', tb, kt, h, c, b
-    y = gl.reshape(y, [16, 32 * TB])
-    return gl.convert_layout(y, A_OP, assert_trivial=True)
-
-
-@gluon.jit
-def _k8_operand(xk, P: gl.constexpr, TB: gl.constexpr):
-    """K8: plane ``P`` of the key words ``xk [16 TB, 8]`` (int32, ``KLOAD``) as the int8 A operand ``[16 t', 32 TB k]``
-    of ``m16n8k32``, ``k = 32 tb + 16 hh + 4 c + i`` holding byte ``8 c + 4 hh + i`` of token ``16 tb + t'`` (``sigma8``):
-    a lane's words ``2c, 2c + 1`` are its registers, so one ``lop3`` per word and a renaming of registers."""
-    x = gl.join(gl.join(xk, xk), gl.join(xk, xk))  # [T, 8, 2, 2]: four copies of each word (one asm instance)
-    x = gl.reshape(x, [16 * TB, 32])
-    y = gl.inline_asm_elementwise(_K8_ASM[P], "=r,r,r,r,r", [x], dtype=gl.int8, is_pure=True, pack=4)
-    y = gl.reshape(y, [TB, 16, 4, 2, 4])  # tb, t', c, hh, i (byte 8 c + 4 hh + i)
-    y = gl.permute(y, [1, 0, 3, 2, 4])  # t', tb, hh, c, i
-    y = gl.reshape(y, [16, 32 * TB])
-    return gl.convert_layout(y, A8_OP, assert_trivial=True)
-
-
-@gluon.jit
-def _rni(x):
-    return gl.inline_asm_elementwise(_RNI_ASM, "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _absmax(q):
-    """Largest ``|q|`` of a B-layout tile: over k first (mostly a lane's own registers, then 2 shuffle rounds), then 3
-    rounds over the columns (the other order shuffles each lane's 16 values of k: ~200 shuffles, ~4 us per program)."""
-    return gl.max(gl.max(gl.abs(q), 0), 0)
-
-
-@gluon.jit
-def _q8_split(q, f):
-    """``q f = hi + lo / 254`` with int8 ``hi`` (``|q f| <= 127``) and ``lo``: 15 bits of the group's largest entry,
-    where fp16 operands keep 11 of each entry's own."""
-    x = q * f
-    hi = _rni(x)
-    lo = _rni((x - hi) * 254.0)
-    return hi.to(gl.int8), lo.to(gl.int8)
-
-
-@gluon.jit
-def _q8_operands(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
-    """K8 query operands: per plane the pair ``(hi, lo)`` (int8, ``B8_OP``) of ``q_P = q qk_scale / 4^P`` (plane codes
-    enter as ``4^P code``) over ``sigma_g``; per group ``g`` the accumulator starts ``(hi, lo)`` (int32 ``[16, 8]``:
-    plane 3's ``+128 sum q``) and the factor ``sigma_g / 254`` of ``Y = 254 acc_hi + acc_lo``. ``sigma_g``: the
-    group's largest ``|q_P|`` (all columns) / 127. Last two: the groups' query sums (:func:`_q_sums`)."""
-    q0 = _q_plane(q_ptr, sqm, M, 0, TB, MH, True)
-    q1 = _q_plane(q_ptr, sqm, M, 1, TB, MH, True)
-    q2 = _q_plane(q_ptr, sqm, M, 2, TB, MH, True)
-    q3 = _q_plane(q_ptr, sqm, M, 3, TB, MH, True)
-    sg0 = gl.maximum(gl.maximum(_absmax(q0), 0.25 * _absmax(q1)) * qk_scale, 1e-30) / 127.0
-    sg1 = gl.maximum(gl.maximum(_absmax(q2), 0.25 * _absmax(q3)) * (qk_scale / 16.0), 1e-30) / 127.0
-    h0, l0 = _q8_split(q0, qk_scale / sg0)
-    h1, l1 = _q8_split(q1, qk_scale * 0.25 / sg0)
-    h2, l2 = _q8_split(q2, qk_scale * 0.0625 / sg1)
-    h3, l3 = _q8_split(q3, qk_scale * 0.015625 / sg1)
-    # plane 3's codes enter as 64 code - 128: its group's accumulators start at 128 sum_k q (per column)
-    hs = gl.convert_layout(gl.sum(h3.to(gl.int32), 0), gl.SliceLayout(0, MMA))
-    ls = gl.convert_layout(gl.sum(l3.to(gl.int32), 0), gl.SliceLayout(0, MMA))
-    z = gl.zeros([16, 8], gl.int32, layout=MMA)
-    qs0, qs1 = _q_sums(q0, q1, q2, q3, qk_scale)
-    return ((h0, l0), (h1, l1), (h2, l2), (h3, l3), (z, z, sg0 / 254.0),
-            (z + 128 * hs[None, :], z + 128 * ls[None, :], sg1 / 254.0), qs0, qs1)
-
-
-@gluon.jit
-def _q8_tile(base, P: gl.constexpr, HL: gl.constexpr, TB: gl.constexpr):
-    """Tile ``(P, HL)`` of the prologue's int8 query operands (``query_triton._rotate_plane_q8``: ``[4, 2, 8 n,
-    32 TB k]``, k contiguous) in the B layout of ``m16n8k32``: a lane's 4 consecutive k are one 4-byte word."""
-    k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, B8_OP))
-    n = gl.arange(0, 8, layout=gl.SliceLayout(0, B8_OP))
-    return gl.load(base + ((P * 2 + HL) * 8 + n[None, :]) * (32 * TB) + k[:, None])
-
-
-@gluon.jit
-def _q8_loaded(QP8, QPF, pid_bh, TB: gl.constexpr):
-    """:func:`_q8_operands`' results loaded from what the prologue built for this (row, KV head) (``QPRE``): the
-    tiles, the accumulator starts (plane 3's ``128 sum``), ``sigma_g / 254`` and the query sums (``Qs_g``: the sum of
-    its planes' sums)."""
-    base = QP8 + pid_bh.to(gl.int64) * (2048 * TB)  # (query_triton.Q8_TILE_BYTES * TB)
-    fp = QPF + pid_bh.to(gl.int64) * 64
-    cn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    qs0 = gl.load(fp + cn) + gl.load(fp + 8 + cn)  # (the planes' sums)
-    qs1 = gl.load(fp + 16 + cn) + gl.load(fp + 24 + cn)
-    hs = gl.load(fp + 32 + cn).to(gl.int32)
-    ls = gl.load(fp + 40 + cn).to(gl.int32)
-    f0 = gl.load(fp + 48) / 254.0
-    f1 = gl.load(fp + 56) / 254.0
-    z = gl.zeros([16, 8], gl.int32, layout=MMA)
-    return ((_q8_tile(base, 0, 0, TB), _q8_tile(base, 0, 1, TB)), (_q8_tile(base, 1, 0, TB), _q8_tile(base, 1, 1, TB)),
-            (_q8_tile(base, 2, 0, TB), _q8_tile(base, 2, 1, TB)), (_q8_tile(base, 3, 0, TB), _q8_tile(base, 3, 1, TB)),
-            (z, z, f0), (z + hs[None, :], z + ls[None, :], f1), qs0, qs1)
-
-
-@gluon.jit
-def _v_planes(x, BB: gl.constexpr):
-    """Value codes of byte position ``BB`` of the word tile ``x [T, 8]`` (int32): four bf16 tiles (planes)."""
-    return gl.inline_asm_elementwise(_V_ASM[BB], "=r,=r,=r,=r,r,r", [x],
-                                     dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=2)
-
-
-@gluon.jit
-def _v_operand(o0, o1, o2, o3, T: gl.constexpr):
-    """One plane's tiles of byte positions 0..3 (``[T t, 8 w]``) -> the A operand ``[32 m, T t]`` of
-    ``outᵀ = Vᵀ Wᵀ``, row ``m = 8 bb + w`` (channel ``4 w + bb`` of the plane: ``sigma_V``). Register renaming."""
-    j = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [T, 8, 2, 2]: t, w, bb & 1, bb >> 1
-    j = gl.permute(j, [3, 2, 1, 0])
-    j = gl.reshape(j, [32, T])
-    return gl.convert_layout(j, A_OP, assert_trivial=True)
-
-
-@gluon.jit
-def _w_operand(w, kdiag, TB: gl.constexpr):
-    """``w [16 t', 8 n]`` (bf16, accumulator layout) -> the B operand ``[16 TB k, 8 n]`` of the value MMA.
-    ``movmatrix.trans`` transposes each 8x8 block in registers; the result, read as the block-transposed tile
-    ``y[8a + i, j] = w[8a + j, i]``, is ``w`` itself in the B layout (a reshape / permute, register renaming).
-    TB = 2: rows ``k = 16 tb + t'`` see column ``n`` only where ``tb`` is the column's token set (``kdiag``)."""
-    y = gl.inline_asm_elementwise(_MOVM_ASM, "=r,r", [w], dtype=gl.bfloat16, is_pure=True, pack=2)
-    y = gl.reshape(y, [2, 8, 8])
-    y = gl.permute(y, [0, 2, 1])
-    y = gl.reshape(y, [16, 8])
-    if TB == 1:
-        return gl.convert_layout(y, B_OP, assert_trivial=True)
-    else:
-        y = gl.join(y, y)  # [16, 8, TB]
-        y = gl.permute(y, [2, 0, 1])
-        y = gl.reshape(y, [16 * TB, 8])
-        y = gl.convert_layout(y, B_OP, assert_trivial=True)
-        # kdiag: int16 -1 / 0; one `and` per register (two bf16), not a select per element and a repack
-        return gl.inline_asm_elementwise("and.b32 $0, $1, $2;", "=r,r,r", [y, kdiag], dtype=gl.bfloat16,
-                                         is_pure=True, pack=2)
-
-
-@gluon.jit
-def _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0, hi, T: gl.constexpr):
-    """Prefetch the step at ``n0`` into L2, one 128-byte line per lane: lanes ``0 .. T/4`` the key codes, the next
-    ``T/4`` the value codes, then one lane per metadata tensor (``4 T`` bytes each). The loads of that step then
-    wait for L2, not HBM (Nsight Compute: the kernel's top stall was the global loads' latency)."""
-    NL: gl.constexpr = T * 32 // 128  # lines of key (value) codes
-    ln = gl.arange(0, 32, layout=LANES)
-    i = gl.where(ln < NL, ln, gl.where(ln < 2 * NL, ln - NL, 0))
-    kp = (kc_base + n0.to(gl.int64) * 8) + i * 32  # int32 pointers: 8 words a token row, 32 a line
-    vp = (vc_base + n0.to(gl.int64) * 8) + i * 32
-    ptr = gl.where(ln < NL, kp, gl.where(ln < 2 * NL, vp, gl.where(ln == 2 * NL, ks_base + n0, gl.where(
-        ln == 2 * NL + 1, kz_base + n0, gl.where(ln == 2 * NL + 2, vs_base + n0, vz_base + n0)))))
-    ok = (ln < 2 * NL + 4) & (n0 < hi)
-    gl.inline_asm_elementwise(_PF_ASM, "=r,l,r", [ptr, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-
-
-# Per-program timestamps (``TIMED``, a diagnostic: ``scripts/timeline_hist_programs.py``): %globaltimer (ns) read after
-# ``$1`` is available, so that the stamp follows the work that produced it; %clock64, %smid and %warpid beside them
-_GT_ASM = gl.constexpr("mov.u64 $0, %globaltimer; // $1")
-_CLK_ASM = gl.constexpr("mov.u64 $0, %clock64; // $1")
-# %smid in the low 16 bits, %warpid (the warp's slot in the SM; slot % 4 is its scheduler) in the high ones
-_SMID_ASM = gl.constexpr("{ .reg .b32 w; mov.u32 $0, %smid; mov.u32 w, %warpid; shl.b32 w, w, 16; or.b32 $0, $0, w; } // $1")
-TIME_SLOTS = gl.constexpr(8)  # entry, after the PDL wait, after the reference step, after the loop, exit, clock64 entry / exit, SM + warp slot << 16
-
-
-@gluon.jit
-def _stamp(TIMES, prog, slot: gl.constexpr, dep, ASM: gl.constexpr = _GT_ASM):
-    """Write the timer ``ASM`` reads, once ``dep`` (an int32 scalar) is known, to ``TIMES[prog, slot]``."""
-    t = gl.inline_asm_elementwise(ASM, "=l,r", [dep], dtype=gl.int64, is_pure=False, pack=1)
-    gl.store(TIMES + prog * TIME_SLOTS + slot, t)
-
-
-@gluon.jit
-def _dep(x):
-    """An int32 scalar that depends on the float tensor ``x`` (the stamp after the work that made it)."""
-    return gl.max(x, 0).to(gl.int32, bitcast=True)
-
-
-@gluon.jit
-def _rc(x):
-    """A per-lane value ``[32]`` (lane ``4r + c``) as ``[8 r, 4 c]``."""
-    return gl.reshape(x, [8, 4])
-
-
-@gluon.jit
-def _lane_asm(KIND: gl.constexpr, TB: gl.constexpr, ptr, lo, hi, MASKED: gl.constexpr):
-    """Loads from one address per lane (``KIND`` 0: key rows, 1: value tokens, 2: metadata words)."""
-    if KIND == 0:
-        asm: gl.constexpr = _KLD_ASM[2 * TB - 2 + MASKED]
-        n: gl.constexpr = 4 * TB
-    elif KIND == 1:
-        asm: gl.constexpr = _VLD_ASM[2 * TB - 2 + MASKED]
-        n: gl.constexpr = 4 * TB
-    else:
-        asm: gl.constexpr = _MLD_ASM[MASKED]
-        n: gl.constexpr = 2
-    if MASKED:
-        return gl.inline_asm_elementwise(asm, "=r," * n + "l,r,r", [ptr, lo, hi], dtype=(gl.int32,) * n,
-                                         is_pure=False, pack=1)
-    else:
-        return gl.inline_asm_elementwise(asm, "=r," * n + "l", [ptr], dtype=(gl.int32,) * n, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, lo, hi, lr, lc, mr, TB: gl.constexpr, MASKED: gl.constexpr):
-    """The loads of the step at ``n0`` from per-lane addresses (``[32]`` each, at token 0; lane ``4r + c`` reads key
-    row ``r``, value token ``2c``, metadata of logit row ``r`` (token ``mr``)): the tiles of :func:`_loads`, in its
-    layouts. ``MASKED``: only tokens in ``[lo, hi)`` are read (keys and their metadata: ``< hi``), else 0."""
-    big = -(1 << 30)
-    k = _lane_asm(0, TB, kl + n0 * 8, big - lr, hi - n0 - lr, MASKED)
-    v = _lane_asm(1, TB, vl + n0 * 8, big - lr, hi - n0 - 2 * lc, MASKED)
-    ks = _meta_tile(_lane_asm(2, TB, ksl + n0, big - mr, hi - n0 - mr, MASKED))
-    kz = _meta_tile(_lane_asm(2, TB, kzl + n0, big - mr, hi - n0 - mr, MASKED))
-    vs = _meta_tile(_lane_asm(2, TB, vsl + n0, lo - n0 - mr, hi - n0 - mr, MASKED))
-    vz = _meta_tile(_lane_asm(2, TB, vzl + n0, lo - n0 - mr, hi - n0 - mr, MASKED))
-    if TB == 2:
-        k = gl.join(gl.join(gl.join(_rc(k[0]), _rc(k[1])), gl.join(_rc(k[2]), _rc(k[3]))),
-                    gl.join(gl.join(_rc(k[4]), _rc(k[5])), gl.join(_rc(k[6]), _rc(k[7]))))  # r, c, j, i0, i1
-        k = gl.permute(k, [4, 3, 0, 1, 2])  # i1, i0, r, c, j
-        v = gl.join(gl.join(gl.join(_rc(v[0]), _rc(v[1])), gl.join(_rc(v[2]), _rc(v[3]))),
-                    gl.join(gl.join(_rc(v[4]), _rc(v[5])), gl.join(_rc(v[6]), _rc(v[7]))))  # r, c, j, i0, i1
-        v = gl.permute(v, [4, 3, 1, 2, 0])  # i1, i0, c, j, r
-    else:
-        k = gl.join(gl.join(_rc(k[0]), _rc(k[1])), gl.join(_rc(k[2]), _rc(k[3])))  # r, c, j, i0
-        k = gl.permute(k, [3, 0, 1, 2])
-        v = gl.join(gl.join(_rc(v[0]), _rc(v[1])), gl.join(_rc(v[2]), _rc(v[3])))  # r, c, j, i0
-        v = gl.permute(v, [3, 1, 2, 0])
-    xk = gl.convert_layout(gl.reshape(k, [16 * TB, 8]), KLOAD, assert_trivial=True)
-    xv = gl.convert_layout(gl.reshape(v, [16 * TB, 8]), VLOAD, assert_trivial=True)
-    return xk, xv, ks, kz, vs, vz
-
-
-@gluon.jit
-def _meta_tile(w):
-    """Metadata words of logit rows ``r``, ``r + 8`` (two ``[32]``) as the logit tile ``[16, 8]`` (both columns of a
-    lane: the same token)."""
-    x = gl.join(_rc(w[0]), _rc(w[1]))  # r, c, a
-    x = gl.permute(gl.join(x, x), [2, 0, 1, 3])  # a, r, c, j
-    return gl.convert_layout(gl.reshape(x, [16, 8]), MMA, assert_trivial=True)
-
-
-@gluon.jit
-def _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, n0):
-    """cp.async of the full step at ``n0`` into ``stage``, as one commit group."""
-    _cp_async(kbuf.index(stage), ck + n0 * 8)
-    _cp_async(vbuf.index(stage), cv + n0 * 8)
-    _cp_async(mbuf.index(stage), cm + n0)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T: gl.constexpr, STAGES: gl.constexpr):
-    """The pipeline's start: the copies of the first ``STAGES - 1`` full steps of ``[f0, f1)`` into stages
-    ``0 .. STAGES - 2`` (none without full steps; past the last full step the copies repeat it, as in the loop)."""
-    if f1 > f0:
-        for i in gl.static_range(STAGES - 1):
-            _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
-
-
-@gluon.jit
-def _smem_meta(mb, j: gl.constexpr, TB: gl.constexpr):
-    """Metadata words ``j`` (0..3: key scale, key zero, value scale, value zero) of a stage as the logit tile."""
-    x = mb.slice(j * TB, TB, dim=0).permute([1, 0])  # [16 t', TB sets]
-    if TB == 2:
-        y = x.load(gl.SliceLayout(2, META3))
-        y = gl.expand_dims(y, 2) + gl.zeros([16, 2, 4], gl.int32, layout=META3)  # (a broadcast: + 0 folds)
-        return gl.convert_layout(gl.reshape(y, [16, 8]), MMA, assert_trivial=True)
-    else:
-        y = x.load(MMA)  # [16, 1]
-        return y + gl.zeros([16, 8], gl.int32, layout=MMA)
-
-
-@gluon.jit
-def _f32_pair(wd):
-    """Both groups' bf16 scale (or zero) of a token, one int32 word, as float32 (group 0 in the low half)."""
-    return (wd << 16).to(gl.float32, bitcast=True), (wd & -65536).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc,
-            TB: gl.constexpr, MH: gl.constexpr, MASKED: gl.constexpr, SPLITK: gl.constexpr, K8: gl.constexpr):
-    """Logits ``[16, 8]`` (log2 units, minus the reference: ``offc`` holds ``off - phi``) of a step from its key
-    bytes and key metadata words; invalid tokens -inf when ``MASKED``. ``K8``: int8 MMAs (``_q8_operands``:
-    ``qb_P`` are ``(hi, lo)`` pairs, ``c_g`` the accumulator starts and factor of group ``g``)."""
-    s0, s1 = _f32_pair(ks)
-    z0, z1 = _f32_pair(kz)
-    if K8:
-        k0 = _k8_operand(xk, 0, TB)
-        k1 = _k8_operand(xk, 1, TB)
-        k2 = _k8_operand(xk, 2, TB)
-        k3 = _k8_operand(xk, 3, TB)
-        y0 = mma_v2(k1, qb1[0], mma_v2(k0, qb0[0], c0[0])) * 254 + mma_v2(k1, qb1[1], mma_v2(k0, qb0[1], c0[1]))
-        y1 = mma_v2(k3, qb3[0], mma_v2(k2, qb2[0], c1[0])) * 254 + mma_v2(k3, qb3[1], mma_v2(k2, qb2[1], c1[1]))
-        # (bias after the MMAs in each branch: computed before them, ptxas spills 16 more bytes in the fp16 path)
-        bias = gl.fma(z0, qs0[None, :], gl.fma(z1, qs1[None, :], offc[None, :]))
-        lg = gl.fma(s0 * c0[2], y0.to(gl.float32), gl.fma(s1 * c1[2], y1.to(gl.float32), bias))
-    else:
-        u = gl.inline_asm_elementwise(_K_ASM, "=h," * 16 + "r", [xk], dtype=(gl.float16,) * 16, is_pure=True,
-                                      pack=1)
-        if SPLITK:  # one accumulator per plane: four independent MMA chains of half the length
-            zk = gl.zeros_like(c0)
-            a0 = mma_v2(_k_operand(_k_plane(u[0], u[1], u[2], u[3]), TB), qb0, c0) + \
-                mma_v2(_k_operand(_k_plane(u[4], u[5], u[6], u[7]), TB), qb1, zk)
-            a1 = mma_v2(_k_operand(_k_plane(u[8], u[9], u[10], u[11]), TB), qb2, c1) + \
-                mma_v2(_k_operand(_k_plane(u[12], u[13], u[14], u[15]), TB), qb3, zk)
-        else:
-            a0 = mma_v2(_k_operand(_k_plane(u[0], u[1], u[2], u[3]), TB), qb0, c0)
-            a0 = mma_v2(_k_operand(_k_plane(u[4], u[5], u[6], u[7]), TB), qb1, a0)
-            a1 = mma_v2(_k_operand(_k_plane(u[8], u[9], u[10], u[11]), TB), qb2, c1)
-            a1 = mma_v2(_k_operand(_k_plane(u[12], u[13], u[14], u[15]), TB), qb3, a1)
-        bias = gl.fma(z0, qs0[None, :], gl.fma(z1, qs1[None, :], offc[None, :]))
-        lg = gl.fma(s0, a0, gl.fma(s1, a1, bias))
-    if MASKED:
-        tr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-        tn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-        tok = n0 + tr[:, None] + 16 * (tn // MH)[None, :]
-        lg = gl.where((tok < hi) & (tok >= start), lg, float("-inf"))
-    return lg
-
-
-@gluon.jit
-def _fresh_state():
-    """The split's running tiles at the start of a pass: ``l``, ``max``, ``sum p z`` per group (``[16, 8]``), the four
-    plane accumulators (``[32, 8]``) and the group sums of ``W`` (``[16, 8]``, GSUM)."""
-    z16 = gl.zeros([16, 8], gl.float32, layout=MMA)
-    z32 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    return z16, gl.full([16, 8], float("-inf"), gl.float32, layout=MMA), z16, z16, z32, z32, z32, z32, z16, z16
-
-
-@gluon.jit
-def _step(xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-          lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB: gl.constexpr, MH: gl.constexpr,
-          MASKED: gl.constexpr, SPLITK: gl.constexpr, GSUM: gl.constexpr, K8: gl.constexpr):
-    """One step of ``16 TB`` tokens from its loaded words: logits, then :func:`_accumulate`."""
-    lg = _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, MASKED, SPLITK, K8)
-    return _accumulate(lg, xv, vs, vz, kdiag, neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
-
-
-@gluon.jit
-def _accumulate(lg, xv, vs, vz, kdiag, neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB: gl.constexpr,
-                GSUM: gl.constexpr):
-    """A step's logits ``lg [16, 8]`` (minus the reference) into the deferred softmax tiles and the value MMAs.
-    ``GSUM``: ``neg`` is a tile of ones and ``sw_g`` accumulate ``sum W`` of each group (every row the same),
-    subtracted ``256 x`` once after the loop; otherwise ``neg`` is the ``-256`` tile, one MMA after each value MMA."""
-    T: gl.constexpr = 16 * TB
-    vs0, vs1 = _f32_pair(vs)
-    vz0, vz1 = _f32_pair(vz)
-    mt = gl.maximum(mt, lg)
-    p = gl.exp2(lg)
-    lt += p
-    zt0 = gl.fma(p, vz0, zt0)
-    zt1 = gl.fma(p, vz1, zt1)
-    w0 = _w_operand((p * vs0).to(gl.bfloat16), kdiag, TB)
-    w1 = _w_operand((p * vs1).to(gl.bfloat16), kdiag, TB)
-    a00, a01, a02, a03 = _v_planes(xv, 0)
-    a10, a11, a12, a13 = _v_planes(xv, 1)
-    a20, a21, a22, a23 = _v_planes(xv, 2)
-    a30, a31, a32, a33 = _v_planes(xv, 3)
-    if GSUM:  # 2 TB MMAs a step for the offsets instead of 8 TB
-        acc0 = mma_v2(_v_operand(a00, a10, a20, a30, T), w0, acc0)
-        acc1 = mma_v2(_v_operand(a01, a11, a21, a31, T), w0, acc1)
-        acc2 = mma_v2(_v_operand(a02, a12, a22, a32, T), w1, acc2)
-        acc3 = mma_v2(_v_operand(a03, a13, a23, a33, T), w1, acc3)
-        sw0 = mma_v2(neg, w0, sw0)
-        sw1 = mma_v2(neg, w1, sw1)
-    else:
-        acc0 = mma_v2(neg, w0, mma_v2(_v_operand(a00, a10, a20, a30, T), w0, acc0))
-        acc1 = mma_v2(neg, w0, mma_v2(_v_operand(a01, a11, a21, a31, T), w0, acc1))
-        acc2 = mma_v2(neg, w1, mma_v2(_v_operand(a02, a12, a22, a32, T), w1, acc2))
-        acc3 = mma_v2(neg, w1, mma_v2(_v_operand(a03, a13, a23, a33, T), w1, acc3))
-    return lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1
-
-
-@gluon.jit
-def _q_plane(q_ptr, sqm, M, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr, K8: gl.constexpr):
-    """``q[h, 32 P + sigma(j)]`` (float32) in the B layout ``[32 TB, 8]`` of the key MMA, row ``tb * 32 + j``, column
-    ``tb * MH + h``; zero off the block diagonal and in padding columns. The channel order is the key operand's:
-    ``sigma_K`` (fp16 ``m16n8k16``, :func:`_k_operand`) or, ``K8``, ``sigma8`` (int8 ``m16n8k32``, :func:`_k8_operand`)."""
-    OP: gl.constexpr = B8_OP if K8 else B_OP
-    k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, OP))
-    n = gl.arange(0, 8, layout=gl.SliceLayout(0, OP))
-    j = k % 32
-    if K8:
-        sig = 8 * ((j % 16) // 4) + 4 * (j // 16) + j % 4
-    else:
-        sig = 8 * ((j >> 1) & 3) + 4 * (j >> 4) + 2 * ((j >> 3) & 1) + (j & 1)
-    h = n % MH
-    ok = ((k // 32)[:, None] == (n // MH)[None, :]) & (h < M)[None, :] & (n < TB * MH)[None, :]
-    return gl.load(q_ptr + h[None, :] * sqm + (32 * P + sig)[:, None], mask=ok, other=0.0)
-
-
-@gluon.jit
-def _q_operand(q, qk_scale, P: gl.constexpr):
-    """fp16 B operand of plane ``P`` from its :func:`_q_plane` ``q``: times ``qk_scale / 4^P``."""
-    return (q * (qk_scale * (0.25 ** P))).to(gl.float16)
-
-
-@gluon.jit
-def _q_sums(q0, q1, q2, q3, qk_scale):
-    """Per column (``SliceLayout(0, MMA)``): ``Qs_g``, the sum of group ``g``'s query channels times ``qk_scale``,
-    from the planes of :func:`_q_plane` (zero off the column's token set; a sum over a permutation of the channels),
-    so that the query is loaded once."""
-    s0 = gl.sum(q0, 0) + gl.sum(q1, 0)
-    s1 = gl.sum(q2, 0) + gl.sum(q3, 0)
-    return (gl.convert_layout(s0 * qk_scale, gl.SliceLayout(0, MMA)),
-            gl.convert_layout(s1 * qk_scale, gl.SliceLayout(0, MMA)))
-
-
-@gluon.jit
-def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
-                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T: gl.constexpr, TB: gl.constexpr, N_DEV: gl.constexpr):
-    """This split's tokens and addresses: the row's first valid token ``start``, the split ``[lo, hi)`` (all-padding
-    steps skipped), its full steps ``[f0, f1)`` after the reference step, the per-lane addresses at token 0 of
-    :func:`_loads_lanes` and the base pointers (int32 words) of the six history tensors."""
-    start = gl.load(START + b).to(gl.int32)
-    if N_DEV:
-        n_tot = gl.minimum(gl.load(NPTR).to(gl.int32), N)
-        slen = gl.cdiv(gl.cdiv(gl.maximum(n_tot, 1), S), T) * T
-    else:
-        n_tot = N
-        slen = split_len
-    hi = gl.minimum(pid_s * slen + slen, n_tot)
-    lo = gl.maximum(pid_s * slen, (start // T) * T)  # skip all-padding blocks
-    f0 = lo + T
-    f1 = f0 + gl.maximum(hi - f0, 0) // T * T
-    kc_base = (KC + b.to(gl.int64) * skb + h * skh).to(gl.pointer_type(gl.int32))
-    vc_base = (VC + b.to(gl.int64) * svb + h * svh).to(gl.pointer_type(gl.int32))
-    ks_base = (KS + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))
-    kz_base = (KZ + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))
-    vs_base = (VS + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
-    vz_base = (VZ + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
-    # per-lane addresses at token 0 (_loads_lanes)
-    ln = gl.arange(0, 32, layout=LANES)
-    lr = ln // 4
-    lc = ln % 4
-    kl = kc_base + (lr * 8 + 2 * lc)
-    vl = vc_base + (2 * lc * 8 + lr)
-    mr = lr
-    if TB == 2:  # columns 4..7 (lanes with c >= 2) are the second token set
-        mr = lr + 16 * (lc // 2)
-    return (start, hi, lo, f0, f1, kl, vl, ks_base + mr, kz_base + mr, vs_base + mr, vz_base + mr, lr, lc, mr,
-            kc_base, vc_base, ks_base, kz_base, vs_base, vz_base)
-
-
-@gluon.jit
-def _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T: gl.constexpr, TB: gl.constexpr,
-                STAGES: gl.constexpr):
-    """The cp.async pipeline's shared buffers (``STAGES`` stages) and its per-lane source addresses at token 0:
-    code words ``[T, 8]`` of keys and values, metadata words ``[4 TB, 16]`` (see ``CP_META``)."""
-    kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8], SMEM3)
-    vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8], SMEM3)
-    mbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4 * TB, 16], SMEM3)
-    cr = gl.arange(0, T, layout=gl.SliceLayout(1, CP_CODES))
-    cw = gl.arange(0, 8, layout=gl.SliceLayout(0, CP_CODES))
-    ck = kc_base + (cr[:, None] * 8 + cw[None, :])
-    cv = vc_base + (cr[:, None] * 8 + cw[None, :])
-    CPM: gl.constexpr = CP_META[TB - 1]
-    mrow = gl.arange(0, 4 * TB, layout=gl.SliceLayout(1, CPM))[:, None]
-    mj = mrow // TB
-    mt_ = (mrow % TB) * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, CPM))[None, :]
-    cm = gl.where(mj == 0, ks_base + mt_, gl.where(mj == 1, kz_base + mt_, gl.where(mj == 2, vs_base + mt_,
-                                                                                   vz_base + mt_)))
-    return kbuf, vbuf, mbuf, ck, cv, cm
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from .decode_gluon_ops import (A_OP, B_OP, DF_LIM, KLOAD, MMA, VLOAD, _accumulate, _copy_setup, _fresh_state,
+                               _issue_copies, _issue_first_copies, _loads_lanes, _logits, _q8_loaded, _q8_operands,
+                               _q_operand, _q_plane, _q_sums, _smem_meta, _SPIN_ASM, _split_setup, _step, _sync)
+from .plan import cuda_major
 
 
 @gluon.jit
@@ -633,11 +74,14 @@ def _hist_kernel(
     N, M, Hk, S, S_TOT, split_len, qk_scale,
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
-    STAGES: gl.constexpr = 2, SPLITK: gl.constexpr = 1, L2PF: gl.constexpr = 1, GSUM: gl.constexpr = 0,
-    PDL: gl.constexpr = 0, EARLY: gl.constexpr = 0, K8: gl.constexpr = 0,
-    TIMES=None, TIMED: gl.constexpr = 0, QP8=None, QPF=None, QPRE: gl.constexpr = 0,
-    READY=None, QFLAG: gl.constexpr = 0,
+    STAGES: gl.constexpr = 2, PDL: gl.constexpr = 0, K8: gl.constexpr = 0,
+    QP8=None, QPF=None, QPRE: gl.constexpr = 0, READY=None, QFLAG: gl.constexpr = 0,
 ):
+    """Grid ``(B * Hk, S)``: program ``(bh, s)`` writes the partial of history split ``s`` of one (row, KV head).
+    ``STAGES``: cp.async pipeline stages (a power of two); ``PDL``: launched under programmatic dependent launch
+    after the query's launch (waits for it after the first loads; lets the combine launch after its loop); ``K8``:
+    int8 key MMAs; ``QPRE``: their query operands built by the prologue (``QP8``, ``QPF``); ``QFLAG``: wait for the
+    prologue's counter ``READY[bh]`` instead of the PDL wait."""
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
     pid_bh = gl.program_id(0)
@@ -645,39 +89,25 @@ def _hist_kernel(
     b = pid_bh // Hk
     h = pid_bh % Hk
     part = (pid_bh.to(gl.int64) * S_TOT + pid_s) * M
-    prog = pid_bh * S + pid_s
-    if TIMED:
-        _stamp(TIMES, prog, 0, pid_s)
-        _stamp(TIMES, prog, 5, pid_s, _CLK_ASM)
     wdep = pid_s
-    if PDL == 1 or PDL == 3:  # programmatic dependent launch: the next launch may start (in this grid's tail)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
-    if PDL == 1:  # wait for the query rotation
-        wdep = gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-    if EARLY:
-        # the split's first loads before anything that needs the query: the reference step's words into registers
-        # and the first full steps' copies, so that their memory latency overlaps the query's loads (PDL == 2: and
-        # the launch before this one, which computes the query)
-        (start, hi, lo, f0, f1, kl, vl, ksl, kzl, vsl, vzl, lr, lc, mr, kc_base, vc_base, ks_base, kz_base, vs_base,
-         vz_base) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
-                                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, N_DEV)
-        xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
-        if STAGES > 0:
-            kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB,
-                                                       STAGES)
-            _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
-        if QFLAG:
-            # instead of the PDL wait for the whole prologue grid: its rotation programs of this (row, head) count
-            # themselves done in READY once their operands are stored (4 planes); the wait above ends when this
-            # head's are, not when the last prologue program has exited and the grid's completion reached us
-            wdep = gl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r", [READY + pid_bh, 4], dtype=gl.int32,
-                                             is_pure=False, pack=1)
-        elif PDL >= 2:
-            wdep = gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                             pack=1)
-    if TIMED:
-        _stamp(TIMES, prog, 1, wdep)
+    # the split's first loads before anything that needs the query: the reference step's words into registers and
+    # the first full steps' copies, so that their memory latency overlaps the query's loads (PDL: and the launch
+    # before this one, which computes the query)
+    (start, hi, lo, f0, f1, kl, vl, ksl, kzl, vsl, vzl, lr, lc, mr, kc_base, vc_base, ks_base, kz_base, vs_base,
+     vz_base) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
+                             skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, N_DEV)
+    xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
+    kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB, STAGES)
+    _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
+    if QFLAG:
+        # instead of the PDL wait for the whole prologue grid: its rotation programs of this (row, head) count
+        # themselves done in READY once their operands are stored (4 planes); the wait ends when this head's are,
+        # not when the last prologue program has exited and the grid's completion reached us
+        wdep = gl.inline_asm_elementwise(_SPIN_ASM, "=r,l,r", [READY + pid_bh, 4], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+    elif PDL:
+        wdep = gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                         pack=1)
 
     # ---- query operands (once per program) ----
     q_ptr = Q + b.to(gl.int64) * sqb + h * sqh
@@ -691,8 +121,8 @@ def _hist_kernel(
         off = gl.load(QKOFF + qz + b.to(gl.int64) * sob + h * soh + ch * som, mask=cvalid, other=0.0) * qk_scale
     else:
         off = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
-    # per column: Qs_g = sum of the group's (scaled) query channels, from the planes (before session 22 a load of its
-    # own, which the compiler issued after the operands' arithmetic: a second round trip)
+    # per column: Qs_g = sum of the group's (scaled) query channels, from the planes (a load of its own was issued by
+    # the compiler after the operands' arithmetic: a second round trip)
     if K8:
         if QPRE:  # built by the prologue, once per row and KV head
             qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_loaded(QP8, QPF, pid_bh + qz, TB)
@@ -714,93 +144,54 @@ def _hist_kernel(
         zero_t = gl.zeros([16, 8], gl.float32, layout=MMA)
         c0 = zero_t - 1024.0 * gl.convert_layout(cg0, gl.SliceLayout(0, MMA))[None, :]
         c1 = zero_t - 1024.0 * gl.convert_layout(cg1, gl.SliceLayout(0, MMA))[None, :]
-    # B-operand mask of the block-diagonal value MMA (TB = 2) and the constant A tile of the offset (ones / -256)
+    # B-operand mask of the block-diagonal value MMA (TB = 2) and the constant A tile of ones (the codes' offset)
     kk = gl.arange(0, 16 * TB, layout=gl.SliceLayout(1, B_OP))
     kn = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
     kdiag = gl.where((kk // 16)[:, None] == (kn // MH)[None, :], -1, 0).to(gl.int16)
-    if GSUM:
-        neg = gl.full([16, T], 1.0, gl.bfloat16, layout=A_OP)
-    else:
-        neg = gl.full([32, T], -256.0, gl.bfloat16, layout=A_OP)
+    ones = gl.full([16, T], 1.0, gl.bfloat16, layout=A_OP)
 
-    # ---- this split's tokens ----
-    if not EARLY:
-        (start, hi, lo, f0, f1, kl, vl, ksl, kzl, vsl, vzl, lr, lc, mr, kc_base, vc_base, ks_base, kz_base, vs_base,
-         vz_base) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
-                                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, N_DEV)
-        xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
-    if (L2PF > 0) & (STAGES == 0):  # the first full step's lines, while this one is read
-        _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, lo + T, hi, T)
     # reference phi per column: the max of the first step's valid logits (0 where there is none)
-    lg = _logits(xk, ks, kz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off, TB, MH, True, SPLITK, K8)
+    lg = _logits(xk, ks, kz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off, TB, MH, True, K8)
     phi = gl.max(lg, 0)
     phi = gl.where(phi == float("-inf"), 0.0, phi)
     phi = gl.where(cvalid, phi, 0.0)
-    if TIMED:
-        _stamp(TIMES, prog, 2, _dep(phi))
 
     lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _fresh_state()
     m_c = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     # the first step (which may hold padding) is the reference step, its logits known; then the full steps [f0, f1)
     # in a loop without masks, and a last step [f1, hi) if any (full steps: all tokens >= start, since lo + T > start)
     lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _accumulate(
-        lg - phi[None, :], xv, vs, vz, kdiag, neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, GSUM)
-    if (STAGES > 0) & (EARLY == 0):
-        kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB, STAGES)
+        lg - phi[None, :], xv, vs, vz, kdiag, ones, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB)
     run = 1
     while run > 0:
         offc = off - phi
-        if STAGES > 0:
-            # full steps through shared memory: the copies of step i + STAGES - 1 are issued before step i is read
-            # (its stage was read in step i - 1: the barrier orders the two); wait_group leaves STAGES - 2 newer
-            # groups in flight, the barrier makes every lane's copies of step i visible to the others
-            # (past the last full step the copies repeat it -- f1 - T -- so that every step issues the same).
-            # EARLY: the first pass's first copies were issued before the query's loads (a rerun, run == 2, issues them)
-            if EARLY:
-                if run == 2:
-                    _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
-            else:
-                _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
-            st_n = 0
-            for it in range(0, (f1 - f0) // T):
-                n0 = f0 + it * T
-                async_copy.wait_group(STAGES - 2)
-                _sync()
-                if (STAGES & (STAGES - 1)) == 0:
-                    st = it & (STAGES - 1)
-                    st_w = (it + STAGES - 1) & (STAGES - 1)
-                else:  # (a ring of any length: stage it % STAGES, carried; step it + STAGES - 1 goes to the one before)
-                    st = st_n
-                    st_w = gl.where(st == 0, STAGES - 1, st - 1)
-                    st_n = gl.where(st == STAGES - 1, 0, st + 1)
-                _issue_copies(kbuf, vbuf, mbuf, st_w, ck, cv, cm, gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
-                xk = kbuf.index(st).load(KLOAD)
-                xv = vbuf.index(st).load(VLOAD)
-                mb = mbuf.index(st)
-                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                    xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB),
-                    n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
-            async_copy.wait_group(0)
-            if f1 < hi:
-                xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, True)
-                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                    xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8)
-        else:
-            for n0 in range(f0, f1, T):
-                if L2PF > 0:
-                    _l2_prefetch(kc_base, ks_base, kz_base, vc_base, vs_base, vz_base, n0 + L2PF * T, hi, T)
-                xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, start, hi, lr, lc, mr, TB,
-                                                      False)
-                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                    xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, SPLITK, GSUM, K8)
-            if f1 < hi:
-                xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, True)
-                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                    xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, neg,
-                    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8)
+        # full steps through shared memory: the copies of step i + STAGES - 1 are issued before step i is read (its
+        # stage was read in step i - 1: the barrier orders the two); wait_group leaves STAGES - 2 newer groups in
+        # flight, the barrier makes every lane's copies of step i visible to the others (past the last full step the
+        # copies repeat it -- f1 - T -- so that every step issues the same). The first pass's first copies were
+        # issued before the query's loads (a rerun, run == 2, issues them)
+        if run == 2:
+            _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
+        for it in range(0, (f1 - f0) // T):
+            n0 = f0 + it * T
+            async_copy.wait_group(STAGES - 2)
+            _sync()
+            st = it & (STAGES - 1)
+            st_w = (it + STAGES - 1) & (STAGES - 1)
+            _issue_copies(kbuf, vbuf, mbuf, st_w, ck, cv, cm, gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
+            xk = kbuf.index(st).load(KLOAD)
+            xv = vbuf.index(st).load(VLOAD)
+            mb = mbuf.index(st)
+            lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
+                xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB),
+                n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, ones,
+                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, K8)
+        async_copy.wait_group(0)
+        if f1 < hi:
+            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, True)
+            lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
+                xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, ones,
+                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, K8)
         m_c = gl.max(mt, 0) + phi  # per column, -inf stays -inf
         over = gl.where(m_c == float("-inf"), 0.0, m_c - phi)
         run = 0
@@ -813,11 +204,9 @@ def _hist_kernel(
             xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
             lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
                 xk, xv, ks, kz, vs, vz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off - phi, kdiag,
-                neg, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, SPLITK, GSUM, K8)
+                ones, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, K8)
 
-    if TIMED:
-        _stamp(TIMES, prog, 3, _dep(m_c))
-    if PDL == 4:  # the combine may launch once every program is past its loop (an input from m_c orders it there)
+    if PDL:  # the combine may launch once every program is past its loop (an input from m_c orders it there)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $1", "=r,f", [m_c], dtype=gl.int32,
                                   is_pure=False, pack=1)
     # ---- per column -> per query row: the TB token sets merged by log-sum-exp ----
@@ -834,11 +223,11 @@ def _hist_kernel(
     l_c = gl.sum(lt, 0) * alpha
     zs0 = gl.sum(zt0, 0)
     zs1 = gl.sum(zt1, 0)
-    if GSUM:  # the codes' offset 256 sum W of each group (every row of sw_g holds the column sums)
-        acc0 = acc0 - 256.0 * gl.max(sw0, 0)[None, :]
-        acc1 = acc1 - 256.0 * gl.max(sw0, 0)[None, :]
-        acc2 = acc2 - 256.0 * gl.max(sw1, 0)[None, :]
-        acc3 = acc3 - 256.0 * gl.max(sw1, 0)[None, :]
+    # the codes' offset 256 sum W of each group (every row of sw_g holds the column sums)
+    acc0 = acc0 - 256.0 * gl.max(sw0, 0)[None, :]
+    acc1 = acc1 - 256.0 * gl.max(sw0, 0)[None, :]
+    acc2 = acc2 - 256.0 * gl.max(sw1, 0)[None, :]
+    acc3 = acc3 - 256.0 * gl.max(sw1, 0)[None, :]
     o0 = (acc0 * 0.5 + zs0[None, :]) * alpha[None, :]  # / KP: 2, 8, 32, 32
     o1 = (acc1 * 0.125 + zs0[None, :]) * alpha[None, :]
     o2 = (acc2 * 0.03125 + zs1[None, :]) * alpha[None, :]
@@ -870,11 +259,6 @@ def _hist_kernel(
     if QFLAG:  # the PDL wait after all (the prologue grid is long done): this grid completes after it, as without QFLAG
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,f", [l_r], dtype=gl.int32, is_pure=False,
                                   pack=1)
-    if TIMED:
-        _stamp(TIMES, prog, 4, _dep(l_r))
-        _stamp(TIMES, prog, 6, _dep(l_r), _CLK_ASM)
-        sm = gl.inline_asm_elementwise(_SMID_ASM, "=r,r", [pid_s], dtype=gl.int32, is_pure=False, pack=1)
-        gl.store(TIMES + prog * TIME_SLOTS + 7, sm.to(gl.int64))
 
 
 def gluon_supported(q_rot, k, v, group_size: int, key_mask, pairable: bool) -> bool:
@@ -892,18 +276,13 @@ def tokens_per_step(m: int) -> int:
     return 32 if m <= 4 else 16
 
 
-# diagnostic: None, or a contiguous int64 CUDA tensor [rows, TIME_SLOTS] -- the history programs stamp rows
-# 0 .. programs - 1 (launch_history), the prologue launch rows from decode_triton.PROLOGUE_TIME_ROW on (checked there)
-TIMES_BUF = None
-
-
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages=2, splitk=1, maxnreg=168, l2pf=1, gsum=0, pdl=0, early=0, k8=0, qpre=None, ready=None):
+                   stages, maxnreg, pdl=False, k8=False, qpre=None, ready=None):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
+    ``pdl``: launched under programmatic dependent launch right after the query's launch (the rotating op).
     ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
-    ``ready`` (with ``qpre`` and ``pdl`` >= 2): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise
-    when their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``).
-    With :data:`TIMES_BUF` set (a diagnostic), each program's timestamps go there (``[programs, TIME_SLOTS]`` int64)."""
+    ``ready`` (with ``qpre`` and ``pdl``): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise when
+    their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``)."""
     b, hk, m, d = q_rot.shape
     z3 = (0, 0, 0)
     _hist_kernel[(b * hk, s_hist)](
@@ -913,10 +292,8 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
         TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
-        STAGES=stages, SPLITK=splitk, L2PF=l2pf, GSUM=gsum, PDL=int(pdl), EARLY=int(early or pdl >= 2), K8=int(k8),
-        TIMES=TIMES_BUF, TIMED=int(TIMES_BUF is not None),
+        STAGES=stages, PDL=int(bool(pdl)), K8=int(bool(k8)),
         QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),
-        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and pdl >= 2), num_warps=1,
+        READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and bool(pdl)), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
     )
-

@@ -19,13 +19,17 @@ space (float32). A row with no valid key has ``m = -inf, l = 0, acc = 0``. The c
 
 The reference below dequantizes ``block_n`` history tokens at a time (never the whole history)
 and merges blocks with the online-softmax rule: exactly what the split-K kernel does in
-registers. The Triton kernels (CUDA) are dispatched by :func:`history_partial`.
+registers. The dispatchers (:func:`history_partial`, :func:`decode_attention`, :func:`decode_attention_rotating`,
+:func:`rotate_query`) send the shapes the Triton kernels support on CUDA to them (``decode_triton.py``,
+``query_triton.py``) and everything else to the references here.
 """
 from __future__ import annotations
 
 import torch
 
 from oscar_hf.quant import QuantizedRows, dequantize_rows
+
+from .plan import triton_enabled
 
 NEG_INF = float("-inf")
 
@@ -105,8 +109,6 @@ def rotate_query_reference(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tens
 def rotate_query(qf, r_k, mu_k, use_kernels="auto"):
     """Dispatch: one Triton launch on CUDA for decode-sized queries (not while ``torch.compile`` traces,
     where inductor fuses the torch ops itself), else the reference."""
-    from . import triton_enabled
-
     if triton_enabled(qf, use_kernels) and not torch.compiler.is_compiling():
         from .query_triton import query_kernel_supported, rotate_query_triton
 
@@ -116,13 +118,13 @@ def rotate_query(qf, r_k, mu_k, use_kernels="auto"):
 
 
 def history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n=1024, use_kernels="auto"):
-    """Dispatch: split-K Triton kernels on CUDA (when importable and allowed), else the reference."""
-    from . import triton_enabled
+    """Dispatch: split-K Triton kernels on CUDA (when importable, allowed and the shape is supported), else the
+    reference."""
+    if triton_enabled(q_rot, use_kernels):
+        from .decode_triton import history_partial_triton, kernel_supported
 
-    if triton_enabled(q_rot, use_kernels) and q_rot.shape[-2] <= 64:
-        from .decode_triton import history_partial_triton
-
-        return history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size)
+        if kernel_supported(q_rot, k, group_size, key_mask):
+            return history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size)
     return history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n)
 
 
@@ -154,19 +156,26 @@ def decode_attention_reference(
     return out.to(out_dtype)
 
 
+_DECODE_ARGS = ("q_rot", "k", "v", "start", "key_mask", "qk_offset", "scaling", "group_size", "q_win", "k_win",
+                "v_win", "win_mask", "r_v", "mu_v", "out_dtype", "n_valid", "splits")
+
+
 def decode_attention(*args, block_n=1024, use_kernels="auto", **kwargs):
-    """Dispatch: the two-launch Triton decode attention on CUDA (when importable and allowed), else the reference."""
-    from . import triton_enabled
+    """Dispatch: the two-launch Triton decode attention on CUDA (when importable, allowed and the shape is
+    supported), else the reference. Arguments as :func:`decode_attention_reference`."""
+    a = {**dict(zip(_DECODE_ARGS, args)), **kwargs}
+    if triton_enabled(a["q_rot"], use_kernels):
+        from .decode_triton import decode_supported
 
-    q_rot = args[0] if args else kwargs["q_rot"]
-    if triton_enabled(q_rot, use_kernels):
-        if kwargs.get("n_valid") is not None:  # the static cache (CUDA graphs): one opaque op, see static_op.py
-            from .static_op import decode_attention_static_call
+        w = 0 if a.get("k_win") is None else a["k_win"].shape[-2]
+        if decode_supported(a["q_rot"], a["k"], a["group_size"], a.get("key_mask"), a.get("win_mask"), w):
+            if kwargs.get("n_valid") is not None:  # the static cache (CUDA graphs): one opaque op, see static_op.py
+                from .static_op import decode_attention_static_call
 
-            return decode_attention_static_call(*args, **kwargs)
-        from .decode_triton import decode_attention_triton
+                return decode_attention_static_call(*args, **kwargs)
+            from .decode_triton import decode_attention_triton
 
-        return decode_attention_triton(*args, **kwargs)
+            return decode_attention_triton(*args, **kwargs)
     return decode_attention_reference(*args, block_n=block_n, **kwargs)
 
 
@@ -178,19 +187,21 @@ def decode_attention_rotating(
     :func:`rotate_query` (``r_k``, ``mu_k``) then :func:`decode_attention`, with the same arguments otherwise. On CUDA
     the rotation is the first launch of the op itself (on the Gluon path together with the window programs:
     ``decode_triton.decode_attention_rotating_triton``). The static cache (``n_valid``, compiled into CUDA graphs) and
-    everything off CUDA take the two steps as before: with the rotation inside its opaque op the compiled
-    StaticOscarCache step was slower end to end, 26.9 vs 22.2 ms per token (H200, Qwen3-8B-shaped, B=8 / 32K,
-    ``benchmarks/results/generate_h200_b8_t32768_session14e*.json``), although the op alone was faster."""
-    from . import triton_enabled
-
+    everything off CUDA take the two steps: with the rotation inside its opaque op the compiled StaticOscarCache step
+    was slower end to end, although the op alone was faster (docs/kernels.md)."""
     if n_valid is None and triton_enabled(qf, use_kernels) and not torch.compiler.is_compiling():
-        from .decode_triton import decode_attention_rotating_triton
+        from .decode_triton import decode_attention_rotating_triton, decode_supported
+        from .query_triton import query_kernel_supported
 
-        return decode_attention_rotating_triton(
-            qf, r_k, mu_k, k, v, start, key_mask, scaling, group_size, k_win, v_win, win_mask, r_v, mu_v,
-            out_dtype=out_dtype,
-        )
-    q_rot, qk_off = rotate_query(qf, r_k, mu_k, use_kernels)
+        w = 0 if k_win is None else k_win.shape[-2]
+        if query_kernel_supported(qf) and decode_supported(qf, k, group_size, key_mask, win_mask, w):
+            return decode_attention_rotating_triton(
+                qf, r_k, mu_k, k, v, start, key_mask, scaling, group_size, k_win, v_win, win_mask, r_v, mu_v,
+                out_dtype=out_dtype,
+            )
+        q_rot, qk_off = rotate_query_reference(qf, r_k, mu_k)  # (a shape the op does not take: the query as in torch)
+    else:
+        q_rot, qk_off = rotate_query(qf, r_k, mu_k, use_kernels)
     return decode_attention(
         q_rot, k, v, start, key_mask, qk_off, scaling, group_size, qf, k_win, v_win, win_mask, r_v, mu_v,
         out_dtype=out_dtype, block_n=block_n, n_valid=n_valid, splits=splits, use_kernels=use_kernels,

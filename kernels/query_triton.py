@@ -4,14 +4,13 @@ The history's keys are stored rotated and centered, ``(k - mu_K) R_K``, so each 
 query in that space, ``q_rot = q R_K`` (float32), and the logit offset ``q · mu_K``
 (:func:`~oscar_hf.kernels.int2_attention.rotate_query_reference`). In torch that is a dtype cast, a
 batched GEMM and a GEMV: three or four launches, 13-15 us of a 46 us B=1 / 8K decode op on an H200
-(``benchmarks/results/profile_op_h200_session7a.json``). Here program ``(row * Hk + head, c)`` multiplies
+(docs/kernels.md). Here program ``(row * Hk + head, c)`` multiplies
 the ``M`` query rows by the ``C_BLOCK`` columns ``c`` of ``R_K`` on the tensor cores in tf32x3 (three tf32
 products: float32 accuracy, as for the write path's rotation); the first column block's program also writes
 the offset. (A float32 FMA dot, ``input_precision="ieee"``, took 58 us per call on the H200.)
 
-The same programs can also build the Gluon history kernel's int8 query operands (:func:`_rotate_plane_q8`, the decode
-op's fused prologue under ``CONFIG["gluon_qpre"]``; reference :func:`q8_operands_reference`): see the comment above
-it for their layout and scale.
+The same programs can also build the Gluon history kernel's int8 query operands (:func:`_rotate_plane_q8`, in the
+decode op's fused prologue, ``decode_split._prologue_kernel``): see the comment above it for their layout and scale.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import next_pow2
+from .plan import next_pow2
 
 
 @triton.jit
@@ -42,7 +41,6 @@ def _rotate_block(
                 mask=mrow[:, None], other=0.0).to(tl.float32)  # [M_PAD, D]
     if HAS_MU:  # loaded with q and R_K by every program (512 bytes), used by the first column block's: loaded only
         # there, after the product, it was a second round trip that made those programs the prologue's last to end
-        # (H100, B=1/128K under the history's early loads: 6.1 against 3.3 us; timeline_hist_h100_session22e.json)
         mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)
     r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + offs_c[None, :])  # R_K[h][:, c-block]
     out = QR + (pid.to(tl.int64) * M + offs_m[:, None]) * D  # q_rot [B, Hk, M, D] contiguous
@@ -120,9 +118,8 @@ def query_kernel_supported(qf: torch.Tensor) -> bool:
 
 # The Gluon history kernel's int8 key path (decode_gluon, K8) multiplies the key planes by the query as two int8
 # operands per plane, hi + lo / 254 of q_P / sigma_g (q_P = q_rot's plane P times qk_scale / 4^P; sigma_g a bound of
-# |q_P| over group g's planes and the head's rows, / 127). Before session 23 every history program built them from
-# q_rot (~850 instructions, 3.2 us of a B=1 / 128K program on the H100, all before its loop); QPRE prologues build
-# them once per (row, KV head) here, in the rotation's own programs (one per plane of 32 channels), in the layout the
+# |q_P| over group g's planes and the head's rows, / 127). Built by every history program from q_rot they cost
+# ~850 instructions before its loop (docs/kernels.md); QPRE prologues build them once per (row, KV head) here, in the rotation's own programs (one per plane of 32 channels), in the layout the
 # history kernel loads as its tensor-core operands. A plane's program cannot see its group's other plane, so sigma_g
 # is not their largest entry (as in the history kernel's own setup) but a bound both programs compute alike: the
 # largest norm of the head's query rows (R_K is orthogonal, so no rotated entry exceeds it; 1.001 x for rounding,
@@ -156,34 +153,26 @@ def _rotate_plane_q8(
     Q, RK, MU, QR, QO, QP8, QPF, pid, P, M, Hk, qk_scale,
     sqb, sqh, sqm, smb, smh,
     D: tl.constexpr, M_PAD: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
-    TROW=None, TIMED: tl.constexpr = 0,
 ):
     """Plane ``P`` (channels ``[32 P, 32 P + 32)``) of ``q_rot`` for the query rows of ``pid = b * Hk + h``
     (:func:`_rotate_block`, which also writes ``q · mu_K`` in the program of plane 0) and its int8 operands (see
     above): query row ``m`` is column ``tb * MH + m`` of token set ``tb``, so each row's codes are stored once per token
     set (channels scattered into the operand's order). ``ASM``: the rounding in inline PTX (the GPU; not under the
-    interpreter). ``TIMED`` (a diagnostic, the prologue's row ``TROW`` of ``decode_gluon.TIMES_BUF``): %globaltimer
-    after the product (slot 1), after sigma_g (2) and after the sums (5)."""
+    interpreter)."""
     MH: tl.constexpr = 8 // TB
     q, y = _rotate_block(Q, RK, MU, QR, QO, pid, 32 * P, M, Hk, sqb, sqh, sqm, smb, smh, D, M_PAD, 32, HAS_MU)
     m = tl.arange(0, M_PAD)  # [M_PAD, 32]: q_rot[m, 32 P + c] (rows >= M zero)
     c = tl.arange(0, 32)
-    if TIMED:
-        _stamp_at(TROW + 1, y, (m == 0)[:, None] & (c == 0)[None, :])
     # sigma_g from the largest row norm (the same in both planes' programs); the group's scale qk_scale / 16^g
     bound = tl.sqrt(tl.max(tl.sum(q * q, 1))) * Q8_NORM_MARGIN
     g = P // 2
     sg = tl.maximum(bound * tl.where(g == 0, qk_scale, qk_scale / 16.0), 1e-30) / 127.0
-    if TIMED:
-        tl.store(TROW + 2, stamp_asm(sg.to(tl.int32, bitcast=True)))
     # x = q_P qk_scale / 4^P / sigma_g (|x| <= 127 for plane 2g, 32 for 2g + 1); hi + lo / 254
     x = y * ((qk_scale * tl.where(P == 0, 1.0, tl.where(P == 1, 0.25, tl.where(P == 2, 0.0625, 0.015625)))) / sg)
     hi = tl.minimum(tl.maximum(_rni(x, ASM), -127.0), 127.0)
     lo = tl.minimum(tl.maximum(_rni((x - hi) * 254.0, ASM), -127.0), 127.0)
     # fields, per row: the plane's sum (and plane 3's codes' sums) in one reduction
     qs, hs, ls = tl.reduce((y, hi, lo), 1, _sum3)
-    if TIMED:
-        _stamp_at(TROW + 5, qs + hs + ls, m == 0)
     # tiles: row m of token set tb is column n = tb MH + m (m < MH: rows M..MH-1 are the zero padding columns);
     # channel c at k = 32 tb + sigma8^-1(c), the other token set's half of the row (TB = 2) zeros
     TILE: tl.constexpr = 32 * TB
@@ -211,86 +200,5 @@ def _rotate_plane_q8(
 
 
 @triton.jit
-def stamp_asm(dep):
-    """%globaltimer (ns) once ``dep`` (int32) is known (the diagnostic timestamps, ``decode_gluon.TIMES_BUF``)."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer; // $1", "=l,r", [dep], dtype=tl.int64, is_pure=False,
-                                     pack=1)
-
-
-@triton.jit
-def _stamp_at(ptr, x, where):
-    """Store at ``ptr`` the %globaltimer of the thread that holds the element of ``x`` (float32) marked by ``where``,
-    read once that element is known."""
-    tl.store(ptr + tl.zeros(x.shape, tl.int32), stamp_asm(x.to(tl.int32, bitcast=True)), mask=where)
-
-
-@triton.jit
 def _sum3(a0, a1, a2, b0, b1, b2):
     return a0 + b0, a1 + b1, a2 + b2
-
-
-@triton.jit
-def _rotate_q8_kernel(
-    Q, RK, MU, QR, QO, QP8, QPF, M, Hk, qk_scale,
-    sqb, sqh, sqm, smb, smh,
-    D: tl.constexpr, M_PAD: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
-):
-    # program (b * Hk + h, P): plane P of the query rotation and its int8 operands (the fused prologue's QPRE programs)
-    _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, tl.program_id(0), tl.program_id(1), M, Hk, qk_scale,
-                     sqb, sqh, sqm, smb, smh, D, M_PAD, TB, HAS_MU, ASM)
-
-
-def rotate_query_q8_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None, qk_scale: float):
-    """:func:`rotate_query_triton` and the int8 key path's query operands (:func:`q8_operands_reference`) in one
-    launch of :func:`_rotate_plane_q8` programs, as the decode op's fused prologue runs them (``D = 128``, ``M <= 8``)
-    -> ``(q_rot, qk_offset, tiles, fields)``."""
-    qf, r_k, mu_k, q_rot, off = rotation_args(qf, r_k, mu_k)
-    b, hk, m, d = qf.shape
-    if d != 128 or not 1 <= m <= 8:
-        raise ValueError(f"the int8 query operands need head_dim 128 and 1..8 query rows a KV head, got {d}, {m}")
-    tb = 2 if m <= 4 else 1
-    tiles = torch.empty(b * hk, 4, 2, 8, 32 * tb, device=qf.device, dtype=torch.int8)
-    fields = torch.zeros(b * hk, 8, 8, device=qf.device, dtype=torch.float32)
-    _rotate_q8_kernel[(b * hk, 4)](
-        qf, r_k, mu_k, q_rot, off, tiles, fields, m, hk, float(qk_scale), *rotation_strides(qf, mu_k),
-        D=d, M_PAD=16, TB=tb, HAS_MU=mu_k is not None, ASM=int(qf.is_cuda), num_warps=4,
-    )
-    return q_rot, off, tiles, fields
-
-
-def q8_operands_reference(q_rot: torch.Tensor, qk_scale: float, sg: torch.Tensor | None = None):
-    """:func:`_rotate_plane_q8`'s outputs in torch from ``q_rot [B, Hk, M, D]`` (D = 128, M <= 8): ``(tiles int8
-    [B * Hk, 4, 2, 8, 32 TB], fields float32 [B * Hk, 8, 8])``. ``sg [B * Hk, 2]``: sigma_g as given (e.g. the
-    kernel's own, so that a tie of the rounding goes the same way), else from the rows' norms as the kernel does."""
-    b, hk, m, d = q_rot.shape
-    assert d == 128 and 1 <= m <= 8
-    tb = 2 if m <= 4 else 1
-    mh = 8 // tb
-    jj = torch.arange(32)
-    sig = 8 * ((jj % 16) // 4) + 4 * (jj // 16) + jj % 4
-    q = q_rot.float().reshape(b * hk, m, d)
-    if sg is None:
-        bound = q.norm(dim=-1).amax(-1) * Q8_NORM_MARGIN.value
-        sg = torch.stack([torch.clamp(bound * s, min=1e-30) / 127.0 for s in (qk_scale, qk_scale / 16.0)], -1)
-    rows = torch.zeros(b * hk, 8, d, device=q.device)  # column n: row n % MH where it exists
-    for n in range(8):
-        if n % mh < m:
-            rows[:, n] = q[:, n % mh]
-    tiles = torch.zeros(b * hk, 4, 2, 8, 32 * tb, dtype=torch.int8, device=q.device)
-    fields = torch.zeros(b * hk, 8, 8, device=q.device)
-    for p in range(4):
-        plane = rows[..., 32 * p + sig]  # [BH, 8, 32] in the operand's order
-        f = torch.full_like(sg[:, p // 2], qk_scale * 0.25 ** p) / sg[:, p // 2]  # (scalar / tensor: a reciprocal)
-        x = plane * f[:, None, None]
-        hi = torch.round(x).clamp(-127, 127)
-        lo = torch.round((x - hi) * 254.0).clamp(-127, 127)
-        for n in range(8):
-            t = n // mh
-            tiles[:, p, 0, n, 32 * t:32 * t + 32] = hi[:, n].to(torch.int8)
-            tiles[:, p, 1, n, 32 * t:32 * t + 32] = lo[:, n].to(torch.int8)
-        fields[:, p] = plane.sum(-1) * qk_scale
-        if p == 3:
-            fields[:, 4] = 128.0 * hi.sum(-1)
-            fields[:, 5] = 128.0 * lo.sum(-1)
-    fields[:, 6:8] = sg[:, :, None]
-    return tiles, fields

@@ -41,8 +41,9 @@ def _(q_rot, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, start, qk_offse
 def decode_attention_static_call(q_rot, k: QuantizedRows, v: QuantizedRows, start, key_mask, qk_offset, scaling,
                                  group_size, q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, n_valid=None,
                                  splits=None):
-    """:func:`decode_attention_triton`'s signature; the static cache's calls (a device-side ``n_valid``,
-    a window mask, no key mask) go through the opaque op, anything else straight to the kernels."""
+    """:func:`decode_attention_triton`'s signature, for the shapes it supports (the dispatcher
+    ``int2_attention.decode_attention`` checks): the static cache's calls (a device-side ``n_valid``, a window mask,
+    no key mask) go through the opaque op, anything else straight to the kernels."""
     from .decode_triton import decode_attention_triton
 
     out_dtype = out_dtype or q_win.dtype

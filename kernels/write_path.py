@@ -10,14 +10,16 @@
   ``scale``/``zero`` ``[B, Hk, T, D/G]``; when ``out`` is given the rows are written into
   ``out.*[:, :, out_offset : out_offset + T]`` instead (the cache's history storage).
 
-This file holds the torch reference; the Triton kernel (CUDA) is dispatched by
-:func:`rotate_quantize` when available.
+This file holds the torch reference and the dispatcher :func:`rotate_quantize`, which sends supported shapes on CUDA
+to the Triton kernel (``write_triton.py``) and everything else to the reference.
 """
 from __future__ import annotations
 
 import torch
 
-from oscar_hf.quant import QuantizedRows, quantize_rows
+from oscar_hf.quant import quantize_rows
+
+from .plan import triton_enabled
 
 
 def rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0):
@@ -35,11 +37,11 @@ def rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=None, 
 
 
 def rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, use_kernels="auto"):
-    """Dispatch: the Triton kernel on CUDA (when importable and allowed), else the torch reference."""
-    from . import triton_enabled
-
+    """Dispatch: the Triton kernel on CUDA (when importable, allowed and the shape is supported), else the torch
+    reference."""
     if triton_enabled(x, use_kernels):
-        from .write_triton import rotate_quantize_triton
+        from .write_triton import kernel_supported, rotate_quantize_triton
 
-        return rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset)
+        if kernel_supported(x, group_size, clip, meta_dtype):
+            return rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset)
     return rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset)

@@ -12,8 +12,9 @@ for the layout). One launch per call; grid ``(cdiv(T, BLOCK_T), B * Hk)``: each 
 3. ``code = clamp(rint((x - zero) / scale), 0, 3)`` (0 where the group range is 0);
 4. pack: byte ``j`` = ``code[j] | code[j + D/4] << 2 | code[j + D/2] << 4 | code[j + 3D/4] << 6``.
 
-Requirements for the kernel (anything else falls back to the reference): power-of-two ``D`` in
-[32, 256], ``G`` a power of two dividing ``D``, a float ``clip``.
+Requirements for the kernel (:func:`kernel_supported`; the dispatcher ``write_path.rotate_quantize`` sends anything
+else to the reference): power-of-two ``D`` in [32, 256], ``G`` a power of two dividing ``D``, a float ``clip``, bf16 /
+fp16 / fp32 metadata.
 """
 from __future__ import annotations
 
@@ -23,23 +24,19 @@ import triton.language as tl
 
 from oscar_hf.quant import LEVELS, QuantizedRows, check_group_size
 
-from . import cdiv, next_pow2
+from .plan import cdiv, next_pow2
 
 _LEVELS = tl.constexpr(float(LEVELS))  # 3.0; jit code may only read constexpr globals
 
 _META_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
-# Tunables for D <= 128 (D = 256 always takes 16-row tiles and 8 warps: no register spills).
-# ``block_t``: rows per program for bulk writes (prefill); each program reads and splits the fp32 R
-# of its head once (tf32x3), so taller tiles amortize that over more rows. Short writes (decode-time
-# demotion: one row per sequence) take the smallest power of two >= T, at least 16, with 4 warps,
-# so a one-row write does not run a 256-row tile. ``num_warps``: for tiles of >= 128 rows.
-# ``precision``: "tf32x3" (float32-accurate, the default) or "tf32" (one pass; codes then differ
-# from the fp32 reference on ~2e-3 of entries; for the benchmark's comparison only).
-# Default, from `scripts/bench_kernels.py --sweep` on an H200 (benchmarks/results/kernels_h200.json,
-# T = 32K): 128-row tiles with 8 warps, 0.32 ms against 0.41 ms for 64-row tiles; 256-row tiles were
-# faster there (0.27 ms) but spill registers when compiled by newer Triton (tests/kernels/aot_sm90.py).
-WRITE_CONFIG = {"block_t": 128, "num_warps": 8, "precision": "tf32x3"}
+# Tile for D <= 128 (D = 256 always takes 16-row tiles and 8 warps: no register spills). ``BLOCK_T``: rows per program
+# for bulk writes (prefill); each program reads and splits the fp32 R of its head once (tf32x3), so taller tiles
+# amortize that over more rows; 128-row tiles with 8 warps were the fastest that compile without spills
+# (docs/kernels.md). Short writes (decode-time demotion: one row per sequence) take the smallest power of two >= T, at
+# least 16, with 4 warps, so a one-row write does not run a 256-row tile.
+BLOCK_T = 128
+NUM_WARPS = 8  # for tiles of >= 128 rows
 
 
 @triton.jit
@@ -134,22 +131,19 @@ def _rotate_quantize_kernel(
     tl.store(ZERO + m_off, zero_m, mask=rmask[:, None])
 
 
-def kernel_supported(x: torch.Tensor, group_size: int, clip) -> bool:
+def kernel_supported(x: torch.Tensor, group_size: int, clip, meta_dtype=torch.bfloat16) -> bool:
     d = x.shape[-1]
     pow2 = lambda n: n > 0 and (n & (n - 1)) == 0  # noqa: E731
     return pow2(d) and 32 <= d <= 256 and pow2(group_size) and d % group_size == 0 and (
         not isinstance(clip, torch.Tensor) or clip.numel() == 1
-    )
+    ) and meta_dtype in _META_KIND
 
 
-def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0):
-    """Triton version of :func:`~oscar_hf.kernels.write_path.rotate_quantize_reference` (same contract)."""
-    from .write_path import rotate_quantize_reference
-
+def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, block_t=BLOCK_T):
+    """Triton version of :func:`~oscar_hf.kernels.write_path.rotate_quantize_reference` (same contract, for the
+    shapes :func:`kernel_supported` accepts). ``block_t``: rows per program of bulk writes at D <= 128."""
     b, hk, t, d = x.shape
     check_group_size(d, group_size)
-    if not kernel_supported(x, group_size, clip) or meta_dtype not in _META_KIND:
-        return rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset)
     ng = d // group_size
     if out is None:
         res = QuantizedRows(
@@ -175,8 +169,8 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
     clip = float(clip)
     block_k = min(d, 64)
     if d <= 128:
-        block_t = min(WRITE_CONFIG["block_t"], max(16, next_pow2(t)))
-        warps = WRITE_CONFIG["num_warps"] if block_t >= 128 else 4
+        block_t = min(block_t, max(16, next_pow2(t)))
+        warps = NUM_WARPS if block_t >= 128 else 4
     else:  # D = 256: smaller row tiles, no register spills
         block_t, warps = 16, 8
     grid = (cdiv(t, block_t), b * hk)
@@ -189,7 +183,7 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
         *scale.stride()[:3],
         D=d, G=group_size, BLOCK_T=block_t, BLOCK_K=block_k,
         HAS_MU=mu is not None, META_KIND=_META_KIND[meta_dtype],
-        PRECISION=WRITE_CONFIG["precision"] if x.is_cuda else "ieee",
+        PRECISION="tf32x3" if x.is_cuda else "ieee",
         num_warps=warps,
     )
     return res

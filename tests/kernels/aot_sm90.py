@@ -50,7 +50,7 @@ def cubin_report(cubin: bytes, sass: bool = False):
 
 def compile_call(fn, args, kw, cuda_kw, sass=False):
     """Compile one recorded launch for sm_90; its resource usage (and, with ``sass``, the SASS text
-    under ``"sass"``, for ``scripts/sass_report.py``)."""
+    under ``"sass"``)."""
     kw = {**kw, **{k: v for k, v in cuda_kw.items() if k in fn.arg_names}}
     vals = {k: p.default for k, p in inspect.signature(fn.fn).parameters.items() if p.default is not p.empty}
     vals.update(zip(fn.arg_names, args))
@@ -89,13 +89,14 @@ def compile_call(fn, args, kw, cuda_kw, sass=False):
 def main():
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
     from oscar_hf.kernels import decode_triton as dt
+    from oscar_hf.kernels import query_triton as qt
     from oscar_hf.kernels import write_triton as wt
+    from oscar_hf.kernels.plan import DEFAULTS
     from oscar_hf.quant import quantize_rows
 
+    # the launchers' module-level names of the kernels, recorded instead of run
     split, comb, write = Recorder(dt._split_kernel), Recorder(dt._combine_kernel), Recorder(wt._rotate_quantize_kernel)
     dt._split_kernel, dt._combine_kernel, wt._rotate_quantize_kernel = split, comb, write
-    from oscar_hf.kernels import query_triton as qt
-
     rotq = Recorder(qt._rotate_query_kernel)
     qt._rotate_query_kernel = rotq
     g0 = torch.Generator().manual_seed(0)
@@ -114,19 +115,15 @@ def main():
         else:
             mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
             dt.history_partial_triton(q, k, v, start, mask, off, 0.1, g)
-        labels.append(f"attn d={d} g={g} m={m} window={window} loop={dt.CONFIG['loop']}")
+        loop = "deferred" if (g >= d // 4 and m <= 16) else "dequant"
+        labels.append(f"attn d={d} g={g} m={m} window={window} loop={loop}")
 
-    attn(1, 8, 4, 8192, 128, 64, True)  # the benchmark's shape, full decode op (default loop: deferred)
+    attn(1, 8, 4, 8192, 128, 64, True)  # the benchmark's shape, full decode op (deferred loop)
     attn(1, 2, 4, 4096, 64, 64, False)  # deferred, 4 planes per group
     attn(1, 8, 4, 8192, 128, 128, False)  # deferred, G = D
-    attn(1, 2, 32, 4096, 128, 64, False)  # M = 32 (8 warps): rowdot serves
-    for loop in ("rowdot", "factored", "dequant"):  # the other inner loops, still selectable
-        dt.CONFIG["loop"] = loop
-        attn(1, 8, 4, 8192, 128, 64, True)
-    attn(1, 2, 8, 4096, 64, 32, False)
-    attn(1, 2, 32, 4096, 128, 64, False)
-    attn(1, 2, 4, 4096, 256, 32, False)
-    dt.CONFIG["loop"] = "deferred"
+    attn(1, 2, 8, 4096, 64, 32, False)  # deferred, 2 planes per group
+    attn(1, 2, 32, 4096, 128, 64, False)  # M = 32 (8 warps): the dequant loop serves
+    attn(1, 2, 4, 4096, 256, 32, False)  # D = 256, G < D/4: dequant
     # the static cache's call: device-side history length, fixed splits, a bool window mask
     q = torch.randn(2, 8, 4, 128, generator=g0)
     k = v = quantize_rows(torch.randn(2, 8, 4097, 128, generator=g0), 64)
@@ -134,7 +131,7 @@ def main():
     dt.decode_attention_triton(q, k, v, torch.zeros(2, dtype=torch.int64), None, None, 0.1, 64, q.bfloat16(), kw_, kw_,
                                torch.ones(2, 1, 1, 321, dtype=torch.bool), torch.randn(8, 128, 128, generator=g0), None,
                                torch.bfloat16, n_valid=torch.tensor(3000), splits=16)
-    labels.append("attn d=128 g=64 m=4 window=True static (n_valid)")
+    labels.append("attn d=128 g=64 m=4 window=True loop=deferred static (n_valid)")
     # write path: tile heights 128 (T=100 and bulk, T=1000) and 16 (one-row demotion) at D=128
     for d, g, meta, t in ((128, 64, torch.bfloat16, 100), (128, 64, torch.bfloat16, 1000), (128, 64, torch.bfloat16, 1),
                           (64, 32, torch.float16, 100), (256, 128, torch.bfloat16, 100)):
@@ -145,36 +142,32 @@ def main():
                            torch.randn(8, 128, generator=g0))
     qt.rotate_query_triton(torch.randn(1, 2, 1, 256, generator=g0), torch.randn(2, 256, 256, generator=g0), None)
     # what the launch sets on a GPU only (a CPU tensor's launch, recorded here, sets the interpreter's values)
-    cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3", "ASM": int(dt.CONFIG["asm_codes"]), "PDL": 1}  # (PDL: the griddepcontrol path)
+    cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3", "ASM": 1}
     for i, (grid, args, kw) in enumerate(split.calls):
         print(json.dumps({"kernel": "split", "case": labels[i], **compile_call(split.fn, args, kw, cuda_kw)}))
-    for i, loop in ((0, "deferred"), (4, "rowdot")):  # CONFIG["prefetch"] (L2 prefetch, GPU only) at the benchmark shape
-        grid, args, kw = split.calls[i]
-        pf = dt.CONFIG["prefetch"] or 4
-        print(json.dumps({"kernel": "split", "case": labels[i].replace(f"loop={loop}", f"loop={loop} prefetch={pf}"),
-                          **compile_call(split.fn, args, kw, {**cuda_kw, "PREFETCH": pf})}))
     # the window-only launch of the Gluon path (its steps software-pipelined), at the benchmark shape
     grid, args, kw = split.calls[0]
     print(json.dumps({"kernel": "split", "case": labels[0] + " window-only", **compile_call(
-        split.fn, args, {**{k: v for k, v in kw.items() if k != "maxnreg"}, "WIN_STAGES": dt.CONFIG["gluon_win_stages"],
-                   "WIN_ONLY": 1},
+        split.fn, args, {**{k: v for k, v in kw.items() if k != "maxnreg"}, "WIN_STAGES": DEFAULTS.gluon_win_stages,
+                         "WIN_ONLY": 1},
         cuda_kw)}))  # (no register cap on the Gluon path)
-    for i in (0, 3):
+    for i in (0, 1):
         grid, args, kw = comb.calls[i]
         print(json.dumps({"kernel": "combine", "case": labels[i], **compile_call(comb.fn, args, kw, cuda_kw)}))
     # the decode op's combine as an H200 launches it with the Gluon history: few programs (B=1: 208 splits, blocks of
-    # CONFIG["merge_block"], 8 warps) and many (B=8: 49 splits, B=32: 9; 4 warps), R_V whole or in chunks, with the
-    # loads hoisted (merge_hoist: the window's 10 partials of 32 tokens, R_V in 64-row chunks) or not
+    # merge_block, 8 warps; merge_out_parts programs a row, of merge_warps_few warps for <= 128 splits, else 8) and many (B=8: 49 splits, B=32: 9; 4 warps),
+    # R_V whole or in chunks, with the loads hoisted (the window's partials, R_V in 64-row chunks) or not, and one warp
+    # per row where rows crowd the SMs (B=32, 16 splits a round, R_V in 16-row chunks); PDL as the rotating op launches it
     grid, args, kw = comb.calls[0]
     assert kw["FINAL"], kw
-    # (and one warp per row where rows crowd the SMs: B=32, 16 splits a round, R_V in 16-row chunks)
-    for s_block, warps, c_block, hoist in ((dt.CONFIG["merge_block"], 8, 128, 0), (16, 4, 32, 0),
-                                           (dt.CONFIG["merge_block_few"], 8, 64, 1), (64, 4, 64, 1), (16, 4, 64, 1),
-                                           (16, 1, 16, 1)):
+    for s_block, warps, c_block, hoist, parts in ((DEFAULTS.merge_block, 8, 128, 0, 1), (16, 4, 32, 0, 1),
+                                                  (DEFAULTS.merge_block_few, 8, 32, 1, DEFAULTS.merge_out_parts),
+                                                  (128, DEFAULTS.merge_warps_few, 32, 1, DEFAULTS.merge_out_parts),
+                                                  (64, 4, 64, 1, 1), (16, 4, 64, 1, 1), (16, 1, 16, 1, 1)):
         kw2 = {**kw, "S_BLOCK": s_block, "C_BLOCK": c_block, "num_warps": warps, "HOIST": hoist,
-               "SW_BLOCK": 16 if hoist else 1}
+               "SW_BLOCK": 16 if hoist else 1, "PARTS": parts, "PDL": 1}
         print(json.dumps({"kernel": "combine", "case": f"decode op s_block={s_block} warps={warps} c_block={c_block}"
-                          f" hoist={hoist}", **compile_call(comb.fn, args, kw2, cuda_kw)}))
+                          f" hoist={hoist} parts={parts}", **compile_call(comb.fn, args, kw2, cuda_kw)}))
     for grid, args, kw in rotq.calls:
         print(json.dumps({"kernel": "rotate_query", "case": f"d={kw['D']} m_pad={kw['M_PAD']}",
                           **compile_call(rotq.fn, args, kw, cuda_kw)}))

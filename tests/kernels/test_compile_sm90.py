@@ -34,15 +34,15 @@ def test_kernels_compile_for_sm90_without_spills():
     kinds = {r["kernel"] for r in rows}
     assert kinds == {"split", "combine", "write", "rotate_query"}, rows
     for r in rows:
-        # at most a few words of stack frame; under the deferred loop's register cap (CONFIG["maxnreg"]) a few more
+        # at most a few words of stack frame; under the deferred loop's register cap (DEFAULTS.maxnreg) a few more
         assert r["spill_bytes"] <= (128 if r["maxnreg"] else 64), r
         assert r["smem"] <= 227 * 1024, r
     # the decode hot loop at the benchmark shape: room for >= 2 programs per SM, or the programs the cap promises
     # (the wave model of num_splits sizes the grid by them)
-    from oscar_hf.kernels import decode_triton as dt
+    from oscar_hf.kernels.plan import DEFAULTS, resident_programs
 
     for main in (r for r in rows if r["kernel"] == "split" and "window=True" in r["case"]):
-        resident = dt.resident_programs({**dt.CONFIG, "maxnreg": main["maxnreg"]})
+        resident = resident_programs(DEFAULTS, main["maxnreg"])
         assert main["regs"] * 32 * main["num_warps"] * max(2, resident) <= 65536, main
     capped = [r for r in rows if r["maxnreg"]]
     assert capped and all("loop=deferred" in r["case"] and "d=128" in r["case"] for r in capped), capped
@@ -61,16 +61,15 @@ def test_gluon_history_kernel_compiles_for_sm90_in_registers():
     script = Path(__file__).with_name("aot_gluon_sm90.py")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    from oscar_hf.kernels.decode_triton import CONFIG
+    from oscar_hf.kernels.plan import DEFAULTS
 
-    rows = {(r["tb"], r["gsum"], r["stages"], r["k8"], r["qpre"]): r
+    rows = {(r["tb"], r["stages"], r["k8"], r["qpre"]): r
             for r in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
-    pipes = {int(CONFIG["gluon_stages"]), int(CONFIG.get("gluon_stages_long") or CONFIG["gluon_stages"])}
-    qpre = int(bool(CONFIG.get("gluon_qpre")))
-    assert set(rows) == {(tb, gsum, st, k8, qpre * k8) for st in pipes for tb in (1, 2) for gsum in (0, 1)
-                         for k8 in (0, 1)} | {(1, 1, 0, 0, 0), (2, 1, 0, 0, 0)} | (
-                             {(2, 1, max(pipes), 1, 0)} if qpre else set()), rows
-    for (tb, gsum, stages, k8, qp), r in rows.items():
+    # short splits: fp16 keys, gluon_stages; long splits: int8 keys, gluon_stages_long, their query operands from the
+    # prologue (the rotating op) or built by the kernel (the static cache's op)
+    short, long_ = DEFAULTS.gluon_stages, DEFAULTS.gluon_stages_long
+    assert set(rows) == {(tb, st, k8, qp) for tb in (1, 2) for st, k8, qp in ((short, 0, 0), (long_, 1, 1), (long_, 1, 0))}
+    for (tb, stages, k8, qp), r in rows.items():
         # the int8 query operands' rounding (cvt.rni: FRND) only where the kernel builds them itself; with QPRE it
         # loads what the prologue built
         assert (r["frnd"] == 0) if qp else (r["frnd"] > 0 if k8 else True), r
@@ -80,28 +79,23 @@ def test_gluon_history_kernel_compiles_for_sm90_in_registers():
         assert r["spill_bytes"] <= 256, r
         assert r["regs"] <= (r["maxnreg"] or 255), r
         # as many one-warp programs fit an SM's registers as the wave model of num_splits sizes the grid for
-        resident = CONFIG["gluon_resident_long"] if r["long"] else CONFIG["gluon_resident"]
+        resident = DEFAULTS.gluon_resident_long if r["long"] else DEFAULTS.gluon_resident
         assert resident * 32 * -(-r["regs"] // 8) * 8 <= 65536, r
         loop = r["loop"]
         assert not any(op.startswith(("LDL", "STL", "STS", "GMMA", "WGMMA")) for op in loop), loop
         # one step (16 TB tokens): key MMAs 4 planes x 2 TB k-tiles, value MMAs 4 planes x 2 m-tiles x TB k-tiles, and
-        # the codes' offset: as many MMAs against the -256 tile, or (gsum) one against the ones tile per group and
-        # k-tile
+        # the codes' offset: one MMA against the ones tile per group and k-tile
         hmma = sum(n for op, n in loop.items() if op.startswith("HMMA"))
         imma = sum(n for op, n in loop.items() if op.startswith("IMMA"))
         if k8:  # key MMAs int8 m16n8k32: 4 planes x TB k-tiles x (hi, lo); one lop3 per key word and plane, no prmt
-            assert imma == 8 * tb and hmma == 8 * tb + (2 * tb if gsum else 8 * tb), (tb, gsum, loop)
+            assert imma == 8 * tb and hmma == 8 * tb + 2 * tb, (tb, loop)
             assert loop.get("PRMT", 0) == 8 * tb, loop  # the value codes' pairing only
         else:
-            assert imma == 0 and hmma == 8 * tb + 8 * tb + (2 * tb if gsum else 8 * tb), (tb, gsum, loop)
+            assert imma == 0 and hmma == 8 * tb + 8 * tb + 2 * tb, (tb, loop)
         assert loop.get("MOVM.16.MT88", 0) == 2 * 2, loop  # two 8x8 blocks per group, two groups
         copies = sum(n for op, n in loop.items() if op.startswith("LDGSTS"))
-        if stages:
-            # [T, 8] key words + [T, 8] value words (T = 16 TB, 16 bytes a lane: TB copies each) + the [4 TB, 16]
-            # metadata words (one copy a lane); one commit group a step; the codes read back from shared memory
-            assert copies == 2 * tb + 1 and loop.get("LDGDEPBAR", 0) == 1, loop
-            assert loop.get("LDGSTS.E.BYPASS.128", 0) == 2 * tb + (tb == 2), loop
-            assert any(op.startswith("LDS") for op in loop) and any(op.startswith("BAR") for op in loop), loop
-        else:  # key rows one 8-byte load per row and lane, no shared memory
-            assert copies == 0 and loop.get("LDG.E.64", 0) == 2 * tb, loop  # T / 8 rows a lane
-            assert not any(op.startswith(("LDS", "BAR")) for op in loop), loop
+        # [T, 8] key words + [T, 8] value words (T = 16 TB, 16 bytes a lane: TB copies each) + the [4 TB, 16]
+        # metadata words (one copy a lane); one commit group a step; the codes read back from shared memory
+        assert copies == 2 * tb + 1 and loop.get("LDGDEPBAR", 0) == 1, loop
+        assert loop.get("LDGSTS.E.BYPASS.128", 0) == 2 * tb + (tb == 2), loop
+        assert any(op.startswith("LDS") for op in loop) and any(op.startswith("BAR") for op in loop), loop

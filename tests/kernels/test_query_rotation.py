@@ -76,13 +76,13 @@ def test_rotate_query_kernel_gpu(m, mu):
 
 
 def _check_q8(q, r_k, mu_k, scale, exact):
-    """The int8 key path's query operands (``rotate_query_q8_triton``, the fused prologue's QPRE programs) against
-    :func:`q8_operands_reference` of the kernel's own ``q_rot``, which is checked against the rotation's reference;
+    """The int8 key path's query operands (``q8_reference.rotate_query_q8``: the fused prologue's QPRE programs) against
+    ``q8_reference.q8_operands_reference`` of the kernel's own ``q_rot``, which is checked against the rotation's reference;
     and the reference against what the operands mean: ``sigma_g (hi + lo / 254)`` is ``q_P qk_scale / 4^P`` to half
     a step of ``lo``, ``sigma_g`` from the largest norm of the head's query rows."""
-    from oscar_hf.kernels.query_triton import q8_operands_reference, rotate_query_q8_triton
+    from q8_reference import q8_operands_reference, rotate_query_q8
 
-    q_rot, off, tiles, fields = rotate_query_q8_triton(q, r_k, mu_k, scale)
+    q_rot, off, tiles, fields = rotate_query_q8(q, r_k, mu_k, scale)
     ref_q, ref_off = rotate_query_reference(q.cpu().double(), r_k.cpu().double(),
                                             None if mu_k is None else mu_k.cpu().double())
     assert rel_err(q_rot.cpu().double(), ref_q) < 1e-5
@@ -132,15 +132,6 @@ def _check_q8(q, r_k, mu_k, scale, exact):
 ])
 def test_rotate_query_q8_kernel(b, hk, m, mu, dtype):
     _check_q8(*_case(b, hk, m, 128, mu, dtype, "cpu", seed=m + 10), 128**-0.5 * 1.4426950408889634, exact=True)
-
-
-@interp
-def test_rotate_query_q8_rejects_shapes_it_cannot_serve():
-    from oscar_hf.kernels.query_triton import rotate_query_q8_triton
-
-    q, r_k, mu_k = _case(1, 2, 4, 64, "head", torch.float32, "cpu")
-    with pytest.raises(ValueError, match="head_dim 128"):
-        rotate_query_q8_triton(q, r_k, mu_k, 0.1)
 
 
 @on_gpu

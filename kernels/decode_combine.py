@@ -1,0 +1,157 @@
+"""The combine kernel of the decode read path: the log-sum-exp merge of the split partials.
+
+One program per query row (``PARTS`` per row where rows are few) merges the ``S_HIST`` history partials (rotated value
+space) and, for the decode op (``FINAL``), the window partials (value space), rotates the merged history row back
+(``acc R_Vᵀ + l mu_V``, a per-row mat-vec) and normalizes. Partials are ``[B * Hk, S_TOT, M]`` (``m``, ``l``, log2
+units) and ``[B * Hk, S_TOT, M, D]`` (``acc``), as :mod:`~oscar_hf.kernels.decode_split` and the Gluon history kernel
+write them.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+LN2 = 0.6931471805599453
+_LN2 = tl.constexpr(LN2)  # jit code may only read constexpr globals
+
+
+@triton.jit
+def _history_window_weights(m_h, l_h, m_w, l_w):
+    """The decode op's final merge of the history's ``(m_h, l_h)`` and the window's ``(m_w, l_w)`` (log2 units):
+    ``(m_safe, w_h, w_w, w_h l_h, 1 / l_tot)`` with ``w = exp2(m_part - m)``, ``m_safe`` = the joint max (0 when both
+    are -inf) and ``1 / l_tot`` 0 for a row without any valid key."""
+    m = tl.maximum(m_h, m_w)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w_h = tl.exp2(m_h - m_safe)
+    w_w = tl.exp2(m_w - m_safe)
+    lh = w_h * l_h
+    l_tot = lh + l_w * w_w
+    return m_safe, w_h, w_w, lh, tl.where(l_tot > 0, 1.0 / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
+
+
+@triton.jit
+def _combine_kernel(
+    PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
+    D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
+    PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
+    READY=None, RESET: tl.constexpr = 0,
+):
+    """One program per (b, h, query row): log-sum-exp merge of the split partials.
+
+    Splits ``[0, S_HIST)`` are history (rotated value space), ``[S_HIST, S_TOT)`` window (value space).
+    Not FINAL (history_partial): write ``m`` (natural units), ``l``, ``acc``.
+    FINAL (decode_attention): ``out = (w_h (acc_h R_Vᵀ + l_h mu_V) + w_w acc_w) / (w_h l_h + w_w l_w)``,
+    where ``w = exp(m_part - m)``; the un-rotation is a per-row mat-vec over ``C_BLOCK`` output channels
+    at a time, so only the merged history row (not each split) is rotated back. Rows without any
+    valid key are 0.
+
+    Latency, not bandwidth, sets this kernel's time (a few programs per SM, each a chain of dependent
+    loads): the history is merged in ONE pass with a running
+    max (one round of loads when ``S_HIST <= S_BLOCK``), and with ``C_BLOCK == D`` the whole ``R_V[h]``
+    is loaded first, so its latency overlaps the partials' loads.
+
+    ``HOIST`` (FINAL, ``C_BLOCK < D``, at most ``SW_BLOCK`` window splits): one round of loads before the merge -- the
+    history partials, all window partials (``[SW_BLOCK, D]``) and ``R_V``'s first chunk -- and each further chunk's
+    load issued before the chunk before it is used, instead of a round for the window's max, then per chunk one for
+    ``R_V`` and the window's rows.
+
+    ``PARTS`` (FINAL, ``C_BLOCK <= D / PARTS``): ``PARTS`` programs per row, each merging the row's partials and
+    writing output channels ``[pc D / PARTS, (pc + 1) D / PARTS)`` only, so that each loads ``1 / PARTS`` of ``R_V[h]``
+    (the partials are read ``PARTS`` times, from L2): more programs and fewer bytes each where there are few rows.
+
+    ``RESET``: one program per (b, h) sets ``READY[b * Hk + h]`` (the prologue -> history counter of ``QFLAG``) back to
+    0 for the next call (this call's history grid, and with it the prologue's, is complete by then)."""
+    row = tl.program_id(0) // PARTS  # = bh * M + mm
+    c_lo = (tl.program_id(0) % PARTS) * (D // PARTS)  # this program's first output channel
+    bh = row // M
+    mm = row % M
+    h = bh % Hk
+    offs_s = tl.arange(0, S_BLOCK)
+    offs_d = tl.arange(0, D)
+    base = bh.to(tl.int64) * S_TOT * M + mm  # partial (bh, s, mm) lives at base + s * M
+    if FINAL and C_BLOCK == D:
+        r_all = tl.load(RV + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # issued before the partials
+    if FINAL and HOIST:  # R_V's first chunk of this program's channels
+        r_next = tl.load(RV + h * D * D + (c_lo + tl.arange(0, C_BLOCK))[:, None] * D + offs_d[None, :])
+    if PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
+        gdc_wait()
+    if RESET:
+        if tl.program_id(0) % (M * PARTS) == 0:  # (query row 0, part 0 of each (b, h))
+            tl.store(READY + bh, 0)
+    if FINAL and HOIST:  # the window partials [SW_BLOCK] / [SW_BLOCK, D], loaded with the history's
+        offs_w = S_HIST + tl.arange(0, SW_BLOCK)
+        wm = offs_w < S_TOT
+        pm_w = tl.load(PM + base + offs_w * M, mask=wm, other=float("-inf"))
+        pl_w = tl.load(PL + base + offs_w * M, mask=wm, other=0.0)
+        a_w = tl.load(PACC + (base + offs_w[:, None] * M) * D + offs_d[None, :], mask=wm[:, None], other=0.0)
+    # history splits: online log-sum-exp (log2 units), blocks of S_BLOCK splits
+    m_h = tl.max(tl.full((S_BLOCK,), float("-inf"), tl.float32), 0)
+    l_h = tl.sum(tl.zeros((S_BLOCK,), tl.float32), 0)
+    acc = tl.zeros((D,), tl.float32)
+    for s0 in range(0, S_HIST, S_BLOCK):
+        sm = s0 + offs_s < S_HIST
+        pm = tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf"))
+        pl = tl.load(PL + base + (s0 + offs_s) * M, mask=sm, other=0.0)
+        a = tl.load(PACC + (base + (s0 + offs_s)[:, None] * M) * D + offs_d[None, :], mask=sm[:, None], other=0.0)
+        m_new = tl.maximum(m_h, tl.max(pm, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_h - m_safe)  # 0 while m_h = -inf (empty splits so far)
+        w = tl.exp2(pm - m_safe)
+        l_h = l_h * alpha + tl.sum(w * pl, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * a, 0)
+        m_h = m_new
+    if FINAL and HOIST:
+        # window (value space): its max, sum and weighted row [D] from the hoisted partials
+        m_w = tl.max(pm_w, 0)
+        w_w = tl.exp2(pm_w - tl.where(m_w == float("-inf"), 0.0, m_w))
+        l_w = tl.sum(w_w * pl_w, 0)
+        o_w = tl.reshape(tl.sum(w_w[:, None] * a_w, 0), (D // C_BLOCK, C_BLOCK))  # [chunk, C_BLOCK]
+        m_safe, w_h, ww, lh, inv = _history_window_weights(m_h, l_h, m_w, l_w)
+        acc = acc * w_h
+        for ci in tl.static_range(D // C_BLOCK // PARTS):
+            offs_c = c_lo + ci * C_BLOCK + tl.arange(0, C_BLOCK)
+            r = r_next
+            if ci + 1 < D // C_BLOCK // PARTS:  # the next chunk's load in flight while this one is used
+                r_next = tl.load(RV + h * D * D + (offs_c + C_BLOCK)[:, None] * D + offs_d[None, :])
+            o = tl.sum(r * acc[None, :], 1)
+            if HAS_MUV:
+                o += lh * tl.load(MUV + h * D + offs_c)
+            # this chunk of the window's row (a masked sum over the chunk axis: no slicing of register tensors)
+            o += ww * tl.sum(tl.where(tl.arange(0, D // C_BLOCK)[:, None] == c_lo // C_BLOCK + ci, o_w, 0.0), 0)
+            tl.store(OACC + row.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
+    elif FINAL:
+        # window splits (value space): their max and sum in one online pass; their acc rows per output chunk below
+        m_w = tl.max(tl.full((S_BLOCK,), float("-inf"), tl.float32), 0)
+        l_w = tl.sum(tl.zeros((S_BLOCK,), tl.float32), 0)
+        for s0 in range(S_HIST, S_TOT, S_BLOCK):
+            sm = s0 + offs_s < S_TOT
+            pm = tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf"))
+            m_new = tl.maximum(m_w, tl.max(pm, 0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            l_w = l_w * tl.exp2(m_w - m_safe) + tl.sum(tl.exp2(pm - m_safe) * tl.load(PL + base + (s0 + offs_s) * M,
+                                                                                   mask=sm, other=0.0), 0)
+            m_w = m_new
+        m_safe, w_h, ww, lh, inv = _history_window_weights(m_h, l_h, m_w, l_w)
+        acc = acc * w_h
+        for c0 in tl.static_range(0, D // PARTS, C_BLOCK):
+            offs_c = c_lo + c0 + tl.arange(0, C_BLOCK)
+            # history: (acc R_Vᵀ)[c] = sum_d R_V[c, d] acc[d], plus l_h * mu_V[c]
+            if C_BLOCK == D:
+                r = r_all
+            else:
+                r = tl.load(RV + h * D * D + offs_c[:, None] * D + offs_d[None, :])
+            o = tl.sum(r * acc[None, :], 1)
+            if HAS_MUV:
+                o += lh * tl.load(MUV + h * D + offs_c)
+            # window splits: already in the value space
+            for s0 in range(S_HIST, S_TOT, S_BLOCK):
+                sm = s0 + offs_s < S_TOT
+                w = tl.exp2(tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf")) - m_safe)
+                a = tl.load(PACC + (base + (s0 + offs_s)[:, None] * M) * D + offs_c[None, :], mask=sm[:, None], other=0.0)
+                o += tl.sum(w[:, None] * a, 0)
+            tl.store(OACC + row.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
+    else:
+        tl.store(OM + row, m_h * _LN2)
+        tl.store(OL + row, l_h)
+        tl.store(OACC + row.to(tl.int64) * D + offs_d, acc)

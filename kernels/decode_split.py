@@ -1,0 +1,567 @@
+"""The Triton split kernel of the decode read path: history splits, window programs, and the fused prologue.
+
+Program ``(bh, s)`` of :func:`_split_kernel` (grid ``(B * Hk, S_TOT)``) streams history tokens ``[s * L, (s + 1) * L)``
+of one KV head in blocks of ``BLOCK_N`` and keeps a running max / sum / accumulator for all ``M`` query rows of that
+head (GQA: ``M = group * q_len``, padded to ``M_PAD >= 16`` for ``tl.dot``); programs ``s >= S`` attend to the
+full-precision window instead (:func:`_window_split`). Each writes one online-softmax partial ``(m, l, acc)`` that
+:mod:`~oscar_hf.kernels.decode_combine` merges. :func:`_prologue_kernel` is the Gluon path's first launch: the
+query rotation and the window programs side by side.
+
+Math of one history block (``n`` = token, ``c`` = channel, ``g(c)`` its group, ``p`` a plane): byte ``j`` holds the
+codes of channels ``j + p * D/4`` in bits ``2p..2p+1``, so one shift and mask of the ``[BLOCK_N, D/4]`` byte tile
+yields the codes of the contiguous channel block ``p``. Two inner loops (``DEFERRED``):
+
+* deferred (``G >= D/4`` and at most 16 query rows per KV head): the K byte tile is the tensor cores' A operand in
+  its natural ``[token, channel]`` layout, logits are computed transposed (``[BLOCK_N, M_PAD]``), codes enter as
+  exact fp16 ``1024 + 4^p code`` (:func:`_u_plane`), scale / zero are applied to the logits (:func:`_rd_logits`).
+  No per-block reductions: each split exponentiates against one fixed reference (the max of its first block) and
+  keeps ``l``, ``sum p z`` and the running max as elementwise ``[BLOCK_N, M_PAD]`` tiles, reduced once after the
+  loop; values as bf16 ``(p s)ᵀ . code`` (:func:`_df_v_plane`). A split whose true max strays more than ``DF_LIM``
+  from the reference is run again against its true max. Each block's scale / zero are loaded one iteration ahead
+  (registers), so that their latency overlaps a block's work; on the GPU the codes are extracted in inline PTX.
+* dequant (the fallback: ``G < D/4``, or more than 16 query rows per KV head): keys are dequantized in registers
+  plane by plane, ``k_hat = zero[n, g(c)] + code[n, c] * scale[n, g(c)]``, and ``logits = sum_p q_p · k_hat_pᵀ``
+  accumulates over the four planes; the values likewise.
+
+Logits are computed in base 2: ``q`` and ``qk_offset`` are pre-scaled by ``scaling * log2(e)`` and ``exp2`` is used.
+Masking: token ``n`` of row ``b`` is valid when ``start[b] <= n < N`` and ``key_mask[b, h, 0, n]``; with ``N_DEV``
+(the static cache under CUDA graphs) ``N`` is the storage capacity and ``n < n_valid`` is read by the kernel
+itself. Blocks entirely below ``start[b]`` are skipped. Value metadata of invalid tokens is never read (masked
+loads), so stale storage cannot poison ``acc`` with NaN.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
+
+from .query_triton import _rotate_block, _rotate_plane_q8
+
+DF_LIM = tl.constexpr(64.0)  # deferred loop: largest excess of a row's max over its reference (log2 units)
+
+
+@triton.jit
+def _op16(x, LOWP: tl.constexpr):
+    """fp16 dot operand on the GPU, float32 under the interpreter (see :func:`_op`)."""
+    if LOWP:
+        return x.to(tl.float16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _u_plane(bytes_, P: tl.constexpr, LOWP: tl.constexpr, EXACT: tl.constexpr):
+    """Codes of plane ``P`` of a byte tile as exact tensor-core operands, with no shift and no
+    int->float conversion: ``byte & (3 << 2P)`` is ``4^P code``; or-ed into the fp16 bit pattern of
+    1024 (``0x6400``, whose mantissa LSB is worth 1; ``4^P code <= 192`` fits the 10 mantissa bits)
+    it reads as ``u = 1024 + 4^P code``: one and-or per code. ``EXACT`` subtracts the 1024 (exact in
+    fp16), else the caller removes the offset from the result. Interpreter (float32): ``u = 1 + 4^P
+    code`` (offset ``OFFS = 1``), so the offset bookkeeping is exercised on the CPU too."""
+    m = bytes_ & (3 << (2 * P))
+    if LOWP:
+        u = (m.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        if EXACT:
+            u = u - 1024.0
+        return u
+    else:
+        u = m.to(tl.float32)
+        if not EXACT:
+            u = u + 1.0
+        return u
+
+
+# PTX of _u_plane_asm / _v_code_asm, one string per plane P (the mask 3 << 2P in both 16-bit halves). Key codes:
+# fp16 1024 + 4^P code; value codes: bf16 256 + KP code, plane 3 shifted down by 2 first (its bits would reach the
+# exponent). The leading cvt + prmt is the same for the four planes of a tile, so ptxas computes it once.
+_K_PLANE_ASM = tl.constexpr(tuple(
+    "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; "
+    f"lop3.b32 $0, w, 0x{(3 << 2 * p) * 0x10001:08X}, 0x64006400, 0xEA; }}" for p in range(4)))
+_V_PLANE_ASM = tl.constexpr(tuple(
+    "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; " + ("shr.b32 w, w, 2; " if p == 3 else "")
+    + f"lop3.b32 $0, w, 0x{(3 << 2 * min(p, 2)) * 0x10001:08X}, 0x43804380, 0xEA; }}" for p in range(4)))
+
+
+@triton.jit
+def _u_plane_asm(bytes_, P: tl.constexpr):
+    """:func:`_u_plane` (not EXACT) in PTX, two codes at a time: ``prmt`` moves the two bytes into the low bytes of
+    the two 16-bit halves (the same for the four planes of a byte tile: ptxas merges it), then one ``lop3`` keeps
+    plane ``P``'s bits and or-s in 0x6400 (the fp16 bit pattern of 1024). Written out because the Triton versions
+    differ in what they make of the same arithmetic (3.6: an and and an or per two codes; 3.9: the masks
+    re-materialized in registers). GPU only."""
+    return tl.inline_asm_elementwise(_K_PLANE_ASM[P], "=r,h", [bytes_], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _gsum(t, g: tl.constexpr, PPG: tl.constexpr):
+    """Sum of the per-plane vectors ``t[P]`` of the planes of group ``g`` (planes ``g*PPG ..``)."""
+    acc = t[g * PPG]
+    for j in tl.static_range(1, PPG):
+        acc += t[g * PPG + j]
+    return acc
+
+
+@triton.jit
+def _op(x, LOWP: tl.constexpr):
+    """Operand dtype of the attention dots: bf16 on the GPU (LOWP=1); float32 under the Triton
+    interpreter (LOWP=0), whose ``tl.dot`` multiplies the raw uint16 bits of bf16 tensors."""
+    if LOWP:
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _int2_plane(bytes_, P: tl.constexpr, s_tile, z_tile, s_row, z_row, nmask,
+                D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, LOWP: tl.constexpr):
+    """Dequantize plane ``P`` (channels ``[P*D4, (P+1)*D4)``) of a ``[BLOCK_N, D4]`` byte tile to the
+    dot operand dtype: ``zero[n, g(c)] + code[n, c] * scale[n, g(c)]``."""
+    code = ((bytes_ >> (2 * P)) & 3).to(tl.float32)
+    if G >= D4:
+        # The plane lies in one group g: pick column g of the [BLOCK_N, NG] metadata tiles (a
+        # one-hot sum over NG <= 8 register values; the tiles were loaded once per block).
+        onehot = tl.arange(0, NG)[None, :] == (P * D4) // G
+        s = tl.sum(tl.where(onehot, s_tile, 0.0), 1)
+        z = tl.sum(tl.where(onehot, z_tile, 0.0), 1)
+        return _op(z[:, None] + code * s[:, None], LOWP)
+    else:
+        # D4 // G groups inside the plane (D=256, G=32): gather scale/zero per channel (L1 hits).
+        g = (P * D4 + tl.arange(0, D4)) // G
+        s = tl.load(s_row[:, None] + g[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
+        z = tl.load(z_row[:, None] + g[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
+        return _op(z + code * s, LOWP)
+@triton.jit
+def _bf16_pair(base, meta, mask):
+    """Scale (or zero) of groups 0 and 1 of each token (NG = 2, bf16 metadata) with ONE 4-byte load per
+    token instead of two 2-byte ones, widened to float32 by a 16-bit shift (little endian: group 0 in the
+    low half). Halves the synchronous metadata loads the split kernel waits on."""
+    w = tl.load((base + meta).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _meta_groups(base, meta, mask, NG: tl.constexpr):
+    """Scale (or zero) of every group of a block's tokens, as a tuple of ``NG <= 4`` float32 vectors."""
+    g0 = tl.load(base + meta, mask=mask, other=0.0).to(tl.float32)
+    if NG == 1:
+        return (g0,)
+    elif NG == 2:
+        return (g0, tl.load(base + meta + 1, mask=mask, other=0.0).to(tl.float32))
+    else:
+        return (g0, tl.load(base + meta + 1, mask=mask, other=0.0).to(tl.float32),
+                tl.load(base + meta + 2, mask=mask, other=0.0).to(tl.float32),
+                tl.load(base + meta + 3, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _df_meta(ks_base, kz_base, vs_base, vz_base, offs_n, inb, valid, NG: tl.constexpr, PAIR: tl.constexpr):
+    """The deferred loop's metadata of one block: K scale / zero (in-bounds tokens) and V scale / zero (valid
+    tokens only: stale storage may hold NaN), each a tuple over the groups (:func:`_bf16_pair` when ``PAIR``)."""
+    meta = offs_n.to(tl.int64) * NG
+    if PAIR:
+        return (_bf16_pair(ks_base, meta, inb), _bf16_pair(kz_base, meta, inb),
+                _bf16_pair(vs_base, meta, valid), _bf16_pair(vz_base, meta, valid))
+    else:
+        return (_meta_groups(ks_base, meta, inb, NG), _meta_groups(kz_base, meta, inb, NG),
+                _meta_groups(vs_base, meta, valid, NG), _meta_groups(vz_base, meta, valid, NG))
+
+
+@triton.jit
+def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.constexpr,
+               BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, LOWP: tl.constexpr, PRE: tl.constexpr = 0,
+               s_pre=None, z_pre=None, ASM: tl.constexpr = 0):
+    """Logits ``[BLOCK_N, M_PAD]`` (log2 units, offset ``q·mu_K`` included) of one K byte tile
+    ``kb [BLOCK_N, D/4]``: four plane dots with the tile as the A operand (each plane inside one group); after the
+    last plane of a group, its scale / zero are applied:
+    ``logit[n, m] = sum_g s[n, g] (sum_{P in g} u_P[n] . q_P[m] / 4^P - C_g[m]) + z[n, g] Qs_g[m]`` with
+    ``u_P = OFFS + 4^P code`` (:func:`_u_plane`), ``C_g[m] = OFFS sum_{P in g} sum_c q_P[m, c] / 4^P`` (the offset,
+    from the same rounded operands the dot sees, ``cps``) and ``Qs_g[m] = sum_{c in g} q[m, c]`` (``qss``). ``PRE``:
+    scale / zero come preloaded (``s_pre``, ``z_pre``: one vector per group, :func:`_df_meta`)."""
+    st = tl.zeros((BLOCK_N, M_PAD), tl.float32) + off[None, :]
+    d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+    for P in tl.static_range(4):
+        if ASM:
+            d = tl.dot(_u_plane_asm(kb, P), qts[P], d)
+        else:
+            d = tl.dot(_u_plane(kb, P, LOWP, False), qts[P], d)
+        if P % PPG == PPG - 1:  # last plane of group g: apply its scale / zero
+            if PRE:
+                sg = s_pre[P // PPG]
+                zg = z_pre[P // PPG]
+            else:
+                sg = tl.load(ks_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
+                zg = tl.load(kz_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
+            # s (d - C) + z Qs as three fused multiply-adds into st (d - C first took a separate add and multiply;
+            # the rounding of s d + st is of the order of the tensor cores' own fp32 accumulation error in d)
+            st = tl.fma(sg[:, None], d, st)
+            st = tl.fma(-sg[:, None], _gsum(cps, P // PPG, PPG)[None, :], st)
+            st = tl.fma(zg[:, None], _gsum(qss, P // PPG, PPG)[None, :], st)
+            d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+    return st
+
+
+@triton.jit
+def _v_code_operand(vb, P: tl.constexpr, LOWP: tl.constexpr):
+    """Codes of plane ``P`` of a value byte tile as exact bf16 ``KP * code`` with ``KP = 2 * 4^min(P, 2)``, no
+    per-code shift for planes 0-2: ``byte & (3 << 2P)`` (``4^P code <= 48``) or-ed into the bit pattern of 256.0
+    (``0x4380``, mantissa LSB worth 2) reads as ``256 + KP code``, and the subtraction of 256 is exact (one
+    and-or + one packed subtract per two codes, against two shifts, a byte merge, an and-or and a subtract
+    for ``_code_operand``); plane 3's bits 6-7 would reach the exponent, so it is shifted down to bits 4-5 first.
+    Float32 under the interpreter (the same bit pattern, widened)."""
+    if P < 3:
+        m = vb & (3 << (2 * P))
+    else:
+        m = (vb >> 2) & 0x30
+    u = (m.to(tl.uint16) | 0x4380).to(tl.bfloat16, bitcast=True)
+    if LOWP:
+        return u - 256.0
+    else:
+        return u.to(tl.float32) - 256.0
+
+
+@triton.jit
+def _v_code_asm(vb, P: tl.constexpr):
+    """:func:`_v_code_operand` on the GPU in PTX, two codes at a time: ``prmt`` moves the two bytes into the low
+    bytes of the two 16-bit halves (shared by the four planes), one ``lop3`` keeps plane ``P``'s bits and or-s in
+    the bit pattern of 256.0 (plane 3: shifted down by 2 first, its bits 6-7 would reach the exponent). Same values
+    as :func:`_v_code_operand`: ``256 + KP code``; the caller's subtraction of 256 is exact."""
+    u = tl.inline_asm_elementwise(_V_PLANE_ASM[P], "=r,h", [vb], dtype=tl.bfloat16, is_pure=True, pack=2)
+    return u - 256.0
+
+
+@triton.jit
+def _df_v_plane(p, vb, P: tl.constexpr, acc, zt, D4: tl.constexpr, G: tl.constexpr, PPG: tl.constexpr,
+                LOWP: tl.constexpr, s_pre, z_pre, ASM: tl.constexpr = 0):
+    """Deferred-loop values of plane ``P`` (group ``g``): ``acc += bf16((p s_g)ᵀ) . (KP code_P)`` -- bf16,
+    since ``p`` is relative to a fixed reference and may exceed 1; ``KP`` (:func:`_v_code_operand`) is divided
+    out after the loop -- and the elementwise tile ``zt += p z_g`` (reduced over tokens once, after the loop;
+    kept by the group's first plane only). No rescaling: the reference is fixed. Planes of one group compute
+    the same ``W_g`` (merged by CSE: one transposition through shared memory per group). ``s_pre``, ``z_pre``: the
+    block's value scale / zero, one vector per group (:func:`_df_meta`)."""
+    g: tl.constexpr = (P * D4) // G
+    s = s_pre[g]
+    z = z_pre[g]
+    w = _op(tl.trans(p * s[:, None]), LOWP)
+    if ASM:
+        acc = tl.dot(w, _v_code_asm(vb, P), acc)
+    else:
+        acc = tl.dot(w, _v_code_operand(vb, P, LOWP).to(w.dtype), acc)
+    if P % PPG == 0:
+        zt += p * z[:, None]
+    return acc, zt
+
+
+@triton.jit
+def _meta_tiles(s_base, z_base, offs_n, nmask, NG: tl.constexpr):
+    """``[BLOCK_N, NG]`` scale/zero tiles (float32) of a block: rows are contiguous (``NG``
+    values per token), so this is one vectorized, pipelinable load per tensor; plus the row pointers."""
+    offs = offs_n.to(tl.int64)[:, None] * NG + tl.arange(0, NG)[None, :]
+    s_tile = tl.load(s_base + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
+    z_tile = tl.load(z_base + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
+    row = offs_n.to(tl.int64) * NG
+    return s_tile, z_tile, s_base + row, z_base + row
+@triton.jit
+def _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
+    """History tokens ``[n0, n0 + BLOCK_N)`` of one (row, KV head): their indices, which are in
+    bounds (``< hi``), and which are valid (in bounds, ``>= start`` of the row, and not masked)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    inb = offs_n < hi
+    valid = inb & (offs_n >= start)
+    if HAS_MASK:
+        km = tl.load(KMASK + b.to(tl.int64) * smb + h * smh + offs_n * smn, mask=inb, other=0)
+        valid = valid & (km != 0)
+    return offs_n, inb, valid
+
+
+@triton.jit
+def _softmax_step(s, valid, m_i, l_i):
+    """Online-softmax update in base 2 for a ``[M_PAD, BLOCK_N]`` logit tile. Fully masked rows keep
+    ``m = -inf`` and contribute nothing (``m_safe`` avoids ``-inf - -inf``)."""
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, h, part, w0, W, win_split, qk_scale,
+                  sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+                  M, D: tl.constexpr, M_PAD: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr,
+                  WIN_STAGES: tl.constexpr):
+    """One window program of :func:`_split_kernel`: full-precision (unrotated) window tokens ``[w0, w0 + win_split)``
+    of one (row, KV head), online softmax over ``BLOCK_W``-token steps, partial ``(m, l, acc)`` at ``part``."""
+    BLOCK_W: tl.constexpr = 32  # window tokens per step
+    offs_m = tl.arange(0, M_PAD)
+    offs_d = tl.arange(0, D)
+    mrow = offs_m < M
+    m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((M_PAD,), tl.float32)
+    qw = tl.load(QW + b.to(tl.int64) * sqwb + h * sqwh + offs_m[:, None] * sqwm + offs_d[None, :],
+                 mask=mrow[:, None], other=0.0).to(tl.float32)
+    qw = _op(qw * qk_scale, LOWP)
+    acc = tl.zeros((M_PAD, D), tl.float32)
+    w1 = tl.minimum(w0 + win_split, W)
+    # Small tiles, and not software-pipelined (WIN_STAGES = 1) when the history programs share the launch:
+    # keeps the shared memory of this branch below the history branch's, so occupancy is set by the history
+    # programs. A window-only launch (the Gluon path) pipelines its steps.
+    for n0 in tl.range(w0, w1, BLOCK_W, num_stages=WIN_STAGES):
+        offs_n = n0 + tl.arange(0, BLOCK_W)
+        valid = offs_n < w1
+        if HAS_WMASK:
+            wm = tl.load(WMASK + b.to(tl.int64) * swb + h * swh + offs_n * swn, mask=valid, other=0)
+            valid = valid & (wm != 0)
+        # keys and values loaded together: one round of memory latency per step, not two
+        kw = tl.load(KW + b.to(tl.int64) * skwb + h * skwh + offs_n[:, None] * skwn + offs_d[None, :],
+                     mask=valid[:, None], other=0.0)
+        vw = tl.load(VW + b.to(tl.int64) * svwb + h * svwh + offs_n[:, None] * svwn + offs_d[None, :],
+                     mask=valid[:, None], other=0.0)
+        s = tl.dot(qw, tl.trans(_op(kw, LOWP)))
+        p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
+        acc = tl.dot(_op(p, LOWP), _op(vw, LOWP), acc * alpha[:, None])
+    tl.store(PACC + (part + offs_m[:, None]) * D + offs_d[None, :], acc, mask=mrow[:, None])
+    tl.store(PM + part + offs_m, m_i, mask=mrow)
+    tl.store(PL + part + offs_m, l_i, mask=mrow)
+
+
+@triton.jit
+def _split_kernel(
+    Q, KC, KS, KZ, VC, VS, VZ, START, KMASK, QKOFF, NPTR,  # history inputs (NPTR: device history length or None)
+    QW, KW, VW, WMASK,  # full-precision window (decode_attention only)
+    PM, PL, PACC,  # partials [B*Hk, S_TOT, M], [B*Hk, S_TOT, M], [B*Hk, S_TOT, M, D]
+    N, M, Hk, S, S_TOT, split_len, W, win_split, qk_scale, PID_OFF,
+    sqb, sqh, sqm,  # q_rot strides (last dim contiguous)
+    skb, skh, skn, smkb, smkh,  # K codes [.., N, D/4] / K metadata [.., N, NG] strides (rows contiguous)
+    svb, svh, svn, smvb, smvh,  # V likewise
+    smb, smh, smn,  # key_mask strides
+    sob, soh, som,  # qk_offset strides
+    sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,  # window strides
+    D: tl.constexpr, G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_OFF: tl.constexpr,
+    HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, DEFERRED: tl.constexpr,
+    N_DEV: tl.constexpr, PAIR: tl.constexpr = 0, ASM: tl.constexpr = 0, WIN_STAGES: tl.constexpr = 1,
+    WIN_ONLY: tl.constexpr = 0,
+):
+    """``DEFERRED``: the deferred inner loop (else dequant); ``PAIR``: both groups' bf16 scale (zero) of a token as
+    one 4-byte word (NG = 2); ``ASM``: code extraction in inline PTX (GPU only); ``WIN_ONLY``: only the window
+    programs (``PID_OFF`` = S), software-pipelined over ``WIN_STAGES``."""
+    D4: tl.constexpr = D // 4
+    NG: tl.constexpr = D // G
+    pid_bh = tl.program_id(0)
+    pid_s = tl.program_id(1) + PID_OFF  # > 0: only the window programs are launched (the history ran on Gluon)
+    b = pid_bh // Hk
+    h = pid_bh % Hk
+    offs_m = tl.arange(0, M_PAD)
+    offs_j = tl.arange(0, D4)
+    mrow = offs_m < M
+    m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((M_PAD,), tl.float32)
+    part = (pid_bh.to(tl.int64) * S_TOT + pid_s) * M  # first partial row of this program
+
+    if WIN_ONLY:  # the window programs of the Gluon path: this launch compiles without the history branch
+        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, h, part, (pid_s - S) * win_split, W, win_split,
+                      qk_scale, sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+                      M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES)
+    else:
+        if pid_s < S:
+            # ---------------- INT2 history split ----------------
+            # q planes, pre-scaled so that logits come out in log2 units.
+            q_ptr = Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_j[None, :]
+            q0 = _op(tl.load(q_ptr + 0 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
+            q1 = _op(tl.load(q_ptr + 1 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
+            q2 = _op(tl.load(q_ptr + 2 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
+            q3 = _op(tl.load(q_ptr + 3 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
+            if HAS_OFF:
+                off = tl.load(QKOFF + b.to(tl.int64) * sob + h * soh + offs_m * som, mask=mrow, other=0.0) * qk_scale
+            else:
+                off = tl.zeros((M_PAD,), tl.float32)
+            acc0 = tl.zeros((M_PAD, D4), tl.float32)
+            acc1 = tl.zeros((M_PAD, D4), tl.float32)
+            acc2 = tl.zeros((M_PAD, D4), tl.float32)
+            acc3 = tl.zeros((M_PAD, D4), tl.float32)
+
+            start = tl.load(START + b).to(tl.int32)
+            if N_DEV:
+                # Static cache (CUDA graphs): N is the storage capacity, the valid length is read from
+                # device memory and the S splits share it (the grid cannot change between replays).
+                n_tot = tl.minimum(tl.load(NPTR).to(tl.int32), N)
+                slen = tl.cdiv(tl.cdiv(tl.maximum(n_tot, 1), S), BLOCK_N) * BLOCK_N
+            else:
+                n_tot = N
+                slen = split_len
+            hi = tl.minimum(pid_s * slen + slen, n_tot)
+            lo = tl.maximum(pid_s * slen, (start // BLOCK_N) * BLOCK_N)  # skip all-padding blocks
+            kc_base = KC + b.to(tl.int64) * skb + h * skh
+            ks_base = KS + b.to(tl.int64) * smkb + h * smkh
+            kz_base = KZ + b.to(tl.int64) * smkb + h * smkh
+            vc_base = VC + b.to(tl.int64) * svb + h * svh
+            vs_base = VS + b.to(tl.int64) * smvb + h * smvh
+            vz_base = VZ + b.to(tl.int64) * smvb + h * smvh
+            if DEFERRED:
+                # The K operands: the query planes as the B operands [D4, M_PAD] of the transposed logits.
+                PPG: tl.constexpr = G // D4  # planes per group
+                OFFS = 1.0 + 1023.0 * LOWP  # the code offset of _u_plane (1024 on the GPU)
+                qf0 = tl.load(q_ptr + 0 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+                qf1 = tl.load(q_ptr + 1 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+                qf2 = tl.load(q_ptr + 2 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+                qf3 = tl.load(q_ptr + 3 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+                # B operands [D4, M_PAD]: q_P / 4^P (exact power-of-two scaling before the fp16 rounding)
+                qts = (_op16(tl.trans(qf0), LOWP), _op16(tl.trans(qf1 * 0.25), LOWP),
+                       _op16(tl.trans(qf2 * 0.0625), LOWP), _op16(tl.trans(qf3 * 0.015625), LOWP))
+                cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
+                       OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
+                qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))
+                # No per-block reductions. Every block is
+                # exponentiated against one fixed reference phi[m] (the max of the split's first block),
+                # and l, sum p z and the running max are kept as elementwise [BLOCK_N, M_PAD] tiles
+                # (registers only: no shuffles, no barriers, no rescaling of acc), reduced once after the
+                # loop, where acc, l, zacc are rescaled to the true max. Guard: if any row's true max
+                # differs from phi by more than DF_LIM (log2 units: p up to 2^DF_LIM stays far from
+                # float32 / bf16 overflow; phi = 0 when the first block has no valid token could also
+                # underflow every p) the split is run again with phi = its true max (at most once).
+                # phi: max of the first block's valid logits (0 for rows without any there)
+                offs_n, inb, valid = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
+                st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, offs_n.to(tl.int64) * NG, inb, off,
+                                PPG, BLOCK_N, M_PAD, LOWP)
+                phi = tl.max(tl.where(valid[:, None], st, float("-inf")), 0)
+                phi = tl.where(phi == float("-inf"), 0.0, phi)
+                # the tiles carried out of the rerun loop must exist before it (they are reset per pass)
+                lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                mt = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
+                zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # sum p z per group: tile of the group's first plane
+                zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                run = 1
+                while run > 0:
+                    lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                    mt = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
+                    zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                    zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                    zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                    zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+                    acc0 = tl.zeros((M_PAD, D4), tl.float32)
+                    acc1 = tl.zeros((M_PAD, D4), tl.float32)
+                    acc2 = tl.zeros((M_PAD, D4), tl.float32)
+                    acc3 = tl.zeros((M_PAD, D4), tl.float32)
+                    off_phi = off - phi
+                    # metadata of the first block, loaded before the loop (see below)
+                    offs_a, inb_a, valid_a = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                    md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_a, inb_a, valid_a, NG, PAIR)
+                    for n0 in range(lo, hi, BLOCK_N):
+                        # The scale / zero loads are synchronous 2-byte loads (the pipeliner cannot make them
+                        # asynchronous copies) and the loop stalled on them (ncu: long scoreboard): issue the next
+                        # block's here, one iteration before their use, and use the ones issued last iteration.
+                        # Only the metadata is carried: the token indices and masks are recomputed from n0, since
+                        # code loads whose addresses depend on a loop-carried value are not software-pipelined by
+                        # Triton 3.6 (no asynchronous copies at all: the loop waited on its own global loads).
+                        ksp, kzp, vsp, vzp = md_a
+                        offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                        offs_a, inb_a, valid_a = _token_block(n0 + BLOCK_N, hi, start, KMASK, b, h, smb, smh, smn,
+                                                              BLOCK_N, HAS_MASK)
+                        md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_a, inb_a, valid_a, NG, PAIR)
+                        meta = offs_n.to(tl.int64) * NG
+                        kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
+                        # logits relative to the reference (off_phi = off - phi: one subtraction per row, not per logit)
+                        st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off_phi, PPG, BLOCK_N, M_PAD, LOWP,
+                                        1, ksp, kzp, ASM and LOWP)
+                        st = tl.where(valid[:, None], st, float("-inf"))
+                        mt = tl.maximum(mt, st)
+                        p = tl.exp2(st)
+                        lt += p
+                        vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
+                        acc0, zt0 = _df_v_plane(p, vb, 0, acc0, zt0, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
+                        acc1, zt1 = _df_v_plane(p, vb, 1, acc1, zt1, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
+                        acc2, zt2 = _df_v_plane(p, vb, 2, acc2, zt2, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
+                        acc3, zt3 = _df_v_plane(p, vb, 3, acc3, zt3, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
+                    m_i = tl.max(mt, 0) + phi  # (-inf stays -inf)
+                    over = tl.where(m_i == float("-inf"), 0.0, m_i - phi)
+                    run = 0
+                    if tl.max(tl.where(mrow, tl.abs(over), 0.0), 0) > DF_LIM:
+                        phi = tl.where(m_i == float("-inf"), phi, m_i)
+                        run = 1
+                # rescale from phi to the true max (rows without valid tokens: l = 0, m = -inf)
+                m_safe = tl.where(m_i == float("-inf"), phi, m_i)
+                alpha = tl.exp2(phi - m_safe)
+                l_i = tl.sum(lt, 0) * alpha
+                zs = (tl.sum(zt0, 0), tl.sum(zt1, 0), tl.sum(zt2, 0), tl.sum(zt3, 0))
+                acc0 = (acc0 * 0.5 + zs[0][:, None]) * alpha[:, None]  # / KP of _v_code_operand: 2, 8, 32, 32
+                acc1 = (acc1 * 0.125 + zs[1 - 1 % PPG][:, None]) * alpha[:, None]
+                acc2 = (acc2 * 0.03125 + zs[2 - 2 % PPG][:, None]) * alpha[:, None]
+                acc3 = (acc3 * 0.03125 + zs[3 - 3 % PPG][:, None]) * alpha[:, None]
+            else:
+                for n0 in range(lo, hi, BLOCK_N):
+                    offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                    # K: unpack + dequantize 4 planes, logits = sum_p q_p k_p^T (one accumulator).
+                    kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
+                    ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, inb, NG)
+                    s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)))
+                    s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
+                    s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
+                    s = tl.dot(q3, tl.trans(_int2_plane(kb, 3, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
+                    p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i)
+                    p = _op(p, LOWP)
+                    # V: only valid tokens are read, invalid ones dequantize to exactly 0.
+                    vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
+                    vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, valid, NG)
+                    acc0 = tl.dot(p, _int2_plane(vb, 0, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc0 * alpha[:, None])
+                    acc1 = tl.dot(p, _int2_plane(vb, 1, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc1 * alpha[:, None])
+                    acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc2 * alpha[:, None])
+                    acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc3 * alpha[:, None])
+
+            a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
+            tl.store(a_ptr + 0 * D4, acc0, mask=mrow[:, None])
+            tl.store(a_ptr + 1 * D4, acc1, mask=mrow[:, None])
+            tl.store(a_ptr + 2 * D4, acc2, mask=mrow[:, None])
+            tl.store(a_ptr + 3 * D4, acc3, mask=mrow[:, None])
+            tl.store(PM + part + offs_m, m_i, mask=mrow)
+            tl.store(PL + part + offs_m, l_i, mask=mrow)
+        else:
+            if HAS_WIN:
+                _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, h, part, (pid_s - S) * win_split, W, win_split,
+                              qk_scale, sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+                              M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES)
+@triton.jit
+def _prologue_kernel(
+    Q, RK, MU, QR, QO,  # rotation: q [B, Hk, M, D] (also the window's query), R_K, mu_K -> q_rot, q . mu_K
+    KW, VW, WMASK, PM, PL, PACC,  # window keys / values / mask -> its partials (slots S .. S_TOT - 1)
+    M, Hk, S, S_TOT, W, win_split, qk_scale,
+    sqb, sqh, sqm, smb, smh,
+    skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+    D: tl.constexpr, M_PAD: tl.constexpr, M_PAD_ROT: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
+    HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
+    QP8=None, QPF=None, QPRE: tl.constexpr = 0, TB: tl.constexpr = 2, READY=None, QFLAG: tl.constexpr = 0,
+):
+    """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
+    what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
+    block ``j`` of the query, the rest are window programs ``j - D / C_BLOCK``). Before, each was a launch of its own,
+    before and after the history kernel. ``QPRE`` (``C_BLOCK`` = 32, one plane): each rotation program also
+    writes its plane's int8 query operands of the Gluon kernel's int8 key path (``query_triton._rotate_plane_q8``).
+
+    ``QFLAG`` (with ``QPRE``): each rotation program adds 1 to ``READY[b * Hk + h]`` (release, GPU scope) once its
+    plane's operands are stored; the history programs of that (row, head) wait for 4 there, not for this grid's
+    completion (the combine sets it back to 0)."""
+    pid_bh = tl.program_id(0)
+    j = tl.program_id(1)
+    NROT: tl.constexpr = D // C_BLOCK
+    if PDL:  # the history kernel may launch now: it loads its first steps, then waits for the query (or QFLAG)
+        gdc_launch_dependents()
+    if j < NROT:
+        if QPRE:  # (C_BLOCK = 32: plane j)
+            _rotate_plane_q8(Q, RK, MU, QR, QO, QP8, QPF, pid_bh, j, M, Hk, qk_scale, sqb, sqh, sqm, smb, smh,
+                             D, M_PAD_ROT, TB, HAS_MU, LOWP)
+            if QFLAG:  # every thread's stores before the release (the barrier), then one atomic for the program
+                tl.debug_barrier()
+                tl.atomic_add(READY + pid_bh, 1, sem="release", scope="gpu")
+        else:
+            _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
+                          D, M_PAD_ROT, C_BLOCK, HAS_MU)
+    else:
+        b = pid_bh // Hk
+        h = pid_bh % Hk
+        part = (pid_bh.to(tl.int64) * S_TOT + S + (j - NROT)) * M
+        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, h, part, (j - NROT) * win_split, W, win_split, qk_scale,
+                      sqb, sqh, sqm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+                      M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES)

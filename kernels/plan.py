@@ -1,0 +1,252 @@
+"""Launch planning of the kernels: where a call runs, the named defaults, the split-K policy and launch shapes.
+
+Plain Python and torch only (no Triton import), so that the cache can size its grid and the package can be
+imported on machines without Triton.
+
+* :func:`triton_enabled`: whether the Triton kernels serve a tensor (CUDA, or the interpreter when forced).
+* :class:`DecodeDefaults` / :data:`DEFAULTS`: the tunables of the decode read path. The launchers of
+  :mod:`~oscar_hf.kernels.decode_triton` take one as ``defaults=``; tests and benchmarks pass
+  ``dataclasses.replace(DEFAULTS, ...)``. The measured reason for each value is in ``docs/kernels.md``.
+* :func:`num_splits`: the split-K factor (the wave model), and the choices that follow from a call's shape:
+  the Gluon kernel's long-split path (:func:`gluon_plan`), the combine kernel's launch (:func:`combine_shape`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import NamedTuple
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401  (importable, not only the package)
+    except Exception:
+        return False
+    return True
+
+
+def triton_enabled(t: torch.Tensor, use_kernels="auto") -> bool:
+    """Whether the Triton path serves tensor ``t``: CUDA (or the interpreter when forced) and triton present."""
+    if use_kernels is False:
+        return False
+    ok = triton_importable() and (t.is_cuda or (use_kernels is True and os.environ.get("TRITON_INTERPRET") == "1"))
+    if use_kernels is True and not ok:
+        raise RuntimeError(
+            "use_kernels=True but the Triton kernels cannot run here "
+            f"(triton importable: {triton_importable()}, device: {t.device}); install `triton` and use a CUDA device, "
+            "or set use_kernels='auto'."
+        )
+    return ok
+
+
+# ---- host-side helpers of the per-call launch code. Plain Python on purpose: triton.cdiv and
+# triton.next_power_of_2 go through Triton's constexpr wrapper (~1-2 us a call; docs/kernels.md, host overhead)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of non-negative ints (``b > 0``)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, next_pow2(n))
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def cuda_major(device: torch.device) -> int:
+    """Compute capability major of a CUDA device (cached: ``get_device_capability`` costs ~10 us a call)."""
+    return _cuda_major(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_sms(device: torch.device) -> int:
+    """SMs of a CUDA device (its index, or the current one); 4 elsewhere (the interpreter's stand-in)."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeDefaults:
+    """Tunables of the decode read path; each comment gives the measured reason in one sentence (the numbers and the
+    alternatives that lost: ``docs/kernels.md``, "Why the defaults")."""
+
+    # split kernel (Triton): the tile of the default shape (D = 128, <= 16 query rows per KV head), the best of the
+    # H100 tile sweep with the deferred loop
+    block_n: int = 64  # history tokens per inner-loop step
+    num_warps: int = 4
+    num_stages: int = 4
+    # ptxas register cap of the deferred loop at its default tile: 3 programs of 4 warps fit an SM (~60 bytes of
+    # spills), faster than 2 uncapped or 4 under 128 registers (None: no cap)
+    maxnreg: int | None = 168
+    # split-K: the wave model of num_splits, which followed the split kernel's time within 2% on the H200
+    max_waves: int = 4  # at most this many waves of programs (more splits: more partials to merge)
+    min_split: int = 256  # never fewer history tokens than this per split
+    win_split: int = 128  # window tokens per window program
+    # combine kernel (latency-bound: few programs, each a chain of dependent loads)
+    merge_block: int = 128  # split partials merged per step: B=1/128K's ~200 partials a row in two rounds, not four
+    merge_block_few: int = 256  # where the combine has fewer rows than SMs: all of a row's splits in one round
+    merge_hoist_win: int = 16  # R_V's chunks and the window partials loaded with the history's up to this many
+    merge_one_warp_rows: int = 4  # one warp per query row from this many rows per SM on (B=32/32K: 15.1 -> 10.4 us)
+    merge_out_parts: int = 4  # programs per row where rows are fewer than SMs, each un-rotating 1/4 of R_V's rows
+    merge_warps_few: int = 4  # their warps (at D = 128 with a row's splits in one tile of <= 128)
+    splits_pow2_slack: float = 0.05  # few rows: splits rounded down to a power of two (a full combine tile)
+    # Gluon history kernel (CUDA, D = 128, G = 64, <= 8 query rows per KV head, bf16 metadata, no key mask): ~12 SASS
+    # instructions per history token instead of the split kernel's ~32
+    gluon_min_work: int = 500_000  # history tokens x (row, KV head) from which it pays for its extra launch
+    gluon_resident: int = 12  # one-warp programs resident per SM under gluon_maxnreg (the wave model's slots)
+    gluon_maxnreg: int = 168  # 12 programs an SM were faster than 13-14 without the cap's small spills
+    gluon_stages: int = 2  # cp.async pipeline stages of short splits (a deeper pipeline's start costs them more)
+    # long splits (at least gluon_long_split tokens): int8 key MMAs (their query setup pays back over a long split
+    # only), 4 pipeline stages, 8 programs an SM under ptxas's own register limit
+    gluon_long_split: int = 256
+    gluon_stages_long: int = 4
+    gluon_resident_long: int = 8
+    gluon_maxnreg_long: int = 255
+    # window programs on the Gluon path where programs are few (<= 8 per SM): a launch of their own after the
+    # history, 64 tokens each, software-pipelined over 2 stages
+    gluon_win_split: int = 64
+    gluon_win_stages: int = 2
+
+
+DEFAULTS = DecodeDefaults()
+M_PAD_MIN = 16  # smallest query-row tile of the split kernel (tl.dot needs 16; 8 was slower: docs/kernels.md)
+
+
+def resident_programs(defaults: DecodeDefaults = DEFAULTS, maxnreg: int | None = -1) -> int:
+    """Split-kernel programs one SM holds at once: from the register cap (``65536 // (maxnreg * 32 * num_warps)``, 3
+    at 168), else 2 (ptxas takes 238-255 registers x 128 threads for the default tile). ``maxnreg`` -1: the
+    defaults' cap."""
+    cap = defaults.maxnreg if maxnreg == -1 else maxnreg
+    if cap:
+        return max(1, 65536 // (cap * 32 * defaults.num_warps))
+    return 2
+
+
+def wave_splits(n: int, bh: int, sms: int, block_n: int, min_split: int, max_waves: int, resident: int) -> int:
+    """The wave model: the GPU runs ``slots = resident x SMs`` programs at once, so ``bh * S`` programs take
+    ``ceil(bh * S / slots)`` waves, each as long as one split, ``ceil(n / S)`` tokens (plus half a block for the
+    deferred loop's reference prologue). Take the ``S`` of least ``waves x blocks per split`` (the smallest on ties:
+    fewer partials to merge), at least ``min_split`` tokens per split, at most ``max_waves``."""
+    bh = max(bh, 1)
+    s_max = max(1, min(cdiv(n, min_split), cdiv(n, block_n)))
+    slots = resident * sms
+    s_max = min(s_max, max(1, max_waves * slots // bh))
+    # cost(S) = waves(S) * (blocks(S) + 1/2), waves non-decreasing and blocks non-increasing in S: among the S with
+    # w waves the largest is cheapest, and the smallest S with its block count costs no more. So one candidate per
+    # wave count instead of a scan over S (this runs on the host at every decode step of every layer).
+    best, best_cost = 1, None
+    for w in range(1, cdiv(bh * s_max, slots) + 1):
+        s_top = min(s_max, w * slots // bh)
+        if s_top < 1:
+            continue
+        blocks = cdiv(n, s_top * block_n)
+        s = cdiv(n, blocks * block_n)  # the smallest S with that many blocks per split (<= s_top)
+        cost = cdiv(bh * s, slots) * (blocks + 0.5)
+        if best_cost is None or cost < best_cost or (cost == best_cost and s < best):
+            best, best_cost = s, cost
+    return best
+
+
+def num_splits(n: int, bh: int, device: torch.device, defaults: DecodeDefaults | None = None,
+               static: bool = False) -> int:
+    """Split-K factor ``S`` of the Triton split kernel for ``bh`` (row, KV head) pairs of ``n`` history tokens
+    (:func:`wave_splits`). ``static``: the grid of the static cache's call, which runs without the register cap (so
+    with fewer programs per SM)."""
+    d = defaults or DEFAULTS
+    resident = resident_programs(d, None if static else d.maxnreg)
+    return wave_splits(n, bh, device_sms(device), d.block_n, d.min_split, d.max_waves, resident)
+
+
+class GluonPlan(NamedTuple):
+    """The Gluon history kernel's grid for one call."""
+
+    block_n: int  # tokens per step (16 or 32)
+    splits: int  # history splits per (row, KV head), from the wave model at the chosen residency
+    maxnreg: int  # ptxas register cap
+
+
+def long_splits(defaults: DecodeDefaults, n: int, s_hist: int) -> bool:
+    """Whether ``n`` history tokens in ``s_hist`` splits make splits of at least ``gluon_long_split`` tokens: then the
+    Gluon kernel takes int8 key MMAs (their setup pays back over a long split only) and ``gluon_stages_long``."""
+    return n >= max(s_hist, 1) * defaults.gluon_long_split
+
+
+def gluon_plan(defaults: DecodeDefaults, tokens_per_step: int, n: int, bh: int, device: torch.device) -> GluonPlan:
+    """Where the splits at the short-split residency (``gluon_resident``) are long, the long splits' residency and
+    register cap instead (with fewer slots the wave model picks fewer, so longer, splits)."""
+    d = defaults
+    sms = device_sms(device)
+
+    def splits(resident):
+        return wave_splits(n, bh, sms, tokens_per_step, d.min_split, d.max_waves, resident)
+
+    resident, maxnreg = d.gluon_resident, d.gluon_maxnreg
+    if n > 0 and long_splits(d, n, splits(resident)):
+        resident, maxnreg = d.gluon_resident_long, d.gluon_maxnreg_long
+    return GluonPlan(tokens_per_step, splits(resident) if n > 0 else 0, maxnreg)
+
+
+def few_rows(rows: int, device: torch.device) -> bool:
+    """Fewer combine rows (query rows x KV heads x batch) than SMs: the combine's choices for few rows apply."""
+    return device.type == "cuda" and rows < device_sms(device)
+
+
+def pow2_below_within(s: int, slack: float) -> int:
+    """``s`` splits, or the power of two below it if that is at most ``slack * s`` fewer: the combine merges a row's
+    splits in tiles of a power of two (132 splits would fill a tile of 256 rows, 128 fill one of 128)."""
+    p = 1 << max(s.bit_length() - 1, 0)
+    return p if s > p and s - p <= slack * s else s
+
+
+class CombineShape(NamedTuple):
+    s_block: int  # split partials merged per step
+    c_block: int  # output channels per un-rotation step
+    warps: int
+    parts: int  # programs per query row
+    hoist: bool  # the window partials and R_V's first chunk loaded with the history partials
+
+
+def merge_step(defaults: DecodeDefaults, s_hist: int, s_win: int, few: bool) -> int:
+    """Split partials the combine merges per step: all of a row's (a power of two), at most ``merge_block``
+    (``merge_block_few`` where the combine has fewer rows than SMs)."""
+    return min(pow2_at_least(max(s_hist, s_win, 1), 1), defaults.merge_block_few if few else defaults.merge_block)
+
+
+def combine_shape(defaults: DecodeDefaults, d: int, rows: int, s_hist: int, s_win: int, device: torch.device,
+                  few: bool) -> CombineShape:
+    """The decode op's combine launch for ``rows`` query rows (B x Hk x M) of head_dim ``d``. Few rows (fewer than
+    SMs): ``merge_out_parts`` programs a row of ``merge_warps_few`` warps; many: 4 warps, R_V in chunks; crowded
+    (``merge_one_warp_rows`` rows per SM): one warp per row, R_V in 16-row chunks, at most 16 splits a round."""
+    df = defaults
+    s_block = merge_step(df, s_hist, s_win, few)
+    many = not few and device.type == "cuda"
+    crowd = many and d <= 128 and rows >= df.merge_one_warp_rows * device_sms(device)
+    few_warps = df.merge_warps_few if (d == 128 and s_block <= 128) else None
+    warps = 1 if crowd else 4 if many or d < 128 else few_warps or 8
+    c_block = min(d, 16 if crowd else 64 if d == 128 else (32 if many or d > 128 else d))
+    if crowd:  # a [S_BLOCK, D] tile of partials in one warp's registers
+        s_block = min(s_block, 16)
+    parts = df.merge_out_parts if few else 1
+    if parts > 1:
+        c_block = min(c_block, d // parts)
+    hoist = c_block < d <= 128 and s_win <= df.merge_hoist_win
+    return CombineShape(s_block, c_block, warps, parts, hoist)

@@ -1,0 +1,302 @@
+"""The decode read path's compiled kernels on a GPU (``-m gpu``; bf16 dot operands, like a BF16 flash kernel, so the
+tolerances are those of bf16): the split kernel and the Gluon history kernel at real shapes against the torch
+references, the Gluon path's launches (fused prologue, programmatic dependent launch, the prologue -> history
+counters) and CUDA-graph capture."""
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from kernel_utils import HAS_CUDA, rel_err, setup_interpreter
+
+INTERPRETED = setup_interpreter()  # before any kernel module is imported
+
+from decode_cases import (_dt, _rotating_case, _rotating_reference, _window_case, assert_partials_close,  # noqa: E402
+                          make_case)
+from oscar_hf.kernels.int2_attention import decode_attention_reference, history_partial_reference  # noqa: E402
+from oscar_hf.kernels.plan import DEFAULTS  # noqa: E402
+from oscar_hf.quant import QuantizedRows, quantize_rows  # noqa: E402
+
+on_gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs CUDA (compiled kernels)")
+
+
+# ---------------------------------------------------------------------------------- GPU, real shapes
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("b,n", [(1, 131072), (4, 32771), (8, 8192)])
+def test_gpu_history_partial_real_shapes(b, n):
+    hq, hk, d, g = 32, 8, 128, 64
+    q, k, v, gen = make_case(b, hk, hq // hk, n, d, g, seed=n, device="cuda")
+    start = torch.randint(0, 300, (b,), generator=gen).cuda() if b > 1 else torch.zeros(1, dtype=torch.long, device="cuda")
+    key_mask = (torch.rand(b, 1, 1, n, generator=gen) > 0.05).cuda() if b > 1 else None
+    off = torch.randn(b, hk, hq // hk, generator=gen).cuda()
+    got = _dt().history_partial_triton(q, k, v, start, key_mask, off, d**-0.5, g)
+    ref = history_partial_reference(q, k, v, start, key_mask, off, d**-0.5, g, 4096)
+    assert_partials_close(got, ref, 2e-2)  # bf16 dot operands (like a BF16 flash kernel)
+
+
+# the split kernel for the whole op (the Gluon kernel's threshold out of reach) and the Gluon history
+_PATHS = {"split": replace(DEFAULTS, gluon_min_work=1 << 62), "gluon": replace(DEFAULTS, gluon_min_work=0)}
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("path", list(_PATHS))
+@pytest.mark.parametrize("b,n", [(1, 131072 - 320), (8, 32768 - 320)])
+def test_gpu_decode_attention_real_shapes(b, n, path):
+    args, _ = _window_case(b, 8, 4, n, 320, 128, 64, seed=b, device="cuda")
+    args["out_dtype"] = torch.bfloat16
+    got = _dt().decode_attention_triton(**args, defaults=_PATHS[path])
+    ref = decode_attention_reference(**args)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got.float(), ref.float()) < 2e-2
+
+
+# ------------------------------------------------------------------------- the Gluon history kernel (GPU)
+
+
+_GLUON_VARIANTS = {
+    "default": {},
+    "long": {"gluon_long_split": 64},  # every split long: int8 keys, 4 stages, 8 programs an SM without a cap
+    "short": {"gluon_long_split": 1 << 30},  # no split long: fp16 keys, 2 stages, 12 programs an SM under a cap
+    "one-warp": {"merge_one_warp_rows": 0},  # the combine with one warp per row wherever rows outnumber SMs
+    "parts1": {"merge_out_parts": 1, "merge_warps_few": 8, "splits_pow2_slack": 0.0},  # few rows: one program a row
+}
+
+
+@pytest.fixture(params=list(_GLUON_VARIANTS), ids=list(_GLUON_VARIANTS))
+def gluon_calls(request, monkeypatch):
+    """Counts the Gluon kernel's launches (so that a test fails if the dispatch silently took the split kernel) and
+    gives the defaults each test passes: the Gluon kernel for every call size, with the long-split path (int8 key
+    MMAs, 4 pipeline stages, their residency) everywhere, nowhere, or where the splits are long (the default); the
+    combine with one warp per row, or with one program per row where rows are few (no output parts, the split count
+    not rounded to a power of two)."""
+    glu = _dt()._gluon_module()
+    assert glu is not None, "this Triton has no Gluon"
+    calls = []
+    real = glu.launch_history
+    monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (calls.append(a[0].shape), real(*a, **kw))[1])
+    return SimpleNamespace(calls=calls, defaults=replace(DEFAULTS, gluon_min_work=0, **_GLUON_VARIANTS[request.param]))
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize(
+    "b,m,n,starts,off",
+    [
+        (1, 4, 1, (0,), True),  # one token (TB = 2: 32-token steps)
+        (1, 4, 33, (0,), False),  # one step + 1
+        (3, 4, 5003, (0, 17, 4000), True),  # left padding, odd length, splits
+        (2, 1, 777, (0, 31), True),  # MHA (one query row; TB = 2)
+        (2, 3, 1000, (5, 0), True),  # GQA 3 (padding columns)
+        (2, 6, 2049, (0, 100), True),  # 6 rows: TB = 1 (16-token steps)
+        (1, 8, 131072 - 5, (0,), True),  # GQA 8 at 128K
+        (4, 4, 32768 + 7, (0, 1, 2, 3000), True),  # the benchmark shape
+    ],
+)
+def test_gpu_gluon_history_partial(gluon_calls, b, m, n, starts, off):
+    hk, d, g = 8 if b <= 2 else 2, 128, 64
+    q, k, v, gen = make_case(b, hk, m, n, d, g, seed=n + m, device="cuda")
+    start = torch.tensor(starts, device="cuda")
+    qk_offset = (torch.randn(b, hk, m, generator=gen) * 3).cuda() if off else None
+    got = _dt().history_partial_triton(q.cuda(), k, v, start, None, qk_offset, d**-0.5, g, defaults=gluon_calls.defaults)
+    ref = history_partial_reference(q.cuda(), k, v, start, None, qk_offset, d**-0.5, g, 4096)
+    assert gluon_calls.calls, "the Gluon kernel did not run"
+    assert_partials_close(got, ref, 2e-2)
+    # and the split kernel on the same case agrees with it to the same tolerance
+    tri = _dt().history_partial_triton(q.cuda(), k, v, start, None, qk_offset, d**-0.5, g, defaults=_PATHS["split"])
+    assert_partials_close(got, tri, 2e-2)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("case", ["spike", "underflow"])
+def test_gpu_gluon_reference_guard(gluon_calls, case):
+    """The rerun of a split against its true max (see test_deferred_loop_reference_guard), per logit column."""
+    b, hk, m, n, d, g = 1, 1, 4, 4000, 128, 64
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(b, hk, m, d, generator=gen)
+    kf = torch.randn(b, hk, n, d, generator=gen)
+    start = torch.zeros(b, dtype=torch.long)
+    off = None
+    if case == "spike":
+        kf[0, 0, 3900] = 60.0 * q[0, 0].mean(0).sign()
+    else:
+        start[0] = 40  # the first step's tokens are padding: reference 0, logits ~ -3600 log2 units
+        off = torch.full((b, hk, m), -20000.0)
+    k = quantize_rows(kf, g, 1.0, torch.bfloat16)
+    v = quantize_rows(torch.randn(b, hk, n, d, generator=gen), g, 1.0, torch.bfloat16)
+    args = (q.cuda(), QuantizedRows(*(t.cuda() for t in k)), QuantizedRows(*(t.cuda() for t in v)), start.cuda(), None,
+            None if off is None else off.cuda(), d**-0.5, g)
+    ref = history_partial_reference(*args, 1024)
+    got = _dt().history_partial_triton(*args, defaults=gluon_calls.defaults)
+    assert gluon_calls.calls
+    assert_partials_close(got, ref, 2e-2)
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("n_valid", [0, 1, 31, 32, 2000, 2999])
+def test_gpu_gluon_decode_op_device_length_and_stale_storage(gluon_calls, n_valid):
+    """The fused op with the Gluon history: static storage (length on the device), a window, left padding whose
+    storage holds NaN (never read for V), against the reference over the first n_valid entries."""
+    b, hk, m, n, w, d, g = 2, 8, 4, 3000, 320, 128, 64
+    args, _ = _window_case(b, hk, m, n, w, d, g, seed=n_valid, device="cuda")
+    args = {k_: (v_.cuda() if isinstance(v_, torch.Tensor) else v_) for k_, v_ in args.items()}
+    args["start"] = torch.tensor([0, 9], device="cuda")
+    cut = {k_: (type(args[k_])(*(t[:, :, :n_valid] for t in args[k_])) if k_ in ("k", "v") else args[k_]) for k_ in args}
+    ref = decode_attention_reference(**cut)
+    for t in (args["v"].scale, args["v"].zero):
+        t[1, :, :9] = float("nan")
+    got = _dt().decode_attention_triton(**args, n_valid=torch.tensor(n_valid, device="cuda"), splits=3,
+                                        defaults=gluon_calls.defaults)
+    assert (not n_valid) or gluon_calls.calls
+    assert torch.isfinite(got).all()
+    assert rel_err(got, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fused", [0, 1])
+@pytest.mark.parametrize("b,n,n_valid", [(2, 3000, None), (2, 3000, 2001), (1, 131072 - 320, None),
+                                         (8, 32768 - 320, None)])
+def test_gpu_gluon_decode_op_rotating(gluon_calls, monkeypatch, fused, b, n, n_valid):
+    """The op from the unrotated query on the Gluon path (what the model's attention calls): the rotation in its own
+    launch or with the window programs (the default), left padding, dynamic and device-side lengths, against
+    rotate-then-reference."""
+    monkeypatch.setattr(_dt(), "_fused_prologue", lambda gluon: bool(fused) and gluon)
+    args = _rotating_case(b, 8, 4, n, 320, 128, 64, seed=b + n, device="cuda")
+    args["qf"] = args["qf"].cuda()
+    args["start"] = torch.tensor([0, 9, 0, 1, 2, 3, 4, 5][:b], device="cuda")
+    args["out_dtype"] = torch.bfloat16
+    if n_valid is None:
+        ref = _rotating_reference(args)
+        got = _dt().decode_attention_rotating_triton(**args, defaults=gluon_calls.defaults)
+    else:
+        cut = {k_: (type(args[k_])(*(t[:, :, :n_valid] for t in args[k_])) if k_ in ("k", "v") else args[k_])
+               for k_ in args}
+        ref = _rotating_reference(cut)
+        got = _dt().decode_attention_rotating_triton(**args, n_valid=torch.tensor(n_valid, device="cuda"), splits=3,
+                                                     defaults=gluon_calls.defaults)
+    assert gluon_calls.calls, "the Gluon kernel did not run"
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got.float(), ref.float()) < 2e-2
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("m", [1, 4, 6, 8])
+def test_gpu_gluon_prologue_query_operands(monkeypatch, m):
+    """The int8 key path's query operands built once by the fused prologue (the default) or by every history program
+    (the rotation in a launch of its own): the rotating op's outputs agree with each other to float32 rounding and with
+    the reference, at both token-set layouts (TB = 2 for <= 4 rows, else 1) and with padding columns; and the
+    prologue's operands reach the history kernel."""
+    glu = _dt()._gluon_module()
+    seen = []
+    real = glu.launch_history
+    monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (seen.append(kw.get("qpre") is not None),
+                                                                 real(*a, **kw))[1])
+    args = _rotating_case(2, 8, m, 9000, 320, 128, 64, seed=m, device="cuda")
+    args["qf"] = args["qf"].cuda()
+    args["start"] = torch.tensor([0, 37], device="cuda")
+    args["out_dtype"] = torch.float32
+    outs = {}
+    df = replace(DEFAULTS, gluon_min_work=0, gluon_long_split=64)  # int8 keys everywhere
+    for qpre in (1, 0):
+        monkeypatch.setattr(_dt(), "_fused_prologue", lambda gluon, q=qpre: gluon and bool(q))
+        outs[qpre] = _dt().decode_attention_rotating_triton(**args, defaults=df)
+    assert seen == [True, False]
+    # The prologue's sigma_g (from the query rows' largest norm, not the largest entry) makes the operands ~5x coarser
+    # (q_rot to ~3e-4 instead of ~6e-5, relative; the bf16 query itself holds ~4e-3), and the bf16 rounding of the value
+    # MMA's weights p s amplifies such a change of the logits (a rounding that flips costs a bf16 step): the op with
+    # either operands differs by 2-4e-3 (H100) and from the reference by about as much as the
+    # kernel's own operands do. A wrong tile, field or plane would be O(0.1 - 1).
+    ref = _rotating_reference(args).float()
+    err_pre, err_own = rel_err(outs[1], ref), rel_err(outs[0], ref)
+    assert rel_err(outs[1], outs[0]) < 1e-2
+    assert err_pre < 2e-2 and err_pre < err_own + 3e-3, (err_pre, err_own)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_gpu_gluon_qflag_counters(monkeypatch):
+    """The prologue -> history counters (QFLAG): the op's output is bit-identical to the PDL wait's (the same
+    kernels, only the wait differs; the wait is what a graph capture takes before the counters exist), call after
+    call, from a second stream too, and every call leaves the counters at 0 (the combine resets them: a counter left
+    raised would let the next call's history read stale operands) -- also a call whose launches fail after the
+    prologue's."""
+    dt = _dt()
+    args = _rotating_case(2, 8, 4, 9000, 320, 128, 64, seed=3, device="cuda")
+    args["qf"] = args["qf"].cuda()
+    args["start"] = torch.tensor([0, 37], device="cuda")
+    args["out_dtype"] = torch.float32
+    df = replace(DEFAULTS, gluon_min_work=0, gluon_long_split=64)  # int8 keys with the prologue's operands
+    real = dt._ready_counters
+    monkeypatch.setattr(dt, "_ready_counters", lambda *a: None)  # the PDL wait
+    want = dt.decode_attention_rotating_triton(**args, defaults=df)
+    seen = []
+    monkeypatch.setattr(dt, "_ready_counters", lambda *a: (seen.append(1), real(*a))[1])
+    for _ in range(3):
+        assert torch.equal(dt.decode_attention_rotating_triton(**args, defaults=df), want)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = dt.decode_attention_rotating_triton(**args, defaults=df)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, want)
+    assert torch.equal(dt.decode_attention_rotating_triton(**args, defaults=df), want)
+    assert len(seen) == 5
+    counters = dt._READY[torch.device("cuda", torch.cuda.current_device())][0]
+    torch.cuda.synchronize()
+    assert int(counters.abs().sum()) == 0
+    # a launch that fails after the prologue raised the counters (here the history's) sets them back to 0, and the
+    # next call is right again
+    glu = dt._gluon_module()
+    real_hist = glu.launch_history
+
+    def broken(*a, **kw):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(glu, "launch_history", broken)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        dt.decode_attention_rotating_triton(**args, defaults=df)
+    torch.cuda.synchronize()
+    assert int(counters.abs().sum()) == 0
+    monkeypatch.setattr(glu, "launch_history", real_hist)
+    assert torch.equal(dt.decode_attention_rotating_triton(**args, defaults=df), want)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_gpu_gluon_decode_op_rotating_in_graph(gluon_calls):
+    """The op from the unrotated query captured in a CUDA graph (programmatic dependent launch becomes graph edges):
+    replays with new queries and window values written into the captured inputs equal the reference each time."""
+    args = _rotating_case(4, 8, 4, 20000, 320, 128, 64, seed=11, device="cuda")
+    args["qf"] = args["qf"].cuda()
+    args["start"] = torch.tensor([0, 9, 0, 300], device="cuda")
+    args["out_dtype"] = torch.bfloat16
+    op = lambda: _dt().decode_attention_rotating_triton(**args, defaults=gluon_calls.defaults)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = op()
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        args["qf"].copy_(torch.randn(args["qf"].shape, generator=gen))
+        args["v_win"].copy_(torch.randn(args["v_win"].shape, generator=gen))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out.float(), _rotating_reference(args).float()) < 2e-2
+    assert gluon_calls.calls, "the Gluon kernel did not run"
+    torch.cuda.synchronize()  # (QFLAG: every replay's combine set the prologue -> history counters back to 0)
+    assert all(int(e[0].abs().sum()) == 0 for e in _dt()._READY.values())
