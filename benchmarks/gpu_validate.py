@@ -83,7 +83,7 @@ def main(argv=None):
         # Per layer, per row: the read path's output from the same inputs, kernel vs reference (one step).
         # (the attention calls decode_attention_rotating, the op from the unrotated query; its reference is the same
         # call on the torch path, use_kernels=False)
-        import oscar_hf.attention as attn
+        import oscar_hf.cache.dynamic as attn
 
         layer_errs = []
         real = attn.decode_attention_rotating

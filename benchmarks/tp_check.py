@@ -47,7 +47,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsProcessorList  # noqa: E402
 
-from oscar_hf import LayerRotation, ModelFingerprint, OscarCache, OscarRotations, disable_oscar  # noqa: E402
+from oscar_hf import OscarCache, OscarRotations, disable_oscar  # noqa: E402
+from oscar_hf.config import ModelFingerprint  # noqa: E402
+from oscar_hf.rotations import LayerRotation  # noqa: E402
 from oscar_hf.distributed import even_head_shard, slice_layer_rotation  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

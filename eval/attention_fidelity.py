@@ -31,35 +31,6 @@ def _capture_handler(module, query, key, value, attention_mask, *args, base, **k
 register_handler("oscarcap_", _capture_handler)
 
 
-def study_args(description: str, out: str, argv=None):
-    """The command line shared by the one-window attention studies (``scripts/eval_key_centering.py``,
-    ``scripts/eval_block_centering.py``): ``--lengths``, ``--queries``, ``--threads``, ``--out``."""
-    import argparse
-
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--lengths", default="2048,4096,8192")
-    p.add_argument("--queries", type=int, default=32)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default=out)
-    args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.lengths_list = [int(x) for x in args.lengths.split(",")]
-    return args
-
-
-def captured_smollm2_window(n: int):
-    """SmolLM2 (float32), its default OSCAR artifact (G=64) and the post-RoPE q/k/v of one held-out window of
-    ``n`` tokens: ``(model, artifact, {layer: (q, k, v, scaling)})``."""
-    from oscar_hf.models import load_model
-
-    from .compare import find_artifact
-    from .perplexity import evaluation_ids
-
-    model, tok = load_model("smollm2", dtype=torch.float32)
-    return model, find_artifact("oscar", 64), capture_qkv(model, evaluation_ids(tok, n))
-
-
 @torch.no_grad()
 def capture_qkv(model, ids: torch.Tensor) -> dict:
     """``{layer: (q [1, Hq, n, D], k [1, Hk, n, D], v, scaling)}`` from one full-precision forward."""

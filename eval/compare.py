@@ -149,7 +149,7 @@ def build_rows(model, tok, tables, n_windows=2, context_len=2048, decode_tokens=
                 oscar_row("main", "Hadamard + centering", swap_rotation(osc, "hadamard"), group_size=64, **W),
                 oscar_row("main", "OSCAR (C_Q/C_S+H+P), no centering", osc, group_size=64, center=False, **W),
                 oscar_row("main", "OSCAR + centering", osc, group_size=64, center=True, **W),
-                # the 8 best retrieval heads of 90 in full precision (oscar_hf.retrieval_heads; artifact scores)
+                # the 8 best retrieval heads of 90 in full precision (oscar_hf.calibration.retrieval_heads; artifact scores)
                 *([oscar_row("main", "OSCAR + centering + 8 FP retrieval heads", osc, group_size=64, center=True,
                              full_precision_heads=8, **W)] if osc.retrieval_scores is not None else []),
             ]

@@ -271,7 +271,7 @@ def main(argv=None):
     from oscar_hf import OscarRotations
     from oscar_hf.models import load_model
 
-    from .compare import ROOT, find_artifact
+    from .compare import find_artifact
     from .methods import OscarFamily, get_method, with_label
     from .perplexity import evaluation_ids
 

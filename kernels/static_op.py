@@ -1,6 +1,6 @@
 """The static cache's decode attention as one opaque ``torch.library`` op (``oscar::decode_attention_static``).
 
-Under ``torch.compile`` (``generate`` compiling a :class:`~oscar_hf.static_cache.StaticOscarCache`
+Under ``torch.compile`` (``generate`` compiling a :class:`~oscar_hf.StaticOscarCache`
 decode step, CUDA graphs) the Triton launches of :func:`~oscar_hf.kernels.decode_triton.decode_attention_triton`
 are hidden behind a custom op: dynamo records one call, inductor leaves the kernels alone (they
 are compiled and tuned by Triton's own JIT, as in eager), and the CUDA graph captures the two

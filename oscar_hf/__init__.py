@@ -2,35 +2,30 @@
 
 Data flow: ``calibration`` -> ``rotations`` (artifact) -> ``cache`` (write path) -> ``attention`` (read path).
 
+    from oscar_hf import OscarCache
     cache = OscarCache.from_pretrained("rotations_dir", model)   # or OscarCache(model, method="hadamard")
     model.generate(**inputs, past_key_values=cache)
     # compiled decoding (CUDA graphs): StaticOscarCache.from_pretrained("rotations_dir", model, max_cache_len=N)
 """
 import logging
 
-from .config import ModelFingerprint, OscarConfig
-from .rotations import LayerRotation, OscarRotations
-from .cache import OscarCache, OscarLayer
-from .static_cache import StaticOscarCache, StaticOscarLayer
 from .attention import disable_oscar, enable_oscar
+from .cache import OscarCache, StaticOscarCache
+from .calibration import calibrate, find_retrieval_heads
+from .config import OscarConfig
+from .rotations import OscarRotations
+from .version import __version__
 
 logging.getLogger("oscar_hf").addHandler(logging.NullHandler())
 
-patch_model = enable_oscar
-unpatch_model = disable_oscar
-
-__version__ = "0.1.0"
 __all__ = [
-    "OscarConfig",
-    "ModelFingerprint",
-    "OscarRotations",
-    "LayerRotation",
     "OscarCache",
-    "OscarLayer",
     "StaticOscarCache",
-    "StaticOscarLayer",
+    "OscarConfig",
+    "OscarRotations",
+    "calibrate",
+    "find_retrieval_heads",
     "enable_oscar",
     "disable_oscar",
-    "patch_model",
-    "unpatch_model",
+    "__version__",
 ]

@@ -37,12 +37,12 @@ class OscarConfig:
             mu_K (with ``center``); "prefill": per sequence and KV head, the mean of the sequence's own
             non-sink keys at its first demotion (usually the prompt), fixed from then on. Any offset is
             exact for attention (``q·k = q·(k - mu) + q·mu``); the prompt's own mean follows the
-            position-dependent drift of RoPE'd keys that a calibrated mean misses at long context
-            (``scripts/eval_block_centering.py``). ``OscarCache`` only (not ``StaticOscarCache``).
+            position-dependent drift of RoPE'd keys that a calibrated mean misses at long context.
+            ``OscarCache`` only (not ``StaticOscarCache``).
         skip_layers: layers kept entirely in full precision (negative indices count from the end).
         full_precision_heads: KV heads kept entirely in full precision (keys and values, every position),
             the rest of their layer quantized as usual: an int ``k`` takes the ``k`` best "retrieval heads"
-            of the artifact (``OscarRotations.retrieval_scores``, see ``oscar_hf.retrieval_heads``), or
+            of the artifact (``OscarRotations.retrieval_scores``, see ``oscar_hf.calibration.retrieval_heads``), or
             explicit ``(layer, kv_head)`` pairs. Each head costs ``16 - 2.5`` bits per element of its share
             of the cache (SmolLM2: 8 of 90 heads -> 3.7 history bits per element instead of 2.5) and gives
             back retrieval of single facts from far back (needle in a haystack). ``OscarCache`` only.

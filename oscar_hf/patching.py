@@ -6,7 +6,7 @@ We register wrapped implementations named ``<prefix><base>`` (e.g. ``oscar_sdpa`
 OSCAR cache handle arrived as ``key``, or calibration statistics are being recorded) or returns
 ``NotImplemented``, in which case the user's original implementation ``<base>`` runs unchanged.
 The base name lives in the registered name, so a patched model still works with any other cache,
-and :func:`unpatch_model` restores the user's choice exactly.
+and :func:`restore_attention` restores the user's choice exactly.
 
 The matching mask builder is registered under the same name (without it the attention function
 would receive ``attention_mask=None`` and silently ignore padding).
@@ -18,6 +18,7 @@ import functools
 import sys
 from collections.abc import Callable
 
+import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
@@ -78,11 +79,28 @@ def _text_configs(model):
     return out
 
 
-def patch_model(model, prefix: str) -> str:
-    """Switch ``model`` to ``<prefix><its current implementation>``; returns the new name. Idempotent."""
+def _config_tree(config):
+    """``config`` and its sub-configs at any depth (``config.sub_configs``), each once."""
+    seen, out, todo = set(), [], [config]
+    while todo:
+        cfg = todo.pop()
+        if cfg is None or id(cfg) in seen or not hasattr(cfg, "_attn_implementation"):
+            continue
+        seen.add(id(cfg))
+        out.append(cfg)
+        todo.extend(getattr(cfg, key, None) for key in getattr(cfg, "sub_configs", {}))
+    return out
+
+
+def switch_attention(target, prefix: str) -> str:
+    """Switch ``target`` to ``<prefix><its current implementation>``; returns the new name. Idempotent.
+
+    ``target`` is a model, or a model's own config (``model.config``): the attention modules read
+    ``config._attn_implementation`` at every forward, so switching the config switches the model."""
     if prefix not in _HANDLERS:
         raise ValueError(f"no attention handler registered for prefix {prefix!r}")
-    current = model.config._attn_implementation
+    is_model = isinstance(target, torch.nn.Module)
+    current = (target.config if is_model else target)._attn_implementation
     old_prefix, base = split_name(current)
     if old_prefix == prefix:
         return current
@@ -91,16 +109,16 @@ def patch_model(model, prefix: str) -> str:
             f"OSCAR cannot wrap attn_implementation={current!r}; load the model with one of {BASE_IMPLEMENTATIONS}"
         )
     name = prefix + base
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
+    if is_model and hasattr(target, "set_attn_implementation"):
+        target.set_attn_implementation(name)
     # Modules may hold their own config objects (sub-configs); make every one agree.
-    for cfg in _text_configs(model):
+    for cfg in _text_configs(target) if is_model else _config_tree(target):
         if split_name(cfg._attn_implementation)[1] == base or cfg._attn_implementation is None:
             cfg._attn_implementation_internal = name
     return name
 
 
-def unpatch_model(model) -> str:
+def restore_attention(model) -> str:
     """Restore the user's original attention implementation."""
     _, base = split_name(model.config._attn_implementation)
     if hasattr(model, "set_attn_implementation"):
@@ -114,11 +132,11 @@ def unpatch_model(model) -> str:
 def patched(model, prefix: str):
     """Temporarily route ``model``'s attention through ``prefix``'s handler."""
     before = model.config._attn_implementation
-    patch_model(model, prefix)
+    switch_attention(model, prefix)
     try:
         yield model
     finally:
         if split_name(before)[0] is None:
-            unpatch_model(model)
+            restore_attention(model)
         else:
             model.set_attn_implementation(before)

@@ -65,7 +65,7 @@ class OscarRotations:
     layers: dict[int, LayerRotation]
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     # [num_layers, Hk] float32 >= 0: how much each KV head retrieves facts from far back
-    # (oscar_hf.retrieval_heads); OscarConfig(full_precision_heads=k) keeps the top k in full precision.
+    # (oscar_hf.calibration.retrieval_heads); OscarConfig(full_precision_heads=k) keeps the top k in full precision.
     retrieval_scores: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ construction

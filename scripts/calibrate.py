@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                   "model_arg": args.model, "dtype": args.dtype, "device": args.device},
     )
     if args.retrieval_probes > 0:
-        from oscar_hf.retrieval_heads import find_retrieval_heads
+        from oscar_hf.calibration import find_retrieval_heads
 
         lengths = tuple(int(x) for x in args.retrieval_lengths.split(","))
         rot.retrieval_scores = find_retrieval_heads(model, tok, split.calibration, args.retrieval_probes, lengths,

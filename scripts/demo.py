@@ -14,20 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # `eval/` helpers when run from a checkout (installed as oscar_hf.eval too)
+from oscar_hf import OscarCache, OscarRotations, calibrate
+from oscar_hf.eval.perplexity import cache_nll
+from oscar_hf.models import DEFAULT_MODEL, load_model, wikitext_path
+from oscar_hf.rotations import BUILTIN_METHODS
 
-from oscar_hf import OscarCache, OscarRotations  # noqa: E402
-from oscar_hf.eval.perplexity import cache_nll  # noqa: E402
-from oscar_hf.models import DEFAULT_MODEL, load_model, wikitext_path  # noqa: E402
-from oscar_hf.rotations import BUILTIN_METHODS  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv=None):
@@ -62,8 +60,6 @@ def get_rotations(args, model, tok, calib_text: str) -> OscarRotations:
     if (out / "oscar_config.json").is_file():
         print(f"[oscar] using cached rotations {out}")
         return OscarRotations.from_pretrained(out)
-    from oscar_hf.calibration import calibrate
-
     print(f"[oscar] calibrating {args.method} rotations on {args.calib_tokens} tokens (once; cached in {out})")
     t = time.time()
     rot = calibrate(model, tok, [calib_text], method=args.method, tokens=args.calib_tokens,

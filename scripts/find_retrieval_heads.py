@@ -1,7 +1,7 @@
 """Score the retrieval heads of a model and store the scores in an existing rotation artifact.
 
 ``OscarConfig(full_precision_heads=k)`` then keeps the artifact's ``k`` best retrieval heads in full precision
-(``oscar_hf.retrieval_heads``). ``scripts/calibrate.py`` does the same for new artifacts (``--retrieval-probes``).
+(``oscar_hf.calibration.retrieval_heads``). ``scripts/calibrate.py`` does the same for new artifacts (``--retrieval-probes``).
 
     python -P scripts/find_retrieval_heads.py --artifact artifacts/smollm2-oscar
 """
@@ -15,7 +15,7 @@ import torch
 from oscar_hf import OscarRotations
 from oscar_hf.data import CALIBRATION_FRACTION, load_texts, split_texts
 from oscar_hf.models import load_model, wikitext_path
-from oscar_hf.retrieval_heads import find_retrieval_heads, top_heads
+from oscar_hf.calibration.retrieval_heads import find_retrieval_heads, top_heads
 
 
 def main(argv=None) -> int:

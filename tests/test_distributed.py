@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import oscar_hf.distributed as tpd
-from oscar_hf import LayerRotation, ModelFingerprint, OscarCache, OscarRotations
+from oscar_hf import OscarCache, OscarRotations, StaticOscarCache
+from oscar_hf.config import ModelFingerprint
 from oscar_hf.distributed import HeadShard, even_head_shard, shard_rotations, slice_layer_rotation, tp_layout, tp_rank_world
 from oscar_hf.models import tiny_model
+from oscar_hf.rotations import LayerRotation
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -167,12 +169,11 @@ def test_cache_layers_get_this_ranks_heads(monkeypatch):
 
 
 def test_static_cache_layers_are_sliced_too(monkeypatch):
-    static = pytest.importorskip("oscar_hf.static_cache")
     model = tiny_model("qwen3", num_key_value_heads=4, num_attention_heads=8)
     fp = ModelFingerprint.from_config(model.config)
     rot = OscarRotations(fp, "distinct", {i: distinct_rotation(4, 32) for i in range(fp.num_layers)})
     fake_tp(monkeypatch, model, rank=0, world=4, head_dim=32)
-    cache = static.StaticOscarCache(model, rot, group_size=32, max_cache_len=64)
+    cache = StaticOscarCache(model, rot, group_size=32, max_cache_len=64)
     assert cache.tp_layout is not None and cache.tp_layout.world == 4
     for i, layer in enumerate(cache.layers):
         torch.testing.assert_close(layer._rotation_cpu.r_k, rot.layers[i].r_k[0:1], rtol=0, atol=0)
@@ -193,7 +194,7 @@ def test_tp_check_script_under_torchrun(tmp_path):
     out = tmp_path / "tp.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "scripts/tp_check.py"), "--shape", "tiny", "--layers", "2", "--context", "96", "--sink", "8",
+           str(REPO / "benchmarks/tp_check.py"), "--shape", "tiny", "--layers", "2", "--context", "96", "--sink", "8",
            "--recent", "16", "--new-tokens", "6", "--batch", "3", "--pad", "16", "--out", str(out)]
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

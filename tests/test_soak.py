@@ -1,4 +1,4 @@
-"""scripts/soak.py in its tiny CPU mode: the checks pass on the real cache and fire on broken ones."""
+"""benchmarks/soak.py in its tiny CPU mode: the checks pass on the real cache and fire on broken ones."""
 import importlib.util
 import json
 from pathlib import Path
@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location("oscar_soak_script", REPO / "scripts/soak.py")
+    spec = importlib.util.spec_from_file_location("oscar_soak_script", REPO / "benchmarks/soak.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -139,7 +139,7 @@ def test_left_padding_mask_becomes_a_start_not_a_key_mask(monkeypatch):
     """A decode step whose mask only hides each row's left padding reaches the decode op as a later per-row start with
     no key mask (so that on the GPU it can take the Gluon history kernel, which has none); the tokens are those of
     the same run with the key mask kept (masks with holes: the next test)."""
-    import oscar_hf.attention as attn
+    import oscar_hf.cache.dynamic as attn
 
     m = tiny_model("llama")
     torch.manual_seed(4)
@@ -167,7 +167,7 @@ def test_left_padding_mask_becomes_a_start_not_a_key_mask(monkeypatch):
 
 
 def test_left_padding_only_detects_holes_and_is_shared_by_a_forwards_layers():
-    from oscar_hf.attention import _LEFT_PAD_MEMO, _left_padding_only
+    from oscar_hf.cache.dynamic import _LEFT_PAD_MEMO, _left_padding_only
 
     ok = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)[:, None]
     hole = ok.clone()
@@ -178,3 +178,21 @@ def test_left_padding_only_detects_holes_and_is_shared_by_a_forwards_layers():
     assert not _left_padding_only(mask_a, hole, 5)  # another step: asked again
     assert _LEFT_PAD_MEMO[0][0] is mask_a and _LEFT_PAD_MEMO[0][1] == 5
     assert not _left_padding_only(mask_a, ok, 5)  # the same forward (mask, step): the kept answer
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_cache_built_from_the_model_config_routes_the_attention(model_type):
+    """``OscarCache(model.config, ...)`` switches the config the model reads at every forward: the same tokens
+    as ``OscarCache(model, ...)`` (before, generate failed in SDPA on the handle: "must be Tensor, not OscarKV")."""
+    m = tiny_model(model_type)
+    torch.manual_seed(7)
+    ids = torch.randint(1, 200, (2, 30))
+    want = greedy(m, ids, OscarCache(m, **SMALL))
+    disable_oscar(m)
+    assert not m.config._attn_implementation.startswith("oscar_")
+    cache = OscarCache(m.config, **SMALL)
+    assert m.config._attn_implementation == "oscar_sdpa"
+    assert torch.equal(greedy(m, ids, cache), want)
+    assert any(isinstance(layer, OscarLayer) and layer.n_hist > 0 for layer in cache.layers)
+    disable_oscar(m)
+    assert torch.equal(greedy(m, ids), greedy(m, ids, DynamicCache(config=m.config)))

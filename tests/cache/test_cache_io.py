@@ -6,7 +6,7 @@ import torch
 
 from oscar_hf import OscarCache
 from oscar_hf.models import tiny_model
-from oscar_hf.serialization import STATE_NAME, TENSORS_NAME
+from oscar_hf.cache.io import STATE_NAME, TENSORS_NAME
 
 KW = dict(method="hadamard", sink=4, recent=8, group_size=32)
 

@@ -10,24 +10,10 @@ import pytest
 import torch
 
 from oscar_hf import data
-from oscar_hf.calib_stats import (
-    ErrorRecorder,
-    LayerCandidates,
-    StatsRecorder,
-    quant_error,
-    recording,
-    select_best,
-)
-from oscar_hf.calibration import (
-    CLIP_GRID,
-    attention_error,
-    calibrate,
-    calibration_report,
-    collect_statistics,
-    eigvecs_desc,
-    full_attention_layers,
-    plot_spectra,
-)
+from oscar_hf.calibration import attention_error, calibrate, calibration_report, collect_statistics, plot_spectra
+from oscar_hf.calibration.hooks import recording
+from oscar_hf.calibration.search import CLIP_GRID, ErrorRecorder, LayerCandidates, eigvecs_desc, quant_error, select_best
+from oscar_hf.calibration.stats import StatsRecorder, full_attention_layers
 from oscar_hf.config import ModelFingerprint
 from oscar_hf.hadamard import oscar_rotation
 from oscar_hf.models import tiny_model
@@ -35,7 +21,7 @@ from oscar_hf.patching import base_attention_function, patched, register_handler
 from oscar_hf.quant import dequantize_rows, quantize_rows
 from oscar_hf.rotations import OscarRotations
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # ---------------------------------------------------------------------------------------------- capture
 _CAPTURED: list = []

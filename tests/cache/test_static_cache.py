@@ -4,7 +4,8 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, StaticCache
 
-from oscar_hf import OscarCache, StaticOscarCache, StaticOscarLayer
+from oscar_hf import OscarCache, StaticOscarCache
+from oscar_hf.cache import StaticOscarLayer
 from oscar_hf.models import tiny_model
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens

@@ -1,6 +1,7 @@
-"""`OscarCache`: a `transformers.Cache` of BF16 sink + BF16 recent window + packed INT2 rotated history.
+"""`OscarLayer`: one quantized layer of :class:`~oscar_hf.OscarCache`: BF16 sink + BF16 recent window + packed INT2
+rotated history, and its read.
 
-Storage of one quantized layer (``OscarLayer``), for a batch of ``B`` rows, ``Hk`` KV heads:
+Storage of one layer, for a batch of ``B`` rows, ``Hk`` KV heads:
 
 * slots are absolute positions in the (left-padded) batch, ``0 <= s < T``; row ``b``'s first real
   token is at slot ``pad[b]`` (read from the attention mask at the first forward);
@@ -22,29 +23,52 @@ pad_b + S0))``, history ``[pad_b + S0, tail_start)``, recent ``[tail_start, T)``
 derived from ``tail_start`` and ``pad`` (no per-row counters to keep in sync).
 
 Life of a forward: ``update(k, v)`` only parks the new rows and returns an :class:`OscarKV`
-handle; the registered attention function (``oscar_hf.attention``) reads the cache as it was
-*before* this forward plus the new rows in full precision (prefill is exact), then calls
-:meth:`OscarLayer.commit`, which demotes everything older than the last ``recent`` slots (bulk,
-in ``prefill_chunk`` pieces, at prefill; one row per step while decoding) and appends the
-remaining new rows to the tail. A long prompt therefore never has its history held in full
+handle; the registered attention function (``oscar_hf.attention``) hands the call to
+:meth:`OscarLayer.attend`, which reads the cache as it was *before* this forward plus the new rows
+in full precision (prefill is exact), then calls :meth:`OscarLayer.commit`, which demotes
+everything older than the last ``recent`` slots (bulk, in ``prefill_chunk`` pieces, at prefill;
+one row per step while decoding) and appends the remaining new rows to the tail. A long prompt therefore never has its history held in full
 precision inside the cache.
+
+The read (:meth:`OscarLayer.attend`). For one layer and a forward of ``L`` new tokens at slots ``[T, T + L)``:
+
+* nothing quantized yet (``tail_start == 0``): the tail holds every slot in order, so the base
+  implementation runs on ``cat(tail, new)`` with the model's own mask: bit-identical to a
+  ``DynamicCache`` (prompts shorter than ``sink + recent``);
+* otherwise three online-softmax partials, merged by log-sum-exp:
+  1. full precision: sink (row ``b``'s slots ``pad[b] + j``), recent tail ``[tail_start, T)``
+     and the new rows (causal among themselves);
+  2. INT2 history ``[S0 + pad[b], tail_start)``: ``q`` is rotated once by ``R_K``
+     (``q·k = (q R_K)·(k R_K)``), logits get ``+ q·mu_K``; the values are accumulated in the
+     rotated space, rotated back once by ``R_Vᵀ`` and get ``+ (Σ_history p)·mu_V``. The history
+     is read in bounded blocks (torch reference) or by the split-K Triton kernel (CUDA): no
+     full-precision copy of it is ever built;
+* full-precision heads (``OscarConfig.full_precision_heads``): those KV heads keep every slot in
+  ``layer.fp_k/v`` and are read by one SDPA call over them, as a ``DynamicCache`` would
+  (:meth:`OscarLayer.full_precision_heads_attention`); the two parts above run on the other heads only;
+* then :meth:`OscarLayer.commit` demotes/appends.
+
+The attention mask (left padding, holes, custom 4D masks) is honoured in all three parts by
+indexing it at each part's absolute slots.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
 
-from .config import FULL_LAYER_TYPES, SLIDING_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
-from .quant import QuantizedRows, bits_per_element
-from .rotations import LayerRotation, OscarRotations
+from oscar_hf.kernels.int2_attention import decode_attention_rotating
 from oscar_hf.kernels.write_path import rotate_quantize
+
+from ..attention import OscarKV
+from ..config import OscarConfig
+from ..patching import base_attention_function
+from ..quant import QuantizedRows
+from ..rotations import LayerRotation
+from .base import QuantizedLayerBase, allowed_slots, check_first_keys, first_real_slot, group_queries, mask_rows
 
 logger = logging.getLogger("oscar_hf")
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 CROP_RESERVE = 64  # demoted slots kept in full precision so that crop(-n) can undo a demotion exactly
 TAIL_SLACK = 64  # extra tail capacity so that compaction happens once every TAIL_SLACK appends
 
@@ -60,81 +84,26 @@ def grown(t: torch.Tensor, keep: int, need: int) -> torch.Tensor:
     return z
 
 
-def resolve_full_precision_heads(config: OscarConfig, rotations: OscarRotations, fp: ModelFingerprint,
-                                 skipped: set[int]) -> dict[int, tuple[int, ...]]:
-    """``{layer: kv heads}`` kept in full precision (``OscarConfig.full_precision_heads``): the artifact's top-k
-    retrieval heads or the given pairs, checked against the model; heads of unquantized layers (skipped, sliding,
-    without rotation) are left out, being full precision already."""
-    want = config.full_precision_heads
-    pairs = rotations.top_retrieval_heads(want) if isinstance(want, int) else want
-    out: dict[int, list[int]] = {}
-    for i, h in pairs:
-        if not 0 <= i < fp.num_layers or not 0 <= h < fp.num_key_value_heads:
-            raise ValueError(f"full_precision_heads: ({i}, {h}) is not a (layer, kv_head) of this model "
-                             f"({fp.num_layers} layers, {fp.num_key_value_heads} KV heads)")
-        if i in rotations.layers and i not in skipped and fp.layer_types[i] in FULL_LAYER_TYPES:
-            out.setdefault(i, []).append(h)
-    return {i: tuple(sorted(hs)) for i, hs in out.items()}
+# one forward's answer of _left_padding_only, shared by its layers: (mask, t_old, answer); the mask held so that its id
+# cannot be reused while the entry lives
+_LEFT_PAD_MEMO: list = [None]
 
 
-def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.Tensor) -> None:
-    """The first keys a layer sees must match its rotations (head count, head_dim) and a supported dtype."""
-    if key_states.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"OscarCache supports model dtypes {SUPPORTED_DTYPES}, got {key_states.dtype}")
-    _, hk, _, d = key_states.shape
-    if rotation.r_k.shape[0] != hk or rotation.r_k.shape[-1] != d:
-        raise ValueError(
-            f"layer {layer_idx}: rotations are for kv_heads={rotation.r_k.shape[0]}, head_dim={rotation.r_k.shape[-1]} "
-            f"but the model produced keys with kv_heads={hk}, head_dim={d}"
-        )
-
-
-class OscarKV:
-    """What ``update`` returns to the attention function: the layer and the new rows."""
-
-    __slots__ = ("layer", "key_states", "value_states")
-
-    def __init__(self, layer: "OscarLayer", key_states: torch.Tensor, value_states: torch.Tensor):
-        self.layer, self.key_states, self.value_states = layer, key_states, value_states
-
-    @property
-    def shape(self):  # what a DynamicCache would have returned: [B, Hk, T + L, D]
-        b, h, l, d = self.key_states.shape
-        return torch.Size((b, h, self.layer.seq_len + l, d))
-
-    @property
-    def dtype(self):
-        return self.key_states.dtype
-
-    @property
-    def device(self):
-        return self.key_states.device
-
-
-class QuantizedLayerBase(CacheLayerMixin):
-    """What both quantized layers (:class:`OscarLayer`, ``static_cache.StaticOscarLayer``) take from the
-    config and the artifact: the layer's clip ratios and whether its offsets are used. ``self.rot`` is the
-    rotation moved to the cache's device at the first forward."""
-
-    is_sliding = False
-
-    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int):
-        super().__init__()
-        self.config, self.layer_idx = config, layer_idx
-        self._rotation_cpu = rotation  # (oscar_hf.distributed replaces it by the rank's slice under TP)
-        self.clip_k = config.clip_for("k", layer_idx, rotation.clip_k)
-        self.clip_v = config.clip_for("v", layer_idx, rotation.clip_v)
-        self.use_offsets = config.center and (rotation.mu_k is not None or rotation.mu_v is not None)
-
-    mu_k_seq: torch.Tensor | None = None  # [B, Hk, D] float32, key_offset="prefill" once known
-
-    def offsets(self):
-        """``(mu_K, mu_V)`` on the cache's device, each None when centering is off or absent. mu_K is
-        ``[Hk, D]`` (calibrated) or ``[B, Hk, D]`` (``key_offset="prefill"``, once the first history row
-        was written)."""
-        r = self.rot
-        mu_k = self.mu_k_seq if self.mu_k_seq is not None else (r.mu_k if self.use_offsets else None)
-        return mu_k, (r.mu_v if self.use_offsets else None)
+def _left_padding_only(attention_mask, allowed: torch.Tensor, t_old: int) -> bool:
+    """Whether a decode step's mask (``allowed [B, 1, kv]``) only hides a left-padding prefix of each row (every row
+    False...False True...True). Then the history's key mask says no more than a per-row start (its first allowed
+    slot), which the decode op takes without a mask -- and so can run on the Gluon history kernel, which has none.
+    One host sync per forward: the answer is kept for the other layers given the same mask (a layer with another
+    mask, e.g. a sliding window, gets its own); none while compiling or capturing a CUDA graph (the mask is kept)."""
+    if torch.compiler.is_compiling() or (allowed.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    memo = _LEFT_PAD_MEMO[0]
+    if memo is not None and memo[0] is attention_mask and memo[1] == t_old:
+        return memo[2]
+    row = allowed[:, -1, :]
+    ok = bool((row[:, 1:] >= row[:, :-1]).all())
+    _LEFT_PAD_MEMO[0] = (attention_mask, t_old, ok)
+    return ok
 
 
 class OscarLayer(QuantizedLayerBase):
@@ -225,7 +194,7 @@ class OscarLayer(QuantizedLayerBase):
                 f"OscarCache layer {self.layer_idx}: update() was called again before the previous rows were consumed "
                 "by the 'oscar_*' attention function. The model's attention does not go through OSCAR: build the "
                 "cache with OscarCache(model, ...) / OscarCache.from_pretrained(path, model), or call "
-                "oscar_hf.patch_model(model)."
+                "oscar_hf.enable_oscar(model)."
             )
         if key_states.shape[0] != self.batch_size:
             raise ValueError(
@@ -255,6 +224,108 @@ class OscarLayer(QuantizedLayerBase):
 
     def reset(self) -> None:
         self._clear()
+
+    # ------------------------------------------------------------------ read
+    def attend(self, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
+        """Attention for one forward through this layer (see the module docstring); commits the new rows.
+        ``query [B, Hq, L, D]`` -> ``[B, L, Hq, D]``."""
+        new_k, new_v = handle.key_states, handle.value_states
+        b, hq, l, d = query.shape
+        hk = new_k.shape[1]
+        g = hq // hk
+        t_old = self.seq_len
+        kv = t_old + l
+        allowed = allowed_slots(attention_mask, b, l, kv, t_old)
+        pad = first_real_slot(allowed, b, query.device) if self.pad is None else None
+
+        if self.tail_start == 0:
+            # Nothing quantized yet: exactly what DynamicCache + the user's attention would compute.
+            tk, tv = self.tail_view()
+            keys = torch.cat([tk, new_k], 2) if tk.shape[2] else new_k
+            values = torch.cat([tv, new_v], 2) if tv.shape[2] else new_v
+            out, _ = base_attention_function(module, base)(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
+            self.commit(new_k, new_v, pad)
+            return out
+
+        qf = group_queries(query.float(), hk)  # [B, Hk, M, D], M = g*L
+        s0 = self.config.sink
+        dev = query.device
+        # 1. full-precision window: sink (row b's slots pad[b] + j) + recent tail + the new rows.
+        #    Its size is bounded (S0 + W + L), independent of the context length.
+        tk, tv = self.tail_view()
+        win_k = torch.cat([self.sink_k, tk, new_k], 2)  # [B, Hk, S0 + (T - tail_start) + L, D]
+        win_v = torch.cat([self.sink_v, tv, new_v], 2)
+        sinks_full = allowed is None and self.tail_start >= self.pad_max + s0
+        if sinks_full and l == 1:
+            win_mask = None  # decode without padding: every window slot is valid (the common fast case)
+        else:
+            sink_slot = self.pad[:, None] + torch.arange(s0, device=dev)[None, :]  # [B, S0]
+            sink_ok = (torch.arange(s0, device=dev)[None, :] < self.sink_count()[:, None])[:, None, :].expand(b, l, s0)
+            if allowed is not None:
+                sink_ok = sink_ok & allowed.gather(2, sink_slot.clamp(max=kv - 1)[:, None, :].expand(b, l, s0))
+                tail_ok = allowed[:, :, self.tail_start :]
+            else:  # causal among the new rows
+                tail_ok = torch.arange(self.tail_start, kv, device=dev)[None, :] <= (t_old + torch.arange(l, device=dev))[:, None]
+                tail_ok = tail_ok[None].expand(b, l, -1)
+            ok = torch.cat([sink_ok, tail_ok], -1)  # [B, L, window]
+            win_mask = ok[:, None] if l == 1 else mask_rows(ok, g)  # [B, 1, 1|M, window]
+        out_fp = None
+        if self.fp_heads:  # full-precision heads apart; the rest reads window + INT2 history below
+            out_fp = self.full_precision_heads_attention(query, new_k, new_v, allowed, t_old, scaling)
+            qf, win_k, win_v = (x.index_select(1, self.q_idx) for x in (qf, win_k, win_v))
+
+        # 2. INT2 history, in the rotated space: q rotated once; + q.mu_K on logits; values rotated back once.
+        rot = self.rot
+        hist_k, hist_v = self.hist_view()
+        n = hist_k.codes.shape[2]
+        key_mask = None
+        hist_start = self.pad  # history entry j of row b is slot s0 + j; entries below pad[b] are sink or padding
+        if allowed is not None:
+            if l == 1 and _left_padding_only(attention_mask, allowed, t_old):
+                # the mask's padding prefix as a later start, not a key mask (same entries; on the GPU the Gluon kernel)
+                hist_start = torch.maximum(self.pad, first_real_slot(allowed, b, dev) - s0)
+            else:
+                hm = allowed[:, :, s0 : s0 + n]
+                key_mask = hm[:, None] if l == 1 else mask_rows(hm, g)
+        mu_k, mu_v = self.offsets()
+        # 1 + 2 merged by log-sum-exp, the query rotated inside: three Triton launches on CUDA (rotation + window,
+        # split-K history, combine), torch reference elsewhere.
+        out = decode_attention_rotating(
+            qf, rot.r_k, mu_k, hist_k, hist_v, hist_start, key_mask, scaling, self.config.group_size,
+            win_k, win_v, win_mask, rot.r_v, mu_v, out_dtype=query.dtype, block_n=self.config.block_size,
+            use_kernels=self.config.use_kernels,
+        )
+        if out_fp is not None:
+            full = out.new_empty(b, hk, out.shape[2], d)
+            full[:, self.q_idx] = out
+            full[:, self.fp_idx] = out_fp.to(out.dtype)
+            out = full
+        out = out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
+        self.commit(new_k, new_v, pad)
+        return out
+
+    def full_precision_heads_attention(self, query, new_k, new_v, allowed, t_old: int, scaling: float) -> torch.Tensor:
+        """``[B, P, g*L, D]``: exact attention of the layer's full-precision heads over their slots ``[0, T + L)``
+        (SDPA in the model dtype, the model's mask or causal, left padding masked from ``self.pad``)."""
+        b, hq, l, d = query.shape
+        hk = new_k.shape[1]
+        g = hq // hk
+        self.write_full_precision_heads(new_k, new_v, t_old)
+        kv = t_old + l
+        dev = query.device
+        if allowed is None and l == 1 and self.pad_max == 0:
+            mask = None  # one decode row without padding: every slot (the common step, no mask built)
+        elif allowed is None:
+            slot = torch.arange(kv, device=dev)
+            ok = slot[None, :] <= (t_old + torch.arange(l, device=dev))[:, None]  # causal among the new rows
+            ok = ok[None] & (slot[None, None, :] >= self.pad[:, None, None])  # [B, L, kv]
+            mask = mask_rows(ok, g)
+        else:
+            mask = mask_rows(allowed, g)  # [B, 1, g*L, kv]
+        q = group_queries(query, hk).index_select(1, self.fp_idx)  # [B, P, g*L, D]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, self.fp_k[:, :, :kv], self.fp_v[:, :, :kv], attn_mask=mask, scale=scaling
+        )
 
     # ------------------------------------------------------------------ derived per-row views
     @property
@@ -471,136 +542,4 @@ class OscarLayer(QuantizedLayerBase):
             full_precision_heads=fp_bytes,
             allocated=alloc,
             tokens=n_sink + n_rec + n_hist,
-        )
-
-
-class OscarCache(Cache):
-    """Drop-in ``past_key_values`` for ``generate``: 2-bit OSCAR history, full-precision sink + recent.
-
-    ``OscarCache(model, rotations=None, config=None, **overrides)`` with ``rotations`` an
-    :class:`OscarRotations` (e.g. from ``scripts/calibrate.py``) or None for the artifact-free
-    ``method`` ("identity" / "hadamard"); overrides are :class:`OscarConfig` fields. Passing the
-    model (not only its config) routes its attention through OSCAR (``oscar_hf.patch_model``);
-    the user's attention implementation still serves every layer OSCAR does not quantize.
-    Layers: full attention -> :class:`OscarLayer`; sliding-window / chunked -> Transformers'
-    full-precision ``DynamicSlidingWindowLayer`` (bounded by its window already); ``skip_layers`` ->
-    ``DynamicLayer``.
-    """
-
-    def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, **overrides):
-        config = (config or OscarConfig()).replace(**overrides) if overrides else (config or OscarConfig())
-        is_model = isinstance(model_or_config, torch.nn.Module)
-        model_config = model_or_config.config if is_model else model_or_config
-        text_cfg = model_config.get_text_config(decoder=True)
-        if rotations is None:
-            rotations = OscarRotations.builtin(model_config, config.method)
-        else:
-            rotations.check_compatible(model_config)
-        fp = ModelFingerprint.from_config(model_config)
-        validate_head_dim(fp, config.group_size)
-        cal_g = rotations.metadata.get("group_size")
-        if cal_g is not None and int(cal_g) != config.group_size:
-            logger.warning("rotations were calibrated for group_size=%s, cache uses %s", cal_g, config.group_size)
-        for name in ("softcap", "attn_logit_softcapping"):
-            if getattr(text_cfg, name, None):
-                raise NotImplementedError(f"{fp.architecture}: attention logit soft-capping ({name}) is not supported by OSCAR")
-        skipped = config.skipped(fp.num_layers)
-        fp_heads = resolve_full_precision_heads(config, rotations, fp, skipped)
-        if fp_heads:  # the saved / reported config names the heads, not "the top k"
-            config = config.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in fp_heads.items() for h in hs)))
-        layers: list[Any] = []
-        for i, kind in enumerate(fp.layer_types):
-            if kind in SLIDING_LAYER_TYPES:
-                window = getattr(text_cfg, "sliding_window", None) if kind == "sliding_attention" else text_cfg.attention_chunk_size
-                layers.append(self._sliding_layer(window))
-            elif kind in FULL_LAYER_TYPES:
-                if i in skipped or i not in rotations.layers or len(fp_heads.get(i, ())) == fp.num_key_value_heads:
-                    layers.append(self._full_precision_layer())
-                elif i in fp_heads:
-                    layers.append(self._oscar_layer(config, rotations.layers[i], i, fp_heads[i]))
-                else:
-                    layers.append(self._oscar_layer(config, rotations.layers[i], i))
-            else:
-                raise NotImplementedError(f"{fp.architecture}: layer type {kind!r} (layer {i}) is not supported by OscarCache")
-        super().__init__(layers=layers)
-        self.oscar_config, self.rotations, self.fingerprint = config, rotations, fp
-        self.tp_layout = None  # [tensor parallelism] set by oscar_hf/distributed.py: each rank keeps its own KV heads
-        if is_model:
-            from .attention import enable_oscar
-            from .distributed import shard_cache_for_tensor_parallel
-
-            shard_cache_for_tensor_parallel(self, model_or_config)  # [tensor parallelism] no-op without TP
-            enable_oscar(model_or_config)
-
-    # Layer factories (the static-capacity subclass, oscar_hf.static_cache, overrides them).
-    def _sliding_layer(self, window: int):
-        return DynamicSlidingWindowLayer(sliding_window=window)
-
-    def _full_precision_layer(self):
-        return DynamicLayer()
-
-    def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=()):
-        return OscarLayer(config, rotation, layer_idx, fp_heads)
-
-    @classmethod
-    def from_pretrained(cls, name_or_path, model, config: OscarConfig | None = None, *, revision=None, cache_dir=None,
-                        local_files_only=False, token=None, **overrides) -> "OscarCache":
-        """Load a rotation artifact (local dir or Hub repo id) and build a cache for ``model``."""
-        rot = OscarRotations.from_pretrained(
-            name_or_path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token
-        )
-        if config is None and "group_size" in rot.metadata and "group_size" not in overrides:
-            overrides["group_size"] = int(rot.metadata["group_size"])
-        return cls(model, rot, config, **overrides)
-
-    # ------------------------------------------------------------------ persistence
-    def save(self, directory) -> None:
-        """Write the live cache (INT2 history, windows, positions, rotations) to ``directory``."""
-        from .serialization import save_cache
-
-        save_cache(self, directory)
-
-    @classmethod
-    def load(cls, directory, model, device=None) -> "OscarCache":
-        """Load a cache written by :meth:`save` to continue generation exactly where it stopped."""
-        from .serialization import load_cache
-
-        return load_cache(cls, directory, model, device)
-
-    # ------------------------------------------------------------------ reporting
-    def memory_report(self) -> dict[str, float]:
-        """Bytes by part (summed over layers), bits per element, and the BF16 DynamicCache equivalent."""
-        tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, full_precision_heads=0,
-                   allocated=0, full_precision_layers=0)
-        elements = 0
-        for layer in self.layers:
-            if hasattr(layer, "memory"):  # OscarLayer and the static StaticOscarLayer
-                m = layer.memory()
-                for k in ("sink", "recent", "history_codes", "history_meta", "history_elements", "allocated"):
-                    tot[k] += m[k]
-                tot["full_precision_heads"] += m.get("full_precision_heads", 0)
-                if layer.is_initialized:
-                    elements += 2 * m["tokens"] * layer.num_kv_heads * layer.head_dim
-            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
-                nb = layer.keys.numel() * layer.keys.element_size() * 2
-                tot["full_precision_layers"] += nb
-                tot["allocated"] += nb
-                elements += 2 * layer.keys.numel()
-        used = (tot["sink"] + tot["recent"] + tot["history_codes"] + tot["history_meta"] + tot["full_precision_layers"]
-                + tot["full_precision_heads"])
-        tot["total"] = used
-        tot["bf16_equivalent"] = 2 * elements
-        tot["bits_per_element"] = 8 * used / elements if elements else float("nan")
-        tot["compression_vs_bf16"] = tot["bf16_equivalent"] / used if used else float("nan")
-        tot["history_bits_per_element"] = bits_per_element(
-            self.fingerprint.head_dim, self.oscar_config.group_size, self.oscar_config.torch_meta_dtype
-        )
-        return tot
-
-    def __repr__(self) -> str:
-        n_q = sum(hasattr(layer, "memory") for layer in self.layers)
-        c = self.oscar_config
-        return (
-            f"OscarCache(method={self.rotations.method!r}, quantized_layers={n_q}/{len(self.layers)}, sink={c.sink}, "
-            f"recent={c.recent}, group_size={c.group_size}, seq_len={self.get_seq_length()})"
         )

@@ -11,7 +11,7 @@ import torch
 from oscar_hf import OscarCache, OscarConfig, StaticOscarCache
 from oscar_hf.models import tiny_model
 from oscar_hf.quant import dequantize_rows
-from oscar_hf.serialization import STATE_NAME
+from oscar_hf.cache.io import STATE_NAME
 
 KW = dict(method="hadamard", sink=4, recent=8, group_size=32)
 

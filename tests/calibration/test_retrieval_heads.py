@@ -1,14 +1,13 @@
-"""Retrieval-head probes (oscar_hf.retrieval_heads) and full-precision heads in OscarCache."""
+"""Retrieval-head probes (oscar_hf.calibration.retrieval_heads) and full-precision heads in OscarCache."""
 import pytest
 import torch
 from batch_utils import left_pad
 from transformers import DynamicCache
 
-from oscar_hf import OscarCache, OscarConfig, OscarRotations
+from oscar_hf import OscarCache, OscarConfig, OscarRotations, StaticOscarCache
 from oscar_hf.cache import OscarLayer
 from oscar_hf.models import tiny_model
-from oscar_hf.retrieval_heads import probe_needles, retrieval_scores, top_heads
-from oscar_hf.static_cache import StaticOscarCache
+from oscar_hf.calibration.retrieval_heads import probe_needles, retrieval_scores, top_heads
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 FPH = ((0, 1), (1, 0))  # tiny llama: 2 layers x 2 KV heads

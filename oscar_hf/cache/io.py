@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .config import ModelFingerprint, OscarConfig
-from .quant import QuantizedRows
-from .rotations import OscarRotations
+from ..config import ModelFingerprint, OscarConfig
+from ..quant import QuantizedRows
+from ..rotations import OscarRotations
+from .dynamic import CROP_RESERVE, TAIL_SLACK, OscarLayer
 
 STATE_NAME = "cache_state.json"
 TENSORS_NAME = "cache_tensors.safetensors"
@@ -34,9 +35,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def save_cache(cache, directory: str | os.PathLike) -> None:
+    """Write ``cache`` (an ``OscarCache``) to ``directory`` (layout in the module docstring)."""
     from safetensors.torch import save_file
-
-    from .cache import OscarLayer
 
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
@@ -95,10 +95,10 @@ def _expect(t: dict, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor
 
 
 def load_cache(cls, directory: str | os.PathLike, model, device=None):
+    """A ``cls`` (``OscarCache``) for ``model`` holding the state saved in ``directory``, on ``device``
+    (default: the model's)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
-    from .cache import CROP_RESERVE, TAIL_SLACK, OscarLayer
 
     path = Path(directory)
     if not (path / STATE_NAME).is_file() or not (path / TENSORS_NAME).is_file():

@@ -4,8 +4,8 @@ import types
 import pytest
 import torch
 
-from oscar_hf.attention import oscar_decode_attention
-from oscar_hf.cache import OscarKV, OscarLayer
+from oscar_hf.attention import OscarKV
+from oscar_hf.cache import OscarLayer
 from oscar_hf.config import OscarConfig
 from oscar_hf.hadamard import hadamard_matrix
 from oscar_hf.quant import dequantize_rows, quantize_rows
@@ -113,7 +113,7 @@ def test_decode_attention_matches_fake_quant_reference(hq, hk, d, g, offsets, ke
         if not layer.is_initialized:
             layer.lazy_initialization(handle.key_states, handle.value_states)
         ref_layer_state = layer.tail_start
-        out = oscar_decode_attention(layer, handle, q, mask, 0.125, module, "sdpa")
+        out = handle.attend(q, mask, 0.125, module, "sdpa")
         # the reference uses the state *before* the commit of this forward
         layer_before = types.SimpleNamespace(tail_start=ref_layer_state)
         ref = reference_attention(K[:, :, :kv], V[:, :, :kv], pads, t, q, mask2d[:, :kv], layer_before, rot, cfg, 0.125,
@@ -145,5 +145,5 @@ def test_history_never_materialized_in_full_precision(monkeypatch):
     layer.commit(K, V)
     q = torch.randn(1, 4, 1, 64)
     k1, v1 = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
-    oscar_decode_attention(layer, OscarKV(layer, k1, v1), q, None, 0.1, module, "sdpa")
+    OscarKV(layer, k1, v1).attend(q, None, 0.1, module, "sdpa")
     assert seen and max(seen) <= cfg.block_size and sum(seen) >= 2 * (60 - 2 - 4)

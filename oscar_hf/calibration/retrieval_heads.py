@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .patching import patched, register_handler
+from ..data import tokenize
+from ..patching import patched, register_handler
 
 FACT = "The access code of {name} is {value}."
 ASK = " What is the access code of {name}? The access code of {name} is"
@@ -114,8 +115,6 @@ def find_retrieval_heads(model, tokenizer, calibration_text: str, n_probes: int 
                          seed: int = 1000, progress: bool = True) -> torch.Tensor:
     """``[num_layers, Hk]`` float32 retrieval scores of ``model`` from ``n_probes`` probes in calibration text
     (store them as ``OscarRotations.retrieval_scores``). Lengths beyond the model's context are dropped."""
-    from .data import tokenize
-
     cfg = model.config.get_text_config(decoder=True)
     limit = getattr(cfg, "max_position_embeddings", None) or max(lengths)
     lengths = tuple(L for L in lengths if L <= limit) or (min(limit, min(lengths)),)

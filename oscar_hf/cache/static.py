@@ -1,4 +1,5 @@
-"""`StaticOscarCache`: OSCAR with storage preallocated to ``max_cache_len``, for CUDA graphs.
+"""`StaticOscarLayer`: one quantized layer of :class:`~oscar_hf.StaticOscarCache` (storage preallocated to
+``max_cache_len``, for CUDA graphs), and its read.
 
 What ``StaticCache`` is to ``DynamicCache``: every buffer is allocated at the first forward and
 only mutated in place afterwards, the sequence length lives in a device tensor, and a one-token
@@ -9,7 +10,7 @@ Python control flow on data. ``generate`` then compiles the decode step by itsel
     cache = StaticOscarCache.from_pretrained(rotations_dir, model, max_cache_len=32768)
     model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
 
-Semantics are those of :class:`~oscar_hf.cache.OscarCache` (same sink / recent / INT2-history
+Semantics are those of :class:`~oscar_hf.OscarCache` (same sink / recent / INT2-history
 partition of every row's tokens, same quantizer); only the storage differs. One quantized layer
 (``StaticOscarLayer``), ``B`` rows, ``Hk`` heads, ``S0`` sink, ``W`` recent, slot = absolute position:
 
@@ -36,24 +37,22 @@ growing past ``max_cache_len``, saving a live static cache.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
+from oscar_hf.kernels import num_splits, triton_enabled
+from oscar_hf.kernels.int2_attention import decode_attention_rotating
 from oscar_hf.kernels.write_path import rotate_quantize, rotate_quantize_reference
 
-from .cache import OscarCache, OscarKV, QuantizedLayerBase, check_first_keys
-from .config import OscarConfig
-from .quant import QuantizedRows
-from .rotations import LayerRotation
+from ..attention import OscarKV
+from ..config import OscarConfig
+from ..patching import base_attention_function
+from ..quant import QuantizedRows
+from ..rotations import LayerRotation
+from .base import QuantizedLayerBase, allowed_slots, check_first_keys, first_real_slot, group_queries, mask_rows
 
 
 class StaticOscarKV(OscarKV):
-    """The handle ``update`` returns (no ``__slots__``: plain attribute access for dynamo). Its
-    shape is what ``StaticCache`` returns: the whole capacity."""
-
-    @property
-    def shape(self):
-        b, h, _, d = self.key_states.shape
-        return torch.Size((b, h, self.layer.max_cache_len, d))
+    """The handle ``update`` returns (no ``__slots__``: plain attribute access for dynamo). Its shape is what
+    ``StaticCache`` returns: the whole capacity (``get_mask_sizes``)."""
 
 
 def _compiling() -> bool:
@@ -112,9 +111,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.pad = _static(torch.zeros(b, dtype=torch.long, device=self.device))
         self.length = _static(torch.zeros((), dtype=torch.long, device=self.device))
         self.splits = None
-        if self.device.type == "cuda" and self.hist_cap > 0:
-            from oscar_hf.kernels.decode_triton import num_splits  # host-side grid size, fixed for the cache's life
-
+        if self.device.type == "cuda" and self.hist_cap > 0:  # host-side grid size, fixed for the cache's life
             self.splits = num_splits(self.hist_cap, b * hk, self.device, static=True)
         self.is_initialized = True
 
@@ -150,6 +147,72 @@ class StaticOscarLayer(QuantizedLayerBase):
         raise NotImplementedError(
             "StaticOscarCache cannot crop (assisted / prompt-lookup decoding): use the dynamic OscarCache"
         )
+
+    # ------------------------------------------------------------------ read
+    def attend(self, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
+        """Attention for one forward through this layer, ``query [B, Hq, L, D]`` -> ``[B, L, Hq, D]``. One-token
+        steps write first, then read the stored state with tensor ops only (what ``torch.compile`` / CUDA graphs
+        capture); multi-token forwards (prefill, eager) read the old state + the new rows, then write."""
+        new_k, new_v = handle.key_states, handle.value_states
+        b, hq, l, d = query.shape
+        hk = new_k.shape[1]
+        g = hq // hk
+        s0, cfg = self.config.sink, self.config
+        dev = query.device
+        t_old = None
+        if not self.pad_known:  # first forward of this cache (eager): left padding from the mask
+            t_old = int(self.length)
+            allowed = allowed_slots(attention_mask, b, l, t_old + l, t_old)
+            self.set_pad(first_real_slot(allowed, b, dev))
+        rot = self.rot
+        mu_v = self.offsets()[1]
+
+        if l == 1:
+            # Decode step: the static mask is not read: left padding was recorded at the first forward.
+            self.write_one(new_k, new_v)
+            t = self.length  # slot of the new token; the window holds slots [T - W, T]
+            qf = group_queries(query.float(), hk)  # [B, Hk, g, D]
+            win_mask = self.window_mask(t + 1, cfg.recent + 1)[:, None, None, :]  # [B, 1, 1, S0 + W + 1]
+            n_valid = self.n_hist(t)
+            hist_k, hist_v = self.hist_k, self.hist_v
+            if not torch.compiler.is_compiling() and not triton_enabled(query, cfg.use_kernels):
+                n = int(n_valid)  # eager reference: read only the filled part
+                hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (hist_k, hist_v))
+                n_valid = None
+            out = decode_attention_rotating(
+                qf, rot.r_k, self.offsets()[0], hist_k, hist_v, self.pad, None, scaling, cfg.group_size,
+                self.win_k, self.win_v, win_mask, rot.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size,
+                use_kernels=cfg.use_kernels, n_valid=n_valid, splits=self.splits,
+            )
+            self.demote_one()
+            return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
+
+        t_old = int(self.length) if t_old is None else t_old
+        kv = t_old + l
+        if t_old == 0:  # prefill of an empty cache: exactly the user's attention over the prompt
+            mask = attention_mask[..., :l] if attention_mask is not None and attention_mask.dim() == 4 else attention_mask
+            out, _ = base_attention_function(module, base)(module, query, new_k, new_v, mask, scaling=scaling, **kwargs)
+            self.commit_bulk(new_k, new_v)
+            return out
+        # A multi-token forward on a non-empty cache (next turn): stored window + new rows, history.
+        allowed = allowed_slots(attention_mask, b, l, kv, t_old)
+        if allowed is None:  # causal among the new rows
+            allowed = (torch.arange(kv, device=dev)[None, :] <= (t_old + torch.arange(l, device=dev))[:, None])[None].expand(b, l, kv)
+        t = torch.tensor(t_old, device=dev)
+        slots = torch.cat([self.pad[:, None] + torch.arange(s0, device=dev)[None, :],  # sink j
+                           self.ring_slots(t).clamp(min=0).expand(b, -1)], 1)  # ring entries
+        ok = self.window_mask(t, cfg.recent)[:, None, :] & allowed.gather(2, slots.clamp(max=kv - 1)[:, None, :].expand(b, l, -1))
+        ok = torch.cat([ok, allowed[:, :, t_old:]], -1)  # [B, L, S0 + W + L]
+        qf = group_queries(query.float(), hk)
+        n = int(self.n_hist(t))
+        hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (self.hist_k, self.hist_v))
+        out = decode_attention_rotating(
+            qf, rot.r_k, self.offsets()[0], hist_k, hist_v, self.pad, mask_rows(allowed[:, :, s0 : s0 + n], g), scaling,
+            cfg.group_size, torch.cat([self.win_k, new_k], 2), torch.cat([self.win_v, new_v], 2), mask_rows(ok, g),
+            rot.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size, use_kernels=cfg.use_kernels,
+        )
+        self.commit_bulk(new_k, new_v)
+        return out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
 
     # ------------------------------------------------------------------ positions of the window
     def n_hist(self, length: torch.Tensor) -> torch.Tensor:
@@ -288,37 +351,3 @@ class StaticOscarLayer(QuantizedLayerBase):
             history_codes=2 * n_hist * hk * d // 4, history_meta=2 * n_hist * hk * (d // g) * 2 * meta_el,
             history_elements=2 * n_hist * hk * d, allocated=alloc, tokens=n_sink + n_rec + n_hist,
         )
-
-
-class StaticOscarCache(OscarCache):
-    """:class:`~oscar_hf.cache.OscarCache` with storage preallocated to ``max_cache_len`` slots
-    (prompt + new tokens, left padding included), so that ``generate`` compiles the decode step
-    (CUDA graphs). Sliding-window layers use Transformers' ``StaticSlidingWindowLayer``, skipped
-    layers ``StaticLayer``. The batch size is taken from the first forward and fixed."""
-
-    def __init__(self, model_or_config, rotations=None, config: OscarConfig | None = None, *, max_cache_len: int,
-                 **overrides):
-        if max_cache_len is None or int(max_cache_len) < 1:
-            raise ValueError("StaticOscarCache needs max_cache_len >= 1 (prompt + new tokens, padding included)")
-        self.capacity = int(max_cache_len)  # (transformers 5.17's Cache has a read-only max_cache_len property)
-        super().__init__(model_or_config, rotations, config, **overrides)
-        if self.oscar_config.key_offset != "calibrated":
-            raise NotImplementedError("StaticOscarCache supports key_offset='calibrated' only; "
-                                      "key_offset='prefill' needs OscarCache")
-
-    def _sliding_layer(self, window: int):
-        return StaticSlidingWindowLayer(max_cache_len=self.capacity, sliding_window=window)
-
-    def _full_precision_layer(self):
-        return StaticLayer(max_cache_len=self.capacity)
-
-    def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=()):
-        if fp_heads:
-            raise NotImplementedError("StaticOscarCache does not support full_precision_heads; use OscarCache")
-        return StaticOscarLayer(config, rotation, layer_idx, self.capacity)
-
-    def save(self, directory) -> None:
-        raise NotImplementedError("saving a live StaticOscarCache is not supported: use OscarCache.save")
-
-    def __repr__(self) -> str:
-        return super().__repr__().replace("OscarCache(", f"StaticOscarCache(max_cache_len={self.capacity}, ", 1)

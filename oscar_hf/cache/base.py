@@ -1,0 +1,95 @@
+"""What both quantized layers share: the base class (clip ratios, offsets), the first-keys check, and the
+mask helpers of their reads.
+
+Shapes: ``B`` rows, ``Hq`` query heads, ``Hk`` KV heads, ``g = Hq / Hk``, ``L`` new tokens, ``kv``
+slots after this forward (``T + L``), ``D`` head_dim.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..config import OscarConfig
+from ..rotations import LayerRotation
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.Tensor) -> None:
+    """The first keys a layer sees must match its rotations (head count, head_dim) and a supported dtype."""
+    if key_states.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"OscarCache supports model dtypes {SUPPORTED_DTYPES}, got {key_states.dtype}")
+    _, hk, _, d = key_states.shape
+    if rotation.r_k.shape[0] != hk or rotation.r_k.shape[-1] != d:
+        raise ValueError(
+            f"layer {layer_idx}: rotations are for kv_heads={rotation.r_k.shape[0]}, head_dim={rotation.r_k.shape[-1]} "
+            f"but the model produced keys with kv_heads={hk}, head_dim={d}"
+        )
+
+
+class QuantizedLayerBase(CacheLayerMixin):
+    """What both quantized layers (:class:`~oscar_hf.cache.dynamic.OscarLayer`,
+    :class:`~oscar_hf.cache.static.StaticOscarLayer`) take from the config and the artifact: the layer's clip
+    ratios and whether its offsets are used. ``self.rot`` is the rotation moved to the cache's device at the
+    first forward. Each subclass implements ``attend`` (its read, called through the handle ``update`` returns)."""
+
+    is_sliding = False
+
+    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self._rotation_cpu = rotation  # (oscar_hf.distributed replaces it by the rank's slice under TP)
+        self.clip_k = config.clip_for("k", layer_idx, rotation.clip_k)
+        self.clip_v = config.clip_for("v", layer_idx, rotation.clip_v)
+        self.use_offsets = config.center and (rotation.mu_k is not None or rotation.mu_v is not None)
+
+    mu_k_seq: torch.Tensor | None = None  # [B, Hk, D] float32, key_offset="prefill" once known
+
+    def offsets(self):
+        """``(mu_K, mu_V)`` on the cache's device, each None when centering is off or absent. mu_K is
+        ``[Hk, D]`` (calibrated) or ``[B, Hk, D]`` (``key_offset="prefill"``, once the first history row
+        was written)."""
+        r = self.rot
+        mu_k = self.mu_k_seq if self.mu_k_seq is not None else (r.mu_k if self.use_offsets else None)
+        return mu_k, (r.mu_v if self.use_offsets else None)
+
+    def attend(self, handle, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
+        raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------------------------- read helpers
+def allowed_slots(mask: torch.Tensor | None, b: int, l: int, kv: int, t_old: int) -> torch.Tensor | None:
+    """Normalize any Transformers mask to bool ``[B, L, kv]`` (True = may attend) or None (all, causal)."""
+    if mask is None:
+        return None
+    if mask.dim() == 2:  # flash-style padding mask [B, kv]: add causality for the new rows
+        pos = torch.arange(kv, device=mask.device)
+        causal = pos[None, :] <= (t_old + torch.arange(l, device=mask.device))[:, None]
+        return mask.bool()[:, None, :kv] & causal[None]
+    if mask.dim() != 4:
+        raise ValueError(f"unsupported attention mask shape {tuple(mask.shape)}")
+    m = mask[:, 0, -l:, :kv]
+    if m.dtype != torch.bool:  # additive float mask (eager): 0 = attend, large negative = masked
+        m = m > torch.finfo(m.dtype).min / 2
+    return m.expand(b, l, kv)
+
+
+def first_real_slot(allowed: torch.Tensor | None, b: int, device) -> torch.Tensor:
+    """Row ``b``'s first attended slot, read from the last query row (left padding)."""
+    if allowed is None:
+        return torch.zeros(b, dtype=torch.long, device=device)
+    last = allowed[:, -1, :]
+    first = last.to(torch.int8).argmax(-1)
+    return torch.where(last.any(-1), first, torch.full_like(first, last.shape[-1]))
+
+
+def group_queries(x: torch.Tensor, hk: int) -> torch.Tensor:
+    """``[B, Hq, L, D]`` -> ``[B, Hk, g*L, D]`` (query heads of one KV head, query-head-major)."""
+    b, hq, l, d = x.shape
+    return x.reshape(b, hk, (hq // hk) * l, d)
+
+
+def mask_rows(m: torch.Tensor, g: int) -> torch.Tensor:
+    """``[B, L, N]`` -> ``[B, 1, g*L, N]`` matching :func:`group_queries`'s row order."""
+    b, l, n = m.shape
+    return m[:, None, None].expand(b, 1, g, l, n).reshape(b, 1, g * l, n)

@@ -1,0 +1,147 @@
+"""The calibration hooks: how a recorder sees every attention call of a model, and how the model is run over
+calibration windows.
+
+A recorder (:class:`~.stats.StatsRecorder`, :class:`~.search.ErrorRecorder`) is an attention *handler* (see :mod:`oscar_hf.patching`) registered under the prefix
+``oscarcalib_``. While a recorder is active (:func:`recording`), every attention call of a
+full-attention layer goes through it: it runs the user's original attention implementation
+(``base``), returns that result unchanged, and records what it needs from ``query [B, Hq, q, D]``
+(post-RoPE), ``key``/``value [B, Hk, kv, D]`` (post-RoPE keys, what a cache stores) and the output
+``[B, q, Hq, D]``. Sliding-window layers are passed through untouched (OSCAR does not quantize them).
+
+Padding: a key/value position is a real token iff *some* query may attend to it under the
+attention mask (4-D bool from the sdpa mask builder, 4-D additive float from eager, 2-D padding
+masks from flash-style builders, or ``None`` = no padding). Without a KV cache (``use_cache=False``,
+how calibration runs) query ``i`` is token ``kv - q + i``. Padded tokens are excluded everywhere.
+
+Nothing stores activations: :class:`~.stats.StatsRecorder` accumulates float64 sums (Σx, Σxᵀx, counts)
+and :class:`~.search.ErrorRecorder` accumulates float64 error sums of quantized candidates on the fly.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from ..patching import patched, register_handler
+
+PREFIX = "oscarcalib_"
+
+_ACTIVE: list = []
+
+
+def _dispatch(module, query, key, value, attention_mask, *args, base, **kwargs):
+    if not _ACTIVE:
+        return NotImplemented
+    return _ACTIVE[-1](module, query, key, value, attention_mask, *args, base=base, **kwargs)
+
+register_handler(PREFIX, _dispatch)
+
+
+@contextlib.contextmanager
+def recording(model, recorder):
+    """Route ``model``'s attention through ``recorder`` (eval mode, no grad); restores the model's
+    attention implementation and training mode afterwards, also on error."""
+    was_training = model.training
+    _ACTIVE.append(recorder)
+    try:
+        model.eval()
+        with patched(model, PREFIX), torch.no_grad():
+            yield recorder
+    finally:
+        _ACTIVE.remove(recorder)
+        model.train(was_training)
+
+
+# ---------------------------------------------------------------------------------------------- masks
+def _allowed_4d(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2  # additive: 0 = attend, large negative / -inf = masked
+
+
+def token_validity(attention_mask, batch: int, q_len: int, kv_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(valid_q [B, q], valid_kv [B, kv])`` booleans: which positions are real tokens."""
+    if attention_mask is None:
+        vk = torch.ones(batch, kv_len, dtype=torch.bool, device=device)
+    elif not isinstance(attention_mask, torch.Tensor):
+        raise NotImplementedError(
+            f"calibration cannot read an attention mask of type {type(attention_mask).__name__}; "
+            "load the model with attn_implementation='sdpa' or 'eager'"
+        )
+    elif attention_mask.dim() == 2:
+        vk = attention_mask[:, -kv_len:].bool()
+    elif attention_mask.dim() == 4:
+        vk = _allowed_4d(attention_mask[..., :kv_len]).any(dim=1).any(dim=1)
+    else:
+        raise NotImplementedError(f"unexpected attention mask shape {tuple(attention_mask.shape)}")
+    vk = vk.to(device).expand(batch, kv_len)
+    if q_len > kv_len:
+        raise NotImplementedError(f"query length {q_len} exceeds key length {kv_len}")
+    return vk[:, kv_len - q_len :], vk
+
+
+def allowed_matrix(attention_mask, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """Bool ``[B, 1 | H, q, kv]``: which key each query may attend to (causal when the mask is None)."""
+    causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+    if attention_mask is None:
+        return causal.expand(batch, 1, q_len, kv_len)
+    if attention_mask.dim() == 2:
+        return causal[None, None] & attention_mask[:, None, None, -kv_len:].bool().to(device)
+    return _allowed_4d(attention_mask[..., :kv_len]).to(device).expand(batch, -1, q_len, kv_len)
+
+
+# ---------------------------------------------------------------------------------------------- running the model
+def _device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def run_window(model, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
+    dev = _device(model)
+    kw = dict(input_ids=ids.to(dev), use_cache=False)
+    if mask is not None:
+        kw["attention_mask"] = mask.to(dev)
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kw["logits_to_keep"] = 1  # the LM head over the whole window is wasted work here
+    model(**kw)
+
+
+def padded_batches(seqs: list[torch.Tensor], batch_size: int, pad_id: int = 0):
+    """Right-padded ``(input_ids, attention_mask | None)`` batches of 1-D sequences."""
+    for s in range(0, len(seqs), batch_size):
+        chunk = seqs[s : s + batch_size]
+        n = max(x.numel() for x in chunk)
+        if all(x.numel() == n for x in chunk):
+            yield torch.stack(chunk), None
+            continue
+        ids = torch.full((len(chunk), n), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(chunk), n, dtype=torch.long)
+        for j, x in enumerate(chunk):
+            ids[j, : x.numel()] = x
+            mask[j, : x.numel()] = 1
+        yield ids, mask
+
+
+def as_sequences(input_ids) -> list[torch.Tensor]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [n, seq_len], got shape {tuple(input_ids.shape)}")
+        seqs = [r for r in input_ids.long()]
+    else:
+        seqs = [torch.as_tensor(x, dtype=torch.long).reshape(-1) for x in input_ids]
+    seqs = [s for s in seqs if s.numel() > 0]
+    if not seqs:
+        raise ValueError("no calibration tokens given")
+    return seqs
+
+
+def progress_bar(progress: bool, total: int, desc: str):
+    from tqdm.auto import tqdm
+    from transformers.utils import logging as hf_logging
+
+    return tqdm(total=total, desc=desc, disable=not (progress and hf_logging.is_progress_bar_enabled()))

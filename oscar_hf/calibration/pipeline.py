@@ -1,0 +1,250 @@
+"""`calibrate()`: text -> calibration windows -> statistics -> candidates -> held-out selection -> artifact."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+import transformers
+
+from ..config import ModelFingerprint, validate_head_dim
+from ..data import calibration_windows
+from ..hadamard import hadamard_matrix
+from ..rotations import LayerRotation, OscarRotations
+from ..version import __version__
+from .hooks import as_sequences, progress_bar
+from .search import CLIP_GRID, META_DTYPES, build_candidates, center_modes, evaluate_candidates, select_best
+from .stats import collect_statistics, full_attention_layers, spectrum_summary
+
+logger = logging.getLogger("oscar_hf")
+
+METHODS = ("oscar", "pca-kv", "hadamard", "identity", "auto")
+VALUE_TARGETS = ("sst", "score-weighted")
+
+
+def _is_texts(texts) -> bool:
+    return isinstance(texts, str) or (
+        isinstance(texts, Sequence) and not isinstance(texts, torch.Tensor) and len(texts) > 0
+        and all(isinstance(t, str) for t in texts)
+    )
+
+
+def calibrate(
+    model,
+    tokenizer,
+    texts,
+    *,
+    method: str = "oscar",
+    tokens: int = 8192,
+    seq_len: int = 2048,
+    group_size: int = 64,
+    center: bool | str = True,
+    value_target: str = "sst",
+    clip_grid: Sequence[float] | None = CLIP_GRID,
+    holdout_fraction: float = 0.25,
+    batch_size: int = 1,
+    progress: bool = True,
+    meta_dtype: str = "bfloat16",
+    query_samples: int = 128,
+    window: tuple[int, int] | None = (64, 256),
+    metadata: dict | None = None,
+) -> OscarRotations:
+    """Calibrate OSCAR rotations, offsets and clip ratios for ``model``.
+
+    Args:
+        texts: a string or list of strings (tokenized with ``tokenizer``; give calibration text only,
+            e.g. ``oscar_hf.data.calibration_text(...)``), or with ``tokenizer=None`` a ``[n, L]`` tensor
+            / list of 1-D token-id sequences.
+        method: "oscar" (C_Q keys / value_target values), "pca-kv" (C_K / C_V), "hadamard",
+            "identity" (calibrated offsets and clips only), or "auto" (best candidate per layer, KV head
+            and K/V on held-out tokens).
+        tokens: statistics tokens: ``ceil(tokens / seq_len)`` windows of ``min(seq_len, tokens)`` tokens
+            from the start of the text (ignored for token-id input: all rows are used).
+        group_size: the quantization group size the clips (and ``auto``) are chosen for.
+        center: store and use the per-KV-head means ``mu_K``/``mu_V``; ``"auto"``: decide per layer, KV head
+            and K/V on the held-out error (an unchosen offset is stored as zeros).
+        value_target: "sst" (exact ``C_S = Σ oᵀo``) or "score-weighted" (the reference code's target).
+        clip_grid: clip ratios searched per layer (default 0.80..1.00 step 0.02); ``None`` or one value:
+            no search (clips 1.0 or that value).
+        holdout_fraction: held-out windows for the clip / ``auto`` choice, as a fraction of the statistics
+            windows (at least one), taken right after them (token-id input: the last rows).
+        batch_size: windows per forward.
+        progress: tqdm bar (also honours ``transformers.utils.logging.disable_progress_bar()``).
+        meta_dtype: dtype of the quantizer's scale/zero during the clip search (as the cache will use).
+        query_samples: queries per held-out sequence whose real attention probabilities weigh the errors.
+        window: ``(sink, recent)`` of the cache the artifact is for (``OscarConfig`` defaults 64, 256):
+            the first ``sink`` tokens of every window are left out of the key/value statistics (never
+            quantized; attention sinks have atypical activations), and held-out errors count only the
+            (query, key) pairs the cache quantizes, ``sink <= key < query - recent``. Windows not longer than
+            ``sink + recent + 1`` get a proportionally smaller window ``(min(sink, L//8), min(recent, L//4))``
+            with a warning (recorded in the metadata). ``None``: all tokens, all (query, key) pairs.
+        metadata: extra JSON-able entries stored in the artifact's metadata (e.g. the data source).
+    """
+    t0, c0 = time.perf_counter(), time.process_time()
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if value_target not in VALUE_TARGETS:
+        raise ValueError(f"value_target must be one of {VALUE_TARGETS}, got {value_target!r}")
+    center_modes(center)
+    if not 0.0 < holdout_fraction <= 1.0:
+        raise ValueError(f"holdout_fraction must lie in (0, 1], got {holdout_fraction}")
+    if batch_size < 1 or tokens < 2 or seq_len < 2:
+        raise ValueError("batch_size must be >= 1, tokens and seq_len >= 2")
+    if isinstance(meta_dtype, torch.dtype):
+        meta_dtype = str(meta_dtype).removeprefix("torch.")
+    if meta_dtype not in META_DTYPES:
+        raise ValueError(f"meta_dtype must be one of {sorted(META_DTYPES)}, got {meta_dtype!r}")
+    grid = tuple(sorted({round(float(c), 6) for c in (clip_grid or (1.0,))}))
+    if any(not 0.0 < c <= 1.0 for c in grid):
+        raise ValueError(f"clip ratios must lie in (0, 1], got {clip_grid}")
+    fp = ModelFingerprint.from_config(model.config)
+    validate_head_dim(fp, group_size)
+    if not full_attention_layers(fp):
+        raise ValueError(f"{fp.architecture} has no full-attention layers: nothing for OSCAR to calibrate")
+    hadamard_matrix(fp.head_dim)  # fail early (clear error) for a head_dim without a Hadamard construction
+
+    if window is not None:
+        window = (int(window[0]), int(window[1]))
+        if window[0] < 0 or window[1] < 0:
+            raise ValueError(f"window=(sink, recent) must be non-negative, got {window}")
+    need_holdout = method == "auto" or len(grid) > 1 or center == "auto"
+    need_sw = method == "auto" or (method == "oscar" and value_target == "score-weighted")
+    pad_id = 0
+    if _is_texts(texts):
+        if tokenizer is None:
+            raise ValueError("texts are strings: pass the model's tokenizer (or token ids with tokenizer=None)")
+        sl = min(seq_len, tokens)
+        n_stats = math.ceil(tokens / sl)
+        n_hold = max(1, math.ceil(holdout_fraction * n_stats)) if need_holdout else 0
+        stats_ids, hold_ids = calibration_windows(tokenizer, texts, tokens, sl, n_hold)
+        stats_seqs, hold_seqs = as_sequences(stats_ids), (as_sequences(hold_ids) if n_hold else [])
+        pad_id = tokenizer.pad_token_id or 0
+    else:
+        seqs = as_sequences(texts)
+        n_hold = 0
+        if need_holdout:
+            if len(seqs) < 2:
+                raise ValueError(
+                    "a clip search, method='auto' or center='auto' need at least 2 token sequences (one is held out)"
+                )
+            n_hold = min(len(seqs) - 1, max(1, round(len(seqs) * holdout_fraction / (1 + holdout_fraction))))
+        stats_seqs, hold_seqs = seqs[: len(seqs) - n_hold], seqs[len(seqs) - n_hold :]
+        if tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None:
+            pad_id = tokenizer.pad_token_id
+
+    if window is not None:
+        shortest = min(max(s.numel() for s in stats_seqs), max((s.numel() for s in hold_seqs), default=1 << 30))
+        if shortest <= sum(window) + 1:
+            fitted = (min(window[0], shortest // 8), min(window[1], shortest // 4))
+            logger.warning(
+                "calibration windows of %d tokens are too short for window=(sink=%d, recent=%d); using (%d, %d) "
+                "(pass seq_len > %d for the cache's own window)", shortest, *window, *fitted, sum(window) + 1,
+            )
+            window = fitted
+    n_fw = math.ceil(len(stats_seqs) / batch_size) * (2 if need_sw else 1) + math.ceil(len(hold_seqs) / batch_size)
+    bar = progress_bar(progress, n_fw, f"OSCAR calibration ({method})")
+    try:
+        t_stats = time.perf_counter()
+        stats = collect_statistics(
+            model, stats_seqs, score_weighted=need_sw, kv_skip=window[0] if window else 0, batch_size=batch_size,
+            pad_id=pad_id, _bar=bar,
+        )
+        t_stats = time.perf_counter() - t_stats
+        cands, knames, vnames = build_candidates(
+            stats, method, center=center, value_target=value_target, clip_grid=grid
+        )
+        errors, t_hold = {}, 0.0
+        if need_holdout:
+            t_hold = time.perf_counter()
+            errors = evaluate_candidates(
+                model, hold_seqs, cands, group_size=group_size, meta_dtype=meta_dtype, batch_size=batch_size,
+                pad_id=pad_id, query_samples=query_samples, window=window, _bar=bar,
+            )
+            t_hold = time.perf_counter() - t_hold
+    finally:
+        bar.close()
+
+    layers: dict[int, LayerRotation] = {}
+    winners = {"k": {}, "v": {}}
+    held: dict[str, dict] = {}
+    for i, c in sorted(cands.items()):
+        hk = c.k_rots.shape[1]
+        if i in errors:
+            e = errors[i]
+            jk, wk = select_best(e.k)
+            jv, wv = select_best(e.v)
+            ek = sum(float(e.k[wk[h], jk, h]) for h in range(hk))
+            ev = sum(float(e.v[wv[h], jv, h]) for h in range(hk))
+            ks, vs = max(float(e.k_signal.sum()), 1e-300), max(float(e.v_signal.sum()), 1e-300)
+            held[str(i)] = {"k_rel": ek / ks, "v_rel": ev / vs}
+            if e.k_ref is not None:
+                held[str(i)]["k_rel_identity"] = float(e.k_ref[0, 0].sum()) / ks
+                held[str(i)]["v_rel_identity"] = float(e.v_ref[0, 0].sum()) / vs
+            clip_k, clip_v = float(grid[jk]), float(grid[jv])
+        else:
+            wk, wv = [0] * hk, [0] * hk
+            clip_k = clip_v = float(grid[-1])
+
+        def pick(t, w, hk=hk):  # per KV head, the winning candidate's tensor
+            return None if t is None else torch.stack([t[w[h], h] for h in range(hk)]).float().contiguous()
+
+        layers[i] = LayerRotation(pick(c.k_rots, wk), pick(c.v_rots, wv), clip_k, clip_v, pick(c.mu_k, wk),
+                                  pick(c.mu_v, wv))
+        winners["k"][str(i)] = [knames[w] for w in wk]
+        winners["v"][str(i)] = [vnames[w] for w in wv]
+
+    spectra = {}
+    for i, s in sorted(stats.layers.items()):
+        entry = {name: spectrum_summary(fn()) for name, fn in (("C_Q", s.c_q), ("C_K", s.c_k))}
+        for name, fn in (("C_S", s.c_s), ("C_V", s.c_v)):
+            summ = spectrum_summary(fn())
+            summ.pop("eigvals")
+            entry[name] = summ
+        spectra[str(i)] = entry
+    meta = {
+        "calibration": {
+            "method": method,
+            "value_target": value_target,
+            "center": center,
+            "group_size": group_size,
+            "meta_dtype": meta_dtype,
+            "tokens": stats.tokens,
+            "windows": stats.windows,
+            "seq_len": max(s.numel() for s in stats_seqs),
+            "holdout_tokens": sum(s.numel() for s in hold_seqs),
+            "holdout_windows": len(hold_seqs),
+            "batch_size": batch_size,
+            "clip_grid": list(grid) if need_holdout else None,
+            "query_samples": query_samples if need_holdout else None,
+            "window": list(window) if window else None,
+            "passes": ["statistics"] + (["score-weighted (2nd pass, same windows)"] if need_sw else [])
+            + (["held-out selection"] if need_holdout else []),
+            "time_s": round(time.perf_counter() - t0, 2),
+            "cpu_time_s": round(time.process_time() - c0, 2),
+            "time_statistics_s": round(t_stats, 2),
+            "time_selection_s": round(t_hold, 2),
+            "oscar_hf": __version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+        },
+        "clips": {str(i): [lr.clip_k, lr.clip_v] for i, lr in sorted(layers.items())},
+        "winners": winners,
+        "spectra": spectra,
+    }
+    if held:
+        meta["heldout_error"] = held
+    if method == "auto" or center == "auto":
+        meta["auto_counts"] = {
+            kind: dict(Counter(n for names in winners[kind].values() for n in names).most_common())
+            for kind in ("k", "v")
+        }
+    if metadata:
+        meta.update(metadata)
+    rot = OscarRotations(fp, method, layers, meta)
+    rot.validate()
+    logger.info("OSCAR calibration (%s) of %d layers on %d tokens took %.1f s", method, len(layers), stats.tokens,
+                meta["calibration"]["time_s"])
+    return rot

@@ -1,0 +1,117 @@
+"""Human-readable views of a calibration: the text report of an artifact and the plot of its spectra."""
+from __future__ import annotations
+
+import torch
+
+from ..rotations import OscarRotations
+from .stats import CalibrationStats
+
+def calibration_report(rotations: OscarRotations) -> str:
+    """Human-readable summary of a calibrated artifact (settings, per-layer clips, spectra, winners)."""
+    fp, md = rotations.fingerprint, rotations.metadata
+    cal = md.get("calibration", {})
+    lines = [
+        f"OSCAR calibration report: method={rotations.method}  model={fp.name_or_path or fp.architecture}",
+        f"  {fp.architecture} ({fp.model_type}): {fp.num_layers} layers, {len(rotations.layers)} quantized "
+        f"(full attention), {fp.num_attention_heads} q / {fp.num_key_value_heads} kv heads, head_dim {fp.head_dim}",
+    ]
+    if cal:
+        lines.append(
+            f"  tokens: {cal.get('tokens')} statistics ({cal.get('windows')} x {cal.get('seq_len')}) + "
+            f"{cal.get('holdout_tokens')} held-out; group_size={cal.get('group_size')}, meta={cal.get('meta_dtype')}, "
+            f"center={cal.get('center')}, value_target={cal.get('value_target')}, "
+            f"window(sink, recent)={cal.get('window')}"
+        )
+        lines.append(
+            f"  time: {cal.get('time_s')} s (statistics {cal.get('time_statistics_s')} s, selection "
+            f"{cal.get('time_selection_s')} s); passes: {', '.join(cal.get('passes', []))}"
+        )
+    held = md.get("heldout_error", {})
+    if held:
+        mean = lambda key: sum(h.get(key, float("nan")) for h in held.values()) / len(held)  # noqa: E731
+        line = f"  held-out relative error (mean over layers): keys {mean('k_rel'):.4g}, values {mean('v_rel'):.4g}"
+        if all("k_rel_identity" in h for h in held.values()):
+            line += f"  (identity / no clip: keys {mean('k_rel_identity'):.4g}, values {mean('v_rel_identity'):.4g})"
+        lines.append(line)
+    if "auto_counts" in md:
+        for kind, name in (("k", "keys"), ("v", "values")):
+            cnt = md["auto_counts"].get(kind, {})
+            lines.append(
+                f"  auto winners ({name}, per layer x kv head): " + ", ".join(f"{k} {v}" for k, v in cnt.items())
+            )
+    clips = [(lr.clip_k, lr.clip_v) for _, lr in sorted(rotations.layers.items())]
+    if clips:
+        lines.append(
+            f"  clips: c_K mean {sum(c[0] for c in clips) / len(clips):.3f} [{min(c[0] for c in clips):.2f}, "
+            f"{max(c[0] for c in clips):.2f}], c_V mean {sum(c[1] for c in clips) / len(clips):.3f} "
+            f"[{min(c[1] for c in clips):.2f}, {max(c[1] for c in clips):.2f}]"
+        )
+    spectra, winners = md.get("spectra", {}), md.get("winners", {})
+    lines.append("")
+    lines.append(
+        f"{'layer':>5} {'c_K':>5} {'c_V':>5} {'k_rel':>9} {'v_rel':>9}  {'C_Q top/erank':>14} {'C_K top/erank':>14}"
+        f" {'C_S top/erank':>14}  rotation k | v (per kv head)"
+    )
+    for i, lr in sorted(rotations.layers.items()):
+        h = held.get(str(i), {})
+        sp = spectra.get(str(i), {})
+
+        def summ(name, sp=sp):
+            s = sp.get(name)
+            if not s:
+                return f"{'-':>14}"
+            top = sum(s["top_share"]) / len(s["top_share"])
+            er = sum(s["eff_rank"]) / len(s["eff_rank"])
+            return f"{top:>7.3f}/{er:<6.1f}"
+
+        wk = ",".join(winners.get("k", {}).get(str(i), []))
+        wv = ",".join(winners.get("v", {}).get(str(i), []))
+        lines.append(
+            f"{i:>5} {lr.clip_k:>5.2f} {lr.clip_v:>5.2f} {h.get('k_rel', float('nan')):>9.4g} "
+            f"{h.get('v_rel', float('nan')):>9.4g}  {summ('C_Q')} {summ('C_K')} {summ('C_S')}  {wk} | {wv}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_spectra(obj: CalibrationStats | OscarRotations, path) -> None:
+    """PNG of the normalized eigen-spectra of ``C_Q`` vs ``C_K`` per layer (mean over KV heads, one line
+    per layer, coloured by depth) and the top-eigenvalue share per layer."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    if isinstance(obj, CalibrationStats):
+        spectra = {str(i): v for i, v in obj.spectra().items()}
+    elif isinstance(obj, OscarRotations):
+        spectra = obj.metadata.get("spectra")
+        if not spectra:
+            raise ValueError("this artifact has no spectra in its metadata (not produced by calibrate())")
+    else:
+        raise TypeError(f"plot_spectra takes CalibrationStats or OscarRotations, got {type(obj).__name__}")
+    layer_ids = sorted(spectra, key=int)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), constrained_layout=True)
+    cmap = plt.get_cmap("viridis")
+    for ax, name in zip(axes[:2], ("C_Q", "C_K")):
+        for n, li in enumerate(layer_ids):
+            ev = torch.tensor(spectra[li][name]["eigvals"], dtype=torch.float64).mean(0)
+            color = cmap(n / max(len(layer_ids) - 1, 1))
+            ax.semilogy(range(1, ev.numel() + 1), ev.clamp_min(1e-12).numpy(), color=color, lw=1)
+        ax.set_title(f"{name} eigen-spectrum")
+        ax.set_xlabel("eigenvalue index")
+        ax.set_ylabel("share of trace")
+        ax.grid(alpha=0.3)
+    x = [int(li) for li in layer_ids]
+    for name in ("C_Q", "C_K", "C_S", "C_V"):
+        if all(name in spectra[li] for li in layer_ids):
+            y = [sum(spectra[li][name]["top_share"]) / len(spectra[li][name]["top_share"]) for li in layer_ids]
+            axes[2].plot(x, y, marker="o", ms=3, label=name)
+    axes[2].set_title("top-eigenvalue share per layer")
+    axes[2].set_xlabel("layer")
+    axes[2].legend()
+    axes[2].grid(alpha=0.3)
+    sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(min(x), max(x)))
+    fig.colorbar(sm, ax=axes[1], label="layer")
+    fig.suptitle("normalized eigenvalues (share of the trace), mean over KV heads")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

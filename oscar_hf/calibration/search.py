@@ -1,0 +1,386 @@
+"""Candidates and their selection: the rotations a layer may use (from the statistics), and their held-out
+attention error for every clip ratio (:class:`ErrorRecorder`), from which :func:`select_best` picks one clip per
+layer and one candidate per KV head (K and V separately). See :mod:`oscar_hf.calibration` for the error measures.
+
+Eigenvectors are taken in float64 (``torch.linalg.eigh``, descending, sign-fixed so the largest
+component of each is positive) and turned into ``R = U · H · P_br`` (:func:`~oscar_hf.hadamard.oscar_rotation`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..config import validate_head_dim
+from ..hadamard import hadamard_matrix, oscar_rotation
+from ..patching import base_attention_function
+from ..quant import LEVELS
+from ..rotations import OscarRotations
+from .hooks import allowed_matrix, as_sequences, padded_batches, progress_bar, recording, run_window, token_validity
+from .stats import CalibrationStats, LayerStats
+
+CLIP_GRID = tuple(round(0.80 + 0.02 * i, 2) for i in range(11))  # 0.80 .. 1.00
+K_CANDIDATES = ("identity", "hadamard", "oscar", "pca-kv")
+V_CANDIDATES = ("identity", "hadamard", "oscar", "pca-kv", "score-weighted")
+META_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ---------------------------------------------------------------------------------------------- candidates
+def eigvecs_desc(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (descending) and eigenvectors (columns, same order) of symmetric ``c [..., D, D]``
+    in float64; each eigenvector's largest-magnitude component is made positive (reproducible signs)."""
+    c = ((c + c.transpose(-1, -2)) / 2).double()
+    w, u = torch.linalg.eigh(c)
+    w, u = w.flip(-1), u.flip(-1)
+    idx = u.abs().argmax(dim=-2, keepdim=True)
+    sign = torch.sign(torch.gather(u, -2, idx))
+    sign[sign == 0] = 1
+    return w, u * sign
+
+
+def candidate_rotation(name: str, kind: str, s: LayerStats, center: bool) -> torch.Tensor:
+    """``[Hk, D, D]`` float32 rotation of candidate ``name`` for ``kind`` "k" or "v"."""
+    hk, d = s.k_sum.shape
+    if name == "identity":
+        return torch.eye(d).expand(hk, d, d).contiguous()
+    if name == "hadamard":
+        return hadamard_matrix(d).expand(hk, d, d).contiguous()
+    if kind == "k":
+        cov = {"oscar": lambda: s.c_q(), "pca-kv": lambda: s.c_k(center)}.get(name)
+    else:
+        cov = {
+            "oscar": lambda: s.c_s(center),
+            "sst": lambda: s.c_s(center),
+            "pca-kv": lambda: s.c_v(center),
+            "score-weighted": lambda: s.c_sw(center),
+        }.get(name)
+    if cov is None:
+        raise ValueError(f"unknown {kind} rotation candidate {name!r}")
+    return oscar_rotation(eigvecs_desc(cov().cpu())[1]).contiguous()
+
+
+def _candidate_names(method: str, value_target: str) -> tuple[list[str], list[str]]:
+    """(key candidate names, value candidate names) that the selection chooses from."""
+    if method == "auto":
+        return list(K_CANDIDATES), list(V_CANDIDATES)
+    vname = ("score-weighted" if value_target == "score-weighted" else "oscar") if method == "oscar" else method
+    return [method], [vname]
+
+
+def center_modes(center) -> list[bool]:
+    if center == "auto":
+        return [False, True]
+    if isinstance(center, bool):
+        return [center]
+    raise ValueError(f"center must be True, False or 'auto', got {center!r}")
+
+
+@dataclasses.dataclass
+class LayerCandidates:
+    """What to evaluate in one layer: ``k_rots [Ck, Hk, D, D]``, ``v_rots [Cv, Hk, D, D]`` (row-vector
+    convention, history stores ``(x - mu) @ R``), offsets ``mu_k`` (``[Hk, D]`` shared by all candidates,
+    ``[Ck, Hk, D]`` one per candidate, or None) and ``mu_v``, and clip grids; optional reference
+    rotations ``k_ref [Cr, Hk, D, D]`` / ``v_ref`` evaluated uncentered at clip 1.0 only (for reports)."""
+
+    k_rots: torch.Tensor
+    v_rots: torch.Tensor
+    mu_k: torch.Tensor | None
+    mu_v: torch.Tensor | None
+    clips_k: torch.Tensor
+    clips_v: torch.Tensor
+    k_ref: torch.Tensor | None = None
+    v_ref: torch.Tensor | None = None
+
+
+def build_candidates(
+    stats: CalibrationStats, method: str, *, center: bool | str = True, value_target: str = "sst", clip_grid=CLIP_GRID
+) -> tuple[dict[int, LayerCandidates], list[str], list[str]]:
+    """Candidate rotations (and offsets) of every layer, and their names.
+
+    ``center=True``/``False``: every candidate is centered / uncentered; ``"auto"``: each rotation
+    appears twice, uncentered (``"oscar"``) and centered (``"oscar+center"``, covariances taken around
+    the means), so the selection also decides per layer, KV head and K/V whether to center. The
+    identity rotation without offsets at clip 1.0 (naive INT2) is always evaluated as a reference
+    for the report (never selected)."""
+    names = _candidate_names(method, value_target)
+    modes = center_modes(center)
+    suffix = (lambda c: "+center" if c else "") if len(modes) > 1 else (lambda c: "")  # noqa: E731
+    knames = [n + suffix(c) for c in modes for n in names[0]]
+    vnames = [n + suffix(c) for c in modes for n in names[1]]
+    grid = torch.tensor(sorted(float(c) for c in clip_grid), dtype=torch.float32)
+    out = {}
+    for i, s in sorted(stats.layers.items()):
+        hk, d = s.k_sum.shape
+        zero = torch.zeros(hk, d)
+        ref = candidate_rotation("identity", "k", s, False)[None]
+        mk = [s.mu_k.float().cpu() if c else zero for c in modes for _ in names[0]]
+        mv = [s.mu_v.float().cpu() if c else zero for c in modes for _ in names[1]]
+        out[i] = LayerCandidates(
+            torch.stack([candidate_rotation(n, "k", s, c) for c in modes for n in names[0]]),
+            torch.stack([candidate_rotation(n, "v", s, c) for c in modes for n in names[1]]),
+            torch.stack(mk) if any(modes) else None,
+            torch.stack(mv) if any(modes) else None,
+            grid,
+            grid.clone(),
+            ref,
+            ref,
+        )
+    return out, knames, vnames
+
+
+# ---------------------------------------------------------------------------------------------- held-out error
+@dataclasses.dataclass
+class LayerErrors:
+    """Float64 error sums: ``k [Ck, Nk, Hk]``, ``v [Cv, Nv, Hk]``, counts and signal sums per KV head.
+
+    * key: ``Σ (scaling · q_i·(k_j - k̂_j))²`` over all (query head, query, key) pairs of a sequence;
+      ``k_signal`` is the same sum of ``(scaling · q_i·k_j)²``;
+    * value: ``Σ ||Σ_j p_ij (v_j - v̂_j)||²`` over (query head, sampled query) with the real attention
+      probabilities ``p``; ``v_signal`` is ``Σ ||o_i||²``.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_count: float = 0.0
+    v_count: float = 0.0
+    k_signal: torch.Tensor | None = None
+    v_signal: torch.Tensor | None = None
+    k_ref: torch.Tensor | None = None  # [Cr, 1, Hk]: reference rotations at clip 1.0
+    v_ref: torch.Tensor | None = None
+
+    def k_mean(self) -> torch.Tensor:
+        return self.k / max(self.k_count, 1.0)
+
+    def v_mean(self) -> torch.Tensor:
+        return self.v / max(self.v_count, 1.0)
+
+    def k_rel(self) -> torch.Tensor:
+        """Key error relative to the mean squared logit, per candidate / clip / head."""
+        return self.k / self.k_signal.clamp_min(1e-300)
+
+    def v_rel(self) -> torch.Tensor:
+        return self.v / self.v_signal.clamp_min(1e-300)
+
+
+def quant_error(x: torch.Tensor, clips: torch.Tensor, group_size: int, meta_dtype) -> torch.Tensor:
+    """``dequant(quant(x)) - x`` for each clip ratio: ``x [..., D]`` -> ``[..., N, D]`` float32 (the clip
+    axis second to last).
+
+    The same arithmetic as :func:`oscar_hf.quant.quantize_rows` followed by ``dequantize_rows``
+    (bit-identical, see tests), without packing the codes and mostly in place, for speed."""
+    d = x.shape[-1]
+    n = clips.numel()
+    xg = x.float().reshape(*x.shape[:-1], 1, d // group_size, group_size)  # [..., 1, ng, G]
+    lo, hi = torch.aminmax(xg, dim=-1)  # [..., 1, ng]
+    clip = clips.float().to(x.device).view(n, 1)
+    mid, half = (hi + lo) * 0.5, (hi - lo) * 0.5 * clip  # [..., N, ng]
+    lo_c = mid - half
+    scale = (2.0 * half) / LEVELS
+    scale_f = scale.to(meta_dtype).float().unsqueeze(-1)
+    zero_f = lo_c.to(meta_dtype).float().unsqueeze(-1)
+    pos = scale_f > 0
+    all_pos = bool(pos.all())
+    safe = scale_f if all_pos else torch.where(pos, scale_f, torch.ones_like(scale_f))
+    q = (xg - zero_f).div_(safe).round_().clamp_(0, LEVELS)  # [..., N, ng, G] codes
+    if not all_pos:
+        q.masked_fill_(~pos, 0.0)
+    return q.mul_(scale_f).add_(zero_f).sub_(xg).reshape(*x.shape[:-1], n, d)
+
+
+class ErrorRecorder:
+    """Evaluates every candidate rotation x clip ratio of each layer on held-out tokens, on the fly."""
+
+    def __init__(self, candidates: dict[int, LayerCandidates], group_size: int, meta_dtype=torch.bfloat16,
+                 query_samples: int = 128, window: tuple[int, int] | None = None):
+        self.candidates = candidates
+        self.window = window
+        self.group_size = group_size
+        self.meta_dtype = meta_dtype
+        self.query_samples = query_samples
+        self.errors: dict[int, LayerErrors] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, *args, base, **kwargs):
+        i = getattr(module, "layer_idx", None)
+        if i not in self.candidates:
+            return NotImplemented
+        if kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
+            raise NotImplementedError("attention sinks / position bias are not supported by OSCAR calibration")
+        result = base_attention_function(module, base)(module, query, key, value, attention_mask, *args, **kwargs)
+        cand = self.candidates[i]
+        b, hq, q_len, d = query.shape
+        hk, kv_len = key.shape[1], key.shape[2]
+        g = hq // hk
+        dev = key.device
+        scaling = kwargs.get("scaling")
+        if scaling is None:
+            scaling = getattr(module, "scaling", d**-0.5)
+        softcap = kwargs.get("softcap")
+        vq, vk = token_validity(attention_mask, b, q_len, kv_len, dev)
+        allowed = allowed_matrix(attention_mask, b, q_len, kv_len, dev)
+        if i not in self.errors:
+            z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=dev)  # noqa: E731
+            self.errors[i] = LayerErrors(
+                z(cand.k_rots.shape[0], cand.clips_k.numel(), hk), z(cand.v_rots.shape[0], cand.clips_v.numel(), hk),
+                0.0, 0.0, z(hk), z(hk),
+                None if cand.k_ref is None else z(cand.k_ref.shape[0], 1, hk),
+                None if cand.v_ref is None else z(cand.v_ref.shape[0], 1, hk),
+            )
+        err = self.errors[i]
+        one = torch.ones(1, device=dev)
+        f32 = lambda t: t.to(dev, torch.float32)  # noqa: E731
+
+        def mus(mu, n):  # -> [n, Hk, D] or None
+            if mu is None:
+                return None
+            mu = f32(mu)
+            return mu.expand(n, *mu.shape) if mu.dim() == 2 else mu
+
+        k_jobs = [(f32(cand.k_rots), mus(cand.mu_k, cand.k_rots.shape[0]), cand.clips_k.to(dev), err.k)]
+        v_jobs = [(f32(cand.v_rots), mus(cand.mu_v, cand.v_rots.shape[0]), cand.clips_v.to(dev), err.v)]
+        if cand.k_ref is not None:
+            k_jobs.append((f32(cand.k_ref), None, one, err.k_ref))
+        if cand.v_ref is not None:
+            v_jobs.append((f32(cand.v_ref), None, one, err.v_ref))
+        s2 = float(scaling) ** 2
+        for bi in range(b):
+            qpos = vq[bi].nonzero().squeeze(-1)
+            kpos = vk[bi].nonzero().squeeze(-1)
+            nq, nk = qpos.numel(), kpos.numel()
+            if nq == 0 or nk == 0:
+                continue
+            kb = key[bi][:, kpos].float()  # [Hk, nk, D]
+            vb = value[bi][:, kpos].float()
+            hist = None
+            if self.window is None:
+                # ---- keys: pooled query Gram matrix per KV head, all (query, key) pairs of the sequence
+                qg = query[bi][:, qpos].float().reshape(hk, g * nq, d)
+                gram = (qg.transpose(1, 2) @ qg).double()  # [Hk, D, D]
+                err.k_signal += s2 * ((kb.double() @ gram) * kb.double()).sum((-1, -2))
+                for rots, mu, clips, target in k_jobs:
+                    for c in range(rots.shape[0]):
+                        r = rots[c]  # [Hk, D, D]
+                        xk = kb if mu is None else kb - mu[c][:, None, :]
+                        e = quant_error(xk @ r, clips, self.group_size, self.meta_dtype)
+                        e = e.view(hk, -1, d)  # [Hk, nk*Nk, D]
+                        g_rot = (r.double().transpose(1, 2) @ gram @ r.double()).float()
+                        le = ((e @ g_rot) * e).sum(-1).view(hk, nk, -1).double().sum(1)  # [Hk, Nk]
+                        target[c] += s2 * le.T
+                err.k_count += g * nq * nk
+                cand_q = qpos
+            else:
+                # only queries that have history keys: ordinal t_q >= sink + recent + 1
+                sink, recent = self.window
+                ordinal = vk[bi].cumsum(0) - 1  # position among real tokens
+                tq_all = ordinal[kv_len - q_len + qpos]
+                cand_q = qpos[tq_all > sink + recent]
+                if cand_q.numel() == 0:
+                    continue
+            # ---- sampled queries (evenly spaced) and their real attention probabilities
+            nc = cand_q.numel()
+            ns = min(self.query_samples, nc)
+            sel = cand_q[torch.linspace(0, nc - 1, ns, device=dev).round().long().unique()]
+            ns = sel.numel()
+            qs = query[bi][:, sel].float().reshape(hk, g * ns, d)
+            logits = (qs @ key[bi].float().transpose(1, 2)) * scaling  # [Hk, g*ns, kv]
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            al = allowed[bi][:, sel]  # [1|Hq, ns, kv]
+            al = al.expand(hq, ns, kv_len).reshape(hk, g * ns, kv_len)
+            probs = torch.softmax(logits.masked_fill(~al, float("-inf")), dim=-1).nan_to_num(0.0)
+            p = probs[:, :, kpos]  # [Hk, g*ns, nk]
+            err.v_signal += ((p @ vb).double() ** 2).sum((-1, -2))
+            if self.window is not None:
+                # history pairs: sink <= t_k < t_q - recent (what the cache quantizes for that query)
+                tq = (vk[bi].cumsum(0) - 1)[kv_len - q_len + sel]  # [ns]
+                tk = torch.arange(nk, device=dev)
+                hist = ((tk[None, :] >= sink) & (tk[None, :] < tq[:, None] - recent)).repeat(g, 1)  # [g*ns, nk]
+                hf = hist.float()
+                qsc = qs * scaling
+                lsig = (qsc @ kb.transpose(1, 2)) ** 2  # [Hk, g*ns, nk]
+                err.k_signal += (lsig * hf).sum((-1, -2)).double()
+                for rots, mu, clips, target in k_jobs:
+                    for c in range(rots.shape[0]):
+                        r = rots[c]
+                        xk = kb if mu is None else kb - mu[c][:, None, :]
+                        e = quant_error(xk @ r, clips, self.group_size, self.meta_dtype)  # [Hk, nk, Nk, D]
+                        qr = qsc @ r  # rotate the queries instead of un-rotating the errors
+                        for j in range(e.shape[2]):
+                            le = ((qr @ e[:, :, j].transpose(1, 2)) ** 2 * hf).sum((-1, -2)).double()
+                            target[c, j] += le
+                err.k_count += float(hist.sum())
+                p = p * hf
+            for rots, mu, clips, target in v_jobs:
+                for c in range(rots.shape[0]):
+                    xv = vb if mu is None else vb - mu[c][:, None, :]
+                    e = quant_error(xv @ rots[c], clips, self.group_size, self.meta_dtype).view(hk, nk, -1)
+                    oe = (p @ e).pow_(2).view(hk, g * ns, -1, d).sum(-1).double().sum(1)  # [Hk, Nv]
+                    target[c] += oe.T
+            err.v_count += g * ns
+        return result
+
+
+def evaluate_candidates(
+    model, input_ids, candidates: dict[int, LayerCandidates], *, group_size: int = 64, meta_dtype="bfloat16",
+    batch_size: int = 1, pad_id: int = 0, query_samples: int = 128, window: tuple[int, int] | None = None,
+    progress: bool = False, _bar=None,
+) -> dict[int, LayerErrors]:
+    """Held-out attention error of every candidate x clip of every layer (see the module docstring)."""
+    meta = META_DTYPES[meta_dtype] if isinstance(meta_dtype, str) else meta_dtype
+    seqs = as_sequences(input_ids)
+    rec = ErrorRecorder(candidates, group_size, meta, query_samples, window)
+    bar = _bar or progress_bar(progress, math.ceil(len(seqs) / batch_size), "OSCAR held-out error")
+    with recording(model, rec):
+        for ids, mask in padded_batches(seqs, batch_size, pad_id):
+            run_window(model, ids, mask)
+            bar.update(1)
+    if _bar is None:
+        bar.close()
+    return rec.errors
+
+
+def select_best(errors: torch.Tensor) -> tuple[int, list[int]]:
+    """Joint choice for one layer from ``errors [C, N, Hk]``: one clip index for the layer and one
+    candidate per KV head, minimizing the layer's summed error. Ties prefer the larger clip
+    ratio (the grid is ascending) and the earlier candidate."""
+    best, arg = errors.min(dim=0)  # [N, Hk]
+    total = best.sum(-1)  # [N]
+    n = total.numel()
+    j = n - 1 - int(torch.argmin(total.flip(0)))
+    return j, [int(a) for a in arg[j]]
+
+
+def attention_error(
+    model, rotations: OscarRotations, input_ids, *, group_size: int = 64, center: bool = True,
+    meta_dtype="bfloat16", batch_size: int = 1, pad_id: int = 0, query_samples: int = 128,
+    window: tuple[int, int] | None = (64, 256), progress: bool = False,
+) -> dict:
+    """The library's attention-error measure of an artifact on ``input_ids`` (use held-out text):
+    per layer the mean squared key-logit error ``k``, the mean squared output error of values ``v``,
+    and both relative to the signal (``k_rel`` = / mean squared logit, ``v_rel`` = / mean ||o||²);
+    plus their means over layers ``k_rel``, ``v_rel`` and ``total`` = ``k_rel + v_rel``. Uses the
+    artifact's rotations, clips and (with ``center``) offsets. ``window=(sink, recent)``: only the
+    (query, key) pairs the cache quantizes count (``sink <= key < query - recent``); ``None``: all pairs."""
+    rotations.check_compatible(model.config)
+    validate_head_dim(rotations.fingerprint, group_size)
+    cands = {
+        i: LayerCandidates(
+            lr.r_k[None].float(), lr.r_v[None].float(),
+            lr.mu_k if center else None, lr.mu_v if center else None,
+            torch.tensor([lr.clip_k]), torch.tensor([lr.clip_v]),
+        )
+        for i, lr in rotations.layers.items()
+    }
+    errs = evaluate_candidates(
+        model, input_ids, cands, group_size=group_size, meta_dtype=meta_dtype, batch_size=batch_size, pad_id=pad_id,
+        query_samples=query_samples, window=window, progress=progress,
+    )
+    per = {}
+    for i, e in sorted(errs.items()):
+        per[i] = {
+            "k": float(e.k_mean().sum()), "v": float(e.v_mean().sum()),
+            "k_rel": float(e.k.sum() / e.k_signal.sum()), "v_rel": float(e.v.sum() / e.v_signal.sum()),
+        }
+    k_rel = sum(p["k_rel"] for p in per.values()) / max(len(per), 1)
+    v_rel = sum(p["v_rel"] for p in per.values()) / max(len(per), 1)
+    return {"layers": per, "k_rel": k_rel, "v_rel": v_rel, "total": k_rel + v_rel}
