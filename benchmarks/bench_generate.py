@@ -38,6 +38,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsP
 
 ROOT = Path(__file__).resolve().parent.parent
 from oscar_hf import OscarCache, StaticOscarCache  # noqa: E402
+from oscar_hf.compat import cache_kwargs, returned_cache  # noqa: E402
 
 torch._dynamo.config.cache_size_limit = 64  # one compiled decode step per (method, batch, context)
 # A second (batch, context) in the same process would otherwise be recompiled with symbolic sizes, which failed in
@@ -135,33 +136,33 @@ def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 
                 layer.update(k, v)
 
 
-def cache_kwargs(model, method: str, capacity: int, explicit: bool = False) -> dict:
-    """The ``generate`` keyword that selects ``method``'s cache (``capacity`` = prompt + new tokens, what
-    the static caches preallocate). ``explicit``: always a ``past_key_values`` object (BF16 static as a
-    ``StaticCache`` rather than ``cache_implementation="static"``), e.g. to fill it before ``generate``."""
+def make_cache(model, method: str, capacity: int, explicit: bool = False):
+    """The cache object of ``method`` (``capacity`` = prompt + new tokens, what the static caches preallocate),
+    or None for BF16 static without ``explicit`` (``generate(cache_implementation="static")`` builds it).
+    ``explicit``: always a cache object (BF16 static as a ``StaticCache``), e.g. to fill it before ``generate``."""
     if method == "bf16":
-        return dict(past_key_values=DynamicCache(config=model.config))
+        return DynamicCache(config=model.config)
     if method == "bf16-static" and explicit:
         from transformers import StaticCache
 
-        return dict(past_key_values=StaticCache(config=model.config, max_cache_len=capacity))
+        return StaticCache(config=model.config, max_cache_len=capacity)
     if method == "bf16-static":
-        return dict(cache_implementation="static")
+        return None
     if method == "oscar":
-        return dict(past_key_values=OscarCache(model, method="hadamard", group_size=64))
+        return OscarCache(model, method="hadamard", group_size=64)
     if method.startswith("oscar-fp"):  # oscar-fpN: N KV heads in full precision (full_precision_heads), spread
         n, cfg = int(method.removeprefix("oscar-fp")), model.config.get_text_config(decoder=True)
         nl, hk = cfg.num_hidden_layers, cfg.num_key_value_heads
         heads = tuple(((j * nl) // n, j % hk) for j in range(n))
-        return dict(past_key_values=OscarCache(model, method="hadamard", group_size=64, full_precision_heads=heads))
+        return OscarCache(model, method="hadamard", group_size=64, full_precision_heads=heads)
     if method == "oscar-static":
-        return dict(past_key_values=StaticOscarCache(model, method="hadamard", group_size=64, max_cache_len=capacity))
+        return StaticOscarCache(model, method="hadamard", group_size=64, max_cache_len=capacity)
     if method[:-1] in ("hqq", "quanto"):
         from transformers import QuantizedCache
 
         axis = 1 if method.startswith("hqq") else 0
-        return dict(past_key_values=QuantizedCache(method[:-1], model.config, nbits=int(method[-1]), q_group_size=64,
-                                                   residual_length=128, axis_key=axis, axis_value=axis))
+        return QuantizedCache(method[:-1], model.config, nbits=int(method[-1]), q_group_size=64,
+                              residual_length=128, axis_key=axis, axis_value=axis)
     raise ValueError(method)
 
 
@@ -169,7 +170,8 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
     g = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(100, model.config.vocab_size - 100, (batch, context + int(fill)), generator=g).to(device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    kwargs.update(cache_kwargs(model, method, context + new_tokens + int(fill), explicit=fill))
+    cache = make_cache(model, method, context + new_tokens + int(fill), explicit=fill)
+    kwargs.update(cache_kwargs(model, cache) if cache is not None else dict(cache_implementation="static"))
     clock = StepClock()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -177,7 +179,7 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
         base = torch.cuda.memory_allocated()
     if fill:  # the cache holds `context` tokens; generate feeds the last prompt token, then decodes
         with torch.no_grad():
-            synthetic_fill(model, kwargs["past_key_values"], batch, context, device)
+            synthetic_fill(model, cache, batch, context, device)
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True, **kwargs)
@@ -190,7 +192,7 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
     res["tokens_per_s"] = batch * 1000 / res["decode_ms_per_token"]
     if device == "cuda":
         res["peak_mem_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
-    cache = kwargs.get("past_key_values", getattr(out, "past_key_values", None))
+    cache = cache if cache is not None else returned_cache(out)
     res["cache_bytes"] = cache_bytes(cache) if cache is not None else None
     if isinstance(cache, OscarCache):
         res["cache_allocated_bytes"] = int(cache.memory_report()["allocated"])

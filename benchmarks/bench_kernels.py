@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Benchmark the OSCAR Triton kernels against BF16 SDPA on one CUDA GPU; writes one JSON file.
 
-Decode (one new token, Hq=32, Hk=8, D=128, G=64 bf16 metadata, sink 64 + recent 256 = 320 BF16
-window tokens, the rest INT2 history; total length T):
+Decode (one new token, Hq=32, Hk=8, D=128, G=64 bf16 metadata -- ``--group-size`` / ``--meta-dtype`` for others,
+e.g. the authors' preset: 128 / float32 --, sink 64 + recent 256 = 320 BF16 window tokens, the rest INT2 history;
+total length T):
 * ``oscar``: the whole decode attention op (with the kernel defaults, ``oscar_hf.kernels.plan.DEFAULTS``, or
   ``--config`` overrides of them): :func:`decode_attention_rotating_triton`, as in the model's attention -- query
   rotation ``q R_K`` and centering offset ``q · mu_K``, split-K over history and window, then merge + ``R_Vᵀ`` +
@@ -25,6 +26,8 @@ Write path: ``rotate_quantize_triton`` on [1, 8, 32768, 128] BF16 rows (rows/s, 
 
 Usage: python benchmarks/bench_kernels.py --batches 1,8,32 --lengths 8192,32768,131072 \
            --out benchmarks/results/kernels_h100.json [--sweep] [--config '{"gluon_min_work": 0}']
+       python benchmarks/bench_kernels.py --group-size 128 --meta-dtype float32 --batches 1,8 --lengths 32768,131072 \
+           --out benchmarks/results/kernels_preset_h100.json      (the authors' preset: OscarConfig.reference())
        python benchmarks/bench_kernels.py --plot benchmarks/results/kernels_h100.json   (CPU: the PNG beside it)
 """
 from __future__ import annotations
@@ -50,7 +53,9 @@ from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.kernels.write_triton import rotate_quantize_triton
 from oscar_hf.quant import QuantizedRows
 
-HQ, HK, D, GS = 32, 8, 128, 64
+HQ, HK, D, GS = 32, 8, 128, 64  # GS: --group-size
+META = torch.bfloat16  # scale / zero dtype of the INT2 history: --meta-dtype
+META_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 GQ = HQ // HK
 SINK, RECENT = 64, 256
 W = SINK + RECENT
@@ -164,8 +169,8 @@ def make_decode(b, t, gen):
     def qrows():
         return QuantizedRows(
             torch.randint(0, 256, (b, HK, n, D // 4), dtype=torch.uint8, device=dev),
-            (torch.rand(b, HK, n, NG, device=dev) * 0.1 + 0.02).to(torch.bfloat16),
-            (torch.randn(b, HK, n, NG, device=dev) * 0.5 - 0.15).to(torch.bfloat16),
+            (torch.rand(b, HK, n, NG, device=dev) * 0.1 + 0.02).to(META),
+            (torch.randn(b, HK, n, NG, device=dev) * 0.5 - 0.15).to(META),
         )
 
     st = dict(
@@ -240,7 +245,7 @@ def sdpa_op(q, k, v, backend=None, causal=False):
 
 
 def oscar_bytes(b, n):
-    hist = 2 * b * HK * n * (D // 4 + 2 * NG * 2)  # K and V: codes + bf16 scale + zero
+    hist = 2 * b * HK * n * (D // 4 + 2 * NG * META.itemsize)  # K and V: codes + scale + zero
     win = 2 * b * HK * W * D * 2
     return hist, win
 
@@ -382,18 +387,18 @@ def bench_write(gen, copy_bw, t=32768, do_sweep=False):
     mu = torch.randn(HK, D, device="cuda") * 0.3
     store = QuantizedRows(
         torch.empty(1, HK, t, D // 4, dtype=torch.uint8, device="cuda"),
-        torch.empty(1, HK, t, NG, dtype=torch.bfloat16, device="cuda"),
-        torch.empty(1, HK, t, NG, dtype=torch.bfloat16, device="cuda"),
+        torch.empty(1, HK, t, NG, dtype=META, device="cuda"),
+        torch.empty(1, HK, t, NG, dtype=META, device="cuda"),
     )
     res = {"T": t, "rows": HK * t}
     block_t = wt.BLOCK_T
     if do_sweep:  # each row tile: time and agreement with the reference; keep the fastest
-        ref = rotate_quantize_reference(x, r, mu, 0.96, GS, torch.bfloat16)
+        ref = rotate_quantize_reference(x, r, mu, 0.96, GS, META)
         res["sweep"] = []
         for bt in WRITE_SWEEP:
             try:
-                ms = timed(lambda: rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16, out=store, block_t=bt))
-                a = rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16, block_t=bt)
+                ms = timed(lambda: rotate_quantize_triton(x, r, mu, 0.96, GS, META, out=store, block_t=bt))
+                a = rotate_quantize_triton(x, r, mu, 0.96, GS, META, block_t=bt)
                 mis = (unpack_int2(a.codes) != unpack_int2(ref.codes)).float().mean().item()
             except Exception as e:
                 log("write sweep config failed", bt, repr(e)[:200])
@@ -403,17 +408,17 @@ def bench_write(gen, copy_bw, t=32768, do_sweep=False):
         block_t = min(res["sweep"], key=lambda w: w["ms"])["config"]["block_t"]
         del ref
     res["config"] = {"block_t": block_t, "num_warps": wt.NUM_WARPS}
-    res["triton_ms"] = timed(lambda: rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16, out=store,
+    res["triton_ms"] = timed(lambda: rotate_quantize_triton(x, r, mu, 0.96, GS, META, out=store,
                                                             block_t=block_t))
-    res["reference_ms"] = timed(lambda: rotate_quantize_reference(x, r, mu, 0.96, GS, torch.bfloat16, out=store), iters=10)
-    nbytes = x.numel() * 2 + store.codes.numel() + 2 * store.scale.numel() * 2
+    res["reference_ms"] = timed(lambda: rotate_quantize_reference(x, r, mu, 0.96, GS, META, out=store), iters=10)
+    nbytes = x.numel() * 2 + store.codes.numel() + 2 * store.scale.numel() * META.itemsize
     res["rows_per_s"] = HK * t / (res["triton_ms"] / 1e3)
     res["GBps"] = nbytes / res["triton_ms"] / 1e6
     res["pct_copy_bw"] = 100 * res["GBps"] / copy_bw
     # decode-time demotion: one row per sequence, B = 8
     x1 = torch.randn(8, HK, 1, D, device="cuda", dtype=torch.bfloat16)
     st1 = QuantizedRows(*(torch.empty(8, HK, 4, s.shape[-1], dtype=s.dtype, device="cuda") for s in store))
-    res["demote_one_row_B8_us"] = 1e3 * timed(lambda: rotate_quantize_triton(x1, r, mu, 0.96, GS, torch.bfloat16, out=st1, out_offset=2))
+    res["demote_one_row_B8_us"] = 1e3 * timed(lambda: rotate_quantize_triton(x1, r, mu, 0.96, GS, META, out=st1, out_offset=2))
     # share of a BF16 prefill at the same length: causal SDPA, B = 1, Hq = 32
     q = torch.randn(1, HQ, t, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(1, HK, t, D, device="cuda", dtype=torch.bfloat16)
@@ -430,8 +435,8 @@ def bench_write(gen, copy_bw, t=32768, do_sweep=False):
     res["prefill_best"] = best
     res["write_share_of_prefill_attention_pct"] = 100 * 2 * res["triton_ms"] / prefill[best]  # K and V
     # sanity: the kernel agrees with the reference at this size
-    a = rotate_quantize_triton(x, r, mu, 0.96, GS, torch.bfloat16)
-    ref = rotate_quantize_reference(x, r, mu, 0.96, GS, torch.bfloat16)
+    a = rotate_quantize_triton(x, r, mu, 0.96, GS, META)
+    ref = rotate_quantize_reference(x, r, mu, 0.96, GS, META)
     res["codes_mismatch_frac"] = (unpack_int2(a.codes) != unpack_int2(ref.codes)).float().mean().item()
     res["scale_max_abs_diff"] = (a.scale.float() - ref.scale.float()).abs().max().item()
     log(json.dumps(res))
@@ -485,7 +490,16 @@ def plot(path):
     print("wrote", out)
 
 
-def main():
+def set_shape(group_size: int, meta_dtype: str) -> None:
+    """The history's quantization shape of this run (``--group-size``, ``--meta-dtype``): module globals that every
+    bench reads."""
+    global GS, NG, META
+    if group_size < 1 or D % group_size or group_size & (group_size - 1):
+        raise SystemExit(f"--group-size must be a power of two dividing D={D}, got {group_size}")
+    GS, NG, META = group_size, D // group_size, META_DTYPES[meta_dtype]
+
+
+def main(argv=None):
     global FLUSH, FLUSH_MODE, KERNEL_DEFAULTS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -497,8 +511,13 @@ def main():
     ap.add_argument("--lengths", default="8192,32768,131072")
     ap.add_argument("--config", default="{}", help="overrides of the decode kernels' defaults (JSON of "
                     "oscar_hf.kernels.plan.DecodeDefaults fields, e.g. '{\"gluon_min_work\": 0}')")
+    ap.add_argument("--group-size", type=int, default=GS, help=f"channels per scale/zero group of the INT2 history "
+                    f"(default {GS}; {D}: one group per head, the authors' preset)")
+    ap.add_argument("--meta-dtype", choices=sorted(META_DTYPES), default="bfloat16",
+                    help="dtype of the history's scale/zero (default bfloat16; the authors' preset: float32)")
     add_flush_arg(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    set_shape(args.group_size, args.meta_dtype)
     if args.plot:
         return plot(args.plot)
     assert args.out and torch.cuda.is_available(), "--out and a CUDA device are needed to benchmark"
@@ -510,7 +529,7 @@ def main():
     result = {
         "device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-        "shape": {"Hq": HQ, "Hk": HK, "D": D, "group_size": GS, "meta": "bfloat16", "sink": SINK, "recent": RECENT},
+        "shape": {"Hq": HQ, "Hk": HK, "D": D, "group_size": GS, "meta": args.meta_dtype, "sink": SINK, "recent": RECENT},
         "command": " ".join(sys.argv), "flush": FLUSH_MODE,
     }
 

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import SHAPES, build_model  # noqa: E402
 
 from oscar_hf import OscarCache, disable_oscar  # noqa: E402
+from oscar_hf.compat import cache_kwargs  # noqa: E402
 
 
 def main(argv=None):
@@ -67,7 +68,7 @@ def main(argv=None):
     res["full_precision_heads"] = [list(x) for x in fph]
     errs, agree = [], []
     with torch.no_grad():
-        model(ids, attention_mask=am, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(ids, attention_mask=am, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         mask = am
         for i in range(args.steps):
             tok = steps_tok[:, i : i + 1]
@@ -76,8 +77,9 @@ def main(argv=None):
             for layer in ref_cache.layers:
                 if hasattr(layer, "config"):
                     layer.config = layer.config.replace(use_kernels=False)
-            ref = model(tok, attention_mask=mask, past_key_values=ref_cache, use_cache=True).logits[:, -1].float()
-            ker = model(tok, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1].float()
+            ref = model(tok, attention_mask=mask, **cache_kwargs(model, ref_cache), use_cache=True)
+            ref = ref.logits[:, -1].float()
+            ker = model(tok, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True).logits[:, -1].float()
             errs.append(((ker - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item())
             agree.append((ker.argmax(-1) == ref.argmax(-1)).float().mean().item())
         # Per layer, per row: the read path's output from the same inputs, kernel vs reference (one step).
@@ -99,7 +101,7 @@ def main(argv=None):
         try:
             tok = steps_tok[:, :1]
             mask = torch.cat([mask, torch.ones_like(tok)], 1)
-            model(tok, attention_mask=mask, past_key_values=cache, use_cache=True)
+            model(tok, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
         finally:
             attn.decode_attention_rotating = real
         res["per_layer_rel_err_attention_output_by_row"] = layer_errs
@@ -114,12 +116,12 @@ def main(argv=None):
     floor = {}
     with torch.no_grad():
         dc = DynamicCache(config=model.config)
-        model(ids, attention_mask=am, past_key_values=dc, use_cache=True, logits_to_keep=1)
+        model(ids, attention_mask=am, **cache_kwargs(model, dc), use_cache=True, logits_to_keep=1)
         m2 = torch.cat([am, torch.ones_like(steps_tok[:, :1])], 1)
         for impl in ("sdpa", "eager"):
             model.set_attn_implementation(impl)
             step_cache = copy.deepcopy(dc)
-            floor[impl] = model(steps_tok[:, :1], attention_mask=m2, past_key_values=step_cache,
+            floor[impl] = model(steps_tok[:, :1], attention_mask=m2, **cache_kwargs(model, step_cache),
                                 use_cache=True).logits[:, -1].float()
             del step_cache
         model.set_attn_implementation("sdpa")

@@ -21,12 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import SHAPES, build_model  # noqa: E402
 
 from oscar_hf import OscarCache, disable_oscar  # noqa: E402
+from oscar_hf.compat import cache_kwargs  # noqa: E402
 
 
 def run(model, ids, am, cache, n):
     with torch.no_grad():
         out = model.generate(ids, attention_mask=am, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             past_key_values=cache, pad_token_id=0)
+                             **cache_kwargs(model, cache), pad_token_id=0)
     return out[:, ids.shape[1]:].cpu()
 
 

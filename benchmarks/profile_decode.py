@@ -25,7 +25,9 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import LogitsProcessor, LogitsProcessorList
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import SHAPES, StepClock, build_model, cache_kwargs, synthetic_fill  # noqa: E402
+from bench_generate import SHAPES, StepClock, build_model, make_cache, synthetic_fill  # noqa: E402
+
+from oscar_hf.compat import cache_kwargs  # noqa: E402
 
 GROUPS = (
     ("oscar decode (split + combine)", ("_split_kernel", "_combine_kernel")),
@@ -45,7 +47,7 @@ def _group(name: str) -> str:
 
 def profile_method(model, method: str, batch: int, context: int, warmup: int, steps: int, device):
     new = warmup + steps
-    cache = cache_kwargs(model, method, context + new + 1, explicit=True)["past_key_values"]
+    cache = make_cache(model, method, context + new + 1, explicit=True)
     ids = torch.randint(100, model.config.vocab_size - 100, (batch, context + 1), device=device)
     with torch.no_grad():
         synthetic_fill(model, cache, batch, context, device)
@@ -68,7 +70,8 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
             return scores
 
     with torch.no_grad():
-        model.generate(ids, past_key_values=cache, max_new_tokens=new + 1, min_new_tokens=new + 1, do_sample=False,
+        model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=new + 1, min_new_tokens=new + 1,
+                       do_sample=False,
                        pad_token_id=0, logits_processor=LogitsProcessorList([clock, Window()]))
     prof = prof_box["p"]
     wall_ms = (prof_box["t1"] - prof_box["t0"]) * 1000 / steps

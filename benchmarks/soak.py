@@ -48,6 +48,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from oscar_hf import OscarCache
+from oscar_hf.compat import cache_kwargs
 
 MiB = 2**20
 EOS = 2
@@ -194,7 +195,7 @@ def long_run(model, a, device, checks) -> dict:
     n = a.long_new_tokens
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
+        out = model.generate(ids, attention_mask=am, **cache_kwargs(model, cache), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, logits_processor=LogitsProcessorList([mon]))
     sync(device)
     wall = time.perf_counter() - t0
@@ -270,7 +271,8 @@ def many_calls(model, a, device, checks) -> dict:
         t0 = time.perf_counter()
         try:
             with torch.no_grad():
-                out = model.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=n, min_new_tokens=n, **kw)
+                out = model.generate(ids, attention_mask=am, **cache_kwargs(model, cache), max_new_tokens=n,
+                                     min_new_tokens=n, **kw)
             sync(device)
         except Exception as e:  # noqa: BLE001 - a crash is a failed check, reported with the rest
             check(checks, "calls.no_exception", False, call=i, kind=kind, reuse=reuse, error=repr(e)[:500])

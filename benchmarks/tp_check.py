@@ -48,6 +48,7 @@ import torch.distributed as dist  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsProcessorList  # noqa: E402
 
 from oscar_hf import OscarCache, OscarRotations, disable_oscar  # noqa: E402
+from oscar_hf.compat import cache_kwargs  # noqa: E402
 from oscar_hf.config import ModelFingerprint  # noqa: E402
 from oscar_hf.rotations import LayerRotation  # noqa: E402
 from oscar_hf.distributed import even_head_shard, slice_layer_rotation  # noqa: E402
@@ -148,7 +149,8 @@ def generate(model, ids, am, cache, n, device):
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=am, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             past_key_values=cache, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+                             **cache_kwargs(model, cache), pad_token_id=0,
+                             logits_processor=LogitsProcessorList([clock]))
     st = clock.stamps
     steps = sorted(b - a for a, b in zip(st, st[1:]))
     res = dict(tokens=out[:, ids.shape[1]:].cpu(), prefill_s=st[0] - t0,

@@ -28,6 +28,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import DEFAULT_MODEL, SMOLLM2_GGUF, smollm2_dir
 
 from .fakequant import fake_quant
@@ -74,10 +75,10 @@ class OscarLM(HFLM):
                 with fake_quant(self.model, self._spec, prefill_len=1):
                     return self.model(inps, use_cache=False).logits
             cache = self.kv_method.make_cache(self.model)  # fresh per call
-            return self.model(inps, past_key_values=cache, use_cache=True).logits
+            return self.model(inps, **cache_kwargs(self.model, cache), use_cache=True).logits
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
-        generation_kwargs["past_key_values"] = self.kv_method.make_cache(self.model)  # fresh per call
+        generation_kwargs.update(cache_kwargs(self.model, self.kv_method.make_cache(self.model)))  # fresh per call
         generation_kwargs.pop("use_cache", None)
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from oscar_hf.compat import cache_kwargs
+
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 NEEDLE = "The special magic number for {key} is: {value}."
 QUESTION = " What is the special magic number for {key} mentioned in the provided text? The special magic number for {key} mentioned in the provided text is:"
@@ -54,16 +56,16 @@ def score_answer(text: str, value: str) -> bool:
 def answer(model, tokenizer, context, question, make_cache, max_new_tokens: int = 10) -> str:
     dev = next(model.parameters()).device
     cache = make_cache()
-    out = model(context[None].to(dev), past_key_values=cache, use_cache=True)
+    out = model(context[None].to(dev), **cache_kwargs(model, cache), use_cache=True)
     for t in question:  # decode steps: the question reads the needle through the cache
-        out = model(t.view(1, 1).to(dev), past_key_values=cache, use_cache=True)
+        out = model(t.view(1, 1).to(dev), **cache_kwargs(model, cache), use_cache=True)
     new = []
     for _ in range(max_new_tokens):
         nxt = out.logits[0, -1].argmax()
         if nxt.item() == tokenizer.eos_token_id:
             break
         new.append(nxt.item())
-        out = model(nxt.view(1, 1), past_key_values=cache, use_cache=True)
+        out = model(nxt.view(1, 1), **cache_kwargs(model, cache), use_cache=True)
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
@@ -75,14 +77,14 @@ def answer_nll(model, tokenizer, context, question, value: str, make_cache) -> t
     dev = next(model.parameters()).device
     target = torch.tensor(tokenizer(" " + value, add_special_tokens=False)["input_ids"])
     cache = make_cache()
-    out = model(context[None].to(dev), past_key_values=cache, use_cache=True)
+    out = model(context[None].to(dev), **cache_kwargs(model, cache), use_cache=True)
     for t in question:
-        out = model(t.view(1, 1).to(dev), past_key_values=cache, use_cache=True)
+        out = model(t.view(1, 1).to(dev), **cache_kwargs(model, cache), use_cache=True)
     nll = 0.0
     for i, t in enumerate(target):
         nll -= torch.log_softmax(out.logits[0, -1].float(), -1)[t].item()
         if i + 1 < len(target):
-            out = model(t.view(1, 1).to(dev), past_key_values=cache, use_cache=True)
+            out = model(t.view(1, 1).to(dev), **cache_kwargs(model, cache), use_cache=True)
     return nll, len(target)
 
 
@@ -104,13 +106,13 @@ def fast_answer_scores(model, tokenizer, context, question, value: str, specs: d
     dev = next(model.parameters()).device
     target = torch.tensor(tokenizer(" " + value, add_special_tokens=False)["input_ids"])
     cache = DynamicCache(config=model.config)
-    model(context[None].to(dev), past_key_values=cache, use_cache=True)
+    model(context[None].to(dev), **cache_kwargs(model, cache), use_cache=True)
     seq = torch.cat([question, target[:-1]])[None].to(dev)
     n_ctx, n_q = len(context), len(question)
     out = {}
     for name, spec in specs.items():
         with fake_quant(model, spec, prefill_len=n_ctx):
-            logits = model(seq, past_key_values=cache, use_cache=True).logits[0, n_q - 1 :].float()
+            logits = model(seq, **cache_kwargs(model, cache), use_cache=True).logits[0, n_q - 1 :].float()
         cache.crop(-(cache.get_seq_length() - n_ctx))  # back to the exact prefix
         logp = torch.log_softmax(logits, -1)
         tgt = target.to(logits.device)

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
+from oscar_hf.compat import cache_kwargs
+
 from .fakequant import FakeQuantSpec, fake_quant
 
 EVAL_START_FRACTION = 0.5
@@ -59,13 +61,13 @@ def cache_nll(
         raise ValueError("cache_nll scores one sequence: input_ids must be [1, n]")
     ids, n = _scored_ids(model, input_ids, context_len)
     cache = make_cache()
-    out = model(ids[:, :context_len], past_key_values=cache, use_cache=True)
+    out = model(ids[:, :context_len], **cache_kwargs(model, cache), use_cache=True)
     logits = out.logits[:, -1].float()
     token_nll = []
     for t in tqdm(range(context_len, n), desc=desc, disable=_bar_disabled(progress), leave=False):
         token_nll.append(F.cross_entropy(logits, ids[:, t]).item())
         if t + 1 < n:
-            logits = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1].float()
+            logits = model(ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True).logits[:, -1].float()
     nll = sum(token_nll) / (n - context_len)
     res = {"nll": nll, "ppl": math.exp(nll), "tokens": n - context_len, "cache": cache}
     if return_token_nll:

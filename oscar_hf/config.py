@@ -1,4 +1,5 @@
-"""`OscarConfig`: the cache's settings, and `ModelFingerprint`: what an artifact was made for."""
+"""`OscarConfig`: the cache's settings (and named presets of them), and `ModelFingerprint`: what an artifact was
+made for."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,16 @@ _META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
 FULL_LAYER_TYPES = ("full_attention",)
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
+# Named settings (``OscarConfig.from_preset``). "paper": the method authors' own runs (FutureMLS-Lab/OSCAR): one
+# quantization group per head (group_size None = head_dim, resolved when the model is known) with float32 scale and
+# zero, fixed clip ratios K 0.96 / V 0.92 (not searched), sink 64 / recent 256, no centering. Their rotations are
+# one per layer shared by its KV heads: the authors' files (``OscarRotations.from_reference``) or
+# ``calibrate(..., share_rotation_across_heads=True)``; the preset itself works with any artifact.
+PRESETS: dict[str, dict[str, Any]] = {
+    "paper": dict(sink=64, recent=256, group_size=None, meta_dtype="float32", clip_k=0.96, clip_v=0.92,
+                  center=False),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class OscarConfig:
@@ -25,7 +36,8 @@ class OscarConfig:
     Args:
         sink: first tokens of each sequence kept in the model dtype (attention sinks), paper: 64.
         recent: last tokens before the current position kept in the model dtype, paper: 256.
-        group_size: channels per quantization group along head_dim (one scale + zero each).
+        group_size: channels per quantization group along head_dim (one scale + zero each); ``None``: one group
+            per head (``head_dim``), resolved by the cache (:meth:`for_head_dim`).
         bits: code width; only 2 is implemented.
         clip_k, clip_v: clip ratio override, a float for all layers or one per layer; ``None``
             takes the artifact's calibrated ratios (1.0 for artifact-free methods).
@@ -53,7 +65,7 @@ class OscarConfig:
 
     sink: int = 64
     recent: int = 256
-    group_size: int = 64
+    group_size: int | None = 64
     bits: int = 2
     clip_k: float | tuple[float, ...] | None = None
     clip_v: float | tuple[float, ...] | None = None
@@ -73,6 +85,9 @@ class OscarConfig:
                 raise ValueError(f"OscarConfig.{name} must be a non-negative int, got {getattr(self, name)!r}")
         if self.recent < 1:
             raise ValueError("OscarConfig.recent must be >= 1 (the current token's predecessor stays in full precision)")
+        g = self.group_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise ValueError(f"OscarConfig.group_size must be a positive int or None (= head_dim), got {g!r}")
         if self.bits != 2:
             raise NotImplementedError(f"only bits=2 is implemented, got bits={self.bits}")
         if self.meta_dtype not in _META_DTYPES:
@@ -109,6 +124,36 @@ class OscarConfig:
             if any(a < 0 or b < 0 for a, b in pairs):
                 raise ValueError(f"full_precision_heads pairs must be non-negative, got {fph!r}")
             object.__setattr__(self, "full_precision_heads", pairs)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "OscarConfig":
+        """The named settings of :data:`PRESETS` (``"paper"``: the authors' own), with ``overrides`` on top."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown OscarConfig preset {name!r}; presets: {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def reference(cls, **overrides) -> "OscarConfig":
+        """The authors' settings (``from_preset("paper")``): group size = head_dim with float32 scale/zero, clips
+        K 0.96 / V 0.92, sink 64, recent 256, no centering."""
+        return cls.from_preset("paper", **overrides)
+
+    @classmethod
+    def build(cls, config: "OscarConfig | None" = None, preset: str | None = None, **overrides) -> "OscarConfig":
+        """The config a cache runs with: ``config`` or the named ``preset`` (not both) or the defaults, with
+        ``overrides`` (:class:`OscarConfig` fields) on top."""
+        if config is not None and preset is not None:
+            raise ValueError("pass either config= or preset=, not both (overrides apply on top of either)")
+        if config is not None and not isinstance(config, cls):
+            raise ValueError(f"config must be an OscarConfig, got {type(config).__name__}")
+        if preset is not None:
+            return cls.from_preset(preset, **overrides)
+        base = config if config is not None else cls()
+        return base.replace(**overrides) if overrides else base
+
+    def for_head_dim(self, head_dim: int) -> "OscarConfig":
+        """This config with ``group_size=None`` resolved to ``head_dim`` (one group per head); else unchanged."""
+        return self if self.group_size is not None else self.replace(group_size=int(head_dim))
 
     @property
     def torch_meta_dtype(self) -> torch.dtype:
@@ -208,8 +253,9 @@ def layer_types_of(cfg) -> list[str]:
     return list(types)
 
 
-def validate_head_dim(fp: ModelFingerprint, group_size: int) -> None:
+def validate_head_dim(fp: ModelFingerprint, group_size: int | None) -> None:
+    """Raise ValueError naming the model when ``group_size`` (None: ``head_dim``) cannot group its heads."""
     try:
-        check_group_size(fp.head_dim, group_size)
+        check_group_size(fp.head_dim, fp.head_dim if group_size is None else group_size)
     except ValueError as e:
         raise ValueError(f"{fp.architecture}: {e}") from None

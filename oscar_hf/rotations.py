@@ -32,6 +32,7 @@ WEIGHTS_NAME = "oscar_rotations.safetensors"
 CONFIG_NAME = "oscar_config.json"
 FORMAT_VERSION = 1
 BUILTIN_METHODS = ("identity", "hadamard")
+REFERENCE_CLIP_K, REFERENCE_CLIP_V = 0.96, 0.92  # the authors' clip ratios (OscarRotations.from_reference)
 ORTHOGONALITY_TOL = 1e-3
 
 
@@ -85,6 +86,54 @@ class OscarRotations:
         rot = base.expand(hk, d, d).contiguous()
         layers = {i: LayerRotation(rot, rot) for i, t in enumerate(fp.layer_types) if t == "full_attention"}
         return cls(fp, method, layers, {"builtin": True})
+
+    @classmethod
+    def from_reference(
+        cls,
+        k_path: str | os.PathLike,
+        v_path: str | os.PathLike,
+        model_or_config,
+        *,
+        clip_k: float = REFERENCE_CLIP_K,
+        clip_v: float = REFERENCE_CLIP_V,
+        group_size: int | None = None,
+        repo_id: str | None = None,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        cache_dir: str | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+    ) -> "OscarRotations":
+        """Convert the authors' rotation files (FutureMLS-Lab/OSCAR ``compute_kv_rotation.py``: one
+        ``torch.save`` file for keys, one for values, one ``[head_dim, head_dim]`` matrix per layer) for
+        ``model_or_config``. ``k_path`` / ``v_path``: local files, or file names in the Hub repo
+        ``repo_id`` (``subfolder``, ``revision``). Read with ``torch.load(weights_only=True)`` only and
+        validated against the model; each layer's matrix serves all its KV heads (same ``k @ R``
+        convention as ours), no offsets (the authors do not center), their clips 0.96 / 0.92 and
+        their group size, one group per head (``group_size=None`` = head_dim, recorded for
+        ``OscarCache.from_pretrained``). ``save_pretrained`` writes it as our safetensors artifact."""
+        from .quant import check_group_size
+        from .reference_rotations import read_reference_pair, resolve_file
+
+        config = getattr(model_or_config, "config", model_or_config)
+        fp = ModelFingerprint.from_config(config)
+        g = fp.head_dim if group_size is None else int(group_size)
+        check_group_size(fp.head_dim, g)
+        hub = dict(subfolder=subfolder, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
+                   token=token)
+        k_file, v_file = (resolve_file(p, repo_id, **hub) for p in (k_path, v_path))
+        pair = read_reference_pair(k_file, v_file, fp, ORTHOGONALITY_TOL)
+        hk, d = fp.num_key_value_heads, fp.head_dim
+        layers = {
+            # [D, D] -> [Hk, D, D]: one matrix shared by the layer's KV heads
+            i: LayerRotation(pair.r_k[i].expand(hk, d, d).contiguous(), pair.r_v[i].expand(hk, d, d).contiguous(),
+                             float(clip_k), float(clip_v))
+            for i in pair.r_k
+        }
+        source = dict(pair.metadata["source"], repo_id=repo_id, subfolder=subfolder, revision=revision)
+        rot = cls(fp, "oscar-reference", layers, {"source": source, "group_size": g, "shared_across_heads": True})
+        rot.validate()
+        return rot
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:

@@ -5,6 +5,7 @@ Examples::
 
     python scripts/calibrate.py --model smollm2 --out artifacts/smollm2-oscar
     python scripts/calibrate.py --model smollm2 --method auto --out artifacts/smollm2-auto
+    python scripts/calibrate.py --model smollm2 --preset paper --out artifacts/smollm2-paper   # the authors' settings
     python scripts/calibrate.py --model Qwen/Qwen3-0.6B --data wikitext --data-config wikitext-2-raw-v1 \\
         --split test --device cuda --dtype bfloat16 --out artifacts/qwen3-0.6b
 
@@ -25,6 +26,7 @@ EXIT_EXISTS = 2
 
 def build_parser() -> argparse.ArgumentParser:
     from oscar_hf.calibration import CLIP_GRID, METHODS, VALUE_TARGETS
+    from oscar_hf.config import PRESETS
     from oscar_hf.data import CALIBRATION_FRACTION
 
     p = argparse.ArgumentParser(
@@ -51,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-grid", default=None,
                    help=f"comma-separated clip ratios (default {CLIP_GRID[0]}..{CLIP_GRID[-1]} step 0.02); "
                    "'1' disables the search")
+    p.add_argument("--share-rotation-across-heads", action="store_true",
+                   help="one R_K / R_V per layer shared by its KV heads (statistics of all its KV heads pooled), "
+                   "as the authors' rotation files; default: one per KV head")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="calibrate for OscarConfig.from_preset(NAME): 'paper' = shared rotations, no centering, "
+                   "group size = head_dim with float32 metadata, fixed clips K 0.96 / V 0.92 (not searched); "
+                   "do not combine with --group-size / --center / --no-center / --clip-grid")
     p.add_argument("--holdout-fraction", type=float, default=0.25)
     p.add_argument("--window", default="64,256",
                    help="SINK,RECENT of the cache the artifact is for (errors count only quantized history pairs, "
@@ -69,8 +78,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def preset_settings(args, parser) -> dict:
+    """``calibrate()`` keywords of ``--preset`` (group size, centering, metadata dtype, clips, shared rotations);
+    {} without one. A flag the preset sets, given explicitly too, is an error (never silently overridden)."""
+    if args.preset is None:
+        return {}
+    from oscar_hf.config import PRESETS
+
+    clash = [f"--{name.replace('_', '-')}" for name in ("group_size", "center", "no_center", "clip_grid")
+             if getattr(args, name) != parser.get_default(name)]
+    if clash:
+        parser.error(f"--preset {args.preset} sets {', '.join(clash)}; drop one of them")
+    p = PRESETS[args.preset]
+    return {"group_size": p["group_size"], "center": p["center"], "meta_dtype": p["meta_dtype"],
+            "clips": (p["clip_k"], p["clip_v"]), "share_rotation_across_heads": True}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    preset = preset_settings(args, parser)
     from oscar_hf.rotations import CONFIG_NAME, WEIGHTS_NAME
 
     out = Path(args.out)
@@ -103,14 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     log.info("data: %s -- %s", source, split.describe())
     model, tok = load_model(args.model, gguf_file=args.gguf_file, dtype=getattr(torch, args.dtype), device=args.device)
     log.info("model %s loaded in %.1f s", args.model, time.perf_counter() - t0)
+    center = {"on": True, "off": False, "auto": "auto"}["off" if args.no_center else args.center]
+    settings = dict(group_size=args.group_size, center=center, clip_grid=clip_grid, window=window,
+                    share_rotation_across_heads=args.share_rotation_across_heads)
+    settings.update(preset)  # (the preset's sink 64 / recent 256 are --window's default)
     rot = calibrate(
         model, tok, split.calibration,
-        method=args.method, tokens=args.tokens, seq_len=args.seq_len, group_size=args.group_size,
-        center={"on": True, "off": False, "auto": "auto"}["off" if args.no_center else args.center],
-        value_target=args.value_target, clip_grid=clip_grid,
+        method=args.method, tokens=args.tokens, seq_len=args.seq_len, value_target=args.value_target,
         holdout_fraction=args.holdout_fraction, batch_size=args.batch_size, progress=not args.no_progress,
-        window=window,
-        metadata={"data": {"source": source, "config": args.data_config, "split": args.split,
+        **settings,
+        metadata={"preset": args.preset, "data": {"source": source, "config": args.data_config, "split": args.split,
                            "text_field": args.text_field, "calibration_fraction": args.calibration_fraction,
                            "calibration_chars": [0, split.boundary], "total_chars": split.total_chars},
                   "model_arg": args.model, "dtype": args.dtype, "device": args.device},

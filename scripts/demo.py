@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarRotations, calibrate
+from oscar_hf.compat import cache_kwargs
 from oscar_hf.eval.perplexity import cache_nll
 from oscar_hf.models import DEFAULT_MODEL, load_model, wikitext_path
 from oscar_hf.rotations import BUILTIN_METHODS
@@ -92,7 +93,7 @@ def main(argv=None):
     for name, make in (("BF16 DynamicCache", make_bf16), ("OSCAR 2-bit", make_oscar)):
         cache = make()
         t = time.time()
-        out = model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, past_key_values=cache,
+        out = model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, **cache_kwargs(model, cache),
                              pad_token_id=tok.pad_token_id)
         gens[name] = (tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True), time.time() - t)
         mem[name] = cache.memory_report()["total"] if isinstance(cache, OscarCache) else kv_bytes_dynamic(cache)

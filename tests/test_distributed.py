@@ -10,6 +10,7 @@ import torch
 
 import oscar_hf.distributed as tpd
 from oscar_hf import OscarCache, OscarRotations, StaticOscarCache
+from oscar_hf.compat import cache_kwargs
 from oscar_hf.config import ModelFingerprint
 from oscar_hf.distributed import HeadShard, even_head_shard, shard_rotations, slice_layer_rotation, tp_layout, tp_rank_world
 from oscar_hf.models import tiny_model
@@ -130,7 +131,7 @@ def test_wrong_head_count_without_tp_still_raises():
     assert cache.tp_layout is None
     with pytest.raises(ValueError, match="rotations are for kv_heads=1.*kv_heads=2"):
         with torch.no_grad():
-            model(torch.arange(8)[None], past_key_values=cache)
+            model(torch.arange(8)[None], **cache_kwargs(model, cache))
 
 
 def fake_tp(monkeypatch, model, rank, world, head_dim, shift=0):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, OscarRotations
+from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_config, tiny_model
 from oscar_hf.rotations import CONFIG_NAME, WEIGHTS_NAME
 
@@ -31,7 +32,7 @@ def test_round_trip_and_cache_uses_it(artifact):
     m = tiny_model("llama")
     cache = OscarCache.from_pretrained(path, m, sink=4, recent=8)
     assert cache.oscar_config.group_size == 32  # taken from the artifact
-    out = m.generate(torch.randint(1, 200, (1, 30)), max_new_tokens=4, do_sample=False, past_key_values=cache)
+    out = m.generate(torch.randint(1, 200, (1, 30)), max_new_tokens=4, do_sample=False, **cache_kwargs(m, cache))
     assert out.shape[1] == 34 and cache.layers[0].use_offsets and cache.layers[0].clip_v == 0.92
 
 

@@ -6,7 +6,7 @@ Data flow: an artifact (:class:`~oscar_hf.OscarRotations`) -> a cache layer per 
 (:mod:`oscar_hf.attention`) that hands each call to its layer; :mod:`.io` saves and loads a live cache.
 
     cache = OscarCache.from_pretrained("rotations_dir", model)   # or OscarCache(model, method="hadamard")
-    model.generate(**inputs, past_key_values=cache)
+    model.generate(**inputs, cache=cache)   # Transformers without `cache=` (e.g. 5.17): past_key_values=cache
 """
 from __future__ import annotations
 
@@ -54,9 +54,11 @@ def resolve_full_precision_heads(config: OscarConfig, rotations: OscarRotations,
 
 
 class OscarCache(Cache):
-    """Drop-in ``past_key_values`` for ``generate``: 2-bit OSCAR history, full-precision sink + recent.
+    """Drop-in KV cache for ``generate(cache=...)`` (``past_key_values=`` on
+    Transformers versions without ``cache=``, e.g. 5.17): 2-bit OSCAR
+    history, full-precision sink + recent.
 
-    ``OscarCache(model, rotations=None, config=None, **overrides)`` with ``rotations`` an
+    ``OscarCache(model, rotations=None, config=None, *, preset=None, **overrides)`` with ``rotations`` an
     :class:`OscarRotations` (e.g. from ``scripts/calibrate.py``) or None for the artifact-free
     ``method`` ("identity" / "hadamard"); overrides are :class:`OscarConfig` fields. The cache routes
     the model's attention through OSCAR (:func:`~oscar_hf.enable_oscar`); the user's attention
@@ -68,8 +70,9 @@ class OscarCache(Cache):
     ``DynamicLayer``.
     """
 
-    def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, **overrides):
-        config = (config or OscarConfig()).replace(**overrides) if overrides else (config or OscarConfig())
+    def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
+                 preset: str | None = None, **overrides):
+        config = OscarConfig.build(config, preset, **overrides)
         is_model = isinstance(model_or_config, torch.nn.Module)
         model_config = model_or_config.config if is_model else model_or_config
         text_cfg = model_config.get_text_config(decoder=True)
@@ -78,6 +81,7 @@ class OscarCache(Cache):
         else:
             rotations.check_compatible(model_config)
         fp = ModelFingerprint.from_config(model_config)
+        config = config.for_head_dim(fp.head_dim)  # group_size=None (the "paper" preset): one group per head
         validate_head_dim(fp, config.group_size)
         cal_g = rotations.metadata.get("group_size")
         if cal_g is not None and int(cal_g) != config.group_size:
@@ -121,15 +125,15 @@ class OscarCache(Cache):
         return OscarLayer(config, rotation, layer_idx, fp_heads)
 
     @classmethod
-    def from_pretrained(cls, name_or_path, model, config: OscarConfig | None = None, *, revision=None, cache_dir=None,
-                        local_files_only=False, token=None, **overrides) -> "OscarCache":
+    def from_pretrained(cls, name_or_path, model, config: OscarConfig | None = None, *, preset: str | None = None,
+                        revision=None, cache_dir=None, local_files_only=False, token=None, **overrides) -> "OscarCache":
         """Load a rotation artifact (local dir or Hub repo id) and build a cache for ``model``."""
         rot = OscarRotations.from_pretrained(
             name_or_path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token
         )
-        if config is None and "group_size" in rot.metadata and "group_size" not in overrides:
+        if config is None and preset is None and "group_size" in rot.metadata and "group_size" not in overrides:
             overrides["group_size"] = int(rot.metadata["group_size"])
-        return cls(model, rot, config, **overrides)
+        return cls(model, rot, config, preset=preset, **overrides)
 
     # ------------------------------------------------------------------ persistence
     def save(self, directory) -> None:

@@ -8,7 +8,7 @@ Python control flow on data. ``generate`` then compiles the decode step by itsel
 (``is_compileable``; ``torch.compile(mode="reduce-overhead")`` = CUDA graphs on CUDA)::
 
     cache = StaticOscarCache.from_pretrained(rotations_dir, model, max_cache_len=32768)
-    model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
+    model.generate(**inputs, cache=cache, max_new_tokens=256)   # past_key_values=cache where there is no cache=
 
 Semantics are those of :class:`~oscar_hf.OscarCache` (same sink / recent / INT2-history
 partition of every row's tokens, same quantizer); only the storage differs. One quantized layer

@@ -40,6 +40,11 @@ logit error of a centered key is still ``Δk C_Q Δkᵀ``). ``C_S`` and the scor
 centered around ``mu_V``: since attention probabilities sum to one, ``o - mu_V = Σ_t p_t (v_t - mu_V)``
 is exactly the attention-weighted *centered* value, the thing that gets quantized.
 
+Shared rotations (``share_rotation_across_heads=True``, as the authors' rotation files): each covariance above is
+pooled over the KV heads of a layer (each head's moment around its own mean when centered), one ``R_K`` / ``R_V`` per
+layer is taken from it and stored for every KV head, and the held-out selection picks one candidate per layer; the
+offsets stay per head.
+
 Retrieval heads (:mod:`.retrieval_heads`): the KV heads that copy a fact from far back, scored on
 synthetic needle probes, for ``OscarConfig.full_precision_heads``.
 """

@@ -40,7 +40,7 @@ def calibrate(
     method: str = "oscar",
     tokens: int = 8192,
     seq_len: int = 2048,
-    group_size: int = 64,
+    group_size: int | None = 64,
     center: bool | str = True,
     value_target: str = "sst",
     clip_grid: Sequence[float] | None = CLIP_GRID,
@@ -51,6 +51,8 @@ def calibrate(
     query_samples: int = 128,
     window: tuple[int, int] | None = (64, 256),
     metadata: dict | None = None,
+    share_rotation_across_heads: bool = False,
+    clips: tuple[float, float] | None = None,
 ) -> OscarRotations:
     """Calibrate OSCAR rotations, offsets and clip ratios for ``model``.
 
@@ -63,7 +65,8 @@ def calibrate(
             and K/V on held-out tokens).
         tokens: statistics tokens: ``ceil(tokens / seq_len)`` windows of ``min(seq_len, tokens)`` tokens
             from the start of the text (ignored for token-id input: all rows are used).
-        group_size: the quantization group size the clips (and ``auto``) are chosen for.
+        group_size: the quantization group size the clips (and ``auto``) are chosen for; ``None``: head_dim (one
+            group per head, the authors' setting).
         center: store and use the per-KV-head means ``mu_K``/``mu_V``; ``"auto"``: decide per layer, KV head
             and K/V on the held-out error (an unchosen offset is stored as zeros).
         value_target: "sst" (exact ``C_S = Σ oᵀo``) or "score-weighted" (the reference code's target).
@@ -82,6 +85,12 @@ def calibrate(
             ``sink + recent + 1`` get a proportionally smaller window ``(min(sink, L//8), min(recent, L//4))``
             with a warning (recorded in the metadata). ``None``: all tokens, all (query, key) pairs.
         metadata: extra JSON-able entries stored in the artifact's metadata (e.g. the data source).
+        share_rotation_across_heads: one ``R_K`` and one ``R_V`` per layer, shared by its KV heads (as the
+            authors' rotation files), from the statistics of all its KV heads pooled, replicated per head in the
+            artifact; the held-out selection then picks one candidate per layer. Offsets (``center``) stay per
+            head. Default: one rotation per KV head.
+        clips: fixed ``(clip_k, clip_v)`` for every layer, not searched (e.g. the authors' ``(0.96, 0.92)``);
+            overrides ``clip_grid``.
     """
     t0, c0 = time.perf_counter(), time.process_time()
     if method not in METHODS:
@@ -97,10 +106,16 @@ def calibrate(
         meta_dtype = str(meta_dtype).removeprefix("torch.")
     if meta_dtype not in META_DTYPES:
         raise ValueError(f"meta_dtype must be one of {sorted(META_DTYPES)}, got {meta_dtype!r}")
+    if clips is not None:
+        if isinstance(clips, (str, bytes)) or len(clips) != 2:
+            raise ValueError(f"clips must be a (clip_k, clip_v) pair, got {clips!r}")
+        clips = (float(clips[0]), float(clips[1]))
+        clip_grid = None
     grid = tuple(sorted({round(float(c), 6) for c in (clip_grid or (1.0,))}))
-    if any(not 0.0 < c <= 1.0 for c in grid):
-        raise ValueError(f"clip ratios must lie in (0, 1], got {clip_grid}")
+    if any(not 0.0 < c <= 1.0 for c in grid + (clips or ())):
+        raise ValueError(f"clip ratios must lie in (0, 1], got {clips or clip_grid}")
     fp = ModelFingerprint.from_config(model.config)
+    group_size = fp.head_dim if group_size is None else group_size
     validate_head_dim(fp, group_size)
     if not full_attention_layers(fp):
         raise ValueError(f"{fp.architecture} has no full-attention layers: nothing for OSCAR to calibrate")
@@ -154,8 +169,12 @@ def calibrate(
         )
         t_stats = time.perf_counter() - t_stats
         cands, knames, vnames = build_candidates(
-            stats, method, center=center, value_target=value_target, clip_grid=grid
+            stats, method, center=center, value_target=value_target, clip_grid=grid,
+            shared=share_rotation_across_heads,
         )
+        if clips is not None:  # (method / center "auto"): the candidates are judged at the fixed clips
+            for c in cands.values():
+                c.clips_k, c.clips_v = torch.tensor([clips[0]]), torch.tensor([clips[1]])
         errors, t_hold = {}, 0.0
         if need_holdout:
             t_hold = time.perf_counter()
@@ -174,8 +193,8 @@ def calibrate(
         hk = c.k_rots.shape[1]
         if i in errors:
             e = errors[i]
-            jk, wk = select_best(e.k)
-            jv, wv = select_best(e.v)
+            jk, wk = select_best(e.k, share_rotation_across_heads)
+            jv, wv = select_best(e.v, share_rotation_across_heads)
             ek = sum(float(e.k[wk[h], jk, h]) for h in range(hk))
             ev = sum(float(e.v[wv[h], jv, h]) for h in range(hk))
             ks, vs = max(float(e.k_signal.sum()), 1e-300), max(float(e.v_signal.sum()), 1e-300)
@@ -183,10 +202,10 @@ def calibrate(
             if e.k_ref is not None:
                 held[str(i)]["k_rel_identity"] = float(e.k_ref[0, 0].sum()) / ks
                 held[str(i)]["v_rel_identity"] = float(e.v_ref[0, 0].sum()) / vs
-            clip_k, clip_v = float(grid[jk]), float(grid[jv])
+            clip_k, clip_v = clips or (float(grid[jk]), float(grid[jv]))
         else:
             wk, wv = [0] * hk, [0] * hk
-            clip_k = clip_v = float(grid[-1])
+            clip_k, clip_v = clips or (float(grid[-1]), float(grid[-1]))
 
         def pick(t, w, hk=hk):  # per KV head, the winning candidate's tensor
             return None if t is None else torch.stack([t[w[h], h] for h in range(hk)]).float().contiguous()
@@ -211,6 +230,8 @@ def calibrate(
             "center": center,
             "group_size": group_size,
             "meta_dtype": meta_dtype,
+            "share_rotation_across_heads": bool(share_rotation_across_heads),
+            "fixed_clips": list(clips) if clips else None,
             "tokens": stats.tokens,
             "windows": stats.windows,
             "seq_len": max(s.numel() for s in stats_seqs),

@@ -39,8 +39,19 @@ def eigvecs_desc(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w, u * sign
 
 
-def candidate_rotation(name: str, kind: str, s: LayerStats, center: bool) -> torch.Tensor:
-    """``[Hk, D, D]`` float32 rotation of candidate ``name`` for ``kind`` "k" or "v"."""
+def pooled_over_heads(c: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-KV-head second moments ``c [Hk, D, D]`` -> the layer's pooled moment, replicated ``[Hk, D, D]``:
+    ``Σ_h w_h c_h / Σ_h w_h`` with ``weights [Hk]`` each head's share of the pooled rows (None: equal, as for
+    queries, keys, values and outputs, which every head of a layer sees the same number of)."""
+    w = torch.ones(c.shape[0], dtype=c.dtype, device=c.device) if weights is None else weights.to(c)
+    pooled = (w[:, None, None] * c).sum(0) / w.sum().clamp_min(1e-300)
+    return pooled.expand_as(c)
+
+
+def candidate_rotation(name: str, kind: str, s: LayerStats, center: bool, shared: bool = False) -> torch.Tensor:
+    """``[Hk, D, D]`` float32 rotation of candidate ``name`` for ``kind`` "k" or "v". ``shared``: one rotation for
+    all KV heads of the layer, from the statistics of all its heads pooled (:func:`pooled_over_heads`; with
+    ``center`` each head's moment is taken around its own mean, the offsets staying per head)."""
     hk, d = s.k_sum.shape
     if name == "identity":
         return torch.eye(d).expand(hk, d, d).contiguous()
@@ -57,7 +68,10 @@ def candidate_rotation(name: str, kind: str, s: LayerStats, center: bool) -> tor
         }.get(name)
     if cov is None:
         raise ValueError(f"unknown {kind} rotation candidate {name!r}")
-    return oscar_rotation(eigvecs_desc(cov().cpu())[1]).contiguous()
+    c = cov().cpu()
+    if shared:  # the score-weighted target's rows weigh w_t: head h holds sw_w[h] of the pooled weight
+        c = pooled_over_heads(c, s.sw_w.cpu() if name == "score-weighted" else None)
+    return oscar_rotation(eigvecs_desc(c)[1]).contiguous()
 
 
 def _candidate_names(method: str, value_target: str) -> tuple[list[str], list[str]]:
@@ -94,7 +108,8 @@ class LayerCandidates:
 
 
 def build_candidates(
-    stats: CalibrationStats, method: str, *, center: bool | str = True, value_target: str = "sst", clip_grid=CLIP_GRID
+    stats: CalibrationStats, method: str, *, center: bool | str = True, value_target: str = "sst", clip_grid=CLIP_GRID,
+    shared: bool = False,
 ) -> tuple[dict[int, LayerCandidates], list[str], list[str]]:
     """Candidate rotations (and offsets) of every layer, and their names.
 
@@ -102,7 +117,8 @@ def build_candidates(
     appears twice, uncentered (``"oscar"``) and centered (``"oscar+center"``, covariances taken around
     the means), so the selection also decides per layer, KV head and K/V whether to center. The
     identity rotation without offsets at clip 1.0 (naive INT2) is always evaluated as a reference
-    for the report (never selected)."""
+    for the report (never selected). ``shared``: every candidate is one rotation per layer, replicated over its KV
+    heads (:func:`candidate_rotation`)."""
     names = _candidate_names(method, value_target)
     modes = center_modes(center)
     suffix = (lambda c: "+center" if c else "") if len(modes) > 1 else (lambda c: "")  # noqa: E731
@@ -117,8 +133,8 @@ def build_candidates(
         mk = [s.mu_k.float().cpu() if c else zero for c in modes for _ in names[0]]
         mv = [s.mu_v.float().cpu() if c else zero for c in modes for _ in names[1]]
         out[i] = LayerCandidates(
-            torch.stack([candidate_rotation(n, "k", s, c) for c in modes for n in names[0]]),
-            torch.stack([candidate_rotation(n, "v", s, c) for c in modes for n in names[1]]),
+            torch.stack([candidate_rotation(n, "k", s, c, shared) for c in modes for n in names[0]]),
+            torch.stack([candidate_rotation(n, "v", s, c, shared) for c in modes for n in names[1]]),
             torch.stack(mk) if any(modes) else None,
             torch.stack(mv) if any(modes) else None,
             grid,
@@ -339,15 +355,19 @@ def evaluate_candidates(
     return rec.errors
 
 
-def select_best(errors: torch.Tensor) -> tuple[int, list[int]]:
+def select_best(errors: torch.Tensor, shared: bool = False) -> tuple[int, list[int]]:
     """Joint choice for one layer from ``errors [C, N, Hk]``: one clip index for the layer and one
-    candidate per KV head, minimizing the layer's summed error. Ties prefer the larger clip
-    ratio (the grid is ascending) and the earlier candidate."""
-    best, arg = errors.min(dim=0)  # [N, Hk]
-    total = best.sum(-1)  # [N]
+    candidate per KV head (``shared``: one candidate for all its KV heads, repeated), minimizing the layer's summed
+    error. Ties prefer the larger clip ratio (the grid is ascending) and the earlier candidate."""
+    hk = errors.shape[-1]
+    if shared:
+        total, arg = errors.sum(-1).min(dim=0)  # [N]: the best candidate's layer error at each clip
+    else:
+        best, arg = errors.min(dim=0)  # [N, Hk]
+        total = best.sum(-1)  # [N]
     n = total.numel()
     j = n - 1 - int(torch.argmin(total.flip(0)))
-    return j, [int(a) for a in arg[j]]
+    return j, ([int(arg[j])] * hk if shared else [int(a) for a in arg[j]])
 
 
 def attention_error(

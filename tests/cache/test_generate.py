@@ -5,6 +5,7 @@ from batch_utils import left_pad
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, disable_oscar
+from oscar_hf.compat import cache_kwargs
 from oscar_hf.cache import OscarLayer
 from oscar_hf.models import tiny_model
 
@@ -13,7 +14,7 @@ EXACT = dict(method="hadamard", group_size=32)  # sink 64 + recent 256: nothing 
 
 
 def greedy(model, ids, cache=None, n=12, **kw):
-    return model.generate(ids, max_new_tokens=n, do_sample=False, past_key_values=cache, pad_token_id=0, **kw)
+    return model.generate(ids, max_new_tokens=n, do_sample=False, **cache_kwargs(model, cache), pad_token_id=0, **kw)
 
 
 def upto_eos(tokens, eos):
@@ -55,7 +56,8 @@ def test_left_padded_batch_rows_equal_their_solo_runs(model_type):
     prompts = [torch.randint(1, 200, (n,)) for n in lens]
     ids, am = left_pad(prompts)
     t = ids.shape[1]
-    out = m.generate(ids, attention_mask=am, max_new_tokens=12, do_sample=False, past_key_values=OscarCache(m, **SMALL), pad_token_id=0)
+    out = m.generate(ids, attention_mask=am, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                     **cache_kwargs(m, OscarCache(m, **SMALL)))
     eos = eos_ids(m)
     for i, p in enumerate(prompts):
         solo = greedy(m, p[None], OscarCache(m, **SMALL))
@@ -73,7 +75,8 @@ def test_beam_search_sampling_and_prompt_lookup():
     torch.manual_seed(7)
     s_ref = m.generate(ids, max_new_tokens=10, do_sample=True, top_k=20, pad_token_id=0)
     torch.manual_seed(7)
-    s_osc = m.generate(ids, max_new_tokens=10, do_sample=True, top_k=20, pad_token_id=0, past_key_values=OscarCache(m, **EXACT))
+    s_osc = m.generate(ids, max_new_tokens=10, do_sample=True, top_k=20, pad_token_id=0,
+                       **cache_kwargs(m, OscarCache(m, **EXACT)))
     assert torch.equal(s_ref, s_osc)
     assert torch.equal(greedy(m, ids, OscarCache(m, **EXACT), prompt_lookup_num_tokens=3), greedy(m, ids))
     # quantizing config: all three run and keep the bookkeeping right
@@ -117,10 +120,10 @@ def test_smollm2_real_weights(smollm2, wikitext_text):
 
     def nll(cache):
         with torch.no_grad():
-            out = model(ctx, past_key_values=cache, use_cache=True)
+            out = model(ctx, **cache_kwargs(model, cache), use_cache=True)
             logits = [out.logits[:, -1]]
             for t in range(cont.shape[1] - 1):
-                logits.append(model(cont[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1])
+                logits.append(model(cont[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True).logits[:, -1])
         return torch.nn.functional.cross_entropy(torch.cat(logits), cont[0]).item()
 
     base = nll(DynamicCache(config=model.config))
@@ -131,7 +134,8 @@ def test_smollm2_real_weights(smollm2, wikitext_text):
     hist_bits = 8 * (rep["history_codes"] + rep["history_meta"]) / rep["history_elements"]
     assert hist_bits == rep["history_bits_per_element"] == 2.5  # G=64, bf16 scale + zero
     assert base < osc < base * 1.5, (base, osc)
-    out = model.generate(ctx, max_new_tokens=8, do_sample=False, past_key_values=OscarCache(model, method="hadamard"))
+    out = model.generate(ctx, max_new_tokens=8, do_sample=False,
+                         **cache_kwargs(model, OscarCache(model, method="hadamard")))
     assert out.shape[1] == 528
 
 
@@ -154,7 +158,7 @@ def test_left_padding_mask_becomes_a_start_not_a_key_mask(monkeypatch):
 
     monkeypatch.setattr(attn, "decode_attention_rotating", spy)
     run = lambda: m.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False,  # noqa: E731
-                             past_key_values=OscarCache(m, **SMALL), pad_token_id=0)
+                             **cache_kwargs(m, OscarCache(m, **SMALL)), pad_token_id=0)
     out = run()
     assert seen and all(no_mask for no_mask, _ in seen)
     pads = (am == 0).sum(1)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, OscarConfig, StaticOscarCache
+from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
 from oscar_hf.quant import dequantize_rows
 from oscar_hf.cache.io import STATE_NAME
@@ -55,7 +56,7 @@ def test_generate_batch_ops_and_padding_rows():
     m = tiny_model("llama")
     ids, am = _prompt(pads=(0, 45))  # row 1 has no non-sink history slot at the first demotion
     cache = OscarCache(m, **KW, key_offset="prefill")
-    m.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    m.generate(ids, attention_mask=am, **cache_kwargs(m, cache), max_new_tokens=3, do_sample=False, pad_token_id=0)
     layer = cache.layers[0]
     assert layer.mu_k_seq.shape == (2, m.config.num_key_value_heads, m.config.head_dim)
     assert torch.equal(layer.mu_k_seq[1], torch.zeros_like(layer.mu_k_seq[1]))  # fallback: no calibrated mu_K
@@ -66,7 +67,7 @@ def test_generate_batch_ops_and_padding_rows():
     assert layer.mu_k_seq.shape[0] == 4 and torch.equal(layer.mu_k_seq[2], before[0])
     cache.reset()
     assert layer.mu_k_seq is None
-    out = m.generate(ids, attention_mask=am, past_key_values=cache, max_new_tokens=2, num_beams=2, do_sample=False,
+    out = m.generate(ids, attention_mask=am, **cache_kwargs(m, cache), max_new_tokens=2, num_beams=2, do_sample=False,
                      pad_token_id=0)
     assert out.shape == (2, ids.shape[1] + 2)
 
@@ -75,14 +76,15 @@ def test_save_load_continues_exactly_and_refuses_a_mismatched_state(tmp_path):
     m = tiny_model("llama")
     ids, am = _prompt(pads=(0, 7))
     cache = OscarCache(m, **KW, key_offset="prefill")
-    out1 = m.generate(ids, attention_mask=am, max_new_tokens=4, do_sample=False, past_key_values=cache, pad_token_id=0)
+    out1 = m.generate(ids, attention_mask=am, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                      **cache_kwargs(m, cache))
     cache.save(tmp_path / "c")
     cont = dict(attention_mask=torch.cat([am, torch.ones(2, 4, dtype=torch.long)], 1), max_new_tokens=6,
                 do_sample=False, pad_token_id=0)
-    ref = m.generate(out1, past_key_values=cache, **cont)
+    ref = m.generate(out1, **cache_kwargs(m, cache), **cont)
     loaded = OscarCache.load(tmp_path / "c", m)
     assert torch.equal(loaded.layers[0].mu_k_seq, cache.layers[0].mu_k_seq)
-    assert torch.equal(m.generate(out1, past_key_values=loaded, **cont), ref)
+    assert torch.equal(m.generate(out1, **cache_kwargs(m, loaded), **cont), ref)
     doc = json.loads((tmp_path / "c" / STATE_NAME).read_text())
     doc["config"]["key_offset"] = "calibrated"
     (tmp_path / "c" / STATE_NAME).write_text(json.dumps(doc))

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oscar_hf import OscarCache
+from oscar_hf.compat import cache_kwargs
 from oscar_hf.kernels.int2_attention import history_partial_reference
 from oscar_hf.models import tiny_model
 from oscar_hf.quant import dequantize_rows, quantize_rows
@@ -16,8 +17,8 @@ def test_model_dtypes(dtype):
     ids = torch.randint(1, 200, (2, 40))
     cache = OscarCache(m, method="hadamard", sink=4, recent=8, group_size=32)
     with torch.no_grad():
-        out = m(ids, past_key_values=cache, use_cache=True)
-        step = m(ids[:, :1], past_key_values=cache, use_cache=True)
+        out = m(ids, **cache_kwargs(m, cache), use_cache=True)
+        step = m(ids[:, :1], **cache_kwargs(m, cache), use_cache=True)
     assert torch.isfinite(out.logits).all() and torch.isfinite(step.logits).all()
     assert cache.layers[0].tail_k.dtype == dtype and cache.layers[0].n_hist > 0
 
@@ -56,10 +57,10 @@ def test_nan_in_inputs_propagates_like_bf16_without_crashing():
     cache = OscarCache(m, method="hadamard", sink=4, recent=8, group_size=32)
     ids = torch.randint(1, 200, (2, 40))
     with torch.no_grad():
-        m(ids, past_key_values=cache, use_cache=True)
+        m(ids, **cache_kwargs(m, cache), use_cache=True)
         layer = cache.layers[0]
         layer.hist_k.scale[0, :, 3] = float("nan")  # corrupt one history token of row 0 only
-        out = m(ids[:, :1], past_key_values=cache, use_cache=True).logits
+        out = m(ids[:, :1], **cache_kwargs(m, cache), use_cache=True).logits
     assert torch.isnan(out[0]).any() and torch.isfinite(out[1]).all()
 
 

@@ -5,6 +5,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig, StaticCache
 
 from oscar_hf import OscarCache, StaticOscarCache
+from oscar_hf.compat import cache_kwargs
 from oscar_hf.cache import StaticOscarLayer
 from oscar_hf.models import tiny_model
 
@@ -22,8 +23,8 @@ def _padded_batch(lens, seed=5):
 
 
 def _gen(m, ids, am, cache, n=16, **kw):
-    return m.generate(ids, attention_mask=am, max_new_tokens=n, do_sample=False, past_key_values=cache, pad_token_id=0,
-                      output_scores=True, return_dict_in_generate=True, **kw)
+    return m.generate(ids, attention_mask=am, max_new_tokens=n, do_sample=False, pad_token_id=0, output_scores=True,
+                      return_dict_in_generate=True, **cache_kwargs(m, cache), **kw)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
@@ -49,13 +50,13 @@ def test_static_decode_step_is_tensor_only_and_matches_per_step():
     ids = torch.randint(1, 200, (2, 40))
     dyn, sta = OscarCache(m, **SMALL), StaticOscarCache(m, max_cache_len=64, **SMALL)
     with torch.no_grad():
-        a = m(ids, past_key_values=dyn).logits[:, -1]
-        b = m(ids, past_key_values=sta).logits[:, -1]
+        a = m(ids, **cache_kwargs(m, dyn)).logits[:, -1]
+        b = m(ids, **cache_kwargs(m, sta)).logits[:, -1]
         torch.testing.assert_close(a, b)
         for _ in range(20):
             nxt = a.argmax(-1, keepdim=True)
-            a = m(nxt, past_key_values=dyn).logits[:, -1]
-            b = m(nxt, past_key_values=sta).logits[:, -1]
+            a = m(nxt, **cache_kwargs(m, dyn)).logits[:, -1]
+            b = m(nxt, **cache_kwargs(m, sta)).logits[:, -1]
             torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
     md, ms = dyn.memory_report(), sta.memory_report()
     for k in ("sink", "recent", "history_codes", "history_meta"):
@@ -80,9 +81,9 @@ def test_static_multi_turn_prefill_continues_like_dynamic():
     dyn, sta = OscarCache(m, **SMALL), StaticOscarCache(m, max_cache_len=80, **SMALL)
     with torch.no_grad():
         for c in (dyn, sta):
-            m(turn1, past_key_values=c)
-        a = m(turn2, past_key_values=dyn).logits
-        b = m(turn2, past_key_values=sta).logits
+            m(turn1, **cache_kwargs(m, c))
+        a = m(turn2, **cache_kwargs(m, dyn)).logits
+        b = m(turn2, **cache_kwargs(m, sta)).logits
     torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
 
 
@@ -115,7 +116,7 @@ def test_static_errors():
     cache = StaticOscarCache(m, max_cache_len=20, **SMALL)
     with pytest.raises(ValueError, match="max_cache_len"):
         with torch.no_grad():
-            m(torch.randint(1, 200, (1, 21)), past_key_values=cache)
+            m(torch.randint(1, 200, (1, 21)), **cache_kwargs(m, cache))
     with pytest.raises(NotImplementedError, match="crop"):
         cache.crop(-1)
 
@@ -138,14 +139,14 @@ def test_gpu_static_kernels_and_cuda_graphs_match_reference():
     kw = dict(method="hadamard", group_size=64)
     ker, ref = StaticOscarCache(m, max_cache_len=2100, **kw), StaticOscarCache(m, max_cache_len=2100, use_kernels=False, **kw)
     with torch.no_grad():
-        a = m(ids, attention_mask=am, past_key_values=ker).logits[:, -1].float()
-        b = m(ids, attention_mask=am, past_key_values=ref).logits[:, -1].float()
+        a = m(ids, attention_mask=am, **cache_kwargs(m, ker)).logits[:, -1].float()
+        b = m(ids, attention_mask=am, **cache_kwargs(m, ref)).logits[:, -1].float()
         am_step = am
         for _ in range(8):
             nxt = b.argmax(-1, keepdim=True)
             am_step = torch.cat([am_step, torch.ones_like(nxt)], 1)
-            a = m(nxt, attention_mask=am_step, past_key_values=ker).logits[:, -1].float()
-            b = m(nxt, attention_mask=am_step, past_key_values=ref).logits[:, -1].float()
+            a = m(nxt, attention_mask=am_step, **cache_kwargs(m, ker)).logits[:, -1].float()
+            b = m(nxt, attention_mask=am_step, **cache_kwargs(m, ref)).logits[:, -1].float()
             assert (a - b).norm() / b.norm() < 0.02
     eager = _gen(m, ids, am, StaticOscarCache(m, max_cache_len=2100, **kw), n=24, disable_compile=True)
     torch._dynamo.reset()
@@ -161,16 +162,16 @@ def test_static_beam_search_and_reset_reuse():
     torch.manual_seed(4)
     ids = torch.randint(1, 200, (1, 30))
     beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    ref = m.generate(ids, past_key_values=OscarCache(m, **SMALL), **beams)
-    got = m.generate(ids, past_key_values=StaticOscarCache(m, max_cache_len=40, **SMALL), **beams)
+    ref = m.generate(ids, **cache_kwargs(m, OscarCache(m, **SMALL)), **beams)
+    got = m.generate(ids, **cache_kwargs(m, StaticOscarCache(m, max_cache_len=40, **SMALL)), **beams)
     assert torch.equal(got, ref)
     cache = StaticOscarCache(m, max_cache_len=60, **SMALL)
-    first = m.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    first = m.generate(ids, **cache_kwargs(m, cache), max_new_tokens=8, do_sample=False, pad_token_id=0)
     other = torch.randint(1, 200, (1, 30))
     cache.reset()
-    m.generate(other, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    m.generate(other, **cache_kwargs(m, cache), max_new_tokens=8, do_sample=False, pad_token_id=0)
     cache.reset()
-    again = m.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    again = m.generate(ids, **cache_kwargs(m, cache), max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(first, again)
 
 
@@ -182,6 +183,6 @@ def test_static_from_pretrained_artifact(tmp_path):
     cache = StaticOscarCache.from_pretrained(tmp_path / "rot", m, max_cache_len=50, sink=4, recent=8, group_size=32)
     assert isinstance(cache, StaticOscarCache) and cache.capacity == 50
     ids = torch.randint(1, 200, (1, 30))
-    ref = m.generate(ids, past_key_values=OscarCache(m, **SMALL), max_new_tokens=6, do_sample=False, pad_token_id=0)
-    out = m.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = m.generate(ids, **cache_kwargs(m, OscarCache(m, **SMALL)), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    out = m.generate(ids, **cache_kwargs(m, cache), max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out, ref)

@@ -5,6 +5,7 @@ from batch_utils import left_pad
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, OscarRotations, StaticOscarCache
+from oscar_hf.compat import cache_kwargs
 from oscar_hf.cache import OscarLayer
 from oscar_hf.models import tiny_model
 from oscar_hf.calibration.retrieval_heads import probe_needles, retrieval_scores, top_heads
@@ -64,7 +65,7 @@ def test_retrieval_scores_equal_eager_attention_mass():
 
 # ------------------------------------------------------------------ the cache
 def greedy(model, ids, cache, n=10, **kw):
-    return model.generate(ids, max_new_tokens=n, do_sample=False, past_key_values=cache, pad_token_id=0, **kw)
+    return model.generate(ids, max_new_tokens=n, do_sample=False, **cache_kwargs(model, cache), pad_token_id=0, **kw)
 
 
 def test_full_precision_heads_storage_and_memory():

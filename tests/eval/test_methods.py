@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from oscar_hf.compat import cache_kwargs
 from oscar_hf.eval.fakequant import residual_exact_mask
 from oscar_hf.eval.methods import METHODS, KiviSpec, TurboSpec, get_method, lloyd_max_gaussian
 from oscar_hf.models import tiny_model
@@ -68,6 +69,6 @@ def test_hf_quantized_cache_backends_build_or_explain():
         except ImportError as e:
             pytest.skip(f"{name}: {e}")
         with torch.no_grad():
-            out = model(torch.randint(0, 256, (1, 8)), past_key_values=cache, use_cache=True)
-            out = model(torch.randint(0, 256, (1, 1)), past_key_values=cache, use_cache=True)
+            out = model(torch.randint(0, 256, (1, 8)), **cache_kwargs(model, cache), use_cache=True)
+            out = model(torch.randint(0, 256, (1, 1)), **cache_kwargs(model, cache), use_cache=True)
         assert torch.isfinite(out.logits).all()

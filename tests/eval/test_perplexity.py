@@ -7,6 +7,7 @@ from transformers.utils import logging as hf_logging
 
 import oscar_hf.eval.methods as methods_mod
 from oscar_hf import OscarRotations
+from oscar_hf.compat import cache_kwargs
 from oscar_hf.eval.fakequant import window_exact_mask
 from oscar_hf.eval.methods import OscarFamily, get_method
 from oscar_hf.eval.perplexity import cache_nll, evaluation_ids, fast_nll, perplexity
@@ -141,5 +142,5 @@ def test_bits_match_memory_report():
         for T in (30, 57):
             cache = m.make_cache(model)
             with torch.no_grad():
-                model(torch.randint(0, 256, (1, T)), past_key_values=cache, use_cache=True)
+                model(torch.randint(0, 256, (1, T)), **cache_kwargs(model, cache), use_cache=True)
             assert math.isclose(cache.memory_report()["bits_per_element"], m.bits(T, 32), rel_tol=1e-9), (cfg, T)

@@ -1,0 +1,181 @@
+"""The authors' rotation files (FutureMLS-Lab/OSCAR, ``rotation/compute_kv_rotation.py``), read safely.
+
+Their script writes, with ``torch.save``, one file for keys and one for values (e.g.
+``k_rotation_qqt_r_h_pbr.pt``, ``v_rotation_sst_r_h_pbr.pt``), each::
+
+    {"format_version": 1, "objective": str, "source_grouping": "layer",
+     "layers": {i: {"layer_id": i, "rotation": float32 [head_dim, head_dim], "eigenvalues": ...}}}
+
+one matrix per layer, shared by all of its KV heads. Their convention is ours: a token is a row and
+the cache stores ``k @ R_K`` / ``v @ R_V`` with ``R = U · H · P_br`` (``U``: eigenvectors as columns,
+descending), so a matrix is used as it is, never transposed.
+
+The files are pickles: they are read with ``torch.load(weights_only=True)`` only, which rebuilds
+tensors and plain containers and refuses any other object (no code from the file ever runs).
+:meth:`oscar_hf.OscarRotations.from_reference` turns a validated pair into our artifact.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import FULL_LAYER_TYPES, ModelFingerprint
+
+REFERENCE_FORMAT_VERSION = 1
+REFERENCE_GROUPING = "layer"  # one rotation per layer, shared by its KV heads
+
+
+@dataclasses.dataclass
+class ReferenceFile:
+    """One validated rotation file: ``rotations[i]`` float32 ``[D, D]`` per layer ``i`` of the file."""
+
+    path: Path
+    objective: str
+    rotations: dict[int, torch.Tensor]
+
+
+@dataclasses.dataclass
+class ReferencePair:
+    """Key and value rotations of the model's quantized (full-attention) layers, and where they came from."""
+
+    r_k: dict[int, torch.Tensor]  # layer -> [D, D] float32
+    r_v: dict[int, torch.Tensor]  # layer -> [D, D] float32
+    metadata: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------------- locate
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    return bool(getattr(constants, "HF_HUB_OFFLINE", False)) or env
+
+
+def resolve_file(path: str | os.PathLike, repo_id: str | None = None, *, subfolder: str | None = None,
+                 revision: str | None = None, cache_dir: str | None = None, local_files_only: bool = False,
+                 token: str | bool | None = None) -> Path:
+    """A local file (``repo_id=None``), or ``path`` as a file name inside the Hub repo ``repo_id``
+    (``subfolder`` / ``revision``; ``HF_HUB_OFFLINE`` respected). Anything that cannot be found -> OSError."""
+    if repo_id is None:
+        p = Path(path)
+        if not p.is_file():
+            why = "is a directory" if p.is_dir() else "does not exist"
+            raise OSError(f"reference rotation file {str(p)!r} {why} (pass repo_id=... to read it from the Hub)")
+        return p
+    from huggingface_hub import hf_hub_download
+
+    offline = local_files_only or _offline()
+    try:
+        return Path(hf_hub_download(repo_id, str(path), subfolder=subfolder, revision=revision, cache_dir=cache_dir,
+                                    local_files_only=offline, token=token))
+    except Exception as e:  # not found, network, auth, offline without a cached copy: one clear OSError
+        where = f"{repo_id}/{subfolder + '/' if subfolder else ''}{path}"
+        hint = " (offline: HF_HUB_OFFLINE / local_files_only, and no cached copy)" if offline else ""
+        raise OSError(f"could not fetch reference rotation file {where!r} from the Hub{hint}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------- read
+def _safe_load(path: Path) -> Any:
+    """``torch.load`` restricted to tensors and plain containers; anything else is a ValueError."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # weights_only refused the pickle: it asks for an object other than tensors and plain containers (a class
+        # to build, a function to call: e.g. "unsupported GLOBAL posix.system"), or it is not a pickle at all
+        lines = [ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln]
+        raise ValueError(
+            f"{path}: not a plain-tensor rotation file -- torch.load(weights_only=True) refused it"
+            f"{' (' + lines[0][:300] + ')' if lines else ''}; files whose pickle holds anything but tensors and "
+            "plain containers are never unpickled here"
+        ) from None
+    except (RuntimeError, EOFError, ValueError, KeyError, AttributeError, TypeError) as e:
+        raise ValueError(f"{path}: not a readable torch.save rotation file ({type(e).__name__}: {str(e)[:300]})") from None
+
+
+def read_reference_file(path: str | os.PathLike, head_dim: int, tol: float) -> ReferenceFile:
+    """Load and check one file: its header, and every layer's matrix (float ``[head_dim, head_dim]``,
+    finite, orthogonal within ``tol``). Raises ValueError naming the file and the culprit."""
+    path = Path(path)
+    doc = _safe_load(path)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a dict with 'format_version' and 'layers', got {type(doc).__name__}")
+    if doc.get("format_version") != REFERENCE_FORMAT_VERSION:
+        raise ValueError(f"{path}: unsupported format_version {doc.get('format_version')!r} "
+                         f"(reference rotation files of format_version {REFERENCE_FORMAT_VERSION} are supported)")
+    if doc.get("source_grouping") != REFERENCE_GROUPING:
+        raise ValueError(f"{path}: unsupported source_grouping {doc.get('source_grouping')!r} "
+                         f"(supported: {REFERENCE_GROUPING!r}, one rotation per layer shared by its KV heads)")
+    objective = doc.get("objective", "")
+    if not isinstance(objective, str):
+        raise ValueError(f"{path}: 'objective' must be a string, got {type(objective).__name__}")
+    layers = doc.get("layers")
+    if not isinstance(layers, dict) or not layers:
+        raise ValueError(f"{path}: 'layers' must be a non-empty dict {{layer: {{'rotation': tensor}}}}")
+    out: dict[int, torch.Tensor] = {}
+    for key, entry in layers.items():
+        try:
+            i = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: layer key {key!r} is not a layer index") from None
+        if i in out:
+            raise ValueError(f"{path}: layer {i} appears twice")
+        if not isinstance(entry, dict) or "rotation" not in entry:
+            raise ValueError(f"{path}: layer {i}: expected a dict with a 'rotation' tensor")
+        if "layer_id" in entry and entry["layer_id"] != i:
+            raise ValueError(f"{path}: layer {i} has layer_id={entry['layer_id']!r}")
+        r = entry["rotation"]
+        if not isinstance(r, torch.Tensor) or not r.is_floating_point():
+            raise ValueError(f"{path}: layer {i} rotation: expected a float tensor, got {getattr(r, 'dtype', type(r))}")
+        if tuple(r.shape) != (head_dim, head_dim):
+            raise ValueError(f"{path}: layer {i} rotation: shape {tuple(r.shape)} does not match the model's "
+                             f"head_dim={head_dim} (expected ({head_dim}, {head_dim}))")
+        r = r.detach().to(torch.float32).contiguous()
+        if not torch.isfinite(r).all():
+            raise ValueError(f"{path}: layer {i} rotation: contains NaN or Inf")
+        err = (r.T @ r - torch.eye(head_dim)).abs().amax().item()
+        if err > tol:
+            raise ValueError(f"{path}: layer {i} rotation: not orthogonal (max |RᵀR - I| = {err:.3g} > {tol:g})")
+        out[i] = r
+    return ReferenceFile(path, objective, out)
+
+
+def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp: ModelFingerprint,
+                        tol: float) -> ReferencePair:
+    """Both files, checked against the model ``fp`` and each other: no layer beyond the model, every
+    full-attention layer present in both, the same layers in both. Sliding / chunked layers (kept in full
+    precision by the cache) may be absent; their matrices, when present, are checked and dropped."""
+    k = read_reference_file(k_file, fp.head_dim, tol)
+    v = read_reference_file(v_file, fp.head_dim, tol)
+    full = [i for i, t in enumerate(fp.layer_types) if t in FULL_LAYER_TYPES]
+    for f in (k, v):
+        extra = sorted(i for i in f.rotations if not 0 <= i < fp.num_layers)
+        if extra:
+            raise ValueError(f"{f.path}: rotations for layers {extra}, but the model has {fp.num_layers} layers "
+                             f"(0..{fp.num_layers - 1}): a file for another model?")
+        missing = [i for i in full if i not in f.rotations]
+        if missing:
+            raise ValueError(f"{f.path}: no rotation for full-attention layers {missing} of the model "
+                             f"({len(full)} full-attention layers of {fp.num_layers})")
+    if set(k.rotations) != set(v.rotations):  # (can differ only in sliding layers here)
+        only_k, only_v = sorted(set(k.rotations) - set(v.rotations)), sorted(set(v.rotations) - set(k.rotations))
+        raise ValueError(f"key and value rotation files disagree: layers only in {k.path.name}: {only_k}, "
+                         f"only in {v.path.name}: {only_v}")
+    metadata = {
+        "source": {
+            "format": "FutureMLS-Lab/OSCAR rotation files (rotation/compute_kv_rotation.py)",
+            "format_version": REFERENCE_FORMAT_VERSION,
+            "source_grouping": REFERENCE_GROUPING,
+            "k_file": k.path.name,
+            "v_file": v.path.name,
+            "k_objective": k.objective,
+            "v_objective": v.objective,
+            "layers_in_files": len(k.rotations),
+        }
+    }
+    return ReferencePair({i: k.rotations[i] for i in full}, {i: v.rotations[i] for i in full}, metadata)
+
