@@ -3,7 +3,6 @@ shared by the KV heads of a layer (``calibrate(..., share_rotation_across_heads=
 scripts/calibrate.py)."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from oscar_hf.config import PRESETS, OscarConfig
 from oscar_hf.hadamard import oscar_rotation
 from oscar_hf.models import SMOLLM2_GGUF, smollm2_dir, tiny_model
 from oscar_hf.rotations import OscarRotations
+from script_utils import import_script
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,12 +170,7 @@ def test_fixed_clips_are_stored_and_not_searched():
 # ---------------------------------------------------------------------------------------------- the CLI
 @pytest.fixture(scope="module")
 def cli():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import calibrate as mod
-    finally:
-        sys.path.pop(0)
-    return mod
+    return import_script("calibrate")
 
 
 def test_cli_preset_refuses_flags_it_sets(cli, capsys):

@@ -18,6 +18,7 @@ from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.models import tiny_config, tiny_model
 from oscar_hf.quant import quantize_rows
 from oscar_hf.rotations import LayerRotation
+from script_utils import import_script
 
 REPO = Path(__file__).resolve().parents[1]
 D = 32  # tiny_model head_dim
@@ -312,12 +313,7 @@ def tiny_dir(tmp_path_factory):
 
 
 def _cli():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import convert_reference_rotations as cli
-    finally:
-        sys.path.pop(0)
-    return cli
+    return import_script("convert_reference_rotations")
 
 
 def test_cli_converts_refuses_to_overwrite_and_refuses_hostile_files(tiny_dir, tmp_path, capsys):

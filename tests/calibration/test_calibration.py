@@ -20,6 +20,7 @@ from oscar_hf.models import tiny_model
 from oscar_hf.patching import base_attention_function, patched, register_handler
 from oscar_hf.quant import dequantize_rows, quantize_rows
 from oscar_hf.rotations import OscarRotations
+from script_utils import import_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -443,11 +444,7 @@ def tiny_model_dir(tmp_path_factory, smollm2):
 
 
 def test_cli_runs_and_refuses_to_overwrite(tiny_model_dir, tmp_path, capsys):
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import calibrate as cli
-    finally:
-        sys.path.pop(0)
+    cli = import_script("calibrate")
     out = tmp_path / "out"
     argv = ["--model", str(tiny_model_dir), "--tokens", "128", "--seq-len", "64", "--method", "auto",
             "--group-size", "16", "--window", "4,16", "--out", str(out), "--no-progress", "-q",
