@@ -234,7 +234,6 @@ def main(argv=None):
     dtype = torch.bfloat16
     model = build_model(args.shape, dtype, args.device, max(args.contexts) + args.new_tokens + 16)
     results = []
-    free_gib = None
     combos = [] if args.capacity_only else [(b, t, m) for t in args.contexts for b in args.batches for m in args.methods]
     for b, t, m in tqdm(combos, desc="bench"):
         try:

@@ -41,7 +41,7 @@ def main(argv=None):
     r0 = rows[0]
     axes[0].set(ylabel="decode tokens/s", title=f"batch {r0['batch']}, {r0['context'] // 1024}K context, same run "
                 f"({sweep['env']['gpu']})\nratio vs BF16 DynamicCache")
-    cap, budget, gpu = {}, None, ""
+    cap, budget = {}, None
     for f in a.capacity:
         d = json.load(open(f))
         budget, ctx = d["kv_budget_gib"], d["capacity_context"]
