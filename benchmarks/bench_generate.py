@@ -5,7 +5,9 @@
 * ``bf16``: BF16 ``DynamicCache``, SDPA, eager;
 * ``bf16-static``: ``cache_implementation="static"`` (``generate`` compiles the decode step:
   ``torch.compile(mode="reduce-overhead")``, CUDA graphs);
-* ``oscar``: ``OscarCache`` (eager); ``oscar-static``: ``StaticOscarCache`` (compiled like bf16-static);
+* ``oscar``: ``OscarCache(model, ...)``, the default call: on CUDA its storage is device-resident and ``generate``
+  compiles the decode step by itself (like bf16-static); ``oscar-eager``: ``OscarCache(compile=False)``, the eager
+  layer; ``oscar-static``: ``StaticOscarCache`` (a fixed ``max_cache_len``);
   ``oscar-fpN``: ``OscarCache`` with N KV heads (spread over the layers) in full precision
   (``OscarConfig.full_precision_heads``, e.g. the retrieval heads);
 * ``hqq2`` / ``hqq4`` / ``quanto2`` / ``quanto4``: Transformers' ``QuantizedCache`` (HQQ / quanto
@@ -128,8 +130,10 @@ def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 
             if isinstance(layer, StaticOscarLayer):
                 if not layer.is_initialized:
                     layer.lazy_initialization(k, v)
-                    layer.set_pad(None)
-                layer.commit_bulk(k, v)
+                    layer.pad_known = True
+                t_old = layer.host_len
+                layer.advance(n)
+                layer.commit_bulk(k, v, t_old)
             elif isinstance(layer, OscarLayer):
                 layer.commit(k, v, None)
             else:  # DynamicLayer / StaticLayer
@@ -150,6 +154,8 @@ def make_cache(model, method: str, capacity: int, explicit: bool = False):
         return None
     if method == "oscar":
         return OscarCache(model, method="hadamard", group_size=64)
+    if method == "oscar-eager":
+        return OscarCache(model, method="hadamard", group_size=64, compile=False)
     if method.startswith("oscar-fp"):  # oscar-fpN: N KV heads in full precision (full_precision_heads), spread
         n, cfg = int(method.removeprefix("oscar-fp")), model.config.get_text_config(decoder=True)
         nl, hk = cfg.num_hidden_layers, cfg.num_key_value_heads
@@ -197,7 +203,7 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
     if isinstance(cache, OscarCache):
         res["cache_allocated_bytes"] = int(cache.memory_report()["allocated"])
     res["first_tokens"] = out.sequences[0, context : context + 8].tolist()
-    res["compiled"] = method.endswith("-static")
+    res["compiled"] = method == "bf16-static" or bool(getattr(cache, "compiled", False))
     if method.startswith("oscar"):
         from oscar_hf import disable_oscar
 

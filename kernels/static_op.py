@@ -6,6 +6,11 @@ are hidden behind a custom op: dynamo records one call, inductor leaves the kern
 are compiled and tuned by Triton's own JIT, as in eager), and the CUDA graph captures the two
 launches. The fake implementation only gives the output's shape and dtype. The op allocates its
 output and partials, mutates nothing, and reads the history length from ``n_valid`` on the device.
+
+The decode step's write (``oscar::append_token_``, :func:`append_token_op`) is a second op, with the same
+reasons: it mutates one layer's window and INT2 history in place (declared in ``mutates_args``, so functionalization
+tracks it), touches only the rows that change (one fused launch on CUDA, the torch reference elsewhere) and returns
+nothing.
 """
 from __future__ import annotations
 
@@ -54,3 +59,51 @@ def decode_attention_static_call(q_rot, k: QuantizedRows, v: QuantizedRows, star
         q_rot.float().contiguous(), *k, *v, start, qk_offset, float(scaling), int(group_size),
         q_win, k_win, v_win, win_mask, r_v, mu_v, n_valid, int(splits or 0), out_dtype,
     )
+
+
+_USE_KERNELS = {"auto": "auto", True: "on", False: "off"}  # the op's string form of ``use_kernels``
+
+
+@torch.library.custom_op(
+    "oscar::append_token_",
+    mutates_args=("win_k", "win_v", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"),
+)
+def append_token_(
+    new_k: torch.Tensor, new_v: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
+    k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+    v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+    length: torch.Tensor, pad: torch.Tensor, hist_heads: torch.Tensor | None,
+    r_k: torch.Tensor, mu_k: torch.Tensor | None, clip_k: float, r_v: torch.Tensor, mu_v: torch.Tensor | None,
+    clip_v: float, group_size: int, meta_dtype: torch.dtype, sink: int, recent: int, use_kernels: str,
+) -> None:
+    """:func:`~oscar_hf.kernels.write_path.append_token` on flattened :class:`QuantizedRows`; ``use_kernels`` is
+    ``"auto"``, ``"on"`` or ``"off"``."""
+    from .write_path import append_token
+
+    kernels = {"auto": "auto", "on": True, "off": False}[use_kernels]
+    append_token(new_k, new_v, win_k, win_v, QuantizedRows(k_codes, k_scale, k_zero),
+                 QuantizedRows(v_codes, v_scale, v_zero), length, pad, hist_heads, r_k, mu_k, clip_k, r_v, mu_v,
+                 clip_v, group_size, meta_dtype, sink, recent, use_kernels=kernels)
+
+
+@append_token_.register_fake
+def _(new_k, new_v, win_k, win_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, length, pad, hist_heads,
+      r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, use_kernels):
+    return None
+
+
+def append_token_op(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
+                    hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
+                    use_kernels="auto") -> None:
+    """:func:`~oscar_hf.kernels.write_path.append_token`'s signature through the opaque op ``oscar::append_token_``
+    (for ``torch.compile`` / CUDA graphs): mutates the window and history in place, returns None.
+
+    Under ``mode="reduce-overhead"`` the mutated buffers must be static inputs (``torch._dynamo.mark_static_address``)
+    for the step to be recorded as a CUDA graph; pass distinct tensors for ``r_k`` and ``r_v`` (with torch 2.11 the
+    same tensor in both, next to two distinct per-step inputs, lost every static-input mark and the graph was
+    skipped for "mutated inputs")."""
+    if use_kernels not in _USE_KERNELS:
+        raise ValueError(f"use_kernels must be 'auto', True or False, got {use_kernels!r}")
+    append_token_(new_k, new_v, win_k, win_v, *hist_k, *hist_v, length, pad, hist_heads, r_k, mu_k, float(clip_k),
+                  r_v, mu_v, float(clip_v), int(group_size), meta_dtype, int(sink), int(recent),
+                  _USE_KERNELS[use_kernels])

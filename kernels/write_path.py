@@ -12,13 +12,19 @@
 
 This file holds the torch reference and the dispatcher :func:`rotate_quantize`, which sends supported shapes on CUDA
 to the Triton kernel (``write_triton.py``) and everything else to the reference.
+
+``append_token(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k, clip_k, r_v, mu_v,
+clip_v, group_size, meta_dtype, sink, recent)``: the one-token write step of the static (CUDA-graph) cache, which
+mutates one layer's storage in place (see :func:`append_token_reference` for the layout and the semantics) and sends
+supported shapes on CUDA to one fused Triton launch (``append_triton.py``).
 """
 from __future__ import annotations
 
 import torch
 
-from oscar_hf.quant import quantize_rows
+from oscar_hf.quant import QuantizedRows, quantize_rows
 
+from .append_checks import check_append_inputs
 from .plan import triton_enabled
 
 
@@ -45,3 +51,83 @@ def rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset
         if kernel_supported(x, group_size, clip, meta_dtype):
             return rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset)
     return rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset)
+
+
+# ---------------------------------------------------------------------------------- one-token write step (static cache)
+
+
+def _kv_head_of_hist(hist_heads, hq: int):
+    """``[Hq]`` int64: the KV head that history head ``hh`` stores (the inverse of ``hist_heads``, computed on the
+    device: every history index is assumed to be the image of exactly one KV head), or None for the identity."""
+    if hist_heads is None:
+        return None
+    hk = hist_heads.shape[0]
+    inv = torch.zeros(hq + 1, dtype=torch.long, device=hist_heads.device)
+    dst = torch.where(hist_heads >= 0, hist_heads, torch.full_like(hist_heads, hq))  # unquantized heads -> slot hq
+    inv.scatter_(0, dst, torch.arange(hk, device=hist_heads.device))
+    return inv[:hq]
+
+
+def append_token_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
+                           hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent):
+    """One decode step of the static cache's storage, in place; returns None. Tensor ops only (no host sync), so it
+    can be captured in a CUDA graph or compiled.
+
+    Storage (``S0 = sink``, ``W = recent``, ``T = length``, a 0-d int64 device tensor, not modified):
+
+    * ``win_k/win_v [B, Hk, S0 + R, D]`` model dtype: ``[:S0]`` row ``b``'s first real tokens (slot ``pad[b] + j``
+      at entry ``j``), ``[S0:]`` a ring holding slot ``s`` at entry ``S0 + s % R`` (``R >= W + 1``);
+    * ``hist_k/hist_v`` :class:`QuantizedRows` ``[B, Hq, N, ...]``: slot ``s >= S0`` at index ``s - S0``;
+      ``hist_heads``: None (``Hq = Hk``) or int64 ``[Hk]``, each KV head's history index or -1 (not quantized),
+      one KV head per history index (not checked: that would read the device);
+    * ``r_* [Hq, D, D]`` float32 rotations, ``mu_k`` None | ``[Hq, D]`` | ``[B, Hq, D]``, ``mu_v`` None | ``[Hq, D]``.
+
+    Steps: (1) slot ``s = T - 1 - W`` leaves the window: when ``S0 <= s < S0 + N`` its ring entry is quantized
+    (rotate, center, clip, INT2) into history index ``s - S0`` of every quantized head; it is read before (2), which
+    overwrites the same entry when ``R = W + 1``. (2) ``new [B, Hk, 1, D]`` goes to ring entry ``S0 + T % R``, and
+    to sink entry ``T - pad[b]`` of each row with ``0 <= T - pad[b] < S0``."""
+    ring, n, hq = check_append_inputs(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
+                                      r_v, mu_v, group_size, meta_dtype, sink, recent)
+    s0, t = sink, length
+    # 1. demotion: written to a clamped index, masked to the old contents when slot s is no history slot
+    if n > 0 and hq > 0:
+        s = t - 1 - recent
+        e = s - s0
+        ok = (e >= 0) & (e < n)
+        src_entry = (s0 + torch.remainder(s, ring)).reshape(1)
+        dst = e.clamp(0, n - 1).reshape(1)
+        heads = _kv_head_of_hist(hist_heads, hq)
+        for win, hist, r, mu, clip in ((win_k, hist_k, r_k, mu_k, clip_k), (win_v, hist_v, r_v, mu_v, clip_v)):
+            x = win.index_select(2, src_entry)  # [B, Hk, 1, D]
+            if heads is not None:
+                x = x.index_select(1, heads)  # [B, Hq, 1, D]
+            q = rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype)
+            for store, row in zip(hist, q):
+                store.index_copy_(2, dst, torch.where(ok, row, store.index_select(2, dst)))
+    # 2. the new token: ring entry, then the sink of rows with fewer than S0 real tokens
+    entry = (s0 + torch.remainder(t, ring)).reshape(1)
+    win_k.index_copy_(2, entry, new_k)
+    win_v.index_copy_(2, entry, new_v)
+    if s0 > 0:
+        j = t - pad  # [B] row b's real tokens before this one
+        in_sink = ((j >= 0) & (j < s0))[:, None, None, None]
+        b, hk, _, d = new_k.shape
+        idx = j.clamp(0, s0 - 1)[:, None, None, None].expand(b, hk, 1, d)
+        for win, new in ((win_k, new_k), (win_v, new_v)):
+            win.scatter_(2, idx, torch.where(in_sink, new, win.gather(2, idx)))
+
+
+def append_token(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad, hist_heads,
+                 r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, use_kernels="auto"):
+    """Dispatch :func:`append_token_reference`: one fused Triton launch on CUDA (when importable, allowed and the
+    shape is supported, as for :func:`rotate_quantize`), else the torch reference. Returns None."""
+    if triton_enabled(new_k, use_kernels):
+        from .write_triton import kernel_supported
+
+        if kernel_supported(new_k, group_size, clip_k, meta_dtype) and kernel_supported(new_k, group_size, clip_v):
+            from .append_triton import append_token_triton
+
+            return append_token_triton(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k,
+                                       mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent)
+    return append_token_reference(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
+                                  clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent)

@@ -1,5 +1,7 @@
-"""The caches: :class:`OscarCache` (grows with the context) and :class:`StaticOscarCache` (preallocated, for
-CUDA graphs), each a ``transformers.Cache`` whose full-attention layers are OSCAR layers.
+"""The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers; on CUDA
+its storage is device-resident and ``generate`` compiles the decode step by itself (:mod:`.static`, growing in
+capacity buckets), elsewhere it is the eager reference (:mod:`.dynamic`). :class:`StaticOscarCache` fixes the
+capacity (``max_cache_len``).
 
 Data flow: an artifact (:class:`~oscar_hf.OscarRotations`) -> a cache layer per decoder layer
 (:mod:`.dynamic` / :mod:`.static`: write path + read) -> the registered attention function
@@ -23,6 +25,7 @@ from transformers.cache_utils import (
 )
 
 from ..attention import enable_oscar
+from ..compiled_step import install_step_hook
 from ..config import FULL_LAYER_TYPES, SLIDING_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
 from ..distributed import shard_cache_for_tensor_parallel
 from ..quant import bits_per_element
@@ -68,10 +71,18 @@ class OscarCache(Cache):
     Layers: full attention -> :class:`OscarLayer`; sliding-window / chunked -> Transformers'
     full-precision ``DynamicSlidingWindowLayer`` (bounded by its window already); ``skip_layers`` ->
     ``DynamicLayer``.
+
+    ``compile``: "auto" (default) keeps the storage on the device in fixed-address buffers
+    (:class:`StaticOscarLayer`, capacity growing in buckets) when the model is on CUDA and every layer it has can
+    be compiled (full attention, no ``skip_layers``, not tensor parallel), so that ``generate`` compiles the decode
+    step with CUDA graphs by itself; True asks for that storage anywhere (the CPU runs its torch reference);
+    False keeps the eager :class:`OscarLayer`.
     """
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
-                 preset: str | None = None, **overrides):
+                 preset: str | None = None, compile: bool | str = "auto", **overrides):
+        if compile not in (True, False, "auto"):
+            raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
         config = OscarConfig.build(config, preset, **overrides)
         is_model = isinstance(model_or_config, torch.nn.Module)
         model_config = model_or_config.config if is_model else model_or_config
@@ -93,6 +104,8 @@ class OscarCache(Cache):
         fp_heads = resolve_full_precision_heads(config, rotations, fp, skipped)
         if fp_heads:  # the saved / reported config names the heads, not "the top k"
             config = config.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in fp_heads.items() for h in hs)))
+        self.compiled = self._compiled_storage(compile, model_or_config if is_model else None, fp, config,
+                                               rotations, skipped, fp_heads)
         layers: list[Any] = []
         for i, kind in enumerate(fp.layer_types):
             if kind in SLIDING_LAYER_TYPES:
@@ -112,16 +125,49 @@ class OscarCache(Cache):
         self.tp_layout = None  # [tensor parallelism] set by oscar_hf/distributed.py: each rank keeps its own KV heads
         if is_model:
             shard_cache_for_tensor_parallel(self, model_or_config)  # [tensor parallelism] no-op without TP
+            if self.compiled:
+                install_step_hook(model_or_config)  # host-side length and capacity growth around the compiled step
         enable_oscar(model_or_config)
 
-    # Layer factories (the static-capacity subclass, StaticOscarCache, overrides them).
+    max_cache_len_fixed: int | None = None  # StaticOscarCache's capacity
+
+    def _compiled_storage(self, compile, model, fp: ModelFingerprint, config: OscarConfig, rotations, skipped,
+                          fp_heads) -> bool:
+        """Whether the full-attention layers get device-resident storage (:class:`StaticOscarLayer`)."""
+        if compile is False:
+            return False
+        why = None
+        growable = self.max_cache_len_fixed is None
+        if growable and any(kind in SLIDING_LAYER_TYPES for kind in fp.layer_types):
+            why = "sliding-window layers (use StaticOscarCache with a max_cache_len)"
+        elif growable and any(i in skipped or i not in rotations.layers for i, k in enumerate(fp.layer_types)
+                              if k in FULL_LAYER_TYPES):
+            why = "layers kept in full precision (skip_layers, or layers without rotations)"
+        elif growable and any(len(h) == fp.num_key_value_heads for h in fp_heads.values()):
+            why = "a layer whose every KV head is a full-precision head"
+        elif model is not None and (getattr(model, "_tp_size", None) or 1) > 1:
+            why = "tensor parallelism"
+        if compile == "auto":
+            on_cuda = model is not None and any(p.is_cuda for p in model.parameters())
+            if on_cuda and why:
+                logger.info("OscarCache: eager storage (the compiled decode step does not support %s)", why)
+            return on_cuda and why is None
+        if why:
+            raise ValueError(f"OscarCache(compile=True) does not support {why}")
+        return True
+
+    # Layer factories: eager (OscarLayer) or device-resident (StaticOscarLayer) storage.
     def _sliding_layer(self, window: int):
+        if self.compiled:
+            return StaticSlidingWindowLayer(max_cache_len=self.max_cache_len_fixed, sliding_window=window)
         return DynamicSlidingWindowLayer(sliding_window=window)
 
     def _full_precision_layer(self):
-        return DynamicLayer()
+        return StaticLayer(max_cache_len=self.max_cache_len_fixed) if self.compiled else DynamicLayer()
 
     def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=()):
+        if self.compiled:
+            return StaticOscarLayer(config, rotation, layer_idx, self.max_cache_len_fixed, fp_heads)
         return OscarLayer(config, rotation, layer_idx, fp_heads)
 
     @classmethod
@@ -131,8 +177,15 @@ class OscarCache(Cache):
         rot = OscarRotations.from_pretrained(
             name_or_path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token
         )
-        if config is None and preset is None and "group_size" in rot.metadata and "group_size" not in overrides:
-            overrides["group_size"] = int(rot.metadata["group_size"])
+        if config is None and preset is None and "group_size" not in overrides:
+            # the group size the clips were chosen for: top level (hand-written artifacts) wins over where
+            # calibrate() records it, metadata["calibration"]["group_size"]
+            cal = rot.metadata.get("calibration")
+            g = rot.metadata.get("group_size")
+            if g is None and isinstance(cal, dict):
+                g = cal.get("group_size")
+            if g is not None:
+                overrides["group_size"] = int(g)
         return cls(model, rot, config, preset=preset, **overrides)
 
     # ------------------------------------------------------------------ persistence
@@ -185,34 +238,23 @@ class OscarCache(Cache):
 
 
 class StaticOscarCache(OscarCache):
-    """:class:`OscarCache` with storage preallocated to ``max_cache_len`` slots
-    (prompt + new tokens, left padding included), so that ``generate`` compiles the decode step
-    (CUDA graphs). Sliding-window layers use Transformers' ``StaticSlidingWindowLayer``, skipped
-    layers ``StaticLayer``. The batch size is taken from the first forward and fixed."""
+    """:class:`OscarCache` with device-resident storage of a fixed capacity: ``max_cache_len`` slots (prompt + new
+    tokens, left padding included). ``OscarCache`` does the same on CUDA by itself, growing as needed; this class is
+    for a known bound, and for models with sliding-window or ``skip_layers`` layers (Transformers'
+    ``StaticSlidingWindowLayer`` / ``StaticLayer``). The batch size is taken from the first forward and fixed."""
 
     def __init__(self, model_or_config, rotations=None, config: OscarConfig | None = None, *, max_cache_len: int,
                  **overrides):
         if max_cache_len is None or int(max_cache_len) < 1:
             raise ValueError("StaticOscarCache needs max_cache_len >= 1 (prompt + new tokens, padding included)")
-        self.capacity = int(max_cache_len)  # (transformers 5.17's Cache has a read-only max_cache_len property)
-        super().__init__(model_or_config, rotations, config, **overrides)
-        if self.oscar_config.key_offset != "calibrated":
-            raise NotImplementedError("StaticOscarCache supports key_offset='calibrated' only; "
-                                      "key_offset='prefill' needs OscarCache")
+        if overrides.pop("compile", True) is not True:
+            raise ValueError("StaticOscarCache is the compiled storage; use OscarCache(compile=False) for the eager one")
+        self.max_cache_len_fixed = int(max_cache_len)  # (transformers 5.17's Cache has a read-only max_cache_len)
+        super().__init__(model_or_config, rotations, config, compile=True, **overrides)
 
-    def _sliding_layer(self, window: int):
-        return StaticSlidingWindowLayer(max_cache_len=self.capacity, sliding_window=window)
-
-    def _full_precision_layer(self):
-        return StaticLayer(max_cache_len=self.capacity)
-
-    def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=()):
-        if fp_heads:
-            raise NotImplementedError("StaticOscarCache does not support full_precision_heads; use OscarCache")
-        return StaticOscarLayer(config, rotation, layer_idx, self.capacity)
-
-    def save(self, directory) -> None:
-        raise NotImplementedError("saving a live StaticOscarCache is not supported: use OscarCache.save")
+    @property
+    def capacity(self) -> int:
+        return self.max_cache_len_fixed
 
     def __repr__(self) -> str:
         return super().__repr__().replace("OscarCache(", f"StaticOscarCache(max_cache_len={self.capacity}, ", 1)

@@ -26,6 +26,7 @@ from ..config import ModelFingerprint, OscarConfig
 from ..quant import QuantizedRows
 from ..rotations import OscarRotations
 from .dynamic import CROP_RESERVE, TAIL_SLACK, OscarLayer
+from .static import StaticOscarLayer
 
 STATE_NAME = "cache_state.json"
 TENSORS_NAME = "cache_tensors.safetensors"
@@ -42,30 +43,23 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
     path.mkdir(parents=True, exist_ok=True)
     tensors, layers = {}, []
     for i, layer in enumerate(cache.layers):
-        if isinstance(layer, OscarLayer):
-            if layer.pending is not None:
+        if isinstance(layer, (OscarLayer, StaticOscarLayer)):
+            if getattr(layer, "pending", None) is not None:
                 raise RuntimeError("cannot save an OscarCache in the middle of a forward pass")
-            if not layer.is_initialized or layer.pad is None:
+            if not layer.is_initialized or (isinstance(layer, OscarLayer) and layer.pad is None):
                 layers.append(dict(kind="oscar", empty=True))
                 continue
-            # the rollback reserve [buf_slot0, tail_start) is not saved: a loaded cache starts without one
-            a, b = layer.tail_start - layer.buf_slot0, layer.seq_len - layer.buf_slot0
-            n = layer.n_hist
-            t = {
-                "pad": layer.pad,
-                "sink_k": layer.sink_k, "sink_v": layer.sink_v,
-                "tail_k": layer.tail_k[:, :, a:b], "tail_v": layer.tail_v[:, :, a:b],
-                "hist_k_codes": layer.hist_k.codes[:, :, :n], "hist_k_scale": layer.hist_k.scale[:, :, :n],
-                "hist_k_zero": layer.hist_k.zero[:, :, :n], "hist_v_codes": layer.hist_v.codes[:, :, :n],
-                "hist_v_scale": layer.hist_v.scale[:, :, :n], "hist_v_zero": layer.hist_v.zero[:, :, :n],
-            }
-            if layer.mu_k_seq is not None:  # key_offset="prefill": the history is centered on it
-                t["mu_k_seq"] = layer.mu_k_seq
+            st = _layer_state(layer)
+            t = {k: st[k] for k in ("pad", "sink_k", "sink_v", "tail_k", "tail_v")}
+            for kv in ("k", "v"):
+                t.update({f"hist_{kv}_{f}": x for f, x in zip(("codes", "scale", "zero"), st[f"hist_{kv}"])})
+            if st["mu_k_seq"] is not None:  # key_offset="prefill": the history is centered on it
+                t["mu_k_seq"] = st["mu_k_seq"]
             if layer.fp_heads:  # full-precision heads: every slot [0, seq_len)
-                t["fp_k"], t["fp_v"] = layer.fp_k[:, :, : layer.seq_len], layer.fp_v[:, :, : layer.seq_len]
+                t["fp_k"], t["fp_v"] = st["fp_k"], st["fp_v"]
             tensors.update({f"layers.{i}.{k}": v.detach().cpu().contiguous() for k, v in t.items()})
-            layers.append(dict(kind="oscar", empty=False, seq_len=layer.seq_len, tail_start=layer.tail_start,
-                               buf_slot0=layer.tail_start, dtype=str(layer.dtype).removeprefix("torch."),
+            layers.append(dict(kind="oscar", empty=False, seq_len=st["seq_len"], tail_start=st["tail_start"],
+                               buf_slot0=st["tail_start"], dtype=str(layer.dtype).removeprefix("torch."),
                                batch_size=layer.batch_size, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim))
         elif isinstance(layer, DynamicLayer):
             kind = "sliding" if isinstance(layer, DynamicSlidingWindowLayer) else "dynamic"
@@ -83,6 +77,22 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
     doc = dict(format=FORMAT, version=VERSION, config=cache.oscar_config.to_dict(),
                fingerprint=cache.fingerprint.to_dict(), layers=layers)
     (path / STATE_NAME).write_text(json.dumps(doc, indent=2))
+
+
+def _layer_state(layer) -> dict:
+    """An OSCAR layer's saved form: positions and the used part of each buffer (the eager layer's layout; the
+    device-resident layer exports the same)."""
+    if isinstance(layer, StaticOscarLayer):
+        return layer.export_state()
+    # the rollback reserve [buf_slot0, tail_start) is not saved: a loaded cache starts without one
+    a, b = layer.tail_start - layer.buf_slot0, layer.seq_len - layer.buf_slot0
+    hist_k, hist_v = layer.hist_view()
+    st = dict(seq_len=layer.seq_len, tail_start=layer.tail_start, pad=layer.pad, sink_k=layer.sink_k,
+              sink_v=layer.sink_v, tail_k=layer.tail_k[:, :, a:b], tail_v=layer.tail_v[:, :, a:b], hist_k=hist_k,
+              hist_v=hist_v, mu_k_seq=layer.mu_k_seq)
+    if layer.fp_heads:
+        st["fp_k"], st["fp_v"] = layer.fp_k[:, :, : layer.seq_len], layer.fp_v[:, :, : layer.seq_len]
+    return st
 
 
 def _expect(t: dict, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -129,7 +139,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None):
         if entry.get("empty"):
             continue
         if entry["kind"] == "oscar":
-            if not isinstance(layer, OscarLayer):
+            if not isinstance(layer, (OscarLayer, StaticOscarLayer)):
                 raise ValueError(f"layer {i}: saved as quantized, but this cache does not quantize it")
             b, hk, d = entry["batch_size"], entry["num_kv_heads"], entry["head_dim"]
             dtype = _DTYPES[entry["dtype"]]
@@ -151,6 +161,20 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None):
                     _expect(tensors, f"{p}hist_{kv}_zero", (b, hq, n, d // g), meta),
                 ))
             fp_kv = [_expect(tensors, p + k, (b, n_fp, seq, d), dtype) for k in ("fp_k", "fp_v")] if n_fp else None
+            mu_k_seq = None
+            if config.key_offset == "prefill" and n > 0:
+                mu_k_seq = _expect(tensors, p + "mu_k_seq", (b, hq, d), torch.float32).to(device)
+            elif p + "mu_k_seq" in tensors:
+                raise ValueError(f"layer {i}: the saved history is centered on per-sequence key means "
+                                 "(key_offset='prefill'), this cache's config says key_offset='calibrated'")
+            if isinstance(layer, StaticOscarLayer):
+                layer.import_state(dict(
+                    seq_len=seq, tail_start=ts, pad=pad.to(device), sink_k=sink[0].to(device), sink_v=sink[1].to(device),
+                    tail_k=tail[0].to(device), tail_v=tail[1].to(device),
+                    hist_k=QuantizedRows(*(x.to(device) for x in hist[0])),
+                    hist_v=QuantizedRows(*(x.to(device) for x in hist[1])), mu_k_seq=mu_k_seq,
+                    fp_k=fp_kv[0].to(device) if fp_kv else None, fp_v=fp_kv[1].to(device) if fp_kv else None))
+                continue
             layer.lazy_initialization(tail[0][:, :, :0].to(device), tail[1][:, :, :0].to(device))
             layer.pad = pad.to(device)
             layer.pad_max = int(pad.max()) if pad.numel() else 0
@@ -164,11 +188,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None):
             layer.seq_len, layer.tail_start, layer.buf_slot0 = seq, ts, bs0
             if fp_kv is not None:
                 layer.fp_k, layer.fp_v = (x.to(device) for x in fp_kv)
-            if config.key_offset == "prefill" and n > 0:
-                layer.mu_k_seq = _expect(tensors, p + "mu_k_seq", (b, hq, d), torch.float32).to(device)
-            elif p + "mu_k_seq" in tensors:
-                raise ValueError(f"layer {i}: the saved history is centered on per-sequence key means "
-                                 "(key_offset='prefill'), this cache's config says key_offset='calibrated'")
+            layer.mu_k_seq = mu_k_seq
         else:
             keys, values = tensors.pop(f"layers.{i}.keys", None), tensors.pop(f"layers.{i}.values", None)
             if keys is None or values is None or keys.shape != values.shape or keys.dim() != 4:

@@ -1,152 +1,242 @@
-"""`StaticOscarLayer`: one quantized layer of :class:`~oscar_hf.StaticOscarCache` (storage preallocated to
-``max_cache_len``, for CUDA graphs), and its read.
+"""`StaticOscarLayer`: one quantized layer whose storage lives on the device in fixed-address buffers, so that
+``generate`` compiles the decode step (``torch.compile`` + CUDA graphs). :class:`~oscar_hf.OscarCache` uses it on
+CUDA by itself (``compile="auto"``); :class:`~oscar_hf.StaticOscarCache` with a fixed ``max_cache_len``.
 
-What ``StaticCache`` is to ``DynamicCache``: every buffer is allocated at the first forward and
-only mutated in place afterwards, the sequence length lives in a device tensor, and a one-token
-decode step runs without host synchronisation, allocation that grows with the context, or
-Python control flow on data. ``generate`` then compiles the decode step by itself
-(``is_compileable``; ``torch.compile(mode="reduce-overhead")`` = CUDA graphs on CUDA)::
+Semantics are those of the eager :class:`~oscar_hf.cache.dynamic.OscarLayer` (same sink / recent / INT2-history
+partition of every row's tokens, same quantizer); only the storage differs. ``B`` rows, ``Hk`` KV heads (``Hq`` of
+them quantized, ``P`` kept in full precision), ``S0`` sink, ``W`` recent, slot = absolute position:
 
-    cache = StaticOscarCache.from_pretrained(rotations_dir, model, max_cache_len=32768)
-    model.generate(**inputs, cache=cache, max_new_tokens=256)   # past_key_values=cache where there is no cache=
+* ``win_k/win_v [B, Hk, S0 + R, D]`` (model dtype): ``[:S0]`` row ``b``'s first ``S0`` real tokens (slot
+  ``pad[b] + j`` at entry ``j``), ``[S0:]`` a ring of ``R = W + 1 + RING_RESERVE`` entries, slot ``s`` at
+  ``S0 + s % R``. A decode step reads ``W`` recent tokens and itself from it; the ``RING_RESERVE`` older entries,
+  already in the history, let ``crop(-n)`` (assisted decoding) undo up to that many tokens exactly;
+* ``hist_k/hist_v`` (:class:`~oscar_hf.quant.QuantizedRows` ``[B, Hq, N, ...]``): slot ``s`` at index ``s - S0``,
+  row ``b`` reads ``pad[b] <= j < T - W - S0``;
+* ``fp_k/fp_v [B, P, capacity, D]``: every slot of the full-precision heads (``OscarConfig.full_precision_heads``);
+* ``length`` (0-d int64 device tensor) = ``T``; ``host_len`` the same count on the host, kept by the eager calls
+  and by the compiled step's wrapper (:mod:`oscar_hf.compiled_step`), which grows the storage before a step that
+  would not fit it: ``N`` and ``capacity`` grow in buckets (:func:`capacity_for`), each bucket one CUDA graph.
 
-Semantics are those of :class:`~oscar_hf.OscarCache` (same sink / recent / INT2-history
-partition of every row's tokens, same quantizer); only the storage differs. One quantized layer
-(``StaticOscarLayer``), ``B`` rows, ``Hk`` heads, ``S0`` sink, ``W`` recent, slot = absolute position:
-
-* ``win_k/win_v [B, Hk, S0 + W + 1, D]`` (model dtype): ``[:S0]`` row ``b``'s first ``S0`` real
-  tokens (slots ``pad[b] + j``), ``[S0:]`` a ring of ``R = W + 1`` entries holding slot ``s`` at
-  ``S0 + s % R``: the last ``W`` slots plus the one a decode step adds before demoting (a decoded
-  token sees ``W`` recent tokens and itself in full precision, as with ``OscarCache``);
-* ``hist_k/hist_v`` (:class:`~oscar_hf.quant.QuantizedRows` ``[B, Hk, cap + 1, ...]``): slot ``s``
-  at index ``s - S0`` (as in ``OscarCache``), row ``b`` reads ``pad[b] <= j < n_hist``; the last
-  index is a trash row that absorbs the no-op demotions of the first steps (branch-free writes);
-* ``length`` (0-d int64 device tensor) = ``T``; ``n_hist = max(0, T - W - S0)``.
-
-A decode step (one token at slot ``T``), all tensor ops: write the new token into ring entry
-``T % R`` (its previous slot ``T - R`` is already in history) and into the sink of rows still
-filling it; one :func:`~oscar_hf.kernels.int2_attention.decode_attention` over ``win`` (masked per
-row) and the INT2 history (``n_valid = n_hist`` read on the device); then quantize slot ``T - W``
-into history index ``T - W - S0`` (or the trash row) and ``T += 1``. A prefill (``L > 1``, eager, not compiled
-by ``generate``) attends over the new rows in full precision exactly like ``OscarCache`` and then
-bulk-demotes with the fused write kernel.
-
-Not supported (clear errors): ``crop`` (assisted / prompt-lookup decoding: use ``OscarCache``),
-growing past ``max_cache_len``, saving a live static cache.
+A decode step (one token at slot ``T``), device tensors only, no host synchronisation: one fused write
+(:func:`~oscar_hf.kernels.static_op.append_token_op`: demote slot ``T - 1 - W`` from the ring into the history,
+then write the new token into the ring and the sink of rows still filling it), the full-precision heads' slot,
+one decode attention over the window (masked per row) and the history (``n_valid = T - W - S0`` read on the
+device), ``T += 1``. A multi-token forward (prefill, next turn; eager, never compiled: the step wrapper runs it
+through the plain model) attends over the new rows in full precision like ``OscarLayer`` and bulk-demotes with the
+fused write kernel.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
-from oscar_hf.kernels import num_splits, triton_enabled
+from oscar_hf.kernels import triton_enabled
 from oscar_hf.kernels.int2_attention import decode_attention_rotating
-from oscar_hf.kernels.write_path import rotate_quantize, rotate_quantize_reference
+from oscar_hf.kernels.static_op import append_token_op
+from oscar_hf.kernels.write_path import rotate_quantize
 
 from ..attention import OscarKV
 from ..config import OscarConfig
 from ..patching import base_attention_function
-from ..quant import QuantizedRows
+from ..quant import QuantizedRows, dequantize_rows
 from ..rotations import LayerRotation
 from .base import QuantizedLayerBase, allowed_slots, check_first_keys, first_real_slot, group_queries, mask_rows
 
+RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE (as OscarLayer's CROP_RESERVE)
+BUCKET = 1024  # capacity granularity (slots)
+HEADROOM = 1 / 8  # a fresh allocation leaves room for this fraction of its length (at least BUCKET slots) ...
+GROWTH = 1.5  # ... and a full one grows by this factor: few buckets (CUDA graphs) over a long generation
+
+
+def capacity_for(need: int, current: int = 0) -> int:
+    """Slots to allocate for ``need`` tokens: ``need`` plus headroom, or ``GROWTH`` x the current capacity when
+    growing, rounded up to ``BUCKET``."""
+    want = max(need + max(int(need * HEADROOM), BUCKET), int(current * GROWTH))
+    return int(math.ceil(want / BUCKET) * BUCKET)
+
+
+@torch.library.custom_op("oscar::write_slot_", mutates_args=("buf",))
+def write_slot_(buf: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
+    """``buf[:, :, slot] = new[:, :, 0]`` (``slot`` a 0-d device tensor): opaque to the compiler, so that the
+    compiled step writes one row in place instead of a functional copy of the whole buffer."""
+    buf.index_copy_(2, slot.reshape(1), new)
+
+
+@write_slot_.register_fake
+def _(buf, new, slot) -> None:
+    return None
+
+
+def write_slot_op(buf: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
+    write_slot_(buf, new.contiguous(), slot)
+
 
 class StaticOscarKV(OscarKV):
-    """The handle ``update`` returns (no ``__slots__``: plain attribute access for dynamo). Its shape is what
-    ``StaticCache`` returns: the whole capacity (``get_mask_sizes``)."""
+    """The handle ``update`` returns (no ``__slots__``: plain attribute access for dynamo)."""
 
 
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _static(t: torch.Tensor) -> torch.Tensor:
-    """Tag a buffer as having a fixed address (CUDA graphs re-use it instead of copying it)."""
+def _static(t: torch.Tensor, growable_dim: int | None = None) -> torch.Tensor:
+    """Tag a buffer as having a fixed address (CUDA graphs re-use it instead of copying it); a growable capacity
+    dimension is marked dynamic so that a bigger bucket re-records the CUDA graph without recompiling the model."""
     if not _compiling():
         torch._dynamo.mark_static_address(t)
+        if growable_dim is not None:
+            torch._dynamo.maybe_mark_dynamic(t, growable_dim)
     return t
 
 
 class StaticOscarLayer(QuantizedLayerBase):
-    """One quantized decoder layer with preallocated storage (see the module docstring)."""
+    """One quantized decoder layer with device-resident storage (see the module docstring). ``max_cache_len``
+    fixes the capacity (:class:`~oscar_hf.StaticOscarCache`); None lets it grow in buckets."""
 
     is_compileable = True
-    is_croppable = False
+    is_croppable = True
 
-    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, max_cache_len: int):
+    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, max_cache_len: int | None = None,
+                 fp_heads=()):
         super().__init__(config, rotation, layer_idx)
-        s0, w = config.sink, config.recent
-        if w < 1:
-            raise ValueError("StaticOscarCache needs recent >= 1 (the ring buffer of the recent window)")
-        self.max_cache_len = int(max_cache_len)
-        self.hist_cap = max(self.max_cache_len - s0 - w, 0)  # history indices 0..hist_cap-1 (+1 trash row)
+        if config.recent < 1:
+            raise ValueError("the compiled OSCAR cache needs recent >= 1 (the ring buffer of the recent window)")
+        self.fixed_capacity = None if max_cache_len is None else int(max_cache_len)
+        self.fp_heads = tuple(sorted(set(int(h) for h in fp_heads)))
+        self.ring = config.recent + 1 + RING_RESERVE
         self.is_initialized = False
         self.keys = self.values = None  # CacheLayerMixin attributes; unused
         self.length = torch.zeros((), dtype=torch.long)
+        self.capacity = 0
+        self.host_len = 0  # T on the host (no sync needed to know it)
+        self.announced = False  # the compiled step's wrapper already counted this forward's token
         self.pad_known = False  # Python flag: set at the first (eager) forward
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         check_first_keys(self.layer_idx, self._rotation_cpu, key_states)
         b, hk, _, d = key_states.shape
+        if self.fp_heads and self.fp_heads[-1] >= hk:
+            raise ValueError(f"layer {self.layer_idx}: full_precision_heads {self.fp_heads} out of range for {hk} KV heads")
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_kv_heads, self.head_dim = b, hk, d
-        self.rot = self._rotation_cpu.to(self.device)
-        for t in (self.rot.r_k, self.rot.r_v, self.rot.mu_k, self.rot.mu_v):
-            if isinstance(t, torch.Tensor):
-                _static(t)  # graph inputs that never change: no copy per CUDA-graph replay
-        s0, w, g, meta = self.config.sink, self.config.recent, self.config.group_size, self.config.torch_meta_dtype
-        kw = dict(dtype=self.dtype, device=self.device)
-        self.win_k = _static(torch.zeros(b, hk, s0 + w + 1, d, **kw))
-        self.win_v = _static(torch.zeros(b, hk, s0 + w + 1, d, **kw))
-        n = self.hist_cap + 1
-
-        def hist():
-            return QuantizedRows(
-                _static(torch.zeros(b, hk, n, d // 4, dtype=torch.uint8, device=self.device)),
-                _static(torch.zeros(b, hk, n, d // g, dtype=meta, device=self.device)),
-                _static(torch.zeros(b, hk, n, d // g, dtype=meta, device=self.device)),
-            )
-
-        self.hist_k, self.hist_v = hist(), hist()
-        self.pad = _static(torch.zeros(b, dtype=torch.long, device=self.device))
-        self.length = _static(torch.zeros((), dtype=torch.long, device=self.device))
-        self.splits = None
-        if self.device.type == "cuda" and self.hist_cap > 0:  # host-side grid size, fixed for the cache's life
-            self.splits = num_splits(self.hist_cap, b * hk, self.device, static=True)
+        self.q_heads = tuple(h for h in range(hk) if h not in self.fp_heads)
+        dev = self.device
+        self.q_idx = torch.tensor(self.q_heads, dtype=torch.long, device=dev)
+        self.fp_idx = torch.tensor(self.fp_heads, dtype=torch.long, device=dev)
+        # kv head -> history head (-1: full precision), for the fused write
+        heads = [-1] * hk
+        for j, h in enumerate(self.q_heads):
+            heads[h] = j
+        self.hist_heads = _static(torch.tensor(heads, dtype=torch.long, device=dev)) if self.fp_heads else None
+        r = self._rotation_cpu
+        rot = (r.select_heads(self.q_heads) if self.fp_heads else r).to(dev)
+        # Each a tensor of this layer's own (~1 MB per layer): a step whose inputs alias (e.g. the built-in Hadamard
+        # rotation shared by K and V and by every layer) loses its static-input marks under CUDA graphs (torch 2.11),
+        # which then skip the whole step. Static: graph inputs that never change, no copy per CUDA-graph replay.
+        own = {name: _static(getattr(rot, name).clone()) for name in ("r_k", "r_v", "mu_k", "mu_v")
+               if isinstance(getattr(rot, name), torch.Tensor)}
+        self.rot = dataclasses.replace(rot, **own)
+        kw = dict(dtype=self.dtype, device=dev)
+        s0 = self.config.sink
+        self.win_k = _static(torch.zeros(b, hk, s0 + self.ring, d, **kw))
+        self.win_v = _static(torch.zeros(b, hk, s0 + self.ring, d, **kw))
+        self.pad = _static(torch.zeros(b, dtype=torch.long, device=dev))
+        self.length = _static(torch.zeros((), dtype=torch.long, device=dev))
+        self.hist_k = self.hist_v = None
+        self.fp_k = self.fp_v = None
+        self.capacity = 0
+        self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2])))
         self.is_initialized = True
 
+    def _hist_rows(self, capacity: int) -> int:
+        return max(capacity - self.config.sink - self.config.recent, 1)
+
+    def _allocate(self, capacity: int) -> None:
+        """(Re)allocate the capacity-sized buffers (history, full-precision heads), keeping their content."""
+        b, d, dev = self.batch_size, self.head_dim, self.device
+        g, meta = self.config.group_size, self.config.torch_meta_dtype
+        hq, p, n = len(self.q_heads), len(self.fp_heads), self._hist_rows(capacity)
+        growable = None if self.fixed_capacity else 2
+
+        def grow(old, *shape, dtype):
+            new = torch.zeros(*shape, dtype=dtype, device=dev)
+            if old is not None:
+                k = min(old.shape[2], new.shape[2])
+                new[:, :, :k] = old[:, :, :k]
+            return _static(new, growable)
+
+        def hist(old):
+            old = old or (None, None, None)
+            return QuantizedRows(grow(old[0], b, hq, n, d // 4, dtype=torch.uint8),
+                                 grow(old[1], b, hq, n, d // g, dtype=meta), grow(old[2], b, hq, n, d // g, dtype=meta))
+
+        self.hist_k, self.hist_v = hist(self.hist_k), hist(self.hist_v)
+        if p:
+            self.fp_k = grow(self.fp_k, b, p, capacity, d, dtype=self.dtype)
+            self.fp_v = grow(self.fp_v, b, p, capacity, d, dtype=self.dtype)
+        self.capacity = capacity
+
+    def advance(self, n: int) -> None:
+        """Host side, before ``n`` new tokens are written: make room for them (a bigger bucket when needed)."""
+        need = self.host_len + n
+        if need > self.capacity and self.is_initialized:
+            if self.fixed_capacity:
+                raise ValueError(f"StaticOscarCache is full (max_cache_len={self.fixed_capacity}, {need} tokens)")
+            self._allocate(capacity_for(need, self.capacity))
+        self.host_len = need
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if key_states.shape[0] != self.batch_size:
-            raise ValueError(
-                f"StaticOscarCache layer {self.layer_idx} holds batch size {self.batch_size}, got {key_states.shape[0]}"
-            )
+        if not _compiling():
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if key_states.shape[0] != self.batch_size:
+                raise ValueError(f"OscarCache layer {self.layer_idx} holds batch size {self.batch_size}, got "
+                                 f"{key_states.shape[0]} rows (use batch_repeat_interleave / batch_select_indices)")
+            if key_states.dtype != self.dtype or key_states.device != self.device:
+                raise ValueError(f"OscarCache layer {self.layer_idx}: got {key_states.dtype} on {key_states.device}, "
+                                 f"cache holds {self.dtype} on {self.device}")
+            if self.announced:  # the compiled step's wrapper counted it (and this forward fell back to eager)
+                self.announced = False
+            else:
+                self.advance(key_states.shape[2])
         handle = StaticOscarKV(self, key_states, value_states)
         return handle, handle
 
     def get_seq_length(self):
-        return self.length if self.is_initialized else 0
+        if _compiling():
+            return self.length  # a device tensor inside the compiled step: no guard on a changing int
+        return self.host_len
 
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
-        return self.max_cache_len, 0
+        # A decode step reads no mask (left padding was taken at the first forward): a one-slot mask keeps the
+        # compiled step's inputs of fixed shape. Multi-token forwards (eager) get the dynamic layer's full mask.
+        # A fixed capacity keeps StaticCache's full-size mask (a skipped StaticLayer may read it).
+        if self.fixed_capacity:
+            return self.fixed_capacity, 0
+        if query_length == 1:
+            return 1, (0 if _compiling() else self.host_len)
+        return self.host_len + query_length, 0
 
     def get_max_length(self) -> int:
-        return self.max_cache_len
+        return self.fixed_capacity or -1
 
     def get_max_cache_shape(self) -> int:  # transformers < 5.2x name
-        return self.max_cache_len
+        return self.get_max_length()
 
     def reset(self) -> None:
         if self.is_initialized:
             for t in (self.win_k, self.win_v, self.pad, self.length, *self.hist_k, *self.hist_v):
                 t.zero_()
+            for t in (self.fp_k, self.fp_v):
+                if t is not None:
+                    t.zero_()
+        self.mu_k_seq = None
         self.pad_known = False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "StaticOscarCache cannot crop (assisted / prompt-lookup decoding): use the dynamic OscarCache"
-        )
+        self.host_len = 0
+        self.announced = False
 
     # ------------------------------------------------------------------ read
     def attend(self, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
@@ -155,46 +245,78 @@ class StaticOscarLayer(QuantizedLayerBase):
         capture); multi-token forwards (prefill, eager) read the old state + the new rows, then write."""
         new_k, new_v = handle.key_states, handle.value_states
         b, hq, l, d = query.shape
-        hk = new_k.shape[1]
-        g = hq // hk
-        s0, cfg = self.config.sink, self.config
-        dev = query.device
         t_old = None
         if not self.pad_known:  # first forward of this cache (eager): left padding from the mask
-            t_old = int(self.length)
+            t_old = self.host_len - l
             allowed = allowed_slots(attention_mask, b, l, t_old + l, t_old)
-            self.set_pad(first_real_slot(allowed, b, dev))
-        rot = self.rot
-        mu_v = self.offsets()[1]
-
+            self.pad.copy_(first_real_slot(allowed, b, query.device))
+            self.pad_known = True
         if l == 1:
-            # Decode step: the static mask is not read: left padding was recorded at the first forward.
-            self.write_one(new_k, new_v)
-            t = self.length  # slot of the new token; the window holds slots [T - W, T]
-            qf = group_queries(query.float(), hk)  # [B, Hk, g, D]
-            win_mask = self.window_mask(t + 1, cfg.recent + 1)[:, None, None, :]  # [B, 1, 1, S0 + W + 1]
-            n_valid = self.n_hist(t)
-            hist_k, hist_v = self.hist_k, self.hist_v
-            if not torch.compiler.is_compiling() and not triton_enabled(query, cfg.use_kernels):
-                n = int(n_valid)  # eager reference: read only the filled part
-                hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (hist_k, hist_v))
-                n_valid = None
-            out = decode_attention_rotating(
-                qf, rot.r_k, self.offsets()[0], hist_k, hist_v, self.pad, None, scaling, cfg.group_size,
-                self.win_k, self.win_v, win_mask, rot.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size,
-                use_kernels=cfg.use_kernels, n_valid=n_valid, splits=self.splits,
-            )
-            self.demote_one()
-            return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
+            return self._decode_step(query, new_k, new_v, scaling)
+        return self._multi_token(query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs)
 
-        t_old = int(self.length) if t_old is None else t_old
+    def _decode_step(self, query, new_k, new_v, scaling: float) -> torch.Tensor:
+        b, hq, _, d = query.shape
+        hk, cfg = self.num_kv_heads, self.config
+        t = self.length  # slot of the new token; the window then holds slots [T - W, T]
+        mu_k, mu_v = self.offsets()
+        append_token_op(new_k, new_v, self.win_k, self.win_v, self.hist_k, self.hist_v, t, self.pad, self.hist_heads,
+                        self.rot.r_k, mu_k, self.clip_k, self.rot.r_v, mu_v, self.clip_v, cfg.group_size,
+                        cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels)
+        if self.fp_heads:
+            write_slot_op(self.fp_k, new_k.index_select(1, self.fp_idx), t)
+            write_slot_op(self.fp_v, new_v.index_select(1, self.fp_idx), t)
+        qf = group_queries(query.float(), hk)  # [B, Hk, g, D]
+        win_mask = self.window_mask(t + 1, cfg.recent + 1)[:, None, None, :]  # [B, 1, 1, S0 + R]
+        n_valid = self.n_hist(t)  # history slots [S0, T - W) once the write above demoted slot T - 1 - W
+        hist_k, hist_v = self.hist_k, self.hist_v
+        if not _compiling() and not triton_enabled(query, cfg.use_kernels):
+            n = int(n_valid)  # eager reference: read only the filled part
+            hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (hist_k, hist_v))
+            n_valid = None
+        q_part, win_k, win_v = qf, self.win_k, self.win_v
+        if self.fp_heads:
+            q_part, win_k, win_v = (x.index_select(1, self.q_idx) for x in (qf, win_k, win_v))
+        out = decode_attention_rotating(
+            q_part, self.rot.r_k, mu_k, hist_k, hist_v, self.pad, None, scaling, cfg.group_size,
+            win_k, win_v, win_mask, self.rot.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size,
+            use_kernels=cfg.use_kernels, n_valid=n_valid, splits=None,
+        )
+        if self.fp_heads:
+            out = self._merge_full_precision_heads(out, qf, t, scaling)
+        self.length.add_(1)
+        return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
+
+    def _merge_full_precision_heads(self, out_q, qf, t, scaling: float) -> torch.Tensor:
+        """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and an exact SDPA of the full-precision heads over
+        their slots ``[pad, T]``."""
+        slot = torch.arange(self.fp_k.shape[2], device=self.device)
+        ok = (slot[None, :] <= t) & (slot[None, :] >= self.pad[:, None])  # [B, capacity]
+        out_fp = torch.nn.functional.scaled_dot_product_attention(
+            qf.index_select(1, self.fp_idx).to(self.dtype), self.fp_k, self.fp_v, attn_mask=ok[:, None, None, :],
+            scale=scaling,
+        )
+        b, hk, m, d = qf.shape
+        full = out_q.new_empty(b, hk, m, d)
+        full.index_copy_(1, self.q_idx, out_q)
+        full.index_copy_(1, self.fp_idx, out_fp.to(out_q.dtype))
+        return full
+
+    def _multi_token(self, query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs):
+        b, hq, l, d = query.shape
+        hk, cfg, s0, dev = self.num_kv_heads, self.config, self.config.sink, query.device
+        g = hq // hk
+        t_old = self.host_len - l if t_old is None else t_old
         kv = t_old + l
         if t_old == 0:  # prefill of an empty cache: exactly the user's attention over the prompt
             mask = attention_mask[..., :l] if attention_mask is not None and attention_mask.dim() == 4 else attention_mask
             out, _ = base_attention_function(module, base)(module, query, new_k, new_v, mask, scaling=scaling, **kwargs)
-            self.commit_bulk(new_k, new_v)
+            self.commit_bulk(new_k, new_v, t_old)
             return out
-        # A multi-token forward on a non-empty cache (next turn): stored window + new rows, history.
+        # A multi-token forward on a non-empty cache (next turn, chunked prefill, assisted decoding's verification):
+        # the history up to T - W (the last decode step's pending demotion done first), the stored window's slots
+        # [T - W, T) and the sink, and the new rows.
+        self._demote_slots(max(s0, t_old - cfg.recent - 1), t_old - cfg.recent)
         allowed = allowed_slots(attention_mask, b, l, kv, t_old)
         if allowed is None:  # causal among the new rows
             allowed = (torch.arange(kv, device=dev)[None, :] <= (t_old + torch.arange(l, device=dev))[:, None])[None].expand(b, l, kv)
@@ -202,16 +324,30 @@ class StaticOscarLayer(QuantizedLayerBase):
         slots = torch.cat([self.pad[:, None] + torch.arange(s0, device=dev)[None, :],  # sink j
                            self.ring_slots(t).clamp(min=0).expand(b, -1)], 1)  # ring entries
         ok = self.window_mask(t, cfg.recent)[:, None, :] & allowed.gather(2, slots.clamp(max=kv - 1)[:, None, :].expand(b, l, -1))
-        ok = torch.cat([ok, allowed[:, :, t_old:]], -1)  # [B, L, S0 + W + L]
+        ok = torch.cat([ok, allowed[:, :, t_old:]], -1)  # [B, L, S0 + R + L]
         qf = group_queries(query.float(), hk)
-        n = int(self.n_hist(t))
+        n = max(t_old - cfg.recent - s0, 0)
         hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (self.hist_k, self.hist_v))
+        win_k, win_v = torch.cat([self.win_k, new_k], 2), torch.cat([self.win_v, new_v], 2)
+        q_part = qf
+        if self.fp_heads:
+            q_part, win_k, win_v = (x.index_select(1, self.q_idx) for x in (qf, win_k, win_v))
+        mu_k, mu_v = self.offsets()
         out = decode_attention_rotating(
-            qf, rot.r_k, self.offsets()[0], hist_k, hist_v, self.pad, mask_rows(allowed[:, :, s0 : s0 + n], g), scaling,
-            cfg.group_size, torch.cat([self.win_k, new_k], 2), torch.cat([self.win_v, new_v], 2), mask_rows(ok, g),
-            rot.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size, use_kernels=cfg.use_kernels,
+            q_part, self.rot.r_k, mu_k, hist_k, hist_v, self.pad, mask_rows(allowed[:, :, s0 : s0 + n], g), scaling,
+            cfg.group_size, win_k, win_v, mask_rows(ok, g), self.rot.r_v, mu_v, out_dtype=query.dtype,
+            block_n=cfg.block_size, use_kernels=cfg.use_kernels,
         )
-        self.commit_bulk(new_k, new_v)
+        if self.fp_heads:
+            self._write_full_precision(new_k, new_v, t_old)
+            q = qf.index_select(1, self.fp_idx).to(self.dtype)  # [B, P, g*L, D]
+            out_fp = torch.nn.functional.scaled_dot_product_attention(
+                q, self.fp_k[:, :, :kv], self.fp_v[:, :, :kv], attn_mask=mask_rows(allowed, g), scale=scaling)
+            full = out.new_empty(b, hk, g * l, d)
+            full[:, self.q_idx] = out
+            full[:, self.fp_idx] = out_fp.to(out.dtype)
+            out = full
+        self.commit_bulk(new_k, new_v, t_old)
         return out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
 
     # ------------------------------------------------------------------ positions of the window
@@ -221,9 +357,8 @@ class StaticOscarLayer(QuantizedLayerBase):
 
     def ring_slots(self, length: torch.Tensor) -> torch.Tensor:
         """``[R]``: the slot each ring entry holds once slots ``[0, length)`` are written (may be < 0)."""
-        r = self.config.recent + 1
-        q = torch.arange(r, device=self.device)
-        return (length - 1) - torch.remainder(length - 1 - q, r)
+        q = torch.arange(self.ring, device=self.device)
+        return (length - 1) - torch.remainder(length - 1 - q, self.ring)
 
     def window_mask(self, length: torch.Tensor, recent: int) -> torch.Tensor:
         """``[B, S0 + R]`` bool: which window entries hold row ``b``'s sink tokens or one of the last
@@ -235,119 +370,220 @@ class StaticOscarLayer(QuantizedLayerBase):
         ring_ok = (slot[None, :] >= (self.pad + s0)[:, None]) & (slot >= length - recent)[None, :]
         return torch.cat([sink_ok, ring_ok], 1)
 
-    # ------------------------------------------------------------------ write path
-    def set_pad(self, pad: torch.Tensor | None) -> None:
-        if not self.pad_known:
-            if pad is not None:
-                self.pad.copy_(pad)
-            self.pad_known = True
+    # ------------------------------------------------------------------ write path (eager, multi-token)
+    def _write_full_precision(self, new_k, new_v, t_old: int) -> None:
+        if self.fp_heads:
+            l = new_k.shape[2]
+            self.fp_k[:, :, t_old : t_old + l] = new_k.index_select(1, self.fp_idx)
+            self.fp_v[:, :, t_old : t_old + l] = new_v.index_select(1, self.fp_idx)
 
-    def write_one(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
-        """Decode step, part 1: token ``[B, Hk, 1, D]`` at slot ``T`` into the ring (and the sink of
-        rows with fewer than ``S0`` real tokens). Tensor ops only (CUDA-graph safe)."""
-        s0, r = self.config.sink, self.config.recent + 1
-        t = self.length
-        if not _compiling() and int(t) >= self.max_cache_len:
-            raise ValueError(f"StaticOscarCache is full (max_cache_len={self.max_cache_len})")
-        ring = (s0 + torch.remainder(t, r)).reshape(1)
-        self.win_k.index_copy_(2, ring, new_k)
-        self.win_v.index_copy_(2, ring, new_v)
-        if s0 == 0:
-            return
-        r_b = t - self.pad  # [B] real tokens of each row before this one
-        in_sink = ((r_b >= 0) & (r_b < s0))[:, None, None, None]
-        idx = r_b.clamp(0, s0 - 1)[:, None, None, None].expand(-1, self.num_kv_heads, 1, self.head_dim)
-        for win, new in ((self.win_k, new_k), (self.win_v, new_v)):
-            win.scatter_(2, idx, torch.where(in_sink, new, win.gather(2, idx)))
-
-    def demote_one(self) -> None:
-        """Decode step, part 2 (after the attention): slot ``T - W`` leaves the recent window and is
-        quantized to history index ``T - W - S0`` (the trash row when it is not a history slot); ``T += 1``."""
-        s0, w, g, meta = self.config.sink, self.config.recent, self.config.group_size, self.config.torch_meta_dtype
-        t = self.length
-        ring = (s0 + torch.remainder(t - w, w + 1)).reshape(1)
-        e = t - w - s0
-        j = torch.where((e >= 0) & (e < self.hist_cap), e, torch.full_like(e, self.hist_cap)).reshape(1)
-        mu_k, mu_v = self.offsets()
-        for win, hist, r, mu, clip in ((self.win_k, self.hist_k, self.rot.r_k, mu_k, self.clip_k),
-                                       (self.win_v, self.hist_v, self.rot.r_v, mu_v, self.clip_v)):
-            q = rotate_quantize_reference(win.index_select(2, ring), r, mu, clip, g, meta)  # one row [B, Hk, 1, ...]
-            for dst, src in zip(hist, q):
-                dst.index_copy_(2, j, src)
-        self.length.add_(1)
-
-    def commit_bulk(self, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
-        """Prefill / multi-token forward (eager): slots ``[T, T + L)``."""
-        s0, w, g, meta = self.config.sink, self.config.recent, self.config.group_size, self.config.torch_meta_dtype
-        t_old, n_new = int(self.length), new_k.shape[2]
-        t_new = t_old + n_new
-        if t_new > self.max_cache_len:
-            raise ValueError(f"StaticOscarCache: {t_new} tokens exceed max_cache_len={self.max_cache_len}")
-        dev = self.device
-        # 1. history: slots [max(T - W, S0), T + L - W), from the ring (< T) or the new rows (>= T)
-        a, b = max(t_old - w, s0), t_new - w
+    def _demote_slots(self, a: int, b: int, t_old: int | None = None, new_k=None, new_v=None) -> None:
+        """Quantize slots ``[a, b)`` into history indices ``[a - S0, b - S0)``, from the ring (slots ``< t_old``) or
+        the new rows (slots ``>= t_old``), in ``prefill_chunk`` pieces."""
+        s0, g, meta = self.config.sink, self.config.group_size, self.config.torch_meta_dtype
+        t_old = b if t_old is None else t_old
         mu_k, mu_v = self.offsets()
         for c0 in range(a, b, self.config.prefill_chunk):
             c1 = min(b, c0 + self.config.prefill_chunk)
-            ring_idx = s0 + torch.remainder(torch.arange(c0, max(c0, min(c1, t_old)), device=dev), w + 1)
+            ring_idx = s0 + torch.remainder(torch.arange(c0, max(c0, min(c1, t_old)), device=self.device), self.ring)
             for win, new, hist, r, mu, clip in (
                 (self.win_k, new_k, self.hist_k, self.rot.r_k, mu_k, self.clip_k),
                 (self.win_v, new_v, self.hist_v, self.rot.r_v, mu_v, self.clip_v),
             ):
-                x = torch.cat([win.index_select(2, ring_idx), new[:, :, max(c0, t_old) - t_old : c1 - t_old]], 2)
+                x = win.index_select(2, ring_idx)
+                if c1 > t_old:
+                    x = torch.cat([x, new[:, :, max(c0, t_old) - t_old : c1 - t_old]], 2)
+                if self.fp_heads:
+                    x = x.index_select(1, self.q_idx)
                 rotate_quantize(x, r, mu, clip, g, meta, out=hist, out_offset=c0 - s0, use_kernels=self.config.use_kernels)
+
+    def _sequence_key_mean(self, new_k: torch.Tensor, b: int) -> torch.Tensor:
+        """``[B, Hq, D]``: per row, the mean of its non-sink prompt keys in slots ``[pad + S0, b)`` (key_offset=
+        "prefill", computed at the first bulk demotion of an empty cache: all those slots are new rows)."""
+        k = new_k[:, :, :b].index_select(1, self.q_idx) if self.fp_heads else new_k[:, :, :b]
+        slot = torch.arange(b, device=self.device)
+        w = (slot[None, :] >= (self.pad + self.config.sink)[:, None]).float()  # [B, b]
+        n = w.sum(1)
+        mean = torch.einsum("bt,bhtd->bhd", w, k.float()) / n.clamp(min=1)[:, None, None]
+        fallback = self.rot.mu_k.float() if self.rot.mu_k is not None else torch.zeros_like(mean[0])
+        return _static(torch.where((n > 0)[:, None, None], mean, fallback[None]).contiguous())
+
+    def commit_bulk(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
+        """Prefill / multi-token forward (eager): slots ``[T, T + L)``."""
+        s0, w = self.config.sink, self.config.recent
+        n_new = new_k.shape[2]
+        t_new = t_old + n_new
+        dev = self.device
+        self._write_full_precision(new_k, new_v, t_old)
+        # 1. history: slots [max(T - W, S0), T + L - W), from the ring (< T) or the new rows (>= T)
+        a, b = max(t_old - w, s0), t_new - w
+        if b > a and t_old == 0 and self.config.key_offset == "prefill" and self.mu_k_seq is None:
+            self.mu_k_seq = self._sequence_key_mean(new_k, b)
+        if b > a:
+            self._demote_slots(a, b, t_old, new_k, new_v)
         # 2. sink: row b's real token j sits at slot pad[b] + j
         slot = self.pad[:, None] + torch.arange(s0, device=dev)[None, :]  # [B, S0]
         sel = ((slot >= t_old) & (slot < t_new))[:, None, :, None]
         idx = (slot - t_old).clamp(0, n_new - 1)[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
         for win, new in ((self.win_k, new_k), (self.win_v, new_v)):
             win[:, :, :s0] = torch.where(sel, new.gather(2, idx), win[:, :, :s0])
-        # 3. ring: the last R = W + 1 slots (the oldest of them is in history already)
-        first = max(t_old, t_new - w - 1)
-        ring_idx = s0 + torch.remainder(torch.arange(first, t_new, device=dev), w + 1)
+        # 3. ring: the last R slots
+        first = max(t_old, t_new - self.ring)
+        ring_idx = s0 + torch.remainder(torch.arange(first, t_new, device=dev), self.ring)
         self.win_k.index_copy_(2, ring_idx, new_k[:, :, first - t_old :])
         self.win_v.index_copy_(2, ring_idx, new_v[:, :, first - t_old :])
         self.length.fill_(t_new)
 
     # ------------------------------------------------------------------ generate() contract
-    def _batch_apply(self, fn) -> None:
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens: exact for up to ``RING_RESERVE`` tokens (their window
+        predecessors are still in the ring); beyond it the window slots that left the ring are refilled from the
+        history (dequantized), as if they had stayed quantized."""
+        if tokens_to_remove > 0:
+            raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        t_old, t_new = self.host_len, max(0, self.host_len - n)
+        lost = range(max(t_new - self.config.recent - 1, self.config.sink), min(t_old - self.ring, t_new))
+        if len(lost):  # window slots no longer in the ring: back from the history
+            self._refill_ring(lost.start, lost.stop)
+        self.host_len = t_new
+        self.length.fill_(t_new)
+        if t_new == 0:
+            self.pad_known = False
+            self.mu_k_seq = None
+
+    def _refill_ring(self, a: int, b: int) -> None:
+        s0, g = self.config.sink, self.config.group_size
+        idx = s0 + torch.remainder(torch.arange(a, b, device=self.device), self.ring)
+        for win, hist, r, mu in ((self.win_k, self.hist_k, self.rot.r_k, self.offsets()[0]),
+                                 (self.win_v, self.hist_v, self.rot.r_v, self.offsets()[1])):
+            rows = dequantize_rows(QuantizedRows(*(x[:, :, a - s0 : b - s0] for x in hist)), g)  # rotated, centered
+            x = torch.matmul(rows, r.transpose(-1, -2).unsqueeze(0))
+            if mu is not None:
+                x = x + (mu[None, :, None, :] if mu.dim() == 2 else mu[:, :, None, :])
+            if self.fp_heads:
+                full = win.index_select(2, idx).clone()
+                full[:, self.q_idx] = x.to(self.dtype)
+                x = full
+            win.index_copy_(2, idx, x.to(self.dtype))
+
+    def _batch_apply(self, fn, in_place: bool) -> None:
+        """Apply ``fn`` (a batch-dim op) to every per-row buffer: in place (same batch size: beam reorder, keeps the
+        CUDA graphs' addresses) or by reallocation (new batch size)."""
         if not self.is_initialized:
             return
-        for t in (self.win_k, self.win_v, self.pad, *self.hist_k, *self.hist_v):
-            t.copy_(fn(t))
+        names = ["win_k", "win_v", "pad", "fp_k", "fp_v", "mu_k_seq"]
+        for name in names:
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if in_place:
+                t.copy_(fn(t))
+            else:
+                grow_dim = 2 if name in ("fp_k", "fp_v") and not self.fixed_capacity else None
+                setattr(self, name, _static(fn(t).contiguous(), grow_dim))
+        for name in ("hist_k", "hist_v"):
+            q = getattr(self, name)
+            if in_place:
+                for t in q:
+                    t.copy_(fn(t))
+            else:
+                setattr(self, name, QuantizedRows(*(_static(fn(t).contiguous(), None if self.fixed_capacity else 2)
+                                                    for t in q)))
+        self.batch_size = self.win_k.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
-        self._batch_apply(lambda t: t.index_select(0, idx))
+        self._batch_apply(lambda t: t.index_select(0, idx), in_place=True)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("StaticOscarCache has a fixed batch size; build it after expanding the batch")
+        if self.fixed_capacity:
+            raise NotImplementedError("StaticOscarCache has a fixed batch size; build it after expanding the batch")
+        self._batch_apply(lambda t: t.repeat_interleave(repeats, dim=0), in_place=False)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("StaticOscarCache has a fixed batch size")
+        if self.fixed_capacity:
+            raise NotImplementedError("StaticOscarCache has a fixed batch size")
+        self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices],
+                          in_place=False)
 
     def offload(self):
-        raise NotImplementedError("StaticOscarCache does not support offloading")
+        raise NotImplementedError("OscarCache does not support offloading (its history is already ~7x smaller)")
 
     def prefetch(self):
         return None
 
+    # ------------------------------------------------------------------ persistence (the eager layer's format)
+    def export_state(self) -> dict:
+        """The state in :class:`OscarLayer`'s saved form (:mod:`.io`): positions and the used part of each buffer."""
+        s0, w, t = self.config.sink, self.config.recent, self.host_len
+        self._demote_slots(max(s0, t - w - 1), t - w)  # the last step's pending demotion
+        ts = t - w if t - w > s0 else 0
+        slots = torch.arange(ts, t, device=self.device)  # [n]: the tail's slots, from the ring or (older) the sink
+        in_ring = slots >= t - self.ring
+        j = slots[None, :] - self.pad[:, None]  # [B, n] sink index of each slot
+        in_sink = (j >= 0) & (j < s0)
+        ring_e = (s0 + torch.remainder(slots, self.ring))[None, :].expand(self.batch_size, -1)
+        src = torch.where(in_ring[None, :], ring_e, j.clamp(0, max(s0 - 1, 0)))
+        keep = (in_ring[None, :] | in_sink)[:, None, :, None]
+        idx = src[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
+        tail = [torch.where(keep, win.gather(2, idx), torch.zeros((), dtype=self.dtype, device=self.device))
+                for win in (self.win_k, self.win_v)]
+        n = max(0, ts - s0)
+        state = dict(seq_len=t, tail_start=ts, pad=self.pad.clone(), sink_k=self.win_k[:, :, :s0], sink_v=self.win_v[:, :, :s0],
+                     tail_k=tail[0], tail_v=tail[1], hist_k=QuantizedRows(*(x[:, :, :n] for x in self.hist_k)),
+                     hist_v=QuantizedRows(*(x[:, :, :n] for x in self.hist_v)), mu_k_seq=self.mu_k_seq)
+        if self.fp_heads:
+            state["fp_k"], state["fp_v"] = self.fp_k[:, :, :t], self.fp_v[:, :, :t]
+        return state
+
+    def import_state(self, state: dict) -> None:
+        """Load :meth:`export_state`'s form (tensors on this layer's device, shapes checked by :mod:`.io`)."""
+        s0, t, ts = self.config.sink, int(state["seq_len"]), int(state["tail_start"])
+        tail_k = state["tail_k"]
+        self.host_len = 0
+        self.lazy_initialization(tail_k[:, :, :0], state["tail_v"][:, :, :0])
+        self.advance(t)
+        self.pad.copy_(state["pad"])
+        self.pad_known = True
+        self.win_k[:, :, :s0] = state["sink_k"]
+        self.win_v[:, :, :s0] = state["sink_v"]
+        first = max(ts, t - self.ring)
+        idx = s0 + torch.remainder(torch.arange(first, t, device=self.device), self.ring)
+        self.win_k.index_copy_(2, idx, tail_k[:, :, first - ts :])
+        self.win_v.index_copy_(2, idx, state["tail_v"][:, :, first - ts :])
+        for dst, src in ((self.hist_k, state["hist_k"]), (self.hist_v, state["hist_v"])):
+            for a, x in zip(dst, src):
+                a[:, :, : x.shape[2]] = x
+        if state.get("mu_k_seq") is not None:
+            self.mu_k_seq = _static(state["mu_k_seq"].float().contiguous())
+        if self.fp_heads:
+            self.fp_k[:, :, :t] = state["fp_k"]
+            self.fp_v[:, :, :t] = state["fp_v"]
+        self.length.fill_(t)
+
     # ------------------------------------------------------------------ accounting
     def memory(self) -> dict[str, int]:
         """Bytes used by the cached tokens (logical, as ``OscarLayer.memory``) and allocated."""
-        z = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, allocated=0, tokens=0)
+        z = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, full_precision_heads=0,
+                 allocated=0, tokens=0)
         if not self.is_initialized:
             return z
         s0, w, g = self.config.sink, self.config.recent, self.config.group_size
         hk, d, el = self.num_kv_heads, self.head_dim, self.win_k.element_size()
-        t = self.length
+        hq = len(self.q_heads)
+        t = torch.tensor(self.host_len, device=self.device)
         mask = self.window_mask(t, w)
         n_sink, n_rec = int(mask[:, :s0].sum()), int(mask[:, s0:].sum())
         n_hist = int((self.n_hist(t) - self.pad).clamp(min=0).sum())
+        n_real = int((t - self.pad).clamp(min=0).sum())
         meta_el = self.hist_k.scale.element_size()
-        alloc = sum(x.numel() * x.element_size() for x in (self.win_k, self.win_v, *self.hist_k, *self.hist_v))
+        bufs = [self.win_k, self.win_v, *self.hist_k, *self.hist_v] + [x for x in (self.fp_k, self.fp_v) if x is not None]
         return dict(
             sink=2 * n_sink * hk * d * el, recent=2 * n_rec * hk * d * el,
-            history_codes=2 * n_hist * hk * d // 4, history_meta=2 * n_hist * hk * (d // g) * 2 * meta_el,
-            history_elements=2 * n_hist * hk * d, allocated=alloc, tokens=n_sink + n_rec + n_hist,
+            history_codes=2 * n_hist * hq * d // 4, history_meta=2 * n_hist * hq * (d // g) * 2 * meta_el,
+            history_elements=2 * n_hist * hq * d, full_precision_heads=2 * n_real * len(self.fp_heads) * d * el,
+            allocated=sum(x.numel() * x.element_size() for x in bufs), tokens=n_sink + n_rec + n_hist,
         )

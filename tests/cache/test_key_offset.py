@@ -96,8 +96,6 @@ def test_refusals():
     with pytest.raises(ValueError, match="key_offset"):
         OscarConfig(key_offset="mean")
     m = tiny_model("llama")
-    with pytest.raises(NotImplementedError, match="key_offset"):
-        StaticOscarCache(m, **KW, key_offset="prefill", max_cache_len=64)
     from oscar_hf.eval.methods import OscarFamily
 
     fam = OscarFamily("oscar", method="hadamard", sink=4, recent=8, group_size=32, key_offset="prefill")

@@ -117,8 +117,8 @@ def test_static_errors():
     with pytest.raises(ValueError, match="max_cache_len"):
         with torch.no_grad():
             m(torch.randint(1, 200, (1, 21)), **cache_kwargs(m, cache))
-    with pytest.raises(NotImplementedError, match="crop"):
-        cache.crop(-1)
+    with pytest.raises(NotImplementedError, match="fixed batch size"):
+        cache.batch_repeat_interleave(2)
 
 
 @pytest.mark.gpu

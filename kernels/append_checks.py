@@ -1,0 +1,54 @@
+"""Input checks of the fused one-token write (:func:`~oscar_hf.kernels.write_path.append_token_reference` and its
+Triton kernel ``append_triton.py``), shared by both without either importing the other. Reads no device data."""
+from __future__ import annotations
+
+import torch
+
+from oscar_hf.quant import QuantizedRows, check_group_size
+
+
+def check_append_inputs(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
+                        hist_heads, r_k, mu_k, r_v, mu_v, group_size, meta_dtype, sink, recent) -> tuple[int, int, int]:
+    """Shape checks of :func:`append_token` (host-side metadata only: no device sync). Returns ``(R, N, Hq)``: ring
+    entries, history capacity, quantized heads."""
+    if new_k.dim() != 4 or new_k.shape[2] != 1 or new_v.shape != new_k.shape:
+        raise ValueError(f"new_k/new_v must be [B, Hk, 1, D] of one shape, got {tuple(new_k.shape)}, "
+                         f"{tuple(new_v.shape)}")
+    b, hk, _, d = new_k.shape
+    check_group_size(d, group_size)
+    if sink < 0 or recent < 0:
+        raise ValueError(f"sink={sink} and recent={recent} must be >= 0")
+    if win_k.dim() != 4 or win_v.shape != win_k.shape or win_k.shape[:2] != (b, hk) or win_k.shape[3] != d:
+        raise ValueError(f"win_k/win_v must be [B={b}, Hk={hk}, S0 + R, D={d}], got {tuple(win_k.shape)}, "
+                         f"{tuple(win_v.shape)}")
+    if win_k.dtype != new_k.dtype or win_v.dtype != new_v.dtype:
+        raise ValueError(f"window dtype {win_k.dtype}/{win_v.dtype} != new token dtype {new_k.dtype}/{new_v.dtype}")
+    ring = win_k.shape[2] - sink
+    if ring < recent + 1:
+        raise ValueError(f"the ring has {ring} entries (window {win_k.shape[2]} - sink {sink}); it needs at least "
+                         f"recent + 1 = {recent + 1}")
+    hq, n = hist_k.codes.shape[1], hist_k.codes.shape[2]
+    for name, q in (("hist_k", hist_k), ("hist_v", hist_v)):
+        if q.codes.shape != (b, hq, n, d // 4) or q.codes.dtype != torch.uint8:
+            raise ValueError(f"{name}.codes must be uint8 [B={b}, Hq={hq}, N={n}, D/4={d // 4}], got "
+                             f"{q.codes.dtype} {tuple(q.codes.shape)}")
+        for t in (q.scale, q.zero):
+            if t.shape != (b, hq, n, d // group_size) or t.dtype != meta_dtype:
+                raise ValueError(f"{name} metadata must be {meta_dtype} [B, Hq, N, D/G] = "
+                                 f"{(b, hq, n, d // group_size)}, got {t.dtype} {tuple(t.shape)}")
+    if hist_heads is None:
+        if hq != hk:
+            raise ValueError(f"hist_heads=None means every KV head is quantized, but the history has {hq} heads, "
+                             f"not Hk={hk}")
+    elif hist_heads.shape != (hk,) or hist_heads.dtype != torch.long:
+        raise ValueError(f"hist_heads must be int64 [Hk={hk}], got {hist_heads.dtype} {tuple(hist_heads.shape)}")
+    for name, r in (("r_k", r_k), ("r_v", r_v)):
+        if r.shape != (hq, d, d):
+            raise ValueError(f"{name} must be [Hq={hq}, D, D], got {tuple(r.shape)}")
+    if mu_k is not None and mu_k.shape not in ((hq, d), (b, hq, d)):
+        raise ValueError(f"mu_k must be None, [Hq, D] or [B, Hq, D] = {(b, hq, d)}, got {tuple(mu_k.shape)}")
+    if mu_v is not None and mu_v.shape != (hq, d):
+        raise ValueError(f"mu_v must be None or [Hq, D] = {(hq, d)}, got {tuple(mu_v.shape)}")
+    if length.dim() != 0 or pad.shape != (b,):
+        raise ValueError(f"length must be a 0-d tensor and pad [B={b}], got {tuple(length.shape)}, {tuple(pad.shape)}")
+    return ring, n, hq

@@ -1,0 +1,166 @@
+"""The static cache's one-token write step as one Triton launch.
+
+``append_token_triton`` has the signature and semantics of
+:func:`oscar_hf.kernels.write_path.append_token_reference` (see there for the storage layout). Grid ``(B * Hk,)``:
+one program per (row ``b``, KV head ``h``) reads ``T`` from the device and, for K and then V:
+
+1. if slot ``s = T - 1 - W`` is a history slot (``0 <= s - S0 < N``) and head ``h`` is quantized (history head
+   ``hh``): loads its ring row (``D`` values), rotates it as a K-blocked matvec (``BLOCK_K`` input channels at a time,
+   broadcast-multiply + ``tl.sum``, fp32), quantizes and packs it exactly as ``write_triton`` does (same metadata
+   rounding and ``rint``) and stores one history row ``[b, hh, s - S0]``;
+2. after a CTA barrier (the demoted ring entry is the new token's entry when ``R = W + 1``), stores the new token into
+   ring entry ``S0 + T % R`` and, while row ``b`` has fewer than ``S0`` real tokens, into sink entry ``T - pad[b]``.
+
+Only the rows that change are touched: ``2 * D`` window elements and one history row per (row, head, K/V), plus the
+head's rotations (``2 * D * D`` fp32, shared by the ``B`` programs of a head through L2). Supported shapes are those of
+``write_triton.kernel_supported`` (power-of-two ``D`` in [32, 256], ``G`` a power of two dividing ``D``, bf16 / fp16
+/ fp32 metadata); the window may be bf16, fp16 or fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_hf.quant import QuantizedRows
+
+from .append_checks import check_append_inputs
+from .write_triton import _LEVELS, _META_KIND, _rint, _round_meta
+
+NUM_WARPS = 4
+TILE = 4096  # elements of one rotation chunk [BLOCK_K, D] in registers: 32 fp32 per thread at 4 warps
+
+
+@triton.jit
+def _demote_row(SRC, R, MU, CODES, SCALE, ZERO, c_off, m_off, clip,
+                D: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MU: tl.constexpr,
+                META_KIND: tl.constexpr):
+    """Quantize one window row: ``SRC`` -> ``D`` contiguous model-dtype values, ``R`` -> the head's ``[D, D]``
+    rotation, ``MU`` -> its ``D`` offsets; stores ``D/4`` codes at ``CODES + c_off`` and ``D/G`` scale / zero at
+    ``SCALE/ZERO + m_off``."""
+    NG: tl.constexpr = D // G
+    D4: tl.constexpr = D // 4
+    offs_d = tl.arange(0, D)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    # rot[n] = sum_k (x[k] - mu[k]) * R[k, n], BLOCK_K rows of R at a time (a [BLOCK_K, D] tile in registers)
+    rot = tl.zeros((D,), dtype=tl.float32)
+    for k0 in tl.static_range(0, D, BLOCK_K):
+        x = tl.load(SRC + k0 + offs_k).to(tl.float32)
+        if HAS_MU:
+            x = x - tl.load(MU + k0 + offs_k)
+        r = tl.load(R + (k0 + offs_k)[:, None] * D + offs_d[None, :])
+        rot += tl.sum(x[:, None] * r, axis=0)
+
+    # per group: clipped range, metadata rounded to the stored dtype before the codes (as write_triton)
+    xg = tl.reshape(rot, (NG, G))
+    lo = tl.min(xg, 1)
+    hi = tl.max(xg, 1)
+    mid = (hi + lo) * 0.5
+    half = (hi - lo) * 0.5 * clip
+    scale_m, s = _round_meta(tl.math.div_rn(2.0 * half, 3.0), META_KIND)
+    zero_m, z = _round_meta(mid - half, META_KIND)
+    safe = tl.where(s > 0, s, 1.0)
+    y = tl.math.div_rn(xg - z[:, None], safe[:, None])
+    y = tl.minimum(tl.maximum(y, -1.0), _LEVELS + 1.0)
+    q = tl.minimum(tl.maximum(_rint(y), 0.0), _LEVELS)
+    q = tl.where(s[:, None] > 0, q, 0.0).to(tl.int32)
+
+    # plane packing: channel p * D/4 + j -> bits 2p..2p+1 of byte j (disjoint bits: the sum is an OR)
+    q4 = tl.reshape(q, (4, D4))
+    packed = tl.sum(q4 << (2 * tl.arange(0, 4))[:, None], axis=0).to(tl.uint8)
+    tl.store(CODES + c_off + tl.arange(0, D4), packed)
+    tl.store(SCALE + m_off + tl.arange(0, NG), scale_m)
+    tl.store(ZERO + m_off + tl.arange(0, NG), zero_m)
+
+
+@triton.jit
+def _append_token_kernel(
+    NEW_K, NEW_V, WIN_K, WIN_V, KC, KS, KZ, VC, VS, VZ, LENGTH, PAD, HEADS, RK, MUK, RV, MUV,
+    clip_k, clip_v, Hk, N, S0, RING, W,
+    snkb, snkh, snvb, snvh,  # new_k / new_v strides [B, Hk, 1, D] (D contiguous)
+    swb, swh, sws,  # window strides [B, Hk, S0 + R, D], shared by K and V
+    scb, sch, scn,  # history codes strides [B, Hq, N, D/4], shared by K and V
+    ssb, ssh, ssn,  # history scale / zero strides [B, Hq, N, D/G], shared by all four
+    smkb,  # mu_k's batch stride: 0 for [Hq, D], Hq * D for [B, Hq, D]
+    D: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_HEADS: tl.constexpr,
+    HAS_MU_K: tl.constexpr, HAS_MU_V: tl.constexpr, META_KIND: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // Hk).to(tl.int64)
+    h = pid % Hk
+    offs_d = tl.arange(0, D)
+    t = tl.load(LENGTH)  # int64: the new token's slot
+
+    # 1. demote slot s = T - 1 - W (read before the ring entry is overwritten below)
+    s = t - 1 - W
+    e = s - S0
+    if HAS_HEADS:
+        hh = tl.load(HEADS + h)
+    else:
+        hh = h.to(tl.int64)
+    if (e >= 0) & (e < N) & (hh >= 0):
+        src = b * swb + h * swh + (S0 + s % RING) * sws
+        c_off = b * scb + hh * sch + e * scn
+        m_off = b * ssb + hh * ssh + e * ssn
+        _demote_row(WIN_K + src, RK + hh * D * D, MUK + b * smkb + hh * D, KC, KS, KZ, c_off, m_off, clip_k,
+                    D, G, BLOCK_K, HAS_MU_K, META_KIND)
+        _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, m_off, clip_v,
+                    D, G, BLOCK_K, HAS_MU_V, META_KIND)
+    # every thread's loads of the old ring row come before any thread's store of the new one
+    tl.debug_barrier()
+
+    # 2. the new token: ring entry S0 + T % R, and sink entry T - pad[b] while the row's sink is filling
+    nk = tl.load(NEW_K + b * snkb + h * snkh + offs_d)
+    nv = tl.load(NEW_V + b * snvb + h * snvh + offs_d)
+    dst = b * swb + h * swh + (S0 + t % RING) * sws + offs_d
+    tl.store(WIN_K + dst, nk)
+    tl.store(WIN_V + dst, nv)
+    j = t - tl.load(PAD + b)
+    if (j >= 0) & (j < S0):
+        dst = b * swb + h * swh + j * sws + offs_d
+        tl.store(WIN_K + dst, nk)
+        tl.store(WIN_V + dst, nv)
+
+
+def append_token_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
+                        hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent):
+    """Triton version of :func:`~oscar_hf.kernels.write_path.append_token_reference` (same contract, for the shapes
+    ``write_triton.kernel_supported`` accepts): one launch, no host synchronisation. Returns None."""
+    ring, n, hq = check_append_inputs(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
+                                      r_v, mu_v, group_size, meta_dtype, sink, recent)
+    b, hk, _, d = new_k.shape
+    if b == 0 or hk == 0:
+        return None
+    if meta_dtype not in _META_KIND:
+        raise ValueError(f"metadata dtype {meta_dtype} is not supported by the kernel; use one of {list(_META_KIND)}")
+    if length.dtype != torch.long or pad.dtype != torch.long:
+        raise ValueError(f"length and pad must be int64, got {length.dtype}, {pad.dtype}")
+    if win_k.stride() != win_v.stride() or win_k.stride(-1) != 1:
+        raise ValueError(f"win_k and win_v must share a layout contiguous in D, got {win_k.stride()}, {win_v.stride()}")
+    metas = (hist_k.scale, hist_k.zero, hist_v.scale, hist_v.zero)
+    if hist_k.codes.stride() != hist_v.codes.stride() or hist_k.codes.stride(-1) != 1 or any(
+        m.stride() != hist_k.scale.stride() for m in metas
+    ) or hist_k.scale.stride(-1) != 1:
+        raise ValueError("hist_k and hist_v must share one codes layout and one metadata layout, contiguous in the "
+                         "last dimension")
+    new_k = new_k if new_k.stride(-1) == 1 else new_k.contiguous()
+    new_v = new_v if new_v.stride(-1) == 1 else new_v.contiguous()
+    dev = new_k.device
+    r_k = r_k.to(device=dev, dtype=torch.float32).contiguous()
+    r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
+    mu_k = mu_k.to(device=dev, dtype=torch.float32).contiguous() if mu_k is not None else None
+    mu_v = mu_v.to(device=dev, dtype=torch.float32).contiguous() if mu_v is not None else None
+    _append_token_kernel[(b * hk,)](
+        new_k, new_v, win_k, win_v, *hist_k, *hist_v, length, pad,
+        hist_heads if hist_heads is not None else length,  # unused placeholder when every head is quantized
+        r_k, mu_k if mu_k is not None else r_k, r_v, mu_v if mu_v is not None else r_v,
+        float(clip_k), float(clip_v), hk, n, sink, ring, recent,
+        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
+        *win_k.stride()[:3], *hist_k.codes.stride()[:3], *hist_k.scale.stride()[:3],
+        (hq * d if mu_k is not None and mu_k.dim() == 3 else 0),
+        D=d, G=group_size, BLOCK_K=min(d, TILE // d), HAS_HEADS=hist_heads is not None,
+        HAS_MU_K=mu_k is not None, HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[meta_dtype],
+        num_warps=NUM_WARPS,
+    )
+    return None

@@ -1,0 +1,63 @@
+"""The host side of the compiled decode step.
+
+``generate`` compiles ``model.__call__`` by itself when the cache is compileable (CUDA, ``cache.is_compileable``;
+``model.get_compiled_call``) and runs every decode step through that compiled callable. A compiled step cannot
+allocate, and must not read the cache's length back from the device (a host stall per step); so OSCAR wraps the
+compiled callable of a model it serves (installed by :class:`~oscar_hf.OscarCache` on a model whose cache compiles):
+
+* before a one-token step, each OSCAR layer learns on the host that one token arrives (its ``host_len``) and grows
+  its storage to the next capacity bucket if the token would not fit (one CUDA graph per bucket);
+* a multi-token forward (chunked prefill ``generate(..., prefill_chunk_size=N)``, assisted decoding's verification
+  of candidate tokens) runs through the plain model instead: it is dominated by GEMMs, and its shapes change every
+  call (a compiled one would recompile).
+
+A cache without OSCAR layers (e.g. a ``StaticCache`` passed to the same model) goes straight to the compiled call.
+"""
+from __future__ import annotations
+
+import functools
+
+_MARK = "_oscar_compiled_step"
+
+
+def _oscar_layers(cache) -> list:
+    cache = getattr(cache, "self_attention_cache", cache)  # (encoder-decoder caches)
+    return [layer for layer in getattr(cache, "layers", ()) if hasattr(layer, "advance")]
+
+
+def _step(model, compiled, *args, **kwargs):
+    layers = _oscar_layers(kwargs.get("cache", kwargs.get("past_key_values")))
+    if not layers:
+        return compiled(*args, **kwargs)
+    x = kwargs.get("input_ids")
+    x = kwargs.get("inputs_embeds") if x is None else x
+    if x is None or x.shape[1] != 1:
+        return model(*args, **kwargs)
+    for layer in layers:
+        layer.advance(1)
+        layer.announced = True
+    try:
+        return compiled(*args, **kwargs)
+    finally:
+        for layer in layers:
+            layer.announced = False
+
+
+def install_step_hook(model) -> None:
+    """Wrap ``model.get_compiled_call`` (an instance attribute; the class is untouched). Idempotent."""
+    if getattr(model, _MARK, False) or not hasattr(model, "get_compiled_call"):
+        return
+    original = model.get_compiled_call
+
+    @functools.wraps(original)
+    def get_compiled_call(*args, **kwargs):
+        return functools.partial(_step, model, original(*args, **kwargs))
+
+    model.get_compiled_call = get_compiled_call
+    setattr(model, _MARK, True)
+
+
+def remove_step_hook(model) -> None:
+    if getattr(model, _MARK, False):
+        del model.get_compiled_call
+        delattr(model, _MARK)

@@ -1,0 +1,322 @@
+"""The static cache's one-token write step (``append_token``): the torch reference against a naive loop model of
+its semantics, the fused Triton kernel against the reference (interpreter on CPU; compiled on CUDA with ``-m gpu``),
+and the opaque ``oscar::append_token_`` op under ``torch.compile(fullgraph=True)``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import HAS_CUDA, random_rotation, setup_interpreter
+
+INTERPRETED = setup_interpreter()  # before any kernel module is imported
+
+from oscar_hf.kernels.static_op import append_token_op  # noqa: E402
+from oscar_hf.kernels.write_path import append_token, append_token_reference  # noqa: E402
+from oscar_hf.quant import QuantizedRows, quantize_rows, unpack_int2  # noqa: E402
+
+interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRITON_INTERPRET=1 without CUDA)")
+
+
+def _triton():
+    from oscar_hf.kernels.append_triton import append_token_triton
+
+    return append_token_triton
+
+
+# ------------------------------------------------------------------------------------------------- fixtures
+
+
+class Layer:
+    """One layer's storage and constants, with random initial contents (so a wrong or missing write shows)."""
+
+    def __init__(self, b, hk, d, g, sink, recent, ring, n, *, heads=None, mu_k="2d", mu_v=True, dtype=torch.bfloat16,
+                 meta=torch.bfloat16, exact=False, seed=0, device="cpu"):
+        gen = torch.Generator().manual_seed(seed)
+        self.sink, self.recent, self.g, self.meta = sink, recent, g, meta
+        self.heads = torch.tensor(heads, dtype=torch.long) if heads is not None else None
+        hq = hk if heads is None else sum(h >= 0 for h in heads)
+        self.win_k = torch.randn(b, hk, sink + ring, d, generator=gen).to(dtype)
+        self.win_v = torch.randn(b, hk, sink + ring, d, generator=gen).to(dtype)
+
+        def hist():
+            return QuantizedRows(torch.randint(0, 256, (b, hq, n, d // 4), generator=gen, dtype=torch.uint8),
+                                 torch.rand(b, hq, n, d // g, generator=gen).to(meta),
+                                 torch.randn(b, hq, n, d // g, generator=gen).to(meta))
+
+        self.hist_k, self.hist_v = hist(), hist()
+        # exact: signed permutations, so (x - mu) @ r is exact in fp32 whatever the summation order
+        rot = _signed_permutation if exact else random_rotation
+        self.r_k, self.r_v = rot(hq, d, gen), rot(hq, d, gen)
+        self.mu_k = {None: None, "2d": torch.randn(hq, d, generator=gen),
+                     "3d": 4.0 * torch.randn(b, hq, d, generator=gen)}[mu_k]
+        self.mu_v = torch.randn(hq, d, generator=gen) if mu_v else None
+        self.clip_k, self.clip_v = 0.95, 0.9
+        self.to(device)
+
+    def to(self, device):
+        for name, v in vars(self).items():
+            if isinstance(v, torch.Tensor):
+                setattr(self, name, v.to(device))
+            elif isinstance(v, QuantizedRows):
+                setattr(self, name, QuantizedRows(*(x.to(device) for x in v)))
+        return self
+
+    def clone(self):
+        new = object.__new__(Layer)
+        for name, v in vars(self).items():
+            if isinstance(v, torch.Tensor):
+                v = v.clone()
+            elif isinstance(v, QuantizedRows):
+                v = QuantizedRows(*(x.clone() for x in v))
+            setattr(new, name, v)
+        return new
+
+    def tensors(self):
+        return [self.win_k, self.win_v, *self.hist_k, *self.hist_v]
+
+    def args(self, new_k, new_v, length, pad):
+        """The positional arguments of append_token_reference / append_token_triton / append_token_op."""
+        return (new_k, new_v, self.win_k, self.win_v, self.hist_k, self.hist_v, length, pad, self.heads, self.r_k,
+                self.mu_k, self.clip_k, self.r_v, self.mu_v, self.clip_v, self.g, self.meta, self.sink, self.recent)
+
+
+def _signed_permutation(hq, d, gen):
+    perm = torch.stack([torch.randperm(d, generator=gen) for _ in range(hq)])
+    sign = torch.randint(0, 2, (hq, d), generator=gen).float() * 2 - 1
+    r = torch.zeros(hq, d, d)
+    r.scatter_(2, perm[:, :, None], sign[:, :, None])
+    return r
+
+
+def _tokens(layer, step, device="cpu"):
+    gen = torch.Generator().manual_seed(1000 + step)
+    b, hk, _, d = layer.win_k.shape
+    shape = (b, hk, 1, d)
+    return (torch.randn(shape, generator=gen).to(layer.win_k.dtype).to(device),
+            torch.randn(shape, generator=gen).to(layer.win_v.dtype).to(device))
+
+
+def naive_step(layer, new_k, new_v, t: int, pad: list[int]):
+    """The semantics, one (row, head) at a time with python ints: demote slot T - 1 - W (reading the ring before the
+    new token is written), then write the new token into its ring entry and, while filling, the row's sink."""
+    s0, w = layer.sink, layer.recent
+    b_, hk, slots, _ = layer.win_k.shape
+    ring, n = slots - s0, layer.hist_k.codes.shape[2]
+    s = t - 1 - w
+    if s >= s0 and s - s0 < n:
+        for b in range(b_):
+            for h in range(hk):
+                hh = h if layer.heads is None else int(layer.heads[h])
+                if hh < 0:
+                    continue
+                for win, hist, r, mu, clip in ((layer.win_k, layer.hist_k, layer.r_k, layer.mu_k, layer.clip_k),
+                                               (layer.win_v, layer.hist_v, layer.r_v, layer.mu_v, layer.clip_v)):
+                    x = win[b, h, s0 + s % ring].float()
+                    if mu is not None:
+                        x = x - (mu[b, hh] if mu.dim() == 3 else mu[hh])
+                    q = quantize_rows((x @ r[hh])[None], layer.g, clip, layer.meta)
+                    for dst, src in zip(hist, q):
+                        dst[b, hh, s - s0] = src[0]
+    for b in range(b_):
+        for win, new in ((layer.win_k, new_k), (layer.win_v, new_v)):
+            win[b, :, s0 + t % ring] = new[b, :, 0]
+            if 0 <= t - pad[b] < s0:
+                win[b, :, t - pad[b]] = new[b, :, 0]
+
+
+def assert_same(a: Layer, b: Layer, what=""):
+    for x, y in zip(a.tensors(), b.tensors()):
+        assert torch.equal(x, y), what
+
+
+def assert_kernel_matches(got: Layer, ref: Layer):
+    """Window bytes identical; history metadata within an ulp of the stored dtype (+1e-3 of the range), codes equal
+    but for rounding ties (a matvec summed in another order lands a value on the other side of a half-step)."""
+    for x, y in ((got.win_k, ref.win_k), (got.win_v, ref.win_v)):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    for qg, qr in ((got.hist_k, ref.hist_k), (got.hist_v, ref.hist_v)):
+        for a, b in ((qg.scale, qr.scale), (qg.zero, qr.zero)):
+            a, b = a.double(), b.double()
+            tol = 1e-3 * b.abs().amax().clamp_min(1e-6) + torch.finfo(got.meta).eps * b.abs()
+            assert ((a - b).abs() <= tol).all(), f"metadata differs by {(a - b).abs().max():.3g}"
+        cg, cr = unpack_int2(qg.codes).int(), unpack_int2(qr.codes).int()
+        diff = (cg - cr).abs()
+        assert diff.max() <= 1 and (diff > 0).double().mean() < 5e-3, f"{int((diff > 0).sum())} codes differ"
+
+
+# ------------------------------------------------------------------------------------- (a) reference vs loop model
+
+
+@pytest.mark.parametrize(
+    "heads,ring_extra,mu_k,meta,dtype",
+    [
+        (None, 0, "2d", torch.bfloat16, torch.bfloat16),  # R = W + 1: the demoted entry is the new token's entry
+        ([1, -1, 0], 2, "3d", torch.bfloat16, torch.bfloat16),  # R > W + 1; head 1 full precision; per-row mu_k
+        ([-1, 0, 1], 0, None, torch.float16, torch.float32),  # no offsets, fp16 metadata, fp32 window
+    ],
+)
+def test_reference_matches_loop_model(heads, ring_extra, mu_k, meta, dtype):
+    s0, w, n = 2, 3, 5
+    layer = Layer(3, 3, 32, 16, s0, w, w + 1 + ring_extra, n, heads=heads, mu_k=mu_k, mu_v=mu_k is not None,
+                  dtype=dtype, meta=meta, exact=True, seed=len(heads or []) + ring_extra)
+    pad = [0, 1, 3]  # row 2 fills its sink at slots 3 and 4; 3 >= S0 so its slots 0..2 are padding
+    model = layer.clone()
+    first = layer.clone()
+    demotions = 0
+    # T = 0 .. S0 + W + N + 2: sink filling, the first demotion (T = S0 + W + 1), the last history row, overflow
+    for t in range(s0 + w + n + 3):
+        new_k, new_v = _tokens(layer, t)
+        append_token_reference(*layer.args(new_k, new_v, torch.tensor(t), torch.tensor(pad)))
+        naive_step(model, new_k, new_v, t, pad)
+        assert_same(layer, model, f"T={t}")
+        demotions += 0 <= t - 1 - w - s0 < n
+    assert demotions == n
+    # every history row was written once (random initial contents replaced), nothing else changed
+    for now, then in ((layer.hist_k, first.hist_k), (layer.hist_v, first.hist_v)):
+        assert (now.codes != then.codes).any(-1).all()  # [B, Hq, N]
+
+
+def test_reference_no_demotion_past_capacity():
+    """Slot s with s - S0 >= N is not written anywhere (the history is left as it was)."""
+    s0, w, n = 1, 2, 3
+    layer = Layer(2, 2, 32, 32, s0, w, w + 1, n, exact=True, seed=3)
+    before = layer.clone()
+    t = s0 + w + 1 + n  # s - S0 = N
+    new_k, new_v = _tokens(layer, t)
+    append_token_reference(*layer.args(new_k, new_v, torch.tensor(t), torch.tensor([0, 0])))
+    for a, b in zip(layer.hist_k + layer.hist_v, before.hist_k + before.hist_v):
+        assert torch.equal(a, b)
+    assert torch.equal(layer.win_k[:, :, s0 + t % (w + 1)], new_k[:, :, 0])
+
+
+def test_bad_inputs():
+    layer = Layer(2, 2, 32, 32, 1, 3, 4, 4)
+    new_k, new_v = _tokens(layer, 0)
+    t, pad = torch.tensor(5), torch.tensor([0, 0])
+    with pytest.raises(ValueError, match="ring"):
+        append_token_reference(*layer.args(new_k, new_v, t, pad)[:-1], 4)  # recent 4 needs 5 ring entries
+    with pytest.raises(ValueError, match="hist_heads"):
+        args = list(layer.args(new_k, new_v, t, pad))
+        args[8] = torch.tensor([0, 1, -1])
+        append_token_reference(*args)
+    with pytest.raises(ValueError, match="new_k"):
+        append_token_reference(*layer.args(new_k.expand(2, 2, 2, 32), new_v, t, pad))
+
+
+# ------------------------------------------------------------------------------------- (b) Triton kernel (interpreter)
+
+
+@interp
+@pytest.mark.parametrize(
+    "b,hk,d,g,heads,ring_extra,mu_k,dtype,meta",
+    [
+        (2, 2, 64, 32, None, 0, "2d", torch.bfloat16, torch.bfloat16),
+        (2, 3, 32, 32, [1, -1, 0], 2, "3d", torch.float16, torch.float16),
+        (1, 2, 64, 16, [-1, 0], 1, None, torch.float32, torch.float32),
+    ],
+)
+def test_kernel_matches_reference(b, hk, d, g, heads, ring_extra, mu_k, dtype, meta):
+    s0, w, n = 2, 2, 3
+    ref = Layer(b, hk, d, g, s0, w, w + 1 + ring_extra, n, heads=heads, mu_k=mu_k, mu_v=mu_k is not None,
+                dtype=dtype, meta=meta, seed=d + g)
+    got = ref.clone()
+    pad = torch.tensor([1, 0][:b])
+    for t in range(s0 + w + n + 2):
+        new_k, new_v = _tokens(ref, t)
+        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), pad))
+        _triton()(*got.args(new_k, new_v, torch.tensor(t), pad))
+        assert_kernel_matches(got, ref)
+
+
+@interp
+def test_dispatch():
+    """use_kernels=True runs the kernel (interpreter); a head_dim the kernel does not take goes to the reference;
+    use_kernels=False is the reference."""
+    ref = Layer(1, 2, 64, 32, 1, 2, 3, 4, mu_k="3d", seed=7)
+    got, off = ref.clone(), ref.clone()
+    for t in range(6):
+        new_k, new_v = _tokens(ref, t)
+        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), torch.tensor([0])))
+        append_token(*got.args(new_k, new_v, torch.tensor(t), torch.tensor([0])), use_kernels=True)
+        append_token(*off.args(new_k, new_v, torch.tensor(t), torch.tensor([0])), use_kernels=False)
+    assert_kernel_matches(got, ref)
+    assert_same(off, ref)
+    ref = Layer(1, 1, 96, 32, 1, 1, 2, 3, seed=8)  # D = 96: not a power of two
+    got = ref.clone()
+    for t in range(5):
+        new_k, new_v = _tokens(ref, t)
+        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), torch.tensor([0])))
+        append_token(*got.args(new_k, new_v, torch.tensor(t), torch.tensor([0])), use_kernels=True)
+    assert_same(got, ref)
+
+
+# ------------------------------------------------------------------------------- (c) the custom op under torch.compile
+
+
+@pytest.mark.parametrize("heads", [None, [1, -1, 0]])
+def test_op_compiled_matches_eager(heads):
+    """The op inside a compiled step (fullgraph, inductor on CPU) mutates exactly as the eager reference, in place:
+    the generated code calls the op on the graph inputs and allocates or clones no buffer."""
+    from torch._inductor.utils import run_and_get_code
+
+    s0, w, n = 2, 2, 4
+    ref = Layer(2, 3, 32, 16, s0, w, w + 2, n, heads=heads, mu_k="3d", seed=11)
+    got = ref.clone()
+    pad = torch.tensor([0, 2])
+    consts = dict(heads=got.heads, r_k=got.r_k, mu_k=got.mu_k, r_v=got.r_v, mu_v=got.mu_v)
+
+    def step(new_k, new_v, win_k, win_v, kc, ks, kz, vc, vs, vz, length):
+        c = consts
+        append_token_op(new_k, new_v, win_k, win_v, QuantizedRows(kc, ks, kz), QuantizedRows(vc, vs, vz), length, pad,
+                        c["heads"], c["r_k"], c["mu_k"], 0.95, c["r_v"], c["mu_v"], 0.9, 16, torch.bfloat16, s0, w,
+                        "auto")
+        length.add_(1)
+
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    length = torch.tensor(0)
+    for t in range(s0 + w + n + 2):
+        new_k, new_v = _tokens(ref, t)
+        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), pad))
+        if t == 0:
+            _, (code, *_) = run_and_get_code(compiled, new_k, new_v, *got.tensors(), length)
+            assert "torch.ops.oscar.append_token_.default(" in code
+            assert "clone" not in code and "empty_strided_cpu(" not in code
+        else:
+            compiled(new_k, new_v, *got.tensors(), length)
+        assert int(length) == t + 1
+        assert_same(got, ref, f"T={t}")
+
+
+def test_op_eager_and_bad_use_kernels():
+    ref = Layer(1, 2, 32, 32, 1, 1, 2, 3, seed=12)
+    got = ref.clone()
+    for t in range(5):
+        new_k, new_v = _tokens(ref, t)
+        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), torch.tensor([0])))
+        append_token_op(*got.args(new_k, new_v, torch.tensor(t), torch.tensor([0])), use_kernels=False)
+    assert_same(got, ref)
+    with pytest.raises(ValueError, match="use_kernels"):
+        append_token_op(*got.args(new_k, new_v, torch.tensor(5), torch.tensor([0])), use_kernels="yes")
+
+
+# --------------------------------------------------------------------------------------------- (d) GPU, real shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs CUDA (compiled kernels)")
+@pytest.mark.parametrize("d,g", [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)])
+@pytest.mark.parametrize("b", [1, 8])
+def test_gpu_kernel_matches_reference(b, d, g):
+    s0, w, n, hk = 4, 16, 40, 8
+    heads = [0, 1, -1, 2, 3, 4, -1, 5] if d == 128 and g == 64 else None  # one case with full-precision heads
+    ref = Layer(b, hk, d, g, s0, w, w + 1 + 64 * (g == 64), n, heads=heads, mu_k="3d" if b == 8 else "2d",
+                seed=b + d + g, device="cuda")
+    got = ref.clone()
+    pad = torch.arange(b, device="cuda") * 3  # rows with and without left padding, some filling the sink late
+    for t in range(s0 + w + n + 4):
+        new_k, new_v = _tokens(ref, t, "cuda")
+        length = torch.tensor(t, device="cuda")
+        append_token_reference(*ref.args(new_k, new_v, length, pad))
+        _triton()(*got.args(new_k, new_v, length, pad))
+    torch.cuda.synchronize()
+    assert_kernel_matches(got.to("cpu"), ref.to("cpu"))
