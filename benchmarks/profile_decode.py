@@ -30,8 +30,9 @@ from bench_generate import SHAPES, StepClock, build_model, make_cache, synthetic
 from oscar_hf.compat import cache_kwargs  # noqa: E402
 
 GROUPS = (
-    ("oscar decode (split + combine)", ("_split_kernel", "_combine_kernel")),
-    ("oscar write path", ("_rotate_quantize", "quantize")),
+    ("oscar decode kernels", ("_split_kernel", "_combine_kernel", "_hist_kernel", "_prologue_kernel",
+                              "_rotate_query_kernel")),
+    ("oscar write (append / bulk)", ("_append_token_kernel", "_rotate_quantize", "quantize")),
     ("gemm", ("gemm", "gemv", "cutlass", "sm90_xmma", "nvjet", "matmul", "addmm", "mm_")),
     ("attention (sdpa/flash)", ("flash", "fmha", "attention", "sdpa", "cudnn")),
 )

@@ -7,14 +7,18 @@
 #   kernels     decode op vs BF16 SDPA, B = 1, 8, 32 x 8K, 32K, 128K,   kernels_<gpu>.json, kernels_<gpu>_speedup.png
 #               and the write path (bench_kernels.py)
 #   profile-op  the decode op's kernels one by one in a CUDA graph       profile_op_<gpu>.json
+#   default     the default call OscarCache(model) (compiled by        generate_default_<gpu>_b<B>_t<T>.json
+#               generate itself) vs BF16 DynamicCache and compiled
+#               StaticCache: B=1/100K, B=8/32K, B=1 and 8 at 1K
+#               (`default-long`, `default-short`: one call each)
 #   generate    compiled generate: B=8/32K (BF16 eager, BF16 static,     generate_<gpu>_b8_t32768.json,
 #               StaticOscarCache) and B=1 at 8K, 32K, 100K               generate_<gpu>_static_b1_t{8192,32768,100000}.json
 #   eager       eager generate: B=1 at 8K/32K/100K, B=8 at 8K/32K       generate_<gpu>_b1.json, generate_<gpu>_b8.json
 #   fpheads     decode cost of 8 / 26 full-precision KV heads, 32K     generate_<gpu>_fpheads_t32768.json
 #   capacity    aggregate decode throughput at each cache's largest     capacity_<gpu>_40gib.json,
 #               batch in a 40 GiB KV budget at 32K                      capacity_<gpu>_40gib_bf16.json
-#   profile     torch.profiler of one decode step: compiled at 32K,      profile_<gpu>_t32768.json,
-#               eager at 100K (B=1)                                     profile_<gpu>_eager_t100000.json
+#   profile     torch.profiler of the default call's decode step vs      profile_<gpu>_b8_t32768.json,
+#               compiled StaticCache: B=8/32K and B=1/1K                 profile_<gpu>_b1_t1024.json
 #   validate    Triton/Gluon read path vs the torch reference in a      gpu_validate_<gpu>.json
 #               32K generate (B=2, left padding): per-layer outputs, logits
 #   soak        200 generate calls; one call of 32,768 new tokens        soak_calls_<gpu>.json, soak_long_<gpu>.json
@@ -63,6 +67,22 @@ for what in "$@"; do
   profile-op)
     run "profile_op_$GPU" $PY "$B/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
         --out "$OUT/profile_op_$GPU.json" ;;
+  default|default-long|default-short)
+    # one process per shape (a second compiled shape in one process recompiles)
+    if [ "$what" != default-long ]; then
+      for bt in 1:1024 8:1024; do
+        run "generate_default_${GPU}_b${bt%:*}_t${bt#*:}" $PY "$B/bench_generate.py" --contexts ${bt#*:} \
+            --batches ${bt%:*} --methods bf16 bf16-static oscar --new-tokens 64 \
+            --out "$OUT/generate_default_${GPU}_b${bt%:*}_t${bt#*:}.json"
+      done
+    fi
+    if [ "$what" != default-short ]; then
+      for bt in 8:32768 1:100000; do
+        run "generate_default_${GPU}_b${bt%:*}_t${bt#*:}" $PY "$B/bench_generate.py" --contexts ${bt#*:} \
+            --batches ${bt%:*} --methods bf16 bf16-static oscar --new-tokens 64 \
+            --out "$OUT/generate_default_${GPU}_b${bt%:*}_t${bt#*:}.json"
+      done
+    fi ;;
   generate|generate-b8|generate-b1)
     if [ "$what" != generate-b1 ]; then
       run "generate_${GPU}_b8_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \
@@ -89,18 +109,20 @@ for what in "$@"; do
         --methods oscar oscar-fp8 oscar-fp26 oscar oscar-fp8 oscar-fp26 --new-tokens 48 \
         --out "$OUT/generate_${GPU}_fpheads_t32768.json" ;;
   capacity)
-    # 147456 / 23438 bytes per token: BF16 and OSCAR KV of the Qwen3-8B shape, measured by the `generate` sweep
-    run "capacity_${GPU}_40gib" $PY "$B/bench_generate.py" --capacity-only --bytes-per-token 147456 23438 \
-        --capacity-run --synthetic-fill --capacity-methods oscar-static bf16-static --kv-budget-gib 40 \
+    # 147456 / 27375 bytes per token: BF16 and the default OscarCache's allocated KV (headroom included) of the
+    # Qwen3-8B shape at 32K, measured by `default` (generate_default_<gpu>_b8_t32768.json)
+    run "capacity_${GPU}_40gib" $PY "$B/bench_generate.py" --capacity-only --bytes-per-token 147456 27375 \
+        --capacity-run --synthetic-fill --capacity-methods oscar bf16-static --kv-budget-gib 40 \
         --capacity-context 32768 --out "$OUT/capacity_${GPU}_40gib.json"
-    run "capacity_${GPU}_40gib_bf16" $PY "$B/bench_generate.py" --capacity-only --bytes-per-token 147456 23438 \
+    run "capacity_${GPU}_40gib_bf16" $PY "$B/bench_generate.py" --capacity-only --bytes-per-token 147456 27375 \
         --capacity-run --synthetic-fill --capacity-methods bf16 --kv-budget-gib 40 --capacity-context 32768 \
         --out "$OUT/capacity_${GPU}_40gib_bf16.json" ;;
   profile)
-    run "profile_${GPU}_t32768" $PY "$B/profile_decode.py" --context 32768 --methods oscar-static bf16-static \
-        --out "$OUT/profile_${GPU}_t32768.json"
-    run "profile_${GPU}_eager_t100000" $PY "$B/profile_decode.py" --context 100000 --methods bf16 oscar \
-        --out "$OUT/profile_${GPU}_eager_t100000.json" ;;
+    # the default call (compiled by generate) against compiled BF16 StaticCache, one decode step
+    for bt in 8:32768 1:1024; do
+      run "profile_${GPU}_b${bt%:*}_t${bt#*:}" $PY "$B/profile_decode.py" --batch ${bt%:*} --context ${bt#*:} \
+          --methods oscar bf16-static --out "$OUT/profile_${GPU}_b${bt%:*}_t${bt#*:}.json"
+    done ;;
   validate)
     run "gpu_validate_$GPU" $PY "$B/gpu_validate.py" --context 32768 --batch 2 --steps 8 --calib-tokens 0 \
         --out "$OUT/gpu_validate_$GPU.json" ;;

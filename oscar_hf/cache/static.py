@@ -185,7 +185,9 @@ class StaticOscarLayer(QuantizedLayerBase):
         if need > self.capacity and self.is_initialized:
             if self.fixed_capacity:
                 raise ValueError(f"StaticOscarCache is full (max_cache_len={self.fixed_capacity}, {need} tokens)")
-            self._allocate(capacity_for(need, self.capacity))
+            # a decode step outgrowing its bucket grows it by GROWTH (few CUDA graphs over a long generation); a
+            # multi-token forward (prefill chunk) to its own need plus headroom (no x1.5 overshoot per chunk)
+            self._allocate(capacity_for(need, self.capacity if n == 1 else 0))
         self.host_len = need
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
