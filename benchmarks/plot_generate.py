@@ -17,10 +17,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 STYLE = {"bf16": ("tab:gray", "o"), "bf16-static": ("black", "s"), "oscar": ("tab:orange", "o"),
-         "oscar-static": ("tab:red", "s"), "hqq2": ("tab:blue", "^"), "hqq4": ("tab:cyan", "^"),
+         "oscar-static": ("tab:red", "s"), "oscar-eager": ("tab:brown", "o"), "hqq2": ("tab:blue", "^"), "hqq4": ("tab:cyan", "^"),
          "quanto2": ("tab:green", "v"), "quanto4": ("tab:olive", "v")}
 LABEL = {"bf16": "BF16 DynamicCache (eager)", "bf16-static": "BF16 StaticCache (compiled)",
-         "oscar": "OscarCache (eager)", "oscar-static": "StaticOscarCache (compiled)",
+         "oscar": "OscarCache (the default call)", "oscar-eager": "OscarCache(compile=False) (eager)", "oscar-static": "StaticOscarCache (compiled)",
          "hqq2": "QuantizedCache HQQ 2-bit (eager)", "hqq4": "QuantizedCache HQQ 4-bit (eager)",
          "quanto2": "QuantizedCache quanto 2-bit", "quanto4": "QuantizedCache quanto 4-bit"}
 
