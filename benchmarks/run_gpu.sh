@@ -69,20 +69,14 @@ for what in "$@"; do
         --out "$OUT/profile_op_$GPU.json" ;;
   default|default-long|default-short)
     # one process per shape (a second compiled shape in one process recompiles)
-    if [ "$what" != default-long ]; then
-      for bt in 1:1024 8:1024; do
-        run "generate_default_${GPU}_b${bt%:*}_t${bt#*:}" $PY "$B/bench_generate.py" --contexts ${bt#*:} \
-            --batches ${bt%:*} --methods bf16 bf16-static oscar --new-tokens 64 \
-            --out "$OUT/generate_default_${GPU}_b${bt%:*}_t${bt#*:}.json"
-      done
-    fi
-    if [ "$what" != default-short ]; then
-      for bt in 8:32768 1:100000; do
-        run "generate_default_${GPU}_b${bt%:*}_t${bt#*:}" $PY "$B/bench_generate.py" --contexts ${bt#*:} \
-            --batches ${bt%:*} --methods bf16 bf16-static oscar --new-tokens 64 \
-            --out "$OUT/generate_default_${GPU}_b${bt%:*}_t${bt#*:}.json"
-      done
-    fi ;;
+    shapes="1:1024 8:1024 8:32768 1:100000"
+    [ "$what" = default-short ] && shapes="1:1024 8:1024"
+    [ "$what" = default-long ] && shapes="8:32768 1:100000"
+    for bt in $shapes; do
+      name="generate_default_${GPU}_b${bt%:*}_t${bt#*:}"
+      run "$name" $PY "$B/bench_generate.py" --contexts ${bt#*:} --batches ${bt%:*} \
+          --methods bf16 bf16-static oscar --new-tokens 64 --out "$OUT/$name.json"
+    done ;;
   generate|generate-b8|generate-b1)
     if [ "$what" != generate-b1 ]; then
       run "generate_${GPU}_b8_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \

@@ -15,6 +15,8 @@ from oscar_hf.cache import static as static_mod
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
 
+from batch_utils import random_left_padded
+
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 
 
@@ -23,16 +25,6 @@ def small_buckets(monkeypatch):
     """Capacity buckets of 16 slots, so that a few decode steps cross several of them."""
     monkeypatch.setattr(static_mod, "BUCKET", 16)
     monkeypatch.setattr(static_mod, "HEADROOM", 0.0)
-
-
-def _batch(lens, seed=5):
-    torch.manual_seed(seed)
-    t = max(lens)
-    ids = torch.zeros(len(lens), t, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for i, n in enumerate(lens):
-        ids[i, t - n :], am[i, t - n :] = torch.randint(1, 200, (n,)), 1
-    return ids, am
 
 
 def _compile_config():
@@ -66,7 +58,7 @@ def test_auto_is_eager_on_cpu_and_compile_true_gives_device_storage():
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_compiled_generate_equals_eager_with_growth_and_left_padding(model_type):
     m = tiny_model(model_type)
-    ids, am = _batch([3, 9, 20, 31])  # rows before, inside and past sink + recent
+    ids, am = random_left_padded([3, 9, 20, 31])  # rows before, inside and past sink + recent
     ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=40)
     cache = OscarCache(m, compile=True, **SMALL)
     torch._dynamo.reset()
@@ -179,7 +171,7 @@ def test_beam_search_and_batch_ops():
 @pytest.mark.parametrize("extra", [dict(full_precision_heads=((0, 1), (1, 0))), dict(key_offset="prefill")])
 def test_full_precision_heads_and_prefill_offset_match_eager(extra):
     m = tiny_model("llama")
-    ids, am = _batch([7, 26], seed=12)
+    ids, am = random_left_padded([7, 26], seed=12)
     kw = dict(SMALL, **extra)
     ref = _gen(m, ids, am, OscarCache(m, **kw), n=20)
     out = _gen(m, ids, am, OscarCache(m, compile=True, **kw), n=20, compile_config=_compile_config())
@@ -211,7 +203,7 @@ def test_save_load_multi_turn_continues_exactly(tmp_path):
                     reason="generate has no prefill_chunk_size")
 def test_chunked_prefill_through_the_compiled_route():
     m = tiny_model("llama")
-    ids, am = _batch([40], seed=8)
+    ids, am = random_left_padded([40], seed=8)
     # (chunks after the first read the earlier ones from the INT2 history: compare with the eager cache, chunked too)
     ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=10, prefill_chunk_size=16)
     out = _gen(m, ids, am, OscarCache(m, compile=True, **SMALL), n=10, prefill_chunk_size=16,
@@ -224,16 +216,11 @@ def test_chunked_prefill_through_the_compiled_route():
 def test_gpu_default_cache_compiles_with_cuda_graphs_and_matches_eager(monkeypatch):
     """On CUDA the user's default call compiles (CUDA graphs, no skipped graph), grows across buckets during decode,
     and gives the eager layer's tokens (kernels on both)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from batch_utils import cuda_qwen3
 
     monkeypatch.setattr(static_mod, "BUCKET", 256)
-    cfg = AutoConfig.for_model("qwen3", hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
-                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=1000,
-                               max_position_embeddings=8192)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    ids, am = _batch([700, 1500, 2000], seed=3)
+    m = cuda_qwen3()
+    ids, am = random_left_padded([700, 1500, 2000], seed=3)
     ids, am = ids.cuda(), am.cuda()
     kw = dict(method="hadamard", group_size=64)
     eager = _gen(m, ids, am, OscarCache(m, compile=False, **kw), n=400)

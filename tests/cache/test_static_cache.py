@@ -9,17 +9,9 @@ from oscar_hf.compat import cache_kwargs
 from oscar_hf.cache import StaticOscarLayer
 from oscar_hf.models import tiny_model
 
+from batch_utils import random_left_padded
+
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
-
-
-def _padded_batch(lens, seed=5):
-    torch.manual_seed(seed)
-    t = max(lens)
-    ids = torch.zeros(len(lens), t, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for i, n in enumerate(lens):
-        ids[i, t - n :], am[i, t - n :] = torch.randint(1, 200, (n,)), 1
-    return ids, am
 
 
 def _gen(m, ids, am, cache, n=16, **kw):
@@ -30,7 +22,7 @@ def _gen(m, ids, am, cache, n=16, **kw):
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_static_equals_dynamic_oscar_with_left_padding(model_type):
     m = tiny_model(model_type)
-    ids, am = _padded_batch([3, 9, 20, 31])  # rows before, inside and past sink + recent (12)
+    ids, am = random_left_padded([3, 9, 20, 31])  # rows before, inside and past sink + recent (12)
     dyn = _gen(m, ids, am, OscarCache(m, **SMALL))
     cache = StaticOscarCache(m, max_cache_len=ids.shape[1] + 16, **SMALL)
     sta = _gen(m, ids, am, cache)
@@ -67,7 +59,7 @@ def test_static_decode_step_is_tensor_only_and_matches_per_step():
 @pytest.mark.parametrize("windows", [dict(sink=0, recent=8), dict(sink=4, recent=1)])
 def test_static_edge_windows_match_dynamic(windows):
     m = tiny_model("llama")
-    ids, am = _padded_batch([5, 26], seed=12)
+    ids, am = random_left_padded([5, 26], seed=12)
     kw = dict(SMALL, **windows)
     dyn = _gen(m, ids, am, OscarCache(m, **kw), n=10)
     sta = _gen(m, ids, am, StaticOscarCache(m, max_cache_len=ids.shape[1] + 10, **kw), n=10)
@@ -93,7 +85,7 @@ def test_static_compiles_without_graph_breaks(model_type):
     graph break an error (CPU, eager backend; the CUDA run is the -m gpu test below). Gemma 3 mixes
     StaticSlidingWindowLayer and StaticOscarLayer. Tokens equal the dynamic OscarCache's."""
     m = tiny_model(model_type)
-    ids, am = _padded_batch([6, 30], seed=9)
+    ids, am = random_left_padded([6, 30], seed=9)
     ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=10)
     cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
     cc._compile_all_devices = True
@@ -126,15 +118,10 @@ def test_static_errors():
 def test_gpu_static_kernels_and_cuda_graphs_match_reference():
     """On the GPU: the Triton decode path of the static cache (device-side history length) equals the
     torch reference step by step, and generate's compiled decode (CUDA graphs) gives the eager tokens."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from batch_utils import cuda_qwen3
 
-    cfg = AutoConfig.for_model("qwen3", hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
-                               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=1000,
-                               max_position_embeddings=8192)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    ids, am = _padded_batch([700, 1500, 2000], seed=3)
+    m = cuda_qwen3()
+    ids, am = random_left_padded([700, 1500, 2000], seed=3)
     ids, am = ids.cuda(), am.cuda()
     kw = dict(method="hadamard", group_size=64)
     ker, ref = StaticOscarCache(m, max_cache_len=2100, **kw), StaticOscarCache(m, max_cache_len=2100, use_kernels=False, **kw)
