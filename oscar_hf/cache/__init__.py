@@ -194,9 +194,10 @@ class OscarCache(Cache):
         save_cache(self, directory)
 
     @classmethod
-    def load(cls, directory, model, device=None) -> "OscarCache":
-        """Load a cache written by :meth:`save` to continue generation exactly where it stopped."""
-        return load_cache(cls, directory, model, device)
+    def load(cls, directory, model, device=None, compile: bool | str = "auto") -> "OscarCache":
+        """Load a cache written by :meth:`save` to continue generation exactly where it stopped (into either storage,
+        whichever wrote it: ``compile`` as in the constructor)."""
+        return load_cache(cls, directory, model, device, compile=compile)
 
     # ------------------------------------------------------------------ reporting
     def memory_report(self) -> dict[str, float]:

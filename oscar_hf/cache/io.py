@@ -104,7 +104,7 @@ def _expect(t: dict, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor
     return x
 
 
-def load_cache(cls, directory: str | os.PathLike, model, device=None):
+def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="auto"):
     """A ``cls`` (``OscarCache``) for ``model`` holding the state saved in ``directory``, on ``device``
     (default: the model's)."""
     from safetensors import SafetensorError
@@ -129,7 +129,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None):
     if problems:
         raise ValueError("saved cache was made for another model: " + "; ".join(problems))
     rot = OscarRotations.from_pretrained(path / "rotations")
-    cache = cls(model, rot, config)
+    cache = cls(model, rot, config, compile=compile)
     if device is None:
         device = next(model.parameters()).device
     if len(doc["layers"]) != len(cache.layers):

@@ -561,6 +561,8 @@ class StaticOscarLayer(QuantizedLayerBase):
                 a[:, :, : x.shape[2]] = x
         if state.get("mu_k_seq") is not None:
             self.mu_k_seq = _static(state["mu_k_seq"].float().contiguous())
+        if ts > s0:  # the ring also holds the slot before the window (a decode step re-demotes it): from its codes
+            self._refill_ring(ts - 1, ts)
         if self.fp_heads:
             self.fp_k[:, :, :t] = state["fp_k"]
             self.fp_v[:, :, :t] = state["fp_v"]

@@ -193,9 +193,12 @@ def test_save_load_multi_turn_continues_exactly(tmp_path):
         comp.save(tmp_path / "c")
         loaded = OscarCache.load(tmp_path / "c", m)
         assert not loaded.compiled  # auto on the CPU: the eager layer, from the device layer's saved state
-        outs = [m(turn2, **cache_kwargs(m, c)).logits for c in (eager, comp, loaded)]
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=1e-4)
-    torch.testing.assert_close(outs[2], outs[0], atol=2e-4, rtol=1e-4)
+        eager.save(tmp_path / "e")
+        loaded_dev = OscarCache.load(tmp_path / "e", m, compile=True)  # and the other way round
+        assert loaded_dev.compiled
+        outs = [m(turn2, **cache_kwargs(m, c)).logits for c in (eager, comp, loaded, loaded_dev)]
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif("prefill_chunk_size" not in inspect.signature(CompileConfig).parameters
