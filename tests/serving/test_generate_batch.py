@@ -1,0 +1,66 @@
+"""OSCAR inside Transformers' continuous batching: each request's greedy tokens equal its run alone through
+OscarCache, requests join and leave (at most 3 per batch), and the pool is empty afterwards."""
+import random
+
+import pytest
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+from oscar_hf import OscarCache
+from oscar_hf.compat import cache_kwargs
+from oscar_hf.models import tiny_model
+from oscar_hf.serving import OscarPagedStore, paged_oscar
+
+OSCAR = dict(sink=4, recent=8, group_size=32)
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def greedy_alone(model, prompt, cache=None):
+    kw = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    if cache is not None:
+        kw.update(cache_kwargs(model, cache))  # cache= or past_key_values=, whichever this Transformers takes
+    out = model.generate(torch.tensor([prompt]), **kw)
+    return out[0, len(prompt):].tolist()
+
+
+def test_generate_batch_matches_oscar_cache_alone(model):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (3, 10, 17, 40, 25, 6, 33, 12)]
+    gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    # at most 3 requests per batch: the later ones join as the first ones leave; pages of 8 tokens
+    cb_cfg = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256, page_size=16, max_requests_per_batch=3)
+    with paged_oscar(model, num_pages=64, page_size=8, **OSCAR) as store:
+        assert isinstance(store, OscarPagedStore)
+        out = model.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg, warmup=False)
+        assert store.pool.num_used == 0 and not store.requests  # every request left and gave its pages back
+        assert store.pool.peak_used >= 3  # histories did live in pages (40 + 24 tokens: 6 pages alone)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    got = [r.generated_tokens for r in out.values()]
+    assert len(got) == len(prompts)
+    want = [greedy_alone(model, p, OscarCache(model, method="hadamard", compile=False, **OSCAR)) for p in prompts]
+    assert got == want
+    # OSCAR was in the loop: the full-precision model decodes at least one request differently
+    assert got != [greedy_alone(model, p) for p in prompts]
+
+
+def test_paged_oscar_refuses_cuda_graphs(model):
+    gen_cfg = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb_cfg = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, page_size=16, use_cuda_graph=True)
+    from oscar_hf.serving.paged_cache import _check_cb_config
+
+    with pytest.raises(NotImplementedError):
+        _check_cb_config(cb_cfg)
+    with pytest.raises(NotImplementedError):
+        _check_cb_config(ContinuousBatchingConfig(cpu_offload_space=1.0))
+    with paged_oscar(model, num_pages=8, page_size=8, **OSCAR):
+        pass  # entering and leaving restores Transformers' own cache class
+    from transformers.generation.continuous_batching import continuous_api
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    assert continuous_api.PagedAttentionCache is PagedAttentionCache
+    assert model.generate_batch([[1, 2, 3]], gen_cfg, warmup=False)  # plain continuous batching still works
