@@ -144,8 +144,8 @@ def test_top_k_from_artifact_scores_and_bad_input():
         OscarConfig(full_precision_heads=((0, "a"),))
     with pytest.raises(ValueError, match=">= 0"):
         OscarConfig(full_precision_heads=-1)
-    with pytest.raises(NotImplementedError, match="StaticOscarCache"):
-        StaticOscarCache(m, max_cache_len=64, **SMALL, full_precision_heads=((0, 1),))
+    static = StaticOscarCache(m, max_cache_len=64, **SMALL, full_precision_heads=((0, 1),))  # both storages take them
+    assert static.layers[0].fp_heads == (1,) and static.layers[1].fp_heads == ()
 
 
 def test_retrieval_scores_round_trip_and_validation(tmp_path):
