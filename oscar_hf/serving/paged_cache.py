@@ -20,6 +20,15 @@ Where OSCAR plugs in, with no change to Transformers:
   at construction: :func:`paged_oscar` swaps that global for the duration of a ``with`` block and switches the
   model to ``oscar_sdpa`` once the manager has accepted ``sdpa``. That swap is the one monkey-patch.
 
+Memory: when the store quantizes every layer of the model (all full attention, none skipped), Transformers allocates
+no BF16 K/V at all. While :class:`OscarPagedCache` is constructed, the ``"full_attention"`` allocator is
+:class:`OscarCacheAllocator` (a block = one INT2 page per layer; a request holds the pages of its history plus a fixed
+number of blocks paying for its full-precision window) and the memory handler is :class:`OscarMemoryHandler` (no
+BF16 read-back or ``[M, N + M]`` mask per cache token), so the flat cache tensor Transformers sizes from
+``num_blocks`` / ``max_memory_percent`` holds INT2 pages, and the store's page pool is laid out in that tensor. The
+scheduler's admission (``can_store_request_tokens``) then counts OSCAR bytes. Models with layers the store leaves to
+Transformers (sliding windows, ``skip_layers``) keep Transformers' BF16 cache and a separately sized pool.
+
 Not followed (refused loudly): prefix sharing (block sharing is turned off), forks (``num_return_sequences > 1``),
 CPU offloading, CUDA graphs / compile (the read loops over requests in Python). See docs/serving.md.
 """
@@ -29,8 +38,15 @@ import contextlib
 import inspect
 
 import torch
+from transformers.generation.continuous_batching import cache as cache_module
 from transformers.generation.continuous_batching import continuous_api
-from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.cache import (
+    ATTN_TYPE_TO_ALLOCATOR,
+    PagedAttentionCache,
+    PagedAttentionMemoryHandler,
+    group_layers_by_attn_type,
+)
+from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
 from ..attention import OscarKV, disable_oscar, enable_oscar
 from .store import OscarPagedStore
@@ -70,6 +86,110 @@ class PagedOscarKV(OscarKV):
         return torch.cat(outs, 1)
 
 
+class OscarCacheAllocator(FullAttentionCacheAllocator):
+    """Transformers' block accounting for the layers the store quantizes, without their BF16 K/V.
+
+    A block is one INT2 page (``page_size`` history entries, keys and values) of every quantized layer:
+    ``bytes_per_page`` is the INT2 page of one layer, so sectors, ``num_blocks`` and the memory budget count INT2
+    bytes. A request of ``T`` tokens holds ``window_blocks + ceil((T - S0 - W) / P)`` blocks: its history pages (the
+    store's own count) plus a constant that pays for its full-precision sink + recent window. The blocks are
+    bookkeeping only: the store writes its pages through its own free list in the same memory (``num_blocks`` pages),
+    and holds at most as many pages as Transformers has handed out. Nothing here is read by the attention, so no
+    read / write indices are produced and the keys each request attends to count as its new rows only (the
+    ``[sum L, sum L]`` mask Transformers builds for sdpa is not read either). Bound to a store by :meth:`bind`."""
+
+    supports_block_sharing = False  # prefix sharing is not followed
+    supports_block_table = False  # no flash decode fast path
+    store: OscarPagedStore  # set on the bound subclass
+
+    @classmethod
+    def bind(cls, store: OscarPagedStore) -> type:
+        """A subclass whose sizes come from ``store`` (Transformers builds allocators and calls
+        ``get_bytes_per_page`` on the class, before any instance exists)."""
+        return type("BoundOscarCacheAllocator", (cls,), {"store": store})
+
+    @classmethod
+    def get_bytes_per_page(cls, num_key_value_heads: int, head_dim: int, cache_dtype: torch.dtype,
+                           page_size: int) -> int:
+        if (num_key_value_heads, head_dim) != (cls.store.num_kv_heads, cls.store.head_dim):
+            raise NotImplementedError(f"the OSCAR paged cache holds {cls.store.num_kv_heads} KV heads of "
+                                      f"{cls.store.head_dim}; Transformers asks for {num_key_value_heads} of "
+                                      f"{head_dim} "
+                                      "(tensor parallelism is not followed)")
+        return cls.store.page_bytes(page_size, num_layers=1)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Window bytes of one request, paid in blocks: [S0 + W slots x layers x K,V] in the model dtype.
+        self.window_blocks = -(-self.store.window_bytes_per_request() // self.bytes_per_block)
+
+    def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool) -> None:
+        self.bytes_per_sector = bytes_per_sector
+        self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)  # no BF16 views
+
+    def _compute_blocks_needed(self, allocated_blocks: int, past_length: int, query_length: int) -> int:
+        p = self.tokens_per_page
+        total = self.window_blocks + self.store.history_pages(past_length + query_length, p)
+        return max(0, total - allocated_blocks)
+
+    def get_seqlen_k(self, past_length: int, query_length: int) -> int:
+        return query_length
+
+    def get_read_indices(self, request_id: str, past_length: int, query_length: int) -> list[int]:
+        return []
+
+    def get_write_indices(self, request_id: str, past_length: int, query_length: int) -> list[int]:
+        return []
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("OSCAR layers are served by OscarPagedCache.update, not the allocator")
+
+    def get_cache_for_block_table(self, layer_idx: int):
+        raise NotImplementedError("the OSCAR paged cache does not serve the flash block-table decode path")
+
+    def copy_blocks(self, source_block_ids, dest_block_ids) -> None:
+        raise NotImplementedError("the OSCAR paged cache does not copy blocks (forks)")
+
+
+class OscarMemoryHandler(PagedAttentionMemoryHandler):
+    """Transformers' sizing of the cache when every layer is OSCAR's: a cache token costs its INT2 share of a sector
+    only (no BF16 read-back at the attention peak, no read index), and the sdpa masks are ``[M, M]`` (each request's
+    keys are its new rows for Transformers; the store reads the past)."""
+
+    @property
+    def bytes_per_cache_token(self) -> int:
+        return 0
+
+    def attention_mask_bytes(self, max_batch_tokens: int, num_sectors: int) -> int:
+        a = self.activation_dtype.itemsize
+        return self.io_multiplier * self.num_attention_masks * a * max_batch_tokens**2
+
+
+def store_owns_every_layer(store: OscarPagedStore, config) -> bool:
+    """Whether the store quantizes every layer of ``config`` (then Transformers allocates no BF16 K/V)."""
+    groups = group_layers_by_attn_type(config)
+    full = FullAttentionCacheAllocator.layer_type
+    return list(groups) == [full] and all(store.handles(i) for i in groups[full])
+
+
+@contextlib.contextmanager
+def _oscar_allocation(store: OscarPagedStore):
+    """Inside: Transformers' cache construction uses the OSCAR allocator and memory handler (module globals of
+    ``continuous_batching.cache``); restored on exit."""
+    full = FullAttentionCacheAllocator.layer_type
+    allocator = OscarCacheAllocator.bind(store)
+    saved = (ATTN_TYPE_TO_ALLOCATOR[full], cache_module.FullAttentionCacheAllocator,
+             cache_module.PagedAttentionMemoryHandler)
+    ATTN_TYPE_TO_ALLOCATOR[full] = allocator
+    cache_module.FullAttentionCacheAllocator = allocator  # the handler's bytes per block (num_blocks <-> bytes)
+    cache_module.PagedAttentionMemoryHandler = OscarMemoryHandler
+    try:
+        yield
+    finally:
+        ATTN_TYPE_TO_ALLOCATOR[full], cache_module.FullAttentionCacheAllocator = saved[:2]
+        cache_module.PagedAttentionMemoryHandler = saved[2]
+
+
 class OscarPagedCache(PagedAttentionCache):
     """``PagedAttentionCache`` whose OSCAR layers live in an :class:`OscarPagedStore` (see the module docstring).
     Built by :func:`paged_oscar` in place of the manager's own cache, with the manager's arguments."""
@@ -78,7 +198,30 @@ class OscarPagedCache(PagedAttentionCache):
         if "kwargs" not in inspect.signature(PagedAttentionCache.update).parameters:
             raise NotImplementedError("this Transformers version runs the paged cache from its `paged|*` attention "
                                       "function (5.17 style); the OSCAR paged cache needs cache.update(..., kwargs)")
-        super().__init__(*args, **kwargs)
+        config = args[0] if args else kwargs["config"]
+        self.oscar_owns_memory = store_owns_every_layer(store, config)
+        if not self.oscar_owns_memory:  # BF16 cache for the other layers, the store's pool sized by the user
+            if store.pool is None:
+                raise ValueError("this model has layers OSCAR does not quantize (sliding windows / skip_layers): its "
+                                 "BF16 paged cache stays and the INT2 pool is sized apart: give num_pages= or "
+                                 "memory_budget=")
+            super().__init__(*args, **kwargs)
+        else:
+            if store.pool is not None and not store.pool_in_cache:
+                raise ValueError("the INT2 pool lives in Transformers' cache memory for this model: size it with "
+                                 "ContinuousBatchingConfig(num_blocks= / max_memory_percent=), not num_pages= / "
+                                 "memory_budget=")
+            with _oscar_allocation(store):
+                super().__init__(*args, **kwargs)
+            allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
+            # The pool: one page per block, laid out in the cache tensor after its two trash sectors.
+            trash = 2 * self.bytes_per_sector
+            store.attach_pool(allocator.num_blocks, allocator.tokens_per_page, storage=self.cache_tensor[trash:])
+            store.pool_in_cache = True
+            # Transformers reads no past for these layers: the index tensors and sdpa masks it allocates are
+            # [*, 1 + M] instead of [*, num_blocks * P + M], and the scheduler's read budget (max_tokens_read, minus
+            # min(request length, read_cache_limit) per request) never runs out.
+            self.max_tokens_read, self.read_cache_limit = 1, 0
         # The store's requests start empty: a prefix matched in the BF16 pages was never written to it.
         self.allow_block_sharing = self.use_prefix_sharing = False
         self.store = store
@@ -130,14 +273,19 @@ def _check_cb_config(cbc) -> None:
 def paged_oscar(model, store: OscarPagedStore | None = None, **store_kwargs):
     """Serve ``model``'s continuous batching through OSCAR inside the block::
 
-        with paged_oscar(model, method="hadamard", num_pages=4096, page_size=256) as store:
+        with paged_oscar(model, method="hadamard") as store:
             outputs = model.generate_batch(inputs, generation_config)
 
     ``store`` an :class:`OscarPagedStore`, or its arguments (``store_kwargs``; device and dtype default to the
-    model's). The model must be loaded with ``attn_implementation="sdpa"`` (or ``"eager"``)."""
+    model's). When the store quantizes every layer, its page pool lives in Transformers' cache tensor, sized by the
+    ``ContinuousBatchingConfig`` (``num_blocks`` INT2 blocks, or ``max_memory_percent`` of free memory at OSCAR's
+    bytes per token) with its ``page_size``: give no ``num_pages`` / ``memory_budget`` / ``page_size`` then. The model
+    must be loaded with ``attn_implementation="sdpa"`` (or ``"eager"``)."""
     if store is None:
         store_kwargs.setdefault("device", model.device)
         store_kwargs.setdefault("dtype", model.dtype)
+        if not any(k in store_kwargs for k in ("num_pages", "memory_budget")):
+            store_kwargs["defer_pool"] = True
         store = OscarPagedStore(model, **store_kwargs)
     original = continuous_api.PagedAttentionCache
     if original is not PagedAttentionCache:
@@ -156,6 +304,8 @@ def paged_oscar(model, store: OscarPagedStore | None = None, **store_kwargs):
         continuous_api.PagedAttentionCache = original
         disable_oscar(model)
         store.free_all()
+        if store.pool_in_cache:  # the cache tensor it lived in belongs to the manager that is gone
+            store.pool, store.pool_in_cache = None, False
 
 
 def generate_batch(model, inputs, generation_config=None, continuous_batching_config=None, *, store=None,

@@ -11,6 +11,9 @@ A request owns a *block table*: the list of its page ids, history entry ``j`` at
 ``j % P``. Pages are taken from a free list and given back when the request leaves; a reference count per page lets
 two requests hold the same page (prefix sharing, :meth:`acquire`), a page returning to the free list only when its
 last holder releases it. Nothing else is allocated while serving: memory is flat however requests come and go.
+
+With ``storage`` (a flat ``uint8`` tensor, e.g. the non-trash part of Transformers' paged cache tensor) the three
+tensors are views into it, one after the other (codes, then scale, then zero), instead of allocations of their own.
 """
 from __future__ import annotations
 
@@ -29,6 +32,24 @@ def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int
     return 2 * num_layers * num_kv_heads * page_size * row
 
 
+def _views(storage: torch.Tensor, shape: tuple, code_cols: int, meta_cols: int, meta_dtype: torch.dtype):
+    """``codes [*shape, code_cols] uint8`` and ``scale/zero [*shape, meta_cols] meta_dtype`` as consecutive views of
+    the flat ``uint8`` tensor ``storage`` (no copy, no allocation)."""
+    if storage.dtype != torch.uint8 or storage.dim() != 1:
+        raise ValueError(f"pool storage must be a flat uint8 tensor, got {storage.dtype} {tuple(storage.shape)}")
+    rows = torch.Size(shape).numel()
+    meta_size = torch.empty((), dtype=meta_dtype).element_size()
+    n_codes, n_meta = rows * code_cols, rows * meta_cols * meta_size
+    if storage.numel() < n_codes + 2 * n_meta:
+        raise ValueError(f"pool storage holds {storage.numel()} bytes, the pages need {n_codes + 2 * n_meta}")
+    if n_codes % meta_size or storage.data_ptr() % meta_size:
+        raise ValueError("pool storage is not aligned for the metadata dtype")
+    codes = storage[:n_codes].view(*shape, code_cols)
+    scale = storage[n_codes : n_codes + n_meta].view(meta_dtype).view(*shape, meta_cols)
+    zero = storage[n_codes + n_meta : n_codes + 2 * n_meta].view(meta_dtype).view(*shape, meta_cols)
+    return codes, scale, zero
+
+
 class PoolExhausted(RuntimeError):
     """No free page is left: the scheduler admitted more history than the pool holds."""
 
@@ -37,7 +58,8 @@ class PagedInt2Pool:
     """Fixed-size pool of INT2 history pages (see the module docstring for the layout)."""
 
     def __init__(self, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 group_size: int, meta_dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"):
+                 group_size: int, meta_dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
+                 storage: torch.Tensor | None = None):
         if num_pages < 1 or num_layers < 1 or num_kv_heads < 1 or page_size < 1:
             raise ValueError(f"PagedInt2Pool needs positive sizes, got num_pages={num_pages}, num_layers={num_layers}, "
                              f"num_kv_heads={num_kv_heads}, page_size={page_size}")
@@ -47,9 +69,13 @@ class PagedInt2Pool:
         self.num_pages, self.num_layers, self.page_size = num_pages, num_layers, page_size
         self.num_kv_heads, self.head_dim, self.group_size = num_kv_heads, head_dim, group_size
         shape = (num_pages, num_layers, 2, num_kv_heads, page_size)
-        self.codes = torch.zeros(*shape, head_dim // 4, dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(*shape, head_dim // group_size, dtype=meta_dtype, device=device)
-        self.zero = torch.zeros(*shape, head_dim // group_size, dtype=meta_dtype, device=device)
+        if storage is None:
+            self.codes = torch.zeros(*shape, head_dim // 4, dtype=torch.uint8, device=device)
+            self.scale = torch.zeros(*shape, head_dim // group_size, dtype=meta_dtype, device=device)
+            self.zero = torch.zeros(*shape, head_dim // group_size, dtype=meta_dtype, device=device)
+        else:
+            self.codes, self.scale, self.zero = _views(storage, shape, head_dim // 4, head_dim // group_size,
+                                                       meta_dtype)
         # LIFO free list: a page freed by a leaving request is the next one handed out (warm in cache)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages

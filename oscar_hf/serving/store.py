@@ -84,12 +84,15 @@ class OscarPagedStore:
     ``OscarPagedStore(model_or_config, rotations=None, config=None, *, num_pages=None, memory_budget=None,
     page_size=256, device="cpu", dtype=torch.float32, **overrides)``: ``rotations`` an :class:`OscarRotations` or
     None for the artifact-free ``method``; ``overrides`` are :class:`OscarConfig` fields. The pool holds
-    ``num_pages`` pages, or as many as ``memory_budget`` bytes pay for. Layers the store does not quantize
-    (``skip_layers``, sliding-window layers) are left to Transformers' own paged cache (:meth:`handles`)."""
+    ``num_pages`` pages, or as many as ``memory_budget`` bytes pay for; with ``defer_pool=True`` it has no pool until
+    :meth:`attach_pool` (what :func:`~oscar_hf.serving.paged_oscar` does: the pool then lives in Transformers' paged
+    cache tensor, sized by its scheduler). Layers the store does not quantize (``skip_layers``, sliding-window layers)
+    are left to Transformers' own paged cache (:meth:`handles`)."""
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
                  num_pages: int | None = None, memory_budget: int | None = None, page_size: int = 256,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **overrides):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, defer_pool: bool = False,
+                 **overrides):
         config = OscarConfig.build(config, None, **overrides)
         model_config = getattr(model_or_config, "config", model_or_config)
         if rotations is None:
@@ -114,17 +117,55 @@ class OscarPagedStore:
         self.layer_slot = {layer: k for k, layer in enumerate(layers)}  # model layer -> pool layer index
         self.params = {i: LayerParams.build(config, rotations.layers[i], i, self.device) for i in layers}
         self._rotations_cpu = {i: rotations.layers[i] for i in layers}
-        meta = config.torch_meta_dtype
-        per_page = page_bytes(len(layers), fp.num_key_value_heads, fp.head_dim, page_size, config.group_size, meta)
+        self.requests: dict[str, RequestKV] = {}
+        self.pool: PagedInt2Pool | None = None
+        self.pool_in_cache = False  # set by OscarPagedCache when the pool is laid out in Transformers' cache tensor
+        if defer_pool:
+            if num_pages is not None or memory_budget is not None:
+                raise ValueError("defer_pool=True: the pool is sized when attached; drop num_pages / memory_budget")
+            return
         if num_pages is None:
             if memory_budget is None:
-                raise ValueError("give the pool's size: num_pages= or memory_budget= (bytes)")
-            num_pages = int(memory_budget) // per_page
+                raise ValueError("give the pool's size: num_pages= or memory_budget= (bytes), or defer_pool=True")
+            num_pages = int(memory_budget) // self.page_bytes(page_size)
         elif memory_budget is not None:
             raise ValueError("pass num_pages= or memory_budget=, not both")
-        self.pool = PagedInt2Pool(num_pages, len(layers), fp.num_key_value_heads, fp.head_dim, page_size,
-                                  config.group_size, meta, self.device)
-        self.requests: dict[str, RequestKV] = {}
+        self.attach_pool(num_pages, page_size)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_layers(self) -> int:
+        """Layers the store quantizes."""
+        return len(self.layer_slot)
+
+    def page_bytes(self, page_size: int, num_layers: int | None = None) -> int:
+        """Bytes of one INT2 page of ``page_size`` history entries, keys and values of ``num_layers`` layers (default:
+        every quantized layer)."""
+        return page_bytes(self.num_layers if num_layers is None else num_layers, self.num_kv_heads, self.head_dim,
+                          page_size, self.config.group_size, self.config.torch_meta_dtype)
+
+    def window_tokens(self) -> int:
+        """Full-precision slots a request keeps per layer once it is longer than the window: sink + recent."""
+        return self.config.sink + self.config.recent
+
+    def window_bytes_per_request(self) -> int:
+        """Bytes of one request's full-precision sink + recent window over every quantized layer (keys and values)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.window_tokens() * self.head_dim * elem
+
+    def history_pages(self, length: int, page_size: int) -> int:
+        """INT2 pages a request of ``length`` tokens holds: its history entries ``[S0, length - W)``."""
+        n = length - self.window_tokens()
+        return -(-n // page_size) if n > 0 else 0
+
+    def attach_pool(self, num_pages: int, page_size: int, storage: torch.Tensor | None = None) -> PagedInt2Pool:
+        """(Re)build the INT2 page pool: ``num_pages`` pages of ``page_size`` entries, in ``storage`` (flat uint8, see
+        :class:`PagedInt2Pool`) or in tensors of its own. Only while no request is live."""
+        if self.requests:
+            raise RuntimeError(f"the store still holds {len(self.requests)} requests; free them before a new pool")
+        self.pool = PagedInt2Pool(num_pages, self.num_layers, self.num_kv_heads, self.head_dim, page_size,
+                                  self.config.group_size, self.config.torch_meta_dtype, self.device, storage=storage)
+        return self.pool
 
     # ------------------------------------------------------------------ requests
     def handles(self, layer_idx: int) -> bool:
@@ -146,6 +187,8 @@ class OscarPagedStore:
             self.free(rid)
 
     def _window(self, request_id: str, layer_idx: int, past_length: int, new_k: torch.Tensor) -> LayerWindow:
+        if self.pool is None:
+            raise RuntimeError("the OSCAR store has no page pool yet (defer_pool=True and no attach_pool)")
         r = self.requests.get(request_id)
         if r is None:
             if past_length != 0:
@@ -274,5 +317,7 @@ class OscarPagedStore:
                    for t in (w.sink_k, w.sink_v, w.tail_k, w.tail_v))
 
     def stats(self) -> dict[str, int]:
+        if self.pool is None:
+            return dict(requests=0, pages_used=0, pages_free=0, history_bytes=0, window_bytes=0)
         return dict(requests=len(self.requests), pages_used=self.pool.num_used, pages_free=self.pool.num_free,
                     history_bytes=self.pool.num_used * self.pool.bytes_per_page, window_bytes=self.window_bytes())

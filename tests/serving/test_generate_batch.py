@@ -32,9 +32,10 @@ def test_generate_batch_matches_oscar_cache_alone(model):
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (3, 10, 17, 40, 25, 6, 33, 12)]
     gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    # at most 3 requests per batch: the later ones join as the first ones leave; pages of 8 tokens
-    cb_cfg = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=256, page_size=16, max_requests_per_batch=3)
-    with paged_oscar(model, num_pages=64, page_size=8, **OSCAR) as store:
+    # at most 3 requests per batch: the later ones join as the first ones leave; pages of 8 tokens (a request holds
+    # 16 blocks for its window + its history pages: 128 blocks never make the scheduler evict one)
+    cb_cfg = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=256, page_size=8, max_requests_per_batch=3)
+    with paged_oscar(model, **OSCAR) as store:
         assert isinstance(store, OscarPagedStore)
         out = model.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg, warmup=False)
         assert store.pool.num_used == 0 and not store.requests  # every request left and gave its pages back
@@ -57,10 +58,12 @@ def test_paged_oscar_refuses_cuda_graphs(model):
         _check_cb_config(cb_cfg)
     with pytest.raises(NotImplementedError):
         _check_cb_config(ContinuousBatchingConfig(cpu_offload_space=1.0))
-    with paged_oscar(model, num_pages=8, page_size=8, **OSCAR):
+    with paged_oscar(model, **OSCAR):
         pass  # entering and leaving restores Transformers' own cache class
     from transformers.generation.continuous_batching import continuous_api
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
     assert continuous_api.PagedAttentionCache is PagedAttentionCache
-    assert model.generate_batch([[1, 2, 3]], gen_cfg, warmup=False)  # plain continuous batching still works
+    # plain continuous batching still works (a small cache: the default sizes it from the free memory, slow on CPU)
+    small = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, page_size=16)
+    assert model.generate_batch([[1, 2, 3]], gen_cfg, continuous_batching_config=small, warmup=False)

@@ -17,6 +17,9 @@ class FakeAttention(torch.nn.Module):
     training = False
 
 
+REQUESTS = 1000  # each joins with a prompt of 1-29 tokens, decodes 0-7 tokens and leaves; up to 6 live
+
+
 def make_store(num_pages=64, page_size=4, **kw):
     cfg = tiny_config("llama", num_hidden_layers=2)
     return cfg, OscarPagedStore(cfg, method="hadamard", sink=4, recent=8, group_size=32, num_pages=num_pages,
@@ -30,7 +33,7 @@ def expected_pages(store, t):
     return math.ceil(n_hist / store.pool.page_size)
 
 
-def test_thousand_requests_join_and_leave():
+def test_requests_join_and_leave():
     cfg, store = make_store()
     module = FakeAttention()
     hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -39,9 +42,9 @@ def test_thousand_requests_join_and_leave():
     gen = torch.Generator().manual_seed(0)
     live: dict[str, int] = {}  # request -> tokens left to decode
     started = 0
-    while started < 1000 or live:
+    while started < REQUESTS or live:
         batch = [(rid, store.length(rid), 1) for rid in live]  # decodes
-        while started < 1000 and len(live) < 6 and rng.random() < 0.7:  # joins between steps, with their prompt
+        while started < REQUESTS and len(live) < 6 and rng.random() < 0.7:  # joins between steps, with their prompt
             rid = f"r{started}"
             started += 1
             live[rid] = rng.randrange(0, 8)

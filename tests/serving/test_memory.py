@@ -1,0 +1,117 @@
+"""Memory of the paged OSCAR cache inside Transformers' continuous batching: no BF16 K/V for the layers OSCAR
+quantizes, and the scheduler's admission counts OSCAR's bytes per token (tiny Llama: 2 layers, 2 KV heads of 32,
+BF16 cache, G=32 with BF16 metadata: 12 bytes per K or V row against 64)."""
+import pytest
+import torch
+from transformers import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import cache as cache_module
+from transformers.generation.continuous_batching.cache import PagedAttentionCache, PagedAttentionMemoryHandler
+from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
+from transformers.generation.continuous_batching.distributed import DistributedHelper
+from transformers.generation.continuous_batching.requests import RequestState
+
+from oscar_hf.models import tiny_config
+from oscar_hf.serving import OscarPagedCache, OscarPagedStore
+
+OSCAR = dict(method="hadamard", sink=4, recent=8, group_size=32)
+DTYPE = torch.bfloat16
+PAGE = 16
+
+
+def build(kind, cb_cfg, config):
+    helper = DistributedHelper(None, None)
+    if kind == "bf16":
+        return PagedAttentionCache(config, cb_cfg, "cpu", helper, dtype=DTYPE)
+    store = OscarPagedStore(config, dtype=DTYPE, defer_pool=True, **OSCAR)
+    return OscarPagedCache(config, cb_cfg, "cpu", helper, dtype=DTYPE, store=store)
+
+
+def tensor_bytes(cache) -> int:
+    """Bytes of the distinct tensor storages the cache object and its allocators (and the OSCAR store's pool, views
+    into the cache tensor) hold."""
+    objs = [cache, *cache.cache_allocators.values()]
+    if isinstance(cache, OscarPagedCache):
+        objs.append(cache.store.pool)
+    seen = {}
+    for obj in objs:
+        for value in vars(obj).values():
+            for t in value.values() if isinstance(value, dict) else [value]:
+                if isinstance(t, torch.Tensor):
+                    st = t.untyped_storage()
+                    seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def admitted(cache, prompt_len: int) -> int:
+    """Requests of ``prompt_len`` tokens the scheduler's check admits one after the other (all kept alive)."""
+    n = 0
+    while cache.can_store_request_tokens(RequestState(request_id=f"r{n}", initial_tokens=[1] * prompt_len,
+                                                      max_new_tokens=1), prompt_len):
+        n += 1
+    return n
+
+
+@pytest.fixture(autouse=True)
+def memory_budget(monkeypatch):
+    """The memory Transformers' handler sees (what is free x max_memory_percent on a device): 64 MiB unless set."""
+    budget = {"bytes": 64 << 20}
+    monkeypatch.setattr(PagedAttentionMemoryHandler, "get_available_memory", lambda self: budget["bytes"])
+    return budget
+
+
+@pytest.fixture(scope="module")
+def config():
+    return tiny_config("llama", num_hidden_layers=2)
+
+
+def test_same_blocks_allocate_a_fraction_of_bf16(config):
+    cb_cfg = ContinuousBatchingConfig(num_blocks=512, max_batch_tokens=64, page_size=PAGE)
+    bf16, oscar = build("bf16", cb_cfg, config), build("oscar", cb_cfg, config)
+    b_bytes, o_bytes = tensor_bytes(bf16), tensor_bytes(oscar)
+    print(f"\n512 blocks of {PAGE} tokens: BF16 paged cache {b_bytes} B, OSCAR {o_bytes} B ({b_bytes / o_bytes:.2f}x)")
+    # a BF16 block: 2 layers x K,V x 2 heads x 16 tokens x 32 x 2 B = 8 KiB; an INT2 block
+    # 2 x 2 x 2 x 16 x 12 = 1.5 KiB
+    assert bf16.num_blocks >= 512 and oscar.num_blocks >= 512
+    assert oscar.cache_allocators["full_attention"].bytes_per_block == 1536
+    assert o_bytes * 5 < b_bytes  # 64 / 12 = 5.3x, less the trash sectors
+    # the OSCAR pool is laid out in Transformers' cache tensor: no memory of its own
+    assert oscar.store.pool.codes.untyped_storage().data_ptr() == oscar.cache_tensor.untyped_storage().data_ptr()
+    assert oscar.store.pool.num_pages == oscar.cache_allocators["full_attention"].num_blocks
+    # everything Transformers swapped for the construction is back
+    assert cache_module.FullAttentionCacheAllocator is FullAttentionCacheAllocator
+    assert cache_module.ATTN_TYPE_TO_ALLOCATOR["full_attention"] is FullAttentionCacheAllocator
+    assert cache_module.PagedAttentionMemoryHandler is PagedAttentionMemoryHandler
+
+
+@pytest.mark.parametrize("prompt_len", [64, 512])
+def test_same_budget_admits_more_requests(config, memory_budget, prompt_len):
+    budget = memory_budget["bytes"] = 4 << 20
+    cb_cfg = ContinuousBatchingConfig(max_batch_tokens=64, page_size=PAGE)
+    bf16, oscar = build("bf16", cb_cfg, config), build("oscar", cb_cfg, config)
+    n_bf16, n_oscar = admitted(bf16, prompt_len), admitted(oscar, prompt_len)
+    print(f"\n{budget >> 20} MiB, {prompt_len}-token requests: BF16 {bf16.num_blocks} blocks, {n_bf16} requests; "
+          f"OSCAR {oscar.num_blocks} blocks, {n_oscar} requests ({n_oscar / n_bf16:.2f}x); cache tensors "
+          f"{tensor_bytes(bf16)} / {tensor_bytes(oscar)} B")
+    assert tensor_bytes(oscar) <= budget and tensor_bytes(bf16) <= budget
+    # per request: BF16 ceil(T / 16) blocks of 8 KiB; OSCAR its history pages + 4 window blocks of 1.5 KiB
+    store = oscar.store
+    window_blocks = oscar.cache_allocators["full_attention"].window_blocks
+    assert window_blocks == 4  # 12 BF16 slots x 2 layers x K,V x 2 heads x 32 x 2 B = 6 KiB
+    per_bf16 = -(-prompt_len // PAGE) * 8192
+    per_oscar = (window_blocks + store.history_pages(prompt_len, PAGE)) * 1536
+    assert n_oscar >= 0.9 * n_bf16 * per_bf16 / per_oscar and n_oscar > 3 * n_bf16
+    assert n_oscar * (window_blocks + store.history_pages(prompt_len, PAGE)) <= store.pool.num_pages
+
+
+def test_layers_oscar_leaves_keep_bf16_and_need_a_pool_size(config):
+    cb_cfg = ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, page_size=PAGE)
+    helper = DistributedHelper(None, None)
+    store = OscarPagedStore(config, dtype=DTYPE, defer_pool=True, skip_layers=(0,), **OSCAR)
+    with pytest.raises(ValueError, match="num_pages"):
+        OscarPagedCache(config, cb_cfg, "cpu", helper, dtype=DTYPE, store=store)
+    store = OscarPagedStore(config, dtype=DTYPE, num_pages=8, page_size=PAGE, skip_layers=(0,), **OSCAR)
+    cache = OscarPagedCache(config, cb_cfg, "cpu", helper, dtype=DTYPE, store=store)
+    assert not cache.oscar_owns_memory and type(cache.cache_allocators["full_attention"]) is FullAttentionCacheAllocator
+    sized = OscarPagedStore(config, dtype=DTYPE, num_pages=8, page_size=PAGE, **OSCAR)
+    with pytest.raises(ValueError, match="num_blocks"):  # every layer is OSCAR's: the pool is sized by Transformers
+        OscarPagedCache(config, cb_cfg, "cpu", helper, dtype=DTYPE, store=sized)
