@@ -126,6 +126,9 @@ class Row:
 
 
 def oscar_row(table, label, rot, **cfg) -> Row:
+    """A row of ``rot`` with ``cfg``; no full-precision heads unless ``cfg`` names them (the rows compare rotations,
+    not the library default ``full_precision_heads="auto"``)."""
+    cfg.setdefault("full_precision_heads", 0)
     return Row(table, label, OscarFamily(label, rotations=rot, **cfg))
 
 

@@ -182,29 +182,42 @@ class OscarFamily(KVMethod):
 
     def bits(self, T, head_dim, prefill_len=1):
         c = self.config.for_head_dim(head_dim)  # group_size=None: one group (one scale + zero) per head
-        meta = torch.finfo(c.torch_meta_dtype).bits
         n_fp, n_q = _window_counts(T, c.sink, c.recent)
-        q_bits = c.bits + 2 * meta / c.group_size
         share = self.full_precision_share()
-        return _mix(n_fp, n_q, (1 - share) * q_bits + share * FP_BITS)
+        # a full-precision head keeps every position in its own buffer, and its sink / recent slots also sit in
+        # the window buffers of all heads (OscarLayer.memory counts both): share * 16 bits more per window token
+        return _mix(n_fp, n_q, c.history_bits(head_dim, share)) + share * FP_BITS * n_fp / max(T, 1)
 
     def full_precision_share(self) -> float:
-        """Fraction of the quantized layers' KV heads kept in full precision (``full_precision_heads``)."""
+        """Fraction of the quantized layers' KV heads kept in full precision (``full_precision_heads``, resolved
+        as OscarCache does: ``"auto"`` by the artifact's retrieval scores and ``max_history_bits``)."""
         c = self.config
-        if not c.full_precision_heads:
+        if c.full_precision_heads in (0, ()):
             return 0.0
         if self.rotations is None:
+            if c.full_precision_heads == "auto":
+                return 0.0  # built-in rotations have no retrieval scores
             raise ValueError("full_precision_heads needs the rotations to count the quantized heads")
-        fp = self.rotations.fingerprint
-        heads = resolve_full_precision_heads(c, self.rotations, fp, c.skipped(fp.num_layers))
-        return sum(map(len, heads.values())) / (len(self.rotations.layers) * fp.num_key_value_heads)
+        n_heads = len(self.rotations.layers) * self.rotations.fingerprint.num_key_value_heads
+        return len(self.full_precision_pairs()) / n_heads
+
+    def full_precision_pairs(self) -> list[tuple[int, int]]:
+        """The ``(layer, kv_head)`` pairs kept in full precision (needs the rotations; resolved once per artifact)."""
+        if getattr(self, "_fp_pairs", (None,))[0] is not self.rotations:
+            c, fp = self.config, self.rotations.fingerprint
+            heads = resolve_full_precision_heads(c.for_head_dim(fp.head_dim), self.rotations, fp,
+                                                 c.skipped(fp.num_layers))
+            self._fp_pairs = (self.rotations, sorted((i, h) for i, hs in heads.items() for h in hs))
+        return self._fp_pairs[1]
 
     def settings(self):
         c = self.config
         d = dict(method=self.method, sink=c.sink, recent=c.recent, group_size=c.group_size, center=c.center)
-        if c.full_precision_heads:
-            d["full_precision_heads"] = c.full_precision_heads if isinstance(c.full_precision_heads, int) else len(
-                c.full_precision_heads)
+        if self.rotations is not None and c.full_precision_heads not in (0, ()):
+            d["full_precision_heads"] = len(self.full_precision_pairs())
+            if c.full_precision_heads == "auto":
+                d["full_precision_heads_rule"] = (f"auto (score >= {c.retrieval_threshold:g}, "
+                                                  f"<= {c.max_history_bits:g} bits)")
         if self.rotations is not None:
             d["artifact"] = self.rotations.metadata.get("path", self.rotations.method)
             d["offsets"] = self.rotations.has_offsets

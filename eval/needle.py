@@ -26,6 +26,7 @@ import json
 import random
 import re
 import string
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -433,7 +434,8 @@ def plot_heatmaps(acc: dict, path: Path) -> None:
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
                 ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=8)
-        ax.set(title=name, xlabel="context length", ylabel="needle depth")
+        ax.set(xlabel="context length", ylabel="needle depth")
+        ax.set_title("\n".join(textwrap.wrap(name, 32)), fontsize=9)  # long cache labels on two lines
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -499,7 +501,8 @@ def main(argv=None, model=None, tokenizer=None):
                    help="one exact prefill per needle, written into every method's cache (write_prefix)")
     p.add_argument("--methods", default="fp,identity,hadamard,oscar",
                    help="comma list of fp, identity, hadamard, oscar (OSCAR + centering, needs the artifact), "
-                        "default (OscarCache(model)), artifact (OscarCache.from_pretrained(--artifact, model))")
+                        "default (OscarCache(model)), artifact (OscarCache.from_pretrained(--artifact, model)), "
+                        "artifact-noheads (the same with full_precision_heads=0)")
     p.add_argument("--artifact", default=None, help="OSCAR artifact dir (default: artifacts/smollm2-oscar)")
     p.add_argument("--group-size", type=int, default=64, help="group size of the quantized rows (default 64)")
     p.add_argument("--clip-k", type=float, default=None, help="OSCAR row: key clip ratio (default: the artifact's)")
@@ -542,8 +545,8 @@ def main(argv=None, model=None, tokenizer=None):
     # the OSCAR row's settings beyond the windows: clip overrides and the key offset
     oscar_kw = {k: v for k, v in (("clip_k", args.clip_k), ("clip_v", args.clip_v)) if v is not None}
     oscar_kw["key_offset"] = args.key_offset
-    if args.full_precision_heads:
-        oscar_kw["full_precision_heads"] = args.full_precision_heads
+    # the OSCAR row keeps exactly --full-precision-heads (0: none), whatever the library default ("auto")
+    oscar_kw["full_precision_heads"] = args.full_precision_heads
     kv = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
     builders = {
         "fp": lambda: (f"{kv} DynamicCache", get_method("fp")),
@@ -553,6 +556,10 @@ def main(argv=None, model=None, tokenizer=None):
         "default": lambda: ("OscarCache(model)", UserCache("default", lambda m: OscarCache(m))),
         "artifact": lambda: (f"OscarCache.from_pretrained({Path(args.artifact).name})",
                              UserCache("artifact", lambda m: OscarCache.from_pretrained(args.artifact, m))),
+        "artifact-noheads": lambda: (
+            f"OscarCache.from_pretrained({Path(args.artifact).name}, full_precision_heads=0)",
+            UserCache("artifact-noheads",
+                      lambda m: OscarCache.from_pretrained(args.artifact, m, full_precision_heads=0))),
     }
     wanted = args.methods.split(",")
     unknown = [m for m in wanted if m not in builders]
@@ -565,7 +572,7 @@ def main(argv=None, model=None, tokenizer=None):
             osc.metadata["path"] = args.artifact
     methods, user_caches = {}, {}
     for m in wanted:
-        if (m == "oscar" and osc is None) or (m == "artifact" and args.artifact is None):
+        if (m == "oscar" and osc is None) or (m.startswith("artifact") and args.artifact is None):
             print(f"no OSCAR artifact given/found: skipping the {m!r} row", file=sys.stderr)
             continue
         label, method = builders[m]()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .quant import SUPPORTED_META_DTYPES, check_group_size
+from .quant import SUPPORTED_META_DTYPES, bits_per_element, check_group_size
 
 _META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
 
@@ -18,14 +19,25 @@ _META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
 FULL_LAYER_TYPES = ("full_attention",)
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
+# full_precision_heads="auto" (the default): the KV heads whose retrieval score (oscar_hf.calibration.retrieval_heads:
+# attention mass that the answer of a key/value probe puts on its fact sentence, in [0, 1]) reaches this threshold,
+# best first, as many as ``max_history_bits`` allows. On SmolLM2-135M (12 probes of 2-4K tokens) the 90 KV heads split
+# into 8 at 0.55-0.73 and the rest at or below 0.27 (then 0.25, 0.23, 0.20, 0.17, 0.10; median 0.004): 0.4 lies in
+# that gap. A head at the threshold puts 40% of its attention on a ~15-token fact among 2-4K tokens; shorter probes
+# raise every score (1-2K tokens: two more heads at 0.43-0.46), so the probes keep their 2-4K default.
+RETRIEVAL_THRESHOLD = 0.4
+MAX_HISTORY_BITS = 3.0  # default cap on the history's average bits per element (INT2 heads + full-precision heads)
+FULL_PRECISION_HEAD_BITS = 16  # what a full-precision head costs per element (BF16 / FP16 storage)
+
 # Named settings (``OscarConfig.from_preset``). "paper": the method authors' own runs (FutureMLS-Lab/OSCAR): one
 # quantization group per head (group_size None = head_dim, resolved when the model is known) with float32 scale and
 # zero, fixed clip ratios K 0.96 / V 0.92 (not searched), sink 64 / recent 256, no centering. Their rotations are
 # one per layer shared by its KV heads: the authors' files (``OscarRotations.from_reference``) or
-# ``calibrate(..., share_rotation_across_heads=True)``; the preset itself works with any artifact.
+# ``calibrate(..., share_rotation_across_heads=True)``; the preset itself works with any artifact. The authors keep no
+# head in full precision: full_precision_heads=0, not the default "auto".
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": dict(sink=64, recent=256, group_size=None, meta_dtype="float32", clip_k=0.96, clip_v=0.92,
-                  center=False),
+                  center=False, full_precision_heads=0),
 }
 
 
@@ -53,11 +65,18 @@ class OscarConfig:
             ``OscarCache`` only (not ``StaticOscarCache``).
         skip_layers: layers kept entirely in full precision (negative indices count from the end).
         full_precision_heads: KV heads kept entirely in full precision (keys and values, every position),
-            the rest of their layer quantized as usual: an int ``k`` takes the ``k`` best "retrieval heads"
-            of the artifact (``OscarRotations.retrieval_scores``, see ``oscar_hf.calibration.retrieval_heads``), or
-            explicit ``(layer, kv_head)`` pairs. Each head costs ``16 - 2.5`` bits per element of its share
-            of the cache (SmolLM2: 8 of 90 heads -> 3.7 history bits per element instead of 2.5) and gives
-            back retrieval of single facts from far back (needle in a haystack). ``OscarCache`` only.
+            the rest of their layer quantized as usual; they give back retrieval of single facts from far back
+            (needle in a haystack). ``"auto"`` (default): the artifact's "retrieval heads"
+            (``OscarRotations.retrieval_scores``, see ``oscar_hf.calibration.retrieval_heads``) whose score
+            reaches ``retrieval_threshold``, best first, at most as many as keep :meth:`history_bits` within
+            ``max_history_bits``; none without scores (built-in ``method``, or an artifact calibrated with
+            ``retrieval_probes=0``). An int ``k``: the ``k`` best retrieval heads; or explicit ``(layer, kv_head)``
+            pairs (neither capped by ``max_history_bits``). Each head costs ``16 - 2.5`` bits per element of its
+            share of the history (SmolLM2: 3 of 90 heads -> 2.95 history bits per element, 8 -> 3.7).
+        max_history_bits: cap of ``full_precision_heads="auto"`` on the average bits per history element over
+            all KV heads of the quantized layers, a full-precision head counted as 16 bits (:meth:`history_bits`).
+        retrieval_threshold: retrieval score (attention mass in [0, 1]) from which ``full_precision_heads="auto"``
+            keeps a head; :data:`RETRIEVAL_THRESHOLD` says why 0.4.
         block_size: history tokens dequantized at once by the CPU reference decode (bounded memory).
         prefill_chunk: tokens quantized at once when a long prompt is written to history.
         use_kernels: "auto" (Triton on CUDA when available), True (require) or False (torch reference).
@@ -74,7 +93,9 @@ class OscarConfig:
     center: bool = True
     key_offset: str = "calibrated"
     skip_layers: tuple[int, ...] = ()
-    full_precision_heads: int | tuple[tuple[int, int], ...] = 0
+    full_precision_heads: str | int | tuple[tuple[int, int], ...] = "auto"
+    max_history_bits: float = MAX_HISTORY_BITS
+    retrieval_threshold: float = RETRIEVAL_THRESHOLD
     block_size: int = 1024
     prefill_chunk: int = 4096
     use_kernels: bool | str = "auto"
@@ -111,9 +132,12 @@ class OscarConfig:
                 raise ValueError(f"OscarConfig.{name} ratios must lie in (0, 1], got {val!r}")
         object.__setattr__(self, "skip_layers", tuple(int(i) for i in self.skip_layers))
         fph = self.full_precision_heads
-        if isinstance(fph, bool) or not isinstance(fph, (int, Sequence)) or isinstance(fph, str):
-            raise ValueError(f"full_precision_heads must be an int or (layer, kv_head) pairs, got {fph!r}")
-        if isinstance(fph, int):
+        if isinstance(fph, str):
+            if fph != "auto":
+                raise ValueError(f"full_precision_heads must be 'auto', an int or (layer, kv_head) pairs, got {fph!r}")
+        elif isinstance(fph, bool) or not isinstance(fph, (int, Sequence)):
+            raise ValueError(f"full_precision_heads must be 'auto', an int or (layer, kv_head) pairs, got {fph!r}")
+        elif isinstance(fph, int):
             if fph < 0:
                 raise ValueError(f"full_precision_heads must be >= 0, got {fph}")
         else:
@@ -124,6 +148,12 @@ class OscarConfig:
             if any(a < 0 or b < 0 for a, b in pairs):
                 raise ValueError(f"full_precision_heads pairs must be non-negative, got {fph!r}")
             object.__setattr__(self, "full_precision_heads", pairs)
+        ranges = (("max_history_bits", self.bits, FULL_PRECISION_HEAD_BITS), ("retrieval_threshold", 0.0, 1.0))
+        for name, lo, hi in ranges:
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not lo <= val <= hi:
+                raise ValueError(f"OscarConfig.{name} must be a number in [{lo:g}, {hi:g}], got {val!r}")
+            object.__setattr__(self, name, float(val))
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "OscarConfig":
@@ -178,8 +208,35 @@ class OscarConfig:
             out.add(j)
         return out
 
+    def history_bits(self, head_dim: int, full_precision_share: float = 0.0) -> float:
+        """Average bits per history element when ``full_precision_share`` of the quantized layers' KV heads are
+        full-precision heads (16 bits) and the rest INT2 (code + scale/zero per group: 2.5 at group 64, BF16)."""
+        c = self.for_head_dim(head_dim)
+        q = bits_per_element(head_dim, c.group_size, c.torch_meta_dtype)
+        return (1.0 - full_precision_share) * q + full_precision_share * FULL_PRECISION_HEAD_BITS
+
+    def full_precision_head_budget(self, head_dim: int, num_heads: int) -> int:
+        """How many of ``num_heads`` (the quantized layers' KV heads) may be full precision while
+        :meth:`history_bits` stays within ``max_history_bits`` (``full_precision_heads="auto"``)."""
+        q = self.history_bits(head_dim)
+        if num_heads <= 0 or self.max_history_bits <= q:
+            return 0
+        n = math.floor(num_heads * (self.max_history_bits - q) / (FULL_PRECISION_HEAD_BITS - q) + 1e-9)
+        return min(n, num_heads)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "OscarConfig":
+        """The config of :meth:`to_dict` (also after a JSON round trip: lists become tuples again)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"OscarConfig.from_dict needs a dict, got {type(d).__name__}")
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown OscarConfig fields {unknown}")
+        tup = lambda v: tuple(tup(x) for x in v) if isinstance(v, list) else v  # noqa: E731
+        return cls(**{k: tup(v) for k, v in d.items()})
 
     def replace(self, **kw) -> "OscarConfig":
         return dataclasses.replace(self, **kw)

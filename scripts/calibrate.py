@@ -26,6 +26,7 @@ EXIT_EXISTS = 2
 
 def build_parser() -> argparse.ArgumentParser:
     from oscar_hf.calibration import CLIP_GRID, METHODS, VALUE_TARGETS
+    from oscar_hf.calibration.retrieval_heads import LENGTHS, PROBES
     from oscar_hf.config import PRESETS
     from oscar_hf.data import CALIBRATION_FRACTION
 
@@ -65,10 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SINK,RECENT of the cache the artifact is for (errors count only quantized history pairs, "
                    "sink tokens leave the K/V statistics); 'none': all tokens")
     p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--retrieval-probes", type=int, default=12,
-                   help="synthetic key/value probes in the calibration text that score the retrieval heads "
-                        "(OscarConfig(full_precision_heads=k)); 0: none")
-    p.add_argument("--retrieval-lengths", default="2048,4096", help="probe lengths in tokens")
+    p.add_argument("--retrieval-probes", type=int, default=PROBES,
+                   help="synthetic key/value probes in the calibration text that score the retrieval heads (the "
+                        "default OscarConfig(full_precision_heads='auto') keeps the best in full precision); "
+                        "0: none (then no full-precision heads by default)")
+    p.add_argument("--retrieval-lengths", default=",".join(map(str, LENGTHS)), help="probe lengths in tokens")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -132,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     log.info("model %s loaded in %.1f s", args.model, time.perf_counter() - t0)
     center = {"on": True, "off": False, "auto": "auto"}["off" if args.no_center else args.center]
     settings = dict(group_size=args.group_size, center=center, clip_grid=clip_grid, window=window,
-                    share_rotation_across_heads=args.share_rotation_across_heads)
+                    share_rotation_across_heads=args.share_rotation_across_heads,
+                    retrieval_probes=args.retrieval_probes,
+                    retrieval_lengths=tuple(int(x) for x in args.retrieval_lengths.split(",") if x.strip()))
     settings.update(preset)  # (the preset's sink 64 / recent 256 are --window's default)
     rot = calibrate(
         model, tok, split.calibration,
@@ -144,13 +148,6 @@ def main(argv: list[str] | None = None) -> int:
                            "calibration_chars": [0, split.boundary], "total_chars": split.total_chars},
                   "model_arg": args.model, "dtype": args.dtype, "device": args.device},
     )
-    if args.retrieval_probes > 0:
-        from oscar_hf.calibration import find_retrieval_heads
-
-        lengths = tuple(int(x) for x in args.retrieval_lengths.split(","))
-        rot.retrieval_scores = find_retrieval_heads(model, tok, split.calibration, args.retrieval_probes, lengths,
-                                                    progress=not args.no_progress)
-        rot.metadata["retrieval_probes"] = {"n": args.retrieval_probes, "lengths": list(lengths)}
     out.mkdir(parents=True, exist_ok=True)
     rot.save_pretrained(out)
     report = calibration_report(rot)

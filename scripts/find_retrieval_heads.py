@@ -1,7 +1,9 @@
 """Score the retrieval heads of a model and store the scores in an existing rotation artifact.
 
-``OscarConfig(full_precision_heads=k)`` then keeps the artifact's ``k`` best retrieval heads in full precision
-(``oscar_hf.calibration.retrieval_heads``). ``scripts/calibrate.py`` does the same for new artifacts (``--retrieval-probes``).
+For artifacts made without them (``--retrieval-probes 0``, older artifacts, converted reference rotations): the
+default ``OscarConfig(full_precision_heads="auto")`` then keeps the best retrieval heads in full precision within
+``max_history_bits`` (``oscar_hf.calibration.retrieval_heads``); ``full_precision_heads=k`` the ``k`` best.
+``scripts/calibrate.py`` and ``calibrate()`` score new artifacts by default.
 
     python -P scripts/find_retrieval_heads.py --artifact artifacts/smollm2-oscar
 """
@@ -15,7 +17,8 @@ import torch
 from oscar_hf import OscarRotations
 from oscar_hf.data import CALIBRATION_FRACTION, load_texts, split_texts
 from oscar_hf.models import load_model, wikitext_path
-from oscar_hf.calibration.retrieval_heads import find_retrieval_heads, top_heads
+from oscar_hf.calibration.report import retrieval_summary
+from oscar_hf.calibration.retrieval_heads import LENGTHS, PROBES, find_retrieval_heads, top_heads
 
 
 def main(argv=None) -> int:
@@ -24,8 +27,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--gguf-file", default=None)
     p.add_argument("--data", default=None, help="text/JSONL file or datasets name (default: the WikiText file)")
-    p.add_argument("--probes", type=int, default=12)
-    p.add_argument("--lengths", default="2048,4096")
+    p.add_argument("--probes", type=int, default=PROBES)
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None)
@@ -42,6 +45,7 @@ def main(argv=None) -> int:
     rot.save_pretrained(args.artifact)
     best = [(i, h, round(float(rot.retrieval_scores[i, h]), 3)) for i, h in top_heads(rot.retrieval_scores, 12)]
     print("top retrieval heads (layer, kv_head, attention mass on the fact):", best)
+    print(retrieval_summary(rot).strip())
     return 0
 
 

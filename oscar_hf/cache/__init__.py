@@ -41,11 +41,38 @@ __all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "StaticOscarLayer", "
 
 def resolve_full_precision_heads(config: OscarConfig, rotations: OscarRotations, fp: ModelFingerprint,
                                  skipped: set[int]) -> dict[int, tuple[int, ...]]:
-    """``{layer: kv heads}`` kept in full precision (``OscarConfig.full_precision_heads``): the artifact's top-k
-    retrieval heads or the given pairs, checked against the model; heads of unquantized layers (skipped, sliding,
-    without rotation) are left out, being full precision already."""
+    """``{layer: kv heads}`` kept in full precision (``OscarConfig.full_precision_heads``), checked against the model:
+
+    * ``"auto"``: the artifact's retrieval heads scoring at least ``config.retrieval_threshold``, best first, at most
+      ``config.full_precision_head_budget(...)`` of them (average history bits within ``max_history_bits``); none
+      when the rotations have no retrieval scores (built-in methods, artifacts calibrated without probes);
+    * an int ``k``: the artifact's ``k`` best retrieval heads; pairs: those heads.
+
+    Heads of unquantized layers (skipped, sliding, without rotation) are left out, being full precision already."""
     want = config.full_precision_heads
-    pairs = rotations.top_retrieval_heads(want) if isinstance(want, int) else want
+    if want == "auto":
+        # the quantized layers' KV heads: the ones the INT2 history (and the bit budget) is about
+        quantized = [i for i in sorted(rotations.layers)
+                     if i not in skipped and 0 <= i < fp.num_layers and fp.layer_types[i] in FULL_LAYER_TYPES]
+        scores = rotations.retrieval_scores
+        if scores is None:
+            logger.info("full_precision_heads='auto': the %s rotations have no retrieval scores, no full-precision "
+                        "heads", rotations.method)
+            pairs = ()
+        else:
+            budget = config.full_precision_head_budget(fp.head_dim, len(quantized) * fp.num_key_value_heads)
+            s = scores[quantized].flatten()  # [len(quantized) * Hk]
+            order = torch.argsort(s, descending=True, stable=True)
+            hk = fp.num_key_value_heads
+            passing = [(quantized[int(j) // hk], int(j) % hk) for j in order if s[j] >= config.retrieval_threshold]
+            pairs = tuple(passing[:budget])
+            logger.info("full_precision_heads='auto': %d of %d heads score >= %.2f, budget %d (history <= %.2f bits): "
+                        "%s", len(passing), s.numel(), config.retrieval_threshold, budget, config.max_history_bits,
+                        list(pairs))
+    elif isinstance(want, int):
+        pairs = rotations.top_retrieval_heads(want)
+    else:
+        pairs = want
     out: dict[int, list[int]] = {}
     for i, h in pairs:
         if not 0 <= i < fp.num_layers or not 0 <= h < fp.num_key_value_heads:
@@ -101,6 +128,9 @@ class OscarCache(Cache):
             if getattr(text_cfg, name, None):
                 raise NotImplementedError(f"{fp.architecture}: attention logit soft-capping ({name}) is not supported by OSCAR")
         skipped = config.skipped(fp.num_layers)
+        if config.full_precision_heads == "auto" and is_model and (getattr(model_or_config, "_tp_size", None) or 1) > 1:
+            logger.info("OscarCache: no automatic full-precision heads under tensor parallelism (not supported yet)")
+            config = config.replace(full_precision_heads=0)
         fp_heads = resolve_full_precision_heads(config, rotations, fp, skipped)
         if fp_heads:  # the saved / reported config names the heads, not "the top k"
             config = config.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in fp_heads.items() for h in hs)))

@@ -11,11 +11,12 @@ import torch
 import transformers
 
 from ..config import ModelFingerprint, validate_head_dim
-from ..data import calibration_windows
+from ..data import calibration_windows, join_texts
 from ..hadamard import hadamard_matrix
 from ..rotations import LayerRotation, OscarRotations
 from ..version import __version__
 from .hooks import as_sequences, progress_bar
+from .retrieval_heads import LENGTHS, PROBES, find_retrieval_heads, probe_lengths
 from .search import CLIP_GRID, META_DTYPES, build_candidates, center_modes, evaluate_candidates, select_best
 from .stats import collect_statistics, full_attention_layers, spectrum_summary
 
@@ -53,6 +54,8 @@ def calibrate(
     metadata: dict | None = None,
     share_rotation_across_heads: bool = False,
     clips: tuple[float, float] | None = None,
+    retrieval_probes: int = PROBES,
+    retrieval_lengths: Sequence[int] = LENGTHS,
 ) -> OscarRotations:
     """Calibrate OSCAR rotations, offsets and clip ratios for ``model``.
 
@@ -91,10 +94,18 @@ def calibrate(
             head. Default: one rotation per KV head.
         clips: fixed ``(clip_k, clip_v)`` for every layer, not searched (e.g. the authors' ``(0.96, 0.92)``);
             overrides ``clip_grid``.
+        retrieval_probes: synthetic key/value probes placed in the calibration text that score every KV head's
+            retrieval (:mod:`.retrieval_heads`), stored as the artifact's ``retrieval_scores``: the heads that
+            ``OscarConfig(full_precision_heads="auto")`` (the default) keeps in full precision. 0: no scores (then
+            no full-precision heads by default). Needs string ``texts`` (token-id input is not scored) with at
+            least ``max(retrieval_lengths) + retrieval_probes`` tokens.
+        retrieval_lengths: probe lengths in tokens (those beyond the model's context are dropped).
     """
     t0, c0 = time.perf_counter(), time.process_time()
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if isinstance(retrieval_probes, bool) or not isinstance(retrieval_probes, int) or retrieval_probes < 0:
+        raise ValueError(f"retrieval_probes must be an int >= 0, got {retrieval_probes!r}")
     if value_target not in VALUE_TARGETS:
         raise ValueError(f"value_target must be one of {VALUE_TARGETS}, got {value_target!r}")
     center_modes(center)
@@ -159,6 +170,15 @@ def calibrate(
                 "(pass seq_len > %d for the cache's own window)", shortest, *window, *fitted, sum(window) + 1,
             )
             window = fitted
+    # retrieval heads first: a text too short for the probes fails before the long passes
+    scores, t_ret = None, 0.0
+    if retrieval_probes and not _is_texts(texts):
+        logger.info("calibrate: token-id input, retrieval heads not scored (the probes are written into text)")
+    elif retrieval_probes:
+        t_ret = time.perf_counter()
+        scores = find_retrieval_heads(model, tokenizer, join_texts(texts), retrieval_probes, tuple(retrieval_lengths),
+                                      progress=progress)
+        t_ret = time.perf_counter() - t_ret
     n_fw = math.ceil(len(stats_seqs) / batch_size) * (2 if need_sw else 1) + math.ceil(len(hold_seqs) / batch_size)
     bar = progress_bar(progress, n_fw, f"OSCAR calibration ({method})")
     try:
@@ -242,11 +262,12 @@ def calibrate(
             "query_samples": query_samples if need_holdout else None,
             "window": list(window) if window else None,
             "passes": ["statistics"] + (["score-weighted (2nd pass, same windows)"] if need_sw else [])
-            + (["held-out selection"] if need_holdout else []),
+            + (["held-out selection"] if need_holdout else []) + (["retrieval probes"] if scores is not None else []),
             "time_s": round(time.perf_counter() - t0, 2),
             "cpu_time_s": round(time.process_time() - c0, 2),
             "time_statistics_s": round(t_stats, 2),
             "time_selection_s": round(t_hold, 2),
+            "time_retrieval_s": round(t_ret, 2),
             "oscar_hf": __version__,
             "transformers": transformers.__version__,
             "torch": torch.__version__,
@@ -262,9 +283,11 @@ def calibrate(
             kind: dict(Counter(n for names in winners[kind].values() for n in names).most_common())
             for kind in ("k", "v")
         }
+    if scores is not None:
+        meta["retrieval_probes"] = {"n": retrieval_probes, "lengths": list(probe_lengths(model, retrieval_lengths))}
     if metadata:
         meta.update(metadata)
-    rot = OscarRotations(fp, method, layers, meta)
+    rot = OscarRotations(fp, method, layers, meta, scores)
     rot.validate()
     logger.info("OSCAR calibration (%s) of %d layers on %d tokens took %.1f s", method, len(layers), stats.tokens,
                 meta["calibration"]["time_s"])

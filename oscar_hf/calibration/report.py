@@ -3,8 +3,34 @@ from __future__ import annotations
 
 import torch
 
+from ..config import OscarConfig
 from ..rotations import OscarRotations
+from .retrieval_heads import top_heads
 from .stats import CalibrationStats
+
+
+def retrieval_summary(rotations: OscarRotations, config: OscarConfig | None = None) -> str:
+    """One line: the best retrieval heads with their scores, and those ``config`` keeps in full precision at what
+    average history bits (default: what ``OscarCache.from_pretrained`` runs with, ``full_precision_heads="auto"`` at
+    the artifact's calibrated group size)."""
+    from ..cache import resolve_full_precision_heads  # (the cache's own rule; calibration does not import the cache)
+
+    scores = rotations.retrieval_scores
+    if scores is None:
+        return "  retrieval heads: not scored (no full-precision heads by default)"
+    if config is None:
+        g = (rotations.metadata.get("calibration") or {}).get("group_size", rotations.metadata.get("group_size"))
+        config = OscarConfig(group_size=int(g)) if g is not None else OscarConfig()
+    config = config.for_head_dim(rotations.fingerprint.head_dim)
+    fp = rotations.fingerprint
+    heads = resolve_full_precision_heads(config, rotations, fp, config.skipped(fp.num_layers))
+    n = sum(map(len, heads.values()))
+    share = n / max(1, len(rotations.layers) * fp.num_key_value_heads)
+    best = ", ".join(f"{i}:{h} {float(scores[i, h]):.2f}" for i, h in top_heads(scores, 10))
+    return (f"  retrieval heads (layer:kv_head score): {best}; full_precision_heads={config.full_precision_heads!r} "
+            f"keeps {n} ({sorted((i, h) for i, hs in heads.items() for h in hs)}): "
+            f"{config.history_bits(fp.head_dim, share):.2f} history bits per element")
+
 
 def calibration_report(rotations: OscarRotations) -> str:
     """Human-readable summary of a calibrated artifact (settings, per-layer clips, spectra, winners)."""
@@ -24,8 +50,10 @@ def calibration_report(rotations: OscarRotations) -> str:
         )
         lines.append(
             f"  time: {cal.get('time_s')} s (statistics {cal.get('time_statistics_s')} s, selection "
-            f"{cal.get('time_selection_s')} s); passes: {', '.join(cal.get('passes', []))}"
+            f"{cal.get('time_selection_s')} s, retrieval probes {cal.get('time_retrieval_s', 0)} s); "
+            f"passes: {', '.join(cal.get('passes', []))}"
         )
+    lines.append(retrieval_summary(rotations))
     held = md.get("heldout_error", {})
     if held:
         mean = lambda key: sum(h.get(key, float("nan")) for h in held.values()) / len(held)  # noqa: E731

@@ -5,7 +5,9 @@ retrieval query must find among thousands of keys. Those lookups are done by a f
 "Retrieval Head Mechanistically Explains Long-Context Factuality", 2024). This module finds them with
 synthetic key/value probes placed in *calibration* text: per ``(layer, query head)`` the attention mass
 that the positions predicting the answer put on the probe's fact sentence, pooled per KV head by the max
-over its query heads. ``OscarConfig(full_precision_heads=...)`` then keeps the top few in full precision.
+over its query heads. ``calibrate()`` stores these scores in the artifact by default
+(``retrieval_probes``), and ``OscarConfig(full_precision_heads="auto")`` (the default) keeps the heads
+scoring at least ``OscarConfig.retrieval_threshold`` in full precision, within a bit budget.
 
 Probe prompts: ``<haystack> <fact> <haystack> <question> <answer>`` with
 fact = "The access code of <name> is <7 digits>." and question "What is the access code of <name>?
@@ -24,6 +26,8 @@ from ..patching import patched, register_handler
 
 FACT = "The access code of {name} is {value}."
 ASK = " What is the access code of {name}? The access code of {name} is"
+PROBES = 12  # default probe count (calibrate(), scripts/calibrate.py, scripts/find_retrieval_heads.py)
+LENGTHS = (2048, 4096)  # default probe lengths in tokens (cut to the model's context)
 NAMES = ("Miriam Okafor", "Tomas Lindqvist", "Priya Raman", "Hugo Moreau", "Aiko Tanaka", "Pavel Novak",
          "Lucia Ferreira", "Samuel Adeyemi")
 
@@ -111,13 +115,33 @@ def top_heads(scores: torch.Tensor, k: int) -> tuple[tuple[int, int], ...]:
     return tuple((int(i) // hk, int(i) % hk) for i in order)
 
 
-def find_retrieval_heads(model, tokenizer, calibration_text: str, n_probes: int = 12, lengths=(2048, 4096),
-                         seed: int = 1000, progress: bool = True) -> torch.Tensor:
-    """``[num_layers, Hk]`` float32 retrieval scores of ``model`` from ``n_probes`` probes in calibration text
-    (store them as ``OscarRotations.retrieval_scores``). Lengths beyond the model's context are dropped."""
+def probe_lengths(model, lengths=LENGTHS) -> tuple[int, ...]:
+    """``lengths`` that fit the model's context (``max_position_embeddings``); the context itself if none does."""
+    if not lengths or any(int(L) < 2 for L in lengths):
+        raise ValueError(f"retrieval probe lengths must be integers >= 2, got {lengths!r}")
     cfg = model.config.get_text_config(decoder=True)
     limit = getattr(cfg, "max_position_embeddings", None) or max(lengths)
-    lengths = tuple(L for L in lengths if L <= limit) or (min(limit, min(lengths)),)
-    hay = tokenize(tokenizer, calibration_text, max(lengths) + n_probes)
+    return tuple(int(L) for L in lengths if L <= limit) or (min(limit, min(lengths)),)
+
+
+def find_retrieval_heads(model, tokenizer, calibration_text: str, n_probes: int = PROBES, lengths=LENGTHS,
+                         seed: int = 1000, progress: bool = True, bf16_autocast: bool = True) -> torch.Tensor:
+    """``[num_layers, Hk]`` float32 retrieval scores of ``model`` from ``n_probes`` probes in calibration text
+    (store them as ``OscarRotations.retrieval_scores``). Lengths beyond the model's context are dropped.
+
+    ``bf16_autocast``: a float32 model on CPU / CUDA runs the probe forwards under bfloat16 autocast: they are most
+    of a CPU calibration's time (SmolLM2, 12 probes of 2-4K tokens: 2x faster), and the scores move by ~0.01, far
+    less than the gap between retrieval heads and the rest that ``OscarConfig.retrieval_threshold`` sits in."""
+    if n_probes < 1:
+        raise ValueError(f"n_probes must be >= 1, got {n_probes}")
+    lengths = probe_lengths(model, lengths)
+    need = max(lengths) + n_probes  # each probe reads the haystack one token further on
+    hay = tokenize(tokenizer, calibration_text, need)
+    if hay.numel() < need:
+        raise ValueError(f"retrieval probes of {max(lengths)} tokens need {need} tokens of calibration text, got "
+                         f"{hay.numel()}: give more text, shorter retrieval lengths, or retrieval_probes=0")
     probes = probe_needles(tokenizer, hay, n=n_probes, lengths=lengths, seed=seed)
-    return retrieval_scores(model, probes, progress=progress).float()
+    p = next(model.parameters())
+    cast = bf16_autocast and p.dtype == torch.float32 and p.device.type in ("cpu", "cuda")
+    with torch.autocast(p.device.type, dtype=torch.bfloat16, enabled=cast):
+        return retrieval_scores(model, probes, progress=progress).float()

