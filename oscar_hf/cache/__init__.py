@@ -28,7 +28,6 @@ from ..attention import enable_oscar
 from ..compiled_step import install_step_hook
 from ..config import FULL_LAYER_TYPES, SLIDING_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
 from ..distributed import shard_cache_for_tensor_parallel
-from ..quant import bits_per_element
 from ..rotations import LayerRotation, OscarRotations
 from .dynamic import OscarLayer
 from .io import load_cache, save_cache
@@ -254,9 +253,11 @@ class OscarCache(Cache):
         tot["bf16_equivalent"] = 2 * elements
         tot["bits_per_element"] = 8 * used / elements if elements else float("nan")
         tot["compression_vs_bf16"] = tot["bf16_equivalent"] / used if used else float("nan")
-        tot["history_bits_per_element"] = bits_per_element(
-            self.fingerprint.head_dim, self.oscar_config.group_size, self.oscar_config.torch_meta_dtype
-        )
+        # the history's average over the quantized layers' KV heads, full-precision heads at 16 bits
+        q_layers = [layer for layer in self.layers if hasattr(layer, "memory")]
+        n_heads = len(q_layers) * self.fingerprint.num_key_value_heads
+        share = sum(len(layer.fp_heads) for layer in q_layers) / n_heads if n_heads else 0.0
+        tot["history_bits_per_element"] = self.oscar_config.history_bits(self.fingerprint.head_dim, share)
         return tot
 
     def __repr__(self) -> str:

@@ -174,3 +174,16 @@ def test_full_precision_heads_with_triton_kernels_match_reference():
     ref = greedy(m, ids, OscarCache(m, **SMALL, full_precision_heads=FPH, use_kernels=False), n=4, **kw)
     for a, b in zip(got.scores, ref.scores):
         assert (a - b).abs().max() < 1e-3 * b.abs().max(), (a - b).abs().max()
+
+
+def test_memory_report_history_bits_count_full_precision_heads():
+    """The report's history bits average the quantized layers' KV heads, a full-precision head at 16 bits."""
+    from oscar_hf.quant import bits_per_element
+
+    m = tiny_model("llama")
+    hk, d = m.config.num_key_value_heads, m.config.head_dim
+    plain = OscarCache(m, **SMALL).memory_report()["history_bits_per_element"]
+    assert plain == bits_per_element(d, SMALL["group_size"], torch.bfloat16)
+    two = OscarCache(m, **SMALL, full_precision_heads=((0, 1), (1, 0))).memory_report()["history_bits_per_element"]
+    share = 2 / (m.config.num_hidden_layers * hk)
+    assert two == pytest.approx((1 - share) * plain + share * 16)
