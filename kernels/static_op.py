@@ -1,4 +1,6 @@
-"""The static cache's decode attention as one opaque ``torch.library`` op (``oscar::decode_attention_static``).
+"""The compiled storage's ops (``torch.library``, opaque to the compiler): its decode attention
+(``oscar::decode_attention_static``), its one-token write (``oscar::append_token_``) and one-slot write of the
+full-precision heads (``oscar::write_slot_``).
 
 Under ``torch.compile`` (``generate`` compiling a :class:`~oscar_hf.StaticOscarCache`
 decode step, CUDA graphs) the Triton launches of :func:`~oscar_hf.kernels.decode_triton.decode_attention_triton`
@@ -10,7 +12,7 @@ output and partials, mutates nothing, and reads the history length from ``n_vali
 The decode step's write (``oscar::append_token_``, :func:`append_token_op`) is a second op, with the same
 reasons: it mutates one layer's window and INT2 history in place (declared in ``mutates_args``, so functionalization
 tracks it), touches only the rows that change (one fused launch on CUDA, the torch reference elsewhere) and returns
-nothing.
+nothing. ``oscar::write_slot_`` writes one slot of a full-precision buffer in place for the same reason.
 """
 from __future__ import annotations
 
@@ -107,3 +109,19 @@ def append_token_op(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: Q
     append_token_(new_k, new_v, win_k, win_v, *hist_k, *hist_v, length, pad, hist_heads, r_k, mu_k, float(clip_k),
                   r_v, mu_v, float(clip_v), int(group_size), meta_dtype, int(sink), int(recent),
                   _USE_KERNELS[use_kernels])
+
+
+@torch.library.custom_op("oscar::write_slot_", mutates_args=("buf",))
+def write_slot_(buf: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
+    """``buf[:, :, slot] = new[:, :, 0]`` (``slot`` a 0-d device tensor): opaque to the compiler, so that the
+    compiled step writes one row in place instead of a functional copy of the whole buffer."""
+    buf.index_copy_(2, slot.reshape(1), new)
+
+
+@write_slot_.register_fake
+def _(buf, new, slot) -> None:
+    return None
+
+
+def write_slot_op(buf: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
+    write_slot_(buf, new.contiguous(), slot)

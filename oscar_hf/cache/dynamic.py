@@ -84,6 +84,23 @@ def grown(t: torch.Tensor, keep: int, need: int) -> torch.Tensor:
     return z
 
 
+def slot_rows(tail_k, tail_v, tail_slot0: int, t_old: int, a: int, b: int, new_k, new_v):
+    """``(k, v) [B, H, b - a, D]``: the rows of slots ``[a, b)`` from a full-precision tail whose index 0 is slot
+    ``tail_slot0`` (slots ``< t_old``) and/or the new rows (slots ``>= t_old``); views when one source serves."""
+    parts_k, parts_v = [], []
+    if a < t_old:
+        pa, pb = a - tail_slot0, min(b, t_old) - tail_slot0
+        parts_k.append(tail_k[:, :, pa:pb])
+        parts_v.append(tail_v[:, :, pa:pb])
+    if b > t_old:
+        na, nb = max(a, t_old) - t_old, b - t_old
+        parts_k.append(new_k[:, :, na:nb])
+        parts_v.append(new_v[:, :, na:nb])
+    if len(parts_k) == 1:
+        return parts_k[0], parts_v[0]
+    return torch.cat(parts_k, 2), torch.cat(parts_v, 2)
+
+
 # one forward's answer of _left_padding_only, shared by its layers: (mask, t_old, answer); the mask held so that its id
 # cannot be reused while the entry lives
 _LEFT_PAD_MEMO: list = [None]
@@ -376,18 +393,7 @@ class OscarLayer(QuantizedLayerBase):
 
     def _source(self, a: int, b: int, t_old: int, new_k, new_v):
         """Rows of slots ``[a, b)`` from the old tail and/or the new rows (views, no copy when possible)."""
-        parts_k, parts_v = [], []
-        if a < t_old:
-            pa, pb = a - self.buf_slot0, min(b, t_old) - self.buf_slot0
-            parts_k.append(self.tail_k[:, :, pa:pb])
-            parts_v.append(self.tail_v[:, :, pa:pb])
-        if b > t_old:
-            na, nb = max(a, t_old) - t_old, b - t_old
-            parts_k.append(new_k[:, :, na:nb])
-            parts_v.append(new_v[:, :, na:nb])
-        if len(parts_k) == 1:
-            return parts_k[0], parts_v[0]
-        return torch.cat(parts_k, 2), torch.cat(parts_v, 2)
+        return slot_rows(self.tail_k, self.tail_v, self.buf_slot0, t_old, a, b, new_k, new_v)
 
     def _demote(self, a: int, b: int, t_old: int, new_k, new_v) -> None:
         s0 = self.config.sink

@@ -34,7 +34,7 @@ import torch
 
 from oscar_hf.kernels import triton_enabled
 from oscar_hf.kernels.int2_attention import decode_attention_rotating
-from oscar_hf.kernels.static_op import append_token_op
+from oscar_hf.kernels.static_op import append_token_op, write_slot_op
 from oscar_hf.kernels.write_path import rotate_quantize
 
 from ..attention import OscarKV
@@ -55,22 +55,6 @@ def capacity_for(need: int, current: int = 0) -> int:
     growing, rounded up to ``BUCKET``."""
     want = max(need + max(int(need * HEADROOM), BUCKET), int(current * GROWTH))
     return int(math.ceil(want / BUCKET) * BUCKET)
-
-
-@torch.library.custom_op("oscar::write_slot_", mutates_args=("buf",))
-def write_slot_(buf: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
-    """``buf[:, :, slot] = new[:, :, 0]`` (``slot`` a 0-d device tensor): opaque to the compiler, so that the
-    compiled step writes one row in place instead of a functional copy of the whole buffer."""
-    buf.index_copy_(2, slot.reshape(1), new)
-
-
-@write_slot_.register_fake
-def _(buf, new, slot) -> None:
-    return None
-
-
-def write_slot_op(buf: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
-    write_slot_(buf, new.contiguous(), slot)
 
 
 class StaticOscarKV(OscarKV):

@@ -15,14 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.kernels.int2_attention import (
-    NEG_INF,
-    empty_partial,
-    history_partial_reference,
-    merge_partials,
-    partial_from_logits,
-    rotate_query_reference,
-)
+from oscar_hf.kernels.int2_attention import (empty_partial, history_partial_reference, merge_history_and_window,
+                                               merge_partials, rotate_query_reference)
 
 from .pool import PagedInt2Pool
 
@@ -52,16 +46,5 @@ def paged_decode_attention(qf, r_k, mu_k, pool: PagedInt2Pool, table: list[int],
     or bool broadcastable to ``[1, Hk, M, W]``). The history partial is computed in the rotated space
     (``q R_K``, ``+ q·mu_K``), brought back by ``R_Vᵀ`` and ``+ l·mu_V``, merged with the window by log-sum-exp."""
     q_rot, qk_offset = rotate_query_reference(qf, r_k, mu_k)
-    hm, hl, hacc = paged_history_partial(q_rot, pool, table, layer, n, qk_offset, scaling, block_n)
-    hacc = torch.matmul(hacc, r_v.float().transpose(-1, -2).unsqueeze(0))
-    if mu_v is not None:
-        hacc = hacc + hl.unsqueeze(-1) * mu_v.float()[None, :, None, :]
-    parts = [(hm, hl, hacc)]
-    if k_win is not None and k_win.shape[-2] > 0:
-        logits = torch.matmul(qf.float(), k_win.float().transpose(-1, -2)) * scaling
-        if win_mask is not None:
-            logits = logits.masked_fill(~win_mask, NEG_INF)
-        parts.append(partial_from_logits(logits, v_win))
-    _, l, acc = merge_partials(parts)
-    out = acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)
-    return out.to(out_dtype)
+    hist = paged_history_partial(q_rot, pool, table, layer, n, qk_offset, scaling, block_n)
+    return merge_history_and_window(hist, qf, k_win, v_win, win_mask, r_v, mu_v, scaling, out_dtype)

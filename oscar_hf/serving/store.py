@@ -29,6 +29,7 @@ from oscar_hf.kernels.write_path import rotate_quantize
 
 from ..cache import resolve_full_precision_heads
 from ..cache.base import check_first_keys, group_queries, mask_rows
+from ..cache.dynamic import slot_rows
 from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
 from ..patching import base_attention_function
 from ..rotations import LayerRotation, OscarRotations
@@ -271,19 +272,7 @@ class OscarPagedStore:
 
     def _source(self, w: LayerWindow, a: int, b: int, new_k, new_v):
         """Rows of slots ``[a, b)`` (``a >= tail_start``) from the tail and/or the new rows, ``[1, Hk, b - a, D]``."""
-        t_old = w.seq_len
-        parts_k, parts_v = [], []
-        if a < t_old:
-            pa, pb = a - w.tail_start, min(b, t_old) - w.tail_start
-            parts_k.append(w.tail_k[:, :, pa:pb])
-            parts_v.append(w.tail_v[:, :, pa:pb])
-        if b > t_old:
-            na, nb = max(a, t_old) - t_old, b - t_old
-            parts_k.append(new_k[:, :, na:nb])
-            parts_v.append(new_v[:, :, na:nb])
-        if len(parts_k) == 1:
-            return parts_k[0], parts_v[0]
-        return torch.cat(parts_k, 2), torch.cat(parts_v, 2)
+        return slot_rows(w.tail_k, w.tail_v, w.tail_start, w.seq_len, a, b, new_k, new_v)
 
     def _demote(self, request_id: str, layer_idx: int, w: LayerWindow, a: int, b: int, new_k, new_v) -> None:
         """Slots ``[a, b)`` leave the window: ``[a, S0)`` into the sink, ``[S0, b)`` quantized into the history
