@@ -24,6 +24,10 @@
 #   soak        200 generate calls; one call of 32,768 new tokens        soak_calls_<gpu>.json, soak_long_<gpu>.json
 #   multigpu    device_map over 2 GPUs vs one GPU (needs 2 GPUs)         multigpu_<gpu>x2.json
 #   tp          tensor parallelism under torchrun, 2 ranks (2 GPUs)      tp_<gpu>x2.json
+#   serving     continuous batching load test, BF16 paged vs OSCAR       serving_<gpu>_40gib.json
+#               paged in 40 GiB of KV: 32K capacity + mixed 8K-32K
+#               arrivals (`serving-capacity`, `serving-load`: one part)
+#   paged       the paged decode kernel's tests on the GPU               paged_tests_<gpu>.log
 #
 # Each <what> fits in the device machine's 10-minute command limit except `generate`, `eager` and `soak`: run their
 # parts one call each (`generate-b8`, `generate-b1`; `eager-b1`, `eager-b8`; `soak-calls`, `soak-long`;
@@ -128,6 +132,12 @@ for what in "$@"; do
   tp)
     run "tp_${GPU}x2" $PY -m torch.distributed.run --standalone --nproc-per-node 2 "$B/tp_check.py" \
         --layers 8 --context 4096 --new-tokens 16 --out "$OUT/tp_${GPU}x2.json" ;;
+  serving|serving-capacity|serving-load)
+    parts="capacity load"; [ "$what" = serving-capacity ] && parts=capacity; [ "$what" = serving-load ] && parts=load
+    run "serving_${GPU}_40gib_${parts// /_}" $PY "$B/bench_serving.py" --parts $parts --kv-budget-gib 40 \
+        --out "$OUT/serving_${GPU}_40gib_${parts// /_}.json" ;;
+  paged)
+    run "paged_tests_$GPU" $PY -m pytest -q -p no:cacheprovider --rootdir "$R" "$R/tests/kernels/test_paged_decode.py" ;;
   *)
     echo "unknown: $what (see the head of $0)"; exit 2 ;;
   esac

@@ -153,16 +153,16 @@ def _meta_groups(base, meta, mask, NG: tl.constexpr):
 
 
 @triton.jit
-def _df_meta(ks_base, kz_base, vs_base, vz_base, offs_n, inb, valid, NG: tl.constexpr, PAIR: tl.constexpr):
+def _df_meta(ks_base, kz_base, vs_base, vz_base, kmeta, vmeta, inb, valid, NG: tl.constexpr, PAIR: tl.constexpr):
     """The deferred loop's metadata of one block: K scale / zero (in-bounds tokens) and V scale / zero (valid
-    tokens only: stale storage may hold NaN), each a tuple over the groups (:func:`_bf16_pair` when ``PAIR``)."""
-    meta = offs_n.to(tl.int64) * NG
+    tokens only: stale storage may hold NaN), each a tuple over the groups (:func:`_bf16_pair` when ``PAIR``).
+    ``kmeta`` / ``vmeta``: the tokens' metadata row offsets ``[BLOCK_N]`` (:func:`_block_rows`)."""
     if PAIR:
-        return (_bf16_pair(ks_base, meta, inb), _bf16_pair(kz_base, meta, inb),
-                _bf16_pair(vs_base, meta, valid), _bf16_pair(vz_base, meta, valid))
+        return (_bf16_pair(ks_base, kmeta, inb), _bf16_pair(kz_base, kmeta, inb),
+                _bf16_pair(vs_base, vmeta, valid), _bf16_pair(vz_base, vmeta, valid))
     else:
-        return (_meta_groups(ks_base, meta, inb, NG), _meta_groups(kz_base, meta, inb, NG),
-                _meta_groups(vs_base, meta, valid, NG), _meta_groups(vz_base, meta, valid, NG))
+        return (_meta_groups(ks_base, kmeta, inb, NG), _meta_groups(kz_base, kmeta, inb, NG),
+                _meta_groups(vs_base, vmeta, valid, NG), _meta_groups(vz_base, vmeta, valid, NG))
 
 
 @triton.jit
@@ -251,13 +251,18 @@ def _df_v_plane(p, vb, P: tl.constexpr, acc, zt, D4: tl.constexpr, G: tl.constex
 
 
 @triton.jit
-def _meta_tiles(s_base, z_base, offs_n, nmask, NG: tl.constexpr):
+def _meta_tiles(s_base, z_base, offs_n, rows, nmask, NG: tl.constexpr, PAGED: tl.constexpr = 0):
     """``[BLOCK_N, NG]`` scale/zero tiles (float32) of a block: rows are contiguous (``NG``
-    values per token), so this is one vectorized, pipelinable load per tensor; plus the row pointers."""
-    offs = offs_n.to(tl.int64)[:, None] * NG + tl.arange(0, NG)[None, :]
+    values per token), so this is one vectorized, pipelinable load per tensor; plus the row pointers.
+    ``PAGED``: the tokens' metadata row offsets are ``rows [BLOCK_N]`` (:func:`_block_rows`), not ``offs_n * NG``."""
+    if PAGED:
+        offs = rows[:, None] + tl.arange(0, NG)[None, :]
+        row = rows
+    else:
+        offs = offs_n.to(tl.int64)[:, None] * NG + tl.arange(0, NG)[None, :]
+        row = offs_n.to(tl.int64) * NG
     s_tile = tl.load(s_base + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
     z_tile = tl.load(z_base + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
-    row = offs_n.to(tl.int64) * NG
     return s_tile, z_tile, s_base + row, z_base + row
 @triton.jit
 def _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
@@ -270,6 +275,30 @@ def _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N: tl.constexp
         km = tl.load(KMASK + b.to(tl.int64) * smb + h * smh + offs_n * smn, mask=inb, other=0)
         valid = valid & (km != 0)
     return offs_n, inb, valid
+
+
+@triton.jit
+def _block_rows(n0, hi, offs_n, inb, BT_ROW, skb, skn, smkb, svb, svn, smvb, NG: tl.constexpr, PAGE: tl.constexpr,
+                BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+    """Element offsets of a block's tokens from the (row, KV head) bases: ``(K codes [BLOCK_N, 1], K metadata
+    [BLOCK_N], V codes [BLOCK_N, 1], V metadata [BLOCK_N])``, int64.
+
+    Contiguous history: token ``n`` is row ``n`` (code rows ``skn`` / ``svn`` apart, metadata rows ``NG``). Paged
+    (``PAGED``): token ``n`` is row ``n % PAGE`` of page ``BT_ROW[n // PAGE]`` (the row's block table; page strides
+    ``skb``, ``smkb``, ``svb``, ``smvb``). Where ``BLOCK_N`` divides ``PAGE`` the block lies in one page: one scalar
+    table load; else one table load per token (the same few entries: L1 hits). Table entries are read for in-bounds
+    tokens only (``< hi``), so entries past a row's pages are never read."""
+    if PAGED:
+        if PAGE % BLOCK_N == 0:
+            pg = tl.load(BT_ROW + n0 // PAGE, mask=n0 < hi, other=0).to(tl.int64)
+            r = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        else:
+            pg = tl.load(BT_ROW + offs_n // PAGE, mask=inb, other=0).to(tl.int64)
+            r = (offs_n % PAGE).to(tl.int64)
+        return (pg * skb + r * skn)[:, None], pg * smkb + r * NG, (pg * svb + r * svn)[:, None], pg * smvb + r * NG
+    else:
+        return (offs_n[:, None].to(tl.int64) * skn, offs_n.to(tl.int64) * NG, offs_n[:, None].to(tl.int64) * svn,
+                offs_n.to(tl.int64) * NG)
 
 
 @triton.jit
@@ -286,12 +315,13 @@ def _softmax_step(s, valid, m_i, l_i):
 
 
 @triton.jit
-def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, h, part, w0, W, win_split, qk_scale,
+def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, part, w0, W, win_split, qk_scale,
                   sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                   M, D: tl.constexpr, M_PAD: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr,
                   WIN_STAGES: tl.constexpr):
     """One window program of :func:`_split_kernel`: full-precision (unrotated) window tokens ``[w0, w0 + win_split)``
-    of one (row, KV head), online softmax over ``BLOCK_W``-token steps, partial ``(m, l, acc)`` at ``part``."""
+    of one (row, KV head), online softmax over ``BLOCK_W``-token steps, partial ``(m, l, acc)`` at ``part``. ``bw``:
+    the index of the row's window in ``KW`` / ``VW`` (``b``, or its slot in a window pool)."""
     BLOCK_W: tl.constexpr = 32  # window tokens per step
     offs_m = tl.arange(0, M_PAD)
     offs_d = tl.arange(0, D)
@@ -313,9 +343,9 @@ def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, h, part, w0, W, win_split,
             wm = tl.load(WMASK + b.to(tl.int64) * swb + h * swh + offs_n * swn, mask=valid, other=0)
             valid = valid & (wm != 0)
         # keys and values loaded together: one round of memory latency per step, not two
-        kw = tl.load(KW + b.to(tl.int64) * skwb + h * skwh + offs_n[:, None] * skwn + offs_d[None, :],
+        kw = tl.load(KW + bw.to(tl.int64) * skwb + h * skwh + offs_n[:, None] * skwn + offs_d[None, :],
                      mask=valid[:, None], other=0.0)
-        vw = tl.load(VW + b.to(tl.int64) * svwb + h * svwh + offs_n[:, None] * svwn + offs_d[None, :],
+        vw = tl.load(VW + bw.to(tl.int64) * svwb + h * svwh + offs_n[:, None] * svwn + offs_d[None, :],
                      mask=valid[:, None], other=0.0)
         s = tl.dot(qw, tl.trans(_op(kw, LOWP)))
         p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
@@ -342,10 +372,18 @@ def _split_kernel(
     HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, DEFERRED: tl.constexpr,
     N_DEV: tl.constexpr, PAIR: tl.constexpr = 0, ASM: tl.constexpr = 0, WIN_STAGES: tl.constexpr = 1,
     WIN_ONLY: tl.constexpr = 0,
+    BT=None, HLEN=None, WSLOT=None, sbt=None, PAGED: tl.constexpr = 0, PAGE: tl.constexpr = 1,
 ):
     """``DEFERRED``: the deferred inner loop (else dequant); ``PAIR``: both groups' bf16 scale (zero) of a token as
     one 4-byte word (NG = 2); ``ASM``: code extraction in inline PTX (GPU only); ``WIN_ONLY``: only the window
-    programs (``PID_OFF`` = S), software-pipelined over ``WIN_STAGES``."""
+    programs (``PID_OFF`` = S), software-pipelined over ``WIN_STAGES``.
+
+    ``PAGED`` (the serving pool, ``paged_decode.py``): the history lives in pages of ``PAGE`` entries, ``KC`` ..
+    ``VZ`` are ``[num_pages, Hk, PAGE, *]`` (the ``b`` strides ``skb``, ``smkb``, ``svb``, ``smvb`` are page strides);
+    row ``b``'s entry ``n`` is at page ``BT[b, n // PAGE]`` (``BT [B, max_pages]``, row stride ``sbt``), offset
+    ``n % PAGE`` (:func:`_block_rows`); row ``b`` has ``HLEN[b]`` entries (``N``: the longest row's, which sizes the
+    grid: splits past a row's length run no block and write the empty partial ``m = -inf, l = 0, acc = 0``); its
+    window is ``KW[WSLOT[b]]`` / ``VW[WSLOT[b]]`` (the window mask stays per row)."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     pid_bh = tl.program_id(0)
@@ -360,7 +398,7 @@ def _split_kernel(
     part = (pid_bh.to(tl.int64) * S_TOT + pid_s) * M  # first partial row of this program
 
     if WIN_ONLY:  # the window programs of the Gluon path: this launch compiles without the history branch
-        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, h, part, (pid_s - S) * win_split, W, win_split,
+        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, b, h, part, (pid_s - S) * win_split, W, win_split,
                       qk_scale, sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                       M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES)
     else:
@@ -390,14 +428,26 @@ def _split_kernel(
             else:
                 n_tot = N
                 slen = split_len
+            if PAGED:  # per-row history length; the grid is sized for the longest row (N)
+                n_tot = tl.minimum(tl.load(HLEN + b).to(tl.int32), N)
             hi = tl.minimum(pid_s * slen + slen, n_tot)
             lo = tl.maximum(pid_s * slen, (start // BLOCK_N) * BLOCK_N)  # skip all-padding blocks
-            kc_base = KC + b.to(tl.int64) * skb + h * skh
-            ks_base = KS + b.to(tl.int64) * smkb + h * smkh
-            kz_base = KZ + b.to(tl.int64) * smkb + h * smkh
-            vc_base = VC + b.to(tl.int64) * svb + h * svh
-            vs_base = VS + b.to(tl.int64) * smvb + h * smvh
-            vz_base = VZ + b.to(tl.int64) * smvb + h * smvh
+            if PAGED:  # the KV head's bases: the pages' offsets come from the row's block table (_block_rows)
+                bt_row = BT + b.to(tl.int64) * sbt
+                kc_base = KC + h * skh
+                ks_base = KS + h * smkh
+                kz_base = KZ + h * smkh
+                vc_base = VC + h * svh
+                vs_base = VS + h * smvh
+                vz_base = VZ + h * smvh
+            else:
+                bt_row = BT
+                kc_base = KC + b.to(tl.int64) * skb + h * skh
+                ks_base = KS + b.to(tl.int64) * smkb + h * smkh
+                kz_base = KZ + b.to(tl.int64) * smkb + h * smkh
+                vc_base = VC + b.to(tl.int64) * svb + h * svh
+                vs_base = VS + b.to(tl.int64) * smvb + h * smvh
+                vz_base = VZ + b.to(tl.int64) * smvb + h * smvh
             if DEFERRED:
                 # The K operands: the query planes as the B operands [D4, M_PAD] of the transposed logits.
                 PPG: tl.constexpr = G // D4  # planes per group
@@ -422,8 +472,10 @@ def _split_kernel(
                 # underflow every p) the split is run again with phi = its true max (at most once).
                 # phi: max of the first block's valid logits (0 for rows without any there)
                 offs_n, inb, valid = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-                kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
-                st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, offs_n.to(tl.int64) * NG, inb, off,
+                kro0, kmo0, vro0, vmo0 = _block_rows(lo, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn, smvb,
+                                                     NG, PAGE, BLOCK_N, PAGED)
+                kb = tl.load(kc_base + kro0 + offs_j[None, :], mask=inb[:, None], other=0)
+                st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, kmo0, inb, off,
                                 PPG, BLOCK_N, M_PAD, LOWP)
                 phi = tl.max(tl.where(valid[:, None], st, float("-inf")), 0)
                 phi = tl.where(phi == float("-inf"), 0.0, phi)
@@ -449,7 +501,9 @@ def _split_kernel(
                     off_phi = off - phi
                     # metadata of the first block, loaded before the loop (see below)
                     offs_a, inb_a, valid_a = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-                    md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_a, inb_a, valid_a, NG, PAIR)
+                    kro_p, kmo_p, vro_p, vmo_p = _block_rows(lo, hi, offs_a, inb_a, bt_row, skb, skn, smkb, svb, svn,
+                                                             smvb, NG, PAGE, BLOCK_N, PAGED)
+                    md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, kmo_p, vmo_p, inb_a, valid_a, NG, PAIR)
                     for n0 in range(lo, hi, BLOCK_N):
                         # The scale / zero loads are synchronous 2-byte loads (the pipeliner cannot make them
                         # asynchronous copies) and the loop stalled on them (ncu: long scoreboard): issue the next
@@ -461,9 +515,12 @@ def _split_kernel(
                         offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                         offs_a, inb_a, valid_a = _token_block(n0 + BLOCK_N, hi, start, KMASK, b, h, smb, smh, smn,
                                                               BLOCK_N, HAS_MASK)
-                        md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, offs_a, inb_a, valid_a, NG, PAIR)
-                        meta = offs_n.to(tl.int64) * NG
-                        kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
+                        kro_n, kmo_n, vro_n, vmo_n = _block_rows(n0 + BLOCK_N, hi, offs_a, inb_a, bt_row, skb, skn,
+                                                                 smkb, svb, svn, smvb, NG, PAGE, BLOCK_N, PAGED)
+                        md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, kmo_n, vmo_n, inb_a, valid_a, NG, PAIR)
+                        kro, meta, vro, vmeta = _block_rows(n0, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn,
+                                                            smvb, NG, PAGE, BLOCK_N, PAGED)
+                        kb = tl.load(kc_base + kro + offs_j[None, :], mask=inb[:, None], other=0)
                         # logits relative to the reference (off_phi = off - phi: one subtraction per row, not per logit)
                         st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off_phi, PPG, BLOCK_N, M_PAD, LOWP,
                                         1, ksp, kzp, ASM and LOWP)
@@ -471,7 +528,7 @@ def _split_kernel(
                         mt = tl.maximum(mt, st)
                         p = tl.exp2(st)
                         lt += p
-                        vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
+                        vb = tl.load(vc_base + vro + offs_j[None, :], mask=valid[:, None], other=0)
                         acc0, zt0 = _df_v_plane(p, vb, 0, acc0, zt0, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
                         acc1, zt1 = _df_v_plane(p, vb, 1, acc1, zt1, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
                         acc2, zt2 = _df_v_plane(p, vb, 2, acc2, zt2, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
@@ -494,9 +551,11 @@ def _split_kernel(
             else:
                 for n0 in range(lo, hi, BLOCK_N):
                     offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                    kro, kmo, vro, vmo = _block_rows(n0, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn, smvb, NG,
+                                                     PAGE, BLOCK_N, PAGED)
                     # K: unpack + dequantize 4 planes, logits = sum_p q_p k_p^T (one accumulator).
-                    kb = tl.load(kc_base + offs_n[:, None].to(tl.int64) * skn + offs_j[None, :], mask=inb[:, None], other=0)
-                    ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, inb, NG)
+                    kb = tl.load(kc_base + kro + offs_j[None, :], mask=inb[:, None], other=0)
+                    ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, kmo, inb, NG, PAGED)
                     s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)))
                     s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
                     s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
@@ -504,8 +563,8 @@ def _split_kernel(
                     p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i)
                     p = _op(p, LOWP)
                     # V: only valid tokens are read, invalid ones dequantize to exactly 0.
-                    vb = tl.load(vc_base + offs_n[:, None].to(tl.int64) * svn + offs_j[None, :], mask=valid[:, None], other=0)
-                    vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, valid, NG)
+                    vb = tl.load(vc_base + vro + offs_j[None, :], mask=valid[:, None], other=0)
+                    vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, vmo, valid, NG, PAGED)
                     acc0 = tl.dot(p, _int2_plane(vb, 0, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc0 * alpha[:, None])
                     acc1 = tl.dot(p, _int2_plane(vb, 1, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc1 * alpha[:, None])
                     acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc2 * alpha[:, None])
@@ -520,7 +579,10 @@ def _split_kernel(
             tl.store(PL + part + offs_m, l_i, mask=mrow)
         else:
             if HAS_WIN:
-                _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, h, part, (pid_s - S) * win_split, W, win_split,
+                wb = b
+                if PAGED:  # the row's window is a slot of the window pool
+                    wb = tl.load(WSLOT + b)
+                _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, wb, h, part, (pid_s - S) * win_split, W, win_split,
                               qk_scale, sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                               M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES)
 @triton.jit
@@ -562,6 +624,6 @@ def _prologue_kernel(
         b = pid_bh // Hk
         h = pid_bh % Hk
         part = (pid_bh.to(tl.int64) * S_TOT + S + (j - NROT)) * M
-        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, h, part, (j - NROT) * win_split, W, win_split, qk_scale,
+        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, b, h, part, (j - NROT) * win_split, W, win_split, qk_scale,
                       sqb, sqh, sqm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                       M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES)

@@ -1,22 +1,21 @@
-"""Serving many requests: a paged OSCAR KV store for Transformers' continuous batching (``model.generate_batch``).
+"""Serving many requests: a paged OSCAR KV store for Transformers' continuous batching (``model.generate_batch``,
+``ContinuousBatchingManager``, ``transformers serve --continuous-batching`` through ``scripts/serve.py``).
 
-Data flow: :class:`PagedInt2Pool` (INT2 history pages, one pool for every request) -> :class:`OscarPagedStore`
-(per request: BF16 sink + recent window, block table; write path and read) -> :class:`OscarPagedCache` (the
-``PagedAttentionCache`` subclass that hands each batch to the store) -> the registered ``oscar_sdpa`` attention.
+Data flow: :class:`PagedInt2Pool` (INT2 history pages, one pool for every request) and the store's window pool ->
+:class:`OscarPagedStore` (per request: a window slot and a block table; the write path; the read: decode rows batched
+through the paged split-K kernel, prompts one by one) -> :class:`OscarPagedCache` (Transformers' ``PagedAttentionCache``
+subclass that records each batch and admits requests by OSCAR's memory) -> OSCAR's registered attention.
 
     from oscar_hf.serving import paged_oscar
     with paged_oscar(model, method="hadamard"):   # pages: ContinuousBatchingConfig(num_blocks / max_memory_percent)
         outputs = model.generate_batch(prompts, generation_config)
 
-When the store quantizes every layer, Transformers allocates no BF16 K/V: its cache tensor holds the INT2 pages and
-its scheduler admits requests by OSCAR's bytes (:class:`OscarCacheAllocator`).
-
-CPU reference (torch read and write path, one request at a time inside a batch); docs/serving.md has the design,
-what Transformers exposes and what is still missing for the GPU (kernels through the block table, CUDA graphs).
+docs/serving.md has the design, what Transformers exposes, the measured load test and what is missing.
 """
-from .paged_cache import OscarCacheAllocator, OscarPagedCache, PagedOscarKV, generate_batch, paged_oscar
+from .batching import SECTOR_API, OscarPagedCache, continuous_batching_config, generate_batch, paged_oscar
+from .paged_attention import PagedOscarKV
 from .pool import PagedInt2Pool, PoolExhausted, page_bytes
 from .store import OscarPagedStore
 
-__all__ = ["PagedInt2Pool", "PoolExhausted", "page_bytes", "OscarPagedStore", "OscarPagedCache", "OscarCacheAllocator",
-           "PagedOscarKV", "paged_oscar", "generate_batch"]
+__all__ = ["PagedInt2Pool", "PoolExhausted", "page_bytes", "OscarPagedStore", "OscarPagedCache", "PagedOscarKV",
+           "paged_oscar", "generate_batch", "continuous_batching_config", "SECTOR_API"]

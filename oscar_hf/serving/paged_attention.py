@@ -1,12 +1,14 @@
-"""Read path of the paged store: the INT2 history is read through a request's block table.
+"""Read path of the paged store for one request's rows (a prompt chunk after earlier tokens: any window mask): the
+INT2 history is read through the request's block table.
 
-:func:`paged_decode_attention` is :func:`oscar_hf.kernels.int2_attention.decode_attention_reference` with the
+:func:`paged_multi_token_attention` is :func:`oscar_hf.kernels.int2_attention.decode_attention_reference` with the
 contiguous history replaced by pages: the history partial is accumulated over blocks of ``block_n`` entries, each
 block gathered from its pages (:meth:`PagedInt2Pool.gather`: packed INT2 codes + metadata, never full precision)
 and dequantized by :func:`history_partial_reference`, the blocks merged by the online-softmax rule. With ``block_n``
 a multiple of the page size the blocks are the ones the contiguous reference reads, so the result is the same as
-:class:`~oscar_hf.cache.dynamic.OscarLayer`'s. A split-K GPU kernel would take the block table as an argument and
-load each split's pages directly (docs/serving.md); this file is its torch reference.
+:class:`~oscar_hf.cache.dynamic.OscarLayer`'s. The decode rows of a batch (one token each) take the split-K kernel
+instead, which loads each split's pages through the block tables
+(:func:`oscar_hf.kernels.paged_decode.paged_decode_attention`).
 
 Shapes: ``Hk`` KV heads, ``M = g * L`` query rows per KV head (query-head-major), ``D`` head_dim, ``n`` history
 entries of the request, ``P`` the page size.
@@ -18,7 +20,10 @@ import torch
 from oscar_hf.kernels.int2_attention import (empty_partial, history_partial_reference, merge_history_and_window,
                                                merge_partials, rotate_query_reference)
 
+from ..attention import OscarKV
 from .pool import PagedInt2Pool
+
+LOGITS_BUDGET = 256 << 20  # bytes of one history block's logits
 
 
 def paged_history_partial(q_rot, pool: PagedInt2Pool, table: list[int], layer: int, n: int, qk_offset, scaling: float,
@@ -26,6 +31,9 @@ def paged_history_partial(q_rot, pool: PagedInt2Pool, table: list[int], layer: i
     """``(m, l, acc)`` of ``q_rot [1, Hk, M, D]`` (rotated, float32) over history entries ``[0, n)`` of the request
     with block table ``table``, ``block_n`` entries at a time (rounded up to whole pages)."""
     p = pool.page_size
+    # a block's logits are [Hk, M, block] float32: a long prompt chunk (M = g * L rows) reads fewer entries at a time
+    hk, m = q_rot.shape[1], q_rot.shape[2]
+    block_n = min(block_n, LOGITS_BUDGET // (4 * hk * m))
     block = max(p, block_n // p * p)
     part = empty_partial(q_rot)
     start = torch.zeros(1, dtype=torch.long, device=q_rot.device)
@@ -39,7 +47,7 @@ def paged_history_partial(q_rot, pool: PagedInt2Pool, table: list[int], layer: i
     return part
 
 
-def paged_decode_attention(qf, r_k, mu_k, pool: PagedInt2Pool, table: list[int], layer: int, n: int, scaling: float,
+def paged_multi_token_attention(qf, r_k, mu_k, pool: PagedInt2Pool, table: list[int], layer: int, n: int, scaling: float,
                            k_win, v_win, win_mask, r_v, mu_v, out_dtype, block_n: int = 1024) -> torch.Tensor:
     """``[1, Hk, M, D]``: attention of the unrotated query ``qf [1, Hk, M, D]`` over the request's INT2 history
     (``n`` entries through ``table``) and its full-precision window ``k_win/v_win [1, Hk, W, D]`` (``win_mask`` None
@@ -48,3 +56,26 @@ def paged_decode_attention(qf, r_k, mu_k, pool: PagedInt2Pool, table: list[int],
     q_rot, qk_offset = rotate_query_reference(qf, r_k, mu_k)
     hist = paged_history_partial(q_rot, pool, table, layer, n, qk_offset, scaling, block_n)
     return merge_history_and_window(hist, qf, k_win, v_win, win_mask, r_v, mu_v, scaling, out_dtype)
+
+
+class PagedOscarKV(OscarKV):
+    """What :meth:`OscarPagedCache.update` returns for a quantized layer: the packed new rows of every request of the
+    batch (``key_states/value_states [1, Hk, sum L_i, D]``) and the batch's requests in packing order."""
+
+    __slots__ = ("store", "layer_idx", "batch")
+
+    def __init__(self, store: OscarPagedStore, layer_idx: int, key_states, value_states, batch):
+        super().__init__(None, key_states, value_states)
+        self.store, self.layer_idx, self.batch = store, layer_idx, batch
+
+    @property
+    def shape(self):
+        b, h, l, d = self.key_states.shape
+        return torch.Size((b, h, l + sum(past for _, past, _ in self.batch), d))
+
+    def attend(self, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
+        """``[1, sum L_i, Hq, D]``: each request's rows attend to that request's cache only (the block-diagonal mask
+        continuous batching builds is implied by the store's per-request bookkeeping, so it is not read; neither is
+        ``cu_seq_lens_q``, a device tensor: reading it would stall every layer)."""
+        return self.store.attend(self.layer_idx, query, self.key_states, self.value_states, self.batch, scaling,
+                                 module, base)

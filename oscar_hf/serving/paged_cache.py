@@ -1,4 +1,6 @@
-"""OSCAR inside Transformers' continuous batching (``model.generate_batch``, ``ContinuousBatchingManager``).
+"""OSCAR's paged cache for Transformers 5.20+ continuous batching, whose sector allocators and
+``cache.update(..., kwargs)`` it follows (:mod:`~oscar_hf.serving.paged_cache_blocks` serves 5.17 - 5.19;
+:func:`~oscar_hf.serving.paged_oscar` picks the one that fits).
 
 How continuous batching runs a step (Transformers 5.2x, read off ``generation/continuous_batching``): the scheduler
 picks requests; ``ContinuousBatchingIOs.prepare_batch_tensors`` packs their new tokens into one row
@@ -15,31 +17,29 @@ Where OSCAR plugs in, with no change to Transformers:
   BF16 paged path unchanged). ``free_blocks`` / ``reset`` also free the store.
 * The handle is an :class:`oscar_hf.attention.OscarKV`, so the project's registered ``oscar_<base>`` attention
   (``oscar_sdpa``) serves it: one registration route for ``generate`` and for continuous batching.
-* The manager builds its cache inside ``_create_batch_processor`` from the module global
-  ``continuous_api.PagedAttentionCache`` and refuses attention names other than ``sdpa`` / ``paged|eager`` / flash
-  at construction: :func:`paged_oscar` swaps that global for the duration of a ``with`` block and switches the
-  model to ``oscar_sdpa`` once the manager has accepted ``sdpa``. That swap is the one monkey-patch.
+* :func:`~oscar_hf.serving.paged_oscar` builds it in place of the manager's own cache (see
+  :mod:`~oscar_hf.serving.batching`).
 
 Memory: when the store quantizes every layer of the model (all full attention, none skipped), Transformers allocates
 no BF16 K/V at all. While :class:`OscarPagedCache` is constructed, the ``"full_attention"`` allocator is
-:class:`OscarCacheAllocator` (a block = one INT2 page per layer; a request holds the pages of its history plus a fixed
-number of blocks paying for its full-precision window) and the memory handler is :class:`OscarMemoryHandler` (no
+:class:`OscarCacheAllocator` (a block = one INT2 page per layer; a request holds the pages of its history) and the
+memory handler is :class:`OscarMemoryHandler` (no
 BF16 read-back or ``[M, N + M]`` mask per cache token), so the flat cache tensor Transformers sizes from
 ``num_blocks`` / ``max_memory_percent`` holds INT2 pages, and the store's page pool is laid out in that tensor. The
-scheduler's admission (``can_store_request_tokens``) then counts OSCAR bytes. Models with layers the store leaves to
+scheduler's admission (``can_store_request_tokens``) then counts OSCAR bytes, and a request also needs a free slot
+of the store's window pool (``max_requests`` full-precision windows, allocated when the store is built, before
+Transformers measures free memory). Models with layers the store leaves to
 Transformers (sliding windows, ``skip_layers``) keep Transformers' BF16 cache and a separately sized pool.
 
 Not followed (refused loudly): prefix sharing (block sharing is turned off), forks (``num_return_sequences > 1``),
-CPU offloading, CUDA graphs / compile (the read loops over requests in Python). See docs/serving.md.
+CPU offloading, CUDA graphs / compile. See docs/serving.md.
 """
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 from transformers.generation.continuous_batching import cache as cache_module
-from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching.cache import (
     ATTN_TYPE_TO_ALLOCATOR,
     PagedAttentionCache,
@@ -48,42 +48,8 @@ from transformers.generation.continuous_batching.cache import (
 )
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
-from ..attention import OscarKV, disable_oscar, enable_oscar
+from .paged_attention import PagedOscarKV
 from .store import OscarPagedStore
-
-
-class PagedOscarKV(OscarKV):
-    """What :meth:`OscarPagedCache.update` returns for a quantized layer: the packed new rows of every request of the
-    batch (``key_states/value_states [1, Hk, sum L_i, D]``) and the batch's requests in packing order."""
-
-    __slots__ = ("store", "layer_idx", "batch")
-
-    def __init__(self, store: OscarPagedStore, layer_idx: int, key_states, value_states, batch):
-        super().__init__(None, key_states, value_states)
-        self.store, self.layer_idx, self.batch = store, layer_idx, batch
-
-    @property
-    def shape(self):
-        b, h, l, d = self.key_states.shape
-        return torch.Size((b, h, l + sum(past for _, past, _ in self.batch), d))
-
-    def attend(self, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
-        """``[1, sum L_i, Hq, D]``: each request's rows attend to that request's cache only (the block-diagonal mask
-        continuous batching builds is implied by the per-request loop, so it is not read)."""
-        cu = kwargs.get("cu_seq_lens_q")
-        total = sum(q for _, _, q in self.batch)
-        if total != query.shape[2]:
-            raise RuntimeError(f"OSCAR paged attention: the batch holds {total} new tokens, the query {query.shape[2]} "
-                               "(padded batches: CUDA graphs / compile are not supported)")
-        if cu is not None and int(cu[len(self.batch)]) != total:
-            raise RuntimeError("OSCAR paged attention: cu_seq_lens_q disagrees with the recorded batch")
-        outs, start = [], 0
-        for request_id, past, q_len in self.batch:
-            sl = slice(start, start + q_len)
-            outs.append(self.store.attend(request_id, self.layer_idx, past, query[:, :, sl], self.key_states[:, :, sl],
-                                          self.value_states[:, :, sl], scaling, module, base))
-            start += q_len
-        return torch.cat(outs, 1)
 
 
 class OscarCacheAllocator(FullAttentionCacheAllocator):
@@ -91,8 +57,9 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
 
     A block is one INT2 page (``page_size`` history entries, keys and values) of every quantized layer:
     ``bytes_per_page`` is the INT2 page of one layer, so sectors, ``num_blocks`` and the memory budget count INT2
-    bytes. A request of ``T`` tokens holds ``window_blocks + ceil((T - S0 - W) / P)`` blocks: its history pages (the
-    store's own count) plus a constant that pays for its full-precision sink + recent window. The blocks are
+    bytes. A request of ``T`` tokens holds ``ceil((T - S0 - W) / P)`` blocks: its history pages (the store's own
+    count); its full-precision window is a slot of the store's window pool, allocated before Transformers sizes its
+    cache (so ``max_memory_percent`` sees it) and taken at admission (:meth:`OscarPagedCache.can_store_request_tokens`). The blocks are
     bookkeeping only: the store writes its pages through its own free list in the same memory (``num_blocks`` pages),
     and holds at most as many pages as Transformers has handed out. Nothing here is read by the attention, so no
     read / write indices are produced and the keys each request attends to count as its new rows only (the
@@ -118,18 +85,13 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
                                       "(tensor parallelism is not followed)")
         return cls.store.page_bytes(page_size, num_layers=1)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # Window bytes of one request, paid in blocks: [S0 + W slots x layers x K,V] in the model dtype.
-        self.window_blocks = -(-self.store.window_bytes_per_request() // self.bytes_per_block)
-
     def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool) -> None:
         self.bytes_per_sector = bytes_per_sector
         self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)  # no BF16 views
 
     def _compute_blocks_needed(self, allocated_blocks: int, past_length: int, query_length: int) -> int:
         p = self.tokens_per_page
-        total = self.window_blocks + self.store.history_pages(past_length + query_length, p)
+        total = self.store.history_pages(past_length + query_length, p)
         return max(0, total - allocated_blocks)
 
     def get_seqlen_k(self, past_length: int, query_length: int) -> int:
@@ -195,9 +157,6 @@ class OscarPagedCache(PagedAttentionCache):
     Built by :func:`paged_oscar` in place of the manager's own cache, with the manager's arguments."""
 
     def __init__(self, *args, store: OscarPagedStore, **kwargs):
-        if "kwargs" not in inspect.signature(PagedAttentionCache.update).parameters:
-            raise NotImplementedError("this Transformers version runs the paged cache from its `paged|*` attention "
-                                      "function (5.17 style); the OSCAR paged cache needs cache.update(..., kwargs)")
         config = args[0] if args else kwargs["config"]
         self.oscar_owns_memory = store_owns_every_layer(store, config)
         if not self.oscar_owns_memory:  # BF16 cache for the other layers, the store's pool sized by the user
@@ -247,7 +206,17 @@ class OscarPagedCache(PagedAttentionCache):
         handle = PagedOscarKV(self.store, layer_idx, key_states, value_states, self._batch)
         return handle, handle
 
-    # ------------------------------------------------------------------ requests leaving
+    # ------------------------------------------------------------------ admission, requests leaving
+    def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
+        """Transformers' admission, and a window slot of the store for a request that has none yet."""
+        new = state.request_id not in self.store.requests
+        if new and not self.store.can_reserve():
+            return False
+        ok = super().can_store_request_tokens(state, request_len, dry_run=dry_run)
+        if ok and new and not dry_run:
+            self.store.reserve(state.request_id)
+        return ok
+
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         super().free_blocks(request_id, no_cache=no_cache)
         self.store.free(request_id)
@@ -258,59 +227,3 @@ class OscarPagedCache(PagedAttentionCache):
 
     def prepare_fork_request(self, *args, **kwargs):
         raise NotImplementedError("the OSCAR paged cache does not fork requests (num_return_sequences > 1)")
-
-
-def _check_cb_config(cbc) -> None:
-    if cbc is None:
-        return
-    if cbc.cpu_offload_space:
-        raise NotImplementedError("CPU offloading copies BF16 pages only; use cpu_offload_space=0 with OSCAR")
-    if any(cbc.cuda_graph_booleans) or cbc.varlen_compile_config is not None or cbc.decode_compile_config is not None:
-        raise NotImplementedError("the OSCAR paged reference does not run under CUDA graphs or torch.compile")
-
-
-@contextlib.contextmanager
-def paged_oscar(model, store: OscarPagedStore | None = None, **store_kwargs):
-    """Serve ``model``'s continuous batching through OSCAR inside the block::
-
-        with paged_oscar(model, method="hadamard") as store:
-            outputs = model.generate_batch(inputs, generation_config)
-
-    ``store`` an :class:`OscarPagedStore`, or its arguments (``store_kwargs``; device and dtype default to the
-    model's). When the store quantizes every layer, its page pool lives in Transformers' cache tensor, sized by the
-    ``ContinuousBatchingConfig`` (``num_blocks`` INT2 blocks, or ``max_memory_percent`` of free memory at OSCAR's
-    bytes per token) with its ``page_size``: give no ``num_pages`` / ``memory_budget`` / ``page_size`` then. The model
-    must be loaded with ``attn_implementation="sdpa"`` (or ``"eager"``)."""
-    if store is None:
-        store_kwargs.setdefault("device", model.device)
-        store_kwargs.setdefault("dtype", model.dtype)
-        if not any(k in store_kwargs for k in ("num_pages", "memory_budget")):
-            store_kwargs["defer_pool"] = True
-        store = OscarPagedStore(model, **store_kwargs)
-    original = continuous_api.PagedAttentionCache
-    if original is not PagedAttentionCache:
-        raise RuntimeError("continuous_api.PagedAttentionCache is already replaced (nested paged_oscar?)")
-
-    def build(*args, continuous_batching_config=None, **kwargs):
-        _check_cb_config(continuous_batching_config)
-        cache = OscarPagedCache(*args, continuous_batching_config=continuous_batching_config, store=store, **kwargs)
-        enable_oscar(model)  # after the manager accepted "sdpa": from now on "oscar_sdpa"
-        return cache
-
-    continuous_api.PagedAttentionCache = build
-    try:
-        yield store
-    finally:
-        continuous_api.PagedAttentionCache = original
-        disable_oscar(model)
-        store.free_all()
-        if store.pool_in_cache:  # the cache tensor it lived in belongs to the manager that is gone
-            store.pool, store.pool_in_cache = None, False
-
-
-def generate_batch(model, inputs, generation_config=None, continuous_batching_config=None, *, store=None,
-                   **store_kwargs):
-    """``model.generate_batch`` through OSCAR: :func:`paged_oscar` around one call (a fresh manager, no warmup)."""
-    with paged_oscar(model, store, **store_kwargs):
-        return model.generate_batch(inputs, generation_config, continuous_batching_config=continuous_batching_config,
-                                    warmup=False)

@@ -1,23 +1,26 @@
-"""`OscarPagedStore`: the OSCAR KV of every live request of a server: per request a BF16 sink + recent window, and
-its INT2 history in pages of one shared :class:`~oscar_hf.serving.pool.PagedInt2Pool`.
+"""`OscarPagedStore`: the OSCAR KV of every live request of a server: per request a full-precision sink + recent
+window (a slot of one :class:`WindowPool`), and its INT2 history in pages of one :class:`PagedInt2Pool`.
 
-Per request ``r`` and quantized layer, with ``S0 = sink``, ``W = recent``, ``T`` tokens seen (no padding: every
-request is its own sequence), the same split as :class:`~oscar_hf.cache.dynamic.OscarLayer` with one row:
+Per request and quantized layer, with ``S0 = sink``, ``W = recent``, ``R = W + 1``, ``T`` tokens seen (no padding:
+every request is its own sequence), the split of :class:`~oscar_hf.cache.static.StaticOscarLayer` with one row:
 
-* sink ``[1, Hk, S0, D]`` (model dtype): slots ``[0, S0)``;
-* history: slots ``[S0, tail_start)`` as entries ``j = slot - S0`` of the request's pages (block table shared by its
-  layers: page ``table[j // P]`` holds entries ``[P * (j // P), P * (j // P + 1))`` of every layer);
-* tail ``[1, Hk, T - tail_start, D]`` (model dtype): the recent slots ``[tail_start, T)``; nothing is quantized
-  while ``T - W <= S0`` (then the tail holds every slot and the read is exact attention).
+* window slot ``[S0 + R, D]`` per KV head (model dtype): entries ``[0, S0)`` the sink (slots ``[0, S0)``), entries
+  ``[S0, S0 + R)`` a ring holding slot ``s`` at entry ``S0 + s % R``;
+* history: slots ``[S0, T - W)`` as entries ``j = slot - S0`` of the request's pages (block table shared by its
+  layers: page ``table[j // P]`` holds entries ``[P * (j // P), P * (j // P + 1))`` of every layer).
 
-A forward of ``L`` new tokens first reads (sink + history + tail + the new rows, :meth:`OscarPagedStore.attend`)
-then commits: the slots leaving the recent window are demoted (rotated, centered, clipped, INT2) into the
-request's *current* page (a new page is taken from the pool when the current one is full). Requests join with
-their first forward and leave with :meth:`OscarPagedStore.free`, which gives their pages back.
+**Decode rows** (one new token, ``T > 0``) of a forward are served together, one batched call per layer: the write
+(slot ``T - 1 - W``, which left the window at the previous step, is quantized into the request's current page;
+the new token goes to ring entry ``S0 + T % R`` and, while ``T < S0``, to the sink), then one paged decode attention
+over the history (through the block tables) and the window slots
+(:func:`~oscar_hf.kernels.paged_decode.paged_decode_attention`: the split-K Triton kernel on CUDA). What the rows
+share across layers (slots, entries, pages, block tables, window masks) is computed once per forward
+(:class:`DecodePlan`). **Multi-token rows** (a prompt, a prompt chunk) are served one request at a time: exact
+attention over the prompt when the request is new, else history + window + the new rows; then the slots leaving the
+window are demoted in ``prefill_chunk`` pieces.
 
-This is the CPU reference: the windows are per-request tensors and the demotion a torch call per request. The GPU
-layout (windows as slots of a preallocated window pool, demotion fused into one launch over the batch) is in
-docs/serving.md.
+Requests get their window slot when admitted (:meth:`OscarPagedStore.reserve`, or at their first forward) and give
+slot and pages back with :meth:`OscarPagedStore.free`. Memory is flat: both pools are allocated once.
 """
 from __future__ import annotations
 
@@ -25,39 +28,63 @@ import dataclasses
 
 import torch
 
+from oscar_hf.kernels.paged_decode import paged_decode_attention
 from oscar_hf.kernels.write_path import rotate_quantize
 
 from ..cache import resolve_full_precision_heads
 from ..cache.base import check_first_keys, group_queries, mask_rows
-from ..cache.dynamic import slot_rows
 from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
 from ..patching import base_attention_function
+from ..quant import QuantizedRows
 from ..rotations import LayerRotation, OscarRotations
-from .paged_attention import paged_decode_attention
-from .pool import PagedInt2Pool, page_bytes
+from .paged_attention import paged_multi_token_attention
+from .pool import PagedInt2Pool, PoolExhausted, page_bytes
+
+DEFAULT_MAX_REQUESTS = 64  # window slots when the caller gives none: requests live at once
 
 
-@dataclasses.dataclass
-class LayerWindow:
-    """One request's full-precision part of one layer, and how far it has been committed."""
+class WindowPool:
+    """Full-precision windows of up to ``num_slots`` live requests, allocated once:
+    ``k, v [num_slots, L, Hk, S0 + R, D]`` (model dtype; ``L`` quantized layers), a free list of slots."""
 
-    sink_k: torch.Tensor  # [1, Hk, S0, D]
-    sink_v: torch.Tensor
-    tail_k: torch.Tensor  # [1, Hk, T - tail_start, D]: slots [tail_start, T)
-    tail_v: torch.Tensor
-    seq_len: int = 0  # T
-    tail_start: int = 0
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, entries: int, head_dim: int,
+                 dtype: torch.dtype, device):
+        if num_slots < 1:
+            raise ValueError(f"the window pool needs at least one slot, got max_requests={num_slots}")
+        shape = (num_slots, num_layers, num_kv_heads, entries, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise PoolExhausted(f"all {self.num_slots} window slots are taken: raise max_requests")
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
 
 
 @dataclasses.dataclass
 class RequestKV:
-    """One live request: its block table (history pages, shared by its layers) and one window per quantized layer."""
+    """One live request: its window slot, its block table (history pages, shared by its layers) and the tokens each
+    quantized layer has stored (the layers of one forward advance one after the other)."""
 
+    slot: int
     table: list[int]
-    layers: dict[int, LayerWindow]
+    lengths: dict[int, int]
 
     def length(self) -> int:
-        return max((w.seq_len for w in self.layers.values()), default=0)
+        return max(self.lengths.values(), default=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,21 +106,43 @@ class LayerParams:
                    config.clip_for("k", layer_idx, rotation.clip_k), config.clip_for("v", layer_idx, rotation.clip_v))
 
 
+@dataclasses.dataclass
+class DecodePlan:
+    """What the decode rows of one forward share across layers (device tensors, ``Bd`` rows)."""
+
+    key: tuple  # the batch it was built for
+    pos: torch.Tensor  # [Bd] long: the rows' positions in the packed batch
+    slots: torch.Tensor  # [Bd] long: window slots
+    new_entry: torch.Tensor  # [Bd] long: ring entry of the new token
+    sink_rows: torch.Tensor  # [Bs] long: indices (into Bd) of rows whose new token also goes to the sink
+    sink_entry: torch.Tensor  # [Bs] long
+    demote_rows: torch.Tensor  # [Bm] long: indices (into Bd) of rows demoting slot T - 1 - W
+    demote_entry: torch.Tensor  # [Bm] long: its ring entry
+    demote_page: torch.Tensor  # [Bm] long: destination page ...
+    demote_off: torch.Tensor  # [Bm] long: ... and offset in it
+    block_table: torch.Tensor  # [Bd, max pages] int32
+    hist_len: torch.Tensor  # [Bd] int32: history entries after the demotion
+    max_hist: int  # max(hist_len), known on the host (the kernel's grid; no device sync)
+    win_mask: torch.Tensor  # [Bd, S0 + R] bool
+    requests: list  # [(request_id, T)] in row order
+
+
 class OscarPagedStore:
     """The paged OSCAR KV store of a server (see the module docstring).
 
     ``OscarPagedStore(model_or_config, rotations=None, config=None, *, num_pages=None, memory_budget=None,
-    page_size=256, device="cpu", dtype=torch.float32, **overrides)``: ``rotations`` an :class:`OscarRotations` or
-    None for the artifact-free ``method``; ``overrides`` are :class:`OscarConfig` fields. The pool holds
-    ``num_pages`` pages, or as many as ``memory_budget`` bytes pay for; with ``defer_pool=True`` it has no pool until
-    :meth:`attach_pool` (what :func:`~oscar_hf.serving.paged_oscar` does: the pool then lives in Transformers' paged
-    cache tensor, sized by its scheduler). Layers the store does not quantize (``skip_layers``, sliding-window layers)
-    are left to Transformers' own paged cache (:meth:`handles`)."""
+    page_size=256, max_requests=64, device="cpu", dtype=torch.float32, **overrides)``: ``rotations`` an
+    :class:`OscarRotations` or None for the artifact-free ``method``; ``overrides`` are :class:`OscarConfig` fields.
+    ``max_requests`` window slots are allocated at once; the page pool holds ``num_pages`` pages, or as many as
+    ``memory_budget`` bytes pay for after the windows; with ``defer_pool=True`` it has no page pool until
+    :meth:`attach_pool` (what :func:`~oscar_hf.serving.paged_oscar` does: the pages then live in Transformers' paged
+    cache tensor, sized by its scheduler). Layers the store does not quantize (``skip_layers``, sliding-window
+    layers) are left to Transformers' own paged cache (:meth:`handles`)."""
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
                  num_pages: int | None = None, memory_budget: int | None = None, page_size: int = 256,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, defer_pool: bool = False,
-                 **overrides):
+                 max_requests: int = DEFAULT_MAX_REQUESTS, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, defer_pool: bool = False, **overrides):
         config = OscarConfig.build(config, None, **overrides)
         model_config = getattr(model_or_config, "config", model_or_config)
         if rotations is None:
@@ -105,12 +154,15 @@ class OscarPagedStore:
         validate_head_dim(fp, config.group_size)
         if config.key_offset != "calibrated":
             raise NotImplementedError("the paged OSCAR store supports key_offset='calibrated' only")
+        if config.recent < 1:
+            raise ValueError("the paged OSCAR store needs recent >= 1 (the ring of the recent window)")
         skipped = config.skipped(fp.num_layers)
         if resolve_full_precision_heads(config, rotations, fp, skipped):
             raise NotImplementedError("the paged OSCAR store does not keep full-precision heads yet; pass "
                                       "full_precision_heads=()")
         self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.num_kv_heads, self.head_dim = fp.num_key_value_heads, fp.head_dim
+        self.ring = config.recent + 1
         layers = [i for i, t in enumerate(fp.layer_types)
                   if t in FULL_LAYER_TYPES and i not in skipped and i in rotations.layers]
         if not layers:
@@ -119,6 +171,9 @@ class OscarPagedStore:
         self.params = {i: LayerParams.build(config, rotations.layers[i], i, self.device) for i in layers}
         self._rotations_cpu = {i: rotations.layers[i] for i in layers}
         self.requests: dict[str, RequestKV] = {}
+        self.windows = WindowPool(max_requests, len(layers), self.num_kv_heads, config.sink + self.ring, fp.head_dim,
+                                  dtype, self.device)
+        self._plan: DecodePlan | None = None
         self.pool: PagedInt2Pool | None = None
         self.pool_in_cache = False  # set by OscarPagedCache when the pool is laid out in Transformers' cache tensor
         if defer_pool:
@@ -128,7 +183,10 @@ class OscarPagedStore:
         if num_pages is None:
             if memory_budget is None:
                 raise ValueError("give the pool's size: num_pages= or memory_budget= (bytes), or defer_pool=True")
-            num_pages = int(memory_budget) // self.page_bytes(page_size)
+            num_pages = (int(memory_budget) - self.windows.nbytes) // self.page_bytes(page_size)
+            if num_pages < 1:
+                raise ValueError(f"memory_budget={memory_budget} bytes does not pay for the {max_requests} windows "
+                                 f"({self.windows.nbytes} bytes) and one page: lower max_requests or raise the budget")
         elif memory_budget is not None:
             raise ValueError("pass num_pages= or memory_budget=, not both")
         self.attach_pool(num_pages, page_size)
@@ -146,17 +204,12 @@ class OscarPagedStore:
                           page_size, self.config.group_size, self.config.torch_meta_dtype)
 
     def window_tokens(self) -> int:
-        """Full-precision slots a request keeps per layer once it is longer than the window: sink + recent."""
-        return self.config.sink + self.config.recent
-
-    def window_bytes_per_request(self) -> int:
-        """Bytes of one request's full-precision sink + recent window over every quantized layer (keys and values)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.window_tokens() * self.head_dim * elem
+        """Full-precision entries a request holds per layer: sink + ring."""
+        return self.config.sink + self.ring
 
     def history_pages(self, length: int, page_size: int) -> int:
         """INT2 pages a request of ``length`` tokens holds: its history entries ``[S0, length - W)``."""
-        n = length - self.window_tokens()
+        n = length - self.config.sink - self.config.recent
         return -(-n // page_size) if n > 0 else 0
 
     def attach_pool(self, num_pages: int, page_size: int, storage: torch.Tensor | None = None) -> PagedInt2Pool:
@@ -176,137 +229,241 @@ class OscarPagedStore:
         r = self.requests.get(request_id)
         return 0 if r is None else r.length()
 
+    def can_reserve(self) -> bool:
+        return self.windows.num_free > 0
+
+    def reserve(self, request_id: str) -> RequestKV:
+        """The request's entry (a window slot taken now if it has none: admission)."""
+        r = self.requests.get(request_id)
+        if r is None:
+            r = self.requests[request_id] = RequestKV(self.windows.allocate(), [], {})
+        return r
+
     def free(self, request_id: str) -> None:
-        """The request leaves: its pages go back to the pool (shared ones when their last holder leaves)."""
+        """The request leaves: its window slot and pages go back (shared pages when their last holder leaves)."""
         r = self.requests.pop(request_id, None)
         if r is not None:
             for page in r.table:
                 self.pool.release(page)
+            self.windows.release(r.slot)
 
     def free_all(self) -> None:
         for rid in list(self.requests):
             self.free(rid)
 
-    def _window(self, request_id: str, layer_idx: int, past_length: int, new_k: torch.Tensor) -> LayerWindow:
+    def _request(self, request_id: str, layer_idx: int, past_length: int, new_k: torch.Tensor) -> RequestKV:
         if self.pool is None:
             raise RuntimeError("the OSCAR store has no page pool yet (defer_pool=True and no attach_pool)")
         r = self.requests.get(request_id)
+        if (r is None or layer_idx not in r.lengths) and past_length != 0:
+            raise NotImplementedError(
+                f"request {request_id!r} starts at position {past_length}: its first {past_length} tokens were never "
+                "written to the OSCAR store (prefix sharing or a CPU-offload restore, which it does not follow)")
         if r is None:
-            if past_length != 0:
-                raise NotImplementedError(
-                    f"request {request_id!r} starts at position {past_length}: its first {past_length} tokens were "
-                    "never written to the OSCAR store (prefix sharing or a CPU-offload restore, which the paged "
-                    "OSCAR store does not follow)")
-            r = self.requests[request_id] = RequestKV(table=[], layers={})
-        w = r.layers.get(layer_idx)
-        if w is None:
+            r = self.reserve(request_id)
+        if layer_idx not in r.lengths:
             check_first_keys(layer_idx, self._rotations_cpu[layer_idx], new_k)
             if new_k.dtype != self.dtype or new_k.device != self.device:
                 raise ValueError(f"the OSCAR store holds {self.dtype} on {self.device}, got {new_k.dtype} on "
                                  f"{new_k.device}")
-            hk, d, s0 = self.num_kv_heads, self.head_dim, self.config.sink
-            z = lambda n: torch.zeros(1, hk, n, d, dtype=self.dtype, device=self.device)  # noqa: E731
-            w = r.layers[layer_idx] = LayerWindow(z(s0), z(s0), z(0), z(0))
-        if w.seq_len != past_length:
-            raise RuntimeError(f"request {request_id!r} layer {layer_idx}: the store holds {w.seq_len} tokens, the "
-                               f"batch says {past_length}")
-        return w
+            r.lengths[layer_idx] = 0
+        if r.lengths[layer_idx] != past_length:
+            raise RuntimeError(f"request {request_id!r} layer {layer_idx}: the store holds {r.lengths[layer_idx]} "
+                               f"tokens, the batch says {past_length}")
+        return r
 
-    # ------------------------------------------------------------------ read
-    def attend(self, request_id: str, layer_idx: int, past_length: int, query: torch.Tensor, new_k: torch.Tensor,
-               new_v: torch.Tensor, scaling: float, module, base: str) -> torch.Tensor:
-        """``[1, L, Hq, D]``: one request's attention for one layer: ``query [1, Hq, L, D]`` over its cache plus the
-        new rows ``new_k/new_v [1, Hk, L, D]`` (causal among themselves), which are then committed."""
-        w = self._window(request_id, layer_idx, past_length, new_k)
-        _, hq, l, d = query.shape
-        hk = new_k.shape[1]
-        g = hq // hk
-        t_old = w.seq_len
-        if w.tail_start == 0:
-            # Nothing quantized yet: exact attention over every slot, as OscarLayer / DynamicCache compute it.
-            keys = torch.cat([w.tail_k, new_k], 2)
-            values = torch.cat([w.tail_v, new_v], 2)
-            mask = None
-            if t_old > 0 and l > 1:  # a chunk after earlier tokens: causal, aligned at the bottom right
-                slot = torch.arange(t_old + l, device=query.device)
-                mask = (slot[None, :] <= (t_old + torch.arange(l, device=query.device))[:, None])[None, None]
-            out, _ = base_attention_function(module, base)(module, query, keys, values, mask, scaling=scaling,
-                                                           dropout=0.0)
-            self._commit(request_id, layer_idx, w, new_k, new_v)
-            return out
+    def _pages_for(self, r: RequestKV, entries: int) -> None:
+        """Pages for history entries ``[0, entries)`` (the first layer to need one takes it for all layers)."""
+        need = -(-entries // self.pool.page_size)
+        while len(r.table) < need:
+            r.table.append(self.pool.allocate())
 
-        qf = group_queries(query.float(), hk)  # [1, Hk, M, D], M = g * L
-        win_k = torch.cat([w.sink_k, w.tail_k, new_k], 2)  # [1, Hk, S0 + (T - tail_start) + L, D]
-        win_v = torch.cat([w.sink_v, w.tail_v, new_v], 2)
-        win_mask = None
-        if l > 1:  # causal among the new rows; sink and older tail slots are all visible
-            s0 = self.config.sink
-            slot = torch.arange(w.tail_start, t_old + l, device=query.device)
-            tail_ok = slot[None, :] <= (t_old + torch.arange(l, device=query.device))[:, None]  # [L, tail + L]
-            ok = torch.cat([tail_ok.new_ones(l, s0), tail_ok], -1)[None]  # [1, L, window]
-            win_mask = mask_rows(ok, g)  # [1, 1, M, window]
-        p = self.params[layer_idx]
-        r = self.requests[request_id]
-        out = paged_decode_attention(qf, p.r_k, p.mu_k, self.pool, r.table, self.layer_slot[layer_idx],
-                                     w.tail_start - self.config.sink, scaling, win_k, win_v, win_mask, p.r_v, p.mu_v,
-                                     out_dtype=query.dtype, block_n=self.config.block_size)
-        out = out.reshape(1, hq, l, d).transpose(1, 2).contiguous()
-        self._commit(request_id, layer_idx, w, new_k, new_v)
+    # ------------------------------------------------------------------ one forward of a batch
+    def attend(self, layer_idx: int, query: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, batch,
+               scaling: float, module, base: str) -> torch.Tensor:
+        """``[1, sum L_i, Hq, D]``: one layer of a packed forward. ``query [1, Hq, sum L_i, D]``, ``new_k/new_v
+        [1, Hk, sum L_i, D]``, ``batch`` the requests in packing order as ``(request_id, past_length, L_i)``; each
+        request's rows attend to its own cache and new rows (causal), which are then stored."""
+        total = sum(q for _, _, q in batch)
+        if total != query.shape[2] or new_k.shape[2] != total:
+            raise RuntimeError(f"OSCAR paged attention: the batch holds {total} new tokens, the query "
+                               f"{query.shape[2]} (padded batches are not supported)")
+        for rid, past, _ in batch:
+            self._request(rid, layer_idx, past, new_k)
+        out = query.new_empty(1, total, query.shape[1], query.shape[3])
+        decode, start = [], 0
+        for i, (rid, past, q_len) in enumerate(batch):
+            if q_len == 1 and past > 0:
+                decode.append(i)
+            else:
+                sl = slice(start, start + q_len)
+                out[:, sl] = self._attend_one(rid, layer_idx, past, query[:, :, sl], new_k[:, :, sl],
+                                              new_v[:, :, sl], scaling, module, base)
+            start += q_len
+        if decode:
+            plan = self._decode_plan(batch, decode)
+            out[0, plan.pos] = self._decode(layer_idx, plan, query, new_k, new_v, scaling)
+            for rid, t in plan.requests:
+                self.requests[rid].lengths[layer_idx] = t + 1
         return out
 
-    # ------------------------------------------------------------------ write
-    def _recent_start(self, t: int) -> int:
-        s0, wr = self.config.sink, self.config.recent
-        return t - wr if t - wr > s0 else 0
+    # ------------------------------------------------------------------ decode rows, batched
+    def _decode_plan(self, batch, decode: list[int]) -> DecodePlan:
+        key = tuple(batch)
+        if self._plan is not None and self._plan.key == key:
+            return self._plan
+        s0, w, ring, p = self.config.sink, self.config.recent, self.ring, self.pool.page_size
+        offsets = [0]
+        for _, _, q in batch:
+            offsets.append(offsets[-1] + q)
+        pos, slots, entry, ts, tables, hist = [], [], [], [], [], []
+        sink_rows, sink_entry, dem_rows, dem_entry, dem_page, dem_off = [], [], [], [], [], []
+        for row, i in enumerate(decode):
+            rid, t, _ = batch[i]
+            r = self.requests[rid]
+            pos.append(offsets[i])
+            slots.append(r.slot)
+            entry.append(s0 + t % ring)
+            ts.append(t)
+            if t < s0:
+                sink_rows.append(row)
+                sink_entry.append(t)
+            e = t - 1 - w - s0  # history entry of slot T - 1 - W, which left the window at the previous step
+            if e >= 0:
+                self._pages_for(r, e + 1)
+                dem_rows.append(row)
+                dem_entry.append(s0 + (t - 1 - w) % ring)
+                dem_page.append(r.table[e // p])
+                dem_off.append(e % p)
+            hist.append(max(t - w - s0, 0))
+            tables.append(r.table)
+        dev = self.device
+        width = max(1, max(len(tb) for tb in tables))
+        table = torch.full((len(decode), width), -1, dtype=torch.int32)
+        for row, tb in enumerate(tables):
+            table[row, : len(tb)] = torch.tensor(tb, dtype=torch.int32)
+        long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+        t = torch.tensor(ts, dtype=torch.long, device=dev)
+        self._plan = DecodePlan(
+            key=key, pos=long(pos), slots=long(slots), new_entry=long(entry), sink_rows=long(sink_rows),
+            sink_entry=long(sink_entry), demote_rows=long(dem_rows), demote_entry=long(dem_entry),
+            demote_page=long(dem_page), demote_off=long(dem_off), block_table=table.to(dev),
+            hist_len=torch.tensor(hist, dtype=torch.int32, device=dev), max_hist=max(hist), win_mask=self._window_mask(t + 1),
+            requests=[(batch[i][0], batch[i][1]) for i in decode])
+        return self._plan
 
-    def _commit(self, request_id: str, layer_idx: int, w: LayerWindow, new_k, new_v) -> None:
-        """Append ``new_k/v [1, Hk, L, D]`` (slots ``[T, T + L)``) and demote what left the recent window."""
-        t_new = w.seq_len + new_k.shape[2]
-        target = max(self._recent_start(t_new), w.tail_start)
-        if target > w.tail_start:
-            self._demote(request_id, layer_idx, w, w.tail_start, target, new_k, new_v)
-        keep = target - w.tail_start  # slots [tail_start, target) left the window
-        w.tail_k = torch.cat([w.tail_k, new_k], 2)[:, :, keep:]
-        w.tail_v = torch.cat([w.tail_v, new_v], 2)[:, :, keep:]
-        w.tail_start, w.seq_len = target, t_new
+    def _window_mask(self, length: torch.Tensor) -> torch.Tensor:
+        """``[B, S0 + R]`` bool: the window entries a row of ``length`` slots (the new token included) attends to:
+        its sink slots and the ring slots in ``[max(S0, length - W - 1), length)``."""
+        s0, ring, dev = self.config.sink, self.ring, length.device
+        sink_ok = torch.arange(s0, device=dev)[None, :] < length.clamp(max=s0)[:, None]
+        q = torch.arange(ring, device=dev)[None, :]
+        slot = (length[:, None] - 1) - torch.remainder(length[:, None] - 1 - q, ring)  # slot held by ring entry q
+        ring_ok = (slot >= s0) & (slot >= 0) & (slot >= length[:, None] - self.config.recent - 1)
+        return torch.cat([sink_ok, ring_ok], 1)
 
-    def _source(self, w: LayerWindow, a: int, b: int, new_k, new_v):
-        """Rows of slots ``[a, b)`` (``a >= tail_start``) from the tail and/or the new rows, ``[1, Hk, b - a, D]``."""
-        return slot_rows(w.tail_k, w.tail_v, w.tail_start, w.seq_len, a, b, new_k, new_v)
+    def _decode(self, layer_idx: int, plan: DecodePlan, query, new_k, new_v, scaling: float) -> torch.Tensor:
+        """``[Bd, Hq, D]``: write then read one token for each decode row (see the module docstring)."""
+        cfg, p, li = self.config, self.params[layer_idx], self.layer_slot[layer_idx]
+        win_k, win_v = self.windows.k[:, li], self.windows.v[:, li]  # [slots, Hk, S0 + R, D]
+        k_new = new_k[0].index_select(1, plan.pos).transpose(0, 1)  # [Bd, Hk, D]
+        v_new = new_v[0].index_select(1, plan.pos).transpose(0, 1)
+        if plan.demote_rows.numel():  # 1. slot T - 1 - W: ring -> INT2, into the row's current page
+            slots = plan.slots[plan.demote_rows]
+            for win, kind, r, mu, clip in ((win_k, 0, p.r_k, p.mu_k, p.clip_k), (win_v, 1, p.r_v, p.mu_v, p.clip_v)):
+                x = win[slots, :, plan.demote_entry][:, :, None]  # [Bm, Hk, 1, D]
+                rows = rotate_quantize(x, r, mu, clip, cfg.group_size, cfg.torch_meta_dtype,
+                                       use_kernels=cfg.use_kernels)
+                for dst, src in zip((self.pool.codes, self.pool.scale, self.pool.zero), rows):
+                    dst[plan.demote_page, li, kind, :, plan.demote_off] = src[:, :, 0]
+        # 2. the new token: its ring entry, and the sink while T < S0
+        win_k[plan.slots, :, plan.new_entry] = k_new
+        win_v[plan.slots, :, plan.new_entry] = v_new
+        if plan.sink_rows.numel():
+            win_k[plan.slots[plan.sink_rows], :, plan.sink_entry] = k_new[plan.sink_rows]
+            win_v[plan.slots[plan.sink_rows], :, plan.sink_entry] = v_new[plan.sink_rows]
+        # 3. read: history pages through the block tables + the window slots
+        hk = self.num_kv_heads
+        q = query[0].index_select(1, plan.pos).transpose(0, 1)[:, :, None]  # [Bd, Hq, 1, D]
+        qf = group_queries(q.float(), hk)  # [Bd, Hk, g, D]
+        pages = [QuantizedRows(*(t[:, li, kind] for t in (self.pool.codes, self.pool.scale, self.pool.zero)))
+                 for kind in (0, 1)]
+        out = paged_decode_attention(qf, p.r_k, p.mu_k, pages[0], pages[1], plan.block_table, plan.hist_len,
+                                     win_k, win_v, plan.slots, plan.win_mask, p.r_v, p.mu_v, scaling,
+                                     cfg.group_size, query.dtype, use_kernels=cfg.use_kernels,
+                                     max_hist_len=plan.max_hist)
+        return out.reshape(len(plan.requests), query.shape[1], query.shape[3])
 
-    def _demote(self, request_id: str, layer_idx: int, w: LayerWindow, a: int, b: int, new_k, new_v) -> None:
-        """Slots ``[a, b)`` leave the window: ``[a, S0)`` into the sink, ``[S0, b)`` quantized into the history
-        pages (the current page first; new pages from the pool as entries cross a page boundary)."""
-        s0, cfg = self.config.sink, self.config
-        if a < s0:
-            src_k, src_v = self._source(w, a, min(b, s0), new_k, new_v)
-            w.sink_k[:, :, a : min(b, s0)] = src_k
-            w.sink_v[:, :, a : min(b, s0)] = src_v
-        ha = max(a, s0)
-        if b <= ha:
-            return
+    # ------------------------------------------------------------------ multi-token rows, one request at a time
+    def _attend_one(self, request_id: str, layer_idx: int, t_old: int, query, new_k, new_v, scaling: float, module,
+                    base: str) -> torch.Tensor:
+        """``[1, L, Hq, D]``: one request's ``L`` new rows (a prompt or a chunk of one), then stored."""
         r = self.requests[request_id]
-        pages_needed = -(-(b - s0) // self.pool.page_size)
-        while len(r.table) < pages_needed:  # the first layer to cross a page boundary takes the page for all layers
-            r.table.append(self.pool.allocate())
-        p, slot = self.params[layer_idx], self.layer_slot[layer_idx]
-        meta = cfg.torch_meta_dtype
-        for c0 in range(ha, b, cfg.prefill_chunk):
+        cfg, s0, w = self.config, self.config.sink, self.config.recent
+        _, hq, l, d = query.shape
+        hk = new_k.shape[1]
+        if t_old == 0:  # a new request: exactly the user's attention over its prompt
+            out, _ = base_attention_function(module, base)(module, query, new_k, new_v, None, scaling=scaling,
+                                                           dropout=0.0)
+        else:
+            li, dev = self.layer_slot[layer_idx], query.device
+            self._demote(r, layer_idx, max(s0, t_old - w - 1), t_old - w, t_old)  # the last step's pending demotion
+            n = max(t_old - w - s0, 0)
+            # window: the sink and the ring's slots [max(S0, T - W), T), then the new rows (causal among themselves)
+            ring_slots = torch.arange(min(t_old, max(s0, t_old - w)), t_old, device=dev)
+            entries = torch.cat([torch.arange(min(t_old, s0), device=dev), s0 + torch.remainder(ring_slots, self.ring)])
+            win_k = torch.cat([self.windows.k[r.slot, li].index_select(1, entries)[None], new_k], 2)
+            win_v = torch.cat([self.windows.v[r.slot, li].index_select(1, entries)[None], new_v], 2)
+            causal = torch.arange(l, device=dev)[None, :] <= torch.arange(l, device=dev)[:, None]  # [L, L]
+            ok = torch.cat([causal.new_ones(l, entries.numel()), causal], 1)[None]  # [1, L, window + L]
+            p = self.params[layer_idx]
+            out = paged_multi_token_attention(group_queries(query.float(), hk), p.r_k, p.mu_k, self.pool, r.table, li,
+                                              n, scaling, win_k, win_v, mask_rows(ok, hq // hk), p.r_v, p.mu_v,
+                                              out_dtype=query.dtype, block_n=cfg.block_size)
+            out = out.reshape(1, hq, l, d).transpose(1, 2)
+        self._commit_bulk(r, layer_idx, t_old, new_k, new_v)
+        r.lengths[layer_idx] = t_old + l
+        return out
+
+    def _commit_bulk(self, r: RequestKV, layer_idx: int, t_old: int, new_k, new_v) -> None:
+        """Store slots ``[T, T + L)``: history up to ``T + L - W``, the sink, and the last ``R`` slots in the ring."""
+        s0, w, li = self.config.sink, self.config.recent, self.layer_slot[layer_idx]
+        t_new = t_old + new_k.shape[2]
+        self._demote(r, layer_idx, max(t_old - w, s0), t_new - w, t_old, new_k, new_v)
+        win_k, win_v = self.windows.k[r.slot, li], self.windows.v[r.slot, li]  # [Hk, S0 + R, D]
+        if t_old < s0:
+            win_k[:, t_old : min(t_new, s0)] = new_k[0, :, : min(t_new, s0) - t_old]
+            win_v[:, t_old : min(t_new, s0)] = new_v[0, :, : min(t_new, s0) - t_old]
+        first = max(t_old, t_new - self.ring)
+        entries = s0 + torch.remainder(torch.arange(first, t_new, device=new_k.device), self.ring)
+        win_k.index_copy_(1, entries, new_k[0, :, first - t_old :])
+        win_v.index_copy_(1, entries, new_v[0, :, first - t_old :])
+
+    def _demote(self, r: RequestKV, layer_idx: int, a: int, b: int, t_old: int, new_k=None, new_v=None) -> None:
+        """Quantize slots ``[a, b)`` (``>= S0``) into history entries ``[a - S0, b - S0)``: slots ``< t_old`` from
+        the ring, the others from the new rows; ``prefill_chunk`` slots at a time."""
+        if b <= a:
+            return
+        s0, cfg, li = self.config.sink, self.config, self.layer_slot[layer_idx]
+        self._pages_for(r, b - s0)
+        p = self.params[layer_idx]
+        for c0 in range(a, b, cfg.prefill_chunk):
             c1 = min(b, c0 + cfg.prefill_chunk)
-            xk, xv = self._source(w, c0, c1, new_k, new_v)
-            qk = rotate_quantize(xk, p.r_k, p.mu_k, p.clip_k, cfg.group_size, meta, use_kernels=cfg.use_kernels)
-            qv = rotate_quantize(xv, p.r_v, p.mu_v, p.clip_v, cfg.group_size, meta, use_kernels=cfg.use_kernels)
-            self.pool.write(r.table, slot, "k", c0 - s0, qk)
-            self.pool.write(r.table, slot, "v", c0 - s0, qv)
+            old = torch.arange(c0, max(c0, min(c1, t_old)), device=self.device)
+            for kind, (win, new, rot, mu, clip) in enumerate(((self.windows.k, new_k, p.r_k, p.mu_k, p.clip_k),
+                                                               (self.windows.v, new_v, p.r_v, p.mu_v, p.clip_v))):
+                x = win[r.slot, li].index_select(1, s0 + torch.remainder(old, self.ring))[None]  # [1, Hk, n, D]
+                if c1 > t_old:
+                    x = torch.cat([x, new[:, :, max(c0, t_old) - t_old : c1 - t_old]], 2)
+                rows = rotate_quantize(x, rot, mu, clip, cfg.group_size, cfg.torch_meta_dtype,
+                                       use_kernels=cfg.use_kernels)
+                self.pool.write(r.table, li, "kv"[kind], c0 - s0, rows)
 
     # ------------------------------------------------------------------ accounting
-    def window_bytes(self) -> int:
-        """Bytes of the live requests' full-precision sinks and tails."""
-        return sum(t.numel() * t.element_size() for r in self.requests.values() for w in r.layers.values()
-                   for t in (w.sink_k, w.sink_v, w.tail_k, w.tail_v))
-
     def stats(self) -> dict[str, int]:
-        if self.pool is None:
-            return dict(requests=0, pages_used=0, pages_free=0, history_bytes=0, window_bytes=0)
-        return dict(requests=len(self.requests), pages_used=self.pool.num_used, pages_free=self.pool.num_free,
-                    history_bytes=self.pool.num_used * self.pool.bytes_per_page, window_bytes=self.window_bytes())
+        pages = self.pool.num_used if self.pool is not None else 0
+        return dict(requests=len(self.requests), pages_used=pages,
+                    pages_free=self.pool.num_free if self.pool is not None else 0,
+                    history_bytes=pages * self.pool.bytes_per_page if self.pool is not None else 0,
+                    window_slots_used=self.windows.num_slots - self.windows.num_free,
+                    window_bytes=self.windows.nbytes)

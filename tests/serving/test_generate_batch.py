@@ -9,7 +9,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from oscar_hf import OscarCache
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
-from oscar_hf.serving import OscarPagedStore, paged_oscar
+from oscar_hf.serving import OscarPagedStore, continuous_batching_config, paged_oscar
 
 OSCAR = dict(sink=4, recent=8, group_size=32)
 NEW_TOKENS = 24
@@ -34,7 +34,7 @@ def test_generate_batch_matches_oscar_cache_alone(model):
     gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
     # at most 3 requests per batch: the later ones join as the first ones leave; pages of 8 tokens (a request holds
     # 16 blocks for its window + its history pages: 128 blocks never make the scheduler evict one)
-    cb_cfg = ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=256, page_size=8, max_requests_per_batch=3)
+    cb_cfg = continuous_batching_config(num_blocks=128, max_batch_tokens=256, page_size=8, max_requests_per_batch=3)
     with paged_oscar(model, **OSCAR) as store:
         assert isinstance(store, OscarPagedStore)
         out = model.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg, warmup=False)
@@ -51,8 +51,8 @@ def test_generate_batch_matches_oscar_cache_alone(model):
 
 def test_paged_oscar_refuses_cuda_graphs(model):
     gen_cfg = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
-    cb_cfg = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, page_size=16, use_cuda_graph=True)
-    from oscar_hf.serving.paged_cache import _check_cb_config
+    cb_cfg = continuous_batching_config(num_blocks=16, max_batch_tokens=64, page_size=16, use_cuda_graph=True)
+    from oscar_hf.serving.batching import _check_cb_config
 
     with pytest.raises(NotImplementedError):
         _check_cb_config(cb_cfg)
@@ -65,5 +65,5 @@ def test_paged_oscar_refuses_cuda_graphs(model):
 
     assert continuous_api.PagedAttentionCache is PagedAttentionCache
     # plain continuous batching still works (a small cache: the default sizes it from the free memory, slow on CPU)
-    small = ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=64, page_size=16)
+    small = continuous_batching_config(num_blocks=16, max_batch_tokens=64, page_size=16)
     assert model.generate_batch([[1, 2, 3]], gen_cfg, continuous_batching_config=small, warmup=False)

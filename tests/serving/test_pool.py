@@ -5,7 +5,7 @@ import torch
 from oscar_hf.kernels.int2_attention import decode_attention_reference, rotate_query_reference
 from oscar_hf.quant import QuantizedRows
 from oscar_hf.serving import PagedInt2Pool, PoolExhausted, page_bytes
-from oscar_hf.serving.paged_attention import paged_decode_attention
+from oscar_hf.serving.paged_attention import paged_multi_token_attention
 
 
 def small_pool(num_pages=6, page_size=4, layers=2, hk=2, d=32, g=16):
@@ -60,7 +60,7 @@ def test_write_gather_roundtrip_across_pages():
     assert not pool.codes[:, 0].any() and not pool.codes[:, 1, 1].any()  # other layer and the values untouched
 
 
-def test_paged_decode_equals_contiguous_reference():
+def test_paged_read_equals_contiguous_reference():
     """Reading the history through a shuffled block table gives the contiguous reference's result bit for bit."""
     torch.manual_seed(0)
     hk, d, g, m, n, p = 2, 32, 16, 3, 37, 4
@@ -75,7 +75,7 @@ def test_paged_decode_equals_contiguous_reference():
     mu_k, mu_v = torch.randn(hk, d), torch.randn(hk, d)
     win_k, win_v = torch.randn(1, hk, 5, d), torch.randn(1, hk, 5, d)
     for block_n in (8, 1024):
-        got = paged_decode_attention(qf, r_k, mu_k, pool, table, 0, n, 0.2, win_k, win_v, None, r_v, mu_v,
+        got = paged_multi_token_attention(qf, r_k, mu_k, pool, table, 0, n, 0.2, win_k, win_v, None, r_v, mu_v,
                                      torch.float32, block_n=block_n)
         q_rot, off = rotate_query_reference(qf, r_k, mu_k)
         want = decode_attention_reference(q_rot, k, v, torch.zeros(1, dtype=torch.long), None, off, 0.2, g, qf,

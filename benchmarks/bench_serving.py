@@ -1,0 +1,210 @@
+#!/usr/bin/env python
+"""Load test of Transformers' continuous batching (``ContinuousBatchingManager``, what ``generate_batch`` and
+``transformers serve --continuous-batching`` run): BF16 paged (Transformers' own ``PagedAttentionCache``, sdpa)
+against OSCAR paged (:func:`oscar_hf.serving.paged_oscar`) in the same KV memory budget, one after the other in one
+process, on a random-initialised model of a real shape (default Qwen3-8B).
+
+Parts (``--parts``):
+
+* ``capacity``: requests of ``--context`` prompt tokens submitted at once, as many as each cache admits at that
+  context in ``--kv-budget-gib`` (its own number), ``--new-tokens`` each. Reported: peak concurrency (requests
+  decoding at once, from the per-token timestamps) and the aggregate decode tokens/s while that many decode.
+* ``load``: ``--requests`` requests of mixed prompt lengths (``--lengths``, drawn uniformly) arriving over time
+  (Poisson, ``--rate`` requests/s), ``--new-tokens`` each. Reported: completed tokens/s (generated tokens over the
+  makespan), time to first token p50 / p90, peak concurrency, peak memory.
+
+Memory: BF16 gets ``num_blocks = budget / (bytes of a 256-token block of every layer)``; OSCAR gets ``max_requests``
+full-precision window slots and ``(budget - windows) / (bytes of an INT2 page)`` pages. ``torch.cuda.
+max_memory_allocated`` (minus the weights) is reported for each run.
+
+    python benchmarks/bench_serving.py --parts capacity load --out serving.json
+    python benchmarks/bench_serving.py --shape tiny --device cpu --context 256 --kv-budget-gib 0.01 ...   (smoke)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: F401  (types)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_generate import SHAPES, build_model  # noqa: E402
+
+from oscar_hf.serving import OscarPagedStore, continuous_batching_config, paged_oscar  # noqa: E402
+
+PAGE = 256  # Transformers' default page size (and flash's block-table granularity)
+
+
+def bf16_block_bytes(cfg) -> int:
+    """Bytes of one BF16 block: ``PAGE`` tokens of keys and values of every layer."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * PAGE * cfg.head_dim * 2
+
+
+def cache_configs(model, kind: str, budget: int, max_batch_tokens: int, max_requests: int, oscar_kw: dict):
+    """``(ContinuousBatchingConfig, store or None)`` spending ``budget`` bytes of KV."""
+    if kind == "bf16":
+        blocks = budget // bf16_block_bytes(model.config)
+        return continuous_batching_config(num_blocks=blocks, page_size=PAGE, max_batch_tokens=max_batch_tokens), None
+    store = OscarPagedStore(model, defer_pool=True, max_requests=max_requests, device=model.device, dtype=model.dtype,
+                            **oscar_kw)
+    pages = (budget - store.windows.nbytes) // store.page_bytes(PAGE)
+    return continuous_batching_config(num_blocks=pages, page_size=PAGE, max_batch_tokens=max_batch_tokens), store
+
+
+def admitted_at(model, kind: str, store, cb: ContinuousBatchingConfig, context: int, new_tokens: int) -> int:
+    """Requests of ``context + new_tokens`` tokens the budget holds at once (what the scheduler will admit)."""
+    if kind == "bf16":
+        return cb.num_blocks // -(-(context + new_tokens) // PAGE)
+    pages = max(1, store.history_pages(context + new_tokens, PAGE))
+    return min(store.windows.num_slots, cb.num_blocks // pages)
+
+
+def concurrency(outs) -> tuple[int, float, float]:
+    """``(peak, t_a, t_b)``: most requests decoding at once (between their first and last token) and the interval
+    where that many did."""
+    events = sorted([(o.timestamps[0], 1) for o in outs] + [(o.timestamps[-1], -1) for o in outs])
+    live, peak, t_a, t_b = 0, 0, 0.0, 0.0
+    for i, (t, d) in enumerate(events):
+        live += d
+        if live > peak:
+            peak, t_a = live, t
+            t_b = events[i + 1][0] if i + 1 < len(events) else t
+    return peak, t_a, t_b
+
+
+def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBatchingConfig, store,
+          timeout: float) -> dict:
+    """Submit ``prompts`` at ``arrivals`` (seconds from the start) to a fresh manager; collect every result."""
+    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    ctx = paged_oscar(model, store) if kind == "oscar" else contextlib.nullcontext()
+    cuda = model.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    weights = torch.cuda.memory_allocated() if cuda else 0
+    outs, errors = [], []
+    with ctx:
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        manager.start()
+        t0 = time.perf_counter()
+        for prompt, at in zip(prompts, arrivals):
+            time.sleep(max(0.0, t0 + at - time.perf_counter()))
+            manager.add_request(prompt, max_new_tokens=new_tokens, record_timestamps=True)
+        deadline = time.perf_counter() + timeout
+        while len(outs) + len(errors) < len(prompts) and time.perf_counter() < deadline:
+            r = manager.get_result(timeout=1.0)
+            if r is not None:
+                (errors if r.error else outs).append(r)
+        manager.stop(block=True)
+        pool_peak = store.pool.peak_used if store is not None and store.pool is not None else None
+        if hasattr(model, "destroy_cached_continuous_batching_manager"):
+            model.destroy_cached_continuous_batching_manager()
+    if errors:
+        raise RuntimeError(f"{kind}: {len(errors)} requests failed: {errors[0].error}")
+    if len(outs) < len(prompts):
+        raise RuntimeError(f"{kind}: {len(prompts) - len(outs)} requests unfinished after {timeout} s")
+    peak_mem = (torch.cuda.max_memory_allocated() - weights) if cuda else 0
+    tokens = sum(len(o.generated_tokens) for o in outs)
+    first = min(o.created_time for o in outs)
+    last = max(o.timestamps[-1] for o in outs)
+    ttft = sorted(o.timestamps[0] - o.created_time for o in outs)
+    peak, t_a, t_b = concurrency(outs)
+    in_window = sum(sum(t_a < s <= t_b for s in o.timestamps) for o in outs)
+    row = dict(kind=kind, requests=len(outs), generated_tokens=tokens, makespan_s=round(last - first, 3),
+               completed_tok_s=round(tokens / (last - first), 2),
+               ttft_p50_s=round(ttft[len(ttft) // 2], 3), ttft_p90_s=round(ttft[int(0.9 * (len(ttft) - 1))], 3),
+               peak_concurrency=peak, decode_tok_s_at_peak=round(in_window / (t_b - t_a), 2) if t_b > t_a else None,
+               peak_window_s=round(t_b - t_a, 3), peak_memory_gib=round(peak_mem / 2**30, 3),
+               num_blocks=cb.num_blocks, max_batch_tokens=cb.max_batch_tokens)
+    if store is not None:
+        row.update(window_slots=store.windows.num_slots, window_gib=round(store.windows.nbytes / 2**30, 3),
+                   pool_pages_peak=pool_peak)
+    row["outputs"] = {o.request_id: o.generated_tokens[:8] for o in outs}  # a glimpse, to compare runs
+    print(json.dumps({k: v for k, v in row.items() if k != "outputs"}), flush=True)
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--parts", nargs="+", default=["capacity", "load"], choices=["capacity", "load"])
+    p.add_argument("--kinds", nargs="+", default=["bf16", "oscar"], choices=["bf16", "oscar"])
+    p.add_argument("--kv-budget-gib", type=float, default=40.0)
+    p.add_argument("--context", type=int, default=32768, help="capacity: prompt tokens of every request")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--max-requests", type=int, default=64, help="OSCAR window slots")
+    p.add_argument("--requests", type=int, default=32, help="load: requests submitted")
+    p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768], help="load: prompt lengths")
+    p.add_argument("--rate", type=float, default=0.5, help="load: arrivals per second (Poisson)")
+    p.add_argument("--bf16-batch-tokens", type=int, default=2048,
+                   help="BF16 max_batch_tokens: sdpa builds a [tokens, all cached tokens] mask each step")
+    p.add_argument("--oscar-batch-tokens", type=int, default=None,
+                   help="OSCAR max_batch_tokens (default: the longest prompt + max_requests, no chunked prefill)")
+    p.add_argument("--method", default="hadamard", help="OSCAR rotation (artifact-free)")
+    p.add_argument("--timeout", type=float, default=540.0)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    longest = max([args.context] + args.lengths)
+    model = build_model(args.shape, torch.bfloat16, device, max_pos=longest + args.new_tokens + 16)
+    vocab = model.config.vocab_size
+    budget = int(args.kv_budget_gib * 2**30)
+    oscar_kw = dict(method=args.method)
+    batch_tokens = dict(bf16=args.bf16_batch_tokens,
+                        oscar=args.oscar_batch_tokens or longest + args.max_requests)
+    rng = random.Random(0)
+    doc = dict(env=dict(python=platform.python_version(), torch=torch.__version__,
+                        transformers=__import__("transformers").__version__,
+                        gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                        command="python " + " ".join([sys.argv[0].split("/")[-1]] + (argv or sys.argv[1:]))),
+               shape=SHAPES[args.shape], kv_budget_gib=args.kv_budget_gib, results={})
+
+    def save():
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(doc, indent=2))
+
+    # warm-up: Triton compiles its kernels, cuBLAS picks its algorithms (not measured)
+    for kind in args.kinds:
+        cb, store = cache_configs(model, kind, budget, 1024, 4, oscar_kw)
+        serve(model, kind, [[rng.randrange(vocab) for _ in range(600)] for _ in range(3)], [0, 0, 0], 8, cb, store,
+              args.timeout)
+
+    for part in args.parts:
+        rows = doc["results"].setdefault(part, {})
+        for kind in args.kinds:
+            cb, store = cache_configs(model, kind, budget, batch_tokens[kind], args.max_requests, oscar_kw)
+            if part == "capacity":
+                n = admitted_at(model, kind, store, cb, args.context, args.new_tokens)
+                prompts = [[rng.randrange(vocab) for _ in range(args.context)] for _ in range(n)]
+                arrivals = [0.0] * n
+            else:
+                r = random.Random(1)  # the same requests for every kind
+                prompts = [[r.randrange(vocab) for _ in range(r.choice(args.lengths))] for _ in range(args.requests)]
+                gaps = [r.expovariate(args.rate) for _ in range(args.requests)]
+                arrivals = [sum(gaps[:i]) for i in range(args.requests)]
+            rows[kind] = serve(model, kind, prompts, arrivals, args.new_tokens, cb, store, args.timeout)
+            save()
+        if {"bf16", "oscar"} <= rows.keys():
+            b, o = rows["bf16"], rows["oscar"]
+            rows["ratios"] = dict(
+                concurrency=round(o["peak_concurrency"] / b["peak_concurrency"], 2),
+                decode_tok_s_at_peak=(round(o["decode_tok_s_at_peak"] / b["decode_tok_s_at_peak"], 2)
+                                      if o["decode_tok_s_at_peak"] and b["decode_tok_s_at_peak"] else None),
+                completed_tok_s=round(o["completed_tok_s"] / b["completed_tok_s"], 2))
+            print(part, "OSCAR / BF16:", json.dumps(rows["ratios"]), flush=True)
+            save()
+    return doc
+
+
+if __name__ == "__main__":
+    main()

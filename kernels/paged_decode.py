@@ -1,0 +1,248 @@
+"""Decode attention over a *paged* INT2 history (the serving pool) and a pool of full-precision windows.
+
+For continuous batching the history of every request lives in one shared pool of pages
+(:class:`~oscar_hf.serving.pool.PagedInt2Pool`): for one layer and keys (values alike) ``pages_k`` is the
+:class:`~oscar_hf.quant.QuantizedRows` of strided views ``codes [num_pages, Hk, P, D/4]``,
+``scale / zero [num_pages, Hk, P, D/G]``. Row ``b`` of the batch has ``hist_len[b]`` history entries; entry ``j`` is
+row ``j % P`` of page ``block_table[b, j // P]``. Its full-precision window (sink + recent, unrotated, model dtype) is
+slot ``win_slot[b]`` of ``win_k / win_v [num_slots, Hk, W, D]``, masked by ``win_mask[b] [W]`` (False = not a token).
+
+:func:`paged_decode_attention` is, row by row, ``int2_attention.decode_attention_reference`` over the row's history
+gathered in block-table order and its window (:func:`paged_decode_attention_reference` says so in torch). On CUDA it
+runs the split kernel of the contiguous path (``decode_split._split_kernel``) in its ``PAGED`` mode: the query rotation
+(one launch), the history splits and window programs (one launch, grid sized for the longest row: the splits past a
+row's length write empty partials), the combine (one launch). No Gluon history kernel here: it reads contiguous
+histories only.
+"""
+from __future__ import annotations
+
+import torch
+
+from oscar_hf.quant import QuantizedRows
+
+from .int2_attention import decode_attention_reference, rotate_query_reference
+from .plan import (DEFAULTS, M_PAD_MIN, cdiv, combine_shape, device_sms, few_rows, pow2_at_least,
+                   pow2_below_within, resident_programs, triton_enabled, wave_splits)
+
+LOG2E = 1.4426950408889634
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+def check_paged_inputs(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, block_table, hist_len, win_k, win_v,
+                       win_slot, win_mask) -> None:
+    """Raise a clear ValueError for inputs whose shapes do not fit together (no device synchronization: the values
+    of ``block_table`` / ``hist_len`` / ``win_slot`` are not checked here)."""
+    if qf.dim() != 4:
+        raise ValueError(f"qf must be [B, Hk, M, D], got {tuple(qf.shape)}")
+    b, hk, _, d = qf.shape
+    for name, pages in (("pages_k", pages_k), ("pages_v", pages_v)):
+        codes, scale, zero = pages
+        if codes.dim() != 4 or codes.shape[1] != hk or codes.shape[3] * 4 != d:
+            raise ValueError(f"{name}.codes must be [num_pages, Hk={hk}, P, D/4={d // 4}], got {tuple(codes.shape)}")
+        if codes.dtype != torch.uint8:
+            raise ValueError(f"{name}.codes must be uint8, got {codes.dtype}")
+        if scale.shape != zero.shape or scale.shape[:3] != codes.shape[:3] or d % scale.shape[3]:
+            raise ValueError(f"{name}.scale / zero must be [num_pages, Hk, P, D/G] like its codes, got "
+                             f"{tuple(scale.shape)} / {tuple(zero.shape)} for codes {tuple(codes.shape)}")
+    if pages_k.codes.shape != pages_v.codes.shape or pages_k.scale.shape != pages_v.scale.shape:
+        raise ValueError(f"pages_k and pages_v differ in shape: {tuple(pages_k.codes.shape)} / "
+                         f"{tuple(pages_v.codes.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != b or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_table must be int32/int64 [B={b}, max_pages], got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    for name, t in (("hist_len", hist_len), ("win_slot", win_slot)):
+        if t.shape != (b,) or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32/int64 [B={b}], got {t.dtype} {tuple(t.shape)}")
+    if win_k.dim() != 4 or win_k.shape != win_v.shape or win_k.shape[1] != hk or win_k.shape[3] != d:
+        raise ValueError(f"win_k / win_v must be [num_slots, Hk={hk}, W, D={d}], got {tuple(win_k.shape)} / "
+                         f"{tuple(win_v.shape)}")
+    if win_mask.shape != (b, win_k.shape[2]) or win_mask.dtype != torch.bool:
+        raise ValueError(f"win_mask must be bool [B={b}, W={win_k.shape[2]}], got {win_mask.dtype} "
+                         f"{tuple(win_mask.shape)}")
+
+
+def gather_pages(pages: QuantizedRows, table_row: torch.Tensor, n: int) -> QuantizedRows:
+    """The first ``n`` history entries of one row, ``[1, Hk, n, *]`` (a copy), from its block table ``table_row``
+    (only its first ``ceil(n / P)`` entries are read)."""
+    p = pages.codes.shape[-2]
+    ids = table_row[: cdiv(n, p)].long()
+
+    def cut(t):
+        x = t.index_select(0, ids)  # [np, Hk, P, X]
+        return x.transpose(0, 1).reshape(1, t.shape[1], -1, t.shape[-1])[:, :, :n]
+
+    return QuantizedRows(*(cut(t) for t in pages))
+
+
+def paged_decode_attention_reference(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot,
+                                     win_mask, r_v, mu_v, scaling, group_size, out_dtype, block_n=1024):
+    """Torch reference of :func:`paged_decode_attention`: per row, its history gathered in block-table order
+    (:func:`gather_pages`), the query rotated (``rotate_query_reference``) and
+    ``int2_attention.decode_attention_reference`` over that history and the row's window slot."""
+    check_paged_inputs(qf, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask)
+    lens, slots = hist_len.tolist(), win_slot.tolist()
+    w = win_k.shape[2]
+    outs = []
+    for b, (n, slot) in enumerate(zip(lens, slots)):
+        k, v = gather_pages(pages_k, block_table[b], n), gather_pages(pages_v, block_table[b], n)
+        mu_b = mu_k if (mu_k is None or mu_k.dim() == 2) else mu_k[b : b + 1]
+        q_rot, qk_off = rotate_query_reference(qf[b : b + 1], r_k, mu_b)
+        start = torch.zeros(1, dtype=torch.long, device=qf.device)
+        outs.append(decode_attention_reference(
+            q_rot, k, v, start, None, qk_off, scaling, group_size, qf[b : b + 1].float(),
+            win_k[slot : slot + 1] if w else None, win_v[slot : slot + 1] if w else None,
+            win_mask[b].view(1, 1, 1, w), r_v, mu_v, out_dtype=out_dtype, block_n=block_n))
+    if not outs:
+        return torch.empty(qf.shape, dtype=out_dtype, device=qf.device)
+    return torch.cat(outs, 0)
+
+
+def paged_supported(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, group_size: int, win_k) -> bool:
+    """Shapes and layouts the Triton path serves (anything else: the reference). The pool is read in place, never
+    copied: codes with contiguous bytes per entry, metadata as contiguous ``[entry, group]`` rows with one layout for
+    scale and zero (what :class:`~oscar_hf.serving.pool.PagedInt2Pool`'s views are)."""
+    _, _, m, d = qf.shape
+    ng = d // group_size if group_size > 0 else 0
+    ok = (_pow2(d) and 64 <= d <= 256 and _pow2(group_size) and group_size <= d and 1 <= m <= 64
+          and qf.device == pages_k.codes.device == win_k.device)
+    for codes, scale, zero in (pages_k, pages_v):
+        ok = ok and codes.stride(-1) == 1 and scale.stride(-1) == 1 and scale.stride(-2) == ng
+        ok = ok and zero.stride() == scale.stride() and scale.shape[-1] == ng
+    return ok
+
+
+def paged_decode_attention(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask,
+                           r_v, mu_v, scaling, group_size, out_dtype, use_kernels="auto", max_hist_len=None):
+    """Decode attention of one layer for a batch of requests whose INT2 histories live in a page pool.
+
+    Args (``B`` rows, ``Hk`` KV heads, ``M`` query rows per KV head, ``D`` head_dim, ``P`` page size):
+        qf: ``[B, Hk, M, D]`` float32, the *unrotated* query (also the window's).
+        r_k, r_v: ``[Hk, D, D]`` float32 rotations; mu_k: None, ``[Hk, D]`` or ``[B, Hk, D]``; mu_v: None or ``[Hk, D]``.
+        pages_k, pages_v: :class:`QuantizedRows` of ``[num_pages, Hk, P, *]`` (one layer's keys / values of the pool).
+        block_table: ``[B, max_pages]`` int32 page ids (entries past a row's pages are never read).
+        hist_len: ``[B]`` int32 history entries of each row (0: window only).
+        win_k, win_v: ``[num_slots, Hk, W, D]`` unrotated windows; win_slot: ``[B]`` row -> slot;
+        win_mask: ``[B, W]`` bool (False = masked).
+        scaling: the softmax scale; group_size: G; out_dtype: the result's dtype.
+        max_hist_len: optional host int ``>= max(hist_len)`` sizing the kernel's grid (else read from ``hist_len``,
+            one device synchronization).
+    Returns ``[B, Hk, M, D]`` in ``out_dtype`` (rows without any valid key: 0).
+    """
+    check_paged_inputs(qf, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask)
+    if triton_enabled(qf, use_kernels) and paged_supported(qf, pages_k, pages_v, group_size, win_k):
+        return paged_decode_attention_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
+                                             win_slot, win_mask, r_v, mu_v, scaling, group_size, out_dtype,
+                                             max_hist_len=max_hist_len)
+    return paged_decode_attention_reference(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
+                                            win_slot, win_mask, r_v, mu_v, scaling, group_size, out_dtype)
+
+
+def paged_block_n(d: int, m_pad: int, page: int, defaults=DEFAULTS) -> int:
+    """History tokens per inner-loop step: the contiguous path's (``_launch``), at most one page where pages are a
+    power of two of at least 16 tokens (a block then lies in one page: one table load per block)."""
+    block_n = defaults.block_n if (d == 128 and m_pad <= 16) else 64
+    if _pow2(page) and page >= 16:
+        block_n = min(block_n, page)
+    return block_n
+
+
+def paged_decode_attention_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot,
+                                  win_mask, r_v, mu_v, scaling, group_size, out_dtype, max_hist_len=None,
+                                  defaults=DEFAULTS):
+    """:func:`paged_decode_attention` in three launches (rotation, split kernel in ``PAGED`` mode, combine), for the
+    shapes :func:`paged_supported` accepts."""
+    from .decode_combine import _combine_kernel
+    from .decode_split import _split_kernel
+    from .decode_triton import _pairable
+    from .query_triton import launch_rotation, query_kernel_supported, rotation_args
+
+    df = defaults
+    b, hk, m, d = qf.shape
+    dev = qf.device
+    page = pages_k.codes.shape[-2]
+    w = win_k.shape[2]
+    n = int(hist_len.max()) if max_hist_len is None and b else int(max_hist_len or 0)
+    if b == 0 or (n == 0 and w == 0):  # nothing to attend to
+        return torch.zeros(b, hk, m, d, device=dev, dtype=out_dtype)
+
+    # the query rotation (q R_K and q . mu_K; float32): one launch for decode-sized queries, torch beyond 16 rows
+    if n == 0:
+        q_rot, qk_off = qf.float(), None  # (unread: no history program runs)
+    elif query_kernel_supported(qf):
+        qf_r, r_k_r, mu_k_r, q_rot, qk_off = rotation_args(qf, r_k, mu_k)
+        launch_rotation(qf_r, r_k_r, mu_k_r, q_rot, qk_off)
+    else:
+        q_rot, qk_off = rotate_query_reference(qf, r_k, mu_k)
+        q_rot = q_rot.contiguous()
+    if qk_off is not None:
+        qk_off = qk_off.expand(b, hk, m)
+    q_win = qf if qf.stride(-1) == 1 else qf.contiguous()
+    win_k = win_k if win_k.stride(-1) == 1 else win_k.contiguous()
+    win_v = win_v if win_v.stride(-1) == 1 else win_v.contiguous()
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    wmask = win_mask.view(torch.uint8)  # [B, W]: per row, shared by the KV heads
+    r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
+    mu_v = None if mu_v is None else mu_v.to(device=dev, dtype=torch.float32).contiguous()
+
+    m_pad = pow2_at_least(m, M_PAD_MIN)
+    block_n = paged_block_n(d, m_pad, page, df)
+    deferred = group_size >= d // 4 and m_pad <= 16  # as _launch: the deferred loop where it fits in registers
+    bh = b * hk
+    few = few_rows(bh * m, dev)
+    # the grid is sized for the longest row (no register cap: it was measured for the contiguous loop only)
+    s_hist = wave_splits(n, bh, device_sms(dev), block_n, df.min_split, df.max_waves,
+                         resident_programs(df, None)) if n else 0
+    if few and s_hist:
+        s_hist = pow2_below_within(s_hist, df.splits_pow2_slack)
+    split_len = cdiv(cdiv(max(n, 1), max(s_hist, 1)), block_n) * block_n
+    s_hist = cdiv(n, split_len) if n else 0
+    win_split = df.win_split
+    s_win = cdiv(w, win_split)
+    s_tot = s_hist + s_win
+
+    pm = torch.empty(bh, s_tot, m, device=dev, dtype=torch.float32)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(bh, s_tot, m, d, device=dev, dtype=torch.float32)
+    start = torch.zeros(b, dtype=torch.int32, device=dev)  # (no left padding in a page pool)
+    k, v = pages_k, pages_v
+    z3 = (0, 0, 0)
+    _split_kernel[(bh, s_tot)](
+        q_rot, *k, *v, start, None, qk_off, None,
+        q_win, win_k, win_v, wmask,
+        pm, pl, pacc,
+        n, m, hk, s_hist, s_tot, split_len, w, win_split, float(scaling) * LOG2E, 0,
+        *q_rot.stride()[:3],
+        *k.codes.stride()[:3], *k.scale.stride()[:2],
+        *v.codes.stride()[:3], *v.scale.stride()[:2],
+        *z3,
+        *(qk_off.stride() if qk_off is not None else z3),
+        *q_win.stride()[:3], *win_k.stride()[:3], *win_v.stride()[:3],
+        wmask.stride(0), 0, wmask.stride(1),
+        D=d, G=group_size, M_PAD=m_pad, BLOCK_N=block_n,
+        HAS_MASK=False, HAS_OFF=qk_off is not None,
+        HAS_WIN=s_win > 0, HAS_WMASK=True, LOWP=int(qf.is_cuda),
+        DEFERRED=int(deferred), N_DEV=False,
+        PAIR=int(_pairable(k, v, d, group_size)),
+        ASM=int(qf.is_cuda),
+        num_warps=8 if (d > 128 or m_pad >= 64) else df.num_warps,
+        num_stages=2 if d > 128 else df.num_stages,
+        BT=block_table, HLEN=hist_len, WSLOT=win_slot, sbt=block_table.stride(0), PAGED=1, PAGE=page,
+    )
+    cs = combine_shape(df, d, bh * m, s_hist, s_win, dev, few)
+    out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
+    _combine_kernel[(bh * m * cs.parts,)](
+        pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
+        D=d, S_BLOCK=cs.s_block, C_BLOCK=cs.c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=0,
+        HOIST=int(cs.hoist), SW_BLOCK=pow2_at_least(s_win, 1) if cs.hoist else 1, PARTS=cs.parts,
+        READY=None, RESET=0, num_warps=cs.warps,
+    )
+    return out
+
+
+__all__ = [
+    "paged_decode_attention", "paged_decode_attention_reference", "paged_decode_attention_triton", "paged_supported",
+    "gather_pages", "check_paged_inputs",
+]

@@ -1,0 +1,135 @@
+"""OSCAR in continuous batching for Transformers whose paged cache is run by its ``paged|*`` attention functions and
+counts memory in blocks of a ``BlockManager`` (5.17 - 5.19; :mod:`~oscar_hf.serving.paged_cache` serves 5.20+).
+
+There the model does not call the paged cache: the registered ``paged|sdpa`` function receives ``cache=`` and calls
+``cache.update(key, value, layer_idx, read_index=..., write_index=...)`` itself. So OSCAR registers its own
+``paged|oscar_sdpa`` (:func:`paged_oscar_attention`): for the layers the store quantizes it hands the packed batch to
+the store (the same :meth:`OscarPagedStore.attend` as on 5.20+), for the others it calls Transformers' ``paged|sdpa``.
+
+Memory, when the store quantizes every layer: Transformers' block manager keeps the admission (a block = one INT2 page
+of every layer, ``num_blocks`` of them) but its own K/V tensors are built for a single block (they are never read or
+written: no ``update`` reaches them), the read indices and the ``seqlen_k`` of each request are its new rows only (the
+``[M, N + M]`` mask and index tensors Transformers sizes from ``num_blocks * block_size`` are sized from that single
+block), and the store's page pool is allocated beside it with one page per block. A request also needs a free window
+slot of the store (:meth:`OscarPagedCacheBlocks.allocate_blocks`).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.generation.continuous_batching.cache import (
+    PagedAttentionCache,
+    PagedAttentionMemoryHandler,
+    group_layers_by_attn_type,
+)
+from transformers.generation.continuous_batching.cache_manager import BlockManager
+
+from .paged_attention import PagedOscarKV
+from .store import OscarPagedStore
+
+ATTENTION_NAME = "paged|oscar_sdpa"
+
+
+def store_owns_every_layer(store: OscarPagedStore, config) -> bool:
+    groups, types = group_layers_by_attn_type(config)
+    return types == ["full_attention"] and all(store.handles(i) for i in groups[0])
+
+
+class OscarPagedCacheBlocks(PagedAttentionCache):
+    """``PagedAttentionCache`` (block-manager API) whose OSCAR layers live in an :class:`OscarPagedStore`."""
+
+    def __init__(self, config, continuous_batching_config, device, distributed_helper, tp_plan=None,
+                 dtype=torch.float16, *, store: OscarPagedStore):
+        tp_plan = tp_plan or {}
+        self.oscar_owns_memory = store_owns_every_layer(store, config)
+        if not self.oscar_owns_memory:
+            if store.pool is None:
+                raise ValueError("this model has layers OSCAR does not quantize (sliding windows / skip_layers): its "
+                                 "BF16 paged cache stays and the INT2 pool is sized apart: give num_pages= or "
+                                 "memory_budget=")
+            super().__init__(config, continuous_batching_config, device, distributed_helper, tp_plan, dtype)
+        else:
+            if store.pool is not None:
+                raise ValueError("the INT2 pool follows Transformers' blocks for this model: size it with "
+                                 "ContinuousBatchingConfig(num_blocks= / max_memory_percent=), not num_pages= / "
+                                 "memory_budget=")
+            cbc = continuous_batching_config
+            pages = cbc.num_blocks
+            if pages is None:  # the bytes Transformers would give BF16 blocks, spent on INT2 pages
+                _, types = group_layers_by_attn_type(config)
+                handler = PagedAttentionMemoryHandler(config, cbc, dtype, types, store.num_layers)
+                mbt, bf16_blocks = handler.infer_max_batch_tokens_and_num_blocks()
+                if cbc.max_batch_tokens is None:
+                    cbc.max_batch_tokens = mbt
+                bf16_bytes = 2 * store.num_layers * store.num_kv_heads * cbc.block_size * store.head_dim * dtype.itemsize
+                pages = bf16_blocks * bf16_bytes // store.page_bytes(cbc.block_size)
+            single = copy.copy(cbc)
+            single.num_blocks = 1
+            super().__init__(config, single, device, distributed_helper, tp_plan, dtype)
+            self.num_blocks = 1  # what Transformers sizes its index tensors and masks from
+            self.num_pages = pages * self.block_size  # the scheduler's read budget: never the limit
+            self._block_manager = BlockManager(pages, self.block_size, tp_on=False)
+            store.attach_pool(pages, self.block_size)
+        self.allow_block_sharing = self.use_prefix_sharing = False
+        self.store = store
+        self._pending: list[tuple[str, int, int]] = []
+        self._batch: list[tuple[str, int, int]] = []
+
+    # ------------------------------------------------------------------ admission
+    def allocate_blocks(self, n_blocks: int, request_id: str, allocated_blocks: int) -> int | None:
+        new = request_id not in self.store.requests
+        if new and not self.store.can_reserve():
+            return None
+        allocated = super().allocate_blocks(n_blocks, request_id, allocated_blocks)
+        if allocated is not None and new:
+            self.store.reserve(request_id)
+        return allocated
+
+    def free_blocks(self, request_id: str) -> None:
+        super().free_blocks(request_id)
+        self.store.free(request_id)
+
+    def free_all_requests(self) -> None:
+        super().free_all_requests()
+        self.store.free_all()
+
+    def fork_request(self, *args, **kwargs):
+        raise NotImplementedError("the OSCAR paged cache does not fork requests (num_return_sequences > 1)")
+
+    # ------------------------------------------------------------------ batch composition
+    def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
+        self._pending.append((request_id, int(past_length), int(query_length)))
+        if not self.oscar_owns_memory:
+            return super().extend_read_and_write_indices(request_id, past_length, query_length, read_index,
+                                                         write_index)
+        for indices in write_index:  # Transformers' K/V of OSCAR layers is never written: the trash slot
+            indices.extend([self.write_trash_index] * query_length)
+
+    def fill_block_table(self, *args, **kwargs) -> None:
+        raise NotImplementedError("the OSCAR paged cache does not serve the flash block-table decode path")
+
+    def get_seqlens_k(self, past_length: int, query_length: int) -> dict[str, int]:
+        if self.oscar_owns_memory:  # Transformers reads no past for these layers: its mask is [M, M]
+            return {"full_attention": query_length}
+        return super().get_seqlens_k(past_length, query_length)
+
+    def batch(self) -> list[tuple[str, int, int]]:
+        """The requests of the running forward, in packing order (taken at its first OSCAR layer)."""
+        if self._pending:
+            self._batch, self._pending = self._pending, []
+        return self._batch
+
+
+def paged_oscar_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """``paged|oscar_sdpa``: OSCAR's store for its layers, Transformers' ``paged|sdpa`` for the others."""
+    cache = kwargs.get("cache")
+    if isinstance(cache, OscarPagedCacheBlocks) and cache.store.handles(module.layer_idx):
+        if scaling is None:
+            scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
+        handle = PagedOscarKV(cache.store, module.layer_idx, key, value, cache.batch())
+        return handle.attend(query, attention_mask, scaling, module, "sdpa", **kwargs), None
+    from transformers.integrations.sdpa_paged import sdpa_attention_paged_forward
+
+    return sdpa_attention_paged_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        **kwargs)
