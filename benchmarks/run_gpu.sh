@@ -24,9 +24,10 @@
 #   soak        200 generate calls; one call of 32,768 new tokens        soak_calls_<gpu>.json, soak_long_<gpu>.json
 #   multigpu    device_map over 2 GPUs vs one GPU (needs 2 GPUs)         multigpu_<gpu>x2.json
 #   tp          tensor parallelism under torchrun, 2 ranks (2 GPUs)      tp_<gpu>x2.json
-#   serving     continuous batching load test, BF16 paged vs OSCAR       serving_<gpu>_40gib.json
-#               paged in 40 GiB of KV: 32K capacity + mixed 8K-32K
-#               arrivals (`serving-capacity`, `serving-load`: one part)
+#   serving     continuous batching load test, BF16 paged vs OSCAR       serving_<gpu>_20gib_capacity.json,
+#               paged in 20 GiB of KV: 32K capacity; 24 requests of      serving_<gpu>_20gib_load.json
+#               8K-32K arriving at 0.5/s (`serving-capacity`,
+#               `serving-load`: one part, one call each)
 #   paged       the paged decode kernel's tests on the GPU               paged_tests_<gpu>.log
 #
 # Each <what> fits in the device machine's 10-minute command limit except `generate`, `eager` and `soak`: run their
@@ -134,8 +135,12 @@ for what in "$@"; do
         --layers 8 --context 4096 --new-tokens 16 --out "$OUT/tp_${GPU}x2.json" ;;
   serving|serving-capacity|serving-load)
     parts="capacity load"; [ "$what" = serving-capacity ] && parts=capacity; [ "$what" = serving-load ] && parts=load
-    run "serving_${GPU}_40gib_${parts// /_}" $PY "$B/bench_serving.py" --parts $parts --kv-budget-gib 40 \
-        --out "$OUT/serving_${GPU}_40gib_${parts// /_}.json" ;;
+    for part in $parts; do
+      new=96; [ $part = capacity ] && new=64
+      run "serving_${GPU}_20gib_$part" $PY "$B/bench_serving.py" --parts $part --kv-budget-gib 20 --context 32768 \
+          --new-tokens $new --max-requests 40 --requests 24 --lengths 8192 16384 32768 --rate 0.5 \
+          --bf16-batch-tokens 8192 --out "$OUT/serving_${GPU}_20gib_$part.json"
+    done ;;
   paged)
     run "paged_tests_$GPU" $PY -m pytest -q -p no:cacheprovider --rootdir "$R" "$R/tests/kernels/test_paged_decode.py" ;;
   *)

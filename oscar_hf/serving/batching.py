@@ -3,7 +3,8 @@
 
 The manager builds its cache inside ``_create_batch_processor`` from the module global
 ``continuous_api.PagedAttentionCache`` and accepts only ``sdpa`` / ``paged|*`` / flash attention names at
-construction: :func:`paged_oscar` swaps that global for the duration of the block (the one monkey-patch) and, once
+construction: :func:`paged_oscar` swaps that global for the duration of the block (on 5.17 - 5.19 also the function
+that caps ``max_requests_per_batch`` by the cache's blocks, see :func:`paged_oscar`) and, once
 the manager has accepted ``sdpa``, switches the model to OSCAR's attention: ``oscar_sdpa`` on Transformers 5.20+
 (the model calls ``cache.update``, which hands OSCAR's handle to the registered function,
 :mod:`~oscar_hf.serving.paged_cache`), ``paged|oscar_sdpa`` on 5.17 - 5.19 (the attention function receives the
@@ -108,10 +109,21 @@ def paged_oscar(model, store: OscarPagedStore | None = None, **store_kwargs):
         return cache
 
     continuous_api.PagedAttentionCache = build
+    update = getattr(continuous_api, "update_cb_config_after_cache_creation", None)
+    if not SECTOR_API and update is not None:
+        # 5.17 - 5.19 cap max_requests_per_batch at the cache's num_blocks, which OSCAR's cache keeps at 1 (the
+        # size of Transformers' unused K/V and of its masks): the cap follows the INT2 pages instead
+        def update_with_pages(cb_config, num_blocks, *args, **kwargs):
+            pages = store.pool.num_pages if store.pool is not None else num_blocks
+            return update(cb_config, max(num_blocks, pages), *args, **kwargs)
+
+        continuous_api.update_cb_config_after_cache_creation = update_with_pages
     try:
         yield store
     finally:
         continuous_api.PagedAttentionCache = original
+        if update is not None:
+            continuous_api.update_cb_config_after_cache_creation = update
         _restore(model, saved)
         store.free_all()
         if store.pool_in_cache:  # the cache tensor it lived in belongs to the manager that is gone

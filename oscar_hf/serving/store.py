@@ -37,7 +37,7 @@ from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_h
 from ..patching import base_attention_function
 from ..quant import QuantizedRows
 from ..rotations import LayerRotation, OscarRotations
-from .paged_attention import paged_multi_token_attention
+from .paged_attention import LOGITS_BUDGET, paged_multi_token_attention
 from .pool import PagedInt2Pool, PoolExhausted, page_bytes
 
 DEFAULT_MAX_REQUESTS = 64  # window slots when the caller gives none: requests live at once
@@ -412,15 +412,29 @@ class OscarPagedStore:
             # window: the sink and the ring's slots [max(S0, T - W), T), then the new rows (causal among themselves)
             ring_slots = torch.arange(min(t_old, max(s0, t_old - w)), t_old, device=dev)
             entries = torch.cat([torch.arange(min(t_old, s0), device=dev), s0 + torch.remainder(ring_slots, self.ring)])
-            win_k = torch.cat([self.windows.k[r.slot, li].index_select(1, entries)[None], new_k], 2)
-            win_v = torch.cat([self.windows.v[r.slot, li].index_select(1, entries)[None], new_v], 2)
-            causal = torch.arange(l, device=dev)[None, :] <= torch.arange(l, device=dev)[:, None]  # [L, L]
-            ok = torch.cat([causal.new_ones(l, entries.numel()), causal], 1)[None]  # [1, L, window + L]
-            p = self.params[layer_idx]
-            out = paged_multi_token_attention(group_queries(query.float(), hk), p.r_k, p.mu_k, self.pool, r.table, li,
-                                              n, scaling, win_k, win_v, mask_rows(ok, hq // hk), p.r_v, p.mu_v,
-                                              out_dtype=query.dtype, block_n=cfg.block_size)
-            out = out.reshape(1, hq, l, d).transpose(1, 2)
+            old_k = self.windows.k[r.slot, li].index_select(1, entries)[None]  # [1, Hk, E, D]
+            old_v = self.windows.v[r.slot, li].index_select(1, entries)[None]
+            e = entries.numel()
+            if n == 0:  # nothing quantized yet: the stored slots are [0, T), exact attention as a fresh prefill
+                keys, values = torch.cat([old_k, new_k], 2), torch.cat([old_v, new_v], 2)
+                causal = torch.arange(t_old + l, device=dev)[None, :] <= (t_old + torch.arange(l, device=dev))[:, None]
+                out, _ = base_attention_function(module, base)(module, query, keys, values, causal[None, None],
+                                                               scaling=scaling, dropout=0.0)
+            else:  # history + window + the new rows, in chunks of query rows that bound the [rows, keys] logits
+                p, g = self.params[layer_idx], hq // hk
+                rows = max(1, LOGITS_BUDGET // (4 * hk * g * (e + l)))
+                outs = []
+                for c0 in range(0, l, rows):
+                    c1 = min(l, c0 + rows)
+                    win_k = torch.cat([old_k, new_k[:, :, :c1]], 2)
+                    win_v = torch.cat([old_v, new_v[:, :, :c1]], 2)
+                    causal = torch.arange(c1, device=dev)[None, :] <= torch.arange(c0, c1, device=dev)[:, None]
+                    ok = torch.cat([causal.new_ones(c1 - c0, e), causal], 1)[None]  # [1, Lc, E + c1]
+                    o = paged_multi_token_attention(group_queries(query[:, :, c0:c1].float(), hk), p.r_k, p.mu_k,
+                                                    self.pool, r.table, li, n, scaling, win_k, win_v, mask_rows(ok, g),
+                                                    p.r_v, p.mu_v, out_dtype=query.dtype, block_n=cfg.block_size)
+                    outs.append(o.reshape(1, hq, c1 - c0, d).transpose(1, 2))
+                out = torch.cat(outs, 1)
         self._commit_bulk(r, layer_idx, t_old, new_k, new_v)
         r.lengths[layer_idx] = t_old + l
         return out

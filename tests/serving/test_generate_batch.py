@@ -35,11 +35,15 @@ def test_generate_batch_matches_oscar_cache_alone(model):
     # at most 3 requests per batch: the later ones join as the first ones leave; pages of 8 tokens (a request holds
     # 16 blocks for its window + its history pages: 128 blocks never make the scheduler evict one)
     cb_cfg = continuous_batching_config(num_blocks=128, max_batch_tokens=256, page_size=8, max_requests_per_batch=3)
+    sizes = []
     with paged_oscar(model, **OSCAR) as store:
         assert isinstance(store, OscarPagedStore)
+        attend = store.attend
+        store.attend = lambda layer, q, k, v, batch, *a: sizes.append(len(batch)) or attend(layer, q, k, v, batch, *a)
         out = model.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg, warmup=False)
         assert store.pool.num_used == 0 and not store.requests  # every request left and gave its pages back
         assert store.pool.peak_used >= 3  # histories did live in pages (40 + 24 tokens: 6 pages alone)
+    assert max(sizes) == 3  # requests shared forwards, up to max_requests_per_batch
     assert model.config._attn_implementation == "sdpa"  # restored
     got = [r.generated_tokens for r in out.values()]
     assert len(got) == len(prompts)

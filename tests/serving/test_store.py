@@ -137,3 +137,25 @@ def test_memory_budget_sizes_the_pool():
     assert sized.pool.num_pages == 10
     with pytest.raises(ValueError, match="windows"):
         make_store(num_pages=None, memory_budget=windows)
+
+
+def test_prompt_chunk_after_history_in_row_chunks(monkeypatch):
+    """A prompt chunk arriving after the request already has INT2 history (chunked prefill) is read in chunks of
+    query rows when its logits would be large: the same result as in one piece."""
+    from oscar_hf.serving import store as store_module
+
+    module = FakeAttention()
+    cfg = make_store()[0]
+    hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    outs = []
+    for budget in (store_module.LOGITS_BUDGET, 4 * hk * 2 * 40 * 3):  # the second: 3 query rows at a time
+        monkeypatch.setattr(store_module, "LOGITS_BUDGET", budget)
+        store = make_store()[1]
+        gen = torch.Generator().manual_seed(2)
+        for past, l in ((0, 30), (30, 1), (31, 9)):  # prompt, one decode step, then a 9-token chunk over history
+            q = torch.randn(1, hq, l, d, generator=gen)
+            k, v = torch.randn(1, hk, l, d, generator=gen), torch.randn(1, hk, l, d, generator=gen)
+            out = store.attend(0, q, k, v, [("a", past, l)], d**-0.5, module, "sdpa")
+        assert store.pool.num_used > 0 and torch.isfinite(out).all()
+        outs.append(out)
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
