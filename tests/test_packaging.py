@@ -24,6 +24,19 @@ def test_no_top_level_kernels_module_shadows_hugging_face():
         assert not import_utils.is_kernels_available()
 
 
+def test_every_subpackage_is_installed():
+    """A non-editable install ships only the packages setup.cfg lists: every folder of oscar_hf/ with an __init__.py
+    must be there."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    found = {"oscar_hf." + ".".join(p.parent.relative_to(REPO / "oscar_hf").parts)
+             for p in (REPO / "oscar_hf").rglob("__init__.py") if p.parent != REPO / "oscar_hf"}
+    assert found <= listed, f"missing from setup.cfg [options] packages: {sorted(found - listed)}"
+
+
 PUBLIC_API = ("OscarCache", "StaticOscarCache", "OscarConfig", "OscarRotations", "calibrate", "find_retrieval_heads",
               "enable_oscar", "disable_oscar", "__version__")
 

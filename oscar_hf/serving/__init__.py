@@ -12,10 +12,12 @@ subclass that records each batch and admits requests by OSCAR's memory) -> OSCAR
 
 docs/serving.md has the design, what Transformers exposes, the measured load test and what is missing.
 """
-from .batching import SECTOR_API, OscarPagedCache, continuous_batching_config, generate_batch, paged_oscar
+from .batching import (SECTOR_API, OscarPagedCache, continuous_batching_config, generate_batch, oscar_continuous_batching,
+                       oscar_serving, paged_oscar)
 from .paged_attention import PagedOscarKV
 from .pool import PagedInt2Pool, PoolExhausted, page_bytes
 from .store import OscarPagedStore
 
 __all__ = ["PagedInt2Pool", "PoolExhausted", "page_bytes", "OscarPagedStore", "OscarPagedCache", "PagedOscarKV",
-           "paged_oscar", "generate_batch", "continuous_batching_config", "SECTOR_API"]
+           "paged_oscar", "oscar_serving", "oscar_continuous_batching", "generate_batch", "continuous_batching_config",
+           "SECTOR_API"]

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
+
+import torch
 
 from transformers import AttentionInterface
 from transformers.generation.continuous_batching import continuous_api
 
-from ..attention import disable_oscar, enable_oscar
+from ..attention import PREFIX
+from ..patching import split_name
 from .store import OscarPagedStore
 
 # Transformers 5.20+ allocates its paged cache in sectors (continuous_batching/cache_allocators) and its models call
@@ -42,26 +46,34 @@ def continuous_batching_config(page_size: int = 256, **kwargs):
     return ContinuousBatchingConfig(**{"page_size" if SECTOR_API else "block_size": page_size}, **kwargs)
 
 
-def _switch(model) -> list:
-    """Route the model's attention through OSCAR; returns what :func:`_restore` needs."""
-    if SECTOR_API:
-        enable_oscar(model)
-        return []
-    configs = [c for c in {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
-                                                                                     "_attn_implementation")}.values()]
-    saved = [(c, c._attn_implementation) for c in configs]
-    for c in configs:  # set directly: the name is registered, and set_attn_implementation would re-validate it
-        c._attn_implementation_internal = ATTENTION_NAME
+def _attention_configs(target) -> list:
+    """The config objects whose ``_attn_implementation`` the attention modules read: every module's of a model, or
+    the given config (what a paged cache receives: ``model.config.get_text_config()``, the model's own for LMs)."""
+    if isinstance(target, torch.nn.Module):
+        found = {id(m.config): m.config for m in target.modules()
+                 if hasattr(getattr(m, "config", None), "_attn_implementation")}
+        return list(found.values())
+    return [target]
+
+
+def _switch(target) -> list:
+    """Route the attention of ``target`` (a model or its config) through OSCAR: ``oscar_<base>`` on 5.20+ (the
+    handle ``cache.update`` returns reaches it), ``paged|oscar_sdpa`` before. Returns ``[(config, old name)]``."""
+    saved = []
+    for c in _attention_configs(target):
+        old = c._attn_implementation
+        _, base = split_name(old)
+        new = PREFIX + base.removeprefix("paged|") if SECTOR_API else ATTENTION_NAME
+        # set directly: both names are registered, and set_attn_implementation would re-validate them
+        c._attn_implementation_internal = new
+        saved.append((c, old, new))
     return saved
 
 
-def _restore(model, saved: list) -> None:
-    if SECTOR_API:
-        disable_oscar(model)
-        return
-    for c, name in saved:
-        if c._attn_implementation == ATTENTION_NAME:
-            c._attn_implementation_internal = name
+def _restore(saved: list) -> None:
+    for c, old, new in saved:
+        if c._attn_implementation == new:
+            c._attn_implementation_internal = old
 
 
 def _check_cb_config(cbc) -> None:
@@ -79,6 +91,57 @@ def _check_cb_config(cbc) -> None:
 
 
 @contextlib.contextmanager
+def oscar_continuous_batching(make_store, model=None):
+    """Inside the block, every continuous-batching manager (``generate_batch``, ``init_continuous_batching``, a
+    server's) builds OSCAR's paged cache, with the store ``make_store(config, device, dtype)`` returns, and routes the
+    attention of ``model`` (or, without one, of the config the cache receives) through OSCAR. Restored on exit."""
+    original = continuous_api.PagedAttentionCache
+    if getattr(original, "__name__", "") != "PagedAttentionCache" or original is OscarPagedCache:
+        raise RuntimeError("continuous_api.PagedAttentionCache is already replaced (nested paged_oscar?)")
+    signature = inspect.signature(original.__init__)
+    saved, stores = [], []
+    # a model routed through OSCAR by an OscarCache run (oscar_sdpa) is shown to the manager as its base (sdpa)
+    entry = [] if model is None else [(c, c._attn_implementation) for c in _attention_configs(model)
+                                      if split_name(c._attn_implementation)[0] == PREFIX]
+    for c, name in entry:
+        c._attn_implementation_internal = split_name(name)[1]
+
+    def build(*args, **kwargs):
+        arguments = signature.bind(None, *args, **kwargs).arguments
+        _check_cb_config(arguments.get("continuous_batching_config"))
+        dtype = arguments.get("dtype", signature.parameters["dtype"].default)
+        store = make_store(arguments["config"], arguments["device"], dtype)
+        cache = OscarPagedCache(*args, store=store, **kwargs)
+        stores.append(store)
+        saved.extend(_switch(model if model is not None else arguments["config"]))  # after the manager accepted sdpa
+        return cache
+
+    continuous_api.PagedAttentionCache = build
+    update = getattr(continuous_api, "update_cb_config_after_cache_creation", None)
+    if not SECTOR_API and update is not None:
+        # 5.17 - 5.19 cap max_requests_per_batch at the cache's num_blocks, which OSCAR's cache keeps at 1 (the
+        # size of Transformers' unused K/V and of its masks): the cap follows the INT2 pages of the cache just built
+        def update_with_pages(cb_config, num_blocks, *args, **kwargs):
+            pages = stores[-1].pool.num_pages if stores and stores[-1].pool is not None else num_blocks
+            return update(cb_config, max(num_blocks, pages), *args, **kwargs)
+
+        continuous_api.update_cb_config_after_cache_creation = update_with_pages
+    try:
+        yield stores
+    finally:
+        continuous_api.PagedAttentionCache = original
+        if update is not None:
+            continuous_api.update_cb_config_after_cache_creation = update
+        _restore(saved)
+        for c, name in entry:
+            c._attn_implementation_internal = name
+        for store in stores:
+            store.free_all()
+            if store.pool_in_cache:  # the cache tensor it lived in belongs to the manager that is gone
+                store.pool, store.pool_in_cache = None, False
+
+
+@contextlib.contextmanager
 def paged_oscar(model, store: OscarPagedStore | None = None, **store_kwargs):
     """Serve ``model``'s continuous batching through OSCAR inside the block::
 
@@ -86,48 +149,32 @@ def paged_oscar(model, store: OscarPagedStore | None = None, **store_kwargs):
             outputs = model.generate_batch(inputs, generation_config)
 
     ``store`` an :class:`OscarPagedStore`, or its arguments (``store_kwargs``; device and dtype default to the
-    model's). When the store quantizes every layer, its page pool lives in Transformers' cache tensor, sized by the
-    ``ContinuousBatchingConfig`` (``num_blocks`` INT2 blocks, or ``max_memory_percent`` of free memory at OSCAR's
-    bytes per token) with its ``page_size``: give no ``num_pages`` / ``memory_budget`` / ``page_size`` then. The model
-    must be loaded with ``attn_implementation="sdpa"`` (or ``"eager"``)."""
+    model's). When the store quantizes every layer, its page pool follows Transformers' blocks, sized by the
+    ``ContinuousBatchingConfig`` (``num_blocks`` INT2 pages, or ``max_memory_percent`` of free memory at OSCAR's
+    bytes per token) with its page size: give no ``num_pages`` / ``memory_budget`` / ``page_size`` then. The model
+    must be loaded with ``attn_implementation="sdpa"``."""
     if store is None:
         store_kwargs.setdefault("device", model.device)
         store_kwargs.setdefault("dtype", model.dtype)
         if not any(k in store_kwargs for k in ("num_pages", "memory_budget")):
             store_kwargs["defer_pool"] = True
         store = OscarPagedStore(model, **store_kwargs)
-    original = continuous_api.PagedAttentionCache
-    if getattr(original, "__name__", "") != "PagedAttentionCache" or original is OscarPagedCache:
-        raise RuntimeError("continuous_api.PagedAttentionCache is already replaced (nested paged_oscar?)")
-
-    saved = []
-
-    def build(*args, continuous_batching_config=None, **kwargs):
-        _check_cb_config(continuous_batching_config)
-        cache = OscarPagedCache(*args, continuous_batching_config=continuous_batching_config, store=store, **kwargs)
-        saved.extend(_switch(model))  # after the manager accepted "sdpa" (or "paged|sdpa")
-        return cache
-
-    continuous_api.PagedAttentionCache = build
-    update = getattr(continuous_api, "update_cb_config_after_cache_creation", None)
-    if not SECTOR_API and update is not None:
-        # 5.17 - 5.19 cap max_requests_per_batch at the cache's num_blocks, which OSCAR's cache keeps at 1 (the
-        # size of Transformers' unused K/V and of its masks): the cap follows the INT2 pages instead
-        def update_with_pages(cb_config, num_blocks, *args, **kwargs):
-            pages = store.pool.num_pages if store.pool is not None else num_blocks
-            return update(cb_config, max(num_blocks, pages), *args, **kwargs)
-
-        continuous_api.update_cb_config_after_cache_creation = update_with_pages
-    try:
+    with oscar_continuous_batching(lambda config, device, dtype: store, model):
         yield store
-    finally:
-        continuous_api.PagedAttentionCache = original
-        if update is not None:
-            continuous_api.update_cb_config_after_cache_creation = update
-        _restore(model, saved)
-        store.free_all()
-        if store.pool_in_cache:  # the cache tensor it lived in belongs to the manager that is gone
-            store.pool, store.pool_in_cache = None, False
+
+
+@contextlib.contextmanager
+def oscar_serving(rotations=None, **store_kwargs):
+    """:func:`oscar_continuous_batching` for a process that loads its models itself (``transformers serve``,
+    ``scripts/serve.py``): each manager's cache gets a fresh :class:`OscarPagedStore` for the model it serves
+    (``rotations`` an :class:`~oscar_hf.OscarRotations` or None for the artifact-free ``method``; ``store_kwargs``
+    its other arguments, e.g. ``max_requests``, ``sink``)."""
+
+    def make_store(config, device, dtype):
+        return OscarPagedStore(config, rotations, device=device, dtype=dtype, defer_pool=True, **store_kwargs)
+
+    with oscar_continuous_batching(make_store) as stores:
+        yield stores
 
 
 def generate_batch(model, inputs, generation_config=None, continuous_batching_config=None, *, store=None,

@@ -62,6 +62,14 @@ def test_paged_oscar_refuses_cuda_graphs(model):
         _check_cb_config(cb_cfg)
     with pytest.raises(NotImplementedError):
         _check_cb_config(ContinuousBatchingConfig(cpu_offload_space=1.0))
+    from oscar_hf.attention import disable_oscar, enable_oscar
+
+    enable_oscar(model)  # as an OscarCache run leaves it: oscar_sdpa, which the manager alone would refuse
+    small = continuous_batching_config(num_blocks=16, max_batch_tokens=64, page_size=16)
+    with paged_oscar(model, **OSCAR):
+        assert model.generate_batch([[1, 2, 3]], gen_cfg, continuous_batching_config=small, warmup=False)
+    assert model.config._attn_implementation == "oscar_sdpa"  # as it was
+    disable_oscar(model)
     with paged_oscar(model, **OSCAR):
         pass  # entering and leaving restores Transformers' own cache class
     from transformers.generation.continuous_batching import continuous_api
@@ -69,5 +77,4 @@ def test_paged_oscar_refuses_cuda_graphs(model):
 
     assert continuous_api.PagedAttentionCache is PagedAttentionCache
     # plain continuous batching still works (a small cache: the default sizes it from the free memory, slow on CPU)
-    small = continuous_batching_config(num_blocks=16, max_batch_tokens=64, page_size=16)
     assert model.generate_batch([[1, 2, 3]], gen_cfg, continuous_batching_config=small, warmup=False)

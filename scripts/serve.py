@@ -1,0 +1,51 @@
+#!/usr/bin/env python
+"""``transformers serve --continuous-batching`` with OSCAR's paged 2-bit KV cache: the same OpenAI-compatible server
+(``/v1/completions``, ``/v1/chat/completions``, ...), every request's KV in OSCAR's store.
+
+    python -P scripts/serve.py Qwen/Qwen3-8B --max-requests 64 -- --port 8000 --cb-num-blocks 4000
+    python -P scripts/serve.py MODEL --rotations ./rotations-dir -- --device cuda:0
+
+Options before ``--`` are OSCAR's (the rotations artifact or the artifact-free ``--method``, window slots, sink /
+recent / group size); everything after ``--`` goes to ``transformers serve`` unchanged (``--cb-num-blocks`` counts INT2
+pages of OSCAR's pool, ``--cb-max-memory-percent`` sizes it from free memory). ``--continuous-batching`` and
+``--attn-implementation sdpa`` are added. Needs ``pip install "transformers[serving]"``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse(argv: list[str]):
+    ours, theirs = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model", nargs="?", help="model to preload (a Hub id or a local directory)")
+    p.add_argument("--rotations", help="OSCAR rotations artifact (directory or Hub id); default: --method")
+    p.add_argument("--method", default="hadamard", help="artifact-free rotation when no --rotations is given")
+    p.add_argument("--max-requests", type=int, default=64, help="full-precision window slots: requests live at once")
+    p.add_argument("--sink", type=int)
+    p.add_argument("--recent", type=int)
+    p.add_argument("--group-size", type=int)
+    return p.parse_args(ours), theirs
+
+
+def main(argv: list[str] | None = None):
+    args, theirs = parse(sys.argv[1:] if argv is None else argv)
+    from oscar_hf import OscarRotations
+    from oscar_hf.serving import oscar_serving
+
+    rotations = OscarRotations.from_pretrained(args.rotations) if args.rotations else None
+    overrides = {k: v for k, v in dict(sink=args.sink, recent=args.recent, group_size=args.group_size).items()
+                 if v is not None}
+    if rotations is None:
+        overrides["method"] = args.method
+    cli = ["serve", *([args.model] if args.model else []), "--continuous-batching", "--attn-implementation", "sdpa",
+           *theirs]
+    from transformers.cli.transformers import app
+
+    with oscar_serving(rotations, max_requests=args.max_requests, **overrides):
+        app(cli, standalone_mode=False)
+
+
+if __name__ == "__main__":
+    main()
