@@ -30,7 +30,7 @@ from oscar_hf.config import ModelFingerprint, validate_head_dim
 from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.quant import dequantize_rows, quantize_rows
 
-from .fakequant import FakeQuantSpec, residual_exact_mask, window_exact_mask
+from .fakequant import FakeQuantSpec, minmax_fake_quant, residual_exact_mask, window_exact_mask
 
 FP_BITS = 16  # full-precision tokens are counted as BF16 (the deployed dtype), whatever the eval dtype
 
@@ -233,12 +233,7 @@ class KiviSpec(FakeQuantSpec):
         if self.bits == 2:
             return dequantize_rows(quantize_rows(x, g, 1.0, self.meta), g)
         xg = x.float().reshape(*x.shape[:-1], -1, g)
-        lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
-        scale = ((hi - lo) / (2**self.bits - 1)).to(self.meta).float()
-        lo = lo.to(self.meta).float()
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round((xg - lo) / safe).clamp(0, 2**self.bits - 1)
-        return (lo + q * scale).reshape(x.shape)
+        return minmax_fake_quant(xg, self.bits, self.meta).reshape(x.shape)
 
     def layer_kv(self, i, k, v):
         b, h, n, d = k.shape
