@@ -57,6 +57,26 @@ def capacity_for(need: int, current: int = 0) -> int:
     return int(math.ceil(want / BUCKET) * BUCKET)
 
 
+def ring_slots(length: torch.Tensor, ring: int) -> torch.Tensor:
+    """``[..., R]``: the slot each entry of a ring of ``R`` holds (slot ``s`` at entry ``s % R``) once slots
+    ``[0, length)`` are written (may be < 0); ``length`` 0-d or ``[B, 1]``."""
+    q = torch.arange(ring, device=length.device)
+    return (length - 1) - torch.remainder(length - 1 - q, ring)
+
+
+def window_mask(length: torch.Tensor, pad, sink: int, ring: int, recent: int) -> torch.Tensor:
+    """``[B, S0 + R]`` bool: which entries of a sink + ring window (``[:S0]`` a row's first real tokens, ``[S0:]`` a
+    ring of ``R``) hold a row's sink tokens or one of the last ``recent`` of its ``length`` slots; ring entries of a
+    row's sink or padding are masked. ``length``: 0-d (every row) or ``[B]``; ``pad``: ``[B]`` (each row's first real
+    slot) or 0. The compiled storage's rows share a length and differ in padding; the paged store's the reverse."""
+    length = length.reshape(-1, 1)
+    pad = pad.reshape(-1, 1) if isinstance(pad, torch.Tensor) else pad
+    sink_ok = torch.arange(sink, device=length.device)[None, :] < (length - pad).clamp(0, sink)
+    slot = ring_slots(length, ring)
+    ring_ok = (slot >= pad + sink) & (slot >= length - recent)
+    return torch.cat([sink_ok, ring_ok], 1)
+
+
 class StaticOscarKV(OscarKV):
     """The handle ``update`` returns (no ``__slots__``: plain attribute access for dynamo)."""
 
@@ -343,18 +363,11 @@ class StaticOscarLayer(QuantizedLayerBase):
 
     def ring_slots(self, length: torch.Tensor) -> torch.Tensor:
         """``[R]``: the slot each ring entry holds once slots ``[0, length)`` are written (may be < 0)."""
-        q = torch.arange(self.ring, device=self.device)
-        return (length - 1) - torch.remainder(length - 1 - q, self.ring)
+        return ring_slots(length, self.ring)
 
     def window_mask(self, length: torch.Tensor, recent: int) -> torch.Tensor:
-        """``[B, S0 + R]`` bool: which window entries hold row ``b``'s sink tokens or one of the last
-        ``recent`` of ``length`` slots (ring entries of a row's sink or padding are masked)."""
-        s0 = self.config.sink
-        j = torch.arange(s0, device=self.device)
-        sink_ok = j[None, :] < (length - self.pad).clamp(0, s0)[:, None]
-        slot = self.ring_slots(length)
-        ring_ok = (slot[None, :] >= (self.pad + s0)[:, None]) & (slot >= length - recent)[None, :]
-        return torch.cat([sink_ok, ring_ok], 1)
+        """``[B, S0 + R]`` bool: :func:`window_mask` of every row at ``length`` (0-d) from its left padding."""
+        return window_mask(length, self.pad, self.config.sink, self.ring, recent)
 
     # ------------------------------------------------------------------ write path (eager, multi-token)
     def _write_full_precision(self, new_k, new_v, t_old: int) -> None:

@@ -12,8 +12,8 @@ subclass that records each batch and admits requests by OSCAR's memory) -> OSCAR
 
 docs/serving.md has the design, what Transformers exposes, the measured load test and what is missing.
 """
-from .batching import (SECTOR_API, OscarPagedCache, continuous_batching_config, generate_batch, oscar_continuous_batching,
-                       oscar_serving, paged_oscar)
+from .batching import (SECTOR_API, OscarPagedCache, continuous_batching_config, generate_batch,
+                       oscar_continuous_batching, oscar_serving, paged_oscar)
 from .paged_attention import PagedOscarKV
 from .pool import PagedInt2Pool, PoolExhausted, page_bytes
 from .store import OscarPagedStore

@@ -79,3 +79,22 @@ class PagedOscarKV(OscarKV):
         ``cu_seq_lens_q``, a device tensor: reading it would stall every layer)."""
         return self.store.attend(self.layer_idx, query, self.key_states, self.value_states, self.batch, scaling,
                                  module, base)
+
+
+class RecordedBatch:
+    """What both paged caches (5.20+ and 5.17 - 5.19) keep for the store: the requests of a forward in packing order,
+    recorded by Transformers' per-request hooks while it prepares the batch (the request ids never reach the
+    forward) and taken by the forward's first OSCAR layer."""
+
+    def _start_recording(self) -> None:
+        self._pending: list[tuple[str, int, int]] = []
+        self._batch: list[tuple[str, int, int]] = []
+
+    def _record(self, request_id: str, past_length: int, query_length: int) -> None:
+        self._pending.append((request_id, int(past_length), int(query_length)))
+
+    def batch(self) -> list[tuple[str, int, int]]:
+        """The requests of the running forward, ``(request_id, past_length, query_length)`` in packing order."""
+        if self._pending:  # the first OSCAR layer of a forward: the requests recorded since the previous one
+            self._batch, self._pending = self._pending, []
+        return self._batch

@@ -48,7 +48,7 @@ from transformers.generation.continuous_batching.cache import (
 )
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 
-from .paged_attention import PagedOscarKV
+from .paged_attention import PagedOscarKV, RecordedBatch
 from .store import OscarPagedStore
 
 
@@ -59,8 +59,8 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
     ``bytes_per_page`` is the INT2 page of one layer, so sectors, ``num_blocks`` and the memory budget count INT2
     bytes. A request of ``T`` tokens holds ``ceil((T - S0 - W) / P)`` blocks: its history pages (the store's own
     count); its full-precision window is a slot of the store's window pool, allocated before Transformers sizes its
-    cache (so ``max_memory_percent`` sees it) and taken at admission (:meth:`OscarPagedCache.can_store_request_tokens`). The blocks are
-    bookkeeping only: the store writes its pages through its own free list in the same memory (``num_blocks`` pages),
+    cache (so ``max_memory_percent`` sees it) and taken at admission (:meth:`OscarPagedCache.can_store_request_tokens`).
+    The blocks are bookkeeping only: the store writes its pages through its own free list in the same memory (``num_blocks`` pages),
     and holds at most as many pages as Transformers has handed out. Nothing here is read by the attention, so no
     read / write indices are produced and the keys each request attends to count as its new rows only (the
     ``[sum L, sum L]`` mask Transformers builds for sdpa is not read either). Bound to a store by :meth:`bind`."""
@@ -152,24 +152,17 @@ def _oscar_allocation(store: OscarPagedStore):
         cache_module.PagedAttentionMemoryHandler = saved[2]
 
 
-class OscarPagedCache(PagedAttentionCache):
+class OscarPagedCache(RecordedBatch, PagedAttentionCache):
     """``PagedAttentionCache`` whose OSCAR layers live in an :class:`OscarPagedStore` (see the module docstring).
     Built by :func:`paged_oscar` in place of the manager's own cache, with the manager's arguments."""
 
     def __init__(self, *args, store: OscarPagedStore, **kwargs):
         config = args[0] if args else kwargs["config"]
         self.oscar_owns_memory = store_owns_every_layer(store, config)
+        store.check_pool_sizing(follows_blocks=self.oscar_owns_memory)
         if not self.oscar_owns_memory:  # BF16 cache for the other layers, the store's pool sized by the user
-            if store.pool is None:
-                raise ValueError("this model has layers OSCAR does not quantize (sliding windows / skip_layers): its "
-                                 "BF16 paged cache stays and the INT2 pool is sized apart: give num_pages= or "
-                                 "memory_budget=")
             super().__init__(*args, **kwargs)
         else:
-            if store.pool is not None and not store.pool_in_cache:
-                raise ValueError("the INT2 pool lives in Transformers' cache memory for this model: size it with "
-                                 "ContinuousBatchingConfig(num_blocks= / max_memory_percent=), not num_pages= / "
-                                 "memory_budget=")
             with _oscar_allocation(store):
                 super().__init__(*args, **kwargs)
             allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
@@ -184,26 +177,24 @@ class OscarPagedCache(PagedAttentionCache):
         # The store's requests start empty: a prefix matched in the BF16 pages was never written to it.
         self.allow_block_sharing = self.use_prefix_sharing = False
         self.store = store
-        self._pending: list[tuple[str, int, int]] = []
-        self._batch: list[tuple[str, int, int]] = []
+        self._start_recording()
 
     # ------------------------------------------------------------------ batch composition
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
-        self._pending.append((request_id, int(past_length), int(query_length)))
+        self._record(request_id, past_length, query_length)
         super().extend_read_and_write_indices(request_id, past_length, query_length, read_index, write_index)
 
     def fill_block_table(self, request_id, past_length, query_length, block_table) -> None:
-        self._pending.append((request_id, int(past_length), int(query_length)))
+        self._record(request_id, past_length, query_length)
         super().fill_block_table(request_id, past_length, query_length, block_table)
 
     def update(self, key_states, value_states, layer_idx, kwargs):
-        if self._pending:  # the first update of a forward: the requests recorded since the previous one
-            self._batch, self._pending = self._pending, []
+        batch = self.batch()  # taken by the forward's first layer, whoever serves it
         if not self.store.handles(layer_idx):
             return super().update(key_states, value_states, layer_idx, kwargs)
         if kwargs.get("block_table") is not None:
             raise NotImplementedError("the OSCAR paged cache does not serve the flash block-table decode path")
-        handle = PagedOscarKV(self.store, layer_idx, key_states, value_states, self._batch)
+        handle = PagedOscarKV(self.store, layer_idx, key_states, value_states, batch)
         return handle, handle
 
     # ------------------------------------------------------------------ admission, requests leaving

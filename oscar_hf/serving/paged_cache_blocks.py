@@ -25,7 +25,7 @@ from transformers.generation.continuous_batching.cache import (
 )
 from transformers.generation.continuous_batching.cache_manager import BlockManager
 
-from .paged_attention import PagedOscarKV
+from .paged_attention import PagedOscarKV, RecordedBatch
 from .store import OscarPagedStore
 
 ATTENTION_NAME = "paged|oscar_sdpa"
@@ -36,24 +36,17 @@ def store_owns_every_layer(store: OscarPagedStore, config) -> bool:
     return types == ["full_attention"] and all(store.handles(i) for i in groups[0])
 
 
-class OscarPagedCacheBlocks(PagedAttentionCache):
+class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
     """``PagedAttentionCache`` (block-manager API) whose OSCAR layers live in an :class:`OscarPagedStore`."""
 
     def __init__(self, config, continuous_batching_config, device, distributed_helper, tp_plan=None,
                  dtype=torch.float16, *, store: OscarPagedStore):
         tp_plan = tp_plan or {}
         self.oscar_owns_memory = store_owns_every_layer(store, config)
+        store.check_pool_sizing(follows_blocks=self.oscar_owns_memory)
         if not self.oscar_owns_memory:
-            if store.pool is None:
-                raise ValueError("this model has layers OSCAR does not quantize (sliding windows / skip_layers): its "
-                                 "BF16 paged cache stays and the INT2 pool is sized apart: give num_pages= or "
-                                 "memory_budget=")
             super().__init__(config, continuous_batching_config, device, distributed_helper, tp_plan, dtype)
         else:
-            if store.pool is not None:
-                raise ValueError("the INT2 pool follows Transformers' blocks for this model: size it with "
-                                 "ContinuousBatchingConfig(num_blocks= / max_memory_percent=), not num_pages= / "
-                                 "memory_budget=")
             cbc = continuous_batching_config
             pages = cbc.num_blocks
             if pages is None:  # the bytes Transformers would give BF16 blocks, spent on INT2 pages
@@ -73,8 +66,7 @@ class OscarPagedCacheBlocks(PagedAttentionCache):
             store.attach_pool(pages, self.block_size)
         self.allow_block_sharing = self.use_prefix_sharing = False
         self.store = store
-        self._pending: list[tuple[str, int, int]] = []
-        self._batch: list[tuple[str, int, int]] = []
+        self._start_recording()
 
     # ------------------------------------------------------------------ admission
     def allocate_blocks(self, n_blocks: int, request_id: str, allocated_blocks: int) -> int | None:
@@ -99,7 +91,7 @@ class OscarPagedCacheBlocks(PagedAttentionCache):
 
     # ------------------------------------------------------------------ batch composition
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
-        self._pending.append((request_id, int(past_length), int(query_length)))
+        self._record(request_id, past_length, query_length)
         if not self.oscar_owns_memory:
             return super().extend_read_and_write_indices(request_id, past_length, query_length, read_index,
                                                          write_index)
@@ -113,12 +105,6 @@ class OscarPagedCacheBlocks(PagedAttentionCache):
         if self.oscar_owns_memory:  # Transformers reads no past for these layers: its mask is [M, M]
             return {"full_attention": query_length}
         return super().get_seqlens_k(past_length, query_length)
-
-    def batch(self) -> list[tuple[str, int, int]]:
-        """The requests of the running forward, in packing order (taken at its first OSCAR layer)."""
-        if self._pending:
-            self._batch, self._pending = self._pending, []
-        return self._batch
 
 
 def paged_oscar_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from oscar_hf.kernels.paged_decode import gather_pages
+
 from ..quant import SUPPORTED_META_DTYPES, QuantizedRows, check_group_size
 
 KINDS = {"k": 0, "v": 1}
@@ -141,13 +143,20 @@ class PagedInt2Pool:
                 dst[page, layer, kv, :, off : off + m] = t[0, :, src]
             j += m
 
+    def write_entries(self, pages: torch.Tensor, offsets: torch.Tensor, layer: int, kind: str,
+                      rows: QuantizedRows) -> None:
+        """One entry per row of ``rows.* [n, Hk, 1, X]``: row ``i`` at offset ``offsets[i]`` of page ``pages[i]``
+        (long ``[n]`` device tensors: one write for many requests, no host synchronization)."""
+        for dst, src in zip(self.rows(layer, kind), rows):
+            dst[pages, :, offsets] = src[:, :, 0]
+
+    def rows(self, layer: int, kind: str) -> QuantizedRows:
+        """One layer's keys or values of every page, ``[num_pages, Hk, P, X]`` strided views (what the paged kernel
+        and :func:`~oscar_hf.kernels.paged_decode.gather_pages` read)."""
+        kv = KINDS[kind]
+        return QuantizedRows(self.codes[:, layer, kv], self.scale[:, layer, kv], self.zero[:, layer, kv])
+
     def gather(self, pages: torch.Tensor, layer: int, kind: str, n: int) -> QuantizedRows:
         """The first ``n`` entries of the pages ``pages [np]`` (long, in block-table order) as packed rows
         ``[1, Hk, n, X]``: a copy of INT2 codes and metadata only, never a full-precision history."""
-        kv = KINDS[kind]
-
-        def cut(t):
-            x = t.index_select(0, pages)[:, layer, kv]  # [np, Hk, P, X]
-            return x.transpose(0, 1).reshape(1, self.num_kv_heads, -1, x.shape[-1])[:, :, :n]
-
-        return QuantizedRows(cut(self.codes), cut(self.scale), cut(self.zero))
+        return gather_pages(self.rows(layer, kind), pages, n)

@@ -33,9 +33,9 @@ from oscar_hf.kernels.write_path import rotate_quantize
 
 from ..cache import resolve_full_precision_heads
 from ..cache.base import check_first_keys, group_queries, mask_rows
+from ..cache.static import window_mask
 from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
 from ..patching import base_attention_function
-from ..quant import QuantizedRows
 from ..rotations import LayerRotation, OscarRotations
 from .paged_attention import LOGITS_BUDGET, paged_multi_token_attention
 from .pool import PagedInt2Pool, PoolExhausted, page_bytes
@@ -221,6 +221,17 @@ class OscarPagedStore:
                                   self.config.group_size, self.config.torch_meta_dtype, self.device, storage=storage)
         return self.pool
 
+    def check_pool_sizing(self, follows_blocks: bool) -> None:
+        """Who sizes the page pool: Transformers' blocks when the store quantizes every layer (``follows_blocks``),
+        else the user (Transformers keeps its BF16 cache for the other layers)."""
+        if not follows_blocks and self.pool is None:
+            raise ValueError("this model has layers OSCAR does not quantize (sliding windows / skip_layers): its BF16 "
+                             "paged cache stays and the INT2 pool is sized apart: give num_pages= or memory_budget=")
+        if follows_blocks and self.pool is not None and not self.pool_in_cache:
+            raise ValueError("the INT2 pool follows Transformers' blocks for this model: size it with "
+                             "ContinuousBatchingConfig(num_blocks= / max_memory_percent=), not num_pages= / "
+                             "memory_budget=")
+
     # ------------------------------------------------------------------ requests
     def handles(self, layer_idx: int) -> bool:
         return layer_idx in self.layer_slot
@@ -348,19 +359,10 @@ class OscarPagedStore:
             key=key, pos=long(pos), slots=long(slots), new_entry=long(entry), sink_rows=long(sink_rows),
             sink_entry=long(sink_entry), demote_rows=long(dem_rows), demote_entry=long(dem_entry),
             demote_page=long(dem_page), demote_off=long(dem_off), block_table=table.to(dev),
-            hist_len=torch.tensor(hist, dtype=torch.int32, device=dev), max_hist=max(hist), win_mask=self._window_mask(t + 1),
+            hist_len=torch.tensor(hist, dtype=torch.int32, device=dev), max_hist=max(hist),
+            win_mask=window_mask(t + 1, 0, s0, ring, w + 1),  # the new token, the W before it and the sink
             requests=[(batch[i][0], batch[i][1]) for i in decode])
         return self._plan
-
-    def _window_mask(self, length: torch.Tensor) -> torch.Tensor:
-        """``[B, S0 + R]`` bool: the window entries a row of ``length`` slots (the new token included) attends to:
-        its sink slots and the ring slots in ``[max(S0, length - W - 1), length)``."""
-        s0, ring, dev = self.config.sink, self.ring, length.device
-        sink_ok = torch.arange(s0, device=dev)[None, :] < length.clamp(max=s0)[:, None]
-        q = torch.arange(ring, device=dev)[None, :]
-        slot = (length[:, None] - 1) - torch.remainder(length[:, None] - 1 - q, ring)  # slot held by ring entry q
-        ring_ok = (slot >= s0) & (slot >= 0) & (slot >= length[:, None] - self.config.recent - 1)
-        return torch.cat([sink_ok, ring_ok], 1)
 
     def _decode(self, layer_idx: int, plan: DecodePlan, query, new_k, new_v, scaling: float) -> torch.Tensor:
         """``[Bd, Hq, D]``: write then read one token for each decode row (see the module docstring)."""
@@ -370,12 +372,11 @@ class OscarPagedStore:
         v_new = new_v[0].index_select(1, plan.pos).transpose(0, 1)
         if plan.demote_rows.numel():  # 1. slot T - 1 - W: ring -> INT2, into the row's current page
             slots = plan.slots[plan.demote_rows]
-            for win, kind, r, mu, clip in ((win_k, 0, p.r_k, p.mu_k, p.clip_k), (win_v, 1, p.r_v, p.mu_v, p.clip_v)):
+            for win, kind, r, mu, clip in ((win_k, "k", p.r_k, p.mu_k, p.clip_k), (win_v, "v", p.r_v, p.mu_v, p.clip_v)):
                 x = win[slots, :, plan.demote_entry][:, :, None]  # [Bm, Hk, 1, D]
                 rows = rotate_quantize(x, r, mu, clip, cfg.group_size, cfg.torch_meta_dtype,
                                        use_kernels=cfg.use_kernels)
-                for dst, src in zip((self.pool.codes, self.pool.scale, self.pool.zero), rows):
-                    dst[plan.demote_page, li, kind, :, plan.demote_off] = src[:, :, 0]
+                self.pool.write_entries(plan.demote_page, plan.demote_off, li, kind, rows)
         # 2. the new token: its ring entry, and the sink while T < S0
         win_k[plan.slots, :, plan.new_entry] = k_new
         win_v[plan.slots, :, plan.new_entry] = v_new
@@ -386,11 +387,9 @@ class OscarPagedStore:
         hk = self.num_kv_heads
         q = query[0].index_select(1, plan.pos).transpose(0, 1)[:, :, None]  # [Bd, Hq, 1, D]
         qf = group_queries(q.float(), hk)  # [Bd, Hk, g, D]
-        pages = [QuantizedRows(*(t[:, li, kind] for t in (self.pool.codes, self.pool.scale, self.pool.zero)))
-                 for kind in (0, 1)]
-        out = paged_decode_attention(qf, p.r_k, p.mu_k, pages[0], pages[1], plan.block_table, plan.hist_len,
-                                     win_k, win_v, plan.slots, plan.win_mask, p.r_v, p.mu_v, scaling,
-                                     cfg.group_size, query.dtype, use_kernels=cfg.use_kernels,
+        out = paged_decode_attention(qf, p.r_k, p.mu_k, self.pool.rows(li, "k"), self.pool.rows(li, "v"),
+                                     plan.block_table, plan.hist_len, win_k, win_v, plan.slots, plan.win_mask, p.r_v,
+                                     p.mu_v, scaling, cfg.group_size, query.dtype, use_kernels=cfg.use_kernels,
                                      max_hist_len=plan.max_hist)
         return out.reshape(len(plan.requests), query.shape[1], query.shape[3])
 
