@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import random
 import re
 import string
@@ -540,9 +539,8 @@ def history_bits(cache, fp_head_bits: float = 16.0) -> dict:
     fp = cache.fingerprint
     n = len(layers) * fp.num_key_value_heads
     p = sum(len(layer.fp_heads) for layer in layers)
-    q = cache.oscar_config.history_bits(fp.head_dim)  # no full-precision heads: the INT2 rows alone
     return dict(full_precision_heads=p, kv_heads=n, full_precision_head_bits=fp_head_bits,
-                history_bits=((n - p) * q + p * fp_head_bits) / n)
+                history_bits=cache.oscar_config.history_bits(fp.head_dim, p / n, head_bits=fp_head_bits))
 
 
 def auto_heads_at_bits(artifact, model, fp_head_bits: float) -> tuple[tuple[int, int], ...]:
@@ -560,8 +558,7 @@ def auto_heads_at_bits(artifact, model, fp_head_bits: float) -> tuple[tuple[int,
     passing = OscarCache.from_pretrained(artifact, model, max_history_bits=16.0).oscar_config.full_precision_heads
     passing = sorted(passing, key=lambda ih: -float(scores[ih[0], ih[1]]))
     n = sum(hasattr(layer, "fp_heads") for layer in base.layers) * fp.num_key_value_heads
-    q = c.history_bits(fp.head_dim)
-    budget = 0 if c.max_history_bits <= q else math.floor(n * (c.max_history_bits - q) / (fp_head_bits - q) + 1e-9)
+    budget = c.full_precision_head_budget(fp.head_dim, n, head_bits=fp_head_bits)
     return tuple(sorted(tuple(ih) for ih in passing[:budget]))
 
 

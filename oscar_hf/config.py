@@ -208,20 +208,23 @@ class OscarConfig:
             out.add(j)
         return out
 
-    def history_bits(self, head_dim: int, full_precision_share: float = 0.0) -> float:
+    def history_bits(self, head_dim: int, full_precision_share: float = 0.0,
+                     head_bits: float = FULL_PRECISION_HEAD_BITS) -> float:
         """Average bits per history element when ``full_precision_share`` of the quantized layers' KV heads are
-        full-precision heads (16 bits) and the rest INT2 (code + scale/zero per group: 2.5 at group 64, BF16)."""
+        full-precision heads (``head_bits`` each: 16 as the caches store them) and the rest INT2 (code + scale/zero
+        per group: 2.5 at group 64, BF16)."""
         c = self.for_head_dim(head_dim)
         q = bits_per_element(head_dim, c.group_size, c.torch_meta_dtype)
-        return (1.0 - full_precision_share) * q + full_precision_share * FULL_PRECISION_HEAD_BITS
+        return (1.0 - full_precision_share) * q + full_precision_share * head_bits
 
-    def full_precision_head_budget(self, head_dim: int, num_heads: int) -> int:
-        """How many of ``num_heads`` (the quantized layers' KV heads) may be full precision while
-        :meth:`history_bits` stays within ``max_history_bits`` (``full_precision_heads="auto"``)."""
+    def full_precision_head_budget(self, head_dim: int, num_heads: int,
+                                   head_bits: float = FULL_PRECISION_HEAD_BITS) -> int:
+        """How many of ``num_heads`` (the quantized layers' KV heads) may be full precision (``head_bits`` each)
+        while :meth:`history_bits` stays within ``max_history_bits`` (``full_precision_heads="auto"``)."""
         q = self.history_bits(head_dim)
         if num_heads <= 0 or self.max_history_bits <= q:
             return 0
-        n = math.floor(num_heads * (self.max_history_bits - q) / (FULL_PRECISION_HEAD_BITS - q) + 1e-9)
+        n = math.floor(num_heads * (self.max_history_bits - q) / (head_bits - q) + 1e-9)
         return min(n, num_heads)
 
     def to_dict(self) -> dict[str, Any]:
