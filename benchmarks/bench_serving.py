@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: F401  (types)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -98,10 +99,13 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
             time.sleep(max(0.0, t0 + at - time.perf_counter()))
             manager.add_request(prompt, max_new_tokens=new_tokens, record_timestamps=True)
         deadline = time.perf_counter() + timeout
+        bar = tqdm(total=len(prompts), desc=f"{kind} requests", mininterval=10)
         while len(outs) + len(errors) < len(prompts) and time.perf_counter() < deadline:
             r = manager.get_result(timeout=1.0)
             if r is not None:
                 (errors if r.error else outs).append(r)
+                bar.update(1)
+        bar.close()
         manager.stop(block=True)
         pool_peak = store.pool.peak_used if store is not None and store.pool is not None else None
         if hasattr(model, "destroy_cached_continuous_batching_manager"):
@@ -109,7 +113,9 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
     if errors:
         raise RuntimeError(f"{kind}: {len(errors)} requests failed: {errors[0].error}")
     if len(outs) < len(prompts):
-        raise RuntimeError(f"{kind}: {len(prompts) - len(outs)} requests unfinished after {timeout} s")
+        ttft = sorted(round(o.timestamps[0] - o.created_time, 1) for o in outs)
+        raise RuntimeError(f"{kind}: {len(prompts) - len(outs)} requests unfinished after {timeout} s (the "
+                           f"{len(outs)} finished had their first token after {ttft} s)")
     peak_mem = (torch.cuda.max_memory_allocated() - weights) if cuda else 0
     tokens = sum(len(o.generated_tokens) for o in outs)
     first = min(o.created_time for o in outs)

@@ -1,7 +1,13 @@
-"""Read path of the paged store for one request's rows (a prompt chunk after earlier tokens: any window mask): the
-INT2 history is read through the request's block table.
+"""Read path of the paged store for one request's rows when they continue a request (a prompt chunk after earlier
+tokens): the INT2 history is read through the request's block table.
 
-:func:`paged_multi_token_attention` is :func:`oscar_hf.kernels.int2_attention.decode_attention_reference` with the
+:func:`paged_chunk_attention` is the path the store takes: one scaled-dot-product attention call in the rotated
+space over ``[history | window | new rows]``, the history dequantized once for the call (one request and one layer,
+freed when the call returns; decode rows never do this). A continuing chunk can be a whole long prompt: Transformers'
+scheduler fills a step's token budget with the first few tokens of the next prompt and sends the rest next step, so
+this path carries prefill-sized work and has to run at SDPA speed.
+
+:func:`paged_multi_token_attention` is its float32 reference and is :func:`oscar_hf.kernels.int2_attention.decode_attention_reference` with the
 contiguous history replaced by pages: the history partial is accumulated over blocks of ``block_n`` entries, each
 block gathered from its pages (:meth:`PagedInt2Pool.gather`: packed INT2 codes + metadata, never full precision)
 and dequantized by :func:`history_partial_reference`, the blocks merged by the online-softmax rule. With ``block_n``
@@ -16,11 +22,15 @@ entries of the request, ``P`` the page size.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from oscar_hf.kernels.int2_attention import (empty_partial, history_partial_reference, merge_history_and_window,
                                                merge_partials, rotate_query_reference)
 
 from ..attention import OscarKV
+from ..cache.base import group_queries
+from ..quant import dequantize_rows
 from .pool import PagedInt2Pool
 
 LOGITS_BUDGET = 256 << 20  # bytes of one history block's logits
@@ -56,6 +66,43 @@ def paged_multi_token_attention(qf, r_k, mu_k, pool: PagedInt2Pool, table: list[
     q_rot, qk_offset = rotate_query_reference(qf, r_k, mu_k)
     hist = paged_history_partial(q_rot, pool, table, layer, n, qk_offset, scaling, block_n)
     return merge_history_and_window(hist, qf, k_win, v_win, win_mask, r_v, mu_v, scaling, out_dtype)
+
+
+def paged_chunk_attention(query, k_win, v_win, pool: PagedInt2Pool, table: list[int], layer: int, n: int, r_k, mu_k,
+                          r_v, mu_v, scaling: float) -> torch.Tensor:
+    """``[1, L, Hq, D]``: the ``L`` new rows ``query [1, Hq, L, D]`` of one request over its INT2 history (``n``
+    entries through ``table``), then its window and new rows ``k_win/v_win [1, Hk, E + L, D]`` (the last ``L`` are
+    the new rows, causal among themselves; everything before them is visible to every row).
+
+    In the history's space: keys ``(k - mu_K) R_K``, values ``(v - mu_V) R_V``, query ``q R_K``. The window is
+    brought into that space exactly (``R`` is orthogonal), so one SDPA call covers all keys; the logit offset
+    ``q · mu_K`` is the same for every key of a row, which softmax ignores; the output comes back by ``R_Vᵀ`` and
+    ``+ mu_V`` (the weights sum to one). With ``n == 0`` nothing is rotated: exact attention."""
+    _, hq, l, d = query.shape
+    hk, dt = k_win.shape[1], query.dtype
+    keys, values, q = k_win, v_win, query
+    if n:
+        pages = torch.tensor(table[: -(-n // pool.page_size)], dtype=torch.long, device=pool.codes.device)
+
+        def rotated(x, r, mu):  # [1, Hk, E + L, D] -> (x - mu) R, float32
+            x = x.float() if mu is None else x.float() - mu.float()[None, :, None]
+            return torch.matmul(x, r.float().unsqueeze(0))
+
+        keys = torch.cat([dequantize_rows(pool.gather(pages, layer, "k", n), pool.group_size),
+                          rotated(k_win, r_k, mu_k)], 2).to(dt)
+        values = torch.cat([dequantize_rows(pool.gather(pages, layer, "v", n), pool.group_size),
+                            rotated(v_win, r_v, mu_v)], 2).to(dt)
+        q = torch.matmul(group_queries(query.float(), hk), r_k.float().unsqueeze(0)).reshape(1, hq, l, d).to(dt)
+    g = hq // hk
+    keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)  # [1, Hq, n + E + L, D]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(l, keys.shape[2]),
+                                         scale=scaling)  # [1, Hq, L, D]
+    if n:
+        out = torch.matmul(group_queries(out.float(), hk), r_v.float().transpose(-1, -2).unsqueeze(0))
+        if mu_v is not None:
+            out = out + mu_v.float()[None, :, None]
+        out = out.reshape(1, hq, l, d)
+    return out.to(dt).transpose(1, 2)
 
 
 class PagedOscarKV(OscarKV):

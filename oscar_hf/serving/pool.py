@@ -132,16 +132,15 @@ class PagedInt2Pool:
     # ------------------------------------------------------------------ data
     def write(self, table: list[int], layer: int, kind: str, first: int, rows: QuantizedRows) -> None:
         """Write packed rows ``rows.* [1, Hk, n, X]`` as history entries ``[first, first + n)`` of the request whose
-        block table is ``table`` (the pages must be allocated already)."""
-        n, p, kv = rows.codes.shape[2], self.page_size, KINDS[kind]
-        j = first
-        while j < first + n:
-            page, off = table[j // p], j % p
-            m = min(p - off, first + n - j)
-            src = slice(j - first, j - first + m)
-            for dst, t in zip((self.codes, self.scale, self.zero), rows):
-                dst[page, layer, kv, :, off : off + m] = t[0, :, src]
-            j += m
+        block table is ``table`` (the pages must be allocated already): one indexed write per tensor, whatever
+        the number of pages (a 32K-token prompt spans 128 pages of 256)."""
+        n, p = rows.codes.shape[2], self.page_size
+        if n == 0:
+            return
+        j = torch.arange(first, first + n, device=self.codes.device)
+        pages = torch.tensor(table[first // p : (first + n - 1) // p + 1], dtype=torch.long, device=j.device)
+        self.write_entries(pages[j // p - first // p], j % p, layer, kind,
+                           QuantizedRows(*(t[0].transpose(0, 1)[:, :, None] for t in rows)))
 
     def write_entries(self, pages: torch.Tensor, offsets: torch.Tensor, layer: int, kind: str,
                       rows: QuantizedRows) -> None:

@@ -15,9 +15,10 @@ the new token goes to ring entry ``S0 + T % R`` and, while ``T < S0``, to the si
 over the history (through the block tables) and the window slots
 (:func:`~oscar_hf.kernels.paged_decode.paged_decode_attention`: the split-K Triton kernel on CUDA). What the rows
 share across layers (slots, entries, pages, block tables, window masks) is computed once per forward
-(:class:`DecodePlan`). **Multi-token rows** (a prompt, a prompt chunk) are served one request at a time: exact
-attention over the prompt when the request is new, else history + window + the new rows; then the slots leaving the
-window are demoted in ``prefill_chunk`` pieces.
+(:class:`DecodePlan`). **Multi-token rows** (a prompt, a prompt chunk) are served one request at a time: the
+user's attention over the prompt when the request is new, else one SDPA call over history + window + the new rows
+(:func:`~oscar_hf.serving.paged_attention.paged_chunk_attention`); then the slots leaving the window are demoted in
+``prefill_chunk`` pieces.
 
 Requests get their window slot when admitted (:meth:`OscarPagedStore.reserve`, or at their first forward) and give
 slot and pages back with :meth:`OscarPagedStore.free`. Memory is flat: both pools are allocated once.
@@ -32,12 +33,12 @@ from oscar_hf.kernels.paged_decode import paged_decode_attention
 from oscar_hf.kernels.write_path import rotate_quantize
 
 from ..cache import resolve_full_precision_heads
-from ..cache.base import check_first_keys, group_queries, mask_rows
+from ..cache.base import check_first_keys, group_queries
 from ..cache.static import window_mask
 from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
 from ..patching import base_attention_function
 from ..rotations import LayerRotation, OscarRotations
-from .paged_attention import LOGITS_BUDGET, paged_multi_token_attention
+from .paged_attention import paged_chunk_attention
 from .pool import PagedInt2Pool, PoolExhausted, page_bytes
 
 DEFAULT_MAX_REQUESTS = 64  # window slots when the caller gives none: requests live at once
@@ -398,42 +399,19 @@ class OscarPagedStore:
                     base: str) -> torch.Tensor:
         """``[1, L, Hq, D]``: one request's ``L`` new rows (a prompt or a chunk of one), then stored."""
         r = self.requests[request_id]
-        cfg, s0, w = self.config, self.config.sink, self.config.recent
-        _, hq, l, d = query.shape
-        hk = new_k.shape[1]
+        s0, w, l = self.config.sink, self.config.recent, query.shape[2]
         if t_old == 0:  # a new request: exactly the user's attention over its prompt
             out, _ = base_attention_function(module, base)(module, query, new_k, new_v, None, scaling=scaling,
                                                            dropout=0.0)
-        else:
-            li, dev = self.layer_slot[layer_idx], query.device
+        else:  # the history, the sink and the ring's slots [max(S0, T - W), T), then the new rows (causal)
+            li, dev, p = self.layer_slot[layer_idx], query.device, self.params[layer_idx]
             self._demote(r, layer_idx, max(s0, t_old - w - 1), t_old - w, t_old)  # the last step's pending demotion
-            n = max(t_old - w - s0, 0)
-            # window: the sink and the ring's slots [max(S0, T - W), T), then the new rows (causal among themselves)
             ring_slots = torch.arange(min(t_old, max(s0, t_old - w)), t_old, device=dev)
             entries = torch.cat([torch.arange(min(t_old, s0), device=dev), s0 + torch.remainder(ring_slots, self.ring)])
-            old_k = self.windows.k[r.slot, li].index_select(1, entries)[None]  # [1, Hk, E, D]
-            old_v = self.windows.v[r.slot, li].index_select(1, entries)[None]
-            e = entries.numel()
-            if n == 0:  # nothing quantized yet: the stored slots are [0, T), exact attention as a fresh prefill
-                keys, values = torch.cat([old_k, new_k], 2), torch.cat([old_v, new_v], 2)
-                causal = torch.arange(t_old + l, device=dev)[None, :] <= (t_old + torch.arange(l, device=dev))[:, None]
-                out, _ = base_attention_function(module, base)(module, query, keys, values, causal[None, None],
-                                                               scaling=scaling, dropout=0.0)
-            else:  # history + window + the new rows, in chunks of query rows that bound the [rows, keys] logits
-                p, g = self.params[layer_idx], hq // hk
-                rows = max(1, LOGITS_BUDGET // (4 * hk * g * (e + l)))
-                outs = []
-                for c0 in range(0, l, rows):
-                    c1 = min(l, c0 + rows)
-                    win_k = torch.cat([old_k, new_k[:, :, :c1]], 2)
-                    win_v = torch.cat([old_v, new_v[:, :, :c1]], 2)
-                    causal = torch.arange(c1, device=dev)[None, :] <= torch.arange(c0, c1, device=dev)[:, None]
-                    ok = torch.cat([causal.new_ones(c1 - c0, e), causal], 1)[None]  # [1, Lc, E + c1]
-                    o = paged_multi_token_attention(group_queries(query[:, :, c0:c1].float(), hk), p.r_k, p.mu_k,
-                                                    self.pool, r.table, li, n, scaling, win_k, win_v, mask_rows(ok, g),
-                                                    p.r_v, p.mu_v, out_dtype=query.dtype, block_n=cfg.block_size)
-                    outs.append(o.reshape(1, hq, c1 - c0, d).transpose(1, 2))
-                out = torch.cat(outs, 1)
+            k_win = torch.cat([self.windows.k[r.slot, li].index_select(1, entries)[None], new_k], 2)  # [1, Hk, E+L, D]
+            v_win = torch.cat([self.windows.v[r.slot, li].index_select(1, entries)[None], new_v], 2)
+            out = paged_chunk_attention(query, k_win, v_win, self.pool, r.table, li, max(t_old - w - s0, 0), p.r_k,
+                                        p.mu_k, p.r_v, p.mu_v, scaling)
         self._commit_bulk(r, layer_idx, t_old, new_k, new_v)
         r.lengths[layer_idx] = t_old + l
         return out

@@ -2,10 +2,11 @@
 import pytest
 import torch
 
+from oscar_hf.cache.base import group_queries, mask_rows
 from oscar_hf.kernels.int2_attention import decode_attention_reference, rotate_query_reference
 from oscar_hf.quant import QuantizedRows
 from oscar_hf.serving import PagedInt2Pool, PoolExhausted, page_bytes
-from oscar_hf.serving.paged_attention import paged_multi_token_attention
+from oscar_hf.serving.paged_attention import paged_chunk_attention, paged_multi_token_attention
 
 
 def small_pool(num_pages=6, page_size=4, layers=2, hk=2, d=32, g=16):
@@ -81,3 +82,31 @@ def test_paged_read_equals_contiguous_reference():
         want = decode_attention_reference(q_rot, k, v, torch.zeros(1, dtype=torch.long), None, off, 0.2, g, qf,
                                           win_k, win_v, None, r_v, mu_v, torch.float32, block_n=block_n)
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("n", [0, 1, 37])
+def test_chunk_attention_equals_reference(n):
+    """A chunk of new rows after earlier tokens (one SDPA call in the rotated space, the store's path) equals the
+    float32 reference that reads the history block by block, with the new rows causal among themselves; with no
+    history yet it is exact attention over the window and the new rows."""
+    torch.manual_seed(3)
+    hk, g, d, gs, p, e, l = 2, 3, 32, 16, 4, 6, 5
+    pool = PagedInt2Pool(12, 1, hk, d, p, gs, torch.float32)
+    table = [pool.allocate() for _ in range(10)][::-1]
+    if n:
+        pool.write(table, 0, "k", 0, random_rows(n, seed=1))
+        pool.write(table, 0, "v", 0, random_rows(n, seed=2))
+    r_k, r_v = (torch.linalg.qr(torch.randn(hk, d, d))[0] for _ in range(2))
+    mu_k, mu_v = torch.randn(hk, d), torch.randn(hk, d)
+    query = torch.randn(1, hk * g, l, d)
+    k_win, v_win = torch.randn(1, hk, e + l, d), torch.randn(1, hk, e + l, d)
+    got = paged_chunk_attention(query, k_win, v_win, pool, table, 0, n, r_k, mu_k, r_v, mu_v, 0.2)  # [1, L, Hq, D]
+    visible = torch.arange(e + l)[None, :] <= e + torch.arange(l)[:, None]  # [L, E + L]
+    if n:
+        want = paged_multi_token_attention(group_queries(query, hk), r_k, mu_k, pool, table, 0, n, 0.2, k_win, v_win,
+                                           mask_rows(visible[None], g), r_v, mu_v, torch.float32)
+        want = want.reshape(1, hk * g, l, d)
+    else:
+        want = torch.nn.functional.scaled_dot_product_attention(
+            query, k_win.repeat_interleave(g, 1), v_win.repeat_interleave(g, 1), attn_mask=visible, scale=0.2)
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-4, atol=1e-5)
