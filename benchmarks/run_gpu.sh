@@ -24,11 +24,11 @@
 #   soak        200 generate calls; one call of 32,768 new tokens        soak_calls_<gpu>.json, soak_long_<gpu>.json
 #   multigpu    device_map over 2 GPUs vs one GPU (needs 2 GPUs)         multigpu_<gpu>x2.json
 #   tp          tensor parallelism under torchrun, 2 ranks (2 GPUs)      tp_<gpu>x2.json
-#   serving     continuous batching load test, BF16 paged vs OSCAR       serving_<gpu>_20gib_capacity.json,
+#   serving     continuous batching load test, BF16 paged vs OSCAR       serving_<gpu>_20gib_capacity_t32768.json,
 #               paged in 20 GiB of KV: 32K capacity; 24 requests of      serving_<gpu>_20gib_load.json
 #               8K-32K arriving at 0.5/s (`serving-capacity`,
 #               `serving-load`: one part, one call each)
-#   paged       the paged decode kernel's tests on the GPU               paged_tests_<gpu>.log
+#   paged       the paged decode kernel's and the pool's tests on the GPU  paged_tests_<gpu>.log
 #
 # Each <what> fits in the device machine's 10-minute command limit except `generate`, `eager` and `soak`: run their
 # parts one call each (`generate-b8`, `generate-b1`; `eager-b1`, `eager-b8`; `soak-calls`, `soak-long`;
@@ -136,13 +136,15 @@ for what in "$@"; do
   serving|serving-capacity|serving-load)
     parts="capacity load"; [ "$what" = serving-capacity ] && parts=capacity; [ "$what" = serving-load ] && parts=load
     for part in $parts; do
-      new=96; [ $part = capacity ] && new=64
-      run "serving_${GPU}_20gib_$part" $PY "$B/bench_serving.py" --parts $part --kv-budget-gib 20 --context 32768 \
+      new=96; name="serving_${GPU}_20gib_load"
+      [ $part = capacity ] && new=64 && name="serving_${GPU}_20gib_capacity_t32768"
+      run "$name" $PY "$B/bench_serving.py" --parts $part --kv-budget-gib 20 --context 32768 \
           --new-tokens $new --max-requests 40 --requests 24 --lengths 8192 16384 32768 --rate 0.5 \
-          --bf16-batch-tokens 8192 --out "$OUT/serving_${GPU}_20gib_$part.json"
+          --bf16-batch-tokens 8192 --out "$OUT/$name.json"
     done ;;
   paged)
-    run "paged_tests_$GPU" $PY -m pytest -q -p no:cacheprovider --rootdir "$R" "$R/tests/kernels/test_paged_decode.py" ;;
+    run "paged_tests_$GPU" $PY -m pytest -q -p no:cacheprovider --rootdir "$R" "$R/tests/kernels/test_paged_decode.py" \
+        "$R/tests/serving/test_pool.py" ;;
   *)
     echo "unknown: $what (see the head of $0)"; exit 2 ;;
   esac

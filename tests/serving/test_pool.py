@@ -84,24 +84,32 @@ def test_paged_read_equals_contiguous_reference():
         assert torch.equal(got, want)
 
 
+CHUNK_CASES = [("cpu", torch.float32, 1e-4, 1e-5)]
+if torch.cuda.is_available():  # the GPU's SDPA kernels (memory-efficient with the lower-right causal mask), BF16
+    CHUNK_CASES.append(("cuda", torch.bfloat16, 2e-2, 2e-2))
+
+
+@pytest.mark.parametrize("device,dtype,rtol,atol", CHUNK_CASES)
 @pytest.mark.parametrize("n", [0, 1, 37])
-def test_chunk_attention_equals_reference(n):
+def test_chunk_attention_equals_reference(n, device, dtype, rtol, atol):
     """A chunk of new rows after earlier tokens (one SDPA call in the rotated space, the store's path) equals the
     float32 reference that reads the history block by block, with the new rows causal among themselves; with no
     history yet it is exact attention over the window and the new rows."""
     torch.manual_seed(3)
     hk, g, d, gs, p, e, l = 2, 3, 32, 16, 4, 6, 5
-    pool = PagedInt2Pool(12, 1, hk, d, p, gs, torch.float32)
+    pool = PagedInt2Pool(12, 1, hk, d, p, gs, torch.float32, device=device)
     table = [pool.allocate() for _ in range(10)][::-1]
     if n:
-        pool.write(table, 0, "k", 0, random_rows(n, seed=1))
-        pool.write(table, 0, "v", 0, random_rows(n, seed=2))
-    r_k, r_v = (torch.linalg.qr(torch.randn(hk, d, d))[0] for _ in range(2))
-    mu_k, mu_v = torch.randn(hk, d), torch.randn(hk, d)
-    query = torch.randn(1, hk * g, l, d)
-    k_win, v_win = torch.randn(1, hk, e + l, d), torch.randn(1, hk, e + l, d)
+        for kind, seed in (("k", 1), ("v", 2)):
+            pool.write(table, 0, kind, 0, QuantizedRows(*(t.to(device) for t in random_rows(n, seed=seed))))
+    r_k, r_v = (torch.linalg.qr(torch.randn(hk, d, d))[0].to(device) for _ in range(2))
+    mu_k, mu_v = torch.randn(hk, d, device=device), torch.randn(hk, d, device=device)
+    query = torch.randn(1, hk * g, l, d).to(device, dtype)
+    k_win, v_win = torch.randn(1, hk, e + l, d).to(device, dtype), torch.randn(1, hk, e + l, d).to(device, dtype)
     got = paged_chunk_attention(query, k_win, v_win, pool, table, 0, n, r_k, mu_k, r_v, mu_v, 0.2)  # [1, L, Hq, D]
-    visible = torch.arange(e + l)[None, :] <= e + torch.arange(l)[:, None]  # [L, E + L]
+    assert got.dtype == dtype
+    query, k_win, v_win = query.float(), k_win.float(), v_win.float()
+    visible = torch.arange(e + l, device=device)[None, :] <= e + torch.arange(l, device=device)[:, None]  # [L, E+L]
     if n:
         want = paged_multi_token_attention(group_queries(query, hk), r_k, mu_k, pool, table, 0, n, 0.2, k_win, v_win,
                                            mask_rows(visible[None], g), r_v, mu_v, torch.float32)
@@ -109,4 +117,4 @@ def test_chunk_attention_equals_reference(n):
     else:
         want = torch.nn.functional.scaled_dot_product_attention(
             query, k_win.repeat_interleave(g, 1), v_win.repeat_interleave(g, 1), attn_mask=visible, scale=0.2)
-    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.float(), want.transpose(1, 2), rtol=rtol, atol=atol)
