@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from oscar_hf.patching import patched, register_handler
+from oscar_hf.quant import dequantize_minmax, quantize_minmax
 
 PREFIX = "oscareval_"
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("oscar_eval_spec", default=None)
@@ -120,19 +121,8 @@ register_handler(PREFIX, _handler)
 def minmax_fake_quant(x: torch.Tensor, bits: int, meta_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``x [..., D]`` -> the same shape and dtype, each row stored as ``bits``-bit codes with an asymmetric min-max
     scale and zero (one group over the whole row, no clipping) and read back: at most ``2**bits`` distinct values per
-    row. Same arithmetic as :func:`oscar_hf.quant.quantize_rows`: the scale and zero are rounded to ``meta_dtype``
-    first and the codes computed against the stored values; a constant row (scale 0) reads back as its stored zero."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"minmax_fake_quant: bits must be an int in [1, 8], got {bits!r}")
-    xf = x.float()
-    lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)  # [..., 1]
-    levels = 2**bits - 1
-    scale = ((hi - lo) / levels).to(meta_dtype).float()
-    zero = lo.to(meta_dtype).float()
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round((xf - zero) / safe).clamp_(0, levels)
-    q = torch.where(scale > 0, q, torch.zeros_like(q))
-    return (zero + q * scale).to(x.dtype)
+    row (:func:`oscar_hf.quant.quantize_minmax`, the storage of the caches' full-precision heads at 8 or 4 bits)."""
+    return dequantize_minmax(quantize_minmax(x, bits, meta_dtype), x.dtype)
 
 
 @contextlib.contextmanager

@@ -143,12 +143,18 @@ class OscarSpec(FakeQuantSpec):
         if i not in self.fp_heads:
             return (self._fq(k, lr.r_k, lr.mu_k if center else None, ck),
                     self._fq(v, lr.r_v, lr.mu_v if center else None, cv))
-        # full-precision heads: every position read exactly; the other heads quantized as the cache does
+        # full-precision heads: every position as the cache stores them (OscarConfig.full_precision_bits: exact at
+        # 16, else min-max codes per token and head; the window positions below still read exact, as for every head)
         q = [h for h in range(k.shape[1]) if h not in self.fp_heads[i]]
         if not q:  # every head listed: OscarCache keeps the whole layer in full precision
             return None
         lq = lr.select_heads(q)
         kh, vh = k.float().clone(), v.float().clone()
+        bits = self.config.full_precision_bits
+        if bits != 16:
+            p = list(self.fp_heads[i])
+            kh[:, p] = minmax_fake_quant(k[:, p], bits, k.dtype).float()
+            vh[:, p] = minmax_fake_quant(v[:, p], bits, v.dtype).float()
         kh[:, q] = self._fq(k[:, q], lq.r_k, lq.mu_k if center else None, ck).float()
         vh[:, q] = self._fq(v[:, q], lq.r_v, lq.mu_v if center else None, cv).float()
         return kh, vh
@@ -184,9 +190,10 @@ class OscarFamily(KVMethod):
         c = self.config.for_head_dim(head_dim)  # group_size=None: one group (one scale + zero) per head
         n_fp, n_q = _window_counts(T, c.sink, c.recent)
         share = self.full_precision_share()
-        # a full-precision head keeps every position in its own buffer, and its sink / recent slots also sit in
-        # the window buffers of all heads (OscarLayer.memory counts both): share * 16 bits more per window token
-        return _mix(n_fp, n_q, c.history_bits(head_dim, share)) + share * FP_BITS * n_fp / max(T, 1)
+        # a full-precision head keeps every position in its own buffer (at full_precision_head_bits), and its sink /
+        # recent slots also sit in the window buffers of all heads (OscarLayer.memory counts both)
+        return (_mix(n_fp, n_q, c.history_bits(head_dim, share))
+                + share * c.full_precision_head_bits(head_dim) * n_fp / max(T, 1))
 
     def full_precision_share(self) -> float:
         """Fraction of the quantized layers' KV heads kept in full precision (``full_precision_heads``, resolved

@@ -22,7 +22,6 @@ Two needle formats (:data:`FORMATS`):
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import re
@@ -483,83 +482,18 @@ class UserCache:
         return self.make(model)
 
 
-# ------------------------------------------------------------------ cheaper full-precision heads (simulated storage)
-FULL_PRECISION_BITS = (16, 8, 4)  # --full-precision-bits: BF16 as the cache stores them, or b-bit codes
-
-
-def full_precision_head_bits(bits: int, head_dim: int) -> float:
-    """Bits per element of a full-precision head: 16 (BF16), or ``bits``-bit codes + a 16-bit scale and zero per
-    token and head (one group over ``head_dim``): ``bits + 2 * 16 / head_dim`` (4.5 at INT4, D = 64)."""
-    if bits not in FULL_PRECISION_BITS:
-        raise ValueError(f"full-precision head bits must be one of {FULL_PRECISION_BITS}, got {bits!r}")
-    return 16.0 if bits == 16 else bits + 2 * 16 / head_dim
-
-
-@contextlib.contextmanager
-def quantized_full_precision_heads(bits: int):
-    """Within the block, the rows an :class:`~oscar_hf.cache.OscarLayer` writes into its full-precision heads
-    (``fp_k/fp_v [B, P, T, D]``, the only copy those heads' attention reads) are replaced by their ``bits``-bit
-    min-max fake quantization (:func:`~oscar_hf.eval.fakequant.minmax_fake_quant`: per token and head, BF16 scale
-    and zero), i.e. what b-bit storage of those heads would read back. Eval-only simulation: the buffers stay in the
-    model dtype, the memory is counted by bits (:func:`full_precision_head_bits`). Every row is quantized, the
-    recent window's and the current token's too. ``bits=16`` changes nothing. The original write is restored on
-    exit. Only the eager ``OscarLayer`` goes through this write (``StaticOscarLayer`` writes its own way)."""
-    full_precision_head_bits(bits, 64)  # validates bits
-    if bits == 16:
-        yield
-        return
-    from oscar_hf.cache import OscarLayer
-
-    from .fakequant import minmax_fake_quant
-
-    original = OscarLayer.__dict__["write_full_precision_heads"]
-
-    def write_quantized(self, new_k, new_v, t_old):
-        fresh = bool(self.fp_heads) and not self._fp_written  # the original writes nothing otherwise
-        original(self, new_k, new_v, t_old)
-        if fresh:
-            t_new = t_old + new_k.shape[2]
-            for buf in (self.fp_k, self.fp_v):  # [B, P, cap, D]: the slots just written
-                buf[:, :, t_old:t_new] = minmax_fake_quant(buf[:, :, t_old:t_new], bits)
-
-    OscarLayer.write_full_precision_heads = write_quantized
-    try:
-        yield
-    finally:
-        OscarLayer.write_full_precision_heads = original
-
-
-def history_bits(cache, fp_head_bits: float = 16.0) -> dict:
+def history_bits(cache) -> dict:
     """The history's average bits per element over the quantized layers' KV heads, the full-precision heads counted
-    at ``fp_head_bits`` (:func:`full_precision_head_bits`; 16 gives ``cache.memory_report()``'s figure) and the
-    rest at the INT2 rows' cost (2.5 bits at group 64). ``{}`` for a cache without OSCAR layers."""
+    as the cache stores them (``OscarConfig.full_precision_head_bits``: 4.5 at INT4, D = 64) and the rest at the INT2
+    rows' cost (2.5 bits at group 64): ``cache.memory_report()``'s figure. ``{}`` for a cache without OSCAR layers."""
     layers = [layer for layer in getattr(cache, "layers", ()) if hasattr(layer, "fp_heads")]
     if not layers or not hasattr(cache, "oscar_config"):
         return {}
-    fp = cache.fingerprint
+    fp, c = cache.fingerprint, cache.oscar_config
     n = len(layers) * fp.num_key_value_heads
     p = sum(len(layer.fp_heads) for layer in layers)
-    return dict(full_precision_heads=p, kv_heads=n, full_precision_head_bits=fp_head_bits,
-                history_bits=cache.oscar_config.history_bits(fp.head_dim, p / n, head_bits=fp_head_bits))
-
-
-def auto_heads_at_bits(artifact, model, fp_head_bits: float) -> tuple[tuple[int, int], ...]:
-    """The ``(layer, kv_head)`` pairs ``full_precision_heads="auto"`` would keep if a head cost ``fp_head_bits``
-    per element instead of 16: the artifact's heads scoring at least the retrieval threshold, best first, as many
-    as keep :func:`history_bits` within ``max_history_bits`` (SmolLM2, INT4: all 8 passing heads, 2.68 bits)."""
-    from oscar_hf import OscarCache
-
-    base = OscarCache.from_pretrained(artifact, model)
-    c, fp = base.oscar_config, base.fingerprint
-    scores = base.rotations.retrieval_scores  # [num_layers, Hk]
-    if scores is None:
-        return ()
-    # every passing head: the library's own rule with the cap lifted to what 16-bit heads may cost
-    passing = OscarCache.from_pretrained(artifact, model, max_history_bits=16.0).oscar_config.full_precision_heads
-    passing = sorted(passing, key=lambda ih: -float(scores[ih[0], ih[1]]))
-    n = sum(hasattr(layer, "fp_heads") for layer in base.layers) * fp.num_key_value_heads
-    budget = c.full_precision_head_budget(fp.head_dim, n, head_bits=fp_head_bits)
-    return tuple(sorted(tuple(ih) for ih in passing[:budget]))
+    return dict(full_precision_heads=p, kv_heads=n, full_precision_head_bits=c.full_precision_head_bits(fp.head_dim),
+                history_bits=c.history_bits(fp.head_dim, p / n))
 
 
 def main(argv=None, model=None, tokenizer=None):
@@ -568,8 +502,7 @@ def main(argv=None, model=None, tokenizer=None):
     import platform
     import sys
 
-    from oscar_hf import OscarCache, OscarRotations
-    from oscar_hf.cache import OscarLayer
+    from oscar_hf import OscarCache, OscarConfig, OscarRotations
     from oscar_hf.models import model_for_eval
 
     from .compare import find_artifact
@@ -606,12 +539,13 @@ def main(argv=None, model=None, tokenizer=None):
                    help="OSCAR row: keep the artifact's k best retrieval heads in full precision "
                         "(OscarConfig.full_precision_heads; needs scripts/find_retrieval_heads.py scores)")
     p.add_argument("--label", default=None, help="label of the OSCAR row (default 'OSCAR + centering')")
-    p.add_argument("--full-precision-bits", type=int, choices=FULL_PRECISION_BITS, default=16,
-                   help="store the full-precision heads of the OscarCache rows as b-bit codes with a per-token BF16 "
-                        "scale and zero (simulated: quantize->dequantize on write; 16: BF16 as the cache does)")
+    p.add_argument("--full-precision-bits", type=int, choices=(16, 8, 4), default=None,
+                   help="OscarConfig.full_precision_bits of the OSCAR and artifact rows: how their full-precision "
+                        "heads are stored (16: model dtype; 8/4: codes with a scale and zero per token and head; "
+                        "default: the library's)")
     p.add_argument("--artifact-full-precision-heads", default="auto",
-                   help="artifact row: 'auto' (the library's rule, a head costing --full-precision-bits) or k "
-                        "(the artifact's k best retrieval heads)")
+                   help="artifact row: 'auto' (the library's rule at --full-precision-bits) or k (the artifact's "
+                        "k best retrieval heads)")
     p.add_argument("--dtype", default="float32", help="model dtype (bfloat16: the cache keeps K/V in bf16)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--name", default=None, help="output stem (default needle_<haystack>)")
@@ -643,9 +577,9 @@ def main(argv=None, model=None, tokenizer=None):
     # the OSCAR row keeps exactly --full-precision-heads (0: none), whatever the library default ("auto")
     oscar_kw["full_precision_heads"] = args.full_precision_heads
     kv = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
-    fp_bits = args.full_precision_bits
-    head_bits = full_precision_head_bits(fp_bits, model.config.head_dim if getattr(model.config, "head_dim", None)
-                                         else model.config.hidden_size // model.config.num_attention_heads)
+    fp_bits = args.full_precision_bits or OscarConfig().full_precision_bits
+    if args.full_precision_bits is not None:
+        oscar_kw["full_precision_bits"] = fp_bits
     artifact_heads = args.artifact_full_precision_heads
     if artifact_heads != "auto":
         if not artifact_heads.isdigit():
@@ -653,16 +587,13 @@ def main(argv=None, model=None, tokenizer=None):
         artifact_heads = int(artifact_heads)
 
     def artifact_row():
-        """The artifact row: the library's own cache, its full-precision heads as chosen for their bit cost."""
-        if artifact_heads == "auto" and fp_bits == 16:  # exactly what a user gets
-            return (f"OscarCache.from_pretrained({Path(args.artifact).name})",
-                    UserCache("artifact", lambda m: OscarCache.from_pretrained(args.artifact, m)))
-        heads = auto_heads_at_bits(args.artifact, model, head_bits) if artifact_heads == "auto" else artifact_heads
-        n = len(heads) if isinstance(heads, tuple) else heads
-        store = "BF16" if fp_bits == 16 else f"INT{fp_bits}"
-        return (f"OscarCache.from_pretrained({Path(args.artifact).name}), {n} heads {store}",
-                UserCache("artifact",
-                          lambda m: OscarCache.from_pretrained(args.artifact, m, full_precision_heads=heads)))
+        """The artifact row: the library's own cache (exactly what a user gets without the two options)."""
+        kw = {} if args.full_precision_bits is None else dict(full_precision_bits=fp_bits)
+        if artifact_heads != "auto":
+            kw["full_precision_heads"] = artifact_heads
+        opts = "".join(f", {k}={v}" for k, v in kw.items())
+        return (f"OscarCache.from_pretrained({Path(args.artifact).name}{opts})",
+                UserCache("artifact", lambda m: OscarCache.from_pretrained(args.artifact, m, **kw)))
 
     builders = {
         "fp": lambda: (f"{kv} DynamicCache", get_method("fp")),
@@ -694,11 +625,7 @@ def main(argv=None, model=None, tokenizer=None):
         methods[label] = with_label(method, label)
         if isinstance(method, UserCache):  # record what the user-built cache runs with
             c = method.make_cache(model)
-            user_caches[label] = dict(repr=repr(c), config=c.oscar_config.to_dict(), **history_bits(c, head_bits))
-            if fp_bits != 16 and any(getattr(layer, "fp_heads", ()) and not isinstance(layer, OscarLayer)
-                                     for layer in c.layers):
-                raise ValueError(f"--full-precision-bits {fp_bits}: the {label!r} cache has full-precision heads in "
-                                 "a layer that is not the eager OscarLayer, whose write the simulation wraps")
+            user_caches[label] = dict(repr=repr(c), config=c.oscar_config.to_dict(), **history_bits(c))
     out.mkdir(parents=True, exist_ok=True)
     store = out / f"{stem}.json"
     command = "python -P scripts/eval_needle.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -708,11 +635,9 @@ def main(argv=None, model=None, tokenizer=None):
                  artifact=osc.metadata.get("path") if osc is not None else args.artifact, user_caches=user_caches,
                  share_prefill=args.share_prefill, full_precision_bits=fp_bits,
                  full_precision_storage=(
-                     "BF16 (the cache's own storage)" if fp_bits == 16 else
-                     f"simulated INT{fp_bits}: every row written into the full-precision heads' buffers is "
-                     f"quantized->dequantized with {fp_bits}-bit codes and an asymmetric min-max BF16 scale and zero "
-                     "per token and head (one group over head_dim), the same arithmetic as real codes; the buffers "
-                     f"stay in the model dtype, the memory is counted by bits ({head_bits:g} bits per element)"),
+                     "the model dtype" if fp_bits == 16 else
+                     f"INT{fp_bits} codes with an asymmetric min-max scale and zero per token and head in the model "
+                     "dtype (OscarConfig.full_precision_bits)"),
                  # pydoc_data.topics is the running Python's: another version is another haystack
                  python=platform.python_version(),
                  protocol="haystack+needle prefilled through the cache (--share-prefill: one exact prefill written "
@@ -736,10 +661,9 @@ def main(argv=None, model=None, tokenizer=None):
                                          answers=raw), indent=1))
 
     run_depths = [float(x) for x in args.run_depths.split(",")] if args.run_depths else None
-    with quantized_full_precision_heads(fp_bits):
-        res = run_grid(model, tokenizer, hay, methods, lengths, depths, args.trials, args.seed, done=done,
-                       on_result=save, run_depths=run_depths, score=args.score, fmt=fmt, hay_stride=args.hay_stride,
-                       share_prefill=args.share_prefill)
+    res = run_grid(model, tokenizer, hay, methods, lengths, depths, args.trials, args.seed, done=done,
+                   on_result=save, run_depths=run_depths, score=args.score, fmt=fmt, hay_stride=args.hay_stride,
+                   share_prefill=args.share_prefill)
     save(res["answers"])
     if args.score == "nll":
         print(nll_markdown(res["nll"]))

@@ -27,7 +27,12 @@ SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 # raise every score (1-2K tokens: two more heads at 0.43-0.46), so the probes keep their 2-4K default.
 RETRIEVAL_THRESHOLD = 0.4
 MAX_HISTORY_BITS = 3.0  # default cap on the history's average bits per element (INT2 heads + full-precision heads)
-FULL_PRECISION_HEAD_BITS = 16  # what a full-precision head costs per element (BF16 / FP16 storage)
+FULL_PRECISION_HEAD_BITS = 16  # the most a full-precision head costs per element (BF16 / FP16 storage)
+# full_precision_bits: how those heads are stored (oscar_hf.cache.heads). 4 by default: INT4 codes with a scale and
+# zero per token and head cost 4.5 bits per element at head_dim 64 (4.25 at 128) against 16, so the 3.0-bit cap holds
+# all 8 of SmolLM2's retrieval heads instead of 3; on its unseen locker needles (6 per length, 1K-8K) 8 heads at
+# INT4, INT8 and BF16 gave the same answer on every needle, at 4K 6/6 where 3 BF16 heads gave 3/6 (docs/quality.md).
+FULL_PRECISION_BITS = 4
 
 # Named settings (``OscarConfig.from_preset``). "paper": the method authors' own runs (FutureMLS-Lab/OSCAR): one
 # quantization group per head (group_size None = head_dim, resolved when the model is known) with float32 scale and
@@ -71,10 +76,14 @@ class OscarConfig:
             reaches ``retrieval_threshold``, best first, at most as many as keep :meth:`history_bits` within
             ``max_history_bits``; none without scores (built-in ``method``, or an artifact calibrated with
             ``retrieval_probes=0``). An int ``k``: the ``k`` best retrieval heads; or explicit ``(layer, kv_head)``
-            pairs (neither capped by ``max_history_bits``). Each head costs ``16 - 2.5`` bits per element of its
-            share of the history (SmolLM2: 3 of 90 heads -> 2.95 history bits per element, 8 -> 3.7).
+            pairs (neither capped by ``max_history_bits``). Each head costs :meth:`full_precision_head_bits` per
+            element of its share of the history instead of 2.5 (SmolLM2, 8 of 90 heads: 2.68 history bits at INT4,
+            3.7 at 16 bits).
+        full_precision_bits: how the full-precision heads store their keys and values (``oscar_hf.cache.heads``):
+            16 (the model dtype, exact), 8 or 4 (default: codes with a scale and zero per token and head in the
+            model dtype, min-max over head_dim; :data:`FULL_PRECISION_BITS` says why 4).
         max_history_bits: cap of ``full_precision_heads="auto"`` on the average bits per history element over
-            all KV heads of the quantized layers, a full-precision head counted as 16 bits (:meth:`history_bits`).
+            all KV heads of the quantized layers (:meth:`history_bits`).
         retrieval_threshold: retrieval score (attention mass in [0, 1]) from which ``full_precision_heads="auto"``
             keeps a head; :data:`RETRIEVAL_THRESHOLD` says why 0.4.
         block_size: history tokens dequantized at once by the CPU reference decode (bounded memory).
@@ -94,6 +103,7 @@ class OscarConfig:
     key_offset: str = "calibrated"
     skip_layers: tuple[int, ...] = ()
     full_precision_heads: str | int | tuple[tuple[int, int], ...] = "auto"
+    full_precision_bits: int = FULL_PRECISION_BITS
     max_history_bits: float = MAX_HISTORY_BITS
     retrieval_threshold: float = RETRIEVAL_THRESHOLD
     block_size: int = 1024
@@ -148,6 +158,8 @@ class OscarConfig:
             if any(a < 0 or b < 0 for a, b in pairs):
                 raise ValueError(f"full_precision_heads pairs must be non-negative, got {fph!r}")
             object.__setattr__(self, "full_precision_heads", pairs)
+        if self.full_precision_bits not in (16, 8, 4) or isinstance(self.full_precision_bits, bool):
+            raise ValueError(f"OscarConfig.full_precision_bits must be 16, 8 or 4, got {self.full_precision_bits!r}")
         ranges = (("max_history_bits", self.bits, FULL_PRECISION_HEAD_BITS), ("retrieval_threshold", 0.0, 1.0))
         for name, lo, hi in ranges:
             val = getattr(self, name)
@@ -208,19 +220,28 @@ class OscarConfig:
             out.add(j)
         return out
 
-    def history_bits(self, head_dim: int, full_precision_share: float = 0.0,
-                     head_bits: float = FULL_PRECISION_HEAD_BITS) -> float:
+    def full_precision_head_bits(self, head_dim: int) -> float:
+        """Bits per element of a full-precision head as stored (``full_precision_bits``; codes + a 16-bit scale and
+        zero per ``head_dim`` elements below 16)."""
+        b = self.full_precision_bits
+        return float(b) if b == 16 else b + 2 * 16 / head_dim
+
+    def history_bits(self, head_dim: int, full_precision_share: float = 0.0, head_bits: float | None = None) -> float:
         """Average bits per history element when ``full_precision_share`` of the quantized layers' KV heads are
-        full-precision heads (``head_bits`` each: 16 as the caches store them) and the rest INT2 (code + scale/zero
-        per group: 2.5 at group 64, BF16)."""
+        full-precision heads (``head_bits`` each, default :meth:`full_precision_head_bits`) and the rest INT2 (code
+        + scale/zero per group: 2.5 at group 64, BF16)."""
         c = self.for_head_dim(head_dim)
         q = bits_per_element(head_dim, c.group_size, c.torch_meta_dtype)
+        if head_bits is None:
+            head_bits = self.full_precision_head_bits(head_dim)
         return (1.0 - full_precision_share) * q + full_precision_share * head_bits
 
-    def full_precision_head_budget(self, head_dim: int, num_heads: int,
-                                   head_bits: float = FULL_PRECISION_HEAD_BITS) -> int:
-        """How many of ``num_heads`` (the quantized layers' KV heads) may be full precision (``head_bits`` each)
-        while :meth:`history_bits` stays within ``max_history_bits`` (``full_precision_heads="auto"``)."""
+    def full_precision_head_budget(self, head_dim: int, num_heads: int, head_bits: float | None = None) -> int:
+        """How many of ``num_heads`` (the quantized layers' KV heads) may be full precision (``head_bits`` each,
+        default :meth:`full_precision_head_bits`) while :meth:`history_bits` stays within ``max_history_bits``
+        (``full_precision_heads="auto"``)."""
+        if head_bits is None:
+            head_bits = self.full_precision_head_bits(head_dim)
         q = self.history_bits(head_dim)
         if num_heads <= 0 or self.max_history_bits <= q:
             return 0

@@ -107,6 +107,43 @@ def dequantize_rows(q: QuantizedRows, group_size: int, dtype: torch.dtype = torc
     return x.reshape(*codes.shape[:-1], d).to(dtype)
 
 
+def quantize_minmax(x: torch.Tensor, bits: int, meta_dtype: torch.dtype) -> QuantizedRows:
+    """``x [..., D]`` -> unpacked ``bits``-bit codes ``[..., D] uint8`` with one asymmetric min-max scale and zero per
+    row ``[..., 1]`` in ``meta_dtype`` (no clipping): the storage of full-precision (retrieval) heads at 8 or 4 bits.
+    The arithmetic of :func:`quantize_rows` (metadata rounded first, codes against the stored values; a constant row
+    gets scale 0 and reads back as its zero)."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"quantize_minmax: bits must be an int in [1, 8], got {bits!r}")
+    if meta_dtype not in SUPPORTED_META_DTYPES:
+        raise ValueError(f"metadata dtype {meta_dtype} is not supported; use one of {SUPPORTED_META_DTYPES}")
+    xf = x.float()
+    lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)  # [..., 1]
+    levels = (1 << bits) - 1
+    scale_m, zero_m = ((hi - lo) / levels).to(meta_dtype), lo.to(meta_dtype)
+    scale_f, zero_f = scale_m.float(), zero_m.float()
+    safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
+    q = torch.round((xf - zero_f) / safe).clamp_(0, levels)
+    q = torch.where(scale_f > 0, q, torch.zeros_like(q))
+    return QuantizedRows(q.to(torch.uint8), scale_m, zero_m)
+
+
+def dequantize_minmax(q: QuantizedRows, dtype: torch.dtype) -> torch.Tensor:
+    """Unpacked codes of :func:`quantize_minmax` -> ``[..., D]`` in ``dtype``."""
+    return (q.zero.float() + q.codes.float() * q.scale.float()).to(dtype)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """``codes [..., D]`` (0..15) -> ``[..., D/2] uint8``: byte ``j`` holds channel ``j`` in its low nibble and
+    channel ``j + D/2`` in its high one (the plane layout of :func:`pack_int2` with two planes)."""
+    lo, hi = codes.to(torch.uint8).chunk(2, dim=-1)
+    return lo | (hi << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`."""
+    return torch.cat([packed & 15, packed >> 4], dim=-1)
+
+
 def bits_per_element(head_dim: int, group_size: int, meta_dtype: torch.dtype) -> float:
     """Bits per stored history element: 2 for the code + two metadata values per group."""
     meta_bits = torch.finfo(meta_dtype).bits

@@ -16,7 +16,8 @@ Storage of one layer, for a batch of ``B`` rows, ``Hk`` KV heads:
   (indices below ``pad[b]`` hold that row's padding or sink tokens and are never read).
   ``Hq = Hk`` unless the layer has **full-precision heads** (``OscarConfig.full_precision_heads``,
   e.g. the retrieval heads): those ``P`` heads are left out of the INT2 history and instead keep every
-  slot ``[0, T)`` in ``fp_k/v [B, P, cap, D]`` (model dtype), read like a ``DynamicCache``.
+  slot ``[0, T)`` in ``fp_k/v`` (``[B, P, cap, *]`` tensors: the model dtype or INT8/INT4 codes with a scale and zero
+  per token and head, ``OscarConfig.full_precision_bits``, :mod:`oscar_hf.cache.heads`), read like a ``DynamicCache``.
 
 So every slot of row ``b`` is in exactly one part: pad ``[0, pad_b)``, sink ``[pad_b, min(tail_start,
 pad_b + S0))``, history ``[pad_b + S0, tail_start)``, recent ``[tail_start, T)``; per-row counts are
@@ -44,8 +45,9 @@ The read (:meth:`OscarLayer.attend`). For one layer and a forward of ``L`` new t
      is read in bounded blocks (torch reference) or by the split-K Triton kernel (CUDA): no
      full-precision copy of it is ever built;
 * full-precision heads (``OscarConfig.full_precision_heads``): those KV heads keep every slot in
-  ``layer.fp_k/v`` and are read by one SDPA call over them, as a ``DynamicCache`` would
-  (:meth:`OscarLayer.full_precision_heads_attention`); the two parts above run on the other heads only;
+  ``layer.fp_k/v`` (INT4 by default) and read their history range from it and the window of part 1, one SDPA
+  call (:meth:`OscarLayer.full_precision_heads_attention`; at 16 bits what a ``DynamicCache`` reads); the two
+  parts above run on the other heads only;
 * then :meth:`OscarLayer.commit` demotes/appends.
 
 The attention mask (left padding, holes, custom 4D masks) is honoured in all three parts by
@@ -65,6 +67,7 @@ from ..config import OscarConfig
 from ..patching import base_attention_function
 from ..quant import QuantizedRows
 from ..rotations import LayerRotation
+from . import heads
 from .base import QuantizedLayerBase, allowed_slots, check_first_keys, first_real_slot, group_queries, mask_rows
 
 logger = logging.getLogger("oscar_hf")
@@ -150,7 +153,7 @@ class OscarLayer(QuantizedLayerBase):
         self.hist_v: QuantizedRows | None = None
         self.mu_k_seq = None
         self.pending: OscarKV | None = None
-        self.fp_k = self.fp_v = None  # [B, P, cap, D]: every slot of the full-precision heads
+        self.fp_k = self.fp_v = None  # every slot of the full-precision heads: tuples of [B, P, cap, *] (heads.py)
         self._fp_written = False  # this forward's new rows are already in fp_k/v
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -176,8 +179,9 @@ class OscarLayer(QuantizedLayerBase):
         self.hist_k = self._alloc_hist(0, b, len(self.q_heads), d, g, meta)
         self.hist_v = self._alloc_hist(0, b, len(self.q_heads), d, g, meta)
         if self.fp_heads:
-            self.fp_k = torch.zeros(b, len(self.fp_heads), 0, d, **kw)
-            self.fp_v = torch.zeros(b, len(self.fp_heads), 0, d, **kw)
+            bits = self.config.full_precision_bits
+            self.fp_k = heads.allocate(bits, b, len(self.fp_heads), 0, d, self.dtype, self.device)
+            self.fp_v = heads.allocate(bits, b, len(self.fp_heads), 0, d, self.dtype, self.device)
         self.is_initialized = True
 
     def _quantized_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -189,11 +193,19 @@ class OscarLayer(QuantizedLayerBase):
         calls it before reading them; ``commit`` then does not write again."""
         if not self.fp_heads or self._fp_written:
             return
-        t_new = t_old + new_k.shape[2]
-        self.fp_k, self.fp_v = grown(self.fp_k, t_old, t_new), grown(self.fp_v, t_old, t_new)
-        self.fp_k[:, :, t_old:t_new] = new_k.index_select(1, self.fp_idx)
-        self.fp_v[:, :, t_old:t_new] = new_v.index_select(1, self.fp_idx)
+        t_new, bits = t_old + new_k.shape[2], self.config.full_precision_bits
+        self.fp_k = tuple(grown(t, t_old, t_new) for t in self.fp_k)
+        self.fp_v = tuple(grown(t, t_old, t_new) for t in self.fp_v)
+        for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
+            for dst, src in zip(store, heads.encode(new.index_select(1, self.fp_idx), bits)):
+                dst[:, :, t_old:t_new] = src
         self._fp_written = True
+
+    def full_precision_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v) [B, P, n, D]``: slots ``[0, n)`` of the full-precision heads in the model dtype."""
+        bits = self.config.full_precision_bits
+        return tuple(heads.decode(tuple(t[:, :, :n] for t in store), bits, self.dtype)
+                     for store in (self.fp_k, self.fp_v))
 
     def _alloc_hist(self, cap, b, hk, d, g, meta):
         return QuantizedRows(
@@ -273,6 +285,7 @@ class OscarLayer(QuantizedLayerBase):
         win_k = torch.cat([self.sink_k, tk, new_k], 2)  # [B, Hk, S0 + (T - tail_start) + L, D]
         win_v = torch.cat([self.sink_v, tv, new_v], 2)
         sinks_full = allowed is None and self.tail_start >= self.pad_max + s0
+        ok = None  # [B, L, window] bool, None when every window slot is valid for every row
         if sinks_full and l == 1:
             win_mask = None  # decode without padding: every window slot is valid (the common fast case)
         else:
@@ -288,7 +301,8 @@ class OscarLayer(QuantizedLayerBase):
             win_mask = ok[:, None] if l == 1 else mask_rows(ok, g)  # [B, 1, 1|M, window]
         out_fp = None
         if self.fp_heads:  # full-precision heads apart; the rest reads window + INT2 history below
-            out_fp = self.full_precision_heads_attention(query, new_k, new_v, allowed, t_old, scaling)
+            out_fp = self.full_precision_heads_attention(query, new_k, new_v, win_k, win_v, ok, allowed, t_old,
+                                                         scaling)
             qf, win_k, win_v = (x.index_select(1, self.q_idx) for x in (qf, win_k, win_v))
 
         # 2. INT2 history, in the rotated space: q rotated once; + q.mu_K on logits; values rotated back once.
@@ -321,28 +335,29 @@ class OscarLayer(QuantizedLayerBase):
         self.commit(new_k, new_v, pad)
         return out
 
-    def full_precision_heads_attention(self, query, new_k, new_v, allowed, t_old: int, scaling: float) -> torch.Tensor:
-        """``[B, P, g*L, D]``: exact attention of the layer's full-precision heads over their slots ``[0, T + L)``
-        (SDPA in the model dtype, the model's mask or causal, left padding masked from ``self.pad``)."""
+    def full_precision_heads_attention(self, query, new_k, new_v, win_k, win_v, win_ok, allowed, t_old: int,
+                                       scaling: float) -> torch.Tensor:
+        """``[B, P, g*L, D]``: the layer's full-precision heads over their history slots ``[S0, tail_start)`` as
+        stored (``full_precision_bits``; row ``b`` from slot ``S0 + pad[b]``, the INT2 history's range) and the
+        window every head reads exactly (``win_k/v [B, Hk, window, D]``: sink, recent tail, new rows; ``win_ok
+        [B, L, window]`` or None when all valid): one SDPA call in the model dtype. With 16 bits this is exactly
+        what a ``DynamicCache`` reads."""
         b, hq, l, d = query.shape
-        hk = new_k.shape[1]
+        hk, s0, dev = new_k.shape[1], self.config.sink, query.device
         g = hq // hk
         self.write_full_precision_heads(new_k, new_v, t_old)
-        kv = t_old + l
-        dev = query.device
-        if allowed is None and l == 1 and self.pad_max == 0:
-            mask = None  # one decode row without padding: every slot (the common step, no mask built)
-        elif allowed is None:
-            slot = torch.arange(kv, device=dev)
-            ok = slot[None, :] <= (t_old + torch.arange(l, device=dev))[:, None]  # causal among the new rows
-            ok = ok[None] & (slot[None, None, :] >= self.pad[:, None, None])  # [B, L, kv]
-            mask = mask_rows(ok, g)
-        else:
-            mask = mask_rows(allowed, g)  # [B, 1, g*L, kv]
+        n = max(self.tail_start - s0, 0)
+        hist_k, hist_v = (x[:, :, s0:] for x in self.full_precision_kv(s0 + n))  # [B, P, n, D]
+        hist_ok = (torch.arange(n, device=dev)[None, :] >= self.pad[:, None])[:, None, :].expand(b, l, n)
+        if allowed is not None:
+            hist_ok = hist_ok & allowed[:, :, s0 : s0 + n]
+        if win_ok is None:
+            win_ok = hist_ok.new_ones(b, l, win_k.shape[2])
+        mask = mask_rows(torch.cat([hist_ok, win_ok], -1), g)  # [B, 1, g*L, n + window]
         q = group_queries(query, hk).index_select(1, self.fp_idx)  # [B, P, g*L, D]
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, self.fp_k[:, :, :kv], self.fp_v[:, :, :kv], attn_mask=mask, scale=scaling
-        )
+        keys = torch.cat([hist_k, win_k.index_select(1, self.fp_idx)], 2)
+        values = torch.cat([hist_v, win_v.index_select(1, self.fp_idx)], 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
 
     # ------------------------------------------------------------------ derived per-row views
     @property
@@ -494,7 +509,7 @@ class OscarLayer(QuantizedLayerBase):
         self.hist_k = QuantizedRows(*(fn(t) for t in self.hist_k))
         self.hist_v = QuantizedRows(*(fn(t) for t in self.hist_v))
         if self.fp_k is not None:
-            self.fp_k, self.fp_v = fn(self.fp_k), fn(self.fp_v)
+            self.fp_k, self.fp_v = tuple(fn(t) for t in self.fp_k), tuple(fn(t) for t in self.fp_v)
         if self.pad is not None:
             self.pad = fn(self.pad)
             self.pad_max = int(self.pad.max()) if self.pad.numel() else 0
@@ -537,8 +552,8 @@ class OscarLayer(QuantizedLayerBase):
         n_real = int((self.seq_len - self.pad.clamp(max=self.seq_len)).sum()) if self.pad is not None else 0
         fp_bytes = 0
         if self.fp_k is not None:  # every real slot of those heads (their sink/recent copies are counted above)
-            fp_bytes = 2 * n_real * len(self.fp_heads) * d * el
-            alloc += 2 * self.fp_k.numel() * el
+            fp_bytes = 2 * n_real * len(self.fp_heads) * heads.row_bytes(self.config.full_precision_bits, d, self.dtype)
+            alloc += sum(t.numel() * t.element_size() for t in self.fp_k + self.fp_v)
         return dict(
             sink=2 * n_sink * hk * d * el,
             recent=2 * n_rec * hk * d * el,

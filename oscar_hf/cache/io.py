@@ -25,6 +25,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from ..config import ModelFingerprint, OscarConfig
 from ..quant import QuantizedRows
 from ..rotations import OscarRotations
+from . import heads
 from .dynamic import CROP_RESERVE, TAIL_SLACK, OscarLayer
 from .static import StaticOscarLayer
 
@@ -55,8 +56,9 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
                 t.update({f"hist_{kv}_{f}": x for f, x in zip(("codes", "scale", "zero"), st[f"hist_{kv}"])})
             if st["mu_k_seq"] is not None:  # key_offset="prefill": the history is centered on it
                 t["mu_k_seq"] = st["mu_k_seq"]
-            if layer.fp_heads:  # full-precision heads: every slot [0, seq_len)
-                t["fp_k"], t["fp_v"] = st["fp_k"], st["fp_v"]
+            if layer.fp_heads:  # full-precision heads: every slot [0, seq_len), in their stored form
+                for kv in ("k", "v"):
+                    t.update(zip(_fp_names(kv, cache.oscar_config.full_precision_bits), st[f"fp_{kv}"]))
             tensors.update({f"layers.{i}.{k}": v.detach().cpu().contiguous() for k, v in t.items()})
             layers.append(dict(kind="oscar", empty=False, seq_len=st["seq_len"], tail_start=st["tail_start"],
                                buf_slot0=st["tail_start"], dtype=str(layer.dtype).removeprefix("torch."),
@@ -91,8 +93,14 @@ def _layer_state(layer) -> dict:
               sink_v=layer.sink_v, tail_k=layer.tail_k[:, :, a:b], tail_v=layer.tail_v[:, :, a:b], hist_k=hist_k,
               hist_v=hist_v, mu_k_seq=layer.mu_k_seq)
     if layer.fp_heads:
-        st["fp_k"], st["fp_v"] = layer.fp_k[:, :, : layer.seq_len], layer.fp_v[:, :, : layer.seq_len]
+        st["fp_k"], st["fp_v"] = (tuple(x[:, :, : layer.seq_len] for x in store) for store in (layer.fp_k, layer.fp_v))
     return st
+
+
+def _fp_names(kv: str, bits: int) -> list[str]:
+    """Saved names of the full-precision heads' tensors: ``fp_k`` in the model dtype, ``fp_k_codes/scale/zero``
+    at 8 or 4 bits."""
+    return [f"fp_{kv}"] if bits == 16 else [f"fp_{kv}_{name}" for name in heads.part_names(bits)]
 
 
 def _expect(t: dict, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -123,7 +131,8 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
         tensors = load_file(str(path / TENSORS_NAME))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ValueError(f"{path / TENSORS_NAME}: corrupted or truncated ({e})") from None
-    config = OscarConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc["config"].items()})
+    saved_config = {"full_precision_bits": 16, **doc["config"]}  # saved before the field existed: model dtype
+    config = OscarConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved_config.items()})
     saved_fp = ModelFingerprint.from_dict(doc["fingerprint"])
     problems = saved_fp.mismatches(ModelFingerprint.from_config(model.config))
     if problems:
@@ -160,7 +169,10 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
                     _expect(tensors, f"{p}hist_{kv}_scale", (b, hq, n, d // g), meta),
                     _expect(tensors, f"{p}hist_{kv}_zero", (b, hq, n, d // g), meta),
                 ))
-            fp_kv = [_expect(tensors, p + k, (b, n_fp, seq, d), dtype) for k in ("fp_k", "fp_v")] if n_fp else None
+            fp_bits = config.full_precision_bits
+            fp_kv = [tuple(_expect(tensors, p + name, (b, n_fp, seq, last), dt) for name, (last, dt)
+                           in zip(_fp_names(kv, fp_bits), heads.part_specs(fp_bits, d, dtype)))
+                     for kv in ("k", "v")] if n_fp else None
             mu_k_seq = None
             if config.key_offset == "prefill" and n > 0:
                 mu_k_seq = _expect(tensors, p + "mu_k_seq", (b, hq, d), torch.float32).to(device)
@@ -173,7 +185,8 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
                     tail_k=tail[0].to(device), tail_v=tail[1].to(device),
                     hist_k=QuantizedRows(*(x.to(device) for x in hist[0])),
                     hist_v=QuantizedRows(*(x.to(device) for x in hist[1])), mu_k_seq=mu_k_seq,
-                    fp_k=fp_kv[0].to(device) if fp_kv else None, fp_v=fp_kv[1].to(device) if fp_kv else None))
+                    fp_k=tuple(x.to(device) for x in fp_kv[0]) if fp_kv else None,
+                    fp_v=tuple(x.to(device) for x in fp_kv[1]) if fp_kv else None))
                 continue
             layer.lazy_initialization(tail[0][:, :, :0].to(device), tail[1][:, :, :0].to(device))
             layer.pad = pad.to(device)
@@ -187,7 +200,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
             layer.hist_k, layer.hist_v = (QuantizedRows(*(x.to(device) for x in h)) for h in hist)
             layer.seq_len, layer.tail_start, layer.buf_slot0 = seq, ts, bs0
             if fp_kv is not None:
-                layer.fp_k, layer.fp_v = (x.to(device) for x in fp_kv)
+                layer.fp_k, layer.fp_v = (tuple(x.to(device) for x in store) for store in fp_kv)
             layer.mu_k_seq = mu_k_seq
         else:
             keys, values = tensors.pop(f"layers.{i}.keys", None), tensors.pop(f"layers.{i}.values", None)

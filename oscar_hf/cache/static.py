@@ -12,7 +12,8 @@ them quantized, ``P`` kept in full precision), ``S0`` sink, ``W`` recent, slot =
   already in the history, let ``crop(-n)`` (assisted decoding) undo up to that many tokens exactly;
 * ``hist_k/hist_v`` (:class:`~oscar_hf.quant.QuantizedRows` ``[B, Hq, N, ...]``): slot ``s`` at index ``s - S0``,
   row ``b`` reads ``pad[b] <= j < T - W - S0``;
-* ``fp_k/fp_v [B, P, capacity, D]``: every slot of the full-precision heads (``OscarConfig.full_precision_heads``);
+* ``fp_k/fp_v``, tuples of ``[B, P, capacity, *]`` (:mod:`oscar_hf.cache.heads`: the model dtype or INT8/INT4 codes
+  with a scale and zero per token and head): every slot of the full-precision heads (``OscarConfig.full_precision_heads``);
 * ``length`` (0-d int64 device tensor) = ``T``; ``host_len`` the same count on the host, kept by the eager calls
   and by the compiled step's wrapper (:mod:`oscar_hf.compiled_step`), which grows the storage before a step that
   would not fit it: ``N`` and ``capacity`` grow in buckets (:func:`capacity_for`), each bucket one CUDA graph.
@@ -42,6 +43,7 @@ from ..config import OscarConfig
 from ..patching import base_attention_function
 from ..quant import QuantizedRows, dequantize_rows
 from ..rotations import LayerRotation
+from . import heads
 from .base import QuantizedLayerBase, allowed_slots, check_first_keys, first_real_slot, group_queries, mask_rows
 
 RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE (as OscarLayer's CROP_RESERVE)
@@ -131,10 +133,10 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.q_idx = torch.tensor(self.q_heads, dtype=torch.long, device=dev)
         self.fp_idx = torch.tensor(self.fp_heads, dtype=torch.long, device=dev)
         # kv head -> history head (-1: full precision), for the fused write
-        heads = [-1] * hk
+        hist_of = [-1] * hk
         for j, h in enumerate(self.q_heads):
-            heads[h] = j
-        self.hist_heads = _static(torch.tensor(heads, dtype=torch.long, device=dev)) if self.fp_heads else None
+            hist_of[h] = j
+        self.hist_heads = _static(torch.tensor(hist_of, dtype=torch.long, device=dev)) if self.fp_heads else None
         r = self._rotation_cpu
         rot = (r.select_heads(self.q_heads) if self.fp_heads else r).to(dev)
         # Each a tensor of this layer's own (~1 MB per layer): a step whose inputs alias (e.g. the built-in Hadamard
@@ -179,8 +181,9 @@ class StaticOscarLayer(QuantizedLayerBase):
 
         self.hist_k, self.hist_v = hist(self.hist_k), hist(self.hist_v)
         if p:
-            self.fp_k = grow(self.fp_k, b, p, capacity, d, dtype=self.dtype)
-            self.fp_v = grow(self.fp_v, b, p, capacity, d, dtype=self.dtype)
+            specs = heads.part_specs(self.config.full_precision_bits, d, self.dtype)
+            self.fp_k, self.fp_v = (tuple(grow(old[i] if old else None, b, p, capacity, last, dtype=dt)
+                                          for i, (last, dt) in enumerate(specs)) for old in (self.fp_k, self.fp_v))
         self.capacity = capacity
 
     def advance(self, n: int) -> None:
@@ -236,9 +239,8 @@ class StaticOscarLayer(QuantizedLayerBase):
         if self.is_initialized:
             for t in (self.win_k, self.win_v, self.pad, self.length, *self.hist_k, *self.hist_v):
                 t.zero_()
-            for t in (self.fp_k, self.fp_v):
-                if t is not None:
-                    t.zero_()
+            for t in (self.fp_k or ()) + (self.fp_v or ()):
+                t.zero_()
         self.mu_k_seq = None
         self.pad_known = False
         self.host_len = 0
@@ -270,8 +272,9 @@ class StaticOscarLayer(QuantizedLayerBase):
                         self.rot.r_k, mu_k, self.clip_k, self.rot.r_v, mu_v, self.clip_v, cfg.group_size,
                         cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels)
         if self.fp_heads:
-            write_slot_op(self.fp_k, new_k.index_select(1, self.fp_idx), t)
-            write_slot_op(self.fp_v, new_v.index_select(1, self.fp_idx), t)
+            for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
+                for buf, row in zip(store, heads.encode(new.index_select(1, self.fp_idx), cfg.full_precision_bits)):
+                    write_slot_op(buf, row, t)
         qf = group_queries(query.float(), hk)  # [B, Hk, g, D]
         win_mask = self.window_mask(t + 1, cfg.recent + 1)[:, None, None, :]  # [B, 1, 1, S0 + R]
         n_valid = self.n_hist(t)  # history slots [S0, T - W) once the write above demoted slot T - 1 - W
@@ -289,19 +292,23 @@ class StaticOscarLayer(QuantizedLayerBase):
             use_kernels=cfg.use_kernels, n_valid=n_valid, splits=None,
         )
         if self.fp_heads:
-            out = self._merge_full_precision_heads(out, qf, t, scaling)
+            out = self._merge_full_precision_heads(out, qf, t, win_mask[:, 0, 0], scaling)
         self.length.add_(1)
         return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
 
-    def _merge_full_precision_heads(self, out_q, qf, t, scaling: float) -> torch.Tensor:
-        """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and an exact SDPA of the full-precision heads over
-        their slots ``[pad, T]``."""
-        slot = torch.arange(self.fp_k.shape[2], device=self.device)
-        ok = (slot[None, :] <= t) & (slot[None, :] >= self.pad[:, None])  # [B, capacity]
+    def _merge_full_precision_heads(self, out_q, qf, t, win_ok, scaling: float) -> torch.Tensor:
+        """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and one SDPA of the full-precision heads over their
+        history slots ``[S0 + pad, T - W)`` as stored (``full_precision_bits``) and the window every head reads
+        exactly (``win_ok [B, S0 + R]``, :meth:`window_mask`); static shapes (the whole capacity, masked)."""
+        s0 = self.config.sink
+        hist_k, hist_v = (x[:, :, s0:] for x in self.full_precision_kv(self.capacity))  # [B, P, capacity - S0, D]
+        slot = torch.arange(s0, self.capacity, device=self.device)
+        hist_ok = (slot[None, :] >= s0 + self.pad[:, None]) & (slot[None, :] < t - self.config.recent)
+        ok = torch.cat([hist_ok, win_ok], 1)[:, None, None, :]  # [B, 1, 1, capacity - S0 + S0 + R]
+        keys = torch.cat([hist_k, self.win_k.index_select(1, self.fp_idx)], 2)
+        values = torch.cat([hist_v, self.win_v.index_select(1, self.fp_idx)], 2)
         out_fp = torch.nn.functional.scaled_dot_product_attention(
-            qf.index_select(1, self.fp_idx).to(self.dtype), self.fp_k, self.fp_v, attn_mask=ok[:, None, None, :],
-            scale=scaling,
-        )
+            qf.index_select(1, self.fp_idx).to(self.dtype), keys, values, attn_mask=ok, scale=scaling)
         b, hk, m, d = qf.shape
         full = out_q.new_empty(b, hk, m, d)
         full.index_copy_(1, self.q_idx, out_q)
@@ -344,11 +351,14 @@ class StaticOscarLayer(QuantizedLayerBase):
             cfg.group_size, win_k, win_v, mask_rows(ok, g), self.rot.r_v, mu_v, out_dtype=query.dtype,
             block_n=cfg.block_size, use_kernels=cfg.use_kernels,
         )
-        if self.fp_heads:
+        if self.fp_heads:  # their history [S0, S0 + n) as stored and the window above, exact
             self._write_full_precision(new_k, new_v, t_old)
             q = qf.index_select(1, self.fp_idx).to(self.dtype)  # [B, P, g*L, D]
+            hist_ok = allowed[:, :, s0 : s0 + n] & (torch.arange(n, device=dev)[None, None, :] >= self.pad[:, None, None])
+            k, v = (torch.cat([x[:, :, s0:], w.index_select(1, self.fp_idx), new.index_select(1, self.fp_idx)], 2)
+                    for x, w, new in zip(self.full_precision_kv(s0 + n), (self.win_k, self.win_v), (new_k, new_v)))
             out_fp = torch.nn.functional.scaled_dot_product_attention(
-                q, self.fp_k[:, :, :kv], self.fp_v[:, :, :kv], attn_mask=mask_rows(allowed, g), scale=scaling)
+                q, k, v, attn_mask=mask_rows(torch.cat([hist_ok, ok], -1), g), scale=scaling)
             full = out.new_empty(b, hk, g * l, d)
             full[:, self.q_idx] = out
             full[:, self.fp_idx] = out_fp.to(out.dtype)
@@ -373,8 +383,15 @@ class StaticOscarLayer(QuantizedLayerBase):
     def _write_full_precision(self, new_k, new_v, t_old: int) -> None:
         if self.fp_heads:
             l = new_k.shape[2]
-            self.fp_k[:, :, t_old : t_old + l] = new_k.index_select(1, self.fp_idx)
-            self.fp_v[:, :, t_old : t_old + l] = new_v.index_select(1, self.fp_idx)
+            for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
+                for dst, src in zip(store, heads.encode(new.index_select(1, self.fp_idx), self.config.full_precision_bits)):
+                    dst[:, :, t_old : t_old + l] = src
+
+    def full_precision_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v) [B, P, n, D]``: slots ``[0, n)`` of the full-precision heads in the model dtype."""
+        bits = self.config.full_precision_bits
+        return tuple(heads.decode(tuple(t[:, :, :n] for t in store), bits, self.dtype)
+                     for store in (self.fp_k, self.fp_v))
 
     def _demote_slots(self, a: int, b: int, t_old: int | None = None, new_k=None, new_v=None) -> None:
         """Quantize slots ``[a, b)`` into history indices ``[a - S0, b - S0)``, from the ring (slots ``< t_old``) or
@@ -473,7 +490,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         CUDA graphs' addresses) or by reallocation (new batch size)."""
         if not self.is_initialized:
             return
-        names = ["win_k", "win_v", "pad", "fp_k", "fp_v", "mu_k_seq"]
+        names = ["win_k", "win_v", "pad", "mu_k_seq"]
         for name in names:
             t = getattr(self, name)
             if t is None:
@@ -483,14 +500,16 @@ class StaticOscarLayer(QuantizedLayerBase):
             else:
                 grow_dim = 2 if name in ("fp_k", "fp_v") and not self.fixed_capacity else None
                 setattr(self, name, _static(fn(t).contiguous(), grow_dim))
-        for name in ("hist_k", "hist_v"):
+        for name in ("hist_k", "hist_v", "fp_k", "fp_v"):  # capacity-sized tuples of tensors
             q = getattr(self, name)
+            if q is None:
+                continue
             if in_place:
                 for t in q:
                     t.copy_(fn(t))
             else:
-                setattr(self, name, QuantizedRows(*(_static(fn(t).contiguous(), None if self.fixed_capacity else 2)
-                                                    for t in q)))
+                moved = [_static(fn(t).contiguous(), None if self.fixed_capacity else 2) for t in q]
+                setattr(self, name, QuantizedRows(*moved) if isinstance(q, QuantizedRows) else tuple(moved))
         self.batch_size = self.win_k.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -535,7 +554,7 @@ class StaticOscarLayer(QuantizedLayerBase):
                      tail_k=tail[0], tail_v=tail[1], hist_k=QuantizedRows(*(x[:, :, :n] for x in self.hist_k)),
                      hist_v=QuantizedRows(*(x[:, :, :n] for x in self.hist_v)), mu_k_seq=self.mu_k_seq)
         if self.fp_heads:
-            state["fp_k"], state["fp_v"] = self.fp_k[:, :, :t], self.fp_v[:, :, :t]
+            state["fp_k"], state["fp_v"] = (tuple(x[:, :, :t] for x in store) for store in (self.fp_k, self.fp_v))
         return state
 
     def import_state(self, state: dict) -> None:
@@ -561,8 +580,9 @@ class StaticOscarLayer(QuantizedLayerBase):
         if ts > s0:  # the ring also holds the slot before the window (a decode step re-demotes it): from its codes
             self._refill_ring(ts - 1, ts)
         if self.fp_heads:
-            self.fp_k[:, :, :t] = state["fp_k"]
-            self.fp_v[:, :, :t] = state["fp_v"]
+            for store, saved in ((self.fp_k, state["fp_k"]), (self.fp_v, state["fp_v"])):
+                for dst, src in zip(store, saved):
+                    dst[:, :, :t] = src
         self.length.fill_(t)
 
     # ------------------------------------------------------------------ accounting
@@ -581,10 +601,12 @@ class StaticOscarLayer(QuantizedLayerBase):
         n_hist = int((self.n_hist(t) - self.pad).clamp(min=0).sum())
         n_real = int((t - self.pad).clamp(min=0).sum())
         meta_el = self.hist_k.scale.element_size()
-        bufs = [self.win_k, self.win_v, *self.hist_k, *self.hist_v] + [x for x in (self.fp_k, self.fp_v) if x is not None]
+        bufs = [self.win_k, self.win_v, *self.hist_k, *self.hist_v, *(self.fp_k or ()), *(self.fp_v or ())]
         return dict(
             sink=2 * n_sink * hk * d * el, recent=2 * n_rec * hk * d * el,
             history_codes=2 * n_hist * hq * d // 4, history_meta=2 * n_hist * hq * (d // g) * 2 * meta_el,
-            history_elements=2 * n_hist * hq * d, full_precision_heads=2 * n_real * len(self.fp_heads) * d * el,
+            history_elements=2 * n_hist * hq * d,
+            full_precision_heads=2 * n_real * len(self.fp_heads) * heads.row_bytes(self.config.full_precision_bits, d,
+                                                                                   self.dtype),
             allocated=sum(x.numel() * x.element_size() for x in bufs), tokens=n_sink + n_rec + n_hist,
         )

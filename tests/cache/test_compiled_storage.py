@@ -168,7 +168,9 @@ def test_beam_search_and_batch_ops():
     torch.testing.assert_close(lb, la, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("extra", [dict(full_precision_heads=((0, 1), (1, 0))), dict(key_offset="prefill")])
+@pytest.mark.parametrize("extra", [dict(full_precision_heads=((0, 1), (1, 0))),  # stored as INT4 (the default)
+                                   dict(full_precision_heads=((0, 1), (1, 0)), full_precision_bits=16),
+                                   dict(key_offset="prefill")])
 def test_full_precision_heads_and_prefill_offset_match_eager(extra):
     m = tiny_model("llama")
     ids, am = random_left_padded([7, 26], seed=12)

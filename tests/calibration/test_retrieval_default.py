@@ -57,10 +57,14 @@ def test_defaults_are_auto_with_a_three_bit_cap():
     assert c.full_precision_heads == "auto" and c.max_history_bits == MAX_HISTORY_BITS == 3.0
     assert c.retrieval_threshold == RETRIEVAL_THRESHOLD
     assert OscarConfig.reference().full_precision_heads == 0  # the authors' settings keep no head in full precision
-    # SmolLM2 (head_dim 64, group 64, BF16 scale/zero: 2.5 bits): 90 KV heads leave room for 3 at <= 3.0 bits
-    assert c.history_bits(64) == 2.5
-    assert c.full_precision_head_budget(64, 90) == 3
-    assert c.history_bits(64, 3 / 90) <= 3.0 < c.history_bits(64, 4 / 90)
+    # SmolLM2 (head_dim 64, group 64, BF16 scale/zero: 2.5 bits): 90 KV heads leave room for 22 INT4 heads (4.5
+    # bits each, the default storage) at <= 3.0 bits, all 8 of its retrieval heads; 3 when they are stored in BF16
+    assert c.history_bits(64) == 2.5 and c.full_precision_bits == 4
+    assert c.full_precision_head_budget(64, 90) == 22
+    assert c.history_bits(64, 22 / 90) <= 3.0 < c.history_bits(64, 23 / 90)
+    bf16 = OscarConfig(full_precision_bits=16)
+    assert bf16.full_precision_head_budget(64, 90) == 3
+    assert bf16.history_bits(64, 3 / 90) <= 3.0 < bf16.history_bits(64, 4 / 90)
 
 
 def test_auto_keeps_heads_above_the_threshold_best_first():
@@ -75,9 +79,14 @@ def test_auto_is_capped_by_the_bit_budget():
     m = tiny_model("llama")
     rot = scored(m, [[0.6, 0.9], [0.7, 0.8]])  # all four pass the threshold
     # group 32 on head_dim 32: 3.0 bits per INT2 element; one of 4 heads at 16 bits -> 6.25 bits
-    assert resolve(m, rot, max_history_bits=6.24) == []
-    assert resolve(m, rot, max_history_bits=6.25) == [(0, 1)]  # the best one
-    assert resolve(m, rot, max_history_bits=9.5) == [(0, 1), (1, 1)]  # the two best
+    bf16 = dict(full_precision_bits=16)
+    assert resolve(m, rot, max_history_bits=6.24, **bf16) == []
+    assert resolve(m, rot, max_history_bits=6.25, **bf16) == [(0, 1)]  # the best one
+    assert resolve(m, rot, max_history_bits=9.5, **bf16) == [(0, 1), (1, 1)]  # the two best
+    # stored as INT4 (the default), a head costs 4 + 2 * 16 / 32 = 5 bits: one of 4 -> 3.5 bits, two -> 4.0
+    assert resolve(m, rot, max_history_bits=3.49) == []
+    assert resolve(m, rot, max_history_bits=3.5) == [(0, 1)]
+    assert resolve(m, rot, max_history_bits=4.0) == [(0, 1), (1, 1)]
     assert resolve(m, rot, max_history_bits=16) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # explicit counts and pairs are not capped
     assert resolve(m, rot, full_precision_heads=3, max_history_bits=3.0) == [(0, 1), (1, 0), (1, 1)]
@@ -89,8 +98,8 @@ def test_auto_counts_only_quantized_layers():
     m = tiny_model("llama")
     rot = scored(m, [[0.95, 0.9], [0.7, 0.8]])
     # layer 0 skipped: 2 quantized heads; one at 16 bits -> (3 + 16) / 2 = 9.5 bits
-    assert resolve(m, rot, skip_layers=(0,), max_history_bits=9.5) == [(1, 1)]
-    assert resolve(m, rot, skip_layers=(0,), max_history_bits=9.4) == []
+    assert resolve(m, rot, skip_layers=(0,), max_history_bits=9.5, full_precision_bits=16) == [(1, 1)]
+    assert resolve(m, rot, skip_layers=(0,), max_history_bits=9.4, full_precision_bits=16) == []
 
 
 def test_auto_without_scores_gives_no_heads_and_says_so(caplog):
@@ -124,6 +133,7 @@ def test_config_rejects_bad_values(bad, match):
 @pytest.mark.parametrize("cfg", [
     dict(), dict(full_precision_heads=0), dict(full_precision_heads=5), dict(full_precision_heads=((3, 1), (0, 2))),
     dict(max_history_bits=4, retrieval_threshold=0.25, clip_k=(0.9, 0.95), skip_layers=(-1,), group_size=None),
+    dict(full_precision_bits=8),
 ])
 def test_config_round_trips_through_json(cfg):
     c = OscarConfig(**cfg)
@@ -166,7 +176,8 @@ def test_calibrate_scores_retrieval_heads_by_default(caplog):
     assert "retrieval probes" in rot.metadata["calibration"]["passes"]
     assert rot.metadata["calibration"]["time_retrieval_s"] > 0
     best = divmod(int(s.argmax()), 2)
-    cache = OscarCache(m, rot, group_size=32, sink=4, recent=8, retrieval_threshold=0.0, max_history_bits=6.25)
+    cache = OscarCache(m, rot, group_size=32, sink=4, recent=8, retrieval_threshold=0.0, max_history_bits=6.25,
+                       full_precision_bits=16)
     assert cache.oscar_config.full_precision_heads == (best,)  # the best-scoring head, within the budget
     assert "retrieval heads (layer:kv_head score)" in calibration_report(rot)
 

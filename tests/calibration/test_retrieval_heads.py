@@ -74,7 +74,7 @@ def test_full_precision_heads_storage_and_memory():
     ids = torch.randint(1, 200, (2, 40))
     ref_cache = DynamicCache(config=m.config)
     greedy(m, ids, ref_cache)
-    cache = OscarCache(m, **SMALL, full_precision_heads=FPH)
+    cache = OscarCache(m, **SMALL, full_precision_heads=FPH, full_precision_bits=16)  # stored in the model dtype
     out = greedy(m, ids, cache)
     t = out.shape[1] - 1
     for (li, h) in FPH:
@@ -82,9 +82,10 @@ def test_full_precision_heads_storage_and_memory():
         assert isinstance(layer, OscarLayer) and layer.fp_heads == (h,) and layer.q_heads == (1 - h,)
         assert layer.hist_k.codes.shape[1] == 1  # the full-precision head is not in the INT2 history
         ref = ref_cache.layers[li]  # the prompt's slots (prefill is exact; later ones see quantized layers)
-        assert torch.equal(layer.fp_k[:, :, :40], ref.keys[:, h : h + 1, :40])
-        assert torch.equal(layer.fp_v[:, :, :40], ref.values[:, h : h + 1, :40])
-        assert layer.fp_k[:, :, 40:t].abs().sum(-1).gt(0).all()  # and every decoded slot was written
+        (fp_k,), (fp_v,) = layer.fp_k, layer.fp_v
+        assert torch.equal(fp_k[:, :, :40], ref.keys[:, h : h + 1, :40])
+        assert torch.equal(fp_v[:, :, :40], ref.values[:, h : h + 1, :40])
+        assert fp_k[:, :, 40:t].abs().sum(-1).gt(0).all()  # and every decoded slot was written
     rep = cache.memory_report()
     d, el = m.config.head_dim, 4
     assert rep["full_precision_heads"] == len(FPH) * 2 * 2 * t * d * el  # 2 rows, K and V
@@ -177,13 +178,15 @@ def test_full_precision_heads_with_triton_kernels_match_reference():
 
 
 def test_memory_report_history_bits_count_full_precision_heads():
-    """The report's history bits average the quantized layers' KV heads, a full-precision head at 16 bits."""
+    """The report's history bits average the quantized layers' KV heads, a full-precision head at its stored
+    bits (16, or INT4 codes + a 16-bit scale and zero per token and head: 4 + 32 / D)."""
     from oscar_hf.quant import bits_per_element
 
     m = tiny_model("llama")
     hk, d = m.config.num_key_value_heads, m.config.head_dim
     plain = OscarCache(m, **SMALL).memory_report()["history_bits_per_element"]
     assert plain == bits_per_element(d, SMALL["group_size"], torch.bfloat16)
-    two = OscarCache(m, **SMALL, full_precision_heads=((0, 1), (1, 0))).memory_report()["history_bits_per_element"]
     share = 2 / (m.config.num_hidden_layers * hk)
-    assert two == pytest.approx((1 - share) * plain + share * 16)
+    for bits, head_bits in ((16, 16), (4, 4 + 32 / d)):
+        two = OscarCache(m, **SMALL, full_precision_heads=((0, 1), (1, 0)), full_precision_bits=bits)
+        assert two.memory_report()["history_bits_per_element"] == pytest.approx((1 - share) * plain + share * head_bits)

@@ -1,0 +1,61 @@
+"""Storage of a layer's full-precision (retrieval) heads: every slot of their keys and values, read back in the
+model dtype for one SDPA call over them (:meth:`OscarLayer.full_precision_heads_attention`,
+``StaticOscarLayer._merge_full_precision_heads``).
+
+``OscarConfig.full_precision_bits`` picks the form, per K or V, ``P`` heads, ``N`` slots:
+
+* ``16``: the model dtype, one tensor ``[B, P, N, D]`` (exact);
+* ``8`` / ``4``: codes ``[B, P, N, D * bits / 8] uint8`` (INT4: two per byte, :func:`~oscar_hf.quant.pack_int4`) and
+  one scale and one zero per token and head ``[B, P, N, 1]`` in the model dtype: asymmetric min-max over the head's
+  ``D`` channels, no rotation, no clipping (:func:`~oscar_hf.quant.quantize_minmax`). 4.5 bits per element at
+  ``D = 64`` (4.25 at 128) against 16: the retrieval heads that fit 3.0 history bits on SmolLM2 go from 3 to all 8,
+  and on its unseen needles INT4 answered as BF16 did (docs/quality.md, "Cheaper retrieval heads").
+
+A stored form is a tuple of tensors that share their first three dimensions (batch, head, slot): the caches slice,
+grow, reorder and save them part by part, as they do the INT2 history's ``QuantizedRows``.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..quant import QuantizedRows, dequantize_minmax, pack_int4, quantize_minmax, unpack_int4
+
+FULL_PRECISION_BITS = (16, 8, 4)  # the forms OscarConfig.full_precision_bits accepts
+
+
+def part_names(bits: int) -> tuple[str, ...]:
+    """Names of the stored tensors (what a saved cache calls them)."""
+    return ("x",) if bits == 16 else ("codes", "scale", "zero")
+
+
+def part_specs(bits: int, head_dim: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+    """``(last dimension, dtype)`` of each stored tensor."""
+    if bits == 16:
+        return [(head_dim, dtype)]
+    return [(head_dim * bits // 8, torch.uint8), (1, dtype), (1, dtype)]
+
+
+def row_bytes(bits: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one token of one head, keys or values."""
+    return sum(n * torch.empty((), dtype=dt).element_size() for n, dt in part_specs(bits, head_dim, dtype))
+
+
+def allocate(bits: int, b: int, p: int, n: int, head_dim: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+    """Zeroed storage of ``n`` slots."""
+    return tuple(torch.zeros(b, p, n, last, dtype=dt, device=device) for last, dt in part_specs(bits, head_dim, dtype))
+
+
+def encode(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
+    """``x [B, P, L, D]`` (model dtype) -> its stored form."""
+    if bits == 16:
+        return (x,)
+    q = quantize_minmax(x, bits, x.dtype)
+    return (pack_int4(q.codes) if bits == 4 else q.codes, q.scale, q.zero)
+
+
+def decode(parts: tuple[torch.Tensor, ...], bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Stored form -> ``[B, P, N, D]`` in ``dtype``."""
+    if bits == 16:
+        return parts[0]
+    codes, scale, zero = parts
+    return dequantize_minmax(QuantizedRows(unpack_int4(codes) if bits == 4 else codes, scale, zero), dtype)
