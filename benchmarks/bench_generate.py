@@ -8,7 +8,8 @@
 * ``oscar``: ``OscarCache(model, ...)``, the default call: on CUDA its storage is device-resident and ``generate``
   compiles the decode step by itself (like bf16-static); ``oscar-eager``: ``OscarCache(compile=False)``, the eager
   layer; ``oscar-static``: ``StaticOscarCache`` (a fixed ``max_cache_len``);
-  ``oscar-fpN``: ``OscarCache`` with N KV heads (spread over the layers) in full precision
+  ``oscar-fpN``: ``OscarCache`` with N KV heads (spread over the layers) in full precision, stored as the
+  library stores them (INT4 by default); ``oscar-fpN-bf16`` / ``-int8``: stored in BF16 / INT8
   (``OscarConfig.full_precision_heads``, e.g. the retrieval heads);
 * ``hqq2`` / ``hqq4`` / ``quanto2`` / ``quanto4``: Transformers' ``QuantizedCache`` (HQQ / quanto
   backend, 2 / 4 bits, group 64, residual 128; eager).
@@ -39,7 +40,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList
 
 ROOT = Path(__file__).resolve().parent.parent
-from oscar_hf import OscarCache, StaticOscarCache  # noqa: E402
+from oscar_hf import OscarCache, OscarConfig, StaticOscarCache  # noqa: E402
 from oscar_hf.compat import cache_kwargs, returned_cache  # noqa: E402
 
 torch._dynamo.config.cache_size_limit = 64  # one compiled decode step per (method, batch, context)
@@ -156,11 +157,13 @@ def make_cache(model, method: str, capacity: int, explicit: bool = False):
         return OscarCache(model, method="hadamard", group_size=64)
     if method == "oscar-eager":
         return OscarCache(model, method="hadamard", group_size=64, compile=False)
-    if method.startswith("oscar-fp"):  # oscar-fpN: N KV heads in full precision (full_precision_heads), spread
-        n, cfg = int(method.removeprefix("oscar-fp")), model.config.get_text_config(decoder=True)
+    if method.startswith("oscar-fp"):  # oscar-fpN[-bf16|-int8]: N KV heads in full precision, spread over the layers
+        count, _, store = method.removeprefix("oscar-fp").partition("-")
+        bits = {"": OscarConfig().full_precision_bits, "bf16": 16, "int8": 8, "int4": 4}[store]
+        n, cfg = int(count), model.config.get_text_config(decoder=True)
         nl, hk = cfg.num_hidden_layers, cfg.num_key_value_heads
         heads = tuple(((j * nl) // n, j % hk) for j in range(n))
-        return OscarCache(model, method="hadamard", group_size=64, full_precision_heads=heads)
+        return OscarCache(model, method="hadamard", group_size=64, full_precision_heads=heads, full_precision_bits=bits)
     if method == "oscar-static":
         return StaticOscarCache(model, method="hadamard", group_size=64, max_cache_len=capacity)
     if method[:-1] in ("hqq", "quanto"):

@@ -357,7 +357,7 @@ class OscarLayer(QuantizedLayerBase):
         q = group_queries(query, hk).index_select(1, self.fp_idx)  # [B, P, g*L, D]
         keys = torch.cat([hist_k, win_k.index_select(1, self.fp_idx)], 2)
         values = torch.cat([hist_v, win_v.index_select(1, self.fp_idx)], 2)
-        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
+        return heads.attention(q, keys, values, mask, scaling)
 
     # ------------------------------------------------------------------ derived per-row views
     @property

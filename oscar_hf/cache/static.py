@@ -307,8 +307,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         ok = torch.cat([hist_ok, win_ok], 1)[:, None, None, :]  # [B, 1, 1, capacity - S0 + S0 + R]
         keys = torch.cat([hist_k, self.win_k.index_select(1, self.fp_idx)], 2)
         values = torch.cat([hist_v, self.win_v.index_select(1, self.fp_idx)], 2)
-        out_fp = torch.nn.functional.scaled_dot_product_attention(
-            qf.index_select(1, self.fp_idx).to(self.dtype), keys, values, attn_mask=ok, scale=scaling)
+        out_fp = heads.attention(qf.index_select(1, self.fp_idx).to(self.dtype), keys, values, ok, scaling)
         b, hk, m, d = qf.shape
         full = out_q.new_empty(b, hk, m, d)
         full.index_copy_(1, self.q_idx, out_q)
@@ -357,8 +356,7 @@ class StaticOscarLayer(QuantizedLayerBase):
             hist_ok = allowed[:, :, s0 : s0 + n] & (torch.arange(n, device=dev)[None, None, :] >= self.pad[:, None, None])
             k, v = (torch.cat([x[:, :, s0:], w.index_select(1, self.fp_idx), new.index_select(1, self.fp_idx)], 2)
                     for x, w, new in zip(self.full_precision_kv(s0 + n), (self.win_k, self.win_v), (new_k, new_v)))
-            out_fp = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask_rows(torch.cat([hist_ok, ok], -1), g), scale=scaling)
+            out_fp = heads.attention(q, k, v, mask_rows(torch.cat([hist_ok, ok], -1), g), scaling)
             full = out.new_empty(b, hk, g * l, d)
             full[:, self.q_idx] = out
             full[:, self.fp_idx] = out_fp.to(out.dtype)

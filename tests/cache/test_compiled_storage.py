@@ -218,7 +218,8 @@ def test_chunked_prefill_through_the_compiled_route():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_default_cache_compiles_with_cuda_graphs_and_matches_eager(monkeypatch):
+@pytest.mark.parametrize("heads", [(), ((0, 1), (2, 5))])  # with two retrieval heads (stored as INT4, the default)
+def test_gpu_default_cache_compiles_with_cuda_graphs_and_matches_eager(monkeypatch, heads):
     """On CUDA the user's default call compiles (CUDA graphs, no skipped graph), grows across buckets during decode,
     and gives the eager layer's tokens (kernels on both)."""
     from batch_utils import cuda_qwen3
@@ -227,7 +228,7 @@ def test_gpu_default_cache_compiles_with_cuda_graphs_and_matches_eager(monkeypat
     m = cuda_qwen3()
     ids, am = random_left_padded([700, 1500, 2000], seed=3)
     ids, am = ids.cuda(), am.cuda()
-    kw = dict(method="hadamard", group_size=64)
+    kw = dict(method="hadamard", group_size=64, full_precision_heads=heads or 0)
     eager = _gen(m, ids, am, OscarCache(m, compile=False, **kw), n=400)
     torch._dynamo.reset()
     counters.clear()
