@@ -213,6 +213,18 @@ def tp_layout(model, num_kv_heads: int, head_dim: int, layers=None) -> TPLayout 
     return TPLayout(rank, world, num_kv_heads, ks, vs, source)
 
 
+def local_full_precision_heads(heads: tuple[int, ...], k: slice, v: slice, layer: int, rank: int) -> tuple[int, ...]:
+    """The full-precision heads (global KV head ids) that this rank's shard ``k`` / ``v`` holds, as its local ids."""
+    if (k.start, k.stop) != (v.start, v.stop):
+        raise NotImplementedError(f"layer {layer}: full-precision heads need the same KV heads for keys and values on "
+                                  f"a rank (rank {rank} holds keys {k.start}:{k.stop}, values {v.start}:{v.stop})")
+    local = tuple(h - k.start for h in heads if k.start <= h < k.stop)
+    if len(local) == k.stop - k.start:
+        raise NotImplementedError(f"layer {layer}: every KV head of rank {rank} ({k.start}:{k.stop}) is a "
+                                  "full-precision head; keep fewer heads or skip the layer (skip_layers)")
+    return local
+
+
 # ---------------------------------------------------------------------------------------------- the cache hook
 def shard_cache_for_tensor_parallel(cache, model) -> TPLayout | None:
     """Called by ``OscarCache.__init__`` (with the model): under tensor parallelism, replace every
@@ -225,13 +237,12 @@ def shard_cache_for_tensor_parallel(cache, model) -> TPLayout | None:
     layout = tp_layout(model, fp.num_key_value_heads, fp.head_dim, layers=q_layers)
     if layout is None:
         return None
-    if any(getattr(cache.layers[i], "fp_heads", ()) for i in q_layers):
-        raise NotImplementedError("full_precision_heads is not supported under tensor parallelism (the heads are "
-                                  "global indices); use it on one device")
     for i in q_layers:
         layer = cache.layers[i]
         full = cache.rotations.layers[i]
         layer._rotation_cpu = slice_layer_rotation(full, layout.k[i], layout.v[i]) if i in layout.k else full
+        if getattr(layer, "fp_heads", ()) and i in layout.k:  # global KV head ids -> this rank's own, if it holds them
+            layer.fp_heads = local_full_precision_heads(layer.fp_heads, layout.k[i], layout.v[i], i, layout.rank)
     cache.tp_layout = layout
     logger.info("OscarCache: tensor-parallel rank %d/%d (%s), KV heads %s", layout.rank, layout.world, layout.source,
                 sorted({(s.start, s.stop) for s in layout.k.values()}))

@@ -211,3 +211,38 @@ def test_tp_check_script_under_torchrun(tmp_path):
     # float32 on CPU: TP reproduces the single-process tokens exactly, and a wrong slice is caught.
     assert res["oscar_tp_equals_single"] and res["bf16_tp_equals_single"]
     assert res["negative_control_max_code_agreement"] < 0.6
+
+
+class _Attention(torch.nn.Module):
+    """What the base attention function reads from an attention module."""
+
+    num_key_value_groups = 2
+    is_causal = True
+    training = False
+
+
+def test_full_precision_heads_follow_the_rank(monkeypatch):
+    """Retrieval heads (global KV head ids) are kept by the rank that holds them, as its local ids, and its
+    attention equals the same heads' rows of a single-device cache; a rank holding only such heads is refused."""
+    model = tiny_model("qwen3", num_key_value_heads=4, num_attention_heads=8)  # head_dim 32
+    fp = ModelFingerprint.from_config(model.config)
+    rot = OscarRotations(fp, "distinct", {i: distinct_rotation(4, 32) for i in range(fp.num_layers)})
+    kw = dict(group_size=32, sink=4, recent=8, full_precision_heads=((0, 1), (0, 3), (1, 2)))
+    single = OscarCache(model, rot, **kw)
+    fake_tp(monkeypatch, model, rank=1, world=2, head_dim=32)  # this rank: KV heads 2, 3
+    cache = OscarCache(model, rot, **kw)
+    assert [layer.fp_heads for layer in cache.layers] == [(1,), (0,)]  # global (0, 3) -> local 1; (1, 2) -> 0
+    gen = torch.Generator().manual_seed(0)
+    module = _Attention()
+    for past, n in ((0, 30), (30, 1), (31, 1)):  # prompt (history from slot 4 + 8), then two decode steps
+        q = torch.randn(1, 8, n, 32, generator=gen)
+        k, v = torch.randn(1, 4, n, 32, generator=gen), torch.randn(1, 4, n, 32, generator=gen)
+        outs = []
+        for c, sl in ((single, slice(0, 4)), (cache, slice(2, 4))):
+            handle, _ = c.layers[0].update(k[:, sl], v[:, sl])
+            qs = q[:, 2 * sl.start : 2 * sl.stop]
+            outs.append(handle.attend(qs, None, 32**-0.5, module, "sdpa"))  # [1, n, Hq of the rank, D]
+        torch.testing.assert_close(outs[1], outs[0][:, :, 4:8], rtol=1e-5, atol=1e-6)
+    assert cache.layers[0].n_hist > 0 and cache.layers[0].fp_k is not None
+    with pytest.raises(NotImplementedError, match="every KV head of rank 1"):
+        OscarCache(model, rot, **{**kw, "full_precision_heads": ((0, 2), (0, 3))})

@@ -127,9 +127,6 @@ class OscarCache(Cache):
             if getattr(text_cfg, name, None):
                 raise NotImplementedError(f"{fp.architecture}: attention logit soft-capping ({name}) is not supported by OSCAR")
         skipped = config.skipped(fp.num_layers)
-        if config.full_precision_heads == "auto" and is_model and (getattr(model_or_config, "_tp_size", None) or 1) > 1:
-            logger.info("OscarCache: no automatic full-precision heads under tensor parallelism (not supported yet)")
-            config = config.replace(full_precision_heads=0)
         fp_heads = resolve_full_precision_heads(config, rotations, fp, skipped)
         if fp_heads:  # the saved / reported config names the heads, not "the top k"
             config = config.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in fp_heads.items() for h in hs)))
