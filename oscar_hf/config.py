@@ -69,8 +69,9 @@ class OscarConfig:
             position-dependent drift of RoPE'd keys that a calibrated mean misses at long context.
             ``OscarCache`` only (not ``StaticOscarCache``).
         skip_layers: layers kept entirely in full precision (negative indices count from the end).
-        full_precision_heads: KV heads kept entirely in full precision (keys and values, every position),
-            the rest of their layer quantized as usual; they give back retrieval of single facts from far back
+        full_precision_heads: KV heads kept out of the INT2 history (keys and values, every position, stored as
+            ``full_precision_bits`` says: INT4 by default), the rest of their layer quantized as usual; they give
+            back retrieval of single facts from far back
             (needle in a haystack). ``"auto"`` (default): the artifact's "retrieval heads"
             (``OscarRotations.retrieval_scores``, see ``oscar_hf.calibration.retrieval_heads``) whose score
             reaches ``retrieval_threshold``, best first, at most as many as keep :meth:`history_bits` within

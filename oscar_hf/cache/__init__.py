@@ -250,7 +250,7 @@ class OscarCache(Cache):
         tot["bf16_equivalent"] = 2 * elements
         tot["bits_per_element"] = 8 * used / elements if elements else float("nan")
         tot["compression_vs_bf16"] = tot["bf16_equivalent"] / used if used else float("nan")
-        # the history's average over the quantized layers' KV heads, full-precision heads at 16 bits
+        # the history's average over the quantized layers' KV heads, full-precision heads at their stored bits
         q_layers = [layer for layer in self.layers if hasattr(layer, "memory")]
         n_heads = len(q_layers) * self.fingerprint.num_key_value_heads
         share = sum(len(layer.fp_heads) for layer in q_layers) / n_heads if n_heads else 0.0
