@@ -26,6 +26,7 @@ slot and pages back with :meth:`OscarPagedStore.free`. Memory is flat: both pool
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -40,6 +41,8 @@ from ..patching import base_attention_function
 from ..rotations import LayerRotation, OscarRotations
 from .paged_attention import paged_chunk_attention
 from .pool import PagedInt2Pool, PoolExhausted, page_bytes
+
+logger = logging.getLogger("oscar_hf")
 
 DEFAULT_MAX_REQUESTS = 64  # window slots when the caller gives none: requests live at once
 
@@ -158,9 +161,15 @@ class OscarPagedStore:
         if config.recent < 1:
             raise ValueError("the paged OSCAR store needs recent >= 1 (the ring of the recent window)")
         skipped = config.skipped(fp.num_layers)
-        if resolve_full_precision_heads(config, rotations, fp, skipped):
+        heads = resolve_full_precision_heads(config, rotations, fp, skipped)
+        if heads and config.full_precision_heads != "auto":
             raise NotImplementedError("the paged OSCAR store does not keep full-precision heads yet; pass "
-                                      "full_precision_heads=()")
+                                      "full_precision_heads=0")
+        if heads:  # the default: serve the artifact, its retrieval heads in INT2 like the others (and say so)
+            logger.warning("the paged OSCAR store keeps no retrieval heads yet: the %d heads the artifact's scores "
+                           "select (full_precision_heads='auto') are stored in INT2 like the others",
+                           sum(map(len, heads.values())))
+            config = config.replace(full_precision_heads=0)
         self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.num_kv_heads, self.head_dim = fp.num_key_value_heads, fp.head_dim
         self.ring = config.recent + 1

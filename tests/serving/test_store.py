@@ -129,6 +129,22 @@ def test_pool_exhaustion_and_bad_inputs():
         OscarPagedStore(cfg, method="hadamard", group_size=32, num_pages=4, key_offset="prefill")
 
 
+def test_retrieval_heads_of_an_artifact(caplog):
+    """A calibrated artifact's retrieval heads (the cache's default, full_precision_heads="auto") are served in INT2
+    with a warning; asking for them explicitly is refused."""
+    from oscar_hf import OscarRotations
+
+    cfg = tiny_config("llama", num_hidden_layers=2)
+    rot = OscarRotations.builtin(cfg, "hadamard")
+    rot.retrieval_scores = torch.tensor([[0.1, 0.9], [0.6, 0.2]])
+    kw = dict(sink=4, recent=8, group_size=32, num_pages=8, page_size=4, max_history_bits=4.0)  # room for both
+    with caplog.at_level("WARNING", logger="oscar_hf"):
+        store = OscarPagedStore(cfg, rot, **kw)
+    assert store.config.full_precision_heads == 0 and "2 heads" in caplog.text
+    with pytest.raises(NotImplementedError, match="full-precision heads"):
+        OscarPagedStore(cfg, rot, full_precision_heads=((0, 1),), **kw)
+
+
 def test_memory_budget_sizes_the_pool():
     cfg, store = make_store(num_pages=1)
     per_page = store.pool.bytes_per_page
