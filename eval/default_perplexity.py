@@ -45,7 +45,7 @@ def default_method(rotations, label: str, **overrides):
 
     g = (rotations.metadata.get("calibration") or {}).get("group_size", rotations.metadata.get("group_size"))
     kw = {"group_size": int(g)} if g is not None else {}
-    return with_label(OscarFamily("oscar", rotations=rotations, **kw, **overrides), label)
+    return with_label(OscarFamily("oscar", rotations=rotations, **{**kw, **overrides}), label)
 
 
 def markdown(res: dict) -> str:
@@ -81,7 +81,8 @@ def main(argv=None, model=None, tokenizer=None):
     p.add_argument("--texts", default=",".join(TEXTS))
     p.add_argument("--context", type=int, default=2048, help="tokens per window")
     p.add_argument("--windows", type=int, default=2, help="windows per text")
-    p.add_argument("--rows", default="", help="extra rows: comma list of no-heads (full_precision_heads=0)")
+    p.add_argument("--rows", default="", help="extra rows: comma list of no-heads (full_precision_heads=0), lloyd-max, "
+                                              "g32, lloyd-max-g32 (Lloyd-Max levels / group 32; --path fast)")
     p.add_argument("--path", choices=["exact", "fast"], default="exact",
                    help="exact: token by token through the real caches; fast: one fake-quantized forward per window")
     p.add_argument("--dtype", default="bfloat16")
@@ -103,10 +104,20 @@ def main(argv=None, model=None, tokenizer=None):
     if default.make_cache(model).oscar_config != user.oscar_config:
         raise RuntimeError("the defaults row does not build the cache OscarCache.from_pretrained builds")
     methods[default.name] = default
+    extras = {  # --rows: label and OscarFamily overrides
+        "no-heads": ("artifact, full_precision_heads=0", dict(full_precision_heads=0)),
+        # item 3 of the good-by-default issue: Lloyd-Max levels (eval-only, fast path) against uniform, at G 64 / 32
+        "lloyd-max": ("artifact, Lloyd-Max levels", dict(levels="lloyd-max")),
+        "g32": ("artifact, group 32", dict(group_size=32)),
+        "lloyd-max-g32": ("artifact, Lloyd-Max levels, group 32", dict(levels="lloyd-max", group_size=32)),
+    }
     for extra in filter(None, args.rows.split(",")):
-        if extra != "no-heads":
-            raise ValueError(f"unknown --rows entry {extra!r}; known: no-heads")
-        m = default_method(rot, "artifact, full_precision_heads=0", full_precision_heads=0)
+        if extra not in extras:
+            raise ValueError(f"unknown --rows entry {extra!r}; known: {sorted(extras)}")
+        label, kw = extras[extra]
+        if kw.get("levels") and args.path != "fast":
+            raise ValueError(f"--rows {extra}: an eval-only quantizer, scored by --path fast only")
+        m = default_method(rot, label, **kw)
         methods[m.name] = m
     head_dim = user.fingerprint.head_dim
     res = dict(command="python -P -m oscar_hf.eval.default_perplexity " + " ".join(argv if argv is not None

@@ -107,7 +107,10 @@ class BF16KV(KVMethod):
 class OscarSpec(FakeQuantSpec):
     """OscarCache's history reconstruction: ``dequant(quant((x - mu) R)) Rᵀ + mu`` per layer."""
 
-    def __init__(self, model, rotations: OscarRotations, config: OscarConfig):
+    def __init__(self, model, rotations: OscarRotations, config: OscarConfig, levels: str = "uniform"):
+        if levels not in ("uniform", "lloyd-max"):
+            raise ValueError(f"levels must be 'uniform' or 'lloyd-max', got {levels!r}")
+        self.levels = lloyd_max_gaussian(4) if levels == "lloyd-max" else None
         fp = ModelFingerprint.from_config(model.config)
         config = config.for_head_dim(fp.head_dim)  # group_size=None (the "paper" preset): one group per head
         self.rot, self.config = rotations, config
@@ -132,9 +135,27 @@ class OscarSpec(FakeQuantSpec):
 
     def _fq(self, x, r, mu, clip):
         g, meta = self.config.group_size, self.config.torch_meta_dtype
-        q = rotate_quantize_reference(x, r, mu, clip, g, meta)
-        xh = torch.matmul(dequantize_rows(q, g), r.transpose(-1, -2).unsqueeze(0))
+        if self.levels is not None:
+            xh = torch.matmul(self._lloyd_max(x, r, mu), r.transpose(-1, -2).unsqueeze(0))
+        else:
+            q = rotate_quantize_reference(x, r, mu, clip, g, meta)
+            xh = torch.matmul(dequantize_rows(q, g), r.transpose(-1, -2).unsqueeze(0))
         return xh + mu[None, :, None, :] if mu is not None else xh
+
+    def _lloyd_max(self, x, r, mu):
+        """The rotated, centered rows through a 4-level Lloyd-Max quantizer per group (the authors' newer variant,
+        issue item 3): each group of ``G`` channels stores its mean and standard deviation (the two metadata values
+        of the uniform quantizer's scale and zero, same bits) and 2-bit codes of the nearest of the MSE-optimal
+        levels for N(0, 1) (+-0.453, +-1.510); no clipping (the levels already trade range for resolution)."""
+        g, meta = self.config.group_size, self.config.torch_meta_dtype
+        xf = x.float() - (mu[None, :, None, :] if mu is not None else 0)
+        rows = torch.matmul(xf, r.float().unsqueeze(0))  # [B, Hk, T, D]
+        xg = rows.reshape(*rows.shape[:-1], rows.shape[-1] // g, g)
+        m = xg.mean(-1, keepdim=True).to(meta).float()
+        sd = (xg - m).pow(2).mean(-1, keepdim=True).sqrt().to(meta).float()
+        lv = self.levels.to(x.device)
+        code = ((xg - m) / sd.clamp_min(1e-30)).unsqueeze(-1).sub(lv).abs().argmin(-1)
+        return (m + sd * lv[code]).reshape(rows.shape)
 
     def layer_kv(self, i, k, v):
         if i in self.skipped or i not in self.rot.layers:
@@ -167,8 +188,8 @@ class OscarFamily(KVMethod):
     """OscarCache with a rotation: built-in ``identity``/``hadamard`` (no artifact) or an artifact."""
 
     def __init__(self, name: str = "oscar", rotations: OscarRotations | None = None, method: str | None = None,
-                 **config):
-        self.name = name
+                 levels: str = "uniform", **config):
+        self.name, self.levels = name, levels
         self.rotations = rotations
         self.method = method or (rotations.method if rotations is not None else "hadamard")
         self.config = OscarConfig(**({"method": self.method} if rotations is None else {}), **config)
@@ -181,9 +202,11 @@ class OscarFamily(KVMethod):
         return self.rotations
 
     def fake_spec(self, model):
-        return OscarSpec(model, self._rot(model), self.config)
+        return OscarSpec(model, self._rot(model), self.config, self.levels)
 
     def make_cache(self, model):
+        if self.levels != "uniform":
+            raise NotImplementedError(f"levels={self.levels!r} is an eval-only quantizer (fast path): no cache has it")
         return OscarCache(model, self._rot(model), self.config)
 
     def bits(self, T, head_dim, prefill_len=1):
@@ -281,17 +304,14 @@ class Kivi(KVMethod):
 @functools.lru_cache(maxsize=None)
 def lloyd_max_gaussian(levels: int, iters: int = 200) -> torch.Tensor:
     """Optimal scalar quantizer levels (MSE) for N(0, 1), by Lloyd's iteration on the exact density."""
-    from scipy.stats import norm
-
-    c = torch.linspace(-2.0, 2.0, levels, dtype=torch.float64).numpy()
+    c = torch.linspace(-2.0, 2.0, levels, dtype=torch.float64)
+    inf = torch.tensor([math.inf], dtype=torch.float64)
     for _ in range(iters):
-        edges = [-math.inf, *((c[:-1] + c[1:]) / 2), math.inf]
-        new = []
-        for a, b in zip(edges[:-1], edges[1:]):
-            mass = norm.cdf(b) - norm.cdf(a)
-            new.append((norm.pdf(a) - norm.pdf(b)) / mass)
-        c = torch.tensor(new, dtype=torch.float64).numpy()
-    return torch.tensor(c, dtype=torch.float32)
+        edges = torch.cat([-inf, (c[:-1] + c[1:]) / 2, inf])
+        pdf = torch.exp(-0.5 * edges.clamp(-40, 40) ** 2) / math.sqrt(2 * math.pi)  # 0 at +-inf
+        mass = torch.special.ndtr(edges[1:]) - torch.special.ndtr(edges[:-1])
+        c = (pdf[:-1] - pdf[1:]) / mass  # each cell's conditional mean
+    return c.float()
 
 
 class TurboSpec(FakeQuantSpec):
