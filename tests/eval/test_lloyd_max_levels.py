@@ -22,7 +22,7 @@ def test_lloyd_max_rows_have_four_levels_per_group_and_beat_uniform_on_gaussian_
     torch.manual_seed(0)
     x = torch.randn(1, 2, 256, 64)
     r = rot.layers[0].r_k
-    rows = lm._lloyd_max(x, r, None)  # rotated space
+    rows = lm._std_levels(x, r, None)  # rotated space
     groups = rows.reshape(-1, group_size)
     assert max(len(torch.unique(g)) for g in groups) <= 4
     err_lm = (lm._fq(x, r, None, 1.0) - x).pow(2).mean()
@@ -34,5 +34,7 @@ def test_lloyd_max_is_fast_path_only():
     model, rot, _ = spec("lloyd-max")
     with pytest.raises(NotImplementedError, match="eval-only"):
         OscarFamily("oscar", rotations=rot, levels="lloyd-max").make_cache(model)
+    _, _, even = spec("even-std")
+    assert len(torch.unique(even._std_levels(torch.randn(1, 2, 4, 64), rot.layers[0].r_k, None)[0, 0, 0, :32])) <= 4
     with pytest.raises(ValueError, match="levels"):
         OscarSpec(model, rot, OscarFamily("oscar", rotations=rot).config, levels="nf2")
