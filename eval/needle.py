@@ -503,6 +503,7 @@ def main(argv=None, model=None, tokenizer=None):
     import sys
 
     from oscar_hf import OscarCache, OscarConfig, OscarRotations
+    from oscar_hf.config import FULL_PRECISION_BIT_CHOICES
     from oscar_hf.models import model_for_eval
 
     from .compare import find_artifact
@@ -539,7 +540,7 @@ def main(argv=None, model=None, tokenizer=None):
                    help="OSCAR row: keep the artifact's k best retrieval heads in full precision "
                         "(OscarConfig.full_precision_heads; needs scripts/find_retrieval_heads.py scores)")
     p.add_argument("--label", default=None, help="label of the OSCAR row (default 'OSCAR + centering')")
-    p.add_argument("--full-precision-bits", type=int, choices=(16, 8, 4), default=None,
+    p.add_argument("--full-precision-bits", type=int, choices=FULL_PRECISION_BIT_CHOICES, default=None,
                    help="OscarConfig.full_precision_bits of the OSCAR and artifact rows: how their full-precision "
                         "heads are stored (16: model dtype; 8/4: codes with a scale and zero per token and head; "
                         "default: the library's)")

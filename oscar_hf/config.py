@@ -33,6 +33,7 @@ FULL_PRECISION_HEAD_BITS = 16  # the most a full-precision head costs per elemen
 # all 8 of SmolLM2's retrieval heads instead of 3; on its unseen locker needles (6 per length, 1K-8K) 8 heads at
 # INT4, INT8 and BF16 gave the same answer on every needle, at 4K 6/6 where 3 BF16 heads gave 3/6 (docs/quality.md).
 FULL_PRECISION_BITS = 4
+FULL_PRECISION_BIT_CHOICES = (16, 8, 4)  # the model dtype, INT8, INT4 (the forms oscar_hf.cache.heads stores)
 
 # Named settings (``OscarConfig.from_preset``). "paper": the method authors' own runs (FutureMLS-Lab/OSCAR): one
 # quantization group per head (group_size None = head_dim, resolved when the model is known) with float32 scale and
@@ -159,8 +160,9 @@ class OscarConfig:
             if any(a < 0 or b < 0 for a, b in pairs):
                 raise ValueError(f"full_precision_heads pairs must be non-negative, got {fph!r}")
             object.__setattr__(self, "full_precision_heads", pairs)
-        if self.full_precision_bits not in (16, 8, 4) or isinstance(self.full_precision_bits, bool):
-            raise ValueError(f"OscarConfig.full_precision_bits must be 16, 8 or 4, got {self.full_precision_bits!r}")
+        if self.full_precision_bits not in FULL_PRECISION_BIT_CHOICES or isinstance(self.full_precision_bits, bool):
+            raise ValueError(f"OscarConfig.full_precision_bits must be one of {FULL_PRECISION_BIT_CHOICES}, got "
+                             f"{self.full_precision_bits!r}")
         ranges = (("max_history_bits", self.bits, FULL_PRECISION_HEAD_BITS), ("retrieval_threshold", 0.0, 1.0))
         for name, lo, hi in ranges:
             val = getattr(self, name)

@@ -86,15 +86,20 @@ def quantize_rows(
     mid, half = (hi + lo) * 0.5, (hi - lo) * 0.5 * clip
     lo_c = mid - half
     scale = (2.0 * half) / LEVELS
-    # Round the metadata first and quantize against the stored values (see module docstring).
-    scale_m = scale.to(meta_dtype)
-    zero_m = lo_c.to(meta_dtype)
+    q, scale_m, zero_m = _codes_against_stored(xg, scale.unsqueeze(-1), lo_c.unsqueeze(-1), LEVELS, meta_dtype)
+    codes = pack_int2(q.reshape(*x.shape[:-1], d))
+    return QuantizedRows(codes, scale_m.squeeze(-1), zero_m.squeeze(-1))
+
+
+def _codes_against_stored(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int, meta_dtype):
+    """``(codes, scale, zero)``: float32 codes ``clamp(round((x - zero) / scale), 0, levels)`` of ``x [..., n]``
+    computed against the metadata ``scale/zero [..., 1]`` rounded to ``meta_dtype`` first (what is stored; see the
+    module docstring), and that stored metadata. A zero scale (a constant group) gives code 0."""
+    scale_m, zero_m = scale.to(meta_dtype), zero.to(meta_dtype)
     scale_f, zero_f = scale_m.float(), zero_m.float()
     safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
-    q = torch.round((xg - zero_f.unsqueeze(-1)) / safe.unsqueeze(-1)).clamp_(0, LEVELS)
-    q = torch.where((scale_f > 0).unsqueeze(-1), q, torch.zeros_like(q))
-    codes = pack_int2(q.reshape(*x.shape[:-1], d))
-    return QuantizedRows(codes, scale_m, zero_m)
+    q = torch.round((x - zero_f) / safe).clamp_(0, levels)
+    return torch.where(scale_f > 0, q, torch.zeros_like(q)), scale_m, zero_m
 
 
 def dequantize_rows(q: QuantizedRows, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -119,11 +124,7 @@ def quantize_minmax(x: torch.Tensor, bits: int, meta_dtype: torch.dtype) -> Quan
     xf = x.float()
     lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)  # [..., 1]
     levels = (1 << bits) - 1
-    scale_m, zero_m = ((hi - lo) / levels).to(meta_dtype), lo.to(meta_dtype)
-    scale_f, zero_f = scale_m.float(), zero_m.float()
-    safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
-    q = torch.round((xf - zero_f) / safe).clamp_(0, levels)
-    q = torch.where(scale_f > 0, q, torch.zeros_like(q))
+    q, scale_m, zero_m = _codes_against_stored(xf, (hi - lo) / levels, lo, levels, meta_dtype)
     return QuantizedRows(q.to(torch.uint8), scale_m, zero_m)
 
 

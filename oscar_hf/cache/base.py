@@ -11,6 +11,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..config import OscarConfig
 from ..rotations import LayerRotation
+from . import heads
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -55,6 +56,22 @@ class QuantizedLayerBase(CacheLayerMixin):
 
     def attend(self, handle, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
         raise NotImplementedError
+
+    # full-precision heads: ``self.fp_k/fp_v`` tuples of [B, P, capacity, *] in the form of oscar_hf.cache.heads,
+    # ``self.fp_idx`` their KV heads (both set by the subclass)
+    def full_precision_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v) [B, P, n, D]``: slots ``[0, n)`` of the full-precision heads in the model dtype."""
+        bits = self.config.full_precision_bits
+        return tuple(heads.decode(tuple(t[:, :, :n] for t in store), bits, self.dtype)
+                     for store in (self.fp_k, self.fp_v))
+
+    def _store_full_precision_rows(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
+        """Slots ``[t_old, t_old + L)`` of the full-precision heads from ``new_k/v [B, Hk, L, D]`` (the storage
+        already holds them)."""
+        l = new_k.shape[2]
+        for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
+            for dst, src in zip(store, heads.encode(new.index_select(1, self.fp_idx), self.config.full_precision_bits)):
+                dst[:, :, t_old : t_old + l] = src
 
 
 # ---------------------------------------------------------------------------------------------- read helpers

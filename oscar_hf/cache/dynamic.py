@@ -193,19 +193,11 @@ class OscarLayer(QuantizedLayerBase):
         calls it before reading them; ``commit`` then does not write again."""
         if not self.fp_heads or self._fp_written:
             return
-        t_new, bits = t_old + new_k.shape[2], self.config.full_precision_bits
+        t_new = t_old + new_k.shape[2]
         self.fp_k = tuple(grown(t, t_old, t_new) for t in self.fp_k)
         self.fp_v = tuple(grown(t, t_old, t_new) for t in self.fp_v)
-        for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
-            for dst, src in zip(store, heads.encode(new.index_select(1, self.fp_idx), bits)):
-                dst[:, :, t_old:t_new] = src
+        self._store_full_precision_rows(new_k, new_v, t_old)
         self._fp_written = True
-
-    def full_precision_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k, v) [B, P, n, D]``: slots ``[0, n)`` of the full-precision heads in the model dtype."""
-        bits = self.config.full_precision_bits
-        return tuple(heads.decode(tuple(t[:, :, :n] for t in store), bits, self.dtype)
-                     for store in (self.fp_k, self.fp_v))
 
     def _alloc_hist(self, cap, b, hk, d, g, meta):
         return QuantizedRows(

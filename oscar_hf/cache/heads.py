@@ -20,9 +20,6 @@ import torch
 
 from ..quant import QuantizedRows, dequantize_minmax, pack_int4, quantize_minmax, unpack_int4
 
-FULL_PRECISION_BITS = (16, 8, 4)  # the forms OscarConfig.full_precision_bits accepts
-
-
 def part_names(bits: int) -> tuple[str, ...]:
     """Names of the stored tensors (what a saved cache calls them)."""
     return ("x",) if bits == 16 else ("codes", "scale", "zero")

@@ -380,16 +380,7 @@ class StaticOscarLayer(QuantizedLayerBase):
     # ------------------------------------------------------------------ write path (eager, multi-token)
     def _write_full_precision(self, new_k, new_v, t_old: int) -> None:
         if self.fp_heads:
-            l = new_k.shape[2]
-            for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
-                for dst, src in zip(store, heads.encode(new.index_select(1, self.fp_idx), self.config.full_precision_bits)):
-                    dst[:, :, t_old : t_old + l] = src
-
-    def full_precision_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k, v) [B, P, n, D]``: slots ``[0, n)`` of the full-precision heads in the model dtype."""
-        bits = self.config.full_precision_bits
-        return tuple(heads.decode(tuple(t[:, :, :n] for t in store), bits, self.dtype)
-                     for store in (self.fp_k, self.fp_v))
+            self._store_full_precision_rows(new_k, new_v, t_old)
 
     def _demote_slots(self, a: int, b: int, t_old: int | None = None, new_k=None, new_v=None) -> None:
         """Quantize slots ``[a, b)`` into history indices ``[a - S0, b - S0)``, from the ring (slots ``< t_old``) or
@@ -496,8 +487,7 @@ class StaticOscarLayer(QuantizedLayerBase):
             if in_place:
                 t.copy_(fn(t))
             else:
-                grow_dim = 2 if name in ("fp_k", "fp_v") and not self.fixed_capacity else None
-                setattr(self, name, _static(fn(t).contiguous(), grow_dim))
+                setattr(self, name, _static(fn(t).contiguous()))
         for name in ("hist_k", "hist_v", "fp_k", "fp_v"):  # capacity-sized tuples of tensors
             q = getattr(self, name)
             if q is None:
