@@ -82,8 +82,8 @@ def main(argv=None, model=None, tokenizer=None):
     p.add_argument("--context", type=int, default=2048, help="tokens per window")
     p.add_argument("--windows", type=int, default=2, help="windows per text")
     p.add_argument("--rows", default="", help="extra rows: comma list of no-heads (full_precision_heads=0), lloyd-max, "
-                                              "g32, lloyd-max-g32, even-std (Lloyd-Max / even levels per group std, group 32; "
-                                              "--path fast)")
+                                              "g32, lloyd-max-g32 (Lloyd-Max levels: --path fast only; group 32), "
+                                              "std (OscarConfig.quantizer='std')")
     p.add_argument("--path", choices=["exact", "fast"], default="exact",
                    help="exact: token by token through the real caches; fast: one fake-quantized forward per window")
     p.add_argument("--dtype", default="bfloat16")
@@ -111,7 +111,7 @@ def main(argv=None, model=None, tokenizer=None):
         "lloyd-max": ("artifact, Lloyd-Max levels", dict(levels="lloyd-max")),
         "g32": ("artifact, group 32", dict(group_size=32)),
         "lloyd-max-g32": ("artifact, Lloyd-Max levels, group 32", dict(levels="lloyd-max", group_size=32)),
-        "even-std": ("artifact, even levels scaled by the group's std", dict(levels="even-std")),
+        "std": ("artifact, quantizer='std'", dict(quantizer="std")),
     }
     for extra in filter(None, args.rows.split(",")):
         if extra not in extras:

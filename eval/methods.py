@@ -108,12 +108,11 @@ class OscarSpec(FakeQuantSpec):
     """OscarCache's history reconstruction: ``dequant(quant((x - mu) R)) Rᵀ + mu`` per layer."""
 
     def __init__(self, model, rotations: OscarRotations, config: OscarConfig, levels: str = "uniform"):
-        if levels not in ("uniform", "lloyd-max", "even-std"):
-            raise ValueError(f"levels must be 'uniform', 'lloyd-max' or 'even-std', got {levels!r}")
-        # per group, in units of its standard deviation: Lloyd-Max's levels, or the MSE-optimal even grid for N(0, 1)
-        # (step 0.996); "uniform" is the cache's min-max quantizer
-        self.levels = {"lloyd-max": lloyd_max_gaussian(4), "even-std": torch.tensor([-1.494, -0.498, 0.498, 1.494]),
-                       "uniform": None}[levels]
+        if levels not in ("uniform", "lloyd-max"):
+            raise ValueError(f"levels must be 'uniform' or 'lloyd-max', got {levels!r}")
+        # per group, in units of its standard deviation: Lloyd-Max's levels; "uniform" is the cache's even grid
+        # (OscarConfig.quantizer: min-max or mean / std)
+        self.levels = {"lloyd-max": lloyd_max_gaussian(4), "uniform": None}[levels]
         fp = ModelFingerprint.from_config(model.config)
         config = config.for_head_dim(fp.head_dim)  # group_size=None (the "paper" preset): one group per head
         self.rot, self.config = rotations, config
@@ -141,7 +140,7 @@ class OscarSpec(FakeQuantSpec):
         if self.levels is not None:
             xh = torch.matmul(self._std_levels(x, r, mu), r.transpose(-1, -2).unsqueeze(0))
         else:
-            q = rotate_quantize_reference(x, r, mu, clip, g, meta)
+            q = rotate_quantize_reference(x, r, mu, clip, g, meta, quantizer=self.config.quantizer)
             xh = torch.matmul(dequantize_rows(q, g), r.transpose(-1, -2).unsqueeze(0))
         return xh + mu[None, :, None, :] if mu is not None else xh
 
@@ -149,7 +148,7 @@ class OscarSpec(FakeQuantSpec):
         """The rotated, centered rows through a 4-level quantizer per group in units of the group's spread: each
         group of ``G`` channels stores its mean and standard deviation (the two metadata values of the uniform
         quantizer's scale and zero, same bits) and 2-bit codes of the nearest of ``self.levels`` (Lloyd-Max, the
-        authors' newer variant: +-0.453, +-1.510; or an even grid); no clipping."""
+        authors' newer variant: +-0.453, +-1.510); no clipping."""
         g, meta = self.config.group_size, self.config.torch_meta_dtype
         xf = x.float() - (mu[None, :, None, :] if mu is not None else 0)
         rows = torch.matmul(xf, r.float().unsqueeze(0))  # [B, Hk, T, D]

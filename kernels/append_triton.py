@@ -25,7 +25,7 @@ import triton.language as tl
 from oscar_hf.quant import QuantizedRows
 
 from .append_checks import check_append_inputs
-from .write_triton import _LEVELS, _META_KIND, _rint, _round_meta
+from .write_triton import _LEVELS, _META_KIND, _group_grid, _rint, _round_meta
 
 NUM_WARPS = 4
 TILE = 4096  # elements of one rotation chunk [BLOCK_K, D] in registers: 32 fp32 per thread at 4 warps
@@ -34,7 +34,7 @@ TILE = 4096  # elements of one rotation chunk [BLOCK_K, D] in registers: 32 fp32
 @triton.jit
 def _demote_row(SRC, R, MU, CODES, SCALE, ZERO, c_off, m_off, clip,
                 D: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MU: tl.constexpr,
-                META_KIND: tl.constexpr):
+                META_KIND: tl.constexpr, STD: tl.constexpr):
     """Quantize one window row: ``SRC`` -> ``D`` contiguous model-dtype values, ``R`` -> the head's ``[D, D]``
     rotation, ``MU`` -> its ``D`` offsets; stores ``D/4`` codes at ``CODES + c_off`` and ``D/G`` scale / zero at
     ``SCALE/ZERO + m_off``."""
@@ -52,14 +52,11 @@ def _demote_row(SRC, R, MU, CODES, SCALE, ZERO, c_off, m_off, clip,
         r = tl.load(R + (k0 + offs_k)[:, None] * D + offs_d[None, :])
         rot += tl.sum(x[:, None] * r, axis=0)
 
-    # per group: clipped range, metadata rounded to the stored dtype before the codes (as write_triton)
+    # per group: scale and zero rounded to the stored dtype before the codes (as write_triton)
     xg = tl.reshape(rot, (NG, G))
-    lo = tl.min(xg, 1)
-    hi = tl.max(xg, 1)
-    mid = (hi + lo) * 0.5
-    half = (hi - lo) * 0.5 * clip
-    scale_m, s = _round_meta(tl.math.div_rn(2.0 * half, 3.0), META_KIND)
-    zero_m, z = _round_meta(mid - half, META_KIND)
+    scale, zero = _group_grid(xg, clip, 1, G, STD)
+    scale_m, s = _round_meta(scale, META_KIND)
+    zero_m, z = _round_meta(zero, META_KIND)
     safe = tl.where(s > 0, s, 1.0)
     y = tl.math.div_rn(xg - z[:, None], safe[:, None])
     y = tl.minimum(tl.maximum(y, -1.0), _LEVELS + 1.0)
@@ -84,7 +81,7 @@ def _append_token_kernel(
     ssb, ssh, ssn,  # history scale / zero strides [B, Hq, N, D/G], shared by all four
     smkb,  # mu_k's batch stride: 0 for [Hq, D], Hq * D for [B, Hq, D]
     D: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_HEADS: tl.constexpr,
-    HAS_MU_K: tl.constexpr, HAS_MU_V: tl.constexpr, META_KIND: tl.constexpr,
+    HAS_MU_K: tl.constexpr, HAS_MU_V: tl.constexpr, META_KIND: tl.constexpr, STD: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = (pid // Hk).to(tl.int64)
@@ -104,9 +101,9 @@ def _append_token_kernel(
         c_off = b * scb + hh * sch + e * scn
         m_off = b * ssb + hh * ssh + e * ssn
         _demote_row(WIN_K + src, RK + hh * D * D, MUK + b * smkb + hh * D, KC, KS, KZ, c_off, m_off, clip_k,
-                    D, G, BLOCK_K, HAS_MU_K, META_KIND)
+                    D, G, BLOCK_K, HAS_MU_K, META_KIND, STD)
         _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, m_off, clip_v,
-                    D, G, BLOCK_K, HAS_MU_V, META_KIND)
+                    D, G, BLOCK_K, HAS_MU_V, META_KIND, STD)
     # every thread's loads of the old ring row come before any thread's store of the new one
     tl.debug_barrier()
 
@@ -124,7 +121,8 @@ def _append_token_kernel(
 
 
 def append_token_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
-                        hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent):
+                        hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
+                        quantizer="minmax"):
     """Triton version of :func:`~oscar_hf.kernels.write_path.append_token_reference` (same contract, for the shapes
     ``write_triton.kernel_supported`` accepts): one launch, no host synchronisation. Returns None."""
     ring, n, hq = check_append_inputs(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
@@ -161,6 +159,7 @@ def append_token_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_
         (hq * d if mu_k is not None and mu_k.dim() == 3 else 0),
         D=d, G=group_size, BLOCK_K=min(d, TILE // d), HAS_HEADS=hist_heads is not None,
         HAS_MU_K=mu_k is not None, HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[meta_dtype],
+        STD=quantizer == "std",
         num_warps=NUM_WARPS,
     )
     return None

@@ -77,6 +77,7 @@ def append_token_(
     length: torch.Tensor, pad: torch.Tensor, hist_heads: torch.Tensor | None,
     r_k: torch.Tensor, mu_k: torch.Tensor | None, clip_k: float, r_v: torch.Tensor, mu_v: torch.Tensor | None,
     clip_v: float, group_size: int, meta_dtype: torch.dtype, sink: int, recent: int, use_kernels: str,
+    quantizer: str,
 ) -> None:
     """:func:`~oscar_hf.kernels.write_path.append_token` on flattened :class:`QuantizedRows`; ``use_kernels`` is
     ``"auto"``, ``"on"`` or ``"off"``."""
@@ -85,18 +86,18 @@ def append_token_(
     kernels = {"auto": "auto", "on": True, "off": False}[use_kernels]
     append_token(new_k, new_v, win_k, win_v, QuantizedRows(k_codes, k_scale, k_zero),
                  QuantizedRows(v_codes, v_scale, v_zero), length, pad, hist_heads, r_k, mu_k, clip_k, r_v, mu_v,
-                 clip_v, group_size, meta_dtype, sink, recent, use_kernels=kernels)
+                 clip_v, group_size, meta_dtype, sink, recent, use_kernels=kernels, quantizer=quantizer)
 
 
 @append_token_.register_fake
 def _(new_k, new_v, win_k, win_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, length, pad, hist_heads,
-      r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, use_kernels):
+      r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, use_kernels, quantizer):
     return None
 
 
 def append_token_op(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
                     hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
-                    use_kernels="auto") -> None:
+                    use_kernels="auto", quantizer="minmax") -> None:
     """:func:`~oscar_hf.kernels.write_path.append_token`'s signature through the opaque op ``oscar::append_token_``
     (for ``torch.compile`` / CUDA graphs): mutates the window and history in place, returns None.
 
@@ -108,7 +109,7 @@ def append_token_op(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: Q
         raise ValueError(f"use_kernels must be 'auto', True or False, got {use_kernels!r}")
     append_token_(new_k, new_v, win_k, win_v, *hist_k, *hist_v, length, pad, hist_heads, r_k, mu_k, float(clip_k),
                   r_v, mu_v, float(clip_v), int(group_size), meta_dtype, int(sink), int(recent),
-                  _USE_KERNELS[use_kernels])
+                  _USE_KERNELS[use_kernels], quantizer)
 
 
 @torch.library.custom_op("oscar::write_slot_", mutates_args=("buf",))

@@ -1,11 +1,12 @@
 """Write path: rotate + center + clip + quantize + pack K/V rows into INT2 history storage.
 
-``rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0)``
+``rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, quantizer="minmax")``
 
 * ``x``  ``[B, Hk, T, D]`` rows in the model dtype (post-RoPE keys or values),
 * ``r``  ``[Hk, D, D]`` float32 rotation (row-vector convention: ``x_rot = (x - mu) @ r``),
 * ``mu`` ``[Hk, D]`` float32 offset or None,
-* ``clip`` float: the layer's clip ratio,
+* ``clip`` float: the layer's clip ratio (``quantizer="minmax"``; ``"std"`` sets each group's grid from its mean and
+  standard deviation and has no clip, see ``oscar_hf/quant.py``),
 * result: :class:`oscar_hf.quant.QuantizedRows` with ``codes [B, Hk, T, D/4] uint8`` and
   ``scale``/``zero`` ``[B, Hk, T, D/G]``; when ``out`` is given the rows are written into
   ``out.*[:, :, out_offset : out_offset + T]`` instead (the cache's history storage).
@@ -14,7 +15,7 @@ This file holds the torch reference and the dispatcher :func:`rotate_quantize`, 
 to the Triton kernel (``write_triton.py``) and everything else to the reference.
 
 ``append_token(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k, clip_k, r_v, mu_v,
-clip_v, group_size, meta_dtype, sink, recent)``: the one-token write step of the static (CUDA-graph) cache, which
+clip_v, group_size, meta_dtype, sink, recent, quantizer="minmax")``: the one-token write step of the static (CUDA-graph) cache, which
 mutates one layer's storage in place (see :func:`append_token_reference` for the layout and the semantics) and sends
 supported shapes on CUDA to one fused Triton launch (``append_triton.py``).
 """
@@ -28,12 +29,12 @@ from .append_checks import check_append_inputs
 from .plan import triton_enabled
 
 
-def rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0):
+def rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, quantizer="minmax"):
     xf = x.float()
     if mu is not None:  # [Hk, D] (calibrated) or [B, Hk, D] (per sequence)
         xf = xf - (mu[None, :, None, :] if mu.dim() == 2 else mu[:, :, None, :])
     rows = torch.matmul(xf, r.unsqueeze(0))  # [B, Hk, T, D] @ [1, Hk, D, D]
-    q = quantize_rows(rows, group_size, clip, meta_dtype)
+    q = quantize_rows(rows, group_size, clip, meta_dtype, quantizer)
     if out is None:
         return q
     t = x.shape[-2]
@@ -42,15 +43,18 @@ def rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=None, 
     return out
 
 
-def rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, use_kernels="auto"):
+def rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, use_kernels="auto",
+                    quantizer="minmax"):
     """Dispatch: the Triton kernel on CUDA (when importable, allowed and the shape is supported), else the torch
     reference."""
     if triton_enabled(x, use_kernels):
         from .write_triton import kernel_supported, rotate_quantize_triton
 
         if kernel_supported(x, group_size, clip, meta_dtype):
-            return rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset)
-    return rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset)
+            return rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset,
+                                          quantizer=quantizer)
+    return rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset,
+                                     quantizer=quantizer)
 
 
 # ---------------------------------------------------------------------------------- one-token write step (static cache)
@@ -69,7 +73,8 @@ def _kv_head_of_hist(hist_heads, hq: int):
 
 
 def append_token_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
-                           hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent):
+                           hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
+                           quantizer="minmax"):
     """One decode step of the static cache's storage, in place; returns None. Tensor ops only (no host sync), so it
     can be captured in a CUDA graph or compiled.
 
@@ -101,7 +106,7 @@ def append_token_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hi
             x = win.index_select(2, src_entry)  # [B, Hk, 1, D]
             if heads is not None:
                 x = x.index_select(1, heads)  # [B, Hq, 1, D]
-            q = rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype)
+            q = rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, quantizer=quantizer)
             for store, row in zip(hist, q):
                 store.index_copy_(2, dst, torch.where(ok, row, store.index_select(2, dst)))
     # 2. the new token: ring entry, then the sink of rows with fewer than S0 real tokens
@@ -118,7 +123,8 @@ def append_token_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hi
 
 
 def append_token(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad, hist_heads,
-                 r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, use_kernels="auto"):
+                 r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, use_kernels="auto",
+                 quantizer="minmax"):
     """Dispatch :func:`append_token_reference`: one fused Triton launch on CUDA (when importable, allowed and the
     shape is supported, as for :func:`rotate_quantize`), else the torch reference. Returns None."""
     if triton_enabled(new_k, use_kernels):
@@ -128,6 +134,7 @@ def append_token(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: Quan
             from .append_triton import append_token_triton
 
             return append_token_triton(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k,
-                                       mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent)
+                                       mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
+                                       quantizer=quantizer)
     return append_token_reference(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
-                                  clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent)
+                                  clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, quantizer=quantizer)

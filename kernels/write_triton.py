@@ -7,8 +7,9 @@ for the layout). One launch per call; grid ``(cdiv(T, BLOCK_T), B * Hk)``: each 
 
 1. ``rows = (x - mu) @ R`` as a K-blocked ``tl.dot`` (fp32 operands; ``tf32x3`` on the GPU, which
    is float32-accurate, so codes agree with the fp32 reference except on rounding ties);
-2. per group of ``G`` contiguous channels: ``lo, hi`` -> clipped ``lo', scale = (hi' - lo') / 3``,
-   rounded to the metadata dtype *before* the codes are computed (as the reference does);
+2. per group of ``G`` contiguous channels, ``zero`` and ``scale`` (:func:`_group_grid`: the clipped range
+   ``lo', (hi' - lo') / 3``, or ``quantizer="std"``'s mean and standard deviation), rounded to the metadata dtype
+   *before* the codes are computed (as the reference does);
 3. ``code = clamp(rint((x - zero) / scale), 0, 3)`` (0 where the group range is 0);
 4. pack: byte ``j`` = ``code[j] | code[j + D/4] << 2 | code[j + D/2] << 4 | code[j + 3D/4] << 6``.
 
@@ -22,11 +23,12 @@ import torch
 import triton
 import triton.language as tl
 
-from oscar_hf.quant import LEVELS, QuantizedRows, check_group_size
+from oscar_hf.quant import LEVELS, QUANTIZERS, STD_STEP, QuantizedRows, check_group_size
 
 from .plan import cdiv, next_pow2
 
 _LEVELS = tl.constexpr(float(LEVELS))  # 3.0; jit code may only read constexpr globals
+_STD_STEP = tl.constexpr(STD_STEP)
 
 _META_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -68,6 +70,25 @@ def _round_meta(v, META_KIND: tl.constexpr):
 
 
 @triton.jit
+def _group_grid(xg, clip, AXIS: tl.constexpr, G: tl.constexpr, STD: tl.constexpr):
+    """``(scale, zero)`` in float32 of each group of ``G`` values along ``AXIS`` of ``xg`` (``oscar_hf.quant``):
+    ``STD`` the even grid around the mean, ``scale = 0.996 std``, ``zero = mean - 1.5 scale`` (``clip`` unused); else
+    the range clipped around its midpoint, ``scale = (hi' - lo') / 3``, ``zero = lo'``."""
+    if STD:
+        mean = tl.sum(xg, AXIS) / G
+        dev = xg - tl.expand_dims(mean, AXIS)
+        scale = _STD_STEP * tl.sqrt_rn(tl.sum(dev * dev, AXIS) / G)
+        zero = mean - 1.5 * scale
+    else:
+        lo = tl.min(xg, AXIS)
+        hi = tl.max(xg, AXIS)
+        half = (hi - lo) * 0.5 * clip
+        scale = tl.math.div_rn(2.0 * half, 3.0)
+        zero = (hi + lo) * 0.5 - half
+    return scale, zero
+
+
+@triton.jit
 def _rotate_quantize_kernel(
     X, R, MU, CODES, SCALE, ZERO,
     T, Hk, out_offset, clip,
@@ -76,7 +97,7 @@ def _rotate_quantize_kernel(
     scb, sch, sct,  # codes strides [B, Hk, cap, D/4] (last dim contiguous)
     ssb, ssh, sst,  # scale/zero strides [B, Hk, cap, D/G] (last dim contiguous)
     D: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_MU: tl.constexpr, META_KIND: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_MU: tl.constexpr, META_KIND: tl.constexpr, PRECISION: tl.constexpr, STD: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -101,14 +122,11 @@ def _rotate_quantize_kernel(
         r = tl.load(r_base + (k0 + offs_k)[:, None] * D + offs_d[None, :])
         rot = tl.dot(x, r, rot, input_precision=PRECISION)
 
-    # 2. per-group range, clipped around its midpoint; metadata rounded to the stored dtype.
+    # 2. per-group scale and zero; metadata rounded to the stored dtype.
     xg = tl.reshape(rot, (BLOCK_T, NG, G))
-    lo = tl.min(xg, 2)
-    hi = tl.max(xg, 2)
-    mid = (hi + lo) * 0.5
-    half = (hi - lo) * 0.5 * clip
-    scale_m, s = _round_meta(tl.math.div_rn(2.0 * half, 3.0), META_KIND)  # scale = (hi' - lo') / LEVELS
-    zero_m, z = _round_meta(mid - half, META_KIND)  # zero = lo'
+    scale, zero = _group_grid(xg, clip, 2, G, STD)
+    scale_m, s = _round_meta(scale, META_KIND)
+    zero_m, z = _round_meta(zero, META_KIND)
 
     # 3. codes against the stored metadata; a zero-range group gets code 0 (x_hat = zero exactly).
     safe = tl.where(s > 0, s, 1.0)
@@ -139,11 +157,14 @@ def kernel_supported(x: torch.Tensor, group_size: int, clip, meta_dtype=torch.bf
     ) and meta_dtype in _META_KIND
 
 
-def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, block_t=BLOCK_T):
+def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, block_t=BLOCK_T,
+                           quantizer="minmax"):
     """Triton version of :func:`~oscar_hf.kernels.write_path.rotate_quantize_reference` (same contract, for the
     shapes :func:`kernel_supported` accepts). ``block_t``: rows per program of bulk writes at D <= 128."""
     b, hk, t, d = x.shape
     check_group_size(d, group_size)
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
     ng = d // group_size
     if out is None:
         res = QuantizedRows(
@@ -183,7 +204,7 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
         *scale.stride()[:3],
         D=d, G=group_size, BLOCK_T=block_t, BLOCK_K=block_k,
         HAS_MU=mu is not None, META_KIND=_META_KIND[meta_dtype],
-        PRECISION="tf32x3" if x.is_cuda else "ieee",
+        PRECISION="tf32x3" if x.is_cuda else "ieee", STD=quantizer == "std",
         num_warps=warps,
     )
     return res

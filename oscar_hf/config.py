@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .quant import SUPPORTED_META_DTYPES, bits_per_element, check_group_size
+from .quant import QUANTIZERS, SUPPORTED_META_DTYPES, bits_per_element, check_group_size
 
 _META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
 
@@ -60,6 +60,9 @@ class OscarConfig:
         clip_k, clip_v: clip ratio override, a float for all layers or one per layer; ``None``
             takes the artifact's calibrated ratios (1.0 for artifact-free methods).
         meta_dtype: dtype of scale/zero ("bfloat16", "float16" or "float32").
+        quantizer: how each group's scale and zero are set (``oscar_hf.quant``; same storage and read path):
+            "minmax" (its range, shrunk by the clip ratio) or "std" (an even grid around its mean, levels 0.996
+            standard deviations apart; no clip ratio).
         method: rotation for ``OscarCache(model_config, ...)`` without an artifact:
             "identity" (naive INT2) or "hadamard" (QuaRot-style).
         center: use the artifact's calibrated offsets mu_K / mu_V when it has them.
@@ -100,6 +103,7 @@ class OscarConfig:
     clip_k: float | tuple[float, ...] | None = None
     clip_v: float | tuple[float, ...] | None = None
     meta_dtype: str = "bfloat16"
+    quantizer: str = "minmax"
     method: str = "hadamard"
     center: bool = True
     key_offset: str = "calibrated"
@@ -127,6 +131,8 @@ class OscarConfig:
             raise ValueError(f"meta_dtype must be one of {sorted(_META_DTYPES)}, got {self.meta_dtype!r}")
         if self.block_size < 1 or self.prefill_chunk < 1:
             raise ValueError("block_size and prefill_chunk must be positive")
+        if self.quantizer not in QUANTIZERS:
+            raise ValueError(f"OscarConfig.quantizer must be one of {QUANTIZERS}, got {self.quantizer!r}")
         if self.key_offset not in ("calibrated", "prefill"):
             raise ValueError(f"key_offset must be 'calibrated' or 'prefill', got {self.key_offset!r}")
         if self.use_kernels not in ("auto", True, False):

@@ -18,6 +18,14 @@ Layout (shared by the torch reference and the Triton kernels in ``oscar_hf.kerne
 
 A group whose range is zero (constant or all-zero rows) gets ``scale = 0`` and reconstructs
 exactly to its constant.
+
+Two rules set a group's ``scale`` and ``zero`` (``OscarConfig.quantizer``); both store the same two values, so the
+read path is the same:
+
+* ``"minmax"``: the clipped range above;
+* ``"std"``: an even grid centred on the group's mean, ``scale = 0.996 * std`` and ``zero = mean - 1.5 * scale``
+  (levels at mean +-0.498 and +-1.494 std): the even 4-level grid with the least squared error for a Gaussian, which
+  a rotated group nearly is. No clip ratio; values beyond the end levels saturate.
 """
 from __future__ import annotations
 
@@ -30,6 +38,8 @@ LEVELS = (1 << BITS) - 1  # 3: the largest INT2 code
 CODES_PER_BYTE = 8 // BITS  # 4
 
 SUPPORTED_META_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+QUANTIZERS = ("minmax", "std")
+STD_STEP = 0.996  # "std": the level spacing in standard deviations (the MSE-optimal even 4-level grid for N(0, 1))
 
 
 class QuantizedRows(NamedTuple):
@@ -69,23 +79,33 @@ def quantize_rows(
     group_size: int,
     clip: float | torch.Tensor = 1.0,
     meta_dtype: torch.dtype = torch.bfloat16,
+    quantizer: str = "minmax",
 ) -> QuantizedRows:
     """Quantize ``x [..., D]`` per row and group to packed INT2.
 
-    ``clip`` is a float or a tensor broadcastable to ``x.shape[:-1] + (1,)`` (e.g. per KV head).
-    Computation is in float32 whatever the input dtype.
+    ``clip`` is a float or a tensor broadcastable to ``x.shape[:-1] + (1,)`` (e.g. per KV head); ``quantizer`` is
+    ``"minmax"`` (clipped range) or ``"std"`` (mean and standard deviation, ``clip`` unused): see the module
+    docstring. Computation is in float32 whatever the input dtype.
     """
     d = x.shape[-1]
     check_group_size(d, group_size)
     if meta_dtype not in SUPPORTED_META_DTYPES:
         raise ValueError(f"metadata dtype {meta_dtype} is not supported; use one of {SUPPORTED_META_DTYPES}")
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
     xg = x.float().reshape(*x.shape[:-1], d // group_size, group_size)  # [..., n_groups, G]
-    lo, hi = xg.amin(-1), xg.amax(-1)  # [..., n_groups]
-    if isinstance(clip, torch.Tensor):
-        clip = clip.float()
-    mid, half = (hi + lo) * 0.5, (hi - lo) * 0.5 * clip
-    lo_c = mid - half
-    scale = (2.0 * half) / LEVELS
+    if quantizer == "std":
+        mean = xg.mean(-1)  # [..., n_groups]
+        std = (xg - mean.unsqueeze(-1)).square().mean(-1).sqrt()
+        scale = STD_STEP * std
+        lo_c = mean - 1.5 * scale
+    else:
+        lo, hi = xg.amin(-1), xg.amax(-1)  # [..., n_groups]
+        if isinstance(clip, torch.Tensor):
+            clip = clip.float()
+        mid, half = (hi + lo) * 0.5, (hi - lo) * 0.5 * clip
+        lo_c = mid - half
+        scale = (2.0 * half) / LEVELS
     q, scale_m, zero_m = _codes_against_stored(xg, scale.unsqueeze(-1), lo_c.unsqueeze(-1), LEVELS, meta_dtype)
     codes = pack_int2(q.reshape(*x.shape[:-1], d))
     return QuantizedRows(codes, scale_m.squeeze(-1), zero_m.squeeze(-1))

@@ -425,12 +425,14 @@ class OscarLayer(QuantizedLayerBase):
         step = self.config.prefill_chunk
         r, g, meta = self.rot, self.config.group_size, self.config.torch_meta_dtype
         mu_k, mu_v = self.offsets()
+        uk, qz = self.config.use_kernels, self.config.quantizer
         for c0 in range(ha, b, step):
             c1 = min(b, c0 + step)
             xk, xv = (self._quantized_heads(x) for x in self._source(c0, c1, t_old, new_k, new_v))
-            uk = self.config.use_kernels
-            rotate_quantize(xk, r.r_k, mu_k, self.clip_k, g, meta, out=self.hist_k, out_offset=c0 - s0, use_kernels=uk)
-            rotate_quantize(xv, r.r_v, mu_v, self.clip_v, g, meta, out=self.hist_v, out_offset=c0 - s0, use_kernels=uk)
+            rotate_quantize(xk, r.r_k, mu_k, self.clip_k, g, meta, out=self.hist_k, out_offset=c0 - s0, use_kernels=uk,
+                            quantizer=qz)
+            rotate_quantize(xv, r.r_v, mu_v, self.clip_v, g, meta, out=self.hist_v, out_offset=c0 - s0, use_kernels=uk,
+                            quantizer=qz)
 
     def _sequence_key_mean(self, b: int, t_old: int, new_k, new_v) -> torch.Tensor:
         """``[B, Hk, D]``: per row, the mean of its non-sink keys in slots ``[pad + S0, b)`` (everything up to

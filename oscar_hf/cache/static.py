@@ -270,7 +270,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         mu_k, mu_v = self.offsets()
         append_token_op(new_k, new_v, self.win_k, self.win_v, self.hist_k, self.hist_v, t, self.pad, self.hist_heads,
                         self.rot.r_k, mu_k, self.clip_k, self.rot.r_v, mu_v, self.clip_v, cfg.group_size,
-                        cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels)
+                        cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels, cfg.quantizer)
         if self.fp_heads:
             for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
                 for buf, row in zip(store, heads.encode(new.index_select(1, self.fp_idx), cfg.full_precision_bits)):
@@ -400,7 +400,8 @@ class StaticOscarLayer(QuantizedLayerBase):
                     x = torch.cat([x, new[:, :, max(c0, t_old) - t_old : c1 - t_old]], 2)
                 if self.fp_heads:
                     x = x.index_select(1, self.q_idx)
-                rotate_quantize(x, r, mu, clip, g, meta, out=hist, out_offset=c0 - s0, use_kernels=self.config.use_kernels)
+                rotate_quantize(x, r, mu, clip, g, meta, out=hist, out_offset=c0 - s0, use_kernels=self.config.use_kernels,
+                                quantizer=self.config.quantizer)
 
     def _sequence_key_mean(self, new_k: torch.Tensor, b: int) -> torch.Tensor:
         """``[B, Hq, D]``: per row, the mean of its non-sink prompt keys in slots ``[pad + S0, b)`` (key_offset=

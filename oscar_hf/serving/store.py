@@ -385,7 +385,7 @@ class OscarPagedStore:
             for win, kind, r, mu, clip in ((win_k, "k", p.r_k, p.mu_k, p.clip_k), (win_v, "v", p.r_v, p.mu_v, p.clip_v)):
                 x = win[slots, :, plan.demote_entry][:, :, None]  # [Bm, Hk, 1, D]
                 rows = rotate_quantize(x, r, mu, clip, cfg.group_size, cfg.torch_meta_dtype,
-                                       use_kernels=cfg.use_kernels)
+                                       use_kernels=cfg.use_kernels, quantizer=cfg.quantizer)
                 self.pool.write_entries(plan.demote_page, plan.demote_off, li, kind, rows)
         # 2. the new token: its ring entry, and the sink while T < S0
         win_k[plan.slots, :, plan.new_entry] = k_new
@@ -456,7 +456,7 @@ class OscarPagedStore:
                 if c1 > t_old:
                     x = torch.cat([x, new[:, :, max(c0, t_old) - t_old : c1 - t_old]], 2)
                 rows = rotate_quantize(x, rot, mu, clip, cfg.group_size, cfg.torch_meta_dtype,
-                                       use_kernels=cfg.use_kernels)
+                                       use_kernels=cfg.use_kernels, quantizer=cfg.quantizer)
                 self.pool.write(r.table, li, "kv"[kind], c0 - s0, rows)
 
     # ------------------------------------------------------------------ accounting

@@ -8,7 +8,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.cache import OscarLayer
 from oscar_hf.models import tiny_config
-from oscar_hf.quant import dequantize_rows
+from oscar_hf.quant import dequantize_rows, quantize_rows
 from oscar_hf.rotations import LayerRotation
 
 D, HK = 32, 2
@@ -181,6 +181,28 @@ def test_bad_config_values():
         OscarConfig(clip_k=1.5)
     with pytest.raises(ValueError, match="out of range"):
         OscarCache(tiny_config("llama"), group_size=32, skip_layers=(5,))
+    with pytest.raises(ValueError, match="quantizer"):
+        OscarConfig(quantizer="lloyd-max")
+
+
+@pytest.mark.parametrize("quantizer", ["minmax", "std"])
+def test_history_written_with_the_configured_quantizer(quantizer):
+    """The layer's history holds exactly quantize_rows(rows, quantizer=config.quantizer) of its demoted rows, for a
+    prompt's bulk write and for the token-by-token demotions after it."""
+    torch.manual_seed(0)
+    eye = torch.eye(D).expand(HK, D, D).contiguous()
+    cfg = OscarConfig(sink=2, recent=4, group_size=16, meta_dtype="float32", quantizer=quantizer, clip_k=0.7,
+                      clip_v=0.7, use_kernels=False)
+    layer = OscarLayer(cfg, LayerRotation(eye, eye), 0)
+    K, V = torch.randn(2, HK, 40, D), torch.randn(2, HK, 40, D)
+    layer.lazy_initialization(K[:, :, :1], V[:, :, :1])
+    layer.commit(K[:, :, :30], V[:, :, :30], torch.zeros(2, dtype=torch.long))
+    for t in range(30, 40):
+        layer.commit(K[:, :, t : t + 1], V[:, :, t : t + 1], torch.zeros(2, dtype=torch.long))
+    hk, hv = layer.hist_view()
+    for got, x in ((hk, K), (hv, V)):
+        want = quantize_rows(x[:, :, 2 : 2 + layer.n_hist], 16, 0.7, torch.float32, quantizer)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_base_class_signatures_have_not_drifted():

@@ -56,7 +56,7 @@ def test_static_decode_step_is_tensor_only_and_matches_per_step():
     assert int(sta.get_seq_length()) == dyn.get_seq_length() == 60
 
 
-@pytest.mark.parametrize("windows", [dict(sink=0, recent=8), dict(sink=4, recent=1)])
+@pytest.mark.parametrize("windows", [dict(sink=0, recent=8), dict(sink=4, recent=1), dict(quantizer="std")])
 def test_static_edge_windows_match_dynamic(windows):
     m = tiny_model("llama")
     ids, am = random_left_padded([5, 26], seed=12)

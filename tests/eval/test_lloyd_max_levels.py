@@ -6,6 +6,7 @@ import torch
 from oscar_hf import OscarRotations
 from oscar_hf.eval.methods import OscarFamily, OscarSpec
 from oscar_hf.models import tiny_model
+from oscar_hf.quant import dequantize_rows, quantize_rows
 
 
 def spec(levels, group_size=32):
@@ -34,7 +35,17 @@ def test_lloyd_max_is_fast_path_only():
     model, rot, _ = spec("lloyd-max")
     with pytest.raises(NotImplementedError, match="eval-only"):
         OscarFamily("oscar", rotations=rot, levels="lloyd-max").make_cache(model)
-    _, _, even = spec("even-std")
-    assert len(torch.unique(even._std_levels(torch.randn(1, 2, 4, 64), rot.layers[0].r_k, None)[0, 0, 0, :32])) <= 4
     with pytest.raises(ValueError, match="levels"):
-        OscarSpec(model, rot, OscarFamily("oscar", rotations=rot).config, levels="nf2")
+        OscarSpec(model, rot, OscarFamily("oscar", rotations=rot).config, levels="even-std")
+
+
+def test_fake_quant_path_follows_the_configured_quantizer():
+    """OscarConfig.quantizer="std" reaches the fake-quant path (what --path fast scores) and changes its rows."""
+    model = tiny_model("llama", head_dim=64)
+    rot = OscarRotations.builtin(model, "hadamard")
+    specs = {q: OscarFamily("oscar", rotations=rot, quantizer=q, center=False).fake_spec(model) for q in ("minmax", "std")}
+    x, r = torch.randn(1, 2, 64, 64), rot.layers[0].r_k
+    rows = {q: s._fq(x, r, None, 0.8) @ r for q, s in specs.items()}  # back in the rotated space
+    want = dequantize_rows(quantize_rows(x @ r, 64, 1.0, specs["std"].config.torch_meta_dtype, "std"), 64)
+    torch.testing.assert_close(rows["std"], want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(rows["std"], rows["minmax"], atol=1e-3)

@@ -208,24 +208,28 @@ def test_bad_inputs():
 
 @interp
 @pytest.mark.parametrize(
-    "b,hk,d,g,heads,ring_extra,mu_k,dtype,meta",
+    "b,hk,d,g,heads,ring_extra,mu_k,dtype,meta,quantizer",
     [
-        (2, 2, 64, 32, None, 0, "2d", torch.bfloat16, torch.bfloat16),
-        (2, 3, 32, 32, [1, -1, 0], 2, "3d", torch.float16, torch.float16),
-        (1, 2, 64, 16, [-1, 0], 1, None, torch.float32, torch.float32),
+        (2, 2, 64, 32, None, 0, "2d", torch.bfloat16, torch.bfloat16, "minmax"),
+        (2, 3, 32, 32, [1, -1, 0], 2, "3d", torch.float16, torch.float16, "minmax"),
+        (1, 2, 64, 16, [-1, 0], 1, None, torch.float32, torch.float32, "minmax"),
+        (2, 3, 64, 32, [1, -1, 0], 1, "3d", torch.bfloat16, torch.bfloat16, "std"),
     ],
 )
-def test_kernel_matches_reference(b, hk, d, g, heads, ring_extra, mu_k, dtype, meta):
+def test_kernel_matches_reference(b, hk, d, g, heads, ring_extra, mu_k, dtype, meta, quantizer):
     s0, w, n = 2, 2, 3
     ref = Layer(b, hk, d, g, s0, w, w + 1 + ring_extra, n, heads=heads, mu_k=mu_k, mu_v=mu_k is not None,
                 dtype=dtype, meta=meta, seed=d + g)
-    got = ref.clone()
+    got, minmax = ref.clone(), ref.clone()
     pad = torch.tensor([1, 0][:b])
     for t in range(s0 + w + n + 2):
         new_k, new_v = _tokens(ref, t)
-        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), pad))
-        _triton()(*got.args(new_k, new_v, torch.tensor(t), pad))
+        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), pad), quantizer=quantizer)
+        _triton()(*got.args(new_k, new_v, torch.tensor(t), pad), quantizer=quantizer)
         assert_kernel_matches(got, ref)
+        append_token_reference(*minmax.args(new_k, new_v, torch.tensor(t), pad))
+    # "std" really is another grid than the default's
+    assert torch.equal(minmax.hist_k.scale, ref.hist_k.scale) == (quantizer == "minmax")
 
 
 @interp

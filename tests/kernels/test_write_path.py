@@ -12,7 +12,7 @@ from kernel_utils import HAS_CUDA, random_rotation, setup_interpreter
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from oscar_hf.kernels.write_path import rotate_quantize, rotate_quantize_reference  # noqa: E402
-from oscar_hf.quant import QuantizedRows, dequantize_rows, unpack_int2  # noqa: E402
+from oscar_hf.quant import STD_STEP, QuantizedRows, dequantize_rows, unpack_int2  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRITON_INTERPRET=1 without CUDA)")
 
@@ -34,10 +34,11 @@ def _inputs(b, hk, t, d, *, dtype=torch.bfloat16, center=True, seed=0, device="c
     return x.to(device), r.to(device), (mu.to(device) if mu is not None else None)
 
 
-def check_against_reference(got: QuantizedRows, x, r, mu, clip, g, meta, ref: QuantizedRows | None = None):
+def check_against_reference(got: QuantizedRows, x, r, mu, clip, g, meta, ref: QuantizedRows | None = None,
+                            quantizer="minmax"):
     """Metadata ~1e-3 relative, < 0.5% of codes differ (matmul-order ties), and every unclipped
-    element within scale/2 of the exact (float64) rotated row."""
-    ref = ref if ref is not None else rotate_quantize_reference(x, r, mu, clip, g, meta)
+    element (inside the grid's end levels) within scale/2 of the exact (float64) rotated row."""
+    ref = ref if ref is not None else rotate_quantize_reference(x, r, mu, clip, g, meta, quantizer=quantizer)
     for name in ("scale", "zero"):
         a, b = getattr(got, name).double(), getattr(ref, name).double()
         assert getattr(got, name).dtype == meta
@@ -57,8 +58,11 @@ def check_against_reference(got: QuantizedRows, x, r, mu, clip, g, meta, ref: Qu
     rows = torch.matmul(xf, r.double().cpu().unsqueeze(0))
     d = rows.shape[-1]
     rg = rows.reshape(*rows.shape[:-1], d // g, g)
-    lo, hi = rg.amin(-1, keepdim=True), rg.amax(-1, keepdim=True)
-    mid, half = (hi + lo) / 2, (hi - lo) / 2 * clip
+    if quantizer == "std":
+        mid, half = rg.mean(-1, keepdim=True), 1.5 * STD_STEP * rg.std(-1, unbiased=False, keepdim=True)
+    else:
+        lo, hi = rg.amin(-1, keepdim=True), rg.amax(-1, keepdim=True)
+        mid, half = (hi + lo) / 2, (hi - lo) / 2 * clip
     unclipped = (rg >= mid - half) & (rg <= mid + half)
     xhat = dequantize_rows(QuantizedRows(got.codes.cpu(), got.scale.cpu(), got.zero.cpu()), g, torch.float64)
     err = (xhat.reshape_as(rg) - rg).abs()
@@ -86,6 +90,18 @@ def test_kernel_matches_reference(b, hk, t, d, g, meta, center, clip):
     x, r, mu = _inputs(b, hk, t, d, center=center, seed=t + d)
     got = _triton()(x, r, mu, clip, g, meta)
     check_against_reference(got, x, r, mu, clip, g, meta)
+
+
+@interp
+@pytest.mark.parametrize("b,hk,t,d,g,meta", [(1, 2, 1, 64, 32, torch.bfloat16), (2, 1, 65, 128, 64, torch.float16),
+                                             (1, 2, 17, 256, 256, torch.float32)])
+def test_kernel_matches_reference_std_grid(b, hk, t, d, g, meta):
+    """quantizer="std": the kernel's mean / std grid is the reference's (the clip ratio passed is unused)."""
+    x, r, mu = _inputs(b, hk, t, d, seed=t + g)
+    got = _triton()(x, r, mu, 0.5, g, meta, quantizer="std")
+    check_against_reference(got, x, r, mu, 1.0, g, meta, quantizer="std")
+    minmax = rotate_quantize_reference(x, r, mu, 1.0, g, meta)
+    assert not torch.equal(got.scale, minmax.scale)
 
 
 @interp
