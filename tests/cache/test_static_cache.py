@@ -115,7 +115,8 @@ def test_static_errors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_static_kernels_and_cuda_graphs_match_reference():
+@pytest.mark.parametrize("quantizer", ["minmax", "std"])
+def test_gpu_static_kernels_and_cuda_graphs_match_reference(quantizer):
     """On the GPU: the Triton decode path of the static cache (device-side history length) equals the
     torch reference step by step, and generate's compiled decode (CUDA graphs) gives the eager tokens."""
     from batch_utils import cuda_qwen3
@@ -123,7 +124,7 @@ def test_gpu_static_kernels_and_cuda_graphs_match_reference():
     m = cuda_qwen3()
     ids, am = random_left_padded([700, 1500, 2000], seed=3)
     ids, am = ids.cuda(), am.cuda()
-    kw = dict(method="hadamard", group_size=64)
+    kw = dict(method="hadamard", group_size=64, quantizer=quantizer)
     ker, ref = StaticOscarCache(m, max_cache_len=2100, **kw), StaticOscarCache(m, max_cache_len=2100, use_kernels=False, **kw)
     with torch.no_grad():
         a = m(ids, attention_mask=am, **cache_kwargs(m, ker)).logits[:, -1].float()

@@ -310,7 +310,8 @@ def test_op_eager_and_bad_use_kernels():
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs CUDA (compiled kernels)")
 @pytest.mark.parametrize("d,g", [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)])
 @pytest.mark.parametrize("b", [1, 8])
-def test_gpu_kernel_matches_reference(b, d, g):
+@pytest.mark.parametrize("quantizer", ["minmax", "std"])
+def test_gpu_kernel_matches_reference(b, d, g, quantizer):
     s0, w, n, hk = 4, 16, 40, 8
     heads = [0, 1, -1, 2, 3, 4, -1, 5] if d == 128 and g == 64 else None  # one case with full-precision heads
     ref = Layer(b, hk, d, g, s0, w, w + 1 + 64 * (g == 64), n, heads=heads, mu_k="3d" if b == 8 else "2d",
@@ -320,7 +321,7 @@ def test_gpu_kernel_matches_reference(b, d, g):
     for t in range(s0 + w + n + 4):
         new_k, new_v = _tokens(ref, t, "cuda")
         length = torch.tensor(t, device="cuda")
-        append_token_reference(*ref.args(new_k, new_v, length, pad))
-        _triton()(*got.args(new_k, new_v, length, pad))
+        append_token_reference(*ref.args(new_k, new_v, length, pad), quantizer=quantizer)
+        _triton()(*got.args(new_k, new_v, length, pad), quantizer=quantizer)
     torch.cuda.synchronize()
     assert_kernel_matches(got.to("cpu"), ref.to("cpu"))

@@ -220,14 +220,16 @@ def test_property_random_shapes():
 # --------------------------------------------------------------------------------- GPU, real shapes
 
 
-@pytest.mark.parametrize("t,g,meta", [(1, 64, torch.bfloat16), (32768, 64, torch.bfloat16), (4099, 128, torch.float16)])
+@pytest.mark.parametrize("t,g,meta,quantizer", [(1, 64, torch.bfloat16, "minmax"), (32768, 64, torch.bfloat16, "minmax"),
+                                               (4099, 128, torch.float16, "minmax"), (32768, 64, torch.bfloat16, "std"),
+                                               (4099, 128, torch.float16, "std")])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs CUDA (compiled kernels)")
-def test_gpu_real_shapes(t, g, meta):
+def test_gpu_real_shapes(t, g, meta, quantizer):
     x, r, mu = _inputs(1, 8, t, 128, seed=t, device="cuda")
-    got = _triton()(x, r, mu, 0.96, g, meta)
-    ref = rotate_quantize_reference(x, r, mu, 0.96, g, meta)
-    check_against_reference(got, x, r, mu, 0.96, g, meta, ref)
+    got = _triton()(x, r, mu, 0.96, g, meta, quantizer=quantizer)
+    ref = rotate_quantize_reference(x, r, mu, 0.96, g, meta, quantizer=quantizer)
+    check_against_reference(got, x, r, mu, 0.96, g, meta, ref, quantizer=quantizer)
 
 
 @pytest.mark.gpu
