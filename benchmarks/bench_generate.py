@@ -155,6 +155,8 @@ def make_cache(model, method: str, capacity: int, explicit: bool = False):
         return None
     if method == "oscar":
         return OscarCache(model, method="hadamard", group_size=64)
+    if method == "oscar-std":  # OscarConfig.quantizer="std": the mean / std grid in both write kernels
+        return OscarCache(model, method="hadamard", group_size=64, quantizer="std")
     if method == "oscar-eager":
         return OscarCache(model, method="hadamard", group_size=64, compile=False)
     if method.startswith("oscar-fp"):  # oscar-fpN[-bf16|-int8]: N KV heads in full precision, spread over the layers

@@ -15,6 +15,8 @@
 #               StaticOscarCache) and B=1 at 8K, 32K, 100K               generate_<gpu>_static_b1_t{8192,32768,100000}.json
 #   eager       eager generate: B=1 at 8K/32K/100K, B=8 at 8K/32K       generate_<gpu>_b1.json, generate_<gpu>_b8.json
 #   fpheads     decode cost of 8 / 26 full-precision KV heads, 32K     generate_<gpu>_fpheads_t32768.json
+#   quantizer   quantizer="std" vs "minmax": kernel tests, B=8/32K      gpu_tests_quantizer_<gpu>.log,
+#               prefill and decode of the default call                  generate_<gpu>_quantizer_t32768.json
 #   capacity    aggregate decode throughput at each cache's largest     capacity_<gpu>_40gib.json,
 #               batch in a 40 GiB KV budget at 32K                      capacity_<gpu>_40gib_bf16.json
 #   profile     torch.profiler of the default call's decode step vs      profile_<gpu>_b8_t32768.json,
@@ -108,6 +110,14 @@ for what in "$@"; do
     run "generate_${GPU}_fpheads_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \
         --methods oscar oscar-fp8 oscar-fp8-bf16 oscar-fp26 --new-tokens 48 \
         --out "$OUT/generate_${GPU}_fpheads_t32768.json" ;;
+  quantizer)
+    # OscarConfig.quantizer="std" against the default "minmax": its kernels against the reference (write, append,
+    # compiled static cache), then the default call's prefill and decode with each, twice, interleaved
+    run "gpu_tests_quantizer_$GPU" $PY -m pytest -q -m gpu -k "real_shapes or gpu_kernel_matches or cuda_graphs" \
+        "$R/tests/kernels/test_write_path.py" "$R/tests/kernels/test_append_token.py" \
+        "$R/tests/cache/test_static_cache.py" --rootdir "$R" -p no:cacheprovider
+    run "generate_${GPU}_quantizer_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \
+        --methods oscar oscar-std oscar oscar-std --new-tokens 48 --out "$OUT/generate_${GPU}_quantizer_t32768.json" ;;
   capacity)
     # 147456 / 27375 bytes per token: BF16 and the default OscarCache's allocated KV (headroom included) of the
     # Qwen3-8B shape at 32K, measured by `default` (generate_default_<gpu>_b8_t32768.json)
