@@ -504,6 +504,7 @@ def main(argv=None, model=None, tokenizer=None):
 
     from oscar_hf import OscarCache, OscarConfig, OscarRotations
     from oscar_hf.config import FULL_PRECISION_BIT_CHOICES
+    from oscar_hf.quant import QUANTIZERS
     from oscar_hf.models import model_for_eval
 
     from .compare import find_artifact
@@ -544,6 +545,8 @@ def main(argv=None, model=None, tokenizer=None):
                    help="OscarConfig.full_precision_bits of the OSCAR and artifact rows: how their full-precision "
                         "heads are stored (16: model dtype; 8/4: codes with a scale and zero per token and head; "
                         "default: the library's)")
+    p.add_argument("--quantizer", choices=QUANTIZERS, default=None,
+                   help="OscarConfig.quantizer of the OSCAR and artifact rows (default: the library's)")
     p.add_argument("--artifact-full-precision-heads", default="auto",
                    help="artifact row: 'auto' (the library's rule at --full-precision-bits) or k (the artifact's "
                         "k best retrieval heads)")
@@ -581,6 +584,8 @@ def main(argv=None, model=None, tokenizer=None):
     fp_bits = args.full_precision_bits or OscarConfig().full_precision_bits
     if args.full_precision_bits is not None:
         oscar_kw["full_precision_bits"] = fp_bits
+    if args.quantizer is not None:
+        oscar_kw["quantizer"] = args.quantizer
     artifact_heads = args.artifact_full_precision_heads
     if artifact_heads != "auto":
         if not artifact_heads.isdigit():
@@ -592,6 +597,8 @@ def main(argv=None, model=None, tokenizer=None):
         kw = {} if args.full_precision_bits is None else dict(full_precision_bits=fp_bits)
         if artifact_heads != "auto":
             kw["full_precision_heads"] = artifact_heads
+        if args.quantizer is not None:
+            kw["quantizer"] = args.quantizer
         opts = "".join(f", {k}={v}" for k, v in kw.items())
         return (f"OscarCache.from_pretrained({Path(args.artifact).name}{opts})",
                 UserCache("artifact", lambda m: OscarCache.from_pretrained(args.artifact, m, **kw)))

@@ -264,3 +264,20 @@ def test_cli_end_to_end_on_a_tiny_llama(tmp_path):
     assert (tmp_path / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="unknown --methods"):
         main(argv[:5] + ["fp,bogus"] + argv[6:], model=model, tokenizer=ByteTok())
+
+
+def test_cli_quantizer_reaches_the_oscar_and_artifact_rows(tmp_path):
+    """--quantizer sets OscarConfig.quantizer on the rows built from the artifact (the user's cache included)."""
+    from oscar_hf import OscarRotations
+    from oscar_hf.eval.needle import main
+
+    model = tiny_model("llama", head_dim=64)
+    art = tmp_path / "art"
+    OscarRotations.builtin(model, "hadamard").save_pretrained(art)
+    argv = ["--format", "locker", "--haystack", "pydoc", "--methods", "oscar,artifact", "--artifact", str(art),
+            "--quantizer", "std", "--lengths", "600", "--depths", "0.5", "--out", str(tmp_path), "--name", "q"]
+    main(argv, model=model, tokenizer=ByteTok())
+    setup = json.loads((tmp_path / "q.json").read_text())["setup"]
+    assert setup["oscar"]["quantizer"] == "std"
+    (user,) = setup["user_caches"].values()
+    assert user["config"]["quantizer"] == "std"
