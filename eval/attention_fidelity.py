@@ -45,11 +45,14 @@ def capture_qkv(model, ids: torch.Tensor) -> dict:
 
 
 @torch.no_grad()
-def layer_errors(q, k, v, scaling, k_hat, v_hat, exact_row: torch.Tensor, positions) -> tuple[float, float]:
-    """Mean KL and relative output error over ``positions`` (query indices) and query heads."""
+def layer_errors(q, k, v, scaling, k_hat, v_hat, exact_row: torch.Tensor, positions, w_o=None):
+    """Mean KL and relative output error over ``positions`` (query indices) and query heads; with ``w_o`` (the
+    layer's ``o_proj`` weight ``[hidden, Hq * D]``) also the relative error of each head's share of the residual
+    update, ``o_h W_o[:, h]ᵀ``, as a third value."""
     hq, hk = q.shape[1], k.shape[1]
     g = hq // hk
-    kl_s, err_s = 0.0, 0.0
+    kl_s, err_s, proj_s = 0.0, 0.0, 0.0
+    wh = None if w_o is None else w_o.float().view(w_o.shape[0], hq, q.shape[-1])  # [hidden, Hq, D]
     for p in positions:
         qp = q[0, :, p]  # [Hq, D]
         kk = k[0, :, : p + 1].repeat_interleave(g, 0)  # [Hq, p+1, D]
@@ -63,7 +66,11 @@ def layer_errors(q, k, v, scaling, k_hat, v_hat, exact_row: torch.Tensor, positi
         o = torch.einsum("hn,hnd->hd", lp.exp(), vv)
         oq = torch.einsum("hn,hnd->hd", lq.exp(), vq)
         err_s += ((oq - o).norm(dim=-1) / o.norm(dim=-1).clamp_min(1e-12)).mean().item()
-    return kl_s / len(positions), err_s / len(positions)
+        if wh is not None:
+            r, rq = torch.einsum("hd,khd->hk", o, wh), torch.einsum("hd,khd->hk", oq, wh)
+            proj_s += ((rq - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-12)).mean().item()
+    n = len(positions)
+    return (kl_s / n, err_s / n) if wh is None else (kl_s / n, err_s / n, proj_s / n)
 
 
 def fidelity(model, ids: torch.Tensor, methods: dict, lengths=(512, 1024, 2048), n_queries: int = 32,

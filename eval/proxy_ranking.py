@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .attention_fidelity import capture_qkv
+from .attention_fidelity import capture_qkv, layer_errors
 
 
 def spearman(a, b) -> float:
@@ -50,33 +50,16 @@ def spearman(a, b) -> float:
 def output_errors(model, cap: dict, spec, positions) -> tuple[float, float]:
     """Mean over layers of the relative attention-output error per query head, before and after ``o_proj``, at the
     query ``positions`` (``cap``: :func:`capture_qkv`; ``spec``: a fake-quant spec; exact positions as the cache)."""
-    n = max(positions) + 1
-    exact = spec.exact_mask(n, 1, "cpu")
-    layers = model.model.layers
+    exact = spec.exact_mask(max(positions) + 1, 1, "cpu")
     out_err, proj_err = [], []
     for i in sorted(cap):
         q, k, v, sc = cap[i]
         fq = spec.layer_kv(i, k, v)
         k_hat, v_hat = fq if fq is not None else (k, v)
-        hq, hk, d = q.shape[1], k.shape[1], q.shape[-1]
-        g = hq // hk
-        w_o = layers[i].self_attn.o_proj.weight.float()  # [hidden, Hq * D]
-        e_out, e_proj = 0.0, 0.0
-        for p in positions:
-            ex = exact[p, : p + 1]
-            kk, vv = (x[0, :, : p + 1].repeat_interleave(g, 0) for x in (k, v))
-            kq = torch.where(ex[None, :, None], kk, k_hat[0, :, : p + 1].repeat_interleave(g, 0))
-            vq = torch.where(ex[None, :, None], vv, v_hat[0, :, : p + 1].repeat_interleave(g, 0))
-            qp = q[0, :, p]
-            o = torch.einsum("hn,hnd->hd", torch.softmax(torch.einsum("hd,hnd->hn", qp, kk) * sc, -1), vv)
-            oq = torch.einsum("hn,hnd->hd", torch.softmax(torch.einsum("hd,hnd->hn", qp, kq) * sc, -1), vq)
-            e_out += ((oq - o).norm(dim=-1) / o.norm(dim=-1).clamp_min(1e-12)).mean().item()
-            # per query head h: its share of the residual update, (o_h) W_o[:, h*D:(h+1)*D]^T
-            wh = w_o.view(w_o.shape[0], hq, d)
-            r, rq = torch.einsum("hd,khd->hk", o, wh), torch.einsum("hd,khd->hk", oq, wh)
-            e_proj += ((rq - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-12)).mean().item()
-        out_err.append(e_out / len(positions))
-        proj_err.append(e_proj / len(positions))
+        w_o = model.model.layers[i].self_attn.o_proj.weight
+        _, e_out, e_proj = layer_errors(q, k, v, sc, k_hat, v_hat, exact, positions, w_o=w_o)
+        out_err.append(e_out)
+        proj_err.append(e_proj)
     return sum(out_err) / len(out_err), sum(proj_err) / len(proj_err)
 
 
