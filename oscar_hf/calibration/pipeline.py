@@ -18,12 +18,14 @@ from ..version import __version__
 from .hooks import as_sequences, progress_bar
 from .retrieval_heads import LENGTHS, PROBES, find_retrieval_heads, probe_lengths
 from .search import CLIP_GRID, META_DTYPES, build_candidates, center_modes, evaluate_candidates, select_best
+from .selection import SCORED_TOKENS, next_token_kl
 from .stats import collect_statistics, full_attention_layers, spectrum_summary
 
 logger = logging.getLogger("oscar_hf")
 
 METHODS = ("oscar", "pca-kv", "hadamard", "identity", "auto")
 VALUE_TARGETS = ("sst", "score-weighted")
+SELECTION_CANDIDATES = ("oscar", "pca-kv")  # method="auto": the whole-artifact alternatives its pick is checked against
 
 
 def _is_texts(texts) -> bool:
@@ -56,6 +58,7 @@ def calibrate(
     clips: tuple[float, float] | None = None,
     retrieval_probes: int = PROBES,
     retrieval_lengths: Sequence[int] = LENGTHS,
+    select_by_kl: bool = True,
 ) -> OscarRotations:
     """Calibrate OSCAR rotations, offsets and clip ratios for ``model``.
 
@@ -65,7 +68,9 @@ def calibrate(
             / list of 1-D token-id sequences.
         method: "oscar" (C_Q keys / value_target values), "pca-kv" (C_K / C_V), "hadamard",
             "identity" (calibrated offsets and clips only), or "auto" (best candidate per layer, KV head
-            and K/V on held-out tokens).
+            and K/V on held-out tokens, then checked end to end: that pick, all-"oscar" and all-"pca-kv" are
+            scored by next-token KL through the cache on a held-out window and the lowest wins, see
+            :mod:`.selection`; the metadata's ``selection`` says which).
         tokens: statistics tokens: ``ceil(tokens / seq_len)`` windows of ``min(seq_len, tokens)`` tokens
             from the start of the text (ignored for token-id input: all rows are used).
         group_size: the quantization group size the clips (and ``auto``) are chosen for; ``None``: head_dim (one
@@ -100,6 +105,8 @@ def calibrate(
             no full-precision heads by default). Needs string ``texts`` (token-id input is not scored) with at
             least ``max(retrieval_lengths) + retrieval_probes`` tokens.
         retrieval_lengths: probe lengths in tokens (those beyond the model's context are dropped).
+        select_by_kl: ``method="auto"``'s end-to-end check (False: the held-out error's pick as it is). It needs a
+            held-out window longer than ``512 + sink + recent`` tokens, else the pick stays as it is.
     """
     t0, c0 = time.perf_counter(), time.process_time()
     if method not in METHODS:
@@ -206,34 +213,65 @@ def calibrate(
     finally:
         bar.close()
 
-    layers: dict[int, LayerRotation] = {}
-    winners = {"k": {}, "v": {}}
-    held: dict[str, dict] = {}
-    for i, c in sorted(cands.items()):
-        hk = c.k_rots.shape[1]
-        if i in errors:
-            e = errors[i]
-            jk, wk = select_best(e.k, share_rotation_across_heads)
-            jv, wv = select_best(e.v, share_rotation_across_heads)
-            ek = sum(float(e.k[wk[h], jk, h]) for h in range(hk))
-            ev = sum(float(e.v[wv[h], jv, h]) for h in range(hk))
-            ks, vs = max(float(e.k_signal.sum()), 1e-300), max(float(e.v_signal.sum()), 1e-300)
-            held[str(i)] = {"k_rel": ek / ks, "v_rel": ev / vs}
-            if e.k_ref is not None:
-                held[str(i)]["k_rel_identity"] = float(e.k_ref[0, 0].sum()) / ks
-                held[str(i)]["v_rel_identity"] = float(e.v_ref[0, 0].sum()) / vs
-            clip_k, clip_v = clips or (float(grid[jk]), float(grid[jv]))
+    def assemble(only: str | None = None):
+        """``(layers, winners, held)``: per layer and KV head the candidate ``only`` (its best clip), or the
+        held-out error's pick (``None``), with the selection error of what was picked."""
+        layers: dict[int, LayerRotation] = {}
+        winners = {"k": {}, "v": {}}
+        held: dict[str, dict] = {}
+        for i, c in sorted(cands.items()):
+            hk = c.k_rots.shape[1]
+            if i in errors:
+                e = errors[i]
+                if only is None:
+                    jk, wk = select_best(e.k, share_rotation_across_heads)
+                    jv, wv = select_best(e.v, share_rotation_across_heads)
+                else:  # one candidate everywhere: the layer's best clip for it
+                    ck, cv = knames.index(only), vnames.index(only)
+                    jk, jv = select_best(e.k[ck : ck + 1], True)[0], select_best(e.v[cv : cv + 1], True)[0]
+                    wk, wv = [ck] * hk, [cv] * hk
+                ek = sum(float(e.k[wk[h], jk, h]) for h in range(hk))
+                ev = sum(float(e.v[wv[h], jv, h]) for h in range(hk))
+                ks, vs = max(float(e.k_signal.sum()), 1e-300), max(float(e.v_signal.sum()), 1e-300)
+                held[str(i)] = {"k_rel": ek / ks, "v_rel": ev / vs}
+                if e.k_ref is not None:
+                    held[str(i)]["k_rel_identity"] = float(e.k_ref[0, 0].sum()) / ks
+                    held[str(i)]["v_rel_identity"] = float(e.v_ref[0, 0].sum()) / vs
+                clip_k, clip_v = clips or (float(grid[jk]), float(grid[jv]))
+            else:
+                wk, wv = [0] * hk, [0] * hk
+                clip_k, clip_v = clips or (float(grid[-1]), float(grid[-1]))
+
+            def pick(t, w, hk=hk):  # per KV head, the winning candidate's tensor
+                return None if t is None else torch.stack([t[w[h], h] for h in range(hk)]).float().contiguous()
+
+            layers[i] = LayerRotation(pick(c.k_rots, wk), pick(c.v_rots, wv), clip_k, clip_v, pick(c.mu_k, wk),
+                                      pick(c.mu_v, wv))
+            winners["k"][str(i)] = [knames[w] for w in wk]
+            winners["v"][str(i)] = [vnames[w] for w in wv]
+        return layers, winners, held
+
+    layers, winners, held = assemble()
+    selection, t_kl = None, 0.0
+    if method == "auto" and select_by_kl and errors:
+        # the held-out error's pick against one candidate everywhere, by next-token KL through the cache
+        t_kl = time.perf_counter()
+        sink, recent = window or (64, 256)
+        kl_ids = max(hold_seqs, key=lambda x: x.numel())
+        if kl_ids.numel() - SCORED_TOKENS > sink + recent:
+            options = {"auto": (layers, winners, held)}
+            options.update({name: assemble(name) for name in SELECTION_CANDIDATES
+                            if name in knames and name in vnames})
+            kl = {name: next_token_kl(model, OscarRotations(fp, method, opt[0], {}), kl_ids, sink=sink,
+                                      recent=recent, group_size=group_size, meta_dtype=meta_dtype)
+                  for name, opt in options.items()}
+            chosen = min(kl, key=kl.get)
+            layers, winners, held = options[chosen]
+            selection = {"objective": f"next-token KL through OscarCache, last {SCORED_TOKENS} tokens of a held-out "
+                                      f"window of {kl_ids.numel()}", "kl": kl, "chosen": chosen}
         else:
-            wk, wv = [0] * hk, [0] * hk
-            clip_k, clip_v = clips or (float(grid[-1]), float(grid[-1]))
-
-        def pick(t, w, hk=hk):  # per KV head, the winning candidate's tensor
-            return None if t is None else torch.stack([t[w[h], h] for h in range(hk)]).float().contiguous()
-
-        layers[i] = LayerRotation(pick(c.k_rots, wk), pick(c.v_rots, wv), clip_k, clip_v, pick(c.mu_k, wk),
-                                  pick(c.mu_v, wv))
-        winners["k"][str(i)] = [knames[w] for w in wk]
-        winners["v"][str(i)] = [vnames[w] for w in wv]
+            logger.info("calibrate: held-out windows too short for the KL check; keeping the held-out error's pick")
+        t_kl = time.perf_counter() - t_kl
 
     spectra = {}
     for i, s in sorted(stats.layers.items()):
@@ -268,6 +306,7 @@ def calibrate(
             "time_statistics_s": round(t_stats, 2),
             "time_selection_s": round(t_hold, 2),
             "time_retrieval_s": round(t_ret, 2),
+            "time_kl_selection_s": round(t_kl, 2),
             "oscar_hf": __version__,
             "transformers": transformers.__version__,
             "torch": torch.__version__,
@@ -278,6 +317,8 @@ def calibrate(
     }
     if held:
         meta["heldout_error"] = held
+    if selection is not None:
+        meta["selection"] = selection
     if method == "auto" or center == "auto":
         meta["auto_counts"] = {
             kind: dict(Counter(n for names in winners[kind].values() for n in names).most_common())

@@ -1,0 +1,42 @@
+"""End-to-end check of a calibration's candidates: next-token KL through the real cache on held-out tokens.
+
+The held-out attention error (:mod:`.search`) picks one rotation per layer and KV head, but it does not rank
+end-to-end perplexity perfectly: on SmolLM2 the per-head pick of ``method="auto"`` is worse than C_Q / C_S
+everywhere (``method="oscar"``), while on other models ``"oscar"`` loses to ``"auto"`` by far. The teacher-forced
+next-token KL ranks the configurations as perplexity does (docs/quality.md, "Which calibration error predicts
+perplexity"), and it is cheap to measure for a few whole artifacts: ``method="auto"`` builds the per-head pick and
+the all-``oscar`` and all-``pca-kv`` artifacts from the same statistics and keeps the one with the lowest KL.
+
+The KL is measured through :class:`~oscar_hf.OscarCache` itself: a held-out window's first tokens are written as a
+prompt (its history quantized as the cache does), then the rest is scored in one call that reads that history;
+the reference is the model without a cache. No full-precision heads, so that only the INT2 rows differ.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..rotations import OscarRotations
+
+SCORED_TOKENS = 512  # tokens of the held-out window scored after its prompt
+
+
+@torch.no_grad()
+def next_token_kl(model, rotations: OscarRotations, ids: torch.Tensor, *, sink: int = 64, recent: int = 256,
+                  group_size: int = 64, meta_dtype: str = "bfloat16", scored: int = SCORED_TOKENS) -> float:
+    """Mean KL(model || model with the cache) of the next-token distributions of the last ``scored`` tokens of
+    ``ids [n]``, the first ``n - scored`` written to the cache as a prompt. Needs a prompt longer than
+    ``sink + recent`` (else nothing is quantized)."""
+    from ..cache import OscarCache
+    from ..compat import cache_kwargs
+
+    ids = ids.reshape(1, -1).to(next(model.parameters()).device)
+    prompt = ids.shape[1] - scored
+    if prompt <= sink + recent:
+        raise ValueError(f"a held-out window of {ids.shape[1]} tokens leaves a prompt of {prompt} tokens: it must be "
+                         f"longer than sink + recent = {sink + recent}")
+    ref = torch.log_softmax(model(ids, use_cache=False).logits[:, prompt:].float(), -1)
+    cache = OscarCache(model, rotations, sink=sink, recent=recent, group_size=group_size, meta_dtype=meta_dtype,
+                       full_precision_heads=0)
+    model(ids[:, :prompt], **cache_kwargs(model, cache))
+    got = torch.log_softmax(model(ids[:, prompt:], **cache_kwargs(model, cache)).logits.float(), -1)
+    return float((ref.exp() * (ref - got)).sum(-1).mean())
