@@ -4,7 +4,7 @@
 Examples::
 
     python scripts/calibrate.py --model smollm2 --out artifacts/smollm2-oscar
-    python scripts/calibrate.py --model smollm2 --method auto --out artifacts/smollm2-auto
+    python scripts/calibrate.py --model smollm2 --method pca-kv --out artifacts/smollm2-pca-kv
     python scripts/calibrate.py --model smollm2 --preset paper --out artifacts/smollm2-paper   # the authors' settings
     python scripts/calibrate.py --model Qwen/Qwen3-0.6B --data wikitext --data-config wikitext-2-raw-v1 \\
         --split test --device cuda --dtype bfloat16 --out artifacts/qwen3-0.6b
@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leading fraction of the corpus reserved for calibration (the rest is evaluation text)")
     p.add_argument("--tokens", type=int, default=8192, help="statistics tokens")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--method", default="oscar", choices=METHODS)
+    p.add_argument("--method", default="auto", choices=METHODS,
+                   help="auto (default): the per-head pick, all-oscar and all-pca-kv checked by next-token KL, the "
+                        "lowest kept; or one candidate everywhere")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--center", default="on", choices=["on", "off", "auto"],
                    help="offsets mu_K / mu_V: on (default), off, or auto (chosen per layer, KV head and K/V "
@@ -58,9 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one R_K / R_V per layer shared by its KV heads (statistics of all its KV heads pooled), "
                    "as the authors' rotation files; default: one per KV head")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
-                   help="calibrate for OscarConfig.from_preset(NAME): 'paper' = shared rotations, no centering, "
+                   help="calibrate for OscarConfig.from_preset(NAME): 'paper' = method oscar, shared rotations, no centering, "
                    "group size = head_dim with float32 metadata, fixed clips K 0.96 / V 0.92 (not searched); "
-                   "do not combine with --group-size / --center / --no-center / --clip-grid")
+                   "do not combine with --method / --group-size / --center / --no-center / --clip-grid")
     p.add_argument("--holdout-fraction", type=float, default=0.25)
     p.add_argument("--window", default="64,256",
                    help="SINK,RECENT of the cache the artifact is for (errors count only quantized history pairs, "
@@ -87,12 +89,12 @@ def preset_settings(args, parser) -> dict:
         return {}
     from oscar_hf.config import PRESETS
 
-    clash = [f"--{name.replace('_', '-')}" for name in ("group_size", "center", "no_center", "clip_grid")
+    clash = [f"--{name.replace('_', '-')}" for name in ("method", "group_size", "center", "no_center", "clip_grid")
              if getattr(args, name) != parser.get_default(name)]
     if clash:
         parser.error(f"--preset {args.preset} sets {', '.join(clash)}; drop one of them")
     p = PRESETS[args.preset]
-    return {"group_size": p["group_size"], "center": p["center"], "meta_dtype": p["meta_dtype"],
+    return {"method": "oscar", "group_size": p["group_size"], "center": p["center"], "meta_dtype": p["meta_dtype"],
             "clips": (p["clip_k"], p["clip_v"]), "share_rotation_across_heads": True}
 
 
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     settings.update(preset)  # (the preset's sink 64 / recent 256 are --window's default)
     rot = calibrate(
         model, tok, split.calibration,
-        method=args.method, tokens=args.tokens, seq_len=args.seq_len, value_target=args.value_target,
+        method=settings.pop("method", args.method), tokens=args.tokens, seq_len=args.seq_len, value_target=args.value_target,
         holdout_fraction=args.holdout_fraction, batch_size=args.batch_size, progress=not args.no_progress,
         **settings,
         metadata={"preset": args.preset, "data": {"source": source, "config": args.data_config, "split": args.split,

@@ -111,7 +111,7 @@ def _ids(seed=0, n=3, length=40):
 def test_shared_rotations_are_identical_across_heads_and_per_head_are_not():
     model = tiny_model("llama")  # 2 KV heads
     ids = _ids()
-    one = dict(group_size=16, clip_grid=None, window=(4, 8), progress=False)
+    one = dict(method="oscar", group_size=16, clip_grid=None, window=(4, 8), progress=False)
     shared = calibrate(model, None, ids, share_rotation_across_heads=True, **one)
     per_head = calibrate(model, None, ids, **one)
     stats = collect_statistics(model, ids, kv_skip=4)
@@ -154,8 +154,8 @@ def test_select_best_shared_minimizes_the_layer_sum():
 
 def test_fixed_clips_are_stored_and_not_searched():
     model = tiny_model("llama")
-    rot = calibrate(model, None, _ids(1), group_size=None, center=False, clips=(0.96, 0.92), meta_dtype="float32",
-                    window=(4, 8), progress=False, share_rotation_across_heads=True)
+    rot = calibrate(model, None, _ids(1), method="oscar", group_size=None, center=False, clips=(0.96, 0.92),
+                    meta_dtype="float32", window=(4, 8), progress=False, share_rotation_across_heads=True)
     assert rot.clips() == {i: (0.96, 0.92) for i in rot.layers}
     assert not rot.has_offsets
     cal = rot.metadata["calibration"]
@@ -175,7 +175,8 @@ def cli():
 
 def test_cli_preset_refuses_flags_it_sets(cli, capsys):
     parser = cli.build_parser()
-    for extra in (["--group-size", "32"], ["--no-center"], ["--clip-grid", "1"], ["--center", "auto"]):
+    for extra in (["--group-size", "32"], ["--no-center"], ["--clip-grid", "1"], ["--center", "auto"],
+                  ["--method", "pca-kv"]):
         args = parser.parse_args(["--out", "x", "--preset", "paper", *extra])
         with pytest.raises(SystemExit):
             cli.preset_settings(args, parser)
@@ -183,8 +184,9 @@ def test_cli_preset_refuses_flags_it_sets(cli, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--out", "x", "--preset", "bogus"])
     args = parser.parse_args(["--out", "x", "--preset", "paper"])
-    assert cli.preset_settings(args, parser) == dict(group_size=None, center=False, meta_dtype="float32",
-                                                     clips=(0.96, 0.92), share_rotation_across_heads=True)
+    assert cli.preset_settings(args, parser) == dict(method="oscar", group_size=None, center=False,
+                                                     meta_dtype="float32", clips=(0.96, 0.92),
+                                                     share_rotation_across_heads=True)
     assert cli.preset_settings(parser.parse_args(["--out", "x"]), parser) == {}
 
 

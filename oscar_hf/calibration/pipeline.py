@@ -18,7 +18,7 @@ from ..version import __version__
 from .hooks import as_sequences, progress_bar
 from .retrieval_heads import LENGTHS, PROBES, find_retrieval_heads, probe_lengths
 from .search import CLIP_GRID, META_DTYPES, build_candidates, center_modes, evaluate_candidates, select_best
-from .selection import SCORED_TOKENS, next_token_kl
+from .selection import SCORED_TOKENS, next_token_kl, reference_log_probs
 from .stats import collect_statistics, full_attention_layers, spectrum_summary
 
 logger = logging.getLogger("oscar_hf")
@@ -40,7 +40,7 @@ def calibrate(
     tokenizer,
     texts,
     *,
-    method: str = "oscar",
+    method: str = "auto",
     tokens: int = 8192,
     seq_len: int = 2048,
     group_size: int | None = 64,
@@ -262,8 +262,9 @@ def calibrate(
             options = {"auto": (layers, winners, held)}
             options.update({name: assemble(name) for name in SELECTION_CANDIDATES
                             if name in knames and name in vnames})
+            ref = reference_log_probs(model, kl_ids)
             kl = {name: next_token_kl(model, OscarRotations(fp, method, opt[0], {}), kl_ids, sink=sink,
-                                      recent=recent, group_size=group_size, meta_dtype=meta_dtype)
+                                      recent=recent, group_size=group_size, meta_dtype=meta_dtype, reference=ref)
                   for name, opt in options.items()}
             chosen = min(kl, key=kl.get)
             layers, winners, held = options[chosen]

@@ -21,11 +21,20 @@ SCORED_TOKENS = 512  # tokens of the held-out window scored after its prompt
 
 
 @torch.no_grad()
+def reference_log_probs(model, ids: torch.Tensor, scored: int = SCORED_TOKENS) -> torch.Tensor:
+    """``[1, scored, vocab]`` float32 log-probabilities of the model without a cache at the last ``scored`` positions
+    of ``ids [n]`` (computed once, shared by every artifact :func:`next_token_kl` scores on ``ids``)."""
+    ids = ids.reshape(1, -1).to(next(model.parameters()).device)
+    return torch.log_softmax(model(ids, use_cache=False, logits_to_keep=scored).logits.float(), -1)
+
+
+@torch.no_grad()
 def next_token_kl(model, rotations: OscarRotations, ids: torch.Tensor, *, sink: int = 64, recent: int = 256,
-                  group_size: int = 64, meta_dtype: str = "bfloat16", scored: int = SCORED_TOKENS) -> float:
+                  group_size: int = 64, meta_dtype: str = "bfloat16", scored: int = SCORED_TOKENS,
+                  reference: torch.Tensor | None = None) -> float:
     """Mean KL(model || model with the cache) of the next-token distributions of the last ``scored`` tokens of
     ``ids [n]``, the first ``n - scored`` written to the cache as a prompt. Needs a prompt longer than
-    ``sink + recent`` (else nothing is quantized)."""
+    ``sink + recent`` (else nothing is quantized). ``reference``: :func:`reference_log_probs` of ``ids``."""
     from ..cache import OscarCache
     from ..compat import cache_kwargs
 
@@ -34,9 +43,9 @@ def next_token_kl(model, rotations: OscarRotations, ids: torch.Tensor, *, sink: 
     if prompt <= sink + recent:
         raise ValueError(f"a held-out window of {ids.shape[1]} tokens leaves a prompt of {prompt} tokens: it must be "
                          f"longer than sink + recent = {sink + recent}")
-    ref = torch.log_softmax(model(ids, use_cache=False).logits[:, prompt:].float(), -1)
+    ref = reference if reference is not None else reference_log_probs(model, ids, scored)
     cache = OscarCache(model, rotations, sink=sink, recent=recent, group_size=group_size, meta_dtype=meta_dtype,
                        full_precision_heads=0)
-    model(ids[:, :prompt], **cache_kwargs(model, cache))
+    model(ids[:, :prompt], **cache_kwargs(model, cache), logits_to_keep=1)
     got = torch.log_softmax(model(ids[:, prompt:], **cache_kwargs(model, cache)).logits.float(), -1)
     return float((ref.exp() * (ref - got)).sum(-1).mean())
