@@ -50,7 +50,8 @@ def calibration_report(rotations: OscarRotations) -> str:
         )
         lines.append(
             f"  time: {cal.get('time_s')} s (statistics {cal.get('time_statistics_s')} s, selection "
-            f"{cal.get('time_selection_s')} s, retrieval probes {cal.get('time_retrieval_s', 0)} s); "
+            f"{cal.get('time_selection_s')} s, KL check {cal.get('time_kl_selection_s', 0)} s, retrieval probes "
+            f"{cal.get('time_retrieval_s', 0)} s); "
             f"passes: {', '.join(cal.get('passes', []))}"
         )
     lines.append(retrieval_summary(rotations))
@@ -61,6 +62,11 @@ def calibration_report(rotations: OscarRotations) -> str:
         if all("k_rel_identity" in h for h in held.values()):
             line += f"  (identity / no clip: keys {mean('k_rel_identity'):.4g}, values {mean('v_rel_identity'):.4g})"
         lines.append(line)
+    sel = md.get("selection")
+    if sel:
+        kl = ", ".join(f"{k} {v:.4g}" + (" (kept)" if k == sel["chosen"] else "") for k, v in sel["kl"].items())
+        lines.append(f"  end-to-end check, next-token KL on held-out tokens (per-head pick 'auto' against one "
+                     f"candidate everywhere): {kl}")
     if "auto_counts" in md:
         for kind, name in (("k", "keys"), ("v", "values")):
             cnt = md["auto_counts"].get(kind, {})
