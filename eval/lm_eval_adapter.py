@@ -43,14 +43,16 @@ def _bool(x) -> bool:
 class OscarLM(HFLM):
     def __init__(self, pretrained: str = DEFAULT_MODEL, method: str = "oscar", rotations: str | None = None,
                  sink: int = 64, recent: int = 256, group_size: int = 64, center=True, clip_k: float | None = None,
-                 clip_v: float | None = None, score_mode: str = "decode", gguf_file: str | None = None, **kwargs):
+                 clip_v: float | None = None, quantizer: str = "minmax", score_mode: str = "decode",
+                 gguf_file: str | None = None, **kwargs):
         if pretrained == DEFAULT_MODEL:
             pretrained, gguf_file = str(smollm2_dir()), gguf_file or SMOLLM2_GGUF
         if score_mode not in ("decode", "prefill"):
             raise ValueError(f"score_mode must be 'decode' or 'prefill', got {score_mode!r}")
         kwargs.setdefault("dtype", "float32")
         super().__init__(pretrained=pretrained, gguf_file=gguf_file, **kwargs)
-        cfg = dict(sink=int(sink), recent=int(recent), group_size=int(group_size), center=_bool(center))
+        cfg = dict(sink=int(sink), recent=int(recent), group_size=int(group_size), center=_bool(center),
+                   quantizer=quantizer)
         if clip_k is not None:
             cfg["clip_k"] = float(clip_k)
         if clip_v is not None:
