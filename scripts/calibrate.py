@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=8192, help="statistics tokens")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--method", default="auto", choices=METHODS,
-                   help="auto (default): the per-head pick, all-oscar and all-pca-kv checked by next-token KL, the "
-                        "lowest kept; or one candidate everywhere")
+                   help="auto (default): the per-head pick, all-oscar, all-pca-kv and all-hadamard checked by "
+                        "next-token KL, the lowest kept; or one candidate everywhere")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--center", default="on", choices=["on", "off", "auto"],
                    help="offsets mu_K / mu_V: on (default), off, or auto (chosen per layer, KV head and K/V "

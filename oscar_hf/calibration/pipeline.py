@@ -25,7 +25,7 @@ logger = logging.getLogger("oscar_hf")
 
 METHODS = ("oscar", "pca-kv", "hadamard", "identity", "auto")
 VALUE_TARGETS = ("sst", "score-weighted")
-SELECTION_CANDIDATES = ("oscar", "pca-kv")  # method="auto": the whole-artifact alternatives its pick is checked against
+SELECTION_CANDIDATES = ("oscar", "pca-kv", "hadamard")  # method="auto": whole-artifact alternatives to its pick
 
 
 def _is_texts(texts) -> bool:
@@ -68,8 +68,8 @@ def calibrate(
             / list of 1-D token-id sequences.
         method: "oscar" (C_Q keys / value_target values), "pca-kv" (C_K / C_V), "hadamard",
             "identity" (calibrated offsets and clips only), or "auto" (best candidate per layer, KV head
-            and K/V on held-out tokens, then checked end to end: that pick, all-"oscar" and all-"pca-kv" are
-            scored by next-token KL through the cache on a held-out window and the lowest wins, see
+            and K/V on held-out tokens, then checked end to end: that pick, all-"oscar", all-"pca-kv" and
+            all-"hadamard" are scored by next-token KL through the cache on a held-out window and the lowest wins, see
             :mod:`.selection`; the metadata's ``selection`` says which).
         tokens: statistics tokens: ``ceil(tokens / seq_len)`` windows of ``min(seq_len, tokens)`` tokens
             from the start of the text (ignored for token-id input: all rows are used).

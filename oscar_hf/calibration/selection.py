@@ -5,7 +5,8 @@ end-to-end perplexity perfectly: on SmolLM2 the per-head pick of ``method="auto"
 everywhere (``method="oscar"``), while on other models ``"oscar"`` loses to ``"auto"`` by far. The teacher-forced
 next-token KL ranks the configurations as perplexity does (docs/quality.md, "Which calibration error predicts
 perplexity"), and it is cheap to measure for a few whole artifacts: ``method="auto"`` builds the per-head pick and
-the all-``oscar`` and all-``pca-kv`` artifacts from the same statistics and keeps the one with the lowest KL.
+the all-``oscar``, all-``pca-kv`` and all-``hadamard`` artifacts from the same statistics and keeps the one with
+the lowest KL.
 
 The KL is measured through :class:`~oscar_hf.OscarCache` itself: a held-out window's first tokens are written as a
 prompt (its history quantized as the cache does), then the rest is scored in one call that reads that history;

@@ -29,7 +29,7 @@ def test_auto_keeps_the_artifact_with_the_lowest_kl(tiny):
     kw = dict(window=(4, 8), progress=False, retrieval_probes=0)
     rot = calibrate(tiny, None, ids, method="auto", **kw)
     sel = rot.metadata["selection"]
-    assert set(sel["kl"]) == {"auto", "oscar", "pca-kv"}
+    assert set(sel["kl"]) == {"auto", "oscar", "pca-kv", "hadamard"}
     assert sel["chosen"] == min(sel["kl"], key=sel["kl"].get)
     plain = calibrate(tiny, None, ids, method="auto", select_by_kl=False, **kw)
     assert "selection" not in plain.metadata
