@@ -504,8 +504,8 @@ def main(argv=None, model=None, tokenizer=None):
 
     from oscar_hf import OscarCache, OscarConfig, OscarRotations
     from oscar_hf.config import FULL_PRECISION_BIT_CHOICES
-    from oscar_hf.quant import QUANTIZERS
     from oscar_hf.models import model_for_eval
+    from oscar_hf.quant import QUANTIZERS
 
     from .compare import find_artifact
     from .methods import OscarFamily, get_method, with_label

@@ -64,12 +64,22 @@ def output_errors(model, cap: dict, spec, positions) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def next_token_kl(model, ids: torch.Tensor, spec) -> float:
-    """Mean teacher-forced KL(full || fake-quantized) of the next-token distributions over ``ids``."""
+def full_log_probs(model, ids: torch.Tensor) -> torch.Tensor:
+    """``[1, n, vocab]`` float32 next-token log-probabilities of the plain model over ``ids [n]`` (the reference of
+    :func:`fake_quant_kl`, computed once for every configuration)."""
+    x = ids.reshape(1, -1).to(next(model.parameters()).device)
+    return torch.log_softmax(model(x, use_cache=False).logits.float(), -1)
+
+
+@torch.no_grad()
+def fake_quant_kl(model, ids: torch.Tensor, spec, reference: torch.Tensor | None = None) -> float:
+    """Mean teacher-forced KL(full || fake-quantized) of the next-token distributions over ``ids`` (one forward
+    through ``spec``; the calibration's own check, ``oscar_hf.calibration.selection``, goes through the cache).
+    ``reference``: :func:`full_log_probs` of ``ids``."""
     from .fakequant import fake_quant
 
+    ref = reference if reference is not None else full_log_probs(model, ids)
     x = ids.reshape(1, -1).to(next(model.parameters()).device)
-    ref = torch.log_softmax(model(x, use_cache=False).logits.float(), -1)
     with fake_quant(model, spec):
         got = torch.log_softmax(model(x, use_cache=False).logits.float(), -1)
     return float((ref.exp() * (ref - got)).sum(-1).mean())
@@ -137,6 +147,7 @@ def main(argv=None, model=None, tokenizer=None):
         raise ValueError(f"calibration text has {len(cal)} tokens; lower --proxy-offset")
     proxy_ids = torch.as_tensor(cal[args.proxy_offset:]).reshape(-1)
     cap = capture_qkv(model, proxy_ids)
+    ref = full_log_probs(model, proxy_ids)
     positions = range(n - args.queries, n)
     texts = ("wikitext", "pydoc")
     eval_ids = {t: load_ids(tokenizer, t, args.context * args.windows) for t in texts}
@@ -149,7 +160,7 @@ def main(argv=None, model=None, tokenizer=None):
         att = attention_error(model, method.rotations, proxy_ids.reshape(1, -1), group_size=64,
                               center=method.config.center)
         out_e, proj_e = output_errors(model, cap, spec, positions)
-        row = dict(attention=att["total"], output=out_e, o_proj=proj_e, kl=next_token_kl(model, proxy_ids, spec))
+        row = dict(attention=att["total"], output=out_e, o_proj=proj_e, kl=fake_quant_kl(model, proxy_ids, spec, ref))
         for t in texts:
             r = perplexity(model, eval_ids[t], method, context_len=args.context, n_windows=args.windows,
                            progress=False)

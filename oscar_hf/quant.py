@@ -98,15 +98,15 @@ def quantize_rows(
         mean = xg.mean(-1)  # [..., n_groups]
         std = (xg - mean.unsqueeze(-1)).square().mean(-1).sqrt()
         scale = STD_STEP * std
-        lo_c = mean - 1.5 * scale
+        zero = mean - 1.5 * scale
     else:
         lo, hi = xg.amin(-1), xg.amax(-1)  # [..., n_groups]
         if isinstance(clip, torch.Tensor):
             clip = clip.float()
         mid, half = (hi + lo) * 0.5, (hi - lo) * 0.5 * clip
-        lo_c = mid - half
+        zero = mid - half  # the clipped minimum
         scale = (2.0 * half) / LEVELS
-    q, scale_m, zero_m = _codes_against_stored(xg, scale.unsqueeze(-1), lo_c.unsqueeze(-1), LEVELS, meta_dtype)
+    q, scale_m, zero_m = _codes_against_stored(xg, scale.unsqueeze(-1), zero.unsqueeze(-1), LEVELS, meta_dtype)
     codes = pack_int2(q.reshape(*x.shape[:-1], d))
     return QuantizedRows(codes, scale_m.squeeze(-1), zero_m.squeeze(-1))
 

@@ -5,7 +5,7 @@ import torch
 from oscar_hf import OscarRotations
 from oscar_hf.eval.attention_fidelity import capture_qkv
 from oscar_hf.eval.methods import OscarFamily
-from oscar_hf.eval.proxy_ranking import next_token_kl, output_errors, spearman
+from oscar_hf.eval.proxy_ranking import fake_quant_kl, full_log_probs, output_errors, spearman
 from oscar_hf.models import tiny_model
 
 
@@ -27,5 +27,7 @@ def test_output_errors_zero_when_exact_and_grow_with_quantization():
     assert output_errors(model, cap, exact, pos) == pytest.approx((0.0, 0.0), abs=1e-6)
     out_e, proj_e = output_errors(model, cap, quant, pos)
     assert out_e > 0.01 and proj_e > 0.01
-    assert next_token_kl(model, ids, exact) == pytest.approx(0.0, abs=1e-6)
-    assert next_token_kl(model, ids, quant) > 0
+    assert fake_quant_kl(model, ids, exact) == pytest.approx(0.0, abs=1e-6)
+    kl = fake_quant_kl(model, ids, quant)
+    assert kl > 0
+    assert fake_quant_kl(model, ids, quant, full_log_probs(model, ids)) == pytest.approx(kl)
