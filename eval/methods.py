@@ -169,15 +169,17 @@ class OscarSpec(FakeQuantSpec):
         # full-precision heads: every position as the cache stores them (OscarConfig.full_precision_bits: exact at
         # 16, else min-max codes per token and head; the window positions below still read exact, as for every head)
         q = [h for h in range(k.shape[1]) if h not in self.fp_heads[i]]
-        if not q:  # every head listed: OscarCache keeps the whole layer in full precision
-            return None
-        lq = lr.select_heads(q)
-        kh, vh = k.float().clone(), v.float().clone()
         bits = self.config.full_precision_bits
+        if not q and bits == 16:  # every head listed, exact: OscarCache keeps the whole layer in full precision
+            return None
+        kh, vh = k.float().clone(), v.float().clone()
         if bits != 16:
             p = list(self.fp_heads[i])
             kh[:, p] = minmax_fake_quant(k[:, p], bits, k.dtype).float()
             vh[:, p] = minmax_fake_quant(v[:, p], bits, v.dtype).float()
+        if not q:  # a whole layer in INT4 / INT8 (full_precision_heads="auto"'s sensitive layers)
+            return kh, vh
+        lq = lr.select_heads(q)
         kh[:, q] = self._fq(k[:, q], lq.r_k, lq.mu_k if center else None, ck).float()
         vh[:, q] = self._fq(v[:, q], lq.r_v, lq.mu_v if center else None, cv).float()
         return kh, vh

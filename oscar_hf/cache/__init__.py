@@ -138,7 +138,10 @@ class OscarCache(Cache):
                 window = getattr(text_cfg, "sliding_window", None) if kind == "sliding_attention" else text_cfg.attention_chunk_size
                 layers.append(self._sliding_layer(window))
             elif kind in FULL_LAYER_TYPES:
-                if i in skipped or i not in rotations.layers or len(fp_heads.get(i, ())) == fp.num_key_value_heads:
+                # a layer whose every head is exact is Transformers' own layer; at INT4 / INT8 it stays an OSCAR
+                # layer with no INT2 head, so that it keeps the stored form (and the bits) it was chosen at
+                if i in skipped or i not in rotations.layers or (len(fp_heads.get(i, ())) == fp.num_key_value_heads
+                                                                  and config.full_precision_bits == 16):
                     layers.append(self._full_precision_layer())
                 elif i in fp_heads:
                     layers.append(self._oscar_layer(config, rotations.layers[i], i, fp_heads[i]))
@@ -169,7 +172,8 @@ class OscarCache(Cache):
         elif growable and any(i in skipped or i not in rotations.layers for i, k in enumerate(fp.layer_types)
                               if k in FULL_LAYER_TYPES):
             why = "layers kept in full precision (skip_layers, or layers without rotations)"
-        elif growable and any(len(h) == fp.num_key_value_heads for h in fp_heads.values()):
+        elif growable and config.full_precision_bits == 16 and any(len(h) == fp.num_key_value_heads
+                                                                    for h in fp_heads.values()):
             why = "a layer whose every KV head is a full-precision head"
         elif model is not None and (getattr(model, "_tp_size", None) or 1) > 1:
             why = "tensor parallelism"

@@ -112,6 +112,29 @@ def test_auto_without_scores_gives_no_heads_and_says_so(caplog):
     assert resolve(m, OscarRotations.builtin(m, "identity")) == []
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_whole_layer_of_int4_heads_keeps_its_storage(compile):
+    """A layer whose every KV head is an INT4 head stays an OSCAR layer with no INT2 head (not a BF16 layer), on both
+    storages, and both read it alike; at 16 bits such a layer is Transformers' own full-precision layer."""
+    m = tiny_model("llama", initializer_range=0.2)
+    ids = torch.randint(1, 200, (2, 30), generator=torch.Generator().manual_seed(5))
+    whole = ((1, 0), (1, 1))
+    caches = {c: OscarCache(m, **SMALL, full_precision_heads=whole, compile=c) for c in (False, True)}
+    cache = caches[compile]
+    layer = cache.layers[1]
+    assert isinstance(layer, StaticOscarLayer if compile else OscarLayer)
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0, output_scores=True,
+              return_dict_in_generate=True)
+    got = {c: m.generate(ids, **kw, **cache_kwargs(m, x)) for c, x in caches.items()}
+    assert layer.q_heads == () and layer.fp_heads == (0, 1)
+    rep = cache.memory_report()
+    assert rep["full_precision_layers"] == 0 and rep["history_bits_per_element"] == pytest.approx((2 * 3.0 + 2 * 5.0) / 4)
+    for a, b in zip(got[False].scores, got[True].scores):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    assert type(OscarCache(m, **SMALL, full_precision_heads=whole, full_precision_bits=16).layers[1]).__name__ == \
+        "DynamicLayer"
+
+
 # ------------------------------------------------------------------ config validation and round trip
 @pytest.mark.parametrize("bad, match", [
     (dict(full_precision_heads="all"), "full_precision_heads"),
