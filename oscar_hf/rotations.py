@@ -223,15 +223,15 @@ class OscarRotations:
         path.mkdir(parents=True, exist_ok=True)
         tensors, layer_meta = {}, {}
         for i, lr in sorted(self.layers.items()):
-            tensors[f"layers.{i}.r_k"] = lr.r_k.detach().cpu().clone()
-            tensors[f"layers.{i}.r_v"] = lr.r_v.detach().cpu().clone()
+            tensors[f"layers.{i}.r_k"] = lr.r_k.detach().cpu().contiguous().clone()
+            tensors[f"layers.{i}.r_v"] = lr.r_v.detach().cpu().contiguous().clone()
             if lr.mu_k is not None:
-                tensors[f"layers.{i}.mu_k"] = lr.mu_k.detach().cpu().clone()
+                tensors[f"layers.{i}.mu_k"] = lr.mu_k.detach().cpu().contiguous().clone()
             if lr.mu_v is not None:
-                tensors[f"layers.{i}.mu_v"] = lr.mu_v.detach().cpu().clone()
+                tensors[f"layers.{i}.mu_v"] = lr.mu_v.detach().cpu().contiguous().clone()
             layer_meta[str(i)] = {"clip_k": lr.clip_k, "clip_v": lr.clip_v}
         if self.retrieval_scores is not None:
-            tensors["retrieval_scores"] = self.retrieval_scores.detach().cpu().float().clone()
+            tensors["retrieval_scores"] = self.retrieval_scores.detach().cpu().float().contiguous().clone()
         save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "oscar_hf", "version": str(FORMAT_VERSION)})
         doc = {
             "format_version": FORMAT_VERSION,
