@@ -131,3 +131,15 @@ def test_hub_repo_id_goes_through_huggingface_hub(monkeypatch):
 def test_builtin_needs_artifact_for_calibrated_methods():
     with pytest.raises(ValueError, match="needs a calibrated artifact"):
         OscarRotations.builtin(tiny_config("llama"), "oscar")
+
+
+def test_non_contiguous_rotations_save_and_load(tmp_path):
+    """Rotations made by transposes or slices (e.g. ``torch.linalg.qr(...)[0]``, which is column-major) save as they
+    are: safetensors refuses non-contiguous tensors unless they are packed first."""
+    rot = OscarRotations.builtin(tiny_model("llama"), "hadamard")
+    lr = rot.layers[0]
+    lr.r_k = lr.r_k.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same values, column-major
+    assert not lr.r_k.is_contiguous()
+    rot.save_pretrained(tmp_path)
+    back = OscarRotations.from_pretrained(tmp_path)
+    assert torch.equal(back.layers[0].r_k, lr.r_k) and back.layers[0].r_k.is_contiguous()
