@@ -1,0 +1,314 @@
+"""Which part of the cache loses the 8K needles, and which levers bring them back.
+
+Every lever is a fake-quant view of the cache (:mod:`oscar_hf.eval.fakequant`): the defaults' artifact and INT4
+retrieval heads, with the keys or values of the INT2 heads read another way. Each locker needle (the unseen format
+of :mod:`oscar_hf.eval.needle`, pydoc haystack) is prefilled once, exactly, and every lever then scores the answer
+teacher-forced in one forward (:func:`oscar_hf.eval.needle.fast_answer_scores`): a needle counts when every answer
+token is the argmax (what greedy decoding of the right answer needs), and the answer's NLL is kept. On the 24 interior
+needles at 8K the defaults' count equals their greedy exact-match count through the real cache (17).
+
+    python -P -m oscar_hf.eval.key_levers --artifact DIR --threads 2
+    python -P -m oscar_hf.eval.key_levers --artifact DIR --threads 2 --perplexity   # what each lever costs in ppl
+
+Levers (history bits: the average over the quantized layers' KV heads, keys and values, INT4 retrieval heads
+included):
+
+* ``keys exact`` / ``values exact``: the diagnosis, which half of the INT2 rows costs the needles (``every head``:
+  the INT4 retrieval heads' keys exact too; ``retrieval heads' keys exact``: those alone);
+* ``quantizer std``, ``Lloyd-Max levels``: other 4-level grids for the same bits (:mod:`oscar_hf.quant`);
+* ``3-bit keys``: keys in 8 levels per group (3.5 bits with scale and zero), values INT2;
+* ``INT4 keys, layers [...]``: the 4 layers of largest held-out key error (the artifact's ``heldout_error``) get
+  16-level keys in the rotated space, a per-layer mixed budget;
+* ``whole INT4 layers``: the cache's own full-precision heads spent, after the retrieval heads, on whole layers
+  by that error up to 3.0 bits (min-max INT4 per token and head, unrotated: :mod:`oscar_hf.cache.heads`);
+* ``INT8 retrieval heads``: the retrieval heads as INT8 codes (``full_precision_bits=8``: the 3.0-bit budget keeps
+  fewer of them), alone and with per-channel keys;
+* ``per-channel keys``: KIVI's key grouping in the rotated space: one scale and zero per channel and block of 64
+  tokens instead of per token and group of 64 channels (the same bits);
+* ``block-mean keys``: per-token groups as today after removing each channel's mean over its block of 64 tokens
+  (the means in BF16: +0.25 bits per key element);
+* ``keys exact, layers 0-14`` / ``15-29``: where in depth the key error matters.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .fakequant import FakeQuantSpec
+from .methods import OscarSpec
+from .needle import LOCKER, fast_answer_scores, load_haystack, make_cells, make_needle_prompt
+
+BLOCK = 64  # tokens per per-channel group / per block mean (KIVI's group of 64 tokens)
+
+
+def rotated_fake_quant(x, r, mu, clip, bits: int, group: int = 64, axis: str = "token", block_mean: bool = False):
+    """``x [B, H, T, D]`` -> its reconstruction after centering (``mu [H, D]``), rotating (``r [H, D, D]``) and
+    ``bits``-bit asymmetric min-max codes with a clipped range; scale and zero rounded to BF16 as the cache stores
+    them. ``axis="token"``: one scale and zero per token and group of ``group`` channels (the cache's rows);
+    ``"channel"``: per channel and block of :data:`BLOCK` tokens (KIVI's keys). ``block_mean``: each channel's mean
+    over its block of tokens (BF16) is removed before the per-token grouping and added back."""
+    rows = (x.float() - mu[None, :, None, :]) @ r.float().unsqueeze(0)  # [B, H, T, D]
+    b, h, t, d = rows.shape
+    pad = -t % BLOCK
+    blocks = torch.nn.functional.pad(rows, (0, 0, 0, pad)).reshape(b, h, (t + pad) // BLOCK, BLOCK, d)
+    real = (torch.arange(t + pad, device=x.device) < t).reshape(1, 1, -1, BLOCK, 1)
+    offset = 0.0
+    if block_mean:
+        offset = ((blocks * real).sum(3, keepdim=True) / real.sum(3, keepdim=True)).to(torch.bfloat16).float()
+    if axis == "channel":
+        groups = blocks  # [B, H, nb, BLOCK, D]: min / max over the block's tokens
+        lo = torch.where(real, groups, torch.inf).amin(3, keepdim=True)
+        hi = torch.where(real, groups, -torch.inf).amax(3, keepdim=True)
+    else:
+        groups = (blocks - offset).reshape(b, h, -1, BLOCK, d // group, group)  # min / max over a group's channels
+        lo, hi = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    levels = 2**bits - 1
+    mid, half = (hi + lo) / 2, (hi - lo) / 2 * clip
+    zero, scale = (mid - half).to(torch.bfloat16).float(), (2 * half / levels).to(torch.bfloat16).float()
+    q = torch.round((groups - zero) / scale.clamp_min(1e-30)).clamp(0, levels)
+    rec = (q * scale + zero).reshape(b, h, -1, BLOCK, d) + (0.0 if axis == "channel" else offset)
+    rec = rec.reshape(b, h, -1, d)[:, :, :t]
+    return rec @ r.float().transpose(-1, -2).unsqueeze(0) + mu[None, :, None, :]
+
+
+class KeysOrValuesFrom(FakeQuantSpec):
+    """``base`` (an :class:`OscarSpec`), with the keys (``part="k"``) or values of the INT2 heads of ``layers``
+    replaced by ``read(x, layer_rotation) -> x_hat`` (``x``: those heads' rows; the full-precision heads and the
+    window rules stay the base's)."""
+
+    def __init__(self, base: OscarSpec, read, part: str = "k", layers=None):
+        self.base, self.read, self.part, self.layers = base, read, part, layers
+
+    def layer_kv(self, i, k, v):
+        out = self.base.layer_kv(i, k, v)
+        if out is None or (self.layers is not None and i not in self.layers):
+            return out
+        q = [h for h in range(k.shape[1]) if h not in self.base.fp_heads.get(i, ())]
+        if not q:
+            return out
+        kh, vh = (t.float().clone() for t in out)
+        lr = self.base.rot.layers[i].select_heads(q)
+        if self.part == "k":
+            kh[:, q] = self.read(k[:, q], lr).float()
+        else:
+            vh[:, q] = self.read(v[:, q], lr).float()
+        return kh, vh
+
+    def exact_mask(self, n, prefill_len, device):
+        return self.base.exact_mask(n, prefill_len, device)
+
+
+class HeadKeysExact(FakeQuantSpec):
+    """``inner`` (a :class:`KeysOrValuesFrom` or :class:`OscarSpec`), with the full-precision (retrieval) heads' keys
+    read exactly instead of from their INT4 codes."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.fp_heads = (inner.base if isinstance(inner, KeysOrValuesFrom) else inner).fp_heads
+
+    def layer_kv(self, i, k, v):
+        out = self.inner.layer_kv(i, k, v)
+        if out is None or i not in self.fp_heads:
+            return out
+        kh, vh = (t.float().clone() for t in out)
+        heads = list(self.fp_heads[i])
+        kh[:, heads] = k[:, heads].float()
+        return kh, vh
+
+    def exact_mask(self, n, prefill_len, device):
+        return self.inner.exact_mask(n, prefill_len, device)
+
+
+def history_bits(n_heads: int, fp_heads: int, key_bits: float, value_bits: float = 2.5, fp_bits: float = 4.5) -> float:
+    """Average bits per history element: ``fp_heads`` of ``n_heads`` at ``fp_bits``, the rest at the mean of their
+    key and value bits."""
+    return (fp_heads * fp_bits + (n_heads - fp_heads) * (key_bits + value_bits) / 2) / n_heads
+
+
+def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, float | None]]:
+    """``{label: (spec, history bits)}`` (bits None: a diagnosis, not a storage)."""
+    import dataclasses
+
+    from oscar_hf.cache import resolve_full_precision_heads
+    from oscar_hf.config import ModelFingerprint
+
+    fp = ModelFingerprint.from_config(model.config)
+    base = OscarSpec(model, rotations, config)
+    n = len(rotations.layers) * fp.num_key_value_heads
+    p = sum(map(len, base.fp_heads.values()))
+    errors = {int(i): float(e["k_rel"]) for i, e in rotations.metadata.get("heldout_error", {}).items()}
+    worst = sorted(errors, key=lambda i: -errors[i])
+
+    def keys(bits=2, axis="token", clip=None, block_mean=False):
+        return lambda x, lr: rotated_fake_quant(x, lr.r_k, lr.mu_k, lr.clip_k if clip is None else clip, bits,
+                                                config.group_size, axis, block_mean)
+
+    exact = lambda x, lr: x  # noqa: E731
+    out = {
+        "BF16 DynamicCache": (None, 16.0),
+        "defaults (8 INT4 retrieval heads)": (base, history_bits(n, p, 2.5)),
+        "keys exact": (KeysOrValuesFrom(base, exact, "k"), None),
+        "keys exact, every head": (HeadKeysExact(KeysOrValuesFrom(base, exact, "k")), None),
+        "retrieval heads' keys exact": (HeadKeysExact(base), None),
+        "values exact": (KeysOrValuesFrom(base, exact, "v"), None),
+        "quantizer std": (OscarSpec(model, rotations, config.replace(quantizer="std")), history_bits(n, p, 2.5)),
+        "Lloyd-Max levels": (OscarSpec(model, rotations, config, levels="lloyd-max"), history_bits(n, p, 2.5)),
+        "3-bit keys": (KeysOrValuesFrom(base, keys(3, clip=1.0)), history_bits(n, p, 3.5)),
+    }
+    if worst:
+        top = set(worst[:4])
+        n_int4 = sum(1 for i in top for h in range(fp.num_key_value_heads) if h not in base.fp_heads.get(i, ()))
+        out[f"INT4 keys, layers {sorted(top)}"] = (
+            KeysOrValuesFrom(base, keys(4, clip=1.0), layers=top), history_bits(n, p, 2.5) + n_int4 * 1.0 / n)
+        pairs = {(i, h) for i, hs in base.fp_heads.items() for h in hs}  # the retrieval heads, then whole layers
+        budget = config.full_precision_head_budget(fp.head_dim, n)
+        for i in worst:
+            rest = {(i, h) for h in range(fp.num_key_value_heads)} - pairs
+            if len(pairs) + len(rest) <= budget:
+                pairs |= rest
+        whole = dataclasses.replace(config, full_precision_heads=tuple(sorted(pairs)))
+        heads = resolve_full_precision_heads(whole, rotations, fp, set())
+        layers = sorted(i for i, hs in heads.items() if len(hs) == fp.num_key_value_heads)
+        out[f"whole INT4 layers {layers}"] = (OscarSpec(model, rotations, whole), history_bits(n, len(pairs), 2.5))
+    out["per-channel keys"] = (KeysOrValuesFrom(base, keys(axis="channel", clip=1.0)), history_bits(n, p, 2.5))
+    # the retrieval heads as INT8 codes instead (OscarConfig.full_precision_bits=8; the 3.0-bit budget keeps fewer)
+    auto8 = config.replace(full_precision_bits=8, full_precision_heads="auto")
+    heads8 = resolve_full_precision_heads(auto8, rotations, fp, set())
+    int8 = auto8.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in heads8.items() for h in hs)))
+    base8 = OscarSpec(model, rotations, int8)
+    p8 = sum(map(len, base8.fp_heads.values()))
+    bits8 = history_bits(n, p8, 2.5, fp_bits=int8.full_precision_head_bits(fp.head_dim))
+    out[f"{p8} INT8 retrieval heads"] = (base8, bits8)
+    out[f"per-channel keys, {p8} INT8 retrieval heads"] = (KeysOrValuesFrom(base8, keys(axis="channel", clip=1.0)),
+                                                          bits8)
+    out["block-mean keys"] = (KeysOrValuesFrom(base, keys(block_mean=True)), history_bits(n, p, 2.75))
+    half = len(rotations.layers) // 2
+    out[f"keys exact, layers 0-{half - 1}"] = (KeysOrValuesFrom(base, exact, layers=set(range(half))), None)
+    out[f"keys exact, layers {half}-{len(rotations.layers) - 1}"] = (
+        KeysOrValuesFrom(base, exact, layers=set(range(half, len(rotations.layers)))), None)
+    return out
+
+
+def report(res: dict) -> str:
+    rows = res["levers"]
+    ref = rows["BF16 DynamicCache"]["correct"]
+    lines = [f"{res['needles']} locker needles at {res['length']} tokens, depths {res['depths']}, teacher-forced "
+             "(a needle counts when every answer token is the argmax)", "",
+             "| cache | history bits | needles | vs BF16 | mean answer NLL (nats) |", "|---|---|---|---|---|"]
+    for label, r in rows.items():
+        bits = "diagnosis" if r["bits"] is None else f"{r['bits']:.2f}"
+        lines.append(f"| {label} | {bits} | {r['correct']}/{res['needles']} | {r['correct'] / max(ref, 1):.2f} | "
+                     f"{r['nll']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def perplexities(model, tokenizer, specs: dict, windows: int, context: int) -> dict:
+    """``{label: {text: {"ppl", "nll", "tokens"}}}``: every lever's fake-quant perplexity, token by token in effect
+    (one forward per window, :func:`oscar_hf.eval.perplexity.fast_nll`), on ``windows`` held-out windows of
+    ``context`` tokens of WikiText and of the pydoc prose, each window's first token the prompt."""
+    from .default_perplexity import TEXTS, load_ids
+    from .perplexity import fast_nll
+
+    out = {label: {} for label in specs}
+    for text in TEXTS:
+        ids = load_ids(tokenizer, text, windows * context).reshape(windows, context)
+        for label, (spec, _) in specs.items():
+            with torch.no_grad():
+                r = fast_nll(model, ids, 1, spec)
+            out[label][text] = dict(ppl=r["ppl"], nll=r["nll"], tokens=r["tokens"])
+    return out
+
+
+def ppl_report(res: dict) -> str:
+    rows, ref = res["levers"], res["levers"]["BF16 DynamicCache"]
+    lines = [f"Fake-quant perplexity, {res['windows']} window(s) of {res['context']} tokens per text, every token after "
+             "the first read through the cache's decode-time view", "",
+             "| cache | history bits | " + " | ".join(f"{t} ppl | vs BF16" for t in res["texts"]) + " |",
+             "|---|---|" + "---|---|" * len(res["texts"])]
+    for label, r in rows.items():
+        bits = "diagnosis" if r["bits"] is None else f"{r['bits']:.2f}"
+        cells = [f"{r[t]['ppl']:.3f} | {100 * (r[t]['ppl'] / ref[t]['ppl'] - 1):+.2f}%" for t in res["texts"]]
+        lines.append(f"| {label} | {bits} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    import argparse
+    import sys
+
+    from tqdm.auto import tqdm
+
+    from oscar_hf import OscarCache, OscarRotations
+    from oscar_hf.models import model_for_eval
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--artifact", required=True, help="the calibrated artifact (scripts/calibrate.py --out DIR)")
+    p.add_argument("--length", type=int, default=8176)
+    p.add_argument("--depths", default="0.3,0.5,0.7,0.9", help="of the grid 0.1,...,0.9 (BF16 misses every 10%%)")
+    p.add_argument("--trials", type=int, default=6)
+    p.add_argument("--hay-stride", type=int, default=997)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--only", default=None,
+                   help="comma list: run only the levers whose label contains one of these (BF16 and the defaults "
+                        "always run)")
+    p.add_argument("--perplexity", action="store_true",
+                   help="instead of the needles: each lever's perplexity on WikiText and pydoc (--windows x --context)")
+    p.add_argument("--windows", type=int, default=1)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--name", default=None, help="output stem (default needle_key_levers_8k_smollm2_cpu, or "
+                                                "ppl_key_levers_smollm2_cpu with --perplexity)")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok, _, _ = model_for_eval(None, None, torch.bfloat16)
+    rotations = OscarRotations.from_pretrained(args.artifact)
+    config = OscarCache.from_pretrained(args.artifact, model).oscar_config  # the defaults, heads resolved
+    specs = levers(model, rotations, config)
+    if args.only:
+        keep = [w.strip() for w in args.only.split(",")]
+        specs = {k: v for j, (k, v) in enumerate(specs.items()) if j < 2 or any(w in k for w in keep)}
+    out = Path(args.out)
+    command = "python -P -m oscar_hf.eval.key_levers " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.perplexity:
+        from .default_perplexity import TEXTS
+
+        name = args.name or "ppl_key_levers_smollm2_cpu"
+        ppl = perplexities(model, tok, specs, args.windows, args.context)
+        res = dict(command=command, windows=args.windows, context=args.context, texts=list(TEXTS),
+                   artifact=str(args.artifact), levers={k: dict(bits=b, **ppl[k]) for k, (_, b) in specs.items()})
+        (out / f"{name}.json").write_text(json.dumps(res, indent=1))
+        text = ppl_report(res)
+        (out / f"{name}.md").write_text(f"Command: `{command}`\n\n" + text)
+        print(text)
+        return
+    grid = (0.1, 0.3, 0.5, 0.7, 0.9)  # the needle grid's draws, so that these are the needle CLI's needles
+    run = [float(d) for d in args.depths.split(",")]
+    cells = make_cells([args.length], grid, args.trials, 0, LOCKER)
+    hay = load_haystack(tok, "pydoc", args.length + (args.trials - 1) * args.hay_stride)
+    trial, raw = {}, []
+    for L, d, key, value in tqdm([c for c in cells], desc="needles"):
+        t = trial[d] = trial.get(d, -1) + 1
+        if d not in run:
+            continue
+        ctx, q, _ = make_needle_prompt(tok, hay, L, d, key, value, LOCKER, t * args.hay_stride)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            scores = fast_answer_scores(model, tok, ctx, q, value, {k: s for k, (s, _) in specs.items()})
+        raw.append(dict(depth=d, trial=t, value=value, seconds=round(time.perf_counter() - t0, 1), scores=scores))
+    res = dict(command=command, length=args.length, depths=run, needles=len(raw), artifact=str(args.artifact), levers={
+                   k: dict(bits=b, correct=sum(r["scores"][k]["argmax_correct"] for r in raw),
+                           nll=sum(r["scores"][k]["nll"] for r in raw) / max(len(raw), 1))
+                   for k, (_, b) in specs.items()}, raw=raw)
+    name = args.name or "needle_key_levers_8k_smollm2_cpu"
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    text = report(res)
+    (out / f"{name}.md").write_text(f"Command: `{command}`\n\n" + text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
