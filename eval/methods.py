@@ -177,7 +177,7 @@ class OscarSpec(FakeQuantSpec):
             p = list(self.fp_heads[i])
             kh[:, p] = minmax_fake_quant(k[:, p], bits, k.dtype).float()
             vh[:, p] = minmax_fake_quant(v[:, p], bits, v.dtype).float()
-        if not q:  # a whole layer in INT4 / INT8 (full_precision_heads="auto"'s sensitive layers)
+        if not q:  # a whole layer of INT4 / INT8 heads: no INT2 head left in it
             return kh, vh
         lq = lr.select_heads(q)
         kh[:, q] = self._fq(k[:, q], lq.r_k, lq.mu_k if center else None, ck).float()

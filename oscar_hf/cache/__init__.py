@@ -174,7 +174,7 @@ class OscarCache(Cache):
             why = "layers kept in full precision (skip_layers, or layers without rotations)"
         elif growable and config.full_precision_bits == 16 and any(len(h) == fp.num_key_value_heads
                                                                     for h in fp_heads.values()):
-            why = "a layer whose every KV head is a full-precision head"
+            why = "a layer whose every KV head is a BF16 full-precision head (full_precision_bits=16)"
         elif model is not None and (getattr(model, "_tp_size", None) or 1) > 1:
             why = "tensor parallelism"
         if compile == "auto":

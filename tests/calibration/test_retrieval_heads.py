@@ -133,8 +133,11 @@ def test_top_k_from_artifact_scores_and_bad_input():
     cache = OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=2))
     assert cache.oscar_config.full_precision_heads == ((0, 1), (1, 0))  # resolved: the saved config names them
     assert [layer.fp_heads for layer in cache.layers] == [(1,), (0,)]
-    cache = OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=((0, 0), (0, 1))))
-    assert not isinstance(cache.layers[0], OscarLayer)  # every head of layer 0: a full-precision layer
+    whole = ((0, 0), (0, 1))  # every head of layer 0: exact -> a full-precision layer; INT4 -> no INT2 head left
+    assert not isinstance(OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=whole,
+                                                         full_precision_bits=16)).layers[0], OscarLayer)
+    cache = OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=whole))
+    assert isinstance(cache.layers[0], OscarLayer) and cache.layers[0].fp_heads == (0, 1)
     with pytest.raises(ValueError, match="retrieval scores"):
         OscarCache(m, **SMALL, full_precision_heads=1)  # built-in rotations have no scores
     with pytest.raises(ValueError, match="must lie in"):
