@@ -81,12 +81,13 @@ class KeysOrValuesFrom(FakeQuantSpec):
 
     def __init__(self, base: OscarSpec, read, part: str = "k", layers=None):
         self.base, self.read, self.part, self.layers = base, read, part, layers
+        self.fp_heads = base.fp_heads  # {layer: full-precision heads}, left as the base reads them
 
     def layer_kv(self, i, k, v):
         out = self.base.layer_kv(i, k, v)
         if out is None or (self.layers is not None and i not in self.layers):
             return out
-        q = [h for h in range(k.shape[1]) if h not in self.base.fp_heads.get(i, ())]
+        q = [h for h in range(k.shape[1]) if h not in self.fp_heads.get(i, ())]
         if not q:
             return out
         kh, vh = (t.float().clone() for t in out)
@@ -106,8 +107,7 @@ class HeadKeysExact(FakeQuantSpec):
     read exactly instead of from their INT4 codes."""
 
     def __init__(self, inner):
-        self.inner = inner
-        self.fp_heads = (inner.base if isinstance(inner, KeysOrValuesFrom) else inner).fp_heads
+        self.inner, self.fp_heads = inner, inner.fp_heads
 
     def layer_kv(self, i, k, v):
         out = self.inner.layer_kv(i, k, v)
@@ -122,7 +122,7 @@ class HeadKeysExact(FakeQuantSpec):
         return self.inner.exact_mask(n, prefill_len, device)
 
 
-def history_bits(n_heads: int, fp_heads: int, key_bits: float, value_bits: float = 2.5, fp_bits: float = 4.5) -> float:
+def history_bits(n_heads: int, fp_heads: int, key_bits: float, value_bits: float, fp_bits: float) -> float:
     """Average bits per history element: ``fp_heads`` of ``n_heads`` at ``fp_bits``, the rest at the mean of their
     key and value bits."""
     return (fp_heads * fp_bits + (n_heads - fp_heads) * (key_bits + value_bits) / 2) / n_heads
@@ -130,8 +130,6 @@ def history_bits(n_heads: int, fp_heads: int, key_bits: float, value_bits: float
 
 def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, float | None]]:
     """``{label: (spec, history bits)}`` (bits None: a diagnosis, not a storage)."""
-    import dataclasses
-
     from oscar_hf.cache import resolve_full_precision_heads
     from oscar_hf.config import ModelFingerprint
 
@@ -139,6 +137,9 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
     base = OscarSpec(model, rotations, config)
     n = len(rotations.layers) * fp.num_key_value_heads
     p = sum(map(len, base.fp_heads.values()))
+    row = config.history_bits(fp.head_dim)  # an INT2 row's bits per element (2.5 at group 64, BF16 scale and zero)
+    head = config.full_precision_head_bits(fp.head_dim)  # a full-precision head's (4.5 at INT4, D = 64)
+    bits = lambda key_bits: history_bits(n, p, key_bits, row, head)  # noqa: E731
     errors = {int(i): float(e["k_rel"]) for i, e in rotations.metadata.get("heldout_error", {}).items()}
     worst = sorted(errors, key=lambda i: -errors[i])
 
@@ -149,42 +150,43 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
     exact = lambda x, lr: x  # noqa: E731
     out = {
         "BF16 DynamicCache": (None, 16.0),
-        "defaults (8 INT4 retrieval heads)": (base, history_bits(n, p, 2.5)),
+        f"defaults ({p} INT{config.full_precision_bits} retrieval heads)": (base, bits(row)),
         "keys exact": (KeysOrValuesFrom(base, exact, "k"), None),
         "keys exact, every head": (HeadKeysExact(KeysOrValuesFrom(base, exact, "k")), None),
         "retrieval heads' keys exact": (HeadKeysExact(base), None),
         "values exact": (KeysOrValuesFrom(base, exact, "v"), None),
-        "quantizer std": (OscarSpec(model, rotations, config.replace(quantizer="std")), history_bits(n, p, 2.5)),
-        "Lloyd-Max levels": (OscarSpec(model, rotations, config, levels="lloyd-max"), history_bits(n, p, 2.5)),
-        "3-bit keys": (KeysOrValuesFrom(base, keys(3, clip=1.0)), history_bits(n, p, 3.5)),
+        "quantizer std": (OscarSpec(model, rotations, config.replace(quantizer="std")), bits(row)),
+        "Lloyd-Max levels": (OscarSpec(model, rotations, config, levels="lloyd-max"), bits(row)),
+        "3-bit keys": (KeysOrValuesFrom(base, keys(3, clip=1.0)), bits(row + 1)),
     }
     if worst:
         top = set(worst[:4])
         n_int4 = sum(1 for i in top for h in range(fp.num_key_value_heads) if h not in base.fp_heads.get(i, ()))
         out[f"INT4 keys, layers {sorted(top)}"] = (
-            KeysOrValuesFrom(base, keys(4, clip=1.0), layers=top), history_bits(n, p, 2.5) + n_int4 * 1.0 / n)
+            KeysOrValuesFrom(base, keys(4, clip=1.0), layers=top), bits(row) + n_int4 * 1.0 / n)
         pairs = {(i, h) for i, hs in base.fp_heads.items() for h in hs}  # the retrieval heads, then whole layers
         budget = config.full_precision_head_budget(fp.head_dim, n)
         for i in worst:
             rest = {(i, h) for h in range(fp.num_key_value_heads)} - pairs
             if len(pairs) + len(rest) <= budget:
                 pairs |= rest
-        whole = dataclasses.replace(config, full_precision_heads=tuple(sorted(pairs)))
-        heads = resolve_full_precision_heads(whole, rotations, fp, set())
-        layers = sorted(i for i, hs in heads.items() if len(hs) == fp.num_key_value_heads)
-        out[f"whole INT4 layers {layers}"] = (OscarSpec(model, rotations, whole), history_bits(n, len(pairs), 2.5))
-    out["per-channel keys"] = (KeysOrValuesFrom(base, keys(axis="channel", clip=1.0)), history_bits(n, p, 2.5))
+        whole = config.replace(full_precision_heads=tuple(sorted(pairs)))
+        layers = sorted(i for i in worst if all((i, h) in pairs for h in range(fp.num_key_value_heads)))
+        out[f"whole INT4 layers {layers}"] = (OscarSpec(model, rotations, whole),
+                                              history_bits(n, len(pairs), row, row, head))
+    out["per-channel keys"] = (KeysOrValuesFrom(base, keys(axis="channel", clip=1.0)), bits(row))
     # the retrieval heads as INT8 codes instead (OscarConfig.full_precision_bits=8; the 3.0-bit budget keeps fewer)
     auto8 = config.replace(full_precision_bits=8, full_precision_heads="auto")
     heads8 = resolve_full_precision_heads(auto8, rotations, fp, set())
     int8 = auto8.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in heads8.items() for h in hs)))
     base8 = OscarSpec(model, rotations, int8)
     p8 = sum(map(len, base8.fp_heads.values()))
-    bits8 = history_bits(n, p8, 2.5, fp_bits=int8.full_precision_head_bits(fp.head_dim))
+    bits8 = history_bits(n, p8, row, row, int8.full_precision_head_bits(fp.head_dim))
     out[f"{p8} INT8 retrieval heads"] = (base8, bits8)
     out[f"per-channel keys, {p8} INT8 retrieval heads"] = (KeysOrValuesFrom(base8, keys(axis="channel", clip=1.0)),
                                                           bits8)
-    out["block-mean keys"] = (KeysOrValuesFrom(base, keys(block_mean=True)), history_bits(n, p, 2.75))
+    # + a BF16 mean per channel and block of BLOCK tokens: 16 / BLOCK bits per key element
+    out["block-mean keys"] = (KeysOrValuesFrom(base, keys(block_mean=True)), bits(row + 16 / BLOCK))
     half = len(rotations.layers) // 2
     out[f"keys exact, layers 0-{half - 1}"] = (KeysOrValuesFrom(base, exact, layers=set(range(half))), None)
     out[f"keys exact, layers {half}-{len(rotations.layers) - 1}"] = (
@@ -290,7 +292,7 @@ def main(argv=None):
     cells = make_cells([args.length], grid, args.trials, 0, LOCKER)
     hay = load_haystack(tok, "pydoc", args.length + (args.trials - 1) * args.hay_stride)
     trial, raw = {}, []
-    for L, d, key, value in tqdm([c for c in cells], desc="needles"):
+    for L, d, key, value in tqdm(cells, desc="needles"):
         t = trial[d] = trial.get(d, -1) + 1
         if d not in run:
             continue

@@ -89,7 +89,7 @@ def test_views_replace_only_what_they_name():
     assert torch.equal(hk1[:, 0], k[:, 0]) and not torch.equal(bk1[:, 0], k[:, 0])
     assert torch.equal(hk1[:, 1], bk1[:, 1]) and torch.equal(hv1, bv1)
     assert torch.equal(HeadKeysExact(base).layer_kv(0, k, v)[0], bk)  # layer 0 has none
-    assert history_bits(90, 8, 2.5) == pytest.approx((82 * 2.5 + 8 * 4.5) / 90)
+    assert history_bits(90, 8, 2.5, 2.5, 4.5) == pytest.approx((82 * 2.5 + 8 * 4.5) / 90)
 
 
 def test_levers_and_report_end_to_end(tmp_path, monkeypatch):
@@ -136,5 +136,5 @@ def test_levers_and_report_end_to_end(tmp_path, monkeypatch):
     assert len(rows) == len(specs) and res["texts"] == ["wikitext", "pydoc"]
     assert all(r[t]["tokens"] == 399 and r[t]["ppl"] > 1 for r in rows.values() for t in res["texts"])
     # (400 tokens: the window is 64 + 256, so the history holds INT2 rows) the diagnosis rows read something else
-    assert rows["keys exact"]["wikitext"]["ppl"] != rows["defaults (8 INT4 retrieval heads)"]["wikitext"]["ppl"]
+    assert rows["keys exact"]["wikitext"]["ppl"] != rows["defaults (0 INT4 retrieval heads)"]["wikitext"]["ppl"]
     assert "| per-channel keys |" in (tmp_path / "ppl.md").read_text()
