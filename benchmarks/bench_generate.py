@@ -9,7 +9,7 @@
   compiles the decode step by itself (like bf16-static); ``oscar-eager``: ``OscarCache(compile=False)``, the eager
   layer; ``oscar-static``: ``StaticOscarCache`` (a fixed ``max_cache_len``);
   ``oscar-fpN``: ``OscarCache`` with N KV heads (spread over the layers) in full precision, stored as the
-  library stores them (INT4 by default); ``oscar-fpN-bf16`` / ``-int8``: stored in BF16 / INT8
+  library stores them (INT8 by default); ``oscar-fpN-bf16`` / ``-int8`` / ``-int4``: stored in BF16 / INT8 / INT4
   (``OscarConfig.full_precision_heads``, e.g. the retrieval heads);
 * ``hqq2`` / ``hqq4`` / ``quanto2`` / ``quanto4``: Transformers' ``QuantizedCache`` (HQQ / quanto
   backend, 2 / 4 bits, group 64, residual 128; eager).

@@ -1,28 +1,28 @@
 """Which part of the cache loses the 8K needles, and which levers bring them back.
 
-Every lever is a fake-quant view of the cache (:mod:`oscar_hf.eval.fakequant`): the defaults' artifact and INT4
-retrieval heads, with the keys or values of the INT2 heads read another way. Each locker needle (the unseen format
+Every lever is a fake-quant view of the cache (:mod:`oscar_hf.eval.fakequant`): the defaults' artifact and coded
+retrieval heads (INT8 by default, ``--full-precision-bits``), with the keys or values of the INT2 heads read another way. Each locker needle (the unseen format
 of :mod:`oscar_hf.eval.needle`, pydoc haystack) is prefilled once, exactly, and every lever then scores the answer
 teacher-forced in one forward (:func:`oscar_hf.eval.needle.fast_answer_scores`): a needle counts when every answer
 token is the argmax (what greedy decoding of the right answer needs), and the answer's NLL is kept. On the 24 interior
-needles at 8K the defaults' count equals their greedy exact-match count through the real cache (17).
+needles at 8K the count of the cache with INT4 heads equals its greedy exact-match count through the real cache (17).
 
-    python -P -m oscar_hf.eval.key_levers --artifact DIR --threads 2
+    python -P -m oscar_hf.eval.key_levers --artifact DIR --threads 2 --full-precision-bits 4
     python -P -m oscar_hf.eval.key_levers --artifact DIR --threads 2 --perplexity   # what each lever costs in ppl
 
-Levers (history bits: the average over the quantized layers' KV heads, keys and values, INT4 retrieval heads
-included):
+Levers (history bits: the average over the quantized layers' KV heads, keys and values, the coded retrieval heads
+included; INTb below: the heads' width, ``OscarConfig.full_precision_bits``):
 
 * ``keys exact`` / ``values exact``: the diagnosis, which half of the INT2 rows costs the needles (``every head``:
-  the INT4 retrieval heads' keys exact too; ``retrieval heads' keys exact``: those alone);
+  the retrieval heads' keys exact too; ``retrieval heads' keys exact``: those alone);
 * ``quantizer std``, ``Lloyd-Max levels``: other 4-level grids for the same bits (:mod:`oscar_hf.quant`);
 * ``3-bit keys``: keys in 8 levels per group (3.5 bits with scale and zero), values INT2;
 * ``INT4 keys, layers [...]``: the 4 layers of largest held-out key error (the artifact's ``heldout_error``) get
   16-level keys in the rotated space, a per-layer mixed budget;
-* ``whole INT4 layers``: the cache's own full-precision heads spent, after the retrieval heads, on whole layers
-  by that error up to 3.0 bits (min-max INT4 per token and head, unrotated: :mod:`oscar_hf.cache.heads`);
-* ``INT8 retrieval heads``: the retrieval heads as INT8 codes (``full_precision_bits=8``: the 3.0-bit budget keeps
-  fewer of them), alone and with per-channel keys;
+* ``whole INTb layers``: the cache's own full-precision heads spent, after the retrieval heads, on whole layers
+  by that error up to 3.0 bits (min-max per token and head, unrotated: :mod:`oscar_hf.cache.heads`);
+* ``INT8 retrieval heads`` (``INT4`` when the defaults' are INT8): the retrieval heads in the other width (the
+  3.0-bit budget keeps fewer at INT8, more at INT4), alone and with per-channel keys;
 * ``per-channel keys``: KIVI's key grouping in the rotated space: one scale and zero per channel and block of 64
   tokens instead of per token and group of 64 channels (the same bits);
 * ``block-mean keys``: per-token groups as today after removing each channel's mean over its block of 64 tokens
@@ -104,7 +104,7 @@ class KeysOrValuesFrom(FakeQuantSpec):
 
 class HeadKeysExact(FakeQuantSpec):
     """``inner`` (a :class:`KeysOrValuesFrom` or :class:`OscarSpec`), with the full-precision (retrieval) heads' keys
-    read exactly instead of from their INT4 codes."""
+    read exactly instead of from their codes."""
 
     def __init__(self, inner):
         self.inner, self.fp_heads = inner, inner.fp_heads
@@ -138,7 +138,7 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
     n = len(rotations.layers) * fp.num_key_value_heads
     p = sum(map(len, base.fp_heads.values()))
     row = config.history_bits(fp.head_dim)  # an INT2 row's bits per element (2.5 at group 64, BF16 scale and zero)
-    head = config.full_precision_head_bits(fp.head_dim)  # a full-precision head's (4.5 at INT4, D = 64)
+    head = config.full_precision_head_bits(fp.head_dim)  # a full-precision head's (8.5 at INT8, D = 64)
     bits = lambda key_bits: history_bits(n, p, key_bits, row, head)  # noqa: E731
     errors = {int(i): float(e["k_rel"]) for i, e in rotations.metadata.get("heldout_error", {}).items()}
     worst = sorted(errors, key=lambda i: -errors[i])
@@ -172,19 +172,20 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
                 pairs |= rest
         whole = config.replace(full_precision_heads=tuple(sorted(pairs)))
         layers = sorted(i for i in worst if all((i, h) in pairs for h in range(fp.num_key_value_heads)))
-        out[f"whole INT4 layers {layers}"] = (OscarSpec(model, rotations, whole),
+        out[f"whole INT{config.full_precision_bits} layers {layers}"] = (OscarSpec(model, rotations, whole),
                                               history_bits(n, len(pairs), row, row, head))
     out["per-channel keys"] = (KeysOrValuesFrom(base, keys(axis="channel", clip=1.0)), bits(row))
-    # the retrieval heads as INT8 codes instead (OscarConfig.full_precision_bits=8; the 3.0-bit budget keeps fewer)
-    auto8 = config.replace(full_precision_bits=8, full_precision_heads="auto")
-    heads8 = resolve_full_precision_heads(auto8, rotations, fp, set())
-    int8 = auto8.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in heads8.items() for h in hs)))
-    base8 = OscarSpec(model, rotations, int8)
-    p8 = sum(map(len, base8.fp_heads.values()))
-    bits8 = history_bits(n, p8, row, row, int8.full_precision_head_bits(fp.head_dim))
-    out[f"{p8} INT8 retrieval heads"] = (base8, bits8)
-    out[f"per-channel keys, {p8} INT8 retrieval heads"] = (KeysOrValuesFrom(base8, keys(axis="channel", clip=1.0)),
-                                                          bits8)
+    # the retrieval heads in the other width (INT8 beside INT4 defaults, INT4 beside INT8), as many as the budget keeps
+    other = 4 if config.full_precision_bits == 8 else 8
+    auto = config.replace(full_precision_bits=other, full_precision_heads="auto")
+    heads = resolve_full_precision_heads(auto, rotations, fp, set())
+    alt = auto.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in heads.items() for h in hs)))
+    base_alt = OscarSpec(model, rotations, alt)
+    p_alt = sum(map(len, base_alt.fp_heads.values()))
+    bits_alt = history_bits(n, p_alt, row, row, alt.full_precision_head_bits(fp.head_dim))
+    out[f"{p_alt} INT{other} retrieval heads"] = (base_alt, bits_alt)
+    out[f"per-channel keys, {p_alt} INT{other} retrieval heads"] = (
+        KeysOrValuesFrom(base_alt, keys(axis="channel", clip=1.0)), bits_alt)
     # + a BF16 mean per channel and block of BLOCK tokens: 16 / BLOCK bits per key element
     out["block-mean keys"] = (KeysOrValuesFrom(base, keys(block_mean=True)), bits(row + 16 / BLOCK))
     half = len(rotations.layers) // 2
@@ -244,6 +245,7 @@ def main(argv=None):
     from tqdm.auto import tqdm
 
     from oscar_hf import OscarCache, OscarRotations
+    from oscar_hf.config import FULL_PRECISION_BIT_CHOICES
     from oscar_hf.models import model_for_eval
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -256,6 +258,9 @@ def main(argv=None):
     p.add_argument("--only", default=None,
                    help="comma list: run only the levers whose label contains one of these (BF16 and the defaults "
                         "always run)")
+    p.add_argument("--full-precision-bits", type=int, choices=FULL_PRECISION_BIT_CHOICES, default=None,
+                   help="how the retrieval heads are stored (default: OscarConfig's, 8; the committed 8K needle and "
+                        "perplexity tables were run at 4)")
     p.add_argument("--perplexity", action="store_true",
                    help="instead of the needles: each lever's perplexity on WikiText and pydoc (--windows x --context)")
     p.add_argument("--windows", type=int, default=1)
@@ -268,7 +273,8 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     model, tok, _, _ = model_for_eval(None, None, torch.bfloat16)
     rotations = OscarRotations.from_pretrained(args.artifact)
-    config = OscarCache.from_pretrained(args.artifact, model).oscar_config  # the defaults, heads resolved
+    over = {} if args.full_precision_bits is None else dict(full_precision_bits=args.full_precision_bits)
+    config = OscarCache.from_pretrained(args.artifact, model, **over).oscar_config  # the defaults, heads resolved
     specs = levers(model, rotations, config)
     if args.only:
         keep = [w.strip() for w in args.only.split(",")]

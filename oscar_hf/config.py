@@ -28,11 +28,13 @@ SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 RETRIEVAL_THRESHOLD = 0.4
 MAX_HISTORY_BITS = 3.0  # default cap on the history's average bits per element (INT2 heads + full-precision heads)
 FULL_PRECISION_HEAD_BITS = 16  # the most a full-precision head costs per element (BF16 / FP16 storage)
-# full_precision_bits: how those heads are stored (oscar_hf.cache.heads). 4 by default: INT4 codes with a scale and
-# zero per token and head cost 4.5 bits per element at head_dim 64 (4.25 at 128) against 16, so the 3.0-bit cap holds
-# all 8 of SmolLM2's retrieval heads instead of 3; on its unseen locker needles (6 per length, 1K-8K) 8 heads at
-# INT4, INT8 and BF16 gave the same answer on every needle, at 4K 6/6 where 3 BF16 heads gave 3/6 (docs/quality.md).
-FULL_PRECISION_BITS = 4
+# full_precision_bits: how those heads are stored (oscar_hf.cache.heads). 8 by default: INT8 codes with a scale and
+# zero per token and head cost 8.5 bits per element at head_dim 64 (8.25 at 128) against 16, so the 3.0-bit cap holds
+# 7 of SmolLM2's 8 retrieval heads instead of 3. INT4 (4.5 bits, all 8 heads) is not enough: its min-max step over
+# the unrotated post-RoPE key channels is set by a few large channels and the keys lose the detail that retrieves.
+# On 24 interior locker needles at 8K (BF16 22) INT4 heads found 17, INT8 heads 21, the same heads' keys exact 21;
+# through the real cache INT8 heads keep >= 0.9x BF16 at every length 1K-8K, INT4 0.82x at 8K (docs/quality.md).
+FULL_PRECISION_BITS = 8
 FULL_PRECISION_BIT_CHOICES = (16, 8, 4)  # the model dtype, INT8, INT4 (the forms oscar_hf.cache.heads stores)
 
 # Named settings (``OscarConfig.from_preset``). "paper": the method authors' own runs (FutureMLS-Lab/OSCAR): one
@@ -74,7 +76,7 @@ class OscarConfig:
             ``OscarCache`` only (not ``StaticOscarCache``).
         skip_layers: layers kept entirely in full precision (negative indices count from the end).
         full_precision_heads: KV heads kept out of the INT2 history (keys and values, every position, stored as
-            ``full_precision_bits`` says: INT4 by default), the rest of their layer quantized as usual; they give
+            ``full_precision_bits`` says: INT8 by default), the rest of their layer quantized as usual; they give
             back retrieval of single facts from far back
             (needle in a haystack). ``"auto"`` (default): the artifact's "retrieval heads"
             (``OscarRotations.retrieval_scores``, see ``oscar_hf.calibration.retrieval_heads``) whose score
@@ -82,11 +84,11 @@ class OscarConfig:
             ``max_history_bits``; none without scores (built-in ``method``, or an artifact calibrated with
             ``retrieval_probes=0``). An int ``k``: the ``k`` best retrieval heads; or explicit ``(layer, kv_head)``
             pairs (neither capped by ``max_history_bits``). Each head costs :meth:`full_precision_head_bits` per
-            element of its share of the history instead of 2.5 (SmolLM2, 8 of 90 heads: 2.68 history bits at INT4,
+            element of its share of the history instead of 2.5 (SmolLM2: 7 of 90 heads, 2.97 history bits at INT8;
             3.7 at 16 bits).
         full_precision_bits: how the full-precision heads store their keys and values (``oscar_hf.cache.heads``):
             16 (the model dtype, exact), 8 or 4 (default: codes with a scale and zero per token and head in the
-            model dtype, min-max over head_dim; :data:`FULL_PRECISION_BITS` says why 4).
+            model dtype, min-max over head_dim; :data:`FULL_PRECISION_BITS` says why 8).
         max_history_bits: cap of ``full_precision_heads="auto"`` on the average bits per history element over
             all KV heads of the quantized layers (:meth:`history_bits`).
         retrieval_threshold: retrieval score (attention mass in [0, 1]) from which ``full_precision_heads="auto"``

@@ -45,7 +45,7 @@ The read (:meth:`OscarLayer.attend`). For one layer and a forward of ``L`` new t
      is read in bounded blocks (torch reference) or by the split-K Triton kernel (CUDA): no
      full-precision copy of it is ever built;
 * full-precision heads (``OscarConfig.full_precision_heads``): those KV heads keep every slot in
-  ``layer.fp_k/v`` (INT4 by default) and read their history range from it and the window of part 1, one SDPA
+  ``layer.fp_k/v`` (INT8 by default) and read their history range from it and the window of part 1, one SDPA
   call (:meth:`OscarLayer.full_precision_heads_attention`; at 16 bits what a ``DynamicCache`` reads); the two
   parts above run on the other heads only;
 * then :meth:`OscarLayer.commit` demotes/appends.

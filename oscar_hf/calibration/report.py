@@ -26,9 +26,10 @@ def retrieval_summary(rotations: OscarRotations, config: OscarConfig | None = No
     heads = resolve_full_precision_heads(config, rotations, fp, config.skipped(fp.num_layers))
     n = sum(map(len, heads.values()))
     share = n / max(1, len(rotations.layers) * fp.num_key_value_heads)
+    form = "in the model dtype" if config.full_precision_bits == 16 else f"as INT{config.full_precision_bits}"
     best = ", ".join(f"{i}:{h} {float(scores[i, h]):.2f}" for i, h in top_heads(scores, 10))
     return (f"  retrieval heads (layer:kv_head score): {best}; full_precision_heads={config.full_precision_heads!r} "
-            f"keeps {n} ({sorted((i, h) for i, hs in heads.items() for h in hs)}): "
+            f"keeps {n} {form} ({sorted((i, h) for i, hs in heads.items() for h in hs)}): "
             f"{config.history_bits(fp.head_dim, share):.2f} history bits per element")
 
 

@@ -168,9 +168,10 @@ def test_beam_search_and_batch_ops():
     torch.testing.assert_close(lb, la, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("extra", [dict(full_precision_heads=((0, 1), (1, 0))),  # stored as INT4 (the default)
+@pytest.mark.parametrize("extra", [dict(full_precision_heads=((0, 1), (1, 0))),  # stored as INT8 (the default)
                                    dict(full_precision_heads=((0, 1), (1, 0)), full_precision_bits=16),
-                                   dict(full_precision_heads=((1, 0), (1, 1))),  # a whole layer of INT4 heads
+                                   dict(full_precision_heads=((0, 1), (1, 0)), full_precision_bits=4),
+                                   dict(full_precision_heads=((1, 0), (1, 1))),  # a whole layer of INT8 heads
                                    dict(key_offset="prefill")])
 def test_full_precision_heads_and_prefill_offset_match_eager(extra):
     m = tiny_model("llama")
@@ -219,7 +220,7 @@ def test_chunked_prefill_through_the_compiled_route():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-# with two retrieval heads (stored as INT4, the default); and with a whole layer of INT4 heads (no INT2 head left)
+# with two retrieval heads (stored as INT8, the default); and with a whole layer of INT8 heads (no INT2 head left)
 @pytest.mark.parametrize("heads", [(), ((0, 1), (2, 5)), ((0, 1),) + tuple((3, h) for h in range(8))])
 def test_gpu_default_cache_compiles_with_cuda_graphs_and_matches_eager(monkeypatch, heads):
     """On CUDA the user's default call compiles (CUDA graphs, no skipped graph), grows across buckets during decode,

@@ -50,13 +50,12 @@ def test_minmax_constant_row_bad_bits_and_int4_packing():
 
 def test_config_bits_and_budget():
     c = OscarConfig()
-    assert c.full_precision_bits == 4  # the default
+    assert c.full_precision_bits == 8  # the default
     assert [OscarConfig(full_precision_bits=b).full_precision_head_bits(64) for b in (16, 8, 4)] == [16.0, 8.5, 4.5]
-    assert c.full_precision_head_bits(128) == 4.25
-    # SmolLM2's 90 KV heads under the 3.0-bit cap: 3 heads at 16 bits, 22 at INT4 (2.5-bit rows at group 64)
-    assert OscarConfig(full_precision_bits=16).full_precision_head_budget(64, 90) == 3
-    assert c.full_precision_head_budget(64, 90) == 22
-    assert c.history_bits(64, 8 / 90) == pytest.approx((82 * 2.5 + 8 * 4.5) / 90)
+    assert c.full_precision_head_bits(128) == 8.25
+    # SmolLM2's 90 KV heads under the 3.0-bit cap: 3 heads at 16 bits, 7 at INT8, 22 at INT4 (2.5-bit rows at group 64)
+    assert [OscarConfig(full_precision_bits=b).full_precision_head_budget(64, 90) for b in (16, 8, 4)] == [3, 7, 22]
+    assert c.history_bits(64, 7 / 90) == pytest.approx((83 * 2.5 + 7 * 8.5) / 90)
     for bad in (2, 3, 32, True, "4"):
         with pytest.raises(ValueError, match="full_precision_bits"):
             OscarConfig(full_precision_bits=bad)
@@ -104,7 +103,7 @@ def test_codes_read_back_as_their_fake_quantization_and_nothing_else_changes(bit
 
 def test_history_bits_count_the_stored_form():
     model = tiny_model("llama", head_dim=64)  # 2 layers x 2 KV heads, INT2 rows at group 32: 2 + 32 / 32 = 3 bits
-    for bits, head_bits in ((16, 16.0), (4, 4.5)):
+    for bits, head_bits in ((16, 16.0), (8, 8.5), (4, 4.5)):
         cache = OscarCache(model, **SMALL, full_precision_heads=(FP_PAIR,), full_precision_bits=bits)
         assert history_bits(cache) == dict(full_precision_heads=1, kv_heads=4, full_precision_head_bits=head_bits,
                                            history_bits=(3 * 3.0 + head_bits) / 4)

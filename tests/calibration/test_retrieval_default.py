@@ -57,11 +57,11 @@ def test_defaults_are_auto_with_a_three_bit_cap():
     assert c.full_precision_heads == "auto" and c.max_history_bits == MAX_HISTORY_BITS == 3.0
     assert c.retrieval_threshold == RETRIEVAL_THRESHOLD
     assert OscarConfig.reference().full_precision_heads == 0  # the authors' settings keep no head in full precision
-    # SmolLM2 (head_dim 64, group 64, BF16 scale/zero: 2.5 bits): 90 KV heads leave room for 22 INT4 heads (4.5
-    # bits each, the default storage) at <= 3.0 bits, all 8 of its retrieval heads; 3 when they are stored in BF16
-    assert c.history_bits(64) == 2.5 and c.full_precision_bits == 4
-    assert c.full_precision_head_budget(64, 90) == 22
-    assert c.history_bits(64, 22 / 90) <= 3.0 < c.history_bits(64, 23 / 90)
+    # SmolLM2 (head_dim 64, group 64, BF16 scale/zero: 2.5 bits): 90 KV heads leave room for 7 INT8 heads (8.5
+    # bits each, the default storage) at <= 3.0 bits, 7 of its 8 retrieval heads; 3 when they are stored in BF16
+    assert c.history_bits(64) == 2.5 and c.full_precision_bits == 8
+    assert c.full_precision_head_budget(64, 90) == 7
+    assert c.history_bits(64, 7 / 90) <= 3.0 < c.history_bits(64, 8 / 90)
     bf16 = OscarConfig(full_precision_bits=16)
     assert bf16.full_precision_head_budget(64, 90) == 3
     assert bf16.history_bits(64, 3 / 90) <= 3.0 < bf16.history_bits(64, 4 / 90)
@@ -83,10 +83,13 @@ def test_auto_is_capped_by_the_bit_budget():
     assert resolve(m, rot, max_history_bits=6.24, **bf16) == []
     assert resolve(m, rot, max_history_bits=6.25, **bf16) == [(0, 1)]  # the best one
     assert resolve(m, rot, max_history_bits=9.5, **bf16) == [(0, 1), (1, 1)]  # the two best
-    # stored as INT4 (the default), a head costs 4 + 2 * 16 / 32 = 5 bits: one of 4 -> 3.5 bits, two -> 4.0
-    assert resolve(m, rot, max_history_bits=3.49) == []
-    assert resolve(m, rot, max_history_bits=3.5) == [(0, 1)]
-    assert resolve(m, rot, max_history_bits=4.0) == [(0, 1), (1, 1)]
+    # stored as INT8 (the default), a head costs 8 + 2 * 16 / 32 = 9 bits: one of 4 -> 4.5 bits, two -> 6.0
+    assert resolve(m, rot, max_history_bits=4.49) == []
+    assert resolve(m, rot, max_history_bits=4.5) == [(0, 1)]
+    assert resolve(m, rot, max_history_bits=6.0) == [(0, 1), (1, 1)]
+    # as INT4, 4 + 1 = 5 bits: one of 4 -> 3.5 bits, two -> 4.0
+    assert resolve(m, rot, max_history_bits=3.49, full_precision_bits=4) == []
+    assert resolve(m, rot, max_history_bits=4.0, full_precision_bits=4) == [(0, 1), (1, 1)]
     assert resolve(m, rot, max_history_bits=16) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # explicit counts and pairs are not capped
     assert resolve(m, rot, full_precision_heads=3, max_history_bits=3.0) == [(0, 1), (1, 0), (1, 1)]
@@ -113,8 +116,8 @@ def test_auto_without_scores_gives_no_heads_and_says_so(caplog):
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_a_whole_layer_of_int4_heads_keeps_its_storage(compile):
-    """A layer whose every KV head is an INT4 head stays an OSCAR layer with no INT2 head (not a BF16 layer), on both
+def test_a_whole_layer_of_coded_heads_keeps_its_storage(compile):
+    """A layer whose every KV head is an INT8 head (the default storage) stays an OSCAR layer with no INT2 head (not a BF16 layer), on both
     storages, and both read it alike; at 16 bits such a layer is Transformers' own full-precision layer."""
     m = tiny_model("llama", initializer_range=0.2)
     ids = torch.randint(1, 200, (2, 30), generator=torch.Generator().manual_seed(5))
@@ -128,7 +131,7 @@ def test_a_whole_layer_of_int4_heads_keeps_its_storage(compile):
     got = {c: m.generate(ids, **kw, **cache_kwargs(m, x)) for c, x in caches.items()}
     assert layer.q_heads == () and layer.fp_heads == (0, 1)
     rep = cache.memory_report()
-    assert rep["full_precision_layers"] == 0 and rep["history_bits_per_element"] == pytest.approx((2 * 3.0 + 2 * 5.0) / 4)
+    assert rep["full_precision_layers"] == 0 and rep["history_bits_per_element"] == pytest.approx((2 * 3.0 + 2 * 9.0) / 4)
     for a, b in zip(got[False].scores, got[True].scores):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
     assert type(OscarCache(m, **SMALL, full_precision_heads=whole, full_precision_bits=16).layers[1]).__name__ == \

@@ -133,7 +133,7 @@ def test_top_k_from_artifact_scores_and_bad_input():
     cache = OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=2))
     assert cache.oscar_config.full_precision_heads == ((0, 1), (1, 0))  # resolved: the saved config names them
     assert [layer.fp_heads for layer in cache.layers] == [(1,), (0,)]
-    whole = ((0, 0), (0, 1))  # every head of layer 0: exact -> a full-precision layer; INT4 -> no INT2 head left
+    whole = ((0, 0), (0, 1))  # every head of layer 0: exact -> a full-precision layer; INT8 -> no INT2 head left
     assert not isinstance(OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=whole,
                                                          full_precision_bits=16)).layers[0], OscarLayer)
     cache = OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=whole))
@@ -182,7 +182,7 @@ def test_full_precision_heads_with_triton_kernels_match_reference():
 
 def test_memory_report_history_bits_count_full_precision_heads():
     """The report's history bits average the quantized layers' KV heads, a full-precision head at its stored
-    bits (16, or INT4 codes + a 16-bit scale and zero per token and head: 4 + 32 / D)."""
+    bits (16, or INT8 / INT4 codes + a 16-bit scale and zero per token and head: 8 or 4 + 32 / D)."""
     from oscar_hf.quant import bits_per_element
 
     m = tiny_model("llama")
@@ -190,6 +190,6 @@ def test_memory_report_history_bits_count_full_precision_heads():
     plain = OscarCache(m, **SMALL).memory_report()["history_bits_per_element"]
     assert plain == bits_per_element(d, SMALL["group_size"], torch.bfloat16)
     share = 2 / (m.config.num_hidden_layers * hk)
-    for bits, head_bits in ((16, 16), (4, 4 + 32 / d)):
+    for bits, head_bits in ((16, 16), (8, 8 + 32 / d), (4, 4 + 32 / d)):
         two = OscarCache(m, **SMALL, full_precision_heads=((0, 1), (1, 0)), full_precision_bits=bits)
         assert two.memory_report()["history_bits_per_element"] == pytest.approx((1 - share) * plain + share * head_bits)

@@ -100,7 +100,10 @@ def test_levers_and_report_end_to_end(tmp_path, monkeypatch):
     cfg = OscarConfig(sink=4, recent=8, group_size=64, full_precision_heads=0, max_history_bits=16)
     specs = levers(m, rot, cfg)
     assert "per-channel keys" in specs and specs["BF16 DynamicCache"] == (None, 16.0)
-    assert any(k.startswith("whole INT4 layers") for k in specs)
+    # the defaults' heads are INT8: their whole-layer lever spends INT8 heads, the other width is INT4
+    assert any(k.startswith("whole INT8 layers") for k in specs) and "0 INT4 retrieval heads" in specs
+    int4 = levers(m, rot, cfg.replace(full_precision_bits=4))
+    assert any(k.startswith("whole INT4 layers") for k in int4) and "0 INT8 retrieval heads" in int4
     art = tmp_path / "art"
     rot.save_pretrained(art)
 
@@ -123,9 +126,10 @@ def test_levers_and_report_end_to_end(tmp_path, monkeypatch):
     assert all(0 <= r["correct"] <= 1 and r["nll"] > 0 for r in res["levers"].values())
     assert "| per-channel keys |" in (tmp_path / "levers.md").read_text()
     main(["--artifact", str(art), "--length", "300", "--trials", "1", "--depths", "0.5", "--out", str(tmp_path),
-          "--name", "only", "--only", "per-channel"])
+          "--name", "only", "--only", "per-channel", "--full-precision-bits", "4"])
     only = json.loads((tmp_path / "only.json").read_text())["levers"]
-    assert list(only)[:2] == list(specs)[:2] and all("per-channel" in k for k in list(only)[2:]) and len(only) > 2
+    assert list(only)[1].endswith("INT4 retrieval heads)")  # the defaults' row, at the width asked for
+    assert list(only)[:2] == list(int4)[:2] and all("per-channel" in k for k in list(only)[2:]) and len(only) > 2
     # --perplexity: every lever's perplexity on both texts, BF16 the reference
     monkeypatch.setattr("oscar_hf.eval.default_perplexity.load_ids",
                         lambda tok, text, n: torch.randint(1, 200, (n,), generator=torch.Generator().manual_seed(4)))
@@ -136,5 +140,5 @@ def test_levers_and_report_end_to_end(tmp_path, monkeypatch):
     assert len(rows) == len(specs) and res["texts"] == ["wikitext", "pydoc"]
     assert all(r[t]["tokens"] == 399 and r[t]["ppl"] > 1 for r in rows.values() for t in res["texts"])
     # (400 tokens: the window is 64 + 256, so the history holds INT2 rows) the diagnosis rows read something else
-    assert rows["keys exact"]["wikitext"]["ppl"] != rows["defaults (0 INT4 retrieval heads)"]["wikitext"]["ppl"]
+    assert rows["keys exact"]["wikitext"]["ppl"] != rows["defaults (0 INT8 retrieval heads)"]["wikitext"]["ppl"]
     assert "| per-channel keys |" in (tmp_path / "ppl.md").read_text()

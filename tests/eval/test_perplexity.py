@@ -53,8 +53,8 @@ CASES = [
     # propagate and hide what is tested (the fp heads' exact reads beside the other heads' INT2 history)
     ("artifact-fpheads", dict(sink=2, recent=6, group_size=16, full_precision_heads=((0, 1),), skip_layers=(1,)), 20),
     ("artifact-fpheads-decode", dict(sink=2, recent=6, group_size=16, full_precision_heads=((1, 1),)), 1),
-    # a whole layer of INT4 heads (full_precision_heads="auto"'s sensitive layers): no INT2 head left in it
-    ("artifact-int4-layer", dict(sink=2, recent=6, group_size=16, full_precision_heads=((1, 0), (1, 1))), 1),
+    # a whole layer of INT8 heads (the default storage): no INT2 head left in it
+    ("artifact-coded-layer", dict(sink=2, recent=6, group_size=16, full_precision_heads=((1, 0), (1, 1))), 1),
 ]
 
 
