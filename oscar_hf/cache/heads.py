@@ -69,31 +69,3 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: t
     logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scaling  # [B, P, M, N]
     p = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
     return torch.matmul(p.to(values.dtype), values)
-
-
-def coded_decode_attention(q: torch.Tensor, hist_k: tuple[torch.Tensor, ...], hist_v: tuple[torch.Tensor, ...],
-                           hist_ok: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor, win_ok: torch.Tensor,
-                           scaling: float, bits: int) -> torch.Tensor:
-    """``[B, P, g, D]`` float32: one decode step of ``P`` coded heads (``bits`` 8 or 4) over their history as stored,
-    ``hist_k/v`` codes ``[B, P, N, D * bits / 8]`` and a scale and zero ``[B, P, N, 1]`` each, and their exact
-    window ``win_k/v [B, P, W, D]``; ``q [B, P, g, D]`` float32, ``hist_ok [B, N]`` / ``win_ok [B, W]`` bool.
-
-    Written for ``torch.compile``: with per-token scale ``s`` and zero ``z``, ``q · k_n = s_n (q · c_n) + z_n Σq`` and
-    ``Σ_n p_n v_n = Σ_n (p_n s'_n) c'_n + Σ_n p_n z'_n``, each a product summed over one axis, which Inductor fuses
-    into one reduction that reads the ``uint8`` codes once (no dequantized copy of the history: about 1 byte per
-    element read instead of 1 read + 2 written + 2 read again by a matmul). Eager, the broadcast products would
-    materialize ``[B, P, g, N, D]``: the eager caches dequantize (:func:`decode`) and call :func:`attention`."""
-    n = hist_ok.shape[-1]
-    kc, ks, kz = hist_k
-    vc, vs, vz = hist_v
-    ck = (unpack_int4(kc) if bits == 4 else kc).float()[:, :, None]  # [B, P, 1, N, D]
-    cv = (unpack_int4(vc) if bits == 4 else vc).float()[:, :, None]
-    s_hist = (q[:, :, :, None, :] * ck).sum(-1) * ks[..., 0].float()[:, :, None]  # [B, P, g, N]
-    s_hist = s_hist + kz[..., 0].float()[:, :, None] * q.sum(-1, keepdim=True)
-    s_win = torch.matmul(q, win_k.float().transpose(-1, -2))  # [B, P, g, W]
-    ok = torch.cat([hist_ok, win_ok], -1)[:, None, None, :]
-    p = torch.softmax((torch.cat([s_hist, s_win], -1) * scaling).masked_fill(~ok, float("-inf")), dim=-1)
-    p_hist, p_win = p[..., :n], p[..., n:]
-    out = (p_hist[..., None] * vs[..., 0].float()[:, :, None, :, None] * cv).sum(-2)  # [B, P, g, D]
-    out = out + (p_hist * vz[..., 0].float()[:, :, None]).sum(-1, keepdim=True)
-    return out + torch.matmul(p_win, win_v.float())

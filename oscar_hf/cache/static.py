@@ -297,23 +297,17 @@ class StaticOscarLayer(QuantizedLayerBase):
         return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
 
     def _merge_full_precision_heads(self, out_q, qf, t, win_ok, scaling: float) -> torch.Tensor:
-        """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and one attention of the full-precision heads over
-        their history slots ``[S0 + pad, T - W)`` as stored (``full_precision_bits``) and the window every head reads
-        exactly (``win_ok [B, S0 + R]``, :meth:`window_mask`); static shapes (the whole capacity, masked). Compiled,
-        INT8/INT4 codes are read in place (:func:`heads.coded_decode_attention`); else dequantized, then SDPA."""
-        s0, bits = self.config.sink, self.config.full_precision_bits
+        """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and one SDPA of the full-precision heads over their
+        history slots ``[S0 + pad, T - W)`` as stored (``full_precision_bits``) and the window every head reads
+        exactly (``win_ok [B, S0 + R]``, :meth:`window_mask`); static shapes (the whole capacity, masked)."""
+        s0 = self.config.sink
+        hist_k, hist_v = (x[:, :, s0:] for x in self.full_precision_kv(self.capacity))  # [B, P, capacity - S0, D]
         slot = torch.arange(s0, self.capacity, device=self.device)
         hist_ok = (slot[None, :] >= s0 + self.pad[:, None]) & (slot[None, :] < t - self.config.recent)
-        win_k, win_v = (w.index_select(1, self.fp_idx) for w in (self.win_k, self.win_v))  # [B, P, S0 + R, D]
-        q = qf.index_select(1, self.fp_idx)  # [B, P, g, D]
-        if bits != 16 and _compiling():  # the codes read in place, one fused reduction each for K and V
-            hist_k, hist_v = (tuple(x[:, :, s0:] for x in store) for store in (self.fp_k, self.fp_v))
-            out_fp = heads.coded_decode_attention(q, hist_k, hist_v, hist_ok, win_k, win_v, win_ok, scaling, bits)
-        else:
-            hist_k, hist_v = (x[:, :, s0:] for x in self.full_precision_kv(self.capacity))  # [B, P, capacity - S0, D]
-            ok = torch.cat([hist_ok, win_ok], 1)[:, None, None, :]  # [B, 1, 1, capacity - S0 + S0 + R]
-            keys, values = torch.cat([hist_k, win_k], 2), torch.cat([hist_v, win_v], 2)
-            out_fp = heads.attention(q.to(self.dtype), keys, values, ok, scaling)
+        ok = torch.cat([hist_ok, win_ok], 1)[:, None, None, :]  # [B, 1, 1, capacity - S0 + S0 + R]
+        keys = torch.cat([hist_k, self.win_k.index_select(1, self.fp_idx)], 2)
+        values = torch.cat([hist_v, self.win_v.index_select(1, self.fp_idx)], 2)
+        out_fp = heads.attention(qf.index_select(1, self.fp_idx).to(self.dtype), keys, values, ok, scaling)
         b, hk, m, d = qf.shape
         full = out_q.new_empty(b, hk, m, d)
         full.index_copy_(1, self.q_idx, out_q)

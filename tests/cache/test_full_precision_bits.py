@@ -61,26 +61,6 @@ def test_config_bits_and_budget():
             OscarConfig(full_precision_bits=bad)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_coded_decode_attention_reads_the_codes_as_their_dequantization(bits):
-    """The compiled read of coded heads (codes in place, per-token scale and zero folded into the sums) is the
-    attention over the dequantized history and the exact window, masks included."""
-    g = torch.Generator().manual_seed(bits)
-    b, p, m, n, w, d = 2, 3, 4, 40, 6, 64
-    q = torch.randn(b, p, m, d, generator=g)
-    hist_k, hist_v = (heads.encode(torch.randn(b, p, n, d, generator=g) * 3 + 1, bits) for _ in range(2))
-    win_k, win_v = torch.randn(b, p, w, d, generator=g), torch.randn(b, p, w, d, generator=g)
-    hist_ok = torch.rand(b, n, generator=g) > 0.3
-    hist_ok[1] = False  # a row whose history is all masked (left padding longer than the history)
-    win_ok = torch.ones(b, w, dtype=torch.bool)
-    win_ok[0, :2] = False
-    got = heads.coded_decode_attention(q, hist_k, hist_v, hist_ok, win_k, win_v, win_ok, 0.125, bits)
-    keys = torch.cat([heads.decode(hist_k, bits, torch.float32), win_k], 2)
-    values = torch.cat([heads.decode(hist_v, bits, torch.float32), win_v], 2)
-    want = heads.attention(q, keys, values, torch.cat([hist_ok, win_ok], 1)[:, None, None], 0.125)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
 def run_cache(model, ids: torch.Tensor, decode: int, **kw) -> OscarCache:
     """Prefill ``ids[:-decode]`` then feed the last ``decode`` tokens one by one (both write paths)."""
     cache = OscarCache(model, **SMALL, full_precision_heads=(FP_PAIR,), **kw)
