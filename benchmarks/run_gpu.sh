@@ -14,8 +14,8 @@
 #   generate    compiled generate: B=8/32K (BF16 eager, BF16 static,     generate_<gpu>_b8_t32768.json,
 #               StaticOscarCache) and B=1 at 8K, 32K, 100K               generate_<gpu>_static_b1_t{8192,32768,100000}.json
 #   eager       eager generate: B=1 at 8K/32K/100K, B=8 at 8K/32K       generate_<gpu>_b1.json, generate_<gpu>_b8.json
-#   fpheads     decode cost of 8 / 26 full-precision KV heads (INT8,   generate_<gpu>_fpheads_t32768.json
-#               8 also as INT4 and BF16), B=8/32K
+#   fpheads     decode cost of 8 full-precision KV heads as INT8,      generate_<gpu>_fpheads_int8_t32768.json
+#               INT4 and BF16, B=8/32K
 #   quantizer   quantizer="std" vs "minmax": kernel tests, B=8/32K      gpu_tests_quantizer_<gpu>.log,
 #               prefill and decode of the default call                  generate_<gpu>_quantizer_t32768.json
 #   capacity    aggregate decode throughput at each cache's largest     capacity_<gpu>_40gib.json,
@@ -106,11 +106,12 @@ for what in "$@"; do
           --new-tokens 24 --out "$OUT/generate_${GPU}_b8.json"
     fi ;;
   fpheads)
-    # none / 8 / 26 heads stored as the library stores them (INT8), 8 as INT4 and 8 in BF16 (about 95 s each: one
-    # call; the first method also warms the kernels up)
-    run "generate_${GPU}_fpheads_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \
-        --methods oscar oscar-fp8 oscar-fp8-int4 oscar-fp8-bf16 oscar-fp26 --new-tokens 48 \
-        --out "$OUT/generate_${GPU}_fpheads_t32768.json" ;;
+    # none / 8 heads stored as the library stores them (INT8), 8 as INT4 and 8 in BF16 (about 2 minutes each: one
+    # call; the first method also warms the kernels up). generate_<gpu>_fpheads_t32768.json (INT4 then the default)
+    # came from --methods oscar oscar-fp8-int4 oscar-fp8-bf16 oscar-fp26-int4
+    run "generate_${GPU}_fpheads_int8_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \
+        --methods oscar oscar-fp8 oscar-fp8-int4 oscar-fp8-bf16 --new-tokens 48 \
+        --out "$OUT/generate_${GPU}_fpheads_int8_t32768.json" ;;
   quantizer)
     # OscarConfig.quantizer="std" against the default "minmax": its kernels against the reference (write, append,
     # compiled static cache), then the default call's prefill and decode with each, twice, interleaved

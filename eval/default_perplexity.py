@@ -9,8 +9,8 @@ starts with a one-token prompt; each later token is predicted by a decode step o
 computes the same numbers in one fake-quantized forward per window (``tests/eval/test_perplexity.py``), for more
 windows at a fraction of the time.
 
-    python -P -m oscar_hf.eval.default_perplexity --artifact /tmp/smollm2-default --context 2048 --windows 2 \\
-        --dtype bfloat16 --threads 2 --name ppl_default_smollm2_cpu
+    python -P -m oscar_hf.eval.default_perplexity --artifact /tmp/smollm2-default --context 2048 --windows 1 \\
+        --path exact --dtype bfloat16 --threads 1 --name ppl_default_int8_heads_smollm2_cpu
 """
 from __future__ import annotations
 
@@ -107,6 +107,9 @@ def main(argv=None, model=None, tokenizer=None):
     methods[default.name] = default
     extras = {  # --rows: label and OscarFamily overrides
         "no-heads": ("artifact, full_precision_heads=0", dict(full_precision_heads=0)),
+        # the retrieval heads' other storages (INT4 was the default before INT8; BF16 before INT4)
+        "int4-heads": ("artifact, auto heads as INT4", dict(full_precision_bits=4)),
+        "bf16-heads": ("artifact, auto heads in BF16", dict(full_precision_bits=16)),
         # item 3 of the good-by-default issue: Lloyd-Max levels (eval-only, fast path) against uniform, at G 64 / 32
         "lloyd-max": ("artifact, Lloyd-Max levels", dict(levels="lloyd-max")),
         "g32": ("artifact, group 32", dict(group_size=32)),

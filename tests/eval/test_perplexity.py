@@ -146,3 +146,35 @@ def test_bits_match_memory_report():
             with torch.no_grad():
                 model(torch.randint(0, 256, (1, T)), **cache_kwargs(model, cache), use_cache=True)
             assert math.isclose(cache.memory_report()["bits_per_element"], m.bits(T, 32), rel_tol=1e-9), (cfg, T)
+
+
+def test_default_perplexity_rows_count_the_heads_storage(tmp_path, monkeypatch):
+    """The defaults' CLI: BF16, the user's cache (INT8 retrieval heads) and the heads' other storages, token by token
+    through the real cache; each row's history bits follow its storage, and the report names the target."""
+    from oscar_hf.eval import default_perplexity
+
+    m = tiny_model("llama", head_dim=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
+    rot = random_artifact(m)
+    scores = torch.zeros(4, 4)
+    scores[0, 1], scores[2, 3], scores[3, 0] = 0.9, 0.7, 0.5  # three heads pass the 0.4 threshold
+    rot.retrieval_scores = scores
+    rot.save_pretrained(tmp_path / "art")
+    monkeypatch.setattr(default_perplexity, "load_ids",
+                        lambda tok, text, n: torch.randint(1, 200, (n,), generator=torch.Generator().manual_seed(3)))
+    res = default_perplexity.main(["--artifact", str(tmp_path / "art"), "--context", "400", "--windows", "1",
+                                   "--rows", "no-heads,int4-heads,bf16-heads", "--dtype", "float32",
+                                   "--out", str(tmp_path), "--name", "ppl"], model=m, tokenizer=object())
+    rows = {name: r["wikitext"] for name, r in res["rows"].items()}
+    # 16 KV heads at 2.5 bits (INT2 rows, group 64) and a 3.0-bit cap: room for 1 INT8 head (8.5 bits), 4 INT4 heads
+    # (4.5; three pass the threshold), no BF16 head (16)
+    for name, bits, heads in (("defaults (artifact, auto heads)", 8.5, [[0, 1]]),
+                              ("artifact, full_precision_heads=0", 0, []),
+                              ("artifact, auto heads as INT4", 4.5, [[0, 1], [2, 3], [3, 0]]),
+                              ("artifact, auto heads in BF16", 16, [])):
+        assert rows[name]["full_precision_heads"] == heads, name
+        assert rows[name]["history_bits"] == pytest.approx(((16 - len(heads)) * 2.5 + len(heads) * bits) / 16)
+    assert all(r[t]["tokens"] == 399 and r[t]["ppl"] > 1 for r in res["rows"].values() for t in res["texts"])
+    assert "| artifact, auto heads in BF16 |" in (tmp_path / "ppl.md").read_text()
+    with pytest.raises(ValueError, match="unknown --rows"):
+        default_perplexity.main(["--artifact", str(tmp_path / "art"), "--rows", "int2-heads", "--out", str(tmp_path)],
+                                model=m, tokenizer=object())
