@@ -484,7 +484,7 @@ class UserCache:
 
 def history_bits(cache) -> dict:
     """The history's average bits per element over the quantized layers' KV heads, the full-precision heads counted
-    as the cache stores them (``OscarConfig.full_precision_head_bits``: 4.5 at INT4, D = 64) and the rest at the INT2
+    as the cache stores them (``OscarConfig.full_precision_head_bits``: 8.5 at INT8, D = 64) and the rest at the INT2
     rows' cost (2.5 bits at group 64): ``cache.memory_report()``'s figure. ``{}`` for a cache without OSCAR layers."""
     layers = [layer for layer in getattr(cache, "layers", ()) if hasattr(layer, "fp_heads")]
     if not layers or not hasattr(cache, "oscar_config"):

@@ -7,9 +7,9 @@ model dtype for one SDPA call over them (:meth:`OscarLayer.full_precision_heads_
 * ``16``: the model dtype, one tensor ``[B, P, N, D]`` (exact);
 * ``8`` / ``4``: codes ``[B, P, N, D * bits / 8] uint8`` (INT4: two per byte, :func:`~oscar_hf.quant.pack_int4`) and
   one scale and one zero per token and head ``[B, P, N, 1]`` in the model dtype: asymmetric min-max over the head's
-  ``D`` channels, no rotation, no clipping (:func:`~oscar_hf.quant.quantize_minmax`). 4.5 bits per element at
-  ``D = 64`` (4.25 at 128) against 16: the retrieval heads that fit 3.0 history bits on SmolLM2 go from 3 to all 8,
-  and on its unseen needles INT4 answered as BF16 did (docs/quality.md, "Cheaper retrieval heads").
+  ``D`` channels, no rotation, no clipping (:func:`~oscar_hf.quant.quantize_minmax`). 8.5 / 4.5 bits per element at
+  ``D = 64`` (8.25 / 4.25 at 128) against 16: the retrieval heads that fit 3.0 history bits on SmolLM2 go from 3 to
+  7 (INT8, the default) or all 8 (INT4, whose keys lose 8K needles; docs/quality.md, "Retrieval-safe defaults").
 
 A stored form is a tuple of tensors that share their first three dimensions (batch, head, slot): the caches slice,
 grow, reorder and save them part by part, as they do the INT2 history's ``QuantizedRows``.
