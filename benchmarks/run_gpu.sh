@@ -22,6 +22,8 @@
 #               batch in a 40 GiB KV budget at 32K                      capacity_<gpu>_40gib_bf16.json
 #   profile     torch.profiler of the default call's decode step vs      profile_<gpu>_b8_t32768.json,
 #               compiled StaticCache: B=8/32K and B=1/1K                 profile_<gpu>_b1_t1024.json
+#   profile-fpheads  the same, the default call with 8 INT8 / BF16   profile_<gpu>_fpheads_b8_t32768.json
+#               retrieval heads and none, B=8/32K
 #   validate    Triton/Gluon read path vs the torch reference in a      gpu_validate_<gpu>.json
 #               32K generate (B=2, left padding): per-layer outputs, logits
 #   soak        200 generate calls; one call of 32,768 new tokens        soak_calls_<gpu>.json, soak_long_<gpu>.json
@@ -43,7 +45,7 @@
 # `oscar_hf/kernels`, `eval/` -> `oscar_hf/eval`) under /tmp/oscar_site, put on PYTHONPATH, and the scripts run from
 # /tmp by absolute path, so that the repository's top-level `kernels/` folder can never be imported as `kernels`.
 set -uo pipefail
-[ $# -ge 1 ] || { sed -n 2,28p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n '2,/^#   paged/p' "$0"; exit 2; }
 R=$(cd "$(dirname "$0")/.." && pwd)
 SITE=/tmp/oscar_site
 rm -rf "$SITE" && mkdir -p "$SITE"
@@ -135,6 +137,10 @@ for what in "$@"; do
       run "profile_${GPU}_b${bt%:*}_t${bt#*:}" $PY "$B/profile_decode.py" --batch ${bt%:*} --context ${bt#*:} \
           --methods oscar bf16-static --out "$OUT/profile_${GPU}_b${bt%:*}_t${bt#*:}.json"
     done ;;
+  profile-fpheads)
+    # where the 8 INT8 retrieval heads' decode time goes (B=8/32K), against the same heads in BF16 and none
+    run "profile_${GPU}_fpheads_b8_t32768" $PY "$B/profile_decode.py" --batch 8 --context 32768 \
+        --methods oscar oscar-fp8 oscar-fp8-bf16 --out "$OUT/profile_${GPU}_fpheads_b8_t32768.json" ;;
   validate)
     run "gpu_validate_$GPU" $PY "$B/gpu_validate.py" --context 32768 --batch 2 --steps 8 --calib-tokens 0 \
         --out "$OUT/gpu_validate_$GPU.json" ;;

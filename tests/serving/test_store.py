@@ -137,7 +137,7 @@ def test_retrieval_heads_of_an_artifact(caplog):
     cfg = tiny_config("llama", num_hidden_layers=2)
     rot = OscarRotations.builtin(cfg, "hadamard")
     rot.retrieval_scores = torch.tensor([[0.1, 0.9], [0.6, 0.2]])
-    kw = dict(sink=4, recent=8, group_size=32, num_pages=8, page_size=4, max_history_bits=4.0)  # room for both
+    kw = dict(sink=4, recent=8, group_size=32, num_pages=8, page_size=4, max_history_bits=6.0)  # room for both (INT8)
     with caplog.at_level("WARNING", logger="oscar_hf"):
         store = OscarPagedStore(cfg, rot, **kw)
     assert store.config.full_precision_heads == 0 and "2 heads" in caplog.text
