@@ -1,11 +1,12 @@
 """Which part of the cache loses the 8K needles, and which levers bring them back.
 
 Every lever is a fake-quant view of the cache (:mod:`oscar_hf.eval.fakequant`): the defaults' artifact and coded
-retrieval heads (INT8 by default, ``--full-precision-bits``), with the keys or values of the INT2 heads read another way. Each locker needle (the unseen format
-of :mod:`oscar_hf.eval.needle`, pydoc haystack) is prefilled once, exactly, and every lever then scores the answer
-teacher-forced in one forward (:func:`oscar_hf.eval.needle.fast_answer_scores`): a needle counts when every answer
-token is the argmax (what greedy decoding of the right answer needs), and the answer's NLL is kept. On the 24 interior
-needles at 8K the count of the cache with INT4 heads equals its greedy exact-match count through the real cache (17).
+retrieval heads (INT8 by default, ``--full-precision-bits``), with the keys or values of the INT2 heads read another
+way. Each locker needle (the unseen format of :mod:`oscar_hf.eval.needle`, pydoc haystack) is prefilled once, exactly,
+and every lever then scores the answer teacher-forced in one forward (:func:`oscar_hf.eval.needle.fast_answer_scores`):
+a needle counts when every answer token is the argmax (what greedy decoding of the right answer needs), and the
+answer's NLL is kept. On the 24 interior needles at 8K the count of the cache with INT4 heads equals its greedy
+exact-match count through the real cache (17).
 
     python -P -m oscar_hf.eval.key_levers --artifact DIR --threads 2 --full-precision-bits 4
     python -P -m oscar_hf.eval.key_levers --artifact DIR --threads 2 --perplexity   # what each lever costs in ppl
@@ -172,8 +173,8 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
                 pairs |= rest
         whole = config.replace(full_precision_heads=tuple(sorted(pairs)))
         layers = sorted(i for i in worst if all((i, h) in pairs for h in range(fp.num_key_value_heads)))
-        out[f"whole INT{config.full_precision_bits} layers {layers}"] = (OscarSpec(model, rotations, whole),
-                                              history_bits(n, len(pairs), row, row, head))
+        out[f"whole INT{config.full_precision_bits} layers {layers}"] = (
+            OscarSpec(model, rotations, whole), history_bits(n, len(pairs), row, row, head))
     out["per-channel keys"] = (KeysOrValuesFrom(base, keys(axis="channel", clip=1.0)), bits(row))
     # the retrieval heads in the other width (INT8 beside INT4 defaults, INT4 beside INT8), as many as the budget keeps
     other = 4 if config.full_precision_bits == 8 else 8
