@@ -35,7 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--gguf-file", default=None)
     p.add_argument("--rotations", default=None, help="artifact dir or hub repo id; default: calibrate into --artifacts")
     p.add_argument("--artifacts", default=str(ROOT / "artifacts"), help="where a calibration made here is cached")
-    p.add_argument("--method", default="oscar", help="calibration method when calibrating (oscar, pca-kv, auto, ...)")
+    p.add_argument("--method", default="auto",
+                   help="calibration method when calibrating (auto, the library's default; oscar, pca-kv, ...)")
     p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--text", default=None, help="text file for prompts/evaluation (default: WikiText-2 test)")
     p.add_argument("--prompt-tokens", type=int, default=1536)
@@ -98,7 +99,7 @@ def main(argv=None):
         gens[name] = (tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True), time.time() - t)
         mem[name] = cache.memory_report()["total"] if isinstance(cache, OscarCache) else kv_bytes_dynamic(cache)
         if isinstance(cache, OscarCache):
-            report = cache.memory_report()
+            report, oscar_cache = cache.memory_report(), cache
 
     # -- perplexity of a held-out passage (after the generation prompt, disjoint from it)
     start = args.prompt_tokens + 512
@@ -120,8 +121,13 @@ def main(argv=None):
     for name in gens:
         print(f"{name:22s}{ppl[name]:12.3f}{(ppl[name] / base - 1) * 100:+9.2f}%{mem[name]:14,d}"
               f"{mem['BF16 DynamicCache'] / mem[name]:9.2f}x")
+    # the retrieval heads OscarCache keeps by default (full_precision_heads="auto", stored per full_precision_bits)
+    heads = sum(len(layer.fp_heads) for layer in oscar_cache.layers if hasattr(layer, "fp_heads"))
+    bits = oscar_cache.oscar_config.full_precision_bits
+    form = "model dtype" if bits == 16 else f"INT{bits}"
     print(f"\nOSCAR cache after generation: sink {report['sink']:,} B, recent {report['recent']:,} B, "
-          f"INT2 codes {report['history_codes']:,} B, metadata {report['history_meta']:,} B; "
+          f"INT2 codes {report['history_codes']:,} B, metadata {report['history_meta']:,} B, "
+          f"{heads} retrieval heads ({form}) {report['full_precision_heads']:,} B; "
           f"{report['bits_per_element']:.2f} bits/element overall, {report['history_bits_per_element']:.2f} in history "
           f"(perplexity over {args.ppl_tokens} tokens after a {args.ppl_context}-token context)")
     # The windows are a fixed cost: project the ratio to the model's full context length.
