@@ -7,6 +7,7 @@ from transformers.utils import logging as hf_logging
 
 import oscar_hf.eval.methods as methods_mod
 from oscar_hf import OscarRotations
+from oscar_hf.cache import OscarLayer
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.eval.fakequant import window_exact_mask
 from oscar_hf.eval.methods import OscarFamily, get_method
@@ -178,3 +179,30 @@ def test_default_perplexity_rows_count_the_heads_storage(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown --rows"):
         default_perplexity.main(["--artifact", str(tmp_path / "art"), "--rows", "int2-heads", "--out", str(tmp_path)],
                                 model=m, tokenizer=object())
+
+
+def test_fast_equals_token_by_token_head_dim_256_one_kv_head():
+    """The shapes nobody tuned the defaults on: head_dim 256 (4 groups of 64 per head), one KV head per layer,
+    sliding and full-attention layers (Gemma 3). The artifact's best-scoring full layer keeps its only head as INT8
+    codes (the default storage: a whole layer with no INT2 head), the other full layer is INT2, the sliding layers are
+    Transformers' own; the fake-quant view equals decoding token by token through that cache."""
+    model = tiny_model("gemma3_text", head_dim=256, num_attention_heads=2, num_key_value_heads=1, hidden_size=128,
+                       num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                       query_pre_attn_scalar=256, initializer_range=0.2)
+    rot = random_artifact(model)
+    rot.retrieval_scores = torch.tensor([[0.0], [0.9], [0.0], [0.6]])  # the full layers 1 and 3 pass 0.4
+    # 2 quantized KV heads: INT2 rows 2.5 bits, an INT8 head 8 + 32 / 256 = 8.125; a 6.0-bit cap keeps one
+    method = OscarFamily("oscar", rotations=rot, sink=2, recent=6, group_size=64, max_history_bits=6.0)
+    cache = method.make_cache(model)
+    assert cache.oscar_config.full_precision_heads == ((1, 0),) and cache.oscar_config.full_precision_bits == 8
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (1, 64))
+    with torch.no_grad():
+        model(ids[:, :40], **cache_kwargs(model, cache))
+    assert cache.layers[1].q_heads == () and cache.layers[1].fp_heads == (0,) and cache.layers[3].q_heads == (0,)
+    assert not isinstance(cache.layers[0], OscarLayer) and not isinstance(cache.layers[2], OscarLayer)  # sliding
+    assert cache.memory_report()["history_bits_per_element"] == pytest.approx((2.5 + 8.125) / 2)
+    f, c = both(model, ids, method, 20)
+    fp = fast_nll(model, ids, 20, None, return_token_nll=True)["token_nll"]
+    assert (f - c).abs().max() < 2e-5, (f - c).abs().max()
+    assert (f - fp).abs().max() > 1e-3  # the quantization is visible, so the equality is not vacuous
