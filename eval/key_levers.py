@@ -239,13 +239,20 @@ def ppl_report(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_results(out: Path, name: str, res: dict, text: str) -> None:
+    """``<name>.json`` (everything) and ``<name>.md`` (the command, then ``text``) under ``out``; ``text`` printed."""
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{name}.md").write_text(f"Command: `{res['command']}`\n\n" + text)
+    print(text)
+
+
 def main(argv=None):
     import argparse
     import sys
 
     from tqdm.auto import tqdm
 
-    from oscar_hf import OscarCache, OscarRotations
+    from oscar_hf import OscarCache
     from oscar_hf.config import FULL_PRECISION_BIT_CHOICES
     from oscar_hf.models import model_for_eval
 
@@ -273,10 +280,9 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok, _, _ = model_for_eval(None, None, torch.bfloat16)
-    rotations = OscarRotations.from_pretrained(args.artifact)
     over = {} if args.full_precision_bits is None else dict(full_precision_bits=args.full_precision_bits)
-    config = OscarCache.from_pretrained(args.artifact, model, **over).oscar_config  # the defaults, heads resolved
-    specs = levers(model, rotations, config)
+    cache = OscarCache.from_pretrained(args.artifact, model, **over)  # the defaults, heads resolved
+    specs = levers(model, cache.rotations, cache.oscar_config)
     if args.only:
         keep = [w.strip() for w in args.only.split(",")]
         specs = {k: v for j, (k, v) in enumerate(specs.items()) if j < 2 or any(w in k for w in keep)}
@@ -289,10 +295,7 @@ def main(argv=None):
         ppl = perplexities(model, tok, specs, args.windows, args.context)
         res = dict(command=command, windows=args.windows, context=args.context, texts=list(TEXTS),
                    artifact=str(args.artifact), levers={k: dict(bits=b, **ppl[k]) for k, (_, b) in specs.items()})
-        (out / f"{name}.json").write_text(json.dumps(res, indent=1))
-        text = ppl_report(res)
-        (out / f"{name}.md").write_text(f"Command: `{command}`\n\n" + text)
-        print(text)
+        write_results(out, name, res, ppl_report(res))
         return
     grid = (0.1, 0.3, 0.5, 0.7, 0.9)  # the needle grid's draws, so that these are the needle CLI's needles
     run = [float(d) for d in args.depths.split(",")]
@@ -313,10 +316,7 @@ def main(argv=None):
                            nll=sum(r["scores"][k]["nll"] for r in raw) / max(len(raw), 1))
                    for k, (_, b) in specs.items()}, raw=raw)
     name = args.name or "needle_key_levers_8k_smollm2_cpu"
-    (out / f"{name}.json").write_text(json.dumps(res, indent=1))
-    text = report(res)
-    (out / f"{name}.md").write_text(f"Command: `{command}`\n\n" + text)
-    print(text)
+    write_results(out, name, res, report(res))
 
 
 if __name__ == "__main__":

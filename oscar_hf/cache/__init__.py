@@ -130,18 +130,19 @@ class OscarCache(Cache):
         fp_heads = resolve_full_precision_heads(config, rotations, fp, skipped)
         if fp_heads:  # the saved / reported config names the heads, not "the top k"
             config = config.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in fp_heads.items() for h in hs)))
-        self.compiled = self._compiled_storage(compile, model_or_config if is_model else None, fp, config,
-                                               rotations, skipped, fp_heads)
+        # a layer whose every head is exact is Transformers' own layer; at INT4 / INT8 it stays an OSCAR layer with
+        # no INT2 head, so that it keeps the stored form (and the bits) it was chosen at
+        exact_layers = {i for i, hs in fp_heads.items()
+                        if len(hs) == fp.num_key_value_heads and config.full_precision_bits == 16}
+        self.compiled = self._compiled_storage(compile, model_or_config if is_model else None, fp, rotations, skipped,
+                                               exact_layers)
         layers: list[Any] = []
         for i, kind in enumerate(fp.layer_types):
             if kind in SLIDING_LAYER_TYPES:
                 window = getattr(text_cfg, "sliding_window", None) if kind == "sliding_attention" else text_cfg.attention_chunk_size
                 layers.append(self._sliding_layer(window))
             elif kind in FULL_LAYER_TYPES:
-                # a layer whose every head is exact is Transformers' own layer; at INT4 / INT8 it stays an OSCAR
-                # layer with no INT2 head, so that it keeps the stored form (and the bits) it was chosen at
-                if i in skipped or i not in rotations.layers or (len(fp_heads.get(i, ())) == fp.num_key_value_heads
-                                                                  and config.full_precision_bits == 16):
+                if i in skipped or i not in rotations.layers or i in exact_layers:
                     layers.append(self._full_precision_layer())
                 elif i in fp_heads:
                     layers.append(self._oscar_layer(config, rotations.layers[i], i, fp_heads[i]))
@@ -160,8 +161,7 @@ class OscarCache(Cache):
 
     max_cache_len_fixed: int | None = None  # StaticOscarCache's capacity
 
-    def _compiled_storage(self, compile, model, fp: ModelFingerprint, config: OscarConfig, rotations, skipped,
-                          fp_heads) -> bool:
+    def _compiled_storage(self, compile, model, fp: ModelFingerprint, rotations, skipped, exact_layers) -> bool:
         """Whether the full-attention layers get device-resident storage (:class:`StaticOscarLayer`)."""
         if compile is False:
             return False
@@ -172,8 +172,7 @@ class OscarCache(Cache):
         elif growable and any(i in skipped or i not in rotations.layers for i, k in enumerate(fp.layer_types)
                               if k in FULL_LAYER_TYPES):
             why = "layers kept in full precision (skip_layers, or layers without rotations)"
-        elif growable and config.full_precision_bits == 16 and any(len(h) == fp.num_key_value_heads
-                                                                    for h in fp_heads.values()):
+        elif growable and exact_layers:
             why = "a layer whose every KV head is a BF16 full-precision head (full_precision_bits=16)"
         elif model is not None and (getattr(model, "_tp_size", None) or 1) > 1:
             why = "tensor parallelism"
