@@ -14,15 +14,15 @@
 #   generate    compiled generate: B=8/32K (BF16 eager, BF16 static,     generate_<gpu>_b8_t32768.json,
 #               StaticOscarCache) and B=1 at 8K, 32K, 100K               generate_<gpu>_static_b1_t{8192,32768,100000}.json
 #   eager       eager generate: B=1 at 8K/32K/100K, B=8 at 8K/32K       generate_<gpu>_b1.json, generate_<gpu>_b8.json
-#   fpheads     decode cost of 8 full-precision KV heads as INT8,      generate_<gpu>_fpheads_int8_t32768.json
-#               INT4 and BF16, B=8/32K
+#   fpheads     decode cost of 8 and 25 INT8 retrieval heads read in   generate_<gpu>_fpheads_inplace_t32768.json
+#               place, B=8/32K
 #   quantizer   quantizer="std" vs "minmax": kernel tests, B=8/32K      gpu_tests_quantizer_<gpu>.log,
 #               prefill and decode of the default call                  generate_<gpu>_quantizer_t32768.json
 #   capacity    aggregate decode throughput at each cache's largest     capacity_<gpu>_40gib.json,
 #               batch in a 40 GiB KV budget at 32K                      capacity_<gpu>_40gib_bf16.json
 #   profile     torch.profiler of the default call's decode step vs      profile_<gpu>_b8_t32768.json,
 #               compiled StaticCache: B=8/32K and B=1/1K                 profile_<gpu>_b1_t1024.json
-#   profile-fpheads  the same, the default call with 8 INT8 / BF16   profile_<gpu>_fpheads_b8_t32768.json
+#   profile-fpheads  the same, the default call with 25 INT8         profile_<gpu>_fpheads_inplace_b8_t32768.json
 #               retrieval heads and none, B=8/32K
 #   validate    Triton/Gluon read path vs the torch reference in a      gpu_validate_<gpu>.json
 #               32K generate (B=2, left padding): per-layer outputs, logits
@@ -108,12 +108,12 @@ for what in "$@"; do
           --new-tokens 24 --out "$OUT/generate_${GPU}_b8.json"
     fi ;;
   fpheads)
-    # none / 8 heads stored as the library stores them (INT8), 8 as INT4 and 8 in BF16 (about 2 minutes each: one
-    # call; the first method also warms the kernels up). generate_<gpu>_fpheads_t32768.json (INT4 then the default)
-    # came from --methods oscar oscar-fp8-int4 oscar-fp8-bf16 oscar-fp26-int4
-    run "generate_${GPU}_fpheads_int8_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \
-        --methods oscar oscar-fp8 oscar-fp8-int4 oscar-fp8-bf16 --new-tokens 48 \
-        --out "$OUT/generate_${GPU}_fpheads_int8_t32768.json" ;;
+    # the retrieval heads' cost as the library stores and reads them (INT8 codes read in place): none, 8 and 25 heads
+    # of 288 (25: the most the default 3.0-bit cap admits on this shape), B=8/32K, one process (about 5 minutes).
+    # generate_<gpu>_fpheads_int8_t32768.json (the dequantize + matmul read it replaced) came from --methods oscar
+    # oscar-fp8 oscar-fp8-int4 oscar-fp8-bf16 --new-tokens 48 on the tree before kernels/heads_triton.py
+    run "generate_${GPU}_fpheads_inplace_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \
+        --methods oscar oscar-fp8 oscar-fp25 --new-tokens 32 --out "$OUT/generate_${GPU}_fpheads_inplace_t32768.json" ;;
   quantizer)
     # OscarConfig.quantizer="std" against the default "minmax": its kernels against the reference (write, append,
     # compiled static cache), then the default call's prefill and decode with each, twice, interleaved
@@ -138,9 +138,9 @@ for what in "$@"; do
           --methods oscar bf16-static --out "$OUT/profile_${GPU}_b${bt%:*}_t${bt#*:}.json"
     done ;;
   profile-fpheads)
-    # where the 8 INT8 retrieval heads' decode time goes (B=8/32K), against the same heads in BF16 and none
-    run "profile_${GPU}_fpheads_b8_t32768" $PY "$B/profile_decode.py" --batch 8 --context 32768 \
-        --methods oscar oscar-fp8 oscar-fp8-bf16 --out "$OUT/profile_${GPU}_fpheads_b8_t32768.json" ;;
+    # where 25 INT8 retrieval heads' decode time goes (B=8/32K), against none
+    run "profile_${GPU}_fpheads_inplace_b8_t32768" $PY "$B/profile_decode.py" --batch 8 --context 32768 --warmup 4 \
+        --steps 6 --methods oscar oscar-fp25 --out "$OUT/profile_${GPU}_fpheads_inplace_b8_t32768.json" ;;
   validate)
     run "gpu_validate_$GPU" $PY "$B/gpu_validate.py" --context 32768 --batch 2 --steps 8 --calib-tokens 0 \
         --out "$OUT/gpu_validate_$GPU.json" ;;

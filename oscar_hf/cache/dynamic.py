@@ -59,6 +59,7 @@ import logging
 
 import torch
 
+from oscar_hf.kernels.heads_attention import heads_decode_attention
 from oscar_hf.kernels.int2_attention import decode_attention_rotating
 from oscar_hf.kernels.write_path import rotate_quantize
 
@@ -291,18 +292,10 @@ class OscarLayer(QuantizedLayerBase):
                 tail_ok = tail_ok[None].expand(b, l, -1)
             ok = torch.cat([sink_ok, tail_ok], -1)  # [B, L, window]
             win_mask = ok[:, None] if l == 1 else mask_rows(ok, g)  # [B, 1, 1|M, window]
-        out_fp = None
-        if self.fp_heads:  # full-precision heads apart; the rest reads window + INT2 history below
-            out_fp = self.full_precision_heads_attention(query, new_k, new_v, win_k, win_v, ok, allowed, t_old,
-                                                         scaling)
-            qf, win_k, win_v = (x.index_select(1, self.q_idx) for x in (qf, win_k, win_v))
-
-        # 2. INT2 history, in the rotated space: q rotated once; + q.mu_K on logits; values rotated back once.
-        rot = self.rot
-        hist_k, hist_v = self.hist_view()
-        n = hist_k.codes.shape[2]
-        key_mask = None
-        hist_start = self.pad  # history entry j of row b is slot s0 + j; entries below pad[b] are sink or padding
+        # 2. the history's bounds: entry j of row b is slot s0 + j; entries below pad[b] are sink or padding
+        n = self.n_hist
+        key_mask = None  # None when a per-row start says all the mask says
+        hist_start = self.pad
         if allowed is not None:
             if l == 1 and _left_padding_only(attention_mask, allowed, t_old):
                 # the mask's padding prefix as a later start, not a key mask (same entries; on the GPU the Gluon kernel)
@@ -310,8 +303,24 @@ class OscarLayer(QuantizedLayerBase):
             else:
                 hm = allowed[:, :, s0 : s0 + n]
                 key_mask = hm[:, None] if l == 1 else mask_rows(hm, g)
+        out_fp = None
+        if self.fp_heads:  # full-precision heads apart; the rest reads window + INT2 history below
+            if l == 1 and key_mask is None:  # a decode step: their codes read in place
+                self.write_full_precision_heads(new_k, new_v, t_old)
+                out_fp = heads_decode_attention(
+                    group_queries(query, hk), self.fp_idx, self.fp_k, self.fp_v, self.config.full_precision_bits,
+                    s0 + hist_start, self.tail_start, win_k, win_v, None if ok is None else ok[:, 0], scaling,
+                    query.dtype, use_kernels=self.config.use_kernels)
+            else:
+                out_fp = self.full_precision_heads_attention(query, new_k, new_v, win_k, win_v, ok, allowed, t_old,
+                                                             scaling)
+            qf, win_k, win_v = (x.index_select(1, self.q_idx) for x in (qf, win_k, win_v))
+
+        # 3. INT2 history, in the rotated space: q rotated once; + q.mu_K on logits; values rotated back once.
+        rot = self.rot
+        hist_k, hist_v = self.hist_view()
         mu_k, mu_v = self.offsets()
-        # 1 + 2 merged by log-sum-exp, the query rotated inside: three Triton launches on CUDA (rotation + window,
+        # 1 + 3 merged by log-sum-exp, the query rotated inside: three Triton launches on CUDA (rotation + window,
         # split-K history, combine), torch reference elsewhere.
         out = decode_attention_rotating(
             qf, rot.r_k, mu_k, hist_k, hist_v, hist_start, key_mask, scaling, self.config.group_size,

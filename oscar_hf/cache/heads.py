@@ -1,6 +1,7 @@
-"""Storage of a layer's full-precision (retrieval) heads: every slot of their keys and values, read back in the
-model dtype for one SDPA call over them (:meth:`OscarLayer.full_precision_heads_attention`,
-``StaticOscarLayer._merge_full_precision_heads``).
+"""Storage of a layer's full-precision (retrieval) heads: every slot of their keys and values. A decode step reads
+them in place (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`: a fused split-K kernel on CUDA, no
+dequantized copy); a multi-token forward reads them back in the model dtype for one SDPA call (:func:`decode`,
+:func:`attention`).
 
 ``OscarConfig.full_precision_bits`` picks the form, per K or V, ``P`` heads, ``N`` slots:
 

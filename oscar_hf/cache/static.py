@@ -34,6 +34,7 @@ import math
 import torch
 
 from oscar_hf.kernels import triton_enabled
+from oscar_hf.kernels.heads_attention import heads_decode_attention
 from oscar_hf.kernels.int2_attention import decode_attention_rotating
 from oscar_hf.kernels.static_op import append_token_op, write_slot_op
 from oscar_hf.kernels.write_path import rotate_quantize
@@ -292,26 +293,25 @@ class StaticOscarLayer(QuantizedLayerBase):
             use_kernels=cfg.use_kernels, n_valid=n_valid, splits=None,
         )
         if self.fp_heads:
-            out = self._merge_full_precision_heads(out, qf, t, win_mask[:, 0, 0], scaling)
+            out = self._merge_full_precision_heads(out, query, t, win_mask[:, 0, 0], scaling)
         self.length.add_(1)
         return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
 
-    def _merge_full_precision_heads(self, out_q, qf, t, win_ok, scaling: float) -> torch.Tensor:
-        """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and one SDPA of the full-precision heads over their
-        history slots ``[S0 + pad, T - W)`` as stored (``full_precision_bits``) and the window every head reads
-        exactly (``win_ok [B, S0 + R]``, :meth:`window_mask`); static shapes (the whole capacity, masked)."""
-        s0 = self.config.sink
-        hist_k, hist_v = (x[:, :, s0:] for x in self.full_precision_kv(self.capacity))  # [B, P, capacity - S0, D]
-        slot = torch.arange(s0, self.capacity, device=self.device)
-        hist_ok = (slot[None, :] >= s0 + self.pad[:, None]) & (slot[None, :] < t - self.config.recent)
-        ok = torch.cat([hist_ok, win_ok], 1)[:, None, None, :]  # [B, 1, 1, capacity - S0 + S0 + R]
-        keys = torch.cat([hist_k, self.win_k.index_select(1, self.fp_idx)], 2)
-        values = torch.cat([hist_v, self.win_v.index_select(1, self.fp_idx)], 2)
-        out_fp = heads.attention(qf.index_select(1, self.fp_idx).to(self.dtype), keys, values, ok, scaling)
-        b, hk, m, d = qf.shape
-        full = out_q.new_empty(b, hk, m, d)
+    def _merge_full_precision_heads(self, out_q, query, t, win_ok, scaling: float) -> torch.Tensor:
+        """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and the full-precision heads' read of their codes in place
+        (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`) over their history slots
+        ``[S0 + pad, T - W)`` and the window every head reads exactly (``win_ok [B, S0 + R]``, :meth:`window_mask`)."""
+        cfg = self.config
+        hi = t - cfg.recent  # 0-d device tensor: the CUDA graph stays valid while T grows
+        if not _compiling() and not triton_enabled(query, cfg.use_kernels):
+            hi = int(hi)  # eager reference: read only the filled part
+        q = group_queries(query, self.num_kv_heads)  # [B, Hk, g, D] in the model dtype
+        out_fp = heads_decode_attention(q, self.fp_idx, self.fp_k, self.fp_v, cfg.full_precision_bits,
+                                        cfg.sink + self.pad, hi, self.win_k, self.win_v, win_ok, scaling,
+                                        out_q.dtype, use_kernels=cfg.use_kernels)
+        full = out_q.new_empty(out_q.shape[0], self.num_kv_heads, *out_q.shape[2:])
         full.index_copy_(1, self.q_idx, out_q)
-        full.index_copy_(1, self.fp_idx, out_fp.to(out_q.dtype))
+        full.index_copy_(1, self.fp_idx, out_fp)
         return full
 
     def _multi_token(self, query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs):

@@ -89,6 +89,7 @@ def compile_call(fn, args, kw, cuda_kw, sass=False):
 def main():
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
     from oscar_hf.kernels import decode_triton as dt
+    from oscar_hf.kernels import heads_triton as ht
     from oscar_hf.kernels import query_triton as qt
     from oscar_hf.kernels import write_triton as wt
     from oscar_hf.kernels.plan import DEFAULTS
@@ -99,6 +100,8 @@ def main():
     dt._split_kernel, dt._combine_kernel, wt._rotate_quantize_kernel = split, comb, write
     rotq = Recorder(qt._rotate_query_kernel)
     qt._rotate_query_kernel = rotq
+    hsplit, hcomb = Recorder(ht._heads_split_kernel), Recorder(ht._heads_combine_kernel)
+    ht._heads_split_kernel, ht._heads_combine_kernel = hsplit, hcomb
     g0 = torch.Generator().manual_seed(0)
     labels = []
 
@@ -141,6 +144,21 @@ def main():
     qt.rotate_query_triton(torch.randn(2, 8, 4, 128, generator=g0), torch.randn(8, 128, 128, generator=g0),
                            torch.randn(8, 128, generator=g0))
     qt.rotate_query_triton(torch.randn(1, 2, 1, 256, generator=g0), torch.randn(2, 256, 256, generator=g0), None)
+    # the retrieval heads' read at the benchmark shape (B = 8, 2 coded heads of 128, GQA 4, a 385-entry window), every
+    # stored form, the history bound on the device (the compiled step) and on the host (eager)
+    from oscar_hf.quant import pack_int4, quantize_minmax
+
+    heads_labels = []
+    for bits in (8, 4, 16):
+        for hi in (torch.tensor(3000), 3000):
+            x = torch.randn(8, 2, 4096, 128, generator=g0).bfloat16()
+            qm = quantize_minmax(x, bits, torch.bfloat16) if bits != 16 else None
+            st = (x,) if bits == 16 else ((pack_int4(qm.codes) if bits == 4 else qm.codes), qm.scale, qm.zero)
+            wk = torch.randn(8, 8, 385, 128, generator=g0).bfloat16()
+            ht.heads_decode_triton(torch.randn(8, 8, 4, 128, generator=g0).bfloat16(), torch.tensor([1, 5]), st, st,
+                                   bits, torch.zeros(8, dtype=torch.int64), hi, wk, wk,
+                                   torch.ones(8, 385, dtype=torch.bool), 0.1, torch.bfloat16)
+            heads_labels.append(f"heads bits={bits} hi_dev={isinstance(hi, torch.Tensor)}")
     # what the launch sets on a GPU only (a CPU tensor's launch, recorded here, sets the interpreter's values)
     cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3", "ASM": 1}
     for i, (grid, args, kw) in enumerate(split.calls):
@@ -168,6 +186,10 @@ def main():
                "SW_BLOCK": 16 if hoist else 1, "PARTS": parts, "PDL": 1}
         print(json.dumps({"kernel": "combine", "case": f"decode op s_block={s_block} warps={warps} c_block={c_block}"
                           f" hoist={hoist} parts={parts}", **compile_call(comb.fn, args, kw2, cuda_kw)}))
+    for lab, (grid, args, kw) in zip(heads_labels, hsplit.calls):
+        print(json.dumps({"kernel": "heads_split", "case": lab, **compile_call(hsplit.fn, args, kw, {"OP": 1})}))
+    grid, args, kw = hcomb.calls[0]
+    print(json.dumps({"kernel": "heads_combine", "case": heads_labels[0], **compile_call(hcomb.fn, args, kw, {})}))
     for grid, args, kw in rotq.calls:
         print(json.dumps({"kernel": "rotate_query", "case": f"d={kw['D']} m_pad={kw['M_PAD']}",
                           **compile_call(rotq.fn, args, kw, cuda_kw)}))

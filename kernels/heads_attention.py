@@ -1,0 +1,129 @@
+"""Read path of the retrieval heads: a decode step's attention of a layer's full-precision heads over their coded
+history, read in place, and the exact window every head shares.
+
+A layer keeps ``P`` of its ``Hk`` KV heads out of the INT2 history (``OscarConfig.full_precision_heads``) and stores
+every slot of them as ``bits``-bit codes with one scale and one zero per token and head (8 or 4 bits, unrotated
+min-max: ``x ~ zero + code * scale``), or in the model dtype (16 bits); :mod:`oscar_hf.cache.heads` writes them.
+``heads_decode_attention(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling)`` with
+
+* ``q [B, Hk, M, D]``: every KV head's query rows (``M = g * q_len``, query-head-major), unrotated;
+* ``heads [P]`` int64: which KV heads are the coded ones (the index into ``q``, ``win_k``, ``win_v``);
+* ``k``, ``v``: the coded store, tuples ``(codes [B, P, N, D * bits / 8] uint8, scale [B, P, N, 1], zero [B, P, N,
+  1])`` (INT4: channel ``j`` in byte ``j``'s low nibble, ``j + D/2`` in its high one) or ``(x [B, P, N, D],)`` at 16
+  bits; slot ``s`` at index ``s``;
+* ``lo [B]`` int, ``hi`` an int, a 0-d or a ``[B]`` int device tensor: row ``b`` reads history slots
+  ``lo[b] <= s < hi`` (``hi[b]``); a device-side ``hi`` keeps the call valid inside a CUDA graph while the cache grows;
+* ``block_table`` None (the store's rows are ``[B, P, N, *]``, slot ``s`` at index ``s``) or int ``[B, pages]``: the
+  store is paged, parts ``[num_pages, P, page_size, *]``, slot ``s`` of row ``b`` at offset ``s % page_size`` of
+  page ``block_table[b, s // page_size]`` (the serving store); ``max_len``: the longest ``hi`` (sizes the grid);
+* ``win_k/win_v [B, Hk, W, D]`` (model dtype) and ``win_mask`` bool ``[B, W]`` or None: the window (sink, recent,
+  the new token) that every head reads exactly;
+
+returns ``[B, P, M, D]`` in ``out_dtype``: ``softmax(scaling * q k^T) v`` over the history and the window. Rows with
+no valid key give 0. On CUDA one split-K Triton launch streams the codes (``heads_triton``: logits ``scale * (q .
+code) + zero * sum(q)``, values ``(p * scale) . code + sum(p * zero)``, no dequantized copy) and a second merges the
+splits; elsewhere the torch reference below dequantizes ``block_n`` tokens at a time.
+"""
+from __future__ import annotations
+
+import torch
+
+from oscar_hf.quant import unpack_int4
+
+from .int2_attention import NEG_INF, empty_partial, merge_partials, partial_from_logits
+from .plan import triton_enabled
+
+
+def dequantize_heads(parts: tuple[torch.Tensor, ...], bits: int) -> torch.Tensor:
+    """A coded store's slots (``parts`` sliced to ``n`` slots) -> ``[B, P, n, D]`` float32."""
+    if bits == 16:
+        return parts[0].float()
+    codes, scale, zero = parts
+    if bits == 4:
+        codes = unpack_int4(codes)
+    return zero.float() + codes.float() * scale.float()
+
+
+def check_heads_args(q, heads, k, v, bits, win_k, win_mask, block_table=None) -> None:
+    """Shapes and forms the read takes: a clear error at the call, never a wrong read."""
+    if bits not in (4, 8, 16):
+        raise ValueError(f"retrieval heads are stored at 4, 8 or 16 bits, got {bits}")
+    if len(k) != (1 if bits == 16 else 3) or len(v) != len(k):
+        raise ValueError(f"a {bits}-bit head store has {1 if bits == 16 else 3} parts, got {len(k)} / {len(v)}")
+    b, hk, _, d = q.shape
+    p = heads.numel()
+    rows = b if block_table is None else k[0].shape[0]  # rows, or pages of a paged store
+    want = d if bits == 16 else d * bits // 8
+    for x in (*k, *v):
+        if x.shape[:2] != (rows, p) or x.shape[2] != k[0].shape[2]:
+            raise ValueError(f"head store part {tuple(x.shape)} does not match {(rows, p, k[0].shape[2])} "
+                             f"({'pages' if block_table is not None else 'B'}, P, slots)")
+    if k[0].shape[-1] != want:
+        raise ValueError(f"{bits}-bit head codes of head_dim {d} have {want} columns, got {k[0].shape[-1]}")
+    if block_table is not None and (block_table.dim() != 2 or block_table.shape[0] != b):
+        raise ValueError(f"block table {tuple(block_table.shape)} is not [B, pages] with B = {b}")
+    if win_k.shape[:2] != (b, hk) or win_k.shape[-1] != d:
+        raise ValueError(f"window {tuple(win_k.shape)} does not match queries {tuple(q.shape)}")
+    if win_mask is not None and win_mask.shape != (b, win_k.shape[2]):
+        raise ValueError(f"window mask {tuple(win_mask.shape)} is not [B, W] = {(b, win_k.shape[2])}")
+
+
+def gather_pages(parts: tuple[torch.Tensor, ...], block_table: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A paged store's parts ``[num_pages, P, page_size, *]`` -> each row's slots in order ``[B, P, pages *
+    page_size, *]`` (the reference's copy; unused table entries, < 0, read page 0 and are masked by ``hi``)."""
+    b, n_pages = block_table.shape
+    ids = block_table.long().clamp(min=0).reshape(-1)
+    out = []
+    for x in parts:
+        g = x.index_select(0, ids).view(b, n_pages, *x.shape[1:])  # [B, pages, P, page_size, X]
+        out.append(g.transpose(1, 2).reshape(b, x.shape[1], n_pages * x.shape[2], x.shape[3]))
+    return tuple(out)
+
+
+def heads_decode_reference(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float,
+                           out_dtype=None, block_n: int = 1024, block_table=None) -> torch.Tensor:
+    """Torch reference of :func:`heads_decode_attention` (float32 math; the history dequantized ``block_n`` slots at
+    a time and merged by the online-softmax rule, as the kernel does in registers)."""
+    if block_table is not None:
+        k, v = gather_pages(k, block_table), gather_pages(v, block_table)
+    qh = q.index_select(1, heads).float()  # [B, P, M, D]
+    b, n = qh.shape[0], k[0].shape[2]
+    # a device-side hi is masked (no host sync: the compiled CPU step runs this), a host one cuts the loop
+    end = n if isinstance(hi, torch.Tensor) else min(n, int(hi))
+    if isinstance(hi, torch.Tensor):
+        hi = hi.to(qh.device).reshape(-1, 1, 1, 1)  # one bound, or one per row
+    lo = lo.to(qh.device).reshape(b, 1, 1, 1)
+    part = empty_partial(qh)
+    for j0 in range(0, end, block_n):
+        j1 = min(end, j0 + block_n)
+        kb, vb = (dequantize_heads(tuple(x[:, :, j0:j1] for x in s), bits) for s in (k, v))
+        logits = torch.matmul(qh, kb.transpose(-1, -2)) * scaling  # [B, P, M, nb]
+        pos = torch.arange(j0, j1, device=qh.device)
+        logits = logits.masked_fill((pos < lo) | (pos >= hi), NEG_INF)
+        part = merge_partials([part, partial_from_logits(logits, vb)])
+    wk, wv = (x.index_select(1, heads).float() for x in (win_k, win_v))  # [B, P, W, D]
+    logits = torch.matmul(qh, wk.transpose(-1, -2)) * scaling
+    if win_mask is not None:
+        logits = logits.masked_fill(~win_mask[:, None, None, :], NEG_INF)
+    _, l, acc = merge_partials([part, partial_from_logits(logits, wv)])
+    out = acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)
+    return out.to(out_dtype or q.dtype)
+
+
+def heads_decode_attention(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float,
+                           out_dtype=None, use_kernels="auto", block_table=None, max_len=None) -> torch.Tensor:
+    """Dispatch: the two Triton launches on CUDA (through the opaque op ``oscar::heads_decode`` while ``torch.compile``
+    traces, :mod:`.static_op`), the reference elsewhere. Arguments: the module docstring."""
+    check_heads_args(q, heads, k, v, bits, win_k, win_mask, block_table)
+    out_dtype = out_dtype or q.dtype
+    if triton_enabled(q, use_kernels) and q.shape[2] <= 64:
+        if block_table is not None:  # (the serving store: eager, never traced)
+            from .heads_triton import heads_decode_triton
+
+            return heads_decode_triton(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
+                                       block_table=block_table, max_len=max_len)
+        from .static_op import heads_decode_op
+
+        return heads_decode_op(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype)
+    return heads_decode_reference(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
+                                  block_table=block_table)

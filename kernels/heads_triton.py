@@ -1,0 +1,280 @@
+"""Triton kernels of the retrieval heads' decode read (:mod:`.heads_attention`): a split kernel and a combine.
+
+Program ``(bp, s)`` of :func:`_heads_split_kernel` (grid ``(B * P, S + 1)``, ``bp = b * P + p``) reads coded head
+``p`` of row ``b`` (KV head ``heads[p]`` of the query and the window): programs ``s < S`` stream history slots
+``[s * L, (s + 1) * L)`` clipped to ``[lo[b], hi)`` in blocks of ``BLOCK_N``; program ``S`` reads the window. Each
+keeps a running max / sum / accumulator for the ``M`` query rows of the head (padded to ``M_PAD >= 16`` for
+``tl.dot``) and writes one online-softmax partial; :func:`_heads_combine_kernel` merges a row's ``S + 1`` partials
+and normalizes.
+
+A coded block is never dequantized: with ``x = zero + code * scale`` per token,
+``q . x = scale * (q . code) + zero * sum(q)`` and ``sum_n p_n x_n = (p * scale) . code + sum_n p_n zero_n``, so the
+tensor cores take the codes themselves (exact in bf16 / fp16 up to 255) and the metadata scales a ``[M_PAD, BLOCK_N]``
+tile. INT4 bytes hold channel ``j`` (low nibble) and ``j + D/2`` (high), so the query, window and accumulator are
+handled as two halves of ``DC = D / 2`` channels (``NPL = 2`` planes); INT8 and 16 bits have one plane of ``D``.
+Logits are in base 2 (``qk_scale = scaling * log2(e)``, applied to the float32 logits so that the query stays exact in
+its dtype). ``hi`` is read on the device under CUDA graphs and in the paged store (``HI_DEV``; one bound, or one per
+row): the grid is sized by the storage's capacity (or the batch's longest history) and splits past a row's ``hi``
+write an empty partial. ``PAGE > 0``: the store is paged (the serving store), slot ``n`` of row ``b`` at offset
+``n % PAGE`` of page ``block_table[b, n // PAGE]``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from .plan import cdiv, device_sms, pow2_at_least, wave_splits
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsDefaults:
+    """Tunables of the heads' read (measured on H100 / H200: docs/kernels.md, "Retrieval heads")."""
+
+    block_n: int = 64  # slots per inner step
+    num_warps: int = 4
+    num_stages: int = 3
+    min_split: int = 256  # never fewer history slots per split
+    max_waves: int = 4
+    resident: int = 3  # split programs an SM holds at once (the wave model's slots): 168 registers x 4 warps
+    merge_block: int = 64  # partials merged per step of the combine
+
+
+HEADS_DEFAULTS = HeadsDefaults()
+_OPS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
+
+
+@triton.jit
+def _op(x, OP: tl.constexpr):
+    """Dot operand: bf16 (1) / fp16 (2) on the GPU, float32 (0) for float32 models and the interpreter."""
+    if OP == 1:
+        return x.to(tl.bfloat16)
+    elif OP == 2:
+        return x.to(tl.float16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _online(logit, valid, m_i, l_i):
+    """One block's softmax step: ``(p, alpha, m_new, l_new)``; masked entries and empty rows give 0, never NaN."""
+    logit = tl.where(valid[None, :], logit, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logit, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(logit - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _history_part(qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI, BT, b, p, s,
+                  skb, skp, skn, sksb, sksp, sksn, svb, svp, svn, svsb, svsp, svsn, shi, sbt, hi_host, split_len,
+                  qk_scale, DC: tl.constexpr, NPL: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
+                  HI_DEV: tl.constexpr, PAGE: tl.constexpr, OP: tl.constexpr):
+    """History split ``s``: slots ``[s * split_len, (s + 1) * split_len)`` within ``[lo[b], hi[b])``, read as codes.
+    ``PAGE > 0``: the store is paged, slot ``n`` of row ``b`` at offset ``n % PAGE`` of page ``BT[b, n // PAGE]`` (the
+    ``b`` strides are then the page strides)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, DC)
+    lo = tl.load(LO + b).to(tl.int32)
+    if HI_DEV:
+        hi = tl.load(HI + b * shi).to(tl.int32)
+    else:
+        hi = hi_host
+    n_lo = tl.maximum(s * split_len, lo)
+    n_hi = tl.minimum((s + 1) * split_len, hi)
+    qsum = tl.sum(qa.to(tl.float32), 1)
+    if NPL == 2:
+        qsum += tl.sum(qb.to(tl.float32), 1)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs = n0 + offs_n
+        valid = offs < n_hi
+        if PAGE > 0:  # (row, slot) -> (page, offset): the block table's entry, then the slot's place in that page
+            page = tl.load(BT + b * sbt + offs // PAGE, mask=valid, other=0).to(tl.int64)
+            slot = offs % PAGE
+            k_row, v_row = page * skb + slot * skn, page * svb + slot * svn
+            ks_row, vs_row = page * sksb + slot * sksn, page * svsb + slot * svsn
+        else:
+            k_row, v_row = b * skb + offs * skn, b * svb + offs * svn
+            ks_row, vs_row = b * sksb + offs * sksn, b * svsb + offs * svsn
+        kt = tl.load(KC + p * skp + k_row[:, None] + offs_c[None, :], mask=valid[:, None], other=0)  # [BLOCK_N, DC]
+        vt = tl.load(VC + p * svp + v_row[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
+        if BITS == 16:
+            logit = tl.dot(_op(qa, OP), tl.trans(_op(kt, OP)))
+            pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i)
+            acc_a = acc_a * alpha[:, None] + tl.dot(_op(pr, OP), _op(vt, OP))
+        else:
+            ks = tl.load(KS + p * sksp + ks_row, mask=valid, other=0.0).to(tl.float32)
+            kz = tl.load(KZ + p * sksp + ks_row, mask=valid, other=0.0).to(tl.float32)
+            vs = tl.load(VS + p * svsp + vs_row, mask=valid, other=0.0).to(tl.float32)
+            vz = tl.load(VZ + p * svsp + vs_row, mask=valid, other=0.0).to(tl.float32)
+            if BITS == 8:
+                qc = tl.dot(_op(qa, OP), tl.trans(_op(kt, OP)))
+            else:
+                qc = tl.dot(_op(qa, OP), tl.trans(_op(kt & 15, OP)))
+                qc += tl.dot(_op(qb, OP), tl.trans(_op(kt >> 4, OP)))
+            logit = qc * ks[None, :] + qsum[:, None] * kz[None, :]
+            pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i)
+            ps = _op(pr * vs[None, :], OP)
+            zsum = tl.sum(pr * vz[None, :], 1)[:, None]
+            if BITS == 8:
+                acc_a = acc_a * alpha[:, None] + tl.dot(ps, _op(vt, OP)) + zsum
+            else:
+                acc_a = acc_a * alpha[:, None] + tl.dot(ps, _op(vt & 15, OP)) + zsum
+                acc_b = acc_b * alpha[:, None] + tl.dot(ps, _op(vt >> 4, OP)) + zsum
+    return m_i, l_i, acc_a, acc_b
+
+
+@triton.jit
+def _window_part(qa, qb, m_i, l_i, acc_a, acc_b, WK, WV, WM, b, h, swb, swh, swn, swvb, swvh, swvn, smb, W,
+                 qk_scale, DC: tl.constexpr, NPL: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WMASK: tl.constexpr,
+                 OP: tl.constexpr):
+    """The window: exact keys and values in the model dtype, entries masked by ``WM``."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, DC)
+    kbase = WK + b * swb + h * swh
+    vbase = WV + b * swvb + h * swvh
+    for n0 in range(0, W, BLOCK_N):
+        offs = n0 + offs_n
+        inb = offs < W
+        valid = inb
+        if HAS_WMASK:
+            valid = valid & (tl.load(WM + b * smb + offs, mask=inb, other=0) != 0)
+        kptr = kbase + offs[:, None] * swn + offs_c[None, :]
+        vptr = vbase + offs[:, None] * swvn + offs_c[None, :]
+        logit = tl.dot(_op(qa, OP), tl.trans(_op(tl.load(kptr, mask=inb[:, None], other=0.0), OP)))
+        if NPL == 2:
+            logit += tl.dot(_op(qb, OP), tl.trans(_op(tl.load(kptr + DC, mask=inb[:, None], other=0.0), OP)))
+        pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i)
+        acc_a = acc_a * alpha[:, None] + tl.dot(_op(pr, OP), _op(tl.load(vptr, mask=inb[:, None], other=0.0), OP))
+        if NPL == 2:
+            acc_b = acc_b * alpha[:, None] + tl.dot(_op(pr, OP),
+                                                    _op(tl.load(vptr + DC, mask=inb[:, None], other=0.0), OP))
+    return m_i, l_i, acc_a, acc_b
+
+
+@triton.jit
+def _heads_split_kernel(
+    Q, HEADS, KC, KS, KZ, VC, VS, VZ, LO, HI, BT, WK, WV, WM, PM, PL, PACC,
+    sqb, sqh, sqm, skb, skp, skn, sksb, sksp, sksn, svb, svp, svn, svsb, svsp, svsn, shi, sbt,
+    swb, swh, swn, swvb, swvh, swvn, smb, P, M, W, hi_host, split_len, s_hist, qk_scale,
+    DC: tl.constexpr, NPL: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
+    HI_DEV: tl.constexpr, PAGE: tl.constexpr, HAS_WMASK: tl.constexpr, OP: tl.constexpr,
+):
+    bp = tl.program_id(0)
+    s = tl.program_id(1)
+    b = (bp // P).to(tl.int64)  # (row offsets of large caches pass 2**31)
+    p = bp % P
+    h = tl.load(HEADS + p)
+    offs_m = tl.arange(0, M_PAD)
+    offs_c = tl.arange(0, DC)
+    qrow = (offs_m < M)[:, None]
+    qptr = Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_c[None, :]
+    qa = tl.load(qptr, mask=qrow, other=0.0)  # [M_PAD, DC] channels [0, DC)
+    qb = qa
+    if NPL == 2:
+        qb = tl.load(qptr + DC, mask=qrow, other=0.0)  # channels [DC, D)
+    m_i = tl.full([M_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([M_PAD], tl.float32)
+    acc_a = tl.zeros([M_PAD, DC], tl.float32)
+    acc_b = tl.zeros([M_PAD, DC], tl.float32)
+    if s < s_hist:
+        m_i, l_i, acc_a, acc_b = _history_part(
+            qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI, BT, b, p, s,
+            skb, skp, skn, sksb, sksp, sksn, svb, svp, svn, svsb, svsp, svsn, shi, sbt, hi_host, split_len, qk_scale,
+            DC, NPL, BLOCK_N, BITS, HI_DEV, PAGE, OP)
+    else:
+        m_i, l_i, acc_a, acc_b = _window_part(
+            qa, qb, m_i, l_i, acc_a, acc_b, WK, WV, WM, b, h, swb, swh, swn, swvb, swvh, swvn, smb, W, qk_scale,
+            DC, NPL, BLOCK_N, HAS_WMASK, OP)
+    s_tot = tl.num_programs(1)
+    part = bp * s_tot + s
+    tl.store(PM + part * M_PAD + offs_m, m_i)
+    tl.store(PL + part * M_PAD + offs_m, l_i)
+    aptr = PACC + (part * M_PAD + offs_m[:, None]) * (NPL * DC) + offs_c[None, :]
+    tl.store(aptr, acc_a, mask=qrow)
+    if NPL == 2:
+        tl.store(aptr + DC, acc_b, mask=qrow)
+
+
+@triton.jit
+def _heads_combine_kernel(PM, PL, PACC, OUT, M, S_TOT, M_PAD: tl.constexpr, D: tl.constexpr,
+                          S_BLOCK: tl.constexpr):
+    """Program ``bp * M + row``: the log-sum-exp merge of the row's ``S_TOT`` partials, normalized (0 when empty)."""
+    pid = tl.program_id(0)
+    bp = pid // M
+    row = pid % M
+    offs_s = tl.arange(0, S_BLOCK)
+    offs_d = tl.arange(0, D)
+    m_run = tl.full([1], float("-inf"), tl.float32)
+    l_run = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, S_TOT, S_BLOCK):
+        ss = s0 + offs_s
+        ok = ss < S_TOT
+        part = (bp * S_TOT + ss) * M_PAD + row
+        mv = tl.load(PM + part, mask=ok, other=float("-inf"))
+        lv = tl.load(PL + part, mask=ok, other=0.0)
+        av = tl.load(PACC + part[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)  # [S_BLOCK, D]
+        m_new = tl.maximum(m_run, tl.max(mv, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(mv - m_safe)  # [S_BLOCK]
+        alpha = tl.exp2(m_run - m_safe)  # [1]
+        l_run = l_run * alpha + tl.sum(w * lv, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * av, 0)
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)
+    tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty))
+
+
+def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float, out_dtype,
+                        block_table=None, max_len=None, defaults: HeadsDefaults = HEADS_DEFAULTS) -> torch.Tensor:
+    """:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention` in two launches (arguments checked there)."""
+    df = defaults
+    b, _, m, d = q.shape
+    p, w = heads.numel(), win_k.shape[2]
+    dev = q.device
+    q, win_k, win_v = _last_contiguous(q), _last_contiguous(win_k), _last_contiguous(win_v)
+    kc, vc = _last_contiguous(k[0]), _last_contiguous(v[0])
+    ks, kz, vs, vz = (k[1], k[2], v[1], v[2]) if bits != 16 else (kc, kc, vc, vc)  # (unused at 16 bits)
+    if ks.stride() != kz.stride() or vs.stride() != vz.stride():
+        raise ValueError("a head store's scale and zero must share their strides")
+    npl = 2 if bits == 4 else 1
+    m_pad = pow2_at_least(m, 16)
+    page = 0 if block_table is None else kc.shape[2]
+    n = kc.shape[2] if block_table is None else block_table.shape[1] * page  # slots the store can address per row
+    hi_dev = isinstance(hi, torch.Tensor)
+    n_hist = min(n, int(max_len)) if max_len is not None else n if hi_dev else max(0, min(n, int(hi)))
+    s_hist = 0 if n_hist == 0 else wave_splits(n_hist, b * p, device_sms(dev), df.block_n, df.min_split, df.max_waves,
+                                               df.resident)
+    split_len = cdiv(cdiv(n_hist, s_hist), df.block_n) * df.block_n if s_hist else 0
+    s_tot = s_hist + 1
+    pm = torch.empty(b * p, s_tot, m_pad, dtype=torch.float32, device=dev)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty(b * p, s_tot, m_pad, d, dtype=torch.float32, device=dev)
+    op = _OPS[q.dtype] if q.is_cuda else 0
+    lo = lo.reshape(b)
+    wm = win_mask if win_mask is not None else lo  # (placeholder pointers where there is no mask / table / hi)
+    bt = block_table if block_table is not None else lo
+    hi_t = hi.reshape(-1) if hi_dev else lo
+    _heads_split_kernel[(b * p, s_tot)](
+        q, heads, kc, ks, kz, vc, vs, vz, lo, hi_t, bt, win_k, win_v, wm, pm, pl, pacc,
+        q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1),
+        ks.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
+        hi_t.stride(0) if hi_dev and hi_t.numel() > 1 else 0, bt.stride(0) if block_table is not None else 0,
+        win_k.stride(0), win_k.stride(1), win_k.stride(2), win_v.stride(0), win_v.stride(1), win_v.stride(2),
+        wm.stride(0) if win_mask is not None else 0,
+        p, m, w, 0 if hi_dev else n_hist, split_len, s_hist, float(scaling) * 1.4426950408889634,
+        DC=d // npl, NPL=npl, M_PAD=m_pad, BLOCK_N=df.block_n, BITS=bits, HI_DEV=hi_dev, PAGE=page,
+        HAS_WMASK=win_mask is not None, OP=op, num_warps=df.num_warps, num_stages=df.num_stages,
+    )
+    out = torch.empty(b, p, m, d, dtype=out_dtype, device=dev)
+    _heads_combine_kernel[(b * p * m,)](pm, pl, pacc, out, m, s_tot, M_PAD=m_pad, D=d,
+                                        S_BLOCK=min(df.merge_block, pow2_at_least(s_tot, 1)), num_warps=4)
+    return out

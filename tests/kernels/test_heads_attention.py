@@ -1,0 +1,169 @@
+"""The retrieval heads' decode read (``kernels/heads_attention.py``): the torch reference against plain softmax
+attention over the dequantized heads, and the Triton kernels against the reference under the Triton interpreter on the
+CPU (float32 dot operands there, so tolerances are tight), for every stored form (INT8, INT4, 16 bits), host- and
+device-side history bounds, window masks, left padding and empty rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_utils import rel_err, setup_interpreter
+
+INTERPRETED = setup_interpreter()  # before any kernel module is imported
+
+from oscar_hf.kernels.heads_attention import (check_heads_args, dequantize_heads,  # noqa: E402
+                                              heads_decode_attention, heads_decode_reference)
+from oscar_hf.quant import pack_int4, quantize_minmax  # noqa: E402
+
+interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRITON_INTERPRET=1 without CUDA)")
+
+
+def encode(x: torch.Tensor, bits: int):
+    if bits == 16:
+        return (x,)
+    q = quantize_minmax(x, bits, x.dtype)
+    return (pack_int4(q.codes) if bits == 4 else q.codes, q.scale, q.zero)
+
+
+def make_case(bits, b=3, hk=4, heads=(1, 3), m=3, n=150, w=40, d=64, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hk, m, d, generator=gen).to(dtype)
+    p = len(heads)
+    k = encode(torch.randn(b, p, n, d, generator=gen).to(dtype) * 2 + 0.3, bits)
+    v = encode(torch.randn(b, p, n, d, generator=gen).to(dtype), bits)
+    win_k = torch.randn(b, hk, w, d, generator=gen).to(dtype)
+    win_v = torch.randn(b, hk, w, d, generator=gen).to(dtype)
+    win_mask = torch.rand(b, w, generator=gen) > 0.3
+    lo = torch.tensor([0, 17, 90][:b])
+    return q, torch.tensor(heads), k, v, lo, win_k, win_v, win_mask
+
+
+def plain(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling):
+    """Softmax over the concatenated dequantized history and window, one matmul each."""
+    qh = q.index_select(1, heads).float()
+    kh, vh = (dequantize_heads(s, bits) for s in (k, v))
+    keys = torch.cat([kh, win_k.index_select(1, heads).float()], 2)
+    vals = torch.cat([vh, win_v.index_select(1, heads).float()], 2)
+    n = kh.shape[2]
+    pos = torch.arange(n)
+    ok_h = (pos[None] >= lo[:, None]) & (pos[None] < hi)
+    ok = torch.cat([ok_h, win_mask if win_mask is not None else torch.ones_like(win_mask)], 1)[:, None, None]
+    logits = (qh @ keys.transpose(-1, -2) * scaling).masked_fill(~ok, float("-inf"))
+    p = torch.softmax(logits, -1).nan_to_num(0.0)
+    return p @ vals
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("block_n", [16, 1024])
+def test_reference_equals_plain_softmax(bits, block_n):
+    q, heads, k, v, lo, wk, wv, wm = make_case(bits, seed=bits)
+    for hi in (120, torch.tensor(120)):
+        out = heads_decode_reference(q, heads, k, v, bits, lo, hi, wk, wv, wm, 0.125, torch.float32, block_n)
+        ref = plain(q, heads, k, v, bits, lo, 120, wk, wv, wm, 0.125)
+        assert rel_err(out, ref) < 1e-5
+
+
+def test_empty_rows_give_zero():
+    q, heads, k, v, lo, wk, wv, wm = make_case(8)
+    wm[1] = False
+    lo = torch.tensor([0, 200, 0])  # row 1: no history either
+    out = heads_decode_reference(q, heads, k, v, 8, lo, 150, wk, wv, wm, 0.1, torch.float32)
+    assert torch.isfinite(out).all() and (out[1] == 0).all() and out[0].abs().sum() > 0
+
+
+def test_bad_input_is_refused():
+    q, heads, k, v, lo, wk, wv, wm = make_case(8)
+    with pytest.raises(ValueError, match="4, 8 or 16"):
+        check_heads_args(q, heads, k, v, 2, wk, wm)
+    with pytest.raises(ValueError, match="columns"):
+        check_heads_args(q, heads, k, v, 4, wk, wm)
+    with pytest.raises(ValueError, match="window mask"):
+        check_heads_args(q, heads, k, v, 8, wk, wm[:, :5])
+
+
+@interp
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("device_hi", [False, True])
+def test_triton_matches_reference(bits, d, device_hi):
+    q, heads, k, v, lo, wk, wv, wm = make_case(bits, d=d, n=300, seed=d + bits)
+    hi = torch.tensor(250) if device_hi else 250
+    out = heads_decode_attention(q, heads, k, v, bits, lo, hi, wk, wv, wm, 0.09, torch.float32, use_kernels=True)
+    ref = heads_decode_reference(q, heads, k, v, bits, lo, 250, wk, wv, wm, 0.09, torch.float32)
+    assert out.shape == (3, 2, 3, d)
+    assert rel_err(out, ref) < 1e-5
+
+
+@interp
+def test_triton_no_mask_no_history_and_empty_row():
+    q, heads, k, v, lo, wk, wv, wm = make_case(8, m=5, heads=(0,), seed=3)
+    out = heads_decode_attention(q, heads, k, v, 8, lo, 0, wk, wv, None, 0.2, torch.float32, use_kernels=True)
+    ref = heads_decode_reference(q, heads, k, v, 8, lo, 0, wk, wv, None, 0.2, torch.float32)
+    assert rel_err(out, ref) < 1e-5
+    wm[2] = False
+    lo = torch.tensor([0, 5, 150])
+    out = heads_decode_attention(q, heads, k, v, 8, lo, 150, wk, wv, wm, 0.2, torch.float32, use_kernels=True)
+    assert (out[2] == 0).all() and torch.isfinite(out).all()
+    ref = heads_decode_reference(q, heads, k, v, 8, lo, 150, wk, wv, wm, 0.2, torch.float32)
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_gpu_kernel_matches_reference_at_real_shapes(bits):
+    """Qwen3-8B's shape (8 KV heads of 128, 4 query heads each), B = 8, 8K slots, two coded heads, bf16: the compiled
+    kernels (bf16 operands) against the float32 reference, with the history bound on the device (CUDA graphs)."""
+    q, heads, k, v, lo, wk, wv, wm = make_case(bits, b=8, hk=8, heads=(2, 6), m=4, n=8192, w=385, d=128,
+                                               dtype=torch.bfloat16, seed=bits)
+    lo = torch.tensor([0, 17, 90, 0, 5, 4000, 8000, 8191])
+    args = [x.cuda() for x in (q, heads)], [tuple(x.cuda() for x in s) for s in (k, v)]
+    (q, heads), (k, v) = args
+    lo, wk, wv, wm = lo.cuda(), wk.cuda(), wv.cuda(), wm.cuda()
+    out = heads_decode_attention(q, heads, k, v, bits, lo, torch.tensor(8000, device="cuda"), wk, wv, wm,
+                                 128 ** -0.5, torch.float32)
+    ref = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, 128 ** -0.5, torch.float32)
+    assert rel_err(out, ref) < 2e-2
+
+
+def paged(parts, page: int, num_pages: int, seed: int = 0):
+    """A contiguous store ``[B, P, N, X]`` scattered into ``num_pages`` pages of ``page`` slots in random order: the
+    pages ``[num_pages, P, page, X]`` and the block table ``[B, N / page]`` (int32; one unused -1 entry per row)."""
+    b, p, n, _ = parts[0].shape
+    per_row = n // page
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))[: b * per_row]
+    table = torch.full((b, per_row + 1), -1, dtype=torch.int32)
+    table[:, :per_row] = order.view(b, per_row).int()
+    out = []
+    for x in parts:
+        pages = torch.zeros(num_pages, p, page, x.shape[-1], dtype=x.dtype)
+        pages[order] = x.view(b, p, per_row, page, -1).transpose(1, 2).reshape(b * per_row, p, page, -1)
+        out.append(pages)
+    return tuple(out), table
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_paged_reference_reads_the_contiguous_rows(bits):
+    q, heads, k, v, lo, wk, wv, wm = make_case(bits, n=160, seed=5)
+    (kp, table), (vp, _) = paged(k, 32, 20), paged(v, 32, 20)
+    hi = torch.tensor([160, 45, 100])  # one bound per row (the serving store's rows differ in length)
+    out = heads_decode_reference(q, heads, kp, vp, bits, lo, hi, wk, wv, wm, 0.1, torch.float32, block_table=table)
+    for r in range(3):
+        ref = heads_decode_reference(q[r : r + 1], heads, tuple(x[r : r + 1] for x in k),
+                                     tuple(x[r : r + 1] for x in v), bits, lo[r : r + 1], int(hi[r]), wk[r : r + 1],
+                                     wv[r : r + 1], wm[r : r + 1], 0.1, torch.float32)
+        assert rel_err(out[r : r + 1], ref) < 1e-6
+
+
+@interp
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_triton_paged_matches_reference(bits):
+    q, heads, k, v, lo, wk, wv, wm = make_case(bits, n=256, d=64, seed=7)
+    lo = torch.zeros(3, dtype=torch.long)
+    (kp, table), (vp, _) = paged(k, 32, 40, seed=1), paged(v, 32, 40, seed=1)
+    hi = torch.tensor([256, 70, 0], dtype=torch.int32)
+    out = heads_decode_attention(q, heads, kp, vp, bits, lo, hi, wk, wv, wm, 0.1, torch.float32, use_kernels=True,
+                                 block_table=table, max_len=256)
+    ref = heads_decode_reference(q, heads, kp, vp, bits, lo, hi, wk, wv, wm, 0.1, torch.float32, block_table=table)
+    assert rel_err(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="block table"):
+        heads_decode_attention(q, heads, kp, vp, bits, lo, hi, wk, wv, wm, 0.1, block_table=table[:2])
