@@ -31,6 +31,7 @@ from oscar_hf.kernels.int2_attention import (empty_partial, history_partial_refe
 from ..attention import OscarKV
 from ..cache.base import group_queries
 from ..quant import dequantize_rows
+from .paged_heads import HeadSplit, coded_history
 from .pool import PagedInt2Pool
 
 LOGITS_BUDGET = 256 << 20  # bytes of one history block's logits
@@ -69,40 +70,64 @@ def paged_multi_token_attention(qf, r_k, mu_k, pool: PagedInt2Pool, table: list[
 
 
 def paged_chunk_attention(query, k_win, v_win, pool: PagedInt2Pool, table: list[int], layer: int, n: int, r_k, mu_k,
-                          r_v, mu_v, scaling: float) -> torch.Tensor:
-    """``[1, L, Hq, D]``: the ``L`` new rows ``query [1, Hq, L, D]`` of one request over its INT2 history (``n``
-    entries through ``table``), then its window and new rows ``k_win/v_win [1, Hk, E + L, D]`` (the last ``L`` are
-    the new rows, causal among themselves; everything before them is visible to every row).
+                          r_v, mu_v, scaling: float, split: HeadSplit | None = None) -> torch.Tensor:
+    """``[1, L, Hq, D]``: the ``L`` new rows ``query [1, Hq, L, D]`` of one request over its history (``n`` entries
+    through ``table``), then its window and new rows ``k_win/v_win [1, Hk, E + L, D]`` (the last ``L`` are the new
+    rows, causal among themselves; everything before them is visible to every row).
 
-    In the history's space: keys ``(k - mu_K) R_K``, values ``(v - mu_V) R_V``, query ``q R_K``. The window is
+    In the INT2 history's space: keys ``(k - mu_K) R_K``, values ``(v - mu_V) R_V``, query ``q R_K``. The window is
     brought into that space exactly (``R`` is orthogonal), so one SDPA call covers all keys; the logit offset
     ``q · mu_K`` is the same for every key of a row, which softmax ignores; the output comes back by ``R_Vᵀ`` and
-    ``+ mu_V`` (the weights sum to one). With ``n == 0`` nothing is rotated: exact attention."""
+    ``+ mu_V`` (the weights sum to one). With ``split`` (a layer with retrieval heads; ``r_*``, ``mu_*`` then of its
+    ``split.int2`` heads) the coded heads read their coded history (dequantized, :mod:`oscar_hf.cache.heads`) and
+    their window unrotated, in the same SDPA call. With ``n == 0`` nothing is rotated: exact attention."""
     _, hq, l, d = query.shape
     hk, dt = k_win.shape[1], query.dtype
     keys, values, q = k_win, v_win, query
+    int2 = split.int2_idx if split is not None else None
     if n:
-        pages = torch.tensor(table[: -(-n // pool.page_size)], dtype=torch.long, device=pool.codes.device)
+        pages = torch.tensor(table[: -(-n // pool.page_size)], dtype=torch.long, device=pool.int2.codes.device)
 
-        def rotated(x, r, mu):  # [1, Hk, E + L, D] -> (x - mu) R, float32
+        def rotated(x, r, mu):  # [1, Hq_l, E + L, D] -> (x - mu) R, float32
             x = x.float() if mu is None else x.float() - mu.float()[None, :, None]
             return torch.matmul(x, r.float().unsqueeze(0))
 
-        keys = torch.cat([dequantize_rows(pool.gather(pages, layer, "k", n), pool.group_size),
-                          rotated(k_win, r_k, mu_k)], 2).to(dt)
-        values = torch.cat([dequantize_rows(pool.gather(pages, layer, "v", n), pool.group_size),
-                            rotated(v_win, r_v, mu_v)], 2).to(dt)
-        q = torch.matmul(group_queries(query.float(), hk), r_k.float().unsqueeze(0)).reshape(1, hq, l, d).to(dt)
+        def history_space(kind, win, r, mu):  # [1, Hk, n + E + L, D]: each head's keys (values) as its history reads
+            if split is not None and not split.int2:
+                part = None
+            else:
+                part = torch.cat([dequantize_rows(pool.gather(pages, layer, kind, n), pool.group_size),
+                                  rotated(win if int2 is None else win.index_select(1, int2), r, mu)], 2).to(dt)
+            if split is None:
+                return part
+            coded = coded_history(pool, layer, kind, pages[None], n, split, dt)  # [1, F_l, n, D]
+            return split.merge(part, torch.cat([coded, win.index_select(1, split.coded_idx)], 2))
+
+        keys, values = history_space("k", k_win, r_k, mu_k), history_space("v", v_win, r_v, mu_v)
+        q = _on_int2_heads(group_queries(query, hk), int2, lambda x: torch.matmul(x.float(), r_k.float().unsqueeze(0)))
+        q = q.reshape(1, hq, l, d)
     g = hq // hk
     keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)  # [1, Hq, n + E + L, D]
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(l, keys.shape[2]),
                                          scale=scaling)  # [1, Hq, L, D]
     if n:
-        out = torch.matmul(group_queries(out.float(), hk), r_v.float().transpose(-1, -2).unsqueeze(0))
-        if mu_v is not None:
-            out = out + mu_v.float()[None, :, None]
-        out = out.reshape(1, hq, l, d)
+        def back(x):  # R_Vᵀ, + mu_V
+            x = torch.matmul(x.float(), r_v.float().transpose(-1, -2).unsqueeze(0))
+            return x if mu_v is None else x + mu_v.float()[None, :, None]
+
+        out = _on_int2_heads(group_queries(out, hk), int2, back).reshape(1, hq, l, d)
     return out.to(dt).transpose(1, 2)
+
+
+def _on_int2_heads(x: torch.Tensor, int2: torch.Tensor | None, fn) -> torch.Tensor:
+    """``x [1, Hk, M, D]`` with ``fn`` applied to the heads ``int2`` (every head when None), in ``x``'s dtype."""
+    if int2 is None:
+        return fn(x).to(x.dtype)
+    if not int2.numel():
+        return x
+    x = x.clone()
+    x[:, int2] = fn(x.index_select(1, int2)).to(x.dtype)
+    return x
 
 
 class PagedOscarKV(OscarKV):

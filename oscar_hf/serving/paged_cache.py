@@ -55,15 +55,16 @@ from .store import OscarPagedStore
 class OscarCacheAllocator(FullAttentionCacheAllocator):
     """Transformers' block accounting for the layers the store quantizes, without their BF16 K/V.
 
-    A block is one INT2 page (``page_size`` history entries, keys and values) of every quantized layer:
-    ``bytes_per_page`` is the INT2 page of one layer, so sectors, ``num_blocks`` and the memory budget count INT2
-    bytes. A request of ``T`` tokens holds ``ceil((T - S0 - W) / P)`` blocks: its history pages (the store's own
-    count); its full-precision window is a slot of the store's window pool, allocated before Transformers sizes its
-    cache (so ``max_memory_percent`` sees it) and taken at admission (:meth:`OscarPagedCache.can_store_request_tokens`).
-    The blocks are bookkeeping only: the store writes its pages through its own free list in the same memory (``num_blocks`` pages),
-    and holds at most as many pages as Transformers has handed out. Nothing here is read by the attention, so no
-    read / write indices are produced and the keys each request attends to count as its new rows only (the
-    ``[sum L, sum L]`` mask Transformers builds for sdpa is not read either). Bound to a store by :meth:`bind`."""
+    A block is one store page (``page_size`` history entries, keys and values, of every quantized layer: INT2 rows
+    and the retrieval heads' coded rows): ``bytes_per_page`` is its bytes over the layers (rounded up), so sectors,
+    ``num_blocks`` and the memory budget count OSCAR bytes. A request of ``T`` tokens holds
+    ``ceil((T - S0 - W) / P)`` blocks: its history pages (the store's own count); its full-precision window is a slot
+    of the store's window pool, allocated before Transformers sizes its cache (so ``max_memory_percent`` sees it) and
+    taken at admission (:meth:`OscarPagedCache.can_store_request_tokens`). The blocks are bookkeeping only: the store
+    writes its pages through its own free list in the same memory (``num_blocks`` pages), and holds at most as many
+    pages as Transformers has handed out. Nothing here is read by the attention, so no read / write indices are
+    produced and the keys each request attends to count as its new rows only (the ``[sum L, sum L]`` mask
+    Transformers builds for sdpa is not read either). Bound to a store by :meth:`bind`."""
 
     supports_block_sharing = False  # prefix sharing is not followed
     supports_block_table = False  # no flash decode fast path
@@ -83,7 +84,9 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
                                       f"{cls.store.head_dim}; Transformers asks for {num_key_value_heads} of "
                                       f"{head_dim} "
                                       "(tensor parallelism is not followed)")
-        return cls.store.page_bytes(page_size, num_layers=1)
+        # a block is one page of every layer: its bytes spread over the layers (rounded up: with retrieval heads the
+        # layers' pages differ, and Transformers counts num_layers equal pages)
+        return -(-cls.store.page_bytes(page_size) // cls.store.num_layers)
 
     def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool) -> None:
         self.bytes_per_sector = bytes_per_sector

@@ -1,55 +1,76 @@
-"""`PagedInt2Pool`: one preallocated pool of INT2 history pages shared by every request of a server.
+"""`PagedInt2Pool`: one preallocated pool of history pages shared by every request of a server.
 
-A **page** holds the packed history of ``P = page_size`` consecutive history entries of one request, for every
-quantized layer, keys and values (the unit Transformers' continuous batching calls a *block*: one page per layer):
+A **page** holds the history of ``P = page_size`` consecutive history entries of one request, for every quantized
+layer, keys and values (the unit Transformers' continuous batching calls a *block*: one page per layer). Layer ``l``
+keeps ``Hq_l`` of its KV heads in INT2 and its ``F_l`` retrieval heads (``OscarConfig.full_precision_heads``) as
+coded rows (:mod:`oscar_hf.cache.heads`: INT8 / INT4 codes with a scale and zero per token and head, or the model
+dtype at 16 bits). Each form has one flat head axis, layer ``l``'s keys then values, layer after layer:
 
-    codes [num_pages, L, 2, Hk, P, D/4] uint8      (2 = keys, values; four 2-bit codes per byte, plane layout)
-    scale [num_pages, L, 2, Hk, P, D/G] meta dtype
-    zero  [num_pages, L, 2, Hk, P, D/G] meta dtype
+    INT2   codes [num_pages, 2 sum Hq_l, P, D/4] uint8       (four 2-bit codes per byte, plane layout)
+           scale [num_pages, 2 sum Hq_l, P, D/G] meta dtype
+           zero  [num_pages, 2 sum Hq_l, P, D/G] meta dtype
+    coded  parts [num_pages, 2 sum F_l, P, *]                 (heads.part_specs: codes, scale, zero; or the values)
+
+so that a layer's keys of every page are one strided view ``[num_pages, Hq_l, P, *]`` (what the paged kernel reads)
+and a retrieval head costs its coded bytes only, no INT2 row it would never read. Without retrieval heads
+(``Hq_l = Hk``) ``codes / scale / zero`` are the same memory viewed ``[num_pages, L, 2, Hk, P, *]``.
 
 A request owns a *block table*: the list of its page ids, history entry ``j`` at page ``table[j // P]``, offset
-``j % P``. Pages are taken from a free list and given back when the request leaves; a reference count per page lets
-two requests hold the same page (prefix sharing, :meth:`acquire`), a page returning to the free list only when its
-last holder releases it. Nothing else is allocated while serving: memory is flat however requests come and go.
+``j % P`` (INT2 and coded rows alike). Pages are taken from a free list and given back when the request leaves; a
+reference count per page lets two requests hold the same page (prefix sharing, :meth:`acquire`), a page returning to
+the free list only when its last holder releases it. Nothing else is allocated while serving: memory is flat however
+requests come and go.
 
-With ``storage`` (a flat ``uint8`` tensor, e.g. the non-trash part of Transformers' paged cache tensor) the three
-tensors are views into it, one after the other (codes, then scale, then zero), instead of allocations of their own.
+With ``storage`` (a flat ``uint8`` tensor, e.g. the non-trash part of Transformers' paged cache tensor) the tensors
+are views into it, one after the other (widest element first: every offset stays aligned), instead of allocations
+of their own.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from oscar_hf.kernels.paged_decode import gather_pages
 
+from ..cache import heads
 from ..quant import SUPPORTED_META_DTYPES, QuantizedRows, check_group_size
 
 KINDS = {"k": 0, "v": 1}
 
 
 def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, group_size: int,
-               meta_dtype: torch.dtype) -> int:
-    """Bytes of one page: codes (D/4 bytes per row) + scale and zero (D/G each) for keys and values of every layer."""
+               meta_dtype: torch.dtype, int2_heads: Sequence[int] | None = None,
+               coded_heads: Sequence[int] = (), coded_bits: int = 8, coded_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of one page, keys and values: INT2 rows (D/4 code bytes + scale and zero, D/G each) of ``int2_heads[l]``
+    heads per layer (default: ``num_kv_heads`` in each of ``num_layers``) and coded rows of ``coded_heads[l]``
+    (``heads.row_bytes(coded_bits, D, coded_dtype)`` each)."""
+    int2 = num_layers * num_kv_heads if int2_heads is None else sum(int2_heads)
     meta = torch.empty((), dtype=meta_dtype).element_size()
     row = head_dim // 4 + 2 * (head_dim // group_size) * meta
-    return 2 * num_layers * num_kv_heads * page_size * row
+    coded = sum(coded_heads) * heads.row_bytes(coded_bits, head_dim, coded_dtype) if sum(coded_heads) else 0
+    return 2 * page_size * (int2 * row + coded)
 
 
-def _views(storage: torch.Tensor, shape: tuple, code_cols: int, meta_cols: int, meta_dtype: torch.dtype):
-    """``codes [*shape, code_cols] uint8`` and ``scale/zero [*shape, meta_cols] meta_dtype`` as consecutive views of
-    the flat ``uint8`` tensor ``storage`` (no copy, no allocation)."""
+def _views(storage: torch.Tensor, specs: list[tuple[tuple, torch.dtype]]) -> list[torch.Tensor]:
+    """One tensor per ``(shape, dtype)`` of ``specs``, consecutive views of the flat ``uint8`` tensor ``storage`` (no
+    copy, no allocation), laid out widest dtype first so that each starts aligned for its dtype."""
     if storage.dtype != torch.uint8 or storage.dim() != 1:
         raise ValueError(f"pool storage must be a flat uint8 tensor, got {storage.dtype} {tuple(storage.shape)}")
-    rows = torch.Size(shape).numel()
-    meta_size = torch.empty((), dtype=meta_dtype).element_size()
-    n_codes, n_meta = rows * code_cols, rows * meta_cols * meta_size
-    if storage.numel() < n_codes + 2 * n_meta:
-        raise ValueError(f"pool storage holds {storage.numel()} bytes, the pages need {n_codes + 2 * n_meta}")
-    if n_codes % meta_size or storage.data_ptr() % meta_size:
+    size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
+    need = sum(torch.Size(shape).numel() * size(dt) for shape, dt in specs)
+    if storage.numel() < need:
+        raise ValueError(f"pool storage holds {storage.numel()} bytes, the pages need {need}")
+    if storage.data_ptr() % max(size(dt) for _, dt in specs):
         raise ValueError("pool storage is not aligned for the metadata dtype")
-    codes = storage[:n_codes].view(*shape, code_cols)
-    scale = storage[n_codes : n_codes + n_meta].view(meta_dtype).view(*shape, meta_cols)
-    zero = storage[n_codes + n_meta : n_codes + 2 * n_meta].view(meta_dtype).view(*shape, meta_cols)
-    return codes, scale, zero
+    out: list[torch.Tensor | None] = [None] * len(specs)
+    pos = 0
+    for i in sorted(range(len(specs)), key=lambda i: -size(specs[i][1])):  # stable: widest first
+        shape, dt = specs[i]
+        n = torch.Size(shape).numel() * size(dt)
+        out[i] = storage[pos : pos + n].view(dt).view(shape)
+        pos += n
+    return out
 
 
 class PoolExhausted(RuntimeError):
@@ -57,27 +78,51 @@ class PoolExhausted(RuntimeError):
 
 
 class PagedInt2Pool:
-    """Fixed-size pool of INT2 history pages (see the module docstring for the layout)."""
+    """Fixed-size pool of history pages (see the module docstring for the layout). ``int2_heads`` / ``coded_heads``:
+    heads per layer in each form (default: all ``num_kv_heads`` in INT2, none coded); ``coded_bits`` / ``coded_dtype``
+    the coded rows' form (``OscarConfig.full_precision_bits``, the model dtype)."""
 
     def __init__(self, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                  group_size: int, meta_dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 storage: torch.Tensor | None = None):
+                 storage: torch.Tensor | None = None, *, int2_heads: Sequence[int] | None = None,
+                 coded_heads: Sequence[int] | None = None, coded_bits: int = 8,
+                 coded_dtype: torch.dtype = torch.bfloat16):
         if num_pages < 1 or num_layers < 1 or num_kv_heads < 1 or page_size < 1:
             raise ValueError(f"PagedInt2Pool needs positive sizes, got num_pages={num_pages}, num_layers={num_layers}, "
                              f"num_kv_heads={num_kv_heads}, page_size={page_size}")
         check_group_size(head_dim, group_size)
         if meta_dtype not in SUPPORTED_META_DTYPES:
             raise ValueError(f"meta_dtype must be one of {SUPPORTED_META_DTYPES}, got {meta_dtype}")
+        int2_heads = tuple(int(h) for h in (int2_heads if int2_heads is not None else [num_kv_heads] * num_layers))
+        coded_heads = tuple(int(h) for h in (coded_heads if coded_heads is not None else [0] * num_layers))
+        if (len(int2_heads) != num_layers or len(coded_heads) != num_layers
+                or any(a < 0 or b < 0 or a + b > num_kv_heads for a, b in zip(int2_heads, coded_heads))):
+            raise ValueError(f"int2_heads {int2_heads} / coded_heads {coded_heads}: one count per layer "
+                             f"({num_layers}), at most {num_kv_heads} heads a layer")
         self.num_pages, self.num_layers, self.page_size = num_pages, num_layers, page_size
         self.num_kv_heads, self.head_dim, self.group_size = num_kv_heads, head_dim, group_size
-        shape = (num_pages, num_layers, 2, num_kv_heads, page_size)
+        self.int2_heads, self.coded_heads = int2_heads, coded_heads
+        self.coded_bits, self.coded_dtype = coded_bits, coded_dtype
+        # first row of layer l's keys on each flat head axis (its values follow)
+        self._int2_at = [2 * sum(int2_heads[:l]) for l in range(num_layers)]
+        self._coded_at = [2 * sum(coded_heads[:l]) for l in range(num_layers)]
+        lead = (num_pages, 2 * sum(int2_heads), page_size)
+        specs = [((*lead, head_dim // 4), torch.uint8), ((*lead, head_dim // group_size), meta_dtype),
+                 ((*lead, head_dim // group_size), meta_dtype)]
+        if sum(coded_heads):
+            specs += [((num_pages, 2 * sum(coded_heads), page_size, last), dt)
+                      for last, dt in heads.part_specs(coded_bits, head_dim, coded_dtype)]
         if storage is None:
-            self.codes = torch.zeros(*shape, head_dim // 4, dtype=torch.uint8, device=device)
-            self.scale = torch.zeros(*shape, head_dim // group_size, dtype=meta_dtype, device=device)
-            self.zero = torch.zeros(*shape, head_dim // group_size, dtype=meta_dtype, device=device)
+            tensors = [torch.zeros(shape, dtype=dt, device=device) for shape, dt in specs]
         else:
-            self.codes, self.scale, self.zero = _views(storage, shape, head_dim // 4, head_dim // group_size,
-                                                       meta_dtype)
+            tensors = _views(storage, specs)
+        self.int2 = QuantizedRows(*tensors[:3])  # the flat INT2 tensors
+        self.coded = tuple(tensors[3:])  # the flat coded parts (empty without retrieval heads)
+        if all(h == num_kv_heads for h in int2_heads):
+            self.codes, self.scale, self.zero = (t.view(num_pages, num_layers, 2, num_kv_heads, *t.shape[2:])
+                                                 for t in self.int2)
+        else:
+            self.codes, self.scale, self.zero = self.int2
         # LIFO free list: a page freed by a leaving request is the next one handed out (warm in cache)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
@@ -94,12 +139,19 @@ class PagedInt2Pool:
 
     @property
     def bytes_per_page(self) -> int:
+        """Bytes of one page: INT2 rows and coded rows."""
         return page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size, self.group_size,
-                          self.scale.dtype)
+                          self.int2.scale.dtype, self.int2_heads, self.coded_heads, self.coded_bits, self.coded_dtype)
+
+    @property
+    def coded_bytes_per_page(self) -> int:
+        """The retrieval heads' share of :attr:`bytes_per_page`."""
+        return self.bytes_per_page - page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size,
+                                                self.group_size, self.int2.scale.dtype, self.int2_heads)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+        return sum(t.numel() * t.element_size() for t in (*self.int2, *self.coded))
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
@@ -130,32 +182,64 @@ class PagedInt2Pool:
             self._free.append(page)
 
     # ------------------------------------------------------------------ data
+    def rows(self, layer: int, kind: str) -> QuantizedRows:
+        """One layer's INT2 keys or values of every page, ``[num_pages, Hq_l, P, X]`` strided views (what the paged
+        kernel and :func:`~oscar_hf.kernels.paged_decode.gather_pages` read)."""
+        a = self._int2_at[layer] + KINDS[kind] * self.int2_heads[layer]
+        return QuantizedRows(*(t[:, a : a + self.int2_heads[layer]] for t in self.int2))
+
+    def coded_rows(self, layer: int, kind: str) -> tuple[torch.Tensor, ...]:
+        """One layer's coded keys or values (its retrieval heads) of every page, ``[num_pages, F_l, P, *]`` views in
+        the part order of :func:`oscar_hf.cache.heads.part_specs`."""
+        a = self._coded_at[layer] + KINDS[kind] * self.coded_heads[layer]
+        return tuple(t[:, a : a + self.coded_heads[layer]] for t in self.coded)
+
     def write(self, table: list[int], layer: int, kind: str, first: int, rows: QuantizedRows) -> None:
-        """Write packed rows ``rows.* [1, Hk, n, X]`` as history entries ``[first, first + n)`` of the request whose
+        """Write packed rows ``rows.* [1, Hq_l, n, X]`` as history entries ``[first, first + n)`` of the request whose
         block table is ``table`` (the pages must be allocated already): one indexed write per tensor, whatever
         the number of pages (a 32K-token prompt spans 128 pages of 256)."""
-        n, p = rows.codes.shape[2], self.page_size
+        self._write(self.rows(layer, kind), table, first, rows)
+
+    def write_coded(self, table: list[int], layer: int, kind: str, first: int, parts: tuple) -> None:
+        """:meth:`write` for the retrieval heads' coded rows ``parts [1, F_l, n, *]`` (``heads.encode``)."""
+        self._write(self.coded_rows(layer, kind), table, first, parts)
+
+    def _write(self, dst: tuple, table: list[int], first: int, src: tuple) -> None:
+        n, p = src[0].shape[2], self.page_size
         if n == 0:
             return
-        j = torch.arange(first, first + n, device=self.codes.device)
+        j = torch.arange(first, first + n, device=dst[0].device)
         pages = torch.tensor(table[first // p : (first + n - 1) // p + 1], dtype=torch.long, device=j.device)
-        self.write_entries(pages[j // p - first // p], j % p, layer, kind,
-                           QuantizedRows(*(t[0].transpose(0, 1)[:, :, None] for t in rows)))
+        self._scatter(dst, pages[j // p - first // p], j % p, tuple(t[0].transpose(0, 1)[:, :, None] for t in src))
 
     def write_entries(self, pages: torch.Tensor, offsets: torch.Tensor, layer: int, kind: str,
                       rows: QuantizedRows) -> None:
-        """One entry per row of ``rows.* [n, Hk, 1, X]``: row ``i`` at offset ``offsets[i]`` of page ``pages[i]``
+        """One entry per row of ``rows.* [n, Hq_l, 1, X]``: row ``i`` at offset ``offsets[i]`` of page ``pages[i]``
         (long ``[n]`` device tensors: one write for many requests, no host synchronization)."""
-        for dst, src in zip(self.rows(layer, kind), rows):
-            dst[pages, :, offsets] = src[:, :, 0]
+        self._scatter(self.rows(layer, kind), pages, offsets, rows)
 
-    def rows(self, layer: int, kind: str) -> QuantizedRows:
-        """One layer's keys or values of every page, ``[num_pages, Hk, P, X]`` strided views (what the paged kernel
-        and :func:`~oscar_hf.kernels.paged_decode.gather_pages` read)."""
-        kv = KINDS[kind]
-        return QuantizedRows(self.codes[:, layer, kv], self.scale[:, layer, kv], self.zero[:, layer, kv])
+    def write_coded_entries(self, pages: torch.Tensor, offsets: torch.Tensor, layer: int, kind: str,
+                            parts: tuple) -> None:
+        """:meth:`write_entries` for coded rows ``parts [n, F_l, 1, *]``."""
+        self._scatter(self.coded_rows(layer, kind), pages, offsets, parts)
+
+    @staticmethod
+    def _scatter(dst: tuple, pages: torch.Tensor, offsets: torch.Tensor, src: tuple) -> None:
+        for d, s in zip(dst, src, strict=True):
+            d[pages, :, offsets] = s[:, :, 0]
 
     def gather(self, pages: torch.Tensor, layer: int, kind: str, n: int) -> QuantizedRows:
-        """The first ``n`` entries of the pages ``pages [np]`` (long, in block-table order) as packed rows
-        ``[1, Hk, n, X]``: a copy of INT2 codes and metadata only, never a full-precision history."""
+        """The first ``n`` INT2 entries of the pages ``pages [np]`` (long, in block-table order) as packed rows
+        ``[1, Hq_l, n, X]``: a copy of INT2 codes and metadata only, never a full-precision history."""
         return gather_pages(self.rows(layer, kind), pages, n)
+
+    def gather_coded(self, page_ids: torch.Tensor, layer: int, kind: str, n: int) -> tuple[torch.Tensor, ...]:
+        """The first ``n`` coded entries of each row of ``page_ids [B, np]`` (long, block-table order, valid ids),
+        ``[B, F_l, n, *]`` per part (a copy of the coded rows; entries past a row's own history are whatever its
+        last page or page ``page_ids`` names holds: the reader masks them)."""
+        b, np_ = page_ids.shape
+        out = []
+        for t in self.coded_rows(layer, kind):  # [num_pages, F, P, X]
+            x = t.index_select(0, page_ids.reshape(-1)).view(b, np_, *t.shape[1:])  # [B, np, F, P, X]
+            out.append(x.transpose(1, 2).reshape(b, t.shape[1], np_ * t.shape[2], t.shape[3])[:, :, :n])
+        return tuple(out)

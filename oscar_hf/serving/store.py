@@ -9,6 +9,13 @@ every request is its own sequence), the split of :class:`~oscar_hf.cache.static.
 * history: slots ``[S0, T - W)`` as entries ``j = slot - S0`` of the request's pages (block table shared by its
   layers: page ``table[j // P]`` holds entries ``[P * (j // P), P * (j // P + 1))`` of every layer).
 
+**Retrieval heads** (``OscarConfig.full_precision_heads``: the artifact's by default, resolved as
+:class:`~oscar_hf.OscarCache` does) stay out of the INT2 rows: a layer's pages hold its other heads in INT2 and these
+heads' history entries as coded rows (:mod:`oscar_hf.cache.heads`, ``full_precision_bits``), written beside the INT2
+row of the same entry and freed with the same pages. They read their coded history and the exact window, unrotated
+(:mod:`~oscar_hf.serving.paged_heads`); the INT2 path serves the other heads. A layer whose every head is a 16-bit
+retrieval head is exact and left to Transformers' paged cache, as ``OscarCache`` leaves it to Transformers' layer.
+
 **Decode rows** (one new token, ``T > 0``) of a forward are served together, one batched call per layer: the write
 (slot ``T - 1 - W``, which left the window at the previous step, is quantized into the request's current page;
 the new token goes to ring entry ``S0 + T % R`` and, while ``T < S0``, to the sink), then one paged decode attention
@@ -26,23 +33,22 @@ slot and pages back with :meth:`OscarPagedStore.free`. Memory is flat: both pool
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 
+from oscar_hf.kernels.heads_attention import heads_decode_attention
 from oscar_hf.kernels.paged_decode import paged_decode_attention
 from oscar_hf.kernels.write_path import rotate_quantize
 
-from ..cache import resolve_full_precision_heads
+from ..cache import heads, resolve_full_precision_heads
 from ..cache.base import check_first_keys, group_queries
 from ..cache.static import window_mask
 from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
 from ..patching import base_attention_function
 from ..rotations import LayerRotation, OscarRotations
 from .paged_attention import paged_chunk_attention
+from .paged_heads import HeadSplit
 from .pool import PagedInt2Pool, PoolExhausted, page_bytes
-
-logger = logging.getLogger("oscar_hf")
 
 DEFAULT_MAX_REQUESTS = 64  # window slots when the caller gives none: requests live at once
 
@@ -129,6 +135,8 @@ class DecodePlan:
     max_hist: int  # max(hist_len), known on the host (the kernel's grid; no device sync)
     win_mask: torch.Tensor  # [Bd, S0 + R] bool
     requests: list  # [(request_id, T)] in row order
+    # what the retrieval heads' read adds:
+    hist_start: torch.Tensor | None = None  # [Bd] zeros: every row's history from entry 0 (the retrieval heads' read)
 
 
 class OscarPagedStore:
@@ -161,24 +169,29 @@ class OscarPagedStore:
         if config.recent < 1:
             raise ValueError("the paged OSCAR store needs recent >= 1 (the ring of the recent window)")
         skipped = config.skipped(fp.num_layers)
-        heads = resolve_full_precision_heads(config, rotations, fp, skipped)
-        if heads and config.full_precision_heads != "auto":
-            raise NotImplementedError("the paged OSCAR store does not keep full-precision heads yet; pass "
-                                      "full_precision_heads=0")
-        if heads:  # the default: serve the artifact, its retrieval heads in INT2 like the others (and say so)
-            logger.warning("the paged OSCAR store keeps no retrieval heads yet: the %d heads the artifact's scores "
-                           "select (full_precision_heads='auto') are stored in INT2 like the others",
-                           sum(map(len, heads.values())))
-            config = config.replace(full_precision_heads=0)
+        fp_heads = resolve_full_precision_heads(config, rotations, fp, skipped)  # {layer: heads}, as OscarCache's
+        if fp_heads:  # the config names the heads, not "the top k"
+            pairs = tuple(sorted((i, h) for i, hs in fp_heads.items() for h in hs))
+            config = config.replace(full_precision_heads=pairs)
+        hk = fp.num_key_value_heads
+        # a layer whose every head is a 16-bit retrieval head is exact: Transformers' own paged cache keeps it (as
+        # OscarCache gives it Transformers' layer); at INT8 / INT4 it stays here with no INT2 head
+        exact = {i for i, hs in fp_heads.items() if len(hs) == hk and config.full_precision_bits == 16}
         self.config, self.device, self.dtype = config, torch.device(device), dtype
-        self.num_kv_heads, self.head_dim = fp.num_key_value_heads, fp.head_dim
+        self.num_kv_heads, self.head_dim = hk, fp.head_dim
         self.ring = config.recent + 1
         layers = [i for i, t in enumerate(fp.layer_types)
-                  if t in FULL_LAYER_TYPES and i not in skipped and i in rotations.layers]
+                  if t in FULL_LAYER_TYPES and i not in skipped and i in rotations.layers and i not in exact]
         if not layers:
-            raise ValueError("the model has no layer OSCAR quantizes (full attention, with rotations, not skipped)")
+            raise ValueError("the model has no layer OSCAR quantizes (full attention, with rotations, not skipped, "
+                             "not every head a 16-bit full-precision head)")
         self.layer_slot = {layer: k for k, layer in enumerate(layers)}  # model layer -> pool layer index
-        self.params = {i: LayerParams.build(config, rotations.layers[i], i, self.device) for i in layers}
+        # per layer: None, or its split into INT2 and retrieval (coded) heads; the rotations are the INT2 heads'
+        self.splits = {i: HeadSplit.build(hk, fp_heads[i], config.full_precision_bits, self.device)
+                       if fp_heads.get(i) else None for i in layers}
+        self.params = {i: LayerParams.build(config, rotations.layers[i] if self.splits[i] is None
+                                            else rotations.layers[i].select_heads(self.splits[i].int2), i, self.device)
+                       for i in layers}
         self._rotations_cpu = {i: rotations.layers[i] for i in layers}
         self.requests: dict[str, RequestKV] = {}
         self.windows = WindowPool(max_requests, len(layers), self.num_kv_heads, config.sink + self.ring, fp.head_dim,
@@ -207,11 +220,17 @@ class OscarPagedStore:
         """Layers the store quantizes."""
         return len(self.layer_slot)
 
-    def page_bytes(self, page_size: int, num_layers: int | None = None) -> int:
-        """Bytes of one INT2 page of ``page_size`` history entries, keys and values of ``num_layers`` layers (default:
-        every quantized layer)."""
-        return page_bytes(self.num_layers if num_layers is None else num_layers, self.num_kv_heads, self.head_dim,
-                          page_size, self.config.group_size, self.config.torch_meta_dtype)
+    def _layout(self) -> dict:
+        """Heads per pool layer in each form of a page (:class:`PagedInt2Pool`'s keywords)."""
+        coded = [len(s.coded) if s is not None else 0 for s in self.splits.values()]
+        return dict(int2_heads=[self.num_kv_heads - c for c in coded], coded_heads=coded,
+                    coded_bits=self.config.full_precision_bits, coded_dtype=self.dtype)
+
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes of one page of ``page_size`` history entries, keys and values of every quantized layer: the INT2 rows
+        and the retrieval heads' coded rows."""
+        return page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, page_size, self.config.group_size,
+                          self.config.torch_meta_dtype, **self._layout())
 
     def window_tokens(self) -> int:
         """Full-precision entries a request holds per layer: sink + ring."""
@@ -223,12 +242,13 @@ class OscarPagedStore:
         return -(-n // page_size) if n > 0 else 0
 
     def attach_pool(self, num_pages: int, page_size: int, storage: torch.Tensor | None = None) -> PagedInt2Pool:
-        """(Re)build the INT2 page pool: ``num_pages`` pages of ``page_size`` entries, in ``storage`` (flat uint8, see
+        """(Re)build the page pool: ``num_pages`` pages of ``page_size`` entries, in ``storage`` (flat uint8, see
         :class:`PagedInt2Pool`) or in tensors of its own. Only while no request is live."""
         if self.requests:
             raise RuntimeError(f"the store still holds {len(self.requests)} requests; free them before a new pool")
         self.pool = PagedInt2Pool(num_pages, self.num_layers, self.num_kv_heads, self.head_dim, page_size,
-                                  self.config.group_size, self.config.torch_meta_dtype, self.device, storage=storage)
+                                  self.config.group_size, self.config.torch_meta_dtype, self.device, storage=storage,
+                                  **self._layout())
         return self.pool
 
     def check_pool_sizing(self, follows_blocks: bool) -> None:
@@ -371,22 +391,21 @@ class OscarPagedStore:
             demote_page=long(dem_page), demote_off=long(dem_off), block_table=table.to(dev),
             hist_len=torch.tensor(hist, dtype=torch.int32, device=dev), max_hist=max(hist),
             win_mask=window_mask(t + 1, 0, s0, ring, w + 1),  # the new token, the W before it and the sink
-            requests=[(batch[i][0], batch[i][1]) for i in decode])
+            requests=[(batch[i][0], batch[i][1]) for i in decode],
+            hist_start=torch.zeros(len(decode), dtype=torch.long, device=dev))
         return self._plan
 
     def _decode(self, layer_idx: int, plan: DecodePlan, query, new_k, new_v, scaling: float) -> torch.Tensor:
         """``[Bd, Hq, D]``: write then read one token for each decode row (see the module docstring)."""
-        cfg, p, li = self.config, self.params[layer_idx], self.layer_slot[layer_idx]
+        li, split = self.layer_slot[layer_idx], self.splits[layer_idx]
         win_k, win_v = self.windows.k[:, li], self.windows.v[:, li]  # [slots, Hk, S0 + R, D]
         k_new = new_k[0].index_select(1, plan.pos).transpose(0, 1)  # [Bd, Hk, D]
         v_new = new_v[0].index_select(1, plan.pos).transpose(0, 1)
-        if plan.demote_rows.numel():  # 1. slot T - 1 - W: ring -> INT2, into the row's current page
+        if plan.demote_rows.numel():  # 1. slot T - 1 - W: ring -> INT2 (and coded rows), into the row's current page
             slots = plan.slots[plan.demote_rows]
-            for win, kind, r, mu, clip in ((win_k, "k", p.r_k, p.mu_k, p.clip_k), (win_v, "v", p.r_v, p.mu_v, p.clip_v)):
+            for win, kind in ((win_k, "k"), (win_v, "v")):
                 x = win[slots, :, plan.demote_entry][:, :, None]  # [Bm, Hk, 1, D]
-                rows = rotate_quantize(x, r, mu, clip, cfg.group_size, cfg.torch_meta_dtype,
-                                       use_kernels=cfg.use_kernels, quantizer=cfg.quantizer)
-                self.pool.write_entries(plan.demote_page, plan.demote_off, li, kind, rows)
+                self._write_history(layer_idx, kind, x, plan.demote_page, plan.demote_off)
         # 2. the new token: its ring entry, and the sink while T < S0
         win_k[plan.slots, :, plan.new_entry] = k_new
         win_v[plan.slots, :, plan.new_entry] = v_new
@@ -394,14 +413,50 @@ class OscarPagedStore:
             win_k[plan.slots[plan.sink_rows], :, plan.sink_entry] = k_new[plan.sink_rows]
             win_v[plan.slots[plan.sink_rows], :, plan.sink_entry] = v_new[plan.sink_rows]
         # 3. read: history pages through the block tables + the window slots
-        hk = self.num_kv_heads
-        q = query[0].index_select(1, plan.pos).transpose(0, 1)[:, :, None]  # [Bd, Hq, 1, D]
-        qf = group_queries(q.float(), hk)  # [Bd, Hk, g, D]
-        out = paged_decode_attention(qf, p.r_k, p.mu_k, self.pool.rows(li, "k"), self.pool.rows(li, "v"),
-                                     plan.block_table, plan.hist_len, win_k, win_v, plan.slots, plan.win_mask, p.r_v,
-                                     p.mu_v, scaling, cfg.group_size, query.dtype, use_kernels=cfg.use_kernels,
-                                     max_hist_len=plan.max_hist)
+        q = group_queries(query[0].index_select(1, plan.pos).transpose(0, 1)[:, :, None], self.num_kv_heads)
+        if split is None:
+            out = self._decode_int2(layer_idx, plan, q, win_k, win_v, plan.slots, scaling)  # [Bd, Hk, g, D]
+        else:  # the rows' windows gathered once ([Bd, Hk, S0 + R, D]): each part reads its heads of them
+            wk, wv = win_k.index_select(0, plan.slots), win_v.index_select(0, plan.slots)
+            rows = torch.arange(len(plan.requests), device=self.device)
+            part = None
+            if split.int2:
+                part = self._decode_int2(layer_idx, plan, q.index_select(1, split.int2_idx),
+                                         wk.index_select(1, split.int2_idx), wv.index_select(1, split.int2_idx), rows,
+                                         scaling)
+            # the retrieval heads: their coded pages read in place through the block tables, the exact window
+            coded = heads_decode_attention(q, split.coded_idx, self.pool.coded_rows(li, "k"),
+                                           self.pool.coded_rows(li, "v"), split.bits, plan.hist_start, plan.hist_len,
+                                           wk, wv, plan.win_mask, scaling, query.dtype,
+                                           use_kernels=self.config.use_kernels, block_table=plan.block_table,
+                                           max_len=plan.max_hist)
+            out = split.merge(part, coded.to(query.dtype))
         return out.reshape(len(plan.requests), query.shape[1], query.shape[3])
+
+    def _decode_int2(self, layer_idx: int, plan: DecodePlan, q, win_k, win_v, win_slot, scaling: float):
+        """``[Bd, Hq_l, g, D]``: the INT2 heads' read, ``q [Bd, Hq_l, g, D]`` (model dtype) over their pages and the
+        windows ``win_k/v [slots, Hq_l, S0 + R, D]`` (row ``b`` at slot ``win_slot[b]``)."""
+        cfg, p, li = self.config, self.params[layer_idx], self.layer_slot[layer_idx]
+        return paged_decode_attention(q.float(), p.r_k, p.mu_k, self.pool.rows(li, "k"), self.pool.rows(li, "v"),
+                                      plan.block_table, plan.hist_len, win_k, win_v, win_slot, plan.win_mask, p.r_v,
+                                      p.mu_v, scaling, cfg.group_size, q.dtype, use_kernels=cfg.use_kernels,
+                                      max_hist_len=plan.max_hist)
+
+    def _write_history(self, layer_idx: int, kind: str, x: torch.Tensor, pages: torch.Tensor,
+                       offsets: torch.Tensor) -> None:
+        """History entries from window rows ``x [n, Hk, 1, D]`` (one per row), at ``offsets`` of ``pages`` (long
+        ``[n]``): the INT2 heads rotated and quantized, the retrieval heads coded (``heads.encode``)."""
+        cfg, p, li, split = self.config, self.params[layer_idx], self.layer_slot[layer_idx], self.splits[layer_idx]
+        if split is not None:
+            coded = heads.encode(x.index_select(1, split.coded_idx), split.bits)
+            self.pool.write_coded_entries(pages, offsets, li, kind, coded)
+            if not split.int2:
+                return
+            x = x.index_select(1, split.int2_idx)
+        r, mu, clip = (p.r_k, p.mu_k, p.clip_k) if kind == "k" else (p.r_v, p.mu_v, p.clip_v)
+        rows = rotate_quantize(x, r, mu, clip, cfg.group_size, cfg.torch_meta_dtype, use_kernels=cfg.use_kernels,
+                               quantizer=cfg.quantizer)
+        self.pool.write_entries(pages, offsets, li, kind, rows)
 
     # ------------------------------------------------------------------ multi-token rows, one request at a time
     def _attend_one(self, request_id: str, layer_idx: int, t_old: int, query, new_k, new_v, scaling: float, module,
@@ -420,7 +475,7 @@ class OscarPagedStore:
             k_win = torch.cat([self.windows.k[r.slot, li].index_select(1, entries)[None], new_k], 2)  # [1, Hk, E+L, D]
             v_win = torch.cat([self.windows.v[r.slot, li].index_select(1, entries)[None], new_v], 2)
             out = paged_chunk_attention(query, k_win, v_win, self.pool, r.table, li, max(t_old - w - s0, 0), p.r_k,
-                                        p.mu_k, p.r_v, p.mu_v, scaling)
+                                        p.mu_k, p.r_v, p.mu_v, scaling, self.splits[layer_idx])
         self._commit_bulk(r, layer_idx, t_old, new_k, new_v)
         r.lengths[layer_idx] = t_old + l
         return out
@@ -441,29 +496,39 @@ class OscarPagedStore:
 
     def _demote(self, r: RequestKV, layer_idx: int, a: int, b: int, t_old: int, new_k=None, new_v=None) -> None:
         """Quantize slots ``[a, b)`` (``>= S0``) into history entries ``[a - S0, b - S0)``: slots ``< t_old`` from
-        the ring, the others from the new rows; ``prefill_chunk`` slots at a time."""
+        the ring, the others from the new rows; ``prefill_chunk`` slots at a time. The retrieval heads' slots are
+        coded into the same entries."""
         if b <= a:
             return
-        s0, cfg, li = self.config.sink, self.config, self.layer_slot[layer_idx]
+        s0, cfg, li, split = self.config.sink, self.config, self.layer_slot[layer_idx], self.splits[layer_idx]
         self._pages_for(r, b - s0)
         p = self.params[layer_idx]
         for c0 in range(a, b, cfg.prefill_chunk):
             c1 = min(b, c0 + cfg.prefill_chunk)
             old = torch.arange(c0, max(c0, min(c1, t_old)), device=self.device)
-            for kind, (win, new, rot, mu, clip) in enumerate(((self.windows.k, new_k, p.r_k, p.mu_k, p.clip_k),
+            for kind, (win, new, rot, mu, clip) in zip("kv", ((self.windows.k, new_k, p.r_k, p.mu_k, p.clip_k),
                                                                (self.windows.v, new_v, p.r_v, p.mu_v, p.clip_v))):
                 x = win[r.slot, li].index_select(1, s0 + torch.remainder(old, self.ring))[None]  # [1, Hk, n, D]
                 if c1 > t_old:
                     x = torch.cat([x, new[:, :, max(c0, t_old) - t_old : c1 - t_old]], 2)
+                if split is not None:
+                    self.pool.write_coded(r.table, li, kind, c0 - s0,
+                                          heads.encode(x.index_select(1, split.coded_idx), split.bits))
+                    if not split.int2:
+                        continue
+                    x = x.index_select(1, split.int2_idx)
                 rows = rotate_quantize(x, rot, mu, clip, cfg.group_size, cfg.torch_meta_dtype,
                                        use_kernels=cfg.use_kernels, quantizer=cfg.quantizer)
-                self.pool.write(r.table, li, "kv"[kind], c0 - s0, rows)
+                self.pool.write(r.table, li, kind, c0 - s0, rows)
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, int]:
-        pages = self.pool.num_used if self.pool is not None else 0
-        return dict(requests=len(self.requests), pages_used=pages,
-                    pages_free=self.pool.num_free if self.pool is not None else 0,
-                    history_bytes=pages * self.pool.bytes_per_page if self.pool is not None else 0,
+        """Live requests, pages held and free, the bytes of the pages held (``history_bytes``: INT2 and coded rows;
+        ``full_precision_heads_bytes``: the retrieval heads' share of them) and of the window pool."""
+        pool = self.pool
+        pages = pool.num_used if pool is not None else 0
+        return dict(requests=len(self.requests), pages_used=pages, pages_free=pool.num_free if pool is not None else 0,
+                    history_bytes=pages * pool.bytes_per_page if pool is not None else 0,
+                    full_precision_heads_bytes=pages * pool.coded_bytes_per_page if pool is not None else 0,
                     window_slots_used=self.windows.num_slots - self.windows.num_free,
                     window_bytes=self.windows.nbytes)

@@ -122,3 +122,33 @@ def test_layers_oscar_leaves_keep_bf16_and_need_a_pool_size(config):
     sized = OscarPagedStore(config, dtype=DTYPE, num_pages=8, page_size=PAGE, **OSCAR)
     with pytest.raises(ValueError, match="num_blocks"):  # every layer is OSCAR's: the pool is sized by Transformers
         OscarPagedCache(config, cb_cfg, "cpu", helper, dtype=DTYPE, store=sized)
+
+
+def test_retrieval_heads_are_counted_in_blocks(config, memory_budget):
+    """A retrieval head costs its coded rows (INT8: 32 code bytes + a BF16 scale and zero per K or V row) in every
+    block instead of an INT2 row: Transformers' blocks, its budget and its admission count them, and the pool, coded
+    rows included, is laid out in the cache tensor."""
+    helper = DistributedHelper(None, None)
+    heads = dict(full_precision_heads=((0, 1),), full_precision_bits=8)
+
+    def cache(cb_cfg, **kw):
+        store = OscarPagedStore(config, dtype=DTYPE, defer_pool=True, **OSCAR, **kw)
+        return OscarPagedCache(config, cb_cfg, "cpu", helper, dtype=DTYPE, store=store)
+
+    oscar = cache(ContinuousBatchingConfig(num_blocks=512, max_batch_tokens=64, page_size=PAGE), **heads)
+    store, allocator = oscar.store, oscar.cache_allocators["full_attention"]
+    # a block: 3 INT2 rows of 12 bytes and 1 INT8 row of 36, K and V, 16 tokens (an all-INT2 block: 1536)
+    assert store.page_bytes(PAGE) == 2 * PAGE * (3 * 12 + 36) == allocator.bytes_per_block == 2304
+    assert store.pool.num_pages == allocator.num_blocks >= 512
+    assert store.pool.coded_heads == (1, 0) and store.pool.nbytes == store.pool.num_pages * 2304
+    for t in (*store.pool.int2, *store.pool.coded):  # views of Transformers' cache tensor
+        assert t.untyped_storage().data_ptr() == oscar.cache_tensor.untyped_storage().data_ptr()
+    # the same budget pays for fewer blocks, each request holding as many
+    memory_budget["bytes"] = 1 << 20
+    budget_cfg = ContinuousBatchingConfig(max_batch_tokens=64, page_size=PAGE)
+    slots = dict(max_requests=1024)  # pages, not window slots, limit admission
+    with_heads, plain = cache(budget_cfg, **heads, **slots), cache(budget_cfg, full_precision_heads=0, **slots)
+    pages = with_heads.store.history_pages(64, PAGE)
+    assert pages == plain.store.history_pages(64, PAGE) == 4
+    assert with_heads.store.pool.num_pages * 2304 <= plain.store.pool.num_pages * 1536 + 2304
+    assert admitted(with_heads, 64) == with_heads.store.pool.num_pages // pages < admitted(plain, 64)

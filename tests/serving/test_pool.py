@@ -42,6 +42,58 @@ def test_page_bytes_and_bad_sizes():
         PagedInt2Pool(4, 1, 1, 32, 4, 12)  # group size does not divide head_dim
 
 
+@pytest.mark.parametrize("bits", [16, 8, 4])
+@pytest.mark.parametrize("in_storage", [False, True])
+def test_layers_with_retrieval_heads(bits, in_storage):
+    """Layers keep different heads in INT2 (3 layers of 2 KV heads: 2, 1 and 0 of them) and the rest as coded rows
+    (heads.encode) in the same pages: each layer's rows are views of its own heads, written and read back through a
+    block table, and a page costs exactly its rows (also laid out in a flat uint8 storage, widest dtype first)."""
+    from oscar_hf.cache import heads
+
+    num_pages, hk, d, p, g, dt = 6, 2, 32, 4, 16, torch.bfloat16
+    layout = dict(int2_heads=(2, 1, 0), coded_heads=(0, 1, 2), coded_bits=bits, coded_dtype=dt)
+    size = page_bytes(3, hk, d, p, g, torch.float32, **layout)
+    int2_row, coded_row = d // 4 + 2 * (d // g) * 4, heads.row_bytes(bits, d, dt)
+    assert size == 2 * p * (3 * int2_row + 3 * coded_row)
+    storage = torch.zeros(num_pages * size + 2, dtype=torch.uint8)[1:-1] if in_storage else None
+    if in_storage:
+        with pytest.raises(ValueError, match="aligned"):  # an odd start address
+            PagedInt2Pool(num_pages, 3, hk, d, p, g, torch.float32, storage=storage, **layout)
+        storage = torch.zeros(num_pages * size, dtype=torch.uint8)
+    pool = PagedInt2Pool(num_pages, 3, hk, d, p, g, torch.float32, storage=storage, **layout)
+    assert pool.bytes_per_page == size and pool.nbytes == num_pages * size
+    assert pool.coded_bytes_per_page == 2 * p * 3 * coded_row
+    if in_storage:  # views of the storage, no memory of their own
+        assert all(t.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
+                   for t in (*pool.int2, *pool.coded))
+    table = [5, 0, 2]
+    gen = torch.Generator().manual_seed(4)
+    written = {}
+    for layer, (hq, f) in enumerate(zip(layout["int2_heads"], layout["coded_heads"])):
+        assert pool.rows(layer, "k").codes.shape == (num_pages, hq, p, d // 4)
+        for kind in "kv":
+            if hq:
+                rows = random_rows(10, hk=hq, d=d, g=g, seed=layer)
+                pool.write(table, layer, kind, 0, rows)
+                written[layer, kind, "int2"] = rows
+            if f:
+                parts = heads.encode(torch.randn(1, f, 10, d, generator=gen).to(dt), bits)  # [1, F_l, 10, *]
+                pool.write_coded(table, layer, kind, 0, parts)
+                written[layer, kind, "coded"] = parts
+    for (layer, kind, form), want in written.items():  # every layer's rows intact after the others were written
+        if form == "int2":
+            got = pool.gather(torch.tensor(table), layer, kind, 10)
+        else:
+            got = pool.gather_coded(torch.tensor([table, table]), layer, kind, 10)  # two rows with the same pages
+            assert all(a.shape[0] == 2 for a in got)
+            got = tuple(a[:1] for a in got)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match="one count per layer"):
+        PagedInt2Pool(4, 2, hk, d, p, g, int2_heads=(2, 2), coded_heads=(0, 1))  # 3 heads in a layer of 2
+    with pytest.raises(ValueError, match="one count per layer"):
+        PagedInt2Pool(4, 2, hk, d, p, g, int2_heads=(2,))
+
+
 def random_rows(n, hk=2, d=32, g=16, seed=0):
     gen = torch.Generator().manual_seed(seed)
     return QuantizedRows(torch.randint(0, 256, (1, hk, n, d // 4), dtype=torch.uint8, generator=gen),

@@ -18,6 +18,10 @@ class FakeAttention(torch.nn.Module):
 
 
 REQUESTS = 1000  # each joins with a prompt of 1-29 tokens, decodes 0-7 tokens and leaves; up to 6 live
+# retrieval heads (tiny Llama: 2 layers, 2 KV heads): one per layer at INT8; every head of layer 0 at INT4 (no INT2
+# head left there) and one of layer 1
+HEADS = [dict(full_precision_heads=((0, 1), (1, 0)), full_precision_bits=8),
+         dict(full_precision_heads=((0, 0), (0, 1), (1, 1)), full_precision_bits=4)]
 
 
 def make_store(num_pages=64, page_size=4, **kw):
@@ -33,18 +37,19 @@ def expected_pages(store, t):
     return math.ceil(n_hist / store.pool.page_size)
 
 
-def test_requests_join_and_leave():
-    cfg, store = make_store()
+@pytest.mark.parametrize("kw,requests", [({}, REQUESTS), (HEADS[0], 200)])
+def test_requests_join_and_leave(kw, requests):
+    cfg, store = make_store(**kw)
     module = FakeAttention()
     hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    pool_ptrs = [t.data_ptr() for t in (store.pool.codes, store.pool.scale, store.pool.zero)]
+    pool_ptrs = [t.data_ptr() for t in (*store.pool.int2, *store.pool.coded)]
     rng = random.Random(0)
     gen = torch.Generator().manual_seed(0)
     live: dict[str, int] = {}  # request -> tokens left to decode
     started = 0
-    while started < REQUESTS or live:
+    while started < requests or live:
         batch = [(rid, store.length(rid), 1) for rid in live]  # decodes
-        while started < REQUESTS and len(live) < 6 and rng.random() < 0.7:  # joins between steps, with their prompt
+        while started < requests and len(live) < 6 and rng.random() < 0.7:  # joins between steps, with their prompt
             rid = f"r{started}"
             started += 1
             live[rid] = rng.randrange(0, 8)
@@ -66,14 +71,16 @@ def test_requests_join_and_leave():
     assert store.pool.num_used == 0 and store.pool.num_free == store.pool.num_pages and not store.requests
     assert store.windows.num_free == store.windows.num_slots
     assert store.pool.peak_used > 6  # the history did go to pages
-    assert pool_ptrs == [t.data_ptr() for t in (store.pool.codes, store.pool.scale, store.pool.zero)]  # flat
+    assert pool_ptrs == [t.data_ptr() for t in (*store.pool.int2, *store.pool.coded)]  # flat
 
 
-def test_packed_batch_equals_requests_one_by_one():
+@pytest.mark.parametrize("kw", [{}, *HEADS])
+def test_packed_batch_equals_requests_one_by_one(kw):
     """A forward that packs several requests (decodes batched, prompts one by one) gives each request what it gets
-    alone, and stores the same state."""
+    alone, and stores the same state (with retrieval heads: the decode rows' coded histories, of different lengths,
+    are read padded to the longest)."""
     module = FakeAttention()
-    stores = [make_store()[1] for _ in range(2)]
+    stores = [make_store(**kw)[1] for _ in range(2)]
     cfg = make_store()[0]
     hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     gen = torch.Generator().manual_seed(1)
@@ -101,7 +108,7 @@ def test_packed_batch_equals_requests_one_by_one():
         ra, rb = a.requests[rid], b.requests[rid]
         assert ra.lengths == rb.lengths and ra.table and len(ra.table) == len(rb.table)
         for pa, pb in zip(ra.table, rb.table):
-            for ta, tb in zip((a.pool.codes, a.pool.scale, a.pool.zero), (b.pool.codes, b.pool.scale, b.pool.zero)):
+            for ta, tb in zip((*a.pool.int2, *a.pool.coded), (*b.pool.int2, *b.pool.coded)):
                 torch.testing.assert_close(ta[pa], tb[pb])
         torch.testing.assert_close(a.windows.k[ra.slot], b.windows.k[rb.slot])
 
@@ -129,20 +136,38 @@ def test_pool_exhaustion_and_bad_inputs():
         OscarPagedStore(cfg, method="hadamard", group_size=32, num_pages=4, key_offset="prefill")
 
 
-def test_retrieval_heads_of_an_artifact(caplog):
-    """A calibrated artifact's retrieval heads (the cache's default, full_precision_heads="auto") are served in INT2
-    with a warning; asking for them explicitly is refused."""
+def test_retrieval_heads_of_an_artifact_are_kept_and_paid_for():
+    """The artifact's retrieval heads (the cache's default, full_precision_heads="auto") are kept, as OscarCache keeps
+    them; each layer's pages hold its other heads in INT2 and these as coded rows, and a page's bytes count both."""
     from oscar_hf import OscarRotations
 
     cfg = tiny_config("llama", num_hidden_layers=2)
     rot = OscarRotations.builtin(cfg, "hadamard")
     rot.retrieval_scores = torch.tensor([[0.1, 0.9], [0.6, 0.2]])
     kw = dict(sink=4, recent=8, group_size=32, num_pages=8, page_size=4, max_history_bits=6.0)  # room for both (INT8)
-    with caplog.at_level("WARNING", logger="oscar_hf"):
-        store = OscarPagedStore(cfg, rot, **kw)
-    assert store.config.full_precision_heads == 0 and "2 heads" in caplog.text
-    with pytest.raises(NotImplementedError, match="full-precision heads"):
-        OscarPagedStore(cfg, rot, full_precision_heads=((0, 1),), **kw)
+    store = OscarPagedStore(cfg, rot, **kw)
+    assert store.config.full_precision_heads == ((0, 1), (1, 0))
+    assert {i: (s.int2, s.coded) for i, s in store.splits.items()} == {0: ((0,), (1,)), 1: ((1,), (0,))}
+    assert store.pool.int2_heads == (1, 1) and store.pool.coded_heads == (1, 1)
+    # per layer, K and V, 4 entries: one INT2 row (D/4 = 8 code bytes + scale and zero of D/G = 1, BF16) and one INT8
+    # row (D = 32 code bytes + scale and zero in the store's float32)
+    int2_row, coded_row = 8 + 2 * 1 * 2, 32 + 2 * 4
+    assert store.page_bytes(4) == store.pool.bytes_per_page == 2 * 2 * 4 * (int2_row + coded_row)
+    assert store.pool.coded_bytes_per_page == 2 * 2 * 4 * coded_row
+    assert store.pool.nbytes == 8 * store.pool.bytes_per_page  # nothing allocated for INT2 rows nobody reads
+    plain = OscarPagedStore(cfg, rot, **{**kw, "full_precision_heads": 0})
+    assert plain.splits == {0: None, 1: None} and plain.page_bytes(4) == 2 * 2 * 4 * 2 * int2_row
+    budget = store.windows.nbytes + 10 * store.page_bytes(4)  # the budget pays for the heads' bytes
+    assert OscarPagedStore(cfg, rot, **{**kw, "num_pages": None, "memory_budget": budget}).pool.num_pages == 10
+    # explicit heads; a layer whose every head is a 16-bit head is exact: Transformers' paged cache keeps it
+    exact = OscarPagedStore(cfg, rot, **{**kw, "full_precision_heads": ((0, 0), (0, 1), (1, 1)),
+                                         "full_precision_bits": 16})
+    assert not exact.handles(0) and exact.handles(1) and exact.pool.coded_heads == (1,)
+    with pytest.raises(ValueError, match="not a \\(layer, kv_head\\)"):
+        OscarPagedStore(cfg, rot, **{**kw, "full_precision_heads": ((0, 2),)})  # head 2 of 2
+    with pytest.raises(ValueError, match="no layer OSCAR quantizes"):
+        OscarPagedStore(cfg, rot, **{**kw, "full_precision_heads": tuple((i, h) for i in (0, 1) for h in (0, 1)),
+                                     "full_precision_bits": 16})
 
 
 def test_memory_budget_sizes_the_pool():
@@ -155,9 +180,11 @@ def test_memory_budget_sizes_the_pool():
         make_store(num_pages=None, memory_budget=windows)
 
 
-def test_prompt_in_chunks_stores_what_one_piece_stores():
-    """A prompt that arrives in chunks (Transformers' scheduler splits one across steps) leaves the same pages and
-    window as the prompt in one piece; the later chunks, read over INT2 history, stay near exact attention."""
+@pytest.mark.parametrize("kw", [{}, *HEADS])
+def test_prompt_in_chunks_stores_what_one_piece_stores(kw):
+    """A prompt that arrives in chunks (Transformers' scheduler splits one across steps) leaves the same pages (INT2
+    and the retrieval heads' coded rows) and window as the prompt in one piece; the later chunks, read over the
+    history, stay near exact attention."""
     module = FakeAttention()
     cfg = make_store()[0]
     hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -165,7 +192,7 @@ def test_prompt_in_chunks_stores_what_one_piece_stores():
     t = 41
     q, k, v = torch.randn(1, hq, t, d, generator=gen), torch.randn(1, hk, t, d, generator=gen), \
         torch.randn(1, hk, t, d, generator=gen)
-    whole, chunked = make_store()[1], make_store()[1]
+    whole, chunked = make_store(**kw)[1], make_store(**kw)[1]
     exact = whole.attend(0, q, k, v, [("a", 0, t)], d**-0.5, module, "sdpa")  # a new request: exact attention
     outs = []
     for a, b in ((0, 3), (3, 26), (26, 41)):  # the second chunk ends past the sink + window, the third reads history
@@ -174,9 +201,10 @@ def test_prompt_in_chunks_stores_what_one_piece_stores():
                                    "sdpa"))
     ra, rb = whole.requests["a"], chunked.requests["a"]
     assert ra.lengths == rb.lengths == {0: t} and len(ra.table) == len(rb.table) > 0
+    parts = lambda st: (*st.pool.rows(0, "k"), *st.pool.rows(0, "v"), *st.pool.coded_rows(0, "k"),  # noqa: E731
+                        *st.pool.coded_rows(0, "v"))
     for pa, pb in zip(ra.table, rb.table):
-        for ta, tb in zip(whole.pool.rows(0, "k") + whole.pool.rows(0, "v"),
-                          chunked.pool.rows(0, "k") + chunked.pool.rows(0, "v")):
+        for ta, tb in zip(parts(whole), parts(chunked)):
             assert torch.equal(ta[pa], tb[pb])
     assert torch.equal(whole.windows.k[ra.slot, 0], chunked.windows.k[rb.slot, 0])
     got = torch.cat(outs, 1)
