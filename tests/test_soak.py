@@ -72,3 +72,27 @@ def test_a_reset_that_keeps_state_is_caught(soak, tmp_path, monkeypatch):
     assert rc == 1
     failed = {k for k, c in res["checks"].items() if not c["ok"]}
     assert "calls.all_calls_ran" in failed and ("calls.no_exception" in failed or any(k.startswith("calls.reset_") for k in failed))
+
+
+def _records(soak, peak_mib):
+    """Post-warm-up records of the calls part's cycle (reset / fresh cache x greedy / sampled), peaks in MiB."""
+    return [dict(i=i, reuse=i % 2 == 0, kind="sample" if (i // 2) % 2 else "greedy",
+                 peak=round(peak_mib(i, i % 2 == 0) * soak.MiB)) for i in range(8, 200)]
+
+
+def test_peaks_are_compared_within_one_kind_of_call(soak):
+    """Fresh-cache calls peak one cache above reset-cache calls (H200: 385.0 vs 360.3 MiB, flat over 200 calls): the
+    check passes and reports each kind's peaks; one kind growing by more than the tolerance fails it."""
+    checks = {}
+    by_kind = soak.check_peaks_flat(checks, _records(soak, lambda i, reuse: 360.3 if reuse else 385.0), 4.0)
+    assert checks["calls.peak_flat"]["ok"], checks
+    assert checks["calls.peak_flat"]["peaks_by_kind"] == by_kind
+    assert set(by_kind) == {"reset_greedy", "fresh_greedy", "reset_sample", "fresh_sample"}
+    assert by_kind["fresh_greedy"]["max_mib"] == pytest.approx(385.0)
+    assert by_kind["reset_sample"]["first_mib"] == pytest.approx(360.3)
+    assert checks["calls.peak_flat"]["growth_mib"] == 0
+    checks = {}
+    by_kind = soak.check_peaks_flat(checks, _records(soak, lambda i, reuse: 360.3 if reuse else 385.0 + i / 20), 4.0)
+    assert not checks["calls.peak_flat"]["ok"]
+    assert checks["calls.peak_flat"]["growth_mib"] == pytest.approx((197 - 9) / 20)  # fresh greedy: calls 9 ... 197
+    assert by_kind["reset_greedy"]["growth_mib"] == by_kind["reset_sample"]["growth_mib"] == 0

@@ -288,5 +288,12 @@ class StaticOscarCache(OscarCache):
     def capacity(self) -> int:
         return self.max_cache_len_fixed
 
+    @classmethod
+    def load(cls, directory, model, device=None, *, max_cache_len: int | None = None) -> "StaticOscarCache":
+        """Load a cache written by :meth:`save` (from either class) into a fixed capacity of ``max_cache_len`` slots:
+        by default the saved StaticOscarCache's own, or the saved length plus headroom; a ``max_cache_len`` smaller
+        than the saved length (left padding included) is a ValueError."""
+        return load_cache(cls, directory, model, device, compile=True, fixed_capacity=True, max_cache_len=max_cache_len)
+
     def __repr__(self) -> str:
         return super().__repr__().replace("OscarCache(", f"StaticOscarCache(max_cache_len={self.capacity}, ", 1)

@@ -3,9 +3,10 @@
 A long document prefilled once can be reused across program runs at the cache's own size
 (INT2 history + full-precision windows), not BF16's. Layout of a saved cache directory:
 
-* ``cache_state.json``: format/version, the ``OscarConfig``, the model fingerprint, and per layer its
-  kind (``oscar`` / ``dynamic`` / ``sliding``) and scalar positions (``seq_len``, ``tail_start``,
-  ``buf_slot0``, ...);
+* ``cache_state.json``: format/version, the ``OscarConfig``, the model fingerprint, ``max_cache_len`` (a
+  :class:`~oscar_hf.StaticOscarCache`'s capacity, null for a growable cache; absent in caches saved before it was
+  recorded), and per layer its kind (``oscar`` / ``dynamic`` / ``sliding``) and scalar positions (``seq_len``,
+  ``tail_start``, ``buf_slot0``, ...);
 * ``cache_tensors.safetensors``: per layer only the *used* part of each buffer (pad offsets, sink,
   the tail slots ``[buf_slot0, seq_len)``, history ``[:n_hist]`` (quantized heads), the slots
   ``[0, seq_len)`` of full-precision heads; full K/V for unquantized layers);
@@ -20,14 +21,14 @@ import os
 from pathlib import Path
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
 from ..config import ModelFingerprint, OscarConfig
 from ..quant import QuantizedRows
 from ..rotations import OscarRotations
 from . import heads
 from .dynamic import CROP_RESERVE, TAIL_SLACK, OscarLayer
-from .static import StaticOscarLayer
+from .static import StaticOscarLayer, capacity_for
 
 STATE_NAME = "cache_state.json"
 TENSORS_NAME = "cache_tensors.safetensors"
@@ -77,7 +78,7 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
     save_file(tensors, str(path / TENSORS_NAME), metadata={"format": FORMAT})
     cache.rotations.save_pretrained(path / "rotations")
     doc = dict(format=FORMAT, version=VERSION, config=cache.oscar_config.to_dict(),
-               fingerprint=cache.fingerprint.to_dict(), layers=layers)
+               fingerprint=cache.fingerprint.to_dict(), max_cache_len=cache.max_cache_len_fixed, layers=layers)
     (path / STATE_NAME).write_text(json.dumps(doc, indent=2))
 
 
@@ -112,9 +113,72 @@ def _expect(t: dict, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor
     return x
 
 
-def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="auto"):
+def _saved_length(doc: dict, tensors: dict) -> int:
+    """Slots the saved cache holds (left padding included): what a fixed capacity must fit."""
+    n = 0
+    for i, entry in enumerate(doc["layers"]):
+        if entry.get("empty"):
+            continue
+        if entry["kind"] == "oscar":
+            n = max(n, int(entry["seq_len"]))
+        elif entry["kind"] == "sliding":
+            n = max(n, int(entry["cumulative_length"]))
+        elif f"layers.{i}.keys" in tensors and tensors[f"layers.{i}.keys"].dim() == 4:
+            n = max(n, tensors[f"layers.{i}.keys"].shape[2])
+    return n
+
+
+def _fixed_capacity(doc: dict, tensors: dict, max_cache_len: int | None) -> int:
+    """A StaticOscarCache's capacity for the saved state: ``max_cache_len``, or by default the saved cache's own
+    capacity when it was a StaticOscarCache, else its length plus :func:`capacity_for`'s headroom."""
+    need = _saved_length(doc, tensors)
+    if max_cache_len is None:
+        saved = doc.get("max_cache_len")  # absent in caches saved before it was recorded
+        return int(saved) if saved is not None and int(saved) >= need else capacity_for(need)
+    if int(max_cache_len) < need:
+        raise ValueError(f"max_cache_len={max_cache_len} is smaller than the saved cache, which holds {need} tokens "
+                         "(left padding included)")
+    return int(max_cache_len)
+
+
+def _fill_static_window(layer: StaticSlidingWindowLayer, keys: torch.Tensor, values: torch.Tensor, cumulative: int):
+    """Load a saved sliding window (``DynamicSlidingWindowLayer``'s: the last ``min(cumulative, window - 1)`` tokens,
+    all a next forward reads) into Transformers' static one: its ``window`` slots in order, the oldest dropped by the
+    next write once ``cumulative`` reaches the window, so the saved tokens go to the last ``window - 1``."""
+    window = layer.max_cache_len
+    layer.lazy_initialization(keys, values)
+    if cumulative >= window:
+        n = window - 1
+        if keys.shape[2] < n:
+            raise ValueError(f"saved sliding window holds {keys.shape[2]} tokens, {n} needed")
+        layer.keys[:, :, 1:], layer.values[:, :, 1:] = keys[:, :, -n:], values[:, :, -n:]
+    else:
+        if keys.shape[2] != cumulative:
+            raise ValueError(f"saved sliding window holds {keys.shape[2]} tokens, {cumulative} expected")
+        layer.keys[:, :, :cumulative], layer.values[:, :, :cumulative] = keys, values
+        layer.cumulative_length.fill_(cumulative)
+    layer.cumulative_length_int = cumulative
+
+
+def _sink_from_tail(sink: torch.Tensor, tail: torch.Tensor, pad: torch.Tensor, tail_start: int) -> torch.Tensor:
+    """The sink as :class:`StaticOscarLayer` holds it: row ``b``'s first ``S0`` real tokens from the start. The eager
+    layer fills a sink entry only when the tail moves past its slot; those still in the tail (slots ``>= tail_start``,
+    the tail starting there) are copied from it."""
+    b, hk, s0, d = sink.shape
+    n = tail.shape[2]
+    if n == 0 or s0 == 0:
+        return sink
+    slot = pad[:, None] + torch.arange(s0, device=pad.device)[None, :]  # [B, S0]
+    in_tail = (slot >= tail_start) & (slot < tail_start + n)
+    idx = (slot - tail_start).clamp(0, n - 1)[:, None, :, None].expand(-1, hk, -1, d)
+    return torch.where(in_tail[:, None, :, None], tail.gather(2, idx), sink)
+
+
+def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="auto", *, fixed_capacity: bool = False,
+               max_cache_len: int | None = None):
     """A ``cls`` (``OscarCache``) for ``model`` holding the state saved in ``directory``, on ``device``
-    (default: the model's)."""
+    (default: the model's). ``fixed_capacity``: ``cls`` is a StaticOscarCache, built with ``max_cache_len`` slots
+    (None: :func:`_fixed_capacity`'s default)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -138,7 +202,10 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
     if problems:
         raise ValueError("saved cache was made for another model: " + "; ".join(problems))
     rot = OscarRotations.from_pretrained(path / "rotations")
-    cache = cls(model, rot, config, compile=compile)
+    if fixed_capacity:
+        cache = cls(model, rot, config, compile=compile, max_cache_len=_fixed_capacity(doc, tensors, max_cache_len))
+    else:
+        cache = cls(model, rot, config, compile=compile)
     if device is None:
         device = next(model.parameters()).device
     if len(doc["layers"]) != len(cache.layers):
@@ -180,6 +247,8 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
                 raise ValueError(f"layer {i}: the saved history is centered on per-sequence key means "
                                  "(key_offset='prefill'), this cache's config says key_offset='calibrated'")
             if isinstance(layer, StaticOscarLayer):
+                tail = [x[:, :, ts - bs0 :] for x in tail]  # (saves write buf_slot0 = tail_start)
+                sink = [_sink_from_tail(x, t, pad, ts) for x, t in zip(sink, tail)]
                 layer.import_state(dict(
                     seq_len=seq, tail_start=ts, pad=pad.to(device), sink_k=sink[0].to(device), sink_v=sink[1].to(device),
                     tail_k=tail[0].to(device), tail_v=tail[1].to(device),
@@ -206,6 +275,9 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
             keys, values = tensors.pop(f"layers.{i}.keys", None), tensors.pop(f"layers.{i}.values", None)
             if keys is None or values is None or keys.shape != values.shape or keys.dim() != 4:
                 raise ValueError(f"layer {i}: missing or malformed full-precision keys/values")
+            if isinstance(layer, StaticSlidingWindowLayer):
+                _fill_static_window(layer, keys.to(device), values.to(device), int(entry["cumulative_length"]))
+                continue
             layer.update(keys.to(device), values.to(device))
             if entry["kind"] == "sliding":
                 layer.cumulative_length = int(entry["cumulative_length"])

@@ -4,36 +4,89 @@ import json
 import pytest
 import torch
 
-from oscar_hf import OscarCache
+from oscar_hf import OscarCache, StaticOscarCache
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
 from oscar_hf.cache.io import STATE_NAME, TENSORS_NAME
+from oscar_hf.cache.static import capacity_for
 
 KW = dict(method="hadamard", sink=4, recent=8, group_size=32)
+
+
+def _left_padded_batch(width: int):
+    torch.manual_seed(0)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for i, n in enumerate([width, width * 5 // 8]):
+        ids[i, width - n :] = torch.randint(1, 200, (n,))
+        am[i, width - n :] = 1
+    return ids, am
+
+
+def _save_mid_generation(m, cache, directory, width: int = 40):
+    """Generate 6 tokens into ``cache`` after a left-padded prompt of ``width`` slots, save it; returns the next
+    turn's ids (3 new prompt tokens) and the continuation's generate kwargs."""
+    ids, am = _left_padded_batch(width)
+    out1 = m.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                      **cache_kwargs(m, cache))
+    cache.save(directory)
+    am2 = torch.cat([am, torch.ones(2, 6, dtype=torch.long)], 1)
+    cont = dict(attention_mask=torch.cat([am2, torch.ones(2, 3, dtype=torch.long)], 1), max_new_tokens=8,
+                do_sample=False, pad_token_id=0)
+    return torch.cat([out1, torch.randint(1, 200, (2, 3))], 1), cont
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_save_load_continues_exactly(tmp_path, model_type):
     m = tiny_model(model_type)
-    torch.manual_seed(0)
-    lens = [40, 25]
-    ids = torch.zeros(2, 40, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for i, n in enumerate(lens):
-        ids[i, 40 - n :] = torch.randint(1, 200, (n,))
-        am[i, 40 - n :] = 1
     cache = OscarCache(m, **KW)
-    out1 = m.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                      **cache_kwargs(m, cache))
-    cache.save(tmp_path / "c")
-    am2 = torch.cat([am, torch.ones(2, 6, dtype=torch.long)], 1)
-    cont = dict(attention_mask=torch.cat([am2, torch.ones(2, 3, dtype=torch.long)], 1), max_new_tokens=8, do_sample=False, pad_token_id=0)
-    nxt = torch.cat([out1, torch.randint(1, 200, (2, 3))], 1)
+    nxt, cont = _save_mid_generation(m, cache, tmp_path / "c")
     ref = m.generate(nxt, **cache_kwargs(m, cache), **cont)
     loaded = OscarCache.load(tmp_path / "c", m)
-    assert loaded.get_seq_length() == out1.shape[1] - 1
+    assert loaded.get_seq_length() == nxt.shape[1] - 4
     got = m.generate(nxt, **cache_kwargs(m, loaded), **cont)
     assert torch.equal(ref, got)
+
+
+@pytest.mark.parametrize("saved_as, model_type, width", [
+    ("StaticOscarCache", "llama", 40), ("OscarCache", "llama", 40),
+    ("OscarCache", "llama", 10),  # the short row's sink still in the eager layer's tail when saved
+    ("OscarCache", "gemma3_text", 40),  # the sliding window (16) full when saved
+    ("OscarCache", "gemma3_text", 6),  # ... filling up after loading
+])
+def test_static_load_continues_exactly(tmp_path, saved_as, model_type, width):
+    """StaticOscarCache.load takes either class's save; its default capacity is the saved StaticOscarCache's own, or
+    the saved length plus OscarCache's device-storage headroom."""
+    m = tiny_model(model_type)
+    cache = StaticOscarCache(m, max_cache_len=64, **KW) if saved_as == "StaticOscarCache" else OscarCache(m, **KW)
+    nxt, cont = _save_mid_generation(m, cache, tmp_path / "c", width)
+    saved_len = width + 5  # prompt slots (left padding included) + the generated tokens cached
+    ref = m.generate(nxt, **cache_kwargs(m, cache), **cont)
+    loaded = StaticOscarCache.load(tmp_path / "c", m)
+    assert loaded.capacity == (64 if saved_as == "StaticOscarCache" else capacity_for(saved_len))
+    assert int(loaded.get_seq_length()) == saved_len
+    got = m.generate(nxt, **cache_kwargs(m, loaded), **cont)
+    assert torch.equal(ref, got)
+    exact = StaticOscarCache.load(tmp_path / "c", m, max_cache_len=nxt.shape[1] + 8)  # just room for the next turn
+    assert exact.capacity == nxt.shape[1] + 8
+    assert torch.equal(ref, m.generate(nxt, **cache_kwargs(m, exact), **cont))
+
+
+def test_static_load_capacity(tmp_path):
+    m = tiny_model("llama")
+    cache = StaticOscarCache(m, max_cache_len=48, **KW)
+    with torch.no_grad():
+        m(torch.randint(1, 200, (1, 30)), **cache_kwargs(m, cache), use_cache=True)
+    cache.save(tmp_path / "c")
+    doc = json.loads((tmp_path / "c" / STATE_NAME).read_text())
+    assert doc["max_cache_len"] == 48
+    assert StaticOscarCache.load(tmp_path / "c", m, max_cache_len=30).capacity == 30
+    with pytest.raises(ValueError, match="max_cache_len=29 is smaller than the saved cache, which holds 30 tokens"):
+        StaticOscarCache.load(tmp_path / "c", m, max_cache_len=29)
+    del doc["max_cache_len"]  # saved before the capacity was recorded: the length plus headroom
+    (tmp_path / "c" / STATE_NAME).write_text(json.dumps(doc))
+    assert StaticOscarCache.load(tmp_path / "c", m).capacity == capacity_for(30)
+    assert OscarCache.load(tmp_path / "c", m).get_seq_length() == 30
 
 
 def test_saved_cache_is_smaller_than_bf16(tmp_path):
