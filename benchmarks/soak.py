@@ -246,6 +246,16 @@ def long_run(model, a, device, checks) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- (b)
+def late_growth(values: list[float]) -> float:
+    """How much the second half of a series rises above the first half's highest value: a leak keeps growing and
+    shows; a one-time step early on (a cache or graph built once) or values that alternate (an allocator block taken
+    on some calls) do not."""
+    if len(values) < 2:
+        return 0.0
+    half = len(values) // 2
+    return max(values[half:]) - max(values[:half])
+
+
 def check_peaks_flat(checks: dict, records: list[dict], tol_mib: float) -> dict[str, dict]:
     """``calls.peak_flat``: per kind of call (``reset_greedy``, ``fresh_sample``, ...: calls of one kind do the same
     work), the highest per-call peak is within ``tol_mib`` of the kind's first. Kinds are not compared with each
@@ -327,16 +337,17 @@ def many_calls(model, a, device, checks) -> dict:
     check(checks, "calls.sampling_is_random", "sample" not in ref or "greedy" not in ref or not torch.equal(ref["sample"], ref["greedy"]))
     used = {r["cache_used"] for r in calls}
     check(checks, "calls.cache_bytes_identical", len(used) == 1, distinct=sorted(used)[:5])
-    if len(counts) >= 2:
-        growth = max(c["live_tensors"] for c in counts) - counts[0]["live_tensors"]
-        check(checks, "calls.live_tensors_flat", growth <= 2, first=counts[0]["live_tensors"],
+    if len(counts) >= 2:  # (H200: 2363 at call 8, 2957 from call 33 to 199: built once, not a leak)
+        growth = late_growth([c["live_tensors"] for c in counts])
+        check(checks, "calls.live_tensors_flat", growth <= 2, late_growth=growth, first=counts[0]["live_tensors"],
               max=max(c["live_tensors"] for c in counts), last=counts[-1]["live_tensors"])
     if device.type == "cuda":
         post = [r for r in calls if r["i"] >= a.warmup]
         if post:
             tol = a.calls_mem_tol_mib * MiB
             base = post[0]["allocated_between_calls"]
-            grow = max(r["allocated_between_calls"] for r in post) - base
+            # (H200: 281.0 / 313.0 MiB alternating over 200 calls, a 32 MiB block held after some calls)
+            grow = late_growth([r["allocated_between_calls"] for r in post])
             res.update(allocated_growth_mib=grow / MiB, allocated_first=base,
                        allocated_last=post[-1]["allocated_between_calls"])
             check(checks, "calls.memory_flat", grow <= tol, growth_mib=grow / MiB, tol_mib=a.calls_mem_tol_mib)

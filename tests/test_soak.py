@@ -56,7 +56,8 @@ def test_a_leak_is_caught(soak, tmp_path, monkeypatch):
             leaked.append(torch.zeros(4))
 
     monkeypatch.setattr(soak, "OscarCache", LeakyCache)
-    rc, res = run(soak, tmp_path, "--parts", "calls")
+    # (enough calls that the leak keeps growing through the second half of the counts)
+    rc, res = run(soak, tmp_path, "--parts", "calls", "--calls", "20")
     assert rc == 1
     failed = {k for k, c in res["checks"].items() if not c["ok"]}
     assert failed == {"calls.live_tensors_flat"}, failed
@@ -96,3 +97,10 @@ def test_peaks_are_compared_within_one_kind_of_call(soak):
     assert not checks["calls.peak_flat"]["ok"]
     assert checks["calls.peak_flat"]["growth_mib"] == pytest.approx((197 - 9) / 20)  # fresh greedy: calls 9 ... 197
     assert by_kind["reset_greedy"]["growth_mib"] == by_kind["reset_sample"]["growth_mib"] == 0
+
+
+def test_late_growth_tells_a_leak_from_a_step_and_an_alternation(soak):
+    assert soak.late_growth([2363, 2957, 2957, 2957, 2957, 2957]) == 0  # built once early on
+    assert soak.late_growth([281, 313, 281, 313, 313, 281]) == 0  # an allocator block on some calls
+    assert soak.late_growth([10, 11, 12, 13, 14, 15]) == 3  # one more each count: a leak
+    assert soak.late_growth([5]) == 0
