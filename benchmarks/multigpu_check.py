@@ -59,7 +59,8 @@ def main(argv=None):
     cache = OscarCache(model, method="hadamard")
     split = {"oscar": run(model, ids, am, cache, a.new_tokens)}
     res["cache_devices"] = sorted({str(layer.device) for layer in cache.layers if getattr(layer, "is_initialized", False)})
-    res["rotation_devices"] = sorted({str(layer.rot.r_k.device) for layer in cache.layers if getattr(layer, "rot", None) is not None})
+    res["rotation_devices"] = sorted({str(layer.params.r_k.device) for layer in cache.layers
+                                      if getattr(layer, "params", None) is not None})
     disable_oscar(model)
     split["bf16"] = run(model, ids, am, DynamicCache(config=model.config), a.new_tokens)
     remove_hook_from_submodules(model)

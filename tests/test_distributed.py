@@ -164,7 +164,7 @@ def test_cache_layers_get_this_ranks_heads(monkeypatch):
     k = torch.randn(1, 2, 5, 32)
     layer = cache.layers[0]
     layer.update(k, k)
-    torch.testing.assert_close(layer.rot.r_k, rot.layers[0].r_k[2:4], rtol=0, atol=0)
+    torch.testing.assert_close(layer.params.r_k, rot.layers[0].r_k[2:4], rtol=0, atol=0)
     assert layer.num_kv_heads == 2
     json.dumps(lay.to_dict())  # reportable
 

@@ -33,7 +33,7 @@ def test_round_trip_and_cache_uses_it(artifact):
     cache = OscarCache.from_pretrained(path, m, sink=4, recent=8)
     assert cache.oscar_config.group_size == 32  # taken from the artifact
     out = m.generate(torch.randint(1, 200, (1, 30)), max_new_tokens=4, do_sample=False, **cache_kwargs(m, cache))
-    assert out.shape[1] == 34 and cache.layers[0].use_offsets and cache.layers[0].clip_v == 0.92
+    assert out.shape[1] == 34 and cache.layers[0].params.mu_k is not None and cache.layers[0].params.clip_v == 0.92
 
 
 @pytest.mark.parametrize(

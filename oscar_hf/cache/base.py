@@ -12,6 +12,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..config import OscarConfig
 from ..rotations import LayerRotation
 from . import heads
+from .params import LayerParams
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -30,35 +31,77 @@ def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.
 
 class QuantizedLayerBase(CacheLayerMixin):
     """What both quantized layers (:class:`~oscar_hf.cache.dynamic.OscarLayer`,
-    :class:`~oscar_hf.cache.static.StaticOscarLayer`) take from the config and the artifact: the layer's clip
-    ratios and whether its offsets are used. ``self.rot`` is the rotation moved to the cache's device at the
-    first forward. Each subclass implements ``attend`` (its read, called through the handle ``update`` returns)."""
+    :class:`~oscar_hf.cache.static.StaticOscarLayer`) share: the layer's :class:`~oscar_hf.cache.params.LayerParams`
+    (``self.params``, built at the first forward on the cache's device from the rotation, which
+    :mod:`oscar_hf.distributed` may first replace by the rank's slice, and the retrieval heads ``self.fp_heads``), the
+    update checks and the offsets. Each subclass implements ``attend`` (its read, called through the handle ``update``
+    returns)."""
 
     is_sliding = False
 
-    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int):
+    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=()):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         self._rotation_cpu = rotation  # (oscar_hf.distributed replaces it by the rank's slice under TP)
-        self.clip_k = config.clip_for("k", layer_idx, rotation.clip_k)
-        self.clip_v = config.clip_for("v", layer_idx, rotation.clip_v)
-        self.use_offsets = config.center and (rotation.mu_k is not None or rotation.mu_v is not None)
+        self.fp_heads = tuple(sorted(set(int(h) for h in fp_heads)))  # KV heads kept in full precision
+        self.params: LayerParams | None = None
 
     mu_k_seq: torch.Tensor | None = None  # [B, Hk, D] float32, key_offset="prefill" once known
 
+    def build_params(self, key_states: torch.Tensor) -> LayerParams:
+        """The first keys checked (:func:`check_first_keys`), then this layer's parameters on their device."""
+        check_first_keys(self.layer_idx, self._rotation_cpu, key_states)
+        return LayerParams.build(self.config, self._rotation_cpu, self.layer_idx, key_states.shape[1], self.fp_heads,
+                                 key_states.device)
+
+    @property
+    def q_heads(self) -> tuple[int, ...]:
+        """The KV heads in the INT2 history."""
+        return self.params.int2_heads
+
+    def check_update(self, key_states: torch.Tensor) -> None:
+        """A forward's new rows must match the batch, dtype and device the layer holds."""
+        if key_states.shape[0] != self.batch_size:
+            raise ValueError(
+                f"OscarCache layer {self.layer_idx} holds batch size {self.batch_size}, got {key_states.shape[0]} rows "
+                "(use batch_repeat_interleave / batch_select_indices, or a fresh cache)"
+            )
+        if key_states.dtype != self.dtype or key_states.device != self.device:
+            raise ValueError(
+                f"OscarCache layer {self.layer_idx}: got {key_states.dtype} on {key_states.device}, "
+                f"cache holds {self.dtype} on {self.device}"
+            )
+
     def offsets(self):
         """``(mu_K, mu_V)`` on the cache's device, each None when centering is off or absent. mu_K is
-        ``[Hk, D]`` (calibrated) or ``[B, Hk, D]`` (``key_offset="prefill"``, once the first history row
+        ``[Hq, D]`` (calibrated) or ``[B, Hq, D]`` (``key_offset="prefill"``, once the first history row
         was written)."""
-        r = self.rot
-        mu_k = self.mu_k_seq if self.mu_k_seq is not None else (r.mu_k if self.use_offsets else None)
-        return mu_k, (r.mu_v if self.use_offsets else None)
+        p = self.params
+        return (self.mu_k_seq if self.mu_k_seq is not None else p.mu_k), p.mu_v
+
+    def sequence_key_mean(self, keys: torch.Tensor) -> torch.Tensor:
+        """``[B, Hq, D]`` float32: per row, the mean of its non-sink keys ``keys [B, Hk, b, D]`` (slots ``[0, b)``, the
+        first demotion's: ``key_offset="prefill"``) from slot ``pad + S0`` on; a row without one (all padding) takes
+        the calibrated mu_K, or zero."""
+        k = self.params.int2_part(keys)
+        slot = torch.arange(k.shape[2], device=k.device)
+        w = (slot[None, :] >= (self.pad + self.config.sink)[:, None]).float()  # [B, b]
+        n = w.sum(1)  # [B]
+        mean = torch.einsum("bt,bhtd->bhd", w, k.float()) / n.clamp(min=1)[:, None, None]
+        mu = self.params.mu_k
+        fallback = mu.float() if mu is not None else torch.zeros_like(mean[0])
+        return torch.where((n > 0)[:, None, None], mean, fallback[None]).contiguous()
 
     def attend(self, handle, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
         raise NotImplementedError
 
-    # full-precision heads: ``self.fp_k/fp_v`` tuples of [B, P, capacity, *] in the form of oscar_hf.cache.heads,
-    # ``self.fp_idx`` their KV heads (both set by the subclass)
+    def offload(self):
+        raise NotImplementedError("OscarCache does not support offloading (its history is already ~7x smaller)")
+
+    def prefetch(self):
+        return None
+
+    # full-precision heads: ``self.fp_k/fp_v`` tuples of [B, P, capacity, *] in the form of oscar_hf.cache.heads
     def full_precision_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v) [B, P, n, D]``: slots ``[0, n)`` of the full-precision heads in the model dtype."""
         bits = self.config.full_precision_bits
@@ -70,7 +113,8 @@ class QuantizedLayerBase(CacheLayerMixin):
         already holds them)."""
         l = new_k.shape[2]
         for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
-            for dst, src in zip(store, heads.encode(new.index_select(1, self.fp_idx), self.config.full_precision_bits)):
+            for dst, src in zip(store, heads.encode(new.index_select(1, self.params.coded_idx),
+                                                    self.config.full_precision_bits)):
                 dst[:, :, t_old : t_old + l] = src
 
 

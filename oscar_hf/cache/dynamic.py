@@ -69,7 +69,7 @@ from ..patching import base_attention_function
 from ..quant import QuantizedRows
 from ..rotations import LayerRotation
 from . import heads
-from .base import QuantizedLayerBase, allowed_slots, check_first_keys, first_real_slot, group_queries, mask_rows
+from .base import QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, mask_rows
 
 logger = logging.getLogger("oscar_hf")
 
@@ -134,15 +134,14 @@ class OscarLayer(QuantizedLayerBase):
     is_croppable = True
 
     def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=()):
-        super().__init__(config, rotation, layer_idx)
-        self.fp_heads = tuple(sorted(set(int(h) for h in fp_heads)))  # KV heads kept in full precision
+        super().__init__(config, rotation, layer_idx, fp_heads)
         self._clear()
 
     # ------------------------------------------------------------------ state
     def _clear(self):
         self.is_initialized = False
         self.keys = self.values = None  # CacheLayerMixin attributes; unused (no full-precision copy)
-        self.rot: LayerRotation | None = None
+        self.params = None
         self.pad: torch.Tensor | None = None  # [B] first real slot per row
         self.pad_max = 0
         self.seq_len = 0  # T: committed slots
@@ -158,18 +157,10 @@ class OscarLayer(QuantizedLayerBase):
         self._fp_written = False  # this forward's new rows are already in fp_k/v
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        check_first_keys(self.layer_idx, self._rotation_cpu, key_states)
+        self.params = self.build_params(key_states)
         b, hk, _, d = key_states.shape
-        r = self._rotation_cpu
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_kv_heads, self.head_dim = b, hk, d
-        if self.fp_heads and self.fp_heads[-1] >= hk:
-            raise ValueError(f"layer {self.layer_idx}: full_precision_heads {self.fp_heads} out of range for {hk} KV heads")
-        # quantized heads: all but the full-precision ones; their rotations / offsets only
-        self.q_heads = tuple(h for h in range(hk) if h not in self.fp_heads)
-        self.q_idx = torch.tensor(self.q_heads, dtype=torch.long, device=self.device)
-        self.fp_idx = torch.tensor(self.fp_heads, dtype=torch.long, device=self.device)
-        self.rot = (r.select_heads(self.q_heads) if self.fp_heads else r).to(self.device)
         s0, g, meta = self.config.sink, self.config.group_size, self.config.torch_meta_dtype
         kw = dict(dtype=self.dtype, device=self.device)
         cap = self.config.recent + CROP_RESERVE + TAIL_SLACK
@@ -177,17 +168,13 @@ class OscarLayer(QuantizedLayerBase):
         self.tail_v = torch.zeros(b, hk, cap, d, **kw)
         self.sink_k = torch.zeros(b, hk, s0, d, **kw)
         self.sink_v = torch.zeros(b, hk, s0, d, **kw)
-        self.hist_k = self._alloc_hist(0, b, len(self.q_heads), d, g, meta)
-        self.hist_v = self._alloc_hist(0, b, len(self.q_heads), d, g, meta)
+        self.hist_k = self._alloc_hist(0, b, len(self.params.int2_heads), d, g, meta)
+        self.hist_v = self._alloc_hist(0, b, len(self.params.int2_heads), d, g, meta)
         if self.fp_heads:
             bits = self.config.full_precision_bits
             self.fp_k = heads.allocate(bits, b, len(self.fp_heads), 0, d, self.dtype, self.device)
             self.fp_v = heads.allocate(bits, b, len(self.fp_heads), 0, d, self.dtype, self.device)
         self.is_initialized = True
-
-    def _quantized_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [B, Hk, ...]`` -> the heads stored in INT2 ``[B, Hq, ...]`` (``x`` itself without full-precision heads)."""
-        return x.index_select(1, self.q_idx) if self.fp_heads else x
 
     def write_full_precision_heads(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
         """Slots ``[t_old, t_old + L)`` of the full-precision heads (amortized growth). The attention function
@@ -218,16 +205,7 @@ class OscarLayer(QuantizedLayerBase):
                 "cache with OscarCache(model, ...) / OscarCache.from_pretrained(path, model), or call "
                 "oscar_hf.enable_oscar(model)."
             )
-        if key_states.shape[0] != self.batch_size:
-            raise ValueError(
-                f"OscarCache layer {self.layer_idx} holds batch size {self.batch_size}, got {key_states.shape[0]} rows "
-                "(use batch_repeat_interleave / batch_select_indices, or a fresh cache)"
-            )
-        if key_states.dtype != self.dtype or key_states.device != self.device:
-            raise ValueError(
-                f"OscarCache layer {self.layer_idx}: got {key_states.dtype} on {key_states.device}, "
-                f"cache holds {self.dtype} on {self.device}"
-            )
+        self.check_update(key_states)
         self.pending = OscarKV(self, key_states, value_states)
         self._fp_written = False  # (a forward that failed after writing its full-precision rows left it set)
         return self.pending, self.pending
@@ -308,16 +286,16 @@ class OscarLayer(QuantizedLayerBase):
             if l == 1 and key_mask is None:  # a decode step: their codes read in place
                 self.write_full_precision_heads(new_k, new_v, t_old)
                 out_fp = heads_decode_attention(
-                    group_queries(query, hk), self.fp_idx, self.fp_k, self.fp_v, self.config.full_precision_bits,
+                    group_queries(query, hk), self.params.coded_idx, self.fp_k, self.fp_v, self.config.full_precision_bits,
                     s0 + hist_start, self.tail_start, win_k, win_v, None if ok is None else ok[:, 0], scaling,
                     query.dtype, use_kernels=self.config.use_kernels)
             else:
                 out_fp = self.full_precision_heads_attention(query, new_k, new_v, win_k, win_v, ok, allowed, t_old,
                                                              scaling)
-            qf, win_k, win_v = (x.index_select(1, self.q_idx) for x in (qf, win_k, win_v))
+            qf, win_k, win_v = (x.index_select(1, self.params.int2_idx) for x in (qf, win_k, win_v))
 
         # 3. INT2 history, in the rotated space: q rotated once; + q.mu_K on logits; values rotated back once.
-        rot = self.rot
+        rot = self.params
         hist_k, hist_v = self.hist_view()
         mu_k, mu_v = self.offsets()
         # 1 + 3 merged by log-sum-exp, the query rotated inside: three Triton launches on CUDA (rotation + window,
@@ -329,8 +307,8 @@ class OscarLayer(QuantizedLayerBase):
         )
         if out_fp is not None:
             full = out.new_empty(b, hk, out.shape[2], d)
-            full[:, self.q_idx] = out
-            full[:, self.fp_idx] = out_fp.to(out.dtype)
+            full[:, self.params.int2_idx] = out
+            full[:, self.params.coded_idx] = out_fp.to(out.dtype)
             out = full
         out = out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
         self.commit(new_k, new_v, pad)
@@ -355,9 +333,9 @@ class OscarLayer(QuantizedLayerBase):
         if win_ok is None:
             win_ok = hist_ok.new_ones(b, l, win_k.shape[2])
         mask = mask_rows(torch.cat([hist_ok, win_ok], -1), g)  # [B, 1, g*L, n + window]
-        q = group_queries(query, hk).index_select(1, self.fp_idx)  # [B, P, g*L, D]
-        keys = torch.cat([hist_k, win_k.index_select(1, self.fp_idx)], 2)
-        values = torch.cat([hist_v, win_v.index_select(1, self.fp_idx)], 2)
+        q = group_queries(query, hk).index_select(1, self.params.coded_idx)  # [B, P, g*L, D]
+        keys = torch.cat([hist_k, win_k.index_select(1, self.params.coded_idx)], 2)
+        values = torch.cat([hist_v, win_v.index_select(1, self.params.coded_idx)], 2)
         return heads.attention(q, keys, values, mask, scaling)
 
     # ------------------------------------------------------------------ derived per-row views
@@ -430,31 +408,18 @@ class OscarLayer(QuantizedLayerBase):
             return
         self._reserve_hist(b - s0)
         if self.config.key_offset == "prefill" and self.mu_k_seq is None:
-            self.mu_k_seq = self._sequence_key_mean(b, t_old, new_k, new_v)
+            self.mu_k_seq = self.sequence_key_mean(self._source(0, b, t_old, new_k, new_v)[0])
         step = self.config.prefill_chunk
-        r, g, meta = self.rot, self.config.group_size, self.config.torch_meta_dtype
+        r, g, meta = self.params, self.config.group_size, self.config.torch_meta_dtype
         mu_k, mu_v = self.offsets()
         uk, qz = self.config.use_kernels, self.config.quantizer
         for c0 in range(ha, b, step):
             c1 = min(b, c0 + step)
-            xk, xv = (self._quantized_heads(x) for x in self._source(c0, c1, t_old, new_k, new_v))
-            rotate_quantize(xk, r.r_k, mu_k, self.clip_k, g, meta, out=self.hist_k, out_offset=c0 - s0, use_kernels=uk,
+            xk, xv = (self.params.int2_part(x) for x in self._source(c0, c1, t_old, new_k, new_v))
+            rotate_quantize(xk, r.r_k, mu_k, self.params.clip_k, g, meta, out=self.hist_k, out_offset=c0 - s0, use_kernels=uk,
                             quantizer=qz)
-            rotate_quantize(xv, r.r_v, mu_v, self.clip_v, g, meta, out=self.hist_v, out_offset=c0 - s0, use_kernels=uk,
+            rotate_quantize(xv, r.r_v, mu_v, self.params.clip_v, g, meta, out=self.hist_v, out_offset=c0 - s0, use_kernels=uk,
                             quantizer=qz)
-
-    def _sequence_key_mean(self, b: int, t_old: int, new_k, new_v) -> torch.Tensor:
-        """``[B, Hk, D]``: per row, the mean of its non-sink keys in slots ``[pad + S0, b)`` (everything up to
-        the end of this first demotion: the prompt, when it is longer than sink + recent). Nothing was demoted
-        before, so those slots are all in the full-precision tail or the new rows. A row without such a
-        key (all padding) takes the calibrated mu_K, or zero."""
-        k = self._quantized_heads(self._source(0, b, t_old, new_k, new_v)[0])  # [B, Hq, b, D]
-        slot = torch.arange(b, device=self.device)
-        w = (slot[None, :] >= (self.pad + self.config.sink)[:, None]).float()  # [B, b]
-        n = w.sum(1)  # [B]
-        mean = torch.einsum("bt,bhtd->bhd", w, k.float()) / n.clamp(min=1)[:, None, None]
-        fallback = self.rot.mu_k.float() if self.rot.mu_k is not None else torch.zeros_like(mean[0])
-        return torch.where((n > 0)[:, None, None], mean, fallback[None]).contiguous()
 
     def _reserve_hist(self, n: int) -> None:
         cap = self.hist_k.codes.shape[2]
@@ -530,12 +495,6 @@ class OscarLayer(QuantizedLayerBase):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
 
-    def offload(self):
-        raise NotImplementedError("OscarCache does not support offloading (its history is already ~7x smaller)")
-
-    def prefetch(self):
-        return None
-
     # ------------------------------------------------------------------ accounting
     def memory(self) -> dict[str, int]:
         """Bytes actually used by the cached tokens (logical) and allocated by the buffers."""
@@ -543,7 +502,7 @@ class OscarLayer(QuantizedLayerBase):
             return dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, full_precision_heads=0,
                         allocated=0, tokens=0)
         b, hk, d = self.batch_size, self.num_kv_heads, self.head_dim
-        hq = len(self.q_heads)  # heads in the INT2 history
+        hq = len(self.params.int2_heads)  # heads in the INT2 history
         el = self.tail_k.element_size()
         g = self.config.group_size
         meta_el = self.hist_k.scale.element_size()

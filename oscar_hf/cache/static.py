@@ -28,7 +28,6 @@ fused write kernel.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -45,7 +44,7 @@ from ..patching import base_attention_function
 from ..quant import QuantizedRows, dequantize_rows
 from ..rotations import LayerRotation
 from . import heads
-from .base import QuantizedLayerBase, allowed_slots, check_first_keys, first_real_slot, group_queries, mask_rows
+from .base import QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, mask_rows
 
 RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE (as OscarLayer's CROP_RESERVE)
 BUCKET = 1024  # capacity granularity (slots)
@@ -107,11 +106,10 @@ class StaticOscarLayer(QuantizedLayerBase):
 
     def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, max_cache_len: int | None = None,
                  fp_heads=()):
-        super().__init__(config, rotation, layer_idx)
+        super().__init__(config, rotation, layer_idx, fp_heads)
         if config.recent < 1:
             raise ValueError("the compiled OSCAR cache needs recent >= 1 (the ring buffer of the recent window)")
         self.fixed_capacity = None if max_cache_len is None else int(max_cache_len)
-        self.fp_heads = tuple(sorted(set(int(h) for h in fp_heads)))
         self.ring = config.recent + 1 + RING_RESERVE
         self.is_initialized = False
         self.keys = self.values = None  # CacheLayerMixin attributes; unused
@@ -123,29 +121,15 @@ class StaticOscarLayer(QuantizedLayerBase):
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        check_first_keys(self.layer_idx, self._rotation_cpu, key_states)
+        params = self.build_params(key_states)
         b, hk, _, d = key_states.shape
-        if self.fp_heads and self.fp_heads[-1] >= hk:
-            raise ValueError(f"layer {self.layer_idx}: full_precision_heads {self.fp_heads} out of range for {hk} KV heads")
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_kv_heads, self.head_dim = b, hk, d
-        self.q_heads = tuple(h for h in range(hk) if h not in self.fp_heads)
         dev = self.device
-        self.q_idx = torch.tensor(self.q_heads, dtype=torch.long, device=dev)
-        self.fp_idx = torch.tensor(self.fp_heads, dtype=torch.long, device=dev)
-        # kv head -> history head (-1: full precision), for the fused write
-        hist_of = [-1] * hk
-        for j, h in enumerate(self.q_heads):
-            hist_of[h] = j
-        self.hist_heads = _static(torch.tensor(hist_of, dtype=torch.long, device=dev)) if self.fp_heads else None
-        r = self._rotation_cpu
-        rot = (r.select_heads(self.q_heads) if self.fp_heads else r).to(dev)
-        # Each a tensor of this layer's own (~1 MB per layer): a step whose inputs alias (e.g. the built-in Hadamard
+        # Each tensor this layer's own (~1 MB per layer): a step whose inputs alias (e.g. the built-in Hadamard
         # rotation shared by K and V and by every layer) loses its static-input marks under CUDA graphs (torch 2.11),
         # which then skip the whole step. Static: graph inputs that never change, no copy per CUDA-graph replay.
-        own = {name: _static(getattr(rot, name).clone()) for name in ("r_k", "r_v", "mu_k", "mu_v")
-               if isinstance(getattr(rot, name), torch.Tensor)}
-        self.rot = dataclasses.replace(rot, **own)
+        self.params = params.with_tensors(lambda t: _static(t.clone()))
         kw = dict(dtype=self.dtype, device=dev)
         s0 = self.config.sink
         self.win_k = _static(torch.zeros(b, hk, s0 + self.ring, d, **kw))
@@ -165,7 +149,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         """(Re)allocate the capacity-sized buffers (history, full-precision heads), keeping their content."""
         b, d, dev = self.batch_size, self.head_dim, self.device
         g, meta = self.config.group_size, self.config.torch_meta_dtype
-        hq, p, n = len(self.q_heads), len(self.fp_heads), self._hist_rows(capacity)
+        hq, p, n = len(self.params.int2_heads), len(self.fp_heads), self._hist_rows(capacity)
         growable = None if self.fixed_capacity else 2
 
         def grow(old, *shape, dtype):
@@ -202,12 +186,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         if not _compiling():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            if key_states.shape[0] != self.batch_size:
-                raise ValueError(f"OscarCache layer {self.layer_idx} holds batch size {self.batch_size}, got "
-                                 f"{key_states.shape[0]} rows (use batch_repeat_interleave / batch_select_indices)")
-            if key_states.dtype != self.dtype or key_states.device != self.device:
-                raise ValueError(f"OscarCache layer {self.layer_idx}: got {key_states.dtype} on {key_states.device}, "
-                                 f"cache holds {self.dtype} on {self.device}")
+            self.check_update(key_states)
             if self.announced:  # the compiled step's wrapper counted it (and this forward fell back to eager)
                 self.announced = False
             else:
@@ -269,12 +248,12 @@ class StaticOscarLayer(QuantizedLayerBase):
         hk, cfg = self.num_kv_heads, self.config
         t = self.length  # slot of the new token; the window then holds slots [T - W, T]
         mu_k, mu_v = self.offsets()
-        append_token_op(new_k, new_v, self.win_k, self.win_v, self.hist_k, self.hist_v, t, self.pad, self.hist_heads,
-                        self.rot.r_k, mu_k, self.clip_k, self.rot.r_v, mu_v, self.clip_v, cfg.group_size,
+        append_token_op(new_k, new_v, self.win_k, self.win_v, self.hist_k, self.hist_v, t, self.pad, self.params.hist_of,
+                        self.params.r_k, mu_k, self.params.clip_k, self.params.r_v, mu_v, self.params.clip_v, cfg.group_size,
                         cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels, cfg.quantizer)
         if self.fp_heads:
             for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
-                for buf, row in zip(store, heads.encode(new.index_select(1, self.fp_idx), cfg.full_precision_bits)):
+                for buf, row in zip(store, heads.encode(new.index_select(1, self.params.coded_idx), cfg.full_precision_bits)):
                     write_slot_op(buf, row, t)
         qf = group_queries(query.float(), hk)  # [B, Hk, g, D]
         win_mask = self.window_mask(t + 1, cfg.recent + 1)[:, None, None, :]  # [B, 1, 1, S0 + R]
@@ -286,10 +265,10 @@ class StaticOscarLayer(QuantizedLayerBase):
             n_valid = None
         q_part, win_k, win_v = qf, self.win_k, self.win_v
         if self.fp_heads:
-            q_part, win_k, win_v = (x.index_select(1, self.q_idx) for x in (qf, win_k, win_v))
+            q_part, win_k, win_v = (x.index_select(1, self.params.int2_idx) for x in (qf, win_k, win_v))
         out = decode_attention_rotating(
-            q_part, self.rot.r_k, mu_k, hist_k, hist_v, self.pad, None, scaling, cfg.group_size,
-            win_k, win_v, win_mask, self.rot.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size,
+            q_part, self.params.r_k, mu_k, hist_k, hist_v, self.pad, None, scaling, cfg.group_size,
+            win_k, win_v, win_mask, self.params.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size,
             use_kernels=cfg.use_kernels, n_valid=n_valid, splits=None,
         )
         if self.fp_heads:
@@ -306,12 +285,12 @@ class StaticOscarLayer(QuantizedLayerBase):
         if not _compiling() and not triton_enabled(query, cfg.use_kernels):
             hi = int(hi)  # eager reference: read only the filled part
         q = group_queries(query, self.num_kv_heads)  # [B, Hk, g, D] in the model dtype
-        out_fp = heads_decode_attention(q, self.fp_idx, self.fp_k, self.fp_v, cfg.full_precision_bits,
+        out_fp = heads_decode_attention(q, self.params.coded_idx, self.fp_k, self.fp_v, cfg.full_precision_bits,
                                         cfg.sink + self.pad, hi, self.win_k, self.win_v, win_ok, scaling,
                                         out_q.dtype, use_kernels=cfg.use_kernels)
         full = out_q.new_empty(out_q.shape[0], self.num_kv_heads, *out_q.shape[2:])
-        full.index_copy_(1, self.q_idx, out_q)
-        full.index_copy_(1, self.fp_idx, out_fp)
+        full.index_copy_(1, self.params.int2_idx, out_q)
+        full.index_copy_(1, self.params.coded_idx, out_fp)
         return full
 
     def _multi_token(self, query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs):
@@ -343,23 +322,23 @@ class StaticOscarLayer(QuantizedLayerBase):
         win_k, win_v = torch.cat([self.win_k, new_k], 2), torch.cat([self.win_v, new_v], 2)
         q_part = qf
         if self.fp_heads:
-            q_part, win_k, win_v = (x.index_select(1, self.q_idx) for x in (qf, win_k, win_v))
+            q_part, win_k, win_v = (x.index_select(1, self.params.int2_idx) for x in (qf, win_k, win_v))
         mu_k, mu_v = self.offsets()
         out = decode_attention_rotating(
-            q_part, self.rot.r_k, mu_k, hist_k, hist_v, self.pad, mask_rows(allowed[:, :, s0 : s0 + n], g), scaling,
-            cfg.group_size, win_k, win_v, mask_rows(ok, g), self.rot.r_v, mu_v, out_dtype=query.dtype,
+            q_part, self.params.r_k, mu_k, hist_k, hist_v, self.pad, mask_rows(allowed[:, :, s0 : s0 + n], g), scaling,
+            cfg.group_size, win_k, win_v, mask_rows(ok, g), self.params.r_v, mu_v, out_dtype=query.dtype,
             block_n=cfg.block_size, use_kernels=cfg.use_kernels,
         )
         if self.fp_heads:  # their history [S0, S0 + n) as stored and the window above, exact
             self._write_full_precision(new_k, new_v, t_old)
-            q = qf.index_select(1, self.fp_idx).to(self.dtype)  # [B, P, g*L, D]
+            q = qf.index_select(1, self.params.coded_idx).to(self.dtype)  # [B, P, g*L, D]
             hist_ok = allowed[:, :, s0 : s0 + n] & (torch.arange(n, device=dev)[None, None, :] >= self.pad[:, None, None])
-            k, v = (torch.cat([x[:, :, s0:], w.index_select(1, self.fp_idx), new.index_select(1, self.fp_idx)], 2)
+            k, v = (torch.cat([x[:, :, s0:], w.index_select(1, self.params.coded_idx), new.index_select(1, self.params.coded_idx)], 2)
                     for x, w, new in zip(self.full_precision_kv(s0 + n), (self.win_k, self.win_v), (new_k, new_v)))
             out_fp = heads.attention(q, k, v, mask_rows(torch.cat([hist_ok, ok], -1), g), scaling)
             full = out.new_empty(b, hk, g * l, d)
-            full[:, self.q_idx] = out
-            full[:, self.fp_idx] = out_fp.to(out.dtype)
+            full[:, self.params.int2_idx] = out
+            full[:, self.params.coded_idx] = out_fp.to(out.dtype)
             out = full
         self.commit_bulk(new_k, new_v, t_old)
         return out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
@@ -392,27 +371,16 @@ class StaticOscarLayer(QuantizedLayerBase):
             c1 = min(b, c0 + self.config.prefill_chunk)
             ring_idx = s0 + torch.remainder(torch.arange(c0, max(c0, min(c1, t_old)), device=self.device), self.ring)
             for win, new, hist, r, mu, clip in (
-                (self.win_k, new_k, self.hist_k, self.rot.r_k, mu_k, self.clip_k),
-                (self.win_v, new_v, self.hist_v, self.rot.r_v, mu_v, self.clip_v),
+                (self.win_k, new_k, self.hist_k, self.params.r_k, mu_k, self.params.clip_k),
+                (self.win_v, new_v, self.hist_v, self.params.r_v, mu_v, self.params.clip_v),
             ):
                 x = win.index_select(2, ring_idx)
                 if c1 > t_old:
                     x = torch.cat([x, new[:, :, max(c0, t_old) - t_old : c1 - t_old]], 2)
                 if self.fp_heads:
-                    x = x.index_select(1, self.q_idx)
+                    x = x.index_select(1, self.params.int2_idx)
                 rotate_quantize(x, r, mu, clip, g, meta, out=hist, out_offset=c0 - s0, use_kernels=self.config.use_kernels,
                                 quantizer=self.config.quantizer)
-
-    def _sequence_key_mean(self, new_k: torch.Tensor, b: int) -> torch.Tensor:
-        """``[B, Hq, D]``: per row, the mean of its non-sink prompt keys in slots ``[pad + S0, b)`` (key_offset=
-        "prefill", computed at the first bulk demotion of an empty cache: all those slots are new rows)."""
-        k = new_k[:, :, :b].index_select(1, self.q_idx) if self.fp_heads else new_k[:, :, :b]
-        slot = torch.arange(b, device=self.device)
-        w = (slot[None, :] >= (self.pad + self.config.sink)[:, None]).float()  # [B, b]
-        n = w.sum(1)
-        mean = torch.einsum("bt,bhtd->bhd", w, k.float()) / n.clamp(min=1)[:, None, None]
-        fallback = self.rot.mu_k.float() if self.rot.mu_k is not None else torch.zeros_like(mean[0])
-        return _static(torch.where((n > 0)[:, None, None], mean, fallback[None]).contiguous())
 
     def commit_bulk(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
         """Prefill / multi-token forward (eager): slots ``[T, T + L)``."""
@@ -424,7 +392,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         # 1. history: slots [max(T - W, S0), T + L - W), from the ring (< T) or the new rows (>= T)
         a, b = max(t_old - w, s0), t_new - w
         if b > a and t_old == 0 and self.config.key_offset == "prefill" and self.mu_k_seq is None:
-            self.mu_k_seq = self._sequence_key_mean(new_k, b)
+            self.mu_k_seq = _static(self.sequence_key_mean(new_k[:, :, :b]))
         if b > a:
             self._demote_slots(a, b, t_old, new_k, new_v)
         # 2. sink: row b's real token j sits at slot pad[b] + j
@@ -463,15 +431,15 @@ class StaticOscarLayer(QuantizedLayerBase):
     def _refill_ring(self, a: int, b: int) -> None:
         s0, g = self.config.sink, self.config.group_size
         idx = s0 + torch.remainder(torch.arange(a, b, device=self.device), self.ring)
-        for win, hist, r, mu in ((self.win_k, self.hist_k, self.rot.r_k, self.offsets()[0]),
-                                 (self.win_v, self.hist_v, self.rot.r_v, self.offsets()[1])):
+        for win, hist, r, mu in ((self.win_k, self.hist_k, self.params.r_k, self.offsets()[0]),
+                                 (self.win_v, self.hist_v, self.params.r_v, self.offsets()[1])):
             rows = dequantize_rows(QuantizedRows(*(x[:, :, a - s0 : b - s0] for x in hist)), g)  # rotated, centered
             x = torch.matmul(rows, r.transpose(-1, -2).unsqueeze(0))
             if mu is not None:
                 x = x + (mu[None, :, None, :] if mu.dim() == 2 else mu[:, :, None, :])
             if self.fp_heads:
                 full = win.index_select(2, idx).clone()
-                full[:, self.q_idx] = x.to(self.dtype)
+                full[:, self.params.int2_idx] = x.to(self.dtype)
                 x = full
             win.index_copy_(2, idx, x.to(self.dtype))
 
@@ -515,12 +483,6 @@ class StaticOscarLayer(QuantizedLayerBase):
             raise NotImplementedError("StaticOscarCache has a fixed batch size")
         self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices],
                           in_place=False)
-
-    def offload(self):
-        raise NotImplementedError("OscarCache does not support offloading (its history is already ~7x smaller)")
-
-    def prefetch(self):
-        return None
 
     # ------------------------------------------------------------------ persistence (the eager layer's format)
     def export_state(self) -> dict:
@@ -583,7 +545,7 @@ class StaticOscarLayer(QuantizedLayerBase):
             return z
         s0, w, g = self.config.sink, self.config.recent, self.config.group_size
         hk, d, el = self.num_kv_heads, self.head_dim, self.win_k.element_size()
-        hq = len(self.q_heads)
+        hq = len(self.params.int2_heads)
         t = torch.tensor(self.host_len, device=self.device)
         mask = self.window_mask(t, w)
         n_sink, n_rec = int(mask[:, :s0].sum()), int(mask[:, s0:].sum())

@@ -29,9 +29,10 @@ from oscar_hf.kernels.int2_attention import (empty_partial, history_partial_refe
                                                merge_partials, rotate_query_reference)
 
 from ..attention import OscarKV
+from ..cache import heads
 from ..cache.base import group_queries
+from ..cache.params import LayerParams
 from ..quant import dequantize_rows
-from .paged_heads import HeadSplit, coded_history
 from .pool import PagedInt2Pool
 
 LOGITS_BUDGET = 256 << 20  # bytes of one history block's logits
@@ -70,7 +71,7 @@ def paged_multi_token_attention(qf, r_k, mu_k, pool: PagedInt2Pool, table: list[
 
 
 def paged_chunk_attention(query, k_win, v_win, pool: PagedInt2Pool, table: list[int], layer: int, n: int, r_k, mu_k,
-                          r_v, mu_v, scaling: float, split: HeadSplit | None = None) -> torch.Tensor:
+                          r_v, mu_v, scaling: float, split: LayerParams | None = None) -> torch.Tensor:
     """``[1, L, Hq, D]``: the ``L`` new rows ``query [1, Hq, L, D]`` of one request over its history (``n`` entries
     through ``table``), then its window and new rows ``k_win/v_win [1, Hk, E + L, D]`` (the last ``L`` are the new
     rows, causal among themselves; everything before them is visible to every row).
@@ -79,7 +80,7 @@ def paged_chunk_attention(query, k_win, v_win, pool: PagedInt2Pool, table: list[
     brought into that space exactly (``R`` is orthogonal), so one SDPA call covers all keys; the logit offset
     ``q · mu_K`` is the same for every key of a row, which softmax ignores; the output comes back by ``R_Vᵀ`` and
     ``+ mu_V`` (the weights sum to one). With ``split`` (a layer with retrieval heads; ``r_*``, ``mu_*`` then of its
-    ``split.int2`` heads) the coded heads read their coded history (dequantized, :mod:`oscar_hf.cache.heads`) and
+    ``split.int2_heads``) the coded heads read their coded history (dequantized, :mod:`oscar_hf.cache.heads`) and
     their window unrotated, in the same SDPA call. With ``n == 0`` nothing is rotated: exact attention."""
     _, hq, l, d = query.shape
     hk, dt = k_win.shape[1], query.dtype
@@ -93,14 +94,14 @@ def paged_chunk_attention(query, k_win, v_win, pool: PagedInt2Pool, table: list[
             return torch.matmul(x, r.float().unsqueeze(0))
 
         def history_space(kind, win, r, mu):  # [1, Hk, n + E + L, D]: each head's keys (values) as its history reads
-            if split is not None and not split.int2:
+            if split is not None and not split.int2_heads:
                 part = None
             else:
                 part = torch.cat([dequantize_rows(pool.gather(pages, layer, kind, n), pool.group_size),
                                   rotated(win if int2 is None else win.index_select(1, int2), r, mu)], 2).to(dt)
             if split is None:
                 return part
-            coded = coded_history(pool, layer, kind, pages[None], n, split, dt)  # [1, F_l, n, D]
+            coded = heads.decode(pool.gather_coded(pages[None], layer, kind, n), split.bits, dt)  # [1, F_l, n, D]
             return split.merge(part, torch.cat([coded, win.index_select(1, split.coded_idx)], 2))
 
         keys, values = history_space("k", k_win, r_k, mu_k), history_space("v", v_win, r_v, mu_v)

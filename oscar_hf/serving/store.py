@@ -13,8 +13,8 @@ every request is its own sequence), the split of :class:`~oscar_hf.cache.static.
 :class:`~oscar_hf.OscarCache` does) stay out of the INT2 rows: a layer's pages hold its other heads in INT2 and these
 heads' history entries as coded rows (:mod:`oscar_hf.cache.heads`, ``full_precision_bits``), written beside the INT2
 row of the same entry and freed with the same pages. They read their coded history and the exact window, unrotated
-(:mod:`~oscar_hf.serving.paged_heads`); the INT2 path serves the other heads. A layer whose every head is a 16-bit
-retrieval head is exact and left to Transformers' paged cache, as ``OscarCache`` leaves it to Transformers' layer.
+(:class:`~oscar_hf.cache.params.LayerParams` splits a layer's heads); the INT2 path serves the other heads. A layer
+whose every head is a 16-bit retrieval head is exact and left to Transformers' paged cache, as ``OscarCache`` leaves it to Transformers' layer.
 
 **Decode rows** (one new token, ``T > 0``) of a forward are served together, one batched call per layer: the write
 (slot ``T - 1 - W``, which left the window at the previous step, is quantized into the request's current page;
@@ -42,12 +42,12 @@ from oscar_hf.kernels.write_path import rotate_quantize
 
 from ..cache import heads, resolve_full_precision_heads
 from ..cache.base import check_first_keys, group_queries
+from ..cache.params import LayerParams
 from ..cache.static import window_mask
 from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
 from ..patching import base_attention_function
-from ..rotations import LayerRotation, OscarRotations
+from ..rotations import OscarRotations
 from .paged_attention import paged_chunk_attention
-from .paged_heads import HeadSplit
 from .pool import PagedInt2Pool, PoolExhausted, page_bytes
 
 DEFAULT_MAX_REQUESTS = 64  # window slots when the caller gives none: requests live at once
@@ -95,25 +95,6 @@ class RequestKV:
 
     def length(self) -> int:
         return max(self.lengths.values(), default=0)
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerParams:
-    """What the write and read paths of one layer need: rotations and offsets on the store's device, clip ratios."""
-
-    r_k: torch.Tensor  # [Hk, D, D] float32
-    r_v: torch.Tensor
-    mu_k: torch.Tensor | None  # [Hk, D] or None
-    mu_v: torch.Tensor | None
-    clip_k: float
-    clip_v: float
-
-    @classmethod
-    def build(cls, config: OscarConfig, rotation: LayerRotation, layer_idx: int, device) -> "LayerParams":
-        r = rotation.to(device)
-        centered = config.center and (r.mu_k is not None or r.mu_v is not None)
-        return cls(r.r_k, r.r_v, r.mu_k if centered else None, r.mu_v if centered else None,
-                   config.clip_for("k", layer_idx, rotation.clip_k), config.clip_for("v", layer_idx, rotation.clip_v))
 
 
 @dataclasses.dataclass
@@ -186,12 +167,11 @@ class OscarPagedStore:
             raise ValueError("the model has no layer OSCAR quantizes (full attention, with rotations, not skipped, "
                              "not every head a 16-bit full-precision head)")
         self.layer_slot = {layer: k for k, layer in enumerate(layers)}  # model layer -> pool layer index
-        # per layer: None, or its split into INT2 and retrieval (coded) heads; the rotations are the INT2 heads'
-        self.splits = {i: HeadSplit.build(hk, fp_heads[i], config.full_precision_bits, self.device)
-                       if fp_heads.get(i) else None for i in layers}
-        self.params = {i: LayerParams.build(config, rotations.layers[i] if self.splits[i] is None
-                                            else rotations.layers[i].select_heads(self.splits[i].int2), i, self.device)
+        # per layer its parameters (the INT2 heads' rotations, clips, the split into INT2 and retrieval heads: the
+        # generate cache's LayerParams); splits: the layers with retrieval (coded) heads, None for the others
+        self.params = {i: LayerParams.build(config, rotations.layers[i], i, hk, fp_heads.get(i, ()), self.device)
                        for i in layers}
+        self.splits = {i: p if p.coded_heads else None for i, p in self.params.items()}
         self._rotations_cpu = {i: rotations.layers[i] for i in layers}
         self.requests: dict[str, RequestKV] = {}
         self.windows = WindowPool(max_requests, len(layers), self.num_kv_heads, config.sink + self.ring, fp.head_dim,
@@ -222,7 +202,7 @@ class OscarPagedStore:
 
     def _layout(self) -> dict:
         """Heads per pool layer in each form of a page (:class:`PagedInt2Pool`'s keywords)."""
-        coded = [len(s.coded) if s is not None else 0 for s in self.splits.values()]
+        coded = [len(s.coded_heads) if s is not None else 0 for s in self.splits.values()]
         return dict(int2_heads=[self.num_kv_heads - c for c in coded], coded_heads=coded,
                     coded_bits=self.config.full_precision_bits, coded_dtype=self.dtype)
 
@@ -420,7 +400,7 @@ class OscarPagedStore:
             wk, wv = win_k.index_select(0, plan.slots), win_v.index_select(0, plan.slots)
             rows = torch.arange(len(plan.requests), device=self.device)
             part = None
-            if split.int2:
+            if split.int2_heads:
                 part = self._decode_int2(layer_idx, plan, q.index_select(1, split.int2_idx),
                                          wk.index_select(1, split.int2_idx), wv.index_select(1, split.int2_idx), rows,
                                          scaling)
@@ -450,7 +430,7 @@ class OscarPagedStore:
         if split is not None:
             coded = heads.encode(x.index_select(1, split.coded_idx), split.bits)
             self.pool.write_coded_entries(pages, offsets, li, kind, coded)
-            if not split.int2:
+            if not split.int2_heads:
                 return
             x = x.index_select(1, split.int2_idx)
         r, mu, clip = (p.r_k, p.mu_k, p.clip_k) if kind == "k" else (p.r_v, p.mu_v, p.clip_v)
@@ -514,7 +494,7 @@ class OscarPagedStore:
                 if split is not None:
                     self.pool.write_coded(r.table, li, kind, c0 - s0,
                                           heads.encode(x.index_select(1, split.coded_idx), split.bits))
-                    if not split.int2:
+                    if not split.int2_heads:
                         continue
                     x = x.index_select(1, split.int2_idx)
                 rows = rotate_quantize(x, rot, mu, clip, cfg.group_size, cfg.torch_meta_dtype,

@@ -128,7 +128,7 @@ def test_crop_beyond_the_reserve_refills_from_history(monkeypatch):
         s0, r = layer.config.sink, layer.ring
         for s in range(21, 30):
             q = QuantizedRows(*(x[:, :, s - s0 : s - s0 + 1] for x in layer.hist_k))
-            want = dequantize_rows(q, layer.config.group_size) @ layer.rot.r_k.transpose(-1, -2).unsqueeze(0)
+            want = dequantize_rows(q, layer.config.group_size) @ layer.params.r_k.transpose(-1, -2).unsqueeze(0)
             mu = layer.offsets()[0]  # hadamard builtin: no offsets
             want = want if mu is None else want + mu[None, :, None, :]
             got = layer.win_k[:, :, s0 + s % r : s0 + s % r + 1].float()

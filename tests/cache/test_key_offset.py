@@ -38,7 +38,7 @@ def _history_error(key_offset):
     hist_k, _ = layer.hist_view()
     mu = layer.offsets()[0]
     mu = torch.zeros(b, hk, d) if mu is None else (mu.expand(b, hk, d) if mu.dim() == 2 else mu)
-    rec = dequantize_rows(hist_k, KW["group_size"]) @ layer.rot.r_k.transpose(-1, -2)[None] + mu[:, :, None]
+    rec = dequantize_rows(hist_k, KW["group_size"]) @ layer.params.r_k.transpose(-1, -2)[None] + mu[:, :, None]
     s0 = KW["sink"]
     ref = k[:, :, s0 : s0 + layer.n_hist]
     return ((rec - ref).norm() / ref.norm()).item(), layer, k

@@ -147,7 +147,7 @@ def test_retrieval_heads_of_an_artifact_are_kept_and_paid_for():
     kw = dict(sink=4, recent=8, group_size=32, num_pages=8, page_size=4, max_history_bits=6.0)  # room for both (INT8)
     store = OscarPagedStore(cfg, rot, **kw)
     assert store.config.full_precision_heads == ((0, 1), (1, 0))
-    assert {i: (s.int2, s.coded) for i, s in store.splits.items()} == {0: ((0,), (1,)), 1: ((1,), (0,))}
+    assert {i: (s.int2_heads, s.coded_heads) for i, s in store.splits.items()} == {0: ((0,), (1,)), 1: ((1,), (0,))}
     assert store.pool.int2_heads == (1, 1) and store.pool.coded_heads == (1, 1)
     # per layer, K and V, 4 entries: one INT2 row (D/4 = 8 code bytes + scale and zero of D/G = 1, BF16) and one INT8
     # row (D = 32 code bytes + scale and zero in the store's float32)

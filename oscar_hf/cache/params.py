@@ -1,0 +1,72 @@
+"""`LayerParams`: what one quantized layer's write and read need, built once per layer on the storage's device and
+shared by every storage (the generate cache's eager and compiled layers, the serving store's layers).
+
+A layer's ``Hk`` KV heads split into the ``Hq`` INT2 heads (rotated, centered, clipped history rows) and the ``P``
+coded (retrieval) heads (``OscarConfig.full_precision_heads``: every slot in :mod:`oscar_hf.cache.heads`' form,
+``full_precision_bits``). The rotations and offsets are the INT2 heads' (``LayerRotation.select_heads``); the clip
+ratios come from the config or the artifact (``OscarConfig.clip_for``); offsets are used when centering is on and the
+artifact has them.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import OscarConfig
+from ..rotations import LayerRotation
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerParams:
+    r_k: torch.Tensor  # [Hq, D, D] float32: the INT2 heads' key rotations
+    r_v: torch.Tensor  # [Hq, D, D]
+    mu_k: torch.Tensor | None  # [Hq, D] calibrated key offset; None when centering is off or the artifact has none
+    mu_v: torch.Tensor | None  # [Hq, D]
+    clip_k: float
+    clip_v: float
+    int2_heads: tuple[int, ...]  # the layer's KV heads in the INT2 history, ascending
+    coded_heads: tuple[int, ...]  # its retrieval heads, ascending
+    int2_idx: torch.Tensor  # [Hq] long
+    coded_idx: torch.Tensor  # [P] long
+    hist_of: torch.Tensor | None  # [Hk] long: KV head -> INT2 head (-1: coded), for the fused write; None without
+    bits: int  # the coded heads' storage (16, 8 or 4)
+
+    @classmethod
+    def build(cls, config: OscarConfig, rotation: LayerRotation, layer_idx: int, num_kv_heads: int, coded_heads,
+              device) -> "LayerParams":
+        coded = tuple(sorted(set(int(h) for h in coded_heads)))
+        if coded and not 0 <= coded[0] <= coded[-1] < num_kv_heads:
+            raise ValueError(f"layer {layer_idx}: full_precision_heads {coded} out of range for {num_kv_heads} KV heads")
+        int2 = tuple(h for h in range(num_kv_heads) if h not in coded)
+        r = (rotation.select_heads(int2) if coded else rotation).to(device)
+        centered = config.center and (rotation.mu_k is not None or rotation.mu_v is not None)
+        idx = lambda hs: torch.tensor(hs, dtype=torch.long, device=device)  # noqa: E731
+        hist_of = None
+        if coded:
+            where = [-1] * num_kv_heads
+            for j, h in enumerate(int2):
+                where[h] = j
+            hist_of = idx(where)
+        return cls(r.r_k, r.r_v, r.mu_k if centered else None, r.mu_v if centered else None,
+                   config.clip_for("k", layer_idx, rotation.clip_k), config.clip_for("v", layer_idx, rotation.clip_v),
+                   int2, coded, idx(int2), idx(coded), hist_of, int(config.full_precision_bits))
+
+    def with_tensors(self, fn) -> "LayerParams":
+        """The same parameters with ``fn`` applied to each tensor (the compiled storage gives each layer its own
+        static copies)."""
+        return dataclasses.replace(self, **{f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def int2_part(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, Hk, ...]`` -> its INT2 heads ``[B, Hq, ...]`` (``x`` itself when the layer has no coded head)."""
+        return x.index_select(1, self.int2_idx) if self.coded_heads else x
+
+    def merge(self, int2_part: torch.Tensor | None, coded_part: torch.Tensor) -> torch.Tensor:
+        """``[B, Hq, ...]`` and ``[B, P, ...]`` -> ``[B, Hk, ...]`` at their heads (``int2_part`` None when the layer
+        keeps no head in INT2)."""
+        out = coded_part.new_empty(coded_part.shape[0], len(self.int2_heads) + len(self.coded_heads),
+                                   *coded_part.shape[2:])
+        if int2_part is not None:
+            out.index_copy_(1, self.int2_idx, int2_part.to(out.dtype))
+        return out.index_copy_(1, self.coded_idx, coded_part.to(out.dtype))
