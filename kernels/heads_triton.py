@@ -20,30 +20,14 @@ write an empty partial. ``PAGE > 0``: the store is paged (the serving store), sl
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
-from .plan import cdiv, device_sms, pow2_at_least, wave_splits
+from .plan import HEADS_DEFAULTS, HeadsDefaults, heads_plan, pow2_at_least
 
-
-@dataclasses.dataclass(frozen=True)
-class HeadsDefaults:
-    """Tunables of the heads' read (measured on H100 / H200: docs/kernels.md, "Retrieval heads")."""
-
-    block_n: int = 64  # slots per inner step
-    num_warps: int = 4
-    num_stages: int = 3
-    min_split: int = 256  # never fewer history slots per split
-    max_waves: int = 4
-    resident: int = 3  # split programs an SM holds at once (the wave model's slots): 168 registers x 4 warps
-    merge_block: int = 64  # partials merged per step of the combine
-
-
-HEADS_DEFAULTS = HeadsDefaults()
 _OPS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
+OFFSET_LIMIT = 2**31 - 1  # the split kernel's 32-bit element offsets of a contiguous store
 
 
 @triton.jit
@@ -96,7 +80,7 @@ def _history_part(qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI
             slot = offs % PAGE
             k_row, v_row = page * skb + slot * skn, page * svb + slot * svn
             ks_row, vs_row = page * sksb + slot * sksn, page * svsb + slot * svsn
-        else:
+        else:  # (32-bit offsets, as measured: 168 registers, 3 programs an SM; a 64-bit row base costs 20 more)
             k_row, v_row = b * skb + offs * skn, b * svb + offs * svn
             ks_row, vs_row = b * sksb + offs * sksn, b * svsb + offs * svsn
         kt = tl.load(KC + p * skp + k_row[:, None] + offs_c[None, :], mask=valid[:, None], other=0)  # [BLOCK_N, DC]
@@ -165,7 +149,7 @@ def _heads_split_kernel(
 ):
     bp = tl.program_id(0)
     s = tl.program_id(1)
-    b = (bp // P).to(tl.int64)  # (row offsets of large caches pass 2**31)
+    b = bp // P
     p = bp % P
     h = tl.load(HEADS + p)
     offs_m = tl.arange(0, M_PAD)
@@ -245,15 +229,23 @@ def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mas
     ks, kz, vs, vz = (k[1], k[2], v[1], v[2]) if bits != 16 else (kc, kc, vc, vc)  # (unused at 16 bits)
     if ks.stride() != kz.stride() or vs.stride() != vz.stride():
         raise ValueError("a head store's scale and zero must share their strides")
+    rows = OFFSET_LIMIT // max(x.stride(0) for x in (kc, vc, ks, vs))  # rows whose offsets fit the kernel's int32
+    if block_table is None and b > rows:  # (a store past 2**31 elements: in row chunks, same results)
+        def rows_of(x, a, z):
+            return x[a:z] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == b else x
+
+        return torch.cat([heads_decode_triton(
+            q[a : a + rows], heads, tuple(t[a : a + rows] for t in k), tuple(t[a : a + rows] for t in v), bits,
+            lo[a : a + rows], rows_of(hi, a, a + rows), win_k[a : a + rows], win_v[a : a + rows],
+            None if win_mask is None else win_mask[a : a + rows], scaling, out_dtype, max_len=max_len,
+            defaults=defaults) for a in range(0, b, rows)])
     npl = 2 if bits == 4 else 1
-    m_pad = pow2_at_least(m, 16)
     page = 0 if block_table is None else kc.shape[2]
     n = kc.shape[2] if block_table is None else block_table.shape[1] * page  # slots the store can address per row
     hi_dev = isinstance(hi, torch.Tensor)
     n_hist = min(n, int(max_len)) if max_len is not None else n if hi_dev else max(0, min(n, int(hi)))
-    s_hist = 0 if n_hist == 0 else wave_splits(n_hist, b * p, device_sms(dev), df.block_n, df.min_split, df.max_waves,
-                                               df.resident)
-    split_len = cdiv(cdiv(n_hist, s_hist), df.block_n) * df.block_n if s_hist else 0
+    plan = heads_plan(b * p, n_hist, m, dev, df)
+    s_hist, split_len, m_pad = plan.splits, plan.split_len, plan.m_pad
     s_tot = s_hist + 1
     pm = torch.empty(b * p, s_tot, m_pad, dtype=torch.float32, device=dev)
     pl = torch.empty_like(pm)

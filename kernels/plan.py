@@ -250,3 +250,44 @@ def combine_shape(defaults: DecodeDefaults, d: int, rows: int, s_hist: int, s_wi
         c_block = min(c_block, d // parts)
     hoist = c_block < d <= 128 and s_win <= df.merge_hoist_win
     return CombineShape(s_block, c_block, warps, parts, hoist)
+
+
+# ---- the retrieval heads' read (kernels/heads_triton.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsDefaults:
+    """Tunables of the retrieval heads' read (docs/kernels.md, section 3.9)."""
+
+    block_n: int = 64  # slots per inner step
+    num_warps: int = 4
+    num_stages: int = 3
+    min_split: int = 256  # never fewer history slots per split
+    max_waves: int = 4
+    resident: int = 3  # split programs an SM holds at once (the wave model's slots): 168 registers x 4 warps
+    merge_block: int = 64  # partials merged per step of the combine
+
+
+HEADS_DEFAULTS = HeadsDefaults()
+
+
+class HeadsPlan(NamedTuple):
+    """The heads' read grid: ``splits`` history programs per (row, coded head) of ``split_len`` slots each (a multiple
+    of ``block_n``), one window program more; ``m_pad`` query rows per program (``tl.dot`` needs 16)."""
+
+    splits: int
+    split_len: int
+    m_pad: int
+    block_n: int
+
+
+def heads_plan(pairs: int, n_hist: int, m: int, device: torch.device,
+               defaults: HeadsDefaults = HEADS_DEFAULTS) -> HeadsPlan:
+    """The grid of the heads' read for ``pairs`` (row, coded head) pairs of at most ``n_hist`` history slots and
+    ``m`` query rows each: the INT2 kernel's wave model with the heads' defaults. Host code only (testable anywhere;
+    a CUDA graph keeps it, being a function of the storage's capacity)."""
+    df = defaults
+    s = 0 if n_hist <= 0 else wave_splits(n_hist, pairs, device_sms(device), df.block_n, df.min_split, df.max_waves,
+                                          df.resident)
+    split_len = cdiv(cdiv(n_hist, s), df.block_n) * df.block_n if s else 0
+    return HeadsPlan(s, split_len, pow2_at_least(m, 16), df.block_n)

@@ -3,6 +3,11 @@ its storage is device-resident and ``generate`` compiles the decode step by itse
 capacity buckets), elsewhere it is the eager reference (:mod:`.dynamic`). :class:`StaticOscarCache` fixes the
 capacity (``max_cache_len``).
 
+The eager layer keeps a layout of its own (a growing tail instead of the compiled layer's fixed sink + ring) because
+it reads any attention mask exactly (holes, custom 4D masks) and equals a ``DynamicCache`` bit for bit until its first
+demotion; both layers, and the serving store, share one :class:`~oscar_hf.cache.params.LayerParams` per layer, the
+write kernels and the reads (the INT2 decode op, the retrieval heads' kernel).
+
 Data flow: an artifact (:class:`~oscar_hf.OscarRotations`) -> a cache layer per decoder layer
 (:mod:`.dynamic` / :mod:`.static`: write path + read) -> the registered attention function
 (:mod:`oscar_hf.attention`) that hands each call to its layer; :mod:`.io` saves and loads a live cache.

@@ -499,30 +499,11 @@ class OscarLayer(QuantizedLayerBase):
     def memory(self) -> dict[str, int]:
         """Bytes actually used by the cached tokens (logical) and allocated by the buffers."""
         if not self.is_initialized:
-            return dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, full_precision_heads=0,
-                        allocated=0, tokens=0)
-        b, hk, d = self.batch_size, self.num_kv_heads, self.head_dim
-        hq = len(self.params.int2_heads)  # heads in the INT2 history
-        el = self.tail_k.element_size()
-        g = self.config.group_size
-        meta_el = self.hist_k.scale.element_size()
-        n_sink = int(self.sink_count().sum())
-        n_rec = (self.seq_len - self.tail_start) * b
+            return dict(self.EMPTY_MEMORY)
+        n_sink = int(self.sink_count().sum()) if self.pad is not None else 0
+        n_rec = (self.seq_len - self.tail_start) * self.batch_size
         n_hist = int((self.n_hist - self.pad.clamp(max=self.n_hist)).sum()) if self.pad is not None else 0
-        alloc = sum(t.numel() * t.element_size() for t in (self.tail_k, self.tail_v, self.sink_k, self.sink_v))
-        alloc += sum(t.numel() * t.element_size() for q in (self.hist_k, self.hist_v) for t in q)
         n_real = int((self.seq_len - self.pad.clamp(max=self.seq_len)).sum()) if self.pad is not None else 0
-        fp_bytes = 0
-        if self.fp_k is not None:  # every real slot of those heads (their sink/recent copies are counted above)
-            fp_bytes = 2 * n_real * len(self.fp_heads) * heads.row_bytes(self.config.full_precision_bits, d, self.dtype)
-            alloc += sum(t.numel() * t.element_size() for t in self.fp_k + self.fp_v)
-        return dict(
-            sink=2 * n_sink * hk * d * el,
-            recent=2 * n_rec * hk * d * el,
-            history_codes=2 * n_hist * hq * d // 4,
-            history_meta=2 * n_hist * hq * (d // g) * 2 * meta_el,
-            history_elements=2 * n_hist * hq * d,
-            full_precision_heads=fp_bytes,
-            allocated=alloc,
-            tokens=n_sink + n_rec + n_hist,
-        )
+        bufs = [self.tail_k, self.tail_v, self.sink_k, self.sink_v, *self.hist_k, *self.hist_v, *(self.fp_k or ()),
+                *(self.fp_v or ())]
+        return self.memory_from_counts(n_sink, n_rec, n_hist, n_real, bufs)

@@ -539,25 +539,13 @@ class StaticOscarLayer(QuantizedLayerBase):
     # ------------------------------------------------------------------ accounting
     def memory(self) -> dict[str, int]:
         """Bytes used by the cached tokens (logical, as ``OscarLayer.memory``) and allocated."""
-        z = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, full_precision_heads=0,
-                 allocated=0, tokens=0)
         if not self.is_initialized:
-            return z
-        s0, w, g = self.config.sink, self.config.recent, self.config.group_size
-        hk, d, el = self.num_kv_heads, self.head_dim, self.win_k.element_size()
-        hq = len(self.params.int2_heads)
+            return dict(self.EMPTY_MEMORY)
+        s0 = self.config.sink
         t = torch.tensor(self.host_len, device=self.device)
-        mask = self.window_mask(t, w)
+        mask = self.window_mask(t, self.config.recent)
         n_sink, n_rec = int(mask[:, :s0].sum()), int(mask[:, s0:].sum())
         n_hist = int((self.n_hist(t) - self.pad).clamp(min=0).sum())
         n_real = int((t - self.pad).clamp(min=0).sum())
-        meta_el = self.hist_k.scale.element_size()
         bufs = [self.win_k, self.win_v, *self.hist_k, *self.hist_v, *(self.fp_k or ()), *(self.fp_v or ())]
-        return dict(
-            sink=2 * n_sink * hk * d * el, recent=2 * n_rec * hk * d * el,
-            history_codes=2 * n_hist * hq * d // 4, history_meta=2 * n_hist * hq * (d // g) * 2 * meta_el,
-            history_elements=2 * n_hist * hq * d,
-            full_precision_heads=2 * n_real * len(self.fp_heads) * heads.row_bytes(self.config.full_precision_bits, d,
-                                                                                   self.dtype),
-            allocated=sum(x.numel() * x.element_size() for x in bufs), tokens=n_sink + n_rec + n_hist,
-        )
+        return self.memory_from_counts(n_sink, n_rec, n_hist, n_real, bufs)

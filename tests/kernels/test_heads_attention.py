@@ -167,3 +167,41 @@ def test_triton_paged_matches_reference(bits):
     assert rel_err(out, ref) < 1e-5
     with pytest.raises(ValueError, match="block table"):
         heads_decode_attention(q, heads, kp, vp, bits, lo, hi, wk, wv, wm, 0.1, block_table=table[:2])
+
+
+@pytest.mark.parametrize("pairs,n,m", [(8, 37_000, 4), (1, 100_000, 4), (64, 4096, 3), (8, 0, 4), (2, 100, 33)])
+def test_plan_covers_the_history_in_whole_blocks(pairs, n, m):
+    """The launch plan is host code (no Triton): its splits cover the history exactly once, in whole blocks, with no
+    empty split; the query tile is a power of two of at least 16 rows."""
+    from oscar_hf.kernels.plan import heads_plan
+
+    p = heads_plan(pairs, n, m, torch.device("cpu"))
+    assert p.m_pad >= max(16, m) and p.m_pad & (p.m_pad - 1) == 0
+    if n == 0:
+        assert p.splits == 0
+        return
+    assert p.split_len % p.block_n == 0 and p.splits * p.split_len >= n > (p.splits - 1) * p.split_len
+
+
+@interp
+def test_triton_in_row_chunks_matches_one_launch(monkeypatch):
+    """A store past the kernel's 32-bit element offsets is read in row chunks: the same output (one row a chunk
+    here, with the limit lowered)."""
+    import oscar_hf.kernels.heads_triton as ht
+
+    q, heads, k, v, lo, wk, wv, wm = make_case(8, n=100, seed=9)
+    hi = torch.tensor([100, 60, 100])
+    whole = ht.heads_decode_triton(q, heads, k, v, 8, lo, hi, wk, wv, wm, 0.1, torch.float32)
+    launches = []
+    kernel = ht._heads_split_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(ht, "_heads_split_kernel", Counted())
+    monkeypatch.setattr(ht, "OFFSET_LIMIT", k[0].stride(0) + 1)
+    chunked = ht.heads_decode_triton(q, heads, k, v, 8, lo, hi, wk, wv, wm, 0.1, torch.float32)
+    assert len(launches) == 3
+    assert rel_err(chunked, whole) < 1e-6
