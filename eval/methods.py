@@ -26,6 +26,7 @@ from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, OscarRotations
 from oscar_hf.cache import resolve_full_precision_heads
+from oscar_hf.cache.params import LayerParams
 from oscar_hf.config import ModelFingerprint, validate_head_dim
 from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.quant import dequantize_rows, quantize_rows
@@ -126,13 +127,13 @@ class OscarSpec(FakeQuantSpec):
         self.fp_heads = resolve_full_precision_heads(config, rotations, fp, self.skipped)
         self._dev_cache = {}
 
-    def _layer(self, i, device):
+    def _params(self, i, num_kv_heads, device) -> LayerParams:
+        """Layer ``i``'s parameters on ``device``, as the cache builds them (its INT2 heads' rotations and offsets,
+        clips, retrieval heads)."""
         key = (i, str(device))
         if key not in self._dev_cache:
-            lr = self.rot.layers[i].to(device)
-            c = self.config
-            center = c.center and (lr.mu_k is not None or lr.mu_v is not None)
-            self._dev_cache[key] = (lr, c.clip_for("k", i, lr.clip_k), c.clip_for("v", i, lr.clip_v), center)
+            self._dev_cache[key] = LayerParams.build(self.config, self.rot.layers[i], i, num_kv_heads,
+                                                     self.fp_heads.get(i, ()), device)
         return self._dev_cache[key]
 
     def _fq(self, x, r, mu, clip):
@@ -162,26 +163,22 @@ class OscarSpec(FakeQuantSpec):
     def layer_kv(self, i, k, v):
         if i in self.skipped or i not in self.rot.layers:
             return None
-        lr, ck, cv, center = self._layer(i, k.device)
-        if i not in self.fp_heads:
-            return (self._fq(k, lr.r_k, lr.mu_k if center else None, ck),
-                    self._fq(v, lr.r_v, lr.mu_v if center else None, cv))
+        p = self._params(i, k.shape[1], k.device)
+        if not p.coded_heads:
+            return self._fq(k, p.r_k, p.mu_k, p.clip_k), self._fq(v, p.r_v, p.mu_v, p.clip_v)
         # full-precision heads: every position as the cache stores them (OscarConfig.full_precision_bits: exact at
         # 16, else min-max codes per token and head; the window positions below still read exact, as for every head)
-        q = [h for h in range(k.shape[1]) if h not in self.fp_heads[i]]
-        bits = self.config.full_precision_bits
-        if not q and bits == 16:  # every head listed, exact: OscarCache keeps the whole layer in full precision
+        q, c = list(p.int2_heads), list(p.coded_heads)
+        if not q and p.bits == 16:  # every head listed, exact: OscarCache keeps the whole layer in full precision
             return None
         kh, vh = k.float().clone(), v.float().clone()
-        if bits != 16:
-            p = list(self.fp_heads[i])
-            kh[:, p] = minmax_fake_quant(k[:, p], bits, k.dtype).float()
-            vh[:, p] = minmax_fake_quant(v[:, p], bits, v.dtype).float()
+        if p.bits != 16:
+            kh[:, c] = minmax_fake_quant(k[:, c], p.bits, k.dtype).float()
+            vh[:, c] = minmax_fake_quant(v[:, c], p.bits, v.dtype).float()
         if not q:  # a whole layer of INT4 / INT8 heads: no INT2 head left in it
             return kh, vh
-        lq = lr.select_heads(q)
-        kh[:, q] = self._fq(k[:, q], lq.r_k, lq.mu_k if center else None, ck).float()
-        vh[:, q] = self._fq(v[:, q], lq.r_v, lq.mu_v if center else None, cv).float()
+        kh[:, q] = self._fq(k[:, q], p.r_k, p.mu_k, p.clip_k).float()
+        vh[:, q] = self._fq(v[:, q], p.r_v, p.mu_v, p.clip_v).float()
         return kh, vh
 
     def exact_mask(self, n, prefill_len, device):
