@@ -109,8 +109,7 @@ class QuantizedLayerBase(CacheLayerMixin):
         real slot, which the full-precision heads keep) and the layer's buffers (``allocated``). The same accounting
         whatever the storage's layout."""
         hk, hq, d, g = self.num_kv_heads, len(self.params.int2_heads), self.head_dim, self.config.group_size
-        el = torch.empty((), dtype=self.dtype).element_size()
-        meta_el = torch.empty((), dtype=self.config.torch_meta_dtype).element_size()
+        el, meta_el = self.dtype.itemsize, self.config.torch_meta_dtype.itemsize
         return dict(
             sink=2 * n_sink * hk * d * el, recent=2 * n_rec * hk * d * el,
             history_codes=2 * n_hist * hq * d // 4, history_meta=2 * n_hist * hq * (d // g) * 2 * meta_el,

@@ -286,7 +286,7 @@ class OscarLayer(QuantizedLayerBase):
             if l == 1 and key_mask is None:  # a decode step: their codes read in place
                 self.write_full_precision_heads(new_k, new_v, t_old)
                 out_fp = heads_decode_attention(
-                    group_queries(query, hk), self.params.coded_idx, self.fp_k, self.fp_v, self.config.full_precision_bits,
+                    group_queries(query, hk), self.params.coded_idx, self.fp_k, self.fp_v, self.params.bits,
                     s0 + hist_start, self.tail_start, win_k, win_v, None if ok is None else ok[:, 0], scaling,
                     query.dtype, use_kernels=self.config.use_kernels)
             else:
@@ -306,10 +306,7 @@ class OscarLayer(QuantizedLayerBase):
             use_kernels=self.config.use_kernels,
         )
         if out_fp is not None:
-            full = out.new_empty(b, hk, out.shape[2], d)
-            full[:, self.params.int2_idx] = out
-            full[:, self.params.coded_idx] = out_fp.to(out.dtype)
-            out = full
+            out = self.params.merge(out, out_fp.to(out.dtype))
         out = out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
         self.commit(new_k, new_v, pad)
         return out

@@ -288,10 +288,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         out_fp = heads_decode_attention(q, self.params.coded_idx, self.fp_k, self.fp_v, cfg.full_precision_bits,
                                         cfg.sink + self.pad, hi, self.win_k, self.win_v, win_ok, scaling,
                                         out_q.dtype, use_kernels=cfg.use_kernels)
-        full = out_q.new_empty(out_q.shape[0], self.num_kv_heads, *out_q.shape[2:])
-        full.index_copy_(1, self.params.int2_idx, out_q)
-        full.index_copy_(1, self.params.coded_idx, out_fp)
-        return full
+        return self.params.merge(out_q, out_fp)
 
     def _multi_token(self, query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs):
         b, hq, l, d = query.shape
@@ -336,10 +333,7 @@ class StaticOscarLayer(QuantizedLayerBase):
             k, v = (torch.cat([x[:, :, s0:], w.index_select(1, self.params.coded_idx), new.index_select(1, self.params.coded_idx)], 2)
                     for x, w, new in zip(self.full_precision_kv(s0 + n), (self.win_k, self.win_v), (new_k, new_v)))
             out_fp = heads.attention(q, k, v, mask_rows(torch.cat([hist_ok, ok], -1), g), scaling)
-            full = out.new_empty(b, hk, g * l, d)
-            full[:, self.params.int2_idx] = out
-            full[:, self.params.coded_idx] = out_fp.to(out.dtype)
-            out = full
+            out = self.params.merge(out, out_fp.to(out.dtype))
         self.commit_bulk(new_k, new_v, t_old)
         return out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
 

@@ -168,10 +168,9 @@ class OscarPagedStore:
                              "not every head a 16-bit full-precision head)")
         self.layer_slot = {layer: k for k, layer in enumerate(layers)}  # model layer -> pool layer index
         # per layer its parameters (the INT2 heads' rotations, clips, the split into INT2 and retrieval heads: the
-        # generate cache's LayerParams); splits: the layers with retrieval (coded) heads, None for the others
+        # generate cache's LayerParams)
         self.params = {i: LayerParams.build(config, rotations.layers[i], i, hk, fp_heads.get(i, ()), self.device)
                        for i in layers}
-        self.splits = {i: p if p.coded_heads else None for i, p in self.params.items()}
         self._rotations_cpu = {i: rotations.layers[i] for i in layers}
         self.requests: dict[str, RequestKV] = {}
         self.windows = WindowPool(max_requests, len(layers), self.num_kv_heads, config.sink + self.ring, fp.head_dim,
@@ -202,7 +201,7 @@ class OscarPagedStore:
 
     def _layout(self) -> dict:
         """Heads per pool layer in each form of a page (:class:`PagedInt2Pool`'s keywords)."""
-        coded = [len(s.coded_heads) if s is not None else 0 for s in self.splits.values()]
+        coded = [len(p.coded_heads) for p in self.params.values()]
         return dict(int2_heads=[self.num_kv_heads - c for c in coded], coded_heads=coded,
                     coded_bits=self.config.full_precision_bits, coded_dtype=self.dtype)
 
@@ -377,7 +376,7 @@ class OscarPagedStore:
 
     def _decode(self, layer_idx: int, plan: DecodePlan, query, new_k, new_v, scaling: float) -> torch.Tensor:
         """``[Bd, Hq, D]``: write then read one token for each decode row (see the module docstring)."""
-        li, split = self.layer_slot[layer_idx], self.splits[layer_idx]
+        li, p = self.layer_slot[layer_idx], self.params[layer_idx]
         win_k, win_v = self.windows.k[:, li], self.windows.v[:, li]  # [slots, Hk, S0 + R, D]
         k_new = new_k[0].index_select(1, plan.pos).transpose(0, 1)  # [Bd, Hk, D]
         v_new = new_v[0].index_select(1, plan.pos).transpose(0, 1)
@@ -394,23 +393,22 @@ class OscarPagedStore:
             win_v[plan.slots[plan.sink_rows], :, plan.sink_entry] = v_new[plan.sink_rows]
         # 3. read: history pages through the block tables + the window slots
         q = group_queries(query[0].index_select(1, plan.pos).transpose(0, 1)[:, :, None], self.num_kv_heads)
-        if split is None:
+        if not p.coded_heads:
             out = self._decode_int2(layer_idx, plan, q, win_k, win_v, plan.slots, scaling)  # [Bd, Hk, g, D]
         else:  # the rows' windows gathered once ([Bd, Hk, S0 + R, D]): each part reads its heads of them
             wk, wv = win_k.index_select(0, plan.slots), win_v.index_select(0, plan.slots)
             rows = torch.arange(len(plan.requests), device=self.device)
             part = None
-            if split.int2_heads:
-                part = self._decode_int2(layer_idx, plan, q.index_select(1, split.int2_idx),
-                                         wk.index_select(1, split.int2_idx), wv.index_select(1, split.int2_idx), rows,
+            if p.int2_heads:
+                part = self._decode_int2(layer_idx, plan, p.int2_part(q), p.int2_part(wk), p.int2_part(wv), rows,
                                          scaling)
             # the retrieval heads: their coded pages read in place through the block tables, the exact window
-            coded = heads_decode_attention(q, split.coded_idx, self.pool.coded_rows(li, "k"),
-                                           self.pool.coded_rows(li, "v"), split.bits, plan.hist_start, plan.hist_len,
+            coded = heads_decode_attention(q, p.coded_idx, self.pool.coded_rows(li, "k"),
+                                           self.pool.coded_rows(li, "v"), p.bits, plan.hist_start, plan.hist_len,
                                            wk, wv, plan.win_mask, scaling, query.dtype,
                                            use_kernels=self.config.use_kernels, block_table=plan.block_table,
                                            max_len=plan.max_hist)
-            out = split.merge(part, coded.to(query.dtype))
+            out = p.merge(part, coded.to(query.dtype))
         return out.reshape(len(plan.requests), query.shape[1], query.shape[3])
 
     def _decode_int2(self, layer_idx: int, plan: DecodePlan, q, win_k, win_v, win_slot, scaling: float):
@@ -422,21 +420,27 @@ class OscarPagedStore:
                                       p.mu_v, scaling, cfg.group_size, q.dtype, use_kernels=cfg.use_kernels,
                                       max_hist_len=plan.max_hist)
 
+    def _history_rows(self, layer_idx: int, kind: str, x: torch.Tensor):
+        """Window rows ``x [n, Hk, L, D]`` in the history's two forms: ``(coded, int2)``, the retrieval heads coded
+        (``heads.encode``) and the INT2 heads rotated and quantized, each None where the layer has no such head."""
+        cfg, p = self.config, self.params[layer_idx]
+        coded = heads.encode(x.index_select(1, p.coded_idx), p.bits) if p.coded_heads else None
+        if not p.int2_heads:
+            return coded, None
+        r, mu, clip = (p.r_k, p.mu_k, p.clip_k) if kind == "k" else (p.r_v, p.mu_v, p.clip_v)
+        return coded, rotate_quantize(p.int2_part(x), r, mu, clip, cfg.group_size, cfg.torch_meta_dtype,
+                                      use_kernels=cfg.use_kernels, quantizer=cfg.quantizer)
+
     def _write_history(self, layer_idx: int, kind: str, x: torch.Tensor, pages: torch.Tensor,
                        offsets: torch.Tensor) -> None:
         """History entries from window rows ``x [n, Hk, 1, D]`` (one per row), at ``offsets`` of ``pages`` (long
-        ``[n]``): the INT2 heads rotated and quantized, the retrieval heads coded (``heads.encode``)."""
-        cfg, p, li, split = self.config, self.params[layer_idx], self.layer_slot[layer_idx], self.splits[layer_idx]
-        if split is not None:
-            coded = heads.encode(x.index_select(1, split.coded_idx), split.bits)
+        ``[n]``), in both forms (:meth:`_history_rows`)."""
+        li = self.layer_slot[layer_idx]
+        coded, rows = self._history_rows(layer_idx, kind, x)
+        if coded is not None:
             self.pool.write_coded_entries(pages, offsets, li, kind, coded)
-            if not split.int2_heads:
-                return
-            x = x.index_select(1, split.int2_idx)
-        r, mu, clip = (p.r_k, p.mu_k, p.clip_k) if kind == "k" else (p.r_v, p.mu_v, p.clip_v)
-        rows = rotate_quantize(x, r, mu, clip, cfg.group_size, cfg.torch_meta_dtype, use_kernels=cfg.use_kernels,
-                               quantizer=cfg.quantizer)
-        self.pool.write_entries(pages, offsets, li, kind, rows)
+        if rows is not None:
+            self.pool.write_entries(pages, offsets, li, kind, rows)
 
     # ------------------------------------------------------------------ multi-token rows, one request at a time
     def _attend_one(self, request_id: str, layer_idx: int, t_old: int, query, new_k, new_v, scaling: float, module,
@@ -455,7 +459,7 @@ class OscarPagedStore:
             k_win = torch.cat([self.windows.k[r.slot, li].index_select(1, entries)[None], new_k], 2)  # [1, Hk, E+L, D]
             v_win = torch.cat([self.windows.v[r.slot, li].index_select(1, entries)[None], new_v], 2)
             out = paged_chunk_attention(query, k_win, v_win, self.pool, r.table, li, max(t_old - w - s0, 0), p.r_k,
-                                        p.mu_k, p.r_v, p.mu_v, scaling, self.splits[layer_idx])
+                                        p.mu_k, p.r_v, p.mu_v, scaling, p if p.coded_heads else None)
         self._commit_bulk(r, layer_idx, t_old, new_k, new_v)
         r.lengths[layer_idx] = t_old + l
         return out
@@ -480,26 +484,20 @@ class OscarPagedStore:
         coded into the same entries."""
         if b <= a:
             return
-        s0, cfg, li, split = self.config.sink, self.config, self.layer_slot[layer_idx], self.splits[layer_idx]
+        s0, cfg, li = self.config.sink, self.config, self.layer_slot[layer_idx]
         self._pages_for(r, b - s0)
-        p = self.params[layer_idx]
         for c0 in range(a, b, cfg.prefill_chunk):
             c1 = min(b, c0 + cfg.prefill_chunk)
             old = torch.arange(c0, max(c0, min(c1, t_old)), device=self.device)
-            for kind, (win, new, rot, mu, clip) in zip("kv", ((self.windows.k, new_k, p.r_k, p.mu_k, p.clip_k),
-                                                               (self.windows.v, new_v, p.r_v, p.mu_v, p.clip_v))):
+            for kind, win, new in (("k", self.windows.k, new_k), ("v", self.windows.v, new_v)):
                 x = win[r.slot, li].index_select(1, s0 + torch.remainder(old, self.ring))[None]  # [1, Hk, n, D]
                 if c1 > t_old:
                     x = torch.cat([x, new[:, :, max(c0, t_old) - t_old : c1 - t_old]], 2)
-                if split is not None:
-                    self.pool.write_coded(r.table, li, kind, c0 - s0,
-                                          heads.encode(x.index_select(1, split.coded_idx), split.bits))
-                    if not split.int2_heads:
-                        continue
-                    x = x.index_select(1, split.int2_idx)
-                rows = rotate_quantize(x, rot, mu, clip, cfg.group_size, cfg.torch_meta_dtype,
-                                       use_kernels=cfg.use_kernels, quantizer=cfg.quantizer)
-                self.pool.write(r.table, li, kind, c0 - s0, rows)
+                coded, rows = self._history_rows(layer_idx, kind, x)
+                if coded is not None:
+                    self.pool.write_coded(r.table, li, kind, c0 - s0, coded)
+                if rows is not None:
+                    self.pool.write(r.table, li, kind, c0 - s0, rows)
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, int]:

@@ -147,7 +147,7 @@ def test_retrieval_heads_of_an_artifact_are_kept_and_paid_for():
     kw = dict(sink=4, recent=8, group_size=32, num_pages=8, page_size=4, max_history_bits=6.0)  # room for both (INT8)
     store = OscarPagedStore(cfg, rot, **kw)
     assert store.config.full_precision_heads == ((0, 1), (1, 0))
-    assert {i: (s.int2_heads, s.coded_heads) for i, s in store.splits.items()} == {0: ((0,), (1,)), 1: ((1,), (0,))}
+    assert {i: (p.int2_heads, p.coded_heads) for i, p in store.params.items()} == {0: ((0,), (1,)), 1: ((1,), (0,))}
     assert store.pool.int2_heads == (1, 1) and store.pool.coded_heads == (1, 1)
     # per layer, K and V, 4 entries: one INT2 row (D/4 = 8 code bytes + scale and zero of D/G = 1, BF16) and one INT8
     # row (D = 32 code bytes + scale and zero in the store's float32)
@@ -156,7 +156,7 @@ def test_retrieval_heads_of_an_artifact_are_kept_and_paid_for():
     assert store.pool.coded_bytes_per_page == 2 * 2 * 4 * coded_row
     assert store.pool.nbytes == 8 * store.pool.bytes_per_page  # nothing allocated for INT2 rows nobody reads
     plain = OscarPagedStore(cfg, rot, **{**kw, "full_precision_heads": 0})
-    assert plain.splits == {0: None, 1: None} and plain.page_bytes(4) == 2 * 2 * 4 * 2 * int2_row
+    assert all(not p.coded_heads for p in plain.params.values()) and list(plain.params) == [0, 1] and plain.page_bytes(4) == 2 * 2 * 4 * 2 * int2_row
     budget = store.windows.nbytes + 10 * store.page_bytes(4)  # the budget pays for the heads' bytes
     assert OscarPagedStore(cfg, rot, **{**kw, "num_pages": None, "memory_budget": budget}).pool.num_pages == 10
     # explicit heads; a layer whose every head is a 16-bit head is exact: Transformers' paged cache keeps it
