@@ -6,7 +6,9 @@ capacity (``max_cache_len``).
 The eager layer keeps a layout of its own (a growing tail instead of the compiled layer's fixed sink + ring) because
 it reads any attention mask exactly (holes, custom 4D masks) and equals a ``DynamicCache`` bit for bit until its first
 demotion; both layers, and the serving store, share one :class:`~oscar_hf.cache.params.LayerParams` per layer, the
-write kernels and the reads (the INT2 decode op, the retrieval heads' kernel).
+write kernels and the reads (the INT2 decode op, the retrieval heads' kernel). The compiled layer and the serving
+store also share one storage model, written once in :mod:`.window`: a sink + ring window, and a history of INT2 rows
+and the retrieval heads' coded rows (``LayerParams.encode_history``), addressed as rows or as pages.
 
 Data flow: an artifact (:class:`~oscar_hf.OscarRotations`) -> a cache layer per decoder layer
 (:mod:`.dynamic` / :mod:`.static`: write path + read) -> the registered attention function

@@ -104,37 +104,21 @@ class QuantizedLayerBase(CacheLayerMixin):
     EMPTY_MEMORY = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, full_precision_heads=0,
                         allocated=0, tokens=0)
 
-    def memory_from_counts(self, n_sink: int, n_rec: int, n_hist: int, n_real: int, buffers) -> dict[str, int]:
-        """:meth:`memory`'s bytes from the token counts summed over rows (sink, recent and history slots, and every
-        real slot, which the full-precision heads keep) and the layer's buffers (``allocated``). The same accounting
-        whatever the storage's layout."""
+    def memory_from_counts(self, n_sink: int, n_rec: int, n_hist: int, n_coded: int, buffers) -> dict[str, int]:
+        """:meth:`memory`'s bytes from the token counts summed over rows (sink, recent and history slots, and the
+        slots the retrieval heads keep coded: every real slot in the eager layer, the history's in the compiled one)
+        and the layer's buffers (``allocated``). The same accounting whatever the storage's layout."""
         hk, hq, d, g = self.num_kv_heads, len(self.params.int2_heads), self.head_dim, self.config.group_size
         el, meta_el = self.dtype.itemsize, self.config.torch_meta_dtype.itemsize
         return dict(
             sink=2 * n_sink * hk * d * el, recent=2 * n_rec * hk * d * el,
             history_codes=2 * n_hist * hq * d // 4, history_meta=2 * n_hist * hq * (d // g) * 2 * meta_el,
             history_elements=2 * n_hist * hq * d,
-            # every real slot of those heads (their sink / recent copies are counted above)
-            full_precision_heads=2 * n_real * len(self.fp_heads) * heads.row_bytes(self.config.full_precision_bits,
+            # the coded slots of those heads (their window copies, if any, are counted above)
+            full_precision_heads=2 * n_coded * len(self.fp_heads) * heads.row_bytes(self.config.full_precision_bits,
                                                                                    d, self.dtype),
             allocated=sum(x.numel() * x.element_size() for x in buffers), tokens=n_sink + n_rec + n_hist,
         )
-
-    # full-precision heads: ``self.fp_k/fp_v`` tuples of [B, P, capacity, *] in the form of oscar_hf.cache.heads
-    def full_precision_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k, v) [B, P, n, D]``: slots ``[0, n)`` of the full-precision heads in the model dtype."""
-        bits = self.config.full_precision_bits
-        return tuple(heads.decode(tuple(t[:, :, :n] for t in store), bits, self.dtype)
-                     for store in (self.fp_k, self.fp_v))
-
-    def _store_full_precision_rows(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
-        """Slots ``[t_old, t_old + L)`` of the full-precision heads from ``new_k/v [B, Hk, L, D]`` (the storage
-        already holds them)."""
-        l = new_k.shape[2]
-        for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
-            for dst, src in zip(store, heads.encode(new.index_select(1, self.params.coded_idx),
-                                                    self.config.full_precision_bits)):
-                dst[:, :, t_old : t_old + l] = src
 
 
 # ---------------------------------------------------------------------------------------------- read helpers

@@ -187,6 +187,21 @@ class OscarLayer(QuantizedLayerBase):
         self._store_full_precision_rows(new_k, new_v, t_old)
         self._fp_written = True
 
+    def full_precision_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v) [B, P, n, D]``: slots ``[0, n)`` of the full-precision heads in the model dtype."""
+        bits = self.config.full_precision_bits
+        return tuple(heads.decode(tuple(t[:, :, :n] for t in store), bits, self.dtype)
+                     for store in (self.fp_k, self.fp_v))
+
+    def _store_full_precision_rows(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
+        """Slots ``[t_old, t_old + L)`` of the full-precision heads from ``new_k/v [B, Hk, L, D]`` (the storage
+        already holds them)."""
+        l = new_k.shape[2]
+        for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
+            for dst, src in zip(store, heads.encode(new.index_select(1, self.params.coded_idx),
+                                                    self.config.full_precision_bits)):
+                dst[:, :, t_old : t_old + l] = src
+
     def _alloc_hist(self, cap, b, hk, d, g, meta):
         return QuantizedRows(
             torch.zeros(b, hk, cap, d // 4, dtype=torch.uint8, device=self.device),

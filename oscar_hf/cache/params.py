@@ -2,10 +2,11 @@
 shared by every storage (the generate cache's eager and compiled layers, the serving store's layers).
 
 A layer's ``Hk`` KV heads split into the ``Hq`` INT2 heads (rotated, centered, clipped history rows) and the ``P``
-coded (retrieval) heads (``OscarConfig.full_precision_heads``: every slot in :mod:`oscar_hf.cache.heads`' form,
+coded (retrieval) heads (``OscarConfig.full_precision_heads``: history rows in :mod:`oscar_hf.cache.heads`' form,
 ``full_precision_bits``). The rotations and offsets are the INT2 heads' (``LayerRotation.select_heads``); the clip
 ratios come from the config or the artifact (``OscarConfig.clip_for``); offsets are used when centering is on and the
-artifact has them.
+artifact has them. :meth:`LayerParams.encode_history` is the one encoding of history rows the device-side storages
+write (:mod:`oscar_hf.cache.window`, and their decode steps).
 """
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ import dataclasses
 
 import torch
 
+from oscar_hf.kernels.write_path import rotate_quantize
+
 from ..config import OscarConfig
+from ..quant import QuantizedRows
 from ..rotations import LayerRotation
+from . import heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +66,27 @@ class LayerParams:
     def int2_part(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, Hk, ...]`` -> its INT2 heads ``[B, Hq, ...]`` (``x`` itself when the layer has no coded head)."""
         return x.index_select(1, self.int2_idx) if self.coded_heads else x
+
+    def encode_coded(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Window rows ``x [B, Hk, n, D]`` (model dtype) -> the retrieval heads' coded rows (:func:`heads.encode`:
+        tensors ``[B, P, n, *]``), None when the layer has none."""
+        return heads.encode(x.index_select(1, self.coded_idx), self.bits) if self.coded_heads else None
+
+    def encode_history(self, x: torch.Tensor, kind: str, config: OscarConfig, mu_k: torch.Tensor | None = None
+                       ) -> tuple[tuple[torch.Tensor, ...] | None, QuantizedRows | None]:
+        """Window rows ``x [B, Hk, n, D]`` (keys: ``kind="k"``, or values) as history entries in their two forms:
+        ``(coded, int2)``, the retrieval heads coded (:meth:`encode_coded`) and the INT2 heads rotated, centered,
+        clipped and quantized (:class:`QuantizedRows` ``[B, Hq, n, *]``), each None where the layer has no such head.
+        ``mu_k``: a per-sequence key offset ``[B, Hq, D]`` (``key_offset="prefill"``) in place of the calibrated one."""
+        coded = self.encode_coded(x)
+        if not self.int2_heads:
+            return coded, None
+        if kind == "k":
+            r, mu, clip = self.r_k, self.mu_k if mu_k is None else mu_k, self.clip_k
+        else:
+            r, mu, clip = self.r_v, self.mu_v, self.clip_v
+        return coded, rotate_quantize(self.int2_part(x), r, mu, clip, config.group_size, config.torch_meta_dtype,
+                                      use_kernels=config.use_kernels, quantizer=config.quantizer)
 
     def merge(self, int2_part: torch.Tensor | None, coded_part: torch.Tensor) -> torch.Tensor:
         """``[B, Hq, ...]`` and ``[B, P, ...]`` -> ``[B, Hk, ...]`` at their heads (``int2_part`` None when the layer

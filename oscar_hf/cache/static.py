@@ -3,28 +3,29 @@
 CUDA by itself (``compile="auto"``); :class:`~oscar_hf.StaticOscarCache` with a fixed ``max_cache_len``.
 
 Semantics are those of the eager :class:`~oscar_hf.cache.dynamic.OscarLayer` (same sink / recent / INT2-history
-partition of every row's tokens, same quantizer); only the storage differs. ``B`` rows, ``Hk`` KV heads (``Hq`` of
-them quantized, ``P`` kept in full precision), ``S0`` sink, ``W`` recent, slot = absolute position:
+partition of every row's tokens, same quantizer); only the storage differs. Its layout and multi-token writes are
+the serving store's (:mod:`oscar_hf.cache.window`), with left-padded rows. ``B`` rows, ``Hk`` KV heads (``Hq`` of
+them quantized in INT2, ``P`` retrieval heads coded), ``S0`` sink, ``W`` recent, slot = absolute position:
 
-* ``win_k/win_v [B, Hk, S0 + R, D]`` (model dtype): ``[:S0]`` row ``b``'s first ``S0`` real tokens (slot
-  ``pad[b] + j`` at entry ``j``), ``[S0:]`` a ring of ``R = W + 1 + RING_RESERVE`` entries, slot ``s`` at
+* ``win_k/win_v [B, Hk, S0 + R, D]`` (model dtype, every head): ``[:S0]`` row ``b``'s first ``S0`` real tokens
+  (slot ``pad[b] + j`` at entry ``j``), ``[S0:]`` a ring of ``R = W + 1 + RING_RESERVE`` entries, slot ``s`` at
   ``S0 + s % R``. A decode step reads ``W`` recent tokens and itself from it; the ``RING_RESERVE`` older entries,
   already in the history, let ``crop(-n)`` (assisted decoding) undo up to that many tokens exactly;
-* ``hist_k/hist_v`` (:class:`~oscar_hf.quant.QuantizedRows` ``[B, Hq, N, ...]``): slot ``s`` at index ``s - S0``,
-  row ``b`` reads ``pad[b] <= j < T - W - S0``;
-* ``fp_k/fp_v``, tuples of ``[B, P, capacity, *]`` (:mod:`oscar_hf.cache.heads`: the model dtype or INT8/INT4 codes
-  with a scale and zero per token and head): every slot of the full-precision heads (``OscarConfig.full_precision_heads``);
+* the history, slot ``s >= S0`` at index ``s - S0`` of ``N`` rows, row ``b`` reading ``pad[b] <= j < T - W - S0``:
+  ``hist_k/hist_v`` (:class:`~oscar_hf.quant.QuantizedRows` ``[B, Hq, N, ...]``) the INT2 heads, ``coded_k/coded_v``
+  (tuples of ``[B, P, N, *]``, :mod:`oscar_hf.cache.heads`: the model dtype or INT8/INT4 codes with a scale and zero
+  per token and head) the retrieval heads (``OscarConfig.full_precision_heads``; None without);
 * ``length`` (0-d int64 device tensor) = ``T``; ``host_len`` the same count on the host, kept by the eager calls
   and by the compiled step's wrapper (:mod:`oscar_hf.compiled_step`), which grows the storage before a step that
-  would not fit it: ``N`` and ``capacity`` grow in buckets (:func:`capacity_for`), each bucket one CUDA graph.
+  would not fit it: ``N`` grows in capacity buckets (:func:`capacity_for`), each bucket one CUDA graph.
 
 A decode step (one token at slot ``T``), device tensors only, no host synchronisation: one fused write
-(:func:`~oscar_hf.kernels.static_op.append_token_op`: demote slot ``T - 1 - W`` from the ring into the history,
-then write the new token into the ring and the sink of rows still filling it), the full-precision heads' slot,
-one decode attention over the window (masked per row) and the history (``n_valid = T - W - S0`` read on the
-device), ``T += 1``. A multi-token forward (prefill, next turn; eager, never compiled: the step wrapper runs it
-through the plain model) attends over the new rows in full precision like ``OscarLayer`` and bulk-demotes with the
-fused write kernel.
+(:func:`~oscar_hf.kernels.static_op.append_token_op`: demote slot ``T - 1 - W`` from the ring into the INT2
+history, then write the new token into the ring and the sink of rows still filling it), the retrieval heads' entry
+of the same slot coded from the ring, one decode attention over the window (masked per row) and the history
+(``n_valid = T - W - S0`` read on the device), ``T += 1``. A multi-token forward (prefill, next turn; eager, never
+compiled: the step wrapper runs it through the plain model) attends over the new rows in full precision like
+``OscarLayer`` and bulk-demotes (:func:`~oscar_hf.cache.window.commit`).
 """
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ from oscar_hf.kernels import triton_enabled
 from oscar_hf.kernels.heads_attention import heads_decode_attention
 from oscar_hf.kernels.int2_attention import decode_attention_rotating
 from oscar_hf.kernels.static_op import append_token_op, write_slot_op
-from oscar_hf.kernels.write_path import rotate_quantize
 
 from ..attention import OscarKV
 from ..config import OscarConfig
@@ -45,6 +45,7 @@ from ..quant import QuantizedRows, dequantize_rows
 from ..rotations import LayerRotation
 from . import heads
 from .base import QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, mask_rows
+from .window import RowsHistory, commit, demote_pending, ring_entries, ring_slots, window_mask
 
 RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE (as OscarLayer's CROP_RESERVE)
 BUCKET = 1024  # capacity granularity (slots)
@@ -57,26 +58,6 @@ def capacity_for(need: int, current: int = 0) -> int:
     growing, rounded up to ``BUCKET``."""
     want = max(need + max(int(need * HEADROOM), BUCKET), int(current * GROWTH))
     return int(math.ceil(want / BUCKET) * BUCKET)
-
-
-def ring_slots(length: torch.Tensor, ring: int) -> torch.Tensor:
-    """``[..., R]``: the slot each entry of a ring of ``R`` holds (slot ``s`` at entry ``s % R``) once slots
-    ``[0, length)`` are written (may be < 0); ``length`` 0-d or ``[B, 1]``."""
-    q = torch.arange(ring, device=length.device)
-    return (length - 1) - torch.remainder(length - 1 - q, ring)
-
-
-def window_mask(length: torch.Tensor, pad, sink: int, ring: int, recent: int) -> torch.Tensor:
-    """``[B, S0 + R]`` bool: which entries of a sink + ring window (``[:S0]`` a row's first real tokens, ``[S0:]`` a
-    ring of ``R``) hold a row's sink tokens or one of the last ``recent`` of its ``length`` slots; ring entries of a
-    row's sink or padding are masked. ``length``: 0-d (every row) or ``[B]``; ``pad``: ``[B]`` (each row's first real
-    slot) or 0. The compiled storage's rows share a length and differ in padding; the paged store's the reverse."""
-    length = length.reshape(-1, 1)
-    pad = pad.reshape(-1, 1) if isinstance(pad, torch.Tensor) else pad
-    sink_ok = torch.arange(sink, device=length.device)[None, :] < (length - pad).clamp(0, sink)
-    slot = ring_slots(length, ring)
-    ring_ok = (slot >= pad + sink) & (slot >= length - recent)
-    return torch.cat([sink_ok, ring_ok], 1)
 
 
 class StaticOscarKV(OscarKV):
@@ -137,7 +118,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.pad = _static(torch.zeros(b, dtype=torch.long, device=dev))
         self.length = _static(torch.zeros((), dtype=torch.long, device=dev))
         self.hist_k = self.hist_v = None
-        self.fp_k = self.fp_v = None
+        self.coded_k = self.coded_v = None
         self.capacity = 0
         self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2])))
         self.is_initialized = True
@@ -146,7 +127,8 @@ class StaticOscarLayer(QuantizedLayerBase):
         return max(capacity - self.config.sink - self.config.recent, 1)
 
     def _allocate(self, capacity: int) -> None:
-        """(Re)allocate the capacity-sized buffers (history, full-precision heads), keeping their content."""
+        """(Re)allocate the capacity-sized buffers (the history: INT2 rows and retrieval heads' coded rows), keeping
+        their content."""
         b, d, dev = self.batch_size, self.head_dim, self.device
         g, meta = self.config.group_size, self.config.torch_meta_dtype
         hq, p, n = len(self.params.int2_heads), len(self.fp_heads), self._hist_rows(capacity)
@@ -167,8 +149,9 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.hist_k, self.hist_v = hist(self.hist_k), hist(self.hist_v)
         if p:
             specs = heads.part_specs(self.config.full_precision_bits, d, self.dtype)
-            self.fp_k, self.fp_v = (tuple(grow(old[i] if old else None, b, p, capacity, last, dtype=dt)
-                                          for i, (last, dt) in enumerate(specs)) for old in (self.fp_k, self.fp_v))
+            self.coded_k, self.coded_v = (tuple(grow(old[i] if old else None, b, p, n, last, dtype=dt)
+                                                for i, (last, dt) in enumerate(specs))
+                                          for old in (self.coded_k, self.coded_v))
         self.capacity = capacity
 
     def advance(self, n: int) -> None:
@@ -219,7 +202,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         if self.is_initialized:
             for t in (self.win_k, self.win_v, self.pad, self.length, *self.hist_k, *self.hist_v):
                 t.zero_()
-            for t in (self.fp_k or ()) + (self.fp_v or ()):
+            for t in (self.coded_k or ()) + (self.coded_v or ()):
                 t.zero_()
         self.mu_k_seq = None
         self.pad_known = False
@@ -252,9 +235,7 @@ class StaticOscarLayer(QuantizedLayerBase):
                         self.params.r_k, mu_k, self.params.clip_k, self.params.r_v, mu_v, self.params.clip_v, cfg.group_size,
                         cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels, cfg.quantizer)
         if self.fp_heads:
-            for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
-                for buf, row in zip(store, heads.encode(new.index_select(1, self.params.coded_idx), cfg.full_precision_bits)):
-                    write_slot_op(buf, row, t)
+            self._demote_coded_heads(t)
         qf = group_queries(query.float(), hk)  # [B, Hk, g, D]
         win_mask = self.window_mask(t + 1, cfg.recent + 1)[:, None, None, :]  # [B, 1, 1, S0 + R]
         n_valid = self.n_hist(t)  # history slots [S0, T - W) once the write above demoted slot T - 1 - W
@@ -276,18 +257,32 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.length.add_(1)
         return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
 
+    def _demote_coded_heads(self, t: torch.Tensor) -> None:
+        """The retrieval heads' half of a decode step's demotion (``append_token_op`` did the INT2 heads'): slot
+        ``s = T - 1 - W`` coded from its ring entry (intact: the new token went to entry ``S0 + T % R``, ``R > W + 1``)
+        into history index ``s - S0``. ``t`` (= ``T``) is a 0-d device tensor: no host sync, one CUDA graph for every
+        step. While ``s < S0`` there is no such entry and the write goes to index 0 (clamped) instead: harmless, as
+        index 0 is read only once slot ``S0`` is demoted, which overwrites it."""
+        s0 = self.config.sink
+        s = t - 1 - self.config.recent
+        entry = ring_entries(s, s0, self.ring).reshape(1)
+        dst = (s - s0).clamp(min=0)
+        for store, win in ((self.coded_k, self.win_k), (self.coded_v, self.win_v)):
+            for buf, row in zip(store, self.params.encode_coded(win.index_select(2, entry))):  # [B, P, 1, *]
+                write_slot_op(buf, row, dst)
+
     def _merge_full_precision_heads(self, out_q, query, t, win_ok, scaling: float) -> torch.Tensor:
-        """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and the full-precision heads' read of their codes in place
-        (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`) over their history slots
-        ``[S0 + pad, T - W)`` and the window every head reads exactly (``win_ok [B, S0 + R]``, :meth:`window_mask`)."""
+        """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and the retrieval heads' read of their coded history in
+        place (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`), indices ``[pad, T - W - S0)``, and of
+        the window every head reads exactly (``win_ok [B, S0 + R]``, :meth:`window_mask`)."""
         cfg = self.config
-        hi = t - cfg.recent  # 0-d device tensor: the CUDA graph stays valid while T grows
+        hi = self.n_hist(t)  # 0-d device tensor: the CUDA graph stays valid while T grows
         if not _compiling() and not triton_enabled(query, cfg.use_kernels):
             hi = int(hi)  # eager reference: read only the filled part
         q = group_queries(query, self.num_kv_heads)  # [B, Hk, g, D] in the model dtype
-        out_fp = heads_decode_attention(q, self.params.coded_idx, self.fp_k, self.fp_v, cfg.full_precision_bits,
-                                        cfg.sink + self.pad, hi, self.win_k, self.win_v, win_ok, scaling,
-                                        out_q.dtype, use_kernels=cfg.use_kernels)
+        out_fp = heads_decode_attention(q, self.params.coded_idx, self.coded_k, self.coded_v, cfg.full_precision_bits,
+                                        self.pad, hi, self.win_k, self.win_v, win_ok, scaling, out_q.dtype,
+                                        use_kernels=cfg.use_kernels)
         return self.params.merge(out_q, out_fp)
 
     def _multi_token(self, query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs):
@@ -304,7 +299,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         # A multi-token forward on a non-empty cache (next turn, chunked prefill, assisted decoding's verification):
         # the history up to T - W (the last decode step's pending demotion done first), the stored window's slots
         # [T - W, T) and the sink, and the new rows.
-        self._demote_slots(max(s0, t_old - cfg.recent - 1), t_old - cfg.recent)
+        self._demote_pending(t_old)
         allowed = allowed_slots(attention_mask, b, l, kv, t_old)
         if allowed is None:  # causal among the new rows
             allowed = (torch.arange(kv, device=dev)[None, :] <= (t_old + torch.arange(l, device=dev))[:, None])[None].expand(b, l, kv)
@@ -326,12 +321,12 @@ class StaticOscarLayer(QuantizedLayerBase):
             cfg.group_size, win_k, win_v, mask_rows(ok, g), self.params.r_v, mu_v, out_dtype=query.dtype,
             block_n=cfg.block_size, use_kernels=cfg.use_kernels,
         )
-        if self.fp_heads:  # their history [S0, S0 + n) as stored and the window above, exact
-            self._write_full_precision(new_k, new_v, t_old)
+        if self.fp_heads:  # their coded history [0, n) and the window above, exact
             q = qf.index_select(1, self.params.coded_idx).to(self.dtype)  # [B, P, g*L, D]
             hist_ok = allowed[:, :, s0 : s0 + n] & (torch.arange(n, device=dev)[None, None, :] >= self.pad[:, None, None])
-            k, v = (torch.cat([x[:, :, s0:], w.index_select(1, self.params.coded_idx), new.index_select(1, self.params.coded_idx)], 2)
-                    for x, w, new in zip(self.full_precision_kv(s0 + n), (self.win_k, self.win_v), (new_k, new_v)))
+            k, v = (torch.cat([heads.decode(tuple(x[:, :, :n] for x in coded), cfg.full_precision_bits, self.dtype),
+                               w.index_select(1, self.params.coded_idx), new.index_select(1, self.params.coded_idx)], 2)
+                    for coded, w, new in ((self.coded_k, self.win_k, new_k), (self.coded_v, self.win_v, new_v)))
             out_fp = heads.attention(q, k, v, mask_rows(torch.cat([hist_ok, ok], -1), g), scaling)
             out = self.params.merge(out, out_fp.to(out.dtype))
         self.commit_bulk(new_k, new_v, t_old)
@@ -351,62 +346,32 @@ class StaticOscarLayer(QuantizedLayerBase):
         return window_mask(length, self.pad, self.config.sink, self.ring, recent)
 
     # ------------------------------------------------------------------ write path (eager, multi-token)
-    def _write_full_precision(self, new_k, new_v, t_old: int) -> None:
-        if self.fp_heads:
-            self._store_full_precision_rows(new_k, new_v, t_old)
+    def _history(self) -> RowsHistory:
+        """Where this layer's history entries live (:mod:`.window`'s writes): index ``slot - S0`` of every row."""
+        return RowsHistory(self.hist_k, self.hist_v, self.coded_k, self.coded_v)
 
-    def _demote_slots(self, a: int, b: int, t_old: int | None = None, new_k=None, new_v=None) -> None:
-        """Quantize slots ``[a, b)`` into history indices ``[a - S0, b - S0)``, from the ring (slots ``< t_old``) or
-        the new rows (slots ``>= t_old``), in ``prefill_chunk`` pieces."""
-        s0, g, meta = self.config.sink, self.config.group_size, self.config.torch_meta_dtype
-        t_old = b if t_old is None else t_old
-        mu_k, mu_v = self.offsets()
-        for c0 in range(a, b, self.config.prefill_chunk):
-            c1 = min(b, c0 + self.config.prefill_chunk)
-            ring_idx = s0 + torch.remainder(torch.arange(c0, max(c0, min(c1, t_old)), device=self.device), self.ring)
-            for win, new, hist, r, mu, clip in (
-                (self.win_k, new_k, self.hist_k, self.params.r_k, mu_k, self.params.clip_k),
-                (self.win_v, new_v, self.hist_v, self.params.r_v, mu_v, self.params.clip_v),
-            ):
-                x = win.index_select(2, ring_idx)
-                if c1 > t_old:
-                    x = torch.cat([x, new[:, :, max(c0, t_old) - t_old : c1 - t_old]], 2)
-                if self.fp_heads:
-                    x = x.index_select(1, self.params.int2_idx)
-                rotate_quantize(x, r, mu, clip, g, meta, out=hist, out_offset=c0 - s0, use_kernels=self.config.use_kernels,
-                                quantizer=self.config.quantizer)
+    def _demote_pending(self, t: int) -> None:
+        """Slot ``t - 1 - W``, which the last decode step left in the window, into the history
+        (:func:`~oscar_hf.cache.window.demote_pending`)."""
+        demote_pending(self.win_k, self.win_v, self._history(), self.params, self.config, t, self.mu_k_seq)
 
     def commit_bulk(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
-        """Prefill / multi-token forward (eager): slots ``[T, T + L)``."""
+        """Prefill / multi-token forward (eager): slots ``[T, T + L)`` (:func:`~oscar_hf.cache.window.commit`), the
+        history centered on the sequence's key mean (``key_offset="prefill"``) when this write demotes its first."""
         s0, w = self.config.sink, self.config.recent
-        n_new = new_k.shape[2]
-        t_new = t_old + n_new
-        dev = self.device
-        self._write_full_precision(new_k, new_v, t_old)
-        # 1. history: slots [max(T - W, S0), T + L - W), from the ring (< T) or the new rows (>= T)
-        a, b = max(t_old - w, s0), t_new - w
-        if b > a and t_old == 0 and self.config.key_offset == "prefill" and self.mu_k_seq is None:
+        t_new = t_old + new_k.shape[2]
+        b = t_new - w
+        if b > max(t_old - w, s0) and t_old == 0 and self.config.key_offset == "prefill" and self.mu_k_seq is None:
             self.mu_k_seq = _static(self.sequence_key_mean(new_k[:, :, :b]))
-        if b > a:
-            self._demote_slots(a, b, t_old, new_k, new_v)
-        # 2. sink: row b's real token j sits at slot pad[b] + j
-        slot = self.pad[:, None] + torch.arange(s0, device=dev)[None, :]  # [B, S0]
-        sel = ((slot >= t_old) & (slot < t_new))[:, None, :, None]
-        idx = (slot - t_old).clamp(0, n_new - 1)[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
-        for win, new in ((self.win_k, new_k), (self.win_v, new_v)):
-            win[:, :, :s0] = torch.where(sel, new.gather(2, idx), win[:, :, :s0])
-        # 3. ring: the last R slots
-        first = max(t_old, t_new - self.ring)
-        ring_idx = s0 + torch.remainder(torch.arange(first, t_new, device=dev), self.ring)
-        self.win_k.index_copy_(2, ring_idx, new_k[:, :, first - t_old :])
-        self.win_v.index_copy_(2, ring_idx, new_v[:, :, first - t_old :])
+        commit(self.win_k, self.win_v, self.pad, self._history(), self.params, self.config, t_old, new_k, new_v,
+               self.mu_k_seq)
         self.length.fill_(t_new)
 
     # ------------------------------------------------------------------ generate() contract
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens: exact for up to ``RING_RESERVE`` tokens (their window
         predecessors are still in the ring); beyond it the window slots that left the ring are refilled from the
-        history (dequantized), as if they had stayed quantized."""
+        history (INT2 rows dequantized, retrieval heads decoded), as if they had stayed in it."""
         if tokens_to_remove > 0:
             raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
         n = -tokens_to_remove
@@ -423,18 +388,21 @@ class StaticOscarLayer(QuantizedLayerBase):
             self.mu_k_seq = None
 
     def _refill_ring(self, a: int, b: int) -> None:
+        """Window slots ``[a, b)`` (history slots ``>= S0``) back into their ring entries from the history: the INT2
+        heads dequantized, rotated back and offset, the retrieval heads decoded from their coded rows."""
         s0, g = self.config.sink, self.config.group_size
-        idx = s0 + torch.remainder(torch.arange(a, b, device=self.device), self.ring)
-        for win, hist, r, mu in ((self.win_k, self.hist_k, self.params.r_k, self.offsets()[0]),
-                                 (self.win_v, self.hist_v, self.params.r_v, self.offsets()[1])):
-            rows = dequantize_rows(QuantizedRows(*(x[:, :, a - s0 : b - s0] for x in hist)), g)  # rotated, centered
-            x = torch.matmul(rows, r.transpose(-1, -2).unsqueeze(0))
-            if mu is not None:
-                x = x + (mu[None, :, None, :] if mu.dim() == 2 else mu[:, :, None, :])
-            if self.fp_heads:
-                full = win.index_select(2, idx).clone()
-                full[:, self.params.int2_idx] = x.to(self.dtype)
-                x = full
+        idx = ring_entries(torch.arange(a, b, device=self.device), s0, self.ring)
+        for win, hist, coded, r, mu in ((self.win_k, self.hist_k, self.coded_k, self.params.r_k, self.offsets()[0]),
+                                        (self.win_v, self.hist_v, self.coded_v, self.params.r_v, self.offsets()[1])):
+            x = None  # [B, Hq, b - a, D]
+            if self.params.int2_heads:
+                rows = dequantize_rows(QuantizedRows(*(h[:, :, a - s0 : b - s0] for h in hist)), g)  # rotated, centered
+                x = torch.matmul(rows, r.transpose(-1, -2).unsqueeze(0))
+                if mu is not None:
+                    x = x + (mu[None, :, None, :] if mu.dim() == 2 else mu[:, :, None, :])
+            if self.fp_heads:  # [B, P, b - a, D] decoded, merged with the INT2 heads' rows into [B, Hk, b - a, D]
+                x = self.params.merge(x, heads.decode(tuple(c[:, :, a - s0 : b - s0] for c in coded),
+                                                      self.config.full_precision_bits, self.dtype))
             win.index_copy_(2, idx, x.to(self.dtype))
 
     def _batch_apply(self, fn, in_place: bool) -> None:
@@ -451,7 +419,7 @@ class StaticOscarLayer(QuantizedLayerBase):
                 t.copy_(fn(t))
             else:
                 setattr(self, name, _static(fn(t).contiguous()))
-        for name in ("hist_k", "hist_v", "fp_k", "fp_v"):  # capacity-sized tuples of tensors
+        for name in ("hist_k", "hist_v", "coded_k", "coded_v"):  # capacity-sized tuples of tensors
             q = getattr(self, name)
             if q is None:
                 continue
@@ -479,27 +447,39 @@ class StaticOscarLayer(QuantizedLayerBase):
                           in_place=False)
 
     # ------------------------------------------------------------------ persistence (the eager layer's format)
-    def export_state(self) -> dict:
-        """The state in :class:`OscarLayer`'s saved form (:mod:`.io`): positions and the used part of each buffer."""
-        s0, w, t = self.config.sink, self.config.recent, self.host_len
-        self._demote_slots(max(s0, t - w - 1), t - w)  # the last step's pending demotion
-        ts = t - w if t - w > s0 else 0
-        slots = torch.arange(ts, t, device=self.device)  # [n]: the tail's slots, from the ring or (older) the sink
+    def _window_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[2, B, Hk, n, D]`` (keys, values): the rows of ``slots [n]`` (``< T``) from the window: the ring while it
+        holds them, else row ``b``'s sink; zeros for what neither holds (padding below a row's sink)."""
+        s0, t = self.config.sink, self.host_len
         in_ring = slots >= t - self.ring
         j = slots[None, :] - self.pad[:, None]  # [B, n] sink index of each slot
         in_sink = (j >= 0) & (j < s0)
-        ring_e = (s0 + torch.remainder(slots, self.ring))[None, :].expand(self.batch_size, -1)
+        ring_e = ring_entries(slots, s0, self.ring)[None, :].expand(self.batch_size, -1)
         src = torch.where(in_ring[None, :], ring_e, j.clamp(0, max(s0 - 1, 0)))
         keep = (in_ring[None, :] | in_sink)[:, None, :, None]
         idx = src[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
-        tail = [torch.where(keep, win.gather(2, idx), torch.zeros((), dtype=self.dtype, device=self.device))
-                for win in (self.win_k, self.win_v)]
+        return torch.stack([torch.where(keep, win.gather(2, idx), torch.zeros((), dtype=self.dtype, device=self.device))
+                            for win in (self.win_k, self.win_v)])
+
+    def export_state(self) -> dict:
+        """The state in :class:`OscarLayer`'s saved form (:mod:`.io`): positions and the used part of each buffer."""
+        s0, w, t, dev = self.config.sink, self.config.recent, self.host_len, self.device
+        self._demote_pending(t)
+        ts = t - w if t - w > s0 else 0
         n = max(0, ts - s0)
+        tail = self._window_rows(torch.arange(ts, t, device=dev))  # [2, B, Hk, t - ts, D]
         state = dict(seq_len=t, tail_start=ts, pad=self.pad.clone(), sink_k=self.win_k[:, :, :s0], sink_v=self.win_v[:, :, :s0],
                      tail_k=tail[0], tail_v=tail[1], hist_k=QuantizedRows(*(x[:, :, :n] for x in self.hist_k)),
                      hist_v=QuantizedRows(*(x[:, :, :n] for x in self.hist_v)), mu_k_seq=self.mu_k_seq)
         if self.fp_heads:
-            state["fp_k"], state["fp_v"] = (tuple(x[:, :, :t] for x in store) for store in (self.fp_k, self.fp_v))
+            # the eager layer keeps every slot [0, t) of the retrieval heads coded: slots [S0, ts) are the coded
+            # history as stored, the others are coded from the window (the same codes: each token and head is coded
+            # alone); slots [0, S0) below a history are never read, coded from the window as far as it holds them
+            front = self._window_rows(torch.arange(min(s0, ts), device=dev))  # [2, B, Hk, min(S0, ts), D]
+            for i, (kind, coded) in enumerate((("k", self.coded_k), ("v", self.coded_v))):
+                parts = zip(self.params.encode_coded(front[i]), (x[:, :, :n] for x in coded),
+                            self.params.encode_coded(tail[i]))
+                state[f"fp_{kind}"] = tuple(torch.cat(p, 2) for p in parts)  # [B, P, t, *]
         return state
 
     def import_state(self, state: dict) -> None:
@@ -514,25 +494,27 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.win_k[:, :, :s0] = state["sink_k"]
         self.win_v[:, :, :s0] = state["sink_v"]
         first = max(ts, t - self.ring)
-        idx = s0 + torch.remainder(torch.arange(first, t, device=self.device), self.ring)
+        idx = ring_entries(torch.arange(first, t, device=self.device), s0, self.ring)
         self.win_k.index_copy_(2, idx, tail_k[:, :, first - ts :])
         self.win_v.index_copy_(2, idx, state["tail_v"][:, :, first - ts :])
         for dst, src in ((self.hist_k, state["hist_k"]), (self.hist_v, state["hist_v"])):
             for a, x in zip(dst, src):
                 a[:, :, : x.shape[2]] = x
+        if self.fp_heads:  # the retrieval heads' history entries: slots [S0, ts) of the saved every-slot form
+            n = max(0, ts - s0)
+            for store, saved in ((self.coded_k, state["fp_k"]), (self.coded_v, state["fp_v"])):
+                for dst, src in zip(store, saved):
+                    dst[:, :, :n] = src[:, :, s0 : s0 + n]
         if state.get("mu_k_seq") is not None:
             self.mu_k_seq = _static(state["mu_k_seq"].float().contiguous())
         if ts > s0:  # the ring also holds the slot before the window (a decode step re-demotes it): from its codes
             self._refill_ring(ts - 1, ts)
-        if self.fp_heads:
-            for store, saved in ((self.fp_k, state["fp_k"]), (self.fp_v, state["fp_v"])):
-                for dst, src in zip(store, saved):
-                    dst[:, :, :t] = src
         self.length.fill_(t)
 
     # ------------------------------------------------------------------ accounting
     def memory(self) -> dict[str, int]:
-        """Bytes used by the cached tokens (logical, as ``OscarLayer.memory``) and allocated."""
+        """Bytes used by the cached tokens (logical, as ``OscarLayer.memory``, but for the retrieval heads, whose
+        coded rows are history entries only: their sink and recent tokens are the window's) and allocated."""
         if not self.is_initialized:
             return dict(self.EMPTY_MEMORY)
         s0 = self.config.sink
@@ -540,6 +522,5 @@ class StaticOscarLayer(QuantizedLayerBase):
         mask = self.window_mask(t, self.config.recent)
         n_sink, n_rec = int(mask[:, :s0].sum()), int(mask[:, s0:].sum())
         n_hist = int((self.n_hist(t) - self.pad).clamp(min=0).sum())
-        n_real = int((t - self.pad).clamp(min=0).sum())
-        bufs = [self.win_k, self.win_v, *self.hist_k, *self.hist_v, *(self.fp_k or ()), *(self.fp_v or ())]
-        return self.memory_from_counts(n_sink, n_rec, n_hist, n_real, bufs)
+        bufs = [self.win_k, self.win_v, *self.hist_k, *self.hist_v, *(self.coded_k or ()), *(self.coded_v or ())]
+        return self.memory_from_counts(n_sink, n_rec, n_hist, n_hist, bufs)

@@ -2,7 +2,9 @@
 window (a slot of one :class:`WindowPool`), and its INT2 history in pages of one :class:`PagedInt2Pool`.
 
 Per request and quantized layer, with ``S0 = sink``, ``W = recent``, ``R = W + 1``, ``T`` tokens seen (no padding:
-every request is its own sequence), the split of :class:`~oscar_hf.cache.static.StaticOscarLayer` with one row:
+every request is its own sequence), the layout of :mod:`oscar_hf.cache.window` (the compiled
+:class:`~oscar_hf.cache.static.StaticOscarLayer`'s with one row and no crop reserve in the ring), whose writes it
+shares (a request's window slot as the window, :class:`~oscar_hf.cache.window.PagedHistory` as the history):
 
 * window slot ``[S0 + R, D]`` per KV head (model dtype): entries ``[0, S0)`` the sink (slots ``[0, S0)``), entries
   ``[S0, S0 + R)`` a ring holding slot ``s`` at entry ``S0 + s % R``;
@@ -24,8 +26,8 @@ over the history (through the block tables) and the window slots
 share across layers (slots, entries, pages, block tables, window masks) is computed once per forward
 (:class:`DecodePlan`). **Multi-token rows** (a prompt, a prompt chunk) are served one request at a time: the
 user's attention over the prompt when the request is new, else one SDPA call over history + window + the new rows
-(:func:`~oscar_hf.serving.paged_attention.paged_chunk_attention`); then the slots leaving the window are demoted in
-``prefill_chunk`` pieces.
+(:func:`~oscar_hf.serving.paged_attention.paged_chunk_attention`); then they are stored
+(:func:`~oscar_hf.cache.window.commit`: the slots leaving the window demoted in ``prefill_chunk`` pieces).
 
 Requests get their window slot when admitted (:meth:`OscarPagedStore.reserve`, or at their first forward) and give
 slot and pages back with :meth:`OscarPagedStore.free`. Memory is flat: both pools are allocated once.
@@ -38,12 +40,11 @@ import torch
 
 from oscar_hf.kernels.heads_attention import heads_decode_attention
 from oscar_hf.kernels.paged_decode import paged_decode_attention
-from oscar_hf.kernels.write_path import rotate_quantize
 
-from ..cache import heads, resolve_full_precision_heads
+from ..cache import resolve_full_precision_heads
 from ..cache.base import check_first_keys, group_queries
 from ..cache.params import LayerParams
-from ..cache.static import window_mask
+from ..cache.window import PagedHistory, commit, demote_pending, ring_entries, window_mask
 from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
 from ..patching import base_attention_function
 from ..rotations import OscarRotations
@@ -420,23 +421,12 @@ class OscarPagedStore:
                                       p.mu_v, scaling, cfg.group_size, q.dtype, use_kernels=cfg.use_kernels,
                                       max_hist_len=plan.max_hist)
 
-    def _history_rows(self, layer_idx: int, kind: str, x: torch.Tensor):
-        """Window rows ``x [n, Hk, L, D]`` in the history's two forms: ``(coded, int2)``, the retrieval heads coded
-        (``heads.encode``) and the INT2 heads rotated and quantized, each None where the layer has no such head."""
-        cfg, p = self.config, self.params[layer_idx]
-        coded = heads.encode(x.index_select(1, p.coded_idx), p.bits) if p.coded_heads else None
-        if not p.int2_heads:
-            return coded, None
-        r, mu, clip = (p.r_k, p.mu_k, p.clip_k) if kind == "k" else (p.r_v, p.mu_v, p.clip_v)
-        return coded, rotate_quantize(p.int2_part(x), r, mu, clip, cfg.group_size, cfg.torch_meta_dtype,
-                                      use_kernels=cfg.use_kernels, quantizer=cfg.quantizer)
-
     def _write_history(self, layer_idx: int, kind: str, x: torch.Tensor, pages: torch.Tensor,
                        offsets: torch.Tensor) -> None:
         """History entries from window rows ``x [n, Hk, 1, D]`` (one per row), at ``offsets`` of ``pages`` (long
-        ``[n]``), in both forms (:meth:`_history_rows`)."""
+        ``[n]``), in both forms (:meth:`~oscar_hf.cache.params.LayerParams.encode_history`)."""
         li = self.layer_slot[layer_idx]
-        coded, rows = self._history_rows(layer_idx, kind, x)
+        coded, rows = self.params[layer_idx].encode_history(x, kind, self.config)
         if coded is not None:
             self.pool.write_coded_entries(pages, offsets, li, kind, coded)
         if rows is not None:
@@ -448,56 +438,30 @@ class OscarPagedStore:
         """``[1, L, Hq, D]``: one request's ``L`` new rows (a prompt or a chunk of one), then stored."""
         r = self.requests[request_id]
         s0, w, l = self.config.sink, self.config.recent, query.shape[2]
+        li, p = self.layer_slot[layer_idx], self.params[layer_idx]
+        win_k, win_v = self.windows.k[r.slot, li][None], self.windows.v[r.slot, li][None]  # [1, Hk, S0 + R, D] views
         if t_old == 0:  # a new request: exactly the user's attention over its prompt
             out, _ = base_attention_function(module, base)(module, query, new_k, new_v, None, scaling=scaling,
                                                            dropout=0.0)
         else:  # the history, the sink and the ring's slots [max(S0, T - W), T), then the new rows (causal)
-            li, dev, p = self.layer_slot[layer_idx], query.device, self.params[layer_idx]
-            self._demote(r, layer_idx, max(s0, t_old - w - 1), t_old - w, t_old)  # the last step's pending demotion
-            ring_slots = torch.arange(min(t_old, max(s0, t_old - w)), t_old, device=dev)
-            entries = torch.cat([torch.arange(min(t_old, s0), device=dev), s0 + torch.remainder(ring_slots, self.ring)])
-            k_win = torch.cat([self.windows.k[r.slot, li].index_select(1, entries)[None], new_k], 2)  # [1, Hk, E+L, D]
-            v_win = torch.cat([self.windows.v[r.slot, li].index_select(1, entries)[None], new_v], 2)
+            demote_pending(win_k, win_v, self._history(r, li, t_old - w), p, self.config, t_old)
+            dev = query.device
+            recent = torch.arange(min(t_old, max(s0, t_old - w)), t_old, device=dev)
+            entries = torch.cat([torch.arange(min(t_old, s0), device=dev), ring_entries(recent, s0, self.ring)])
+            k_win = torch.cat([win_k.index_select(2, entries), new_k], 2)  # [1, Hk, E + L, D]
+            v_win = torch.cat([win_v.index_select(2, entries), new_v], 2)
             out = paged_chunk_attention(query, k_win, v_win, self.pool, r.table, li, max(t_old - w - s0, 0), p.r_k,
                                         p.mu_k, p.r_v, p.mu_v, scaling, p if p.coded_heads else None)
-        self._commit_bulk(r, layer_idx, t_old, new_k, new_v)
+        # no padding: the request's sink is its slots [0, S0)
+        commit(win_k, win_v, 0, self._history(r, li, t_old + l - w), p, self.config, t_old, new_k, new_v)
         r.lengths[layer_idx] = t_old + l
         return out
 
-    def _commit_bulk(self, r: RequestKV, layer_idx: int, t_old: int, new_k, new_v) -> None:
-        """Store slots ``[T, T + L)``: history up to ``T + L - W``, the sink, and the last ``R`` slots in the ring."""
-        s0, w, li = self.config.sink, self.config.recent, self.layer_slot[layer_idx]
-        t_new = t_old + new_k.shape[2]
-        self._demote(r, layer_idx, max(t_old - w, s0), t_new - w, t_old, new_k, new_v)
-        win_k, win_v = self.windows.k[r.slot, li], self.windows.v[r.slot, li]  # [Hk, S0 + R, D]
-        if t_old < s0:
-            win_k[:, t_old : min(t_new, s0)] = new_k[0, :, : min(t_new, s0) - t_old]
-            win_v[:, t_old : min(t_new, s0)] = new_v[0, :, : min(t_new, s0) - t_old]
-        first = max(t_old, t_new - self.ring)
-        entries = s0 + torch.remainder(torch.arange(first, t_new, device=new_k.device), self.ring)
-        win_k.index_copy_(1, entries, new_k[0, :, first - t_old :])
-        win_v.index_copy_(1, entries, new_v[0, :, first - t_old :])
-
-    def _demote(self, r: RequestKV, layer_idx: int, a: int, b: int, t_old: int, new_k=None, new_v=None) -> None:
-        """Quantize slots ``[a, b)`` (``>= S0``) into history entries ``[a - S0, b - S0)``: slots ``< t_old`` from
-        the ring, the others from the new rows; ``prefill_chunk`` slots at a time. The retrieval heads' slots are
-        coded into the same entries."""
-        if b <= a:
-            return
-        s0, cfg, li = self.config.sink, self.config, self.layer_slot[layer_idx]
-        self._pages_for(r, b - s0)
-        for c0 in range(a, b, cfg.prefill_chunk):
-            c1 = min(b, c0 + cfg.prefill_chunk)
-            old = torch.arange(c0, max(c0, min(c1, t_old)), device=self.device)
-            for kind, win, new in (("k", self.windows.k, new_k), ("v", self.windows.v, new_v)):
-                x = win[r.slot, li].index_select(1, s0 + torch.remainder(old, self.ring))[None]  # [1, Hk, n, D]
-                if c1 > t_old:
-                    x = torch.cat([x, new[:, :, max(c0, t_old) - t_old : c1 - t_old]], 2)
-                coded, rows = self._history_rows(layer_idx, kind, x)
-                if coded is not None:
-                    self.pool.write_coded(r.table, li, kind, c0 - s0, coded)
-                if rows is not None:
-                    self.pool.write(r.table, li, kind, c0 - s0, rows)
+    def _history(self, r: RequestKV, li: int, end: int) -> PagedHistory:
+        """Where request ``r``'s history entries of pool layer ``li`` live, with pages for the slots below ``end``
+        (history entries ``[0, end - S0)``; the first layer to need a page takes it for all layers)."""
+        self._pages_for(r, end - self.config.sink)
+        return PagedHistory(self.pool, r.table, li)
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, int]:

@@ -1,15 +1,15 @@
-"""OscarCache's device-resident storage (what it uses on CUDA by itself; ``compile=True`` here on the CPU): the same
-tokens as the eager OscarLayer through generate's compiled route (fullgraph, the step wrapper), capacity growing in
-buckets without recompiling, and every cache operation: crop (assisted / prompt-lookup decoding), beam search,
-batch ops, left padding, full-precision heads, key_offset="prefill", save/load, multi-turn and chunked prefill."""
-import inspect
-
+"""OscarCache's device-resident storage (what it uses on CUDA by itself; ``compile=True`` here on the CPU), what is
+its own beyond the storage contract (tests/cache/test_storage_contract.py: tokens, chunked prefill, crop, beam
+search, batch ops, save/load, retrieval heads): generate's compiled route (fullgraph, the step wrapper) with capacity
+growing in buckets without recompiling, crop beyond the ring's reserve, prompt-lookup decoding, the retrieval heads
+kept as history entries, key_offset="prefill"."""
 import pytest
 import torch
 from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from oscar_hf import OscarCache
+from oscar_hf.cache import heads as heads_mod
 from oscar_hf.cache import OscarLayer, StaticOscarLayer
 from oscar_hf.cache import static as static_mod
 from oscar_hf.compat import cache_kwargs
@@ -92,49 +92,66 @@ def test_step_wrapper_counts_each_token_once():
     assert all(x.host_len == 21 == int(x.length) and not x.announced for x in _oscar_layers(cache))
 
 
-def test_crop_is_exact_within_the_ring_reserve():
-    m = tiny_model("llama")
-    torch.manual_seed(2)
-    prompt, extra = torch.randint(1, 200, (2, 30)), torch.randint(1, 200, (2, 10))
-    with torch.no_grad():
-        a, b = OscarCache(m, compile=True, **SMALL), OscarCache(m, compile=True, **SMALL)
-        m(prompt, **cache_kwargs(m, a))
-        m(prompt, **cache_kwargs(m, b))
-        for j in range(10):  # a: decode 10 tokens, then take them back
-            m(extra[:, j : j + 1], **cache_kwargs(m, a))
-        a.crop(-10)
-        assert a.get_seq_length() == 30
-        nxt = torch.randint(1, 200, (2, 1))
-        la = m(nxt, **cache_kwargs(m, a)).logits
-        lb = m(nxt, **cache_kwargs(m, b)).logits
-    torch.testing.assert_close(la, lb)
-
-
-def test_crop_beyond_the_reserve_refills_from_history(monkeypatch):
-    """Window slots that left the ring come back from their INT2 codes (dequantized, rotated back, offset added)."""
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_crop_beyond_the_reserve_refills_from_history(monkeypatch, bits):
+    """Window slots that left the ring come back from the history: the INT2 heads' codes (dequantized, rotated back,
+    offset added), the retrieval heads' coded rows (decoded)."""
     from oscar_hf.quant import QuantizedRows, dequantize_rows
 
     monkeypatch.setattr(static_mod, "RING_RESERVE", 2)
     m = tiny_model("llama")
     torch.manual_seed(3)
     prompt, extra = torch.randint(1, 200, (1, 30)), torch.randint(1, 200, (1, 12))
+    kw = dict(SMALL) if bits is None else dict(SMALL, full_precision_heads=((0, 1),), full_precision_bits=bits)
     with torch.no_grad():
-        a = OscarCache(m, compile=True, **SMALL)
+        a = OscarCache(m, compile=True, **kw)
         m(prompt, **cache_kwargs(m, a))
         for j in range(12):
             m(extra[:, j : j + 1], **cache_kwargs(m, a))
         a.crop(-12)  # back to 30: window slots [21, 30) needed, ring (R = 11) holds [31, 42): all 9 from history
         layer = _oscar_layers(a)[0]
-        s0, r = layer.config.sink, layer.ring
+        s0, r, p = layer.config.sink, layer.ring, layer.params
         for s in range(21, 30):
             q = QuantizedRows(*(x[:, :, s - s0 : s - s0 + 1] for x in layer.hist_k))
-            want = dequantize_rows(q, layer.config.group_size) @ layer.params.r_k.transpose(-1, -2).unsqueeze(0)
+            want = dequantize_rows(q, layer.config.group_size) @ p.r_k.transpose(-1, -2).unsqueeze(0)
             mu = layer.offsets()[0]  # hadamard builtin: no offsets
             want = want if mu is None else want + mu[None, :, None, :]
             got = layer.win_k[:, :, s0 + s % r : s0 + s % r + 1].float()
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(p.int2_part(got), want, atol=1e-5, rtol=1e-5)
+            if bits is not None:  # the retrieval head: its coded row decoded, not the ring's stale entry
+                coded = tuple(x[:, :, s - s0 : s - s0 + 1] for x in layer.coded_k)
+                assert torch.equal(got.index_select(1, p.coded_idx), heads_mod.decode(coded, bits, torch.float32))
         logits = m(torch.randint(1, 200, (1, 1)), **cache_kwargs(m, a)).logits
     assert torch.isfinite(logits).all() and a.get_seq_length() == 31
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_retrieval_heads_are_history_entries(bits):
+    """The compiled layer keeps its retrieval heads' coded rows for the history entries only (the window holds their
+    other slots), grown with the INT2 history and written by the decode step's demotion: the eager layer's codes of
+    slots [S0, T - W), and what memory() counts."""
+    m = tiny_model("llama")
+    ids, am = random_left_padded([9, 30], seed=7)
+    kw = dict(SMALL, full_precision_heads=((0, 1),), full_precision_bits=bits)
+    caches = OscarCache(m, **kw), OscarCache(m, compile=True, **kw)
+    with torch.no_grad():
+        for c in caches:
+            m(ids, attention_mask=am, **cache_kwargs(m, c))
+            mask = am
+            for j in range(20):
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+                m(torch.full((2, 1), 5 + j), attention_mask=mask, **cache_kwargs(m, c))
+    eager, layer = caches[0].layers[0], _oscar_layers(caches[1])[0]  # layer 0: its K/V depend on the tokens only
+    s0, t = layer.config.sink, layer.host_len
+    n = t - layer.config.recent - s0
+    # prompt 30 -> 48 slots; 20 steps grow it to 80 (buckets of 16): N = 80 - S0 - W rows, INT2 and coded alike
+    assert layer.capacity == 80 and layer.coded_k[0].shape[:3] == (2, 1, 68) == layer.hist_k.codes.shape[:3]
+    for coded, every_slot in ((layer.coded_k, eager.fp_k), (layer.coded_v, eager.fp_v)):
+        for a, b in zip(coded, every_slot, strict=True):  # (slot T - 1 - W waits in the ring for the next step)
+            assert torch.equal(a[:, :, : n - 1], b[:, :, s0 : s0 + n - 1])
+    rows = int((n - layer.pad).clamp(min=0).sum())  # each row's history entries [pad, n), as OscarLayer counts them
+    d = layer.head_dim
+    assert layer.memory()["full_precision_heads"] == 2 * rows * heads_mod.row_bytes(bits, d, torch.float32)
 
 
 def test_prompt_lookup_and_assisted_style_decoding():
@@ -148,74 +165,15 @@ def test_prompt_lookup_and_assisted_style_decoding():
     assert torch.equal(out, ref)
 
 
-def test_beam_search_and_batch_ops():
-    m = tiny_model("qwen3")
-    torch.manual_seed(4)
-    ids = torch.randint(1, 200, (1, 30))
-    beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    ref = m.generate(ids, **cache_kwargs(m, OscarCache(m, **SMALL)), **beams)
-    got = m.generate(ids, **cache_kwargs(m, OscarCache(m, compile=True, **SMALL)), **beams)
-    assert torch.equal(got, ref)
-    ids2 = torch.randint(1, 200, (2, 25))
-    with torch.no_grad():
-        caches = OscarCache(m, **SMALL), OscarCache(m, compile=True, **SMALL)
-        for c in caches:
-            m(ids2, **cache_kwargs(m, c))
-            c.batch_repeat_interleave(2)
-            c.batch_select_indices(torch.tensor([0, 3]))
-        nxt = torch.randint(1, 200, (2, 1))
-        la, lb = (m(nxt, **cache_kwargs(m, c)).logits for c in caches)
-    torch.testing.assert_close(lb, la, atol=2e-4, rtol=1e-4)
-
-
-@pytest.mark.parametrize("extra", [dict(full_precision_heads=((0, 1), (1, 0))),  # stored as INT8 (the default)
-                                   dict(full_precision_heads=((0, 1), (1, 0)), full_precision_bits=16),
-                                   dict(full_precision_heads=((0, 1), (1, 0)), full_precision_bits=4),
-                                   dict(full_precision_heads=((1, 0), (1, 1))),  # a whole layer of INT8 heads
-                                   dict(key_offset="prefill")])
-def test_full_precision_heads_and_prefill_offset_match_eager(extra):
+def test_prefill_key_offset_matches_eager():
     m = tiny_model("llama")
     ids, am = random_left_padded([7, 26], seed=12)
-    kw = dict(SMALL, **extra)
+    kw = dict(SMALL, key_offset="prefill")
     ref = _gen(m, ids, am, OscarCache(m, **kw), n=20)
     out = _gen(m, ids, am, OscarCache(m, compile=True, **kw), n=20, compile_config=_compile_config())
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
-
-
-def test_save_load_multi_turn_continues_exactly(tmp_path):
-    m = tiny_model("llama")
-    torch.manual_seed(1)
-    turn1, turn2 = torch.randint(1, 200, (1, 25)), torch.randint(1, 200, (1, 7))
-    with torch.no_grad():
-        eager, comp = OscarCache(m, **SMALL), OscarCache(m, compile=True, **SMALL)
-        for c in (eager, comp):
-            m(turn1, **cache_kwargs(m, c))
-            for t in turn1[0, :5]:
-                m(t.view(1, 1), **cache_kwargs(m, c))
-        comp.save(tmp_path / "c")
-        loaded = OscarCache.load(tmp_path / "c", m)
-        assert not loaded.compiled  # auto on the CPU: the eager layer, from the device layer's saved state
-        eager.save(tmp_path / "e")
-        loaded_dev = OscarCache.load(tmp_path / "e", m, compile=True)  # and the other way round
-        assert loaded_dev.compiled
-        outs = [m(turn2, **cache_kwargs(m, c)).logits for c in (eager, comp, loaded, loaded_dev)]
-    for out in outs[1:]:
-        torch.testing.assert_close(out, outs[0], atol=2e-4, rtol=1e-4)
-
-
-@pytest.mark.skipif("prefill_chunk_size" not in inspect.signature(CompileConfig).parameters
-                    and not hasattr(__import__("transformers").GenerationConfig(), "prefill_chunk_size"),
-                    reason="generate has no prefill_chunk_size")
-def test_chunked_prefill_through_the_compiled_route():
-    m = tiny_model("llama")
-    ids, am = random_left_padded([40], seed=8)
-    # (chunks after the first read the earlier ones from the INT2 history: compare with the eager cache, chunked too)
-    ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=10, prefill_chunk_size=16)
-    out = _gen(m, ids, am, OscarCache(m, compile=True, **SMALL), n=10, prefill_chunk_size=16,
-               compile_config=_compile_config())
-    assert torch.equal(out.sequences, ref.sequences)
 
 
 @pytest.mark.gpu
