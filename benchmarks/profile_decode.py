@@ -9,12 +9,17 @@ For each method: the cache is filled with ``--context`` random tokens through it
 recording), then ``--steps`` more under the profiler. Reported per method: wall ms per step, device
 (kernel) ms per step, their ratio (how GPU-bound the step is), and the top kernels by device time,
 grouped into OSCAR's decode kernels (``_split_kernel``, ``_combine_kernel``), its write path, GEMMs,
-attention (SDPA / flash), and the rest.
+attention (SDPA / flash), and the rest. ``--host``: Python's cProfile instead, for the host side of the same steps
+(``generate`` synchronises at every step, so host time adds to the device time), and the plain step time measured
+before the profiler starts.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -47,7 +52,7 @@ def _group(name: str) -> str:
     return "other"
 
 
-def profile_method(model, method: str, batch: int, context: int, warmup: int, steps: int, device):
+def profile_method(model, method: str, batch: int, context: int, warmup: int, steps: int, device, host=False):
     new = warmup + steps
     cache = make_cache(model, method, context + new + 1, explicit=True)
     ids = torch.randint(100, model.config.vocab_size - 100, (batch, context + 1), device=device)
@@ -61,14 +66,21 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
         def __call__(self, input_ids, scores):
             n = len(clock.stamps)
             if n == warmup:
-                prof_box["p"] = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else []))
-                prof_box["p"].__enter__()
+                if host:  # Python's profiler: the step's host time by function (no device synchronisation)
+                    prof_box["p"] = cProfile.Profile()
+                    prof_box["p"].enable()
+                else:
+                    prof_box["p"] = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else []))
+                    prof_box["p"].__enter__()
                 prof_box["t0"] = time.perf_counter()
             if n == warmup + steps:
                 if device == "cuda":
                     torch.cuda.synchronize()
                 prof_box["t1"] = time.perf_counter()
-                prof_box["p"].__exit__(None, None, None)
+                if host:
+                    prof_box["p"].disable()
+                else:
+                    prof_box["p"].__exit__(None, None, None)
             return scores
 
     with torch.no_grad():
@@ -77,6 +89,21 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
                        pad_token_id=0, logits_processor=LogitsProcessorList([clock, Window()]))
     prof = prof_box["p"]
     wall_ms = (prof_box["t1"] - prof_box["t0"]) * 1000 / steps
+    # the steps before the profiler started (after the first `warmup // 2`: compilation, graph recording)
+    plain = sorted(b - a for a, b in zip(clock.stamps[warmup // 2 : warmup], clock.stamps[warmup // 2 + 1 : warmup + 1]))
+    plain_ms = plain[len(plain) // 2] * 1000 if plain else None
+    if host:
+        if method.startswith("oscar"):
+            from oscar_hf import disable_oscar
+
+            disable_oscar(model)
+        text = {}
+        for key in ("tottime", "cumulative"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
+            text[key] = buf.getvalue()
+        return dict(method=method, batch=batch, context=context, steps=steps, wall_ms_per_step=plain_ms,
+                    wall_ms_per_step_profiled=wall_ms, host_profile=text)
     by_kernel, by_group = defaultdict(float), defaultdict(float)
     for ev in prof.key_averages():
         dev_us = getattr(ev, "self_device_time_total", None)
@@ -105,13 +132,19 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=6)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--host", action="store_true", help="cProfile of the host instead of torch.profiler: where a "
+                   "step's host time goes (the text report per method in the JSON)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     model = build_model(a.shape, torch.bfloat16, a.device, a.context + a.warmup + a.steps + 16)
     rows = []
     for m in a.methods:
-        r = profile_method(model, m, a.batch, a.context, a.warmup, a.steps, a.device)
-        print(json.dumps(r), flush=True)
+        r = profile_method(model, m, a.batch, a.context, a.warmup, a.steps, a.device, host=a.host)
+        if a.host:
+            print(f"== {m}: {r['wall_ms_per_step']:.2f} ms a step ({r['wall_ms_per_step_profiled']:.2f} under cProfile)")
+            print(r["host_profile"]["tottime"][:6000], flush=True)
+        else:
+            print(json.dumps(r), flush=True)
         rows.append(r)
     env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                command="python " + " ".join([sys.argv[0].split("/")[-1]] + (argv or sys.argv[1:])))

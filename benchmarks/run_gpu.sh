@@ -24,6 +24,10 @@
 #               compiled StaticCache: B=8/32K and B=1/1K                 profile_<gpu>_b1_t1024.json
 #   profile-fpheads  the same, the default call with 25 INT8         profile_<gpu>_fpheads_inplace_b8_t32768.json
 #               retrieval heads and none, B=8/32K
+#   heads-kernel  the retrieval heads' read alone (split + combine) at    heads_kernel_<gpu>.json
+#               B=8/32K-capacity shapes, defaults and a tile sweep
+#   profile-host  cProfile of the decode step's host side, B=8/8K:       profile_host_<gpu>_<method>_b8_t8192.json
+#               no heads, 25 INT8 heads, compiled BF16 StaticCache
 #   validate    Triton/Gluon read path vs the torch reference in a      gpu_validate_<gpu>.json
 #               32K generate (B=2, left padding): per-layer outputs, logits
 #   soak        200 generate calls; one call of 32,768 new tokens        soak_calls_<gpu>.json, soak_long_<gpu>.json
@@ -141,6 +145,13 @@ for what in "$@"; do
     # where 25 INT8 retrieval heads' decode time goes (B=8/32K), against none
     run "profile_${GPU}_fpheads_inplace_b8_t32768" $PY "$B/profile_decode.py" --batch 8 --context 32768 --warmup 4 \
         --steps 6 --methods oscar oscar-fp25 --out "$OUT/profile_${GPU}_fpheads_inplace_b8_t32768.json" ;;
+  heads-kernel)
+    run "heads_kernel_$GPU" $PY "$B/bench_heads.py" --sweep --out "$OUT/heads_kernel_$GPU.json" ;;
+  profile-host)
+    for m in ${METHODS:-oscar-fp25 oscar bf16-static}; do  # one process each (one compiled shape per process)
+      run "profile_host_${GPU}_${m}_b8_t8192" $PY "$B/profile_decode.py" --host --batch 8 --context 8192 --warmup 8 \
+          --steps 10 --methods $m --out "$OUT/profile_host_${GPU}_${m}_b8_t8192.json"
+    done ;;
   validate)
     run "gpu_validate_$GPU" $PY "$B/gpu_validate.py" --context 32768 --batch 2 --steps 8 --calib-tokens 0 \
         --out "$OUT/gpu_validate_$GPU.json" ;;

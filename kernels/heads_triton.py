@@ -80,7 +80,7 @@ def _history_part(qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI
             slot = offs % PAGE
             k_row, v_row = page * skb + slot * skn, page * svb + slot * svn
             ks_row, vs_row = page * sksb + slot * sksn, page * svsb + slot * svsn
-        else:  # (32-bit offsets, as measured: 168 registers, 3 programs an SM; a 64-bit row base costs 20 more)
+        else:  # (32-bit offsets: a 64-bit row base costs 20 registers more, measured at 4 warps)
             k_row, v_row = b * skb + offs * skn, b * svb + offs * svn
             ks_row, vs_row = b * sksb + offs * sksn, b * svsb + offs * svsn
         kt = tl.load(KC + p * skp + k_row[:, None] + offs_c[None, :], mask=valid[:, None], other=0)  # [BLOCK_N, DC]
@@ -251,6 +251,7 @@ def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mas
     pl = torch.empty_like(pm)
     pacc = torch.empty(b * p, s_tot, m_pad, d, dtype=torch.float32, device=dev)
     op = _OPS[q.dtype] if q.is_cuda else 0
+    warps, stages = df.launch(bits)
     lo = lo.reshape(b)
     wm = win_mask if win_mask is not None else lo  # (placeholder pointers where there is no mask / table / hi)
     bt = block_table if block_table is not None else lo
@@ -264,7 +265,7 @@ def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mas
         wm.stride(0) if win_mask is not None else 0,
         p, m, w, 0 if hi_dev else n_hist, split_len, s_hist, float(scaling) * 1.4426950408889634,
         DC=d // npl, NPL=npl, M_PAD=m_pad, BLOCK_N=df.block_n, BITS=bits, HI_DEV=hi_dev, PAGE=page,
-        HAS_WMASK=win_mask is not None, OP=op, num_warps=df.num_warps, num_stages=df.num_stages,
+        HAS_WMASK=win_mask is not None, OP=op, num_warps=warps, num_stages=stages,
     )
     out = torch.empty(b, p, m, d, dtype=out_dtype, device=dev)
     _heads_combine_kernel[(b * p * m,)](pm, pl, pacc, out, m, s_tot, M_PAD=m_pad, D=d,

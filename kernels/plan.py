@@ -260,12 +260,18 @@ class HeadsDefaults:
     """Tunables of the retrieval heads' read (docs/kernels.md, section 3.9)."""
 
     block_n: int = 64  # slots per inner step
-    num_warps: int = 4
-    num_stages: int = 3
+    num_warps: int = 8  # INT8 / 16-bit codes (H200 sweep, benchmarks/results/heads_kernel_h200.json) ...
+    num_stages: int = 4
+    num_warps_int4: int = 4  # ... and INT4's (two planes per block: more registers a block)
+    num_stages_int4: int = 2
     min_split: int = 256  # never fewer history slots per split
     max_waves: int = 4
-    resident: int = 3  # split programs an SM holds at once (the wave model's slots): 168 registers x 4 warps
+    resident: int = 3  # split programs an SM holds at once (the wave model's slots)
     merge_block: int = 64  # partials merged per step of the combine
+
+    def launch(self, bits: int) -> tuple[int, int]:
+        """``(num_warps, num_stages)`` of the split kernel for ``bits``-bit codes."""
+        return (self.num_warps_int4, self.num_stages_int4) if bits == 4 else (self.num_warps, self.num_stages)
 
 
 HEADS_DEFAULTS = HeadsDefaults()
