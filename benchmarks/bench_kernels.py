@@ -5,9 +5,9 @@ Decode (one new token, Hq=32, Hk=8, D=128, G=64 bf16 metadata -- ``--group-size`
 e.g. the authors' preset: 128 / float32 --, sink 64 + recent 256 = 320 BF16 window tokens, the rest INT2 history;
 total length T):
 * ``oscar``: the whole decode attention op (with the kernel defaults, ``oscar_hf.kernels.plan.DEFAULTS``, or
-  ``--config`` overrides of them): :func:`decode_attention_rotating_triton`, as in the model's attention -- query
-  rotation ``q R_K`` and centering offset ``q · mu_K``, split-K over history and window, then merge + ``R_Vᵀ`` +
-  ``mu_V`` + normalize; 3 launches (on the Gluon path the rotation shares its launch with the window programs);
+  ``--config`` overrides of them): :func:`decode_attention_triton` from the unrotated query, as in the model's
+  attention -- query rotation ``q R_K`` and centering offset ``q · mu_K``, split-K over history and window, then
+  merge + ``R_Vᵀ`` + ``mu_V`` + normalize; 3 launches (on the Gluon path the rotation shares its launch with the window programs);
 * ``oscar_composed``: ``history_partial_triton`` + the window partial, merge and rotate-back in torch
   (what an integration gets from the contract functions alone);
 * ``sdpa``: ``F.scaled_dot_product_attention(q, K, V, enable_gqa=True)`` on BF16 K/V of length T,
@@ -192,9 +192,9 @@ def oscar_op(st):
     qg = st["q"].view(b, HK, GQ, D)  # query heads of one KV head are consecutive (repeat_kv order)
 
     def run():  # the query rotated inside the op, as in the model's attention (rotation + window: one launch)
-        out = dt.decode_attention_rotating_triton(
-            qg, st["r_k"], st["mu_k"], st["k"], st["v"], st["start"], None, SCALING, GS,
-            st["k_win"], st["v_win"], None, st["r_v"], st["mu_v"], torch.bfloat16, defaults=KERNEL_DEFAULTS,
+        out = dt.decode_attention_triton(
+            None, st["k"], st["v"], st["start"], None, None, SCALING, GS, qg, st["k_win"], st["v_win"], None,
+            st["r_v"], st["mu_v"], torch.bfloat16, r_k=st["r_k"], mu_k=st["mu_k"], defaults=KERNEL_DEFAULTS,
         )
         return out.view(b, HQ, 1, D)
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Where the time of one OSCAR decode-attention call goes, kernel by kernel (CUDA GPU).
 
-Runs the benchmark's decode op (``benchmarks/bench_kernels.py``: ``decode_attention_rotating_triton``, the query
-rotation, the split-K history (Gluon or split kernel) and window programs, the combine) eagerly under
+Runs the benchmark's decode op (``benchmarks/bench_kernels.py``: ``decode_attention_triton`` from the unrotated
+query, the query rotation, the split-K history (Gluon or split kernel) and window programs, the combine) eagerly under
 ``torch.profiler`` and reports each GPU kernel's mean device time per call, for each (B, T) point and each
 ``--configs`` entry (overrides of the kernel defaults, ``oscar_hf.kernels.plan.DecodeDefaults`` fields, as JSON).
 The L2 flush between calls (as in the benchmark) is profiled too and left out of the table. Together with the

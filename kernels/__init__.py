@@ -9,13 +9,13 @@ does not import Triton.
 """
 from __future__ import annotations
 
-from .int2_attention import (decode_attention, decode_attention_reference, decode_attention_rotating,
-                             history_partial, history_partial_reference, rotate_query, rotate_query_reference)
+from .int2_attention import (decode_attention_reference, decode_attention_rotating, history_partial,
+                             history_partial_reference, rotate_query, rotate_query_reference)
 from .plan import DEFAULTS, DecodeDefaults, cdiv, cuda_major, next_pow2, num_splits, triton_enabled, triton_importable
 from .write_path import rotate_quantize, rotate_quantize_reference
 
 __all__ = [
-    "DEFAULTS", "DecodeDefaults", "cdiv", "cuda_major", "decode_attention", "decode_attention_reference",
+    "DEFAULTS", "DecodeDefaults", "cdiv", "cuda_major", "decode_attention_reference",
     "decode_attention_rotating", "history_partial", "history_partial_reference", "next_pow2", "num_splits",
     "rotate_query", "rotate_query_reference", "rotate_quantize", "rotate_quantize_reference", "triton_enabled",
     "triton_importable",

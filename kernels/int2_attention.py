@@ -19,9 +19,9 @@ space (float32). A row with no valid key has ``m = -inf, l = 0, acc = 0``. The c
 
 The reference below dequantizes ``block_n`` history tokens at a time (never the whole history)
 and merges blocks with the online-softmax rule: exactly what the split-K kernel does in
-registers. The dispatchers (:func:`history_partial`, :func:`decode_attention`, :func:`decode_attention_rotating`,
-:func:`rotate_query`) send the shapes the Triton kernels support on CUDA to them (``decode_triton.py``,
-``query_triton.py``) and everything else to the references here.
+registers. The dispatchers (:func:`history_partial`, :func:`decode_attention_rotating`, :func:`rotate_query`) send
+the shapes the Triton kernels support on CUDA to their launchers (``decode_triton.py``, ``query_triton.py``; the static
+cache's calls through the opaque op of ``static_op.py``) and everything else to the references here.
 """
 from __future__ import annotations
 
@@ -130,14 +130,13 @@ def history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size
 
 def decode_attention_reference(
     q_rot, k, v, start, key_mask, qk_offset, scaling, group_size,
-    q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, block_n=1024, n_valid=None, splits=None,
+    q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, block_n=1024, n_valid=None,
 ):
-    """The whole decode attention of one layer (torch reference of ``decode_attention_triton``):
+    """The whole decode attention of one layer (torch reference of ``decode_triton.decode_attention_triton``):
     the INT2 history partial (rotated) is brought back to the value space (``acc R_Vᵀ + l mu_V``),
     merged with the full-precision window partial (``q_win``/``k_win``/``v_win`` unrotated,
     ``win_mask`` bool broadcastable to ``[B, Hk, M, W]``) and normalized. Rows with no valid key give 0.
-    ``n_valid`` (0-d tensor or None): only history entries below it are read (static cache);
-    ``splits`` is the kernel's grid parameter, unused here."""
+    ``n_valid`` (0-d tensor or None): only history entries below it are read (static cache)."""
     out_dtype = out_dtype or (q_win.dtype if q_win is not None else torch.float32)
     hist = history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n,
                                      n_valid=n_valid)
@@ -163,53 +162,48 @@ def merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, sca
     return out.to(out_dtype)
 
 
-_DECODE_ARGS = ("q_rot", "k", "v", "start", "key_mask", "qk_offset", "scaling", "group_size", "q_win", "k_win",
-                "v_win", "win_mask", "r_v", "mu_v", "out_dtype", "n_valid", "splits")
-
-
-def decode_attention(*args, block_n=1024, use_kernels="auto", **kwargs):
-    """Dispatch: the two-launch Triton decode attention on CUDA (when importable, allowed and the shape is
-    supported), else the reference. Arguments as :func:`decode_attention_reference`."""
-    a = {**dict(zip(_DECODE_ARGS, args)), **kwargs}
-    if triton_enabled(a["q_rot"], use_kernels):
-        from .decode_triton import decode_supported
-
-        w = 0 if a.get("k_win") is None else a["k_win"].shape[-2]
-        if decode_supported(a["q_rot"], a["k"], a["group_size"], a.get("key_mask"), a.get("win_mask"), w):
-            if kwargs.get("n_valid") is not None:  # the static cache (CUDA graphs): one opaque op, see static_op.py
-                from .static_op import decode_attention_static_call
-
-                return decode_attention_static_call(*args, **kwargs)
-            from .decode_triton import decode_attention_triton
-
-            return decode_attention_triton(*args, **kwargs)
-    return decode_attention_reference(*args, block_n=block_n, **kwargs)
-
-
 def decode_attention_rotating(
     qf, r_k, mu_k, k, v, start, key_mask, scaling, group_size, k_win, v_win, win_mask, r_v, mu_v,
     out_dtype=None, block_n=1024, n_valid=None, splits=None, use_kernels="auto",
 ):
-    """The whole decode attention from the *unrotated* query ``qf [B, Hk, M, D]`` (which is also the window's):
-    :func:`rotate_query` (``r_k``, ``mu_k``) then :func:`decode_attention`, with the same arguments otherwise. On CUDA
-    the rotation is the first launch of the op itself (on the Gluon path together with the window programs:
-    ``decode_triton.decode_attention_rotating_triton``). The static cache (``n_valid``, compiled into CUDA graphs) and
-    everything off CUDA take the two steps: with the rotation inside its opaque op the compiled StaticOscarCache step
-    was slower end to end, although the op alone was faster (docs/kernels.md)."""
-    if n_valid is None and triton_enabled(qf, use_kernels) and not torch.compiler.is_compiling():
-        from .decode_triton import decode_attention_rotating_triton, decode_supported
-        from .query_triton import query_kernel_supported
+    """The whole decode attention of one layer from the *unrotated* query ``qf [B, Hk, M, D]`` (which is also the
+    window's): the history's query is ``qf R_K`` with the logit offset ``qf · mu_K`` (:func:`rotate_query_reference`),
+    the rest as :func:`decode_attention_reference`. ``n_valid``, ``splits``: the static cache's device-side history
+    length and fixed split count (``decode_triton.decode_attention_triton``).
 
-        w = 0 if k_win is None else k_win.shape[-2]
-        if query_kernel_supported(qf) and decode_supported(qf, k, group_size, key_mask, win_mask, w):
-            return decode_attention_rotating_triton(
-                qf, r_k, mu_k, k, v, start, key_mask, scaling, group_size, k_win, v_win, win_mask, r_v, mu_v,
-                out_dtype=out_dtype,
-            )
-        q_rot, qk_off = rotate_query_reference(qf, r_k, mu_k)  # (a shape the op does not take: the query as in torch)
-    else:
+    Dispatch, one call to the launch on CUDA (where the kernels take the shape; anything else: the references):
+
+    * the static cache (``n_valid``, compiled into CUDA graphs): the rotation here (torch ops that inductor fuses, or
+      one launch in eager code), then the opaque op ``oscar::decode_attention_static`` (``static_op.py``): with the
+      rotation inside the op the compiled StaticOscarCache step was slower end to end, although the op alone was
+      faster (docs/kernels.md);
+    * eager: the launcher from the unrotated query (the rotation is its first launch; on the Gluon path together with
+      the window programs); beyond 16 query rows a KV head, or while ``torch.compile`` traces, the rotation in torch."""
+    out_dtype = out_dtype or qf.dtype
+    kernels = triton_enabled(qf, use_kernels)
+    if kernels:
+        from .decode_triton import decode_attention_triton, decode_supported
+
+        kernels = decode_supported(qf, k, group_size, key_mask, win_mask, 0 if k_win is None else k_win.shape[-2])
+    if n_valid is not None:
         q_rot, qk_off = rotate_query(qf, r_k, mu_k, use_kernels)
-    return decode_attention(
-        q_rot, k, v, start, key_mask, qk_off, scaling, group_size, qf, k_win, v_win, win_mask, r_v, mu_v,
-        out_dtype=out_dtype, block_n=block_n, n_valid=n_valid, splits=splits, use_kernels=use_kernels,
-    )
+        if kernels:
+            from .static_op import decode_attention_static
+
+            return decode_attention_static(
+                q_rot.float().contiguous(), *k, *v, start, key_mask, qk_off, float(scaling), int(group_size),
+                qf, k_win, v_win, win_mask, r_v, mu_v, n_valid, int(splits or 0), out_dtype,
+            )
+    else:
+        if kernels and not torch.compiler.is_compiling():
+            from .query_triton import query_kernel_supported
+
+            if query_kernel_supported(qf):
+                return decode_attention_triton(None, k, v, start, key_mask, None, scaling, group_size, qf, k_win,
+                                               v_win, win_mask, r_v, mu_v, out_dtype, r_k=r_k, mu_k=mu_k)
+        q_rot, qk_off = rotate_query_reference(qf, r_k, mu_k)
+        if kernels:
+            return decode_attention_triton(q_rot, k, v, start, key_mask, qk_off, scaling, group_size, qf, k_win,
+                                           v_win, win_mask, r_v, mu_v, out_dtype)
+    return decode_attention_reference(q_rot, k, v, start, key_mask, qk_off, scaling, group_size, qf, k_win, v_win,
+                                      win_mask, r_v, mu_v, out_dtype=out_dtype, block_n=block_n, n_valid=n_valid)

@@ -21,8 +21,7 @@ import torch
 from oscar_hf.quant import QuantizedRows
 
 from .int2_attention import decode_attention_reference, rotate_query_reference
-from .plan import (DEFAULTS, M_PAD_MIN, cdiv, combine_shape, device_sms, few_rows, pow2_at_least,
-                   pow2_below_within, resident_programs, triton_enabled, wave_splits)
+from .plan import DEFAULTS, cdiv, decode_plan, triton_enabled
 
 LOG2E = 1.4426950408889634
 
@@ -140,15 +139,6 @@ def paged_decode_attention(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_le
                                             win_slot, win_mask, r_v, mu_v, scaling, group_size, out_dtype)
 
 
-def paged_block_n(d: int, m_pad: int, page: int, defaults=DEFAULTS) -> int:
-    """History tokens per inner-loop step: the contiguous path's (``_launch``), at most one page where pages are a
-    power of two of at least 16 tokens (a block then lies in one page: one table load per block)."""
-    block_n = defaults.block_n if (d == 128 and m_pad <= 16) else 64
-    if _pow2(page) and page >= 16:
-        block_n = min(block_n, page)
-    return block_n
-
-
 def paged_decode_attention_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot,
                                   win_mask, r_v, mu_v, scaling, group_size, out_dtype, max_hist_len=None,
                                   defaults=DEFAULTS):
@@ -159,7 +149,6 @@ def paged_decode_attention_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, 
     from .decode_triton import _pairable
     from .query_triton import launch_rotation, query_kernel_supported, rotation_args
 
-    df = defaults
     b, hk, m, d = qf.shape
     dev = qf.device
     page = pages_k.codes.shape[-2]
@@ -187,33 +176,21 @@ def paged_decode_attention_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, 
     r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
     mu_v = None if mu_v is None else mu_v.to(device=dev, dtype=torch.float32).contiguous()
 
-    m_pad = pow2_at_least(m, M_PAD_MIN)
-    block_n = paged_block_n(d, m_pad, page, df)
-    deferred = group_size >= d // 4 and m_pad <= 16  # as _launch: the deferred loop where it fits in registers
+    # the contiguous path's plan, its grid sized for the longest row (no Gluon kernel: it reads contiguous histories)
+    p = decode_plan(b, hk, m, d, n, group_size, w, dev, page=page, defaults=defaults)
     bh = b * hk
-    few = few_rows(bh * m, dev)
-    # the grid is sized for the longest row (no register cap: it was measured for the contiguous loop only)
-    s_hist = wave_splits(n, bh, device_sms(dev), block_n, df.min_split, df.max_waves,
-                         resident_programs(df, None)) if n else 0
-    if few and s_hist:
-        s_hist = pow2_below_within(s_hist, df.splits_pow2_slack)
-    split_len = cdiv(cdiv(max(n, 1), max(s_hist, 1)), block_n) * block_n
-    s_hist = cdiv(n, split_len) if n else 0
-    win_split = df.win_split
-    s_win = cdiv(w, win_split)
-    s_tot = s_hist + s_win
 
-    pm = torch.empty(bh, s_tot, m, device=dev, dtype=torch.float32)
+    pm = torch.empty(bh, p.s_tot, m, device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
-    pacc = torch.empty(bh, s_tot, m, d, device=dev, dtype=torch.float32)
+    pacc = torch.empty(bh, p.s_tot, m, d, device=dev, dtype=torch.float32)
     start = torch.zeros(b, dtype=torch.int32, device=dev)  # (no left padding in a page pool)
     k, v = pages_k, pages_v
     z3 = (0, 0, 0)
-    _split_kernel[(bh, s_tot)](
+    _split_kernel[(bh, p.split_programs)](
         q_rot, *k, *v, start, None, qk_off, None,
         q_win, win_k, win_v, wmask,
         pm, pl, pacc,
-        n, m, hk, s_hist, s_tot, split_len, w, win_split, float(scaling) * LOG2E, 0,
+        n, m, hk, p.s_hist, p.s_tot, p.split_len, w, p.win_split, float(scaling) * LOG2E, 0,
         *q_rot.stride()[:3],
         *k.codes.stride()[:3], *k.scale.stride()[:2],
         *v.codes.stride()[:3], *v.scale.stride()[:2],
@@ -221,22 +198,21 @@ def paged_decode_attention_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, 
         *(qk_off.stride() if qk_off is not None else z3),
         *q_win.stride()[:3], *win_k.stride()[:3], *win_v.stride()[:3],
         wmask.stride(0), 0, wmask.stride(1),
-        D=d, G=group_size, M_PAD=m_pad, BLOCK_N=block_n,
+        D=d, G=group_size, M_PAD=p.m_pad, BLOCK_N=p.block_n,
         HAS_MASK=False, HAS_OFF=qk_off is not None,
-        HAS_WIN=s_win > 0, HAS_WMASK=True, LOWP=int(qf.is_cuda),
-        DEFERRED=int(deferred), N_DEV=False,
+        HAS_WIN=p.split_window, HAS_WMASK=True, LOWP=int(qf.is_cuda),
+        DEFERRED=int(p.deferred), N_DEV=False,
         PAIR=int(_pairable(k, v, d, group_size)),
         ASM=int(qf.is_cuda),
-        num_warps=8 if (d > 128 or m_pad >= 64) else df.num_warps,
-        num_stages=2 if d > 128 else df.num_stages,
+        num_warps=p.split_warps, num_stages=p.split_stages,
         BT=block_table, HLEN=hist_len, WSLOT=win_slot, sbt=block_table.stride(0), PAGED=1, PAGE=page,
     )
-    cs = combine_shape(df, d, bh * m, s_hist, s_win, dev, few)
+    cs = p.combine
     out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
     _combine_kernel[(bh * m * cs.parts,)](
-        pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, s_hist, s_tot,
+        pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, p.s_hist, p.s_tot,
         D=d, S_BLOCK=cs.s_block, C_BLOCK=cs.c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=0,
-        HOIST=int(cs.hoist), SW_BLOCK=pow2_at_least(s_win, 1) if cs.hoist else 1, PARTS=cs.parts,
+        HOIST=int(cs.hoist), SW_BLOCK=p.sw_block, PARTS=cs.parts,
         READY=None, RESET=0, num_warps=cs.warps,
     )
     return out

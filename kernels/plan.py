@@ -9,6 +9,8 @@ imported on machines without Triton.
   ``dataclasses.replace(DEFAULTS, ...)``. The measured reason for each value is in ``docs/kernels.md``.
 * :func:`num_splits`: the split-K factor (the wave model), and the choices that follow from a call's shape:
   the Gluon kernel's long-split path (:func:`gluon_plan`), the combine kernel's launch (:func:`combine_shape`).
+* :func:`decode_plan` / :class:`DecodePlan`: all of them for one decode call (which kernels, grids, tiles, register
+  caps, PDL), from its shapes and flags; the launchers read only the plan.
 """
 from __future__ import annotations
 
@@ -250,6 +252,147 @@ def combine_shape(defaults: DecodeDefaults, d: int, rows: int, s_hist: int, s_wi
         c_block = min(c_block, d // parts)
     hoist = c_block < d <= 128 and s_win <= df.merge_hoist_win
     return CombineShape(s_block, c_block, warps, parts, hoist)
+
+
+# ---- the decode op's launch plan: every decision of one call, made once from shapes and flags (FlashInfer's plan();
+# the launchers in decode_triton.py and paged_decode.py then only allocate, launch and read the plan)
+
+
+def gluon_pays(defaults: DecodeDefaults, bh: int, n: int) -> bool:
+    """Whether the Gluon history kernel pays for its extra launch: from ``gluon_min_work`` (~0.5 M) history
+    token-heads per call, ``bh`` (row, KV head) pairs of ``n`` tokens (docs/kernels.md); below, the split kernel runs
+    everything."""
+    return bh * n >= defaults.gluon_min_work
+
+
+def fused_prologue(gluon: bool) -> bool:
+    """Whether the op from the unrotated query launches the rotation with the window programs (``_prologue_kernel``)
+    where it has both history and window: on the Gluon path, whose window programs leave the history's launch anyway
+    (tests force it on the split-kernel path, to run that launch under the interpreter)."""
+    return gluon
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """The launches of one decode call (:func:`decode_plan`). Per (row, KV head): ``s_hist`` history partials, then
+    ``s_win`` window partials, merged by the combine."""
+
+    gluon: bool  # the history on the Gluon kernel (decode_gluon); the split kernel then runs the window programs only
+    m_pad: int  # the split kernel's query rows per tile (a power of two >= M_PAD_MIN)
+    block_n: int  # history tokens per inner step (on the Gluon path: its step, 16 or 32)
+    deferred: bool  # the split kernel's deferred inner loop (else the dequant loop)
+    maxnreg: int | None  # the split kernel's ptxas register cap (None: none; never on the Gluon path)
+    gluon_maxnreg: int  # the Gluon kernel's register cap (0 off its path)
+    gluon_stages: int  # its cp.async pipeline stages (0 off its path)
+    k8: bool  # its int8 key MMAs (long splits)
+    s_hist: int  # history splits (programs) per (row, KV head)
+    split_len: int  # history tokens per split (0: static, the kernels derive the bounds from n_valid on the device)
+    s_win: int  # window programs per (row, KV head)
+    win_split: int  # window tokens per window program
+    s_tot: int  # partials per (row, KV head) the combine reads: s_hist + s_win, or 1 (an empty one) if both are 0
+    fused_prologue: bool  # the query rotation launched with the window programs (_prologue_kernel)
+    qpre: bool  # ... which also build the int8 key path's query operands
+    pdl: bool  # programmatic dependent launch: prologue -> history -> combine
+    ready: bool  # the history programs wait on counters the rotation programs raise (QFLAG), not the PDL wait
+    tb: int  # the prologue's token sets per Gluon step (TB; 2 where unused)
+    pid_off: int  # the split kernel's first program: s_hist on the Gluon path (window programs only), else 0
+    split_programs: int  # its programs per (row, KV head) (0: no launch)
+    split_window: bool  # its window programs run (HAS_WIN): not where the prologue ran them
+    split_warps: int
+    split_stages: int
+    win_stages: int  # the window programs' software pipeline (WIN_STAGES)
+    combine: CombineShape
+    sw_block: int  # the combine's tile of window partials where it hoists their loads (SW_BLOCK)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to attend to: no history and no window (the launcher writes one empty partial)."""
+        return self.s_hist + self.s_win == 0
+
+
+def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int, device: torch.device, *,
+                window: bool = True, static: bool = False, splits: int | None = None, rotate: bool = False,
+                gluon_step: int = 0, page: int = 0, defaults: DecodeDefaults = DEFAULTS) -> DecodePlan:
+    """The launch plan of one decode call: ``B = b`` rows, ``Hk = hk`` KV heads, ``M = m`` query rows of head_dim
+    ``d`` per KV head, an INT2 history of ``n`` tokens (its capacity where ``static``) in groups of ``group_size``,
+    ``w`` window tokens, on ``device`` (its SM count and compute capability). Host arithmetic only, no tensor.
+
+    window: the whole op (window programs, normalized output); False: the history's partials only.
+    static: the history length is read on the device (the static cache's ``n_valid``): the grid follows from the
+        capacity and ``splits`` (the cache's fixed split count; None: the wave model's), so a CUDA graph stays valid.
+    rotate: the op rotates the query itself (its first launch).
+    gluon_step: the Gluon kernel's tokens per step where it serves this call's tensors
+        (``decode_gluon.gluon_supported`` / ``tokens_per_step``), 0 where not.
+    page: entries per page of a paged history (the serving pool, ``paged_decode``), 0 for a contiguous one.
+    """
+    df = defaults
+    bh = b * hk
+    m_pad = pow2_at_least(m, M_PAD_MIN)
+    # the defaults were tuned for D = 128 and <= 16 query rows per KV head; other shapes take 64-token blocks (larger
+    # tiles would spill registers there)
+    block_n = df.block_n if (d == 128 and m_pad <= 16) else 64
+    if page >= 16 and page & (page - 1) == 0:  # pages of a power of two: a block in one page, one table load a block
+        block_n = min(block_n, page)
+    # the deferred loop: G >= D/4 (each plane inside one group) and at most 16 query rows per KV head (its
+    # elementwise [BLOCK_N, M_PAD] tiles would spill registers beyond); the dequant loop serves the rest
+    deferred = group_size >= d // 4 and m_pad <= 16
+    # the register cap was measured for the deferred loop's default tile over a contiguous history only; the static
+    # cache's variant (length read on the device) would spill 184 bytes under it (tests/kernels/test_compile_sm90.py)
+    maxnreg = df.maxnreg if (not static and not page and deferred and d == 128) else None
+    gluon = gluon_step > 0 and gluon_pays(df, bh, n)
+    if gluon:
+        # the Gluon kernel's step and residency; the static cache's `splits` (sized for the split kernel) are not
+        # used: its grid follows from the capacity alone, so it is just as fixed
+        gp = gluon_plan(df, gluon_step, n, bh, device)
+        block_n, maxnreg, splits = gp.block_n, None, None
+    few = few_rows(bh * m, device)  # combine programs (one per query row) fewer than SMs
+    if n == 0:
+        s_hist = 0
+    elif static and splits:  # the static cache's own `splits` serve as given
+        s_hist = splits
+    elif gluon:
+        s_hist = gp.splits
+    else:
+        s_hist = wave_splits(n, bh, device_sms(device), block_n, df.min_split, df.max_waves,
+                             resident_programs(df, maxnreg))
+    if window and few and not splits:  # the combine's tile of a row's splits full (splits_pow2_slack)
+        s_hist = pow2_below_within(s_hist, df.splits_pow2_slack)
+    if static:  # fixed grid, split bounds computed in the kernel from n_valid
+        split_len = 0
+    else:
+        split_len = cdiv(cdiv(max(n, 1), max(s_hist, 1)), block_n) * block_n
+        s_hist = cdiv(n, split_len) if n > 0 else 0  # drop splits that would be empty
+    win_split = df.win_split
+    # few window programs on the Gluon path: their own launch, after the history, is on the critical path
+    if window and gluon and bh * cdiv(w, df.gluon_win_split) <= 8 * device_sms(device):
+        win_split = df.gluon_win_split
+    s_win = cdiv(w, win_split) if window else 0
+    # programmatic dependent launch (sm_90+) on the Gluon path where the call launches the rotation itself, right
+    # before the history: the history loads its first steps, then waits for the rotation; each history program lets
+    # the combine launch after its loop (the combine waits for the history grid's completion before it reads)
+    pdl = bool(gluon and s_hist and rotate and device.type == "cuda" and cuda_major(device) >= 9)
+    fused = bool(rotate and s_hist and s_win and fused_prologue(gluon))
+    k8 = bool(gluon and s_hist and long_splits(df, n, s_hist))
+    # the int8 key path's query operands built once per (row, KV head) by the prologue's rotation programs, one per
+    # plane, not by every history program; and the history programs' wait for them on counters those programs raise
+    qpre = fused and k8
+    pid_off = s_hist if gluon else 0
+    combine = (combine_shape(df, d, bh * m, s_hist, s_win, device, few) if window
+               else CombineShape(merge_step(df, s_hist, s_win, few), min(d, 32), 4, 1, False))
+    return DecodePlan(
+        gluon=gluon, m_pad=m_pad, block_n=block_n, deferred=deferred, maxnreg=maxnreg,
+        gluon_maxnreg=gp.maxnreg if gluon else 0,
+        gluon_stages=(df.gluon_stages_long if k8 else df.gluon_stages) if gluon else 0, k8=k8,
+        s_hist=s_hist, split_len=split_len, s_win=s_win, win_split=win_split, s_tot=max(s_hist + s_win, 1),
+        fused_prologue=fused, qpre=qpre, pdl=pdl, ready=qpre and pdl, tb=gluon_step // 16 if qpre else 2,
+        pid_off=pid_off, split_programs=(s_hist if fused else s_hist + s_win) - pid_off,
+        split_window=s_win > 0 and not fused,
+        # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers (checked without
+        # spills by tests/kernels/test_compile_sm90.py)
+        split_warps=8 if (d > 128 or m_pad >= 64) else df.num_warps, split_stages=2 if d > 128 else df.num_stages,
+        win_stages=df.gluon_win_stages if pid_off else 1,
+        combine=combine, sw_block=pow2_at_least(s_win, 1) if combine.hoist else 1,
+    )
 
 
 # ---- the retrieval heads' read (kernels/heads_triton.py)

@@ -105,6 +105,13 @@ def _rotating_case(b, hk, m, n, w, d, g, seed, device="cpu"):
     return {"qf": qf, "r_k": r_k, "mu_k": mu_k, **args}
 
 
+def rotating_op(args, **kw):
+    """The launcher from the unrotated query, as ``decode_attention_rotating`` calls it on CUDA: ``args`` of
+    :func:`_rotating_case`, ``q_rot`` None (the op rotates ``qf``, also the window's query, itself)."""
+    rest = {k_: v_ for k_, v_ in args.items() if k_ != "qf"}
+    return _dt().decode_attention_triton(q_rot=None, qk_offset=None, q_win=args["qf"], **rest, **kw)
+
+
 def _rotating_reference(args, **kw):
     q_rot, qk_off = rotate_query_reference(args["qf"], args["r_k"], args["mu_k"])
     rest = {k_: v_ for k_, v_ in args.items() if k_ not in ("qf", "r_k", "mu_k")}

@@ -14,8 +14,9 @@ from kernel_utils import HAS_CUDA, rel_err, setup_interpreter
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from decode_cases import (_dt, _rotating_case, _rotating_reference, _window_case, assert_partials_close,  # noqa: E402
-                          make_case)
+                          make_case, rotating_op)
 from oscar_hf.kernels.int2_attention import decode_attention_reference, history_partial_reference  # noqa: E402
+from oscar_hf.kernels import plan  # noqa: E402
 from oscar_hf.kernels.plan import DEFAULTS  # noqa: E402
 from oscar_hf.quant import QuantizedRows, quantize_rows  # noqa: E402
 
@@ -170,20 +171,19 @@ def test_gpu_gluon_decode_op_rotating(gluon_calls, monkeypatch, fused, b, n, n_v
     """The op from the unrotated query on the Gluon path (what the model's attention calls): the rotation in its own
     launch or with the window programs (the default), left padding, dynamic and device-side lengths, against
     rotate-then-reference."""
-    monkeypatch.setattr(_dt(), "_fused_prologue", lambda gluon: bool(fused) and gluon)
+    monkeypatch.setattr(plan, "fused_prologue", lambda gluon: bool(fused) and gluon)
     args = _rotating_case(b, 8, 4, n, 320, 128, 64, seed=b + n, device="cuda")
     args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 9, 0, 1, 2, 3, 4, 5][:b], device="cuda")
     args["out_dtype"] = torch.bfloat16
     if n_valid is None:
         ref = _rotating_reference(args)
-        got = _dt().decode_attention_rotating_triton(**args, defaults=gluon_calls.defaults)
+        got = rotating_op(args, defaults=gluon_calls.defaults)
     else:
         cut = {k_: (type(args[k_])(*(t[:, :, :n_valid] for t in args[k_])) if k_ in ("k", "v") else args[k_])
                for k_ in args}
         ref = _rotating_reference(cut)
-        got = _dt().decode_attention_rotating_triton(**args, n_valid=torch.tensor(n_valid, device="cuda"), splits=3,
-                                                     defaults=gluon_calls.defaults)
+        got = rotating_op(args, n_valid=torch.tensor(n_valid, device="cuda"), splits=3, defaults=gluon_calls.defaults)
     assert gluon_calls.calls, "the Gluon kernel did not run"
     assert got.dtype == torch.bfloat16
     assert rel_err(got.float(), ref.float()) < 2e-2
@@ -209,8 +209,8 @@ def test_gpu_gluon_prologue_query_operands(monkeypatch, m):
     outs = {}
     df = replace(DEFAULTS, gluon_min_work=0, gluon_long_split=64)  # int8 keys everywhere
     for qpre in (1, 0):
-        monkeypatch.setattr(_dt(), "_fused_prologue", lambda gluon, q=qpre: gluon and bool(q))
-        outs[qpre] = _dt().decode_attention_rotating_triton(**args, defaults=df)
+        monkeypatch.setattr(plan, "fused_prologue", lambda gluon, q=qpre: gluon and bool(q))
+        outs[qpre] = rotating_op(args, defaults=df)
     assert seen == [True, False]
     # The prologue's sigma_g (from the query rows' largest norm, not the largest entry) makes the operands ~5x coarser
     # (q_rot to ~3e-4 instead of ~6e-5, relative; the bf16 query itself holds ~4e-3), and the bf16 rounding of the value
@@ -239,18 +239,18 @@ def test_gpu_gluon_qflag_counters(monkeypatch):
     df = replace(DEFAULTS, gluon_min_work=0, gluon_long_split=64)  # int8 keys with the prologue's operands
     real = dt._ready_counters
     monkeypatch.setattr(dt, "_ready_counters", lambda *a: None)  # the PDL wait
-    want = dt.decode_attention_rotating_triton(**args, defaults=df)
+    want = rotating_op(args, defaults=df)
     seen = []
     monkeypatch.setattr(dt, "_ready_counters", lambda *a: (seen.append(1), real(*a))[1])
     for _ in range(3):
-        assert torch.equal(dt.decode_attention_rotating_triton(**args, defaults=df), want)
+        assert torch.equal(rotating_op(args, defaults=df), want)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        got = dt.decode_attention_rotating_triton(**args, defaults=df)
+        got = rotating_op(args, defaults=df)
     torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(got, want)
-    assert torch.equal(dt.decode_attention_rotating_triton(**args, defaults=df), want)
+    assert torch.equal(rotating_op(args, defaults=df), want)
     assert len(seen) == 5
     counters = dt._READY[torch.device("cuda", torch.cuda.current_device())][0]
     torch.cuda.synchronize()
@@ -265,11 +265,11 @@ def test_gpu_gluon_qflag_counters(monkeypatch):
 
     monkeypatch.setattr(glu, "launch_history", broken)
     with pytest.raises(RuntimeError, match="no kernel"):
-        dt.decode_attention_rotating_triton(**args, defaults=df)
+        rotating_op(args, defaults=df)
     torch.cuda.synchronize()
     assert int(counters.abs().sum()) == 0
     monkeypatch.setattr(glu, "launch_history", real_hist)
-    assert torch.equal(dt.decode_attention_rotating_triton(**args, defaults=df), want)
+    assert torch.equal(rotating_op(args, defaults=df), want)
 
 
 @pytest.mark.gpu
@@ -281,7 +281,7 @@ def test_gpu_gluon_decode_op_rotating_in_graph(gluon_calls):
     args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 9, 0, 300], device="cuda")
     args["out_dtype"] = torch.bfloat16
-    op = lambda: _dt().decode_attention_rotating_triton(**args, defaults=gluon_calls.defaults)  # noqa: E731
+    op = lambda: rotating_op(args, defaults=gluon_calls.defaults)  # noqa: E731
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

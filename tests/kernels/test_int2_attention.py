@@ -15,10 +15,11 @@ from kernel_utils import rel_err, setup_interpreter
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from decode_cases import (_dt, _rotating_case, _rotating_reference, _window_case, assert_partials_close,  # noqa: E402
-                          make_case, normalized, plain_attention)
+                          make_case, normalized, plain_attention, rotating_op)
+from oscar_hf.kernels import plan  # noqa: E402
 from oscar_hf.kernels.int2_attention import (  # noqa: E402
-    decode_attention,
     decode_attention_reference,
+    decode_attention_rotating,
     history_partial,
     history_partial_reference,
     merge_partials,
@@ -79,17 +80,15 @@ SMALL = replace(DEFAULTS, min_split=64, block_n=64)
 def small_splits(monkeypatch):
     """The split kernel's module, with 16 SMs assumed on the CPU (4 otherwise): more splits per call for the wave model
     of the split count, so that the combine merges several of them."""
-    dt = _dt()
-    monkeypatch.setattr(dt, "device_sms", lambda device: 16)
-    return dt
+    monkeypatch.setattr(plan, "device_sms", lambda device: 16)
+    return _dt()
 
 
 def _force_combine(monkeypatch, **fields):
     """The decode op's combine launched with ``fields`` of its :class:`~oscar_hf.kernels.plan.CombineShape` forced
     (e.g. ``c_block``, ``hoist``: the GPU's choices for many or crowded rows, under the interpreter)."""
-    dt = _dt()
-    real = dt.combine_shape
-    monkeypatch.setattr(dt, "combine_shape", lambda *a, **kw: real(*a, **kw)._replace(**fields))
+    real = plan.combine_shape
+    monkeypatch.setattr(plan, "combine_shape", lambda *a, **kw: real(*a, **kw)._replace(**fields))
 
 
 @interp
@@ -355,13 +354,14 @@ def test_combine_output_parts(monkeypatch, hoist, cblock, parts, b, hk, m, n, w,
     split count rounded down to a power of two (``splits_pow2_slack``, here 0.5: always)."""
     dt = _dt()
     df = replace(SMALL, win_split=32, merge_out_parts=parts, splits_pow2_slack=0.5)
-    monkeypatch.setattr(dt, "few_rows", lambda rows, device: True)
-    real_shape = dt.combine_shape
-    monkeypatch.setattr(dt, "combine_shape", lambda *a: real_shape(*a)._replace(
+    monkeypatch.setattr(plan, "few_rows", lambda rows, device: True)
+    real_shape = plan.combine_shape
+    monkeypatch.setattr(plan, "combine_shape", lambda *a: real_shape(*a)._replace(
         hoist=bool(hoist), c_block=min(cblock or d, d // parts)))
     rounded = []
-    real_round = dt.pow2_below_within
-    monkeypatch.setattr(dt, "pow2_below_within", lambda s_, slack: rounded.append(real_round(s_, slack)) or rounded[-1])
+    real_round = plan.pow2_below_within
+    monkeypatch.setattr(plan, "pow2_below_within",
+                        lambda s_, slack: rounded.append(real_round(s_, slack)) or rounded[-1])
     grids = []
     real = dt._combine_kernel
     monkeypatch.setattr(dt, "_combine_kernel", type("K", (), {"__getitem__": lambda self, grid: (
@@ -404,7 +404,7 @@ def test_decode_attention_rotating(small_splits, monkeypatch, fused, b, hk, m, n
     programs (``_prologue_kernel``, which must then run whenever there are history and window) -- equals
     rotate-then-reference. B = 19: many rotation programs beside the window programs, and a per-sequence ``mu_K``
     (``key_offset="prefill"``)."""
-    monkeypatch.setattr(small_splits, "_fused_prologue", lambda gluon: bool(fused))
+    monkeypatch.setattr(plan, "fused_prologue", lambda gluon: bool(fused))
     args = _rotating_case(b, hk, m, n, w, d, g, seed=n + w)
     args["start"] = torch.tensor(([0, 17] * b)[:b])
     if b > 2:
@@ -413,39 +413,77 @@ def test_decode_attention_rotating(small_splits, monkeypatch, fused, b, hk, m, n
     real = small_splits._prologue_kernel
     monkeypatch.setattr(small_splits, "_prologue_kernel",
                         type("Spy", (), {"__getitem__": lambda self, grid: (launches.append(grid), real[grid])[1]})())
-    got = small_splits.decode_attention_rotating_triton(**args, defaults=SMALL)
+    got = rotating_op(args, defaults=SMALL)
     assert rel_err(got, _rotating_reference(args)) < 2e-5
     assert len(launches) == int(bool(fused and n and w)), launches
 
 
 @interp
 def test_static_op_traces_as_one_opaque_call(small_splits):
-    """The static cache's kernel call compiles as one custom op (aot_eager: fake shapes + real run)."""
+    """The static cache's call (a device-side ``n_valid``) compiles as the rotation's torch ops and one custom op
+    (aot_eager: fake shapes + real run)."""
     b, hk, m, n, w, d, g = 2, 2, 4, 300, 37, 64, 32
-    args, _ = _window_case(b, hk, m, n, w, d, g, seed=3)
+    args = _rotating_case(b, hk, m, n, w, d, g, seed=3)
     args["start"] = torch.tensor([0, 9])
     nv = torch.tensor(200)
 
     def f(nv):
-        return decode_attention(**args, n_valid=nv, splits=3, use_kernels=True)
+        return decode_attention_rotating(**args, n_valid=nv, splits=3, use_kernels=True)
 
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(nd.target for nd in gm.graph.nodes if nd.op == "call_function" and "oscar" in str(nd.target))
+        return gm.forward
+
+    torch._dynamo.reset()
+    got = torch.compile(f, backend=backend, fullgraph=True)(nv)
+    assert ops == [torch.ops.oscar.decode_attention_static.default], ops
     torch._dynamo.reset()
     got = torch.compile(f, backend="aot_eager", fullgraph=True)(nv)
     cut = {k: (type(args[k])(*(t[:, :, :200] for t in args[k])) if k in ("k", "v") else args[k]) for k in args}
-    assert rel_err(got.float(), decode_attention_reference(**cut).float()) < 2e-5
+    assert rel_err(got.float(), _rotating_reference(cut).float()) < 2e-5
+
+
+@interp
+@pytest.mark.parametrize("case", ["eager", "rows", "static", "unsupported"])
+def test_decode_attention_rotating_dispatch(monkeypatch, case):
+    """The caches' call goes straight to one entry: the launcher from the unrotated query (eager, <= 16 query rows a
+    KV head), the launcher from the torch rotation (17-64 rows), the static cache's op (``n_valid``), or the torch
+    reference (D = 32, which the kernels do not take); each equals the reference."""
+    m, d, g, nv = {"eager": (4, 64, 32, None), "rows": (20, 64, 32, None), "static": (4, 64, 32, 150),
+                   "unsupported": (4, 32, 16, None)}[case]
+    args = _rotating_case(2, 2, m, 200, 37, d, g, seed=m + d)
+    args["start"] = torch.tensor([0, 9])
+    dt = _dt()
+    calls = []
+    real = dt.decode_attention_triton
+    monkeypatch.setattr(dt, "decode_attention_triton", lambda q_rot, *a, **kw: (
+        calls.append("launch, rotating" if q_rot is None else "launch"), real(q_rot, *a, **kw))[1])
+    import oscar_hf.kernels.static_op as so
+
+    real_op = so.decode_attention_static
+    monkeypatch.setattr(so, "decode_attention_static", lambda *a: (calls.append("op"), real_op(*a))[1])
+    extra = {} if nv is None else {"n_valid": torch.tensor(nv), "splits": 3}
+    got = decode_attention_rotating(**args, **extra, use_kernels=True)
+    want = {"eager": ["launch, rotating"], "rows": ["launch"], "static": ["op", "launch"], "unsupported": []}[case]
+    assert calls == want
+    cut = args if nv is None else {k: (type(args[k])(*(t[:, :, :nv] for t in args[k])) if k in ("k", "v") else args[k])
+                                   for k in args}
+    assert rel_err(got, _rotating_reference(cut)) < 2e-5
 
 
 @interp
 def test_decode_attention_kernel_property(small_splits):
     """Hypothesis: the fused Triton op equals the reference over random shapes (GQA 1-8, any history and
-    window length, left padding of any row, head dims 32-128, 1-4 groups per row) and random values."""
+    window length, left padding of any row, head dims 64-128, 1-4 groups per row) and random values."""
     pytest.importorskip("hypothesis")  # (the GPU machine may lack it; this test runs under the interpreter)
     from hypothesis import assume, given, settings
     from hypothesis import strategies as st
 
     @settings(max_examples=12, deadline=None)
     @given(b=st.integers(1, 3), hk=st.integers(1, 2), m=st.integers(1, 8), n=st.integers(0, 200),
-           w=st.integers(0, 40), d=st.sampled_from([32, 64, 128]), groups=st.sampled_from([1, 2, 4]),
+           w=st.integers(0, 40), d=st.sampled_from([64, 128]), groups=st.sampled_from([1, 2, 4]),
            seed=st.integers(0, 2**16), pad=st.integers(0, 30))
     def prop(b, hk, m, n, w, d, groups, seed, pad):
         assume(n + w > 0)
@@ -455,10 +493,8 @@ def test_decode_attention_kernel_property(small_splits):
             args["win_mask"][..., -1] = True  # every row attends to at least its newest window token
         elif not w:
             args["start"].zero_()  # no window: every row keeps at least one history key
-        if small_splits.decode_supported(args["q_rot"], args["k"], args["group_size"], None, args["win_mask"], w):
-            got = small_splits.decode_attention_triton(**args, defaults=SMALL)
-        else:  # (D = 32: the dispatcher's reference)
-            got = decode_attention(**args, use_kernels=True)
+        assert small_splits.decode_supported(args["q_rot"], args["k"], args["group_size"], None, args["win_mask"], w)
+        got = small_splits.decode_attention_triton(**args, defaults=SMALL)
         ref = decode_attention_reference(**args)
         assert got.shape == (b, hk, m, d) and torch.isfinite(got).all()
         assert rel_err(got, ref) < 5e-5

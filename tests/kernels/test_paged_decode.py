@@ -18,6 +18,7 @@ from kernel_utils import HAS_CUDA, random_rotation, rel_err, setup_interpreter
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from oscar_hf.kernels import paged_decode as pd  # noqa: E402
+from oscar_hf.kernels import plan  # noqa: E402
 from oscar_hf.kernels.int2_attention import decode_attention_reference, rotate_query_reference  # noqa: E402
 from oscar_hf.kernels.plan import DEFAULTS, triton_importable  # noqa: E402
 from oscar_hf.kernels.write_path import rotate_quantize  # noqa: E402
@@ -138,7 +139,7 @@ def test_reference_rejects_bad_shapes():
 @pytest.fixture
 def many_sms(monkeypatch):
     """16 SMs assumed on the CPU (4 otherwise): more history splits per row for the wave model."""
-    monkeypatch.setattr(pd, "device_sms", lambda device: 16)
+    monkeypatch.setattr(plan, "device_sms", lambda device: 16)
 
 
 def _run_kernel(monkeypatch, args, device):

@@ -15,9 +15,9 @@ from test_write_path import check_against_reference  # noqa: E402
 
 from oscar_hf import OscarCache, OscarConfig  # noqa: E402
 from oscar_hf.compat import cache_kwargs  # noqa: E402
-from oscar_hf.kernels.int2_attention import (decode_attention, decode_attention_reference,  # noqa: E402
-                                             decode_attention_rotating, history_partial_reference,
-                                             rotate_query_reference)
+from oscar_hf.kernels import plan  # noqa: E402
+from oscar_hf.kernels.int2_attention import (decode_attention_reference, decode_attention_rotating,  # noqa: E402
+                                             history_partial_reference, rotate_query_reference)
 from oscar_hf.kernels.write_path import rotate_quantize, rotate_quantize_reference  # noqa: E402
 from oscar_hf.models import tiny_model  # noqa: E402
 
@@ -45,18 +45,17 @@ def _decode_args(b, hk, m, n, w, seed):
 @pytest.mark.parametrize("b,hk,m,n,w", [(1, 2, 4, 300, 320), (2, 1, 8, 130, 70), (1, 2, 1, 65, 0)])
 def test_decode_op_at_preset_shape(monkeypatch, b, hk, m, n, w):
     dt = _dt()
-    monkeypatch.setattr(dt, "device_sms", lambda device: 16)  # several splits per call on the CPU
+    monkeypatch.setattr(plan, "device_sms", lambda device: 16)  # several splits per call on the CPU
     args, (qf, r_k) = _decode_args(b, hk, m, n, w, seed=n + w)
     assert dt.decode_supported(args["q_rot"], args["k"], G, None, None, w)  # served by the kernels, not the reference
     ref = decode_attention_reference(**args)
     got = dt.decode_attention_triton(**args)
     assert got.shape == (b, hk, m, D) and rel_err(got, ref) < 2e-5
-    assert rel_err(decode_attention(**args, use_kernels=True), ref) < 2e-5  # the dispatcher
     # the history partial alone (the combine's input)
     part = dt.history_partial_triton(args["q_rot"], args["k"], args["v"], args["start"], None, None, D**-0.5, G)
     assert_partials_close(part, history_partial_reference(args["q_rot"], args["k"], args["v"], args["start"], None,
                                                           None, D**-0.5, G), 5e-5)
-    # from the unrotated query (the dynamic cache's call)
+    # from the unrotated query (the caches' call, through the dispatcher)
     rot = {k_: v_ for k_, v_ in args.items() if k_ not in ("q_rot", "qk_offset", "q_win")}
     got_r = decode_attention_rotating(qf, r_k, None, **rot, use_kernels=True)
     assert rel_err(got_r, ref) < 2e-5
