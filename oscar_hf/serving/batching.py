@@ -90,11 +90,48 @@ def _check_cb_config(cbc) -> None:
         raise NotImplementedError("the OSCAR paged reference does not run under CUDA graphs or torch.compile")
 
 
+def _check_processor(processor) -> None:
+    """The batch processor a manager built inside an OSCAR block must serve OSCAR's paged cache: if Transformers
+    built its cache some other way (its internals moved), stop here instead of serving plain BF16."""
+    if not isinstance(getattr(processor, "cache", None), OscarPagedCache):
+        raise RuntimeError(
+            "continuous batching built a cache that is not OSCAR's ("
+            f"{type(getattr(processor, 'cache', None)).__name__}) inside an OSCAR block: this Transformers version "
+            "builds its paged cache in a way oscar_hf does not follow, and would serve plain BF16")
+
+
+def _manager_patches() -> list[tuple[object, str, object]]:
+    """``[(owner, name, replacement)]`` on Transformers' manager for an OSCAR block: keep the model's attention as
+    OSCAR needs it (5.20+ managers switch an sdpa model to flash attention where it is available, which would leave
+    the store out of the path: OSCAR serves the attention itself), and check every batch processor it builds."""
+    manager = getattr(continuous_api, "ContinuousBatchingManager", None)
+    create = getattr(manager, "_create_batch_processor", None)
+    if create is None:
+        raise RuntimeError("transformers.generation.continuous_batching has no ContinuousBatchingManager."
+                           "_create_batch_processor: this Transformers version is outside oscar_hf's serving range")
+
+    def create_checked(self):
+        processor = create(self)
+        _check_processor(processor)
+        return processor
+
+    patches = [(manager, "_create_batch_processor", create_checked)]
+    switch = getattr(manager, "switch_to_cb_friendly_attn", None)
+    if switch is not None:
+        def keep_attention(self, model, auto_switch_to_flash: bool = True):
+            return switch(self, model, False)
+
+        patches.append((manager, "switch_to_cb_friendly_attn", keep_attention))
+    return patches
+
+
 @contextlib.contextmanager
 def oscar_continuous_batching(make_store, model=None):
     """Inside the block, every continuous-batching manager (``generate_batch``, ``init_continuous_batching``, a
     server's) builds OSCAR's paged cache, with the store ``make_store(config, device, dtype)`` returns, and routes the
-    attention of ``model`` (or, without one, of the config the cache receives) through OSCAR. Restored on exit."""
+    attention of ``model`` (or, without one, of the config the cache receives) through OSCAR; the managers keep that
+    attention (no switch to flash attention) and refuse, loudly, a batch processor whose cache is not OSCAR's.
+    Restored on exit."""
     original = continuous_api.PagedAttentionCache
     if getattr(original, "__name__", "") != "PagedAttentionCache" or original is OscarPagedCache:
         raise RuntimeError("continuous_api.PagedAttentionCache is already replaced (nested paged_oscar?)")
@@ -116,7 +153,11 @@ def oscar_continuous_batching(make_store, model=None):
         saved.extend(_switch(model if model is not None else arguments["config"]))  # after the manager accepted sdpa
         return cache
 
+    patches = _manager_patches()
+    originals = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in patches]  # None: inherited
     continuous_api.PagedAttentionCache = build
+    for owner, name, new in patches:
+        setattr(owner, name, new)
     update = getattr(continuous_api, "update_cb_config_after_cache_creation", None)
     if not SECTOR_API and update is not None:
         # 5.17 - 5.19 cap max_requests_per_batch at the cache's num_blocks, which OSCAR's cache keeps at 1 (the
@@ -130,6 +171,11 @@ def oscar_continuous_batching(make_store, model=None):
         yield stores
     finally:
         continuous_api.PagedAttentionCache = original
+        for owner, name, old in originals:
+            if old is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
         if update is not None:
             continuous_api.update_cb_config_after_cache_creation = update
         _restore(saved)

@@ -78,3 +78,45 @@ def test_paged_oscar_refuses_cuda_graphs(model):
     assert continuous_api.PagedAttentionCache is PagedAttentionCache
     # plain continuous batching still works (a small cache: the default sizes it from the free memory, slow on CPU)
     assert model.generate_batch([[1, 2, 3]], gen_cfg, continuous_batching_config=small, warmup=False)
+
+
+def test_flash_attention_available_keeps_oscar_in_the_path(model, monkeypatch):
+    """Where flash attention is installed (made to look so here), Transformers' manager switches an sdpa model to
+    it before any cache is built: inside an OSCAR block the model keeps OSCAR's attention, and the tokens are the
+    ones OSCAR gives without flash available."""
+    from transformers.generation.continuous_batching import continuous_api
+
+    if not hasattr(continuous_api.ContinuousBatchingManager, "switch_to_cb_friendly_attn"):
+        pytest.skip("this Transformers' manager never switches the attention")
+    prompts = [[5, 9, 33, 2, 71, 8, 100, 4, 19, 60, 3], [7, 7, 21, 90]]
+    gen_cfg = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def run():
+        cb_cfg = continuous_batching_config(num_blocks=64, max_batch_tokens=128, page_size=8)
+        with paged_oscar(model, **OSCAR):
+            out = model.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg, warmup=False)
+        return [r.generated_tokens for r in out.values()]
+
+    plain = run()
+    monkeypatch.setattr(continuous_api, "is_flash_attn_2_available", lambda *a, **k: True)
+    monkeypatch.setattr(continuous_api, "is_flash_attn_3_available", lambda *a, **k: False)
+    monkeypatch.setattr(type(model), "_supports_flash_attn", True, raising=False)
+    switched = []  # what the manager asks of the model (flash itself is not installed here)
+    monkeypatch.setattr(model, "set_attn_implementation", switched.append, raising=False)
+    manager = object.__new__(continuous_api.ContinuousBatchingManager)
+    manager.switch_to_cb_friendly_attn(model, True)  # outside an OSCAR block: the switch the block prevents
+    assert switched == ["flash_attention_2"]
+    switched.clear()
+    assert run() == plain
+    assert switched == [] and model.config._attn_implementation == "sdpa"
+
+
+def test_a_batch_processor_without_the_oscar_cache_is_refused():
+    """If Transformers built its paged cache another way inside an OSCAR block, serving stops instead of running
+    plain BF16."""
+    from types import SimpleNamespace
+
+    from oscar_hf.serving.batching import _check_processor
+
+    with pytest.raises(RuntimeError, match="not OSCAR's"):
+        _check_processor(SimpleNamespace(cache=object()))
