@@ -88,11 +88,16 @@ class WindowPool:
 @dataclasses.dataclass
 class RequestKV:
     """One live request: its window slot, its block table (history pages, shared by its layers) and the tokens each
-    quantized layer has stored (the layers of one forward advance one after the other)."""
+    quantized layer has stored (the layers of one forward advance one after the other). While its prompt arrives in
+    chunks, ``prompt[layer]`` keeps the chunks so far in full precision (``[1, Hk, T, D]`` keys and values), so that a
+    later chunk attends to them exactly, as a prompt sent in one piece does; ``prompt_more`` says whether the
+    scheduler has more of the prompt to send after this step (None: not known, kept until the first decode step)."""
 
     slot: int
     table: list[int]
     lengths: dict[int, int]
+    prompt: dict = dataclasses.field(default_factory=dict)
+    prompt_more: bool | None = None
 
     def length(self) -> int:
         return max(self.lengths.values(), default=0)
@@ -260,6 +265,13 @@ class OscarPagedStore:
             r = self.requests[request_id] = RequestKV(self.windows.allocate(), [], {})
         return r
 
+    def note_prompt(self, request_id: str, more: bool | None) -> None:
+        """The scheduler's word for this step: ``request_id``'s prompt has more chunks to come (True), ends with this
+        step's (False), or None (not known). Decides whether its chunks stay in full precision (:class:`RequestKV`)."""
+        r = self.requests.get(request_id)
+        if r is not None:
+            r.prompt_more = more
+
     def free(self, request_id: str) -> None:
         """The request leaves: its window slot and pages go back (shared pages when their last holder leaves)."""
         r = self.requests.pop(request_id, None)
@@ -325,7 +337,9 @@ class OscarPagedStore:
             plan = self._decode_plan(batch, decode)
             out[0, plan.pos] = self._decode(layer_idx, plan, query, new_k, new_v, scaling)
             for rid, t in plan.requests:
-                self.requests[rid].lengths[layer_idx] = t + 1
+                r = self.requests[rid]
+                r.lengths[layer_idx] = t + 1
+                r.prompt.clear()  # decoding: the prompt is complete, its full-precision chunks go
         return out
 
     # ------------------------------------------------------------------ decode rows, batched
@@ -440,9 +454,18 @@ class OscarPagedStore:
         s0, w, l = self.config.sink, self.config.recent, query.shape[2]
         li, p = self.layer_slot[layer_idx], self.params[layer_idx]
         win_k, win_v = self.windows.k[r.slot, li][None], self.windows.v[r.slot, li][None]  # [1, Hk, S0 + R, D] views
+        earlier = r.prompt.pop(li, None)  # [1, Hk, T, D] keys and values of the prompt's earlier chunks, if kept
+        exact = earlier is not None and earlier[0].shape[2] == t_old
         if t_old == 0:  # a new request: exactly the user's attention over its prompt
             out, _ = base_attention_function(module, base)(module, query, new_k, new_v, None, scaling=scaling,
                                                            dropout=0.0)
+        elif exact:  # a later chunk of a prompt: exactly, over every earlier chunk
+            k_all, v_all = torch.cat([earlier[0], new_k], 2), torch.cat([earlier[1], new_v], 2)
+            row = t_old + torch.arange(l, device=query.device)[:, None]  # [L, 1] each new row's slot
+            causal = torch.arange(t_old + l, device=query.device)[None, :] <= row  # [L, T + L]
+            mask = torch.zeros(causal.shape, dtype=query.dtype, device=query.device).masked_fill(~causal, float("-inf"))
+            out, _ = base_attention_function(module, base)(module, query, k_all, v_all, mask[None, None],
+                                                           scaling=scaling, dropout=0.0)
         else:  # the history, the sink and the ring's slots [max(S0, T - W), T), then the new rows (causal)
             demote_pending(win_k, win_v, self._history(r, li, t_old - w), p, self.config, t_old)
             dev = query.device
@@ -455,6 +478,8 @@ class OscarPagedStore:
         # no padding: the request's sink is its slots [0, S0)
         commit(win_k, win_v, 0, self._history(r, li, t_old + l - w), p, self.config, t_old, new_k, new_v)
         r.lengths[layer_idx] = t_old + l
+        if r.prompt_more is not False and (t_old == 0 or exact):  # more of the prompt may come: it stays exact
+            r.prompt[li] = (k_all, v_all) if exact else (new_k.contiguous(), new_v.contiguous())
         return out
 
     def _history(self, r: RequestKV, li: int, end: int) -> PagedHistory:
@@ -466,11 +491,14 @@ class OscarPagedStore:
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, int]:
         """Live requests, pages held and free, the bytes of the pages held (``history_bytes``: INT2 and coded rows;
-        ``full_precision_heads_bytes``: the retrieval heads' share of them) and of the window pool."""
+        ``full_precision_heads_bytes``: the retrieval heads' share of them), of the window pool, and of the prompts
+        arriving in chunks (``prompt_bytes``: their chunks so far, in full precision until the prompt is complete)."""
         pool = self.pool
+        prompt = sum(x.numel() * x.element_size() for r in self.requests.values() for kv in r.prompt.values()
+                     for x in kv)
         pages = pool.num_used if pool is not None else 0
         return dict(requests=len(self.requests), pages_used=pages, pages_free=pool.num_free if pool is not None else 0,
                     history_bytes=pages * pool.bytes_per_page if pool is not None else 0,
                     full_precision_heads_bytes=pages * pool.coded_bytes_per_page if pool is not None else 0,
                     window_slots_used=self.windows.num_slots - self.windows.num_free,
-                    window_bytes=self.windows.nbytes)
+                    window_bytes=self.windows.nbytes, prompt_bytes=prompt)

@@ -120,3 +120,39 @@ def test_a_batch_processor_without_the_oscar_cache_is_refused():
 
     with pytest.raises(RuntimeError, match="not OSCAR's"):
         _check_processor(SimpleNamespace(cache=object()))
+
+
+@pytest.mark.parametrize("max_batch_tokens", [24, 7])
+def test_tokens_do_not_depend_on_how_prompts_are_chunked(model, max_batch_tokens):
+    """A prompt the scheduler splits over several steps (its later chunks beside other requests' prompts and decode
+    steps) gets the tokens of the same prompt prefilled in one piece: later chunks attend exactly to the earlier
+    ones (kept in full precision until the prompt is complete), not to their INT2 history."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (45, 70, 52, 61)]
+    gen_cfg = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def run(tokens):
+        cb_cfg = continuous_batching_config(num_blocks=128, max_batch_tokens=tokens, page_size=8)
+        chunks, held = [], [0]  # later chunks seen; the most bytes of prompt chunks held in full precision
+
+        def attend(layer, q, k, v, batch, *a):
+            chunks.extend(b for b in batch if b[1] > 0 and b[2] > 1)
+            out = plain_attend(layer, q, k, v, batch, *a)
+            held[0] = max(held[0], store.stats()["prompt_bytes"])
+            return out
+
+        with paged_oscar(model, **OSCAR) as store:
+            plain_attend, store.attend = store.attend, attend
+            out = model.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg, warmup=False)
+            assert store.stats()["prompt_bytes"] == 0 and not store.requests
+        return {k: r.generated_tokens for k, r in out.items()}, chunks, held[0]
+
+    from oscar_hf.serving.batching import SECTOR_API
+
+    whole, chunks, held = run(4096)
+    assert not chunks
+    if SECTOR_API:  # the scheduler says when a prompt is complete: one-piece prompts are never held
+        assert held == 0
+    split, chunks, held_split = run(max_batch_tokens)
+    assert chunks and held_split > 0  # prompts were split, and their chunks held until complete
+    assert split == whole

@@ -183,8 +183,8 @@ def test_memory_budget_sizes_the_pool():
 @pytest.mark.parametrize("kw", [{}, *HEADS])
 def test_prompt_in_chunks_stores_what_one_piece_stores(kw):
     """A prompt that arrives in chunks (Transformers' scheduler splits one across steps) leaves the same pages (INT2
-    and the retrieval heads' coded rows) and window as the prompt in one piece; the later chunks, read over the
-    history, stay near exact attention."""
+    and the retrieval heads' coded rows) and window as the prompt in one piece, and its later chunks attend exactly to
+    the earlier ones, as the prompt in one piece does (they are held in full precision until the request decodes)."""
     module = FakeAttention()
     cfg = make_store()[0]
     hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -207,7 +207,9 @@ def test_prompt_in_chunks_stores_what_one_piece_stores(kw):
         for ta, tb in zip(parts(whole), parts(chunked)):
             assert torch.equal(ta[pa], tb[pb])
     assert torch.equal(whole.windows.k[ra.slot, 0], chunked.windows.k[rb.slot, 0])
-    got = torch.cat(outs, 1)
-    torch.testing.assert_close(got[:, :26], exact[:, :26], rtol=1e-4, atol=1e-5)  # no history read yet: exact
-    err = (got[:, 26:] - exact[:, 26:]).norm() / exact[:, 26:].norm()
-    assert 0 < err < 0.5, err  # the history is INT2: close, not equal
+    torch.testing.assert_close(torch.cat(outs, 1), exact, rtol=1e-4, atol=1e-5)
+    assert chunked.stats()["prompt_bytes"] == 2 * hk * t * d * 4 and whole.stats()["prompt_bytes"] > 0
+    step = [("a", t, 1)]  # the first decode step: the prompt is complete, its full-precision chunks go
+    for st in (whole, chunked):
+        st.attend(0, q[:, :, :1], k[:, :, :1], v[:, :, :1], step, d**-0.5, module, "sdpa")
+        assert st.stats()["prompt_bytes"] == 0
