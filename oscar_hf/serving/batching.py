@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import os
 
 import torch
+import transformers
 
 from transformers import AttentionInterface
 from transformers.generation.continuous_batching import continuous_api
@@ -24,6 +26,26 @@ from transformers.generation.continuous_batching import continuous_api
 from ..attention import PREFIX
 from ..patching import split_name
 from .store import OscarPagedStore
+
+# The Transformers releases whose continuous-batching internals this integration follows (tests/serving/
+# test_transformers_internals.py pins each one it touches): 5.17 - 5.19 (block managers) and 5.20 - 5.24 (sectors).
+# Outside them it refuses at import, so that a new release fails a test here instead of serving wrongly;
+# OSCAR_SERVING_ANY_TRANSFORMERS=1 lifts the check (at your own risk: the tests above say what it relies on).
+SERVING_TRANSFORMERS = ("5.17", "5.25")  # [first, first not covered)
+
+
+def check_transformers_version(version: str) -> None:
+    """Raise ImportError when ``version`` is outside :data:`SERVING_TRANSFORMERS` (unless lifted, see above)."""
+    from packaging.version import Version
+
+    lo, hi = SERVING_TRANSFORMERS
+    if not Version(lo) <= Version(Version(version).base_version) < Version(hi):
+        if os.environ.get("OSCAR_SERVING_ANY_TRANSFORMERS") != "1":
+            raise ImportError(f"oscar_hf.serving follows the continuous-batching internals of Transformers >={lo},<{hi}; "
+                              f"this is {version}. Set OSCAR_SERVING_ANY_TRANSFORMERS=1 to try it anyway")
+
+
+check_transformers_version(transformers.__version__)
 
 # Transformers 5.20+ allocates its paged cache in sectors (continuous_batching/cache_allocators) and its models call
 # cache.update(..., kwargs); before, block managers (cache_manager) and the `paged|*` functions call the cache.

@@ -1,0 +1,92 @@
+"""Every Transformers internal the serving integration touches, pinned: a release that renames or reshapes one fails
+here, not in a user's server. Each method OSCAR's classes override must exist in their Transformers base with the
+same parameters; each module global and attribute the integration swaps or reads must exist. Run on the installed
+Transformers (CI: the newest 5.x; the GPU machine: 5.17)."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import transformers
+from transformers.generation.continuous_batching import continuous_api
+
+from oscar_hf.serving import batching
+from oscar_hf.serving.batching import SECTOR_API, OscarPagedCache
+
+
+def params(fn) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def overridden(cls) -> list[tuple[str, type]]:
+    """``(name, base)`` of each method ``cls`` defines that a Transformers base also defines."""
+    out = []
+    for name, value in vars(cls).items():
+        if not callable(value) and not isinstance(value, (classmethod, property)) or name.startswith("__"):
+            continue
+        for base in cls.__mro__[1:]:
+            if base.__module__.startswith("transformers") and name in vars(base):
+                out.append((name, base))
+                break
+    return out
+
+
+def our_classes() -> list[type]:
+    classes = [OscarPagedCache]
+    if SECTOR_API:
+        from oscar_hf.serving.paged_cache import OscarCacheAllocator, OscarMemoryHandler
+
+        classes += [OscarCacheAllocator, OscarMemoryHandler]
+    return classes
+
+
+@pytest.mark.parametrize("cls", our_classes(), ids=lambda c: c.__name__)
+def test_overridden_methods_keep_their_transformers_signature(cls):
+    pairs = overridden(cls)
+    assert pairs, f"{cls.__name__} overrides nothing of Transformers?"
+    for name, base in pairs:
+        ours, theirs = vars(cls)[name], vars(base)[name]
+        if isinstance(ours, property):
+            assert isinstance(theirs, property), name
+            continue
+        ours, theirs = getattr(ours, "__func__", ours), getattr(theirs, "__func__", theirs)
+        if params(ours) == ["self", "args", "kwargs"]:  # a refusal of that method: any signature will do
+            continue
+        assert params(ours) == params(theirs), f"{base.__name__}.{name}{inspect.signature(theirs)} changed"
+
+
+def test_module_globals_and_methods_the_integration_swaps():
+    assert continuous_api.PagedAttentionCache.__name__ == "PagedAttentionCache"
+    init = params(continuous_api.PagedAttentionCache.__init__)
+    assert {"config", "continuous_batching_config", "device", "dtype"} <= set(init)
+    manager = continuous_api.ContinuousBatchingManager
+    assert params(manager._create_batch_processor) == ["self"]
+    if SECTOR_API:
+        assert params(manager.switch_to_cb_friendly_attn) == ["self", "model", "auto_switch_to_flash"]
+        assert hasattr(transformers.ContinuousBatchingConfig(), "auto_switch_to_flash")
+    else:
+        assert params(continuous_api.update_cb_config_after_cache_creation)[:2] == ["cb_config", "num_blocks"]
+    # what _check_processor reads of the batch processor
+    assert "cache" in params(continuous_api.ContinuousBatchProcessor.__init__)
+
+
+def test_request_state_and_config_fields_read():
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    fields = {f.name for f in dataclasses.fields(RequestState)}
+    assert "request_id" in fields
+    if SECTOR_API:  # the store learns from it whether a prompt's chunks go on (serving/paged_cache.py)
+        assert "remaining_prefill_tokens" in fields
+    config = transformers.LlamaConfig()
+    assert hasattr(config, "_attn_implementation_internal")  # set directly by serving/batching.py
+
+
+def test_the_declared_range_is_checked(monkeypatch):
+    batching.check_transformers_version(transformers.__version__)  # the installed one is inside it
+    with pytest.raises(ImportError, match="OSCAR_SERVING_ANY_TRANSFORMERS"):
+        batching.check_transformers_version("5.25.0")
+    with pytest.raises(ImportError):
+        batching.check_transformers_version("5.16.2")
+    monkeypatch.setenv("OSCAR_SERVING_ANY_TRANSFORMERS", "1")
+    batching.check_transformers_version("6.0.0")
