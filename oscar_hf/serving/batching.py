@@ -122,10 +122,11 @@ def _check_processor(processor) -> None:
             "builds its paged cache in a way oscar_hf does not follow, and would serve plain BF16")
 
 
-def _manager_patches() -> list[tuple[object, str, object]]:
-    """``[(owner, name, replacement)]`` on Transformers' manager for an OSCAR block: keep the model's attention as
-    OSCAR needs it (5.20+ managers switch an sdpa model to flash attention where it is available, which would leave
-    the store out of the path: OSCAR serves the attention itself), and check every batch processor it builds."""
+def _manager_patches(serves) -> list[tuple[object, str, object]]:
+    """``[(owner, name, replacement)]`` on Transformers' manager for an OSCAR block: for the managers of a model
+    ``serves(model)`` accepts, keep the attention as OSCAR needs it (5.20+ managers switch an sdpa model to flash
+    attention where it is available, which would leave the store out of the path: OSCAR serves the attention itself)
+    and check every batch processor they build; other managers are left as Transformers makes them."""
     manager = getattr(continuous_api, "ContinuousBatchingManager", None)
     create = getattr(manager, "_create_batch_processor", None)
     if create is None:
@@ -134,14 +135,15 @@ def _manager_patches() -> list[tuple[object, str, object]]:
 
     def create_checked(self):
         processor = create(self)
-        _check_processor(processor)
+        if serves(self.model):
+            _check_processor(processor)
         return processor
 
     patches = [(manager, "_create_batch_processor", create_checked)]
     switch = getattr(manager, "switch_to_cb_friendly_attn", None)
     if switch is not None:
         def keep_attention(self, model, auto_switch_to_flash: bool = True):
-            return switch(self, model, False)
+            return switch(self, model, auto_switch_to_flash and not serves(model))
 
         patches.append((manager, "switch_to_cb_friendly_attn", keep_attention))
     return patches
@@ -165,8 +167,17 @@ def oscar_continuous_batching(make_store, model=None):
     for c, name in entry:
         c._attn_implementation_internal = split_name(name)[1]
 
+    # with a model, only its managers get OSCAR (a plain generate_batch of another model, in another thread, stays
+    # BF16); without one (a server loading its models), every manager of the block does
+    ours = None if model is None else {id(c) for c in _attention_configs(model)} | {id(model.config.get_text_config())}
+
+    def serves(m) -> bool:
+        return ours is None or id(m.config) in ours
+
     def build(*args, **kwargs):
         arguments = signature.bind(None, *args, **kwargs).arguments
+        if ours is not None and id(arguments["config"]) not in ours:
+            return original(*args, **kwargs)
         _check_cb_config(arguments.get("continuous_batching_config"))
         dtype = arguments.get("dtype", signature.parameters["dtype"].default)
         store = make_store(arguments["config"], arguments["device"], dtype)
@@ -175,7 +186,7 @@ def oscar_continuous_batching(make_store, model=None):
         saved.extend(_switch(model if model is not None else arguments["config"]))  # after the manager accepted sdpa
         return cache
 
-    patches = _manager_patches()
+    patches = _manager_patches(serves)
     originals = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in patches]  # None: inherited
     continuous_api.PagedAttentionCache = build
     for owner, name, new in patches:

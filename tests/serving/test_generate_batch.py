@@ -156,3 +156,24 @@ def test_tokens_do_not_depend_on_how_prompts_are_chunked(model, max_batch_tokens
     split, chunks, held_split = run(max_batch_tokens)
     assert chunks and held_split > 0  # prompts were split, and their chunks held until complete
     assert split == whole
+
+
+def test_another_model_inside_the_block_stays_bf16(model):
+    """Inside ``paged_oscar(model)`` a manager of another model (a plain ``generate_batch``, e.g. in another thread)
+    gets Transformers' own cache and attention: the block's patches serve only its model's managers."""
+    other = tiny_model("llama", seed=3)
+    prompts = [[5, 9, 33, 2, 71, 8, 100, 4, 19, 60, 3, 44, 12, 90, 17, 23, 61], [7, 7, 21, 90]]
+    gen_cfg = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb_cfg = lambda: continuous_batching_config(num_blocks=64, max_batch_tokens=128, page_size=8)  # noqa: E731
+
+    def tokens(out):
+        return [r.generated_tokens for r in out.values()]
+
+    plain = tokens(other.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg(), warmup=False))
+    with paged_oscar(model, **OSCAR) as store:
+        inside = tokens(other.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg(), warmup=False))
+        assert store.pool is None or store.pool.peak_used == 0  # the block's store saw none of it
+        ours = tokens(model.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg(), warmup=False))
+    assert inside == plain
+    assert ours == [greedy_alone(model, p, OscarCache(model, method="hadamard", compile=False, **OSCAR))[:10]
+                    for p in prompts]
