@@ -6,9 +6,13 @@ Their script writes, with ``torch.save``, one file for keys and one for values (
     {"format_version": 1, "objective": str, "source_grouping": "layer",
      "layers": {i: {"layer_id": i, "rotation": float32 [head_dim, head_dim], "eigenvalues": ...}}}
 
-one matrix per layer, shared by all of its KV heads. Their convention is ours: a token is a row and
-the cache stores ``k @ R_K`` / ``v @ R_V`` with ``R = U · H · P_br`` (``U``: eigenvectors as columns,
-descending), so a matrix is used as it is, never transposed.
+one matrix per layer, shared by all of its KV heads. Their newer files are ``format_version`` 2 with
+``"source_grouping": "per_kv_head"``: a layer's ``rotation`` is ``[num_kv_heads, head_dim, head_dim]`` (one per KV
+head; a v1 ``[head_dim, head_dim]`` still loads), optionally with ``k_mean`` (``[head_dim]`` or ``[num_kv_heads,
+head_dim]``: the keys' mean, subtracted before the rotation, as our artifact's ``mu_k``) and ``q_rotation`` /
+``o_rotation`` (for folding the rotations into the weights, which the cache does not do: read, not used). Their
+convention is ours: a token is a row and the cache stores ``(k - k_mean) @ R_K`` / ``v @ R_V`` with ``R = U · H ·
+P_br`` (``U``: eigenvectors as columns, descending), so a matrix is used as it is, never transposed.
 
 The files are pickles: they are read with ``torch.load(weights_only=True)`` only, which rebuilds
 tensors and plain containers and refuses any other object (no code from the file ever runs).
@@ -26,25 +30,32 @@ import torch
 
 from .config import FULL_LAYER_TYPES, ModelFingerprint
 
-REFERENCE_FORMAT_VERSION = 1
-REFERENCE_GROUPING = "layer"  # one rotation per layer, shared by its KV heads
+# format_version -> its source_grouping: one rotation per layer shared by its KV heads (1), one per KV head (2)
+REFERENCE_GROUPINGS = {1: "layer", 2: "per_kv_head"}
+UNUSED_FIELDS = ("q_rotation", "o_rotation")  # weight-folding rotations of format 2: read, not used by the cache
 
 
 @dataclasses.dataclass
 class ReferenceFile:
-    """One validated rotation file: ``rotations[i]`` float32 ``[D, D]`` per layer ``i`` of the file."""
+    """One validated rotation file: ``rotations[i]`` float32 ``[Hk, D, D]`` per layer ``i`` of the file (a layer's
+    shared matrix repeated over its KV heads), ``k_means[i]`` float32 ``[Hk, D]`` where the file has one."""
 
     path: Path
+    format_version: int
     objective: str
     rotations: dict[int, torch.Tensor]
+    k_means: dict[int, torch.Tensor]
+    shared: bool  # every layer's matrix shared by its heads (a [D, D] rotation)
+    unused: list[str]  # the fields of UNUSED_FIELDS the file has
 
 
 @dataclasses.dataclass
 class ReferencePair:
     """Key and value rotations of the model's quantized (full-attention) layers, and where they came from."""
 
-    r_k: dict[int, torch.Tensor]  # layer -> [D, D] float32
-    r_v: dict[int, torch.Tensor]  # layer -> [D, D] float32
+    r_k: dict[int, torch.Tensor]  # layer -> [Hk, D, D] float32
+    r_v: dict[int, torch.Tensor]  # layer -> [Hk, D, D] float32
+    mu_k: dict[int, torch.Tensor]  # layer -> [Hk, D] float32 (the key file's k_mean), only where it has one
     metadata: dict[str, Any]
 
 
@@ -97,26 +108,49 @@ def _safe_load(path: Path) -> Any:
         raise ValueError(f"{path}: not a readable torch.save rotation file ({type(e).__name__}: {str(e)[:300]})") from None
 
 
-def read_reference_file(path: str | os.PathLike, head_dim: int, tol: float) -> ReferenceFile:
-    """Load and check one file: its header, and every layer's matrix (float ``[head_dim, head_dim]``,
-    finite, orthogonal within ``tol``). Raises ValueError naming the file and the culprit."""
-    path = Path(path)
+def _per_head(path: Path, what: str, x, shapes: dict[tuple, str], hk: int) -> torch.Tensor:
+    """A float tensor of one of ``shapes`` (``{shape: name}``, the first the layer's shared one, repeated over the
+    ``hk`` heads; the others with a leading ``hk``), finite, as float32 with the leading ``hk``."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"{path}: {what}: expected a float tensor, got {getattr(x, 'dtype', type(x))}")
+    if tuple(x.shape) not in shapes:
+        raise ValueError(f"{path}: {what}: shape {tuple(x.shape)} does not match the model's "
+                         + " or ".join(f"{tuple(s)} ({n})" for s, n in shapes.items()))
+    x = x.detach().to(torch.float32)
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{path}: {what}: contains NaN or Inf")
+    shared = x.dim() == len(next(iter(shapes)))
+    return (x.expand(hk, *x.shape) if shared else x).contiguous()
+
+
+def read_reference_file(path: str | os.PathLike, head_dim: int, tol: float, num_kv_heads: int = 1) -> ReferenceFile:
+    """Load and check one file: its header, and every layer's rotation (float ``[head_dim, head_dim]``, or at format
+    2 ``[num_kv_heads, head_dim, head_dim]``; finite, orthogonal within ``tol``) and ``k_mean``. Raises ValueError
+    naming the file and the culprit."""
+    path, d, hk = Path(path), head_dim, num_kv_heads
     doc = _safe_load(path)
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected a dict with 'format_version' and 'layers', got {type(doc).__name__}")
-    if doc.get("format_version") != REFERENCE_FORMAT_VERSION:
-        raise ValueError(f"{path}: unsupported format_version {doc.get('format_version')!r} "
-                         f"(reference rotation files of format_version {REFERENCE_FORMAT_VERSION} are supported)")
-    if doc.get("source_grouping") != REFERENCE_GROUPING:
-        raise ValueError(f"{path}: unsupported source_grouping {doc.get('source_grouping')!r} "
-                         f"(supported: {REFERENCE_GROUPING!r}, one rotation per layer shared by its KV heads)")
+    version = doc.get("format_version")
+    if version not in REFERENCE_GROUPINGS:
+        raise ValueError(f"{path}: unsupported format_version {version!r} "
+                         f"(reference rotation files of format_version {sorted(REFERENCE_GROUPINGS)} are supported)")
+    grouping = doc.get("source_grouping")
+    if grouping != REFERENCE_GROUPINGS[version]:
+        raise ValueError(f"{path}: unsupported source_grouping {grouping!r} for format_version {version} "
+                         f"(expected {REFERENCE_GROUPINGS[version]!r})")
     objective = doc.get("objective", "")
     if not isinstance(objective, str):
         raise ValueError(f"{path}: 'objective' must be a string, got {type(objective).__name__}")
     layers = doc.get("layers")
     if not isinstance(layers, dict) or not layers:
         raise ValueError(f"{path}: 'layers' must be a non-empty dict {{layer: {{'rotation': tensor}}}}")
-    out: dict[int, torch.Tensor] = {}
+    rot_shapes = {(d, d): "one rotation for the layer"}
+    mean_shapes = {(d,): "one mean for the layer"}
+    if version == 2:
+        rot_shapes[(hk, d, d)] = f"one per KV head, num_kv_heads={hk}"
+        mean_shapes[(hk, d)] = f"one per KV head, num_kv_heads={hk}"
+    out, means, shared, unused = {}, {}, True, set()
     for key, entry in layers.items():
         try:
             i = int(key)
@@ -128,20 +162,18 @@ def read_reference_file(path: str | os.PathLike, head_dim: int, tol: float) -> R
             raise ValueError(f"{path}: layer {i}: expected a dict with a 'rotation' tensor")
         if "layer_id" in entry and entry["layer_id"] != i:
             raise ValueError(f"{path}: layer {i} has layer_id={entry['layer_id']!r}")
-        r = entry["rotation"]
-        if not isinstance(r, torch.Tensor) or not r.is_floating_point():
-            raise ValueError(f"{path}: layer {i} rotation: expected a float tensor, got {getattr(r, 'dtype', type(r))}")
-        if tuple(r.shape) != (head_dim, head_dim):
-            raise ValueError(f"{path}: layer {i} rotation: shape {tuple(r.shape)} does not match the model's "
-                             f"head_dim={head_dim} (expected ({head_dim}, {head_dim}))")
-        r = r.detach().to(torch.float32).contiguous()
-        if not torch.isfinite(r).all():
-            raise ValueError(f"{path}: layer {i} rotation: contains NaN or Inf")
-        err = (r.T @ r - torch.eye(head_dim)).abs().amax().item()
+        shared &= entry["rotation"].dim() == 2 if isinstance(entry["rotation"], torch.Tensor) else True
+        r = _per_head(path, f"layer {i} rotation", entry["rotation"], rot_shapes, hk)  # [Hk, D, D]
+        err = (r.transpose(-1, -2) @ r - torch.eye(d)).abs().amax().item()
         if err > tol:
             raise ValueError(f"{path}: layer {i} rotation: not orthogonal (max |RᵀR - I| = {err:.3g} > {tol:g})")
         out[i] = r
-    return ReferenceFile(path, objective, out)
+        if entry.get("k_mean") is not None:
+            if version < 2:
+                raise ValueError(f"{path}: layer {i}: 'k_mean' is a format_version 2 field")
+            means[i] = _per_head(path, f"layer {i} k_mean", entry["k_mean"], mean_shapes, hk)  # [Hk, D]
+        unused.update(f for f in UNUSED_FIELDS if entry.get(f) is not None)
+    return ReferenceFile(path, version, objective, out, means, shared, sorted(unused))
 
 
 def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp: ModelFingerprint,
@@ -149,8 +181,10 @@ def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp
     """Both files, checked against the model ``fp`` and each other: no layer beyond the model, every
     full-attention layer present in both, the same layers in both. Sliding / chunked layers (kept in full
     precision by the cache) may be absent; their matrices, when present, are checked and dropped."""
-    k = read_reference_file(k_file, fp.head_dim, tol)
-    v = read_reference_file(v_file, fp.head_dim, tol)
+    k = read_reference_file(k_file, fp.head_dim, tol, fp.num_key_value_heads)
+    v = read_reference_file(v_file, fp.head_dim, tol, fp.num_key_value_heads)
+    if v.k_means:
+        raise ValueError(f"{v.path}: a value rotation file with k_mean (key centering belongs to the key file)")
     full = [i for i, t in enumerate(fp.layer_types) if t in FULL_LAYER_TYPES]
     for f in (k, v):
         extra = sorted(i for i in f.rotations if not 0 <= i < fp.num_layers)
@@ -168,8 +202,11 @@ def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp
     metadata = {
         "source": {
             "format": "FutureMLS-Lab/OSCAR rotation files (rotation/compute_kv_rotation.py)",
-            "format_version": REFERENCE_FORMAT_VERSION,
-            "source_grouping": REFERENCE_GROUPING,
+            "format_version": max(k.format_version, v.format_version),
+            "source_grouping": REFERENCE_GROUPINGS[max(k.format_version, v.format_version)],
+            "shared_across_heads": k.shared and v.shared,
+            "key_centering": bool(k.k_means),
+            "unused_fields": sorted(set(k.unused) | set(v.unused)),
             "k_file": k.path.name,
             "v_file": v.path.name,
             "k_objective": k.objective,
@@ -177,5 +214,9 @@ def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp
             "layers_in_files": len(k.rotations),
         }
     }
-    return ReferencePair({i: k.rotations[i] for i in full}, {i: v.rotations[i] for i in full}, metadata)
+    if k.k_means and any(i not in k.k_means for i in full):
+        raise ValueError(f"{k.path}: k_mean for some full-attention layers but not for "
+                         f"{[i for i in full if i not in k.k_means]}")
+    return ReferencePair({i: k.rotations[i] for i in full}, {i: v.rotations[i] for i in full},
+                         {i: k.k_means[i] for i in full if i in k.k_means}, metadata)
 

@@ -105,11 +105,11 @@ class OscarRotations:
         token: str | bool | None = None,
     ) -> "OscarRotations":
         """Convert the authors' rotation files (FutureMLS-Lab/OSCAR ``compute_kv_rotation.py``: one
-        ``torch.save`` file for keys, one for values, one ``[head_dim, head_dim]`` matrix per layer) for
-        ``model_or_config``. ``k_path`` / ``v_path``: local files, or file names in the Hub repo
+        ``torch.save`` file for keys, one for values; format 1: one ``[head_dim, head_dim]`` matrix per layer, format
+        2: one per KV head and an optional key mean, ``k_mean``, kept as the key offset) for ``model_or_config``. ``k_path`` / ``v_path``: local files, or file names in the Hub repo
         ``repo_id`` (``subfolder``, ``revision``). Read with ``torch.load(weights_only=True)`` only and
-        validated against the model; each layer's matrix serves all its KV heads (same ``k @ R``
-        convention as ours), no offsets (the authors do not center), their clips 0.96 / 0.92 and
+        validated against the model; a format-1 layer's matrix serves all its KV heads (same ``k @ R``
+        convention as ours), no offsets unless a format-2 file has ``k_mean``, their clips 0.96 / 0.92 and
         their group size, one group per head (``group_size=None`` = head_dim, recorded for
         ``OscarCache.from_pretrained``). ``save_pretrained`` writes it as our safetensors artifact."""
         from .quant import check_group_size
@@ -123,15 +123,13 @@ class OscarRotations:
                    token=token)
         k_file, v_file = (resolve_file(p, repo_id, **hub) for p in (k_path, v_path))
         pair = read_reference_pair(k_file, v_file, fp, ORTHOGONALITY_TOL)
-        hk, d = fp.num_key_value_heads, fp.head_dim
-        layers = {
-            # [D, D] -> [Hk, D, D]: one matrix shared by the layer's KV heads
-            i: LayerRotation(pair.r_k[i].expand(hk, d, d).contiguous(), pair.r_v[i].expand(hk, d, d).contiguous(),
-                             float(clip_k), float(clip_v))
+        layers = {  # [Hk, D, D] each (a format-1 matrix repeated over the heads); k_mean as the key offset
+            i: LayerRotation(pair.r_k[i], pair.r_v[i], float(clip_k), float(clip_v), mu_k=pair.mu_k.get(i))
             for i in pair.r_k
         }
         source = dict(pair.metadata["source"], repo_id=repo_id, subfolder=subfolder, revision=revision)
-        rot = cls(fp, "oscar-reference", layers, {"source": source, "group_size": g, "shared_across_heads": True})
+        rot = cls(fp, "oscar-reference", layers, {"source": source, "group_size": g,
+                                                  "shared_across_heads": source["shared_across_heads"]})
         rot.validate()
         return rot
 

@@ -65,6 +65,16 @@ def _logits(model, cache, ids, new=6):
     return out.sequences, torch.stack(out.logits)
 
 
+def _v2(mats: dict[int, torch.Tensor], k_means: dict | None = None, objective="qqt_r_h_pbr", **extra) -> dict:
+    """A format_version 2 file: per-KV-head rotations (or a shared [D, D] one), optional k_mean and extra fields."""
+    doc = _reference_doc(mats, objective, format_version=2, source_grouping="per_kv_head")
+    for i, entry in doc["layers"].items():
+        if k_means is not None:
+            entry["k_mean"] = k_means[i]
+        entry.update(extra)
+    return doc
+
+
 # ---------------------------------------------------------------------------------------------- conversion
 def test_file_from_our_calibration_gives_the_same_cache_outputs(tmp_path):
     """Our calibrated rotations (head 0's, shared across heads) written in the authors' format, converted and
@@ -209,19 +219,20 @@ def _nan():
 @pytest.mark.parametrize(
     "doc,msg",
     [
-        (_bad({0: _orth(16, 0), 1: _orth(16, 1)}), r"layer 0 rotation: shape \(16, 16\) does not match the model's head_dim=32"),
+        (_bad({0: _orth(16, 0), 1: _orth(16, 1)}), r"layer 0 rotation: shape \(16, 16\) does not match the model's \(32, 32\)"),
         (_bad({0: _orth(D, 0)}), r"no rotation for full-attention layers \[1\]"),
         (_bad({0: _orth(D, 0), 1: _nan()}), "layer 1 rotation: contains NaN or Inf"),
         (_bad({0: _orth(D, 0), 1: _orth(D, 1) * 1.1}), r"layer 1 rotation: not orthogonal \(max \|RᵀR - I\| = 0.21"),
         (_bad({0: _orth(D, 0), 1: torch.eye(D, dtype=torch.int64)}), "layer 1 rotation: expected a float tensor"),
         (_bad({0: _orth(D, 0), 1: _orth(D, 1), 2: _orth(D, 2)}), r"rotations for layers \[2\], but the model has 2"),
-        (_bad(format_version=2), "unsupported format_version 2"),
+        (_bad(format_version=3), "unsupported format_version 3"),
+        (_bad(format_version=2), "unsupported source_grouping 'layer' for format_version 2"),
         (_bad(source_grouping="kv_head"), "unsupported source_grouping 'kv_head'"),
         (_bad(objective=3), "'objective' must be a string"),
         ({"format_version": 1, "source_grouping": "layer", "layers": {}}, "'layers' must be a non-empty dict"),
         (_orth(D, 0), "expected a dict with 'format_version'"),
     ],
-    ids=["head_dim", "missing_layer", "nan", "not_orthogonal", "int", "extra_layer", "version", "grouping",
+    ids=["head_dim", "missing_layer", "nan", "not_orthogonal", "int", "extra_layer", "version", "v2_grouping", "grouping",
          "objective", "no_layers", "bare_tensor"],
 )
 def test_invalid_files_are_refused(tmp_path, doc, msg):
@@ -357,3 +368,71 @@ def test_cli_script_end_to_end(tiny_dir, tmp_path):
     assert out.shape[1] == 33
     r2 = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r2.returncode == 2 and "already contains an OSCAR artifact" in r2.stderr
+
+
+# ---------------------------------------------------------------------------------------------- format_version 2
+def test_format_2_per_head_rotations_and_key_mean_give_our_cache(tmp_path):
+    """A format-2 pair (a rotation per KV head, k_mean per head in the key file, q/o rotations present) converts to
+    our artifact with those per-head matrices and the mean as the key offset: the cache generates exactly what our
+    artifact with the same tensors generates, and not what it generates without the offset."""
+    model = tiny_model("llama")
+    hk = model.config.num_key_value_heads
+    r_k = {i: torch.stack([_orth(D, 10 * i + h) for h in range(hk)]) for i in (0, 1)}  # [Hk, D, D], heads differ
+    r_v = {i: torch.stack([_orth(D, 50 + 10 * i + h) for h in range(hk)]) for i in (0, 1)}
+    mu = {i: torch.randn(hk, D, generator=torch.Generator().manual_seed(i)) for i in (0, 1)}
+    torch.save(_v2(r_k, mu, q_rotation=torch.eye(D), o_rotation=torch.eye(D)), k_file := tmp_path / "k2.pt")
+    torch.save(_v2(r_v, objective="sst_r_h_pbr"), v_file := tmp_path / "v2.pt")
+    rot = OscarRotations.from_reference(k_file, v_file, model, group_size=16)
+    src = rot.metadata["source"]
+    assert (src["format_version"], src["source_grouping"], src["key_centering"]) == (2, "per_kv_head", True)
+    assert not src["shared_across_heads"] and src["unused_fields"] == ["o_rotation", "q_rotation"]
+    for i in (0, 1):
+        assert torch.equal(rot.layers[i].r_k, r_k[i]) and torch.equal(rot.layers[i].r_v, r_v[i])
+        assert torch.equal(rot.layers[i].mu_k, mu[i]) and rot.layers[i].mu_v is None
+    rot.save_pretrained(tmp_path / "art")
+    ours = OscarRotations(rot.fingerprint, "ours", {i: LayerRotation(r_k[i], r_v[i], 0.96, 0.92, mu_k=mu[i])
+                                                    for i in (0, 1)})
+    plain = OscarRotations(rot.fingerprint, "ours", {i: LayerRotation(r_k[i], r_v[i], 0.96, 0.92) for i in (0, 1)})
+    prompt = torch.randint(1, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    kw = dict(sink=4, recent=8)
+    seq, got = _logits(model, OscarCache.from_pretrained(tmp_path / "art", model, **kw), prompt)
+    seq_ref, want = _logits(model, OscarCache(model, ours, group_size=16, **kw), prompt)
+    assert torch.equal(seq, seq_ref) and torch.equal(got, want)
+    _, uncentered = _logits(model, OscarCache(model, plain, group_size=16, **kw), prompt)
+    assert (uncentered - want).abs().max() > 1e-5
+
+
+def test_format_2_shared_rotations_and_one_mean_for_the_layer(tmp_path):
+    """Format 2 still takes a layer's [D, D] rotation (shared by its heads) and a [D] k_mean (repeated)."""
+    mats = {0: _orth(D, 0), 1: _orth(D, 1)}
+    means = {0: torch.ones(D), 1: torch.zeros(D)}
+    torch.save(_v2(mats, means), k_file := tmp_path / "k.pt")
+    torch.save(_v2(mats), v_file := tmp_path / "v.pt")
+    rot = OscarRotations.from_reference(k_file, v_file, tiny_config("llama"))
+    assert rot.metadata["source"]["shared_across_heads"]
+    assert rot.layers[0].r_k.shape == (2, D, D) and torch.equal(rot.layers[0].r_k[1], mats[0])
+    assert torch.equal(rot.layers[0].mu_k, torch.ones(2, D))
+
+
+@pytest.mark.parametrize(
+    "k_doc,v_doc,msg",
+    [
+        (_v2({0: torch.stack([_orth(D, 0)] * 3), 1: _orth(D, 1)}), None,
+         r"layer 0 rotation: shape \(3, 32, 32\) does not match .*num_kv_heads=2"),
+        (_v2({0: torch.stack([_orth(D, 0), _orth(D, 1) * 1.1]), 1: _orth(D, 1)}), None, "layer 0 rotation: not orthogonal"),
+        (_v2({0: _orth(D, 0), 1: _orth(D, 1)}, {0: torch.zeros(3, D), 1: torch.zeros(D)}), None,
+         r"layer 0 k_mean: shape \(3, 32\)"),
+        (_v2({0: _orth(D, 0), 1: _orth(D, 1)}, {0: torch.full((D,), float("nan")), 1: torch.zeros(D)}), None,
+         "layer 0 k_mean: contains NaN"),
+        (dict(_bad(), layers={i: dict(e, k_mean=torch.zeros(D)) for i, e in _bad()["layers"].items()}), None,
+         "'k_mean' is a format_version 2 field"),
+        (_v2({0: _orth(D, 0), 1: _orth(D, 1)}), _v2({0: _orth(D, 0), 1: _orth(D, 1)}, {0: torch.zeros(D), 1: torch.zeros(D)}),
+         "a value rotation file with k_mean"),
+    ],
+    ids=["heads", "not_orthogonal", "mean_shape", "mean_nan", "mean_in_v1", "mean_in_values"],
+)
+def test_invalid_format_2_files_are_refused(tmp_path, k_doc, v_doc, msg):
+    torch.save(k_doc, k_file := tmp_path / "k.pt")
+    torch.save(v_doc if v_doc is not None else _v2({0: _orth(D, 0), 1: _orth(D, 1)}), v_file := tmp_path / "v.pt")
+    with pytest.raises(ValueError, match=msg):
+        OscarRotations.from_reference(k_file, v_file, tiny_config("llama"))
