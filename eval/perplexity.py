@@ -43,6 +43,22 @@ def _bar_disabled(progress: bool) -> bool:
 
 
 @torch.no_grad()
+def decode_logits(model, ids: torch.Tensor, context_len: int, cache, progress: bool = True, desc: str = "scoring"):
+    """Yields the next-token logits ``[B, V]`` (model dtype) predicting ``ids[:, t]`` for ``t`` in ``[context_len, n)``:
+    the prefill's last position first, then one decode step of ``cache`` per token.
+
+    ``ids`` ``[B, n]`` on the model's device; ``ids[:, t]`` is read only after the logits predicting it were
+    yielded, so a consumer may write it first (greedy generation).
+    """
+    n = ids.shape[1]
+    logits = model(ids[:, :context_len], **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
+    for t in tqdm(range(context_len, n), desc=desc, disable=_bar_disabled(progress), leave=False):
+        yield logits
+        if t + 1 < n:
+            logits = model(ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
+
+
+@torch.no_grad()
 def cache_nll(
     model,
     input_ids: torch.Tensor,
@@ -61,18 +77,21 @@ def cache_nll(
         raise ValueError("cache_nll scores one sequence: input_ids must be [1, n]")
     ids, n = _scored_ids(model, input_ids, context_len)
     cache = make_cache()
-    out = model(ids[:, :context_len], **cache_kwargs(model, cache), use_cache=True)
-    logits = out.logits[:, -1].float()
-    token_nll = []
-    for t in tqdm(range(context_len, n), desc=desc, disable=_bar_disabled(progress), leave=False):
-        token_nll.append(F.cross_entropy(logits, ids[:, t]).item())
-        if t + 1 < n:
-            logits = model(ids[:, t : t + 1], **cache_kwargs(model, cache), use_cache=True).logits[:, -1].float()
+    steps = decode_logits(model, ids, context_len, cache, progress, desc)
+    token_nll = [F.cross_entropy(logits.float(), ids[:, t]).item() for t, logits in zip(range(context_len, n), steps)]
     nll = sum(token_nll) / (n - context_len)
     res = {"nll": nll, "ppl": math.exp(nll), "tokens": n - context_len, "cache": cache}
     if return_token_nll:
         res["token_nll"] = torch.tensor(token_nll, dtype=torch.float64)
     return res
+
+
+@torch.no_grad()
+def fast_logits(model, ids: torch.Tensor, context_len: int, spec: FakeQuantSpec | None) -> torch.Tensor:
+    """``[B, n - context_len, V]`` logits (model dtype) predicting ``ids[:, context_len:]``, one teacher-forced forward
+    through ``spec`` (``None``: the plain model); positions before ``context_len`` are the exact prompt."""
+    with fake_quant(model, spec, prefill_len=context_len):
+        return model(ids, use_cache=False, logits_to_keep=ids.shape[1] - context_len + 1).logits[:, :-1]
 
 
 @torch.no_grad()
@@ -86,9 +105,7 @@ def fast_nll(model, input_ids: torch.Tensor, context_len: int, spec: FakeQuantSp
     if input_ids.dim() != 2:
         raise ValueError("input_ids must be [B, n]")
     ids, n = _scored_ids(model, input_ids, context_len)
-    keep = n - context_len + 1  # logits of positions [context_len - 1, n)
-    with fake_quant(model, spec, prefill_len=context_len):
-        logits = model(ids, use_cache=False, logits_to_keep=keep).logits[:, :-1]
+    logits = fast_logits(model, ids, context_len, spec)
     tgt = ids[:, context_len:]
     parts = []
     for a in range(0, tgt.shape[1], chunk):

@@ -1,0 +1,320 @@
+"""How far a long self-generated continuation drifts from BF16 when the history is read from a quantized cache.
+
+The reference model (no quantization) greedily continues each prompt by ``n_tokens`` tokens (its own output: what
+the INT2 history holds while a model reasons at length). Every method then reads prompt + continuation teacher-forced,
+each continuation token predicted by a decode step of the method's cache, as in :mod:`oscar_hf.eval.perplexity`:
+one fake-quantized forward (``fast``, proven equal to token-by-token decoding in ``tests/eval/test_perplexity.py``)
+or the real cache token by token (``exact``; Transformers' ``QuantizedCache`` rows always). Per continuation
+position ``i`` (0 = the first generated token): ``KL(reference || method)`` of the next-token distributions and
+whether their top-1 tokens agree, then means per position bucket over all prompts.
+
+    python -P scripts/eval_long_generation.py --artifact /tmp/smollm2-default --tokens 2048 --prompts 2 --threads 1 \\
+        --name long_generation_smollm2_cpu
+"""
+from __future__ import annotations
+
+import json
+import math
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from tqdm.auto import tqdm
+
+from oscar_hf.config import ModelFingerprint
+
+from .methods import KVMethod, get_method, with_label
+from .perplexity import _bar_disabled, decode_logits, fast_logits
+
+BUCKET_EDGES = (0, 512, 1024, 2048, 4096)
+UNQUANTIZED = ("fp", "bf16-kv")  # CLI rows that keep every K/V in BF16: not baselines of the target
+
+
+def prompt_windows(tokenizer, source, prompt_len: int, n_prompts: int, **load_kw) -> torch.Tensor:
+    """``[n_prompts, prompt_len]`` consecutive token windows of ``source``'s held-out evaluation text (a text /
+    JSONL file or a ``datasets`` name, :func:`oscar_hf.data.load_texts`; never read by calibration)."""
+    from oscar_hf.data import evaluation_text, token_windows
+
+    if prompt_len < 1 or n_prompts < 1:
+        raise ValueError(f"prompt_len and n_prompts must be >= 1, got {prompt_len}, {n_prompts}")
+    return token_windows(tokenizer, evaluation_text(source, **load_kw), prompt_len, n_prompts)
+
+
+def greedy_continuation(model, prompts: torch.Tensor, n_tokens: int, progress: bool = True) -> torch.Tensor:
+    """``[P, L + n_tokens]``: ``prompts`` ``[P, L]`` and the plain model's greedy continuation (``DynamicCache``, all
+    prompts in one batch). End-of-sequence tokens are never chosen (as ``generate(min_new_tokens=n_tokens)``), so every
+    position continues the text."""
+    if n_tokens <= 0:
+        raise ValueError(f"n_tokens must be > 0, got {n_tokens}")
+    p, L = prompts.shape
+    ids = torch.cat([prompts, prompts.new_zeros(p, n_tokens)], dim=1).to(next(model.parameters()).device)
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    steps = decode_logits(model, ids, L, DynamicCache(config=model.config), progress, "reference greedy")
+    for t, logits in zip(range(L, L + n_tokens), steps):
+        logits = logits.float()
+        logits[:, eos] = -math.inf
+        ids[:, t] = logits.argmax(-1)  # decode_logits feeds ids[:, t] on its next step
+    return ids.cpu()
+
+
+def _uses_cache(method: KVMethod, exact: bool) -> bool:
+    """Token by token through the real cache: asked for (``exact``) and the method has one, or it has no one-forward
+    equivalent (Transformers' ``QuantizedCache``)."""
+    return not method.fast or (exact and type(method).make_cache is not KVMethod.make_cache)
+
+
+def position_logits(model, ids: torch.Tensor, prompt_len: int, method: KVMethod, spec, exact: bool,
+                    progress: bool = True) -> torch.Tensor:
+    """``[n - prompt_len, V]`` logits (model dtype) of ``method`` predicting ``ids[0, prompt_len:]`` (``ids`` ``[1, n]``);
+    ``spec``: ``method.fake_spec(model)``, built once per method (unused on the token-by-token path)."""
+    ids = ids.to(next(model.parameters()).device)
+    if _uses_cache(method, exact):
+        steps = decode_logits(model, ids, prompt_len, method.make_cache(model), progress, method.name)
+        return torch.cat(list(steps))
+    return fast_logits(model, ids, prompt_len, spec)[0]
+
+
+@torch.no_grad()
+def kl_and_agreement(ref_logits: torch.Tensor, logits: torch.Tensor, chunk: int = 512):
+    """``KL(softmax(ref) || softmax(logits))`` (nats, float64 ``[N]``) and top-1 agreement (bool ``[N]``) per row of
+    two ``[N, V]`` logit tensors, ``chunk`` rows at a time in float32 (bounded memory at a 49K vocabulary)."""
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"logits shapes differ: {tuple(ref_logits.shape)} vs {tuple(logits.shape)}")
+    kl, agree = [], []
+    for a in range(0, ref_logits.shape[0], chunk):
+        r, m = ref_logits[a : a + chunk].float(), logits[a : a + chunk].float()
+        lp, lq = F.log_softmax(r, -1), F.log_softmax(m, -1)
+        kl.append((lp.exp() * (lp - lq)).sum(-1).double().cpu())
+        agree.append((r.argmax(-1) == m.argmax(-1)).cpu())
+    return torch.cat(kl), torch.cat(agree)
+
+
+def buckets(n: int, edges: Sequence[int] = BUCKET_EDGES) -> list[tuple[int, int]]:
+    """``[start, end)`` position buckets covering ``[0, n)``: ``edges`` below ``n``, the last bucket ending at ``n``."""
+    if n <= 0:
+        raise ValueError(f"n must be > 0, got {n}")
+    cuts = sorted({0, n, *(e for e in edges if 0 < e < n)})
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def bucket_means(values: torch.Tensor, edges: Sequence[int] = BUCKET_EDGES) -> list[dict]:
+    """Mean of ``values`` ``[P, N]`` (prompts x positions) over every prompt and the positions of each bucket."""
+    v = values.double().reshape(-1, values.shape[-1])
+    return [dict(start=a, end=b, mean=v[:, a:b].mean().item()) for a, b in buckets(v.shape[1], edges)]
+
+
+def long_generation(model, prompts: torch.Tensor, methods: Sequence[KVMethod | str], n_tokens: int,
+                    exact: bool = False, edges: Sequence[int] = BUCKET_EDGES, progress: bool = True) -> dict:
+    """Drift of each method from the plain model along the model's own greedy continuation of every prompt.
+
+    ``prompts`` ``[P, L]``; ``methods``: :class:`~oscar_hf.eval.methods.KVMethod` rows or registered names (rows are
+    keyed by ``method.name``); ``exact``: every method with a real cache read token by token (the reference too:
+    a ``DynamicCache``), else the one-forward path where a method has one. Returns ``ids`` ``[P, L + N]``,
+    ``reference_agreement`` (share of positions where the reference's top-1 is the generated token: 1 but for
+    near-ties between the generating and the scoring path) and per row ``kl`` / ``agreement`` (float64
+    ``[P, N]``, agreement 1.0 or 0.0), their bucket means (``buckets``), overall means, ``path`` and ``seconds``.
+    """
+    rows = [get_method(m) if isinstance(m, str) else m for m in methods]
+    for m in rows:
+        if not isinstance(m, KVMethod):
+            raise ValueError(f"methods must be KVMethods or registered names, got {type(m).__name__}")
+    if len({m.name for m in rows}) != len(rows):
+        raise ValueError(f"method names must be unique, got {[m.name for m in rows]}")
+    if prompts.dim() != 2:
+        raise ValueError(f"prompts must be [P, L], got {tuple(prompts.shape)}")
+    ids = greedy_continuation(model, prompts, n_tokens, progress)
+    L = prompts.shape[1]
+    ref, specs = get_method("fp"), {m.name: None if _uses_cache(m, exact) else m.fake_spec(model) for m in rows}
+    kl = {m.name: [] for m in rows}
+    agree = {m.name: [] for m in rows}
+    seconds = dict.fromkeys(kl, 0.0)
+    ref_agree = []
+    for i in tqdm(range(ids.shape[0]), desc="prompts", disable=_bar_disabled(progress), leave=False):
+        x = ids[i : i + 1]
+        ref_logits = position_logits(model, x, L, ref, None, exact, progress)
+        ref_agree.append((ref_logits.argmax(-1).cpu() == x[0, L:]).double().mean().item())
+        for m in rows:
+            t0 = time.perf_counter()
+            k, a = kl_and_agreement(ref_logits, position_logits(model, x, L, m, specs[m.name], exact, progress))
+            kl[m.name].append(k)
+            agree[m.name].append(a)
+            seconds[m.name] += time.perf_counter() - t0
+    res = {"ids": ids, "prompt_len": L, "n_tokens": n_tokens, "reference_agreement": ref_agree, "rows": {}}
+    for m in rows:
+        k, a = torch.stack(kl[m.name]), torch.stack(agree[m.name]).double()  # [P, N]
+        res["rows"][m.name] = dict(
+            kl=k, agreement=a, kl_mean=k.mean().item(), agreement_mean=a.mean().item(),
+            buckets=[dict(start=bk["start"], end=bk["end"], kl=bk["mean"], agreement=ba["mean"])
+                     for bk, ba in zip(bucket_means(k, edges), bucket_means(a, edges))],
+            path="token-by-token" if _uses_cache(m, exact) else "fast", seconds=round(seconds[m.name], 1),
+            settings=m.settings())
+    return res
+
+
+# ------------------------------------------------------------------------------------------ report
+def _span(a: int, b: int) -> str:
+    f = lambda x: f"{x // 1024}K" if x and x % 1024 == 0 else str(x)  # noqa: E731
+    return f"{f(a)}-{f(b)}"
+
+
+def markdown(res: dict) -> str:
+    """Per method: mean KL (nats) and top-1 agreement with the reference in each position bucket."""
+    rows = res["rows"]
+    spans = [_span(b["start"], b["end"]) for b in next(iter(rows.values()))["buckets"]]
+    lines = ["| method | bits @end | " + " | ".join(f"{s} KL | {s} top-1" for s in spans) + " | all KL | all top-1 |",
+             "|---" * (2 * len(spans) + 4) + "|"]
+    for name, r in rows.items():
+        cells = [f"{b['kl']:.4f} | {b['agreement']:.3f}" for b in r["buckets"]]
+        bits = f"{r['bits']:.2f}" if "bits" in r else "—"
+        lines.append(f"| {name} | {bits} | " + " | ".join(cells) + f" | {r['kl_mean']:.4f} | {r['agreement_mean']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: Path, smooth: int = 128) -> None:
+    """KL and top-1 agreement over continuation position per method (mean over prompts, moving average of ``smooth``
+    positions)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax_kl, ax_ag) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    for name, r in res["rows"].items():
+        for ax, key in ((ax_kl, "kl"), (ax_ag, "agreement")):
+            y = r[key].mean(0).numpy()  # [N]: mean over prompts
+            w = min(smooth, len(y))
+            ys = np.convolve(y, np.ones(w) / w, mode="valid")
+            ax.plot(np.arange(len(ys)) + w // 2, ys, label=name, lw=1.2)
+    ax_kl.set_yscale("log")
+    ax_kl.set_ylabel("KL(reference || method), nats")
+    ax_ag.set_ylabel("top-1 agreement with the reference")
+    ax_ag.set_xlabel(f"continuation position (generated token; moving average of {smooth})")
+    ax_kl.legend(fontsize=7)
+    ax_kl.set_title(f"{res.get('model', 'model')}: {len(res['reference_agreement'])} prompts of {res['prompt_len']} "
+                    f"tokens + {res['n_tokens']} greedy tokens", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+def method_rows(names: Sequence[str], artifact: str | None, model) -> list[KVMethod]:
+    """The CLI's rows by short name. ``default``: ``OscarCache.from_pretrained(artifact, model)``'s configuration
+    (calibrated rotations, ``full_precision_heads="auto"``); the others: the ≤3-bit rows of ``eval/compare.py`` and
+    ``bf16-kv``, the reference's own K/V through the fake-quant path (its noise floor)."""
+    from .default_perplexity import default_method
+
+    table = {
+        "fp": lambda: with_label(get_method("fp"), "BF16 DynamicCache (reference)"),
+        "bf16-kv": lambda: with_label(get_method("bf16-kv"), "BF16 KV via fake-quant path (noise floor)"),
+        "identity": lambda: with_label(get_method("identity"), "naive INT2 (identity, G=64)"),
+        "hadamard": lambda: with_label(get_method("hadamard"), "Hadamard INT2 (G=64)"),
+        "kivi": lambda: with_label(get_method("kivi", bits=2, group_size=64, residual=128), "KIVI-2 (G=64, R=128)"),
+        "turbo3": lambda: with_label(get_method("turbo", bits=3), "TurboQuant-style 3-bit (no windows)"),
+        "turbo2": lambda: with_label(get_method("turbo", bits=2), "TurboQuant-style 2-bit (no windows)"),
+        "hqq": lambda: with_label(get_method("hf-hqq", nbits=2, group_size=64, residual=128),
+                                  "QuantizedCache hqq int2 (G=64, R=128)"),
+        "quanto": lambda: with_label(get_method("hf-quanto", nbits=2, group_size=64, residual=128),
+                                     "QuantizedCache quanto int2 (G=64, R=128)"),
+    }
+    rows = []
+    for n in names:
+        if n == "default":
+            if artifact is None:
+                raise ValueError("the 'default' row needs --artifact (scripts/calibrate.py --model smollm2 --out DIR)")
+            from oscar_hf import OscarCache, OscarRotations
+
+            row = default_method(OscarRotations.from_pretrained(artifact), "defaults (artifact, auto heads)")
+            if row.make_cache(model).oscar_config != OscarCache.from_pretrained(artifact, model).oscar_config:
+                raise RuntimeError("the defaults row does not build the cache OscarCache.from_pretrained builds")
+            rows.append(row)
+        elif n in table:
+            rows.append(table[n]())
+        else:
+            raise ValueError(f"unknown method {n!r}; known: {sorted(['default', *table])}")
+    return rows
+
+
+def target(res: dict, defaults: str, baselines: Sequence[str]) -> dict:
+    """Whether the ``defaults`` row's top-1 agreement beats every baseline's in every bucket, with the margins."""
+    d = res["rows"][defaults]["buckets"]
+    margins = {b: [dd["agreement"] - bb["agreement"] for dd, bb in zip(d, res["rows"][b]["buckets"])] for b in baselines}
+    return dict(defaults=defaults, baselines=list(baselines), margins=margins,
+                met=all(x > 0 for m in margins.values() for x in m))
+
+
+def main(argv=None, model=None, tokenizer=None):
+    """CLI. ``model`` / ``tokenizer``: run on these instead of loading SmolLM2."""
+    import argparse
+
+    from oscar_hf.models import model_for_eval, wikitext_path
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--artifact", default=None, help="calibrated artifact directory for the 'default' row")
+    p.add_argument("--methods", default="default,hadamard,kivi,turbo3,turbo2,hqq,bf16-kv",
+                   help="comma list: default, fp, bf16-kv, identity, hadamard, kivi, turbo3, turbo2, hqq, quanto")
+    p.add_argument("--source", default=None, help="prompt text: .txt / .jsonl file or datasets name "
+                                                  "(default: WikiText-2 raw test); its held-out part is used")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=4096, help="greedy tokens generated per prompt (N)")
+    p.add_argument("--buckets", default=",".join(map(str, BUCKET_EDGES[1:])), help="bucket edges (positions)")
+    p.add_argument("--path", choices=["fast", "exact"], default="fast",
+                   help="fast: one fake-quantized forward per method where it has one; exact: real caches token by token")
+    p.add_argument("--smooth", type=int, default=128, help="moving-average width of the PNG curves")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--name", default="long_generation")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = [n for n in args.methods.split(",") if n]
+    model, tokenizer, model_name, dtype = model_for_eval(model, tokenizer, getattr(torch, args.dtype))
+    rows = method_rows(names, args.artifact, model)
+    source = args.source or str(wikitext_path())
+    prompts = prompt_windows(tokenizer, source, args.prompt_len, args.prompts, text_field=args.text_field)
+    edges = [int(e) for e in args.buckets.split(",") if e]
+    t0 = time.perf_counter()
+    res = long_generation(model, prompts, rows, args.tokens, exact=args.path == "exact", edges=edges)
+    head_dim = ModelFingerprint.from_config(model.config).head_dim
+    kv = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
+    for m in rows:
+        res["rows"][m.name]["bits"] = m.bits(args.prompt_len + args.tokens, head_dim, args.prompt_len)
+    res["model"] = model_name
+    out = dict(
+        command="python -P scripts/eval_long_generation.py " + " ".join(
+            shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        setup=dict(model=model_name, dtype=str(dtype).removeprefix("torch."), reference=f"{kv} DynamicCache",
+                   artifact=args.artifact, source=source, prompts=args.prompts, prompt_len=args.prompt_len,
+                   tokens=args.tokens, path=args.path, threads=torch.get_num_threads(),
+                   seconds=round(time.perf_counter() - t0, 1)),
+        reference_agreement=res["reference_agreement"],
+        rows={n: {k: v for k, v in r.items() if k not in ("kl", "agreement")} for n, r in res["rows"].items()})
+    baselines = [m.name for n, m in zip(names, rows) if n not in ("default", *UNQUANTIZED)]
+    if "default" in names and baselines:
+        out["target"] = target(res, rows[names.index("default")].name, baselines)
+    dest = Path(args.out)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / f"{args.name}.json").write_text(json.dumps(out, indent=1))
+    md = (f"Command: `{out['command']}`\n\nReference: {kv} DynamicCache along its own greedy continuation; "
+          f"{args.prompts} prompts x {args.prompt_len} tokens + {args.tokens} generated; KL in nats.\n\n" + markdown(res))
+    if "target" in out:
+        md += (f"\nTarget (defaults' top-1 agreement above every other ≤3-bit row in every bucket): "
+               f"{'met' if out['target']['met'] else 'missed'}\n")
+    (dest / f"{args.name}.md").write_text(md)
+    plot(res, dest / f"{args.name}.png", args.smooth)
+    print(md)
+    return res
+
+
+if __name__ == "__main__":
+    main()
