@@ -137,6 +137,7 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
         processor = create(self)
         if serves(self.model):
             _check_processor(processor)
+            processor.cache.scheduler = processor.scheduler  # whose request states say when a prompt is complete
         return processor
 
     patches = [(manager, "_create_batch_processor", create_checked)]

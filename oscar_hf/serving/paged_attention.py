@@ -160,11 +160,19 @@ class RecordedBatch:
     forward) and taken by the forward's first OSCAR layer."""
 
     def _start_recording(self) -> None:
+        self.scheduler = None  # the manager's scheduler (its request states), once its batch processor exists
         self._pending: list[tuple[str, int, int]] = []
         self._batch: list[tuple[str, int, int]] = []
 
     def _record(self, request_id: str, past_length: int, query_length: int) -> None:
         self._pending.append((request_id, int(past_length), int(query_length)))
+        # the scheduler has split the request's tokens for this step: what its state keeps for later steps is the rest
+        # of the prompt (none: this step's chunk completes it). The store keeps a prompt's chunks exact while more
+        # follow; without the scheduler (set by the OSCAR manager, serving/batching.py) None: until the request decodes
+        scheduler = getattr(self, "scheduler", None)
+        state = scheduler.active_requests.get(request_id) if scheduler is not None else None
+        rest = getattr(state, "remaining_prefill_tokens", None)
+        self.store.note_prompt(request_id, None if rest is None else len(rest) > 0)
 
     def batch(self) -> list[tuple[str, int, int]]:
         """The requests of the running forward, ``(request_id, past_length, query_length)`` in packing order."""

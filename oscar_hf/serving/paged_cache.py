@@ -180,18 +180,9 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
         # The store's requests start empty: a prefix matched in the BF16 pages was never written to it.
         self.allow_block_sharing = self.use_prefix_sharing = False
         self.store = store
-        self._states = {}  # request id -> Transformers' RequestState, seen at admission (whether its prompt goes on)
         self._start_recording()
 
     # ------------------------------------------------------------------ batch composition
-    def _record(self, request_id: str, past_length: int, query_length: int) -> None:
-        super()._record(request_id, past_length, query_length)
-        # the scheduler has split the request's tokens for this step: what it keeps for later steps is the rest of
-        # the prompt (none: this step's chunk completes it). Unknown state or field: None (the store keeps the
-        # chunks exact until the request decodes)
-        rest = getattr(self._states.get(request_id), "remaining_prefill_tokens", None)
-        self.store.note_prompt(request_id, None if rest is None else len(rest) > 0)
-
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
         self._record(request_id, past_length, query_length)
         super().extend_read_and_write_indices(request_id, past_length, query_length, read_index, write_index)
@@ -215,7 +206,6 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
         new = state.request_id not in self.store.requests
         if new and not self.store.can_reserve():
             return False
-        self._states[state.request_id] = state
         ok = super().can_store_request_tokens(state, request_len, dry_run=dry_run)
         if ok and new and not dry_run:
             self.store.reserve(state.request_id)
@@ -224,12 +214,10 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         super().free_blocks(request_id, no_cache=no_cache)
         self.store.free(request_id)
-        self._states.pop(request_id, None)
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         super().free_all_requests(clear_ledgers)
         self.store.free_all()
-        self._states.clear()
 
     def prepare_fork_request(self, *args, **kwargs):
         raise NotImplementedError("the OSCAR paged cache does not fork requests (num_return_sequences > 1)")

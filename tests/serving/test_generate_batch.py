@@ -147,12 +147,8 @@ def test_tokens_do_not_depend_on_how_prompts_are_chunked(model, max_batch_tokens
             assert store.stats()["prompt_bytes"] == 0 and not store.requests
         return {k: r.generated_tokens for k, r in out.items()}, chunks, held[0]
 
-    from oscar_hf.serving.batching import SECTOR_API
-
     whole, chunks, held = run(4096)
-    assert not chunks
-    if SECTOR_API:  # the scheduler says when a prompt is complete: one-piece prompts are never held
-        assert held == 0
+    assert not chunks and held == 0  # the scheduler says when a prompt is complete: one-piece prompts are never held
     split, chunks, held_split = run(max_batch_tokens)
     assert chunks and held_split > 0  # prompts were split, and their chunks held until complete
     assert split == whole

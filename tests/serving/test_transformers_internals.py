@@ -67,8 +67,11 @@ def test_module_globals_and_methods_the_integration_swaps():
         assert hasattr(transformers.ContinuousBatchingConfig(), "auto_switch_to_flash")
     else:
         assert params(continuous_api.update_cb_config_after_cache_creation)[:2] == ["cb_config", "num_blocks"]
-    # what _check_processor reads of the batch processor
-    assert "cache" in params(continuous_api.ContinuousBatchProcessor.__init__)
+    # what the OSCAR manager reads of the batch processor: its cache (checked) and scheduler (the request states)
+    assert {"cache", "scheduler"} <= set(params(continuous_api.ContinuousBatchProcessor.__init__))
+    from transformers.generation.continuous_batching.scheduler import Scheduler
+
+    assert "self.active_requests: dict[str, RequestState]" in inspect.getsource(Scheduler)  # set in __init__ or reset
 
 
 def test_request_state_and_config_fields_read():
@@ -76,8 +79,7 @@ def test_request_state_and_config_fields_read():
 
     fields = {f.name for f in dataclasses.fields(RequestState)}
     assert "request_id" in fields
-    if SECTOR_API:  # the store learns from it whether a prompt's chunks go on (serving/paged_cache.py)
-        assert "remaining_prefill_tokens" in fields
+    assert "remaining_prefill_tokens" in fields  # whether a prompt's chunks go on (serving/paged_attention.py)
     config = transformers.LlamaConfig()
     assert hasattr(config, "_attn_implementation_internal")  # set directly by serving/batching.py
 
