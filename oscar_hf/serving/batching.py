@@ -142,7 +142,8 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
 
     patches = [(manager, "_create_batch_processor", create_checked)]
     switch = getattr(manager, "switch_to_cb_friendly_attn", None)
-    if switch is not None:
+    if switch is not None and "auto_switch_to_flash" in inspect.signature(switch).parameters:
+        # (5.17 - 5.19 have no such flag: there the OSCAR attention name replaces whatever the switch chose)
         def keep_attention(self, model, auto_switch_to_flash: bool = True):
             return switch(self, model, auto_switch_to_flash and not serves(model))
 
