@@ -162,8 +162,8 @@ def read_reference_file(path: str | os.PathLike, head_dim: int, tol: float, num_
             raise ValueError(f"{path}: layer {i}: expected a dict with a 'rotation' tensor")
         if "layer_id" in entry and entry["layer_id"] != i:
             raise ValueError(f"{path}: layer {i} has layer_id={entry['layer_id']!r}")
-        shared &= entry["rotation"].dim() == 2 if isinstance(entry["rotation"], torch.Tensor) else True
         r = _per_head(path, f"layer {i} rotation", entry["rotation"], rot_shapes, hk)  # [Hk, D, D]
+        shared &= entry["rotation"].dim() == 2  # (a tensor: _per_head checked it)
         err = (r.transpose(-1, -2) @ r - torch.eye(d)).abs().amax().item()
         if err > tol:
             raise ValueError(f"{path}: layer {i} rotation: not orthogonal (max |RᵀR - I| = {err:.3g} > {tol:g})")

@@ -428,8 +428,11 @@ def test_format_2_shared_rotations_and_one_mean_for_the_layer(tmp_path):
          "'k_mean' is a format_version 2 field"),
         (_v2({0: _orth(D, 0), 1: _orth(D, 1)}), _v2({0: _orth(D, 0), 1: _orth(D, 1)}, {0: torch.zeros(D), 1: torch.zeros(D)}),
          "a value rotation file with k_mean"),
+        ({**_v2({0: _orth(D, 0), 1: _orth(D, 1)}),
+          "layers": {0: {"rotation": _orth(D, 0), "k_mean": torch.zeros(D)}, 1: {"rotation": _orth(D, 1)}}}, None,
+         r"k_mean for some full-attention layers but not for \[1\]"),
     ],
-    ids=["heads", "not_orthogonal", "mean_shape", "mean_nan", "mean_in_v1", "mean_in_values"],
+    ids=["heads", "not_orthogonal", "mean_shape", "mean_nan", "mean_in_v1", "mean_in_values", "mean_partial"],
 )
 def test_invalid_format_2_files_are_refused(tmp_path, k_doc, v_doc, msg):
     torch.save(k_doc, k_file := tmp_path / "k.pt")

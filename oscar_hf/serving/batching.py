@@ -123,8 +123,8 @@ def _check_processor(processor) -> None:
 
 
 def _manager_patches(serves) -> list[tuple[object, str, object]]:
-    """``[(owner, name, replacement)]`` on Transformers' manager for an OSCAR block: for the managers of a model
-    ``serves(model)`` accepts, keep the attention as OSCAR needs it (5.20+ managers switch an sdpa model to flash
+    """``[(owner, name, replacement)]`` on Transformers' manager for an OSCAR block: for the managers of a model whose
+    config ``serves(config)`` accepts, keep the attention as OSCAR needs it (5.20+ managers switch an sdpa model to flash
     attention where it is available, which would leave the store out of the path: OSCAR serves the attention itself)
     and check every batch processor they build; other managers are left as Transformers makes them."""
     manager = getattr(continuous_api, "ContinuousBatchingManager", None)
@@ -135,7 +135,7 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
 
     def create_checked(self):
         processor = create(self)
-        if serves(self.model):
+        if serves(self.model.config):
             _check_processor(processor)
             processor.cache.scheduler = processor.scheduler  # whose request states say when a prompt is complete
         return processor
@@ -145,7 +145,7 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
     if switch is not None and "auto_switch_to_flash" in inspect.signature(switch).parameters:
         # (5.17 - 5.19 have no such flag: there the OSCAR attention name replaces whatever the switch chose)
         def keep_attention(self, model, auto_switch_to_flash: bool = True):
-            return switch(self, model, auto_switch_to_flash and not serves(model))
+            return switch(self, model, auto_switch_to_flash and not serves(model.config))
 
         patches.append((manager, "switch_to_cb_friendly_attn", keep_attention))
     return patches
@@ -173,12 +173,12 @@ def oscar_continuous_batching(make_store, model=None):
     # BF16); without one (a server loading its models), every manager of the block does
     ours = None if model is None else {id(c) for c in _attention_configs(model)} | {id(model.config.get_text_config())}
 
-    def serves(m) -> bool:
-        return ours is None or id(m.config) in ours
+    def serves(config) -> bool:
+        return ours is None or id(config) in ours
 
     def build(*args, **kwargs):
         arguments = signature.bind(None, *args, **kwargs).arguments
-        if ours is not None and id(arguments["config"]) not in ours:
+        if not serves(arguments["config"]):
             return original(*args, **kwargs)
         _check_cb_config(arguments.get("continuous_batching_config"))
         dtype = arguments.get("dtype", signature.parameters["dtype"].default)

@@ -169,8 +169,7 @@ class RecordedBatch:
         # the scheduler has split the request's tokens for this step: what its state keeps for later steps is the rest
         # of the prompt (none: this step's chunk completes it). The store keeps a prompt's chunks exact while more
         # follow; without the scheduler (set by the OSCAR manager, serving/batching.py) None: until the request decodes
-        scheduler = getattr(self, "scheduler", None)
-        state = scheduler.active_requests.get(request_id) if scheduler is not None else None
+        state = self.scheduler.active_requests.get(request_id) if self.scheduler is not None else None
         rest = getattr(state, "remaining_prefill_tokens", None)
         self.store.note_prompt(request_id, None if rest is None else len(rest) > 0)
 
