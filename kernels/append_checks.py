@@ -52,3 +52,26 @@ def check_append_inputs(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_
     if length.dim() != 0 or pad.shape != (b,):
         raise ValueError(f"length must be a 0-d tensor and pad [B={b}], got {tuple(length.shape)}, {tuple(pad.shape)}")
     return ring, n, hq
+
+
+def check_coded_slots(coded, win_k, n: int) -> None:
+    """Shape checks of the retrieval heads' part of the one-token write (``coded``: a ``CodedSlots`` or None) against
+    the window ``win_k [B, Hk, S0 + R, D]`` and the history capacity ``n``."""
+    if coded is None:
+        return
+    b, hk, _, d = win_k.shape
+    if coded.bits not in (4, 8, 16):
+        raise ValueError(f"coded heads are stored at 4, 8 or 16 bits, got {coded.bits}")
+    parts = 1 if coded.bits == 16 else 3
+    if len(coded.k) != parts or len(coded.v) != parts:
+        raise ValueError(f"a {coded.bits}-bit coded store has {parts} parts, got {len(coded.k)} / {len(coded.v)}")
+    p = coded.k[0].shape[1]
+    want = [(d if coded.bits == 16 else d * coded.bits // 8, win_k.dtype if coded.bits == 16 else torch.uint8)]
+    want += [(1, win_k.dtype)] * (parts - 1)
+    for name, store in (("k", coded.k), ("v", coded.v)):
+        for x, (last, dt) in zip(store, want):
+            if x.shape != (b, p, n, last) or x.dtype != dt or x.stride(-1) != 1:
+                raise ValueError(f"coded {name} part {x.dtype} {tuple(x.shape)} is not {dt} [B, P, N, {last}] = "
+                                 f"{(b, p, n, last)}, contiguous in its last dimension")
+    if coded.coded_of.shape != (hk,) or coded.coded_of.dtype != torch.long:
+        raise ValueError(f"coded_of must be int64 [Hk={hk}], got {coded.coded_of.dtype} {tuple(coded.coded_of.shape)}")

@@ -8,6 +8,8 @@ one program per (row ``b``, KV head ``h``) reads ``T`` from the device and, for 
    ``hh``): loads its ring row (``D`` values), rotates it as a K-blocked matvec (``BLOCK_K`` input channels at a time,
    broadcast-multiply + ``tl.sum``, fp32), quantizes and packs it exactly as ``write_triton`` does (same metadata
    rounding and ``rint``) and stores one history row ``[b, hh, s - S0]``;
+   A retrieval head (``hist_heads[h] = -1``, ``coded`` given) codes the same slot into its coded entry instead
+   (:func:`_code_row`: ``oscar_hf.quant.encode_heads``' min-max codes, or the row itself at 16 bits);
 2. after a CTA barrier (the demoted ring entry is the new token's entry when ``R = W + 1``), stores the new token into
    ring entry ``S0 + T % R`` and, while row ``b`` has fewer than ``S0`` real tokens, into sink entry ``T - pad[b]``.
 
@@ -24,7 +26,7 @@ import triton.language as tl
 
 from oscar_hf.quant import QuantizedRows
 
-from .append_checks import check_append_inputs
+from .append_checks import check_append_inputs, check_coded_slots
 from .write_triton import _LEVELS, _META_KIND, _group_grid, _rint, _round_meta
 
 NUM_WARPS = 4
@@ -72,16 +74,50 @@ def _demote_row(SRC, R, MU, CODES, SCALE, ZERO, c_off, m_off, clip,
 
 
 @triton.jit
+def _code_row(SRC, X, SCALE, ZERO, x_off, m_off, D: tl.constexpr, BITS: tl.constexpr, META_KIND: tl.constexpr):
+    """Code one window row of a retrieval head (``oscar_hf.quant.encode_heads``): ``SRC`` -> ``D`` contiguous
+    model-dtype values; 16 bits: stored as they are at ``X + x_off``; 8 / 4: min-max codes (INT4: channel ``j`` in
+    byte ``j``'s low nibble, ``j + D/2`` in its high one) at ``X + x_off``, one scale and zero (rounded to the model
+    dtype first, the codes computed against the stored values) at ``SCALE/ZERO + m_off``."""
+    offs = tl.arange(0, D)
+    x = tl.load(SRC + offs)
+    if BITS == 16:
+        tl.store(X + x_off + offs, x)
+    else:
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        xf = x.to(tl.float32)
+        lo = tl.min(xf, 0)
+        scale_m, s = _round_meta(tl.math.div_rn(tl.max(xf, 0) - lo, LEVELS * 1.0), META_KIND)
+        zero_m, z = _round_meta(lo, META_KIND)
+        safe = tl.where(s > 0, s, 1.0)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(xf - z, safe), -1.0), LEVELS + 1.0)
+        q = tl.minimum(tl.maximum(_rint(y), 0.0), LEVELS)
+        q = tl.where(s > 0, q, 0.0).to(tl.int32)
+        if BITS == 8:
+            tl.store(X + x_off + offs, q.to(tl.uint8))
+        else:
+            q2 = tl.reshape(q, (2, D // 2))
+            packed = tl.sum(q2 << (4 * tl.arange(0, 2))[:, None], axis=0).to(tl.uint8)
+            tl.store(X + x_off + tl.arange(0, D // 2), packed)
+        tl.store(SCALE + m_off, scale_m)
+        tl.store(ZERO + m_off, zero_m)
+
+
+@triton.jit
 def _append_token_kernel(
     NEW_K, NEW_V, WIN_K, WIN_V, KC, KS, KZ, VC, VS, VZ, LENGTH, PAD, HEADS, RK, MUK, RV, MUV,
+    CKX, CKS, CKZ, CVX, CVS, CVZ, CODED_OF,  # the retrieval heads' stores [B, P, N, *] and KV head -> index map
     clip_k, clip_v, Hk, N, S0, RING, W,
     snkb, snkh, snvb, snvh,  # new_k / new_v strides [B, Hk, 1, D] (D contiguous)
     swb, swh, sws,  # window strides [B, Hk, S0 + R, D], shared by K and V
     scb, sch, scn,  # history codes strides [B, Hq, N, D/4], shared by K and V
     ssb, ssh, ssn,  # history scale / zero strides [B, Hq, N, D/G], shared by all four
     smkb,  # mu_k's batch stride: 0 for [Hq, D], Hq * D for [B, Hq, D]
+    sxb, sxp, sxn,  # coded codes (or 16-bit rows) strides [B, P, N, *], shared by K and V
+    szb, szp, szn,  # coded scale / zero strides [B, P, N, 1], shared by all four
     D: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_HEADS: tl.constexpr,
     HAS_MU_K: tl.constexpr, HAS_MU_V: tl.constexpr, META_KIND: tl.constexpr, STD: tl.constexpr,
+    CODED_BITS: tl.constexpr, WIN_KIND: tl.constexpr,  # 0: no coded heads; the window dtype's kind (their metadata)
 ):
     pid = tl.program_id(0)
     b = (pid // Hk).to(tl.int64)
@@ -104,6 +140,14 @@ def _append_token_kernel(
                     D, G, BLOCK_K, HAS_MU_K, META_KIND, STD)
         _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, m_off, clip_v,
                     D, G, BLOCK_K, HAS_MU_V, META_KIND, STD)
+    if CODED_BITS > 0:  # a retrieval head: the same slot's entry, coded
+        cp = tl.load(CODED_OF + h)
+        if (e >= 0) & (e < N) & (cp >= 0):
+            src = b * swb + h * swh + (S0 + s % RING) * sws
+            x_off = b * sxb + cp * sxp + e * sxn
+            m_off = b * szb + cp * szp + e * szn
+            _code_row(WIN_K + src, CKX, CKS, CKZ, x_off, m_off, D, CODED_BITS, WIN_KIND)
+            _code_row(WIN_V + src, CVX, CVS, CVZ, x_off, m_off, D, CODED_BITS, WIN_KIND)
     # every thread's loads of the old ring row come before any thread's store of the new one
     tl.debug_barrier()
 
@@ -122,11 +166,12 @@ def _append_token_kernel(
 
 def append_token_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
                         hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
-                        quantizer="minmax"):
+                        quantizer="minmax", coded=None):
     """Triton version of :func:`~oscar_hf.kernels.write_path.append_token_reference` (same contract, for the shapes
     ``write_triton.kernel_supported`` accepts): one launch, no host synchronisation. Returns None."""
     ring, n, hq = check_append_inputs(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
                                       r_v, mu_v, group_size, meta_dtype, sink, recent)
+    check_coded_slots(coded, win_k, n)
     b, hk, _, d = new_k.shape
     if b == 0 or hk == 0:
         return None
@@ -149,17 +194,26 @@ def append_token_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_
     r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
     mu_k = mu_k.to(device=dev, dtype=torch.float32).contiguous() if mu_k is not None else None
     mu_v = mu_v.to(device=dev, dtype=torch.float32).contiguous() if mu_v is not None else None
+    if coded is None:  # placeholders, never read (CODED_BITS = 0)
+        ck = cv = (length,) * 3
+        x_strides = m_strides = (0, 0, 0)
+    else:
+        ck, cv = (parts * 3 if len(parts) == 1 else parts for parts in (coded.k, coded.v))
+        x_strides, m_strides = ck[0].stride()[:3], ck[1].stride()[:3]
+        if any(a.stride() != c.stride() for a, c in zip(ck, cv)) or ck[1].stride() != ck[2].stride():
+            raise ValueError("the coded K and V stores must share one layout (and scale and zero one)")
     _append_token_kernel[(b * hk,)](
         new_k, new_v, win_k, win_v, *hist_k, *hist_v, length, pad,
         hist_heads if hist_heads is not None else length,  # unused placeholder when every head is quantized
         r_k, mu_k if mu_k is not None else r_k, r_v, mu_v if mu_v is not None else r_v,
+        *ck, *cv, coded.coded_of if coded is not None else length,
         float(clip_k), float(clip_v), hk, n, sink, ring, recent,
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         *win_k.stride()[:3], *hist_k.codes.stride()[:3], *hist_k.scale.stride()[:3],
-        (hq * d if mu_k is not None and mu_k.dim() == 3 else 0),
+        (hq * d if mu_k is not None and mu_k.dim() == 3 else 0), *x_strides, *m_strides,
         D=d, G=group_size, BLOCK_K=min(d, TILE // d), HAS_HEADS=hist_heads is not None,
         HAS_MU_K=mu_k is not None, HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[meta_dtype],
-        STD=quantizer == "std",
+        STD=quantizer == "std", CODED_BITS=0 if coded is None else coded.bits, WIN_KIND=_META_KIND[win_k.dtype],
         num_warps=NUM_WARPS,
     )
     return None

@@ -1,6 +1,6 @@
 """The compiled storage's ops (``torch.library``, opaque to the compiler): its decode attention
-(``oscar::decode_attention_static``), its one-token write (``oscar::append_token_``) and one-slot write of the
-full-precision heads (``oscar::write_slot_``).
+(``oscar::decode_attention_static``), its one-token write (``oscar::append_token_``) and the retrieval heads' read
+(``oscar::heads_decode``).
 
 Under ``torch.compile`` (``generate`` compiling a :class:`~oscar_hf.StaticOscarCache`
 decode step, CUDA graphs) the Triton launches of :func:`~oscar_hf.kernels.decode_triton.decode_attention_triton`
@@ -10,9 +10,9 @@ launches. The fake implementation only gives the output's shape and dtype. The o
 output and partials, mutates nothing, and reads the history length from ``n_valid`` on the device.
 
 The decode step's write (``oscar::append_token_``, :func:`append_token_op`) is a second op, with the same
-reasons: it mutates one layer's window and INT2 history in place (declared in ``mutates_args``, so functionalization
-tracks it), touches only the rows that change (one fused launch on CUDA, the torch reference elsewhere) and returns
-nothing. ``oscar::write_slot_`` writes one slot of a full-precision buffer in place for the same reason.
+reasons: it mutates one layer's window and history (the INT2 heads' and the retrieval heads' entries) in place
+(declared in ``mutates_args``, so functionalization tracks it), touches only the rows that change (one fused launch on
+CUDA, the torch reference elsewhere) and returns nothing.
 """
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ _USE_KERNELS = {"auto": "auto", True: "on", False: "off"}  # the op's string for
 
 @torch.library.custom_op(
     "oscar::append_token_",
-    mutates_args=("win_k", "win_v", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"),
+    mutates_args=("win_k", "win_v", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero",
+                  "ck_x", "ck_scale", "ck_zero", "cv_x", "cv_scale", "cv_zero"),
 )
 def append_token_(
     new_k: torch.Tensor, new_v: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
@@ -61,27 +62,36 @@ def append_token_(
     length: torch.Tensor, pad: torch.Tensor, hist_heads: torch.Tensor | None,
     r_k: torch.Tensor, mu_k: torch.Tensor | None, clip_k: float, r_v: torch.Tensor, mu_v: torch.Tensor | None,
     clip_v: float, group_size: int, meta_dtype: torch.dtype, sink: int, recent: int, use_kernels: str,
-    quantizer: str,
+    quantizer: str, ck_x: torch.Tensor | None, ck_scale: torch.Tensor | None, ck_zero: torch.Tensor | None,
+    cv_x: torch.Tensor | None, cv_scale: torch.Tensor | None, cv_zero: torch.Tensor | None,
+    coded_of: torch.Tensor | None, coded_bits: int,
 ) -> None:
-    """:func:`~oscar_hf.kernels.write_path.append_token` on flattened :class:`QuantizedRows`; ``use_kernels`` is
-    ``"auto"``, ``"on"`` or ``"off"``."""
-    from .write_path import append_token
+    """:func:`~oscar_hf.kernels.write_path.append_token` on flattened :class:`QuantizedRows` and
+    :class:`~oscar_hf.kernels.write_path.CodedSlots` (``coded_of`` None: no retrieval heads; 16-bit stores have no
+    scale or zero); ``use_kernels`` is ``"auto"``, ``"on"`` or ``"off"``."""
+    from .write_path import CodedSlots, append_token
 
     kernels = {"auto": "auto", "on": True, "off": False}[use_kernels]
+    coded = None
+    if coded_of is not None:
+        k, v = ((x,) if coded_bits == 16 else (x, sc, z) for x, sc, z in ((ck_x, ck_scale, ck_zero),
+                                                                          (cv_x, cv_scale, cv_zero)))
+        coded = CodedSlots(k, v, coded_of, coded_bits)
     append_token(new_k, new_v, win_k, win_v, QuantizedRows(k_codes, k_scale, k_zero),
                  QuantizedRows(v_codes, v_scale, v_zero), length, pad, hist_heads, r_k, mu_k, clip_k, r_v, mu_v,
-                 clip_v, group_size, meta_dtype, sink, recent, use_kernels=kernels, quantizer=quantizer)
+                 clip_v, group_size, meta_dtype, sink, recent, use_kernels=kernels, quantizer=quantizer, coded=coded)
 
 
 @append_token_.register_fake
 def _(new_k, new_v, win_k, win_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, length, pad, hist_heads,
-      r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, use_kernels, quantizer):
+      r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, use_kernels, quantizer,
+      ck_x, ck_scale, ck_zero, cv_x, cv_scale, cv_zero, coded_of, coded_bits):
     return None
 
 
 def append_token_op(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
                     hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
-                    use_kernels="auto", quantizer="minmax") -> None:
+                    use_kernels="auto", quantizer="minmax", coded=None) -> None:
     """:func:`~oscar_hf.kernels.write_path.append_token`'s signature through the opaque op ``oscar::append_token_``
     (for ``torch.compile`` / CUDA graphs): mutates the window and history in place, returns None.
 
@@ -91,25 +101,11 @@ def append_token_op(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: Q
     skipped for "mutated inputs")."""
     if use_kernels not in _USE_KERNELS:
         raise ValueError(f"use_kernels must be 'auto', True or False, got {use_kernels!r}")
+    parts = (None,) * 6 if coded is None else (*_parts3(coded.k), *_parts3(coded.v))
     append_token_(new_k, new_v, win_k, win_v, *hist_k, *hist_v, length, pad, hist_heads, r_k, mu_k, float(clip_k),
                   r_v, mu_v, float(clip_v), int(group_size), meta_dtype, int(sink), int(recent),
-                  _USE_KERNELS[use_kernels], quantizer)
-
-
-@torch.library.custom_op("oscar::write_slot_", mutates_args=("buf",))
-def write_slot_(buf: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
-    """``buf[:, :, slot] = new[:, :, 0]`` (``slot`` a 0-d device tensor): opaque to the compiler, so that the
-    compiled step writes one row in place instead of a functional copy of the whole buffer."""
-    buf.index_copy_(2, slot.reshape(1), new)
-
-
-@write_slot_.register_fake
-def _(buf, new, slot) -> None:
-    return None
-
-
-def write_slot_op(buf: torch.Tensor, new: torch.Tensor, slot: torch.Tensor) -> None:
-    write_slot_(buf, new.contiguous(), slot)
+                  _USE_KERNELS[use_kernels], quantizer, *parts, None if coded is None else coded.coded_of,
+                  0 if coded is None else int(coded.bits))
 
 
 @torch.library.custom_op("oscar::heads_decode", mutates_args=())

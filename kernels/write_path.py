@@ -21,11 +21,13 @@ supported shapes on CUDA to one fused Triton launch (``append_triton.py``).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from oscar_hf.quant import QuantizedRows, quantize_rows
+from oscar_hf.quant import QuantizedRows, encode_heads, quantize_rows
 
-from .append_checks import check_append_inputs
+from .append_checks import check_append_inputs, check_coded_slots
 from .plan import triton_enabled
 
 
@@ -60,6 +62,18 @@ def rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset
 # ---------------------------------------------------------------------------------- one-token write step (static cache)
 
 
+class CodedSlots(NamedTuple):
+    """The retrieval heads' history entries that the one-token write fills beside the INT2 heads' (``coded=`` of
+    :func:`append_token`): ``k``/``v`` the stored parts ``[B, P, N, *]`` (:func:`~oscar_hf.quant.encode_heads`:
+    ``(x,)`` at 16 bits, ``(codes, scale, zero)`` at 8 / 4, metadata in the window's dtype), ``coded_of [Hk]`` int64
+    each KV head's index among them or -1 (an INT2 head), ``bits`` 16, 8 or 4."""
+
+    k: tuple[torch.Tensor, ...]
+    v: tuple[torch.Tensor, ...]
+    coded_of: torch.Tensor
+    bits: int
+
+
 def _kv_head_of_hist(hist_heads, hq: int):
     """``[Hq]`` int64: the KV head that history head ``hh`` stores (the inverse of ``hist_heads``, computed on the
     device: every history index is assumed to be the image of exactly one KV head), or None for the identity."""
@@ -74,7 +88,7 @@ def _kv_head_of_hist(hist_heads, hq: int):
 
 def append_token_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
                            hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
-                           quantizer="minmax"):
+                           quantizer="minmax", coded: CodedSlots | None = None):
     """One decode step of the static cache's storage, in place; returns None. Tensor ops only (no host sync), so it
     can be captured in a CUDA graph or compiled.
 
@@ -89,26 +103,35 @@ def append_token_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hi
 
     Steps: (1) slot ``s = T - 1 - W`` leaves the window: when ``S0 <= s < S0 + N`` its ring entry is quantized
     (rotate, center, clip, INT2) into history index ``s - S0`` of every quantized head; it is read before (2), which
-    overwrites the same entry when ``R = W + 1``. (2) ``new [B, Hk, 1, D]`` goes to ring entry ``S0 + T % R``, and
-    to sink entry ``T - pad[b]`` of each row with ``0 <= T - pad[b] < S0``."""
+    overwrites the same entry when ``R = W + 1``; ``coded`` (:class:`CodedSlots`, the retrieval heads) gets the same
+    slot's entry of its heads, coded. (2) ``new [B, Hk, 1, D]`` goes to ring entry ``S0 + T % R``, and to sink entry
+    ``T - pad[b]`` of each row with ``0 <= T - pad[b] < S0``."""
     ring, n, hq = check_append_inputs(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
                                       r_v, mu_v, group_size, meta_dtype, sink, recent)
+    check_coded_slots(coded, win_k, n)
     s0, t = sink, length
     # 1. demotion: written to a clamped index, masked to the old contents when slot s is no history slot
+    s = t - 1 - recent
+    e = s - s0
+    ok = (e >= 0) & (e < n)
+    src_entry = (s0 + torch.remainder(s, ring)).reshape(1)
+    dst = e.clamp(0, max(n - 1, 0)).reshape(1)
+
+    def write(stores, rows):
+        for store, row in zip(stores, rows, strict=True):
+            store.index_copy_(2, dst, torch.where(ok, row, store.index_select(2, dst)))
+
     if n > 0 and hq > 0:
-        s = t - 1 - recent
-        e = s - s0
-        ok = (e >= 0) & (e < n)
-        src_entry = (s0 + torch.remainder(s, ring)).reshape(1)
-        dst = e.clamp(0, n - 1).reshape(1)
         heads = _kv_head_of_hist(hist_heads, hq)
         for win, hist, r, mu, clip in ((win_k, hist_k, r_k, mu_k, clip_k), (win_v, hist_v, r_v, mu_v, clip_v)):
             x = win.index_select(2, src_entry)  # [B, Hk, 1, D]
             if heads is not None:
                 x = x.index_select(1, heads)  # [B, Hq, 1, D]
-            q = rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, quantizer=quantizer)
-            for store, row in zip(hist, q):
-                store.index_copy_(2, dst, torch.where(ok, row, store.index_select(2, dst)))
+            write(hist, rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, quantizer=quantizer))
+    if n > 0 and coded is not None:
+        heads = _kv_head_of_hist(coded.coded_of, coded.k[0].shape[1])  # [P]: the KV head of each coded entry
+        for win, store in ((win_k, coded.k), (win_v, coded.v)):
+            write(store, encode_heads(win.index_select(2, src_entry).index_select(1, heads), coded.bits))
     # 2. the new token: ring entry, then the sink of rows with fewer than S0 real tokens
     entry = (s0 + torch.remainder(t, ring)).reshape(1)
     win_k.index_copy_(2, entry, new_k)
@@ -124,7 +147,7 @@ def append_token_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hi
 
 def append_token(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad, hist_heads,
                  r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, use_kernels="auto",
-                 quantizer="minmax"):
+                 quantizer="minmax", coded: CodedSlots | None = None):
     """Dispatch :func:`append_token_reference`: one fused Triton launch on CUDA (when importable, allowed and the
     shape is supported, as for :func:`rotate_quantize`), else the torch reference. Returns None."""
     if triton_enabled(new_k, use_kernels):
@@ -135,6 +158,7 @@ def append_token(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: Quan
 
             return append_token_triton(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k,
                                        mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
-                                       quantizer=quantizer)
+                                       quantizer=quantizer, coded=coded)
     return append_token_reference(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
-                                  clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, quantizer=quantizer)
+                                  clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, quantizer=quantizer,
+                                  coded=coded)

@@ -160,6 +160,16 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return lo | (hi << 4)
 
 
+def encode_heads(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
+    """A retrieval head's rows ``x [..., D]`` (model dtype) in their stored form (:mod:`oscar_hf.cache.heads`):
+    ``(x,)`` at 16 bits; else :func:`quantize_minmax` codes (INT4 packed by :func:`pack_int4`), scale and zero in
+    ``x``'s dtype."""
+    if bits == 16:
+        return (x,)
+    q = quantize_minmax(x, bits, x.dtype)
+    return (pack_int4(q.codes) if bits == 4 else q.codes, q.scale, q.zero)
+
+
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_int4`."""
     return torch.cat([packed & 15, packed >> 4], dim=-1)

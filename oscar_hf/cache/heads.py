@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import QuantizedRows, dequantize_minmax, pack_int4, quantize_minmax, unpack_int4
+from ..quant import QuantizedRows, dequantize_minmax, encode_heads, unpack_int4
 
 def part_names(bits: int) -> tuple[str, ...]:
     """Names of the stored tensors (what a saved cache calls them)."""
@@ -46,11 +46,9 @@ def allocate(bits: int, b: int, p: int, n: int, head_dim: int, dtype: torch.dtyp
 
 
 def encode(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
-    """``x [B, P, L, D]`` (model dtype) -> its stored form."""
-    if bits == 16:
-        return (x,)
-    q = quantize_minmax(x, bits, x.dtype)
-    return (pack_int4(q.codes) if bits == 4 else q.codes, q.scale, q.zero)
+    """``x [B, P, L, D]`` (model dtype) -> its stored form (:func:`~oscar_hf.quant.encode_heads`, which the fused
+    one-token write's reference shares)."""
+    return encode_heads(x, bits)
 
 
 def decode(parts: tuple[torch.Tensor, ...], bits: int, dtype: torch.dtype) -> torch.Tensor:

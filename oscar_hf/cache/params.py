@@ -35,6 +35,7 @@ class LayerParams:
     int2_idx: torch.Tensor  # [Hq] long
     coded_idx: torch.Tensor  # [P] long
     hist_of: torch.Tensor | None  # [Hk] long: KV head -> INT2 head (-1: coded), for the fused write; None without
+    coded_of: torch.Tensor | None  # [Hk] long: KV head -> coded head (-1: INT2), for the fused write; None without
     bits: int  # the coded heads' storage (16, 8 or 4)
 
     @classmethod
@@ -47,15 +48,13 @@ class LayerParams:
         r = (rotation.select_heads(int2) if coded else rotation).to(device)
         centered = config.center and (rotation.mu_k is not None or rotation.mu_v is not None)
         idx = lambda hs: torch.tensor(hs, dtype=torch.long, device=device)  # noqa: E731
-        hist_of = None
-        if coded:
-            where = [-1] * num_kv_heads
-            for j, h in enumerate(int2):
-                where[h] = j
-            hist_of = idx(where)
+        def index_of(heads):  # [Hk]: each KV head's place among `heads`, -1 if not there
+            return idx([heads.index(h) if h in heads else -1 for h in range(num_kv_heads)])
+
         return cls(r.r_k, r.r_v, r.mu_k if centered else None, r.mu_v if centered else None,
                    config.clip_for("k", layer_idx, rotation.clip_k), config.clip_for("v", layer_idx, rotation.clip_v),
-                   int2, coded, idx(int2), idx(coded), hist_of, int(config.full_precision_bits))
+                   int2, coded, idx(int2), idx(coded), index_of(int2) if coded else None,
+                   index_of(coded) if coded else None, int(config.full_precision_bits))
 
     def with_tensors(self, fn) -> "LayerParams":
         """The same parameters with ``fn`` applied to each tensor (the compiled storage gives each layer its own

@@ -36,7 +36,8 @@ import torch
 from oscar_hf.kernels import triton_enabled
 from oscar_hf.kernels.heads_attention import heads_decode_attention
 from oscar_hf.kernels.int2_attention import decode_attention_rotating
-from oscar_hf.kernels.static_op import append_token_op, write_slot_op
+from oscar_hf.kernels.static_op import append_token_op
+from oscar_hf.kernels.write_path import CodedSlots
 
 from ..attention import OscarKV
 from ..config import OscarConfig
@@ -231,11 +232,10 @@ class StaticOscarLayer(QuantizedLayerBase):
         hk, cfg = self.num_kv_heads, self.config
         t = self.length  # slot of the new token; the window then holds slots [T - W, T]
         mu_k, mu_v = self.offsets()
+        coded = CodedSlots(self.coded_k, self.coded_v, self.params.coded_of, cfg.full_precision_bits) if self.fp_heads else None
         append_token_op(new_k, new_v, self.win_k, self.win_v, self.hist_k, self.hist_v, t, self.pad, self.params.hist_of,
                         self.params.r_k, mu_k, self.params.clip_k, self.params.r_v, mu_v, self.params.clip_v, cfg.group_size,
-                        cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels, cfg.quantizer)
-        if self.fp_heads:
-            self._demote_coded_heads(t)
+                        cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels, cfg.quantizer, coded)
         qf = group_queries(query.float(), hk)  # [B, Hk, g, D]
         win_mask = self.window_mask(t + 1, cfg.recent + 1)[:, None, None, :]  # [B, 1, 1, S0 + R]
         n_valid = self.n_hist(t)  # history slots [S0, T - W) once the write above demoted slot T - 1 - W
@@ -256,20 +256,6 @@ class StaticOscarLayer(QuantizedLayerBase):
             out = self._merge_full_precision_heads(out, query, t, win_mask[:, 0, 0], scaling)
         self.length.add_(1)
         return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
-
-    def _demote_coded_heads(self, t: torch.Tensor) -> None:
-        """The retrieval heads' half of a decode step's demotion (``append_token_op`` did the INT2 heads'): slot
-        ``s = T - 1 - W`` coded from its ring entry (intact: the new token went to entry ``S0 + T % R``, ``R > W + 1``)
-        into history index ``s - S0``. ``t`` (= ``T``) is a 0-d device tensor: no host sync, one CUDA graph for every
-        step. While ``s < S0`` there is no such entry and the write goes to index 0 (clamped) instead: harmless, as
-        index 0 is read only once slot ``S0`` is demoted, which overwrites it."""
-        s0 = self.config.sink
-        s = t - 1 - self.config.recent
-        entry = ring_entries(s, s0, self.ring).reshape(1)
-        dst = (s - s0).clamp(min=0)
-        for store, win in ((self.coded_k, self.win_k), (self.coded_v, self.win_v)):
-            for buf, row in zip(store, self.params.encode_coded(win.index_select(2, entry))):  # [B, P, 1, *]
-                write_slot_op(buf, row, dst)
 
     def _merge_full_precision_heads(self, out_q, query, t, win_ok, scaling: float) -> torch.Tensor:
         """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and the retrieval heads' read of their coded history in

@@ -11,8 +11,8 @@ from kernel_utils import HAS_CUDA, random_rotation, setup_interpreter
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from oscar_hf.kernels.static_op import append_token_op  # noqa: E402
-from oscar_hf.kernels.write_path import append_token, append_token_reference  # noqa: E402
-from oscar_hf.quant import QuantizedRows, quantize_rows, unpack_int2  # noqa: E402
+from oscar_hf.kernels.write_path import CodedSlots, append_token, append_token_reference  # noqa: E402
+from oscar_hf.quant import QuantizedRows, encode_heads, quantize_rows, unpack_int2  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRITON_INTERPRET=1 without CUDA)")
 
@@ -30,7 +30,7 @@ class Layer:
     """One layer's storage and constants, with random initial contents (so a wrong or missing write shows)."""
 
     def __init__(self, b, hk, d, g, sink, recent, ring, n, *, heads=None, mu_k="2d", mu_v=True, dtype=torch.bfloat16,
-                 meta=torch.bfloat16, exact=False, seed=0, device="cpu"):
+                 meta=torch.bfloat16, exact=False, seed=0, device="cpu", coded_bits=None):
         gen = torch.Generator().manual_seed(seed)
         self.sink, self.recent, self.g, self.meta = sink, recent, g, meta
         self.heads = torch.tensor(heads, dtype=torch.long) if heads is not None else None
@@ -51,6 +51,20 @@ class Layer:
                      "3d": 4.0 * torch.randn(b, hq, d, generator=gen)}[mu_k]
         self.mu_v = torch.randn(hq, d, generator=gen) if mu_v else None
         self.clip_k, self.clip_v = 0.95, 0.9
+        # the retrieval heads' coded stores (the heads marked -1), random like the rest
+        self.coded_bits, self.coded_k, self.coded_v, self.coded_of = coded_bits, None, None, None
+        if coded_bits is not None:
+            p = hk - hq
+            self.coded_of = torch.tensor([-1] * hk, dtype=torch.long)
+            self.coded_of[[h for h in range(hk) if heads[h] < 0]] = torch.arange(p)
+
+            def coded():
+                if coded_bits == 16:
+                    return (torch.randn(b, p, n, d, generator=gen).to(dtype),)
+                return (torch.randint(0, 256, (b, p, n, d * coded_bits // 8), generator=gen, dtype=torch.uint8),
+                        torch.rand(b, p, n, 1, generator=gen).to(dtype), torch.randn(b, p, n, 1, generator=gen).to(dtype))
+
+            self.coded_k, self.coded_v = coded(), coded()
         self.to(device)
 
     def to(self, device):
@@ -59,6 +73,8 @@ class Layer:
                 setattr(self, name, v.to(device))
             elif isinstance(v, QuantizedRows):
                 setattr(self, name, QuantizedRows(*(x.to(device) for x in v)))
+            elif isinstance(v, tuple):
+                setattr(self, name, tuple(x.to(device) for x in v))
         return self
 
     def clone(self):
@@ -68,11 +84,19 @@ class Layer:
                 v = v.clone()
             elif isinstance(v, QuantizedRows):
                 v = QuantizedRows(*(x.clone() for x in v))
+            elif isinstance(v, tuple):
+                v = tuple(x.clone() for x in v)
             setattr(new, name, v)
         return new
 
     def tensors(self):
-        return [self.win_k, self.win_v, *self.hist_k, *self.hist_v]
+        return [self.win_k, self.win_v, *self.hist_k, *self.hist_v, *(self.coded_k or ()), *(self.coded_v or ())]
+
+    def coded(self) -> dict:
+        """``coded=`` of the write (the retrieval heads' stores), or nothing."""
+        if self.coded_bits is None:
+            return {}
+        return dict(coded=CodedSlots(self.coded_k, self.coded_v, self.coded_of, self.coded_bits))
 
     def args(self, new_k, new_v, length, pad):
         """The positional arguments of append_token_reference / append_token_triton / append_token_op."""
@@ -108,6 +132,11 @@ def naive_step(layer, new_k, new_v, t: int, pad: list[int]):
             for h in range(hk):
                 hh = h if layer.heads is None else int(layer.heads[h])
                 if hh < 0:
+                    if layer.coded_bits is not None:  # a retrieval head: the slot's row coded on its own
+                        cp = int(layer.coded_of[h])
+                        for win, store in ((layer.win_k, layer.coded_k), (layer.win_v, layer.coded_v)):
+                            for dst, src in zip(store, encode_heads(win[b, h, s0 + s % ring][None], layer.coded_bits)):
+                                dst[b, cp, s - s0] = src[0]
                     continue
                 for win, hist, r, mu, clip in ((layer.win_k, layer.hist_k, layer.r_k, layer.mu_k, layer.clip_k),
                                                (layer.win_v, layer.hist_v, layer.r_v, layer.mu_v, layer.clip_v)):
@@ -142,23 +171,28 @@ def assert_kernel_matches(got: Layer, ref: Layer):
         cg, cr = unpack_int2(qg.codes).int(), unpack_int2(qr.codes).int()
         diff = (cg - cr).abs()
         assert diff.max() <= 1 and (diff > 0).double().mean() < 5e-3, f"{int((diff > 0).sum())} codes differ"
+    for a, b in zip((got.coded_k or ()) + (got.coded_v or ()), (ref.coded_k or ()) + (ref.coded_v or ())):
+        assert torch.equal(a, b), "retrieval heads' codes differ (no matvec: they must be exact)"
 
 
 # ------------------------------------------------------------------------------------- (a) reference vs loop model
 
 
 @pytest.mark.parametrize(
-    "heads,ring_extra,mu_k,meta,dtype",
+    "heads,ring_extra,mu_k,meta,dtype,coded_bits",
     [
-        (None, 0, "2d", torch.bfloat16, torch.bfloat16),  # R = W + 1: the demoted entry is the new token's entry
-        ([1, -1, 0], 2, "3d", torch.bfloat16, torch.bfloat16),  # R > W + 1; head 1 full precision; per-row mu_k
-        ([-1, 0, 1], 0, None, torch.float16, torch.float32),  # no offsets, fp16 metadata, fp32 window
+        (None, 0, "2d", torch.bfloat16, torch.bfloat16, None),  # R = W + 1: the demoted entry is the new token's entry
+        ([1, -1, 0], 2, "3d", torch.bfloat16, torch.bfloat16, None),  # R > W + 1; head 1 not INT2; per-row mu_k
+        ([-1, 0, 1], 0, None, torch.float16, torch.float32, None),  # no offsets, fp16 metadata, fp32 window
+        ([1, -1, 0], 2, "3d", torch.bfloat16, torch.bfloat16, 8),  # head 1 a retrieval head, coded INT8 ...
+        ([-1, 0, -1], 0, None, torch.float16, torch.float16, 4),  # ... INT4 (two of them)
+        ([1, -1, 0], 0, "2d", torch.bfloat16, torch.float32, 16),  # ... as it is
     ],
 )
-def test_reference_matches_loop_model(heads, ring_extra, mu_k, meta, dtype):
+def test_reference_matches_loop_model(heads, ring_extra, mu_k, meta, dtype, coded_bits):
     s0, w, n = 2, 3, 5
     layer = Layer(3, 3, 32, 16, s0, w, w + 1 + ring_extra, n, heads=heads, mu_k=mu_k, mu_v=mu_k is not None,
-                  dtype=dtype, meta=meta, exact=True, seed=len(heads or []) + ring_extra)
+                  dtype=dtype, meta=meta, exact=True, seed=len(heads or []) + ring_extra, coded_bits=coded_bits)
     pad = [0, 1, 3]  # row 2 fills its sink at slots 3 and 4; 3 >= S0 so its slots 0..2 are padding
     model = layer.clone()
     first = layer.clone()
@@ -166,14 +200,16 @@ def test_reference_matches_loop_model(heads, ring_extra, mu_k, meta, dtype):
     # T = 0 .. S0 + W + N + 2: sink filling, the first demotion (T = S0 + W + 1), the last history row, overflow
     for t in range(s0 + w + n + 3):
         new_k, new_v = _tokens(layer, t)
-        append_token_reference(*layer.args(new_k, new_v, torch.tensor(t), torch.tensor(pad)))
+        append_token_reference(*layer.args(new_k, new_v, torch.tensor(t), torch.tensor(pad)), **layer.coded())
         naive_step(model, new_k, new_v, t, pad)
         assert_same(layer, model, f"T={t}")
         demotions += 0 <= t - 1 - w - s0 < n
     assert demotions == n
     # every history row was written once (random initial contents replaced), nothing else changed
-    for now, then in ((layer.hist_k, first.hist_k), (layer.hist_v, first.hist_v)):
-        assert (now.codes != then.codes).any(-1).all()  # [B, Hq, N]
+    for now, then in ((layer.hist_k, first.hist_k), (layer.hist_v, first.hist_v), (layer.coded_k, first.coded_k),
+                      (layer.coded_v, first.coded_v)):
+        if now is not None:
+            assert (now[0] != then[0]).any(-1).all()  # [B, Hq or P, N]
 
 
 def test_reference_no_demotion_past_capacity():
@@ -208,26 +244,30 @@ def test_bad_inputs():
 
 @interp
 @pytest.mark.parametrize(
-    "b,hk,d,g,heads,ring_extra,mu_k,dtype,meta,quantizer",
+    "b,hk,d,g,heads,ring_extra,mu_k,dtype,meta,quantizer,coded_bits",
     [
-        (2, 2, 64, 32, None, 0, "2d", torch.bfloat16, torch.bfloat16, "minmax"),
-        (2, 3, 32, 32, [1, -1, 0], 2, "3d", torch.float16, torch.float16, "minmax"),
-        (1, 2, 64, 16, [-1, 0], 1, None, torch.float32, torch.float32, "minmax"),
-        (2, 3, 64, 32, [1, -1, 0], 1, "3d", torch.bfloat16, torch.bfloat16, "std"),
+        (2, 2, 64, 32, None, 0, "2d", torch.bfloat16, torch.bfloat16, "minmax", None),
+        (2, 3, 32, 32, [1, -1, 0], 2, "3d", torch.float16, torch.float16, "minmax", None),
+        (1, 2, 64, 16, [-1, 0], 1, None, torch.float32, torch.float32, "minmax", None),
+        (2, 3, 64, 32, [1, -1, 0], 1, "3d", torch.bfloat16, torch.bfloat16, "std", None),
+        (2, 3, 64, 32, [1, -1, 0], 1, "3d", torch.bfloat16, torch.bfloat16, "minmax", 8),
+        (2, 3, 32, 32, [-1, 0, -1], 0, None, torch.float16, torch.float16, "minmax", 4),
+        (1, 2, 64, 16, [-1, 0], 1, "2d", torch.float32, torch.float32, "minmax", 8),
+        (2, 2, 64, 32, [0, -1], 2, "2d", torch.bfloat16, torch.bfloat16, "minmax", 16),
     ],
 )
-def test_kernel_matches_reference(b, hk, d, g, heads, ring_extra, mu_k, dtype, meta, quantizer):
+def test_kernel_matches_reference(b, hk, d, g, heads, ring_extra, mu_k, dtype, meta, quantizer, coded_bits):
     s0, w, n = 2, 2, 3
     ref = Layer(b, hk, d, g, s0, w, w + 1 + ring_extra, n, heads=heads, mu_k=mu_k, mu_v=mu_k is not None,
-                dtype=dtype, meta=meta, seed=d + g)
+                dtype=dtype, meta=meta, seed=d + g, coded_bits=coded_bits)
     got, minmax = ref.clone(), ref.clone()
     pad = torch.tensor([1, 0][:b])
     for t in range(s0 + w + n + 2):
         new_k, new_v = _tokens(ref, t)
-        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), pad), quantizer=quantizer)
-        _triton()(*got.args(new_k, new_v, torch.tensor(t), pad), quantizer=quantizer)
+        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), pad), quantizer=quantizer, **ref.coded())
+        _triton()(*got.args(new_k, new_v, torch.tensor(t), pad), quantizer=quantizer, **got.coded())
         assert_kernel_matches(got, ref)
-        append_token_reference(*minmax.args(new_k, new_v, torch.tensor(t), pad))
+        append_token_reference(*minmax.args(new_k, new_v, torch.tensor(t), pad), **minmax.coded())
     # "std" really is another grid than the default's
     assert torch.equal(minmax.hist_k.scale, ref.hist_k.scale) == (quantizer == "minmax")
 
@@ -257,30 +297,34 @@ def test_dispatch():
 # ------------------------------------------------------------------------------- (c) the custom op under torch.compile
 
 
-@pytest.mark.parametrize("heads", [None, [1, -1, 0]])
-def test_op_compiled_matches_eager(heads):
+@pytest.mark.parametrize("heads,coded_bits", [(None, None), ([1, -1, 0], None), ([1, -1, 0], 8), ([-1, 0, 1], 16)])
+def test_op_compiled_matches_eager(heads, coded_bits):
     """The op inside a compiled step (fullgraph, inductor on CPU) mutates exactly as the eager reference, in place:
     the generated code calls the op on the graph inputs and allocates or clones no buffer."""
     from torch._inductor.utils import run_and_get_code
 
     s0, w, n = 2, 2, 4
-    ref = Layer(2, 3, 32, 16, s0, w, w + 2, n, heads=heads, mu_k="3d", seed=11)
+    ref = Layer(2, 3, 32, 16, s0, w, w + 2, n, heads=heads, mu_k="3d", seed=11, coded_bits=coded_bits)
     got = ref.clone()
     pad = torch.tensor([0, 2])
     consts = dict(heads=got.heads, r_k=got.r_k, mu_k=got.mu_k, r_v=got.r_v, mu_v=got.mu_v)
+    parts = 0 if coded_bits is None else 1 if coded_bits == 16 else 3
 
-    def step(new_k, new_v, win_k, win_v, kc, ks, kz, vc, vs, vz, length):
-        c = consts
+    def step(new_k, new_v, win_k, win_v, kc, ks, kz, vc, vs, vz, *coded_length):
+        c, length = consts, coded_length[-1]
+        coded = None
+        if parts:
+            coded = CodedSlots(coded_length[:parts], coded_length[parts : 2 * parts], got.coded_of, coded_bits)
         append_token_op(new_k, new_v, win_k, win_v, QuantizedRows(kc, ks, kz), QuantizedRows(vc, vs, vz), length, pad,
                         c["heads"], c["r_k"], c["mu_k"], 0.95, c["r_v"], c["mu_v"], 0.9, 16, torch.bfloat16, s0, w,
-                        "auto")
+                        "auto", coded=coded)
         length.add_(1)
 
     compiled = torch.compile(step, fullgraph=True, backend="inductor")
     length = torch.tensor(0)
     for t in range(s0 + w + n + 2):
         new_k, new_v = _tokens(ref, t)
-        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), pad))
+        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), pad), **ref.coded())
         if t == 0:
             _, (code, *_) = run_and_get_code(compiled, new_k, new_v, *got.tensors(), length)
             assert "torch.ops.oscar.append_token_.default(" in code
@@ -313,15 +357,16 @@ def test_op_eager_and_bad_use_kernels():
 @pytest.mark.parametrize("quantizer", ["minmax", "std"])
 def test_gpu_kernel_matches_reference(b, d, g, quantizer):
     s0, w, n, hk = 4, 16, 40, 8
-    heads = [0, 1, -1, 2, 3, 4, -1, 5] if d == 128 and g == 64 else None  # one case with full-precision heads
+    heads = [0, 1, -1, 2, 3, 4, -1, 5] if g == 64 else None  # cases with retrieval heads, coded at 8 / 4 / 16 bits
+    coded_bits = {64: 8, 128: 4}[d] if heads and quantizer == "minmax" else 16 if heads else None
     ref = Layer(b, hk, d, g, s0, w, w + 1 + 64 * (g == 64), n, heads=heads, mu_k="3d" if b == 8 else "2d",
-                seed=b + d + g, device="cuda")
+                seed=b + d + g, device="cuda", coded_bits=coded_bits)
     got = ref.clone()
     pad = torch.arange(b, device="cuda") * 3  # rows with and without left padding, some filling the sink late
     for t in range(s0 + w + n + 4):
         new_k, new_v = _tokens(ref, t, "cuda")
         length = torch.tensor(t, device="cuda")
-        append_token_reference(*ref.args(new_k, new_v, length, pad), quantizer=quantizer)
-        _triton()(*got.args(new_k, new_v, length, pad), quantizer=quantizer)
+        append_token_reference(*ref.args(new_k, new_v, length, pad), quantizer=quantizer, **ref.coded())
+        _triton()(*got.args(new_k, new_v, length, pad), quantizer=quantizer, **got.coded())
     torch.cuda.synchronize()
     assert_kernel_matches(got.to("cpu"), ref.to("cpu"))
