@@ -15,7 +15,9 @@
 #               StaticOscarCache) and B=1 at 8K, 32K, 100K               generate_<gpu>_static_b1_t{8192,32768,100000}.json
 #   eager       eager generate: B=1 at 8K/32K/100K, B=8 at 8K/32K       generate_<gpu>_b1.json, generate_<gpu>_b8.json
 #   fpheads     decode cost of 8 and 25 INT8 retrieval heads read in   generate_<gpu>_fpheads_inplace_t32768.json
-#               place, B=8/32K
+#               place, B=8/32K (`fpheads-long`: 25 heads, B=1/100K)      generate_<gpu>_fpheads_inplace_b1_t100000.json
+#   heads-write-tests  GPU tests of the fused write with retrieval      gpu_tests_heads_write_<gpu>.log
+#               heads, the compiled storage and the heads' read
 #   quantizer   quantizer="std" vs "minmax": kernel tests, B=8/32K      gpu_tests_quantizer_<gpu>.log,
 #               prefill and decode of the default call                  generate_<gpu>_quantizer_t32768.json
 #   capacity    aggregate decode throughput at each cache's largest     capacity_<gpu>_40gib.json,
@@ -117,7 +119,15 @@ for what in "$@"; do
     # generate_<gpu>_fpheads_int8_t32768.json (the dequantize + matmul read it replaced) came from --methods oscar
     # oscar-fp8 oscar-fp8-int4 oscar-fp8-bf16 --new-tokens 48 on the tree before kernels/heads_triton.py
     run "generate_${GPU}_fpheads_inplace_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \
-        --methods oscar oscar-fp8 oscar-fp25 --new-tokens 32 --out "$OUT/generate_${GPU}_fpheads_inplace_t32768.json" ;;
+        --methods oscar oscar-fp8 oscar-fp25 --new-tokens 128 --out "$OUT/generate_${GPU}_fpheads_inplace_t32768.json" ;;
+  fpheads-long)
+    # the same at B=1/100K: none and 25 INT8 heads (about 4 minutes)
+    run "generate_${GPU}_fpheads_inplace_b1_t100000" $PY "$B/bench_generate.py" --contexts 100000 --batches 1 \
+        --methods oscar oscar-fp25 --new-tokens 64 --out "$OUT/generate_${GPU}_fpheads_inplace_b1_t100000.json" ;;
+  heads-write-tests)
+    # the fused write's retrieval-heads part and the compiled storage on the GPU
+    run "gpu_tests_heads_write_$GPU" $PY -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
+        "$R/tests/kernels/test_append_token.py" "$R/tests/cache" "$R/tests/kernels/test_heads_attention.py" ;;
   quantizer)
     # OscarConfig.quantizer="std" against the default "minmax": its kernels against the reference (write, append,
     # compiled static cache), then the default call's prefill and decode with each, twice, interleaved
