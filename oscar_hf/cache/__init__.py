@@ -108,8 +108,10 @@ class OscarCache(Cache):
     ``compile``: "auto" (default) keeps the storage on the device in fixed-address buffers
     (:class:`StaticOscarLayer`, capacity growing in buckets) when the model is on CUDA and every layer it has can
     be compiled (full attention, no ``skip_layers``, not tensor parallel), so that ``generate`` compiles the decode
-    step with CUDA graphs by itself; True asks for that storage anywhere (the CPU runs its torch reference);
-    False keeps the eager :class:`OscarLayer`.
+    step with CUDA graphs by itself; True asks for that storage anywhere (the CPU runs its torch reference), and also
+    serves models with sliding-window / chunked layers (Transformers' ``StaticSlidingWindowLayer``, a buffer of the
+    window's width, beside the compiled OSCAR layers; the compiled step is traced up to three times as that layer
+    fills, and it cannot ``crop`` once it rolls); False keeps the eager :class:`OscarLayer`.
     """
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
@@ -174,9 +176,7 @@ class OscarCache(Cache):
             return False
         why = None
         growable = self.max_cache_len_fixed is None
-        if growable and any(kind in SLIDING_LAYER_TYPES for kind in fp.layer_types):
-            why = "sliding-window layers (use StaticOscarCache with a max_cache_len)"
-        elif growable and any(i in skipped or i not in rotations.layers for i, k in enumerate(fp.layer_types)
+        if growable and any(i in skipped or i not in rotations.layers for i, k in enumerate(fp.layer_types)
                               if k in FULL_LAYER_TYPES):
             why = "layers kept in full precision (skip_layers, or layers without rotations)"
         elif growable and exact_layers:
@@ -187,6 +187,12 @@ class OscarCache(Cache):
             on_cuda = model is not None and any(p.is_cuda for p in model.parameters())
             if on_cuda and why:
                 logger.info("OscarCache: eager storage (the compiled decode step does not support %s)", why)
+            elif on_cuda and growable and any(kind in SLIDING_LAYER_TYPES for kind in fp.layer_types):
+                # compile=True serves them (Transformers' StaticSlidingWindowLayer beside the OSCAR layers, same
+                # tokens); not the default until its speed and first-call cost are measured on a GPU
+                logger.info("OscarCache: eager storage for a model with sliding-window layers (compile=True compiles "
+                            "it; not the default yet)")
+                return False
             return on_cuda and why is None
         if why:
             raise ValueError(f"OscarCache(compile=True) does not support {why}")
@@ -195,7 +201,8 @@ class OscarCache(Cache):
     # Layer factories: eager (OscarLayer) or device-resident (StaticOscarLayer) storage.
     def _sliding_layer(self, window: int):
         if self.compiled:
-            return StaticSlidingWindowLayer(max_cache_len=self.max_cache_len_fixed, sliding_window=window)
+            # a bounded buffer of the window's width, whatever the generation's length (crop refused once it rolls)
+            return StaticSlidingWindowLayer(max_cache_len=self.max_cache_len_fixed or 2**62, sliding_window=window)
         return DynamicSlidingWindowLayer(sliding_window=window)
 
     def _full_precision_layer(self):
