@@ -18,6 +18,9 @@ _META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
 # full-precision sliding-window layer (bounded by the window already, see README).
 FULL_LAYER_TYPES = ("full_attention",)
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+# Layers with a recurrent or convolution state and no per-token K/V (Qwen3-Next / Qwen3.5, Jamba, Bamba,
+# GraniteMoeHybrid, LFM2, ...): Transformers' own state layer, untouched.
+STATE_LAYER_TYPES = ("linear_attention", "conv")
 
 # full_precision_heads="auto" (the default): the KV heads whose retrieval score (oscar_hf.calibration.retrieval_heads:
 # attention mass that the answer of a key/value probe puts on its fact sentence, in [0, 1]) reaches this threshold,

@@ -82,6 +82,17 @@ def tiny_config(model_type: str, **overrides):
         "gemma3_text": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32),
         "mistral": dict(sliding_window=None),
         "phi3": dict(head_dim=None, hidden_size=96 * 2, num_attention_heads=2, num_key_value_heads=2, pad_token_id=0),
+        # sliding / chunked layers beside full attention (every 4th layer full)
+        "llama4_text": dict(num_hidden_layers=4, attention_chunk_size=16),
+        "cohere2": dict(num_hidden_layers=4, sliding_window=16),
+        "olmo3": dict(num_hidden_layers=4, sliding_window=16),
+        "exaone4": dict(num_hidden_layers=4, sliding_window=16),
+        # hybrids: linear-attention / SSM / conv layers beside full attention (Transformers' state layers)
+        "qwen3_next": dict(num_hidden_layers=4),  # full attention every 4th layer
+        "jamba": dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1),
+        "bamba": dict(num_hidden_layers=4, attn_layer_indices=[1, 3]),
+        "granitemoehybrid": dict(num_hidden_layers=4, layer_types=["mamba", "attention"] * 2),
+        "lfm2": dict(num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2),
         "qwen2": dict(),
         "qwen3": dict(),
         "llama": dict(),

@@ -27,13 +27,14 @@ from transformers.cache_utils import (
     Cache,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    LinearAttentionLayer,
     StaticLayer,
     StaticSlidingWindowLayer,
 )
 
 from ..attention import enable_oscar
 from ..compiled_step import install_step_hook
-from ..config import FULL_LAYER_TYPES, SLIDING_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
+from ..config import FULL_LAYER_TYPES, SLIDING_LAYER_TYPES, STATE_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
 from ..distributed import shard_cache_for_tensor_parallel
 from ..rotations import LayerRotation, OscarRotations
 from .dynamic import OscarLayer
@@ -132,6 +133,11 @@ class OscarCache(Cache):
         cal_g = rotations.metadata.get("group_size")
         if cal_g is not None and int(cal_g) != config.group_size:
             logger.warning("rotations were calibrated for group_size=%s, cache uses %s", cal_g, config.group_size)
+        if getattr(text_cfg, "kv_lora_rank", None):  # DeepSeek-V2/V3, Kimi, GLM-4-MoE-Lite, ...
+            raise NotImplementedError(
+                f"{fp.architecture}: multi-head latent attention (MLA, kv_lora_rank={text_cfg.kv_lora_rank}) is not "
+                "supported by OscarCache: Transformers caches the compressed latent and rebuilds keys and values from "
+                "it, and OSCAR's rotations are per KV head of the keys and values")
         for name in ("softcap", "attn_logit_softcapping"):
             if getattr(text_cfg, name, None):
                 raise NotImplementedError(f"{fp.architecture}: attention logit soft-capping ({name}) is not supported by OSCAR")
@@ -150,6 +156,8 @@ class OscarCache(Cache):
             if kind in SLIDING_LAYER_TYPES:
                 window = getattr(text_cfg, "sliding_window", None) if kind == "sliding_attention" else text_cfg.attention_chunk_size
                 layers.append(self._sliding_layer(window))
+            elif kind in STATE_LAYER_TYPES:  # no per-token K/V: Transformers' own state layer (compileable as it is)
+                layers.append(LinearAttentionLayer(number_of_states=getattr(text_cfg, "number_of_conv_states", 1)))
             elif kind in FULL_LAYER_TYPES:
                 if i in skipped or i not in rotations.layers or i in exact_layers:
                     layers.append(self._full_precision_layer())
@@ -187,11 +195,11 @@ class OscarCache(Cache):
             on_cuda = model is not None and any(p.is_cuda for p in model.parameters())
             if on_cuda and why:
                 logger.info("OscarCache: eager storage (the compiled decode step does not support %s)", why)
-            elif on_cuda and growable and any(kind in SLIDING_LAYER_TYPES for kind in fp.layer_types):
-                # compile=True serves them (Transformers' StaticSlidingWindowLayer beside the OSCAR layers, same
-                # tokens); not the default until its speed and first-call cost are measured on a GPU
-                logger.info("OscarCache: eager storage for a model with sliding-window layers (compile=True compiles "
-                            "it; not the default yet)")
+            elif on_cuda and growable and any(k in SLIDING_LAYER_TYPES + STATE_LAYER_TYPES for k in fp.layer_types):
+                # compile=True serves them (Transformers' StaticSlidingWindowLayer / LinearAttentionLayer beside the
+                # OSCAR layers, same tokens); not the default until its speed and first-call cost are measured on a GPU
+                logger.info("OscarCache: eager storage for a model with sliding-window or linear-attention layers "
+                            "(compile=True compiles it; not the default yet)")
                 return False
             return on_cuda and why is None
         if why:
@@ -256,7 +264,7 @@ class OscarCache(Cache):
                 tot["full_precision_heads"] += m.get("full_precision_heads", 0)
                 if layer.is_initialized:
                     elements += 2 * m["tokens"] * layer.num_kv_heads * layer.head_dim
-            elif getattr(layer, "is_initialized", False) and layer.keys is not None:
+            elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
                 nb = layer.keys.numel() * layer.keys.element_size() * 2
                 tot["full_precision_layers"] += nb
                 tot["allocated"] += nb

@@ -42,7 +42,6 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
     from safetensors.torch import save_file
 
     path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
     tensors, layers = {}, []
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, (OscarLayer, StaticOscarLayer)):
@@ -73,8 +72,10 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
                 tensors[f"layers.{i}.keys"] = layer.keys.detach().cpu().contiguous()
                 tensors[f"layers.{i}.values"] = layer.values.detach().cpu().contiguous()
             layers.append(entry)
-        else:
-            raise NotImplementedError(f"cannot serialize cache layer {type(layer).__name__}")
+        else:  # e.g. a linear-attention / conv layer's recurrent state (Transformers' LinearAttentionLayer)
+            raise NotImplementedError(f"cannot save cache layer {i}: {type(layer).__name__} is not serialized by "
+                                      "OscarCache.save (a state layer of a hybrid model)")
+    path.mkdir(parents=True, exist_ok=True)  # after every layer was read: a refused cache writes nothing
     save_file(tensors, str(path / TENSORS_NAME), metadata={"format": FORMAT})
     cache.rotations.save_pretrained(path / "rotations")
     doc = dict(format=FORMAT, version=VERSION, config=cache.oscar_config.to_dict(),

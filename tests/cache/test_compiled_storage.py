@@ -73,12 +73,13 @@ def test_compiled_generate_equals_eager_with_growth_and_left_padding(model_type)
     assert counters["stats"]["unique_graphs"] <= 2, "capacity growth must not recompile per bucket"
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "mistral"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "mistral", "llama4_text", "cohere2", "olmo3", "exaone4"])
 def test_compiled_generate_with_sliding_layers(model_type):
     """compile=True serves a model with sliding-window layers: Transformers' StaticSlidingWindowLayer (a buffer of the
     window's width) beside the compiled OSCAR layers, the same tokens and scores as the eager storage while the window
     fills and rolls, traced at most three times (the sliding layer's length: filling, full); "auto" keeps the eager
-    storage for such models (not measured on a GPU yet). Mistral with a sliding window: every layer sliding."""
+    storage for such models (not measured on a GPU yet). Mistral with a sliding window: every layer sliding; Llama 4:
+    chunked attention (the same cache layer, the chunking in the mask)."""
     from transformers import StaticSlidingWindowLayer
 
     over = dict(sliding_window=16) if model_type == "mistral" else {}
