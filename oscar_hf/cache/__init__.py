@@ -138,6 +138,9 @@ class OscarCache(Cache):
                 f"{fp.architecture}: multi-head latent attention (MLA, kv_lora_rank={text_cfg.kv_lora_rank}) is not "
                 "supported by OscarCache: Transformers caches the compressed latent and rebuilds keys and values from "
                 "it, and OSCAR's rotations are per KV head of the keys and values")
+        if is_model and any(isinstance(getattr(mod, "sinks", None), torch.Tensor) for mod in model_or_config.modules()):
+            raise NotImplementedError(f"{fp.architecture}: attention sinks (a learned sink logit per query head, "
+                                      "s_aux) are not supported by OscarCache's attention yet")
         for name in ("softcap", "attn_logit_softcapping"):
             if getattr(text_cfg, name, None):
                 raise NotImplementedError(f"{fp.architecture}: attention logit soft-capping ({name}) is not supported by OSCAR")

@@ -69,3 +69,9 @@ def test_latent_attention_is_refused_at_construction():
     cache is built, not a shape error deep inside the first forward."""
     with pytest.raises(NotImplementedError, match="latent attention"):
         OscarCache(tiny_model("deepseek_v3"), **SMALL)
+
+
+def test_attention_sinks_are_refused_at_construction():
+    """gpt-oss's sink logits (s_aux) are not in OSCAR's read: the cache says so when it is built for the model."""
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        OscarCache(tiny_model("gpt_oss", attn_implementation="eager"), **SMALL)
