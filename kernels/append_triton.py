@@ -132,8 +132,8 @@ def _append_token_kernel(
         hh = tl.load(HEADS + h)
     else:
         hh = h.to(tl.int64)
+    src = b * swb + h * swh + (S0 + s % RING) * sws  # the slot's ring entry
     if (e >= 0) & (e < N) & (hh >= 0):
-        src = b * swb + h * swh + (S0 + s % RING) * sws
         c_off = b * scb + hh * sch + e * scn
         m_off = b * ssb + hh * ssh + e * ssn
         _demote_row(WIN_K + src, RK + hh * D * D, MUK + b * smkb + hh * D, KC, KS, KZ, c_off, m_off, clip_k,
@@ -143,7 +143,6 @@ def _append_token_kernel(
     if CODED_BITS > 0:  # a retrieval head: the same slot's entry, coded
         cp = tl.load(CODED_OF + h)
         if (e >= 0) & (e < N) & (cp >= 0):
-            src = b * swb + h * swh + (S0 + s % RING) * sws
             x_off = b * sxb + cp * sxp + e * sxn
             m_off = b * szb + cp * szp + e * szn
             _code_row(WIN_K + src, CKX, CKS, CKZ, x_off, m_off, D, CODED_BITS, WIN_KIND)

@@ -1,5 +1,6 @@
 """Helpers shared by the generate tests (imported as a plain module: pytest puts tests/ on sys.path)."""
 import torch
+from transformers import CompileConfig
 
 
 def left_pad(prompts):
@@ -29,3 +30,10 @@ def random_left_padded(lens, seed: int = 5):
     """``(ids, attention_mask)``: random token ids (1..199), row ``i`` with ``lens[i]`` real tokens, left-padded."""
     torch.manual_seed(seed)
     return left_pad([torch.randint(1, 200, (n,)) for n in lens])
+
+
+def cpu_compile_config() -> CompileConfig:
+    """``generate``'s own compile route, taken on the CPU: fullgraph (a graph break is an error), the eager backend."""
+    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    cc._compile_all_devices = True  # generate compiles on CUDA only unless told
+    return cc

@@ -20,9 +20,9 @@ them quantized in INT2, ``P`` retrieval heads coded), ``S0`` sink, ``W`` recent,
   would not fit it: ``N`` grows in capacity buckets (:func:`capacity_for`), each bucket one CUDA graph.
 
 A decode step (one token at slot ``T``), device tensors only, no host synchronisation: one fused write
-(:func:`~oscar_hf.kernels.static_op.append_token_op`: demote slot ``T - 1 - W`` from the ring into the INT2
-history, then write the new token into the ring and the sink of rows still filling it), the retrieval heads' entry
-of the same slot coded from the ring, one decode attention over the window (masked per row) and the history
+(:func:`~oscar_hf.kernels.static_op.append_token_op`: demote slot ``T - 1 - W`` from the ring into the history, the
+INT2 heads quantized and the retrieval heads coded, then write the new token into the ring and the sink of rows still
+filling it), one decode attention over the window (masked per row) and the history
 (``n_valid = T - W - S0`` read on the device), ``T += 1``. A multi-token forward (prefill, next turn; eager, never
 compiled: the step wrapper runs it through the plain model) attends over the new rows in full precision like
 ``OscarLayer`` and bulk-demotes (:func:`~oscar_hf.cache.window.commit`).

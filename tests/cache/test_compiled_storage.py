@@ -6,7 +6,6 @@ kept as history entries, key_offset="prefill"."""
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import CompileConfig
 
 from oscar_hf import OscarCache
 from oscar_hf.cache import heads as heads_mod
@@ -15,7 +14,7 @@ from oscar_hf.cache import static as static_mod
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
 
-from batch_utils import random_left_padded
+from batch_utils import cpu_compile_config, random_left_padded
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 
@@ -27,15 +26,22 @@ def small_buckets(monkeypatch):
     monkeypatch.setattr(static_mod, "HEADROOM", 0.0)
 
 
-def _compile_config():
-    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
-    cc._compile_all_devices = True  # generate's auto-compile route on the CPU
-    return cc
-
-
 def _gen(m, ids, am, cache, n=16, **kw):
     return m.generate(ids, attention_mask=am, max_new_tokens=n, do_sample=False, pad_token_id=0, output_scores=True,
                       return_dict_in_generate=True, **cache_kwargs(m, cache), **kw)
+
+
+def _compiled_matches_eager(m, ids, am, cache, n):
+    """Greedy ``n`` tokens through ``cache`` (compile=True storage) by generate's compiled route, against the eager
+    storage's: the same tokens and scores. Returns the compiled generate's dynamo counters (reset before it)."""
+    ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=n)
+    torch._dynamo.reset()
+    counters.clear()
+    out = _gen(m, ids, am, cache, n=n, compile_config=cpu_compile_config())
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    return counters
 
 
 def _oscar_layers(cache):
@@ -57,20 +63,14 @@ def test_auto_is_eager_on_cpu_and_compile_true_gives_device_storage():
 def test_compiled_generate_equals_eager_with_growth_and_left_padding(model_type):
     m = tiny_model(model_type)
     ids, am = random_left_padded([3, 9, 20, 31])  # rows before, inside and past sink + recent
-    ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=40)
     cache = OscarCache(m, compile=True, **SMALL)
-    torch._dynamo.reset()
-    counters.clear()
-    out = _gen(m, ids, am, cache, n=40, compile_config=_compile_config())
-    assert torch.equal(out.sequences, ref.sequences)
-    for a, b in zip(out.scores, ref.scores):
-        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    counts = _compiled_matches_eager(m, ids, am, cache, n=40)
     layers = _oscar_layers(cache)
     # prompt 31 -> 32 slots; 40 steps grow it to 48, then 72 (GROWTH 1.5, rounded to 16)
     assert all(x.capacity == 80 and x.host_len == 31 + 39 == int(x.length) for x in layers)
     assert cache.get_seq_length() == 70
-    assert not counters["graph_break"]
-    assert counters["stats"]["unique_graphs"] <= 2, "capacity growth must not recompile per bucket"
+    assert not counts["graph_break"]
+    assert counts["stats"]["unique_graphs"] <= 2, "capacity growth must not recompile per bucket"
 
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "mistral", "llama4_text", "cohere2", "olmo3", "exaone4"])
@@ -85,17 +85,11 @@ def test_compiled_generate_with_sliding_layers(model_type):
     over = dict(sliding_window=16) if model_type == "mistral" else {}
     m = tiny_model(model_type, **over)
     ids, am = random_left_padded([9, 30])
-    ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=30)
     cache = OscarCache(m, compile=True, **SMALL)
     kinds = {type(x) for x in cache.layers}
     assert StaticSlidingWindowLayer in kinds and (model_type == "mistral") == (StaticOscarLayer not in kinds)
-    torch._dynamo.reset()
-    counters.clear()
-    out = _gen(m, ids, am, cache, n=30, compile_config=_compile_config())
-    assert torch.equal(out.sequences, ref.sequences)
-    for a, b in zip(out.scores, ref.scores):
-        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] <= 3
+    counts = _compiled_matches_eager(m, ids, am, cache, n=30)
+    assert not counts["graph_break"] and counts["stats"]["unique_graphs"] <= 3
     assert not OscarCache(m, compile="auto", **SMALL).compiled  # on the CPU anyway; on CUDA too, by choice
 
 
@@ -194,7 +188,7 @@ def test_prefill_key_offset_matches_eager():
     ids, am = random_left_padded([7, 26], seed=12)
     kw = dict(SMALL, key_offset="prefill")
     ref = _gen(m, ids, am, OscarCache(m, **kw), n=20)
-    out = _gen(m, ids, am, OscarCache(m, compile=True, **kw), n=20, compile_config=_compile_config())
+    out = _gen(m, ids, am, OscarCache(m, compile=True, **kw), n=20, compile_config=cpu_compile_config())
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)

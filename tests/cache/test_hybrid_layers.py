@@ -4,13 +4,15 @@ attention layers, in the eager and the compiled storage (``compile=True``; the C
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import CompileConfig, DynamicCache
+from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
 from oscar_hf import OscarCache
 from oscar_hf.cache import OscarLayer, StaticOscarLayer
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
+
+from batch_utils import cpu_compile_config
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 HYBRIDS = ["qwen3_next", "jamba", "bamba", "granitemoehybrid", "lfm2"]
@@ -50,11 +52,9 @@ def test_compiled_equals_eager_past_quantization(model, tmp_path):
     ref = _gen(model, ids, OscarCache(model, **SMALL), n=12)
     cache = OscarCache(model, compile=True, **SMALL)
     assert {type(x) for x in cache.layers} == {StaticOscarLayer, LinearAttentionLayer}
-    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
-    cc._compile_all_devices = True  # generate's auto-compile route on the CPU
     torch._dynamo.reset()
     counters.clear()
-    out = _gen(model, ids, cache, n=12, compile_config=cc)
+    out = _gen(model, ids, cache, n=12, compile_config=cpu_compile_config())
     assert torch.equal(out.sequences, ref.sequences)
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
     assert cache.memory_report()["history_codes"] > 0

@@ -2,14 +2,14 @@
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import CompileConfig, StaticCache
+from transformers import StaticCache
 
 from oscar_hf import OscarCache, StaticOscarCache
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.cache import StaticOscarLayer
 from oscar_hf.models import tiny_model
 
-from batch_utils import random_left_padded
+from batch_utils import cpu_compile_config, random_left_padded
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 
@@ -87,8 +87,7 @@ def test_static_compiles_without_graph_breaks(model_type):
     m = tiny_model(model_type)
     ids, am = random_left_padded([6, 30], seed=9)
     ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=10)
-    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
-    cc._compile_all_devices = True
+    cc = cpu_compile_config()
     torch._dynamo.reset()
     counters.clear()
     _gen(m, ids, am, StaticCache(config=m.config, max_cache_len=ids.shape[1] + 10), n=10, compile_config=cc)

@@ -25,7 +25,7 @@ from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
 from oscar_hf.serving import continuous_batching_config, paged_oscar
 
-from batch_utils import left_pad
+from batch_utils import cpu_compile_config, left_pad
 
 OSCAR = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 NEW = 16  # tokens generated
@@ -60,12 +60,6 @@ def prompts_of(lens, seed=0):
     return [torch.randint(1, 200, (n,), generator=g).tolist() for n in lens]
 
 
-def _compile_config():
-    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
-    cc._compile_all_devices = True  # generate's auto-compile route on the CPU
-    return cc
-
-
 def chosen_logprobs(scores, tokens, row):
     """``[n]``: the log-probability of each generated token of ``row`` (``scores``: generate's, one per step)."""
     return torch.stack([torch.log_softmax(s[row].float(), -1)[t] for s, t in zip(scores, tokens)])
@@ -91,7 +85,7 @@ def generate(storage, model, prompts, heads, chunk=None):
         return [(r.generated_tokens, torch.tensor(r.logprobs)) for r in done]
     ids, am = left_pad([torch.tensor(p) for p in prompts])
     cache = OscarCache(model, compile=storage == "compiled", **kw)
-    extra = dict(compile_config=_compile_config()) if storage == "compiled" else {}
+    extra = dict(compile_config=cpu_compile_config()) if storage == "compiled" else {}
     out = model.generate(ids, attention_mask=am, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                          pad_token_id=0, prefill_chunk_size=chunk, output_scores=True, return_dict_in_generate=True,
                          **cache_kwargs(model, cache), **extra)
