@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """End-to-end decode speed and KV memory in `generate` on a random-initialised model of a real shape
-(default Qwen3-8B: 36 layers, 32 query / 8 KV heads, head_dim 128). Methods (``--methods``):
+(default Qwen3-8B: 36 layers, 32 query / 8 KV heads, head_dim 128; ``--shape``: the ``SHAPES`` below, among them
+Gemma 3 12B (sliding 5 : full 1, head_dim 256), gpt-oss-20b (sliding / full, attention sinks, head_dim 64, eager
+attention), Qwen3-Next and Qwen3.5-9B (linear attention 3 : full 1, head_dim 256), Llama 3.2 1B (head_dim 64), and a
+``tiny-*`` CPU-sized version of each). Methods (``--methods``):
 
 * ``bf16``: BF16 ``DynamicCache``, SDPA, eager;
 * ``bf16-static``: ``cache_implementation="static"`` (``generate`` compiles the decode step:
@@ -8,6 +11,8 @@
 * ``oscar``: ``OscarCache(model, ...)``, the default call: on CUDA its storage is device-resident and ``generate``
   compiles the decode step by itself (like bf16-static); ``oscar-eager``: ``OscarCache(compile=False)``, the eager
   layer; ``oscar-static``: ``StaticOscarCache`` (a fixed ``max_cache_len``);
+  ``oscar-compiled``: ``OscarCache(compile=True)``, the compiled storage also for models with sliding-window or
+  linear-attention layers (where the default call keeps the eager storage on CUDA too);
   ``oscar-fpN``: ``OscarCache`` with N KV heads (spread over the layers) in full precision, stored as the
   library stores them (INT8 by default); ``oscar-fpN-bf16`` / ``-int8`` / ``-int4``: stored in BF16 / INT8 / INT4
   (``OscarConfig.full_precision_heads``, e.g. the retrieval heads);
@@ -18,6 +23,8 @@ Every figure is a ratio against BF16 DynamicCache measured in the same run (and 
 also against bf16-static).
 
     python benchmarks/bench_generate.py --contexts 8192 32768 100000 --batches 1 8 --out generate.json
+    python benchmarks/bench_generate.py --shape gpt-oss-20b --contexts 32768 --batches 8 --synthetic-fill \\
+        --methods bf16 bf16-static oscar-compiled --new-tokens 64 --out generate_gpt_oss.json
 
 Per (method, batch, context): prefill time, decode ms/token and tokens/s (timestamps taken by a
 logits processor at every generate step, after a CUDA sync), peak memory
@@ -50,11 +57,74 @@ torch._dynamo.config.automatic_dynamic_shapes = False
 if hasattr(torch._dynamo.config, "recompile_limit"):
     torch._dynamo.config.recompile_limit = 64
 
+# Config fields of each shape (random weights), plus ``attn_implementation`` (default "sdpa") and a ``note``, which
+# build_model takes out. ``max_position_embeddings`` is raised to the longest context + new tokens where it is smaller.
+GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]  # full attention every 6th layer, from index 5
+QWEN3_NEXT_LAYERS = ["linear_attention"] * 3 + ["full_attention"]  # full attention every 4th layer, from index 3
 SHAPES = {
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936),
     "tiny": dict(model_type="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000),
+    # google/gemma-3-12b-it's text model (40 sliding layers of 1024 tokens, 8 full)
+    "gemma3-12b": dict(model_type="gemma3_text", hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                       sliding_window=1024, layer_types=GEMMA3_LAYERS * 8, vocab_size=262208,
+                       max_position_embeddings=131072,
+                       rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                                        "sliding_attention": dict(rope_type="default", rope_theta=10000.0)}),
+    # openai/gpt-oss-20b (rope: the config class's default YaRN, which is gpt-oss's). Transformers runs its attention
+    # sinks in "eager" attention only (not SDPA): a prompt's prefill materializes [B, 64, T, T] scores, so long
+    # contexts need --synthetic-fill
+    "gpt-oss-20b": dict(model_type="gpt_oss", attn_implementation="eager", hidden_size=2880, intermediate_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 12,
+                        num_local_experts=32, num_experts_per_tok=4, vocab_size=201088, max_position_embeddings=131072),
+    # Qwen/Qwen3-Next-80B-A3B: the real attention and linear-attention (Gated DeltaNet) layers, embeddings and router
+    # top-k, with the MoE reduced from 512 to 64 experts so that BF16 weights fit one 80 GB GPU (~24 GB). At B=8 a
+    # step still reads about as many expert weights as the real model's (8 x 10 picks touch ~all 64 experts here,
+    # ~74 of 512 there); at B=1 the same 10 experts.
+    "qwen3-next-small": dict(model_type="qwen3_next", hidden_size=2048, intermediate_size=5120, num_hidden_layers=48,
+                             num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                             layer_types=QWEN3_NEXT_LAYERS * 12, linear_num_key_heads=16, linear_num_value_heads=32,
+                             linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                             num_experts=64, num_experts_per_tok=10, moe_intermediate_size=512,
+                             shared_expert_intermediate_size=512, vocab_size=151936, max_position_embeddings=262144,
+                             rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+                             note="MoE reduced: 64 experts instead of 512 (fits 80 GB in BF16); the attention, "
+                                  "linear-attention, embedding and router shapes are Qwen3-Next-80B-A3B's"),
+    # Qwen/Qwen3.5-9B's text model (dense; the vision tower left out): 24 Gated DeltaNet layers, 8 full attention
+    "qwen3.5-9b": dict(model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                       num_attention_heads=16, num_key_value_heads=4, head_dim=256, layer_types=QWEN3_NEXT_LAYERS * 8,
+                       linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4, vocab_size=248320,
+                       max_position_embeddings=262144,
+                       rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25)),
+    # meta-llama/Llama-3.2-1B: full attention at head_dim 64
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True, max_position_embeddings=131072,
+                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+                                              high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    # CPU-sized versions of the shapes above (same layer kinds, head_dim, attention implementation)
+    "tiny-gemma3": dict(model_type="gemma3_text", hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=256,
+                        sliding_window=16, layer_types=GEMMA3_LAYERS, vocab_size=1000),
+    "tiny-gpt-oss": dict(model_type="gpt_oss", attn_implementation="eager", hidden_size=128, intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                         sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
+                         num_local_experts=4, num_experts_per_tok=2, vocab_size=1000),
+    "tiny-qwen3-next": dict(model_type="qwen3_next", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=256, layer_types=QWEN3_NEXT_LAYERS,
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                            linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                            shared_expert_intermediate_size=64, vocab_size=1000),
+    "tiny-qwen3.5": dict(model_type="qwen3_5_text", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=256, layer_types=QWEN3_NEXT_LAYERS,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                         linear_value_head_dim=32, vocab_size=1000),
+    "tiny-llama": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1000),
 }
 
 
@@ -73,9 +143,13 @@ class StepClock(LogitsProcessor):
 
 def build_model(shape: str, dtype, device, max_pos: int):
     kw = dict(SHAPES[shape])
-    cfg = AutoConfig.for_model(kw.pop("model_type"), max_position_embeddings=max_pos, **kw)
+    kw.pop("note", None)
+    attn = kw.pop("attn_implementation", "sdpa")
+    kw["max_position_embeddings"] = max(kw.get("max_position_embeddings", 0), max_pos)
+    cfg = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)  # the same random weights in every run of a shape
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn)
     return model.eval()
 
 
@@ -104,25 +178,53 @@ def _tensor_bytes(obj, seen: set, depth: int = 0) -> int:
 
 
 def cache_bytes(cache) -> int:
-    """OSCAR: its memory report (codes + metadata + windows). Others: every tensor the cache holds
-    (for static caches that is the preallocated capacity, which is what they occupy)."""
-    if isinstance(cache, OscarCache):
-        return int(cache.memory_report()["total"])
+    """OSCAR: its memory report (codes + metadata + windows, sliding layers included) and the state of its
+    linear-attention layers, which the report leaves out. Others: every tensor the cache holds (for static caches that
+    is the preallocated capacity, which is what they occupy)."""
     seen: set = set()
+    if isinstance(cache, OscarCache):
+        return int(cache.memory_report()["total"]) + sum(_tensor_bytes(layer, seen) for layer in cache.layers
+                                                          if _is_state_layer(layer))
     return sum(_tensor_bytes(layer, seen) for layer in cache.layers)
+
+
+def _is_state_layer(layer) -> bool:
+    """A linear-attention / SSM / conv layer of Transformers: a recurrent state, no per-token K/V rows."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    return not isinstance(layer, CacheLayerMixin) and hasattr(layer, "recurrent_states")
 
 
 def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 1024) -> None:
     """Leave in every layer what a prefill of ``context`` tokens would: random K/V rows written through
     the cache's own write path (OSCAR: demotion = rotate + quantize + pack), chunk by chunk. Decode speed
     does not depend on the values, and this skips the prompt's forward pass, whose activations (not the
-    cache) are what stops a batch of 64 x 32K prompts from being prefilled in one ``generate`` call."""
+    cache) are what stops a batch of 64 x 32K prompts from being prefilled in one ``generate`` call (and gpt-oss's
+    eager attention from prefilling 32K at all).
+
+    Sliding-window layers get only the rows they keep (the last window's), with their token count set to
+    ``context``, as a prefill leaves them. Linear-attention layers (no K/V rows) are left as the cache made them:
+    ``generate``'s first forward, the prompt's last token, runs their prefill path, which leaves the state a prefill
+    leaves (its shapes and dtype); every decode step after it, the timed ones, reads and writes that state."""
     from oscar_hf.cache import OscarLayer, StaticOscarLayer
+    from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
     cfg = model.config.get_text_config(decoder=True)
     hk, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     g = torch.Generator(device=device).manual_seed(0)
     for layer in tqdm(cache.layers, desc="synthetic fill", leave=False):
+        if _is_state_layer(layer):
+            continue
+        if isinstance(layer, (DynamicSlidingWindowLayer, StaticSlidingWindowLayer)):
+            keep = layer.sliding_window if isinstance(layer, DynamicSlidingWindowLayer) else layer.max_cache_len
+            n = min(keep + 1, context)  # one row more than it keeps: the layer takes them as a prefill overflowing it
+            layer.update(torch.randn(batch, hk, n, d, device=device, dtype=model.dtype, generator=g),
+                         torch.randn(batch, hk, n, d, device=device, dtype=model.dtype, generator=g))
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                layer.cumulative_length = context
+            else:  # (its device count serves only until full, and an overflowing prefill leaves it as it was)
+                layer.cumulative_length_int = context
+            continue
         step = chunk if isinstance(layer, (OscarLayer, StaticOscarLayer)) or hasattr(layer, "max_cache_len") else context
         for c0 in range(0, context, step):
             n = min(step, context - c0)
@@ -159,6 +261,8 @@ def make_cache(model, method: str, capacity: int, explicit: bool = False):
         return OscarCache(model, method="hadamard", group_size=64, quantizer="std")
     if method == "oscar-eager":
         return OscarCache(model, method="hadamard", group_size=64, compile=False)
+    if method == "oscar-compiled":  # the compiled storage also where the default call keeps the eager one
+        return OscarCache(model, method="hadamard", group_size=64, compile=True)
     if method.startswith("oscar-fp"):  # oscar-fpN[-bf16|-int8]: N KV heads in full precision, spread over the layers
         count, _, store = method.removeprefix("oscar-fp").partition("-")
         bits = {"": OscarConfig().full_precision_bits, "bf16": 16, "int8": 8, "int4": 4}[store]
@@ -207,8 +311,9 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
     res["cache_bytes"] = cache_bytes(cache) if cache is not None else None
     if isinstance(cache, OscarCache):
         res["cache_allocated_bytes"] = int(cache.memory_report()["allocated"])
-    res["first_tokens"] = out.sequences[0, context : context + 8].tolist()
-    res["compiled"] = method == "bf16-static" or bool(getattr(cache, "compiled", False))
+    res["first_tokens"] = out.sequences[0, ids.shape[1] : ids.shape[1] + 8].tolist()
+    # generate compiles the decode step on CUDA only
+    res["compiled"] = device == "cuda" and (method == "bf16-static" or bool(getattr(cache, "compiled", False)))
     if method.startswith("oscar"):
         from oscar_hf import disable_oscar
 
@@ -312,7 +417,9 @@ def save(args, argv, results, capacity) -> dict:
     env = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                command="python " + " ".join([sys.argv[0].split("/")[-1]] + (argv or sys.argv[1:])))
-    doc = dict(env=env, shape=SHAPES[args.shape], results=results, capacity=capacity,
+    shape = dict(SHAPES[args.shape], name=args.shape)
+    shape.setdefault("attn_implementation", "sdpa")
+    doc = dict(env=env, shape=shape, results=results, capacity=capacity,
                kv_budget_gib=args.kv_budget_gib, capacity_context=args.capacity_context)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

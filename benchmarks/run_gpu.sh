@@ -6,11 +6,31 @@
 #   tests       the GPU test suite (pytest -m gpu)                      gpu_tests_<gpu>.log
 #   kernels     decode op vs BF16 SDPA, B = 1, 8, 32 x 8K, 32K, 128K,   kernels_<gpu>.json, kernels_<gpu>_speedup.png
 #               and the write path (bench_kernels.py)
+#   kernels-dims  decode op vs BF16 SDPA at other attention shapes,    kernels_<gpu>_d64.json,
+#               B = 1, 8 x 32K, 128K (no write path): head_dim 64        kernels_<gpu>_d256.json,
+#               (gpt-oss: 64 q / 8 KV heads) and 256 (Gemma 3 12B:       kernels_<gpu>_d256_kv2.json
+#               16 / 8; Qwen3-Next: 16 / 2) (`kernels-d64`,
+#               `kernels-d256`, `kernels-d256-kv2`: one shape each)
 #   profile-op  the decode op's kernels one by one in a CUDA graph       profile_op_<gpu>.json
 #   default     the default call OscarCache(model) (compiled by        generate_default_<gpu>_b<B>_t<T>.json
 #               generate itself) vs BF16 DynamicCache and compiled
 #               StaticCache: B=1/100K, B=8/32K, B=1 and 8 at 1K
 #               (`default-long`, `default-short`: one call each)
+#   arch-gemma3 Gemma 3 12B shape (sliding 5 : full 1, head_dim 256)    generate_arch_<gpu>_<shape>_b<B>_t32768.json
+#               at 32K, B=1 (prefill) and B=8 (synthetic fill): BF16     (<shape>: gemma3-12b, gpt-oss-20b,
+#               DynamicCache, compiled StaticCache, OscarCache(compile=   qwen3-next-small, qwen3.5-9b, llama-3.2-1b)
+#               True) (`arch-gemma3-b1`, `arch-gemma3-b8`: one call each)
+#   arch-gptoss gpt-oss-20b shape (sliding / full, sinks, head_dim 64,
+#               eager attention), B=8/32K, synthetic fill, same methods
+#   arch-qwen3next  Qwen3-Next attention + linear attention (head_dim
+#               256; MoE reduced to 64 experts), B=8/32K, synthetic fill
+#   arch-qwen35 Qwen3.5-9B text shape (linear 3 : full 1, head_dim 256),
+#               B=8/32K, synthetic fill, same methods
+#   arch-llama1b  Llama 3.2 1B shape (full attention, head_dim 64),
+#               B=8/32K: BF16 DynamicCache, compiled StaticCache, the
+#               default call OscarCache(model)
+#               (arch-*: METHODS="..." runs other methods, into a file
+#               named after them)
 #   generate    compiled generate: B=8/32K (BF16 eager, BF16 static,     generate_<gpu>_b8_t32768.json,
 #               StaticOscarCache) and B=1 at 8K, 32K, 100K               generate_<gpu>_static_b1_t{8192,32768,100000}.json
 #   eager       eager generate: B=1 at 8K/32K/100K, B=8 at 8K/32K       generate_<gpu>_b1.json, generate_<gpu>_b8.json
@@ -41,8 +61,9 @@
 #               `serving-load`: one part, one call each)
 #   paged       the paged decode kernel's and the pool's tests on the GPU  paged_tests_<gpu>.log
 #
-# Each <what> fits in the device machine's 10-minute command limit except `generate`, `eager` and `soak`: run their
-# parts one call each (`generate-b8`, `generate-b1`; `eager-b1`, `eager-b8`; `soak-calls`, `soak-long`;
+# Each <what> fits in the device machine's 10-minute command limit except `generate`, `eager`, `soak`, `kernels-dims`
+# and `arch-gemma3`: run their parts one call each (`generate-b8`, `generate-b1`; `eager-b1`, `eager-b8`; `soak-calls`,
+# `soak-long`; `kernels-d64`, `kernels-d256`, `kernels-d256-kv2`; `arch-gemma3-b1`, `arch-gemma3-b8`;
 # `CONTEXTS=100000 bash benchmarks/run_gpu.sh generate-b1` runs one of the B=1 contexts). The numbers in
 # the docs come from H100 and H200 machines (the GPU name is in every file and file name); copy $OUT's files to
 # benchmarks/results/ to publish them.
@@ -72,6 +93,13 @@ run() {  # run <name> <command...>: its output to $OUT/<name>.log, the tail to t
   grep -v -E "Warn|warn" "$OUT/$name.log" | tail -16; echo "rc=$rc"
 }
 
+arch() {  # arch <shape> <batch> <methods> [bench_generate args...]: one process (a second compiled shape recompiles)
+  local shape=$1 b=$2 methods=${METHODS:-$3}; shift 3
+  local name="generate_arch_${GPU}_${shape}_b${b}_t32768${METHODS:+_${METHODS// /-}}"
+  run "$name" $PY "$B/bench_generate.py" --shape "$shape" --contexts 32768 --batches "$b" --methods $methods \
+      --new-tokens 64 "$@" --out "$OUT/$name.json"
+}
+
 for what in "$@"; do
   case "$what" in
   tests)
@@ -80,6 +108,20 @@ for what in "$@"; do
     run "kernels_$GPU" $PY "$B/bench_kernels.py" --batches 1,8,32 --lengths 8192,32768,131072 \
         --out "$OUT/kernels_$GPU.json"
     $PY "$B/bench_kernels.py" --plot "$OUT/kernels_$GPU.json" ;;
+  kernels-dims|kernels-d64|kernels-d256|kernels-d256-kv2)
+    # <tag>:<head_dim>:<q heads>:<kv heads>; one process each (4 points, a few minutes). Memory: BF16 K/V of
+    # B=8/128K is 2.1 GB at D=64 / 8 KV heads, 8.6 GB at D=256 / 8, 2.1 GB at D=256 / 2, with up to 3 more states of
+    # it for the back-to-back timing (bench_kernels.seq_calls checks what is free): < 45 GB
+    dims="d64:64:64:8 d256:256:16:8 d256_kv2:256:16:2"
+    [ "$what" = kernels-d64 ] && dims="d64:64:64:8"
+    [ "$what" = kernels-d256 ] && dims="d256:256:16:8"
+    [ "$what" = kernels-d256-kv2 ] && dims="d256_kv2:256:16:2"
+    for x in $dims; do
+      IFS=: read -r tag d hq hk <<< "$x"
+      run "kernels_${GPU}_$tag" $PY "$B/bench_kernels.py" --head-dim "$d" --q-heads "$hq" --kv-heads "$hk" \
+          --batches 1,8 --lengths 32768,131072 --no-write --out "$OUT/kernels_${GPU}_$tag.json"
+      $PY "$B/bench_kernels.py" --plot "$OUT/kernels_${GPU}_$tag.json"
+    done ;;
   profile-op)
     run "profile_op_$GPU" $PY "$B/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
         --out "$OUT/profile_op_$GPU.json" ;;
@@ -93,6 +135,34 @@ for what in "$@"; do
       run "$name" $PY "$B/bench_generate.py" --contexts ${bt#*:} --batches ${bt%:*} \
           --methods bf16 bf16-static oscar --new-tokens 64 --out "$OUT/$name.json"
     done ;;
+  arch-gemma3|arch-gemma3-b1|arch-gemma3-b8)
+    # Weights 21.9 GiB (11.8 B). BF16 K/V: 8 full layers x 64 KiB/token (2.0 GiB at B=1, 16.0 GiB at B=8 x 32K, the
+    # same preallocated by StaticCache), 40 sliding layers x 1024 tokens (0.3 / 2.5 GiB); OSCAR's full layers ~6x less.
+    # B=1 prefills the prompt (SDPA; peak ~30 GiB: the sliding layers' [1, 1, 32K, 32K] mask, MLP activations of 32K
+    # tokens). At B=8 a prefill would hold a [8, 1, 32K, 32K] mask (8 GiB as bool, up to twice that again as the
+    # memory-efficient kernel's float bias) and 22 GiB of MLP activations beside weights and K/V: over 80 GB, so the
+    # caches are filled synthetically (decode ~45 GiB)
+    [ "$what" != arch-gemma3-b8 ] && arch gemma3-12b 1 "bf16 bf16-static oscar-compiled"
+    [ "$what" != arch-gemma3-b1 ] && arch gemma3-12b 8 "bf16 bf16-static oscar-compiled" --synthetic-fill ;;
+  arch-gptoss)
+    # Weights 39.0 GiB (20.9 B, 32 experts). BF16 K/V: 12 full layers x 24 KiB/token = 6.0 GiB at B=8 x 32K, 12
+    # sliding layers x 128 tokens (24 MiB); eager decode's repeat_kv copies of one full layer's K and V 4 GiB: peak
+    # ~50 GiB. Its eager-attention prefill would materialize [8, 64, 32K, 32K] scores (1 TiB in BF16): synthetic fill
+    arch gpt-oss-20b 8 "bf16 bf16-static oscar-compiled" --synthetic-fill ;;
+  arch-qwen3next)
+    # Weights 22.3 GiB (12.0 B: MoE reduced to 64 experts). BF16 K/V: 12 full layers x 24 KiB/token = 6.0 GiB at B=8 x
+    # 32K; linear-attention state 36 x 16.5 MiB (fp32 recurrent state): decode peak ~30 GiB. A B=8 x 32K prefill runs
+    # Transformers' torch fallback of the chunked delta rule where flash-linear-attention is not installed (~8 fp32
+    # [8, 32, 32K, 128] tensors of 4 GiB per layer) and MoE rows for 262K tokens: near 80 GB, synthetic fill
+    arch qwen3-next-small 8 "bf16 bf16-static oscar-compiled" --synthetic-fill ;;
+  arch-qwen35)
+    # Weights 16.7 GiB (9.0 B). BF16 K/V: 8 full layers x 32 KiB/token = 8.0 GiB at B=8 x 32K; linear state 24 x 16.5
+    # MiB: decode peak ~27 GiB. Prefill: as arch-qwen3next (plus 18 GiB of MLP activations): synthetic fill
+    arch qwen3.5-9b 8 "bf16 bf16-static oscar-compiled" --synthetic-fill ;;
+  arch-llama1b)
+    # Weights 2.3 GiB. BF16 K/V: 16 layers x 32 KiB/token = 8.0 GiB at B=8 x 32K. Prefill (causal SDPA, no mask; MLP
+    # activations 12 GiB): peak ~25 GiB
+    arch llama-3.2-1b 8 "bf16 bf16-static oscar" ;;
   generate|generate-b8|generate-b1)
     if [ "$what" != generate-b1 ]; then
       run "generate_${GPU}_b8_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \

@@ -92,8 +92,8 @@ def _handler(module, query, key, value, attention_mask, *args, base: str, dropou
     if kv < n:
         raise RuntimeError(f"fake-quant attention got {n} queries but only {kv} keys")
     off = kv - n  # > 0: the queries are the last n positions after an exact prefix held by a DynamicCache
-    if softcap is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("fake-quant attention does not implement soft-capping / attention sinks")
+    if kwargs.get("sinks") is not None:
+        raise NotImplementedError("fake-quant attention does not implement per-token attention sinks (`sinks`)")
     fq = spec.layer_kv(module.layer_idx, key, value)
     if fq is None:
         return NotImplemented
@@ -109,10 +109,33 @@ def _handler(module, query, key, value, attention_mask, *args, base: str, dropou
         mask = mask & torch.cat([allowed, allowed], dim=-1)
     keys = torch.cat([key.float(), k_hat.float()], dim=2)
     values = torch.cat([value.float(), v_hat.float()], dim=2)
-    out = F.scaled_dot_product_attention(
-        query.float(), keys, values, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-    )
+    s_aux = kwargs.get("s_aux")
+    if softcap or s_aux is not None:  # what SDPA cannot express: the logits written out (Gemma 2, gpt-oss)
+        out = _explicit_attention(query.float(), keys, values, mask, scaling, softcap, s_aux)
+    else:
+        out = F.scaled_dot_product_attention(
+            query.float(), keys, values, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        )
     return out.transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def _explicit_attention(q, keys, values, mask, scaling: float, softcap, s_aux) -> torch.Tensor:
+    """``[B, Hq, n, D]``: softmax attention of ``q [B, Hq, n, D]`` over ``keys/values [B, Hk, N, D]`` with ``mask``
+    (bool, broadcastable to ``[B, Hq, n, N]``), the logits soft-capped (``softcap * tanh(x / softcap)``, before the
+    mask, as Gemma 2's eager attention) and a learned sink per query head (``s_aux [Hq]``: one more logit in the
+    softmax whose value is 0, as gpt-oss's)."""
+    g = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * scaling
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.masked_fill(~mask, float("-inf"))
+    if s_aux is not None:
+        sink = s_aux.float().reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        probs = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(logits, -1)
+    return torch.matmul(probs, values)
 
 
 register_handler(PREFIX, _handler)

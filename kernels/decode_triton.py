@@ -137,7 +137,7 @@ def _gluon_module():
 
 def decode_attention_triton(
     q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, q_win=None, k_win=None, v_win=None, win_mask=None,
-    r_v=None, mu_v=None, out_dtype=None, n_valid=None, splits=None, r_k=None, mu_k=None, defaults=DEFAULTS,
+    r_v=None, mu_v=None, out_dtype=None, n_valid=None, splits=None, r_k=None, mu_k=None, sinks=None, defaults=DEFAULTS,
 ):
     """The decode attention of one layer over INT2 history + full-precision window, for the shapes
     :func:`decode_supported` accepts: two launches (three with the query's rotation or the Gluon history).
@@ -153,6 +153,10 @@ def decode_attention_triton(
         win_mask: None or bool broadcastable to ``[B, Hk, 1, W]`` (False = masked).
         r_v: ``[Hk, D, D]`` float32 value rotation; mu_v: ``[Hk, D]`` or None. Without ``r_v``, no window either:
             the history's online-softmax partials (:func:`history_partial_triton`).
+        sinks: None or ``[Hk, M]`` float: an attention sink's logit per query row (gpt-oss's ``s_aux``, natural units,
+            not scaled): a key of value 0 that every row attends to, i.e. ``exp(s)`` more in the softmax denominator.
+            It is one more partial (``m = s``, ``l = 1``, ``acc = 0``) after the window's, filled here and merged by
+            the combine like the others.
         out_dtype: dtype of the result (default: q_win's).
         n_valid, splits: the static cache's device-side history length (0-d int tensor: entries ``< n_valid`` are
             valid; the grid is sized by the capacity and ``splits`` history programs per (row, head), so that a CUDA
@@ -187,7 +191,10 @@ def decode_attention_triton(
     window = r_v is not None
     w = 0 if (not window or k_win is None) else k_win.shape[-2]
     p = decode_plan(b, hk, m, d, n, group_size, w, dev, window=window, static=n_valid is not None, splits=splits,
-                    rotate=rotate, gluon_step=glu.tokens_per_step(m) if gluon_ok else 0, defaults=defaults)
+                    rotate=rotate, gluon_step=glu.tokens_per_step(m) if gluon_ok else 0, sinks=sinks is not None,
+                    defaults=defaults)
+    if sinks is not None and not window:
+        raise ValueError("sinks are for the whole decode op (r_v given), not the history's partials")
     if w:
         q_win = q_win if q_win.stride(-1) == 1 else q_win.contiguous()
         k_win = k_win if k_win.stride(-1) == 1 else k_win.contiguous()
@@ -214,6 +221,10 @@ def decode_attention_triton(
         pm.fill_(float("-inf"))
         pl.zero_()
         pacc.zero_()
+    if sinks is not None:  # the last partial of each row: the sink (m in log2 units, as the kernels write theirs)
+        pm[:, -1].view(b, hk, m).copy_(sinks.float().to(dev).expand(b, hk, m) * LOG2E)
+        pl[:, -1].fill_(1.0)
+        pacc[:, -1].zero_()
     if rotate and not p.empty:
         if p.fused_prologue:  # rotation + window programs in one launch (the window's query is the rotation's)
             c_rot = min(d, ROT_C_BLOCK)

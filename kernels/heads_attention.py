@@ -20,7 +20,9 @@ min-max: ``x ~ zero + code * scale``), or in the model dtype (16 bits); :mod:`os
   the new token) that every head reads exactly;
 
 returns ``[B, P, M, D]`` in ``out_dtype``: ``softmax(scaling * q k^T) v`` over the history and the window. Rows with
-no valid key give 0. On CUDA one split-K Triton launch streams the codes (``heads_triton``: logits ``scale * (q .
+no valid key give 0. ``softcap`` (Gemma 2's logit soft-capping: the reference serves it) and ``sinks`` (``[P, M]``
+logits of a zero-valued key, gpt-oss's ``s_aux`` by query row: one more partial, in the kernel too) as for the INT2
+heads' read (:mod:`.int2_attention`). On CUDA one split-K Triton launch streams the codes (``heads_triton``: logits ``scale * (q .
 code) + zero * sum(q)``, values ``(p * scale) . code + sum(p * zero)``, no dequantized copy) and a second merges the
 splits; elsewhere the torch reference below dequantizes ``block_n`` tokens at a time.
 """
@@ -30,7 +32,7 @@ import torch
 
 from oscar_hf.quant import unpack_int4
 
-from .int2_attention import NEG_INF, empty_partial, merge_partials, partial_from_logits
+from .int2_attention import NEG_INF, empty_partial, merge_partials, partial_from_logits, sink_partial, soft_cap
 from .plan import triton_enabled
 
 
@@ -81,7 +83,8 @@ def gather_pages(parts: tuple[torch.Tensor, ...], block_table: torch.Tensor) -> 
 
 
 def heads_decode_reference(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float,
-                           out_dtype=None, block_n: int = 1024, block_table=None) -> torch.Tensor:
+                           out_dtype=None, block_n: int = 1024, block_table=None, softcap=None,
+                           sinks=None) -> torch.Tensor:
     """Torch reference of :func:`heads_decode_attention` (float32 math; the history dequantized ``block_n`` slots at
     a time and merged by the online-softmax rule, as the kernel does in registers)."""
     if block_table is not None:
@@ -97,33 +100,39 @@ def heads_decode_reference(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_
     for j0 in range(0, end, block_n):
         j1 = min(end, j0 + block_n)
         kb, vb = (dequantize_heads(tuple(x[:, :, j0:j1] for x in s), bits) for s in (k, v))
-        logits = torch.matmul(qh, kb.transpose(-1, -2)) * scaling  # [B, P, M, nb]
+        logits = soft_cap(torch.matmul(qh, kb.transpose(-1, -2)) * scaling, softcap)  # [B, P, M, nb]
         pos = torch.arange(j0, j1, device=qh.device)
         logits = logits.masked_fill((pos < lo) | (pos >= hi), NEG_INF)
         part = merge_partials([part, partial_from_logits(logits, vb)])
     wk, wv = (x.index_select(1, heads).float() for x in (win_k, win_v))  # [B, P, W, D]
-    logits = torch.matmul(qh, wk.transpose(-1, -2)) * scaling
+    logits = soft_cap(torch.matmul(qh, wk.transpose(-1, -2)) * scaling, softcap)
     if win_mask is not None:
         logits = logits.masked_fill(~win_mask[:, None, None, :], NEG_INF)
-    _, l, acc = merge_partials([part, partial_from_logits(logits, wv)])
+    parts = [part, partial_from_logits(logits, wv)]
+    if sinks is not None:
+        parts.append(sink_partial(sinks, part[0]))
+    _, l, acc = merge_partials(parts)
     out = acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)
     return out.to(out_dtype or q.dtype)
 
 
 def heads_decode_attention(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float,
-                           out_dtype=None, use_kernels="auto", block_table=None, max_len=None) -> torch.Tensor:
+                           out_dtype=None, use_kernels="auto", block_table=None, max_len=None, softcap=None,
+                           sinks=None) -> torch.Tensor:
     """Dispatch: the two Triton launches on CUDA (through the opaque op ``oscar::heads_decode`` while ``torch.compile``
     traces, :mod:`.static_op`), the reference elsewhere. Arguments: the module docstring."""
     check_heads_args(q, heads, k, v, bits, win_k, win_mask, block_table)
     out_dtype = out_dtype or q.dtype
-    if triton_enabled(q, use_kernels) and q.shape[2] <= 64:
+    if sinks is not None and sinks.shape != (heads.numel(), q.shape[2]):
+        raise ValueError(f"sinks {tuple(sinks.shape)} are not [P, M] = {(heads.numel(), q.shape[2])}")
+    if triton_enabled(q, use_kernels) and q.shape[2] <= 64 and not softcap:
         if block_table is not None:  # (the serving store: eager, never traced)
             from .heads_triton import heads_decode_triton
 
             return heads_decode_triton(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
-                                       block_table=block_table, max_len=max_len)
+                                       block_table=block_table, max_len=max_len, sinks=sinks)
         from .static_op import heads_decode_op
 
-        return heads_decode_op(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype)
+        return heads_decode_op(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype, sinks)
     return heads_decode_reference(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
-                                  block_table=block_table)
+                                  block_table=block_table, softcap=softcap, sinks=sinks)

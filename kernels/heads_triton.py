@@ -143,7 +143,7 @@ def _window_part(qa, qb, m_i, l_i, acc_a, acc_b, WK, WV, WM, b, h, swb, swh, swn
 def _heads_split_kernel(
     Q, HEADS, KC, KS, KZ, VC, VS, VZ, LO, HI, BT, WK, WV, WM, PM, PL, PACC,
     sqb, sqh, sqm, skb, skp, skn, sksb, sksp, sksn, svb, svp, svn, svsb, svsp, svsn, shi, sbt,
-    swb, swh, swn, swvb, swvh, swvn, smb, P, M, W, hi_host, split_len, s_hist, qk_scale,
+    swb, swh, swn, swvb, swvh, swvn, smb, P, M, W, hi_host, split_len, s_hist, s_tot, qk_scale,
     DC: tl.constexpr, NPL: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
     HI_DEV: tl.constexpr, PAGE: tl.constexpr, HAS_WMASK: tl.constexpr, OP: tl.constexpr,
 ):
@@ -173,8 +173,7 @@ def _heads_split_kernel(
         m_i, l_i, acc_a, acc_b = _window_part(
             qa, qb, m_i, l_i, acc_a, acc_b, WK, WV, WM, b, h, swb, swh, swn, swvb, swvh, swvn, smb, W, qk_scale,
             DC, NPL, BLOCK_N, HAS_WMASK, OP)
-    s_tot = tl.num_programs(1)
-    part = bp * s_tot + s
+    part = bp * s_tot + s  # (s_tot: the partials per row, one more than the programs with a sink)
     tl.store(PM + part * M_PAD + offs_m, m_i)
     tl.store(PL + part * M_PAD + offs_m, l_i)
     aptr = PACC + (part * M_PAD + offs_m[:, None]) * (NPL * DC) + offs_c[None, :]
@@ -218,7 +217,8 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float, out_dtype,
-                        block_table=None, max_len=None, defaults: HeadsDefaults = HEADS_DEFAULTS) -> torch.Tensor:
+                        block_table=None, max_len=None, sinks=None,
+                        defaults: HeadsDefaults = HEADS_DEFAULTS) -> torch.Tensor:
     """:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention` in two launches (arguments checked there)."""
     df = defaults
     b, _, m, d = q.shape
@@ -237,7 +237,7 @@ def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mas
         return torch.cat([heads_decode_triton(
             q[a : a + rows], heads, tuple(t[a : a + rows] for t in k), tuple(t[a : a + rows] for t in v), bits,
             lo[a : a + rows], rows_of(hi, a, a + rows), win_k[a : a + rows], win_v[a : a + rows],
-            None if win_mask is None else win_mask[a : a + rows], scaling, out_dtype, max_len=max_len,
+            None if win_mask is None else win_mask[a : a + rows], scaling, out_dtype, max_len=max_len, sinks=sinks,
             defaults=defaults) for a in range(0, b, rows)])
     npl = 2 if bits == 4 else 1
     page = 0 if block_table is None else kc.shape[2]
@@ -246,24 +246,28 @@ def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mas
     n_hist = min(n, int(max_len)) if max_len is not None else n if hi_dev else max(0, min(n, int(hi)))
     plan = heads_plan(b * p, n_hist, m, dev, df)
     s_hist, split_len, m_pad = plan.splits, plan.split_len, plan.m_pad
-    s_tot = s_hist + 1
+    s_tot = s_hist + 1 + (sinks is not None)  # history splits, the window, the sink (a partial the combine merges)
     pm = torch.empty(b * p, s_tot, m_pad, dtype=torch.float32, device=dev)
     pl = torch.empty_like(pm)
     pacc = torch.empty(b * p, s_tot, m_pad, d, dtype=torch.float32, device=dev)
+    if sinks is not None:  # [P, M] logits of a zero-valued key: (m = s in log2 units, l = 1, acc = 0)
+        pm[:, -1, :m].view(b, p, m).copy_(sinks.float().to(dev).expand(b, p, m) * 1.4426950408889634)
+        pl[:, -1].fill_(1.0)
+        pacc[:, -1].zero_()
     op = _OPS[q.dtype] if q.is_cuda else 0
     warps, stages = df.launch(bits)
     lo = lo.reshape(b)
     wm = win_mask if win_mask is not None else lo  # (placeholder pointers where there is no mask / table / hi)
     bt = block_table if block_table is not None else lo
     hi_t = hi.reshape(-1) if hi_dev else lo
-    _heads_split_kernel[(b * p, s_tot)](
+    _heads_split_kernel[(b * p, s_hist + 1)](
         q, heads, kc, ks, kz, vc, vs, vz, lo, hi_t, bt, win_k, win_v, wm, pm, pl, pacc,
         q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1),
         ks.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
         hi_t.stride(0) if hi_dev and hi_t.numel() > 1 else 0, bt.stride(0) if block_table is not None else 0,
         win_k.stride(0), win_k.stride(1), win_k.stride(2), win_v.stride(0), win_v.stride(1), win_v.stride(2),
         wm.stride(0) if win_mask is not None else 0,
-        p, m, w, 0 if hi_dev else n_hist, split_len, s_hist, float(scaling) * 1.4426950408889634,
+        p, m, w, 0 if hi_dev else n_hist, split_len, s_hist, s_tot, float(scaling) * 1.4426950408889634,
         DC=d // npl, NPL=npl, M_PAD=m_pad, BLOCK_N=df.block_n, BITS=bits, HI_DEV=hi_dev, PAGE=page,
         HAS_WMASK=win_mask is not None, OP=op, num_warps=warps, num_stages=stages,
     )

@@ -9,7 +9,8 @@
 * ``start`` ``[B]`` int: row ``b`` has valid history entries ``start[b] <= j < N`` (left padding),
 * ``key_mask`` None or bool broadcastable to ``[B, Hk|1, M|1, N]`` (the attention mask),
 * ``qk_offset`` None or ``[B, Hk, M]`` float32 ``q · mu_K`` (centering; added to every logit),
-* logits are ``scaling * (q_rot · k_hat + qk_offset)``.
+* logits are ``scaling * (q_rot · k_hat + qk_offset)`` (with ``softcap``: ``softcap * tanh(logits / softcap)``, Gemma 2's
+  logit soft-capping, before the mask).
 
 Returns ``(m, l, acc)``: running max ``[B, Hk, M]``, softmax denominator ``[B, Hk, M]`` relative
 to ``m``, and the unnormalized ``sum_j p_j * v_hat_j`` ``[B, Hk, M, D]`` in the *rotated* value
@@ -68,9 +69,21 @@ def partial_from_logits(logits: torch.Tensor, values: torch.Tensor):
     return m, p.sum(-1), torch.matmul(p, values.float())
 
 
+def soft_cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)`` (Gemma 2's attention logit soft-capping), or ``logits`` for None / 0."""
+    return logits if not softcap else torch.tanh(logits / softcap) * softcap
+
+
+def sink_partial(sinks: torch.Tensor, like: torch.Tensor):
+    """An attention sink as a partial: ``sinks [Hk, M]`` logits (natural units, e.g. gpt-oss's ``s_aux`` by query
+    row) of a key whose value is 0, i.e. ``(m = s, l = 1, acc = 0)`` shaped as ``like``'s ``[B, Hk, M]``."""
+    m = sinks.float().to(like.device).expand(like.shape)
+    return m, torch.ones_like(m), torch.zeros(*like.shape, 1, device=like.device)
+
+
 def history_partial_reference(
     q_rot, k: QuantizedRows, v: QuantizedRows, start, key_mask, qk_offset, scaling, group_size, block_n=1024,
-    n_valid=None,
+    n_valid=None, softcap=None,
 ):
     n = k.codes.shape[-2]
     part = empty_partial(q_rot)
@@ -83,7 +96,7 @@ def history_partial_reference(
         logits = torch.matmul(q_rot, kb.transpose(-1, -2))  # [B, Hk, M, nb]
         if qk_offset is not None:
             logits = logits + qk_offset.unsqueeze(-1)
-        logits = logits * scaling
+        logits = soft_cap(logits * scaling, softcap)
         valid = (pos[sl][None, :] >= start[:, None])[:, None, None, :]  # [B, 1, 1, nb]
         if n_valid is not None:  # static storage: only entries below the device-side length
             valid = valid & (pos[sl] < n_valid)
@@ -130,33 +143,38 @@ def history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size
 
 def decode_attention_reference(
     q_rot, k, v, start, key_mask, qk_offset, scaling, group_size,
-    q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, block_n=1024, n_valid=None,
+    q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, block_n=1024, n_valid=None, softcap=None, sinks=None,
 ):
     """The whole decode attention of one layer (torch reference of ``decode_triton.decode_attention_triton``):
     the INT2 history partial (rotated) is brought back to the value space (``acc R_Vᵀ + l mu_V``),
     merged with the full-precision window partial (``q_win``/``k_win``/``v_win`` unrotated,
     ``win_mask`` bool broadcastable to ``[B, Hk, M, W]``) and normalized. Rows with no valid key give 0.
-    ``n_valid`` (0-d tensor or None): only history entries below it are read (static cache)."""
+    ``n_valid`` (0-d tensor or None): only history entries below it are read (static cache). ``softcap``: logit
+    soft-capping (None: none); ``sinks`` ``[Hk, M]`` or None: an attention sink's logit per query row
+    (:func:`sink_partial`)."""
     out_dtype = out_dtype or (q_win.dtype if q_win is not None else torch.float32)
     hist = history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n,
-                                     n_valid=n_valid)
-    return merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, scaling, out_dtype)
+                                     n_valid=n_valid, softcap=softcap)
+    return merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, scaling, out_dtype, softcap, sinks)
 
 
-def merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, scaling: float, out_dtype):
+def merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, scaling: float, out_dtype, softcap=None,
+                             sinks=None):
     """The end of a reference decode: the history partial ``hist = (m, l, acc)`` (rotated space) brought back to the
     value space (``acc R_Vᵀ + l mu_V``), merged by log-sum-exp with the full-precision window's partial, normalized
-    (rows with no valid key give 0), in ``out_dtype``."""
+    (rows with no valid key give 0), in ``out_dtype``; ``softcap`` and ``sinks`` as in :func:`decode_attention_reference`."""
     hm, hl, hacc = hist
     hacc = torch.matmul(hacc, r_v.float().transpose(-1, -2).unsqueeze(0))
     if mu_v is not None:
         hacc = hacc + hl.unsqueeze(-1) * mu_v.float()[None, :, None, :]
     parts = [(hm, hl, hacc)]
     if k_win is not None and k_win.shape[-2] > 0:
-        logits = torch.matmul(q_win.float(), k_win.float().transpose(-1, -2)) * scaling
+        logits = soft_cap(torch.matmul(q_win.float(), k_win.float().transpose(-1, -2)) * scaling, softcap)
         if win_mask is not None:
             logits = logits.masked_fill(~win_mask, NEG_INF)
         parts.append(partial_from_logits(logits, v_win))
+    if sinks is not None:
+        parts.append(sink_partial(sinks, hm))
     _, l, acc = merge_partials(parts)
     out = acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)
     return out.to(out_dtype)
@@ -164,12 +182,14 @@ def merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, sca
 
 def decode_attention_rotating(
     qf, r_k, mu_k, k, v, start, key_mask, scaling, group_size, k_win, v_win, win_mask, r_v, mu_v,
-    out_dtype=None, block_n=1024, n_valid=None, splits=None, use_kernels="auto",
+    out_dtype=None, block_n=1024, n_valid=None, splits=None, use_kernels="auto", softcap=None, sinks=None,
 ):
     """The whole decode attention of one layer from the *unrotated* query ``qf [B, Hk, M, D]`` (which is also the
     window's): the history's query is ``qf R_K`` with the logit offset ``qf · mu_K`` (:func:`rotate_query_reference`),
     the rest as :func:`decode_attention_reference`. ``n_valid``, ``splits``: the static cache's device-side history
-    length and fixed split count (``decode_triton.decode_attention_triton``).
+    length and fixed split count (``decode_triton.decode_attention_triton``). ``softcap`` (Gemma 2's logit
+    soft-capping; the references serve it: the kernels do not cap) and ``sinks`` (``[Hk, M]``, gpt-oss's ``s_aux`` by
+    query row: one more partial, in the kernels too) as in :func:`decode_attention_reference`.
 
     Dispatch, one call to the launch on CUDA (where the kernels take the shape; anything else: the references):
 
@@ -180,7 +200,7 @@ def decode_attention_rotating(
     * eager: the launcher from the unrotated query (the rotation is its first launch; on the Gluon path together with
       the window programs); beyond 16 query rows a KV head, or while ``torch.compile`` traces, the rotation in torch."""
     out_dtype = out_dtype or qf.dtype
-    kernels = triton_enabled(qf, use_kernels)
+    kernels = triton_enabled(qf, use_kernels) and not softcap
     if kernels:
         from .decode_triton import decode_attention_triton, decode_supported
 
@@ -192,7 +212,7 @@ def decode_attention_rotating(
 
             return decode_attention_static(
                 q_rot.float().contiguous(), *k, *v, start, key_mask, qk_off, float(scaling), int(group_size),
-                qf, k_win, v_win, win_mask, r_v, mu_v, n_valid, int(splits or 0), out_dtype,
+                qf, k_win, v_win, win_mask, r_v, mu_v, n_valid, int(splits or 0), out_dtype, sinks,
             )
     else:
         if kernels and not torch.compiler.is_compiling():
@@ -200,10 +220,11 @@ def decode_attention_rotating(
 
             if query_kernel_supported(qf):
                 return decode_attention_triton(None, k, v, start, key_mask, None, scaling, group_size, qf, k_win,
-                                               v_win, win_mask, r_v, mu_v, out_dtype, r_k=r_k, mu_k=mu_k)
+                                               v_win, win_mask, r_v, mu_v, out_dtype, r_k=r_k, mu_k=mu_k, sinks=sinks)
         q_rot, qk_off = rotate_query_reference(qf, r_k, mu_k)
         if kernels:
             return decode_attention_triton(q_rot, k, v, start, key_mask, qk_off, scaling, group_size, qf, k_win,
-                                           v_win, win_mask, r_v, mu_v, out_dtype)
+                                           v_win, win_mask, r_v, mu_v, out_dtype, sinks=sinks)
     return decode_attention_reference(q_rot, k, v, start, key_mask, qk_off, scaling, group_size, qf, k_win, v_win,
-                                      win_mask, r_v, mu_v, out_dtype=out_dtype, block_n=block_n, n_valid=n_valid)
+                                      win_mask, r_v, mu_v, out_dtype=out_dtype, block_n=block_n, n_valid=n_valid,
+                                      softcap=softcap, sinks=sinks)

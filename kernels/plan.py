@@ -99,6 +99,13 @@ class DecodeDefaults:
     # ptxas register cap of the deferred loop at its default tile: 3 programs of 4 warps fit an SM (~60 bytes of
     # spills), faster than 2 uncapped or 4 under 128 registers (None: no cap)
     maxnreg: int | None = 168
+    # the split kernel at other head_dims (64, 96, 256, ...) or more than 16 query rows per KV head: its tile
+    block_n_other: int = 64  # history tokens per step (larger tiles spilled registers at D = 256 / 64 query rows)
+    num_warps_wide: int = 8  # D > 128 or 64 query rows: 8 warps keep the tiles in registers (tests/kernels/test_compile_sm90.py)
+    # ... except D > 128 on the deferred loop (G >= D/4): 4 warps, twice as fast (H200, D = 256, 16 / 8 heads, B=8/128K:
+    # 2.55 -> 1.23 ms; 32 or 128-token blocks and 3 stages lost: benchmarks/results/sweep_h200_d256.json)
+    num_warps_wide_deferred: int = 4
+    num_stages_wide: int = 2  # D > 128
     # split-K: the wave model of num_splits, which followed the split kernel's time within 2% on the H200
     max_waves: int = 4  # at most this many waves of programs (more splits: more partials to merge)
     min_split: int = 256  # never fewer history tokens than this per split
@@ -289,7 +296,8 @@ class DecodePlan:
     split_len: int  # history tokens per split (0: static, the kernels derive the bounds from n_valid on the device)
     s_win: int  # window programs per (row, KV head)
     win_split: int  # window tokens per window program
-    s_tot: int  # partials per (row, KV head) the combine reads: s_hist + s_win, or 1 (an empty one) if both are 0
+    s_tot: int  # partials per (row, KV head) the combine reads: s_hist + s_win, or 1 (an empty one) if both are 0;
+    # one more with an attention sink (the last)
     fused_prologue: bool  # the query rotation launched with the window programs (_prologue_kernel)
     qpre: bool  # ... which also build the int8 key path's query operands
     pdl: bool  # programmatic dependent launch: prologue -> history -> combine
@@ -312,7 +320,7 @@ class DecodePlan:
 
 def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int, device: torch.device, *,
                 window: bool = True, static: bool = False, splits: int | None = None, rotate: bool = False,
-                gluon_step: int = 0, page: int = 0, defaults: DecodeDefaults = DEFAULTS) -> DecodePlan:
+                gluon_step: int = 0, page: int = 0, sinks: bool = False, defaults: DecodeDefaults = DEFAULTS) -> DecodePlan:
     """The launch plan of one decode call: ``B = b`` rows, ``Hk = hk`` KV heads, ``M = m`` query rows of head_dim
     ``d`` per KV head, an INT2 history of ``n`` tokens (its capacity where ``static``) in groups of ``group_size``,
     ``w`` window tokens, on ``device`` (its SM count and compute capability). Host arithmetic only, no tensor.
@@ -324,13 +332,15 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
     gluon_step: the Gluon kernel's tokens per step where it serves this call's tensors
         (``decode_gluon.gluon_supported`` / ``tokens_per_step``), 0 where not.
     page: entries per page of a paged history (the serving pool, ``paged_decode``), 0 for a contiguous one.
+    sinks: one more partial per row after the window's, which the launcher fills with the attention sink's logit
+        (``m = s``, ``l = 1``, ``acc = 0``): the combine merges it like a window partial, so no kernel knows of sinks.
     """
     df = defaults
     bh = b * hk
     m_pad = pow2_at_least(m, M_PAD_MIN)
     # the defaults were tuned for D = 128 and <= 16 query rows per KV head; other shapes take 64-token blocks (larger
     # tiles would spill registers there)
-    block_n = df.block_n if (d == 128 and m_pad <= 16) else 64
+    block_n = df.block_n if (d == 128 and m_pad <= 16) else df.block_n_other
     if page >= 16 and page & (page - 1) == 0:  # pages of a power of two: a block in one page, one table load a block
         block_n = min(block_n, page)
     # the deferred loop: G >= D/4 (each plane inside one group) and at most 16 query rows per KV head (its
@@ -377,21 +387,25 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
     # plane, not by every history program; and the history programs' wait for them on counters those programs raise
     qpre = fused and k8
     pid_off = s_hist if gluon else 0
-    combine = (combine_shape(df, d, bh * m, s_hist, s_win, device, few) if window
+    s_after = s_win + int(sinks and window)  # the partials after the history's: window programs' and the sink's
+    combine = (combine_shape(df, d, bh * m, s_hist, s_after, device, few) if window
                else CombineShape(merge_step(df, s_hist, s_win, few), min(d, 32), 4, 1, False))
     return DecodePlan(
         gluon=gluon, m_pad=m_pad, block_n=block_n, deferred=deferred, maxnreg=maxnreg,
         gluon_maxnreg=gp.maxnreg if gluon else 0,
         gluon_stages=(df.gluon_stages_long if k8 else df.gluon_stages) if gluon else 0, k8=k8,
-        s_hist=s_hist, split_len=split_len, s_win=s_win, win_split=win_split, s_tot=max(s_hist + s_win, 1),
+        s_hist=s_hist, split_len=split_len, s_win=s_win, win_split=win_split,
+        s_tot=max(s_hist + s_win, 1) + s_after - s_win,
         fused_prologue=fused, qpre=qpre, pdl=pdl, ready=qpre and pdl, tb=gluon_step // 16 if qpre else 2,
         pid_off=pid_off, split_programs=(s_hist if fused else s_hist + s_win) - pid_off,
         split_window=s_win > 0 and not fused,
         # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers (checked without
         # spills by tests/kernels/test_compile_sm90.py)
-        split_warps=8 if (d > 128 or m_pad >= 64) else df.num_warps, split_stages=2 if d > 128 else df.num_stages,
+        split_warps=(df.num_warps_wide_deferred if (d > 128 and deferred and m_pad < 64)
+                     else df.num_warps_wide if (d > 128 or m_pad >= 64) else df.num_warps),
+        split_stages=df.num_stages_wide if d > 128 else df.num_stages,
         win_stages=df.gluon_win_stages if pid_off else 1,
-        combine=combine, sw_block=pow2_at_least(s_win, 1) if combine.hoist else 1,
+        combine=combine, sw_block=pow2_at_least(s_after, 1) if combine.hoist else 1,
     )
 
 

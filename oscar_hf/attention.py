@@ -51,10 +51,13 @@ def _handler(module, query, key, value, attention_mask, *args, base: str, dropou
              sliding_window=None, softcap=None, **kwargs):
     if not isinstance(key, OscarKV):
         return NotImplemented
-    if softcap is not None:
-        raise NotImplementedError("OSCAR attention does not implement logit soft-capping")
-    if kwargs.get("s_aux") is not None or kwargs.get("position_bias") is not None:
-        raise NotImplementedError("OSCAR attention does not implement attention sinks (s_aux) / position_bias")
+    # soft-capping (Gemma 2) and learned sinks (s_aux [Hq]: gpt-oss) stay in kwargs: the layer's read applies them
+    # (oscar_hf.cache.base.logit_terms) and a prefill on an empty cache hands them to the user's implementation
+    if softcap:
+        kwargs["softcap"] = softcap
+    if kwargs.get("sinks") is not None or kwargs.get("position_bias") is not None:
+        raise NotImplementedError("OSCAR attention does not implement per-token attention sinks (`sinks`) or "
+                                  "position_bias (learned per-head sinks, `s_aux`, are supported)")
     if dropout and module.training:
         raise NotImplementedError("OSCAR attention is for inference; attention dropout in training mode is not supported")
     if args:

@@ -157,3 +157,17 @@ def mask_rows(m: torch.Tensor, g: int) -> torch.Tensor:
     """``[B, L, N]`` -> ``[B, 1, g*L, N]`` matching :func:`group_queries`'s row order."""
     b, l, n = m.shape
     return m[:, None, None].expand(b, 1, g, l, n).reshape(b, 1, g * l, n)
+
+
+def logit_terms(kwargs: dict, hk: int, l: int) -> tuple[float | None, torch.Tensor | None]:
+    """What the model's attention call adds to plain softmax attention, from its kwargs: ``softcap`` (Gemma 2's
+    logit soft-capping, None without) and the attention sinks ``s_aux [Hq]`` (gpt-oss: one logit per query head of a
+    key whose value is 0) as ``[Hk, g*L]``, one per row of :func:`group_queries`'s layout (None without)."""
+    s_aux = kwargs.get("s_aux")
+    if s_aux is None:
+        return kwargs.get("softcap") or None, None
+    g = s_aux.shape[0] // hk
+    if s_aux.dim() != 1 or g * hk != s_aux.shape[0]:
+        raise ValueError(f"attention sinks s_aux {tuple(s_aux.shape)} are not one logit per query head ([Hq], Hq a "
+                         f"multiple of {hk} KV heads)")
+    return kwargs.get("softcap") or None, s_aux.float().view(hk, g, 1).expand(hk, g, l).reshape(hk, g * l)

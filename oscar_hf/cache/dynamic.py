@@ -69,7 +69,7 @@ from ..patching import base_attention_function
 from ..quant import QuantizedRows
 from ..rotations import LayerRotation
 from . import heads
-from .base import QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, mask_rows
+from .base import QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, logit_terms, mask_rows
 
 logger = logging.getLogger("oscar_hf")
 
@@ -263,6 +263,7 @@ class OscarLayer(QuantizedLayerBase):
             return out
 
         qf = group_queries(query.float(), hk)  # [B, Hk, M, D], M = g*L
+        softcap, sinks = logit_terms(kwargs, hk, l)  # sinks [Hk, M] or None
         s0 = self.config.sink
         dev = query.device
         # 1. full-precision window: sink (row b's slots pad[b] + j) + recent tail + the new rows.
@@ -303,11 +304,13 @@ class OscarLayer(QuantizedLayerBase):
                 out_fp = heads_decode_attention(
                     group_queries(query, hk), self.params.coded_idx, self.fp_k, self.fp_v, self.params.bits,
                     s0 + hist_start, self.tail_start, win_k, win_v, None if ok is None else ok[:, 0], scaling,
-                    query.dtype, use_kernels=self.config.use_kernels)
+                    query.dtype, use_kernels=self.config.use_kernels, softcap=softcap,
+                    sinks=self.params.coded_rows(sinks))
             else:
                 out_fp = self.full_precision_heads_attention(query, new_k, new_v, win_k, win_v, ok, allowed, t_old,
-                                                             scaling)
+                                                             scaling, softcap, self.params.coded_rows(sinks))
             qf, win_k, win_v = (x.index_select(1, self.params.int2_idx) for x in (qf, win_k, win_v))
+            sinks = self.params.int2_rows(sinks)
 
         # 3. INT2 history, in the rotated space: q rotated once; + q.mu_K on logits; values rotated back once.
         rot = self.params
@@ -318,7 +321,7 @@ class OscarLayer(QuantizedLayerBase):
         out = decode_attention_rotating(
             qf, rot.r_k, mu_k, hist_k, hist_v, hist_start, key_mask, scaling, self.config.group_size,
             win_k, win_v, win_mask, rot.r_v, mu_v, out_dtype=query.dtype, block_n=self.config.block_size,
-            use_kernels=self.config.use_kernels,
+            use_kernels=self.config.use_kernels, softcap=softcap, sinks=sinks,
         )
         if out_fp is not None:
             out = self.params.merge(out, out_fp.to(out.dtype))
@@ -327,12 +330,12 @@ class OscarLayer(QuantizedLayerBase):
         return out
 
     def full_precision_heads_attention(self, query, new_k, new_v, win_k, win_v, win_ok, allowed, t_old: int,
-                                       scaling: float) -> torch.Tensor:
+                                       scaling: float, softcap=None, sinks=None) -> torch.Tensor:
         """``[B, P, g*L, D]``: the layer's full-precision heads over their history slots ``[S0, tail_start)`` as
         stored (``full_precision_bits``; row ``b`` from slot ``S0 + pad[b]``, the INT2 history's range) and the
         window every head reads exactly (``win_k/v [B, Hk, window, D]``: sink, recent tail, new rows; ``win_ok
         [B, L, window]`` or None when all valid): one SDPA call in the model dtype. With 16 bits this is exactly
-        what a ``DynamicCache`` reads."""
+        what a ``DynamicCache`` reads. ``softcap``, ``sinks [P, g*L]``: :func:`~oscar_hf.cache.base.logit_terms`."""
         b, hq, l, d = query.shape
         hk, s0, dev = new_k.shape[1], self.config.sink, query.device
         g = hq // hk
@@ -348,7 +351,7 @@ class OscarLayer(QuantizedLayerBase):
         q = group_queries(query, hk).index_select(1, self.params.coded_idx)  # [B, P, g*L, D]
         keys = torch.cat([hist_k, win_k.index_select(1, self.params.coded_idx)], 2)
         values = torch.cat([hist_v, win_v.index_select(1, self.params.coded_idx)], 2)
-        return heads.attention(q, keys, values, mask, scaling)
+        return heads.attention(q, keys, values, mask, scaling, softcap, sinks)
 
     # ------------------------------------------------------------------ derived per-row views
     @property

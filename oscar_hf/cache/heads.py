@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import QuantizedRows, dequantize_minmax, encode_heads, unpack_int4
+from ..kernels.int2_attention import soft_cap
 
 def part_names(bits: int) -> tuple[str, ...]:
     """Names of the stored tensors (what a saved cache calls them)."""
@@ -59,14 +60,20 @@ def decode(parts: tuple[torch.Tensor, ...], bits: int, dtype: torch.dtype) -> to
     return dequantize_minmax(QuantizedRows(unpack_int4(codes) if bits == 4 else codes, scale, zero), dtype)
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float):
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float,
+              softcap: float | None = None, sinks: torch.Tensor | None = None):
     """``[B, P, M, D]``: softmax attention of ``q [B, P, M, D]`` over ``keys/values [B, P, N, D]`` (model dtype)
     with ``mask`` (bool, broadcastable to ``[B, P, M, N]``). SDPA for prompt-sized ``M``; a decode step (``M = g``
     query heads of one KV head) as two matmuls and a softmax: SDPA's kernels give such a step one block per batch
     row and head, which leaves an H100 nearly idle over 32K keys (1.5 ms per head at B = 8), while the matmuls
-    spread the keys over the whole GPU."""
-    if q.shape[2] > 16:
+    spread the keys over the whole GPU. ``softcap`` (Gemma 2's logit soft-capping) and ``sinks`` (``[P, M]`` logits
+    of a zero-valued key, gpt-oss's ``s_aux``), which SDPA cannot express, take the matmuls at any ``M``."""
+    if q.shape[2] > 16 and not softcap and sinks is None:
         return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
-    logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scaling  # [B, P, M, N]
-    p = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+    logits = soft_cap(torch.matmul(q, keys.transpose(-1, -2)).float() * scaling, softcap)  # [B, P, M, N]
+    logits = logits.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.matmul(torch.softmax(logits, dim=-1).to(values.dtype), values)
+    sink = sinks.float().to(q.device)[None, :, :, None].expand(*logits.shape[:3], 1)
+    p = torch.softmax(torch.cat([logits, sink], -1), dim=-1)[..., :-1]  # the sink's column dropped
     return torch.matmul(p.to(values.dtype), values)

@@ -66,6 +66,14 @@ class LayerParams:
         """``x [B, Hk, ...]`` -> its INT2 heads ``[B, Hq, ...]`` (``x`` itself when the layer has no coded head)."""
         return x.index_select(1, self.int2_idx) if self.coded_heads else x
 
+    def int2_rows(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
+        """Per-KV-head rows ``sinks [Hk, M]`` (:func:`~oscar_hf.cache.base.logit_terms`) -> the INT2 heads' ``[Hq, M]``."""
+        return sinks if sinks is None or not self.coded_heads else sinks.index_select(0, self.int2_idx)
+
+    def coded_rows(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
+        """The same for the retrieval heads: ``[P, M]``."""
+        return None if sinks is None else sinks.index_select(0, self.coded_idx)
+
     def encode_coded(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """Window rows ``x [B, Hk, n, D]`` (model dtype) -> the retrieval heads' coded rows (:func:`heads.encode`:
         tensors ``[B, P, n, *]``), None when the layer has none."""

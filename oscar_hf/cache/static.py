@@ -45,7 +45,7 @@ from ..patching import base_attention_function
 from ..quant import QuantizedRows, dequantize_rows
 from ..rotations import LayerRotation
 from . import heads
-from .base import QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, mask_rows
+from .base import QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, logit_terms, mask_rows
 from .window import RowsHistory, commit, demote_pending, ring_entries, ring_slots, window_mask
 
 RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE (as OscarLayer's CROP_RESERVE)
@@ -224,10 +224,11 @@ class StaticOscarLayer(QuantizedLayerBase):
             self.pad.copy_(first_real_slot(allowed, b, query.device))
             self.pad_known = True
         if l == 1:
-            return self._decode_step(query, new_k, new_v, scaling)
+            return self._decode_step(query, new_k, new_v, scaling, *logit_terms(kwargs, self.num_kv_heads, 1))
         return self._multi_token(query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs)
 
-    def _decode_step(self, query, new_k, new_v, scaling: float) -> torch.Tensor:
+    def _decode_step(self, query, new_k, new_v, scaling: float, softcap=None, sinks=None) -> torch.Tensor:
+        """``softcap``, ``sinks [Hk, g]``: :func:`~oscar_hf.cache.base.logit_terms`."""
         b, hq, _, d = query.shape
         hk, cfg = self.num_kv_heads, self.config
         t = self.length  # slot of the new token; the window then holds slots [T - W, T]
@@ -250,14 +251,17 @@ class StaticOscarLayer(QuantizedLayerBase):
         out = decode_attention_rotating(
             q_part, self.params.r_k, mu_k, hist_k, hist_v, self.pad, None, scaling, cfg.group_size,
             win_k, win_v, win_mask, self.params.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size,
-            use_kernels=cfg.use_kernels, n_valid=n_valid, splits=None,
+            use_kernels=cfg.use_kernels, n_valid=n_valid, splits=None, softcap=softcap,
+            sinks=self.params.int2_rows(sinks),
         )
         if self.fp_heads:
-            out = self._merge_full_precision_heads(out, query, t, win_mask[:, 0, 0], scaling)
+            out = self._merge_full_precision_heads(out, query, t, win_mask[:, 0, 0], scaling, softcap,
+                                                   self.params.coded_rows(sinks))
         self.length.add_(1)
         return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
 
-    def _merge_full_precision_heads(self, out_q, query, t, win_ok, scaling: float) -> torch.Tensor:
+    def _merge_full_precision_heads(self, out_q, query, t, win_ok, scaling: float, softcap=None,
+                                    sinks=None) -> torch.Tensor:
         """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and the retrieval heads' read of their coded history in
         place (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`), indices ``[pad, T - W - S0)``, and of
         the window every head reads exactly (``win_ok [B, S0 + R]``, :meth:`window_mask`)."""
@@ -268,7 +272,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         q = group_queries(query, self.num_kv_heads)  # [B, Hk, g, D] in the model dtype
         out_fp = heads_decode_attention(q, self.params.coded_idx, self.coded_k, self.coded_v, cfg.full_precision_bits,
                                         self.pad, hi, self.win_k, self.win_v, win_ok, scaling, out_q.dtype,
-                                        use_kernels=cfg.use_kernels)
+                                        use_kernels=cfg.use_kernels, softcap=softcap, sinks=sinks)
         return self.params.merge(out_q, out_fp)
 
     def _multi_token(self, query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs):
@@ -295,6 +299,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         ok = self.window_mask(t, cfg.recent)[:, None, :] & allowed.gather(2, slots.clamp(max=kv - 1)[:, None, :].expand(b, l, -1))
         ok = torch.cat([ok, allowed[:, :, t_old:]], -1)  # [B, L, S0 + R + L]
         qf = group_queries(query.float(), hk)
+        softcap, sinks = logit_terms(kwargs, hk, l)  # sinks [Hk, g*L] or None
         n = max(t_old - cfg.recent - s0, 0)
         hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (self.hist_k, self.hist_v))
         win_k, win_v = torch.cat([self.win_k, new_k], 2), torch.cat([self.win_v, new_v], 2)
@@ -305,7 +310,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         out = decode_attention_rotating(
             q_part, self.params.r_k, mu_k, hist_k, hist_v, self.pad, mask_rows(allowed[:, :, s0 : s0 + n], g), scaling,
             cfg.group_size, win_k, win_v, mask_rows(ok, g), self.params.r_v, mu_v, out_dtype=query.dtype,
-            block_n=cfg.block_size, use_kernels=cfg.use_kernels,
+            block_n=cfg.block_size, use_kernels=cfg.use_kernels, softcap=softcap, sinks=self.params.int2_rows(sinks),
         )
         if self.fp_heads:  # their coded history [0, n) and the window above, exact
             q = qf.index_select(1, self.params.coded_idx).to(self.dtype)  # [B, P, g*L, D]
@@ -313,7 +318,8 @@ class StaticOscarLayer(QuantizedLayerBase):
             k, v = (torch.cat([heads.decode(tuple(x[:, :, :n] for x in coded), cfg.full_precision_bits, self.dtype),
                                w.index_select(1, self.params.coded_idx), new.index_select(1, self.params.coded_idx)], 2)
                     for coded, w, new in ((self.coded_k, self.win_k, new_k), (self.coded_v, self.win_v, new_v)))
-            out_fp = heads.attention(q, k, v, mask_rows(torch.cat([hist_ok, ok], -1), g), scaling)
+            out_fp = heads.attention(q, k, v, mask_rows(torch.cat([hist_ok, ok], -1), g), scaling, softcap,
+                                     self.params.coded_rows(sinks))
             out = self.params.merge(out, out_fp.to(out.dtype))
         self.commit_bulk(new_k, new_v, t_old)
         return out.reshape(b, hq, l, d).transpose(1, 2).contiguous()

@@ -150,6 +150,9 @@ class PagedOscarKV(OscarKV):
         """``[1, sum L_i, Hq, D]``: each request's rows attend to that request's cache only (the block-diagonal mask
         continuous batching builds is implied by the store's per-request bookkeeping, so it is not read; neither is
         ``cu_seq_lens_q``, a device tensor: reading it would stall every layer)."""
+        if kwargs.get("s_aux") is not None or kwargs.get("softcap"):
+            raise NotImplementedError("OSCAR serving does not implement attention sinks (s_aux) or logit soft-capping "
+                                      "yet; OscarCache with generate does")
         return self.store.attend(self.layer_idx, query, self.key_states, self.value_states, self.batch, scaling,
                                  module, base)
 

@@ -127,6 +127,8 @@ def main():
     attn(1, 2, 8, 4096, 64, 32, False)  # deferred, 2 planes per group
     attn(1, 2, 32, 4096, 128, 64, False)  # M = 32 (8 warps): the dequant loop serves
     attn(1, 2, 4, 4096, 256, 32, False)  # D = 256, G < D/4: dequant
+    attn(1, 8, 2, 8192, 256, 64, True)  # D = 256, G = D/4 (Gemma 3's shape at the default group): deferred, 4 warps
+    attn(1, 8, 8, 8192, 64, 64, True)  # D = 64 (gpt-oss's shape, GQA 8): deferred
     # the static cache's call: device-side history length, fixed splits, a bool window mask
     q = torch.randn(2, 8, 4, 128, generator=g0)
     k = v = quantize_rows(torch.randn(2, 8, 4097, 128, generator=g0), 64)

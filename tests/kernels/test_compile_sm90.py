@@ -34,8 +34,11 @@ def test_kernels_compile_for_sm90_without_spills():
     kinds = {r["kernel"] for r in rows}
     assert kinds == {"split", "combine", "write", "rotate_query", "heads_split", "heads_combine"}, rows
     for r in rows:
-        # at most a few words of stack frame; under the deferred loop's register cap (DEFAULTS.maxnreg) a few more
-        assert r["spill_bytes"] <= (128 if r["maxnreg"] else 64), r
+        # at most a few words of stack frame; under the deferred loop's register cap (DEFAULTS.maxnreg) a few more; at
+        # D = 256 on 4 warps (DEFAULTS.num_warps_wide_deferred) 136 bytes, which the H200 sweep found twice as fast as
+        # 8 warps without spills (benchmarks/results/sweep_h200_d256.json)
+        wide4 = "d=256" in r["case"] and "deferred" in r["case"]
+        assert r["spill_bytes"] <= (160 if wide4 else 128 if r["maxnreg"] else 64), r
         assert r["smem"] <= 227 * 1024, r
     # the decode hot loop at the benchmark shape: room for >= 2 programs per SM, or the programs the cap promises
     # (the wave model of num_splits sizes the grid by them)

@@ -4,6 +4,7 @@ references, the Gluon path's launches (fused prologue, programmatic dependent la
 counters) and CUDA-graph capture."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -55,6 +56,22 @@ def test_gpu_decode_attention_real_shapes(b, n, path):
     ref = decode_attention_reference(**args)
     assert got.dtype == torch.bfloat16
     assert rel_err(got.float(), ref.float()) < 2e-2
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("path", list(_PATHS))
+@pytest.mark.parametrize("b,hk,m,d,n", [(8, 8, 4, 128, 32768 - 320), (2, 8, 8, 64, 8192), (2, 8, 2, 256, 8192)])
+def test_gpu_decode_attention_with_sinks(b, hk, m, d, n, path):
+    """An attention sink per query row (gpt-oss's ``s_aux``) as the combine's last partial, on both history paths
+    (the Gluon path where the shape takes it: head_dim 128) and at head_dims 64 / 256 (the split kernel)."""
+    args, gen = _window_case(b, hk, m, n, 320, d, 64, seed=d, device="cuda")
+    args["out_dtype"] = torch.bfloat16
+    sinks = (torch.randn(hk, m, generator=gen) * 2 + math.log(n)).cuda()  # about the rows' log-sum-exp: visible
+    got = _dt().decode_attention_triton(**args, sinks=sinks, defaults=_PATHS[path])
+    ref = decode_attention_reference(**args, sinks=sinks)
+    assert rel_err(got.float(), ref.float()) < 2e-2
+    assert rel_err(ref.float(), decode_attention_reference(**args).float()) > 5e-2  # the sink is visible
 
 
 # ------------------------------------------------------------------------- the Gluon history kernel (GPU)

@@ -123,6 +123,11 @@ def test_gpu_kernel_matches_reference_at_real_shapes(bits):
                                  128 ** -0.5, torch.float32)
     ref = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, 128 ** -0.5, torch.float32)
     assert rel_err(out, ref) < 2e-2
+    sinks = torch.randn(2, 4, device="cuda") * 3 + 2  # gpt-oss's s_aux by query row: the combine's last partial
+    out = heads_decode_attention(q, heads, k, v, bits, lo, torch.tensor(8000, device="cuda"), wk, wv, wm,
+                                 128 ** -0.5, torch.float32, sinks=sinks)
+    ref_s = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, 128 ** -0.5, torch.float32, sinks=sinks)
+    assert rel_err(out, ref_s) < 2e-2 and rel_err(ref_s, ref) > 5e-2
 
 
 def paged(parts, page: int, num_pages: int, seed: int = 0):
@@ -205,3 +210,38 @@ def test_triton_in_row_chunks_matches_one_launch(monkeypatch):
     chunked = ht.heads_decode_triton(q, heads, k, v, 8, lo, hi, wk, wv, wm, 0.1, torch.float32)
     assert len(launches) == 3
     assert rel_err(chunked, whole) < 1e-6
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_sinks_and_softcap_reference_equal_plain_softmax(bits):
+    """A sink (``[P, M]`` logits of a zero-valued key) and soft-capped logits, against the dense softmax."""
+    q, heads, k, v, lo, wk, wv, wm = make_case(bits, seed=4)
+    sinks = torch.randn(2, 3, generator=torch.Generator().manual_seed(1)) * 3 + 2
+    qh = q.index_select(1, heads).float()
+    kh, vh = (dequantize_heads(s, bits) for s in (k, v))
+    keys = torch.cat([kh, wk.index_select(1, heads).float()], 2)
+    vals = torch.cat([vh, wv.index_select(1, heads).float(), torch.zeros_like(vh[:, :, :1])], 2)
+    pos = torch.arange(kh.shape[2])
+    ok = torch.cat([(pos[None] >= lo[:, None]) & (pos[None] < 120), wm], 1)[:, None, None]
+    logits = torch.tanh(qh @ keys.transpose(-1, -2) * 0.2 / 2.5) * 2.5
+    logits = torch.cat([logits.masked_fill(~ok, float("-inf")), sinks[None, :, :, None].expand(3, 2, 3, 1)], -1)
+    want = torch.softmax(logits, -1) @ vals
+    got = heads_decode_reference(q, heads, k, v, bits, lo, 120, wk, wv, wm, 0.2, torch.float32, softcap=2.5, sinks=sinks)
+    assert rel_err(got, want) < 1e-5
+    plain_out = heads_decode_reference(q, heads, k, v, bits, lo, 120, wk, wv, wm, 0.2, torch.float32)
+    assert rel_err(got, plain_out) > 1e-2
+
+
+@interp
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("device_hi", [False, True])
+def test_triton_with_sinks_matches_reference(bits, device_hi):
+    q, heads, k, v, lo, wk, wv, wm = make_case(bits, n=300, seed=bits)
+    sinks = torch.randn(2, 3, generator=torch.Generator().manual_seed(bits)) * 3 + 2
+    hi = torch.tensor(250) if device_hi else 250
+    out = heads_decode_attention(q, heads, k, v, bits, lo, hi, wk, wv, wm, 0.09, torch.float32, use_kernels=True,
+                                 sinks=sinks)
+    ref = heads_decode_reference(q, heads, k, v, bits, lo, 250, wk, wv, wm, 0.09, torch.float32, sinks=sinks)
+    assert rel_err(out, ref) < 1e-5
+    with pytest.raises(ValueError, match="sinks"):
+        heads_decode_attention(q, heads, k, v, bits, lo, hi, wk, wv, wm, 0.09, sinks=sinks[:1])

@@ -517,3 +517,77 @@ def test_decode_attention_reference_is_plain_attention():
     p = torch.softmax(torch.cat([logits_h, logits_w], -1) * args["scaling"], -1)
     out = torch.einsum("bhmn,bhnd->bhmd", p, torch.cat([v_back, args["v_win"].double()], -2))
     assert rel_err(ref, out) < 1e-5
+
+
+# ------------------------------------------------------------- attention sinks (gpt-oss) and soft-capping (Gemma 2)
+
+
+def _dense_decode(args, softcap=None, sinks=None):
+    """Independent float64 decode attention of a :func:`_window_case`: the dequantized history brought back to the value
+    space and the window as one key set, the logits soft-capped, a sink column per row ``sinks [Hk, M]`` (value 0)."""
+    q_rot, qf = args["q_rot"].double(), args["q_win"].double()
+    kh = dequantize_rows(QuantizedRows(*args["k"]), args["group_size"], torch.float64)
+    vh = dequantize_rows(QuantizedRows(*args["v"]), args["group_size"], torch.float64)
+    r_v = args["r_v"].double()
+    vh = torch.matmul(vh, r_v.transpose(-1, -2).unsqueeze(0)) + (0 if args["mu_v"] is None else args["mu_v"].double()[None, :, None])
+    s = args["scaling"]
+    logits_h = (torch.matmul(q_rot, kh.transpose(-1, -2)) + args["qk_offset"].double()[..., None]) * s
+    logits_w = torch.matmul(qf, args["k_win"].double().transpose(-1, -2)) * s
+    logits = torch.cat([logits_h, logits_w], -1)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    b, hk, m, n = logits_h.shape
+    ok_h = (torch.arange(n)[None, :] >= args["start"][:, None])[:, None, None, :].expand(b, hk, m, n)
+    if args["key_mask"] is not None:
+        ok_h = ok_h & args["key_mask"]
+    ok_w = torch.ones_like(logits_w, dtype=torch.bool) if args["win_mask"] is None else args["win_mask"].expand_as(logits_w)
+    logits = logits.masked_fill(~torch.cat([ok_h, ok_w], -1), -math.inf)
+    values = torch.cat([vh, args["v_win"].double()], 2)
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.double()[None, :, :, None].expand(b, hk, m, 1)], -1)
+        values = torch.cat([values, torch.zeros_like(values[:, :, :1])], 2)
+    return torch.matmul(torch.softmax(logits, -1), values)
+
+
+@pytest.mark.parametrize("softcap,sink", [(None, True), (3.0, False), (3.0, True)])
+def test_reference_sinks_and_softcap_equal_dense_attention(softcap, sink):
+    args, gen = _window_case(2, 2, 4, 150, 70, 64, 32, seed=5)
+    args["start"] = torch.tensor([0, 17])
+    args["key_mask"] = torch.rand(2, 1, 1, 150, generator=gen) > 0.1
+    sinks = torch.randn(2, 4, generator=gen) * 3 + 2 if sink else None
+    got = decode_attention_reference(**args, softcap=softcap, sinks=sinks)
+    want = _dense_decode(args, softcap, sinks)
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(decode_attention_reference(**args), want) > 1e-2  # the terms change the result
+
+
+@interp
+@pytest.mark.parametrize("hoist", [False, True])
+@pytest.mark.parametrize("b,hk,m,n,w", [(2, 2, 4, 150, 70), (1, 2, 3, 0, 33), (2, 1, 4, 300, 320)])
+def test_decode_attention_kernel_with_sinks(small_splits, monkeypatch, hoist, b, hk, m, n, w):
+    """The sink as one more partial after the window's, merged by the combine (both of its window loops)."""
+    if hoist:
+        _force_combine(monkeypatch, hoist=True, c_block=16)
+    args, gen = _window_case(b, hk, m, n, w, 64, 32, seed=n + w)
+    sinks = torch.randn(hk, m, generator=gen) * 3 + 2
+    got = small_splits.decode_attention_triton(**args, sinks=sinks, defaults=SMALL)
+    ref = decode_attention_reference(**args, sinks=sinks)
+    assert rel_err(got, ref) < 2e-5
+    assert rel_err(got, decode_attention_reference(**args)) > 1e-3
+
+
+@interp
+@pytest.mark.parametrize("n_valid", [0, 150])
+def test_decode_attention_rotating_with_sinks_and_softcap(small_splits, n_valid):
+    """The dispatcher: sinks through the launcher from the unrotated query and through the static op (device-side
+    length); soft-capping through the references (the kernels do not cap)."""
+    args = _rotating_case(2, 2, 4, 300, 70, 64, 32, seed=9)
+    sinks = torch.randn(2, 4, generator=torch.Generator().manual_seed(2)) * 3 + 2
+    nv = torch.tensor(n_valid)
+    for softcap in (None, 2.0):
+        got = decode_attention_rotating(**args, n_valid=nv, splits=4, use_kernels=True, sinks=sinks, softcap=softcap)
+        ref = decode_attention_rotating(**args, n_valid=nv, use_kernels=False, sinks=sinks, softcap=softcap)
+        assert rel_err(got, ref) < 2e-5
+    got = decode_attention_rotating(**args, use_kernels=True, sinks=sinks)
+    ref = decode_attention_rotating(**args, use_kernels=False, sinks=sinks)
+    assert rel_err(got, ref) < 2e-5
