@@ -349,6 +349,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     dtype = torch.bfloat16
     model = build_model(args.shape, dtype, args.device, max(args.contexts) + args.new_tokens + 16)
+    if any(t in ("sliding_attention", "chunked_attention") for t in getattr(model.config, "layer_types", None) or ()):
+        # Transformers' StaticSlidingWindowLayer (in StaticCache and in OscarCache(compile=True)) branches on a Python
+        # int that grows every step (cumulative_length_int, Transformers 5.17): with automatic dynamic shapes off, every
+        # decode step recompiled (33 recompiles in 7 minutes on the H200, Gemma-3-12B shape, both caches alike). On, as
+        # for any user, the int turns symbolic after one recompile. Such shapes run one (batch, context) per process.
+        torch._dynamo.config.automatic_dynamic_shapes = True
     results = []
     combos = [] if args.capacity_only else [(b, t, m) for t in args.contexts for b in args.batches for m in args.methods]
     for b, t, m in tqdm(combos, desc="bench"):
