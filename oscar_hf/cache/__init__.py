@@ -19,31 +19,54 @@ Data flow: an artifact (:class:`~oscar_hf.OscarRotations`) -> a cache layer per 
 """
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
 import torch
 from transformers.cache_utils import (
     Cache,
+    CacheLayerMixin,
     DynamicLayer,
     DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionAndStaticSlidingWindowAttentionLayer,
+    LinearAttentionCacheLayerMixin,
     LinearAttentionLayer,
-    StaticLayer,
     StaticSlidingWindowLayer,
 )
 
+try:  # Transformers >= 5.2x: the layer of KV sharing's reuse layers (and MoE / MLP-only layers); 5.17 leaves them out
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # pragma: no cover - transformers 5.17
+    DummyLayer = None
+
 from ..attention import enable_oscar
 from ..compiled_step import install_step_hook
-from ..config import FULL_LAYER_TYPES, SLIDING_LAYER_TYPES, STATE_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
+from ..config import (
+    DUMMY_LAYER_TYPE,
+    FULL_LAYER_TYPES,
+    FULL_PRECISION_LAYER_TYPES,
+    FULL_PRECISION_WHY,
+    SLIDING_LAYER_TYPES,
+    STATE_LAYER_TYPES,
+    ModelFingerprint,
+    OscarConfig,
+    hybrid_state_layers,
+    validate_head_dim,
+)
 from ..distributed import shard_cache_for_tensor_parallel
 from ..rotations import LayerRotation, OscarRotations
 from .dynamic import OscarLayer
 from .io import load_cache, save_cache
-from .static import StaticOscarLayer
+from .static import StaticOscarLayer, _compiling, _static, capacity_for
 
 logger = logging.getLogger("oscar_hf")
+_SAID: set[tuple[str, str]] = set()  # (architecture, layer kind) whose full-precision reason was logged
 
-__all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "StaticOscarLayer", "resolve_full_precision_heads"]
+__all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "StaticOscarLayer", "OscarHybridLayer", "StaticOscarHybridLayer",
+           "GrowingLayer", "resolve_full_precision_heads"]
 
 
 def resolve_full_precision_heads(config: OscarConfig, rotations: OscarRotations, fp: ModelFingerprint,
@@ -90,6 +113,188 @@ def resolve_full_precision_heads(config: OscarConfig, rotations: OscarRotations,
     return {i: tuple(sorted(hs)) for i, hs in out.items()}
 
 
+class GrowingLayer(CacheLayerMixin):
+    """The compiled storage's ``DynamicLayer``: a full-precision layer whose ``update`` returns tensors (Transformers'
+    own kind: MLA latents, KV sharing's store layers) in fixed-address buffers that grow in :class:`StaticOscarLayer`'s
+    capacity buckets (:func:`~oscar_hf.cache.static.capacity_for`; the compiled step's wrapper grows both before a step
+    that would not fit), so that such a model compiles without a ``max_cache_len``. ``keys [B, H, C, Dk]``,
+    ``values [B, H, C, Dv]`` (an MLA latent ``[B, 1, C, kv_lora_rank]`` and its rope part ``[B, 1, C,
+    qk_rope_head_dim]``), slot = absolute position. A decode step's ``update`` returns all ``C`` slots and the mask
+    (``(C, 0)``, as ``StaticLayer``'s ``max_cache_len``) hides those not written yet; a multi-token forward (eager) gets
+    the ``T`` written ones, as from ``DynamicLayer``. ``length`` (0-d device tensor) = ``host_len`` = slots written."""
+
+    is_compileable = True
+    is_croppable = True
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, max_cache_len: int | None = None, **kwargs):
+        super().__init__()
+        self.fixed_capacity = max_cache_len  # StaticOscarCache's: no growth
+        self.length = torch.zeros((), dtype=torch.long)
+        self.host_len = self.capacity = 0
+        self.announced = False  # the compiled step's wrapper already counted this forward's token
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.length = _static(torch.zeros((), dtype=torch.long, device=self.device))
+        self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+        self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2])))
+        self.is_initialized = True
+
+    def _allocate(self, capacity: int) -> None:
+        def grow(old):  # [B, H, C_old, D] -> [B, H, capacity, D], content kept
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, : old.shape[2]] = old[:, :, :capacity]
+            return _static(new, None if self.fixed_capacity else 2)
+
+        self.keys, self.values = grow(self.keys), grow(self.values)
+        self.capacity = capacity
+
+    def capacity_after(self, n: int) -> int:
+        """The capacity once ``n`` more tokens are written (:meth:`advance`'s rule): the mask is built before."""
+        need = self.host_len + n
+        if self.fixed_capacity:
+            return self.fixed_capacity
+        if not self.is_initialized:
+            return capacity_for(need)
+        return self.capacity if need <= self.capacity else capacity_for(need, self.capacity if n == 1 else 0)
+
+    def advance(self, n: int) -> None:
+        """Host side, before ``n`` new tokens are written: a bigger bucket when they would not fit."""
+        if self.is_initialized and self.host_len + n > self.capacity:
+            if self.fixed_capacity:
+                raise ValueError(f"StaticOscarCache is full (max_cache_len={self.fixed_capacity}, "
+                                 f"{self.host_len + n} tokens)")
+            self._allocate(self.capacity_after(n))
+        self.host_len += n
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        l = key_states.shape[2]
+        if not _compiling():
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            if key_states.shape[0] != self.keys.shape[0]:
+                raise ValueError(f"OscarCache full-precision layer holds batch size {self.keys.shape[0]}, got "
+                                 f"{key_states.shape[0]} rows (use batch_repeat_interleave / batch_select_indices)")
+            if self.announced:
+                self.announced = False
+            else:
+                self.advance(l)
+        idx = self.length + torch.arange(l, device=self.device)  # [L] slots of the new rows
+        self.keys.index_copy_(2, idx, key_states)
+        self.values.index_copy_(2, idx, value_states)
+        self.length.add_(l)
+        if _compiling() or l == 1:  # all C slots: a decode step's shapes stay fixed (its mask hides the unwritten ones)
+            return self.keys, self.values
+        # a multi-token forward (eager: the compiled step's wrapper runs it through the plain model) reads the written
+        # slots only, as DynamicLayer: the model may skip its mask there (SDPA's is_causal) and even drop query rows
+        # (Gemma 4's KV-shared layers at the prefill)
+        return self.used()
+
+    def get_seq_length(self):
+        return self.length if _compiling() else self.host_len
+
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        if _compiling():
+            return self.capacity, 0
+        return (self.capacity_after(1) if query_length == 1 else self.host_len + query_length), 0
+
+    def get_max_length(self) -> int:
+        return self.fixed_capacity or -1
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            for t in (self.keys, self.values, self.length):
+                t.zero_()
+        self.host_len, self.announced = 0, False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Exact: the slots above the new length are hidden by the mask and overwritten by the next writes."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative number of tokens to remove (transformers 5.x)")
+        self.host_len = max(0, self.host_len + tokens_to_remove)
+        if self.is_initialized:
+            self.length.fill_(self.host_len)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:  # in place: the compiled step keeps the addresses
+            for t in (self.keys, self.values):
+                t.copy_(t.index_select(0, beam_idx.to(t.device)))
+
+    def _rebatch(self, fn) -> None:
+        if self.fixed_capacity:
+            raise NotImplementedError("StaticOscarCache has a fixed batch size")
+        if self.is_initialized:
+            self.keys, self.values = (_static(fn(t).contiguous(), 2) for t in (self.keys, self.values))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._rebatch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rebatch(lambda t: t[indices])
+
+    def used(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` of the slots written, ``[B, H, T, D]`` views (what :meth:`OscarCache.save` and
+        :meth:`OscarCache.memory_report` read)."""
+        return self.keys[:, :, : self.host_len], self.values[:, :, : self.host_len]
+
+
+class _HybridState(LinearAttentionLayer):
+    """A "hybrid" layer (``layer_types`` "hybrid": Falcon-H1, Zamba, Zamba 2): attention and a linear-attention / SSM
+    state in one decoder layer. As Transformers' ``LinearAttentionAndFullAttentionLayer`` does for ``DynamicLayer``, the state
+    is Transformers' ``LinearAttentionLayer`` (``update_conv_state`` / ``update_recurrent_state``, untouched) and the
+    attention an OSCAR layer (``_attention``: ``update`` returns its handle); ``lazy_initialization`` is called with the
+    keys and values (2 positional arguments) by the attention, with keywords by the state."""
+
+    _attention: type = OscarLayer
+
+    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=(), *args,
+                 number_of_states: int = 1):
+        self._attention.__init__(self, config, rotation, layer_idx, *args, fp_heads=fp_heads)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2 and not kwargs:
+            self._attention.lazy_initialization(self, *args)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, *args, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        self._attention.reset(self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        self._attention.reorder_cache(self, beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:  # the state first: it refuses unless its past is recorded
+        LinearAttentionLayer.crop(self, tokens_to_remove)
+        self._attention.crop(self, tokens_to_remove)
+
+    def offload(self):
+        return self._attention.offload(self)
+
+    def prefetch(self):
+        return self._attention.prefetch(self)
+
+    def get_max_length(self) -> int:
+        return self._attention.get_max_length(self)
+
+
+class OscarHybridLayer(_HybridState, OscarLayer):
+    """:class:`OscarLayer` + Transformers' ``LinearAttentionLayer`` state (eager storage)."""
+
+    is_compileable = False
+
+
+class StaticOscarHybridLayer(_HybridState, StaticOscarLayer):
+    """:class:`StaticOscarLayer` + Transformers' ``LinearAttentionLayer`` state (compiled storage; compileable while the
+    state records no past, as ``LinearAttentionLayer``)."""
+
+    _attention = StaticOscarLayer
+
+
 class OscarCache(Cache):
     """Drop-in KV cache for ``generate(cache=...)`` (``past_key_values=`` on
     Transformers versions without ``cache=``, e.g. 5.17): 2-bit OSCAR
@@ -102,9 +307,13 @@ class OscarCache(Cache):
     implementation still serves every layer OSCAR does not quantize. ``model_or_config`` is the model,
     or the model's own config (``model.config``, which the model reads at every forward; the model is
     needed for tensor parallelism, whose KV-head slices are read from its weights).
-    Layers: full attention -> :class:`OscarLayer`; sliding-window / chunked -> Transformers'
-    full-precision ``DynamicSlidingWindowLayer`` (bounded by its window already); ``skip_layers`` ->
-    ``DynamicLayer``.
+    Layers (:meth:`layer_kinds`; ``oscar_hf.config.layer_types_of`` reads the kinds): full attention ->
+    :class:`OscarLayer` (a "hybrid" layer, Falcon-H1 / Zamba: :class:`OscarHybridLayer`, with Transformers'
+    ``LinearAttentionLayer`` state); sliding-window / chunked -> Transformers' full-precision
+    ``DynamicSlidingWindowLayer`` (bounded by its window already); linear attention / SSM / convolution ->
+    Transformers' ``LinearAttentionLayer``; ``skip_layers``, MLA latents (DeepSeek-V2/V3, ...) and KV sharing's
+    store layers (Gemma 3n / 4) -> ``DynamicLayer`` (the reason is logged once at construction:
+    ``oscar_hf.config.FULL_PRECISION_WHY``); KV sharing's reuse layers -> ``DummyLayer`` (nothing cached).
 
     ``compile``: "auto" (default) keeps the storage on the device in fixed-address buffers
     (:class:`StaticOscarLayer`, capacity growing in buckets) when the model is on CUDA and every layer it has can
@@ -112,7 +321,8 @@ class OscarCache(Cache):
     step with CUDA graphs by itself; True asks for that storage anywhere (the CPU runs its torch reference), and also
     serves models with sliding-window / chunked layers (Transformers' ``StaticSlidingWindowLayer``, a buffer of the
     window's width, beside the compiled OSCAR layers; the compiled step is traced up to three times as that layer
-    fills, and it cannot ``crop`` once it rolls); False keeps the eager :class:`OscarLayer`.
+    fills, and it cannot ``crop`` once it rolls), linear-attention and hybrid layers, and the full-precision layers of
+    MLA / KV-sharing models (:class:`GrowingLayer`); False keeps the eager :class:`OscarLayer`.
     """
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
@@ -133,17 +343,6 @@ class OscarCache(Cache):
         cal_g = rotations.metadata.get("group_size")
         if cal_g is not None and int(cal_g) != config.group_size:
             logger.warning("rotations were calibrated for group_size=%s, cache uses %s", cal_g, config.group_size)
-        if getattr(text_cfg, "kv_lora_rank", None):  # DeepSeek-V2/V3, Kimi, GLM-4-MoE-Lite, ...
-            raise NotImplementedError(
-                f"{fp.architecture}: multi-head latent attention (MLA, kv_lora_rank={text_cfg.kv_lora_rank}) is not "
-                "supported by OscarCache: Transformers caches the compressed latent and rebuilds keys and values from "
-                "it, and OSCAR's rotations are per KV head of the keys and values")
-        if is_model and any(isinstance(getattr(mod, "sinks", None), torch.Tensor) for mod in model_or_config.modules()):
-            raise NotImplementedError(f"{fp.architecture}: attention sinks (a learned sink logit per query head, "
-                                      "s_aux) are not supported by OscarCache's attention yet")
-        for name in ("softcap", "attn_logit_softcapping"):
-            if getattr(text_cfg, name, None):
-                raise NotImplementedError(f"{fp.architecture}: attention logit soft-capping ({name}) is not supported by OSCAR")
         skipped = config.skipped(fp.num_layers)
         fp_heads = resolve_full_precision_heads(config, rotations, fp, skipped)
         if fp_heads:  # the saved / reported config names the heads, not "the top k"
@@ -152,27 +351,41 @@ class OscarCache(Cache):
         # no INT2 head, so that it keeps the stored form (and the bits) it was chosen at
         exact_layers = {i for i, hs in fp_heads.items()
                         if len(hs) == fp.num_key_value_heads and config.full_precision_bits == 16}
+        hybrid = hybrid_state_layers(text_cfg)  # attention + a state in one layer (Falcon-H1, Zamba)
         self.compiled = self._compiled_storage(compile, model_or_config if is_model else None, fp, rotations, skipped,
-                                               exact_layers)
+                                               exact_layers, hybrid)
+        self._n_states = getattr(text_cfg, "number_of_conv_states", 1)
         layers: list[Any] = []
         for i, kind in enumerate(fp.layer_types):
             if kind in SLIDING_LAYER_TYPES:
                 window = getattr(text_cfg, "sliding_window", None) if kind == "sliding_attention" else text_cfg.attention_chunk_size
-                layers.append(self._sliding_layer(window))
+                layers.append(self._sliding_layer(window, i in hybrid))
             elif kind in STATE_LAYER_TYPES:  # no per-token K/V: Transformers' own state layer (compileable as it is)
-                layers.append(LinearAttentionLayer(number_of_states=getattr(text_cfg, "number_of_conv_states", 1)))
+                layers.append(LinearAttentionLayer(number_of_states=self._n_states))
             elif kind in FULL_LAYER_TYPES:
                 if i in skipped or i not in rotations.layers or i in exact_layers:
-                    layers.append(self._full_precision_layer())
-                elif i in fp_heads:
-                    layers.append(self._oscar_layer(config, rotations.layers[i], i, fp_heads[i]))
+                    layers.append(self._full_precision_layer(i in hybrid))
                 else:
-                    layers.append(self._oscar_layer(config, rotations.layers[i], i))
+                    layers.append(self._oscar_layer(config, rotations.layers[i], i, fp_heads.get(i, ()), i in hybrid))
+            elif kind in FULL_PRECISION_LAYER_TYPES:  # MLA latents, KV sharing's store layers: Transformers' own kind
+                layers.append(self._full_precision_layer(False))
+            elif kind == DUMMY_LAYER_TYPE:  # caches nothing (KV sharing's reuse layers)
+                layers.append(DummyLayer() if DummyLayer is not None else None)
             else:
                 raise NotImplementedError(f"{fp.architecture}: layer type {kind!r} (layer {i}) is not supported by OscarCache")
+        if None in layers:  # Transformers 5.17 (no DummyLayer) builds no layer for the trailing reuse layers either
+            n = layers.index(None)
+            if any(x is not None for x in layers[n:]):
+                raise NotImplementedError(f"{fp.architecture}: layers that cache nothing before caching ones need "
+                                          "Transformers' DummyLayer (transformers >= 5.2x)")
+            layers = layers[:n]
         super().__init__(layers=layers)
+        # a compiled full-precision layer's decode step returns all C slots of its buffers: every full-attention
+        # layer's mask is then its (C, 0) (an OSCAR layer reads none in a decode step)
+        self._mask_layer = next((i for i, x in enumerate(layers) if isinstance(x, GrowingLayer)), None)
         self.oscar_config, self.rotations, self.fingerprint = config, rotations, fp
         self.tp_layout = None  # [tensor parallelism] set by oscar_hf/distributed.py: each rank keeps its own KV heads
+        self._log_layer_plan(fp, hybrid)
         if is_model:
             shard_cache_for_tensor_parallel(self, model_or_config)  # [tensor parallelism] no-op without TP
             if self.compiled:
@@ -180,8 +393,52 @@ class OscarCache(Cache):
         enable_oscar(model_or_config)
 
     max_cache_len_fixed: int | None = None  # StaticOscarCache's capacity
+    _mask_layer: int | None = None
 
-    def _compiled_storage(self, compile, model, fp: ModelFingerprint, rotations, skipped, exact_layers) -> bool:
+    def _log_layer_plan(self, fp: ModelFingerprint, hybrid: set[int]) -> None:
+        """Says at construction, in one line per reason, which attention layers stay in full precision and why
+        (``layer_kinds``): a warning when nothing is quantized, else info; the next caches of the architecture (a
+        fresh cache per ``generate`` call) at debug level."""
+        kinds = self.layer_kinds()
+        n_q = sum(k.startswith("oscar") for k in kinds)
+        for kind, why in FULL_PRECISION_WHY.items():
+            idx = [i for i, t in enumerate(fp.layer_types) if t == kind]
+            if idx:
+                first = (fp.architecture, kind) not in _SAID
+                _SAID.add((fp.architecture, kind))
+                level = (logging.WARNING if n_q == 0 else logging.INFO) if first else logging.DEBUG
+                logger.log(level, "OscarCache: %d of %d layers of %s kept in full precision (Transformers' own layer, "
+                           "%s storage), %d quantized: %s", len(idx), fp.num_layers, fp.architecture,
+                           "compiled" if self.compiled else "eager", n_q, why)
+        if hybrid and n_q:
+            logger.debug("OscarCache: %d hybrid layers of %s: OSCAR attention beside Transformers' linear-attention / "
+                         "SSM state", len(hybrid), fp.architecture)
+
+    def layer_kinds(self) -> list[str]:
+        """What each decoder layer got, in order: ``"oscar"`` (INT2 history; ``"oscar+state"`` for a hybrid layer),
+        ``"sliding"`` (Transformers' full-precision window), ``"state"`` (linear attention / SSM / convolution),
+        ``"latent"`` (MLA latent, full precision), ``"shared_kv"`` (KV sharing's store layer, full precision),
+        ``"full_precision"`` (skipped layers, layers without rotations), ``"none"`` (caches nothing)."""
+        named = {"latent_attention": "latent", "shared_kv_attention": "shared_kv"}
+        out = []
+        for i, t in enumerate(self.fingerprint.layer_types):
+            layer = self.layers[i] if i < len(self.layers) else None
+            if isinstance(layer, (OscarLayer, StaticOscarLayer)):
+                out.append("oscar+state" if isinstance(layer, LinearAttentionCacheLayerMixin) else "oscar")
+            elif t in named:
+                out.append(named[t])
+            elif t in SLIDING_LAYER_TYPES:
+                out.append("sliding")
+            elif t in STATE_LAYER_TYPES:
+                out.append("state")
+            elif t == DUMMY_LAYER_TYPE:
+                out.append("none")
+            else:
+                out.append("full_precision")
+        return out
+
+    def _compiled_storage(self, compile, model, fp: ModelFingerprint, rotations, skipped, exact_layers,
+                          hybrid=()) -> bool:
         """Whether the full-attention layers get device-resident storage (:class:`StaticOscarLayer`)."""
         if compile is False:
             return False
@@ -198,11 +455,12 @@ class OscarCache(Cache):
             on_cuda = model is not None and any(p.is_cuda for p in model.parameters())
             if on_cuda and why:
                 logger.info("OscarCache: eager storage (the compiled decode step does not support %s)", why)
-            elif on_cuda and growable and any(k in SLIDING_LAYER_TYPES + STATE_LAYER_TYPES for k in fp.layer_types):
-                # compile=True serves them (Transformers' StaticSlidingWindowLayer / LinearAttentionLayer beside the
-                # OSCAR layers, same tokens); not the default until its speed and first-call cost are measured on a GPU
-                logger.info("OscarCache: eager storage for a model with sliding-window or linear-attention layers "
-                            "(compile=True compiles it; not the default yet)")
+            elif on_cuda and growable and (hybrid or any(k not in FULL_LAYER_TYPES for k in fp.layer_types)):
+                # compile=True serves them (Transformers' StaticSlidingWindowLayer / LinearAttentionLayer, GrowingLayer
+                # beside the OSCAR layers, same tokens); not the default until its speed and first-call cost are
+                # measured on a GPU
+                logger.info("OscarCache: eager storage for a model with sliding-window, linear-attention, hybrid, "
+                            "latent (MLA) or KV-sharing layers (compile=True compiles it; not the default yet)")
                 return False
             return on_cuda and why is None
         if why:
@@ -210,18 +468,37 @@ class OscarCache(Cache):
         return True
 
     # Layer factories: eager (OscarLayer) or device-resident (StaticOscarLayer) storage.
-    def _sliding_layer(self, window: int):
+    # ``state``: a "hybrid" layer's linear-attention / SSM state goes with it (Transformers' LinearAttentionLayer).
+    def _sliding_layer(self, window: int, state: bool = False):
+        n = self._n_states
         if self.compiled:
             # a bounded buffer of the window's width, whatever the generation's length (crop refused once it rolls)
-            return StaticSlidingWindowLayer(max_cache_len=self.max_cache_len_fixed or 2**62, sliding_window=window)
+            cap = self.max_cache_len_fixed or 2**62
+            if state:
+                return LinearAttentionAndStaticSlidingWindowAttentionLayer(max_cache_len=cap, sliding_window=window,
+                                                                           number_of_states=n)
+            return StaticSlidingWindowLayer(max_cache_len=cap, sliding_window=window)
+        if state:
+            return LinearAttentionAndSlidingWindowAttentionLayer(sliding_window=window, number_of_states=n)
         return DynamicSlidingWindowLayer(sliding_window=window)
 
-    def _full_precision_layer(self):
-        return StaticLayer(max_cache_len=self.max_cache_len_fixed) if self.compiled else DynamicLayer()
+    def _full_precision_layer(self, state: bool = False):
+        n = self._n_states
+        if not self.compiled:
+            return LinearAttentionAndFullAttentionLayer(number_of_states=n) if state else DynamicLayer()
+        if state:  # (_compiled_storage refuses a growable cache whose hybrid layers are not all OSCAR layers)
+            raise NotImplementedError("a hybrid layer kept in full precision (skip_layers) needs compile=False")
+        return GrowingLayer(self.max_cache_len_fixed)
 
-    def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=()):
+    def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=(), state=False):
+        n = self._n_states
         if self.compiled:
+            if state:
+                return StaticOscarHybridLayer(config, rotation, layer_idx, fp_heads, self.max_cache_len_fixed,
+                                              number_of_states=n)
             return StaticOscarLayer(config, rotation, layer_idx, self.max_cache_len_fixed, fp_heads)
+        if state:
+            return OscarHybridLayer(config, rotation, layer_idx, fp_heads, number_of_states=n)
         return OscarLayer(config, rotation, layer_idx, fp_heads)
 
     @classmethod
@@ -242,10 +519,43 @@ class OscarCache(Cache):
                 overrides["group_size"] = int(g)
         return cls(model, rot, config, preset=preset, **overrides)
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if self._mask_layer is not None and isinstance(layer, StaticOscarLayer):
+            return self.layers[self._mask_layer].get_mask_sizes(query_length)  # the full-attention layers' one mask
+        return super().get_mask_sizes(query_length, layer_idx)
+
     # ------------------------------------------------------------------ persistence
     def save(self, directory) -> None:
-        """Write the live cache (INT2 history, windows, positions, rotations) to ``directory``."""
-        save_cache(self, directory)
+        """Write the live cache (INT2 history, windows, positions, rotations) to ``directory``. Refused
+        (NotImplementedError, nothing written) for a cache holding a linear-attention / SSM / convolution state."""
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, LinearAttentionCacheLayerMixin):  # hybrid OSCAR layers too: their state would be lost
+                raise NotImplementedError(f"cannot save cache layer {i}: {type(layer).__name__} holds a linear-attention"
+                                          " / SSM / convolution state (Transformers' LinearAttentionLayer), which "
+                                          "OscarCache.save does not serialize")
+        view = copy.copy(self)  # the saved form of the layers io does not know: the same tokens as DynamicLayers
+        view.layers = [self._saved_layer(layer) for layer in self.layers]
+        save_cache(view, directory)
+
+    @staticmethod
+    def _saved_layer(layer):
+        """``layer`` in the form :mod:`.io` saves (the eager storage's), loaded back into either storage."""
+        if isinstance(layer, GrowingLayer) or (DummyLayer is not None and isinstance(layer, DummyLayer)):
+            out = DynamicLayer()  # a DummyLayer caches nothing: saved empty, and load leaves it as it is
+            if isinstance(layer, GrowingLayer) and layer.is_initialized and layer.host_len:
+                out.update(*layer.used())  # loads back through GrowingLayer.update / DynamicLayer.update
+            return out
+        if isinstance(layer, StaticSlidingWindowLayer):
+            # its W slots hold the last min(T, W) tokens in order; DynamicSlidingWindowLayer's the last min(T, W - 1)
+            w, t = layer.max_cache_len, layer.cumulative_length_int
+            out = DynamicSlidingWindowLayer(sliding_window=w)
+            if layer.is_initialized and t:
+                keep = slice(1, None) if t >= w else slice(0, t)
+                out.update(layer.keys[:, :, keep], layer.values[:, :, keep])
+                out.cumulative_length = t
+            return out
+        return layer
 
     @classmethod
     def load(cls, directory, model, device=None, compile: bool | str = "auto") -> "OscarCache":
@@ -255,7 +565,14 @@ class OscarCache(Cache):
 
     # ------------------------------------------------------------------ reporting
     def memory_report(self) -> dict[str, float]:
-        """Bytes by part (summed over layers), bits per element, and the BF16 DynamicCache equivalent."""
+        """Bytes by part (summed over layers), bits per element, and the BF16 DynamicCache equivalent.
+
+        ``full_precision_layers``: bytes of the layers kept in Transformers' own full-precision form (sliding windows,
+        ``skip_layers``, MLA latents, KV sharing's store layers: :meth:`layer_kinds` says which, the cache's log at
+        construction why; for MLA see ``oscar_hf.config.FULL_PRECISION_WHY``: the latent, already ~71x smaller than
+        per-head K/V, is expanded through ``kv_b_proj`` at every step, so an INT2 latent would need a full-precision
+        copy of its history every step); ``quantized_layers`` / ``latent_layers`` / ``shared_kv_layers``: how many
+        layers are OSCAR layers / MLA latents / KV sharing's store layers."""
         tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, full_precision_heads=0,
                    allocated=0, full_precision_layers=0)
         elements = 0
@@ -268,10 +585,15 @@ class OscarCache(Cache):
                 if layer.is_initialized:
                     elements += 2 * m["tokens"] * layer.num_kv_heads * layer.head_dim
             elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
-                nb = layer.keys.numel() * layer.keys.element_size() * 2
+                kv = layer.used() if isinstance(layer, GrowingLayer) else (layer.keys, layer.values)
+                nb = sum(x.numel() * x.element_size() for x in kv)  # (an MLA latent's K and V widths differ)
                 tot["full_precision_layers"] += nb
-                tot["allocated"] += nb
-                elements += 2 * layer.keys.numel()
+                tot["allocated"] += sum(x.numel() * x.element_size() for x in (layer.keys, layer.values))
+                elements += sum(x.numel() for x in kv)
+        kinds = self.layer_kinds()
+        tot["quantized_layers"] = sum(k.startswith("oscar") for k in kinds)
+        tot["latent_layers"] = kinds.count("latent")
+        tot["shared_kv_layers"] = kinds.count("shared_kv")
         used = (tot["sink"] + tot["recent"] + tot["history_codes"] + tot["history_meta"] + tot["full_precision_layers"]
                 + tot["full_precision_heads"])
         tot["total"] = used
@@ -298,7 +620,8 @@ class StaticOscarCache(OscarCache):
     """:class:`OscarCache` with device-resident storage of a fixed capacity: ``max_cache_len`` slots (prompt + new
     tokens, left padding included). ``OscarCache`` does the same on CUDA by itself, growing as needed; this class is
     for a known bound, and for models with sliding-window or ``skip_layers`` layers (Transformers'
-    ``StaticSlidingWindowLayer`` / ``StaticLayer``). The batch size is taken from the first forward and fixed."""
+    ``StaticSlidingWindowLayer`` / :class:`GrowingLayer` of that capacity). The batch size is taken from the first
+    forward and fixed."""
 
     def __init__(self, model_or_config, rotations=None, config: OscarConfig | None = None, *, max_cache_len: int,
                  **overrides):

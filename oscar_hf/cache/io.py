@@ -274,7 +274,8 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
             layer.mu_k_seq = mu_k_seq
         else:
             keys, values = tensors.pop(f"layers.{i}.keys", None), tensors.pop(f"layers.{i}.values", None)
-            if keys is None or values is None or keys.shape != values.shape or keys.dim() != 4:
+            # (keys and values may differ in width: an MLA latent [B, 1, S, kv_lora_rank] and its rope part)
+            if keys is None or values is None or keys.dim() != 4 or keys.shape[:3] != values.shape[:3]:
                 raise ValueError(f"layer {i}: missing or malformed full-precision keys/values")
             if isinstance(layer, StaticSlidingWindowLayer):
                 _fill_static_window(layer, keys.to(device), values.to(device), int(entry["cumulative_length"]))

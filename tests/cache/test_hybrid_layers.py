@@ -1,21 +1,26 @@
 """Hybrid models: linear-attention, SSM and convolution layers (``config.layer_types`` "linear_attention" / "conv")
 keep Transformers' own ``LinearAttentionLayer`` in ``OscarCache``, untouched, beside the OSCAR layers of their full
-attention layers, in the eager and the compiled storage (``compile=True``; the CPU runs its torch reference)."""
+attention layers, in the eager and the compiled storage (``compile=True``; the CPU runs its torch reference; the
+compiled storage's tokens past the quantization, its graph count and save's refusal: tests/test_model_matrix.py).
+A "hybrid" layer (attention and a Mamba state in one decoder layer: Falcon-H1, Zamba, Zamba 2) is an OSCAR layer holding
+Transformers' state beside it (``OscarHybridLayer``). Latent attention (MLA) layers, here beside linear attention
+(Kimi-Linear), stay Transformers' own full-precision layers."""
 import pytest
 import torch
-from torch._dynamo.utils import counters
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
 from oscar_hf import OscarCache
-from oscar_hf.cache import OscarLayer, StaticOscarLayer
+from oscar_hf.cache import GrowingLayer, OscarHybridLayer, OscarLayer, StaticOscarHybridLayer, StaticOscarLayer
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
 
 from batch_utils import cpu_compile_config
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
-HYBRIDS = ["qwen3_next", "jamba", "bamba", "granitemoehybrid", "lfm2"]
+HYBRIDS = ["qwen3_next", "jamba", "bamba", "granitemoehybrid", "lfm2", "falcon_h1", "zamba", "zamba2"]
+EAGER = {"full_attention": OscarLayer, "hybrid": OscarHybridLayer}  # by config.layer_types; else LinearAttentionLayer
+COMPILED = {"full_attention": StaticOscarLayer, "hybrid": StaticOscarHybridLayer}
 
 
 def _gen(m, ids, cache=None, n=8, **kw):
@@ -31,12 +36,14 @@ def model(request):
 
 
 def test_state_layers_are_transformers_own_and_exact_before_quantization(model):
-    """Every layer type in its place; while nothing is quantized (T <= sink + recent) the output equals BF16
-    DynamicCache's: the state layers see exactly what Transformers' own cache gives them."""
+    """Every layer type in its place, in both storages; while nothing is quantized (T <= sink + recent) the output
+    equals BF16 DynamicCache's: the state layers see exactly what Transformers' own cache gives them."""
     cache = OscarCache(model, **SMALL)
     types = list(model.config.layer_types)
-    assert [type(x) for x in cache.layers] == [OscarLayer if t == "full_attention" else LinearAttentionLayer
-                                               for t in types]
+    assert [type(x) for x in cache.layers] == [EAGER.get(t, LinearAttentionLayer) for t in types]
+    compiled = OscarCache(model, compile=True, **SMALL)
+    assert [type(x) for x in compiled.layers] == [COMPILED.get(t, LinearAttentionLayer) for t in types]
+    assert not OscarCache(model, compile="auto", **SMALL).compiled
     ids = torch.randint(1, 200, (2, 5), generator=torch.Generator().manual_seed(1))
     ref = _gen(model, ids, DynamicCache(config=model.config), n=6)
     out = _gen(model, ids, cache, n=6)  # 5 + 6 <= 12
@@ -45,33 +52,27 @@ def test_state_layers_are_transformers_own_and_exact_before_quantization(model):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_compiled_equals_eager_past_quantization(model, tmp_path):
-    """The compiled storage (StaticOscarLayer beside the state layers, generate's compiled route) gives the eager
-    storage's tokens once the history is quantized, in one graph; the cache reports its memory and refuses to save."""
-    ids = torch.randint(1, 200, (2, 30), generator=torch.Generator().manual_seed(2))
-    ref = _gen(model, ids, OscarCache(model, **SMALL), n=12)
-    cache = OscarCache(model, compile=True, **SMALL)
-    assert {type(x) for x in cache.layers} == {StaticOscarLayer, LinearAttentionLayer}
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "kimi_linear"])
+def test_latent_attention_layers_are_transformers_own(model_type, caplog):
+    """MLA (Transformers caches the latent and expands it through kv_b_proj at every step): its layers are
+    Transformers' own full-precision layers (eager: DynamicLayer; compiled: GrowingLayer), so both storages give
+    DynamicCache's tokens past sink + recent too (nothing is quantized), and the cache says why once."""
+    from transformers import DynamicLayer
+
+    m = tiny_model(model_type)
+    ids = torch.randint(1, 200, (2, 9), generator=torch.Generator().manual_seed(1))
+    ref = _gen(m, ids, DynamicCache(config=m.config), n=8)
+    with caplog.at_level("DEBUG", logger="oscar_hf"):
+        eager = OscarCache(m, **SMALL)
+    assert sum("latent" in r.getMessage() for r in caplog.records) == 1
+    compiled = OscarCache(m, compile=True, **SMALL)
+    latent = [t != "linear_attention" for t in getattr(m.config, "layer_types", None) or ["full_attention"] * 2]
+    assert [type(x) for x in eager.layers] == [DynamicLayer if a else LinearAttentionLayer for a in latent]
+    assert [type(x) for x in compiled.layers] == [GrowingLayer if a else LinearAttentionLayer for a in latent]
     torch._dynamo.reset()
-    counters.clear()
-    out = _gen(model, ids, cache, n=12, compile_config=cpu_compile_config())
-    assert torch.equal(out.sequences, ref.sequences)
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
-    assert cache.memory_report()["history_codes"] > 0
-    assert not OscarCache(model, compile="auto", **SMALL).compiled
-    with pytest.raises(NotImplementedError, match="LinearAttentionLayer"):
-        cache.save(tmp_path / "saved")
-    assert not (tmp_path / "saved").exists()
-
-
-def test_latent_attention_is_refused_at_construction():
-    """MLA (DeepSeek-V3: Transformers caches the latent, not per-head keys and values) gets a clear error when the
-    cache is built, not a shape error deep inside the first forward."""
-    with pytest.raises(NotImplementedError, match="latent attention"):
-        OscarCache(tiny_model("deepseek_v3"), **SMALL)
-
-
-def test_attention_sinks_are_refused_at_construction():
-    """gpt-oss's sink logits (s_aux) are not in OSCAR's read: the cache says so when it is built for the model."""
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        OscarCache(tiny_model("gpt_oss", attn_implementation="eager"), **SMALL)
+    for cache, kw in ((eager, {}), (compiled, dict(compile_config=cpu_compile_config()))):
+        out = _gen(m, ids, cache, n=8, **kw)
+        assert torch.equal(out.sequences, ref.sequences)
+        for a, b in zip(out.scores, ref.scores):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert eager.memory_report()["latent_layers"] == sum(latent)
