@@ -62,7 +62,7 @@ CASES = {
         block_n=64, deferred=True, maxnreg=None, s_hist=2, split_len=192, s_win=1, s_tot=3, split_warps=4,
         combine=CombineShape(2, 16, 4, 4, True))),
     "D=256": (dict(b=1, hk=4, m=4, n=5000, d=256, group_size=64, w=320), 132, dict(
-        block_n=64, deferred=True, maxnreg=None, s_hist=20, split_len=256, s_win=3, s_tot=23, split_warps=8,
+        block_n=64, deferred=True, maxnreg=None, s_hist=20, split_len=256, s_win=3, s_tot=23, split_warps=4,
         split_stages=2, combine=CombineShape(32, 32, 8, 4, False))),
     "M=32: dequant loop": (dict(b=2, hk=2, m=32, n=600, d=128, group_size=64, w=33), 132, dict(
         m_pad=32, block_n=64, deferred=False, maxnreg=None, s_hist=3, split_len=256, s_win=1, s_tot=4)),
