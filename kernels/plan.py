@@ -399,9 +399,9 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
         fused_prologue=fused, qpre=qpre, pdl=pdl, ready=qpre and pdl, tb=gluon_step // 16 if qpre else 2,
         pid_off=pid_off, split_programs=(s_hist if fused else s_hist + s_win) - pid_off,
         split_window=s_win > 0 and not fused,
-        # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers (checked without
-        # spills by tests/kernels/test_compile_sm90.py)
-        split_warps=(df.num_warps_wide_deferred if (d > 128 and deferred and m_pad < 64)
+        # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers, except D = 256 on
+        # the deferred loop (<= 16 query rows): 4 warps (spill bounds: tests/kernels/test_compile_sm90.py)
+        split_warps=(df.num_warps_wide_deferred if (d > 128 and deferred)
                      else df.num_warps_wide if (d > 128 or m_pad >= 64) else df.num_warps),
         split_stages=df.num_stages_wide if d > 128 else df.num_stages,
         win_stages=df.gluon_win_stages if pid_off else 1,

@@ -15,11 +15,17 @@ import pytest
 import torch
 from transformers import cache_utils
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
-from transformers.cache_utils import StaticSlidingWindowLayer
+from transformers.cache_utils import (
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionAndStaticSlidingWindowAttentionLayer,
+    LinearAttentionLayer,
+    StaticSlidingWindowLayer,
+)
 
 import oscar_hf
 from oscar_hf import OscarCache, StaticOscarCache
-from oscar_hf.cache import OscarLayer, StaticOscarLayer
+from oscar_hf.cache import GrowingLayer, OscarHybridLayer, OscarLayer, StaticOscarHybridLayer, StaticOscarLayer
 from oscar_hf.cache.base import QuantizedLayerBase
 from oscar_hf.compat import CACHE_ARGUMENTS, cache_argument, cache_kwargs, returned_cache
 from oscar_hf.models import tiny_model
@@ -205,8 +211,12 @@ CACHE_PROPERTIES = ("is_compileable", "is_croppable", "is_sliding", "is_initiali
 CONSTRUCTORS = {  # the unquantized layers OscarCache / StaticOscarCache build, by keyword
     DynamicLayer: (), DynamicSlidingWindowLayer: ("sliding_window",),
     StaticLayer: ("max_cache_len",), StaticSlidingWindowLayer: ("max_cache_len", "sliding_window"),
+    LinearAttentionLayer: ("number_of_states",), LinearAttentionAndFullAttentionLayer: ("number_of_states",),
+    LinearAttentionAndSlidingWindowAttentionLayer: ("sliding_window", "number_of_states"),
+    LinearAttentionAndStaticSlidingWindowAttentionLayer: ("max_cache_len", "sliding_window", "number_of_states"),
 }
-OUR_LAYERS = (OscarLayer, StaticOscarLayer)
+# every layer class of ours that a cache holds (test_our_layers_do_not_set_layer_type checks that none is missing)
+OUR_LAYERS = (OscarLayer, StaticOscarLayer, OscarHybridLayer, StaticOscarHybridLayer, GrowingLayer)
 
 
 def param_names(fn) -> tuple[str, ...]:
@@ -331,7 +341,7 @@ def registered_by_us() -> dict[str, type]:
 
 def test_our_layers_do_not_set_layer_type():
     classes = our_layer_classes()
-    assert {OscarLayer, StaticOscarLayer, QuantizedLayerBase} <= set(classes)
+    assert set(classes) == {*OUR_LAYERS, QuantizedLayerBase}  # (their abstract base)
     for cls in classes:  # a _layer_type would register the class for every model's cache (__init_subclass__)
         assert "_layer_type" not in vars(cls) and cls._layer_type is None, cls
     assert registered_by_us() == {}
