@@ -205,3 +205,18 @@ def test_latent_attention_logs_why_once(caplog):
     assert len(said) == 1 and "kv_b_proj" in said[0].getMessage()
     assert cache.rotations.layers == {} and cache.memory_report()["quantized_layers"] == 0
 
+
+
+@pytest.mark.parametrize("name", _params())
+def test_auto_compiles_the_layouts_measured_on_a_gpu(name):
+    """``compile="auto"`` on CUDA compiles full-attention, sliding / chunked and linear-attention layouts (measured:
+    docs/results.md, "Other architectures") and keeps the eager storage for what was not measured, saying why:
+    hybrid attention + state layers, MLA latents, KV sharing, soft-capping (the decision, checked here on the CPU)."""
+    from oscar_hf.cache import not_auto_compiled
+    from oscar_hf.config import ModelFingerprint, hybrid_state_layers
+
+    config = _model(name).config
+    text = config.get_text_config(decoder=True)
+    why = not_auto_compiled(ModelFingerprint.from_config(config), hybrid_state_layers(text), config)
+    measured = set(FAMILIES[name][0]) <= {O, S, ST} and not getattr(text, "attn_logit_softcapping", None)
+    assert (why is None) == measured, why

@@ -113,6 +113,23 @@ def resolve_full_precision_heads(config: OscarConfig, rotations: OscarRotations,
     return {i: tuple(sorted(hs)) for i, hs in out.items()}
 
 
+# layer kinds that compile="auto" compiles on CUDA: measured there (docs/results.md, "Other architectures": Gemma 3,
+# gpt-oss, Qwen3-Next ~2x compiled StaticCache at B=8/32K); the others need compile=True
+AUTO_COMPILED_LAYER_TYPES = FULL_LAYER_TYPES + SLIDING_LAYER_TYPES + STATE_LAYER_TYPES
+
+
+def not_auto_compiled(fp: ModelFingerprint, hybrid, model_config) -> str | None:
+    """What keeps ``compile="auto"`` on the eager storage for this model on CUDA (``None``: nothing): hybrid
+    attention + state layers, MLA latents and KV sharing (``compile=True`` serves them, not measured on a GPU), and
+    soft-capping (its read is the torch reference, which the compiled step would hold in its graph)."""
+    if getattr(model_config.get_text_config(decoder=True), "attn_logit_softcapping", None):
+        return "logit soft-capping"
+    if hybrid:
+        return "hybrid (attention + state) layers"
+    other = sorted({k for k in fp.layer_types if k not in AUTO_COMPILED_LAYER_TYPES})
+    return f"{' / '.join(other)} layers" if other else None
+
+
 class GrowingLayer(CacheLayerMixin):
     """The compiled storage's ``DynamicLayer``: a full-precision layer whose ``update`` returns tensors (Transformers'
     own kind: MLA latents, KV sharing's store layers) in fixed-address buffers that grow in :class:`StaticOscarLayer`'s
@@ -316,13 +333,13 @@ class OscarCache(Cache):
     ``oscar_hf.config.FULL_PRECISION_WHY``); KV sharing's reuse layers -> ``DummyLayer`` (nothing cached).
 
     ``compile``: "auto" (default) keeps the storage on the device in fixed-address buffers
-    (:class:`StaticOscarLayer`, capacity growing in buckets) when the model is on CUDA and every layer it has can
-    be compiled (full attention, no ``skip_layers``, not tensor parallel), so that ``generate`` compiles the decode
-    step with CUDA graphs by itself; True asks for that storage anywhere (the CPU runs its torch reference), and also
-    serves models with sliding-window / chunked layers (Transformers' ``StaticSlidingWindowLayer``, a buffer of the
-    window's width, beside the compiled OSCAR layers; the compiled step is traced up to three times as that layer
-    fills, and it cannot ``crop`` once it rolls), linear-attention and hybrid layers, and the full-precision layers of
-    MLA / KV-sharing models (:class:`GrowingLayer`); False keeps the eager :class:`OscarLayer`.
+    (:class:`StaticOscarLayer`, capacity growing in buckets) when the model is on CUDA and its layers are full
+    attention, sliding-window / chunked (Transformers' ``StaticSlidingWindowLayer``, a buffer of the window's width,
+    beside the compiled OSCAR layers; the compiled step is traced up to three times as that layer fills, and it cannot
+    ``crop`` once it rolls) or linear attention, with no ``skip_layers``, no soft-capping and no tensor parallelism, so
+    that ``generate`` compiles the decode step with CUDA graphs by itself; True asks for that storage anywhere (the CPU
+    runs its torch reference), and also serves hybrid layers, soft-capping and the full-precision layers of MLA /
+    KV-sharing models (:class:`GrowingLayer`); False keeps the eager :class:`OscarLayer`.
     """
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
@@ -455,12 +472,9 @@ class OscarCache(Cache):
             on_cuda = model is not None and any(p.is_cuda for p in model.parameters())
             if on_cuda and why:
                 logger.info("OscarCache: eager storage (the compiled decode step does not support %s)", why)
-            elif on_cuda and growable and (hybrid or any(k not in FULL_LAYER_TYPES for k in fp.layer_types)):
-                # compile=True serves them (Transformers' StaticSlidingWindowLayer / LinearAttentionLayer, GrowingLayer
-                # beside the OSCAR layers, same tokens); not the default until its speed and first-call cost are
-                # measured on a GPU
-                logger.info("OscarCache: eager storage for a model with sliding-window, linear-attention, hybrid, "
-                            "latent (MLA) or KV-sharing layers (compile=True compiles it; not the default yet)")
+            elif on_cuda and growable and (unmeasured := not_auto_compiled(fp, hybrid, model.config)):
+                logger.info("OscarCache: eager storage for a model with %s (compile=True compiles it; not measured "
+                            "on a GPU, so not the default)", unmeasured)
                 return False
             return on_cuda and why is None
         if why:

@@ -77,8 +77,8 @@ def test_compiled_generate_equals_eager_with_growth_and_left_padding(model_type)
 def test_compiled_generate_with_sliding_layers(model_type):
     """compile=True serves a model with sliding-window layers: Transformers' StaticSlidingWindowLayer (a buffer of the
     window's width) beside the compiled OSCAR layers, the same tokens and scores as the eager storage while the window
-    fills and rolls, traced at most three times (the sliding layer's length: filling, full); "auto" keeps the eager
-    storage for such models (not measured on a GPU yet). Mistral with a sliding window: every layer sliding; Llama 4:
+    fills and rolls, traced at most three times (the sliding layer's length: filling, full); "auto" compiles them on
+    CUDA only (tests/test_model_matrix.py checks that choice). Mistral with a sliding window: every layer sliding; Llama 4:
     chunked attention (the same cache layer, the chunking in the mask)."""
     from transformers import StaticSlidingWindowLayer
 
@@ -90,7 +90,7 @@ def test_compiled_generate_with_sliding_layers(model_type):
     assert StaticSlidingWindowLayer in kinds and (model_type == "mistral") == (StaticOscarLayer not in kinds)
     counts = _compiled_matches_eager(m, ids, am, cache, n=30)
     assert not counts["graph_break"] and counts["stats"]["unique_graphs"] <= 3
-    assert not OscarCache(m, compile="auto", **SMALL).compiled  # on the CPU anyway; on CUDA too, by choice
+    assert not OscarCache(m, compile="auto", **SMALL).compiled  # on the CPU: the eager storage (CUDA compiles it)
 
 
 def test_step_wrapper_counts_each_token_once():
