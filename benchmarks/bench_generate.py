@@ -11,8 +11,9 @@ attention), Qwen3-Next and Qwen3.5-9B (linear attention 3 : full 1, head_dim 256
 * ``oscar``: ``OscarCache(model, ...)``, the default call: on CUDA its storage is device-resident and ``generate``
   compiles the decode step by itself (like bf16-static); ``oscar-eager``: ``OscarCache(compile=False)``, the eager
   layer; ``oscar-static``: ``StaticOscarCache`` (a fixed ``max_cache_len``);
-  ``oscar-compiled``: ``OscarCache(compile=True)``, the compiled storage also for models with sliding-window or
-  linear-attention layers (where the default call keeps the eager storage on CUDA too);
+  ``oscar-compiled``: ``OscarCache(compile=True)``, the compiled storage also for the models where the default call
+  keeps the eager storage on CUDA (hybrid, MLA, KV-sharing, soft-capped); ``oscar-skipN``: the first N layers kept in
+  full precision (``skip_layers``);
   ``oscar-fpN``: ``OscarCache`` with N KV heads (spread over the layers) in full precision, stored as the
   library stores them (INT8 by default); ``oscar-fpN-bf16`` / ``-int8`` / ``-int4``: stored in BF16 / INT8 / INT4
   (``OscarConfig.full_precision_heads``, e.g. the retrieval heads);
@@ -263,6 +264,8 @@ def make_cache(model, method: str, capacity: int, explicit: bool = False):
         return OscarCache(model, method="hadamard", group_size=64, compile=False)
     if method == "oscar-compiled":  # the compiled storage also where the default call keeps the eager one
         return OscarCache(model, method="hadamard", group_size=64, compile=True)
+    if method.startswith("oscar-skip"):  # oscar-skipN: the first N layers kept in full precision (skip_layers)
+        return OscarCache(model, method="hadamard", group_size=64, skip_layers=tuple(range(int(method[10:]))))
     if method.startswith("oscar-fp"):  # oscar-fpN[-bf16|-int8]: N KV heads in full precision, spread over the layers
         count, _, store = method.removeprefix("oscar-fp").partition("-")
         bits = {"": OscarConfig().full_precision_bits, "bf16": 16, "int8": 8, "int4": 4}[store]

@@ -29,6 +29,8 @@
 #   arch-llama1b  Llama 3.2 1B shape (full attention, head_dim 64),
 #               B=8/32K: BF16 DynamicCache, compiled StaticCache, the
 #               default call OscarCache(model)
+#   skip-layers Qwen3-8B shape, B=8/32K: the default call, and with     generate_skip_layers_<gpu>_b8_t32768.json
+#               its first 2 layers kept in full precision (skip_layers)
 #               (arch-*: METHODS="..." runs other methods, into a file
 #               named after them)
 #   generate    compiled generate: B=8/32K (BF16 eager, BF16 static,     generate_<gpu>_b8_t32768.json,
@@ -159,6 +161,10 @@ for what in "$@"; do
     # Weights 16.7 GiB (9.0 B). BF16 K/V: 8 full layers x 32 KiB/token = 8.0 GiB at B=8 x 32K; linear state 24 x 16.5
     # MiB: decode peak ~27 GiB. Prefill: as arch-qwen3next (plus 18 GiB of MLP activations): synthetic fill
     arch qwen3.5-9b 8 "bf16 bf16-static oscar-compiled" --synthetic-fill ;;
+  skip-layers)
+    # the compiled storage with layers kept in full precision (GrowingLayer): the default call against skip_layers=(0, 1)
+    run "generate_skip_layers_${GPU}_b8_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \
+        --methods oscar oscar-skip2 --new-tokens 64 --out "$OUT/generate_skip_layers_${GPU}_b8_t32768.json" ;;
   arch-llama1b)
     # Weights 2.3 GiB. BF16 K/V: 16 layers x 32 KiB/token = 8.0 GiB at B=8 x 32K. Prefill (causal SDPA, no mask; MLP
     # activations 12 GiB): peak ~25 GiB

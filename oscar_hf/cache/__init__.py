@@ -461,11 +461,12 @@ class OscarCache(Cache):
             return False
         why = None
         growable = self.max_cache_len_fixed is None
-        if growable and any(i in skipped or i not in rotations.layers for i, k in enumerate(fp.layer_types)
-                              if k in FULL_LAYER_TYPES):
-            why = "layers kept in full precision (skip_layers, or layers without rotations)"
-        elif growable and exact_layers:
-            why = "a layer whose every KV head is a BF16 full-precision head (full_precision_bits=16)"
+        # full-attention layers kept in full precision are GrowingLayers beside the OSCAR layers, except a hybrid one:
+        # its state would need a growing hybrid layer, which does not exist
+        kept = {i for i, k in enumerate(fp.layer_types)
+                if k in FULL_LAYER_TYPES and (i in skipped or i not in rotations.layers or i in exact_layers)}
+        if kept & set(hybrid):
+            why = "a hybrid (attention + state) layer kept in full precision (skip_layers, BF16 full-precision heads)"
         elif model is not None and (getattr(model, "_tp_size", None) or 1) > 1:
             why = "tensor parallelism"
         if compile == "auto":
@@ -500,7 +501,7 @@ class OscarCache(Cache):
         n = self._n_states
         if not self.compiled:
             return LinearAttentionAndFullAttentionLayer(number_of_states=n) if state else DynamicLayer()
-        if state:  # (_compiled_storage refuses a growable cache whose hybrid layers are not all OSCAR layers)
+        if state:  # (_compiled_storage refuses the compiled storage for it)
             raise NotImplementedError("a hybrid layer kept in full precision (skip_layers) needs compile=False")
         return GrowingLayer(self.max_cache_len_fixed)
 

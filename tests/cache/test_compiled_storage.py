@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 from oscar_hf import OscarCache
 from oscar_hf.cache import heads as heads_mod
-from oscar_hf.cache import OscarLayer, StaticOscarLayer
+from oscar_hf.cache import GrowingLayer, OscarLayer, StaticOscarLayer
 from oscar_hf.cache import static as static_mod
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
@@ -55,8 +55,30 @@ def test_auto_is_eager_on_cpu_and_compile_true_gives_device_storage():
     assert forced.compiled and forced.is_compileable and len(_oscar_layers(forced)) == len(forced.layers)
     with pytest.raises(ValueError, match="compile"):
         OscarCache(m, compile="yes", **SMALL)
-    with pytest.raises(ValueError, match="full precision"):
-        OscarCache(m, compile=True, skip_layers=(0,), **SMALL)
+
+
+@pytest.mark.parametrize("keep", [dict(skip_layers=(0,)), dict(full_precision_heads=((1, 0), (1, 1)),
+                                                                full_precision_bits=16)])
+def test_compiled_generate_with_layers_kept_in_full_precision(keep):
+    """skip_layers (and a layer whose every KV head is a BF16 full-precision head) in the growing compiled storage: a
+    GrowingLayer beside the OSCAR layers, generate's compiled route gives the eager storage's tokens past the first
+    demotion, with one graph through the capacity growth. A hybrid layer kept in full precision is refused clearly."""
+    m = tiny_model("llama")
+    ids, am = random_left_padded([3, 20, 31])
+    cache = OscarCache(m, compile=True, **keep, **SMALL)
+    kept = 0 if "skip_layers" in keep else 1
+    assert isinstance(cache.layers[kept], GrowingLayer) and isinstance(cache.layers[1 - kept], StaticOscarLayer)
+    ref = _gen(m, ids, am, OscarCache(m, **keep, **SMALL), n=40)
+    torch._dynamo.reset()
+    counters.clear()
+    out = _gen(m, ids, am, cache, n=40, compile_config=cpu_compile_config())
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] <= 2
+    assert int(cache.layers[1 - kept].length) == cache.layers[kept].get_seq_length() == 31 + 39
+    with pytest.raises(ValueError, match="hybrid"):
+        OscarCache(tiny_model("falcon_h1"), compile=True, skip_layers=(0,), **SMALL)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
