@@ -16,7 +16,10 @@ What the cache changes, per request type:
   instead scored as a decode step of the cache, with the one-forward fake-quant path proven equal to
   token-by-token decoding (:mod:`oscar_hf.eval.fakequant`; ``score_mode="decode"``, the default).
   ``score_mode="prefill"`` runs the forward through a fresh cache (exact, like deployment on a prompt).
-* ``generate_until`` (``_model_generate``): ``model.generate`` with a fresh cache per call.
+* ``generate_until`` (``_model_generate``): ``model.generate`` with a fresh cache per call. The prompt's prefill is
+  exact, so the question at its end is read in full precision; ``question_decode_tokens=N`` writes all but the
+  prompt's last ``N`` tokens first and lets ``generate`` read those ``N`` as a second forward through the cache,
+  which attends to the quantized history (stricter: the question itself reads the INT2 history).
 
 ``pretrained=smollm2`` loads the packaged SmolLM2-135M GGUF (``gguf_file`` is filled in).
 ``method``: ``fp`` (DynamicCache), ``identity``, ``hadamard`` (no artifact) or ``oscar`` / ``pca-kv`` /
@@ -44,11 +47,13 @@ class OscarLM(HFLM):
     def __init__(self, pretrained: str = DEFAULT_MODEL, method: str = "oscar", rotations: str | None = None,
                  sink: int = 64, recent: int = 256, group_size: int = 64, center=True, clip_k: float | None = None,
                  clip_v: float | None = None, quantizer: str = "minmax", score_mode: str = "decode",
-                 gguf_file: str | None = None, **kwargs):
+                 question_decode_tokens: int = 0, gguf_file: str | None = None, **kwargs):
         if pretrained == DEFAULT_MODEL:
             pretrained, gguf_file = str(smollm2_dir()), gguf_file or SMOLLM2_GGUF
         if score_mode not in ("decode", "prefill"):
             raise ValueError(f"score_mode must be 'decode' or 'prefill', got {score_mode!r}")
+        if int(question_decode_tokens) < 0:
+            raise ValueError(f"question_decode_tokens must be >= 0, got {question_decode_tokens!r}")
         kwargs.setdefault("dtype", "float32")
         super().__init__(pretrained=pretrained, gguf_file=gguf_file, **kwargs)
         cfg = dict(sink=int(sink), recent=int(recent), group_size=int(group_size), center=_bool(center),
@@ -67,7 +72,9 @@ class OscarLM(HFLM):
             self.kv_method = get_method(method, **cfg)
         else:
             raise ValueError(f"method={method!r} needs rotations=<artifact dir> (artifact-free: fp, identity, hadamard)")
-        self.oscar_settings = dict(method=method, rotations=rotations, score_mode=score_mode, **cfg)
+        self.question_decode_tokens = int(question_decode_tokens)
+        self.oscar_settings = dict(method=method, rotations=rotations, score_mode=score_mode,
+                                   question_decode_tokens=self.question_decode_tokens, **cfg)
         self.score_mode = score_mode
         self._spec = self.kv_method.fake_spec(self.model)
 
@@ -80,7 +87,16 @@ class OscarLM(HFLM):
             return self.model(inps, **cache_kwargs(self.model, cache), use_cache=True).logits
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
-        generation_kwargs.update(cache_kwargs(self.model, self.kv_method.make_cache(self.model)))  # fresh per call
+        cache = self.kv_method.make_cache(self.model)  # fresh per call
+        n = self.question_decode_tokens
+        if 0 < n < context.shape[1]:
+            # context [B, L] (left-padded): its first L - n tokens written by one forward; generate then feeds the
+            # last n (the cache holds the rest) as one forward that reads the quantized history
+            mask = generation_kwargs.get("attention_mask")
+            with torch.no_grad():
+                self.model(context[:, :-n], attention_mask=None if mask is None else mask[:, :-n],
+                           **cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
+        generation_kwargs.update(cache_kwargs(self.model, cache))
         generation_kwargs.pop("use_cache", None)
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
