@@ -29,6 +29,10 @@
 #   arch-llama1b  Llama 3.2 1B shape (full attention, head_dim 64),
 #               B=8/32K: BF16 DynamicCache, compiled StaticCache, the
 #               default call OscarCache(model)
+#   first-call  the first generate calls of a fresh process and of a    first_call_<gpu>_<method>_{cold,warm}.json
+#               second one with warm on-disk compile caches (B=1, 32K,
+#               128 new tokens; METHODS="..." picks methods, default
+#               bf16 bf16-static oscar oscar-fp25; ~10 min each)
 #   skip-layers Qwen3-8B shape, B=8/32K: the default call, and with     generate_skip_layers_<gpu>_b8_t32768.json
 #               its first 2 layers kept in full precision (skip_layers)
 #               (arch-*: METHODS="..." runs other methods, into a file
@@ -161,6 +165,17 @@ for what in "$@"; do
     # Weights 16.7 GiB (9.0 B). BF16 K/V: 8 full layers x 32 KiB/token = 8.0 GiB at B=8 x 32K; linear state 24 x 16.5
     # MiB: decode peak ~27 GiB. Prefill: as arch-qwen3next (plus 18 GiB of MLP activations): synthetic fill
     arch qwen3.5-9b 8 "bf16 bf16-static oscar-compiled" --synthetic-fill ;;
+  first-call)
+    # a user's first generate calls (Qwen3-8B shape, B=1, 32K prompt, 128 new tokens), per method: a cold process (fresh
+    # Inductor / Triton on-disk caches) making two calls, then a warm process (the same caches) making one
+    for m in ${METHODS:-bf16 bf16-static oscar oscar-fp25}; do
+      c=/tmp/compile_caches_$m; rm -rf "$c"
+      for phase in cold warm; do
+        n=2; [ $phase = warm ] && n=1
+        run "first_call_${GPU}_${m}_${phase}" env TORCHINDUCTOR_CACHE_DIR="$c/inductor" TRITON_CACHE_DIR="$c/triton" \
+            $PY "$B/bench_first_call.py" --method "$m" --calls $n --out "$OUT/first_call_${GPU}_${m}_${phase}.json"
+      done
+    done ;;
   skip-layers)
     # the compiled storage with layers kept in full precision (GrowingLayer): the default call against skip_layers=(0, 1)
     run "generate_skip_layers_${GPU}_b8_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \
