@@ -31,14 +31,19 @@ STATE_LAYER_TYPES = ("linear_attention", "conv")
 #   INT2 needs kv_b_proj absorbed into the queries, which is model-specific code.
 # * KV sharing (Gemma 3n, Gemma 4): a "store" layer's cache.update result is attended to again by later "reuse" layers,
 #   which need tensors, not OSCAR's handle.
+# * keys and values of different head sizes (``v_head_dim`` != ``head_dim``: MiMo-V2-Flash, 192 / 128): the INT2
+#   storage, its rotations and the decode kernels pair one head_dim for both.
 LATENT_LAYER_TYPE = "latent_attention"
 SHARED_KV_LAYER_TYPE = "shared_kv_attention"
-FULL_PRECISION_LAYER_TYPES = (LATENT_LAYER_TYPE, SHARED_KV_LAYER_TYPE)
+UNEQUAL_KV_LAYER_TYPE = "unequal_kv_attention"
+FULL_PRECISION_LAYER_TYPES = (LATENT_LAYER_TYPE, SHARED_KV_LAYER_TYPE, UNEQUAL_KV_LAYER_TYPE)
 FULL_PRECISION_WHY = {
     LATENT_LAYER_TYPE: "multi-head latent attention: Transformers caches the latent and expands it through kv_b_proj "
                        "at every step, so an INT2 latent would need a full-precision copy of its history every step; "
                        "the latent is already ~71x smaller than per-head keys and values",
     SHARED_KV_LAYER_TYPE: "KV sharing: later layers attend again to the keys and values this layer's cache returns",
+    UNEQUAL_KV_LAYER_TYPE: "keys and values of different head sizes: OSCAR's INT2 storage and decode kernels pair one "
+                           "head_dim for both",
 }
 # Layers that cache nothing: the "reuse" layers of KV sharing, MoE / MLP-only layers (Transformers' DummyLayer).
 DUMMY_LAYER_TYPE = "dummy"
@@ -404,7 +409,7 @@ def layer_types_of(cfg) -> list[str]:
     """Per-layer kind as OSCAR sees it (the constants above): Transformers' ``layer_types`` (inferred as its caches do
     when absent; works on 5.10 .. 5.2x), legacy names mapped, a "hybrid" layer's attention as its attention type, MLA
     layers ``latent_attention``, KV sharing's reuse layers ``dummy`` and their store layers (when reused, and full
-    attention) ``shared_kv_attention``."""
+    attention) ``shared_kv_attention``, full attention whose values have another head size ``unequal_kv_attention``."""
     n = int(cfg.num_hidden_layers)
     types = getattr(cfg, "layer_types", None)
     if types is None:
@@ -423,6 +428,8 @@ def layer_types_of(cfg) -> list[str]:
                  for t, m in zip(types, modes)]
     if getattr(cfg, "kv_lora_rank", None):  # MLA: every attention layer caches the latent
         types = [LATENT_LAYER_TYPE if t in FULL_LAYER_TYPES else t for t in types]
+    elif getattr(cfg, "v_head_dim", None) not in (None, getattr(cfg, "head_dim", None)):
+        types = [UNEQUAL_KV_LAYER_TYPE if t in FULL_LAYER_TYPES else t for t in types]
     return types
 
 

@@ -34,7 +34,8 @@ hf_logging.disable_progress_bar()
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)
 EXACT_STEPS = SMALL["sink"] + SMALL["recent"]  # slots held before the first demotion into the INT2 history
 
-O, S, ST, OS, L, KV, N = "oscar", "sliding", "state", "oscar+state", "latent", "shared_kv", "none"
+O, S, ST, OS, L, KV, N, FP = "oscar", "sliding", "state", "oscar+state", "latent", "shared_kv", "none", "full_precision"
+EAGER = dict(attn_implementation="eager")  # families whose attention has no SDPA path in Transformers
 FAKE_QUANT_BY_LAYER_ARG = pytest.mark.xfail(
     strict=True, reason="eval/fakequant keys layers by module.layer_idx; Zamba's shared attention block gets its "
                         "decoder layer as an argument, so the fake-quant path does not quantize it")
@@ -55,6 +56,10 @@ FAMILIES = {
     "gemma3n_text": ([S, O, S, KV, N, N], {}),  # KV sharing: layers 4, 5 reuse layers 2, 3
     "gemma4_text": ([S, O, S, KV, N, N], {}),  # ... and full layers of head_dim 64 beside sliding ones of 32
     "gpt_oss": ([S, O], {}),  # attention sinks (s_aux): one more partial in the combine
+    "granite_swa": ([O, S], EAGER),  # (Transformers 5.24)
+    "flint": ([O, O], EAGER),  # (5.24)
+    "vaultgemma": ([S, O], EAGER),  # (5.24)
+    "mimo_v2_flash": ([FP, S], EAGER),  # values of another head size (here 128 vs keys' 32): full precision (5.24)
     "cohere2": ([S, S, S, O], {}),
     "olmo3": ([S, S, S, O], {}),
     "exaone4": ([S, S, S, O], {}),

@@ -436,7 +436,7 @@ class OscarCache(Cache):
         ``"sliding"`` (Transformers' full-precision window), ``"state"`` (linear attention / SSM / convolution),
         ``"latent"`` (MLA latent, full precision), ``"shared_kv"`` (KV sharing's store layer, full precision),
         ``"full_precision"`` (skipped layers, layers without rotations), ``"none"`` (caches nothing)."""
-        named = {"latent_attention": "latent", "shared_kv_attention": "shared_kv"}
+        named = {"latent_attention": "latent", "shared_kv_attention": "shared_kv", "unequal_kv_attention": "full_precision"}
         out = []
         for i, t in enumerate(self.fingerprint.layer_types):
             layer = self.layers[i] if i < len(self.layers) else None
