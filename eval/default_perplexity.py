@@ -39,12 +39,18 @@ def load_ids(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
     raise ValueError(f"unknown text {text!r}; known: {TEXTS}")
 
 
-def default_method(rotations, label: str, **overrides):
-    """The ``OscarCache.from_pretrained`` defaults as an eval row (its config: the artifact's group size)."""
+def default_method(rotations, label: str, todays: bool = False, **overrides):
+    """The ``OscarCache.from_pretrained`` defaults as an eval row (its config: the settings the calibration chose,
+    else the artifact's group size). ``todays``: ignore the chosen settings (the defaults before the search)."""
+    from oscar_hf.config import artifact_settings
+
     from .methods import OscarFamily, with_label
 
     g = (rotations.metadata.get("calibration") or {}).get("group_size", rotations.metadata.get("group_size"))
     kw = {"group_size": int(g)} if g is not None else {}
+    chosen = None if todays else artifact_settings(rotations.metadata)
+    if chosen:
+        kw = chosen
     return with_label(OscarFamily("oscar", rotations=rotations, **{**kw, **overrides}), label)
 
 
@@ -83,7 +89,8 @@ def main(argv=None, model=None, tokenizer=None):
     p.add_argument("--windows", type=int, default=2, help="windows per text")
     p.add_argument("--rows", default="", help="extra rows: comma list of no-heads (full_precision_heads=0), lloyd-max, "
                                               "g32, lloyd-max-g32 (Lloyd-Max levels: --path fast only; group 32), "
-                                              "std (OscarConfig.quantizer='std')")
+                                              "std (OscarConfig.quantizer='std'), today (OscarConfig's defaults, "
+                                              "not the settings the calibration chose)")
     p.add_argument("--path", choices=["exact", "fast"], default="exact",
                    help="exact: token by token through the real caches; fast: one fake-quantized forward per window")
     p.add_argument("--dtype", default="bfloat16")
@@ -99,7 +106,10 @@ def main(argv=None, model=None, tokenizer=None):
     rot = OscarRotations.from_pretrained(args.artifact)
     kv = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
     methods = {f"{kv} DynamicCache": with_label(get_method("fp"), f"{kv} DynamicCache")}
-    default = default_method(rot, "defaults (artifact, auto heads)")
+    from oscar_hf.config import artifact_settings
+
+    default = default_method(rot, "defaults (the artifact's chosen settings)" if artifact_settings(rot.metadata)
+                             else "defaults (artifact, auto heads)")
     # the row is the user's cache: same config as OscarCache.from_pretrained(ARTIFACT, model)
     user = OscarCache.from_pretrained(args.artifact, model)
     if default.make_cache(model).oscar_config != user.oscar_config:
@@ -115,6 +125,8 @@ def main(argv=None, model=None, tokenizer=None):
         "g32": ("artifact, group 32", dict(group_size=32)),
         "lloyd-max-g32": ("artifact, Lloyd-Max levels, group 32", dict(levels="lloyd-max", group_size=32)),
         "std": ("artifact, quantizer='std'", dict(quantizer="std")),
+        # the defaults before calibration chose settings (sink 64 / recent 256, group 64, auto heads as INT8)
+        "today": ("artifact, OscarConfig defaults (not the chosen settings)", dict(todays=True)),
     }
     for extra in filter(None, args.rows.split(",")):
         if extra not in extras:

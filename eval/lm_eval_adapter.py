@@ -45,8 +45,9 @@ def _bool(x) -> bool:
 @register_model("oscar")
 class OscarLM(HFLM):
     def __init__(self, pretrained: str = DEFAULT_MODEL, method: str = "oscar", rotations: str | None = None,
-                 sink: int = 64, recent: int = 256, group_size: int = 64, center=True, clip_k: float | None = None,
-                 clip_v: float | None = None, quantizer: str = "minmax", score_mode: str = "decode",
+                 sink: int | None = None, recent: int | None = None, group_size: int | None = None, center=True,
+                 clip_k: float | None = None, clip_v: float | None = None, quantizer: str | None = None,
+                 score_mode: str = "decode",
                  question_decode_tokens: int = 0, gguf_file: str | None = None, **kwargs):
         if pretrained == DEFAULT_MODEL:
             pretrained, gguf_file = str(smollm2_dir()), gguf_file or SMOLLM2_GGUF
@@ -56,8 +57,13 @@ class OscarLM(HFLM):
             raise ValueError(f"question_decode_tokens must be >= 0, got {question_decode_tokens!r}")
         kwargs.setdefault("dtype", "float32")
         super().__init__(pretrained=pretrained, gguf_file=gguf_file, **kwargs)
-        cfg = dict(sink=int(sink), recent=int(recent), group_size=int(group_size), center=_bool(center),
-                   quantizer=quantizer)
+        # unset: an artifact's chosen settings (calibrate's search), else OscarConfig's defaults
+        cfg = dict(center=_bool(center))
+        for name, value in dict(sink=sink, recent=recent, group_size=group_size).items():
+            if value is not None:
+                cfg[name] = int(value)
+        if quantizer is not None:
+            cfg["quantizer"] = quantizer
         if clip_k is not None:
             cfg["clip_k"] = float(clip_k)
         if clip_v is not None:
@@ -73,6 +79,9 @@ class OscarLM(HFLM):
         else:
             raise ValueError(f"method={method!r} needs rotations=<artifact dir> (artifact-free: fp, identity, hadamard)")
         self.question_decode_tokens = int(question_decode_tokens)
+        used = getattr(self.kv_method, "config", None)  # the settings the cache gets (chosen ones included)
+        if used is not None:
+            cfg = {k: getattr(used, k) for k in ("sink", "recent", "group_size", "center", "quantizer")}
         self.oscar_settings = dict(method=method, rotations=rotations, score_mode=score_mode,
                                    question_decode_tokens=self.question_decode_tokens, **cfg)
         self.score_mode = score_mode

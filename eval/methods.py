@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from oscar_hf import OscarCache, OscarConfig, OscarRotations
 from oscar_hf.cache import resolve_full_precision_heads
 from oscar_hf.cache.params import LayerParams
-from oscar_hf.config import ModelFingerprint, validate_head_dim
+from oscar_hf.config import ModelFingerprint, artifact_settings, validate_head_dim
 from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.quant import dequantize_rows, quantize_rows
 
@@ -193,7 +193,9 @@ class OscarFamily(KVMethod):
         self.name, self.levels = name, levels
         self.rotations = rotations
         self.method = method or (rotations.method if rotations is not None else "hadamard")
-        self.config = OscarConfig(**({"method": self.method} if rotations is None else {}), **config)
+        # an artifact's chosen settings (calibrate's search) first, as OscarCache does; the keywords given win
+        chosen = (artifact_settings(rotations.metadata) if rotations is not None else None) or {}
+        self.config = OscarConfig(**{**chosen, **({"method": self.method} if rotations is None else {}), **config})
         # the fake-quant path models the calibrated key offset only: key_offset="prefill" is scored token by token
         self.fast = self.config.key_offset == "calibrated"
 

@@ -68,6 +68,10 @@ FULL_PRECISION_HEAD_BITS = 16  # the most a full-precision head costs per elemen
 # through the real cache INT8 heads keep >= 0.9x BF16 at every length 1K-8K, INT4 0.82x at 8K (docs/quality.md).
 FULL_PRECISION_BITS = 8
 FULL_PRECISION_BIT_CHOICES = (16, 8, 4)  # the model dtype, INT8, INT4 (the forms oscar_hf.cache.heads stores)
+WINDOW_BITS = 16  # bits of a full-precision cached element in OscarConfig.stored_bits (BF16 / FP16)
+# The cache settings calibrate() may choose per model (oscar_hf.calibration.settings) and store in the artifact's
+# metadata["settings"]["chosen"]; a cache built from that artifact starts from them (artifact_settings).
+CHOSEN_FIELDS = ("sink", "recent", "group_size", "meta_dtype", "quantizer", "full_precision_heads", "full_precision_bits")
 
 # Named settings (``OscarConfig.from_preset``). "paper": the method authors' own runs (FutureMLS-Lab/OSCAR): one
 # quantization group per head (group_size None = head_dim, resolved when the model is known) with float32 scale and
@@ -291,6 +295,42 @@ class OscarConfig:
         n = math.floor(num_heads * (self.max_history_bits - q) / (head_bits - q) + 1e-9)
         return min(n, num_heads)
 
+    def stored_bits(self, fingerprint: "ModelFingerprint", quantized_layers: Sequence[int], context: int) -> float:
+        """THE memory budget's measure (``calibrate(budget_bits=...)``, :mod:`oscar_hf.calibration.settings`): average
+        stored bits per cached K/V element over the layers OSCAR quantizes (``quantized_layers``: the artifact's
+        full-attention layers), once ``context`` tokens are cached. Per layer and KV head:
+
+        * the ``min(context, sink + recent)`` window tokens at :data:`WINDOW_BITS` (BF16 / FP16, the dtype a cache
+          serves in; a float32 calibration model's windows are counted at 16 too);
+        * the other ``context - sink - recent`` tokens as history: INT2 codes + the group's scale and zero
+          (:func:`~oscar_hf.quant.bits_per_element`: 2.5 at group 64, BF16), or :meth:`full_precision_head_bits` for a
+          full-precision head (INT8: 8.5 at head_dim 64);
+        * a ``skip_layers`` layer: :data:`WINDOW_BITS` for every token.
+
+        Sliding-window, linear-attention and latent layers are not counted (no setting changes them). This is the
+        compiled and serving storage's layout; the eager storage (the CPU's) also keeps a full-precision head's window
+        tokens at its width (SmolLM2's 7 INT8 heads: +0.026 bits at 8192 tokens). ``full_precision_heads`` must be
+        resolved (an int or pairs; ``"auto"`` depends on the artifact's scores:
+        resolve it with :func:`oscar_hf.cache.resolve_full_precision_heads` first). Today's defaults on SmolLM2
+        (30 layers x 3 KV heads of 64, 7 INT8 heads) at 8192 tokens: (320 x 16 + 7872 x 2.967) / 8192 = 3.476."""
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            raise ValueError(f"context must be a positive int of tokens, got {context!r}")
+        layers = sorted({int(i) for i in quantized_layers})
+        if not layers:
+            raise ValueError("stored_bits needs at least one quantized layer")
+        fph = self.full_precision_heads
+        if fph == "auto":
+            raise ValueError("stored_bits needs full_precision_heads resolved to an int or (layer, kv_head) pairs")
+        head_dim, hk = fingerprint.head_dim, fingerprint.num_key_value_heads
+        skipped = self.skipped(fingerprint.num_layers)
+        live = [i for i in layers if i not in skipped]  # the layers with an INT2 history
+        n_fp = (min(fph, len(live) * hk) if isinstance(fph, int)
+                else len({(i, h) for i, h in fph if i in live and 0 <= h < hk}))
+        window = min(context, self.sink + self.recent)
+        history = self.history_bits(head_dim, n_fp / (len(live) * hk)) if live else 0.0  # bits per history element
+        per_live_layer = (window * WINDOW_BITS + (context - window) * history) / context
+        return (len(live) * per_live_layer + (len(layers) - len(live)) * WINDOW_BITS) / len(layers)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -307,6 +347,27 @@ class OscarConfig:
 
     def replace(self, **kw) -> "OscarConfig":
         return dataclasses.replace(self, **kw)
+
+
+def artifact_settings(metadata: dict) -> dict[str, Any] | None:
+    """The cache settings a calibration chose for its model (``metadata["settings"]["chosen"]``, written by
+    :func:`oscar_hf.calibration.settings.choose_settings`) as :class:`OscarConfig` keywords, checked; None when the
+    artifact has none (written before the search existed, or calibrated with ``choose_settings=False``): a cache from
+    it then starts from today's defaults, as before."""
+    entry = (metadata or {}).get("settings")
+    if not isinstance(entry, dict) or entry.get("chosen") is None:
+        return None
+    chosen = entry["chosen"]
+    if not isinstance(chosen, dict):
+        raise ValueError(f"artifact metadata['settings']['chosen'] must be an object, got {type(chosen).__name__}")
+    unknown = sorted(set(chosen) - set(CHOSEN_FIELDS))
+    if unknown:
+        raise ValueError(f"artifact metadata['settings']['chosen'] has fields no calibration chooses: {unknown} "
+                         f"(known: {list(CHOSEN_FIELDS)})")
+    tup = lambda v: tuple(tup(x) for x in v) if isinstance(v, list) else v  # noqa: E731  (JSON lists -> tuples)
+    out = {k: tup(v) for k, v in chosen.items()}
+    OscarConfig(**out)  # a corrupted entry fails here, naming the field
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ EXIT_EXISTS = 2
 def build_parser() -> argparse.ArgumentParser:
     from oscar_hf.calibration import CLIP_GRID, METHODS, VALUE_TARGETS
     from oscar_hf.calibration.retrieval_heads import LENGTHS, PROBES
+    from oscar_hf.calibration.settings import DEFAULT_BUDGET_BITS
     from oscar_hf.config import PRESETS
     from oscar_hf.data import CALIBRATION_FRACTION
 
@@ -73,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "default OscarConfig(full_precision_heads='auto') keeps the best in full precision); "
                         "0: none (then no full-precision heads by default)")
     p.add_argument("--retrieval-lengths", default=",".join(map(str, LENGTHS)), help="probe lengths in tokens")
+    p.add_argument("--budget-bits", type=float, default=DEFAULT_BUDGET_BITS,
+                   help="memory budget of the cache settings search: average stored bits per cached K/V element over "
+                        "the quantized layers at --target-context tokens (default %(default)s)")
+    p.add_argument("--target-context", type=int, default=None,
+                   help="context the budget is priced at (default: min(32768, the model's context))")
+    p.add_argument("--no-choose-settings", action="store_true",
+                   help="keep OscarConfig's default cache settings (no search; as artifacts before the search)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -137,9 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     center = {"on": True, "off": False, "auto": "auto"}["off" if args.no_center else args.center]
     settings = dict(group_size=args.group_size, center=center, clip_grid=clip_grid, window=window,
                     share_rotation_across_heads=args.share_rotation_across_heads,
-                    retrieval_probes=args.retrieval_probes,
+                    retrieval_probes=args.retrieval_probes, choose_settings=not args.no_choose_settings,
+                    budget_bits=args.budget_bits, target_context=args.target_context,
                     retrieval_lengths=tuple(int(x) for x in args.retrieval_lengths.split(",") if x.strip()))
     settings.update(preset)  # (the preset's sink 64 / recent 256 are --window's default)
+    if args.preset:  # a preset names its cache settings: nothing to search
+        settings["choose_settings"] = False
     rot = calibrate(
         model, tok, split.calibration,
         method=settings.pop("method", args.method), tokens=args.tokens, seq_len=args.seq_len, value_target=args.value_target,

@@ -43,9 +43,10 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--ppl-context", type=int, default=1792)
     p.add_argument("--ppl-tokens", type=int, default=256)
-    p.add_argument("--group-size", type=int, default=64)
-    p.add_argument("--sink", type=int, default=64)
-    p.add_argument("--recent", type=int, default=256)
+    # unset: the calibration's defaults, and for the cache the settings the artifact chose (calibrate's search)
+    p.add_argument("--group-size", type=int, default=None)
+    p.add_argument("--sink", type=int, default=None)
+    p.add_argument("--recent", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
@@ -58,14 +59,14 @@ def get_rotations(args, model, tok, calib_text: str) -> OscarRotations:
     if args.method in BUILTIN_METHODS:  # artifact-free: identity (naive INT2) / hadamard (QuaRot-style)
         return OscarRotations.builtin(model, args.method)
     name = Path(str(args.model).rstrip("/")).name.replace("/", "--")
-    out = Path(args.artifacts) / f"{name}-{args.method}-g{args.group_size}"
+    out = Path(args.artifacts) / f"{name}-{args.method}-g{args.group_size or 64}"
     if (out / "oscar_config.json").is_file():
         print(f"[oscar] using cached rotations {out}")
         return OscarRotations.from_pretrained(out)
     print(f"[oscar] calibrating {args.method} rotations on {args.calib_tokens} tokens (once; cached in {out})")
     t = time.time()
     rot = calibrate(model, tok, [calib_text], method=args.method, tokens=args.calib_tokens,
-                    seq_len=min(2048, args.calib_tokens), group_size=args.group_size)
+                    seq_len=min(2048, args.calib_tokens), group_size=args.group_size or 64)
     rot.save_pretrained(out)
     print(f"[oscar] calibration took {time.time() - t:.0f}s")
     return rot
@@ -85,7 +86,8 @@ def main(argv=None):
     calib_text, eval_text = text[: len(text) // 3], text[len(text) // 2 :]
     rot = get_rotations(args, model, tok, calib_text)
     ids = tok(eval_text[:200_000], return_tensors="pt").input_ids
-    make_oscar = lambda: OscarCache(model, rot, group_size=args.group_size, sink=args.sink, recent=args.recent)  # noqa: E731
+    given = {k: v for k, v in dict(group_size=args.group_size, sink=args.sink, recent=args.recent).items() if v is not None}
+    make_oscar = lambda: OscarCache(model, rot, **given)  # noqa: E731  (the artifact's chosen settings, then these)
     make_bf16 = lambda: DynamicCache(config=model.config)  # noqa: E731
 
     # -- generation from a long prompt
@@ -109,9 +111,10 @@ def main(argv=None):
         ppl[name] = cache_nll(model, passage, args.ppl_context, make, desc=name)["ppl"]
 
     # -- side by side
+    cfg = oscar_cache.oscar_config
     print("\n" + "=" * 100)
     print(f"model {args.model} | rotations {rot.method} ({len(rot.layers)} layers, offsets={rot.has_offsets}) | "
-          f"sink {args.sink} recent {args.recent} group {args.group_size} | prompt {prompt.shape[1]} tokens")
+          f"sink {cfg.sink} recent {cfg.recent} group {cfg.group_size} | prompt {prompt.shape[1]} tokens")
     print("=" * 100)
     for name, (txt, sec) in gens.items():
         print(f"\n--- {name} ({sec:.1f}s) ---\n{txt.strip()}")
@@ -132,7 +135,7 @@ def main(argv=None):
           f"(perplexity over {args.ppl_tokens} tokens after a {args.ppl_context}-token context)")
     # The windows are a fixed cost: project the ratio to the model's full context length.
     t_max = int(getattr(model.config, "max_position_embeddings", 8192))
-    win = args.sink + args.recent
+    win = cfg.sink + cfg.recent
     proj = 16 * t_max / (16 * win + report["history_bits_per_element"] * (t_max - win))
     print(f"At the model's full context ({t_max} tokens) the OSCAR cache would be {proj:.2f}x smaller than BF16 "
           f"({16 * win + report['history_bits_per_element'] * (t_max - win):.0f} vs {16 * t_max} bits per channel).")

@@ -53,6 +53,7 @@ from ..config import (
     STATE_LAYER_TYPES,
     ModelFingerprint,
     OscarConfig,
+    artifact_settings,
     hybrid_state_layers,
     validate_head_dim,
 )
@@ -319,7 +320,10 @@ class OscarCache(Cache):
 
     ``OscarCache(model, rotations=None, config=None, *, preset=None, **overrides)`` with ``rotations`` an
     :class:`OscarRotations` (e.g. from ``scripts/calibrate.py``) or None for the artifact-free
-    ``method`` ("identity" / "hadamard"); overrides are :class:`OscarConfig` fields. The cache routes
+    ``method`` ("identity" / "hadamard"); overrides are :class:`OscarConfig` fields. Without ``config`` and
+    ``preset``, the settings the calibration chose for the model (``calibrate(choose_settings=True)``, the artifact's
+    ``metadata["settings"]``) replace :class:`OscarConfig`'s defaults, the overrides on top; artifacts without them
+    start from the defaults (``from_pretrained`` also applies their calibrated group size). The cache routes
     the model's attention through OSCAR (:func:`~oscar_hf.enable_oscar`); the user's attention
     implementation still serves every layer OSCAR does not quantize. ``model_or_config`` is the model,
     or the model's own config (``model.config``, which the model reads at every forward; the model is
@@ -346,6 +350,11 @@ class OscarCache(Cache):
                  preset: str | None = None, compile: bool | str = "auto", **overrides):
         if compile not in (True, False, "auto"):
             raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
+        if config is None and preset is None and rotations is not None:
+            # the settings calibration chose for this model (calibrate(choose_settings=True)), under the user's
+            # keywords; an artifact without them starts from OscarConfig's defaults, as before
+            chosen = artifact_settings(rotations.metadata)
+            config = OscarConfig(**chosen) if chosen else None
         config = OscarConfig.build(config, preset, **overrides)
         is_model = isinstance(model_or_config, torch.nn.Module)
         model_config = model_or_config.config if is_model else model_or_config
@@ -523,7 +532,9 @@ class OscarCache(Cache):
         rot = OscarRotations.from_pretrained(
             name_or_path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token
         )
-        if config is None and preset is None and "group_size" not in overrides:
+        if (config is None and preset is None and "group_size" not in overrides
+                and artifact_settings(rot.metadata) is None):
+            # (an artifact with chosen settings has its group size there: the constructor applies them)
             # the group size the clips were chosen for: top level (hand-written artifacts) wins over where
             # calibrate() records it, metadata["calibration"]["group_size"]
             cal = rot.metadata.get("calibration")

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 import transformers
 
-from ..config import ModelFingerprint, validate_head_dim
+from ..config import ModelFingerprint, OscarConfig, validate_head_dim
 from ..data import calibration_windows, join_texts
 from ..hadamard import hadamard_matrix
 from ..rotations import LayerRotation, OscarRotations
@@ -19,6 +19,7 @@ from .hooks import as_sequences, progress_bar
 from .retrieval_heads import LENGTHS, PROBES, find_retrieval_heads, probe_lengths
 from .search import CLIP_GRID, META_DTYPES, build_candidates, center_modes, evaluate_candidates, select_best
 from .selection import SCORED_TOKENS, next_token_kl, reference_log_probs
+from .settings import DEFAULT_BUDGET_BITS, check_budget, choose_settings as search_settings
 from .stats import collect_statistics, full_attention_layers, spectrum_summary
 
 logger = logging.getLogger("oscar_hf")
@@ -26,6 +27,7 @@ logger = logging.getLogger("oscar_hf")
 METHODS = ("oscar", "pca-kv", "hadamard", "identity", "auto")
 VALUE_TARGETS = ("sst", "score-weighted")
 SELECTION_CANDIDATES = ("oscar", "pca-kv", "hadamard")  # method="auto": whole-artifact alternatives to its pick
+SETTINGS_WINDOWS = 2  # held-out windows the settings search scores (text input; one more than the selection's default)
 
 
 def _is_texts(texts) -> bool:
@@ -59,6 +61,9 @@ def calibrate(
     retrieval_probes: int = PROBES,
     retrieval_lengths: Sequence[int] = LENGTHS,
     select_by_kl: bool = True,
+    choose_settings: bool = True,
+    budget_bits: float = DEFAULT_BUDGET_BITS,
+    target_context: int | None = None,
 ) -> OscarRotations:
     """Calibrate OSCAR rotations, offsets and clip ratios for ``model``.
 
@@ -107,12 +112,26 @@ def calibrate(
         retrieval_lengths: probe lengths in tokens (those beyond the model's context are dropped).
         select_by_kl: ``method="auto"``'s end-to-end check (False: the held-out error's pick as it is). It needs a
             held-out window longer than ``512 + sink + recent`` tokens, else the pick stays as it is.
+        choose_settings: after the rotations, choose the cache settings (window, group size, quantizer, retrieval
+            heads and their width, layers kept precise) by next-token KL through the cache on held-out windows,
+            within ``budget_bits`` (:mod:`.settings`), and store the choice in ``metadata["settings"]``: a cache built
+            from the artifact starts from it (the user's arguments still win). Text input scores
+            ``SETTINGS_WINDOWS`` held-out windows of ``seq_len`` tokens read after the statistics windows; held-out
+            windows not longer than ``512 + 4 * (sink + recent)`` tokens skip the search (recorded). False: the
+            cache uses ``OscarConfig``'s defaults, as artifacts calibrated before the search.
+        budget_bits: the memory budget: average stored bits per cached K/V element over the quantized layers at
+            ``target_context`` tokens (``OscarConfig.stored_bits``: windows at 16 bits, INT2 codes + scale / zero,
+            full-precision heads at their width). Default 3.5 (today's defaults cost 3.476 on SmolLM2 at 8192).
+        target_context: the context the budget is priced at; ``None``: ``min(32768, max_position_embeddings)``.
     """
     t0, c0 = time.perf_counter(), time.process_time()
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if isinstance(retrieval_probes, bool) or not isinstance(retrieval_probes, int) or retrieval_probes < 0:
         raise ValueError(f"retrieval_probes must be an int >= 0, got {retrieval_probes!r}")
+    if not isinstance(choose_settings, bool):
+        raise ValueError(f"choose_settings must be True or False, got {choose_settings!r}")
+    check_budget(budget_bits, target_context)
     if value_target not in VALUE_TARGETS:
         raise ValueError(f"value_target must be one of {VALUE_TARGETS}, got {value_target!r}")
     center_modes(center)
@@ -152,19 +171,29 @@ def calibrate(
         sl = min(seq_len, tokens)
         n_stats = math.ceil(tokens / sl)
         n_hold = max(1, math.ceil(holdout_fraction * n_stats)) if need_holdout else 0
-        stats_ids, hold_ids = calibration_windows(tokenizer, texts, tokens, sl, n_hold)
-        stats_seqs, hold_seqs = as_sequences(stats_ids), (as_sequences(hold_ids) if n_hold else [])
+        n_settings = max(n_hold, SETTINGS_WINDOWS) if choose_settings else n_hold  # (the first n_hold are shared)
+        try:
+            stats_ids, hold_ids = calibration_windows(tokenizer, texts, tokens, sl, n_settings)
+        except ValueError:  # text for the selection's windows but not for the search's extra ones: it scores fewer
+            if n_settings == n_hold:
+                raise
+            n_settings = n_hold
+            stats_ids, hold_ids = calibration_windows(tokenizer, texts, tokens, sl, n_settings)
+        stats_seqs = as_sequences(stats_ids)
+        settings_seqs = as_sequences(hold_ids) if n_settings else []
+        hold_seqs = settings_seqs[:n_hold]
         pad_id = tokenizer.pad_token_id or 0
     else:
         seqs = as_sequences(texts)
         n_hold = 0
-        if need_holdout:
+        if need_holdout:  # (token ids: the settings search scores these held-out rows, none are taken for it)
             if len(seqs) < 2:
                 raise ValueError(
                     "a clip search, method='auto' or center='auto' need at least 2 token sequences (one is held out)"
                 )
             n_hold = min(len(seqs) - 1, max(1, round(len(seqs) * holdout_fraction / (1 + holdout_fraction))))
         stats_seqs, hold_seqs = seqs[: len(seqs) - n_hold], seqs[len(seqs) - n_hold :]
+        settings_seqs = hold_seqs
         if tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None:
             pad_id = tokenizer.pad_token_id
 
@@ -274,6 +303,24 @@ def calibrate(
             logger.info("calibrate: held-out windows too short for the KL check; keeping the held-out error's pick")
         t_kl = time.perf_counter() - t_kl
 
+    settings, t_set = None, 0.0
+    if choose_settings:
+        # the cache settings for these rotations, by next-token KL on held-out windows within the budget
+        t_set = time.perf_counter()
+        sink, recent = window or (64, 256)
+        usable = [x for x in settings_seqs if x.numel() - SCORED_TOKENS > 4 * (sink + recent)]
+        if usable:
+            base = OscarConfig(sink=sink, recent=recent, group_size=group_size, meta_dtype=meta_dtype)
+            draft = OscarRotations(fp, method, layers, {"heldout_error": held}, scores)
+            settings = search_settings(model, draft, usable, budget_bits=budget_bits, target_context=target_context,
+                                       base=base, progress=progress)
+        else:
+            settings = {"skipped": f"no held-out window longer than {SCORED_TOKENS} + 4 x (sink + recent) = "
+                                   f"{SCORED_TOKENS + 4 * (sink + recent)} tokens (give seq_len or more text): "
+                                   "the cache uses OscarConfig's defaults"}
+            logger.info("calibrate: %s", settings["skipped"])
+        t_set = time.perf_counter() - t_set
+
     spectra = {}
     for i, s in sorted(stats.layers.items()):
         entry = {name: spectrum_summary(fn()) for name, fn in (("C_Q", s.c_q), ("C_K", s.c_k))}
@@ -296,18 +343,21 @@ def calibrate(
             "seq_len": max(s.numel() for s in stats_seqs),
             "holdout_tokens": sum(s.numel() for s in hold_seqs),
             "holdout_windows": len(hold_seqs),
+            "settings_windows": len(settings_seqs) if choose_settings else 0,
             "batch_size": batch_size,
             "clip_grid": list(grid) if need_holdout else None,
             "query_samples": query_samples if need_holdout else None,
             "window": list(window) if window else None,
             "passes": ["statistics"] + (["score-weighted (2nd pass, same windows)"] if need_sw else [])
-            + (["held-out selection"] if need_holdout else []) + (["retrieval probes"] if scores is not None else []),
+            + (["held-out selection"] if need_holdout else []) + (["retrieval probes"] if scores is not None else [])
+            + (["cache settings search"] if settings and "chosen" in settings else []),
             "time_s": round(time.perf_counter() - t0, 2),
             "cpu_time_s": round(time.process_time() - c0, 2),
             "time_statistics_s": round(t_stats, 2),
             "time_selection_s": round(t_hold, 2),
             "time_retrieval_s": round(t_ret, 2),
             "time_kl_selection_s": round(t_kl, 2),
+            "time_settings_s": round(t_set, 2),
             "oscar_hf": __version__,
             "transformers": transformers.__version__,
             "torch": torch.__version__,
@@ -320,6 +370,8 @@ def calibrate(
         meta["heldout_error"] = held
     if selection is not None:
         meta["selection"] = selection
+    if settings is not None:
+        meta["settings"] = settings
     if method == "auto" or center == "auto":
         meta["auto_counts"] = {
             kind: dict(Counter(n for names in winners[kind].values() for n in names).most_common())

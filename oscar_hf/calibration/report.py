@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import OscarConfig
+from ..config import OscarConfig, artifact_settings
 from ..rotations import OscarRotations
 from .retrieval_heads import top_heads
+from .settings import settings_summary
 from .stats import CalibrationStats
 
 
@@ -18,6 +19,9 @@ def retrieval_summary(rotations: OscarRotations, config: OscarConfig | None = No
     scores = rotations.retrieval_scores
     if scores is None:
         return "  retrieval heads: not scored (no full-precision heads by default)"
+    chosen = artifact_settings(rotations.metadata)
+    if config is None and chosen:  # the settings the calibration chose (what the cache starts from)
+        config = OscarConfig(**chosen)
     if config is None:
         g = (rotations.metadata.get("calibration") or {}).get("group_size", rotations.metadata.get("group_size"))
         config = OscarConfig(group_size=int(g)) if g is not None else OscarConfig()
@@ -52,7 +56,7 @@ def calibration_report(rotations: OscarRotations) -> str:
         lines.append(
             f"  time: {cal.get('time_s')} s (statistics {cal.get('time_statistics_s')} s, selection "
             f"{cal.get('time_selection_s')} s, KL check {cal.get('time_kl_selection_s', 0)} s, retrieval probes "
-            f"{cal.get('time_retrieval_s', 0)} s); "
+            f"{cal.get('time_retrieval_s', 0)} s, settings search {cal.get('time_settings_s', 0)} s); "
             f"passes: {', '.join(cal.get('passes', []))}"
         )
     lines.append(retrieval_summary(rotations))
@@ -68,6 +72,11 @@ def calibration_report(rotations: OscarRotations) -> str:
         kl = ", ".join(f"{k} {v:.4g}" + (" (kept)" if k == sel["chosen"] else "") for k, v in sel["kl"].items())
         lines.append(f"  end-to-end check, next-token KL on held-out tokens (per-head pick 'auto' against one "
                      f"candidate everywhere): {kl}")
+    if isinstance(md.get("settings"), dict):
+        if "chosen" in md["settings"]:
+            lines += settings_summary(md["settings"])
+        elif "skipped" in md["settings"]:
+            lines.append(f"  cache settings not searched: {md['settings']['skipped']}")
     if "auto_counts" in md:
         for kind, name in (("k", "keys"), ("v", "values")):
             cnt = md["auto_counts"].get(kind, {})

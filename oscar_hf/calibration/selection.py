@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import OscarConfig
 from ..rotations import OscarRotations
 
 SCORED_TOKENS = 512  # tokens of the held-out window scored after its prompt
@@ -32,21 +33,25 @@ def reference_log_probs(model, ids: torch.Tensor, scored: int = SCORED_TOKENS) -
 @torch.no_grad()
 def next_token_kl(model, rotations: OscarRotations, ids: torch.Tensor, *, sink: int = 64, recent: int = 256,
                   group_size: int = 64, meta_dtype: str = "bfloat16", scored: int = SCORED_TOKENS,
-                  reference: torch.Tensor | None = None) -> float:
+                  reference: torch.Tensor | None = None, config: OscarConfig | None = None) -> float:
     """Mean KL(model || model with the cache) of the next-token distributions of the last ``scored`` tokens of
     ``ids [n]``, the first ``n - scored`` written to the cache as a prompt. Needs a prompt longer than
-    ``sink + recent`` (else nothing is quantized). ``reference``: :func:`reference_log_probs` of ``ids``."""
+    ``sink + recent`` (else nothing is quantized). ``reference``: :func:`reference_log_probs` of ``ids``.
+    ``config``: the cache's whole :class:`OscarConfig` (full-precision heads included; the settings search,
+    :mod:`.settings`), used instead of ``sink`` / ``recent`` / ``group_size`` / ``meta_dtype`` and no heads."""
     from ..cache import OscarCache
     from ..compat import cache_kwargs
 
+    if config is None:
+        config = OscarConfig(sink=sink, recent=recent, group_size=group_size, meta_dtype=meta_dtype,
+                             full_precision_heads=0)
     ids = ids.reshape(1, -1).to(next(model.parameters()).device)
     prompt = ids.shape[1] - scored
-    if prompt <= sink + recent:
+    if prompt <= config.sink + config.recent:
         raise ValueError(f"a held-out window of {ids.shape[1]} tokens leaves a prompt of {prompt} tokens: it must be "
-                         f"longer than sink + recent = {sink + recent}")
+                         f"longer than sink + recent = {config.sink + config.recent}")
     ref = reference if reference is not None else reference_log_probs(model, ids, scored)
-    cache = OscarCache(model, rotations, sink=sink, recent=recent, group_size=group_size, meta_dtype=meta_dtype,
-                       full_precision_heads=0)
+    cache = OscarCache(model, rotations, config)
     model(ids[:, :prompt], **cache_kwargs(model, cache), logits_to_keep=1)
     got = torch.log_softmax(model(ids[:, prompt:], **cache_kwargs(model, cache)).logits.float(), -1)
     return float((ref.exp() * (ref - got)).sum(-1).mean())

@@ -1,0 +1,302 @@
+"""The cache settings chosen per model, by measurement, within a memory budget (``calibrate(choose_settings=True)``).
+
+Once the rotations are chosen, :func:`choose_settings` searches what :class:`~oscar_hf.OscarConfig` otherwise fixes
+(group size, the group quantizer, the sink / recent windows, how many retrieval heads and at what width, layers kept
+precise) by the end-to-end next-token KL through :class:`~oscar_hf.OscarCache` on held-out calibration windows
+(:func:`.selection.next_token_kl`, averaged over the windows), and keeps the lowest-KL setting whose cost fits the
+budget. The artifact stores the choice (``metadata["settings"]``: the budget, every setting tried with its KL and
+bits); a cache built from it starts from it (:func:`oscar_hf.config.artifact_settings`).
+
+**The budget** is :meth:`OscarConfig.stored_bits <oscar_hf.config.OscarConfig.stored_bits>`: average stored bits per
+cached K/V element over the quantized layers once ``target_context`` tokens are cached (windows at 16 bits, INT2
+codes + scale / zero, full-precision heads at their width). Default :data:`DEFAULT_BUDGET_BITS` = 3.5 at
+``min(32768, the model's context)``, the long contexts where the KV memory matters (SmolLM2: its 8192): today's
+defaults cost 3.476 there on SmolLM2 (7 INT8 heads), so they fit; at 32K the windows cost 0.16 of those bits instead
+of 0.63 at 8K, which leaves a longer-context model room for what its own KL asks for.
+
+**The search** is one pass of coordinate descent from today's defaults (the calibration's window and group size,
+``"minmax"``, as many retrieval heads as fit at INT8): each dimension's alternatives are scored with the others held,
+and one replaces the incumbent only if its KL is lower by more than :data:`MARGIN` (a setting that wins by less on
+2-4K held-out tokens is not known to win elsewhere). Every candidate first spends the budget it leaves on retrieval
+heads (best score first), so the heads fill what the other dimensions leave; a candidate that cannot keep as many
+retrieval heads as the defaults keep within the budget is not tried: the text KL cannot see a single fact retrieved
+from far back (docs/quality.md, "Retrieval-safe defaults"), so it may not trade those heads away.
+
+**Why the window candidates are capped.** A window covering much of a short held-out prompt looks better than it
+will at long context (at 2K tokens a 1024-token recent window is half the context; at an 8K target an eighth). The
+KL is measured on windows as long as the calibration's (2048 tokens: a 1536-token prompt, 512 scored), and a window
+candidate is tried only if ``sink + recent`` is at most :data:`WINDOW_SHARE` of that prompt; its cost is priced at
+``target_context``, where larger windows cost more. Longer held-out windows (``calibrate(seq_len=...)``) admit larger
+windows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..config import CHOSEN_FIELDS, FULL_LAYER_TYPES, OscarConfig
+from ..rotations import OscarRotations
+from .hooks import progress_bar
+from .selection import SCORED_TOKENS, next_token_kl, reference_log_probs
+
+DEFAULT_BUDGET_BITS = 3.5  # today's defaults cost 3.476 on SmolLM2 at 8192 tokens (OscarConfig.stored_bits)
+DEFAULT_TARGET_CONTEXT = 32768  # capped by the model's max_position_embeddings
+MARGIN = 0.02  # relative KL gain an alternative needs to replace the incumbent
+WINDOW_SHARE = 0.25  # a window candidate's sink + recent may cover at most this share of the held-out prompt
+HEAD_WIDTHS = (8, 4)  # retrieval heads' storage searched (INT8, INT4; 16 costs 2x INT8 and was not better on needles)
+GROUP_SIZES = (32, 64, 128, None)  # None: head_dim (one group per head); those that do not divide it are left out
+PRECISE_LAYERS = (1, 2, 4)  # numbers of layers kept precise (all their KV heads at the heads' width) tried, in order
+
+
+def default_target_context(model_config) -> int:
+    """:data:`DEFAULT_TARGET_CONTEXT` capped by the model's context (``max_position_embeddings``)."""
+    cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+    limit = getattr(cfg, "max_position_embeddings", None)
+    return int(min(DEFAULT_TARGET_CONTEXT, limit)) if limit else DEFAULT_TARGET_CONTEXT
+
+
+def check_budget(budget_bits, target_context) -> None:
+    """ValueError for a budget that is not a number of bits in (2, 16] or a context that is not a positive int."""
+    if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float)) or not 2.0 < budget_bits <= 16.0:
+        raise ValueError(f"budget_bits must be a number of bits per cached element in (2, 16], got {budget_bits!r}")
+    if target_context is not None and (isinstance(target_context, bool) or not isinstance(target_context, int)
+                                       or target_context < 1):
+        raise ValueError(f"target_context must be a positive int of tokens (or None), got {target_context!r}")
+
+
+@dataclasses.dataclass
+class Trial:
+    """One setting scored: what changed (``name``), the cache config, its cost (budget bits) and KL."""
+
+    name: str
+    config: OscarConfig
+    bits: float
+    kl: float | None = None
+
+    def chosen_fields(self) -> dict:
+        """The :data:`~oscar_hf.config.CHOSEN_FIELDS` of the config, JSON-able (pairs as lists)."""
+        d = {k: getattr(self.config, k) for k in CHOSEN_FIELDS}
+        d["full_precision_heads"] = [list(p) for p in d["full_precision_heads"]]
+        return d
+
+    def record(self) -> dict:
+        c = self.config
+        return {"name": self.name, "bits": round(self.bits, 4), "kl": None if self.kl is None else float(self.kl),
+                "sink": c.sink, "recent": c.recent, "group_size": c.group_size, "quantizer": c.quantizer,
+                "heads": len(c.full_precision_heads), "head_bits": c.full_precision_bits}
+
+
+class _Space:
+    """The model's candidate settings and their cost: retrieval heads ranked by score, layers ranked by held-out
+    error, and :meth:`fit`, which fills the budget a setting leaves with retrieval heads."""
+
+    def __init__(self, rotations: OscarRotations, base: OscarConfig, budget_bits: float, target_context: int):
+        fp = self.fp = rotations.fingerprint
+        self.hk, self.budget, self.context = fp.num_key_value_heads, float(budget_bits), int(target_context)
+        self.layers = [i for i in sorted(rotations.layers) if fp.layer_types[i] in FULL_LAYER_TYPES]
+        if not self.layers:
+            raise ValueError("choose_settings: the artifact has no quantized (full-attention) layer")
+        scores = rotations.retrieval_scores  # [num_layers, Hk] or None
+        self.heads: list[tuple[int, int]] = []  # the retrieval heads (score >= threshold), best first
+        if scores is not None:
+            s = scores[self.layers].flatten()  # [len(layers) * Hk]
+            order = torch.argsort(s, descending=True, stable=True)
+            self.heads = [(self.layers[int(j) // self.hk], int(j) % self.hk) for j in order
+                          if s[j] >= base.retrieval_threshold]
+        held = rotations.metadata.get("heldout_error") or {}
+        err = {int(i): e.get("k_rel", 0.0) + e.get("v_rel", 0.0) for i, e in held.items() if int(i) in self.layers}
+        self.ranked_layers = sorted(err, key=lambda i: -err[i])  # largest held-out attention error first
+        self.floor = 0
+
+    def bits(self, config: OscarConfig) -> float:
+        return config.stored_bits(self.fp, self.layers, self.context)
+
+    def with_heads(self, config: OscarConfig, n: int, precise: int = 0) -> OscarConfig:
+        """``config`` keeping all KV heads of its ``precise`` worst layers and its ``n`` best retrieval heads (all at
+        ``config.full_precision_bits``)."""
+        whole = {(i, h) for i in self.ranked_layers[:precise] for h in range(self.hk)}
+        return config.replace(full_precision_heads=tuple(sorted(whole | set(self.heads[:n]))))
+
+    def fit(self, config: OscarConfig, precise: int = 0) -> OscarConfig | None:
+        """:meth:`with_heads` with as many retrieval heads as fit the budget, or None when fewer than :attr:`floor`
+        retrieval heads fit."""
+        retrieval = set(self.heads)
+        for n in range(len(self.heads), -1, -1):  # most heads first
+            c = self.with_heads(config, n, precise)
+            if len(set(c.full_precision_heads) & retrieval) < self.floor:
+                return None
+            if self.bits(c) <= self.budget + 1e-9:
+                return c
+        return None
+
+
+def window_candidates(sink: int, recent: int, prompt: int) -> list[tuple[int, int]]:
+    """``(sink, recent)`` alternatives to the calibration's window: halved and doubled, each with ``sink + recent``
+    at most :data:`WINDOW_SHARE` of the held-out ``prompt`` (the bias of short held-out windows, module docstring)."""
+    out = []
+    for s, r in ((sink // 2, recent // 2), (sink, recent // 2), (sink * 2, recent), (sink, recent * 2),
+                 (sink * 2, recent * 2)):
+        if r >= 1 and (s, r) != (sink, recent) and (s, r) not in out and s + r <= WINDOW_SHARE * prompt:
+            out.append((s, r))
+    return out
+
+
+def heldout_kl(model, rotations: OscarRotations, windows: Sequence[torch.Tensor],
+               scored: int = SCORED_TOKENS) -> Callable[[OscarConfig], float]:
+    """A scorer: the mean next-token KL of a cache config over the held-out ``windows`` (each ``[n]`` ids; their
+    references computed once, here)."""
+    refs = [reference_log_probs(model, w, scored) for w in windows]
+
+    def score(config: OscarConfig) -> float:
+        return sum(next_token_kl(model, rotations, w, scored=scored, reference=r, config=config)
+                   for w, r in zip(windows, refs)) / len(windows)
+
+    return score
+
+
+def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Tensor] | None = None, *,
+                    budget_bits: float = DEFAULT_BUDGET_BITS, target_context: int | None = None,
+                    base: OscarConfig | None = None, margin: float = MARGIN, progress: bool = True,
+                    score: Callable[[OscarConfig], float] | None = None) -> dict:
+    """Search the cache settings for ``model`` with ``rotations`` (module docstring) and return the artifact's
+    ``metadata["settings"]`` entry: ``chosen`` (:data:`~oscar_hf.config.CHOSEN_FIELDS`), its ``bits`` and ``kl``,
+    the budget, and ``tried`` (every setting scored, in order, with its KL and bits) and ``over_budget`` (those
+    skipped with their bits).
+
+    Args:
+        windows: held-out token windows ``[n]`` scored (``n - 512`` tokens prompt, 512 scored), not seen by the
+            statistics; their length bounds the window candidates.
+        base: the defaults the search starts from (default ``OscarConfig()``; the calibration passes its window and
+            group size).
+        score: ``config -> KL`` instead of :func:`heldout_kl` over ``windows`` (tests).
+    """
+    t0 = time.perf_counter()
+    target_context = default_target_context(model.config) if target_context is None else target_context
+    check_budget(budget_bits, target_context)
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must lie in [0, 1), got {margin!r}")
+    base = (base or OscarConfig()).for_head_dim(rotations.fingerprint.head_dim)
+    space = _Space(rotations, base, budget_bits, target_context)
+    if score is None:
+        if not windows:
+            raise ValueError("choose_settings needs held-out windows (or a score function)")
+        score = heldout_kl(model, rotations, windows)
+    prompt = min(int(w.numel()) for w in windows) - SCORED_TOKENS if windows else 1 << 30
+    hd = space.fp.head_dim
+
+    tried: list[Trial] = []
+    over: list[dict] = []
+    # the bar counts settings scored or found over budget: the defaults, 1 quantizer, the group sizes, the windows,
+    # 1 head width and up to len(PRECISE_LAYERS) precise-layer steps (fewer when one does not pay)
+    n_plan = (2 + len({hd if g is None else g for g in GROUP_SIZES if g is None or (g <= hd and hd % g == 0)} - {
+        base.group_size}) + len(window_candidates(base.sink, base.recent, prompt)) + (1 if space.heads else 0)
+        + min(len(PRECISE_LAYERS), len(space.ranked_layers)))
+    bar = progress_bar(progress, n_plan, "OSCAR cache settings")
+
+    def run(name: str, config: OscarConfig | None, unfitted: OscarConfig, precise: int = 0) -> Trial | None:
+        if config is None:  # over the budget even with the fewest retrieval heads allowed
+            over.append({"name": name, "bits": round(space.bits(space.with_heads(unfitted, space.floor, precise)), 4)})
+            bar.update(1)
+            return None
+        t = Trial(name, config, space.bits(config))
+        t.kl = float(score(config))
+        tried.append(t)
+        bar.update(1)
+        return t
+
+    try:
+        # today's defaults, their heads fitted to the budget; that head count is the floor every candidate keeps
+        start = base.replace(full_precision_bits=HEAD_WIDTHS[0])
+        inc_cfg = space.fit(start)
+        if inc_cfg is None:
+            raise ValueError(f"budget_bits={budget_bits} at {target_context} tokens is below what the defaults cost "
+                             f"without retrieval heads ({space.bits(space.with_heads(start, 0)):.3f} bits)")
+        space.floor = sum(p in set(space.heads) for p in inc_cfg.full_precision_heads)
+        inc = run("defaults", inc_cfg, start)
+        precise = 0
+
+        def step(options: list[tuple[str, OscarConfig, int]]) -> None:
+            """Score ``(name, unfitted config, precise layers)`` alternatives; the best replaces the incumbent if it
+            wins by more than the margin."""
+            nonlocal inc, precise
+            best = None
+            for name, cfg, p in options:
+                t = run(name, space.fit(cfg, p), cfg, p)
+                if t is not None and (best is None or t.kl < best[0].kl):
+                    best = (t, p)
+            if best is not None and best[0].kl < inc.kl * (1.0 - margin):
+                inc, precise = best
+
+        unfit = lambda: inc.config.replace(full_precision_heads=())  # noqa: E731  (the incumbent, heads refitted)
+        step([(f"quantizer={q}", unfit().replace(quantizer=q), precise) for q in ("minmax", "std")
+              if q != inc.config.quantizer])
+        groups = []
+        for g in GROUP_SIZES:
+            g = hd if g is None else g
+            if g <= hd and hd % g == 0 and g != inc.config.group_size and g not in groups:
+                groups.append(g)
+        step([(f"group_size={g}", unfit().replace(group_size=g), precise) for g in groups])
+        step([(f"window=({s}, {r})", unfit().replace(sink=s, recent=r), precise)
+              for s, r in window_candidates(inc.config.sink, inc.config.recent, prompt)])
+        if space.heads or precise:  # (the width of no head changes nothing)
+            step([(f"heads as INT{w}", unfit().replace(full_precision_bits=w), precise) for w in HEAD_WIDTHS
+                  if w != inc.config.full_precision_bits])
+        # layers kept precise (greedy: more while it pays), worst held-out attention error first
+        for n in PRECISE_LAYERS:
+            if n > len(space.ranked_layers) or n <= precise:
+                continue
+            before = precise
+            step([(f"{n} precise layers {space.ranked_layers[:n]}", unfit(), n)])
+            if precise == before:
+                break
+    finally:
+        bar.close()
+    return {
+        "budget_bits": float(budget_bits),
+        "target_context": int(target_context),
+        "budget_definition": "average stored bits per cached K/V element over the quantized layers at target_context "
+                             "tokens (OscarConfig.stored_bits: windows at 16 bits, INT2 codes + scale/zero, "
+                             "full-precision heads at their width)",
+        "objective": f"mean next-token KL through OscarCache, last {SCORED_TOKENS} tokens of "
+                     f"{len(windows) if windows else 0} held-out window(s) of "
+                     f"{[int(w.numel()) for w in windows] if windows else []} tokens",
+        "margin": margin,
+        "retrieval_heads_floor": space.floor,
+        "precise_layers": space.ranked_layers[:precise],
+        "chosen": inc.chosen_fields(),
+        "chosen_name": inc.name,
+        "bits": round(inc.bits, 4),
+        "kl": inc.kl,
+        "tried": [t.record() for t in tried],
+        "over_budget": over,
+        "time_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def settings_summary(entry: dict) -> list[str]:
+    """Report lines of a ``metadata["settings"]`` entry (:func:`oscar_hf.calibration.calibration_report`)."""
+    c = entry["chosen"]
+    width = "in the model dtype" if c["full_precision_bits"] == 16 else f"as INT{c['full_precision_bits']}"
+    lines = [f"  cache settings chosen by next-token KL within {entry['budget_bits']:g} bits per cached element at "
+             f"{entry['target_context']} tokens: sink {c['sink']} / recent {c['recent']}, group_size "
+             f"{c['group_size']}, quantizer {c['quantizer']}, {len(c['full_precision_heads'])} full-precision heads "
+             f"{width} ({entry['chosen_name']}: {entry['bits']:.3f} bits, KL {entry['kl']:.4g}; search "
+             f"{entry['time_s']} s; {entry['objective']})"]
+    if entry.get("precise_layers"):
+        lines.append(f"    layers kept precise (all their KV heads {width}): {entry['precise_layers']}")
+    for t in entry["tried"]:
+        mark = "  (kept)" if t["name"] == entry["chosen_name"] else ""
+        lines.append(f"    tried {t['name']:<36} KL {t['kl']:.4g}  {t['bits']:.3f} bits  {t['heads']} heads "
+                     f"INT{t['head_bits']}{mark}")
+    for o in entry.get("over_budget", []):
+        lines.append(f"    not tried {o['name']:<32} {o['bits']:.3f} bits with {entry['retrieval_heads_floor']} retrieval "
+                     "heads: over budget")
+    return lines
+
+
+__all__ = ["choose_settings", "heldout_kl", "window_candidates", "settings_summary", "default_target_context",
+           "check_budget", "DEFAULT_BUDGET_BITS", "DEFAULT_TARGET_CONTEXT", "MARGIN", "WINDOW_SHARE", "Trial"]
+

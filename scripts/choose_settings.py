@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""Choose the cache settings of an existing artifact (one calibrated before the search, or at another budget) and
+write it with them: the settings search of ``calibrate()`` (oscar_hf/calibration/settings.py) alone, on the same
+held-out windows calibration reads (the windows after the statistics windows of the calibration text).
+
+    python -P scripts/choose_settings.py --artifact /tmp/smollm2-default --budget-bits 4.0 --out /tmp/smollm2-b4
+
+The rotations, offsets, clips and retrieval scores are copied unchanged; ``metadata["settings"]`` is replaced.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    from oscar_hf.calibration.pipeline import SETTINGS_WINDOWS
+    from oscar_hf.calibration.settings import DEFAULT_BUDGET_BITS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--artifact", required=True, help="calibrated artifact directory")
+    p.add_argument("--model", default="smollm2", help='hub id, local path, or "smollm2" (the packaged default)')
+    p.add_argument("--data", default=None, help="calibration text file (default: the WikiText-2 test file)")
+    p.add_argument("--budget-bits", type=float, default=DEFAULT_BUDGET_BITS)
+    p.add_argument("--target-context", type=int, default=None)
+    p.add_argument("--windows", type=int, default=SETTINGS_WINDOWS, help="held-out windows scored")
+    p.add_argument("--out", required=True, help="output artifact directory")
+    p.add_argument("--force", action="store_true", help="overwrite --out")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args(argv)
+    from oscar_hf.rotations import CONFIG_NAME
+
+    out = Path(args.out)
+    if (out / CONFIG_NAME).exists() and not args.force:
+        print(f"error: {out} already holds an artifact; pass --force to overwrite it", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    import torch
+
+    from oscar_hf import OscarConfig, OscarRotations, data
+    from oscar_hf.calibration import calibration_report
+    from oscar_hf.calibration.hooks import as_sequences
+    from oscar_hf.calibration.settings import choose_settings
+    from oscar_hf.models import load_model, wikitext_path
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rot = OscarRotations.from_pretrained(args.artifact)
+    cal = rot.metadata.get("calibration") or {}
+    if not cal.get("tokens") or not cal.get("seq_len"):
+        raise ValueError(f"{args.artifact}: no calibration record (metadata['calibration']): which windows were held "
+                         "out is unknown")
+    model, tok = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    rot.check_compatible(model.config)
+    split = data.split_texts(data.load_texts(args.data or str(wikitext_path())),
+                             (rot.metadata.get("data") or {}).get("calibration_fraction", data.CALIBRATION_FRACTION))
+    _, held = data.calibration_windows(tok, split.calibration, int(cal["tokens"]), int(cal["seq_len"]), args.windows)
+    sink, recent = cal.get("window") or (64, 256)
+    g = cal.get("group_size")
+    base = OscarConfig(sink=sink, recent=recent, group_size=int(g) if g else None,
+                       meta_dtype=cal.get("meta_dtype", "bfloat16"))
+    t0 = time.perf_counter()
+    entry = choose_settings(model, rot, as_sequences(held), budget_bits=args.budget_bits,
+                            target_context=args.target_context, base=base)
+    rot.metadata["settings"] = entry
+    rot.metadata["settings_source"] = {"artifact": str(args.artifact), "command": "python -P scripts/choose_settings.py "
+                                       + " ".join(argv if argv is not None else sys.argv[1:])}
+    out.mkdir(parents=True, exist_ok=True)
+    rot.save_pretrained(out)
+    report = calibration_report(rot)
+    (out / "report.txt").write_text(report)
+    print(report)
+    print(json.dumps({"out": str(out), "time_s": round(time.perf_counter() - t0, 1), "chosen": entry["chosen"]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

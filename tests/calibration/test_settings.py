@@ -1,0 +1,231 @@
+"""Cache settings chosen by calibration within a memory budget (oscar_hf/calibration/settings.py): the budget's
+bits by hand, the search against a constructed KL (lowest in-budget wins, over-budget never tried, the margin, the
+retrieval-head floor), and the artifact round trip (saved, used by a cache with no options, overridden by the user,
+absent = today's defaults)."""
+import json
+
+import pytest
+import torch
+
+from oscar_hf import OscarCache, OscarConfig, OscarRotations, calibrate
+from oscar_hf.calibration import calibration_report
+from oscar_hf.calibration.selection import next_token_kl
+from oscar_hf.compat import cache_kwargs
+from oscar_hf.calibration.settings import choose_settings, window_candidates
+from oscar_hf.config import ModelFingerprint, artifact_settings
+from oscar_hf.models import tiny_model
+
+# SmolLM2-135M's shape: 30 full-attention layers x 3 KV heads of 64
+SMOL = ModelFingerprint("LlamaForCausalLM", "llama", 30, 9, 3, 64, ("full_attention",) * 30)
+SEVEN = ((7, 2), (14, 1), (17, 1), (18, 2), (20, 2), (21, 2), (23, 0))  # its 7 INT8 heads by default
+
+
+# ------------------------------------------------------------------ the budget's bits
+def test_stored_bits_by_hand():
+    bits = lambda **kw: OscarConfig(**kw).stored_bits(SMOL, range(30), 8192)  # noqa: E731
+    # today's defaults: 320 window tokens at 16 bits; 7872 history tokens, 83 heads at 2 + 32/64 and 7 at 8 + 32/64
+    assert bits(full_precision_heads=SEVEN) == pytest.approx((320 * 16 + 7872 * (83 * 2.5 + 7 * 8.5) / 90) / 8192)
+    assert bits(full_precision_heads=SEVEN) == pytest.approx(3.4758, abs=1e-4) and bits(full_precision_heads=7) < 3.5
+    assert bits(full_precision_heads=()) == pytest.approx((320 * 16 + 7872 * 2.5) / 8192)
+    assert bits(full_precision_heads=(), group_size=32) == pytest.approx((320 * 16 + 7872 * 3.0) / 8192)
+    assert bits(full_precision_heads=(), meta_dtype="float32") == pytest.approx((320 * 16 + 7872 * 3.0) / 8192)
+    # INT4 heads: 4 + 32/64 bits; a window of (32, 128)
+    assert bits(full_precision_heads=SEVEN, full_precision_bits=4, sink=32, recent=128) == pytest.approx(
+        (160 * 16 + 8032 * (83 * 2.5 + 7 * 4.5) / 90) / 8192)
+    # a skipped layer: 16 bits for every token, the other 29 as usual (their heads share the history)
+    one = (320 * 16 + 7872 * 2.5) / 8192
+    assert bits(full_precision_heads=(), skip_layers=(0,)) == pytest.approx((29 * one + 16) / 30)
+    # a context shorter than the windows: everything at 16
+    assert OscarConfig(full_precision_heads=()).stored_bits(SMOL, range(30), 100) == 16
+    # head_dim 128, one KV head: an INT8 head costs 8 + 32/128
+    wide = ModelFingerprint("X", "llama", 2, 8, 1, 128, ("full_attention",) * 2)
+    assert OscarConfig(full_precision_heads=((0, 0),)).stored_bits(wide, [0, 1], 4096) == pytest.approx(
+        (320 * 16 + 3776 * (2.5 + 8.25) / 2) / 4096)
+    with pytest.raises(ValueError, match="resolved"):
+        OscarConfig().stored_bits(SMOL, range(30), 8192)  # "auto" depends on the artifact's scores
+    with pytest.raises(ValueError, match="context"):
+        OscarConfig(full_precision_heads=0).stored_bits(SMOL, range(30), 0)
+
+
+# ------------------------------------------------------------------ the search, on a constructed KL
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return tiny_model("llama", head_dim=64)  # 2 layers x 2 KV heads of 64
+
+
+def scored_rotations(model, scores):
+    rot = OscarRotations.builtin(model, "hadamard")
+    rot.retrieval_scores = torch.tensor(scores, dtype=torch.float32)
+    rot.metadata["heldout_error"] = {"0": {"k_rel": 0.1, "v_rel": 0.1}, "1": {"k_rel": 0.3, "v_rel": 0.2}}
+    return rot
+
+
+def constructed_kl(calls, budget, rot):
+    """A KL that is lowest for group 32 (over the budget below), then for "std" (in it)."""
+    fp = rot.fingerprint
+
+    def score(c):
+        bits = c.stored_bits(fp, list(rot.layers), 8192)
+        assert bits <= budget + 1e-9, f"a setting over the budget was scored: {bits}"
+        calls.append(c)
+        kl = 1.0 - (0.3 if c.quantizer == "std" else 0.0) - (0.9 if c.group_size == 32 else 0.0)
+        kl -= 0.05 if (c.sink, c.recent) == (32, 128) else 0.0  # 7% of 0.7: beyond the 2% margin
+        kl -= 0.005 if (c.sink, c.recent) == (64, 128) else 0.0  # 0.7%: within the margin, not taken
+        return kl
+
+    return score
+
+
+def test_search_picks_the_lowest_kl_within_the_budget(tiny):
+    rot = scored_rotations(tiny, [[0.1, 0.1], [0.1, 0.1]])  # no retrieval head
+    calls = []
+    # budget 3.2 at 8192: defaults cost (320 x 16 + 7872 x 2.5) / 8192 = 3.03, group 32 3.51: over
+    e = choose_settings(tiny, rot, [torch.zeros(2048, dtype=torch.long)], budget_bits=3.2, target_context=8192,
+                        score=constructed_kl(calls, 3.2, rot), progress=False)
+    assert e["chosen"]["quantizer"] == "std" and e["chosen"]["group_size"] == 64
+    assert (e["chosen"]["sink"], e["chosen"]["recent"]) == (32, 128)
+    assert all(c.group_size == 64 for c in calls)  # group 32 was never scored ...
+    assert "group_size=32" in [o["name"] for o in e["over_budget"]]  # ... and is reported as over the budget
+    assert e["bits"] <= 3.2 and all(t["bits"] <= 3.2 for t in e["tried"])
+    assert e["kl"] == min(t["kl"] for t in e["tried"]) == pytest.approx(0.65)
+    assert {t["name"] for t in e["tried"]} >= {"defaults", "quantizer=std", "window=(64, 128)", "window=(32, 128)"}
+    # with room for group 32 it is tried and wins
+    calls.clear()
+    e = choose_settings(tiny, rot, [torch.zeros(2048, dtype=torch.long)], budget_bits=3.6, target_context=8192,
+                        score=constructed_kl(calls, 3.6, rot), progress=False)
+    assert e["chosen"]["group_size"] == 32
+
+
+def test_a_gain_within_the_margin_keeps_the_incumbent(tiny):
+    rot = scored_rotations(tiny, [[0.1, 0.1], [0.1, 0.1]])
+    score = lambda c: 0.99 if c.quantizer == "std" else 1.0  # noqa: E731  (1% better: within the 2% margin)
+    kw = dict(budget_bits=3.2, target_context=8192, score=score, progress=False)
+    w = [torch.zeros(2048, dtype=torch.long)]
+    assert choose_settings(tiny, rot, w, **kw)["chosen"]["quantizer"] == "minmax"
+    assert choose_settings(tiny, rot, w, margin=0.0, **kw)["chosen"]["quantizer"] == "std"
+
+
+def test_search_keeps_the_retrieval_heads_the_defaults_keep(tiny):
+    rot = scored_rotations(tiny, [[0.9, 0.1], [0.8, 0.1]])  # 2 retrieval heads: (0, 0), (1, 0)
+    calls = []
+    # budget 6.0: defaults + 2 INT8 heads = (5120 + 7872 x (2.5 + 0.5 x 6)) / 8192 = 5.91 fit; group 32 keeps 2
+    # heads only at 6.15 (over), 1 head would fit but the search may not trade a retrieval head for it
+    e = choose_settings(tiny, rot, [torch.zeros(2048, dtype=torch.long)], budget_bits=6.0, target_context=8192,
+                        score=constructed_kl(calls, 6.0, rot), progress=False)
+    assert e["retrieval_heads_floor"] == 2
+    assert all({(0, 0), (1, 0)} <= set(c.full_precision_heads) for c in calls)
+    assert all(c.group_size == 64 for c in calls) and "group_size=32" in [o["name"] for o in e["over_budget"]]
+    assert sorted(map(tuple, e["chosen"]["full_precision_heads"])) == [(0, 0), (1, 0)]
+
+
+def test_bad_budget_and_windows():
+    m = tiny_model("llama", head_dim=64)
+    rot = scored_rotations(m, [[0.1, 0.1], [0.1, 0.1]])
+    w = [torch.zeros(2048, dtype=torch.long)]
+    for bad in (2.0, 17, "3.5", True):
+        with pytest.raises(ValueError, match="budget_bits"):
+            choose_settings(m, rot, w, budget_bits=bad, score=lambda c: 1.0, progress=False)
+    with pytest.raises(ValueError, match="below what the defaults cost"):
+        choose_settings(m, rot, w, budget_bits=2.6, target_context=8192, score=lambda c: 1.0, progress=False)
+    with pytest.raises(ValueError, match="target_context"):
+        calibrate(m, None, torch.zeros(3, 600, dtype=torch.long), target_context=0, progress=False,
+                  retrieval_probes=0)
+    # window candidates: at most a quarter of the held-out prompt (1536 tokens: sink + recent <= 384)
+    assert window_candidates(64, 256, 1536) == [(32, 128), (64, 128), (128, 256)]
+    assert (64, 512) in window_candidates(64, 256, 7680)
+
+
+# ------------------------------------------------------------------ calibrate() and the artifact
+@pytest.fixture(scope="module")
+def calibrated(tiny):
+    ids = torch.randint(1, 200, (3, 700), generator=torch.Generator().manual_seed(0))
+    return calibrate(tiny, None, ids, method="oscar", window=(4, 8), progress=False, retrieval_probes=0), ids
+
+
+def test_calibrate_stores_the_choice_and_a_cache_uses_it(tiny, calibrated):
+    rot, ids = calibrated
+    e = rot.metadata["settings"]
+    assert json.loads(json.dumps(e)) == e  # stored as JSON in the artifact
+    assert e["kl"] == min(t["kl"] for t in e["tried"] if t["name"] == e["chosen_name"])
+    assert "cache settings search" in rot.metadata["calibration"]["passes"]
+    cache = OscarCache(tiny, rot)  # no options: the chosen settings
+    for k, v in artifact_settings(rot.metadata).items():
+        assert getattr(cache.oscar_config, k) == v, k
+    # the KL recorded is what that cache gives on the held-out window (the last row, never in the statistics)
+    assert next_token_kl(tiny, rot, ids[-1], config=cache.oscar_config) == pytest.approx(e["kl"], rel=1e-5)
+    report = calibration_report(rot)
+    assert "cache settings chosen by next-token KL" in report and "tried defaults" in report
+    off = calibrate(tiny, None, ids, method="oscar", window=(4, 8), progress=False, retrieval_probes=0,
+                    choose_settings=False)
+    assert "settings" not in off.metadata and "cache settings chosen" not in calibration_report(off)
+
+
+CHOSEN = dict(sink=8, recent=16, group_size=32, meta_dtype="bfloat16", quantizer="std",
+              full_precision_heads=[[0, 1]], full_precision_bits=4)
+
+
+def test_artifact_round_trip_and_user_arguments_win(tiny, calibrated, tmp_path):
+    rot, _ = calibrated
+    rot = OscarRotations(rot.fingerprint, rot.method, rot.layers, {**rot.metadata, "settings": {
+        **rot.metadata["settings"], "chosen": CHOSEN}}, rot.retrieval_scores)
+    rot.save_pretrained(tmp_path / "a")
+    loaded = OscarRotations.from_pretrained(tmp_path / "a")
+    assert loaded.metadata["settings"] == rot.metadata["settings"]
+    want = OscarConfig(**{**CHOSEN, "full_precision_heads": ((0, 1),)})
+    for cache in (OscarCache.from_pretrained(tmp_path / "a", tiny), OscarCache(tiny, loaded)):
+        assert cache.oscar_config == want
+        assert [len(layer.fp_heads) for layer in cache.layers] == [1, 0]
+    # the user's keywords win field by field; config= / preset= replace the choice wholesale
+    c = OscarCache.from_pretrained(tmp_path / "a", tiny, recent=32, group_size=64).oscar_config
+    assert (c.recent, c.group_size, c.sink, c.quantizer) == (32, 64, 8, "std")
+    assert OscarCache(tiny, loaded, OscarConfig(full_precision_heads=0)).oscar_config == OscarConfig(
+        full_precision_heads=0)
+    assert OscarCache(tiny, loaded, preset="paper").oscar_config == OscarConfig.from_preset("paper").for_head_dim(64)
+    # a cache saved and loaded keeps the chosen settings (it stores its config)
+    cache = OscarCache(tiny, loaded)
+    tiny(torch.randint(1, 200, (1, 40)), **cache_kwargs(tiny, cache))
+    cache.save(tmp_path / "live")
+    assert OscarCache.load(tmp_path / "live", tiny).oscar_config == want
+    # a corrupted entry is refused, naming the field
+    bad = OscarRotations(rot.fingerprint, rot.method, rot.layers, {"settings": {"chosen": {"window": 3}}})
+    with pytest.raises(ValueError, match="window"):
+        OscarCache(tiny, bad)
+
+
+def test_artifact_without_the_entry_gives_todays_defaults(tiny, calibrated, tmp_path):
+    rot, _ = calibrated
+    meta = {k: v for k, v in rot.metadata.items() if k != "settings"}
+    old = OscarRotations(rot.fingerprint, rot.method, rot.layers, meta, rot.retrieval_scores)
+    old.save_pretrained(tmp_path / "old")
+    assert artifact_settings(old.metadata) is None
+    assert OscarCache(tiny, old).oscar_config == OscarConfig()
+    # from_pretrained applies the calibrated group size, as before
+    assert OscarCache.from_pretrained(tmp_path / "old", tiny).oscar_config == OscarConfig(group_size=64)
+    skipped = OscarRotations(rot.fingerprint, rot.method, rot.layers, {**meta, "settings": {"skipped": "too short"}})
+    assert OscarCache(tiny, skipped).oscar_config == OscarConfig()
+
+
+class CharTok:
+    """One token per character (ids 1..200)."""
+
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False, **kw):
+        return {"input_ids": [ord(c) % 200 + 1 for c in text]}
+
+
+def test_text_too_short_for_the_extra_window_scores_one(tiny):
+    g = torch.Generator().manual_seed(3)
+    text = lambda n: "".join(chr(97 + int(c)) for c in torch.randint(0, 26, (n,), generator=g))  # noqa: E731
+    kw = dict(method="oscar", tokens=1200, seq_len=600, window=(4, 8), progress=False, retrieval_probes=0)
+    # 2 statistics windows + the selection's held-out one fit 1800 characters; the search's second needs 2400
+    t = text(2500)
+    short = calibrate(tiny, CharTok(), t[:2000], **kw)
+    assert short.metadata["calibration"]["settings_windows"] == 1 and "chosen" in short.metadata["settings"]
+    long = calibrate(tiny, CharTok(), t, **kw)
+    assert long.metadata["calibration"]["settings_windows"] == 2
+    assert "2 held-out window(s)" in long.metadata["settings"]["objective"]
+    # the statistics and the selection read the same windows either way: same rotations and clips
+    assert all(torch.equal(short.layers[i].r_k, long.layers[i].r_k) and short.layers[i].clip_k == long.layers[i].clip_k
+               for i in short.layers)
