@@ -55,7 +55,7 @@ def cache_configs(model, kind: str, budget: int, max_batch_tokens: int, max_requ
         return continuous_batching_config(num_blocks=blocks, page_size=PAGE, max_batch_tokens=max_batch_tokens), None
     store = OscarPagedStore(model, defer_pool=True, max_requests=max_requests, device=model.device, dtype=model.dtype,
                             **oscar_kw)
-    pages = (budget - store.windows.nbytes) // store.page_bytes(PAGE)
+    pages = store.pages_in(budget, PAGE, max_batch_tokens)  # after the windows and the prompt transient it reserves
     return continuous_batching_config(num_blocks=pages, page_size=PAGE, max_batch_tokens=max_batch_tokens), store
 
 
@@ -130,7 +130,7 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
                peak_window_s=round(t_b - t_a, 3), peak_memory_gib=round(peak_mem / 2**30, 3),
                num_blocks=cb.num_blocks, max_batch_tokens=cb.max_batch_tokens)
     if store is not None:
-        row.update(window_slots=store.windows.num_slots, window_gib=round(store.windows.nbytes / 2**30, 3),
+        row.update(window_slots=store.windows.num_slots, window_gib=round(store.windows.reserved_bytes / 2**30, 3),
                    pool_pages_peak=pool_peak)
     row["outputs"] = {o.request_id: o.generated_tokens[:8] for o in outs}  # a glimpse, to compare runs
     print(json.dumps({k: v for k, v in row.items() if k != "outputs"}), flush=True)

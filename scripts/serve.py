@@ -6,8 +6,10 @@
     python -P scripts/serve.py MODEL --rotations ./rotations-dir -- --device cuda:0
 
 Options before ``--`` are OSCAR's (the rotations artifact or the artifact-free ``--method``, window slots, sink /
-recent / group size); everything after ``--`` goes to ``transformers serve`` unchanged (``--cb-num-blocks`` counts INT2
-pages of OSCAR's pool, ``--cb-max-memory-percent`` sizes it from free memory). ``--continuous-batching`` and
+recent / group size, the prompt budget); everything after ``--`` goes to ``transformers serve`` unchanged
+(``--cb-num-blocks`` counts INT2 pages of OSCAR's pool, ``--cb-max-memory-percent`` sizes it from free memory after
+the window slots and the prompt budget). A model switch stops the old model's manager, which gives its store's memory
+back. ``--continuous-batching`` and
 ``--attn-implementation sdpa`` are added. Needs ``pip install "transformers[serving]"``.
 """
 from __future__ import annotations
@@ -22,7 +24,11 @@ def parse(argv: list[str]):
     p.add_argument("model", nargs="?", help="model to preload (a Hub id or a local directory)")
     p.add_argument("--rotations", help="OSCAR rotations artifact (directory or Hub id); default: --method")
     p.add_argument("--method", default="hadamard", help="artifact-free rotation when no --rotations is given")
-    p.add_argument("--max-requests", type=int, default=64, help="full-precision window slots: requests live at once")
+    p.add_argument("--max-requests", type=int, default=64,
+                   help="requests live at once (a full-precision window slot each, allocated as requests come)")
+    p.add_argument("--prompt-budget", type=int,
+                   help="prompt tokens held in full precision at once while prompts arrive in chunks (default: the "
+                        "model's max_position_embeddings); reserved when --cb-max-memory-percent sizes the pages")
     p.add_argument("--sink", type=int)
     p.add_argument("--recent", type=int)
     p.add_argument("--group-size", type=int)
@@ -35,8 +41,8 @@ def main(argv: list[str] | None = None):
     from oscar_hf.serving import oscar_serving
 
     rotations = OscarRotations.from_pretrained(args.rotations) if args.rotations else None
-    overrides = {k: v for k, v in dict(sink=args.sink, recent=args.recent, group_size=args.group_size).items()
-                 if v is not None}
+    overrides = {k: v for k, v in dict(sink=args.sink, recent=args.recent, group_size=args.group_size,
+                                       prompt_budget=args.prompt_budget).items() if v is not None}
     if rotations is None:
         overrides["method"] = args.method
     cli = ["serve", *([args.model] if args.model else []), "--continuous-batching", "--attn-implementation", "sdpa",

@@ -16,6 +16,8 @@ import contextlib
 import importlib.util
 import inspect
 import os
+import threading
+import weakref
 
 import torch
 import transformers
@@ -137,10 +139,23 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
         processor = create(self)
         if serves(self.model.config):
             _check_processor(processor)
-            processor.cache.scheduler = processor.scheduler  # whose request states say when a prompt is complete
+            processor.cache.attach_scheduler(processor.scheduler)  # its request states: prompt lengths and ends
         return processor
 
-    patches = [(manager, "_create_batch_processor", create_checked)]
+    stop = manager.stop
+
+    def stop_and_release(self, *args, **kwargs):
+        # the store's memory goes back with its manager (a model switch in `transformers serve` stops the old one):
+        # its window slots, and its pages, which live in the manager's cache tensor (5.20+) or beside it (5.17 - 5.19)
+        cache = getattr(getattr(self, "batch_processor", None), "cache", None)
+        out = stop(self, *args, **kwargs)
+        if isinstance(cache, OscarPagedCache) and getattr(self, "batch_processor", None) is None \
+                and not self.is_running():  # not kept for a next session, and its loop is over
+            cache.store.release_memory()
+            _restore(getattr(cache, "oscar_switched", []))  # the model's attention as the manager found it
+        return out
+
+    patches = [(manager, "_create_batch_processor", create_checked), (manager, "stop", stop_and_release)]
     switch = getattr(manager, "switch_to_cb_friendly_attn", None)
     if switch is not None and "auto_switch_to_flash" in inspect.signature(switch).parameters:
         # (5.17 - 5.19 have no such flag: there the OSCAR attention name replaces whatever the switch chose)
@@ -151,18 +166,45 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
     return patches
 
 
+class _LiveStores:
+    """The stores an OSCAR block has built and that are still alive (weak references, in build order): what
+    ``with oscar_serving() as stores`` yields."""
+
+    def __init__(self):
+        self._refs: list[weakref.ref] = []
+
+    def append(self, store: OscarPagedStore) -> None:
+        self._refs = [r for r in self._refs if r() is not None] + [weakref.ref(store)]
+
+    def _live(self) -> list[OscarPagedStore]:
+        return [s for s in (r() for r in self._refs) if s is not None]
+
+    def __iter__(self):
+        return iter(self._live())
+
+    def __len__(self) -> int:
+        return len(self._live())
+
+    def __getitem__(self, i):
+        return self._live()[i]
+
+
 @contextlib.contextmanager
 def oscar_continuous_batching(make_store, model=None):
     """Inside the block, every continuous-batching manager (``generate_batch``, ``init_continuous_batching``, a
-    server's) builds OSCAR's paged cache, with the store ``make_store(config, device, dtype)`` returns, and routes the
-    attention of ``model`` (or, without one, of the config the cache receives) through OSCAR; the managers keep that
-    attention (no switch to flash attention) and refuse, loudly, a batch processor whose cache is not OSCAR's.
-    Restored on exit."""
+    server's) of ``model`` (without one: every manager) builds OSCAR's paged cache, with the store
+    ``make_store(config, device, dtype)`` returns, and routes the attention of ``model`` (or, without one, of the config
+    the cache receives) through OSCAR; the managers keep that attention (no switch to flash attention) and refuse,
+    loudly, a batch processor whose cache is not OSCAR's. A manager that stops gives its store's memory back and its
+    model's attention name (``OscarPagedStore.release_memory``); the block holds its stores weakly (yields them as a
+    live view), so a dropped manager's store is freed. Restored on exit."""
     original = continuous_api.PagedAttentionCache
     if getattr(original, "__name__", "") != "PagedAttentionCache" or original is OscarPagedCache:
         raise RuntimeError("continuous_api.PagedAttentionCache is already replaced (nested paged_oscar?)")
     signature = inspect.signature(original.__init__)
-    saved, stores = [], []
+    # the stores built in the block, weakly: a store lives as long as its manager's cache (or the caller) holds it
+    saved, stores = [], _LiveStores()
+    built = threading.local()  # .pages: INT2 pages of the OSCAR cache this thread built last (5.17 - 5.19)
     # a model routed through OSCAR by an OscarCache run (oscar_sdpa) is shown to the manager as its base (sdpa)
     entry = [] if model is None else [(c, c._attn_implementation) for c in _attention_configs(model)
                                       if split_name(c._attn_implementation)[0] == PREFIX]
@@ -185,7 +227,10 @@ def oscar_continuous_batching(make_store, model=None):
         store = make_store(arguments["config"], arguments["device"], dtype)
         cache = OscarPagedCache(*args, store=store, **kwargs)
         stores.append(store)
-        saved.extend(_switch(model if model is not None else arguments["config"]))  # after the manager accepted sdpa
+        built.pages = store.pool.num_pages if cache.oscar_owns_memory else None
+        # after the manager accepted sdpa; undone when the manager stops (the next manager of the model checks it)
+        cache.oscar_switched = _switch(model if model is not None else arguments["config"])
+        saved.extend(cache.oscar_switched)
         return cache
 
     patches = _manager_patches(serves)
@@ -197,9 +242,10 @@ def oscar_continuous_batching(make_store, model=None):
     if not SECTOR_API and update is not None:
         # 5.17 - 5.19 cap max_requests_per_batch at the cache's num_blocks, which OSCAR's cache keeps at 1 (the
         # size of Transformers' unused K/V and of its masks): the cap follows the INT2 pages of the cache just built
+        # (of the cache this thread just built: another thread's plain manager keeps its own num_blocks)
         def update_with_pages(cb_config, num_blocks, *args, **kwargs):
-            pages = stores[-1].pool.num_pages if stores and stores[-1].pool is not None else num_blocks
-            return update(cb_config, max(num_blocks, pages), *args, **kwargs)
+            pages, built.pages = getattr(built, "pages", None), None
+            return update(cb_config, num_blocks if pages is None else max(num_blocks, pages), *args, **kwargs)
 
         continuous_api.update_cb_config_after_cache_creation = update_with_pages
     try:
@@ -216,10 +262,8 @@ def oscar_continuous_batching(make_store, model=None):
         _restore(saved)
         for c, name in entry:
             c._attn_implementation_internal = name
-        for store in stores:
-            store.free_all()
-            if store.pool_in_cache:  # the cache tensor it lived in belongs to the manager that is gone
-                store.pool, store.pool_in_cache = None, False
+        for store in stores:  # the managers of the block are gone: their stores' memory with them
+            store.release_memory()
 
 
 @contextlib.contextmanager

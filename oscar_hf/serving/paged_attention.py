@@ -176,6 +176,18 @@ class RecordedBatch:
         rest = getattr(state, "remaining_prefill_tokens", None)
         self.store.note_prompt(request_id, None if rest is None else len(rest) > 0)
 
+    def attach_scheduler(self, scheduler) -> None:
+        """The manager's scheduler, whose request states say when a prompt is complete (:meth:`_record`) and how long
+        it is (:meth:`_prompt_hold`)."""
+        self.scheduler = scheduler
+
+    def _prompt_hold(self, state, request_len: int) -> int:
+        """Tokens of the store's ``prompt_budget`` that admitting ``request_len`` tokens of ``state`` (a Transformers
+        ``RequestState``) this step needs: its whole prompt (what is left of it after ``position_offset`` tokens) when
+        the scheduler splits it now (``request_len`` short of what is left) and it has no reservation yet, else 0."""
+        rest = len(state.remaining_prefill_tokens)
+        return self.store.prompt_hold(state.request_id, state.position_offset + rest, request_len < rest)
+
     def batch(self) -> list[tuple[str, int, int]]:
         """The requests of the running forward, ``(request_id, past_length, query_length)`` in packing order."""
         if self._pending:  # the first OSCAR layer of a forward: the requests recorded since the previous one

@@ -26,10 +26,12 @@ no BF16 K/V at all. While :class:`OscarPagedCache` is constructed, the ``"full_a
 memory handler is :class:`OscarMemoryHandler` (no
 BF16 read-back or ``[M, N + M]`` mask per cache token), so the flat cache tensor Transformers sizes from
 ``num_blocks`` / ``max_memory_percent`` holds INT2 pages, and the store's page pool is laid out in that tensor. The
-scheduler's admission (``can_store_request_tokens``) then counts OSCAR bytes, and a request also needs a free slot
-of the store's window pool (``max_requests`` full-precision windows, allocated when the store is built, before
-Transformers measures free memory). Models with layers the store leaves to
-Transformers (sliding windows, ``skip_layers``) keep Transformers' BF16 cache and a separately sized pool.
+scheduler's admission (``can_store_request_tokens``) then counts OSCAR bytes, a request also needs a free slot
+of the store's window pool (at most ``max_requests`` full-precision windows, allocated on demand) and a prompt the
+scheduler splits needs its length in the store's ``prompt_budget`` (its chunks are held in full precision until it
+completes); the memory handler reserves both from ``max_memory_percent`` before sizing the pages. Models with layers
+the store leaves to Transformers (sliding windows, ``skip_layers``) keep Transformers' BF16 cache and a separately
+sized pool.
 
 Not followed (refused loudly): prefix sharing (block sharing is turned off), forks (``num_return_sequences > 1``),
 CPU offloading, CUDA graphs / compile. See docs/serving.md.
@@ -37,6 +39,7 @@ CPU offloading, CUDA graphs / compile. See docs/serving.md.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from transformers.generation.continuous_batching import cache as cache_module
@@ -118,8 +121,38 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
 
 class OscarMemoryHandler(PagedAttentionMemoryHandler):
     """Transformers' sizing of the cache when every layer is OSCAR's: a cache token costs its INT2 share of a sector
-    only (no BF16 read-back at the attention peak, no read index), and the sdpa masks are ``[M, M]`` (each request's
-    keys are its new rows for Transformers; the store reads the past)."""
+    only (no BF16 read-back at the attention peak, no read index), the sdpa masks are ``[M, M]`` (each request's
+    keys are its new rows for Transformers; the store reads the past), and what the store takes beside its pages is
+    reserved up front (:meth:`OscarPagedStore.reserved_bytes`: ``max_requests`` window slots, allocated on demand, and
+    the prompt chunks held in full precision, at most ``prompt_budget`` tokens), so that ``max_memory_percent`` bounds
+    them all. Bound to a store by :meth:`bind`."""
+
+    store: OscarPagedStore  # set on the bound subclass
+
+    @classmethod
+    def bind(cls, store: OscarPagedStore) -> type:
+        return type("BoundOscarMemoryHandler", (cls,), {"store": store})
+
+    @property
+    def fixed_overhead_bytes(self) -> int:
+        return super().fixed_overhead_bytes + self.store.reserved_bytes(self._max_batch_tokens())
+
+    def _max_batch_tokens(self) -> int:
+        return self.cb_config.max_batch_tokens or self._default_max_batch_tokens
+
+    def infer_max_batch_tokens_and_num_sectors(self) -> tuple[int, int]:
+        if self.cb_config.num_blocks is None:  # sized from memory: say what the memory does not pay for
+            m = self._max_batch_tokens()
+            need = self.fixed_overhead_bytes + m * self.bytes_per_batch_token + self.bytes_per_cache_sector
+            if self.available_memory < need:
+                raise ValueError(
+                    f"the memory for the cache ({self.available_memory} bytes: max_memory_percent of what is free) "
+                    f"does not pay for one sector of pages ({self.bytes_per_cache_sector} bytes) after the "
+                    f"{m}-token batch ({m * self.bytes_per_batch_token} bytes) and the OSCAR store's reservation "
+                    f"({self.store.reserved_bytes(m)} bytes: {self.store.windows.num_slots} window slots, "
+                    f"prompt_budget={self.store.prompt_budget} tokens): lower max_requests or prompt_budget, or raise "
+                    "max_memory_percent")
+        return super().infer_max_batch_tokens_and_num_sectors()
 
     @property
     def bytes_per_cache_token(self) -> int:
@@ -137,22 +170,59 @@ def store_owns_every_layer(store: OscarPagedStore, config) -> bool:
     return list(groups) == [full] and all(store.handles(i) for i in groups[full])
 
 
+_building = threading.local()  # .swaps {Transformers class: OSCAR's} while this thread builds an OSCAR cache
+_installed = {"count": 0, "saved": None}
+_install_lock = threading.Lock()
+
+
+class _PerThread:
+    """Stands in for a class of Transformers' ``continuous_batching.cache`` module while some thread builds an OSCAR
+    cache: in that thread it is OSCAR's class, in every other thread Transformers' own (a plain paged cache built
+    meanwhile in another thread gets Transformers' allocator and sizing). Calls and attribute reads are forwarded."""
+
+    def __init__(self, original: type):
+        self.original = original
+
+    def _target(self) -> type:
+        return getattr(_building, "swaps", {}).get(self.original, self.original)
+
+    def __call__(self, *args, **kwargs):
+        return self._target()(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._target(), name)
+
+
 @contextlib.contextmanager
 def _oscar_allocation(store: OscarPagedStore):
-    """Inside: Transformers' cache construction uses the OSCAR allocator and memory handler (module globals of
-    ``continuous_batching.cache``); restored on exit."""
+    """Inside: Transformers' cache construction *in this thread* uses the OSCAR allocator and memory handler (the
+    module globals of ``continuous_batching.cache`` it reads are :class:`_PerThread` stand-ins while any thread builds
+    an OSCAR cache; Transformers' own classes otherwise). Restored on exit of the last builder."""
     full = FullAttentionCacheAllocator.layer_type
+    with _install_lock:
+        if _installed["count"] == 0:
+            saved = (ATTN_TYPE_TO_ALLOCATOR[full], cache_module.FullAttentionCacheAllocator,
+                     cache_module.PagedAttentionMemoryHandler)
+            _installed["saved"] = saved
+            ATTN_TYPE_TO_ALLOCATOR[full] = _PerThread(saved[0])
+            cache_module.FullAttentionCacheAllocator = _PerThread(saved[1])  # the handler's bytes per block
+            cache_module.PagedAttentionMemoryHandler = _PerThread(saved[2])
+        _installed["count"] += 1
+        allocator_cls, handler_cls = _installed["saved"][0], _installed["saved"][2]
     allocator = OscarCacheAllocator.bind(store)
-    saved = (ATTN_TYPE_TO_ALLOCATOR[full], cache_module.FullAttentionCacheAllocator,
-             cache_module.PagedAttentionMemoryHandler)
-    ATTN_TYPE_TO_ALLOCATOR[full] = allocator
-    cache_module.FullAttentionCacheAllocator = allocator  # the handler's bytes per block (num_blocks <-> bytes)
-    cache_module.PagedAttentionMemoryHandler = OscarMemoryHandler
+    _building.swaps = {allocator_cls: allocator, FullAttentionCacheAllocator: allocator,
+                       handler_cls: OscarMemoryHandler.bind(store)}
     try:
         yield
     finally:
-        ATTN_TYPE_TO_ALLOCATOR[full], cache_module.FullAttentionCacheAllocator = saved[:2]
-        cache_module.PagedAttentionMemoryHandler = saved[2]
+        _building.swaps = {}
+        with _install_lock:
+            _installed["count"] -= 1
+            if _installed["count"] == 0:
+                saved = _installed["saved"]
+                ATTN_TYPE_TO_ALLOCATOR[full], cache_module.FullAttentionCacheAllocator = saved[:2]
+                cache_module.PagedAttentionMemoryHandler = saved[2]
+                _installed["saved"] = None
 
 
 class OscarPagedCache(RecordedBatch, PagedAttentionCache):
@@ -202,13 +272,19 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
 
     # ------------------------------------------------------------------ admission, requests leaving
     def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
-        """Transformers' admission, and a window slot of the store for a request that has none yet."""
+        """Transformers' admission, a window slot of the store for a request that has none yet, and, for a prompt this
+        step splits, its share of the store's ``prompt_budget`` (:meth:`OscarPagedStore.admit_prompt`)."""
         new = state.request_id not in self.store.requests
         if new and not self.store.can_reserve():
             return False
+        hold = self._prompt_hold(state, request_len)
+        if hold and not self.store.can_hold(hold):
+            return False
         ok = super().can_store_request_tokens(state, request_len, dry_run=dry_run)
-        if ok and new and not dry_run:
+        if ok and not dry_run:
             self.store.reserve(state.request_id)
+            if hold:
+                self.store.admit_prompt(state.request_id, hold)
         return ok
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:

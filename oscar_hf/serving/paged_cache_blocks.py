@@ -56,7 +56,8 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
                 if cbc.max_batch_tokens is None:
                     cbc.max_batch_tokens = mbt
                 bf16_bytes = 2 * store.num_layers * store.num_kv_heads * cbc.block_size * store.head_dim * dtype.itemsize
-                pages = bf16_blocks * bf16_bytes // store.page_bytes(cbc.block_size)
+                # less what the store takes beside its pages (window slots, prompt chunks: reserved_bytes)
+                pages = store.pages_in(bf16_blocks * bf16_bytes, cbc.block_size, cbc.max_batch_tokens)
             single = copy.copy(cbc)
             single.num_blocks = 1
             super().__init__(config, single, device, distributed_helper, tp_plan, dtype)
@@ -69,6 +70,24 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
         self._start_recording()
 
     # ------------------------------------------------------------------ admission
+    def attach_scheduler(self, scheduler) -> None:
+        """Also count a prompt the scheduler splits in the store's ``prompt_budget``: here the cache's admission
+        (``allocate_blocks``) is not told the step's tokens, so the scheduler's ``_allocate_blocks_if_needed(state,
+        len_next_tokens)`` is wrapped, on this scheduler instance only."""
+        super().attach_scheduler(scheduler)
+        allocate = scheduler._allocate_blocks_if_needed
+
+        def allocate_with_prompt(state, len_next_tokens: int) -> bool:
+            hold = self._prompt_hold(state, len_next_tokens)
+            if hold and not self.store.can_hold(hold):
+                return False
+            ok = allocate(state, len_next_tokens)
+            if ok and hold:
+                self.store.admit_prompt(state.request_id, hold)
+            return ok
+
+        scheduler._allocate_blocks_if_needed = allocate_with_prompt
+
     def allocate_blocks(self, n_blocks: int, request_id: str, allocated_blocks: int) -> int | None:
         new = request_id not in self.store.requests
         if new and not self.store.can_reserve():

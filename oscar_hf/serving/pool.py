@@ -127,6 +127,19 @@ class PagedInt2Pool:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
         self.peak_used = 0  # most pages held at once since construction
+        self.released = False  # release_storage() gave the tensors back
+
+    def release_storage(self) -> None:
+        """Give the page tensors back (when they are views of a stopped manager's cache tensor, that tensor goes with
+        them); the accounting (``num_used``, ``peak_used``) stays readable, allocating a page raises. Only while no
+        page is held."""
+        if self.num_used:
+            raise RuntimeError(f"{self.num_used} pages are still held")
+        empty = lambda t: t.new_empty((0, *t.shape[1:]))  # noqa: E731
+        self.int2 = QuantizedRows(*(empty(t) for t in self.int2))
+        self.coded = tuple(empty(t) for t in self.coded)
+        self.codes, self.scale, self.zero = (empty(t) for t in (self.codes, self.scale, self.zero))
+        self.released = True
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -159,6 +172,8 @@ class PagedInt2Pool:
     # ------------------------------------------------------------------ allocation
     def allocate(self) -> int:
         """A free page id, now held once."""
+        if self.released:
+            raise RuntimeError("this page pool gave its memory back (its continuous-batching manager stopped)")
         if not self._free:
             raise PoolExhausted(f"OSCAR INT2 page pool exhausted ({self.num_pages} pages of {self.page_size} tokens): "
                                 "size it for the scheduler's capacity (num_pages / memory budget)")

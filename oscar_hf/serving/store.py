@@ -30,11 +30,14 @@ user's attention over the prompt when the request is new, else one SDPA call ove
 (:func:`~oscar_hf.cache.window.commit`: the slots leaving the window demoted in ``prefill_chunk`` pieces).
 
 Requests get their window slot when admitted (:meth:`OscarPagedStore.reserve`, or at their first forward) and give
-slot and pages back with :meth:`OscarPagedStore.free`. Memory is flat: both pools are allocated once.
+slot and pages back with :meth:`OscarPagedStore.free`. Memory is bounded: the page pool is allocated once, the window
+slots grow on demand up to ``max_requests``, and a prompt arriving in chunks holds its chunks in full precision only
+within ``prompt_budget`` (:meth:`OscarPagedStore.reserved_bytes` is what these take at most, beside the pool).
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -45,44 +48,98 @@ from ..cache import resolve_full_precision_heads
 from ..cache.base import check_first_keys, group_queries
 from ..cache.params import LayerParams
 from ..cache.window import PagedHistory, commit, demote_pending, ring_entries, window_mask
-from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, validate_head_dim
+from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, artifact_settings, validate_head_dim
 from ..patching import base_attention_function
 from ..rotations import OscarRotations
 from .paged_attention import paged_chunk_attention
 from .pool import PagedInt2Pool, PoolExhausted, page_bytes
 
 DEFAULT_MAX_REQUESTS = 64  # window slots when the caller gives none: requests live at once
+# chunk length a standalone memory_budget= assumes for the prompt transient (Transformers' default max_batch_tokens;
+# inside continuous batching the ContinuousBatchingConfig's own value is used)
+DEFAULT_CHUNK_TOKENS = 8192
+
+logger = logging.getLogger("oscar_hf")
 
 
 class WindowPool:
-    """Full-precision windows of up to ``num_slots`` live requests, allocated once:
-    ``k, v [num_slots, L, Hk, S0 + R, D]`` (model dtype; ``L`` quantized layers), a free list of slots."""
+    """Full-precision windows of up to ``num_slots`` live requests: ``k, v [capacity, L, Hk, S0 + R, D]`` (model dtype;
+    ``L`` quantized layers) and a free list of slots.
+
+    Allocated on demand, not up front: ``capacity`` starts at 0 and doubles (at most ``num_slots``) when a request is
+    admitted and no allocated slot is free, and goes back to 0 with :meth:`release_memory` when no request is live (a
+    manager stopping). At the Qwen3-8B shape a slot is 47 MB (36 layers x 8 heads x 321 entries x 128 x 2 x 2 bytes),
+    so 64 slots held from the start were 3 GB idle. The most they take, ``reserved_bytes``, is what the store's memory
+    plan reserves for them (:meth:`OscarPagedStore.reserved_bytes`). A growth copies the live slots through host
+    memory, so that the device never holds the old and the new tensors at once (nothing above ``reserved_bytes``); it
+    happens at admission, between forwards, at most log2(num_slots) + 1 times until the next release."""
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, entries: int, head_dim: int,
                  dtype: torch.dtype, device):
-        if num_slots < 1:
-            raise ValueError(f"the window pool needs at least one slot, got max_requests={num_slots}")
-        shape = (num_slots, num_layers, num_kv_heads, entries, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"the window pool needs at least one slot, got max_requests={num_slots!r}")
+        self.slot_shape = (num_layers, num_kv_heads, entries, head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.num_slots = num_slots  # the most live requests (admission's limit)
+        self.k = self.v = torch.empty((0, *self.slot_shape), dtype=dtype, device=self.device)
+        self._free: list[int] = []  # allocated slots nobody holds
+        self._held = 0
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated now (``k.shape[0]``)."""
+        return self.k.shape[0]
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Slots admission can still hand out (allocated or not)."""
+        return self.num_slots - self._held
+
+    @property
+    def slot_bytes(self) -> int:
+        return 2 * torch.Size(self.slot_shape).numel() * self.k.element_size()
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        """Bytes allocated now."""
+        return self.capacity * self.slot_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of ``num_slots`` slots: the most the pool takes."""
+        return self.num_slots * self.slot_bytes
 
     def allocate(self) -> int:
-        if not self._free:
+        if self._held == self.num_slots:
             raise PoolExhausted(f"all {self.num_slots} window slots are taken: raise max_requests")
+        if not self._free:
+            self._grow()
+        self._held += 1
         return self._free.pop()
 
     def release(self, slot: int) -> None:
         self._free.append(slot)
+        self._held -= 1
+
+    def _grow(self) -> None:
+        old = self.capacity
+        new = min(self.num_slots, max(1, 2 * old))
+        free = set(self._free)
+        live = [s for s in range(old) if s not in free]
+        idx = torch.tensor(live, dtype=torch.long, device=self.device)
+        kept = [x.index_select(0, idx).cpu() for x in (self.k, self.v)]  # [live, L, Hk, S0 + R, D] on the host
+        self.k = self.v = None  # the old tensors go before the new ones come
+        self.k, self.v = (torch.zeros((new, *self.slot_shape), dtype=self.dtype, device=self.device) for _ in "kv")
+        for dst, src in zip((self.k, self.v), kept):
+            dst[idx] = src.to(self.device)
+        self._free = list(range(new - 1, old - 1, -1)) + self._free
+
+    def release_memory(self) -> None:
+        """Give the slots' memory back (only while none is held)."""
+        if self._held:
+            raise RuntimeError(f"{self._held} window slots are still held")
+        self.k = self.v = torch.empty((0, *self.slot_shape), dtype=self.dtype, device=self.device)
+        self._free = []
 
 
 @dataclasses.dataclass
@@ -91,13 +148,17 @@ class RequestKV:
     quantized layer has stored (the layers of one forward advance one after the other). While its prompt arrives in
     chunks, ``prompt[layer]`` keeps the chunks so far in full precision (``[1, Hk, T, D]`` keys and values), so that a
     later chunk attends to them exactly, as a prompt sent in one piece does; ``prompt_more`` says whether the
-    scheduler has more of the prompt to send after this step (None: not known, kept until the first decode step)."""
+    scheduler has more of the prompt to send after this step (None: not known, kept until the first decode step).
+    ``prompt_reserved`` is the share of the store's ``prompt_budget`` the request was given for that (its prompt's
+    length, reserved when the scheduler first split it: :meth:`OscarPagedStore.admit_prompt`); under a scheduler
+    (``prompt_more`` known) chunks are kept only within it."""
 
     slot: int
     table: list[int]
     lengths: dict[int, int]
     prompt: dict = dataclasses.field(default_factory=dict)
     prompt_more: bool | None = None
+    prompt_reserved: int = 0
 
     def length(self) -> int:
         return max(self.lengths.values(), default=0)
@@ -130,18 +191,25 @@ class OscarPagedStore:
     """The paged OSCAR KV store of a server (see the module docstring).
 
     ``OscarPagedStore(model_or_config, rotations=None, config=None, *, num_pages=None, memory_budget=None,
-    page_size=256, max_requests=64, device="cpu", dtype=torch.float32, **overrides)``: ``rotations`` an
-    :class:`OscarRotations` or None for the artifact-free ``method``; ``overrides`` are :class:`OscarConfig` fields.
-    ``max_requests`` window slots are allocated at once; the page pool holds ``num_pages`` pages, or as many as
-    ``memory_budget`` bytes pay for after the windows; with ``defer_pool=True`` it has no page pool until
+    page_size=256, max_requests=64, prompt_budget=None, device="cpu", dtype=torch.float32, **overrides)``:
+    ``rotations`` an :class:`OscarRotations` or None for the artifact-free ``method``; ``overrides`` are
+    :class:`OscarConfig` fields. At most ``max_requests`` requests are live (a window slot each, allocated on demand:
+    :class:`WindowPool`); at most ``prompt_budget`` prompt tokens (default: the model's ``max_position_embeddings``)
+    are held in full precision while their prompts arrive in chunks (:meth:`admit_prompt`). The page pool holds
+    ``num_pages`` pages, or as many as ``memory_budget`` bytes pay for after :meth:`reserved_bytes` (the windows at
+    ``max_requests`` and the prompt budget); with ``defer_pool=True`` it has no page pool until
     :meth:`attach_pool` (what :func:`~oscar_hf.serving.paged_oscar` does: the pages then live in Transformers' paged
     cache tensor, sized by its scheduler). Layers the store does not quantize (``skip_layers``, sliding-window
     layers) are left to Transformers' own paged cache (:meth:`handles`)."""
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
                  num_pages: int | None = None, memory_budget: int | None = None, page_size: int = 256,
-                 max_requests: int = DEFAULT_MAX_REQUESTS, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, defer_pool: bool = False, **overrides):
+                 max_requests: int = DEFAULT_MAX_REQUESTS, prompt_budget: int | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, defer_pool: bool = False,
+                 **overrides):
+        if config is None and rotations is not None:  # the settings calibration chose, under the overrides
+            chosen = artifact_settings(rotations.metadata)
+            config = OscarConfig(**chosen) if chosen else None
         config = OscarConfig.build(config, None, **overrides)
         model_config = getattr(model_or_config, "config", model_or_config)
         if rotations is None:
@@ -181,9 +249,20 @@ class OscarPagedStore:
         self.requests: dict[str, RequestKV] = {}
         self.windows = WindowPool(max_requests, len(layers), self.num_kv_heads, config.sink + self.ring, fp.head_dim,
                                   dtype, self.device)
+        self.num_query_heads = fp.num_attention_heads
+        if prompt_budget is None:
+            prompt_budget = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
+            if prompt_budget is None:
+                raise ValueError("the model config has no max_position_embeddings: give prompt_budget= (tokens of "
+                                 "prompts held in full precision at once while they arrive in chunks)")
+        if not isinstance(prompt_budget, int) or isinstance(prompt_budget, bool) or prompt_budget < 1:
+            raise ValueError(f"prompt_budget must be a positive number of tokens, got {prompt_budget!r}")
+        self.prompt_budget = prompt_budget
+        self._warned_prompt = False
         self._plan: DecodePlan | None = None
         self.pool: PagedInt2Pool | None = None
         self.pool_in_cache = False  # set by OscarPagedCache when the pool is laid out in Transformers' cache tensor
+        self._deferred = defer_pool
         if defer_pool:
             if num_pages is not None or memory_budget is not None:
                 raise ValueError("defer_pool=True: the pool is sized when attached; drop num_pages / memory_budget")
@@ -191,10 +270,7 @@ class OscarPagedStore:
         if num_pages is None:
             if memory_budget is None:
                 raise ValueError("give the pool's size: num_pages= or memory_budget= (bytes), or defer_pool=True")
-            num_pages = (int(memory_budget) - self.windows.nbytes) // self.page_bytes(page_size)
-            if num_pages < 1:
-                raise ValueError(f"memory_budget={memory_budget} bytes does not pay for the {max_requests} windows "
-                                 f"({self.windows.nbytes} bytes) and one page: lower max_requests or raise the budget")
+            num_pages = self.pages_in(int(memory_budget), page_size, min(DEFAULT_CHUNK_TOKENS, prompt_budget))
         elif memory_budget is not None:
             raise ValueError("pass num_pages= or memory_budget=, not both")
         self.attach_pool(num_pages, page_size)
@@ -221,6 +297,40 @@ class OscarPagedStore:
         """Full-precision entries a request holds per layer: sink + ring."""
         return self.config.sink + self.ring
 
+    def prompt_token_bytes(self) -> int:
+        """Bytes a prompt token costs while its prompt arrives in chunks: its keys and values in every quantized layer,
+        held in full precision until the prompt is complete (``RequestKV.prompt``, ``[1, Hk, T, D]`` per layer)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.windows.k.element_size()
+
+    def prompt_transient_bytes(self, max_batch_tokens: int) -> int:
+        """The most memory prompts arriving in chunks take beside the pages and windows: ``prompt_budget`` tokens held
+        (:meth:`prompt_token_bytes`), plus one chunk call over the longest of them (one layer, ``T <= prompt_budget``
+        keys; chunk of ``L <= max_batch_tokens`` rows): its keys and values repeated to the ``Hq`` query heads
+        (``[1, Hq, T, D]`` each, what Transformers' sdpa hands SDPA) and its causal mask ``[L, T]`` in the model
+        dtype. The concatenation that extends a layer's held chunks holds the old and the new ones of that layer for a
+        moment, before the call: within the call's term (``Hq >= Hk``)."""
+        t, a = self.prompt_budget, self.windows.k.element_size()
+        call = t * (2 * self.num_query_heads * self.head_dim + min(max_batch_tokens, t)) * a
+        return t * self.prompt_token_bytes() + call
+
+    def reserved_bytes(self, max_batch_tokens: int) -> int:
+        """What the store takes beside its page pool, at most: the windows of ``max_requests`` live requests and the
+        prompt transient (:meth:`prompt_transient_bytes`). Sizing the pool from a memory budget reserves it."""
+        return self.windows.reserved_bytes + self.prompt_transient_bytes(max_batch_tokens)
+
+    def pages_in(self, budget: int, page_size: int, max_batch_tokens: int) -> int:
+        """Pages of ``page_size`` entries that ``budget`` bytes pay for after :meth:`reserved_bytes`; at least one."""
+        reserved = self.reserved_bytes(max_batch_tokens)
+        pages = (budget - reserved) // self.page_bytes(page_size)
+        if pages < 1:
+            raise ValueError(
+                f"a memory budget of {budget} bytes does not pay for one page ({self.page_bytes(page_size)} bytes) "
+                f"after the {self.windows.num_slots} windows ({self.windows.reserved_bytes} bytes) and the prompt "
+                f"budget ({self.prompt_budget} tokens in full precision: "
+                f"{self.prompt_transient_bytes(max_batch_tokens)} bytes): lower max_requests or prompt_budget, or "
+                "raise the budget")
+        return pages
+
     def history_pages(self, length: int, page_size: int) -> int:
         """INT2 pages a request of ``length`` tokens holds: its history entries ``[S0, length - W)``."""
         n = length - self.config.sink - self.config.recent
@@ -239,10 +349,10 @@ class OscarPagedStore:
     def check_pool_sizing(self, follows_blocks: bool) -> None:
         """Who sizes the page pool: Transformers' blocks when the store quantizes every layer (``follows_blocks``),
         else the user (Transformers keeps its BF16 cache for the other layers)."""
-        if not follows_blocks and self.pool is None:
+        if not follows_blocks and not self.has_pool:
             raise ValueError("this model has layers OSCAR does not quantize (sliding windows / skip_layers): its BF16 "
                              "paged cache stays and the INT2 pool is sized apart: give num_pages= or memory_budget=")
-        if follows_blocks and self.pool is not None and not self.pool_in_cache:
+        if follows_blocks and not self._deferred:
             raise ValueError("the INT2 pool follows Transformers' blocks for this model: size it with "
                              "ContinuousBatchingConfig(num_blocks= / max_memory_percent=), not num_pages= / "
                              "memory_budget=")
@@ -257,6 +367,42 @@ class OscarPagedStore:
 
     def can_reserve(self) -> bool:
         return self.windows.num_free > 0
+
+    @property
+    def prompt_reserved(self) -> int:
+        """Prompt tokens reserved now (:meth:`admit_prompt`), at most ``prompt_budget``."""
+        return sum(r.prompt_reserved for r in self.requests.values())
+
+    def prompt_hold(self, request_id: str, prompt_len: int, split: bool) -> int:
+        """Tokens of ``prompt_budget`` that admitting this step's chunk of ``request_id`` needs: its whole prompt
+        (``prompt_len`` tokens) when the scheduler splits it and it has no reservation yet, else 0."""
+        r = self.requests.get(request_id)
+        if not split or (r is not None and r.prompt_reserved):
+            return 0
+        return prompt_len
+
+    def can_hold(self, tokens: int) -> bool:
+        """Whether ``tokens`` more prompt tokens fit the budget now. A prompt longer than the whole budget never
+        will: it is admitted without a reservation (its chunks are not kept, see :meth:`admit_prompt`)."""
+        return tokens > self.prompt_budget or self.prompt_reserved + tokens <= self.prompt_budget
+
+    def admit_prompt(self, request_id: str, tokens: int) -> None:
+        """Reserve ``tokens`` of ``prompt_budget`` for ``request_id``'s chunks (the scheduler's admission, after
+        :meth:`can_hold`), given back when it decodes or leaves. A prompt longer than the whole budget gets none: its
+        later chunks attend to its INT2 history, as a long prompt through ``generate(prefill_chunk_size=...)`` does,
+        so its tokens depend on how the scheduler split it (logged once)."""
+        r = self.reserve(request_id)
+        if tokens > self.prompt_budget:
+            if not self._warned_prompt:
+                self._warned_prompt = True
+                logger.warning("a prompt of %d tokens arrives in chunks but prompt_budget is %d tokens: its later "
+                               "chunks attend to the INT2 history of the earlier ones (raise prompt_budget to keep "
+                               "them exact)", tokens, self.prompt_budget)
+            return
+        if self.prompt_reserved + tokens > self.prompt_budget:
+            raise RuntimeError(f"prompt budget exceeded: {self.prompt_reserved} + {tokens} > {self.prompt_budget} "
+                               "tokens (admit only after can_hold)")
+        r.prompt_reserved = tokens
 
     def reserve(self, request_id: str) -> RequestKV:
         """The request's entry (a window slot taken now if it has none: admission)."""
@@ -284,9 +430,26 @@ class OscarPagedStore:
         for rid in list(self.requests):
             self.free(rid)
 
+    def release_memory(self) -> None:
+        """Every request leaves and the memory goes back: the window slots, and a page pool that lives in a
+        continuous-batching manager's cache tensor or was sized by it (``defer_pool``); a pool the caller sized
+        (``num_pages`` / ``memory_budget``) stays. What a stopping manager calls (:mod:`~oscar_hf.serving.batching`);
+        the next manager attaches a new pool."""
+        self.free_all()
+        self.windows.release_memory()
+        if self._deferred and self.has_pool:
+            self.pool.release_storage()
+            self.pool_in_cache = False
+
+    @property
+    def has_pool(self) -> bool:
+        """Whether the store has a page pool to serve from (attached, and its memory not given back)."""
+        return self.pool is not None and not self.pool.released
+
     def _request(self, request_id: str, layer_idx: int, past_length: int, new_k: torch.Tensor) -> RequestKV:
-        if self.pool is None:
-            raise RuntimeError("the OSCAR store has no page pool yet (defer_pool=True and no attach_pool)")
+        if not self.has_pool:
+            raise RuntimeError("the OSCAR store has no page pool (defer_pool=True and no attach_pool, or its manager "
+                               "stopped and gave the pool's memory back)")
         r = self.requests.get(request_id)
         if (r is None or layer_idx not in r.lengths) and past_length != 0:
             raise NotImplementedError(
@@ -340,6 +503,7 @@ class OscarPagedStore:
                 r = self.requests[rid]
                 r.lengths[layer_idx] = t + 1
                 r.prompt.clear()  # decoding: the prompt is complete, its full-precision chunks go
+                r.prompt_reserved = 0
         return out
 
     # ------------------------------------------------------------------ decode rows, batched
@@ -460,7 +624,10 @@ class OscarPagedStore:
             out, _ = base_attention_function(module, base)(module, query, new_k, new_v, None, scaling=scaling,
                                                            dropout=0.0)
         elif exact:  # a later chunk of a prompt: exactly, over every earlier chunk
-            k_all, v_all = torch.cat([earlier[0], new_k], 2), torch.cat([earlier[1], new_v], 2)
+            k_all, v_all = torch.cat([earlier[0], new_k], 2), torch.cat([earlier[1], new_v], 2)  # [1, Hk, T + L, D]
+            # the layer's held chunks are k_all from here: the earlier ones go before the attention call repeats K/V to
+            # the query heads (both held only during the cat, within prompt_transient_bytes' call term)
+            earlier = None
             row = t_old + torch.arange(l, device=query.device)[:, None]  # [L, 1] each new row's slot
             causal = torch.arange(t_old + l, device=query.device)[None, :] <= row  # [L, T + L]
             mask = torch.zeros(causal.shape, dtype=query.dtype, device=query.device).masked_fill(~causal, float("-inf"))
@@ -478,7 +645,10 @@ class OscarPagedStore:
         # no padding: the request's sink is its slots [0, S0)
         commit(win_k, win_v, 0, self._history(r, li, t_old + l - w), p, self.config, t_old, new_k, new_v)
         r.lengths[layer_idx] = t_old + l
-        if r.prompt_more is not False and (t_old == 0 or exact):  # more of the prompt may come: it stays exact
+        # more of the prompt may come: it stays exact, within the request's reservation when a scheduler drives the
+        # store (prompt_more known); without one (None) until the first decode step
+        keep = r.prompt_more is None or (r.prompt_more and t_old + l <= r.prompt_reserved)
+        if keep and (t_old == 0 or exact):
             r.prompt[li] = (k_all, v_all) if exact else (new_k.contiguous(), new_v.contiguous())
         return out
 
@@ -491,8 +661,9 @@ class OscarPagedStore:
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, int]:
         """Live requests, pages held and free, the bytes of the pages held (``history_bytes``: INT2 and coded rows;
-        ``full_precision_heads_bytes``: the retrieval heads' share of them), of the window pool, and of the prompts
-        arriving in chunks (``prompt_bytes``: their chunks so far, in full precision until the prompt is complete)."""
+        ``full_precision_heads_bytes``: the retrieval heads' share of them), of the window slots allocated now, and of
+        the prompts arriving in chunks (``prompt_bytes``: their chunks so far, in full precision until the prompt is
+        complete; ``prompt_tokens_reserved``: their share of ``prompt_budget``)."""
         pool = self.pool
         prompt = sum(x.numel() * x.element_size() for r in self.requests.values() for kv in r.prompt.values()
                      for x in kv)
@@ -501,4 +672,4 @@ class OscarPagedStore:
                     history_bytes=pages * pool.bytes_per_page if pool is not None else 0,
                     full_precision_heads_bytes=pages * pool.coded_bytes_per_page if pool is not None else 0,
                     window_slots_used=self.windows.num_slots - self.windows.num_free,
-                    window_bytes=self.windows.nbytes, prompt_bytes=prompt)
+                    window_bytes=self.windows.nbytes, prompt_bytes=prompt, prompt_tokens_reserved=self.prompt_reserved)

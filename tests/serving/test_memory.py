@@ -16,7 +16,7 @@ from transformers.generation.continuous_batching.requests import RequestState
 from oscar_hf.models import tiny_config
 from oscar_hf.serving import OscarPagedCache, OscarPagedStore
 
-OSCAR = dict(method="hadamard", sink=4, recent=8, group_size=32)
+OSCAR = dict(method="hadamard", sink=4, recent=8, group_size=32, prompt_budget=512)
 DTYPE = torch.bfloat16
 PAGE = 16
 
@@ -93,11 +93,11 @@ def test_same_budget_admits_more_requests(config, memory_budget, prompt_len, max
     memory_budget["bytes"] = budget
     bf16 = build("bf16", cb_cfg, config)
     store = OscarPagedStore(config, dtype=DTYPE, defer_pool=True, max_requests=max_requests, **OSCAR)
-    # on a device Transformers measures the free memory after the store allocated its window slots
-    memory_budget["bytes"] = budget - store.windows.nbytes
+    # the handler reserves the store's window slots (allocated as requests come) and prompt budget in the budget
     oscar = OscarPagedCache(config, cb_cfg, "cpu", DistributedHelper(None, None), dtype=DTYPE, store=store)
     n_bf16, n_oscar = admitted(bf16, prompt_len), admitted(oscar, prompt_len)
-    total_oscar = tensor_bytes(oscar) + store.windows.nbytes
+    assert 0 < store.windows.nbytes <= store.windows.reserved_bytes
+    total_oscar = tensor_bytes(oscar) + store.reserved_bytes(64)
     print(f"\n{budget >> 20} MiB, {prompt_len}-token requests: BF16 {bf16.num_blocks} blocks, {n_bf16} requests; "
           f"OSCAR {oscar.num_blocks} pages + {max_requests} windows, {n_oscar} requests ({n_oscar / n_bf16:.2f}x); "
           f"bytes {tensor_bytes(bf16)} / {total_oscar}")
@@ -144,9 +144,9 @@ def test_retrieval_heads_are_counted_in_blocks(config, memory_budget):
     for t in (*store.pool.int2, *store.pool.coded):  # views of Transformers' cache tensor
         assert t.untyped_storage().data_ptr() == oscar.cache_tensor.untyped_storage().data_ptr()
     # the same budget pays for fewer blocks, each request holding as many
-    memory_budget["bytes"] = 1 << 20
+    memory_budget["bytes"] = 3 << 20
     budget_cfg = ContinuousBatchingConfig(max_batch_tokens=64, page_size=PAGE)
-    slots = dict(max_requests=1024)  # pages, not window slots, limit admission
+    slots = dict(max_requests=256)  # pages, not window slots, limit admission (1.7 MB of the budget reserved)
     with_heads, plain = cache(budget_cfg, **heads, **slots), cache(budget_cfg, full_precision_heads=0, **slots)
     pages = with_heads.store.history_pages(64, PAGE)
     assert pages == plain.store.history_pages(64, PAGE) == 4

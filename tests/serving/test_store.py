@@ -7,6 +7,7 @@ import torch
 
 from oscar_hf.models import tiny_config
 from oscar_hf.serving import OscarPagedStore, PoolExhausted
+from oscar_hf.serving.store import DEFAULT_CHUNK_TOKENS
 
 
 class FakeAttention(torch.nn.Module):
@@ -157,7 +158,7 @@ def test_retrieval_heads_of_an_artifact_are_kept_and_paid_for():
     assert store.pool.nbytes == 8 * store.pool.bytes_per_page  # nothing allocated for INT2 rows nobody reads
     plain = OscarPagedStore(cfg, rot, **{**kw, "full_precision_heads": 0})
     assert all(not p.coded_heads for p in plain.params.values()) and list(plain.params) == [0, 1] and plain.page_bytes(4) == 2 * 2 * 4 * 2 * int2_row
-    budget = store.windows.nbytes + 10 * store.page_bytes(4)  # the budget pays for the heads' bytes
+    budget = reserved(store) + 10 * store.page_bytes(4)  # the budget pays for the heads' bytes
     assert OscarPagedStore(cfg, rot, **{**kw, "num_pages": None, "memory_budget": budget}).pool.num_pages == 10
     # explicit heads; a layer whose every head is a 16-bit head is exact: Transformers' paged cache keeps it
     exact = OscarPagedStore(cfg, rot, **{**kw, "full_precision_heads": ((0, 0), (0, 1), (1, 1)),
@@ -170,14 +171,21 @@ def test_retrieval_heads_of_an_artifact_are_kept_and_paid_for():
                                      "full_precision_bits": 16})
 
 
+def reserved(store) -> int:
+    """What a standalone store's memory_budget pays before pages: the windows of max_requests requests and the prompt
+    transient for chunks of at most DEFAULT_CHUNK_TOKENS rows."""
+    return store.reserved_bytes(min(DEFAULT_CHUNK_TOKENS, store.prompt_budget))
+
+
 def test_memory_budget_sizes_the_pool():
     cfg, store = make_store(num_pages=1)
     per_page = store.pool.bytes_per_page
-    windows = store.windows.nbytes  # the window slots are paid first
-    _, sized = make_store(num_pages=None, memory_budget=windows + 10 * per_page + per_page // 2)
+    first = reserved(store)  # the window slots (at max_requests) and the prompt budget are paid first
+    assert first == store.windows.reserved_bytes + store.prompt_transient_bytes(DEFAULT_CHUNK_TOKENS)
+    _, sized = make_store(num_pages=None, memory_budget=first + 10 * per_page + per_page // 2)
     assert sized.pool.num_pages == 10
-    with pytest.raises(ValueError, match="windows"):
-        make_store(num_pages=None, memory_budget=windows)
+    with pytest.raises(ValueError, match="windows .* prompt budget"):
+        make_store(num_pages=None, memory_budget=first)
 
 
 @pytest.mark.parametrize("kw", [{}, *HEADS])
@@ -213,3 +221,19 @@ def test_prompt_in_chunks_stores_what_one_piece_stores(kw):
     for st in (whole, chunked):
         st.attend(0, q[:, :, :1], k[:, :, :1], v[:, :, :1], step, d**-0.5, module, "sdpa")
         assert st.stats()["prompt_bytes"] == 0
+
+
+def test_store_starts_from_the_settings_the_artifact_chose():
+    """A calibrated artifact's chosen settings (metadata["settings"]["chosen"]) configure the serving store as they do
+    OscarCache; keywords given win field by field; an artifact without them gets OscarConfig's defaults."""
+    from oscar_hf import OscarConfig, OscarRotations
+
+    cfg = tiny_config("llama", num_hidden_layers=2)
+    rot = OscarRotations.builtin(cfg, "hadamard")
+    plain = OscarPagedStore(cfg, rot, num_pages=8, page_size=4, group_size=32)
+    assert (plain.config.sink, plain.config.recent, plain.config.quantizer) == (64, 256, OscarConfig().quantizer)
+    rot.metadata["settings"] = {"chosen": dict(sink=8, recent=16, group_size=16, quantizer="std")}
+    store = OscarPagedStore(cfg, rot, num_pages=8, page_size=4)
+    assert (store.config.sink, store.config.recent, store.config.group_size, store.config.quantizer) == (8, 16, 16, "std")
+    mine = OscarPagedStore(cfg, rot, num_pages=8, page_size=4, recent=32)
+    assert (mine.config.sink, mine.config.recent) == (8, 32)

@@ -62,11 +62,32 @@ def test_module_globals_and_methods_the_integration_swaps():
     assert {"config", "continuous_batching_config", "device", "dtype"} <= set(init)
     manager = continuous_api.ContinuousBatchingManager
     assert params(manager._create_batch_processor) == ["self"]
+    # a stopping manager gives its store's memory back: stop(...) clears batch_processor unless kept, is_running()
+    assert params(manager.stop)[:5] == ["self", "block", "timeout", "keep_for_next_session", "hard_stop"]
+    assert params(manager.is_running) == ["self"]
+    assert "self.batch_processor = None" in inspect.getsource(manager.stop)
     if SECTOR_API:
         assert params(manager.switch_to_cb_friendly_attn) == ["self", "model", "auto_switch_to_flash"]
         assert hasattr(transformers.ContinuousBatchingConfig(), "auto_switch_to_flash")
+        # the module globals the cache construction reads, which OSCAR's per-thread stand-ins replace while it builds
+        from transformers.generation.continuous_batching import cache as cache_module
+
+        source = inspect.getsource(cache_module.PagedAttentionCache.__init__)
+        for read in ("ATTN_TYPE_TO_ALLOCATOR[attn_type](", "FullAttentionCacheAllocator.get_bytes_per_page(",
+                     "PagedAttentionMemoryHandler("):
+            assert read in source, read
+        # the sizing OscarMemoryHandler extends: its fixed overhead is reserved before sectors are sized
+        handler = cache_module.PagedAttentionMemoryHandler
+        for name in ("fixed_overhead_bytes", "bytes_per_batch_token", "bytes_per_cache_sector"):
+            assert isinstance(vars(handler)[name], property), name
+        assert "self.fixed_overhead_bytes" in inspect.getsource(handler.infer_max_batch_tokens_and_num_sectors)
+        assert isinstance(handler._default_max_batch_tokens, int)
     else:
         assert params(continuous_api.update_cb_config_after_cache_creation)[:2] == ["cb_config", "num_blocks"]
+        # the admission OSCAR's prompt budget wraps on the scheduler instance (paged_cache_blocks.attach_scheduler)
+        from transformers.generation.continuous_batching.scheduler import Scheduler
+
+        assert params(Scheduler._allocate_blocks_if_needed) == ["self", "state", "len_next_tokens"]
     # what the OSCAR manager reads of the batch processor: its cache (checked) and scheduler (the request states)
     assert {"cache", "scheduler"} <= set(params(continuous_api.ContinuousBatchProcessor.__init__))
     from transformers.generation.continuous_batching.scheduler import Scheduler
@@ -80,6 +101,7 @@ def test_request_state_and_config_fields_read():
     fields = {f.name for f in dataclasses.fields(RequestState)}
     assert "request_id" in fields
     assert "remaining_prefill_tokens" in fields  # whether a prompt's chunks go on (serving/paged_attention.py)
+    assert "position_offset" in fields  # with it, the prompt's length (the prompt budget it reserves)
     config = transformers.LlamaConfig()
     assert hasattr(config, "_attn_implementation_internal")  # set directly by serving/batching.py
 
