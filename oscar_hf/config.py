@@ -489,7 +489,8 @@ def layer_types_of(cfg) -> list[str]:
                  for t, m in zip(types, modes)]
     if getattr(cfg, "kv_lora_rank", None):  # MLA: every attention layer caches the latent
         types = [LATENT_LAYER_TYPE if t in FULL_LAYER_TYPES else t for t in types]
-    elif getattr(cfg, "v_head_dim", None) not in (None, getattr(cfg, "head_dim", None)):
+    elif getattr(cfg, "v_head_dim", None) is not None and cfg.v_head_dim != getattr(cfg, "head_dim", None):
+        # (head_dim read only then: a heterogeneous config such as Gemma 4's raises on the global value)
         types = [UNEQUAL_KV_LAYER_TYPE if t in FULL_LAYER_TYPES else t for t in types]
     return types
 
