@@ -42,15 +42,18 @@ def load_ids(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
 def default_method(rotations, label: str, todays: bool = False, **overrides):
     """The ``OscarCache.from_pretrained`` defaults as an eval row (its config: the settings the calibration chose,
     else the artifact's group size). ``todays``: ignore the chosen settings (the defaults before the search)."""
-    from oscar_hf.config import artifact_settings
+    from oscar_hf import OscarConfig
+    from oscar_hf.config import CHOSEN_FIELDS, artifact_settings
 
     from .methods import OscarFamily, with_label
 
     g = (rotations.metadata.get("calibration") or {}).get("group_size", rotations.metadata.get("group_size"))
     kw = {"group_size": int(g)} if g is not None else {}
-    chosen = None if todays else artifact_settings(rotations.metadata)
-    if chosen:
-        kw = chosen
+    if todays:  # OscarFamily starts from the chosen settings: today's defaults, given explicitly, win over them
+        today = OscarConfig()
+        kw = {f: getattr(today, f) for f in CHOSEN_FIELDS} | kw
+    elif artifact_settings(rotations.metadata):  # OscarFamily starts from them, their group size included
+        kw = {}
     return with_label(OscarFamily("oscar", rotations=rotations, **{**kw, **overrides}), label)
 
 

@@ -370,6 +370,13 @@ def artifact_settings(metadata: dict) -> dict[str, Any] | None:
     return out
 
 
+def artifact_config(rotations) -> "OscarConfig | None":
+    """The :class:`OscarConfig` a cache from ``rotations`` starts from: the settings its calibration chose
+    (:func:`artifact_settings`), or None (no artifact, or none chosen: :class:`OscarConfig`'s defaults)."""
+    chosen = artifact_settings(rotations.metadata) if rotations is not None else None
+    return OscarConfig(**chosen) if chosen else None
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelFingerprint:
     """The shape facts an artifact depends on, read from a model's text config."""

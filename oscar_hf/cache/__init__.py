@@ -53,6 +53,7 @@ from ..config import (
     STATE_LAYER_TYPES,
     ModelFingerprint,
     OscarConfig,
+    artifact_config,
     artifact_settings,
     hybrid_state_layers,
     validate_head_dim,
@@ -350,11 +351,10 @@ class OscarCache(Cache):
                  preset: str | None = None, compile: bool | str = "auto", **overrides):
         if compile not in (True, False, "auto"):
             raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
-        if config is None and preset is None and rotations is not None:
+        if config is None and preset is None:
             # the settings calibration chose for this model (calibrate(choose_settings=True)), under the user's
             # keywords; an artifact without them starts from OscarConfig's defaults, as before
-            chosen = artifact_settings(rotations.metadata)
-            config = OscarConfig(**chosen) if chosen else None
+            config = artifact_config(rotations)
         config = OscarConfig.build(config, preset, **overrides)
         is_model = isinstance(model_or_config, torch.nn.Module)
         model_config = model_or_config.config if is_model else model_or_config

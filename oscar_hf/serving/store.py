@@ -48,7 +48,7 @@ from ..cache import resolve_full_precision_heads
 from ..cache.base import check_first_keys, group_queries
 from ..cache.params import LayerParams
 from ..cache.window import PagedHistory, commit, demote_pending, ring_entries, window_mask
-from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, artifact_settings, validate_head_dim
+from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, artifact_config, validate_head_dim
 from ..patching import base_attention_function
 from ..rotations import OscarRotations
 from .paged_attention import paged_chunk_attention
@@ -207,9 +207,8 @@ class OscarPagedStore:
                  max_requests: int = DEFAULT_MAX_REQUESTS, prompt_budget: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, defer_pool: bool = False,
                  **overrides):
-        if config is None and rotations is not None:  # the settings calibration chose, under the overrides
-            chosen = artifact_settings(rotations.metadata)
-            config = OscarConfig(**chosen) if chosen else None
+        if config is None:  # the settings calibration chose, under the overrides (as OscarCache)
+            config = artifact_config(rotations)
         config = OscarConfig.build(config, None, **overrides)
         model_config = getattr(model_or_config, "config", model_or_config)
         if rotations is None:
