@@ -59,8 +59,11 @@ class TritonJitTimer:
                 self.count[name] += 1
 
         tc.compile = timed
-        if getattr(triton, "compile", None) is self._orig:  # the name runtime/jit.py resolves may be either
-            triton.compile = timed
+        import triton.compiler as tcp
+
+        for mod in (triton, tcp):  # runtime/jit.py binds `from ..compiler import compile` when a kernel is first bound
+            if getattr(mod, "compile", None) is self._orig:
+                mod.compile = timed
 
     def take(self) -> dict:
         """The kernels compiled since the last ``take``: ``{name: [count, seconds]}``, slowest first."""

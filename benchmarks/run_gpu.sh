@@ -167,7 +167,13 @@ for what in "$@"; do
     arch qwen3.5-9b 8 "bf16 bf16-static oscar-compiled" --synthetic-fill ;;
   first-call)
     # a user's first generate calls (Qwen3-8B shape, B=1, 32K prompt, 128 new tokens), per method: a cold process (fresh
-    # Inductor / Triton on-disk caches) making two calls, then a warm process (the same caches) making one
+    # Inductor / Triton on-disk caches) making two calls, then a warm process (the same caches) making one. A tiny
+    # model's compile runs first, into caches of its own: a fresh machine's first torch.compile process also pays
+    # one-time costs (bytecode of the compiler's own modules, CUDA's caches; ~20 s on the H200), which would otherwise
+    # fall on whichever method came first
+    c=/tmp/compile_caches_warmup; rm -rf "$c"
+    run first_call_warmup env TORCHINDUCTOR_CACHE_DIR="$c/inductor" TRITON_CACHE_DIR="$c/triton" \
+        $PY "$B/bench_first_call.py" --shape tiny --context 256 --new-tokens 8 --method oscar --calls 1
     for m in ${METHODS:-bf16 bf16-static oscar oscar-fp25}; do
       c=/tmp/compile_caches_$m; rm -rf "$c"
       for phase in cold warm; do

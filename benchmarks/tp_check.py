@@ -49,6 +49,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsP
 
 from oscar_hf import OscarCache, OscarRotations, disable_oscar  # noqa: E402
 from oscar_hf.compat import cache_kwargs  # noqa: E402
+from oscar_hf.cache.io import layer_state  # noqa: E402
 from oscar_hf.config import ModelFingerprint  # noqa: E402
 from oscar_hf.rotations import LayerRotation  # noqa: E402
 from oscar_hf.distributed import even_head_shard, slice_layer_rotation  # noqa: E402
@@ -106,16 +107,15 @@ def inputs(config, batch: int, context: int, pad: int, seed: int, device):
 
 
 def oscar_state(cache) -> dict[int, dict]:
-    """Per quantized layer: history codes (k, v) on CPU, pad, sink and tail (full precision)."""
+    """Per quantized layer (either storage, through the saved form of ``OscarCache.save``): history codes (k, v) on
+    CPU, pad, sink and tail (full precision)."""
     out = {}
     for i, layer in enumerate(cache.layers):
         if getattr(layer, "hist_k", None) is None or not layer.is_initialized:
             continue
-        n = layer.n_hist
-        tk, tv = layer.tail_view()
-        out[i] = dict(codes_k=layer.hist_k.codes[:, :, :n].cpu(), codes_v=layer.hist_v.codes[:, :, :n].cpu(),
-                      pad=layer.pad.cpu(), sink_k=layer.sink_k.float().cpu(), tail_k=tk.float().cpu(),
-                      heads=layer.num_kv_heads)
+        st = layer_state(layer)
+        out[i] = dict(codes_k=st["hist_k"].codes.cpu(), codes_v=st["hist_v"].codes.cpu(), pad=st["pad"].cpu(),
+                      sink_k=st["sink_k"].float().cpu(), tail_k=st["tail_k"].float().cpu(), heads=layer.num_kv_heads)
     return out
 
 
@@ -140,21 +140,35 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item() if a.shape == b.shape else float("nan")
 
 
+def cpu_compile_config():
+    """``generate``'s compile route on the CPU (it compiles on CUDA by itself): dynamo, the eager backend."""
+    from transformers import CompileConfig
+
+    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    cc._compile_all_devices = True
+    return cc
+
+
 def generate(model, ids, am, cache, n, device):
     clock = StepClock()
+    extra = dict(compile_config=cpu_compile_config()) if getattr(cache, "compiled", False) and device.type == "cpu" else {}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
+    from torch._dynamo.utils import counters
+
+    graphs0 = counters["stats"]["unique_graphs"]
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=am, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              **cache_kwargs(model, cache), pad_token_id=0,
-                             logits_processor=LogitsProcessorList([clock]))
+                             logits_processor=LogitsProcessorList([clock]), **extra)
     st = clock.stamps
     steps = sorted(b - a for a, b in zip(st, st[1:]))
     res = dict(tokens=out[:, ids.shape[1]:].cpu(), prefill_s=st[0] - t0,
-               decode_ms_per_token=steps[len(steps) // 2] * 1000 if steps else float("nan"))
+               decode_ms_per_token=steps[len(steps) // 2] * 1000 if steps else float("nan"),
+               compiled_graphs=counters["stats"]["unique_graphs"] - graphs0)  # decode steps compiled by generate
     if device.type == "cuda":
         res["peak_mem_gib_above_weights"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
     return res
@@ -166,7 +180,9 @@ def dynamic_bytes(cache) -> int:
 
 
 def run_both(model, rot_dir, ids, am, a, device, wrong_heads=False, rank=0, world=1, oscar_only=False):
-    cache = OscarCache.from_pretrained(rot_dir, model, sink=a.sink, recent=a.recent)
+    cache = OscarCache.from_pretrained(rot_dir, model, sink=a.sink, recent=a.recent, compile=True if a.compile else "auto")
+    if a.compile and not cache.compiled:
+        raise SystemExit("--compile: the cache did not take the compiled storage")
     layout = cache.tp_layout.to_dict() if cache.tp_layout is not None else None
     if wrong_heads:  # negative control: every rank gets the next rank's heads
         hk = cache.fingerprint.num_key_value_heads
@@ -216,6 +232,9 @@ def main(argv=None):
     p.add_argument("--no-negative-control", action="store_true",
                    help="skip the extra TP run with deliberately wrong head slices (random rotations only)")
     p.add_argument("--no-reference", action="store_true", help="skip the single-process reference (TP run only)")
+    p.add_argument("--compile", action="store_true",
+                   help="OscarCache(compile=True) in both runs: the compiled storage, generate compiling the decode step "
+                        "(on the CPU through dynamo with the eager backend)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.new_tokens >= a.recent:
@@ -298,7 +317,8 @@ def main(argv=None):
                      oscar_prefill_s=osc["prefill_s"], bf16_prefill_s=bf["prefill_s"],
                      oscar_memory_report={k: float(v) for k, v in mem.items()}, bf16_cache_bytes=bf["cache_bytes"],
                      oscar_peak_mem_gib=osc.get("peak_mem_gib_above_weights"), bf16_peak_mem_gib=bf.get("peak_mem_gib_above_weights"),
-                     oscar_tokens=osc["tokens"].tolist(), bf16_tokens=bf["tokens"].tolist())
+                     oscar_tokens=osc["tokens"].tolist(), bf16_tokens=bf["tokens"].tolist(),
+                     oscar_compiled_graphs=osc["compiled_graphs"])
     res["cache_heads_per_layer"] = sorted({s["heads"] for s in state.values()})
 
     # ---- checks on this rank
@@ -349,7 +369,7 @@ def main(argv=None):
     if rank == 0:
         summary = dict(ok=ok, shape=a.shape, layers=cfg.num_hidden_layers, context=a.context, batch=a.batch, pad_step=pad,
                        new_tokens=a.new_tokens, sink=a.sink, recent=a.recent, rotations=a.rotations, dtype=str(dtype),
-                       wrong_heads=a.wrong_heads, world=world, ranks=gathered)
+                       wrong_heads=a.wrong_heads, compiled=a.compile, world=world, ranks=gathered)
         for k in ("oscar_token_agreement", "bf16_token_agreement", "oscar_tp_equals_single", "bf16_tp_equals_single"):
             if k in gathered[0]:
                 summary[k] = gathered[0][k]  # identical on every rank (lm_head output is gathered)

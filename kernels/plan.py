@@ -22,14 +22,21 @@ from typing import NamedTuple
 import torch
 
 
-@functools.lru_cache(maxsize=None)
+_TRITON_IMPORTABLE: bool | None = None  # a plain global, not functools.lru_cache: dynamo traces through that cache
+# wrapper (re-tracing the import at every call site of every layer) but reads a global as a constant
+
+
 def triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401  (importable, not only the package)
-    except Exception:
-        return False
-    return True
+    global _TRITON_IMPORTABLE
+    if _TRITON_IMPORTABLE is None:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401  (importable, not only the package)
+
+            _TRITON_IMPORTABLE = True
+        except Exception:
+            _TRITON_IMPORTABLE = False
+    return _TRITON_IMPORTABLE
 
 
 def triton_enabled(t: torch.Tensor, use_kernels="auto") -> bool:

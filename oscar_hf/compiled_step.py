@@ -6,7 +6,8 @@ allocate, and must not read the cache's length back from the device (a host stal
 compiled callable of a model it serves (installed by :class:`~oscar_hf.OscarCache` on a model whose cache compiles):
 
 * before a one-token step, each OSCAR layer learns on the host that one token arrives (its ``host_len``) and grows
-  its storage to the next capacity bucket if the token would not fit (one CUDA graph per bucket);
+  its storage to the next capacity bucket if the token would not fit (the first growth recompiles the step once,
+  with the capacity symbolic; each later bucket records one more CUDA graph);
 * a multi-token forward (chunked prefill ``generate(..., prefill_chunk_size=N)``, assisted decoding's verification
   of candidate tokens) runs through the plain model instead: it is dominated by GEMMs, and its shapes change every
   call (a compiled one would recompile).

@@ -188,7 +188,10 @@ def test_shard_that_splits_a_head_is_refused(monkeypatch):
 
 
 # ------------------------------------------------------------------ the real thing: torchrun, gloo, DTensor TP
-def test_tp_check_script_under_torchrun(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_tp_check_script_under_torchrun(tmp_path, compiled):
+    """Each rank's cache holds its own KV heads, with the same codes and tokens as one process, in the eager storage
+    and in the compiled one (generate compiling the decode step through dynamo, one graph per rank)."""
     pytest.importorskip("torch.distributed.tensor")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
@@ -196,7 +199,7 @@ def test_tp_check_script_under_torchrun(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(REPO / "benchmarks/tp_check.py"), "--shape", "tiny", "--layers", "2", "--context", "96", "--sink", "8",
-           "--recent", "16", "--new-tokens", "6", "--batch", "3", "--pad", "16", "--out", str(out)]
+           "--recent", "16", "--new-tokens", "6", "--batch", "3", "--pad", "16", "--out", str(out)] + ["--compile"] * compiled
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -208,6 +211,7 @@ def test_tp_check_script_under_torchrun(tmp_path):
         assert all(list(s) == want for s in g["tp_layout"]["k"].values())
         assert all(v["k"] == 1.0 and v["v"] == 1.0 and v["entries"] > 0 for v in g["history_code_agreement"].values())
         assert g["tp"]["oscar_memory_report"]["history_codes"] > 0
+        assert g["tp"]["oscar_compiled_graphs"] == (1 if compiled else 0)
     # float32 on CPU: TP reproduces the single-process tokens exactly, and a wrong slice is caught.
     assert res["oscar_tp_equals_single"] and res["bf16_tp_equals_single"]
     assert res["negative_control_max_code_agreement"] < 0.6

@@ -165,7 +165,7 @@ class GrowingLayer(CacheLayerMixin):
         def grow(old):  # [B, H, C_old, D] -> [B, H, capacity, D], content kept
             new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
             new[:, :, : old.shape[2]] = old[:, :, :capacity]
-            return _static(new, None if self.fixed_capacity else 2)
+            return _static(new)
 
         self.keys, self.values = grow(self.keys), grow(self.values)
         self.capacity = capacity
@@ -245,7 +245,7 @@ class GrowingLayer(CacheLayerMixin):
         if self.fixed_capacity:
             raise NotImplementedError("StaticOscarCache has a fixed batch size")
         if self.is_initialized:
-            self.keys, self.values = (_static(fn(t).contiguous(), 2) for t in (self.keys, self.values))
+            self.keys, self.values = (_static(fn(t).contiguous()) for t in (self.keys, self.values))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._rebatch(lambda t: t.repeat_interleave(repeats, dim=0))
@@ -341,10 +341,11 @@ class OscarCache(Cache):
     (:class:`StaticOscarLayer`, capacity growing in buckets) when the model is on CUDA and its layers are full
     attention, sliding-window / chunked (Transformers' ``StaticSlidingWindowLayer``, a buffer of the window's width,
     beside the compiled OSCAR layers; the compiled step is traced up to three times as that layer fills, and it cannot
-    ``crop`` once it rolls) or linear attention, with no ``skip_layers``, no soft-capping and no tensor parallelism, so
-    that ``generate`` compiles the decode step with CUDA graphs by itself; True asks for that storage anywhere (the CPU
-    runs its torch reference), and also serves hybrid layers, soft-capping and the full-precision layers of MLA /
-    KV-sharing models (:class:`GrowingLayer`); False keeps the eager :class:`OscarLayer`.
+    ``crop`` once it rolls) or linear attention (layers kept in full precision as :class:`GrowingLayer`), with no
+    soft-capping and no tensor parallelism, so that ``generate`` compiles the decode step with CUDA graphs by itself;
+    True asks for that storage anywhere (the CPU runs its torch reference), and also serves hybrid layers,
+    soft-capping, tensor parallelism (each rank's layers hold its KV heads) and the full-precision layers of MLA /
+    KV-sharing models; False keeps the eager :class:`OscarLayer`.
     """
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
@@ -476,13 +477,15 @@ class OscarCache(Cache):
                 if k in FULL_LAYER_TYPES and (i in skipped or i not in rotations.layers or i in exact_layers)}
         if kept & set(hybrid):
             why = "a hybrid (attention + state) layer kept in full precision (skip_layers, BF16 full-precision heads)"
-        elif model is not None and (getattr(model, "_tp_size", None) or 1) > 1:
-            why = "tensor parallelism"
         if compile == "auto":
             on_cuda = model is not None and any(p.is_cuda for p in model.parameters())
+            # tensor parallelism compiles (each rank's layers hold its own KV heads; checked on the CPU under
+            # torchrun + gloo) but is not measured on GPUs yet
+            tp = model is not None and (getattr(model, "_tp_size", None) or 1) > 1
             if on_cuda and why:
                 logger.info("OscarCache: eager storage (the compiled decode step does not support %s)", why)
-            elif on_cuda and growable and (unmeasured := not_auto_compiled(fp, hybrid, model.config)):
+            elif on_cuda and growable and (unmeasured := "tensor parallelism" if tp else
+                                           not_auto_compiled(fp, hybrid, model.config)):
                 logger.info("OscarCache: eager storage for a model with %s (compile=True compiles it; not measured "
                             "on a GPU, so not the default)", unmeasured)
                 return False

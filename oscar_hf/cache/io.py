@@ -50,7 +50,7 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
             if not layer.is_initialized or (isinstance(layer, OscarLayer) and layer.pad is None):
                 layers.append(dict(kind="oscar", empty=True))
                 continue
-            st = _layer_state(layer)
+            st = layer_state(layer)
             t = {k: st[k] for k in ("pad", "sink_k", "sink_v", "tail_k", "tail_v")}
             for kv in ("k", "v"):
                 t.update({f"hist_{kv}_{f}": x for f, x in zip(("codes", "scale", "zero"), st[f"hist_{kv}"])})
@@ -83,7 +83,7 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
     (path / STATE_NAME).write_text(json.dumps(doc, indent=2))
 
 
-def _layer_state(layer) -> dict:
+def layer_state(layer) -> dict:
     """An OSCAR layer's saved form: positions and the used part of each buffer (the eager layer's layout; the
     device-resident layer exports the same)."""
     if isinstance(layer, StaticOscarLayer):

@@ -17,7 +17,8 @@ them quantized in INT2, ``P`` retrieval heads coded), ``S0`` sink, ``W`` recent,
   per token and head) the retrieval heads (``OscarConfig.full_precision_heads``; None without);
 * ``length`` (0-d int64 device tensor) = ``T``; ``host_len`` the same count on the host, kept by the eager calls
   and by the compiled step's wrapper (:mod:`oscar_hf.compiled_step`), which grows the storage before a step that
-  would not fit it: ``N`` grows in capacity buckets (:func:`capacity_for`), each bucket one CUDA graph.
+  would not fit it: ``N`` grows in capacity buckets (:func:`capacity_for`); the first growth recompiles the step
+  once (with ``N`` symbolic), each later bucket records one more CUDA graph.
 
 A decode step (one token at slot ``T``), device tensors only, no host synchronisation: one fused write
 (:func:`~oscar_hf.kernels.static_op.append_token_op`: demote slot ``T - 1 - W`` from the ring into the history, the
@@ -69,13 +70,13 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _static(t: torch.Tensor, growable_dim: int | None = None) -> torch.Tensor:
-    """Tag a buffer as having a fixed address (CUDA graphs re-use it instead of copying it); a growable capacity
-    dimension is marked dynamic so that a bigger bucket re-records the CUDA graph without recompiling the model."""
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """Tag a buffer as having a fixed address (CUDA graphs re-use it instead of copying it). Capacity dimensions are
+    not marked dynamic: the first compile of the step sees fixed sizes (symbolic sizes made it ~1.4x slower to trace
+    and compile); a capacity growth then recompiles once, and torch's automatic dynamic shapes make the capacity
+    symbolic in that second graph, so that later buckets only re-record the CUDA graph."""
     if not _compiling():
         torch._dynamo.mark_static_address(t)
-        if growable_dim is not None:
-            torch._dynamo.maybe_mark_dynamic(t, growable_dim)
     return t
 
 
@@ -133,14 +134,13 @@ class StaticOscarLayer(QuantizedLayerBase):
         b, d, dev = self.batch_size, self.head_dim, self.device
         g, meta = self.config.group_size, self.config.torch_meta_dtype
         hq, p, n = len(self.params.int2_heads), len(self.fp_heads), self._hist_rows(capacity)
-        growable = None if self.fixed_capacity else 2
 
         def grow(old, *shape, dtype):
             new = torch.zeros(*shape, dtype=dtype, device=dev)
             if old is not None:
                 k = min(old.shape[2], new.shape[2])
                 new[:, :, :k] = old[:, :, :k]
-            return _static(new, growable)
+            return _static(new)
 
         def hist(old):
             old = old or (None, None, None)
@@ -419,7 +419,7 @@ class StaticOscarLayer(QuantizedLayerBase):
                 for t in q:
                     t.copy_(fn(t))
             else:
-                moved = [_static(fn(t).contiguous(), None if self.fixed_capacity else 2) for t in q]
+                moved = [_static(fn(t).contiguous()) for t in q]
                 setattr(self, name, QuantizedRows(*moved) if isinstance(q, QuantizedRows) else tuple(moved))
         self.batch_size = self.win_k.shape[0]
 
