@@ -10,7 +10,10 @@ compiled callable of a model it serves (installed by :class:`~oscar_hf.OscarCach
   with the capacity symbolic; each later bucket records one more CUDA graph);
 * a multi-token forward (chunked prefill ``generate(..., prefill_chunk_size=N)``, assisted decoding's verification
   of candidate tokens) runs through the plain model instead: it is dominated by GEMMs, and its shapes change every
-  call (a compiled one would recompile).
+  call (a compiled one would recompile);
+* when ``generate`` prepares its cache, each layer learns the length the call will reach (``max_cache_length``:
+  prompt + ``max_new_tokens``), so that its first allocation holds the whole answer where that is within reach
+  (:func:`~oscar_hf.cache.static.capacity_for`) and the step compiles once.
 
 A cache without OSCAR layers (e.g. a ``StaticCache`` passed to the same model) goes straight to the compiled call.
 """
@@ -44,8 +47,23 @@ def _step(model, compiled, *args, **kwargs):
             layer.announced = False
 
 
+def _expect_length(original, generation_config, model_kwargs, *args, **kwargs):
+    """``generate``'s ``_prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+    max_cache_length)`` (Transformers 5.17-5.24), telling a user cache's growing layers ``max_cache_length`` first."""
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    expected = kwargs.get("max_cache_length", args[2] if len(args) > 2 else None)
+    if isinstance(expected, int) and expected > 0:
+        for layer in _oscar_layers(cache):
+            layer.expected_len = expected
+    return original(generation_config, model_kwargs, *args, **kwargs)
+
+
+_HOOKED = ("get_compiled_call", "_prepare_cache_for_generation")
+
+
 def install_step_hook(model) -> None:
-    """Wrap ``model.get_compiled_call`` (an instance attribute; the class is untouched). Idempotent."""
+    """Wrap ``model.get_compiled_call`` and ``model._prepare_cache_for_generation`` (instance attributes; the class
+    is untouched). Idempotent."""
     if getattr(model, _MARK, False) or not hasattr(model, "get_compiled_call"):
         return
     original = model.get_compiled_call
@@ -55,10 +73,14 @@ def install_step_hook(model) -> None:
         return functools.partial(_step, model, original(*args, **kwargs))
 
     model.get_compiled_call = get_compiled_call
+    if hasattr(model, "_prepare_cache_for_generation"):
+        model._prepare_cache_for_generation = functools.partial(_expect_length, model._prepare_cache_for_generation)
     setattr(model, _MARK, True)
 
 
 def remove_step_hook(model) -> None:
     if getattr(model, _MARK, False):
-        del model.get_compiled_call
+        for name in _HOOKED:
+            if name in vars(model):
+                delattr(model, name)
         delattr(model, _MARK)

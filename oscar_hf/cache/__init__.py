@@ -152,13 +152,14 @@ class GrowingLayer(CacheLayerMixin):
         self.fixed_capacity = max_cache_len  # StaticOscarCache's: no growth
         self.length = torch.zeros((), dtype=torch.long)
         self.host_len = self.capacity = 0
+        self.expected_len = 0  # the length generate will reach (set by the compiled step's hook; 0: unknown)
         self.announced = False  # the compiled step's wrapper already counted this forward's token
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.length = _static(torch.zeros((), dtype=torch.long, device=self.device))
         self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
-        self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2])))
+        self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2]), 0, self.expected_len))
         self.is_initialized = True
 
     def _allocate(self, capacity: int) -> None:
@@ -176,8 +177,9 @@ class GrowingLayer(CacheLayerMixin):
         if self.fixed_capacity:
             return self.fixed_capacity
         if not self.is_initialized:
-            return capacity_for(need)
-        return self.capacity if need <= self.capacity else capacity_for(need, self.capacity if n == 1 else 0)
+            return capacity_for(need, 0, self.expected_len)
+        return self.capacity if need <= self.capacity else capacity_for(need, self.capacity if n == 1 else 0,
+                                                                         self.expected_len)
 
     def advance(self, n: int) -> None:
         """Host side, before ``n`` new tokens are written: a bigger bucket when they would not fit."""

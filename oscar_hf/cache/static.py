@@ -53,12 +53,18 @@ RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_
 BUCKET = 1024  # capacity granularity (slots)
 HEADROOM = 1 / 8  # a fresh allocation leaves room for this fraction of its length (at least BUCKET slots) ...
 GROWTH = 1.5  # ... and a full one grows by this factor: few buckets (CUDA graphs) over a long generation
+RESERVE_FACTOR = 4  # generate's own length (prompt + max_new_tokens) is allocated up front, up to this many times
+# what ``need`` alone would get: a chat turn's answer then fits without a growth (each growth re-records a CUDA graph,
+# the first one recompiles the step), while a far-off max_length (a model default) does not reserve it all
 
 
-def capacity_for(need: int, current: int = 0) -> int:
+def capacity_for(need: int, current: int = 0, expected: int = 0) -> int:
     """Slots to allocate for ``need`` tokens: ``need`` plus headroom, or ``GROWTH`` x the current capacity when
-    growing, rounded up to ``BUCKET``."""
+    growing, raised to ``expected`` (the length ``generate`` will reach; at most ``RESERVE_FACTOR`` x that), rounded
+    up to ``BUCKET``."""
     want = max(need + max(int(need * HEADROOM), BUCKET), int(current * GROWTH))
+    if expected > want:
+        want = min(expected, RESERVE_FACTOR * want)
     return int(math.ceil(want / BUCKET) * BUCKET)
 
 
@@ -99,6 +105,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.length = torch.zeros((), dtype=torch.long)
         self.capacity = 0
         self.host_len = 0  # T on the host (no sync needed to know it)
+        self.expected_len = 0  # the length generate will reach (set by the compiled step's hook; 0: unknown)
         self.announced = False  # the compiled step's wrapper already counted this forward's token
         self.pad_known = False  # Python flag: set at the first (eager) forward
 
@@ -122,7 +129,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.hist_k = self.hist_v = None
         self.coded_k = self.coded_v = None
         self.capacity = 0
-        self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2])))
+        self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2]), 0, self.expected_len))
         self.is_initialized = True
 
     def _hist_rows(self, capacity: int) -> int:
@@ -163,7 +170,7 @@ class StaticOscarLayer(QuantizedLayerBase):
                 raise ValueError(f"StaticOscarCache is full (max_cache_len={self.fixed_capacity}, {need} tokens)")
             # a decode step outgrowing its bucket grows it by GROWTH (few CUDA graphs over a long generation); a
             # multi-token forward (prefill chunk) to its own need plus headroom (no x1.5 overshoot per chunk)
-            self._allocate(capacity_for(need, self.capacity if n == 1 else 0))
+            self._allocate(capacity_for(need, self.capacity if n == 1 else 0, self.expected_len))
         self.host_len = need
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

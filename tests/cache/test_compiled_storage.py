@@ -21,9 +21,11 @@ SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes af
 
 @pytest.fixture(autouse=True)
 def small_buckets(monkeypatch):
-    """Capacity buckets of 16 slots, so that a few decode steps cross several of them."""
+    """Capacity buckets of 16 slots, so that a few decode steps cross several of them (and no reservation of
+    generate's length, which would make them fit from the start: test_generate_reserves_its_length_up_front)."""
     monkeypatch.setattr(static_mod, "BUCKET", 16)
     monkeypatch.setattr(static_mod, "HEADROOM", 0.0)
+    monkeypatch.setattr(static_mod, "RESERVE_FACTOR", 1)
 
 
 def _gen(m, ids, am, cache, n=16, **kw):
@@ -79,6 +81,27 @@ def test_compiled_generate_with_layers_kept_in_full_precision(keep):
     assert int(cache.layers[1 - kept].length) == cache.layers[kept].get_seq_length() == 31 + 39
     with pytest.raises(ValueError, match="hybrid"):
         OscarCache(tiny_model("falcon_h1"), compile=True, skip_layers=(0,), **SMALL)
+
+
+def test_generate_reserves_its_length_up_front(monkeypatch):
+    """generate tells the growing layers its max_cache_length (prompt + max_new_tokens) before the prefill: the first
+    allocation holds the whole answer, so the decode step compiles once and never grows; a far-off length reserves
+    at most RESERVE_FACTOR x what the prompt alone gets."""
+    monkeypatch.setattr(static_mod, "RESERVE_FACTOR", 4)
+    assert static_mod.capacity_for(31, 0, 70) == 80 and static_mod.capacity_for(31, 0, 0) == 48
+    assert static_mod.capacity_for(31, 0, 10_000) == 4 * 48  # capped
+    m = tiny_model("llama")
+    ids, am = random_left_padded([3, 20, 31])
+    cache = OscarCache(m, compile=True, skip_layers=(1,), **SMALL)  # an OSCAR layer and a GrowingLayer
+    ref = _gen(m, ids, am, OscarCache(m, skip_layers=(1,), **SMALL), n=40)
+    torch._dynamo.reset()
+    counters.clear()
+    out = _gen(m, ids, am, cache, n=40, compile_config=cpu_compile_config())
+    assert torch.equal(out.sequences, ref.sequences)
+    growing = [x for x in cache.layers if hasattr(x, "advance")]
+    assert len(growing) == 2 and {x.expected_len for x in growing} == {31 + 40 - 1}  # the last token is never cached
+    assert all(x.capacity == 80 for x in growing), [x.capacity for x in growing]  # 71 rounded up, not 48 -> 72 -> ...
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
