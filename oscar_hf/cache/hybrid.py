@@ -1,0 +1,66 @@
+"""Hybrid decoder layers (attention + a linear-attention / SSM state in one layer: Falcon-H1, Zamba, Zamba 2): an OSCAR
+layer of either storage with Transformers' own state beside it."""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import LinearAttentionLayer
+
+from ..config import OscarConfig
+from ..rotations import LayerRotation
+from .dynamic import OscarLayer
+from .static import StaticOscarLayer
+
+
+class _HybridState(LinearAttentionLayer):
+    """A "hybrid" layer (``layer_types`` "hybrid": Falcon-H1, Zamba, Zamba 2): attention and a linear-attention / SSM
+    state in one decoder layer. As Transformers' ``LinearAttentionAndFullAttentionLayer`` does for ``DynamicLayer``, the state
+    is Transformers' ``LinearAttentionLayer`` (``update_conv_state`` / ``update_recurrent_state``, untouched) and the
+    attention an OSCAR layer (``_attention``: ``update`` returns its handle); ``lazy_initialization`` is called with the
+    keys and values (2 positional arguments) by the attention, with keywords by the state."""
+
+    _attention: type = OscarLayer
+
+    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=(), *args,
+                 number_of_states: int = 1):
+        self._attention.__init__(self, config, rotation, layer_idx, *args, fp_heads=fp_heads)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        if len(args) == 2 and not kwargs:
+            self._attention.lazy_initialization(self, *args)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, *args, **kwargs)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        self._attention.reset(self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        self._attention.reorder_cache(self, beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:  # the state first: it refuses unless its past is recorded
+        LinearAttentionLayer.crop(self, tokens_to_remove)
+        self._attention.crop(self, tokens_to_remove)
+
+    def offload(self):
+        return self._attention.offload(self)
+
+    def prefetch(self):
+        return self._attention.prefetch(self)
+
+    def get_max_length(self) -> int:
+        return self._attention.get_max_length(self)
+
+
+class OscarHybridLayer(_HybridState, OscarLayer):
+    """:class:`OscarLayer` + Transformers' ``LinearAttentionLayer`` state (eager storage)."""
+
+    is_compileable = False
+
+
+class StaticOscarHybridLayer(_HybridState, StaticOscarLayer):
+    """:class:`StaticOscarLayer` + Transformers' ``LinearAttentionLayer`` state (compiled storage; compileable while the
+    state records no past, as ``LinearAttentionLayer``)."""
+
+    _attention = StaticOscarLayer
