@@ -355,7 +355,11 @@ def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, part, w0, W, win_sp
     tl.store(PL + part + offs_m, l_i, mask=mrow)
 
 
-@triton.jit
+# The split counts are not specialized: the wave model gives layers with retrieval heads (one INT2 head fewer) other
+# counts (37 against 32 at B=1/32K on an H200), and Triton's divisibility-by-16 specialization of those ints compiled
+# the kernel twice in a first call (5.4 s for the two). They only index the partials, whose alignment comes from the
+# constexpr D.
+@triton.jit(do_not_specialize=["S", "S_TOT", "PID_OFF"])
 def _split_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, START, KMASK, QKOFF, NPTR,  # history inputs (NPTR: device history length or None)
     QW, KW, VW, WMASK,  # full-precision window (decode_attention only)
