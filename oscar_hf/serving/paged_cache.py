@@ -86,7 +86,8 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
             raise NotImplementedError(f"the OSCAR paged cache holds {cls.store.num_kv_heads} KV heads of "
                                       f"{cls.store.head_dim}; Transformers asks for {num_key_value_heads} of "
                                       f"{head_dim} "
-                                      "(tensor parallelism is not followed)")
+                                      "(under tensor parallelism, build the store from the model: paged_oscar(model) "
+                                      "or OscarPagedStore(model, ...), whose weights say which heads this rank holds)")
         # a block is one page of every layer: its bytes spread over the layers (rounded up: with retrieval heads the
         # layers' pages differ, and Transformers counts num_layers equal pages)
         return -(-cls.store.page_bytes(page_size) // cls.store.num_layers)

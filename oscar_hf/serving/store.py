@@ -49,6 +49,7 @@ from ..cache.base import check_first_keys, group_queries
 from ..cache.params import LayerParams
 from ..cache.window import PagedHistory, commit, demote_pending, ring_entries, window_mask
 from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, artifact_config, validate_head_dim
+from ..distributed import local_full_precision_heads, slice_layer_rotation, tp_layout
 from ..patching import base_attention_function
 from ..rotations import OscarRotations
 from .paged_attention import paged_chunk_attention
@@ -240,15 +241,31 @@ class OscarPagedStore:
             raise ValueError("the model has no layer OSCAR quantizes (full attention, with rotations, not skipped, "
                              "not every head a 16-bit full-precision head)")
         self.layer_slot = {layer: k for k, layer in enumerate(layers)}  # model layer -> pool layer index
+        rots = {i: rotations.layers[i] for i in layers}
+        heads = {i: fp_heads.get(i, ()) for i in layers}
+        self.num_query_heads = fp.num_attention_heads
+        # tensor parallelism (a model loaded with tp_plan="auto"): this rank's pages and windows hold its own KV heads,
+        # with the rotations, offsets and retrieval heads of those heads (as OscarCache under TP)
+        self.tp_layout = tp_layout(model_or_config, hk, fp.head_dim, layers=set(layers))
+        if self.tp_layout is not None and self.tp_layout.world > 1:
+            lay = self.tp_layout
+            counts = {lay.k[i].n for i in layers} | {lay.v[i].n for i in layers}
+            if len(counts) != 1:
+                raise NotImplementedError(f"tensor parallelism: rank {lay.rank} holds different numbers of KV heads "
+                                          f"across layers ({sorted(counts)}); the paged store needs one count")
+            self.num_kv_heads = counts.pop()
+            self.num_query_heads = fp.num_attention_heads * self.num_kv_heads // hk
+            rots = {i: slice_layer_rotation(rots[i], lay.k[i], lay.v[i]) for i in layers}
+            heads = {i: local_full_precision_heads(heads[i], lay.k[i], lay.v[i], i, lay.rank) if heads[i] else ()
+                     for i in layers}
         # per layer its parameters (the INT2 heads' rotations, clips, the split into INT2 and retrieval heads: the
         # generate cache's LayerParams)
-        self.params = {i: LayerParams.build(config, rotations.layers[i], i, hk, fp_heads.get(i, ()), self.device)
+        self.params = {i: LayerParams.build(config, rots[i], i, self.num_kv_heads, heads[i], self.device)
                        for i in layers}
-        self._rotations_cpu = {i: rotations.layers[i] for i in layers}
+        self._rotations_cpu = rots
         self.requests: dict[str, RequestKV] = {}
         self.windows = WindowPool(max_requests, len(layers), self.num_kv_heads, config.sink + self.ring, fp.head_dim,
                                   dtype, self.device)
-        self.num_query_heads = fp.num_attention_heads
         if prompt_budget is None:
             prompt_budget = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
             if prompt_budget is None:
