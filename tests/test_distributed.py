@@ -191,7 +191,8 @@ def test_shard_that_splits_a_head_is_refused(monkeypatch):
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_tp_check_script_under_torchrun(tmp_path, compiled):
     """Each rank's cache holds its own KV heads, with the same codes and tokens as one process, in the eager storage
-    and in the compiled one (generate compiling the decode step through dynamo, one graph per rank)."""
+    and in the compiled one (generate compiling the decode step through dynamo, one graph per rank). Transformers
+    5.17's TP layers register module backward hooks, which dynamo cannot trace: there compile=True refuses clearly."""
     pytest.importorskip("torch.distributed.tensor")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
@@ -201,6 +202,13 @@ def test_tp_check_script_under_torchrun(tmp_path, compiled):
            str(REPO / "benchmarks/tp_check.py"), "--shape", "tiny", "--layers", "2", "--context", "96", "--sink", "8",
            "--recent", "16", "--new-tokens", "6", "--batch", "3", "--pad", "16", "--out", str(out)] + ["--compile"] * compiled
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    if compiled and r.returncode and "module backward hooks" in r.stderr:
+        import transformers
+        from packaging.version import Version
+
+        assert Version(transformers.__version__) < Version("5.24"), "the refusal is for older Transformers only"
+        assert "OscarCache(compile=True) does not support a model with module backward hooks" in r.stderr
+        return
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["ok"] and res["world"] == 2

@@ -296,6 +296,10 @@ class OscarCache(Cache):
                 if k in FULL_LAYER_TYPES and (i in skipped or i not in rotations.layers or i in exact_layers)}
         if kept & set(hybrid):
             why = "a hybrid (attention + state) layer kept in full precision (skip_layers, BF16 full-precision heads)"
+        elif model is not None and any(m._backward_hooks or m._backward_pre_hooks for m in model.modules()):
+            # Transformers 5.17's tensor-parallel layers register these; dynamo refuses them ("Module-level backwards
+            # hooks require compiled autograd"), so generate's compiled step would fail (5.24's TP layers do not)
+            why = "a model with module backward hooks (tensor parallelism on Transformers 5.17), which torch.compile cannot trace"
         if compile == "auto":
             on_cuda = model is not None and any(p.is_cuda for p in model.parameters())
             # tensor parallelism compiles (each rank's layers hold its own KV heads; checked on the CPU under
