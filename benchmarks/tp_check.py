@@ -69,6 +69,24 @@ def log(rank, *msg):
     print(f"[rank {rank}]", *msg, flush=True)
 
 
+def init_distributed(script: str, dtype_name: str | None):
+    """This torchrun rank's ``(device, rank, world, dtype)``: NCCL on its own GPU, else gloo on the CPU; ``dtype``
+    ``dtype_name`` or bfloat16 on CUDA, float32 on the CPU."""
+    if "RANK" not in os.environ:
+        raise SystemExit(f"run under torchrun: torchrun --nproc-per-node 2 benchmarks/{script} ...")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    warnings.filterwarnings("ignore", message=".*tp_plan.*")  # deprecated kwarg on 5.17+, still supported
+    dtype = getattr(torch, dtype_name) if dtype_name else (torch.bfloat16 if cuda else torch.float32)
+    return device, dist.get_rank(), dist.get_world_size(), dtype
+
+
 def model_config(shape: str, layers: int | None, max_pos: int):
     kw = dict(SHAPES[shape])
     if layers:
@@ -242,20 +260,8 @@ def main(argv=None):
     if a.context <= a.sink + a.recent + 64:
         p.error(f"--context must exceed sink + recent (+64) = {a.sink + a.recent + 64} to have INT2 history")
 
-    cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:
-        raise SystemExit("run under torchrun: torchrun --nproc-per-node 2 benchmarks/tp_check.py ...")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if cuda else torch.float32)
-    warnings.filterwarnings("ignore", message=".*tp_plan.*")  # deprecated kwarg on 5.17+, still supported
+    device, rank, world, dtype = init_distributed("tp_check.py", a.dtype)
+    cuda = device.type == "cuda"
 
     cfg = model_config(a.shape, a.layers or None, a.context + a.new_tokens + 16)
     hk = cfg.num_key_value_heads

@@ -33,7 +33,6 @@ import random  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -44,7 +43,7 @@ from oscar_hf import OscarRotations  # noqa: E402
 from oscar_hf.serving import continuous_batching_config, paged_oscar  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tp_check import SHAPES, log, model_config, random_rotations  # noqa: E402
+from tp_check import SHAPES, init_distributed, log, model_config, random_rotations  # noqa: E402
 
 
 def serve(model, prompts, new_tokens, page_size, oscar: dict | None):
@@ -86,20 +85,8 @@ def main(argv=None):
     p.add_argument("--strict-tokens", action="store_true", help="require TP tokens == single-process tokens")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    if "RANK" not in os.environ:
-        raise SystemExit("run under torchrun: torchrun --nproc-per-node 2 benchmarks/tp_serving_check.py ...")
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if cuda else torch.float32)
-    warnings.filterwarnings("ignore", message=".*tp_plan.*")
+    device, rank, world, dtype = init_distributed("tp_serving_check.py", a.dtype)
+    cuda = device.type == "cuda"
 
     cfg = model_config(a.shape, a.layers or None, max(a.prompts) + a.new_tokens + 16)
     hk = cfg.num_key_value_heads
