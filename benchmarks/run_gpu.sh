@@ -61,6 +61,9 @@
 #   soak        200 generate calls; one call of 32,768 new tokens        soak_calls_<gpu>.json, soak_long_<gpu>.json
 #   multigpu    device_map over 2 GPUs vs one GPU (needs 2 GPUs)         multigpu_<gpu>x2.json
 #   tp          tensor parallelism under torchrun, 2 ranks (2 GPUs)      tp_<gpu>x2.json
+#   tp-serving  continuous batching (paged_oscar) under tensor           tp_serving_<gpu>x2.json
+#               parallelism, 2 ranks: each rank's heads, tokens vs one
+#               process (tp_serving_check.py)
 #   serving     continuous batching load test, BF16 paged vs OSCAR       serving_<gpu>_20gib_capacity_t32768.json,
 #               paged in 20 GiB of KV: 32K capacity; 24 requests of      serving_<gpu>_20gib_load.json
 #               8K-32K arriving at 0.5/s (`serving-capacity`,
@@ -270,6 +273,10 @@ for what in "$@"; do
   tp)
     run "tp_${GPU}x2" $PY -m torch.distributed.run --standalone --nproc-per-node 2 "$B/tp_check.py" \
         --layers 8 --context 4096 --new-tokens 16 --out "$OUT/tp_${GPU}x2.json" ;;
+  tp-serving)
+    run "tp_serving_${GPU}x2" $PY -m torch.distributed.run --standalone --nproc-per-node 2 "$B/tp_serving_check.py" \
+        --layers 8 --prompts 2000 700 3100 1500 --new-tokens 32 --sink 64 --recent 256 --group-size 64 --page-size 256 \
+        --out "$OUT/tp_serving_${GPU}x2.json" ;;
   serving|serving-capacity|serving-load)
     parts="capacity load"; [ "$what" = serving-capacity ] && parts=capacity; [ "$what" = serving-load ] && parts=load
     for part in $parts; do
