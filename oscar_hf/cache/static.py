@@ -246,7 +246,7 @@ class StaticOscarLayer(QuantizedLayerBase):
                         cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels, cfg.quantizer, coded)
         qf = group_queries(query.float(), hk)  # [B, Hk, g, D]
         win_mask = self.window_mask(t + 1, cfg.recent + 1)[:, None, None, :]  # [B, 1, 1, S0 + R]
-        n_valid = self.n_hist(t)  # history slots [S0, T - W) once the write above demoted slot T - 1 - W
+        n_valid = hist_len = self.n_hist(t)  # history slots [S0, T - W) once the write above demoted slot T - 1 - W
         hist_k, hist_v = self.hist_k, self.hist_v
         if not _compiling() and not triton_enabled(query, cfg.use_kernels):
             n = int(n_valid)  # eager reference: read only the filled part
@@ -262,18 +262,17 @@ class StaticOscarLayer(QuantizedLayerBase):
             sinks=self.params.int2_rows(sinks),
         )
         if self.fp_heads:
-            out = self._merge_full_precision_heads(out, query, t, win_mask[:, 0, 0], scaling, softcap,
+            out = self._merge_full_precision_heads(out, query, hist_len, win_mask[:, 0, 0], scaling, softcap,
                                                    self.params.coded_rows(sinks))
         self.length.add_(1)
         return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
 
-    def _merge_full_precision_heads(self, out_q, query, t, win_ok, scaling: float, softcap=None,
+    def _merge_full_precision_heads(self, out_q, query, hi, win_ok, scaling: float, softcap=None,
                                     sinks=None) -> torch.Tensor:
         """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and the retrieval heads' read of their coded history in
         place (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`), indices ``[pad, T - W - S0)``, and of
         the window every head reads exactly (``win_ok [B, S0 + R]``, :meth:`window_mask`)."""
-        cfg = self.config
-        hi = self.n_hist(t)  # 0-d device tensor: the CUDA graph stays valid while T grows
+        cfg = self.config  # hi: the history length (0-d device tensor: the CUDA graph stays valid while T grows)
         if not _compiling() and not triton_enabled(query, cfg.use_kernels):
             hi = int(hi)  # eager reference: read only the filled part
         q = group_queries(query, self.num_kv_heads)  # [B, Hk, g, D] in the model dtype
