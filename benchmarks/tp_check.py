@@ -50,6 +50,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsP
 from oscar_hf import OscarCache, OscarRotations, disable_oscar  # noqa: E402
 from oscar_hf.compat import cache_kwargs  # noqa: E402
 from oscar_hf.cache.io import layer_state  # noqa: E402
+from oscar_hf.compiled_step import cpu_compile_config  # noqa: E402
 from oscar_hf.config import ModelFingerprint  # noqa: E402
 from oscar_hf.rotations import LayerRotation  # noqa: E402
 from oscar_hf.distributed import even_head_shard, slice_layer_rotation  # noqa: E402
@@ -156,15 +157,6 @@ def code_agreement(ref: torch.Tensor, tp: torch.Tensor, pad: torch.Tensor) -> fl
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item() if a.shape == b.shape else float("nan")
-
-
-def cpu_compile_config():
-    """``generate``'s compile route on the CPU (it compiles on CUDA by itself): dynamo, the eager backend."""
-    from transformers import CompileConfig
-
-    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
-    cc._compile_all_devices = True
-    return cc
 
 
 def generate(model, ids, am, cache, n, device):

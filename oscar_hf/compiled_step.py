@@ -47,6 +47,16 @@ def _step(model, compiled, *args, **kwargs):
             layer.announced = False
 
 
+def cpu_compile_config():
+    """``generate``'s own compile route taken on the CPU (it compiles on CUDA only unless told): fullgraph (a graph
+    break is an error), dynamo with the eager backend. The compiled storage's logic, checked where there is no GPU."""
+    from transformers import CompileConfig
+
+    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    cc._compile_all_devices = True
+    return cc
+
+
 def _expect_length(original, generation_config, model_kwargs, *args, **kwargs):
     """``generate``'s ``_prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
     max_cache_length)`` (Transformers 5.17-5.24), telling a user cache's growing layers ``max_cache_length`` first."""

@@ -1,6 +1,7 @@
 """Helpers shared by the generate tests (imported as a plain module: pytest puts tests/ on sys.path)."""
 import torch
-from transformers import CompileConfig
+
+from oscar_hf.compiled_step import cpu_compile_config  # noqa: F401  (the tests import it from here)
 
 
 def left_pad(prompts):
@@ -32,8 +33,3 @@ def random_left_padded(lens, seed: int = 5):
     return left_pad([torch.randint(1, 200, (n,)) for n in lens])
 
 
-def cpu_compile_config() -> CompileConfig:
-    """``generate``'s own compile route, taken on the CPU: fullgraph (a graph break is an error), the eager backend."""
-    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
-    cc._compile_all_devices = True  # generate compiles on CUDA only unless told
-    return cc

@@ -1,9 +1,5 @@
 """Tensor parallelism: per-rank KV-head slicing of the rotations (oscar_hf.distributed) and the torchrun check."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +11,8 @@ from oscar_hf.config import ModelFingerprint
 from oscar_hf.distributed import HeadShard, even_head_shard, shard_rotations, slice_layer_rotation, tp_layout, tp_rank_world
 from oscar_hf.models import tiny_model
 from oscar_hf.rotations import LayerRotation
+from script_utils import run_under_torchrun
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def distinct_rotation(hk, d, device="cpu", offsets=True):
@@ -193,15 +189,10 @@ def test_tp_check_script_under_torchrun(tmp_path, compiled):
     """Each rank's cache holds its own KV heads, with the same codes and tokens as one process, in the eager storage
     and in the compiled one (generate compiling the decode step through dynamo, one graph per rank). Transformers
     5.17's TP layers register module backward hooks, which dynamo cannot trace: there compile=True refuses clearly."""
-    pytest.importorskip("torch.distributed.tensor")
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
     out = tmp_path / "tp.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "benchmarks/tp_check.py"), "--shape", "tiny", "--layers", "2", "--context", "96", "--sink", "8",
-           "--recent", "16", "--new-tokens", "6", "--batch", "3", "--pad", "16", "--out", str(out)] + ["--compile"] * compiled
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    r = run_under_torchrun("tp_check.py", ["--shape", "tiny", "--layers", "2", "--context", "96", "--sink", "8",
+                                           "--recent", "16", "--new-tokens", "6", "--batch", "3", "--pad", "16",
+                                           "--out", str(out)] + ["--compile"] * compiled, tmp_path, timeout=300)
     if compiled and r.returncode and "module backward hooks" in r.stderr:
         import transformers
         from packaging.version import Version
