@@ -23,10 +23,11 @@ import torch
 
 
 _TRITON_IMPORTABLE: bool | None = None  # a plain global, not functools.lru_cache: dynamo traces through that cache
-# wrapper (re-tracing the import at every call site of every layer) but reads a global as a constant
+# wrapper (re-tracing the import at every call site of every layer)
 
 
-def triton_importable() -> bool:
+@torch.compiler.assume_constant_result  # dynamo bakes the answer in: a guard on the global, set during the first
+def triton_importable() -> bool:  # trace, would fail at the next call and compile the step a second time
     global _TRITON_IMPORTABLE
     if _TRITON_IMPORTABLE is None:
         try:

@@ -63,7 +63,7 @@ from .dynamic import OscarLayer
 from .growing import GrowingLayer
 from .hybrid import OscarHybridLayer, StaticOscarHybridLayer
 from .io import load_cache, save_cache
-from .static import StaticOscarLayer
+from .static import StaticOscarLayer, StepShared
 
 logger = logging.getLogger("oscar_hf")
 _SAID: set[tuple[str, str]] = set()  # (architecture, layer kind) whose full-precision reason was logged
@@ -226,6 +226,12 @@ class OscarCache(Cache):
                                           "Transformers' DummyLayer (transformers >= 5.2x)")
             layers = layers[:n]
         super().__init__(layers=layers)
+        static = [x for x in layers if isinstance(x, StaticOscarLayer)]
+        if static:  # one decode forward's window mask and history length, computed by its first OSCAR layer
+            step = StepShared()
+            step.last_layer = max(x.layer_idx for x in static)
+            for x in static:
+                x.step = step
         # a compiled full-precision layer's decode step returns all C slots of its buffers: every full-attention
         # layer's mask is then its (C, 0) (an OSCAR layer reads none in a decode step)
         self._mask_layer = next((i for i, x in enumerate(layers) if isinstance(x, GrowingLayer)), None)

@@ -72,6 +72,24 @@ class StaticOscarKV(OscarKV):
     """The handle ``update`` returns (no ``__slots__``: plain attribute access for dynamo)."""
 
 
+class StepShared:
+    """What every compiled OSCAR layer of one decode forward reads alike, computed once by the first of them: the
+    window mask ``[B, 1, 1, S0 + R]`` and the history length (0-d), from the length and left padding that all those
+    layers share (they step together). Per layer these were ~25 of the step graph's ~35 extra nodes per layer over
+    BF16's, which the first call traces, functionalizes and lowers 36 times (``docs/results.md``, the first call).
+
+    The cache hands one instance to all its :class:`StaticOscarLayer`\ s (a lone layer keeps its own). A layer
+    recomputes when it is not after the one that computed (a new forward: layers run in index order); the last
+    layer clears it, so every trace starts from the same state and dynamo's guards on it hold from step to step."""
+
+    def __init__(self):
+        self.last_layer = None  # index of the last layer that shares it (None: every layer clears it)
+        self.clear()
+
+    def clear(self) -> None:
+        self.layer_idx, self.key, self.win_mask, self.hist_len = -1, None, None, None
+
+
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
@@ -108,6 +126,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.expected_len = 0  # the length generate will reach (set by the compiled step's hook; 0: unknown)
         self.announced = False  # the compiled step's wrapper already counted this forward's token
         self.pad_known = False  # Python flag: set at the first (eager) forward
+        self.step = StepShared()  # replaced by the cache's one, shared by its layers
 
     # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -245,8 +264,8 @@ class StaticOscarLayer(QuantizedLayerBase):
                         self.params.r_k, mu_k, self.params.clip_k, self.params.r_v, mu_v, self.params.clip_v, cfg.group_size,
                         cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels, cfg.quantizer, coded)
         qf = group_queries(query.float(), hk)  # [B, Hk, g, D]
-        win_mask = self.window_mask(t + 1, cfg.recent + 1)[:, None, None, :]  # [B, 1, 1, S0 + R]
-        n_valid = hist_len = self.n_hist(t)  # history slots [S0, T - W) once the write above demoted slot T - 1 - W
+        win_mask, hist_len = self._step_positions(t)
+        n_valid = hist_len
         hist_k, hist_v = self.hist_k, self.hist_v
         if not _compiling() and not triton_enabled(query, cfg.use_kernels):
             n = int(n_valid)  # eager reference: read only the filled part
@@ -265,7 +284,20 @@ class StaticOscarLayer(QuantizedLayerBase):
             out = self._merge_full_precision_heads(out, query, hist_len, win_mask[:, 0, 0], scaling, softcap,
                                                    self.params.coded_rows(sinks))
         self.length.add_(1)
+        if self.step.last_layer is None or self.layer_idx >= self.step.last_layer:
+            self.step.clear()
         return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
+
+    def _step_positions(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(win_mask [B, 1, 1, S0 + R], hist_len 0-d)`` of a decode step at slot ``t`` (:class:`StepShared`): the
+        window's sink, ``W`` recent tokens and the new one; history slots ``[S0, T - W)`` once this step's write
+        demoted slot ``T - 1 - W``."""
+        step, key = self.step, (self.config.sink, self.ring, self.config.recent, self.pad.shape[0])
+        if step.key != key or self.layer_idx <= step.layer_idx:
+            step.win_mask = self.window_mask(t + 1, self.config.recent + 1)[:, None, None, :]
+            step.hist_len, step.key = self.n_hist(t), key
+        step.layer_idx = self.layer_idx
+        return step.win_mask, step.hist_len
 
     def _merge_full_precision_heads(self, out_q, query, hi, win_ok, scaling: float, softcap=None,
                                     sinks=None) -> torch.Tensor:

@@ -104,6 +104,28 @@ def test_generate_reserves_its_length_up_front(monkeypatch):
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
 
 
+def test_decode_step_computes_the_window_positions_once():
+    """Every OSCAR layer of a step reads the same window mask and history length (the layers step together): the
+    step's graph computes them once (StepShared), not once per layer; the tokens are the eager storage's."""
+    m = tiny_model("llama", num_hidden_layers=3)
+    ring_ops = []  # torch.remainder calls of each compiled graph: one per window mask (ring_slots)
+
+    def count_backend(gm, example_inputs):
+        ring_ops.append(sum(n.op == "call_function" and n.target is torch.remainder for n in gm.graph.nodes))
+        return gm
+
+    cc = cpu_compile_config()
+    cc.backend = count_backend
+    ids, am = random_left_padded([5, 14, 20])
+    cache = OscarCache(m, compile=True, **SMALL)
+    ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=12)
+    torch._dynamo.reset()
+    out = _gen(m, ids, am, cache, n=12, compile_config=cc)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert len(_oscar_layers(cache)) == 3 and ring_ops == [1], ring_ops  # one graph, one mask for three layers
+    assert all(x.step is cache.layers[0].step and x.step.win_mask is None for x in cache.layers)  # cleared after
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_compiled_generate_equals_eager_with_growth_and_left_padding(model_type):
     m = tiny_model(model_type)
