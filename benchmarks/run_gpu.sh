@@ -33,6 +33,9 @@
 #               second one with warm on-disk compile caches (B=1, 32K,
 #               128 new tokens; METHODS="..." picks methods, default
 #               bf16 bf16-static oscar oscar-fp25; ~10 min each)
+#   regression  the default call, this tree vs OLD_SITE (an older     speed_vs_<OLD_NAME>_<gpu>_b<B>_t<T>.json
+#               tree laid out as oscar_hf/{kernels,eval}), taking turns:
+#               B=8/32K, B=1/100K (`regression-b8`, `regression-b1`)
 #   skip-layers Qwen3-8B shape, B=8/32K: the default call, and with     generate_skip_layers_<gpu>_b8_t32768.json
 #               its first 2 layers kept in full precision (skip_layers)
 #               (arch-*: METHODS="..." runs other methods, into a file
@@ -54,7 +57,8 @@
 #               retrieval heads and none, B=8/32K
 #   heads-kernel  the retrieval heads' read alone (split + combine) at    heads_kernel_<gpu>.json
 #               B=8/32K-capacity shapes, defaults and a tile sweep
-#   profile-host  cProfile of the decode step's host side, B=8/8K:       profile_host_<gpu>_<method>_b8_t8192.json
+#   profile-host  cProfile of the decode step's host side, B=8/8K       profile_host_<gpu>_<method>_b<B>_t<T>.json
+#               (BATCH=, CONTEXT= pick others):
 #               no heads, 25 INT8 heads, compiled BF16 StaticCache
 #   validate    Triton/Gluon read path vs the torch reference in a      gpu_validate_<gpu>.json
 #               32K generate (B=2, left padding): per-layer outputs, logits
@@ -185,6 +189,18 @@ for what in "$@"; do
             $PY "$B/bench_first_call.py" --method "$m" --calls $n --out "$OUT/first_call_${GPU}_${m}_${phase}.json"
       done
     done ;;
+  regression|regression-b8|regression-b1)
+    # the default call of this tree against an older one (OLD_SITE: that tree laid out as run_gpu.sh lays this one,
+    # carried to the machine), taking turns in one process each (compare_trees.py): B=8/32K and B=1/100K
+    old=${OLD_SITE:?OLD_SITE=<old tree laid out as oscar_hf/{kernels,eval}>}; tag=${OLD_NAME:-old}
+    shapes="8:32768 1:100000"
+    [ "$what" = regression-b8 ] && shapes="8:32768"
+    [ "$what" = regression-b1 ] && shapes="1:100000"
+    for bt in $shapes; do
+      name="speed_vs_${tag}_${GPU}_b${bt%:*}_t${bt#*:}"
+      run "$name" $PY "$B/compare_trees.py" --old "$old" --new "$SITE" --old-name "$tag" --turns 2 \
+          --out "$OUT/$name.json" -- --contexts ${bt#*:} --batches ${bt%:*} --methods oscar --new-tokens 64
+    done ;;
   skip-layers)
     # the compiled storage with layers kept in full precision (GrowingLayer): the default call against skip_layers=(0, 1)
     run "generate_skip_layers_${GPU}_b8_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 8 \
@@ -258,9 +274,10 @@ for what in "$@"; do
   heads-kernel)
     run "heads_kernel_$GPU" $PY "$B/bench_heads.py" --sweep --out "$OUT/heads_kernel_$GPU.json" ;;
   profile-host)
+    b=${BATCH:-8} t=${CONTEXT:-8192}  # (BATCH=1 CONTEXT=1024: the short-prompt step)
     for m in ${METHODS:-oscar-fp25 oscar bf16-static}; do  # one process each (one compiled shape per process)
-      run "profile_host_${GPU}_${m}_b8_t8192" $PY "$B/profile_decode.py" --host --batch 8 --context 8192 --warmup 8 \
-          --steps 10 --methods $m --out "$OUT/profile_host_${GPU}_${m}_b8_t8192.json"
+      run "profile_host_${GPU}_${m}_b${b}_t${t}" $PY "$B/profile_decode.py" --host --batch $b --context $t --warmup 8 \
+          --steps 10 --methods $m --out "$OUT/profile_host_${GPU}_${m}_b${b}_t${t}.json"
     done ;;
   validate)
     run "gpu_validate_$GPU" $PY "$B/gpu_validate.py" --context 32768 --batch 2 --steps 8 --calib-tokens 0 \
