@@ -13,11 +13,19 @@ Parts (``--parts``):
   (Poisson, ``--rate`` requests/s), ``--new-tokens`` each. Reported: completed tokens/s (generated tokens over the
   makespan), time to first token p50 / p90, peak concurrency, peak memory.
 
+``--kinds`` ``bf16-graphs`` / ``oscar-graphs`` run the same with Transformers' CUDA graphs (``use_cuda_graph=True``,
+``q_padding_interval_size=--q-padding``): OSCAR graphs its decode-only steps (prefill stays eager), BF16 every step
+(Transformers' sdpa varlen graphs). Each row reports ``decode_step_ms_p50``: the median gap between a request's
+consecutive tokens while the peak number of requests decode (the decode step time at that concurrency); the capacity
+part takes ``--concurrency`` requests (default: as many as the budget admits).
+
 Memory: BF16 gets ``num_blocks = budget / (bytes of a 256-token block of every layer)``; OSCAR gets ``max_requests``
 full-precision window slots and ``(budget - windows) / (bytes of an INT2 page)`` pages. ``torch.cuda.
 max_memory_allocated`` (minus the weights) is reported for each run.
 
     python benchmarks/bench_serving.py --parts capacity load --out serving.json
+    python benchmarks/bench_serving.py --parts capacity --kinds oscar oscar-graphs --kv-budget-gib 20 \
+        --context 32768 --concurrency 24 --max-requests 24 --new-tokens 64 --out serving_graphs.json
     python benchmarks/bench_serving.py --shape tiny --device cpu --context 256 --kv-budget-gib 0.01 ...   (smoke)
 """
 from __future__ import annotations
@@ -48,20 +56,26 @@ def bf16_block_bytes(cfg) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * PAGE * cfg.head_dim * 2
 
 
-def cache_configs(model, kind: str, budget: int, max_batch_tokens: int, max_requests: int, oscar_kw: dict):
-    """``(ContinuousBatchingConfig, store or None)`` spending ``budget`` bytes of KV."""
-    if kind == "bf16":
+def cache_configs(model, kind: str, budget: int, max_batch_tokens: int, max_requests: int, oscar_kw: dict,
+                  q_padding: int = 8):
+    """``(ContinuousBatchingConfig, store or None)`` spending ``budget`` bytes of KV (``*-graphs`` kinds: with
+    Transformers' CUDA graphs, batches padded to ``q_padding`` rows)."""
+    graphs = dict(use_cuda_graph=True, q_padding_interval_size=q_padding) if kind.endswith("-graphs") else \
+        dict(use_cuda_graph=False)
+    if kind.startswith("bf16"):
         blocks = budget // bf16_block_bytes(model.config)
-        return continuous_batching_config(num_blocks=blocks, page_size=PAGE, max_batch_tokens=max_batch_tokens), None
+        return continuous_batching_config(num_blocks=blocks, page_size=PAGE, max_batch_tokens=max_batch_tokens,
+                                          **graphs), None
     store = OscarPagedStore(model, defer_pool=True, max_requests=max_requests, device=model.device, dtype=model.dtype,
                             **oscar_kw)
     pages = store.pages_in(budget, PAGE, max_batch_tokens)  # after the windows and the prompt transient it reserves
-    return continuous_batching_config(num_blocks=pages, page_size=PAGE, max_batch_tokens=max_batch_tokens), store
+    return continuous_batching_config(num_blocks=pages, page_size=PAGE, max_batch_tokens=max_batch_tokens,
+                                      **graphs), store
 
 
 def admitted_at(model, kind: str, store, cb: ContinuousBatchingConfig, context: int, new_tokens: int) -> int:
     """Requests of ``context + new_tokens`` tokens the budget holds at once (what the scheduler will admit)."""
-    if kind == "bf16":
+    if kind.startswith("bf16"):
         return cb.num_blocks // -(-(context + new_tokens) // PAGE)
     pages = max(1, store.history_pages(context + new_tokens, PAGE))
     return min(store.windows.num_slots, cb.num_blocks // pages)
@@ -84,7 +98,7 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
           timeout: float) -> dict:
     """Submit ``prompts`` at ``arrivals`` (seconds from the start) to a fresh manager; collect every result."""
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    ctx = paged_oscar(model, store) if kind == "oscar" else contextlib.nullcontext()
+    ctx = paged_oscar(model, store) if kind.startswith("oscar") else contextlib.nullcontext()
     cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -123,11 +137,16 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
     ttft = sorted(o.timestamps[0] - o.created_time for o in outs)
     peak, t_a, t_b = concurrency(outs)
     in_window = sum(sum(t_a < s <= t_b for s in o.timestamps) for o in outs)
+    # the decode step at that concurrency: gaps between a request's consecutive tokens inside the peak window
+    gaps = sorted(b - a for o in outs for a, b in zip(o.timestamps, o.timestamps[1:]) if t_a <= a and b <= t_b)
     row = dict(kind=kind, requests=len(outs), generated_tokens=tokens, makespan_s=round(last - first, 3),
                completed_tok_s=round(tokens / (last - first), 2),
                ttft_p50_s=round(ttft[len(ttft) // 2], 3), ttft_p90_s=round(ttft[int(0.9 * (len(ttft) - 1))], 3),
                peak_concurrency=peak, decode_tok_s_at_peak=round(in_window / (t_b - t_a), 2) if t_b > t_a else None,
-               peak_window_s=round(t_b - t_a, 3), peak_memory_gib=round(peak_mem / 2**30, 3),
+               peak_window_s=round(t_b - t_a, 3),
+               decode_step_ms_p50=round(1000 * gaps[len(gaps) // 2], 2) if gaps else None,
+               decode_steps_timed=len(gaps), cuda_graphs=kind.endswith("-graphs"),
+               peak_memory_gib=round(peak_mem / 2**30, 3),
                num_blocks=cb.num_blocks, max_batch_tokens=cb.max_batch_tokens)
     if store is not None:
         row.update(window_slots=store.windows.num_slots, window_gib=round(store.windows.reserved_bytes / 2**30, 3),
@@ -142,7 +161,13 @@ def main(argv=None):
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda")
     p.add_argument("--parts", nargs="+", default=["capacity", "load"], choices=["capacity", "load"])
-    p.add_argument("--kinds", nargs="+", default=["bf16", "oscar"], choices=["bf16", "oscar"])
+    p.add_argument("--kinds", nargs="+", default=["bf16", "oscar"],
+                   choices=["bf16", "oscar", "bf16-graphs", "oscar-graphs"],
+                   help="*-graphs: with Transformers' CUDA graphs (use_cuda_graph=True)")
+    p.add_argument("--q-padding", type=int, default=8,
+                   help="*-graphs: q_padding_interval_size (a decode step of N requests runs ceil(N / it) * it rows)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="capacity: requests submitted (default: as many as the budget admits at --context)")
     p.add_argument("--kv-budget-gib", type=float, default=40.0)
     p.add_argument("--context", type=int, default=32768, help="capacity: prompt tokens of every request")
     p.add_argument("--new-tokens", type=int, default=256)
@@ -155,6 +180,9 @@ def main(argv=None):
     p.add_argument("--oscar-batch-tokens", type=int, default=None,
                    help="OSCAR max_batch_tokens (default: the longest prompt + max_requests, no chunked prefill)")
     p.add_argument("--method", default="hadamard", help="OSCAR rotation (artifact-free)")
+    p.add_argument("--prompt-budget", type=int, default=None,
+                   help="OSCAR prompt_budget (tokens of split prompts held in full precision, reserved from the KV "
+                        "budget; default the model's max_position_embeddings)")
     p.add_argument("--timeout", type=float, default=540.0)
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -164,9 +192,10 @@ def main(argv=None):
     model = build_model(args.shape, torch.bfloat16, device, max_pos=longest + args.new_tokens + 16)
     vocab = model.config.vocab_size
     budget = int(args.kv_budget_gib * 2**30)
-    oscar_kw = dict(method=args.method)
-    batch_tokens = dict(bf16=args.bf16_batch_tokens,
-                        oscar=args.oscar_batch_tokens or longest + args.max_requests)
+    oscar_kw = dict(method=args.method, prompt_budget=args.prompt_budget)
+    oscar_tokens = args.oscar_batch_tokens or longest + args.max_requests
+    batch_tokens = {"bf16": args.bf16_batch_tokens, "bf16-graphs": args.bf16_batch_tokens, "oscar": oscar_tokens,
+                    "oscar-graphs": oscar_tokens}
     rng = random.Random(0)
     doc = dict(env=dict(python=platform.python_version(), torch=torch.__version__,
                         transformers=__import__("transformers").__version__,
@@ -181,16 +210,22 @@ def main(argv=None):
 
     # warm-up: Triton compiles its kernels, cuBLAS picks its algorithms (not measured)
     for kind in args.kinds:
-        cb, store = cache_configs(model, kind, budget, 1024, 4, oscar_kw)
+        cb, store = cache_configs(model, kind, budget, 1024, 4, oscar_kw, args.q_padding)
         serve(model, kind, [[rng.randrange(vocab) for _ in range(600)] for _ in range(3)], [0, 0, 0], 8, cb, store,
               args.timeout)
 
     for part in args.parts:
         rows = doc["results"].setdefault(part, {})
         for kind in args.kinds:
-            cb, store = cache_configs(model, kind, budget, batch_tokens[kind], args.max_requests, oscar_kw)
+            cb, store = cache_configs(model, kind, budget, batch_tokens[kind], args.max_requests, oscar_kw,
+                                      args.q_padding)
             if part == "capacity":
                 n = admitted_at(model, kind, store, cb, args.context, args.new_tokens)
+                if args.concurrency is not None:
+                    if args.concurrency > n:
+                        raise SystemExit(f"{kind}: {args.kv_budget_gib} GiB admit {n} requests at {args.context} "
+                                         f"tokens, fewer than --concurrency {args.concurrency}")
+                    n = args.concurrency
                 prompts = [[rng.randrange(vocab) for _ in range(args.context)] for _ in range(n)]
                 arrivals = [0.0] * n
             else:
@@ -200,6 +235,10 @@ def main(argv=None):
                 arrivals = [sum(gaps[:i]) for i in range(args.requests)]
             rows[kind] = serve(model, kind, prompts, arrivals, args.new_tokens, cb, store, args.timeout)
             save()
+        if {"oscar", "oscar-graphs"} <= rows.keys() and rows["oscar"]["decode_step_ms_p50"]:
+            rows["graphs_speedup"] = round(rows["oscar"]["decode_step_ms_p50"]
+                                           / rows["oscar-graphs"]["decode_step_ms_p50"], 2)
+            print(part, "OSCAR decode step, eager / CUDA graphs:", rows["graphs_speedup"], flush=True)
         if {"bf16", "oscar"} <= rows.keys():
             b, o = rows["bf16"], rows["oscar"]
             rows["ratios"] = dict(

@@ -72,6 +72,8 @@
 #               paged in 20 GiB of KV: 32K capacity; 24 requests of      serving_<gpu>_20gib_load.json
 #               8K-32K arriving at 0.5/s (`serving-capacity`,
 #               `serving-load`: one part, one call each)
+#   serving-graphs  the serving decode step with and without CUDA     serving_graphs_<gpu>_t32768_c24.json
+#               graphs, 24 requests x 32K
 #   paged       the paged decode kernel's and the pool's tests on the GPU  paged_tests_<gpu>.log
 #
 # Each <what> fits in the device machine's 10-minute command limit except `generate`, `eager`, `soak`, `kernels-dims`
@@ -303,6 +305,11 @@ for what in "$@"; do
           --new-tokens $new --max-requests 40 --requests 24 --lengths 8192 16384 32768 --rate 0.5 \
           --bf16-batch-tokens 8192 --out "$OUT/$name.json"
     done ;;
+  serving-graphs)
+    # the serving decode step with Transformers' CUDA graphs against without, 24 requests x 32K (Qwen3-8B shape)
+    run "serving_graphs_${GPU}_t32768_c24" $PY "$B/bench_serving.py" --parts capacity --kinds oscar oscar-graphs \
+        --kv-budget-gib 20 --prompt-budget 1024 --context 32768 --concurrency 24 --max-requests 24 --new-tokens 64 \
+        --q-padding 8 --out "$OUT/serving_graphs_${GPU}_t32768_c24.json" ;;
   paged)
     run "paged_tests_$GPU" $PY -m pytest -q -p no:cacheprovider --rootdir "$R" "$R/tests/kernels/test_paged_decode.py" \
         "$R/tests/serving/test_pool.py" ;;

@@ -99,6 +99,49 @@ def paged_decode_attention_reference(qf, r_k, mu_k, pages_k, pages_v, block_tabl
     return torch.cat(outs, 0)
 
 
+def gather_rows(pages: QuantizedRows, block_table: torch.Tensor, n: int) -> QuantizedRows:
+    """The first ``n`` history entries of every row, ``[B, Hk, n, *]`` (a copy), through ``block_table [B, >=
+    ceil(n / P)]`` (entries past a row's pages, -1, read page 0: the caller masks them by the row's length). Static
+    shapes, no host synchronization (a CUDA graph may capture it)."""
+    b, p = block_table.shape[0], pages.codes.shape[-2]
+    cols = cdiv(n, p)
+    ids = block_table[:, :cols].long().clamp(min=0).reshape(-1)  # [B * cols]
+
+    def cut(t):
+        x = t.index_select(0, ids).view(b, cols, *t.shape[1:])  # [B, cols, Hk, P, X]
+        return x.transpose(1, 2).reshape(b, t.shape[1], cols * p, t.shape[-1])[:, :, :n]
+
+    return QuantizedRows(*(cut(t) for t in pages))
+
+
+def paged_decode_attention_batched(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot,
+                                   win_mask, r_v, mu_v, scaling, group_size, out_dtype, max_hist_len: int,
+                                   block_n=1024):
+    """:func:`paged_decode_attention_reference` for every row at once, with the shapes a host bound fixes: each row's
+    history gathered to ``max_hist_len`` entries (:func:`gather_rows`), entries at or past ``hist_len[b]`` masked;
+    the windows gathered by ``win_slot``. No host synchronization (``.tolist()`` / ``.item()``) and no shape read
+    from a tensor's values: what the serving store's decode step runs off CUDA, and what a CUDA graph may capture.
+    Rows whose history is shorter than the bound read masked entries beside it (the same partials up to float
+    rounding of the longer reductions)."""
+    check_paged_inputs(qf, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask)
+    n = int(max_hist_len)
+    key_mask = (torch.arange(n, device=qf.device)[None, :] < hist_len.to(qf.device)[:, None])[:, None, None, :]
+
+    def valid_only(rows: QuantizedRows) -> QuantizedRows:  # entries past a row's length: 0 (what they hold may be NaN)
+        keep = key_mask.transpose(-1, -2)  # [B, 1, n, 1]
+        return QuantizedRows(rows.codes, *(torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+                                           for x in (rows.scale, rows.zero)))
+
+    k = valid_only(gather_rows(pages_k, block_table, n))
+    v = valid_only(gather_rows(pages_v, block_table, n))
+    q_rot, qk_off = rotate_query_reference(qf, r_k, mu_k)
+    start = torch.zeros(qf.shape[0], dtype=torch.long, device=qf.device)
+    w = win_k.shape[2]
+    wk, wv = (win_k.index_select(0, win_slot), win_v.index_select(0, win_slot)) if w else (None, None)
+    return decode_attention_reference(q_rot, k, v, start, key_mask, qk_off, scaling, group_size, qf.float(), wk, wv,
+                                      win_mask[:, None, None, :], r_v, mu_v, out_dtype=out_dtype, block_n=block_n)
+
+
 def paged_supported(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, group_size: int, win_k) -> bool:
     """Shapes and layouts the Triton path serves (anything else: the reference). The pool is read in place, never
     copied: codes with contiguous bytes per entry, metadata as contiguous ``[entry, group]`` rows with one layout for
@@ -127,7 +170,9 @@ def paged_decode_attention(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_le
         win_mask: ``[B, W]`` bool (False = masked).
         scaling: the softmax scale; group_size: G; out_dtype: the result's dtype.
         max_hist_len: optional host int ``>= max(hist_len)`` sizing the kernel's grid (else read from ``hist_len``,
-            one device synchronization).
+            one device synchronization). With it the call has no host synchronization on either path (the kernel, or
+            :func:`paged_decode_attention_batched` off CUDA): a CUDA graph may capture it, ``hist_len`` and the
+            tables changing between replays within that bound.
     Returns ``[B, Hk, M, D]`` in ``out_dtype`` (rows without any valid key: 0).
     """
     check_paged_inputs(qf, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask)
@@ -135,6 +180,10 @@ def paged_decode_attention(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_le
         return paged_decode_attention_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
                                              win_slot, win_mask, r_v, mu_v, scaling, group_size, out_dtype,
                                              max_hist_len=max_hist_len)
+    if max_hist_len is not None:
+        return paged_decode_attention_batched(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
+                                              win_slot, win_mask, r_v, mu_v, scaling, group_size, out_dtype,
+                                              max_hist_len)
     return paged_decode_attention_reference(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
                                             win_slot, win_mask, r_v, mu_v, scaling, group_size, out_dtype)
 
@@ -219,6 +268,6 @@ def paged_decode_attention_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, 
 
 
 __all__ = [
-    "paged_decode_attention", "paged_decode_attention_reference", "paged_decode_attention_triton", "paged_supported",
-    "gather_pages", "check_paged_inputs",
+    "paged_decode_attention", "paged_decode_attention_reference", "paged_decode_attention_batched",
+    "paged_decode_attention_triton", "paged_supported", "gather_pages", "gather_rows", "check_paged_inputs",
 ]

@@ -110,8 +110,38 @@ def _check_cb_config(cbc) -> None:
         cbc.use_async_batching = False
     if cbc.cpu_offload_space:
         raise NotImplementedError("CPU offloading copies BF16 pages only; use cpu_offload_space=0 with OSCAR")
-    if any(cbc.cuda_graph_booleans) or cbc.varlen_compile_config is not None or cbc.decode_compile_config is not None:
-        raise NotImplementedError("the OSCAR paged reference does not run under CUDA graphs or torch.compile")
+    if cbc.varlen_compile_config is not None or cbc.decode_compile_config is not None:
+        raise NotImplementedError("OSCAR serving does not run under torch.compile (varlen_compile_config / "
+                                  "decode_compile_config / default_compile_level); CUDA graphs (use_cuda_graph=True) "
+                                  "serve its decode steps")
+
+
+def _install_graph_hooks(processor) -> None:
+    """Let Transformers' CUDA graphs (``use_cuda_graph``) replay OSCAR's decode steps, on this batch processor only.
+
+    OSCAR serves every batch through Transformers' varlen path (it has no flash block table), whose graphs would
+    capture prefill too: instead a step is graphed exactly when its batch is decode-only (and fits the store's
+    buffers) and Transformers' decode boolean is on; prefill and mixed batches run eagerly (their padded rows get 0).
+    Three instance attributes of Transformers' objects are wrapped:
+
+    * ``model_runner.compute_batch``: first the cache's host side of the step (:meth:`RecordedBatch.prepare_forward`:
+      the decode plan into the store's fixed buffers), then Transformers' own (forward, or graph capture / replay);
+    * ``model_runner._get_forward_fn``: a graph for this step or not, as the cache decided;
+    * ``inputs_and_outputs._get_graph_key``: Transformers' key (padded rows, KV sizes) plus the history bound the
+      step's grids are sized for (a power of two of pages), so that a graph is replayed only for steps it covers."""
+    cache, runner, io = processor.cache, processor.model_runner, processor.inputs_and_outputs
+    compute, forward_fn, graph_key = runner.compute_batch, runner._get_forward_fn, io._get_graph_key
+
+    def compute_batch(model, batch_data):
+        cache.prepare_forward(batch_data["input_ids"].shape[-1])
+        return compute(model, batch_data)
+
+    def get_forward_fn(use_block_table: bool):
+        fn, _ = forward_fn(use_block_table)
+        return fn, cache.graph_step
+
+    runner.compute_batch, runner._get_forward_fn = compute_batch, get_forward_fn
+    io._get_graph_key = lambda: (*graph_key(), *cache.graph_key)
 
 
 def _check_processor(processor) -> None:
@@ -137,9 +167,11 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
 
     def create_checked(self):
         processor = create(self)
-        if serves(self.model.config):
+        if serves(self.model.config) and not getattr(processor, "oscar_hooked", False):  # (a reset one: once)
             _check_processor(processor)
             processor.cache.attach_scheduler(processor.scheduler)  # its request states: prompt lengths and ends
+            _install_graph_hooks(processor)
+            processor.oscar_hooked = True
         return processor
 
     stop = manager.stop

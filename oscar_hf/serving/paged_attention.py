@@ -167,6 +167,29 @@ class RecordedBatch:
         self._pending: list[tuple[str, int, int]] = []
         self._batch: list[tuple[str, int, int]] = []
 
+    def _start_graphs(self, store, cb_config) -> None:
+        """Before Transformers sizes the cache: when the manager graphs decode steps (``use_cuda_graph``: its decode
+        boolean), the store's decode step becomes graph-safe for the padded batches it will see (``max_requests``
+        decode rows at most, padded to ``q_padding_interval_size``): :meth:`OscarPagedStore.enable_graphs`."""
+        self.cuda_graphs = bool(cb_config is not None and cb_config.cuda_graph_booleans[1])
+        self.graph_step, self.graph_key = False, ()
+        if self.cuda_graphs:
+            q = max(1, cb_config.q_padding_interval_size or 1)
+            store.enable_graphs(-(-store.windows.num_slots // q) * q)
+        else:  # (a store reused by a manager without graphs)
+            store.graph_rows = 0
+
+    def prepare_forward(self, rows: int) -> bool:
+        """The host side of a forward, once Transformers has prepared the batch (every request recorded) and before
+        the model runs or a CUDA graph replays: the store's decode plan, written into its fixed buffers (pages
+        allocated, lengths advanced). ``rows``: the forward's packed rows, padding included. Returns whether this
+        step may run as a graph (a decode-only batch that fits the buffers, graphs on); ``graph_key`` then holds
+        what else its graph depends on (the history bound its grids are sized for)."""
+        plan = self.store.plan_decode(self.batch(), rows if self.cuda_graphs else None)
+        self.graph_step = plan is not None and plan.graphable
+        self.graph_key = (plan.max_hist,) if self.graph_step else ()
+        return self.graph_step
+
     def _record(self, request_id: str, past_length: int, query_length: int) -> None:
         self._pending.append((request_id, int(past_length), int(query_length)))
         # the scheduler has split the request's tokens for this step: what its state keeps for later steps is the rest

@@ -33,8 +33,10 @@ completes); the memory handler reserves both from ``max_memory_percent`` before 
 the store leaves to Transformers (sliding windows, ``skip_layers``) keep Transformers' BF16 cache and a separately
 sized pool.
 
-Not followed (refused loudly): prefix sharing (block sharing is turned off), forks (``num_return_sequences > 1``),
-CPU offloading, CUDA graphs / compile. See docs/serving.md.
+CUDA graphs (``use_cuda_graph``): decode-only batches replay Transformers' graphs with the store's decode step in
+them; the host side of a step (:meth:`RecordedBatch.prepare_forward`) runs before the forward, see
+:mod:`~oscar_hf.serving.batching`. Not followed (refused loudly): prefix sharing (block sharing is turned off), forks
+(``num_return_sequences > 1``), CPU offloading, torch.compile. See docs/serving.md.
 """
 from __future__ import annotations
 
@@ -232,6 +234,7 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
 
     def __init__(self, *args, store: OscarPagedStore, **kwargs):
         config = args[0] if args else kwargs["config"]
+        self._start_graphs(store, args[1] if len(args) > 1 else kwargs.get("continuous_batching_config"))
         self.oscar_owns_memory = store_owns_every_layer(store, config)
         store.check_pool_sizing(follows_blocks=self.oscar_owns_memory)
         if not self.oscar_owns_memory:  # BF16 cache for the other layers, the store's pool sized by the user
@@ -240,8 +243,10 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
             with _oscar_allocation(store):
                 super().__init__(*args, **kwargs)
             allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
-            # The pool: one page per block, laid out in the cache tensor after its two trash sectors.
-            trash = 2 * self.bytes_per_sector
+            # The pool: one page per block, laid out in the cache tensor after its two trash sectors, and the
+            # pool's trash page (where rows that demote nothing write) in the end of those sectors: a sector holds
+            # at least one page of every layer (Transformers never writes there: no BF16 layer).
+            trash = 2 * self.bytes_per_sector - -(-store.page_bytes(allocator.tokens_per_page) // 128) * 128
             store.attach_pool(allocator.num_blocks, allocator.tokens_per_page, storage=self.cache_tensor[trash:])
             store.pool_in_cache = True
             # Transformers reads no past for these layers: the index tensors and sdpa masks it allocates are
@@ -251,6 +256,8 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
         # The store's requests start empty: a prefix matched in the BF16 pages was never written to it.
         self.allow_block_sharing = self.use_prefix_sharing = False
         self.store = store
+        if self.cuda_graphs:  # every window slot now: a captured graph holds their addresses
+            store.windows.fix()
         self._start_recording()
 
     # ------------------------------------------------------------------ batch composition

@@ -42,6 +42,7 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
     def __init__(self, config, continuous_batching_config, device, distributed_helper, tp_plan=None,
                  dtype=torch.float16, *, store: OscarPagedStore):
         tp_plan = tp_plan or {}
+        self._start_graphs(store, continuous_batching_config)
         self.oscar_owns_memory = store_owns_every_layer(store, config)
         store.check_pool_sizing(follows_blocks=self.oscar_owns_memory)
         if not self.oscar_owns_memory:
@@ -67,6 +68,8 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
             store.attach_pool(pages, self.block_size)
         self.allow_block_sharing = self.use_prefix_sharing = False
         self.store = store
+        if self.cuda_graphs:  # every window slot now: a captured graph holds their addresses
+            store.windows.fix()
         self._start_recording()
 
     # ------------------------------------------------------------------ admission

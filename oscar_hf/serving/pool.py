@@ -24,6 +24,11 @@ requests come and go.
 With ``storage`` (a flat ``uint8`` tensor, e.g. the non-trash part of Transformers' paged cache tensor) the tensors
 are views into it, one after the other (widest element first: every offset stays aligned), instead of allocations
 of their own.
+
+With ``trash_page=True`` the tensors hold one more page, :attr:`PagedInt2Pool.trash_page` (index ``num_pages``), that
+is never handed out: the batched decode write sends the entries of rows that demote nothing this step (and of the
+padded rows of a CUDA-graphed step) there, so that every step writes one entry per row with static shapes and never
+touches a real request's pages.
 """
 from __future__ import annotations
 
@@ -86,7 +91,7 @@ class PagedInt2Pool:
                  group_size: int, meta_dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                  storage: torch.Tensor | None = None, *, int2_heads: Sequence[int] | None = None,
                  coded_heads: Sequence[int] | None = None, coded_bits: int = 8,
-                 coded_dtype: torch.dtype = torch.bfloat16):
+                 coded_dtype: torch.dtype = torch.bfloat16, trash_page: bool = False):
         if num_pages < 1 or num_layers < 1 or num_kv_heads < 1 or page_size < 1:
             raise ValueError(f"PagedInt2Pool needs positive sizes, got num_pages={num_pages}, num_layers={num_layers}, "
                              f"num_kv_heads={num_kv_heads}, page_size={page_size}")
@@ -106,11 +111,14 @@ class PagedInt2Pool:
         # first row of layer l's keys on each flat head axis (its values follow)
         self._int2_at = [2 * sum(int2_heads[:l]) for l in range(num_layers)]
         self._coded_at = [2 * sum(coded_heads[:l]) for l in range(num_layers)]
-        lead = (num_pages, 2 * sum(int2_heads), page_size)
+        # the trash page (index num_pages, never allocated): where rows with nothing to demote write (module docstring)
+        self.trash_page = num_pages if trash_page else None
+        rows = num_pages + int(trash_page)
+        lead = (rows, 2 * sum(int2_heads), page_size)
         specs = [((*lead, head_dim // 4), torch.uint8), ((*lead, head_dim // group_size), meta_dtype),
                  ((*lead, head_dim // group_size), meta_dtype)]
         if sum(coded_heads):
-            specs += [((num_pages, 2 * sum(coded_heads), page_size, last), dt)
+            specs += [((rows, 2 * sum(coded_heads), page_size, last), dt)
                       for last, dt in heads.part_specs(coded_bits, head_dim, coded_dtype)]
         if storage is None:
             tensors = [torch.zeros(shape, dtype=dt, device=device) for shape, dt in specs]
@@ -119,7 +127,7 @@ class PagedInt2Pool:
         self.int2 = QuantizedRows(*tensors[:3])  # the flat INT2 tensors
         self.coded = tuple(tensors[3:])  # the flat coded parts (empty without retrieval heads)
         if all(h == num_kv_heads for h in int2_heads):
-            self.codes, self.scale, self.zero = (t.view(num_pages, num_layers, 2, num_kv_heads, *t.shape[2:])
+            self.codes, self.scale, self.zero = (t.view(rows, num_layers, 2, num_kv_heads, *t.shape[2:])
                                                  for t in self.int2)
         else:
             self.codes, self.scale, self.zero = self.int2
@@ -164,6 +172,7 @@ class PagedInt2Pool:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the page tensors (the trash page included)."""
         return sum(t.numel() * t.element_size() for t in (*self.int2, *self.coded))
 
     def refcount(self, page: int) -> int:

@@ -23,9 +23,11 @@ whose every head is a 16-bit retrieval head is exact and left to Transformers' p
 the new token goes to ring entry ``S0 + T % R`` and, while ``T < S0``, to the sink), then one paged decode attention
 over the history (through the block tables) and the window slots
 (:func:`~oscar_hf.kernels.paged_decode.paged_decode_attention`: the split-K Triton kernel on CUDA). What the rows
-share across layers (slots, entries, pages, block tables, window masks) is computed once per forward
-(:class:`DecodePlan`). **Multi-token rows** (a prompt, a prompt chunk) are served one request at a time: the
-user's attention over the prompt when the request is new, else one SDPA call over history + window + the new rows
+share across layers (slots, entries, pages, block tables, window masks) is planned on the host before the forward
+and written into fixed device buffers (:meth:`OscarPagedStore.plan_decode`, :class:`DecodePlan`); the forward is
+device work only, so that Transformers' CUDA graphs may capture and replay it (padded rows go to a trash window slot
+and the pool's trash page; docs/serving.md, "CUDA graphs"). **Multi-token rows** (a prompt, a prompt chunk) are
+served one request at a time: the user's attention over the prompt when the request is new, else one SDPA call over history + window + the new rows
 (:func:`~oscar_hf.serving.paged_attention.paged_chunk_attention`); then they are stored
 (:func:`~oscar_hf.cache.window.commit`: the slots leaving the window demoted in ``prefill_chunk`` pieces).
 
@@ -85,11 +87,15 @@ class WindowPool:
         self.k = self.v = torch.empty((0, *self.slot_shape), dtype=dtype, device=self.device)
         self._free: list[int] = []  # allocated slots nobody holds
         self._held = 0
+        # CUDA graphs (:meth:`fix`): every slot allocated at once plus one trash slot, the last row of k / v, that the
+        # padded rows of a graphed step write to; None otherwise
+        self.with_trash = False
+        self.trash_slot: int | None = None
 
     @property
     def capacity(self) -> int:
-        """Slots allocated now (``k.shape[0]``)."""
-        return self.k.shape[0]
+        """Slots allocated now (the rows of ``k`` but the trash slot)."""
+        return self.k.shape[0] - (self.trash_slot is not None)
 
     @property
     def num_free(self) -> int:
@@ -107,8 +113,15 @@ class WindowPool:
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes of ``num_slots`` slots: the most the pool takes."""
-        return self.num_slots * self.slot_bytes
+        """Bytes of ``num_slots`` slots (and the trash slot under CUDA graphs): the most the pool takes."""
+        return (self.num_slots + self.with_trash) * self.slot_bytes
+
+    def fix(self) -> None:
+        """Allocate every slot now, and the trash slot (``with_trash``): a CUDA graph captured over the decode step
+        holds the windows' addresses, so they must not move while the manager lives (no growth on demand)."""
+        if self.trash_slot is None:
+            self.with_trash = True
+            self._grow(self.num_slots, trash=True)
 
     def allocate(self) -> int:
         if self._held == self.num_slots:
@@ -122,17 +135,19 @@ class WindowPool:
         self._free.append(slot)
         self._held -= 1
 
-    def _grow(self) -> None:
+    def _grow(self, new: int | None = None, trash: bool = False) -> None:
         old = self.capacity
-        new = min(self.num_slots, max(1, 2 * old))
+        new = min(self.num_slots, max(1, 2 * old)) if new is None else new
         free = set(self._free)
         live = [s for s in range(old) if s not in free]
         idx = torch.tensor(live, dtype=torch.long, device=self.device)
         kept = [x.index_select(0, idx).cpu() for x in (self.k, self.v)]  # [live, L, Hk, S0 + R, D] on the host
         self.k = self.v = None  # the old tensors go before the new ones come
-        self.k, self.v = (torch.zeros((new, *self.slot_shape), dtype=self.dtype, device=self.device) for _ in "kv")
+        rows = new + trash
+        self.k, self.v = (torch.zeros((rows, *self.slot_shape), dtype=self.dtype, device=self.device) for _ in "kv")
         for dst, src in zip((self.k, self.v), kept):
             dst[idx] = src.to(self.device)
+        self.trash_slot = new if trash else None
         self._free = list(range(new - 1, old - 1, -1)) + self._free
 
     def release_memory(self) -> None:
@@ -141,6 +156,7 @@ class WindowPool:
             raise RuntimeError(f"{self._held} window slots are still held")
         self.k = self.v = torch.empty((0, *self.slot_shape), dtype=self.dtype, device=self.device)
         self._free = []
+        self.with_trash, self.trash_slot = False, None
 
 
 @dataclasses.dataclass
@@ -167,25 +183,58 @@ class RequestKV:
 
 @dataclasses.dataclass
 class DecodePlan:
-    """What the decode rows of one forward share across layers (device tensors, ``Bd`` rows)."""
+    """What the decode rows of one forward read, shared by its layers: ``Bp`` rows, the batch's decode rows and (a
+    CUDA-graphed step) its padded rows, as views of the store's fixed device buffers (:class:`DecodeBuffers`; fresh
+    tensors only when a step outgrows them, never in a graphed step). Built on the host before the forward
+    (:meth:`OscarPagedStore.plan_decode`); the forward only reads it, so a replayed graph reads the next step's."""
 
     key: tuple  # the batch it was built for
-    pos: torch.Tensor  # [Bd] long: the rows' positions in the packed batch
-    slots: torch.Tensor  # [Bd] long: window slots
-    new_entry: torch.Tensor  # [Bd] long: ring entry of the new token
-    sink_rows: torch.Tensor  # [Bs] long: indices (into Bd) of rows whose new token also goes to the sink
-    sink_entry: torch.Tensor  # [Bs] long
-    demote_rows: torch.Tensor  # [Bm] long: indices (into Bd) of rows demoting slot T - 1 - W
-    demote_entry: torch.Tensor  # [Bm] long: its ring entry
-    demote_page: torch.Tensor  # [Bm] long: destination page ...
-    demote_off: torch.Tensor  # [Bm] long: ... and offset in it
-    block_table: torch.Tensor  # [Bd, max pages] int32
-    hist_len: torch.Tensor  # [Bd] int32: history entries after the demotion
-    max_hist: int  # max(hist_len), known on the host (the kernel's grid; no device sync)
-    win_mask: torch.Tensor  # [Bd, S0 + R] bool
-    requests: list  # [(request_id, T)] in row order
-    # what the retrieval heads' read adds:
-    hist_start: torch.Tensor | None = None  # [Bd] zeros: every row's history from entry 0 (the retrieval heads' read)
+    pos: torch.Tensor  # [Bp] long: the rows' positions in the packed batch
+    slots: torch.Tensor  # [Bp] long: window slots (padded rows: the trash slot)
+    new_entry: torch.Tensor  # [Bp] long: ring entry of the new token
+    sink_entry: torch.Tensor  # [Bp] long: its sink entry while T < S0, else new_entry again (the same value, twice)
+    demote_entry: torch.Tensor  # [Bp] long: ring entry of slot T - 1 - W, which left the window at the previous step
+    demote_page: torch.Tensor  # [Bp] long: its destination page (the pool's trash page for rows that demote none) ...
+    demote_off: torch.Tensor  # [Bp] long: ... and offset in it
+    block_table: torch.Tensor  # [Bp, ceil(max_hist / P)] int32 (-1 past a row's pages)
+    hist_len: torch.Tensor  # [Bp] int32: history entries after the demotion
+    hist_start: torch.Tensor  # [Bp] long zeros: every row's history from entry 0 (the retrieval heads' read)
+    win_mask: torch.Tensor  # [Bp, S0 + R] bool
+    max_hist: int  # the grid's history bound (host int >= max(hist_len)): exact, or its bucket in a graphed step
+    write_sink: bool  # whether any row writes a sink entry (always in a graphed step: one graph serves every step)
+    demote: bool  # whether any row demotes (likewise)
+    graphable: bool  # every tensor above is a view of the fixed buffers and the shapes depend on the bucket only
+    requests: list  # [(request_id, T)] of the real rows, in row order
+
+    @property
+    def rows(self) -> int:
+        return self.pos.shape[0]
+
+
+class DecodeBuffers:
+    """The fixed device tensors a decode step reads (:class:`DecodePlan` holds views of them): allocated once per
+    store and size, written on the host side of each step (one copy per tensor) before the forward, so that a CUDA
+    graph captured over the forward replays with the next step's rows. ``rows`` x ``cols``: the most rows a step
+    takes and the most pages a row's history spans."""
+
+    FIELDS = ("pos", "slots", "new_entry", "sink_entry", "demote_entry", "demote_page", "demote_off", "t")
+
+    def __init__(self, rows: int, cols: int, entries: int, device):
+        self.rows, self.cols = rows, cols
+        self.index = torch.zeros(len(self.FIELDS), rows, dtype=torch.long, device=device)  # [8, rows]
+        self.table = torch.full((rows, cols), -1, dtype=torch.int32, device=device)
+        self.hist_len = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.hist_start = torch.zeros(rows, dtype=torch.long, device=device)  # never written
+        self.win_mask = torch.zeros(rows, entries, dtype=torch.bool, device=device)
+
+
+def history_bucket(n: int, page_size: int) -> int:
+    """The history bound a graphed step's grid is sized for: ``n`` rounded up to a power of two of pages (0 stays 0),
+    so that a batch size needs about log2(pages) graphs, each within 2x of the rows' longest history."""
+    if n <= 0:
+        return 0
+    pages = -(-n // page_size)
+    return page_size * (1 << (pages - 1).bit_length())
 
 
 class OscarPagedStore:
@@ -276,6 +325,11 @@ class OscarPagedStore:
         self.prompt_budget = prompt_budget
         self._warned_prompt = False
         self._plan: DecodePlan | None = None
+        self._buffers: DecodeBuffers | None = None
+        self.graph_rows = 0  # CUDA graphs (enable_graphs): the most rows of a graphed decode step; 0 = off
+        # the longest history a request is expected to reach (sizes the decode buffers' block tables; a longer one
+        # takes fresh tensors, eagerly)
+        self.max_positions = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.pool: PagedInt2Pool | None = None
         self.pool_in_cache = False  # set by OscarPagedCache when the pool is laid out in Transformers' cache tensor
         self._deferred = defer_pool
@@ -337,7 +391,7 @@ class OscarPagedStore:
     def pages_in(self, budget: int, page_size: int, max_batch_tokens: int) -> int:
         """Pages of ``page_size`` entries that ``budget`` bytes pay for after :meth:`reserved_bytes`; at least one."""
         reserved = self.reserved_bytes(max_batch_tokens)
-        pages = (budget - reserved) // self.page_bytes(page_size)
+        pages = (budget - reserved) // self.page_bytes(page_size) - 1  # less the pool's trash page
         if pages < 1:
             raise ValueError(
                 f"a memory budget of {budget} bytes does not pay for one page ({self.page_bytes(page_size)} bytes) "
@@ -359,8 +413,18 @@ class OscarPagedStore:
             raise RuntimeError(f"the store still holds {len(self.requests)} requests; free them before a new pool")
         self.pool = PagedInt2Pool(num_pages, self.num_layers, self.num_kv_heads, self.head_dim, page_size,
                                   self.config.group_size, self.config.torch_meta_dtype, self.device, storage=storage,
-                                  **self._layout())
+                                  trash_page=True, **self._layout())
+        self._buffers = None  # sized for this pool's pages
         return self.pool
+
+    def enable_graphs(self, rows: int) -> None:
+        """Make the decode step graph-safe for steps of up to ``rows`` rows (a CUDA-graph manager's padded batch):
+        the window slots are allocated now with a trash slot (:meth:`WindowPool.fix`: their addresses never change
+        after a capture) and the decode buffers take ``rows`` rows. Before the manager sizes its cache: the trash
+        slot is in :meth:`reserved_bytes`."""
+        self.graph_rows = rows
+        self.windows.with_trash = True
+        self._buffers = None
 
     def check_pool_sizing(self, follows_blocks: bool) -> None:
         """Who sizes the page pool: Transformers' blocks when the store quantizes every layer (``follows_blocks``),
@@ -493,106 +557,156 @@ class OscarPagedStore:
     # ------------------------------------------------------------------ one forward of a batch
     def attend(self, layer_idx: int, query: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, batch,
                scaling: float, module, base: str) -> torch.Tensor:
-        """``[1, sum L_i, Hq, D]``: one layer of a packed forward. ``query [1, Hq, sum L_i, D]``, ``new_k/new_v
-        [1, Hk, sum L_i, D]``, ``batch`` the requests in packing order as ``(request_id, past_length, L_i)``; each
-        request's rows attend to its own cache and new rows (causal), which are then stored."""
+        """``[1, Q, Hq, D]``: one layer of a packed forward. ``query [1, Hq, Q, D]``, ``new_k/new_v [1, Hk, Q, D]``,
+        ``batch`` the requests in packing order as ``(request_id, past_length, L_i)`` (``sum L_i <= Q``: rows past
+        them pad the batch to a CUDA-graph size and get 0); each request's rows attend to its own cache and new rows
+        (causal), which are then stored. The decode rows read the step's :class:`DecodePlan`
+        (:meth:`plan_decode`, made here by the first layer when no prepare hook made it before the forward)."""
         total = sum(q for _, _, q in batch)
-        if total != query.shape[2] or new_k.shape[2] != total:
+        if total > query.shape[2] or new_k.shape[2] != query.shape[2]:
             raise RuntimeError(f"OSCAR paged attention: the batch holds {total} new tokens, the query "
-                               f"{query.shape[2]} (padded batches are not supported)")
-        for rid, past, _ in batch:
-            self._request(rid, layer_idx, past, new_k)
-        out = query.new_empty(1, total, query.shape[1], query.shape[3])
-        decode, start = [], 0
-        for i, (rid, past, q_len) in enumerate(batch):
-            if q_len == 1 and past > 0:
-                decode.append(i)
-            else:
+                               f"{query.shape[2]}, the keys {new_k.shape[2]}")
+        plan = self._plan
+        if plan is None or plan.key != tuple(batch):
+            plan = self.plan_decode(batch)
+        out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
+        start = 0
+        for rid, past, q_len in batch:
+            if not (q_len == 1 and past > 0):  # a prompt or a chunk of one: one request at a time
                 sl = slice(start, start + q_len)
+                self._request(rid, layer_idx, past, new_k)
                 out[:, sl] = self._attend_one(rid, layer_idx, past, query[:, :, sl], new_k[:, :, sl],
                                               new_v[:, :, sl], scaling, module, base)
             start += q_len
-        if decode:
-            plan = self._decode_plan(batch, decode)
+        if plan is not None:
             out[0, plan.pos] = self._decode(layer_idx, plan, query, new_k, new_v, scaling)
-            for rid, t in plan.requests:
-                r = self.requests[rid]
-                r.lengths[layer_idx] = t + 1
-                r.prompt.clear()  # decoding: the prompt is complete, its full-precision chunks go
-                r.prompt_reserved = 0
         return out
 
     # ------------------------------------------------------------------ decode rows, batched
-    def _decode_plan(self, batch, decode: list[int]) -> DecodePlan:
-        key = tuple(batch)
-        if self._plan is not None and self._plan.key == key:
-            return self._plan
+    def plan_decode(self, batch, rows: int | None = None) -> DecodePlan | None:
+        """The decode rows' plan of the forward that packs ``batch`` (host work, before the forward: Transformers'
+        prepare hooks, :meth:`OscarPagedCache.prepare_forward`): window slots and ring entries, the page and offset
+        each row demotes slot ``T - 1 - W`` to (pages allocated here), block tables, history lengths, window masks,
+        written into the fixed :class:`DecodeBuffers`. The requests' token counts advance here, in every layer at
+        once, so the forward itself updates no host state (a graph replay runs none). ``rows``: the forward's
+        padded row count when the step may be CUDA-graphed (graphs enabled, every row of ``batch`` a decode row, and
+        it fits the buffers): the padded rows then point to the trash window slot and the trash page, and
+        ``max_hist`` is the bucket (:func:`history_bucket`). None when ``batch`` has no decode row."""
+        decode = [i for i, (_, past, q) in enumerate(batch) if q == 1 and past > 0]
+        if not decode:
+            self._plan = None
+            return None
+        if not self.has_pool:
+            raise RuntimeError("the OSCAR store has no page pool (defer_pool=True and no attach_pool, or its manager "
+                               "stopped and gave the pool's memory back)")
         s0, w, ring, p = self.config.sink, self.config.recent, self.ring, self.pool.page_size
+        trash_page = self.pool.trash_page
+        graphed = (rows is not None and self.graph_rows > 0 and len(decode) == len(batch)
+                   and len(decode) <= rows <= self.graph_rows and self.windows.trash_slot is not None)
         offsets = [0]
         for _, _, q in batch:
             offsets.append(offsets[-1] + q)
-        pos, slots, entry, ts, tables, hist = [], [], [], [], [], []
-        sink_rows, sink_entry, dem_rows, dem_entry, dem_page, dem_off = [], [], [], [], [], []
-        for row, i in enumerate(decode):
+        fields = {f: [] for f in DecodeBuffers.FIELDS}
+        tables, hist, requests = [], [], []
+        for i in decode:
             rid, t, _ = batch[i]
-            r = self.requests[rid]
-            pos.append(offsets[i])
-            slots.append(r.slot)
-            entry.append(s0 + t % ring)
-            ts.append(t)
-            if t < s0:
-                sink_rows.append(row)
-                sink_entry.append(t)
+            r = self.requests.get(rid)
+            if r is None or not r.lengths:  # never written: prefix sharing or an offload restore (refused there)
+                self._request(rid, next(iter(self.layer_slot)), t, None)
+            if any(n != t for n in r.lengths.values()):
+                raise RuntimeError(f"request {rid!r}: the store holds {None if r is None else r.lengths} tokens per "
+                                   f"layer, the batch says {t}")
             e = t - 1 - w - s0  # history entry of slot T - 1 - W, which left the window at the previous step
             if e >= 0:
                 self._pages_for(r, e + 1)
-                dem_rows.append(row)
-                dem_entry.append(s0 + (t - 1 - w) % ring)
-                dem_page.append(r.table[e // p])
-                dem_off.append(e % p)
+            new_entry = s0 + t % ring
+            for f, x in zip(DecodeBuffers.FIELDS, (
+                    offsets[i], r.slot, new_entry, t if t < s0 else new_entry, s0 + (t - 1 - w) % ring,
+                    r.table[e // p] if e >= 0 else trash_page, e % p if e >= 0 else 0, t)):
+                fields[f].append(x)
             hist.append(max(t - w - s0, 0))
             tables.append(r.table)
-        dev = self.device
-        width = max(1, max(len(tb) for tb in tables))
-        table = torch.full((len(decode), width), -1, dtype=torch.int32)
+            requests.append((rid, t))
+        if graphed:  # the padded rows: the trash slot (t = -1: nothing valid in its window), the trash page
+            for k in range(len(decode), rows):
+                for f, x in zip(DecodeBuffers.FIELDS, (k, self.windows.trash_slot, s0, s0, s0, trash_page, 0, -1)):
+                    fields[f].append(x)
+                hist.append(0)
+                tables.append([])
+        max_hist = history_bucket(max(hist), p) if graphed else max(hist)
+        cols = max(1, -(-max_hist // p))
+        bp = len(fields["pos"])
+        index = torch.tensor([fields[f] for f in DecodeBuffers.FIELDS], dtype=torch.long)  # [8, Bp] on the host
+        table = torch.full((bp, cols), -1, dtype=torch.int32)
         for row, tb in enumerate(tables):
-            table[row, : len(tb)] = torch.tensor(tb, dtype=torch.int32)
-        long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
-        t = torch.tensor(ts, dtype=torch.long, device=dev)
+            table[row, : min(len(tb), cols)] = torch.tensor(tb[:cols], dtype=torch.int32)
+        buf = self._decode_buffers(bp, cols)
+        if buf is None:  # outgrew the buffers: fresh tensors, eagerly
+            graphed = False
+            buf = DecodeBuffers(bp, cols, s0 + ring, self.device)
+        idx = buf.index[:, :bp]
+        idx.copy_(index)
+        bt = buf.table[:bp, :cols]
+        bt.copy_(table)
+        hl = buf.hist_len[:bp]
+        hl.copy_(torch.tensor(hist, dtype=torch.int32))
+        wm = buf.win_mask[:bp]
+        # the new token, the W before it and the sink; computed on the host: every write here is a synchronous copy,
+        # complete before the forward starts on Transformers' compute stream (a device op here would race with it)
+        wm.copy_(window_mask(index[7] + 1, 0, s0, ring, w + 1))
+        pos, slots, new_entry, sink_entry, dem_entry, dem_page, dem_off, _ = idx.unbind(0)
+        ts = fields["t"][: len(decode)]
         self._plan = DecodePlan(
-            key=key, pos=long(pos), slots=long(slots), new_entry=long(entry), sink_rows=long(sink_rows),
-            sink_entry=long(sink_entry), demote_rows=long(dem_rows), demote_entry=long(dem_entry),
-            demote_page=long(dem_page), demote_off=long(dem_off), block_table=table.to(dev),
-            hist_len=torch.tensor(hist, dtype=torch.int32, device=dev), max_hist=max(hist),
-            win_mask=window_mask(t + 1, 0, s0, ring, w + 1),  # the new token, the W before it and the sink
-            requests=[(batch[i][0], batch[i][1]) for i in decode],
-            hist_start=torch.zeros(len(decode), dtype=torch.long, device=dev))
+            key=tuple(batch), pos=pos, slots=slots, new_entry=new_entry, sink_entry=sink_entry,
+            demote_entry=dem_entry, demote_page=dem_page, demote_off=dem_off, block_table=bt, hist_len=hl,
+            hist_start=buf.hist_start[:bp], win_mask=wm, max_hist=max_hist,
+            write_sink=graphed or min(ts) < s0, demote=graphed or max(ts) > w + s0, graphable=graphed,
+            requests=requests)
+        for rid, t in requests:  # the step's writes are planned: every layer holds T + 1 tokens after the forward
+            r = self.requests[rid]
+            r.lengths = dict.fromkeys(r.lengths, t + 1)
+            r.prompt.clear()  # decoding: the prompt is complete, its full-precision chunks go
+            r.prompt_reserved = 0
         return self._plan
 
+    def _decode_buffers(self, rows: int, cols: int) -> DecodeBuffers | None:
+        """The fixed buffers if a step of ``rows`` x ``cols`` fits them (allocated at the first step: ``max_requests``
+        rows, or the graphed step's ``graph_rows``; the block tables as wide as the model's longest history or the
+        pool, whichever is less), else None. Never reallocated while graphs may hold them."""
+        if self._buffers is None:
+            most = self.pool.num_pages
+            if self.max_positions:
+                most = min(most, max(1, self.history_pages(self.max_positions, self.pool.page_size)))
+            self._buffers = DecodeBuffers(max(self.windows.num_slots, self.graph_rows), most,
+                                          self.config.sink + self.ring, self.device)
+        b = self._buffers
+        return b if rows <= b.rows and cols <= b.cols else None
+
     def _decode(self, layer_idx: int, plan: DecodePlan, query, new_k, new_v, scaling: float) -> torch.Tensor:
-        """``[Bd, Hq, D]``: write then read one token for each decode row (see the module docstring)."""
+        """``[Bp, Hq, D]``: write then read one token for each row of ``plan`` (see the module docstring). Device
+        work only, its shapes set by the plan's row count and ``max_hist``: no host synchronization, so a CUDA graph
+        may capture it and replay it with the next step's plan in the same buffers."""
         li, p = self.layer_slot[layer_idx], self.params[layer_idx]
         win_k, win_v = self.windows.k[:, li], self.windows.v[:, li]  # [slots, Hk, S0 + R, D]
-        k_new = new_k[0].index_select(1, plan.pos).transpose(0, 1)  # [Bd, Hk, D]
+        k_new = new_k[0].index_select(1, plan.pos).transpose(0, 1)  # [Bp, Hk, D]
         v_new = new_v[0].index_select(1, plan.pos).transpose(0, 1)
-        if plan.demote_rows.numel():  # 1. slot T - 1 - W: ring -> INT2 (and coded rows), into the row's current page
-            slots = plan.slots[plan.demote_rows]
+        if plan.demote:  # 1. slot T - 1 - W: ring -> INT2 (and coded rows), into the row's current page (or trash)
             for win, kind in ((win_k, "k"), (win_v, "v")):
-                x = win[slots, :, plan.demote_entry][:, :, None]  # [Bm, Hk, 1, D]
+                x = win[plan.slots, :, plan.demote_entry][:, :, None]  # [Bp, Hk, 1, D]
                 self._write_history(layer_idx, kind, x, plan.demote_page, plan.demote_off)
-        # 2. the new token: its ring entry, and the sink while T < S0
+        # 2. the new token: its ring entry (the one just demoted: R = W + 1), and its sink entry while T < S0
         win_k[plan.slots, :, plan.new_entry] = k_new
         win_v[plan.slots, :, plan.new_entry] = v_new
-        if plan.sink_rows.numel():
-            win_k[plan.slots[plan.sink_rows], :, plan.sink_entry] = k_new[plan.sink_rows]
-            win_v[plan.slots[plan.sink_rows], :, plan.sink_entry] = v_new[plan.sink_rows]
+        if plan.write_sink:
+            win_k[plan.slots, :, plan.sink_entry] = k_new
+            win_v[plan.slots, :, plan.sink_entry] = v_new
         # 3. read: history pages through the block tables + the window slots
         q = group_queries(query[0].index_select(1, plan.pos).transpose(0, 1)[:, :, None], self.num_kv_heads)
         if not p.coded_heads:
-            out = self._decode_int2(layer_idx, plan, q, win_k, win_v, plan.slots, scaling)  # [Bd, Hk, g, D]
-        else:  # the rows' windows gathered once ([Bd, Hk, S0 + R, D]): each part reads its heads of them
+            out = self._decode_int2(layer_idx, plan, q, win_k, win_v, plan.slots, scaling)  # [Bp, Hk, g, D]
+        else:  # the rows' windows gathered once ([Bp, Hk, S0 + R, D]): each part reads its heads of them
             wk, wv = win_k.index_select(0, plan.slots), win_v.index_select(0, plan.slots)
-            rows = torch.arange(len(plan.requests), device=self.device)
+            rows = torch.arange(plan.rows, device=self.device)
             part = None
             if p.int2_heads:
                 part = self._decode_int2(layer_idx, plan, p.int2_part(q), p.int2_part(wk), p.int2_part(wv), rows,
@@ -604,7 +718,7 @@ class OscarPagedStore:
                                            use_kernels=self.config.use_kernels, block_table=plan.block_table,
                                            max_len=plan.max_hist)
             out = p.merge(part, coded.to(query.dtype))
-        return out.reshape(len(plan.requests), query.shape[1], query.shape[3])
+        return out.reshape(plan.rows, query.shape[1], query.shape[3])
 
     def _decode_int2(self, layer_idx: int, plan: DecodePlan, q, win_k, win_v, win_slot, scaling: float):
         """``[Bd, Hq_l, g, D]``: the INT2 heads' read, ``q [Bd, Hq_l, g, D]`` (model dtype) over their pages and the

@@ -122,6 +122,20 @@ def test_reference_equals_contiguous_reference(page, lens, mu):
     assert rel_err(got, ref) < 1e-5
 
 
+@pytest.mark.parametrize("page,lens,mu", [(16, (37, 0, 5, 50), True), (8, (9, 24, 1), False)])
+def test_batched_reference_equals_the_reference(page, lens, mu):
+    """The batched torch path (what the serving store's decode step runs off CUDA, and what a CUDA graph may capture:
+    every row gathered to a host bound, no host sync) equals the row-by-row reference, at the exact longest history
+    and at a larger bound (a graphed step's bucket), with NaN in the storage past each row's entries."""
+    args, _ = paged_case(len(lens), 2, 4, 64, 32, page, lens, 20, mu, seed=page + 1)
+    ref = pd.paged_decode_attention_reference(**args)
+    wide = dict(args, block_table=torch.nn.functional.pad(args["block_table"], (0, 2), value=-1))
+    for bound, a in ((max(lens), args), (max(lens) + 2 * page, wide)):
+        got = pd.paged_decode_attention(**a, use_kernels=False, max_hist_len=bound)
+        assert torch.isfinite(got).all()
+        assert rel_err(got, ref) < 1e-6
+
+
 def test_reference_rejects_bad_shapes():
     args, _ = paged_case(2, 1, 2, 64, 32, 16, (5, 20), 8, False, seed=0)
     with pytest.raises(ValueError, match="win_mask"):

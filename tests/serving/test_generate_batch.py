@@ -54,13 +54,15 @@ def test_generate_batch_matches_oscar_cache_alone(model):
     assert got != [greedy_alone(model, p) for p in prompts]
 
 
-def test_paged_oscar_refuses_cuda_graphs(model):
+def test_paged_oscar_refuses_compile_and_offload(model):
+    from transformers import CompileConfig
+
     gen_cfg = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
-    cb_cfg = continuous_batching_config(num_blocks=16, max_batch_tokens=64, page_size=16, use_cuda_graph=True)
     from oscar_hf.serving.batching import _check_cb_config
 
-    with pytest.raises(NotImplementedError):
-        _check_cb_config(cb_cfg)
+    _check_cb_config(continuous_batching_config(num_blocks=16, page_size=16, use_cuda_graph=True))  # graphs: served
+    with pytest.raises(NotImplementedError, match="torch.compile"):
+        _check_cb_config(continuous_batching_config(num_blocks=16, page_size=16, varlen_compile_config=CompileConfig()))
     with pytest.raises(NotImplementedError):
         _check_cb_config(ContinuousBatchingConfig(cpu_offload_space=1.0))
     from oscar_hf.attention import disable_oscar, enable_oscar

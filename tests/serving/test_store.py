@@ -91,17 +91,19 @@ def test_packed_batch_equals_requests_one_by_one(kw):
     for step in steps:
         batch = [(rid, lengths[rid], l) for rid, l in step]
         total = sum(l for _, l in step)
-        for layer in range(cfg.num_hidden_layers):
-            q = torch.randn(1, hq, total, d, generator=gen)
-            k, v = torch.randn(1, hk, total, d, generator=gen), torch.randn(1, hk, total, d, generator=gen)
-            packed = stores[0].attend(layer, q, k, v, batch, d**-0.5, module, "sdpa")
-            start = 0
-            for rid, past, l in batch:
-                sl = slice(start, start + l)
+        # a forward runs its batch through every layer before the next batch starts (the store's contract)
+        qkv = [(torch.randn(1, hq, total, d, generator=gen), torch.randn(1, hk, total, d, generator=gen),
+                torch.randn(1, hk, total, d, generator=gen)) for _ in range(cfg.num_hidden_layers)]
+        packed = [stores[0].attend(layer, q, k, v, batch, d**-0.5, module, "sdpa") for layer, (q, k, v) in
+                  enumerate(qkv)]
+        start = 0
+        for rid, past, l in batch:
+            sl = slice(start, start + l)
+            for layer, (q, k, v) in enumerate(qkv):
                 alone = stores[1].attend(layer, q[:, :, sl], k[:, :, sl], v[:, :, sl], [(rid, past, l)], d**-0.5,
                                          module, "sdpa")
-                torch.testing.assert_close(packed[:, sl], alone, rtol=1e-5, atol=1e-6)
-                start += l
+                torch.testing.assert_close(packed[layer][:, sl], alone, rtol=1e-5, atol=1e-6)
+            start += l
         for rid, l in step:
             lengths[rid] += l
     a, b = stores
@@ -123,8 +125,8 @@ def test_pool_exhaustion_and_bad_inputs():
         store.attend(0, q, k, k, [("a", 0, 30)], 0.1, module, "sdpa")
     with pytest.raises(NotImplementedError):  # a request that did not start at position 0 (prefix sharing)
         store.attend(0, q[:, :, :1], k[:, :, :1], k[:, :, :1], [("b", 5, 1)], 0.1, module, "sdpa")
-    with pytest.raises(RuntimeError, match="new tokens"):  # the batch and the packed rows disagree
-        store.attend(0, q, k, k, [("c", 0, 29)], 0.1, module, "sdpa")
+    with pytest.raises(RuntimeError, match="new tokens"):  # the batch holds more tokens than the packed rows
+        store.attend(0, q, k, k, [("c", 0, 31)], 0.1, module, "sdpa")
     _, few = make_store(max_requests=1)
     few.reserve("x")
     with pytest.raises(PoolExhausted, match="window slots"):
@@ -155,10 +157,11 @@ def test_retrieval_heads_of_an_artifact_are_kept_and_paid_for():
     int2_row, coded_row = 8 + 2 * 1 * 2, 32 + 2 * 4
     assert store.page_bytes(4) == store.pool.bytes_per_page == 2 * 2 * 4 * (int2_row + coded_row)
     assert store.pool.coded_bytes_per_page == 2 * 2 * 4 * coded_row
-    assert store.pool.nbytes == 8 * store.pool.bytes_per_page  # nothing allocated for INT2 rows nobody reads
+    # nothing allocated for INT2 rows nobody reads (8 pages and the pool's trash page)
+    assert store.pool.nbytes == (8 + 1) * store.pool.bytes_per_page
     plain = OscarPagedStore(cfg, rot, **{**kw, "full_precision_heads": 0})
     assert all(not p.coded_heads for p in plain.params.values()) and list(plain.params) == [0, 1] and plain.page_bytes(4) == 2 * 2 * 4 * 2 * int2_row
-    budget = reserved(store) + 10 * store.page_bytes(4)  # the budget pays for the heads' bytes
+    budget = reserved(store) + 11 * store.page_bytes(4)  # the budget pays for the heads' bytes (and a trash page)
     assert OscarPagedStore(cfg, rot, **{**kw, "num_pages": None, "memory_budget": budget}).pool.num_pages == 10
     # explicit heads; a layer whose every head is a 16-bit head is exact: Transformers' paged cache keeps it
     exact = OscarPagedStore(cfg, rot, **{**kw, "full_precision_heads": ((0, 0), (0, 1), (1, 1)),
@@ -182,7 +185,8 @@ def test_memory_budget_sizes_the_pool():
     per_page = store.pool.bytes_per_page
     first = reserved(store)  # the window slots (at max_requests) and the prompt budget are paid first
     assert first == store.windows.reserved_bytes + store.prompt_transient_bytes(DEFAULT_CHUNK_TOKENS)
-    _, sized = make_store(num_pages=None, memory_budget=first + 10 * per_page + per_page // 2)
+    # 10 pages and the pool's trash page (where rows that demote nothing write)
+    _, sized = make_store(num_pages=None, memory_budget=first + 11 * per_page + per_page // 2)
     assert sized.pool.num_pages == 10
     with pytest.raises(ValueError, match="windows .* prompt budget"):
         make_store(num_pages=None, memory_budget=first)

@@ -95,6 +95,30 @@ def test_module_globals_and_methods_the_integration_swaps():
     assert "self.active_requests: dict[str, RequestState]" in inspect.getsource(Scheduler)  # set in __init__ or reset
 
 
+def test_the_cuda_graph_path_the_integration_wraps():
+    """OSCAR's graphed decode steps (serving/batching.py, ``_install_graph_hooks``) wrap three instance attributes of
+    the batch processor's runner and IO, and rely on how the runner picks, captures and replays a graph."""
+    from transformers.generation.continuous_batching import model_runner
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
+    runner = model_runner.ModelRunner
+    assert params(runner.compute_batch) == ["self", "model", "batch_data"]
+    assert params(runner._get_forward_fn) == ["self", "use_block_table"]
+    source = inspect.getsource(runner.compute_batch)
+    for step in ("self._get_forward_fn(", "self.inputs_and_outputs.get_graph()", "graph.replay()",
+                 "self._capture_graph("):
+        assert step in source, step
+    assert params(ContinuousBatchingIOs._get_graph_key) == ["self"]
+    assert "self._get_graph_key()" in inspect.getsource(ContinuousBatchingIOs.get_graph)
+    assert "self._get_graph_key()" in inspect.getsource(ContinuousBatchingIOs.set_graph)
+    processor = inspect.getsource(continuous_api.ContinuousBatchProcessor)
+    assert "self.model_runner = ModelRunner(" in processor and "self.inputs_and_outputs" in processor
+    assert "self.model_runner.compute_batch(" in processor
+    # the decode boolean OSCAR follows, and the padded row count it sizes its buffers for
+    cbc = transformers.ContinuousBatchingConfig(use_cuda_graph=True)
+    assert cbc.cuda_graph_booleans == (True, True) and hasattr(cbc, "q_padding_interval_size")
+
+
 def test_request_state_and_config_fields_read():
     from transformers.generation.continuous_batching.requests import RequestState
 
