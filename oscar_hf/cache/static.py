@@ -78,7 +78,7 @@ class StepShared:
     layers share (they step together). Per layer these were ~25 of the step graph's ~35 extra nodes per layer over
     BF16's, which the first call traces, functionalizes and lowers 36 times (``docs/results.md``, the first call).
 
-    The cache hands one instance to all its :class:`StaticOscarLayer`\ s (a lone layer keeps its own). A layer
+    The cache hands one instance to all its :class:`StaticOscarLayer` layers (a lone layer keeps its own). A layer
     recomputes when it is not after the one that computed (a new forward: layers run in index order); the last
     layer clears it, so every trace starts from the same state and dynamo's guards on it hold from step to step."""
 
