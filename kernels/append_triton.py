@@ -15,8 +15,10 @@ one program per (row ``b``, KV head ``h``) reads ``T`` from the device and, for 
 
 Only the rows that change are touched: ``2 * D`` window elements and one history row per (row, head, K/V), plus the
 head's rotations (``2 * D * D`` fp32, shared by the ``B`` programs of a head through L2). Supported shapes are those of
-``write_triton.kernel_supported`` (power-of-two ``D`` in [32, 256], ``G`` a power of two dividing ``D``, bf16 / fp16
-/ fp32 metadata); the window may be bf16, fp16 or fp32.
+``write_triton.kernel_supported`` (``D`` in ``plan.WRITE_HEAD_DIMS``, ``G`` as ``plan.group_fits`` takes it, bf16 /
+fp16 / fp32 metadata); the window may be bf16, fp16 or fp32. A head_dim that is no power of two (96) is rotated and
+coded in ``write_triton``'s plane-padded layout of ``DP`` lanes (its module docstring), and a retrieval head's INT4
+row in the same layout of two channel halves.
 """
 from __future__ import annotations
 
@@ -27,78 +29,117 @@ import triton.language as tl
 from oscar_hf.quant import QuantizedRows
 
 from .append_checks import check_append_inputs, check_coded_slots
-from .write_triton import _LEVELS, _META_KIND, _group_grid, _rint, _round_meta
+from .plan import next_pow2
+from .write_triton import _LEVELS, _META_KIND, _codes, _group_grid, _padded_cols, _quantize_masked, _round_meta
 
 NUM_WARPS = 4
-TILE = 4096  # elements of one rotation chunk [BLOCK_K, D] in registers: 32 fp32 per thread at 4 warps
+NUM_WARPS_XWIDE = 8  # D = 512: 4 warps spilled ~12 KB (tests/kernels/test_compile_sm90.py)
+TILE = 4096  # elements of one rotation chunk [BLOCK_K, D] in registers per 4 warps: 32 fp32 per thread
+
+
+def launch_shape(d: int) -> tuple[int, int]:
+    """``(num_warps, BLOCK_K)``: the warps for head_dim ``d``, and the rows of R per step of the matvec, ``TILE`` per 4
+    warps over ``DP`` (``D`` padded to a power of two) halved until it divides ``D`` (D = 96: 32), so that the loop
+    needs no mask."""
+    warps = NUM_WARPS_XWIDE if d > 256 else NUM_WARPS
+    k = min(d, TILE * warps // 4 // next_pow2(d))
+    while d % k:
+        k //= 2
+    return warps, k
 
 
 @triton.jit
 def _demote_row(SRC, R, MU, CODES, SCALE, ZERO, c_off, m_off, clip,
                 D: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MU: tl.constexpr,
-                META_KIND: tl.constexpr, STD: tl.constexpr):
+                META_KIND: tl.constexpr, STD: tl.constexpr, DP: tl.constexpr):
     """Quantize one window row: ``SRC`` -> ``D`` contiguous model-dtype values, ``R`` -> the head's ``[D, D]``
     rotation, ``MU`` -> its ``D`` offsets; stores ``D/4`` codes at ``CODES + c_off`` and ``D/G`` scale / zero at
-    ``SCALE/ZERO + m_off``."""
+    ``SCALE/ZERO + m_off``. ``DP > D``: in the plane-padded layout of ``DP`` lanes (``write_triton``)."""
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
-    offs_d = tl.arange(0, D)
+    D4P: tl.constexpr = DP // 4
+    offs_d = tl.arange(0, DP)
     offs_k = tl.arange(0, BLOCK_K)
+    if DP > D:  # each lane's channel (R's column) and whether it is one
+        ch, real = _padded_cols(DP, 4, D4)
 
-    # rot[n] = sum_k (x[k] - mu[k]) * R[k, n], BLOCK_K rows of R at a time (a [BLOCK_K, D] tile in registers)
-    rot = tl.zeros((D,), dtype=tl.float32)
+    # rot[n] = sum_k (x[k] - mu[k]) * R[k, n], BLOCK_K rows of R at a time (a [BLOCK_K, DP] tile in registers)
+    rot = tl.zeros((DP,), dtype=tl.float32)
     for k0 in tl.static_range(0, D, BLOCK_K):
         x = tl.load(SRC + k0 + offs_k).to(tl.float32)
         if HAS_MU:
             x = x - tl.load(MU + k0 + offs_k)
-        r = tl.load(R + (k0 + offs_k)[:, None] * D + offs_d[None, :])
+        if DP > D:
+            r = tl.load(R + (k0 + offs_k)[:, None] * D + ch[None, :], mask=real[None, :], other=0.0)
+        else:
+            r = tl.load(R + (k0 + offs_k)[:, None] * D + offs_d[None, :])
         rot += tl.sum(x[:, None] * r, axis=0)
 
-    # per group: scale and zero rounded to the stored dtype before the codes (as write_triton)
-    xg = tl.reshape(rot, (NG, G))
-    scale, zero = _group_grid(xg, clip, 1, G, STD)
-    scale_m, s = _round_meta(scale, META_KIND)
-    zero_m, z = _round_meta(zero, META_KIND)
-    safe = tl.where(s > 0, s, 1.0)
-    y = tl.math.div_rn(xg - z[:, None], safe[:, None])
-    y = tl.minimum(tl.maximum(y, -1.0), _LEVELS + 1.0)
-    q = tl.minimum(tl.maximum(_rint(y), 0.0), _LEVELS)
-    q = tl.where(s[:, None] > 0, q, 0.0).to(tl.int32)
+    if DP > D:  # per group by mask (its metadata stored here), codes [DP]
+        q = _quantize_masked(rot, ch, real, clip, SCALE + m_off, ZERO + m_off, None, G, NG, 0, STD, META_KIND)
+    else:
+        # per group: scale and zero rounded to the stored dtype before the codes (as write_triton)
+        xg = tl.reshape(rot, (NG, G))
+        scale, zero = _group_grid(xg, clip, 1, G, STD)
+        scale_m, s = _round_meta(scale, META_KIND)
+        zero_m, z = _round_meta(zero, META_KIND)
+        q = _codes(xg, z, s, _LEVELS, 1)
 
     # plane packing: channel p * D/4 + j -> bits 2p..2p+1 of byte j (disjoint bits: the sum is an OR)
-    q4 = tl.reshape(q, (4, D4))
+    q4 = tl.reshape(q, (4, D4P))
     packed = tl.sum(q4 << (2 * tl.arange(0, 4))[:, None], axis=0).to(tl.uint8)
-    tl.store(CODES + c_off + tl.arange(0, D4), packed)
-    tl.store(SCALE + m_off + tl.arange(0, NG), scale_m)
-    tl.store(ZERO + m_off + tl.arange(0, NG), zero_m)
+    if DP > D:
+        tl.store(CODES + c_off + tl.arange(0, D4P), packed, mask=tl.arange(0, D4P) < D4)
+    else:
+        tl.store(CODES + c_off + tl.arange(0, D4), packed)
+        tl.store(SCALE + m_off + tl.arange(0, NG), scale_m)
+        tl.store(ZERO + m_off + tl.arange(0, NG), zero_m)
 
 
 @triton.jit
-def _code_row(SRC, X, SCALE, ZERO, x_off, m_off, D: tl.constexpr, BITS: tl.constexpr, META_KIND: tl.constexpr):
+def _code_row(SRC, X, SCALE, ZERO, x_off, m_off, D: tl.constexpr, BITS: tl.constexpr, META_KIND: tl.constexpr,
+              DP: tl.constexpr):
     """Code one window row of a retrieval head (``oscar_hf.quant.encode_heads``): ``SRC`` -> ``D`` contiguous
     model-dtype values; 16 bits: stored as they are at ``X + x_off``; 8 / 4: min-max codes (INT4: channel ``j`` in
     byte ``j``'s low nibble, ``j + D/2`` in its high one) at ``X + x_off``, one scale and zero (rounded to the model
-    dtype first, the codes computed against the stored values) at ``SCALE/ZERO + m_off``."""
-    offs = tl.arange(0, D)
-    x = tl.load(SRC + offs)
+    dtype first, the codes computed against the stored values) at ``SCALE/ZERO + m_off``. ``DP > D``: ``DP`` lanes,
+    the row's two halves (INT4) or the row padded at its end (``write_triton._padded_cols``)."""
+    HALVES: tl.constexpr = 2 if BITS == 4 else 1
+    if DP > D:
+        offs, real = _padded_cols(DP, HALVES, D // HALVES)
+        x = tl.load(SRC + offs, mask=real, other=0.0)
+    else:
+        offs = tl.arange(0, D)
+        x = tl.load(SRC + offs)
     if BITS == 16:
-        tl.store(X + x_off + offs, x)
+        if DP > D:
+            tl.store(X + x_off + offs, x, mask=real)
+        else:
+            tl.store(X + x_off + offs, x)
     else:
         LEVELS: tl.constexpr = (1 << BITS) - 1
         xf = x.to(tl.float32)
-        lo = tl.min(xf, 0)
-        scale_m, s = _round_meta(tl.math.div_rn(tl.max(xf, 0) - lo, LEVELS * 1.0), META_KIND)
-        zero_m, z = _round_meta(lo, META_KIND)
-        safe = tl.where(s > 0, s, 1.0)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(xf - z, safe), -1.0), LEVELS + 1.0)
-        q = tl.minimum(tl.maximum(_rint(y), 0.0), LEVELS)
-        q = tl.where(s > 0, q, 0.0).to(tl.int32)
-        if BITS == 8:
-            tl.store(X + x_off + offs, q.to(tl.uint8))
+        if DP > D:
+            lo = tl.min(tl.where(real, xf, float("inf")), 0)
+            hi = tl.max(tl.where(real, xf, float("-inf")), 0)
         else:
-            q2 = tl.reshape(q, (2, D // 2))
+            lo = tl.min(xf, 0)
+            hi = tl.max(xf, 0)
+        scale_m, s = _round_meta(tl.math.div_rn(hi - lo, LEVELS * 1.0), META_KIND)
+        zero_m, z = _round_meta(lo, META_KIND)
+        q = _codes(xf, z, s, LEVELS)
+        if BITS == 8:
+            if DP > D:
+                tl.store(X + x_off + offs, q.to(tl.uint8), mask=real)
+            else:
+                tl.store(X + x_off + offs, q.to(tl.uint8))
+        else:  # a byte per channel pair (j, j + D/2): the halves' lanes j and DP/2 + j
+            q2 = tl.reshape(q, (2, DP // 2))
             packed = tl.sum(q2 << (4 * tl.arange(0, 2))[:, None], axis=0).to(tl.uint8)
-            tl.store(X + x_off + tl.arange(0, D // 2), packed)
+            if DP > D:
+                tl.store(X + x_off + tl.arange(0, DP // 2), packed, mask=tl.arange(0, DP // 2) < D // 2)
+            else:
+                tl.store(X + x_off + tl.arange(0, D // 2), packed)
         tl.store(SCALE + m_off, scale_m)
         tl.store(ZERO + m_off, zero_m)
 
@@ -118,11 +159,12 @@ def _append_token_kernel(
     D: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_HEADS: tl.constexpr,
     HAS_MU_K: tl.constexpr, HAS_MU_V: tl.constexpr, META_KIND: tl.constexpr, STD: tl.constexpr,
     CODED_BITS: tl.constexpr, WIN_KIND: tl.constexpr,  # 0: no coded heads; the window dtype's kind (their metadata)
+    DP: tl.constexpr,  # D padded to a power of two (D where it is one)
 ):
     pid = tl.program_id(0)
     b = (pid // Hk).to(tl.int64)
     h = pid % Hk
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)
     t = tl.load(LENGTH)  # int64: the new token's slot
 
     # 1. demote slot s = T - 1 - W (read before the ring entry is overwritten below)
@@ -137,30 +179,31 @@ def _append_token_kernel(
         c_off = b * scb + hh * sch + e * scn
         m_off = b * ssb + hh * ssh + e * ssn
         _demote_row(WIN_K + src, RK + hh * D * D, MUK + b * smkb + hh * D, KC, KS, KZ, c_off, m_off, clip_k,
-                    D, G, BLOCK_K, HAS_MU_K, META_KIND, STD)
+                    D, G, BLOCK_K, HAS_MU_K, META_KIND, STD, DP)
         _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, m_off, clip_v,
-                    D, G, BLOCK_K, HAS_MU_V, META_KIND, STD)
+                    D, G, BLOCK_K, HAS_MU_V, META_KIND, STD, DP)
     if CODED_BITS > 0:  # a retrieval head: the same slot's entry, coded
         cp = tl.load(CODED_OF + h)
         if (e >= 0) & (e < N) & (cp >= 0):
             x_off = b * sxb + cp * sxp + e * sxn
             m_off = b * szb + cp * szp + e * szn
-            _code_row(WIN_K + src, CKX, CKS, CKZ, x_off, m_off, D, CODED_BITS, WIN_KIND)
-            _code_row(WIN_V + src, CVX, CVS, CVZ, x_off, m_off, D, CODED_BITS, WIN_KIND)
+            _code_row(WIN_K + src, CKX, CKS, CKZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
+            _code_row(WIN_V + src, CVX, CVS, CVZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
     # every thread's loads of the old ring row come before any thread's store of the new one
     tl.debug_barrier()
 
     # 2. the new token: ring entry S0 + T % R, and sink entry T - pad[b] while the row's sink is filling
-    nk = tl.load(NEW_K + b * snkb + h * snkh + offs_d)
-    nv = tl.load(NEW_V + b * snvb + h * snvh + offs_d)
+    dm = offs_d < D if DP > D else None  # (D = 96: the row's 96 of 128 lanes)
+    nk = tl.load(NEW_K + b * snkb + h * snkh + offs_d, mask=dm)
+    nv = tl.load(NEW_V + b * snvb + h * snvh + offs_d, mask=dm)
     dst = b * swb + h * swh + (S0 + t % RING) * sws + offs_d
-    tl.store(WIN_K + dst, nk)
-    tl.store(WIN_V + dst, nv)
+    tl.store(WIN_K + dst, nk, mask=dm)
+    tl.store(WIN_V + dst, nv, mask=dm)
     j = t - tl.load(PAD + b)
     if (j >= 0) & (j < S0):
         dst = b * swb + h * swh + j * sws + offs_d
-        tl.store(WIN_K + dst, nk)
-        tl.store(WIN_V + dst, nv)
+        tl.store(WIN_K + dst, nk, mask=dm)
+        tl.store(WIN_V + dst, nv, mask=dm)
 
 
 def append_token_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
@@ -201,6 +244,7 @@ def append_token_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_
         x_strides, m_strides = ck[0].stride()[:3], ck[1].stride()[:3]
         if any(a.stride() != c.stride() for a, c in zip(ck, cv)) or ck[1].stride() != ck[2].stride():
             raise ValueError("the coded K and V stores must share one layout (and scale and zero one)")
+    warps, blk = launch_shape(d)
     _append_token_kernel[(b * hk,)](
         new_k, new_v, win_k, win_v, *hist_k, *hist_v, length, pad,
         hist_heads if hist_heads is not None else length,  # unused placeholder when every head is quantized
@@ -210,9 +254,9 @@ def append_token_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_
         new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
         *win_k.stride()[:3], *hist_k.codes.stride()[:3], *hist_k.scale.stride()[:3],
         (hq * d if mu_k is not None and mu_k.dim() == 3 else 0), *x_strides, *m_strides,
-        D=d, G=group_size, BLOCK_K=min(d, TILE // d), HAS_HEADS=hist_heads is not None,
+        D=d, G=group_size, BLOCK_K=blk, HAS_HEADS=hist_heads is not None,
         HAS_MU_K=mu_k is not None, HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[meta_dtype],
         STD=quantizer == "std", CODED_BITS=0 if coded is None else coded.bits, WIN_KIND=_META_KIND[win_k.dtype],
-        num_warps=NUM_WARPS,
+        DP=next_pow2(d), num_warps=warps,
     )
     return None

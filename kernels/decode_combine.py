@@ -12,6 +12,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from .query_triton import _cols_mask
+
 LN2 = 0.6931471805599453
 _LN2 = tl.constexpr(LN2)  # jit code may only read constexpr globals
 
@@ -35,7 +37,7 @@ def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
     PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
-    READY=None, RESET: tl.constexpr = 0,
+    READY=None, RESET: tl.constexpr = 0, DP: tl.constexpr = 0,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
 
@@ -61,19 +63,27 @@ def _combine_kernel(
     (the partials are read ``PARTS`` times, from L2): more programs and fewer bytes each where there are few rows.
 
     ``RESET``: one program per (b, h) sets ``READY[b * Hk + h]`` (the prologue -> history counter of ``QFLAG``) back to
-    0 for the next call (this call's history grid, and with it the prologue's, is complete by then)."""
+    0 for the next call (this call's history grid, and with it the prologue's, is complete by then).
+
+    ``DP``: ``D`` padded to a power of two where it is none (D = 96: 128; 0 = ``D``): the rows of partials and of
+    ``R_V`` are read ``DP`` wide, the padded channels masked to 0; ``C_BLOCK`` then divides ``D`` (whole chunks)."""
     row = tl.program_id(0) // PARTS  # = bh * M + mm
     c_lo = (tl.program_id(0) % PARTS) * (D // PARTS)  # this program's first output channel
     bh = row // M
     mm = row % M
     h = bh % Hk
+    DPAD: tl.constexpr = D if DP == 0 else DP
     offs_s = tl.arange(0, S_BLOCK)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DPAD)
     base = bh.to(tl.int64) * S_TOT * M + mm  # partial (bh, s, mm) lives at base + s * M
     if FINAL and C_BLOCK == D:
         r_all = tl.load(RV + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # issued before the partials
     if FINAL and HOIST:  # R_V's first chunk of this program's channels
-        r_next = tl.load(RV + h * D * D + (c_lo + tl.arange(0, C_BLOCK))[:, None] * D + offs_d[None, :])
+        if D == DPAD:
+            r_next = tl.load(RV + h * D * D + (c_lo + tl.arange(0, C_BLOCK))[:, None] * D + offs_d[None, :])
+        else:
+            r_next = tl.load(RV + h * D * D + (c_lo + tl.arange(0, C_BLOCK))[:, None] * D + offs_d[None, :],
+                             mask=(offs_d < D)[None, :], other=0.0)
     if PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
         gdc_wait()
     if RESET:
@@ -84,16 +94,18 @@ def _combine_kernel(
         wm = offs_w < S_TOT
         pm_w = tl.load(PM + base + offs_w * M, mask=wm, other=float("-inf"))
         pl_w = tl.load(PL + base + offs_w * M, mask=wm, other=0.0)
-        a_w = tl.load(PACC + (base + offs_w[:, None] * M) * D + offs_d[None, :], mask=wm[:, None], other=0.0)
+        a_w = tl.load(PACC + (base + offs_w[:, None] * M) * D + offs_d[None, :], mask=_cols_mask(wm, offs_d, D, DPAD),
+                      other=0.0)
     # history splits: online log-sum-exp (log2 units), blocks of S_BLOCK splits
     m_h = tl.max(tl.full((S_BLOCK,), float("-inf"), tl.float32), 0)
     l_h = tl.sum(tl.zeros((S_BLOCK,), tl.float32), 0)
-    acc = tl.zeros((D,), tl.float32)
+    acc = tl.zeros((DPAD,), tl.float32)
     for s0 in range(0, S_HIST, S_BLOCK):
         sm = s0 + offs_s < S_HIST
         pm = tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf"))
         pl = tl.load(PL + base + (s0 + offs_s) * M, mask=sm, other=0.0)
-        a = tl.load(PACC + (base + (s0 + offs_s)[:, None] * M) * D + offs_d[None, :], mask=sm[:, None], other=0.0)
+        a = tl.load(PACC + (base + (s0 + offs_s)[:, None] * M) * D + offs_d[None, :],
+                    mask=_cols_mask(sm, offs_d, D, DPAD), other=0.0)
         m_new = tl.maximum(m_h, tl.max(pm, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_h - m_safe)  # 0 while m_h = -inf (empty splits so far)
@@ -106,19 +118,23 @@ def _combine_kernel(
         m_w = tl.max(pm_w, 0)
         w_w = tl.exp2(pm_w - tl.where(m_w == float("-inf"), 0.0, m_w))
         l_w = tl.sum(w_w * pl_w, 0)
-        o_w = tl.reshape(tl.sum(w_w[:, None] * a_w, 0), (D // C_BLOCK, C_BLOCK))  # [chunk, C_BLOCK]
+        o_w = tl.reshape(tl.sum(w_w[:, None] * a_w, 0), (DPAD // C_BLOCK, C_BLOCK))  # [chunk, C_BLOCK]
         m_safe, w_h, ww, lh, inv = _history_window_weights(m_h, l_h, m_w, l_w)
         acc = acc * w_h
         for ci in tl.static_range(D // C_BLOCK // PARTS):
             offs_c = c_lo + ci * C_BLOCK + tl.arange(0, C_BLOCK)
             r = r_next
             if ci + 1 < D // C_BLOCK // PARTS:  # the next chunk's load in flight while this one is used
-                r_next = tl.load(RV + h * D * D + (offs_c + C_BLOCK)[:, None] * D + offs_d[None, :])
+                if D == DPAD:
+                    r_next = tl.load(RV + h * D * D + (offs_c + C_BLOCK)[:, None] * D + offs_d[None, :])
+                else:
+                    r_next = tl.load(RV + h * D * D + (offs_c + C_BLOCK)[:, None] * D + offs_d[None, :],
+                                     mask=(offs_d < D)[None, :], other=0.0)
             o = tl.sum(r * acc[None, :], 1)
             if HAS_MUV:
                 o += lh * tl.load(MUV + h * D + offs_c)
             # this chunk of the window's row (a masked sum over the chunk axis: no slicing of register tensors)
-            o += ww * tl.sum(tl.where(tl.arange(0, D // C_BLOCK)[:, None] == c_lo // C_BLOCK + ci, o_w, 0.0), 0)
+            o += ww * tl.sum(tl.where(tl.arange(0, DPAD // C_BLOCK)[:, None] == c_lo // C_BLOCK + ci, o_w, 0.0), 0)
             tl.store(OACC + row.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
     elif FINAL:
         # window splits (value space): their max and sum in one online pass; their acc rows per output chunk below
@@ -139,8 +155,11 @@ def _combine_kernel(
             # history: (acc R_Vᵀ)[c] = sum_d R_V[c, d] acc[d], plus l_h * mu_V[c]
             if C_BLOCK == D:
                 r = r_all
-            else:
+            elif D == DPAD:
                 r = tl.load(RV + h * D * D + offs_c[:, None] * D + offs_d[None, :])
+            else:  # [C_BLOCK, DP]: R_V's padded columns 0
+                r = tl.load(RV + h * D * D + offs_c[:, None] * D + offs_d[None, :], mask=(offs_d < D)[None, :],
+                            other=0.0)
             o = tl.sum(r * acc[None, :], 1)
             if HAS_MUV:
                 o += lh * tl.load(MUV + h * D + offs_c)
@@ -154,4 +173,7 @@ def _combine_kernel(
     else:
         tl.store(OM + row, m_h * _LN2)
         tl.store(OL + row, l_h)
-        tl.store(OACC + row.to(tl.int64) * D + offs_d, acc)
+        if D == DPAD:
+            tl.store(OACC + row.to(tl.int64) * D + offs_d, acc)
+        else:
+            tl.store(OACC + row.to(tl.int64) * D + offs_d, acc, mask=offs_d < D)

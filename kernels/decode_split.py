@@ -35,9 +35,22 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .query_triton import _rotate_block, _rotate_plane_q8
+from .query_triton import _cols_mask, _rotate_block, _rotate_plane_q8
 
 DF_LIM = tl.constexpr(64.0)  # deferred loop: largest excess of a row's max over its reference (log2 units)
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _soft_cap(x, CAP: tl.constexpr):
+    """Logit soft-capping (Gemma 2's ``softcap * tanh(logit / softcap)``) in the kernels' log2 units, where it is
+    ``CAP tanh(x / CAP)`` with ``CAP = softcap * log2(e)``. tanh from one exp2 (Triton has no tanh on every version):
+    ``tanh|y| = (1 - t) / (1 + t)`` with ``t = exp(-2|y|)`` in (0, 1], so no overflow at any ``|x|`` (large ``|x|``
+    gives ``+-CAP``), and an absolute error of a few float32 ulps of ``CAP`` near 0. Apply before masking: ``-inf``
+    would come out as ``-CAP``."""
+    t = tl.exp2(tl.abs(x) * (-2.0 * _LOG2E / CAP))
+    c = CAP * ((1.0 - t) / (1.0 + t))
+    return tl.where(x < 0, -c, c)
 
 
 @triton.jit
@@ -112,11 +125,12 @@ def _op(x, LOWP: tl.constexpr):
 
 @triton.jit
 def _int2_plane(bytes_, P: tl.constexpr, s_tile, z_tile, s_row, z_row, nmask,
-                D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, LOWP: tl.constexpr):
-    """Dequantize plane ``P`` (channels ``[P*D4, (P+1)*D4)``) of a ``[BLOCK_N, D4]`` byte tile to the
-    dot operand dtype: ``zero[n, g(c)] + code[n, c] * scale[n, g(c)]``."""
+                D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, LOWP: tl.constexpr, D4P: tl.constexpr):
+    """Dequantize plane ``P`` (channels ``[P*D4, (P+1)*D4)``) of a ``[BLOCK_N, D4P]`` byte tile to the
+    dot operand dtype: ``zero[n, g(c)] + code[n, c] * scale[n, g(c)]`` (``D4P``: ``D4`` padded to a power of two,
+    D = 96; the padded channels' bytes are 0 and meet 0 query channels)."""
     code = ((bytes_ >> (2 * P)) & 3).to(tl.float32)
-    if G >= D4:
+    if G % D4 == 0:
         # The plane lies in one group g: pick column g of the [BLOCK_N, NG] metadata tiles (a
         # one-hot sum over NG <= 8 register values; the tiles were loaded once per block).
         onehot = tl.arange(0, NG)[None, :] == (P * D4) // G
@@ -124,10 +138,12 @@ def _int2_plane(bytes_, P: tl.constexpr, s_tile, z_tile, s_row, z_row, nmask,
         z = tl.sum(tl.where(onehot, z_tile, 0.0), 1)
         return _op(z[:, None] + code * s[:, None], LOWP)
     else:
-        # D4 // G groups inside the plane (D=256, G=32): gather scale/zero per channel (L1 hits).
-        g = (P * D4 + tl.arange(0, D4)) // G
-        s = tl.load(s_row[:, None] + g[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
-        z = tl.load(z_row[:, None] + g[None, :], mask=nmask[:, None], other=0.0).to(tl.float32)
+        # groups inside the plane (D=256, G=32) or across planes (D=96, G=32: channels 24..47 in groups 0 and 1):
+        # gather scale/zero per channel (L1 hits).
+        offs = tl.arange(0, D4P)
+        g = (P * D4 + offs) // G
+        s = tl.load(s_row[:, None] + g[None, :], mask=_cols_mask(nmask, offs, D4, D4P), other=0.0).to(tl.float32)
+        z = tl.load(z_row[:, None] + g[None, :], mask=_cols_mask(nmask, offs, D4, D4P), other=0.0).to(tl.float32)
         return _op(z + code * s, LOWP)
 @triton.jit
 def _bf16_pair(base, meta, mask):
@@ -251,18 +267,27 @@ def _df_v_plane(p, vb, P: tl.constexpr, acc, zt, D4: tl.constexpr, G: tl.constex
 
 
 @triton.jit
-def _meta_tiles(s_base, z_base, offs_n, rows, nmask, NG: tl.constexpr, PAGED: tl.constexpr = 0):
+def _meta_tiles(s_base, z_base, offs_n, rows, nmask, NG: tl.constexpr, PAGED: tl.constexpr = 0,
+                TILES: tl.constexpr = 1):
     """``[BLOCK_N, NG]`` scale/zero tiles (float32) of a block: rows are contiguous (``NG``
     values per token), so this is one vectorized, pipelinable load per tensor; plus the row pointers.
-    ``PAGED``: the tokens' metadata row offsets are ``rows [BLOCK_N]`` (:func:`_block_rows`), not ``offs_n * NG``."""
+    ``PAGED``: the tokens' metadata row offsets are ``rows [BLOCK_N]`` (:func:`_block_rows`), not ``offs_n * NG``.
+    ``TILES`` 0 (no plane inside one group: :func:`_int2_plane` gathers per channel from the row pointers): the row
+    pointers only (``NG`` need not be a power of two there, e.g. 3 at D = 96, G = 32)."""
     if PAGED:
-        offs = rows[:, None] + tl.arange(0, NG)[None, :]
         row = rows
     else:
-        offs = offs_n.to(tl.int64)[:, None] * NG + tl.arange(0, NG)[None, :]
         row = offs_n.to(tl.int64) * NG
-    s_tile = tl.load(s_base + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
-    z_tile = tl.load(z_base + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
+    if TILES:
+        if PAGED:
+            offs = rows[:, None] + tl.arange(0, NG)[None, :]
+        else:
+            offs = offs_n.to(tl.int64)[:, None] * NG + tl.arange(0, NG)[None, :]
+        s_tile = tl.load(s_base + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
+        z_tile = tl.load(z_base + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
+    else:
+        s_tile = 0.0
+        z_tile = 0.0
     return s_tile, z_tile, s_base + row, z_base + row
 @triton.jit
 def _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
@@ -318,20 +343,22 @@ def _softmax_step(s, valid, m_i, l_i):
 def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, part, w0, W, win_split, qk_scale,
                   sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                   M, D: tl.constexpr, M_PAD: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr,
-                  WIN_STAGES: tl.constexpr):
+                  WIN_STAGES: tl.constexpr, DP: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     """One window program of :func:`_split_kernel`: full-precision (unrotated) window tokens ``[w0, w0 + win_split)``
     of one (row, KV head), online softmax over ``BLOCK_W``-token steps, partial ``(m, l, acc)`` at ``part``. ``bw``:
-    the index of the row's window in ``KW`` / ``VW`` (``b``, or its slot in a window pool)."""
+    the index of the row's window in ``KW`` / ``VW`` (``b``, or its slot in a window pool). ``DP``: ``D`` padded to a
+    power of two (the padded channels load as 0, are not stored); ``SOFTCAP`` > 0: the logits soft-capped
+    (:func:`_soft_cap`)."""
     BLOCK_W: tl.constexpr = 32  # window tokens per step
     offs_m = tl.arange(0, M_PAD)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)
     mrow = offs_m < M
     m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((M_PAD,), tl.float32)
     qw = tl.load(QW + b.to(tl.int64) * sqwb + h * sqwh + offs_m[:, None] * sqwm + offs_d[None, :],
-                 mask=mrow[:, None], other=0.0).to(tl.float32)
+                 mask=_cols_mask(mrow, offs_d, D, DP), other=0.0).to(tl.float32)
     qw = _op(qw * qk_scale, LOWP)
-    acc = tl.zeros((M_PAD, D), tl.float32)
+    acc = tl.zeros((M_PAD, DP), tl.float32)
     w1 = tl.minimum(w0 + win_split, W)
     # Small tiles, and not software-pipelined (WIN_STAGES = 1) when the history programs share the launch:
     # keeps the shared memory of this branch below the history branch's, so occupancy is set by the history
@@ -344,13 +371,15 @@ def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, part, w0, W, win_sp
             valid = valid & (wm != 0)
         # keys and values loaded together: one round of memory latency per step, not two
         kw = tl.load(KW + bw.to(tl.int64) * skwb + h * skwh + offs_n[:, None] * skwn + offs_d[None, :],
-                     mask=valid[:, None], other=0.0)
+                     mask=_cols_mask(valid, offs_d, D, DP), other=0.0)
         vw = tl.load(VW + bw.to(tl.int64) * svwb + h * svwh + offs_n[:, None] * svwn + offs_d[None, :],
-                     mask=valid[:, None], other=0.0)
+                     mask=_cols_mask(valid, offs_d, D, DP), other=0.0)
         s = tl.dot(qw, tl.trans(_op(kw, LOWP)))
+        if SOFTCAP > 0:
+            s = _soft_cap(s, SOFTCAP)
         p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
         acc = tl.dot(_op(p, LOWP), _op(vw, LOWP), acc * alpha[:, None])
-    tl.store(PACC + (part + offs_m[:, None]) * D + offs_d[None, :], acc, mask=mrow[:, None])
+    tl.store(PACC + (part + offs_m[:, None]) * D + offs_d[None, :], acc, mask=_cols_mask(mrow, offs_d, D, DP))
     tl.store(PM + part + offs_m, m_i, mask=mrow)
     tl.store(PL + part + offs_m, l_i, mask=mrow)
 
@@ -377,10 +406,16 @@ def _split_kernel(
     N_DEV: tl.constexpr, PAIR: tl.constexpr = 0, ASM: tl.constexpr = 0, WIN_STAGES: tl.constexpr = 1,
     WIN_ONLY: tl.constexpr = 0,
     BT=None, HLEN=None, WSLOT=None, sbt=None, PAGED: tl.constexpr = 0, PAGE: tl.constexpr = 1,
+    DP: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """``DEFERRED``: the deferred inner loop (else dequant); ``PAIR``: both groups' bf16 scale (zero) of a token as
     one 4-byte word (NG = 2); ``ASM``: code extraction in inline PTX (GPU only); ``WIN_ONLY``: only the window
     programs (``PID_OFF`` = S), software-pipelined over ``WIN_STAGES``.
+
+    ``DP``: ``D`` padded to a power of two where it is none (D = 96: 128; 0 = ``D``): the planes' tiles are
+    ``D4P = DP / 4`` channels wide, the padded ones masked on every load (codes 0, query 0) and store. ``SOFTCAP`` > 0:
+    every logit (history and window) soft-capped, ``SOFTCAP tanh(x / SOFTCAP)`` in log2 units (:func:`_soft_cap`),
+    before the mask.
 
     ``PAGED`` (the serving pool, ``paged_decode.py``): the history lives in pages of ``PAGE`` entries, ``KC`` ..
     ``VZ`` are ``[num_pages, Hk, PAGE, *]`` (the ``b`` strides ``skb``, ``smkb``, ``svb``, ``smvb`` are page strides);
@@ -390,13 +425,16 @@ def _split_kernel(
     window is ``KW[WSLOT[b]]`` / ``VW[WSLOT[b]]`` (the window mask stays per row)."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
+    DPAD: tl.constexpr = D if DP == 0 else DP
+    D4P: tl.constexpr = DPAD // 4
     pid_bh = tl.program_id(0)
     pid_s = tl.program_id(1) + PID_OFF  # > 0: only the window programs are launched (the history ran on Gluon)
     b = pid_bh // Hk
     h = pid_bh % Hk
     offs_m = tl.arange(0, M_PAD)
-    offs_j = tl.arange(0, D4)
+    offs_j = tl.arange(0, D4P)
     mrow = offs_m < M
+    qmask = _cols_mask(mrow, offs_j, D4, D4P)  # [M_PAD, D4P] query rows x real channels of a plane
     m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((M_PAD,), tl.float32)
     part = (pid_bh.to(tl.int64) * S_TOT + pid_s) * M  # first partial row of this program
@@ -404,24 +442,24 @@ def _split_kernel(
     if WIN_ONLY:  # the window programs of the Gluon path: this launch compiles without the history branch
         _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, b, h, part, (pid_s - S) * win_split, W, win_split,
                       qk_scale, sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
-                      M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES)
+                      M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
     else:
         if pid_s < S:
             # ---------------- INT2 history split ----------------
             # q planes, pre-scaled so that logits come out in log2 units.
             q_ptr = Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_j[None, :]
-            q0 = _op(tl.load(q_ptr + 0 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
-            q1 = _op(tl.load(q_ptr + 1 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
-            q2 = _op(tl.load(q_ptr + 2 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
-            q3 = _op(tl.load(q_ptr + 3 * D4, mask=mrow[:, None], other=0.0) * qk_scale, LOWP)
+            q0 = _op(tl.load(q_ptr + 0 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
+            q1 = _op(tl.load(q_ptr + 1 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
+            q2 = _op(tl.load(q_ptr + 2 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
+            q3 = _op(tl.load(q_ptr + 3 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
             if HAS_OFF:
                 off = tl.load(QKOFF + b.to(tl.int64) * sob + h * soh + offs_m * som, mask=mrow, other=0.0) * qk_scale
             else:
                 off = tl.zeros((M_PAD,), tl.float32)
-            acc0 = tl.zeros((M_PAD, D4), tl.float32)
-            acc1 = tl.zeros((M_PAD, D4), tl.float32)
-            acc2 = tl.zeros((M_PAD, D4), tl.float32)
-            acc3 = tl.zeros((M_PAD, D4), tl.float32)
+            acc0 = tl.zeros((M_PAD, D4P), tl.float32)
+            acc1 = tl.zeros((M_PAD, D4P), tl.float32)
+            acc2 = tl.zeros((M_PAD, D4P), tl.float32)
+            acc3 = tl.zeros((M_PAD, D4P), tl.float32)
 
             start = tl.load(START + b).to(tl.int32)
             if N_DEV:
@@ -456,10 +494,10 @@ def _split_kernel(
                 # The K operands: the query planes as the B operands [D4, M_PAD] of the transposed logits.
                 PPG: tl.constexpr = G // D4  # planes per group
                 OFFS = 1.0 + 1023.0 * LOWP  # the code offset of _u_plane (1024 on the GPU)
-                qf0 = tl.load(q_ptr + 0 * D4, mask=mrow[:, None], other=0.0) * qk_scale
-                qf1 = tl.load(q_ptr + 1 * D4, mask=mrow[:, None], other=0.0) * qk_scale
-                qf2 = tl.load(q_ptr + 2 * D4, mask=mrow[:, None], other=0.0) * qk_scale
-                qf3 = tl.load(q_ptr + 3 * D4, mask=mrow[:, None], other=0.0) * qk_scale
+                qf0 = tl.load(q_ptr + 0 * D4, mask=qmask, other=0.0) * qk_scale
+                qf1 = tl.load(q_ptr + 1 * D4, mask=qmask, other=0.0) * qk_scale
+                qf2 = tl.load(q_ptr + 2 * D4, mask=qmask, other=0.0) * qk_scale
+                qf3 = tl.load(q_ptr + 3 * D4, mask=qmask, other=0.0) * qk_scale
                 # B operands [D4, M_PAD]: q_P / 4^P (exact power-of-two scaling before the fp16 rounding)
                 qts = (_op16(tl.trans(qf0), LOWP), _op16(tl.trans(qf1 * 0.25), LOWP),
                        _op16(tl.trans(qf2 * 0.0625), LOWP), _op16(tl.trans(qf3 * 0.015625), LOWP))
@@ -478,9 +516,11 @@ def _split_kernel(
                 offs_n, inb, valid = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 kro0, kmo0, vro0, vmo0 = _block_rows(lo, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn, smvb,
                                                      NG, PAGE, BLOCK_N, PAGED)
-                kb = tl.load(kc_base + kro0 + offs_j[None, :], mask=inb[:, None], other=0)
+                kb = tl.load(kc_base + kro0 + offs_j[None, :], mask=_cols_mask(inb, offs_j, D4, D4P), other=0)
                 st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, kmo0, inb, off,
                                 PPG, BLOCK_N, M_PAD, LOWP)
+                if SOFTCAP > 0:
+                    st = _soft_cap(st, SOFTCAP)
                 phi = tl.max(tl.where(valid[:, None], st, float("-inf")), 0)
                 phi = tl.where(phi == float("-inf"), 0.0, phi)
                 # the tiles carried out of the rerun loop must exist before it (they are reset per pass)
@@ -498,10 +538,10 @@ def _split_kernel(
                     zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
                     zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
                     zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                    acc0 = tl.zeros((M_PAD, D4), tl.float32)
-                    acc1 = tl.zeros((M_PAD, D4), tl.float32)
-                    acc2 = tl.zeros((M_PAD, D4), tl.float32)
-                    acc3 = tl.zeros((M_PAD, D4), tl.float32)
+                    acc0 = tl.zeros((M_PAD, D4P), tl.float32)
+                    acc1 = tl.zeros((M_PAD, D4P), tl.float32)
+                    acc2 = tl.zeros((M_PAD, D4P), tl.float32)
+                    acc3 = tl.zeros((M_PAD, D4P), tl.float32)
                     off_phi = off - phi
                     # metadata of the first block, loaded before the loop (see below)
                     offs_a, inb_a, valid_a = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
@@ -524,15 +564,21 @@ def _split_kernel(
                         md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, kmo_n, vmo_n, inb_a, valid_a, NG, PAIR)
                         kro, meta, vro, vmeta = _block_rows(n0, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn,
                                                             smvb, NG, PAGE, BLOCK_N, PAGED)
-                        kb = tl.load(kc_base + kro + offs_j[None, :], mask=inb[:, None], other=0)
-                        # logits relative to the reference (off_phi = off - phi: one subtraction per row, not per logit)
-                        st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off_phi, PPG, BLOCK_N, M_PAD, LOWP,
-                                        1, ksp, kzp, ASM and LOWP)
+                        kb = tl.load(kc_base + kro + offs_j[None, :], mask=_cols_mask(inb, offs_j, D4, D4P), other=0)
+                        if SOFTCAP > 0:  # the cap takes the whole logit (q·mu_K included), then the reference goes
+                            st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG, BLOCK_N, M_PAD,
+                                            LOWP, 1, ksp, kzp, ASM and LOWP)
+                            st = _soft_cap(st, SOFTCAP) - phi[None, :]
+                        else:
+                            # logits relative to the reference (off_phi = off - phi: one subtraction per row, not per
+                            # logit)
+                            st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off_phi, PPG, BLOCK_N,
+                                            M_PAD, LOWP, 1, ksp, kzp, ASM and LOWP)
                         st = tl.where(valid[:, None], st, float("-inf"))
                         mt = tl.maximum(mt, st)
                         p = tl.exp2(st)
                         lt += p
-                        vb = tl.load(vc_base + vro + offs_j[None, :], mask=valid[:, None], other=0)
+                        vb = tl.load(vc_base + vro + offs_j[None, :], mask=_cols_mask(valid, offs_j, D4, D4P), other=0)
                         acc0, zt0 = _df_v_plane(p, vb, 0, acc0, zt0, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
                         acc1, zt1 = _df_v_plane(p, vb, 1, acc1, zt1, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
                         acc2, zt2 = _df_v_plane(p, vb, 2, acc2, zt2, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
@@ -558,27 +604,31 @@ def _split_kernel(
                     kro, kmo, vro, vmo = _block_rows(n0, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn, smvb, NG,
                                                      PAGE, BLOCK_N, PAGED)
                     # K: unpack + dequantize 4 planes, logits = sum_p q_p k_p^T (one accumulator).
-                    kb = tl.load(kc_base + kro + offs_j[None, :], mask=inb[:, None], other=0)
-                    ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, kmo, inb, NG, PAGED)
-                    s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)))
-                    s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
-                    s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
-                    s = tl.dot(q3, tl.trans(_int2_plane(kb, 3, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP)), s)
-                    p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i)
+                    kb = tl.load(kc_base + kro + offs_j[None, :], mask=_cols_mask(inb, offs_j, D4, D4P), other=0)
+                    ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, kmo, inb, NG, PAGED, G % D4 == 0)
+                    s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)))
+                    s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
+                    s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
+                    s = tl.dot(q3, tl.trans(_int2_plane(kb, 3, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
+                    s = s + off[:, None]
+                    if SOFTCAP > 0:
+                        s = _soft_cap(s, SOFTCAP)
+                    p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
                     p = _op(p, LOWP)
                     # V: only valid tokens are read, invalid ones dequantize to exactly 0.
-                    vb = tl.load(vc_base + vro + offs_j[None, :], mask=valid[:, None], other=0)
-                    vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, vmo, valid, NG, PAGED)
-                    acc0 = tl.dot(p, _int2_plane(vb, 0, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc0 * alpha[:, None])
-                    acc1 = tl.dot(p, _int2_plane(vb, 1, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc1 * alpha[:, None])
-                    acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc2 * alpha[:, None])
-                    acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP), acc3 * alpha[:, None])
+                    vb = tl.load(vc_base + vro + offs_j[None, :], mask=_cols_mask(valid, offs_j, D4, D4P), other=0)
+                    vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, vmo, valid, NG, PAGED,
+                                                             G % D4 == 0)
+                    acc0 = tl.dot(p, _int2_plane(vb, 0, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc0 * alpha[:, None])
+                    acc1 = tl.dot(p, _int2_plane(vb, 1, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc1 * alpha[:, None])
+                    acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc2 * alpha[:, None])
+                    acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc3 * alpha[:, None])
 
             a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
-            tl.store(a_ptr + 0 * D4, acc0, mask=mrow[:, None])
-            tl.store(a_ptr + 1 * D4, acc1, mask=mrow[:, None])
-            tl.store(a_ptr + 2 * D4, acc2, mask=mrow[:, None])
-            tl.store(a_ptr + 3 * D4, acc3, mask=mrow[:, None])
+            tl.store(a_ptr + 0 * D4, acc0, mask=qmask)
+            tl.store(a_ptr + 1 * D4, acc1, mask=qmask)
+            tl.store(a_ptr + 2 * D4, acc2, mask=qmask)
+            tl.store(a_ptr + 3 * D4, acc3, mask=qmask)
             tl.store(PM + part + offs_m, m_i, mask=mrow)
             tl.store(PL + part + offs_m, l_i, mask=mrow)
         else:
@@ -588,7 +638,7 @@ def _split_kernel(
                     wb = tl.load(WSLOT + b)
                 _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, wb, h, part, (pid_s - S) * win_split, W, win_split,
                               qk_scale, sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
-                              M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES)
+                              M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
 @triton.jit
 def _prologue_kernel(
     Q, RK, MU, QR, QO,  # rotation: q [B, Hk, M, D] (also the window's query), R_K, mu_K -> q_rot, q . mu_K
@@ -599,6 +649,7 @@ def _prologue_kernel(
     D: tl.constexpr, M_PAD: tl.constexpr, M_PAD_ROT: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
     HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
     QP8=None, QPF=None, QPRE: tl.constexpr = 0, TB: tl.constexpr = 2, READY=None, QFLAG: tl.constexpr = 0,
+    DP: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
     what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
@@ -608,7 +659,9 @@ def _prologue_kernel(
 
     ``QFLAG`` (with ``QPRE``): each rotation program adds 1 to ``READY[b * Hk + h]`` (release, GPU scope) once its
     plane's operands are stored; the history programs of that (row, head) wait for 4 there, not for this grid's
-    completion (the combine sets it back to 0)."""
+    completion (the combine sets it back to 0). ``DP``, ``SOFTCAP``: as for :func:`_split_kernel` (the window
+    programs')."""
+    DPAD: tl.constexpr = D if DP == 0 else DP
     pid_bh = tl.program_id(0)
     j = tl.program_id(1)
     NROT: tl.constexpr = D // C_BLOCK
@@ -623,11 +676,11 @@ def _prologue_kernel(
                 tl.atomic_add(READY + pid_bh, 1, sem="release", scope="gpu")
         else:
             _rotate_block(Q, RK, MU, QR, QO, pid_bh, j * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
-                          D, M_PAD_ROT, C_BLOCK, HAS_MU)
+                          D, M_PAD_ROT, C_BLOCK, HAS_MU, DPAD)
     else:
         b = pid_bh // Hk
         h = pid_bh % Hk
         part = (pid_bh.to(tl.int64) * S_TOT + S + (j - NROT)) * M
         _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, b, h, part, (j - NROT) * win_split, W, win_split, qk_scale,
                       sqb, sqh, sqm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
-                      M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES)
+                      M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)

@@ -18,11 +18,12 @@ static cache's op ``static_op.decode_attention_static``, :func:`history_partial_
   (:mod:`~oscar_hf.kernels.decode_combine`, one program per query row).
 
 Where the history runs on the Gluon kernel (:mod:`~oscar_hf.kernels.decode_gluon`: CUDA, D = 128, G = 64, <= 8 query
-rows per KV head, bf16 metadata, no key mask, at least ``gluon_min_work`` history token-heads), the split kernel runs
-the window programs only (``PID_OFF``); from the unrotated query the op is three launches -- the rotation with the
-window programs (``_prologue_kernel``), the Gluon history, the combine -- with programmatic dependent launch between
-them (sm_90+): the history's first loads under the rotation, the combine's launch under the history's tail, and the
-history programs waiting for counters their head's rotation programs raise (``QFLAG``), not for the rotation's grid.
+rows per KV head, bf16 metadata, no key mask, no soft-capping, at least ``gluon_min_work`` history token-heads), the
+split kernel runs the window programs only (``PID_OFF``); from the unrotated query the op is three launches -- the
+rotation with the window programs (``_prologue_kernel``), the Gluon history, the combine -- with programmatic dependent
+launch between them (sm_90+): the history's first loads under the rotation, the combine's launch under the history's
+tail, and the history programs waiting for counters their head's rotation programs raise (``QFLAG``), not for the
+rotation's grid.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from oscar_hf.quant import QuantizedRows
 
 from .decode_combine import _combine_kernel
 from .decode_split import _prologue_kernel, _split_kernel
-from .plan import DEFAULTS, decode_plan, gluon_pays, num_splits
+from .plan import DEFAULTS, KERNEL_HEAD_DIMS, decode_plan, gluon_pays, group_fits, next_pow2, num_splits
 from .query_triton import C_BLOCK as ROT_C_BLOCK
 from .query_triton import Q8_FIELDS, Q8_TILE_BYTES, launch_rotation, rotation_args, rotation_strides
 
@@ -57,13 +58,13 @@ def _mask_4d(mask, b, hk, n):
 
 
 def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask) -> bool:
-    """Shapes the kernels serve (anything else: the reference)."""
+    """Shapes the kernels serve (anything else: the reference): a head_dim of ``plan.KERNEL_HEAD_DIMS`` (64, 96, 128,
+    256, 512), a group size ``plan.group_fits`` takes, 1 to 64 query rows per KV head, a key mask of one row per KV
+    head (or none)."""
     b, hk, m, d = q_rot.shape
     n = k.codes.shape[-2]
-    pow2 = lambda x: x > 0 and (x & (x - 1)) == 0  # noqa: E731
     return (
-        pow2(d) and 64 <= d <= 256 and pow2(group_size) and group_size <= d and d % group_size == 0
-        and 1 <= m <= 64 and _mask_4d(key_mask, b, hk, n)[1]
+        d in KERNEL_HEAD_DIMS and group_fits(d, group_size) and 1 <= m <= 64 and _mask_4d(key_mask, b, hk, n)[1]
     )
 
 
@@ -137,7 +138,8 @@ def _gluon_module():
 
 def decode_attention_triton(
     q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, q_win=None, k_win=None, v_win=None, win_mask=None,
-    r_v=None, mu_v=None, out_dtype=None, n_valid=None, splits=None, r_k=None, mu_k=None, sinks=None, defaults=DEFAULTS,
+    r_v=None, mu_v=None, out_dtype=None, n_valid=None, splits=None, r_k=None, mu_k=None, sinks=None, softcap=None,
+    defaults=DEFAULTS,
 ):
     """The decode attention of one layer over INT2 history + full-precision window, for the shapes
     :func:`decode_supported` accepts: two launches (three with the query's rotation or the Gluon history).
@@ -157,6 +159,8 @@ def decode_attention_triton(
             not scaled): a key of value 0 that every row attends to, i.e. ``exp(s)`` more in the softmax denominator.
             It is one more partial (``m = s``, ``l = 1``, ``acc = 0``) after the window's, filled here and merged by
             the combine like the others.
+        softcap: None or Gemma 2's logit soft-capping ``softcap * tanh(logit / softcap)`` (natural units), applied to
+            every history and window logit by the split kernel (which then serves the history, not the Gluon kernel).
         out_dtype: dtype of the result (default: q_win's).
         n_valid, splits: the static cache's device-side history length (0-d int tensor: entries ``< n_valid`` are
             valid; the grid is sized by the capacity and ``splits`` history programs per (row, head), so that a CUDA
@@ -185,14 +189,14 @@ def decode_attention_triton(
     if qk_offset is not None:
         qk_offset = qk_offset.float().expand(b, hk, m)
     pairable = _pairable(k, v, d, group_size)
-    # the Gluon kernel's layout checks only where the plan may take it
-    glu = _gluon_module() if (q_rot.is_cuda and gluon_pays(defaults, bh, n)) else None
+    # the Gluon kernel's layout checks only where the plan may take it (it does not cap logits)
+    glu = _gluon_module() if (q_rot.is_cuda and not softcap and gluon_pays(defaults, bh, n)) else None
     gluon_ok = glu is not None and glu.gluon_supported(q_rot, k, v, group_size, kmask, pairable)
     window = r_v is not None
     w = 0 if (not window or k_win is None) else k_win.shape[-2]
     p = decode_plan(b, hk, m, d, n, group_size, w, dev, window=window, static=n_valid is not None, splits=splits,
                     rotate=rotate, gluon_step=glu.tokens_per_step(m) if gluon_ok else 0, sinks=sinks is not None,
-                    defaults=defaults)
+                    softcap=bool(softcap), defaults=defaults)
     if sinks is not None and not window:
         raise ValueError("sinks are for the whole decode op (r_v given), not the history's partials")
     if w:
@@ -205,6 +209,8 @@ def decode_attention_triton(
         r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
         mu_v = None if mu_v is None else mu_v.to(device=dev, dtype=torch.float32).contiguous()
     qk_scale = float(scaling) * LOG2E
+    cap = float(softcap) * LOG2E if softcap else 0.0  # the cap in the kernels' log2 units (SOFTCAP; 0: none)
+    dp = next_pow2(d)  # D padded to a power of two (D = 96: 128) for the kernels' channel tiles
     z3 = (0, 0, 0)
 
     pm = torch.empty(bh, p.s_tot, m, device=dev, dtype=torch.float32)
@@ -236,7 +242,7 @@ def decode_attention_triton(
                 D=d, M_PAD=p.m_pad, M_PAD_ROT=max(16, p.m_pad), C_BLOCK=c_rot, HAS_MU=mu_k is not None,
                 HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda), WIN_STAGES=defaults.gluon_win_stages,
                 PDL=int(p.pdl), QP8=qp8, QPF=qpf, QPRE=int(p.qpre), TB=p.tb,
-                READY=ready, QFLAG=int(ready is not None), num_warps=defaults.num_warps,
+                READY=ready, QFLAG=int(ready is not None), DP=dp, SOFTCAP=cap, num_warps=defaults.num_warps,
             )
         else:
             launch_rotation(q_win, r_k, mu_k, q_rot, qk_offset)
@@ -265,7 +271,7 @@ def decode_attention_triton(
             PAIR=int(pairable),  # NG = 2 bf16 metadata: one 4-byte load per token and tensor for both groups
             ASM=int(q_rot.is_cuda),  # inline PTX: not under the interpreter
             num_warps=p.split_warps, num_stages=p.split_stages,
-            WIN_STAGES=p.win_stages, WIN_ONLY=int(p.pid_off > 0),
+            WIN_STAGES=p.win_stages, WIN_ONLY=int(p.pid_off > 0), DP=dp, SOFTCAP=cap,
             **({"maxnreg": p.maxnreg} if p.maxnreg else {}),
         )
     cs = p.combine
@@ -277,7 +283,7 @@ def decode_attention_triton(
                 pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, p.s_hist, p.s_tot,
                 D=d, S_BLOCK=cs.s_block, C_BLOCK=cs.c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(p.pdl),
                 HOIST=int(cs.hoist), SW_BLOCK=p.sw_block, PARTS=cs.parts,
-                READY=ready, RESET=int(ready is not None),
+                READY=ready, RESET=int(ready is not None), DP=dp,
                 num_warps=cs.warps,
                 **({"launch_pdl": True} if p.pdl else {}),
             )
@@ -288,7 +294,7 @@ def decode_attention_triton(
     _combine_kernel[(bh * m,)](
         pm, pl, pacc, om, ol, oacc, None, None, m, hk, p.s_tot, p.s_tot,
         D=d, S_BLOCK=cs.s_block, C_BLOCK=cs.c_block, FINAL=False, HAS_MUV=False, PDL=0,
-        HOIST=0, SW_BLOCK=1, num_warps=cs.warps,
+        HOIST=0, SW_BLOCK=1, DP=dp, num_warps=cs.warps,
     )
     return om, ol, oacc
 
@@ -299,10 +305,12 @@ def decode_supported(q, k: QuantizedRows, group_size: int, key_mask, win_mask=No
     return kernel_supported(q, k, group_size, key_mask) and _mask_4d(win_mask, b, hk, w)[1]
 
 
-def history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, defaults=DEFAULTS):
+def history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, defaults=DEFAULTS,
+                           softcap=None):
     """Triton version of ``int2_attention.history_partial_reference`` (same contract, for the shapes
     :func:`kernel_supported` accepts): :func:`decode_attention_triton` without a window. Two launches."""
-    return decode_attention_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, defaults=defaults)
+    return decode_attention_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, softcap=softcap,
+                                   defaults=defaults)
 
 
 __all__ = ["decode_attention_triton", "decode_supported", "history_partial_triton", "kernel_supported", "num_splits"]

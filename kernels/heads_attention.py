@@ -20,11 +20,11 @@ min-max: ``x ~ zero + code * scale``), or in the model dtype (16 bits); :mod:`os
   the new token) that every head reads exactly;
 
 returns ``[B, P, M, D]`` in ``out_dtype``: ``softmax(scaling * q k^T) v`` over the history and the window. Rows with
-no valid key give 0. ``softcap`` (Gemma 2's logit soft-capping: the reference serves it) and ``sinks`` (``[P, M]``
-logits of a zero-valued key, gpt-oss's ``s_aux`` by query row: one more partial, in the kernel too) as for the INT2
-heads' read (:mod:`.int2_attention`). On CUDA one split-K Triton launch streams the codes (``heads_triton``: logits ``scale * (q .
-code) + zero * sum(q)``, values ``(p * scale) . code + sum(p * zero)``, no dequantized copy) and a second merges the
-splits; elsewhere the torch reference below dequantizes ``block_n`` tokens at a time.
+no valid key give 0. ``softcap`` (Gemma 2's logit soft-capping) and ``sinks`` (``[P, M]`` logits of a zero-valued key,
+gpt-oss's ``s_aux`` by query row: one more partial) as for the INT2 heads' read (:mod:`.int2_attention`), in the
+kernel too. On CUDA one split-K Triton launch streams the codes (``heads_triton``: logits ``scale * (q . code) + zero
+* sum(q)``, values ``(p * scale) . code + sum(p * zero)``, no dequantized copy) and a second merges the splits;
+elsewhere the torch reference below dequantizes ``block_n`` tokens at a time.
 """
 from __future__ import annotations
 
@@ -125,14 +125,15 @@ def heads_decode_attention(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_
     out_dtype = out_dtype or q.dtype
     if sinks is not None and sinks.shape != (heads.numel(), q.shape[2]):
         raise ValueError(f"sinks {tuple(sinks.shape)} are not [P, M] = {(heads.numel(), q.shape[2])}")
-    if triton_enabled(q, use_kernels) and q.shape[2] <= 64 and not softcap:
+    if triton_enabled(q, use_kernels) and q.shape[2] <= 64:
         if block_table is not None:  # (the serving store: eager, never traced)
             from .heads_triton import heads_decode_triton
 
             return heads_decode_triton(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
-                                       block_table=block_table, max_len=max_len, sinks=sinks)
+                                       block_table=block_table, max_len=max_len, sinks=sinks, softcap=softcap)
         from .static_op import heads_decode_op
 
-        return heads_decode_op(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype, sinks)
+        return heads_decode_op(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype, sinks,
+                               softcap)
     return heads_decode_reference(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
                                   block_table=block_table, softcap=softcap, sinks=sinks)

@@ -11,7 +11,10 @@ A coded block is never dequantized: with ``x = zero + code * scale`` per token,
 ``q . x = scale * (q . code) + zero * sum(q)`` and ``sum_n p_n x_n = (p * scale) . code + sum_n p_n zero_n``, so the
 tensor cores take the codes themselves (exact in bf16 / fp16 up to 255) and the metadata scales a ``[M_PAD, BLOCK_N]``
 tile. INT4 bytes hold channel ``j`` (low nibble) and ``j + D/2`` (high), so the query, window and accumulator are
-handled as two halves of ``DC = D / 2`` channels (``NPL = 2`` planes); INT8 and 16 bits have one plane of ``D``.
+handled as two halves of ``DC = D / 2`` channels (``NPL = 2`` planes); INT8 and 16 bits have one plane of ``D``. A
+half (plane) of a width that is no power of two (D = 96: 96, or 48 for INT4) is read as ``DCP``, the next power of two,
+lanes, the padded ones masked on every load (0) and store. ``SOFTCAP`` > 0: every logit soft-capped
+(``decode_split._soft_cap``, in log2 units) before the mask.
 Logits are in base 2 (``qk_scale = scaling * log2(e)``, applied to the float32 logits so that the query stays exact in
 its dtype). ``hi`` is read on the device under CUDA graphs and in the paged store (``HI_DEV``; one bound, or one per
 row): the grid is sized by the storage's capacity (or the batch's longest history) and splits past a row's ``hi``
@@ -24,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import HEADS_DEFAULTS, HeadsDefaults, heads_plan, pow2_at_least
+from .decode_split import _soft_cap
+from .plan import HEADS_DEFAULTS, HeadsDefaults, heads_plan, next_pow2, pow2_at_least
+from .query_triton import _cols_mask
 
 _OPS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 OFFSET_LIMIT = 2**31 - 1  # the split kernel's 32-bit element offsets of a contiguous store
@@ -42,8 +47,11 @@ def _op(x, OP: tl.constexpr):
 
 
 @triton.jit
-def _online(logit, valid, m_i, l_i):
-    """One block's softmax step: ``(p, alpha, m_new, l_new)``; masked entries and empty rows give 0, never NaN."""
+def _online(logit, valid, m_i, l_i, SOFTCAP: tl.constexpr = 0.0):
+    """One block's softmax step: ``(p, alpha, m_new, l_new)``; masked entries and empty rows give 0, never NaN.
+    ``SOFTCAP`` > 0: the logits (log2 units) soft-capped first."""
+    if SOFTCAP > 0:
+        logit = _soft_cap(logit, SOFTCAP)
     logit = tl.where(valid[None, :], logit, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(logit, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -56,12 +64,13 @@ def _online(logit, valid, m_i, l_i):
 def _history_part(qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI, BT, b, p, s,
                   skb, skp, skn, sksb, sksp, sksn, svb, svp, svn, svsb, svsp, svsn, shi, sbt, hi_host, split_len,
                   qk_scale, DC: tl.constexpr, NPL: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
-                  HI_DEV: tl.constexpr, PAGE: tl.constexpr, OP: tl.constexpr):
+                  HI_DEV: tl.constexpr, PAGE: tl.constexpr, OP: tl.constexpr, DCP: tl.constexpr,
+                  SOFTCAP: tl.constexpr):
     """History split ``s``: slots ``[s * split_len, (s + 1) * split_len)`` within ``[lo[b], hi[b])``, read as codes.
     ``PAGE > 0``: the store is paged, slot ``n`` of row ``b`` at offset ``n % PAGE`` of page ``BT[b, n // PAGE]`` (the
     ``b`` strides are then the page strides)."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, DC)
+    offs_c = tl.arange(0, DCP)
     lo = tl.load(LO + b).to(tl.int32)
     if HI_DEV:
         hi = tl.load(HI + b * shi).to(tl.int32)
@@ -83,11 +92,12 @@ def _history_part(qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI
         else:  # (32-bit offsets: a 64-bit row base costs 20 registers more, measured at 4 warps)
             k_row, v_row = b * skb + offs * skn, b * svb + offs * svn
             ks_row, vs_row = b * sksb + offs * sksn, b * svsb + offs * svsn
-        kt = tl.load(KC + p * skp + k_row[:, None] + offs_c[None, :], mask=valid[:, None], other=0)  # [BLOCK_N, DC]
-        vt = tl.load(VC + p * svp + v_row[:, None] + offs_c[None, :], mask=valid[:, None], other=0)
+        cmask = _cols_mask(valid, offs_c, DC, DCP)
+        kt = tl.load(KC + p * skp + k_row[:, None] + offs_c[None, :], mask=cmask, other=0)  # [BLOCK_N, DCP]
+        vt = tl.load(VC + p * svp + v_row[:, None] + offs_c[None, :], mask=cmask, other=0)
         if BITS == 16:
             logit = tl.dot(_op(qa, OP), tl.trans(_op(kt, OP)))
-            pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i)
+            pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i, SOFTCAP)
             acc_a = acc_a * alpha[:, None] + tl.dot(_op(pr, OP), _op(vt, OP))
         else:
             ks = tl.load(KS + p * sksp + ks_row, mask=valid, other=0.0).to(tl.float32)
@@ -100,7 +110,7 @@ def _history_part(qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI
                 qc = tl.dot(_op(qa, OP), tl.trans(_op(kt & 15, OP)))
                 qc += tl.dot(_op(qb, OP), tl.trans(_op(kt >> 4, OP)))
             logit = qc * ks[None, :] + qsum[:, None] * kz[None, :]
-            pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i)
+            pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i, SOFTCAP)
             ps = _op(pr * vs[None, :], OP)
             zsum = tl.sum(pr * vz[None, :], 1)[:, None]
             if BITS == 8:
@@ -114,10 +124,10 @@ def _history_part(qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI
 @triton.jit
 def _window_part(qa, qb, m_i, l_i, acc_a, acc_b, WK, WV, WM, b, h, swb, swh, swn, swvb, swvh, swvn, smb, W,
                  qk_scale, DC: tl.constexpr, NPL: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WMASK: tl.constexpr,
-                 OP: tl.constexpr):
+                 OP: tl.constexpr, DCP: tl.constexpr, SOFTCAP: tl.constexpr):
     """The window: exact keys and values in the model dtype, entries masked by ``WM``."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, DC)
+    offs_c = tl.arange(0, DCP)
     kbase = WK + b * swb + h * swh
     vbase = WV + b * swvb + h * swvh
     for n0 in range(0, W, BLOCK_N):
@@ -128,14 +138,15 @@ def _window_part(qa, qb, m_i, l_i, acc_a, acc_b, WK, WV, WM, b, h, swb, swh, swn
             valid = valid & (tl.load(WM + b * smb + offs, mask=inb, other=0) != 0)
         kptr = kbase + offs[:, None] * swn + offs_c[None, :]
         vptr = vbase + offs[:, None] * swvn + offs_c[None, :]
-        logit = tl.dot(_op(qa, OP), tl.trans(_op(tl.load(kptr, mask=inb[:, None], other=0.0), OP)))
+        cmask = _cols_mask(inb, offs_c, DC, DCP)
+        logit = tl.dot(_op(qa, OP), tl.trans(_op(tl.load(kptr, mask=cmask, other=0.0), OP)))
         if NPL == 2:
-            logit += tl.dot(_op(qb, OP), tl.trans(_op(tl.load(kptr + DC, mask=inb[:, None], other=0.0), OP)))
-        pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i)
-        acc_a = acc_a * alpha[:, None] + tl.dot(_op(pr, OP), _op(tl.load(vptr, mask=inb[:, None], other=0.0), OP))
+            logit += tl.dot(_op(qb, OP), tl.trans(_op(tl.load(kptr + DC, mask=cmask, other=0.0), OP)))
+        pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i, SOFTCAP)
+        acc_a = acc_a * alpha[:, None] + tl.dot(_op(pr, OP), _op(tl.load(vptr, mask=cmask, other=0.0), OP))
         if NPL == 2:
             acc_b = acc_b * alpha[:, None] + tl.dot(_op(pr, OP),
-                                                    _op(tl.load(vptr + DC, mask=inb[:, None], other=0.0), OP))
+                                                    _op(tl.load(vptr + DC, mask=cmask, other=0.0), OP))
     return m_i, l_i, acc_a, acc_b
 
 
@@ -145,34 +156,37 @@ def _heads_split_kernel(
     sqb, sqh, sqm, skb, skp, skn, sksb, sksp, sksn, svb, svp, svn, svsb, svsp, svsn, shi, sbt,
     swb, swh, swn, swvb, swvh, swvn, smb, P, M, W, hi_host, split_len, s_hist, s_tot, qk_scale,
     DC: tl.constexpr, NPL: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
-    HI_DEV: tl.constexpr, PAGE: tl.constexpr, HAS_WMASK: tl.constexpr, OP: tl.constexpr,
+    HI_DEV: tl.constexpr, PAGE: tl.constexpr, HAS_WMASK: tl.constexpr, OP: tl.constexpr, DCP: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
+    """``DCP``: the plane width ``DC`` padded to a power of two (``DC`` itself where it is one); ``SOFTCAP``: the
+    logits' cap in log2 units (0: none)."""
     bp = tl.program_id(0)
     s = tl.program_id(1)
     b = bp // P
     p = bp % P
     h = tl.load(HEADS + p)
     offs_m = tl.arange(0, M_PAD)
-    offs_c = tl.arange(0, DC)
-    qrow = (offs_m < M)[:, None]
+    offs_c = tl.arange(0, DCP)
+    qrow = _cols_mask(offs_m < M, offs_c, DC, DCP)
     qptr = Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_c[None, :]
-    qa = tl.load(qptr, mask=qrow, other=0.0)  # [M_PAD, DC] channels [0, DC)
+    qa = tl.load(qptr, mask=qrow, other=0.0)  # [M_PAD, DCP] channels [0, DC)
     qb = qa
     if NPL == 2:
         qb = tl.load(qptr + DC, mask=qrow, other=0.0)  # channels [DC, D)
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
-    acc_a = tl.zeros([M_PAD, DC], tl.float32)
-    acc_b = tl.zeros([M_PAD, DC], tl.float32)
+    acc_a = tl.zeros([M_PAD, DCP], tl.float32)
+    acc_b = tl.zeros([M_PAD, DCP], tl.float32)
     if s < s_hist:
         m_i, l_i, acc_a, acc_b = _history_part(
             qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI, BT, b, p, s,
             skb, skp, skn, sksb, sksp, sksn, svb, svp, svn, svsb, svsp, svsn, shi, sbt, hi_host, split_len, qk_scale,
-            DC, NPL, BLOCK_N, BITS, HI_DEV, PAGE, OP)
+            DC, NPL, BLOCK_N, BITS, HI_DEV, PAGE, OP, DCP, SOFTCAP)
     else:
         m_i, l_i, acc_a, acc_b = _window_part(
             qa, qb, m_i, l_i, acc_a, acc_b, WK, WV, WM, b, h, swb, swh, swn, swvb, swvh, swvn, smb, W, qk_scale,
-            DC, NPL, BLOCK_N, HAS_WMASK, OP)
+            DC, NPL, BLOCK_N, HAS_WMASK, OP, DCP, SOFTCAP)
     part = bp * s_tot + s  # (s_tot: the partials per row, one more than the programs with a sink)
     tl.store(PM + part * M_PAD + offs_m, m_i)
     tl.store(PL + part * M_PAD + offs_m, l_i)
@@ -184,23 +198,25 @@ def _heads_split_kernel(
 
 @triton.jit
 def _heads_combine_kernel(PM, PL, PACC, OUT, M, S_TOT, M_PAD: tl.constexpr, D: tl.constexpr,
-                          S_BLOCK: tl.constexpr):
-    """Program ``bp * M + row``: the log-sum-exp merge of the row's ``S_TOT`` partials, normalized (0 when empty)."""
+                          S_BLOCK: tl.constexpr, DP: tl.constexpr):
+    """Program ``bp * M + row``: the log-sum-exp merge of the row's ``S_TOT`` partials, normalized (0 when empty).
+    ``DP``: ``D`` padded to a power of two."""
     pid = tl.program_id(0)
     bp = pid // M
     row = pid % M
     offs_s = tl.arange(0, S_BLOCK)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)
     m_run = tl.full([1], float("-inf"), tl.float32)
     l_run = tl.zeros([1], tl.float32)
-    acc = tl.zeros([D], tl.float32)
+    acc = tl.zeros([DP], tl.float32)
     for s0 in range(0, S_TOT, S_BLOCK):
         ss = s0 + offs_s
         ok = ss < S_TOT
         part = (bp * S_TOT + ss) * M_PAD + row
         mv = tl.load(PM + part, mask=ok, other=float("-inf"))
         lv = tl.load(PL + part, mask=ok, other=0.0)
-        av = tl.load(PACC + part[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)  # [S_BLOCK, D]
+        av = tl.load(PACC + part[:, None] * D + offs_d[None, :], mask=_cols_mask(ok, offs_d, D, DP),
+                     other=0.0)  # [S_BLOCK, DP]
         m_new = tl.maximum(m_run, tl.max(mv, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         w = tl.exp2(mv - m_safe)  # [S_BLOCK]
@@ -209,7 +225,10 @@ def _heads_combine_kernel(PM, PL, PACC, OUT, M, S_TOT, M_PAD: tl.constexpr, D: t
         acc = acc * alpha + tl.sum(w[:, None] * av, 0)
         m_run = m_new
     out = acc / tl.where(l_run > 0, l_run, 1.0)
-    tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty))
+    if D == DP:
+        tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty))
+    else:
+        tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D)
 
 
 def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -217,9 +236,11 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float, out_dtype,
-                        block_table=None, max_len=None, sinks=None,
+                        block_table=None, max_len=None, sinks=None, softcap=None,
                         defaults: HeadsDefaults = HEADS_DEFAULTS) -> torch.Tensor:
-    """:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention` in two launches (arguments checked there)."""
+    """:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention` in two launches (arguments checked there);
+    any head_dim (a plane that is no power of two is padded inside), ``softcap`` (natural units) capped in the
+    kernel."""
     df = defaults
     b, _, m, d = q.shape
     p, w = heads.numel(), win_k.shape[2]
@@ -238,13 +259,13 @@ def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mas
             q[a : a + rows], heads, tuple(t[a : a + rows] for t in k), tuple(t[a : a + rows] for t in v), bits,
             lo[a : a + rows], rows_of(hi, a, a + rows), win_k[a : a + rows], win_v[a : a + rows],
             None if win_mask is None else win_mask[a : a + rows], scaling, out_dtype, max_len=max_len, sinks=sinks,
-            defaults=defaults) for a in range(0, b, rows)])
+            softcap=softcap, defaults=defaults) for a in range(0, b, rows)])
     npl = 2 if bits == 4 else 1
     page = 0 if block_table is None else kc.shape[2]
     n = kc.shape[2] if block_table is None else block_table.shape[1] * page  # slots the store can address per row
     hi_dev = isinstance(hi, torch.Tensor)
     n_hist = min(n, int(max_len)) if max_len is not None else n if hi_dev else max(0, min(n, int(hi)))
-    plan = heads_plan(b * p, n_hist, m, dev, df)
+    plan = heads_plan(b * p, n_hist, m, dev, df, d)
     s_hist, split_len, m_pad = plan.splits, plan.split_len, plan.m_pad
     s_tot = s_hist + 1 + (sinks is not None)  # history splits, the window, the sink (a partial the combine merges)
     pm = torch.empty(b * p, s_tot, m_pad, dtype=torch.float32, device=dev)
@@ -255,7 +276,7 @@ def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mas
         pl[:, -1].fill_(1.0)
         pacc[:, -1].zero_()
     op = _OPS[q.dtype] if q.is_cuda else 0
-    warps, stages = df.launch(bits)
+    warps, stages = df.launch(bits, d)
     lo = lo.reshape(b)
     wm = win_mask if win_mask is not None else lo  # (placeholder pointers where there is no mask / table / hi)
     bt = block_table if block_table is not None else lo
@@ -268,10 +289,12 @@ def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mas
         win_k.stride(0), win_k.stride(1), win_k.stride(2), win_v.stride(0), win_v.stride(1), win_v.stride(2),
         wm.stride(0) if win_mask is not None else 0,
         p, m, w, 0 if hi_dev else n_hist, split_len, s_hist, s_tot, float(scaling) * 1.4426950408889634,
-        DC=d // npl, NPL=npl, M_PAD=m_pad, BLOCK_N=df.block_n, BITS=bits, HI_DEV=hi_dev, PAGE=page,
-        HAS_WMASK=win_mask is not None, OP=op, num_warps=warps, num_stages=stages,
+        DC=d // npl, NPL=npl, M_PAD=m_pad, BLOCK_N=plan.block_n, BITS=bits, HI_DEV=hi_dev, PAGE=page,
+        HAS_WMASK=win_mask is not None, OP=op, DCP=next_pow2(d // npl),
+        SOFTCAP=float(softcap) * 1.4426950408889634 if softcap else 0.0, num_warps=warps, num_stages=stages,
     )
     out = torch.empty(b, p, m, d, dtype=out_dtype, device=dev)
     _heads_combine_kernel[(b * p * m,)](pm, pl, pacc, out, m, s_tot, M_PAD=m_pad, D=d,
-                                        S_BLOCK=min(df.merge_block, pow2_at_least(s_tot, 1)), num_warps=4)
+                                        S_BLOCK=min(df.merge_block, pow2_at_least(s_tot, 1)), DP=next_pow2(d),
+                                        num_warps=df.merge_warps_xwide if d > 256 else 4)
     return out

@@ -188,8 +188,9 @@ def decode_attention_rotating(
     window's): the history's query is ``qf R_K`` with the logit offset ``qf · mu_K`` (:func:`rotate_query_reference`),
     the rest as :func:`decode_attention_reference`. ``n_valid``, ``splits``: the static cache's device-side history
     length and fixed split count (``decode_triton.decode_attention_triton``). ``softcap`` (Gemma 2's logit
-    soft-capping; the references serve it: the kernels do not cap) and ``sinks`` (``[Hk, M]``, gpt-oss's ``s_aux`` by
-    query row: one more partial, in the kernels too) as in :func:`decode_attention_reference`.
+    soft-capping: the split kernel caps every logit, and serves such calls instead of the Gluon kernel) and
+    ``sinks`` (``[Hk, M]``, gpt-oss's ``s_aux`` by query row: one more partial, in the kernels too) as in
+    :func:`decode_attention_reference`.
 
     Dispatch, one call to the launch on CUDA (where the kernels take the shape; anything else: the references):
 
@@ -200,7 +201,7 @@ def decode_attention_rotating(
     * eager: the launcher from the unrotated query (the rotation is its first launch; on the Gluon path together with
       the window programs); beyond 16 query rows a KV head, or while ``torch.compile`` traces, the rotation in torch."""
     out_dtype = out_dtype or qf.dtype
-    kernels = triton_enabled(qf, use_kernels) and not softcap
+    kernels = triton_enabled(qf, use_kernels)
     if kernels:
         from .decode_triton import decode_attention_triton, decode_supported
 
@@ -213,6 +214,7 @@ def decode_attention_rotating(
             return decode_attention_static(
                 q_rot.float().contiguous(), *k, *v, start, key_mask, qk_off, float(scaling), int(group_size),
                 qf, k_win, v_win, win_mask, r_v, mu_v, n_valid, int(splits or 0), out_dtype, sinks,
+                float(softcap or 0.0),
             )
     else:
         if kernels and not torch.compiler.is_compiling():
@@ -220,11 +222,12 @@ def decode_attention_rotating(
 
             if query_kernel_supported(qf):
                 return decode_attention_triton(None, k, v, start, key_mask, None, scaling, group_size, qf, k_win,
-                                               v_win, win_mask, r_v, mu_v, out_dtype, r_k=r_k, mu_k=mu_k, sinks=sinks)
+                                               v_win, win_mask, r_v, mu_v, out_dtype, r_k=r_k, mu_k=mu_k, sinks=sinks,
+                                               softcap=softcap)
         q_rot, qk_off = rotate_query_reference(qf, r_k, mu_k)
         if kernels:
             return decode_attention_triton(q_rot, k, v, start, key_mask, qk_off, scaling, group_size, qf, k_win,
-                                           v_win, win_mask, r_v, mu_v, out_dtype, sinks=sinks)
+                                           v_win, win_mask, r_v, mu_v, out_dtype, sinks=sinks, softcap=softcap)
     return decode_attention_reference(q_rot, k, v, start, key_mask, qk_off, scaling, group_size, qf, k_win, v_win,
                                       win_mask, r_v, mu_v, out_dtype=out_dtype, block_n=block_n, n_valid=n_valid,
                                       softcap=softcap, sinks=sinks)

@@ -72,6 +72,23 @@ def pow2_at_least(n: int, lo: int) -> int:
     return max(lo, next_pow2(n))
 
 
+# ---- the shapes the Triton kernels serve (the tests in tests/kernels parametrize over the same tuples)
+
+# head_dims of the decode read (split kernel, combine, query rotation) and of the writes (prefill, the decode step's
+# append; also 32 there). A power of two, or 96 (Phi-3): the kernels pad a non-power-of-two head_dim to the next
+# power of two inside (tl.arange takes powers of two only), masking the padded channels (DP, D4P in the kernels).
+KERNEL_HEAD_DIMS = (64, 96, 128, 256, 512)
+WRITE_HEAD_DIMS = (32, *KERNEL_HEAD_DIMS)
+
+
+def group_fits(d: int, group_size: int) -> bool:
+    """Whether the kernels take ``group_size`` channels per scale / zero at head_dim ``d``: a divisor of ``d`` that is
+    a power of two (planes of ``D/4`` channels then lie inside a group, or groups inside a plane, whenever ``d`` is a
+    power of two) or a whole number of planes (24, 48, 96 at ``d = 96``)."""
+    g = group_size
+    return g > 0 and d % g == 0 and ((g & (g - 1)) == 0 or g % (d // 4) == 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
@@ -109,11 +126,19 @@ class DecodeDefaults:
     maxnreg: int | None = 168
     # the split kernel at other head_dims (64, 96, 256, ...) or more than 16 query rows per KV head: its tile
     block_n_other: int = 64  # history tokens per step (larger tiles spilled registers at D = 256 / 64 query rows)
-    num_warps_wide: int = 8  # D > 128 or 64 query rows: 8 warps keep the tiles in registers (tests/kernels/test_compile_sm90.py)
+    # D > 128, 64 query rows, or the dequant loop's per-channel metadata (groups not whole planes: D = 96, G = 32): 8
+    # warps keep the tiles in registers (tests/kernels/test_compile_sm90.py)
+    num_warps_wide: int = 8
     # ... except D > 128 on the deferred loop (G >= D/4): 4 warps, twice as fast (H200, D = 256, 16 / 8 heads, B=8/128K:
     # 2.55 -> 1.23 ms; 32 or 128-token blocks and 3 stages lost: benchmarks/results/sweep_h200_d256.json)
     num_warps_wide_deferred: int = 4
     num_stages_wide: int = 2  # D > 128
+    # D = 512 (Gemma 4's full layers): 16-token blocks and 8 warps for either loop (the deferred loop spilled 384 bytes
+    # with 32-token blocks, 816 with 64), the combine's partials in tiles of [32 splits, 512] (registers:
+    # tests/kernels/test_compile_sm90.py); GPU time not measured yet
+    block_n_xwide: int = 16
+    num_warps_xwide: int = 8
+    merge_block_xwide: int = 32
     # split-K: the wave model of num_splits, which followed the split kernel's time within 2% on the H200
     max_waves: int = 4  # at most this many waves of programs (more splits: more partials to merge)
     min_split: int = 256  # never fewer history tokens than this per split
@@ -242,10 +267,12 @@ class CombineShape(NamedTuple):
     hoist: bool  # the window partials and R_V's first chunk loaded with the history partials
 
 
-def merge_step(defaults: DecodeDefaults, s_hist: int, s_win: int, few: bool) -> int:
+def merge_step(defaults: DecodeDefaults, s_hist: int, s_win: int, few: bool, d: int = 128) -> int:
     """Split partials the combine merges per step: all of a row's (a power of two), at most ``merge_block``
-    (``merge_block_few`` where the combine has fewer rows than SMs)."""
-    return min(pow2_at_least(max(s_hist, s_win, 1), 1), defaults.merge_block_few if few else defaults.merge_block)
+    (``merge_block_few`` where the combine has fewer rows than SMs; ``merge_block_xwide`` at head_dims above 256, whose
+    ``[S_BLOCK, D]`` tile of partials sits in registers)."""
+    cap = defaults.merge_block_xwide if d > 256 else defaults.merge_block_few if few else defaults.merge_block
+    return min(pow2_at_least(max(s_hist, s_win, 1), 1), cap)
 
 
 def combine_shape(defaults: DecodeDefaults, d: int, rows: int, s_hist: int, s_win: int, device: torch.device,
@@ -254,16 +281,19 @@ def combine_shape(defaults: DecodeDefaults, d: int, rows: int, s_hist: int, s_wi
     SMs): ``merge_out_parts`` programs a row of ``merge_warps_few`` warps; many: 4 warps, R_V in chunks; crowded
     (``merge_one_warp_rows`` rows per SM): one warp per row, R_V in 16-row chunks, at most 16 splits a round."""
     df = defaults
-    s_block = merge_step(df, s_hist, s_win, few)
+    s_block = merge_step(df, s_hist, s_win, few, d)
     many = not few and device.type == "cuda"
     crowd = many and d <= 128 and rows >= df.merge_one_warp_rows * device_sms(device)
     few_warps = df.merge_warps_few if (d == 128 and s_block <= 128) else None
     warps = 1 if crowd else 4 if many or d < 128 else few_warps or 8
-    c_block = min(d, 16 if crowd else 64 if d == 128 else (32 if many or d > 128 else d))
+    # output channels in power-of-two chunks that divide D (D = 96: 32 or 16)
+    c_block = min(d, 16 if crowd else 64 if d == 128 else (32 if many or d > 128 else d), d & -d)
     if crowd:  # a [S_BLOCK, D] tile of partials in one warp's registers
         s_block = min(s_block, 16)
     parts = df.merge_out_parts if few else 1
     if parts > 1:
+        if d & (d - 1):  # D = 96: each program whole chunks (3 programs of 32 channels, not 4 of 24)
+            parts = max(p for p in range(1, parts + 1) if (d // c_block) % p == 0)
         c_block = min(c_block, d // parts)
     hoist = c_block < d <= 128 and s_win <= df.merge_hoist_win
     return CombineShape(s_block, c_block, warps, parts, hoist)
@@ -328,7 +358,8 @@ class DecodePlan:
 
 def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int, device: torch.device, *,
                 window: bool = True, static: bool = False, splits: int | None = None, rotate: bool = False,
-                gluon_step: int = 0, page: int = 0, sinks: bool = False, defaults: DecodeDefaults = DEFAULTS) -> DecodePlan:
+                gluon_step: int = 0, page: int = 0, sinks: bool = False, softcap: bool = False,
+                defaults: DecodeDefaults = DEFAULTS) -> DecodePlan:
     """The launch plan of one decode call: ``B = b`` rows, ``Hk = hk`` KV heads, ``M = m`` query rows of head_dim
     ``d`` per KV head, an INT2 history of ``n`` tokens (its capacity where ``static``) in groups of ``group_size``,
     ``w`` window tokens, on ``device`` (its SM count and compute capability). Host arithmetic only, no tensor.
@@ -342,22 +373,24 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
     page: entries per page of a paged history (the serving pool, ``paged_decode``), 0 for a contiguous one.
     sinks: one more partial per row after the window's, which the launcher fills with the attention sink's logit
         (``m = s``, ``l = 1``, ``acc = 0``): the combine merges it like a window partial, so no kernel knows of sinks.
+    softcap: the logits are soft-capped (Gemma 2): the split kernel caps them (``SOFTCAP``); the Gluon kernel does
+        not, so the split kernel serves the history whatever ``gluon_step`` says.
     """
     df = defaults
     bh = b * hk
     m_pad = pow2_at_least(m, M_PAD_MIN)
     # the defaults were tuned for D = 128 and <= 16 query rows per KV head; other shapes take 64-token blocks (larger
-    # tiles would spill registers there)
-    block_n = df.block_n if (d == 128 and m_pad <= 16) else df.block_n_other
+    # tiles would spill registers there), D = 512 32-token ones
+    block_n = df.block_n if (d == 128 and m_pad <= 16) else df.block_n_xwide if d > 256 else df.block_n_other
     if page >= 16 and page & (page - 1) == 0:  # pages of a power of two: a block in one page, one table load a block
         block_n = min(block_n, page)
-    # the deferred loop: G >= D/4 (each plane inside one group) and at most 16 query rows per KV head (its
-    # elementwise [BLOCK_N, M_PAD] tiles would spill registers beyond); the dequant loop serves the rest
-    deferred = group_size >= d // 4 and m_pad <= 16
+    # the deferred loop: each plane (D/4 channels) inside one group, G a multiple of D/4, and at most 16 query rows per
+    # KV head (its elementwise [BLOCK_N, M_PAD] tiles would spill registers beyond); the dequant loop serves the rest
+    deferred = group_size % (d // 4) == 0 and m_pad <= 16
     # the register cap was measured for the deferred loop's default tile over a contiguous history only; the static
     # cache's variant (length read on the device) would spill 184 bytes under it (tests/kernels/test_compile_sm90.py)
     maxnreg = df.maxnreg if (not static and not page and deferred and d == 128) else None
-    gluon = gluon_step > 0 and gluon_pays(df, bh, n)
+    gluon = gluon_step > 0 and not softcap and gluon_pays(df, bh, n)
     if gluon:
         # the Gluon kernel's step and residency; the static cache's `splits` (sized for the split kernel) are not
         # used: its grid follows from the capacity alone, so it is just as fixed
@@ -397,7 +430,7 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
     pid_off = s_hist if gluon else 0
     s_after = s_win + int(sinks and window)  # the partials after the history's: window programs' and the sink's
     combine = (combine_shape(df, d, bh * m, s_hist, s_after, device, few) if window
-               else CombineShape(merge_step(df, s_hist, s_win, few), min(d, 32), 4, 1, False))
+               else CombineShape(merge_step(df, s_hist, s_win, few, d), min(d, 32), 4, 1, False))
     return DecodePlan(
         gluon=gluon, m_pad=m_pad, block_n=block_n, deferred=deferred, maxnreg=maxnreg,
         gluon_maxnreg=gp.maxnreg if gluon else 0,
@@ -407,10 +440,11 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
         fused_prologue=fused, qpre=qpre, pdl=pdl, ready=qpre and pdl, tb=gluon_step // 16 if qpre else 2,
         pid_off=pid_off, split_programs=(s_hist if fused else s_hist + s_win) - pid_off,
         split_window=s_win > 0 and not fused,
-        # D = 256 or 64 query rows: 8 warps (and 2 stages for D = 256) keep the tiles in registers, except D = 256 on
-        # the deferred loop (<= 16 query rows): 4 warps (spill bounds: tests/kernels/test_compile_sm90.py)
-        split_warps=(df.num_warps_wide_deferred if (d > 128 and deferred)
-                     else df.num_warps_wide if (d > 128 or m_pad >= 64) else df.num_warps),
+        # D = 256, 64 query rows or the dequant loop's per-channel metadata: 8 warps (and 2 stages for D = 256) keep the
+        # tiles in registers, except D = 256 on the deferred loop (<= 16 query rows): 4 warps; D = 512: 8 (spill
+        # bounds: tests/kernels/test_compile_sm90.py)
+        split_warps=(df.num_warps_xwide if d > 256 else df.num_warps_wide_deferred if (d > 128 and deferred)
+                     else df.num_warps_wide if (d > 128 or m_pad >= 64 or group_size % (d // 4)) else df.num_warps),
         split_stages=df.num_stages_wide if d > 128 else df.num_stages,
         win_stages=df.gluon_win_stages if pid_off else 1,
         combine=combine, sw_block=pow2_at_least(s_after, 1) if combine.hoist else 1,
@@ -433,10 +467,17 @@ class HeadsDefaults:
     max_waves: int = 4
     resident: int = 3  # split programs an SM holds at once (the wave model's slots)
     merge_block: int = 64  # partials merged per step of the combine
+    # D = 512: 32-slot blocks, 2 stages (a 64-slot block of 16-bit K and V rows is 128 KB of shared memory a stage), a
+    # combine of 8 warps (its [64, 512] tile of partials spilled 3.5 KB on 4; tests/kernels/test_compile_sm90.py); GPU
+    # time not measured yet
+    block_n_xwide: int = 32
+    num_stages_xwide: int = 2
+    merge_warps_xwide: int = 8
 
-    def launch(self, bits: int) -> tuple[int, int]:
-        """``(num_warps, num_stages)`` of the split kernel for ``bits``-bit codes."""
-        return (self.num_warps_int4, self.num_stages_int4) if bits == 4 else (self.num_warps, self.num_stages)
+    def launch(self, bits: int, d: int = 128) -> tuple[int, int]:
+        """``(num_warps, num_stages)`` of the split kernel for ``bits``-bit codes of head_dim ``d``."""
+        warps, stages = (self.num_warps_int4, self.num_stages_int4) if bits == 4 else (self.num_warps, self.num_stages)
+        return warps, (min(stages, self.num_stages_xwide) if d > 256 else stages)
 
 
 HEADS_DEFAULTS = HeadsDefaults()
@@ -453,12 +494,13 @@ class HeadsPlan(NamedTuple):
 
 
 def heads_plan(pairs: int, n_hist: int, m: int, device: torch.device,
-               defaults: HeadsDefaults = HEADS_DEFAULTS) -> HeadsPlan:
+               defaults: HeadsDefaults = HEADS_DEFAULTS, d: int = 128) -> HeadsPlan:
     """The grid of the heads' read for ``pairs`` (row, coded head) pairs of at most ``n_hist`` history slots and
-    ``m`` query rows each: the INT2 kernel's wave model with the heads' defaults. Host code only (testable anywhere;
-    a CUDA graph keeps it, being a function of the storage's capacity)."""
+    ``m`` query rows each, head_dim ``d``: the INT2 kernel's wave model with the heads' defaults. Host code only
+    (testable anywhere; a CUDA graph keeps it, being a function of the storage's capacity)."""
     df = defaults
-    s = 0 if n_hist <= 0 else wave_splits(n_hist, pairs, device_sms(device), df.block_n, df.min_split, df.max_waves,
+    block_n = df.block_n_xwide if d > 256 else df.block_n
+    s = 0 if n_hist <= 0 else wave_splits(n_hist, pairs, device_sms(device), block_n, df.min_split, df.max_waves,
                                           df.resident)
-    split_len = cdiv(cdiv(n_hist, s), df.block_n) * df.block_n if s else 0
-    return HeadsPlan(s, split_len, pow2_at_least(m, 16), df.block_n)
+    split_len = cdiv(cdiv(n_hist, s), block_n) * block_n if s else 0
+    return HeadsPlan(s, split_len, pow2_at_least(m, 16), block_n)

@@ -18,37 +18,84 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import next_pow2
+from .plan import WRITE_HEAD_DIMS, next_pow2
+
+
+# the rotation's largest single tl.dot over the head_dim, and the K step beyond it (D = 512: 4 steps of 128; one product
+# over 512 channels spilled ~5 KB, two of 256 ~0.5-0.9 KB, tests/kernels/test_compile_sm90.py)
+ROT_K = tl.constexpr(256)
+ROT_STEP = tl.constexpr(128)
+
+
+@triton.jit
+def _cols_mask(rows, offs, N: tl.constexpr, NP: tl.constexpr):
+    """Load / store mask of a ``[R, NP]`` tile: rows ``rows [R]`` (bool) and, where a width ``N`` that is not a power of
+    two was padded to the power of two ``NP`` (head_dim 96: ``tl.arange`` takes powers of two only), the real columns
+    ``offs < N`` of ``offs [NP]``; with ``N == NP`` just ``rows[:, None]`` (the code of the unpadded kernels)."""
+    if N == NP:
+        return rows[:, None]
+    else:
+        return rows[:, None] & (offs < N)[None, :]
 
 
 @triton.jit
 def _rotate_block(
     Q, RK, MU, QR, QO, pid, c0, M, Hk,
     sqb, sqh, sqm, smb, smh,
-    D: tl.constexpr, M_PAD: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
+    D: tl.constexpr, M_PAD: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr, DP: tl.constexpr,
 ):
     """Columns ``[c0, c0 + C_BLOCK)`` of ``q_rot`` for the ``M`` query rows of ``pid = b * Hk + h`` (and, in the
     program of the first column block, the offset ``q · mu_K``). Shared by :func:`_rotate_query_kernel` and the
     Gluon path's prologue launch (``decode_triton._prologue_kernel``: rotation + window programs). Returns the query
-    ``[M_PAD, D]`` and the block ``[M_PAD, C_BLOCK]`` (float32; rows ``>= M`` zero), for :func:`_rotate_plane_q8`."""
+    ``[M_PAD, DP]`` and the block ``[M_PAD, C_BLOCK]`` (float32; rows ``>= M`` zero), for :func:`_rotate_plane_q8`.
+    ``DP``: ``D`` padded to a power of two (D = 96: 128; the padded channels load as 0 and are no rows of R_K); beyond
+    ``ROT_K`` channels (D = 512) the product is K-blocked by ``ROT_STEP``."""
     b = pid // Hk
     h = pid % Hk
     offs_m = tl.arange(0, M_PAD)
-    offs_d = tl.arange(0, D)
-    offs_c = c0 + tl.arange(0, C_BLOCK)
-    mrow = offs_m < M
-    q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
-                mask=mrow[:, None], other=0.0).to(tl.float32)  # [M_PAD, D]
-    if HAS_MU:  # loaded with q and R_K by every program (512 bytes), used by the first column block's: loaded only
-        # there, after the product, it was a second round trip that made those programs the prologue's last to end
-        mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)
-    r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + offs_c[None, :])  # R_K[h][:, c-block]
-    out = QR + (pid.to(tl.int64) * M + offs_m[:, None]) * D  # q_rot [B, Hk, M, D] contiguous
-    y = tl.dot(q, r, input_precision="tf32x3")
-    tl.store(out + offs_c[None, :], y, mask=mrow[:, None])
-    if HAS_MU:
-        if c0 == 0:
-            tl.store(QO + pid.to(tl.int64) * M + offs_m, tl.sum(q * mu[None, :], 1), mask=mrow)
+    if DP <= ROT_K:
+        offs_d = tl.arange(0, DP)
+        offs_c = c0 + tl.arange(0, C_BLOCK)
+        mrow = offs_m < M
+        q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                    mask=_cols_mask(mrow, offs_d, D, DP), other=0.0).to(tl.float32)  # [M_PAD, DP]
+        if HAS_MU:  # loaded with q and R_K by every program (512 bytes), used by the first column block's: loaded only
+            # there, after the product, it was a second round trip that made those programs the prologue's last to end
+            if D == DP:
+                mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)
+            else:
+                mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
+        if D == DP:
+            r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + offs_c[None, :])  # R_K[h][:, c-block]
+        else:  # [DP, C_BLOCK]: the padded rows 0
+            r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + offs_c[None, :],
+                        mask=(offs_d < D)[:, None], other=0.0)
+        out = QR + (pid.to(tl.int64) * M + offs_m[:, None]) * D  # q_rot [B, Hk, M, D] contiguous
+        y = tl.dot(q, r, input_precision="tf32x3")
+        tl.store(out + offs_c[None, :], y, mask=mrow[:, None])
+        if HAS_MU:
+            if c0 == 0:
+                tl.store(QO + pid.to(tl.int64) * M + offs_m, tl.sum(q * mu[None, :], 1), mask=mrow)
+    else:
+        # D = 512: the product in ROT_STEP-channel steps; the query is then not returned whole (q: its last step;
+        # _rotate_plane_q8 runs at D = 128 only)
+        offs_c = c0 + tl.arange(0, C_BLOCK)
+        mrow = offs_m < M
+        y = tl.zeros((M_PAD, C_BLOCK), tl.float32)
+        qmu = tl.zeros((M_PAD,), tl.float32)
+        for k0 in tl.static_range(0, D, ROT_STEP):
+            offs_d = k0 + tl.arange(0, ROT_STEP)
+            q = tl.load(Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :],
+                        mask=mrow[:, None], other=0.0).to(tl.float32)  # [M_PAD, ROT_STEP]
+            r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + offs_c[None, :])
+            y = tl.dot(q, r, y, input_precision="tf32x3")
+            if HAS_MU:
+                qmu += tl.sum(q * tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)[None, :], 1)
+        out = QR + (pid.to(tl.int64) * M + offs_m[:, None]) * D  # q_rot [B, Hk, M, D] contiguous
+        tl.store(out + offs_c[None, :], y, mask=mrow[:, None])
+        if HAS_MU:
+            if c0 == 0:
+                tl.store(QO + pid.to(tl.int64) * M + offs_m, qmu, mask=mrow)
     return q, y
 
 
@@ -57,11 +104,11 @@ def _rotate_query_kernel(
     Q, RK, MU, QR, QO, M, Hk,
     sqb, sqh, sqm,  # q strides (last dim contiguous)
     smb, smh,  # mu_K strides (smb = 0: one offset per KV head for every row)
-    D: tl.constexpr, M_PAD: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
+    D: tl.constexpr, M_PAD: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr, DP: tl.constexpr,
 ):
     # program (b * Hk + h, c): this program's block of output channels
     _rotate_block(Q, RK, MU, QR, QO, tl.program_id(0), tl.program_id(1) * C_BLOCK, M, Hk, sqb, sqh, sqm, smb, smh,
-                  D, M_PAD, C_BLOCK, HAS_MU)
+                  D, M_PAD, C_BLOCK, HAS_MU, DP)
 
 
 def rotation_args(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None):
@@ -83,7 +130,7 @@ def rotation_args(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None
     return qf, r_k, mu_k, q_rot, off
 
 
-C_BLOCK = 32  # output channels of q_rot per rotation program (4 programs per (row, KV head) at D = 128)
+C_BLOCK = 32  # output channels of q_rot per rotation program (4 programs per (row, KV head) at D = 128, 3 at D = 96)
 
 
 def rotation_strides(qf: torch.Tensor, mu_k: torch.Tensor | None) -> tuple:
@@ -97,7 +144,7 @@ def launch_rotation(qf, r_k, mu_k, q_rot, off):
     c_block = min(d, C_BLOCK)
     _rotate_query_kernel[(b * hk, d // c_block)](
         qf, r_k, mu_k, q_rot, off, m, hk, *rotation_strides(qf, mu_k),
-        D=d, M_PAD=max(16, next_pow2(m)), C_BLOCK=c_block, HAS_MU=mu_k is not None, num_warps=4,
+        D=d, M_PAD=max(16, next_pow2(m)), C_BLOCK=c_block, HAS_MU=mu_k is not None, DP=next_pow2(d), num_warps=4,
     )
 
 
@@ -111,9 +158,10 @@ def rotate_query_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor 
 
 
 def query_kernel_supported(qf: torch.Tensor) -> bool:
-    """Decode-sized queries (at most 16 rows per KV head) with a power-of-two head_dim in [32, 256]."""
+    """Decode-sized queries (at most 16 rows per KV head) with a head_dim the kernels serve (``plan.WRITE_HEAD_DIMS``:
+    32 and those of the decode read)."""
     d, m = qf.shape[-1], qf.shape[-2]
-    return qf.dim() == 4 and 32 <= d <= 256 and (d & (d - 1)) == 0 and 1 <= m <= 16
+    return qf.dim() == 4 and d in WRITE_HEAD_DIMS and 1 <= m <= 16
 
 
 # The Gluon history kernel's int8 key path (decode_gluon, K8) multiplies the key planes by the query as two int8
@@ -160,7 +208,7 @@ def _rotate_plane_q8(
     set (channels scattered into the operand's order). ``ASM``: the rounding in inline PTX (the GPU; not under the
     interpreter)."""
     MH: tl.constexpr = 8 // TB
-    q, y = _rotate_block(Q, RK, MU, QR, QO, pid, 32 * P, M, Hk, sqb, sqh, sqm, smb, smh, D, M_PAD, 32, HAS_MU)
+    q, y = _rotate_block(Q, RK, MU, QR, QO, pid, 32 * P, M, Hk, sqb, sqh, sqm, smb, smh, D, M_PAD, 32, HAS_MU, D)
     m = tl.arange(0, M_PAD)  # [M_PAD, 32]: q_rot[m, 32 P + c] (rows >= M zero)
     c = tl.arange(0, 32)
     # sigma_g from the largest row norm (the same in both planes' programs); the group's scale qk_scale / 16^g

@@ -28,23 +28,24 @@ def decode_attention_static(
     key_mask: torch.Tensor | None, qk_offset: torch.Tensor | None, scaling: float, group_size: int,
     q_win: torch.Tensor, k_win: torch.Tensor, v_win: torch.Tensor, win_mask: torch.Tensor | None,
     r_v: torch.Tensor, mu_v: torch.Tensor | None, n_valid: torch.Tensor, splits: int, out_dtype: torch.dtype,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, softcap: float = 0.0,
 ) -> torch.Tensor:
     """``[B, Hk, M, D]`` in ``out_dtype``: :func:`~oscar_hf.kernels.decode_triton.decode_attention_triton` (the
     launcher) with a device-side history length ``n_valid`` and ``splits`` history programs (0: the wave model's),
-    for the shapes it supports (``int2_attention.decode_attention_rotating`` checks and calls this op)."""
+    for the shapes it supports (``int2_attention.decode_attention_rotating`` checks and calls this op); ``softcap``
+    0: no logit soft-capping."""
     from .decode_triton import decode_attention_triton
 
     return decode_attention_triton(
         q_rot, QuantizedRows(k_codes, k_scale, k_zero), QuantizedRows(v_codes, v_scale, v_zero), start, key_mask,
         qk_offset, scaling, group_size, q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype, n_valid=n_valid,
-        splits=splits or None, sinks=sinks,
+        splits=splits or None, sinks=sinks, softcap=softcap or None,
     )
 
 
 @decode_attention_static.register_fake
 def _(q_rot, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, start, key_mask, qk_offset, scaling, group_size,
-      q_win, k_win, v_win, win_mask, r_v, mu_v, n_valid, splits, out_dtype, sinks=None):
+      q_win, k_win, v_win, win_mask, r_v, mu_v, n_valid, splits, out_dtype, sinks=None, softcap=0.0):
     return q_rot.new_empty(q_rot.shape, dtype=out_dtype)
 
 
@@ -115,25 +116,28 @@ def heads_decode(
     v_x: torch.Tensor, v_scale: torch.Tensor | None, v_zero: torch.Tensor | None, bits: int, lo: torch.Tensor,
     hi_dev: torch.Tensor | None, hi_host: int, win_k: torch.Tensor, win_v: torch.Tensor,
     win_mask: torch.Tensor | None, scaling: float, out_dtype: torch.dtype, sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """``[B, P, M, D]``: :func:`~oscar_hf.kernels.heads_triton.heads_decode_triton` (the retrieval heads' read);
-    ``hi_dev`` (0-d device tensor) or else ``hi_host`` bounds the history; ``sinks`` ``[P, M]`` or None."""
+    ``hi_dev`` (0-d device tensor) or else ``hi_host`` bounds the history; ``sinks`` ``[P, M]`` or None; ``softcap``
+    0: none."""
     from .heads_triton import heads_decode_triton
 
     k = (k_x,) if bits == 16 else (k_x, k_scale, k_zero)
     v = (v_x,) if bits == 16 else (v_x, v_scale, v_zero)
     return heads_decode_triton(q, heads, k, v, bits, lo, hi_dev if hi_dev is not None else hi_host, win_k, win_v,
-                               win_mask, scaling, out_dtype, sinks=sinks)
+                               win_mask, scaling, out_dtype, sinks=sinks, softcap=softcap or None)
 
 
 @heads_decode.register_fake
 def _(q, heads, k_x, k_scale, k_zero, v_x, v_scale, v_zero, bits, lo, hi_dev, hi_host, win_k, win_v, win_mask,
-      scaling, out_dtype, sinks=None):
+      scaling, out_dtype, sinks=None, softcap=0.0):
     b, _, m, d = q.shape
     return q.new_empty((b, heads.shape[0], m, d), dtype=out_dtype)
 
 
-def heads_decode_op(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float, out_dtype, sinks=None):
+def heads_decode_op(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float, out_dtype, sinks=None,
+                    softcap=None):
     """The retrieval heads' Triton read: straight to the launcher in eager code, through the opaque op
     ``oscar::heads_decode`` while ``torch.compile`` traces (inductor leaves the kernels to Triton's JIT; the CUDA graph
     captures the two launches)."""
@@ -141,10 +145,10 @@ def heads_decode_op(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, s
         from .heads_triton import heads_decode_triton
 
         return heads_decode_triton(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
-                                   sinks=sinks)
+                                   sinks=sinks, softcap=softcap)
     hi_dev = hi if isinstance(hi, torch.Tensor) else None
     return heads_decode(q, heads, *_parts3(k), *_parts3(v), int(bits), lo, hi_dev, 0 if hi_dev is not None else int(hi),
-                        win_k, win_v, win_mask, float(scaling), out_dtype, sinks)
+                        win_k, win_v, win_mask, float(scaling), out_dtype, sinks, float(softcap or 0.0))
 
 
 def _parts3(parts):

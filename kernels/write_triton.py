@@ -14,8 +14,15 @@ for the layout). One launch per call; grid ``(cdiv(T, BLOCK_T), B * Hk)``: each 
 4. pack: byte ``j`` = ``code[j] | code[j + D/4] << 2 | code[j + D/2] << 4 | code[j + 3D/4] << 6``.
 
 Requirements for the kernel (:func:`kernel_supported`; the dispatcher ``write_path.rotate_quantize`` sends anything
-else to the reference): power-of-two ``D`` in [32, 256], ``G`` a power of two dividing ``D``, a float ``clip``, bf16 /
-fp16 / fp32 metadata.
+else to the reference): ``D`` in ``plan.WRITE_HEAD_DIMS`` (32, 64, 96, 128, 256, 512), ``G`` as ``plan.group_fits``
+takes it (a power of two dividing ``D``, or a whole number of ``D/4``-channel planes), a float ``clip``, bf16 / fp16 /
+fp32 metadata.
+
+A head_dim that is no power of two (96) is computed in the *plane-padded* layout of ``DP`` = the next power of two
+channels (:func:`_padded_cols`): padded channel ``c' = p * DP/4 + j`` is channel ``p * D/4 + j`` for ``j < D/4`` (plane
+``p``'s byte ``j``), the rest are padding (R's columns gathered so, padding 0). Step 4 is then the same reshape to
+``(4, DP/4)`` planes; steps 2-3 reduce each group over its channels' mask (:func:`_quantize_masked`), since a group need
+not be a contiguous range of that layout (D = 96, G = 32: group 0 is plane 0 and the first 8 channels of plane 1).
 """
 from __future__ import annotations
 
@@ -25,20 +32,32 @@ import triton.language as tl
 
 from oscar_hf.quant import LEVELS, QUANTIZERS, STD_STEP, QuantizedRows, check_group_size
 
-from .plan import cdiv, next_pow2
+from .plan import WRITE_HEAD_DIMS, cdiv, group_fits, next_pow2
+from .query_triton import _cols_mask
 
 _LEVELS = tl.constexpr(float(LEVELS))  # 3.0; jit code may only read constexpr globals
 _STD_STEP = tl.constexpr(STD_STEP)
 
 _META_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
-# Tile for D <= 128 (D = 256 always takes 16-row tiles and 8 warps: no register spills). ``BLOCK_T``: rows per program
-# for bulk writes (prefill); each program reads and splits the fp32 R of its head once (tf32x3), so taller tiles
-# amortize that over more rows; 128-row tiles with 8 warps were the fastest that compile without spills
-# (docs/kernels.md). Short writes (decode-time demotion: one row per sequence) take the smallest power of two >= T, at
-# least 16, with 4 warps, so a one-row write does not run a 256-row tile.
+# Tile for D <= 128 (D = 256 and 512 always take 16-row tiles, with 8 and 16 warps: no register spills; D = 512 on 8
+# spilled ~2 KB). ``BLOCK_T``: rows per program for bulk writes (prefill); each program reads and splits the fp32 R of
+# its head once (tf32x3), so taller tiles amortize that over more rows; 128-row tiles with 8 warps were the fastest
+# that compile without spills (docs/kernels.md). Short writes (decode-time demotion: one row per sequence) take the
+# smallest power of two >= T, at least 16, with 4 warps, so a one-row write does not run a 256-row tile.
 BLOCK_T = 128
 NUM_WARPS = 8  # for tiles of >= 128 rows
+NUM_WARPS_XWIDE = 16  # D = 512 (GPU time not measured yet)
+R_TILE = 16384  # elements of one [BLOCK_K, D] block of R in registers (D = 256: 64 rows; D = 512: 32)
+
+
+def block_k(d: int) -> int:
+    """Input channels of R per step of the rotation's K loop: at most 64 and ``R_TILE / D`` (a power of two), and a
+    divisor of ``D`` (D = 96: 32), so that the loop needs no mask."""
+    k = min(64, R_TILE // d, d)
+    while d % k:
+        k //= 2
+    return k
 
 
 @triton.jit
@@ -70,22 +89,83 @@ def _round_meta(v, META_KIND: tl.constexpr):
 
 
 @triton.jit
-def _group_grid(xg, clip, AXIS: tl.constexpr, G: tl.constexpr, STD: tl.constexpr):
+def _group_grid(xg, clip, AXIS: tl.constexpr, G: tl.constexpr, STD: tl.constexpr, MASKED: tl.constexpr = 0,
+                mask=None):
     """``(scale, zero)`` in float32 of each group of ``G`` values along ``AXIS`` of ``xg`` (``oscar_hf.quant``):
     ``STD`` the even grid around the mean, ``scale = 0.996 std``, ``zero = mean - 1.5 scale`` (``clip`` unused); else
-    the range clipped around its midpoint, ``scale = (hi' - lo') / 3``, ``zero = lo'``."""
+    the range clipped around its midpoint, ``scale = (hi' - lo') / 3``, ``zero = lo'``. ``MASKED``: the group is the
+    ``G`` entries of ``mask`` (broadcast against ``xg``) along ``AXIS``, the others ignored."""
     if STD:
-        mean = tl.sum(xg, AXIS) / G
-        dev = xg - tl.expand_dims(mean, AXIS)
+        if MASKED:
+            mean = tl.sum(tl.where(mask, xg, 0.0), AXIS) / G
+            dev = tl.where(mask, xg - tl.expand_dims(mean, AXIS), 0.0)
+        else:
+            mean = tl.sum(xg, AXIS) / G
+            dev = xg - tl.expand_dims(mean, AXIS)
         scale = _STD_STEP * tl.sqrt_rn(tl.sum(dev * dev, AXIS) / G)
         zero = mean - 1.5 * scale
     else:
-        lo = tl.min(xg, AXIS)
-        hi = tl.max(xg, AXIS)
+        if MASKED:
+            lo = tl.min(tl.where(mask, xg, float("inf")), AXIS)
+            hi = tl.max(tl.where(mask, xg, float("-inf")), AXIS)
+        else:
+            lo = tl.min(xg, AXIS)
+            hi = tl.max(xg, AXIS)
         half = (hi - lo) * 0.5 * clip
         scale = tl.math.div_rn(2.0 * half, 3.0)
         zero = (hi + lo) * 0.5 - half
     return scale, zero
+
+
+@triton.jit
+def _codes(x, z, s, LEVELS: tl.constexpr, AXIS: tl.constexpr = -1):
+    """``clamp(rint((x - z) / s), 0, LEVELS)`` as int32 (0 where ``s`` = 0: a zero-range group reconstructs as
+    ``z``), against the stored (rounded) metadata ``z``, ``s``: broadcast against ``x``, or (``AXIS`` >= 0) once
+    expanded at ``AXIS``."""
+    safe = tl.where(s > 0, s, 1.0)
+    if AXIS >= 0:
+        z = tl.expand_dims(z, AXIS)
+        safe = tl.expand_dims(safe, AXIS)
+        s = tl.expand_dims(s, AXIS)
+    y = tl.math.div_rn(x - z, safe)
+    y = tl.minimum(tl.maximum(y, -1.0), LEVELS + 1.0)  # keep _rint's argument small
+    q = tl.minimum(tl.maximum(_rint(y), 0.0), LEVELS)
+    return tl.where(s > 0, q, 0.0).to(tl.int32)
+
+
+@triton.jit
+def _padded_cols(DP: tl.constexpr, PARTS: tl.constexpr, W: tl.constexpr):
+    """The padded layout of a row of ``PARTS`` parts of ``W`` channels (``D = PARTS * W``) in ``DP`` lanes, each part
+    ``DP / PARTS`` lanes wide (INT2 planes: ``PARTS`` = 4; INT4's channel halves: 2; 1: padding at the end): lane
+    ``c'`` holds channel ``(c' // (DP / PARTS)) * W + c' % (DP / PARTS)`` where ``c' % (DP / PARTS) < W``. Returns
+    ``(channel [DP], real [DP])``."""
+    WP: tl.constexpr = DP // PARTS
+    offs = tl.arange(0, DP)
+    return (offs // WP) * W + offs % WP, offs % WP < W
+
+
+@triton.jit
+def _quantize_masked(rot, ch, real, clip, S_PTR, Z_PTR, smask, G: tl.constexpr, NG: tl.constexpr, AXIS: tl.constexpr,
+                     STD: tl.constexpr, META_KIND: tl.constexpr):
+    """Steps 2-3 of a row tile in the plane-padded layout (:func:`_padded_cols`: ``rot [.., DP]`` along ``AXIS``,
+    its lanes' channels ``ch [DP]`` and ``real [DP]``): each group's scale / zero (its ``G`` lanes by mask: in this
+    layout a group need not be contiguous), rounded and stored at ``S_PTR + g`` / ``Z_PTR + g`` (row pointers, ``smask``
+    the rows to store), and the codes ``[.., DP]`` against the stored values (0 in the padding)."""
+    s_c = tl.zeros_like(rot)  # each lane's group's stored scale / zero (0 / 0 in the padding: code 0)
+    z_c = tl.zeros_like(rot)
+    for g in tl.static_range(NG):
+        in_g = real & (ch // G == g)
+        scale, zero = _group_grid(rot, clip, AXIS, G, STD, 1, in_g)
+        scale_m, sv = _round_meta(scale, META_KIND)
+        zero_m, zv = _round_meta(zero, META_KIND)
+        tl.store(S_PTR + g, scale_m, mask=smask)
+        tl.store(Z_PTR + g, zero_m, mask=smask)
+        if AXIS == 1:
+            sv = sv[:, None]
+            zv = zv[:, None]
+        s_c = tl.where(in_g, sv, s_c)
+        z_c = tl.where(in_g, zv, z_c)
+    return _codes(rot, z_c, s_c, _LEVELS)
 
 
 @triton.jit
@@ -97,62 +177,76 @@ def _rotate_quantize_kernel(
     scb, sch, sct,  # codes strides [B, Hk, cap, D/4] (last dim contiguous)
     ssb, ssh, sst,  # scale/zero strides [B, Hk, cap, D/G] (last dim contiguous)
     D: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_MU: tl.constexpr, META_KIND: tl.constexpr, PRECISION: tl.constexpr, STD: tl.constexpr,
+    HAS_MU: tl.constexpr, META_KIND: tl.constexpr, PRECISION: tl.constexpr, STD: tl.constexpr, DP: tl.constexpr,
 ):
+    """``DP``: ``D`` padded to a power of two (``D`` itself where it is one): the plane-padded layout (module
+    docstring) where ``DP > D``."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hk
     h = pid_bh % Hk
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
+    D4P: tl.constexpr = DP // 4
 
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, DP)
     offs_k = tl.arange(0, BLOCK_K)
+    if DP > D:  # each lane's channel (R's column) and whether it is one
+        ch, real = _padded_cols(DP, 4, D4)
 
     # 1. rot = (x - mu) @ R[h], accumulated over BLOCK_K input channels at a time.
     x_base = X + b.to(tl.int64) * sxb + h * sxh + rows[:, None].to(tl.int64) * sxt
     r_base = R + h * D * D
-    rot = tl.zeros((BLOCK_T, D), dtype=tl.float32)
+    rot = tl.zeros((BLOCK_T, DP), dtype=tl.float32)
     for k0 in tl.static_range(0, D, BLOCK_K):
         x = tl.load(x_base + (k0 + offs_k)[None, :] * sxd, mask=rmask[:, None], other=0.0).to(tl.float32)
         if HAS_MU:
             x = x - tl.load(MU + b.to(tl.int64) * smb + h * D + k0 + offs_k)[None, :]
-        r = tl.load(r_base + (k0 + offs_k)[:, None] * D + offs_d[None, :])
+        if DP > D:
+            r = tl.load(r_base + (k0 + offs_k)[:, None] * D + ch[None, :], mask=real[None, :], other=0.0)
+        else:
+            r = tl.load(r_base + (k0 + offs_k)[:, None] * D + offs_d[None, :])
         rot = tl.dot(x, r, rot, input_precision=PRECISION)
 
-    # 2. per-group scale and zero; metadata rounded to the stored dtype.
-    xg = tl.reshape(rot, (BLOCK_T, NG, G))
-    scale, zero = _group_grid(xg, clip, 2, G, STD)
-    scale_m, s = _round_meta(scale, META_KIND)
-    zero_m, z = _round_meta(zero, META_KIND)
+    if DP > D:
+        # 2-3. per group (by mask), its metadata stored at once; codes [BLOCK_T, DP]
+        orow = (out_offset + rows).to(tl.int64)
+        m_row = b.to(tl.int64) * ssb + h * ssh + orow * sst  # [BLOCK_T] metadata row offsets
+        q = _quantize_masked(rot, ch, real, clip, SCALE + m_row, ZERO + m_row, rmask, G, NG, 1, STD, META_KIND)
+    else:
+        # 2. per-group scale and zero; metadata rounded to the stored dtype.
+        xg = tl.reshape(rot, (BLOCK_T, NG, G))
+        scale, zero = _group_grid(xg, clip, 2, G, STD)
+        scale_m, s = _round_meta(scale, META_KIND)
+        zero_m, z = _round_meta(zero, META_KIND)
 
-    # 3. codes against the stored metadata; a zero-range group gets code 0 (x_hat = zero exactly).
-    safe = tl.where(s > 0, s, 1.0)
-    y = tl.math.div_rn(xg - z[:, :, None], safe[:, :, None])
-    y = tl.minimum(tl.maximum(y, -1.0), _LEVELS + 1.0)  # keep _rint's argument small
-    q = tl.minimum(tl.maximum(_rint(y), 0.0), _LEVELS)
-    q = tl.where(s[:, :, None] > 0, q, 0.0).to(tl.int32)
+        # 3. codes against the stored metadata; a zero-range group gets code 0 (x_hat = zero exactly).
+        q = _codes(xg, z, s, _LEVELS, 2)
 
     # 4. pack the plane layout: channel p * D/4 + j goes to bits 2p..2p+1 of byte j. Reshaping the
-    # channel axis to (4, D/4) puts plane p on axis 1; the shifted planes share no bits, so a sum is an OR.
-    q4 = tl.reshape(q, (BLOCK_T, 4, D4))
+    # channel axis to (4, D/4) puts plane p on axis 1 (the padded layout: (4, DP/4)); the shifted planes share no
+    # bits, so a sum is an OR.
+    q4 = tl.reshape(q, (BLOCK_T, 4, D4P))
     shift = 2 * tl.arange(0, 4)
     packed = tl.sum(q4 << shift[None, :, None], axis=1).to(tl.uint8)
 
-    orow = (out_offset + rows).to(tl.int64)
-    c_ptr = CODES + b.to(tl.int64) * scb + h * sch + orow[:, None] * sct + tl.arange(0, D4)[None, :]
-    tl.store(c_ptr, packed, mask=rmask[:, None])
-    m_off = b.to(tl.int64) * ssb + h * ssh + orow[:, None] * sst + tl.arange(0, NG)[None, :]
-    tl.store(SCALE + m_off, scale_m, mask=rmask[:, None])
-    tl.store(ZERO + m_off, zero_m, mask=rmask[:, None])
+    if DP == D:
+        orow = (out_offset + rows).to(tl.int64)
+    offs_j = tl.arange(0, D4P)
+    c_ptr = CODES + b.to(tl.int64) * scb + h * sch + orow[:, None] * sct + offs_j[None, :]
+    tl.store(c_ptr, packed, mask=_cols_mask(rmask, offs_j, D4, D4P))
+    if DP == D:
+        m_off = b.to(tl.int64) * ssb + h * ssh + orow[:, None] * sst + tl.arange(0, NG)[None, :]
+        tl.store(SCALE + m_off, scale_m, mask=rmask[:, None])
+        tl.store(ZERO + m_off, zero_m, mask=rmask[:, None])
 
 
 def kernel_supported(x: torch.Tensor, group_size: int, clip, meta_dtype=torch.bfloat16) -> bool:
+    """The writes the kernels serve (the write and the decode step's append; anything else: the reference)."""
     d = x.shape[-1]
-    pow2 = lambda n: n > 0 and (n & (n - 1)) == 0  # noqa: E731
-    return pow2(d) and 32 <= d <= 256 and pow2(group_size) and d % group_size == 0 and (
+    return d in WRITE_HEAD_DIMS and group_fits(d, group_size) and (
         not isinstance(clip, torch.Tensor) or clip.numel() == 1
     ) and meta_dtype in _META_KIND
 
@@ -188,12 +282,11 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
     if mu is not None:
         mu = mu.to(device=x.device, dtype=torch.float32).contiguous()
     clip = float(clip)
-    block_k = min(d, 64)
     if d <= 128:
         block_t = min(block_t, max(16, next_pow2(t)))
         warps = NUM_WARPS if block_t >= 128 else 4
-    else:  # D = 256: smaller row tiles, no register spills
-        block_t, warps = 16, 8
+    else:  # D = 256, 512: smaller row tiles, no register spills
+        block_t, warps = 16, (NUM_WARPS_XWIDE if d > 256 else 8)
     grid = (cdiv(t, block_t), b * hk)
     _rotate_quantize_kernel[grid](
         x, r, mu if mu is not None else r, codes, scale, zero,
@@ -202,9 +295,9 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
         *x.stride(),
         *codes.stride()[:3],
         *scale.stride()[:3],
-        D=d, G=group_size, BLOCK_T=block_t, BLOCK_K=block_k,
+        D=d, G=group_size, BLOCK_T=block_t, BLOCK_K=block_k(d),
         HAS_MU=mu is not None, META_KIND=_META_KIND[meta_dtype],
-        PRECISION="tf32x3" if x.is_cuda else "ieee", STD=quantizer == "std",
+        PRECISION="tf32x3" if x.is_cuda else "ieee", STD=quantizer == "std", DP=next_pow2(d),
         num_warps=warps,
     )
     return res

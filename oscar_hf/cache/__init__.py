@@ -123,8 +123,8 @@ AUTO_COMPILED_LAYER_TYPES = FULL_LAYER_TYPES + SLIDING_LAYER_TYPES + STATE_LAYER
 
 def not_auto_compiled(fp: ModelFingerprint, hybrid, model_config) -> str | None:
     """What keeps ``compile="auto"`` on the eager storage for this model on CUDA (``None``: nothing): hybrid
-    attention + state layers, MLA latents and KV sharing (``compile=True`` serves them, not measured on a GPU), and
-    soft-capping (its read is the torch reference, which the compiled step would hold in its graph)."""
+    attention + state layers, MLA latents, KV sharing and soft-capping (``compile=True`` serves them: the kernels cap
+    in the eager and the compiled storage; not measured on a GPU)."""
     if getattr(model_config.get_text_config(decoder=True), "attn_logit_softcapping", None):
         return "logit soft-capping"
     if hybrid:

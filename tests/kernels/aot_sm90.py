@@ -88,12 +88,14 @@ def compile_call(fn, args, kw, cuda_kw, sass=False):
 
 def main():
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+    from oscar_hf.kernels import append_triton as at
     from oscar_hf.kernels import decode_triton as dt
     from oscar_hf.kernels import heads_triton as ht
     from oscar_hf.kernels import query_triton as qt
     from oscar_hf.kernels import write_triton as wt
-    from oscar_hf.kernels.plan import DEFAULTS
-    from oscar_hf.quant import quantize_rows
+    from oscar_hf.kernels.plan import DEFAULTS, HEADS_DEFAULTS
+    from oscar_hf.kernels.write_path import CodedSlots
+    from oscar_hf.quant import QuantizedRows, quantize_rows
 
     # the launchers' module-level names of the kernels, recorded instead of run
     split, comb, write = Recorder(dt._split_kernel), Recorder(dt._combine_kernel), Recorder(wt._rotate_quantize_kernel)
@@ -102,10 +104,12 @@ def main():
     qt._rotate_query_kernel = rotq
     hsplit, hcomb = Recorder(ht._heads_split_kernel), Recorder(ht._heads_combine_kernel)
     ht._heads_split_kernel, ht._heads_combine_kernel = hsplit, hcomb
+    append = Recorder(at._append_token_kernel)
+    at._append_token_kernel = append
     g0 = torch.Generator().manual_seed(0)
     labels = []
 
-    def attn(b, hk, m, n, d, g, window):
+    def attn(b, hk, m, n, d, g, window, softcap=None):
         q = torch.randn(b, hk, m, d, generator=g0)
         k, v = quantize_rows(torch.randn(b, hk, n, d, generator=g0), g), quantize_rows(torch.randn(b, hk, n, d, generator=g0), g)
         start = torch.zeros(b, dtype=torch.int64)
@@ -114,12 +118,14 @@ def main():
             w = 320
             kw_ = torch.randn(b, hk, w, d, generator=g0).bfloat16()
             dt.decode_attention_triton(q, k, v, start, None, off, 0.1, g, q.bfloat16(), kw_, kw_, None,
-                                       torch.randn(hk, d, d, generator=g0), torch.randn(hk, d, generator=g0), torch.bfloat16)
+                                       torch.randn(hk, d, d, generator=g0), torch.randn(hk, d, generator=g0),
+                                       torch.bfloat16, softcap=softcap)
         else:
             mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
             dt.history_partial_triton(q, k, v, start, mask, off, 0.1, g)
-        loop = "deferred" if (g >= d // 4 and m <= 16) else "dequant"
-        labels.append(f"attn d={d} g={g} m={m} window={window} loop={loop}")
+        loop = "deferred" if (g % (d // 4) == 0 and m <= 16) else "dequant"
+        cap = f" softcap={softcap}" if softcap else ""
+        labels.append(f"attn d={d} g={g} m={m} window={window} loop={loop}{cap}")
 
     attn(1, 8, 4, 8192, 128, 64, True)  # the benchmark's shape, full decode op (deferred loop)
     attn(1, 2, 4, 4096, 64, 64, False)  # deferred, 4 planes per group
@@ -137,15 +143,29 @@ def main():
                                torch.ones(2, 1, 1, 321, dtype=torch.bool), torch.randn(8, 128, 128, generator=g0), None,
                                torch.bfloat16, n_valid=torch.tensor(3000), splits=16)
     labels.append("attn d=128 g=64 m=4 window=True loop=deferred static (n_valid)")
+    # head_dims 96 (Phi-3, 32 / 32 heads: groups across planes -> the dequant loop's per-channel metadata, 8 warps;
+    # whole planes -> deferred) and 512 (Gemma 4's full layers, 16 / 4 heads: 16-token blocks, 8 warps); soft-capped
+    # logits (Gemma 2) on both loops
+    wide = len(labels)
+    attn(1, 32, 1, 8192, 96, 32, True)
+    attn(1, 32, 1, 8192, 96, 96, True)
+    attn(1, 4, 4, 8192, 512, 64, True)
+    attn(1, 4, 4, 8192, 512, 128, True)
+    attn(1, 8, 4, 8192, 128, 64, True, softcap=50.0)
+    attn(1, 32, 1, 8192, 96, 32, True, softcap=50.0)
     # write path: tile heights 128 (T=100 and bulk, T=1000) and 16 (one-row demotion) at D=128
     for d, g, meta, t in ((128, 64, torch.bfloat16, 100), (128, 64, torch.bfloat16, 1000), (128, 64, torch.bfloat16, 1),
-                          (64, 32, torch.float16, 100), (256, 128, torch.bfloat16, 100)):
+                          (64, 32, torch.float16, 100), (256, 128, torch.bfloat16, 100),
+                          (96, 32, torch.bfloat16, 1000), (96, 96, torch.float32, 1), (512, 64, torch.bfloat16, 100)):
         x = torch.randn(1, 2, t, d, generator=g0).bfloat16()
         wt.rotate_quantize_triton(x, torch.randn(2, d, d, generator=g0), torch.randn(2, d, generator=g0), 0.95, g, meta)
     # the decode step's query prologue: GQA 4 at D = 128 with offsets, MHA at D = 256 without
     qt.rotate_query_triton(torch.randn(2, 8, 4, 128, generator=g0), torch.randn(8, 128, 128, generator=g0),
                            torch.randn(8, 128, generator=g0))
     qt.rotate_query_triton(torch.randn(1, 2, 1, 256, generator=g0), torch.randn(2, 256, 256, generator=g0), None)
+    for d in (96, 512):  # 3 column blocks of a padded query; the product K-blocked
+        qt.rotate_query_triton(torch.randn(2, 4, 4, d, generator=g0), torch.randn(4, d, d, generator=g0),
+                               torch.randn(4, d, generator=g0))
     # the retrieval heads' read at the benchmark shape (B = 8, 2 coded heads of 128, GQA 4, a 385-entry window), every
     # stored form, the history bound on the device (the compiled step) and on the host (eager)
     from oscar_hf.quant import pack_int4, quantize_minmax
@@ -161,6 +181,49 @@ def main():
                                    bits, torch.zeros(8, dtype=torch.int64), hi, wk, wk,
                                    torch.ones(8, 385, dtype=torch.bool), 0.1, torch.bfloat16)
             heads_labels.append(f"heads bits={bits} hi_dev={isinstance(hi, torch.Tensor)}")
+    # head_dims 96 (planes padded) and 512 (32-slot blocks, 2 stages), and soft-capped logits
+    for d, bits, cap in ((96, 8, None), (96, 4, None), (96, 16, None), (512, 8, None), (512, 4, None), (512, 16, None),
+                         (128, 8, 50.0)):
+        x = torch.randn(8, 2, 4096, d, generator=g0).bfloat16()
+        qm = quantize_minmax(x, bits, torch.bfloat16) if bits != 16 else None
+        st = (x,) if bits == 16 else ((pack_int4(qm.codes) if bits == 4 else qm.codes), qm.scale, qm.zero)
+        wk = torch.randn(8, 8, 385, d, generator=g0).bfloat16()
+        ht.heads_decode_triton(torch.randn(8, 8, 4, d, generator=g0).bfloat16(), torch.tensor([1, 5]), st, st, bits,
+                               torch.zeros(8, dtype=torch.int64), torch.tensor(3000), wk, wk,
+                               torch.ones(8, 385, dtype=torch.bool), 0.1, torch.bfloat16, softcap=cap)
+        heads_labels.append(f"heads d={d} bits={bits} hi_dev=True" + (f" softcap={cap}" if cap else ""))
+    # the decode step's write (one program per row and KV head): D = 128 with and without a retrieval head coded at 8
+    # bits, D = 96 (plane-padded; INT4 halves), D = 512 (8 warps; 16-bit heads)
+    append_labels = []
+    for d, g, heads, bits in ((128, 64, None, None), (128, 64, [1, -1, 0, 2], 8), (96, 32, [1, -1, 0, 2], 4),
+                              (512, 64, [1, -1, 0, 2], 16)):
+        b, hk, n = 2, 4, 40
+        hq = hk if heads is None else sum(h >= 0 for h in heads)
+        win = torch.randn(b, hk, 4 + 17, d, generator=g0).bfloat16()
+
+        def hist():
+            meta = torch.zeros(b, hq, n, d // g).bfloat16()
+            return QuantizedRows(torch.zeros(b, hq, n, d // 4, dtype=torch.uint8), meta, meta.clone())
+
+        coded = None
+        if bits:
+            p = hk - hq
+
+            def store():
+                if bits == 16:
+                    return (torch.zeros(b, p, n, d).bfloat16(),)
+                return (torch.zeros(b, p, n, d * bits // 8, dtype=torch.uint8), torch.zeros(b, p, n, 1).bfloat16(),
+                        torch.zeros(b, p, n, 1).bfloat16())
+
+            coded_of = torch.full((hk,), -1, dtype=torch.long)
+            coded_of[[i for i in range(hk) if heads[i] < 0]] = torch.arange(p)
+            coded = CodedSlots(store(), store(), coded_of, bits)
+        new = torch.randn(b, hk, 1, d, generator=g0).bfloat16()
+        at.append_token_triton(new, new, win, win.clone(), hist(), hist(), torch.tensor(30), torch.tensor([0, 1]),
+                               None if heads is None else torch.tensor(heads), torch.randn(hq, d, d, generator=g0),
+                               torch.randn(hq, d, generator=g0), 0.95, torch.randn(hq, d, d, generator=g0),
+                               torch.randn(hq, d, generator=g0), 0.9, g, torch.bfloat16, 4, 16, coded=coded)
+        append_labels.append(f"append d={d} g={g} coded_bits={bits}")
     # what the launch sets on a GPU only (a CPU tensor's launch, recorded here, sets the interpreter's values)
     cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3", "ASM": 1}
     for i, (grid, args, kw) in enumerate(split.calls):
@@ -171,7 +234,7 @@ def main():
         split.fn, args, {**{k: v for k, v in kw.items() if k != "maxnreg"}, "WIN_STAGES": DEFAULTS.gluon_win_stages,
                          "WIN_ONLY": 1},
         cuda_kw)}))  # (no register cap on the Gluon path)
-    for i in (0, 1):
+    for i in (0, 1, *range(wide, len(labels))):
         grid, args, kw = comb.calls[i]
         print(json.dumps({"kernel": "combine", "case": labels[i], **compile_call(comb.fn, args, kw, cuda_kw)}))
     # the decode op's combine as an H200 launches it with the Gluon history: few programs (B=1: 208 splits, blocks of
@@ -188,10 +251,30 @@ def main():
                "SW_BLOCK": 16 if hoist else 1, "PARTS": parts, "PDL": 1}
         print(json.dumps({"kernel": "combine", "case": f"decode op s_block={s_block} warps={warps} c_block={c_block}"
                           f" hoist={hoist} parts={parts}", **compile_call(comb.fn, args, kw2, cuda_kw)}))
+    # ... at head_dim 96 (few rows: 3 programs of 32 channels a row, hoisted; many: 4 warps, chunks of 32; crowded: one
+    # warp, chunks of 16) and 512 (partials merged 32 at a time, 8 warps, 4 programs a row)
+    grid, args, kw = comb.calls[wide]
+    for s_block, warps, c_block, hoist, parts in ((DEFAULTS.merge_block_few, 8, 32, 1, 3), (64, 4, 32, 1, 1),
+                                                  (16, 1, 16, 1, 1)):
+        kw2 = {**kw, "S_BLOCK": s_block, "C_BLOCK": c_block, "num_warps": warps, "HOIST": hoist, "SW_BLOCK": 16,
+               "PARTS": parts}
+        case = f"decode op d=96 s_block={s_block} warps={warps} c_block={c_block} hoist={hoist} parts={parts}"
+        print(json.dumps({"kernel": "combine", "case": case, **compile_call(comb.fn, args, kw2, cuda_kw)}))
+    grid, args, kw = comb.calls[wide + 2]
+    kw2 = {**kw, "S_BLOCK": DEFAULTS.merge_block_xwide, "C_BLOCK": 32, "num_warps": 8, "HOIST": 0, "PARTS": 4}
+    print(json.dumps({"kernel": "combine", "case": f"decode op d=512 s_block={DEFAULTS.merge_block_xwide} warps=8 "
+                      "c_block=32 hoist=0 parts=4", **compile_call(comb.fn, args, kw2, cuda_kw)}))
     for lab, (grid, args, kw) in zip(heads_labels, hsplit.calls):
         print(json.dumps({"kernel": "heads_split", "case": lab, **compile_call(hsplit.fn, args, kw, {"OP": 1})}))
     grid, args, kw = hcomb.calls[0]
     print(json.dumps({"kernel": "heads_combine", "case": heads_labels[0], **compile_call(hcomb.fn, args, kw, {})}))
+    # D = 512 with a full tile of partials (the GPU's split count: merge_block of them a round)
+    i = heads_labels.index("heads d=512 bits=8 hi_dev=True")
+    grid, args, kw = hcomb.calls[i]
+    print(json.dumps({"kernel": "heads_combine", "case": heads_labels[i] + f" s_block={HEADS_DEFAULTS.merge_block}",
+                      **compile_call(hcomb.fn, args, {**kw, "S_BLOCK": HEADS_DEFAULTS.merge_block}, {})}))
+    for lab, (grid, args, kw) in zip(append_labels, append.calls):
+        print(json.dumps({"kernel": "append", "case": lab, **compile_call(append.fn, args, kw, {})}))
     for grid, args, kw in rotq.calls:
         print(json.dumps({"kernel": "rotate_query", "case": f"d={kw['D']} m_pad={kw['M_PAD']}",
                           **compile_call(rotq.fn, args, kw, cuda_kw)}))

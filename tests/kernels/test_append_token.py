@@ -254,6 +254,11 @@ def test_bad_inputs():
         (2, 3, 32, 32, [-1, 0, -1], 0, None, torch.float16, torch.float16, "minmax", 4),
         (1, 2, 64, 16, [-1, 0], 1, "2d", torch.float32, torch.float32, "minmax", 8),
         (2, 2, 64, 32, [0, -1], 2, "2d", torch.bfloat16, torch.bfloat16, "minmax", 16),
+        # D = 96 (plane-padded layout; a retrieval head's INT4 halves of 48 padded to 64 lanes), D = 512 (8 warps)
+        (2, 3, 96, 32, [1, -1, 0], 1, "3d", torch.bfloat16, torch.bfloat16, "minmax", 4),
+        (1, 2, 96, 96, [-1, 0], 0, "2d", torch.float16, torch.float16, "std", 8),
+        (2, 2, 96, 48, None, 1, None, torch.bfloat16, torch.bfloat16, "minmax", None),
+        (1, 3, 512, 64, [0, -1, 1], 1, "2d", torch.bfloat16, torch.bfloat16, "minmax", 16),
     ],
 )
 def test_kernel_matches_reference(b, hk, d, g, heads, ring_extra, mu_k, dtype, meta, quantizer, coded_bits):
@@ -273,25 +278,34 @@ def test_kernel_matches_reference(b, hk, d, g, heads, ring_extra, mu_k, dtype, m
 
 
 @interp
-def test_dispatch():
-    """use_kernels=True runs the kernel (interpreter); a head_dim the kernel does not take goes to the reference;
-    use_kernels=False is the reference."""
-    ref = Layer(1, 2, 64, 32, 1, 2, 3, 4, mu_k="3d", seed=7)
-    got, off = ref.clone(), ref.clone()
-    for t in range(6):
-        new_k, new_v = _tokens(ref, t)
-        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), torch.tensor([0])))
-        append_token(*got.args(new_k, new_v, torch.tensor(t), torch.tensor([0])), use_kernels=True)
-        append_token(*off.args(new_k, new_v, torch.tensor(t), torch.tensor([0])), use_kernels=False)
-    assert_kernel_matches(got, ref)
-    assert_same(off, ref)
-    ref = Layer(1, 1, 96, 32, 1, 1, 2, 3, seed=8)  # D = 96: not a power of two
+def test_dispatch(monkeypatch):
+    """use_kernels=True runs the kernel (interpreter; head_dim 96 too); a head_dim the kernel does not take (80) goes to
+    the reference; use_kernels=False is the reference."""
+    import oscar_hf.kernels.append_triton as at
+
+    launches = []
+    real = at.append_token_triton
+    monkeypatch.setattr(at, "append_token_triton",
+                        lambda *a, **kw: (launches.append(a[0].shape[-1]), real(*a, **kw))[1])
+    for d in (64, 96):
+        ref = Layer(1, 2, d, 32, 1, 2, 3, 4, mu_k="3d", seed=7)
+        got, off = ref.clone(), ref.clone()
+        for t in range(6):
+            new_k, new_v = _tokens(ref, t)
+            append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), torch.tensor([0])))
+            append_token(*got.args(new_k, new_v, torch.tensor(t), torch.tensor([0])), use_kernels=True)
+            append_token(*off.args(new_k, new_v, torch.tensor(t), torch.tensor([0])), use_kernels=False)
+        assert_kernel_matches(got, ref)
+        assert_same(off, ref)
+    assert launches == [64] * 6 + [96] * 6
+    ref = Layer(1, 1, 80, 16, 1, 1, 2, 3, seed=8)  # D = 80: not served
     got = ref.clone()
     for t in range(5):
         new_k, new_v = _tokens(ref, t)
         append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), torch.tensor([0])))
         append_token(*got.args(new_k, new_v, torch.tensor(t), torch.tensor([0])), use_kernels=True)
     assert_same(got, ref)
+    assert len(launches) == 12
 
 
 # ------------------------------------------------------------------------------- (c) the custom op under torch.compile
@@ -352,13 +366,15 @@ def test_op_eager_and_bad_use_kernels():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs CUDA (compiled kernels)")
-@pytest.mark.parametrize("d,g", [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128)])
+@pytest.mark.parametrize("d,g", [(64, 32), (64, 64), (128, 32), (128, 64), (128, 128), (96, 32), (96, 96), (512, 64),
+                                 (512, 128)])
 @pytest.mark.parametrize("b", [1, 8])
 @pytest.mark.parametrize("quantizer", ["minmax", "std"])
 def test_gpu_kernel_matches_reference(b, d, g, quantizer):
     s0, w, n, hk = 4, 16, 40, 8
-    heads = [0, 1, -1, 2, 3, 4, -1, 5] if g == 64 else None  # cases with retrieval heads, coded at 8 / 4 / 16 bits
-    coded_bits = {64: 8, 128: 4}[d] if heads and quantizer == "minmax" else 16 if heads else None
+    # cases with retrieval heads, coded at 8 / 4 / 16 bits
+    heads = [0, 1, -1, 2, 3, 4, -1, 5] if g in (64, 96) else None
+    coded_bits = {64: 8, 128: 4, 96: 4, 512: 8}[d] if heads and quantizer == "minmax" else 16 if heads else None
     ref = Layer(b, hk, d, g, s0, w, w + 1 + 64 * (g == 64), n, heads=heads, mu_k="3d" if b == 8 else "2d",
                 seed=b + d + g, device="cuda", coded_bits=coded_bits)
     got = ref.clone()

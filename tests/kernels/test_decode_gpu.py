@@ -74,6 +74,64 @@ def test_gpu_decode_attention_with_sinks(b, hk, m, d, n, path):
     assert rel_err(ref.float(), decode_attention_reference(**args).float()) > 5e-2  # the sink is visible
 
 
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("b,hk,m,d,g,n", [
+    (2, 32, 1, 96, 32, 8192 - 320),  # Phi-3-mini (32 / 32 heads of 96): groups across planes, the dequant loop
+    (8, 32, 1, 96, 96, 8192 - 320),  # ... one group per head (the authors' preset's G = D): the deferred loop
+    (1, 4, 4, 512, 64, 32768 - 320),  # Gemma 4's full layers (16 / 4 heads of 512): the dequant loop
+    (4, 4, 4, 512, 128, 8192 - 320),  # ... whole planes per group: the deferred loop
+])
+@pytest.mark.parametrize("static", [False, True])
+def test_gpu_decode_attention_head_dims(b, hk, m, d, g, n, static):
+    """Head_dims 96 and 512 on the split kernel (+ combine, + the query rotation from the unrotated query), bf16
+    operands, against rotate-then-reference: the caches' call (decode_attention_rotating), dynamic and with a
+    device-side length (the static op); the dispatcher must take the kernels (decode_supported)."""
+    from oscar_hf.kernels.int2_attention import decode_attention_rotating
+
+    args = _rotating_case(b, hk, m, n, 320, d, g, seed=d + g, device="cuda")
+    args["qf"] = args["qf"].cuda()
+    args["start"] = torch.tensor([0, 9, 0, 300, 1, 2, 3, 4][:b], device="cuda")
+    args["out_dtype"] = torch.bfloat16
+    assert _dt().decode_supported(args["qf"], args["k"], g, None, None, 320)
+    if static:
+        nv = n - 77
+        cut = {k_: (type(args[k_])(*(t[:, :, :nv] for t in args[k_])) if k_ in ("k", "v") else args[k_]) for k_ in args}
+        ref = _rotating_reference(cut)
+        got = decode_attention_rotating(**args, n_valid=torch.tensor(nv, device="cuda"), splits=8)
+    else:
+        ref = _rotating_reference(args)
+        got = decode_attention_rotating(**args)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert rel_err(got.float(), ref.float()) < 2e-2
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("softcap", [50.0, 5.0])
+@pytest.mark.parametrize("b,hk,m,d,g,n", [(8, 8, 4, 128, 64, 32768 - 320), (1, 8, 2, 128, 64, 131072 - 320),
+                                          (2, 32, 1, 96, 32, 8192 - 320), (2, 4, 4, 512, 128, 8192 - 320)])
+def test_gpu_decode_attention_softcap(monkeypatch, softcap, b, hk, m, d, g, n):
+    """Gemma 2's logit soft-capping on the split kernel, from the unrotated query: at D = 128 the Gluon kernel would
+    take these calls (gluon_min_work 0) but does not cap, so the plan must send them to the split kernel (the spy
+    counts Gluon launches); against the reference at a cap that bites (5) and one that barely does (50)."""
+    glu = _dt()._gluon_module()
+    gluon_calls = []
+    if glu is not None:
+        real = glu.launch_history
+        monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (gluon_calls.append(1), real(*a, **kw))[1])
+    args = _rotating_case(b, hk, m, n, 320, d, g, seed=b + d, device="cuda")
+    args["qf"] = (args["qf"] * 3).cuda()  # logits of several units: a cap of 5 changes them
+    args["start"] = torch.tensor([0, 9, 0, 1, 2, 3, 4, 5][:b], device="cuda")
+    args["out_dtype"] = torch.bfloat16
+    got = rotating_op(args, softcap=softcap, defaults=_PATHS["gluon"])
+    ref = _rotating_reference(args, softcap=softcap)
+    assert not gluon_calls, "a soft-capped call ran the Gluon history kernel"
+    assert rel_err(got.float(), ref.float()) < 2e-2
+    if softcap == 5.0:
+        assert rel_err(ref.float(), _rotating_reference(args).float()) > 5e-2  # the cap bites
+
+
 # ------------------------------------------------------------------------- the Gluon history kernel (GPU)
 
 

@@ -70,6 +70,22 @@ CASES = {
         gluon=False, block_n=16, maxnreg=None, s_hist=4, split_len=8112, s_win=3, s_tot=7, split_programs=7,
         combine=CombineShape(4, 64, 4, 1, True))),
     "paged, 48-token pages": (dict(b=8, n=N32K, **BIG, page=48), 132, dict(block_n=64, s_hist=4, split_len=8128)),
+    # soft-capping: the split kernel serves the history (the Gluon kernel does not cap) with its default tile
+    "B=1/128K rotating, softcap": (dict(b=1, n=N128K, **BIG, rotate=True, **GLUON, softcap=True), 132, dict(
+        gluon=False, block_n=64, deferred=True, maxnreg=168, fused_prologue=False, pdl=False, k8=False, pid_off=0,
+        split_window=True, split_warps=4)),
+    # head_dim 96 (Phi-3, 32 / 32 heads): whole planes per group take the deferred loop, G = 32 (groups across planes)
+    # the dequant loop with 8 warps; the combine un-rotates R_V's rows in chunks of 32 (3 programs a row, not 4 of 24)
+    "D=96, G=96": (dict(b=1, hk=32, m=1, n=32768, d=96, group_size=96, w=320), 132, dict(
+        block_n=64, deferred=True, maxnreg=None, split_warps=4, combine=CombineShape(8, 32, 4, 3, True))),
+    "D=96, G=32": (dict(b=8, hk=32, m=1, n=32768, d=96, group_size=32, w=320), 132, dict(
+        block_n=64, deferred=False, maxnreg=None, split_warps=8, combine=CombineShape(4, 32, 4, 1, True))),
+    # head_dim 512 (Gemma 4's full layers, 16 / 4 heads): 16-token blocks, 8 warps, merge tiles of 32 partials
+    "D=512, G=128": (dict(b=1, hk=4, m=4, n=32768, d=512, group_size=128, w=320), 132, dict(
+        block_n=16, deferred=True, maxnreg=None, split_warps=8, split_stages=2,
+        combine=CombineShape(32, 32, 8, 4, False))),
+    "D=512, G=64": (dict(b=8, hk=4, m=4, n=32768, d=512, group_size=64, w=320), 132, dict(
+        block_n=16, deferred=False, split_warps=8, combine=CombineShape(32, 32, 8, 4, False))),
 }
 
 

@@ -12,6 +12,7 @@ INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from oscar_hf.kernels.heads_attention import (check_heads_args, dequantize_heads,  # noqa: E402
                                               heads_decode_attention, heads_decode_reference)
+from oscar_hf.kernels.plan import KERNEL_HEAD_DIMS  # noqa: E402
 from oscar_hf.quant import pack_int4, quantize_minmax  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRITON_INTERPRET=1 without CUDA)")
@@ -82,13 +83,14 @@ def test_bad_input_is_refused():
 
 @interp
 @pytest.mark.parametrize("bits", [4, 8, 16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", KERNEL_HEAD_DIMS)  # 96: planes of 96 (INT4: 48) channels padded to 128 (64) lanes
 @pytest.mark.parametrize("device_hi", [False, True])
 def test_triton_matches_reference(bits, d, device_hi):
-    q, heads, k, v, lo, wk, wv, wm = make_case(bits, d=d, n=300, seed=d + bits)
-    hi = torch.tensor(250) if device_hi else 250
+    q, heads, k, v, lo, wk, wv, wm = make_case(bits, d=d, n=300 if d <= 128 else 100, seed=d + bits)
+    n_hi = 250 if d <= 128 else 80
+    hi = torch.tensor(n_hi) if device_hi else n_hi
     out = heads_decode_attention(q, heads, k, v, bits, lo, hi, wk, wv, wm, 0.09, torch.float32, use_kernels=True)
-    ref = heads_decode_reference(q, heads, k, v, bits, lo, 250, wk, wv, wm, 0.09, torch.float32)
+    ref = heads_decode_reference(q, heads, k, v, bits, lo, n_hi, wk, wv, wm, 0.09, torch.float32)
     assert out.shape == (3, 2, 3, d)
     assert rel_err(out, ref) < 1e-5
 
@@ -110,24 +112,34 @@ def test_triton_no_mask_no_history_and_empty_row():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("bits", [4, 8, 16])
-def test_gpu_kernel_matches_reference_at_real_shapes(bits):
-    """Qwen3-8B's shape (8 KV heads of 128, 4 query heads each), B = 8, 8K slots, two coded heads, bf16: the compiled
-    kernels (bf16 operands) against the float32 reference, with the history bound on the device (CUDA graphs)."""
-    q, heads, k, v, lo, wk, wv, wm = make_case(bits, b=8, hk=8, heads=(2, 6), m=4, n=8192, w=385, d=128,
+@pytest.mark.parametrize("d", [128, 96, 512])
+def test_gpu_kernel_matches_reference_at_real_shapes(bits, d):
+    """Qwen3-8B's shape (8 KV heads of 128, 4 query heads each; and head_dims 96, 512), B = 8, 8K slots, two coded
+    heads, bf16: the compiled kernels (bf16 operands) against the float32 reference, with the history bound on the
+    device (CUDA graphs); with a sink, and with soft-capped logits."""
+    q, heads, k, v, lo, wk, wv, wm = make_case(bits, b=8, hk=8, heads=(2, 6), m=4, n=8192, w=385, d=d,
                                                dtype=torch.bfloat16, seed=bits)
     lo = torch.tensor([0, 17, 90, 0, 5, 4000, 8000, 8191])
     args = [x.cuda() for x in (q, heads)], [tuple(x.cuda() for x in s) for s in (k, v)]
     (q, heads), (k, v) = args
     lo, wk, wv, wm = lo.cuda(), wk.cuda(), wv.cuda(), wm.cuda()
     out = heads_decode_attention(q, heads, k, v, bits, lo, torch.tensor(8000, device="cuda"), wk, wv, wm,
-                                 128 ** -0.5, torch.float32)
-    ref = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, 128 ** -0.5, torch.float32)
+                                 d ** -0.5, torch.float32)
+    ref = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5, torch.float32)
     assert rel_err(out, ref) < 2e-2
     sinks = torch.randn(2, 4, device="cuda") * 3 + 2  # gpt-oss's s_aux by query row: the combine's last partial
     out = heads_decode_attention(q, heads, k, v, bits, lo, torch.tensor(8000, device="cuda"), wk, wv, wm,
-                                 128 ** -0.5, torch.float32, sinks=sinks)
-    ref_s = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, 128 ** -0.5, torch.float32, sinks=sinks)
+                                 d ** -0.5, torch.float32, sinks=sinks)
+    ref_s = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5, torch.float32, sinks=sinks)
     assert rel_err(out, ref_s) < 2e-2 and rel_err(ref_s, ref) > 5e-2
+    # soft-capping (Gemma 2) at a cap that bites: the kernel caps, host-side bound (eager) and device-side
+    for hi in (8000, torch.tensor(8000, device="cuda")):
+        out = heads_decode_attention(q, heads, k, v, bits, lo, hi, wk, wv, wm, d ** -0.5 * 4, torch.float32,
+                                     softcap=5.0)
+        ref_c = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5 * 4, torch.float32,
+                                       softcap=5.0)
+        ref_u = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5 * 4, torch.float32)
+        assert rel_err(out, ref_c) < 2e-2 and rel_err(ref_c, ref_u) > 5e-2
 
 
 def paged(parts, page: int, num_pages: int, seed: int = 0):
@@ -230,6 +242,30 @@ def test_sinks_and_softcap_reference_equal_plain_softmax(bits):
     assert rel_err(got, want) < 1e-5
     plain_out = heads_decode_reference(q, heads, k, v, bits, lo, 120, wk, wv, wm, 0.2, torch.float32)
     assert rel_err(got, plain_out) > 1e-2
+
+
+@interp
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("softcap", [None, 50.0, 5.0])
+@pytest.mark.parametrize("d", [96, 128])
+def test_triton_with_softcap_matches_reference(monkeypatch, bits, softcap, d):
+    """Soft-capped logits (Gemma 2) in the heads' kernel, history (every stored form) and window, through the
+    dispatcher (which takes the launcher: the spy), against the reference; a cap of 5 bites."""
+    import oscar_hf.kernels.heads_triton as ht
+
+    q, heads, k, v, lo, wk, wv, wm = make_case(bits, d=d, n=200, seed=d + bits)
+    launches = []
+    real = ht.heads_decode_triton
+    monkeypatch.setattr(ht, "heads_decode_triton", lambda *a, **kw: (launches.append(kw.get("softcap")),
+                                                                     real(*a, **kw))[1])
+    scaling = d ** -0.5 * 4  # logits of a few units: a cap of 5 changes them
+    out = heads_decode_attention(q, heads, k, v, bits, lo, 150, wk, wv, wm, scaling, torch.float32, use_kernels=True,
+                                 softcap=softcap)
+    ref = heads_decode_reference(q, heads, k, v, bits, lo, 150, wk, wv, wm, scaling, torch.float32, softcap=softcap)
+    assert launches == [softcap] and rel_err(out, ref) < 1e-5
+    if softcap == 5.0:
+        plain_out = heads_decode_reference(q, heads, k, v, bits, lo, 150, wk, wv, wm, scaling, torch.float32)
+        assert rel_err(ref, plain_out) > 2e-2
 
 
 @interp

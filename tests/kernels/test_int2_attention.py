@@ -104,6 +104,17 @@ def _force_combine(monkeypatch, **fields):
         (1, 1, 2, 1, 70, 256, 32, torch.bfloat16, (3,), None, True),  # D 256, G < D/4 (gather path)
         (2, 1, 8, 4, 150, 64, 32, torch.bfloat16, (0, 70), "b", True),  # M = 32, masks, padding: dequant loop
         (1, 2, 4, 5, 130, 128, 64, torch.float16, (9,), "bh", False),  # M = 20: dequant loop, fp16 metadata
+        # head_dim 96 (Phi-3; planes of 24 channels padded to 32 lanes): groups across planes (G = 32, the dequant loop
+        # gathering per channel), whole planes (G = 48: two per group, one 4-byte word for both groups' bf16 scales;
+        # G = 96: one group per head)
+        (2, 1, 4, 1, 130, 96, 32, torch.bfloat16, (0, 9), "b", True),
+        (1, 2, 4, 1, 70, 96, 48, torch.bfloat16, (3,), None, True),
+        (1, 1, 8, 1, 65, 96, 96, torch.float16, (0,), "bh", False),
+        (1, 1, 2, 1, 65, 96, 24, torch.bfloat16, (0,), None, True),  # G = 24: one plane per group
+        (1, 1, 4, 5, 70, 96, 32, torch.bfloat16, (2,), None, True),  # M = 20
+        # head_dim 512 (Gemma 4's full layers; 16-token blocks): groups inside a plane (G = 64: dequant), whole planes
+        (1, 1, 4, 1, 40, 512, 64, torch.bfloat16, (0,), None, True),
+        (2, 1, 2, 1, 33, 512, 128, torch.bfloat16, (0, 5), "b", True),
     ],
 )
 def test_history_partial_kernel(small_splits, b, hk, group, q_len, n, d, g, meta, starts, mask, off):
@@ -272,6 +283,9 @@ def test_gluon_long_split_residency():
         (1, 1, 8, 65, 320, 128, 64, False, False),  # paper window 64 + 256, GQA 8
         (1, 2, 3, 0, 33, 64, 64, True, True),  # no history yet
         (2, 1, 4, 100, 0, 128, 128, True, False),  # no window
+        (2, 1, 4, 90, 40, 96, 32, True, True),  # head_dim 96 (the window's 96 channels padded to 128 lanes)
+        (1, 1, 2, 70, 33, 256, 64, False, True),
+        (1, 1, 4, 40, 33, 512, 128, True, False),
     ],
 )
 @pytest.mark.parametrize("win_split", [32, 128])  # window tokens per window program (32: the Gluon path's)
@@ -318,6 +332,7 @@ def test_combine_merges_splits_in_several_blocks(small_splits, merge_block):
         (1, 1, 8, 65, 320, 128, False),  # GQA 8, the paper's window (10 window splits of 32)
         (1, 2, 3, 0, 33, 64, True),  # no history yet
         (2, 1, 4, 100, 0, 128, True),  # no window
+        (2, 1, 4, 300, 70, 96, True),  # head_dim 96: 6 or 3 chunks of R_V's rows, the partials' rows padded
     ],
 )
 def test_combine_hoisted_loads(monkeypatch, cblock, b, hk, m, n, w, d, mu):
@@ -378,6 +393,27 @@ def test_combine_output_parts(monkeypatch, hoist, cblock, parts, b, hk, m, n, w,
 
 
 @interp
+@pytest.mark.parametrize("hoist", [True, False])
+def test_combine_output_parts_head_dim_96(monkeypatch, hoist):
+    """Head_dim 96 where rows are fewer than SMs: the plan's combine takes 3 programs a row of 32 output channels (a
+    power-of-two chunk that divides 96, not 4 of 24), with the hoisted loads or not, and equals the reference."""
+    dt = _dt()
+    monkeypatch.setattr(plan, "few_rows", lambda rows, device: True)
+    real_shape = plan.combine_shape
+    monkeypatch.setattr(plan, "combine_shape", lambda *a: real_shape(*a)._replace(hoist=hoist))
+    grids = []
+    real = dt._combine_kernel
+    monkeypatch.setattr(dt, "_combine_kernel", type("K", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **kw: (grids.append((grid, kw["PARTS"], kw["C_BLOCK"])), real[grid](*a, **kw))[1])})())
+    args, gen = _window_case(2, 1, 4, 300, 70, 96, 32, seed=96)
+    args["start"] = torch.tensor([0, 17])
+    args["k"].scale[:, :, 260:280] *= 30
+    got = dt.decode_attention_triton(**args, defaults=replace(SMALL, win_split=32))
+    assert grids == [((2 * 1 * 4 * 3,), 3, 32)], grids
+    assert rel_err(got, decode_attention_reference(**args)) < 2e-5
+
+
+@interp
 @pytest.mark.parametrize("n_valid", [0, 1, 150, 299])
 def test_decode_attention_kernel_device_length(small_splits, n_valid):
     """Static cache: storage of capacity N, valid length read on the device, fixed split count:
@@ -397,7 +433,10 @@ def test_decode_attention_kernel_device_length(small_splits, n_valid):
 @pytest.mark.parametrize("fused", [0, 1])
 @pytest.mark.parametrize("b,hk,m,n,w,d,g", [(2, 2, 4, 150, 70, 64, 32), (1, 1, 8, 65, 320, 128, 64),
                                             (2, 1, 4, 100, 0, 128, 128), (1, 2, 3, 0, 33, 64, 64),
-                                            (19, 2, 4, 40, 33, 64, 32)])
+                                            (19, 2, 4, 40, 33, 64, 32),
+                                            # the rotation's 3 column blocks of 32 at head_dim 96; K-blocked at 512
+                                            (2, 1, 4, 90, 40, 96, 32), (1, 1, 2, 40, 20, 256, 64),
+                                            (1, 1, 4, 40, 20, 512, 64)])
 def test_decode_attention_rotating(small_splits, monkeypatch, fused, b, hk, m, n, w, d, g):
     """The op from the unrotated query (what the model's attention calls): the rotation launched by the op itself --
     as its own launch, or (the Gluon path's layout forced onto the split kernel's path) in one launch with the window
@@ -577,17 +616,50 @@ def test_decode_attention_kernel_with_sinks(small_splits, monkeypatch, hoist, b,
 
 
 @interp
-@pytest.mark.parametrize("n_valid", [0, 150])
-def test_decode_attention_rotating_with_sinks_and_softcap(small_splits, n_valid):
-    """The dispatcher: sinks through the launcher from the unrotated query and through the static op (device-side
-    length); soft-capping through the references (the kernels do not cap)."""
+@pytest.mark.parametrize("d,g,m,mag,softcap", [
+    *((d, g, m, 1.0, cap) for d, g, m in ((128, 64, 4), (96, 32, 4), (64, 32, 20), (512, 128, 2))
+      for cap in (None, 50.0, 5.0)),
+    (128, 64, 4, 100.0, 50.0), (128, 64, 4, 100.0, 5.0)])
+def test_decode_attention_kernel_softcap(small_splits, d, g, m, mag, softcap):
+    """Gemma 2's logit soft-capping in the split kernel -- the history's deferred loop (D = 128, 512) and dequant loop
+    (D = 96 with groups across planes, 20 query rows), the window programs -- and in the history's partials, against
+    the references; a cap of 5 bites (the output moves), one of 50 barely. ``mag`` 100: logits of ~100-1000 (log2
+    units), where tanh's exp2 form must neither overflow nor lose the sign."""
+    args, gen = _window_case(2, 1, m, 150, 70, d, g, seed=d + m)
+    args["start"] = torch.tensor([0, 17])
+    args["key_mask"] = torch.rand(2, 1, 1, 150, generator=gen) > 0.1
+    args["q_rot"], args["q_win"] = args["q_rot"] * mag, (args["q_win"].float() * mag).to(torch.bfloat16)
+    got = small_splits.decode_attention_triton(**args, softcap=softcap, defaults=SMALL)
+    ref = decode_attention_reference(**args, softcap=softcap)
+    assert torch.isfinite(got).all() and rel_err(got, ref) < 2e-5
+    h = {k: args[k] for k in ("q_rot", "k", "v", "start", "key_mask", "qk_offset", "scaling", "group_size")}
+    assert_partials_close(small_splits.history_partial_triton(**h, softcap=softcap, defaults=SMALL),
+                          history_partial_reference(**h, block_n=64, softcap=softcap), 5e-5)
+    if softcap == 5.0:
+        assert rel_err(ref, decode_attention_reference(**args)) > 2e-2  # the cap changes the result
+
+
+@interp
+@pytest.mark.parametrize("n_valid", [None, 0, 150])
+def test_decode_attention_rotating_with_sinks_and_softcap(small_splits, monkeypatch, n_valid):
+    """The dispatcher: sinks and soft-capping through the launcher from the unrotated query (eager) and, with a
+    device-side length, through the static op."""
+    import oscar_hf.kernels.static_op as so
+
     args = _rotating_case(2, 2, 4, 300, 70, 64, 32, seed=9)
     sinks = torch.randn(2, 4, generator=torch.Generator().manual_seed(2)) * 3 + 2
-    nv = torch.tensor(n_valid)
+    calls = []
+    real, real_op = small_splits.decode_attention_triton, so.decode_attention_static
+    monkeypatch.setattr(small_splits, "decode_attention_triton",
+                        lambda *a, **kw: (calls.append(("launch", kw.get("softcap"))), real(*a, **kw))[1])
+    monkeypatch.setattr(so, "decode_attention_static", lambda *a: (calls.append("op"), real_op(*a))[1])
+    extra = {} if n_valid is None else {"n_valid": torch.tensor(n_valid), "splits": 4}
     for softcap in (None, 2.0):
-        got = decode_attention_rotating(**args, n_valid=nv, splits=4, use_kernels=True, sinks=sinks, softcap=softcap)
-        ref = decode_attention_rotating(**args, n_valid=nv, use_kernels=False, sinks=sinks, softcap=softcap)
+        calls.clear()
+        got = decode_attention_rotating(**args, **extra, use_kernels=True, sinks=sinks, softcap=softcap)
+        ref = decode_attention_rotating(**args, **extra, use_kernels=False, sinks=sinks, softcap=softcap)
         assert rel_err(got, ref) < 2e-5
-    got = decode_attention_rotating(**args, use_kernels=True, sinks=sinks)
-    ref = decode_attention_rotating(**args, use_kernels=False, sinks=sinks)
-    assert rel_err(got, ref) < 2e-5
+        if n_valid is None:
+            assert calls == [("launch", softcap)]
+        else:
+            assert calls == ["op", ("launch", softcap)]

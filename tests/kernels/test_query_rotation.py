@@ -42,6 +42,8 @@ def _check(q, r_k, mu_k, tol):
     (2, 3, 4, 128, "head", torch.bfloat16),  # GQA 4, calibrated offsets
     (2, 1, 7, 32, "row", torch.float16),  # odd M, per-sequence offsets (key_offset="prefill")
     (1, 2, 16, 256, "head", torch.float32),  # the largest M the kernel serves
+    (2, 2, 4, 96, "head", torch.bfloat16),  # head_dim 96: 3 column blocks, the query's 96 channels padded to 128 lanes
+    (1, 1, 3, 512, "row", torch.float32),  # head_dim 512: the product K-blocked
 ])
 def test_rotate_query_kernel(b, hk, m, d, mu, dtype):
     _check(*_case(b, hk, m, d, mu, dtype, "cpu", seed=m), 1e-6)
@@ -71,8 +73,9 @@ def test_rotate_query_dispatch_falls_back_to_reference():
 @on_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,mu", [(4, "head"), (8, "row"), (1, None)])
-def test_rotate_query_kernel_gpu(m, mu):
-    _check(*_case(8, 8, m, 128, mu, torch.bfloat16, "cuda", seed=m), 1e-5)
+@pytest.mark.parametrize("d", [128, 96, 512])
+def test_rotate_query_kernel_gpu(m, mu, d):
+    _check(*_case(8, 8, m, d, mu, torch.bfloat16, "cuda", seed=m), 1e-5)
 
 
 def _check_q8(q, r_k, mu_k, scale, exact):

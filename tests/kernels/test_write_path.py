@@ -84,6 +84,11 @@ def check_against_reference(got: QuantizedRows, x, r, mu, clip, g, meta, ref: Qu
         (1, 1, 64, 128, 64, torch.bfloat16, True, 0.96),  # BLOCK_T
         (2, 1, 65, 128, 128, torch.float16, True, 0.9),  # BLOCK_T + 1
         (1, 2, 17, 256, 64, torch.float32, True, 0.95),  # D = 256 (BLOCK_T = 16) + 1, fp32 metadata
+        # D = 96 (Phi-3), the plane-padded layout: groups across planes (G = 32), whole planes (48), one per head (96)
+        (2, 1, 37, 96, 32, torch.bfloat16, True, 0.96),
+        (1, 2, 5, 96, 48, torch.float16, False, 0.92),
+        (1, 1, 65, 96, 96, torch.float32, True, 1.0),
+        (1, 1, 17, 512, 64, torch.bfloat16, True, 0.96),  # D = 512 (Gemma 4's full layers): BLOCK_T = 16, BLOCK_K = 32
     ],
 )
 def test_kernel_matches_reference(b, hk, t, d, g, meta, center, clip):
@@ -94,7 +99,9 @@ def test_kernel_matches_reference(b, hk, t, d, g, meta, center, clip):
 
 @interp
 @pytest.mark.parametrize("b,hk,t,d,g,meta", [(1, 2, 1, 64, 32, torch.bfloat16), (2, 1, 65, 128, 64, torch.float16),
-                                             (1, 2, 17, 256, 256, torch.float32)])
+                                             (1, 2, 17, 256, 256, torch.float32), (1, 2, 9, 96, 32, torch.bfloat16),
+                                             (1, 1, 5, 96, 96, torch.float32), (1, 1, 4, 96, 24, torch.bfloat16),
+                                             (1, 1, 3, 512, 128, torch.bfloat16)])
 def test_kernel_matches_reference_std_grid(b, hk, t, d, g, meta):
     """quantizer="std": the kernel's mean / std grid is the reference's (the clip ratio passed is unused)."""
     x, r, mu = _inputs(b, hk, t, d, seed=t + g)
@@ -179,19 +186,32 @@ def test_ties_round_half_to_even():
 
 
 @interp
-def test_dispatch_and_fallback():
-    x, r, mu = _inputs(1, 2, 9, 64, seed=5)
-    ref = rotate_quantize_reference(x, r, mu, 0.96, 32, torch.bfloat16)
-    got = rotate_quantize(x, r, mu, 0.96, 32, torch.bfloat16, use_kernels=True)
-    check_against_reference(got, x, r, mu, 0.96, 32, torch.bfloat16, ref)
-    # head_dim 96 is not a power of two: the dispatcher sends it to the reference
-    from oscar_hf.kernels.write_triton import kernel_supported
+def test_dispatch_and_fallback(monkeypatch):
+    """The dispatcher runs the kernel for every head_dim it claims (plan.WRITE_HEAD_DIMS, 96 included) and the
+    reference, bit-identical, for the others (80: not served)."""
+    import oscar_hf.kernels.write_triton as wt
+    from oscar_hf.kernels.plan import WRITE_HEAD_DIMS
 
-    x, r, mu = _inputs(1, 1, 7, 96, seed=6)
-    assert not kernel_supported(x, 32, 0.96, torch.bfloat16) and kernel_supported(x[..., :64], 32, 0.96)
-    got = rotate_quantize(x, r, mu, 0.96, 32, torch.bfloat16, use_kernels=True)
-    ref = rotate_quantize_reference(x, r, mu, 0.96, 32, torch.bfloat16)
-    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    launches = []
+    real = wt.rotate_quantize_triton
+    monkeypatch.setattr(wt, "rotate_quantize_triton",
+                        lambda *a, **kw: (launches.append(a[0].shape[-1]), real(*a, **kw))[1])
+    for d in (64, 96):
+        x, r, mu = _inputs(1, 2, 9, d, seed=5)
+        ref = rotate_quantize_reference(x, r, mu, 0.96, 32, torch.bfloat16)
+        got = rotate_quantize(x, r, mu, 0.96, 32, torch.bfloat16, use_kernels=True)
+        check_against_reference(got, x, r, mu, 0.96, 32, torch.bfloat16, ref)
+    assert launches == [64, 96]
+    assert WRITE_HEAD_DIMS == (32, 64, 96, 128, 256, 512)
+    assert all(wt.kernel_supported(torch.empty(1, 1, 1, d), 32, 0.96) for d in WRITE_HEAD_DIMS)
+    x96 = torch.empty(1, 1, 1, 96)
+    assert wt.kernel_supported(x96, 96, 0.96) and wt.kernel_supported(x96, 48, 1)
+    assert not wt.kernel_supported(torch.empty(1, 1, 1, 96), 12, 0.96)  # 12: neither a power of two nor whole planes
+    x, r, mu = _inputs(1, 1, 7, 80, seed=6)
+    assert not wt.kernel_supported(x, 16, 0.96, torch.bfloat16)
+    got = rotate_quantize(x, r, mu, 0.96, 16, torch.bfloat16, use_kernels=True)
+    ref = rotate_quantize_reference(x, r, mu, 0.96, 16, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref)) and launches == [64, 96]
 
 
 @interp
@@ -220,13 +240,22 @@ def test_property_random_shapes():
 # --------------------------------------------------------------------------------- GPU, real shapes
 
 
-@pytest.mark.parametrize("t,g,meta,quantizer", [(1, 64, torch.bfloat16, "minmax"), (32768, 64, torch.bfloat16, "minmax"),
-                                               (4099, 128, torch.float16, "minmax"), (32768, 64, torch.bfloat16, "std"),
-                                               (4099, 128, torch.float16, "std")])
+@pytest.mark.parametrize("t,d,g,meta,quantizer", [(1, 128, 64, torch.bfloat16, "minmax"),
+                                                 (32768, 128, 64, torch.bfloat16, "minmax"),
+                                                 (4099, 128, 128, torch.float16, "minmax"),
+                                                 (32768, 128, 64, torch.bfloat16, "std"),
+                                                 (4099, 128, 128, torch.float16, "std"),
+                                                 # Phi-3 (D = 96) and Gemma 4's full layers (D = 512)
+                                                 (1, 96, 32, torch.bfloat16, "minmax"),
+                                                 (32768, 96, 32, torch.bfloat16, "minmax"),
+                                                 (4099, 96, 96, torch.float32, "std"),
+                                                 (1, 512, 64, torch.bfloat16, "minmax"),
+                                                 (4099, 512, 64, torch.bfloat16, "minmax"),
+                                                 (4099, 512, 128, torch.bfloat16, "std")])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs CUDA (compiled kernels)")
-def test_gpu_real_shapes(t, g, meta, quantizer):
-    x, r, mu = _inputs(1, 8, t, 128, seed=t, device="cuda")
+def test_gpu_real_shapes(t, d, g, meta, quantizer):
+    x, r, mu = _inputs(1, 8, t, d, seed=t, device="cuda")
     got = _triton()(x, r, mu, 0.96, g, meta, quantizer=quantizer)
     ref = rotate_quantize_reference(x, r, mu, 0.96, g, meta, quantizer=quantizer)
     check_against_reference(got, x, r, mu, 0.96, g, meta, ref, quantizer=quantizer)
