@@ -8,9 +8,11 @@
 #               and the write path (bench_kernels.py)
 #   kernels-dims  decode op vs BF16 SDPA at other attention shapes,    kernels_<gpu>_d64.json,
 #               B = 1, 8 x 32K, 128K (no write path): head_dim 64        kernels_<gpu>_d256.json,
-#               (gpt-oss: 64 q / 8 KV heads) and 256 (Gemma 3 12B:       kernels_<gpu>_d256_kv2.json
-#               16 / 8; Qwen3-Next: 16 / 2) (`kernels-d64`,
-#               `kernels-d256`, `kernels-d256-kv2`: one shape each)
+#               (gpt-oss: 64 q / 8 KV heads), 256 (Gemma 3 12B:         kernels_<gpu>_d256_kv2.json,
+#               16 / 8; Qwen3-Next: 16 / 2), 96 (Phi-3-mini: 32 / 32,    kernels_<gpu>_d96.json,
+#               G=32), 512 (Gemma 4 full layers: 16 / 4) (`kernels-d64`, kernels_<gpu>_d512.json
+#               `kernels-d256`, `kernels-d256-kv2`, `kernels-d96`,
+#               `kernels-d512`: one shape each)
 #   profile-op  the decode op's kernels one by one in a CUDA graph       profile_op_<gpu>.json
 #   default     the default call OscarCache(model) (compiled by        generate_default_<gpu>_b<B>_t<T>.json
 #               generate itself) vs BF16 DynamicCache and compiled
@@ -78,7 +80,7 @@
 #
 # Each <what> fits in the device machine's 10-minute command limit except `generate`, `eager`, `soak`, `kernels-dims`
 # and `arch-gemma3`: run their parts one call each (`generate-b8`, `generate-b1`; `eager-b1`, `eager-b8`; `soak-calls`,
-# `soak-long`; `kernels-d64`, `kernels-d256`, `kernels-d256-kv2`; `arch-gemma3-b1`, `arch-gemma3-b8`;
+# `soak-long`; `kernels-d64`, `kernels-d256`, `kernels-d256-kv2`, `kernels-d96`, `kernels-d512`; `arch-gemma3-b1`, `arch-gemma3-b8`;
 # `CONTEXTS=100000 bash benchmarks/run_gpu.sh generate-b1` runs one of the B=1 contexts). The numbers in
 # the docs come from H100 and H200 machines (the GPU name is in every file and file name); copy $OUT's files to
 # benchmarks/results/ to publish them.
@@ -123,18 +125,17 @@ for what in "$@"; do
     run "kernels_$GPU" $PY "$B/bench_kernels.py" --batches 1,8,32 --lengths 8192,32768,131072 \
         --out "$OUT/kernels_$GPU.json"
     $PY "$B/bench_kernels.py" --plot "$OUT/kernels_$GPU.json" ;;
-  kernels-dims|kernels-d64|kernels-d256|kernels-d256-kv2)
-    # <tag>:<head_dim>:<q heads>:<kv heads>; one process each (4 points, a few minutes). Memory: BF16 K/V of
-    # B=8/128K is 2.1 GB at D=64 / 8 KV heads, 8.6 GB at D=256 / 8, 2.1 GB at D=256 / 2, with up to 3 more states of
-    # it for the back-to-back timing (bench_kernels.seq_calls checks what is free): < 45 GB
-    dims="d64:64:64:8 d256:256:16:8 d256_kv2:256:16:2"
-    [ "$what" = kernels-d64 ] && dims="d64:64:64:8"
-    [ "$what" = kernels-d256 ] && dims="d256:256:16:8"
-    [ "$what" = kernels-d256-kv2 ] && dims="d256_kv2:256:16:2"
+  kernels-dims|kernels-d64|kernels-d256|kernels-d256-kv2|kernels-d96|kernels-d512)
+    # <tag>:<head_dim>:<q heads>:<kv heads>:<group size>; one process each (4 points, a few minutes). Memory: BF16 K/V
+    # of B=8/128K is 2.1 GB at D=64 / 8 KV heads, 8.6 GB at D=256 / 8, 2.1 GB at D=256 / 2, 12.9 GB at D=96 / 32
+    # (Phi-3-mini; 64 does not divide 96: G=32), 4.3 GB at D=512 / 4 (Gemma 4's full layers), with up to 3 more states
+    # of it for the back-to-back timing (bench_kernels.seq_calls checks what is free): < 60 GB
+    dims="d64:64:64:8:64 d256:256:16:8:64 d256_kv2:256:16:2:64 d96:96:32:32:32 d512:512:16:4:64"
+    case "$what" in kernels-dims) ;; kernels-d*) dims=$(tr ' ' '\n' <<< "$dims" | grep "^${what#kernels-}:" | tr '\n' ' ') ;; esac
     for x in $dims; do
-      IFS=: read -r tag d hq hk <<< "$x"
+      IFS=: read -r tag d hq hk g <<< "$x"
       run "kernels_${GPU}_$tag" $PY "$B/bench_kernels.py" --head-dim "$d" --q-heads "$hq" --kv-heads "$hk" \
-          --batches 1,8 --lengths 32768,131072 --no-write --out "$OUT/kernels_${GPU}_$tag.json"
+          --group-size "$g" --batches 1,8 --lengths 32768,131072 --no-write --out "$OUT/kernels_${GPU}_$tag.json"
       $PY "$B/bench_kernels.py" --plot "$OUT/kernels_${GPU}_$tag.json"
     done ;;
   profile-op)
