@@ -107,6 +107,19 @@ SHAPES = {
                          tie_word_embeddings=True, max_position_embeddings=131072,
                          rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
                                               high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    # google/gemma-2-9b: sliding (4096) / full alternating (the config's default layer_types), head_dim 256, logit
+    # soft-capping (attention 50, final 30); Transformers runs soft-capping in "eager" attention only
+    "gemma2-9b": dict(model_type="gemma2", attn_implementation="eager", hidden_size=3584, intermediate_size=14336,
+                      num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                      query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                      final_logit_softcapping=30.0, vocab_size=256000),
+    # google/gemma-3n-E4B's text model (Gemma3nTextConfig's defaults): 35 layers (sliding 512 : full 4 : 1), the last
+    # 15 reusing the K/V of layers 18 (sliding) and 19 (full, the "store" layer: full precision); OSCAR quantizes
+    # full layers 4, 9, 14
+    "gemma3n-e4b": dict(model_type="gemma3n_text", max_position_embeddings=131072),
+    # Falcon-H1 (FalconH1Config's defaults: 32 "hybrid" layers, attention 32 / 8 heads of 128 beside a Mamba-2 mixer
+    # in each; Transformers' torch path of the Mamba mixer where mamba-ssm is not installed)
+    "falcon-h1": dict(model_type="falcon_h1", max_position_embeddings=131072),
     # CPU-sized versions of the shapes above (same layer kinds, head_dim, attention implementation)
     "tiny-gemma3": dict(model_type="gemma3_text", hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=256,
@@ -124,6 +137,19 @@ SHAPES = {
                          num_attention_heads=4, num_key_value_heads=2, head_dim=256, layer_types=QWEN3_NEXT_LAYERS,
                          linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
                          linear_value_head_dim=32, vocab_size=1000),
+    "tiny-gemma2": dict(model_type="gemma2", attn_implementation="eager", hidden_size=128, intermediate_size=256,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+                        query_pre_attn_scalar=256, sliding_window=16, attn_logit_softcapping=50.0,
+                        final_logit_softcapping=30.0, vocab_size=1000),
+    "tiny-gemma3n": dict(model_type="gemma3n_text", hidden_size=128, intermediate_size=256, num_hidden_layers=10,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=16,
+                         num_kv_shared_layers=4, vocab_size=1000, vocab_size_per_layer_input=1000,
+                         hidden_size_per_layer_input=32, laurel_rank=8, altup_num_inputs=4,
+                         activation_sparsity_pattern=[0.0] * 10,
+                         layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2),
+    "tiny-falcon-h1": dict(model_type="falcon_h1", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, mamba_d_ssm=128, mamba_n_heads=8,
+                           mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16, vocab_size=1000),
     "tiny-llama": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                        num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1000),
 }
@@ -214,7 +240,7 @@ def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 
     hk, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     g = torch.Generator(device=device).manual_seed(0)
     for layer in tqdm(cache.layers, desc="synthetic fill", leave=False):
-        if _is_state_layer(layer):
+        if _is_state_layer(layer) or type(layer).__name__ == "DummyLayer":  # (KV sharing's reuse layers: no cache)
             continue
         if isinstance(layer, (DynamicSlidingWindowLayer, StaticSlidingWindowLayer)):
             keep = layer.sliding_window if isinstance(layer, DynamicSlidingWindowLayer) else layer.max_cache_len

@@ -31,6 +31,9 @@
 #   arch-llama1b  Llama 3.2 1B shape (full attention, head_dim 64),
 #               B=8/32K: BF16 DynamicCache, compiled StaticCache, the
 #               default call OscarCache(model)
+#   arch-gemma2 Gemma 2 9B (soft-capping), `arch-gemma3n` Gemma 3n E4B (KV sharing), `arch-falconh1` Falcon-H1
+#               (hybrid attention + Mamba layers): B=8/32K, synthetic fill, BF16 DynamicCache and OscarCache's eager
+#               and compiled storage (compile=False / True)
 #   first-call  the first generate calls of a fresh process and of a    first_call_<gpu>_<method>_{cold,warm}.json
 #               second one with warm on-disk compile caches (B=1, 32K,
 #               128 new tokens; METHODS="..." picks methods, default
@@ -125,13 +128,15 @@ for what in "$@"; do
     run "kernels_$GPU" $PY "$B/bench_kernels.py" --batches 1,8,32 --lengths 8192,32768,131072 \
         --out "$OUT/kernels_$GPU.json"
     $PY "$B/bench_kernels.py" --plot "$OUT/kernels_$GPU.json" ;;
-  kernels-dims|kernels-d64|kernels-d256|kernels-d256-kv2|kernels-d96|kernels-d512)
+  kernels-dims|kernels-d64|kernels-d256|kernels-d256-kv2|kernels-d96|kernels-d96-g32|kernels-d512)
     # <tag>:<head_dim>:<q heads>:<kv heads>:<group size>; one process each (4 points, a few minutes). Memory: BF16 K/V
     # of B=8/128K is 2.1 GB at D=64 / 8 KV heads, 8.6 GB at D=256 / 8, 2.1 GB at D=256 / 2, 12.9 GB at D=96 / 32
     # (Phi-3-mini; 64 does not divide 96: G=32), 4.3 GB at D=512 / 4 (Gemma 4's full layers), with up to 3 more states
     # of it for the back-to-back timing (bench_kernels.seq_calls checks what is free): < 60 GB
-    dims="d64:64:64:8:64 d256:256:16:8:64 d256_kv2:256:16:2:64 d96:96:32:32:32 d512:512:16:4:64"
-    case "$what" in kernels-dims) ;; kernels-d*) dims=$(tr ' ' '\n' <<< "$dims" | grep "^${what#kernels-}:" | tr '\n' ' ') ;; esac
+    # (D=96: G=48, the default group there, and G=32, the per-channel loop)
+    dims="d64:64:64:8:64 d256:256:16:8:64 d256_kv2:256:16:2:64 d96:96:32:32:48 d96_g32:96:32:32:32 d512:512:16:4:64"
+    t=${what#kernels-}
+    case "$what" in kernels-dims) ;; *) dims=$(tr ' ' '\n' <<< "$dims" | grep "^${t//-/_}:" | tr '\n' ' ') ;; esac
     for x in $dims; do
       IFS=: read -r tag d hq hk g <<< "$x"
       run "kernels_${GPU}_$tag" $PY "$B/bench_kernels.py" --head-dim "$d" --q-heads "$hq" --kv-heads "$hk" \
@@ -160,6 +165,13 @@ for what in "$@"; do
     # caches are filled synthetically (decode ~45 GiB)
     [ "$what" != arch-gemma3-b8 ] && arch gemma3-12b 1 "bf16 bf16-static oscar-compiled"
     [ "$what" != arch-gemma3-b1 ] && arch gemma3-12b 8 "bf16 bf16-static oscar-compiled" --synthetic-fill ;;
+  arch-gemma2|arch-gemma3n|arch-falconh1)
+    # the families compile="auto" kept on the eager storage until measured: soft-capping (Gemma 2 9B: weights 18.5 GiB,
+    # BF16 K/V of its 21 full layers 16 KiB/token x 8 x 32K = 10.5 GiB, eager attention), KV sharing (Gemma 3n E4B:
+    # 3 OSCAR layers, the store layer and 20 sliding layers), hybrid attention + Mamba layers (Falcon-H1: 32 layers, the
+    # torch Mamba path); B=8/32K, synthetic fill: BF16 DynamicCache, OscarCache's eager and compiled storage
+    shape=$(sed -e 's/arch-gemma2/gemma2-9b/' -e 's/arch-gemma3n/gemma3n-e4b/' -e 's/arch-falconh1/falcon-h1/' <<< "$what")
+    arch "$shape" 8 "bf16 oscar-eager oscar-compiled" --synthetic-fill ;;
   arch-gptoss)
     # Weights 39.0 GiB (20.9 B, 32 experts). BF16 K/V: 12 full layers x 24 KiB/token = 6.0 GiB at B=8 x 32K, 12
     # sliding layers x 128 tokens (24 MiB); eager decode's repeat_kv copies of one full layer's K and V 4 GiB: peak

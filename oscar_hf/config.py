@@ -240,9 +240,16 @@ class OscarConfig:
         base = config if config is not None else cls()
         return base.replace(**overrides) if overrides else base
 
-    def for_head_dim(self, head_dim: int) -> "OscarConfig":
-        """This config with ``group_size=None`` resolved to ``head_dim`` (one group per head); else unchanged."""
-        return self if self.group_size is not None else self.replace(group_size=int(head_dim))
+    def for_head_dim(self, head_dim: int, *, default_group: bool = False) -> "OscarConfig":
+        """This config with ``group_size=None`` resolved to ``head_dim`` (one group per head). ``default_group``: the
+        group size is :class:`OscarConfig`'s default, not the user's or an artifact's choice, so where 64 does not
+        divide ``head_dim`` it becomes :func:`default_group_size`'s (48 at Phi-3's 96); a chosen one stays (and is
+        checked by :func:`validate_head_dim`)."""
+        if self.group_size is None:
+            return self.replace(group_size=int(head_dim))
+        if default_group and head_dim % self.group_size:
+            return self.replace(group_size=default_group_size(int(head_dim)))
+        return self
 
     @property
     def torch_meta_dtype(self) -> torch.dtype:
@@ -506,6 +513,17 @@ def hybrid_state_layers(cfg) -> set[int]:
     """Layers that are attention and a linear-attention / SSM state in one (``layer_types`` "hybrid" /
     "hybrid_sliding": Falcon-H1, Zamba): their cache layer holds both."""
     return {i for i, t in enumerate(getattr(cfg, "layer_types", None) or ()) if t in ("hybrid", "hybrid_sliding")}
+
+
+def default_group_size(head_dim: int) -> int:
+    """The default quantization group at ``head_dim``: 64 channels where 64 divides it; else the largest whole
+    number of planes (``head_dim / 4`` channels: the INT2 packing's unit, which the kernels' fast loop reads under one
+    scale and zero) up to 64 channels -- 48 at head_dim 96 (Phi-3: 2.67 bits per element, where 32 would be 3.0 and
+    take the kernels' slower per-channel loop), the whole head below 64 -- else one group per head."""
+    if head_dim % 64 == 0:
+        return 64
+    plane = head_dim // 4
+    return next((g for g in (head_dim, 2 * plane, plane) if 0 < g <= 64 and head_dim % g == 0), head_dim)
 
 
 def validate_head_dim(fp: ModelFingerprint, group_size: int | None) -> None:

@@ -56,7 +56,7 @@ def check_group_size(head_dim: int, group_size: int) -> None:
         raise ValueError(
             f"group_size={group_size} does not divide head_dim={head_dim}: every quantization group must "
             f"cover whole channels of one head (valid group sizes here: "
-            f"{[g for g in (16, 32, 64, 128, 256) if head_dim % g == 0]})."
+            f"{sorted({g for g in (16, 32, 64, 128, 256, head_dim // 4, head_dim // 2, head_dim) if g and head_dim % g == 0})})."
         )
     if head_dim % CODES_PER_BYTE != 0:
         raise ValueError(f"head_dim={head_dim} must be a multiple of {CODES_PER_BYTE} to pack INT2 codes.")

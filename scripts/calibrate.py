@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="auto", choices=METHODS,
                    help="auto (default): the per-head pick, all-oscar, all-pca-kv and all-hadamard checked by "
                         "next-token KL, the lowest kept; or one candidate everywhere")
-    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--group-size", type=lambda v: v if v == "auto" else int(v), default="auto",
+                   help="channels per scale / zero group: auto (default: 64, or where 64 does not divide head_dim the "
+                        "largest whole number of head_dim/4-channel planes up to 64, 48 at head_dim 96) or a number")
     p.add_argument("--center", default="on", choices=["on", "off", "auto"],
                    help="offsets mu_K / mu_V: on (default), off, or auto (chosen per layer, KV head and K/V "
                    "on held-out error)")

@@ -12,7 +12,7 @@ from oscar_hf import OscarCache
 from oscar_hf.calibration import calibrate, collect_statistics
 from oscar_hf.calibration.search import eigvecs_desc, select_best
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.config import PRESETS, OscarConfig
+from oscar_hf.config import PRESETS, OscarConfig, default_group_size
 from oscar_hf.hadamard import oscar_rotation
 from oscar_hf.models import SMOLLM2_GGUF, smollm2_dir, tiny_model
 from oscar_hf.rotations import OscarRotations
@@ -33,6 +33,29 @@ def test_reference_is_the_authors_settings():
     assert OscarConfig().for_head_dim(128).group_size == 64  # an explicit group size stays
     assert OscarConfig.reference(recent=128, clip_k=1.0).recent == 128  # overrides on top of the preset
     assert OscarConfig.reference(recent=128).clip_k == 0.96
+
+
+@pytest.mark.parametrize("head_dim, group", [(64, 64), (128, 64), (256, 64), (512, 64), (96, 48), (80, 40),
+                                             (112, 56), (192, 64), (32, 32), (40, 40), (160, 40)])
+def test_default_group_size_fits_the_head_dim(head_dim, group):
+    """64 where it divides head_dim, else the largest whole number of planes (head_dim / 4 channels) up to 64."""
+    assert default_group_size(head_dim) == group
+    assert head_dim % group == 0 and group % (head_dim // 4) == 0 or head_dim % 64 == 0
+    assert OscarConfig().for_head_dim(head_dim, default_group=True).group_size == group
+    assert OscarConfig().for_head_dim(head_dim).group_size == 64  # a chosen group size is never changed
+
+
+def test_default_call_on_head_dim_96_takes_groups_of_48():
+    """Phi-3 (head_dim 96): the default call works (groups of 48); a group size the user or the artifact chose is
+    kept, and one that does not divide head_dim is an error naming the valid ones."""
+    m = tiny_model("phi3")
+    assert OscarCache(m).oscar_config.group_size == 48
+    assert OscarCache(m, group_size=32).oscar_config.group_size == 32
+    assert OscarCache(m, recent=16).oscar_config.group_size == 48  # other overrides keep the fitted default
+    with pytest.raises(ValueError, match=r"group_size=64 does not divide head_dim=96.*\[16, 24, 32, 48, 96\]"):
+        OscarCache(m, group_size=64)
+    with pytest.raises(ValueError, match="group_size=64 does not divide head_dim=96"):
+        OscarCache(m, config=OscarConfig())  # an explicit config is the user's choice
 
 
 def test_bad_preset_names_the_presets():

@@ -171,10 +171,13 @@ class OscarCache(Cache):
                  preset: str | None = None, compile: bool | str = "auto", **overrides):
         if compile not in (True, False, "auto"):
             raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
+        # a group size nobody chose (OscarConfig's default 64) is fitted to the model's head_dim (for_head_dim)
+        default_group = config is None and preset is None and "group_size" not in overrides
         if config is None and preset is None:
             # the settings calibration chose for this model (calibrate(choose_settings=True)), under the user's
             # keywords; an artifact without them starts from OscarConfig's defaults, as before
             config = artifact_config(rotations)
+            default_group = default_group and config is None
         config = OscarConfig.build(config, preset, **overrides)
         is_model = isinstance(model_or_config, torch.nn.Module)
         model_config = model_or_config.config if is_model else model_or_config
@@ -184,7 +187,8 @@ class OscarCache(Cache):
         else:
             rotations.check_compatible(model_config)
         fp = ModelFingerprint.from_config(model_config)
-        config = config.for_head_dim(fp.head_dim)  # group_size=None (the "paper" preset): one group per head
+        # group_size=None (the "paper" preset): one group per head; the default 64 where it does not divide head_dim: 48 at 96
+        config = config.for_head_dim(fp.head_dim, default_group=default_group)
         validate_head_dim(fp, config.group_size)
         cal_g = rotations.metadata.get("group_size")
         if cal_g is not None and int(cal_g) != config.group_size:

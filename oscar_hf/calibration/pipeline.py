@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 import transformers
 
-from ..config import ModelFingerprint, OscarConfig, validate_head_dim
+from ..config import ModelFingerprint, OscarConfig, default_group_size, validate_head_dim
 from ..data import calibration_windows, join_texts
 from ..hadamard import hadamard_matrix
 from ..rotations import LayerRotation, OscarRotations
@@ -45,7 +45,7 @@ def calibrate(
     method: str = "auto",
     tokens: int = 8192,
     seq_len: int = 2048,
-    group_size: int | None = 64,
+    group_size: int | str | None = "auto",
     center: bool | str = True,
     value_target: str = "sst",
     clip_grid: Sequence[float] | None = CLIP_GRID,
@@ -79,7 +79,8 @@ def calibrate(
         tokens: statistics tokens: ``ceil(tokens / seq_len)`` windows of ``min(seq_len, tokens)`` tokens
             from the start of the text (ignored for token-id input: all rows are used).
         group_size: the quantization group size the clips (and ``auto``) are chosen for; ``None``: head_dim (one
-            group per head, the authors' setting).
+            group per head, the authors' setting); ``"auto"`` (default): 64, or where 64 does not divide head_dim
+            :func:`~oscar_hf.config.default_group_size`'s (48 at 96).
         center: store and use the per-KV-head means ``mu_K``/``mu_V``; ``"auto"``: decide per layer, KV head
             and K/V on the held-out error (an unchosen offset is stored as zeros).
         value_target: "sst" (exact ``C_S = Σ oᵀo``) or "score-weighted" (the reference code's target).
@@ -152,6 +153,10 @@ def calibrate(
     if any(not 0.0 < c <= 1.0 for c in grid + (clips or ())):
         raise ValueError(f"clip ratios must lie in (0, 1], got {clips or clip_grid}")
     fp = ModelFingerprint.from_config(model.config)
+    if group_size == "auto":
+        group_size = default_group_size(fp.head_dim)
+    elif isinstance(group_size, str):
+        raise ValueError(f"group_size must be an int, None (head_dim) or 'auto', got {group_size!r}")
     group_size = fp.head_dim if group_size is None else group_size
     validate_head_dim(fp, group_size)
     if not full_attention_layers(fp):

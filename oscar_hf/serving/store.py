@@ -257,8 +257,10 @@ class OscarPagedStore:
                  max_requests: int = DEFAULT_MAX_REQUESTS, prompt_budget: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, defer_pool: bool = False,
                  **overrides):
+        default_group = config is None and "group_size" not in overrides  # (as OscarCache: fitted to head_dim)
         if config is None:  # the settings calibration chose, under the overrides (as OscarCache)
             config = artifact_config(rotations)
+            default_group = default_group and config is None
         config = OscarConfig.build(config, None, **overrides)
         model_config = getattr(model_or_config, "config", model_or_config)
         if rotations is None:
@@ -266,7 +268,7 @@ class OscarPagedStore:
         else:
             rotations.check_compatible(model_config)
         fp = ModelFingerprint.from_config(model_config)
-        config = config.for_head_dim(fp.head_dim)
+        config = config.for_head_dim(fp.head_dim, default_group=default_group)
         validate_head_dim(fp, config.group_size)
         if config.key_offset != "calibrated":
             raise NotImplementedError("the paged OSCAR store supports key_offset='calibrated' only")
