@@ -51,7 +51,7 @@ import triton
 
 from oscar_hf.kernels import decode_triton as dt
 from oscar_hf.kernels.int2_attention import decode_attention_reference, merge_partials, partial_from_logits
-from oscar_hf.kernels.plan import DEFAULTS
+from oscar_hf.kernels.plan import DEFAULTS, group_fits
 from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.kernels.write_triton import rotate_quantize_triton
 from oscar_hf.quant import QuantizedRows
@@ -504,8 +504,9 @@ def set_shape(group_size: int, meta_dtype: str, head_dim: int = 128, q_heads: in
     global HQ, HK, D, GQ, NG, SCALING, GS, META
     if kv_heads < 1 or q_heads % kv_heads:
         raise SystemExit(f"--q-heads must be a multiple of --kv-heads, got {q_heads} / {kv_heads}")
-    if group_size < 1 or head_dim % group_size or group_size & (group_size - 1):
-        raise SystemExit(f"--group-size must be a power of two dividing --head-dim={head_dim}, got {group_size}")
+    if not group_fits(head_dim, group_size):
+        raise SystemExit(f"--group-size must divide --head-dim={head_dim} as a power of two or a whole number of "
+                         f"head_dim/4-channel planes (kernels.plan.group_fits), got {group_size}")
     HQ, HK, D, GQ = q_heads, kv_heads, head_dim, q_heads // kv_heads
     GS, NG, META = group_size, D // group_size, META_DTYPES[meta_dtype]
     SCALING = D**-0.5

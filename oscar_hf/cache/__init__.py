@@ -116,21 +116,26 @@ def resolve_full_precision_heads(config: OscarConfig, rotations: OscarRotations,
     return {i: tuple(sorted(hs)) for i, hs in out.items()}
 
 
-# layer kinds that compile="auto" compiles on CUDA: measured there (docs/results.md, "Other architectures": Gemma 3,
-# gpt-oss, Qwen3-Next ~2x compiled StaticCache at B=8/32K); the others need compile=True
-AUTO_COMPILED_LAYER_TYPES = FULL_LAYER_TYPES + SLIDING_LAYER_TYPES + STATE_LAYER_TYPES
+# layer kinds that compile="auto" compiles on CUDA: measured there (docs/results.md, "Other architectures": Gemma 2 / 3,
+# gpt-oss, Qwen3-Next, Falcon-H1 2-5x the eager storage and ~2x compiled StaticCache at B=8/32K); the others need
+# compile=True
+AUTO_COMPILED_LAYER_TYPES = FULL_LAYER_TYPES + SLIDING_LAYER_TYPES + STATE_LAYER_TYPES  # (hybrid layers: full attention)
+_SAID_EAGER: set[str] = set()  # the reasons already logged (once per process each)
 
 
-def not_auto_compiled(fp: ModelFingerprint, hybrid, model_config) -> str | None:
-    """What keeps ``compile="auto"`` on the eager storage for this model on CUDA (``None``: nothing): hybrid
-    attention + state layers, MLA latents, KV sharing and soft-capping (``compile=True`` serves them: the kernels cap
-    in the eager and the compiled storage; not measured on a GPU)."""
-    if getattr(model_config.get_text_config(decoder=True), "attn_logit_softcapping", None):
-        return "logit soft-capping"
-    if hybrid:
-        return "hybrid (attention + state) layers"
+def not_auto_compiled(fp: ModelFingerprint) -> str | None:
+    """What keeps ``compile="auto"`` on the eager storage for this model on CUDA (``None``: nothing): layer kinds
+    the compiled storage serves (``compile=True``) but that no GPU run has measured -- MLA latents, KV sharing, values
+    of another head size (full precision all three)."""
     other = sorted({k for k in fp.layer_types if k not in AUTO_COMPILED_LAYER_TYPES})
     return f"{' / '.join(other)} layers" if other else None
+
+
+def _say_eager_once(message: str) -> None:
+    """A warning, once per process for each message: a CUDA model whose decode step ``generate`` will not compile."""
+    if message not in _SAID_EAGER:
+        _SAID_EAGER.add(message)
+        logger.warning(message)
 
 
 class OscarCache(Cache):
@@ -158,13 +163,13 @@ class OscarCache(Cache):
 
     ``compile``: "auto" (default) keeps the storage on the device in fixed-address buffers
     (:class:`StaticOscarLayer`, capacity growing in buckets) when the model is on CUDA and its layers are full
-    attention, sliding-window / chunked (Transformers' ``StaticSlidingWindowLayer``, a buffer of the window's width,
-    beside the compiled OSCAR layers; the compiled step is traced up to three times as that layer fills, and it cannot
-    ``crop`` once it rolls) or linear attention (layers kept in full precision as :class:`GrowingLayer`), with no
-    soft-capping and no tensor parallelism, so that ``generate`` compiles the decode step with CUDA graphs by itself;
-    True asks for that storage anywhere (the CPU runs its torch reference), and also serves hybrid layers,
-    soft-capping, tensor parallelism (each rank's layers hold its KV heads) and the full-precision layers of MLA /
-    KV-sharing models; False keeps the eager :class:`OscarLayer`.
+    attention (soft-capped or not), sliding-window / chunked (Transformers' ``StaticSlidingWindowLayer``, a buffer of
+    the window's width, beside the compiled OSCAR layers; the compiled step is traced up to three times as that layer
+    fills, and it cannot ``crop`` once it rolls), linear attention or hybrid attention + state (layers kept in full
+    precision as :class:`GrowingLayer`), with no tensor parallelism, so that ``generate`` compiles the decode step with
+    CUDA graphs by itself; where it does not, the reason is logged as a warning once. True asks for that storage
+    anywhere (the CPU runs its torch reference), and also serves tensor parallelism (each rank's layers hold its KV
+    heads) and the full-precision layers of MLA / KV-sharing models; False keeps the eager :class:`OscarLayer`.
     """
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
@@ -316,11 +321,11 @@ class OscarCache(Cache):
             # torchrun + gloo) but is not measured on GPUs yet
             tp = model is not None and (getattr(model, "_tp_size", None) or 1) > 1
             if on_cuda and why:
-                logger.info("OscarCache: eager storage (the compiled decode step does not support %s)", why)
-            elif on_cuda and growable and (unmeasured := "tensor parallelism" if tp else
-                                           not_auto_compiled(fp, hybrid, model.config)):
-                logger.info("OscarCache: eager storage for a model with %s (compile=True compiles it; not measured "
-                            "on a GPU, so not the default)", unmeasured)
+                _say_eager_once(f"OscarCache: eager storage, not compiled (the compiled decode step does not support "
+                                f"{why})")
+            elif on_cuda and growable and (unmeasured := "tensor parallelism" if tp else not_auto_compiled(fp)):
+                _say_eager_once(f"OscarCache: eager storage, not compiled, for a model with {unmeasured} "
+                                f"(compile=True compiles it; not measured on a GPU, so not the default)")
                 return False
             return on_cuda and why is None
         if why:
