@@ -2,8 +2,8 @@
 
 The same contract as the history programs of :func:`oscar_hf.kernels.decode_split._split_kernel` (partials
 ``(m, l, acc)`` per split, in the rotated value space, written where the combine kernel reads them), for the
-common decode shape: ``D = 128``, ``G = 64`` (two groups, bf16 scale / zero read as one 4-byte word per token),
-``M <= 8`` query rows per KV head, no key mask. Everything else stays on the Triton kernel.
+common decode shapes: ``D = 128`` or ``256``, ``G = 64`` (two groups per bf16 scale / zero word, one word per token at
+D = 128, two at 256), ``M <= 8`` query rows per KV head, no key mask. Everything else stays on the Triton kernel.
 
 Why a second kernel. The Triton kernel spends ~32 warp instructions per history token (its SASS count),
 most of it on layout work the compiler chooses: byte gathers of the value codes into the tensor cores' operand
@@ -46,9 +46,16 @@ the kernel state its layouts, so here every operand is built in the registers th
   past its loop. ``QFLAG``: instead of that wait, a poll of a counter the (row, head)'s rotation programs raise once
   its query operands are stored (the PDL wait then comes at the program's end).
 
-Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets): key bytes ``[T, 32]`` (8 per row),
-value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``), logits ``[16, 8]`` float32 (rows ``r, r + 8``,
-columns ``2c, 2c + 1``), value accumulators 4 x ``[32, 8]`` float32 (one per plane).
+**D = 256** (``NH = 2``): a code row is two 32-byte halves; in half ``h`` plane ``P`` holds channels
+``64 P + 32 h + [0, 32)`` (group ``P``), so each half is read like a D = 128 row (same loads, operands, ``sigma_K`` /
+``sigma_V``). The kernel runs over ``4 NH`` chunks of 32 channels -- chunk ``i``: plane ``i // NH`` of half
+``i % NH``, channels ``32 i + [0, 32)``, group ``i // 2`` (at D = 128 chunk = plane) -- with one query operand and
+one value accumulator each; group ``g``'s logit term is its chunks ``2g, 2g + 1``'s two MMAs. ``TB = 1`` (its 8
+accumulators and operands fill the registers), fp16 keys only (no ``K8`` / ``QPRE`` / ``QFLAG``).
+
+Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets), per 32-byte half: key bytes ``[T, 32]``
+(8 per row), value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``); logits ``[16, 8]`` float32 (rows
+``r, r + 8``, columns ``2c, 2c + 1``), value accumulators ``4 NH`` x ``[32, 8]`` float32 (one per chunk).
 
 GPU only: Gluon has no interpreter mode. ``tests/kernels/test_compile_sm90.py`` compiles it on any machine
 (with checks of the hot loop: its MMA and copy counts, no spill and no shared-memory store inside it); the GPU tests
@@ -63,7 +70,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from .decode_gluon_ops import (A_OP, B_OP, DF_LIM, KLOAD, MMA, VLOAD, _accumulate, _copy_setup, _fresh_state,
                                _issue_copies, _issue_first_copies, _loads_lanes, _logits, _q8_loaded, _q8_operands,
-                               _q_operand, _q_plane, _q_sums, _smem_meta, _SPIN_ASM, _split_setup, _step, _sync)
+                               _q_operand, _q_plane, _q_sums, _smem_codes, _smem_meta, _SPIN_ASM, _split_setup, _step,
+                               _sync)
 from .plan import cuda_major
 
 
@@ -74,14 +82,15 @@ def _hist_kernel(
     N, M, Hk, S, S_TOT, split_len, qk_scale,
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
-    STAGES: gl.constexpr = 2, PDL: gl.constexpr = 0, K8: gl.constexpr = 0,
+    STAGES: gl.constexpr = 2, PDL: gl.constexpr = 0, K8: gl.constexpr = 0, NH: gl.constexpr = 1,
     QP8=None, QPF=None, QPRE: gl.constexpr = 0, READY=None, QFLAG: gl.constexpr = 0,
 ):
     """Grid ``(B * Hk, S)``: program ``(bh, s)`` writes the partial of history split ``s`` of one (row, KV head).
     ``STAGES``: cp.async pipeline stages (a power of two); ``PDL``: launched under programmatic dependent launch
     after the query's launch (waits for it after the first loads; lets the combine launch after its loop); ``K8``:
     int8 key MMAs; ``QPRE``: their query operands built by the prologue (``QP8``, ``QPF``); ``QFLAG``: wait for the
-    prologue's counter ``READY[bh]`` instead of the PDL wait."""
+    prologue's counter ``READY[bh]`` instead of the PDL wait. ``NH``: 32-byte halves of a code row, ``D = 128 NH``
+    (NH = 2: TB = 1, not K8)."""
     MH: gl.constexpr = 8 // TB
     T: gl.constexpr = 16 * TB
     pid_bh = gl.program_id(0)
@@ -95,10 +104,11 @@ def _hist_kernel(
     # before this one, which computes the query)
     (start, hi, lo, f0, f1, kl, vl, ksl, kzl, vsl, vzl, lr, lc, mr, kc_base, vc_base, ks_base, kz_base, vs_base,
      vz_base) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
-                             skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, N_DEV)
-    xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
-    kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB, STAGES)
-    _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
+                             skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, NH, N_DEV)
+    xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, NH, True)
+    kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB, NH,
+                                               STAGES)
+    _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES, NH)
     if QFLAG:
         # instead of the PDL wait for the whole prologue grid: its rotation programs of this (row, head) count
         # themselves done in READY once their operands are stored (4 planes); the wait ends when this head's are,
@@ -121,29 +131,30 @@ def _hist_kernel(
         off = gl.load(QKOFF + qz + b.to(gl.int64) * sob + h * soh + ch * som, mask=cvalid, other=0.0) * qk_scale
     else:
         off = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
-    # per column: Qs_g = sum of the group's (scaled) query channels, from the planes (a load of its own was issued by
+    # per column: Qs_g = sum of the group's (scaled) query channels, from the chunks (a load of its own was issued by
     # the compiler after the operands' arithmetic: a second round trip)
     if K8:
         if QPRE:  # built by the prologue, once per row and KV head
-            qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_loaded(QP8, QPF, pid_bh + qz, TB)
+            qb, c, qs = _q8_loaded(QP8, QPF, pid_bh + qz, TB)
         else:
-            qb0, qb1, qb2, qb3, c0, c1, qs0, qs1 = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
+            qb, c, qs = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
     else:
-        p0 = _q_plane(q_ptr, sqm, M, 0, TB, MH, False)
-        p1 = _q_plane(q_ptr, sqm, M, 1, TB, MH, False)
-        p2 = _q_plane(q_ptr, sqm, M, 2, TB, MH, False)
-        p3 = _q_plane(q_ptr, sqm, M, 3, TB, MH, False)
-        qs0, qs1 = _q_sums(p0, p1, p2, p3, qk_scale)
-        qb0 = _q_operand(p0, qk_scale, 0)
-        qb1 = _q_operand(p1, qk_scale, 1)
-        qb2 = _q_operand(p2, qk_scale, 2)
-        qb3 = _q_operand(p3, qk_scale, 3)
-        # accumulator start -1024 C_g (the code offset of the planes of group g, from the rounded operands)
-        cg0 = gl.sum(qb0.to(gl.float32), 0) + gl.sum(qb1.to(gl.float32), 0)
-        cg1 = gl.sum(qb2.to(gl.float32), 0) + gl.sum(qb3.to(gl.float32), 0)
+        # the 4 NH 32-channel chunks (chunk i: plane i // NH of half i % NH; group i // 2)
+        qp = ()
+        for i in gl.static_range(4 * NH):
+            qp = qp + (_q_plane(q_ptr, sqm, M, i, TB, MH, False),)
+        qs = _q_sums(qp, qk_scale)
+        qb = ()
+        for i in gl.static_range(4 * NH):
+            qb = qb + (_q_operand(qp[i], qk_scale, i // NH),)
+        # accumulator start -1024 C_g (the code offset of the chunks of group g, from the rounded operands)
+        cg = ()
+        for g in gl.static_range(2 * NH):
+            cg = cg + (gl.sum(qb[2 * g].to(gl.float32), 0) + gl.sum(qb[2 * g + 1].to(gl.float32), 0),)
         zero_t = gl.zeros([16, 8], gl.float32, layout=MMA)
-        c0 = zero_t - 1024.0 * gl.convert_layout(cg0, gl.SliceLayout(0, MMA))[None, :]
-        c1 = zero_t - 1024.0 * gl.convert_layout(cg1, gl.SliceLayout(0, MMA))[None, :]
+        c = ()
+        for g in gl.static_range(2 * NH):
+            c = c + (zero_t - 1024.0 * gl.convert_layout(cg[g], gl.SliceLayout(0, MMA))[None, :],)
     # B-operand mask of the block-diagonal value MMA (TB = 2) and the constant A tile of ones (the codes' offset)
     kk = gl.arange(0, 16 * TB, layout=gl.SliceLayout(1, B_OP))
     kn = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
@@ -151,17 +162,16 @@ def _hist_kernel(
     ones = gl.full([16, T], 1.0, gl.bfloat16, layout=A_OP)
 
     # reference phi per column: the max of the first step's valid logits (0 where there is none)
-    lg = _logits(xk, ks, kz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off, TB, MH, True, K8)
+    lg = _logits(xk, ks, kz, lo, hi, start, qb, c, qs, off, TB, MH, NH, True, K8)
     phi = gl.max(lg, 0)
     phi = gl.where(phi == float("-inf"), 0.0, phi)
     phi = gl.where(cvalid, phi, 0.0)
 
-    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _fresh_state()
     m_c = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     # the first step (which may hold padding) is the reference step, its logits known; then the full steps [f0, f1)
-    # in a loop without masks, and a last step [f1, hi) if any (full steps: all tokens >= start, since lo + T > start)
-    lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _accumulate(
-        lg - phi[None, :], xv, vs, vz, kdiag, ones, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB)
+    # in a loop without masks, and a last step [f1, hi) if any (full steps: all tokens >= start, since lo + T > start).
+    # state: l, max, sum p z per group, the chunk accumulators, sum W per group (_fresh_state)
+    state = _accumulate(lg - phi[None, :], xv, vs, vz, kdiag, ones, _fresh_state(NH), TB, NH)
     run = 1
     while run > 0:
         offc = off - phi
@@ -171,40 +181,36 @@ def _hist_kernel(
         # copies repeat it -- f1 - T -- so that every step issues the same). The first pass's first copies were
         # issued before the query's loads (a rerun, run == 2, issues them)
         if run == 2:
-            _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES)
+            _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES, NH)
         for it in range(0, (f1 - f0) // T):
             n0 = f0 + it * T
             async_copy.wait_group(STAGES - 2)
             _sync()
             st = it & (STAGES - 1)
             st_w = (it + STAGES - 1) & (STAGES - 1)
-            _issue_copies(kbuf, vbuf, mbuf, st_w, ck, cv, cm, gl.minimum(n0 + (STAGES - 1) * T, f1 - T))
-            xk = kbuf.index(st).load(KLOAD)
-            xv = vbuf.index(st).load(VLOAD)
+            _issue_copies(kbuf, vbuf, mbuf, st_w, ck, cv, cm, gl.minimum(n0 + (STAGES - 1) * T, f1 - T), NH)
+            xk = _smem_codes(kbuf.index(st), KLOAD, NH)
+            xv = _smem_codes(vbuf.index(st), VLOAD, NH)
             mb = mbuf.index(st)
-            lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                xk, xv, _smem_meta(mb, 0, TB), _smem_meta(mb, 1, TB), _smem_meta(mb, 2, TB), _smem_meta(mb, 3, TB),
-                n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, ones,
-                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, False, K8)
+            state = _step(xk, xv, _smem_meta(mb, 0, TB, NH), _smem_meta(mb, 1, TB, NH), _smem_meta(mb, 2, TB, NH),
+                          _smem_meta(mb, 3, TB, NH), n0, hi, start, qb, c, qs, offc, kdiag, ones, state,
+                          TB, MH, NH, False, K8)
         async_copy.wait_group(0)
         if f1 < hi:
-            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, True)
-            lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                xk, xv, ks, kz, vs, vz, f1, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, ones,
-                lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, K8)
-        m_c = gl.max(mt, 0) + phi  # per column, -inf stays -inf
+            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, NH, True)
+            state = _step(xk, xv, ks, kz, vs, vz, f1, hi, start, qb, c, qs, offc, kdiag, ones, state,
+                          TB, MH, NH, True, K8)
+        m_c = gl.max(state[1], 0) + phi  # per column, -inf stays -inf
         over = gl.where(m_c == float("-inf"), 0.0, m_c - phi)
         run = 0
         if gl.max(gl.where(cvalid, gl.abs(over), 0.0), 0) > DF_LIM:
             # a rerun against the true max (rare: a column's max strayed more than DF_LIM from the first step's)
             phi = gl.where(m_c == float("-inf"), phi, m_c)
             run = 2
-            lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _fresh_state()
             # the first step again, against the new reference
-            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, True)
-            lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1 = _step(
-                xk, xv, ks, kz, vs, vz, lo, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off - phi, kdiag,
-                ones, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB, MH, True, K8)
+            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, NH, True)
+            state = _step(xk, xv, ks, kz, vs, vz, lo, hi, start, qb, c, qs, off - phi, kdiag, ones,
+                          _fresh_state(NH), TB, MH, NH, True, K8)
 
     if PDL:  # the combine may launch once every program is past its loop (an input from m_c orders it there)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $1", "=r,f", [m_c], dtype=gl.int32,
@@ -220,38 +226,37 @@ def _hist_kernel(
     # per column: rescale from its reference to the row's max (a column without valid tokens adds nothing; its
     # reference 0 may lie far above a very negative row max, so its factor is set to 0, not exp2(0 - m))
     alpha = gl.where(m_c == float("-inf"), 0.0, gl.exp2(phi - gl.where(m_b == float("-inf"), phi, m_b)))
+    lt, mt, zt, acc, sw = state
     l_c = gl.sum(lt, 0) * alpha
-    zs0 = gl.sum(zt0, 0)
-    zs1 = gl.sum(zt1, 0)
-    # the codes' offset 256 sum W of each group (every row of sw_g holds the column sums)
-    acc0 = acc0 - 256.0 * gl.max(sw0, 0)[None, :]
-    acc1 = acc1 - 256.0 * gl.max(sw0, 0)[None, :]
-    acc2 = acc2 - 256.0 * gl.max(sw1, 0)[None, :]
-    acc3 = acc3 - 256.0 * gl.max(sw1, 0)[None, :]
-    o0 = (acc0 * 0.5 + zs0[None, :]) * alpha[None, :]  # / KP: 2, 8, 32, 32
-    o1 = (acc1 * 0.125 + zs0[None, :]) * alpha[None, :]
-    o2 = (acc2 * 0.03125 + zs1[None, :]) * alpha[None, :]
-    o3 = (acc3 * 0.03125 + zs1[None, :]) * alpha[None, :]
+    zs = ()
+    for g in gl.static_range(2 * NH):
+        zs = zs + (gl.sum(zt[g], 0),)
+    # the codes' offset 256 sum W of each group (every row of sw_g holds the column sums); then / KP of the chunk's
+    # plane (2, 8, 32, 32) and + sum p z of its group
+    o = ()
+    for i in gl.static_range(4 * NH):
+        o = o + (acc[i] - 256.0 * gl.max(sw[i // 2], 0)[None, :],)
+    KPINV: gl.constexpr = (0.5, 0.125, 0.03125, 0.03125)
+    o2 = ()
+    for i in gl.static_range(4 * NH):
+        o2 = o2 + ((o[i] * KPINV[i // NH] + zs[i // 2][None, :]) * alpha[None, :],)
     l_r = gl.sum(gl.reshape(l_c, [TB, MH]), 0)
-    o0 = gl.sum(gl.reshape(o0, [32, TB, MH]), 1)
-    o1 = gl.sum(gl.reshape(o1, [32, TB, MH]), 1)
-    o2 = gl.sum(gl.reshape(o2, [32, TB, MH]), 1)
-    o3 = gl.sum(gl.reshape(o3, [32, TB, MH]), 1)
-    # stores: row h < M; output row m of plane P is channel 32 P + sigma_V(m) = 32 P + 4 (m % 8) + m // 8
+    o3 = ()
+    for i in gl.static_range(4 * NH):
+        o3 = o3 + (gl.sum(gl.reshape(o2[i], [32, TB, MH]), 1),)
+    # stores: row h < M; output row m of chunk i is channel 32 i + sigma_V(m) = 32 i + 4 (m % 8) + m // 8
     OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 1], [1, 0])
-    o0 = gl.convert_layout(o0, OL)
-    o1 = gl.convert_layout(o1, OL)
-    o2 = gl.convert_layout(o2, OL)
-    o3 = gl.convert_layout(o3, OL)
+    o4 = ()
+    for i in gl.static_range(4 * NH):
+        o4 = o4 + (gl.convert_layout(o3[i], OL),)
     om = gl.arange(0, 32, layout=gl.SliceLayout(1, OL))
     oh = gl.arange(0, MH, layout=gl.SliceLayout(0, OL))
     sig = 4 * (om % 8) + om // 8
-    optr = PACC + (part + oh[None, :]) * 128 + sig[:, None]
+    optr = PACC + (part + oh[None, :]) * (128 * NH) + sig[:, None]
     omask = (oh < M)[None, :]
-    gl.store(optr, o0, mask=omask)
-    gl.store(optr + 32, o1, mask=omask)
-    gl.store(optr + 64, o2, mask=omask)
-    gl.store(optr + 96, o3, mask=omask)
+    gl.store(optr, o4[0], mask=omask)
+    for i in gl.static_range(1, 4 * NH):
+        gl.store(optr + 32 * i, o4[i], mask=omask)
     RL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     rh = gl.arange(0, MH, layout=RL)
     gl.store(PM + part + rh, gl.convert_layout(m_r, RL), mask=rh < M)
@@ -261,19 +266,23 @@ def _hist_kernel(
                                   pack=1)
 
 
-def gluon_supported(q_rot, k, v, group_size: int, key_mask, pairable: bool) -> bool:
-    """The shapes this kernel serves (the rest: the Triton kernel)."""
+def gluon_supported(q_rot, k, v, group_size: int, key_mask, meta_words: bool) -> bool:
+    """The shapes this kernel serves (the rest: the Triton kernel): head_dim 128 or 256 in groups of 64 channels.
+    ``meta_words``: the bf16 scale / zero of a token are ``D / 128`` aligned 4-byte words (two groups each)."""
     b, hk, m, d = q_rot.shape
-    return (q_rot.is_cuda and cuda_major(q_rot.device) >= 8 and d == 128
-            and group_size == 64 and 1 <= m <= 8 and key_mask is None and pairable
+    return (q_rot.is_cuda and cuda_major(q_rot.device) >= 8 and d in (128, 256)
+            and group_size == 64 and 1 <= m <= 8 and key_mask is None and meta_words
             and k.codes.stride(-1) == 1 and v.codes.stride(-1) == 1
-            and k.codes.stride(2) == 32 and v.codes.stride(2) == 32  # 32-byte token rows: the addressing assumes them
+            # token rows of D / 4 bytes: the addressing assumes them
+            and k.codes.stride(2) == d // 4 and v.codes.stride(2) == d // 4
             and all(st % 8 == 0 for st in k.codes.stride()[:-1]) and all(st % 4 == 0 for st in v.codes.stride()[:-1])
             and k.codes.data_ptr() % 8 == 0 and v.codes.data_ptr() % 4 == 0)
 
 
-def tokens_per_step(m: int) -> int:
-    return 32 if m <= 4 else 16
+def tokens_per_step(m: int, d: int = 128) -> int:
+    """Tokens per step: two token sets of 16 (TB = 2) where <= 4 query rows leave half the logit tile's 8 columns
+    free, at D = 128 only (D = 256: its 8 chunk accumulators and query operands fill the registers at TB = 1)."""
+    return 32 if (m <= 4 and d == 128) else 16
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
@@ -282,8 +291,10 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
     ``pdl``: launched under programmatic dependent launch right after the query's launch (the rotating op).
     ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
     ``ready`` (with ``qpre`` and ``pdl``): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise when
-    their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``)."""
+    their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``).
+    ``k8`` at D = 128 only."""
     b, hk, m, d = q_rot.shape
+    assert not (k8 and d != 128), "the int8 key path serves D = 128 only"
     z3 = (0, 0, 0)
     _hist_kernel[(b * hk, s_hist)](
         q_rot, *k, *v, start, qk_offset, n_valid, pm, pl, pacc,
@@ -291,8 +302,8 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *q_rot.stride()[:3], *k.codes.stride()[:2], *k.scale.stride()[:2],
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
-        TB=2 if m <= 4 else 1, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
-        STAGES=stages, PDL=int(bool(pdl)), K8=int(bool(k8)),
+        TB=tokens_per_step(m, d) // 16, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
+        STAGES=stages, PDL=int(bool(pdl)), K8=int(bool(k8)), NH=d // 128,
         QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),
         READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and bool(pdl)), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),

@@ -24,12 +24,15 @@ B8_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_wi
 KLOAD = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]))
 # [T, 8] value words (4 bytes): lane 4r + c holds word r of tokens 2c, 2c + 1 (+ 8 i)
 VLOAD = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
-# cp.async pipeline (STAGES > 0): copies of 16 bytes a lane (8 for TB = 1's metadata) -- [T, 8] code words,
+# cp.async pipeline (STAGES > 0): copies of 16 bytes a lane (8 for TB = 1's metadata) -- [T, 8 NH] code words,
 # [4 TB, 16] metadata words (row j TB + tb: token set tb of key scale, key zero, value scale, value zero) -- into plain
 # row-major shared buffers; metadata read back as [16 t', TB] (TB = 2: the token sets on lane bit 1, broadcast over
-# the others) and expanded to the logit tile
+# the others) and expanded to the logit tile. NH = 2 (TB = 1): metadata [4 x 16 t, 2 words] (row 16 j + t; a lane
+# copies two tokens' words, as 4-byte copies: they are not merged), read back per word. CP_META[TB - 1 + 2 (NH - 1)]
 CP_CODES = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0]))
-CP_META = gl.constexpr((gl.BlockedLayout([1, 2], [4, 8], [1, 1], [1, 0]), gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0])))
+CP_META = gl.constexpr((gl.BlockedLayout([1, 2], [4, 8], [1, 1], [1, 0]),
+                        gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]),
+                        gl.BlockedLayout([2, 2], [32, 1], [1, 1], [1, 0])))
 SMEM3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # (the layout of one stage)
 META3 = gl.constexpr(gl.BlockedLayout([1, 1, 2], [8, 2, 2], [1, 1, 1], [2, 1, 0]))  # [16 t', 2 sets, 4 columns]
 _sync = getattr(gl, "thread_barrier", None) or gl.barrier  # (Triton 3.6 / newer)
@@ -70,8 +73,9 @@ LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
 # movmatrix.trans on each 8x8 block of a 16-bit accumulator-layout tile (see _w_operand)
 _MOVM_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
 # Loads from one address per lane (lane 4r + c; the rest are immediates, so that a step computes one address per
-# tensor, not one per register). Rows are 32 bytes (D = 128 codes at 2 bits), metadata words 4 bytes. Index
-# [2 (TB - 1) + MASKED]: MASKED loads row offset o only where lo <= o < hi for the lane's bounds (lo, hi) -- given
+# tensor, not one per register). Rows are 32 NH bytes (D = 128 NH codes at 2 bits; a load reads one 32-byte half),
+# a token's metadata NH words of 4 bytes (a load reads one). Index [4 (NH - 1) + 2 (TB - 1) + MASKED] (metadata:
+# [2 (NH - 1) + MASKED]): MASKED loads row offset o only where lo <= o < hi for the lane's bounds (lo, hi) -- given
 # relative to its first row -- and return 0 elsewhere.
 
 
@@ -91,12 +95,13 @@ def _lane_loads(vec, offs, strides):
 
 
 # keys: words 2c, 2c + 1 of rows r + 8i, i < 2 TB (address: row r, byte 8c)
-_KLD_ASM = gl.constexpr(sum((_lane_loads(2, [8 * i for i in range(2 * tb)], 32) for tb in (1, 2)), ()))
+_KLD_ASM = gl.constexpr(sum((_lane_loads(2, [8 * i for i in range(2 * tb)], 32 * nh) for nh in (1, 2) for tb in (1, 2)),
+                            ()))
 # values: word r of tokens 2c + 8i + j, i < 2 TB, j < 2, output 2i + j (address: token 2c, byte 4r)
-_VLD_ASM = gl.constexpr(sum((_lane_loads(1, [8 * i + j for i in range(2 * tb) for j in range(2)], 32)
-                              for tb in (1, 2)), ()))
+_VLD_ASM = gl.constexpr(sum((_lane_loads(1, [8 * i + j for i in range(2 * tb) for j in range(2)], 32 * nh)
+                              for nh in (1, 2) for tb in (1, 2)), ()))
 # metadata of logit rows r and r + 8 (address: the word of row r's token)
-_MLD_ASM = gl.constexpr(_lane_loads(1, [0, 8], 4))
+_MLD_ASM = gl.constexpr(sum((_lane_loads(1, [0, 8], 4 * nh) for nh in (1, 2)), ()))
 
 
 @gluon.jit
@@ -174,9 +179,9 @@ def _q8_operands(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
     hs = gl.convert_layout(gl.sum(h3.to(gl.int32), 0), gl.SliceLayout(0, MMA))
     ls = gl.convert_layout(gl.sum(l3.to(gl.int32), 0), gl.SliceLayout(0, MMA))
     z = gl.zeros([16, 8], gl.int32, layout=MMA)
-    qs0, qs1 = _q_sums(q0, q1, q2, q3, qk_scale)
-    return ((h0, l0), (h1, l1), (h2, l2), (h3, l3), (z, z, sg0 / 254.0),
-            (z + 128 * hs[None, :], z + 128 * ls[None, :], sg1 / 254.0), qs0, qs1)
+    qs = _q_sums((q0, q1, q2, q3), qk_scale)
+    return (((h0, l0), (h1, l1), (h2, l2), (h3, l3)), ((z, z, sg0 / 254.0),
+            (z + 128 * hs[None, :], z + 128 * ls[None, :], sg1 / 254.0)), qs)
 
 
 @gluon.jit
@@ -203,9 +208,10 @@ def _q8_loaded(QP8, QPF, pid_bh, TB: gl.constexpr):
     f0 = gl.load(fp + 48) / 254.0
     f1 = gl.load(fp + 56) / 254.0
     z = gl.zeros([16, 8], gl.int32, layout=MMA)
-    return ((_q8_tile(base, 0, 0, TB), _q8_tile(base, 0, 1, TB)), (_q8_tile(base, 1, 0, TB), _q8_tile(base, 1, 1, TB)),
-            (_q8_tile(base, 2, 0, TB), _q8_tile(base, 2, 1, TB)), (_q8_tile(base, 3, 0, TB), _q8_tile(base, 3, 1, TB)),
-            (z, z, f0), (z + hs[None, :], z + ls[None, :], f1), qs0, qs1)
+    return (((_q8_tile(base, 0, 0, TB), _q8_tile(base, 0, 1, TB)), (_q8_tile(base, 1, 0, TB), _q8_tile(base, 1, 1, TB)),
+             (_q8_tile(base, 2, 0, TB), _q8_tile(base, 2, 1, TB)),
+             (_q8_tile(base, 3, 0, TB), _q8_tile(base, 3, 1, TB))),
+            ((z, z, f0), (z + hs[None, :], z + ls[None, :], f1)), (qs0, qs1))
 
 
 @gluon.jit
@@ -254,16 +260,17 @@ def _rc(x):
 
 
 @gluon.jit
-def _lane_asm(KIND: gl.constexpr, TB: gl.constexpr, ptr, lo, hi, MASKED: gl.constexpr):
-    """Loads from one address per lane (``KIND`` 0: key rows, 1: value tokens, 2: metadata words)."""
+def _lane_asm(KIND: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr, ptr, lo, hi, MASKED: gl.constexpr):
+    """Loads from one address per lane (``KIND`` 0: key rows, 1: value tokens, 2: metadata words), rows of ``NH``
+    32-byte halves (metadata: ``NH`` words a token)."""
     if KIND == 0:
-        asm: gl.constexpr = _KLD_ASM[2 * TB - 2 + MASKED]
+        asm: gl.constexpr = _KLD_ASM[4 * NH - 4 + 2 * TB - 2 + MASKED]
         n: gl.constexpr = 4 * TB
     elif KIND == 1:
-        asm: gl.constexpr = _VLD_ASM[2 * TB - 2 + MASKED]
+        asm: gl.constexpr = _VLD_ASM[4 * NH - 4 + 2 * TB - 2 + MASKED]
         n: gl.constexpr = 4 * TB
     else:
-        asm: gl.constexpr = _MLD_ASM[MASKED]
+        asm: gl.constexpr = _MLD_ASM[2 * NH - 2 + MASKED]
         n: gl.constexpr = 2
     if MASKED:
         return gl.inline_asm_elementwise(asm, "=r," * n + "l,r,r", [ptr, lo, hi], dtype=(gl.int32,) * n,
@@ -273,32 +280,53 @@ def _lane_asm(KIND: gl.constexpr, TB: gl.constexpr, ptr, lo, hi, MASKED: gl.cons
 
 
 @gluon.jit
-def _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, lo, hi, lr, lc, mr, TB: gl.constexpr, MASKED: gl.constexpr):
+def _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, lo, hi, lr, lc, mr, TB: gl.constexpr, NH: gl.constexpr,
+                 MASKED: gl.constexpr):
     """The loads of the step at ``n0`` from per-lane addresses (``[32]`` each, at token 0; lane ``4r + c`` reads key
     row ``r``, value token ``2c``, metadata of logit row ``r`` (token ``mr``)): the tiles of :func:`_loads`, in its
-    layouts. ``MASKED``: only tokens in ``[lo, hi)`` are read (keys and their metadata: ``< hi``), else 0."""
+    layouts, as tuples -- ``NH`` key and value word tiles (one per 32-byte half of a row), ``NH`` metadata tiles per
+    tensor (one per word of a token). ``MASKED``: only tokens in ``[lo, hi)`` are read (keys and their metadata:
+    ``< hi``), else 0."""
     big = -(1 << 30)
-    k = _lane_asm(0, TB, kl + n0 * 8, big - lr, hi - n0 - lr, MASKED)
-    v = _lane_asm(1, TB, vl + n0 * 8, big - lr, hi - n0 - 2 * lc, MASKED)
-    ks = _meta_tile(_lane_asm(2, TB, ksl + n0, big - mr, hi - n0 - mr, MASKED))
-    kz = _meta_tile(_lane_asm(2, TB, kzl + n0, big - mr, hi - n0 - mr, MASKED))
-    vs = _meta_tile(_lane_asm(2, TB, vsl + n0, lo - n0 - mr, hi - n0 - mr, MASKED))
-    vz = _meta_tile(_lane_asm(2, TB, vzl + n0, lo - n0 - mr, hi - n0 - mr, MASKED))
-    if TB == 2:
-        k = gl.join(gl.join(gl.join(_rc(k[0]), _rc(k[1])), gl.join(_rc(k[2]), _rc(k[3]))),
-                    gl.join(gl.join(_rc(k[4]), _rc(k[5])), gl.join(_rc(k[6]), _rc(k[7]))))  # r, c, j, i0, i1
-        k = gl.permute(k, [4, 3, 0, 1, 2])  # i1, i0, r, c, j
-        v = gl.join(gl.join(gl.join(_rc(v[0]), _rc(v[1])), gl.join(_rc(v[2]), _rc(v[3]))),
-                    gl.join(gl.join(_rc(v[4]), _rc(v[5])), gl.join(_rc(v[6]), _rc(v[7]))))  # r, c, j, i0, i1
-        v = gl.permute(v, [4, 3, 1, 2, 0])  # i1, i0, c, j, r
-    else:
-        k = gl.join(gl.join(_rc(k[0]), _rc(k[1])), gl.join(_rc(k[2]), _rc(k[3])))  # r, c, j, i0
-        k = gl.permute(k, [3, 0, 1, 2])
-        v = gl.join(gl.join(_rc(v[0]), _rc(v[1])), gl.join(_rc(v[2]), _rc(v[3])))  # r, c, j, i0
-        v = gl.permute(v, [3, 1, 2, 0])
-    xk = gl.convert_layout(gl.reshape(k, [16 * TB, 8]), KLOAD, assert_trivial=True)
-    xv = gl.convert_layout(gl.reshape(v, [16 * TB, 8]), VLOAD, assert_trivial=True)
+    k = ()
+    v = ()
+    for hh in gl.static_range(NH):
+        k = k + (_lane_asm(0, TB, NH, kl + (n0 * (8 * NH) + 8 * hh), big - lr, hi - n0 - lr, MASKED),)
+        v = v + (_lane_asm(1, TB, NH, vl + (n0 * (8 * NH) + 8 * hh), big - lr, hi - n0 - 2 * lc, MASKED),)
+    ks = _meta_tiles(ksl + n0 * NH, big - mr, hi - n0 - mr, TB, NH, MASKED)
+    kz = _meta_tiles(kzl + n0 * NH, big - mr, hi - n0 - mr, TB, NH, MASKED)
+    vs = _meta_tiles(vsl + n0 * NH, lo - n0 - mr, hi - n0 - mr, TB, NH, MASKED)
+    vz = _meta_tiles(vzl + n0 * NH, lo - n0 - mr, hi - n0 - mr, TB, NH, MASKED)
+    xk = ()
+    xv = ()
+    for hh in gl.static_range(NH):
+        xk = xk + (_lane_tile(k[hh], TB, [4, 3, 0, 1, 2], [3, 0, 1, 2], KLOAD),)  # i1, i0, r, c, j
+        xv = xv + (_lane_tile(v[hh], TB, [4, 3, 1, 2, 0], [3, 1, 2, 0], VLOAD),)  # i1, i0, c, j, r
     return xk, xv, ks, kz, vs, vz
+
+
+@gluon.jit
+def _lane_tile(x, TB: gl.constexpr, PERM2: gl.constexpr, PERM1: gl.constexpr, LAYOUT: gl.constexpr):
+    """The ``4 TB`` per-lane registers of :func:`_lane_asm` (``[32]`` each: ``r, c`` by lane, register ``j + 2 i``) as
+    the ``[16 TB, 8]`` word tile in ``LAYOUT`` (a renaming of registers; ``PERM*`` order ``r, c, j, i0 (, i1)``)."""
+    if TB == 2:
+        y = gl.join(gl.join(gl.join(_rc(x[0]), _rc(x[1])), gl.join(_rc(x[2]), _rc(x[3]))),
+                    gl.join(gl.join(_rc(x[4]), _rc(x[5])), gl.join(_rc(x[6]), _rc(x[7]))))  # r, c, j, i0, i1
+        y = gl.permute(y, PERM2)
+    else:
+        y = gl.join(gl.join(_rc(x[0]), _rc(x[1])), gl.join(_rc(x[2]), _rc(x[3])))  # r, c, j, i0
+        y = gl.permute(y, PERM1)
+    return gl.convert_layout(gl.reshape(y, [16 * TB, 8]), LAYOUT, assert_trivial=True)
+
+
+@gluon.jit
+def _meta_tiles(ptr, lo, hi, TB: gl.constexpr, NH: gl.constexpr, MASKED: gl.constexpr):
+    """A tensor's ``NH`` metadata words of the step's tokens (per-lane address ``ptr`` at its first token, ``NH`` words
+    a token) as a tuple of logit tiles."""
+    t = ()
+    for w in gl.static_range(NH):
+        t = t + (_meta_tile(_lane_asm(2, TB, NH, ptr + w, lo, hi, MASKED)),)
+    return t
 
 
 @gluon.jit
@@ -311,34 +339,52 @@ def _meta_tile(w):
 
 
 @gluon.jit
-def _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, n0):
+def _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, n0, NH: gl.constexpr):
     """cp.async of the full step at ``n0`` into ``stage``, as one commit group."""
-    _cp_async(kbuf.index(stage), ck + n0 * 8)
-    _cp_async(vbuf.index(stage), cv + n0 * 8)
-    _cp_async(mbuf.index(stage), cm + n0)
+    _cp_async(kbuf.index(stage), ck + n0 * (8 * NH))
+    _cp_async(vbuf.index(stage), cv + n0 * (8 * NH))
+    _cp_async(mbuf.index(stage), cm + n0 * NH)
     async_copy.commit_group()
 
 
 @gluon.jit
-def _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T: gl.constexpr, STAGES: gl.constexpr):
+def _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T: gl.constexpr, STAGES: gl.constexpr,
+                        NH: gl.constexpr):
     """The pipeline's start: the copies of the first ``STAGES - 1`` full steps of ``[f0, f1)`` into stages
     ``0 .. STAGES - 2`` (none without full steps; past the last full step the copies repeat it, as in the loop)."""
     if f1 > f0:
         for i in gl.static_range(STAGES - 1):
-            _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T))
+            _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T), NH)
 
 
 @gluon.jit
-def _smem_meta(mb, j: gl.constexpr, TB: gl.constexpr):
-    """Metadata words ``j`` (0..3: key scale, key zero, value scale, value zero) of a stage as the logit tile."""
-    x = mb.slice(j * TB, TB, dim=0).permute([1, 0])  # [16 t', TB sets]
-    if TB == 2:
+def _smem_codes(buf, LAYOUT: gl.constexpr, NH: gl.constexpr):
+    """A stage's code words ``[T, 8 NH]`` as the tuple of its ``NH`` halves' ``[T, 8]`` tiles in ``LAYOUT``."""
+    if NH == 1:
+        return (buf.load(LAYOUT),)
+    else:
+        t = ()
+        for hh in gl.static_range(NH):
+            t = t + (buf.slice(8 * hh, 8, dim=1).load(LAYOUT),)
+        return t
+
+
+@gluon.jit
+def _smem_meta(mb, j: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr):
+    """Metadata tensor ``j`` (0..3: key scale, key zero, value scale, value zero) of a stage as the tuple of logit
+    tiles of its ``NH`` words a token (NH = 2: TB = 1)."""
+    if NH == 2:  # (mb: [4 x 16 t, 2 words]) [16 t', 2 words]
+        x = mb.slice(16 * j, 16, dim=0)
+        return (x.slice(0, 1, dim=1).load(MMA) + gl.zeros([16, 8], gl.int32, layout=MMA),
+                x.slice(1, 1, dim=1).load(MMA) + gl.zeros([16, 8], gl.int32, layout=MMA))
+    elif TB == 2:
+        x = mb.slice(j * TB, TB, dim=0).permute([1, 0])  # [16 t', TB sets]
         y = x.load(gl.SliceLayout(2, META3))
         y = gl.expand_dims(y, 2) + gl.zeros([16, 2, 4], gl.int32, layout=META3)  # (a broadcast: + 0 folds)
-        return gl.convert_layout(gl.reshape(y, [16, 8]), MMA, assert_trivial=True)
+        return (gl.convert_layout(gl.reshape(y, [16, 8]), MMA, assert_trivial=True),)
     else:
-        y = x.load(MMA)  # [16, 1]
-        return y + gl.zeros([16, 8], gl.int32, layout=MMA)
+        y = mb.slice(j * TB, TB, dim=0).permute([1, 0]).load(MMA)  # [16 t', 1]
+        return (y + gl.zeros([16, 8], gl.int32, layout=MMA),)
 
 
 @gluon.jit
@@ -348,34 +394,55 @@ def _f32_pair(wd):
 
 
 @gluon.jit
-def _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc,
-            TB: gl.constexpr, MH: gl.constexpr, MASKED: gl.constexpr, K8: gl.constexpr):
+def _f32_groups(words):
+    """A token's ``NH`` metadata words (a tuple of tiles) as the tuple of its ``2 NH`` groups' float32 tiles."""
+    g = ()
+    for w in gl.static_range(len(words)):
+        g = g + _f32_pair(words[w])
+    return g
+
+
+@gluon.jit
+def _logits(xk, ks, kz, n0, hi, start, qb, c, qs, offc,
+            TB: gl.constexpr, MH: gl.constexpr, NH: gl.constexpr, MASKED: gl.constexpr, K8: gl.constexpr):
     """Logits ``[16, 8]`` (log2 units, minus the reference: ``offc`` holds ``off - phi``) of a step from its key
-    bytes and key metadata words; invalid tokens -inf when ``MASKED``. ``K8``: int8 MMAs (``_q8_operands``:
-    ``qb_P`` are ``(hi, lo)`` pairs, ``c_g`` the accumulator starts and factor of group ``g``)."""
-    s0, s1 = _f32_pair(ks)
-    z0, z1 = _f32_pair(kz)
+    word tiles ``xk`` (``NH`` halves) and key metadata words; invalid tokens -inf when ``MASKED``. ``qb``: the query
+    operands of the ``4 NH`` 32-channel chunks (chunk ``i``: plane ``i // NH`` of half ``i % NH``), ``c`` the
+    accumulator starts and ``qs`` the query sums of the ``2 NH`` groups (group ``g``: chunks ``2g, 2g + 1``).
+    ``K8`` (NH = 1): int8 MMAs (``_q8_operands``: ``qb_P`` are ``(hi, lo)`` pairs, ``c_g`` the accumulator starts and
+    factor of group ``g``)."""
+    s = _f32_groups(ks)
+    z = _f32_groups(kz)
     if K8:
-        k0 = _k8_operand(xk, 0, TB)
-        k1 = _k8_operand(xk, 1, TB)
-        k2 = _k8_operand(xk, 2, TB)
-        k3 = _k8_operand(xk, 3, TB)
-        y0 = mma_v2(k1, qb1[0], mma_v2(k0, qb0[0], c0[0])) * 254 + mma_v2(k1, qb1[1], mma_v2(k0, qb0[1], c0[1]))
-        y1 = mma_v2(k3, qb3[0], mma_v2(k2, qb2[0], c1[0])) * 254 + mma_v2(k3, qb3[1], mma_v2(k2, qb2[1], c1[1]))
+        k0 = _k8_operand(xk[0], 0, TB)
+        k1 = _k8_operand(xk[0], 1, TB)
+        k2 = _k8_operand(xk[0], 2, TB)
+        k3 = _k8_operand(xk[0], 3, TB)
+        y0 = mma_v2(k1, qb[1][0], mma_v2(k0, qb[0][0], c[0][0])) * 254 + \
+            mma_v2(k1, qb[1][1], mma_v2(k0, qb[0][1], c[0][1]))
+        y1 = mma_v2(k3, qb[3][0], mma_v2(k2, qb[2][0], c[1][0])) * 254 + \
+            mma_v2(k3, qb[3][1], mma_v2(k2, qb[2][1], c[1][1]))
         # (bias after the MMAs in each branch: computed before them, ptxas spills 16 more bytes in the fp16 path)
-        bias = gl.fma(z0, qs0[None, :], gl.fma(z1, qs1[None, :], offc[None, :]))
-        lg = gl.fma(s0 * c0[2], y0.to(gl.float32), gl.fma(s1 * c1[2], y1.to(gl.float32), bias))
+        bias = gl.fma(z[0], qs[0][None, :], gl.fma(z[1], qs[1][None, :], offc[None, :]))
+        lg = gl.fma(s[0] * c[0][2], y0.to(gl.float32), gl.fma(s[1] * c[1][2], y1.to(gl.float32), bias))
     else:
-        u = gl.inline_asm_elementwise(_K_ASM, "=h," * 16 + "r", [xk], dtype=(gl.float16,) * 16, is_pure=True,
-                                      pack=1)
-        # one accumulator per plane: independent MMA chains of half the length
-        zk = gl.zeros_like(c0)
-        a0 = mma_v2(_k_operand(_k_plane(u[0], u[1], u[2], u[3]), TB), qb0, c0) + \
-            mma_v2(_k_operand(_k_plane(u[4], u[5], u[6], u[7]), TB), qb1, zk)
-        a1 = mma_v2(_k_operand(_k_plane(u[8], u[9], u[10], u[11]), TB), qb2, c1) + \
-            mma_v2(_k_operand(_k_plane(u[12], u[13], u[14], u[15]), TB), qb3, zk)
-        bias = gl.fma(z0, qs0[None, :], gl.fma(z1, qs1[None, :], offc[None, :]))
-        lg = gl.fma(s0, a0, gl.fma(s1, a1, bias))
+        # per half: the fp16 codes of its 4 planes (byte B of plane P in u[4P + B])
+        u = ()
+        for hh in gl.static_range(NH):
+            u = u + (gl.inline_asm_elementwise(_K_ASM, "=h," * 16 + "r", [xk[hh]], dtype=(gl.float16,) * 16,
+                                               is_pure=True, pack=1),)
+        # one accumulator per group, of two independent MMA chains (its chunks 2g, 2g + 1)
+        zk = gl.zeros_like(c[0])
+        a = ()
+        for g in gl.static_range(2 * NH):
+            a = a + (mma_v2(_k_chunk(u, 2 * g, TB, NH), qb[2 * g], c[g]) +
+                     mma_v2(_k_chunk(u, 2 * g + 1, TB, NH), qb[2 * g + 1], zk),)
+        bias = offc[None, :]
+        for g in gl.static_range(2 * NH - 1, -1, -1):
+            bias = gl.fma(z[g], qs[g][None, :], bias)
+        lg = bias
+        for g in gl.static_range(2 * NH - 1, -1, -1):
+            lg = gl.fma(s[g], a[g], lg)
     if MASKED:
         tr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
         tn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
@@ -385,55 +452,72 @@ def _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, off
 
 
 @gluon.jit
-def _fresh_state():
-    """The split's running tiles at the start of a pass: ``l``, ``max``, ``sum p z`` per group (``[16, 8]``), the four
-    plane accumulators (``[32, 8]``) and the group sums of ``W`` (``[16, 8]``, GSUM)."""
+def _k_chunk(u, i: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr):
+    """The key A operand of 32-channel chunk ``i`` (plane ``i // NH`` of half ``i % NH``) from the halves' codes."""
+    P: gl.constexpr = i // NH
+    x = u[i % NH]
+    return _k_operand(_k_plane(x[4 * P], x[4 * P + 1], x[4 * P + 2], x[4 * P + 3]), TB)
+
+
+@gluon.jit
+def _fresh_state(NH: gl.constexpr):
+    """The split's running tiles at the start of a pass: ``l``, ``max`` (``[16, 8]``), ``sum p z`` per group (``2 NH``
+    tiles ``[16, 8]``), the ``4 NH`` chunk accumulators (``[32, 8]``) and the group sums of ``W`` (``2 NH`` tiles
+    ``[16, 8]``, every row the column sums)."""
     z16 = gl.zeros([16, 8], gl.float32, layout=MMA)
     z32 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    return z16, gl.full([16, 8], float("-inf"), gl.float32, layout=MMA), z16, z16, z32, z32, z32, z32, z16, z16
+    return (z16, gl.full([16, 8], float("-inf"), gl.float32, layout=MMA), (z16,) * (2 * NH), (z32,) * (4 * NH),
+            (z16,) * (2 * NH))
 
 
 @gluon.jit
-def _step(xk, xv, ks, kz, vs, vz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, kdiag, ones,
-          lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB: gl.constexpr, MH: gl.constexpr,
-          MASKED: gl.constexpr, K8: gl.constexpr):
+def _step(xk, xv, ks, kz, vs, vz, n0, hi, start, qb, c, qs, offc, kdiag, ones, state,
+          TB: gl.constexpr, MH: gl.constexpr, NH: gl.constexpr, MASKED: gl.constexpr, K8: gl.constexpr):
     """One step of ``16 TB`` tokens from its loaded words: logits, then :func:`_accumulate`."""
-    lg = _logits(xk, ks, kz, n0, hi, start, qb0, qb1, qb2, qb3, c0, c1, qs0, qs1, offc, TB, MH, MASKED, K8)
-    return _accumulate(lg, xv, vs, vz, kdiag, ones, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB)
+    lg = _logits(xk, ks, kz, n0, hi, start, qb, c, qs, offc, TB, MH, NH, MASKED, K8)
+    return _accumulate(lg, xv, vs, vz, kdiag, ones, state, TB, NH)
 
 
 @gluon.jit
-def _accumulate(lg, xv, vs, vz, kdiag, ones, lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1, TB: gl.constexpr):
-    """A step's logits ``lg [16, 8]`` (minus the reference) into the deferred softmax tiles and the value MMAs.
-    ``ones`` is a tile of ones and ``sw_g`` accumulate ``sum W`` of each group (every row the same), subtracted
-    ``256 x`` once after the loop (the value codes' offset)."""
+def _accumulate(lg, xv, vs, vz, kdiag, ones, state, TB: gl.constexpr, NH: gl.constexpr):
+    """A step's logits ``lg [16, 8]`` (minus the reference) into the running state (:func:`_fresh_state`): the
+    deferred softmax tiles and the value MMAs of the ``4 NH`` chunks (chunk ``i``: plane ``i // NH`` of half
+    ``i % NH``, weights ``W`` of its group ``i // 2``). ``ones`` is a tile of ones and ``sw_g`` accumulate ``sum W`` of
+    each group (every row the same), subtracted ``256 x`` once after the loop (the value codes' offset)."""
     T: gl.constexpr = 16 * TB
-    vs0, vs1 = _f32_pair(vs)
-    vz0, vz1 = _f32_pair(vz)
+    lt, mt, zt, acc, sw = state
+    vsg = _f32_groups(vs)
+    vzg = _f32_groups(vz)
     mt = gl.maximum(mt, lg)
     p = gl.exp2(lg)
     lt += p
-    zt0 = gl.fma(p, vz0, zt0)
-    zt1 = gl.fma(p, vz1, zt1)
-    w0 = _w_operand((p * vs0).to(gl.bfloat16), kdiag, TB)
-    w1 = _w_operand((p * vs1).to(gl.bfloat16), kdiag, TB)
-    a00, a01, a02, a03 = _v_planes(xv, 0)
-    a10, a11, a12, a13 = _v_planes(xv, 1)
-    a20, a21, a22, a23 = _v_planes(xv, 2)
-    a30, a31, a32, a33 = _v_planes(xv, 3)
-    acc0 = mma_v2(_v_operand(a00, a10, a20, a30, T), w0, acc0)
-    acc1 = mma_v2(_v_operand(a01, a11, a21, a31, T), w0, acc1)
-    acc2 = mma_v2(_v_operand(a02, a12, a22, a32, T), w1, acc2)
-    acc3 = mma_v2(_v_operand(a03, a13, a23, a33, T), w1, acc3)
-    sw0 = mma_v2(ones, w0, sw0)  # 2 TB MMAs a step for the offsets (one per group), not one after each value MMA
-    sw1 = mma_v2(ones, w1, sw1)
-    return lt, mt, zt0, zt1, acc0, acc1, acc2, acc3, sw0, sw1
+    zt_ = ()
+    for g in gl.static_range(2 * NH):
+        zt_ = zt_ + (gl.fma(p, vzg[g], zt[g]),)
+    w = ()
+    for g in gl.static_range(2 * NH):
+        w = w + (_w_operand((p * vsg[g]).to(gl.bfloat16), kdiag, TB),)
+    acc_ = ()
+    for hh in gl.static_range(NH):
+        a0 = _v_planes(xv[hh], 0)  # byte position BB: the tiles of planes 0..3
+        a1 = _v_planes(xv[hh], 1)
+        a2 = _v_planes(xv[hh], 2)
+        a3 = _v_planes(xv[hh], 3)
+        for P in gl.static_range(4):  # chunk P NH + hh, group (P NH + hh) // 2
+            acc_ = acc_ + (mma_v2(_v_operand(a0[P], a1[P], a2[P], a3[P], T), w[(P * NH + hh) // 2], acc[P * NH + hh]),)
+    if NH == 2:  # (back to chunk order: acc_ holds half 0's planes, then half 1's)
+        acc_ = (acc_[0], acc_[4], acc_[1], acc_[5], acc_[2], acc_[6], acc_[3], acc_[7])
+    sw_ = ()
+    for g in gl.static_range(2 * NH):  # 2 TB MMAs a step per group for the offsets, not one after each value MMA
+        sw_ = sw_ + (mma_v2(ones, w[g], sw[g]),)
+    return lt, mt, zt_, acc_, sw_
 
 
 @gluon.jit
 def _q_plane(q_ptr, sqm, M, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr, K8: gl.constexpr):
     """``q[h, 32 P + sigma(j)]`` (float32) in the B layout ``[32 TB, 8]`` of the key MMA, row ``tb * 32 + j``, column
-    ``tb * MH + h``; zero off the block diagonal and in padding columns. The channel order is the key operand's:
+    ``tb * MH + h``; zero off the block diagonal and in padding columns. ``P``: the 32-channel chunk (D = 128: the
+    plane; D = 256: plane ``P // 2`` of half ``P % 2``). The channel order is the key operand's:
     ``sigma_K`` (fp16 ``m16n8k16``, :func:`_k_operand`) or, ``K8``, ``sigma8`` (int8 ``m16n8k32``, :func:`_k8_operand`)."""
     OP: gl.constexpr = B8_OP if K8 else B_OP
     k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, OP))
@@ -455,19 +539,23 @@ def _q_operand(q, qk_scale, P: gl.constexpr):
 
 
 @gluon.jit
-def _q_sums(q0, q1, q2, q3, qk_scale):
+def _q_sums(q, qk_scale):
     """Per column (``SliceLayout(0, MMA)``): ``Qs_g``, the sum of group ``g``'s query channels times ``qk_scale``,
-    from the planes of :func:`_q_plane` (zero off the column's token set; a sum over a permutation of the channels),
-    so that the query is loaded once."""
-    s0 = gl.sum(q0, 0) + gl.sum(q1, 0)
-    s1 = gl.sum(q2, 0) + gl.sum(q3, 0)
-    return (gl.convert_layout(s0 * qk_scale, gl.SliceLayout(0, MMA)),
-            gl.convert_layout(s1 * qk_scale, gl.SliceLayout(0, MMA)))
+    from the 32-channel chunks of :func:`_q_plane` (a tuple; group ``g``: chunks ``2g, 2g + 1``; zero off the column's
+    token set; a sum over a permutation of the channels), so that the query is loaded once."""
+    s = ()
+    for g in gl.static_range(len(q) // 2):
+        s = s + (gl.sum(q[2 * g], 0) + gl.sum(q[2 * g + 1], 0),)
+    r = ()
+    for g in gl.static_range(len(q) // 2):
+        r = r + (gl.convert_layout(s[g] * qk_scale, gl.SliceLayout(0, MMA)),)
+    return r
 
 
 @gluon.jit
 def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
-                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T: gl.constexpr, TB: gl.constexpr, N_DEV: gl.constexpr):
+                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr,
+                 N_DEV: gl.constexpr):
     """This split's tokens and addresses: the row's first valid token ``start``, the split ``[lo, hi)`` (all-padding
     steps skipped), its full steps ``[f0, f1)`` after the reference step, the per-lane addresses at token 0 of
     :func:`_loads_lanes` and the base pointers (int32 words) of the six history tensors."""
@@ -492,31 +580,39 @@ def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_l
     ln = gl.arange(0, 32, layout=LANES)
     lr = ln // 4
     lc = ln % 4
-    kl = kc_base + (lr * 8 + 2 * lc)
-    vl = vc_base + (2 * lc * 8 + lr)
+    kl = kc_base + (lr * (8 * NH) + 2 * lc)
+    vl = vc_base + (2 * lc * (8 * NH) + lr)
     mr = lr
     if TB == 2:  # columns 4..7 (lanes with c >= 2) are the second token set
         mr = lr + 16 * (lc // 2)
-    return (start, hi, lo, f0, f1, kl, vl, ks_base + mr, kz_base + mr, vs_base + mr, vz_base + mr, lr, lc, mr,
+    mw = mr * NH  # (the token's first metadata word)
+    return (start, hi, lo, f0, f1, kl, vl, ks_base + mw, kz_base + mw, vs_base + mw, vz_base + mw, lr, lc, mr,
             kc_base, vc_base, ks_base, kz_base, vs_base, vz_base)
 
 
 @gluon.jit
 def _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T: gl.constexpr, TB: gl.constexpr,
-                STAGES: gl.constexpr):
+                NH: gl.constexpr, STAGES: gl.constexpr):
     """The cp.async pipeline's shared buffers (``STAGES`` stages) and its per-lane source addresses at token 0:
-    code words ``[T, 8]`` of keys and values, metadata words ``[4 TB, 16]`` (see ``CP_META``)."""
-    kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8], SMEM3)
-    vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8], SMEM3)
-    mbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4 * TB, 16], SMEM3)
+    code words ``[T, 8 NH]`` of keys and values, metadata words ``[4 TB, 16]`` (NH = 2, TB = 1: ``[4 x 16 t, 2]``,
+    a token's two words a row; see ``CP_META``)."""
+    kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8 * NH], SMEM3)
+    vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8 * NH], SMEM3)
     cr = gl.arange(0, T, layout=gl.SliceLayout(1, CP_CODES))
-    cw = gl.arange(0, 8, layout=gl.SliceLayout(0, CP_CODES))
-    ck = kc_base + (cr[:, None] * 8 + cw[None, :])
-    cv = vc_base + (cr[:, None] * 8 + cw[None, :])
-    CPM: gl.constexpr = CP_META[TB - 1]
-    mrow = gl.arange(0, 4 * TB, layout=gl.SliceLayout(1, CPM))[:, None]
-    mj = mrow // TB
-    mt_ = (mrow % TB) * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, CPM))[None, :]
+    cw = gl.arange(0, 8 * NH, layout=gl.SliceLayout(0, CP_CODES))
+    ck = kc_base + (cr[:, None] * (8 * NH) + cw[None, :])
+    cv = vc_base + (cr[:, None] * (8 * NH) + cw[None, :])
+    CPM: gl.constexpr = CP_META[TB - 1 + 2 * (NH - 1)]
+    if NH == 1:
+        mbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4 * TB, 16], SMEM3)
+        mrow = gl.arange(0, 4 * TB, layout=gl.SliceLayout(1, CPM))[:, None]
+        mj = mrow // TB
+        mt_ = (mrow % TB) * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, CPM))[None, :]
+    else:
+        mbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 64, NH], SMEM3)
+        mrow = gl.arange(0, 64, layout=gl.SliceLayout(1, CPM))[:, None]
+        mj = mrow // 16
+        mt_ = (mrow % 16) * NH + gl.arange(0, NH, layout=gl.SliceLayout(0, CPM))[None, :]
     cm = gl.where(mj == 0, ks_base + mt_, gl.where(mj == 1, kz_base + mt_, gl.where(mj == 2, vs_base + mt_,
                                                                                    vz_base + mt_)))
     return kbuf, vbuf, mbuf, ck, cv, cm

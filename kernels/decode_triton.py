@@ -17,9 +17,9 @@ static cache's op ``static_op.decode_attention_static``, :func:`history_partial_
   (:mod:`~oscar_hf.kernels.decode_split`, grid ``(B * Hk, S)``), then the combine
   (:mod:`~oscar_hf.kernels.decode_combine`, one program per query row).
 
-Where the history runs on the Gluon kernel (:mod:`~oscar_hf.kernels.decode_gluon`: CUDA, D = 128, G = 64, <= 8 query
-rows per KV head, bf16 metadata, no key mask, no soft-capping, at least ``gluon_min_work`` history token-heads), the
-split kernel runs the window programs only (``PID_OFF``); from the unrotated query the op is three launches -- the
+Where the history runs on the Gluon kernel (:mod:`~oscar_hf.kernels.decode_gluon`: CUDA, D = 128 or 256, G = 64, <= 8
+query rows per KV head, bf16 metadata, no key mask, no soft-capping, at least ``gluon_min_work`` history token-heads),
+the split kernel runs the window programs only (``PID_OFF``); from the unrotated query the op is three launches -- the
 rotation with the window programs (``_prologue_kernel``), the Gluon history, the combine -- with programmatic dependent
 launch between them (sm_90+): the history's first loads under the rotation, the combine's launch under the history's
 tail, and the history programs waiting for counters their head's rotation programs raise (``QFLAG``), not for the
@@ -83,7 +83,13 @@ def _rows_layout(x: QuantizedRows) -> QuantizedRows:
 
 def _pairable(k: QuantizedRows, v: QuantizedRows, d: int, group_size: int) -> bool:
     """Whether the deferred loop may read both groups' bf16 scale (zero) of a token as one aligned 4-byte word."""
-    return d // group_size == 2 and all(
+    return d // group_size == 2 and _meta_words(k, v)
+
+
+def _meta_words(k: QuantizedRows, v: QuantizedRows) -> bool:
+    """Whether the bf16 scale (zero) of a token's groups can be read two at a time as aligned 4-byte words (an even
+    number of groups: the Gluon kernel's metadata at D = 128 and 256)."""
+    return k.scale.shape[-1] % 2 == 0 and all(
         t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0 and all(st % 2 == 0 for st in t.stride()[:-1])
         for t in (k.scale, k.zero, v.scale, v.zero))
 
@@ -191,11 +197,11 @@ def decode_attention_triton(
     pairable = _pairable(k, v, d, group_size)
     # the Gluon kernel's layout checks only where the plan may take it (it does not cap logits)
     glu = _gluon_module() if (q_rot.is_cuda and not softcap and gluon_pays(defaults, bh, n)) else None
-    gluon_ok = glu is not None and glu.gluon_supported(q_rot, k, v, group_size, kmask, pairable)
+    gluon_ok = glu is not None and glu.gluon_supported(q_rot, k, v, group_size, kmask, _meta_words(k, v))
     window = r_v is not None
     w = 0 if (not window or k_win is None) else k_win.shape[-2]
     p = decode_plan(b, hk, m, d, n, group_size, w, dev, window=window, static=n_valid is not None, splits=splits,
-                    rotate=rotate, gluon_step=glu.tokens_per_step(m) if gluon_ok else 0, sinks=sinks is not None,
+                    rotate=rotate, gluon_step=glu.tokens_per_step(m, d) if gluon_ok else 0, sinks=sinks is not None,
                     softcap=bool(softcap), defaults=defaults)
     if sinks is not None and not window:
         raise ValueError("sinks are for the whole decode op (r_v given), not the history's partials")

@@ -151,8 +151,8 @@ class DecodeDefaults:
     merge_out_parts: int = 4  # programs per row where rows are fewer than SMs, each un-rotating 1/4 of R_V's rows
     merge_warps_few: int = 4  # their warps (at D = 128 with a row's splits in one tile of <= 128)
     splits_pow2_slack: float = 0.05  # few rows: splits rounded down to a power of two (a full combine tile)
-    # Gluon history kernel (CUDA, D = 128, G = 64, <= 8 query rows per KV head, bf16 metadata, no key mask): ~12 SASS
-    # instructions per history token instead of the split kernel's ~32
+    # Gluon history kernel (CUDA, D = 128 or 256, G = 64, <= 8 query rows per KV head, bf16 metadata, no key mask): ~12
+    # SASS instructions per history token at D = 128 instead of the split kernel's ~32
     gluon_min_work: int = 500_000  # history tokens x (row, KV head) from which it pays for its extra launch
     gluon_resident: int = 12  # one-warp programs resident per SM under gluon_maxnreg (the wave model's slots)
     gluon_maxnreg: int = 168  # 12 programs an SM were faster than 13-14 without the cap's small spills
@@ -167,6 +167,11 @@ class DecodeDefaults:
     # history, 64 tokens each, software-pipelined over 2 stages
     gluon_win_split: int = 64
     gluon_win_stages: int = 2
+    # D = 256 (rows of two 32-byte halves: 8 chunk accumulators, 8 query operands, 16-token steps): fp16 keys at every
+    # split length (the int8 path serves D = 128 only), the stages above by split length, 8 programs an SM under
+    # ptxas's own limit (255 registers; a few spilled bytes outside the loop: tests/kernels/test_compile_sm90.py)
+    gluon_maxnreg_wide: int = 255
+    gluon_resident_wide: int = 8
 
 
 DEFAULTS = DecodeDefaults()
@@ -232,15 +237,19 @@ def long_splits(defaults: DecodeDefaults, n: int, s_hist: int) -> bool:
     return n >= max(s_hist, 1) * defaults.gluon_long_split
 
 
-def gluon_plan(defaults: DecodeDefaults, tokens_per_step: int, n: int, bh: int, device: torch.device) -> GluonPlan:
+def gluon_plan(defaults: DecodeDefaults, tokens_per_step: int, n: int, bh: int, device: torch.device,
+               head_dim: int = 128) -> GluonPlan:
     """Where the splits at the short-split residency (``gluon_resident``) are long, the long splits' residency and
-    register cap instead (with fewer slots the wave model picks fewer, so longer, splits)."""
+    register cap instead (with fewer slots the wave model picks fewer, so longer, splits). ``head_dim`` 256: its own
+    residency and cap at every split length."""
     d = defaults
     sms = device_sms(device)
 
     def splits(resident):
         return wave_splits(n, bh, sms, tokens_per_step, d.min_split, d.max_waves, resident)
 
+    if head_dim != 128:
+        return GluonPlan(tokens_per_step, splits(d.gluon_resident_wide) if n > 0 else 0, d.gluon_maxnreg_wide)
     resident, maxnreg = d.gluon_resident, d.gluon_maxnreg
     if n > 0 and long_splits(d, n, splits(resident)):
         resident, maxnreg = d.gluon_resident_long, d.gluon_maxnreg_long
@@ -369,7 +378,7 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
         capacity and ``splits`` (the cache's fixed split count; None: the wave model's), so a CUDA graph stays valid.
     rotate: the op rotates the query itself (its first launch).
     gluon_step: the Gluon kernel's tokens per step where it serves this call's tensors
-        (``decode_gluon.gluon_supported`` / ``tokens_per_step``), 0 where not.
+        (``decode_gluon.gluon_supported`` / ``tokens_per_step``: D = 128 or 256), 0 where not.
     page: entries per page of a paged history (the serving pool, ``paged_decode``), 0 for a contiguous one.
     sinks: one more partial per row after the window's, which the launcher fills with the attention sink's logit
         (``m = s``, ``l = 1``, ``acc = 0``): the combine merges it like a window partial, so no kernel knows of sinks.
@@ -394,7 +403,7 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
     if gluon:
         # the Gluon kernel's step and residency; the static cache's `splits` (sized for the split kernel) are not
         # used: its grid follows from the capacity alone, so it is just as fixed
-        gp = gluon_plan(df, gluon_step, n, bh, device)
+        gp = gluon_plan(df, gluon_step, n, bh, device, d)
         block_n, maxnreg, splits = gp.block_n, None, None
     few = few_rows(bh * m, device)  # combine programs (one per query row) fewer than SMs
     if n == 0:
@@ -423,7 +432,8 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
     # the combine launch after its loop (the combine waits for the history grid's completion before it reads)
     pdl = bool(gluon and s_hist and rotate and device.type == "cuda" and cuda_major(device) >= 9)
     fused = bool(rotate and s_hist and s_win and fused_prologue(gluon))
-    k8 = bool(gluon and s_hist and long_splits(df, n, s_hist))
+    long_ = bool(gluon and s_hist and long_splits(df, n, s_hist))
+    k8 = long_ and d == 128  # (int8 keys at D = 128 only: D = 256's long splits take fp16 keys, the long stages)
     # the int8 key path's query operands built once per (row, KV head) by the prologue's rotation programs, one per
     # plane, not by every history program; and the history programs' wait for them on counters those programs raise
     qpre = fused and k8
@@ -434,7 +444,7 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
     return DecodePlan(
         gluon=gluon, m_pad=m_pad, block_n=block_n, deferred=deferred, maxnreg=maxnreg,
         gluon_maxnreg=gp.maxnreg if gluon else 0,
-        gluon_stages=(df.gluon_stages_long if k8 else df.gluon_stages) if gluon else 0, k8=k8,
+        gluon_stages=(df.gluon_stages_long if long_ else df.gluon_stages) if gluon else 0, k8=k8,
         s_hist=s_hist, split_len=split_len, s_win=s_win, win_split=win_split,
         s_tot=max(s_hist + s_win, 1) + s_after - s_win,
         fused_prologue=fused, qpre=qpre, pdl=pdl, ready=qpre and pdl, tb=gluon_step // 16 if qpre else 2,

@@ -6,7 +6,9 @@ metadata) for both token-set layouts (``TB = 2``: <= 4 query rows, ``TB = 1``: 5
 make: short splits (fp16 key MMAs, ``DEFAULTS.gluon_stages``, under ``gluon_maxnreg``) and long splits (int8 key MMAs,
 ``gluon_stages_long``, under ``gluon_maxnreg_long``), the latter from the rotating op (the query operands from the
 prologue, ``QPRE``, waiting on its counters, ``QFLAG``, under programmatic dependent launch) and from the static
-cache's op (operands built by the kernel, the history length on the device). Prints one JSON line each: registers,
+cache's op (operands built by the kernel, the history length on the device); and ``D = 256`` (rows of two 32-byte
+halves, ``NH = 2``: ``TB = 1``, fp16 keys at every split length, under ``gluon_maxnreg_wide``) with short and long
+splits' stages and the static op's variant. Prints one JSON line each: registers,
 spilled bytes, shared memory, the rounding instructions of the whole kernel (``frnd``) and the opcode counts of the hot
 loop (the innermost loop that holds the tensor-core ops). ``AOT_DUMP=prefix`` writes each case's hot loop SASS to a
 file (``AOT_DUMP_ALL=1``: the whole kernel's).
@@ -51,12 +53,14 @@ def main():
     ints = "N M Hk S S_TOT split_len".split()
     strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
     short, long_ = DEFAULTS.gluon_stages, DEFAULTS.gluon_stages_long
-    # (TB, STAGES, K8, QPRE): short splits (the rotating op), long splits from the rotating op and from the static op
-    cases = [(tb, st, k8, qp) for tb in (2, 1) for st, k8, qp in ((short, 0, 0), (long_, 1, 1), (long_, 1, 0))]
-    for tb, st, k8_, qp in cases:
-        static = k8_ and not qp
+    # (D, TB, STAGES, K8, QPRE, static): short splits (the rotating op), long splits from the rotating op and from the
+    # static op; D = 256 the same without int8 keys
+    cases = [(128, tb, st, k8, qp, k8 and not qp) for tb in (2, 1)
+             for st, k8, qp in ((short, 0, 0), (long_, 1, 1), (long_, 1, 0))]
+    cases += [(256, 1, st, 0, 0, static) for st, static in ((short, 0), (long_, 0), (long_, 1))]
+    for d, tb, st, k8_, qp, static in cases:
         consts = {"TB": tb, "HAS_OFF": 1, "N_DEV": int(static), "STAGES": st, "PDL": int(not static), "K8": k8_,
-                  "QPRE": qp, "QFLAG": qp}
+                  "QPRE": qp, "QFLAG": qp, "NH": d // 128}
         if not static:
             consts["NPTR"] = None
         if not qp:
@@ -76,17 +80,19 @@ def main():
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(dg._hist_kernel.arg_names)
                  if sig[n].startswith("*") or (n in strides and n not in ("sqm", "som")) or n == "split_len"}
         src = GluonASTSource(fn=dg._hist_kernel, signature=sig, constexprs=consts, attrs=attrs)
-        # the long splits' kernel (their pipeline and int8 keys) runs under its own cap
-        cap = DEFAULTS.gluon_maxnreg_long if k8_ else DEFAULTS.gluon_maxnreg
+        # the long splits' kernel (their pipeline and int8 keys) runs under its own cap, D = 256 under its own
+        cap = (DEFAULTS.gluon_maxnreg_wide if d == 256 else DEFAULTS.gluon_maxnreg_long if k8_
+               else DEFAULTS.gluon_maxnreg)
         opts = {"num_warps": 1, "maxnreg": cap}
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
         regs, spill, sass = cubin_report(c.asm["cubin"], sass=True)
         op = lambda s: re.sub(r"^@!?U?P\w+\s+", "", s).split()[0]  # noqa: E731
         loop = collections.Counter(op(i) for i in _hot_loop(sass))
         if os.environ.get("AOT_DUMP"):  # the hot loop's SASS, one file a case (AOT_DUMP_ALL: the whole kernel's)
-            with open(f"{os.environ['AOT_DUMP']}_tb{tb}_s{st}_k{k8_}_q{qp}.sass", "w") as f:
+            with open(f"{os.environ['AOT_DUMP']}_d{d}_tb{tb}_s{st}_k{k8_}_q{qp}_n{int(static)}.sass", "w") as f:
                 f.write(sass if os.environ.get("AOT_DUMP_ALL") else "\n".join(_hot_loop(sass)))
-        print(json.dumps({"kernel": "gluon", "tb": tb, "stages": st, "k8": k8_, "qpre": qp, "long": bool(k8_),
+        print(json.dumps({"kernel": "gluon", "d": d, "tb": tb, "stages": st, "k8": k8_, "qpre": qp,
+                          "static": int(static), "long": bool(k8_),
                           "regs": regs, "frnd": sum(1 for i in re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?(\w+)", sass)
                                                     if i.startswith("FRND")),
                           "spill_bytes": spill, "maxnreg": cap, "loop": dict(loop)}))

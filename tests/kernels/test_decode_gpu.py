@@ -161,6 +161,7 @@ def gluon_calls(request, monkeypatch):
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize(
     "b,m,n,starts,off",
     [
@@ -174,14 +175,16 @@ def gluon_calls(request, monkeypatch):
         (4, 4, 32768 + 7, (0, 1, 2, 3000), True),  # the benchmark shape
     ],
 )
-def test_gpu_gluon_history_partial(gluon_calls, b, m, n, starts, off):
-    hk, d, g = 8 if b <= 2 else 2, 128, 64
-    q, k, v, gen = make_case(b, hk, m, n, d, g, seed=n + m, device="cuda")
+def test_gpu_gluon_history_partial(gluon_calls, b, m, n, starts, off, d):
+    """The history partials against the reference at both head_dims (D = 256: rows of two 32-byte halves, 16-token
+    steps at every M, fp16 keys on long splits too)."""
+    hk, g = 8 if b <= 2 else 2, 64
+    q, k, v, gen = make_case(b, hk, m, n, d, g, seed=n + m + d, device="cuda")
     start = torch.tensor(starts, device="cuda")
     qk_offset = (torch.randn(b, hk, m, generator=gen) * 3).cuda() if off else None
     got = _dt().history_partial_triton(q.cuda(), k, v, start, None, qk_offset, d**-0.5, g, defaults=gluon_calls.defaults)
     ref = history_partial_reference(q.cuda(), k, v, start, None, qk_offset, d**-0.5, g, 4096)
-    assert gluon_calls.calls, "the Gluon kernel did not run"
+    assert gluon_calls.calls and gluon_calls.calls[-1][-1] == d, "the Gluon kernel did not run"
     assert_partials_close(got, ref, 2e-2)
     # and the split kernel on the same case agrees with it to the same tolerance
     tri = _dt().history_partial_triton(q.cuda(), k, v, start, None, qk_offset, d**-0.5, g, defaults=_PATHS["split"])
@@ -190,10 +193,11 @@ def test_gpu_gluon_history_partial(gluon_calls, b, m, n, starts, off):
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("case", ["spike", "underflow"])
-def test_gpu_gluon_reference_guard(gluon_calls, case):
+def test_gpu_gluon_reference_guard(gluon_calls, case, d):
     """The rerun of a split against its true max (see test_deferred_loop_reference_guard), per logit column."""
-    b, hk, m, n, d, g = 1, 1, 4, 4000, 128, 64
+    b, hk, m, n, g = 1, 1, 4, 4000, 64
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(b, hk, m, d, generator=gen)
     kf = torch.randn(b, hk, n, d, generator=gen)
@@ -217,11 +221,12 @@ def test_gpu_gluon_reference_guard(gluon_calls, case):
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("n_valid", [0, 1, 31, 32, 2000, 2999])
-def test_gpu_gluon_decode_op_device_length_and_stale_storage(gluon_calls, n_valid):
+def test_gpu_gluon_decode_op_device_length_and_stale_storage(gluon_calls, n_valid, d):
     """The fused op with the Gluon history: static storage (length on the device), a window, left padding whose
     storage holds NaN (never read for V), against the reference over the first n_valid entries."""
-    b, hk, m, n, w, d, g = 2, 8, 4, 3000, 320, 128, 64
+    b, hk, m, n, w, g = 2, 8, 4, 3000, 320, 64
     args, _ = _window_case(b, hk, m, n, w, d, g, seed=n_valid, device="cuda")
     args = {k_: (v_.cuda() if isinstance(v_, torch.Tensor) else v_) for k_, v_ in args.items()}
     args["start"] = torch.tensor([0, 9], device="cuda")
@@ -242,12 +247,13 @@ def test_gpu_gluon_decode_op_device_length_and_stale_storage(gluon_calls, n_vali
 @pytest.mark.parametrize("fused", [0, 1])
 @pytest.mark.parametrize("b,n,n_valid", [(2, 3000, None), (2, 3000, 2001), (1, 131072 - 320, None),
                                          (8, 32768 - 320, None)])
-def test_gpu_gluon_decode_op_rotating(gluon_calls, monkeypatch, fused, b, n, n_valid):
+@pytest.mark.parametrize("hk,m,d", [(8, 4, 128), (8, 2, 256), (2, 8, 256)])  # Llama; Gemma 3 (16 / 8); Qwen3-Next
+def test_gpu_gluon_decode_op_rotating(gluon_calls, monkeypatch, fused, b, n, n_valid, hk, m, d):
     """The op from the unrotated query on the Gluon path (what the model's attention calls): the rotation in its own
     launch or with the window programs (the default), left padding, dynamic and device-side lengths, against
     rotate-then-reference."""
     monkeypatch.setattr(plan, "fused_prologue", lambda gluon: bool(fused) and gluon)
-    args = _rotating_case(b, 8, 4, n, 320, 128, 64, seed=b + n, device="cuda")
+    args = _rotating_case(b, hk, m, n, 320, d, 64, seed=b + n + d, device="cuda")
     args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 9, 0, 1, 2, 3, 4, 5][:b], device="cuda")
     args["out_dtype"] = torch.bfloat16
@@ -262,6 +268,26 @@ def test_gpu_gluon_decode_op_rotating(gluon_calls, monkeypatch, fused, b, n, n_v
     assert gluon_calls.calls, "the Gluon kernel did not run"
     assert got.dtype == torch.bfloat16
     assert rel_err(got.float(), ref.float()) < 2e-2
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("hk,m,n", [(8, 2, 32768 - 320), (2, 8, 131072 - 320)])
+def test_gpu_gluon_serves_head_dim_256_by_default(monkeypatch, hk, m, n):
+    """At the defaults, the rotating op at D = 256 (Gemma 3: 16 / 8 heads; Qwen3-Next: 16 / 2) at B = 8 runs its
+    history on the Gluon kernel -- fp16 keys (no int8 path at D = 256), 16-token steps -- and matches the reference."""
+    glu = _dt()._gluon_module()
+    seen = []
+    real = glu.launch_history
+    monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (seen.append((a[0].shape[-1], kw["k8"])),
+                                                                 real(*a, **kw))[1])
+    args = _rotating_case(8, hk, m, n, 320, 256, 64, seed=hk, device="cuda")
+    args["qf"] = args["qf"].cuda()
+    args["start"] = torch.tensor([0, 9, 0, 300, 1, 2, 3, 4], device="cuda")
+    args["out_dtype"] = torch.bfloat16
+    got = rotating_op(args)
+    assert seen == [(256, False)], seen
+    assert rel_err(got.float(), _rotating_reference(args).float()) < 2e-2
 
 
 @pytest.mark.gpu
@@ -349,10 +375,11 @@ def test_gpu_gluon_qflag_counters(monkeypatch):
 
 @pytest.mark.gpu
 @on_gpu
-def test_gpu_gluon_decode_op_rotating_in_graph(gluon_calls):
+@pytest.mark.parametrize("m,d", [(4, 128), (2, 256)])
+def test_gpu_gluon_decode_op_rotating_in_graph(gluon_calls, m, d):
     """The op from the unrotated query captured in a CUDA graph (programmatic dependent launch becomes graph edges):
     replays with new queries and window values written into the captured inputs equal the reference each time."""
-    args = _rotating_case(4, 8, 4, 20000, 320, 128, 64, seed=11, device="cuda")
+    args = _rotating_case(4, 8, m, 20000, 320, d, 64, seed=11, device="cuda")
     args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 9, 0, 300], device="cuda")
     args["out_dtype"] = torch.bfloat16

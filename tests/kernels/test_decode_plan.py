@@ -64,6 +64,18 @@ CASES = {
     "D=256": (dict(b=1, hk=4, m=4, n=5000, d=256, group_size=64, w=320), 132, dict(
         block_n=64, deferred=True, maxnreg=None, s_hist=20, split_len=256, s_win=3, s_tot=23, split_warps=4,
         split_stages=2, combine=CombineShape(32, 32, 8, 4, False))),
+    # D = 256 on the Gluon kernel (16-token steps at every M): fp16 keys on long splits too (no int8 path, so no
+    # prologue-built query operands or counters), the long splits' stages, 8 programs an SM under ptxas's own limit
+    "D=256 Gemma 3 B=8/128K rotating": (dict(b=8, hk=8, m=2, n=N128K, d=256, group_size=64, w=320, rotate=True,
+                                             gluon_step=16), 132, dict(
+        gluon=True, block_n=16, maxnreg=None, gluon_maxnreg=255, gluon_stages=4, k8=False, s_hist=32, split_len=4096,
+        s_win=5, fused_prologue=True, qpre=False, pdl=True, ready=False, split_programs=0)),
+    "D=256 Qwen3-Next B=8/128K rotating": (dict(b=8, hk=2, m=8, n=N128K, d=256, group_size=64, w=320, rotate=True,
+                                                gluon_step=16), 132, dict(
+        gluon=True, block_n=16, gluon_maxnreg=255, gluon_stages=4, k8=False, s_hist=64, split_len=2048, qpre=False)),
+    "D=256 B=8/32K static": (dict(b=8, hk=8, m=2, n=N32K, d=256, group_size=64, w=320, static=True, gluon_step=16), 132,
+                             dict(gluon=True, block_n=16, k8=False, gluon_stages=4, s_hist=32, split_len=0, pdl=False,
+                                  split_programs=5)),
     "M=32: dequant loop": (dict(b=2, hk=2, m=32, n=600, d=128, group_size=64, w=33), 132, dict(
         m_pad=32, block_n=64, deferred=False, maxnreg=None, s_hist=3, split_len=256, s_win=1, s_tot=4)),
     "paged, 16-token pages": (dict(b=8, n=N32K, **BIG, page=16), 132, dict(
