@@ -3,7 +3,8 @@
 The same contract as the history programs of :func:`oscar_hf.kernels.decode_split._split_kernel` (partials
 ``(m, l, acc)`` per split, in the rotated value space, written where the combine kernel reads them), for the
 common decode shapes: ``D = 128`` or ``256``, ``G = 64`` (two groups per bf16 scale / zero word, one word per token at
-D = 128, two at 256), ``M <= 8`` query rows per KV head, no key mask. Everything else stays on the Triton kernel.
+D = 128, two at 256), ``M <= 8`` query rows per KV head, no key mask (and, gated, ``D = 64`` with ``M <= 4``).
+Everything else stays on the Triton kernel.
 
 Why a second kernel. The Triton kernel spends ~32 warp instructions per history token (its SASS count),
 most of it on layout work the compiler chooses: byte gathers of the value codes into the tensor cores' operand
@@ -53,6 +54,16 @@ the kernel state its layouts, so here every operand is built in the registers th
 one value accumulator each; group ``g``'s logit term is its chunks ``2g, 2g + 1``'s two MMAs. ``TB = 1`` (its 8
 accumulators and operands fill the registers), fp16 keys only (no ``K8`` / ``QPRE`` / ``QFLAG``).
 
+**D = 64** (``TP = 2``, ``M <= 4``; gated off by default, ``DecodeDefaults.gluon_d64``: compiled, not run on a GPU yet):
+the 16-byte rows of tokens ``2j, 2j + 1`` are read as one 32-byte D = 128 row ("code row" ``j``; byte ``s < 16``: token
+``2j``'s, channel ``16 P + s`` of plane ``P``; ``s >= 16``: token ``2j + 1``'s), so its loads, copies, key and value
+operands and metadata words (now the two tokens' bf16) are D = 128's at ``TB = 1``: 16 code rows, 32 tokens a step.
+Logit column ``4 e + h`` is query row ``h`` on token ``2j + e``: its query operand holds ``q`` only in the rows of
+token ``e``'s bytes (:func:`_q_plane`), its metadata is the word's half ``e``; one group (G = 64) for all 4 chunks. Of
+the value MMA's output rows a column keeps its own token's, and a row's two columns merge like ``TB = 2``'s token sets.
+``lo``, ``f0``, ``f1`` count code rows, ``start`` and ``hi`` tokens; the missing second token of an odd last row is
+masked and never read.
+
 Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets), per 32-byte half: key bytes ``[T, 32]``
 (8 per row), value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``); logits ``[16, 8]`` float32 (rows
 ``r, r + 8``, columns ``2c, 2c + 1``), value accumulators ``4 NH`` x ``[32, 8]`` float32 (one per chunk).
@@ -68,10 +79,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from .decode_gluon_ops import (A_OP, B_OP, DF_LIM, KLOAD, MMA, VLOAD, _accumulate, _copy_setup, _fresh_state,
-                               _issue_copies, _issue_first_copies, _loads_lanes, _logits, _q8_loaded, _q8_operands,
-                               _q_operand, _q_plane, _q_sums, _smem_codes, _smem_meta, _SPIN_ASM, _split_setup, _step,
-                               _sync)
+from .decode_gluon_ops import (A_OP, B_OP, DF_LIM, KLOAD, MMA, VLOAD, _accumulate, _col_sets, _copy_setup,
+                               _fresh_state, _groups, _issue_copies, _issue_first_copies, _loads_lanes, _logits,
+                               _q8_loaded, _q8_operands, _q_operand, _q_plane, _q_sums, _smem_codes, _smem_meta,
+                               _SPIN_ASM, _split_setup, _step, _sync)
 from .plan import cuda_major
 
 
@@ -83,16 +94,20 @@ def _hist_kernel(
     sqb, sqh, sqm, skb, skh, smkb, smkh, svb, svh, smvb, smvh, sob, soh, som,
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, PDL: gl.constexpr = 0, K8: gl.constexpr = 0, NH: gl.constexpr = 1,
-    QP8=None, QPF=None, QPRE: gl.constexpr = 0, READY=None, QFLAG: gl.constexpr = 0,
+    QP8=None, QPF=None, QPRE: gl.constexpr = 0, READY=None, QFLAG: gl.constexpr = 0, TP: gl.constexpr = 1,
 ):
     """Grid ``(B * Hk, S)``: program ``(bh, s)`` writes the partial of history split ``s`` of one (row, KV head).
     ``STAGES``: cp.async pipeline stages (a power of two); ``PDL``: launched under programmatic dependent launch
     after the query's launch (waits for it after the first loads; lets the combine launch after its loop); ``K8``:
     int8 key MMAs; ``QPRE``: their query operands built by the prologue (``QP8``, ``QPF``); ``QFLAG``: wait for the
     prologue's counter ``READY[bh]`` instead of the PDL wait. ``NH``: 32-byte halves of a code row, ``D = 128 NH``
-    (NH = 2: TB = 1, not K8)."""
-    MH: gl.constexpr = 8 // TB
-    T: gl.constexpr = 16 * TB
+    (NH = 2: TB = 1, not K8). ``TP = 2``: D = 64, a 32-byte code row is two tokens (NH = 1, TB = 1, not K8, M <= 4);
+    ``N``, ``split_len`` (even) and ``START`` count tokens."""
+    CS: gl.constexpr = _col_sets(TB, TP)  # column sets: the token sets, or (TP = 2) the two tokens of a code row
+    MH: gl.constexpr = 8 // CS
+    T: gl.constexpr = 16 * TB  # code rows a step
+    NG: gl.constexpr = _groups(NH, TP)  # metadata groups, each of GC chunks
+    GC: gl.constexpr = 4 * NH // NG
     pid_bh = gl.program_id(0)
     pid_s = gl.program_id(1)
     b = pid_bh // Hk
@@ -104,8 +119,12 @@ def _hist_kernel(
     # before this one, which computes the query)
     (start, hi, lo, f0, f1, kl, vl, ksl, kzl, vsl, vzl, lr, lc, mr, kc_base, vc_base, ks_base, kz_base, vs_base,
      vz_base) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
-                             skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, NH, N_DEV)
-    xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, NH, True)
+                             skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, NH, N_DEV, TP)
+    if TP == 2:  # (hi counts tokens, the steps rows)
+        hr = (hi + 1) >> 1
+    else:
+        hr = hi
+    xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, NH, True, TP)
     kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB, NH,
                                                STAGES)
     _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES, NH)
@@ -123,7 +142,7 @@ def _hist_kernel(
     q_ptr = Q + b.to(gl.int64) * sqb + h * sqh
     cn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     ch = cn % MH
-    cvalid = (ch < M) & (cn < TB * MH)
+    cvalid = (ch < M) & (cn < CS * MH)
     qz = 0
     if QFLAG:  # (the wait's 0 in the addresses of what the prologue wrote: these loads cannot move above it)
         qz = wdep
@@ -139,21 +158,24 @@ def _hist_kernel(
         else:
             qb, c, qs = _q8_operands(q_ptr, sqm, M, qk_scale, TB, MH)
     else:
-        # the 4 NH 32-channel chunks (chunk i: plane i // NH of half i % NH; group i // 2)
+        # the 4 NH 32-channel chunks (chunk i: plane i // NH of half i % NH; group i // GC)
         qp = ()
         for i in gl.static_range(4 * NH):
-            qp = qp + (_q_plane(q_ptr, sqm, M, i, TB, MH, False),)
-        qs = _q_sums(qp, qk_scale)
+            qp = qp + (_q_plane(q_ptr, sqm, M, i, TB, MH, False, TP),)
+        qs = _q_sums(qp, qk_scale, GC)
         qb = ()
         for i in gl.static_range(4 * NH):
             qb = qb + (_q_operand(qp[i], qk_scale, i // NH),)
         # accumulator start -1024 C_g (the code offset of the chunks of group g, from the rounded operands)
         cg = ()
-        for g in gl.static_range(2 * NH):
-            cg = cg + (gl.sum(qb[2 * g].to(gl.float32), 0) + gl.sum(qb[2 * g + 1].to(gl.float32), 0),)
+        for g in gl.static_range(NG):
+            x = gl.sum(qb[GC * g].to(gl.float32), 0)
+            for j in gl.static_range(1, GC):
+                x = x + gl.sum(qb[GC * g + j].to(gl.float32), 0)
+            cg = cg + (x,)
         zero_t = gl.zeros([16, 8], gl.float32, layout=MMA)
         c = ()
-        for g in gl.static_range(2 * NH):
+        for g in gl.static_range(NG):
             c = c + (zero_t - 1024.0 * gl.convert_layout(cg[g], gl.SliceLayout(0, MMA))[None, :],)
     # B-operand mask of the block-diagonal value MMA (TB = 2) and the constant A tile of ones (the codes' offset)
     kk = gl.arange(0, 16 * TB, layout=gl.SliceLayout(1, B_OP))
@@ -162,7 +184,7 @@ def _hist_kernel(
     ones = gl.full([16, T], 1.0, gl.bfloat16, layout=A_OP)
 
     # reference phi per column: the max of the first step's valid logits (0 where there is none)
-    lg = _logits(xk, ks, kz, lo, hi, start, qb, c, qs, off, TB, MH, NH, True, K8)
+    lg = _logits(xk, ks, kz, lo, hi, start, qb, c, qs, off, TB, MH, NH, True, K8, TP)
     phi = gl.max(lg, 0)
     phi = gl.where(phi == float("-inf"), 0.0, phi)
     phi = gl.where(cvalid, phi, 0.0)
@@ -171,7 +193,7 @@ def _hist_kernel(
     # the first step (which may hold padding) is the reference step, its logits known; then the full steps [f0, f1)
     # in a loop without masks, and a last step [f1, hi) if any (full steps: all tokens >= start, since lo + T > start).
     # state: l, max, sum p z per group, the chunk accumulators, sum W per group (_fresh_state)
-    state = _accumulate(lg - phi[None, :], xv, vs, vz, kdiag, ones, _fresh_state(NH), TB, NH)
+    state = _accumulate(lg - phi[None, :], xv, vs, vz, kdiag, ones, _fresh_state(NH, TP), TB, NH, TP)
     run = 1
     while run > 0:
         offc = off - phi
@@ -194,12 +216,13 @@ def _hist_kernel(
             mb = mbuf.index(st)
             state = _step(xk, xv, _smem_meta(mb, 0, TB, NH), _smem_meta(mb, 1, TB, NH), _smem_meta(mb, 2, TB, NH),
                           _smem_meta(mb, 3, TB, NH), n0, hi, start, qb, c, qs, offc, kdiag, ones, state,
-                          TB, MH, NH, False, K8)
+                          TB, MH, NH, False, K8, TP)
         async_copy.wait_group(0)
-        if f1 < hi:
-            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, NH, True)
+        if f1 < hr:
+            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, NH, True,
+                                                  TP)
             state = _step(xk, xv, ks, kz, vs, vz, f1, hi, start, qb, c, qs, offc, kdiag, ones, state,
-                          TB, MH, NH, True, K8)
+                          TB, MH, NH, True, K8, TP)
         m_c = gl.max(state[1], 0) + phi  # per column, -inf stays -inf
         over = gl.where(m_c == float("-inf"), 0.0, m_c - phi)
         run = 0
@@ -208,19 +231,21 @@ def _hist_kernel(
             phi = gl.where(m_c == float("-inf"), phi, m_c)
             run = 2
             # the first step again, against the new reference
-            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, NH, True)
+            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, NH, True,
+                                                  TP)
             state = _step(xk, xv, ks, kz, vs, vz, lo, hi, start, qb, c, qs, off - phi, kdiag, ones,
-                          _fresh_state(NH), TB, MH, NH, True, K8)
+                          _fresh_state(NH, TP), TB, MH, NH, True, K8, TP)
 
     if PDL:  # the combine may launch once every program is past its loop (an input from m_c orders it there)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $1", "=r,f", [m_c], dtype=gl.int32,
                                   is_pure=False, pack=1)
-    # ---- per column -> per query row: the TB token sets merged by log-sum-exp ----
-    if TB == 1:
+    # ---- per column -> per query row: the CS column sets (token sets, or TP = 2 the tokens' parity) merged by
+    # log-sum-exp ----
+    if CS == 1:
         m_r = m_c
         m_b = m_c
     else:  # the row max [MH], and back to columns: m_b[tb * MH + h] = m_r[h]
-        m_r = gl.max(gl.reshape(m_c, [TB, MH]), 0)
+        m_r = gl.max(gl.reshape(m_c, [CS, MH]), 0)
         m_b = gl.reshape(gl.permute(gl.join(m_r, m_r), [1, 0]), [2 * MH])
         m_b = gl.convert_layout(m_b, gl.SliceLayout(0, MMA))
     # per column: rescale from its reference to the row's max (a column without valid tokens adds nothing; its
@@ -229,34 +254,54 @@ def _hist_kernel(
     lt, mt, zt, acc, sw = state
     l_c = gl.sum(lt, 0) * alpha
     zs = ()
-    for g in gl.static_range(2 * NH):
+    for g in gl.static_range(NG):
         zs = zs + (gl.sum(zt[g], 0),)
     # the codes' offset 256 sum W of each group (every row of sw_g holds the column sums); then / KP of the chunk's
     # plane (2, 8, 32, 32) and + sum p z of its group
     o = ()
     for i in gl.static_range(4 * NH):
-        o = o + (acc[i] - 256.0 * gl.max(sw[i // 2], 0)[None, :],)
+        o = o + (acc[i] - 256.0 * gl.max(sw[i // GC], 0)[None, :],)
     KPINV: gl.constexpr = (0.5, 0.125, 0.03125, 0.03125)
     o2 = ()
     for i in gl.static_range(4 * NH):
-        o2 = o2 + ((o[i] * KPINV[i // NH] + zs[i // 2][None, :]) * alpha[None, :],)
-    l_r = gl.sum(gl.reshape(l_c, [TB, MH]), 0)
+        o2 = o2 + ((o[i] * KPINV[i // NH] + zs[i // GC][None, :]) * alpha[None, :],)
+    l_r = gl.sum(gl.reshape(l_c, [CS, MH]), 0)
     o3 = ()
-    for i in gl.static_range(4 * NH):
-        o3 = o3 + (gl.sum(gl.reshape(o2[i], [32, TB, MH]), 1),)
-    # stores: row h < M; output row m of chunk i is channel 32 i + sigma_V(m) = 32 i + 4 (m % 8) + m // 8
-    OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 1], [1, 0])
+    if TP == 2:
+        # output row m = 8 bb + 4 e' + w of a plane is byte 4 (4 e' + w) + bb of the code row: token 2j + e', channel
+        # 4 w + bb of the plane's 16. Column 4 e + h is kept in the rows of its own token (e' = e), and the two
+        # tokens' columns of row h summed: [16 (bb, w), MH]
+        rm = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))
+        rn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        own = ((rm % 8) // 4)[:, None] == (rn // MH)[None, :]
+        for i in gl.static_range(4):
+            x = gl.reshape(gl.where(own, o2[i], 0.0), [4, 2, 4, 2, MH])  # bb, e', w, e, h
+            o3 = o3 + (gl.reshape(gl.sum(gl.sum(x, 3), 1), [16, MH]),)
+    else:
+        for i in gl.static_range(4 * NH):
+            o3 = o3 + (gl.sum(gl.reshape(o2[i], [32, TB, MH]), 1),)
+    # stores: row h < M; output row m of chunk i is channel 32 i + sigma_V(m) = 32 i + 4 (m % 8) + m // 8 (TP = 2:
+    # row m = 4 bb + w of plane i, channel 16 i + 4 w + bb)
+    if TP == 2:
+        OL: gl.constexpr = gl.BlockedLayout([1, 1], [16, 2], [1, 1], [1, 0])
+        RW: gl.constexpr = 16
+    else:
+        OL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, 1], [1, 0])
+        RW: gl.constexpr = 32
     o4 = ()
     for i in gl.static_range(4 * NH):
         o4 = o4 + (gl.convert_layout(o3[i], OL),)
-    om = gl.arange(0, 32, layout=gl.SliceLayout(1, OL))
+    om = gl.arange(0, RW, layout=gl.SliceLayout(1, OL))
     oh = gl.arange(0, MH, layout=gl.SliceLayout(0, OL))
-    sig = 4 * (om % 8) + om // 8
-    optr = PACC + (part + oh[None, :]) * (128 * NH) + sig[:, None]
+    if TP == 2:
+        sig = 4 * (om % 4) + om // 4
+    else:
+        sig = 4 * (om % 8) + om // 8
+    optr = PACC + (part + oh[None, :]) * (128 * NH // TP) + sig[:, None]
     omask = (oh < M)[None, :]
     gl.store(optr, o4[0], mask=omask)
     for i in gl.static_range(1, 4 * NH):
-        gl.store(optr + 32 * i, o4[i], mask=omask)
+        gl.store(optr + RW * i, o4[i], mask=omask)
     RL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     rh = gl.arange(0, MH, layout=RL)
     gl.store(PM + part + rh, gl.convert_layout(m_r, RL), mask=rh < M)
@@ -266,11 +311,13 @@ def _hist_kernel(
                                   pack=1)
 
 
-def gluon_supported(q_rot, k, v, group_size: int, key_mask, meta_words: bool) -> bool:
-    """The shapes this kernel serves (the rest: the Triton kernel): head_dim 128 or 256 in groups of 64 channels.
-    ``meta_words``: the bf16 scale / zero of a token are ``D / 128`` aligned 4-byte words (two groups each)."""
+def gluon_supported(q_rot, k, v, group_size: int, key_mask, meta_words: bool, d64: bool = False) -> bool:
+    """The shapes this kernel serves (the rest: the Triton kernel): head_dim 128 or 256 in groups of 64 channels, and
+    head_dim 64 (one group) with <= 4 query rows where ``d64`` (``DecodeDefaults.gluon_d64``: not run on a GPU yet).
+    ``meta_words``: the bf16 scale / zero of a token are ``D / 128`` aligned 4-byte words (two groups each); at D = 64
+    those of a token pair (2j, 2j + 1) are."""
     b, hk, m, d = q_rot.shape
-    return (q_rot.is_cuda and cuda_major(q_rot.device) >= 8 and d in (128, 256)
+    return (q_rot.is_cuda and cuda_major(q_rot.device) >= 8 and (d in (128, 256) or (d64 and d == 64 and m <= 4))
             and group_size == 64 and 1 <= m <= 8 and key_mask is None and meta_words
             and k.codes.stride(-1) == 1 and v.codes.stride(-1) == 1
             # token rows of D / 4 bytes: the addressing assumes them
@@ -281,8 +328,9 @@ def gluon_supported(q_rot, k, v, group_size: int, key_mask, meta_words: bool) ->
 
 def tokens_per_step(m: int, d: int = 128) -> int:
     """Tokens per step: two token sets of 16 (TB = 2) where <= 4 query rows leave half the logit tile's 8 columns
-    free, at D = 128 only (D = 256: its 8 chunk accumulators and query operands fill the registers at TB = 1)."""
-    return 32 if (m <= 4 and d == 128) else 16
+    free, at D = 128 only (D = 256: its 8 chunk accumulators and query operands fill the registers at TB = 1); at
+    D = 64 16 code rows of two tokens."""
+    return 32 if (m <= 4 and d in (64, 128)) else 16
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
@@ -292,9 +340,11 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
     ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
     ``ready`` (with ``qpre`` and ``pdl``): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise when
     their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``).
-    ``k8`` at D = 128 only."""
+    ``k8`` at D = 128 only. D = 64: code rows of two tokens (``TP = 2``), ``split_len`` even."""
     b, hk, m, d = q_rot.shape
     assert not (k8 and d != 128), "the int8 key path serves D = 128 only"
+    tp = 2 if d == 64 else 1
+    assert tp == 1 or (m <= 4 and split_len % 2 == 0), "D = 64: <= 4 query rows, splits of whole code rows"
     z3 = (0, 0, 0)
     _hist_kernel[(b * hk, s_hist)](
         q_rot, *k, *v, start, qk_offset, n_valid, pm, pl, pacc,
@@ -302,8 +352,8 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         *q_rot.stride()[:3], *k.codes.stride()[:2], *k.scale.stride()[:2],
         *v.codes.stride()[:2], *v.scale.stride()[:2],
         *(qk_offset.stride() if qk_offset is not None else z3),
-        TB=tokens_per_step(m, d) // 16, HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
-        STAGES=stages, PDL=int(bool(pdl)), K8=int(bool(k8)), NH=d // 128,
+        TB=tokens_per_step(m, d) // (16 * tp), HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
+        STAGES=stages, PDL=int(bool(pdl)), K8=int(bool(k8)), NH=max(d // 128, 1), TP=tp,
         QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),
         READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and bool(pdl)), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),

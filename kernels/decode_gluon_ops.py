@@ -281,22 +281,41 @@ def _lane_asm(KIND: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr, ptr, lo, h
 
 @gluon.jit
 def _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, lo, hi, lr, lc, mr, TB: gl.constexpr, NH: gl.constexpr,
-                 MASKED: gl.constexpr):
+                 MASKED: gl.constexpr, TP: gl.constexpr = 1):
     """The loads of the step at ``n0`` from per-lane addresses (``[32]`` each, at token 0; lane ``4r + c`` reads key
     row ``r``, value token ``2c``, metadata of logit row ``r`` (token ``mr``)): the tiles of :func:`_loads`, in its
     layouts, as tuples -- ``NH`` key and value word tiles (one per 32-byte half of a row), ``NH`` metadata tiles per
     tensor (one per word of a token). ``MASKED``: only tokens in ``[lo, hi)`` are read (keys and their metadata:
-    ``< hi``), else 0."""
+    ``< hi``), else 0. ``TP = 2`` (D = 64; ``n0`` a row of two tokens, ``lo`` / ``hi`` token bounds): a lane reads
+    the bytes of its row's token ``2 row + e`` only where that token is ``< hi`` (keys: bytes ``8c..`` are token
+    ``e = c // 2``'s; values: word ``r``, ``e = r // 4``), so the missing token of an odd last row is never read; a
+    metadata word (both tokens') is read where either token is in range, and set to 0 in the logit columns whose
+    token is not (:func:`_pair_valid`)."""
     big = -(1 << 30)
+    if TP == 2:  # the token bounds as row bounds: keys (lane column c: token 2 row + c // 2), values (word r: token
+        # 2 row + r // 4), metadata words (either token)
+        hik = (hi - lc // 2 + 1) >> 1
+        hiv = (hi - lr // 4 + 1) >> 1
+        him = (hi + 1) >> 1
+        lom = lo >> 1
+    else:
+        hik = hi
+        hiv = hi
+        him = hi
+        lom = lo
     k = ()
     v = ()
     for hh in gl.static_range(NH):
-        k = k + (_lane_asm(0, TB, NH, kl + (n0 * (8 * NH) + 8 * hh), big - lr, hi - n0 - lr, MASKED),)
-        v = v + (_lane_asm(1, TB, NH, vl + (n0 * (8 * NH) + 8 * hh), big - lr, hi - n0 - 2 * lc, MASKED),)
-    ks = _meta_tiles(ksl + n0 * NH, big - mr, hi - n0 - mr, TB, NH, MASKED)
-    kz = _meta_tiles(kzl + n0 * NH, big - mr, hi - n0 - mr, TB, NH, MASKED)
-    vs = _meta_tiles(vsl + n0 * NH, lo - n0 - mr, hi - n0 - mr, TB, NH, MASKED)
-    vz = _meta_tiles(vzl + n0 * NH, lo - n0 - mr, hi - n0 - mr, TB, NH, MASKED)
+        k = k + (_lane_asm(0, TB, NH, kl + (n0 * (8 * NH) + 8 * hh), big - lr, hik - n0 - lr, MASKED),)
+        v = v + (_lane_asm(1, TB, NH, vl + (n0 * (8 * NH) + 8 * hh), big - lr, hiv - n0 - 2 * lc, MASKED),)
+    ks = _meta_tiles(ksl + n0 * NH, big - mr, him - n0 - mr, TB, NH, MASKED)
+    kz = _meta_tiles(kzl + n0 * NH, big - mr, him - n0 - mr, TB, NH, MASKED)
+    vs = _meta_tiles(vsl + n0 * NH, lom - n0 - mr, him - n0 - mr, TB, NH, MASKED)
+    vz = _meta_tiles(vzl + n0 * NH, lom - n0 - mr, him - n0 - mr, TB, NH, MASKED)
+    if TP == 2 and MASKED:  # (a word's other token may be padding whose storage holds NaN: W = p s must stay 0)
+        ok = _pair_valid(n0, lo, hi)
+        vs = (gl.where(ok, vs[0], 0),)
+        vz = (gl.where(ok, vz[0], 0),)
     xk = ()
     xv = ()
     for hh in gl.static_range(NH):
@@ -394,25 +413,33 @@ def _f32_pair(wd):
 
 
 @gluon.jit
-def _f32_groups(words):
-    """A token's ``NH`` metadata words (a tuple of tiles) as the tuple of its ``2 NH`` groups' float32 tiles."""
+def _f32_groups(words, TP: gl.constexpr = 1):
+    """A token's ``NH`` metadata words (a tuple of tiles) as the tuple of its ``2 NH`` groups' float32 tiles. ``TP =
+    2`` (D = 64: one group, a word holds the bf16 of tokens ``2j`` (low half) and ``2j + 1``): one tile, each logit
+    column taking its token's half (columns ``4 e + h``: token ``2j + e``)."""
     g = ()
-    for w in gl.static_range(len(words)):
-        g = g + _f32_pair(words[w])
+    if TP == 2:
+        n = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+        sh = gl.where(n < 4, 16, 0)
+        g = (((words[0] << sh[None, :]) & -65536).to(gl.float32, bitcast=True),)
+    else:
+        for w in gl.static_range(len(words)):
+            g = g + _f32_pair(words[w])
     return g
 
 
 @gluon.jit
 def _logits(xk, ks, kz, n0, hi, start, qb, c, qs, offc,
-            TB: gl.constexpr, MH: gl.constexpr, NH: gl.constexpr, MASKED: gl.constexpr, K8: gl.constexpr):
+            TB: gl.constexpr, MH: gl.constexpr, NH: gl.constexpr, MASKED: gl.constexpr, K8: gl.constexpr,
+            TP: gl.constexpr = 1):
     """Logits ``[16, 8]`` (log2 units, minus the reference: ``offc`` holds ``off - phi``) of a step from its key
     word tiles ``xk`` (``NH`` halves) and key metadata words; invalid tokens -inf when ``MASKED``. ``qb``: the query
     operands of the ``4 NH`` 32-channel chunks (chunk ``i``: plane ``i // NH`` of half ``i % NH``), ``c`` the
-    accumulator starts and ``qs`` the query sums of the ``2 NH`` groups (group ``g``: chunks ``2g, 2g + 1``).
-    ``K8`` (NH = 1): int8 MMAs (``_q8_operands``: ``qb_P`` are ``(hi, lo)`` pairs, ``c_g`` the accumulator starts and
-    factor of group ``g``)."""
-    s = _f32_groups(ks)
-    z = _f32_groups(kz)
+    accumulator starts and ``qs`` the query sums of the ``2 NH`` groups (group ``g``: chunks ``2g, 2g + 1``; TP = 2:
+    one group of the 4 chunks, see :func:`_groups`). ``K8`` (NH = 1): int8 MMAs (``_q8_operands``: ``qb_P`` are
+    ``(hi, lo)`` pairs, ``c_g`` the accumulator starts and factor of group ``g``)."""
+    s = _f32_groups(ks, TP)
+    z = _f32_groups(kz, TP)
     if K8:
         k0 = _k8_operand(xk[0], 0, TB)
         k1 = _k8_operand(xk[0], 1, TB)
@@ -431,24 +458,53 @@ def _logits(xk, ks, kz, n0, hi, start, qb, c, qs, offc,
         for hh in gl.static_range(NH):
             u = u + (gl.inline_asm_elementwise(_K_ASM, "=h," * 16 + "r", [xk[hh]], dtype=(gl.float16,) * 16,
                                                is_pure=True, pack=1),)
-        # one accumulator per group, of two independent MMA chains (its chunks 2g, 2g + 1)
+        # one accumulator per group, of independent MMA chains (its chunks GC g .. GC g + GC - 1)
+        NG: gl.constexpr = _groups(NH, TP)
+        GC: gl.constexpr = 4 * NH // NG
         zk = gl.zeros_like(c[0])
         a = ()
-        for g in gl.static_range(2 * NH):
-            a = a + (mma_v2(_k_chunk(u, 2 * g, TB, NH), qb[2 * g], c[g]) +
-                     mma_v2(_k_chunk(u, 2 * g + 1, TB, NH), qb[2 * g + 1], zk),)
+        for g in gl.static_range(NG):
+            x = mma_v2(_k_chunk(u, GC * g, TB, NH), qb[GC * g], c[g])
+            for j in gl.static_range(1, GC):
+                x = x + mma_v2(_k_chunk(u, GC * g + j, TB, NH), qb[GC * g + j], zk)
+            a = a + (x,)
         bias = offc[None, :]
-        for g in gl.static_range(2 * NH - 1, -1, -1):
+        for g in gl.static_range(NG - 1, -1, -1):
             bias = gl.fma(z[g], qs[g][None, :], bias)
         lg = bias
-        for g in gl.static_range(2 * NH - 1, -1, -1):
+        for g in gl.static_range(NG - 1, -1, -1):
             lg = gl.fma(s[g], a[g], lg)
-    if MASKED:
+    if MASKED and TP == 2:
+        lg = gl.where(_pair_valid(n0, start, hi), lg, float("-inf"))
+    elif MASKED:
         tr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
         tn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
         tok = n0 + tr[:, None] + 16 * (tn // MH)[None, :]
         lg = gl.where((tok < hi) & (tok >= start), lg, float("-inf"))
     return lg
+
+
+@gluon.jit
+def _pair_valid(n0, start, hi):
+    """TP = 2 (code rows of two tokens; ``n0`` a row): whether each logit of the step is a token in ``[start, hi)``:
+    row ``t'``, column ``4 e + h`` is token ``2 (n0 + t') + e``."""
+    tr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    tn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
+    tok = 2 * (n0 + tr)[:, None] + (tn // 4)[None, :]
+    return (tok < hi) & (tok >= start)
+
+
+@gluon.constexpr_function
+def _col_sets(TB, TP):
+    """The logit tile's column sets: ``TB`` token sets, or at D = 64 (``TP = 2``) the two tokens of a code row."""
+    return 2 if TP == 2 else TB
+
+
+@gluon.constexpr_function
+def _groups(NH, TP):
+    """Metadata groups the kernel keeps apart: two per 4-byte word (D = 128 NH: ``2 NH``, group ``g`` the chunks
+    ``2g, 2g + 1``), or at D = 64 (``TP = 2``) one, all 4 chunks (the word's halves are two tokens, not groups)."""
+    return 1 if TP == 2 else 2 * NH
 
 
 @gluon.jit
@@ -460,42 +516,49 @@ def _k_chunk(u, i: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr):
 
 
 @gluon.jit
-def _fresh_state(NH: gl.constexpr):
-    """The split's running tiles at the start of a pass: ``l``, ``max`` (``[16, 8]``), ``sum p z`` per group (``2 NH``
-    tiles ``[16, 8]``), the ``4 NH`` chunk accumulators (``[32, 8]``) and the group sums of ``W`` (``2 NH`` tiles
-    ``[16, 8]``, every row the column sums)."""
+def _fresh_state(NH: gl.constexpr, TP: gl.constexpr = 1):
+    """The split's running tiles at the start of a pass: ``l``, ``max`` (``[16, 8]``), ``sum p z`` per group (``NG =
+    _groups(NH, TP)`` tiles ``[16, 8]``), the ``4 NH`` chunk accumulators (``[32, 8]``) and the group sums of ``W``
+    (``NG`` tiles ``[16, 8]``, every row the column sums)."""
+    NG: gl.constexpr = _groups(NH, TP)
     z16 = gl.zeros([16, 8], gl.float32, layout=MMA)
     z32 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    return (z16, gl.full([16, 8], float("-inf"), gl.float32, layout=MMA), (z16,) * (2 * NH), (z32,) * (4 * NH),
-            (z16,) * (2 * NH))
+    return (z16, gl.full([16, 8], float("-inf"), gl.float32, layout=MMA), (z16,) * NG, (z32,) * (4 * NH),
+            (z16,) * NG)
 
 
 @gluon.jit
 def _step(xk, xv, ks, kz, vs, vz, n0, hi, start, qb, c, qs, offc, kdiag, ones, state,
-          TB: gl.constexpr, MH: gl.constexpr, NH: gl.constexpr, MASKED: gl.constexpr, K8: gl.constexpr):
-    """One step of ``16 TB`` tokens from its loaded words: logits, then :func:`_accumulate`."""
-    lg = _logits(xk, ks, kz, n0, hi, start, qb, c, qs, offc, TB, MH, NH, MASKED, K8)
-    return _accumulate(lg, xv, vs, vz, kdiag, ones, state, TB, NH)
+          TB: gl.constexpr, MH: gl.constexpr, NH: gl.constexpr, MASKED: gl.constexpr, K8: gl.constexpr,
+          TP: gl.constexpr = 1):
+    """One step of ``16 TB`` code rows (``TP`` tokens each) from its loaded words: logits, then
+    :func:`_accumulate`."""
+    lg = _logits(xk, ks, kz, n0, hi, start, qb, c, qs, offc, TB, MH, NH, MASKED, K8, TP)
+    return _accumulate(lg, xv, vs, vz, kdiag, ones, state, TB, NH, TP)
 
 
 @gluon.jit
-def _accumulate(lg, xv, vs, vz, kdiag, ones, state, TB: gl.constexpr, NH: gl.constexpr):
+def _accumulate(lg, xv, vs, vz, kdiag, ones, state, TB: gl.constexpr, NH: gl.constexpr, TP: gl.constexpr = 1):
     """A step's logits ``lg [16, 8]`` (minus the reference) into the running state (:func:`_fresh_state`): the
     deferred softmax tiles and the value MMAs of the ``4 NH`` chunks (chunk ``i``: plane ``i // NH`` of half
-    ``i % NH``, weights ``W`` of its group ``i // 2``). ``ones`` is a tile of ones and ``sw_g`` accumulate ``sum W`` of
-    each group (every row the same), subtracted ``256 x`` once after the loop (the value codes' offset)."""
+    ``i % NH``, weights ``W`` of its group ``i // 2``; TP = 2: of the one group). ``ones`` is a tile of ones and
+    ``sw_g`` accumulate ``sum W`` of each group (every row the same), subtracted ``256 x`` once after the loop (the
+    value codes' offset). TP = 2: a column's ``W`` weighs the rows of both tokens; only the output rows of its own
+    token's bytes are kept (the kernel's epilogue)."""
     T: gl.constexpr = 16 * TB
+    NG: gl.constexpr = _groups(NH, TP)
+    GC: gl.constexpr = 4 * NH // NG
     lt, mt, zt, acc, sw = state
-    vsg = _f32_groups(vs)
-    vzg = _f32_groups(vz)
+    vsg = _f32_groups(vs, TP)
+    vzg = _f32_groups(vz, TP)
     mt = gl.maximum(mt, lg)
     p = gl.exp2(lg)
     lt += p
     zt_ = ()
-    for g in gl.static_range(2 * NH):
+    for g in gl.static_range(NG):
         zt_ = zt_ + (gl.fma(p, vzg[g], zt[g]),)
     w = ()
-    for g in gl.static_range(2 * NH):
+    for g in gl.static_range(NG):
         w = w + (_w_operand((p * vsg[g]).to(gl.bfloat16), kdiag, TB),)
     acc_ = ()
     for hh in gl.static_range(NH):
@@ -503,22 +566,27 @@ def _accumulate(lg, xv, vs, vz, kdiag, ones, state, TB: gl.constexpr, NH: gl.con
         a1 = _v_planes(xv[hh], 1)
         a2 = _v_planes(xv[hh], 2)
         a3 = _v_planes(xv[hh], 3)
-        for P in gl.static_range(4):  # chunk P NH + hh, group (P NH + hh) // 2
-            acc_ = acc_ + (mma_v2(_v_operand(a0[P], a1[P], a2[P], a3[P], T), w[(P * NH + hh) // 2], acc[P * NH + hh]),)
+        for P in gl.static_range(4):  # chunk P NH + hh, group (P NH + hh) // GC
+            acc_ = acc_ + (mma_v2(_v_operand(a0[P], a1[P], a2[P], a3[P], T), w[(P * NH + hh) // GC],
+                                  acc[P * NH + hh]),)
     if NH == 2:  # (back to chunk order: acc_ holds half 0's planes, then half 1's)
         acc_ = (acc_[0], acc_[4], acc_[1], acc_[5], acc_[2], acc_[6], acc_[3], acc_[7])
     sw_ = ()
-    for g in gl.static_range(2 * NH):  # 2 TB MMAs a step per group for the offsets, not one after each value MMA
+    for g in gl.static_range(NG):  # 2 TB MMAs a step per group for the offsets, not one after each value MMA
         sw_ = sw_ + (mma_v2(ones, w[g], sw[g]),)
     return lt, mt, zt_, acc_, sw_
 
 
 @gluon.jit
-def _q_plane(q_ptr, sqm, M, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr, K8: gl.constexpr):
+def _q_plane(q_ptr, sqm, M, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr, K8: gl.constexpr,
+             TP: gl.constexpr = 1):
     """``q[h, 32 P + sigma(j)]`` (float32) in the B layout ``[32 TB, 8]`` of the key MMA, row ``tb * 32 + j``, column
     ``tb * MH + h``; zero off the block diagonal and in padding columns. ``P``: the 32-channel chunk (D = 128: the
     plane; D = 256: plane ``P // 2`` of half ``P % 2``). The channel order is the key operand's:
-    ``sigma_K`` (fp16 ``m16n8k16``, :func:`_k_operand`) or, ``K8``, ``sigma8`` (int8 ``m16n8k32``, :func:`_k8_operand`)."""
+    ``sigma_K`` (fp16 ``m16n8k16``, :func:`_k_operand`) or, ``K8``, ``sigma8`` (int8 ``m16n8k32``, :func:`_k8_operand`).
+    ``TP = 2`` (D = 64: a code row's bytes ``s < 16`` are token ``2j``'s, ``s >= 16`` token ``2j + 1``'s; plane ``P``
+    holds channels ``16 P + s % 16``): column ``e * MH + h`` holds ``q[h, 16 P + sigma(j) % 16]`` in the rows ``j``
+    whose byte ``sigma(j)`` is token ``2j + e``'s and 0 in the others, so that it takes that token's logit alone."""
     OP: gl.constexpr = B8_OP if K8 else B_OP
     k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, OP))
     n = gl.arange(0, 8, layout=gl.SliceLayout(0, OP))
@@ -528,8 +596,13 @@ def _q_plane(q_ptr, sqm, M, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr,
     else:
         sig = 8 * ((j >> 1) & 3) + 4 * (j >> 4) + 2 * ((j >> 3) & 1) + (j & 1)
     h = n % MH
-    ok = ((k // 32)[:, None] == (n // MH)[None, :]) & (h < M)[None, :] & (n < TB * MH)[None, :]
-    return gl.load(q_ptr + h[None, :] * sqm + (32 * P + sig)[:, None], mask=ok, other=0.0)
+    if TP == 2:
+        ok = ((sig // 16)[:, None] == (n // MH)[None, :]) & (h < M)[None, :]
+        x = gl.load(q_ptr + h[None, :] * sqm + (16 * P + sig % 16)[:, None], mask=ok, other=0.0)
+    else:
+        ok = ((k // 32)[:, None] == (n // MH)[None, :]) & (h < M)[None, :] & (n < TB * MH)[None, :]
+        x = gl.load(q_ptr + h[None, :] * sqm + (32 * P + sig)[:, None], mask=ok, other=0.0)
+    return x
 
 
 @gluon.jit
@@ -539,15 +612,18 @@ def _q_operand(q, qk_scale, P: gl.constexpr):
 
 
 @gluon.jit
-def _q_sums(q, qk_scale):
+def _q_sums(q, qk_scale, GC: gl.constexpr = 2):
     """Per column (``SliceLayout(0, MMA)``): ``Qs_g``, the sum of group ``g``'s query channels times ``qk_scale``,
-    from the 32-channel chunks of :func:`_q_plane` (a tuple; group ``g``: chunks ``2g, 2g + 1``; zero off the column's
-    token set; a sum over a permutation of the channels), so that the query is loaded once."""
+    from the 32-channel chunks of :func:`_q_plane` (a tuple; group ``g``: chunks ``GC g .. GC g + GC - 1``; zero off
+    the column's token set; a sum over a permutation of the channels), so that the query is loaded once."""
     s = ()
-    for g in gl.static_range(len(q) // 2):
-        s = s + (gl.sum(q[2 * g], 0) + gl.sum(q[2 * g + 1], 0),)
+    for g in gl.static_range(len(q) // GC):
+        x = gl.sum(q[GC * g], 0)
+        for j in gl.static_range(1, GC):
+            x = x + gl.sum(q[GC * g + j], 0)
+        s = s + (x,)
     r = ()
-    for g in gl.static_range(len(q) // 2):
+    for g in gl.static_range(len(q) // GC):
         r = r + (gl.convert_layout(s[g] * qk_scale, gl.SliceLayout(0, MMA)),)
     return r
 
@@ -555,21 +631,40 @@ def _q_sums(q, qk_scale):
 @gluon.jit
 def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
                  skb, skh, smkb, smkh, svb, svh, smvb, smvh, T: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr,
-                 N_DEV: gl.constexpr):
+                 N_DEV: gl.constexpr, TP: gl.constexpr = 1):
     """This split's tokens and addresses: the row's first valid token ``start``, the split ``[lo, hi)`` (all-padding
     steps skipped), its full steps ``[f0, f1)`` after the reference step, the per-lane addresses at token 0 of
-    :func:`_loads_lanes` and the base pointers (int32 words) of the six history tensors."""
+    :func:`_loads_lanes` and the base pointers (int32 words) of the six history tensors. ``TP = 2`` (D = 64, code
+    rows of two tokens): ``lo``, ``f0``, ``f1`` count rows, ``start`` and ``hi`` tokens (``split_len`` even); full
+    steps hold only rows whose two tokens are both ``< hi`` (an odd ``hi``'s last row is the masked last step's)."""
     start = gl.load(START + b).to(gl.int32)
     if N_DEV:
         n_tot = gl.minimum(gl.load(NPTR).to(gl.int32), N)
-        slen = gl.cdiv(gl.cdiv(gl.maximum(n_tot, 1), S), T) * T
+        if TP == 2:  # (split lengths in code rows)
+            n_rows = (n_tot + 1) >> 1
+        else:
+            n_rows = n_tot
+        slen = gl.cdiv(gl.cdiv(gl.maximum(n_rows, 1), S), T) * T
     else:
         n_tot = N
-        slen = split_len
-    hi = gl.minimum(pid_s * slen + slen, n_tot)
-    lo = gl.maximum(pid_s * slen, (start // T) * T)  # skip all-padding blocks
+        if TP == 2:
+            slen = split_len >> 1
+        else:
+            slen = split_len
+    if TP == 2:  # the first row that holds a token >= start; the split's end as a token
+        start_row = start >> 1
+        end = 2 * (pid_s * slen + slen)
+    else:
+        start_row = start
+        end = pid_s * slen + slen
+    hi = gl.minimum(end, n_tot)
+    lo = gl.maximum(pid_s * slen, (start_row // T) * T)  # skip all-padding blocks
     f0 = lo + T
-    f1 = f0 + gl.maximum(hi - f0, 0) // T * T
+    if TP == 2:  # full rows only: both tokens < hi
+        hi_full = hi >> 1
+    else:
+        hi_full = hi
+    f1 = f0 + gl.maximum(hi_full - f0, 0) // T * T
     kc_base = (KC + b.to(gl.int64) * skb + h * skh).to(gl.pointer_type(gl.int32))
     vc_base = (VC + b.to(gl.int64) * svb + h * svh).to(gl.pointer_type(gl.int32))
     ks_base = (KS + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))

@@ -18,7 +18,8 @@ static cache's op ``static_op.decode_attention_static``, :func:`history_partial_
   (:mod:`~oscar_hf.kernels.decode_combine`, one program per query row).
 
 Where the history runs on the Gluon kernel (:mod:`~oscar_hf.kernels.decode_gluon`: CUDA, D = 128 or 256, G = 64, <= 8
-query rows per KV head, bf16 metadata, no key mask, no soft-capping, at least ``gluon_min_work`` history token-heads),
+query rows per KV head -- and D = 64 with <= 4 where ``DecodeDefaults.gluon_d64`` --, bf16 metadata, no key mask, no
+soft-capping, at least ``gluon_min_work`` history token-heads),
 the split kernel runs the window programs only (``PID_OFF``); from the unrotated query the op is three launches -- the
 rotation with the window programs (``_prologue_kernel``), the Gluon history, the combine -- with programmatic dependent
 launch between them (sm_90+): the history's first loads under the rotation, the combine's launch under the history's
@@ -88,7 +89,11 @@ def _pairable(k: QuantizedRows, v: QuantizedRows, d: int, group_size: int) -> bo
 
 def _meta_words(k: QuantizedRows, v: QuantizedRows) -> bool:
     """Whether the bf16 scale (zero) of a token's groups can be read two at a time as aligned 4-byte words (an even
-    number of groups: the Gluon kernel's metadata at D = 128 and 256)."""
+    number of groups: the Gluon kernel's metadata at D = 128 and 256), or with one group a token those of a token
+    pair ``2j, 2j + 1`` (contiguous tokens, each (row, head) starting on a word: the Gluon kernel at D = 64)."""
+    if k.scale.shape[-1] == 1:
+        return all(t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0 and t.stride(-2) == 1
+                   and all(st % 2 == 0 for st in t.stride()[:-2]) for t in (k.scale, k.zero, v.scale, v.zero))
     return k.scale.shape[-1] % 2 == 0 and all(
         t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0 and all(st % 2 == 0 for st in t.stride()[:-1])
         for t in (k.scale, k.zero, v.scale, v.zero))
@@ -197,7 +202,8 @@ def decode_attention_triton(
     pairable = _pairable(k, v, d, group_size)
     # the Gluon kernel's layout checks only where the plan may take it (it does not cap logits)
     glu = _gluon_module() if (q_rot.is_cuda and not softcap and gluon_pays(defaults, bh, n)) else None
-    gluon_ok = glu is not None and glu.gluon_supported(q_rot, k, v, group_size, kmask, _meta_words(k, v))
+    gluon_ok = glu is not None and glu.gluon_supported(q_rot, k, v, group_size, kmask, _meta_words(k, v),
+                                                       d64=defaults.gluon_d64)
     window = r_v is not None
     w = 0 if (not window or k_win is None) else k_win.shape[-2]
     p = decode_plan(b, hk, m, d, n, group_size, w, dev, window=window, static=n_valid is not None, splits=splits,

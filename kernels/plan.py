@@ -172,6 +172,10 @@ class DecodeDefaults:
     # ptxas's own limit (255 registers; a few spilled bytes outside the loop: tests/kernels/test_compile_sm90.py)
     gluon_maxnreg_wide: int = 255
     gluon_resident_wide: int = 8
+    # D = 64 (G = 64, <= 4 query rows) on the Gluon kernel: a 32-byte code row of two tokens (D = 128's loads and
+    # operands, logit columns (token parity, query row)), fp16 keys, gluon_resident under gluon_maxnreg at every split
+    # length (compiled: no spill at 2 stages, tests/kernels/test_compile_sm90.py). Off: not run on a GPU yet
+    gluon_d64: bool = False
 
 
 DEFAULTS = DecodeDefaults()
@@ -241,17 +245,17 @@ def gluon_plan(defaults: DecodeDefaults, tokens_per_step: int, n: int, bh: int, 
                head_dim: int = 128) -> GluonPlan:
     """Where the splits at the short-split residency (``gluon_resident``) are long, the long splits' residency and
     register cap instead (with fewer slots the wave model picks fewer, so longer, splits). ``head_dim`` 256: its own
-    residency and cap at every split length."""
+    residency and cap at every split length; 64: the short splits' at every split length (no int8 keys)."""
     d = defaults
     sms = device_sms(device)
 
     def splits(resident):
         return wave_splits(n, bh, sms, tokens_per_step, d.min_split, d.max_waves, resident)
 
-    if head_dim != 128:
+    if head_dim == 256:
         return GluonPlan(tokens_per_step, splits(d.gluon_resident_wide) if n > 0 else 0, d.gluon_maxnreg_wide)
     resident, maxnreg = d.gluon_resident, d.gluon_maxnreg
-    if n > 0 and long_splits(d, n, splits(resident)):
+    if n > 0 and head_dim == 128 and long_splits(d, n, splits(resident)):
         resident, maxnreg = d.gluon_resident_long, d.gluon_maxnreg_long
     return GluonPlan(tokens_per_step, splits(resident) if n > 0 else 0, maxnreg)
 
@@ -378,7 +382,8 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
         capacity and ``splits`` (the cache's fixed split count; None: the wave model's), so a CUDA graph stays valid.
     rotate: the op rotates the query itself (its first launch).
     gluon_step: the Gluon kernel's tokens per step where it serves this call's tensors
-        (``decode_gluon.gluon_supported`` / ``tokens_per_step``: D = 128 or 256), 0 where not.
+        (``decode_gluon.gluon_supported`` / ``tokens_per_step``: D = 128 or 256; D = 64 with ``M <= 4`` taken only
+        where ``defaults.gluon_d64``), 0 where not.
     page: entries per page of a paged history (the serving pool, ``paged_decode``), 0 for a contiguous one.
     sinks: one more partial per row after the window's, which the launcher fills with the attention sink's logit
         (``m = s``, ``l = 1``, ``acc = 0``): the combine merges it like a window partial, so no kernel knows of sinks.
@@ -399,7 +404,8 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
     # the register cap was measured for the deferred loop's default tile over a contiguous history only; the static
     # cache's variant (length read on the device) would spill 184 bytes under it (tests/kernels/test_compile_sm90.py)
     maxnreg = df.maxnreg if (not static and not page and deferred and d == 128) else None
-    gluon = gluon_step > 0 and not softcap and gluon_pays(df, bh, n)
+    gluon = (gluon_step > 0 and not softcap and gluon_pays(df, bh, n)
+             and (d != 64 or (df.gluon_d64 and m <= 4)))  # (D = 64: gated off until run on a GPU)
     if gluon:
         # the Gluon kernel's step and residency; the static cache's `splits` (sized for the split kernel) are not
         # used: its grid follows from the capacity alone, so it is just as fixed

@@ -8,7 +8,8 @@ make: short splits (fp16 key MMAs, ``DEFAULTS.gluon_stages``, under ``gluon_maxn
 prologue, ``QPRE``, waiting on its counters, ``QFLAG``, under programmatic dependent launch) and from the static
 cache's op (operands built by the kernel, the history length on the device); and ``D = 256`` (rows of two 32-byte
 halves, ``NH = 2``: ``TB = 1``, fp16 keys at every split length, under ``gluon_maxnreg_wide``) with short and long
-splits' stages and the static op's variant. Prints one JSON line each: registers,
+splits' stages and the static op's variant; and ``D = 64`` (32-byte rows of two tokens, ``TP = 2``: ``TB = 1``, fp16
+keys, under ``gluon_maxnreg``) the same three. Prints one JSON line each: registers,
 spilled bytes, shared memory, the rounding instructions of the whole kernel (``frnd``) and the opcode counts of the hot
 loop (the innermost loop that holds the tensor-core ops). ``AOT_DUMP=prefix`` writes each case's hot loop SASS to a
 file (``AOT_DUMP_ALL=1``: the whole kernel's).
@@ -57,10 +58,10 @@ def main():
     # static op; D = 256 the same without int8 keys
     cases = [(128, tb, st, k8, qp, k8 and not qp) for tb in (2, 1)
              for st, k8, qp in ((short, 0, 0), (long_, 1, 1), (long_, 1, 0))]
-    cases += [(256, 1, st, 0, 0, static) for st, static in ((short, 0), (long_, 0), (long_, 1))]
+    cases += [(d, 1, st, 0, 0, static) for d in (256, 64) for st, static in ((short, 0), (long_, 0), (long_, 1))]
     for d, tb, st, k8_, qp, static in cases:
         consts = {"TB": tb, "HAS_OFF": 1, "N_DEV": int(static), "STAGES": st, "PDL": int(not static), "K8": k8_,
-                  "QPRE": qp, "QFLAG": qp, "NH": d // 128}
+                  "QPRE": qp, "QFLAG": qp, "NH": max(d // 128, 1), "TP": 2 if d == 64 else 1}
         if not static:
             consts["NPTR"] = None
         if not qp:

@@ -147,39 +147,63 @@ _GLUON_VARIANTS = {
 @pytest.fixture(params=list(_GLUON_VARIANTS), ids=list(_GLUON_VARIANTS))
 def gluon_calls(request, monkeypatch):
     """Counts the Gluon kernel's launches (so that a test fails if the dispatch silently took the split kernel) and
-    gives the defaults each test passes: the Gluon kernel for every call size, with the long-split path (int8 key
-    MMAs, 4 pipeline stages, their residency) everywhere, nowhere, or where the splits are long (the default); the
-    combine with one warp per row, or with one program per row where rows are few (no output parts, the split count
-    not rounded to a power of two)."""
+    gives the defaults each test passes: the Gluon kernel for every call size (D = 64 included: ``gluon_d64``), with
+    the long-split path (int8 key MMAs, 4 pipeline stages, their residency) everywhere, nowhere, or where the splits
+    are long (the default); the combine with one warp per row, or with one program per row where rows are few (no
+    output parts, the split count not rounded to a power of two)."""
     glu = _dt()._gluon_module()
     assert glu is not None, "this Triton has no Gluon"
     calls = []
     real = glu.launch_history
     monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (calls.append(a[0].shape), real(*a, **kw))[1])
-    return SimpleNamespace(calls=calls, defaults=replace(DEFAULTS, gluon_min_work=0, **_GLUON_VARIANTS[request.param]))
+    return SimpleNamespace(calls=calls, defaults=replace(DEFAULTS, gluon_min_work=0, gluon_d64=True,
+                                                         **_GLUON_VARIANTS[request.param]))
+
+
+def _stored(x: QuantizedRows, extra: int = 2) -> QuantizedRows:
+    """``x``'s rows as the first ``N`` entries of a storage of even capacity (``N + extra``, rounded up to even), as a
+    cache holds them: at D = 64 the Gluon kernel reads the bf16 metadata of token pairs as 4-byte words, so each
+    (row, head) must start on a word (an odd N in a tensor of exactly N entries falls back to the split kernel). The
+    tail is stale: metadata NaN, codes 0xFF -- the missing second token of an odd last code row must not count."""
+    n = x.codes.shape[2]
+    cap = n + extra + (n + extra) % 2
+
+    def put(t, fill):
+        st = torch.full((*t.shape[:2], cap, t.shape[3]), fill, dtype=t.dtype, device=t.device)
+        st[:, :, :n] = t
+        return st[:, :, :n]
+
+    return QuantizedRows(put(x.codes, 255), put(x.scale, float("nan")), put(x.zero, float("nan")))
 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [128, 256, 64], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize(
     "b,m,n,starts,off",
     [
-        (1, 4, 1, (0,), True),  # one token (TB = 2: 32-token steps)
+        (1, 4, 1, (0,), True),  # one token (TB = 2: 32-token steps; D = 64: one code row, its second token missing)
         (1, 4, 33, (0,), False),  # one step + 1
         (3, 4, 5003, (0, 17, 4000), True),  # left padding, odd length, splits
         (2, 1, 777, (0, 31), True),  # MHA (one query row; TB = 2)
         (2, 3, 1000, (5, 0), True),  # GQA 3 (padding columns)
+        (2, 2, 64, (0, 33), True),  # D = 64: two code rows a step, padding to an odd token, one short split
         (2, 6, 2049, (0, 100), True),  # 6 rows: TB = 1 (16-token steps)
         (1, 8, 131072 - 5, (0,), True),  # GQA 8 at 128K
         (4, 4, 32768 + 7, (0, 1, 2, 3000), True),  # the benchmark shape
+        (2, 4, 131072 - 320, (0, 4097), True),  # Llama-3.2-1B at 128K (D = 64: even length, long splits)
     ],
 )
 def test_gpu_gluon_history_partial(gluon_calls, b, m, n, starts, off, d):
-    """The history partials against the reference at both head_dims (D = 256: rows of two 32-byte halves, 16-token
-    steps at every M, fp16 keys on long splits too)."""
+    """The history partials against the reference at the three head_dims (D = 256: rows of two 32-byte halves,
+    16-token steps at every M, fp16 keys on long splits too; D = 64, M <= 4: 32-byte rows of two tokens, the
+    history in storage of even capacity with a stale tail, :func:`_stored`)."""
+    if d == 64 and m > 4:
+        pytest.skip("D = 64 on the Gluon kernel: <= 4 query rows")
     hk, g = 8 if b <= 2 else 2, 64
     q, k, v, gen = make_case(b, hk, m, n, d, g, seed=n + m + d, device="cuda")
+    if d == 64:
+        k, v = _stored(k), _stored(v)
     start = torch.tensor(starts, device="cuda")
     qk_offset = (torch.randn(b, hk, m, generator=gen) * 3).cuda() if off else None
     got = _dt().history_partial_triton(q.cuda(), k, v, start, None, qk_offset, d**-0.5, g, defaults=gluon_calls.defaults)
@@ -193,7 +217,7 @@ def test_gpu_gluon_history_partial(gluon_calls, b, m, n, starts, off, d):
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [128, 256, 64], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("case", ["spike", "underflow"])
 def test_gpu_gluon_reference_guard(gluon_calls, case, d):
     """The rerun of a split against its true max (see test_deferred_loop_reference_guard), per logit column."""
@@ -221,7 +245,7 @@ def test_gpu_gluon_reference_guard(gluon_calls, case, d):
 @pytest.mark.gpu
 @on_gpu
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [128, 256, 64], ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("n_valid", [0, 1, 31, 32, 2000, 2999])
 def test_gpu_gluon_decode_op_device_length_and_stale_storage(gluon_calls, n_valid, d):
     """The fused op with the Gluon history: static storage (length on the device), a window, left padding whose
@@ -234,6 +258,9 @@ def test_gpu_gluon_decode_op_device_length_and_stale_storage(gluon_calls, n_vali
     ref = decode_attention_reference(**cut)
     for t in (args["v"].scale, args["v"].zero):
         t[1, :, :9] = float("nan")
+    if d == 64:  # (an odd n_valid: the last code row's second token is stale storage)
+        for t in (*args["k"][1:], *args["v"][1:]):
+            t[:, :, n_valid:] = float("nan")
     got = _dt().decode_attention_triton(**args, n_valid=torch.tensor(n_valid, device="cuda"), splits=3,
                                         defaults=gluon_calls.defaults)
     assert (not n_valid) or gluon_calls.calls
@@ -247,7 +274,9 @@ def test_gpu_gluon_decode_op_device_length_and_stale_storage(gluon_calls, n_vali
 @pytest.mark.parametrize("fused", [0, 1])
 @pytest.mark.parametrize("b,n,n_valid", [(2, 3000, None), (2, 3000, 2001), (1, 131072 - 320, None),
                                          (8, 32768 - 320, None)])
-@pytest.mark.parametrize("hk,m,d", [(8, 4, 128), (8, 2, 256), (2, 8, 256)])  # Llama; Gemma 3 (16 / 8); Qwen3-Next
+# Llama; Gemma 3 (16 / 8); Qwen3-Next; Llama-3.2-1B (32 / 8 heads of 64); SmolLM2 (9 / 3)
+@pytest.mark.parametrize("hk,m,d", [(8, 4, 128), (8, 2, 256), (2, 8, 256), (8, 4, 64), (3, 3, 64)],
+                         ids=lambda x: f"d{x}" if x in (64, 128, 256) else str(x))
 def test_gpu_gluon_decode_op_rotating(gluon_calls, monkeypatch, fused, b, n, n_valid, hk, m, d):
     """The op from the unrotated query on the Gluon path (what the model's attention calls): the rotation in its own
     launch or with the window programs (the default), left padding, dynamic and device-side lengths, against
@@ -287,6 +316,27 @@ def test_gpu_gluon_serves_head_dim_256_by_default(monkeypatch, hk, m, n):
     args["out_dtype"] = torch.bfloat16
     got = rotating_op(args)
     assert seen == [(256, False)], seen
+    assert rel_err(got.float(), _rotating_reference(args).float()) < 2e-2
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("hk,m,gate", [(8, 4, False), (8, 8, False), (8, 4, True), (8, 8, True), (3, 3, True)])
+def test_gpu_gluon_d64_gate(monkeypatch, hk, m, gate):
+    """D = 64 runs its history on the Gluon kernel only where ``gluon_d64`` is on and M <= 4 (Llama-3.2-1B 32 / 8,
+    SmolLM2 9 / 3; gpt-oss's 64 / 8 stays on the split kernel): the rotating op at B = 8 / 32K, a history of odd
+    length in storage of even capacity, left padding on odd tokens, against the reference either way."""
+    glu = _dt()._gluon_module()
+    seen = []
+    real = glu.launch_history
+    monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (seen.append(a[0].shape[-1]), real(*a, **kw))[1])
+    args = _rotating_case(8, hk, m, 32768 - 321, 320, 64, 64, seed=hk + m, device="cuda")
+    args["k"], args["v"] = _stored(args["k"]), _stored(args["v"])
+    args["qf"] = args["qf"].cuda()
+    args["start"] = torch.tensor([0, 9, 1, 301, 1, 2, 3, 4], device="cuda")
+    args["out_dtype"] = torch.bfloat16
+    got = rotating_op(args, defaults=replace(DEFAULTS, gluon_d64=gate))
+    assert seen == ([64] if gate and m <= 4 else []), seen
     assert rel_err(got.float(), _rotating_reference(args).float()) < 2e-2
 
 
@@ -375,7 +425,7 @@ def test_gpu_gluon_qflag_counters(monkeypatch):
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("m,d", [(4, 128), (2, 256)])
+@pytest.mark.parametrize("m,d", [(4, 128), (2, 256), (4, 64)], ids=["m4-d128", "m2-d256", "m4-d64"])
 def test_gpu_gluon_decode_op_rotating_in_graph(gluon_calls, m, d):
     """The op from the unrotated query captured in a CUDA graph (programmatic dependent launch becomes graph edges):
     replays with new queries and window values written into the captured inputs equal the reference each time."""
