@@ -224,3 +224,20 @@ def test_auto_compiles_the_layouts_measured_on_a_gpu(name):
     why = not_auto_compiled(ModelFingerprint.from_config(_model(name).config))
     measured = set(FAMILIES[name][0]) <= {O, S, ST, OS}
     assert (why is None) == measured, why
+
+
+def test_auto_on_cuda_compiles_soft_capping_and_hybrids_and_says_what_stays_eager(monkeypatch, caplog):
+    """The decision as it runs on a CUDA model (``model_on_cuda`` patched, the storage logic is the same on the CPU):
+    Gemma 2 (soft-capping) and Falcon-H1 (hybrid layers) get the compiled storage; an MLA model keeps the eager one,
+    and the cache says why as a warning, once per process however many caches are built."""
+    import oscar_hf.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "model_on_cuda", lambda model: True)
+    monkeypatch.setattr(cache_module, "_SAID_EAGER", set())
+    for name in ("gemma2", "falcon_h1"):
+        assert OscarCache(_model(name), **SMALL).compiled, name
+    with caplog.at_level("WARNING", logger="oscar_hf"):
+        caches = [OscarCache(_model("deepseek_v3"), **SMALL) for _ in range(2)]
+    assert not any(c.compiled for c in caches)
+    said = [r for r in caplog.records if r.levelname == "WARNING" and "not compiled" in r.getMessage()]
+    assert len(said) == 1 and "latent_attention" in said[0].getMessage(), [r.getMessage() for r in said]

@@ -131,6 +131,11 @@ def not_auto_compiled(fp: ModelFingerprint) -> str | None:
     return f"{' / '.join(other)} layers" if other else None
 
 
+def model_on_cuda(model) -> bool:
+    """Whether ``compile="auto"`` sees a model on CUDA (any of its parameters)."""
+    return model is not None and any(p.is_cuda for p in model.parameters())
+
+
 def _say_eager_once(message: str) -> None:
     """A warning, once per process for each message: a CUDA model whose decode step ``generate`` will not compile."""
     if message not in _SAID_EAGER:
@@ -316,7 +321,7 @@ class OscarCache(Cache):
             # hooks require compiled autograd"), so generate's compiled step would fail (5.24's TP layers do not)
             why = "a model with module backward hooks (tensor parallelism on Transformers 5.17), which torch.compile cannot trace"
         if compile == "auto":
-            on_cuda = model is not None and any(p.is_cuda for p in model.parameters())
+            on_cuda = model_on_cuda(model)
             # tensor parallelism compiles (each rank's layers hold its own KV heads; checked on the CPU under
             # torchrun + gloo) but is not measured on GPUs yet
             tp = model is not None and (getattr(model, "_tp_size", None) or 1) > 1
