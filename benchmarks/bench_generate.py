@@ -233,14 +233,15 @@ def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 
     ``context``, as a prefill leaves them. Linear-attention layers (no K/V rows) are left as the cache made them:
     ``generate``'s first forward, the prompt's last token, runs their prefill path, which leaves the state a prefill
     leaves (its shapes and dtype); every decode step after it, the timed ones, reads and writes that state."""
-    from oscar_hf.cache import OscarLayer, StaticOscarLayer
+    from oscar_hf.cache import DummyLayer, OscarLayer, StaticOscarLayer
     from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
     cfg = model.config.get_text_config(decoder=True)
     hk, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     g = torch.Generator(device=device).manual_seed(0)
     for layer in tqdm(cache.layers, desc="synthetic fill", leave=False):
-        if _is_state_layer(layer) or type(layer).__name__ == "DummyLayer":  # (KV sharing's reuse layers: no cache)
+        # (state layers have no K/V rows; KV sharing's reuse layers cache nothing)
+        if _is_state_layer(layer) or (DummyLayer is not None and isinstance(layer, DummyLayer)):
             continue
         if isinstance(layer, (DynamicSlidingWindowLayer, StaticSlidingWindowLayer)):
             keep = layer.sliding_window if isinstance(layer, DynamicSlidingWindowLayer) else layer.max_cache_len

@@ -384,6 +384,19 @@ def artifact_config(rotations) -> "OscarConfig | None":
     return OscarConfig(**chosen) if chosen else None
 
 
+def starting_config(config: "OscarConfig | None", preset: str | None, rotations,
+                    overrides: dict) -> tuple["OscarConfig", bool]:
+    """The config a cache or a serving store starts from, before the model's head_dim is known: ``config`` or the
+    named ``preset``, else the settings ``rotations``' calibration chose (:func:`artifact_config`), else
+    :class:`OscarConfig`'s defaults, with ``overrides`` on top; and whether its group size is the default nobody chose
+    (:meth:`OscarConfig.for_head_dim` then fits it to the head_dim)."""
+    default_group = config is None and preset is None and "group_size" not in overrides
+    if config is None and preset is None:
+        config = artifact_config(rotations)
+        default_group = default_group and config is None
+    return OscarConfig.build(config, preset, **overrides), default_group
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelFingerprint:
     """The shape facts an artifact depends on, read from a model's text config."""

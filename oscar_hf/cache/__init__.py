@@ -52,9 +52,9 @@ from ..config import (
     STATE_LAYER_TYPES,
     ModelFingerprint,
     OscarConfig,
-    artifact_config,
     artifact_settings,
     hybrid_state_layers,
+    starting_config,
     validate_head_dim,
 )
 from ..distributed import shard_cache_for_tensor_parallel
@@ -181,14 +181,9 @@ class OscarCache(Cache):
                  preset: str | None = None, compile: bool | str = "auto", **overrides):
         if compile not in (True, False, "auto"):
             raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
-        # a group size nobody chose (OscarConfig's default 64) is fitted to the model's head_dim (for_head_dim)
-        default_group = config is None and preset is None and "group_size" not in overrides
-        if config is None and preset is None:
-            # the settings calibration chose for this model (calibrate(choose_settings=True)), under the user's
-            # keywords; an artifact without them starts from OscarConfig's defaults, as before
-            config = artifact_config(rotations)
-            default_group = default_group and config is None
-        config = OscarConfig.build(config, preset, **overrides)
+        # without config / preset: the settings calibration chose for this model (calibrate(choose_settings=True)),
+        # under the user's keywords; a group size nobody chose is fitted to the model's head_dim (for_head_dim)
+        config, default_group = starting_config(config, preset, rotations, overrides)
         is_model = isinstance(model_or_config, torch.nn.Module)
         model_config = model_or_config.config if is_model else model_or_config
         text_cfg = model_config.get_text_config(decoder=True)

@@ -50,7 +50,7 @@ from ..cache import resolve_full_precision_heads
 from ..cache.base import check_first_keys, group_queries
 from ..cache.params import LayerParams
 from ..cache.window import PagedHistory, commit, demote_pending, ring_entries, window_mask
-from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, artifact_config, validate_head_dim
+from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, starting_config, validate_head_dim
 from ..distributed import local_full_precision_heads, slice_layer_rotation, tp_layout
 from ..patching import base_attention_function
 from ..rotations import OscarRotations
@@ -257,11 +257,7 @@ class OscarPagedStore:
                  max_requests: int = DEFAULT_MAX_REQUESTS, prompt_budget: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, defer_pool: bool = False,
                  **overrides):
-        default_group = config is None and "group_size" not in overrides  # (as OscarCache: fitted to head_dim)
-        if config is None:  # the settings calibration chose, under the overrides (as OscarCache)
-            config = artifact_config(rotations)
-            default_group = default_group and config is None
-        config = OscarConfig.build(config, None, **overrides)
+        config, default_group = starting_config(config, None, rotations, overrides)  # (as OscarCache)
         model_config = getattr(model_or_config, "config", model_or_config)
         if rotations is None:
             rotations = OscarRotations.builtin(model_config, config.method)
