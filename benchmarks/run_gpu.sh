@@ -13,9 +13,9 @@
 #               G=32), 512 (Gemma 4 full layers: 16 / 4) (`kernels-d64`, kernels_<gpu>_d512.json
 #               `kernels-d256`, `kernels-d256-kv2`, `kernels-d96`,
 #               `kernels-d512`: one shape each)
-#   gluon-d64   the gated Gluon history at head_dim 64: its GPU tests,   gpu_tests_gluon_d64_<gpu>.log,
-#               then the op with DecodeDefaults.gluon_d64 off and on      kernels_<gpu>_d64_m4_gluon_{false,true}.json
-#               (32 / 8 heads, B = 1, 8 x 32K, 128K)
+#   gluon-d64   the Gluon history at head_dim 64 (M <= 4): its GPU      gpu_tests_gluon_d64_<gpu>.log,
+#               tests, then the op on the split kernel alone (no Gluon)    kernels_<gpu>_d64_m4_{split,gluon}.json
+#               and at the defaults (32 / 8 heads, B = 1, 8 x 32K, 128K)
 #   profile-op  the decode op's kernels one by one in a CUDA graph       profile_op_<gpu>.json
 #   default     the default call OscarCache(model) (compiled by        generate_default_<gpu>_b<B>_t<T>.json
 #               generate itself) vs BF16 DynamicCache and compiled
@@ -147,14 +147,14 @@ for what in "$@"; do
       $PY "$B/bench_kernels.py" --plot "$OUT/kernels_${GPU}_$tag.json"
     done ;;
   gluon-d64)
-    # the Gluon history at head_dim 64 (gated off: DecodeDefaults.gluon_d64): its GPU tests, then the op with the gate
-    # on against the split kernel, Llama-3.2-1B's 32 / 8 heads (M = 4)
+    # the Gluon history at head_dim 64: its GPU tests, then the op at Llama-3.2-1B's 32 / 8 heads (M = 4) on the split
+    # kernel alone (gluon_min_work above any call's work) and at the defaults (the Gluon history)
     run "gpu_tests_gluon_d64_$GPU" $PY -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
         "$R/tests/kernels/test_decode_gpu.py" -k d64
-    for gate in false true; do
-      run "kernels_${GPU}_d64_m4_gluon_$gate" $PY "$B/bench_kernels.py" --head-dim 64 --q-heads 32 --kv-heads 8 \
-          --batches 1,8 --lengths 32768,131072 --no-write --config "{\"gluon_d64\": $gate}" \
-          --out "$OUT/kernels_${GPU}_d64_m4_gluon_$gate.json"
+    for kind in split gluon; do
+      cfg='{}'; [ $kind = split ] && cfg='{"gluon_min_work": 1000000000000}'
+      run "kernels_${GPU}_d64_m4_$kind" $PY "$B/bench_kernels.py" --head-dim 64 --q-heads 32 --kv-heads 8 \
+          --batches 1,8 --lengths 32768,131072 --no-write --config "$cfg" --out "$OUT/kernels_${GPU}_d64_m4_$kind.json"
     done ;;
   profile-op)
     run "profile_op_$GPU" $PY "$B/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \

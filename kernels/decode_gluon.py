@@ -54,7 +54,7 @@ the kernel state its layouts, so here every operand is built in the registers th
 one value accumulator each; group ``g``'s logit term is its chunks ``2g, 2g + 1``'s two MMAs. ``TB = 1`` (its 8
 accumulators and operands fill the registers), fp16 keys only (no ``K8`` / ``QPRE`` / ``QFLAG``).
 
-**D = 64** (``TP = 2``, ``M <= 4``; gated off by default, ``DecodeDefaults.gluon_d64``: compiled, not run on a GPU yet):
+**D = 64** (``TP = 2``, ``M <= 4``):
 the 16-byte rows of tokens ``2j, 2j + 1`` are read as one 32-byte D = 128 row ("code row" ``j``; byte ``s < 16``: token
 ``2j``'s, channel ``16 P + s`` of plane ``P``; ``s >= 16``: token ``2j + 1``'s), so its loads, copies, key and value
 operands and metadata words (now the two tokens' bf16) are D = 128's at ``TB = 1``: 16 code rows, 32 tokens a step.
@@ -311,13 +311,13 @@ def _hist_kernel(
                                   pack=1)
 
 
-def gluon_supported(q_rot, k, v, group_size: int, key_mask, meta_words: bool, d64: bool = False) -> bool:
+def gluon_supported(q_rot, k, v, group_size: int, key_mask, meta_words: bool) -> bool:
     """The shapes this kernel serves (the rest: the Triton kernel): head_dim 128 or 256 in groups of 64 channels, and
-    head_dim 64 (one group) with <= 4 query rows where ``d64`` (``DecodeDefaults.gluon_d64``: not run on a GPU yet).
+    head_dim 64 (one group) with <= 4 query rows.
     ``meta_words``: the bf16 scale / zero of a token are ``D / 128`` aligned 4-byte words (two groups each); at D = 64
     those of a token pair (2j, 2j + 1) are."""
     b, hk, m, d = q_rot.shape
-    return (q_rot.is_cuda and cuda_major(q_rot.device) >= 8 and (d in (128, 256) or (d64 and d == 64 and m <= 4))
+    return (q_rot.is_cuda and cuda_major(q_rot.device) >= 8 and (d in (128, 256) or (d == 64 and m <= 4))
             and group_size == 64 and 1 <= m <= 8 and key_mask is None and meta_words
             and k.codes.stride(-1) == 1 and v.codes.stride(-1) == 1
             # token rows of D / 4 bytes: the addressing assumes them

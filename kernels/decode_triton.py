@@ -18,7 +18,7 @@ static cache's op ``static_op.decode_attention_static``, :func:`history_partial_
   (:mod:`~oscar_hf.kernels.decode_combine`, one program per query row).
 
 Where the history runs on the Gluon kernel (:mod:`~oscar_hf.kernels.decode_gluon`: CUDA, D = 128 or 256, G = 64, <= 8
-query rows per KV head -- and D = 64 with <= 4 where ``DecodeDefaults.gluon_d64`` --, bf16 metadata, no key mask, no
+query rows per KV head -- D = 64 with <= 4 --, bf16 metadata, no key mask, no
 soft-capping, at least ``gluon_min_work`` history token-heads),
 the split kernel runs the window programs only (``PID_OFF``); from the unrotated query the op is three launches -- the
 rotation with the window programs (``_prologue_kernel``), the Gluon history, the combine -- with programmatic dependent
@@ -202,8 +202,7 @@ def decode_attention_triton(
     pairable = _pairable(k, v, d, group_size)
     # the Gluon kernel's layout checks only where the plan may take it (it does not cap logits)
     glu = _gluon_module() if (q_rot.is_cuda and not softcap and gluon_pays(defaults, bh, n)) else None
-    gluon_ok = glu is not None and glu.gluon_supported(q_rot, k, v, group_size, kmask, _meta_words(k, v),
-                                                       d64=defaults.gluon_d64)
+    gluon_ok = glu is not None and glu.gluon_supported(q_rot, k, v, group_size, kmask, _meta_words(k, v))
     window = r_v is not None
     w = 0 if (not window or k_win is None) else k_win.shape[-2]
     p = decode_plan(b, hk, m, d, n, group_size, w, dev, window=window, static=n_valid is not None, splits=splits,

@@ -151,8 +151,8 @@ class DecodeDefaults:
     merge_out_parts: int = 4  # programs per row where rows are fewer than SMs, each un-rotating 1/4 of R_V's rows
     merge_warps_few: int = 4  # their warps (at D = 128 with a row's splits in one tile of <= 128)
     splits_pow2_slack: float = 0.05  # few rows: splits rounded down to a power of two (a full combine tile)
-    # Gluon history kernel (CUDA, D = 128 or 256, G = 64, <= 8 query rows per KV head, bf16 metadata, no key mask): ~12
-    # SASS instructions per history token at D = 128 instead of the split kernel's ~32
+    # Gluon history kernel (CUDA, D = 128 or 256 with <= 8 query rows per KV head or D = 64 with <= 4, G = 64, bf16
+    # metadata, no key mask): ~12 SASS instructions per history token at D = 128 instead of the split kernel's ~32
     gluon_min_work: int = 500_000  # history tokens x (row, KV head) from which it pays for its extra launch
     gluon_resident: int = 12  # one-warp programs resident per SM under gluon_maxnreg (the wave model's slots)
     gluon_maxnreg: int = 168  # 12 programs an SM were faster than 13-14 without the cap's small spills
@@ -172,10 +172,6 @@ class DecodeDefaults:
     # ptxas's own limit (255 registers; a few spilled bytes outside the loop: tests/kernels/test_compile_sm90.py)
     gluon_maxnreg_wide: int = 255
     gluon_resident_wide: int = 8
-    # D = 64 (G = 64, <= 4 query rows) on the Gluon kernel: a 32-byte code row of two tokens (D = 128's loads and
-    # operands, logit columns (token parity, query row)), fp16 keys, gluon_resident under gluon_maxnreg at every split
-    # length (compiled: no spill at 2 stages, tests/kernels/test_compile_sm90.py). Off: not run on a GPU yet
-    gluon_d64: bool = False
 
 
 DEFAULTS = DecodeDefaults()
@@ -382,8 +378,8 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
         capacity and ``splits`` (the cache's fixed split count; None: the wave model's), so a CUDA graph stays valid.
     rotate: the op rotates the query itself (its first launch).
     gluon_step: the Gluon kernel's tokens per step where it serves this call's tensors
-        (``decode_gluon.gluon_supported`` / ``tokens_per_step``: D = 128 or 256; D = 64 with ``M <= 4`` taken only
-        where ``defaults.gluon_d64``), 0 where not.
+        (``decode_gluon.gluon_supported`` / ``tokens_per_step``: D = 128 or 256; D = 64 with ``M <= 4``), 0 where
+        not.
     page: entries per page of a paged history (the serving pool, ``paged_decode``), 0 for a contiguous one.
     sinks: one more partial per row after the window's, which the launcher fills with the attention sink's logit
         (``m = s``, ``l = 1``, ``acc = 0``): the combine merges it like a window partial, so no kernel knows of sinks.
@@ -404,8 +400,7 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
     # the register cap was measured for the deferred loop's default tile over a contiguous history only; the static
     # cache's variant (length read on the device) would spill 184 bytes under it (tests/kernels/test_compile_sm90.py)
     maxnreg = df.maxnreg if (not static and not page and deferred and d == 128) else None
-    gluon = (gluon_step > 0 and not softcap and gluon_pays(df, bh, n)
-             and (d != 64 or (df.gluon_d64 and m <= 4)))  # (D = 64: gated off until run on a GPU)
+    gluon = gluon_step > 0 and not softcap and gluon_pays(df, bh, n) and (d != 64 or m <= 4)
     if gluon:
         # the Gluon kernel's step and residency; the static cache's `splits` (sized for the split kernel) are not
         # used: its grid follows from the capacity alone, so it is just as fixed

@@ -62,7 +62,7 @@ def test_kernels_compile_for_sm90_without_spills():
 def test_gluon_history_kernel_compiles_for_sm90_in_registers():
     """The Gluon history kernel (no interpreter exists for Gluon: this and the GPU tests are its checks on CI and on
     the GPU): it compiles for sm_90 at both token-set layouts and head_dims 128 / 256 / 64 (D = 64: code rows of two
-    tokens, gated off by default, ``DecodeDefaults.gluon_d64``), stays under its register cap
+    tokens), stays under its register cap
     with no spill inside the hot loop, and the hot loop (one full step) has the structure the kernel's docstring
     states -- mma.sync only, one movmatrix per 8x8 block of W, the step's codes and metadata copied to shared memory by
     cp.async (16-byte copies of the codes), and no thread writing shared memory (a layout conversion through shared

@@ -147,7 +147,7 @@ _GLUON_VARIANTS = {
 @pytest.fixture(params=list(_GLUON_VARIANTS), ids=list(_GLUON_VARIANTS))
 def gluon_calls(request, monkeypatch):
     """Counts the Gluon kernel's launches (so that a test fails if the dispatch silently took the split kernel) and
-    gives the defaults each test passes: the Gluon kernel for every call size (D = 64 included: ``gluon_d64``), with
+    gives the defaults each test passes: the Gluon kernel for every call size (D = 64 included), with
     the long-split path (int8 key MMAs, 4 pipeline stages, their residency) everywhere, nowhere, or where the splits
     are long (the default); the combine with one warp per row, or with one program per row where rows are few (no
     output parts, the split count not rounded to a power of two)."""
@@ -156,7 +156,7 @@ def gluon_calls(request, monkeypatch):
     calls = []
     real = glu.launch_history
     monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (calls.append(a[0].shape), real(*a, **kw))[1])
-    return SimpleNamespace(calls=calls, defaults=replace(DEFAULTS, gluon_min_work=0, gluon_d64=True,
+    return SimpleNamespace(calls=calls, defaults=replace(DEFAULTS, gluon_min_work=0,
                                                          **_GLUON_VARIANTS[request.param]))
 
 
@@ -321,10 +321,10 @@ def test_gpu_gluon_serves_head_dim_256_by_default(monkeypatch, hk, m, n):
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("hk,m,gate", [(8, 4, False), (8, 8, False), (8, 4, True), (8, 8, True), (3, 3, True)])
-def test_gpu_gluon_d64_gate(monkeypatch, hk, m, gate):
-    """D = 64 runs its history on the Gluon kernel only where ``gluon_d64`` is on and M <= 4 (Llama-3.2-1B 32 / 8,
-    SmolLM2 9 / 3; gpt-oss's 64 / 8 stays on the split kernel): the rotating op at B = 8 / 32K, a history of odd
+@pytest.mark.parametrize("hk,m", [(8, 4), (8, 8), (3, 3)])
+def test_gpu_gluon_d64_routing(monkeypatch, hk, m):
+    """D = 64 runs its history on the Gluon kernel at the defaults where M <= 4 (Llama-3.2-1B 32 / 8, SmolLM2 9 / 3;
+    gpt-oss's 64 / 8 stays on the split kernel): the rotating op at B = 8 / 32K, a history of odd
     length in storage of even capacity, left padding on odd tokens, against the reference either way."""
     glu = _dt()._gluon_module()
     seen = []
@@ -335,8 +335,8 @@ def test_gpu_gluon_d64_gate(monkeypatch, hk, m, gate):
     args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 9, 1, 301, 1, 2, 3, 4], device="cuda")
     args["out_dtype"] = torch.bfloat16
-    got = rotating_op(args, defaults=replace(DEFAULTS, gluon_d64=gate))
-    assert seen == ([64] if gate and m <= 4 else []), seen
+    got = rotating_op(args)
+    assert seen == ([64] if m <= 4 else []), seen
     assert rel_err(got.float(), _rotating_reference(args).float()) < 2e-2
 
 

@@ -166,17 +166,14 @@ def test_launcher_follows_its_plan(monkeypatch, window, n_valid):
 
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("m", [1, 3, 4, 8])
-@pytest.mark.parametrize("gate", [False, True])
-def test_plan_head_dim_64_on_gluon_only_where_gated_on(gpu, gate, m, static):
-    """D = 64 (gpt-oss 64 / 8, Llama-3.2-1B 32 / 8, SmolLM2 9 / 3 heads) stays on the split kernel at the defaults even
-    where the Gluon kernel would take the tensors (``gluon_step``); with ``gluon_d64`` on it goes to the Gluon kernel
-    at M <= 4 (32 tokens a step: 16 code rows of two tokens; fp16 keys, the short splits' residency and cap at every
-    split length, the long splits' stages), never at M > 4."""
+def test_plan_head_dim_64_on_gluon_up_to_4_query_rows(gpu, m, static):
+    """D = 64 (Llama-3.2-1B 32 / 8, SmolLM2 9 / 3 heads) goes to the Gluon kernel at M <= 4 (32 tokens a step: 16 code
+    rows of two tokens; fp16 keys, the short splits' residency and cap at every split length, the long splits'
+    stages), never at M > 4 (gpt-oss 64 / 8) even where the Gluon kernel would take the tensors (``gluon_step``)."""
     gpu(132)
-    df = replace(DEFAULTS, gluon_d64=gate)
     p = decode_plan(8, 8, m, 64, N128K, 64, 320, CUDA, rotate=not static, static=static,
-                    gluon_step=32 if m <= 4 else 16, defaults=df)
-    if gate and m <= 4:
+                    gluon_step=32 if m <= 4 else 16)
+    if m <= 4:
         assert (p.gluon, p.block_n, p.maxnreg, p.gluon_maxnreg, p.gluon_stages, p.k8, p.qpre, p.ready) == (
             True, 32, None, DEFAULTS.gluon_maxnreg, DEFAULTS.gluon_stages_long, False, False, False)
         assert p.s_hist == 49 and p.split_len == (0 if static else 2688) and p.split_len % 2 == 0
@@ -186,15 +183,13 @@ def test_plan_head_dim_64_on_gluon_only_where_gated_on(gpu, gate, m, static):
         assert p.split_programs == p.s_hist + p.s_win
     # short splits (an odd history shorter than two min_split splits, at any work): the short splits' 2 stages
     p = decode_plan(2, 8, min(m, 4), 64, 301, 64, 320, CUDA, rotate=True, gluon_step=32,
-                    defaults=replace(df, gluon_min_work=0))
-    assert p.gluon == gate and (not gate or (p.gluon_stages, p.gluon_maxnreg) == (DEFAULTS.gluon_stages,
-                                                                                   DEFAULTS.gluon_maxnreg))
+                    defaults=replace(DEFAULTS, gluon_min_work=0))
+    assert p.gluon and (p.gluon_stages, p.gluon_maxnreg) == (DEFAULTS.gluon_stages, DEFAULTS.gluon_maxnreg)
 
 
-def test_gluon_kernel_head_dim_64_gate():
-    """The Gluon module's own gate (where Gluon imports): D = 64 only with ``d64`` and M <= 4, 32 tokens a step."""
+def test_gluon_kernel_head_dim_64_steps():
+    """The Gluon module (where Gluon imports) reads D = 64 at 32 tokens a step up to 4 query rows."""
     glu = _dt()._gluon_module()
     if glu is None:
         pytest.skip("this Triton has no Gluon")
     assert glu.tokens_per_step(4, 64) == 32 and glu.tokens_per_step(3, 64) == 32
-    assert DEFAULTS.gluon_d64 is False  # gated off until it has run on a GPU
