@@ -81,8 +81,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from .decode_gluon_ops import (A_OP, B_OP, DF_LIM, KLOAD, MMA, VLOAD, _accumulate, _col_sets, _copy_setup,
                                _fresh_state, _groups, _issue_copies, _issue_first_copies, _loads_lanes, _logits,
-                               _q8_loaded, _q8_operands, _q_operand, _q_plane, _q_sums, _smem_codes, _smem_meta,
-                               _SPIN_ASM, _split_setup, _step, _sync)
+                               _page_of, _page_offs, _q8_loaded, _q8_operands, _q_operand, _q_plane, _q_sums,
+                               _row_offs, _smem_codes, _smem_meta, _SPIN_ASM, _split_setup, _step, _sync)
 from .plan import cuda_major
 
 
@@ -95,6 +95,7 @@ def _hist_kernel(
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, PDL: gl.constexpr = 0, K8: gl.constexpr = 0, NH: gl.constexpr = 1,
     QP8=None, QPF=None, QPRE: gl.constexpr = 0, READY=None, QFLAG: gl.constexpr = 0, TP: gl.constexpr = 1,
+    BT=None, sbt=0, cps=0, mps=0, PAGED: gl.constexpr = 0, PR: gl.constexpr = 1,
 ):
     """Grid ``(B * Hk, S)``: program ``(bh, s)`` writes the partial of history split ``s`` of one (row, KV head).
     ``STAGES``: cp.async pipeline stages (a power of two); ``PDL``: launched under programmatic dependent launch
@@ -102,7 +103,13 @@ def _hist_kernel(
     int8 key MMAs; ``QPRE``: their query operands built by the prologue (``QP8``, ``QPF``); ``QFLAG``: wait for the
     prologue's counter ``READY[bh]`` instead of the PDL wait. ``NH``: 32-byte halves of a code row, ``D = 128 NH``
     (NH = 2: TB = 1, not K8). ``TP = 2``: D = 64, a 32-byte code row is two tokens (NH = 1, TB = 1, not K8, M <= 4);
-    ``N``, ``split_len`` (even) and ``START`` count tokens."""
+    ``N``, ``split_len`` (even) and ``START`` count tokens.
+
+    ``PAGED`` (the serving pool, ``paged_decode.py``): ``KC`` .. ``VZ`` are ``[num_pages, Hk, P, *]`` (the ``b``
+    strides 0), row ``b``'s code row ``j`` is row ``j % PR`` of page ``BT[b, j // PR]`` (``PR = P / TP`` code rows a
+    page, a multiple of ``T``: a step never straddles pages; ``cps`` / ``mps``: page strides of the codes / metadata in
+    4-byte words, the same for keys and values), and it has ``NPTR[b]`` history tokens. A step's page is loaded one
+    step ahead of its copies (its latency under the step before)."""
     CS: gl.constexpr = _col_sets(TB, TP)  # column sets: the token sets, or (TP = 2) the two tokens of a code row
     MH: gl.constexpr = 8 // CS
     T: gl.constexpr = 16 * TB  # code rows a step
@@ -114,20 +121,25 @@ def _hist_kernel(
     h = pid_bh % Hk
     part = (pid_bh.to(gl.int64) * S_TOT + pid_s) * M
     wdep = pid_s
+    bt_row = BT
+    if PAGED:
+        bt_row = BT + b.to(gl.int64) * sbt
     # the split's first loads before anything that needs the query: the reference step's words into registers and
     # the first full steps' copies, so that their memory latency overlaps the query's loads (PDL: and the launch
     # before this one, which computes the query)
     (start, hi, lo, f0, f1, kl, vl, ksl, kzl, vsl, vzl, lr, lc, mr, kc_base, vc_base, ks_base, kz_base, vs_base,
      vz_base) = _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
-                             skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, NH, N_DEV, TP)
+                             skb, skh, smkb, smkh, svb, svh, smvb, smvh, T, TB, NH, N_DEV, TP, PAGED)
     if TP == 2:  # (hi counts tokens, the steps rows)
         hr = (hi + 1) >> 1
     else:
         hr = hi
-    xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, NH, True, TP)
+    co, mo = _row_offs(lo, bt_row, cps, mps, NH, PAGED, PR)
+    xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, co, mo, start, hi, lr, lc, mr, TB, NH, True,
+                                          TP)
     kbuf, vbuf, mbuf, ck, cv, cm = _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T, TB, NH,
                                                STAGES)
-    _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES, NH)
+    _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES, NH, bt_row, cps, mps, PAGED, PR)
     if QFLAG:
         # instead of the PDL wait for the whole prologue grid: its rotation programs of this (row, head) count
         # themselves done in READY once their operands are stored (4 planes); the wait ends when this head's are,
@@ -203,14 +215,22 @@ def _hist_kernel(
         # copies repeat it -- f1 - T -- so that every step issues the same). The first pass's first copies were
         # issued before the query's loads (a rerun, run == 2, issues them)
         if run == 2:
-            _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES, NH)
+            _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T, STAGES, NH, bt_row, cps, mps, PAGED, PR)
+        if PAGED:  # the page of the loop's first copies (then each iteration loads the next one's)
+            pgn = _page_of(bt_row, gl.minimum(f0 + (STAGES - 1) * T, f1 - T), PR)
         for it in range(0, (f1 - f0) // T):
             n0 = f0 + it * T
             async_copy.wait_group(STAGES - 2)
             _sync()
             st = it & (STAGES - 1)
             st_w = (it + STAGES - 1) & (STAGES - 1)
-            _issue_copies(kbuf, vbuf, mbuf, st_w, ck, cv, cm, gl.minimum(n0 + (STAGES - 1) * T, f1 - T), NH)
+            nc = gl.minimum(n0 + (STAGES - 1) * T, f1 - T)  # the step whose copies are issued now
+            if PAGED:
+                co, mo = _page_offs(pgn, nc, cps, mps, NH, PR)
+                pgn = _page_of(bt_row, gl.minimum(nc + T, f1 - T), PR)
+            else:
+                co, mo = nc * (8 * NH), nc * NH
+            _issue_copies(kbuf, vbuf, mbuf, st_w, ck, cv, cm, co, mo)
             xk = _smem_codes(kbuf.index(st), KLOAD, NH)
             xv = _smem_codes(vbuf.index(st), VLOAD, NH)
             mb = mbuf.index(st)
@@ -219,8 +239,9 @@ def _hist_kernel(
                           TB, MH, NH, False, K8, TP)
         async_copy.wait_group(0)
         if f1 < hr:
-            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, start, hi, lr, lc, mr, TB, NH, True,
-                                                  TP)
+            co, mo = _row_offs(f1, bt_row, cps, mps, NH, PAGED, PR)
+            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, f1, co, mo, start, hi, lr, lc, mr, TB,
+                                                  NH, True, TP)
             state = _step(xk, xv, ks, kz, vs, vz, f1, hi, start, qb, c, qs, offc, kdiag, ones, state,
                           TB, MH, NH, True, K8, TP)
         m_c = gl.max(state[1], 0) + phi  # per column, -inf stays -inf
@@ -231,8 +252,9 @@ def _hist_kernel(
             phi = gl.where(m_c == float("-inf"), phi, m_c)
             run = 2
             # the first step again, against the new reference
-            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, start, hi, lr, lc, mr, TB, NH, True,
-                                                  TP)
+            co, mo = _row_offs(lo, bt_row, cps, mps, NH, PAGED, PR)
+            xk, xv, ks, kz, vs, vz = _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, lo, co, mo, start, hi, lr, lc, mr, TB,
+                                                  NH, True, TP)
             state = _step(xk, xv, ks, kz, vs, vz, lo, hi, start, qb, c, qs, off - phi, kdiag, ones,
                           _fresh_state(NH, TP), TB, MH, NH, True, K8, TP)
 
@@ -334,27 +356,42 @@ def tokens_per_step(m: int, d: int = 128) -> int:
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages, maxnreg, pdl=False, k8=False, qpre=None, ready=None):
+                   stages, maxnreg, pdl=False, k8=False, qpre=None, ready=None, paged=None):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
     ``pdl``: launched under programmatic dependent launch right after the query's launch (the rotating op).
     ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
     ``ready`` (with ``qpre`` and ``pdl``): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise when
     their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``).
-    ``k8`` at D = 128 only. D = 64: code rows of two tokens (``TP = 2``), ``split_len`` even."""
+    ``k8`` at D = 128 only. D = 64: code rows of two tokens (``TP = 2``), ``split_len`` even. ``paged``: a
+    ``decode_triton.PagedHistory`` (``k`` / ``v`` the pool's ``[num_pages, Hk, P, *]`` views; ``n`` its ``max_len``)."""
     b, hk, m, d = q_rot.shape
     assert not (k8 and d != 128), "the int8 key path serves D = 128 only"
     tp = 2 if d == 64 else 1
     assert tp == 1 or (m <= 4 and split_len % 2 == 0), "D = 64: <= 4 query rows, splits of whole code rows"
     z3 = (0, 0, 0)
+    pk = {}
+    if paged is not None:  # the row strides 0: pages come from the block table; page strides in 4-byte words
+        assert n_valid is None and k.codes.stride(0) == v.codes.stride(0) and k.scale.stride(0) == v.scale.stride(0)
+        assert paged.page % tokens_per_step(m, d) == 0, "a step must not straddle pages"
+        n_valid = paged.hist_len
+        cps, mps = k.codes.stride(0) // 4, k.scale.stride(0) * k.scale.element_size() // 4
+        pk = dict(BT=paged.block_table, sbt=paged.block_table.stride(0), cps=cps, mps=mps, PAGED=1,
+                  PR=paged.page // tp)
     _hist_kernel[(b * hk, s_hist)](
         q_rot, *k, *v, start, qk_offset, n_valid, pm, pl, pacc,
         n, m, hk, s_hist, s_tot, split_len, qk_scale,
-        *q_rot.stride()[:3], *k.codes.stride()[:2], *k.scale.stride()[:2],
-        *v.codes.stride()[:2], *v.scale.stride()[:2],
+        *q_rot.stride()[:3], *_bh_strides(k.codes, paged), *_bh_strides(k.scale, paged),
+        *_bh_strides(v.codes, paged), *_bh_strides(v.scale, paged),
         *(qk_offset.stride() if qk_offset is not None else z3),
-        TB=tokens_per_step(m, d) // (16 * tp), HAS_OFF=qk_offset is not None, N_DEV=n_valid is not None,
+        TB=tokens_per_step(m, d) // (16 * tp), HAS_OFF=qk_offset is not None,
+        N_DEV=n_valid is not None and paged is None,
         STAGES=stages, PDL=int(bool(pdl)), K8=int(bool(k8)), NH=max(d // 128, 1), TP=tp,
         QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),
         READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and bool(pdl)), num_warps=1,
-        **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
+        **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}), **pk,
     )
+
+
+def _bh_strides(t, paged) -> tuple[int, int]:
+    """A history tensor's (row, KV head) strides; a paged one's row stride is 0 (its pages: the block table)."""
+    return (0 if paged is not None else t.stride(0)), t.stride(1)

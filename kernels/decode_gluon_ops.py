@@ -280,9 +280,10 @@ def _lane_asm(KIND: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr, ptr, lo, h
 
 
 @gluon.jit
-def _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, lo, hi, lr, lc, mr, TB: gl.constexpr, NH: gl.constexpr,
+def _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, co, mo, lo, hi, lr, lc, mr, TB: gl.constexpr, NH: gl.constexpr,
                  MASKED: gl.constexpr, TP: gl.constexpr = 1):
-    """The loads of the step at ``n0`` from per-lane addresses (``[32]`` each, at token 0; lane ``4r + c`` reads key
+    """The loads of the step at ``n0`` (word offsets ``co`` of its codes, ``mo`` of its metadata: :func:`_row_offs`)
+    from per-lane addresses (``[32]`` each, at token 0; lane ``4r + c`` reads key
     row ``r``, value token ``2c``, metadata of logit row ``r`` (token ``mr``)): the tiles of :func:`_loads`, in its
     layouts, as tuples -- ``NH`` key and value word tiles (one per 32-byte half of a row), ``NH`` metadata tiles per
     tensor (one per word of a token). ``MASKED``: only tokens in ``[lo, hi)`` are read (keys and their metadata:
@@ -306,12 +307,12 @@ def _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, lo, hi, lr, lc, mr, TB: gl.cons
     k = ()
     v = ()
     for hh in gl.static_range(NH):
-        k = k + (_lane_asm(0, TB, NH, kl + (n0 * (8 * NH) + 8 * hh), big - lr, hik - n0 - lr, MASKED),)
-        v = v + (_lane_asm(1, TB, NH, vl + (n0 * (8 * NH) + 8 * hh), big - lr, hiv - n0 - 2 * lc, MASKED),)
-    ks = _meta_tiles(ksl + n0 * NH, big - mr, him - n0 - mr, TB, NH, MASKED)
-    kz = _meta_tiles(kzl + n0 * NH, big - mr, him - n0 - mr, TB, NH, MASKED)
-    vs = _meta_tiles(vsl + n0 * NH, lom - n0 - mr, him - n0 - mr, TB, NH, MASKED)
-    vz = _meta_tiles(vzl + n0 * NH, lom - n0 - mr, him - n0 - mr, TB, NH, MASKED)
+        k = k + (_lane_asm(0, TB, NH, kl + (co + 8 * hh), big - lr, hik - n0 - lr, MASKED),)
+        v = v + (_lane_asm(1, TB, NH, vl + (co + 8 * hh), big - lr, hiv - n0 - 2 * lc, MASKED),)
+    ks = _meta_tiles(ksl + mo, big - mr, him - n0 - mr, TB, NH, MASKED)
+    kz = _meta_tiles(kzl + mo, big - mr, him - n0 - mr, TB, NH, MASKED)
+    vs = _meta_tiles(vsl + mo, lom - n0 - mr, him - n0 - mr, TB, NH, MASKED)
+    vz = _meta_tiles(vzl + mo, lom - n0 - mr, him - n0 - mr, TB, NH, MASKED)
     if TP == 2 and MASKED:  # (a word's other token may be padding whose storage holds NaN: W = p s must stay 0)
         ok = _pair_valid(n0, lo, hi)
         vs = (gl.where(ok, vs[0], 0),)
@@ -358,22 +359,49 @@ def _meta_tile(w):
 
 
 @gluon.jit
-def _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, n0, NH: gl.constexpr):
-    """cp.async of the full step at ``n0`` into ``stage``, as one commit group."""
-    _cp_async(kbuf.index(stage), ck + n0 * (8 * NH))
-    _cp_async(vbuf.index(stage), cv + n0 * (8 * NH))
-    _cp_async(mbuf.index(stage), cm + n0 * NH)
+def _page_of(bt_row, n0, PR: gl.constexpr):
+    """The page id of code row ``n0`` (a paged history: ``PR`` code rows a page, ``bt_row`` the row's block table;
+    an entry past the row's pages, -1, reads as page 0: only masked loads use it)."""
+    return gl.maximum(gl.load(bt_row + n0 // PR), 0)
+
+
+@gluon.jit
+def _page_offs(pg, n0, cps, mps, NH: gl.constexpr, PR: gl.constexpr):
+    """Word offsets (codes, metadata) of code row ``n0`` in page ``pg`` (``cps``, ``mps``: page strides in words)."""
+    r = n0 % PR
+    pw = pg.to(gl.int64)
+    return pw * cps + r * (8 * NH), pw * mps + r * NH
+
+
+@gluon.jit
+def _row_offs(n0, bt_row, cps, mps, NH: gl.constexpr, PAGED: gl.constexpr, PR: gl.constexpr):
+    """Word offsets (codes, metadata) of code row ``n0`` from the (row, head)'s bases: ``n0`` rows of ``8 NH`` and
+    ``NH`` words in a contiguous history; ``PAGED``: row ``n0 % PR`` of page ``bt_row[n0 // PR]``."""
+    if PAGED:
+        return _page_offs(_page_of(bt_row, n0, PR), n0, cps, mps, NH, PR)
+    else:
+        return n0 * (8 * NH), n0 * NH
+
+
+@gluon.jit
+def _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, co, mo):
+    """cp.async of the full step at word offsets ``co`` (codes), ``mo`` (metadata) into ``stage``, as one commit
+    group."""
+    _cp_async(kbuf.index(stage), ck + co)
+    _cp_async(vbuf.index(stage), cv + co)
+    _cp_async(mbuf.index(stage), cm + mo)
     async_copy.commit_group()
 
 
 @gluon.jit
 def _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T: gl.constexpr, STAGES: gl.constexpr,
-                        NH: gl.constexpr):
+                        NH: gl.constexpr, bt_row, cps, mps, PAGED: gl.constexpr, PR: gl.constexpr):
     """The pipeline's start: the copies of the first ``STAGES - 1`` full steps of ``[f0, f1)`` into stages
     ``0 .. STAGES - 2`` (none without full steps; past the last full step the copies repeat it, as in the loop)."""
     if f1 > f0:
         for i in gl.static_range(STAGES - 1):
-            _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, gl.minimum(f0 + i * T, f1 - T), NH)
+            co, mo = _row_offs(gl.minimum(f0 + i * T, f1 - T), bt_row, cps, mps, NH, PAGED, PR)
+            _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, co, mo)
 
 
 @gluon.jit
@@ -631,12 +659,14 @@ def _q_sums(q, qk_scale, GC: gl.constexpr = 2):
 @gluon.jit
 def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
                  skb, skh, smkb, smkh, svb, svh, smvb, smvh, T: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr,
-                 N_DEV: gl.constexpr, TP: gl.constexpr = 1):
+                 N_DEV: gl.constexpr, TP: gl.constexpr = 1, PAGED: gl.constexpr = 0):
     """This split's tokens and addresses: the row's first valid token ``start``, the split ``[lo, hi)`` (all-padding
     steps skipped), its full steps ``[f0, f1)`` after the reference step, the per-lane addresses at token 0 of
     :func:`_loads_lanes` and the base pointers (int32 words) of the six history tensors. ``TP = 2`` (D = 64, code
     rows of two tokens): ``lo``, ``f0``, ``f1`` count rows, ``start`` and ``hi`` tokens (``split_len`` even); full
-    steps hold only rows whose two tokens are both ``< hi`` (an odd ``hi``'s last row is the masked last step's)."""
+    steps hold only rows whose two tokens are both ``< hi`` (an odd ``hi``'s last row is the masked last step's).
+    ``PAGED``: the row's own history length ``NPTR[b]`` (``N``, the longest row's, sized the grid; ``split_len`` from
+    the host: the splits past the row's end are empty)."""
     start = gl.load(START + b).to(gl.int32)
     if N_DEV:
         n_tot = gl.minimum(gl.load(NPTR).to(gl.int32), N)
@@ -647,6 +677,8 @@ def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_l
         slen = gl.cdiv(gl.cdiv(gl.maximum(n_rows, 1), S), T) * T
     else:
         n_tot = N
+        if PAGED:
+            n_tot = gl.minimum(gl.load(NPTR + b).to(gl.int32), N)
         if TP == 2:
             slen = split_len >> 1
         else:

@@ -440,7 +440,10 @@ def _split_kernel(
     part = (pid_bh.to(tl.int64) * S_TOT + pid_s) * M  # first partial row of this program
 
     if WIN_ONLY:  # the window programs of the Gluon path: this launch compiles without the history branch
-        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, b, h, part, (pid_s - S) * win_split, W, win_split,
+        wb = b
+        if PAGED:  # the row's window is a slot of the window pool
+            wb = tl.load(WSLOT + b)
+        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, wb, h, part, (pid_s - S) * win_split, W, win_split,
                       qk_scale, sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                       M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
     else:
@@ -649,7 +652,7 @@ def _prologue_kernel(
     D: tl.constexpr, M_PAD: tl.constexpr, M_PAD_ROT: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
     HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
     QP8=None, QPF=None, QPRE: tl.constexpr = 0, TB: tl.constexpr = 2, READY=None, QFLAG: tl.constexpr = 0,
-    DP: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    DP: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, WSLOT=None, PAGED: tl.constexpr = 0,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
     what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
@@ -660,7 +663,7 @@ def _prologue_kernel(
     ``QFLAG`` (with ``QPRE``): each rotation program adds 1 to ``READY[b * Hk + h]`` (release, GPU scope) once its
     plane's operands are stored; the history programs of that (row, head) wait for 4 there, not for this grid's
     completion (the combine sets it back to 0). ``DP``, ``SOFTCAP``: as for :func:`_split_kernel` (the window
-    programs')."""
+    programs'); ``PAGED``: row ``b``'s window is slot ``WSLOT[b]`` of the window pool ``KW`` / ``VW``."""
     DPAD: tl.constexpr = D if DP == 0 else DP
     pid_bh = tl.program_id(0)
     j = tl.program_id(1)
@@ -681,6 +684,9 @@ def _prologue_kernel(
         b = pid_bh // Hk
         h = pid_bh % Hk
         part = (pid_bh.to(tl.int64) * S_TOT + S + (j - NROT)) * M
-        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, b, h, part, (j - NROT) * win_split, W, win_split, qk_scale,
+        wb = b
+        if PAGED:
+            wb = tl.load(WSLOT + b)
+        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, wb, h, part, (j - NROT) * win_split, W, win_split, qk_scale,
                       sqb, sqh, sqm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                       M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -137,6 +138,19 @@ def _counters_reset_on_error(ready):
 
 
 
+class PagedHistory(NamedTuple):
+    """Where a *paged* history lives (the serving pool, :mod:`~oscar_hf.kernels.paged_decode`): row ``b``'s entry
+    ``j`` is row ``j % page`` of page ``block_table[b, j // page]`` (``[B, max_pages]`` int32), the row has
+    ``hist_len[b]`` entries (``[B]`` int32; ``max_len``: a host bound of them, which sizes the grid), and its window is
+    slot ``win_slot[b]`` (``[B]``) of the window pool."""
+
+    block_table: torch.Tensor
+    hist_len: torch.Tensor
+    win_slot: torch.Tensor
+    page: int
+    max_len: int
+
+
 @functools.lru_cache(maxsize=None)
 def _gluon_module():
     """kernels/decode_gluon.py, or None where this Triton has no Gluon (it needs ``triton.experimental.gluon``)."""
@@ -150,7 +164,7 @@ def _gluon_module():
 def decode_attention_triton(
     q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, q_win=None, k_win=None, v_win=None, win_mask=None,
     r_v=None, mu_v=None, out_dtype=None, n_valid=None, splits=None, r_k=None, mu_k=None, sinks=None, softcap=None,
-    defaults=DEFAULTS,
+    paged: PagedHistory | None = None, defaults=DEFAULTS,
 ):
     """The decode attention of one layer over INT2 history + full-precision window, for the shapes
     :func:`decode_supported` accepts: two launches (three with the query's rotation or the Gluon history).
@@ -177,6 +191,9 @@ def decode_attention_triton(
             valid; the grid is sized by the capacity and ``splits`` history programs per (row, head), so that a CUDA
             graph of this call stays valid while the cache grows) and its fixed number of history splits; None for
             the dynamic cache.
+        paged: a paged history (:class:`PagedHistory`): ``k`` / ``v`` are the pool's ``[num_pages, Hk, P, *]`` views,
+            ``k_win`` / ``v_win`` the window pool ``[num_slots, Hk, W, D]``, ``win_mask`` ``[B, 1, 1, W]``; no left
+            padding, key mask or ``n_valid``. The same launches, every kernel reading through the block table.
     Returns ``[B, Hk, M, D]``: softmax attention over history and window, in the value space (rows without any valid
     key are 0); without ``r_v`` the partials ``(m, l, acc)``, ``[B, Hk, M]`` twice and ``[B, Hk, M, D]``, float32.
     """
@@ -184,7 +201,7 @@ def decode_attention_triton(
     if rotate:  # the kernels' layouts of the rotation's inputs, and its outputs (filled by the first launch below)
         q_win, r_k, mu_k, q_rot, qk_offset = rotation_args(q_win, r_k, mu_k)
     b, hk, m, d = q_rot.shape
-    n = k.codes.shape[-2]
+    n = k.codes.shape[-2] if paged is None else paged.max_len
     bh = b * hk
     dev = q_rot.device
     q_rot = q_rot.float()
@@ -203,11 +220,16 @@ def decode_attention_triton(
     # the Gluon kernel's layout checks only where the plan may take it (it does not cap logits)
     glu = _gluon_module() if (q_rot.is_cuda and not softcap and gluon_pays(defaults, bh, n)) else None
     gluon_ok = glu is not None and glu.gluon_supported(q_rot, k, v, group_size, kmask, _meta_words(k, v))
+    if gluon_ok and paged is not None:  # (a step never straddles pages)
+        gluon_ok = paged.page % glu.tokens_per_step(m, d) == 0
     window = r_v is not None
     w = 0 if (not window or k_win is None) else k_win.shape[-2]
     p = decode_plan(b, hk, m, d, n, group_size, w, dev, window=window, static=n_valid is not None, splits=splits,
                     rotate=rotate, gluon_step=glu.tokens_per_step(m, d) if gluon_ok else 0, sinks=sinks is not None,
-                    softcap=bool(softcap), defaults=defaults)
+                    softcap=bool(softcap), page=paged.page if paged is not None else 0, defaults=defaults)
+    # the paged kernels' extra arguments: the block table, per-row lengths and window slots
+    pk = {} if paged is None else dict(BT=paged.block_table, HLEN=paged.hist_len, WSLOT=paged.win_slot,
+                                       sbt=paged.block_table.stride(0), PAGED=1, PAGE=paged.page)
     if sinks is not None and not window:
         raise ValueError("sinks are for the whole decode op (r_v given), not the history's partials")
     if w:
@@ -254,6 +276,7 @@ def decode_attention_triton(
                 HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda), WIN_STAGES=defaults.gluon_win_stages,
                 PDL=int(p.pdl), QP8=qp8, QPF=qpf, QPRE=int(p.qpre), TB=p.tb,
                 READY=ready, QFLAG=int(ready is not None), DP=dp, SOFTCAP=cap, num_warps=defaults.num_warps,
+                **({} if paged is None else dict(WSLOT=paged.win_slot, PAGED=1)),
             )
         else:
             launch_rotation(q_win, r_k, mu_k, q_rot, qk_offset)
@@ -261,7 +284,7 @@ def decode_attention_triton(
         with _counters_reset_on_error(ready):
             glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, p.s_hist, p.s_tot, p.split_len,
                                qk_scale, stages=p.gluon_stages, maxnreg=p.gluon_maxnreg, pdl=p.pdl, k8=p.k8,
-                               qpre=(qp8, qpf) if p.qpre else None, ready=ready)
+                               qpre=(qp8, qpf) if p.qpre else None, ready=ready, paged=paged)
     if p.split_programs:
         _split_kernel[(bh, p.split_programs)](
             q_rot, *k, *v, start, kmask, qk_offset, n_valid,
@@ -283,7 +306,7 @@ def decode_attention_triton(
             ASM=int(q_rot.is_cuda),  # inline PTX: not under the interpreter
             num_warps=p.split_warps, num_stages=p.split_stages,
             WIN_STAGES=p.win_stages, WIN_ONLY=int(p.pid_off > 0), DP=dp, SOFTCAP=cap,
-            **({"maxnreg": p.maxnreg} if p.maxnreg else {}),
+            **({"maxnreg": p.maxnreg} if p.maxnreg else {}), **pk,
         )
     cs = p.combine
     if window:

@@ -11,8 +11,8 @@ slot ``win_slot[b]`` of ``win_k / win_v [num_slots, Hk, W, D]``, masked by ``win
 gathered in block-table order and its window (:func:`paged_decode_attention_reference` says so in torch). On CUDA it
 runs the split kernel of the contiguous path (``decode_split._split_kernel``) in its ``PAGED`` mode: the query rotation
 (one launch), the history splits and window programs (one launch, grid sized for the longest row: the splits past a
-row's length write empty partials), the combine (one launch). No Gluon history kernel here: it reads contiguous
-histories only.
+row's length write empty partials), the combine (one launch); the history runs on the Gluon history kernel where it
+serves the shape (as in the contiguous op), reading each step's page from the block table.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 from oscar_hf.quant import QuantizedRows
 
 from .int2_attention import decode_attention_reference, rotate_query_reference
-from .plan import DEFAULTS, cdiv, decode_plan, triton_enabled
+from .plan import DEFAULTS, cdiv, triton_enabled
 
 LOG2E = 1.4426950408889634
 
@@ -191,80 +191,22 @@ def paged_decode_attention(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_le
 def paged_decode_attention_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot,
                                   win_mask, r_v, mu_v, scaling, group_size, out_dtype, max_hist_len=None,
                                   defaults=DEFAULTS):
-    """:func:`paged_decode_attention` in three launches (rotation, split kernel in ``PAGED`` mode, combine), for the
-    shapes :func:`paged_supported` accepts."""
-    from .decode_combine import _combine_kernel
-    from .decode_split import _split_kernel
-    from .decode_triton import _pairable
-    from .query_triton import launch_rotation, query_kernel_supported, rotation_args
+    """:func:`paged_decode_attention` for the shapes :func:`paged_supported` accepts: the contiguous op
+    (``decode_triton.decode_attention_triton``, rotating the query itself) with every kernel reading through the
+    block tables -- the Gluon history kernel where it serves the shape and pages hold whole steps, else the split
+    kernel in its ``PAGED`` mode -- three launches."""
+    from .decode_triton import PagedHistory, decode_attention_triton
 
     b, hk, m, d = qf.shape
-    dev = qf.device
-    page = pages_k.codes.shape[-2]
     w = win_k.shape[2]
     n = int(hist_len.max()) if max_hist_len is None and b else int(max_hist_len or 0)
     if b == 0 or (n == 0 and w == 0):  # nothing to attend to
-        return torch.zeros(b, hk, m, d, device=dev, dtype=out_dtype)
-
-    # the query rotation (q R_K and q . mu_K; float32): one launch for decode-sized queries, torch beyond 16 rows
-    if n == 0:
-        q_rot, qk_off = qf.float(), None  # (unread: no history program runs)
-    elif query_kernel_supported(qf):
-        qf_r, r_k_r, mu_k_r, q_rot, qk_off = rotation_args(qf, r_k, mu_k)
-        launch_rotation(qf_r, r_k_r, mu_k_r, q_rot, qk_off)
-    else:
-        q_rot, qk_off = rotate_query_reference(qf, r_k, mu_k)
-        q_rot = q_rot.contiguous()
-    if qk_off is not None:
-        qk_off = qk_off.expand(b, hk, m)
-    q_win = qf if qf.stride(-1) == 1 else qf.contiguous()
-    win_k = win_k if win_k.stride(-1) == 1 else win_k.contiguous()
-    win_v = win_v if win_v.stride(-1) == 1 else win_v.contiguous()
+        return torch.zeros(b, hk, m, d, device=qf.device, dtype=out_dtype)
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    wmask = win_mask.view(torch.uint8)  # [B, W]: per row, shared by the KV heads
-    r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
-    mu_v = None if mu_v is None else mu_v.to(device=dev, dtype=torch.float32).contiguous()
-
-    # the contiguous path's plan, its grid sized for the longest row (no Gluon kernel: it reads contiguous histories)
-    p = decode_plan(b, hk, m, d, n, group_size, w, dev, page=page, defaults=defaults)
-    bh = b * hk
-
-    pm = torch.empty(bh, p.s_tot, m, device=dev, dtype=torch.float32)
-    pl = torch.empty_like(pm)
-    pacc = torch.empty(bh, p.s_tot, m, d, device=dev, dtype=torch.float32)
-    start = torch.zeros(b, dtype=torch.int32, device=dev)  # (no left padding in a page pool)
-    k, v = pages_k, pages_v
-    z3 = (0, 0, 0)
-    _split_kernel[(bh, p.split_programs)](
-        q_rot, *k, *v, start, None, qk_off, None,
-        q_win, win_k, win_v, wmask,
-        pm, pl, pacc,
-        n, m, hk, p.s_hist, p.s_tot, p.split_len, w, p.win_split, float(scaling) * LOG2E, 0,
-        *q_rot.stride()[:3],
-        *k.codes.stride()[:3], *k.scale.stride()[:2],
-        *v.codes.stride()[:3], *v.scale.stride()[:2],
-        *z3,
-        *(qk_off.stride() if qk_off is not None else z3),
-        *q_win.stride()[:3], *win_k.stride()[:3], *win_v.stride()[:3],
-        wmask.stride(0), 0, wmask.stride(1),
-        D=d, G=group_size, M_PAD=p.m_pad, BLOCK_N=p.block_n,
-        HAS_MASK=False, HAS_OFF=qk_off is not None,
-        HAS_WIN=p.split_window, HAS_WMASK=True, LOWP=int(qf.is_cuda),
-        DEFERRED=int(p.deferred), N_DEV=False,
-        PAIR=int(_pairable(k, v, d, group_size)),
-        ASM=int(qf.is_cuda),
-        num_warps=p.split_warps, num_stages=p.split_stages,
-        BT=block_table, HLEN=hist_len, WSLOT=win_slot, sbt=block_table.stride(0), PAGED=1, PAGE=page,
-    )
-    cs = p.combine
-    out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
-    _combine_kernel[(bh * m * cs.parts,)](
-        pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, p.s_hist, p.s_tot,
-        D=d, S_BLOCK=cs.s_block, C_BLOCK=cs.c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=0,
-        HOIST=int(cs.hoist), SW_BLOCK=p.sw_block, PARTS=cs.parts,
-        READY=None, RESET=0, num_warps=cs.warps,
-    )
-    return out
+    paged = PagedHistory(block_table, hist_len, win_slot, pages_k.codes.shape[-2], n)
+    return decode_attention_triton(None, pages_k, pages_v, None, None, None, scaling, group_size, q_win=qf,
+                                   k_win=win_k, v_win=win_v, win_mask=win_mask.view(b, 1, 1, w), r_v=r_v, mu_v=mu_v,
+                                   out_dtype=out_dtype, r_k=r_k, mu_k=mu_k, paged=paged, defaults=defaults)
 
 
 __all__ = [

@@ -9,7 +9,8 @@ prologue, ``QPRE``, waiting on its counters, ``QFLAG``, under programmatic depen
 cache's op (operands built by the kernel, the history length on the device); and ``D = 256`` (rows of two 32-byte
 halves, ``NH = 2``: ``TB = 1``, fp16 keys at every split length, under ``gluon_maxnreg_wide``) with short and long
 splits' stages and the static op's variant; and ``D = 64`` (32-byte rows of two tokens, ``TP = 2``: ``TB = 1``, fp16
-keys, under ``gluon_maxnreg``) the same three. Prints one JSON line each: registers,
+keys, under ``gluon_maxnreg``) the same three; and the paged history of the serving pool (``PAGED``: each step's page
+from the block table, pages of 256 tokens) from the rotating op at every head_dim, short and long splits. Prints one JSON line each: registers,
 spilled bytes, shared memory, the rounding instructions of the whole kernel (``frnd``) and the opcode counts of the hot
 loop (the innermost loop that holds the tensor-core ops). ``AOT_DUMP=prefix`` writes each case's hot loop SASS to a
 file (``AOT_DUMP_ALL=1``: the whole kernel's).
@@ -50,19 +51,26 @@ def main():
     from oscar_hf.kernels.plan import DEFAULTS
 
     ptrs = dict(Q="*fp32", KC="*u8", KS="*bf16", KZ="*bf16", VC="*u8", VS="*bf16", VZ="*bf16", START="*i32",
-                QKOFF="*fp32", QP8="*i8", QPF="*fp32", READY="*i32", NPTR="*i64")
-    ints = "N M Hk S S_TOT split_len".split()
+                QKOFF="*fp32", QP8="*i8", QPF="*fp32", READY="*i32", NPTR="*i64", BT="*i32")
+    ints = "N M Hk S S_TOT split_len sbt cps mps".split()
     strides = "sqb sqh sqm skb skh smkb smkh svb svh smvb smvh sob soh som".split()
     short, long_ = DEFAULTS.gluon_stages, DEFAULTS.gluon_stages_long
     # (D, TB, STAGES, K8, QPRE, static): short splits (the rotating op), long splits from the rotating op and from the
     # static op; D = 256 the same without int8 keys
-    cases = [(128, tb, st, k8, qp, k8 and not qp) for tb in (2, 1)
+    cases = [(128, tb, st, k8, qp, k8 and not qp, 0) for tb in (2, 1)
              for st, k8, qp in ((short, 0, 0), (long_, 1, 1), (long_, 1, 0))]
-    cases += [(d, 1, st, 0, 0, static) for d in (256, 64) for st, static in ((short, 0), (long_, 0), (long_, 1))]
-    for d, tb, st, k8_, qp, static in cases:
+    cases += [(d, 1, st, 0, 0, static, 0) for d in (256, 64) for st, static in ((short, 0), (long_, 0), (long_, 1))]
+    # the paged history (the rotating op: PDL; per-row lengths in NPTR), short and long splits
+    cases += [(128, tb, st, k8, k8, 0, 1) for tb in (2, 1) for st, k8 in ((short, 0), (long_, 1))]
+    cases += [(d, 1, st, 0, 0, 0, 1) for d in (256, 64) for st in (short, long_)]
+    for d, tb, st, k8_, qp, static, paged in cases:
+        tp = 2 if d == 64 else 1
         consts = {"TB": tb, "HAS_OFF": 1, "N_DEV": int(static), "STAGES": st, "PDL": int(not static), "K8": k8_,
-                  "QPRE": qp, "QFLAG": qp, "NH": max(d // 128, 1), "TP": 2 if d == 64 else 1}
-        if not static:
+                  "QPRE": qp, "QFLAG": qp, "NH": max(d // 128, 1), "TP": tp, "PAGED": paged,
+                  "PR": 256 // tp if paged else 1}
+        if not paged:
+            consts["BT"] = None
+        if not static and not paged:
             consts["NPTR"] = None
         if not qp:
             consts.update(QP8=None, QPF=None, READY=None)
@@ -71,7 +79,7 @@ def main():
             if name in consts:
                 sig[name] = "constexpr"
             elif name in ptrs or name in ("PM", "PL", "PACC"):
-                sig[name] = ptrs.get(name, "*fp32")
+                sig[name] = ptrs.get(name, "*fp32") if not (paged and name == "NPTR") else "*i32"
             elif name == "qk_scale":
                 sig[name] = "fp32"
             else:
@@ -90,10 +98,11 @@ def main():
         op = lambda s: re.sub(r"^@!?U?P\w+\s+", "", s).split()[0]  # noqa: E731
         loop = collections.Counter(op(i) for i in _hot_loop(sass))
         if os.environ.get("AOT_DUMP"):  # the hot loop's SASS, one file a case (AOT_DUMP_ALL: the whole kernel's)
-            with open(f"{os.environ['AOT_DUMP']}_d{d}_tb{tb}_s{st}_k{k8_}_q{qp}_n{int(static)}.sass", "w") as f:
+            with open(f"{os.environ['AOT_DUMP']}_d{d}_tb{tb}_s{st}_k{k8_}_q{qp}_n{int(static)}_p{paged}.sass",
+                      "w") as f:
                 f.write(sass if os.environ.get("AOT_DUMP_ALL") else "\n".join(_hot_loop(sass)))
         print(json.dumps({"kernel": "gluon", "d": d, "tb": tb, "stages": st, "k8": k8_, "qpre": qp,
-                          "static": int(static), "long": bool(k8_),
+                          "static": int(static), "paged": paged, "long": bool(k8_),
                           "regs": regs, "frnd": sum(1 for i in re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?(\w+)", sass)
                                                     if i.startswith("FRND")),
                           "spill_bytes": spill, "maxnreg": cap, "loop": dict(loop)}))

@@ -25,8 +25,8 @@ from oscar_hf.kernels.write_path import rotate_quantize  # noqa: E402
 from oscar_hf.quant import QuantizedRows  # noqa: E402
 from oscar_hf.serving.pool import PagedInt2Pool  # noqa: E402
 
-if triton_importable():  # before any test patches decode_split._split_kernel (decode_triton binds it at import)
-    from oscar_hf.kernels import decode_split, decode_triton  # noqa: F401
+if triton_importable():  # the op (decode_triton) launches the kernels it bound at import: tests patch them there
+    from oscar_hf.kernels import decode_triton
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="CPU runs need TRITON_INTERPRET=1")),
@@ -159,8 +159,8 @@ def many_sms(monkeypatch):
 def _run_kernel(monkeypatch, args, device):
     """The Triton path (the small-split defaults on the CPU), and the split kernel's grid it launched."""
     grids = []
-    real = decode_split._split_kernel
-    monkeypatch.setattr(decode_split, "_split_kernel", type("K", (), {"__getitem__": lambda self, grid: (
+    real = decode_triton._split_kernel
+    monkeypatch.setattr(decode_triton, "_split_kernel", type("K", (), {"__getitem__": lambda self, grid: (
         lambda *a, **kw: (grids.append((grid, kw["PAGED"], kw["DEFERRED"], kw["BLOCK_N"])), real[grid](*a, **kw))[1])})())
     df = SMALL if device == "cpu" else DEFAULTS
     out = pd.paged_decode_attention_triton(**args, defaults=df)
@@ -230,3 +230,74 @@ def test_dispatcher(device):
     assert not pd.paged_supported(args96["qf"], args96["pages_k"], args96["pages_v"], 32, args96["win_k"])
     assert torch.equal(pd.paged_decode_attention(**args96, use_kernels=True),
                        pd.paged_decode_attention_reference(**args96))
+
+
+# ------------------------------------------------------------------------------- the Gluon history kernel, paged
+
+on_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (the Gluon kernel has no interpreter)")
+
+
+def _gluon_paged(monkeypatch, args, defaults):
+    """The op with the Gluon history kernel's launches counted (a test fails if the dispatch took the split kernel)."""
+    glu = decode_triton._gluon_module()
+    assert glu is not None, "this Triton has no Gluon"
+    calls = []
+    real = glu.launch_history
+    monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (calls.append(kw.get("paged")), real(*a, **kw))[1])
+    return pd.paged_decode_attention_triton(**args, defaults=defaults), calls
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("split", ["short", "long"])
+@pytest.mark.parametrize(
+    "d,m,page,lens",
+    [
+        (128, 4, 256, (3001, 0, 517, 4096)),  # TB = 2, pages of 256, one row without history
+        (128, 8, 32, (1999, 40, 2700)),  # TB = 1, pages of two steps
+        (128, 1, 64, (5, 2048, 777)),  # one query row, a row shorter than a step
+        (256, 4, 16, (1500, 301, 0)),  # D = 256: 16-token steps, pages of one step
+        (64, 4, 32, (2047, 33, 1, 1024)),  # D = 64: 32-token steps of 16 two-token rows, odd lengths
+        (64, 3, 256, (4095, 0, 700)),  # D = 64, 3 query rows (SmolLM2's 9 / 3)
+    ],
+)
+def test_gpu_paged_gluon_matches_reference(monkeypatch, d, m, page, lens, split):
+    """The paged history on the Gluon kernel (each step's page from the block table, loaded one step ahead; per-row
+    lengths, splits past a row's end empty) against the reference: shuffled page ids, NaN metadata in unused pages
+    and page tails, window slots permuted, window masks with holes; short splits (fp16 keys) and long ones (D = 128:
+    int8 keys with the prologue's query operands and its counters)."""
+    df = replace(DEFAULTS, gluon_min_work=0, **({"gluon_long_split": 64} if split == "long" else
+                                               {"gluon_long_split": 1 << 30}))
+    args, _ = paged_case(len(lens), 2, m, d, 64, page, lens, 40, True, seed=d + m + page, device="cuda")
+    ref = pd.paged_decode_attention_reference(**args)
+    got, calls = _gluon_paged(monkeypatch, args, df)
+    assert len(calls) == 1 and calls[0].page == page and calls[0].max_len == max(lens)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_gpu_paged_gluon_in_a_cuda_graph(monkeypatch):
+    """A CUDA graph of the paged op on the Gluon kernel, replayed with other rows' lengths, block tables and window
+    slots in the same buffers (as the serving step's graphs are) within the captured bound, equals the reference."""
+    df = replace(DEFAULTS, gluon_min_work=0)
+    args, _ = paged_case(3, 2, 4, 128, 64, 64, (1500, 900, 64), 40, True, seed=11, device="cuda")
+    bound = 2048
+    args["block_table"] = torch.nn.functional.pad(args["block_table"], (0, _cdiv(bound, 64)), value=-1)
+    static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
+    run = lambda: pd.paged_decode_attention_triton(**static, max_hist_len=bound, defaults=df)  # noqa: E731
+    run()  # compile, and the counters' buffer
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for lens, perm in (((1500, 900, 64), [0, 1, 2]), ((64, 1499, 0), [2, 0, 1])):
+        new = dict(args, hist_len=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                   block_table=args["block_table"][perm], win_slot=args["win_slot"][perm],
+                   win_mask=args["win_mask"][perm])
+        for k in ("hist_len", "block_table", "win_slot", "win_mask"):
+            static[k].copy_(new[k])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, pd.paged_decode_attention_reference(**new)) < 2e-2
