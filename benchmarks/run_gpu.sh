@@ -82,7 +82,8 @@
 #               `serving-load`: one part, one call each)
 #   serving-graphs  the serving decode step with and without CUDA     serving_graphs_<gpu>_t32768_c24.json
 #               graphs, 24 requests x 32K
-#   paged       the paged decode kernel's and the pool's tests on the GPU  paged_tests_<gpu>.log
+#   paged       the paged decode op's (split and Gluon kernels), the pool's  paged_tests_<gpu>.log
+#               and the serving CUDA graphs' tests on the GPU
 #
 # Each <what> fits in the device machine's 10-minute command limit except `generate`, `eager`, `soak`, `kernels-dims`
 # and `arch-gemma3`: run their parts one call each (`generate-b8`, `generate-b1`; `eager-b1`, `eager-b8`; `soak-calls`,
@@ -338,7 +339,7 @@ for what in "$@"; do
         --q-padding 8 --out "$OUT/serving_graphs_${GPU}_t32768_c24.json" ;;
   paged)
     run "paged_tests_$GPU" $PY -m pytest -q -p no:cacheprovider --rootdir "$R" "$R/tests/kernels/test_paged_decode.py" \
-        "$R/tests/serving/test_pool.py" ;;
+        "$R/tests/serving/test_pool.py" "$R/tests/serving/test_cuda_graphs.py" ;;
   *)
     echo "unknown: $what (see the head of $0)"; exit 2 ;;
   esac
