@@ -214,27 +214,28 @@ def test_latent_attention_logs_why_once(caplog):
 
 @pytest.mark.parametrize("name", _params())
 def test_auto_compiles_the_layouts_measured_on_a_gpu(name):
-    """``compile="auto"`` on CUDA compiles full-attention (soft-capped too), sliding / chunked, linear-attention and
-    hybrid attention + state layouts (measured: docs/results.md, "Other architectures") and keeps the eager storage
-    for what was not measured, saying why: MLA latents, KV sharing, values of another head size (the decision,
+    """``compile="auto"`` on CUDA compiles full-attention (soft-capped too), sliding / chunked, linear-attention,
+    hybrid attention + state and KV-sharing layouts (measured: docs/results.md, "Other architectures") and keeps the
+    eager storage for what was not measured, saying why: MLA latents, values of another head size (the decision,
     checked here on the CPU; compile=True serves them all)."""
     from oscar_hf.cache import not_auto_compiled
     from oscar_hf.config import ModelFingerprint
 
     why = not_auto_compiled(ModelFingerprint.from_config(_model(name).config))
-    measured = set(FAMILIES[name][0]) <= {O, S, ST, OS}
+    measured = set(FAMILIES[name][0]) <= {O, S, ST, OS, KV, N}
     assert (why is None) == measured, why
 
 
 def test_auto_on_cuda_compiles_soft_capping_and_hybrids_and_says_what_stays_eager(monkeypatch, caplog):
     """The decision as it runs on a CUDA model (``model_on_cuda`` patched, the storage logic is the same on the CPU):
-    Gemma 2 (soft-capping) and Falcon-H1 (hybrid layers) get the compiled storage; an MLA model keeps the eager one,
+    Gemma 2 (soft-capping), Falcon-H1 (hybrid layers) and Gemma 3n (KV sharing) get the compiled storage; an MLA
+    model keeps the eager one,
     and the cache says why as a warning, once per process however many caches are built."""
     import oscar_hf.cache as cache_module
 
     monkeypatch.setattr(cache_module, "model_on_cuda", lambda model: True)
     monkeypatch.setattr(cache_module, "_SAID_EAGER", set())
-    for name in ("gemma2", "falcon_h1"):
+    for name in ("gemma2", "falcon_h1", "gemma3n_text"):
         assert OscarCache(_model(name), **SMALL).compiled, name
     with caplog.at_level("WARNING", logger="oscar_hf"):
         caches = [OscarCache(_model("deepseek_v3"), **SMALL) for _ in range(2)]

@@ -48,6 +48,7 @@ from ..config import (
     FULL_LAYER_TYPES,
     FULL_PRECISION_LAYER_TYPES,
     FULL_PRECISION_WHY,
+    SHARED_KV_LAYER_TYPE,
     SLIDING_LAYER_TYPES,
     STATE_LAYER_TYPES,
     ModelFingerprint,
@@ -119,14 +120,17 @@ def resolve_full_precision_heads(config: OscarConfig, rotations: OscarRotations,
 # layer kinds that compile="auto" compiles on CUDA: measured there (docs/results.md, "Other architectures": Gemma 2 / 3,
 # gpt-oss, Qwen3-Next, Falcon-H1 2-5x the eager storage and ~2x compiled StaticCache at B=8/32K); the others need
 # compile=True
-AUTO_COMPILED_LAYER_TYPES = FULL_LAYER_TYPES + SLIDING_LAYER_TYPES + STATE_LAYER_TYPES  # (hybrid layers: full attention)
+# the layouts a GPU run measured compiled against the eager storage (docs/results.md, "Other architectures"); hybrid
+# layers count as full attention; KV sharing: the store layer and the reuse layers' dummies (Gemma 3n)
+AUTO_COMPILED_LAYER_TYPES = (FULL_LAYER_TYPES + SLIDING_LAYER_TYPES + STATE_LAYER_TYPES
+                             + (SHARED_KV_LAYER_TYPE, DUMMY_LAYER_TYPE))
 _SAID_EAGER: set[str] = set()  # the reasons already logged (once per process each)
 
 
 def not_auto_compiled(fp: ModelFingerprint) -> str | None:
     """What keeps ``compile="auto"`` on the eager storage for this model on CUDA (``None``: nothing): layer kinds
-    the compiled storage serves (``compile=True``) but that no GPU run has measured -- MLA latents, KV sharing, values
-    of another head size (full precision all three)."""
+    the compiled storage serves (``compile=True``) but that no GPU run has measured -- MLA latents and values of
+    another head size (full precision both)."""
     other = sorted({k for k in fp.layer_types if k not in AUTO_COMPILED_LAYER_TYPES})
     return f"{' / '.join(other)} layers" if other else None
 
