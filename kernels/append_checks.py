@@ -75,3 +75,45 @@ def check_coded_slots(coded, win_k, n: int) -> None:
                                  f"{(b, p, n, last)}, contiguous in its last dimension")
     if coded.coded_of.shape != (hk,) or coded.coded_of.dtype != torch.long:
         raise ValueError(f"coded_of must be int64 [Hk={hk}], got {coded.coded_of.dtype} {tuple(coded.coded_of.shape)}")
+
+
+def check_paged_inputs(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, rows, hist_heads,
+                       r_k, mu_k, r_v, mu_v, group_size, meta_dtype, coded) -> int:
+    """Shape checks of :func:`paged_append` (host-side metadata only). Returns ``Hq``, the quantized heads."""
+    if new_k.dim() != 3 or new_v.shape != new_k.shape:
+        raise ValueError(f"new_k/new_v must be [Hk, Q, D] of one shape, got {tuple(new_k.shape)}, {tuple(new_v.shape)}")
+    hk, _, d = new_k.shape
+    check_group_size(d, group_size)
+    if win_k.dim() != 4 or win_v.shape != win_k.shape or win_k.shape[1] != hk or win_k.shape[3] != d:
+        raise ValueError(f"win_k/win_v must be [slots, Hk={hk}, S0 + R, D={d}], got {tuple(win_k.shape)}, "
+                         f"{tuple(win_v.shape)}")
+    if win_k.dtype != new_k.dtype or win_v.dtype != new_v.dtype:
+        raise ValueError(f"window dtype {win_k.dtype}/{win_v.dtype} != new token dtype {new_k.dtype}/{new_v.dtype}")
+    bp = rows.pos.shape[0]
+    for name, x in zip(rows._fields, rows):
+        if x.shape != (bp,) or x.dtype != torch.long:
+            raise ValueError(f"rows.{name} must be int64 [Bp={bp}], got {x.dtype} {tuple(x.shape)}")
+    pages, hq, p = hist_k.codes.shape[:3]
+    for name, q in (("hist_k", hist_k), ("hist_v", hist_v)):
+        if q.codes.shape != (pages, hq, p, d // 4) or q.codes.dtype != torch.uint8:
+            raise ValueError(f"{name}.codes must be uint8 [pages, Hq, P, D/4={d // 4}], got {q.codes.dtype} "
+                             f"{tuple(q.codes.shape)}")
+        for t in (q.scale, q.zero):
+            if t.shape != (pages, hq, p, d // group_size) or t.dtype != meta_dtype:
+                raise ValueError(f"{name} metadata must be {meta_dtype} [pages, Hq, P, D/G] = "
+                                 f"{(pages, hq, p, d // group_size)}, got {t.dtype} {tuple(t.shape)}")
+    if hist_heads is None:
+        if hq != hk:
+            raise ValueError(f"hist_heads=None means every KV head is quantized, but the pages hold {hq} heads, "
+                             f"not Hk={hk}")
+    elif hist_heads.shape != (hk,) or hist_heads.dtype != torch.long:
+        raise ValueError(f"hist_heads must be int64 [Hk={hk}], got {hist_heads.dtype} {tuple(hist_heads.shape)}")
+    for name, r in (("r_k", r_k), ("r_v", r_v)):
+        if r.shape != (hq, d, d):
+            raise ValueError(f"{name} must be [Hq={hq}, D, D], got {tuple(r.shape)}")
+    for name, mu in (("mu_k", mu_k), ("mu_v", mu_v)):
+        if mu is not None and mu.shape != (hq, d):
+            raise ValueError(f"{name} must be None or [Hq, D] = {(hq, d)}, got {tuple(mu.shape)}")
+    if coded is not None:  # the coded pages as a history of `pages` rows of P entries
+        check_coded_slots(coded, torch.empty((pages, hk, 1, d), dtype=win_k.dtype, device="meta"), p)
+    return hq

@@ -19,6 +19,11 @@ head's rotations (``2 * D * D`` fp32, shared by the ``B`` programs of a head thr
 fp16 / fp32 metadata); the window may be bf16, fp16 or fp32. A head_dim that is no power of two (96) is rotated and
 coded in ``write_triton``'s plane-padded layout of ``DP`` lanes (its module docstring), and a retrieval head's INT4
 row in the same layout of two channel halves.
+
+``paged_append_triton`` is the same write for the serving store's decode rows
+(:func:`oscar_hf.kernels.write_path.paged_append_reference`): the same two steps per (row, KV head), with the row's
+window slot, its entries and the page and offset of its demotion read from the step's plan instead of computed from
+``T``, the INT2 and coded rows written into the page pool, and the new token read at its position in the packed batch.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import triton.language as tl
 
 from oscar_hf.quant import QuantizedRows
 
-from .append_checks import check_append_inputs, check_coded_slots
+from .append_checks import check_append_inputs, check_coded_slots, check_paged_inputs
 from .plan import next_pow2
 from .write_triton import _LEVELS, _META_KIND, _codes, _group_grid, _padded_cols, _quantize_masked, _round_meta
 
@@ -258,5 +263,131 @@ def append_token_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_
         HAS_MU_K=mu_k is not None, HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[meta_dtype],
         STD=quantizer == "std", CODED_BITS=0 if coded is None else coded.bits, WIN_KIND=_META_KIND[win_k.dtype],
         DP=next_pow2(d), num_warps=warps,
+    )
+    return None
+
+
+# ------------------------------------------------------------------ the paged twin (the serving store's decode step)
+
+
+@triton.jit
+def _paged_append_kernel(
+    NEW_K, NEW_V, POS, SLOTS, NEW_ENTRY, SINK_ENTRY, DEM_ENTRY, DEM_PAGE, DEM_OFF,  # the packed batch; the rows' plan
+    WIN_K, WIN_V, KC, KS, KZ, VC, VS, VZ, HEADS, RK, MUK, RV, MUV,
+    CKX, CKS, CKZ, CVX, CVS, CVZ, CODED_OF,  # the retrieval heads' pages [pages, F, P, *] and KV head -> index map
+    clip_k, clip_v, Hk,
+    snh, snq,  # new_k / new_v strides [Hk, Q, D] (D contiguous), shared
+    swb, swh, sws,  # window pool strides [slots, Hk, S0 + R, D], shared by K and V
+    scb, sch, scn,  # INT2 codes strides [pages, Hq, P, D/4], shared by K and V
+    ssb, ssh, ssn,  # INT2 scale / zero strides [pages, Hq, P, D/G], shared by all four
+    sxb, sxp, sxn,  # coded codes (or 16-bit rows) strides [pages, F, P, *], shared by K and V
+    szb, szp, szn,  # coded scale / zero strides [pages, F, P, 1], shared by all four
+    D: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_HEADS: tl.constexpr,
+    HAS_MU_K: tl.constexpr, HAS_MU_V: tl.constexpr, META_KIND: tl.constexpr, STD: tl.constexpr,
+    CODED_BITS: tl.constexpr, WIN_KIND: tl.constexpr, DP: tl.constexpr,
+    DEMOTE: tl.constexpr,  # 0: no row demotes this step (the plan's ``demote``)
+):
+    pid = tl.program_id(0)
+    b = pid // Hk
+    h = pid % Hk
+    offs_d = tl.arange(0, DP)
+    win = tl.load(SLOTS + b) * swb + h * swh  # int64: the row's window slot, head h
+
+    # 1. demote ring entry DEM_ENTRY[b] into (DEM_PAGE[b], DEM_OFF[b]) (the pool's trash page when it demotes nothing)
+    if DEMOTE:
+        src = win + tl.load(DEM_ENTRY + b) * sws
+        page = tl.load(DEM_PAGE + b)
+        off = tl.load(DEM_OFF + b)
+        if HAS_HEADS:
+            hh = tl.load(HEADS + h)
+        else:
+            hh = h.to(tl.int64)
+        if hh >= 0:
+            c_off = page * scb + hh * sch + off * scn
+            m_off = page * ssb + hh * ssh + off * ssn
+            _demote_row(WIN_K + src, RK + hh * D * D, MUK + hh * D, KC, KS, KZ, c_off, m_off, clip_k,
+                        D, G, BLOCK_K, HAS_MU_K, META_KIND, STD, DP)
+            _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, m_off, clip_v,
+                        D, G, BLOCK_K, HAS_MU_V, META_KIND, STD, DP)
+        if CODED_BITS > 0:  # a retrieval head: the same entry, coded into its pages
+            cp = tl.load(CODED_OF + h)
+            if cp >= 0:
+                x_off = page * sxb + cp * sxp + off * sxn
+                m_off = page * szb + cp * szp + off * szn
+                _code_row(WIN_K + src, CKX, CKS, CKZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
+                _code_row(WIN_V + src, CVX, CVS, CVZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
+        # every thread's loads of the demoted ring row come before any thread's store of the new one (R = W + 1: the
+        # same entry)
+        tl.debug_barrier()
+
+    # 2. the new token (position POS[b] of the packed batch): its ring entry, and its sink entry when that is another
+    dm = offs_d < D if DP > D else None
+    new = h * snh + tl.load(POS + b) * snq + offs_d
+    nk = tl.load(NEW_K + new, mask=dm)
+    nv = tl.load(NEW_V + new, mask=dm)
+    ne = tl.load(NEW_ENTRY + b)
+    dst = win + ne * sws + offs_d
+    tl.store(WIN_K + dst, nk, mask=dm)
+    tl.store(WIN_V + dst, nv, mask=dm)
+    se = tl.load(SINK_ENTRY + b)
+    if se != ne:
+        dst = win + se * sws + offs_d
+        tl.store(WIN_K + dst, nk, mask=dm)
+        tl.store(WIN_V + dst, nv, mask=dm)
+
+
+def paged_append_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, rows, hist_heads,
+                        r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, demote=True, write_sink=True,
+                        quantizer="minmax", coded=None):
+    """Triton version of :func:`~oscar_hf.kernels.write_path.paged_append_reference` (same contract, for the shapes
+    ``write_triton.kernel_supported`` accepts): one launch of ``Bp * Hk`` programs, no host synchronisation; the sink
+    write is skipped per row where ``sink_entry = new_entry`` (``write_sink`` only tells the reference). Returns
+    None."""
+    hq = check_paged_inputs(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k, r_v, mu_v,
+                            group_size, meta_dtype, coded)
+    hk, _, d = new_k.shape
+    bp = rows.pos.shape[0]
+    if bp == 0 or hk == 0:
+        return None
+    if meta_dtype not in _META_KIND:
+        raise ValueError(f"metadata dtype {meta_dtype} is not supported by the kernel; use one of {list(_META_KIND)}")
+    if win_k.stride() != win_v.stride() or win_k.stride(-1) != 1:
+        raise ValueError(f"win_k and win_v must share a layout contiguous in D, got {win_k.stride()}, {win_v.stride()}")
+    metas = (hist_k.scale, hist_k.zero, hist_v.scale, hist_v.zero)
+    if hist_k.codes.stride() != hist_v.codes.stride() or hist_k.codes.stride(-1) != 1 or any(
+        m.stride() != hist_k.scale.stride() for m in metas
+    ) or hist_k.scale.stride(-1) != 1:
+        raise ValueError("hist_k and hist_v must share one codes layout and one metadata layout, contiguous in the "
+                         "last dimension")
+    if new_k.stride(-1) != 1 or new_v.stride() != new_k.stride():
+        new_k, new_v = new_k.contiguous(), new_v.contiguous()
+    if any(not x.is_contiguous() for x in rows):
+        rows = type(rows)(*(x.contiguous() for x in rows))
+    dev = new_k.device
+    r_k = r_k.to(device=dev, dtype=torch.float32).contiguous()
+    r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
+    mu_k = mu_k.to(device=dev, dtype=torch.float32).contiguous() if mu_k is not None else None
+    mu_v = mu_v.to(device=dev, dtype=torch.float32).contiguous() if mu_v is not None else None
+    if coded is None:  # placeholders, never read (CODED_BITS = 0)
+        ck = cv = (rows.pos,) * 3
+        x_strides = m_strides = (0, 0, 0)
+    else:
+        ck, cv = (parts * 3 if len(parts) == 1 else parts for parts in (coded.k, coded.v))
+        x_strides, m_strides = ck[0].stride()[:3], ck[1].stride()[:3]
+        if any(a.stride() != c.stride() for a, c in zip(ck, cv)) or ck[1].stride() != ck[2].stride():
+            raise ValueError("the coded K and V stores must share one layout (and scale and zero one)")
+    warps, blk = launch_shape(d)
+    _paged_append_kernel[(bp * hk,)](
+        new_k, new_v, *rows, win_k, win_v, *hist_k, *hist_v,
+        hist_heads if hist_heads is not None else rows.pos,  # unused placeholder when every head is quantized
+        r_k, mu_k if mu_k is not None else r_k, r_v, mu_v if mu_v is not None else r_v,
+        *ck, *cv, coded.coded_of if coded is not None else rows.pos,
+        float(clip_k), float(clip_v), hk, new_k.stride(0), new_k.stride(1),
+        *win_k.stride()[:3], *hist_k.codes.stride()[:3], *hist_k.scale.stride()[:3], *x_strides, *m_strides,
+        D=d, G=group_size, BLOCK_K=blk, HAS_HEADS=hist_heads is not None,
+        HAS_MU_K=mu_k is not None, HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[meta_dtype],
+        STD=quantizer == "std", CODED_BITS=0 if coded is None else coded.bits, WIN_KIND=_META_KIND[win_k.dtype],
+        DP=next_pow2(d), DEMOTE=bool(demote) and hq + (0 if coded is None else coded.k[0].shape[1]) > 0,
+        num_warps=warps,
     )
     return None

@@ -18,6 +18,11 @@ to the Triton kernel (``write_triton.py``) and everything else to the reference.
 clip_v, group_size, meta_dtype, sink, recent, quantizer="minmax")``: the one-token write step of the static (CUDA-graph) cache, which
 mutates one layer's storage in place (see :func:`append_token_reference` for the layout and the semantics) and sends
 supported shapes on CUDA to one fused Triton launch (``append_triton.py``).
+
+``paged_append(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v,
+group_size, meta_dtype, demote=True, write_sink=True, quantizer="minmax", coded=None)``: the same write for the
+serving store's decode rows (window slots of a window pool, history in a page pool, where each row reads and writes
+given by the step's plan, :class:`PagedRows`); see :func:`paged_append_reference`. Also one launch on CUDA.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import torch
 
 from oscar_hf.quant import QuantizedRows, encode_heads, quantize_rows
 
-from .append_checks import check_append_inputs, check_coded_slots
+from .append_checks import check_append_inputs, check_coded_slots, check_paged_inputs
 from .plan import triton_enabled
 
 
@@ -162,3 +167,93 @@ def append_token(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: Quan
     return append_token_reference(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
                                   clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, quantizer=quantizer,
                                   coded=coded)
+
+
+# ------------------------------------------------------------------- the paged one-token write (the serving store)
+
+
+class PagedRows(NamedTuple):
+    """Where each of the ``Bp`` decode rows of a step reads and writes (``[Bp]`` int64 device tensors, the serving
+    store's ``DecodePlan``): ``pos`` its new token's position in the packed batch, ``slots`` its window slot,
+    ``new_entry`` the new token's ring entry, ``sink_entry`` its sink entry (``new_entry`` again when it has none),
+    ``demote_entry`` the ring entry that left the window at the previous step, ``demote_page`` / ``demote_off`` the page
+    and offset it goes to (the pool's trash page for a row that demotes nothing: every row writes one entry)."""
+
+    pos: torch.Tensor
+    slots: torch.Tensor
+    new_entry: torch.Tensor
+    sink_entry: torch.Tensor
+    demote_entry: torch.Tensor
+    demote_page: torch.Tensor
+    demote_off: torch.Tensor
+
+
+def _scatter_entries(dst, pages, offsets, src) -> None:
+    """One entry per row: ``src.* [Bp, H, 1, X]`` row ``i`` at offset ``offsets[i]`` of page ``pages[i]`` of
+    ``dst.* [pages, H, P, X]``."""
+    for d, x in zip(dst, src, strict=True):
+        d[pages, :, offsets] = x[:, :, 0]
+
+
+def paged_append_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows,
+                           rows: PagedRows, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype,
+                           demote=True, write_sink=True, quantizer="minmax", coded: CodedSlots | None = None):
+    """The write of one decode step of the serving store (one token per row, ``Bp`` rows), in place; returns None.
+    Tensor ops only, static shapes (a CUDA graph captures it).
+
+    * ``new_k/new_v [Hk, Q, D]`` the packed batch's keys / values (row ``b``'s token at ``rows.pos[b]``);
+    * ``win_k/win_v [slots, Hk, S0 + R, D]`` the window pool (one layer);
+    * ``hist_k/hist_v`` :class:`QuantizedRows` ``[pages, Hq, P, *]`` the page pool's INT2 rows of the layer
+      (``PagedInt2Pool.rows``); ``hist_heads`` None (``Hq = Hk``) or int64 ``[Hk]``, each KV head's INT2 index or -1;
+      ``coded`` (:class:`CodedSlots`, its parts ``[pages, F, P, *]``: ``PagedInt2Pool.coded_rows``) the retrieval
+      heads' pages;
+    * ``r_* [Hq, D, D]`` float32 rotations, ``mu_*`` None or ``[Hq, D]``; ``rows``: :class:`PagedRows`.
+
+    Steps (``demote`` / ``write_sink``: whether any row demotes / writes a sink entry this step, host bools): (1) ring
+    entry ``demote_entry[b]`` of slot ``slots[b]`` is quantized (rotate, center, clip, INT2) into offset
+    ``demote_off[b]`` of page ``demote_page[b]`` for every INT2 head, and coded there for every retrieval head; (2) the
+    new token goes to ring entry ``new_entry[b]`` (the one just read when ``R = W + 1``) and sink entry
+    ``sink_entry[b]``."""
+    hq = check_paged_inputs(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k, r_v, mu_v,
+                            group_size, meta_dtype, coded)
+    k_new = new_k.index_select(1, rows.pos).transpose(0, 1)  # [Bp, Hk, D]
+    v_new = new_v.index_select(1, rows.pos).transpose(0, 1)
+    if demote:  # 1. ring -> INT2 and coded rows, into the row's page (or the trash page)
+        int2 = _kv_head_of_hist(hist_heads, hq)
+        coded_heads = _kv_head_of_hist(coded.coded_of, coded.k[0].shape[1]) if coded is not None else None
+        stores = (None, None) if coded is None else (coded.k, coded.v)
+        for win, hist, r, mu, clip, store in ((win_k, hist_k, r_k, mu_k, clip_k, stores[0]),
+                                              (win_v, hist_v, r_v, mu_v, clip_v, stores[1])):
+            x = win[rows.slots, :, rows.demote_entry][:, :, None]  # [Bp, Hk, 1, D]
+            if store is not None:
+                _scatter_entries(store, rows.demote_page, rows.demote_off,
+                                 encode_heads(x.index_select(1, coded_heads), coded.bits))
+            if hq:
+                q = rotate_quantize_reference(x if int2 is None else x.index_select(1, int2), r, mu, clip, group_size,
+                                              meta_dtype, quantizer=quantizer)
+                _scatter_entries(hist, rows.demote_page, rows.demote_off, q)
+    # 2. the new token: its ring entry, and its sink entry while T < S0
+    win_k[rows.slots, :, rows.new_entry] = k_new
+    win_v[rows.slots, :, rows.new_entry] = v_new
+    if write_sink:
+        win_k[rows.slots, :, rows.sink_entry] = k_new
+        win_v[rows.slots, :, rows.sink_entry] = v_new
+
+
+def paged_append(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, rows: PagedRows,
+                 hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, demote=True,
+                 write_sink=True, use_kernels="auto", quantizer="minmax", coded: CodedSlots | None = None):
+    """Dispatch :func:`paged_append_reference`: one Triton launch on CUDA (when importable, allowed and the shape is
+    supported, as for :func:`append_token`), else the torch reference. Returns None."""
+    if triton_enabled(new_k, use_kernels):
+        from .write_triton import kernel_supported
+
+        if kernel_supported(new_k, group_size, clip_k, meta_dtype) and kernel_supported(new_k, group_size, clip_v):
+            from .append_triton import paged_append_triton
+
+            return paged_append_triton(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k,
+                                       clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, demote=demote,
+                                       write_sink=write_sink, quantizer=quantizer, coded=coded)
+    return paged_append_reference(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k, clip_k,
+                                  r_v, mu_v, clip_v, group_size, meta_dtype, demote=demote, write_sink=write_sink,
+                                  quantizer=quantizer, coded=coded)

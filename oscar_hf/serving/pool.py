@@ -236,17 +236,6 @@ class PagedInt2Pool:
         pages = torch.tensor(table[first // p : (first + n - 1) // p + 1], dtype=torch.long, device=j.device)
         self._scatter(dst, pages[j // p - first // p], j % p, tuple(t[0].transpose(0, 1)[:, :, None] for t in src))
 
-    def write_entries(self, pages: torch.Tensor, offsets: torch.Tensor, layer: int, kind: str,
-                      rows: QuantizedRows) -> None:
-        """One entry per row of ``rows.* [n, Hq_l, 1, X]``: row ``i`` at offset ``offsets[i]`` of page ``pages[i]``
-        (long ``[n]`` device tensors: one write for many requests, no host synchronization)."""
-        self._scatter(self.rows(layer, kind), pages, offsets, rows)
-
-    def write_coded_entries(self, pages: torch.Tensor, offsets: torch.Tensor, layer: int, kind: str,
-                            parts: tuple) -> None:
-        """:meth:`write_entries` for coded rows ``parts [n, F_l, 1, *]``."""
-        self._scatter(self.coded_rows(layer, kind), pages, offsets, parts)
-
     @staticmethod
     def _scatter(dst: tuple, pages: torch.Tensor, offsets: torch.Tensor, src: tuple) -> None:
         for d, s in zip(dst, src, strict=True):

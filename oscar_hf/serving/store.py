@@ -19,8 +19,9 @@ row of the same entry and freed with the same pages. They read their coded histo
 whose every head is a 16-bit retrieval head is exact and left to Transformers' paged cache, as ``OscarCache`` leaves it to Transformers' layer.
 
 **Decode rows** (one new token, ``T > 0``) of a forward are served together, one batched call per layer: the write
-(slot ``T - 1 - W``, which left the window at the previous step, is quantized into the request's current page;
-the new token goes to ring entry ``S0 + T % R`` and, while ``T < S0``, to the sink), then one paged decode attention
+(:func:`~oscar_hf.kernels.write_path.paged_append`, one Triton launch on CUDA: slot ``T - 1 - W``, which left the
+window at the previous step, is quantized into the request's current page; the new token goes to ring entry
+``S0 + T % R`` and, while ``T < S0``, to the sink), then one paged decode attention
 over the history (through the block tables) and the window slots
 (:func:`~oscar_hf.kernels.paged_decode.paged_decode_attention`: the split-K Triton kernel on CUDA). What the rows
 share across layers (slots, entries, pages, block tables, window masks) is planned on the host before the forward
@@ -45,6 +46,7 @@ import torch
 
 from oscar_hf.kernels.heads_attention import heads_decode_attention
 from oscar_hf.kernels.paged_decode import paged_decode_attention
+from oscar_hf.kernels.write_path import CodedSlots, PagedRows, paged_append
 
 from ..cache import resolve_full_precision_heads
 from ..cache.base import check_first_keys, group_queries
@@ -209,6 +211,12 @@ class DecodePlan:
     @property
     def rows(self) -> int:
         return self.pos.shape[0]
+
+    @property
+    def write_rows(self) -> PagedRows:
+        """What the step's write reads per row (:func:`~oscar_hf.kernels.write_path.paged_append`)."""
+        return PagedRows(self.pos, self.slots, self.new_entry, self.sink_entry, self.demote_entry, self.demote_page,
+                         self.demote_off)
 
 
 class DecodeBuffers:
@@ -684,20 +692,18 @@ class OscarPagedStore:
         """``[Bp, Hq, D]``: write then read one token for each row of ``plan`` (see the module docstring). Device
         work only, its shapes set by the plan's row count and ``max_hist``: no host synchronization, so a CUDA graph
         may capture it and replay it with the next step's plan in the same buffers."""
-        li, p = self.layer_slot[layer_idx], self.params[layer_idx]
+        cfg, li, p = self.config, self.layer_slot[layer_idx], self.params[layer_idx]
         win_k, win_v = self.windows.k[:, li], self.windows.v[:, li]  # [slots, Hk, S0 + R, D]
-        k_new = new_k[0].index_select(1, plan.pos).transpose(0, 1)  # [Bp, Hk, D]
-        v_new = new_v[0].index_select(1, plan.pos).transpose(0, 1)
-        if plan.demote:  # 1. slot T - 1 - W: ring -> INT2 (and coded rows), into the row's current page (or trash)
-            for win, kind in ((win_k, "k"), (win_v, "v")):
-                x = win[plan.slots, :, plan.demote_entry][:, :, None]  # [Bp, Hk, 1, D]
-                self._write_history(layer_idx, kind, x, plan.demote_page, plan.demote_off)
-        # 2. the new token: its ring entry (the one just demoted: R = W + 1), and its sink entry while T < S0
-        win_k[plan.slots, :, plan.new_entry] = k_new
-        win_v[plan.slots, :, plan.new_entry] = v_new
-        if plan.write_sink:
-            win_k[plan.slots, :, plan.sink_entry] = k_new
-            win_v[plan.slots, :, plan.sink_entry] = v_new
+        # 1-2. the write, one launch on CUDA: slot T - 1 - W leaves the ring for the row's current page (or the trash
+        # page) as INT2 and coded rows, then the new token goes to its ring entry (the one just demoted: R = W + 1)
+        # and its sink entry while T < S0
+        pool = self.pool
+        coded = (CodedSlots(pool.coded_rows(li, "k"), pool.coded_rows(li, "v"), p.coded_of, p.bits)
+                 if p.coded_heads else None)
+        paged_append(new_k[0], new_v[0], win_k, win_v, pool.rows(li, "k"), pool.rows(li, "v"), plan.write_rows,
+                     p.hist_of, p.r_k, p.mu_k, p.clip_k, p.r_v, p.mu_v, p.clip_v, cfg.group_size, cfg.torch_meta_dtype,
+                     demote=plan.demote, write_sink=plan.write_sink, use_kernels=cfg.use_kernels,
+                     quantizer=cfg.quantizer, coded=coded)
         # 3. read: history pages through the block tables + the window slots
         q = group_queries(query[0].index_select(1, plan.pos).transpose(0, 1)[:, :, None], self.num_kv_heads)
         if not p.coded_heads:
@@ -726,17 +732,6 @@ class OscarPagedStore:
                                       plan.block_table, plan.hist_len, win_k, win_v, win_slot, plan.win_mask, p.r_v,
                                       p.mu_v, scaling, cfg.group_size, q.dtype, use_kernels=cfg.use_kernels,
                                       max_hist_len=plan.max_hist)
-
-    def _write_history(self, layer_idx: int, kind: str, x: torch.Tensor, pages: torch.Tensor,
-                       offsets: torch.Tensor) -> None:
-        """History entries from window rows ``x [n, Hk, 1, D]`` (one per row), at ``offsets`` of ``pages`` (long
-        ``[n]``), in both forms (:meth:`~oscar_hf.cache.params.LayerParams.encode_history`)."""
-        li = self.layer_slot[layer_idx]
-        coded, rows = self.params[layer_idx].encode_history(x, kind, self.config)
-        if coded is not None:
-            self.pool.write_coded_entries(pages, offsets, li, kind, coded)
-        if rows is not None:
-            self.pool.write_entries(pages, offsets, li, kind, rows)
 
     # ------------------------------------------------------------------ multi-token rows, one request at a time
     def _attend_one(self, request_id: str, layer_idx: int, t_old: int, query, new_k, new_v, scaling: float, module,

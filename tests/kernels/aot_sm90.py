@@ -106,6 +106,8 @@ def main():
     ht._heads_split_kernel, ht._heads_combine_kernel = hsplit, hcomb
     append = Recorder(at._append_token_kernel)
     at._append_token_kernel = append
+    paged_append = Recorder(at._paged_append_kernel)
+    at._paged_append_kernel = paged_append
     g0 = torch.Generator().manual_seed(0)
     labels = []
 
@@ -224,6 +226,32 @@ def main():
                                torch.randn(hq, d, generator=g0), 0.95, torch.randn(hq, d, d, generator=g0),
                                torch.randn(hq, d, generator=g0), 0.9, g, torch.bfloat16, 4, 16, coded=coded)
         append_labels.append(f"append d={d} g={g} coded_bits={bits}")
+    # the serving store's decode write (its paged twin): a pool of 9 pages of 16 entries over 2 layers, 12 window
+    # slots, 8 rows; every head INT2 at D = 128, a retrieval head at 8 bits (D = 128), 16 (D = 64), 4 (D = 96: the
+    # plane-padded layout) and 8 (D = 512: 8 warps)
+    from oscar_hf.kernels.write_path import PagedRows
+    from oscar_hf.serving.pool import PagedInt2Pool
+
+    paged_labels = []
+    for d, g, heads, bits in ((128, 64, None, None), (128, 64, [1, -1, 0, 2], 8), (64, 32, [1, -1, 0, 2], 16),
+                              (96, 32, [1, -1, 0, 2], 4), (512, 64, [1, -1, 0, 2], 8)):
+        hk, bp = 4, 8
+        hq = hk if heads is None else sum(h >= 0 for h in heads)
+        pool = PagedInt2Pool(8, 2, hk, d, 16, g, int2_heads=[hq] * 2, coded_heads=[hk - hq] * 2,
+                             coded_bits=bits or 8, trash_page=True)
+        coded = None
+        if bits:
+            coded_of = torch.full((hk,), -1, dtype=torch.long)
+            coded_of[[i for i in range(hk) if heads[i] < 0]] = torch.arange(hk - hq)
+            coded = CodedSlots(pool.coded_rows(1, "k"), pool.coded_rows(1, "v"), coded_of, bits)
+        wins = torch.zeros(2, 13, 2, hk, 4 + 17, d).bfloat16()
+        new = torch.randn(bp, hk, d, generator=g0).bfloat16().transpose(0, 1)  # [Hk, Q, D], the projections' layout
+        rows = PagedRows(*(torch.arange(bp) for _ in PagedRows._fields))
+        at.paged_append_triton(new, new, wins[0][:, 1], wins[1][:, 1], pool.rows(1, "k"), pool.rows(1, "v"), rows,
+                               None if heads is None else torch.tensor(heads), torch.randn(hq, d, d, generator=g0),
+                               torch.randn(hq, d, generator=g0), 0.95, torch.randn(hq, d, d, generator=g0),
+                               torch.randn(hq, d, generator=g0), 0.9, g, torch.bfloat16, coded=coded)
+        paged_labels.append(f"paged_append d={d} g={g} coded_bits={bits}")
     # what the launch sets on a GPU only (a CPU tensor's launch, recorded here, sets the interpreter's values)
     cuda_kw = {"LOWP": 1, "PRECISION": "tf32x3", "ASM": 1}
     for i, (grid, args, kw) in enumerate(split.calls):
@@ -275,6 +303,8 @@ def main():
                       **compile_call(hcomb.fn, args, {**kw, "S_BLOCK": HEADS_DEFAULTS.merge_block}, {})}))
     for lab, (grid, args, kw) in zip(append_labels, append.calls):
         print(json.dumps({"kernel": "append", "case": lab, **compile_call(append.fn, args, kw, {})}))
+    for lab, (grid, args, kw) in zip(paged_labels, paged_append.calls):
+        print(json.dumps({"kernel": "paged_append", "case": lab, **compile_call(paged_append.fn, args, kw, {})}))
     for grid, args, kw in rotq.calls:
         print(json.dumps({"kernel": "rotate_query", "case": f"d={kw['D']} m_pad={kw['M_PAD']}",
                           **compile_call(rotq.fn, args, kw, cuda_kw)}))

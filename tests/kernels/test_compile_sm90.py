@@ -32,7 +32,8 @@ def test_kernels_compile_for_sm90_without_spills():
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     kinds = {r["kernel"] for r in rows}
-    assert kinds == {"split", "combine", "write", "rotate_query", "heads_split", "heads_combine", "append"}, rows
+    assert kinds == {"split", "combine", "write", "rotate_query", "heads_split", "heads_combine", "append",
+                     "paged_append"}, rows
     for r in rows:
         # at most a few words of stack frame; under the deferred loop's register cap (DEFAULTS.maxnreg) a few more; at
         # D = 256 on 4 warps (DEFAULTS.num_warps_wide_deferred) 136 bytes, which the H200 sweep found twice as fast as
@@ -52,7 +53,7 @@ def test_kernels_compile_for_sm90_without_spills():
     assert capped and all("loop=deferred" in r["case"] and "d=128" in r["case"] for r in capped), capped
     # head_dims 96 and 512 compile in every kernel (the others: the cases above), soft-capping on both loops
     for d in (96, 512):
-        for kind in ("split", "combine", "write", "rotate_query", "heads_split", "append"):
+        for kind in ("split", "combine", "write", "rotate_query", "heads_split", "append", "paged_append"):
             assert any(r["kernel"] == kind and f"d={d} " in r["case"] + " " for r in rows), (d, kind)
     assert {r["case"].split(" loop=")[1] for r in rows if r["kernel"] == "split" and "softcap" in r["case"]} == {
         "deferred softcap=50.0", "dequant softcap=50.0"}
