@@ -82,8 +82,10 @@
 #               `serving-load`: one part, one call each)
 #   serving-graphs  the serving decode step with and without CUDA     serving_graphs_<gpu>_t32768_c24.json
 #               graphs, 24 requests x 32K
-#   paged       the paged decode op's (split and Gluon kernels), the pool's  paged_tests_<gpu>.log
-#               and the serving CUDA graphs' tests on the GPU
+#   paged       the paged decode op's (split and Gluon kernels), the paged  paged_tests_<gpu>.log
+#               write's, the pool's and the serving CUDA graphs' tests
+#   serving-step  the graphed serving decode step, 24 requests x 32K,    serving_step_<gpu>_t32768_c24.json,
+#               and the compiled generate step at B=24/32K (one machine)  generate_default_<gpu>_b24_t32768.json
 #
 # Each <what> fits in the device machine's 10-minute command limit except `generate`, `eager`, `soak`, `kernels-dims`
 # and `arch-gemma3`: run their parts one call each (`generate-b8`, `generate-b1`; `eager-b1`, `eager-b8`; `soak-calls`,
@@ -339,7 +341,14 @@ for what in "$@"; do
         --q-padding 8 --out "$OUT/serving_graphs_${GPU}_t32768_c24.json" ;;
   paged)
     run "paged_tests_$GPU" $PY -m pytest -q -p no:cacheprovider --rootdir "$R" "$R/tests/kernels/test_paged_decode.py" \
-        "$R/tests/serving/test_pool.py" "$R/tests/serving/test_cuda_graphs.py" ;;
+        "$R/tests/kernels/test_paged_append.py" "$R/tests/serving/test_pool.py" "$R/tests/serving/test_cuda_graphs.py" ;;
+  serving-step)
+    # the graphed serving decode step at 24 requests x 32K against the compiled generate step at B=24/32K, one machine
+    run "serving_step_${GPU}_t32768_c24" $PY "$B/bench_serving.py" --parts capacity --kinds oscar-graphs \
+        --kv-budget-gib 20 --prompt-budget 1024 --context 32768 --concurrency 24 --max-requests 24 --new-tokens 64 \
+        --q-padding 8 --out "$OUT/serving_step_${GPU}_t32768_c24.json"
+    run "generate_default_${GPU}_b24_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 24 --methods oscar \
+        --new-tokens 32 --synthetic-fill --out "$OUT/generate_default_${GPU}_b24_t32768.json" ;;
   *)
     echo "unknown: $what (see the head of $0)"; exit 2 ;;
   esac

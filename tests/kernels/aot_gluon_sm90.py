@@ -85,9 +85,11 @@ def main():
             else:
                 assert name in ints or name in strides, name
                 sig[name] = "i32"
-        # pointers 16-byte aligned and strides (but sqm, som) multiples of 16, as the JIT specializes them
+        # pointers 16-byte aligned and strides (but sqm, som) multiples of 16, as the JIT specializes them (the pool's
+        # page strides too: 16-byte copies need them)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(dg._hist_kernel.arg_names)
-                 if sig[n].startswith("*") or (n in strides and n not in ("sqm", "som")) or n == "split_len"}
+                 if sig[n].startswith("*") or (n in strides and n not in ("sqm", "som"))
+                 or n in ("split_len", "cps", "mps")}
         src = GluonASTSource(fn=dg._hist_kernel, signature=sig, constexprs=consts, attrs=attrs)
         # the long splits' kernel (their pipeline and int8 keys) runs under its own cap, D = 256 under its own
         cap = (DEFAULTS.gluon_maxnreg_wide if d == 256 else DEFAULTS.gluon_maxnreg_long if k8_
