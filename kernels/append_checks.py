@@ -28,14 +28,29 @@ def check_append_inputs(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_
         raise ValueError(f"the ring has {ring} entries (window {win_k.shape[2]} - sink {sink}); it needs at least "
                          f"recent + 1 = {recent + 1}")
     hq, n = hist_k.codes.shape[1], hist_k.codes.shape[2]
+    _check_history(hist_k, hist_v, (b, hq, n), "B, Hq, N", d, group_size, meta_dtype, hist_heads, hk, r_k, r_v)
+    if mu_k is not None and mu_k.shape not in ((hq, d), (b, hq, d)):
+        raise ValueError(f"mu_k must be None, [Hq, D] or [B, Hq, D] = {(b, hq, d)}, got {tuple(mu_k.shape)}")
+    if mu_v is not None and mu_v.shape != (hq, d):
+        raise ValueError(f"mu_v must be None or [Hq, D] = {(hq, d)}, got {tuple(mu_v.shape)}")
+    if length.dim() != 0 or pad.shape != (b,):
+        raise ValueError(f"length must be a 0-d tensor and pad [B={b}], got {tuple(length.shape)}, {tuple(pad.shape)}")
+    return ring, n, hq
+
+
+def _check_history(hist_k: QuantizedRows, hist_v: QuantizedRows, lead: tuple, lead_names: str, d: int,
+                   group_size: int, meta_dtype, hist_heads, hk: int, r_k, r_v) -> None:
+    """The INT2 rows ``[*lead, D/4]`` uint8 and ``[*lead, D/G]`` metadata (``lead[1]`` = Hq quantized heads), the
+    KV head -> history head map and the rotations ``[Hq, D, D]``: the contiguous and the paged write alike."""
+    hq = lead[1]
     for name, q in (("hist_k", hist_k), ("hist_v", hist_v)):
-        if q.codes.shape != (b, hq, n, d // 4) or q.codes.dtype != torch.uint8:
-            raise ValueError(f"{name}.codes must be uint8 [B={b}, Hq={hq}, N={n}, D/4={d // 4}], got "
+        if q.codes.shape != (*lead, d // 4) or q.codes.dtype != torch.uint8:
+            raise ValueError(f"{name}.codes must be uint8 [{lead_names}, D/4] = {(*lead, d // 4)}, got "
                              f"{q.codes.dtype} {tuple(q.codes.shape)}")
         for t in (q.scale, q.zero):
-            if t.shape != (b, hq, n, d // group_size) or t.dtype != meta_dtype:
-                raise ValueError(f"{name} metadata must be {meta_dtype} [B, Hq, N, D/G] = "
-                                 f"{(b, hq, n, d // group_size)}, got {t.dtype} {tuple(t.shape)}")
+            if t.shape != (*lead, d // group_size) or t.dtype != meta_dtype:
+                raise ValueError(f"{name} metadata must be {meta_dtype} [{lead_names}, D/G] = "
+                                 f"{(*lead, d // group_size)}, got {t.dtype} {tuple(t.shape)}")
     if hist_heads is None:
         if hq != hk:
             raise ValueError(f"hist_heads=None means every KV head is quantized, but the history has {hq} heads, "
@@ -45,13 +60,6 @@ def check_append_inputs(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_
     for name, r in (("r_k", r_k), ("r_v", r_v)):
         if r.shape != (hq, d, d):
             raise ValueError(f"{name} must be [Hq={hq}, D, D], got {tuple(r.shape)}")
-    if mu_k is not None and mu_k.shape not in ((hq, d), (b, hq, d)):
-        raise ValueError(f"mu_k must be None, [Hq, D] or [B, Hq, D] = {(b, hq, d)}, got {tuple(mu_k.shape)}")
-    if mu_v is not None and mu_v.shape != (hq, d):
-        raise ValueError(f"mu_v must be None or [Hq, D] = {(hq, d)}, got {tuple(mu_v.shape)}")
-    if length.dim() != 0 or pad.shape != (b,):
-        raise ValueError(f"length must be a 0-d tensor and pad [B={b}], got {tuple(length.shape)}, {tuple(pad.shape)}")
-    return ring, n, hq
 
 
 def check_coded_slots(coded, win_k, n: int) -> None:
@@ -94,23 +102,7 @@ def check_paged_inputs(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v
         if x.shape != (bp,) or x.dtype != torch.long:
             raise ValueError(f"rows.{name} must be int64 [Bp={bp}], got {x.dtype} {tuple(x.shape)}")
     pages, hq, p = hist_k.codes.shape[:3]
-    for name, q in (("hist_k", hist_k), ("hist_v", hist_v)):
-        if q.codes.shape != (pages, hq, p, d // 4) or q.codes.dtype != torch.uint8:
-            raise ValueError(f"{name}.codes must be uint8 [pages, Hq, P, D/4={d // 4}], got {q.codes.dtype} "
-                             f"{tuple(q.codes.shape)}")
-        for t in (q.scale, q.zero):
-            if t.shape != (pages, hq, p, d // group_size) or t.dtype != meta_dtype:
-                raise ValueError(f"{name} metadata must be {meta_dtype} [pages, Hq, P, D/G] = "
-                                 f"{(pages, hq, p, d // group_size)}, got {t.dtype} {tuple(t.shape)}")
-    if hist_heads is None:
-        if hq != hk:
-            raise ValueError(f"hist_heads=None means every KV head is quantized, but the pages hold {hq} heads, "
-                             f"not Hk={hk}")
-    elif hist_heads.shape != (hk,) or hist_heads.dtype != torch.long:
-        raise ValueError(f"hist_heads must be int64 [Hk={hk}], got {hist_heads.dtype} {tuple(hist_heads.shape)}")
-    for name, r in (("r_k", r_k), ("r_v", r_v)):
-        if r.shape != (hq, d, d):
-            raise ValueError(f"{name} must be [Hq={hq}, D, D], got {tuple(r.shape)}")
+    _check_history(hist_k, hist_v, (pages, hq, p), "pages, Hq, P", d, group_size, meta_dtype, hist_heads, hk, r_k, r_v)
     for name, mu in (("mu_k", mu_k), ("mu_v", mu_v)):
         if mu is not None and mu.shape != (hq, d):
             raise ValueError(f"{name} must be None or [Hq, D] = {(hq, d)}, got {tuple(mu.shape)}")

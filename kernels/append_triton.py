@@ -211,6 +211,34 @@ def _append_token_kernel(
         tl.store(WIN_V + dst, nv, mask=dm)
 
 
+def _rotations_and_coded(dev, r_k, mu_k, r_v, mu_v, coded, placeholder):
+    """Both write kernels' rotation inputs (float32, contiguous, on ``dev``) and their retrieval heads' stores:
+    ``(r_k, mu_k, r_v, mu_v, ck, cv, x_strides, m_strides)``, the three coded parts of K and V (a 16-bit store's one
+    part thrice) and their strides, or ``placeholder`` tensors never read (no coded heads: ``CODED_BITS = 0``)."""
+    f32 = lambda t: None if t is None else t.to(device=dev, dtype=torch.float32).contiguous()  # noqa: E731
+    if coded is None:
+        return f32(r_k), f32(mu_k), f32(r_v), f32(mu_v), (placeholder,) * 3, (placeholder,) * 3, (0, 0, 0), (0, 0, 0)
+    ck, cv = (parts * 3 if len(parts) == 1 else parts for parts in (coded.k, coded.v))
+    if any(a.stride() != c.stride() for a, c in zip(ck, cv)) or ck[1].stride() != ck[2].stride():
+        raise ValueError("the coded K and V stores must share one layout (and scale and zero one)")
+    return f32(r_k), f32(mu_k), f32(r_v), f32(mu_v), ck, cv, ck[0].stride()[:3], ck[1].stride()[:3]
+
+
+def _check_kernel_layouts(win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, meta_dtype) -> None:
+    """What both write kernels assume of their tensors beyond the shapes (``append_checks``): a metadata dtype they
+    code, K and V windows of one layout contiguous in D, one codes layout and one metadata layout for K and V."""
+    if meta_dtype not in _META_KIND:
+        raise ValueError(f"metadata dtype {meta_dtype} is not supported by the kernel; use one of {list(_META_KIND)}")
+    if win_k.stride() != win_v.stride() or win_k.stride(-1) != 1:
+        raise ValueError(f"win_k and win_v must share a layout contiguous in D, got {win_k.stride()}, {win_v.stride()}")
+    metas = (hist_k.scale, hist_k.zero, hist_v.scale, hist_v.zero)
+    if hist_k.codes.stride() != hist_v.codes.stride() or hist_k.codes.stride(-1) != 1 or any(
+        m.stride() != hist_k.scale.stride() for m in metas
+    ) or hist_k.scale.stride(-1) != 1:
+        raise ValueError("hist_k and hist_v must share one codes layout and one metadata layout, contiguous in the "
+                         "last dimension")
+
+
 def append_token_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
                         hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
                         quantizer="minmax", coded=None):
@@ -222,33 +250,13 @@ def append_token_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_
     b, hk, _, d = new_k.shape
     if b == 0 or hk == 0:
         return None
-    if meta_dtype not in _META_KIND:
-        raise ValueError(f"metadata dtype {meta_dtype} is not supported by the kernel; use one of {list(_META_KIND)}")
     if length.dtype != torch.long or pad.dtype != torch.long:
         raise ValueError(f"length and pad must be int64, got {length.dtype}, {pad.dtype}")
-    if win_k.stride() != win_v.stride() or win_k.stride(-1) != 1:
-        raise ValueError(f"win_k and win_v must share a layout contiguous in D, got {win_k.stride()}, {win_v.stride()}")
-    metas = (hist_k.scale, hist_k.zero, hist_v.scale, hist_v.zero)
-    if hist_k.codes.stride() != hist_v.codes.stride() or hist_k.codes.stride(-1) != 1 or any(
-        m.stride() != hist_k.scale.stride() for m in metas
-    ) or hist_k.scale.stride(-1) != 1:
-        raise ValueError("hist_k and hist_v must share one codes layout and one metadata layout, contiguous in the "
-                         "last dimension")
+    _check_kernel_layouts(win_k, win_v, hist_k, hist_v, meta_dtype)
     new_k = new_k if new_k.stride(-1) == 1 else new_k.contiguous()
     new_v = new_v if new_v.stride(-1) == 1 else new_v.contiguous()
-    dev = new_k.device
-    r_k = r_k.to(device=dev, dtype=torch.float32).contiguous()
-    r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
-    mu_k = mu_k.to(device=dev, dtype=torch.float32).contiguous() if mu_k is not None else None
-    mu_v = mu_v.to(device=dev, dtype=torch.float32).contiguous() if mu_v is not None else None
-    if coded is None:  # placeholders, never read (CODED_BITS = 0)
-        ck = cv = (length,) * 3
-        x_strides = m_strides = (0, 0, 0)
-    else:
-        ck, cv = (parts * 3 if len(parts) == 1 else parts for parts in (coded.k, coded.v))
-        x_strides, m_strides = ck[0].stride()[:3], ck[1].stride()[:3]
-        if any(a.stride() != c.stride() for a, c in zip(ck, cv)) or ck[1].stride() != ck[2].stride():
-            raise ValueError("the coded K and V stores must share one layout (and scale and zero one)")
+    r_k, mu_k, r_v, mu_v, ck, cv, x_strides, m_strides = _rotations_and_coded(
+        new_k.device, r_k, mu_k, r_v, mu_v, coded, length)
     warps, blk = launch_shape(d)
     _append_token_kernel[(b * hk,)](
         new_k, new_v, win_k, win_v, *hist_k, *hist_v, length, pad,
@@ -349,33 +357,13 @@ def paged_append_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_
     bp = rows.pos.shape[0]
     if bp == 0 or hk == 0:
         return None
-    if meta_dtype not in _META_KIND:
-        raise ValueError(f"metadata dtype {meta_dtype} is not supported by the kernel; use one of {list(_META_KIND)}")
-    if win_k.stride() != win_v.stride() or win_k.stride(-1) != 1:
-        raise ValueError(f"win_k and win_v must share a layout contiguous in D, got {win_k.stride()}, {win_v.stride()}")
-    metas = (hist_k.scale, hist_k.zero, hist_v.scale, hist_v.zero)
-    if hist_k.codes.stride() != hist_v.codes.stride() or hist_k.codes.stride(-1) != 1 or any(
-        m.stride() != hist_k.scale.stride() for m in metas
-    ) or hist_k.scale.stride(-1) != 1:
-        raise ValueError("hist_k and hist_v must share one codes layout and one metadata layout, contiguous in the "
-                         "last dimension")
+    _check_kernel_layouts(win_k, win_v, hist_k, hist_v, meta_dtype)
     if new_k.stride(-1) != 1 or new_v.stride() != new_k.stride():
         new_k, new_v = new_k.contiguous(), new_v.contiguous()
     if any(not x.is_contiguous() for x in rows):
         rows = type(rows)(*(x.contiguous() for x in rows))
-    dev = new_k.device
-    r_k = r_k.to(device=dev, dtype=torch.float32).contiguous()
-    r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
-    mu_k = mu_k.to(device=dev, dtype=torch.float32).contiguous() if mu_k is not None else None
-    mu_v = mu_v.to(device=dev, dtype=torch.float32).contiguous() if mu_v is not None else None
-    if coded is None:  # placeholders, never read (CODED_BITS = 0)
-        ck = cv = (rows.pos,) * 3
-        x_strides = m_strides = (0, 0, 0)
-    else:
-        ck, cv = (parts * 3 if len(parts) == 1 else parts for parts in (coded.k, coded.v))
-        x_strides, m_strides = ck[0].stride()[:3], ck[1].stride()[:3]
-        if any(a.stride() != c.stride() for a, c in zip(ck, cv)) or ck[1].stride() != ck[2].stride():
-            raise ValueError("the coded K and V stores must share one layout (and scale and zero one)")
+    r_k, mu_k, r_v, mu_v, ck, cv, x_strides, m_strides = _rotations_and_coded(
+        new_k.device, r_k, mu_k, r_v, mu_v, coded, rows.pos)
     warps, blk = launch_shape(d)
     _paged_append_kernel[(bp * hk,)](
         new_k, new_v, *rows, win_k, win_v, *hist_k, *hist_v,
