@@ -84,6 +84,10 @@
 #               graphs, 24 requests x 32K
 #   paged       the paged decode op's (split and Gluon kernels), the paged  paged_tests_<gpu>.log
 #               write's, the pool's and the serving CUDA graphs' tests
+#   serving-fair  BF16 and OSCAR serving under equal settings (CUDA     serving_fair_<gpu>_20gib_t32768.json,
+#               graphs, 8,192-token steps, pages of 256) in 20 GiB of KV   generate_bf16_static_<gpu>_b4_t32768.json
+#               at 32K, each at its capacity; compiled BF16 StaticCache
+#               generate at B=4 (its largest batch there)
 #   serving-step  the graphed serving decode step, 24 requests x 32K,    serving_step_<gpu>_t32768_c24.json,
 #               and the compiled generate step at B=24/32K (one machine)  generate_default_<gpu>_b24_t32768.json
 #
@@ -334,6 +338,16 @@ for what in "$@"; do
           --new-tokens $new --max-requests 40 --requests 24 --lengths 8192 16384 32768 --rate 0.5 \
           --bf16-batch-tokens 8192 --out "$OUT/$name.json"
     done ;;
+  serving-fair)
+    # equal settings for BF16 and OSCAR serving in a 20 GiB KV budget at 32K: Transformers' CUDA graphs for both, the same
+    # step budget (8,192 tokens) and page size (256), each at the most requests its budget admits (BF16 4, OSCAR 24
+    # window slots); then the best single-process BF16 alternative, compiled StaticCache generate at its largest batch
+    # in the same memory (B=4 x 32K), decode step only (synthetic fill)
+    run "serving_fair_${GPU}_20gib_t32768" $PY "$B/bench_serving.py" --parts capacity --kinds bf16-graphs oscar-graphs \
+        --kv-budget-gib 20 --context 32768 --max-requests 24 --new-tokens 64 --q-padding 8 --bf16-batch-tokens 8192 \
+        --oscar-batch-tokens 8192 --prompt-budget 8192 --out "$OUT/serving_fair_${GPU}_20gib_t32768.json"
+    run "generate_bf16_static_${GPU}_b4_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 4 \
+        --methods bf16-static --new-tokens 32 --synthetic-fill --out "$OUT/generate_bf16_static_${GPU}_b4_t32768.json" ;;
   serving-graphs)
     # the serving decode step with Transformers' CUDA graphs against without, 24 requests x 32K (Qwen3-8B shape)
     run "serving_graphs_${GPU}_t32768_c24" $PY "$B/bench_serving.py" --parts capacity --kinds oscar oscar-graphs \
