@@ -83,7 +83,7 @@ from .decode_gluon_ops import (A_OP, B_OP, DF_LIM, KLOAD, MMA, VLOAD, _accumulat
                                _fresh_state, _groups, _issue_copies, _issue_first_copies, _loads_lanes, _logits,
                                _page_of, _page_offs, _q8_loaded, _q8_operands, _q_operand, _q_plane, _q_sums,
                                _row_offs, _smem_codes, _smem_meta, _SPIN_ASM, _split_setup, _step, _sync)
-from .plan import cuda_major
+from .plan import cuda_major, gluon_query_groups
 
 
 @gluon.jit
@@ -95,7 +95,7 @@ def _hist_kernel(
     TB: gl.constexpr, HAS_OFF: gl.constexpr, N_DEV: gl.constexpr,
     STAGES: gl.constexpr = 2, PDL: gl.constexpr = 0, K8: gl.constexpr = 0, NH: gl.constexpr = 1,
     QP8=None, QPF=None, QPRE: gl.constexpr = 0, READY=None, QFLAG: gl.constexpr = 0, TP: gl.constexpr = 1,
-    BT=None, sbt=0, cps=0, mps=0, PAGED: gl.constexpr = 0, PR: gl.constexpr = 1,
+    BT=None, sbt=0, cps=0, mps=0, PAGED: gl.constexpr = 0, PR: gl.constexpr = 1, QG: gl.constexpr = 1,
 ):
     """Grid ``(B * Hk, S)``: program ``(bh, s)`` writes the partial of history split ``s`` of one (row, KV head).
     ``STAGES``: cp.async pipeline stages (a power of two); ``PDL``: launched under programmatic dependent launch
@@ -109,17 +109,22 @@ def _hist_kernel(
     strides 0), row ``b``'s code row ``j`` is row ``j % PR`` of page ``BT[b, j // PR]`` (``PR = P / TP`` code rows a
     page, a multiple of ``T``: a step never straddles pages; ``cps`` / ``mps``: page strides of the codes / metadata in
     4-byte words, the same for keys and values), and it has ``NPTR[b]`` history tokens. A step's page is loaded one
-    step ahead of its copies (its latency under the step before)."""
+    step ahead of its copies (its latency under the step before).
+
+    ``QG`` query groups (D = 64, 5-8 query rows): grid ``(B * Hk * QG, S)``, program ``(q, s)`` serves query rows
+    ``[g M, (g + 1) M)`` (``g = q % QG``; ``M`` is the rows per group, ``M QG`` the row's) of (row, KV head)
+    ``q // QG``, reading the whole split for them."""
     CS: gl.constexpr = _col_sets(TB, TP)  # column sets: the token sets, or (TP = 2) the two tokens of a code row
     MH: gl.constexpr = 8 // CS
     T: gl.constexpr = 16 * TB  # code rows a step
     NG: gl.constexpr = _groups(NH, TP)  # metadata groups, each of GC chunks
     GC: gl.constexpr = 4 * NH // NG
-    pid_bh = gl.program_id(0)
+    pid_bh = gl.program_id(0) // QG  # (row, KV head)
+    grp = gl.program_id(0) % QG  # its query group
     pid_s = gl.program_id(1)
     b = pid_bh // Hk
     h = pid_bh % Hk
-    part = (pid_bh.to(gl.int64) * S_TOT + pid_s) * M
+    part = (pid_bh.to(gl.int64) * S_TOT + pid_s) * (M * QG) + grp * M
     wdep = pid_s
     bt_row = BT
     if PAGED:
@@ -151,7 +156,7 @@ def _hist_kernel(
                                          pack=1)
 
     # ---- query operands (once per program) ----
-    q_ptr = Q + b.to(gl.int64) * sqb + h * sqh
+    q_ptr = Q + b.to(gl.int64) * sqb + h * sqh + grp * M * sqm
     cn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
     ch = cn % MH
     cvalid = (ch < M) & (cn < CS * MH)
@@ -159,7 +164,8 @@ def _hist_kernel(
     if QFLAG:  # (the wait's 0 in the addresses of what the prologue wrote: these loads cannot move above it)
         qz = wdep
     if HAS_OFF:  # the logit offset q.mu_K per column
-        off = gl.load(QKOFF + qz + b.to(gl.int64) * sob + h * soh + ch * som, mask=cvalid, other=0.0) * qk_scale
+        off = gl.load(QKOFF + qz + b.to(gl.int64) * sob + h * soh + (grp * M + ch) * som, mask=cvalid,
+                      other=0.0) * qk_scale
     else:
         off = gl.zeros([8], gl.float32, layout=gl.SliceLayout(0, MMA))
     # per column: Qs_g = sum of the group's (scaled) query channels, from the chunks (a load of its own was issued by
@@ -335,11 +341,12 @@ def _hist_kernel(
 
 def gluon_supported(q_rot, k, v, group_size: int, key_mask, meta_words: bool) -> bool:
     """The shapes this kernel serves (the rest: the Triton kernel): head_dim 128 or 256 in groups of 64 channels, and
-    head_dim 64 (one group) with <= 4 query rows.
+    head_dim 64 (one group) with <= 4 query rows, or an even number up to 8 (two programs per (row, KV head):
+    :func:`~oscar_hf.kernels.plan.gluon_query_groups`).
     ``meta_words``: the bf16 scale / zero of a token are ``D / 128`` aligned 4-byte words (two groups each); at D = 64
     those of a token pair (2j, 2j + 1) are."""
     b, hk, m, d = q_rot.shape
-    return (q_rot.is_cuda and cuda_major(q_rot.device) >= 8 and (d in (128, 256) or (d == 64 and m <= 4))
+    return (q_rot.is_cuda and cuda_major(q_rot.device) >= 8 and (d in (128, 256) or (d == 64 and (m <= 4 or gluon_query_groups(m, d) > 1)))
             and group_size == 64 and 1 <= m <= 8 and key_mask is None and meta_words
             and k.codes.stride(-1) == 1 and v.codes.stride(-1) == 1
             # token rows of D / 4 bytes: the addressing assumes them
@@ -351,8 +358,8 @@ def gluon_supported(q_rot, k, v, group_size: int, key_mask, meta_words: bool) ->
 def tokens_per_step(m: int, d: int = 128) -> int:
     """Tokens per step: two token sets of 16 (TB = 2) where <= 4 query rows leave half the logit tile's 8 columns
     free, at D = 128 only (D = 256: its 8 chunk accumulators and query operands fill the registers at TB = 1); at
-    D = 64 16 code rows of two tokens."""
-    return 32 if (m <= 4 and d in (64, 128)) else 16
+    D = 64 16 code rows of two tokens (for each query group's <= 4 rows)."""
+    return 32 if ((m <= 4 and d == 128) or d == 64) else 16
 
 
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
@@ -367,23 +374,25 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
     b, hk, m, d = q_rot.shape
     assert not (k8 and d != 128), "the int8 key path serves D = 128 only"
     tp = 2 if d == 64 else 1
-    assert tp == 1 or (m <= 4 and split_len % 2 == 0), "D = 64: <= 4 query rows, splits of whole code rows"
+    qg = gluon_query_groups(m, d)  # (D = 64, 5-8 rows: two programs per (row, KV head), m // 2 rows each)
+    mg = m // qg
+    assert tp == 1 or (mg <= 4 and split_len % 2 == 0), "D = 64: <= 4 query rows a group, splits of whole code rows"
     z3 = (0, 0, 0)
     pk = {}
     if paged is not None:  # the row strides 0: pages come from the block table; page strides in 4-byte words
         assert n_valid is None and k.codes.stride(0) == v.codes.stride(0) and k.scale.stride(0) == v.scale.stride(0)
-        assert paged.page % tokens_per_step(m, d) == 0, "a step must not straddle pages"
+        assert paged.page % tokens_per_step(mg, d) == 0, "a step must not straddle pages"
         n_valid = paged.hist_len
         cps, mps = k.codes.stride(0) // 4, k.scale.stride(0) * k.scale.element_size() // 4
         pk = dict(BT=paged.block_table, sbt=paged.block_table.stride(0), cps=cps, mps=mps, PAGED=1,
                   PR=paged.page // tp)
-    _hist_kernel[(b * hk, s_hist)](
+    _hist_kernel[(b * hk * qg, s_hist)](
         q_rot, *k, *v, start, qk_offset, n_valid, pm, pl, pacc,
-        n, m, hk, s_hist, s_tot, split_len, qk_scale,
+        n, mg, hk, s_hist, s_tot, split_len, qk_scale,
         *q_rot.stride()[:3], *_bh_strides(k.codes, paged), *_bh_strides(k.scale, paged),
         *_bh_strides(v.codes, paged), *_bh_strides(v.scale, paged),
         *(qk_offset.stride() if qk_offset is not None else z3),
-        TB=tokens_per_step(m, d) // (16 * tp), HAS_OFF=qk_offset is not None,
+        TB=tokens_per_step(mg, d) // (16 * tp), HAS_OFF=qk_offset is not None, QG=qg,
         N_DEV=n_valid is not None and paged is None,
         STAGES=stages, PDL=int(bool(pdl)), K8=int(bool(k8)), NH=max(d // 128, 1), TP=tp,
         QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),

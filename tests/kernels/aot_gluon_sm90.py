@@ -10,7 +10,8 @@ cache's op (operands built by the kernel, the history length on the device); and
 halves, ``NH = 2``: ``TB = 1``, fp16 keys at every split length, under ``gluon_maxnreg_wide``) with short and long
 splits' stages and the static op's variant; and ``D = 64`` (32-byte rows of two tokens, ``TP = 2``: ``TB = 1``, fp16
 keys, under ``gluon_maxnreg``) the same three; and the paged history of the serving pool (``PAGED``: each step's page
-from the block table, pages of 256 tokens) from the rotating op at every head_dim, short and long splits. Prints one JSON line each: registers,
+from the block table, pages of 256 tokens) from the rotating op at every head_dim, short and long splits; and D = 64
+in two query groups (``QG = 2``, 5-8 query rows). Prints one JSON line each: registers,
 spilled bytes, shared memory, the rounding instructions of the whole kernel (``frnd``) and the opcode counts of the hot
 loop (the innermost loop that holds the tensor-core ops). ``AOT_DUMP=prefix`` writes each case's hot loop SASS to a
 file (``AOT_DUMP_ALL=1``: the whole kernel's).
@@ -63,11 +64,14 @@ def main():
     # the paged history (the rotating op: PDL; per-row lengths in NPTR), short and long splits
     cases += [(128, tb, st, k8, k8, 0, 1) for tb in (2, 1) for st, k8 in ((short, 0), (long_, 1))]
     cases += [(d, 1, st, 0, 0, 0, 1) for d in (256, 64) for st in (short, long_)]
-    for d, tb, st, k8_, qp, static, paged in cases:
+    cases = [c + (1,) for c in cases]
+    # D = 64 in two query groups (5-8 rows; gated: gluon_d64_groups): the rotating op and the static op
+    cases += [(64, 1, st, 0, 0, static, 0, 2) for st, static in ((short, 0), (long_, 1))]
+    for d, tb, st, k8_, qp, static, paged, qg in cases:
         tp = 2 if d == 64 else 1
         consts = {"TB": tb, "HAS_OFF": 1, "N_DEV": int(static), "STAGES": st, "PDL": int(not static), "K8": k8_,
                   "QPRE": qp, "QFLAG": qp, "NH": max(d // 128, 1), "TP": tp, "PAGED": paged,
-                  "PR": 256 // tp if paged else 1}
+                  "PR": 256 // tp if paged else 1, "QG": qg}
         if not paged:
             consts["BT"] = None
         if not static and not paged:
@@ -100,11 +104,11 @@ def main():
         op = lambda s: re.sub(r"^@!?U?P\w+\s+", "", s).split()[0]  # noqa: E731
         loop = collections.Counter(op(i) for i in _hot_loop(sass))
         if os.environ.get("AOT_DUMP"):  # the hot loop's SASS, one file a case (AOT_DUMP_ALL: the whole kernel's)
-            with open(f"{os.environ['AOT_DUMP']}_d{d}_tb{tb}_s{st}_k{k8_}_q{qp}_n{int(static)}_p{paged}.sass",
+            with open(f"{os.environ['AOT_DUMP']}_d{d}_tb{tb}_s{st}_k{k8_}_q{qp}_n{int(static)}_p{paged}_g{qg}.sass",
                       "w") as f:
                 f.write(sass if os.environ.get("AOT_DUMP_ALL") else "\n".join(_hot_loop(sass)))
         print(json.dumps({"kernel": "gluon", "d": d, "tb": tb, "stages": st, "k8": k8_, "qpre": qp,
-                          "static": int(static), "paged": paged, "long": bool(k8_),
+                          "static": int(static), "paged": paged, "groups": qg, "long": bool(k8_),
                           "regs": regs, "frnd": sum(1 for i in re.findall(r"\*/\s+(?:@!?U?P\w+\s+)?(\w+)", sass)
                                                     if i.startswith("FRND")),
                           "spill_bytes": spill, "maxnreg": cap, "loop": dict(loop)}))

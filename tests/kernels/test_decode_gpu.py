@@ -321,6 +321,36 @@ def test_gpu_gluon_serves_head_dim_256_by_default(monkeypatch, hk, m, n):
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("m,static", [(8, False), (6, False), (8, True)])
+def test_gpu_gluon_d64_query_groups(monkeypatch, m, static):
+    """D = 64 with 6 or 8 query rows per KV head (gpt-oss's 64 / 8) on the Gluon kernel in two query groups (gated,
+    ``gluon_d64_groups``): two programs per (row, KV head), each for half the rows over the whole split; the rotating
+    op (and the static op: the history length on the device) at B = 8 / 32K, odd lengths, left padding, against the
+    reference."""
+    glu = _dt()._gluon_module()
+    grids = []
+    real = glu._hist_kernel
+    monkeypatch.setattr(glu, "_hist_kernel", type("K", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **kw: (grids.append((grid, kw["QG"], a[11])), real[grid](*a, **kw))[1])})())
+    args = _rotating_case(8, 8, m, 32768 - 321, 320, 64, 64, seed=m, device="cuda")
+    args["k"], args["v"] = _stored(args["k"]), _stored(args["v"])
+    args["qf"] = args["qf"].cuda()
+    args["start"] = torch.tensor([0, 9, 1, 301, 1, 2, 3, 4], device="cuda")
+    args["out_dtype"] = torch.bfloat16
+    df = replace(DEFAULTS, gluon_d64_groups=True)
+    ref_args = args
+    if static:  # the static op: storage past n_valid (odd) is stale; the reference sees the first n_valid entries
+        nv = 32768 - 321 - 51
+        got = rotating_op(args, defaults=df, n_valid=torch.tensor(nv, device="cuda"), splits=8)
+        ref_args = {k_: (type(v_)(*(t[:, :, :nv] for t in v_)) if k_ in ("k", "v") else v_) for k_, v_ in args.items()}
+    else:
+        got = rotating_op(args, defaults=df)
+    assert len(grids) == 1 and grids[0][0][0] == 8 * 8 * 2 and grids[0][1] == 2 and grids[0][2] == m // 2, grids
+    assert rel_err(got.float(), _rotating_reference(ref_args).float()) < 2e-2
+
+
+@pytest.mark.gpu
+@on_gpu
 @pytest.mark.parametrize("hk,m", [(8, 4), (8, 8), (3, 3)])
 def test_gpu_gluon_d64_routing(monkeypatch, hk, m):
     """D = 64 runs its history on the Gluon kernel at the defaults where M <= 4 (Llama-3.2-1B 32 / 8, SmolLM2 9 / 3;

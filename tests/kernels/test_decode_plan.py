@@ -188,8 +188,23 @@ def test_plan_head_dim_64_on_gluon_up_to_4_query_rows(gpu, m, static):
 
 
 def test_gluon_kernel_head_dim_64_steps():
-    """The Gluon module (where Gluon imports) reads D = 64 at 32 tokens a step up to 4 query rows."""
+    """The Gluon module (where Gluon imports) reads D = 64 at 32 tokens a step (each query group's <= 4 rows)."""
     glu = _dt()._gluon_module()
     if glu is None:
         pytest.skip("this Triton has no Gluon")
-    assert glu.tokens_per_step(4, 64) == 32 and glu.tokens_per_step(3, 64) == 32
+    assert glu.tokens_per_step(4, 64) == 32 and glu.tokens_per_step(3, 64) == 32 and glu.tokens_per_step(8, 64) == 32
+
+
+@pytest.mark.parametrize("m,groups", [(4, 1), (5, 1), (6, 2), (8, 2), (10, 1)])
+@pytest.mark.parametrize("gate", [False, True])
+def test_plan_head_dim_64_query_groups(gpu, m, groups, gate):
+    """D = 64 with 5-8 query rows (gpt-oss 64 / 8) goes to the Gluon kernel in two query groups only where
+    ``gluon_d64_groups`` is on (not run on a GPU yet) and the rows split evenly; its wave model then counts two
+    programs per (row, KV head), so the splits are those of twice the rows."""
+    gpu(132)
+    assert plan.gluon_query_groups(m, 64) == groups and plan.gluon_query_groups(m, 128) == 1
+    df = replace(DEFAULTS, gluon_d64_groups=gate)
+    p = decode_plan(8, 8, m, 64, N128K, 64, 320, CUDA, rotate=True, gluon_step=32, defaults=df)
+    assert p.gluon == (m <= 4 or (gate and groups == 2))
+    if p.gluon:
+        assert p.s_hist == plan.gluon_plan(df, 32, N128K, 8 * 8 * groups, CUDA, 64).splits
