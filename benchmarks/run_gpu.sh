@@ -90,6 +90,8 @@
 #               graphs, 8,192-token steps, pages of 256) in 20 GiB of KV   generate_bf16_static_<gpu>_b4_t32768.json
 #               at 32K, each at its capacity; compiled BF16 StaticCache
 #               generate at B=4 (its largest batch there)
+#   serving-soak  1,000 requests with cancellations, two models        serving_soak_<gpu>.json
+#               switched every round (serving_soak.py)
 #   serving-step  the graphed serving decode step, 24 requests x 32K,    serving_step_<gpu>_t32768_c24.json,
 #               and the compiled generate step at B=24/32K (one machine)  generate_default_<gpu>_b24_t32768.json
 #
@@ -360,6 +362,8 @@ for what in "$@"; do
         --oscar-batch-tokens 8192 --prompt-budget 8192 --out "$OUT/serving_fair_${GPU}_20gib_t32768.json"
     run "generate_bf16_static_${GPU}_b4_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 4 \
         --methods bf16-static --new-tokens 32 --synthetic-fill --out "$OUT/generate_bf16_static_${GPU}_b4_t32768.json" ;;
+  serving-soak)
+    run "serving_soak_$GPU" $PY "$B/serving_soak.py" --out "$OUT/serving_soak_$GPU.json" ;;
   serving-graphs)
     # the serving decode step with Transformers' CUDA graphs against without, 24 requests x 32K (Qwen3-8B shape)
     run "serving_graphs_${GPU}_t32768_c24" $PY "$B/bench_serving.py" --parts capacity --kinds oscar oscar-graphs \
