@@ -14,8 +14,9 @@
 #               `kernels-d256`, `kernels-d256-kv2`, `kernels-d96`,
 #               `kernels-d512`: one shape each)
 #   gluon-d64   the Gluon history at head_dim 64 (M <= 4): its GPU      gpu_tests_gluon_d64_<gpu>.log,
-#               tests, then the op on the split kernel alone (no Gluon)    kernels_<gpu>_d64_m4_{split,gluon}.json
-#               and at the defaults (32 / 8 heads, B = 1, 8 x 32K, 128K)
+#               tests, then the op on the split kernel alone (no Gluon),   kernels_<gpu>_d64_m4_{split,gluon,gluon-all}.json
+#               at the defaults and with Gluon at every size (32 / 8
+#               heads, B = 1, 8 x 32K, 128K)
 #   gluon-d64-groups  D = 64 with 8 query rows (gpt-oss) in two query   gpu_tests_gluon_d64_groups_<gpu>.log,
 #               groups (gated): GPU tests, the op with the gate off / on  kernels_<gpu>_d64_groups_{false,true}.json
 #   profile-op  the decode op's kernels one by one in a CUDA graph       profile_op_<gpu>.json
@@ -162,8 +163,8 @@ for what in "$@"; do
     # kernel alone (gluon_min_work above any call's work) and at the defaults (the Gluon history)
     run "gpu_tests_gluon_d64_$GPU" $PY -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
         "$R/tests/kernels/test_decode_gpu.py" -k d64
-    for kind in split gluon; do
-      cfg='{}'; [ $kind = split ] && cfg='{"gluon_min_work": 1000000000000}'
+    for kind in split gluon gluon-all; do  # (gluon-all: the Gluon kernel below gluon_min_work too, B=1/32K)
+      cfg='{}'; [ $kind = split ] && cfg='{"gluon_min_work": 1000000000000}'; [ $kind = gluon-all ] && cfg='{"gluon_min_work": 0}'
       run "kernels_${GPU}_d64_m4_$kind" $PY "$B/bench_kernels.py" --head-dim 64 --q-heads 32 --kv-heads 8 \
           --batches 1,8 --lengths 32768,131072 --no-write --config "$cfg" --out "$OUT/kernels_${GPU}_d64_m4_$kind.json"
     done ;;
