@@ -280,3 +280,48 @@ def test_generate_batch_with_real_cuda_graphs(monkeypatch):
     assert [t[0] for t in plain] == [t[0] for t in graphed]
     same = sum(a == b for x, y in zip(plain, graphed) for a, b in zip(x, y))
     assert same >= 0.8 * sum(len(t) for t in plain)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_generate_batch_matches_oscar_generate_at_real_lengths():
+    """On CUDA, prompts of 2-6K tokens: ``generate_batch`` with CUDA graphs (the paged read on the Gluon history
+    kernel: ``gluon_min_work`` set to 0 for the test, as 24 requests x 32K reach it by themselves) against each prompt
+    alone through ``OscarCache`` (the contiguous storage and op, compiled by ``generate``): the same first token
+    (exact prefill in both) and most of the rest (the two kernels round bf16 in another order; this random model has
+    near-ties)."""
+    from batch_utils import cuda_qwen3
+
+    from oscar_hf.kernels import decode_triton
+    from oscar_hf.kernels.plan import DEFAULTS
+
+    model = cuda_qwen3(seed=2)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (2100, 4500, 6000, 3300)]
+    new = 24
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    oscar = dict(method="hadamard", sink=64, recent=128, group_size=64)
+    gluon_calls = []
+    glu = decode_triton._gluon_module()
+    real = glu.launch_history
+    old = DEFAULTS.gluon_min_work
+    object.__setattr__(DEFAULTS, "gluon_min_work", 0)  # (a frozen dataclass: the defaults every launcher binds)
+    glu.launch_history = lambda *a, **kw: (gluon_calls.append(kw.get("paged") is not None), real(*a, **kw))[1]
+    try:
+        cb = continuous_batching_config(num_blocks=512, max_batch_tokens=8192, page_size=256, use_cuda_graph=True,
+                                        q_padding_interval_size=4)
+        with paged_oscar(model, max_requests=8, **oscar) as store:
+            out = model.generate_batch(prompts, gen, continuous_batching_config=cb, warmup=False)
+            assert store.pool.num_used == 0
+        served = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+        assert any(gluon_calls), "the paged read never ran on the Gluon kernel"
+        alone_tokens = []
+        for prompt in prompts:
+            kw = dict(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+            kw.update(cache_kwargs(model, OscarCache(model, **oscar)))
+            alone_tokens.append(model.generate(torch.tensor([prompt], device="cuda"), **kw)[0, len(prompt):].tolist())
+    finally:
+        object.__setattr__(DEFAULTS, "gluon_min_work", old)
+        glu.launch_history = real
+    assert [t[0] for t in served] == [t[0] for t in alone_tokens]
+    same = sum(a == b for x, y in zip(served, alone_tokens) for a, b in zip(x, y))
+    assert same >= 0.8 * new * len(prompts), (served, alone_tokens)
