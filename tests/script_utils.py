@@ -24,6 +24,26 @@ def import_script(name: str):
         sys.path.pop(0)
 
 
+def import_benchmark(name: str):
+    """``benchmarks/<name>.py`` loaded as a module (the benchmarks are not a package; loaded by path, so that no
+    top-level name of theirs shadows another)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"{name}_for_test", BENCHMARKS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_tiny(script, tmp_path, *extra) -> tuple[int, dict]:
+    """A soak-style script's ``main`` in its tiny CPU mode: ``(exit status, the JSON it wrote)``."""
+    import json
+
+    out = tmp_path / "result.json"
+    rc = script.main(["--tiny", "--device", "cpu", "--out", str(out), *extra])
+    return rc, json.loads(out.read_text())
+
+
 def run_under_torchrun(script: str, args: list[str], cwd, timeout: int = 600) -> subprocess.CompletedProcess:
     """``benchmarks/<script>`` with ``args`` under ``torchrun`` (2 ranks, gloo on the CPU, one thread each); skips
     where torch has no DTensor or no gloo."""

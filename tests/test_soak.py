@@ -1,30 +1,16 @@
 """benchmarks/soak.py in its tiny CPU mode: the checks pass on the real cache and fire on broken ones."""
-import importlib.util
-import json
-from pathlib import Path
-
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parent.parent
+from script_utils import import_benchmark, run_tiny
 
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location("oscar_soak_script", REPO / "benchmarks/soak.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def run(soak, tmp_path, *extra):
-    out = tmp_path / "soak.json"
-    rc = soak.main(["--tiny", "--device", "cpu", "--out", str(out), *extra])
-    return rc, json.loads(out.read_text())
+    return import_benchmark("soak")
 
 
 def test_tiny_soak_passes(soak, tmp_path):
-    rc, res = run(soak, tmp_path)
+    rc, res = run_tiny(soak, tmp_path)
     assert rc == 0 and res["ok"], {k: c for k, c in res["checks"].items() if not c["ok"]}
     long, calls = res["long"], res["calls"]
     assert long["new_tokens"] == 160 and long["nonfinite_scores"] == 0
@@ -39,7 +25,7 @@ def test_tiny_soak_passes(soak, tmp_path):
 
 
 def test_nan_in_the_cache_is_caught(soak, tmp_path):
-    rc, res = run(soak, tmp_path, "--parts", "long", "--inject-nan-at", "100")
+    rc, res = run_tiny(soak, tmp_path, "--parts", "long", "--inject-nan-at", "100")
     assert rc == 1 and not res["ok"]
     assert not res["checks"]["long.finite_scores"]["ok"] and not res["checks"]["long.finite_cache"]["ok"]
     assert res["checks"]["long.tokens"]["ok"]
@@ -57,7 +43,7 @@ def test_a_leak_is_caught(soak, tmp_path, monkeypatch):
 
     monkeypatch.setattr(soak, "OscarCache", LeakyCache)
     # (enough calls that the leak keeps growing through the second half of the counts)
-    rc, res = run(soak, tmp_path, "--parts", "calls", "--calls", "20")
+    rc, res = run_tiny(soak, tmp_path, "--parts", "calls", "--calls", "20")
     assert rc == 1
     failed = {k for k, c in res["checks"].items() if not c["ok"]}
     assert failed == {"calls.live_tensors_flat"}, failed
@@ -69,7 +55,7 @@ def test_a_reset_that_keeps_state_is_caught(soak, tmp_path, monkeypatch):
             pass
 
     monkeypatch.setattr(soak, "OscarCache", StaleCache)
-    rc, res = run(soak, tmp_path, "--parts", "calls")
+    rc, res = run_tiny(soak, tmp_path, "--parts", "calls")
     assert rc == 1
     failed = {k for k, c in res["checks"].items() if not c["ok"]}
     assert "calls.all_calls_ran" in failed and ("calls.no_exception" in failed or any(k.startswith("calls.reset_") for k in failed))

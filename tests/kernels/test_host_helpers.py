@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from script_utils import import_benchmark
 
 triton = pytest.importorskip("triton")
 from oscar_hf.kernels import cdiv, next_pow2  # noqa: E402
@@ -39,16 +40,6 @@ def test_pow2_below_within(s, slack):
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _script(name: str):
-    """``benchmarks/<name>.py`` loaded as a module (the benchmarks are not a package)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"{name}_for_test", ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _spy_savefig(monkeypatch, record):
     """Figure.savefig that first appends ``record(fig)`` to the returned list (matplotlib needed)."""
     plt = pytest.importorskip("matplotlib.pyplot")
@@ -73,7 +64,7 @@ def test_bench_kernels_plot(tmp_path, monkeypatch, name):
 
     src = ROOT / "benchmarks" / "results" / name
     shutil.copy(src, tmp_path / name)
-    bk = _script("bench_kernels")
+    bk = import_benchmark("bench_kernels")
     lines = _spy_savefig(monkeypatch, lambda fig: len(fig.axes[0].get_lines()))
     bk.plot(str(tmp_path / name))
     png = tmp_path / name.replace(".json", "_speedup.png")

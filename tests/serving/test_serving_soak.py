@@ -1,30 +1,16 @@
 """benchmarks/serving_soak.py in its tiny CPU mode: requests with cancellations and model switches through
 ``oscar_serving`` leave nothing behind, and the checks fire on a store that keeps its windows."""
-import importlib.util
-import json
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent.parent
+from script_utils import import_benchmark, run_tiny
 
 
 @pytest.fixture(scope="module")
 def soak():
-    spec = importlib.util.spec_from_file_location("oscar_serving_soak", REPO / "benchmarks/serving_soak.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def run(soak, tmp_path, *extra):
-    out = tmp_path / "soak.json"
-    rc = soak.main(["--tiny", "--device", "cpu", "--out", str(out), *extra])
-    return rc, json.loads(out.read_text())
+    return import_benchmark("serving_soak")
 
 
 def test_tiny_serving_soak_passes(soak, tmp_path):
-    rc, res = run(soak, tmp_path)
+    rc, res = run_tiny(soak, tmp_path)
     assert rc == 0 and res["ok"], {k: c for k, c in res["checks"].items() if not c["ok"]}
     rounds = res["rounds"]
     assert [r["model"] for r in rounds] == list("ABABAB")  # a model switch every round
@@ -38,5 +24,5 @@ def test_serving_soak_sees_a_store_that_keeps_its_windows(soak, tmp_path, monkey
     from oscar_hf.serving.store import WindowPool
 
     monkeypatch.setattr(WindowPool, "release_memory", lambda self: None)
-    rc, res = run(soak, tmp_path, "--requests", "40", "--rounds", "2")
+    rc, res = run_tiny(soak, tmp_path, "--requests", "40", "--rounds", "2")
     assert rc == 1 and not res["checks"]["nothing_held_after_stop"]["ok"]
