@@ -150,20 +150,27 @@ def append_token_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hi
             win.scatter_(2, idx, torch.where(in_sink, new, win.gather(2, idx)))
 
 
+def _append_kernel_serves(new_k, group_size, clip_k, clip_v, meta_dtype, use_kernels) -> bool:
+    """Whether the one-token write (contiguous or paged) runs its Triton kernel: CUDA (when importable and allowed,
+    as for :func:`rotate_quantize`) and a shape ``write_triton.kernel_supported`` takes for keys and values."""
+    if not triton_enabled(new_k, use_kernels):
+        return False
+    from .write_triton import kernel_supported
+
+    return kernel_supported(new_k, group_size, clip_k, meta_dtype) and kernel_supported(new_k, group_size, clip_v)
+
+
 def append_token(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad, hist_heads,
                  r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, use_kernels="auto",
                  quantizer="minmax", coded: CodedSlots | None = None):
     """Dispatch :func:`append_token_reference`: one fused Triton launch on CUDA (when importable, allowed and the
     shape is supported, as for :func:`rotate_quantize`), else the torch reference. Returns None."""
-    if triton_enabled(new_k, use_kernels):
-        from .write_triton import kernel_supported
+    if _append_kernel_serves(new_k, group_size, clip_k, clip_v, meta_dtype, use_kernels):
+        from .append_triton import append_token_triton
 
-        if kernel_supported(new_k, group_size, clip_k, meta_dtype) and kernel_supported(new_k, group_size, clip_v):
-            from .append_triton import append_token_triton
-
-            return append_token_triton(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k,
-                                       mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
-                                       quantizer=quantizer, coded=coded)
+        return append_token_triton(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
+                                   clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
+                                   quantizer=quantizer, coded=coded)
     return append_token_reference(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
                                   clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, quantizer=quantizer,
                                   coded=coded)
@@ -245,15 +252,12 @@ def paged_append(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: Quan
                  write_sink=True, use_kernels="auto", quantizer="minmax", coded: CodedSlots | None = None):
     """Dispatch :func:`paged_append_reference`: one Triton launch on CUDA (when importable, allowed and the shape is
     supported, as for :func:`append_token`), else the torch reference. Returns None."""
-    if triton_enabled(new_k, use_kernels):
-        from .write_triton import kernel_supported
+    if _append_kernel_serves(new_k, group_size, clip_k, clip_v, meta_dtype, use_kernels):
+        from .append_triton import paged_append_triton
 
-        if kernel_supported(new_k, group_size, clip_k, meta_dtype) and kernel_supported(new_k, group_size, clip_v):
-            from .append_triton import paged_append_triton
-
-            return paged_append_triton(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k,
-                                       clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, demote=demote,
-                                       write_sink=write_sink, quantizer=quantizer, coded=coded)
+        return paged_append_triton(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k, clip_k,
+                                   r_v, mu_v, clip_v, group_size, meta_dtype, demote=demote, write_sink=write_sink,
+                                   quantizer=quantizer, coded=coded)
     return paged_append_reference(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k, clip_k,
                                   r_v, mu_v, clip_v, group_size, meta_dtype, demote=demote, write_sink=write_sink,
                                   quantizer=quantizer, coded=coded)
