@@ -384,6 +384,15 @@ def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, part, w0, W, win_sp
     tl.store(PL + part + offs_m, l_i, mask=mrow)
 
 
+@triton.jit
+def _window_row(b, WSLOT, PAGED: tl.constexpr):
+    """The window row of batch row ``b``: itself, or (``PAGED``) its slot ``WSLOT[b]`` of the window pool."""
+    if PAGED:
+        return tl.load(WSLOT + b)
+    else:
+        return b
+
+
 # The split counts are not specialized: the wave model gives layers with retrieval heads (one INT2 head fewer) other
 # counts (37 against 32 at B=1/32K on an H200), and Triton's divisibility-by-16 specialization of those ints compiled
 # the kernel twice in a first call (5.4 s for the two). They only index the partials, whose alignment comes from the
@@ -440,11 +449,9 @@ def _split_kernel(
     part = (pid_bh.to(tl.int64) * S_TOT + pid_s) * M  # first partial row of this program
 
     if WIN_ONLY:  # the window programs of the Gluon path: this launch compiles without the history branch
-        wb = b
-        if PAGED:  # the row's window is a slot of the window pool
-            wb = tl.load(WSLOT + b)
-        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, wb, h, part, (pid_s - S) * win_split, W, win_split,
-                      qk_scale, sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h, part,
+                      (pid_s - S) * win_split, W, win_split, qk_scale,
+                      sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                       M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
     else:
         if pid_s < S:
@@ -636,11 +643,9 @@ def _split_kernel(
             tl.store(PL + part + offs_m, l_i, mask=mrow)
         else:
             if HAS_WIN:
-                wb = b
-                if PAGED:  # the row's window is a slot of the window pool
-                    wb = tl.load(WSLOT + b)
-                _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, wb, h, part, (pid_s - S) * win_split, W, win_split,
-                              qk_scale, sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+                _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h, part,
+                              (pid_s - S) * win_split, W, win_split, qk_scale,
+                              sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                               M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
 @triton.jit
 def _prologue_kernel(
@@ -684,9 +689,6 @@ def _prologue_kernel(
         b = pid_bh // Hk
         h = pid_bh % Hk
         part = (pid_bh.to(tl.int64) * S_TOT + S + (j - NROT)) * M
-        wb = b
-        if PAGED:
-            wb = tl.load(WSLOT + b)
-        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, wb, h, part, (j - NROT) * win_split, W, win_split, qk_scale,
-                      sqb, sqh, sqm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h, part, (j - NROT) * win_split,
+                      W, win_split, qk_scale, sqb, sqh, sqm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                       M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
