@@ -18,7 +18,8 @@
 #               at the defaults and with Gluon at every size (32 / 8
 #               heads, B = 1, 8 x 32K, 128K)
 #   gluon-d64-groups  D = 64 with 8 query rows (gpt-oss) in two query   gpu_tests_gluon_d64_groups_<gpu>.log,
-#               groups (gated): GPU tests, the op with the gate off / on  kernels_<gpu>_d64_groups_{false,true}.json
+#               groups: GPU tests, the op on the split kernel alone and   kernels_<gpu>_d64_m8_{split,gluon}.json
+#               at the defaults (the Gluon history, two query groups)
 #   profile-op  the decode op's kernels one by one in a CUDA graph       profile_op_<gpu>.json
 #   default     the default call OscarCache(model) (compiled by        generate_default_<gpu>_b<B>_t<T>.json
 #               generate itself) vs BF16 DynamicCache and compiled
@@ -169,14 +170,15 @@ for what in "$@"; do
           --batches 1,8 --lengths 32768,131072 --no-write --config "$cfg" --out "$OUT/kernels_${GPU}_d64_m4_$kind.json"
     done ;;
   gluon-d64-groups)
-    # D = 64 with 8 query rows (gpt-oss 64 / 8) on the Gluon kernel in two query groups (gated: gluon_d64_groups): its
-    # GPU tests (contiguous, static, paged), then the op with the gate off (the split kernel) and on
+    # D = 64 with 8 query rows (gpt-oss 64 / 8) on the Gluon kernel in two query groups: its GPU tests (contiguous,
+    # static, paged, routing), then the op on the split kernel alone (gluon_min_work above any call's) and at the defaults
     run "gpu_tests_gluon_d64_groups_$GPU" $PY -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" \
-        "$R/tests/kernels/test_decode_gpu.py" "$R/tests/kernels/test_paged_decode.py" -k "query_groups or paged_gluon"
-    for gate in false true; do
-      run "kernels_${GPU}_d64_groups_$gate" $PY "$B/bench_kernels.py" --head-dim 64 --q-heads 64 --kv-heads 8 \
-          --batches 1,8 --lengths 32768,131072 --no-write --config "{\"gluon_d64_groups\": $gate}" \
-          --out "$OUT/kernels_${GPU}_d64_groups_$gate.json"
+        "$R/tests/kernels/test_decode_gpu.py" "$R/tests/kernels/test_paged_decode.py" \
+        -k "query_groups or paged_gluon or d64_routing"
+    for kind in split gluon; do
+      cfg='{}'; [ $kind = split ] && cfg='{"gluon_min_work": 1000000000000}'
+      run "kernels_${GPU}_d64_m8_$kind" $PY "$B/bench_kernels.py" --head-dim 64 --q-heads 64 --kv-heads 8 \
+          --batches 1,8 --lengths 32768,131072 --no-write --config "$cfg" --out "$OUT/kernels_${GPU}_d64_m8_$kind.json"
     done ;;
   profile-op)
     run "profile_op_$GPU" $PY "$B/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \

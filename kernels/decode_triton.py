@@ -18,7 +18,7 @@ static cache's op ``static_op.decode_attention_static``, :func:`history_partial_
   (:mod:`~oscar_hf.kernels.decode_combine`, one program per query row).
 
 Where the history runs on the Gluon kernel (:mod:`~oscar_hf.kernels.decode_gluon`: CUDA, D = 128 or 256, G = 64, <= 8
-query rows per KV head -- D = 64 with <= 4, or up to 8 in two query groups where ``gluon_d64_groups`` --, bf16
+query rows per KV head -- D = 64 with <= 4, or an even number up to 8 in two query groups --, bf16
 metadata, no key mask, no soft-capping, at least ``gluon_min_work`` history token-heads),
 the split kernel runs the window programs only (``PID_OFF``); from the unrotated query the op is three launches -- the
 rotation with the window programs (``_prologue_kernel``), the Gluon history, the combine -- with programmatic dependent

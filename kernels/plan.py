@@ -172,10 +172,6 @@ class DecodeDefaults:
     # ptxas's own limit (255 registers; a few spilled bytes outside the loop: tests/kernels/test_compile_sm90.py)
     gluon_maxnreg_wide: int = 255
     gluon_resident_wide: int = 8
-    # D = 64 with 5-8 query rows per KV head (gpt-oss 64 / 8): two programs per (row, KV head), each reading the whole
-    # history for half the query rows (the kernel's logit columns hold <= 4 at D = 64; gluon_query_groups). Off:
-    # compiled for sm_90, not run on a GPU yet
-    gluon_d64_groups: bool = False
 
 
 DEFAULTS = DecodeDefaults()
@@ -388,8 +384,8 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
         capacity and ``splits`` (the cache's fixed split count; None: the wave model's), so a CUDA graph stays valid.
     rotate: the op rotates the query itself (its first launch).
     gluon_step: the Gluon kernel's tokens per step where it serves this call's tensors
-        (``decode_gluon.gluon_supported`` / ``tokens_per_step``: D = 128 or 256; D = 64 with ``M <= 4``, or up to 8
-        in two query groups where ``defaults.gluon_d64_groups``), 0 where not.
+        (``decode_gluon.gluon_supported`` / ``tokens_per_step``: D = 128 or 256; D = 64 with ``M <= 4``, or an even
+        ``M <= 8`` in two query groups), 0 where not.
     page: entries per page of a paged history (the serving pool, ``paged_decode``), 0 for a contiguous one.
     sinks: one more partial per row after the window's, which the launcher fills with the attention sink's logit
         (``m = s``, ``l = 1``, ``acc = 0``): the combine merges it like a window partial, so no kernel knows of sinks.
@@ -411,8 +407,9 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
     # cache's variant (length read on the device) would spill 184 bytes under it (tests/kernels/test_compile_sm90.py)
     maxnreg = df.maxnreg if (not static and not page and deferred and d == 128) else None
     qg = gluon_query_groups(m, d)
-    gluon = (gluon_step > 0 and not softcap and gluon_pays(df, bh, n)
-             and (d != 64 or m <= 4 or (qg > 1 and df.gluon_d64_groups)))
+    # D = 64 with 5-8 query rows per KV head (gpt-oss 64 / 8): two programs per (row, KV head), each for half the rows
+    # (the kernel's logit columns hold <= 4 at D = 64); H200, 64 / 8 heads: B=8/128K 0.76x -> 1.92x BF16 SDPA
+    gluon = gluon_step > 0 and not softcap and gluon_pays(df, bh, n) and (d != 64 or m <= 4 or qg > 1)
     if gluon:
         # the Gluon kernel's step and residency (its programs: qg per (row, KV head)); the static cache's `splits`
         # (sized for the split kernel) are not used: its grid follows from the capacity alone, so it is just as fixed

@@ -65,7 +65,7 @@ def main():
     cases += [(128, tb, st, k8, k8, 0, 1) for tb in (2, 1) for st, k8 in ((short, 0), (long_, 1))]
     cases += [(d, 1, st, 0, 0, 0, 1) for d in (256, 64) for st in (short, long_)]
     cases = [c + (1,) for c in cases]
-    # D = 64 in two query groups (5-8 rows; gated: gluon_d64_groups): the rotating op and the static op
+    # D = 64 in two query groups (6 or 8 rows): the rotating op and the static op
     cases += [(64, 1, st, 0, 0, static, 0, 2) for st, static in ((short, 0), (long_, 1))]
     for d, tb, st, k8_, qp, static, paged, qg in cases:
         tp = 2 if d == 64 else 1

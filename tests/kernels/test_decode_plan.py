@@ -165,11 +165,12 @@ def test_launcher_follows_its_plan(monkeypatch, window, n_valid):
 
 
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("m", [1, 3, 4, 8])
+@pytest.mark.parametrize("m", [1, 3, 4, 5])
 def test_plan_head_dim_64_on_gluon_up_to_4_query_rows(gpu, m, static):
     """D = 64 (Llama-3.2-1B 32 / 8, SmolLM2 9 / 3 heads) goes to the Gluon kernel at M <= 4 (32 tokens a step: 16 code
     rows of two tokens; fp16 keys, the short splits' residency and cap at every split length, the long splits'
-    stages), never at M > 4 (gpt-oss 64 / 8) even where the Gluon kernel would take the tensors (``gluon_step``)."""
+    stages), never at an odd M > 4 (no even split into query groups) even where the Gluon kernel would take the
+    tensors (``gluon_step``)."""
     gpu(132)
     p = decode_plan(8, 8, m, 64, N128K, 64, 320, CUDA, rotate=not static, static=static,
                     gluon_step=32 if m <= 4 else 16)
@@ -196,15 +197,13 @@ def test_gluon_kernel_head_dim_64_steps():
 
 
 @pytest.mark.parametrize("m,groups", [(4, 1), (5, 1), (6, 2), (8, 2), (10, 1)])
-@pytest.mark.parametrize("gate", [False, True])
-def test_plan_head_dim_64_query_groups(gpu, m, groups, gate):
-    """D = 64 with 5-8 query rows (gpt-oss 64 / 8) goes to the Gluon kernel in two query groups only where
-    ``gluon_d64_groups`` is on (not run on a GPU yet) and the rows split evenly; its wave model then counts two
-    programs per (row, KV head), so the splits are those of twice the rows."""
+def test_plan_head_dim_64_query_groups(gpu, m, groups):
+    """D = 64 with 5-8 query rows (gpt-oss 64 / 8) goes to the Gluon kernel in two query groups where the rows split
+    evenly (5 rows and more than 8 stay on the split kernel); its wave model then counts two programs per (row, KV
+    head), so the splits are those of twice the rows."""
     gpu(132)
     assert plan.gluon_query_groups(m, 64) == groups and plan.gluon_query_groups(m, 128) == 1
-    df = replace(DEFAULTS, gluon_d64_groups=gate)
-    p = decode_plan(8, 8, m, 64, N128K, 64, 320, CUDA, rotate=True, gluon_step=32, defaults=df)
-    assert p.gluon == (m <= 4 or (gate and groups == 2))
+    p = decode_plan(8, 8, m, 64, N128K, 64, 320, CUDA, rotate=True, gluon_step=32)
+    assert p.gluon == (m <= 4 or groups == 2)
     if p.gluon:
-        assert p.s_hist == plan.gluon_plan(df, 32, N128K, 8 * 8 * groups, CUDA, 64).splits
+        assert p.s_hist == plan.gluon_plan(DEFAULTS, 32, N128K, 8 * 8 * groups, CUDA, 64).splits

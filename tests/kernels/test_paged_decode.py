@@ -259,7 +259,7 @@ def _gluon_paged(monkeypatch, args, defaults):
         (256, 4, 16, (1500, 301, 0)),  # D = 256: 16-token steps, pages of one step
         (64, 4, 32, (2047, 33, 1, 1024)),  # D = 64: 32-token steps of 16 two-token rows, odd lengths
         (64, 3, 256, (4095, 0, 700)),  # D = 64, 3 query rows (SmolLM2's 9 / 3)
-        (64, 8, 64, (3001, 64, 0)),  # D = 64, 8 query rows: two query groups (gated, gluon_d64_groups)
+        (64, 8, 64, (3001, 64, 0)),  # D = 64, 8 query rows: two query groups
     ],
 )
 def test_gpu_paged_gluon_matches_reference(monkeypatch, d, m, page, lens, split):
@@ -268,7 +268,7 @@ def test_gpu_paged_gluon_matches_reference(monkeypatch, d, m, page, lens, split)
     and page tails, window slots permuted, window masks with holes; short splits (fp16 keys) and long ones (D = 128:
     int8 keys with the prologue's query operands and its counters)."""
     long_split = 64 if split == "long" else 1 << 30
-    df = replace(DEFAULTS, gluon_min_work=0, gluon_d64_groups=True, gluon_long_split=long_split)
+    df = replace(DEFAULTS, gluon_min_work=0, gluon_long_split=long_split)
     args, _ = paged_case(len(lens), 2, m, d, 64, page, lens, 40, True, seed=d + m + page, device="cuda")
     ref = pd.paged_decode_attention_reference(**args)
     got, calls = _gluon_paged(monkeypatch, args, df)
