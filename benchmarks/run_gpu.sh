@@ -359,9 +359,10 @@ for what in "$@"; do
     # equal settings for BF16 and OSCAR serving in a 20 GiB KV budget at 32K: Transformers' CUDA graphs for both, the same
     # step budget (8,192 tokens) and page size (256), each at the most requests its budget admits (BF16 4, OSCAR 24
     # window slots); then the best single-process BF16 alternative, compiled StaticCache generate at its largest batch
-    # in the same memory (B=4 x 32K), decode step only (synthetic fill)
+    # in the same memory (B=4 x 32K), decode step only (synthetic fill). 256 new tokens: every request still decodes when
+    # the last prefill ends (OSCAR's 24 x 32K prompts are 96 steps of 8,192 tokens; with 64, at most 16 decoded at once)
     run "serving_fair_${GPU}_20gib_t32768" $PY "$B/bench_serving.py" --parts capacity --kinds bf16-graphs oscar-graphs \
-        --kv-budget-gib 20 --context 32768 --max-requests 24 --new-tokens 64 --q-padding 8 --bf16-batch-tokens 8192 \
+        --kv-budget-gib 20 --context 32768 --max-requests 24 --new-tokens 256 --q-padding 8 --bf16-batch-tokens 8192 \
         --oscar-batch-tokens 8192 --prompt-budget 8192 --out "$OUT/serving_fair_${GPU}_20gib_t32768.json"
     run "generate_bf16_static_${GPU}_b4_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 4 \
         --methods bf16-static --new-tokens 32 --synthetic-fill --out "$OUT/generate_bf16_static_${GPU}_b4_t32768.json" ;;
