@@ -92,6 +92,9 @@
 #               graphs, 8,192-token steps, pages of 256) in 20 GiB of KV   generate_bf16_static_<gpu>_b4_t32768.json
 #               at 32K, each at its capacity; compiled BF16 StaticCache
 #               generate at B=4 (its largest batch there)
+#   serving-fair-conc  the same settings at equal concurrency (4 x 32K) serving_fair_<gpu>_20gib_t32768_c4.json
+#   serving-fair-load  the same settings under Poisson arrivals (24     serving_fair_<gpu>_20gib_load.json
+#               requests of 8K-32K at 0.5/s): TTFT p50 / p90
 #   serving-soak  1,000 requests with cancellations, two models        serving_soak_<gpu>.json
 #               switched every round (serving_soak.py)
 #   serving-step  the graphed serving decode step, 24 requests x 32K,    serving_step_<gpu>_t32768_c24.json,
@@ -366,6 +369,18 @@ for what in "$@"; do
         --oscar-batch-tokens 8192 --prompt-budget 8192 --out "$OUT/serving_fair_${GPU}_20gib_t32768.json"
     run "generate_bf16_static_${GPU}_b4_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 4 \
         --methods bf16-static --new-tokens 32 --synthetic-fill --out "$OUT/generate_bf16_static_${GPU}_b4_t32768.json" ;;
+  serving-fair-conc|serving-fair-load)
+    # the rest of the equal-settings comparison (serving-fair's flags): both at equal concurrency (4 requests x 32K, what
+    # BF16's budget admits), and under Poisson arrivals (24 requests of 8K-32K at 0.5/s, 96 new tokens: TTFT p50 / p90)
+    fair="--kinds bf16-graphs oscar-graphs --kv-budget-gib 20 --context 32768 --max-requests 24 --q-padding 8
+          --bf16-batch-tokens 8192 --oscar-batch-tokens 8192 --prompt-budget 8192"
+    if [ "$what" = serving-fair-conc ]; then
+      run "serving_fair_${GPU}_20gib_t32768_c4" $PY "$B/bench_serving.py" --parts capacity $fair --concurrency 4 \
+          --new-tokens 256 --out "$OUT/serving_fair_${GPU}_20gib_t32768_c4.json"
+    else
+      run "serving_fair_${GPU}_20gib_load" $PY "$B/bench_serving.py" --parts load $fair --requests 24 \
+          --lengths 8192 16384 32768 --rate 0.5 --new-tokens 96 --out "$OUT/serving_fair_${GPU}_20gib_load.json"
+    fi ;;
   serving-soak)
     run "serving_soak_$GPU" $PY "$B/serving_soak.py" --out "$OUT/serving_soak_$GPU.json" ;;
   serving-graphs)
