@@ -102,8 +102,13 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(45)
             text[key] = buf.getvalue()
+        # dynamo's counters for the process (one method a process): a second graph or a recompile here means a second
+        # cache entry whose guards every step evaluates before the matching one
+        from torch._dynamo.utils import counters
+
+        dynamo = {k: dict(counters[k]) for k in ("stats", "recompiles", "graph_break") if counters[k]}
         return dict(method=method, batch=batch, context=context, steps=steps, wall_ms_per_step=plain_ms,
-                    wall_ms_per_step_profiled=wall_ms, host_profile=text)
+                    wall_ms_per_step_profiled=wall_ms, dynamo_counters=dynamo, host_profile=text)
     by_kernel, by_group = defaultdict(float), defaultdict(float)
     for ev in prof.key_averages():
         dev_us = getattr(ev, "self_device_time_total", None)
