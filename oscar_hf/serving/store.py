@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import torch
 
 from oscar_hf.kernels.heads_attention import heads_decode_attention
@@ -642,9 +643,11 @@ class OscarPagedStore:
         max_hist = history_bucket(max(hist), p) if graphed else max(hist)
         cols = max(1, -(-max_hist // p))
         bp = len(fields["pos"])
-        index = torch.tensor([fields[f] for f in DecodeBuffers.FIELDS], dtype=torch.long)  # [8, Bp] on the host
-        # [Bp, cols] block tables, -1 past a row's pages: one tensor from padded lists (a tensor per row cost ~13 us each)
-        table = torch.tensor([tb[:cols] + [-1] * (cols - min(len(tb), cols)) for tb in tables], dtype=torch.int32)
+        # on the host, through numpy (3x faster than torch.tensor from lists: ~80 us for 24 rows x 128 pages)
+        index = torch.from_numpy(np.array([fields[f] for f in DecodeBuffers.FIELDS], dtype=np.int64))  # [8, Bp]
+        # [Bp, cols] block tables, -1 past a row's pages
+        table = torch.from_numpy(np.array([tb[:cols] + [-1] * (cols - min(len(tb), cols)) for tb in tables],
+                                          dtype=np.int32))
         buf = self._decode_buffers(bp, cols)
         if buf is None:  # outgrew the buffers: fresh tensors, eagerly
             graphed = False
