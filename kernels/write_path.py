@@ -195,7 +195,7 @@ class PagedRows(NamedTuple):
     demote_off: torch.Tensor
 
 
-def _scatter_entries(dst, pages, offsets, src) -> None:
+def scatter_entries(dst, pages, offsets, src) -> None:
     """One entry per row: ``src.* [Bp, H, 1, X]`` row ``i`` at offset ``offsets[i]`` of page ``pages[i]`` of
     ``dst.* [pages, H, P, X]``."""
     for d, x in zip(dst, src, strict=True):
@@ -233,12 +233,12 @@ def paged_append_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hi
                                               (win_v, hist_v, r_v, mu_v, clip_v, stores[1])):
             x = win[rows.slots, :, rows.demote_entry][:, :, None]  # [Bp, Hk, 1, D]
             if store is not None:
-                _scatter_entries(store, rows.demote_page, rows.demote_off,
+                scatter_entries(store, rows.demote_page, rows.demote_off,
                                  encode_heads(x.index_select(1, coded_heads), coded.bits))
             if hq:
                 q = rotate_quantize_reference(x if int2 is None else x.index_select(1, int2), r, mu, clip, group_size,
                                               meta_dtype, quantizer=quantizer)
-                _scatter_entries(hist, rows.demote_page, rows.demote_off, q)
+                scatter_entries(hist, rows.demote_page, rows.demote_off, q)
     # 2. the new token: its ring entry, and its sink entry while T < S0
     win_k[rows.slots, :, rows.new_entry] = k_new
     win_v[rows.slots, :, rows.new_entry] = v_new

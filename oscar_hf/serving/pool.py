@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import torch
 
 from oscar_hf.kernels.paged_decode import gather_pages
+from oscar_hf.kernels.write_path import scatter_entries
 
 from ..cache import heads
 from ..quant import SUPPORTED_META_DTYPES, QuantizedRows, check_group_size
@@ -234,12 +235,7 @@ class PagedInt2Pool:
             return
         j = torch.arange(first, first + n, device=dst[0].device)
         pages = torch.tensor(table[first // p : (first + n - 1) // p + 1], dtype=torch.long, device=j.device)
-        self._scatter(dst, pages[j // p - first // p], j % p, tuple(t[0].transpose(0, 1)[:, :, None] for t in src))
-
-    @staticmethod
-    def _scatter(dst: tuple, pages: torch.Tensor, offsets: torch.Tensor, src: tuple) -> None:
-        for d, s in zip(dst, src, strict=True):
-            d[pages, :, offsets] = s[:, :, 0]
+        scatter_entries(dst, pages[j // p - first // p], j % p, tuple(t[0].transpose(0, 1)[:, :, None] for t in src))
 
     def gather(self, pages: torch.Tensor, layer: int, kind: str, n: int) -> QuantizedRows:
         """The first ``n`` INT2 entries of the pages ``pages [np]`` (long, in block-table order) as packed rows
