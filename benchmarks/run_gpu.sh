@@ -80,10 +80,6 @@
 #   tp-serving  continuous batching (paged_oscar) under tensor           tp_serving_<gpu>x2.json
 #               parallelism, 2 ranks: each rank's heads, tokens vs one
 #               process (tp_serving_check.py)
-#   serving     continuous batching load test, BF16 paged vs OSCAR       serving_<gpu>_20gib_capacity_t32768.json,
-#               paged in 20 GiB of KV: 32K capacity; 24 requests of      serving_<gpu>_20gib_load.json
-#               8K-32K arriving at 0.5/s (`serving-capacity`,
-#               `serving-load`: one part, one call each)
 #   serving-graphs  the serving decode step with and without CUDA     serving_graphs_<gpu>_t32768_c24.json
 #               graphs, 24 requests x 32K
 #   paged       the paged decode op's (split and Gluon kernels), the paged  paged_tests_<gpu>.log
@@ -349,15 +345,6 @@ for what in "$@"; do
     run "tp_serving_${GPU}x2" $PY -m torch.distributed.run --standalone --nproc-per-node 2 "$B/tp_serving_check.py" \
         --layers 8 --prompts 2000 700 3100 1500 --new-tokens 32 --sink 64 --recent 256 --group-size 64 --page-size 256 \
         --out "$OUT/tp_serving_${GPU}x2.json" ;;
-  serving|serving-capacity|serving-load)
-    parts="capacity load"; [ "$what" = serving-capacity ] && parts=capacity; [ "$what" = serving-load ] && parts=load
-    for part in $parts; do
-      new=96; name="serving_${GPU}_20gib_load"
-      [ $part = capacity ] && new=64 && name="serving_${GPU}_20gib_capacity_t32768"
-      run "$name" $PY "$B/bench_serving.py" --parts $part --kv-budget-gib 20 --context 32768 \
-          --new-tokens $new --max-requests 40 --requests 24 --lengths 8192 16384 32768 --rate 0.5 \
-          --bf16-batch-tokens 8192 --out "$OUT/$name.json"
-    done ;;
   serving-fair)
     # equal settings for BF16 and OSCAR serving in a 20 GiB KV budget at 32K: Transformers' CUDA graphs for both, the same
     # step budget (8,192 tokens) and page size (256), each at the most requests its budget admits (BF16 4, OSCAR 24
