@@ -1,8 +1,10 @@
 """The static cache's one-token write step as one Triton launch.
 
 ``append_token_triton`` has the signature and semantics of
-:func:`oscar_hf.kernels.write_path.append_token_reference` (see there for the storage layout). Grid ``(B * Hk,)``:
-one program per (row ``b``, KV head ``h``) reads ``T`` from the device and, for K and then V:
+:func:`oscar_hf.kernels.write_path.append_token_reference` (see there for the storage layout). Grid ``(B * Hk * 2,)``:
+one program per (row ``b``, KV head ``h``, K or V) reads ``T`` from the device and, for its K or V (two programs, not
+one doing both in turn: at B = 1 the launch is the latency of one program's serial rotation loads, 8 programs on a
+GPU of 132 SMs):
 
 1. if slot ``s = T - 1 - W`` is a history slot (``0 <= s - S0 < N``) and head ``h`` is quantized (history head
    ``hh``): loads its ring row (``D`` values), rotates it as a K-blocked matvec (``BLOCK_K`` input channels at a time,
@@ -167,6 +169,8 @@ def _append_token_kernel(
     DP: tl.constexpr,  # D padded to a power of two (D where it is one)
 ):
     pid = tl.program_id(0)
+    kv = pid % 2  # 0: this program writes the keys, 1: the values
+    pid = pid // 2
     b = (pid // Hk).to(tl.int64)
     h = pid % Hk
     offs_d = tl.arange(0, DP)
@@ -183,32 +187,39 @@ def _append_token_kernel(
     if (e >= 0) & (e < N) & (hh >= 0):
         c_off = b * scb + hh * sch + e * scn
         m_off = b * ssb + hh * ssh + e * ssn
-        _demote_row(WIN_K + src, RK + hh * D * D, MUK + b * smkb + hh * D, KC, KS, KZ, c_off, m_off, clip_k,
-                    D, G, BLOCK_K, HAS_MU_K, META_KIND, STD, DP)
-        _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, m_off, clip_v,
-                    D, G, BLOCK_K, HAS_MU_V, META_KIND, STD, DP)
+        if kv == 0:
+            _demote_row(WIN_K + src, RK + hh * D * D, MUK + b * smkb + hh * D, KC, KS, KZ, c_off, m_off, clip_k,
+                        D, G, BLOCK_K, HAS_MU_K, META_KIND, STD, DP)
+        else:
+            _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, m_off, clip_v,
+                        D, G, BLOCK_K, HAS_MU_V, META_KIND, STD, DP)
     if CODED_BITS > 0:  # a retrieval head: the same slot's entry, coded
         cp = tl.load(CODED_OF + h)
         if (e >= 0) & (e < N) & (cp >= 0):
             x_off = b * sxb + cp * sxp + e * sxn
             m_off = b * szb + cp * szp + e * szn
-            _code_row(WIN_K + src, CKX, CKS, CKZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
-            _code_row(WIN_V + src, CVX, CVS, CVZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
+            if kv == 0:
+                _code_row(WIN_K + src, CKX, CKS, CKZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
+            else:
+                _code_row(WIN_V + src, CVX, CVS, CVZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
     # every thread's loads of the old ring row come before any thread's store of the new one
     tl.debug_barrier()
 
     # 2. the new token: ring entry S0 + T % R, and sink entry T - pad[b] while the row's sink is filling
     dm = offs_d < D if DP > D else None  # (D = 96: the row's 96 of 128 lanes)
-    nk = tl.load(NEW_K + b * snkb + h * snkh + offs_d, mask=dm)
-    nv = tl.load(NEW_V + b * snvb + h * snvh + offs_d, mask=dm)
     dst = b * swb + h * swh + (S0 + t % RING) * sws + offs_d
-    tl.store(WIN_K + dst, nk, mask=dm)
-    tl.store(WIN_V + dst, nv, mask=dm)
     j = t - tl.load(PAD + b)
-    if (j >= 0) & (j < S0):
-        dst = b * swb + h * swh + j * sws + offs_d
+    sink_dst = b * swb + h * swh + j * sws + offs_d
+    if kv == 0:
+        nk = tl.load(NEW_K + b * snkb + h * snkh + offs_d, mask=dm)
         tl.store(WIN_K + dst, nk, mask=dm)
+        if (j >= 0) & (j < S0):
+            tl.store(WIN_K + sink_dst, nk, mask=dm)
+    else:
+        nv = tl.load(NEW_V + b * snvb + h * snvh + offs_d, mask=dm)
         tl.store(WIN_V + dst, nv, mask=dm)
+        if (j >= 0) & (j < S0):
+            tl.store(WIN_V + sink_dst, nv, mask=dm)
 
 
 def _rotations_and_coded(dev, r_k, mu_k, r_v, mu_v, coded, placeholder):
@@ -258,7 +269,7 @@ def append_token_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_
     r_k, mu_k, r_v, mu_v, ck, cv, x_strides, m_strides = _rotations_and_coded(
         new_k.device, r_k, mu_k, r_v, mu_v, coded, length)
     warps, blk = launch_shape(d)
-    _append_token_kernel[(b * hk,)](
+    _append_token_kernel[(b * hk * 2,)](
         new_k, new_v, win_k, win_v, *hist_k, *hist_v, length, pad,
         hist_heads if hist_heads is not None else length,  # unused placeholder when every head is quantized
         r_k, mu_k if mu_k is not None else r_k, r_v, mu_v if mu_v is not None else r_v,

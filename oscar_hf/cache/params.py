@@ -24,8 +24,8 @@ from . import heads
 
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
-    r_k: torch.Tensor  # [Hq, D, D] float32: the INT2 heads' key rotations
-    r_v: torch.Tensor  # [Hq, D, D]
+    r: torch.Tensor  # [2, Hq, D, D] float32: the INT2 heads' key (r[0]) and value (r[1]) rotations, one tensor (one
+    # input of a compiled step, not two)
     mu_k: torch.Tensor | None  # [Hq, D] calibrated key offset; None when centering is off or the artifact has none
     mu_v: torch.Tensor | None  # [Hq, D]
     clip_k: float
@@ -51,10 +51,18 @@ class LayerParams:
         def index_of(heads):  # [Hk]: each KV head's place among `heads`, -1 if not there
             return idx([heads.index(h) if h in heads else -1 for h in range(num_kv_heads)])
 
-        return cls(r.r_k, r.r_v, r.mu_k if centered else None, r.mu_v if centered else None,
+        return cls(torch.stack([r.r_k, r.r_v]), r.mu_k if centered else None, r.mu_v if centered else None,
                    config.clip_for("k", layer_idx, rotation.clip_k), config.clip_for("v", layer_idx, rotation.clip_v),
                    int2, coded, idx(int2), idx(coded), index_of(int2) if coded else None,
                    index_of(coded) if coded else None, int(config.full_precision_bits))
+
+    @property
+    def r_k(self) -> torch.Tensor:
+        return self.r[0]  # [Hq, D, D]
+
+    @property
+    def r_v(self) -> torch.Tensor:
+        return self.r[1]
 
     def with_tensors(self, fn) -> "LayerParams":
         """The same parameters with ``fn`` applied to each tensor (the compiled storage gives each layer its own

@@ -7,15 +7,18 @@ partition of every row's tokens, same quantizer); only the storage differs. Its 
 the serving store's (:mod:`oscar_hf.cache.window`), with left-padded rows. ``B`` rows, ``Hk`` KV heads (``Hq`` of
 them quantized in INT2, ``P`` retrieval heads coded), ``S0`` sink, ``W`` recent, slot = absolute position:
 
-* ``win_k/win_v [B, Hk, S0 + R, D]`` (model dtype, every head): ``[:S0]`` row ``b``'s first ``S0`` real tokens
+* ``win [2, B, Hk, S0 + R, D]`` (keys, values; model dtype, every head; ``win_k``/``win_v`` its two views): ``[:S0]``
+  row ``b``'s first ``S0`` real tokens
   (slot ``pad[b] + j`` at entry ``j``), ``[S0:]`` a ring of ``R = W + 1 + RING_RESERVE`` entries, slot ``s`` at
   ``S0 + s % R``. A decode step reads ``W`` recent tokens and itself from it; the ``RING_RESERVE`` older entries,
   already in the history, let ``crop(-n)`` (assisted decoding) undo up to that many tokens exactly;
 * the history, slot ``s >= S0`` at index ``s - S0`` of ``N`` rows, row ``b`` reading ``pad[b] <= j < T - W - S0``:
-  ``hist_k/hist_v`` (:class:`~oscar_hf.quant.QuantizedRows` ``[B, Hq, N, ...]``) the INT2 heads, ``coded_k/coded_v``
+  ``codes [2, B, Hq, N, D/4]`` and ``meta [2, 2, B, Hq, N, D/G]`` (keys, values; scale, zero), viewed as ``hist_k/hist_v``
+  (:class:`~oscar_hf.quant.QuantizedRows` ``[B, Hq, N, ...]``), the INT2 heads, ``coded_k/coded_v``
   (tuples of ``[B, P, N, *]``, :mod:`oscar_hf.cache.heads`: the model dtype or INT8/INT4 codes with a scale and zero
   per token and head) the retrieval heads (``OscarConfig.full_precision_heads``; None without);
-* ``length`` (0-d int64 device tensor) = ``T``; ``host_len`` the same count on the host, kept by the eager calls
+* ``length`` (0-d int64 device tensor, one for all the cache's layers on a device: :class:`StepShared`) = ``T``;
+  ``host_len`` the same count on the host, kept by the eager calls
   and by the compiled step's wrapper (:mod:`oscar_hf.compiled_step`), which grows the storage before a step that
   would not fit it: ``N`` grows in capacity buckets (:func:`capacity_for`); the first growth recompiles the step
   once (with ``N`` symbolic), each later bucket records one more CUDA graph.
@@ -74,20 +77,40 @@ class StaticOscarKV(OscarKV):
 
 class StepShared:
     """What every compiled OSCAR layer of one decode forward reads alike, computed once by the first of them: the
-    window mask ``[B, 1, 1, S0 + R]`` and the history length (0-d), from the length and left padding that all those
-    layers share (they step together). Per layer these were ~25 of the step graph's ~35 extra nodes per layer over
-    BF16's, which the first call traces, functionalizes and lowers 36 times (``docs/results.md``, the first call).
+    length ``t`` (0-d) and left padding ``pad [B]``, the window mask ``[B, 1, 1, S0 + R]`` and the history length
+    (0-d). Per layer these were ~25 of the step graph's ~35 extra nodes per layer over BF16's, which the first call
+    traces, functionalizes and lowers 36 times (``docs/results.md``, the first call).
+
+    The layers of one device also share one length tensor (:meth:`join`): they step together, and the step graph then
+    takes one length and one ``pad`` as inputs, not one of each per layer (each graph input costs the compiled call
+    a guard, a load and a pointer check on every step). The last layer of the device advances it, once a step.
 
     The cache hands one instance to all its :class:`StaticOscarLayer` layers (a lone layer keeps its own). A layer
-    recomputes when it is not after the one that computed (a new forward: layers run in index order); the last
-    layer clears it, so every trace starts from the same state and dynamo's guards on it hold from step to step."""
+    recomputes when it is not after the one that computed or is on another device (a new forward: layers run in index
+    order); the last layer clears it, so every trace starts from the same state and dynamo's guards on it hold from
+    step to step."""
 
     def __init__(self):
         self.last_layer = None  # index of the last layer that shares it (None: every layer clears it)
+        self.lengths = {}  # device -> (its layers' length tensor, the layer that advances it)
         self.clear()
 
     def clear(self) -> None:
-        self.layer_idx, self.key, self.win_mask, self.hist_len = -1, None, None, None
+        self.layer_idx, self.key, self.t, self.pad, self.win_mask, self.hist_len = -1, None, None, None, None, None
+
+    def join(self, layer: "StaticOscarLayer") -> torch.Tensor:
+        """The length tensor of ``layer``'s device (0-d int64, shared by the layers there); the highest-index layer of
+        the device is the one that advances it (``advances_length``)."""
+        length, last = self.lengths.get(layer.device, (None, None))
+        if length is None:
+            length = _static(torch.zeros((), dtype=torch.long, device=layer.device))
+        if last is None or layer.layer_idx >= last.layer_idx:
+            if last is not None:
+                last.advances_length = False
+            last = layer
+        layer.advances_length = last is layer
+        self.lengths[layer.device] = (length, last)
+        return length
 
 
 def _compiling() -> bool:
@@ -120,7 +143,9 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.ring = config.recent + 1 + RING_RESERVE
         self.is_initialized = False
         self.keys = self.values = None  # CacheLayerMixin attributes; unused
+        self.win = self.codes = self.meta = None  # the storage (lazy_initialization)
         self.length = torch.zeros((), dtype=torch.long)
+        self.advances_length = True
         self.capacity = 0
         self.host_len = 0  # T on the host (no sync needed to know it)
         self.expected_len = 0  # the length generate will reach (set by the compiled step's hook; 0: unknown)
@@ -141,15 +166,32 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.params = params.with_tensors(lambda t: _static(t.clone()))
         kw = dict(dtype=self.dtype, device=dev)
         s0 = self.config.sink
-        self.win_k = _static(torch.zeros(b, hk, s0 + self.ring, d, **kw))
-        self.win_v = _static(torch.zeros(b, hk, s0 + self.ring, d, **kw))
+        self.win = _static(torch.zeros(2, b, hk, s0 + self.ring, d, **kw))
         self.pad = _static(torch.zeros(b, dtype=torch.long, device=dev))
-        self.length = _static(torch.zeros((), dtype=torch.long, device=dev))
-        self.hist_k = self.hist_v = None
+        self.length = self.step.join(self)
+        self.codes = self.meta = None
         self.coded_k = self.coded_v = None
         self.capacity = 0
         self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2]), 0, self.expected_len))
         self.is_initialized = True
+
+    # One tensor per kind of storage, keys and values stacked (each tensor is one input of the compiled step: a view
+    # of it taken inside the step costs nothing per call). Views for the code that reads and writes them:
+    @property
+    def win_k(self) -> torch.Tensor:
+        return self.win[0]  # [B, Hk, S0 + R, D]
+
+    @property
+    def win_v(self) -> torch.Tensor:
+        return self.win[1]
+
+    @property
+    def hist_k(self) -> QuantizedRows | None:
+        return None if self.codes is None else QuantizedRows(self.codes[0], self.meta[0, 0], self.meta[0, 1])
+
+    @property
+    def hist_v(self) -> QuantizedRows | None:
+        return None if self.codes is None else QuantizedRows(self.codes[1], self.meta[1, 0], self.meta[1, 1])
 
     def _hist_rows(self, capacity: int) -> int:
         return max(capacity - self.config.sink - self.config.recent, 1)
@@ -161,19 +203,16 @@ class StaticOscarLayer(QuantizedLayerBase):
         g, meta = self.config.group_size, self.config.torch_meta_dtype
         hq, p, n = len(self.params.int2_heads), len(self.fp_heads), self._hist_rows(capacity)
 
-        def grow(old, *shape, dtype):
+        def grow(old, *shape, dtype, dim=2):  # ``dim``: the capacity's
             new = torch.zeros(*shape, dtype=dtype, device=dev)
             if old is not None:
-                k = min(old.shape[2], new.shape[2])
-                new[:, :, :k] = old[:, :, :k]
+                k = min(old.shape[dim], new.shape[dim])
+                new.narrow(dim, 0, k).copy_(old.narrow(dim, 0, k))
             return _static(new)
 
-        def hist(old):
-            old = old or (None, None, None)
-            return QuantizedRows(grow(old[0], b, hq, n, d // 4, dtype=torch.uint8),
-                                 grow(old[1], b, hq, n, d // g, dtype=meta), grow(old[2], b, hq, n, d // g, dtype=meta))
-
-        self.hist_k, self.hist_v = hist(self.hist_k), hist(self.hist_v)
+        # codes [2 (K, V), B, Hq, N, D/4]; meta [2 (K, V), 2 (scale, zero), B, Hq, N, D/G]
+        self.codes = grow(self.codes, 2, b, hq, n, d // 4, dtype=torch.uint8, dim=3)
+        self.meta = grow(self.meta, 2, 2, b, hq, n, d // g, dtype=meta, dim=4)
         if p:
             specs = heads.part_specs(self.config.full_precision_bits, d, self.dtype)
             self.coded_k, self.coded_v = (tuple(grow(old[i] if old else None, b, p, n, last, dtype=dt)
@@ -227,7 +266,7 @@ class StaticOscarLayer(QuantizedLayerBase):
 
     def reset(self) -> None:
         if self.is_initialized:
-            for t in (self.win_k, self.win_v, self.pad, self.length, *self.hist_k, *self.hist_v):
+            for t in (self.win, self.pad, self.length, self.codes, self.meta):
                 t.zero_()
             for t in (self.coded_k or ()) + (self.coded_v or ()):
                 t.zero_()
@@ -257,14 +296,14 @@ class StaticOscarLayer(QuantizedLayerBase):
         """``softcap``, ``sinks [Hk, g]``: :func:`~oscar_hf.cache.base.logit_terms`."""
         b, hq, _, d = query.shape
         hk, cfg = self.num_kv_heads, self.config
-        t = self.length  # slot of the new token; the window then holds slots [T - W, T]
+        # t: slot of the new token (the window then holds slots [T - W, T]); pad, win_mask, hist_len: StepShared
+        t, pad, win_mask, hist_len = self._step_state()
         mu_k, mu_v = self.offsets()
         coded = CodedSlots(self.coded_k, self.coded_v, self.params.coded_of, cfg.full_precision_bits) if self.fp_heads else None
-        append_token_op(new_k, new_v, self.win_k, self.win_v, self.hist_k, self.hist_v, t, self.pad, self.params.hist_of,
+        append_token_op(new_k, new_v, self.win_k, self.win_v, self.hist_k, self.hist_v, t, pad, self.params.hist_of,
                         self.params.r_k, mu_k, self.params.clip_k, self.params.r_v, mu_v, self.params.clip_v, cfg.group_size,
                         cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels, cfg.quantizer, coded)
         qf = group_queries(query.float(), hk)  # [B, Hk, g, D]
-        win_mask, hist_len = self._step_positions(t)
         n_valid = hist_len
         hist_k, hist_v = self.hist_k, self.hist_v
         if not _compiling() and not triton_enabled(query, cfg.use_kernels):
@@ -275,31 +314,34 @@ class StaticOscarLayer(QuantizedLayerBase):
         if self.fp_heads:
             q_part, win_k, win_v = (x.index_select(1, self.params.int2_idx) for x in (qf, win_k, win_v))
         out = decode_attention_rotating(
-            q_part, self.params.r_k, mu_k, hist_k, hist_v, self.pad, None, scaling, cfg.group_size,
+            q_part, self.params.r_k, mu_k, hist_k, hist_v, pad, None, scaling, cfg.group_size,
             win_k, win_v, win_mask, self.params.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size,
             use_kernels=cfg.use_kernels, n_valid=n_valid, splits=None, softcap=softcap,
             sinks=self.params.int2_rows(sinks),
         )
         if self.fp_heads:
-            out = self._merge_full_precision_heads(out, query, hist_len, win_mask[:, 0, 0], scaling, softcap,
+            out = self._merge_full_precision_heads(out, query, pad, hist_len, win_mask[:, 0, 0], scaling, softcap,
                                                    self.params.coded_rows(sinks))
-        self.length.add_(1)
+        if self.advances_length:  # the last layer of its device: once for all of them
+            t.add_(1)
         if self.step.last_layer is None or self.layer_idx >= self.step.last_layer:
             self.step.clear()
         return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
 
-    def _step_positions(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(win_mask [B, 1, 1, S0 + R], hist_len 0-d)`` of a decode step at slot ``t`` (:class:`StepShared`): the
-        window's sink, ``W`` recent tokens and the new one; history slots ``[S0, T - W)`` once this step's write
-        demoted slot ``T - 1 - W``."""
-        step, key = self.step, (self.config.sink, self.ring, self.config.recent, self.pad.shape[0])
+    def _step_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(t 0-d, pad [B], win_mask [B, 1, 1, S0 + R], hist_len 0-d)`` of a decode step (:class:`StepShared`, from
+        the first layer of the forward on this device): the new token's slot, the rows' left padding, the window's
+        sink, ``W`` recent tokens and the new one; history slots ``[S0, T - W)`` once this step's write demoted slot
+        ``T - 1 - W``."""
+        step, key = self.step, (self.config.sink, self.ring, self.config.recent, self.batch_size, self.device)
         if step.key != key or self.layer_idx <= step.layer_idx:
-            step.win_mask = self.window_mask(t + 1, self.config.recent + 1)[:, None, None, :]
-            step.hist_len, step.key = self.n_hist(t), key
+            step.t, step.pad = self.length, self.pad
+            step.win_mask = self.window_mask(self.length + 1, self.config.recent + 1)[:, None, None, :]
+            step.hist_len, step.key = self.n_hist(self.length), key
         step.layer_idx = self.layer_idx
-        return step.win_mask, step.hist_len
+        return step.t, step.pad, step.win_mask, step.hist_len
 
-    def _merge_full_precision_heads(self, out_q, query, hi, win_ok, scaling: float, softcap=None,
+    def _merge_full_precision_heads(self, out_q, query, pad, hi, win_ok, scaling: float, softcap=None,
                                     sinks=None) -> torch.Tensor:
         """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and the retrieval heads' read of their coded history in
         place (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`), indices ``[pad, T - W - S0)``, and of
@@ -309,7 +351,7 @@ class StaticOscarLayer(QuantizedLayerBase):
             hi = int(hi)  # eager reference: read only the filled part
         q = group_queries(query, self.num_kv_heads)  # [B, Hk, g, D] in the model dtype
         out_fp = heads_decode_attention(q, self.params.coded_idx, self.coded_k, self.coded_v, cfg.full_precision_bits,
-                                        self.pad, hi, self.win_k, self.win_v, win_ok, scaling, out_q.dtype,
+                                        pad, hi, self.win_k, self.win_v, win_ok, scaling, out_q.dtype,
                                         use_kernels=cfg.use_kernels, softcap=softcap, sinks=sinks)
         return self.params.merge(out_q, out_fp)
 
@@ -440,26 +482,22 @@ class StaticOscarLayer(QuantizedLayerBase):
         CUDA graphs' addresses) or by reallocation (new batch size)."""
         if not self.is_initialized:
             return
-        names = ["win_k", "win_v", "pad", "mu_k_seq"]
-        for name in names:
+
+        def apply(t, dim):  # fn along the batch dimension ``dim`` of ``t``
+            out = fn(t.movedim(dim, 0)).movedim(0, dim)
+            if in_place:
+                return t.copy_(out)
+            return _static(out.contiguous())
+
+        for name, dim in (("win", 1), ("codes", 1), ("meta", 2), ("pad", 0), ("mu_k_seq", 0)):
             t = getattr(self, name)
-            if t is None:
-                continue
-            if in_place:
-                t.copy_(fn(t))
-            else:
-                setattr(self, name, _static(fn(t).contiguous()))
-        for name in ("hist_k", "hist_v", "coded_k", "coded_v"):  # capacity-sized tuples of tensors
+            if t is not None:
+                setattr(self, name, apply(t, dim))
+        for name in ("coded_k", "coded_v"):  # capacity-sized tuples of tensors
             q = getattr(self, name)
-            if q is None:
-                continue
-            if in_place:
-                for t in q:
-                    t.copy_(fn(t))
-            else:
-                moved = [_static(fn(t).contiguous()) for t in q]
-                setattr(self, name, QuantizedRows(*moved) if isinstance(q, QuantizedRows) else tuple(moved))
-        self.batch_size = self.win_k.shape[0]
+            if q is not None:
+                setattr(self, name, tuple(apply(t, 0) for t in q))
+        self.batch_size = self.win.shape[1]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
@@ -552,5 +590,5 @@ class StaticOscarLayer(QuantizedLayerBase):
         mask = self.window_mask(t, self.config.recent)
         n_sink, n_rec = int(mask[:, :s0].sum()), int(mask[:, s0:].sum())
         n_hist = int((self.n_hist(t) - self.pad).clamp(min=0).sum())
-        bufs = [self.win_k, self.win_v, *self.hist_k, *self.hist_v, *(self.coded_k or ()), *(self.coded_v or ())]
+        bufs = [self.win, self.codes, self.meta, *(self.coded_k or ()), *(self.coded_v or ())]
         return self.memory_from_counts(n_sink, n_rec, n_hist, n_hist, bufs)

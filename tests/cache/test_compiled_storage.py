@@ -105,13 +105,22 @@ def test_generate_reserves_its_length_up_front(monkeypatch):
 
 
 def test_decode_step_computes_the_window_positions_once():
-    """Every OSCAR layer of a step reads the same window mask and history length (the layers step together): the
-    step's graph computes them once (StepShared), not once per layer; the tokens are the eager storage's."""
+    """Every OSCAR layer of a step reads the same length, left padding, window mask and history length (the layers
+    step together): the step's graph takes the length and padding once and computes the rest once (StepShared), not
+    once per layer, and each layer brings its storage as 4 inputs (keys and values stacked in each); the tokens are
+    the eager storage's."""
+    import re
+
     m = tiny_model("llama", num_hidden_layers=3)
     ring_ops = []  # torch.remainder calls of each compiled graph: one per window mask (ring_slots)
+    layer_inputs = {}  # layer index -> the names of the graph's inputs that come from that cache layer
 
     def count_backend(gm, example_inputs):
         ring_ops.append(sum(n.op == "call_function" and n.target is torch.remainder for n in gm.graph.nodes))
+        for n in gm.graph.nodes:
+            hit = re.search(r"layers_(\d+)_(\w+)$", n.name) if n.op == "placeholder" else None
+            if hit:
+                layer_inputs.setdefault(int(hit.group(1)), set()).add(hit.group(2))
         return gm
 
     cc = cpu_compile_config()
@@ -124,6 +133,27 @@ def test_decode_step_computes_the_window_positions_once():
     assert torch.equal(out.sequences, ref.sequences)
     assert len(_oscar_layers(cache)) == 3 and ring_ops == [1], ring_ops  # one graph, one mask for three layers
     assert all(x.step is cache.layers[0].step and x.step.win_mask is None for x in cache.layers)  # cleared after
+    storage = {"win", "codes", "meta", "params_r"}
+    assert layer_inputs == {0: storage | {"length", "pad"}, 1: storage, 2: storage}, layer_inputs
+    assert all(x.length is cache.layers[0].length for x in cache.layers)  # one length, advanced by the last layer
+    assert [x.advances_length for x in cache.layers] == [False, False, True]
+    assert int(cache.layers[0].length) == ids.shape[1] + 12 - 1  # the last token is never cached
+
+
+def test_layers_share_one_length_per_device():
+    """StepShared.join: the layers of one device get one length tensor, which the highest-index layer there advances
+    (a model split over devices: each device's own), whatever order they join in."""
+    step = static_mod.StepShared()
+
+    class Layer:  # what join reads of a layer
+        def __init__(self, i, device):
+            self.layer_idx, self.device = i, torch.device(device)
+
+    layers = [Layer(2, "cpu"), Layer(0, "cpu"), Layer(5, "meta"), Layer(1, "cpu"), Layer(3, "meta")]
+    lengths = [step.join(x) for x in layers]
+    assert lengths[0] is lengths[1] is lengths[3] and lengths[2] is lengths[4] and lengths[0] is not lengths[2]
+    assert lengths[0].device.type == "cpu" and lengths[2].device.type == "meta" and lengths[0].dim() == 0
+    assert [x.advances_length for x in layers] == [True, False, True, False, False]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
