@@ -10,7 +10,8 @@ launches. The fake implementation only gives the output's shape and dtype. The o
 output and partials, mutates nothing, and reads the history length from ``n_valid`` on the device.
 
 The decode step's write (``oscar::append_token_``, :func:`append_token_op`) is a second op, with the same
-reasons: it mutates one layer's window and history (the INT2 heads' and the retrieval heads' entries) in place
+reasons: it mutates one layer's window and history (the INT2 heads' and the retrieval heads' entries; the stacked
+tensors of the compiled storage, :mod:`oscar_hf.cache.static`) in place
 (declared in ``mutates_args``, so functionalization tracks it), touches only the rows that change (one fused launch on
 CUDA, the torch reference elsewhere) and returns nothing.
 """
@@ -54,23 +55,23 @@ _USE_KERNELS = {"auto": "auto", True: "on", False: "off"}  # the op's string for
 
 @torch.library.custom_op(
     "oscar::append_token_",
-    mutates_args=("win_k", "win_v", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero",
-                  "ck_x", "ck_scale", "ck_zero", "cv_x", "cv_scale", "cv_zero"),
+    mutates_args=("win", "codes", "meta", "ck_x", "ck_scale", "ck_zero", "cv_x", "cv_scale", "cv_zero"),
 )
 def append_token_(
-    new_k: torch.Tensor, new_v: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
-    k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
-    v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor,
+    new_k: torch.Tensor, new_v: torch.Tensor, win: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor,
     length: torch.Tensor, pad: torch.Tensor, hist_heads: torch.Tensor | None,
-    r_k: torch.Tensor, mu_k: torch.Tensor | None, clip_k: float, r_v: torch.Tensor, mu_v: torch.Tensor | None,
+    r: torch.Tensor, mu_k: torch.Tensor | None, clip_k: float, mu_v: torch.Tensor | None,
     clip_v: float, group_size: int, meta_dtype: torch.dtype, sink: int, recent: int, use_kernels: str,
     quantizer: str, ck_x: torch.Tensor | None, ck_scale: torch.Tensor | None, ck_zero: torch.Tensor | None,
     cv_x: torch.Tensor | None, cv_scale: torch.Tensor | None, cv_zero: torch.Tensor | None,
     coded_of: torch.Tensor | None, coded_bits: int,
 ) -> None:
-    """:func:`~oscar_hf.kernels.write_path.append_token` on flattened :class:`QuantizedRows` and
-    :class:`~oscar_hf.kernels.write_path.CodedSlots` (``coded_of`` None: no retrieval heads; 16-bit stores have no
-    scale or zero); ``use_kernels`` is ``"auto"``, ``"on"`` or ``"off"``."""
+    """:func:`~oscar_hf.kernels.write_path.append_token` on the compiled storage's stacked tensors (keys at index 0,
+    values at 1: ``win [2, B, Hk, S0 + R, D]``, ``codes [2, B, Hq, N, D/4]``, ``meta [2, 2 (scale, zero), B, Hq, N,
+    D/G]``, ``r [2, Hq, D, D]``) and flattened :class:`~oscar_hf.kernels.write_path.CodedSlots` (``coded_of`` None:
+    no retrieval heads; 16-bit stores have no scale or zero); ``use_kernels`` is ``"auto"``, ``"on"`` or ``"off"``.
+    The op takes the whole tensors, not their K and V views: functionalization then tracks three mutated inputs, not
+    ten views of them (a view mutated by an op costs the compile its base's bookkeeping, per layer)."""
     from .write_path import CodedSlots, append_token
 
     kernels = {"auto": "auto", "on": True, "off": False}[use_kernels]
@@ -79,35 +80,38 @@ def append_token_(
         k, v = ((x,) if coded_bits == 16 else (x, sc, z) for x, sc, z in ((ck_x, ck_scale, ck_zero),
                                                                           (cv_x, cv_scale, cv_zero)))
         coded = CodedSlots(k, v, coded_of, coded_bits)
-    append_token(new_k, new_v, win_k, win_v, QuantizedRows(k_codes, k_scale, k_zero),
-                 QuantizedRows(v_codes, v_scale, v_zero), length, pad, hist_heads, r_k, mu_k, clip_k, r_v, mu_v,
-                 clip_v, group_size, meta_dtype, sink, recent, use_kernels=kernels, quantizer=quantizer, coded=coded)
+    hist_k, hist_v = (QuantizedRows(codes[i], meta[i, 0], meta[i, 1]) for i in (0, 1))
+    append_token(new_k, new_v, win[0], win[1], hist_k, hist_v, length, pad, hist_heads, r[0], mu_k, clip_k, r[1],
+                 mu_v, clip_v, group_size, meta_dtype, sink, recent, use_kernels=kernels, quantizer=quantizer,
+                 coded=coded)
 
 
 @append_token_.register_fake
-def _(new_k, new_v, win_k, win_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, length, pad, hist_heads,
-      r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, use_kernels, quantizer,
-      ck_x, ck_scale, ck_zero, cv_x, cv_scale, cv_zero, coded_of, coded_bits):
+def _(new_k, new_v, win, codes, meta, length, pad, hist_heads, r, mu_k, clip_k, mu_v, clip_v, group_size,
+      meta_dtype, sink, recent, use_kernels, quantizer, ck_x, ck_scale, ck_zero, cv_x, cv_scale, cv_zero, coded_of,
+      coded_bits):
     return None
 
 
-def append_token_op(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
-                    hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
-                    use_kernels="auto", quantizer="minmax", coded=None) -> None:
-    """:func:`~oscar_hf.kernels.write_path.append_token`'s signature through the opaque op ``oscar::append_token_``
-    (for ``torch.compile`` / CUDA graphs): mutates the window and history in place, returns None.
+def append_token_op(new_k, new_v, win, codes, meta, length, pad, hist_heads, r, mu_k, clip_k, mu_v, clip_v,
+                    group_size, meta_dtype, sink, recent, use_kernels="auto", quantizer="minmax", coded=None) -> None:
+    """:func:`~oscar_hf.kernels.write_path.append_token` through the opaque op ``oscar::append_token_`` (for
+    ``torch.compile`` / CUDA graphs), on the stacked tensors of :func:`append_token_` (``win``, ``codes``, ``meta``,
+    ``r``: keys at index 0, values at 1): mutates the window and history in place, returns None.
 
-    Under ``mode="reduce-overhead"`` the mutated buffers must be static inputs (``torch._dynamo.mark_static_address``)
-    for the step to be recorded as a CUDA graph; pass distinct tensors for ``r_k`` and ``r_v`` (with torch 2.11 the
-    same tensor in both, next to two distinct per-step inputs, lost every static-input mark and the graph was
-    skipped for "mutated inputs")."""
+    Under ``mode="reduce-overhead"`` the mutated tensors must be static inputs (``torch._dynamo.mark_static_address``)
+    for the step to be recorded as a CUDA graph."""
     if use_kernels not in _USE_KERNELS:
         raise ValueError(f"use_kernels must be 'auto', True or False, got {use_kernels!r}")
+    for name, t, lead, dims in (("win", win, (2,), 5), ("codes", codes, (2,), 5), ("meta", meta, (2, 2), 6),
+                                ("r", r, (2,), 4)):
+        if t.dim() != dims or tuple(t.shape[: len(lead)]) != lead:
+            raise ValueError(f"{name} must stack keys and values: {dims} dimensions, leading {lead}; got shape "
+                             f"{tuple(t.shape)}")
     parts = (None,) * 6 if coded is None else (*_parts3(coded.k), *_parts3(coded.v))
-    append_token_(new_k, new_v, win_k, win_v, *hist_k, *hist_v, length, pad, hist_heads, r_k, mu_k, float(clip_k),
-                  r_v, mu_v, float(clip_v), int(group_size), meta_dtype, int(sink), int(recent),
-                  _USE_KERNELS[use_kernels], quantizer, *parts, None if coded is None else coded.coded_of,
-                  0 if coded is None else int(coded.bits))
+    append_token_(new_k, new_v, win, codes, meta, length, pad, hist_heads, r, mu_k, float(clip_k), mu_v,
+                  float(clip_v), int(group_size), meta_dtype, int(sink), int(recent), _USE_KERNELS[use_kernels],
+                  quantizer, *parts, None if coded is None else coded.coded_of, 0 if coded is None else int(coded.bits))
 
 
 @torch.library.custom_op("oscar::heads_decode", mutates_args=())

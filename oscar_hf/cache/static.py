@@ -300,9 +300,9 @@ class StaticOscarLayer(QuantizedLayerBase):
         t, pad, win_mask, hist_len = self._step_state()
         mu_k, mu_v = self.offsets()
         coded = CodedSlots(self.coded_k, self.coded_v, self.params.coded_of, cfg.full_precision_bits) if self.fp_heads else None
-        append_token_op(new_k, new_v, self.win_k, self.win_v, self.hist_k, self.hist_v, t, pad, self.params.hist_of,
-                        self.params.r_k, mu_k, self.params.clip_k, self.params.r_v, mu_v, self.params.clip_v, cfg.group_size,
-                        cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels, cfg.quantizer, coded)
+        append_token_op(new_k, new_v, self.win, self.codes, self.meta, t, pad, self.params.hist_of, self.params.r, mu_k,
+                        self.params.clip_k, mu_v, self.params.clip_v, cfg.group_size, cfg.torch_meta_dtype, cfg.sink,
+                        cfg.recent, cfg.use_kernels, cfg.quantizer, coded)
         qf = group_queries(query.float(), hk)  # [B, Hk, g, D]
         n_valid = hist_len
         hist_k, hist_v = self.hist_k, self.hist_v

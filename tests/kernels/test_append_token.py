@@ -35,15 +35,19 @@ class Layer:
         self.sink, self.recent, self.g, self.meta = sink, recent, g, meta
         self.heads = torch.tensor(heads, dtype=torch.long) if heads is not None else None
         hq = hk if heads is None else sum(h >= 0 for h in heads)
-        self.win_k = torch.randn(b, hk, sink + ring, d, generator=gen).to(dtype)
-        self.win_v = torch.randn(b, hk, sink + ring, d, generator=gen).to(dtype)
+        win_k = torch.randn(b, hk, sink + ring, d, generator=gen).to(dtype)
+        win_v = torch.randn(b, hk, sink + ring, d, generator=gen).to(dtype)
 
         def hist():
             return QuantizedRows(torch.randint(0, 256, (b, hq, n, d // 4), generator=gen, dtype=torch.uint8),
                                  torch.rand(b, hq, n, d // g, generator=gen).to(meta),
                                  torch.randn(b, hq, n, d // g, generator=gen).to(meta))
 
-        self.hist_k, self.hist_v = hist(), hist()
+        hist_k, hist_v = hist(), hist()
+        # stored as the compiled storage keeps them (keys at 0, values at 1), read through the views below
+        self.win_kv = torch.stack([win_k, win_v])  # [2, B, Hk, S0 + R, D]
+        self.codes_kv = torch.stack([hist_k.codes, hist_v.codes])  # [2, B, Hq, N, D/4]
+        self.meta_kv = torch.stack([torch.stack([h.scale, h.zero]) for h in (hist_k, hist_v)])  # [2, 2, B, Hq, N, D/G]
         # exact: signed permutations, so (x - mu) @ r is exact in fp32 whatever the summation order
         rot = _signed_permutation if exact else random_rotation
         self.r_k, self.r_v = rot(hq, d, gen), rot(hq, d, gen)
@@ -66,6 +70,11 @@ class Layer:
 
             self.coded_k, self.coded_v = coded(), coded()
         self.to(device)
+
+    win_k = property(lambda self: self.win_kv[0])
+    win_v = property(lambda self: self.win_kv[1])
+    hist_k = property(lambda self: QuantizedRows(self.codes_kv[0], self.meta_kv[0, 0], self.meta_kv[0, 1]))
+    hist_v = property(lambda self: QuantizedRows(self.codes_kv[1], self.meta_kv[1, 0], self.meta_kv[1, 1]))
 
     def to(self, device):
         for name, v in vars(self).items():
@@ -90,7 +99,7 @@ class Layer:
         return new
 
     def tensors(self):
-        return [self.win_k, self.win_v, *self.hist_k, *self.hist_v, *(self.coded_k or ()), *(self.coded_v or ())]
+        return [self.win_kv, self.codes_kv, self.meta_kv, *(self.coded_k or ()), *(self.coded_v or ())]
 
     def coded(self) -> dict:
         """``coded=`` of the write (the retrieval heads' stores), or nothing."""
@@ -102,6 +111,12 @@ class Layer:
         """The positional arguments of append_token_reference / append_token_triton / append_token_op."""
         return (new_k, new_v, self.win_k, self.win_v, self.hist_k, self.hist_v, length, pad, self.heads, self.r_k,
                 self.mu_k, self.clip_k, self.r_v, self.mu_v, self.clip_v, self.g, self.meta, self.sink, self.recent)
+
+    def op_args(self, new_k, new_v, length, pad):
+        """The same for append_token_op: the stacked tensors."""
+        return (new_k, new_v, self.win_kv, self.codes_kv, self.meta_kv, length, pad, self.heads,
+                torch.stack([self.r_k, self.r_v]), self.mu_k, self.clip_k, self.mu_v, self.clip_v, self.g, self.meta,
+                self.sink, self.recent)
 
 
 def _signed_permutation(hq, d, gen):
@@ -308,24 +323,24 @@ def test_dispatch(monkeypatch):
 @pytest.mark.parametrize("heads,coded_bits", [(None, None), ([1, -1, 0], None), ([1, -1, 0], 8), ([-1, 0, 1], 16)])
 def test_op_compiled_matches_eager(heads, coded_bits):
     """The op inside a compiled step (fullgraph, inductor on CPU) mutates exactly as the eager reference, in place:
-    the generated code calls the op on the graph inputs and allocates or clones no buffer."""
+    the generated code calls the op on the graph inputs themselves (the stacked tensors, no view of them) and
+    allocates or clones no buffer."""
     from torch._inductor.utils import run_and_get_code
 
     s0, w, n = 2, 2, 4
     ref = Layer(2, 3, 32, 16, s0, w, w + 2, n, heads=heads, mu_k="3d", seed=11, coded_bits=coded_bits)
     got = ref.clone()
     pad = torch.tensor([0, 2])
-    consts = dict(heads=got.heads, r_k=got.r_k, mu_k=got.mu_k, r_v=got.r_v, mu_v=got.mu_v)
+    consts = dict(heads=got.heads, r=torch.stack([got.r_k, got.r_v]), mu_k=got.mu_k, mu_v=got.mu_v)
     parts = 0 if coded_bits is None else 1 if coded_bits == 16 else 3
 
-    def step(new_k, new_v, win_k, win_v, kc, ks, kz, vc, vs, vz, *coded_length):
+    def step(new_k, new_v, win, codes, meta, *coded_length):
         c, length = consts, coded_length[-1]
         coded = None
         if parts:
             coded = CodedSlots(coded_length[:parts], coded_length[parts : 2 * parts], got.coded_of, coded_bits)
-        append_token_op(new_k, new_v, win_k, win_v, QuantizedRows(kc, ks, kz), QuantizedRows(vc, vs, vz), length, pad,
-                        c["heads"], c["r_k"], c["mu_k"], 0.95, c["r_v"], c["mu_v"], 0.9, 16, torch.bfloat16, s0, w,
-                        "auto", coded=coded)
+        append_token_op(new_k, new_v, win, codes, meta, length, pad, c["heads"], c["r"], c["mu_k"], 0.95, c["mu_v"],
+                        0.9, 16, torch.bfloat16, s0, w, "auto", coded=coded)
         length.add_(1)
 
     compiled = torch.compile(step, fullgraph=True, backend="inductor")
@@ -337,6 +352,8 @@ def test_op_compiled_matches_eager(heads, coded_bits):
             _, (code, *_) = run_and_get_code(compiled, new_k, new_v, *got.tensors(), length)
             assert "torch.ops.oscar.append_token_.default(" in code
             assert "clone" not in code and "empty_strided_cpu(" not in code
+            call = code[code.index("torch.ops.oscar.append_token_.default(") :].split("\n")[0]
+            assert "reinterpret_tensor" not in call, call  # the inputs as they are
         else:
             compiled(new_k, new_v, *got.tensors(), length)
         assert int(length) == t + 1
@@ -349,10 +366,14 @@ def test_op_eager_and_bad_use_kernels():
     for t in range(5):
         new_k, new_v = _tokens(ref, t)
         append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), torch.tensor([0])))
-        append_token_op(*got.args(new_k, new_v, torch.tensor(t), torch.tensor([0])), use_kernels=False)
+        append_token_op(*got.op_args(new_k, new_v, torch.tensor(t), torch.tensor([0])), use_kernels=False)
     assert_same(got, ref)
     with pytest.raises(ValueError, match="use_kernels"):
-        append_token_op(*got.args(new_k, new_v, torch.tensor(5), torch.tensor([0])), use_kernels="yes")
+        append_token_op(*got.op_args(new_k, new_v, torch.tensor(5), torch.tensor([0])), use_kernels="yes")
+    args = list(got.op_args(new_k, new_v, torch.tensor(5), torch.tensor([0])))
+    args[2] = got.win_k  # one half of the window, not both stacked
+    with pytest.raises(ValueError, match="win must stack keys and values"):
+        append_token_op(*args)
 
 
 # --------------------------------------------------------------------------------------------- (d) GPU, real shapes
