@@ -39,19 +39,20 @@ from .append_checks import check_append_inputs, check_coded_slots, check_paged_i
 from .plan import next_pow2
 from .write_triton import _LEVELS, _META_KIND, _codes, _group_grid, _padded_cols, _quantize_masked, _round_meta
 
-NUM_WARPS = 4
-NUM_WARPS_XWIDE = 8  # D = 512: 4 warps spilled ~12 KB (tests/kernels/test_compile_sm90.py)
-TILE = 4096  # elements of one rotation chunk [BLOCK_K, D] in registers per 4 warps: 32 fp32 per thread
+MIN_WARPS, MAX_WARPS = 4, 16
+WARP_TILE = 1024  # elements of the rotation chunk [BLOCK_K, DP] in registers per warp: 32 fp32 a thread
 
 
 def launch_shape(d: int) -> tuple[int, int]:
-    """``(num_warps, BLOCK_K)``: the warps for head_dim ``d``, and the rows of R per step of the matvec, ``TILE`` per 4
-    warps over ``DP`` (``D`` padded to a power of two) halved until it divides ``D`` (D = 96: 32), so that the loop
-    needs no mask."""
-    warps = NUM_WARPS_XWIDE if d > 256 else NUM_WARPS
-    k = min(d, TILE * warps // 4 // next_pow2(d))
-    while d % k:
-        k //= 2
+    """``(num_warps, BLOCK_K)`` for head_dim ``d``: ``BLOCK_K`` rows of R per step of the matvec, the largest power of
+    two that divides ``D`` and fits ``MAX_WARPS`` warps' tiles over ``DP`` (``D`` padded to a power of two), and the
+    warps that chunk needs. The program's latency is the serial chain of its steps' loads (at B = 1 the write is 16
+    programs a layer), so the whole rotation in one step where it fits (D = 64, 128; 256 and 512: 4 and 16 steps);
+    ``benchmarks/bench_append.py`` (H200, D = 128): 16 warps and one step 6.5 us a layer, 4 warps and four 10.2."""
+    k = 1
+    while d % (2 * k) == 0 and 2 * k * next_pow2(d) <= MAX_WARPS * WARP_TILE:
+        k *= 2
+    warps = min(MAX_WARPS, max(MIN_WARPS, k * next_pow2(d) // WARP_TILE))
     return warps, k
 
 

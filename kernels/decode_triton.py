@@ -49,13 +49,18 @@ from .query_triton import Q8_FIELDS, Q8_TILE_BYTES, launch_rotation, rotation_ar
 LOG2E = 1.4426950408889634
 
 
+def _mask_ok(mask, b, hk, n) -> bool:
+    """Whether the kernels take ``mask``: None, or bool broadcastable to [B, Hk, 1, N] (additive float masks etc.:
+    the reference decides). Shapes only: the support checks run inside the compiled step's trace."""
+    return mask is None or (mask.dim() == 4 and mask.shape[2] == 1 and mask.shape[3] == n and mask.shape[0] in (1, b)
+                            and mask.shape[1] in (1, hk) and mask.dtype == torch.bool)
+
+
 def _mask_4d(mask, b, hk, n):
     """``mask`` (None or bool broadcastable to [B, Hk, 1, N]) -> (uint8 view expanded to [B, Hk, 1, N], ok)."""
     if mask is None:
         return None, True
-    if mask.dim() != 4 or mask.shape[2] != 1 or mask.shape[3] != n or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, hk):
-        return None, False
-    if mask.dtype != torch.bool:  # additive float masks etc.: the reference decides
+    if not _mask_ok(mask, b, hk, n):
         return None, False
     m = mask.expand(b, hk, 1, n)
     # Eager: a free uint8 view. Compiled (static cache): a small uint8 copy, since the functionalized
@@ -70,7 +75,7 @@ def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask) -> bool
     b, hk, m, d = q_rot.shape
     n = k.codes.shape[-2]
     return (
-        d in KERNEL_HEAD_DIMS and group_fits(d, group_size) and 1 <= m <= 64 and _mask_4d(key_mask, b, hk, n)[1]
+        d in KERNEL_HEAD_DIMS and group_fits(d, group_size) and 1 <= m <= 64 and _mask_ok(key_mask, b, hk, n)
     )
 
 
@@ -340,7 +345,7 @@ def decode_attention_triton(
 def decode_supported(q, k: QuantizedRows, group_size: int, key_mask, win_mask=None, w: int = 0) -> bool:
     """:func:`kernel_supported`, and a window mask (over ``w`` window tokens) the kernels take."""
     b, hk = q.shape[:2]
-    return kernel_supported(q, k, group_size, key_mask) and _mask_4d(win_mask, b, hk, w)[1]
+    return kernel_supported(q, k, group_size, key_mask) and _mask_ok(win_mask, b, hk, w)
 
 
 def history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, defaults=DEFAULTS,
