@@ -69,6 +69,11 @@
 #               retrieval heads and none, B=8/32K
 #   heads-kernel  the retrieval heads' read alone (split + combine) at    heads_kernel_<gpu>.json
 #               B=8/32K-capacity shapes, defaults and a tile sweep
+#   short       the short-prompt step: compiled BF16 StaticCache and   generate_short_<gpu>_b{1,8}_t1024.json
+#               the default call at 1K, B=1 and B=8, both in one process
+#               per batch (64 new tokens)
+#   append-launch  the decode step's fused write at its launch shapes,  append_launch_<gpu>.json
+#               36 layers in one CUDA graph, B=1 and 8 (bench_append.py)
 #   profile-host  cProfile of the decode step's host side, B=8/8K       profile_host_<gpu>_<method>_b<B>_t<T>.json
 #               (BATCH=, CONTEXT= pick others):
 #               no heads, 25 INT8 heads, compiled BF16 StaticCache
@@ -324,6 +329,13 @@ for what in "$@"; do
         --steps 6 --methods oscar oscar-fp25 --out "$OUT/profile_${GPU}_fpheads_inplace_b8_t32768.json" ;;
   heads-kernel)
     run "heads_kernel_$GPU" $PY "$B/bench_heads.py" --sweep --out "$OUT/heads_kernel_$GPU.json" ;;
+  short)
+    for b in 1 8; do
+      run "generate_short_${GPU}_b${b}_t1024" $PY "$B/bench_generate.py" --contexts 1024 --batches $b \
+          --methods bf16-static oscar --new-tokens 64 --out "$OUT/generate_short_${GPU}_b${b}_t1024.json"
+    done ;;
+  append-launch)
+    run "append_launch_$GPU" $PY "$B/bench_append.py" --batches 1 8 --out "$OUT/append_launch_$GPU.json" ;;
   profile-host)
     b=${BATCH:-8} t=${CONTEXT:-8192}  # (BATCH=1 CONTEXT=1024: the short-prompt step)
     for m in ${METHODS:-oscar-fp25 oscar bf16-static}; do  # one process each (one compiled shape per process)
