@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels  # noqa: E402
 from bench_kernels import timed_seq  # noqa: E402
 
+from oscar_hf.cache.static import RING_RESERVE  # noqa: E402
 from oscar_hf.kernels import append_triton  # noqa: E402
 from oscar_hf.quant import QuantizedRows  # noqa: E402
 
@@ -29,7 +30,7 @@ SHAPES = [(4, 32), (8, 64), (8, 32), (16, 128), (16, 64), (4, 16)]  # (num_warps
 
 
 def layer_args(b, hk, d, g, n, sink, recent, dev, gen):
-    ring = recent + 1 + 64
+    ring = recent + 1 + RING_RESERVE  # the compiled storage's ring
     win = torch.randn(2, b, hk, sink + ring, d, device=dev, generator=gen).to(torch.bfloat16)
     codes = torch.zeros(2, b, hk, n, d // 4, dtype=torch.uint8, device=dev)
     meta = torch.zeros(2, 2, b, hk, n, d // g, dtype=torch.bfloat16, device=dev)

@@ -83,8 +83,9 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
                     prof_box["p"].__exit__(None, None, None)
             return scores
 
-    step = []  # host mode: the last compiled call's arguments
-    if host:
+    step = []  # host mode, OSCAR: the last compiled call's arguments
+    # (a StaticCache step replayed outside generate hit a device-side assert on the H200: not replayed)
+    if host and method.startswith("oscar"):
         original = model.get_compiled_call
 
         def get_compiled_call(*args, **kwargs):
@@ -102,10 +103,9 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
     plain = sorted(b - a for a, b in zip(clock.stamps[warmup // 2 : warmup], clock.stamps[warmup // 2 + 1 : warmup + 1]))
     plain_ms = plain[len(plain) // 2] * 1000 if plain else None
     if host:
-        # (OSCAR only: a StaticCache step replayed outside generate hit a device-side assert on the H200)
-        frame = compiled_frame_costs(model, *step[-1]) if step and method.startswith("oscar") else None
-        model.get_compiled_call = original
+        frame = compiled_frame_costs(model, *step[-1]) if step else None
         if method.startswith("oscar"):
+            model.get_compiled_call = original  # (the capture above)
             from oscar_hf import disable_oscar
 
             disable_oscar(model)
@@ -143,48 +143,27 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
 def compiled_frame_costs(model, args, kwargs, calls: int = 20) -> dict:
     """The host side of the compiled step alone, on the step's own arguments: the whole call (dynamo's guards and
     input gathering, AOT's wrappers, CUDA-graph trees' checks and the replay's launch; the GPU runs it asynchronously,
-    so the host time is the call's; median of ``calls``, the device synchronised before each) and the guard check
-    alone (best of 5 x 100). Each call advances the cache by a token: the capacity left must hold ``2 * calls``."""
+    so the host time is the call's), its median over ``calls`` (the device synchronised before each) and a cProfile
+    of as many more. Each call advances the cache by a token: the capacity left must hold ``2 * calls``. (The guard
+    check alone is ``host_overhead.py``'s, on the CPU.)"""
     compiled = model._compiled_call
-    times = []
+    times, prof = [], cProfile.Profile()
     with torch.no_grad():
-        for _ in range(calls):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            compiled(*args, **kwargs)
-            times.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-    out = dict(call_host_ms=round(sorted(times)[len(times) // 2] * 1e3, 4))
-    prof = cProfile.Profile()  # where the call's host time goes
-    with torch.no_grad():
-        for _ in range(calls):
-            torch.cuda.synchronize()
-            prof.enable()
-            compiled(*args, **kwargs)
-            prof.disable()
+        for profiled in (False, True):
+            for _ in range(calls):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if profiled:
+                    prof.enable()
+                compiled(*args, **kwargs)
+                if profiled:
+                    prof.disable()
+                else:
+                    times.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-    out["call_profile"] = buf.getvalue()
-    fwd = type(model).forward
-    code = getattr(fwd, "__code__", None)
-    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(code) if code is not None else []
-    out["cache_entries"] = len(entries)
-    if entries:
-        f_locals = {"args": (model, *args), "kwargs": kwargs}
-        f_locals.update({n: c.cell_contents for n, c in zip(code.co_freevars, fwd.__closure__ or ())})
-        guard = entries[0].guard_manager
-        if guard.check(f_locals):
-            best = float("inf")
-            for _ in range(5):
-                t0 = time.perf_counter()
-                for _ in range(100):
-                    guard.check(f_locals)
-                best = min(best, (time.perf_counter() - t0) / 100)
-            out["guard_check_ms"] = round(best * 1e3, 4)
-        else:
-            out["guard_check_ms"] = None  # (another frame holds the step's guards)
-    return out
+    return dict(call_host_ms=round(sorted(times)[len(times) // 2] * 1e3, 4), call_profile=buf.getvalue())
 
 
 def main(argv=None):

@@ -3,8 +3,8 @@
 ``append_token_triton`` has the signature and semantics of
 :func:`oscar_hf.kernels.write_path.append_token_reference` (see there for the storage layout). Grid ``(B * Hk * 2,)``:
 one program per (row ``b``, KV head ``h``, K or V) reads ``T`` from the device and, for its K or V (two programs, not
-one doing both in turn: at B = 1 the launch is the latency of one program's serial rotation loads, 8 programs on a
-GPU of 132 SMs):
+one doing both in turn: at B = 1 a layer's write is a few programs on a GPU of 132 SMs, 16 for 8 KV heads, and its
+latency is that of one program's serial rotation loads, ``launch_shape``):
 
 1. if slot ``s = T - 1 - W`` is a history slot (``0 <= s - S0 < N``) and head ``h`` is quantized (history head
    ``hh``): loads its ring row (``D`` values), rotates it as a K-blocked matvec (``BLOCK_K`` input channels at a time,

@@ -286,6 +286,21 @@ def test_kernel_matches_reference(b, hk, d, g, heads, ring_extra, mu_k, dtype, m
     assert torch.equal(minmax.hist_k.scale, ref.hist_k.scale) == (quantizer == "minmax")
 
 
+@pytest.mark.parametrize("d", [64, 96, 128, 256, 512])
+def test_launch_shape(d):
+    """The write's rotation chunk: a power of two of R's rows that divides D (the loop has no mask), a tile that the
+    warps' registers hold, between 4 and 16 warps, and the whole rotation in one step where 16 warps hold it."""
+    from oscar_hf.kernels import append_triton as at
+    from oscar_hf.kernels.plan import next_pow2
+
+    warps, k = at.launch_shape(d)
+    assert k & (k - 1) == 0 and d % k == 0, (d, k)
+    assert at.MIN_WARPS <= warps <= at.MAX_WARPS and warps & (warps - 1) == 0, (d, warps)
+    assert k * next_pow2(d) <= warps * at.WARP_TILE, (d, warps, k)
+    if d * next_pow2(d) <= at.MAX_WARPS * at.WARP_TILE and d & (d - 1) == 0:
+        assert k == d, (d, k)
+
+
 @interp
 def test_dispatch(monkeypatch):
     """use_kernels=True runs the kernel (interpreter; head_dim 96 too); a head_dim the kernel does not take (80) goes to
