@@ -37,11 +37,8 @@ import math
 
 import torch
 
-from oscar_hf.kernels import triton_enabled
-from oscar_hf.kernels.heads_attention import heads_decode_attention
-from oscar_hf.kernels.int2_attention import decode_attention_rotating
-from oscar_hf.kernels.static_op import append_token_op
-from oscar_hf.kernels.write_path import CodedSlots
+from oscar_hf.kernels.int2_attention import decode_attention_rotating, rotate_query
+from oscar_hf.kernels.static_op import decode_step_op, step_storage
 
 from ..attention import OscarKV
 from ..config import OscarConfig
@@ -219,6 +216,19 @@ class StaticOscarLayer(QuantizedLayerBase):
                                                 for i, (last, dt) in enumerate(specs))
                                           for old in (self.coded_k, self.coded_v))
         self.capacity = capacity
+        self._bind_step_storage()
+
+    def _bind_step_storage(self) -> None:
+        """The decode op's arguments that change only with the buffers (:class:`~oscar_hf.kernels.static_op.StepStorage`:
+        one tuple read per layer by the traced step); rebuilt whenever a buffer is replaced."""
+        cfg, prm, coded = self.config, self.params, None
+        if self.fp_heads:
+            coded = (self.coded_k, self.coded_v, cfg.full_precision_bits)
+        self.step_storage = step_storage(self.win, self.codes, self.meta, prm.r, prm.hist_of,
+                                         prm.int2_idx if coded else None, coded, prm.coded_of,
+                                         prm.coded_idx if coded else None, prm.clip_k, prm.clip_v, cfg.group_size,
+                                         cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels, cfg.quantizer,
+                                         cfg.block_size)
 
     def advance(self, n: int) -> None:
         """Host side, before ``n`` new tokens are written: make room for them (a bigger bucket when needed)."""
@@ -293,35 +303,20 @@ class StaticOscarLayer(QuantizedLayerBase):
         return self._multi_token(query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs)
 
     def _decode_step(self, query, new_k, new_v, scaling: float, softcap=None, sinks=None) -> torch.Tensor:
-        """``softcap``, ``sinks [Hk, g]``: :func:`~oscar_hf.cache.base.logit_terms`."""
+        """``softcap``, ``sinks [Hk, g]``: :func:`~oscar_hf.cache.base.logit_terms`. The query's rotation is torch ops
+        here (Inductor fuses them with the projection's epilogue: faster end to end than a launch inside the op,
+        docs/kernels.md); the write and the attention are one opaque op (:func:`~oscar_hf.kernels.static_op.decode_step`)."""
         b, hq, _, d = query.shape
-        hk, cfg = self.num_kv_heads, self.config
         # t: slot of the new token (the window then holds slots [T - W, T]); pad, win_mask, hist_len: StepShared
         t, pad, win_mask, hist_len = self._step_state()
         mu_k, mu_v = self.offsets()
-        coded = CodedSlots(self.coded_k, self.coded_v, self.params.coded_of, cfg.full_precision_bits) if self.fp_heads else None
-        append_token_op(new_k, new_v, self.win, self.codes, self.meta, t, pad, self.params.hist_of, self.params.r, mu_k,
-                        self.params.clip_k, mu_v, self.params.clip_v, cfg.group_size, cfg.torch_meta_dtype, cfg.sink,
-                        cfg.recent, cfg.use_kernels, cfg.quantizer, coded)
-        qf = group_queries(query.float(), hk)  # [B, Hk, g, D]
-        n_valid = hist_len
-        hist_k, hist_v = self.hist_k, self.hist_v
-        if not _compiling() and not triton_enabled(query, cfg.use_kernels):
-            n = int(n_valid)  # eager reference: read only the filled part
-            hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (hist_k, hist_v))
-            n_valid = None
-        q_part, win_k, win_v = qf, self.win_k, self.win_v
-        if self.fp_heads:
-            q_part, win_k, win_v = (x.index_select(1, self.params.int2_idx) for x in (qf, win_k, win_v))
-        out = decode_attention_rotating(
-            q_part, self.params.r_k, mu_k, hist_k, hist_v, pad, None, scaling, cfg.group_size,
-            win_k, win_v, win_mask, self.params.r_v, mu_v, out_dtype=query.dtype, block_n=cfg.block_size,
-            use_kernels=cfg.use_kernels, n_valid=n_valid, splits=None, softcap=softcap,
-            sinks=self.params.int2_rows(sinks),
-        )
-        if self.fp_heads:
-            out = self._merge_full_precision_heads(out, query, pad, hist_len, win_mask[:, 0, 0], scaling, softcap,
-                                                   self.params.coded_rows(sinks))
+        q = group_queries(query, self.num_kv_heads)  # [B, Hk, g, D]
+        q_rot = qk_off = None
+        if self.params.int2_heads:  # [B, Hq, g, D] float32, [B, Hq, g]
+            q_rot, qk_off = rotate_query(self.params.int2_part(q.float()), self.params.r_k, mu_k, self.config.use_kernels)
+            q_rot = q_rot.contiguous()
+        out = decode_step_op(q, q_rot, qk_off, new_k, new_v, t, pad, win_mask, hist_len, mu_k, mu_v, float(scaling),
+                             query.dtype, sinks, float(softcap or 0.0), *self.step_storage)
         if self.advances_length:  # the last layer of its device: once for all of them
             t.add_(1)
         if self.step.last_layer is None or self.layer_idx >= self.step.last_layer:
@@ -340,20 +335,6 @@ class StaticOscarLayer(QuantizedLayerBase):
             step.hist_len, step.key = self.n_hist(self.length), key
         step.layer_idx = self.layer_idx
         return step.t, step.pad, step.win_mask, step.hist_len
-
-    def _merge_full_precision_heads(self, out_q, query, pad, hi, win_ok, scaling: float, softcap=None,
-                                    sinks=None) -> torch.Tensor:
-        """``[B, Hk, g, D]``: the quantized heads' ``out_q`` and the retrieval heads' read of their coded history in
-        place (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`), indices ``[pad, T - W - S0)``, and of
-        the window every head reads exactly (``win_ok [B, S0 + R]``, :meth:`window_mask`)."""
-        cfg = self.config  # hi: the history length (0-d device tensor: the CUDA graph stays valid while T grows)
-        if not _compiling() and not triton_enabled(query, cfg.use_kernels):
-            hi = int(hi)  # eager reference: read only the filled part
-        q = group_queries(query, self.num_kv_heads)  # [B, Hk, g, D] in the model dtype
-        out_fp = heads_decode_attention(q, self.params.coded_idx, self.coded_k, self.coded_v, cfg.full_precision_bits,
-                                        pad, hi, self.win_k, self.win_v, win_ok, scaling, out_q.dtype,
-                                        use_kernels=cfg.use_kernels, softcap=softcap, sinks=sinks)
-        return self.params.merge(out_q, out_fp)
 
     def _multi_token(self, query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs):
         b, hq, l, d = query.shape
@@ -498,6 +479,7 @@ class StaticOscarLayer(QuantizedLayerBase):
             if q is not None:
                 setattr(self, name, tuple(apply(t, 0) for t in q))
         self.batch_size = self.win.shape[1]
+        self._bind_step_storage()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         idx = beam_idx.to(self.device) if self.is_initialized else beam_idx

@@ -133,7 +133,7 @@ def test_decode_step_computes_the_window_positions_once():
     assert torch.equal(out.sequences, ref.sequences)
     assert len(_oscar_layers(cache)) == 3 and ring_ops == [1], ring_ops  # one graph, one mask for three layers
     assert all(x.step is cache.layers[0].step and x.step.win_mask is None for x in cache.layers)  # cleared after
-    storage = {"win", "codes", "meta", "params_r"}
+    storage = {"step_storage_win", "step_storage_codes", "step_storage_meta", "params_r"}
     assert layer_inputs == {0: storage | {"length", "pad"}, 1: storage, 2: storage}, layer_inputs
     assert all(x.length is cache.layers[0].length for x in cache.layers)  # one length, advanced by the last layer
     assert [x.advances_length for x in cache.layers] == [False, False, True]

@@ -1,6 +1,6 @@
 """The static cache's one-token write step (``append_token``): the torch reference against a naive loop model of
-its semantics, the fused Triton kernel against the reference (interpreter on CPU; compiled on CUDA with ``-m gpu``),
-and the opaque ``oscar::append_token_`` op under ``torch.compile(fullgraph=True)``.
+its semantics, the fused Triton kernel against the reference (interpreter on CPU; compiled on CUDA with ``-m gpu``).
+The compiled storage's op that calls it: ``test_static_op.py``.
 """
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from kernel_utils import HAS_CUDA, assert_int2_rows_close, random_rotation, setu
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
-from oscar_hf.kernels.static_op import append_token_op  # noqa: E402
 from oscar_hf.kernels.write_path import CodedSlots, append_token, append_token_reference  # noqa: E402
 from oscar_hf.quant import QuantizedRows, encode_heads, quantize_rows  # noqa: E402
 
@@ -108,15 +107,9 @@ class Layer:
         return dict(coded=CodedSlots(self.coded_k, self.coded_v, self.coded_of, self.coded_bits))
 
     def args(self, new_k, new_v, length, pad):
-        """The positional arguments of append_token_reference / append_token_triton / append_token_op."""
+        """The positional arguments of append_token_reference / append_token_triton."""
         return (new_k, new_v, self.win_k, self.win_v, self.hist_k, self.hist_v, length, pad, self.heads, self.r_k,
                 self.mu_k, self.clip_k, self.r_v, self.mu_v, self.clip_v, self.g, self.meta, self.sink, self.recent)
-
-    def op_args(self, new_k, new_v, length, pad):
-        """The same for append_token_op: the stacked tensors."""
-        return (new_k, new_v, self.win_kv, self.codes_kv, self.meta_kv, length, pad, self.heads,
-                torch.stack([self.r_k, self.r_v]), self.mu_k, self.clip_k, self.mu_v, self.clip_v, self.g, self.meta,
-                self.sink, self.recent)
 
 
 def _signed_permutation(hq, d, gen):
@@ -332,66 +325,7 @@ def test_dispatch(monkeypatch):
     assert len(launches) == 12
 
 
-# ------------------------------------------------------------------------------- (c) the custom op under torch.compile
-
-
-@pytest.mark.parametrize("heads,coded_bits", [(None, None), ([1, -1, 0], None), ([1, -1, 0], 8), ([-1, 0, 1], 16)])
-def test_op_compiled_matches_eager(heads, coded_bits):
-    """The op inside a compiled step (fullgraph, inductor on CPU) mutates exactly as the eager reference, in place:
-    the generated code calls the op on the graph inputs themselves (the stacked tensors, no view of them) and
-    allocates or clones no buffer."""
-    from torch._inductor.utils import run_and_get_code
-
-    s0, w, n = 2, 2, 4
-    ref = Layer(2, 3, 32, 16, s0, w, w + 2, n, heads=heads, mu_k="3d", seed=11, coded_bits=coded_bits)
-    got = ref.clone()
-    pad = torch.tensor([0, 2])
-    consts = dict(heads=got.heads, r=torch.stack([got.r_k, got.r_v]), mu_k=got.mu_k, mu_v=got.mu_v)
-    parts = 0 if coded_bits is None else 1 if coded_bits == 16 else 3
-
-    def step(new_k, new_v, win, codes, meta, *coded_length):
-        c, length = consts, coded_length[-1]
-        coded = None
-        if parts:
-            coded = CodedSlots(coded_length[:parts], coded_length[parts : 2 * parts], got.coded_of, coded_bits)
-        append_token_op(new_k, new_v, win, codes, meta, length, pad, c["heads"], c["r"], c["mu_k"], 0.95, c["mu_v"],
-                        0.9, 16, torch.bfloat16, s0, w, "auto", coded=coded)
-        length.add_(1)
-
-    compiled = torch.compile(step, fullgraph=True, backend="inductor")
-    length = torch.tensor(0)
-    for t in range(s0 + w + n + 2):
-        new_k, new_v = _tokens(ref, t)
-        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), pad), **ref.coded())
-        if t == 0:
-            _, (code, *_) = run_and_get_code(compiled, new_k, new_v, *got.tensors(), length)
-            assert "torch.ops.oscar.append_token_.default(" in code
-            assert "clone" not in code and "empty_strided_cpu(" not in code
-            call = code[code.index("torch.ops.oscar.append_token_.default(") :].split("\n")[0]
-            assert "reinterpret_tensor" not in call, call  # the inputs as they are
-        else:
-            compiled(new_k, new_v, *got.tensors(), length)
-        assert int(length) == t + 1
-        assert_same(got, ref, f"T={t}")
-
-
-def test_op_eager_and_bad_use_kernels():
-    ref = Layer(1, 2, 32, 32, 1, 1, 2, 3, seed=12)
-    got = ref.clone()
-    for t in range(5):
-        new_k, new_v = _tokens(ref, t)
-        append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), torch.tensor([0])))
-        append_token_op(*got.op_args(new_k, new_v, torch.tensor(t), torch.tensor([0])), use_kernels=False)
-    assert_same(got, ref)
-    with pytest.raises(ValueError, match="use_kernels"):
-        append_token_op(*got.op_args(new_k, new_v, torch.tensor(5), torch.tensor([0])), use_kernels="yes")
-    args = list(got.op_args(new_k, new_v, torch.tensor(5), torch.tensor([0])))
-    args[2] = got.win_k  # one half of the window, not both stacked
-    with pytest.raises(ValueError, match="win must stack keys and values"):
-        append_token_op(*args)
-
-
-# --------------------------------------------------------------------------------------------- (d) GPU, real shapes
+# --------------------------------------------------------------------------------------------- (c) GPU, real shapes
 
 
 @pytest.mark.gpu

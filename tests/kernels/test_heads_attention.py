@@ -131,7 +131,8 @@ def test_gpu_kernel_matches_reference_at_real_shapes(bits, d):
     out = heads_decode_attention(q, heads, k, v, bits, lo, torch.tensor(8000, device="cuda"), wk, wv, wm,
                                  d ** -0.5, torch.float32, sinks=sinks)
     ref_s = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5, torch.float32, sinks=sinks)
-    assert rel_err(out, ref_s) < 2e-2 and rel_err(ref_s, ref) > 5e-2
+    # (the sink moves this case's output by 1.5-3%: the kernel must land well inside that move)
+    assert rel_err(out, ref_s) < min(2e-2, rel_err(ref_s, ref) / 4)
     # soft-capping (Gemma 2) at a cap that bites: the kernel caps, host-side bound (eager) and device-side
     for hi in (8000, torch.tensor(8000, device="cuda")):
         out = heads_decode_attention(q, heads, k, v, bits, lo, hi, wk, wv, wm, d ** -0.5 * 4, torch.float32,

@@ -458,38 +458,11 @@ def test_decode_attention_rotating(small_splits, monkeypatch, fused, b, hk, m, n
 
 
 @interp
-def test_static_op_traces_as_one_opaque_call(small_splits):
-    """The static cache's call (a device-side ``n_valid``) compiles as the rotation's torch ops and one custom op
-    (aot_eager: fake shapes + real run)."""
-    b, hk, m, n, w, d, g = 2, 2, 4, 300, 37, 64, 32
-    args = _rotating_case(b, hk, m, n, w, d, g, seed=3)
-    args["start"] = torch.tensor([0, 9])
-    nv = torch.tensor(200)
-
-    def f(nv):
-        return decode_attention_rotating(**args, n_valid=nv, splits=3, use_kernels=True)
-
-    ops = []
-
-    def backend(gm, example_inputs):
-        ops.extend(nd.target for nd in gm.graph.nodes if nd.op == "call_function" and "oscar" in str(nd.target))
-        return gm.forward
-
-    torch._dynamo.reset()
-    got = torch.compile(f, backend=backend, fullgraph=True)(nv)
-    assert ops == [torch.ops.oscar.decode_attention_static.default], ops
-    torch._dynamo.reset()
-    got = torch.compile(f, backend="aot_eager", fullgraph=True)(nv)
-    cut = {k: (type(args[k])(*(t[:, :, :200] for t in args[k])) if k in ("k", "v") else args[k]) for k in args}
-    assert rel_err(got.float(), _rotating_reference(cut).float()) < 2e-5
-
-
-@interp
 @pytest.mark.parametrize("case", ["eager", "rows", "static", "unsupported"])
 def test_decode_attention_rotating_dispatch(monkeypatch, case):
     """The caches' call goes straight to one entry: the launcher from the unrotated query (eager, <= 16 query rows a
-    KV head), the launcher from the torch rotation (17-64 rows), the static cache's op (``n_valid``), or the torch
-    reference (D = 32, which the kernels do not take); each equals the reference."""
+    KV head), the launcher from the torch rotation (17-64 rows, or a device-side length ``n_valid``: the compiled
+    storage's read), or the torch reference (D = 32, which the kernels do not take); each equals the reference."""
     m, d, g, nv = {"eager": (4, 64, 32, None), "rows": (20, 64, 32, None), "static": (4, 64, 32, 150),
                    "unsupported": (4, 32, 16, None)}[case]
     args = _rotating_case(2, 2, m, 200, 37, d, g, seed=m + d)
@@ -499,13 +472,9 @@ def test_decode_attention_rotating_dispatch(monkeypatch, case):
     real = dt.decode_attention_triton
     monkeypatch.setattr(dt, "decode_attention_triton", lambda q_rot, *a, **kw: (
         calls.append("launch, rotating" if q_rot is None else "launch"), real(q_rot, *a, **kw))[1])
-    import oscar_hf.kernels.static_op as so
-
-    real_op = so.decode_attention_static
-    monkeypatch.setattr(so, "decode_attention_static", lambda *a: (calls.append("op"), real_op(*a))[1])
     extra = {} if nv is None else {"n_valid": torch.tensor(nv), "splits": 3}
     got = decode_attention_rotating(**args, **extra, use_kernels=True)
-    want = {"eager": ["launch, rotating"], "rows": ["launch"], "static": ["op", "launch"], "unsupported": []}[case]
+    want = {"eager": ["launch, rotating"], "rows": ["launch"], "static": ["launch"], "unsupported": []}[case]
     assert calls == want
     cut = args if nv is None else {k: (type(args[k])(*(t[:, :, :nv] for t in args[k])) if k in ("k", "v") else args[k])
                                    for k in args}
@@ -642,24 +611,18 @@ def test_decode_attention_kernel_softcap(small_splits, d, g, m, mag, softcap):
 @interp
 @pytest.mark.parametrize("n_valid", [None, 0, 150])
 def test_decode_attention_rotating_with_sinks_and_softcap(small_splits, monkeypatch, n_valid):
-    """The dispatcher: sinks and soft-capping through the launcher from the unrotated query (eager) and, with a
-    device-side length, through the static op."""
-    import oscar_hf.kernels.static_op as so
-
+    """The dispatcher: sinks and soft-capping through the launcher, from the unrotated query (eager) and, with a
+    device-side length, from the rotated one."""
     args = _rotating_case(2, 2, 4, 300, 70, 64, 32, seed=9)
     sinks = torch.randn(2, 4, generator=torch.Generator().manual_seed(2)) * 3 + 2
     calls = []
-    real, real_op = small_splits.decode_attention_triton, so.decode_attention_static
+    real = small_splits.decode_attention_triton
     monkeypatch.setattr(small_splits, "decode_attention_triton",
                         lambda *a, **kw: (calls.append(("launch", kw.get("softcap"))), real(*a, **kw))[1])
-    monkeypatch.setattr(so, "decode_attention_static", lambda *a: (calls.append("op"), real_op(*a))[1])
     extra = {} if n_valid is None else {"n_valid": torch.tensor(n_valid), "splits": 4}
     for softcap in (None, 2.0):
         calls.clear()
         got = decode_attention_rotating(**args, **extra, use_kernels=True, sinks=sinks, softcap=softcap)
         ref = decode_attention_rotating(**args, **extra, use_kernels=False, sinks=sinks, softcap=softcap)
         assert rel_err(got, ref) < 2e-5
-        if n_valid is None:
-            assert calls == [("launch", softcap)]
-        else:
-            assert calls == ["op", ("launch", softcap)]
+        assert calls == [("launch", softcap)]
