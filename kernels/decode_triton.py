@@ -3,8 +3,9 @@
 :func:`decode_attention_triton` is the launcher: it brings the tensors into the kernels' layouts, takes every launch
 decision from one :func:`~oscar_hf.kernels.plan.decode_plan` (pure host code: which kernels, grids, tiles, register
 caps, PDL) and launches what the plan says. Its callers (``int2_attention.decode_attention_rotating`` on CUDA, the
-static cache's op ``static_op.decode_attention_static``, :func:`history_partial_triton`) send only the shapes
-:func:`decode_supported` / :func:`kernel_supported` accept; everything else takes the torch reference. Three modes:
+compiled storage's op through ``int2_attention.decode_attention_rotated``, :func:`history_partial_triton`) send only
+the shapes :func:`decode_supported` / :func:`kernel_supported` accept; everything else takes the torch reference.
+Three modes:
 
 * pre-rotated query (``q_rot``, ``qk_offset``) and a full-precision window (sink + recent, unrotated): the whole decode
   attention of one layer -> normalized output in the value space. The split kernel gets extra programs for the window

@@ -31,6 +31,14 @@ class StepStorage(NamedTuple):
     codes: torch.Tensor
     meta: torch.Tensor
     r: torch.Tensor
+    clip_k: float
+    clip_v: float
+
+
+class StepHeads(NamedTuple):
+    """A layer's retrieval heads in the op's arguments (:func:`step_heads`); a layer without any passes
+    :data:`NO_HEADS`, one object for all of them (the compiled step guards its Nones once, not once per layer)."""
+
     hist_of: torch.Tensor | None
     int2_idx: torch.Tensor | None
     ck_x: torch.Tensor | None
@@ -41,8 +49,15 @@ class StepStorage(NamedTuple):
     cv_zero: torch.Tensor | None
     coded_of: torch.Tensor | None
     coded_idx: torch.Tensor | None
-    clip_k: float
-    clip_v: float
+
+
+NO_HEADS = StepHeads(*(None,) * 10)
+
+
+class StepConfig(NamedTuple):
+    """The op's last arguments, the same for every layer of a cache (:func:`step_config`): one tuple that all the
+    layers share, so that the compiled step guards its constants once, not once per layer."""
+
     group_size: int
     meta_dtype: torch.dtype
     sink: int
@@ -56,17 +71,23 @@ class StepStorage(NamedTuple):
 _USE_KERNELS = {"auto": "auto", True: "on", False: "off"}  # the op's string form of ``use_kernels``
 
 
-def step_storage(win, codes, meta, r, hist_of, int2_idx, coded, coded_of, coded_idx, clip_k, clip_v, group_size,
-                 meta_dtype, sink, recent, use_kernels, quantizer, block_n) -> StepStorage:
-    """The :class:`StepStorage` of a layer. ``coded``: the retrieval heads' stores ``(k parts, v parts, bits)`` or
-    None; ``int2_idx`` None where every KV head is an INT2 head."""
+def step_storage(win, codes, meta, r, clip_k, clip_v) -> StepStorage:
+    """The :class:`StepStorage` of a layer (its stacked tensors checked)."""
+    _check_stacked(win, codes, meta, r)
+    return StepStorage(win, codes, meta, r, float(clip_k), float(clip_v))
+
+
+def step_heads(hist_of, int2_idx, coded_k, coded_v, coded_of, coded_idx) -> StepHeads:
+    """The :class:`StepHeads` of a layer with retrieval heads: ``coded_k/coded_v`` their stored parts (tuples)."""
+    return StepHeads(hist_of, int2_idx, *parts3(coded_k), *parts3(coded_v), coded_of, coded_idx)
+
+
+def step_config(group_size, meta_dtype, sink, recent, use_kernels, quantizer, coded_bits, block_n) -> StepConfig:
+    """The :class:`StepConfig` of a cache's configuration; ``use_kernels`` ``"auto"``, True or False."""
     if use_kernels not in _USE_KERNELS:
         raise ValueError(f"use_kernels must be 'auto', True or False, got {use_kernels!r}")
-    _check_stacked(win, codes, meta, r)
-    parts = (None,) * 6 if coded is None else (*parts3(coded[0]), *parts3(coded[1]))
-    return StepStorage(win, codes, meta, r, hist_of, int2_idx, *parts, coded_of, coded_idx, float(clip_k),
-                       float(clip_v), int(group_size), meta_dtype, int(sink), int(recent), _USE_KERNELS[use_kernels],
-                       quantizer, 0 if coded is None else int(coded[2]), int(block_n))
+    return StepConfig(int(group_size), meta_dtype, int(sink), int(recent), _USE_KERNELS[use_kernels], quantizer,
+                      int(coded_bits), int(block_n))
 
 
 def _check_stacked(win, codes, meta, r) -> None:
@@ -82,11 +103,11 @@ def decode_step(
     new_v: torch.Tensor, length: torch.Tensor, pad: torch.Tensor, win_mask: torch.Tensor, hist_len: torch.Tensor,
     mu_k: torch.Tensor | None, mu_v: torch.Tensor | None, scaling: float, out_dtype: torch.dtype,
     sinks: torch.Tensor | None, softcap: float, win: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor,
-    r: torch.Tensor, hist_of: torch.Tensor | None, int2_idx: torch.Tensor | None, ck_x: torch.Tensor | None,
-    ck_scale: torch.Tensor | None, ck_zero: torch.Tensor | None, cv_x: torch.Tensor | None,
+    r: torch.Tensor, clip_k: float, clip_v: float, hist_of: torch.Tensor | None, int2_idx: torch.Tensor | None,
+    ck_x: torch.Tensor | None, ck_scale: torch.Tensor | None, ck_zero: torch.Tensor | None, cv_x: torch.Tensor | None,
     cv_scale: torch.Tensor | None, cv_zero: torch.Tensor | None, coded_of: torch.Tensor | None,
-    coded_idx: torch.Tensor | None, clip_k: float, clip_v: float, group_size: int, meta_dtype: torch.dtype,
-    sink: int, recent: int, use_kernels: str, quantizer: str, coded_bits: int, block_n: int,
+    coded_idx: torch.Tensor | None, group_size: int, meta_dtype: torch.dtype, sink: int, recent: int,
+    use_kernels: str, quantizer: str, coded_bits: int, block_n: int,
 ) -> torch.Tensor:
     """One decode step of one layer of the compiled storage (:class:`~oscar_hf.cache.static.StaticOscarLayer`, its
     module docstring): the write (:func:`~oscar_hf.kernels.write_path.append_token`: slot ``T - 1 - W`` demoted into
@@ -96,11 +117,12 @@ def decode_step(
     ``q_rot [B, Hq, g, D]`` float32 / ``qk_off`` its INT2 heads' rotated query and logit offset (None: no INT2 head),
     ``new_k/new_v [B, Hk, 1, D]``, ``length`` (0-d, ``T``), ``pad [B]``, ``win_mask [B, 1, 1, S0 + R]``, ``hist_len``
     (0-d: history entries ``[pad, hist_len)`` valid after the write), ``mu_k`` (``[Hq, D]`` or ``[B, Hq, D]``),
-    ``mu_v``, ``sinks [Hk, g]`` or None, ``softcap`` (0: none). The layer's storage (:func:`step_storage`): ``win [2,
+    ``mu_v``, ``sinks [Hk, g]`` or None, ``softcap`` (0: none). The layer's storage (:class:`StepStorage`): ``win [2,
     B, Hk, S0 + R, D]``, ``codes [2, B, Hq, N, D/4]``, ``meta [2, 2, B, Hq, N, D/G]``, ``r [2, Hq, D, D]`` (keys at
-    index 0, values at 1), ``hist_of``/``coded_of [Hk]`` and ``int2_idx [Hq]``/``coded_idx [P]`` (None without
-    retrieval heads), the retrieval heads' parts ``[B, P, N, *]`` (None without; 16-bit stores have no scale or
-    zero), and the config's constants (``use_kernels`` ``"auto"``, ``"on"`` or ``"off"``)."""
+    index 0, values at 1) and its clip ratios; its retrieval heads (:class:`StepHeads`, all None without):
+    ``hist_of``/``coded_of [Hk]``, ``int2_idx [Hq]``/``coded_idx [P]``, their parts ``[B, P, N, *]`` (16-bit stores
+    have no scale or zero); the config's constants (:class:`StepConfig`; ``use_kernels`` ``"auto"``, ``"on"`` or
+    ``"off"``)."""
     _check_stacked(win, codes, meta, r)
     kernels = {"auto": "auto", "on": True, "off": False}[use_kernels]
     coded = None
@@ -142,13 +164,14 @@ decode_step_ = torch.library.custom_op(
 
 @decode_step_.register_fake
 def _(q, q_rot, qk_off, new_k, new_v, length, pad, win_mask, hist_len, mu_k, mu_v, scaling, out_dtype, sinks,
-      softcap, win, codes, meta, r, *rest):
+      softcap, win, codes, meta, r, *rest):  # (rest: the clips, StepHeads, StepConfig)
     _check_stacked(win, codes, meta, r)
     return q.new_empty(q.shape, dtype=out_dtype)
 
 
 def decode_step_op(*args) -> torch.Tensor:
-    """:func:`decode_step` (arguments there: the step's, then a :class:`StepStorage`), through the opaque op
+    """:func:`decode_step` (arguments there: the step's, a :class:`StepStorage`, :class:`StepHeads` and
+    :class:`StepConfig`), through the opaque op
     ``oscar::decode_step_`` while ``torch.compile`` traces, straight in eager code. Under
     ``mode="reduce-overhead"`` the mutated tensors must be static inputs (``torch._dynamo.mark_static_address``) for
     the step to be recorded as a CUDA graph."""

@@ -23,11 +23,11 @@ them quantized in INT2, ``P`` retrieval heads coded), ``S0`` sink, ``W`` recent,
   would not fit it: ``N`` grows in capacity buckets (:func:`capacity_for`); the first growth recompiles the step
   once (with ``N`` symbolic), each later bucket records one more CUDA graph.
 
-A decode step (one token at slot ``T``), device tensors only, no host synchronisation: one fused write
-(:func:`~oscar_hf.kernels.static_op.append_token_op`: demote slot ``T - 1 - W`` from the ring into the history, the
-INT2 heads quantized and the retrieval heads coded, then write the new token into the ring and the sink of rows still
-filling it), one decode attention over the window (masked per row) and the history
-(``n_valid = T - W - S0`` read on the device), ``T += 1``. A multi-token forward (prefill, next turn; eager, never
+A decode step (one token at slot ``T``), device tensors only, no host synchronisation, one op per layer after the
+query's rotation (:func:`~oscar_hf.kernels.static_op.decode_step`): one fused write (demote slot ``T - 1 - W`` from
+the ring into the history, the INT2 heads quantized and the retrieval heads coded, then write the new token into the
+ring and the sink of rows still filling it), one decode attention over the window (masked per row) and the history
+(``n_valid = T - W - S0`` read on the device; the retrieval heads' in place, merged at their KV heads), ``T += 1``. A multi-token forward (prefill, next turn; eager, never
 compiled: the step wrapper runs it through the plain model) attends over the new rows in full precision like
 ``OscarLayer`` and bulk-demotes (:func:`~oscar_hf.cache.window.commit`).
 """
@@ -38,7 +38,7 @@ import math
 import torch
 
 from oscar_hf.kernels.int2_attention import decode_attention_rotating, rotate_query
-from oscar_hf.kernels.static_op import decode_step_op, step_storage
+from oscar_hf.kernels.static_op import NO_HEADS, decode_step_op, step_config, step_heads, step_storage
 
 from ..attention import OscarKV
 from ..config import OscarConfig
@@ -90,6 +90,7 @@ class StepShared:
     def __init__(self):
         self.last_layer = None  # index of the last layer that shares it (None: every layer clears it)
         self.lengths = {}  # device -> (its layers' length tensor, the layer that advances it)
+        self.config = None  # the decode op's StepConfig (the same for every layer)
         self.clear()
 
     def clear(self) -> None:
@@ -219,16 +220,17 @@ class StaticOscarLayer(QuantizedLayerBase):
         self._bind_step_storage()
 
     def _bind_step_storage(self) -> None:
-        """The decode op's arguments that change only with the buffers (:class:`~oscar_hf.kernels.static_op.StepStorage`:
-        one tuple read per layer by the traced step); rebuilt whenever a buffer is replaced."""
-        cfg, prm, coded = self.config, self.params, None
+        """The decode op's arguments that change only with the buffers (:class:`~oscar_hf.kernels.static_op.StepStorage`
+        and ``StepHeads``: tuples read by the traced step); rebuilt whenever a buffer is replaced. The config's part
+        (``StepConfig``) goes on the :class:`StepShared` that the layers share."""
+        cfg, prm = self.config, self.params
+        self.step_storage = step_storage(self.win, self.codes, self.meta, prm.r, prm.clip_k, prm.clip_v)
+        self.step_heads = NO_HEADS
         if self.fp_heads:
-            coded = (self.coded_k, self.coded_v, cfg.full_precision_bits)
-        self.step_storage = step_storage(self.win, self.codes, self.meta, prm.r, prm.hist_of,
-                                         prm.int2_idx if coded else None, coded, prm.coded_of,
-                                         prm.coded_idx if coded else None, prm.clip_k, prm.clip_v, cfg.group_size,
-                                         cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels, cfg.quantizer,
-                                         cfg.block_size)
+            self.step_heads = step_heads(prm.hist_of, prm.int2_idx, self.coded_k, self.coded_v, prm.coded_of,
+                                         prm.coded_idx)
+        self.step.config = step_config(cfg.group_size, cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels,
+                                       cfg.quantizer, cfg.full_precision_bits, cfg.block_size)
 
     def advance(self, n: int) -> None:
         """Host side, before ``n`` new tokens are written: make room for them (a bigger bucket when needed)."""
@@ -316,7 +318,8 @@ class StaticOscarLayer(QuantizedLayerBase):
             q_rot, qk_off = rotate_query(self.params.int2_part(q.float()), self.params.r_k, mu_k, self.config.use_kernels)
             q_rot = q_rot.contiguous()
         out = decode_step_op(q, q_rot, qk_off, new_k, new_v, t, pad, win_mask, hist_len, mu_k, mu_v, float(scaling),
-                             query.dtype, sinks, float(softcap or 0.0), *self.step_storage)
+                             query.dtype, sinks, float(softcap or 0.0), *self.step_storage,
+                             *(self.step_heads if self.fp_heads else NO_HEADS), *self.step.config)
         if self.advances_length:  # the last layer of its device: once for all of them
             t.add_(1)
         if self.step.last_layer is None or self.layer_idx >= self.step.last_layer:

@@ -17,7 +17,8 @@ from test_append_token import Layer, _tokens, assert_same  # noqa: E402
 
 from oscar_hf.kernels.heads_attention import heads_decode_reference  # noqa: E402
 from oscar_hf.kernels.int2_attention import decode_attention_reference, rotate_query_reference  # noqa: E402
-from oscar_hf.kernels.static_op import StepStorage, decode_step, decode_step_op, step_storage  # noqa: E402
+from oscar_hf.kernels.static_op import (NO_HEADS, decode_step, decode_step_op, step_config, step_heads,  # noqa: E402
+                                        step_storage)
 from oscar_hf.kernels.write_path import append_token_reference  # noqa: E402
 
 S0, W, N, G = 2, 2, 12, 16
@@ -37,13 +38,18 @@ def _indices(layer):
     return hist_of, int2_idx, layer.coded_of, coded_idx
 
 
-def _storage(layer, use_kernels="auto", win=None) -> StepStorage:
+def _storage(layer, use_kernels="auto", win=None) -> tuple:
+    """The op's last arguments: the layer's StepStorage, StepHeads and StepConfig."""
     hist_of, int2_idx, coded_of, coded_idx = _indices(layer)
-    coded = None if layer.coded_bits is None else (layer.coded_k, layer.coded_v, layer.coded_bits)
-    return step_storage(layer.win_kv if win is None else win, layer.codes_kv, layer.meta_kv,
-                        torch.stack([layer.r_k, layer.r_v]), hist_of, int2_idx, coded, coded_of, coded_idx,
-                        layer.clip_k, layer.clip_v, layer.g, layer.meta, layer.sink, layer.recent, use_kernels, "minmax",
-                        64)
+    storage = step_storage(layer.win_kv if win is None else win, layer.codes_kv, layer.meta_kv,
+                           torch.stack([layer.r_k, layer.r_v]), layer.clip_k, layer.clip_v)
+    heads = NO_HEADS
+    if layer.coded_bits is not None:
+        heads = step_heads(hist_of, int2_idx, layer.coded_k, layer.coded_v, coded_of, coded_idx)
+    elif hist_of is not None:  # (a permuted INT2 history without retrieval heads)
+        heads = NO_HEADS._replace(hist_of=hist_of, int2_idx=int2_idx)
+    return (*storage, *heads, *step_config(layer.g, layer.meta, layer.sink, layer.recent, use_kernels, "minmax",
+                                   layer.coded_bits or 0, 64))
 
 
 def _step_args(layer, q, new_k, new_v, t, pad, win_mask, sinks, softcap, int2_idx=None):
@@ -161,7 +167,8 @@ def test_bad_arguments():
         _storage(layer, use_kernels="yes")
     with pytest.raises(ValueError, match="win must stack keys and values"):
         _storage(layer, win=layer.win_k)
-    storage = _storage(layer)._replace(codes=layer.codes_kv[0])
+    storage = list(_storage(layer))
+    storage[1] = layer.codes_kv[0]  # (StepStorage.codes)
     b, hk, _, d = layer.win_k.shape
     new_k, new_v = _tokens(layer, 0)
     args = _step_args(layer, torch.zeros(b, hk, 2, d, dtype=torch.bfloat16), new_k, new_v, 0, torch.tensor([0, 0]),
