@@ -107,16 +107,18 @@ def test_generate_reserves_its_length_up_front(monkeypatch):
 def test_decode_step_computes_the_window_positions_once():
     """Every OSCAR layer of a step reads the same length, left padding, window mask and history length (the layers
     step together): the step's graph takes the length and padding once and computes the rest once (StepShared), not
-    once per layer, and each layer brings its storage as 4 inputs (keys and values stacked in each); the tokens are
-    the eager storage's."""
+    once per layer, each layer brings its storage as 4 inputs (keys and values stacked in each) and calls one op (its
+    write and attention); the tokens are the eager storage's."""
     import re
 
     m = tiny_model("llama", num_hidden_layers=3)
     ring_ops = []  # torch.remainder calls of each compiled graph: one per window mask (ring_slots)
+    oscar_ops = []  # the graph's calls into OSCAR's ops: one decode op per layer, nothing else
     layer_inputs = {}  # layer index -> the names of the graph's inputs that come from that cache layer
 
     def count_backend(gm, example_inputs):
         ring_ops.append(sum(n.op == "call_function" and n.target is torch.remainder for n in gm.graph.nodes))
+        oscar_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "oscar" in str(n.target))
         for n in gm.graph.nodes:
             hit = re.search(r"layers_(\d+)_(\w+)$", n.name) if n.op == "placeholder" else None
             if hit:
@@ -132,6 +134,7 @@ def test_decode_step_computes_the_window_positions_once():
     out = _gen(m, ids, am, cache, n=12, compile_config=cc)
     assert torch.equal(out.sequences, ref.sequences)
     assert len(_oscar_layers(cache)) == 3 and ring_ops == [1], ring_ops  # one graph, one mask for three layers
+    assert oscar_ops == ["oscar.decode_step_.default"] * 3, oscar_ops
     assert all(x.step is cache.layers[0].step and x.step.win_mask is None for x in cache.layers)  # cleared after
     storage = {"step_storage_win", "step_storage_codes", "step_storage_meta", "params_r"}
     assert layer_inputs == {0: storage | {"length", "pad"}, 1: storage, 2: storage}, layer_inputs
