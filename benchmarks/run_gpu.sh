@@ -45,6 +45,10 @@
 #               second one with warm on-disk compile caches (B=1, 32K,
 #               128 new tokens; METHODS="..." picks methods, default
 #               bf16 bf16-static oscar oscar-fp25; ~10 min each)
+#   first-call-turns  the same first calls (cold only), the caches     first_call_<gpu>_turns.json
+#               taking turns in one process each, the order rotating
+#               each turn (TURNS=2; METHODS as above; OLD_SITE adds that
+#               tree's runs; ~1 min a run): medians and ratios
 #   regression  the default call, this tree vs OLD_SITE (an older     speed_vs_<OLD_NAME>_<gpu>_b<B>_t<T>.json
 #               tree laid out as oscar_hf/{kernels,eval}), taking turns:
 #               B=8/32K, B=1/100K (`regression-b8`, `regression-b1`)
@@ -245,6 +249,10 @@ for what in "$@"; do
             $PY "$B/bench_first_call.py" --method "$m" --calls $n --out "$OUT/first_call_${GPU}_${m}_${phase}.json"
       done
     done ;;
+  first-call-turns)
+    trees=(); [ -n "${OLD_SITE:-}" ] && trees=(--tree "${OLD_NAME:-old}=$OLD_SITE" --tree "new=$SITE")
+    run "first_call_${GPU}_turns" $PY "$B/first_call_turns.py" --warmup --turns "${TURNS:-2}" \
+        --methods ${METHODS:-bf16-static oscar oscar-fp25} "${trees[@]}" --out "$OUT/first_call_${GPU}_turns.json" ;;
   regression|regression-b8|regression-b1)
     # the default call of this tree against an older one (OLD_SITE: that tree laid out as run_gpu.sh lays this one,
     # carried to the machine), taking turns in one process each (compare_trees.py): B=8/32K and B=1/100K
