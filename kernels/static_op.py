@@ -18,7 +18,7 @@ import torch
 
 from oscar_hf.quant import QuantizedRows
 
-from .heads_attention import heads_decode_attention, parts3
+from .heads_attention import heads_decode_attention, merge_heads, parts3
 from .int2_attention import decode_attention_rotated
 from .write_path import CodedSlots, append_token
 
@@ -151,10 +151,7 @@ def decode_step(
                                     win_mask[:, 0, 0], scaling, out_dtype, use_kernels=kernels,
                                     softcap=softcap or None,
                                     sinks=None if sinks is None else sinks.index_select(0, coded_idx))
-    merged = torch.empty(q.shape, dtype=out_dtype, device=q.device)
-    if out is not None:
-        merged.index_copy_(1, int2_idx, out)
-    return merged.index_copy_(1, coded_idx, out_fp)
+    return merge_heads(out, out_fp, int2_idx, coded_idx, q.shape[1])
 
 
 decode_step_ = torch.library.custom_op(

@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from oscar_hf.kernels.heads_attention import merge_heads
 from oscar_hf.kernels.write_path import rotate_quantize
 
 from ..config import OscarConfig
@@ -106,8 +107,5 @@ class LayerParams:
     def merge(self, int2_part: torch.Tensor | None, coded_part: torch.Tensor) -> torch.Tensor:
         """``[B, Hq, ...]`` and ``[B, P, ...]`` -> ``[B, Hk, ...]`` at their heads (``int2_part`` None when the layer
         keeps no head in INT2)."""
-        out = coded_part.new_empty(coded_part.shape[0], len(self.int2_heads) + len(self.coded_heads),
-                                   *coded_part.shape[2:])
-        if int2_part is not None:
-            out.index_copy_(1, self.int2_idx, int2_part.to(out.dtype))
-        return out.index_copy_(1, self.coded_idx, coded_part.to(out.dtype))
+        return merge_heads(int2_part, coded_part, self.int2_idx, self.coded_idx,
+                           len(self.int2_heads) + len(self.coded_heads))

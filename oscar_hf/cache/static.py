@@ -27,9 +27,10 @@ A decode step (one token at slot ``T``), device tensors only, no host synchronis
 query's rotation (:func:`~oscar_hf.kernels.static_op.decode_step`): one fused write (demote slot ``T - 1 - W`` from
 the ring into the history, the INT2 heads quantized and the retrieval heads coded, then write the new token into the
 ring and the sink of rows still filling it), one decode attention over the window (masked per row) and the history
-(``n_valid = T - W - S0`` read on the device; the retrieval heads' in place, merged at their KV heads), ``T += 1``. A multi-token forward (prefill, next turn; eager, never
-compiled: the step wrapper runs it through the plain model) attends over the new rows in full precision like
-``OscarLayer`` and bulk-demotes (:func:`~oscar_hf.cache.window.commit`).
+(``n_valid = T - W - S0`` read on the device; the retrieval heads' in place, merged at their KV heads), ``T += 1``.
+A multi-token forward (prefill, next turn; eager, never compiled: the step wrapper runs it through the plain model)
+attends over the new rows in full precision like ``OscarLayer`` and bulk-demotes
+(:func:`~oscar_hf.cache.window.commit`).
 """
 from __future__ import annotations
 
@@ -307,7 +308,8 @@ class StaticOscarLayer(QuantizedLayerBase):
     def _decode_step(self, query, new_k, new_v, scaling: float, softcap=None, sinks=None) -> torch.Tensor:
         """``softcap``, ``sinks [Hk, g]``: :func:`~oscar_hf.cache.base.logit_terms`. The query's rotation is torch ops
         here (Inductor fuses them with the projection's epilogue: faster end to end than a launch inside the op,
-        docs/kernels.md); the write and the attention are one opaque op (:func:`~oscar_hf.kernels.static_op.decode_step`)."""
+        docs/kernels.md); the write and the attention are one opaque op
+        (:func:`~oscar_hf.kernels.static_op.decode_step`)."""
         b, hq, _, d = query.shape
         # t: slot of the new token (the window then holds slots [T - W, T]); pad, win_mask, hist_len: StepShared
         t, pad, win_mask, hist_len = self._step_state()
@@ -315,11 +317,13 @@ class StaticOscarLayer(QuantizedLayerBase):
         q = group_queries(query, self.num_kv_heads)  # [B, Hk, g, D]
         q_rot = qk_off = None
         if self.params.int2_heads:  # [B, Hq, g, D] float32, [B, Hq, g]
-            q_rot, qk_off = rotate_query(self.params.int2_part(q.float()), self.params.r_k, mu_k, self.config.use_kernels)
+            q_rot, qk_off = rotate_query(self.params.int2_part(q.float()), self.params.r_k, mu_k,
+                                         self.config.use_kernels)
             q_rot = q_rot.contiguous()
         out = decode_step_op(q, q_rot, qk_off, new_k, new_v, t, pad, win_mask, hist_len, mu_k, mu_v, float(scaling),
                              query.dtype, sinks, float(softcap or 0.0), *self.step_storage,
                              *(self.step_heads if self.fp_heads else NO_HEADS), *self.step.config)
+        # (NO_HEADS through its module global, not the layer's attribute: one set of guards for all such layers)
         if self.advances_length:  # the last layer of its device: once for all of them
             t.add_(1)
         if self.step.last_layer is None or self.layer_idx >= self.step.last_layer:
