@@ -187,10 +187,11 @@ def heads_decode_op(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, s
         return heads_decode_triton(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
                                    sinks=sinks, softcap=softcap)
     hi_dev = hi if isinstance(hi, torch.Tensor) else None
-    return heads_decode(q, heads, *parts3(k), *parts3(v), int(bits), lo, hi_dev, 0 if hi_dev is not None else int(hi),
+    hi_host = 0 if hi_dev is not None else int(hi)
+    return heads_decode(q, heads, *_parts3(k), *_parts3(v), int(bits), lo, hi_dev, hi_host,
                         win_k, win_v, win_mask, float(scaling), out_dtype, sinks, float(softcap or 0.0))
 
 
-def parts3(parts):
+def _parts3(parts):
     """A head store's parts as ``(x, scale, zero)``, None for the 16-bit form's missing metadata."""
     return tuple(parts) if len(parts) == 3 else (parts[0], None, None)

@@ -18,7 +18,7 @@ import torch
 
 from oscar_hf.quant import QuantizedRows
 
-from .heads_attention import heads_decode_attention, merge_heads, parts3
+from .heads_attention import heads_decode_attention, merge_heads
 from .int2_attention import decode_attention_rotated
 from .write_path import CodedSlots, append_token
 
@@ -39,19 +39,12 @@ class StepHeads(NamedTuple):
     """A layer's retrieval heads in the op's arguments (:func:`step_heads`); a layer without any passes
     :data:`NO_HEADS`, one object for all of them (the compiled step guards its Nones once, not once per layer)."""
 
-    hist_of: torch.Tensor | None
-    int2_idx: torch.Tensor | None
-    ck_x: torch.Tensor | None
-    ck_scale: torch.Tensor | None
-    ck_zero: torch.Tensor | None
-    cv_x: torch.Tensor | None
-    cv_scale: torch.Tensor | None
-    cv_zero: torch.Tensor | None
-    coded_of: torch.Tensor | None
-    coded_idx: torch.Tensor | None
+    heads_index: torch.Tensor | None  # [2 Hk + Hq + P] int64: hist_of [Hk], coded_of [Hk], int2_idx [Hq], coded_idx [P]
+    cx: torch.Tensor | None  # [2, B, P, N, X]: the keys' and values' codes (rows at 16 bits)
+    cmeta: torch.Tensor | None  # [2, 2 (scale, zero), B, P, N, 1], None at 16 bits
 
 
-NO_HEADS = StepHeads(*(None,) * 10)
+NO_HEADS = StepHeads(None, None, None)
 
 
 class StepConfig(NamedTuple):
@@ -77,9 +70,13 @@ def step_storage(win, codes, meta, r, clip_k, clip_v) -> StepStorage:
     return StepStorage(win, codes, meta, r, float(clip_k), float(clip_v))
 
 
-def step_heads(hist_of, int2_idx, coded_k, coded_v, coded_of, coded_idx) -> StepHeads:
-    """The :class:`StepHeads` of a layer with retrieval heads: ``coded_k/coded_v`` their stored parts (tuples)."""
-    return StepHeads(hist_of, int2_idx, *parts3(coded_k), *parts3(coded_v), coded_of, coded_idx)
+def step_heads(heads_index, cx, cmeta) -> StepHeads:
+    """The :class:`StepHeads` of a layer with retrieval heads."""
+    if heads_index.dim() != 1 or cx.dim() != 5 or cx.shape[0] != 2 or (cmeta is not None and cmeta.shape[:2] != (2, 2)):
+        raise ValueError(f"retrieval heads' stores must stack keys and values: cx [2, B, P, N, X], cmeta [2, 2, B, P, "
+                         f"N, 1], a 1-d index; got {tuple(cx.shape)}, {None if cmeta is None else tuple(cmeta.shape)}, "
+                         f"{tuple(heads_index.shape)}")
+    return StepHeads(heads_index, cx, cmeta)
 
 
 def step_config(group_size, meta_dtype, sink, recent, use_kernels, quantizer, coded_bits, block_n) -> StepConfig:
@@ -103,10 +100,8 @@ def decode_step(
     new_v: torch.Tensor, length: torch.Tensor, pad: torch.Tensor, win_mask: torch.Tensor, hist_len: torch.Tensor,
     mu_k: torch.Tensor | None, mu_v: torch.Tensor | None, scaling: float, out_dtype: torch.dtype,
     sinks: torch.Tensor | None, softcap: float, win: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor,
-    r: torch.Tensor, clip_k: float, clip_v: float, hist_of: torch.Tensor | None, int2_idx: torch.Tensor | None,
-    ck_x: torch.Tensor | None, ck_scale: torch.Tensor | None, ck_zero: torch.Tensor | None, cv_x: torch.Tensor | None,
-    cv_scale: torch.Tensor | None, cv_zero: torch.Tensor | None, coded_of: torch.Tensor | None,
-    coded_idx: torch.Tensor | None, group_size: int, meta_dtype: torch.dtype, sink: int, recent: int,
+    r: torch.Tensor, clip_k: float, clip_v: float, heads_index: torch.Tensor | None, cx: torch.Tensor | None,
+    cmeta: torch.Tensor | None, group_size: int, meta_dtype: torch.dtype, sink: int, recent: int,
     use_kernels: str, quantizer: str, coded_bits: int, block_n: int,
 ) -> torch.Tensor:
     """One decode step of one layer of the compiled storage (:class:`~oscar_hf.cache.static.StaticOscarLayer`, its
@@ -119,16 +114,18 @@ def decode_step(
     (0-d: history entries ``[pad, hist_len)`` valid after the write), ``mu_k`` (``[Hq, D]`` or ``[B, Hq, D]``),
     ``mu_v``, ``sinks [Hk, g]`` or None, ``softcap`` (0: none). The layer's storage (:class:`StepStorage`): ``win [2,
     B, Hk, S0 + R, D]``, ``codes [2, B, Hq, N, D/4]``, ``meta [2, 2, B, Hq, N, D/G]``, ``r [2, Hq, D, D]`` (keys at
-    index 0, values at 1) and its clip ratios; its retrieval heads (:class:`StepHeads`, all None without):
-    ``hist_of``/``coded_of [Hk]``, ``int2_idx [Hq]``/``coded_idx [P]``, their parts ``[B, P, N, *]`` (16-bit stores
-    have no scale or zero); the config's constants (:class:`StepConfig`; ``use_kernels`` ``"auto"``, ``"on"`` or
+    index 0, values at 1) and its clip ratios; its retrieval heads (:class:`StepHeads`, all None without): the KV
+    heads' places ``hist_of``/``coded_of [Hk]`` and the heads ``int2_idx [Hq]``/``coded_idx [P]`` in one index, their
+    stores ``cx``/``cmeta`` (keys at 0, values at 1; 16-bit stores have no metadata); the config's constants (:class:`StepConfig`; ``use_kernels`` ``"auto"``, ``"on"`` or
     ``"off"``)."""
     _check_stacked(win, codes, meta, r)
     kernels = {"auto": "auto", "on": True, "off": False}[use_kernels]
-    coded = None
-    if coded_of is not None:
-        k, v = ((x,) if coded_bits == 16 else (x, sc, z) for x, sc, z in ((ck_x, ck_scale, ck_zero),
-                                                                          (cv_x, cv_scale, cv_zero)))
+    coded = hist_of = int2_idx = coded_idx = None
+    if heads_index is not None:  # [hist_of | coded_of | int2_idx | coded_idx]
+        hk, hq = win.shape[2], codes.shape[2]
+        hist_of, coded_of = heads_index[:hk], heads_index[hk : 2 * hk]
+        int2_idx, coded_idx = heads_index[2 * hk : 2 * hk + hq], heads_index[2 * hk + hq :]
+        k, v = ((cx[i],) if cmeta is None else (cx[i], cmeta[i, 0], cmeta[i, 1]) for i in (0, 1))
         coded = CodedSlots(k, v, coded_of, coded_bits)
     hist_k, hist_v = (QuantizedRows(codes[i], meta[i, 0], meta[i, 1]) for i in (0, 1))
     append_token(new_k, new_v, win[0], win[1], hist_k, hist_v, length, pad, hist_of, r[0], mu_k, clip_k, r[1], mu_v,
@@ -156,7 +153,7 @@ def decode_step(
 
 decode_step_ = torch.library.custom_op(
     "oscar::decode_step_", decode_step,
-    mutates_args=("win", "codes", "meta", "ck_x", "ck_scale", "ck_zero", "cv_x", "cv_scale", "cv_zero"))
+    mutates_args=("win", "codes", "meta", "cx", "cmeta"))
 
 
 @decode_step_.register_fake

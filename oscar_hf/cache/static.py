@@ -14,9 +14,10 @@ them quantized in INT2, ``P`` retrieval heads coded), ``S0`` sink, ``W`` recent,
   already in the history, let ``crop(-n)`` (assisted decoding) undo up to that many tokens exactly;
 * the history, slot ``s >= S0`` at index ``s - S0`` of ``N`` rows, row ``b`` reading ``pad[b] <= j < T - W - S0``:
   ``codes [2, B, Hq, N, D/4]`` and ``meta [2, 2, B, Hq, N, D/G]`` (keys, values; scale, zero), viewed as ``hist_k/hist_v``
-  (:class:`~oscar_hf.quant.QuantizedRows` ``[B, Hq, N, ...]``), the INT2 heads, ``coded_k/coded_v``
-  (tuples of ``[B, P, N, *]``, :mod:`oscar_hf.cache.heads`: the model dtype or INT8/INT4 codes with a scale and zero
-  per token and head) the retrieval heads (``OscarConfig.full_precision_heads``; None without);
+  (:class:`~oscar_hf.quant.QuantizedRows` ``[B, Hq, N, ...]``), the INT2 heads, and ``coded_x [2, B, P, N, *]`` and
+  ``coded_meta [2, 2, B, P, N, 1]`` (:mod:`oscar_hf.cache.heads`: INT8/INT4 codes with a scale and zero per token and
+  head, or the rows in the model dtype and no metadata), viewed as ``coded_k/coded_v`` (tuples of ``[B, P, N, *]``),
+  the retrieval heads (``OscarConfig.full_precision_heads``; None without);
 * ``length`` (0-d int64 device tensor, one for all the cache's layers on a device: :class:`StepShared`) = ``T``;
   ``host_len`` the same count on the host, kept by the eager calls
   and by the compiled step's wrapper (:mod:`oscar_hf.compiled_step`), which grows the storage before a step that
@@ -143,6 +144,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.is_initialized = False
         self.keys = self.values = None  # CacheLayerMixin attributes; unused
         self.win = self.codes = self.meta = None  # the storage (lazy_initialization)
+        self.coded_x = self.coded_meta = None
         self.length = torch.zeros((), dtype=torch.long)
         self.advances_length = True
         self.capacity = 0
@@ -169,7 +171,11 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.pad = _static(torch.zeros(b, dtype=torch.long, device=dev))
         self.length = self.step.join(self)
         self.codes = self.meta = None
-        self.coded_k = self.coded_v = None
+        self.coded_x = self.coded_meta = None
+        self.heads_index = None
+        if self.fp_heads:  # [2 Hk + Hq + P]: hist_of, coded_of, int2_idx, coded_idx (one input of the step, not four)
+            prm = self.params
+            self.heads_index = _static(torch.cat([prm.hist_of, prm.coded_of, prm.int2_idx, prm.coded_idx]))
         self.capacity = 0
         self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2]), 0, self.expected_len))
         self.is_initialized = True
@@ -192,6 +198,21 @@ class StaticOscarLayer(QuantizedLayerBase):
     def hist_v(self) -> QuantizedRows | None:
         return None if self.codes is None else QuantizedRows(self.codes[1], self.meta[1, 0], self.meta[1, 1])
 
+    @property
+    def coded_k(self) -> tuple[torch.Tensor, ...] | None:
+        """The retrieval heads' key store (:mod:`.heads`' parts ``[B, P, N, *]``: views of ``coded_x`` and
+        ``coded_meta``), None without retrieval heads."""
+        return self._coded(0)
+
+    @property
+    def coded_v(self) -> tuple[torch.Tensor, ...] | None:
+        return self._coded(1)
+
+    def _coded(self, i: int):
+        if self.coded_x is None:
+            return None
+        return (self.coded_x[i],) if self.coded_meta is None else (self.coded_x[i], *self.coded_meta[i])
+
     def _hist_rows(self, capacity: int) -> int:
         return max(capacity - self.config.sink - self.config.recent, 1)
 
@@ -212,11 +233,12 @@ class StaticOscarLayer(QuantizedLayerBase):
         # codes [2 (K, V), B, Hq, N, D/4]; meta [2 (K, V), 2 (scale, zero), B, Hq, N, D/G]
         self.codes = grow(self.codes, 2, b, hq, n, d // 4, dtype=torch.uint8, dim=3)
         self.meta = grow(self.meta, 2, 2, b, hq, n, d // g, dtype=meta, dim=4)
-        if p:
-            specs = heads.part_specs(self.config.full_precision_bits, d, self.dtype)
-            self.coded_k, self.coded_v = (tuple(grow(old[i] if old else None, b, p, n, last, dtype=dt)
-                                                for i, (last, dt) in enumerate(specs))
-                                          for old in (self.coded_k, self.coded_v))
+        if p:  # the retrieval heads' stores, keys and values stacked as the INT2 history's: coded_x [2, B, P, N, X]
+            # (codes, or the rows at 16 bits), coded_meta [2, 2 (scale, zero), B, P, N, 1] (None at 16 bits)
+            (last, dt), *meta_spec = heads.part_specs(self.config.full_precision_bits, d, self.dtype)
+            self.coded_x = grow(self.coded_x, 2, b, p, n, last, dtype=dt, dim=3)
+            if meta_spec:
+                self.coded_meta = grow(self.coded_meta, 2, 2, b, p, n, 1, dtype=meta_spec[0][1], dim=4)
         self.capacity = capacity
         self._bind_step_storage()
 
@@ -228,8 +250,7 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.step_storage = step_storage(self.win, self.codes, self.meta, prm.r, prm.clip_k, prm.clip_v)
         self.step_heads = NO_HEADS
         if self.fp_heads:
-            self.step_heads = step_heads(prm.hist_of, prm.int2_idx, self.coded_k, self.coded_v, prm.coded_of,
-                                         prm.coded_idx)
+            self.step_heads = step_heads(self.heads_index, self.coded_x, self.coded_meta)
         self.step.config = step_config(cfg.group_size, cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels,
                                        cfg.quantizer, cfg.full_precision_bits, cfg.block_size)
 
@@ -281,8 +302,9 @@ class StaticOscarLayer(QuantizedLayerBase):
         if self.is_initialized:
             for t in (self.win, self.pad, self.length, self.codes, self.meta):
                 t.zero_()
-            for t in (self.coded_k or ()) + (self.coded_v or ()):
-                t.zero_()
+            for t in (self.coded_x, self.coded_meta):
+                if t is not None:
+                    t.zero_()
         self.mu_k_seq = None
         self.pad_known = False
         self.host_len = 0
@@ -477,14 +499,11 @@ class StaticOscarLayer(QuantizedLayerBase):
                 return t.copy_(out)
             return _static(out.contiguous())
 
-        for name, dim in (("win", 1), ("codes", 1), ("meta", 2), ("pad", 0), ("mu_k_seq", 0)):
+        for name, dim in (("win", 1), ("codes", 1), ("meta", 2), ("coded_x", 1), ("coded_meta", 2), ("pad", 0),
+                          ("mu_k_seq", 0)):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, apply(t, dim))
-        for name in ("coded_k", "coded_v"):  # capacity-sized tuples of tensors
-            q = getattr(self, name)
-            if q is not None:
-                setattr(self, name, tuple(apply(t, 0) for t in q))
         self.batch_size = self.win.shape[1]
         self._bind_step_storage()
 
@@ -579,5 +598,5 @@ class StaticOscarLayer(QuantizedLayerBase):
         mask = self.window_mask(t, self.config.recent)
         n_sink, n_rec = int(mask[:, :s0].sum()), int(mask[:, s0:].sum())
         n_hist = int((self.n_hist(t) - self.pad).clamp(min=0).sum())
-        bufs = [self.win, self.codes, self.meta, *(self.coded_k or ()), *(self.coded_v or ())]
+        bufs = [t for t in (self.win, self.codes, self.meta, self.coded_x, self.coded_meta) if t is not None]
         return self.memory_from_counts(n_sink, n_rec, n_hist, n_hist, bufs)

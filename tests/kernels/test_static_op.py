@@ -39,17 +39,21 @@ def _indices(layer):
 
 
 def _storage(layer, use_kernels="auto", win=None) -> tuple:
-    """The op's last arguments: the layer's StepStorage, StepHeads and StepConfig."""
-    hist_of, int2_idx, coded_of, coded_idx = _indices(layer)
+    """The op's last arguments: the layer's StepStorage, StepHeads and StepConfig. A layer with retrieval heads gets
+    their stores stacked as the compiled storage keeps them, its ``coded_k/coded_v`` rebound to views of them (the op
+    writes the stacked tensors)."""
     storage = step_storage(layer.win_kv if win is None else win, layer.codes_kv, layer.meta_kv,
                            torch.stack([layer.r_k, layer.r_v]), layer.clip_k, layer.clip_v)
     heads = NO_HEADS
     if layer.coded_bits is not None:
-        heads = step_heads(hist_of, int2_idx, layer.coded_k, layer.coded_v, coded_of, coded_idx)
-    elif hist_of is not None:  # (a permuted INT2 history without retrieval heads)
-        heads = NO_HEADS._replace(hist_of=hist_of, int2_idx=int2_idx)
+        hist_of, int2_idx, coded_of, coded_idx = _indices(layer)
+        cx = torch.stack([layer.coded_k[0], layer.coded_v[0]])  # [2, B, P, N, X]
+        cmeta = None if layer.coded_bits == 16 else torch.stack([torch.stack(list(c[1:]))
+                                                                 for c in (layer.coded_k, layer.coded_v)])
+        layer.coded_k, layer.coded_v = ((cx[i],) if cmeta is None else (cx[i], *cmeta[i]) for i in (0, 1))
+        heads = step_heads(torch.cat([hist_of, coded_of, int2_idx, coded_idx]), cx, cmeta)
     return (*storage, *heads, *step_config(layer.g, layer.meta, layer.sink, layer.recent, use_kernels, "minmax",
-                                   layer.coded_bits or 0, 64))
+                                           layer.coded_bits or 0, 64))
 
 
 def _step_args(layer, q, new_k, new_v, t, pad, win_mask, sinks, softcap, int2_idx=None):
