@@ -57,8 +57,9 @@ def summarize(runs: list[dict], methods: list[str]) -> list[dict]:
             row = dict(tree=tree, method=m, runs=len(mine),
                        **{f"median_{k}": _median(r[k] for r in mine)
                           for k in ("wall_s", "compile_s", "tracing_s", "triton_jit_s")})
-            base = base or row["median_wall_s"]
-            row[f"ratio_to_{methods[0]}"] = round(row["median_wall_s"] / base, 3)
+            base = row["median_wall_s"] if m == methods[0] else base
+            mine_s = row["median_wall_s"]  # (None: no run of it yet, in a report written part way)
+            row[f"ratio_to_{methods[0]}"] = round(mine_s / base, 3) if mine_s and base else None
             rows.append(row)
     return rows
 
@@ -70,6 +71,8 @@ def main(argv=None):
     p.add_argument("--methods", nargs="+", default=["bf16-static", "oscar", "oscar-fp25"],
                    help="bench_generate methods; the first is the one the ratios divide by")
     p.add_argument("--turns", type=int, default=2)
+    p.add_argument("--first-turn", type=int, default=0,
+                   help="the first turn's number: a later call goes on with the rotation where an earlier one stopped")
     p.add_argument("--tree", action="append", default=[], metavar="NAME=SITE",
                    help="a source tree laid out as the package installs (PYTHONPATH of its runs); default: this one")
     p.add_argument("--warmup", action="store_true", help="a tiny model's compile first, into caches of its own")
@@ -90,19 +93,24 @@ def main(argv=None):
             one_run(args.methods[-1], trees[0][1], ["--shape", "tiny", "--context", "256", "--new-tokens", "8"],
                     Path(tmp))
     runs = []
-    order = [entries[(t + i) % len(entries)] for t in range(args.turns) for i in range(len(entries))]
-    for i, ((name, site), m) in enumerate(tqdm(order, desc="first calls")):
+    turns = range(args.first_turn, args.first_turn + args.turns)
+    order = [(t, entries[(t + i) % len(entries)]) for t in turns for i in range(len(entries))]
+    for t, ((name, site), m) in tqdm(order, desc="first calls"):
         with tempfile.TemporaryDirectory() as tmp:
-            r = dict(turn=i // len(entries), tree=name or "this tree", method=m,
+            r = dict(turn=t, tree=name or "this tree", method=m,
                      **one_run(m, site, bench_args, Path(tmp)))
         runs.append(r)
         print(json.dumps({k: r[k] for k in ("turn", "tree", "method", "wall_s", "compile_s", "tracing_s")}), flush=True)
-    rows = summarize(runs, args.methods)
-    for row in rows:
+        doc = _report(argv, runs, args.methods, args.out)  # after every run: a run cut short keeps the ones before
+    for row in doc["summary"]:
         print(json.dumps(row))
-    doc = dict(command="python first_call_turns.py " + " ".join(argv), runs=runs, summary=rows)
-    if args.out:
-        Path(args.out).write_text(json.dumps(doc, indent=1))
+    return doc
+
+
+def _report(argv, runs, methods, out) -> dict:
+    doc = dict(command="python first_call_turns.py " + " ".join(argv), runs=runs, summary=summarize(runs, methods))
+    if out:
+        Path(out).write_text(json.dumps(doc, indent=1))
     return doc
 
 

@@ -47,8 +47,9 @@
 #               bf16 bf16-static oscar oscar-fp25; ~10 min each)
 #   first-call-turns  the same first calls (cold only), the caches     first_call_<gpu>_turns.json
 #               taking turns in one process each, the order rotating
-#               each turn (TURNS=2; METHODS as above; OLD_SITE adds that
-#               tree's runs; ~1 min a run): medians and ratios
+#               each turn (TURNS=2, FIRST_TURN=0 the first one's number;
+#               METHODS as above; OLD_SITE adds that tree's runs; ~1 min
+#               a run): medians and ratios
 #   regression  the default call, this tree vs OLD_SITE (an older     speed_vs_<OLD_NAME>_<gpu>_b<B>_t<T>.json
 #               tree laid out as oscar_hf/{kernels,eval}), taking turns:
 #               B=8/32K, B=1/100K (`regression-b8`, `regression-b1`)
@@ -251,7 +252,7 @@ for what in "$@"; do
     done ;;
   first-call-turns)
     trees=(); [ -n "${OLD_SITE:-}" ] && trees=(--tree "${OLD_NAME:-old}=$OLD_SITE" --tree "new=$SITE")
-    run "first_call_${GPU}_turns" $PY "$B/first_call_turns.py" --warmup --turns "${TURNS:-2}" \
+    run "first_call_${GPU}_turns" $PY "$B/first_call_turns.py" --warmup --turns "${TURNS:-2}" --first-turn "${FIRST_TURN:-0}" \
         --methods ${METHODS:-bf16-static oscar oscar-fp25} "${trees[@]}" --out "$OUT/first_call_${GPU}_turns.json" ;;
   regression|regression-b8|regression-b1)
     # the default call of this tree against an older one (OLD_SITE: that tree laid out as run_gpu.sh lays this one,
