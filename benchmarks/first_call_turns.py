@@ -3,6 +3,7 @@
 
     python benchmarks/first_call_turns.py --methods bf16-static oscar oscar-fp25 --turns 2 \\
         --out benchmarks/results/first_call_<gpu>_turns.json [--tree old=/tmp/old_site --tree new=/tmp/oscar_site]
+        [--variant plain=OSCAR_WARM_KERNELS=0 --variant warm=OSCAR_WARM_KERNELS=1]
 
 Each run is one process of ``bench_first_call.py --method M --calls 1`` (its other arguments after ``--``) with fresh
 ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR``, so every run pays the whole compile. The order rotates from turn to
@@ -10,7 +11,8 @@ turn (turn ``t`` starts at entry ``t`` of the list of trees x methods), so that 
 or last, and a drift of the machine falls on all of them. ``--warmup`` first runs a tiny model's compile, into caches
 of its own (a fresh machine's first compiling process pays one-time costs). The report gives every run and, per tree
 and method, the median first call, its compile and dynamo's tracing, and its ratio to the first method's median (of
-the same tree): the ratios of one machine, measured side by side.
+the same tree): the ratios of one machine, measured side by side. A ``--variant`` is this tree run with an
+environment variable set, reported as a tree of its own.
 """
 from __future__ import annotations
 
@@ -28,10 +30,11 @@ from tqdm import tqdm
 HERE = Path(__file__).resolve().parent
 
 
-def one_run(method: str, site: str | None, bench_args: list[str], tmp: Path) -> dict:
+def one_run(method: str, site: str | None, bench_args: list[str], tmp: Path, extra_env: dict | None = None) -> dict:
     """One fresh process of bench_first_call.py: its first call's figures."""
     out = tmp / "r.json"
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"), TRITON_CACHE_DIR=str(tmp / "triton"))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"), TRITON_CACHE_DIR=str(tmp / "triton"),
+               **(extra_env or {}))
     if site is not None:
         env["PYTHONPATH"] = site
     subprocess.run([sys.executable, str(HERE / "bench_first_call.py"), "--method", method, "--calls", "1", *bench_args,
@@ -39,7 +42,8 @@ def one_run(method: str, site: str | None, bench_args: list[str], tmp: Path) -> 
     call = json.loads(out.read_text())["calls"][0]
     phases = call["compile_phases_s"]
     return dict(wall_s=call["wall_s"], compile_s=phases.get("_compile.compile_inner"),
-                tracing_s=phases.get("bytecode_tracing"), triton_jit_s=round(sum(s for _, s in call["triton_jit"].values()), 3),
+                tracing_s=phases.get("bytecode_tracing"),
+                triton_jit_s=round(sum(s for _, s in call["triton_jit"].values()), 3),
                 graphs=call["graphs"], recompiles=call["recompiles"], first_tokens=call["first_tokens"])
 
 
@@ -75,18 +79,26 @@ def main(argv=None):
                    help="the first turn's number: a later call goes on with the rotation where an earlier one stopped")
     p.add_argument("--tree", action="append", default=[], metavar="NAME=SITE",
                    help="a source tree laid out as the package installs (PYTHONPATH of its runs); default: this one")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=VAR=VALUE",
+                   help="this tree with an environment variable set (e.g. warm=OSCAR_WARM_KERNELS=1), as a tree of "
+                        "its own in the report")
     p.add_argument("--warmup", action="store_true", help="a tiny model's compile first, into caches of its own")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv[:split])
     bench_args = argv[split + 1:]
     if args.turns < 1:
         raise SystemExit("--turns must be >= 1")
-    trees = [(None, None)] if not args.tree else []
+    trees = [(None, None, {})] if not (args.tree or args.variant) else []
     for t in args.tree:
         name, sep, site = t.partition("=")
         if not sep or not Path(site).is_dir():
             raise SystemExit(f"--tree takes NAME=SITE with SITE a folder, got {t!r}")
-        trees.append((name, site))
+        trees.append((name, site, {}))
+    for v in args.variant:
+        name, var, value = (v.split("=", 2) + ["", ""])[:3]
+        if not (name and var):
+            raise SystemExit(f"--variant takes NAME=VAR=VALUE, got {v!r}")
+        trees.append((name, None, {var: value}))
     entries = [(tree, m) for tree in trees for m in args.methods]
     if args.warmup:
         with tempfile.TemporaryDirectory() as tmp:
@@ -95,10 +107,10 @@ def main(argv=None):
     runs = []
     turns = range(args.first_turn, args.first_turn + args.turns)
     order = [(t, entries[(t + i) % len(entries)]) for t in turns for i in range(len(entries))]
-    for t, ((name, site), m) in tqdm(order, desc="first calls"):
+    for t, ((name, site, extra_env), m) in tqdm(order, desc="first calls"):
         with tempfile.TemporaryDirectory() as tmp:
             r = dict(turn=t, tree=name or "this tree", method=m,
-                     **one_run(m, site, bench_args, Path(tmp)))
+                     **one_run(m, site, bench_args, Path(tmp), extra_env))
         runs.append(r)
         print(json.dumps({k: r[k] for k in ("turn", "tree", "method", "wall_s", "compile_s", "tracing_s")}), flush=True)
         doc = _report(argv, runs, args.methods, args.out)  # after every run: a run cut short keeps the ones before

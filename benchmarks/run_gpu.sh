@@ -48,8 +48,9 @@
 #   first-call-turns  the same first calls (cold only), the caches     first_call_<gpu>_turns.json
 #               taking turns in one process each, the order rotating
 #               each turn (TURNS=2, FIRST_TURN=0 the first one's number;
-#               METHODS as above; OLD_SITE adds that tree's runs; ~1 min
-#               a run): medians and ratios
+#               METHODS as above; OLD_SITE adds that tree's runs;
+#               WARM_KERNELS=1 runs this tree without and with
+#               OSCAR_WARM_KERNELS=1; ~1 min a run): medians and ratios
 #   regression  the default call, this tree vs OLD_SITE (an older     speed_vs_<OLD_NAME>_<gpu>_b<B>_t<T>.json
 #               tree laid out as oscar_hf/{kernels,eval}), taking turns:
 #               B=8/32K, B=1/100K (`regression-b8`, `regression-b1`)
@@ -252,6 +253,8 @@ for what in "$@"; do
     done ;;
   first-call-turns)
     trees=(); [ -n "${OLD_SITE:-}" ] && trees=(--tree "${OLD_NAME:-old}=$OLD_SITE" --tree "new=$SITE")
+    # (WARM_KERNELS=1: this tree without and with the decode kernels compiled ahead, kernels/step_warmup.py)
+    [ -n "${WARM_KERNELS:-}" ] && trees+=(--variant plain=OSCAR_WARM_KERNELS=0 --variant warm=OSCAR_WARM_KERNELS=1)
     run "first_call_${GPU}_turns" $PY "$B/first_call_turns.py" --warmup --turns "${TURNS:-2}" --first-turn "${FIRST_TURN:-0}" \
         --methods ${METHODS:-bf16-static oscar oscar-fp25} "${trees[@]}" --out "$OUT/first_call_${GPU}_turns.json" ;;
   regression|regression-b8|regression-b1)

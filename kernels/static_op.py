@@ -12,12 +12,14 @@ attention output; the fake implementation checks the stacked tensors' shapes and
 """
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import torch
 
 from oscar_hf.quant import QuantizedRows
 
+from . import step_warmup
 from .heads_attention import heads_decode_attention, merge_heads
 from .int2_attention import decode_attention_rotated
 from .write_path import CodedSlots, append_token
@@ -109,16 +111,18 @@ def decode_step(
     the history, the new token into the window), then the attention -> ``[B, Hk, g, D]`` in ``out_dtype``.
 
     Per step: ``q [B, Hk, g, D]`` the grouped query (model dtype; the window's and the retrieval heads' query),
-    ``q_rot [B, Hq, g, D]`` float32 / ``qk_off`` its INT2 heads' rotated query and logit offset (None: no INT2 head),
-    ``new_k/new_v [B, Hk, 1, D]``, ``length`` (0-d, ``T``), ``pad [B]``, ``win_mask [B, 1, 1, S0 + R]``, ``hist_len``
-    (0-d: history entries ``[pad, hist_len)`` valid after the write), ``mu_k`` (``[Hq, D]`` or ``[B, Hq, D]``),
-    ``mu_v``, ``sinks [Hk, g]`` or None, ``softcap`` (0: none). The layer's storage (:class:`StepStorage`): ``win [2,
-    B, Hk, S0 + R, D]``, ``codes [2, B, Hq, N, D/4]``, ``meta [2, 2, B, Hq, N, D/G]``, ``r [2, Hq, D, D]`` (keys at
-    index 0, values at 1) and its clip ratios; its retrieval heads (:class:`StepHeads`, all None without): the KV
-    heads' places ``hist_of``/``coded_of [Hk]`` and the heads ``int2_idx [Hq]``/``coded_idx [P]`` in one index, their
-    stores ``cx``/``cmeta`` (keys at 0, values at 1; 16-bit stores have no metadata); the config's constants (:class:`StepConfig`; ``use_kernels`` ``"auto"``, ``"on"`` or
+    ``q_rot [B, Hq, g, D]`` float32 / ``qk_off`` its INT2 heads' rotated query and logit offset (None: no INT2
+    head), ``new_k/new_v [B, Hk, 1, D]``, ``length`` (0-d, ``T``), ``pad [B]``, ``win_mask [B, 1, 1, S0 + R]``,
+    ``hist_len`` (0-d: history entries ``[pad, hist_len)`` valid after the write), ``mu_k`` (``[Hq, D]`` or ``[B,
+    Hq, D]``), ``mu_v``, ``sinks [Hk, g]`` or None, ``softcap`` (0: none). The layer's storage
+    (:class:`StepStorage`): ``win [2, B, Hk, S0 + R, D]``, ``codes [2, B, Hq, N, D/4]``, ``meta [2, 2, B, Hq, N,
+    D/G]``, ``r [2, Hq, D, D]`` (keys at index 0, values at 1) and its clip ratios; its retrieval heads
+    (:class:`StepHeads`, all None without): the KV heads' places ``hist_of``/``coded_of [Hk]`` and the heads
+    ``int2_idx [Hq]``/``coded_idx [P]`` in one index, their stores ``cx``/``cmeta`` (keys at 0, values at 1; 16-bit
+    stores have no metadata); the config's constants (:class:`StepConfig`; ``use_kernels`` ``"auto"``, ``"on"`` or
     ``"off"``)."""
     _check_stacked(win, codes, meta, r)
+    step_warmup.release()  # (a compiled step's first run: its helper gets no more arguments)
     kernels = {"auto": "auto", "on": True, "off": False}[use_kernels]
     coded = hist_of = int2_idx = coded_idx = None
     if heads_index is not None:  # [hist_of | coded_of | int2_idx | coded_idx]
@@ -157,10 +161,42 @@ decode_step_ = torch.library.custom_op(
 
 
 @decode_step_.register_fake
-def _(q, q_rot, qk_off, new_k, new_v, length, pad, win_mask, hist_len, mu_k, mu_v, scaling, out_dtype, sinks,
-      softcap, win, codes, meta, r, *rest):  # (rest: the clips, StepHeads, StepConfig)
+def _(*args):
+    q, out_dtype, (win, codes, meta, r) = args[0], args[12], args[15:19]
     _check_stacked(win, codes, meta, r)
+    if args[_PARAMS.index("use_kernels")] != "off":  # these arguments' kernels compiled beside the compile
+        step_warmup.note(args, f"{__name__}:warm_kernels")
     return q.new_empty(q.shape, dtype=out_dtype)
+
+
+_PARAMS = list(inspect.signature(decode_step).parameters)
+
+
+def warm_args(spec: dict) -> tuple:
+    """:func:`decode_step`'s arguments rebuilt from their description (:func:`.step_warmup.values_of`), the retrieval
+    heads' index given valid values for its layout (the first ``Hq`` KV heads the INT2 heads, the others the
+    retrieval heads)."""
+    values = step_warmup.values_of(spec)
+    if len(values) != len(_PARAMS):
+        raise ValueError(f"{len(values)} arguments described, the op takes {len(_PARAMS)}")
+    args = dict(zip(_PARAMS, values))
+    if args["heads_index"] is not None:
+        hk, hq = args["win"].shape[2], args["codes"].shape[2]
+        int2, coded = list(range(hq)), list(range(hq, hk))
+        index = int2 + [-1] * len(coded) + [-1] * hq + list(range(len(coded))) + int2 + coded  # hist_of, coded_of,
+        args["heads_index"].copy_(torch.tensor(index, dtype=args["heads_index"].dtype))  # int2_idx, coded_idx
+    return tuple(args.values())
+
+
+def warm_kernels() -> int:
+    """The helper process of :mod:`.step_warmup`: :func:`decode_step` once on each layout it is given."""
+
+    def run(spec):
+        decode_step(*warm_args(spec))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    return step_warmup.serve(run)
 
 
 def decode_step_op(*args) -> torch.Tensor:

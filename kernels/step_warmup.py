@@ -1,0 +1,170 @@
+"""A compiled op's Triton kernels compiled in a helper process while torch compiles the step.
+
+A first compiled ``generate`` call traces the step (dynamo), compiles it (Inductor), then runs it once, and only
+then does OSCAR's decode op (:mod:`.static_op`) launch its kernels, each compiled by Triton's JIT one after another on
+the call's critical path (5-9 s on an H200, docs/results.md). The op's fake implementation sees every layer's
+arguments (shapes, strides, dtypes, scalars) at the start of the trace, which is all a specialization of the kernels
+depends on. So the first time it meets a new set of arguments it hands a description of them (:func:`spec_of`) to a
+helper process (one per compile, fed on its stdin; its loop is :func:`serve`) that rebuilds zero-filled tensors of
+the same layout on the same GPU (:func:`values_of`) and runs the op's implementation once: the kernels compile
+there, into the Triton cache on disk that the step's own first run then reads (``TRITON_CACHE_DIR``, else the folder
+Inductor sets once it loads its kernels). The helper's stdin closes at the op's first real call (:func:`release`);
+it finishes the descriptions it was given and exits.
+
+Only on CUDA (elsewhere the kernels are not compiled, or run under the interpreter), and only with
+``OSCAR_WARM_KERNELS=1`` (not measured on a GPU yet). The helper holds a CUDA context and one layer's storage at a
+time. A failure there costs only the time it was to save: the step compiles the kernels itself, as without it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ENV = "OSCAR_WARM_KERNELS"
+
+
+class _Helper:
+    """This process's helper (at most one at a time) and the argument sets already handed to one."""
+
+    proc: subprocess.Popen | None = None
+    done: set[str] = set()
+
+
+def enabled() -> bool:
+    """``OSCAR_WARM_KERNELS=1`` turns it on (off by default until a GPU measures what it saves)."""
+    return os.environ.get(ENV, "0").lower() in ("1", "true", "yes", "on")
+
+
+# ---------------------------------------------------------------- the description of one call's arguments
+
+def spec_of(args: tuple) -> dict | None:
+    """An op's positional ``args`` (real or fake tensors) as JSON-able data: each tensor's shape, strides,
+    storage offset, dtype and device; dtypes by name; other values as they are. None when a size is symbolic (a
+    recompile with a dynamic capacity: nothing concrete to compile for)."""
+    items = []
+    for a in args:
+        if a is None:
+            items.append(None)
+        elif isinstance(a, torch.Tensor):
+            meta = (tuple(a.shape), a.stride(), a.storage_offset())
+            if not all(isinstance(x, int) for part in meta[:2] for x in part) or not isinstance(meta[2], int):
+                return None
+            items.append(dict(shape=list(meta[0]), stride=list(meta[1]), offset=meta[2],
+                              dtype=str(a.dtype).removeprefix("torch."), device=str(a.device)))
+        elif isinstance(a, torch.dtype):
+            items.append(dict(dtype_arg=str(a).removeprefix("torch.")))
+        elif isinstance(a, (bool, int, float, str)):
+            items.append(dict(value=a))
+        else:
+            return None
+    return dict(args=items)
+
+
+def _tensor(item: dict) -> torch.Tensor:
+    """Zeros laid out as described: the same strides and storage offset (a pointer's alignment and a stride's
+    divisibility are part of a kernel's specialization)."""
+    shape, stride, offset = item["shape"], item["stride"], item["offset"]
+    extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride) if n > 0)
+    base = torch.zeros(extent if all(shape) else offset + 1, dtype=getattr(torch, item["dtype"]),
+                       device=item["device"])
+    return base.as_strided(shape, stride, offset)
+
+
+def values_of(spec: dict) -> list:
+    """The values :func:`spec_of` described, rebuilt: zero-filled tensors of the same layout, the rest as they were
+    (a kernel's specialization depends on a tensor's layout, not on its values)."""
+    out = []
+    for item in spec["args"]:
+        if item is None:
+            out.append(None)
+        elif "shape" in item:
+            out.append(_tensor(item))
+        elif "dtype_arg" in item:
+            out.append(getattr(torch, item["dtype_arg"]))
+        else:
+            out.append(item["value"])
+    return out
+
+
+# ---------------------------------------------------------------- the parent's side
+
+def note(args: tuple, entry: str) -> None:
+    """From the op's fake implementation: hand the op's arguments (the first a tensor on the op's device) to a helper
+    process, once per distinct set; ``entry``: the helper's code (the module and function that serves it,
+    ``"module:function"``)."""
+    if not enabled() or not isinstance(args[0], torch.Tensor) or not _on_cuda(args[0]):
+        return
+    spec = spec_of(args)
+    if spec is None:
+        return
+    line = json.dumps(spec, sort_keys=True)
+    if line in _Helper.done:
+        return
+    _Helper.done.add(line)
+    try:
+        if _Helper.proc is None:
+            _Helper.proc = _spawn(args[0].device, entry)
+        _Helper.proc.stdin.write(line + "\n")
+        _Helper.proc.stdin.flush()
+    except OSError:  # (a helper that died: the step compiles the kernels itself)
+        _Helper.proc = None
+
+
+def _on_cuda(q: torch.Tensor) -> bool:
+    return q.device.type == "cuda"
+
+
+def release() -> subprocess.Popen | None:
+    """From the op's first real call: no more arguments; the helper finishes the ones it has and exits (returned,
+    not waited for)."""
+    proc, _Helper.proc = _Helper.proc, None
+    if proc is not None:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    return proc
+
+
+def _spawn(device: torch.device, entry: str) -> subprocess.Popen:
+    try:  # Inductor's choice of ptxas (part of Triton's cache key), made now for both processes
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+
+        _set_triton_ptxas_path()
+    except (ImportError, AttributeError):
+        pass
+    env = dict(os.environ)
+    # the folder the step's first run will read: the user's, else the one Inductor sets before that run
+    # (CachingAutotuner, torch 2.5-2.13)
+    if "TRITON_CACHE_DIR" not in env:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+        env["TRITON_CACHE_DIR"] = triton_cache_dir(device.index or 0)
+    # this process's imports, the folder that holds this package first (-P: nothing from the working folder)
+    package = sys.modules[__name__.rsplit(".", 2)[0]]  # oscar_hf (loaded before any of its modules)
+    path = [str(Path(package.__file__).resolve().parent.parent), *(p for p in sys.path if p)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    module, function = entry.split(":")
+    return subprocess.Popen([sys.executable, "-P", "-c", f"from {module} import {function}; {function}()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
+
+
+# ---------------------------------------------------------------- the helper process
+
+def serve(run) -> int:
+    """The helper's loop: ``run(spec)`` for each description on stdin, one a line, until it closes. A description it
+    cannot run is one line on stderr (the step compiles those kernels itself)."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            run(json.loads(line))
+        except Exception as e:  # noqa: BLE001
+            print(f"oscar-hf: compiling the decode kernels ahead failed for one layout ({type(e).__name__}: {e}); "
+                  "the step's first run compiles them instead", file=sys.stderr)
+    return 0
