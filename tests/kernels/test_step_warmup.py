@@ -219,3 +219,38 @@ def test_gpu_the_step_finds_the_helpers_kernels_on_disk(heads, bits, tmp_path):
     puts = json.loads(done.stdout.strip().splitlines()[-1])
     assert not [f for f in puts if f.endswith(".cubin")], puts
     assert list((tmp_path / "triton").rglob("*.cubin")), "the helper compiled nothing"
+
+
+def test_compiled_generate_runs_a_real_helper_without_changing_tokens(monkeypatch, capfd):
+    """generate's compiled route with the helper on (on the CPU, made to take the CUDA branch): one helper process
+    starts during the compile, gets the layers' layouts, runs them without a failure and exits once the step runs;
+    the tokens are those of the same call without it."""
+    from batch_utils import cpu_compile_config
+
+    from oscar_hf import OscarCache
+    from oscar_hf.compat import cache_kwargs
+    from oscar_hf.models import tiny_model
+
+    m = tiny_model("qwen3")
+    ids = torch.randint(3, m.config.vocab_size - 3, (1, 40), generator=torch.Generator().manual_seed(0))
+
+    def greedy():
+        torch._dynamo.reset()
+        cache = OscarCache(m, compile=True, method="hadamard", sink=4, recent=8, group_size=32,
+                           full_precision_heads=((1, 0),))
+        return m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                          pad_token_id=0, compile_config=cpu_compile_config(), **cache_kwargs(m, cache))
+
+    want = greedy()
+    procs, spawn = [], step_warmup._spawn
+    monkeypatch.setattr(step_warmup, "_spawn", lambda device, entry: procs.append(spawn(device, entry)) or procs[-1])
+    monkeypatch.setattr(step_warmup, "_on_cuda", lambda q: True)
+    monkeypatch.setattr(step_warmup._Helper, "proc", None)
+    monkeypatch.setattr(step_warmup._Helper, "done", set())
+    monkeypatch.setenv("OSCAR_WARM_KERNELS", "1")
+    got = greedy()
+    assert torch.equal(got, want)
+    assert len(procs) == 1 and step_warmup._Helper.proc is None  # (released by the step's first run)
+    assert procs[0].wait(timeout=600) == 0
+    assert len(step_warmup._Helper.done) == 2  # a layer with a retrieval head, a layer without
+    assert "compiling the decode kernels ahead failed" not in capfd.readouterr().err
