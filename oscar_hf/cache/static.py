@@ -339,8 +339,11 @@ class StaticOscarLayer(QuantizedLayerBase):
         q = group_queries(query, self.num_kv_heads)  # [B, Hk, g, D]
         q_rot = qk_off = None
         if self.params.int2_heads:  # [B, Hq, g, D] float32, [B, Hq, g]
-            q_rot, qk_off = rotate_query(self.params.int2_part(q.float()), self.params.r_k, mu_k,
-                                         self.config.use_kernels)
+            qi = q.float()
+            if self.fp_heads:  # the INT2 heads' KV heads: a slice of the op's index, not one more input of the step
+                hk, n_int2 = self.num_kv_heads, len(self.params.int2_heads)
+                qi = qi.index_select(1, self.step_heads.heads_index[2 * hk : 2 * hk + n_int2])
+            q_rot, qk_off = rotate_query(qi, self.params.r_k, mu_k, self.config.use_kernels)
             q_rot = q_rot.contiguous()
         out = decode_step_op(q, q_rot, qk_off, new_k, new_v, t, pad, win_mask, hist_len, mu_k, mu_v, float(scaling),
                              query.dtype, sinks, float(softcap or 0.0), *self.step_storage,

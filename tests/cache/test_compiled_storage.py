@@ -104,11 +104,13 @@ def test_generate_reserves_its_length_up_front(monkeypatch):
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
 
 
-def test_decode_step_computes_the_window_positions_once():
+@pytest.mark.parametrize("heads", [(), ((1, 0),)])
+def test_decode_step_computes_the_window_positions_once(heads):
     """Every OSCAR layer of a step reads the same length, left padding, window mask and history length (the layers
     step together): the step's graph takes the length and padding once and computes the rest once (StepShared), not
-    once per layer, each layer brings its storage as 4 inputs (keys and values stacked in each) and calls one op (its
-    write and attention); the tokens are the eager storage's."""
+    once per layer, each layer brings its storage as 4 inputs (keys and values stacked in each), a layer with retrieval
+    heads 3 more (their index, keys and values stacked, their metadata stacked), and calls one op (its write and
+    attention); the tokens are the eager storage's."""
     import re
 
     m = tiny_model("llama", num_hidden_layers=3)
@@ -128,8 +130,9 @@ def test_decode_step_computes_the_window_positions_once():
     cc = cpu_compile_config()
     cc.backend = count_backend
     ids, am = random_left_padded([5, 14, 20])
-    cache = OscarCache(m, compile=True, **SMALL)
-    ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=12)
+    kw = dict(SMALL, full_precision_heads=heads, full_precision_bits=8)
+    cache = OscarCache(m, compile=True, **kw)
+    ref = _gen(m, ids, am, OscarCache(m, **kw), n=12)
     torch._dynamo.reset()
     out = _gen(m, ids, am, cache, n=12, compile_config=cc)
     assert torch.equal(out.sequences, ref.sequences)
@@ -137,7 +140,8 @@ def test_decode_step_computes_the_window_positions_once():
     assert oscar_ops == ["oscar.decode_step_.default"] * 3, oscar_ops
     assert all(x.step is cache.layers[0].step and x.step.win_mask is None for x in cache.layers)  # cleared after
     storage = {"step_storage_win", "step_storage_codes", "step_storage_meta", "params_r"}
-    assert layer_inputs == {0: storage | {"length", "pad"}, 1: storage, 2: storage}, layer_inputs
+    with_heads = storage | ({"step_heads_heads_index", "step_heads_cx", "step_heads_cmeta"} if heads else set())
+    assert layer_inputs == {0: storage | {"length", "pad"}, 1: with_heads, 2: storage}, layer_inputs
     assert all(x.length is cache.layers[0].length for x in cache.layers)  # one length, advanced by the last layer
     assert [x.advances_length for x in cache.layers] == [False, False, True]
     assert int(cache.layers[0].length) == ids.shape[1] + 12 - 1  # the last token is never cached
