@@ -30,6 +30,23 @@ def _args(heads, bits, t=7):
     return (*args, *_storage(layer))
 
 
+def _gpu_args(heads, bits, d=128):
+    """One decode step's arguments on CUDA at a kernel-sized shape (as tests/kernels/test_static_op.py's GPU test):
+    kernels on, the lengths on the device."""
+    from test_append_token import Layer
+    from test_static_op import S0, W, _indices
+
+    b, hk, g = 2, len(heads) if heads else 3, 4
+    layer = Layer(b, hk, d, 64, S0, W, W + 4, 96, heads=heads, mu_k="3d", seed=d, coded_bits=bits, device="cuda")
+    pad = torch.tensor([0, 3], device="cuda")
+    win_mask = torch.ones(b, 1, 1, S0 + W + 4, dtype=torch.bool, device="cuda")
+    q = torch.zeros(b, hk, g, d, dtype=torch.bfloat16, device="cuda")
+    new = [torch.zeros(b, hk, 1, d, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    args = list(_step_args(layer, q, *new, 0, pad, win_mask, None, 0.0, _indices(layer)[1]))
+    args[5], args[8] = (torch.zeros((), dtype=torch.long, device="cuda") for _ in range(2))  # length, hist_len
+    return (*args, *_storage(layer, True))
+
+
 def _trace(args):
     """The op's fake implementation on ``args`` (what a trace runs for each layer)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -185,11 +202,11 @@ import json, sys, torch
 sys.path[:0] = {paths!r}
 from kernel_utils import setup_interpreter
 setup_interpreter()
-from test_step_warmup import _args
+from test_step_warmup import _gpu_args
 from triton.runtime.cache import FileCacheManager
 from oscar_hf.kernels import step_warmup
 from oscar_hf.kernels.static_op import decode_step
-args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in _args({heads!r}, {bits!r}))
+args = _gpu_args({heads!r}, {bits!r})
 step_warmup.note(args, "oscar_hf.kernels.static_op:warm_kernels")
 assert step_warmup.release().wait(timeout=600) == 0
 puts, put = [], FileCacheManager.put
