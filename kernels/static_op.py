@@ -81,6 +81,20 @@ def step_heads(heads_index, cx, cmeta) -> StepHeads:
     return StepHeads(heads_index, cx, cmeta)
 
 
+def join_heads_index(hist_of, coded_of, int2_idx, coded_idx) -> torch.Tensor:
+    """A layer's four retrieval-head indices as the op's one ``heads_index [2 Hk + Hq + P]`` (one input of the
+    compiled step, not four): ``hist_of``/``coded_of [Hk]`` (KV head -> INT2 / coded head, -1 elsewhere), then the
+    KV heads ``int2_idx [Hq]``/``coded_idx [P]``; :func:`split_heads_index` reads it back."""
+    return torch.cat([torch.as_tensor(x, dtype=torch.long) for x in (hist_of, coded_of, int2_idx, coded_idx)])
+
+
+def split_heads_index(heads_index: torch.Tensor, hk: int, hq: int) -> tuple[torch.Tensor, ...]:
+    """``(hist_of, coded_of, int2_idx, coded_idx)``: views of :func:`join_heads_index`'s tensor, for ``hk`` KV heads
+    of which ``hq`` are INT2 heads."""
+    return (heads_index[:hk], heads_index[hk : 2 * hk], heads_index[2 * hk : 2 * hk + hq],
+            heads_index[2 * hk + hq :])
+
+
 def step_config(group_size, meta_dtype, sink, recent, use_kernels, quantizer, coded_bits, block_n) -> StepConfig:
     """The :class:`StepConfig` of a cache's configuration; ``use_kernels`` ``"auto"``, True or False."""
     if use_kernels not in _USE_KERNELS:
@@ -125,10 +139,8 @@ def decode_step(
     step_warmup.release()  # (a compiled step's first run: its helper gets no more arguments)
     kernels = {"auto": "auto", "on": True, "off": False}[use_kernels]
     coded = hist_of = int2_idx = coded_idx = None
-    if heads_index is not None:  # [hist_of | coded_of | int2_idx | coded_idx]
-        hk, hq = win.shape[2], codes.shape[2]
-        hist_of, coded_of = heads_index[:hk], heads_index[hk : 2 * hk]
-        int2_idx, coded_idx = heads_index[2 * hk : 2 * hk + hq], heads_index[2 * hk + hq :]
+    if heads_index is not None:
+        hist_of, coded_of, int2_idx, coded_idx = split_heads_index(heads_index, win.shape[2], codes.shape[2])
         k, v = ((cx[i],) if cmeta is None else (cx[i], cmeta[i, 0], cmeta[i, 1]) for i in (0, 1))
         coded = CodedSlots(k, v, coded_of, coded_bits)
     hist_k, hist_v = (QuantizedRows(codes[i], meta[i, 0], meta[i, 1]) for i in (0, 1))
@@ -162,11 +174,11 @@ decode_step_ = torch.library.custom_op(
 
 @decode_step_.register_fake
 def _(*args):
-    q, out_dtype, (win, codes, meta, r) = args[0], args[12], args[15:19]
-    _check_stacked(win, codes, meta, r)
-    if args[_PARAMS.index("use_kernels")] != "off":  # these arguments' kernels compiled beside the compile
+    a = dict(zip(_PARAMS, args))
+    _check_stacked(a["win"], a["codes"], a["meta"], a["r"])
+    if a["use_kernels"] != "off":  # these arguments' kernels compiled beside the compile
         step_warmup.note(args, f"{__name__}:warm_kernels")
-    return q.new_empty(q.shape, dtype=out_dtype)
+    return a["q"].new_empty(a["q"].shape, dtype=a["out_dtype"])
 
 
 _PARAMS = list(inspect.signature(decode_step).parameters)
@@ -183,8 +195,8 @@ def warm_args(spec: dict) -> tuple:
     if args["heads_index"] is not None:
         hk, hq = args["win"].shape[2], args["codes"].shape[2]
         int2, coded = list(range(hq)), list(range(hq, hk))
-        index = int2 + [-1] * len(coded) + [-1] * hq + list(range(len(coded))) + int2 + coded  # hist_of, coded_of,
-        args["heads_index"].copy_(torch.tensor(index, dtype=args["heads_index"].dtype))  # int2_idx, coded_idx
+        args["heads_index"].copy_(join_heads_index(int2 + [-1] * len(coded), [-1] * hq + list(range(len(coded))),
+                                                   int2, coded))
     return tuple(args.values())
 
 

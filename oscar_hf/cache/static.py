@@ -40,7 +40,8 @@ import math
 import torch
 
 from oscar_hf.kernels.int2_attention import decode_attention_rotating, rotate_query
-from oscar_hf.kernels.static_op import NO_HEADS, decode_step_op, step_config, step_heads, step_storage
+from oscar_hf.kernels.static_op import (NO_HEADS, decode_step_op, join_heads_index, split_heads_index,
+                                        step_config, step_heads, step_storage)
 
 from ..attention import OscarKV
 from ..config import OscarConfig
@@ -173,9 +174,9 @@ class StaticOscarLayer(QuantizedLayerBase):
         self.codes = self.meta = None
         self.coded_x = self.coded_meta = None
         self.heads_index = None
-        if self.fp_heads:  # [2 Hk + Hq + P]: hist_of, coded_of, int2_idx, coded_idx (one input of the step, not four)
+        if self.fp_heads:
             prm = self.params
-            self.heads_index = _static(torch.cat([prm.hist_of, prm.coded_of, prm.int2_idx, prm.coded_idx]))
+            self.heads_index = _static(join_heads_index(prm.hist_of, prm.coded_of, prm.int2_idx, prm.coded_idx))
         self.capacity = 0
         self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2]), 0, self.expected_len))
         self.is_initialized = True
@@ -341,8 +342,9 @@ class StaticOscarLayer(QuantizedLayerBase):
         if self.params.int2_heads:  # [B, Hq, g, D] float32, [B, Hq, g]
             qi = q.float()
             if self.fp_heads:  # the INT2 heads' KV heads: a slice of the op's index, not one more input of the step
-                hk, n_int2 = self.num_kv_heads, len(self.params.int2_heads)
-                qi = qi.index_select(1, self.step_heads.heads_index[2 * hk : 2 * hk + n_int2])
+                int2_idx = split_heads_index(self.step_heads.heads_index, self.num_kv_heads,
+                                             len(self.params.int2_heads))[2]
+                qi = qi.index_select(1, int2_idx)
             q_rot, qk_off = rotate_query(qi, self.params.r_k, mu_k, self.config.use_kernels)
             q_rot = q_rot.contiguous()
         out = decode_step_op(q, q_rot, qk_off, new_k, new_v, t, pad, win_mask, hist_len, mu_k, mu_v, float(scaling),
