@@ -43,7 +43,7 @@ def one_run(method: str, site: str | None, bench_args: list[str], tmp: Path, ext
     phases = call["compile_phases_s"]
     return dict(wall_s=call["wall_s"], compile_s=phases.get("_compile.compile_inner"),
                 tracing_s=phases.get("bytecode_tracing"),
-                triton_jit_s=round(sum(s for _, s in call["triton_jit"].values()), 3),
+                triton_jit_s=round(sum(s for _, s in call["triton_jit"].values()), 3), triton_jit=call["triton_jit"],
                 graphs=call["graphs"], recompiles=call["recompiles"], first_tokens=call["first_tokens"])
 
 
@@ -83,6 +83,9 @@ def main(argv=None):
                    help="this tree with an environment variable set (e.g. warm=OSCAR_WARM_KERNELS=1), as a tree of "
                         "its own in the report")
     p.add_argument("--warmup", action="store_true", help="a tiny model's compile first, into caches of its own")
+    p.add_argument("--merge", default=None, metavar="REPORT",
+                   help="an earlier call's report (e.g. --first-turn 0): its runs come first and the summary is over "
+                        "both calls' runs (one device call may not hold every turn)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv[:split])
     bench_args = argv[split + 1:]
@@ -104,7 +107,9 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as tmp:
             one_run(args.methods[-1], trees[0][1], ["--shape", "tiny", "--context", "256", "--new-tokens", "8"],
                     Path(tmp))
-    runs = []
+    earlier = json.loads(Path(args.merge).read_text()) if args.merge else None
+    runs = list(earlier["runs"]) if earlier else []
+    command = (earlier["command"] + " && " if earlier else "") + "python first_call_turns.py " + " ".join(argv)
     turns = range(args.first_turn, args.first_turn + args.turns)
     order = [(t, entries[(t + i) % len(entries)]) for t in turns for i in range(len(entries))]
     for t, ((name, site, extra_env), m) in tqdm(order, desc="first calls"):
@@ -113,14 +118,14 @@ def main(argv=None):
                      **one_run(m, site, bench_args, Path(tmp), extra_env))
         runs.append(r)
         print(json.dumps({k: r[k] for k in ("turn", "tree", "method", "wall_s", "compile_s", "tracing_s")}), flush=True)
-        doc = _report(argv, runs, args.methods, args.out)  # after every run: a run cut short keeps the ones before
+        doc = _report(command, runs, args.methods, args.out)  # after every run: a run cut short keeps the ones before
     for row in doc["summary"]:
         print(json.dumps(row))
     return doc
 
 
-def _report(argv, runs, methods, out) -> dict:
-    doc = dict(command="python first_call_turns.py " + " ".join(argv), runs=runs, summary=summarize(runs, methods))
+def _report(command, runs, methods, out) -> dict:
+    doc = dict(command=command, runs=runs, summary=summarize(runs, methods))
     if out:
         Path(out).write_text(json.dumps(doc, indent=1))
     return doc

@@ -47,7 +47,8 @@
 #               bf16 bf16-static oscar oscar-fp25; ~10 min each)
 #   first-call-turns  the same first calls (cold only), the caches     first_call_<gpu>_turns.json
 #               taking turns in one process each, the order rotating
-#               each turn (TURNS=2, FIRST_TURN=0 the first one's number;
+#               each turn (TURNS=2, FIRST_TURN=0 the first one's number,
+#               MERGE=<an earlier call's report> its runs kept in front;
 #               METHODS as above; OLD_SITE adds that tree's runs;
 #               WARM_KERNELS=1 runs this tree without and with
 #               OSCAR_WARM_KERNELS=1; ~1 min a run): medians and ratios
@@ -256,7 +257,7 @@ for what in "$@"; do
     # (WARM_KERNELS=1: this tree without and with the decode kernels compiled ahead, kernels/step_warmup.py)
     [ -n "${WARM_KERNELS:-}" ] && trees+=(--variant plain=OSCAR_WARM_KERNELS=0 --variant warm=OSCAR_WARM_KERNELS=1)
     run "first_call_${GPU}_turns" $PY "$B/first_call_turns.py" --warmup --turns "${TURNS:-2}" --first-turn "${FIRST_TURN:-0}" \
-        --methods ${METHODS:-bf16-static oscar oscar-fp25} "${trees[@]}" --out "$OUT/first_call_${GPU}_turns.json" ;;
+        ${MERGE:+--merge "$MERGE"} --methods ${METHODS:-bf16-static oscar oscar-fp25} "${trees[@]}" --out "$OUT/first_call_${GPU}_turns.json" ;;
   regression|regression-b8|regression-b1)
     # the default call of this tree against an older one (OLD_SITE: that tree laid out as run_gpu.sh lays this one,
     # carried to the machine), taking turns in one process each (compare_trees.py): B=8/32K and B=1/100K

@@ -36,7 +36,7 @@ import triton.language as tl
 from oscar_hf.quant import QuantizedRows
 
 from .append_checks import check_append_inputs, check_coded_slots, check_paged_inputs
-from .plan import next_pow2
+from .plan import next_pow2, settle_cache_keys
 from .write_triton import _LEVELS, _META_KIND, _codes, _group_grid, _padded_cols, _quantize_masked, _round_meta
 
 MIN_WARPS, MAX_WARPS = 4, 16
@@ -391,3 +391,6 @@ def paged_append_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_
         num_warps=warps,
     )
     return None
+
+
+settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from .plan import settle_cache_keys
 from .query_triton import _cols_mask
 
 LN2 = 0.6931471805599453
@@ -177,3 +178,6 @@ def _combine_kernel(
             tl.store(OACC + row.to(tl.int64) * D + offs_d, acc)
         else:
             tl.store(OACC + row.to(tl.int64) * D + offs_d, acc, mask=offs_d < D)
+
+
+settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

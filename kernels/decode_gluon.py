@@ -83,7 +83,7 @@ from .decode_gluon_ops import (A_OP, B_OP, DF_LIM, KLOAD, MMA, VLOAD, _accumulat
                                _fresh_state, _groups, _issue_copies, _issue_first_copies, _loads_lanes, _logits,
                                _page_of, _page_offs, _q8_loaded, _q8_operands, _q_operand, _q_plane, _q_sums,
                                _row_offs, _smem_codes, _smem_meta, _SPIN_ASM, _split_setup, _step, _sync)
-from .plan import cuda_major, gluon_query_groups
+from .plan import cuda_major, gluon_query_groups, settle_cache_keys
 
 
 @gluon.jit
@@ -404,3 +404,6 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
 def _bh_strides(t, paged) -> tuple[int, int]:
     """A history tensor's (row, KV head) strides; a paged one's row stride is 0 (its pages: the block table)."""
     return (0 if paged is not None else t.stride(0)), t.stride(1)
+
+
+settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

@@ -10,6 +10,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from .plan import settle_cache_keys
+
 DF_LIM = gl.constexpr(64.0)  # as in decode_split: largest excess of a column's max over its reference (log2)
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
@@ -743,3 +745,6 @@ def _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T: gl.cons
     cm = gl.where(mj == 0, ks_base + mt_, gl.where(mj == 1, kz_base + mt_, gl.where(mj == 2, vs_base + mt_,
                                                                                    vz_base + mt_)))
     return kbuf, vbuf, mbuf, ck, cv, cm
+
+
+settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from .plan import settle_cache_keys
 from .query_triton import _cols_mask, _rotate_block, _rotate_plane_q8
 
 DF_LIM = tl.constexpr(64.0)  # deferred loop: largest excess of a row's max over its reference (log2 units)
@@ -692,3 +693,6 @@ def _prologue_kernel(
         _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h, part, (j - NROT) * win_split,
                       W, win_split, qk_scale, sqb, sqh, sqm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                       M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
+
+
+settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

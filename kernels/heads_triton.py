@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .decode_split import _soft_cap
-from .plan import HEADS_DEFAULTS, HeadsDefaults, heads_plan, next_pow2, pow2_at_least
+from .plan import HEADS_DEFAULTS, HeadsDefaults, heads_plan, next_pow2, pow2_at_least, settle_cache_keys
 from .query_triton import _cols_mask
 
 _OPS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
@@ -298,3 +298,6 @@ def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mas
                                         S_BLOCK=min(df.merge_block, pow2_at_least(s_tot, 1)), DP=next_pow2(d),
                                         num_warps=df.merge_warps_xwide if d > 256 else 4)
     return out
+
+
+settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

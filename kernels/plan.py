@@ -40,6 +40,24 @@ def triton_importable() -> bool:  # trace, would fail at the next call and compi
     return _TRITON_IMPORTABLE
 
 
+def settle_cache_keys(namespace: dict) -> None:
+    """Computes the Triton cache key of every jit function in ``namespace`` (a kernel module's globals, at the end of
+    its import), in definition order: the called helpers before the kernels that call them.
+
+    Triton 3.6 (fixed by 3.9) merges a called function's constexpr globals (``write_triton._LEVELS``) into a kernel's
+    key only if that function's own key was computed before, so a kernel's key depended on which kernel a process
+    launched first: generate's prefill launches ``_rotate_quantize_kernel`` before the decode step's
+    ``_append_token_kernel``, the step's warm-up helper (``step_warmup``) does not, and the two processes compiled
+    the same kernel under two keys of the on-disk cache. Settled at import, the keys are the same in every process."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return
+    for value in list(namespace.values()):
+        if isinstance(value, JITFunction):  # (not under TRITON_INTERPRET=1: interpreted functions have no key)
+            value.cache_key  # noqa: B018 (computed and kept by Triton)
+
+
 def triton_enabled(t: torch.Tensor, use_kernels="auto") -> bool:
     """Whether the Triton path serves tensor ``t``: CUDA (or the interpreter when forced) and triton present."""
     if use_kernels is False:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import WRITE_HEAD_DIMS, next_pow2
+from .plan import WRITE_HEAD_DIMS, next_pow2, settle_cache_keys
 
 
 # the rotation's largest single tl.dot over the head_dim, and the K step beyond it (D = 512: 4 steps of 128; one product
@@ -250,3 +250,6 @@ def _rotate_plane_q8(
 @triton.jit
 def _sum3(a0, a1, a2, b0, b1, b2):
     return a0 + b0, a1 + b1, a2 + b2
+
+
+settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

@@ -132,13 +132,8 @@ def release() -> subprocess.Popen | None:
 
 
 def _spawn(device: torch.device, entry: str) -> subprocess.Popen:
-    try:  # Inductor's choice of ptxas (part of Triton's cache key), made now for both processes
-        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
-
-        _set_triton_ptxas_path()
-    except (ImportError, AttributeError):
-        pass
-    env = dict(os.environ)
+    _pin_ptxas_version(device)
+    env = dict(os.environ)  # (TRITON_PTXAS_PATH as this process has it: the helper's kernels get the same keys)
     # the folder the step's first run will read: the user's, else the one Inductor sets before that run
     # (CachingAutotuner, torch 2.5-2.13)
     if "TRITON_CACHE_DIR" not in env:
@@ -152,6 +147,20 @@ def _spawn(device: torch.device, entry: str) -> subprocess.Popen:
     module, function = entry.split(":")
     return subprocess.Popen([sys.executable, "-P", "-c", f"from {module} import {function}; {function}()"],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
+
+
+def _pin_ptxas_version(device: torch.device) -> None:
+    """Triton's cache key holds the version of the ptxas it runs, read once per process (cached) at its first compile:
+    generate's prefill has already compiled the write kernels here, under this environment, which the helper
+    inherits. Read it now if nothing has, so that a later change of ``TRITON_PTXAS_PATH`` in this process (Inductor
+    sets it when it compiles a kernel in-process) cannot give the two processes different keys for one kernel."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas_version
+
+        major, minor = torch.cuda.get_device_capability(device)
+        get_ptxas_version(major * 10 + minor)  # (the argument Triton's CUDA backend passes: its target's arch)
+    except Exception:  # noqa: BLE001 (another backend or Triton: a key that differs costs only the time saved)
+        pass
 
 
 # ---------------------------------------------------------------- the helper process

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from oscar_hf.quant import LEVELS, QUANTIZERS, STD_STEP, QuantizedRows, check_group_size
 
-from .plan import WRITE_HEAD_DIMS, cdiv, group_fits, next_pow2
+from .plan import WRITE_HEAD_DIMS, cdiv, group_fits, next_pow2, settle_cache_keys
 from .query_triton import _cols_mask
 
 _LEVELS = tl.constexpr(float(LEVELS))  # 3.0; jit code may only read constexpr globals
@@ -301,3 +301,6 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
         num_warps=warps,
     )
     return res
+
+
+settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

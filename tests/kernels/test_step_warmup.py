@@ -197,6 +197,33 @@ def test_compiled_trace_notes_every_layer(helpers):
     assert len(helpers) == 1 and len(helpers[0].lines) == 1 and helpers[0].closed
 
 
+_KEYS = """
+import importlib, json, os
+from triton.runtime.jit import JITFunction
+first = {first!r}
+if first:  # a process that launched the prefill's write kernel before the decode step's
+    importlib.import_module("oscar_hf.kernels.write_triton")._rotate_quantize_kernel.cache_key
+mods = [importlib.import_module("oscar_hf.kernels." + m) for m in {mods!r}]
+fns = {{f"{{m.__name__}}.{{k}}": v for m in mods for k, v in vars(m).items() if isinstance(v, JITFunction)}}
+settled = all(f.hash is not None for f in fns.values())
+print(json.dumps(dict(settled=settled, keys={{k: f.cache_key for k, f in fns.items()}})))
+"""
+
+
+def test_kernel_cache_keys_do_not_depend_on_what_a_process_launched_first():
+    """The helper and the user's process compile the same kernel under one key of the on-disk cache: every jit
+    function's key is computed at its module's import (plan.settle_cache_keys), so a kernel's key (Triton 3.6 folds
+    its helpers' constexpr globals in only if their keys exist) is the same whether the process has launched another
+    kernel sharing those helpers first (generate's prefill) or not (the helper)."""
+    mods = ["write_triton", "append_triton", "query_triton", "decode_split", "decode_combine", "heads_triton"]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}  # (compiled kernels' keys)
+    runs = [json.loads(subprocess.run([sys.executable, "-P", "-c", _KEYS.format(first=first, mods=mods)], env=env,
+                                      capture_output=True, text=True, check=True).stdout.splitlines()[-1])
+            for first in (False, True)]
+    assert runs[0]["settled"] and runs[1]["settled"]
+    assert len(runs[0]["keys"]) >= 10 and runs[0]["keys"] == runs[1]["keys"]
+
+
 _PARENT = """
 import json, sys, torch
 sys.path[:0] = {paths!r}
@@ -206,6 +233,9 @@ from test_step_warmup import _gpu_args
 from triton.runtime.cache import FileCacheManager
 from oscar_hf.kernels import step_warmup
 from oscar_hf.kernels.static_op import decode_step
+from oscar_hf.kernels.write_path import rotate_quantize
+x, r = torch.zeros(1, 2, 16, 128, dtype=torch.bfloat16, device="cuda"), torch.eye(128, device="cuda").repeat(2, 1, 1)
+rotate_quantize(x, r, None, 1.0, 64, torch.bfloat16, use_kernels=True)  # (as a prefill: Triton has compiled here)
 args = _gpu_args({heads!r}, {bits!r})
 step_warmup.note(args, "oscar_hf.kernels.static_op:warm_kernels")
 assert step_warmup.release().wait(timeout=600) == 0
@@ -224,8 +254,9 @@ print(json.dumps(puts))
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("heads,bits", [(None, None), ([1, -1, 0], 8)])
 def test_gpu_the_step_finds_the_helpers_kernels_on_disk(heads, bits, tmp_path):
-    """A fresh process (empty Triton cache) hands one layer's arguments to the helper, waits for it, then runs the op:
-    every kernel the op needs is already in the cache on disk (the process writes no compiled kernel of its own)."""
+    """A fresh process (empty Triton cache) that has compiled a kernel already (generate's prefill, before the trace)
+    hands one layer's arguments to the helper, waits for it, then runs the op: every kernel the op needs is already in
+    the cache on disk, under the keys this process computes (it writes no compiled kernel of its own)."""
     from pathlib import Path
 
     here = Path(__file__).resolve().parent
