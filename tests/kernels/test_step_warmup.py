@@ -18,7 +18,8 @@ from test_append_token import _tokens  # noqa: E402
 from test_static_op import CASES, _case, _step_args, _storage  # noqa: E402
 
 from oscar_hf.kernels import step_warmup  # noqa: E402
-from oscar_hf.kernels.static_op import decode_step, decode_step_, warm_args  # noqa: E402
+from oscar_hf.kernels.static_op import (  # noqa: E402
+    _PARAMS, decode_step, decode_step_, split_heads_index, warm_args)
 
 
 def _args(heads, bits, t=7):
@@ -43,7 +44,8 @@ def _gpu_args(heads, bits, d=128):
     q = torch.zeros(b, hk, g, d, dtype=torch.bfloat16, device="cuda")
     new = [torch.zeros(b, hk, 1, d, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     args = list(_step_args(layer, q, *new, 0, pad, win_mask, None, 0.0, _indices(layer)[1]))
-    args[5], args[8] = (torch.zeros((), dtype=torch.long, device="cuda") for _ in range(2))  # length, hist_len
+    for name in ("length", "hist_len"):
+        args[_PARAMS.index(name)] = torch.zeros((), dtype=torch.long, device="cuda")
     return (*args, *_storage(layer, True))
 
 
@@ -71,17 +73,17 @@ def test_described_arguments_rebuild_with_the_same_layouts_and_run(heads, bits):
     spec = json.loads(json.dumps(step_warmup.spec_of(tuple(args))))
     rebuilt = warm_args(spec)
     assert len(rebuilt) == len(args)
+    named = dict(zip(_PARAMS, rebuilt))
     for a, r in zip(args, rebuilt):
         if isinstance(a, torch.Tensor):
             assert _layout(r) == _layout(a)
-            assert not r.any() or r is rebuilt[21]
+            assert not r.any() or r is named["heads_index"]
         else:
             assert r == a and type(r) is type(a)
-    index = rebuilt[21]
+    index = named["heads_index"]
     if index is not None:
-        hk, hq = args[15].shape[2], args[16].shape[2]
-        hist_of, coded_of = index[:hk], index[hk:2 * hk]
-        int2_idx, coded_idx = index[2 * hk:2 * hk + hq], index[2 * hk + hq:]
+        hk, hq = named["win"].shape[2], named["codes"].shape[2]
+        hist_of, coded_of, int2_idx, coded_idx = split_heads_index(index, hk, hq)
         assert sorted(torch.cat([int2_idx, coded_idx]).tolist()) == list(range(hk))
         assert all(hist_of[h] == i for i, h in enumerate(int2_idx.tolist()))
         assert all(coded_of[h] == i for i, h in enumerate(coded_idx.tolist()))
@@ -171,7 +173,7 @@ def test_parent_feeds_each_distinct_layout_once_and_releases_at_the_first_real_c
     _trace(_args([-1, 0, 1], 16))
     assert len(helpers) == 2 and len(helpers[1].lines) == 1
     off = list(_args([-1, -1, -1], 8))
-    off[-4] = "off"  # StepConfig.use_kernels
+    off[_PARAMS.index("use_kernels")] = "off"
     _trace(tuple(off))
     monkeypatch.delenv("OSCAR_WARM_KERNELS")
     _trace(_args([-1, -1, -1], 8))
