@@ -12,7 +12,7 @@ Inductor sets once it loads its kernels). The helper's stdin closes at the op's 
 it finishes the descriptions it was given and exits.
 
 Only on CUDA (elsewhere the kernels are not compiled, or run under the interpreter), and only with
-``OSCAR_WARM_KERNELS=1``: on an H200 it took the decode kernels' JIT (5.4 s) off the step's first run, but the whole
+``OSCAR_WARM_KERNELS=1``: on an H200 it took the decode kernels' JIT (5.8 s) off the step's first run, but the whole
 first call was not measurably shorter in single runs (docs/results.md, the first call). The helper holds a CUDA
 context and one layer's storage at a time. A failure there costs only the time it was to save: the step compiles the
 kernels itself, as without it.
