@@ -146,11 +146,17 @@ def tiny_model(model_type: str, seed: int = 0, dtype=torch.float32, attn_impleme
     return model.eval()
 
 
+WIKITEXT_FILE = Path(__file__).resolve().parent / "texts" / "wikitext-2-raw-test.txt"  # shipped in the package
+
+
 def wikitext_path() -> Path:
-    """The WikiText-2 raw test split shipped beside the repository (tests and evals)."""
+    """The WikiText-2 raw test split shipped inside the package (``oscar_hf/texts``, CC BY-SA 3.0; its README
+    says where it comes from), or the file ``OSCAR_WIKITEXT`` names."""
     env = os.environ.get("OSCAR_WIKITEXT")
-    here = Path(__file__).resolve().parent.parent
-    for p in [env, here.parent / "shared/data/wikitext-2-raw-test.txt", here / "shared/data/wikitext-2-raw-test.txt"]:
-        if p and Path(p).is_file():
-            return Path(p)
-    raise OSError("wikitext-2-raw-test.txt not found; set OSCAR_WIKITEXT=/path/to/file")
+    if env:
+        if not Path(env).is_file():
+            raise OSError(f"OSCAR_WIKITEXT={env!r} is not a file")
+        return Path(env)
+    if not WIKITEXT_FILE.is_file():
+        raise OSError(f"{WIKITEXT_FILE} is missing: reinstall oscar-hf, or set OSCAR_WIKITEXT=/path/to/file")
+    return WIKITEXT_FILE
