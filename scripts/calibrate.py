@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -138,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     clip_grid = CLIP_GRID if args.clip_grid is None else tuple(float(c) for c in args.clip_grid.split(",") if c.strip())
     source = args.data or str(wikitext_path())
+    # recorded in the artifact: the shipped text by its name in the package, not this machine's path to it
+    source_name = args.data or ("oscar_hf/texts/" + Path(source).name if "OSCAR_WIKITEXT" not in os.environ else source)
     t0 = time.perf_counter()
     texts = data.load_texts(source, data_config=args.data_config, split=args.split, text_field=args.text_field)
     split = data.split_texts(texts, args.calibration_fraction)
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         method=settings.pop("method", args.method), tokens=args.tokens, seq_len=args.seq_len, value_target=args.value_target,
         holdout_fraction=args.holdout_fraction, batch_size=args.batch_size, progress=not args.no_progress,
         **settings,
-        metadata={"preset": args.preset, "data": {"source": source, "config": args.data_config, "split": args.split,
+        metadata={"preset": args.preset, "data": {"source": source_name, "config": args.data_config, "split": args.split,
                            "text_field": args.text_field, "calibration_fraction": args.calibration_fraction,
                            "calibration_chars": [0, split.boundary], "total_chars": split.total_chars},
                   "model_arg": args.model, "dtype": args.dtype, "device": args.device},
