@@ -11,6 +11,10 @@ recent / group size, the prompt budget); everything after ``--`` goes to ``trans
 the window slots and the prompt budget). A model switch stops the old model's manager, which gives its store's memory
 back. ``--continuous-batching`` and
 ``--attn-implementation sdpa`` are added. Needs ``pip install "transformers[serving]"``.
+
+Before the port opens, the settings are checked against the model's config (a ``--rotations`` artifact made for
+another model, a group size that does not divide its head_dim, ...): the script exits with the reason instead of
+serving a worker that would fail at the first request. ``--rotations`` needs ``MODEL`` (an artifact fits one model).
 """
 from __future__ import annotations
 
@@ -35,6 +39,24 @@ def parse(argv: list[str]):
     return p.parse_args(ours), theirs
 
 
+def check_startup(model: str | None, rotations, max_requests: int, **overrides) -> None:
+    """Build (and drop) the store the server would build for ``model``, from its config alone: whatever it refuses
+    (an artifact that does not fit, settings the model cannot take) is raised here, before the port opens."""
+    if model is None:
+        if rotations is not None:
+            raise SystemExit("--rotations fits one model: name it (python -P scripts/serve.py MODEL --rotations DIR)")
+        return
+    from transformers import AutoConfig
+
+    from oscar_hf.serving import OscarPagedStore
+
+    config = AutoConfig.from_pretrained(model)
+    try:
+        OscarPagedStore(config, rotations, max_requests=max_requests, defer_pool=True, **overrides)
+    except (ValueError, NotImplementedError) as e:
+        raise SystemExit(f"OSCAR cannot serve {model} with these settings: {e}") from e
+
+
 def main(argv: list[str] | None = None):
     args, theirs = parse(sys.argv[1:] if argv is None else argv)
     from oscar_hf import OscarRotations
@@ -45,6 +67,7 @@ def main(argv: list[str] | None = None):
                                        prompt_budget=args.prompt_budget).items() if v is not None}
     if rotations is None:
         overrides["method"] = args.method
+    check_startup(args.model, rotations, args.max_requests, **overrides)
     cli = ["serve", *([args.model] if args.model else []), "--continuous-batching", "--attn-implementation", "sdpa",
            *theirs]
     from transformers.cli.transformers import app

@@ -27,6 +27,7 @@ from transformers.generation.continuous_batching import continuous_api
 
 from ..attention import PREFIX
 from ..patching import split_name
+from . import admission
 from .store import OscarPagedStore
 
 # The Transformers releases whose continuous-batching internals this integration follows (tests/serving/
@@ -171,8 +172,21 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
             _check_processor(processor)
             processor.cache.attach_scheduler(processor.scheduler)  # its request states: prompt lengths and ends
             _install_graph_hooks(processor)
+            admission.install(self, processor)  # requests the store cannot serve fail alone
             processor.oscar_hooked = True
         return processor
+
+    add, register = manager.add_request, manager.register_result_handler
+
+    def add_checked(self, *args, **kwargs):
+        if not serves(self.model.config):
+            return add(self, *args, **kwargs)
+        return admission.add_request(self, add, *args, **kwargs)
+
+    def register_checked(self, request_id, callback):
+        if not serves(self.model.config):
+            return register(self, request_id, callback)
+        return admission.register_result_handler(self, register, request_id, callback)
 
     stop = manager.stop
 
@@ -187,7 +201,8 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
             _restore(getattr(cache, "oscar_switched", []))  # the model's attention as the manager found it
         return out
 
-    patches = [(manager, "_create_batch_processor", create_checked), (manager, "stop", stop_and_release)]
+    patches = [(manager, "_create_batch_processor", create_checked), (manager, "stop", stop_and_release),
+               (manager, "add_request", add_checked), (manager, "register_result_handler", register_checked)]
     switch = getattr(manager, "switch_to_cb_friendly_attn", None)
     if switch is not None and "auto_switch_to_flash" in inspect.signature(switch).parameters:
         # (5.17 - 5.19 have no such flag: there the OSCAR attention name replaces whatever the switch chose)

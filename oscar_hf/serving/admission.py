@@ -1,0 +1,223 @@
+"""One bad request fails alone: what the OSCAR store cannot serve is refused when it is submitted.
+
+Transformers' continuous-batching loop treats an exception inside a forward as fatal (the manager stops and every
+later request is dropped), so a request the store cannot serve must never reach a forward. A manager an OSCAR block
+serves checks each request in ``add_request`` (the caller's thread: ``generate_batch``, a server's handler) and
+raises :class:`RequestRefused` there, naming the mistake:
+
+* a request id that is live (submitted, not yet finished, failed or cancelled): the store keys a request's KV by its
+  id, and so does Transformers' result routing (``register_result_handler``, refused alike);
+* a prompt whose tokens, with ``max_new_tokens``, can never fit the page pool (a lone request that outgrows the pool
+  cannot be offloaded: the loop would stop);
+* forks (``num_return_sequences > 1``), an empty prompt, token ids outside the vocabulary.
+
+:class:`RequestRefused` is a ``ValueError`` and, where Starlette is installed (``transformers[serving]``), an
+``HTTPException`` with its status (409 for a live id, 400 otherwise): ``transformers serve`` answers it as that 4xx.
+The same checks run again in the loop when the request joins the scheduler (``add_waiting_request``, inside
+Transformers' per-request ``try``): a request submitted before the manager's cache existed fails alone there, with
+the message as its ``error``.
+"""
+from __future__ import annotations
+
+import threading
+
+try:  # transformers[serving]: FastAPI answers an HTTPException with its status code
+    from starlette.exceptions import HTTPException as _HTTPError
+except ImportError:  # pragma: no cover - without the serving extra
+    _HTTPError = Exception
+
+READY_TIMEOUT = 600.0  # seconds add_request waits for a started manager's cache (its first forward waits as long)
+
+
+class RequestRefused(_HTTPError, ValueError):
+    """A request the OSCAR store cannot serve, refused before it reaches the loop (``status_code``: its HTTP status
+    through ``transformers serve``; ``detail``: the message)."""
+
+    def __init__(self, message: str, status_code: int = 400):
+        if _HTTPError is Exception:
+            Exception.__init__(self, message)
+        else:
+            _HTTPError.__init__(self, status_code=status_code, detail=message)
+        self.status_code, self.detail = status_code, message
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+def check_request(store, input_ids, max_new_tokens: int | None, vocab_size: int | None, forks: int) -> None:
+    """Raise :class:`RequestRefused` when ``store`` (None: its pool is not built yet) cannot serve a request of
+    ``input_ids`` with ``max_new_tokens`` new tokens and ``forks`` extra sequences."""
+    if forks > 0:
+        raise RequestRefused(f"the OSCAR paged cache does not fork requests (num_return_sequences={forks + 1}): "
+                             "send one request per sequence")
+    n = len(input_ids)
+    if n == 0:
+        raise RequestRefused("the prompt is empty: a request needs at least one token")
+    if vocab_size is not None:
+        lo, hi = min(input_ids), max(input_ids)
+        if lo < 0 or hi >= vocab_size:
+            raise RequestRefused(f"token id {lo if lo < 0 else hi} is outside the model's vocabulary "
+                                 f"[0, {vocab_size})")
+    if store is None or not store.has_pool:
+        return
+    # the tokens the request stores at most: its prompt and every new token but the last (never fed back)
+    stored = n + max(int(max_new_tokens or 1), 1) - 1
+    pool = store.pool
+    need = store.history_pages(stored, pool.page_size)
+    if need > pool.num_pages:
+        most = store.config.sink + store.config.recent + pool.num_pages * pool.page_size
+        raise RequestRefused(
+            f"a prompt of {n} tokens with max_new_tokens={max_new_tokens} needs {need} INT2 pages of "
+            f"{pool.page_size} tokens; the whole pool has {pool.num_pages} (at most {most} tokens a request): "
+            "shorten the prompt or max_new_tokens, or give the server more pages (--cb-num-blocks)")
+
+
+class Admission:
+    """A manager's request ids that are live (submitted and not yet finished, failed or cancelled) or claimed (a
+    result handler registered for a request about to be submitted), and the store once the manager's cache exists
+    (``ready``). Ids leave when the manager delivers a finished or failed output for them, or when its scheduler
+    clears them as cancelled (hooks on those two instances, :func:`install`)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.live: set[str] = set()
+        self.claimed: set[str] = set()
+        self.ready = threading.Event()
+        self.store = None
+        self.vocab_size: int | None = None
+
+    def claim(self, request_id: str) -> None:
+        with self.lock:
+            if request_id in self.live or request_id in self.claimed:
+                raise _live(request_id)
+            self.claimed.add(request_id)
+
+    def submit(self, request_id: str) -> None:
+        with self.lock:
+            if request_id in self.live:
+                raise _live(request_id)
+            self.claimed.discard(request_id)
+            self.live.add(request_id)
+
+    def release(self, *request_ids: str) -> None:
+        with self.lock:
+            for rid in request_ids:
+                self.live.discard(rid)
+                self.claimed.discard(rid)
+
+
+def _live(request_id: str) -> RequestRefused:
+    return RequestRefused(f"request id {request_id!r} is already live on this server (a retry with the same "
+                          "X-Request-ID while the first is running?): wait for it to finish or use another id", 409)
+
+
+_create_lock = threading.Lock()
+
+
+def admission_of(manager) -> Admission:
+    """The manager's :class:`Admission`, made (and its output router hooked) on first use."""
+    adm = manager.__dict__.get("oscar_admission")
+    if adm is not None:
+        return adm
+    with _create_lock:
+        adm = manager.__dict__.get("oscar_admission")
+        if adm is None:
+            adm = Admission()
+            text = manager.model.config.get_text_config(decoder=True)
+            adm.vocab_size = getattr(text, "vocab_size", None)
+            _hook_router(manager.output_router, adm)
+            manager.oscar_admission = adm
+    return adm
+
+
+def _hook_router(router, adm: Admission) -> None:
+    """Ids leave before their last output is delivered (a client may resubmit the id as soon as it has it)."""
+    deliver, deliver_batch = router.deliver, router.deliver_batch
+
+    def finished(outputs) -> None:
+        adm.release(*(o.request_id for o in outputs if o.is_finished()))
+
+    def deliver_one(output):
+        finished([output])
+        return deliver(output)
+
+    def deliver_many(outputs):
+        finished(outputs)
+        return deliver_batch(outputs)
+
+    router.deliver, router.deliver_batch = deliver_one, deliver_many
+
+
+def install(manager, processor) -> None:
+    """Once the manager's batch processor exists (its loop thread): the store for the size checks, and the
+    scheduler's hooks (cancelled ids leave; a request joining the scheduler is checked again, failing alone)."""
+    adm = admission_of(manager)
+    scheduler = processor.scheduler
+    clear, add_waiting = scheduler.clear_cancelled_requests, scheduler.add_waiting_request
+
+    def clear_cancelled():
+        states = clear()
+        adm.release(*(s.request_id for s in states))
+        return states
+
+    def add_checked(state):
+        # Transformers calls this for new requests inside a per-request try (the error fails that request alone),
+        # and for requests it re-queues after finishing them (soft reset, forks), whose ids have left
+        rid = state.request_id
+        if rid in scheduler.active_requests or rid in scheduler.waiting_requests:
+            raise _live(rid)
+        if not getattr(state, "_true_initial_tokens", 0) and state.position_offset == 0:  # a new request
+            check_request(processor.cache.store, state.initial_tokens, state.max_new_tokens, adm.vocab_size,
+                          state.num_children)
+        return add_waiting(state)
+
+    scheduler.clear_cancelled_requests, scheduler.add_waiting_request = clear_cancelled, add_checked
+    adm.store = processor.cache.store
+    adm.ready.set()
+
+
+def add_request(manager, original, input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
+    """``ContinuousBatchingManager.add_request`` of a manager an OSCAR block serves: the request is checked (waiting
+    for a started manager's cache, whose pool the size check reads) and its id made live, then submitted."""
+    adm = admission_of(manager)
+    if request_id is None:  # Transformers' own naming, taken here so that the id is tracked from the start
+        with manager._request_lock:
+            request_id = f"req_{manager._request_counter}"
+            manager._request_counter += 1
+    claimed = request_id in adm.claimed
+    adm.submit(request_id)
+    try:
+        _wait_ready(manager, adm)
+        if max_new_tokens is None:
+            max_new_tokens = manager.generation_config.max_new_tokens
+        check_request(adm.store, list(input_ids), max_new_tokens, adm.vocab_size, manager.num_return_sequences - 1)
+        out = original(manager, input_ids, request_id, max_new_tokens, *args, **kwargs)
+    except BaseException:
+        _drop(manager, adm, request_id, claimed)
+        raise
+    if out is None:  # not accepted (a stopping or dead loop): nothing will be delivered for it
+        _drop(manager, adm, request_id, claimed)
+    return out
+
+
+def _drop(manager, adm: Admission, request_id: str, claimed: bool) -> None:
+    adm.release(request_id)
+    if claimed:  # its result handler will never be called
+        with manager.output_router._lock:
+            manager.output_router.result_handlers.pop(request_id, None)
+
+
+def _wait_ready(manager, adm: Admission) -> None:
+    """Until the manager's cache exists, while its loop runs (a manager not started yet is checked in the loop)."""
+    waited = 0.0
+    while not adm.ready.wait(0.05):
+        waited += 0.05
+        if not manager.is_running() or waited > READY_TIMEOUT:
+            return
+
+
+def register_result_handler(manager, original, request_id, callback):
+    """``register_result_handler`` of such a manager: refused for a live id (it would take the live request's
+    outputs); the id is claimed for the ``add_request`` that follows."""
+    admission_of(manager).claim(request_id)
+    return original(manager, request_id, callback)
