@@ -86,11 +86,15 @@ class Admission:
         self.store = None
         self.vocab_size: int | None = None
 
-    def claim(self, request_id: str) -> None:
+    def claim(self, request_id: str, has_handler: bool) -> None:
+        """A result handler is being registered for ``request_id``: before its ``add_request`` (claimed), or right
+        after it (a streamed request in ``transformers serve``: live, no handler yet). Refused when the id is
+        claimed, or live with a handler (a second client's)."""
         with self.lock:
-            if request_id in self.live or request_id in self.claimed:
+            if request_id in self.claimed or (request_id in self.live and has_handler):
                 raise _live(request_id)
-            self.claimed.add(request_id)
+            if request_id not in self.live:
+                self.claimed.add(request_id)
 
     def submit(self, request_id: str) -> None:
         with self.lock:
@@ -217,7 +221,10 @@ def _wait_ready(manager, adm: Admission) -> None:
 
 
 def register_result_handler(manager, original, request_id, callback):
-    """``register_result_handler`` of such a manager: refused for a live id (it would take the live request's
-    outputs); the id is claimed for the ``add_request`` that follows."""
-    admission_of(manager).claim(request_id)
+    """``register_result_handler`` of such a manager: refused where it would take a live request's outputs (see
+    :meth:`Admission.claim`)."""
+    router = manager.output_router
+    with router._lock:
+        has_handler = request_id in router.result_handlers
+    admission_of(manager).claim(request_id, has_handler)
     return original(manager, request_id, callback)
