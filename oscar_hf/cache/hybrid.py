@@ -52,6 +52,11 @@ class _HybridState(LinearAttentionLayer):
     def get_max_length(self) -> int:
         return self._attention.get_max_length(self)
 
+    def get_seq_length(self):
+        # the attention's tokens: Transformers 5.25 gives LinearAttentionLayer a count of its own, which would come
+        # first in the method order (its own hybrid layers override it the same way)
+        return self._attention.get_seq_length(self)
+
 
 class OscarHybridLayer(_HybridState, OscarLayer):
     """:class:`OscarLayer` + Transformers' ``LinearAttentionLayer`` state (eager storage)."""

@@ -76,3 +76,20 @@ def test_latent_attention_layers_are_transformers_own(model_type, caplog):
         for a, b in zip(out.scores, ref.scores):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert eager.memory_report()["latent_layers"] == sum(latent)
+
+
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+def test_a_hybrid_layer_counts_its_attention_tokens(compile_):
+    """A hybrid layer's length is its attention's (Transformers 5.25 gives ``LinearAttentionLayer`` a count of its
+    own, kept by the state updates, which came first in the method order): attention tokens written with no state
+    update are counted, as an int, as the OSCAR layer counts them."""
+    m = tiny_model("falcon_h1")
+    cache = OscarCache(m, compile=compile_, **SMALL)
+    i = next(i for i, layer in enumerate(cache.layers) if isinstance(layer, (OscarHybridLayer, StaticOscarHybridLayer)))
+    text = m.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    k = torch.randn(1, text.num_key_value_heads, 17, head_dim)
+    cache.update(k, k.clone(), i)
+    layer = cache.layers[i]
+    assert layer.get_seq_length() == type(layer)._attention.get_seq_length(layer) == 17
+    assert isinstance(layer.get_seq_length(), int) and cache.get_seq_length(i) == 17
