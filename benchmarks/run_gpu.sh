@@ -21,6 +21,16 @@
 #               groups: GPU tests, the op on the split kernel alone and   kernels_<gpu>_d64_m8_{split,gluon}.json
 #               at the defaults (the Gluon history, two query groups)
 #   profile-op  the decode op's kernels one by one in a CUDA graph       profile_op_<gpu>.json
+#   strong      the default call against the strong BF16 baseline     strong_bf16_op_<gpu>.json,
+#               (strong_bf16.py), one process per shape, both compiled  gpu_tests_strong_<gpu>.log,
+#               with CUDA graphs: its GPU tests, one layer's read         generate_strong_<gpu>_b<B>_t<T>.json,
+#               (split-K kernel, FlexAttention, exact-length SDPA) vs the  capacity_strong_<gpu>_40gib.json
+#               bandwidth floor, then generate at B=8/32K and B=1/100K
+#               (bf16-strong, bf16-strong-flex, oscar, oscar-fp25),
+#               B=1/1K, and the largest batch of each in 40 GiB at 32K
+#               (`strong-op`, `strong-b8`, `strong-b1`, `strong-short`,
+#               `strong-capacity`: one part each; METHODS="..." for the
+#               generate parts)
 #   default     the default call OscarCache(model) (compiled by        generate_default_<gpu>_b<B>_t<T>.json
 #               generate itself) vs BF16 DynamicCache and compiled
 #               StaticCache: B=1/100K, B=8/32K, B=1 and 8 at 1K
@@ -194,6 +204,27 @@ for what in "$@"; do
   profile-op)
     run "profile_op_$GPU" $PY "$B/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
         --out "$OUT/profile_op_$GPU.json" ;;
+  strong|strong-op|strong-b8|strong-b1|strong-short|strong-capacity)
+    if [ "$what" = strong ] || [ "$what" = strong-op ]; then
+      run "gpu_tests_strong_$GPU" $PY -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/test_strong_bf16.py"
+      run "strong_bf16_op_$GPU" $PY "$B/strong_bf16.py" --points 1x1024 1x100000 8x32768 32x32768 \
+          --out "$OUT/strong_bf16_op_$GPU.json"
+    fi
+    shapes=""
+    case "$what" in strong) shapes="8:32768 1:100000 1:1024" ;; strong-b8) shapes="8:32768" ;;
+      strong-b1) shapes="1:100000" ;; strong-short) shapes="1:1024" ;; esac
+    for bt in $shapes; do  # (synthetic fill: decode speed does not depend on the values; 1K prefills)
+      fill="--synthetic-fill"; [ "${bt#*:}" = 1024 ] && fill=""
+      name="generate_strong_${GPU}_b${bt%:*}_t${bt#*:}"
+      run "$name" $PY "$B/bench_generate.py" --contexts ${bt#*:} --batches ${bt%:*} $fill --new-tokens 64 \
+          --methods ${METHODS:-bf16-strong bf16-strong-flex oscar oscar-fp25} --out "$OUT/$name.json"
+    done
+    if [ "$what" = strong ] || [ "$what" = strong-capacity ]; then
+      # 147456 / 27375 bytes per token: BF16's and the default OscarCache's allocation at 32K (`capacity` above)
+      run "capacity_strong_${GPU}_40gib" $PY "$B/bench_generate.py" --capacity-only --bytes-per-token 147456 27375 \
+          --capacity-run --synthetic-fill --capacity-methods bf16-strong oscar --kv-budget-gib 40 \
+          --capacity-context 32768 --new-tokens 64 --out "$OUT/capacity_strong_${GPU}_40gib.json"
+    fi ;;
   default|default-long|default-short)
     # one process per shape (a second compiled shape in one process recompiles)
     shapes="1:1024 8:1024 8:32768 1:100000"
@@ -380,7 +411,7 @@ for what in "$@"; do
         --kv-budget-gib 20 --context 32768 --max-requests 24 --new-tokens 256 --q-padding 8 --bf16-batch-tokens 8192 \
         --oscar-batch-tokens 8192 --prompt-budget 8192 --out "$OUT/serving_fair_${GPU}_20gib_t32768.json"
     run "generate_bf16_static_${GPU}_b4_t32768" $PY "$B/bench_generate.py" --contexts 32768 --batches 4 \
-        --methods bf16-static --new-tokens 32 --synthetic-fill --out "$OUT/generate_bf16_static_${GPU}_b4_t32768.json" ;;
+        --methods bf16-strong bf16-static --new-tokens 32 --synthetic-fill --out "$OUT/generate_bf16_static_${GPU}_b4_t32768.json" ;;
   serving-fair-conc|serving-fair-load)
     # the rest of the equal-settings comparison (serving-fair's flags): both at equal concurrency (4 requests x 32K, what
     # BF16's budget admits), and under Poisson arrivals (24 requests of 8K-32K at 0.5/s, 96 new tokens: TTFT p50 / p90)

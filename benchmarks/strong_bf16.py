@@ -16,7 +16,7 @@ What a FlashDecoding / FlashInfer-class BF16 decode does, in Transformers' own m
 
 Unpadded prompts only (the benchmarks' are): there is no attention mask. Full-attention layers only.
 
-    python benchmarks/strong_bf16.py --batches 1 8 --contexts 32768 100000 --out strong_bf16_op_h200.json
+    python benchmarks/strong_bf16.py --points 1x1024 1x100000 8x32768 32x32768 --out strong_bf16_op_h200.json
 
 times one layer's decode read of each kind in a CUDA graph (L2 flushed clean before each call) against the
 bandwidth floor (its K/V bytes at the measured copy bandwidth), and SDPA over exactly the live length (not
@@ -311,7 +311,22 @@ def _graph_time(fn, flush, iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench_op(batches, contexts, hq=32, hk=8, d=128) -> list[dict]:
+SWEEP = [(64, 2), (64, 8), (128, 4), (32, 4)]  # (BLOCK_N, PROGRAMS_PER_SM) beside the defaults
+
+
+def _with_config(block_n: int, programs_per_sm: int):
+    def fn(*args):
+        global BLOCK_N, PROGRAMS_PER_SM
+        old = BLOCK_N, PROGRAMS_PER_SM
+        BLOCK_N, PROGRAMS_PER_SM = block_n, programs_per_sm
+        try:
+            return split_decode(*args)
+        finally:
+            BLOCK_N, PROGRAMS_PER_SM = old
+    return fn
+
+
+def bench_op(points, hq=32, hk=8, d=128) -> list[dict]:
     dev = torch.device("cuda")
     flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
     x = torch.empty(2**30, dtype=torch.uint8, device=dev)
@@ -320,42 +335,42 @@ def bench_op(batches, contexts, hq=32, hk=8, d=128) -> list[dict]:
     bw = 2 * x.numel() / (copy_us * 1e-6)  # bytes read + written per second
     del x, y
     rows = []
-    for b in batches:
-        for t in contexts:
-            cap = t + 64
-            q = torch.randn(b, hq, 1, d, device=dev, dtype=torch.bfloat16)
-            k = torch.randn(b, hk, cap, d, device=dev, dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            length = torch.tensor(t, device=dev)
-            ref = reference_decode(q, k, v, length, d ** -0.5)
-            row = dict(batch=b, context=t, kv_bytes=2 * b * hk * t * d * 2, copy_bw_gbs=bw / 1e9)
-            row["floor_us"] = row["kv_bytes"] / bw * 1e6
-            flex = torch.compile(flex_decode, fullgraph=True)
-            for name, fn in (("split", split_decode), ("flex", flex), ("sdpa_exact", reference_decode)):
-                try:
-                    err = (fn(q, k, v, length, d ** -0.5).float() - ref.float()).abs().max().item()
-                    if name == "sdpa_exact":
-                        kk, vv = k[:, :, :t], v[:, :, :t]
-                        us = _graph_time(lambda: F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True), flush)
-                    else:
-                        us = _graph_time(lambda: fn(q, k, v, length, d ** -0.5), flush)
-                    row[name] = dict(us=us, of_floor=row["floor_us"] / us, max_err=err)
-                except Exception as e:  # noqa: BLE001 (record and go on)
-                    row[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            del q, k, v
-            torch.cuda.empty_cache()
+    for b, t in points:
+        cap = t + 64
+        q = torch.randn(b, hq, 1, d, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(b, hk, cap, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        length = torch.tensor(t, device=dev)
+        ref = reference_decode(q, k, v, length, d ** -0.5)
+        row = dict(batch=b, context=t, kv_bytes=2 * b * hk * t * d * 2, copy_bw_gbs=bw / 1e9)
+        row["floor_us"] = row["kv_bytes"] / bw * 1e6
+        flex = torch.compile(flex_decode, fullgraph=True)
+        variants = [("split", split_decode), ("flex", flex), ("sdpa_exact", reference_decode)]
+        variants += [(f"split_n{bn}_p{pps}", _with_config(bn, pps)) for bn, pps in SWEEP]
+        for name, fn in variants:
+            try:
+                err = (fn(q, k, v, length, d ** -0.5).float() - ref.float()).abs().max().item()
+                if name == "sdpa_exact":
+                    kk, vv = k[:, :, :t], v[:, :, :t]
+                    us = _graph_time(lambda: F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True), flush)
+                else:
+                    us = _graph_time(lambda: fn(q, k, v, length, d ** -0.5), flush)
+                row[name] = dict(us=us, of_floor=row["floor_us"] / us, max_err=err)
+            except Exception as e:  # noqa: BLE001 (record and go on)
+                row[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del q, k, v
+        torch.cuda.empty_cache()
     return rows
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768, 100000])
+    p.add_argument("--points", nargs="+", default=["1x1024", "1x100000", "8x32768", "32x32768"], help="BxT")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    rows = bench_op(a.batches, a.contexts)
+    rows = bench_op([tuple(map(int, x.split("x"))) for x in a.points])
     doc = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                command="python strong_bf16.py " + " ".join(argv or sys.argv[1:]),
                config=dict(BLOCK_N=BLOCK_N, NUM_WARPS=NUM_WARPS, NUM_STAGES=NUM_STAGES,
