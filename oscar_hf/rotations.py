@@ -205,7 +205,7 @@ class OscarRotations:
                 f"OSCAR rotations were calibrated for {self.fingerprint.name_or_path or self.fingerprint.architecture!r}"
                 f" and do not fit this model ({other.name_or_path or other.architecture!r}): " + "; ".join(problems)
             )
-        if self.fingerprint.name_or_path and other.name_or_path and self.fingerprint.name_or_path != other.name_or_path:
+        if self.fingerprint.name_or_path and other.name_or_path and _model_name(self.fingerprint) != _model_name(other):
             logger.warning(
                 "OSCAR rotations were calibrated on %r, loading them into %r (same shapes)",
                 self.fingerprint.name_or_path,
@@ -346,3 +346,10 @@ class OscarRotations:
             f"layers={len(self.layers)}, kv_heads={self.fingerprint.num_key_value_heads}, head_dim={self.fingerprint.head_dim}, "
             f"offsets={self.has_offsets})"
         )
+
+
+def _model_name(fp) -> str:
+    """A model's name for the same-model check: a Hub id as it is, a local folder by its last part (the same
+    installed model lives under another site-packages path on every machine; its shapes are checked anyway)."""
+    name = str(fp.name_or_path)
+    return Path(name).name if os.path.isabs(name) else name

@@ -12,6 +12,10 @@ if shutil.which("nvidia-smi") is None:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Under pytest-xdist (scripts/run_tests.sh) the workers share the CPU's cores instead of each oversubscribing them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from oscar_hf.models import load_model, tiny_model, wikitext_path  # noqa: E402
 
 TINY_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3")
