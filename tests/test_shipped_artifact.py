@@ -1,0 +1,76 @@
+"""The packaged model's calibrated artifact, shipped in ``oscar_hf/pretrained/`` so that the demo answers without
+a calibration: it is what the command recorded beside it writes, in this tree's format version and settings, and it
+fits the packaged model."""
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from oscar_hf.rotations import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME, OscarRotations
+
+from script_utils import import_script
+
+SHIPPED = Path(__file__).resolve().parent.parent / "oscar_hf" / "pretrained" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    """(the artifact's JSON document, the parsed arguments of the command that made it)."""
+    lines = (SHIPPED / "command.txt").read_text(encoding="utf-8").splitlines()
+    command = shlex.split(next(line for line in lines if line.strip() and not line.startswith("#")))
+    assert command[:3] == ["python", "-P", "scripts/calibrate.py"], command
+    args = import_script("calibrate").build_parser().parse_args(command[3:])
+    assert Path(args.out) == Path("oscar_hf/pretrained/smollm2-135m-instruct"), "the command writes elsewhere"
+    return json.loads((SHIPPED / CONFIG_NAME).read_text(encoding="utf-8")), args
+
+
+def test_shipped_artifact_is_in_this_trees_format(recorded):
+    doc, _ = recorded
+    assert doc["format_version"] == FORMAT_VERSION
+    assert (SHIPPED / WEIGHTS_NAME).is_file()
+    rot = OscarRotations.from_pretrained(SHIPPED)  # validates shapes, finiteness and orthogonality
+    assert rot.method == doc["method"] and len(rot.layers) == 30  # SmolLM2-135M: 30 full-attention layers
+
+
+def test_shipped_artifact_has_the_settings_its_command_gives(recorded):
+    """Each setting the command decides, as calibrate.py passes it on (the same parser, the same defaults)."""
+    from oscar_hf.calibration import CLIP_GRID
+    from oscar_hf.models import WIKITEXT_FILE
+
+    doc, args = recorded
+    meta, cal = doc["metadata"], doc["metadata"]["calibration"]
+    assert args.model == "smollm2" and meta["model_arg"] == "smollm2"
+    assert (meta["dtype"], meta["device"]) == (args.dtype, args.device)
+    assert cal["method"] == doc["method"] == args.method
+    assert cal["value_target"] == args.value_target
+    assert cal["center"] is {"on": True, "off": False}[args.center]
+    assert cal["seq_len"] == args.seq_len and cal["tokens"] >= args.tokens
+    assert cal["window"] == [int(x) for x in args.window.split(",")]
+    assert cal["clip_grid"] == pytest.approx(list(CLIP_GRID))
+    assert cal["share_rotation_across_heads"] is args.share_rotation_across_heads
+    assert meta["retrieval_probes"]["n"] == args.retrieval_probes
+    assert ("chosen" in meta["settings"]) is (not args.no_choose_settings)
+    assert meta["data"]["source"] == "oscar_hf/texts/" + WIKITEXT_FILE.name and args.data is None
+    assert meta["data"]["calibration_fraction"] == args.calibration_fraction
+
+
+@pytest.mark.slow
+def test_shipped_artifact_fits_the_packaged_model(smollm2, caplog):
+    """The fingerprint is the packaged model's (no warning of another model, wherever the wheel is installed), and
+    the cache it builds keeps the settings the artifact chose."""
+    from oscar_hf import OscarCache
+
+    model, _ = smollm2
+    rot = OscarRotations.from_pretrained(SHIPPED)
+    with caplog.at_level("WARNING"):
+        rot.check_compatible(model.config)
+        cache = OscarCache.from_pretrained(SHIPPED, model)
+    assert not [r for r in caplog.records if "calibrated on" in r.getMessage()], caplog.text
+    chosen = rot.metadata["settings"]["chosen"]
+    cfg = cache.oscar_config
+    for key in ("sink", "recent", "group_size"):
+        if key in chosen:
+            assert getattr(cfg, key) == chosen[key], key
