@@ -13,6 +13,13 @@ by OSCAR's memory) -> OSCAR's registered attention.
 
 docs/serving.md has the design, what Transformers exposes, the measured load test and what is missing.
 """
+# ruff: noqa: E402
+import transformers as _transformers
+
+from ..version import check_serving_transformers
+
+check_serving_transformers(_transformers.__version__)  # before any continuous-batching internal is imported
+
 from .batching import (SECTOR_API, OscarPagedCache, continuous_batching_config, generate_batch,
                        oscar_continuous_batching, oscar_serving, paged_oscar)
 from .paged_attention import PagedOscarKV

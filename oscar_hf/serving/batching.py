@@ -15,40 +15,20 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
-import os
 import threading
 import weakref
 
 import torch
-import transformers
-
 from transformers import AttentionInterface
 from transformers.generation.continuous_batching import continuous_api
 
 from ..attention import PREFIX
 from ..patching import split_name
+from ..version import SERVING_TRANSFORMERS  # noqa: F401  (checked when oscar_hf.serving is imported)
+from ..version import check_serving_transformers as check_transformers_version  # noqa: F401
 from . import admission
+from .engine import model_processes
 from .store import OscarPagedStore
-
-# The Transformers releases whose continuous-batching internals this integration follows (tests/serving/
-# test_transformers_internals.py pins each one it touches): 5.17 - 5.19 (block managers) and 5.20 - 5.24 (sectors).
-# Outside them it refuses at import, so that a new release fails a test here instead of serving wrongly;
-# OSCAR_SERVING_ANY_TRANSFORMERS=1 lifts the check (at your own risk: the tests above say what it relies on).
-SERVING_TRANSFORMERS = ("5.17", "5.25")  # [first, first not covered)
-
-
-def check_transformers_version(version: str) -> None:
-    """Raise ImportError when ``version`` is outside :data:`SERVING_TRANSFORMERS` (unless lifted, see above)."""
-    from packaging.version import Version
-
-    lo, hi = SERVING_TRANSFORMERS
-    if not Version(lo) <= Version(Version(version).base_version) < Version(hi):
-        if os.environ.get("OSCAR_SERVING_ANY_TRANSFORMERS") != "1":
-            raise ImportError(f"oscar_hf.serving follows the continuous-batching internals of Transformers >={lo},<{hi}; "
-                              f"this is {version}. Set OSCAR_SERVING_ANY_TRANSFORMERS=1 to try it anyway")
-
-
-check_transformers_version(transformers.__version__)
 
 # Transformers 5.20+ allocates its paged cache in sectors (continuous_batching/cache_allocators) and its models call
 # cache.update(..., kwargs); before, block managers (cache_manager) and the `paged|*` functions call the cache.
@@ -345,7 +325,8 @@ def oscar_serving(rotations=None, **store_kwargs):
     def make_store(config, device, dtype):
         return OscarPagedStore(config, rotations, device=device, dtype=dtype, defer_pool=True, **store_kwargs)
 
-    with oscar_continuous_batching(make_store) as stores:
+    # (5.25+ `transformers serve` runs the model in a process it spawns: that process enters a block of its own)
+    with model_processes(rotations, store_kwargs), oscar_continuous_batching(make_store) as stores:
         yield stores
 
 

@@ -83,11 +83,13 @@ def test_paged_oscar_refuses_compile_and_offload(model):
     assert model.generate_batch([[1, 2, 3]], gen_cfg, continuous_batching_config=small, warmup=False)
 
 
-def test_flash_attention_available_keeps_oscar_in_the_path(model, monkeypatch):
+def test_flash_attention_available_keeps_oscar_in_the_path(monkeypatch):
     """Where flash attention is installed (made to look so here), Transformers' manager switches an sdpa model to
     it before any cache is built: inside an OSCAR block the model keeps OSCAR's attention, and the tokens are the
-    ones OSCAR gives without flash available."""
+    ones OSCAR gives without flash available. (In BF16: 5.25 switches half-precision models only.)"""
     from transformers.generation.continuous_batching import continuous_api
+
+    model = tiny_model("llama", dtype=torch.bfloat16)
 
     switch = getattr(continuous_api.ContinuousBatchingManager, "switch_to_cb_friendly_attn", None)
     if switch is None or "auto_switch_to_flash" not in inspect.signature(switch).parameters:

@@ -72,10 +72,12 @@ def test_module_globals_and_methods_the_integration_swaps():
         # the module globals the cache construction reads, which OSCAR's per-thread stand-ins replace while it builds
         from transformers.generation.continuous_batching import cache as cache_module
 
-        source = inspect.getsource(cache_module.PagedAttentionCache.__init__)
-        for read in ("ATTN_TYPE_TO_ALLOCATOR[attn_type](", "FullAttentionCacheAllocator.get_bytes_per_page(",
-                     "PagedAttentionMemoryHandler("):
+        source = inspect.getsource(cache_module.PagedAttentionCache)  # (5.25 builds allocators in a method)
+        for read in ("ATTN_TYPE_TO_ALLOCATOR[attn_type]", "PagedAttentionMemoryHandler("):
             assert read in source, read
+        # the bytes of a block: the full-attention class's (5.20 - 5.24) or the allocators' own (5.25), OSCAR's both
+        assert ("FullAttentionCacheAllocator.get_bytes_per_page(" in source
+                or "sum(ca.bytes_per_block for ca in self.cache_allocators.values())" in source)
         # the sizing OscarMemoryHandler extends: its fixed overhead is reserved before sectors are sized
         handler = cache_module.PagedAttentionMemoryHandler
         for name in ("fixed_overhead_bytes", "bytes_per_batch_token", "bytes_per_cache_sector"):
@@ -132,9 +134,34 @@ def test_request_state_and_config_fields_read():
 
 def test_the_declared_range_is_checked(monkeypatch):
     batching.check_transformers_version(transformers.__version__)  # the installed one is inside it
+    batching.check_transformers_version("5.25.0")  # the newest release tested
     with pytest.raises(ImportError, match="OSCAR_SERVING_ANY_TRANSFORMERS"):
-        batching.check_transformers_version("5.25.0")
+        batching.check_transformers_version("5.26.0")
     with pytest.raises(ImportError):
         batching.check_transformers_version("5.16.2")
     monkeypatch.setenv("OSCAR_SERVING_ANY_TRANSFORMERS", "1")
     batching.check_transformers_version("6.0.0")
+
+
+def test_the_serving_extra_pins_the_declared_range():
+    import configparser
+    from pathlib import Path
+
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[2] / "setup.cfg")
+    lo, hi = batching.SERVING_TRANSFORMERS
+    for extra in ("serving", "dev"):
+        lines = cfg["options.extras_require"][extra].split()
+        assert f"transformers[serving]>={lo},<{hi}" in lines, (extra, lines)
+
+
+def test_an_unfollowed_release_is_refused_before_any_internal_is_imported():
+    import subprocess
+    import sys
+
+    code = ("import sys, transformers; transformers.__version__ = '5.16.2'\n"
+            "try:\n    import oscar_hf.serving\nexcept ImportError as e:\n    print(e)\n"
+            "print('batching' in str(sorted(m for m in sys.modules if m.startswith('oscar_hf.serving'))))")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300).stdout
+    assert "this is 5.16.2" in out and 'pip install "oscar-hf[serving]"' in out, out
+    assert out.strip().endswith("False"), out  # oscar_hf.serving.batching (and the internals it reads) not imported
