@@ -21,16 +21,15 @@
 #               groups: GPU tests, the op on the split kernel alone and   kernels_<gpu>_d64_m8_{split,gluon}.json
 #               at the defaults (the Gluon history, two query groups)
 #   profile-op  the decode op's kernels one by one in a CUDA graph       profile_op_<gpu>.json
-#   strong      the default call against the strong BF16 baseline     strong_bf16_op_<gpu>.json,
-#               (strong_bf16.py), one process per shape, both compiled  gpu_tests_strong_<gpu>.log,
-#               with CUDA graphs: its GPU tests, one layer's read         generate_strong_<gpu>_b<B>_t<T>.json,
-#               (split-K kernel, FlexAttention, exact-length SDPA) vs the  capacity_strong_<gpu>_40gib.json
-#               bandwidth floor, then generate at B=8/32K and B=1/100K
-#               (bf16-strong, bf16-strong-flex, oscar, oscar-fp25),
-#               B=1/1K, and the largest batch of each in 40 GiB at 32K
-#               (`strong-op`, `strong-b8`, `strong-b1`, `strong-short`,
-#               `strong-capacity`: one part each; METHODS="..." for the
-#               generate parts)
+#   strong      the default call against the strong BF16 baseline     gpu_tests_strong_<gpu>.log,
+#               (strong_bf16.py), both compiled with CUDA graphs: its     strong_bf16_op_<gpu>.json,
+#               GPU tests, one layer's read (split-K kernel and a tile   generate_strong_<gpu>_b<B>_t<T>.json
+#               sweep, FlexAttention, exact-length SDPA), then generate,
+#               one process per shape (bf16-strong, oscar, oscar-fp25;
+#               METHODS="..." others, e.g. bf16-strong-flex): B=8/32K
+#               with each at its largest batch in 40 GiB of KV at 32K,
+#               B=1/100K, B=1/1K (`strong-op`, `strong-b8`, `strong-b1`,
+#               `strong-short`: one part each)
 #   default     the default call OscarCache(model) (compiled by        generate_default_<gpu>_b<B>_t<T>.json
 #               generate itself) vs BF16 DynamicCache and compiled
 #               StaticCache: B=1/100K, B=8/32K, B=1 and 8 at 1K
@@ -204,7 +203,7 @@ for what in "$@"; do
   profile-op)
     run "profile_op_$GPU" $PY "$B/profile_decode_op.py" --points 1x131072,8x131072,32x32768,8x8192 --iters 10 \
         --out "$OUT/profile_op_$GPU.json" ;;
-  strong|strong-op|strong-b8|strong-b1|strong-short|strong-capacity)
+  strong|strong-op|strong-b8|strong-b1|strong-short)
     if [ "$what" = strong ] || [ "$what" = strong-op ]; then
       run "gpu_tests_strong_$GPU" $PY -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/test_strong_bf16.py"
       run "strong_bf16_op_$GPU" $PY "$B/strong_bf16.py" --points 1x1024 1x100000 8x32768 32x32768 \
@@ -215,16 +214,14 @@ for what in "$@"; do
       strong-b1) shapes="1:100000" ;; strong-short) shapes="1:1024" ;; esac
     for bt in $shapes; do  # (synthetic fill: decode speed does not depend on the values; 1K prefills)
       fill="--synthetic-fill"; [ "${bt#*:}" = 1024 ] && fill=""
+      # B=8/32K also runs each at its largest batch in 40 GiB of KV at 32K (BF16 8, its row above; OSCAR 47), from
+      # 147456 / 27375 bytes per token: BF16's and the default OscarCache's allocation at 32K (`capacity` above)
+      cap=""; [ "$bt" = 8:32768 ] && cap="--capacity-run --bytes-per-token 147456 27375 --kv-budget-gib 40
+          --capacity-context 32768 --capacity-methods bf16-strong oscar"
       name="generate_strong_${GPU}_b${bt%:*}_t${bt#*:}"
       run "$name" $PY "$B/bench_generate.py" --contexts ${bt#*:} --batches ${bt%:*} $fill --new-tokens 64 \
-          --methods ${METHODS:-bf16-strong bf16-strong-flex oscar oscar-fp25} --out "$OUT/$name.json"
-    done
-    if [ "$what" = strong ] || [ "$what" = strong-capacity ]; then
-      # 147456 / 27375 bytes per token: BF16's and the default OscarCache's allocation at 32K (`capacity` above)
-      run "capacity_strong_${GPU}_40gib" $PY "$B/bench_generate.py" --capacity-only --bytes-per-token 147456 27375 \
-          --capacity-run --synthetic-fill --capacity-methods bf16-strong oscar --kv-budget-gib 40 \
-          --capacity-context 32768 --new-tokens 64 --out "$OUT/capacity_strong_${GPU}_40gib.json"
-    fi ;;
+          --methods ${METHODS:-bf16-strong oscar oscar-fp25} $cap --out "$OUT/$name.json"
+    done ;;
   default|default-long|default-short)
     # one process per shape (a second compiled shape in one process recompiles)
     shapes="1:1024 8:1024 8:32768 1:100000"
