@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import logging
 import threading
 import weakref
 
@@ -23,12 +24,15 @@ from transformers import AttentionInterface
 from transformers.generation.continuous_batching import continuous_api
 
 from ..attention import PREFIX
+from ..config import ModelFingerprint
 from ..patching import split_name
 from ..version import SERVING_TRANSFORMERS  # noqa: F401  (checked when oscar_hf.serving is imported)
 from ..version import check_serving_transformers as check_transformers_version  # noqa: F401
 from . import admission
 from .engine import model_processes
 from .store import OscarPagedStore
+
+logger = logging.getLogger("oscar_hf")
 
 # Transformers 5.20+ allocates its paged cache in sectors (continuous_batching/cache_allocators) and its models call
 # cache.update(..., kwargs); before, block managers (cache_manager) and the `paged|*` functions call the cache.
@@ -106,7 +110,8 @@ def _install_graph_hooks(processor) -> None:
     Three instance attributes of Transformers' objects are wrapped:
 
     * ``model_runner.compute_batch``: first the cache's host side of the step (:meth:`RecordedBatch.prepare_forward`:
-      the decode plan into the store's fixed buffers), then Transformers' own (forward, or graph capture / replay);
+      the recorded requests checked against the ones Transformers packed, the decode plan into the store's fixed
+      buffers), then Transformers' own (forward, or graph capture / replay);
     * ``model_runner._get_forward_fn``: a graph for this step or not, as the cache decided;
     * ``inputs_and_outputs._get_graph_key``: Transformers' key (padded rows, KV sizes) plus the history bound the
       step's grids are sized for (a power of two of pages), so that a graph is replayed only for steps it covers."""
@@ -114,7 +119,10 @@ def _install_graph_hooks(processor) -> None:
     compute, forward_fn, graph_key = runner.compute_batch, runner._get_forward_fn, io._get_graph_key
 
     def compute_batch(model, batch_data):
-        cache.prepare_forward(batch_data["input_ids"].shape[-1])
+        # what Transformers packed, in row order (its prepare_batch_tensors has advanced each position_offset)
+        packed = [(f.state.request_id, f.state.position_offset - f.query_length, f.query_length)
+                  for f in io.requests_in_batch]
+        cache.prepare_forward(batch_data["input_ids"].shape[-1], packed)
         return compute(model, batch_data)
 
     def get_forward_fn(use_block_table: bool):
@@ -193,6 +201,19 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
     return patches
 
 
+def _name_bf16_layers(store: OscarPagedStore, config) -> None:
+    """Warn, once per store, naming the layers it leaves to Transformers' BF16 paged cache (sliding windows,
+    ``skip_layers``, layers an artifact has no rotation for, layers whose every head is a 16-bit retrieval head)."""
+    if getattr(store, "bf16_named", False):
+        return
+    store.bf16_named = True
+    types = ModelFingerprint.from_config(config).layer_types
+    left = {i: t for i, t in enumerate(types) if not store.handles(i)}
+    if left:
+        logger.warning("OSCAR serving keeps layers %s (%s) in BF16 in Transformers' paged cache: only the other %d "
+                       "layers are quantized", sorted(left), ", ".join(sorted(set(left.values()))), store.num_layers)
+
+
 class _LiveStores:
     """The stores an OSCAR block has built and that are still alive (weak references, in build order): what
     ``with oscar_serving() as stores`` yields."""
@@ -252,6 +273,7 @@ def oscar_continuous_batching(make_store, model=None):
         _check_cb_config(arguments.get("continuous_batching_config"))
         dtype = arguments.get("dtype", signature.parameters["dtype"].default)
         store = make_store(arguments["config"], arguments["device"], dtype)
+        _name_bf16_layers(store, arguments["config"])
         cache = OscarPagedCache(*args, store=store, **kwargs)
         stores.append(store)
         built.pages = store.pool.num_pages if cache.oscar_owns_memory else None

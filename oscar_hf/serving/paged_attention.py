@@ -179,12 +179,20 @@ class RecordedBatch:
         else:  # (a store reused by a manager without graphs)
             store.graph_rows = 0
 
-    def prepare_forward(self, rows: int) -> bool:
+    def prepare_forward(self, rows: int, packed: list[tuple[str, int, int]] | None = None) -> bool:
         """The host side of a forward, once Transformers has prepared the batch (every request recorded) and before
         the model runs or a CUDA graph replays: the store's decode plan, written into its fixed buffers (pages
-        allocated, lengths advanced). ``rows``: the forward's packed rows, padding included. Returns whether this
-        step may run as a graph (a decode-only batch that fits the buffers, graphs on); ``graph_key`` then holds
-        what else its graph depends on (the history bound its grids are sized for)."""
+        allocated, lengths advanced). ``rows``: the forward's packed rows, padding included; ``packed``: the requests
+        Transformers packed, ``(request_id, past_length, query_length)`` in row order, which must be exactly the ones
+        recorded (the store learns whose rows are whose only from the recording: a missed or reordered call would
+        give requests each other's KV). Returns whether this step may run as a graph (a decode-only batch that fits
+        the buffers, graphs on); ``graph_key`` then holds what else its graph depends on (the history bound its grids
+        are sized for)."""
+        if packed is not None and packed != self._pending:
+            recorded, self._pending = self._pending, []
+            raise RuntimeError(f"OSCAR paged cache: the forward packs {packed}, the cache recorded {recorded} (request "
+                               "ids, past and new lengths, in row order): this Transformers version prepares batches "
+                               "in a way oscar_hf does not follow")
         plan = self.store.plan_decode(self.batch(), rows if self.cuda_graphs else None)
         self.graph_step = plan is not None and plan.graphable
         self.graph_key = (plan.max_hist,) if self.graph_step else ()
