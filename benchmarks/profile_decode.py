@@ -11,7 +11,10 @@ recording), then ``--steps`` more under the profiler. Reported per method: wall 
 grouped into OSCAR's decode kernels (``_split_kernel``, ``_combine_kernel``), its write path, GEMMs,
 attention (SDPA / flash), and the rest. ``--host``: Python's cProfile instead, for the host side of the same steps
 (``generate`` synchronises at every step, so host time adds to the device time), and the plain step time measured
-before the profiler starts.
+before the profiler starts. ``--op``: the decode-attention op alone (``bench_kernels.py``'s), each GPU kernel's mean
+device time per call at ``--points`` (``BxT``), the L2 flush between calls left out:
+
+    python benchmarks/profile_decode.py --op --points 1x131072 8x131072 32x32768 --out profile_op_h200.json
 """
 from __future__ import annotations
 
@@ -83,16 +86,6 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
                     prof_box["p"].__exit__(None, None, None)
             return scores
 
-    step = []  # host mode, OSCAR: the last compiled call's arguments
-    # (a StaticCache step replayed outside generate hit a device-side assert on the H200: not replayed)
-    if host and method.startswith("oscar"):
-        original = model.get_compiled_call
-
-        def get_compiled_call(*args, **kwargs):
-            fn = original(*args, **kwargs)
-            return lambda *a, **k: (step.append((a, k)), fn(*a, **k))[1]
-
-        model.get_compiled_call = get_compiled_call
     with torch.no_grad():
         model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=new + 1, min_new_tokens=new + 1,
                        do_sample=False,
@@ -103,9 +96,7 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
     plain = sorted(b - a for a, b in zip(clock.stamps[warmup // 2 : warmup], clock.stamps[warmup // 2 + 1 : warmup + 1]))
     plain_ms = plain[len(plain) // 2] * 1000 if plain else None
     if host:
-        frame = compiled_frame_costs(model, *step[-1]) if step else None
         if method.startswith("oscar"):
-            model.get_compiled_call = original  # (the capture above)
             from oscar_hf import disable_oscar
 
             disable_oscar(model)
@@ -120,7 +111,7 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
 
         dynamo = {k: dict(counters[k]) for k in ("stats", "recompiles", "graph_break") if counters[k]}
         return dict(method=method, batch=batch, context=context, steps=steps, wall_ms_per_step=plain_ms,
-                    wall_ms_per_step_profiled=wall_ms, compiled_frame=frame, dynamo_counters=dynamo, host_profile=text)
+                    wall_ms_per_step_profiled=wall_ms, dynamo_counters=dynamo, host_profile=text)
     by_kernel, by_group = defaultdict(float), defaultdict(float)
     for ev in prof.key_averages():
         dev_us = getattr(ev, "self_device_time_total", None)
@@ -140,30 +131,31 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
                 groups_ms=dict(sorted(by_group.items(), key=lambda kv: -kv[1])), top_kernels_ms=dict(top))
 
 
-def compiled_frame_costs(model, args, kwargs, calls: int = 20) -> dict:
-    """The host side of the compiled step alone, on the step's own arguments: the whole call (dynamo's guards and
-    input gathering, AOT's wrappers, CUDA-graph trees' checks and the replay's launch; the GPU runs it asynchronously,
-    so the host time is the call's), its median over ``calls`` (the device synchronised before each) and a cProfile
-    of as many more. Each call advances the cache by a token: the capacity left must hold ``2 * calls``. (The guard
-    check alone is ``host_overhead.py``'s, on the CPU.)"""
-    compiled = model._compiled_call
-    times, prof = [], cProfile.Profile()
-    with torch.no_grad():
-        for profiled in (False, True):
-            for _ in range(calls):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                if profiled:
-                    prof.enable()
-                compiled(*args, **kwargs)
-                if profiled:
-                    prof.disable()
-                else:
-                    times.append(time.perf_counter() - t0)
+def op_kernel_times(b: int, t: int, iters: int = 20) -> dict:
+    """``bench_kernels.py``'s decode op at B x T: the CUDA-graph time of the whole op and each kernel's mean device
+    microseconds per call, run eagerly under the profiler (the L2 flush's kernels left out)."""
+    import bench_kernels as bk
+
+    bk.FLUSH = bk.FLUSH if bk.FLUSH is not None else torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    op = bk.oscar_op(bk.make_decode(b, t, torch.Generator().manual_seed(0)))
+    graph_ms = bk.timed(op, graph=True)
+    for _ in range(3):
+        op()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            bk.flush_l2()
+            op()
         torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-    return dict(call_host_ms=round(sorted(times)[len(times) // 2] * 1e3, 4), call_profile=buf.getvalue())
+    tot, cnt = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and not any(w in e.name.lower() for w in ("fill", "zero", "reduce_kernel",
+                                                                                   "memset")):
+            tot[e.name[:90]] += getattr(e, "device_time_total", 0.0) / iters
+            cnt[e.name[:90]] += 1
+    kernels = {k: dict(us_per_call=us, launches_per_call=cnt[k] / iters) for k, us in sorted(tot.items(),
+                                                                                          key=lambda kv: -kv[1])}
+    return dict(B=b, T=t, graph_ms=graph_ms, kernel_sum_us=sum(tot.values()), kernels=kernels)
 
 
 def main(argv=None):
@@ -177,8 +169,19 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--host", action="store_true", help="cProfile of the host instead of torch.profiler: where a "
                    "step's host time goes (the text report per method in the JSON)")
+    p.add_argument("--op", action="store_true", help="the decode op alone at --points, kernel by kernel")
+    p.add_argument("--points", nargs="+", default=["1x131072", "8x131072", "32x32768", "8x8192"], help="--op: BxT")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               command="python " + " ".join([sys.argv[0].split("/")[-1]] + (argv or sys.argv[1:])))
+    if a.op:
+        rows = [op_kernel_times(*(int(x) for x in pt.split("x"))) for pt in a.points]
+        for r in rows:
+            print(f"B={r['B']} T={r['T']}: graph {r['graph_ms'] * 1e3:.1f} us, kernels {r['kernel_sum_us']:.1f} us")
+            for name, k in r["kernels"].items():
+                print(f"   {k['us_per_call']:8.1f} us  x{k['launches_per_call']:.0f}  {name}")
+        return save(a.out, env, rows)
     model = build_model(a.shape, torch.bfloat16, a.device, a.context + a.warmup + a.steps + 16)
     rows = []
     for m in a.methods:
@@ -189,11 +192,13 @@ def main(argv=None):
         else:
             print(json.dumps(r), flush=True)
         rows.append(r)
-    env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               command="python " + " ".join([sys.argv[0].split("/")[-1]] + (argv or sys.argv[1:])))
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(dict(env=env, results=rows), indent=2))
+    return save(a.out, env, rows)
+
+
+def save(out, env, rows):
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(dict(env=env, results=rows), indent=2))
     return rows
 
 
