@@ -182,11 +182,17 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
         # the store's memory goes back with its manager (a model switch in `transformers serve` stops the old one):
         # its window slots, and its pages, which live in the manager's cache tensor (5.20+) or beside it (5.17 - 5.19)
         cache = getattr(getattr(self, "batch_processor", None), "cache", None)
+        thread = getattr(self, "_generation_thread", None)
         out = stop(self, *args, **kwargs)
-        if isinstance(cache, OscarPagedCache) and getattr(self, "batch_processor", None) is None \
-                and not self.is_running():  # not kept for a next session, and its loop is over
-            cache.store.release_memory()
-            _restore(getattr(cache, "oscar_switched", []))  # the model's attention as the manager found it
+        if isinstance(cache, OscarPagedCache) and getattr(self, "batch_processor", None) is None:  # not kept
+            def release():
+                cache.store.release_memory()
+                _restore(getattr(cache, "oscar_switched", []))  # the model's attention as the manager found it
+
+            if thread is not None and thread.is_alive():  # stopped with a timeout while its loop still flushes:
+                _release_after(thread, release)  # once the loop is over (its requests still need the store)
+            else:
+                release()
         return out
 
     patches = [(manager, "_create_batch_processor", create_checked), (manager, "stop", stop_and_release),
@@ -199,6 +205,15 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
 
         patches.append((manager, "switch_to_cb_friendly_attn", keep_attention))
     return patches
+
+
+def _release_after(thread: threading.Thread, release) -> None:
+    """Run ``release`` once ``thread`` (a stopped manager's generation loop, still flushing) has ended."""
+    def wait_then_release():
+        thread.join()
+        release()
+
+    threading.Thread(target=wait_then_release, name="oscar-release-after-flush", daemon=True).start()
 
 
 def _name_bf16_layers(store: OscarPagedStore, config) -> None:
