@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Long-run soak of OscarCache in ``generate``.
+"""Long-run soak of OscarCache in ``generate`` and of OSCAR serving.
 
     python benchmarks/soak.py --parts calls --out soak_calls.json             # GPU: 200 generate calls, a few minutes
+    python benchmarks/soak.py --parts serving --out serving_soak.json         # GPU: 1,000 requests, two models
     python benchmarks/soak.py --tiny --out /tmp/soak.json                       # CPU: tiny shapes, seconds
 
 Model: Qwen3-shaped, random weights (head_dim 128, 8 KV heads, 32 query heads, but 4 layers and a small
@@ -28,6 +29,17 @@ is what keeps ``generate`` going.
     ``--calls-mem-tol-mib``; peaks compared among calls of one kind, :func:`check_peaks_flat`); the number of
     live tensors (``gc``) does not grow.
 
+(c) ``--parts serving``: ``--requests`` (1,000) requests with cancellations and model switches through
+    ``oscar_serving`` (what ``scripts/serve.py`` runs: a fresh store per manager, per model): two random-weight models
+    of different shapes (Llama, Qwen3) taking ``--rounds`` (10) rounds in turn, each round a manager that gets requests
+    of random prompt and answer lengths, cancels every 5th right after it is sent and a few more while decoding, then
+    stops. Checks: every request not cancelled finishes with its ``max_new_tokens`` tokens, none fails; after each
+    round the store holds no request, page, window slot or prompt reservation and is garbage once the manager is
+    dropped; live tensors and (CUDA) ``memory_allocated`` come back to the first round's of the same model. The CUDA
+    figure is taken after ``torch._C._cuda_clearCublasWorkspaces()``: PyTorch keeps one cuBLAS workspace (32 MiB on
+    sm_90) per (handle, stream) for the process's life and every manager computes on streams of its own, a bounded
+    cache of PyTorch's, not a leak (both figures are recorded: ``memory_mib``, ``memory_mib_raw``).
+
 Writes every measurement to ``--out`` (JSON) and exits with status 1 when a check fails. ``--tiny`` (CPU):
 tiny shapes, sink 8 / recent 16, 160 new tokens and 8 calls; CUDA memory checks are skipped
 on CPU (the live-tensor count still runs). ``--inject-nan-at N`` corrupts the cache at step N (a test that
@@ -40,16 +52,19 @@ import gc
 import json
 import os
 import platform
+import random
 import sys
 import time
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from oscar_hf import OscarCache
 from oscar_hf.compat import cache_kwargs
+from oscar_hf.serving import continuous_batching_config, oscar_serving
 
 MiB = 2**20
 EOS = 2
@@ -63,6 +78,22 @@ TINY_DEFAULTS = dict(long_prompt=48, long_new_tokens=160, long_batch=2, every=32
                      calls_new_tokens=6, warmup=2, sink=8, recent=16, count_every=2)
 GPU_DEFAULTS = dict(long_prompt=1024, long_new_tokens=32768, long_batch=2, every=1024, calls=200, calls_prompt=512,
                     calls_new_tokens=32, warmup=8, sink=64, recent=256, count_every=25)
+
+SERVING_SHAPES = {  # (A, B): two model types of different shapes (a switch changes every tensor's size)
+    "soak": (dict(model_type="llama", hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=32000),
+             dict(model_type="qwen3", hidden_size=768, intermediate_size=1536, num_hidden_layers=3,
+                  num_attention_heads=12, num_key_value_heads=4, head_dim=128, vocab_size=32000)),
+    "tiny": (dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256),
+             dict(model_type="qwen3", hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256)),
+}
+SERVING = dict(requests=1000, rounds=10, min_prompt=16, max_prompt=2048, max_new=32, cancel_every=5,
+                sink=64, recent=128, group_size=64, page_size=64, num_blocks=2048, max_batch_tokens=1024,
+                max_requests=32)
+SERVING_TINY = dict(requests=120, rounds=6, min_prompt=3, max_prompt=60, max_new=6, cancel_every=5, sink=4, recent=8,
+            group_size=32, page_size=8, num_blocks=128, max_batch_tokens=32, max_requests=8)
 
 
 def build_model(shape: str, dtype, device, max_pos: int, seed: int):
@@ -356,10 +387,99 @@ def many_calls(model, a, device, checks) -> dict:
     return res
 
 
+# ---------------------------------------------------------------------------------------------- (c)
+def serve_round(model, stores, c, rng: random.Random, n: int) -> dict:
+    """One manager's life: ``n`` requests, cancellations, then stop; what its store held after."""
+    cb = continuous_batching_config(num_blocks=c.num_blocks, max_batch_tokens=c.max_batch_tokens,
+                                    page_size=c.page_size)
+    gen = GenerationConfig(max_new_tokens=c.max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    manager.start()
+    vocab = model.config.vocab_size
+    wanted, cancelled = {}, set()
+    for i in range(n):
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(c.min_prompt, c.max_prompt))]
+        new = rng.randint(1, c.max_new)
+        rid = manager.add_request(prompt, max_new_tokens=new)
+        wanted[rid] = new
+        if i % c.cancel_every == 0:  # cancelled right after it was sent (maybe before its prefill)
+            manager.cancel_request(rid)
+            cancelled.add(rid)
+    late = [rid for rid in wanted if rid not in cancelled and wanted[rid] > 1][: max(1, n // (2 * c.cancel_every))]
+    got, errors, deadline = {}, [], time.monotonic() + 600.0
+    while len(got) + len(errors) < len(wanted) - len(cancelled) and time.monotonic() < deadline:
+        r = manager.get_result(timeout=1.0)
+        if r is None:
+            continue
+        if r.error:
+            errors.append(str(r.error))
+        elif r.request_id not in cancelled:
+            got[r.request_id] = r
+        for rid in list(late):  # cancelled while decoding: once some request has finished
+            late.remove(rid)
+            if rid not in got:
+                manager.cancel_request(rid)
+                cancelled.add(rid)
+    manager.stop(block=True)
+    wrong = {rid: (len(r.generated_tokens), wanted[rid]) for rid, r in got.items()
+             if len(r.generated_tokens) != wanted[rid]}
+    missing = sorted(set(wanted) - cancelled - set(got))
+    (store,) = list(stores)
+    held = dict(requests=len(store.requests), pages=store.pool.num_used if store.pool is not None else 0,
+                window_bytes=store.windows.nbytes, prompt_reserved=store.prompt_reserved)
+    ref = weakref.ref(store)
+    del store, manager
+    if hasattr(model, "destroy_cached_continuous_batching_manager"):
+        model.destroy_cached_continuous_batching_manager()
+    gc.collect()
+    return dict(requests=n, finished=len(got), cancelled=len(cancelled), errors=errors[:3], wrong_lengths=wrong,
+                missing=missing[:5], held_after_stop=held, store_released=ref() is None)
+
+
+def serving_run(a, device, checks) -> dict:
+    c = argparse.Namespace(**{**(SERVING_TINY if a.tiny else SERVING), **{k: v for k, v in (("requests", a.requests),
+                                                                                            ("rounds", a.rounds)) if v}})
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    models = []
+    for i, spec in enumerate(SERVING_SHAPES["tiny" if a.tiny else "soak"]):
+        spec = dict(spec)
+        config = AutoConfig.for_model(spec.pop("model_type"), **spec, max_position_embeddings=8192)
+        torch.manual_seed(a.seed + i)
+        models.append(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device).eval())
+    rng, records, first = random.Random(a.seed), [], {}
+    kw = dict(max_requests=c.max_requests, method="hadamard", sink=c.sink, recent=c.recent, group_size=c.group_size)
+    with oscar_serving(**kw) as stores:
+        for r in range(c.rounds):
+            which = r % 2
+            rec = serve_round(models[which], stores, c, rng, c.requests // c.rounds)
+            rec.update(round=r, model="AB"[which], live_tensors=live_tensors(), stores_alive=len(stores))
+            if device.type == "cuda":
+                raw = torch.cuda.memory_allocated()
+                torch._C._cuda_clearCublasWorkspaces()  # (PyTorch's per-stream cuBLAS workspaces: the docstring's (c))
+                rec.update(memory_mib_raw=round(raw / MiB, 2), memory_mib=round(torch.cuda.memory_allocated() / MiB, 2))
+            first.setdefault(which, rec)
+            records.append(rec)
+            print(json.dumps({k: rec[k] for k in ("round", "model", "finished", "cancelled", "live_tensors")}), flush=True)
+    check(checks, "serving.no_errors", not any(r["errors"] for r in records), errors=[r["errors"] for r in records])
+    check(checks, "serving.lengths", not any(r["wrong_lengths"] or r["missing"] for r in records),
+          wrong=[(r["round"], r["wrong_lengths"], r["missing"]) for r in records if r["wrong_lengths"] or r["missing"]])
+    check(checks, "serving.cancelled_some", all(r["cancelled"] > 0 for r in records))
+    check(checks, "serving.nothing_held_after_stop", all(not any(r["held_after_stop"].values()) for r in records),
+          held=[(r["round"], r["held_after_stop"]) for r in records if any(r["held_after_stop"].values())])
+    check(checks, "serving.stores_released", all(r["store_released"] and r["stores_alive"] == 0 for r in records))
+    grow = [r["live_tensors"] - first[r["round"] % 2]["live_tensors"] for r in records]
+    check(checks, "serving.live_tensors_flat", max(grow) <= 64, growth=grow)
+    if device.type == "cuda":
+        mem = [r["memory_mib"] - first[r["round"] % 2]["memory_mib"] for r in records]
+        check(checks, "serving.memory_flat", max(mem) <= 16.0, growth_mib=mem,
+              raw_growth_mib=[r["memory_mib_raw"] - first[r["round"] % 2]["memory_mib_raw"] for r in records])
+    return dict(rounds=records, settings=vars(c))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU test)")
-    p.add_argument("--parts", nargs="+", default=["long", "calls"], choices=["long", "calls"])
+    p.add_argument("--parts", nargs="+", default=["long", "calls"], choices=["long", "calls", "serving"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--layers", type=int, default=None)
@@ -369,6 +489,8 @@ def main(argv=None) -> int:
     p.add_argument("--mem-tol-mib", type=float, default=64.0, help="(a) allowed growth of non-cache memory / window peak")
     p.add_argument("--calls-mem-tol-mib", type=float, default=4.0, help="(b) allowed growth of memory between calls / per-call peak")
     p.add_argument("--inject-nan-at", type=int, default=None, help="(a) corrupt a stored scale at this step (checks must fail)")
+    p.add_argument("--requests", type=int, default=None, help="(c) default 1000 (120 with --tiny)")
+    p.add_argument("--rounds", type=int, default=None, help="(c) default 10 (6 with --tiny)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     for k, v in (TINY_DEFAULTS if a.tiny else GPU_DEFAULTS).items():
@@ -382,7 +504,7 @@ def main(argv=None) -> int:
     if a.layers:
         SHAPES[shape] = {**SHAPES[shape], "num_hidden_layers": a.layers}
     max_pos = max(a.long_prompt + a.long_new_tokens, a.calls_prompt + a.calls_new_tokens) + 16
-    model = build_model(shape, dtype, device, max_pos, a.seed)
+    model = build_model(shape, dtype, device, max_pos, a.seed) if {"long", "calls"} & set(a.parts) else None
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     res = dict(shape=dict(SHAPES[shape]), dtype=str(dtype), device=dev_name,
                torch=torch.__version__, transformers=__import__("transformers").__version__, args=vars(a))
@@ -399,6 +521,10 @@ def main(argv=None) -> int:
     if "calls" in a.parts:
         res["calls"] = many_calls(model, a, device, checks)
         print(json.dumps({k: v for k, v in res["calls"].items() if k not in ("records", "reference_tokens")}), flush=True)
+    if "serving" in a.parts:
+        del model
+        gc.collect()
+        res["serving"] = serving_run(a, device, checks)
     res["checks"] = checks
     res["ok"] = all(c["ok"] for c in checks.values())
     if a.out:

@@ -1,4 +1,4 @@
-"""benchmarks/serving_soak.py in its tiny CPU mode: requests with cancellations and model switches through
+"""benchmarks/soak.py's serving part in its tiny CPU mode: requests with cancellations and model switches through
 ``oscar_serving`` leave nothing behind, and the checks fire on a store that keeps its windows."""
 import pytest
 from script_utils import import_benchmark, run_tiny
@@ -6,13 +6,13 @@ from script_utils import import_benchmark, run_tiny
 
 @pytest.fixture(scope="module")
 def soak():
-    return import_benchmark("serving_soak")
+    return import_benchmark("soak")
 
 
 def test_tiny_serving_soak_passes(soak, tmp_path):
-    rc, res = run_tiny(soak, tmp_path)
+    rc, res = run_tiny(soak, tmp_path, "--parts", "serving")
     assert rc == 0 and res["ok"], {k: c for k, c in res["checks"].items() if not c["ok"]}
-    rounds = res["rounds"]
+    rounds = res["serving"]["rounds"]
     assert [r["model"] for r in rounds] == list("ABABAB")  # a model switch every round
     assert sum(r["requests"] for r in rounds) == 120
     assert all(r["cancelled"] >= 4 and r["finished"] + r["cancelled"] == r["requests"] for r in rounds)
@@ -24,5 +24,5 @@ def test_serving_soak_sees_a_store_that_keeps_its_windows(soak, tmp_path, monkey
     from oscar_hf.serving.store import WindowPool
 
     monkeypatch.setattr(WindowPool, "release_memory", lambda self: None)
-    rc, res = run_tiny(soak, tmp_path, "--requests", "40", "--rounds", "2")
-    assert rc == 1 and not res["checks"]["nothing_held_after_stop"]["ok"]
+    rc, res = run_tiny(soak, tmp_path, "--parts", "serving", "--requests", "40", "--rounds", "2")
+    assert rc == 1 and not res["checks"]["serving.nothing_held_after_stop"]["ok"]
