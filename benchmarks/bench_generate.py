@@ -2,8 +2,8 @@
 """End-to-end decode speed and KV memory in `generate` on a random-initialised model of a real shape
 (default Qwen3-8B: 36 layers, 32 query / 8 KV heads, head_dim 128; ``--shape``: the ``SHAPES`` below, among them
 Gemma 3 12B (sliding 5 : full 1, head_dim 256), gpt-oss-20b (sliding / full, attention sinks, head_dim 64, eager
-attention), Qwen3-Next and Qwen3.5-9B (linear attention 3 : full 1, head_dim 256), Llama 3.2 1B (head_dim 64), and a
-``tiny-*`` CPU-sized version of each). Methods (``--methods``):
+attention), Qwen3-Next and Qwen3.5-9B (linear attention 3 : full 1, head_dim 256), Llama 3.2 1B (head_dim 64)).
+Methods (``--methods``):
 
 * ``bf16-strong``: the strong BF16 baseline (``strong_bf16.py``): a static cache whose decode step reads the
   un-repeated K/V over the live length only (a split-K Triton kernel, the length on the device), compiled by
@@ -19,11 +19,8 @@ attention), Qwen3-Next and Qwen3.5-9B (linear attention 3 : full 1, head_dim 256
   ``oscar-compiled``: ``OscarCache(compile=True)``, the compiled storage also for the models where the default call
   keeps the eager storage on CUDA (hybrid, MLA, KV-sharing, soft-capped); ``oscar-skipN``: the first N layers kept in
   full precision (``skip_layers``);
-  ``oscar-fpN``: ``OscarCache`` with N KV heads (spread over the layers) in full precision, stored as the
-  library stores them (INT8 by default); ``oscar-fpN-bf16`` / ``-int8`` / ``-int4``: stored in BF16 / INT8 / INT4
-  (``OscarConfig.full_precision_heads``, e.g. the retrieval heads);
-* ``hqq2`` / ``hqq4`` / ``quanto2`` / ``quanto4``: Transformers' ``QuantizedCache`` (HQQ / quanto
-  backend, 2 / 4 bits, group 64, residual 128; eager).
+  ``oscar-fpN``: ``OscarCache`` with N retrieval heads (``full_precision_heads``, spread over the layers), stored
+  as the library stores them (INT8).
 
 Every figure is a ratio against the baselines measured in the same run: ``speedup_vs_bf16_strong`` first, then
 ``speedup_vs_bf16`` (DynamicCache) and ``speedup_vs_bf16_static``.
@@ -54,7 +51,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsP
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oscar_hf import OscarCache, OscarConfig, StaticOscarCache  # noqa: E402
+from oscar_hf import OscarCache, StaticOscarCache  # noqa: E402
 from oscar_hf.compat import cache_kwargs, returned_cache  # noqa: E402
 
 torch._dynamo.config.cache_size_limit = 64  # one compiled decode step per (method, batch, context)
@@ -126,38 +123,6 @@ SHAPES = {
     # Falcon-H1 (FalconH1Config's defaults: 32 "hybrid" layers, attention 32 / 8 heads of 128 beside a Mamba-2 mixer
     # in each; Transformers' torch path of the Mamba mixer where mamba-ssm is not installed)
     "falcon-h1": dict(model_type="falcon_h1", max_position_embeddings=131072),
-    # CPU-sized versions of the shapes above (same layer kinds, head_dim, attention implementation)
-    "tiny-gemma3": dict(model_type="gemma3_text", hidden_size=128, intermediate_size=256, num_hidden_layers=6,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=256,
-                        sliding_window=16, layer_types=GEMMA3_LAYERS, vocab_size=1000),
-    "tiny-gpt-oss": dict(model_type="gpt_oss", attn_implementation="eager", hidden_size=128, intermediate_size=128,
-                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                         sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2,
-                         num_local_experts=4, num_experts_per_tok=2, vocab_size=1000),
-    "tiny-qwen3-next": dict(model_type="qwen3_next", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=256, layer_types=QWEN3_NEXT_LAYERS,
-                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-                            linear_value_head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                            shared_expert_intermediate_size=64, vocab_size=1000),
-    "tiny-qwen3.5": dict(model_type="qwen3_5_text", hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=256, layer_types=QWEN3_NEXT_LAYERS,
-                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-                         linear_value_head_dim=32, vocab_size=1000),
-    "tiny-gemma2": dict(model_type="gemma2", attn_implementation="eager", hidden_size=128, intermediate_size=256,
-                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=256,
-                        query_pre_attn_scalar=256, sliding_window=16, attn_logit_softcapping=50.0,
-                        final_logit_softcapping=30.0, vocab_size=1000),
-    "tiny-gemma3n": dict(model_type="gemma3n_text", hidden_size=128, intermediate_size=256, num_hidden_layers=10,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=16,
-                         num_kv_shared_layers=4, vocab_size=1000, vocab_size_per_layer_input=1000,
-                         hidden_size_per_layer_input=32, laurel_rank=8, altup_num_inputs=4,
-                         activation_sparsity_pattern=[0.0] * 10,
-                         layer_types=(["sliding_attention"] * 4 + ["full_attention"]) * 2),
-    "tiny-falcon-h1": dict(model_type="falcon_h1", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, mamba_d_ssm=128, mamba_n_heads=8,
-                           mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16, vocab_size=1000),
-    "tiny-llama": dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                       num_attention_heads=8, num_key_value_heads=2, head_dim=64, vocab_size=1000),
 }
 
 
@@ -307,29 +272,19 @@ def make_cache(model, method: str, capacity: int, explicit: bool = False):
         return None
     if method == "oscar":
         return OscarCache(model, method="hadamard", group_size=64)
-    if method == "oscar-std":  # OscarConfig.quantizer="std": the mean / std grid in both write kernels
-        return OscarCache(model, method="hadamard", group_size=64, quantizer="std")
     if method == "oscar-eager":
         return OscarCache(model, method="hadamard", group_size=64, compile=False)
     if method == "oscar-compiled":  # the compiled storage also where the default call keeps the eager one
         return OscarCache(model, method="hadamard", group_size=64, compile=True)
     if method.startswith("oscar-skip"):  # oscar-skipN: the first N layers kept in full precision (skip_layers)
         return OscarCache(model, method="hadamard", group_size=64, skip_layers=tuple(range(int(method[10:]))))
-    if method.startswith("oscar-fp"):  # oscar-fpN[-bf16|-int8]: N KV heads in full precision, spread over the layers
-        count, _, store = method.removeprefix("oscar-fp").partition("-")
-        bits = {"": OscarConfig().full_precision_bits, "bf16": 16, "int8": 8, "int4": 4}[store]
-        n, cfg = int(count), model.config.get_text_config(decoder=True)
+    if method.startswith("oscar-fp"):  # oscar-fpN: N retrieval heads (INT8, as the library stores them), spread out
+        n, cfg = int(method.removeprefix("oscar-fp")), model.config.get_text_config(decoder=True)
         nl, hk = cfg.num_hidden_layers, cfg.num_key_value_heads
-        heads = tuple(((j * nl) // n, j % hk) for j in range(n))
-        return OscarCache(model, method="hadamard", group_size=64, full_precision_heads=heads, full_precision_bits=bits)
+        return OscarCache(model, method="hadamard", group_size=64,
+                          full_precision_heads=tuple(((j * nl) // n, j % hk) for j in range(n)))
     if method == "oscar-static":
         return StaticOscarCache(model, method="hadamard", group_size=64, max_cache_len=capacity)
-    if method[:-1] in ("hqq", "quanto"):
-        from transformers import QuantizedCache
-
-        axis = 1 if method.startswith("hqq") else 0
-        return QuantizedCache(method[:-1], model.config, nbits=int(method[-1]), q_group_size=64,
-                              residual_length=128, axis_key=axis, axis_value=axis)
     raise ValueError(method)
 
 
