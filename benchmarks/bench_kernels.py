@@ -22,11 +22,11 @@ read (INT2 codes + scale/zero of K and V, BF16 window) over its time, against a 
 (bytes read + written).
 
 Write path: ``rotate_quantize_triton`` on [1, Hk, 32768, D] BF16 rows (rows/s, GB/s) and its time
-(K and V) relative to BF16 causal prefill attention (SDPA, B=1, Hq query heads, T=32K); with ``--sweep`` the
-``WRITE_SWEEP`` row tiles are timed first and the fastest is used (and the decode op's ``SWEEP`` tiles before).
+(K and V) relative to BF16 causal prefill attention (SDPA, B=1, Hq query heads, T=32K). The tile sweeps that chose
+the defaults (``--sweep``) are ``bench_kernels.py`` at 78f7d51.
 
 Usage: python benchmarks/bench_kernels.py --batches 1,8,32 --lengths 8192,32768,131072 \
-           --out benchmarks/results/kernels_h100.json [--sweep] [--config '{"gluon_min_work": 0}']
+           --out benchmarks/results/kernels_h100.json [--config '{"gluon_min_work": 0}']
        python benchmarks/bench_kernels.py --group-size 128 --meta-dtype float32 --batches 1,8 --lengths 32768,131072 \
            --out benchmarks/results/kernels_preset_h100.json      (the authors' preset: OscarConfig.reference())
        python benchmarks/bench_kernels.py --head-dim 64 --q-heads 64 --kv-heads 8 --batches 1,8 --lengths 32768,131072 \
@@ -40,7 +40,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import platform
 import sys
 import time
@@ -256,41 +255,6 @@ def oscar_bytes(b, n):
 # ------------------------------------------------------------------------------------------ benches
 
 
-# --sweep: the split kernel's tile (block_n, num_warps, num_stages; the register cap where 3 programs fit an SM),
-# as overrides of the kernel defaults (it runs the history where the Gluon kernel does not, and the window programs)
-SWEEP = [
-    dict(block_n=64, num_warps=4, num_stages=4, maxnreg=168),
-    dict(block_n=64, num_warps=4, num_stages=4, maxnreg=None),
-    dict(block_n=64, num_warps=4, num_stages=3, maxnreg=168),
-    dict(block_n=128, num_warps=8, num_stages=3, maxnreg=None),
-]
-# write-path row tiles (write_triton.rotate_quantize_triton's block_t), timed under --sweep at T = 32K
-WRITE_SWEEP = [64, 128, 256]
-
-
-def sweep(gen, configs=None):
-    global KERNEL_DEFAULTS
-    points = [(1, 131072), (8, 131072), (32, 32768)]
-    states = {p: make_decode(*p, gen) for p in points}
-    base = KERNEL_DEFAULTS
-    rows = []
-    for cfg in configs or SWEEP:
-        KERNEL_DEFAULTS = dataclasses.replace(base, **cfg)
-        try:
-            times = {f"B{b}_T{t}": timed(oscar_op(states[(b, t)]), iters=15) for b, t in points}
-        except Exception as e:  # a config the compiler rejects (resources): skip it
-            log("sweep config failed", cfg, repr(e)[:200])
-            continue
-        gm = math.exp(sum(math.log(x) for x in times.values()) / len(times))
-        rows.append({"config": cfg, "ms": times, "geomean_ms": gm})
-        log("sweep", cfg, {k: round(v, 4) for k, v in times.items()}, "geomean", round(gm, 4))
-    best = min(rows, key=lambda r: r["geomean_ms"])
-    KERNEL_DEFAULTS = dataclasses.replace(base, **best["config"])
-    del states
-    torch.cuda.empty_cache()
-    return rows, best["config"]
-
-
 SEQ_CALLS = 4  # calls a graph in the back-to-back timing (timed_seq)
 
 
@@ -381,7 +345,7 @@ def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
     return rows
 
 
-def bench_write(gen, copy_bw, t=32768, do_sweep=False):
+def bench_write(gen, copy_bw, t=32768):
     from oscar_hf.kernels import write_triton as wt
     from oscar_hf.quant import unpack_int2
 
@@ -395,21 +359,6 @@ def bench_write(gen, copy_bw, t=32768, do_sweep=False):
     )
     res = {"T": t, "rows": HK * t}
     block_t = wt.BLOCK_T
-    if do_sweep:  # each row tile: time and agreement with the reference; keep the fastest
-        ref = rotate_quantize_reference(x, r, mu, 0.96, GS, META)
-        res["sweep"] = []
-        for bt in WRITE_SWEEP:
-            try:
-                ms = timed(lambda: rotate_quantize_triton(x, r, mu, 0.96, GS, META, out=store, block_t=bt))
-                a = rotate_quantize_triton(x, r, mu, 0.96, GS, META, block_t=bt)
-                mis = (unpack_int2(a.codes) != unpack_int2(ref.codes)).float().mean().item()
-            except Exception as e:
-                log("write sweep config failed", bt, repr(e)[:200])
-                continue
-            res["sweep"].append({"config": {"block_t": bt}, "ms": ms, "codes_mismatch_frac": mis})
-            log("write sweep", bt, round(ms, 4), "mismatch", mis)
-        block_t = min(res["sweep"], key=lambda w: w["ms"])["config"]["block_t"]
-        del ref
     res["config"] = {"block_t": block_t, "num_warps": wt.NUM_WARPS}
     res["triton_ms"] = timed(lambda: rotate_quantize_triton(x, r, mu, 0.96, GS, META, out=store,
                                                             block_t=block_t))
@@ -521,10 +470,6 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--plot", help="only make the PNG from an existing result JSON")
-    ap.add_argument("--sweep", action="store_true", help="pick the split kernel's and the write kernel's tiles on this "
-                    "GPU first (SWEEP, WRITE_SWEEP)")
-    ap.add_argument("--sweep-configs", help="the decode tiles --sweep times, a JSON list of DecodeDefaults overrides "
-                    "(default SWEEP; e.g. block_n_other / num_warps_wide for head_dims other than 128)")
     ap.add_argument("--no-write", action="store_true", help="skip the write-path benchmark")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--lengths", default="8192,32768,131072")
@@ -563,15 +508,13 @@ def main(argv=None):
     result["copy_GBps"] = copy_bandwidth_gbps()
     log("copy bandwidth GB/s (read+write):", round(result["copy_GBps"], 1))
     KERNEL_DEFAULTS = dataclasses.replace(DEFAULTS, **json.loads(args.config))
-    if args.sweep:
-        result["sweep"], _ = sweep(gen, json.loads(args.sweep_configs) if args.sweep_configs else SWEEP)
     result["config"] = dataclasses.asdict(KERNEL_DEFAULTS)
     log("config", result["config"])
     batches = [int(x) for x in args.batches.split(",")]
     lengths = [int(x) for x in args.lengths.split(",")]
     save()
     if not args.no_write:  # first: short, and its numbers survive a decode run cut off by a time limit
-        result["write"] = bench_write(gen, result["copy_GBps"], do_sweep=args.sweep)
+        result["write"] = bench_write(gen, result["copy_GBps"])
         save()
     result["decode"] = []
     bench_decode(gen, batches, lengths, result["copy_GBps"], result["decode"], save)
