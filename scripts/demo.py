@@ -34,6 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_ROTATIONS = {DEFAULT_MODEL: ROOT / "oscar_hf" / "pretrained" / "smollm2-135m-instruct"}
 
 
+BASE = "DynamicCache"  # the model's own full-precision cache: the baseline of every figure
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="hub id / local path, or 'smollm2' (packaged)")
@@ -54,7 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--group-size", type=int, default=None)
     p.add_argument("--sink", type=int, default=None)
     p.add_argument("--recent", type=int, default=None)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                   help="default: bfloat16 on CUDA; float32 on the CPU, where a bfloat16 matmul of one token is tens of "
+                        "times slower (KV bytes are then counted as a 16-bit cache would hold them)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     return p.parse_args(argv)
@@ -86,11 +91,20 @@ def get_rotations(args, model, tok, calib_text: str) -> OscarRotations:
 
 
 def kv_bytes_dynamic(cache: DynamicCache) -> int:
-    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers if layer.keys is not None)
+    """Bytes of a 16-bit cache of the same tokens (its keys and values at 2 bytes an element)."""
+    return sum(layer.keys.numel() * 2 * 2 for layer in cache.layers if layer.keys is not None)
+
+
+def kv_bytes_oscar(report: dict, dtype: torch.dtype) -> int:
+    """OSCAR's total with its full-precision windows counted at 2 bytes an element, as in a 16-bit model (a float32
+    model keeps them in float32; the INT2 history, its bf16 metadata and the INT8 heads do not depend on it)."""
+    windows = report["sink"] + report["recent"]
+    return report["total"] - windows + windows * 2 // torch.tensor([], dtype=dtype).element_size()
 
 
 def main(argv=None):
     args = parse_args(argv)
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     dtype = getattr(torch, args.dtype)
     print(f"[oscar] loading {args.model} ({args.dtype}, {args.device})")
     model, tok = load_model(args.model, gguf_file=args.gguf_file, dtype=dtype, device=args.device)
@@ -101,18 +115,18 @@ def main(argv=None):
     ids = tok(eval_text[:200_000], return_tensors="pt").input_ids
     given = {k: v for k, v in dict(group_size=args.group_size, sink=args.sink, recent=args.recent).items() if v is not None}
     make_oscar = lambda: OscarCache(model, rot, **given)  # noqa: E731  (the artifact's chosen settings, then these)
-    make_bf16 = lambda: DynamicCache(config=model.config)  # noqa: E731
+    make_full = lambda: DynamicCache(config=model.config)  # noqa: E731
 
     # -- generation from a long prompt
     prompt = ids[:, : args.prompt_tokens].to(args.device)
     gens, mem = {}, {}
-    for name, make in (("BF16 DynamicCache", make_bf16), ("OSCAR 2-bit", make_oscar)):
+    for name, make in ((BASE, make_full), ("OSCAR 2-bit", make_oscar)):
         cache = make()
         t = time.time()
         out = model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, **cache_kwargs(model, cache),
                              pad_token_id=tok.pad_token_id)
         gens[name] = (tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True), time.time() - t)
-        mem[name] = cache.memory_report()["total"] if isinstance(cache, OscarCache) else kv_bytes_dynamic(cache)
+        mem[name] = kv_bytes_oscar(cache.memory_report(), dtype) if isinstance(cache, OscarCache) else kv_bytes_dynamic(cache)
         if isinstance(cache, OscarCache):
             report, oscar_cache = cache.memory_report(), cache
 
@@ -120,7 +134,7 @@ def main(argv=None):
     start = args.prompt_tokens + 512
     passage = ids[:, start : start + args.ppl_context + args.ppl_tokens]
     ppl = {}
-    for name, make in (("BF16 DynamicCache", make_bf16), ("OSCAR 2-bit", make_oscar)):
+    for name, make in ((BASE, make_full), ("OSCAR 2-bit", make_oscar)):
         ppl[name] = cache_nll(model, passage, args.ppl_context, make, desc=name)["ppl"]
 
     # -- side by side
@@ -131,12 +145,12 @@ def main(argv=None):
     print("=" * 100)
     for name, (txt, sec) in gens.items():
         print(f"\n--- {name} ({sec:.1f}s) ---\n{txt.strip()}")
-    base = ppl["BF16 DynamicCache"]
+    base = ppl[BASE]
     print("\n" + "-" * 100)
-    print(f"{'':22s}{'perplexity':>12s}{'vs BF16':>10s}{'KV bytes':>14s}{'vs BF16':>10s}")
+    print(f"{args.dtype + ' model':22s}{'perplexity':>12s}{'vs full':>10s}{'KV bytes':>14s}{'smaller':>10s}")
     for name in gens:
         print(f"{name:22s}{ppl[name]:12.3f}{(ppl[name] / base - 1) * 100:+9.2f}%{mem[name]:14,d}"
-              f"{mem['BF16 DynamicCache'] / mem[name]:9.2f}x")
+              f"{mem[BASE] / mem[name]:9.2f}x")
     # the retrieval heads OscarCache keeps by default (full_precision_heads="auto", stored per full_precision_bits)
     heads = sum(len(layer.fp_heads) for layer in oscar_cache.layers if hasattr(layer, "fp_heads"))
     bits = oscar_cache.oscar_config.full_precision_bits
