@@ -38,7 +38,7 @@
 #   multigpu, tp, tp-serving  device_map over 2 GPUs; tensor parallelism and   multigpu_<gpu>x2.json, tp_<gpu>x2.json,
 #                    continuous batching under it, 2 ranks                      tp_serving_<gpu>x2.json
 #
-# Each mode fits the device machine's 10-minute command limit but kernels-dims, default, strong and soak: run their
+# Each mode fits the device machine's 10-minute command limit but kernels-dims, soak and arch-gemma3: run their
 # parts one call each. Copy $OUT's files to benchmarks/results/ to publish them. The device machine cannot
 # `pip install -e .`: the package is laid out as it would install (`kernels/` -> `oscar_hf/kernels`, `eval/` ->
 # `oscar_hf/eval`) under /tmp/oscar_site on PYTHONPATH, and the scripts run from /tmp, so that the repository's
