@@ -57,6 +57,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; cd /tmp
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o -E "H100|H200|A100|B200|L40S" | tr A-Z a-z)
 GPU=${GPU:-gpu}
 B="$R/benchmarks"
+D="$R/tests/distributed"  # the multi-GPU correctness checks
 PY=python3
 TORCHRUN="$PY -m torch.distributed.run --standalone --nproc-per-node 2"
 
@@ -215,11 +216,11 @@ for what in "$@"; do
     run "serving_graphs_${GPU}_t32768_c24" $PY "$B/bench_serving.py" --parts capacity --kinds oscar oscar-graphs $STEP24 \
         --out "$OUT/serving_graphs_${GPU}_t32768_c24.json" ;;
   multigpu)
-    run "multigpu_${GPU}x2" $PY "$B/multigpu_check.py" --out "$OUT/multigpu_${GPU}x2.json" ;;
+    run "multigpu_${GPU}x2" $PY "$D/multigpu_check.py" --out "$OUT/multigpu_${GPU}x2.json" ;;
   tp)
-    run "tp_${GPU}x2" $TORCHRUN "$B/tp_check.py" --layers 8 --context 4096 --new-tokens 16 --out "$OUT/tp_${GPU}x2.json" ;;
+    run "tp_${GPU}x2" $TORCHRUN "$D/tp_check.py" --layers 8 --context 4096 --new-tokens 16 --out "$OUT/tp_${GPU}x2.json" ;;
   tp-serving)
-    run "tp_serving_${GPU}x2" $TORCHRUN "$B/tp_serving_check.py" --layers 8 --prompts 2000 700 3100 1500 \
+    run "tp_serving_${GPU}x2" $TORCHRUN "$D/tp_serving_check.py" --layers 8 --prompts 2000 700 3100 1500 \
         --new-tokens 32 --sink 64 --recent 256 --group-size 64 --page-size 256 --out "$OUT/tp_serving_${GPU}x2.json" ;;
   *)
     echo "unknown: $what (see the head of $0)"; exit 2 ;;

@@ -1,5 +1,5 @@
 """The user scripts (``scripts/*.py``, not a package) imported as modules, for in-process CLI tests, and the
-benchmark checks that run under ``torchrun``."""
+multi-process checks (``tests/distributed/*.py``) that run under ``torchrun``."""
 from __future__ import annotations
 
 import importlib
@@ -13,6 +13,7 @@ import torch
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 BENCHMARKS = SCRIPTS.parent / "benchmarks"
+DISTRIBUTED = Path(__file__).resolve().parent / "distributed"
 
 
 def import_script(name: str):
@@ -45,12 +46,12 @@ def run_tiny(script, tmp_path, *extra) -> tuple[int, dict]:
 
 
 def run_under_torchrun(script: str, args: list[str], cwd, timeout: int = 600) -> subprocess.CompletedProcess:
-    """``benchmarks/<script>`` with ``args`` under ``torchrun`` (2 ranks, gloo on the CPU, one thread each); skips
-    where torch has no DTensor or no gloo."""
+    """``tests/distributed/<script>`` with ``args`` under ``torchrun`` (2 ranks, gloo on the CPU, one thread each);
+    skips where torch has no DTensor or no gloo."""
     pytest.importorskip("torch.distributed.tensor")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(BENCHMARKS / script), *args]
+           str(DISTRIBUTED / script), *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -3,7 +3,7 @@
 rotations live on that layer's device. Greedy tokens of the split model are compared with the same
 weights on one GPU (and BF16 DynamicCache split vs single as the control).
 
-    NCCL_NVLS_ENABLE=0 python benchmarks/multigpu_check.py --out benchmarks/results/multigpu_h200x2.json
+    NCCL_NVLS_ENABLE=0 python tests/distributed/multigpu_check.py --out benchmarks/results/multigpu_h200x2.json
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from accelerate import dispatch_model
 from accelerate.hooks import remove_hook_from_submodules
 from transformers import DynamicCache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # bench_generate
 from bench_generate import SHAPES, build_model  # noqa: E402
 
 from oscar_hf import OscarCache, disable_oscar  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """OscarCache under tensor parallelism (``from_pretrained(..., tp_plan="auto")`` under ``torchrun``).
 
-    torchrun --nproc-per-node 2 benchmarks/tp_check.py --layers 8 --context 4096 --out benchmarks/results/tp_h200x2.json
+    torchrun --nproc-per-node 2 tests/distributed/tp_check.py --layers 8 --context 4096 --out benchmarks/results/tp_h200x2.json
 
 Every rank: (1) rank 0 builds a Qwen3-8B-shaped random-weights model (``--layers`` cuts it short; same seed)
 and saves it, plus a random per-head orthogonal rotation artifact with offsets (``--rotations random``; or the
@@ -55,7 +55,7 @@ from oscar_hf.config import ModelFingerprint  # noqa: E402
 from oscar_hf.rotations import LayerRotation  # noqa: E402
 from oscar_hf.distributed import even_head_shard, slice_layer_rotation  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # bench_generate
 from bench_generate import SHAPES as _BENCH_SHAPES, StepClock  # noqa: E402
 
 SHAPES = {
@@ -74,7 +74,7 @@ def init_distributed(script: str, dtype_name: str | None):
     """This torchrun rank's ``(device, rank, world, dtype)``: NCCL on its own GPU, else gloo on the CPU; ``dtype``
     ``dtype_name`` or bfloat16 on CUDA, float32 on the CPU."""
     if "RANK" not in os.environ:
-        raise SystemExit(f"run under torchrun: torchrun --nproc-per-node 2 benchmarks/{script} ...")
+        raise SystemExit(f"run under torchrun: torchrun --nproc-per-node 2 tests/distributed/{script} ...")
     cuda = torch.cuda.is_available()
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """OSCAR serving (Transformers' continuous batching through ``paged_oscar``) under tensor parallelism.
 
-    torchrun --nproc-per-node 2 benchmarks/tp_serving_check.py --shape qwen3-8b --layers 8 --out tp_serving.json
-    torchrun --nproc-per-node 2 benchmarks/tp_serving_check.py --shape tiny    # CPU, gloo (the CPU test does this)
+    torchrun --nproc-per-node 2 tests/distributed/tp_serving_check.py --shape qwen3-8b --layers 8 --out tp_serving.json
+    torchrun --nproc-per-node 2 tests/distributed/tp_serving_check.py --shape tiny    # CPU, gloo (the CPU test does this)
 
 Every rank: rank 0 saves a random-weights model of ``--shape`` and a random per-head rotation artifact with offsets
 (``tp_check.random_rotations``), one retrieval head (``--retrieval-head L H``, INT8) included; then (1) the
@@ -42,7 +42,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 from oscar_hf import OscarRotations  # noqa: E402
 from oscar_hf.serving import continuous_batching_config, paged_oscar  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tp_check
 from tp_check import SHAPES, init_distributed, log, model_config, random_rotations  # noqa: E402
 
 
@@ -156,7 +156,7 @@ def main(argv=None):
                        tp_equals_single=all(g["tp_equals_single"] for g in gathered),
                        oscar_differs_from_bf16=gathered[0]["oscar_differs_from_bf16"],
                        problems={g["rank"]: g["problems"] for g in gathered if g["problems"]}, ranks=gathered,
-                       command="torchrun --nproc-per-node %d benchmarks/tp_serving_check.py " % world
+                       command="torchrun --nproc-per-node %d tests/distributed/tp_serving_check.py " % world
                                + " ".join(argv if argv is not None else sys.argv[1:]))
         print(json.dumps({k: v for k, v in summary.items() if k != "ranks"}))
         if a.out:

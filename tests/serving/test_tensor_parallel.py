@@ -1,4 +1,4 @@
-"""Serving under tensor parallelism: benchmarks/tp_serving_check.py under torchrun with gloo on the CPU (2 ranks)."""
+"""Serving under tensor parallelism: tests/distributed/tp_serving_check.py under torchrun with gloo on the CPU (2 ranks)."""
 import json
 
 from script_utils import run_under_torchrun
