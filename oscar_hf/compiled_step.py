@@ -15,7 +15,8 @@ compiled callable of a model it serves (installed by :class:`~oscar_hf.OscarCach
   prompt + ``max_new_tokens``), so that its first allocation holds the whole answer where that is within reach
   (:func:`~oscar_hf.cache.static.capacity_for`) and the step compiles once.
 
-A cache without OSCAR layers (e.g. a ``StaticCache`` passed to the same model) goes straight to the compiled call.
+A cache without OSCAR layers (e.g. a ``StaticCache`` passed to the same model) goes straight to the compiled call,
+so the wrappers stay on the model once installed (nothing removes them).
 """
 from __future__ import annotations
 
@@ -68,9 +69,6 @@ def _expect_length(original, generation_config, model_kwargs, *args, **kwargs):
     return original(generation_config, model_kwargs, *args, **kwargs)
 
 
-_HOOKED = ("get_compiled_call", "_prepare_cache_for_generation")
-
-
 def install_step_hook(model) -> None:
     """Wrap ``model.get_compiled_call`` and ``model._prepare_cache_for_generation`` (instance attributes; the class
     is untouched). Idempotent."""
@@ -86,11 +84,3 @@ def install_step_hook(model) -> None:
     if hasattr(model, "_prepare_cache_for_generation"):
         model._prepare_cache_for_generation = functools.partial(_expect_length, model._prepare_cache_for_generation)
     setattr(model, _MARK, True)
-
-
-def remove_step_hook(model) -> None:
-    if getattr(model, _MARK, False):
-        for name in _HOOKED:
-            if name in vars(model):
-                delattr(model, name)
-        delattr(model, _MARK)

@@ -109,7 +109,8 @@ class OscarConfig:
             non-sink keys at its first demotion (usually the prompt), fixed from then on. Any offset is
             exact for attention (``q·k = q·(k - mu) + q·mu``); the prompt's own mean follows the
             position-dependent drift of RoPE'd keys that a calibrated mean misses at long context.
-            ``OscarCache`` only (not ``StaticOscarCache``).
+            ``OscarCache`` (either storage) and ``StaticOscarCache``; the paged serving store takes
+            "calibrated" only.
         skip_layers: layers kept entirely in full precision (negative indices count from the end).
         full_precision_heads: KV heads kept out of the INT2 history (keys and values, every position, stored as
             ``full_precision_bits`` says: INT8 by default), the rest of their layer quantized as usual; they give
