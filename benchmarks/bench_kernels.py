@@ -9,8 +9,6 @@ recent 256 = 320 BF16 window tokens, the rest INT2 history; total length T):
   ``--config`` overrides of them): :func:`decode_attention_triton` from the unrotated query, as in the model's
   attention -- query rotation ``q R_K`` and centering offset ``q · mu_K``, split-K over history and window, then
   merge + ``R_Vᵀ`` + ``mu_V`` + normalize; 3 launches (on the Gluon path the rotation shares its launch with the window programs);
-* ``oscar_composed``: ``history_partial_triton`` + the window partial, merge and rotate-back in torch
-  (what an integration gets from the contract functions alone);
 * ``sdpa``: ``F.scaled_dot_product_attention(q, K, V, enable_gqa=True)`` on BF16 K/V of length T,
   each available backend forced in turn; the fastest is the baseline.
 Every timing is the median over calls with a cold L2 (a 256 MB buffer is zeroed and read back before each
@@ -49,7 +47,7 @@ import torch.nn.functional as F
 import triton
 
 from oscar_hf.kernels import decode_triton as dt
-from oscar_hf.kernels.int2_attention import decode_attention_reference, merge_partials, partial_from_logits
+from oscar_hf.kernels.int2_attention import decode_attention_reference
 from oscar_hf.kernels.plan import DEFAULTS, group_fits
 from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.kernels.write_triton import rotate_quantize_triton
@@ -185,7 +183,6 @@ def make_decode(b, t, gen):
         start=torch.zeros(b, dtype=torch.long, device=dev),
     )
     st["mu_rot_k"] = torch.matmul(st["mu_k"].unsqueeze(1), st["r_k"]).squeeze(1)  # mu_K R_K, offline
-    st["r_v_t"] = st["r_v"].transpose(-1, -2).contiguous()
     return st
 
 
@@ -201,31 +198,6 @@ def oscar_op(st):
         return out.view(b, HQ, 1, D)
 
     return run
-
-
-def oscar_composed_op(st):
-    b = st["q"].shape[0]
-    qg = st["q"].view(b, HK, GQ, D)
-
-    def run():
-        q_rot = torch.matmul(qg.float(), st["r_k"])
-        qk_off = torch.matmul(q_rot, st["mu_rot_k"].unsqueeze(-1)).squeeze(-1)
-        hm, hl, hacc = dt.history_partial_triton(q_rot, st["k"], st["v"], st["start"], None, qk_off, SCALING, GS,
-                                                 defaults=KERNEL_DEFAULTS)
-        hacc = torch.matmul(hacc, st["r_v_t"]) + hl.unsqueeze(-1) * st["mu_v"][None, :, None, :]
-        logits = torch.matmul(qg, st["k_win"].transpose(-1, -2)).float() * SCALING
-        wpart = partial_from_logits(logits, st["v_win"])
-        _, l, acc = merge_partials([(hm, hl, hacc), wpart])
-        return (acc / l.unsqueeze(-1)).to(torch.bfloat16).view(b, HQ, 1, D)
-
-    return run
-
-
-def history_only_op(st):
-    b = st["q"].shape[0]
-    q_rot = torch.matmul(st["q"].view(b, HK, GQ, D).float(), st["r_k"])
-    return lambda: dt.history_partial_triton(q_rot, st["k"], st["v"], st["start"], None, None, SCALING, GS,
-                                             defaults=KERNEL_DEFAULTS)
 
 
 def sdpa_backends():
@@ -314,21 +286,16 @@ def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
             del more
         row["oscar_ms"] = timed(op)
         row["oscar_graph_ms"] = timed(op, graph=True)
-        row["oscar_composed_ms"] = timed(oscar_composed_op(st))
-        row["history_partial_ms"] = timed(history_only_op(st))
         row["oscar_host_us_per_call"] = host_us_per_call(op)
         hist, win = oscar_bytes(b, st["n"])
         row["oscar_bytes"] = hist + win
         row["oscar_GBps"] = (hist + win) / row["oscar_ms"] / 1e6
         row["oscar_pct_copy_bw"] = 100 * row["oscar_GBps"] / copy_bw
         row["oscar_graph_pct_copy_bw"] = graph_pct_copy_bw(row, copy_bw)
-        row["history_partial_GBps"] = hist / row["history_partial_ms"] / 1e6
-        row["history_partial_pct_copy_bw"] = 100 * row["history_partial_GBps"] / copy_bw
         row["sdpa_GBps"] = kv_bytes / row["sdpa_best_ms"] / 1e6
         row["speedup"] = row["sdpa_best_ms"] / row["oscar_ms"]
         if row["sdpa_best_graph_ms"]:
             row["speedup_graph"] = row["sdpa_best_graph_ms"] / row["oscar_graph_ms"]
-        row["speedup_composed"] = row["sdpa_best_ms"] / row["oscar_composed_ms"]
         if b == 1 and t == 32768:  # spot-check the fused op against the torch reference here
             out = op()
             ref = decode_attention_reference(
@@ -518,12 +485,11 @@ def main(argv=None):
         save()
     result["decode"] = []
     bench_decode(gen, batches, lengths, result["copy_GBps"], result["decode"], save)
-    log("\n B      T   sdpa(ms)  oscar(ms)  speedup  graph-speedup  seq-speedup  oscar GB/s  %copy  hist-only %copy")
+    log("\n B      T   sdpa(ms)  oscar(ms)  speedup  graph-speedup  seq-speedup  oscar GB/s  %copy")
     for r in result["decode"]:
         log(f"{r['B']:>2} {r['T']:>6}  {r['sdpa_best_ms']:8.4f}  {r['oscar_ms']:9.4f}  {r['speedup']:7.2f}  "
             f"{r.get('speedup_graph', float('nan')):13.2f}  {r.get('speedup_graph_seq', float('nan')):11.2f}  "
-            f"{r['oscar_GBps']:10.0f}  {r['oscar_pct_copy_bw']:5.1f}  "
-            f"{r['history_partial_pct_copy_bw']:5.1f}")
+            f"{r['oscar_GBps']:10.0f}  {r['oscar_pct_copy_bw']:5.1f}")
     w = result.get("write")
     if w:
         log(f"write: {w['rows_per_s'] / 1e6:.1f} M rows/s, {w['GBps']:.0f} GB/s, share of 32K prefill attention "
