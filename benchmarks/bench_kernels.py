@@ -13,9 +13,8 @@ recent 256 = 320 BF16 window tokens, the rest INT2 history; total length T):
   each available backend forced in turn; the fastest is the baseline.
 Every timing is the median over calls with a cold L2 (a 256 MB buffer is zeroed and read back before each
 call, outside the timed region; ``--flush dirty``: zeroed only, see ``FLUSH_MODE``),
-measured with CUDA events around each call, eagerly and as a replayed CUDA graph; and (``*_graph_seq_ms``,
-``speedup_graph_seq``) per call in one graph of ``SEQ_CALLS`` back-to-back calls on as many states of the point, as the layers of a captured decode step run them (the graph's launch, paid by every one-call
-replay, spread over the calls; where the GPU holds the extra states). Bandwidth: bytes the op must
+measured with CUDA events around each call, eagerly and as a replayed CUDA graph (four calls back to back in
+one graph, as a captured decode step runs its layers: ``bench_kernels.py`` at d1f081d). Bandwidth: bytes the op must
 read (INT2 codes + scale/zero of K and V, BF16 window) over its time, against a measured device-to-device copy
 (bytes read + written).
 
@@ -110,14 +109,6 @@ def timed(fn, *, graph=False, iters=30, warmup=3):
     torch.cuda.synchronize()
     ts = sorted(a.elapsed_time(b) for a, b in ev)
     return ts[len(ts) // 2]
-
-
-def timed_seq(fns, iters=20):
-    """Median ms per call of one CUDA graph that makes the calls ``fns`` back to back (each on its own data, so that
-    none finds another's bytes in L2; the L2 flushed before each replay, not timed): a call's cost inside a captured
-    step of many calls, as a decode step runs its layers, with the graph's own launch (~4 us, in every single-call
-    replay of :func:`timed`) spread over ``len(fns)`` calls."""
-    return timed(lambda: [fn() for fn in fns], graph=True, iters=iters) / len(fns)
 
 
 def flush_l2(buf=None):
@@ -227,17 +218,6 @@ def oscar_bytes(b, n):
 # ------------------------------------------------------------------------------------------ benches
 
 
-SEQ_CALLS = 4  # calls a graph in the back-to-back timing (timed_seq)
-
-
-def seq_calls(b, t, kv_bytes):
-    """SEQ_CALLS where the GPU holds that many BF16 K/V and INT2 states of the point beside the one there, else 1
-    (no back-to-back timing at that point)."""
-    hist, win = oscar_bytes(b, t)
-    need = (SEQ_CALLS - 1) * (kv_bytes + hist + win) * 1.2
-    return SEQ_CALLS if need < torch.cuda.mem_get_info()[0] else 1
-
-
 def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
     rows = [] if rows is None else rows
     for b, t in itertools.product(batches, lengths):
@@ -270,20 +250,8 @@ def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
         except Exception as e:
             row["sdpa_best_graph_ms"] = None
             row["sdpa_graph_error"] = repr(e)[:160]
-        seq = seq_calls(b, t, kv_bytes)
-        if seq > 1:  # SEQ_CALLS calls a graph, each on its own data (timed_seq)
-            extra = [(torch.randn_like(sk), torch.randn_like(sv)) for _ in range(seq - 1)]
-            be = sdpa_backends().get(best_name)
-            row["sdpa_best_graph_seq_ms"] = timed_seq([sdpa_op(st["q"], k_, v_, be) for k_, v_ in [(sk, sv)] + extra])
-            del extra
         del sk, sv
         op = oscar_op(st)
-        if seq > 1:
-            more = [make_decode(b, t, gen) for _ in range(seq - 1)]
-            row["oscar_graph_seq_ms"] = timed_seq([op] + [oscar_op(s_) for s_ in more])
-            row["graph_seq_calls"] = seq
-            row["speedup_graph_seq"] = row["sdpa_best_graph_seq_ms"] / row["oscar_graph_seq_ms"]
-            del more
         row["oscar_ms"] = timed(op)
         row["oscar_graph_ms"] = timed(op, graph=True)
         row["oscar_host_us_per_call"] = host_us_per_call(op)
@@ -385,9 +353,6 @@ def plot(path):
         t = [r["T"] // 1024 for r in rs]
         (line,) = axes[0].plot(t, [r["speedup"] for r in rs], "o-", label=f"B={b} eager")
         axes[0].plot(t, [r.get("speedup_graph", float("nan")) for r in rs], "s--", color=line.get_color(), label=f"B={b} CUDA graph")
-        if any("speedup_graph_seq" in r for r in rs):
-            axes[0].plot(t, [r.get("speedup_graph_seq", float("nan")) for r in rs], "^:", color=line.get_color(),
-                         label=f"B={b} graph of {SEQ_CALLS} calls")
         axes[1].plot(t, [r["oscar_pct_copy_bw"] for r in rs], "o-", color=line.get_color(), label=f"B={b} eager")
         axes[1].plot(t, [graph_pct_copy_bw(r, res["copy_GBps"]) for r in rs], "s--", color=line.get_color(),
                      label=f"B={b} CUDA graph")
@@ -485,10 +450,10 @@ def main(argv=None):
         save()
     result["decode"] = []
     bench_decode(gen, batches, lengths, result["copy_GBps"], result["decode"], save)
-    log("\n B      T   sdpa(ms)  oscar(ms)  speedup  graph-speedup  seq-speedup  oscar GB/s  %copy")
+    log("\n B      T   sdpa(ms)  oscar(ms)  speedup  graph-speedup  oscar GB/s  %copy")
     for r in result["decode"]:
         log(f"{r['B']:>2} {r['T']:>6}  {r['sdpa_best_ms']:8.4f}  {r['oscar_ms']:9.4f}  {r['speedup']:7.2f}  "
-            f"{r.get('speedup_graph', float('nan')):13.2f}  {r.get('speedup_graph_seq', float('nan')):11.2f}  "
+            f"{r.get('speedup_graph', float('nan')):13.2f}  "
             f"{r['oscar_GBps']:10.0f}  {r['oscar_pct_copy_bw']:5.1f}")
     w = result.get("write")
     if w:
