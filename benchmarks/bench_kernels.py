@@ -353,6 +353,9 @@ def plot(path):
         t = [r["T"] // 1024 for r in rs]
         (line,) = axes[0].plot(t, [r["speedup"] for r in rs], "o-", label=f"B={b} eager")
         axes[0].plot(t, [r.get("speedup_graph", float("nan")) for r in rs], "s--", color=line.get_color(), label=f"B={b} CUDA graph")
+        if any("speedup_graph_seq" in r for r in rs):  # results of d1f081d and before: 4 calls in one graph
+            axes[0].plot(t, [r.get("speedup_graph_seq", float("nan")) for r in rs], "^:", color=line.get_color(),
+                         label=f"B={b} graph of 4 calls")
         axes[1].plot(t, [r["oscar_pct_copy_bw"] for r in rs], "o-", color=line.get_color(), label=f"B={b} eager")
         axes[1].plot(t, [graph_pct_copy_bw(r, res["copy_GBps"]) for r in rs], "s--", color=line.get_color(),
                      label=f"B={b} CUDA graph")
