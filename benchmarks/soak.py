@@ -1,34 +1,23 @@
 #!/usr/bin/env python
-"""Long-run soak of OscarCache in ``generate`` and of OSCAR serving.
+"""Long-run soak of OscarCache in ``generate`` and of OSCAR serving; exit status 1 when a check fails.
 
     python benchmarks/soak.py --parts calls --out soak_calls.json             # GPU: 200 generate calls, a few minutes
     python benchmarks/soak.py --parts serving --out serving_soak.json         # GPU: 1,000 requests, two models
     python benchmarks/soak.py --tiny --out /tmp/soak.json                       # CPU: tiny shapes, seconds
 
-Model: Qwen3-shaped, random weights (head_dim 128, 8 KV heads, 32 query heads, but 4 layers and a small
-hidden size / vocabulary so that the decode step is cheap); ``eos_token_id`` is set, so ``min_new_tokens``
-is what keeps ``generate`` going.
+Model: Qwen3-shaped, random weights (head_dim 128, 8 KV heads, 32 query heads, 4 layers, small hidden size and
+vocabulary); ``eos_token_id`` is set, so ``min_new_tokens`` keeps ``generate`` going.
 
-(a) ``--parts long``: ONE ``generate`` call producing ``--long-new-tokens`` (32768) tokens after a
-    ``--long-prompt`` prompt, batch ``--long-batch`` with left padding. A logits processor checks every
-    step's scores for NaN/Inf (the ``-inf`` that ``min_new_tokens`` puts on the EOS column excepted;
-    accumulated on the device, no per-step sync) and every ``--every`` tokens records
-    ``torch.cuda.memory_allocated``, the peak since the previous record, ``cache.memory_report()`` and
-    the time. Checks: no non-finite score; every token generated; the memory that is *not* the cache's own
-    buffers (``memory_allocated - memory_report()["allocated"]``) and the per-window peak above the cache
-    stay within ``--mem-tol-mib`` of their first post-warm-up value (the peak may also exceed it by one
-    layer's old history buffer, which a x1.5 buffer growth briefly keeps alive; a full-precision copy of the
-    history, or anything else growing with the context, breaks this); the cache's used bytes grow linearly
-    (constant bytes per token once the history is non-empty); the final cache holds no NaN/Inf.
-
-(b) ``--parts calls``: ``--calls`` (200) consecutive ``generate`` calls on the same prompts, cycling
-    through greedy with ``cache.reset()`` of one long-lived cache, greedy with a fresh ``OscarCache``,
-    seeded sampling with the reset cache, seeded sampling with a fresh cache. Checks: every greedy output
-    equals the first greedy output and every sampled output equals the first sampled output (same seed);
-    ``memory_allocated`` between calls and each call's peak do not grow after ``--warmup`` calls (within
-    ``--calls-mem-tol-mib``; peaks compared among calls of one kind, :func:`check_peaks_flat`); the number of
-    live tensors (``gc``) does not grow.
-
+(a) ``--parts long``: ONE ``generate`` call of ``--long-new-tokens`` (32768) tokens after a ``--long-prompt``
+    left-padded batch. A logits processor counts non-finite scores on the device (the EOS column's ``-inf`` from
+    ``min_new_tokens`` excepted) and every ``--every`` tokens records memory and ``cache.memory_report()``. Checks:
+    every token generated, no non-finite score, a finite final cache; the memory that is not the cache's own
+    (``memory_allocated - memory_report()["allocated"]``) stays within ``--mem-tol-mib`` of its first post-warm-up
+    value; the cache grows by the same bytes every token once the history is non-empty.
+(b) ``--parts calls``: ``--calls`` (200) ``generate`` calls on the same prompts, cycling through greedy / seeded
+    sampling with ``reset()`` of one long-lived cache / a fresh ``OscarCache``. Checks: every greedy (sampled) output
+    equals the first; memory between calls and each kind of call's peak (:func:`check_peaks_flat`) do not grow after
+    ``--warmup`` calls (``--calls-mem-tol-mib``), nor does the number of live tensors (``gc``).
 (c) ``--parts serving``: ``--requests`` (1,000) requests with cancellations and model switches through
     ``oscar_serving`` (what ``scripts/serve.py`` runs: a fresh store per manager, per model): two random-weight models
     of different shapes (Llama, Qwen3) taking ``--rounds`` (10) rounds in turn, each round a manager that gets requests
@@ -40,17 +29,15 @@ is what keeps ``generate`` going.
     sm_90) per (handle, stream) for the process's life and every manager computes on streams of its own, a bounded
     cache of PyTorch's, not a leak (both figures are recorded: ``memory_mib``, ``memory_mib_raw``).
 
-Writes every measurement to ``--out`` (JSON) and exits with status 1 when a check fails. ``--tiny`` (CPU):
-tiny shapes, sink 8 / recent 16, 160 new tokens and 8 calls; CUDA memory checks are skipped
-on CPU (the live-tensor count still runs). ``--inject-nan-at N`` corrupts the cache at step N (a test that
-the checks fire).
+``--tiny`` (CPU): tiny shapes, sink 8 / recent 16, 160 new tokens, 8 calls, no CUDA memory checks.
+``--inject-nan-at N`` corrupts the cache at step N (a test that the checks fire). The peak-per-window check of (a)
+and per-window decode speed are ``soak.py`` at 6d19d0c.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
-import os
 import platform
 import random
 import sys
@@ -122,16 +109,7 @@ def sync(device):
 def cuda_mem(device) -> dict:
     if device.type != "cuda":
         return {}
-    return dict(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
-                peak=torch.cuda.max_memory_allocated(device))
-
-
-def rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return None
+    return dict(allocated=torch.cuda.memory_allocated(device), peak=torch.cuda.max_memory_allocated(device))
 
 
 def live_tensors() -> int:
@@ -158,45 +136,29 @@ class Monitor(LogitsProcessor):
     """Per step: non-finite scores (device-side count, no sync). Every ``every`` steps: memory + cache report."""
 
     def __init__(self, cache, every: int, vocab: int, device, inject_nan_at: int | None = None):
-        self.cache, self.every, self.device = cache, every, device
+        self.cache, self.every, self.device, self.inject_nan_at = cache, every, device, inject_nan_at
         keep = torch.ones(vocab, dtype=torch.bool)
         keep[EOS] = False  # min_new_tokens sets the EOS score to -inf until the minimum is reached
         self.keep = keep.nonzero().squeeze(1).to(device)
         self.bad = torch.zeros((), dtype=torch.long, device=device)
         self.bad_eos = torch.zeros((), dtype=torch.long, device=device)  # NaN / +inf on the EOS column
-        self.first_bad_step = None
-        self.step, self.samples, self.t0 = 0, [], None
-        self.inject_nan_at = inject_nan_at
+        self.step, self.samples, self.t0 = 0, [], time.perf_counter()
 
     def record(self):
         sync(self.device)
-        rep = self.cache.memory_report()
-        mem = cuda_mem(self.device)
+        rep, mem = self.cache.memory_report(), cuda_mem(self.device)
         s = dict(step=self.step, seq_len=self.cache.get_seq_length(), t=time.perf_counter() - self.t0,
                  cache_used=int(rep["total"]), cache_allocated=int(rep["allocated"]),
-                 history_codes=int(rep["history_codes"]), history_meta=int(rep["history_meta"]),
-                 bits_per_element=rep["bits_per_element"], nonfinite_so_far=int(self.bad))
+                 history_codes=int(rep["history_codes"]), nonfinite_so_far=int(self.bad))
         s["sinks_full"] = all(bool((layer.sink_count() == layer.config.sink).all()) for layer in self.cache.layers
                               if getattr(layer, "hist_k", None) is not None and layer.is_initialized and layer.pad is not None)
-        s["hist_layer_alloc_max"] = max((sum(t.numel() * t.element_size() for q in (layer.hist_k, layer.hist_v) for t in q)
-                                         for layer in self.cache.layers if getattr(layer, "hist_k", None) is not None), default=0)
         if mem:
-            s.update(mem_allocated=mem["allocated"], mem_reserved=mem["reserved"], window_peak=mem["peak"],
-                     non_cache=mem["allocated"] - s["cache_allocated"], window_peak_non_cache=mem["peak"] - s["cache_allocated"])
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            s["rss"] = rss_bytes()
-        if self.first_bad_step is None and s["nonfinite_so_far"]:
-            self.first_bad_step = self.step
+            s.update(mem_allocated=mem["allocated"], non_cache=mem["allocated"] - s["cache_allocated"])
         self.samples.append(s)
-        # one progress line per record (a run cut short by a time limit still shows how far it got)
-        print(json.dumps({k: s.get(k) for k in ("step", "seq_len", "t", "cache_used", "non_cache", "nonfinite_so_far")}),
-              flush=True)
+        print(json.dumps(s), flush=True)  # (a run cut short by a time limit still shows how far it got)
 
     def __call__(self, input_ids, scores):
-        if self.t0 is None:
-            self.t0 = time.perf_counter()
-        if self.inject_nan_at is not None and self.step == self.inject_nan_at:
+        if self.step == self.inject_nan_at:
             for layer in self.cache.layers:  # corrupt one stored scale: its history token's logits become NaN
                 if getattr(layer, "hist_k", None) is not None and layer.n_hist > 0:
                     layer.hist_k.scale[:, :, layer.n_hist - 1] = float("nan")
@@ -221,54 +183,33 @@ def long_run(model, a, device, checks) -> dict:
     ids, am = prompts(vocab, a.long_batch, a.long_prompt, a.seed, device)
     cache = OscarCache(model, method="hadamard", sink=a.sink, recent=a.recent)
     mon = Monitor(cache, a.every, vocab, device, a.inject_nan_at)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    base = cuda_mem(device)
     n = a.long_new_tokens
-    t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=am, **cache_kwargs(model, cache), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, logits_processor=LogitsProcessorList([mon]))
-    sync(device)
-    wall = time.perf_counter() - t0
     mon.record()  # final state (after the last token's forward)
-    new = out.shape[1] - ids.shape[1]
+    new, s, wall = out.shape[1] - ids.shape[1], mon.samples, mon.samples[-1]["t"]
     res = dict(prompt=a.long_prompt, batch=a.long_batch, new_tokens=new, wall_s=wall, ms_per_token=1000 * wall / max(new, 1),
-               mem_before=base, samples=mon.samples, memory_report_final={k: float(v) for k, v in cache.memory_report().items()},
-               nonfinite_scores=int(mon.bad), nonfinite_eos=int(mon.bad_eos), first_nonfinite_record_step=mon.first_bad_step)
+               samples=s, memory_report_final={k: float(v) for k, v in cache.memory_report().items()},
+               nonfinite_scores=int(mon.bad), nonfinite_eos=int(mon.bad_eos))
     check(checks, "long.tokens", new == n, generated=new, requested=n)
     check(checks, "long.finite_scores", int(mon.bad) == 0 and int(mon.bad_eos) == 0, nonfinite=int(mon.bad),
-          eos=int(mon.bad_eos), first_record_step=mon.first_bad_step)
+          eos=int(mon.bad_eos))
     check(checks, "long.finite_cache", cache_finite(cache))
     # the last generated token is never fed back: the cache holds prompt + n - 1 positions
-    check(checks, "long.seq_len", cache.get_seq_length() == a.long_prompt + n - 1, seq_len=cache.get_seq_length(),
-          expected=a.long_prompt + n - 1)
-    # Cache grows linearly: once every row's sink is full (left-padded rows fill theirs later), each new token
-    # adds the same bytes (one token demoted to INT2 per row), so used bytes per step are constant.
-    s = mon.samples
+    check(checks, "long.seq_len", cache.get_seq_length() == a.long_prompt + n - 1, seq_len=cache.get_seq_length())
+    # Once every row's sink is full (left-padded rows fill theirs later), each new token demotes one token per row to
+    # INT2: the same bytes every step.
     hist = [x for x in s if x["history_codes"] > 0 and x["sinks_full"]]
-    if len(hist) >= 3:
-        rates = [(b["cache_used"] - a_["cache_used"]) / (b["seq_len"] - a_["seq_len"])
-                 for a_, b in zip(hist[1:], hist[2:]) if b["seq_len"] > a_["seq_len"]]
-        if rates:
-            spread = (max(rates) - min(rates)) / max(rates)
-            res["cache_bytes_per_token"] = dict(min=min(rates), max=max(rates))
-            check(checks, "long.cache_linear", spread < 1e-6, bytes_per_token_min=min(rates), bytes_per_token_max=max(rates))
-    if device.type == "cuda" and len(s) >= 3:
-        ref = s[1]  # first record after the warm-up window (prefill, Triton compiles)
-        tol = a.mem_tol_mib * MiB
-        grow = max(x["non_cache"] for x in s[1:]) - ref["non_cache"]
+    rates = [(y["cache_used"] - x["cache_used"]) / (y["seq_len"] - x["seq_len"])
+             for x, y in zip(hist[1:], hist[2:]) if y["seq_len"] > x["seq_len"]]
+    if rates:
+        res["cache_bytes_per_token"] = dict(min=min(rates), max=max(rates))
+        check(checks, "long.cache_linear", max(rates) - min(rates) < 1e-6 * max(rates), **res["cache_bytes_per_token"])
+    if device.type == "cuda" and len(s) >= 3:  # s[1]: the first record after the warm-up (prefill, Triton compiles)
+        grow = max(x["non_cache"] for x in s[1:]) - s[1]["non_cache"]
         res["non_cache_growth_mib"] = grow / MiB
-        check(checks, "long.memory_flat", grow <= tol, growth_mib=grow / MiB, tol_mib=a.mem_tol_mib)
-        if len(s) > 3:
-            # Window peaks above the cache: a history buffer that grows (x1.5, amortized) briefly holds the old and
-            # the new buffer of one layer, so each window may exceed the first by that layer's old history buffer.
-            excess = [x["window_peak_non_cache"] - s[2]["window_peak_non_cache"] - x["hist_layer_alloc_max"] / 1.5 for x in s[2:]]
-            res["window_peak_non_cache_excess_mib"] = max(excess) / MiB
-            check(checks, "long.peak_flat", max(excess) <= tol, excess_mib=max(excess) / MiB, tol_mib=a.mem_tol_mib)
-    # decode speed per record window (ms/token), for the trend
-    res["ms_per_token_by_window"] = [dict(seq_len=b["seq_len"], ms=1000 * (b["t"] - a_["t"]) / (b["step"] - a_["step"]))
-                                     for a_, b in zip(s, s[1:]) if b["step"] > a_["step"]]
+        check(checks, "long.memory_flat", grow <= a.mem_tol_mib * MiB, growth_mib=grow / MiB, tol_mib=a.mem_tol_mib)
     del out, cache, mon
     gc.collect()
     if device.type == "cuda":
@@ -304,86 +245,57 @@ def check_peaks_flat(checks: dict, records: list[dict], tol_mib: float) -> dict[
 
 
 def many_calls(model, a, device, checks) -> dict:
-    vocab = model.config.vocab_size
-    ids, am = prompts(vocab, 2, a.calls_prompt, a.seed + 1, device)
+    ids, am = prompts(model.config.vocab_size, 2, a.calls_prompt, a.seed + 1, device)
     n = a.calls_new_tokens
     keep = OscarCache(model, method="hadamard", sink=a.sink, recent=a.recent)
-    ref = {}
-    calls, counts = [], []
-    mismatches = {"greedy": [], "sample": []}
-    t_start = time.perf_counter()
+    ref, calls, counts, mismatches = {}, [], [], {"greedy": [], "sample": []}
     for i in range(a.calls):
-        reuse, sample = i % 2 == 0, (i // 2) % 2 == 1
-        kind = "sample" if sample else "greedy"
+        reuse, kind = i % 2 == 0, "sample" if (i // 2) % 2 else "greedy"
         if reuse:
             keep.reset()
-            cache = keep
-        else:
-            cache = OscarCache(model, method="hadamard", sink=a.sink, recent=a.recent)
+        cache = keep if reuse else OscarCache(model, method="hadamard", sink=a.sink, recent=a.recent)
         if cache.get_seq_length() != 0:
             check(checks, f"calls.reset_{i}", False, seq_len=cache.get_seq_length())
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        kw = dict(do_sample=True, top_k=50, temperature=1.0) if sample else dict(do_sample=False)
+        kw = dict(do_sample=True, top_k=50, temperature=1.0) if kind == "sample" else dict(do_sample=False)
         torch.manual_seed(a.seed + 7)
-        t0 = time.perf_counter()
         try:
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=am, **cache_kwargs(model, cache), max_new_tokens=n,
                                      min_new_tokens=n, **kw)
-            sync(device)
         except Exception as e:  # noqa: BLE001 - a crash is a failed check, reported with the rest
             check(checks, "calls.no_exception", False, call=i, kind=kind, reuse=reuse, error=repr(e)[:500])
             break
         toks = out[:, ids.shape[1]:].cpu()
-        rec = dict(i=i, kind=kind, reuse=reuse, s=time.perf_counter() - t0, cache_used=int(cache.memory_report()["total"]))
-        if kind not in ref:
-            ref[kind] = toks
-            rec["tokens"] = toks.tolist()
-        elif not torch.equal(toks, ref[kind]):
+        if not torch.equal(ref.setdefault(kind, toks), toks):
             mismatches[kind].append(i)
-            rec["tokens"] = toks.tolist()
-        if device.type == "cuda":
-            rec["peak"] = torch.cuda.max_memory_allocated(device)
-        del out, toks
-        if not reuse:
-            del cache
-        else:
-            keep.reset()  # the long-lived cache releases its buffers between calls
-            cache = None
+        rec = dict(i=i, kind=kind, reuse=reuse, peak=torch.cuda.max_memory_allocated(device) if cuda_mem(device) else 0)
+        del out, toks, cache
+        keep.reset()  # the long-lived cache releases its buffers between calls
         gc.collect()
-        if device.type == "cuda":
-            rec["allocated_between_calls"] = torch.cuda.memory_allocated(device)
-        else:
-            rec["rss"] = rss_bytes()
+        rec["allocated_between_calls"] = cuda_mem(device).get("allocated", 0)
         if i >= a.warmup and ((i - a.warmup) % a.count_every == 0 or i == a.calls - 1):
             counts.append(dict(i=i, live_tensors=live_tensors()))
         calls.append(rec)
-    res = dict(calls=a.calls, prompt=a.calls_prompt, new_tokens=n, wall_s=time.perf_counter() - t_start, records=calls,
-               live_tensor_counts=counts, reference_tokens={k: v.tolist() for k, v in ref.items()}, mismatches=mismatches)
+    res = dict(calls=a.calls, prompt=a.calls_prompt, new_tokens=n, records=calls, live_tensor_counts=counts,
+               reference_tokens={k: v.tolist() for k, v in ref.items()}, mismatches=mismatches)
     checks.setdefault("calls.no_exception", dict(ok=True))
     check(checks, "calls.all_calls_ran", len(calls) == a.calls, ran=len(calls), requested=a.calls)
     check(checks, "calls.greedy_identical", not mismatches["greedy"], mismatching_calls=mismatches["greedy"][:20])
     check(checks, "calls.sampled_identical", not mismatches["sample"], mismatching_calls=mismatches["sample"][:20])
-    check(checks, "calls.sampling_is_random", "sample" not in ref or "greedy" not in ref or not torch.equal(ref["sample"], ref["greedy"]))
-    used = {r["cache_used"] for r in calls}
-    check(checks, "calls.cache_bytes_identical", len(used) == 1, distinct=sorted(used)[:5])
+    check(checks, "calls.sampling_is_random", len(ref) < 2 or not torch.equal(ref["sample"], ref["greedy"]))
     if len(counts) >= 2:  # (H200: 2363 at call 8, 2957 from call 33 to 199: built once, not a leak)
         growth = late_growth([c["live_tensors"] for c in counts])
-        check(checks, "calls.live_tensors_flat", growth <= 2, late_growth=growth, first=counts[0]["live_tensors"],
-              max=max(c["live_tensors"] for c in counts), last=counts[-1]["live_tensors"])
-    if device.type == "cuda":
-        post = [r for r in calls if r["i"] >= a.warmup]
-        if post:
-            tol = a.calls_mem_tol_mib * MiB
-            base = post[0]["allocated_between_calls"]
-            # (H200: 281.0 / 313.0 MiB alternating over 200 calls, a 32 MiB block held after some calls)
-            grow = late_growth([r["allocated_between_calls"] for r in post])
-            res.update(allocated_growth_mib=grow / MiB, allocated_first=base,
-                       allocated_last=post[-1]["allocated_between_calls"])
-            check(checks, "calls.memory_flat", grow <= tol, growth_mib=grow / MiB, tol_mib=a.calls_mem_tol_mib)
-            res["peaks_by_kind"] = check_peaks_flat(checks, post, a.calls_mem_tol_mib)
-            res["peak_growth_mib"] = checks["calls.peak_flat"]["growth_mib"]
+        check(checks, "calls.live_tensors_flat", growth <= 2, late_growth=growth, counts=[c["live_tensors"] for c in counts])
+    post = [r for r in calls if r["i"] >= a.warmup]
+    if device.type == "cuda" and post:
+        # (H200: 281.0 / 313.0 MiB alternating over 200 calls, a 32 MiB block held after some calls)
+        grow = late_growth([r["allocated_between_calls"] for r in post])
+        res["allocated_growth_mib"] = grow / MiB
+        check(checks, "calls.memory_flat", grow <= a.calls_mem_tol_mib * MiB, growth_mib=grow / MiB,
+              tol_mib=a.calls_mem_tol_mib)
+        res["peaks_by_kind"] = check_peaks_flat(checks, post, a.calls_mem_tol_mib)
     return res
 
 
@@ -481,12 +393,10 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny shapes and lengths (CPU test)")
     p.add_argument("--parts", nargs="+", default=["long", "calls"], choices=["long", "calls", "serving"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default=None, help="default bfloat16 on CUDA, float32 on CPU")
-    p.add_argument("--layers", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     for k, v in GPU_DEFAULTS.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None, help=f"default {v} ({TINY_DEFAULTS[k]} with --tiny)")
-    p.add_argument("--mem-tol-mib", type=float, default=64.0, help="(a) allowed growth of non-cache memory / window peak")
+    p.add_argument("--mem-tol-mib", type=float, default=64.0, help="(a) allowed growth of non-cache memory")
     p.add_argument("--calls-mem-tol-mib", type=float, default=4.0, help="(b) allowed growth of memory between calls / per-call peak")
     p.add_argument("--inject-nan-at", type=int, default=None, help="(a) corrupt a stored scale at this step (checks must fail)")
     p.add_argument("--requests", type=int, default=None, help="(c) default 1000 (120 with --tiny)")
@@ -499,25 +409,21 @@ def main(argv=None) -> int:
     if a.calls_prompt <= a.sink + a.recent or a.long_prompt + a.long_new_tokens <= a.sink + a.recent:
         p.error("prompts must exceed sink + recent so that the INT2 history is exercised")
     device = torch.device(a.device)
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = "tiny" if a.tiny else "soak"
-    if a.layers:
-        SHAPES[shape] = {**SHAPES[shape], "num_hidden_layers": a.layers}
     max_pos = max(a.long_prompt + a.long_new_tokens, a.calls_prompt + a.calls_new_tokens) + 16
     model = build_model(shape, dtype, device, max_pos, a.seed) if {"long", "calls"} & set(a.parts) else None
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     res = dict(shape=dict(SHAPES[shape]), dtype=str(dtype), device=dev_name,
                torch=torch.__version__, transformers=__import__("transformers").__version__, args=vars(a))
     checks: dict = {}
-    if device.type == "cuda":
-        res["weights_bytes"] = torch.cuda.memory_allocated(device)
     if "long" in a.parts:
         try:
             res["long"] = long_run(model, a, device, checks)
         except Exception as e:  # noqa: BLE001 - reported as a failed check, the JSON is still written
             check(checks, "long.no_exception", False, error=repr(e)[:500])
             res["long"] = {}
-        print(json.dumps({k: v for k, v in res["long"].items() if k not in ("samples", "ms_per_token_by_window")}), flush=True)
+        print(json.dumps({k: v for k, v in res["long"].items() if k != "samples"}), flush=True)
     if "calls" in a.parts:
         res["calls"] = many_calls(model, a, device, checks)
         print(json.dumps({k: v for k, v in res["calls"].items() if k not in ("records", "reference_tokens")}), flush=True)
