@@ -39,6 +39,16 @@ def load_ids(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
     raise ValueError(f"unknown text {text!r}; known: {TEXTS}")
 
 
+def window_ids(tokenizer, text: str, context: int, windows: int) -> torch.Tensor:
+    """``[context * windows]`` ids of ``text``, window after window; a tokenizer that adds a BOS token (Gemma) gets it
+    at the start of every window (the window's one-token prompt), as the model always saw it in training."""
+    bos = tokenizer.bos_token_id
+    if bos is None or tokenizer("a")["input_ids"][:1] != [bos]:
+        return load_ids(tokenizer, text, context * windows)
+    body = load_ids(tokenizer, text, (context - 1) * windows).view(windows, context - 1)
+    return torch.cat([torch.full((windows, 1), bos, dtype=body.dtype), body], 1).reshape(-1)
+
+
 def default_method(rotations, label: str, todays: bool = False, **overrides):
     """The ``OscarCache.from_pretrained`` defaults as an eval row (its config: the settings the calibration chose,
     else the artifact's group size). ``todays``: ignore the chosen settings (the defaults before the search)."""
@@ -76,7 +86,7 @@ def markdown(res: dict) -> str:
 
 
 def main(argv=None, model=None, tokenizer=None):
-    """CLI. ``model`` / ``tokenizer``: run on these instead of loading SmolLM2."""
+    """CLI. ``model`` / ``tokenizer``: run on these instead of loading ``--model``."""
     import argparse
 
     from oscar_hf import OscarCache, OscarRotations
@@ -87,6 +97,7 @@ def main(argv=None, model=None, tokenizer=None):
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", required=True, help="calibrated artifact directory (scripts/calibrate.py --out)")
+    p.add_argument("--model", default="smollm2", help='"smollm2" (default) or "gemma3-270m"')
     p.add_argument("--texts", default=",".join(TEXTS))
     p.add_argument("--context", type=int, default=2048, help="tokens per window")
     p.add_argument("--windows", type=int, default=2, help="windows per text")
@@ -105,7 +116,7 @@ def main(argv=None, model=None, tokenizer=None):
         torch.set_num_threads(args.threads)
     texts = [t for t in args.texts.split(",") if t]
     dtype = getattr(torch, args.dtype)
-    model, tokenizer, model_name, dtype = model_for_eval(model, tokenizer, dtype)
+    model, tokenizer, model_name, dtype = model_for_eval(model, tokenizer, dtype, args.model)
     rot = OscarRotations.from_pretrained(args.artifact)
     kv = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
     methods = {f"{kv} DynamicCache": with_label(get_method("fp"), f"{kv} DynamicCache")}
@@ -150,7 +161,7 @@ def main(argv=None, model=None, tokenizer=None):
     for name, method in methods.items():
         res["rows"][name] = {}
         for t in texts:
-            ids = load_ids(tokenizer, t, args.context * args.windows)
+            ids = window_ids(tokenizer, t, args.context, args.windows)
             t0, c0 = time.perf_counter(), time.process_time()
             r = perplexity(model, ids, method, context_len=args.context, n_windows=args.windows,
                            exact=args.path == "exact", progress=False)

@@ -131,8 +131,8 @@ def recall_score(tokenizer, passage: str, given: str, target: list[int], preds: 
 def build_prompt(tokenizer, passage: str, prefix_ids: torch.Tensor):
     """``(prompt ids [1, T0], (p0, p1))``: held-out tokens, the intro and the passage; ``[p0, p1)``: the passage's
     token positions."""
-    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "add_bos_token", False) and tokenizer.bos_token_id is not None \
-        else []
+    bos = tokenizer("a")["input_ids"][:1]  # the tokenizer's own BOS (Gemma's <bos>), if it adds one
+    bos = bos if bos == [tokenizer.bos_token_id] else []
     head = bos + prefix_ids.tolist() + tokenizer(INTRO, add_special_tokens=False)["input_ids"]
     body = tokenizer(passage, add_special_tokens=False)["input_ids"]
     ids = head + body
