@@ -44,9 +44,12 @@ class RequestRefused(_HTTPError, ValueError):
         return self.detail
 
 
-def check_request(store, input_ids, max_new_tokens: int | None, vocab_size: int | None, forks: int) -> None:
+def check_request(store, input_ids, max_new_tokens: int | None, vocab_size: int | None, forks: int,
+                  blocks_hold_windows: bool = False) -> None:
     """Raise :class:`RequestRefused` when ``store`` (None: its pool is not built yet) cannot serve a request of
-    ``input_ids`` with ``max_new_tokens`` new tokens and ``forks`` extra sequences."""
+    ``input_ids`` with ``max_new_tokens`` new tokens and ``forks`` extra sequences. ``blocks_hold_windows``: the
+    scheduler's blocks count every token of a request, its window's too (5.17 - 5.19's block manager), instead of
+    its history pages."""
     if forks > 0:
         raise RequestRefused(f"the OSCAR paged cache does not fork requests (num_return_sequences={forks + 1}): "
                              "send one request per sequence")
@@ -63,9 +66,14 @@ def check_request(store, input_ids, max_new_tokens: int | None, vocab_size: int 
     # the tokens the request stores at most: its prompt and every new token but the last (never fed back)
     stored = n + max(int(max_new_tokens or 1), 1) - 1
     pool = store.pool
-    need = store.history_pages(stored, pool.page_size)
+    p = pool.page_size
+    if blocks_hold_windows:  # Transformers' allocation: ((prompt + 1) // P) + 1 blocks first, then one at a time
+        need = max(-(-stored // p), (n + 1) // p + 1)
+        most = pool.num_pages * p
+    else:
+        need = store.history_pages(stored, p)
+        most = store.config.sink + store.config.recent + pool.num_pages * p
     if need > pool.num_pages:
-        most = store.config.sink + store.config.recent + pool.num_pages * pool.page_size
         raise RequestRefused(
             f"a prompt of {n} tokens with max_new_tokens={max_new_tokens} needs {need} INT2 pages of "
             f"{pool.page_size} tokens; the whole pool has {pool.num_pages} (at most {most} tokens a request): "
@@ -85,6 +93,7 @@ class Admission:
         self.ready = threading.Event()
         self.store = None
         self.vocab_size: int | None = None
+        self.blocks_hold_windows = False
 
     def claim(self, request_id: str, has_handler: bool) -> None:
         """A result handler is being registered for ``request_id``: before its ``add_request`` (claimed), or right
@@ -172,11 +181,12 @@ def install(manager, processor) -> None:
             raise _live(rid)
         if not getattr(state, "_true_initial_tokens", 0) and state.position_offset == 0:  # a new request
             check_request(processor.cache.store, state.initial_tokens, state.max_new_tokens, adm.vocab_size,
-                          state.num_children)
+                          state.num_children, adm.blocks_hold_windows)
         return add_waiting(state)
 
     scheduler.clear_cancelled_requests, scheduler.add_waiting_request = clear_cancelled, add_checked
     adm.store = processor.cache.store
+    adm.blocks_hold_windows = not hasattr(processor.cache, "cache_allocators")  # 5.17 - 5.19's block manager
     adm.ready.set()
 
 
@@ -194,7 +204,8 @@ def add_request(manager, original, input_ids, request_id=None, max_new_tokens=No
         _wait_ready(manager, adm)
         if max_new_tokens is None:
             max_new_tokens = manager.generation_config.max_new_tokens
-        check_request(adm.store, list(input_ids), max_new_tokens, adm.vocab_size, manager.num_return_sequences - 1)
+        check_request(adm.store, list(input_ids), max_new_tokens, adm.vocab_size, manager.num_return_sequences - 1,
+                      adm.blocks_hold_windows)
         out = original(manager, input_ids, request_id, max_new_tokens, *args, **kwargs)
     except BaseException:
         _drop(manager, adm, request_id, claimed)

@@ -48,6 +48,8 @@ def result(manager, rid, timeout=120.0):
 
 def test_bad_requests_are_refused_at_submission_and_the_rest_keep_their_tokens(model):
     good = list(range(5, 40))
+    # (computed before the manager runs: while it does, the model's attention is the manager's)
+    want, want_again = alone(model, good, 30), alone(model, list(range(5, 20)), 3)
     with paged_oscar(model, **OSCAR) as store:
         manager = model.init_continuous_batching(generation_config=gen_config(),
                                                  continuous_batching_config=cb_config())
@@ -69,10 +71,10 @@ def test_bad_requests_are_refused_at_submission_and_the_rest_keep_their_tokens(m
             assert "empty" in str(refused["empty"]) and "vocabulary" in str(refused["vocabulary"])
             assert isinstance(refused["too_long"], ValueError)
             r = result(manager, "x")
-            assert r.error is None and r.generated_tokens == alone(model, good, 30)
+            assert r.error is None and r.generated_tokens == want
             # the id left with its request: it is taken again, and served
             manager.add_request(list(range(5, 20)), request_id="x", max_new_tokens=3)
-            assert result(manager, "x").generated_tokens == alone(model, list(range(5, 20)), 3)
+            assert result(manager, "x").generated_tokens == want_again
             assert manager.background_thread_status.fatal_error is None
         finally:
             manager.stop(block=True)
@@ -81,19 +83,23 @@ def test_bad_requests_are_refused_at_submission_and_the_rest_keep_their_tokens(m
 
 def test_the_pool_limit_is_exact(model):
     """The longest request the pool holds is served (to its last token); one token more is refused."""
-    # stored tokens = prompt + max_new_tokens - 1; the pool holds 4 + 8 + 16 * 8 = 140
+    from oscar_hf.serving import SECTOR_API
+
+    # stored tokens = prompt + max_new_tokens - 1; a request holds 4 + 8 + 16 * 8 = 140 (5.20+: its history pages),
+    # 16 * 8 = 128 on 5.17 - 5.19 (Transformers' blocks count every token there)
     prompt = list(range(3, 103))
+    most = 41 if SECTOR_API else 29
     with paged_oscar(model, **OSCAR) as store:
         manager = model.init_continuous_batching(generation_config=gen_config(),
                                                  continuous_batching_config=cb_config())
         manager.start()
         try:
             with pytest.raises(RequestRefused):
-                manager.add_request(prompt, request_id="over", max_new_tokens=42)
-            manager.add_request(prompt, request_id="fits", max_new_tokens=41)
+                manager.add_request(prompt, request_id="over", max_new_tokens=most + 1)
+            manager.add_request(prompt, request_id="fits", max_new_tokens=most)
             r = result(manager, "fits")
-            assert r.error is None and len(r.generated_tokens) == 41
-            assert store.pool.peak_used == PAGES
+            assert r.error is None and len(r.generated_tokens) == most
+            assert not SECTOR_API or store.pool.peak_used == PAGES
             assert manager.background_thread_status.fatal_error is None
         finally:
             manager.stop(block=True)
@@ -103,6 +109,7 @@ def test_requests_sent_before_the_cache_exists_fail_alone_in_the_loop(model):
     """A manager not started yet has no pool to check against: the loop checks each request as it joins the
     scheduler and fails it alone (its error says why); the others are served."""
     good = list(range(7, 30))
+    want = alone(model, good, 5)
     with paged_oscar(model, **OSCAR):
         manager = model.init_continuous_batching(generation_config=gen_config(),
                                                  continuous_batching_config=cb_config())
@@ -112,13 +119,14 @@ def test_requests_sent_before_the_cache_exists_fail_alone_in_the_loop(model):
         try:
             got = {rid: result(manager, rid) for rid in ("big", "ok")}
             assert "INT2 pages" in got["big"].error
-            assert got["ok"].error is None and got["ok"].generated_tokens == alone(model, good, 5)
+            assert got["ok"].error is None and got["ok"].generated_tokens == want
             assert manager.background_thread_status.fatal_error is None
         finally:
             manager.stop(block=True)
 
 
 def test_a_cancelled_id_is_free_again(model):
+    want = alone(model, list(range(9, 30)), 4)
     with paged_oscar(model, **OSCAR):
         manager = model.init_continuous_batching(generation_config=gen_config(),
                                                  continuous_batching_config=cb_config())
@@ -134,7 +142,7 @@ def test_a_cancelled_id_is_free_again(model):
                 except RequestRefused:
                     assert time.time() < deadline, "the cancelled id never left"
                     time.sleep(0.05)
-            assert result(manager, "c").generated_tokens == alone(model, list(range(9, 30)), 4)
+            assert result(manager, "c").generated_tokens == want
         finally:
             manager.stop(block=True)
 
