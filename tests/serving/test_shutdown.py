@@ -7,7 +7,7 @@ import pytest
 from transformers import GenerationConfig
 
 from oscar_hf.models import tiny_model
-from oscar_hf.serving import continuous_batching_config, paged_oscar
+from oscar_hf.serving import SECTOR_API, continuous_batching_config, paged_oscar
 
 OSCAR = dict(sink=4, recent=8, group_size=32)
 
@@ -55,7 +55,8 @@ def test_a_manager_stopped_while_flushing_releases_everything_after_its_loop(mod
         manager.stop(block=True, timeout=0.01)  # returns while the loop is still at work
         assert loop.is_alive()
         assert store.windows.nbytes > 0 and store.has_pool  # the loop's requests still read the store
-        assert model.config._attn_implementation == "oscar_sdpa"
+        if SECTOR_API:  # (5.17 - 5.19: Transformers' own stop puts the model back on the name it found at once)
+            assert model.config._attn_implementation == "oscar_sdpa"
         go.set()
         # (Transformers' stop drops the batch processor while the loop still runs: the flushing request then fails
         # with "Tried to perform a generation step before the batch processor was initialized", BF16 alike)
