@@ -58,8 +58,9 @@ def test_probe_refuses_a_layout_that_does_not_flush_the_passage(smollm2):
     few = {"oscar": lambda: OscarCache(model, method="hadamard", sink=SINK, recent=RECENT)}
     with pytest.raises(ValueError, match="still in the recent window"):
         probe(model, tok, few, PASSAGES[:1], tokens=RECENT - 10, prefix=PREFIX)
+    narrow = {"oscar": lambda: OscarCache(model, method="hadamard", sink=SINK, recent=32)}  # < the passage's tokens
     with pytest.raises(ValueError, match="not inside the recent window at prefill"):
-        probe(model, tok, few, PASSAGES[:1], tokens=TOKENS + 200, prefix=200)
+        probe(model, tok, narrow, PASSAGES[:1], tokens=TOKENS, prefix=PREFIX)
 
 
 @pytest.fixture(scope="module")
