@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -147,6 +148,22 @@ def _say_eager_once(message: str) -> None:
         logger.warning(message)
 
 
+_SAID_MISSING: set[tuple] = set()  # (architecture, missing layers) already warned about
+
+
+def _warn_missing_rotations(fp: ModelFingerprint, rotations: OscarRotations, skipped) -> None:
+    """A warning, once per process for each model and set of layers: full-attention layers (not skipped by the
+    config) that the rotation artifact has no rotation for, and that therefore stay unquantized."""
+    missing = tuple(i for i, t in enumerate(fp.layer_types)
+                    if t in FULL_LAYER_TYPES and i not in skipped and i not in rotations.layers)
+    if missing and (fp.architecture, missing) not in _SAID_MISSING:
+        _SAID_MISSING.add((fp.architecture, missing))
+        logger.warning("OscarCache: the rotation artifact has no rotation for full-attention layer%s %s of %s: %s "
+                       "stay%s unquantized, in the model's dtype (BF16), not INT2", "s" * (len(missing) > 1),
+                       ", ".join(map(str, missing)), fp.name_or_path or fp.architecture,
+                       "they" if len(missing) > 1 else "it", "" if len(missing) > 1 else "s")
+
+
 class OscarCache(Cache):
     """Drop-in KV cache for ``generate(cache=...)`` (``past_key_values=`` on
     Transformers versions without ``cache=``, e.g. 5.17): 2-bit OSCAR
@@ -203,6 +220,7 @@ class OscarCache(Cache):
         if cal_g is not None and int(cal_g) != config.group_size:
             logger.warning("rotations were calibrated for group_size=%s, cache uses %s", cal_g, config.group_size)
         skipped = config.skipped(fp.num_layers)
+        _warn_missing_rotations(fp, rotations, skipped)
         fp_heads = resolve_full_precision_heads(config, rotations, fp, skipped)
         if fp_heads:  # the saved / reported config names the heads, not "the top k"
             config = config.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in fp_heads.items() for h in hs)))
@@ -249,6 +267,7 @@ class OscarCache(Cache):
         # layer's mask is then its (C, 0) (an OSCAR layer reads none in a decode step)
         self._mask_layer = next((i for i, x in enumerate(layers) if isinstance(x, GrowingLayer)), None)
         self.oscar_config, self.rotations, self.fingerprint = config, rotations, fp
+        self._model_ref = weakref.ref(model_or_config) if is_model else None  # save's weights digest (io.py)
         self.tp_layout = None  # [tensor parallelism] set by oscar_hf/distributed.py: each rank keeps its own KV heads
         self._log_layer_plan(fp, hybrid)
         if is_model:

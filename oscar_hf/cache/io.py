@@ -3,7 +3,8 @@
 A long document prefilled once can be reused across program runs at the cache's own size
 (INT2 history + full-precision windows), not BF16's. Layout of a saved cache directory:
 
-* ``cache_state.json``: format/version, the ``OscarConfig``, the model fingerprint, ``max_cache_len`` (a
+* ``cache_state.json``: format/version, the ``OscarConfig``, the model fingerprint, ``weights`` (a digest of the
+  model's weights, :func:`weights_digest`; null when the cache was built from a config), ``max_cache_len`` (a
   :class:`~oscar_hf.StaticOscarCache`'s capacity, null for a growable cache; absent in caches saved before it was
   recorded), and per layer its kind (``oscar`` / ``dynamic`` / ``sliding``) and scalar positions (``seq_len``,
   ``tail_start``, ``buf_slot0``, ...);
@@ -12,10 +13,13 @@ A long document prefilled once can be reused across program runs at the cache's 
   ``[0, seq_len)`` of full-precision heads; full K/V for unquantized layers);
 * ``rotations/``: the rotation artifact the cache was built with.
 
-Loading validates every tensor's shape and dtype against the JSON before use; nothing is unpickled.
+Loading refuses, before anything is allocated: a cache saved from other weights (the digest), non-finite values,
+and sizes in the JSON beyond the model's position limit (:func:`position_limit`) or the tensors in the file; then
+validates every tensor's shape and dtype against the JSON before use. Nothing is unpickled.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -78,9 +82,124 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
     path.mkdir(parents=True, exist_ok=True)  # after every layer was read: a refused cache writes nothing
     save_file(tensors, str(path / TENSORS_NAME), metadata={"format": FORMAT})
     cache.rotations.save_pretrained(path / "rotations")
+    model = cache._model_ref() if getattr(cache, "_model_ref", None) is not None else None
     doc = dict(format=FORMAT, version=VERSION, config=cache.oscar_config.to_dict(),
-               fingerprint=cache.fingerprint.to_dict(), max_cache_len=cache.max_cache_len_fixed, layers=layers)
+               fingerprint=cache.fingerprint.to_dict(), weights=weights_digest(model) if model is not None else None,
+               max_cache_len=cache.max_cache_len_fixed, layers=layers)
     (path / STATE_NAME).write_text(json.dumps(doc, indent=2))
+
+
+def weights_digest(model, per_tensor: int = 16) -> str:
+    """A short, deterministic digest of ``model``'s weights: ``per_tensor`` evenly spaced elements of every parameter
+    (rounded to bfloat16 first, so that the float32 and bfloat16 loads of a checkpoint agree; on any device), hashed.
+    One small gather per parameter and one copy to the host; parameters on the meta device (offloaded) are left out."""
+    parts = []
+    for p in model.parameters():
+        x = p.detach()
+        x = x.to_local() if hasattr(x, "to_local") else x  # a tensor-parallel shard: this rank's part
+        if x.device.type == "meta" or x.numel() == 0:
+            continue
+        flat = x.reshape(-1)
+        idx = torch.linspace(0, flat.numel() - 1, min(per_tensor, flat.numel()), device=flat.device).long()
+        sample = flat[idx]
+        parts.append((sample.to(torch.bfloat16) if sample.is_floating_point() else sample).float().cpu())
+    data = torch.cat(parts) if parts else torch.zeros(0)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]
+
+
+def _model_name(fingerprint: ModelFingerprint) -> str:
+    return fingerprint.name_or_path or fingerprint.architecture
+
+
+def check_weights(doc: dict, model, path) -> None:
+    """Refuse a cache saved from other weights than ``model``'s (same shapes: a fine-tune, another checkpoint)."""
+    saved = doc.get("weights")
+    if saved is None:  # saved before the digest was recorded, or from a cache built from a config: not checkable
+        return
+    if not isinstance(saved, str):
+        raise ValueError(f"{path / STATE_NAME}: corrupted weights digest {saved!r}")
+    here = weights_digest(model)
+    if here != saved:
+        theirs = _model_name(ModelFingerprint.from_dict(doc["fingerprint"]))
+        ours = _model_name(ModelFingerprint.from_config(model.config))
+        raise ValueError(f"{path}: this cache was saved from other weights than the model it is loaded into: saved "
+                         f"from {theirs!r} (weights {saved}), loading into {ours!r} (weights {here}); its keys and "
+                         "values only continue the model that wrote them")
+
+
+def check_finite(tensors: dict, path) -> None:
+    """Refuse NaN / inf in any floating-point tensor of a saved cache (they would decode as garbage or zeros)."""
+    for key, x in tensors.items():
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            bad = int((~torch.isfinite(x)).sum())
+            raise ValueError(f"{path / TENSORS_NAME}: tensor {key} holds {bad} non-finite values (NaN / inf) of "
+                             f"{x.numel()}: the saved cache is corrupted")
+
+
+def position_limit(model_config) -> int | None:
+    """The most positions the model is configured for: ``max_position_embeddings`` times the largest RoPE scaling
+    ``factor`` (YaRN / linear / dynamic scaling extend it); None when the config names no limit."""
+    cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+    n = getattr(cfg, "max_position_embeddings", None)
+    if not isinstance(n, int) or n <= 0:
+        return None
+    factors, todo = [1.0], [getattr(cfg, "rope_parameters", None), getattr(cfg, "rope_scaling", None)]
+    while todo:  # a dict, or one per layer type (Gemma 3)
+        d = todo.pop()
+        if isinstance(d, dict):
+            f = d.get("factor")
+            if isinstance(f, (int, float)) and not isinstance(f, bool):
+                factors.append(float(f))
+            todo.extend(v for v in d.values() if isinstance(v, dict))
+    return int(n * max(factors))
+
+
+def _bounded(value, name: str, where: str, limit: int | None, lo: int = 0) -> int:
+    """``value`` read from the JSON as an integer in ``[lo, limit]``, else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{where}: {name}={value!r} is not an integer >= {lo}")
+    if limit is not None and value > limit:
+        raise ValueError(f"{where}: {name}={value} exceeds the model's position limit {limit} "
+                         "(max_position_embeddings times its RoPE scaling factor)")
+    return value
+
+
+def check_sizes(doc: dict, tensors: dict, config: OscarConfig, limit: int | None, path) -> None:
+    """Every size in the JSON bounded, before anything is allocated: the config's windows and each layer's positions
+    by the model's position limit, and each quantized layer's positions and batch by the tensors in the file."""
+    where = str(path / STATE_NAME)
+    _bounded(config.recent, "config.recent", where, limit, lo=1)
+    _bounded(config.sink, "config.sink", where, limit)
+    if not isinstance(doc.get("layers"), list):
+        raise ValueError(f"{where}: no list of layers")
+    for i, entry in enumerate(doc["layers"]):
+        at = f"{where}, layer {i}"
+        if not isinstance(entry, dict) or entry.get("kind") not in ("oscar", "dynamic", "sliding"):
+            raise ValueError(f"{at}: not a saved layer ({str(entry)[:80]})")
+        if entry.get("empty"):
+            continue
+        if entry["kind"] == "sliding":
+            _bounded(entry.get("cumulative_length"), "cumulative_length", at, limit)
+        if entry["kind"] != "oscar":
+            continue
+        seq, ts, bs0 = (_bounded(entry.get(k), k, at, limit) for k in ("seq_len", "tail_start", "buf_slot0"))
+        for k in ("batch_size", "num_kv_heads", "head_dim"):
+            _bounded(entry.get(k), k, at, None, lo=1)
+        if entry.get("dtype") not in _DTYPES:
+            raise ValueError(f"{at}: unknown dtype {entry.get('dtype')!r}")
+        p = f"layers.{i}."
+        for key in ("pad", "tail_k", "hist_k_codes"):
+            if p + key not in tensors:
+                raise ValueError(f"saved cache is missing tensor {p + key}")
+        pad, tail, hist = tensors[p + "pad"], tensors[p + "tail_k"], tensors[p + "hist_k_codes"]
+        if pad.dim() != 1 or entry["batch_size"] != pad.shape[0]:
+            raise ValueError(f"{at}: batch_size={entry['batch_size']}, tensor {p}pad holds {tuple(pad.shape)}")
+        if tail.dim() != 4 or seq - bs0 != tail.shape[2]:
+            raise ValueError(f"{at}: seq_len={seq} buf_slot0={bs0} say {seq - bs0} window slots, tensor {p}tail_k "
+                             f"has shape {tuple(tail.shape)}")
+        if hist.dim() != 4 or max(0, ts - config.sink) != hist.shape[2]:
+            raise ValueError(f"{at}: tail_start={ts} says {max(0, ts - config.sink)} history rows, tensor "
+                             f"{p}hist_k_codes has shape {tuple(hist.shape)}")
 
 
 def layer_state(layer) -> dict:
@@ -129,13 +248,17 @@ def _saved_length(doc: dict, tensors: dict) -> int:
     return n
 
 
-def _fixed_capacity(doc: dict, tensors: dict, max_cache_len: int | None) -> int:
+def _fixed_capacity(doc: dict, tensors: dict, max_cache_len: int | None, limit: int | None = None) -> int:
     """A StaticOscarCache's capacity for the saved state: ``max_cache_len``, or by default the saved cache's own
-    capacity when it was a StaticOscarCache, else its length plus :func:`capacity_for`'s headroom."""
+    capacity when it was a StaticOscarCache (at most ``limit``, the model's position limit), else its length plus
+    :func:`capacity_for`'s headroom."""
     need = _saved_length(doc, tensors)
     if max_cache_len is None:
         saved = doc.get("max_cache_len")  # absent in caches saved before it was recorded
-        return int(saved) if saved is not None and int(saved) >= need else capacity_for(need)
+        if saved is not None:
+            saved = _bounded(saved, "max_cache_len", f"{STATE_NAME} (pass max_cache_len= to choose the capacity)",
+                             limit)
+        return saved if saved is not None and saved >= need else capacity_for(need)
     if int(max_cache_len) < need:
         raise ValueError(f"max_cache_len={max_cache_len} is smaller than the saved cache, which holds {need} tokens "
                          "(left padding included)")
@@ -202,9 +325,14 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
     problems = saved_fp.mismatches(ModelFingerprint.from_config(model.config))
     if problems:
         raise ValueError("saved cache was made for another model: " + "; ".join(problems))
+    check_weights(doc, model, path)
+    check_finite(tensors, path)
+    limit = position_limit(model.config)
+    check_sizes(doc, tensors, config, limit, path)
     rot = OscarRotations.from_pretrained(path / "rotations")
     if fixed_capacity:
-        cache = cls(model, rot, config, compile=compile, max_cache_len=_fixed_capacity(doc, tensors, max_cache_len))
+        capacity = _fixed_capacity(doc, tensors, max_cache_len, limit)
+        cache = cls(model, rot, config, compile=compile, max_cache_len=capacity)
     else:
         cache = cls(model, rot, config, compile=compile)
     if device is None:

@@ -7,7 +7,7 @@ import torch
 from oscar_hf import OscarCache, StaticOscarCache
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
-from oscar_hf.cache.io import STATE_NAME, TENSORS_NAME
+from oscar_hf.cache.io import STATE_NAME, TENSORS_NAME, position_limit, weights_digest
 from oscar_hf.cache.static import capacity_for
 
 KW = dict(method="hadamard", sink=4, recent=8, group_size=32)
@@ -116,3 +116,84 @@ def test_corrupted_saved_cache_is_refused(tmp_path):
         OscarCache.load(tmp_path / "c", tiny_model("llama", num_hidden_layers=3))
     with pytest.raises(OSError, match="not a saved OscarCache"):
         OscarCache.load(tmp_path / "nope", m)
+
+
+def _saved(tmp_path, m=None, cls=OscarCache, **kw):
+    m = m or tiny_model("llama")
+    cache = cls(m, **KW, **kw)
+    with torch.no_grad():
+        m(torch.randint(1, 200, (1, 30)), **cache_kwargs(m, cache), use_cache=True)
+    cache.save(tmp_path / "c")
+    return m, tmp_path / "c"
+
+
+def _edit_json(path, edit):
+    doc = json.loads((path / STATE_NAME).read_text())
+    edit(doc)
+    (path / STATE_NAME).write_text(json.dumps(doc))
+
+
+def test_cache_from_other_weights_is_refused(tmp_path):
+    """Same shapes, other weights (a fine-tune, another seed): refused, naming both; the digest ignores the dtype."""
+    m, path = _saved(tmp_path)
+    other = tiny_model("llama", seed=1)
+    other.config._name_or_path = "org/finetune"
+    with pytest.raises(ValueError, match=r"saved from other weights.*saved from 'LlamaForCausalLM' \(weights [0-9a-f]{16}"
+                                         r"\), loading into 'org/finetune' \(weights [0-9a-f]{16}\)"):
+        OscarCache.load(path, other)
+    with pytest.raises(ValueError, match="saved from other weights"):
+        StaticOscarCache.load(path, other)
+    assert weights_digest(tiny_model("llama", dtype=torch.bfloat16)) == weights_digest(m)
+    OscarCache.load(path, m)  # its own model
+    _edit_json(path, lambda d: d.pop("weights"))  # saved before the digest was recorded: not checkable, loads
+    OscarCache.load(path, other)
+
+
+@pytest.mark.parametrize("key, value", [("tail_k", float("nan")), ("hist_v_scale", float("inf")),
+                                        ("sink_k", float("-inf"))])
+def test_non_finite_values_are_refused(tmp_path, key, value):
+    from safetensors.torch import load_file, save_file
+
+    m, path = _saved(tmp_path)
+    t = load_file(str(path / TENSORS_NAME))
+    t[f"layers.1.{key}"].view(-1)[3] = value
+    save_file(t, str(path / TENSORS_NAME), metadata={"format": "oscar_hf.cache"})
+    for cls in (OscarCache, StaticOscarCache):
+        with pytest.raises(ValueError, match=rf"tensor layers\.1\.{key} holds 1 non-finite values"):
+            cls.load(path, m)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.update(max_cache_len=10**12), r"max_cache_len=1000000000000 exceeds the model's position limit 4096"),
+    (lambda d: d["config"].update(recent=10**9), r"config.recent=1000000000 exceeds the model's position limit 4096"),
+    (lambda d: d["layers"][0].update(seq_len=10**13, buf_slot0=10**13 - 12), r"seq_len=10000000000000 exceeds"),
+    (lambda d: d["layers"][1].update(seq_len=4030, buf_slot0=4022, tail_start=4022),
+     r"layer 1: tail_start=4022 says 4018 history rows, tensor layers.1.hist_k_codes has shape \(1, 2, 18, 8\)"),
+    (lambda d: d["layers"][0].update(seq_len=40), r"seq_len=40 buf_slot0=22 say 18 window slots, tensor layers.0.tail_k"),
+    (lambda d: d["layers"][0].update(batch_size=4096), r"batch_size=4096, tensor layers.0.pad holds \(1,\)"),
+    (lambda d: d["layers"][0].update(seq_len="30"), r"seq_len='30' is not an integer >= 0"),
+    (lambda d: d["layers"][0].update(kind="pickle"), r"layer 0: not a saved layer"),
+])
+def test_sizes_are_bounded_before_allocation(tmp_path, monkeypatch, edit, match):
+    """Sizes read from the JSON are bounded by the model's position limit and the tensors in the file, before any
+    cache is built (probes asked for 25.6 GB and 32 TB)."""
+    m, path = _saved(tmp_path, cls=StaticOscarCache, max_cache_len=48)
+    _edit_json(path, edit)
+
+    def built(*a, **k):
+        raise AssertionError("a cache was allocated before the sizes were checked")
+
+    monkeypatch.setattr(StaticOscarCache, "__init__", built)
+    monkeypatch.setattr(OscarCache, "__init__", built)
+    for cls in (OscarCache, StaticOscarCache):
+        if cls is OscarCache and "max_cache_len" in match:
+            continue  # a growable cache does not use the saved capacity
+        with pytest.raises(ValueError, match=match):
+            cls.load(path, m)
+
+
+def test_position_limit_counts_rope_scaling():
+    cfg = tiny_model("llama").config
+    assert position_limit(cfg) == 4096
+    cfg.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    assert position_limit(cfg) == 4 * 4096
