@@ -23,19 +23,19 @@ import threading
 
 try:  # transformers[serving]: FastAPI answers an HTTPException with its status code
     from starlette.exceptions import HTTPException as _HTTPError
-except ImportError:  # pragma: no cover - without the serving extra
-    _HTTPError = Exception
+except ImportError:  # without the serving extra: ValueError alone (Exception before ValueError has no MRO)
+    _HTTPError = ValueError
 
 READY_TIMEOUT = 600.0  # seconds add_request waits for a started manager's cache (its first forward waits as long)
 
 
-class RequestRefused(_HTTPError, ValueError):
+class RequestRefused(*dict.fromkeys((_HTTPError, ValueError))):  # (ValueError,) alone without Starlette
     """A request the OSCAR store cannot serve, refused before it reaches the loop (``status_code``: its HTTP status
     through ``transformers serve``; ``detail``: the message)."""
 
     def __init__(self, message: str, status_code: int = 400):
-        if _HTTPError is Exception:
-            Exception.__init__(self, message)
+        if _HTTPError is ValueError:
+            ValueError.__init__(self, message)
         else:
             _HTTPError.__init__(self, status_code=status_code, detail=message)
         self.status_code, self.detail = status_code, message

@@ -153,3 +153,17 @@ def test_forks_are_refused(model):
                                                  continuous_batching_config=cb_config())
         with pytest.raises(RequestRefused, match="fork"):
             manager.add_request([1, 2, 3], request_id="f")
+
+
+def test_refusal_without_the_serving_extra():
+    """Without Starlette (no ``transformers[serving]``) the refusal is a plain ValueError and the module imports: an
+    HTTP base that falls back to ``Exception`` before ``ValueError`` has no method resolution order."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; sys.modules['starlette'] = sys.modules['starlette.exceptions'] = None\n"
+             "from oscar_hf.serving.admission import RequestRefused\n"
+             "e = RequestRefused('a live id', 409)\n"
+             "assert isinstance(e, ValueError) and e.status_code == 409 and str(e) == 'a live id'\n")
+    res = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
