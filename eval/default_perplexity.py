@@ -42,7 +42,7 @@ def load_ids(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
 def window_ids(tokenizer, text: str, context: int, windows: int) -> torch.Tensor:
     """``[context * windows]`` ids of ``text``, window after window; a tokenizer that adds a BOS token (Gemma) gets it
     at the start of every window (the window's one-token prompt), as the model always saw it in training."""
-    bos = tokenizer.bos_token_id
+    bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None or tokenizer("a")["input_ids"][:1] != [bos]:
         return load_ids(tokenizer, text, context * windows)
     body = load_ids(tokenizer, text, (context - 1) * windows).view(windows, context - 1)

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from oscar_hf.compat import cache_kwargs
+
 # novel passages (written for this probe: a model cannot know them from training), ~35 words each
 PASSAGES = (
     "The lighthouse keeper on Varn Island wrote that the copper bell rang nine times before dawn, that the eastern "
@@ -96,7 +98,7 @@ def run_cache(model, cache, prompt: torch.Tensor, steps: torch.Tensor, target: t
     reproduces the passage exactly as far as these agree with ``target``, and writes the same rows until then."""
     from tqdm.auto import tqdm
 
-    out = model(prompt, past_key_values=cache, use_cache=True)
+    out = model(prompt, **cache_kwargs(model, cache), use_cache=True)
     feed = torch.cat([steps, target]).tolist()
     preds = []
     for i, t in enumerate(tqdm(feed, desc="decode steps", leave=False, mininterval=10)):
@@ -104,7 +106,7 @@ def run_cache(model, cache, prompt: torch.Tensor, steps: torch.Tensor, target: t
             preds.append(int(out.logits[0, -1].argmax()))
             if preds[-1] != t:  # greedy decoding leaves the passage here: the rest is not recalled
                 break
-        out = model(torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+        out = model(torch.tensor([[t]]), **cache_kwargs(model, cache), use_cache=True)
     else:
         return preds
     return preds
@@ -149,7 +151,7 @@ def continuation(model, prompt: torch.Tensor, n: int, passage: str, tokenizer, s
     for s in range(seed, seed + 10):
         torch.manual_seed(s)
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
-                             past_key_values=DynamicCache(config=model.config), max_new_tokens=n, min_new_tokens=n,
+                             **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=n, min_new_tokens=n,
                              do_sample=True, top_k=50, top_p=0.95, temperature=1.0,
                              pad_token_id=tokenizer.pad_token_id)
         cont = out[0, prompt.shape[1]:]

@@ -100,7 +100,8 @@ def weights_digest(model, per_tensor: int = 16) -> str:
         if x.device.type == "meta" or x.numel() == 0:
             continue
         flat = x.reshape(-1)
-        idx = torch.linspace(0, flat.numel() - 1, min(per_tensor, flat.numel()), device=flat.device).long()
+        k = min(per_tensor, flat.numel())  # evenly spaced, in integers (float32 linspace rounds past the end)
+        idx = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)
         sample = flat[idx]
         parts.append((sample.to(torch.bfloat16) if sample.is_floating_point() else sample).float().cpu())
     data = torch.cat(parts) if parts else torch.zeros(0)

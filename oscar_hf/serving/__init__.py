@@ -21,7 +21,8 @@ from ..version import check_serving_transformers
 check_serving_transformers(_transformers.__version__)  # before any continuous-batching internal is imported
 
 from .batching import (SECTOR_API, OscarPagedCache, continuous_batching_config, generate_batch,
-                       oscar_continuous_batching, oscar_serving, paged_oscar)
+                       oscar_continuous_batching, paged_oscar)
+from .engine import oscar_serving
 from .paged_attention import PagedOscarKV
 from .pool import PagedInt2Pool, PoolExhausted, page_bytes
 from .store import OscarPagedStore

@@ -29,7 +29,6 @@ from ..patching import split_name
 from ..version import SERVING_TRANSFORMERS  # noqa: F401  (checked when oscar_hf.serving is imported)
 from ..version import check_serving_transformers as check_transformers_version  # noqa: F401
 from . import admission
-from .engine import model_processes
 from .store import OscarPagedStore
 
 logger = logging.getLogger("oscar_hf")
@@ -350,21 +349,6 @@ def paged_oscar(model, store: OscarPagedStore | None = None, **store_kwargs):
         store = OscarPagedStore(model, **store_kwargs)
     with oscar_continuous_batching(lambda config, device, dtype: store, model):
         yield store
-
-
-@contextlib.contextmanager
-def oscar_serving(rotations=None, **store_kwargs):
-    """:func:`oscar_continuous_batching` for a process that loads its models itself (``transformers serve``,
-    ``scripts/serve.py``): each manager's cache gets a fresh :class:`OscarPagedStore` for the model it serves
-    (``rotations`` an :class:`~oscar_hf.OscarRotations` or None for the artifact-free ``method``; ``store_kwargs``
-    its other arguments, e.g. ``max_requests``, ``sink``)."""
-
-    def make_store(config, device, dtype):
-        return OscarPagedStore(config, rotations, device=device, dtype=dtype, defer_pool=True, **store_kwargs)
-
-    # (5.25+ `transformers serve` runs the model in a process it spawns: that process enters a block of its own)
-    with model_processes(rotations, store_kwargs), oscar_continuous_batching(make_store) as stores:
-        yield stores
 
 
 def generate_batch(model, inputs, generation_config=None, continuous_batching_config=None, *, store=None,

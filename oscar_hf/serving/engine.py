@@ -1,4 +1,5 @@
-"""OSCAR in the model process ``transformers serve`` spawns (Transformers 5.25+).
+"""OSCAR for a process that loads its models itself (:func:`oscar_serving`), and in the model process ``transformers
+serve`` spawns (Transformers 5.25+).
 
 From 5.25 the server loads the model and runs its continuous-batching manager in a process of its own, started with
 the ``spawn`` method (``transformers.cli.serving.model_manager.EngineClient.start_process``): nothing the serving
@@ -13,6 +14,9 @@ from __future__ import annotations
 import contextlib
 import functools
 
+from .batching import oscar_continuous_batching
+from .store import OscarPagedStore
+
 
 def _engine_client():
     try:
@@ -25,8 +29,6 @@ def _engine_client():
 def run_engine(settings: tuple, *args, **kwargs):
     """The model process's entry point inside an OSCAR block: ``settings`` are the block's ``(rotations,
     store_kwargs)``; the rest goes to Transformers' ``EngineClient.run_engine`` (which serves until the process ends)."""
-    from .batching import oscar_serving
-
     client = _engine_client()
     original = vars(client)["run_engine"]  # (the child's own, before its block replaces it)
     rotations, store_kwargs = settings
@@ -47,3 +49,18 @@ def model_processes(rotations, store_kwargs: dict):
         yield
     finally:
         client.run_engine = original
+
+
+@contextlib.contextmanager
+def oscar_serving(rotations=None, **store_kwargs):
+    """:func:`oscar_continuous_batching` for a process that loads its models itself (``transformers serve``,
+    ``scripts/serve.py``): each manager's cache gets a fresh :class:`OscarPagedStore` for the model it serves
+    (``rotations`` an :class:`~oscar_hf.OscarRotations` or None for the artifact-free ``method``; ``store_kwargs``
+    its other arguments, e.g. ``max_requests``, ``sink``)."""
+
+    def make_store(config, device, dtype):
+        return OscarPagedStore(config, rotations, device=device, dtype=dtype, defer_pool=True, **store_kwargs)
+
+    # (5.25+ `transformers serve` runs the model in a process it spawns: that process enters a block of its own)
+    with model_processes(rotations, store_kwargs), oscar_continuous_batching(make_store) as stores:
+        yield stores

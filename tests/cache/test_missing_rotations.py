@@ -1,6 +1,8 @@
 """A rotation artifact that lacks a full-attention layer: the layer stays unquantized, and OscarCache says so once."""
 import torch
 
+from oscar_hf.compat import cache_kwargs
+
 from oscar_hf import OscarCache
 from oscar_hf.models import tiny_model
 from oscar_hf.rotations import OscarRotations
@@ -22,4 +24,4 @@ def test_missing_full_attention_layers_are_named_once(caplog):
     with caplog.at_level("WARNING", logger="oscar_hf"):  # a complete artifact: nothing to say
         OscarCache(m, OscarRotations.builtin(m.config, "hadamard"), method="hadamard", sink=4, recent=8, group_size=32)
     assert not [r for r in caplog.records if "no rotation" in r.getMessage()]
-    assert torch.is_tensor(m(torch.randint(1, 200, (1, 12)), past_key_values=cache, use_cache=True).logits)
+    assert torch.is_tensor(m(torch.randint(1, 200, (1, 12)), **cache_kwargs(m, cache), use_cache=True).logits)

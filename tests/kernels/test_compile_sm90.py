@@ -25,7 +25,7 @@ def _ptxas_available() -> bool:
 
 @pytest.mark.skipif(not _ptxas_available(), reason="triton without its bundled ptxas/cuobjdump")
 def test_kernels_compile_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONSAFEPATH")}  # (the script imports its neighbours)
     env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
     script = Path(__file__).with_name("aot_sm90.py")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
@@ -69,7 +69,7 @@ def test_gluon_history_kernel_compiles_for_sm90_in_registers():
     cp.async (16-byte copies of the codes), and no thread writing shared memory (a layout conversion through shared
     memory would show as STS)."""
     pytest.importorskip("triton.experimental.gluon")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONSAFEPATH")}  # (the script imports its neighbours)
     env["TRITON_DEFAULT_FP_FUSION"] = env.get("TRITON_DEFAULT_FP_FUSION", "1")
     script = Path(__file__).with_name("aot_gluon_sm90.py")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
