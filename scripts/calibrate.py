@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from oscar_hf import data
     from oscar_hf.calibration import CLIP_GRID, calibrate, calibration_report, plot_spectra
-    from oscar_hf.models import load_model, wikitext_path
+    from oscar_hf.models import WIKITEXT_FILE, load_model, wikitext_path
 
     window = None if args.window.strip().lower() == "none" else tuple(int(x) for x in args.window.split(","))
     if window is not None and len(window) != 2:
@@ -140,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     clip_grid = CLIP_GRID if args.clip_grid is None else tuple(float(c) for c in args.clip_grid.split(",") if c.strip())
     source = args.data or str(wikitext_path())
     # recorded in the artifact: the shipped text by its name in the package, not this machine's path to it
-    source_name = args.data or ("oscar_hf/texts/" + Path(source).name if "OSCAR_WIKITEXT" not in os.environ else source)
+    source_name = f"oscar_hf/texts/{WIKITEXT_FILE.name}" if Path(source) == WIKITEXT_FILE else source
     t0 = time.perf_counter()
     texts = data.load_texts(source, data_config=args.data_config, split=args.split, text_field=args.text_field)
     split = data.split_texts(texts, args.calibration_fraction)

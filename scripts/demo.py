@@ -100,7 +100,7 @@ def kv_bytes_oscar(report: dict, dtype: torch.dtype) -> int:
     """OSCAR's total with its full-precision windows counted at 2 bytes an element, as in a 16-bit model (a float32
     model keeps them in float32; the INT2 history, its bf16 metadata and the INT8 heads do not depend on it)."""
     windows = report["sink"] + report["recent"]
-    return report["total"] - windows + windows * 2 // torch.tensor([], dtype=dtype).element_size()
+    return report["total"] - windows + windows * 2 // dtype.itemsize
 
 
 def main(argv=None):
