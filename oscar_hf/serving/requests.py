@@ -1,0 +1,362 @@
+"""Requests and memory of the paged OSCAR store (:class:`~oscar_hf.serving.store.OscarPagedStore`): the window
+slots of live requests (:class:`WindowPool`), one request's entry (:class:`RequestKV`), and the store's sizes,
+admission and accounting (:class:`StoreRequests`, a base of the store: it reads the store's ``config``, ``params``,
+``pool``, ``windows`` and ``requests``)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from ..cache.base import check_first_keys
+from .pool import PagedInt2Pool, PoolExhausted, page_bytes
+
+logger = logging.getLogger("oscar_hf")
+
+
+class WindowPool:
+    """Full-precision windows of up to ``num_slots`` live requests: ``k, v [capacity, L, Hk, S0 + R, D]`` (model dtype;
+    ``L`` quantized layers) and a free list of slots.
+
+    Allocated on demand, not up front: ``capacity`` starts at 0 and doubles (at most ``num_slots``) when a request is
+    admitted and no allocated slot is free, and goes back to 0 with :meth:`release_memory` when no request is live (a
+    manager stopping). At the Qwen3-8B shape a slot is 47 MB (36 layers x 8 heads x 321 entries x 128 x 2 x 2 bytes),
+    so 64 slots held from the start were 3 GB idle. The most they take, ``reserved_bytes``, is what the store's memory
+    plan reserves for them (:meth:`OscarPagedStore.reserved_bytes`). A growth copies the live slots through host
+    memory, so that the device never holds the old and the new tensors at once (nothing above ``reserved_bytes``); it
+    happens at admission, between forwards, at most log2(num_slots) + 1 times until the next release."""
+
+    def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, entries: int, head_dim: int,
+                 dtype: torch.dtype, device):
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"the window pool needs at least one slot, got max_requests={num_slots!r}")
+        self.slot_shape = (num_layers, num_kv_heads, entries, head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.num_slots = num_slots  # the most live requests (admission's limit)
+        self.k = self.v = torch.empty((0, *self.slot_shape), dtype=dtype, device=self.device)
+        self._free: list[int] = []  # allocated slots nobody holds
+        self._held = 0
+        # CUDA graphs (:meth:`fix`): every slot allocated at once plus one trash slot, the last row of k / v, that the
+        # padded rows of a graphed step write to; None otherwise
+        self.with_trash = False
+        self.trash_slot: int | None = None
+
+    @property
+    def capacity(self) -> int:
+        """Slots allocated now (the rows of ``k`` but the trash slot)."""
+        return self.k.shape[0] - (self.trash_slot is not None)
+
+    @property
+    def num_free(self) -> int:
+        """Slots admission can still hand out (allocated or not)."""
+        return self.num_slots - self._held
+
+    @property
+    def slot_bytes(self) -> int:
+        return 2 * torch.Size(self.slot_shape).numel() * self.k.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated now."""
+        return self.capacity * self.slot_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of ``num_slots`` slots (and the trash slot under CUDA graphs): the most the pool takes."""
+        return (self.num_slots + self.with_trash) * self.slot_bytes
+
+    def fix(self) -> None:
+        """Allocate every slot now, and the trash slot (``with_trash``): a CUDA graph captured over the decode step
+        holds the windows' addresses, so they must not move while the manager lives (no growth on demand)."""
+        if self.trash_slot is None:
+            self.with_trash = True
+            self._grow(self.num_slots, trash=True)
+
+    def allocate(self) -> int:
+        if self._held == self.num_slots:
+            raise PoolExhausted(f"all {self.num_slots} window slots are taken: raise max_requests")
+        if not self._free:
+            self._grow()
+        self._held += 1
+        return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+        self._held -= 1
+
+    def _grow(self, new: int | None = None, trash: bool = False) -> None:
+        old = self.capacity
+        new = min(self.num_slots, max(1, 2 * old)) if new is None else new
+        free = set(self._free)
+        live = [s for s in range(old) if s not in free]
+        idx = torch.tensor(live, dtype=torch.long, device=self.device)
+        kept = [x.index_select(0, idx).cpu() for x in (self.k, self.v)]  # [live, L, Hk, S0 + R, D] on the host
+        self.k = self.v = None  # the old tensors go before the new ones come
+        rows = new + trash
+        self.k, self.v = (torch.zeros((rows, *self.slot_shape), dtype=self.dtype, device=self.device) for _ in "kv")
+        for dst, src in zip((self.k, self.v), kept):
+            dst[idx] = src.to(self.device)
+        self.trash_slot = new if trash else None
+        self._free = list(range(new - 1, old - 1, -1)) + self._free
+
+    def release_memory(self) -> None:
+        """Give the slots' memory back (only while none is held)."""
+        if self._held:
+            raise RuntimeError(f"{self._held} window slots are still held")
+        self.k = self.v = torch.empty((0, *self.slot_shape), dtype=self.dtype, device=self.device)
+        self._free = []
+        self.with_trash, self.trash_slot = False, None
+
+
+@dataclasses.dataclass
+class RequestKV:
+    """One live request: its window slot, its block table (history pages, shared by its layers) and the tokens each
+    quantized layer has stored (the layers of one forward advance one after the other). While its prompt arrives in
+    chunks, ``prompt[layer]`` keeps the chunks so far in full precision (``[1, Hk, T, D]`` keys and values), so that a
+    later chunk attends to them exactly, as a prompt sent in one piece does; ``prompt_more`` says whether the
+    scheduler has more of the prompt to send after this step (None: not known, kept until the first decode step).
+    ``prompt_reserved`` is the share of the store's ``prompt_budget`` the request was given for that (its prompt's
+    length, reserved when the scheduler first split it: :meth:`OscarPagedStore.admit_prompt`); under a scheduler
+    (``prompt_more`` known) chunks are kept only within it."""
+
+    slot: int
+    table: list[int]
+    lengths: dict[int, int]
+    prompt: dict = dataclasses.field(default_factory=dict)
+    prompt_more: bool | None = None
+    prompt_reserved: int = 0
+
+    def length(self) -> int:
+        return max(self.lengths.values(), default=0)
+
+
+
+class StoreRequests:
+    """The store's sizes, requests and accounting (a base of :class:`~oscar_hf.serving.store.OscarPagedStore`)."""
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_layers(self) -> int:
+        """Layers the store quantizes."""
+        return len(self.layer_slot)
+
+    def _layout(self) -> dict:
+        """Heads per pool layer in each form of a page (:class:`PagedInt2Pool`'s keywords)."""
+        coded = [len(p.coded_heads) for p in self.params.values()]
+        return dict(int2_heads=[self.num_kv_heads - c for c in coded], coded_heads=coded,
+                    coded_bits=self.config.full_precision_bits, coded_dtype=self.dtype)
+
+    def page_bytes(self, page_size: int) -> int:
+        """Bytes of one page of ``page_size`` history entries, keys and values of every quantized layer: the INT2 rows
+        and the retrieval heads' coded rows."""
+        return page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, page_size, self.config.group_size,
+                          self.config.torch_meta_dtype, **self._layout())
+
+    def window_tokens(self) -> int:
+        """Full-precision entries a request holds per layer: sink + ring."""
+        return self.config.sink + self.ring
+
+    def prompt_token_bytes(self) -> int:
+        """Bytes a prompt token costs while its prompt arrives in chunks: its keys and values in every quantized layer,
+        held in full precision until the prompt is complete (``RequestKV.prompt``, ``[1, Hk, T, D]`` per layer)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.windows.k.element_size()
+
+    def prompt_transient_bytes(self, max_batch_tokens: int) -> int:
+        """The most memory prompts arriving in chunks take beside the pages and windows: ``prompt_budget`` tokens held
+        (:meth:`prompt_token_bytes`), plus one chunk call over the longest of them (one layer, ``T <= prompt_budget``
+        keys; chunk of ``L <= max_batch_tokens`` rows): its keys and values repeated to the ``Hq`` query heads
+        (``[1, Hq, T, D]`` each, what Transformers' sdpa hands SDPA) and its causal mask ``[L, T]`` in the model
+        dtype. The concatenation that extends a layer's held chunks holds the old and the new ones of that layer for a
+        moment, before the call: within the call's term (``Hq >= Hk``)."""
+        t, a = self.prompt_budget, self.windows.k.element_size()
+        call = t * (2 * self.num_query_heads * self.head_dim + min(max_batch_tokens, t)) * a
+        return t * self.prompt_token_bytes() + call
+
+    def reserved_bytes(self, max_batch_tokens: int) -> int:
+        """What the store takes beside its page pool, at most: the windows of ``max_requests`` live requests and the
+        prompt transient (:meth:`prompt_transient_bytes`). Sizing the pool from a memory budget reserves it."""
+        return self.windows.reserved_bytes + self.prompt_transient_bytes(max_batch_tokens)
+
+    def pages_in(self, budget: int, page_size: int, max_batch_tokens: int) -> int:
+        """Pages of ``page_size`` entries that ``budget`` bytes pay for after :meth:`reserved_bytes`; at least one."""
+        reserved = self.reserved_bytes(max_batch_tokens)
+        pages = (budget - reserved) // self.page_bytes(page_size) - 1  # less the pool's trash page
+        if pages < 1:
+            raise ValueError(
+                f"a memory budget of {budget} bytes does not pay for one page ({self.page_bytes(page_size)} bytes) "
+                f"after the {self.windows.num_slots} windows ({self.windows.reserved_bytes} bytes) and the prompt "
+                f"budget ({self.prompt_budget} tokens in full precision: "
+                f"{self.prompt_transient_bytes(max_batch_tokens)} bytes): lower max_requests or prompt_budget, or "
+                "raise the budget")
+        return pages
+
+    def history_pages(self, length: int, page_size: int) -> int:
+        """INT2 pages a request of ``length`` tokens holds: its history entries ``[S0, length - W)``."""
+        n = length - self.config.sink - self.config.recent
+        return -(-n // page_size) if n > 0 else 0
+
+    def attach_pool(self, num_pages: int, page_size: int, storage: torch.Tensor | None = None) -> PagedInt2Pool:
+        """(Re)build the page pool: ``num_pages`` pages of ``page_size`` entries, in ``storage`` (flat uint8, see
+        :class:`PagedInt2Pool`) or in tensors of its own. Only while no request is live."""
+        if self.requests:
+            raise RuntimeError(f"the store still holds {len(self.requests)} requests; free them before a new pool")
+        self.pool = PagedInt2Pool(num_pages, self.num_layers, self.num_kv_heads, self.head_dim, page_size,
+                                  self.config.group_size, self.config.torch_meta_dtype, self.device, storage=storage,
+                                  trash_page=True, **self._layout())
+        self._buffers = None  # sized for this pool's pages
+        return self.pool
+
+    def enable_graphs(self, rows: int) -> None:
+        """Make the decode step graph-safe for steps of up to ``rows`` rows (a CUDA-graph manager's padded batch):
+        the window slots are allocated now with a trash slot (:meth:`WindowPool.fix`: their addresses never change
+        after a capture) and the decode buffers take ``rows`` rows. Before the manager sizes its cache: the trash
+        slot is in :meth:`reserved_bytes`."""
+        self.graph_rows = rows
+        self.windows.with_trash = True
+        self._buffers = None
+
+    def check_pool_sizing(self, follows_blocks: bool) -> None:
+        """Who sizes the page pool: Transformers' blocks when the store quantizes every layer (``follows_blocks``),
+        else the user (Transformers keeps its BF16 cache for the other layers)."""
+        if not follows_blocks and not self.has_pool:
+            raise ValueError("this model has layers OSCAR does not quantize (sliding windows / skip_layers): its BF16 "
+                             "paged cache stays and the INT2 pool is sized apart: give num_pages= or memory_budget=")
+        if follows_blocks and not self._deferred:
+            raise ValueError("the INT2 pool follows Transformers' blocks for this model: size it with "
+                             "ContinuousBatchingConfig(num_blocks= / max_memory_percent=), not num_pages= / "
+                             "memory_budget=")
+
+    # ------------------------------------------------------------------ requests
+    def handles(self, layer_idx: int) -> bool:
+        return layer_idx in self.layer_slot
+
+    def length(self, request_id: str) -> int:
+        r = self.requests.get(request_id)
+        return 0 if r is None else r.length()
+
+    def can_reserve(self) -> bool:
+        return self.windows.num_free > 0
+
+    @property
+    def prompt_reserved(self) -> int:
+        """Prompt tokens reserved now (:meth:`admit_prompt`), at most ``prompt_budget``."""
+        return sum(r.prompt_reserved for r in self.requests.values())
+
+    def prompt_hold(self, request_id: str, prompt_len: int, split: bool) -> int:
+        """Tokens of ``prompt_budget`` that admitting this step's chunk of ``request_id`` needs: its whole prompt
+        (``prompt_len`` tokens) when the scheduler splits it and it has no reservation yet, else 0."""
+        r = self.requests.get(request_id)
+        if not split or (r is not None and r.prompt_reserved):
+            return 0
+        return prompt_len
+
+    def can_hold(self, tokens: int) -> bool:
+        """Whether ``tokens`` more prompt tokens fit the budget now. A prompt longer than the whole budget never
+        will: it is admitted without a reservation (its chunks are not kept, see :meth:`admit_prompt`)."""
+        return tokens > self.prompt_budget or self.prompt_reserved + tokens <= self.prompt_budget
+
+    def admit_prompt(self, request_id: str, tokens: int) -> None:
+        """Reserve ``tokens`` of ``prompt_budget`` for ``request_id``'s chunks (the scheduler's admission, after
+        :meth:`can_hold`), given back when it decodes or leaves. A prompt longer than the whole budget gets none: its
+        later chunks attend to its INT2 history, as a long prompt through ``generate(prefill_chunk_size=...)`` does,
+        so its tokens depend on how the scheduler split it (logged once)."""
+        r = self.reserve(request_id)
+        if tokens > self.prompt_budget:
+            if not self._warned_prompt:
+                self._warned_prompt = True
+                logger.warning("a prompt of %d tokens arrives in chunks but prompt_budget is %d tokens: its later "
+                               "chunks attend to the INT2 history of the earlier ones (raise prompt_budget to keep "
+                               "them exact)", tokens, self.prompt_budget)
+            return
+        if self.prompt_reserved + tokens > self.prompt_budget:
+            raise RuntimeError(f"prompt budget exceeded: {self.prompt_reserved} + {tokens} > {self.prompt_budget} "
+                               "tokens (admit only after can_hold)")
+        r.prompt_reserved = tokens
+
+    def reserve(self, request_id: str) -> RequestKV:
+        """The request's entry (a window slot taken now if it has none: admission)."""
+        r = self.requests.get(request_id)
+        if r is None:
+            r = self.requests[request_id] = RequestKV(self.windows.allocate(), [], {})
+        return r
+
+    def note_prompt(self, request_id: str, more: bool | None) -> None:
+        """The scheduler's word for this step: ``request_id``'s prompt has more chunks to come (True), ends with this
+        step's (False), or None (not known). Decides whether its chunks stay in full precision (:class:`RequestKV`)."""
+        r = self.requests.get(request_id)
+        if r is not None:
+            r.prompt_more = more
+
+    def free(self, request_id: str) -> None:
+        """The request leaves: its window slot and pages go back (shared pages when their last holder leaves)."""
+        r = self.requests.pop(request_id, None)
+        if r is not None:
+            for page in r.table:
+                self.pool.release(page)
+            self.windows.release(r.slot)
+
+    def free_all(self) -> None:
+        for rid in list(self.requests):
+            self.free(rid)
+
+    def release_memory(self) -> None:
+        """Every request leaves and the memory goes back: the window slots, and a page pool that lives in a
+        continuous-batching manager's cache tensor or was sized by it (``defer_pool``); a pool the caller sized
+        (``num_pages`` / ``memory_budget``) stays. What a stopping manager calls (:mod:`~oscar_hf.serving.batching`);
+        the next manager attaches a new pool."""
+        self.free_all()
+        self.windows.release_memory()
+        if self._deferred and self.has_pool:
+            self.pool.release_storage()
+            self.pool_in_cache = False
+
+    @property
+    def has_pool(self) -> bool:
+        """Whether the store has a page pool to serve from (attached, and its memory not given back)."""
+        return self.pool is not None and not self.pool.released
+
+    def _request(self, request_id: str, layer_idx: int, past_length: int, new_k: torch.Tensor) -> RequestKV:
+        if not self.has_pool:
+            raise RuntimeError("the OSCAR store has no page pool (defer_pool=True and no attach_pool, or its manager "
+                               "stopped and gave the pool's memory back)")
+        r = self.requests.get(request_id)
+        if (r is None or layer_idx not in r.lengths) and past_length != 0:
+            raise NotImplementedError(
+                f"request {request_id!r} starts at position {past_length}: its first {past_length} tokens were never "
+                "written to the OSCAR store (prefix sharing or a CPU-offload restore, which it does not follow)")
+        if r is None:
+            r = self.reserve(request_id)
+        if layer_idx not in r.lengths:
+            check_first_keys(layer_idx, self._rotations_cpu[layer_idx], new_k)
+            if new_k.dtype != self.dtype or new_k.device != self.device:
+                raise ValueError(f"the OSCAR store holds {self.dtype} on {self.device}, got {new_k.dtype} on "
+                                 f"{new_k.device}")
+            r.lengths[layer_idx] = 0
+        if r.lengths[layer_idx] != past_length:
+            raise RuntimeError(f"request {request_id!r} layer {layer_idx}: the store holds {r.lengths[layer_idx]} "
+                               f"tokens, the batch says {past_length}")
+        return r
+
+    def _pages_for(self, r: RequestKV, entries: int) -> None:
+        """Pages for history entries ``[0, entries)`` (the first layer to need one takes it for all layers)."""
+        need = -(-entries // self.pool.page_size)
+        while len(r.table) < need:
+            r.table.append(self.pool.allocate())
+
+
+    # ------------------------------------------------------------------ accounting
+    def stats(self) -> dict[str, int]:
+        """Live requests, pages held and free, the bytes of the pages held (``history_bytes``: INT2 and coded rows;
+        ``full_precision_heads_bytes``: the retrieval heads' share of them), of the window slots allocated now, and of
+        the prompts arriving in chunks (``prompt_bytes``: their chunks so far, in full precision until the prompt is
+        complete; ``prompt_tokens_reserved``: their share of ``prompt_budget``)."""
+        pool = self.pool
+        prompt = sum(x.numel() * x.element_size() for r in self.requests.values() for kv in r.prompt.values()
+                     for x in kv)
+        pages = pool.num_used if pool is not None else 0
+        return dict(requests=len(self.requests), pages_used=pages, pages_free=pool.num_free if pool is not None else 0,
+                    history_bytes=pages * pool.bytes_per_page if pool is not None else 0,
+                    full_precision_heads_bytes=pages * pool.coded_bytes_per_page if pool is not None else 0,
+                    window_slots_used=self.windows.num_slots - self.windows.num_free,
+                    window_bytes=self.windows.nbytes, prompt_bytes=prompt, prompt_tokens_reserved=self.prompt_reserved)
