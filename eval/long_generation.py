@@ -1,8 +1,11 @@
 """How far a long self-generated continuation drifts from BF16 when the history is read from a quantized cache.
 
-The reference model (no quantization) greedily continues each prompt by ``n_tokens`` tokens (its own output: what
-the INT2 history holds while a model reasons at length). Every method then reads prompt + continuation teacher-forced,
-each continuation token predicted by a decode step of the method's cache, as in :mod:`oscar_hf.eval.perplexity`:
+The reference model (no quantization) continues each prompt by ``n_tokens`` tokens (its own output: what the INT2
+history holds while a model reasons at length; :mod:`oscar_hf.eval.continuations`): greedy, or sampled with a fixed
+seed per prompt (``--sample``: it does not loop as a small model's greedy text does; ``distinct_4grams`` says how much
+each continuation repeats), after held-out text windows or instructions about them through the chat template
+(``--chat``). It is generated once, so every method reads the same tokens, teacher-forced, each continuation token
+predicted by a decode step of the method's cache, as in :mod:`oscar_hf.eval.perplexity`:
 one fake-quantized forward (``fast``, proven equal to token-by-token decoding in ``tests/eval/test_perplexity.py``)
 or the real cache token by token (``exact``; Transformers' ``QuantizedCache`` rows always). Per continuation
 position ``i`` (0 = the first generated token): ``KL(reference || method)`` of the next-token distributions and
@@ -10,11 +13,12 @@ whether their top-1 tokens agree, then means per position bucket over all prompt
 
     python -P scripts/eval_long_generation.py --artifact /tmp/smollm2-default --tokens 2048 --prompts 2 --threads 1 \\
         --name long_generation_smollm2_cpu
+    python -P scripts/eval_long_generation.py --model gemma3-270m --artifact oscar_hf/pretrained/gemma-3-270m --chat \\
+        --sample --tokens 1024 --prompts 3 --methods default,hadamard,kivi,bf16-kv --name long_generation_chat_gemma3_cpu
 """
 from __future__ import annotations
 
 import json
-import math
 import shlex
 import sys
 import time
@@ -23,11 +27,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 from tqdm.auto import tqdm
 
 from oscar_hf.config import ModelFingerprint
 
+from .continuations import GEMMA3_CHAT_TEMPLATE, Sampling, chat_prompts, continuation, distinct_ngrams, stop_ids
 from .methods import KVMethod, get_method, with_label
 from .perplexity import _bar_disabled, decode_logits, fast_logits
 
@@ -43,24 +47,6 @@ def prompt_windows(tokenizer, source, prompt_len: int, n_prompts: int, **load_kw
     if prompt_len < 1 or n_prompts < 1:
         raise ValueError(f"prompt_len and n_prompts must be >= 1, got {prompt_len}, {n_prompts}")
     return token_windows(tokenizer, evaluation_text(source, **load_kw), prompt_len, n_prompts)
-
-
-def greedy_continuation(model, prompts: torch.Tensor, n_tokens: int, progress: bool = True) -> torch.Tensor:
-    """``[P, L + n_tokens]``: ``prompts`` ``[P, L]`` and the plain model's greedy continuation (``DynamicCache``, all
-    prompts in one batch). End-of-sequence tokens are never chosen (as ``generate(min_new_tokens=n_tokens)``), so every
-    position continues the text."""
-    if n_tokens <= 0:
-        raise ValueError(f"n_tokens must be > 0, got {n_tokens}")
-    p, L = prompts.shape
-    ids = torch.cat([prompts, prompts.new_zeros(p, n_tokens)], dim=1).to(next(model.parameters()).device)
-    eos = model.generation_config.eos_token_id
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    steps = decode_logits(model, ids, L, DynamicCache(config=model.config), progress, "reference greedy")
-    for t, logits in zip(range(L, L + n_tokens), steps):
-        logits = logits.float()
-        logits[:, eos] = -math.inf
-        ids[:, t] = logits.argmax(-1)  # decode_logits feeds ids[:, t] on its next step
-    return ids.cpu()
 
 
 def _uses_cache(method: KVMethod, exact: bool) -> bool:
@@ -109,15 +95,18 @@ def bucket_means(values: torch.Tensor, edges: Sequence[int] = BUCKET_EDGES) -> l
     return [dict(start=a, end=b, mean=v[:, a:b].mean().item()) for a, b in buckets(v.shape[1], edges)]
 
 
-def long_generation(model, prompts: torch.Tensor, methods: Sequence[KVMethod | str], n_tokens: int,
-                    exact: bool = False, edges: Sequence[int] = BUCKET_EDGES, progress: bool = True) -> dict:
-    """Drift of each method from the plain model along the model's own greedy continuation of every prompt.
+def long_generation(model, prompts, methods: Sequence[KVMethod | str], n_tokens: int, exact: bool = False,
+                    edges: Sequence[int] = BUCKET_EDGES, progress: bool = True, sampling: Sampling | None = None,
+                    banned: Sequence[int] | None = None) -> dict:
+    """Drift of each method from the plain model along the model's own continuation of every prompt (greedy, or
+    ``sampling``; ``banned``: :func:`continuation`'s).
 
-    ``prompts`` ``[P, L]``; ``methods``: :class:`~oscar_hf.eval.methods.KVMethod` rows or registered names (rows are
+    ``prompts`` ``[P, L]`` or a list of ``[L_i]``; ``methods``: :class:`~oscar_hf.eval.methods.KVMethod` rows or registered names (rows are
     keyed by ``method.name``); ``exact``: every method with a real cache read token by token (the reference too:
-    a ``DynamicCache``), else the one-forward path where a method has one. Returns ``ids`` ``[P, L + N]``,
-    ``reference_agreement`` (share of positions where the reference's top-1 is the generated token: 1 but for
-    near-ties between the generating and the scoring path) and per row ``kl`` / ``agreement`` (float64
+    a ``DynamicCache``), else the one-forward path where a method has one. Returns ``ids`` (``[L_i + N]`` per prompt),
+    ``prompt_lens``, ``distinct_4grams`` per continuation, ``reference_agreement`` (share of positions where the
+    reference's top-1 is the generated token: greedy, 1 but for near-ties between the generating and the scoring
+    path; sampled, how often the draw was the top-1) and per row ``kl`` / ``agreement`` (float64
     ``[P, N]``, agreement 1.0 or 0.0), their bucket means (``buckets``), overall means, ``path`` and ``seconds``.
     """
     rows = [get_method(m) if isinstance(m, str) else m for m in methods]
@@ -126,17 +115,19 @@ def long_generation(model, prompts: torch.Tensor, methods: Sequence[KVMethod | s
             raise ValueError(f"methods must be KVMethods or registered names, got {type(m).__name__}")
     if len({m.name for m in rows}) != len(rows):
         raise ValueError(f"method names must be unique, got {[m.name for m in rows]}")
-    if prompts.dim() != 2:
-        raise ValueError(f"prompts must be [P, L], got {tuple(prompts.shape)}")
-    ids = greedy_continuation(model, prompts, n_tokens, progress)
-    L = prompts.shape[1]
+    if isinstance(prompts, torch.Tensor) and prompts.dim() != 2:
+        raise ValueError(f"prompts must be [P, L] or a list of [L_i], got {tuple(prompts.shape)}")
+    if any(p.dim() != 1 or p.numel() == 0 for p in prompts):
+        raise ValueError("every prompt must be a non-empty [L_i] id tensor")
+    seqs = continuation(model, prompts, n_tokens, sampling, banned, progress)
+    lens = [p.shape[0] for p in prompts]
     ref, specs = get_method("fp"), {m.name: None if _uses_cache(m, exact) else m.fake_spec(model) for m in rows}
     kl = {m.name: [] for m in rows}
     agree = {m.name: [] for m in rows}
     seconds = dict.fromkeys(kl, 0.0)
     ref_agree = []
-    for i in tqdm(range(ids.shape[0]), desc="prompts", disable=_bar_disabled(progress), leave=False):
-        x = ids[i : i + 1]
+    for x, L in tqdm(list(zip(seqs, lens)), desc="prompts", disable=_bar_disabled(progress), leave=False):
+        x = x[None]  # [1, L + N]
         ref_logits = position_logits(model, x, L, ref, None, exact, progress)
         ref_agree.append((ref_logits.argmax(-1).cpu() == x[0, L:]).double().mean().item())
         for m in rows:
@@ -145,7 +136,9 @@ def long_generation(model, prompts: torch.Tensor, methods: Sequence[KVMethod | s
             kl[m.name].append(k)
             agree[m.name].append(a)
             seconds[m.name] += time.perf_counter() - t0
-    res = {"ids": ids, "prompt_len": L, "n_tokens": n_tokens, "reference_agreement": ref_agree, "rows": {}}
+    res = {"ids": seqs, "prompt_lens": lens, "n_tokens": n_tokens, "reference_agreement": ref_agree,
+           "distinct_4grams": [distinct_ngrams(x[L:]) for x, L in zip(seqs, lens)],
+           "sampling": None if sampling is None else vars(sampling), "rows": {}}
     for m in rows:
         k, a = torch.stack(kl[m.name]), torch.stack(agree[m.name]).double()  # [P, N]
         res["rows"][m.name] = dict(
@@ -197,8 +190,9 @@ def plot(res: dict, path: Path, smooth: int = 128) -> None:
     ax_ag.set_ylabel("top-1 agreement with the reference")
     ax_ag.set_xlabel(f"continuation position (generated token; moving average of {smooth})")
     ax_kl.legend(fontsize=7)
-    ax_kl.set_title(f"{res.get('model', 'model')}: {len(res['reference_agreement'])} prompts of {res['prompt_len']} "
-                    f"tokens + {res['n_tokens']} greedy tokens", fontsize=9)
+    how = "greedy" if res["sampling"] is None else "sampled"
+    ax_kl.set_title(f"{res.get('model', 'model')}: {len(res['prompt_lens'])} prompts of {min(res['prompt_lens'])}-"
+                    f"{max(res['prompt_lens'])} tokens + {res['n_tokens']} {how} tokens", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -251,12 +245,13 @@ def target(res: dict, defaults: str, baselines: Sequence[str]) -> dict:
 
 
 def main(argv=None, model=None, tokenizer=None):
-    """CLI. ``model`` / ``tokenizer``: run on these instead of loading SmolLM2."""
+    """CLI. ``model`` / ``tokenizer``: run on these instead of loading ``--model``."""
     import argparse
 
-    from oscar_hf.models import model_for_eval, wikitext_path
+    from oscar_hf.models import GEMMA3, model_for_eval, wikitext_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help='"smollm2" (default) or "gemma3-270m"')
     p.add_argument("--artifact", default=None, help="calibrated artifact directory for the 'default' row")
     p.add_argument("--methods", default="default,hadamard,kivi,turbo3,turbo2,hqq,bf16-kv",
                    help="comma list: default, fp, bf16-kv, identity, hadamard, kivi, turbo3, turbo2, hqq, quanto")
@@ -265,7 +260,11 @@ def main(argv=None, model=None, tokenizer=None):
     p.add_argument("--text-field", default="text")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--tokens", type=int, default=4096, help="greedy tokens generated per prompt (N)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens generated per prompt (N)")
+    p.add_argument("--chat", action="store_true", help="prompts: an instruction about each text window, through the "
+                                                       "chat template (else the window itself)")
+    p.add_argument("--sample", action="store_true", help="sampled continuations (Sampling's defaults), else greedy")
+    p.add_argument("--seed", type=int, default=0, help="--sample: prompt i draws with seed + i")
     p.add_argument("--buckets", default=",".join(map(str, BUCKET_EDGES[1:])), help="bucket edges (positions)")
     p.add_argument("--path", choices=["fast", "exact"], default="fast",
                    help="fast: one fake-quantized forward per method where it has one; exact: real caches token by token")
@@ -278,26 +277,33 @@ def main(argv=None, model=None, tokenizer=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     names = [n for n in args.methods.split(",") if n]
-    model, tokenizer, model_name, dtype = model_for_eval(model, tokenizer, getattr(torch, args.dtype))
+    model, tokenizer, model_name, dtype = model_for_eval(model, tokenizer, getattr(torch, args.dtype), args.model)
+    if args.chat and args.model == GEMMA3 and tokenizer.chat_template is None:
+        tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
     rows = method_rows(names, args.artifact, model)
     source = args.source or str(wikitext_path())
     prompts = prompt_windows(tokenizer, source, args.prompt_len, args.prompts, text_field=args.text_field)
+    prompts = chat_prompts(tokenizer, prompts) if args.chat else list(prompts)
     edges = [int(e) for e in args.buckets.split(",") if e]
+    sampling = Sampling(seed=args.seed) if args.sample else None
     t0 = time.perf_counter()
-    res = long_generation(model, prompts, rows, args.tokens, exact=args.path == "exact", edges=edges)
+    res = long_generation(model, prompts, rows, args.tokens, exact=args.path == "exact", edges=edges,
+                          sampling=sampling, banned=stop_ids(model, tokenizer if args.chat else None))
     head_dim = ModelFingerprint.from_config(model.config).head_dim
     kv = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
+    L = max(res["prompt_lens"])
     for m in rows:
-        res["rows"][m.name]["bits"] = m.bits(args.prompt_len + args.tokens, head_dim, args.prompt_len)
+        res["rows"][m.name]["bits"] = m.bits(L + args.tokens, head_dim, L)
     res["model"] = model_name
     out = dict(
         command="python -P scripts/eval_long_generation.py " + " ".join(
             shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         setup=dict(model=model_name, dtype=str(dtype).removeprefix("torch."), reference=f"{kv} DynamicCache",
                    artifact=args.artifact, source=source, prompts=args.prompts, prompt_len=args.prompt_len,
+                   chat=args.chat, prompt_lens=res["prompt_lens"], sampling=res["sampling"],
                    tokens=args.tokens, path=args.path, threads=torch.get_num_threads(),
                    seconds=round(time.perf_counter() - t0, 1)),
-        reference_agreement=res["reference_agreement"],
+        reference_agreement=res["reference_agreement"], distinct_4grams=res["distinct_4grams"],
         rows={n: {k: v for k, v in r.items() if k not in ("kl", "agreement")} for n, r in res["rows"].items()})
     baselines = [m.name for n, m in zip(names, rows) if n not in ("default", *UNQUANTIZED)]
     if "default" in names and baselines:
@@ -305,8 +311,12 @@ def main(argv=None, model=None, tokenizer=None):
     dest = Path(args.out)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / f"{args.name}.json").write_text(json.dumps(out, indent=1))
-    md = (f"Command: `{out['command']}`\n\nReference: {kv} DynamicCache along its own greedy continuation; "
-          f"{args.prompts} prompts x {args.prompt_len} tokens + {args.tokens} generated; KL in nats.\n\n" + markdown(res))
+    how = "greedy" if sampling is None else f"sampled ({res['sampling']})"
+    md = (f"Command: `{out['command']}`\n\nReference: {model_name}, {kv} DynamicCache along its own {how} continuation; "
+          f"{args.prompts} prompts of {min(res['prompt_lens'])}-{L} tokens"
+          f"{' (an instruction through the chat template)' if args.chat else ''} + {args.tokens} generated; distinct "
+          f"4-grams per continuation {', '.join(f'{d:.2f}' for d in res['distinct_4grams'])}; KL in nats.\n\n"
+          + markdown(res))
     if "target" in out:
         md += (f"\nTarget (defaults' top-1 agreement above every other ≤3-bit row in every bucket): "
                f"{'met' if out['target']['met'] else 'missed'}\n")

@@ -1,5 +1,6 @@
 """Long-generation drift: the reference against itself is exact, a noisy cache drifts, both scoring paths agree,
-buckets average the right positions, bad input is refused."""
+buckets average the right positions, sampled and chat-template continuations are reproducible and never end the text,
+bad input is refused."""
 import json
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 from transformers import DynamicCache
 from transformers.utils import logging as hf_logging
 
+from oscar_hf.eval import continuations as cont
 from oscar_hf.eval import long_generation as lg
 from oscar_hf.eval.methods import KVMethod, get_method
 from oscar_hf.models import tiny_model
@@ -49,7 +51,7 @@ class Noisy(KVMethod):
 def test_reference_against_itself_is_exact(model, prompts):
     res = lg.long_generation(model, prompts, ["fp"], N, progress=False)
     r = res["rows"]["fp"]
-    assert res["ids"].shape == (2, 12 + N) and torch.equal(res["ids"][:, :12], prompts)
+    assert [x.shape for x in res["ids"]] == [(12 + N,)] * 2 and torch.equal(torch.stack(res["ids"])[:, :12], prompts)
     assert r["kl"].shape == (2, N) and (r["kl"] == 0).all() and (r["agreement"] == 1).all()
     assert r["kl_mean"] == 0 and r["agreement_mean"] == 1
     # the teacher-forced positions line up with the generated tokens: the reference's top-1 is the continuation
@@ -97,12 +99,81 @@ def test_rows_aggregate_their_positions(model, prompts):
     assert r["kl_mean"] == pytest.approx(r["kl"].mean().item())
 
 
-def test_eos_is_never_generated(prompts):
+@pytest.mark.parametrize("sampling", [None, cont.Sampling(temperature=1.5)])
+def test_eos_is_never_generated(prompts, sampling):
     m = tiny_model("llama")
-    free = lg.greedy_continuation(m, prompts, N, progress=False)
-    m.generation_config.eos_token_id = int(free[:, 12:].flatten().mode().values)  # a token greedy decoding picks
-    ids = lg.greedy_continuation(m, prompts, N, progress=False)
+    free = torch.stack(cont.continuation(m, prompts, N, sampling, progress=False))
+    m.generation_config.eos_token_id = int(free[:, 12:].flatten().mode().values)  # a token decoding picks
+    ids = torch.stack(cont.continuation(m, prompts, N, sampling, progress=False))
     assert not (ids[:, 12:] == m.generation_config.eos_token_id).any()
+
+
+def test_sampling_is_reproducible_and_sampled(model, prompts):
+    """Same seed, same continuation, whatever the methods scored on it; another seed, another one; and it is not the
+    greedy one (a sharp tiny model at temperature 1.5 leaves its top-1 often)."""
+    run = lambda seed, methods: lg.long_generation(  # noqa: E731
+        model, prompts, methods, N, sampling=cont.Sampling(temperature=1.5, seed=seed), progress=False)
+    a, b, c = run(0, ["fp"]), run(0, [Noisy()]), run(1, ["fp"])
+    assert all(torch.equal(x, y) for x, y in zip(a["ids"], b["ids"]))
+    assert not any(torch.equal(x, y) for x, y in zip(a["ids"], c["ids"]))
+    assert a["sampling"] == {"temperature": 1.5, "top_k": 64, "top_p": 0.95, "seed": 0}
+    assert max(a["reference_agreement"]) < 1  # some draws are not the reference's top-1
+    assert a["rows"]["fp"]["kl_mean"] == 0 and a["rows"]["fp"]["agreement_mean"] == 1  # scored against the same logits
+
+
+def test_draw_keeps_top_k_and_the_nucleus():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(2000, 4)  # [B, V]
+    seen = lambda s: set(s.draw(logits, g).tolist())  # noqa: E731
+    assert seen(cont.Sampling(temperature=1.0, top_k=1)) == {0}  # top-1: greedy
+    assert seen(cont.Sampling(temperature=1.0, top_k=64, top_p=0.7)) == {0, 1}  # 0.5 + 0.3 covers 0.7
+    assert seen(cont.Sampling(temperature=1.0, top_k=3, top_p=1.0)) == {0, 1, 2}
+    assert seen(cont.Sampling(temperature=1.0, top_k=64, top_p=1.0)) == {0, 1, 2, 3}
+    banned = logits.clone()
+    banned[:, 0] = float("-inf")
+    assert 0 not in set(cont.Sampling(temperature=1.0).draw(banned, g).tolist())
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0), dict(top_k=0), dict(top_p=0), dict(top_p=1.5)])
+def test_sampling_refuses_bad_parameters(kw):
+    with pytest.raises(ValueError, match="sampling needs"):
+        cont.Sampling(**kw)
+
+
+def test_distinct_ngrams():
+    assert cont.distinct_ngrams(torch.arange(10)) == 1.0
+    assert cont.distinct_ngrams(torch.tensor([1, 2, 3] * 10)) == pytest.approx(3 / 27)  # a loop of 3 tokens
+    assert cont.distinct_ngrams(torch.tensor([5] * 8), n=2) == pytest.approx(1 / 7)
+
+
+def char_chat_tokenizer(template: str):
+    """A byte-level tokenizer (one token per byte, no merges) with Gemma 3's turn tokens as special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    t = Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+    t.pre_tokenizer, t.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<bos>", eos_token="<eos>",
+                                  additional_special_tokens=["<start_of_turn>", "<end_of_turn>"])
+    tok.chat_template = template
+    return tok
+
+
+def test_chat_prompts_and_stop_ids():
+    tok = char_chat_tokenizer(cont.GEMMA3_CHAT_TEMPLATE)
+    m = tiny_model("gemma3_text", vocab_size=len(tok))
+    m.generation_config.eos_token_id = None
+    windows = torch.stack([torch.tensor(tok("some text", add_special_tokens=False)["input_ids"])] * 2)  # [P=2, L]
+    got = cont.chat_prompts(tok, windows)
+    assert tok.decode(got[1]) == ("<bos><start_of_turn>user\n" + cont.INSTRUCTIONS[1] + "\n\nsome text<end_of_turn>\n"
+                                  "<start_of_turn>model\n")
+    assert got[0].shape != got[1].shape  # instructions differ, so do the lengths
+    # the model's EOS ids alone without a chat template; with it the tokenizer's EOS and the turn's end
+    assert cont.stop_ids(m) == []
+    assert cont.stop_ids(m, tok) == sorted([tok.eos_token_id, tok.convert_tokens_to_ids("<end_of_turn>")])
+    with pytest.raises(ValueError, match="chat template"):
+        cont.chat_prompts(char_chat_tokenizer(None), windows)
 
 
 def test_target_compares_every_bucket():
@@ -138,6 +209,27 @@ class CharTok:
 
     def __call__(self, text, add_special_tokens=False, **kw):
         return {"input_ids": [ord(c) % 250 + 3 for c in text]}
+
+
+def test_cli_chat_sampled_on_gemma3_layout(tmp_path):
+    """--chat --sample on a Gemma 3 layout (a sliding-window layer beside a full one): ragged prompts, the turn's end
+    never generated, every row scored on the same continuation."""
+    tok = char_chat_tokenizer(cont.GEMMA3_CHAT_TEMPLATE)
+    m = tiny_model("gemma3_text", vocab_size=len(tok), head_dim=64, initializer_range=0.2)
+    text = tmp_path / "prompts.txt"
+    text.write_text("\n".join(f"line {i} of a small text for prompts" for i in range(60)))
+    argv = ["--methods", "fp,hadamard,kivi", "--source", str(text), "--prompts", "2", "--prompt-len", "6", "--chat",
+            "--sample", "--seed", "3", "--tokens", "40", "--buckets", "16", "--smooth", "4", "--dtype", "float32",
+            "--name", "chat", "--out", str(tmp_path)]
+    res = lg.main(argv, model=m, tokenizer=tok)
+    end = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert len(set(res["prompt_lens"])) == 2 and res["sampling"]["seed"] == 3
+    assert all(not (x[L:] == end).any() for x, L in zip(res["ids"], res["prompt_lens"]))
+    out = json.loads((tmp_path / "chat.json").read_text())
+    assert out["setup"]["chat"] and len(out["distinct_4grams"]) == 2
+    assert out["rows"]["BF16 DynamicCache (reference)"]["kl_mean"] == 0
+    assert out["rows"]["Hadamard INT2 (G=64)"]["kl_mean"] > 0 and out["rows"]["KIVI-2 (G=64, R=128)"]["kl_mean"] > 0
+    assert "sampled" in (tmp_path / "chat.md").read_text()
 
 
 def test_cli_writes_report(model, tmp_path):
