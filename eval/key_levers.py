@@ -82,13 +82,13 @@ class KeysOrValuesFrom(FakeQuantSpec):
 
     def __init__(self, base: OscarSpec, read, part: str = "k", layers=None):
         self.base, self.read, self.part, self.layers = base, read, part, layers
-        self.fp_heads = base.fp_heads  # {layer: full-precision heads}, left as the base reads them
+        self.retrieval_heads = base.retrieval_heads  # {layer: full-precision heads}, left as the base reads them
 
     def layer_kv(self, i, k, v):
         out = self.base.layer_kv(i, k, v)
         if out is None or (self.layers is not None and i not in self.layers):
             return out
-        q = [h for h in range(k.shape[1]) if h not in self.fp_heads.get(i, ())]
+        q = [h for h in range(k.shape[1]) if h not in self.retrieval_heads.get(i, ())]
         if not q:
             return out
         kh, vh = (t.float().clone() for t in out)
@@ -108,14 +108,14 @@ class HeadKeysExact(FakeQuantSpec):
     read exactly instead of from their codes."""
 
     def __init__(self, inner):
-        self.inner, self.fp_heads = inner, inner.fp_heads
+        self.inner, self.retrieval_heads = inner, inner.retrieval_heads
 
     def layer_kv(self, i, k, v):
         out = self.inner.layer_kv(i, k, v)
-        if out is None or i not in self.fp_heads:
+        if out is None or i not in self.retrieval_heads:
             return out
         kh, vh = (t.float().clone() for t in out)
-        heads = list(self.fp_heads[i])
+        heads = list(self.retrieval_heads[i])
         kh[:, heads] = k[:, heads].float()
         return kh, vh
 
@@ -131,13 +131,13 @@ def history_bits(n_heads: int, fp_heads: int, key_bits: float, value_bits: float
 
 def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, float | None]]:
     """``{label: (spec, history bits)}`` (bits None: a diagnosis, not a storage)."""
-    from oscar_hf.cache import resolve_full_precision_heads
+    from oscar_hf.layer_choice import resolve_retrieval_heads
     from oscar_hf.config import ModelFingerprint
 
     fp = ModelFingerprint.from_config(model.config)
     base = OscarSpec(model, rotations, config)
     n = len(rotations.layers) * fp.num_key_value_heads
-    p = sum(map(len, base.fp_heads.values()))
+    p = sum(map(len, base.retrieval_heads.values()))
     row = config.history_bits(fp.head_dim)  # an INT2 row's bits per element (2.5 at group 64, BF16 scale and zero)
     head = config.full_precision_head_bits(fp.head_dim)  # a full-precision head's (8.5 at INT8, D = 64)
     bits = lambda key_bits: history_bits(n, p, key_bits, row, head)  # noqa: E731
@@ -162,10 +162,10 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
     }
     if worst:
         top = set(worst[:4])
-        n_int4 = sum(1 for i in top for h in range(fp.num_key_value_heads) if h not in base.fp_heads.get(i, ()))
+        n_int4 = sum(1 for i in top for h in range(fp.num_key_value_heads) if h not in base.retrieval_heads.get(i, ()))
         out[f"INT4 keys, layers {sorted(top)}"] = (
             KeysOrValuesFrom(base, keys(4, clip=1.0), layers=top), bits(row) + n_int4 * 1.0 / n)
-        pairs = {(i, h) for i, hs in base.fp_heads.items() for h in hs}  # the retrieval heads, then whole layers
+        pairs = {(i, h) for i, hs in base.retrieval_heads.items() for h in hs}  # the retrieval heads, then whole layers
         budget = config.full_precision_head_budget(fp.head_dim, n)
         for i in worst:
             rest = {(i, h) for h in range(fp.num_key_value_heads)} - pairs
@@ -179,10 +179,10 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
     # the retrieval heads in the other width (INT8 beside INT4 defaults, INT4 beside INT8), as many as the budget keeps
     other = 4 if config.full_precision_bits == 8 else 8
     auto = config.replace(full_precision_bits=other, full_precision_heads="auto")
-    heads = resolve_full_precision_heads(auto, rotations, fp, set())
+    heads = resolve_retrieval_heads(auto, rotations, fp, set())
     alt = auto.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in heads.items() for h in hs)))
     base_alt = OscarSpec(model, rotations, alt)
-    p_alt = sum(map(len, base_alt.fp_heads.values()))
+    p_alt = sum(map(len, base_alt.retrieval_heads.values()))
     bits_alt = history_bits(n, p_alt, row, row, alt.full_precision_head_bits(fp.head_dim))
     out[f"{p_alt} INT{other} retrieval heads"] = (base_alt, bits_alt)
     out[f"per-channel keys, {p_alt} INT{other} retrieval heads"] = (

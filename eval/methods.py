@@ -25,9 +25,9 @@ import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, OscarRotations
-from oscar_hf.cache import resolve_full_precision_heads
 from oscar_hf.cache.params import LayerParams
-from oscar_hf.config import ModelFingerprint, artifact_settings, validate_head_dim
+from oscar_hf.config import artifact_settings
+from oscar_hf.layer_choice import choose_layers, resolve_retrieval_heads
 from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.quant import dequantize_rows, quantize_rows
 
@@ -114,17 +114,12 @@ class OscarSpec(FakeQuantSpec):
         # per group, in units of its standard deviation: Lloyd-Max's levels; "uniform" is the cache's even grid
         # (OscarConfig.quantizer: min-max or mean / std)
         self.levels = {"lloyd-max": lloyd_max_gaussian(4), "uniform": None}[levels]
-        fp = ModelFingerprint.from_config(model.config)
-        config = config.for_head_dim(fp.head_dim)  # group_size=None (the "paper" preset): one group per head
-        self.rot, self.config = rotations, config
-        validate_head_dim(fp, config.group_size)
-        rotations.check_compatible(model.config)
         if config.key_offset != "calibrated":
             raise NotImplementedError("the fake-quant path models key_offset='calibrated' only; score "
                                       "key_offset='prefill' token by token through OscarCache")
-        self.skipped = config.skipped(fp.num_layers)
-        # {layer: kv heads read exactly} (OscarConfig.full_precision_heads), resolved as OscarCache does
-        self.fp_heads = resolve_full_precision_heads(config, rotations, fp, self.skipped)
+        choice = choose_layers(model, rotations, config)  # the layers, group size and retrieval heads OscarCache gets
+        self.rot, self.config, self.choice = choice.rotations, choice.config, choice
+        self.retrieval_heads = choice.retrieval_heads  # {layer: kv heads}
         self._dev_cache = {}
 
     def _params(self, i, num_kv_heads, device) -> LayerParams:
@@ -133,7 +128,7 @@ class OscarSpec(FakeQuantSpec):
         key = (i, str(device))
         if key not in self._dev_cache:
             self._dev_cache[key] = LayerParams.build(self.config, self.rot.layers[i], i, num_kv_heads,
-                                                     self.fp_heads.get(i, ()), device)
+                                                     self.retrieval_heads.get(i, ()), device)
         return self._dev_cache[key]
 
     def _fq(self, x, r, mu, clip):
@@ -161,7 +156,7 @@ class OscarSpec(FakeQuantSpec):
         return (m + sd * lv[code]).reshape(rows.shape)
 
     def layer_kv(self, i, k, v):
-        if i in self.skipped or i not in self.rot.layers:
+        if not self.choice.quantized(i):  # skipped, without a rotation, or every head exact: the cache keeps it whole
             return None
         p = self._params(i, k.shape[1], k.device)
         if not p.coded_heads:
@@ -169,8 +164,6 @@ class OscarSpec(FakeQuantSpec):
         # full-precision heads: every position as the cache stores them (OscarConfig.full_precision_bits: exact at
         # 16, else min-max codes per token and head; the window positions below still read exact, as for every head)
         q, c = list(p.int2_heads), list(p.coded_heads)
-        if not q and p.bits == 16:  # every head listed, exact: OscarCache keeps the whole layer in full precision
-            return None
         kh, vh = k.float().clone(), v.float().clone()
         if p.bits != 16:
             kh[:, c] = minmax_fake_quant(k[:, c], p.bits, k.dtype).float()
@@ -238,7 +231,7 @@ class OscarFamily(KVMethod):
         """The ``(layer, kv_head)`` pairs kept in full precision (needs the rotations; resolved once per artifact)."""
         if getattr(self, "_fp_pairs", (None,))[0] is not self.rotations:
             c, fp = self.config, self.rotations.fingerprint
-            heads = resolve_full_precision_heads(c.for_head_dim(fp.head_dim), self.rotations, fp,
+            heads = resolve_retrieval_heads(c.for_head_dim(fp.head_dim), self.rotations, fp,
                                                  c.skipped(fp.num_layers))
             self._fp_pairs = (self.rotations, sorted((i, h) for i, hs in heads.items() for h in hs))
         return self._fp_pairs[1]

@@ -58,22 +58,18 @@ def check_windows(cache, strict: bool = True) -> dict:
     ``{"chosen": (sink, recent) or None, "cache": (sink, recent), "layers": {(sink, recent): [layers]}}``; raises
     :class:`WindowsError` (``strict``) or warns (``RuntimeWarning``) when the cache's or any quantized layer's sink or
     recent window is smaller than the artifact's, or a layer's differs from the cache's."""
-    from oscar_hf.config import artifact_settings
+    from oscar_hf.layer_choice import chosen_windows, window_shortfall
 
     cfg = cache.oscar_config
     rot = getattr(cache, "rotations", None)
-    chosen = artifact_settings(rot.metadata) if rot is not None else None
-    want = (chosen.get("sink", cfg.sink), chosen.get("recent", cfg.recent)) if chosen else None
+    want = chosen_windows(rot, cfg)  # (the cache itself warns at construction: WindowsWarning)
     have = (cfg.sink, cfg.recent)
     layers: dict[tuple[int, int], list[int]] = {}
     for i, layer in enumerate(cache.layers):
         lc = getattr(layer, "config", None)
         if lc is not None and hasattr(lc, "sink") and hasattr(lc, "recent"):
             layers.setdefault((lc.sink, lc.recent), []).append(i)
-    problems = []
-    if want is not None and (have[0] < want[0] or have[1] < want[1]):
-        problems.append(f"the cache keeps sink {have[0]} / recent {have[1]} tokens in full precision, but its "
-                        f"artifact chose sink {want[0]} / recent {want[1]} (it was calibrated and scored with them)")
+    problems = [short] if (short := window_shortfall(cfg, rot)) else []
     for w, idx in layers.items():
         if w != have:
             problems.append(f"layers {idx} keep sink {w[0]} / recent {w[1]}, the cache says {have[0]} / {have[1]}")

@@ -10,7 +10,8 @@ write kernels and the reads (the INT2 decode op, the retrieval heads' kernel). T
 store also share one storage model, written once in :mod:`.window`: a sink + ring window, and a history of INT2 rows
 and the retrieval heads' coded rows (``LayerParams.encode_history``), addressed as rows or as pages.
 
-Data flow: an artifact (:class:`~oscar_hf.OscarRotations`) -> a cache layer per decoder layer
+Data flow: an artifact (:class:`~oscar_hf.OscarRotations`) -> the layer choice (:func:`oscar_hf.layer_choice.choose_layers`:
+which layers are quantized, their retrieval heads) and the storage (:mod:`.storage`: compiled or eager) -> a cache layer per decoder layer
 (:mod:`.dynamic` / :mod:`.static`: write path + read) -> the registered attention function
 (:mod:`oscar_hf.attention`) that hands each call to its layer; :mod:`.io` saves and loads a live cache.
 
@@ -20,7 +21,6 @@ Data flow: an artifact (:class:`~oscar_hf.OscarRotations`) -> a cache layer per 
 from __future__ import annotations
 
 import copy
-import logging
 import weakref
 from typing import Any
 
@@ -48,120 +48,27 @@ from ..config import (
     DUMMY_LAYER_TYPE,
     FULL_LAYER_TYPES,
     FULL_PRECISION_LAYER_TYPES,
-    FULL_PRECISION_WHY,
-    SHARED_KV_LAYER_TYPE,
     SLIDING_LAYER_TYPES,
     STATE_LAYER_TYPES,
-    ModelFingerprint,
     OscarConfig,
     artifact_settings,
     hybrid_state_layers,
     starting_config,
-    validate_head_dim,
 )
 from ..distributed import shard_cache_for_tensor_parallel
+from ..layer_choice import choose_layers, resolve_retrieval_heads
 from ..rotations import LayerRotation, OscarRotations
+from . import report
 from .dynamic import OscarLayer
 from .growing import GrowingLayer
 from .hybrid import OscarHybridLayer, StaticOscarHybridLayer
 from .io import load_cache, save_cache
 from .static import StaticOscarLayer, StepShared
-
-logger = logging.getLogger("oscar_hf")
-_SAID: set[tuple[str, str]] = set()  # (architecture, layer kind) whose full-precision reason was logged
+from .storage import AUTO_COMPILED_LAYER_TYPES, compiled_storage, model_on_cuda, not_auto_compiled  # noqa: F401
 
 __all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "StaticOscarLayer", "OscarHybridLayer", "StaticOscarHybridLayer",
-           "GrowingLayer", "resolve_full_precision_heads"]
-
-
-def resolve_full_precision_heads(config: OscarConfig, rotations: OscarRotations, fp: ModelFingerprint,
-                                 skipped: set[int]) -> dict[int, tuple[int, ...]]:
-    """``{layer: kv heads}`` kept in full precision (``OscarConfig.full_precision_heads``), checked against the model:
-
-    * ``"auto"``: the artifact's retrieval heads scoring at least ``config.retrieval_threshold``, best first, at most
-      ``config.full_precision_head_budget(...)`` of them (average history bits within ``max_history_bits``); none
-      when the rotations have no retrieval scores (built-in methods, artifacts calibrated without probes);
-    * an int ``k``: the artifact's ``k`` best retrieval heads; pairs: those heads.
-
-    Heads of unquantized layers (skipped, sliding, without rotation) are left out, being full precision already."""
-    want = config.full_precision_heads
-    if want == "auto":
-        # the quantized layers' KV heads: the ones the INT2 history (and the bit budget) is about
-        quantized = [i for i in sorted(rotations.layers)
-                     if i not in skipped and 0 <= i < fp.num_layers and fp.layer_types[i] in FULL_LAYER_TYPES]
-        scores = rotations.retrieval_scores
-        if scores is None:
-            logger.info("full_precision_heads='auto': the %s rotations have no retrieval scores, no full-precision "
-                        "heads", rotations.method)
-            pairs = ()
-        else:
-            budget = config.full_precision_head_budget(fp.head_dim, len(quantized) * fp.num_key_value_heads)
-            s = scores[quantized].flatten()  # [len(quantized) * Hk]
-            order = torch.argsort(s, descending=True, stable=True)
-            hk = fp.num_key_value_heads
-            passing = [(quantized[int(j) // hk], int(j) % hk) for j in order if s[j] >= config.retrieval_threshold]
-            pairs = tuple(passing[:budget])
-            logger.info("full_precision_heads='auto': %d of %d heads score >= %.2f, budget %d (history <= %.2f bits): "
-                        "%s", len(passing), s.numel(), config.retrieval_threshold, budget, config.max_history_bits,
-                        list(pairs))
-    elif isinstance(want, int):
-        pairs = rotations.top_retrieval_heads(want)
-    else:
-        pairs = want
-    out: dict[int, list[int]] = {}
-    for i, h in pairs:
-        if not 0 <= i < fp.num_layers or not 0 <= h < fp.num_key_value_heads:
-            raise ValueError(f"full_precision_heads: ({i}, {h}) is not a (layer, kv_head) of this model "
-                             f"({fp.num_layers} layers, {fp.num_key_value_heads} KV heads)")
-        if i in rotations.layers and i not in skipped and fp.layer_types[i] in FULL_LAYER_TYPES:
-            out.setdefault(i, []).append(h)
-    return {i: tuple(sorted(hs)) for i, hs in out.items()}
-
-
-# layer kinds that compile="auto" compiles on CUDA: measured there (docs/results.md, "Other architectures": Gemma 2 / 3,
-# gpt-oss, Qwen3-Next, Falcon-H1 2-5x the eager storage and ~2x compiled StaticCache at B=8/32K); the others need
-# compile=True
-# the layouts a GPU run measured compiled against the eager storage (docs/results.md, "Other architectures"); hybrid
-# layers count as full attention; KV sharing: the store layer and the reuse layers' dummies (Gemma 3n)
-AUTO_COMPILED_LAYER_TYPES = (FULL_LAYER_TYPES + SLIDING_LAYER_TYPES + STATE_LAYER_TYPES
-                             + (SHARED_KV_LAYER_TYPE, DUMMY_LAYER_TYPE))
-_SAID_EAGER: set[str] = set()  # the reasons already logged (once per process each)
-
-
-def not_auto_compiled(fp: ModelFingerprint) -> str | None:
-    """What keeps ``compile="auto"`` on the eager storage for this model on CUDA (``None``: nothing): layer kinds
-    the compiled storage serves (``compile=True``) but that no GPU run has measured -- MLA latents and values of
-    another head size (full precision both)."""
-    other = sorted({k for k in fp.layer_types if k not in AUTO_COMPILED_LAYER_TYPES})
-    return f"{' / '.join(other)} layers" if other else None
-
-
-def model_on_cuda(model) -> bool:
-    """Whether ``compile="auto"`` sees a model on CUDA (any of its parameters)."""
-    return model is not None and any(p.is_cuda for p in model.parameters())
-
-
-def _say_eager_once(message: str) -> None:
-    """A warning, once per process for each message: a CUDA model whose decode step ``generate`` will not compile."""
-    if message not in _SAID_EAGER:
-        _SAID_EAGER.add(message)
-        logger.warning(message)
-
-
-_SAID_MISSING: set[tuple] = set()  # (architecture, missing layers) already warned about
-
-
-def _warn_missing_rotations(fp: ModelFingerprint, rotations: OscarRotations, skipped) -> None:
-    """A warning, once per process for each model and set of layers: full-attention layers (not skipped by the
-    config) that the rotation artifact has no rotation for, and that therefore stay unquantized."""
-    missing = tuple(i for i, t in enumerate(fp.layer_types)
-                    if t in FULL_LAYER_TYPES and i not in skipped and i not in rotations.layers)
-    if missing and (fp.architecture, missing) not in _SAID_MISSING:
-        _SAID_MISSING.add((fp.architecture, missing))
-        logger.warning("OscarCache: the rotation artifact has no rotation for full-attention layer%s %s of %s: %s "
-                       "stay%s unquantized, in the model's dtype (BF16), not INT2", "s" * (len(missing) > 1),
-                       ", ".join(map(str, missing)), fp.name_or_path or fp.architecture,
-                       "they" if len(missing) > 1 else "it", "" if len(missing) > 1 else "s")
+           "GrowingLayer", "resolve_retrieval_heads", "resolve_full_precision_heads"]
+resolve_full_precision_heads = resolve_retrieval_heads  # the name before "retrieval heads" was the one name
 
 
 class OscarCache(Cache):
@@ -208,29 +115,11 @@ class OscarCache(Cache):
         is_model = isinstance(model_or_config, torch.nn.Module)
         model_config = model_or_config.config if is_model else model_or_config
         text_cfg = model_config.get_text_config(decoder=True)
-        if rotations is None:
-            rotations = OscarRotations.builtin(model_config, config.method)
-        else:
-            rotations.check_compatible(model_config)
-        fp = ModelFingerprint.from_config(model_config)
-        # group_size=None (the "paper" preset): one group per head; the default 64 where it does not divide head_dim: 48 at 96
-        config = config.for_head_dim(fp.head_dim, default_group=default_group)
-        validate_head_dim(fp, config.group_size)
-        cal_g = rotations.metadata.get("group_size")
-        if cal_g is not None and int(cal_g) != config.group_size:
-            logger.warning("rotations were calibrated for group_size=%s, cache uses %s", cal_g, config.group_size)
-        skipped = config.skipped(fp.num_layers)
-        _warn_missing_rotations(fp, rotations, skipped)
-        fp_heads = resolve_full_precision_heads(config, rotations, fp, skipped)
-        if fp_heads:  # the saved / reported config names the heads, not "the top k"
-            config = config.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in fp_heads.items() for h in hs)))
-        # a layer whose every head is exact is Transformers' own layer; at INT4 / INT8 it stays an OSCAR layer with
-        # no INT2 head, so that it keeps the stored form (and the bits) it was chosen at
-        exact_layers = {i for i, hs in fp_heads.items()
-                        if len(hs) == fp.num_key_value_heads and config.full_precision_bits == 16}
+        choice = choose_layers(model_config, rotations, config, default_group=default_group)
+        config, rotations, fp = choice.config, choice.rotations, choice.fingerprint
         hybrid = hybrid_state_layers(text_cfg)  # attention + a state in one layer (Falcon-H1, Zamba)
-        self.compiled = self._compiled_storage(compile, model_or_config if is_model else None, fp, rotations, skipped,
-                                               exact_layers, hybrid)
+        self.compiled = compiled_storage(compile, model_or_config if is_model else None, choice, hybrid,
+                                         growable=self.max_cache_len_fixed is None)
         self._n_states = getattr(text_cfg, "number_of_conv_states", 1)
         layers: list[Any] = []
         for i, kind in enumerate(fp.layer_types):
@@ -240,10 +129,11 @@ class OscarCache(Cache):
             elif kind in STATE_LAYER_TYPES:  # no per-token K/V: Transformers' own state layer (compileable as it is)
                 layers.append(LinearAttentionLayer(number_of_states=self._n_states))
             elif kind in FULL_LAYER_TYPES:
-                if i in skipped or i not in rotations.layers or i in exact_layers:
-                    layers.append(self._full_precision_layer(i in hybrid))
+                if choice.quantized(i):
+                    layers.append(self._oscar_layer(config, rotations.layers[i], i, choice.retrieval_heads.get(i, ()),
+                                                    i in hybrid))
                 else:
-                    layers.append(self._oscar_layer(config, rotations.layers[i], i, fp_heads.get(i, ()), i in hybrid))
+                    layers.append(self._full_precision_layer(i in hybrid))
             elif kind in FULL_PRECISION_LAYER_TYPES:  # MLA latents, KV sharing's store layers: Transformers' own kind
                 layers.append(self._full_precision_layer(False))
             elif kind == DUMMY_LAYER_TYPE:  # caches nothing (KV sharing's reuse layers)
@@ -266,10 +156,10 @@ class OscarCache(Cache):
         # a compiled full-precision layer's decode step returns all C slots of its buffers: every full-attention
         # layer's mask is then its (C, 0) (an OSCAR layer reads none in a decode step)
         self._mask_layer = next((i for i, x in enumerate(layers) if isinstance(x, GrowingLayer)), None)
-        self.oscar_config, self.rotations, self.fingerprint = config, rotations, fp
+        self.oscar_config, self.rotations, self.fingerprint, self.layer_choice = config, rotations, fp, choice
         self._model_ref = weakref.ref(model_or_config) if is_model else None  # save's weights digest (io.py)
         self.tp_layout = None  # [tensor parallelism] set by oscar_hf/distributed.py: each rank keeps its own KV heads
-        self._log_layer_plan(fp, hybrid)
+        report.log_layer_plan(self, hybrid)
         if is_model:
             shard_cache_for_tensor_parallel(self, model_or_config)  # [tensor parallelism] no-op without TP
             if self.compiled:
@@ -279,81 +169,9 @@ class OscarCache(Cache):
     max_cache_len_fixed: int | None = None  # StaticOscarCache's capacity
     _mask_layer: int | None = None
 
-    def _log_layer_plan(self, fp: ModelFingerprint, hybrid: set[int]) -> None:
-        """Says at construction, in one line per reason, which attention layers stay in full precision and why
-        (``layer_kinds``): a warning when nothing is quantized, else info; the next caches of the architecture (a
-        fresh cache per ``generate`` call) at debug level."""
-        kinds = self.layer_kinds()
-        n_q = sum(k.startswith("oscar") for k in kinds)
-        for kind, why in FULL_PRECISION_WHY.items():
-            idx = [i for i, t in enumerate(fp.layer_types) if t == kind]
-            if idx:
-                first = (fp.architecture, kind) not in _SAID
-                _SAID.add((fp.architecture, kind))
-                level = (logging.WARNING if n_q == 0 else logging.INFO) if first else logging.DEBUG
-                logger.log(level, "OscarCache: %d of %d layers of %s kept in full precision (Transformers' own layer, "
-                           "%s storage), %d quantized: %s", len(idx), fp.num_layers, fp.architecture,
-                           "compiled" if self.compiled else "eager", n_q, why)
-        if hybrid and n_q:
-            logger.debug("OscarCache: %d hybrid layers of %s: OSCAR attention beside Transformers' linear-attention / "
-                         "SSM state", len(hybrid), fp.architecture)
-
     def layer_kinds(self) -> list[str]:
-        """What each decoder layer got, in order: ``"oscar"`` (INT2 history; ``"oscar+state"`` for a hybrid layer),
-        ``"sliding"`` (Transformers' full-precision window), ``"state"`` (linear attention / SSM / convolution),
-        ``"latent"`` (MLA latent, full precision), ``"shared_kv"`` (KV sharing's store layer, full precision),
-        ``"full_precision"`` (skipped layers, layers without rotations), ``"none"`` (caches nothing)."""
-        named = {"latent_attention": "latent", "shared_kv_attention": "shared_kv", "unequal_kv_attention": "full_precision"}
-        out = []
-        for i, t in enumerate(self.fingerprint.layer_types):
-            layer = self.layers[i] if i < len(self.layers) else None
-            if isinstance(layer, (OscarLayer, StaticOscarLayer)):
-                out.append("oscar+state" if isinstance(layer, LinearAttentionCacheLayerMixin) else "oscar")
-            elif t in named:
-                out.append(named[t])
-            elif t in SLIDING_LAYER_TYPES:
-                out.append("sliding")
-            elif t in STATE_LAYER_TYPES:
-                out.append("state")
-            elif t == DUMMY_LAYER_TYPE:
-                out.append("none")
-            else:
-                out.append("full_precision")
-        return out
-
-    def _compiled_storage(self, compile, model, fp: ModelFingerprint, rotations, skipped, exact_layers,
-                          hybrid=()) -> bool:
-        """Whether the full-attention layers get device-resident storage (:class:`StaticOscarLayer`)."""
-        if compile is False:
-            return False
-        why = None
-        growable = self.max_cache_len_fixed is None
-        # full-attention layers kept in full precision are GrowingLayers beside the OSCAR layers, except a hybrid one:
-        # its state would need a growing hybrid layer, which does not exist
-        kept = {i for i, k in enumerate(fp.layer_types)
-                if k in FULL_LAYER_TYPES and (i in skipped or i not in rotations.layers or i in exact_layers)}
-        if kept & set(hybrid):
-            why = "a hybrid (attention + state) layer kept in full precision (skip_layers, BF16 full-precision heads)"
-        elif model is not None and any(m._backward_hooks or m._backward_pre_hooks for m in model.modules()):
-            # Transformers 5.17's tensor-parallel layers register these; dynamo refuses them ("Module-level backwards
-            # hooks require compiled autograd"), so generate's compiled step would fail (5.24's TP layers do not)
-            why = "a model with module backward hooks (tensor parallelism on Transformers 5.17), which torch.compile cannot trace"
-        if compile == "auto":
-            on_cuda = model_on_cuda(model)
-            # tensor parallelism compiles (each rank's layers hold its own KV heads; checked on the CPU under
-            # torchrun + gloo) but is not measured on GPUs yet
-            tp = model is not None and (getattr(model, "_tp_size", None) or 1) > 1
-            if on_cuda and why:
-                _say_eager_once(f"OscarCache: eager storage, not compiled (the compiled decode step does not support "
-                                f"{why})")
-            elif on_cuda and growable and (unmeasured := "tensor parallelism" if tp else not_auto_compiled(fp)):
-                _say_eager_once(f"OscarCache: eager storage, not compiled, for a model with {unmeasured} "
-                                f"(compile=True compiles it; not measured on a GPU, so not the default)")
-                return False
-            return on_cuda and why is None
-        if why:
-            raise ValueError(f"OscarCache(compile=True) does not support {why}")
-        return True
+        """What each decoder layer got, in order (:func:`oscar_hf.cache.report.layer_kinds` lists the kinds)."""
+        return report.layer_kinds(self)
 
     # Layer factories: eager (OscarLayer) or device-resident (StaticOscarLayer) storage.
     # ``state``: a "hybrid" layer's linear-attention / SSM state goes with it (Transformers' LinearAttentionLayer).
@@ -455,47 +273,9 @@ class OscarCache(Cache):
 
     # ------------------------------------------------------------------ reporting
     def memory_report(self) -> dict[str, float]:
-        """Bytes by part (summed over layers), bits per element, and the BF16 DynamicCache equivalent.
-
-        ``full_precision_layers``: bytes of the layers kept in Transformers' own full-precision form (sliding windows,
-        ``skip_layers``, MLA latents, KV sharing's store layers: :meth:`layer_kinds` says which, the cache's log at
-        construction why; for MLA see ``oscar_hf.config.FULL_PRECISION_WHY``: the latent, already ~71x smaller than
-        per-head K/V, is expanded through ``kv_b_proj`` at every step, so an INT2 latent would need a full-precision
-        copy of its history every step); ``quantized_layers`` / ``latent_layers`` / ``shared_kv_layers``: how many
-        layers are OSCAR layers / MLA latents / KV sharing's store layers."""
-        tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, full_precision_heads=0,
-                   allocated=0, full_precision_layers=0)
-        elements = 0
-        for layer in self.layers:
-            if hasattr(layer, "memory"):  # OscarLayer and the static StaticOscarLayer
-                m = layer.memory()
-                for k in ("sink", "recent", "history_codes", "history_meta", "history_elements", "allocated"):
-                    tot[k] += m[k]
-                tot["full_precision_heads"] += m.get("full_precision_heads", 0)
-                if layer.is_initialized:
-                    elements += 2 * m["tokens"] * layer.num_kv_heads * layer.head_dim
-            elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
-                kv = layer.used() if isinstance(layer, GrowingLayer) else (layer.keys, layer.values)
-                nb = sum(x.numel() * x.element_size() for x in kv)  # (an MLA latent's K and V widths differ)
-                tot["full_precision_layers"] += nb
-                tot["allocated"] += sum(x.numel() * x.element_size() for x in (layer.keys, layer.values))
-                elements += sum(x.numel() for x in kv)
-        kinds = self.layer_kinds()
-        tot["quantized_layers"] = sum(k.startswith("oscar") for k in kinds)
-        tot["latent_layers"] = kinds.count("latent")
-        tot["shared_kv_layers"] = kinds.count("shared_kv")
-        used = (tot["sink"] + tot["recent"] + tot["history_codes"] + tot["history_meta"] + tot["full_precision_layers"]
-                + tot["full_precision_heads"])
-        tot["total"] = used
-        tot["bf16_equivalent"] = 2 * elements
-        tot["bits_per_element"] = 8 * used / elements if elements else float("nan")
-        tot["compression_vs_bf16"] = tot["bf16_equivalent"] / used if used else float("nan")
-        # the history's average over the quantized layers' KV heads, full-precision heads at their stored bits
-        q_layers = [layer for layer in self.layers if hasattr(layer, "memory")]
-        n_heads = len(q_layers) * self.fingerprint.num_key_value_heads
-        share = sum(len(layer.fp_heads) for layer in q_layers) / n_heads if n_heads else 0.0
-        tot["history_bits_per_element"] = self.oscar_config.history_bits(self.fingerprint.head_dim, share)
-        return tot
+        """Bytes by part, bits per element and the BF16 ``DynamicCache`` equivalent
+        (:func:`oscar_hf.cache.report.memory_report` says what each key counts)."""
+        return report.memory_report(self)
 
     def __repr__(self) -> str:
         n_q = sum(hasattr(layer, "memory") for layer in self.layers)

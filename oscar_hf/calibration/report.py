@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..config import OscarConfig, artifact_settings
+from ..layer_choice import resolve_retrieval_heads
 from ..rotations import OscarRotations
 from .retrieval_heads import top_heads
 from .settings import settings_summary
@@ -14,8 +15,6 @@ def retrieval_summary(rotations: OscarRotations, config: OscarConfig | None = No
     """One line: the best retrieval heads with their scores, and those ``config`` keeps in full precision at what
     average history bits (default: what ``OscarCache.from_pretrained`` runs with, ``full_precision_heads="auto"`` at
     the artifact's calibrated group size)."""
-    from ..cache import resolve_full_precision_heads  # (the cache's own rule; calibration does not import the cache)
-
     scores = rotations.retrieval_scores
     if scores is None:
         return "  retrieval heads: not scored (no full-precision heads by default)"
@@ -27,7 +26,7 @@ def retrieval_summary(rotations: OscarRotations, config: OscarConfig | None = No
         config = OscarConfig(group_size=int(g)) if g is not None else OscarConfig()
     config = config.for_head_dim(rotations.fingerprint.head_dim)
     fp = rotations.fingerprint
-    heads = resolve_full_precision_heads(config, rotations, fp, config.skipped(fp.num_layers))
+    heads = resolve_retrieval_heads(config, rotations, fp, config.skipped(fp.num_layers))
     n = sum(map(len, heads.values()))
     share = n / max(1, len(rotations.layers) * fp.num_key_value_heads)
     form = "in the model dtype" if config.full_precision_bits == 16 else f"as INT{config.full_precision_bits}"

@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import resolve_full_precision_heads
 from ..cache.params import LayerParams
 from ..cache.window import PagedHistory, commit, demote_pending, ring_entries
-from ..config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, starting_config, validate_head_dim
+from ..config import OscarConfig, starting_config
 from ..distributed import local_full_precision_heads, slice_layer_rotation, tp_layout
+from ..layer_choice import choose_layers
 from ..patching import base_attention_function
 from ..rotations import OscarRotations
 from .decode_step import DecodeBuffers, DecodeStep, StepPlan
@@ -81,34 +81,20 @@ class OscarPagedStore(StoreRequests, DecodeStep):
                  **overrides):
         config, default_group = starting_config(config, None, rotations, overrides)  # (as OscarCache)
         model_config = getattr(model_or_config, "config", model_or_config)
-        if rotations is None:
-            rotations = OscarRotations.builtin(model_config, config.method)
-        else:
-            rotations.check_compatible(model_config)
-        fp = ModelFingerprint.from_config(model_config)
-        config = config.for_head_dim(fp.head_dim, default_group=default_group)
-        validate_head_dim(fp, config.group_size)
         if config.key_offset != "calibrated":
             raise NotImplementedError("the paged OSCAR store supports key_offset='calibrated' only")
-        if config.recent < 1:
-            raise ValueError("the paged OSCAR store needs recent >= 1 (the ring of the recent window)")
-        skipped = config.skipped(fp.num_layers)
-        fp_heads = resolve_full_precision_heads(config, rotations, fp, skipped)  # {layer: heads}, as OscarCache's
-        if fp_heads:  # the config names the heads, not "the top k"
-            pairs = tuple(sorted((i, h) for i, hs in fp_heads.items() for h in hs))
-            config = config.replace(full_precision_heads=pairs)
+        # the layers, group size and retrieval heads OscarCache gets; a layer whose every head is a 16-bit retrieval
+        # head is exact: Transformers' own paged cache keeps it (at INT8 / INT4 it stays here with no INT2 head)
+        choice = choose_layers(model_config, rotations, config, default_group=default_group)
+        config, rotations, fp, fp_heads = choice.config, choice.rotations, choice.fingerprint, choice.retrieval_heads
         hk = fp.num_key_value_heads
-        # a layer whose every head is a 16-bit retrieval head is exact: Transformers' own paged cache keeps it (as
-        # OscarCache gives it Transformers' layer); at INT8 / INT4 it stays here with no INT2 head
-        exact = {i for i, hs in fp_heads.items() if len(hs) == hk and config.full_precision_bits == 16}
         self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.num_kv_heads, self.head_dim = hk, fp.head_dim
         self.ring = config.recent + 1
-        layers = [i for i, t in enumerate(fp.layer_types)
-                  if t in FULL_LAYER_TYPES and i not in skipped and i in rotations.layers and i not in exact]
+        layers = list(choice.quantized_layers)
         if not layers:
             raise ValueError("the model has no layer OSCAR quantizes (full attention, with rotations, not skipped, "
-                             "not every head a 16-bit full-precision head)")
+                             "not every head a 16-bit retrieval head)")
         self.layer_slot = {layer: k for k, layer in enumerate(layers)}  # model layer -> pool layer index
         rots = {i: rotations.layers[i] for i in layers}
         heads = {i: fp_heads.get(i, ()) for i in layers}

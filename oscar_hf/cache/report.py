@@ -1,0 +1,106 @@
+"""What an :class:`~oscar_hf.OscarCache` holds, for people: each layer's kind (:func:`layer_kinds`), the log line at
+construction saying which layers stay in full precision and why (:func:`log_layer_plan`), and the bytes by part
+(:func:`memory_report`)."""
+from __future__ import annotations
+
+import logging
+
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from ..config import DUMMY_LAYER_TYPE, FULL_PRECISION_WHY, SLIDING_LAYER_TYPES, STATE_LAYER_TYPES
+from .dynamic import OscarLayer
+from .growing import GrowingLayer
+from .static import StaticOscarLayer
+
+logger = logging.getLogger("oscar_hf")
+_SAID: set[tuple[str, str]] = set()  # (architecture, layer kind) whose full-precision reason was logged
+
+
+def layer_kinds(cache) -> list[str]:
+    """What each decoder layer got, in order: ``"oscar"`` (INT2 history; ``"oscar+state"`` for a hybrid layer),
+    ``"sliding"`` (Transformers' full-precision window), ``"state"`` (linear attention / SSM / convolution),
+    ``"latent"`` (MLA latent, full precision), ``"shared_kv"`` (KV sharing's store layer, full precision),
+    ``"full_precision"`` (skipped layers, layers without rotations), ``"none"`` (caches nothing)."""
+    named = {"latent_attention": "latent", "shared_kv_attention": "shared_kv", "unequal_kv_attention": "full_precision"}
+    out = []
+    for i, t in enumerate(cache.fingerprint.layer_types):
+        layer = cache.layers[i] if i < len(cache.layers) else None
+        if isinstance(layer, (OscarLayer, StaticOscarLayer)):
+            out.append("oscar+state" if isinstance(layer, LinearAttentionCacheLayerMixin) else "oscar")
+        elif t in named:
+            out.append(named[t])
+        elif t in SLIDING_LAYER_TYPES:
+            out.append("sliding")
+        elif t in STATE_LAYER_TYPES:
+            out.append("state")
+        elif t == DUMMY_LAYER_TYPE:
+            out.append("none")
+        else:
+            out.append("full_precision")
+    return out
+
+
+def log_layer_plan(cache, hybrid: set[int]) -> None:
+    """Says at construction, in one line per reason, which attention layers stay in full precision and why
+    (:func:`layer_kinds`): a warning when nothing is quantized, else info; the next caches of the architecture (a
+    fresh cache per ``generate`` call) at debug level."""
+    fp = cache.fingerprint
+    kinds = layer_kinds(cache)
+    n_q = sum(k.startswith("oscar") for k in kinds)
+    for kind, why in FULL_PRECISION_WHY.items():
+        idx = [i for i, t in enumerate(fp.layer_types) if t == kind]
+        if idx:
+            first = (fp.architecture, kind) not in _SAID
+            _SAID.add((fp.architecture, kind))
+            level = (logging.WARNING if n_q == 0 else logging.INFO) if first else logging.DEBUG
+            logger.log(level, "OscarCache: %d of %d layers of %s kept in full precision (Transformers' own layer, "
+                       "%s storage), %d quantized: %s", len(idx), fp.num_layers, fp.architecture,
+                       "compiled" if cache.compiled else "eager", n_q, why)
+    if hybrid and n_q:
+        logger.debug("OscarCache: %d hybrid layers of %s: OSCAR attention beside Transformers' linear-attention / "
+                     "SSM state", len(hybrid), fp.architecture)
+
+
+def memory_report(cache) -> dict[str, float]:
+    """Bytes by part (summed over layers), bits per element, and the BF16 DynamicCache equivalent.
+
+    ``full_precision_layers``: bytes of the layers kept in Transformers' own full-precision form (sliding windows,
+    ``skip_layers``, MLA latents, KV sharing's store layers: :func:`layer_kinds` says which, the cache's log at
+    construction why; for MLA see ``oscar_hf.config.FULL_PRECISION_WHY``: the latent, already ~71x smaller than
+    per-head K/V, is expanded through ``kv_b_proj`` at every step, so an INT2 latent would need a full-precision
+    copy of its history every step); ``full_precision_heads``: bytes of the retrieval heads' own buffers;
+    ``quantized_layers`` / ``latent_layers`` / ``shared_kv_layers``: how many layers are OSCAR layers / MLA latents /
+    KV sharing's store layers."""
+    tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, full_precision_heads=0,
+               allocated=0, full_precision_layers=0)
+    elements = 0
+    for layer in cache.layers:
+        if hasattr(layer, "memory"):  # OscarLayer and the compiled StaticOscarLayer
+            m = layer.memory()
+            for k in ("sink", "recent", "history_codes", "history_meta", "history_elements", "allocated"):
+                tot[k] += m[k]
+            tot["full_precision_heads"] += m.get("full_precision_heads", 0)
+            if layer.is_initialized:
+                elements += 2 * m["tokens"] * layer.num_kv_heads * layer.head_dim
+        elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
+            kv = layer.used() if isinstance(layer, GrowingLayer) else (layer.keys, layer.values)
+            nb = sum(x.numel() * x.element_size() for x in kv)  # (an MLA latent's K and V widths differ)
+            tot["full_precision_layers"] += nb
+            tot["allocated"] += sum(x.numel() * x.element_size() for x in (layer.keys, layer.values))
+            elements += sum(x.numel() for x in kv)
+    kinds = layer_kinds(cache)
+    tot["quantized_layers"] = sum(k.startswith("oscar") for k in kinds)
+    tot["latent_layers"] = kinds.count("latent")
+    tot["shared_kv_layers"] = kinds.count("shared_kv")
+    used = (tot["sink"] + tot["recent"] + tot["history_codes"] + tot["history_meta"] + tot["full_precision_layers"]
+            + tot["full_precision_heads"])
+    tot["total"] = used
+    tot["bf16_equivalent"] = 2 * elements
+    tot["bits_per_element"] = 8 * used / elements if elements else float("nan")
+    tot["compression_vs_bf16"] = tot["bf16_equivalent"] / used if used else float("nan")
+    # the history's average over the quantized layers' KV heads, retrieval heads at their stored bits
+    q_layers = [layer for layer in cache.layers if hasattr(layer, "memory")]
+    n_heads = len(q_layers) * cache.fingerprint.num_key_value_heads
+    share = sum(len(layer.fp_heads) for layer in q_layers) / n_heads if n_heads else 0.0
+    tot["history_bits_per_element"] = cache.oscar_config.history_bits(cache.fingerprint.head_dim, share)
+    return tot

@@ -1,0 +1,167 @@
+"""Which layers OSCAR quantizes, and how: one pure function, :func:`choose_layers`, shared by
+:class:`~oscar_hf.OscarCache`, the paged serving store and the evaluation methods (as Transformers' caches pick a layer
+class per ``config.layer_types`` in one place, not in every cache).
+
+The steps, in order: built-in or artifact rotations -> the model's fingerprint -> the group size at its head_dim
+(checked) -> skipped layers -> retrieval heads -> exact layers (every KV head a 16-bit retrieval head: Transformers' own
+layer keeps it). The cache then only builds layers from the :class:`LayerChoice`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+import torch
+
+from .config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, artifact_settings, validate_head_dim
+from .rotations import OscarRotations
+
+logger = logging.getLogger("oscar_hf")
+
+
+class WindowsWarning(UserWarning):
+    """A cache keeps smaller full-precision windows (sink / recent) than the ones its artifact's settings search
+    chose: it gives up quality that the artifact was scored with, and that no fluency metric shows."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerChoice:
+    """What :func:`choose_layers` decided for one model; a cache builds its layers from it."""
+
+    config: OscarConfig  # group size resolved at head_dim; the retrieval heads named as (layer, kv_head) pairs
+    rotations: OscarRotations
+    fingerprint: ModelFingerprint
+    skipped: frozenset[int]  # skip_layers, as non-negative layer indices
+    retrieval_heads: dict[int, tuple[int, ...]]  # {layer: kv heads}, quantized layers only
+    exact: frozenset[int]  # layers whose every KV head is a 16-bit retrieval head: Transformers' own layer
+
+    def quantized(self, i: int) -> bool:
+        """Whether layer ``i`` gets an OSCAR layer: full attention, with a rotation, neither skipped nor exact."""
+        return (self.fingerprint.layer_types[i] in FULL_LAYER_TYPES and i not in self.skipped
+                and i in self.rotations.layers and i not in self.exact)
+
+    @property
+    def quantized_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.fingerprint.num_layers) if self.quantized(i))
+
+    @property
+    def kept_full_attention(self) -> frozenset[int]:
+        """Full-attention layers kept in full precision (skipped, without a rotation, or exact)."""
+        return frozenset(i for i, t in enumerate(self.fingerprint.layer_types)
+                         if t in FULL_LAYER_TYPES and not self.quantized(i))
+
+
+def choose_layers(model_config, rotations: OscarRotations | None, config: OscarConfig, *,
+                  default_group: bool = False) -> LayerChoice:
+    """The layer choice for a model (``model_config``: its config, or the model) under ``config``: ``rotations`` (None:
+    ``config.method``'s built-in ones, checked against the model otherwise); ``default_group``: the group size is
+    :class:`OscarConfig`'s default, which :meth:`OscarConfig.for_head_dim` may fit to the head_dim. Warns when the
+    artifact was calibrated at another group size, lacks rotations for full-attention layers, or chose larger
+    full-precision windows than ``config`` keeps (:class:`WindowsWarning`)."""
+    model_config = getattr(model_config, "config", model_config)
+    if rotations is None:
+        rotations = OscarRotations.builtin(model_config, config.method)
+    else:
+        rotations.check_compatible(model_config)
+    fp = ModelFingerprint.from_config(model_config)
+    # group_size=None (the "paper" preset): one group per head; the default 64 where it does not divide head_dim: 48 at 96
+    config = config.for_head_dim(fp.head_dim, default_group=default_group)
+    validate_head_dim(fp, config.group_size)
+    cal_g = rotations.metadata.get("group_size")
+    if cal_g is not None and int(cal_g) != config.group_size:
+        logger.warning("rotations were calibrated for group_size=%s, cache uses %s", cal_g, config.group_size)
+    short = window_shortfall(config, rotations)
+    if short:
+        warnings.warn(f"OSCAR windows are smaller than the artifact's: {short}. Build the cache with "
+                      "OscarCache.from_pretrained(artifact, model) and no config, or pass the artifact's sink / recent.",
+                      WindowsWarning, stacklevel=3)
+    skipped = config.skipped(fp.num_layers)
+    _warn_missing_rotations(fp, rotations, skipped)
+    heads = resolve_retrieval_heads(config, rotations, fp, skipped)
+    if heads:  # the saved / reported config names the heads, not "the top k"
+        config = config.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in heads.items() for h in hs)))
+    # a layer whose every head is exact is Transformers' own layer; at INT4 / INT8 it stays an OSCAR layer with no
+    # INT2 head, so that it keeps the stored form (and the bits) it was chosen at
+    exact = frozenset(i for i, hs in heads.items()
+                      if len(hs) == fp.num_key_value_heads and config.full_precision_bits == 16)
+    return LayerChoice(config, rotations, fp, frozenset(skipped), heads, exact)
+
+
+def chosen_windows(rotations: OscarRotations | None, config: OscarConfig) -> tuple[int, int] | None:
+    """``(sink, recent)`` that the artifact's settings search chose (``metadata["settings"]["chosen"]``; a window it
+    did not choose is ``config``'s), or None when it chose none."""
+    chosen = artifact_settings(rotations.metadata) if rotations is not None else None
+    return (chosen.get("sink", config.sink), chosen.get("recent", config.recent)) if chosen else None
+
+
+def window_shortfall(config: OscarConfig, rotations: OscarRotations | None) -> str | None:
+    """What is smaller in ``config``'s full-precision windows than in the ones the artifact chose (a sentence naming
+    both), or None when they are as large or larger, or the artifact chose none."""
+    want = chosen_windows(rotations, config)
+    have = (config.sink, config.recent)
+    if want is None or (have[0] >= want[0] and have[1] >= want[1]):
+        return None
+    return (f"the cache keeps sink {have[0]} / recent {have[1]} tokens in full precision, but its artifact chose sink "
+            f"{want[0]} / recent {want[1]} (it was calibrated and scored with them)")
+
+
+def resolve_retrieval_heads(config: OscarConfig, rotations: OscarRotations, fp: ModelFingerprint,
+                            skipped: set[int]) -> dict[int, tuple[int, ...]]:
+    """``{layer: kv heads}`` kept out of the INT2 history (the retrieval heads, ``OscarConfig.full_precision_heads``,
+    stored at ``full_precision_bits``), checked against the model:
+
+    * ``"auto"``: the artifact's retrieval heads scoring at least ``config.retrieval_threshold``, best first, at most
+      ``config.full_precision_head_budget(...)`` of them (average history bits within ``max_history_bits``); none
+      when the rotations have no retrieval scores (built-in methods, artifacts calibrated without probes);
+    * an int ``k``: the artifact's ``k`` best retrieval heads; pairs: those heads.
+
+    Heads of unquantized layers (skipped, sliding, without rotation) are left out, being full precision already."""
+    want = config.full_precision_heads
+    if want == "auto":
+        # the quantized layers' KV heads: the ones the INT2 history (and the bit budget) is about
+        quantized = [i for i in sorted(rotations.layers)
+                     if i not in skipped and 0 <= i < fp.num_layers and fp.layer_types[i] in FULL_LAYER_TYPES]
+        scores = rotations.retrieval_scores
+        if scores is None:
+            logger.info("retrieval heads 'auto': the %s rotations have no retrieval scores, no retrieval heads",
+                        rotations.method)
+            pairs = ()
+        else:
+            budget = config.full_precision_head_budget(fp.head_dim, len(quantized) * fp.num_key_value_heads)
+            s = scores[quantized].flatten()  # [len(quantized) * Hk]
+            order = torch.argsort(s, descending=True, stable=True)
+            hk = fp.num_key_value_heads
+            passing = [(quantized[int(j) // hk], int(j) % hk) for j in order if s[j] >= config.retrieval_threshold]
+            pairs = tuple(passing[:budget])
+            logger.info("retrieval heads 'auto': %d of %d heads score >= %.2f, budget %d (history <= %.2f bits): %s",
+                        len(passing), s.numel(), config.retrieval_threshold, budget, config.max_history_bits,
+                        list(pairs))
+    elif isinstance(want, int):
+        pairs = rotations.top_retrieval_heads(want)
+    else:
+        pairs = want
+    out: dict[int, list[int]] = {}
+    for i, h in pairs:
+        if not 0 <= i < fp.num_layers or not 0 <= h < fp.num_key_value_heads:
+            raise ValueError(f"retrieval heads: ({i}, {h}) is not a (layer, kv_head) of this model "
+                             f"({fp.num_layers} layers, {fp.num_key_value_heads} KV heads)")
+        if i in rotations.layers and i not in skipped and fp.layer_types[i] in FULL_LAYER_TYPES:
+            out.setdefault(i, []).append(h)
+    return {i: tuple(sorted(hs)) for i, hs in out.items()}
+
+
+_SAID_MISSING: set[tuple] = set()  # (architecture, missing layers) already warned about
+
+
+def _warn_missing_rotations(fp: ModelFingerprint, rotations: OscarRotations, skipped) -> None:
+    """A warning, once per process for each model and set of layers: full-attention layers (not skipped by the
+    config) that the rotation artifact has no rotation for, and that therefore stay unquantized."""
+    missing = tuple(i for i, t in enumerate(fp.layer_types)
+                    if t in FULL_LAYER_TYPES and i not in skipped and i not in rotations.layers)
+    if missing and (fp.architecture, missing) not in _SAID_MISSING:
+        _SAID_MISSING.add((fp.architecture, missing))
+        logger.warning("OscarCache: the rotation artifact has no rotation for full-attention layer%s %s of %s: %s "
+                       "stay%s unquantized, in the model's dtype (BF16), not INT2", "s" * (len(missing) > 1),
+                       ", ".join(map(str, missing)), fp.name_or_path or fp.architecture,
+                       "they" if len(missing) > 1 else "it", "" if len(missing) > 1 else "s")
