@@ -4,13 +4,16 @@ Rows: a BF16 ``DynamicCache`` and ``OscarCache.from_pretrained(ARTIFACT, model)`
 rotations, ``full_precision_heads="auto"``), plus optional rows given by ``--rows``. Texts: the evaluation half of
 WikiText (:func:`~oscar_hf.eval.perplexity.evaluation_ids`) and the prose of the Python language reference
 (``pydoc``, :func:`~oscar_hf.eval.needle.pydoc_prose`: not WikiText, never seen by calibration). Every window
-starts with a one-token prompt; each later token is predicted by a decode step of the cache under test
-(``--path exact``, no fake-quant shortcut), so the history holds up to ``context - 320`` INT2 tokens; ``--path fast``
+starts with a ``--prefill``-token prompt (default 1; the prefill itself is exact); each later token is predicted by a
+decode step of the cache under test (``--path exact``, no fake-quant shortcut), so the history holds up to
+``context - sink - recent`` INT2 tokens, from the prompt's first decode step on when the prompt is long; ``--path fast``
 computes the same numbers in one fake-quantized forward per window (``tests/eval/test_perplexity.py``), for more
 windows at a fraction of the time.
 
     python -P -m oscar_hf.eval.default_perplexity --artifact /tmp/smollm2-default --context 2048 --windows 1 \\
         --path exact --dtype bfloat16 --threads 1 --name ppl_default_int8_heads_smollm2_cpu
+    python -P -m oscar_hf.eval.default_perplexity --model gemma3-270m --artifact oscar_hf/pretrained/gemma-3-270m \\
+        --context 2048 --windows 1 --prefill 1536 --path exact --threads 1 --name ppl_tokens_gemma3_cpu
 """
 from __future__ import annotations
 
@@ -101,6 +104,8 @@ def main(argv=None, model=None, tokenizer=None):
     p.add_argument("--texts", default=",".join(TEXTS))
     p.add_argument("--context", type=int, default=2048, help="tokens per window")
     p.add_argument("--windows", type=int, default=2, help="windows per text")
+    p.add_argument("--prefill", type=int, default=1, help="tokens prefilled (exactly) at the start of each window; "
+                                                          "the rest are scored, one decode step each")
     p.add_argument("--rows", default="", help="extra rows: comma list of no-heads (full_precision_heads=0), lloyd-max, "
                                               "g32, lloyd-max-g32 (Lloyd-Max levels: --path fast only; group 32), "
                                               "std (OscarConfig.quantizer='std'), today (OscarConfig's defaults, "
@@ -154,7 +159,7 @@ def main(argv=None, model=None, tokenizer=None):
     res = dict(command="python -P -m oscar_hf.eval.default_perplexity " + " ".join(argv if argv is not None
                                                                                     else sys.argv[1:]),
                setup=dict(model=model_name, dtype=str(dtype).removeprefix("torch."), artifact=args.artifact,
-                          context=args.context, windows=args.windows, prefill_len=1,
+                          context=args.context, windows=args.windows, prefill_len=args.prefill,
                           path="token-by-token" if args.path == "exact" else "fast (fake-quant, one forward)",
                           config=user.oscar_config.to_dict(), threads=torch.get_num_threads()),
                texts=texts, rows={})
@@ -164,7 +169,7 @@ def main(argv=None, model=None, tokenizer=None):
             ids = window_ids(tokenizer, t, args.context, args.windows)
             t0, c0 = time.perf_counter(), time.process_time()
             r = perplexity(model, ids, method, context_len=args.context, n_windows=args.windows,
-                           exact=args.path == "exact", progress=False)
+                           prefill_len=args.prefill, exact=args.path == "exact", progress=False)
             row = {k: r[k] for k in ("ppl", "nll", "tokens", "window_ppl", "bits", "mean_bits", "path", "settings")}
             if hasattr(method, "full_precision_share"):
                 row["history_bits"] = method.config.history_bits(head_dim, method.full_precision_share())

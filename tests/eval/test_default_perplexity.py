@@ -1,0 +1,37 @@
+"""The defaults' perplexity CLI with a long exact prompt (``--prefill``): only the tokens after it are scored, each a
+decode step that reads the prompt's rows from the INT2 history; a prompt as long as the window is refused."""
+import pytest
+import torch
+
+from oscar_hf.eval import default_perplexity
+from oscar_hf.models import tiny_model
+
+from test_perplexity import random_artifact
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    m = tiny_model("llama", head_dim=64, initializer_range=0.2)  # sharp attention: a quantized history shows
+    random_artifact(m).save_pretrained(tmp_path / "art")
+    monkeypatch.setattr(default_perplexity, "load_ids",
+                        lambda tok, text, n: torch.randint(1, 200, (n,), generator=torch.Generator().manual_seed(3)))
+    run = lambda *extra: default_perplexity.main(  # noqa: E731
+        ["--artifact", str(tmp_path / "art"), "--texts", "wikitext", "--context", "400", "--windows", "1",
+         "--dtype", "float32", "--out", str(tmp_path), "--name", "ppl", *extra], model=m, tokenizer=object())
+    return run
+
+
+def test_prefill_scores_the_tokens_after_it(setup):
+    res = setup("--prefill", "360")
+    rows = [r["wikitext"] for r in res["rows"].values()]
+    assert res["setup"]["prefill_len"] == 360
+    assert [r["tokens"] for r in rows] == [40, 40] and all(r["path"] == "token-by-token" for r in rows)
+    # past sink 64 + recent 256 the prompt's rows are INT2 from the first scored step on: OSCAR is not BF16
+    assert abs(rows[1]["nll"] - rows[0]["nll"]) > 1e-4
+    one = [r["wikitext"] for r in setup()["rows"].values()]
+    assert [r["tokens"] for r in one] == [399, 399]
+
+
+def test_prefill_as_long_as_the_window_is_refused(setup):
+    with pytest.raises(ValueError, match="context_len=400 must lie in"):
+        setup("--prefill", "400")
