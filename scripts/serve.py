@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None):
     args, theirs = parse(sys.argv[1:] if argv is None else argv)
     from oscar_hf import OscarRotations
     from oscar_hf.serving import oscar_serving
+    from oscar_hf.serving.engine import log_to_stderr
 
+    log_to_stderr()
     rotations = OscarRotations.from_pretrained(args.rotations) if args.rotations else None
     overrides = {k: v for k, v in dict(sink=args.sink, recent=args.recent, group_size=args.group_size,
                                        prompt_budget=args.prompt_budget).items() if v is not None}

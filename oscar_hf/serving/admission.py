@@ -101,14 +101,14 @@ class Admission:
         claimed, or live with a handler (a second client's)."""
         with self.lock:
             if request_id in self.claimed or (request_id in self.live and has_handler):
-                raise _live(request_id)
+                raise live_id_refusal(request_id)
             if request_id not in self.live:
                 self.claimed.add(request_id)
 
     def submit(self, request_id: str) -> None:
         with self.lock:
             if request_id in self.live:
-                raise _live(request_id)
+                raise live_id_refusal(request_id)
             self.claimed.discard(request_id)
             self.live.add(request_id)
 
@@ -119,7 +119,7 @@ class Admission:
                 self.claimed.discard(rid)
 
 
-def _live(request_id: str) -> RequestRefused:
+def live_id_refusal(request_id: str) -> RequestRefused:
     return RequestRefused(f"request id {request_id!r} is already live on this server (a retry with the same "
                           "X-Request-ID while the first is running?): wait for it to finish or use another id", 409)
 
@@ -178,7 +178,7 @@ def install(manager, processor) -> None:
         # and for requests it re-queues after finishing them (soft reset, forks), whose ids have left
         rid = state.request_id
         if rid in scheduler.active_requests or rid in scheduler.waiting_requests:
-            raise _live(rid)
+            raise live_id_refusal(rid)
         if not getattr(state, "_true_initial_tokens", 0) and state.position_offset == 0:  # a new request
             check_request(processor.cache.store, state.initial_tokens, state.max_new_tokens, adm.vocab_size,
                           state.num_children, adm.blocks_hold_windows)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import json
 import logging
 import threading
 import weakref
@@ -32,6 +33,9 @@ from . import admission
 from .store import OscarPagedStore
 
 logger = logging.getLogger("oscar_hf")
+# logged (INFO, with the store's stats as JSON) when a stopped manager's store gives its memory back: a server's log
+# says what each store still held then (a load test reads it: nothing but the memory itself should be left)
+STORE_RELEASED = "OSCAR store released after its manager stopped; it held:"
 
 # Transformers 5.20+ allocates its paged cache in sectors (continuous_batching/cache_allocators) and its models call
 # cache.update(..., kwargs); before, block managers (cache_manager) and the `paged|*` functions call the cache.
@@ -185,8 +189,10 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
         out = stop(self, *args, **kwargs)
         if isinstance(cache, OscarPagedCache) and getattr(self, "batch_processor", None) is None:  # not kept
             def release():
+                held = cache.store.stats()  # what the store held once its loop was over: no request, page or slot
                 cache.store.release_memory()
                 _restore(getattr(cache, "oscar_switched", []))  # the model's attention as the manager found it
+                logger.info("%s %s", STORE_RELEASED, json.dumps(held))
 
             if thread is not None and thread.is_alive():  # stopped with a timeout while its loop still flushes:
                 _release_after(thread, release)  # once the loop is over (its requests still need the store)

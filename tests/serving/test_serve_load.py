@@ -1,0 +1,33 @@
+"""The load test of the real server (``serve_load.py``) at its CPU profile: ``scripts/serve.py`` as a process, a tiny
+random Llama (and a tiny Qwen3 for the model switch) with SmolLM2's tokenizer, three dozen requests over HTTP from four
+threads. The GPU run (``benchmarks/run_gpu.sh serve-load``) is the same driver at the Qwen3-8B shape."""
+import pytest
+
+pytest.importorskip("fastapi", reason="transformers serve needs `pip install transformers[serving]`")
+pytest.importorskip("uvicorn", reason="transformers serve needs `pip install transformers[serving]`")
+
+from serve_load import KINDS, PROFILES, run  # noqa: E402  (tests/serving is on the path, as for graph_emulation)
+
+
+def test_the_server_under_load_answers_every_request_exactly_and_holds_nothing_after(tmp_path):
+    res = run("tiny", tmp_path)
+    checks = res["checks"]
+    assert res["ok"], {k: c for k, c in checks.items() if not c["ok"]}
+    # every kind of request was sent, in both load phases, and every well-formed one answered exactly
+    assert {key.split(":")[0] for key in res["counts"]} == set(KINDS), res["counts"]
+    assert res["wrong"] == 0 and not res["near_tie"]
+    answered = sum(n for key, n in res["counts"].items() if key.split(":")[0] in ("stream", "plain", "duplicate"))
+    assert res["exact"] == answered == res["counts"]["stream:exact"] + res["counts"]["plain:exact"] + \
+        res["counts"]["duplicate:exact"]
+    assert res["counts"]["cancel:cancelled"] >= 2
+    assert res["requests"] == PROFILES["tiny"]["requests"]
+    # refusals, each with its reason
+    examples = checks["refusals"]["examples"]
+    assert "already live" in examples["duplicate"] and "INT2 pages" in examples["oversized"]
+    assert checks["server_never_stopped"]["health"][0] == 200
+    # three switches (A -> B -> A -> B) stop three managers, whose stores are released (5.25+: the two model
+    # processes, stopped with the server, log theirs): none holds a request, page or window slot
+    releases = checks["nothing_held"]["releases"]
+    assert len(releases) >= checks["nothing_held"]["expected"] >= 2
+    assert all(r["requests"] == r["pages_used"] == r["window_slots_used"] == 0 for r in releases)
+    assert res["ttft_s"]["n"] > 0 and res["tokens_per_s"] > 0
