@@ -19,7 +19,7 @@ Methods (``--methods``):
   ``oscar-compiled``: ``OscarCache(compile=True)``, the compiled storage also for the models where the default call
   keeps the eager storage on CUDA (hybrid, MLA, KV-sharing, soft-capped); ``oscar-skipN``: the first N layers kept in
   full precision (``skip_layers``);
-  ``oscar-fpN``: ``OscarCache`` with N retrieval heads (``full_precision_heads``, spread over the layers), stored
+  ``oscar-fpN``: ``OscarCache`` with N retrieval heads (``retrieval_heads``, spread over the layers), stored
   as the library stores them (INT8).
 
 Every figure is a ratio against the baselines measured in the same run: ``speedup_vs_bf16_strong`` first, then
@@ -282,7 +282,7 @@ def make_cache(model, method: str, capacity: int, explicit: bool = False):
         n, cfg = int(method.removeprefix("oscar-fp")), model.config.get_text_config(decoder=True)
         nl, hk = cfg.num_hidden_layers, cfg.num_key_value_heads
         return OscarCache(model, method="hadamard", group_size=64,
-                          full_precision_heads=tuple(((j * nl) // n, j % hk) for j in range(n)))
+                          retrieval_heads=tuple(((j * nl) // n, j % hk) for j in range(n)))
     if method == "oscar-static":
         return StaticOscarCache(model, method="hadamard", group_size=64, max_cache_len=capacity)
     raise ValueError(method)

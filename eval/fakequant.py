@@ -144,7 +144,7 @@ register_handler(PREFIX, _handler)
 def minmax_fake_quant(x: torch.Tensor, bits: int, meta_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``x [..., D]`` -> the same shape and dtype, each row stored as ``bits``-bit codes with an asymmetric min-max
     scale and zero (one group over the whole row, no clipping) and read back: at most ``2**bits`` distinct values per
-    row (:func:`oscar_hf.quant.quantize_minmax`, the storage of the caches' full-precision heads at 8 or 4 bits)."""
+    row (:func:`oscar_hf.quant.quantize_minmax`, the storage of the caches' retrieval heads at 8 or 4 bits)."""
     return dequantize_minmax(quantize_minmax(x, bits, meta_dtype), x.dtype)
 
 

@@ -12,7 +12,7 @@ exact-match count through the real cache (17).
     python -P -m oscar_hf.eval.key_levers --artifact DIR --threads 2 --perplexity   # what each lever costs in ppl
 
 Levers (history bits: the average over the quantized layers' KV heads, keys and values, the coded retrieval heads
-included; INTb below: the heads' width, ``OscarConfig.full_precision_bits``):
+included; INTb below: the heads' width, ``OscarConfig.retrieval_bits``):
 
 * ``keys exact`` / ``values exact``: the diagnosis, which half of the INT2 rows costs the needles (``every head``:
   the retrieval heads' keys exact too; ``retrieval heads' keys exact``: those alone);
@@ -20,7 +20,7 @@ included; INTb below: the heads' width, ``OscarConfig.full_precision_bits``):
 * ``3-bit keys``: keys in 8 levels per group (3.5 bits with scale and zero), values INT2;
 * ``INT4 keys, layers [...]``: the 4 layers of largest held-out key error (the artifact's ``heldout_error``) get
   16-level keys in the rotated space, a per-layer mixed budget;
-* ``whole INTb layers``: the cache's own full-precision heads spent, after the retrieval heads, on whole layers
+* ``whole INTb layers``: the cache's retrieval-head budget spent, after its retrieval heads, on whole layers
   by that error up to 3.0 bits (min-max per token and head, unrotated: :mod:`oscar_hf.cache.heads`);
 * ``INT8 retrieval heads`` (``INT4`` when the defaults' are INT8): the retrieval heads in the other width (the
   3.0-bit budget keeps fewer at INT8, more at INT4), alone and with per-channel keys;
@@ -77,12 +77,12 @@ def rotated_fake_quant(x, r, mu, clip, bits: int, group: int = 64, axis: str = "
 
 class KeysOrValuesFrom(FakeQuantSpec):
     """``base`` (an :class:`OscarSpec`), with the keys (``part="k"``) or values of the INT2 heads of ``layers``
-    replaced by ``read(x, layer_rotation) -> x_hat`` (``x``: those heads' rows; the full-precision heads and the
+    replaced by ``read(x, layer_rotation) -> x_hat`` (``x``: those heads' rows; the retrieval heads and the
     window rules stay the base's)."""
 
     def __init__(self, base: OscarSpec, read, part: str = "k", layers=None):
         self.base, self.read, self.part, self.layers = base, read, part, layers
-        self.retrieval_heads = base.retrieval_heads  # {layer: full-precision heads}, left as the base reads them
+        self.retrieval_heads = base.retrieval_heads  # {layer: retrieval heads}, left as the base reads them
 
     def layer_kv(self, i, k, v):
         out = self.base.layer_kv(i, k, v)
@@ -139,7 +139,7 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
     n = len(rotations.layers) * fp.num_key_value_heads
     p = sum(map(len, base.retrieval_heads.values()))
     row = config.history_bits(fp.head_dim)  # an INT2 row's bits per element (2.5 at group 64, BF16 scale and zero)
-    head = config.full_precision_head_bits(fp.head_dim)  # a full-precision head's (8.5 at INT8, D = 64)
+    head = config.retrieval_head_bits(fp.head_dim)  # a retrieval head's (8.5 at INT8, D = 64)
     bits = lambda key_bits: history_bits(n, p, key_bits, row, head)  # noqa: E731
     errors = {int(i): float(e["k_rel"]) for i, e in rotations.metadata.get("heldout_error", {}).items()}
     worst = sorted(errors, key=lambda i: -errors[i])
@@ -151,7 +151,7 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
     exact = lambda x, lr: x  # noqa: E731
     out = {
         "BF16 DynamicCache": (None, 16.0),
-        f"defaults ({p} INT{config.full_precision_bits} retrieval heads)": (base, bits(row)),
+        f"defaults ({p} INT{config.retrieval_bits} retrieval heads)": (base, bits(row)),
         "keys exact": (KeysOrValuesFrom(base, exact, "k"), None),
         "keys exact, every head": (HeadKeysExact(KeysOrValuesFrom(base, exact, "k")), None),
         "retrieval heads' keys exact": (HeadKeysExact(base), None),
@@ -166,24 +166,24 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
         out[f"INT4 keys, layers {sorted(top)}"] = (
             KeysOrValuesFrom(base, keys(4, clip=1.0), layers=top), bits(row) + n_int4 * 1.0 / n)
         pairs = {(i, h) for i, hs in base.retrieval_heads.items() for h in hs}  # the retrieval heads, then whole layers
-        budget = config.full_precision_head_budget(fp.head_dim, n)
+        budget = config.retrieval_head_budget(fp.head_dim, n)
         for i in worst:
             rest = {(i, h) for h in range(fp.num_key_value_heads)} - pairs
             if len(pairs) + len(rest) <= budget:
                 pairs |= rest
-        whole = config.replace(full_precision_heads=tuple(sorted(pairs)))
+        whole = config.replace(retrieval_heads=tuple(sorted(pairs)))
         layers = sorted(i for i in worst if all((i, h) in pairs for h in range(fp.num_key_value_heads)))
-        out[f"whole INT{config.full_precision_bits} layers {layers}"] = (
+        out[f"whole INT{config.retrieval_bits} layers {layers}"] = (
             OscarSpec(model, rotations, whole), history_bits(n, len(pairs), row, row, head))
     out["per-channel keys"] = (KeysOrValuesFrom(base, keys(axis="channel", clip=1.0)), bits(row))
     # the retrieval heads in the other width (INT8 beside INT4 defaults, INT4 beside INT8), as many as the budget keeps
-    other = 4 if config.full_precision_bits == 8 else 8
-    auto = config.replace(full_precision_bits=other, full_precision_heads="auto")
+    other = 4 if config.retrieval_bits == 8 else 8
+    auto = config.replace(retrieval_bits=other, retrieval_heads="auto")
     heads = resolve_retrieval_heads(auto, rotations, fp, set())
-    alt = auto.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in heads.items() for h in hs)))
+    alt = auto.replace(retrieval_heads=tuple(sorted((i, h) for i, hs in heads.items() for h in hs)))
     base_alt = OscarSpec(model, rotations, alt)
     p_alt = sum(map(len, base_alt.retrieval_heads.values()))
-    bits_alt = history_bits(n, p_alt, row, row, alt.full_precision_head_bits(fp.head_dim))
+    bits_alt = history_bits(n, p_alt, row, row, alt.retrieval_head_bits(fp.head_dim))
     out[f"{p_alt} INT{other} retrieval heads"] = (base_alt, bits_alt)
     out[f"per-channel keys, {p_alt} INT{other} retrieval heads"] = (
         KeysOrValuesFrom(base_alt, keys(axis="channel", clip=1.0)), bits_alt)
@@ -253,7 +253,7 @@ def main(argv=None):
     from tqdm.auto import tqdm
 
     from oscar_hf import OscarCache
-    from oscar_hf.config import FULL_PRECISION_BIT_CHOICES
+    from oscar_hf.config import RETRIEVAL_BIT_CHOICES
     from oscar_hf.models import model_for_eval
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -266,7 +266,8 @@ def main(argv=None):
     p.add_argument("--only", default=None,
                    help="comma list: run only the levers whose label contains one of these (BF16 and the defaults "
                         "always run)")
-    p.add_argument("--full-precision-bits", type=int, choices=FULL_PRECISION_BIT_CHOICES, default=None,
+    p.add_argument("--retrieval-bits", "--full-precision-bits", dest="retrieval_bits", type=int,
+                   choices=RETRIEVAL_BIT_CHOICES, default=None,
                    help="how the retrieval heads are stored (default: OscarConfig's, 8; the committed 8K needle and "
                         "perplexity tables were run at 4)")
     p.add_argument("--perplexity", action="store_true",
@@ -280,7 +281,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok, _, _ = model_for_eval(None, None, torch.bfloat16)
-    over = {} if args.full_precision_bits is None else dict(full_precision_bits=args.full_precision_bits)
+    over = {} if args.retrieval_bits is None else dict(retrieval_bits=args.retrieval_bits)
     cache = OscarCache.from_pretrained(args.artifact, model, **over)  # the defaults, heads resolved
     specs = levers(model, cache.rotations, cache.oscar_config)
     if args.only:

@@ -42,32 +42,37 @@ def _bool(x) -> bool:
     return x if isinstance(x, bool) else str(x).lower() in ("1", "true", "yes")
 
 
+_CONVERT = {"sink": int, "recent": int, "group_size": int, "quantizer": str, "clip_k": float, "clip_v": float}
+
+
+def _cache_settings(kwargs: dict) -> dict:
+    """The OscarConfig keywords among lm-eval's model args (popped from ``kwargs``: the rest go to ``HFLM``), as their
+    types (lm-eval passes strings); unset ones: the artifact's chosen settings, else OscarConfig's defaults."""
+    cfg = dict(center=_bool(kwargs.pop("center", True)))
+    for name, kind in _CONVERT.items():
+        value = kwargs.pop(name, None)
+        if value is not None:
+            cfg[name] = kind(value)
+    return cfg
+
+
 @register_model("oscar")
 class OscarLM(HFLM):
+    """lm-eval's model ``oscar``: ``method`` / ``rotations`` / the cache settings (``sink``, ``recent``,
+    ``group_size``, ``center``, ``clip_k``, ``clip_v``, ``quantizer``) / ``score_mode`` / ``question_decode_tokens`` as
+    model args; the others are ``HFLM``'s."""
+
     def __init__(self, pretrained: str = DEFAULT_MODEL, method: str = "oscar", rotations: str | None = None,
-                 sink: int | None = None, recent: int | None = None, group_size: int | None = None, center=True,
-                 clip_k: float | None = None, clip_v: float | None = None, quantizer: str | None = None,
-                 score_mode: str = "decode",
-                 question_decode_tokens: int = 0, gguf_file: str | None = None, **kwargs):
+                 score_mode: str = "decode", question_decode_tokens: int = 0, gguf_file: str | None = None, **kwargs):
         if pretrained == DEFAULT_MODEL:
             pretrained, gguf_file = str(smollm2_dir()), gguf_file or SMOLLM2_GGUF
         if score_mode not in ("decode", "prefill"):
             raise ValueError(f"score_mode must be 'decode' or 'prefill', got {score_mode!r}")
         if int(question_decode_tokens) < 0:
             raise ValueError(f"question_decode_tokens must be >= 0, got {question_decode_tokens!r}")
+        cfg = _cache_settings(kwargs)
         kwargs.setdefault("dtype", "float32")
         super().__init__(pretrained=pretrained, gguf_file=gguf_file, **kwargs)
-        # unset: an artifact's chosen settings (calibrate's search), else OscarConfig's defaults
-        cfg = dict(center=_bool(center))
-        for name, value in dict(sink=sink, recent=recent, group_size=group_size).items():
-            if value is not None:
-                cfg[name] = int(value)
-        if quantizer is not None:
-            cfg["quantizer"] = quantizer
-        if clip_k is not None:
-            cfg["clip_k"] = float(clip_k)
-        if clip_v is not None:
-            cfg["clip_v"] = float(clip_v)
         if method == "fp":
             self.kv_method = get_method("fp")
         elif rotations:

@@ -2,7 +2,7 @@
 
 Calibration picks rotations by an error it can measure cheaply on held-out calibration tokens; a proxy is worth
 using for that choice only if it orders the candidates as end-to-end perplexity does. This runs a set of cache
-configurations (rotation x centering, everything else the library's defaults, no full-precision heads, so that only
+configurations (rotation x centering, everything else the library's defaults, no retrieval heads, so that only
 the INT2 rows differ) and, for each, four proxies on calibration text and the perplexity change on held-out text:
 
 * ``attention``: the library's selection objective (:func:`oscar_hf.calibration.search.attention_error`, the mean
@@ -87,13 +87,13 @@ def fake_quant_kl(model, ids: torch.Tensor, spec, reference: torch.Tensor | None
 
 def configurations(model, artifacts: dict, window: dict) -> dict:
     """``{label: OscarFamily}``: built-in identity / Hadamard and each given artifact, with and without centering;
-    no full-precision heads."""
+    no retrieval heads."""
     from oscar_hf import OscarRotations
 
     from .compare import swap_rotation
     from .methods import OscarFamily
 
-    kw = dict(window, full_precision_heads=0)
+    kw = dict(window, retrieval_heads=0)
     out = {"identity": OscarFamily("identity", rotations=OscarRotations.builtin(model, "identity"), **kw),
            "Hadamard": OscarFamily("hadamard", rotations=OscarRotations.builtin(model, "hadamard"), **kw)}
     if "oscar" in artifacts:

@@ -1,87 +1,71 @@
-"""`OscarConfig`: the cache's settings (and named presets of them), and `ModelFingerprint`: what an artifact was
-made for."""
+"""`OscarConfig`: the cache's settings (and named presets of them); where a cache's settings come from
+(:func:`starting_config`: a config, a preset, or the ones an artifact's calibration chose). Their checks live in
+:mod:`oscar_hf.config_checks`; the model's facts (:class:`ModelFingerprint`, layer kinds) in :mod:`oscar_hf.fingerprint`
+and are re-exported here."""
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .quant import QUANTIZERS, SUPPORTED_META_DTYPES, bits_per_element, check_group_size
+from .fingerprint import (  # noqa: F401  (re-exported: the names every module imports from config)
+    DUMMY_LAYER_TYPE,
+    FULL_LAYER_TYPES,
+    FULL_PRECISION_LAYER_TYPES,
+    FULL_PRECISION_WHY,
+    LATENT_LAYER_TYPE,
+    SHARED_KV_LAYER_TYPE,
+    SLIDING_LAYER_TYPES,
+    STATE_LAYER_TYPES,
+    UNEQUAL_KV_LAYER_TYPE,
+    ModelFingerprint,
+    default_group_size,
+    hybrid_state_layers,
+    kv_sharing_modes,
+    layer_types_of,
+    validate_head_dim,
+)
+from .config_checks import RENAMED_FIELDS, check_config, renamed_keywords  # noqa: F401
+from .quant import SUPPORTED_META_DTYPES, bits_per_element
 
 _META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
 
-# Layer kinds (ModelFingerprint.layer_types, read by layer_types_of from Transformers' config.layer_types): the
-# attention of each decoder layer as OSCAR sees it. FULL: OSCAR quantizes it (a "hybrid" layer's attention too: its
-# state is hybrid_state_layers'). SLIDING: Transformers' own full-precision sliding-window layer (bounded already).
-FULL_LAYER_TYPES = ("full_attention",)
-SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
-# Layers with a recurrent or convolution state and no per-token K/V (Qwen3-Next / Qwen3.5, Jamba, Bamba,
-# GraniteMoeHybrid, LFM2, ...): Transformers' own state layer, untouched.
-STATE_LAYER_TYPES = ("linear_attention", "conv")
-# Full attention kept in Transformers' own full-precision layer, with the reason (logged by OscarCache, docs/usage.md):
-# * MLA (DeepSeek-V2/V3, GLM-4-MoE-Lite, Kimi-Linear, ...): Transformers caches the compressed latent
-#   [B, 1, S, kv_lora_rank] and its rope part [B, 1, S, qk_rope_head_dim], and rebuilds every head's keys and values
-#   from the whole latent history with kv_b_proj at every step. An INT2 latent would have to be dequantized to a
-#   full-precision copy of that history every step to feed kv_b_proj (which OSCAR never builds), and the latent is
-#   already ~71x smaller than per-head K/V (576 vs 40,960 elements per token and layer on DeepSeek-V3); reading it in
-#   INT2 needs kv_b_proj absorbed into the queries, which is model-specific code.
-# * KV sharing (Gemma 3n, Gemma 4): a "store" layer's cache.update result is attended to again by later "reuse" layers,
-#   which need tensors, not OSCAR's handle.
-# * keys and values of different head sizes (``v_head_dim`` != ``head_dim``: MiMo-V2-Flash, 192 / 128): the INT2
-#   storage, its rotations and the decode kernels pair one head_dim for both.
-LATENT_LAYER_TYPE = "latent_attention"
-SHARED_KV_LAYER_TYPE = "shared_kv_attention"
-UNEQUAL_KV_LAYER_TYPE = "unequal_kv_attention"
-FULL_PRECISION_LAYER_TYPES = (LATENT_LAYER_TYPE, SHARED_KV_LAYER_TYPE, UNEQUAL_KV_LAYER_TYPE)
-FULL_PRECISION_WHY = {
-    LATENT_LAYER_TYPE: "multi-head latent attention: Transformers caches the latent and expands it through kv_b_proj "
-                       "at every step, so an INT2 latent would need a full-precision copy of its history every step; "
-                       "the latent is already ~71x smaller than per-head keys and values",
-    SHARED_KV_LAYER_TYPE: "KV sharing: later layers attend again to the keys and values this layer's cache returns",
-    UNEQUAL_KV_LAYER_TYPE: "keys and values of different head sizes: OSCAR's INT2 storage and decode kernels pair one "
-                           "head_dim for both",
-}
-# Layers that cache nothing: the "reuse" layers of KV sharing, MoE / MLP-only layers (Transformers' DummyLayer).
-DUMMY_LAYER_TYPE = "dummy"
-# Transformers' legacy names (remap_legacy_layer_types) and the attention kind of its "hybrid" layers
-_LAYER_TYPE_ALIASES = {"mamba": "linear_attention", "attention": "full_attention", "moe": DUMMY_LAYER_TYPE,
-                       "mlp": DUMMY_LAYER_TYPE, "hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
-
-# full_precision_heads="auto" (the default): the KV heads whose retrieval score (oscar_hf.calibration.retrieval_heads:
+# retrieval_heads="auto" (the default): the KV heads whose retrieval score (oscar_hf.calibration.retrieval_heads:
 # attention mass that the answer of a key/value probe puts on its fact sentence, in [0, 1]) reaches this threshold,
 # best first, as many as ``max_history_bits`` allows. On SmolLM2-135M (12 probes of 2-4K tokens) the 90 KV heads split
 # into 8 at 0.55-0.73 and the rest at or below 0.27 (then 0.25, 0.23, 0.20, 0.17, 0.10; median 0.004): 0.4 lies in
 # that gap. A head at the threshold puts 40% of its attention on a ~15-token fact among 2-4K tokens; shorter probes
 # raise every score (1-2K tokens: two more heads at 0.43-0.46), so the probes keep their 2-4K default.
 RETRIEVAL_THRESHOLD = 0.4
-MAX_HISTORY_BITS = 3.0  # default cap on the history's average bits per element (INT2 heads + full-precision heads)
-FULL_PRECISION_HEAD_BITS = 16  # the most a full-precision head costs per element (BF16 / FP16 storage)
-# full_precision_bits: how those heads are stored (oscar_hf.cache.heads). 8 by default: INT8 codes with a scale and
+MAX_HISTORY_BITS = 3.0  # default cap on the history's average bits per element (INT2 heads + retrieval heads)
+RETRIEVAL_HEAD_MAX_BITS = 16  # the most a retrieval head costs per element (BF16 / FP16 storage)
+# retrieval_bits: how those heads are stored (oscar_hf.cache.heads). 8 by default: INT8 codes with a scale and
 # zero per token and head cost 8.5 bits per element at head_dim 64 (8.25 at 128) against 16, so the 3.0-bit cap holds
 # 7 of SmolLM2's 8 retrieval heads instead of 3. INT4 (4.5 bits, all 8 heads) is not enough: its min-max step over
 # the unrotated post-RoPE key channels is set by a few large channels and the keys lose the detail that retrieves.
 # On 24 interior locker needles at 8K (BF16 22) INT4 heads found 17, INT8 heads 21, the same heads' keys exact 21;
 # through the real cache INT8 heads keep >= 0.9x BF16 at every length 1K-8K, INT4 0.82x at 8K (docs/quality.md).
-FULL_PRECISION_BITS = 8
-FULL_PRECISION_BIT_CHOICES = (16, 8, 4)  # the model dtype, INT8, INT4 (the forms oscar_hf.cache.heads stores)
+RETRIEVAL_BITS = 8
+RETRIEVAL_BIT_CHOICES = (16, 8, 4)  # the model dtype, INT8, INT4 (the forms oscar_hf.cache.heads stores)
+FULL_PRECISION_BITS, FULL_PRECISION_BIT_CHOICES = RETRIEVAL_BITS, RETRIEVAL_BIT_CHOICES  # (their names before)
 WINDOW_BITS = 16  # bits of a full-precision cached element in OscarConfig.stored_bits (BF16 / FP16)
 # The cache settings calibrate() may choose per model (oscar_hf.calibration.settings) and store in the artifact's
 # metadata["settings"]["chosen"]; a cache built from that artifact starts from them (artifact_settings).
-CHOSEN_FIELDS = ("sink", "recent", "group_size", "meta_dtype", "quantizer", "full_precision_heads", "full_precision_bits")
+CHOSEN_FIELDS = ("sink", "recent", "group_size", "meta_dtype", "quantizer", "retrieval_heads", "retrieval_bits")
 
 # Named settings (``OscarConfig.from_preset``). "paper": the method authors' own runs (FutureMLS-Lab/OSCAR): one
 # quantization group per head (group_size None = head_dim, resolved when the model is known) with float32 scale and
 # zero, fixed clip ratios K 0.96 / V 0.92 (not searched), sink 64 / recent 256, no centering. Their rotations are
 # one per layer shared by its KV heads: the authors' files (``OscarRotations.from_reference``) or
 # ``calibrate(..., share_rotation_across_heads=True)``; the preset itself works with any artifact. The authors keep no
-# head in full precision: full_precision_heads=0, not the default "auto".
+# retrieval head: retrieval_heads=0, not the default "auto".
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": dict(sink=64, recent=256, group_size=None, meta_dtype="float32", clip_k=0.96, clip_v=0.92,
-                  center=False, full_precision_heads=0),
+                  center=False, retrieval_heads=0),
 }
 
 
@@ -112,23 +96,24 @@ class OscarConfig:
             ``OscarCache`` (either storage) and ``StaticOscarCache``; the paged serving store takes
             "calibrated" only.
         skip_layers: layers kept entirely in full precision (negative indices count from the end).
-        full_precision_heads: KV heads kept out of the INT2 history (keys and values, every position, stored as
-            ``full_precision_bits`` says: INT8 by default), the rest of their layer quantized as usual; they give
+        retrieval_heads: KV heads kept out of the INT2 history (keys and values, every position, stored as
+            ``retrieval_bits`` says: INT8 by default), the rest of their layer quantized as usual; they give
             back retrieval of single facts from far back
-            (needle in a haystack). ``"auto"`` (default): the artifact's "retrieval heads"
+            (needle in a haystack). ``"auto"`` (default): the artifact's best retrieval heads
             (``OscarRotations.retrieval_scores``, see ``oscar_hf.calibration.retrieval_heads``) whose score
             reaches ``retrieval_threshold``, best first, at most as many as keep :meth:`history_bits` within
             ``max_history_bits``; none without scores (built-in ``method``, or an artifact calibrated with
             ``retrieval_probes=0``). An int ``k``: the ``k`` best retrieval heads; or explicit ``(layer, kv_head)``
-            pairs (neither capped by ``max_history_bits``). Each head costs :meth:`full_precision_head_bits` per
+            pairs (neither capped by ``max_history_bits``). Each head costs :meth:`retrieval_head_bits` per
             element of its share of the history instead of 2.5 (SmolLM2: 7 of 90 heads, 2.97 history bits at INT8;
             3.7 at 16 bits).
-        full_precision_bits: how the full-precision heads store their keys and values (``oscar_hf.cache.heads``):
+        retrieval_bits: how the retrieval heads store their keys and values (``oscar_hf.cache.heads``):
             16 (the model dtype, exact), 8 or 4 (default: codes with a scale and zero per token and head in the
-            model dtype, min-max over head_dim; :data:`FULL_PRECISION_BITS` says why 8).
-        max_history_bits: cap of ``full_precision_heads="auto"`` on the average bits per history element over
+            model dtype, min-max over head_dim; :data:`RETRIEVAL_BITS` says why 8).
+            (``full_precision_heads`` / ``full_precision_bits``: their old names, accepted with a FutureWarning.)
+        max_history_bits: cap of ``retrieval_heads="auto"`` on the average bits per history element over
             all KV heads of the quantized layers (:meth:`history_bits`).
-        retrieval_threshold: retrieval score (attention mass in [0, 1]) from which ``full_precision_heads="auto"``
+        retrieval_threshold: retrieval score (attention mass in [0, 1]) from which ``retrieval_heads="auto"``
             keeps a head; :data:`RETRIEVAL_THRESHOLD` says why 0.4.
         block_size: history tokens dequantized at once by the CPU reference decode (bounded memory).
         prefill_chunk: tokens quantized at once when a long prompt is written to history.
@@ -147,8 +132,8 @@ class OscarConfig:
     center: bool = True
     key_offset: str = "calibrated"
     skip_layers: tuple[int, ...] = ()
-    full_precision_heads: str | int | tuple[tuple[int, int], ...] = "auto"
-    full_precision_bits: int = FULL_PRECISION_BITS
+    retrieval_heads: str | int | tuple[tuple[int, int], ...] = "auto"
+    retrieval_bits: int = RETRIEVAL_BITS
     max_history_bits: float = MAX_HISTORY_BITS
     retrieval_threshold: float = RETRIEVAL_THRESHOLD
     block_size: int = 1024
@@ -156,71 +141,19 @@ class OscarConfig:
     use_kernels: bool | str = "auto"
 
     def __post_init__(self):
-        for name in ("sink", "recent"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"OscarConfig.{name} must be a non-negative int, got {getattr(self, name)!r}")
-        if self.recent < 1:
-            raise ValueError("OscarConfig.recent must be >= 1 (the current token's predecessor stays in full precision)")
-        g = self.group_size
-        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
-            raise ValueError(f"OscarConfig.group_size must be a positive int or None (= head_dim), got {g!r}")
-        if self.bits != 2:
-            raise NotImplementedError(f"only bits=2 is implemented, got bits={self.bits}")
-        if self.meta_dtype not in _META_DTYPES:
-            raise ValueError(f"meta_dtype must be one of {sorted(_META_DTYPES)}, got {self.meta_dtype!r}")
-        if self.block_size < 1 or self.prefill_chunk < 1:
-            raise ValueError("block_size and prefill_chunk must be positive")
-        if self.quantizer not in QUANTIZERS:
-            raise ValueError(f"OscarConfig.quantizer must be one of {QUANTIZERS}, got {self.quantizer!r}")
-        if self.key_offset not in ("calibrated", "prefill"):
-            raise ValueError(f"key_offset must be 'calibrated' or 'prefill', got {self.key_offset!r}")
-        if self.use_kernels not in ("auto", True, False):
-            raise ValueError(f"use_kernels must be 'auto', True or False, got {self.use_kernels!r}")
-        for name in ("clip_k", "clip_v"):
-            val = getattr(self, name)
-            if isinstance(val, Sequence) and not isinstance(val, str):
-                object.__setattr__(self, name, tuple(float(v) for v in val))
-                vals = getattr(self, name)
-            elif val is None:
-                vals = ()
-            else:
-                vals = (float(val),)
-            if any(not (0.0 < v <= 1.0) for v in vals):
-                raise ValueError(f"OscarConfig.{name} ratios must lie in (0, 1], got {val!r}")
-        object.__setattr__(self, "skip_layers", tuple(int(i) for i in self.skip_layers))
-        fph = self.full_precision_heads
-        if isinstance(fph, str):
-            if fph != "auto":
-                raise ValueError(f"full_precision_heads must be 'auto', an int or (layer, kv_head) pairs, got {fph!r}")
-        elif isinstance(fph, bool) or not isinstance(fph, (int, Sequence)):
-            raise ValueError(f"full_precision_heads must be 'auto', an int or (layer, kv_head) pairs, got {fph!r}")
-        elif isinstance(fph, int):
-            if fph < 0:
-                raise ValueError(f"full_precision_heads must be >= 0, got {fph}")
-        else:
-            try:
-                pairs = tuple(sorted({(int(a), int(b)) for a, b in fph}))
-            except (TypeError, ValueError):
-                raise ValueError(f"full_precision_heads pairs must be (layer, kv_head) ints, got {fph!r}") from None
-            if any(a < 0 or b < 0 for a, b in pairs):
-                raise ValueError(f"full_precision_heads pairs must be non-negative, got {fph!r}")
-            object.__setattr__(self, "full_precision_heads", pairs)
-        if self.full_precision_bits not in FULL_PRECISION_BIT_CHOICES or isinstance(self.full_precision_bits, bool):
-            raise ValueError(f"OscarConfig.full_precision_bits must be one of {FULL_PRECISION_BIT_CHOICES}, got "
-                             f"{self.full_precision_bits!r}")
-        ranges = (("max_history_bits", self.bits, FULL_PRECISION_HEAD_BITS), ("retrieval_threshold", 0.0, 1.0))
-        for name, lo, hi in ranges:
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or not lo <= val <= hi:
-                raise ValueError(f"OscarConfig.{name} must be a number in [{lo:g}, {hi:g}], got {val!r}")
-            object.__setattr__(self, name, float(val))
+        check_config(self, _META_DTYPES, RETRIEVAL_BIT_CHOICES, RETRIEVAL_HEAD_MAX_BITS)
+
+    # the names before "retrieval heads" became the one name, read by code not yet renamed (keywords warn instead:
+    # config_checks.renamed_keywords)
+    full_precision_heads = property(lambda self: self.retrieval_heads)
+    full_precision_bits = property(lambda self: self.retrieval_bits)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "OscarConfig":
         """The named settings of :data:`PRESETS` (``"paper"``: the authors' own), with ``overrides`` on top."""
         if name not in PRESETS:
             raise ValueError(f"unknown OscarConfig preset {name!r}; presets: {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        return cls(**{**PRESETS[name], **renamed_keywords(overrides, "OscarConfig.from_preset")})
 
     @classmethod
     def reference(cls, **overrides) -> "OscarConfig":
@@ -275,28 +208,28 @@ class OscarConfig:
             out.add(j)
         return out
 
-    def full_precision_head_bits(self, head_dim: int) -> float:
-        """Bits per element of a full-precision head as stored (``full_precision_bits``; codes + a 16-bit scale and
-        zero per ``head_dim`` elements below 16)."""
-        b = self.full_precision_bits
+    def retrieval_head_bits(self, head_dim: int) -> float:
+        """Bits per element of a retrieval head as stored (``retrieval_bits``; codes + a 16-bit scale and zero per
+        ``head_dim`` elements below 16)."""
+        b = self.retrieval_bits
         return float(b) if b == 16 else b + 2 * 16 / head_dim
 
-    def history_bits(self, head_dim: int, full_precision_share: float = 0.0, head_bits: float | None = None) -> float:
-        """Average bits per history element when ``full_precision_share`` of the quantized layers' KV heads are
-        full-precision heads (``head_bits`` each, default :meth:`full_precision_head_bits`) and the rest INT2 (code
-        + scale/zero per group: 2.5 at group 64, BF16)."""
+    def history_bits(self, head_dim: int, retrieval_share: float = 0.0, head_bits: float | None = None) -> float:
+        """Average bits per history element when ``retrieval_share`` of the quantized layers' KV heads are retrieval
+        heads (``head_bits`` each, default :meth:`retrieval_head_bits`) and the rest INT2 (code + scale/zero per
+        group: 2.5 at group 64, BF16)."""
         c = self.for_head_dim(head_dim)
         q = bits_per_element(head_dim, c.group_size, c.torch_meta_dtype)
         if head_bits is None:
-            head_bits = self.full_precision_head_bits(head_dim)
-        return (1.0 - full_precision_share) * q + full_precision_share * head_bits
+            head_bits = self.retrieval_head_bits(head_dim)
+        return (1.0 - retrieval_share) * q + retrieval_share * head_bits
 
-    def full_precision_head_budget(self, head_dim: int, num_heads: int, head_bits: float | None = None) -> int:
-        """How many of ``num_heads`` (the quantized layers' KV heads) may be full precision (``head_bits`` each,
-        default :meth:`full_precision_head_bits`) while :meth:`history_bits` stays within ``max_history_bits``
-        (``full_precision_heads="auto"``)."""
+    def retrieval_head_budget(self, head_dim: int, num_heads: int, head_bits: float | None = None) -> int:
+        """How many of ``num_heads`` (the quantized layers' KV heads) may be retrieval heads (``head_bits`` each,
+        default :meth:`retrieval_head_bits`) while :meth:`history_bits` stays within ``max_history_bits``
+        (``retrieval_heads="auto"``)."""
         if head_bits is None:
-            head_bits = self.full_precision_head_bits(head_dim)
+            head_bits = self.retrieval_head_bits(head_dim)
         q = self.history_bits(head_dim)
         if num_heads <= 0 or self.max_history_bits <= q:
             return 0
@@ -311,24 +244,24 @@ class OscarConfig:
         * the ``min(context, sink + recent)`` window tokens at :data:`WINDOW_BITS` (BF16 / FP16, the dtype a cache
           serves in; a float32 calibration model's windows are counted at 16 too);
         * the other ``context - sink - recent`` tokens as history: INT2 codes + the group's scale and zero
-          (:func:`~oscar_hf.quant.bits_per_element`: 2.5 at group 64, BF16), or :meth:`full_precision_head_bits` for a
-          full-precision head (INT8: 8.5 at head_dim 64);
+          (:func:`~oscar_hf.quant.bits_per_element`: 2.5 at group 64, BF16), or :meth:`retrieval_head_bits` for a
+          retrieval head (INT8: 8.5 at head_dim 64);
         * a ``skip_layers`` layer: :data:`WINDOW_BITS` for every token.
 
         Sliding-window, linear-attention and latent layers are not counted (no setting changes them). This is the
-        compiled and serving storage's layout; the eager storage (the CPU's) also keeps a full-precision head's window
-        tokens at its width (SmolLM2's 7 INT8 heads: +0.026 bits at 8192 tokens). ``full_precision_heads`` must be
+        compiled and serving storage's layout; the eager storage (the CPU's) also keeps a retrieval head's window
+        tokens at its width (SmolLM2's 7 INT8 heads: +0.026 bits at 8192 tokens). ``retrieval_heads`` must be
         resolved (an int or pairs; ``"auto"`` depends on the artifact's scores:
-        resolve it with :func:`oscar_hf.cache.resolve_full_precision_heads` first). Today's defaults on SmolLM2
+        resolve it with :func:`oscar_hf.layer_choice.resolve_retrieval_heads` first). Today's defaults on SmolLM2
         (30 layers x 3 KV heads of 64, 7 INT8 heads) at 8192 tokens: (320 x 16 + 7872 x 2.967) / 8192 = 3.476."""
         if isinstance(context, bool) or not isinstance(context, int) or context < 1:
             raise ValueError(f"context must be a positive int of tokens, got {context!r}")
         layers = sorted({int(i) for i in quantized_layers})
         if not layers:
             raise ValueError("stored_bits needs at least one quantized layer")
-        fph = self.full_precision_heads
+        fph = self.retrieval_heads
         if fph == "auto":
-            raise ValueError("stored_bits needs full_precision_heads resolved to an int or (layer, kv_head) pairs")
+            raise ValueError("stored_bits needs retrieval_heads resolved to an int or (layer, kv_head) pairs")
         head_dim, hk = fingerprint.head_dim, fingerprint.num_key_value_heads
         skipped = self.skipped(fingerprint.num_layers)
         live = [i for i in layers if i not in skipped]  # the layers with an INT2 history
@@ -347,6 +280,7 @@ class OscarConfig:
         """The config of :meth:`to_dict` (also after a JSON round trip: lists become tuples again)."""
         if not isinstance(d, dict):
             raise ValueError(f"OscarConfig.from_dict needs a dict, got {type(d).__name__}")
+        d = renamed_keywords(d, "OscarConfig.from_dict", warn=False)  # configs saved before the rename load as they were
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"unknown OscarConfig fields {unknown}")
@@ -354,7 +288,21 @@ class OscarConfig:
         return cls(**{k: tup(v) for k, v in d.items()})
 
     def replace(self, **kw) -> "OscarConfig":
-        return dataclasses.replace(self, **kw)
+        return dataclasses.replace(self, **renamed_keywords(kw, "OscarConfig.replace"))
+
+    # the method names before "retrieval heads" became the one name
+    full_precision_head_bits = retrieval_head_bits
+    full_precision_head_budget = retrieval_head_budget
+
+
+_dataclass_init = OscarConfig.__init__
+
+
+def _init_with_old_names(self, *args, **kw):  # OscarConfig(full_precision_heads=...): the old keywords, warned
+    _dataclass_init(self, *args, **renamed_keywords(kw, "OscarConfig"))
+
+
+OscarConfig.__init__ = functools.wraps(_dataclass_init)(_init_with_old_names)
 
 
 def artifact_settings(metadata: dict) -> dict[str, Any] | None:
@@ -368,6 +316,7 @@ def artifact_settings(metadata: dict) -> dict[str, Any] | None:
     chosen = entry["chosen"]
     if not isinstance(chosen, dict):
         raise ValueError(f"artifact metadata['settings']['chosen'] must be an object, got {type(chosen).__name__}")
+    chosen = renamed_keywords(chosen, "artifact settings", warn=False)  # artifacts written before the rename
     unknown = sorted(set(chosen) - set(CHOSEN_FIELDS))
     if unknown:
         raise ValueError(f"artifact metadata['settings']['chosen'] has fields no calibration chooses: {unknown} "
@@ -396,156 +345,3 @@ def starting_config(config: "OscarConfig | None", preset: str | None, rotations,
         config = artifact_config(rotations)
         default_group = default_group and config is None
     return OscarConfig.build(config, preset, **overrides), default_group
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelFingerprint:
-    """The shape facts an artifact depends on, read from a model's text config."""
-
-    architecture: str
-    model_type: str
-    num_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    layer_types: tuple[str, ...]
-    name_or_path: str = ""
-
-    @classmethod
-    def from_config(cls, config) -> "ModelFingerprint":
-        """The text config's facts; ``head_dim`` / ``num_key_value_heads`` are those of the layers OSCAR quantizes
-        (Gemma 4's full-attention layers have their own, ``global_head_dim``: read from ``per_layer_config``)."""
-        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        types = layer_types_of(cfg)
-        first = next((i for i, t in enumerate(types) if t in FULL_LAYER_TYPES), 0)
-        n_heads = int(cfg.num_attention_heads)
-        n_kv = int(_layer_attr(cfg, first, "num_key_value_heads") or n_heads)
-        head_dim = _layer_attr(cfg, first, "head_dim") or cfg.hidden_size // n_heads
-        n_layers = int(cfg.num_hidden_layers)
-        archs = getattr(config, "architectures", None) or getattr(cfg, "architectures", None) or []
-        return cls(
-            architecture=archs[0] if archs else type(cfg).__name__.replace("Config", "ForCausalLM"),
-            model_type=str(getattr(cfg, "model_type", "")),
-            num_layers=n_layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=n_kv,
-            head_dim=int(head_dim),
-            layer_types=tuple(types),
-            name_or_path=str(getattr(config, "_name_or_path", "") or ""),
-        )
-
-    @property
-    def has_quantized_layers(self) -> bool:
-        """Whether any layer is of a kind OSCAR quantizes (MLA-only models have none)."""
-        return any(t in FULL_LAYER_TYPES for t in self.layer_types)
-
-    def mismatches(self, other: "ModelFingerprint") -> list[str]:
-        """Human-readable differences that make an artifact unusable (the name is informative only)."""
-        out = []
-        for f in ("model_type", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
-            a, b = getattr(self, f), getattr(other, f)
-            if a != b:
-                out.append(f"{f}: artifact has {a!r}, model has {b!r}")
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["layer_types"] = list(self.layer_types)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelFingerprint":
-        try:
-            return cls(**{**d, "layer_types": tuple(d.get("layer_types", ()))})
-        except TypeError as e:
-            raise ValueError(f"corrupted model fingerprint in artifact: {json.dumps(d)[:200]} ({e})") from None
-
-
-def _layer_attr(cfg, i: int, name: str):
-    """``cfg.<name>`` as layer ``i`` sees it: heterogeneous configs (Gemma 4) hold it per layer, in ``per_layer_config``
-    (whose global attribute raises); None where the config has none."""
-    try:
-        return getattr(cfg.per_layer_config[i], name, None)
-    except (AttributeError, IndexError, KeyError, TypeError):  # no per_layer_config (older Transformers, plain objects)
-        try:
-            return getattr(cfg, name, None)
-        except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
-            return None
-
-
-def kv_sharing_modes(cfg) -> list[str | None] | None:
-    """Per layer ``"store"`` (later layers reuse what its ``cache.update`` returned), ``"reuse"`` (attends to a store
-    layer's keys and values, caches nothing) or None; None for a model without KV sharing. Transformers 5.2x has
-    ``config.kv_sharing_modes``; 5.17 derives it in the model (Gemma 3n / Gemma 4: the last ``num_kv_shared_layers``
-    layers reuse the last earlier layer of their type), as here."""
-    modes = getattr(cfg, "kv_sharing_modes", None)
-    if modes is not None:
-        return list(modes)
-    shared = int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
-    types = getattr(cfg, "layer_types", None)
-    if shared <= 0 or types is None:
-        return None
-    n = int(cfg.num_hidden_layers)
-    first = n - shared
-    modes = [None if i < first else "reuse" for i in range(n)]
-    for t in set(types[first:]):
-        if t in types[:first]:
-            modes[first - 1 - types[:first][::-1].index(t)] = "store"
-    return modes
-
-
-def layer_types_of(cfg) -> list[str]:
-    """Per-layer kind as OSCAR sees it (the constants above): Transformers' ``layer_types`` (inferred as its caches do
-    when absent; works on 5.10 .. 5.2x), legacy names mapped, a "hybrid" layer's attention as its attention type, MLA
-    layers ``latent_attention``, KV sharing's reuse layers ``dummy`` and their store layers (when reused, and full
-    attention) ``shared_kv_attention``, full attention whose values have another head size ``unequal_kv_attention``."""
-    n = int(cfg.num_hidden_layers)
-    types = getattr(cfg, "layer_types", None)
-    if types is None:
-        if getattr(cfg, "sliding_window", None) is not None:
-            types = ["sliding_attention"] * n
-        elif getattr(cfg, "attention_chunk_size", None) is not None:
-            types = ["chunked_attention"] * n
-        else:
-            types = ["full_attention"] * n
-    types = [_LAYER_TYPE_ALIASES.get(t, t) for t in types]
-    modes = kv_sharing_modes(cfg)
-    if modes is not None:
-        reused = {t for t, m in zip(types, modes) if m == "reuse"}
-        types = [DUMMY_LAYER_TYPE if m == "reuse"
-                 else SHARED_KV_LAYER_TYPE if m == "store" and t in reused and t in FULL_LAYER_TYPES else t
-                 for t, m in zip(types, modes)]
-    if getattr(cfg, "kv_lora_rank", None):  # MLA: every attention layer caches the latent
-        types = [LATENT_LAYER_TYPE if t in FULL_LAYER_TYPES else t for t in types]
-    elif getattr(cfg, "v_head_dim", None) is not None and cfg.v_head_dim != getattr(cfg, "head_dim", None):
-        # (head_dim read only then: a heterogeneous config such as Gemma 4's raises on the global value)
-        types = [UNEQUAL_KV_LAYER_TYPE if t in FULL_LAYER_TYPES else t for t in types]
-    return types
-
-
-def hybrid_state_layers(cfg) -> set[int]:
-    """Layers that are attention and a linear-attention / SSM state in one (``layer_types`` "hybrid" /
-    "hybrid_sliding": Falcon-H1, Zamba): their cache layer holds both."""
-    return {i for i, t in enumerate(getattr(cfg, "layer_types", None) or ()) if t in ("hybrid", "hybrid_sliding")}
-
-
-def default_group_size(head_dim: int) -> int:
-    """The default quantization group at ``head_dim``: 64 channels where 64 divides it; else the largest whole
-    number of planes (``head_dim / 4`` channels: the INT2 packing's unit, which the kernels' fast loop reads under one
-    scale and zero) up to 64 channels -- 48 at head_dim 96 (Phi-3: 2.67 bits per element, where 32 would be 3.0 and
-    take the kernels' slower per-channel loop), the whole head below 64 -- else one group per head."""
-    if head_dim % 64 == 0:
-        return 64
-    plane = head_dim // 4
-    return next((g for g in (head_dim, 2 * plane, plane) if 0 < g <= 64 and head_dim % g == 0), head_dim)
-
-
-def validate_head_dim(fp: ModelFingerprint, group_size: int | None) -> None:
-    """Raise ValueError naming the model when ``group_size`` (None: ``head_dim``) cannot group its heads (those of the
-    quantized layers: nothing to check without one)."""
-    if not fp.has_quantized_layers:
-        return
-    try:
-        check_group_size(fp.head_dim, fp.head_dim if group_size is None else group_size)
-    except ValueError as e:
-        raise ValueError(f"{fp.architecture}: {e}") from None

@@ -214,14 +214,14 @@ def tp_layout(model, num_kv_heads: int, head_dim: int, layers=None) -> TPLayout 
 
 
 def local_full_precision_heads(heads: tuple[int, ...], k: slice, v: slice, layer: int, rank: int) -> tuple[int, ...]:
-    """The full-precision heads (global KV head ids) that this rank's shard ``k`` / ``v`` holds, as its local ids."""
+    """The retrieval heads (global KV head ids) that this rank's shard ``k`` / ``v`` holds, as its local ids."""
     if (k.start, k.stop) != (v.start, v.stop):
-        raise NotImplementedError(f"layer {layer}: full-precision heads need the same KV heads for keys and values on "
+        raise NotImplementedError(f"layer {layer}: retrieval heads need the same KV heads for keys and values on "
                                   f"a rank (rank {rank} holds keys {k.start}:{k.stop}, values {v.start}:{v.stop})")
     local = tuple(h - k.start for h in heads if k.start <= h < k.stop)
     if len(local) == k.stop - k.start:
         raise NotImplementedError(f"layer {layer}: every KV head of rank {rank} ({k.start}:{k.stop}) is a "
-                                  "full-precision head; keep fewer heads or skip the layer (skip_layers)")
+                                  "retrieval head; keep fewer heads or skip the layer (skip_layers)")
     return local
 
 

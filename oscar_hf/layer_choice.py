@@ -80,11 +80,11 @@ def choose_layers(model_config, rotations: OscarRotations | None, config: OscarC
     _warn_missing_rotations(fp, rotations, skipped)
     heads = resolve_retrieval_heads(config, rotations, fp, skipped)
     if heads:  # the saved / reported config names the heads, not "the top k"
-        config = config.replace(full_precision_heads=tuple(sorted((i, h) for i, hs in heads.items() for h in hs)))
+        config = config.replace(retrieval_heads=tuple(sorted((i, h) for i, hs in heads.items() for h in hs)))
     # a layer whose every head is exact is Transformers' own layer; at INT4 / INT8 it stays an OSCAR layer with no
     # INT2 head, so that it keeps the stored form (and the bits) it was chosen at
     exact = frozenset(i for i, hs in heads.items()
-                      if len(hs) == fp.num_key_value_heads and config.full_precision_bits == 16)
+                      if len(hs) == fp.num_key_value_heads and config.retrieval_bits == 16)
     return LayerChoice(config, rotations, fp, frozenset(skipped), heads, exact)
 
 
@@ -108,16 +108,16 @@ def window_shortfall(config: OscarConfig, rotations: OscarRotations | None) -> s
 
 def resolve_retrieval_heads(config: OscarConfig, rotations: OscarRotations, fp: ModelFingerprint,
                             skipped: set[int]) -> dict[int, tuple[int, ...]]:
-    """``{layer: kv heads}`` kept out of the INT2 history (the retrieval heads, ``OscarConfig.full_precision_heads``,
-    stored at ``full_precision_bits``), checked against the model:
+    """``{layer: kv heads}`` kept out of the INT2 history (the retrieval heads, ``OscarConfig.retrieval_heads``,
+    stored at ``retrieval_bits``), checked against the model:
 
     * ``"auto"``: the artifact's retrieval heads scoring at least ``config.retrieval_threshold``, best first, at most
-      ``config.full_precision_head_budget(...)`` of them (average history bits within ``max_history_bits``); none
+      ``config.retrieval_head_budget(...)`` of them (average history bits within ``max_history_bits``); none
       when the rotations have no retrieval scores (built-in methods, artifacts calibrated without probes);
     * an int ``k``: the artifact's ``k`` best retrieval heads; pairs: those heads.
 
     Heads of unquantized layers (skipped, sliding, without rotation) are left out, being full precision already."""
-    want = config.full_precision_heads
+    want = config.retrieval_heads
     if want == "auto":
         # the quantized layers' KV heads: the ones the INT2 history (and the bit budget) is about
         quantized = [i for i in sorted(rotations.layers)
@@ -128,7 +128,7 @@ def resolve_retrieval_heads(config: OscarConfig, rotations: OscarRotations, fp: 
                         rotations.method)
             pairs = ()
         else:
-            budget = config.full_precision_head_budget(fp.head_dim, len(quantized) * fp.num_key_value_heads)
+            budget = config.retrieval_head_budget(fp.head_dim, len(quantized) * fp.num_key_value_heads)
             s = scores[quantized].flatten()  # [len(quantized) * Hk]
             order = torch.argsort(s, descending=True, stable=True)
             hk = fp.num_key_value_heads

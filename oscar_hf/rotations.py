@@ -66,7 +66,7 @@ class OscarRotations:
     layers: dict[int, LayerRotation]
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     # [num_layers, Hk] float32 >= 0: how much each KV head retrieves facts from far back
-    # (oscar_hf.calibration.retrieval_heads); OscarConfig(full_precision_heads=k) keeps the top k in full precision.
+    # (oscar_hf.calibration.retrieval_heads); OscarConfig(retrieval_heads=k) keeps the top k in full precision.
     retrieval_scores: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ construction
@@ -181,7 +181,7 @@ class OscarRotations:
             return ()
         if self.retrieval_scores is None:
             raise ValueError(
-                "full_precision_heads=<int> needs retrieval scores in the rotation artifact: run "
+                "retrieval_heads=<int> needs retrieval scores in the rotation artifact: run "
                 "scripts/find_retrieval_heads.py --artifact <dir> (or calibrate with --retrieval-probes), "
                 "or pass explicit (layer, kv_head) pairs"
             )
@@ -191,7 +191,7 @@ class OscarRotations:
                 s[i] = -1.0  # full-precision already (sliding / unquantized layers)
         n_q = len(self.layers) * s.shape[1]
         if not 0 < k <= n_q:
-            raise ValueError(f"full_precision_heads={k}: must lie in [0, {n_q}] (KV heads of the quantized layers)")
+            raise ValueError(f"retrieval_heads={k}: must lie in [0, {n_q}] (KV heads of the quantized layers)")
         hk = s.shape[1]
         order = torch.argsort(s.flatten(), descending=True, stable=True)[:k]
         return tuple((int(i) // hk, int(i) % hk) for i in order)

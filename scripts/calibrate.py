@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--retrieval-probes", type=int, default=PROBES,
                    help="synthetic key/value probes in the calibration text that score the retrieval heads (the "
-                        "default OscarConfig(full_precision_heads='auto') keeps the best in full precision); "
-                        "0: none (then no full-precision heads by default)")
+                        "default OscarConfig(retrieval_heads='auto') keeps the best in full precision); "
+                        "0: none (then no retrieval heads by default)")
     p.add_argument("--retrieval-lengths", default=",".join(map(str, LENGTHS)), help="probe lengths in tokens")
     p.add_argument("--budget-bits", type=float, default=DEFAULT_BUDGET_BITS,
                    help="memory budget of the cache settings search: average stored bits per cached K/V element over "

@@ -153,13 +153,13 @@ def main(argv=None):
     for name in gens:
         print(f"{name:22s}{ppl[name]:12.3f}{(ppl[name] / base - 1) * 100:+9.2f}%{mem[name]:14,d}"
               f"{mem[BASE] / mem[name]:9.2f}x")
-    # the retrieval heads OscarCache keeps by default (full_precision_heads="auto", stored per full_precision_bits)
+    # the retrieval heads OscarCache keeps by default (retrieval_heads="auto", stored per retrieval_bits)
     heads = sum(len(layer.fp_heads) for layer in oscar_cache.layers if hasattr(layer, "fp_heads"))
-    bits = oscar_cache.oscar_config.full_precision_bits
+    bits = oscar_cache.oscar_config.retrieval_bits
     form = "model dtype" if bits == 16 else f"INT{bits}"
     print(f"\nOSCAR cache after generation: sink {report['sink']:,} B, recent {report['recent']:,} B, "
           f"INT2 codes {report['history_codes']:,} B, metadata {report['history_meta']:,} B, "
-          f"{heads} retrieval heads ({form}) {report['full_precision_heads']:,} B; "
+          f"{heads} retrieval heads ({form}) {report['retrieval_heads']:,} B; "
           f"{report['bits_per_element']:.2f} bits/element overall, {report['history_bits_per_element']:.2f} in history "
           f"(perplexity over {args.ppl_tokens} tokens after a {args.ppl_context}-token context)")
     # The windows are a fixed cost: project the ratio to the model's full context length.

@@ -1,7 +1,9 @@
 """The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers; on CUDA
 its storage is device-resident and ``generate`` compiles the decode step by itself (:mod:`.static`, growing in
 capacity buckets), elsewhere it is the eager reference (:mod:`.dynamic`). :class:`StaticOscarCache` fixes the
-capacity (``max_cache_len``).
+capacity (``max_cache_len``). Two words for two things: "compiled storage" is the device-resident layer
+(:class:`StaticOscarLayer`, whatever its capacity), "fixed capacity" is :class:`StaticOscarCache` (as Transformers'
+``StaticCache``).
 
 The eager layer keeps a layout of its own (a growing tail instead of the compiled layer's fixed sink + ring) because
 it reads any attention mask exactly (holes, custom 4D masks) and equals a ``DynamicCache`` bit for bit until its first

@@ -10,7 +10,7 @@ A long document prefilled once can be reused across program runs at the cache's 
   ``tail_start``, ``buf_slot0``, ...);
 * ``cache_tensors.safetensors``: per layer only the *used* part of each buffer (pad offsets, sink,
   the tail slots ``[buf_slot0, seq_len)``, history ``[:n_hist]`` (quantized heads), the slots
-  ``[0, seq_len)`` of full-precision heads; full K/V for unquantized layers);
+  ``[0, seq_len)`` of retrieval heads; full K/V for unquantized layers);
 * ``rotations/``: the rotation artifact the cache was built with.
 
 Loading refuses, before anything is allocated: a cache saved from other weights (the digest), non-finite values,
@@ -19,7 +19,6 @@ validates every tensor's shape and dtype against the JSON before use. Nothing is
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -28,17 +27,26 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
 from ..config import ModelFingerprint, OscarConfig
+from ..config_checks import renamed_keywords
 from ..quant import QuantizedRows
 from ..rotations import OscarRotations
 from . import heads
+from .io_checks import (  # noqa: F401  (weights_digest, position_limit: part of this module's API)
+    _DTYPES,
+    STATE_NAME,
+    TENSORS_NAME,
+    _bounded,
+    check_finite,
+    check_sizes,
+    check_weights,
+    position_limit,
+    weights_digest,
+)
 from .dynamic import CROP_RESERVE, TAIL_SLACK, OscarLayer
 from .static import StaticOscarLayer, capacity_for
 
-STATE_NAME = "cache_state.json"
-TENSORS_NAME = "cache_tensors.safetensors"
 FORMAT = "oscar_hf.cache"
 VERSION = 1
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def save_cache(cache, directory: str | os.PathLike) -> None:
@@ -60,9 +68,9 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
                 t.update({f"hist_{kv}_{f}": x for f, x in zip(("codes", "scale", "zero"), st[f"hist_{kv}"])})
             if st["mu_k_seq"] is not None:  # key_offset="prefill": the history is centered on it
                 t["mu_k_seq"] = st["mu_k_seq"]
-            if layer.fp_heads:  # full-precision heads: every slot [0, seq_len), in their stored form
+            if layer.fp_heads:  # retrieval heads: every slot [0, seq_len), in their stored form
                 for kv in ("k", "v"):
-                    t.update(zip(_fp_names(kv, cache.oscar_config.full_precision_bits), st[f"fp_{kv}"]))
+                    t.update(zip(_fp_names(kv, cache.oscar_config.retrieval_bits), st[f"fp_{kv}"]))
             tensors.update({f"layers.{i}.{k}": v.detach().cpu().contiguous() for k, v in t.items()})
             layers.append(dict(kind="oscar", empty=False, seq_len=st["seq_len"], tail_start=st["tail_start"],
                                buf_slot0=st["tail_start"], dtype=str(layer.dtype).removeprefix("torch."),
@@ -89,120 +97,6 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
     (path / STATE_NAME).write_text(json.dumps(doc, indent=2))
 
 
-def weights_digest(model, per_tensor: int = 16) -> str:
-    """A short, deterministic digest of ``model``'s weights: ``per_tensor`` evenly spaced elements of every parameter
-    (rounded to bfloat16 first, so that the float32 and bfloat16 loads of a checkpoint agree; on any device), hashed.
-    One small gather per parameter and one copy to the host; parameters on the meta device (offloaded) are left out."""
-    parts = []
-    for p in model.parameters():
-        x = p.detach()
-        x = x.to_local() if hasattr(x, "to_local") else x  # a tensor-parallel shard: this rank's part
-        if x.device.type == "meta" or x.numel() == 0:
-            continue
-        flat = x.reshape(-1)
-        k = min(per_tensor, flat.numel())  # evenly spaced, in integers (float32 linspace rounds past the end)
-        idx = torch.arange(k, device=flat.device) * (flat.numel() - 1) // max(k - 1, 1)
-        sample = flat[idx]
-        parts.append((sample.to(torch.bfloat16) if sample.is_floating_point() else sample).float().cpu())
-    data = torch.cat(parts) if parts else torch.zeros(0)
-    return hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]
-
-
-def _model_name(fingerprint: ModelFingerprint) -> str:
-    return fingerprint.name_or_path or fingerprint.architecture
-
-
-def check_weights(doc: dict, model, path) -> None:
-    """Refuse a cache saved from other weights than ``model``'s (same shapes: a fine-tune, another checkpoint)."""
-    saved = doc.get("weights")
-    if saved is None:  # saved before the digest was recorded, or from a cache built from a config: not checkable
-        return
-    if not isinstance(saved, str):
-        raise ValueError(f"{path / STATE_NAME}: corrupted weights digest {saved!r}")
-    here = weights_digest(model)
-    if here != saved:
-        theirs = _model_name(ModelFingerprint.from_dict(doc["fingerprint"]))
-        ours = _model_name(ModelFingerprint.from_config(model.config))
-        raise ValueError(f"{path}: this cache was saved from other weights than the model it is loaded into: saved "
-                         f"from {theirs!r} (weights {saved}), loading into {ours!r} (weights {here}); its keys and "
-                         "values only continue the model that wrote them")
-
-
-def check_finite(tensors: dict, path) -> None:
-    """Refuse NaN / inf in any floating-point tensor of a saved cache (they would decode as garbage or zeros)."""
-    for key, x in tensors.items():
-        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
-            bad = int((~torch.isfinite(x)).sum())
-            raise ValueError(f"{path / TENSORS_NAME}: tensor {key} holds {bad} non-finite values (NaN / inf) of "
-                             f"{x.numel()}: the saved cache is corrupted")
-
-
-def position_limit(model_config) -> int | None:
-    """The most positions the model is configured for: ``max_position_embeddings`` times the largest RoPE scaling
-    ``factor`` (YaRN / linear / dynamic scaling extend it); None when the config names no limit."""
-    cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
-    n = getattr(cfg, "max_position_embeddings", None)
-    if not isinstance(n, int) or n <= 0:
-        return None
-    factors, todo = [1.0], [getattr(cfg, "rope_parameters", None), getattr(cfg, "rope_scaling", None)]
-    while todo:  # a dict, or one per layer type (Gemma 3)
-        d = todo.pop()
-        if isinstance(d, dict):
-            f = d.get("factor")
-            if isinstance(f, (int, float)) and not isinstance(f, bool):
-                factors.append(float(f))
-            todo.extend(v for v in d.values() if isinstance(v, dict))
-    return int(n * max(factors))
-
-
-def _bounded(value, name: str, where: str, limit: int | None, lo: int = 0) -> int:
-    """``value`` read from the JSON as an integer in ``[lo, limit]``, else a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{where}: {name}={value!r} is not an integer >= {lo}")
-    if limit is not None and value > limit:
-        raise ValueError(f"{where}: {name}={value} exceeds the model's position limit {limit} "
-                         "(max_position_embeddings times its RoPE scaling factor)")
-    return value
-
-
-def check_sizes(doc: dict, tensors: dict, config: OscarConfig, limit: int | None, path) -> None:
-    """Every size in the JSON bounded, before anything is allocated: the config's windows and each layer's positions
-    by the model's position limit, and each quantized layer's positions and batch by the tensors in the file."""
-    where = str(path / STATE_NAME)
-    _bounded(config.recent, "config.recent", where, limit, lo=1)
-    _bounded(config.sink, "config.sink", where, limit)
-    if not isinstance(doc.get("layers"), list):
-        raise ValueError(f"{where}: no list of layers")
-    for i, entry in enumerate(doc["layers"]):
-        at = f"{where}, layer {i}"
-        if not isinstance(entry, dict) or entry.get("kind") not in ("oscar", "dynamic", "sliding"):
-            raise ValueError(f"{at}: not a saved layer ({str(entry)[:80]})")
-        if entry.get("empty"):
-            continue
-        if entry["kind"] == "sliding":
-            _bounded(entry.get("cumulative_length"), "cumulative_length", at, limit)
-        if entry["kind"] != "oscar":
-            continue
-        seq, ts, bs0 = (_bounded(entry.get(k), k, at, limit) for k in ("seq_len", "tail_start", "buf_slot0"))
-        for k in ("batch_size", "num_kv_heads", "head_dim"):
-            _bounded(entry.get(k), k, at, None, lo=1)
-        if entry.get("dtype") not in _DTYPES:
-            raise ValueError(f"{at}: unknown dtype {entry.get('dtype')!r}")
-        p = f"layers.{i}."
-        for key in ("pad", "tail_k", "hist_k_codes"):
-            if p + key not in tensors:
-                raise ValueError(f"saved cache is missing tensor {p + key}")
-        pad, tail, hist = tensors[p + "pad"], tensors[p + "tail_k"], tensors[p + "hist_k_codes"]
-        if pad.dim() != 1 or entry["batch_size"] != pad.shape[0]:
-            raise ValueError(f"{at}: batch_size={entry['batch_size']}, tensor {p}pad holds {tuple(pad.shape)}")
-        if tail.dim() != 4 or seq - bs0 != tail.shape[2]:
-            raise ValueError(f"{at}: seq_len={seq} buf_slot0={bs0} say {seq - bs0} window slots, tensor {p}tail_k "
-                             f"has shape {tuple(tail.shape)}")
-        if hist.dim() != 4 or max(0, ts - config.sink) != hist.shape[2]:
-            raise ValueError(f"{at}: tail_start={ts} says {max(0, ts - config.sink)} history rows, tensor "
-                             f"{p}hist_k_codes has shape {tuple(hist.shape)}")
-
-
 def layer_state(layer) -> dict:
     """An OSCAR layer's saved form: positions and the used part of each buffer (the eager layer's layout; the
     device-resident layer exports the same)."""
@@ -220,7 +114,7 @@ def layer_state(layer) -> dict:
 
 
 def _fp_names(kv: str, bits: int) -> list[str]:
-    """Saved names of the full-precision heads' tensors: ``fp_k`` in the model dtype, ``fp_k_codes/scale/zero``
+    """Saved names of the retrieval heads' tensors: ``fp_k`` in the model dtype, ``fp_k_codes/scale/zero``
     at 8 or 4 bits."""
     return [f"fp_{kv}"] if bits == 16 else [f"fp_{kv}_{name}" for name in heads.part_names(bits)]
 
@@ -320,7 +214,9 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
         tensors = load_file(str(path / TENSORS_NAME))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ValueError(f"{path / TENSORS_NAME}: corrupted or truncated ({e})") from None
-    saved_config = {"full_precision_bits": 16, **doc["config"]}  # saved before the field existed: model dtype
+    # (names before the retrieval heads were called so load as they were; saved before the width existed: 16 bits)
+    saved_config = dict(renamed_keywords(doc["config"], "saved cache", warn=False))
+    saved_config.setdefault("retrieval_bits", 16)
     config = OscarConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved_config.items()})
     saved_fp = ModelFingerprint.from_dict(doc["fingerprint"])
     problems = saved_fp.mismatches(ModelFingerprint.from_config(model.config))
@@ -359,14 +255,14 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
             sink = [_expect(tensors, p + k, (b, hk, s0, d), dtype) for k in ("sink_k", "sink_v")]
             tail = [_expect(tensors, p + k, (b, hk, seq - bs0, d), dtype) for k in ("tail_k", "tail_v")]
             hist = []
-            hq, n_fp = hk - len(layer.fp_heads), len(layer.fp_heads)  # quantized / full-precision heads
+            hq, n_fp = hk - len(layer.fp_heads), len(layer.fp_heads)  # quantized / retrieval heads
             for kv in ("k", "v"):
                 hist.append(QuantizedRows(
                     _expect(tensors, f"{p}hist_{kv}_codes", (b, hq, n, d // 4), torch.uint8),
                     _expect(tensors, f"{p}hist_{kv}_scale", (b, hq, n, d // g), meta),
                     _expect(tensors, f"{p}hist_{kv}_zero", (b, hq, n, d // g), meta),
                 ))
-            fp_bits = config.full_precision_bits
+            fp_bits = config.retrieval_bits
             fp_kv = [tuple(_expect(tensors, p + name, (b, n_fp, seq, last), dt) for name, (last, dt)
                            in zip(_fp_names(kv, fp_bits), heads.part_specs(fp_bits, d, dtype)))
                      for kv in ("k", "v")] if n_fp else None

@@ -68,10 +68,10 @@ def memory_report(cache) -> dict[str, float]:
     ``skip_layers``, MLA latents, KV sharing's store layers: :func:`layer_kinds` says which, the cache's log at
     construction why; for MLA see ``oscar_hf.config.FULL_PRECISION_WHY``: the latent, already ~71x smaller than
     per-head K/V, is expanded through ``kv_b_proj`` at every step, so an INT2 latent would need a full-precision
-    copy of its history every step); ``full_precision_heads``: bytes of the retrieval heads' own buffers;
+    copy of its history every step); ``retrieval_heads``: bytes of the retrieval heads' own buffers;
     ``quantized_layers`` / ``latent_layers`` / ``shared_kv_layers``: how many layers are OSCAR layers / MLA latents /
     KV sharing's store layers."""
-    tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, full_precision_heads=0,
+    tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, retrieval_heads=0,
                allocated=0, full_precision_layers=0)
     elements = 0
     for layer in cache.layers:
@@ -79,7 +79,7 @@ def memory_report(cache) -> dict[str, float]:
             m = layer.memory()
             for k in ("sink", "recent", "history_codes", "history_meta", "history_elements", "allocated"):
                 tot[k] += m[k]
-            tot["full_precision_heads"] += m.get("full_precision_heads", 0)
+            tot["retrieval_heads"] += m.get("full_precision_heads", 0)  # (the layers' own key)
             if layer.is_initialized:
                 elements += 2 * m["tokens"] * layer.num_kv_heads * layer.head_dim
         elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
@@ -93,7 +93,7 @@ def memory_report(cache) -> dict[str, float]:
     tot["latent_layers"] = kinds.count("latent")
     tot["shared_kv_layers"] = kinds.count("shared_kv")
     used = (tot["sink"] + tot["recent"] + tot["history_codes"] + tot["history_meta"] + tot["full_precision_layers"]
-            + tot["full_precision_heads"])
+            + tot["retrieval_heads"])
     tot["total"] = used
     tot["bf16_equivalent"] = 2 * elements
     tot["bits_per_element"] = 8 * used / elements if elements else float("nan")

@@ -46,12 +46,13 @@ layer is taken from it and stored for every KV head, and the held-out selection 
 offsets stay per head.
 
 Retrieval heads (:mod:`.retrieval_heads`): the KV heads that copy a fact from far back, scored on
-synthetic needle probes, for ``OscarConfig.full_precision_heads``.
+synthetic needle probes, for ``OscarConfig.retrieval_heads``.
 
 Cache settings (:mod:`.settings`): after the rotations, the window, group size, quantizer, retrieval heads' number and
 width and layers kept precise are chosen by next-token KL through the cache within a memory budget
 (``calibrate(budget_bits=...)``), stored in the artifact's ``metadata["settings"]``.
 """
+from .options import CalibrationOptions
 from .pipeline import METHODS, VALUE_TARGETS, calibrate
 from .report import calibration_report, plot_spectra
 from .retrieval_heads import find_retrieval_heads
@@ -61,6 +62,7 @@ from .stats import CalibrationStats, collect_statistics
 
 __all__ = [
     "calibrate",
+    "CalibrationOptions",
     "choose_settings",
     "attention_error",
     "calibration_report",

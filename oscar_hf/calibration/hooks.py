@@ -1,7 +1,7 @@
 """The calibration hooks: how a recorder sees every attention call of a model, and how the model is run over
 calibration windows.
 
-A recorder (:class:`~.stats.StatsRecorder`, :class:`~.search.ErrorRecorder`) is an attention *handler* (see :mod:`oscar_hf.patching`) registered under the prefix
+A recorder (:class:`~.stats.StatsRecorder`, :class:`~.errors.ErrorRecorder`) is an attention *handler* (see :mod:`oscar_hf.patching`) registered under the prefix
 ``oscarcalib_``. While a recorder is active (:func:`recording`), every attention call of a
 full-attention layer goes through it: it runs the user's original attention implementation
 (``base``), returns that result unchanged, and records what it needs from ``query [B, Hq, q, D]``
@@ -14,7 +14,7 @@ masks from flash-style builders, or ``None`` = no padding). Without a KV cache (
 how calibration runs) query ``i`` is token ``kv - q + i``. Padded tokens are excluded everywhere.
 
 Nothing stores activations: :class:`~.stats.StatsRecorder` accumulates float64 sums (Σx, Σxᵀx, counts)
-and :class:`~.search.ErrorRecorder` accumulates float64 error sums of quantized candidates on the fly.
+and :class:`~.errors.ErrorRecorder` accumulates float64 error sums of quantized candidates on the fly.
 """
 from __future__ import annotations
 

@@ -13,11 +13,11 @@ from .stats import CalibrationStats
 
 def retrieval_summary(rotations: OscarRotations, config: OscarConfig | None = None) -> str:
     """One line: the best retrieval heads with their scores, and those ``config`` keeps in full precision at what
-    average history bits (default: what ``OscarCache.from_pretrained`` runs with, ``full_precision_heads="auto"`` at
+    average history bits (default: what ``OscarCache.from_pretrained`` runs with, ``retrieval_heads="auto"`` at
     the artifact's calibrated group size)."""
     scores = rotations.retrieval_scores
     if scores is None:
-        return "  retrieval heads: not scored (no full-precision heads by default)"
+        return "  retrieval heads: not scored (no retrieval heads by default)"
     chosen = artifact_settings(rotations.metadata)
     if config is None and chosen:  # the settings the calibration chose (what the cache starts from)
         config = OscarConfig(**chosen)
@@ -29,9 +29,9 @@ def retrieval_summary(rotations: OscarRotations, config: OscarConfig | None = No
     heads = resolve_retrieval_heads(config, rotations, fp, config.skipped(fp.num_layers))
     n = sum(map(len, heads.values()))
     share = n / max(1, len(rotations.layers) * fp.num_key_value_heads)
-    form = "in the model dtype" if config.full_precision_bits == 16 else f"as INT{config.full_precision_bits}"
+    form = "in the model dtype" if config.retrieval_bits == 16 else f"as INT{config.retrieval_bits}"
     best = ", ".join(f"{i}:{h} {float(scores[i, h]):.2f}" for i, h in top_heads(scores, 10))
-    return (f"  retrieval heads (layer:kv_head score): {best}; full_precision_heads={config.full_precision_heads!r} "
+    return (f"  retrieval heads (layer:kv_head score): {best}; retrieval_heads={config.retrieval_heads!r} "
             f"keeps {n} {form} ({sorted((i, h) for i, hs in heads.items() for h in hs)}): "
             f"{config.history_bits(fp.head_dim, share):.2f} history bits per element")
 

@@ -6,7 +6,7 @@ retrieval query must find among thousands of keys. Those lookups are done by a f
 synthetic key/value probes placed in *calibration* text: per ``(layer, query head)`` the attention mass
 that the positions predicting the answer put on the probe's fact sentence, pooled per KV head by the max
 over its query heads. ``calibrate()`` stores these scores in the artifact by default
-(``retrieval_probes``), and ``OscarConfig(full_precision_heads="auto")`` (the default) keeps the heads
+(``retrieval_probes``), and ``OscarConfig(retrieval_heads="auto")`` (the default) keeps the heads
 scoring at least ``OscarConfig.retrieval_threshold`` in full precision, within a bit budget.
 
 Probe prompts: ``<haystack> <fact> <haystack> <question> <answer>`` with

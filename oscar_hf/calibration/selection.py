@@ -10,7 +10,7 @@ the lowest KL.
 
 The KL is measured through :class:`~oscar_hf.OscarCache` itself: a held-out window's first tokens are written as a
 prompt (its history quantized as the cache does), then the rest is scored in one call that reads that history;
-the reference is the model without a cache. No full-precision heads, so that only the INT2 rows differ.
+the reference is the model without a cache. No retrieval heads, so that only the INT2 rows differ.
 """
 from __future__ import annotations
 
@@ -37,14 +37,14 @@ def next_token_kl(model, rotations: OscarRotations, ids: torch.Tensor, *, sink: 
     """Mean KL(model || model with the cache) of the next-token distributions of the last ``scored`` tokens of
     ``ids [n]``, the first ``n - scored`` written to the cache as a prompt. Needs a prompt longer than
     ``sink + recent`` (else nothing is quantized). ``reference``: :func:`reference_log_probs` of ``ids``.
-    ``config``: the cache's whole :class:`OscarConfig` (full-precision heads included; the settings search,
+    ``config``: the cache's whole :class:`OscarConfig` (retrieval heads included; the settings search,
     :mod:`.settings`), used instead of ``sink`` / ``recent`` / ``group_size`` / ``meta_dtype`` and no heads."""
     from ..cache import OscarCache
     from ..compat import cache_kwargs
 
     if config is None:
         config = OscarConfig(sink=sink, recent=recent, group_size=group_size, meta_dtype=meta_dtype,
-                             full_precision_heads=0)
+                             retrieval_heads=0)
     ids = ids.reshape(1, -1).to(next(model.parameters()).device)
     prompt = ids.shape[1] - scored
     if prompt <= config.sink + config.recent:

@@ -9,7 +9,7 @@ bits); a cache built from it starts from it (:func:`oscar_hf.config.artifact_set
 
 **The budget** is :meth:`OscarConfig.stored_bits <oscar_hf.config.OscarConfig.stored_bits>`: average stored bits per
 cached K/V element over the quantized layers once ``target_context`` tokens are cached (windows at 16 bits, INT2
-codes + scale / zero, full-precision heads at their width). Default :data:`DEFAULT_BUDGET_BITS` = 3.5 at
+codes + scale / zero, retrieval heads at their width). Default :data:`DEFAULT_BUDGET_BITS` = 3.5 at
 ``min(32768, the model's context)``, the long contexts where the KV memory matters (SmolLM2: its 8192): today's
 defaults cost 3.476 there on SmolLM2 (7 INT8 heads), so they fit; at 32K the windows cost 0.16 of those bits instead
 of 0.63 at 8K, which leaves a longer-context model room for what its own KL asks for.
@@ -79,14 +79,14 @@ class Trial:
     def chosen_fields(self) -> dict:
         """The :data:`~oscar_hf.config.CHOSEN_FIELDS` of the config, JSON-able (pairs as lists)."""
         d = {k: getattr(self.config, k) for k in CHOSEN_FIELDS}
-        d["full_precision_heads"] = [list(p) for p in d["full_precision_heads"]]
+        d["retrieval_heads"] = [list(p) for p in d["retrieval_heads"]]
         return d
 
     def record(self) -> dict:
         c = self.config
         return {"name": self.name, "bits": round(self.bits, 4), "kl": None if self.kl is None else float(self.kl),
                 "sink": c.sink, "recent": c.recent, "group_size": c.group_size, "quantizer": c.quantizer,
-                "heads": len(c.full_precision_heads), "head_bits": c.full_precision_bits}
+                "heads": len(c.retrieval_heads), "head_bits": c.retrieval_bits}
 
 
 class _Space:
@@ -116,9 +116,9 @@ class _Space:
 
     def with_heads(self, config: OscarConfig, n: int, precise: int = 0) -> OscarConfig:
         """``config`` keeping all KV heads of its ``precise`` worst layers and its ``n`` best retrieval heads (all at
-        ``config.full_precision_bits``)."""
+        ``config.retrieval_bits``)."""
         whole = {(i, h) for i in self.ranked_layers[:precise] for h in range(self.hk)}
-        return config.replace(full_precision_heads=tuple(sorted(whole | set(self.heads[:n]))))
+        return config.replace(retrieval_heads=tuple(sorted(whole | set(self.heads[:n]))))
 
     def fit(self, config: OscarConfig, precise: int = 0) -> OscarConfig | None:
         """:meth:`with_heads` with as many retrieval heads as fit the budget, or None when fewer than :attr:`floor`
@@ -126,7 +126,7 @@ class _Space:
         retrieval = set(self.heads)
         for n in range(len(self.heads), -1, -1):  # most heads first
             c = self.with_heads(config, n, precise)
-            if len(set(c.full_precision_heads) & retrieval) < self.floor:
+            if len(set(c.retrieval_heads) & retrieval) < self.floor:
                 return None
             if self.bits(c) <= self.budget + 1e-9:
                 return c
@@ -209,12 +209,12 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
 
     try:
         # today's defaults, their heads fitted to the budget; that head count is the floor every candidate keeps
-        start = base.replace(full_precision_bits=HEAD_WIDTHS[0])
+        start = base.replace(retrieval_bits=HEAD_WIDTHS[0])
         inc_cfg = space.fit(start)
         if inc_cfg is None:
             raise ValueError(f"budget_bits={budget_bits} at {target_context} tokens is below what the defaults cost "
                              f"without retrieval heads ({space.bits(space.with_heads(start, 0)):.3f} bits)")
-        space.floor = sum(p in set(space.heads) for p in inc_cfg.full_precision_heads)
+        space.floor = sum(p in set(space.heads) for p in inc_cfg.retrieval_heads)
         inc = run("defaults", inc_cfg, start)
         precise = 0
 
@@ -230,7 +230,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
             if best is not None and best[0].kl < inc.kl * (1.0 - margin):
                 inc, precise = best
 
-        unfit = lambda: inc.config.replace(full_precision_heads=())  # noqa: E731  (the incumbent, heads refitted)
+        unfit = lambda: inc.config.replace(retrieval_heads=())  # noqa: E731  (the incumbent, heads refitted)
         step([(f"quantizer={q}", unfit().replace(quantizer=q), precise) for q in ("minmax", "std")
               if q != inc.config.quantizer])
         groups = []
@@ -242,8 +242,8 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         step([(f"window=({s}, {r})", unfit().replace(sink=s, recent=r), precise)
               for s, r in window_candidates(inc.config.sink, inc.config.recent, prompt)])
         if space.heads or precise:  # (the width of no head changes nothing)
-            step([(f"heads as INT{w}", unfit().replace(full_precision_bits=w), precise) for w in HEAD_WIDTHS
-                  if w != inc.config.full_precision_bits])
+            step([(f"heads as INT{w}", unfit().replace(retrieval_bits=w), precise) for w in HEAD_WIDTHS
+                  if w != inc.config.retrieval_bits])
         # layers kept precise (greedy: more while it pays), worst held-out attention error first
         for n in PRECISE_LAYERS:
             if n > len(space.ranked_layers) or n <= precise:
@@ -259,7 +259,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         "target_context": int(target_context),
         "budget_definition": "average stored bits per cached K/V element over the quantized layers at target_context "
                              "tokens (OscarConfig.stored_bits: windows at 16 bits, INT2 codes + scale/zero, "
-                             "full-precision heads at their width)",
+                             "retrieval heads at their width)",
         "objective": f"mean next-token KL through OscarCache, last {SCORED_TOKENS} tokens of "
                      f"{len(windows) if windows else 0} held-out window(s) of "
                      f"{[int(w.numel()) for w in windows] if windows else []} tokens",
@@ -279,10 +279,10 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
 def settings_summary(entry: dict) -> list[str]:
     """Report lines of a ``metadata["settings"]`` entry (:func:`oscar_hf.calibration.calibration_report`)."""
     c = entry["chosen"]
-    width = "in the model dtype" if c["full_precision_bits"] == 16 else f"as INT{c['full_precision_bits']}"
+    width = "in the model dtype" if c["retrieval_bits"] == 16 else f"as INT{c['retrieval_bits']}"
     lines = [f"  cache settings chosen by next-token KL within {entry['budget_bits']:g} bits per cached element at "
              f"{entry['target_context']} tokens: sink {c['sink']} / recent {c['recent']}, group_size "
-             f"{c['group_size']}, quantizer {c['quantizer']}, {len(c['full_precision_heads'])} full-precision heads "
+             f"{c['group_size']}, quantizer {c['quantizer']}, {len(c['retrieval_heads'])} retrieval heads "
              f"{width} ({entry['chosen_name']}: {entry['bits']:.3f} bits, KL {entry['kl']:.4g}; search "
              f"{entry['time_s']} s; {entry['objective']})"]
     if entry.get("precise_layers"):

@@ -257,6 +257,6 @@ def test_memory_report_and_eval_bits_agree_on_auto_heads():
             m(ids, **cache_kwargs(m, cache))
         method = OscarFamily("oscar", rotations=rot, **SMALL, **extra)
         assert len(method.full_precision_pairs()) == n_heads
-        assert method.settings().get("full_precision_heads", 0) == n_heads
+        assert method.settings().get("retrieval_heads", 0) == n_heads
         rep = cache.memory_report()
         assert rep["bits_per_element"] == pytest.approx(method.bits(50, m.config.head_dim), rel=1e-9)

@@ -88,7 +88,7 @@ def test_full_precision_heads_storage_and_memory():
         assert fp_k[:, :, 40:t].abs().sum(-1).gt(0).all()  # and every decoded slot was written
     rep = cache.memory_report()
     d, el = m.config.head_dim, 4
-    assert rep["full_precision_heads"] == len(FPH) * 2 * 2 * t * d * el  # 2 rows, K and V
+    assert rep["retrieval_heads"] == len(FPH) * 2 * 2 * t * d * el  # 2 rows, K and V
     plain = OscarCache(m, **SMALL)
     greedy(m, ids, plain)
     prep = plain.memory_report()

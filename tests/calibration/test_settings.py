@@ -116,7 +116,7 @@ def test_search_keeps_the_retrieval_heads_the_defaults_keep(tiny):
     assert e["retrieval_heads_floor"] == 2
     assert all({(0, 0), (1, 0)} <= set(c.full_precision_heads) for c in calls)
     assert all(c.group_size == 64 for c in calls) and "group_size=32" in [o["name"] for o in e["over_budget"]]
-    assert sorted(map(tuple, e["chosen"]["full_precision_heads"])) == [(0, 0), (1, 0)]
+    assert sorted(map(tuple, e["chosen"]["retrieval_heads"])) == [(0, 0), (1, 0)]
 
 
 def test_bad_budget_and_windows():

@@ -1,0 +1,155 @@
+"""What :func:`~oscar_hf.calibration.calibrate` is asked to do: :class:`CalibrationOptions`, one frozen dataclass of
+its keywords (``calibrate(model, tok, text, options, **overrides)``; ``calibrate``'s docstring says what each
+means), checked at construction with an error naming the field."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from .retrieval_heads import LENGTHS, PROBES
+from .search import CLIP_GRID, META_DTYPES, center_modes
+from .settings import DEFAULT_BUDGET_BITS, check_budget
+
+METHODS = ("oscar", "pca-kv", "hadamard", "identity", "auto")
+VALUE_TARGETS = ("sst", "score-weighted")
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibrationOptions:
+    """The keywords of :func:`~oscar_hf.calibration.calibrate`, with its defaults. Normalized at construction:
+    ``meta_dtype`` a name, ``clips`` floats (and then no ``clip_grid``), ``window`` ints.
+
+    Args:
+        method: "oscar" (C_Q keys / value_target values), "pca-kv" (C_K / C_V), "hadamard",
+            "identity" (calibrated offsets and clips only), or "auto" (best candidate per layer, KV head
+            and K/V on held-out tokens, then checked end to end: that pick, all-"oscar", all-"pca-kv" and
+            all-"hadamard" are scored by next-token KL through the cache on a held-out window and the lowest wins, see
+            :mod:`.selection`; the metadata's ``selection`` says which).
+        tokens: statistics tokens: ``ceil(tokens / seq_len)`` windows of ``min(seq_len, tokens)`` tokens
+            from the start of the text (ignored for token-id input: all rows are used).
+        group_size: the quantization group size the clips (and ``auto``) are chosen for; ``None``: head_dim (one
+            group per head, the authors' setting); ``"auto"`` (default): 64, or where 64 does not divide head_dim
+            :func:`~oscar_hf.config.default_group_size`'s (48 at 96).
+        center: store and use the per-KV-head means ``mu_K``/``mu_V``; ``"auto"``: decide per layer, KV head
+            and K/V on the held-out error (an unchosen offset is stored as zeros).
+        value_target: "sst" (exact ``C_S = Σ oᵀo``) or "score-weighted" (the reference code's target).
+        clip_grid: clip ratios searched per layer (default 0.80..1.00 step 0.02); ``None`` or one value:
+            no search (clips 1.0 or that value).
+        holdout_fraction: held-out windows for the clip / ``auto`` choice, as a fraction of the statistics
+            windows (at least one), taken right after them (token-id input: the last rows).
+        batch_size: windows per forward.
+        progress: tqdm bar (also honours ``transformers.utils.logging.disable_progress_bar()``).
+        meta_dtype: dtype of the quantizer's scale/zero during the clip search (as the cache will use).
+        query_samples: queries per held-out sequence whose real attention probabilities weigh the errors.
+        window: ``(sink, recent)`` of the cache the artifact is for (``OscarConfig`` defaults 64, 256):
+            the first ``sink`` tokens of every window are left out of the key/value statistics (never
+            quantized; attention sinks have atypical activations), and held-out errors count only the
+            (query, key) pairs the cache quantizes, ``sink <= key < query - recent``. Windows not longer than
+            ``sink + recent + 1`` get a proportionally smaller window ``(min(sink, L//8), min(recent, L//4))``
+            with a warning (recorded in the metadata). ``None``: all tokens, all (query, key) pairs.
+        metadata: extra JSON-able entries stored in the artifact's metadata (e.g. the data source).
+        share_rotation_across_heads: one ``R_K`` and one ``R_V`` per layer, shared by its KV heads (as the
+            authors' rotation files), from the statistics of all its KV heads pooled, replicated per head in the
+            artifact; the held-out selection then picks one candidate per layer. Offsets (``center``) stay per
+            head. Default: one rotation per KV head.
+        clips: fixed ``(clip_k, clip_v)`` for every layer, not searched (e.g. the authors' ``(0.96, 0.92)``);
+            overrides ``clip_grid``.
+        retrieval_probes: synthetic key/value probes placed in the calibration text that score every KV head's
+            retrieval (:mod:`.retrieval_heads`), stored as the artifact's ``retrieval_scores``: the heads that
+            ``OscarConfig(retrieval_heads="auto")`` (the default) keeps in full precision. 0: no scores (then
+            no retrieval heads by default). Needs string ``texts`` (token-id input is not scored) with at
+            least ``max(retrieval_lengths) + retrieval_probes`` tokens.
+        retrieval_lengths: probe lengths in tokens (those beyond the model's context are dropped).
+        select_by_kl: ``method="auto"``'s end-to-end check (False: the held-out error's pick as it is). It needs a
+            held-out window longer than ``512 + sink + recent`` tokens, else the pick stays as it is.
+        choose_settings: after the rotations, choose the cache settings (window, group size, quantizer, retrieval
+            heads and their width, layers kept precise) by next-token KL through the cache on held-out windows,
+            within ``budget_bits`` (:mod:`.settings`), and store the choice in ``metadata["settings"]``: a cache built
+            from the artifact starts from it (the user's arguments still win). Text input scores
+            ``SETTINGS_WINDOWS`` held-out windows of ``seq_len`` tokens read after the statistics windows; held-out
+            windows not longer than ``512 + 4 * (sink + recent)`` tokens skip the search (recorded). False: the
+            cache uses ``OscarConfig``'s defaults, as artifacts calibrated before the search.
+        budget_bits: the memory budget: average stored bits per cached K/V element over the quantized layers at
+            ``target_context`` tokens (``OscarConfig.stored_bits``: windows at 16 bits, INT2 codes + scale / zero,
+            retrieval heads at their width). Default 3.5 (today's defaults cost 3.476 on SmolLM2 at 8192).
+        target_context: the context the budget is priced at; ``None``: ``min(32768, max_position_embeddings)``.
+    """
+
+    method: str = "auto"
+    tokens: int = 8192
+    seq_len: int = 2048
+    group_size: int | str | None = "auto"
+    center: bool | str = True
+    value_target: str = "sst"
+    clip_grid: Sequence[float] | None = CLIP_GRID
+    holdout_fraction: float = 0.25
+    batch_size: int = 1
+    progress: bool = True
+    meta_dtype: str = "bfloat16"
+    query_samples: int = 128
+    window: tuple[int, int] | None = (64, 256)
+    metadata: dict | None = None
+    share_rotation_across_heads: bool = False
+    clips: tuple[float, float] | None = None
+    retrieval_probes: int = PROBES
+    retrieval_lengths: Sequence[int] = LENGTHS
+    select_by_kl: bool = True
+    choose_settings: bool = True
+    budget_bits: float = DEFAULT_BUDGET_BITS
+    target_context: int | None = None
+
+    def __post_init__(self):
+        put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen: normalize in place)
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        probes = self.retrieval_probes
+        if isinstance(probes, bool) or not isinstance(probes, int) or probes < 0:
+            raise ValueError(f"retrieval_probes must be an int >= 0, got {probes!r}")
+        if not isinstance(self.choose_settings, bool):
+            raise ValueError(f"choose_settings must be True or False, got {self.choose_settings!r}")
+        check_budget(self.budget_bits, self.target_context)
+        if self.value_target not in VALUE_TARGETS:
+            raise ValueError(f"value_target must be one of {VALUE_TARGETS}, got {self.value_target!r}")
+        center_modes(self.center)
+        if not 0.0 < self.holdout_fraction <= 1.0:
+            raise ValueError(f"holdout_fraction must lie in (0, 1], got {self.holdout_fraction}")
+        if self.batch_size < 1 or self.tokens < 2 or self.seq_len < 2:
+            raise ValueError("batch_size must be >= 1, tokens and seq_len >= 2")
+        if isinstance(self.meta_dtype, torch.dtype):
+            put("meta_dtype", str(self.meta_dtype).removeprefix("torch."))
+        if self.meta_dtype not in META_DTYPES:
+            raise ValueError(f"meta_dtype must be one of {sorted(META_DTYPES)}, got {self.meta_dtype!r}")
+        clips = self.clips
+        if clips is not None:
+            if isinstance(clips, (str, bytes)) or len(clips) != 2:
+                raise ValueError(f"clips must be a (clip_k, clip_v) pair, got {clips!r}")
+            put("clips", (float(clips[0]), float(clips[1])))
+            put("clip_grid", None)
+        if any(not 0.0 < c <= 1.0 for c in self.grid + (self.clips or ())):
+            raise ValueError(f"clip ratios must lie in (0, 1], got {self.clips or self.clip_grid}")
+        if isinstance(self.group_size, str) and self.group_size != "auto":
+            raise ValueError(f"group_size must be an int, None (head_dim) or 'auto', got {self.group_size!r}")
+        if self.window is not None:
+            put("window", (int(self.window[0]), int(self.window[1])))
+            if self.window[0] < 0 or self.window[1] < 0:
+                raise ValueError(f"window=(sink, recent) must be non-negative, got {self.window}")
+
+    @property
+    def grid(self) -> tuple[float, ...]:
+        """The clip ratios searched, ascending (one value: no search)."""
+        return tuple(sorted({round(float(c), 6) for c in (self.clip_grid or (1.0,))}))
+
+    @property
+    def need_holdout(self) -> bool:
+        """Whether a choice is made on held-out windows (a clip search, ``method`` or ``center`` "auto")."""
+        return self.method == "auto" or len(self.grid) > 1 or self.center == "auto"
+
+    @property
+    def need_score_weighted(self) -> bool:
+        """Whether the statistics take the second, score-weighted pass over the same windows."""
+        return self.method == "auto" or (self.method == "oscar" and self.value_target == "score-weighted")
+
+    def replace(self, **overrides) -> "CalibrationOptions":
+        return dataclasses.replace(self, **overrides) if overrides else self

@@ -1,0 +1,200 @@
+"""What an artifact was made for: :class:`ModelFingerprint` (the shape facts of a model's text config) and each
+layer's kind as OSCAR sees it (:func:`layer_types_of`); the group size a head_dim takes (:func:`default_group_size`,
+:func:`validate_head_dim`)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from .quant import check_group_size
+
+# Layer kinds (ModelFingerprint.layer_types, read by layer_types_of from Transformers' config.layer_types): the
+# attention of each decoder layer as OSCAR sees it. FULL: OSCAR quantizes it (a "hybrid" layer's attention too: its
+# state is hybrid_state_layers'). SLIDING: Transformers' own full-precision sliding-window layer (bounded already).
+FULL_LAYER_TYPES = ("full_attention",)
+SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+# Layers with a recurrent or convolution state and no per-token K/V (Qwen3-Next / Qwen3.5, Jamba, Bamba,
+# GraniteMoeHybrid, LFM2, ...): Transformers' own state layer, untouched.
+STATE_LAYER_TYPES = ("linear_attention", "conv")
+# Full attention kept in Transformers' own full-precision layer, with the reason (logged by OscarCache, docs/usage.md):
+# * MLA (DeepSeek-V2/V3, GLM-4-MoE-Lite, Kimi-Linear, ...): Transformers caches the compressed latent
+#   [B, 1, S, kv_lora_rank] and its rope part [B, 1, S, qk_rope_head_dim], and rebuilds every head's keys and values
+#   from the whole latent history with kv_b_proj at every step. An INT2 latent would have to be dequantized to a
+#   full-precision copy of that history every step to feed kv_b_proj (which OSCAR never builds), and the latent is
+#   already ~71x smaller than per-head K/V (576 vs 40,960 elements per token and layer on DeepSeek-V3); reading it in
+#   INT2 needs kv_b_proj absorbed into the queries, which is model-specific code.
+# * KV sharing (Gemma 3n, Gemma 4): a "store" layer's cache.update result is attended to again by later "reuse" layers,
+#   which need tensors, not OSCAR's handle.
+# * keys and values of different head sizes (``v_head_dim`` != ``head_dim``: MiMo-V2-Flash, 192 / 128): the INT2
+#   storage, its rotations and the decode kernels pair one head_dim for both.
+LATENT_LAYER_TYPE = "latent_attention"
+SHARED_KV_LAYER_TYPE = "shared_kv_attention"
+UNEQUAL_KV_LAYER_TYPE = "unequal_kv_attention"
+FULL_PRECISION_LAYER_TYPES = (LATENT_LAYER_TYPE, SHARED_KV_LAYER_TYPE, UNEQUAL_KV_LAYER_TYPE)
+FULL_PRECISION_WHY = {
+    LATENT_LAYER_TYPE: "multi-head latent attention: Transformers caches the latent and expands it through kv_b_proj "
+                       "at every step, so an INT2 latent would need a full-precision copy of its history every step; "
+                       "the latent is already ~71x smaller than per-head keys and values",
+    SHARED_KV_LAYER_TYPE: "KV sharing: later layers attend again to the keys and values this layer's cache returns",
+    UNEQUAL_KV_LAYER_TYPE: "keys and values of different head sizes: OSCAR's INT2 storage and decode kernels pair one "
+                           "head_dim for both",
+}
+# Layers that cache nothing: the "reuse" layers of KV sharing, MoE / MLP-only layers (Transformers' DummyLayer).
+DUMMY_LAYER_TYPE = "dummy"
+# Transformers' legacy names (remap_legacy_layer_types) and the attention kind of its "hybrid" layers
+_LAYER_TYPE_ALIASES = {"mamba": "linear_attention", "attention": "full_attention", "moe": DUMMY_LAYER_TYPE,
+                       "mlp": DUMMY_LAYER_TYPE, "hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFingerprint:
+    """The shape facts an artifact depends on, read from a model's text config."""
+
+    architecture: str
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    name_or_path: str = ""
+
+    @classmethod
+    def from_config(cls, config) -> "ModelFingerprint":
+        """The text config's facts; ``head_dim`` / ``num_key_value_heads`` are those of the layers OSCAR quantizes
+        (Gemma 4's full-attention layers have their own, ``global_head_dim``: read from ``per_layer_config``)."""
+        cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        types = layer_types_of(cfg)
+        first = next((i for i, t in enumerate(types) if t in FULL_LAYER_TYPES), 0)
+        n_heads = int(cfg.num_attention_heads)
+        n_kv = int(_layer_attr(cfg, first, "num_key_value_heads") or n_heads)
+        head_dim = _layer_attr(cfg, first, "head_dim") or cfg.hidden_size // n_heads
+        n_layers = int(cfg.num_hidden_layers)
+        archs = getattr(config, "architectures", None) or getattr(cfg, "architectures", None) or []
+        return cls(
+            architecture=archs[0] if archs else type(cfg).__name__.replace("Config", "ForCausalLM"),
+            model_type=str(getattr(cfg, "model_type", "")),
+            num_layers=n_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv,
+            head_dim=int(head_dim),
+            layer_types=tuple(types),
+            name_or_path=str(getattr(config, "_name_or_path", "") or ""),
+        )
+
+    @property
+    def has_quantized_layers(self) -> bool:
+        """Whether any layer is of a kind OSCAR quantizes (MLA-only models have none)."""
+        return any(t in FULL_LAYER_TYPES for t in self.layer_types)
+
+    def mismatches(self, other: "ModelFingerprint") -> list[str]:
+        """Human-readable differences that make an artifact unusable (the name is informative only)."""
+        out = []
+        for f in ("model_type", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            a, b = getattr(self, f), getattr(other, f)
+            if a != b:
+                out.append(f"{f}: artifact has {a!r}, model has {b!r}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelFingerprint":
+        try:
+            return cls(**{**d, "layer_types": tuple(d.get("layer_types", ()))})
+        except TypeError as e:
+            raise ValueError(f"corrupted model fingerprint in artifact: {json.dumps(d)[:200]} ({e})") from None
+
+
+def _layer_attr(cfg, i: int, name: str):
+    """``cfg.<name>`` as layer ``i`` sees it: heterogeneous configs (Gemma 4) hold it per layer, in ``per_layer_config``
+    (whose global attribute raises); None where the config has none."""
+    try:
+        return getattr(cfg.per_layer_config[i], name, None)
+    except (AttributeError, IndexError, KeyError, TypeError):  # no per_layer_config (older Transformers, plain objects)
+        try:
+            return getattr(cfg, name, None)
+        except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+            return None
+
+
+def kv_sharing_modes(cfg) -> list[str | None] | None:
+    """Per layer ``"store"`` (later layers reuse what its ``cache.update`` returned), ``"reuse"`` (attends to a store
+    layer's keys and values, caches nothing) or None; None for a model without KV sharing. Transformers 5.2x has
+    ``config.kv_sharing_modes``; 5.17 derives it in the model (Gemma 3n / Gemma 4: the last ``num_kv_shared_layers``
+    layers reuse the last earlier layer of their type), as here."""
+    modes = getattr(cfg, "kv_sharing_modes", None)
+    if modes is not None:
+        return list(modes)
+    shared = int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
+    types = getattr(cfg, "layer_types", None)
+    if shared <= 0 or types is None:
+        return None
+    n = int(cfg.num_hidden_layers)
+    first = n - shared
+    modes = [None if i < first else "reuse" for i in range(n)]
+    for t in set(types[first:]):
+        if t in types[:first]:
+            modes[first - 1 - types[:first][::-1].index(t)] = "store"
+    return modes
+
+
+def layer_types_of(cfg) -> list[str]:
+    """Per-layer kind as OSCAR sees it (the constants above): Transformers' ``layer_types`` (inferred as its caches do
+    when absent; works on 5.10 .. 5.2x), legacy names mapped, a "hybrid" layer's attention as its attention type, MLA
+    layers ``latent_attention``, KV sharing's reuse layers ``dummy`` and their store layers (when reused, and full
+    attention) ``shared_kv_attention``, full attention whose values have another head size ``unequal_kv_attention``."""
+    n = int(cfg.num_hidden_layers)
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        if getattr(cfg, "sliding_window", None) is not None:
+            types = ["sliding_attention"] * n
+        elif getattr(cfg, "attention_chunk_size", None) is not None:
+            types = ["chunked_attention"] * n
+        else:
+            types = ["full_attention"] * n
+    types = [_LAYER_TYPE_ALIASES.get(t, t) for t in types]
+    modes = kv_sharing_modes(cfg)
+    if modes is not None:
+        reused = {t for t, m in zip(types, modes) if m == "reuse"}
+        types = [DUMMY_LAYER_TYPE if m == "reuse"
+                 else SHARED_KV_LAYER_TYPE if m == "store" and t in reused and t in FULL_LAYER_TYPES else t
+                 for t, m in zip(types, modes)]
+    if getattr(cfg, "kv_lora_rank", None):  # MLA: every attention layer caches the latent
+        types = [LATENT_LAYER_TYPE if t in FULL_LAYER_TYPES else t for t in types]
+    elif getattr(cfg, "v_head_dim", None) is not None and cfg.v_head_dim != getattr(cfg, "head_dim", None):
+        # (head_dim read only then: a heterogeneous config such as Gemma 4's raises on the global value)
+        types = [UNEQUAL_KV_LAYER_TYPE if t in FULL_LAYER_TYPES else t for t in types]
+    return types
+
+
+def hybrid_state_layers(cfg) -> set[int]:
+    """Layers that are attention and a linear-attention / SSM state in one (``layer_types`` "hybrid" /
+    "hybrid_sliding": Falcon-H1, Zamba): their cache layer holds both."""
+    return {i for i, t in enumerate(getattr(cfg, "layer_types", None) or ()) if t in ("hybrid", "hybrid_sliding")}
+
+
+def default_group_size(head_dim: int) -> int:
+    """The default quantization group at ``head_dim``: 64 channels where 64 divides it; else the largest whole
+    number of planes (``head_dim / 4`` channels: the INT2 packing's unit, which the kernels' fast loop reads under one
+    scale and zero) up to 64 channels -- 48 at head_dim 96 (Phi-3: 2.67 bits per element, where 32 would be 3.0 and
+    take the kernels' slower per-channel loop), the whole head below 64 -- else one group per head."""
+    if head_dim % 64 == 0:
+        return 64
+    plane = head_dim // 4
+    return next((g for g in (head_dim, 2 * plane, plane) if 0 < g <= 64 and head_dim % g == 0), head_dim)
+
+
+def validate_head_dim(fp: ModelFingerprint, group_size: int | None) -> None:
+    """Raise ValueError naming the model when ``group_size`` (None: ``head_dim``) cannot group its heads (those of the
+    quantized layers: nothing to check without one)."""
+    if not fp.has_quantized_layers:
+        return
+    try:
+        check_group_size(fp.head_dim, fp.head_dim if group_size is None else group_size)
+    except ValueError as e:
+        raise ValueError(f"{fp.architecture}: {e}") from None
