@@ -87,25 +87,30 @@ def cache_nll(
 
 
 @torch.no_grad()
-def fast_logits(model, ids: torch.Tensor, context_len: int, spec: FakeQuantSpec | None) -> torch.Tensor:
+def fast_logits(model, ids: torch.Tensor, context_len: int, spec: FakeQuantSpec | None, cache=None) -> torch.Tensor:
     """``[B, n - context_len, V]`` logits (model dtype) predicting ``ids[:, context_len:]``, one teacher-forced forward
-    through ``spec`` (``None``: the plain model); positions before ``context_len`` are the exact prompt."""
+    through ``spec`` (``None``: the plain model); positions before ``context_len`` are the exact prompt. A ``cache``
+    (plain model only) is filled with all ``n`` tokens, e.g. to generate after the scored text."""
+    if cache is not None and spec is not None:
+        raise ValueError("a cache records the plain model's keys and values: pass spec=None with a cache")
+    use = dict(cache_kwargs(model, cache), use_cache=True) if cache is not None else dict(use_cache=False)
     with fake_quant(model, spec, prefill_len=context_len):
-        return model(ids, use_cache=False, logits_to_keep=ids.shape[1] - context_len + 1).logits[:, :-1]
+        return model(ids, **use, logits_to_keep=ids.shape[1] - context_len + 1).logits[:, :-1]
 
 
 @torch.no_grad()
 def fast_nll(model, input_ids: torch.Tensor, context_len: int, spec: FakeQuantSpec | None,
-             return_token_nll: bool = False, chunk: int = 512) -> dict:
+             return_token_nll: bool = False, chunk: int = 512, cache=None) -> dict:
     """:func:`cache_nll`'s numbers in one teacher-forced forward (``spec=None``: the plain model).
 
     ``input_ids`` ``[B, n]`` (B windows, no padding); tokens ``[context_len, n)`` of each row are scored;
-    positions before ``context_len`` are the exact prompt.
+    positions before ``context_len`` are the exact prompt. ``cache`` (with ``spec=None``): filled with the ``n``
+    tokens (:func:`fast_logits`).
     """
     if input_ids.dim() != 2:
         raise ValueError("input_ids must be [B, n]")
     ids, n = _scored_ids(model, input_ids, context_len)
-    logits = fast_logits(model, ids, context_len, spec)
+    logits = fast_logits(model, ids, context_len, spec, cache)
     tgt = ids[:, context_len:]
     parts = []
     for a in range(0, tgt.shape[1], chunk):

