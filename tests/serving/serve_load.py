@@ -14,9 +14,9 @@ machine). Model B, of another shape, is the model switch. No model is pinned: re
 The run, bounded in count (``--requests``) and time (``--deadline`` seconds of load): one warm-up request to A; phase 1,
 ``--share`` of the requests to A from the threads, of mixed kinds: streamed and plain requests (most), a stream the
 client closes after its first text (cancellation), a pair with one ``X-Request-ID`` (the second sent while the first
-streams; the first is then read to its end), a prompt longer than the whole page pool, malformed JSON and bad fields;
-phase 2, requests to B (a switch: A's manager stops); phase 3, the rest to A (a switch back); last, one request to B,
-so that A's manager stops again after all of its load.
+streams; the first is then read to its end, and the id sent once more), a prompt longer than the whole page pool,
+malformed JSON and bad fields; phase 2, requests to B (a switch: A's manager stops); phase 3, the rest to A (a switch
+back); last, one request to B, so that A's manager stops again after all of its load.
 
 Checks (exit status 1 when one fails; each is in the JSON):
 
@@ -29,8 +29,8 @@ Checks (exit status 1 when one fails; each is in the JSON):
   BF16 (``benchmarks/results/serve_load_h200.json``) that check is loose: the random Qwen3-8B-shaped model's top-2
   gaps are small (median 3.9 % of the largest |logit|; BF16's spacing there is 0.4 - 0.8 %) and most streams leave
   the reference at such a step; ``--dtype float32`` with a small ``--tie-tol`` is the strict GPU check;
-* every refused request gets its 4xx and a message saying why: 409 naming the live id, 400 naming the INT2 pages, a
-  4xx with a ``detail`` for malformed ones;
+* every refused request gets its 4xx and a message saying why: 409 naming the live id (which, once its request has
+  ended, is served again), 400 naming the INT2 pages, a 4xx with a ``detail`` for malformed ones;
 * the server process never exits and ``/health`` answers 200 at the end;
 * nothing is held: the store of every manager a switch stopped logs (``STORE_RELEASED``, once its loop is over) no
   request, page, window slot or prompt reservation, one line per switch; from Transformers 5.25, where each model
@@ -368,6 +368,8 @@ class Load:
                 if error is not None:
                     return dict(rec, verdict="failed", detail=str(error)[:300])
                 rec.update(self.check(model, prompt, m, text + rest, rec["tokens"]))
+                # the id left with its request: taken again, it is served
+                rec["reused"] = self.answer(model, prompt, 2, False, rid).get("verdict")
                 return rec
             if kind == "oversized":
                 body = dict(self.body(model, prompt, 4, job["stream"]), prompt=self.oversized)
@@ -430,6 +432,7 @@ def summarize(records: list[dict], tie_tol: float) -> tuple[dict, dict]:
     failed = [r for r in records if r.get("verdict") in ("failed", "not_run")]
     refused_ok = {
         "duplicate": all(r.get("duplicate", {}).get("status") == 409 and "already live" in r["duplicate"]["detail"]
+                         and r["reused"] in ("exact", "near_tie" if tie_tol > 0 else "exact")
                          for r in records if r["kind"] == "duplicate" and r.get("verdict") != "failed"),
         "oversized": all(r["status"] == 400 and "INT2 pages" in r["detail"]
                          for r in records if r["kind"] == "oversized"),
