@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import time
@@ -70,6 +71,14 @@ def calibrate(model, tokenizer, texts, options: CalibrationOptions | None = None
     logger.info("OSCAR calibration (%s) of %d layers on %d tokens took %.1f s", o.method, len(picked[0]),
                 m.stats.tokens, meta["calibration"]["time_s"])
     return rot
+
+
+# help(calibrate) / inspect.signature list the option fields as its keywords (they are: **overrides)
+calibrate.__signature__ = inspect.signature(calibrate).replace(parameters=[
+    *list(inspect.signature(calibrate).parameters.values())[:4],
+    *(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+      for f in dataclasses.fields(CalibrationOptions)),
+])
 
 
 def _model_group_size(model, group_size) -> tuple[ModelFingerprint, int]:
