@@ -10,7 +10,7 @@ The needle format calibration never saw (``--format locker --haystack pydoc``) a
         --lengths 1024,2048,4096,8176 --depths 0.1,0.3,0.5,0.7,0.9 --trials 3 --hay-stride 997 \
         --dtype bfloat16 --threads 2 --name needle_unseen_smollm2_cpu
 """
-from oscar_hf.eval.needle import main
+from oscar_hf.eval.needle_cli import main
 
 if __name__ == "__main__":
     main()

@@ -61,7 +61,8 @@ def test_answer_runs_through_cache():
 
 
 def test_run_grid_shares_cells_and_resumes():
-    from oscar_hf.eval.needle import accuracy_table, length_summary, markdown_table, run_grid
+    from oscar_hf.eval.needle import accuracy_table, length_summary, run_grid
+    from oscar_hf.eval.needle_cli import markdown_table
 
     model = tiny_model("llama")
     tok = CharTok()

@@ -236,7 +236,7 @@ def test_write_prefix_rejects_used_caches_and_other_layer_kinds():
 def test_cli_end_to_end_on_a_tiny_llama(tmp_path):
     """The grid runner on a tiny random Llama (head_dim 64, so OscarCache(model)'s defaults apply as they are):
     JSON (command, setup, accuracy per method x length x depth, answers), markdown table and heatmap PNG."""
-    from oscar_hf.eval.needle import main
+    from oscar_hf.eval.needle_cli import main
 
     model = tiny_model("llama", head_dim=64)
     argv = ["--format", "locker", "--haystack", "pydoc", "--methods", "fp,default", "--lengths", "600,700",
@@ -269,7 +269,7 @@ def test_cli_end_to_end_on_a_tiny_llama(tmp_path):
 def test_cli_quantizer_reaches_the_oscar_and_artifact_rows(tmp_path):
     """--quantizer sets OscarConfig.quantizer on the rows built from the artifact (the user's cache included)."""
     from oscar_hf import OscarRotations
-    from oscar_hf.eval.needle import main
+    from oscar_hf.eval.needle_cli import main
 
     model = tiny_model("llama", head_dim=64)
     art = tmp_path / "art"
