@@ -112,6 +112,9 @@ def main(argv=None, model=None, tokenizer=None):
                                               "not the settings the calibration chose)")
     p.add_argument("--path", choices=["exact", "fast"], default="exact",
                    help="exact: token by token through the real caches; fast: one fake-quantized forward per window")
+    p.add_argument("--reference-path", choices=["exact", "fast"], default=None,
+                   help="the full-precision row's path (default: --path's); fast: one forward of the plain model, "
+                        "the numbers DynamicCache decoding gives up to rounding, at a fraction of the time")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--name", default="ppl_default")
@@ -161,15 +164,18 @@ def main(argv=None, model=None, tokenizer=None):
                setup=dict(model=model_name, dtype=str(dtype).removeprefix("torch."), artifact=args.artifact,
                           context=args.context, windows=args.windows, prefill_len=args.prefill,
                           path="token-by-token" if args.path == "exact" else "fast (fake-quant, one forward)",
+                          reference_path=args.reference_path or args.path,
                           config=user.oscar_config.to_dict(), threads=torch.get_num_threads()),
                texts=texts, rows={})
+    reference = next(iter(methods))
     for name, method in methods.items():
         res["rows"][name] = {}
+        path = (args.reference_path or args.path) if name == reference else args.path
         for t in texts:
             ids = window_ids(tokenizer, t, args.context, args.windows)
             t0, c0 = time.perf_counter(), time.process_time()
             r = perplexity(model, ids, method, context_len=args.context, n_windows=args.windows,
-                           prefill_len=args.prefill, exact=args.path == "exact", progress=False)
+                           prefill_len=args.prefill, exact=path == "exact", progress=False)
             row = {k: r[k] for k in ("ppl", "nll", "tokens", "window_ppl", "bits", "mean_bits", "path", "settings")}
             if hasattr(method, "full_precision_share"):
                 row["history_bits"] = method.config.history_bits(head_dim, method.full_precision_share())

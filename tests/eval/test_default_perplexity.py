@@ -35,3 +35,14 @@ def test_prefill_scores_the_tokens_after_it(setup):
 def test_prefill_as_long_as_the_window_is_refused(setup):
     with pytest.raises(ValueError, match="context_len=400 must lie in"):
         setup("--prefill", "400")
+
+
+def test_reference_path_fast_gives_the_decoded_numbers(setup):
+    """--reference-path fast scores the full-precision row in one forward: its numbers are DynamicCache decoding's,
+    and the OSCAR row stays token by token."""
+    exact = setup("--prefill", "360")["rows"]
+    fast = setup("--prefill", "360", "--reference-path", "fast")
+    ref, osc = (r["wikitext"] for r in fast["rows"].values())
+    assert (ref["path"], osc["path"]) == ("fast", "token-by-token") and fast["setup"]["reference_path"] == "fast"
+    exact_ref, exact_osc = (r["wikitext"] for r in exact.values())
+    assert ref["nll"] == pytest.approx(exact_ref["nll"], rel=1e-5) and osc["nll"] == exact_osc["nll"]
