@@ -1,16 +1,50 @@
-"""Input checks of the fused one-token write (:func:`~oscar_hf.kernels.write_path.append_token_reference` and its
-Triton kernel ``append_triton.py``), shared by both without either importing the other. Reads no device data."""
+"""Input checks of the fused one-token write (:func:`~oscar_hf.kernels.write_path.append`'s references and its
+Triton kernels ``append_triton.py``, all taking :mod:`.kv`'s bundles), shared by both without either importing the
+other. Reads no device data."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from oscar_hf.quant import QuantizedRows, check_group_size
 
 
-def check_append_inputs(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
-                        hist_heads, r_k, mu_k, r_v, mu_v, group_size, meta_dtype, sink, recent) -> tuple[int, int, int]:
-    """Shape checks of :func:`append_token` (host-side metadata only: no device sync). Returns ``(R, N, Hq)``: ring
-    entries, history capacity, quantized heads."""
+class CodedSlots(NamedTuple):
+    """The retrieval heads' history entries that the one-token write fills beside the INT2 heads' (``coded=`` of
+    :func:`append`, built from the history's ``coded`` rows): ``k``/``v`` the stored parts ``[B, P, N, *]``
+    (:func:`~oscar_hf.quant.encode_heads`:
+    ``(x,)`` at 16 bits, ``(codes, scale, zero)`` at 8 / 4, metadata in the window's dtype), ``coded_of [Hk]`` int64
+    each KV head's index among them or -1 (an INT2 head), ``bits`` 16, 8 or 4."""
+
+    k: tuple[torch.Tensor, ...]
+    v: tuple[torch.Tensor, ...]
+    coded_of: torch.Tensor
+    bits: int
+
+
+def coded_slots(params, history) -> CodedSlots | None:
+    """The retrieval heads' rows of a write (``history.coded`` with ``params.heads``), None without."""
+    if history.coded is None:
+        return None
+    return CodedSlots(history.coded[0], history.coded[1], params.heads.coded_of, params.heads.bits)
+
+
+def write_operands(params, window, history) -> tuple:
+    """A write's operands from its bundles, as the references and the launchers read them: ``(win_k, win_v, hist_k,
+    hist_v, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, coded)``."""
+    p = params
+    return (window.k, window.v, history.k, history.v, p.hist_of, p.r_k, p.mu_k, p.clip_k, p.r_v, p.mu_v, p.clip_v,
+            coded_slots(params, history))
+
+
+def check_append_inputs(params, new_k, new_v, window, history, at) -> tuple[int, int, int]:
+    """Shape checks of the contiguous one-token write (``write_path.append`` at a ``Ring``; host-side metadata only:
+    no device sync). Returns ``(R, N, Hq)``: ring entries, history capacity, quantized heads."""
+    win_k, win_v, hist_k, hist_v, length, pad, sink, recent = (window.k, window.v, history.k, history.v, at.length,
+                                                               at.pad, at.sink, at.recent)
+    hist_heads, r_k, mu_k, r_v, mu_v, group_size, meta_dtype = (params.hist_of, params.r_k, params.mu_k, params.r_v,
+                                                                params.mu_v, params.group_size, params.meta_dtype)
     if new_k.dim() != 4 or new_k.shape[2] != 1 or new_v.shape != new_k.shape:
         raise ValueError(f"new_k/new_v must be [B, Hk, 1, D] of one shape, got {tuple(new_k.shape)}, "
                          f"{tuple(new_v.shape)}")
@@ -85,9 +119,12 @@ def check_coded_slots(coded, win_k, n: int) -> None:
         raise ValueError(f"coded_of must be int64 [Hk={hk}], got {coded.coded_of.dtype} {tuple(coded.coded_of.shape)}")
 
 
-def check_paged_inputs(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, rows, hist_heads,
-                       r_k, mu_k, r_v, mu_v, group_size, meta_dtype, coded) -> int:
-    """Shape checks of :func:`paged_append` (host-side metadata only). Returns ``Hq``, the quantized heads."""
+def check_paged_inputs(params, new_k, new_v, window, history, rows) -> int:
+    """Shape checks of the paged one-token write (``write_path.append`` at ``PagedRows``; host-side metadata only).
+    Returns ``Hq``, the quantized heads."""
+    win_k, win_v, hist_k, hist_v, coded = window.k, window.v, history.k, history.v, coded_slots(params, history)
+    hist_heads, r_k, mu_k, r_v, mu_v, group_size, meta_dtype = (params.hist_of, params.r_k, params.mu_k, params.r_v,
+                                                                params.mu_v, params.group_size, params.meta_dtype)
     if new_k.dim() != 3 or new_v.shape != new_k.shape:
         raise ValueError(f"new_k/new_v must be [Hk, Q, D] of one shape, got {tuple(new_k.shape)}, {tuple(new_v.shape)}")
     hk, _, d = new_k.shape
@@ -98,7 +135,8 @@ def check_paged_inputs(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v
     if win_k.dtype != new_k.dtype or win_v.dtype != new_v.dtype:
         raise ValueError(f"window dtype {win_k.dtype}/{win_v.dtype} != new token dtype {new_k.dtype}/{new_v.dtype}")
     bp = rows.pos.shape[0]
-    for name, x in zip(rows._fields, rows):
+    for name, x in zip(("pos", "slots", "new_entry", "sink_entry", "demote_entry", "demote_page", "demote_off"),
+                       rows.tensors()):
         if x.shape != (bp,) or x.dtype != torch.long:
             raise ValueError(f"rows.{name} must be int64 [Bp={bp}], got {x.dtype} {tuple(x.shape)}")
     pages, hq, p = hist_k.codes.shape[:3]

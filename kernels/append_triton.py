@@ -35,7 +35,7 @@ import triton.language as tl
 
 from oscar_hf.quant import QuantizedRows
 
-from .append_checks import check_append_inputs, check_coded_slots, check_paged_inputs
+from .append_checks import check_append_inputs, check_coded_slots, check_paged_inputs, write_operands
 from .plan import next_pow2, settle_cache_keys
 from .write_triton import _LEVELS, _META_KIND, _codes, _group_grid, _padded_cols, _quantize_masked, _round_meta
 
@@ -251,13 +251,14 @@ def _check_kernel_layouts(win_k, win_v, hist_k: QuantizedRows, hist_v: Quantized
                          "last dimension")
 
 
-def append_token_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
-                        hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
-                        quantizer="minmax", coded=None):
-    """Triton version of :func:`~oscar_hf.kernels.write_path.append_token_reference` (same contract, for the shapes
-    ``write_triton.kernel_supported`` accepts): one launch, no host synchronisation. Returns None."""
-    ring, n, hq = check_append_inputs(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
-                                      r_v, mu_v, group_size, meta_dtype, sink, recent)
+def append_token_triton(params, new_k, new_v, window, history, at):
+    """Triton version of :func:`~oscar_hf.kernels.write_path.append_token_reference` (same contract and bundles, for
+    the shapes ``write_triton.kernel_supported`` accepts): one launch, no host synchronisation. Returns None."""
+    ring, n, hq = check_append_inputs(params, new_k, new_v, window, history, at)
+    win_k, win_v, hist_k, hist_v, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, coded = write_operands(
+        params, window, history)
+    length, pad, sink, recent = at.length, at.pad, at.sink, at.recent
+    group_size, meta_dtype, quantizer = params.group_size, params.meta_dtype, params.quantizer
     check_coded_slots(coded, win_k, n)
     b, hk, _, d = new_k.shape
     if b == 0 or hk == 0:
@@ -356,15 +357,15 @@ def _paged_append_kernel(
         tl.store(WIN_V + dst, nv, mask=dm)
 
 
-def paged_append_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, rows, hist_heads,
-                        r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, demote=True, write_sink=True,
-                        quantizer="minmax", coded=None):
+def paged_append_triton(params, new_k, new_v, window, history, rows):
     """Triton version of :func:`~oscar_hf.kernels.write_path.paged_append_reference` (same contract, for the shapes
     ``write_triton.kernel_supported`` accepts): one launch of ``Bp * Hk`` programs, no host synchronisation; the sink
     write is skipped per row where ``sink_entry = new_entry`` (``write_sink`` only tells the reference). Returns
     None."""
-    hq = check_paged_inputs(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k, r_v, mu_v,
-                            group_size, meta_dtype, coded)
+    hq = check_paged_inputs(params, new_k, new_v, window, history, rows)
+    win_k, win_v, hist_k, hist_v, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, coded = write_operands(
+        params, window, history)
+    group_size, meta_dtype, quantizer, demote = params.group_size, params.meta_dtype, params.quantizer, rows.demote
     hk, _, d = new_k.shape
     bp = rows.pos.shape[0]
     if bp == 0 or hk == 0:
@@ -372,13 +373,12 @@ def paged_append_triton(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_
     _check_kernel_layouts(win_k, win_v, hist_k, hist_v, meta_dtype)
     if new_k.stride(-1) != 1 or new_v.stride() != new_k.stride():
         new_k, new_v = new_k.contiguous(), new_v.contiguous()
-    if any(not x.is_contiguous() for x in rows):
-        rows = type(rows)(*(x.contiguous() for x in rows))
+    tensors = tuple(x.contiguous() for x in rows.tensors())  # (views of the plan's buffers: already contiguous)
     r_k, mu_k, r_v, mu_v, ck, cv, x_strides, m_strides = _rotations_and_coded(
         new_k.device, r_k, mu_k, r_v, mu_v, coded, rows.pos)
     warps, blk = launch_shape(d)
     _paged_append_kernel[(bp * hk,)](
-        new_k, new_v, *rows, win_k, win_v, *hist_k, *hist_v,
+        new_k, new_v, *tensors, win_k, win_v, *hist_k, *hist_v,
         hist_heads if hist_heads is not None else rows.pos,  # unused placeholder when every head is quantized
         r_k, mu_k if mu_k is not None else r_k, r_v, mu_v if mu_v is not None else r_v,
         *ck, *cv, coded.coded_of if coded is not None else rows.pos,

@@ -79,11 +79,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from .decode_gluon_ops import (A_OP, B_OP, DF_LIM, KLOAD, MMA, VLOAD, _accumulate, _col_sets, _copy_setup,
-                               _fresh_state, _groups, _issue_copies, _issue_first_copies, _loads_lanes, _logits,
-                               _page_of, _page_offs, _q8_loaded, _q8_operands, _q_operand, _q_plane, _q_sums,
-                               _row_offs, _smem_codes, _smem_meta, _SPIN_ASM, _split_setup, _step, _sync)
-from .plan import cuda_major, gluon_query_groups, settle_cache_keys
+from .decode_gluon_ops import (A_OP, B_OP, DF_LIM, KLOAD, MMA, _q8_loaded, _q8_operands, _q_plane, _q_sums, _SPIN_ASM,
+                               _sync, VLOAD)
+from .decode_gluon_steps import (_accumulate, _col_sets, _copy_setup, _fresh_state, _groups, _issue_copies,
+                                 _issue_first_copies, _loads_lanes, _logits, _page_of, _page_offs, _q_operand,
+                                 _row_offs, _smem_codes, _smem_meta, _split_setup, _step)
+from .plan import cuda_major, gluon_query_groups, settle_cache_keys, tokens_per_step
 
 
 @gluon.jit
@@ -355,13 +356,6 @@ def gluon_supported(q_rot, k, v, group_size: int, key_mask, meta_words: bool) ->
             and k.codes.data_ptr() % 8 == 0 and v.codes.data_ptr() % 4 == 0)
 
 
-def tokens_per_step(m: int, d: int = 128) -> int:
-    """Tokens per step: two token sets of 16 (TB = 2) where <= 4 query rows leave half the logit tile's 8 columns
-    free, at D = 128 only (D = 256: its 8 chunk accumulators and query operands fill the registers at TB = 1); at
-    D = 64 16 code rows of two tokens (for each query group's <= 4 rows)."""
-    return 32 if ((m <= 4 and d == 128) or d == 64) else 16
-
-
 def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
                    stages, maxnreg, pdl=False, k8=False, qpre=None, ready=None, paged=None):
     """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
@@ -370,7 +364,7 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
     ``ready`` (with ``qpre`` and ``pdl``): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise when
     their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``).
     ``k8`` at D = 128 only. D = 64: code rows of two tokens (``TP = 2``), ``split_len`` even. ``paged``: a
-    ``decode_triton.PagedHistory`` (``k`` / ``v`` the pool's ``[num_pages, Hk, P, *]`` views; ``n`` its ``max_len``)."""
+    ``decode_triton._PagedRead`` (``k`` / ``v`` the pool's ``[num_pages, Hk, P, *]`` views; ``n`` its ``max_len``)."""
     b, hk, m, d = q_rot.shape
     assert not (k8 and d != 128), "the int8 key path serves D = 128 only"
     tp = 2 if d == 64 else 1
@@ -389,8 +383,8 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
     _hist_kernel[(b * hk * qg, s_hist)](
         q_rot, *k, *v, start, qk_offset, n_valid, pm, pl, pacc,
         n, mg, hk, s_hist, s_tot, split_len, qk_scale,
-        *q_rot.stride()[:3], *_bh_strides(k.codes, paged), *_bh_strides(k.scale, paged),
-        *_bh_strides(v.codes, paged), *_bh_strides(v.scale, paged),
+        *q_rot.stride()[:3],  # then each history tensor's (row, KV head) strides (paged: the row's pages, stride 0)
+        *(x for t in (k.codes, k.scale, v.codes, v.scale) for x in (0 if paged is not None else t.stride(0), t.stride(1))),
         *(qk_offset.stride() if qk_offset is not None else z3),
         TB=tokens_per_step(mg, d) // (16 * tp), HAS_OFF=qk_offset is not None, QG=qg,
         N_DEV=n_valid is not None and paged is None,
@@ -399,11 +393,6 @@ def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hi
         READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and bool(pdl)), num_warps=1,
         **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}), **pk,
     )
-
-
-def _bh_strides(t, paged) -> tuple[int, int]:
-    """A history tensor's (row, KV head) strides; a paged one's row stride is 0 (its pages: the block table)."""
-    return (0 if paged is not None else t.stride(0)), t.stride(1)
 
 
 settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

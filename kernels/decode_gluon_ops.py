@@ -1,44 +1,68 @@
 """Building blocks of the Gluon history kernel (:mod:`~oscar_hf.kernels.decode_gluon`): layouts, inline PTX, operands.
-
-Everything here states its layout: the tensor-core operands of ``mma.sync`` (``m16n8k16`` fp16 / bf16, ``m16n8k32``
-int8) are built in the registers that hold them, from per-lane loads or the cp.async pipeline's shared buffers. The
-kernel's docstring says how the pieces fit; each function says which tile it makes (``T = 16 TB`` tokens per step).
-"""
+Each states its layout: the tensor-core operands of ``mma.sync`` (``m16n8k16`` fp16 / bf16, ``m16n8k32`` int8) built in
+the registers that hold them, from per-lane loads; the kernel's docstring says how the pieces fit."""
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from .plan import settle_cache_keys
 
+
 DF_LIM = gl.constexpr(64.0)  # as in decode_split: largest excess of a column's max over its reference (log2)
 
+
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+
+
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
+
+
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
+
+
 # int8 operands of mma.sync m16n8k32 (K8): a register holds 4 consecutive k of one row (A) / one column (B)
 A8_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=4))
+
+
 B8_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=4))
+
+
 # [T, 8] key words (4 bytes): lane 4r + c holds words 2c, 2c + 1 (bytes 8c .. 8c + 7) of rows r, r + 8, ... (one
 # 8-byte load per row). Codes travel as 32-bit words: uint8 tensors carried through the loop or a branch would be
 # kept one byte per register
 KLOAD = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]))
+
+
 # [T, 8] value words (4 bytes): lane 4r + c holds word r of tokens 2c, 2c + 1 (+ 8 i)
 VLOAD = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
+
+
 # cp.async pipeline (STAGES > 0): copies of 16 bytes a lane (8 for TB = 1's metadata) -- [T, 8 NH] code words,
 # [4 TB, 16] metadata words (row j TB + tb: token set tb of key scale, key zero, value scale, value zero) -- into plain
 # row-major shared buffers; metadata read back as [16 t', TB] (TB = 2: the token sets on lane bit 1, broadcast over
 # the others) and expanded to the logit tile. NH = 2 (TB = 1): metadata [4 x 16 t, 2 words] (row 16 j + t; a lane
 # copies two tokens' words, as 4-byte copies: they are not merged), read back per word. CP_META[TB - 1 + 2 (NH - 1)]
 CP_CODES = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0]))
+
+
 CP_META = gl.constexpr((gl.BlockedLayout([1, 2], [4, 8], [1, 1], [1, 0]),
                         gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]),
                         gl.BlockedLayout([2, 2], [32, 1], [1, 1], [1, 0])))
+
+
 SMEM3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # (the layout of one stage)
+
+
 META3 = gl.constexpr(gl.BlockedLayout([1, 1, 2], [8, 2, 2], [1, 1, 1], [2, 1, 0]))  # [16 t', 2 sets, 4 columns]
+
+
 _sync = getattr(gl, "thread_barrier", None) or gl.barrier  # (Triton 3.6 / newer)
+
+
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
 
 # Key codes of one 32-bit word ($16, bytes 0..3 of a token row): two prmt put bytes 0, 1 (2, 3) into the low bytes of
 # the two 16-bit halves, one lop3 per plane and pair keeps the plane's bits and or-s in 0x6400 (fp16 1024):
@@ -49,13 +73,19 @@ _K_ASM = gl.constexpr(
                f"lop3.b32 r1, x, 0x{(3 << 2 * p) * 0x10001:08X}, 0x64006400, 0xEA; "
                f"mov.b32 {{${4 * p}, ${4 * p + 1}}}, r0; mov.b32 {{${4 * p + 2}, ${4 * p + 3}}}, r1;" for p in range(4))
     + " }")
+
+
 # K8: plane P of 4 key bytes (one 32-bit word, $1; $2..$4 are copies of it) as 4 int8 operands in one instruction:
 # (x & mask_P) ^ flip_P = 4^P code -- plane 3 with its top bit flipped, 64 code - 128, so that it fits int8 (the -128 is
 # given back by the accumulator's start)
 _K8_ASM = gl.constexpr(tuple(
     f"lop3.b32 $0, $1, 0x{(3 << 2 * p) * 0x01010101:08X}, 0x{0x80808080 if p == 3 else 0:08X}, 0x6A;"
     for p in range(4)))
+
+
 _RNI_ASM = gl.constexpr("cvt.rni.f32.f32 $0, $1;")  # round to the nearest integer (even on ties)
+
+
 # Value codes of byte position BB of two tokens' words ($4: token t, $5: token t + 1): prmt pairs the two bytes
 # (selector nibble i = source of destination byte i: byte 0 <- byte BB of $4, byte 2 <- byte BB of $5; half 0: token t), one lop3 per plane or-s them into 0x4380 (bf16 256, mantissa LSB worth 2): 256 + KP code
 # with KP = 2, 8, 32; plane 3's bits would reach the exponent and are shifted down to bits 4-5 first (KP = 32).
@@ -64,6 +94,8 @@ _V_ASM = gl.constexpr(tuple(
     "lop3.b32 $0, w, 0x00030003, 0x43804380, 0xEA; lop3.b32 $1, w, 0x000C000C, 0x43804380, 0xEA; "
     "lop3.b32 $2, w, 0x00300030, 0x43804380, 0xEA; lop3.b32 $3, y, 0x00300030, 0x43804380, 0xEA; }"
     for bb in range(4)))
+
+
 # Wait until the 32-bit counter at $1 reaches $2 (acquire, GPU scope; QFLAG): poll with a short sleep, trap after
 # ~2^22 polls (seconds) rather than hang; $0 is 0, an opaque offset for the loads that must follow the wait
 _SPIN_ASM = gl.constexpr(
@@ -71,14 +103,13 @@ _SPIN_ASM = gl.constexpr(
     "SPIN${:uid}: ld.acquire.gpu.global.u32 v, [$1]; setp.ge.u32 p, v, $2; @p bra DONE${:uid}; "
     "add.u32 n, n, 1; setp.gt.u32 p, n, 4194304; @p trap; nanosleep.u32 32; bra SPIN${:uid}; "
     "DONE${:uid}: mov.u32 $0, 0; }")
+
+
 LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
+
+
 # movmatrix.trans on each 8x8 block of a 16-bit accumulator-layout tile (see _w_operand)
 _MOVM_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
-# Loads from one address per lane (lane 4r + c; the rest are immediates, so that a step computes one address per
-# tensor, not one per register). Rows are 32 NH bytes (D = 128 NH codes at 2 bits; a load reads one 32-byte half),
-# a token's metadata NH words of 4 bytes (a load reads one). Index [4 (NH - 1) + 2 (TB - 1) + MASKED] (metadata:
-# [2 (NH - 1) + MASKED]): MASKED loads row offset o only where lo <= o < hi for the lane's bounds (lo, hi) -- given
-# relative to its first row -- and return 0 elsewhere.
 
 
 def _lane_loads(vec, offs, strides):
@@ -99,9 +130,13 @@ def _lane_loads(vec, offs, strides):
 # keys: words 2c, 2c + 1 of rows r + 8i, i < 2 TB (address: row r, byte 8c)
 _KLD_ASM = gl.constexpr(sum((_lane_loads(2, [8 * i for i in range(2 * tb)], 32 * nh) for nh in (1, 2) for tb in (1, 2)),
                             ()))
+
+
 # values: word r of tokens 2c + 8i + j, i < 2 TB, j < 2, output 2i + j (address: token 2c, byte 4r)
 _VLD_ASM = gl.constexpr(sum((_lane_loads(1, [8 * i + j for i in range(2 * tb) for j in range(2)], 32 * nh)
                               for nh in (1, 2) for tb in (1, 2)), ()))
+
+
 # metadata of logit rows r and r + 8 (address: the word of row r's token)
 _MLD_ASM = gl.constexpr(sum((_lane_loads(1, [0, 8], 4 * nh) for nh in (1, 2)), ()))
 
@@ -159,6 +194,51 @@ def _q8_split(q, f):
     hi = _rni(x)
     lo = _rni((x - hi) * 254.0)
     return hi.to(gl.int8), lo.to(gl.int8)
+
+
+@gluon.jit
+def _q_plane(q_ptr, sqm, M, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr, K8: gl.constexpr,
+             TP: gl.constexpr = 1):
+    """``q[h, 32 P + sigma(j)]`` (float32) in the B layout ``[32 TB, 8]`` of the key MMA, row ``tb * 32 + j``, column
+    ``tb * MH + h``; zero off the block diagonal and in padding columns. ``P``: the 32-channel chunk (D = 128: the
+    plane; D = 256: plane ``P // 2`` of half ``P % 2``). The channel order is the key operand's:
+    ``sigma_K`` (fp16 ``m16n8k16``, :func:`_k_operand`) or, ``K8``, ``sigma8`` (int8 ``m16n8k32``, :func:`_k8_operand`).
+    ``TP = 2`` (D = 64: a code row's bytes ``s < 16`` are token ``2j``'s, ``s >= 16`` token ``2j + 1``'s; plane ``P``
+    holds channels ``16 P + s % 16``): column ``e * MH + h`` holds ``q[h, 16 P + sigma(j) % 16]`` in the rows ``j``
+    whose byte ``sigma(j)`` is token ``2j + e``'s and 0 in the others, so that it takes that token's logit alone."""
+    OP: gl.constexpr = B8_OP if K8 else B_OP
+    k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, OP))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, OP))
+    j = k % 32
+    if K8:
+        sig = 8 * ((j % 16) // 4) + 4 * (j // 16) + j % 4
+    else:
+        sig = 8 * ((j >> 1) & 3) + 4 * (j >> 4) + 2 * ((j >> 3) & 1) + (j & 1)
+    h = n % MH
+    if TP == 2:
+        ok = ((sig // 16)[:, None] == (n // MH)[None, :]) & (h < M)[None, :]
+        x = gl.load(q_ptr + h[None, :] * sqm + (16 * P + sig % 16)[:, None], mask=ok, other=0.0)
+    else:
+        ok = ((k // 32)[:, None] == (n // MH)[None, :]) & (h < M)[None, :] & (n < TB * MH)[None, :]
+        x = gl.load(q_ptr + h[None, :] * sqm + (32 * P + sig)[:, None], mask=ok, other=0.0)
+    return x
+
+
+@gluon.jit
+def _q_sums(q, qk_scale, GC: gl.constexpr = 2):
+    """Per column (``SliceLayout(0, MMA)``): ``Qs_g``, the sum of group ``g``'s query channels times ``qk_scale``,
+    from the 32-channel chunks of :func:`_q_plane` (a tuple; group ``g``: chunks ``GC g .. GC g + GC - 1``; zero off
+    the column's token set; a sum over a permutation of the channels), so that the query is loaded once."""
+    s = ()
+    for g in gl.static_range(len(q) // GC):
+        x = gl.sum(q[GC * g], 0)
+        for j in gl.static_range(1, GC):
+            x = x + gl.sum(q[GC * g + j], 0)
+        s = s + (x,)
+    r = ()
+    for g in gl.static_range(len(q) // GC):
+        r = r + (gl.convert_layout(s[g] * qk_scale, gl.SliceLayout(0, MMA)),)
+    return r
 
 
 @gluon.jit
@@ -282,52 +362,6 @@ def _lane_asm(KIND: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr, ptr, lo, h
 
 
 @gluon.jit
-def _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, co, mo, lo, hi, lr, lc, mr, TB: gl.constexpr, NH: gl.constexpr,
-                 MASKED: gl.constexpr, TP: gl.constexpr = 1):
-    """The loads of the step at ``n0`` (word offsets ``co`` of its codes, ``mo`` of its metadata: :func:`_row_offs`)
-    from per-lane addresses (``[32]`` each, at token 0; lane ``4r + c`` reads key
-    row ``r``, value token ``2c``, metadata of logit row ``r`` (token ``mr``)): the tiles of :func:`_loads`, in its
-    layouts, as tuples -- ``NH`` key and value word tiles (one per 32-byte half of a row), ``NH`` metadata tiles per
-    tensor (one per word of a token). ``MASKED``: only tokens in ``[lo, hi)`` are read (keys and their metadata:
-    ``< hi``), else 0. ``TP = 2`` (D = 64; ``n0`` a row of two tokens, ``lo`` / ``hi`` token bounds): a lane reads
-    the bytes of its row's token ``2 row + e`` only where that token is ``< hi`` (keys: bytes ``8c..`` are token
-    ``e = c // 2``'s; values: word ``r``, ``e = r // 4``), so the missing token of an odd last row is never read; a
-    metadata word (both tokens') is read where either token is in range, and set to 0 in the logit columns whose
-    token is not (:func:`_pair_valid`)."""
-    big = -(1 << 30)
-    if TP == 2:  # the token bounds as row bounds: keys (lane column c: token 2 row + c // 2), values (word r: token
-        # 2 row + r // 4), metadata words (either token)
-        hik = (hi - lc // 2 + 1) >> 1
-        hiv = (hi - lr // 4 + 1) >> 1
-        him = (hi + 1) >> 1
-        lom = lo >> 1
-    else:
-        hik = hi
-        hiv = hi
-        him = hi
-        lom = lo
-    k = ()
-    v = ()
-    for hh in gl.static_range(NH):
-        k = k + (_lane_asm(0, TB, NH, kl + (co + 8 * hh), big - lr, hik - n0 - lr, MASKED),)
-        v = v + (_lane_asm(1, TB, NH, vl + (co + 8 * hh), big - lr, hiv - n0 - 2 * lc, MASKED),)
-    ks = _meta_tiles(ksl + mo, big - mr, him - n0 - mr, TB, NH, MASKED)
-    kz = _meta_tiles(kzl + mo, big - mr, him - n0 - mr, TB, NH, MASKED)
-    vs = _meta_tiles(vsl + mo, lom - n0 - mr, him - n0 - mr, TB, NH, MASKED)
-    vz = _meta_tiles(vzl + mo, lom - n0 - mr, him - n0 - mr, TB, NH, MASKED)
-    if TP == 2 and MASKED:  # (a word's other token may be padding whose storage holds NaN: W = p s must stay 0)
-        ok = _pair_valid(n0, lo, hi)
-        vs = (gl.where(ok, vs[0], 0),)
-        vz = (gl.where(ok, vz[0], 0),)
-    xk = ()
-    xv = ()
-    for hh in gl.static_range(NH):
-        xk = xk + (_lane_tile(k[hh], TB, [4, 3, 0, 1, 2], [3, 0, 1, 2], KLOAD),)  # i1, i0, r, c, j
-        xv = xv + (_lane_tile(v[hh], TB, [4, 3, 1, 2, 0], [3, 1, 2, 0], VLOAD),)  # i1, i0, c, j, r
-    return xk, xv, ks, kz, vs, vz
-
-
-@gluon.jit
 def _lane_tile(x, TB: gl.constexpr, PERM2: gl.constexpr, PERM1: gl.constexpr, LAYOUT: gl.constexpr):
     """The ``4 TB`` per-lane registers of :func:`_lane_asm` (``[32]`` each: ``r, c`` by lane, register ``j + 2 i``) as
     the ``[16 TB, 8]`` word tile in ``LAYOUT`` (a renaming of registers; ``PERM*`` order ``r, c, j, i0 (, i1)``)."""
@@ -342,16 +376,6 @@ def _lane_tile(x, TB: gl.constexpr, PERM2: gl.constexpr, PERM1: gl.constexpr, LA
 
 
 @gluon.jit
-def _meta_tiles(ptr, lo, hi, TB: gl.constexpr, NH: gl.constexpr, MASKED: gl.constexpr):
-    """A tensor's ``NH`` metadata words of the step's tokens (per-lane address ``ptr`` at its first token, ``NH`` words
-    a token) as a tuple of logit tiles."""
-    t = ()
-    for w in gl.static_range(NH):
-        t = t + (_meta_tile(_lane_asm(2, TB, NH, ptr + w, lo, hi, MASKED)),)
-    return t
-
-
-@gluon.jit
 def _meta_tile(w):
     """Metadata words of logit rows ``r``, ``r + 8`` (two ``[32]``) as the logit tile ``[16, 8]`` (both columns of a
     lane: the same token)."""
@@ -361,390 +385,13 @@ def _meta_tile(w):
 
 
 @gluon.jit
-def _page_of(bt_row, n0, PR: gl.constexpr):
-    """The page id of code row ``n0`` (a paged history: ``PR`` code rows a page, ``bt_row`` the row's block table;
-    an entry past the row's pages, -1, reads as page 0: only masked loads use it)."""
-    return gl.maximum(gl.load(bt_row + n0 // PR), 0)
-
-
-@gluon.jit
-def _page_offs(pg, n0, cps, mps, NH: gl.constexpr, PR: gl.constexpr):
-    """Word offsets (codes, metadata) of code row ``n0`` in page ``pg`` (``cps``, ``mps``: page strides in words)."""
-    r = n0 % PR
-    pw = pg.to(gl.int64)
-    return pw * cps + r * (8 * NH), pw * mps + r * NH
-
-
-@gluon.jit
-def _row_offs(n0, bt_row, cps, mps, NH: gl.constexpr, PAGED: gl.constexpr, PR: gl.constexpr):
-    """Word offsets (codes, metadata) of code row ``n0`` from the (row, head)'s bases: ``n0`` rows of ``8 NH`` and
-    ``NH`` words in a contiguous history; ``PAGED``: row ``n0 % PR`` of page ``bt_row[n0 // PR]``."""
-    if PAGED:
-        return _page_offs(_page_of(bt_row, n0, PR), n0, cps, mps, NH, PR)
-    else:
-        return n0 * (8 * NH), n0 * NH
-
-
-@gluon.jit
-def _issue_copies(kbuf, vbuf, mbuf, stage, ck, cv, cm, co, mo):
-    """cp.async of the full step at word offsets ``co`` (codes), ``mo`` (metadata) into ``stage``, as one commit
-    group."""
-    _cp_async(kbuf.index(stage), ck + co)
-    _cp_async(vbuf.index(stage), cv + co)
-    _cp_async(mbuf.index(stage), cm + mo)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _issue_first_copies(kbuf, vbuf, mbuf, ck, cv, cm, f0, f1, T: gl.constexpr, STAGES: gl.constexpr,
-                        NH: gl.constexpr, bt_row, cps, mps, PAGED: gl.constexpr, PR: gl.constexpr):
-    """The pipeline's start: the copies of the first ``STAGES - 1`` full steps of ``[f0, f1)`` into stages
-    ``0 .. STAGES - 2`` (none without full steps; past the last full step the copies repeat it, as in the loop)."""
-    if f1 > f0:
-        for i in gl.static_range(STAGES - 1):
-            co, mo = _row_offs(gl.minimum(f0 + i * T, f1 - T), bt_row, cps, mps, NH, PAGED, PR)
-            _issue_copies(kbuf, vbuf, mbuf, i, ck, cv, cm, co, mo)
-
-
-@gluon.jit
-def _smem_codes(buf, LAYOUT: gl.constexpr, NH: gl.constexpr):
-    """A stage's code words ``[T, 8 NH]`` as the tuple of its ``NH`` halves' ``[T, 8]`` tiles in ``LAYOUT``."""
-    if NH == 1:
-        return (buf.load(LAYOUT),)
-    else:
-        t = ()
-        for hh in gl.static_range(NH):
-            t = t + (buf.slice(8 * hh, 8, dim=1).load(LAYOUT),)
-        return t
-
-
-@gluon.jit
-def _smem_meta(mb, j: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr):
-    """Metadata tensor ``j`` (0..3: key scale, key zero, value scale, value zero) of a stage as the tuple of logit
-    tiles of its ``NH`` words a token (NH = 2: TB = 1)."""
-    if NH == 2:  # (mb: [4 x 16 t, 2 words]) [16 t', 2 words]
-        x = mb.slice(16 * j, 16, dim=0)
-        return (x.slice(0, 1, dim=1).load(MMA) + gl.zeros([16, 8], gl.int32, layout=MMA),
-                x.slice(1, 1, dim=1).load(MMA) + gl.zeros([16, 8], gl.int32, layout=MMA))
-    elif TB == 2:
-        x = mb.slice(j * TB, TB, dim=0).permute([1, 0])  # [16 t', TB sets]
-        y = x.load(gl.SliceLayout(2, META3))
-        y = gl.expand_dims(y, 2) + gl.zeros([16, 2, 4], gl.int32, layout=META3)  # (a broadcast: + 0 folds)
-        return (gl.convert_layout(gl.reshape(y, [16, 8]), MMA, assert_trivial=True),)
-    else:
-        y = mb.slice(j * TB, TB, dim=0).permute([1, 0]).load(MMA)  # [16 t', 1]
-        return (y + gl.zeros([16, 8], gl.int32, layout=MMA),)
-
-
-@gluon.jit
-def _f32_pair(wd):
-    """Both groups' bf16 scale (or zero) of a token, one int32 word, as float32 (group 0 in the low half)."""
-    return (wd << 16).to(gl.float32, bitcast=True), (wd & -65536).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _f32_groups(words, TP: gl.constexpr = 1):
-    """A token's ``NH`` metadata words (a tuple of tiles) as the tuple of its ``2 NH`` groups' float32 tiles. ``TP =
-    2`` (D = 64: one group, a word holds the bf16 of tokens ``2j`` (low half) and ``2j + 1``): one tile, each logit
-    column taking its token's half (columns ``4 e + h``: token ``2j + e``)."""
-    g = ()
-    if TP == 2:
-        n = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-        sh = gl.where(n < 4, 16, 0)
-        g = (((words[0] << sh[None, :]) & -65536).to(gl.float32, bitcast=True),)
-    else:
-        for w in gl.static_range(len(words)):
-            g = g + _f32_pair(words[w])
-    return g
-
-
-@gluon.jit
-def _logits(xk, ks, kz, n0, hi, start, qb, c, qs, offc,
-            TB: gl.constexpr, MH: gl.constexpr, NH: gl.constexpr, MASKED: gl.constexpr, K8: gl.constexpr,
-            TP: gl.constexpr = 1):
-    """Logits ``[16, 8]`` (log2 units, minus the reference: ``offc`` holds ``off - phi``) of a step from its key
-    word tiles ``xk`` (``NH`` halves) and key metadata words; invalid tokens -inf when ``MASKED``. ``qb``: the query
-    operands of the ``4 NH`` 32-channel chunks (chunk ``i``: plane ``i // NH`` of half ``i % NH``), ``c`` the
-    accumulator starts and ``qs`` the query sums of the ``2 NH`` groups (group ``g``: chunks ``2g, 2g + 1``; TP = 2:
-    one group of the 4 chunks, see :func:`_groups`). ``K8`` (NH = 1): int8 MMAs (``_q8_operands``: ``qb_P`` are
-    ``(hi, lo)`` pairs, ``c_g`` the accumulator starts and factor of group ``g``)."""
-    s = _f32_groups(ks, TP)
-    z = _f32_groups(kz, TP)
-    if K8:
-        k0 = _k8_operand(xk[0], 0, TB)
-        k1 = _k8_operand(xk[0], 1, TB)
-        k2 = _k8_operand(xk[0], 2, TB)
-        k3 = _k8_operand(xk[0], 3, TB)
-        y0 = mma_v2(k1, qb[1][0], mma_v2(k0, qb[0][0], c[0][0])) * 254 + \
-            mma_v2(k1, qb[1][1], mma_v2(k0, qb[0][1], c[0][1]))
-        y1 = mma_v2(k3, qb[3][0], mma_v2(k2, qb[2][0], c[1][0])) * 254 + \
-            mma_v2(k3, qb[3][1], mma_v2(k2, qb[2][1], c[1][1]))
-        # (bias after the MMAs in each branch: computed before them, ptxas spills 16 more bytes in the fp16 path)
-        bias = gl.fma(z[0], qs[0][None, :], gl.fma(z[1], qs[1][None, :], offc[None, :]))
-        lg = gl.fma(s[0] * c[0][2], y0.to(gl.float32), gl.fma(s[1] * c[1][2], y1.to(gl.float32), bias))
-    else:
-        # per half: the fp16 codes of its 4 planes (byte B of plane P in u[4P + B])
-        u = ()
-        for hh in gl.static_range(NH):
-            u = u + (gl.inline_asm_elementwise(_K_ASM, "=h," * 16 + "r", [xk[hh]], dtype=(gl.float16,) * 16,
-                                               is_pure=True, pack=1),)
-        # one accumulator per group, of independent MMA chains (its chunks GC g .. GC g + GC - 1)
-        NG: gl.constexpr = _groups(NH, TP)
-        GC: gl.constexpr = 4 * NH // NG
-        zk = gl.zeros_like(c[0])
-        a = ()
-        for g in gl.static_range(NG):
-            x = mma_v2(_k_chunk(u, GC * g, TB, NH), qb[GC * g], c[g])
-            for j in gl.static_range(1, GC):
-                x = x + mma_v2(_k_chunk(u, GC * g + j, TB, NH), qb[GC * g + j], zk)
-            a = a + (x,)
-        bias = offc[None, :]
-        for g in gl.static_range(NG - 1, -1, -1):
-            bias = gl.fma(z[g], qs[g][None, :], bias)
-        lg = bias
-        for g in gl.static_range(NG - 1, -1, -1):
-            lg = gl.fma(s[g], a[g], lg)
-    if MASKED and TP == 2:
-        lg = gl.where(_pair_valid(n0, start, hi), lg, float("-inf"))
-    elif MASKED:
-        tr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-        tn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-        tok = n0 + tr[:, None] + 16 * (tn // MH)[None, :]
-        lg = gl.where((tok < hi) & (tok >= start), lg, float("-inf"))
-    return lg
-
-
-@gluon.jit
-def _pair_valid(n0, start, hi):
-    """TP = 2 (code rows of two tokens; ``n0`` a row): whether each logit of the step is a token in ``[start, hi)``:
-    row ``t'``, column ``4 e + h`` is token ``2 (n0 + t') + e``."""
-    tr = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    tn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
-    tok = 2 * (n0 + tr)[:, None] + (tn // 4)[None, :]
-    return (tok < hi) & (tok >= start)
-
-
-@gluon.constexpr_function
-def _col_sets(TB, TP):
-    """The logit tile's column sets: ``TB`` token sets, or at D = 64 (``TP = 2``) the two tokens of a code row."""
-    return 2 if TP == 2 else TB
-
-
-@gluon.constexpr_function
-def _groups(NH, TP):
-    """Metadata groups the kernel keeps apart: two per 4-byte word (D = 128 NH: ``2 NH``, group ``g`` the chunks
-    ``2g, 2g + 1``), or at D = 64 (``TP = 2``) one, all 4 chunks (the word's halves are two tokens, not groups)."""
-    return 1 if TP == 2 else 2 * NH
-
-
-@gluon.jit
-def _k_chunk(u, i: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr):
-    """The key A operand of 32-channel chunk ``i`` (plane ``i // NH`` of half ``i % NH``) from the halves' codes."""
-    P: gl.constexpr = i // NH
-    x = u[i % NH]
-    return _k_operand(_k_plane(x[4 * P], x[4 * P + 1], x[4 * P + 2], x[4 * P + 3]), TB)
-
-
-@gluon.jit
-def _fresh_state(NH: gl.constexpr, TP: gl.constexpr = 1):
-    """The split's running tiles at the start of a pass: ``l``, ``max`` (``[16, 8]``), ``sum p z`` per group (``NG =
-    _groups(NH, TP)`` tiles ``[16, 8]``), the ``4 NH`` chunk accumulators (``[32, 8]``) and the group sums of ``W``
-    (``NG`` tiles ``[16, 8]``, every row the column sums)."""
-    NG: gl.constexpr = _groups(NH, TP)
-    z16 = gl.zeros([16, 8], gl.float32, layout=MMA)
-    z32 = gl.zeros([32, 8], gl.float32, layout=MMA)
-    return (z16, gl.full([16, 8], float("-inf"), gl.float32, layout=MMA), (z16,) * NG, (z32,) * (4 * NH),
-            (z16,) * NG)
-
-
-@gluon.jit
-def _step(xk, xv, ks, kz, vs, vz, n0, hi, start, qb, c, qs, offc, kdiag, ones, state,
-          TB: gl.constexpr, MH: gl.constexpr, NH: gl.constexpr, MASKED: gl.constexpr, K8: gl.constexpr,
-          TP: gl.constexpr = 1):
-    """One step of ``16 TB`` code rows (``TP`` tokens each) from its loaded words: logits, then
-    :func:`_accumulate`."""
-    lg = _logits(xk, ks, kz, n0, hi, start, qb, c, qs, offc, TB, MH, NH, MASKED, K8, TP)
-    return _accumulate(lg, xv, vs, vz, kdiag, ones, state, TB, NH, TP)
-
-
-@gluon.jit
-def _accumulate(lg, xv, vs, vz, kdiag, ones, state, TB: gl.constexpr, NH: gl.constexpr, TP: gl.constexpr = 1):
-    """A step's logits ``lg [16, 8]`` (minus the reference) into the running state (:func:`_fresh_state`): the
-    deferred softmax tiles and the value MMAs of the ``4 NH`` chunks (chunk ``i``: plane ``i // NH`` of half
-    ``i % NH``, weights ``W`` of its group ``i // 2``; TP = 2: of the one group). ``ones`` is a tile of ones and
-    ``sw_g`` accumulate ``sum W`` of each group (every row the same), subtracted ``256 x`` once after the loop (the
-    value codes' offset). TP = 2: a column's ``W`` weighs the rows of both tokens; only the output rows of its own
-    token's bytes are kept (the kernel's epilogue)."""
-    T: gl.constexpr = 16 * TB
-    NG: gl.constexpr = _groups(NH, TP)
-    GC: gl.constexpr = 4 * NH // NG
-    lt, mt, zt, acc, sw = state
-    vsg = _f32_groups(vs, TP)
-    vzg = _f32_groups(vz, TP)
-    mt = gl.maximum(mt, lg)
-    p = gl.exp2(lg)
-    lt += p
-    zt_ = ()
-    for g in gl.static_range(NG):
-        zt_ = zt_ + (gl.fma(p, vzg[g], zt[g]),)
-    w = ()
-    for g in gl.static_range(NG):
-        w = w + (_w_operand((p * vsg[g]).to(gl.bfloat16), kdiag, TB),)
-    acc_ = ()
-    for hh in gl.static_range(NH):
-        a0 = _v_planes(xv[hh], 0)  # byte position BB: the tiles of planes 0..3
-        a1 = _v_planes(xv[hh], 1)
-        a2 = _v_planes(xv[hh], 2)
-        a3 = _v_planes(xv[hh], 3)
-        for P in gl.static_range(4):  # chunk P NH + hh, group (P NH + hh) // GC
-            acc_ = acc_ + (mma_v2(_v_operand(a0[P], a1[P], a2[P], a3[P], T), w[(P * NH + hh) // GC],
-                                  acc[P * NH + hh]),)
-    if NH == 2:  # (back to chunk order: acc_ holds half 0's planes, then half 1's)
-        acc_ = (acc_[0], acc_[4], acc_[1], acc_[5], acc_[2], acc_[6], acc_[3], acc_[7])
-    sw_ = ()
-    for g in gl.static_range(NG):  # 2 TB MMAs a step per group for the offsets, not one after each value MMA
-        sw_ = sw_ + (mma_v2(ones, w[g], sw[g]),)
-    return lt, mt, zt_, acc_, sw_
-
-
-@gluon.jit
-def _q_plane(q_ptr, sqm, M, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr, K8: gl.constexpr,
-             TP: gl.constexpr = 1):
-    """``q[h, 32 P + sigma(j)]`` (float32) in the B layout ``[32 TB, 8]`` of the key MMA, row ``tb * 32 + j``, column
-    ``tb * MH + h``; zero off the block diagonal and in padding columns. ``P``: the 32-channel chunk (D = 128: the
-    plane; D = 256: plane ``P // 2`` of half ``P % 2``). The channel order is the key operand's:
-    ``sigma_K`` (fp16 ``m16n8k16``, :func:`_k_operand`) or, ``K8``, ``sigma8`` (int8 ``m16n8k32``, :func:`_k8_operand`).
-    ``TP = 2`` (D = 64: a code row's bytes ``s < 16`` are token ``2j``'s, ``s >= 16`` token ``2j + 1``'s; plane ``P``
-    holds channels ``16 P + s % 16``): column ``e * MH + h`` holds ``q[h, 16 P + sigma(j) % 16]`` in the rows ``j``
-    whose byte ``sigma(j)`` is token ``2j + e``'s and 0 in the others, so that it takes that token's logit alone."""
-    OP: gl.constexpr = B8_OP if K8 else B_OP
-    k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, OP))
-    n = gl.arange(0, 8, layout=gl.SliceLayout(0, OP))
-    j = k % 32
-    if K8:
-        sig = 8 * ((j % 16) // 4) + 4 * (j // 16) + j % 4
-    else:
-        sig = 8 * ((j >> 1) & 3) + 4 * (j >> 4) + 2 * ((j >> 3) & 1) + (j & 1)
-    h = n % MH
-    if TP == 2:
-        ok = ((sig // 16)[:, None] == (n // MH)[None, :]) & (h < M)[None, :]
-        x = gl.load(q_ptr + h[None, :] * sqm + (16 * P + sig % 16)[:, None], mask=ok, other=0.0)
-    else:
-        ok = ((k // 32)[:, None] == (n // MH)[None, :]) & (h < M)[None, :] & (n < TB * MH)[None, :]
-        x = gl.load(q_ptr + h[None, :] * sqm + (32 * P + sig)[:, None], mask=ok, other=0.0)
-    return x
-
-
-@gluon.jit
-def _q_operand(q, qk_scale, P: gl.constexpr):
-    """fp16 B operand of plane ``P`` from its :func:`_q_plane` ``q``: times ``qk_scale / 4^P``."""
-    return (q * (qk_scale * (0.25 ** P))).to(gl.float16)
-
-
-@gluon.jit
-def _q_sums(q, qk_scale, GC: gl.constexpr = 2):
-    """Per column (``SliceLayout(0, MMA)``): ``Qs_g``, the sum of group ``g``'s query channels times ``qk_scale``,
-    from the 32-channel chunks of :func:`_q_plane` (a tuple; group ``g``: chunks ``GC g .. GC g + GC - 1``; zero off
-    the column's token set; a sum over a permutation of the channels), so that the query is loaded once."""
-    s = ()
-    for g in gl.static_range(len(q) // GC):
-        x = gl.sum(q[GC * g], 0)
-        for j in gl.static_range(1, GC):
-            x = x + gl.sum(q[GC * g + j], 0)
-        s = s + (x,)
-    r = ()
-    for g in gl.static_range(len(q) // GC):
-        r = r + (gl.convert_layout(s[g] * qk_scale, gl.SliceLayout(0, MMA)),)
-    return r
-
-
-@gluon.jit
-def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
-                 skb, skh, smkb, smkh, svb, svh, smvb, smvh, T: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr,
-                 N_DEV: gl.constexpr, TP: gl.constexpr = 1, PAGED: gl.constexpr = 0):
-    """This split's tokens and addresses: the row's first valid token ``start``, the split ``[lo, hi)`` (all-padding
-    steps skipped), its full steps ``[f0, f1)`` after the reference step, the per-lane addresses at token 0 of
-    :func:`_loads_lanes` and the base pointers (int32 words) of the six history tensors. ``TP = 2`` (D = 64, code
-    rows of two tokens): ``lo``, ``f0``, ``f1`` count rows, ``start`` and ``hi`` tokens (``split_len`` even); full
-    steps hold only rows whose two tokens are both ``< hi`` (an odd ``hi``'s last row is the masked last step's).
-    ``PAGED``: the row's own history length ``NPTR[b]`` (``N``, the longest row's, sized the grid; ``split_len`` from
-    the host: the splits past the row's end are empty)."""
-    start = gl.load(START + b).to(gl.int32)
-    if N_DEV:
-        n_tot = gl.minimum(gl.load(NPTR).to(gl.int32), N)
-        if TP == 2:  # (split lengths in code rows)
-            n_rows = (n_tot + 1) >> 1
-        else:
-            n_rows = n_tot
-        slen = gl.cdiv(gl.cdiv(gl.maximum(n_rows, 1), S), T) * T
-    else:
-        n_tot = N
-        if PAGED:
-            n_tot = gl.minimum(gl.load(NPTR + b).to(gl.int32), N)
-        if TP == 2:
-            slen = split_len >> 1
-        else:
-            slen = split_len
-    if TP == 2:  # the first row that holds a token >= start; the split's end as a token
-        start_row = start >> 1
-        end = 2 * (pid_s * slen + slen)
-    else:
-        start_row = start
-        end = pid_s * slen + slen
-    hi = gl.minimum(end, n_tot)
-    lo = gl.maximum(pid_s * slen, (start_row // T) * T)  # skip all-padding blocks
-    f0 = lo + T
-    if TP == 2:  # full rows only: both tokens < hi
-        hi_full = hi >> 1
-    else:
-        hi_full = hi
-    f1 = f0 + gl.maximum(hi_full - f0, 0) // T * T
-    kc_base = (KC + b.to(gl.int64) * skb + h * skh).to(gl.pointer_type(gl.int32))
-    vc_base = (VC + b.to(gl.int64) * svb + h * svh).to(gl.pointer_type(gl.int32))
-    ks_base = (KS + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))
-    kz_base = (KZ + b.to(gl.int64) * smkb + h * smkh).to(gl.pointer_type(gl.int32))
-    vs_base = (VS + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
-    vz_base = (VZ + b.to(gl.int64) * smvb + h * smvh).to(gl.pointer_type(gl.int32))
-    # per-lane addresses at token 0 (_loads_lanes)
-    ln = gl.arange(0, 32, layout=LANES)
-    lr = ln // 4
-    lc = ln % 4
-    kl = kc_base + (lr * (8 * NH) + 2 * lc)
-    vl = vc_base + (2 * lc * (8 * NH) + lr)
-    mr = lr
-    if TB == 2:  # columns 4..7 (lanes with c >= 2) are the second token set
-        mr = lr + 16 * (lc // 2)
-    mw = mr * NH  # (the token's first metadata word)
-    return (start, hi, lo, f0, f1, kl, vl, ks_base + mw, kz_base + mw, vs_base + mw, vz_base + mw, lr, lc, mr,
-            kc_base, vc_base, ks_base, kz_base, vs_base, vz_base)
-
-
-@gluon.jit
-def _copy_setup(kc_base, vc_base, ks_base, kz_base, vs_base, vz_base, T: gl.constexpr, TB: gl.constexpr,
-                NH: gl.constexpr, STAGES: gl.constexpr):
-    """The cp.async pipeline's shared buffers (``STAGES`` stages) and its per-lane source addresses at token 0:
-    code words ``[T, 8 NH]`` of keys and values, metadata words ``[4 TB, 16]`` (NH = 2, TB = 1: ``[4 x 16 t, 2]``,
-    a token's two words a row; see ``CP_META``)."""
-    kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8 * NH], SMEM3)
-    vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, T, 8 * NH], SMEM3)
-    cr = gl.arange(0, T, layout=gl.SliceLayout(1, CP_CODES))
-    cw = gl.arange(0, 8 * NH, layout=gl.SliceLayout(0, CP_CODES))
-    ck = kc_base + (cr[:, None] * (8 * NH) + cw[None, :])
-    cv = vc_base + (cr[:, None] * (8 * NH) + cw[None, :])
-    CPM: gl.constexpr = CP_META[TB - 1 + 2 * (NH - 1)]
-    if NH == 1:
-        mbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4 * TB, 16], SMEM3)
-        mrow = gl.arange(0, 4 * TB, layout=gl.SliceLayout(1, CPM))[:, None]
-        mj = mrow // TB
-        mt_ = (mrow % TB) * 16 + gl.arange(0, 16, layout=gl.SliceLayout(0, CPM))[None, :]
-    else:
-        mbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 64, NH], SMEM3)
-        mrow = gl.arange(0, 64, layout=gl.SliceLayout(1, CPM))[:, None]
-        mj = mrow // 16
-        mt_ = (mrow % 16) * NH + gl.arange(0, NH, layout=gl.SliceLayout(0, CPM))[None, :]
-    cm = gl.where(mj == 0, ks_base + mt_, gl.where(mj == 1, kz_base + mt_, gl.where(mj == 2, vs_base + mt_,
-                                                                                   vz_base + mt_)))
-    return kbuf, vbuf, mbuf, ck, cv, cm
+def _meta_tiles(ptr, lo, hi, TB: gl.constexpr, NH: gl.constexpr, MASKED: gl.constexpr):
+    """A tensor's ``NH`` metadata words of the step's tokens (per-lane address ``ptr`` at its first token, ``NH`` words
+    a token) as a tuple of logit tiles."""
+    t = ()
+    for w in gl.static_range(NH):
+        t = t + (_meta_tile(_lane_asm(2, TB, NH, ptr + w, lo, hi, MASKED)),)
+    return t
 
 
 settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

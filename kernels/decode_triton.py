@@ -2,8 +2,8 @@
 
 :func:`decode_attention_triton` is the launcher: it brings the tensors into the kernels' layouts, takes every launch
 decision from one :func:`~oscar_hf.kernels.plan.decode_plan` (pure host code: which kernels, grids, tiles, register
-caps, PDL) and launches what the plan says. Its callers (``int2_attention.decode_attention_rotating`` on CUDA, the
-compiled storage's op through ``int2_attention.decode_attention_rotated``, :func:`history_partial_triton`) send only
+caps, PDL) and launches what the plan says. Its callers (:func:`~oscar_hf.kernels.decode.decode`, the one read of
+every storage, and :func:`history_partial_triton`) send only
 the shapes :func:`decode_supported` / :func:`kernel_supported` accept; everything else takes the torch reference.
 Three modes:
 
@@ -27,7 +27,7 @@ launch between them (sm_90+): the history's first loads under the rotation, the 
 tail, and the history programs waiting for counters their head's rotation programs raise (``QFLAG``), not for the
 rotation's grid.
 
-A *paged* history (``paged=``: :class:`PagedHistory`, the serving pool through ``paged_decode``) takes the same plan
+A *paged* history (``paged=``: :class:`~oscar_hf.kernels.kv.Pages`, the serving pool) takes the same plan
 and launches, every kernel in its ``PAGED`` mode: each row's own history length and window slot, pages through the
 block table (the Gluon kernel where a page holds whole steps).
 """
@@ -148,11 +148,10 @@ def _counters_reset_on_error(ready):
 
 
 
-class PagedHistory(NamedTuple):
-    """Where a *paged* history lives (the serving pool, :mod:`~oscar_hf.kernels.paged_decode`): row ``b``'s entry
-    ``j`` is row ``j % page`` of page ``block_table[b, j // page]`` (``[B, max_pages]`` int32), the row has
-    ``hist_len[b]`` entries (``[B]`` int32; ``max_len``: a host bound of them, which sizes the grid), and its window is
-    slot ``win_slot[b]`` (``[B]``) of the window pool."""
+class _PagedRead(NamedTuple):
+    """A paged history as the kernels read it (built by :func:`decode_attention_triton` from a
+    :class:`~oscar_hf.kernels.kv.Pages`): ``block_table [B, max_pages]`` (contiguous rows), ``hist_len [B]``, the
+    window slot of each row ``win_slot [B]``, ``page`` entries per page and ``max_len`` the grid's history bound."""
 
     block_table: torch.Tensor
     hist_len: torch.Tensor
@@ -174,7 +173,7 @@ def _gluon_module():
 def decode_attention_triton(
     q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, q_win=None, k_win=None, v_win=None, win_mask=None,
     r_v=None, mu_v=None, out_dtype=None, n_valid=None, splits=None, r_k=None, mu_k=None, sinks=None, softcap=None,
-    paged: PagedHistory | None = None, defaults=DEFAULTS,
+    paged=None, win_slot=None, defaults=DEFAULTS,
 ):
     """The decode attention of one layer over INT2 history + full-precision window, for the shapes
     :func:`decode_supported` accepts: two launches (three with the query's rotation or the Gluon history).
@@ -201,12 +200,16 @@ def decode_attention_triton(
             valid; the grid is sized by the capacity and ``splits`` history programs per (row, head), so that a CUDA
             graph of this call stays valid while the cache grows) and its fixed number of history splits; None for
             the dynamic cache.
-        paged: a paged history (:class:`PagedHistory`): ``k`` / ``v`` are the pool's ``[num_pages, Hk, P, *]`` views,
-            ``k_win`` / ``v_win`` the window pool ``[num_slots, Hk, W, D]``, ``win_mask`` ``[B, 1, 1, W]``; no left
-            padding, key mask or ``n_valid``. The same launches, every kernel reading through the block table.
+        paged: a paged history (:class:`~oscar_hf.kernels.kv.Pages`, ``max_len`` given): ``k`` / ``v`` are the pool's
+            ``[num_pages, Hk, P, *]`` views, ``k_win`` / ``v_win`` the window pool ``[num_slots, Hk, W, D]`` (row ``b``
+            at slot ``win_slot[b]``), ``win_mask`` ``[B, 1, 1, W]``; no left padding, key mask or ``n_valid``. The same
+            launches, every kernel reading through the block table.
     Returns ``[B, Hk, M, D]``: softmax attention over history and window, in the value space (rows without any valid
     key are 0); without ``r_v`` the partials ``(m, l, acc)``, ``[B, Hk, M]`` twice and ``[B, Hk, M, D]``, float32.
     """
+    if paged is not None:
+        table = paged.table if paged.table.stride(-1) == 1 else paged.table.contiguous()
+        paged = _PagedRead(table, paged.lengths, win_slot, k.codes.shape[-2], paged.max_len)
     rotate = q_rot is None
     if rotate:  # the kernels' layouts of the rotation's inputs, and its outputs (filled by the first launch below)
         q_win, r_k, mu_k, q_rot, qk_offset = rotation_args(q_win, r_k, mu_k)

@@ -129,69 +129,16 @@ def heads_decode_reference(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_
 def heads_decode_attention(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float,
                            out_dtype=None, use_kernels="auto", block_table=None, max_len=None, softcap=None,
                            sinks=None) -> torch.Tensor:
-    """Dispatch: the two Triton launches on CUDA (through the opaque op ``oscar::heads_decode`` while ``torch.compile``
-    traces, :mod:`.static_op`), the reference elsewhere. Arguments: the module docstring."""
+    """Dispatch: the two Triton launches on CUDA (never traced: the compiled layer calls it inside its opaque op,
+    :mod:`.static_op`), the reference elsewhere. Arguments: the module docstring."""
     check_heads_args(q, heads, k, v, bits, win_k, win_mask, block_table)
     out_dtype = out_dtype or q.dtype
     if sinks is not None and sinks.shape != (heads.numel(), q.shape[2]):
         raise ValueError(f"sinks {tuple(sinks.shape)} are not [P, M] = {(heads.numel(), q.shape[2])}")
     if triton_enabled(q, use_kernels) and q.shape[2] <= 64:
-        if block_table is not None:  # (the serving store: eager, never traced)
-            from .heads_triton import heads_decode_triton
-
-            return heads_decode_triton(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
-                                       block_table=block_table, max_len=max_len, sinks=sinks, softcap=softcap)
-        return heads_decode_op(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype, sinks,
-                               softcap)
-    return heads_decode_reference(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
-                                  block_table=block_table, softcap=softcap, sinks=sinks)
-
-
-# ---------------------------------------------- the Triton read as an op that torch.compile leaves opaque
-
-
-@torch.library.custom_op("oscar::heads_decode", mutates_args=())
-def heads_decode(
-    q: torch.Tensor, heads: torch.Tensor, k_x: torch.Tensor, k_scale: torch.Tensor | None, k_zero: torch.Tensor | None,
-    v_x: torch.Tensor, v_scale: torch.Tensor | None, v_zero: torch.Tensor | None, bits: int, lo: torch.Tensor,
-    hi_dev: torch.Tensor | None, hi_host: int, win_k: torch.Tensor, win_v: torch.Tensor,
-    win_mask: torch.Tensor | None, scaling: float, out_dtype: torch.dtype, sinks: torch.Tensor | None = None,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    """``[B, P, M, D]``: :func:`~oscar_hf.kernels.heads_triton.heads_decode_triton` (the retrieval heads' read);
-    ``hi_dev`` (0-d device tensor) or else ``hi_host`` bounds the history; ``sinks`` ``[P, M]`` or None; ``softcap``
-    0: none."""
-    from .heads_triton import heads_decode_triton
-
-    k = (k_x,) if bits == 16 else (k_x, k_scale, k_zero)
-    v = (v_x,) if bits == 16 else (v_x, v_scale, v_zero)
-    return heads_decode_triton(q, heads, k, v, bits, lo, hi_dev if hi_dev is not None else hi_host, win_k, win_v,
-                               win_mask, scaling, out_dtype, sinks=sinks, softcap=softcap or None)
-
-
-@heads_decode.register_fake
-def _(q, heads, k_x, k_scale, k_zero, v_x, v_scale, v_zero, bits, lo, hi_dev, hi_host, win_k, win_v, win_mask,
-      scaling, out_dtype, sinks=None, softcap=0.0):
-    b, _, m, d = q.shape
-    return q.new_empty((b, heads.shape[0], m, d), dtype=out_dtype)
-
-
-def heads_decode_op(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float, out_dtype, sinks=None,
-                    softcap=None):
-    """The retrieval heads' Triton read: straight to the launcher in eager code, through the opaque op
-    ``oscar::heads_decode`` while ``torch.compile`` traces (inductor leaves the kernels to Triton's JIT; the CUDA graph
-    captures the two launches)."""
-    if not torch.compiler.is_compiling():
         from .heads_triton import heads_decode_triton
 
         return heads_decode_triton(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
-                                   sinks=sinks, softcap=softcap)
-    hi_dev = hi if isinstance(hi, torch.Tensor) else None
-    hi_host = 0 if hi_dev is not None else int(hi)
-    return heads_decode(q, heads, *_parts3(k), *_parts3(v), int(bits), lo, hi_dev, hi_host,
-                        win_k, win_v, win_mask, float(scaling), out_dtype, sinks, float(softcap or 0.0))
-
-
-def _parts3(parts):
-    """A head store's parts as ``(x, scale, zero)``, None for the 16-bit form's missing metadata."""
-    return tuple(parts) if len(parts) == 3 else (parts[0], None, None)
+                                   block_table=block_table, max_len=max_len, sinks=sinks, softcap=softcap)
+    return heads_decode_reference(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
+                                  block_table=block_table, softcap=softcap, sinks=sinks)

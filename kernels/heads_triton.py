@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_split import _soft_cap
+from .decode_split_ops import _soft_cap
 from .plan import HEADS_DEFAULTS, HeadsDefaults, heads_plan, next_pow2, pow2_at_least, settle_cache_keys
 from .query_triton import _cols_mask
 

@@ -20,10 +20,9 @@ space (float32). A row with no valid key has ``m = -inf, l = 0, acc = 0``. The c
 
 The reference below dequantizes ``block_n`` history tokens at a time (never the whole history)
 and merges blocks with the online-softmax rule: exactly what the split-K kernel does in
-registers. The dispatchers (:func:`history_partial`, :func:`decode_attention_rotating`,
-:func:`decode_attention_rotated`, :func:`rotate_query`) send the shapes the Triton kernels support on CUDA to their
-launchers (``decode_triton.py``, ``query_triton.py``; the compiled storage calls them from inside its opaque decode
-op, ``static_op.py``) and everything else to the references here.
+registers. The dispatchers (:func:`history_partial`, :func:`rotate_query`; the whole read's:
+:func:`~oscar_hf.kernels.decode.decode`) send the shapes the Triton kernels support on CUDA to their launchers
+(``decode_triton.py``, ``query_triton.py``) and everything else to the references here.
 """
 from __future__ import annotations
 
@@ -179,62 +178,3 @@ def merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, sca
     _, l, acc = merge_partials(parts)
     out = acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)
     return out.to(out_dtype)
-
-
-def decode_attention_rotating(
-    qf, r_k, mu_k, k, v, start, key_mask, scaling, group_size, k_win, v_win, win_mask, r_v, mu_v,
-    out_dtype=None, block_n=1024, n_valid=None, splits=None, use_kernels="auto", softcap=None, sinks=None,
-):
-    """The whole decode attention of one layer from the *unrotated* query ``qf [B, Hk, M, D]`` (which is also the
-    window's): the history's query is ``qf R_K`` with the logit offset ``qf · mu_K`` (:func:`rotate_query_reference`),
-    the rest as :func:`decode_attention_reference`. ``n_valid``, ``splits``: a device-side history length and fixed
-    split count (:func:`decode_attention_rotated`). ``softcap`` (Gemma 2's logit soft-capping: the split kernel caps
-    every logit, and serves such calls instead of the Gluon kernel) and ``sinks`` (``[Hk, M]``, gpt-oss's ``s_aux``
-    by query row: one more partial, in the kernels too) as in :func:`decode_attention_reference`.
-
-    Dispatch, one call to the launch on CUDA (where the kernels take the shape; anything else: the references): the
-    launcher from the unrotated query (the rotation is its first launch; on the Gluon path together with the window
-    programs); beyond 16 query rows a KV head, while ``torch.compile`` traces, or with ``n_valid``, the rotation
-    first (:func:`rotate_query`), then :func:`decode_attention_rotated`."""
-    out_dtype = out_dtype or qf.dtype
-    if n_valid is None and triton_enabled(qf, use_kernels) and not torch.compiler.is_compiling():
-        from .decode_triton import decode_attention_triton, decode_supported
-        from .query_triton import query_kernel_supported
-
-        if query_kernel_supported(qf) and decode_supported(qf, k, group_size, key_mask, win_mask,
-                                                           0 if k_win is None else k_win.shape[-2]):
-            return decode_attention_triton(None, k, v, start, key_mask, None, scaling, group_size, qf, k_win, v_win,
-                                           win_mask, r_v, mu_v, out_dtype, r_k=r_k, mu_k=mu_k, sinks=sinks,
-                                           softcap=softcap)
-    q_rot, qk_off = rotate_query(qf, r_k, mu_k, use_kernels) if n_valid is not None else rotate_query_reference(
-        qf, r_k, mu_k)
-    return decode_attention_rotated(q_rot, qk_off, qf, k, v, start, key_mask, scaling, group_size, k_win, v_win,
-                                    win_mask, r_v, mu_v, out_dtype, block_n, n_valid, splits, use_kernels, softcap,
-                                    sinks)
-
-
-def decode_attention_rotated(
-    q_rot, qk_off, q_win, k, v, start, key_mask, scaling, group_size, k_win, v_win, win_mask, r_v, mu_v,
-    out_dtype=None, block_n=1024, n_valid=None, splits=None, use_kernels="auto", softcap=None, sinks=None,
-):
-    """:func:`decode_attention_reference`'s contract from the rotated query ``q_rot [B, Hk, M, D]`` (float32) and
-    ``qk_off`` (``q_win`` is the unrotated one): the launcher where the kernels take the shape
-    (``decode_triton.decode_supported``), else the reference. ``n_valid`` (0-d int tensor or None): history entries
-    below it are valid, read on the device (a CUDA graph stays valid while it grows; the compiled storage's decode
-    step, :mod:`.static_op`); ``splits``: that call's fixed number of history programs (None: the wave model's).
-    A CPU tensor's ``n_valid`` is read on the host by the reference (only the filled part is dequantized)."""
-    out_dtype = out_dtype or q_win.dtype
-    if triton_enabled(q_win, use_kernels):
-        from .decode_triton import decode_attention_triton, decode_supported
-
-        if decode_supported(q_win, k, group_size, key_mask, win_mask, 0 if k_win is None else k_win.shape[-2]):
-            return decode_attention_triton(q_rot.float().contiguous(), k, v, start, key_mask, qk_off, scaling,
-                                           group_size, q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype,
-                                           n_valid=n_valid, splits=splits, sinks=sinks, softcap=softcap)
-    if n_valid is not None and n_valid.device.type == "cpu" and not torch.compiler.is_compiling():
-        n = int(n_valid)
-        k, v = (QuantizedRows(*(x[:, :, :n] for x in rows)) for rows in (k, v))
-        n_valid = None
-    return decode_attention_reference(q_rot, k, v, start, key_mask, qk_off, scaling, group_size, q_win, k_win, v_win,
-                                      win_mask, r_v, mu_v, out_dtype=out_dtype, block_n=block_n, n_valid=n_valid,
-                                      softcap=softcap, sinks=sinks)

@@ -7,12 +7,14 @@ For continuous batching the history of every request lives in one shared pool of
 row ``j % P`` of page ``block_table[b, j // P]``. Its full-precision window (sink + recent, unrotated, model dtype) is
 slot ``win_slot[b]`` of ``win_k / win_v [num_slots, Hk, W, D]``, masked by ``win_mask[b] [W]`` (False = not a token).
 
-:func:`paged_decode_attention` is, row by row, ``int2_attention.decode_attention_reference`` over the row's history
-gathered in block-table order and its window (:func:`paged_decode_attention_reference` says so in torch). On CUDA it
-runs the split kernel of the contiguous path (``decode_split._split_kernel``) in its ``PAGED`` mode: the query rotation
-(one launch), the history splits and window programs (one launch, grid sized for the longest row: the splits past a
-row's length write empty partials), the combine (one launch); the history runs on the Gluon history kernel where it
-serves the shape (as in the contiguous op), reading each step's page from the block table.
+:func:`~oscar_hf.kernels.decode.decode` reads it (a :class:`~oscar_hf.kernels.kv.History` with ``pages``): on CUDA the
+split kernel of the contiguous path (``decode_split._split_kernel``) in its ``PAGED`` mode: the query rotation (one
+launch), the history splits and window programs (one launch, grid sized for the longest row: the splits past a row's
+length write empty partials), the combine (one launch); the history runs on the Gluon history kernel where it serves
+the shape (as in the contiguous op), reading each step's page from the block table. Elsewhere the torch references
+here: row by row ``int2_attention.decode_attention_reference`` over the row's history gathered in block-table order
+and its window (:func:`paged_decode_reference`), or every row at once to a host bound
+(:func:`paged_decode_batched`).
 """
 from __future__ import annotations
 
@@ -21,24 +23,22 @@ import torch
 from oscar_hf.quant import QuantizedRows
 
 from .int2_attention import decode_attention_reference, rotate_query_reference
-from .plan import DEFAULTS, cdiv, triton_enabled
-
-LOG2E = 1.4426950408889634
+from .kv import History, KVParams, Pages, Window
+from .plan import cdiv
 
 
 def _pow2(x: int) -> bool:
     return x > 0 and (x & (x - 1)) == 0
 
 
-def check_paged_inputs(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, block_table, hist_len, win_k, win_v,
-                       win_slot, win_mask) -> None:
+def check_paged_inputs(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, pages: Pages, window: Window) -> None:
     """Raise a clear ValueError for inputs whose shapes do not fit together (no device synchronization: the values
-    of ``block_table`` / ``hist_len`` / ``win_slot`` are not checked here)."""
+    of the block table, lengths and window slots are not checked here)."""
     if qf.dim() != 4:
         raise ValueError(f"qf must be [B, Hk, M, D], got {tuple(qf.shape)}")
     b, hk, _, d = qf.shape
-    for name, pages in (("pages_k", pages_k), ("pages_v", pages_v)):
-        codes, scale, zero = pages
+    for name, rows in (("pages_k", pages_k), ("pages_v", pages_v)):
+        codes, scale, zero = rows
         if codes.dim() != 4 or codes.shape[1] != hk or codes.shape[3] * 4 != d:
             raise ValueError(f"{name}.codes must be [num_pages, Hk={hk}, P, D/4={d // 4}], got {tuple(codes.shape)}")
         if codes.dtype != torch.uint8:
@@ -49,18 +49,21 @@ def check_paged_inputs(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, block
     if pages_k.codes.shape != pages_v.codes.shape or pages_k.scale.shape != pages_v.scale.shape:
         raise ValueError(f"pages_k and pages_v differ in shape: {tuple(pages_k.codes.shape)} / "
                          f"{tuple(pages_v.codes.shape)}")
-    if block_table.dim() != 2 or block_table.shape[0] != b or block_table.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_table must be int32/int64 [B={b}, max_pages], got {block_table.dtype} "
-                         f"{tuple(block_table.shape)}")
-    for name, t in (("hist_len", hist_len), ("win_slot", win_slot)):
+    table = pages.table
+    if table.dim() != 2 or table.shape[0] != b or table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_table must be int32/int64 [B={b}, max_pages], got {table.dtype} {tuple(table.shape)}")
+    slot = window.slot if window.slot is not None else torch.zeros(b, dtype=torch.long)
+    for name, t in (("hist_len", pages.lengths), ("win_slot", slot)):
         if t.shape != (b,) or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32/int64 [B={b}], got {t.dtype} {tuple(t.shape)}")
+    win_k, win_v = window.k, window.v
     if win_k.dim() != 4 or win_k.shape != win_v.shape or win_k.shape[1] != hk or win_k.shape[3] != d:
         raise ValueError(f"win_k / win_v must be [num_slots, Hk={hk}, W, D={d}], got {tuple(win_k.shape)} / "
                          f"{tuple(win_v.shape)}")
-    if win_mask.shape != (b, win_k.shape[2]) or win_mask.dtype != torch.bool:
-        raise ValueError(f"win_mask must be bool [B={b}, W={win_k.shape[2]}], got {win_mask.dtype} "
-                         f"{tuple(win_mask.shape)}")
+    mask = window.mask_2d()
+    if mask is None or mask.shape != (b, win_k.shape[2]) or mask.dtype != torch.bool:
+        raise ValueError(f"win_mask must be bool [B={b}, W={win_k.shape[2]}], got "
+                         f"{None if mask is None else (mask.dtype, tuple(mask.shape))}")
 
 
 def gather_pages(pages: QuantizedRows, table_row: torch.Tensor, n: int) -> QuantizedRows:
@@ -76,24 +79,24 @@ def gather_pages(pages: QuantizedRows, table_row: torch.Tensor, n: int) -> Quant
     return QuantizedRows(*(cut(t) for t in pages))
 
 
-def paged_decode_attention_reference(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot,
-                                     win_mask, r_v, mu_v, scaling, group_size, out_dtype, block_n=1024):
-    """Torch reference of :func:`paged_decode_attention`: per row, its history gathered in block-table order
-    (:func:`gather_pages`), the query rotated (``rotate_query_reference``) and
+def paged_decode_reference(params: KVParams, qf, window: Window, history: History, scaling, out_dtype):
+    """Torch reference of a paged read (``qf [B, Hk, M, D]`` float32, the unrotated query): per row, its history
+    gathered in block-table order (:func:`gather_pages`), the query rotated (``rotate_query_reference``) and
     ``int2_attention.decode_attention_reference`` over that history and the row's window slot."""
-    check_paged_inputs(qf, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask)
-    lens, slots = hist_len.tolist(), win_slot.tolist()
-    w = win_k.shape[2]
+    pages, mask = history.pages, window.mask_2d()
+    slots = window.slot if window.slot is not None else torch.arange(qf.shape[0])
+    w = window.k.shape[2]
     outs = []
-    for b, (n, slot) in enumerate(zip(lens, slots)):
-        k, v = gather_pages(pages_k, block_table[b], n), gather_pages(pages_v, block_table[b], n)
+    for b, (n, slot) in enumerate(zip(pages.lengths.tolist(), slots.tolist())):
+        k, v = gather_pages(history.k, pages.table[b], n), gather_pages(history.v, pages.table[b], n)
+        mu_k = params.mu_k
         mu_b = mu_k if (mu_k is None or mu_k.dim() == 2) else mu_k[b : b + 1]
-        q_rot, qk_off = rotate_query_reference(qf[b : b + 1], r_k, mu_b)
+        q_rot, qk_off = rotate_query_reference(qf[b : b + 1], params.r_k, mu_b)
         start = torch.zeros(1, dtype=torch.long, device=qf.device)
         outs.append(decode_attention_reference(
-            q_rot, k, v, start, None, qk_off, scaling, group_size, qf[b : b + 1].float(),
-            win_k[slot : slot + 1] if w else None, win_v[slot : slot + 1] if w else None,
-            win_mask[b].view(1, 1, 1, w), r_v, mu_v, out_dtype=out_dtype, block_n=block_n))
+            q_rot, k, v, start, None, qk_off, scaling, params.group_size, qf[b : b + 1].float(),
+            window.k[slot : slot + 1] if w else None, window.v[slot : slot + 1] if w else None,
+            mask[b].view(1, 1, 1, w), params.r_v, params.mu_v, out_dtype=out_dtype, block_n=params.block_n))
     if not outs:
         return torch.empty(qf.shape, dtype=out_dtype, device=qf.device)
     return torch.cat(outs, 0)
@@ -114,32 +117,32 @@ def gather_rows(pages: QuantizedRows, block_table: torch.Tensor, n: int) -> Quan
     return QuantizedRows(*(cut(t) for t in pages))
 
 
-def paged_decode_attention_batched(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot,
-                                   win_mask, r_v, mu_v, scaling, group_size, out_dtype, max_hist_len: int,
-                                   block_n=1024):
-    """:func:`paged_decode_attention_reference` for every row at once, with the shapes a host bound fixes: each row's
-    history gathered to ``max_hist_len`` entries (:func:`gather_rows`), entries at or past ``hist_len[b]`` masked;
-    the windows gathered by ``win_slot``. No host synchronization (``.tolist()`` / ``.item()``) and no shape read
-    from a tensor's values: what the serving store's decode step runs off CUDA, and what a CUDA graph may capture.
-    Rows whose history is shorter than the bound read masked entries beside it (the same partials up to float
-    rounding of the longer reductions)."""
-    check_paged_inputs(qf, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask)
-    n = int(max_hist_len)
-    key_mask = (torch.arange(n, device=qf.device)[None, :] < hist_len.to(qf.device)[:, None])[:, None, None, :]
+def paged_decode_batched(params: KVParams, qf, window: Window, history: History, scaling, out_dtype):
+    """:func:`paged_decode_reference` for every row at once, with the shapes the host bound ``pages.max_len`` fixes:
+    each row's history gathered to that many entries (:func:`gather_rows`), entries at or past its length masked; the
+    windows gathered by slot. No host synchronization (``.tolist()`` / ``.item()``) and no shape read from a tensor's
+    values: what the serving store's decode step runs off CUDA, and what a CUDA graph may capture. Rows whose history
+    is shorter than the bound read masked entries beside it (the same partials up to float rounding of the longer
+    reductions)."""
+    pages = history.pages
+    n = int(pages.max_len)
+    key_mask = (torch.arange(n, device=qf.device)[None, :] < pages.lengths.to(qf.device)[:, None])[:, None, None, :]
 
     def valid_only(rows: QuantizedRows) -> QuantizedRows:  # entries past a row's length: 0 (what they hold may be NaN)
         keep = key_mask.transpose(-1, -2)  # [B, 1, n, 1]
         return QuantizedRows(rows.codes, *(torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
                                            for x in (rows.scale, rows.zero)))
 
-    k = valid_only(gather_rows(pages_k, block_table, n))
-    v = valid_only(gather_rows(pages_v, block_table, n))
-    q_rot, qk_off = rotate_query_reference(qf, r_k, mu_k)
+    k = valid_only(gather_rows(history.k, pages.table, n))
+    v = valid_only(gather_rows(history.v, pages.table, n))
+    q_rot, qk_off = rotate_query_reference(qf, params.r_k, params.mu_k)
     start = torch.zeros(qf.shape[0], dtype=torch.long, device=qf.device)
-    w = win_k.shape[2]
-    wk, wv = (win_k.index_select(0, win_slot), win_v.index_select(0, win_slot)) if w else (None, None)
-    return decode_attention_reference(q_rot, k, v, start, key_mask, qk_off, scaling, group_size, qf.float(), wk, wv,
-                                      win_mask[:, None, None, :], r_v, mu_v, out_dtype=out_dtype, block_n=block_n)
+    win = window.rows()
+    w = win.k.shape[2]
+    wk, wv = (win.k, win.v) if w else (None, None)
+    return decode_attention_reference(q_rot, k, v, start, key_mask, qk_off, scaling, params.group_size, qf.float(), wk,
+                                      wv, window.mask_2d()[:, None, None, :], params.r_v, params.mu_v,
+                                      out_dtype=out_dtype, block_n=params.block_n)
 
 
 def paged_supported(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, group_size: int, win_k) -> bool:
@@ -154,62 +157,3 @@ def paged_supported(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, group_si
         ok = ok and codes.stride(-1) == 1 and scale.stride(-1) == 1 and scale.stride(-2) == ng
         ok = ok and zero.stride() == scale.stride() and scale.shape[-1] == ng
     return ok
-
-
-def paged_decode_attention(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask,
-                           r_v, mu_v, scaling, group_size, out_dtype, use_kernels="auto", max_hist_len=None):
-    """Decode attention of one layer for a batch of requests whose INT2 histories live in a page pool.
-
-    Args (``B`` rows, ``Hk`` KV heads, ``M`` query rows per KV head, ``D`` head_dim, ``P`` page size):
-        qf: ``[B, Hk, M, D]`` float32, the *unrotated* query (also the window's).
-        r_k, r_v: ``[Hk, D, D]`` float32 rotations; mu_k: None, ``[Hk, D]`` or ``[B, Hk, D]``; mu_v: None or ``[Hk, D]``.
-        pages_k, pages_v: :class:`QuantizedRows` of ``[num_pages, Hk, P, *]`` (one layer's keys / values of the pool).
-        block_table: ``[B, max_pages]`` int32 page ids (entries past a row's pages are never read).
-        hist_len: ``[B]`` int32 history entries of each row (0: window only).
-        win_k, win_v: ``[num_slots, Hk, W, D]`` unrotated windows; win_slot: ``[B]`` row -> slot;
-        win_mask: ``[B, W]`` bool (False = masked).
-        scaling: the softmax scale; group_size: G; out_dtype: the result's dtype.
-        max_hist_len: optional host int ``>= max(hist_len)`` sizing the kernel's grid (else read from ``hist_len``,
-            one device synchronization). With it the call has no host synchronization on either path (the kernel, or
-            :func:`paged_decode_attention_batched` off CUDA): a CUDA graph may capture it, ``hist_len`` and the
-            tables changing between replays within that bound.
-    Returns ``[B, Hk, M, D]`` in ``out_dtype`` (rows without any valid key: 0).
-    """
-    check_paged_inputs(qf, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask)
-    if triton_enabled(qf, use_kernels) and paged_supported(qf, pages_k, pages_v, group_size, win_k):
-        return paged_decode_attention_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
-                                             win_slot, win_mask, r_v, mu_v, scaling, group_size, out_dtype,
-                                             max_hist_len=max_hist_len)
-    if max_hist_len is not None:
-        return paged_decode_attention_batched(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
-                                              win_slot, win_mask, r_v, mu_v, scaling, group_size, out_dtype,
-                                              max_hist_len)
-    return paged_decode_attention_reference(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
-                                            win_slot, win_mask, r_v, mu_v, scaling, group_size, out_dtype)
-
-
-def paged_decode_attention_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot,
-                                  win_mask, r_v, mu_v, scaling, group_size, out_dtype, max_hist_len=None,
-                                  defaults=DEFAULTS):
-    """:func:`paged_decode_attention` for the shapes :func:`paged_supported` accepts: the contiguous op
-    (``decode_triton.decode_attention_triton``, rotating the query itself) with every kernel reading through the
-    block tables -- the Gluon history kernel where it serves the shape and pages hold whole steps, else the split
-    kernel in its ``PAGED`` mode -- three launches."""
-    from .decode_triton import PagedHistory, decode_attention_triton
-
-    b, hk, m, d = qf.shape
-    w = win_k.shape[2]
-    n = int(hist_len.max()) if max_hist_len is None and b else int(max_hist_len or 0)
-    if b == 0 or (n == 0 and w == 0):  # nothing to attend to
-        return torch.zeros(b, hk, m, d, device=qf.device, dtype=out_dtype)
-    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
-    paged = PagedHistory(block_table, hist_len, win_slot, pages_k.codes.shape[-2], n)
-    return decode_attention_triton(None, pages_k, pages_v, None, None, None, scaling, group_size, q_win=qf,
-                                   k_win=win_k, v_win=win_v, win_mask=win_mask.view(b, 1, 1, w), r_v=r_v, mu_v=mu_v,
-                                   out_dtype=out_dtype, r_k=r_k, mu_k=mu_k, paged=paged, defaults=defaults)
-
-
-__all__ = [
-    "paged_decode_attention", "paged_decode_attention_reference", "paged_decode_attention_batched",
-    "paged_decode_attention_triton", "paged_supported", "gather_pages", "gather_rows", "check_paged_inputs",
-]

@@ -9,6 +9,11 @@ and the merge of their outputs -- is plain Python that runs once per capture, no
 Inductor lowers once per layer (``docs/results.md``, the first call). The op mutates the layer's window, history and
 retrieval heads' entries in place (declared in ``mutates_args``, so functionalization tracks them) and returns the
 attention output; the fake implementation checks the stacked tensors' shapes and gives the output's.
+
+The op's flat schema (a ``torch.library`` op takes tensors and scalars, not objects) exists here only: the compiled
+layer packs its storage into the step's tuples (:class:`StepStorage`, :class:`StepHeads`, :class:`StepConfig`), and
+:func:`decode_step` unpacks them into :mod:`.kv`'s bundles for the one write (``write_path.append``) and the one read
+(``decode.decode``) that every storage shares.
 """
 from __future__ import annotations
 
@@ -20,13 +25,13 @@ import torch
 from oscar_hf.quant import QuantizedRows
 
 from . import step_warmup
-from .heads_attention import heads_decode_attention, merge_heads
-from .int2_attention import decode_attention_rotated
-from .write_path import CodedSlots, append_token
+from .decode import decode
+from .kv import HeadSplit, History, KVParams, Ring, Window
+from .write_path import append
 
 
 class StepStorage(NamedTuple):
-    """A layer's arguments of :func:`decode_step_op` that change only when its storage is (re)allocated, in the op's
+    """A layer's arguments of :func:`decode_step` that change only when its storage is (re)allocated, in the op's
     order (:func:`step_storage` builds it): the traced step reads one tuple per layer."""
 
     win: torch.Tensor
@@ -121,7 +126,7 @@ def decode_step(
     use_kernels: str, quantizer: str, coded_bits: int, block_n: int,
 ) -> torch.Tensor:
     """One decode step of one layer of the compiled storage (:class:`~oscar_hf.cache.static.StaticOscarLayer`, its
-    module docstring): the write (:func:`~oscar_hf.kernels.write_path.append_token`: slot ``T - 1 - W`` demoted into
+    module docstring): the write (:func:`~oscar_hf.kernels.write_path.append`: slot ``T - 1 - W`` demoted into
     the history, the new token into the window), then the attention -> ``[B, Hk, g, D]`` in ``out_dtype``.
 
     Per step: ``q [B, Hk, g, D]`` the grouped query (model dtype; the window's and the retrieval heads' query),
@@ -134,37 +139,24 @@ def decode_step(
     (:class:`StepHeads`, all None without): the KV heads' places ``hist_of``/``coded_of [Hk]`` and the heads
     ``int2_idx [Hq]``/``coded_idx [P]`` in one index, their stores ``cx``/``cmeta`` (keys at 0, values at 1; 16-bit
     stores have no metadata); the config's constants (:class:`StepConfig`; ``use_kernels`` ``"auto"``, ``"on"`` or
-    ``"off"``)."""
+    ``"off"``). Unpacked into the bundles of :mod:`.kv` (the INT2 heads' rows and the retrieval heads' coded rows as
+    one :class:`~.kv.History`, the stacked window as one :class:`~.kv.Window`)."""
     _check_stacked(win, codes, meta, r)
     step_warmup.release()  # (a compiled step's first run: its helper gets no more arguments)
     kernels = {"auto": "auto", "on": True, "off": False}[use_kernels]
-    coded = hist_of = int2_idx = coded_idx = None
+    heads = coded = None
     if heads_index is not None:
         hist_of, coded_of, int2_idx, coded_idx = split_heads_index(heads_index, win.shape[2], codes.shape[2])
-        k, v = ((cx[i],) if cmeta is None else (cx[i], cmeta[i, 0], cmeta[i, 1]) for i in (0, 1))
-        coded = CodedSlots(k, v, coded_of, coded_bits)
-    hist_k, hist_v = (QuantizedRows(codes[i], meta[i, 0], meta[i, 1]) for i in (0, 1))
-    append_token(new_k, new_v, win[0], win[1], hist_k, hist_v, length, pad, hist_of, r[0], mu_k, clip_k, r[1], mu_v,
-                 clip_v, group_size, meta_dtype, sink, recent, use_kernels=kernels, quantizer=quantizer, coded=coded)
-    win_k, win_v = win[0], win[1]  # [B, Hk, S0 + R, D]
-    out = None
-    if q_rot is not None:  # the INT2 heads
-        qi, wk, wv, si = q, win_k, win_v, sinks
-        if int2_idx is not None:
-            qi, wk, wv = (x.index_select(1, int2_idx) for x in (q, win_k, win_v))
-            si = None if sinks is None else sinks.index_select(0, int2_idx)
-        out = decode_attention_rotated(q_rot, qk_off, qi, hist_k, hist_v, pad, None, scaling, group_size, wk, wv,
-                                       win_mask, r[1], mu_v, out_dtype, block_n, n_valid=hist_len,
-                                       use_kernels=kernels, softcap=softcap or None, sinks=si)
-    if coded is None:
-        return out
-    # the retrieval heads: their coded history [pad, hist_len) read in place, and the window every head reads
-    hi = int(hist_len) if hist_len.device.type == "cpu" else hist_len  # (a CPU reference reads only the filled part)
-    out_fp = heads_decode_attention(q, coded_idx, coded.k, coded.v, coded_bits, pad, hi, win_k, win_v,
-                                    win_mask[:, 0, 0], scaling, out_dtype, use_kernels=kernels,
-                                    softcap=softcap or None,
-                                    sinks=None if sinks is None else sinks.index_select(0, coded_idx))
-    return merge_heads(out, out_fp, int2_idx, coded_idx, q.shape[1])
+        heads = HeadSplit(int2_idx, coded_idx, coded_of, coded_bits)
+        coded = tuple((cx[i],) if cmeta is None else (cx[i], cmeta[i, 0], cmeta[i, 1]) for i in (0, 1))
+    params = KVParams(r[0], mu_k, r[1], mu_v, group_size, clip_k, clip_v, meta_dtype, quantizer, block_n,
+                      None if heads is None else hist_of, heads)
+    window = Window(win[0], win[1], win_mask)  # [B, Hk, S0 + R, D]
+    history = History(*(QuantizedRows(codes[i], meta[i, 0], meta[i, 1]) for i in (0, 1)), start=pad,
+                      n_valid=hist_len, coded=coded)
+    append(params, new_k, new_v, window, history, Ring(length, pad, sink, recent), use_kernels=kernels)
+    return decode(params, q, window, history, scaling, out_dtype, rotated=None if q_rot is None else (q_rot, qk_off),
+                  softcap=softcap or None, sinks=sinks, use_kernels=kernels)
 
 
 decode_step_ = torch.library.custom_op(
@@ -209,12 +201,3 @@ def warm_kernels() -> int:
             torch.cuda.synchronize()
 
     return step_warmup.serve(run)
-
-
-def decode_step_op(*args) -> torch.Tensor:
-    """:func:`decode_step` (arguments there: the step's, a :class:`StepStorage`, :class:`StepHeads` and
-    :class:`StepConfig`), through the opaque op
-    ``oscar::decode_step_`` while ``torch.compile`` traces, straight in eager code. Under
-    ``mode="reduce-overhead"`` the mutated tensors must be static inputs (``torch._dynamo.mark_static_address``) for
-    the step to be recorded as a CUDA graph."""
-    return decode_step_(*args) if torch.compiler.is_compiling() else decode_step(*args)

@@ -14,25 +14,20 @@
 This file holds the torch reference and the dispatcher :func:`rotate_quantize`, which sends supported shapes on CUDA
 to the Triton kernel (``write_triton.py``) and everything else to the reference.
 
-``append_token(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k, clip_k, r_v, mu_v,
-clip_v, group_size, meta_dtype, sink, recent, quantizer="minmax")``: the one-token write step of the static (CUDA-graph) cache, which
-mutates one layer's storage in place (see :func:`append_token_reference` for the layout and the semantics) and sends
-supported shapes on CUDA to one fused Triton launch (``append_triton.py``).
-
-``paged_append(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v,
-group_size, meta_dtype, demote=True, write_sink=True, quantizer="minmax", coded=None)``: the same write for the
-serving store's decode rows (window slots of a window pool, history in a page pool, where each row reads and writes
-given by the step's plan, :class:`PagedRows`); see :func:`paged_append_reference`. Also one launch on CUDA.
+``append(params, new_k, new_v, window, history, at)``: the one-token write of every storage (:mod:`.kv`'s bundles):
+the compiled layer's (``at`` a ``Ring``: :func:`append_token_reference` for the layout and the semantics) and the
+serving store's decode rows (``at`` the step's ``PagedRows``: window slots of a window pool, history in a page pool;
+:func:`paged_append_reference`), in place; supported shapes on CUDA go to one fused Triton launch
+(``append_triton.py``).
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
 from oscar_hf.quant import QuantizedRows, encode_heads, quantize_rows
 
-from .append_checks import check_append_inputs, check_coded_slots, check_paged_inputs
+from .append_checks import CodedSlots, check_append_inputs, check_coded_slots, check_paged_inputs, write_operands  # noqa: F401
+from .kv import History, KVParams, PagedRows, Ring, Window
 from .plan import triton_enabled
 
 
@@ -67,18 +62,6 @@ def rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset
 # ---------------------------------------------------------------------------------- one-token write step (static cache)
 
 
-class CodedSlots(NamedTuple):
-    """The retrieval heads' history entries that the one-token write fills beside the INT2 heads' (``coded=`` of
-    :func:`append_token`): ``k``/``v`` the stored parts ``[B, P, N, *]`` (:func:`~oscar_hf.quant.encode_heads`:
-    ``(x,)`` at 16 bits, ``(codes, scale, zero)`` at 8 / 4, metadata in the window's dtype), ``coded_of [Hk]`` int64
-    each KV head's index among them or -1 (an INT2 head), ``bits`` 16, 8 or 4."""
-
-    k: tuple[torch.Tensor, ...]
-    v: tuple[torch.Tensor, ...]
-    coded_of: torch.Tensor
-    bits: int
-
-
 def _kv_head_of_hist(hist_heads, hq: int):
     """``[Hq]`` int64: the KV head that history head ``hh`` stores (the inverse of ``hist_heads``, computed on the
     device: every history index is assumed to be the image of exactly one KV head), or None for the identity."""
@@ -91,10 +74,9 @@ def _kv_head_of_hist(hist_heads, hq: int):
     return inv[:hq]
 
 
-def append_token_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad,
-                           hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
-                           quantizer="minmax", coded: CodedSlots | None = None):
-    """One decode step of the static cache's storage, in place; returns None. Tensor ops only (no host sync), so it
+def append_token_reference(params: KVParams, new_k, new_v, window: Window, history: History, at: Ring):
+    """One decode step of the static cache's storage (the window, history and parameters of :mod:`.kv`'s bundles:
+    the names below are their fields), in place; returns None. Tensor ops only (no host sync), so it
     can be captured in a CUDA graph or compiled.
 
     Storage (``S0 = sink``, ``W = recent``, ``T = length``, a 0-d int64 device tensor, not modified):
@@ -111,8 +93,11 @@ def append_token_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hi
     overwrites the same entry when ``R = W + 1``; ``coded`` (:class:`CodedSlots`, the retrieval heads) gets the same
     slot's entry of its heads, coded. (2) ``new [B, Hk, 1, D]`` goes to ring entry ``S0 + T % R``, and to sink entry
     ``T - pad[b]`` of each row with ``0 <= T - pad[b] < S0``."""
-    ring, n, hq = check_append_inputs(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
-                                      r_v, mu_v, group_size, meta_dtype, sink, recent)
+    ring, n, hq = check_append_inputs(params, new_k, new_v, window, history, at)
+    win_k, win_v, hist_k, hist_v, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, coded = write_operands(
+        params, window, history)
+    length, pad, sink, recent = at.length, at.pad, at.sink, at.recent
+    group_size, meta_dtype, quantizer = params.group_size, params.meta_dtype, params.quantizer
     check_coded_slots(coded, win_k, n)
     s0, t = sink, length
     # 1. demotion: written to a clamped index, masked to the old contents when slot s is no history slot
@@ -160,39 +145,7 @@ def _append_kernel_serves(new_k, group_size, clip_k, clip_v, meta_dtype, use_ker
     return kernel_supported(new_k, group_size, clip_k, meta_dtype) and kernel_supported(new_k, group_size, clip_v)
 
 
-def append_token(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, length, pad, hist_heads,
-                 r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, use_kernels="auto",
-                 quantizer="minmax", coded: CodedSlots | None = None):
-    """Dispatch :func:`append_token_reference`: one fused Triton launch on CUDA (when importable, allowed and the
-    shape is supported, as for :func:`rotate_quantize`), else the torch reference. Returns None."""
-    if _append_kernel_serves(new_k, group_size, clip_k, clip_v, meta_dtype, use_kernels):
-        from .append_triton import append_token_triton
-
-        return append_token_triton(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
-                                   clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent,
-                                   quantizer=quantizer, coded=coded)
-    return append_token_reference(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k,
-                                  clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, sink, recent, quantizer=quantizer,
-                                  coded=coded)
-
-
 # ------------------------------------------------------------------- the paged one-token write (the serving store)
-
-
-class PagedRows(NamedTuple):
-    """Where each of the ``Bp`` decode rows of a step reads and writes (``[Bp]`` int64 device tensors, the serving
-    store's ``DecodePlan``): ``pos`` its new token's position in the packed batch, ``slots`` its window slot,
-    ``new_entry`` the new token's ring entry, ``sink_entry`` its sink entry (``new_entry`` again when it has none),
-    ``demote_entry`` the ring entry that left the window at the previous step, ``demote_page`` / ``demote_off`` the page
-    and offset it goes to (the pool's trash page for a row that demotes nothing: every row writes one entry)."""
-
-    pos: torch.Tensor
-    slots: torch.Tensor
-    new_entry: torch.Tensor
-    sink_entry: torch.Tensor
-    demote_entry: torch.Tensor
-    demote_page: torch.Tensor
-    demote_off: torch.Tensor
 
 
 def scatter_entries(dst, pages, offsets, src) -> None:
@@ -202,10 +155,9 @@ def scatter_entries(dst, pages, offsets, src) -> None:
         d[pages, :, offsets] = x[:, :, 0]
 
 
-def paged_append_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows,
-                           rows: PagedRows, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype,
-                           demote=True, write_sink=True, quantizer="minmax", coded: CodedSlots | None = None):
-    """The write of one decode step of the serving store (one token per row, ``Bp`` rows), in place; returns None.
+def paged_append_reference(params: KVParams, new_k, new_v, window: Window, history: History, rows: PagedRows):
+    """The write of one decode step of the serving store (one token per row, ``Bp`` rows; :mod:`.kv`'s bundles, the
+    names below their fields), in place; returns None.
     Tensor ops only, static shapes (a CUDA graph captures it).
 
     * ``new_k/new_v [Hk, Q, D]`` the packed batch's keys / values (row ``b``'s token at ``rows.pos[b]``);
@@ -221,8 +173,11 @@ def paged_append_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hi
     ``demote_off[b]`` of page ``demote_page[b]`` for every INT2 head, and coded there for every retrieval head; (2) the
     new token goes to ring entry ``new_entry[b]`` (the one just read when ``R = W + 1``) and sink entry
     ``sink_entry[b]``."""
-    hq = check_paged_inputs(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k, r_v, mu_v,
-                            group_size, meta_dtype, coded)
+    hq = check_paged_inputs(params, new_k, new_v, window, history, rows)
+    win_k, win_v, hist_k, hist_v, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, coded = write_operands(
+        params, window, history)
+    demote, write_sink = rows.demote, rows.write_sink
+    group_size, meta_dtype, quantizer = params.group_size, params.meta_dtype, params.quantizer
     k_new = new_k.index_select(1, rows.pos).transpose(0, 1)  # [Bp, Hk, D]
     v_new = new_v.index_select(1, rows.pos).transpose(0, 1)
     if demote:  # 1. ring -> INT2 and coded rows, into the row's page (or the trash page)
@@ -247,17 +202,21 @@ def paged_append_reference(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hi
         win_v[rows.slots, :, rows.sink_entry] = v_new
 
 
-def paged_append(new_k, new_v, win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, rows: PagedRows,
-                 hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, demote=True,
-                 write_sink=True, use_kernels="auto", quantizer="minmax", coded: CodedSlots | None = None):
-    """Dispatch :func:`paged_append_reference`: one Triton launch on CUDA (when importable, allowed and the shape is
-    supported, as for :func:`append_token`), else the torch reference. Returns None."""
-    if _append_kernel_serves(new_k, group_size, clip_k, clip_v, meta_dtype, use_kernels):
-        from .append_triton import paged_append_triton
+def append(params: KVParams, new_k, new_v, window: Window, history: History, at: Ring | PagedRows,
+           use_kernels="auto") -> None:
+    """The one-token write of every storage, in place (returns None): slot ``T - 1 - W``, which left the window at the
+    previous step, demoted into the history (INT2 heads quantized, retrieval heads coded: ``history.coded`` with
+    ``params.heads``), then the new token into the ring and, while the row fills it, the sink. ``at``: a
+    :class:`~oscar_hf.kernels.kv.Ring` (a contiguous storage, ``new_k/new_v [B, Hk, 1, D]``: the compiled layer;
+    :func:`append_token_reference`) or the serving step's :class:`~oscar_hf.kernels.kv.PagedRows` (``new_k/new_v [Hk,
+    Q, D]`` the packed batch, the window a pool of slots, the history pages; :func:`paged_append_reference`). One
+    fused Triton launch on CUDA (when importable, allowed and the shape is supported, as for :func:`rotate_quantize`),
+    else the torch reference."""
+    contiguous = isinstance(at, Ring)
+    if _append_kernel_serves(new_k, params.group_size, params.clip_k, params.clip_v, params.meta_dtype, use_kernels):
+        from .append_triton import append_token_triton, paged_append_triton
 
-        return paged_append_triton(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k, clip_k,
-                                   r_v, mu_v, clip_v, group_size, meta_dtype, demote=demote, write_sink=write_sink,
-                                   quantizer=quantizer, coded=coded)
-    return paged_append_reference(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k, clip_k,
-                                  r_v, mu_v, clip_v, group_size, meta_dtype, demote=demote, write_sink=write_sink,
-                                  quantizer=quantizer, coded=coded)
+        write = append_token_triton if contiguous else paged_append_triton
+    else:
+        write = append_token_reference if contiguous else paged_append_reference
+    return write(params, new_k, new_v, window, history, at)

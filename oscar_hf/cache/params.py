@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 from oscar_hf.kernels.heads_attention import merge_heads
+from oscar_hf.kernels.kv import HeadSplit, KVParams
 from oscar_hf.kernels.write_path import rotate_quantize
 
 from ..config import OscarConfig
@@ -70,6 +71,13 @@ class LayerParams:
         static copies)."""
         return dataclasses.replace(self, **{f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    def kv(self, config: OscarConfig, mu_k: torch.Tensor | None, mu_v: torch.Tensor | None) -> KVParams:
+        """The kernels' bundle of this layer's parameters (:class:`~oscar_hf.kernels.kv.KVParams`), with the offsets
+        the storage reads (``mu_k`` per sequence under ``key_offset="prefill"``)."""
+        heads = None if not self.coded_heads else HeadSplit(self.int2_idx, self.coded_idx, self.coded_of, self.bits)
+        return KVParams(self.r_k, mu_k, self.r_v, mu_v, config.group_size, self.clip_k, self.clip_v,
+                        config.torch_meta_dtype, config.quantizer, config.block_size, self.hist_of, heads)
 
     def int2_part(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, Hk, ...]`` -> its INT2 heads ``[B, Hq, ...]`` (``x`` itself when the layer has no coded head)."""

@@ -8,9 +8,9 @@ import dataclasses
 import numpy as np
 import torch
 
-from oscar_hf.kernels.heads_attention import heads_decode_attention
-from oscar_hf.kernels.paged_decode import paged_decode_attention
-from oscar_hf.kernels.write_path import CodedSlots, PagedRows, paged_append
+from oscar_hf.kernels.decode import decode
+from oscar_hf.kernels.kv import History, PagedRows, Pages, Window
+from oscar_hf.kernels.write_path import append
 
 from ..cache.base import group_queries
 from ..cache.window import window_mask
@@ -47,9 +47,9 @@ class StepPlan:
 
     @property
     def write_rows(self) -> PagedRows:
-        """What the step's write reads per row (:func:`~oscar_hf.kernels.write_path.paged_append`)."""
+        """What the step's write reads per row (:func:`~oscar_hf.kernels.write_path.append`)."""
         return PagedRows(self.pos, self.slots, self.new_entry, self.sink_entry, self.demote_entry, self.demote_page,
-                         self.demote_off)
+                         self.demote_off, self.demote, self.write_sink)
 
 
 class DecodeBuffers:
@@ -184,43 +184,20 @@ class DecodeStep:
         """``[Bp, Hq, D]``: write then read one token for each row of ``plan`` (see the module docstring). Device
         work only, its shapes set by the plan's row count and ``max_hist``: no host synchronization, so a CUDA graph
         may capture it and replay it with the next step's plan in the same buffers."""
-        cfg, li, p = self.config, self.layer_slot[layer_idx], self.params[layer_idx]
-        win_k, win_v = self.windows.k[:, li], self.windows.v[:, li]  # [slots, Hk, S0 + R, D]
+        li, p, pool = self.layer_slot[layer_idx], self.params[layer_idx], self.pool
+        params = self._kv.get(layer_idx)
+        if params is None:
+            params = self._kv[layer_idx] = p.kv(self.config, p.mu_k, p.mu_v)
+        # the window pool [slots, Hk, S0 + R, D] (row b at slot plan.slots[b]); the pages through the block tables
+        window = Window(self.windows.k[:, li], self.windows.v[:, li], plan.win_mask[:, None, None, :], plan.slots)
+        coded = (pool.coded_rows(li, "k"), pool.coded_rows(li, "v")) if p.coded_heads else None
+        history = History(pool.rows(li, "k"), pool.rows(li, "v"),
+                          pages=Pages(plan.block_table, plan.hist_len, plan.max_hist), coded=coded)
         # 1-2. the write, one launch on CUDA: slot T - 1 - W leaves the ring for the row's current page (or the trash
         # page) as INT2 and coded rows, then the new token goes to its ring entry (the one just demoted: R = W + 1)
         # and its sink entry while T < S0
-        pool = self.pool
-        coded = (CodedSlots(pool.coded_rows(li, "k"), pool.coded_rows(li, "v"), p.coded_of, p.bits)
-                 if p.coded_heads else None)
-        paged_append(new_k[0], new_v[0], win_k, win_v, pool.rows(li, "k"), pool.rows(li, "v"), plan.write_rows,
-                     p.hist_of, p.r_k, p.mu_k, p.clip_k, p.r_v, p.mu_v, p.clip_v, cfg.group_size, cfg.torch_meta_dtype,
-                     demote=plan.demote, write_sink=plan.write_sink, use_kernels=cfg.use_kernels,
-                     quantizer=cfg.quantizer, coded=coded)
-        # 3. read: history pages through the block tables + the window slots
+        append(params, new_k[0], new_v[0], window, history, plan.write_rows, use_kernels=self.config.use_kernels)
+        # 3. the read: history pages + the window slots, the retrieval heads' coded pages beside the INT2 heads'
         q = group_queries(query[0].index_select(1, plan.pos).transpose(0, 1)[:, :, None], self.num_kv_heads)
-        if not p.coded_heads:
-            out = self._decode_int2(layer_idx, plan, q, win_k, win_v, plan.slots, scaling)  # [Bp, Hk, g, D]
-        else:  # the rows' windows gathered once ([Bp, Hk, S0 + R, D]): each part reads its heads of them
-            wk, wv = win_k.index_select(0, plan.slots), win_v.index_select(0, plan.slots)
-            rows = torch.arange(plan.rows, device=self.device)
-            part = None
-            if p.int2_heads:
-                part = self._decode_int2(layer_idx, plan, p.int2_part(q), p.int2_part(wk), p.int2_part(wv), rows,
-                                         scaling)
-            # the retrieval heads: their coded pages read in place through the block tables, the exact window
-            coded = heads_decode_attention(q, p.coded_idx, self.pool.coded_rows(li, "k"),
-                                           self.pool.coded_rows(li, "v"), p.bits, plan.hist_start, plan.hist_len,
-                                           wk, wv, plan.win_mask, scaling, query.dtype,
-                                           use_kernels=self.config.use_kernels, block_table=plan.block_table,
-                                           max_len=plan.max_hist)
-            out = p.merge(part, coded.to(query.dtype))
+        out = decode(params, q, window, history, scaling, query.dtype, use_kernels=self.config.use_kernels)
         return out.reshape(plan.rows, query.shape[1], query.shape[3])
-
-    def _decode_int2(self, layer_idx: int, plan: StepPlan, q, win_k, win_v, win_slot, scaling: float):
-        """``[Bd, Hq_l, g, D]``: the INT2 heads' read, ``q [Bd, Hq_l, g, D]`` (model dtype) over their pages and the
-        windows ``win_k/v [slots, Hq_l, S0 + R, D]`` (row ``b`` at slot ``win_slot[b]``)."""
-        cfg, p, li = self.config, self.params[layer_idx], self.layer_slot[layer_idx]
-        return paged_decode_attention(q.float(), p.r_k, p.mu_k, self.pool.rows(li, "k"), self.pool.rows(li, "v"),
-                                      plan.block_table, plan.hist_len, win_k, win_v, win_slot, plan.win_mask, p.r_v,
-                                      p.mu_v, scaling, cfg.group_size, q.dtype, use_kernels=cfg.use_kernels,
-                                      max_hist_len=plan.max_hist)

@@ -14,7 +14,7 @@ and dequantized by :func:`history_partial_reference`, the blocks merged by the o
 a multiple of the page size the blocks are the ones the contiguous reference reads, so the result is the same as
 :class:`~oscar_hf.cache.dynamic.OscarLayer`'s. The decode rows of a batch (one token each) take the split-K kernel
 instead, which loads each split's pages through the block tables
-(:func:`oscar_hf.kernels.paged_decode.paged_decode_attention`).
+(:func:`oscar_hf.kernels.decode.decode`).
 
 Shapes: ``Hk`` KV heads, ``M = g * L`` query rows per KV head (query-head-major), ``D`` head_dim, ``n`` history
 entries of the request, ``P`` the page size.

@@ -19,11 +19,11 @@ row of the same entry and freed with the same pages. They read their coded histo
 whose every head is a 16-bit retrieval head is exact and left to Transformers' paged cache, as ``OscarCache`` leaves it to Transformers' layer.
 
 **Decode rows** (one new token, ``T > 0``) of a forward are served together, one batched call per layer: the write
-(:func:`~oscar_hf.kernels.write_path.paged_append`, one Triton launch on CUDA: slot ``T - 1 - W``, which left the
+(:func:`~oscar_hf.kernels.write_path.append`, one Triton launch on CUDA: slot ``T - 1 - W``, which left the
 window at the previous step, is quantized into the request's current page; the new token goes to ring entry
 ``S0 + T % R`` and, while ``T < S0``, to the sink), then one paged decode attention
 over the history (through the block tables) and the window slots
-(:func:`~oscar_hf.kernels.paged_decode.paged_decode_attention`: the split-K Triton kernel on CUDA). What the rows
+(:func:`~oscar_hf.kernels.decode.decode`: the split-K Triton kernel on CUDA). What the rows
 share across layers (slots, entries, pages, block tables, window masks) is planned on the host before the forward
 and written into fixed device buffers (:meth:`OscarPagedStore.plan_decode`, :class:`StepPlan`); the forward is
 device work only, so that Transformers' CUDA graphs may capture and replay it (padded rows go to a trash window slot
@@ -132,6 +132,7 @@ class OscarPagedStore(StoreRequests, DecodeStep):
         self._warned_prompt = False
         self._plan: StepPlan | None = None
         self._buffers: DecodeBuffers | None = None
+        self._kv = {}  # model layer -> its KVParams (the kernels' bundle of self.params), built at its first step
         self.graph_rows = 0  # CUDA graphs (enable_graphs): the most rows of a graphed decode step; 0 = off
         # the longest history a request is expected to reach (sizes the decode buffers' block tables; a longer one
         # takes fresh tensors, eagerly)

@@ -150,13 +150,13 @@ def test_left_padding_mask_becomes_a_start_not_a_key_mask(monkeypatch):
     prompts = [torch.randint(1, 200, (n,)) for n in (40, 17, 29)]
     ids, am = left_pad(prompts)
     seen = []
-    real = attn.decode_attention_rotating
+    real = attn.decode
 
-    def spy(qf, r_k, mu_k, k, v, start, key_mask, *a, **kw):
-        seen.append((key_mask is None, start.clone()))
-        return real(qf, r_k, mu_k, k, v, start, key_mask, *a, **kw)
+    def spy(params, q, window, history, *a, **kw):
+        seen.append((history.key_mask is None, history.start.clone()))
+        return real(params, q, window, history, *a, **kw)
 
-    monkeypatch.setattr(attn, "decode_attention_rotating", spy)
+    monkeypatch.setattr(attn, "decode", spy)
     run = lambda: m.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False,  # noqa: E731
                              **cache_kwargs(m, OscarCache(m, **SMALL)), pad_token_id=0)
     out = run()

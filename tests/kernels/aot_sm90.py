@@ -88,6 +88,8 @@ def compile_call(fn, args, kw, cuda_kw, sass=False):
 
 def main():
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
+    from kernel_utils import paged_write, ring_write  # (the launchers take the kernels' bundles)
+
     from oscar_hf.kernels import append_triton as at
     from oscar_hf.kernels import decode_triton as dt
     from oscar_hf.kernels import heads_triton as ht
@@ -221,7 +223,7 @@ def main():
             coded_of[[i for i in range(hk) if heads[i] < 0]] = torch.arange(p)
             coded = CodedSlots(store(), store(), coded_of, bits)
         new = torch.randn(b, hk, 1, d, generator=g0).bfloat16()
-        at.append_token_triton(new, new, win, win.clone(), hist(), hist(), torch.tensor(30), torch.tensor([0, 1]),
+        ring_write(at.append_token_triton)(new, new, win, win.clone(), hist(), hist(), torch.tensor(30), torch.tensor([0, 1]),
                                None if heads is None else torch.tensor(heads), torch.randn(hq, d, d, generator=g0),
                                torch.randn(hq, d, generator=g0), 0.95, torch.randn(hq, d, d, generator=g0),
                                torch.randn(hq, d, generator=g0), 0.9, g, torch.bfloat16, 4, 16, coded=coded)
@@ -229,7 +231,7 @@ def main():
     # the serving store's decode write (its paged twin): a pool of 9 pages of 16 entries over 2 layers, 12 window
     # slots, 8 rows; every head INT2 at D = 128, a retrieval head at 8 bits (D = 128), 16 (D = 64), 4 (D = 96: the
     # plane-padded layout) and 8 (D = 512: 8 warps)
-    from oscar_hf.kernels.write_path import PagedRows
+    from oscar_hf.kernels.kv import PagedRows
     from oscar_hf.serving.pool import PagedInt2Pool
 
     paged_labels = []
@@ -246,8 +248,8 @@ def main():
             coded = CodedSlots(pool.coded_rows(1, "k"), pool.coded_rows(1, "v"), coded_of, bits)
         wins = torch.zeros(2, 13, 2, hk, 4 + 17, d).bfloat16()
         new = torch.randn(bp, hk, d, generator=g0).bfloat16().transpose(0, 1)  # [Hk, Q, D], the projections' layout
-        rows = PagedRows(*(torch.arange(bp) for _ in PagedRows._fields))
-        at.paged_append_triton(new, new, wins[0][:, 1], wins[1][:, 1], pool.rows(1, "k"), pool.rows(1, "v"), rows,
+        rows = PagedRows(*(torch.arange(bp) for _ in range(7)))
+        paged_write(at.paged_append_triton)(new, new, wins[0][:, 1], wins[1][:, 1], pool.rows(1, "k"), pool.rows(1, "v"), rows,
                                None if heads is None else torch.tensor(heads), torch.randn(hq, d, d, generator=g0),
                                torch.randn(hq, d, generator=g0), 0.95, torch.randn(hq, d, d, generator=g0),
                                torch.randn(hq, d, generator=g0), 0.9, g, torch.bfloat16, coded=coded)

@@ -106,7 +106,7 @@ def _rotating_case(b, hk, m, n, w, d, g, seed, device="cpu"):
 
 
 def rotating_op(args, **kw):
-    """The launcher from the unrotated query, as ``decode_attention_rotating`` calls it on CUDA: ``args`` of
+    """The launcher from the unrotated query, as ``kernels.decode.decode`` calls it on CUDA: ``args`` of
     :func:`_rotating_case`, ``q_rot`` None (the op rotates ``qf``, also the window's query, itself)."""
     rest = {k_: v_ for k_, v_ in args.items() if k_ != "qf"}
     return _dt().decode_attention_triton(q_rot=None, qk_offset=None, q_win=args["qf"], **rest, **kw)

@@ -74,3 +74,125 @@ def assert_int2_rows_close(got, ref, meta_dtype) -> None:
     cg, cr = unpack_int2(got.codes).int(), unpack_int2(ref.codes).int()
     diff = (cg - cr).abs()
     assert diff.max() <= 1 and (diff > 0).double().mean() < 5e-3, f"{int((diff > 0).sum())} codes differ"
+
+
+# ------------------------------------------- the tests' loose arguments as the kernels' bundles (oscar_hf.kernels.kv)
+def rotating(qf, r_k, mu_k, k, v, start, key_mask, scaling, group_size, k_win, v_win, win_mask, r_v, mu_v,
+             out_dtype=None, block_n=1024, n_valid=None, splits=None, use_kernels="auto", softcap=None, sinks=None):
+    """:func:`~oscar_hf.kernels.decode.decode` from the unrotated query over a contiguous history (the caches' read)."""
+    from oscar_hf.kernels.decode import decode
+    from oscar_hf.kernels.kv import History, KVParams, Window
+
+    return decode(KVParams(r_k, mu_k, r_v, mu_v, group_size, block_n=block_n), qf, Window(k_win, v_win, win_mask),
+                  History(k, v, start, key_mask, n_valid, splits), scaling, out_dtype, softcap=softcap, sinks=sinks,
+                  use_kernels=use_kernels)
+
+
+def paged_bundles(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask, r_v, mu_v,
+                  group_size, max_hist_len=None):
+    """``(params, window, history)`` of a paged read's loose arguments (``win_mask [B, W]``)."""
+    from oscar_hf.kernels.kv import History, KVParams, Pages, Window
+
+    return (KVParams(r_k, mu_k, r_v, mu_v, group_size), Window(win_k, win_v, win_mask[:, None, None, :], win_slot),
+            History(pages_k, pages_v, pages=Pages(block_table, hist_len, max_hist_len)))
+
+
+def paged(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask, r_v, mu_v,
+          scaling, group_size, out_dtype, use_kernels="auto", max_hist_len=None):
+    """:func:`~oscar_hf.kernels.decode.decode` over a paged history (the serving store's read)."""
+    from oscar_hf.kernels.decode import decode
+
+    params, window, history = paged_bundles(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
+                                            win_slot, win_mask, r_v, mu_v, group_size, max_hist_len)
+    return decode(params, qf, window, history, scaling, out_dtype, use_kernels=use_kernels)
+
+
+def paged_reference(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask, r_v,
+                    mu_v, scaling, group_size, out_dtype):
+    """The paged read's per-row torch reference (``paged_decode.paged_decode_reference``)."""
+    from oscar_hf.kernels.paged_decode import check_paged_inputs, paged_decode_reference
+
+    params, window, history = paged_bundles(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
+                                            win_slot, win_mask, r_v, mu_v, group_size)
+    check_paged_inputs(qf, pages_k, pages_v, history.pages, window)
+    return paged_decode_reference(params, qf, window, history, scaling, out_dtype)
+
+
+def paged_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask, r_v, mu_v,
+                 scaling, group_size, out_dtype, max_hist_len=None, defaults=None):
+    """The launcher over a paged history, as :func:`~oscar_hf.kernels.decode.decode` calls it on CUDA, with the
+    given launch ``defaults``."""
+    import dataclasses
+
+    from oscar_hf.kernels import decode_triton
+    from oscar_hf.kernels.plan import DEFAULTS
+
+    params, window, history = paged_bundles(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
+                                            win_slot, win_mask, r_v, mu_v, group_size, max_hist_len)
+    pages = history.pages
+    if pages.max_len is None:
+        pages = dataclasses.replace(pages, max_len=int(hist_len.max()))
+    b, w = qf.shape[0], win_k.shape[2]
+    return decode_triton.decode_attention_triton(
+        None, pages_k, pages_v, None, None, None, scaling, group_size, q_win=qf, k_win=win_k, v_win=win_v,
+        win_mask=win_mask.view(b, 1, 1, w), r_v=r_v, mu_v=mu_v, out_dtype=out_dtype, r_k=r_k, mu_k=mu_k, paged=pages,
+        win_slot=win_slot, defaults=defaults or DEFAULTS)
+
+
+def write_bundles(hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, quantizer, coded):
+    """``(params, coded rows)`` of a one-token write's loose arguments (``coded`` a ``write_path.CodedSlots``)."""
+    from oscar_hf.kernels.kv import HeadSplit, KVParams
+
+    heads = None if coded is None else HeadSplit(None, None, coded.coded_of, coded.bits)
+    return (KVParams(r_k, mu_k, r_v, mu_v, group_size, clip_k, clip_v, meta_dtype, quantizer, hist_of=hist_heads,
+                     heads=heads), None if coded is None else (coded.k, coded.v))
+
+
+def ring_write(fn):
+    """``fn`` (a contiguous write taking :mod:`oscar_hf.kernels.kv`'s bundles: ``write_path.append_token_reference``,
+    ``append_triton.append_token_triton``, or ``write_path.append`` with ``use_kernels``) called with the tests' loose
+    arguments."""
+
+    def call(new_k, new_v, win_k, win_v, hist_k, hist_v, length, pad, hist_heads, r_k, mu_k, clip_k, r_v, mu_v,
+             clip_v, group_size, meta_dtype, sink, recent, quantizer="minmax", coded=None, **kw):
+        from oscar_hf.kernels.kv import History, Ring, Window
+
+        params, rows = write_bundles(hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype,
+                                     quantizer, coded)
+        return fn(params, new_k, new_v, Window(win_k, win_v), History(hist_k, hist_v, coded=rows),
+                  Ring(length, pad, sink, recent), **kw)
+
+    return call
+
+
+def paged_write(fn):
+    """``fn`` (a paged write taking the bundles: ``write_path.paged_append_reference``,
+    ``append_triton.paged_append_triton``, or ``write_path.append``) called with the tests' loose arguments
+    (``rows`` a ``kv.PagedRows``)."""
+
+    def call(new_k, new_v, win_k, win_v, hist_k, hist_v, rows, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v,
+             group_size, meta_dtype, demote=True, write_sink=True, quantizer="minmax", coded=None, **kw):
+        import dataclasses
+
+        from oscar_hf.kernels.kv import History, Window
+
+        params, coded_rows = write_bundles(hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype,
+                                           quantizer, coded)
+        return fn(params, new_k, new_v, Window(win_k, win_v), History(hist_k, hist_v, coded=coded_rows),
+                  dataclasses.replace(rows, demote=demote, write_sink=write_sink), **kw)
+
+    return call
+
+
+def append_token(*args, **kwargs):
+    """:func:`~oscar_hf.kernels.write_path.append` at a contiguous storage's ring, from loose arguments."""
+    from oscar_hf.kernels.write_path import append
+
+    return ring_write(append)(*args, **kwargs)
+
+
+def paged_append(*args, **kwargs):
+    """:func:`~oscar_hf.kernels.write_path.append` at the serving step's rows, from loose arguments."""
+    from oscar_hf.kernels.write_path import append
+
+    return paged_write(append)(*args, **kwargs)

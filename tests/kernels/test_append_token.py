@@ -1,4 +1,4 @@
-"""The static cache's one-token write step (``append_token``): the torch reference against a naive loop model of
+"""The static cache's one-token write step (``write_path.append`` at a ``Ring``): the torch reference against a naive loop model of
 its semantics, the fused Triton kernel against the reference (interpreter on CPU; compiled on CUDA with ``-m gpu``).
 The compiled storage's op that calls it: ``test_static_op.py``.
 """
@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_utils import HAS_CUDA, assert_int2_rows_close, random_rotation, setup_interpreter
+from kernel_utils import HAS_CUDA, append_token, assert_int2_rows_close, random_rotation, ring_write, setup_interpreter
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
-from oscar_hf.kernels.write_path import CodedSlots, append_token, append_token_reference  # noqa: E402
+from oscar_hf.kernels import write_path  # noqa: E402
+from oscar_hf.kernels.write_path import CodedSlots  # noqa: E402
+
+append_token_reference = ring_write(write_path.append_token_reference)
 from oscar_hf.quant import QuantizedRows, encode_heads, quantize_rows  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRITON_INTERPRET=1 without CUDA)")
@@ -19,7 +22,7 @@ interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRIT
 def _triton():
     from oscar_hf.kernels.append_triton import append_token_triton
 
-    return append_token_triton
+    return ring_write(append_token_triton)
 
 
 # ------------------------------------------------------------------------------------------------- fixtures
@@ -303,7 +306,7 @@ def test_dispatch(monkeypatch):
     launches = []
     real = at.append_token_triton
     monkeypatch.setattr(at, "append_token_triton",
-                        lambda *a, **kw: (launches.append(a[0].shape[-1]), real(*a, **kw))[1])
+                        lambda *a, **kw: (launches.append(a[1].shape[-1]), real(*a, **kw))[1])
     for d in (64, 96):
         ref = Layer(1, 2, d, 32, 1, 2, 3, 4, mu_k="3d", seed=7)
         got, off = ref.clone(), ref.clone()

@@ -85,9 +85,9 @@ def test_gpu_decode_attention_with_sinks(b, hk, m, d, n, path):
 @pytest.mark.parametrize("static", [False, True])
 def test_gpu_decode_attention_head_dims(b, hk, m, d, g, n, static):
     """Head_dims 96 and 512 on the split kernel (+ combine, + the query rotation from the unrotated query), bf16
-    operands, against rotate-then-reference: the caches' call (decode_attention_rotating), dynamic and with a
+    operands, against rotate-then-reference: the caches' call (kernels.decode.decode), dynamic and with a
     device-side length (the static op); the dispatcher must take the kernels (decode_supported)."""
-    from oscar_hf.kernels.int2_attention import decode_attention_rotating
+    from kernel_utils import rotating
 
     args = _rotating_case(b, hk, m, n, 320, d, g, seed=d + g, device="cuda")
     args["qf"] = args["qf"].cuda()
@@ -98,10 +98,10 @@ def test_gpu_decode_attention_head_dims(b, hk, m, d, g, n, static):
         nv = n - 77
         cut = {k_: (type(args[k_])(*(t[:, :, :nv] for t in args[k_])) if k_ in ("k", "v") else args[k_]) for k_ in args}
         ref = _rotating_reference(cut)
-        got = decode_attention_rotating(**args, n_valid=torch.tensor(nv, device="cuda"), splits=8)
+        got = rotating(**args, n_valid=torch.tensor(nv, device="cuda"), splits=8)
     else:
         ref = _rotating_reference(args)
-        got = decode_attention_rotating(**args)
+        got = rotating(**args)
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert rel_err(got.float(), ref.float()) < 2e-2
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kernel_utils import rel_err, setup_interpreter
+from kernel_utils import rel_err, rotating, setup_interpreter
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
@@ -19,7 +19,6 @@ from decode_cases import (_dt, _rotating_case, _rotating_reference, _window_case
 from oscar_hf.kernels import plan  # noqa: E402
 from oscar_hf.kernels.int2_attention import (  # noqa: E402
     decode_attention_reference,
-    decode_attention_rotating,
     history_partial,
     history_partial_reference,
     merge_partials,
@@ -473,7 +472,7 @@ def test_decode_attention_rotating_dispatch(monkeypatch, case):
     monkeypatch.setattr(dt, "decode_attention_triton", lambda q_rot, *a, **kw: (
         calls.append("launch, rotating" if q_rot is None else "launch"), real(q_rot, *a, **kw))[1])
     extra = {} if nv is None else {"n_valid": torch.tensor(nv), "splits": 3}
-    got = decode_attention_rotating(**args, **extra, use_kernels=True)
+    got = rotating(**args, **extra, use_kernels=True)
     want = {"eager": ["launch, rotating"], "rows": ["launch"], "static": ["launch"], "unsupported": []}[case]
     assert calls == want
     cut = args if nv is None else {k: (type(args[k])(*(t[:, :, :nv] for t in args[k])) if k in ("k", "v") else args[k])
@@ -622,7 +621,7 @@ def test_decode_attention_rotating_with_sinks_and_softcap(small_splits, monkeypa
     extra = {} if n_valid is None else {"n_valid": torch.tensor(n_valid), "splits": 4}
     for softcap in (None, 2.0):
         calls.clear()
-        got = decode_attention_rotating(**args, **extra, use_kernels=True, sinks=sinks, softcap=softcap)
-        ref = decode_attention_rotating(**args, **extra, use_kernels=False, sinks=sinks, softcap=softcap)
+        got = rotating(**args, **extra, use_kernels=True, sinks=sinks, softcap=softcap)
+        ref = rotating(**args, **extra, use_kernels=False, sinks=sinks, softcap=softcap)
         assert rel_err(got, ref) < 2e-5
         assert calls == [("launch", softcap)]

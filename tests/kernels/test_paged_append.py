@@ -1,23 +1,24 @@
-"""The serving store's one-token write (``paged_append``): the torch reference against a naive loop model of its
-semantics, the Triton kernel against the reference (interpreter on CPU; compiled on CUDA with ``-m gpu``), the
-dispatcher, and the store's decode step driving the kernel.
+"""The serving store's one-token write (``write_path.append`` at ``PagedRows``): the torch reference against a naive
+loop model of its semantics, the Triton kernel against the reference (interpreter on CPU; compiled on CUDA with ``-m
+gpu``), the dispatcher, and the store's decode step driving the kernel.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
-from kernel_utils import HAS_CUDA, assert_int2_rows_close, random_rotation, setup_interpreter
+from kernel_utils import HAS_CUDA, assert_int2_rows_close, paged_append, paged_write, random_rotation, setup_interpreter
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
-from oscar_hf.kernels.write_path import (  # noqa: E402
-    CodedSlots,
-    PagedRows,
-    paged_append,
-    paged_append_reference,
-)
+from oscar_hf.kernels import write_path  # noqa: E402
+from oscar_hf.kernels.write_path import CodedSlots  # noqa: E402
+from oscar_hf.kernels.kv import PagedRows  # noqa: E402
 from oscar_hf.quant import encode_heads, quantize_rows, unpack_int2  # noqa: E402
 from oscar_hf.serving.pool import PagedInt2Pool  # noqa: E402
+
+paged_append_reference = paged_write(write_path.paged_append_reference)
 
 interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRITON_INTERPRET=1 without CUDA)")
 
@@ -25,7 +26,7 @@ interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRIT
 def _triton():
     from oscar_hf.kernels.append_triton import paged_append_triton
 
-    return paged_append_triton
+    return paged_write(paged_append_triton)
 
 
 # ------------------------------------------------------------------------------------------------- fixtures
@@ -261,7 +262,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="new_k"):
         paged_append_reference(*layer.args(new_k[None], new_v[None], rows))
     with pytest.raises(ValueError, match="rows.slots"):
-        paged_append_reference(*layer.args(new_k, new_v, rows._replace(slots=rows.slots.int())))
+        paged_append_reference(*layer.args(new_k, new_v, dataclasses.replace(rows, slots=rows.slots.int())))
     args = list(layer.args(new_k, new_v, rows))
     args[7] = torch.tensor([0, 1, -1])
     with pytest.raises(ValueError, match="hist_heads"):
@@ -331,7 +332,7 @@ def test_dispatch(monkeypatch):
     launches = []
     real = at.paged_append_triton
     monkeypatch.setattr(at, "paged_append_triton",
-                        lambda *a, **kw: (launches.append(a[0].shape[-1]), real(*a, **kw))[1])
+                        lambda *a, **kw: (launches.append(a[1].shape[-1]), real(*a, **kw))[1])
     for d, g in ((64, 32), (80, 16)):
         ref = Paged(2, d, g, seed=d)
         got, off = ref.clone(), ref.clone()
@@ -357,20 +358,22 @@ def test_store_decode_write_on_the_kernel(monkeypatch, kw):
     import sys
 
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "serving"))
-    import oscar_hf.serving.store as st
+    import oscar_hf.serving.decode_step as st
     from test_store import FakeAttention, make_store
+
+    from oscar_hf.kernels.write_path import append
 
     calls = []
 
     def on_kernel(*args, **kwargs):
         calls.append(1)
-        return paged_append(*args, **{**kwargs, "use_kernels": True})
+        return append(*args, **{**kwargs, "use_kernels": True})
 
     stores = []
     for kernel in (False, True):
         cfg, store = make_store(dtype=torch.bfloat16, **kw)
         if kernel:
-            monkeypatch.setattr(st, "paged_append", on_kernel)
+            monkeypatch.setattr(st, "append", on_kernel)
         gen = torch.Generator().manual_seed(0)
         hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         lengths = {"a": 5, "b": 14, "c": 2}

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kernel_utils import HAS_CUDA, random_rotation, rel_err, setup_interpreter
+from kernel_utils import HAS_CUDA, paged, paged_reference, paged_triton, random_rotation, rel_err, setup_interpreter
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
@@ -99,7 +99,7 @@ def test_reference_equals_contiguous_reference(page, lens, mu):
     rows at once: left-padded to the longest, ``start`` = the padding) and the row's window slot."""
     b, hk, m, d, g, w = len(lens), 2, 4, 64, 32, 20
     args, written = paged_case(b, hk, m, d, g, page, lens, w, mu, seed=page)
-    got = pd.paged_decode_attention_reference(**args)
+    got = paged_reference(**args)
     n = max(lens)
 
     def padded(i):  # [B, Hk, N, *]: row b's entries at [N - L_b, N)
@@ -128,10 +128,10 @@ def test_batched_reference_equals_the_reference(page, lens, mu):
     every row gathered to a host bound, no host sync) equals the row-by-row reference, at the exact longest history
     and at a larger bound (a graphed step's bucket), with NaN in the storage past each row's entries."""
     args, _ = paged_case(len(lens), 2, 4, 64, 32, page, lens, 20, mu, seed=page + 1)
-    ref = pd.paged_decode_attention_reference(**args)
+    ref = paged_reference(**args)
     wide = dict(args, block_table=torch.nn.functional.pad(args["block_table"], (0, 2), value=-1))
     for bound, a in ((max(lens), args), (max(lens) + 2 * page, wide)):
-        got = pd.paged_decode_attention(**a, use_kernels=False, max_hist_len=bound)
+        got = paged(**a, use_kernels=False, max_hist_len=bound)
         assert torch.isfinite(got).all()
         assert rel_err(got, ref) < 1e-6
 
@@ -139,12 +139,12 @@ def test_batched_reference_equals_the_reference(page, lens, mu):
 def test_reference_rejects_bad_shapes():
     args, _ = paged_case(2, 1, 2, 64, 32, 16, (5, 20), 8, False, seed=0)
     with pytest.raises(ValueError, match="win_mask"):
-        pd.paged_decode_attention(**{**args, "win_mask": args["win_mask"][:, :4]})
+        paged(**{**args, "win_mask": args["win_mask"][:, :4]})
     with pytest.raises(ValueError, match="block_table"):
-        pd.paged_decode_attention(**{**args, "block_table": args["block_table"][:1]})
+        paged(**{**args, "block_table": args["block_table"][:1]})
     with pytest.raises(ValueError, match="pages_v"):
         v = args["pages_v"]
-        pd.paged_decode_attention(**{**args, "pages_v": QuantizedRows(v.codes[:, :, :, :8], v.scale, v.zero)})
+        paged(**{**args, "pages_v": QuantizedRows(v.codes[:, :, :, :8], v.scale, v.zero)})
 
 
 # --------------------------------------------------------------------------------- Triton path vs the reference
@@ -163,7 +163,7 @@ def _run_kernel(monkeypatch, args, device):
     monkeypatch.setattr(decode_triton, "_split_kernel", type("K", (), {"__getitem__": lambda self, grid: (
         lambda *a, **kw: (grids.append((grid, kw["PAGED"], kw["DEFERRED"], kw["BLOCK_N"])), real[grid](*a, **kw))[1])})())
     df = SMALL if device == "cpu" else DEFAULTS
-    out = pd.paged_decode_attention_triton(**args, defaults=df)
+    out = paged_triton(**args, defaults=df)
     return out, grids
 
 
@@ -184,7 +184,7 @@ def _run_kernel(monkeypatch, args, device):
 def test_paged_kernel_matches_reference(monkeypatch, many_sms, device, d, g, m, page, lens, w, mu, loop):
     hk = 2
     args, _ = paged_case(len(lens), hk, m, d, g, page, lens, w, mu, seed=d + g + m + page, device=device)
-    ref = pd.paged_decode_attention_reference(**args)
+    ref = paged_reference(**args)
     got, grids = _run_kernel(monkeypatch, args, device)
     assert got.shape == ref.shape and got.dtype == torch.float32
     assert torch.isfinite(got).all()
@@ -206,12 +206,12 @@ def test_paged_kernel_edge_rows(monkeypatch, many_sms, device):
     args["win_mask"][0] = False
     args["win_mask"][1] = False
     args["block_table"] = args["block_table"][:, :2].contiguous()
-    ref = pd.paged_decode_attention_reference(**args)
+    ref = paged_reference(**args)
     got, _ = _run_kernel(monkeypatch, args, device)
     assert (got[0] == 0).all() and (ref[0] == 0).all()
     assert rel_err(got, ref) < (2e-5 if device == "cpu" else 2e-2)
     args["hist_len"] = torch.zeros_like(args["hist_len"])
-    ref0 = pd.paged_decode_attention_reference(**args)
+    ref0 = paged_reference(**args)
     got0, grids = _run_kernel(monkeypatch, args, device)
     assert grids[0][0][1] == 1  # the window programs only
     assert rel_err(got0, ref0) < (2e-5 if device == "cpu" else 2e-2)
@@ -219,17 +219,17 @@ def test_paged_kernel_edge_rows(monkeypatch, many_sms, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_dispatcher(device):
-    """``paged_decode_attention`` takes the Triton path where it may (same result as the reference within the kernel's
+    """``decode`` over pages takes the Triton path where it may (same result as the reference within the kernel's
     tolerance) and the reference, unchanged, for shapes the kernel does not take (head_dim 96)."""
     args, _ = paged_case(2, 1, 4, 64, 32, 16, (20, 9), 8, True, seed=5, device=device)
-    ref = pd.paged_decode_attention_reference(**args)
-    got = pd.paged_decode_attention(**args, use_kernels=True)
+    ref = paged_reference(**args)
+    got = paged(**args, use_kernels=True)
     assert rel_err(got, ref) < (2e-5 if device == "cpu" else 2e-2)
     assert pd.paged_supported(args["qf"], args["pages_k"], args["pages_v"], 32, args["win_k"])
     args96, _ = paged_case(2, 1, 4, 96, 32, 16, (20, 9), 8, True, seed=6, device=device)
     assert not pd.paged_supported(args96["qf"], args96["pages_k"], args96["pages_v"], 32, args96["win_k"])
-    assert torch.equal(pd.paged_decode_attention(**args96, use_kernels=True),
-                       pd.paged_decode_attention_reference(**args96))
+    assert torch.equal(paged(**args96, use_kernels=True),
+                       paged_reference(**args96))
 
 
 # ------------------------------------------------------------------------------- the Gluon history kernel, paged
@@ -244,7 +244,7 @@ def _gluon_paged(monkeypatch, args, defaults):
     calls = []
     real = glu.launch_history
     monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (calls.append(kw.get("paged")), real(*a, **kw))[1])
-    return pd.paged_decode_attention_triton(**args, defaults=defaults), calls
+    return paged_triton(**args, defaults=defaults), calls
 
 
 @pytest.mark.gpu
@@ -270,7 +270,7 @@ def test_gpu_paged_gluon_matches_reference(monkeypatch, d, m, page, lens, split)
     long_split = 64 if split == "long" else 1 << 30
     df = replace(DEFAULTS, gluon_min_work=0, gluon_long_split=long_split)
     args, _ = paged_case(len(lens), 2, m, d, 64, page, lens, 40, True, seed=d + m + page, device="cuda")
-    ref = pd.paged_decode_attention_reference(**args)
+    ref = paged_reference(**args)
     got, calls = _gluon_paged(monkeypatch, args, df)
     assert len(calls) == 1 and calls[0].page == page and calls[0].max_len == max(lens)
     assert torch.isfinite(got).all()
@@ -287,7 +287,7 @@ def test_gpu_paged_gluon_in_a_cuda_graph(monkeypatch):
     bound = 2048
     args["block_table"] = torch.nn.functional.pad(args["block_table"], (0, _cdiv(bound, 64)), value=-1)
     static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in args.items()}
-    run = lambda: pd.paged_decode_attention_triton(**static, max_hist_len=bound, defaults=df)  # noqa: E731
+    run = lambda: paged_triton(**static, max_hist_len=bound, defaults=df)  # noqa: E731
     run()  # compile, and the counters' buffer
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -301,4 +301,4 @@ def test_gpu_paged_gluon_in_a_cuda_graph(monkeypatch):
             static[k].copy_(new[k])
         graph.replay()
         torch.cuda.synchronize()
-        assert rel_err(out, pd.paged_decode_attention_reference(**new)) < 2e-2
+        assert rel_err(out, paged_reference(**new)) < 2e-2

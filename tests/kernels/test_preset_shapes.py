@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_utils import random_rotation, rel_err, setup_interpreter
+from kernel_utils import random_rotation, rel_err, rotating, setup_interpreter
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
@@ -16,8 +16,8 @@ from test_write_path import check_against_reference  # noqa: E402
 from oscar_hf import OscarCache, OscarConfig  # noqa: E402
 from oscar_hf.compat import cache_kwargs  # noqa: E402
 from oscar_hf.kernels import plan  # noqa: E402
-from oscar_hf.kernels.int2_attention import (decode_attention_reference, decode_attention_rotating,  # noqa: E402
-                                             history_partial_reference, rotate_query_reference)
+from oscar_hf.kernels.int2_attention import (decode_attention_reference, history_partial_reference,  # noqa: E402
+                                             rotate_query_reference)
 from oscar_hf.kernels.write_path import rotate_quantize, rotate_quantize_reference  # noqa: E402
 from oscar_hf.models import tiny_model  # noqa: E402
 
@@ -57,7 +57,7 @@ def test_decode_op_at_preset_shape(monkeypatch, b, hk, m, n, w):
                                                           None, D**-0.5, G), 5e-5)
     # from the unrotated query (the caches' call, through the dispatcher)
     rot = {k_: v_ for k_, v_ in args.items() if k_ not in ("q_rot", "qk_offset", "q_win")}
-    got_r = decode_attention_rotating(qf, r_k, None, **rot, use_kernels=True)
+    got_r = rotating(qf, r_k, None, **rot, use_kernels=True)
     assert rel_err(got_r, ref) < 2e-5
 
 

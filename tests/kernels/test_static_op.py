@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from kernel_utils import HAS_CUDA, rel_err, setup_interpreter
+from kernel_utils import HAS_CUDA, rel_err, ring_write, setup_interpreter
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
@@ -17,9 +17,17 @@ from test_append_token import Layer, _tokens, assert_same  # noqa: E402
 
 from oscar_hf.kernels.heads_attention import heads_decode_reference  # noqa: E402
 from oscar_hf.kernels.int2_attention import decode_attention_reference, rotate_query_reference  # noqa: E402
-from oscar_hf.kernels.static_op import (NO_HEADS, decode_step, decode_step_op, step_config, step_heads,  # noqa: E402
+from oscar_hf.kernels.static_op import (NO_HEADS, decode_step, decode_step_, step_config, step_heads,  # noqa: E402
                                         step_storage)
-from oscar_hf.kernels.write_path import append_token_reference  # noqa: E402
+from oscar_hf.kernels import write_path  # noqa: E402
+
+append_token_reference = ring_write(write_path.append_token_reference)
+
+
+def decode_step_op(*args):
+    """The op as the compiled layer calls it: the opaque op while torch.compile traces, the function in eager code."""
+    return decode_step_(*args) if torch.compiler.is_compiling() else decode_step(*args)
+
 
 S0, W, N, G = 2, 2, 12, 16
 # (KV head -> INT2 history head, -1: a retrieval head; the retrieval heads' bits): none, INT8, 16-bit, all coded

@@ -1,0 +1,106 @@
+"""The one read of a decode step: :func:`decode`, a layer's attention over its window and history
+(:mod:`.kv`'s bundles), for every storage -- the eager layer, the compiled layer's op (:mod:`.static_op`), the serving
+store's pages -- and the retrieval heads beside the INT2 heads.
+
+Dispatch, one call to a launch on CUDA where the kernels take the shape (the launcher
+``decode_triton.decode_attention_triton``; the retrieval heads' ``heads_attention.heads_decode_attention``), the torch
+references elsewhere (``int2_attention.decode_attention_reference``, ``paged_decode``'s for pages):
+
+* paged history: the launcher reading through the block tables (the query rotated by its first launch), else the
+  batched reference (a host bound ``max_len``: no synchronization, what a CUDA graph captures) or the per-row one;
+* the unrotated query (``rotated`` None, no device-side length): the launcher rotating the query itself (on the Gluon
+  path in one launch with the window programs), for <= 16 query rows a KV head and outside a trace;
+* otherwise the query rotated first (``rotated``, or :func:`~.int2_attention.rotate_query`), then the launcher or the
+  reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .heads_attention import heads_decode_attention, merge_heads
+from .int2_attention import decode_attention_reference, rotate_query, rotate_query_reference
+from .kv import History, KVParams, Window
+from .paged_decode import check_paged_inputs, paged_decode_batched, paged_decode_reference, paged_supported
+from .plan import triton_enabled
+
+
+def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, scaling: float, out_dtype=None, *,
+           rotated=None, softcap=None, sinks=None, use_kernels="auto") -> torch.Tensor:
+    """``[B, Hk, M, D]`` in ``out_dtype`` (default ``q``'s): softmax attention of ``q [B, Hk, M, D]`` (unrotated,
+    model dtype or float32: every head's query, also the window's) over ``window`` and ``history``, in the value
+    space; rows without any valid key give 0. ``rotated``: the INT2 heads' query already rotated, ``(q_rot [B, Hq, M,
+    D] float32, qk_off [B, Hq, M] or None)``; ``softcap``: Gemma 2's logit soft-capping (None: none); ``sinks [Hk,
+    M]``: an attention sink's logit per query row (gpt-oss's ``s_aux``) or None. With retrieval heads
+    (``history.coded`` and ``params.heads``) the INT2 heads read ``history`` and the retrieval heads their coded rows,
+    both the same window; the outputs are merged at their KV heads."""
+    out_dtype = out_dtype or q.dtype
+    split = params.heads if history.coded is not None else None
+    qi, win, si = q, window, sinks
+    if split is not None:  # the INT2 heads' part of the query, the window (each row's) and the sinks
+        window = window.rows()
+        qi, win = q.index_select(1, split.int2_idx), window.heads(split.int2_idx)
+        si = None if sinks is None else sinks.index_select(0, split.int2_idx)
+    out = None
+    if history.k.codes.shape[1]:  # the INT2 heads
+        from . import decode_triton as dt
+        from .query_triton import query_kernel_supported
+
+        k, v, w = history.k, history.v, 0 if win.k is None else win.k.shape[-2]
+        kernels = triton_enabled(qi, use_kernels)
+        if history.pages is not None:  # (the float32 query: the window's logits as the store has always read them)
+            pages, qf, b = history.pages, qi.float(), qi.shape[0]
+            check_paged_inputs(qf, k, v, pages, win)
+            if kernels and paged_supported(qf, k, v, params.group_size, win.k):
+                if pages.max_len is None:
+                    pages = dataclasses.replace(pages, max_len=int(pages.lengths.max()) if b else 0)
+                slot = win.slot if win.slot is not None else torch.arange(b, device=qf.device)
+                if b == 0 or (pages.max_len == 0 and w == 0):  # nothing to attend to
+                    out = torch.zeros(qf.shape, device=qf.device, dtype=out_dtype)
+                else:
+                    out = dt.decode_attention_triton(None, k, v, None, None, None, scaling, params.group_size,
+                                                     q_win=qf, k_win=win.k, v_win=win.v,
+                                                     win_mask=win.mask_2d().view(b, 1, 1, w), r_v=params.r_v,
+                                                     mu_v=params.mu_v, out_dtype=out_dtype, r_k=params.r_k,
+                                                     mu_k=params.mu_k, paged=pages, win_slot=slot)
+            elif pages.max_len is not None:
+                out = paged_decode_batched(params, qf, win, history, scaling, out_dtype)
+            else:
+                out = paged_decode_reference(params, qf, win, history, scaling, out_dtype)
+        elif (rotated is None and history.n_valid is None and kernels and not torch.compiler.is_compiling()
+              and query_kernel_supported(qi)
+              and dt.decode_supported(qi, k, params.group_size, history.key_mask, win.mask, w)):
+            out = dt.decode_attention_triton(None, k, v, history.start, history.key_mask, None, scaling,
+                                             params.group_size, qi, win.k, win.v, win.mask, params.r_v, params.mu_v,
+                                             out_dtype, r_k=params.r_k, mu_k=params.mu_k, sinks=si, softcap=softcap)
+        else:
+            if rotated is None:  # the kernels' rotation where the launcher reads a device-side length
+                rotate = rotate_query if history.n_valid is not None else rotate_query_reference
+                rotated = rotate(qi, params.r_k, params.mu_k, *(() if history.n_valid is None else (use_kernels,)))
+            q_rot, qk_off = rotated
+            if kernels and dt.decode_supported(qi, k, params.group_size, history.key_mask, win.mask, w):
+                out = dt.decode_attention_triton(q_rot.float().contiguous(), k, v, history.start, history.key_mask,
+                                                 qk_off, scaling, params.group_size, qi, win.k, win.v, win.mask,
+                                                 params.r_v, params.mu_v, out_dtype, n_valid=history.n_valid,
+                                                 splits=history.splits, sinks=si, softcap=softcap)
+            else:
+                h = history.cut()
+                out = decode_attention_reference(q_rot, h.k, h.v, h.start, h.key_mask, qk_off, scaling,
+                                                 params.group_size, qi, win.k, win.v, win.mask, params.r_v,
+                                                 params.mu_v, out_dtype=out_dtype, block_n=params.block_n,
+                                                 n_valid=h.n_valid, softcap=softcap, sinks=si)
+    if split is None:  # (no INT2 head: an empty output, the caller merges the retrieval heads it reads itself)
+        return out if out is not None else torch.empty(qi.shape, dtype=out_dtype, device=qi.device)
+    # the retrieval heads: their coded history read in place (through the block tables when paged), the exact window
+    pages = history.pages
+    lo = history.start if pages is None else torch.zeros_like(pages.lengths, dtype=torch.long)
+    hi = pages.lengths if pages is not None else history.n_valid
+    if pages is None and hi.device.type == "cpu":  # (a CPU reference reads only the filled part)
+        hi = int(hi)
+    coded = heads_decode_attention(q, split.coded_idx, history.coded[0], history.coded[1], split.bits, lo, hi,
+                                   window.k, window.v, window.mask_2d(), scaling, out_dtype, use_kernels=use_kernels,
+                                   block_table=None if pages is None else pages.table,
+                                   max_len=None if pages is None else pages.max_len, softcap=softcap,
+                                   sinks=None if sinks is None else sinks.index_select(0, split.coded_idx))
+    return merge_heads(out, coded.to(out_dtype), split.int2_idx, split.coded_idx, q.shape[1])

@@ -1,0 +1,368 @@
+"""The jit helpers of the split kernel (:mod:`~oscar_hf.kernels.decode_split`, whose docstring has the math): code
+planes and their fp16 / inline-PTX extraction, the groups' metadata, the deferred loop's logits and value planes, the
+token blocks of a (paged) history, the online softmax and the window's programs."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .plan import settle_cache_keys
+from .query_triton import _cols_mask
+
+DF_LIM = tl.constexpr(64.0)  # deferred loop: largest excess of a row's max over its reference (log2 units)
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _soft_cap(x, CAP: tl.constexpr):
+    """Logit soft-capping (Gemma 2's ``softcap * tanh(logit / softcap)``) in the kernels' log2 units, where it is
+    ``CAP tanh(x / CAP)`` with ``CAP = softcap * log2(e)``. tanh from one exp2 (Triton has no tanh on every version):
+    ``tanh|y| = (1 - t) / (1 + t)`` with ``t = exp(-2|y|)`` in (0, 1], so no overflow at any ``|x|`` (large ``|x|``
+    gives ``+-CAP``), and an absolute error of a few float32 ulps of ``CAP`` near 0. Apply before masking: ``-inf``
+    would come out as ``-CAP``."""
+    t = tl.exp2(tl.abs(x) * (-2.0 * _LOG2E / CAP))
+    c = CAP * ((1.0 - t) / (1.0 + t))
+    return tl.where(x < 0, -c, c)
+
+
+@triton.jit
+def _op16(x, LOWP: tl.constexpr):
+    """fp16 dot operand on the GPU, float32 under the interpreter (see :func:`_op`)."""
+    if LOWP:
+        return x.to(tl.float16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _u_plane(bytes_, P: tl.constexpr, LOWP: tl.constexpr, EXACT: tl.constexpr):
+    """Codes of plane ``P`` of a byte tile as exact tensor-core operands, with no shift and no
+    int->float conversion: ``byte & (3 << 2P)`` is ``4^P code``; or-ed into the fp16 bit pattern of
+    1024 (``0x6400``, whose mantissa LSB is worth 1; ``4^P code <= 192`` fits the 10 mantissa bits)
+    it reads as ``u = 1024 + 4^P code``: one and-or per code. ``EXACT`` subtracts the 1024 (exact in
+    fp16), else the caller removes the offset from the result. Interpreter (float32): ``u = 1 + 4^P
+    code`` (offset ``OFFS = 1``), so the offset bookkeeping is exercised on the CPU too."""
+    m = bytes_ & (3 << (2 * P))
+    if LOWP:
+        u = (m.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        if EXACT:
+            u = u - 1024.0
+        return u
+    else:
+        u = m.to(tl.float32)
+        if not EXACT:
+            u = u + 1.0
+        return u
+
+
+# PTX of _u_plane_asm / _v_code_asm, one string per plane P (the mask 3 << 2P in both 16-bit halves). Key codes:
+# fp16 1024 + 4^P code; value codes: bf16 256 + KP code, plane 3 shifted down by 2 first (its bits would reach the
+# exponent). The leading cvt + prmt is the same for the four planes of a tile, so ptxas computes it once.
+_K_PLANE_ASM = tl.constexpr(tuple(
+    "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; "
+    f"lop3.b32 $0, w, 0x{(3 << 2 * p) * 0x10001:08X}, 0x64006400, 0xEA; }}" for p in range(4)))
+_V_PLANE_ASM = tl.constexpr(tuple(
+    "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; " + ("shr.b32 w, w, 2; " if p == 3 else "")
+    + f"lop3.b32 $0, w, 0x{(3 << 2 * min(p, 2)) * 0x10001:08X}, 0x43804380, 0xEA; }}" for p in range(4)))
+
+
+@triton.jit
+def _u_plane_asm(bytes_, P: tl.constexpr):
+    """:func:`_u_plane` (not EXACT) in PTX, two codes at a time: ``prmt`` moves the two bytes into the low bytes of
+    the two 16-bit halves (the same for the four planes of a byte tile: ptxas merges it), then one ``lop3`` keeps
+    plane ``P``'s bits and or-s in 0x6400 (the fp16 bit pattern of 1024). Written out because the Triton versions
+    differ in what they make of the same arithmetic (3.6: an and and an or per two codes; 3.9: the masks
+    re-materialized in registers). GPU only."""
+    return tl.inline_asm_elementwise(_K_PLANE_ASM[P], "=r,h", [bytes_], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _gsum(t, g: tl.constexpr, PPG: tl.constexpr):
+    """Sum of the per-plane vectors ``t[P]`` of the planes of group ``g`` (planes ``g*PPG ..``)."""
+    acc = t[g * PPG]
+    for j in tl.static_range(1, PPG):
+        acc += t[g * PPG + j]
+    return acc
+
+
+@triton.jit
+def _op(x, LOWP: tl.constexpr):
+    """Operand dtype of the attention dots: bf16 on the GPU (LOWP=1); float32 under the Triton
+    interpreter (LOWP=0), whose ``tl.dot`` multiplies the raw uint16 bits of bf16 tensors."""
+    if LOWP:
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _int2_plane(bytes_, P: tl.constexpr, s_tile, z_tile, s_row, z_row, nmask,
+                D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, LOWP: tl.constexpr, D4P: tl.constexpr):
+    """Dequantize plane ``P`` (channels ``[P*D4, (P+1)*D4)``) of a ``[BLOCK_N, D4P]`` byte tile to the
+    dot operand dtype: ``zero[n, g(c)] + code[n, c] * scale[n, g(c)]`` (``D4P``: ``D4`` padded to a power of two,
+    D = 96; the padded channels' bytes are 0 and meet 0 query channels)."""
+    code = ((bytes_ >> (2 * P)) & 3).to(tl.float32)
+    if G % D4 == 0:
+        # The plane lies in one group g: pick column g of the [BLOCK_N, NG] metadata tiles (a
+        # one-hot sum over NG <= 8 register values; the tiles were loaded once per block).
+        onehot = tl.arange(0, NG)[None, :] == (P * D4) // G
+        s = tl.sum(tl.where(onehot, s_tile, 0.0), 1)
+        z = tl.sum(tl.where(onehot, z_tile, 0.0), 1)
+        return _op(z[:, None] + code * s[:, None], LOWP)
+    else:
+        # groups inside the plane (D=256, G=32) or across planes (D=96, G=32: channels 24..47 in groups 0 and 1):
+        # gather scale/zero per channel (L1 hits).
+        offs = tl.arange(0, D4P)
+        g = (P * D4 + offs) // G
+        s = tl.load(s_row[:, None] + g[None, :], mask=_cols_mask(nmask, offs, D4, D4P), other=0.0).to(tl.float32)
+        z = tl.load(z_row[:, None] + g[None, :], mask=_cols_mask(nmask, offs, D4, D4P), other=0.0).to(tl.float32)
+        return _op(z + code * s, LOWP)
+@triton.jit
+def _bf16_pair(base, meta, mask):
+    """Scale (or zero) of groups 0 and 1 of each token (NG = 2, bf16 metadata) with ONE 4-byte load per
+    token instead of two 2-byte ones, widened to float32 by a 16-bit shift (little endian: group 0 in the
+    low half). Halves the synchronous metadata loads the split kernel waits on."""
+    w = tl.load((base + meta).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
+    return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _meta_groups(base, meta, mask, NG: tl.constexpr):
+    """Scale (or zero) of every group of a block's tokens, as a tuple of ``NG <= 4`` float32 vectors."""
+    g0 = tl.load(base + meta, mask=mask, other=0.0).to(tl.float32)
+    if NG == 1:
+        return (g0,)
+    elif NG == 2:
+        return (g0, tl.load(base + meta + 1, mask=mask, other=0.0).to(tl.float32))
+    else:
+        return (g0, tl.load(base + meta + 1, mask=mask, other=0.0).to(tl.float32),
+                tl.load(base + meta + 2, mask=mask, other=0.0).to(tl.float32),
+                tl.load(base + meta + 3, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _df_meta(ks_base, kz_base, vs_base, vz_base, kmeta, vmeta, inb, valid, NG: tl.constexpr, PAIR: tl.constexpr):
+    """The deferred loop's metadata of one block: K scale / zero (in-bounds tokens) and V scale / zero (valid
+    tokens only: stale storage may hold NaN), each a tuple over the groups (:func:`_bf16_pair` when ``PAIR``).
+    ``kmeta`` / ``vmeta``: the tokens' metadata row offsets ``[BLOCK_N]`` (:func:`_block_rows`)."""
+    if PAIR:
+        return (_bf16_pair(ks_base, kmeta, inb), _bf16_pair(kz_base, kmeta, inb),
+                _bf16_pair(vs_base, vmeta, valid), _bf16_pair(vz_base, vmeta, valid))
+    else:
+        return (_meta_groups(ks_base, kmeta, inb, NG), _meta_groups(kz_base, kmeta, inb, NG),
+                _meta_groups(vs_base, vmeta, valid, NG), _meta_groups(vz_base, vmeta, valid, NG))
+
+
+@triton.jit
+def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.constexpr,
+               BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, LOWP: tl.constexpr, PRE: tl.constexpr = 0,
+               s_pre=None, z_pre=None, ASM: tl.constexpr = 0):
+    """Logits ``[BLOCK_N, M_PAD]`` (log2 units, offset ``q·mu_K`` included) of one K byte tile
+    ``kb [BLOCK_N, D/4]``: four plane dots with the tile as the A operand (each plane inside one group); after the
+    last plane of a group, its scale / zero are applied:
+    ``logit[n, m] = sum_g s[n, g] (sum_{P in g} u_P[n] . q_P[m] / 4^P - C_g[m]) + z[n, g] Qs_g[m]`` with
+    ``u_P = OFFS + 4^P code`` (:func:`_u_plane`), ``C_g[m] = OFFS sum_{P in g} sum_c q_P[m, c] / 4^P`` (the offset,
+    from the same rounded operands the dot sees, ``cps``) and ``Qs_g[m] = sum_{c in g} q[m, c]`` (``qss``). ``PRE``:
+    scale / zero come preloaded (``s_pre``, ``z_pre``: one vector per group, :func:`_df_meta`)."""
+    st = tl.zeros((BLOCK_N, M_PAD), tl.float32) + off[None, :]
+    d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+    for P in tl.static_range(4):
+        if ASM:
+            d = tl.dot(_u_plane_asm(kb, P), qts[P], d)
+        else:
+            d = tl.dot(_u_plane(kb, P, LOWP, False), qts[P], d)
+        if P % PPG == PPG - 1:  # last plane of group g: apply its scale / zero
+            if PRE:
+                sg = s_pre[P // PPG]
+                zg = z_pre[P // PPG]
+            else:
+                sg = tl.load(ks_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
+                zg = tl.load(kz_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
+            # s (d - C) + z Qs as three fused multiply-adds into st (d - C first took a separate add and multiply;
+            # the rounding of s d + st is of the order of the tensor cores' own fp32 accumulation error in d)
+            st = tl.fma(sg[:, None], d, st)
+            st = tl.fma(-sg[:, None], _gsum(cps, P // PPG, PPG)[None, :], st)
+            st = tl.fma(zg[:, None], _gsum(qss, P // PPG, PPG)[None, :], st)
+            d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+    return st
+
+
+@triton.jit
+def _v_code_operand(vb, P: tl.constexpr, LOWP: tl.constexpr):
+    """Codes of plane ``P`` of a value byte tile as exact bf16 ``KP * code`` with ``KP = 2 * 4^min(P, 2)``, no
+    per-code shift for planes 0-2: ``byte & (3 << 2P)`` (``4^P code <= 48``) or-ed into the bit pattern of 256.0
+    (``0x4380``, mantissa LSB worth 2) reads as ``256 + KP code``, and the subtraction of 256 is exact (one
+    and-or + one packed subtract per two codes, against two shifts, a byte merge, an and-or and a subtract
+    for ``_code_operand``); plane 3's bits 6-7 would reach the exponent, so it is shifted down to bits 4-5 first.
+    Float32 under the interpreter (the same bit pattern, widened)."""
+    if P < 3:
+        m = vb & (3 << (2 * P))
+    else:
+        m = (vb >> 2) & 0x30
+    u = (m.to(tl.uint16) | 0x4380).to(tl.bfloat16, bitcast=True)
+    if LOWP:
+        return u - 256.0
+    else:
+        return u.to(tl.float32) - 256.0
+
+
+@triton.jit
+def _v_code_asm(vb, P: tl.constexpr):
+    """:func:`_v_code_operand` on the GPU in PTX, two codes at a time: ``prmt`` moves the two bytes into the low
+    bytes of the two 16-bit halves (shared by the four planes), one ``lop3`` keeps plane ``P``'s bits and or-s in
+    the bit pattern of 256.0 (plane 3: shifted down by 2 first, its bits 6-7 would reach the exponent). Same values
+    as :func:`_v_code_operand`: ``256 + KP code``; the caller's subtraction of 256 is exact."""
+    u = tl.inline_asm_elementwise(_V_PLANE_ASM[P], "=r,h", [vb], dtype=tl.bfloat16, is_pure=True, pack=2)
+    return u - 256.0
+
+
+@triton.jit
+def _df_v_plane(p, vb, P: tl.constexpr, acc, zt, D4: tl.constexpr, G: tl.constexpr, PPG: tl.constexpr,
+                LOWP: tl.constexpr, s_pre, z_pre, ASM: tl.constexpr = 0):
+    """Deferred-loop values of plane ``P`` (group ``g``): ``acc += bf16((p s_g)ᵀ) . (KP code_P)`` -- bf16,
+    since ``p`` is relative to a fixed reference and may exceed 1; ``KP`` (:func:`_v_code_operand`) is divided
+    out after the loop -- and the elementwise tile ``zt += p z_g`` (reduced over tokens once, after the loop;
+    kept by the group's first plane only). No rescaling: the reference is fixed. Planes of one group compute
+    the same ``W_g`` (merged by CSE: one transposition through shared memory per group). ``s_pre``, ``z_pre``: the
+    block's value scale / zero, one vector per group (:func:`_df_meta`)."""
+    g: tl.constexpr = (P * D4) // G
+    s = s_pre[g]
+    z = z_pre[g]
+    w = _op(tl.trans(p * s[:, None]), LOWP)
+    if ASM:
+        acc = tl.dot(w, _v_code_asm(vb, P), acc)
+    else:
+        acc = tl.dot(w, _v_code_operand(vb, P, LOWP).to(w.dtype), acc)
+    if P % PPG == 0:
+        zt += p * z[:, None]
+    return acc, zt
+
+
+@triton.jit
+def _meta_tiles(s_base, z_base, offs_n, rows, nmask, NG: tl.constexpr, PAGED: tl.constexpr = 0,
+                TILES: tl.constexpr = 1):
+    """``[BLOCK_N, NG]`` scale/zero tiles (float32) of a block: rows are contiguous (``NG``
+    values per token), so this is one vectorized, pipelinable load per tensor; plus the row pointers.
+    ``PAGED``: the tokens' metadata row offsets are ``rows [BLOCK_N]`` (:func:`_block_rows`), not ``offs_n * NG``.
+    ``TILES`` 0 (no plane inside one group: :func:`_int2_plane` gathers per channel from the row pointers): the row
+    pointers only (``NG`` need not be a power of two there, e.g. 3 at D = 96, G = 32)."""
+    if PAGED:
+        row = rows
+    else:
+        row = offs_n.to(tl.int64) * NG
+    if TILES:
+        if PAGED:
+            offs = rows[:, None] + tl.arange(0, NG)[None, :]
+        else:
+            offs = offs_n.to(tl.int64)[:, None] * NG + tl.arange(0, NG)[None, :]
+        s_tile = tl.load(s_base + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
+        z_tile = tl.load(z_base + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
+    else:
+        s_tile = 0.0
+        z_tile = 0.0
+    return s_tile, z_tile, s_base + row, z_base + row
+@triton.jit
+def _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
+    """History tokens ``[n0, n0 + BLOCK_N)`` of one (row, KV head): their indices, which are in
+    bounds (``< hi``), and which are valid (in bounds, ``>= start`` of the row, and not masked)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    inb = offs_n < hi
+    valid = inb & (offs_n >= start)
+    if HAS_MASK:
+        km = tl.load(KMASK + b.to(tl.int64) * smb + h * smh + offs_n * smn, mask=inb, other=0)
+        valid = valid & (km != 0)
+    return offs_n, inb, valid
+
+
+@triton.jit
+def _block_rows(n0, hi, offs_n, inb, BT_ROW, skb, skn, smkb, svb, svn, smvb, NG: tl.constexpr, PAGE: tl.constexpr,
+                BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+    """Element offsets of a block's tokens from the (row, KV head) bases: ``(K codes [BLOCK_N, 1], K metadata
+    [BLOCK_N], V codes [BLOCK_N, 1], V metadata [BLOCK_N])``, int64.
+
+    Contiguous history: token ``n`` is row ``n`` (code rows ``skn`` / ``svn`` apart, metadata rows ``NG``). Paged
+    (``PAGED``): token ``n`` is row ``n % PAGE`` of page ``BT_ROW[n // PAGE]`` (the row's block table; page strides
+    ``skb``, ``smkb``, ``svb``, ``smvb``). Where ``BLOCK_N`` divides ``PAGE`` the block lies in one page: one scalar
+    table load; else one table load per token (the same few entries: L1 hits). Table entries are read for in-bounds
+    tokens only (``< hi``), so entries past a row's pages are never read."""
+    if PAGED:
+        if PAGE % BLOCK_N == 0:
+            pg = tl.load(BT_ROW + n0 // PAGE, mask=n0 < hi, other=0).to(tl.int64)
+            r = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        else:
+            pg = tl.load(BT_ROW + offs_n // PAGE, mask=inb, other=0).to(tl.int64)
+            r = (offs_n % PAGE).to(tl.int64)
+        return (pg * skb + r * skn)[:, None], pg * smkb + r * NG, (pg * svb + r * svn)[:, None], pg * smvb + r * NG
+    else:
+        return (offs_n[:, None].to(tl.int64) * skn, offs_n.to(tl.int64) * NG, offs_n[:, None].to(tl.int64) * svn,
+                offs_n.to(tl.int64) * NG)
+
+
+@triton.jit
+def _softmax_step(s, valid, m_i, l_i):
+    """Online-softmax update in base 2 for a ``[M_PAD, BLOCK_N]`` logit tile. Fully masked rows keep
+    ``m = -inf`` and contribute nothing (``m_safe`` avoids ``-inf - -inf``)."""
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, part, w0, W, win_split, qk_scale,
+                  sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+                  M, D: tl.constexpr, M_PAD: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr,
+                  WIN_STAGES: tl.constexpr, DP: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+    """One window program of :func:`_split_kernel`: full-precision (unrotated) window tokens ``[w0, w0 + win_split)``
+    of one (row, KV head), online softmax over ``BLOCK_W``-token steps, partial ``(m, l, acc)`` at ``part``. ``bw``:
+    the index of the row's window in ``KW`` / ``VW`` (``b``, or its slot in a window pool). ``DP``: ``D`` padded to a
+    power of two (the padded channels load as 0, are not stored); ``SOFTCAP`` > 0: the logits soft-capped
+    (:func:`_soft_cap`)."""
+    BLOCK_W: tl.constexpr = 32  # window tokens per step
+    offs_m = tl.arange(0, M_PAD)
+    offs_d = tl.arange(0, DP)
+    mrow = offs_m < M
+    m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
+    l_i = tl.zeros((M_PAD,), tl.float32)
+    qw = tl.load(QW + b.to(tl.int64) * sqwb + h * sqwh + offs_m[:, None] * sqwm + offs_d[None, :],
+                 mask=_cols_mask(mrow, offs_d, D, DP), other=0.0).to(tl.float32)
+    qw = _op(qw * qk_scale, LOWP)
+    acc = tl.zeros((M_PAD, DP), tl.float32)
+    w1 = tl.minimum(w0 + win_split, W)
+    # Small tiles, and not software-pipelined (WIN_STAGES = 1) when the history programs share the launch:
+    # keeps the shared memory of this branch below the history branch's, so occupancy is set by the history
+    # programs. A window-only launch (the Gluon path) pipelines its steps.
+    for n0 in tl.range(w0, w1, BLOCK_W, num_stages=WIN_STAGES):
+        offs_n = n0 + tl.arange(0, BLOCK_W)
+        valid = offs_n < w1
+        if HAS_WMASK:
+            wm = tl.load(WMASK + b.to(tl.int64) * swb + h * swh + offs_n * swn, mask=valid, other=0)
+            valid = valid & (wm != 0)
+        # keys and values loaded together: one round of memory latency per step, not two
+        kw = tl.load(KW + bw.to(tl.int64) * skwb + h * skwh + offs_n[:, None] * skwn + offs_d[None, :],
+                     mask=_cols_mask(valid, offs_d, D, DP), other=0.0)
+        vw = tl.load(VW + bw.to(tl.int64) * svwb + h * svwh + offs_n[:, None] * svwn + offs_d[None, :],
+                     mask=_cols_mask(valid, offs_d, D, DP), other=0.0)
+        s = tl.dot(qw, tl.trans(_op(kw, LOWP)))
+        if SOFTCAP > 0:
+            s = _soft_cap(s, SOFTCAP)
+        p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
+        acc = tl.dot(_op(p, LOWP), _op(vw, LOWP), acc * alpha[:, None])
+    tl.store(PACC + (part + offs_m[:, None]) * D + offs_d[None, :], acc, mask=_cols_mask(mrow, offs_d, D, DP))
+    tl.store(PM + part + offs_m, m_i, mask=mrow)
+    tl.store(PL + part + offs_m, l_i, mask=mrow)
+
+
+@triton.jit
+def _window_row(b, WSLOT, PAGED: tl.constexpr):
+    """The window row of batch row ``b``: itself, or (``PAGED``) its slot ``WSLOT[b]`` of the window pool."""
+    if PAGED:
+        return tl.load(WSLOT + b)
+    else:
+        return b
+
+
+settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

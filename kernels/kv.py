@@ -1,0 +1,150 @@
+"""The KV as the kernels take it: a few frozen bundles, one read (:func:`~oscar_hf.kernels.decode.decode`) and one
+write (:func:`~oscar_hf.kernels.write_path.append`) over them, for every storage (the eager and compiled layers of
+``generate``, the serving store's pages).
+
+``B`` rows, ``Hk`` KV heads of which ``Hq`` are INT2 heads and ``P`` retrieval heads (coded rows, exact window),
+``M`` query rows per KV head, ``D`` head_dim, ``W`` window entries (sink + ring), ``N`` history entries.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from oscar_hf.quant import QuantizedRows
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSplit:
+    """A layer's split of its KV heads into INT2 heads and retrieval heads: ``int2_idx [Hq]`` / ``coded_idx [P]``
+    (long, ascending KV heads), ``coded_of [Hk]`` each KV head's index among the retrieval heads or -1, ``bits`` their
+    storage (16, 8 or 4)."""
+
+    int2_idx: torch.Tensor
+    coded_idx: torch.Tensor
+    coded_of: torch.Tensor
+    bits: int
+
+
+@dataclasses.dataclass(frozen=True)
+class KVParams:
+    """A layer's parameters as its write and read take them: the INT2 heads' rotations ``r_k/r_v [Hq, D, D]``
+    (float32) and offsets ``mu_k`` (None, ``[Hq, D]`` or per sequence ``[B, Hq, D]``) / ``mu_v`` (None or ``[Hq,
+    D]``), the quantizer's group size, clip ratios, metadata dtype and kind, the torch references' block of history
+    entries; ``hist_of [Hk]`` (None: every KV head is an INT2 head) each KV head's INT2 index or -1, and ``heads`` the
+    split into INT2 and retrieval heads (None without retrieval heads)."""
+
+    r_k: torch.Tensor
+    mu_k: torch.Tensor | None
+    r_v: torch.Tensor
+    mu_v: torch.Tensor | None
+    group_size: int
+    clip_k: float = 1.0
+    clip_v: float = 1.0
+    meta_dtype: torch.dtype = torch.bfloat16
+    quantizer: str = "minmax"
+    block_n: int = 1024
+    hist_of: torch.Tensor | None = None
+    heads: HeadSplit | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """The full-precision window (sink + ring, unrotated, model dtype): ``k/v [B, Hk, W, D]`` (or ``[slots, Hk, W,
+    D]`` with ``slot [B]``: row ``b`` reads slot ``slot[b]``, the serving store's window pool); ``mask`` None or bool
+    broadcastable to ``[B, Hk, M, W]`` (False: not a token of the row)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None = None
+    slot: torch.Tensor | None = None
+
+    def rows(self) -> "Window":
+        """The window of each row, ``[B, Hk, W, D]`` (gathered from the pool when ``slot`` is given)."""
+        if self.slot is None:
+            return self
+        return Window(self.k.index_select(0, self.slot), self.v.index_select(0, self.slot), self.mask)
+
+    def heads(self, idx: torch.Tensor) -> "Window":
+        """The window of the KV heads ``idx`` (of each row: :meth:`rows` first)."""
+        return Window(self.k.index_select(1, idx), self.v.index_select(1, idx), self.mask)
+
+    def mask_2d(self) -> torch.Tensor | None:
+        """``[B, W]``: the mask of each row (the retrieval heads' read)."""
+        return None if self.mask is None or self.mask.dim() == 2 else self.mask[:, 0, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pages:
+    """A paged history (the serving store's pool): row ``b``'s entry ``j`` is row ``j % P`` of page ``table[b, j //
+    P]`` (``[B, max_pages]`` int32, -1 past a row's pages); the row has ``lengths[b]`` entries (``[B]`` int32);
+    ``max_len``: a host bound of them that sizes the grid (None: read from ``lengths``, one synchronization)."""
+
+    table: torch.Tensor
+    lengths: torch.Tensor
+    max_len: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class History:
+    """The INT2 history of the INT2 heads, ``k/v`` :class:`~oscar_hf.quant.QuantizedRows` ``[B, Hq, N, *]`` (rotated
+    by ``R_K/R_V`` and centered), or with ``pages`` the pool's ``[num_pages, Hq, P, *]``. Row ``b`` reads entries
+    ``start[b] <= j`` (None: 0) that ``key_mask`` (None, or bool broadcastable to ``[B, Hq, M, N]``) allows, below
+    ``n_valid`` (a 0-d device tensor: the compiled storage's length, read on the device; ``splits`` then fixes the
+    grid's history programs). ``coded``: the retrieval heads' rows, ``(k, v)`` tuples of parts ``[B, P, N, *]`` (or
+    ``[num_pages, P, P_size, *]``) in :mod:`oscar_hf.cache.heads`' form, None without."""
+
+    k: QuantizedRows
+    v: QuantizedRows
+    start: torch.Tensor | None = None
+    key_mask: torch.Tensor | None = None
+    n_valid: torch.Tensor | None = None
+    splits: int | None = None
+    pages: Pages | None = None
+    coded: tuple | None = None
+
+    def cut(self) -> "History":
+        """The same history with a CPU ``n_valid`` applied on the host (the torch references read only the filled
+        part)."""
+        if self.n_valid is None or self.n_valid.device.type != "cpu" or torch.compiler.is_compiling():
+            return self
+        n = int(self.n_valid)
+        k, v = (QuantizedRows(*(x[:, :, :n] for x in rows)) for rows in (self.k, self.v))
+        return dataclasses.replace(self, k=k, v=v, n_valid=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+    """Where a one-token write of a contiguous storage goes (:func:`~oscar_hf.kernels.write_path.append`): ``length``
+    (0-d int64 device tensor, ``T``), each row's left padding ``pad [B]``, ``sink`` (``S0``) and ``recent``
+    (``W``)."""
+
+    length: torch.Tensor
+    pad: torch.Tensor
+    sink: int
+    recent: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedRows:
+    """Where each of the ``Bp`` decode rows of a serving step reads and writes (``[Bp]`` int64 device tensors, the
+    store's ``StepPlan``): ``pos`` its new token's position in the packed batch, ``slots`` its window slot,
+    ``new_entry`` the new token's ring entry, ``sink_entry`` its sink entry (``new_entry`` again when it has none),
+    ``demote_entry`` the ring entry that left the window at the previous step, ``demote_page`` / ``demote_off`` the page
+    and offset it goes to (the pool's trash page for a row that demotes nothing: every row writes one entry);
+    ``demote`` / ``write_sink``: whether any row demotes / writes a sink entry this step (host bools)."""
+
+    pos: torch.Tensor
+    slots: torch.Tensor
+    new_entry: torch.Tensor
+    sink_entry: torch.Tensor
+    demote_entry: torch.Tensor
+    demote_page: torch.Tensor
+    demote_off: torch.Tensor
+    demote: bool = True
+    write_sink: bool = True
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The seven ``[Bp]`` tensors in field order (the kernel's arguments)."""
+        return (self.pos, self.slots, self.new_entry, self.sink_entry, self.demote_entry, self.demote_page,
+                self.demote_off)

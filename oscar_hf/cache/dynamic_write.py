@@ -1,0 +1,189 @@
+"""The eager layer's writes (:class:`DynamicWrites`, a base of :class:`~oscar_hf.cache.dynamic.OscarLayer`): new rows
+committed to the tail, slots leaving the recent window demoted into the sink and the INT2 history, and ``generate``'s
+cache operations on that storage (crop, beam reorder, batch select). Layout: the module docstring of
+:mod:`oscar_hf.cache.dynamic`."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from oscar_hf.kernels.write_path import rotate_quantize
+
+from ..quant import QuantizedRows
+
+logger = logging.getLogger("oscar_hf")
+
+CROP_RESERVE = 64  # demoted slots kept in full precision so that crop(-n) can undo a demotion exactly
+TAIL_SLACK = 64  # extra tail capacity so that compaction happens once every TAIL_SLACK appends
+
+
+def grown(t: torch.Tensor, keep: int, need: int) -> torch.Tensor:
+    """``t [B, H, cap, X]`` with room for at least ``need`` entries along dim 2 (amortized growth: never an O(n)
+    copy per step); its first ``keep`` entries are kept. ``t`` itself when it is large enough."""
+    cap = t.shape[2]
+    if need <= cap:
+        return t
+    z = t.new_zeros(*t.shape[:2], max(need, int(cap * 1.5), 1024), t.shape[3])
+    z[:, :, :keep] = t[:, :, :keep]
+    return z
+
+
+def slot_rows(tail_k, tail_v, tail_slot0: int, t_old: int, a: int, b: int, new_k, new_v):
+    """``(k, v) [B, H, b - a, D]``: the rows of slots ``[a, b)`` from a full-precision tail whose index 0 is slot
+    ``tail_slot0`` (slots ``< t_old``) and/or the new rows (slots ``>= t_old``); views when one source serves."""
+    parts_k, parts_v = [], []
+    if a < t_old:
+        pa, pb = a - tail_slot0, min(b, t_old) - tail_slot0
+        parts_k.append(tail_k[:, :, pa:pb])
+        parts_v.append(tail_v[:, :, pa:pb])
+    if b > t_old:
+        na, nb = max(a, t_old) - t_old, b - t_old
+        parts_k.append(new_k[:, :, na:nb])
+        parts_v.append(new_v[:, :, na:nb])
+    if len(parts_k) == 1:
+        return parts_k[0], parts_v[0]
+    return torch.cat(parts_k, 2), torch.cat(parts_v, 2)
+
+
+
+
+class DynamicWrites:
+    """The writes and cache operations of an eager layer (see the module docstring)."""
+
+    # ------------------------------------------------------------------ write path
+    def commit(self, new_k: torch.Tensor, new_v: torch.Tensor, pad: torch.Tensor | None = None) -> None:
+        """Append ``new_k/v [B, Hk, L, D]`` (slots ``[T, T + L)``) and demote what left the recent window."""
+        if not self.is_initialized:
+            self.lazy_initialization(new_k, new_v)
+        self.pending = None
+        self.write_full_precision_heads(new_k, new_v, self.seq_len)
+        self._fp_written = False
+        if self.pad is None:
+            self.pad = (pad if pad is not None else torch.zeros(self.batch_size, dtype=torch.long)).to(self.device)
+            self.pad_max = int(self.pad.max()) if self.pad.numel() else 0
+        t_old, n_new = self.seq_len, new_k.shape[-2]
+        t_new = t_old + n_new
+        target = max(self._recent_start(t_new), self.tail_start)
+        if target > self.tail_start:
+            self._demote(self.tail_start, target, t_old, new_k, new_v)
+        # Append the new rows that stay in full precision, plus the rollback reserve.
+        self._append(new_k, new_v, t_old, t_new, target)
+        self.tail_start = target
+        self.seq_len = t_new
+
+    def _recent_start(self, t: int) -> int:
+        """First full-precision recent slot for a sequence of ``t`` slots. Nothing is quantized until
+        some row has a history token: while ``t - recent <= sink`` the tail holds every slot (0)."""
+        s0, w = self.config.sink, self.config.recent
+        return t - w if t - w > s0 else 0
+
+    def _source(self, a: int, b: int, t_old: int, new_k, new_v):
+        """Rows of slots ``[a, b)`` from the old tail and/or the new rows (views, no copy when possible)."""
+        return slot_rows(self.tail_k, self.tail_v, self.buf_slot0, t_old, a, b, new_k, new_v)
+
+    def _demote(self, a: int, b: int, t_old: int, new_k, new_v) -> None:
+        s0 = self.config.sink
+        # Sink: rows whose first S0 real slots intersect [a, b) copy them in (per-row gather).
+        if a < self.pad_max + s0:
+            j = torch.arange(s0, device=self.device)
+            slot = self.pad[:, None] + j[None, :]  # [B, S0]
+            sel = (slot >= a) & (slot < b)
+            lo, hi = a, min(b, self.pad_max + s0)
+            src_k, src_v = self._source(lo, hi, t_old, new_k, new_v)
+            idx = (slot - lo).clamp(0, hi - lo - 1)[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
+            m = sel[:, None, :, None]
+            self.sink_k = torch.where(m, src_k.gather(2, idx), self.sink_k)
+            self.sink_v = torch.where(m, src_v.gather(2, idx), self.sink_v)
+        # History: slots [max(a, S0), b) -> indices [.. - S0], every row (masked per row on read).
+        ha = max(a, s0)
+        if b <= ha:
+            return
+        self._reserve_hist(b - s0)
+        if self.config.key_offset == "prefill" and self.mu_k_seq is None:
+            self.mu_k_seq = self.sequence_key_mean(self._source(0, b, t_old, new_k, new_v)[0])
+        step = self.config.prefill_chunk
+        r, g, meta = self.params, self.config.group_size, self.config.torch_meta_dtype
+        mu_k, mu_v = self.offsets()
+        uk, qz = self.config.use_kernels, self.config.quantizer
+        for c0 in range(ha, b, step):
+            c1 = min(b, c0 + step)
+            xk, xv = (self.params.int2_part(x) for x in self._source(c0, c1, t_old, new_k, new_v))
+            rotate_quantize(xk, r.r_k, mu_k, self.params.clip_k, g, meta, out=self.hist_k, out_offset=c0 - s0, use_kernels=uk,
+                            quantizer=qz)
+            rotate_quantize(xv, r.r_v, mu_v, self.params.clip_v, g, meta, out=self.hist_v, out_offset=c0 - s0, use_kernels=uk,
+                            quantizer=qz)
+
+    def _reserve_hist(self, n: int) -> None:
+        cap = self.hist_k.codes.shape[2]
+        self.hist_k, self.hist_v = (QuantizedRows(*(grown(t, cap, n) for t in q)) for q in (self.hist_k, self.hist_v))
+
+    def _append(self, new_k, new_v, t_old: int, t_new: int, target: int) -> None:
+        """Write new slots ``[first, t_new)`` into the tail buffer (``first`` includes up to
+        ``CROP_RESERVE`` already-demoted slots), compacting or growing the buffer when it is full.
+        Compaction copies at most ``recent + CROP_RESERVE`` rows once every ``TAIL_SLACK`` steps."""
+        first = max(t_old, target - CROP_RESERVE)
+        keep_from = max(self.buf_slot0, target - CROP_RESERVE)  # oldest slot worth keeping
+        cap = self.tail_k.shape[2]
+        if t_new - self.buf_slot0 > cap or keep_from > t_old:
+            need = t_new - keep_from + TAIL_SLACK
+            n_keep = max(0, t_old - keep_from)
+            a = keep_from - self.buf_slot0
+            old_k = self.tail_k[:, :, a : a + n_keep].clone()
+            old_v = self.tail_v[:, :, a : a + n_keep].clone()
+            if need > cap:
+                self.tail_k = self.tail_k.new_zeros(*self.tail_k.shape[:2], need, self.head_dim)
+                self.tail_v = self.tail_v.new_zeros(*self.tail_v.shape[:2], need, self.head_dim)
+            self.tail_k[:, :, :n_keep] = old_k
+            self.tail_v[:, :, :n_keep] = old_v
+            self.buf_slot0 = keep_from
+        p = first - self.buf_slot0
+        self.tail_k[:, :, p : p + t_new - first] = new_k[:, :, first - t_old :]
+        self.tail_v[:, :, p : p + t_new - first] = new_v[:, :, first - t_old :]
+
+    # ------------------------------------------------------------------ generate() contract
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens. Exact (as if they were never added) while the
+        demoted slots are still in the rollback reserve; beyond it the tail is refilled as far as possible."""
+        if tokens_to_remove > 0:
+            raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
+        if self.pending is not None:
+            raise RuntimeError("crop() during a forward pass")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        t_new = max(0, self.seq_len - n)
+        want = self._recent_start(t_new)  # where the tail would start had we decoded to t_new
+        # Undo demotions as far as the reserve allows (slots >= buf_slot0 are still in full precision).
+        self.tail_start = min(max(want, self.buf_slot0), self.tail_start, t_new)
+        if t_new < self.buf_slot0:
+            self.buf_slot0 = self.tail_start = t_new
+        self.seq_len = t_new
+        if self.tail_start > want:
+            logger.debug("layer %d: crop beyond the rollback reserve; recent window refills as decoding goes on", self.layer_idx)
+
+    def _batch_apply(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        self.tail_k, self.tail_v = fn(self.tail_k), fn(self.tail_v)
+        self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
+        self.hist_k = QuantizedRows(*(fn(t) for t in self.hist_k))
+        self.hist_v = QuantizedRows(*(fn(t) for t in self.hist_v))
+        if self.fp_k is not None:
+            self.fp_k, self.fp_v = tuple(fn(t) for t in self.fp_k), tuple(fn(t) for t in self.fp_v)
+        if self.pad is not None:
+            self.pad = fn(self.pad)
+            self.pad_max = int(self.pad.max()) if self.pad.numel() else 0
+        if self.mu_k_seq is not None:
+            self.mu_k_seq = fn(self.mu_k_seq)
+        self.batch_size = self.tail_k.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
+        self._batch_apply(lambda t: t.index_select(0, idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._batch_apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])

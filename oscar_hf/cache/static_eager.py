@@ -1,0 +1,256 @@
+"""The compiled layer's eager side (:class:`StaticEager`, a base of :class:`~oscar_hf.cache.static.StaticOscarLayer`):
+its multi-token forwards (prefill, next turn, assisted decoding's verification) and their bulk writes, ``generate``'s
+cache operations (crop, beam reorder, batch select), save / load in the eager layer's format, and its memory. Never
+compiled: the compiled step wrapper runs multi-token forwards through the plain model. Layout: the module docstring of
+:mod:`oscar_hf.cache.static`."""
+from __future__ import annotations
+
+import torch
+
+from oscar_hf.kernels.decode import decode
+from oscar_hf.kernels.kv import History, Window
+
+from ..patching import base_attention_function
+from ..quant import QuantizedRows, dequantize_rows
+from . import heads
+from .base import allowed_slots, group_queries, logit_terms, mask_rows
+from .window import RowsHistory, commit, demote_pending, ring_entries
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def _static(t: torch.Tensor) -> torch.Tensor:
+    """Tag a buffer as having a fixed address (CUDA graphs re-use it instead of copying it). Capacity dimensions are
+    not marked dynamic: the first compile of the step sees fixed sizes (symbolic sizes made it ~1.4x slower to trace
+    and compile); a capacity growth then recompiles once, and torch's automatic dynamic shapes make the capacity
+    symbolic in that second graph, so that later buckets only re-record the CUDA graph."""
+    if not _compiling():
+        torch._dynamo.mark_static_address(t)
+    return t
+
+
+class StaticEager:
+    """The eager operations of a compiled layer (see the module docstring)."""
+
+    def _multi_token(self, query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs):
+        b, hq, l, d = query.shape
+        hk, cfg, s0, dev = self.num_kv_heads, self.config, self.config.sink, query.device
+        g = hq // hk
+        t_old = self.host_len - l if t_old is None else t_old
+        kv = t_old + l
+        if t_old == 0:  # prefill of an empty cache: exactly the user's attention over the prompt
+            mask = attention_mask[..., :l] if attention_mask is not None and attention_mask.dim() == 4 else attention_mask
+            out, _ = base_attention_function(module, base)(module, query, new_k, new_v, mask, scaling=scaling, **kwargs)
+            self.commit_bulk(new_k, new_v, t_old)
+            return out
+        # A multi-token forward on a non-empty cache (next turn, chunked prefill, assisted decoding's verification):
+        # the history up to T - W (the last decode step's pending demotion done first), the stored window's slots
+        # [T - W, T) and the sink, and the new rows.
+        self._demote_pending(t_old)
+        allowed = allowed_slots(attention_mask, b, l, kv, t_old)
+        if allowed is None:  # causal among the new rows
+            allowed = (torch.arange(kv, device=dev)[None, :] <= (t_old + torch.arange(l, device=dev))[:, None])[None].expand(b, l, kv)
+        t = torch.tensor(t_old, device=dev)
+        slots = torch.cat([self.pad[:, None] + torch.arange(s0, device=dev)[None, :],  # sink j
+                           self.ring_slots(t).clamp(min=0).expand(b, -1)], 1)  # ring entries
+        ok = self.window_mask(t, cfg.recent)[:, None, :] & allowed.gather(2, slots.clamp(max=kv - 1)[:, None, :].expand(b, l, -1))
+        ok = torch.cat([ok, allowed[:, :, t_old:]], -1)  # [B, L, S0 + R + L]
+        qf = group_queries(query.float(), hk)
+        softcap, sinks = logit_terms(kwargs, hk, l)  # sinks [Hk, g*L] or None
+        n = max(t_old - cfg.recent - s0, 0)
+        hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (self.hist_k, self.hist_v))
+        win_k, win_v = torch.cat([self.win_k, new_k], 2), torch.cat([self.win_v, new_v], 2)
+        q_part = qf
+        if self.fp_heads:
+            q_part, win_k, win_v = (x.index_select(1, self.params.int2_idx) for x in (qf, win_k, win_v))
+        mu_k, mu_v = self.offsets()
+        out = decode(self.params.kv(cfg, mu_k, mu_v), q_part, Window(win_k, win_v, mask_rows(ok, g)),
+                     History(hist_k, hist_v, self.pad, mask_rows(allowed[:, :, s0 : s0 + n], g)), scaling,
+                     query.dtype, softcap=softcap, sinks=self.params.int2_rows(sinks), use_kernels=cfg.use_kernels)
+        if self.fp_heads:  # their coded history [0, n) and the window above, exact
+            q = qf.index_select(1, self.params.coded_idx).to(self.dtype)  # [B, P, g*L, D]
+            hist_ok = allowed[:, :, s0 : s0 + n] & (torch.arange(n, device=dev)[None, None, :] >= self.pad[:, None, None])
+            k, v = (torch.cat([heads.decode(tuple(x[:, :, :n] for x in coded), cfg.full_precision_bits, self.dtype),
+                               w.index_select(1, self.params.coded_idx), new.index_select(1, self.params.coded_idx)], 2)
+                    for coded, w, new in ((self.coded_k, self.win_k, new_k), (self.coded_v, self.win_v, new_v)))
+            out_fp = heads.attention(q, k, v, mask_rows(torch.cat([hist_ok, ok], -1), g), scaling, softcap,
+                                     self.params.coded_rows(sinks))
+            out = self.params.merge(out, out_fp.to(out.dtype))
+        self.commit_bulk(new_k, new_v, t_old)
+        return out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
+
+    # ------------------------------------------------------------------ write path (eager, multi-token)
+    def _history(self) -> RowsHistory:
+        """Where this layer's history entries live (:mod:`.window`'s writes): index ``slot - S0`` of every row."""
+        return RowsHistory(self.hist_k, self.hist_v, self.coded_k, self.coded_v)
+
+    def _demote_pending(self, t: int) -> None:
+        """Slot ``t - 1 - W``, which the last decode step left in the window, into the history
+        (:func:`~oscar_hf.cache.window.demote_pending`)."""
+        demote_pending(self.win_k, self.win_v, self._history(), self.params, self.config, t, self.mu_k_seq)
+
+    def commit_bulk(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
+        """Prefill / multi-token forward (eager): slots ``[T, T + L)`` (:func:`~oscar_hf.cache.window.commit`), the
+        history centered on the sequence's key mean (``key_offset="prefill"``) when this write demotes its first."""
+        s0, w = self.config.sink, self.config.recent
+        t_new = t_old + new_k.shape[2]
+        b = t_new - w
+        if b > max(t_old - w, s0) and t_old == 0 and self.config.key_offset == "prefill" and self.mu_k_seq is None:
+            self.mu_k_seq = _static(self.sequence_key_mean(new_k[:, :, :b]))
+        commit(self.win_k, self.win_v, self.pad, self._history(), self.params, self.config, t_old, new_k, new_v,
+               self.mu_k_seq)
+        self.length.fill_(t_new)
+
+    # ------------------------------------------------------------------ generate() contract
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens: exact for up to ``RING_RESERVE`` tokens (their window
+        predecessors are still in the ring); beyond it the window slots that left the ring are refilled from the
+        history (INT2 rows dequantized, retrieval heads decoded), as if they had stayed in it."""
+        if tokens_to_remove > 0:
+            raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        t_old, t_new = self.host_len, max(0, self.host_len - n)
+        lost = range(max(t_new - self.config.recent - 1, self.config.sink), min(t_old - self.ring, t_new))
+        if len(lost):  # window slots no longer in the ring: back from the history
+            self._refill_ring(lost.start, lost.stop)
+        self.host_len = t_new
+        self.length.fill_(t_new)
+        if t_new == 0:
+            self.pad_known = False
+            self.mu_k_seq = None
+
+    def _refill_ring(self, a: int, b: int) -> None:
+        """Window slots ``[a, b)`` (history slots ``>= S0``) back into their ring entries from the history: the INT2
+        heads dequantized, rotated back and offset, the retrieval heads decoded from their coded rows."""
+        s0, g = self.config.sink, self.config.group_size
+        idx = ring_entries(torch.arange(a, b, device=self.device), s0, self.ring)
+        for win, hist, coded, r, mu in ((self.win_k, self.hist_k, self.coded_k, self.params.r_k, self.offsets()[0]),
+                                        (self.win_v, self.hist_v, self.coded_v, self.params.r_v, self.offsets()[1])):
+            x = None  # [B, Hq, b - a, D]
+            if self.params.int2_heads:
+                rows = dequantize_rows(QuantizedRows(*(h[:, :, a - s0 : b - s0] for h in hist)), g)  # rotated, centered
+                x = torch.matmul(rows, r.transpose(-1, -2).unsqueeze(0))
+                if mu is not None:
+                    x = x + (mu[None, :, None, :] if mu.dim() == 2 else mu[:, :, None, :])
+            if self.fp_heads:  # [B, P, b - a, D] decoded, merged with the INT2 heads' rows into [B, Hk, b - a, D]
+                x = self.params.merge(x, heads.decode(tuple(c[:, :, a - s0 : b - s0] for c in coded),
+                                                      self.config.full_precision_bits, self.dtype))
+            win.index_copy_(2, idx, x.to(self.dtype))
+
+    def _batch_apply(self, fn, in_place: bool) -> None:
+        """Apply ``fn`` (a batch-dim op) to every per-row buffer: in place (same batch size: beam reorder, keeps the
+        CUDA graphs' addresses) or by reallocation (new batch size)."""
+        if not self.is_initialized:
+            return
+
+        def apply(t, dim):  # fn along the batch dimension ``dim`` of ``t``
+            out = fn(t.movedim(dim, 0)).movedim(0, dim)
+            if in_place:
+                return t.copy_(out)
+            return _static(out.contiguous())
+
+        for name, dim in (("win", 1), ("codes", 1), ("meta", 2), ("coded_x", 1), ("coded_meta", 2), ("pad", 0),
+                          ("mu_k_seq", 0)):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, apply(t, dim))
+        self.batch_size = self.win.shape[1]
+        self._bind_step_storage()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
+        self._batch_apply(lambda t: t.index_select(0, idx), in_place=True)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.fixed_capacity:
+            raise NotImplementedError("StaticOscarCache has a fixed batch size; build it after expanding the batch")
+        self._batch_apply(lambda t: t.repeat_interleave(repeats, dim=0), in_place=False)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.fixed_capacity:
+            raise NotImplementedError("StaticOscarCache has a fixed batch size")
+        self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices],
+                          in_place=False)
+
+    # ------------------------------------------------------------------ persistence (the eager layer's format)
+    def _window_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[2, B, Hk, n, D]`` (keys, values): the rows of ``slots [n]`` (``< T``) from the window: the ring while it
+        holds them, else row ``b``'s sink; zeros for what neither holds (padding below a row's sink)."""
+        s0, t = self.config.sink, self.host_len
+        in_ring = slots >= t - self.ring
+        j = slots[None, :] - self.pad[:, None]  # [B, n] sink index of each slot
+        in_sink = (j >= 0) & (j < s0)
+        ring_e = ring_entries(slots, s0, self.ring)[None, :].expand(self.batch_size, -1)
+        src = torch.where(in_ring[None, :], ring_e, j.clamp(0, max(s0 - 1, 0)))
+        keep = (in_ring[None, :] | in_sink)[:, None, :, None]
+        idx = src[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
+        return torch.stack([torch.where(keep, win.gather(2, idx), torch.zeros((), dtype=self.dtype, device=self.device))
+                            for win in (self.win_k, self.win_v)])
+
+    def export_state(self) -> dict:
+        """The state in :class:`OscarLayer`'s saved form (:mod:`.io`): positions and the used part of each buffer."""
+        s0, w, t, dev = self.config.sink, self.config.recent, self.host_len, self.device
+        self._demote_pending(t)
+        ts = t - w if t - w > s0 else 0
+        n = max(0, ts - s0)
+        tail = self._window_rows(torch.arange(ts, t, device=dev))  # [2, B, Hk, t - ts, D]
+        state = dict(seq_len=t, tail_start=ts, pad=self.pad.clone(), sink_k=self.win_k[:, :, :s0], sink_v=self.win_v[:, :, :s0],
+                     tail_k=tail[0], tail_v=tail[1], hist_k=QuantizedRows(*(x[:, :, :n] for x in self.hist_k)),
+                     hist_v=QuantizedRows(*(x[:, :, :n] for x in self.hist_v)), mu_k_seq=self.mu_k_seq)
+        if self.fp_heads:
+            # the eager layer keeps every slot [0, t) of the retrieval heads coded: slots [S0, ts) are the coded
+            # history as stored, the others are coded from the window (the same codes: each token and head is coded
+            # alone); slots [0, S0) below a history are never read, coded from the window as far as it holds them
+            front = self._window_rows(torch.arange(min(s0, ts), device=dev))  # [2, B, Hk, min(S0, ts), D]
+            for i, (kind, coded) in enumerate((("k", self.coded_k), ("v", self.coded_v))):
+                parts = zip(self.params.encode_coded(front[i]), (x[:, :, :n] for x in coded),
+                            self.params.encode_coded(tail[i]))
+                state[f"fp_{kind}"] = tuple(torch.cat(p, 2) for p in parts)  # [B, P, t, *]
+        return state
+
+    def import_state(self, state: dict) -> None:
+        """Load :meth:`export_state`'s form (tensors on this layer's device, shapes checked by :mod:`.io`)."""
+        s0, t, ts = self.config.sink, int(state["seq_len"]), int(state["tail_start"])
+        tail_k = state["tail_k"]
+        self.host_len = 0
+        self.lazy_initialization(tail_k[:, :, :0], state["tail_v"][:, :, :0])
+        self.advance(t)
+        self.pad.copy_(state["pad"])
+        self.pad_known = True
+        self.win_k[:, :, :s0] = state["sink_k"]
+        self.win_v[:, :, :s0] = state["sink_v"]
+        first = max(ts, t - self.ring)
+        idx = ring_entries(torch.arange(first, t, device=self.device), s0, self.ring)
+        self.win_k.index_copy_(2, idx, tail_k[:, :, first - ts :])
+        self.win_v.index_copy_(2, idx, state["tail_v"][:, :, first - ts :])
+        for dst, src in ((self.hist_k, state["hist_k"]), (self.hist_v, state["hist_v"])):
+            for a, x in zip(dst, src):
+                a[:, :, : x.shape[2]] = x
+        if self.fp_heads:  # the retrieval heads' history entries: slots [S0, ts) of the saved every-slot form
+            n = max(0, ts - s0)
+            for store, saved in ((self.coded_k, state["fp_k"]), (self.coded_v, state["fp_v"])):
+                for dst, src in zip(store, saved):
+                    dst[:, :, :n] = src[:, :, s0 : s0 + n]
+        if state.get("mu_k_seq") is not None:
+            self.mu_k_seq = _static(state["mu_k_seq"].float().contiguous())
+        if ts > s0:  # the ring also holds the slot before the window (a decode step re-demotes it): from its codes
+            self._refill_ring(ts - 1, ts)
+        self.length.fill_(t)
+
+    # ------------------------------------------------------------------ accounting
+    def memory(self) -> dict[str, int]:
+        """Bytes used by the cached tokens (logical, as ``OscarLayer.memory``, but for the retrieval heads, whose
+        coded rows are history entries only: their sink and recent tokens are the window's) and allocated."""
+        if not self.is_initialized:
+            return dict(self.EMPTY_MEMORY)
+        s0 = self.config.sink
+        t = torch.tensor(self.host_len, device=self.device)
+        mask = self.window_mask(t, self.config.recent)
+        n_sink, n_rec = int(mask[:, :s0].sum()), int(mask[:, s0:].sum())
+        n_hist = int((self.n_hist(t) - self.pad).clamp(min=0).sum())
+        bufs = [t for t in (self.win, self.codes, self.meta, self.coded_x, self.coded_meta) if t is not None]
+        return self.memory_from_counts(n_sink, n_rec, n_hist, n_hist, bufs)
