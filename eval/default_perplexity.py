@@ -45,11 +45,13 @@ def load_ids(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
 def window_ids(tokenizer, text: str, context: int, windows: int) -> torch.Tensor:
     """``[context * windows]`` ids of ``text``, window after window; a tokenizer that adds a BOS token (Gemma) gets it
     at the start of every window (the window's one-token prompt), as the model always saw it in training."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None or tokenizer("a")["input_ids"][:1] != [bos]:
+    from .needle import bos_ids
+
+    head = bos_ids(tokenizer)
+    if not head:
         return load_ids(tokenizer, text, context * windows)
     body = load_ids(tokenizer, text, (context - 1) * windows).view(windows, context - 1)
-    return torch.cat([torch.full((windows, 1), bos, dtype=body.dtype), body], 1).reshape(-1)
+    return torch.cat([torch.full((windows, 1), head[0], dtype=body.dtype), body], 1).reshape(-1)
 
 
 def default_method(rotations, label: str, todays: bool = False, **overrides):

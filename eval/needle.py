@@ -14,9 +14,7 @@ Two needle formats (:data:`FORMATS`):
   wording (no common word 4-gram), its values (letters + 5 digits) nor its haystack is what calibration's
   retrieval-head probes (:mod:`oscar_hf.calibration.retrieval_heads`: access codes of people, 7 digits,
   WikiText's calibration part) or the magic-number needle use, so a cache tuned on those probes is
-  scored on text it never saw.
-
-The command line and reports: :mod:`oscar_hf.eval.needle_cli`.
+  scored on text it never saw. The command line and reports: :mod:`oscar_hf.eval.needle_cli`.
 
     python -P scripts/eval_needle.py --lengths 1024,2048,4096 --depths 0,0.5,1 --methods fp,oscar
     python -P scripts/eval_needle.py --format locker --haystack pydoc --methods fp,default --share-prefill \\
@@ -95,10 +93,17 @@ LOCKER = NeedleFormat("locker", LOCKER_NEEDLE, LOCKER_QUESTION, tuple(f"{c} {a}"
 FORMATS = {f.name: f for f in (MAGIC_NUMBER, LOCKER)}
 
 
+def bos_ids(tokenizer) -> list[int]:
+    """``[bos]`` if ``tokenizer`` starts a text with BOS (Gemma's ``<bos>``, its attention sink), else ``[]``."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return [bos] if bos is not None and tokenizer("a")["input_ids"][:1] == [bos] else []
+
+
 def make_needle_prompt(tokenizer, haystack_ids: torch.Tensor, length: int, depth: float, key: str, value: str,
                        fmt: NeedleFormat = MAGIC_NUMBER, offset: int = 0):
-    """``(context_ids, question_ids, needle_start)``: ``context`` = haystack (from token ``offset`` on) with the
-    needle at ``depth`` (0 = first token, 1 = just before the question), ``len(context) + len(question) == length``."""
+    """``(context_ids, question_ids, needle_start)``: ``context`` = :func:`bos_ids`, then the haystack (from token
+    ``offset`` on) with the needle at ``depth`` (0 = first haystack token, 1 = just before the question);
+    ``len(context) + len(question) == length``."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must lie in [0, 1], got {depth}")
     if offset < 0:
@@ -106,14 +111,14 @@ def make_needle_prompt(tokenizer, haystack_ids: torch.Tensor, length: int, depth
     enc = lambda s: torch.tensor(tokenizer(s, add_special_tokens=False)["input_ids"], dtype=torch.long)  # noqa: E731
     needle = enc(" " + fmt.needle.format(key=key, value=value) + " ")
     question = enc(fmt.question.format(key=key))
-    n_hay = length - len(needle) - len(question)
+    head = torch.tensor(bos_ids(tokenizer), dtype=torch.long)
+    n_hay = length - len(head) - len(needle) - len(question)
     if n_hay < 0 or haystack_ids.numel() < offset + n_hay:
         raise ValueError(f"length {length} too short for the needle/question or haystack too small "
                          f"({haystack_ids.numel()} tokens, {offset + max(n_hay, 0)} needed)")
     hay = haystack_ids.reshape(-1)[offset : offset + n_hay]
     at = int(round(depth * n_hay))
-    context = torch.cat([hay[:at], needle, hay[at:]])
-    return context, question, at
+    return torch.cat([head, hay[:at], needle, hay[at:]]), question, len(head) + at
 
 
 def filler_ids(tokenizer, n_tokens: int) -> torch.Tensor:
@@ -150,13 +155,11 @@ def load_haystack(tokenizer, kind: str, n_tokens: int) -> torch.Tensor:
     ``"pydoc"`` (:func:`pydoc_prose`)."""
     if kind == "wikitext":
         from .perplexity import evaluation_ids
-
         return evaluation_ids(tokenizer, n_tokens)
     if kind == "filler":
         return filler_ids(tokenizer, n_tokens)
     if kind == "pydoc":
         from oscar_hf.data import tokenize
-
         ids = tokenize(tokenizer, pydoc_prose(), n_tokens)
         if len(ids) < n_tokens:
             raise ValueError(f"the pydoc prose has only {len(ids)} tokens, {n_tokens} requested")

@@ -143,3 +143,25 @@ def test_fast_answer_scores_equal_token_by_token(method):  # fp: DynamicCache; h
     assert fast["m"]["n_answer_tokens"] == n
     assert abs(fast["m"]["nll"] - nll) < 2e-4 * max(1.0, abs(nll))
     assert abs(fast["other"]["nll"] - nll) > 1e-3  # a different method scores differently
+
+
+class BosCharTok(CharTok):
+    """CharTok that starts every text with a BOS token unless told not to, as Gemma's tokenizer does."""
+
+    bos_token_id = 2
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [2] * add_special_tokens + super().__call__(text)["input_ids"]}
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.5, 1.0])
+def test_needle_prompt_starts_with_the_tokenizers_bos(depth):
+    tok = BosCharTok()
+    hay = torch.full((2000,), 7)
+    ctx, q, at = make_needle_prompt(tok, hay, 500, depth, "quiet-river", "1234567")
+    assert len(ctx) + len(q) == 500 and ctx[0] == 2 and (ctx[1:] != 2).all() and (q != 2).all()
+    needle = torch.tensor(tok(" " + NEEDLE.format(key="quiet-river", value="1234567") + " ", False)["input_ids"])
+    assert torch.equal(ctx[at : at + len(needle)], needle) and at >= 1
+    # without BOS the same prompt is the haystack alone
+    plain = make_needle_prompt(CharTok(), hay, 500, depth, "quiet-river", "1234567")[0]
+    assert len(plain) == len(ctx) and plain[0] != 2
