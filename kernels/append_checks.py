@@ -69,6 +69,7 @@ def check_append_inputs(params, new_k, new_v, window, history, at) -> tuple[int,
         raise ValueError(f"mu_v must be None or [Hq, D] = {(hq, d)}, got {tuple(mu_v.shape)}")
     if length.dim() != 0 or pad.shape != (b,):
         raise ValueError(f"length must be a 0-d tensor and pad [B={b}], got {tuple(length.shape)}, {tuple(pad.shape)}")
+    check_coded_slots(coded_slots(params, history), win_k, n)
     return ring, n, hq
 
 

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from oscar_hf.quant import QuantizedRows
 
-from .append_checks import check_append_inputs, check_coded_slots, check_paged_inputs, write_operands
+from .append_checks import check_append_inputs, check_paged_inputs, write_operands
 from .plan import next_pow2, settle_cache_keys
 from .write_triton import _LEVELS, _META_KIND, _codes, _group_grid, _padded_cols, _quantize_masked, _round_meta
 
@@ -259,7 +259,6 @@ def append_token_triton(params, new_k, new_v, window, history, at):
         params, window, history)
     length, pad, sink, recent = at.length, at.pad, at.sink, at.recent
     group_size, meta_dtype, quantizer = params.group_size, params.meta_dtype, params.quantizer
-    check_coded_slots(coded, win_k, n)
     b, hk, _, d = new_k.shape
     if b == 0 or hk == 0:
         return None

@@ -26,7 +26,7 @@ import torch
 
 from oscar_hf.quant import QuantizedRows, encode_heads, quantize_rows
 
-from .append_checks import CodedSlots, check_append_inputs, check_coded_slots, check_paged_inputs, write_operands  # noqa: F401
+from .append_checks import CodedSlots, check_append_inputs, check_paged_inputs, write_operands  # noqa: F401
 from .kv import History, KVParams, PagedRows, Ring, Window
 from .plan import triton_enabled
 
@@ -98,7 +98,6 @@ def append_token_reference(params: KVParams, new_k, new_v, window: Window, histo
         params, window, history)
     length, pad, sink, recent = at.length, at.pad, at.sink, at.recent
     group_size, meta_dtype, quantizer = params.group_size, params.meta_dtype, params.quantizer
-    check_coded_slots(coded, win_k, n)
     s0, t = sink, length
     # 1. demotion: written to a clamped index, masked to the old contents when slot s is no history slot
     s = t - 1 - recent
