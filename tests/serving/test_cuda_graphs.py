@@ -13,7 +13,8 @@ from transformers import GenerationConfig
 
 from oscar_hf import OscarCache
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.kernels.paged_decode import paged_decode_attention
+from oscar_hf.kernels.decode import decode
+from oscar_hf.kernels.kv import History, KVParams, Pages, Window
 from oscar_hf.models import tiny_model
 from oscar_hf.serving import continuous_batching_config, paged_oscar
 
@@ -85,13 +86,18 @@ def test_the_capture_check_catches_host_syncs():
     plan = store.plan_decode(BATCH)
     li, p = store.layer_slot[0], store.params[0]
     q = torch.randn(plan.rows, store.num_kv_heads, 2, cfg.head_dim)
-    args = (q, p.r_k, p.mu_k, store.pool.rows(li, "k"), store.pool.rows(li, "v"), plan.block_table, plan.hist_len,
-            store.windows.k[:, li], store.windows.v[:, li], plan.slots, plan.win_mask, p.r_v, p.mu_v, 0.1, 32,
-            torch.float32)
+    params = KVParams(p.r_k, p.mu_k, p.r_v, p.mu_v, 32)
+    window = Window(store.windows.k[:, li], store.windows.v[:, li], plan.win_mask[:, None, None, :], plan.slots)
+
+    def read(bound):
+        history = History(store.pool.rows(li, "k"), store.pool.rows(li, "v"),
+                          pages=Pages(plan.block_table, plan.hist_len, bound))
+        return decode(params, q, window, history, 0.1, torch.float32)
+
     with pytest.raises(HostSync), NoHostSync():
-        paged_decode_attention(*args)
+        read(None)
     with NoHostSync():
-        paged_decode_attention(*args, max_hist_len=plan.max_hist)
+        read(plan.max_hist)
 
 
 # ---------------------------------------------------------------------------------------------- store level
