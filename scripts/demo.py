@@ -12,6 +12,7 @@
 
     python scripts/demo.py                       # SmolLM2 with its shipped artifact, ~1.5 min on 2 CPU cores
     python scripts/demo.py --recalibrate         # calibrate SmolLM2 afresh first (minutes)
+    python scripts/demo.py --model gemma3-270m   # Gemma-3-270M (its wheels installed) with its shipped artifact
     python scripts/demo.py --model Qwen/Qwen3-8B --device cuda --rotations my_rotations
 """
 from __future__ import annotations
@@ -28,12 +29,13 @@ from oscar_hf import OscarCache, OscarRotations, calibrate
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.eval.perplexity import cache_nll, fast_nll
 from oscar_hf.data import split_texts
-from oscar_hf.models import DEFAULT_MODEL, load_model, wikitext_path
+from oscar_hf.models import DEFAULT_MODEL, GEMMA3, load_model, wikitext_path
 from oscar_hf.rotations import BUILTIN_METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
-# The packaged model's calibrated artifact, made by the command in its command.txt (tests/test_shipped_artifact.py).
-SHIPPED_ROTATIONS = {DEFAULT_MODEL: ROOT / "oscar_hf" / "pretrained" / "smollm2-135m-instruct"}
+# The packaged models' calibrated artifacts, each made by the command in its command.txt (tests/test_shipped_artifact.py).
+SHIPPED_ROTATIONS = {DEFAULT_MODEL: ROOT / "oscar_hf" / "pretrained" / "smollm2-135m-instruct",
+                     GEMMA3: ROOT / "oscar_hf" / "pretrained" / "gemma-3-270m"}
 
 
 BASE = "DynamicCache"  # the model's own full-precision cache: the baseline of every figure
@@ -41,7 +43,7 @@ BASE = "DynamicCache"  # the model's own full-precision cache: the baseline of e
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, help="hub id / local path, or 'smollm2' (packaged)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="hub id / local path, 'smollm2' (packaged) or 'gemma3-270m'")
     p.add_argument("--gguf-file", default=None)
     p.add_argument("--rotations", default=None, help="artifact dir or hub repo id; default: calibrate into --artifacts")
     p.add_argument("--artifacts", default=str(ROOT / "artifacts"), help="where a calibration made here is cached")
