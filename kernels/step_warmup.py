@@ -142,9 +142,12 @@ def _spawn(device: torch.device, entry: str) -> subprocess.Popen:
         from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
 
         env["TRITON_CACHE_DIR"] = triton_cache_dir(device.index or 0)
-    # this process's imports, the folder that holds this package first (-P: nothing from the working folder)
+    # this process's imports, the folder that holds this package first (-P: nothing from the working folder); but not
+    # a checkout's root, whose source folder `kernels/` (installed as oscar_hf.kernels) would shadow the Hub's
+    # `kernels` package that Transformers >= 5.25 imports: there the package is installed (editable) and found anyway
     package = sys.modules[__name__.rsplit(".", 2)[0]]  # oscar_hf (loaded before any of its modules)
     path = [str(Path(package.__file__).resolve().parent.parent), *(p for p in sys.path if p)]
+    path = [p for p in path if not (Path(p) / "kernels" / "step_warmup.py").is_file()]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
     module, function = entry.split(":")
     return subprocess.Popen([sys.executable, "-P", "-c", f"from {module} import {function}; {function}()"],

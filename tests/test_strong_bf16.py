@@ -1,6 +1,7 @@
 """benchmarks/strong_bf16.py, the strong BF16 baseline: its decode reads see exactly the live rows, and through
 ``generate`` (the compiled route, one graph for every step) it gives BF16 ``DynamicCache``'s greedy tokens on
 SmolLM2. On the CPU the split kernel runs under the Triton interpreter; the ``gpu`` test runs it compiled."""
+import importlib.util
 import sys
 
 import pytest
@@ -66,7 +67,10 @@ def test_generate_tokens_equal_dynamic_cache(smollm2, read):
     finally:
         strong_bf16.restore(model)
     assert model.config._attn_implementation == before
-    assert counters["stats"]["unique_graphs"] == 1
+    # With the Hub's `kernels` package installed (Transformers >= 5.25 pulls it in), its layer hook's ContextVar is
+    # None at a process's first compiled forward and set after it: dynamo's guard on it fails once per process
+    hub_kernels = importlib.util.find_spec("kernels") is not None
+    assert counters["stats"]["unique_graphs"] <= 1 + hub_kernels, counters["stats"]
     assert int(cache.length) == ids.shape[1] + 5  # the last token is never fed back
     assert out[0, ids.shape[1]:].tolist() == ref[0, ids.shape[1]:].tolist()
 

@@ -4,7 +4,6 @@ error measures."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,8 +11,22 @@ from ..patching import base_attention_function
 from ..quant import LEVELS
 from .hooks import allowed_matrix, token_validity
 
-if TYPE_CHECKING:
-    from .search import LayerCandidates
+
+@dataclasses.dataclass
+class LayerCandidates:
+    """What to evaluate in one layer: ``k_rots [Ck, Hk, D, D]``, ``v_rots [Cv, Hk, D, D]`` (row-vector
+    convention, history stores ``(x - mu) @ R``), offsets ``mu_k`` (``[Hk, D]`` shared by all candidates,
+    ``[Ck, Hk, D]`` one per candidate, or None) and ``mu_v``, and clip grids; optional reference
+    rotations ``k_ref [Cr, Hk, D, D]`` / ``v_ref`` evaluated uncentered at clip 1.0 only (for reports)."""
+
+    k_rots: torch.Tensor
+    v_rots: torch.Tensor
+    mu_k: torch.Tensor | None
+    mu_v: torch.Tensor | None
+    clips_k: torch.Tensor
+    clips_v: torch.Tensor
+    k_ref: torch.Tensor | None = None
+    v_ref: torch.Tensor | None = None
 
 
 @dataclasses.dataclass

@@ -7,7 +7,6 @@ component of each is positive) and turned into ``R = U · H · P_br`` (:func:`~o
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -15,7 +14,7 @@ import torch
 from ..config import validate_head_dim
 from ..hadamard import hadamard_matrix, oscar_rotation
 from ..rotations import OscarRotations
-from .errors import ErrorRecorder, LayerErrors, quant_error  # noqa: F401  (quant_error: tests use it from here)
+from .errors import ErrorRecorder, LayerCandidates, LayerErrors, quant_error  # noqa: F401  (tests use quant_error from here)
 from .hooks import as_sequences, padded_batches, progress_bar, recording, run_window
 from .stats import CalibrationStats, LayerStats
 
@@ -87,23 +86,6 @@ def center_modes(center) -> list[bool]:
     if isinstance(center, bool):
         return [center]
     raise ValueError(f"center must be True, False or 'auto', got {center!r}")
-
-
-@dataclasses.dataclass
-class LayerCandidates:
-    """What to evaluate in one layer: ``k_rots [Ck, Hk, D, D]``, ``v_rots [Cv, Hk, D, D]`` (row-vector
-    convention, history stores ``(x - mu) @ R``), offsets ``mu_k`` (``[Hk, D]`` shared by all candidates,
-    ``[Ck, Hk, D]`` one per candidate, or None) and ``mu_v``, and clip grids; optional reference
-    rotations ``k_ref [Cr, Hk, D, D]`` / ``v_ref`` evaluated uncentered at clip 1.0 only (for reports)."""
-
-    k_rots: torch.Tensor
-    v_rots: torch.Tensor
-    mu_k: torch.Tensor | None
-    mu_v: torch.Tensor | None
-    clips_k: torch.Tensor
-    clips_v: torch.Tensor
-    k_ref: torch.Tensor | None = None
-    v_ref: torch.Tensor | None = None
 
 
 def build_candidates(
