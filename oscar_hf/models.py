@@ -204,20 +204,30 @@ def _atomic_save(obj, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _gguf_checkpoint(gguf: Path, target: Path, what: str) -> None:
-    """Dequantize ``gguf`` through Transformers (float32) and save it as a plain checkpoint in ``target``."""
-    from transformers import AutoModelForCausalLM
+def _load_converted(gguf: Path, cache: Path, what: str, make_tokenizer, dtype, device: str, attn_implementation: str):
+    """(model, tokenizer) from ``cache``'s ``model/`` and ``tokenizer/``, made there first when missing: the GGUF
+    dequantized through Transformers (float32) and saved as a plain checkpoint, and ``make_tokenizer()`` saved."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError(f"converting the {what} GGUF needs `pip install gguf`")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # without a GGUF matmul kernel (the CPU) Transformers dequantizes every weight: a plain float32 checkpoint
-    if any(type(m).__name__ != "Linear" for m in model.modules() if "Linear" in type(m).__name__) or any(
-            p.dtype != torch.float32 for p in model.parameters()):
-        raise RuntimeError(f"Transformers kept GGUF blocks in the {what} model: cannot save it as a checkpoint")
-    model.hf_quantizer = None
-    del model.config.quantization_config
-    _atomic_save(model, target)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if not (cache / "tokenizer" / "tokenizer.json").is_file():
+        _atomic_save(make_tokenizer(), cache / "tokenizer")
+    if not (cache / "model" / "config.json").is_file():
+        if importlib.util.find_spec("gguf") is None:
+            raise ImportError(f"converting the {what} GGUF needs `pip install gguf`")
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # without a GGUF matmul kernel (the CPU) Transformers dequantizes every weight: a plain float32 checkpoint
+        if any(type(m).__name__ != "Linear" for m in model.modules() if "Linear" in type(m).__name__) or any(
+                p.dtype != torch.float32 for p in model.parameters()):
+            raise RuntimeError(f"Transformers kept GGUF blocks in the {what} model: cannot save it as a checkpoint")
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        _atomic_save(model, cache / "model")
+        del model
+    tok = AutoTokenizer.from_pretrained(cache / "tokenizer")
+    model = AutoModelForCausalLM.from_pretrained(cache / "model", dtype=dtype, attn_implementation=attn_implementation)
+    return model.to(device).eval(), tok
 
 
 _SMOLLM2_CONVERSION = 1  # raise when the saved conversion changes: a new cache folder
@@ -237,19 +247,13 @@ def load_smollm2(dtype: torch.dtype | str = torch.float32, device: str = "cpu", 
     and takes 15-25 s on 2 cores, so the first call keeps the converted float32 model and fast tokenizer in
     :func:`smollm2_cache_dir` (same weights, same token ids) and later calls load those in a few seconds. The model's
     ``name_or_path`` stays the wheel's folder, as a direct GGUF load gives it: artifacts match it by that name."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    src, cache = smollm2_dir(), smollm2_cache_dir()
-    if not (cache / "tokenizer" / "tokenizer.json").is_file():
-        _atomic_save(AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF), cache / "tokenizer")
-    if not (cache / "model" / "config.json").is_file():
-        _gguf_checkpoint(src / SMOLLM2_GGUF, cache / "model", "SmolLM2")
-    tok = AutoTokenizer.from_pretrained(cache / "tokenizer")
-    model = AutoModelForCausalLM.from_pretrained(cache / "model", dtype=dtype, attn_implementation=attn_implementation)
+    src = smollm2_dir()
+    model, tok = _load_converted(src / SMOLLM2_GGUF, smollm2_cache_dir(), "SmolLM2",
+                                 lambda: AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF),
+                                 dtype, device, attn_implementation)
     model.config._name_or_path = model.name_or_path = str(src)
-    model.to(device).eval()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok
@@ -260,20 +264,9 @@ def load_gemma3(dtype: torch.dtype | str = torch.float32, device: str = "cpu", a
 
     The first call dequantizes the GGUF through Transformers (float32) and builds the tokenizer with
     :func:`gguf_gemma_tokenizer`, and keeps both in :func:`gemma3_cache_dir`; later calls load those (seconds)."""
-    from transformers import AutoModelForCausalLM, GemmaTokenizer
-
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
     gguf = gemma3_gguf()
-    cache = gemma3_cache_dir()
-    if not (cache / "tokenizer" / "tokenizer.json").is_file():
-        _atomic_save(gguf_gemma_tokenizer(gguf), cache / "tokenizer")
-    if not (cache / "model" / "config.json").is_file():
-        _gguf_checkpoint(gguf, cache / "model", "Gemma")
-    tok = GemmaTokenizer.from_pretrained(cache / "tokenizer")
-    model = AutoModelForCausalLM.from_pretrained(cache / "model", dtype=dtype, attn_implementation=attn_implementation)
-    model.to(device).eval()
-    return model, tok
+    return _load_converted(gguf, gemma3_cache_dir(), "Gemma", lambda: gguf_gemma_tokenizer(gguf), dtype, device,
+                           attn_implementation)
 
 
 def model_for_eval(model, tokenizer, dtype, name: str = DEFAULT_MODEL):

@@ -118,7 +118,6 @@ def main(argv=None):
     ids = tok(eval_text[:200_000], return_tensors="pt").input_ids
     given = {k: v for k, v in dict(group_size=args.group_size, sink=args.sink, recent=args.recent).items() if v is not None}
     make_oscar = lambda: OscarCache(model, rot, **given)  # noqa: E731  (the artifact's chosen settings, then these)
-    make_full = lambda: DynamicCache(config=model.config)  # noqa: E731
 
     # -- one held-out passage per cache: its scored tokens' perplexity, then a continuation from the same cache.
     # It starts 2,048 tokens into the held-out half; the scored tokens follow a context of --ppl-context tokens.
@@ -126,20 +125,20 @@ def main(argv=None):
     n = passage.shape[1]
     # The baseline's numbers in one teacher-forced forward (the same as decoding with DynamicCache, up to rounding),
     # which fills its cache with the n tokens; cropped to n - 1, so that generate feeds the last one, as for OSCAR.
-    full = make_full()
+    full = DynamicCache(config=model.config)
     ppl = {BASE: fast_nll(model, passage, args.ppl_context, None, cache=full)["ppl"]}
     full.crop(-1)  # drop the last token (a negative count: every Transformers 5.x reads it so)
     # OSCAR's token by token, every scored token predicted by a real decode step of the cache (it holds n - 1 tokens).
     scored = cache_nll(model, passage, args.ppl_context, make_oscar, desc="OSCAR 2-bit")
     ppl["OSCAR 2-bit"], oscar_cache = scored["ppl"], scored["cache"]
-    gens, mem = {}, {}
+    gens = {}
     for name, cache in ((BASE, full), ("OSCAR 2-bit", oscar_cache)):
         t = time.time()
         out = model.generate(passage, max_new_tokens=args.new_tokens, do_sample=False, **cache_kwargs(model, cache),
                              pad_token_id=tok.pad_token_id)
         gens[name] = (tok.decode(out[0, n:], skip_special_tokens=True), time.time() - t)
-        mem[name] = kv_bytes_oscar(cache.memory_report(), dtype) if cache is oscar_cache else kv_bytes_dynamic(cache)
     report = oscar_cache.memory_report()
+    mem = {BASE: kv_bytes_dynamic(full), "OSCAR 2-bit": kv_bytes_oscar(report, dtype)}
 
     # -- side by side
     cfg = oscar_cache.oscar_config
