@@ -326,43 +326,60 @@ def length_summary(acc: dict, reference: str | None = None) -> dict:
     return out
 
 
-def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, trials: int = 1, seed: int = 0,
-             progress: bool = True, done: list[dict] | None = None, on_result=None, run_depths=None,
-             score: str = "generate", fmt: NeedleFormat = MAGIC_NUMBER, hay_stride: int = 0,
-             share_prefill: bool = False) -> dict:
-    """``{"accuracy": {method: {length: {depth: accuracy}}}, "answers": [...]}``.
+@dataclass(frozen=True)
+class GridOptions:
+    """How :func:`run_grid` draws and scores its cells. ``trials`` needles per (length, depth), drawn from
+    ``seed``; ``run_depths``: only these depths are run, on the needles the full ``depths`` grid draws (so a run
+    of the interior depths meets the same needles as a full run); ``score="nll"``: instead of generating, record
+    the teacher-forced NLL of the right answer (:func:`answer_nll`); ``fmt``: the needle format; ``hay_stride``:
+    trial ``t`` reads the haystack from token ``t * hay_stride`` on (distinct text around each needle);
+    ``share_prefill``: one exact prefill per needle written into every method's cache (:func:`write_prefix`)
+    instead of one prefill per method (same caches, a fraction of the time); ``progress``: a tqdm bar."""
+
+    trials: int = 1
+    seed: int = 0
+    run_depths: tuple[float, ...] | None = None
+    score: str = "generate"
+    fmt: NeedleFormat = MAGIC_NUMBER
+    hay_stride: int = 0
+    share_prefill: bool = False
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.score not in ("generate", "nll"):
+            raise ValueError(f"score must be 'generate' or 'nll', got {self.score!r}")
+        if self.hay_stride < 0:
+            raise ValueError(f"hay_stride must be >= 0, got {self.hay_stride}")
+        if self.trials < 1:
+            raise ValueError(f"trials must be >= 1, got {self.trials}")
+
+
+def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, opts: GridOptions = GridOptions(),
+             done: list[dict] | None = None, on_result=None) -> dict:
+    """``{"accuracy": {method: {length: {depth: accuracy}}}, "nll": ..., "answers": [...]}``.
 
     Cells (needle position and value) are shared by all methods; every cell runs all methods before the next
-    one, so a shortened run still compares the methods on the same needles. ``done``: raw records of an
-    earlier run (resumed: cells already answered are not run again); ``on_result(raw)`` after each answer.
-    ``run_depths``: only these depths are run, on the needles the full ``depths`` grid draws (so a run of
-    the interior depths meets the same needles as a full run). ``score="nll"``: instead of generating, record
-    the teacher-forced NLL of the right answer (:func:`answer_nll`). ``fmt``: the needle format;
-    ``hay_stride``: trial ``t`` reads the haystack from token ``t * hay_stride`` on (distinct text around each
-    needle); ``share_prefill``: one exact prefill per needle written into every method's cache
-    (:func:`write_prefix`) instead of one prefill per method (same caches, a fraction of the time).
+    one, so a shortened run still compares the methods on the same needles. ``opts``: :class:`GridOptions`;
+    ``done``: raw records of an earlier run (resumed: cells already answered are not run again);
+    ``on_result(raw)`` after each answer.
     """
-    if score not in ("generate", "nll"):
-        raise ValueError(f"score must be 'generate' or 'nll', got {score!r}")
-    if hay_stride < 0:
-        raise ValueError(f"hay_stride must be >= 0, got {hay_stride}")
     from tqdm.auto import tqdm
 
-    cells = make_cells(lengths, depths, trials, seed, fmt)
-    if run_depths is not None:
-        run_depths = set(run_depths)
-        cells = [c for c in cells if c[1] in run_depths]
+    score, fmt, hay_stride = opts.score, opts.fmt, opts.hay_stride
+    cells = make_cells(lengths, depths, opts.trials, opts.seed, fmt)
+    if opts.run_depths is not None:
+        cells = [c for c in cells if c[1] in set(opts.run_depths)]
     raw = list(done or [])
     seen = {(r["method"], r["length"], r["depth"], r["value"], r.get("trial", 0)) for r in raw
             if ("nll" in r) == (score == "nll")}
     trial_of = {}
-    bar = tqdm(total=len(cells) * len(methods), desc="needle", disable=not progress)
+    bar = tqdm(total=len(cells) * len(methods), desc="needle", disable=not opts.progress)
     for L, d, key, value in cells:
         t = trial_of[(L, d)] = trial_of.get((L, d), -1) + 1
         offset = t * hay_stride
         ctx, q, at = make_needle_prompt(tokenizer, haystack_ids, L, d, key, value, fmt, offset)
         todo = [name for name in methods if (name, L, d, value, t) not in seen]
-        prefix = prefill_kv(model, ctx) if share_prefill and todo else None
+        prefix = prefill_kv(model, ctx) if opts.share_prefill and todo else None
         for name, method in methods.items():
             bar.set_postfix_str(f"L={L} depth={d:.2f} {name}")
             if name in todo:

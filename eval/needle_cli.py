@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .needle import (FORMATS, MAGIC_NUMBER, accuracy_table, history_bits, length_summary, load_haystack, nll_table,
-                     run_grid)
+from .needle import (FORMATS, MAGIC_NUMBER, GridOptions, accuracy_table, history_bits, length_summary, load_haystack,
+                     nll_table, run_grid)
 
 
 def markdown_table(res: dict) -> str:
@@ -288,10 +288,10 @@ def main(argv=None, model=None, tokenizer=None):
                                          by_length=length_summary(acc, ref), answer_nll=nll_table(raw),
                                          answers=raw), indent=1))
 
-    run_depths = [float(x) for x in args.run_depths.split(",")] if args.run_depths else None
-    res = run_grid(model, tokenizer, hay, methods, lengths, depths, args.trials, args.seed, done=done,
-                   on_result=save, run_depths=run_depths, score=args.score, fmt=fmt, hay_stride=args.hay_stride,
-                   share_prefill=args.share_prefill)
+    run_depths = tuple(float(x) for x in args.run_depths.split(",")) if args.run_depths else None
+    opts = GridOptions(trials=args.trials, seed=args.seed, run_depths=run_depths, score=args.score, fmt=fmt,
+                       hay_stride=args.hay_stride, share_prefill=args.share_prefill)
+    res = run_grid(model, tokenizer, hay, methods, lengths, depths, opts, done=done, on_result=save)
     save(res["answers"])
     if args.score == "nll":
         print(nll_markdown(res["nll"]))

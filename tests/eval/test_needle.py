@@ -61,7 +61,7 @@ def test_answer_runs_through_cache():
 
 
 def test_run_grid_shares_cells_and_resumes():
-    from oscar_hf.eval.needle import accuracy_table, length_summary, run_grid
+    from oscar_hf.eval.needle import GridOptions, accuracy_table, length_summary, run_grid
     from oscar_hf.eval.needle_cli import markdown_table
 
     model = tiny_model("llama")
@@ -74,7 +74,8 @@ def test_run_grid_shares_cells_and_resumes():
         def __call__(self, text, add_special_tokens=False):
             return {"input_ids": [tok_mod(i) for i in super().__call__(text)["input_ids"]]}
 
-    res = run_grid(model, ModTok(), hay, methods, [240, 280], [0.0, 1.0], trials=2, progress=False)
+    opts = GridOptions(trials=2, progress=False)
+    res = run_grid(model, ModTok(), hay, methods, [240, 280], [0.0, 1.0], opts)
     raw = res["answers"]
     assert len(raw) == 2 * 2 * 2 * 2
     for m in methods:  # every method saw exactly the same needles
@@ -86,9 +87,12 @@ def test_run_grid_shares_cells_and_resumes():
         def make_cache(self, model):
             raise AssertionError("cell re-run")
 
-    again = run_grid(model, ModTok(), hay, {"fp": Boom(), "int2": Boom()}, [240, 280], [0.0, 1.0], trials=2,
-                     progress=False, done=raw)
+    again = run_grid(model, ModTok(), hay, {"fp": Boom(), "int2": Boom()}, [240, 280], [0.0, 1.0], opts, done=raw)
     assert again["answers"] == raw
+    with pytest.raises(ValueError, match="score"):  # a misspelt option stops at the options, not mid-grid
+        GridOptions(score="nl")
+    with pytest.raises(ValueError, match="hay_stride"):
+        GridOptions(hay_stride=-1)
 
     fake = [dict(method="a", length=1, depth=0.0, correct=True), dict(method="a", length=1, depth=0.5, correct=False),
             dict(method="b", length=1, depth=0.0, correct=True), dict(method="b", length=1, depth=0.5, correct=True)]
