@@ -444,20 +444,29 @@ def main(argv=None):
     return save(args, argv, results, capacity)
 
 
-def save(args, argv, results, capacity) -> dict:
-    """The run's document; written to ``--out`` after every measurement, so a run cut short keeps its rows."""
+def run_env(argv, **extra) -> dict:
+    """Where a benchmark ran (versions, GPU) and the command that reproduces it; every benchmark's ``env``."""
     import transformers
 
-    env = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-               gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               command="python " + " ".join([sys.argv[0].split("/")[-1]] + (argv or sys.argv[1:])))
+    return dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                command="python " + " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])), **extra)
+
+
+def write_json(path, doc: dict, indent: int = 2) -> None:
+    """``doc`` to ``path`` (folders made) when a path is given; benchmarks call it after every measurement."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(doc, indent=indent))
+
+
+def save(args, argv, results, capacity) -> dict:
+    """The run's document; written to ``--out`` after every measurement, so a run cut short keeps its rows."""
     shape = dict(SHAPES[args.shape], name=args.shape)
     shape.setdefault("attn_implementation", "sdpa")
-    doc = dict(env=env, shape=shape, results=results, capacity=capacity,
+    doc = dict(env=run_env(argv), shape=shape, results=results, capacity=capacity,
                kv_budget_gib=args.kv_budget_gib, capacity_context=args.capacity_context)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=2))
+    write_json(args.out, doc)
     return doc
 
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import random
 import sys
 import time
@@ -44,10 +43,11 @@ from tqdm.auto import tqdm
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: F401  (types)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import SHAPES, build_model  # noqa: E402
+from bench_generate import SHAPES, build_model, run_env, write_json  # noqa: E402
 
 from oscar_hf.serving import OscarPagedStore, continuous_batching_config, paged_oscar  # noqa: E402
 
+TIMEOUT_S = 540.0  # a run that has not finished by then is stuck (inside the device machine's 10 minutes)
 PAGE = 256  # Transformers' default page size (and flash's block-table granularity)
 
 
@@ -94,8 +94,7 @@ def concurrency(outs) -> tuple[int, float, float]:
     return peak, t_a, t_b
 
 
-def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBatchingConfig, store,
-          timeout: float) -> dict:
+def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBatchingConfig, store) -> dict:
     """Submit ``prompts`` at ``arrivals`` (seconds from the start) to a fresh manager; collect every result."""
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     ctx = paged_oscar(model, store) if kind.startswith("oscar") else contextlib.nullcontext()
@@ -112,7 +111,7 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
         for prompt, at in zip(prompts, arrivals):
             time.sleep(max(0.0, t0 + at - time.perf_counter()))
             manager.add_request(prompt, max_new_tokens=new_tokens, record_timestamps=True)
-        deadline = time.perf_counter() + timeout
+        deadline = time.perf_counter() + TIMEOUT_S
         bar = tqdm(total=len(prompts), desc=f"{kind} requests", mininterval=10)
         while len(outs) + len(errors) < len(prompts) and time.perf_counter() < deadline:
             r = manager.get_result(timeout=1.0)
@@ -128,7 +127,7 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
         raise RuntimeError(f"{kind}: {len(errors)} requests failed: {errors[0].error}")
     if len(outs) < len(prompts):
         ttft = sorted(round(o.timestamps[0] - o.created_time, 1) for o in outs)
-        raise RuntimeError(f"{kind}: {len(prompts) - len(outs)} requests unfinished after {timeout} s (the "
+        raise RuntimeError(f"{kind}: {len(prompts) - len(outs)} requests unfinished after {TIMEOUT_S} s (the "
                            f"{len(outs)} finished had their first token after {ttft} s)")
     peak_mem = (torch.cuda.max_memory_allocated() - weights) if cuda else 0
     tokens = sum(len(o.generated_tokens) for o in outs)
@@ -179,11 +178,9 @@ def main(argv=None):
                    help="BF16 max_batch_tokens: sdpa builds a [tokens, all cached tokens] mask each step")
     p.add_argument("--oscar-batch-tokens", type=int, default=None,
                    help="OSCAR max_batch_tokens (default: the longest prompt + max_requests, no chunked prefill)")
-    p.add_argument("--method", default="hadamard", help="OSCAR rotation (artifact-free)")
     p.add_argument("--prompt-budget", type=int, default=None,
                    help="OSCAR prompt_budget (tokens of split prompts held in full precision, reserved from the KV "
                         "budget; default the model's max_position_embeddings)")
-    p.add_argument("--timeout", type=float, default=540.0)
     p.add_argument("--out")
     args = p.parse_args(argv)
 
@@ -192,27 +189,17 @@ def main(argv=None):
     model = build_model(args.shape, torch.bfloat16, device, max_pos=longest + args.new_tokens + 16)
     vocab = model.config.vocab_size
     budget = int(args.kv_budget_gib * 2**30)
-    oscar_kw = dict(method=args.method, prompt_budget=args.prompt_budget)
+    oscar_kw = dict(method="hadamard", prompt_budget=args.prompt_budget)  # artifact-free
     oscar_tokens = args.oscar_batch_tokens or longest + args.max_requests
     batch_tokens = {"bf16": args.bf16_batch_tokens, "bf16-graphs": args.bf16_batch_tokens, "oscar": oscar_tokens,
                     "oscar-graphs": oscar_tokens}
     rng = random.Random(0)
-    doc = dict(env=dict(python=platform.python_version(), torch=torch.__version__,
-                        transformers=__import__("transformers").__version__,
-                        gpu=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                        command="python " + " ".join([sys.argv[0].split("/")[-1]] + (argv or sys.argv[1:]))),
-               shape=SHAPES[args.shape], kv_budget_gib=args.kv_budget_gib, results={})
-
-    def save():
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(doc, indent=2))
+    doc = dict(env=run_env(argv), shape=SHAPES[args.shape], kv_budget_gib=args.kv_budget_gib, results={})
 
     # warm-up: Triton compiles its kernels, cuBLAS picks its algorithms (not measured)
     for kind in args.kinds:
         cb, store = cache_configs(model, kind, budget, 1024, 4, oscar_kw, args.q_padding)
-        serve(model, kind, [[rng.randrange(vocab) for _ in range(600)] for _ in range(3)], [0, 0, 0], 8, cb, store,
-              args.timeout)
+        serve(model, kind, [[rng.randrange(vocab) for _ in range(600)] for _ in range(3)], [0, 0, 0], 8, cb, store)
 
     for part in args.parts:
         rows = doc["results"].setdefault(part, {})
@@ -233,8 +220,8 @@ def main(argv=None):
                 prompts = [[r.randrange(vocab) for _ in range(r.choice(args.lengths))] for _ in range(args.requests)]
                 gaps = [r.expovariate(args.rate) for _ in range(args.requests)]
                 arrivals = [sum(gaps[:i]) for i in range(args.requests)]
-            rows[kind] = serve(model, kind, prompts, arrivals, args.new_tokens, cb, store, args.timeout)
-            save()
+            rows[kind] = serve(model, kind, prompts, arrivals, args.new_tokens, cb, store)
+            write_json(args.out, doc)
         if {"oscar", "oscar-graphs"} <= rows.keys() and rows["oscar"]["decode_step_ms_p50"]:
             rows["graphs_speedup"] = round(rows["oscar"]["decode_step_ms_p50"]
                                            / rows["oscar-graphs"]["decode_step_ms_p50"], 2)
@@ -247,7 +234,7 @@ def main(argv=None):
                                       if o["decode_tok_s_at_peak"] and b["decode_tok_s_at_peak"] else None),
                 completed_tok_s=round(o["completed_tok_s"] / b["completed_tok_s"], 2))
             print(part, "OSCAR / BF16:", json.dumps(rows["ratios"]), flush=True)
-            save()
+            write_json(args.out, doc)
     return doc
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import SHAPES, build_model, make_cache  # noqa: E402
+from bench_generate import SHAPES, build_model, make_cache, run_env, write_json  # noqa: E402
 
 from oscar_hf.compat import cache_kwargs  # noqa: E402
 
@@ -188,13 +187,8 @@ def main(argv=None):
     jit = TritonJitTimer()
     model = build_model(args.shape, torch.bfloat16, args.device, args.context + args.new_tokens + 16)
     setup_s = time.perf_counter() - t0
-    import transformers
-
-    doc = dict(env=dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
-                        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                        inductor_cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
-                        triton_cache_dir=os.environ.get("TRITON_CACHE_DIR"),
-                        command="python " + " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:]))),
+    doc = dict(env=run_env(argv, inductor_cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                           triton_cache_dir=os.environ.get("TRITON_CACHE_DIR")),
                shape=args.shape, method=args.method, batch=args.batch, context=args.context,
                new_tokens=args.new_tokens, model_setup_s=round(setup_s, 2), calls=[])
     for i in range(args.calls):
@@ -202,8 +196,7 @@ def main(argv=None):
         doc["calls"].append(r)
         print(json.dumps(dict(call=i + 1, **{k: r[k] for k in ("wall_s", "graphs", "recompiles", "compiled")})),
               flush=True)
-        if args.out:
-            Path(args.out).write_text(json.dumps(doc, indent=2))
+        write_json(args.out, doc)
     return doc
 
 
@@ -235,8 +228,7 @@ def turns(args, argv) -> dict:
         runs.append(r)
         print(json.dumps({k: r[k] for k in ("turn", "tree", "method", "wall_s", "compile_s", "tracing_s")}), flush=True)
         doc = dict(command=command, runs=runs, summary=summarize(runs, args.methods))
-        if args.out:
-            Path(args.out).write_text(json.dumps(doc, indent=1))  # after every run: a run cut short keeps the ones before
+        write_json(args.out, doc, indent=1)  # after every run: a run cut short keeps the ones before
     for row in doc["summary"]:
         print(json.dumps(row))
     return doc
