@@ -152,16 +152,13 @@ def build_model(shape: str, dtype, device, max_pos: int):
 
 
 def _tensor_bytes(obj, seen: set, depth: int = 0) -> int:
-    """Bytes of the distinct tensor storages reachable from ``obj`` (tensors, containers, and the
-    attributes of small objects such as QuantizedCache's packed tensors and metadata dicts)."""
+    """Bytes of the distinct tensor storages reachable from ``obj`` (tensors, containers, and the attributes of
+    small objects such as a cache layer's)."""
     if depth > 4 or obj is None:
         return 0
     if isinstance(obj, torch.Tensor):
-        try:
-            st = obj.untyped_storage()
-            key = (st.data_ptr(), st.nbytes())
-        except (RuntimeError, NotImplementedError, TypeError):  # tensor subclasses without one storage
-            return sum(_tensor_bytes(v, seen, depth + 1) for v in vars(obj).values()) if hasattr(obj, "__dict__") else 0
+        st = obj.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
         if key in seen:
             return 0
         seen.add(key)

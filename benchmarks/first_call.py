@@ -42,17 +42,14 @@ from oscar_hf.compat import cache_kwargs  # noqa: E402
 
 
 class TritonJitTimer:
-    """Times every ``triton.compiler.compile`` in this process, by kernel name (a no-op where Triton is absent)."""
+    """Times every ``triton.compiler.compile`` in this process, by kernel name."""
 
     def __init__(self):
-        self.seconds, self.count = defaultdict(float), Counter()
-        try:
-            import triton.compiler.compiler as tc
-        except ImportError:
-            self._mod = None
-            return
-        self._mod, self._orig = tc, tc.compile
         import triton
+        import triton.compiler.compiler as tc
+
+        self.seconds, self.count = defaultdict(float), Counter()
+        self._orig = tc.compile
 
         def timed(src, *args, **kwargs):
             t0 = time.perf_counter()
@@ -83,10 +80,7 @@ def compile_phase_seconds() -> dict:
     """torch's cumulative compile timers, ``{phase: seconds}`` (empty where this torch has none)."""
     from torch._dynamo import utils
 
-    out = {}
-    for key, times in getattr(utils, "compilation_time_metrics", {}).items():
-        out[key] = float(sum(times))
-    return out
+    return {key: float(sum(times)) for key, times in getattr(utils, "compilation_time_metrics", {}).items()}
 
 
 def one_call(model, method: str, batch: int, context: int, new_tokens: int, device: str, jit: TritonJitTimer) -> dict:
