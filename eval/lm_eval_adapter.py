@@ -21,7 +21,9 @@ What the cache changes, per request type:
   prompt's last ``N`` tokens first and lets ``generate`` read those ``N`` as a second forward through the cache,
   which attends to the quantized history (stricter: the question itself reads the INT2 history).
 
-``pretrained=smollm2`` loads the packaged SmolLM2-135M GGUF (``gguf_file`` is filled in).
+``pretrained=smollm2`` / ``pretrained=gemma3-270m`` load the packaged SmolLM2-135M / Gemma-3-270M through
+:func:`oscar_hf.models.load_model` (Gemma's tokenizer rebuilt from its GGUF, which lm-eval's own GGUF path would get
+wrong: no merges, no ``<bos>``), in ``dtype`` (default float32).
 ``method``: ``fp`` (DynamicCache), ``identity``, ``hadamard`` (no artifact) or ``oscar`` / ``pca-kv`` /
 any calibrated method (``rotations=DIR``).
 """
@@ -32,7 +34,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import DEFAULT_MODEL, SMOLLM2_GGUF, smollm2_dir
+from oscar_hf.models import DEFAULT_MODEL, GEMMA3, load_model
 
 from .fakequant import fake_quant
 from .methods import OscarFamily, get_method
@@ -64,14 +66,17 @@ class OscarLM(HFLM):
 
     def __init__(self, pretrained: str = DEFAULT_MODEL, method: str = "oscar", rotations: str | None = None,
                  score_mode: str = "decode", question_decode_tokens: int = 0, gguf_file: str | None = None, **kwargs):
-        if pretrained == DEFAULT_MODEL:
-            pretrained, gguf_file = str(smollm2_dir()), gguf_file or SMOLLM2_GGUF
         if score_mode not in ("decode", "prefill"):
             raise ValueError(f"score_mode must be 'decode' or 'prefill', got {score_mode!r}")
         if int(question_decode_tokens) < 0:
             raise ValueError(f"question_decode_tokens must be >= 0, got {question_decode_tokens!r}")
         cfg = _cache_settings(kwargs)
         kwargs.setdefault("dtype", "float32")
+        if pretrained in (DEFAULT_MODEL, GEMMA3):  # a packaged model: its (model, tokenizer) as objects
+            if gguf_file is not None:
+                raise ValueError(f"pretrained={pretrained!r} is a packaged model: gguf_file is not taken with it")
+            pretrained, tok = load_model(pretrained, dtype=kwargs.pop("dtype"))
+            kwargs.setdefault("tokenizer", tok)
         super().__init__(pretrained=pretrained, gguf_file=gguf_file, **kwargs)
         if method == "fp":
             self.kv_method = get_method("fp")

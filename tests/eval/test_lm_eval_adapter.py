@@ -37,6 +37,27 @@ def test_oscar_lm_matches_stock_hf_and_runs_quantized(smollm2):
     assert math.isclose(stock, pre, rel_tol=1e-5)
 
 
+@pytest.mark.slow
+def test_packaged_gemma3_by_name_matches_stock_hf():
+    """``pretrained="gemma3-270m"``: the packaged Gemma with the tokenizer rebuilt from its GGUF (``<bos>`` first),
+    scoring as lm-eval's stock ``hf`` model does on the same model and tokenizer."""
+    from gemma3_helpers import gemma3_model
+
+    model, tok = gemma3_model()
+    kw = dict(max_length=256, batch_size=1)
+    stock, _ = wordppl(HFLM(pretrained=model, tokenizer=tok, **kw))
+    by_name = OscarLM(pretrained="gemma3-270m", method="fp", **kw)
+    assert by_name.model.config.model_type == "gemma3_text" and by_name.tokenizer.bos_token == "<bos>"
+    assert by_name.tok_encode("Hello")[0] == tok.bos_token_id
+    fp, _ = wordppl(by_name)
+    assert math.isclose(stock, fp, rel_tol=1e-5), (stock, fp)
+
+
+def test_packaged_model_refuses_a_gguf_file():
+    with pytest.raises(ValueError, match="packaged model"):
+        OscarLM(pretrained="smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
 def test_task_loader_resolves_relative_to_its_file(tmp_path, monkeypatch):
     import importlib.util
 
