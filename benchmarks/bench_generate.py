@@ -372,12 +372,9 @@ def main(argv=None):
     for b, t, m in tqdm(combos, desc="bench"):
         try:
             r = run_one(model, m, b, t, args.new_tokens, args.device, fill=args.synthetic_fill)
-        except torch.OutOfMemoryError:
-            r = dict(method=m, batch=b, context=t, error="out of memory")
-            gc.collect()
-            torch.cuda.empty_cache()
-        except Exception as e:  # a backend that is missing or fails: record it, keep measuring the others
-            r = dict(method=m, batch=b, context=t, error=f"{type(e).__name__}: {str(e)[:300]}")
+        except Exception as e:  # out of memory, or a backend that is missing or fails: record it, measure the others
+            oom = isinstance(e, torch.OutOfMemoryError)
+            r = dict(method=m, batch=b, context=t, error="out of memory" if oom else f"{type(e).__name__}: {str(e)[:300]}")
             gc.collect()
             torch.cuda.empty_cache()
         print(json.dumps(r), flush=True)

@@ -83,10 +83,11 @@ SERVING_TINY = dict(requests=120, rounds=6, min_prompt=3, max_prompt=60, max_new
             group_size=32, page_size=8, num_blocks=128, max_batch_tokens=32, max_requests=8)
 
 
-def build_model(shape: str, dtype, device, max_pos: int, seed: int):
+def build_model(spec: dict, dtype, device, seed: int, **config):
+    """Random weights (drawn from ``seed``) of ``spec``'s config fields (``model_type`` default qwen3) + ``config``."""
+    spec = dict(spec)
     torch.manual_seed(seed)
-    cfg = AutoConfig.for_model("qwen3", max_position_embeddings=max_pos, eos_token_id=EOS, pad_token_id=0,
-                               **SHAPES[shape])
+    cfg = AutoConfig.for_model(spec.pop("model_type", "qwen3"), **spec, **config)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
     return model.eval()
@@ -352,12 +353,8 @@ def serving_run(a, device, checks) -> dict:
     c = argparse.Namespace(**{**(SERVING_TINY if a.tiny else SERVING), **{k: v for k, v in (("requests", a.requests),
                                                                                             ("rounds", a.rounds)) if v}})
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    models = []
-    for i, spec in enumerate(SERVING_SHAPES["tiny" if a.tiny else "soak"]):
-        spec = dict(spec)
-        config = AutoConfig.for_model(spec.pop("model_type"), **spec, max_position_embeddings=8192)
-        torch.manual_seed(a.seed + i)
-        models.append(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device).eval())
+    models = [build_model(spec, dtype, device, a.seed + i, max_position_embeddings=8192)
+              for i, spec in enumerate(SERVING_SHAPES["tiny" if a.tiny else "soak"])]
     rng, records, first = random.Random(a.seed), [], {}
     kw = dict(max_requests=c.max_requests, method="hadamard", sink=c.sink, recent=c.recent, group_size=c.group_size)
     with oscar_serving(**kw) as stores:
@@ -412,7 +409,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = "tiny" if a.tiny else "soak"
     max_pos = max(a.long_prompt + a.long_new_tokens, a.calls_prompt + a.calls_new_tokens) + 16
-    model = build_model(shape, dtype, device, max_pos, a.seed) if {"long", "calls"} & set(a.parts) else None
+    model = build_model(SHAPES[shape], dtype, device, a.seed, max_position_embeddings=max_pos, eos_token_id=EOS,
+                        pad_token_id=0) if {"long", "calls"} & set(a.parts) else None
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     res = dict(shape=dict(SHAPES[shape]), dtype=str(dtype), device=dev_name,
                torch=torch.__version__, transformers=__import__("transformers").__version__, args=vars(a))
