@@ -47,6 +47,7 @@ import triton
 
 from oscar_hf.kernels import decode_triton as dt
 from oscar_hf.kernels.int2_attention import decode_attention_reference
+from oscar_hf.kernels.kv import History, KVParams, Window
 from oscar_hf.kernels.plan import DEFAULTS, group_fits
 from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.kernels.write_triton import rotate_quantize_triton
@@ -183,8 +184,8 @@ def oscar_op(st):
 
     def run():  # the query rotated inside the op, as in the model's attention (rotation + window: one launch)
         out = dt.decode_attention_triton(
-            None, st["k"], st["v"], st["start"], None, None, SCALING, GS, qg, st["k_win"], st["v_win"], None,
-            st["r_v"], st["mu_v"], torch.bfloat16, r_k=st["r_k"], mu_k=st["mu_k"], defaults=KERNEL_DEFAULTS,
+            KVParams(st["r_k"], st["mu_k"], st["r_v"], st["mu_v"], GS), qg, Window(st["k_win"], st["v_win"]),
+            History(st["k"], st["v"], st["start"]), SCALING, torch.bfloat16, defaults=KERNEL_DEFAULTS,
         )
         return out.view(b, HQ, 1, D)
 
@@ -266,10 +267,11 @@ def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
             row["speedup_graph"] = row["sdpa_best_graph_ms"] / row["oscar_graph_ms"]
         if b == 1 and t == 32768:  # spot-check the fused op against the torch reference here
             out = op()
+            q_rot = torch.matmul(st["q"].view(b, HK, GQ, D).float(), st["r_k"])
             ref = decode_attention_reference(
-                torch.matmul(st["q"].view(b, HK, GQ, D).float(), st["r_k"]), st["k"], st["v"], st["start"], None,
-                torch.matmul(torch.matmul(st["q"].view(b, HK, GQ, D).float(), st["r_k"]), st["mu_rot_k"].unsqueeze(-1)).squeeze(-1),
-                SCALING, GS, st["q"].view(b, HK, GQ, D), st["k_win"], st["v_win"], None, st["r_v"], st["mu_v"], torch.float32,
+                KVParams(st["r_k"], st["mu_k"], st["r_v"], st["mu_v"], GS), st["q"].view(b, HK, GQ, D),
+                Window(st["k_win"], st["v_win"]), History(st["k"], st["v"], st["start"]), SCALING, torch.float32,
+                rotated=(q_rot, torch.matmul(q_rot, st["mu_rot_k"].unsqueeze(-1)).squeeze(-1)),
             ).view(b, HQ, 1, D)
             row["rel_err_vs_reference"] = ((out.float() - ref).norm() / ref.norm()).item()
         log(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "sdpa_errors"}))

@@ -55,15 +55,11 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
             if kernels and paged_supported(qf, k, v, params.group_size, win.k):
                 if pages.max_len is None:
                     pages = dataclasses.replace(pages, max_len=int(pages.lengths.max()) if b else 0)
-                slot = win.slot if win.slot is not None else torch.arange(b, device=qf.device)
                 if b == 0 or (pages.max_len == 0 and w == 0):  # nothing to attend to
                     out = torch.zeros(qf.shape, device=qf.device, dtype=out_dtype)
                 else:
-                    out = dt.decode_attention_triton(None, k, v, None, None, None, scaling, params.group_size,
-                                                     q_win=qf, k_win=win.k, v_win=win.v,
-                                                     win_mask=win.mask_2d().view(b, 1, 1, w), r_v=params.r_v,
-                                                     mu_v=params.mu_v, out_dtype=out_dtype, r_k=params.r_k,
-                                                     mu_k=params.mu_k, paged=pages, win_slot=slot)
+                    out = dt.decode_attention_triton(params, qf, win, dataclasses.replace(history, pages=pages),
+                                                     scaling, out_dtype)
             elif pages.max_len is not None:
                 out = paged_decode_batched(params, qf, win, history, scaling, out_dtype)
             else:
@@ -71,25 +67,18 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
         elif (rotated is None and history.n_valid is None and kernels and not torch.compiler.is_compiling()
               and query_kernel_supported(qi)
               and dt.decode_supported(qi, k, params.group_size, history.key_mask, win.mask, w)):
-            out = dt.decode_attention_triton(None, k, v, history.start, history.key_mask, None, scaling,
-                                             params.group_size, qi, win.k, win.v, win.mask, params.r_v, params.mu_v,
-                                             out_dtype, r_k=params.r_k, mu_k=params.mu_k, sinks=si, softcap=softcap)
+            out = dt.decode_attention_triton(params, qi, win, history, scaling, out_dtype, sinks=si, softcap=softcap)
         else:
             if rotated is None:  # the kernels' rotation where the launcher reads a device-side length
                 rotate = rotate_query if history.n_valid is not None else rotate_query_reference
                 rotated = rotate(qi, params.r_k, params.mu_k, *(() if history.n_valid is None else (use_kernels,)))
-            q_rot, qk_off = rotated
             if kernels and dt.decode_supported(qi, k, params.group_size, history.key_mask, win.mask, w):
-                out = dt.decode_attention_triton(q_rot.float().contiguous(), k, v, history.start, history.key_mask,
-                                                 qk_off, scaling, params.group_size, qi, win.k, win.v, win.mask,
-                                                 params.r_v, params.mu_v, out_dtype, n_valid=history.n_valid,
-                                                 splits=history.splits, sinks=si, softcap=softcap)
+                out = dt.decode_attention_triton(params, qi, win, history, scaling, out_dtype,
+                                                 rotated=(rotated[0].float().contiguous(), rotated[1]), sinks=si,
+                                                 softcap=softcap)
             else:
-                h = history.cut()
-                out = decode_attention_reference(q_rot, h.k, h.v, h.start, h.key_mask, qk_off, scaling,
-                                                 params.group_size, qi, win.k, win.v, win.mask, params.r_v,
-                                                 params.mu_v, out_dtype=out_dtype, block_n=params.block_n,
-                                                 n_valid=h.n_valid, softcap=softcap, sinks=si)
+                out = decode_attention_reference(params, qi, win, history.cut(), scaling, out_dtype, rotated=rotated,
+                                                 softcap=softcap, sinks=si)
     if split is None:  # (no INT2 head: an empty output, the caller merges the retrieval heads it reads itself)
         return out if out is not None else torch.empty(qi.shape, dtype=out_dtype, device=qi.device)
     # the retrieval heads: their coded history read in place (through the block tables when paged), the exact window
@@ -98,9 +87,7 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
     hi = pages.lengths if pages is not None else history.n_valid
     if pages is None and hi.device.type == "cpu":  # (a CPU reference reads only the filled part)
         hi = int(hi)
-    coded = heads_decode_attention(q, split.coded_idx, history.coded[0], history.coded[1], split.bits, lo, hi,
-                                   window.k, window.v, window.mask_2d(), scaling, out_dtype, use_kernels=use_kernels,
-                                   block_table=None if pages is None else pages.table,
-                                   max_len=None if pages is None else pages.max_len, softcap=softcap,
+    coded = heads_decode_attention(q, split.coded_idx, history.coded, split.bits, (lo, hi), window, scaling, out_dtype,
+                                   pages=pages, softcap=softcap, use_kernels=use_kernels,
                                    sinks=None if sinks is None else sinks.index_select(0, split.coded_idx))
     return merge_heads(out, coded.to(out_dtype), split.int2_idx, split.coded_idx, q.shape[1])

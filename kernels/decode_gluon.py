@@ -356,15 +356,17 @@ def gluon_supported(q_rot, k, v, group_size: int, key_mask, meta_words: bool) ->
             and k.codes.data_ptr() % 8 == 0 and v.codes.data_ptr() % 4 == 0)
 
 
-def launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, s_hist, s_tot, split_len, qk_scale,
-                   stages, maxnreg, pdl=False, k8=False, qpre=None, ready=None, paged=None):
-    """Grid ``(B * Hk, s_hist)``: the history partials ``[0, s_hist)`` of each (row, head) into ``pm, pl, pacc``.
-    ``pdl``: launched under programmatic dependent launch right after the query's launch (the rotating op).
-    ``qpre``: None, or ``(tiles, fields)``, the int8 key path's query operands the prologue built (``k8`` only).
-    ``ready`` (with ``qpre`` and ``pdl``): the int32 counters ``[B * Hk]`` the prologue's rotation programs raise when
-    their operands are stored; the history programs wait for 4 there instead of the PDL wait (``QFLAG``).
-    ``k8`` at D = 128 only. D = 64: code rows of two tokens (``TP = 2``), ``split_len`` even. ``paged``: a
-    ``decode_triton._PagedRead`` (``k`` / ``v`` the pool's ``[num_pages, Hk, P, *]`` views; ``n`` its ``max_len``)."""
+def launch_history(q_rot, qk_offset, history, partials, n, qk_scale, *, plan, qpre=None, ready=None, paged=None):
+    """Grid ``(B * Hk, plan.s_hist)``: the history partials of each (row, head) of ``q_rot [B, Hk, M, D]`` over
+    ``history`` (:class:`~oscar_hf.kernels.kv.History`: ``k``, ``v``, ``start [B]``, ``n_valid``; ``n`` entries bound
+    the grid) into ``partials = (pm, pl, pacc)``, as the call's :class:`~oscar_hf.kernels.plan.DecodePlan` says
+    (``pdl``: under PDL after the query's launch; ``k8`` at D = 128 only). ``qpre``: None, or ``(tiles, fields)``, the
+    int8 key path's query operands the prologue built; ``ready`` (with ``qpre`` and ``pdl``): the counters ``[B * Hk]``
+    its rotation programs raise, the history programs wait for 4 there, not for PDL (``QFLAG``). D = 64: code rows of
+    two tokens (``TP = 2``), ``split_len`` even. ``paged``: a ``decode_triton._PagedRead`` (``n`` its ``max_len``)."""
+    (k, v, start, n_valid), (pm, pl, pacc) = (history.k, history.v, history.start, history.n_valid), partials
+    s_hist, s_tot, split_len, stages = plan.s_hist, plan.s_tot, plan.split_len, plan.gluon_stages
+    maxnreg, pdl, k8 = plan.gluon_maxnreg, plan.pdl, plan.k8
     b, hk, m, d = q_rot.shape
     assert not (k8 and d != 128), "the int8 key path serves D = 128 only"
     tp = 2 if d == 64 else 1

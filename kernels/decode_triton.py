@@ -7,13 +7,13 @@ every storage, and :func:`history_partial_triton`) send only
 the shapes :func:`decode_supported` / :func:`kernel_supported` accept; everything else takes the torch reference.
 Three modes:
 
-* pre-rotated query (``q_rot``, ``qk_offset``) and a full-precision window (sink + recent, unrotated): the whole decode
-  attention of one layer -> normalized output in the value space. The split kernel gets extra programs for the window
-  (which then runs concurrently with the history); the combine merges history and window partials, rotates the merged
-  history row back (``acc R_Vᵀ + l mu_V``) and normalizes.
-* ``q_rot`` None: the same op from the *unrotated* query (the dynamic cache's attention): the op launches the query
+* pre-rotated query (``rotated = (q_rot, qk_offset)``) and a full-precision window (sink + recent, unrotated): the
+  whole decode attention of one layer -> normalized output in the value space. The split kernel gets extra programs
+  for the window (which then runs concurrently with the history); the combine merges history and window partials,
+  rotates the merged history row back (``acc R_Vᵀ + l mu_V``) and normalizes.
+* ``rotated`` None: the same op from the *unrotated* query (the dynamic cache's attention): the op launches the query
   rotation itself.
-* no ``r_v`` (:func:`history_partial_triton`): the contract of ``int2_attention.history_partial_reference``,
+* no ``params.r_v`` (:func:`history_partial_triton`): the contract of ``int2_attention.history_partial_reference``,
   online-softmax partials ``(m, l, acc)`` of the history in the rotated value space. Two launches: the split kernel
   (:mod:`~oscar_hf.kernels.decode_split`, grid ``(B * Hk, S)``), then the combine
   (:mod:`~oscar_hf.kernels.decode_combine`, one program per query row).
@@ -27,7 +27,7 @@ launch between them (sm_90+): the history's first loads under the rotation, the 
 tail, and the history programs waiting for counters their head's rotation programs raise (``QFLAG``), not for the
 rotation's grid.
 
-A *paged* history (``paged=``: :class:`~oscar_hf.kernels.kv.Pages`, the serving pool) takes the same plan
+A *paged* history (``history.pages``: :class:`~oscar_hf.kernels.kv.Pages`, the serving pool) takes the same plan
 and launches, every kernel in its ``PAGED`` mode: each row's own history length and window slot, pages through the
 block table (the Gluon kernel where a page holds whole steps).
 """
@@ -43,7 +43,8 @@ from oscar_hf.quant import QuantizedRows
 
 from .decode_combine import _combine_kernel
 from .decode_split import _prologue_kernel, _split_kernel
-from .plan import DEFAULTS, KERNEL_HEAD_DIMS, decode_plan, gluon_pays, group_fits, next_pow2, num_splits
+from .kv import History, KVParams
+from .plan import DEFAULTS, KERNEL_HEAD_DIMS, DecodeShape, decode_plan, gluon_pays, group_fits, next_pow2, num_splits
 from .query_triton import C_BLOCK as ROT_C_BLOCK
 from .query_triton import Q8_FIELDS, Q8_TILE_BYTES, launch_rotation, rotation_args, rotation_strides
 
@@ -170,43 +171,54 @@ def _gluon_module():
     return decode_gluon
 
 
-def decode_attention_triton(
-    q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, q_win=None, k_win=None, v_win=None, win_mask=None,
-    r_v=None, mu_v=None, out_dtype=None, n_valid=None, splits=None, r_k=None, mu_k=None, sinks=None, softcap=None,
-    paged=None, win_slot=None, defaults=DEFAULTS,
-):
+def decode_attention_triton(params, q, window, history, scaling, out_dtype=None, *, rotated=None, softcap=None,
+                            sinks=None, defaults=DEFAULTS):
     """The decode attention of one layer over INT2 history + full-precision window, for the shapes
-    :func:`decode_supported` accepts: two launches (three with the query's rotation or the Gluon history).
+    :func:`decode_supported` accepts: two launches (three with the query's rotation or the Gluon history). The run
+    half of the read: the KV as :mod:`~oscar_hf.kernels.kv`'s bundles, every launch decision from
+    :func:`~oscar_hf.kernels.plan.decode_plan`.
 
     Args (``B`` batch, ``Hk`` KV heads, ``M`` query rows per KV head, ``D`` head_dim):
-        q_rot: ``[B, Hk, M, D]`` the history's query, rotated by R_K (unscaled), or None: the op rotates ``q_win`` by
-            ``r_k`` (``[Hk, D, D]``) and centers by ``mu_k`` (None, ``[Hk, D]`` or ``[B, Hk, D]``) itself, as
+        params: :class:`~oscar_hf.kernels.kv.KVParams` (``r_k`` / ``mu_k`` rotate the query where ``rotated`` is
+            None; ``r_v`` ``[Hk, D, D]`` / ``mu_v`` bring the history back to the value space; ``group_size``).
+            ``r_v`` None: no window either, the history's online-softmax partials (:func:`history_partial_triton`).
+        q: ``[B, Hk, M, D]`` the *unrotated* queries (any float dtype), for the window keys (None without a window).
+        window: :class:`~oscar_hf.kernels.kv.Window` (``k``/``v`` ``[B, Hk, W, D]`` unrotated full precision, sink
+            + recent; ``mask`` None or bool broadcastable to ``[B, Hk, 1, W]``, False = masked), or None.
+        history: :class:`~oscar_hf.kernels.kv.History`: ``k``, ``v``, ``start``, ``key_mask`` as for
+            ``int2_attention.history_partial_reference`` (rotated by R_K/R_V and centered); ``n_valid`` / ``splits``
+            the static cache's device-side length (0-d int tensor: entries ``< n_valid`` are valid; the grid is sized
+            by the capacity and ``splits`` history programs per (row, head), so that a CUDA graph of this call stays
+            valid while the cache grows); ``pages`` a paged history (``max_len`` given): ``k`` / ``v`` the pool's
+            ``[num_pages, Hk, P, *]`` views, the window the pool ``[num_slots, Hk, W, D]`` (row ``b`` at slot
+            ``window.slot[b]``) with a ``[B, W]`` mask; no left padding, key mask or ``n_valid``. The same launches,
+            every kernel reading through the block table.
+        rotated: ``(q_rot [B, Hk, M, D], qk_offset [B, Hk, M] or None)`` the history's query rotated by R_K
+            (unscaled), or None: the op rotates ``q`` by ``params.r_k`` and centers by ``params.mu_k`` itself, as
             ``int2_attention.rotate_query_reference`` does (on the Gluon path in one launch with the window programs).
-        k, v, start, key_mask, qk_offset, scaling, group_size: as for ``int2_attention.history_partial_reference``
-            (history keys/values rotated by R_K/R_V and centered; ``qk_offset`` None where ``q_rot`` is).
-        q_win: ``[B, Hk, M, D]`` the *unrotated* queries (any float dtype), for the window keys.
-        k_win, v_win: ``[B, Hk, W, D]`` unrotated full-precision window (sink + recent, one buffer), or None.
-        win_mask: None or bool broadcastable to ``[B, Hk, 1, W]`` (False = masked).
-        r_v: ``[Hk, D, D]`` float32 value rotation; mu_v: ``[Hk, D]`` or None. Without ``r_v``, no window either:
-            the history's online-softmax partials (:func:`history_partial_triton`).
         sinks: None or ``[Hk, M]`` float: an attention sink's logit per query row (gpt-oss's ``s_aux``, natural units,
             not scaled): a key of value 0 that every row attends to, i.e. ``exp(s)`` more in the softmax denominator.
             It is one more partial (``m = s``, ``l = 1``, ``acc = 0``) after the window's, filled here and merged by
             the combine like the others.
         softcap: None or Gemma 2's logit soft-capping ``softcap * tanh(logit / softcap)`` (natural units), applied to
             every history and window logit by the split kernel (which then serves the history, not the Gluon kernel).
-        out_dtype: dtype of the result (default: q_win's).
-        n_valid, splits: the static cache's device-side history length (0-d int tensor: entries ``< n_valid`` are
-            valid; the grid is sized by the capacity and ``splits`` history programs per (row, head), so that a CUDA
-            graph of this call stays valid while the cache grows) and its fixed number of history splits; None for
-            the dynamic cache.
-        paged: a paged history (:class:`~oscar_hf.kernels.kv.Pages`, ``max_len`` given): ``k`` / ``v`` are the pool's
-            ``[num_pages, Hk, P, *]`` views, ``k_win`` / ``v_win`` the window pool ``[num_slots, Hk, W, D]`` (row ``b``
-            at slot ``win_slot[b]``), ``win_mask`` ``[B, 1, 1, W]``; no left padding, key mask or ``n_valid``. The same
-            launches, every kernel reading through the block table.
+        out_dtype: dtype of the result (default: ``q``'s).
     Returns ``[B, Hk, M, D]``: softmax attention over history and window, in the value space (rows without any valid
     key are 0); without ``r_v`` the partials ``(m, l, acc)``, ``[B, Hk, M]`` twice and ``[B, Hk, M, D]``, float32.
     """
+    # the bundles' fields under the names the launches below use
+    k, v, start, key_mask = history.k, history.v, history.start, history.key_mask
+    n_valid, splits, paged = history.n_valid, history.splits, history.pages
+    group_size, r_k, mu_k, r_v, mu_v = params.group_size, params.r_k, params.mu_k, params.r_v, params.mu_v
+    q_rot, qk_offset = (None, None) if rotated is None else rotated
+    q_win = q
+    k_win, v_win, win_mask, win_slot = (None, None, None, None) if window is None else (
+        window.k, window.v, window.mask, window.slot)
+    if paged is not None:  # (the pool's window: each row's mask [B, 1, 1, W] and slot [B])
+        b0 = q.shape[0]
+        win_mask = window.mask_2d().view(b0, 1, 1, k_win.shape[-2])
+        if win_slot is None:
+            win_slot = torch.arange(b0, device=q.device)
     if paged is not None:
         table = paged.table if paged.table.stride(-1) == 1 else paged.table.contiguous()
         paged = _PagedRead(table, paged.lengths, win_slot, k.codes.shape[-2], paged.max_len)
@@ -237,9 +249,10 @@ def decode_attention_triton(
         gluon_ok = paged.page % glu.tokens_per_step(m, d) == 0
     window = r_v is not None
     w = 0 if (not window or k_win is None) else k_win.shape[-2]
-    p = decode_plan(b, hk, m, d, n, group_size, w, dev, window=window, static=n_valid is not None, splits=splits,
-                    rotate=rotate, gluon_step=glu.tokens_per_step(m, d) if gluon_ok else 0, sinks=sinks is not None,
-                    softcap=bool(softcap), page=paged.page if paged is not None else 0, defaults=defaults)
+    p = decode_plan(DecodeShape(b, hk, m, d, n, group_size, w), dev, window=window, static=n_valid is not None,
+                    splits=splits, rotate=rotate, gluon_step=glu.tokens_per_step(m, d) if gluon_ok else 0,
+                    sinks=sinks is not None, softcap=bool(softcap), page=paged.page if paged is not None else 0,
+                    defaults=defaults)
     # the paged kernels' extra arguments: the block table, per-row lengths and window slots
     pk = {} if paged is None else dict(BT=paged.block_table, HLEN=paged.hist_len, WSLOT=paged.win_slot,
                                        sbt=paged.block_table.stride(0), PAGED=1, PAGE=paged.page)
@@ -295,9 +308,8 @@ def decode_attention_triton(
             launch_rotation(q_win, r_k, mu_k, q_rot, qk_offset)
     if p.gluon and p.s_hist:  # the history on the Gluon kernel; the split kernel runs the window programs only
         with _counters_reset_on_error(ready):
-            glu.launch_history(q_rot, k, v, start, qk_offset, n_valid, pm, pl, pacc, n, p.s_hist, p.s_tot, p.split_len,
-                               qk_scale, stages=p.gluon_stages, maxnreg=p.gluon_maxnreg, pdl=p.pdl, k8=p.k8,
-                               qpre=(qp8, qpf) if p.qpre else None, ready=ready, paged=paged)
+            glu.launch_history(q_rot, qk_offset, History(k, v, start, n_valid=n_valid), (pm, pl, pacc), n, qk_scale,
+                               plan=p, qpre=(qp8, qpf) if p.qpre else None, ready=ready, paged=paged)
     if p.split_programs:
         _split_kernel[(bh, p.split_programs)](
             q_rot, *k, *v, start, kmask, qk_offset, n_valid,
@@ -356,8 +368,9 @@ def history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, gro
                            softcap=None):
     """Triton version of ``int2_attention.history_partial_reference`` (same contract, for the shapes
     :func:`kernel_supported` accepts): :func:`decode_attention_triton` without a window. Two launches."""
-    return decode_attention_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, softcap=softcap,
-                                   defaults=defaults)
+    return decode_attention_triton(KVParams(None, None, None, None, group_size), None, None,
+                                   History(k, v, start, key_mask), scaling, rotated=(q_rot, qk_offset),
+                                   softcap=softcap, defaults=defaults)
 
 
 __all__ = ["decode_attention_triton", "decode_supported", "history_partial_triton", "kernel_supported", "num_splits"]

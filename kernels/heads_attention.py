@@ -4,7 +4,7 @@ history, read in place, and the exact window every head shares.
 A layer keeps ``P`` of its ``Hk`` KV heads out of the INT2 history (``OscarConfig.full_precision_heads``) and stores
 every slot of them as ``bits``-bit codes with one scale and one zero per token and head (8 or 4 bits, unrotated
 min-max: ``x ~ zero + code * scale``), or in the model dtype (16 bits); :mod:`oscar_hf.cache.heads` writes them.
-``heads_decode_attention(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling)`` with
+``heads_decode_attention(q, heads, (k, v), bits, (lo, hi), window, scaling)`` with
 
 * ``q [B, Hk, M, D]``: every KV head's query rows (``M = g * q_len``, query-head-major), unrotated;
 * ``heads [P]`` int64: which KV heads are the coded ones (the index into ``q``, ``win_k``, ``win_v``);
@@ -13,11 +13,12 @@ min-max: ``x ~ zero + code * scale``), or in the model dtype (16 bits); :mod:`os
   bits; slot ``s`` at index ``s``;
 * ``lo [B]`` int, ``hi`` an int, a 0-d or a ``[B]`` int device tensor: row ``b`` reads history slots
   ``lo[b] <= s < hi`` (``hi[b]``); a device-side ``hi`` keeps the call valid inside a CUDA graph while the cache grows;
-* ``block_table`` None (the store's rows are ``[B, P, N, *]``, slot ``s`` at index ``s``) or int ``[B, pages]``: the
-  store is paged, parts ``[num_pages, P, page_size, *]``, slot ``s`` of row ``b`` at offset ``s % page_size`` of
-  page ``block_table[b, s // page_size]`` (the serving store); ``max_len``: the longest ``hi`` (sizes the grid);
-* ``win_k/win_v [B, Hk, W, D]`` (model dtype) and ``win_mask`` bool ``[B, W]`` or None: the window (sink, recent,
-  the new token) that every head reads exactly;
+* ``pages`` None (the store's rows are ``[B, P, N, *]``, slot ``s`` at index ``s``) or a
+  :class:`~oscar_hf.kernels.kv.Pages` (its ``table`` int ``[B, pages]`` and ``max_len`` read): the store is paged,
+  parts ``[num_pages, P, page_size, *]``, slot ``s`` of row ``b`` at offset ``s % page_size`` of page ``table[b, s
+  // page_size]`` (the serving store); ``max_len``: the longest ``hi`` (sizes the grid);
+* ``window`` a :class:`~oscar_hf.kernels.kv.Window`: ``k/v [B, Hk, W, D]`` (model dtype) and a bool mask ``[B, W]``
+  or ``[B, 1, 1, W]`` (or None): the window (sink, recent, the new token) that every head reads exactly;
 
 returns ``[B, P, M, D]`` in ``out_dtype``: ``softmax(scaling * q k^T) v`` over the history and the window. Rows with
 no valid key give 0. ``softcap`` (Gemma 2's logit soft-capping) and ``sinks`` (``[P, M]`` logits of a zero-valued key,
@@ -92,11 +93,12 @@ def gather_pages(parts: tuple[torch.Tensor, ...], block_table: torch.Tensor) -> 
     return tuple(out)
 
 
-def heads_decode_reference(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float,
-                           out_dtype=None, block_n: int = 1024, block_table=None, softcap=None,
-                           sinks=None) -> torch.Tensor:
+def heads_decode_reference(q, heads, coded, bits: int, bounds, window, scaling: float, out_dtype=None, *,
+                           pages=None, block_n: int = 1024, softcap=None, sinks=None) -> torch.Tensor:
     """Torch reference of :func:`heads_decode_attention` (float32 math; the history dequantized ``block_n`` slots at
     a time and merged by the online-softmax rule, as the kernel does in registers)."""
+    (k, v), (lo, hi), block_table = coded, bounds, None if pages is None else pages.table
+    win_k, win_v, win_mask = window.k, window.v, window.mask_2d()
     if block_table is not None:
         k, v = gather_pages(k, block_table), gather_pages(v, block_table)
     qh = q.index_select(1, heads).float()  # [B, P, M, D]
@@ -126,19 +128,18 @@ def heads_decode_reference(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_
     return out.to(out_dtype or q.dtype)
 
 
-def heads_decode_attention(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float,
-                           out_dtype=None, use_kernels="auto", block_table=None, max_len=None, softcap=None,
-                           sinks=None) -> torch.Tensor:
+def heads_decode_attention(q, heads, coded, bits: int, bounds, window, scaling: float, out_dtype=None, *,
+                           pages=None, softcap=None, sinks=None, use_kernels="auto") -> torch.Tensor:
     """Dispatch: the two Triton launches on CUDA (never traced: the compiled layer calls it inside its opaque op,
     :mod:`.static_op`), the reference elsewhere. Arguments: the module docstring."""
-    check_heads_args(q, heads, k, v, bits, win_k, win_mask, block_table)
+    check_heads_args(q, heads, *coded, bits, window.k, window.mask_2d(), None if pages is None else pages.table)
     out_dtype = out_dtype or q.dtype
     if sinks is not None and sinks.shape != (heads.numel(), q.shape[2]):
         raise ValueError(f"sinks {tuple(sinks.shape)} are not [P, M] = {(heads.numel(), q.shape[2])}")
     if triton_enabled(q, use_kernels) and q.shape[2] <= 64:
         from .heads_triton import heads_decode_triton
 
-        return heads_decode_triton(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
-                                   block_table=block_table, max_len=max_len, sinks=sinks, softcap=softcap)
-    return heads_decode_reference(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype,
-                                  block_table=block_table, softcap=softcap, sinks=sinks)
+        return heads_decode_triton(q, heads, coded, bits, bounds, window, scaling, out_dtype, pages=pages,
+                                   sinks=sinks, softcap=softcap)
+    return heads_decode_reference(q, heads, coded, bits, bounds, window, scaling, out_dtype, pages=pages,
+                                  softcap=softcap, sinks=sinks)

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .decode_split_ops import _soft_cap
+from .kv import Window
 from .plan import HEADS_DEFAULTS, HeadsDefaults, heads_plan, next_pow2, pow2_at_least, settle_cache_keys
 from .query_triton import _cols_mask
 
@@ -235,12 +236,13 @@ def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mask, scaling: float, out_dtype,
-                        block_table=None, max_len=None, sinks=None, softcap=None,
-                        defaults: HeadsDefaults = HEADS_DEFAULTS) -> torch.Tensor:
+def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: float, out_dtype, *, pages=None,
+                        sinks=None, softcap=None, defaults: HeadsDefaults = HEADS_DEFAULTS) -> torch.Tensor:
     """:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention` in two launches (arguments checked there);
     any head_dim (a plane that is no power of two is padded inside), ``softcap`` (natural units) capped in the
     kernel."""
+    (k, v), (lo, hi), win_k, win_v, win_mask = coded, bounds, window.k, window.v, window.mask_2d()
+    block_table, max_len = (None, None) if pages is None else (pages.table, pages.max_len)
     df = defaults
     b, _, m, d = q.shape
     p, w = heads.numel(), win_k.shape[2]
@@ -256,10 +258,10 @@ def heads_decode_triton(q, heads, k, v, bits: int, lo, hi, win_k, win_v, win_mas
             return x[a:z] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == b else x
 
         return torch.cat([heads_decode_triton(
-            q[a : a + rows], heads, tuple(t[a : a + rows] for t in k), tuple(t[a : a + rows] for t in v), bits,
-            lo[a : a + rows], rows_of(hi, a, a + rows), win_k[a : a + rows], win_v[a : a + rows],
-            None if win_mask is None else win_mask[a : a + rows], scaling, out_dtype, max_len=max_len, sinks=sinks,
-            softcap=softcap, defaults=defaults) for a in range(0, b, rows)])
+            q[a : a + rows], heads, tuple(tuple(t[a : a + rows] for t in x) for x in (k, v)), bits,
+            (lo[a : a + rows], rows_of(hi, a, a + rows)),
+            Window(win_k[a : a + rows], win_v[a : a + rows], None if win_mask is None else win_mask[a : a + rows]),
+            scaling, out_dtype, sinks=sinks, softcap=softcap, defaults=defaults) for a in range(0, b, rows)])
     npl = 2 if bits == 4 else 1
     page = 0 if block_table is None else kc.shape[2]
     n = kc.shape[2] if block_table is None else block_table.shape[1] * page  # slots the store can address per row

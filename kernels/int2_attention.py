@@ -141,21 +141,23 @@ def history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size
     return history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n)
 
 
-def decode_attention_reference(
-    q_rot, k, v, start, key_mask, qk_offset, scaling, group_size,
-    q_win, k_win, v_win, win_mask, r_v, mu_v, out_dtype=None, block_n=1024, n_valid=None, softcap=None, sinks=None,
-):
-    """The whole decode attention of one layer (torch reference of ``decode_triton.decode_attention_triton``):
-    the INT2 history partial (rotated) is brought back to the value space (``acc R_Vᵀ + l mu_V``),
-    merged with the full-precision window partial (``q_win``/``k_win``/``v_win`` unrotated,
-    ``win_mask`` bool broadcastable to ``[B, Hk, M, W]``) and normalized. Rows with no valid key give 0.
-    ``n_valid`` (0-d tensor or None): only history entries below it are read (static cache). ``softcap``: logit
-    soft-capping (None: none); ``sinks`` ``[Hk, M]`` or None: an attention sink's logit per query row
+def decode_attention_reference(params, q, window, history, scaling, out_dtype=None, *, rotated=None, softcap=None,
+                               sinks=None):
+    """The whole decode attention of one layer (torch reference of ``decode_triton.decode_attention_triton``, the same
+    arguments: :mod:`~oscar_hf.kernels.kv`'s bundles): the INT2 history partial (rotated; the query ``rotated = (q_rot,
+    qk_offset)``, or ``q`` rotated by ``params.r_k`` / ``params.mu_k``) is brought back to the value space (``acc
+    R_Vᵀ + l mu_V``), merged with the full-precision window partial (``q`` and ``window.k/v`` unrotated,
+    ``window.mask`` bool broadcastable to ``[B, Hk, M, W]``) and normalized. Rows with no valid key give 0.
+    ``history.n_valid`` (0-d tensor or None): only history entries below it are read (static cache). ``softcap``:
+    logit soft-capping (None: none); ``sinks`` ``[Hk, M]`` or None: an attention sink's logit per query row
     (:func:`sink_partial`)."""
-    out_dtype = out_dtype or (q_win.dtype if q_win is not None else torch.float32)
-    hist = history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n,
-                                     n_valid=n_valid, softcap=softcap)
-    return merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, scaling, out_dtype, softcap, sinks)
+    out_dtype = out_dtype or (q.dtype if q is not None else torch.float32)
+    q_rot, qk_offset = rotated if rotated is not None else rotate_query_reference(q, params.r_k, params.mu_k)
+    h = history
+    hist = history_partial_reference(q_rot, h.k, h.v, h.start, h.key_mask, qk_offset, scaling, params.group_size,
+                                     params.block_n, n_valid=h.n_valid, softcap=softcap)
+    return merge_history_and_window(hist, q, window.k, window.v, window.mask, params.r_v, params.mu_v, scaling,
+                                    out_dtype, softcap, sinks)
 
 
 def merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, scaling: float, out_dtype, softcap=None,

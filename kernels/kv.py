@@ -52,7 +52,8 @@ class KVParams:
 class Window:
     """The full-precision window (sink + ring, unrotated, model dtype): ``k/v [B, Hk, W, D]`` (or ``[slots, Hk, W,
     D]`` with ``slot [B]``: row ``b`` reads slot ``slot[b]``, the serving store's window pool); ``mask`` None or bool
-    broadcastable to ``[B, Hk, M, W]`` (False: not a token of the row)."""
+    broadcastable to ``[B, Hk, M, W]`` (False: not a token of the row), or ``[B, W]`` for the retrieval heads' read
+    alone (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -70,8 +71,8 @@ class Window:
         return Window(self.k.index_select(1, idx), self.v.index_select(1, idx), self.mask)
 
     def mask_2d(self) -> torch.Tensor | None:
-        """``[B, W]``: the mask of each row (the retrieval heads' read)."""
-        return None if self.mask is None or self.mask.dim() == 2 else self.mask[:, 0, 0]
+        """``[B, W]``: the mask of each row (the retrieval heads' read; a ``[B, W]`` mask as it is)."""
+        return self.mask if self.mask is None or self.mask.dim() == 2 else self.mask[:, 0, 0]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -93,10 +93,10 @@ def paged_decode_reference(params: KVParams, qf, window: Window, history: Histor
         mu_b = mu_k if (mu_k is None or mu_k.dim() == 2) else mu_k[b : b + 1]
         q_rot, qk_off = rotate_query_reference(qf[b : b + 1], params.r_k, mu_b)
         start = torch.zeros(1, dtype=torch.long, device=qf.device)
-        outs.append(decode_attention_reference(
-            q_rot, k, v, start, None, qk_off, scaling, params.group_size, qf[b : b + 1].float(),
-            window.k[slot : slot + 1] if w else None, window.v[slot : slot + 1] if w else None,
-            mask[b].view(1, 1, 1, w), params.r_v, params.mu_v, out_dtype=out_dtype, block_n=params.block_n))
+        row_window = Window(window.k[slot : slot + 1] if w else None, window.v[slot : slot + 1] if w else None,
+                            mask[b].view(1, 1, 1, w))
+        outs.append(decode_attention_reference(params, qf[b : b + 1].float(), row_window, History(k, v, start),
+                                               scaling, out_dtype, rotated=(q_rot, qk_off)))
     if not outs:
         return torch.empty(qf.shape, dtype=out_dtype, device=qf.device)
     return torch.cat(outs, 0)
@@ -140,9 +140,8 @@ def paged_decode_batched(params: KVParams, qf, window: Window, history: History,
     win = window.rows()
     w = win.k.shape[2]
     wk, wv = (win.k, win.v) if w else (None, None)
-    return decode_attention_reference(q_rot, k, v, start, key_mask, qk_off, scaling, params.group_size, qf.float(), wk,
-                                      wv, window.mask_2d()[:, None, None, :], params.r_v, params.mu_v,
-                                      out_dtype=out_dtype, block_n=params.block_n)
+    return decode_attention_reference(params, qf.float(), Window(wk, wv, window.mask_2d()[:, None, None, :]),
+                                      History(k, v, start, key_mask), scaling, out_dtype, rotated=(q_rot, qk_off))
 
 
 def paged_supported(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, group_size: int, win_k) -> bool:

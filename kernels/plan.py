@@ -264,13 +264,23 @@ class DecodePlan:
         return self.s_hist + self.s_win == 0
 
 
-def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int, device: torch.device, *,
-                window: bool = True, static: bool = False, splits: int | None = None, rotate: bool = False,
-                gluon_step: int = 0, page: int = 0, sinks: bool = False, softcap: bool = False,
-                defaults: DecodeDefaults = DEFAULTS) -> DecodePlan:
-    """The launch plan of one decode call: ``B = b`` rows, ``Hk = hk`` KV heads, ``M = m`` query rows of head_dim
-    ``d`` per KV head, an INT2 history of ``n`` tokens (its capacity where ``static``) in groups of ``group_size``,
-    ``w`` window tokens, on ``device`` (its SM count and compute capability). Host arithmetic only, no tensor.
+class DecodeShape(NamedTuple):
+    """A decode call's shape: ``B = b`` rows, ``Hk = hk`` KV heads, ``M = m`` query rows of head_dim ``d`` per KV head,
+    ``n`` INT2 history tokens (the capacity where the length is on the device) of ``group_size``, ``w`` window ones."""
+
+    b: int
+    hk: int
+    m: int
+    d: int
+    n: int
+    group_size: int
+    w: int
+
+
+def decode_plan(shape: DecodeShape, device: torch.device, *, window: bool = True, static: bool = False,
+                splits: int | None = None, rotate: bool = False, gluon_step: int = 0, page: int = 0,
+                sinks: bool = False, softcap: bool = False, defaults: DecodeDefaults = DEFAULTS) -> DecodePlan:
+    """The launch plan of one decode call of ``shape`` on ``device`` (its SMs and compute capability), no tensor.
 
     window: the whole op (window programs, normalized output); False: the history's partials only.
     static: the history length is read on the device (the static cache's ``n_valid``): the grid follows from the
@@ -285,7 +295,7 @@ def decode_plan(b: int, hk: int, m: int, d: int, n: int, group_size: int, w: int
     softcap: the logits are soft-capped (Gemma 2): the split kernel caps them (``SOFTCAP``); the Gluon kernel does
         not, so the split kernel serves the history whatever ``gluon_step`` says.
     """
-    df = defaults
+    df, (b, hk, m, d, n, group_size, w) = defaults, shape
     bh = b * hk
     m_pad = pow2_at_least(m, M_PAD_MIN)
     # the defaults were tuned for D = 128 and <= 16 query rows per KV head; other shapes take 64-token blocks (larger

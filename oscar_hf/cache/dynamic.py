@@ -271,9 +271,9 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
             if l == 1 and key_mask is None:  # a decode step: their codes read in place
                 self.write_full_precision_heads(new_k, new_v, t_old)
                 out_fp = heads_decode_attention(
-                    group_queries(query, hk), self.params.coded_idx, self.fp_k, self.fp_v, self.params.bits,
-                    s0 + hist_start, self.tail_start, win_k, win_v, None if ok is None else ok[:, 0], scaling,
-                    query.dtype, use_kernels=self.config.use_kernels, softcap=softcap,
+                    group_queries(query, hk), self.params.coded_idx, (self.fp_k, self.fp_v), self.params.bits,
+                    (s0 + hist_start, self.tail_start), Window(win_k, win_v, None if ok is None else ok[:, 0]),
+                    scaling, query.dtype, use_kernels=self.config.use_kernels, softcap=softcap,
                     sinks=self.params.coded_rows(sinks))
             else:
                 out_fp = self.full_precision_heads_attention(query, new_k, new_v, win_k, win_v, ok, allowed, t_old,

@@ -88,7 +88,7 @@ def compile_call(fn, args, kw, cuda_kw, sass=False):
 
 def main():
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
-    from kernel_utils import paged_write, ring_write  # (the launchers take the kernels' bundles)
+    from kernel_utils import heads_loose, loose, paged_write, ring_write  # (the launchers take the kernels' bundles)
 
     from oscar_hf.kernels import append_triton as at
     from oscar_hf.kernels import decode_triton as dt
@@ -121,7 +121,7 @@ def main():
         if window:
             w = 320
             kw_ = torch.randn(b, hk, w, d, generator=g0).bfloat16()
-            dt.decode_attention_triton(q, k, v, start, None, off, 0.1, g, q.bfloat16(), kw_, kw_, None,
+            loose(dt.decode_attention_triton)(q, k, v, start, None, off, 0.1, g, q.bfloat16(), kw_, kw_, None,
                                        torch.randn(hk, d, d, generator=g0), torch.randn(hk, d, generator=g0),
                                        torch.bfloat16, softcap=softcap)
         else:
@@ -143,7 +143,7 @@ def main():
     q = torch.randn(2, 8, 4, 128, generator=g0)
     k = v = quantize_rows(torch.randn(2, 8, 4097, 128, generator=g0), 64)
     kw_ = torch.randn(2, 8, 321, 128, generator=g0).bfloat16()
-    dt.decode_attention_triton(q, k, v, torch.zeros(2, dtype=torch.int64), None, None, 0.1, 64, q.bfloat16(), kw_, kw_,
+    loose(dt.decode_attention_triton)(q, k, v, torch.zeros(2, dtype=torch.int64), None, None, 0.1, 64, q.bfloat16(), kw_, kw_,
                                torch.ones(2, 1, 1, 321, dtype=torch.bool), torch.randn(8, 128, 128, generator=g0), None,
                                torch.bfloat16, n_valid=torch.tensor(3000), splits=16)
     labels.append("attn d=128 g=64 m=4 window=True loop=deferred static (n_valid)")
@@ -181,9 +181,10 @@ def main():
             qm = quantize_minmax(x, bits, torch.bfloat16) if bits != 16 else None
             st = (x,) if bits == 16 else ((pack_int4(qm.codes) if bits == 4 else qm.codes), qm.scale, qm.zero)
             wk = torch.randn(8, 8, 385, 128, generator=g0).bfloat16()
-            ht.heads_decode_triton(torch.randn(8, 8, 4, 128, generator=g0).bfloat16(), torch.tensor([1, 5]), st, st,
-                                   bits, torch.zeros(8, dtype=torch.int64), hi, wk, wk,
-                                   torch.ones(8, 385, dtype=torch.bool), 0.1, torch.bfloat16)
+            heads_loose(ht.heads_decode_triton)(
+                torch.randn(8, 8, 4, 128, generator=g0).bfloat16(), torch.tensor([1, 5]), st, st, bits,
+                torch.zeros(8, dtype=torch.int64), hi, wk, wk, torch.ones(8, 385, dtype=torch.bool), 0.1,
+                torch.bfloat16)
             heads_labels.append(f"heads bits={bits} hi_dev={isinstance(hi, torch.Tensor)}")
     # head_dims 96 (planes padded) and 512 (32-slot blocks, 2 stages), and soft-capped logits
     for d, bits, cap in ((96, 8, None), (96, 4, None), (96, 16, None), (512, 8, None), (512, 4, None), (512, 16, None),
@@ -192,9 +193,10 @@ def main():
         qm = quantize_minmax(x, bits, torch.bfloat16) if bits != 16 else None
         st = (x,) if bits == 16 else ((pack_int4(qm.codes) if bits == 4 else qm.codes), qm.scale, qm.zero)
         wk = torch.randn(8, 8, 385, d, generator=g0).bfloat16()
-        ht.heads_decode_triton(torch.randn(8, 8, 4, d, generator=g0).bfloat16(), torch.tensor([1, 5]), st, st, bits,
-                               torch.zeros(8, dtype=torch.int64), torch.tensor(3000), wk, wk,
-                               torch.ones(8, 385, dtype=torch.bool), 0.1, torch.bfloat16, softcap=cap)
+        heads_loose(ht.heads_decode_triton)(
+            torch.randn(8, 8, 4, d, generator=g0).bfloat16(), torch.tensor([1, 5]), st, st, bits,
+            torch.zeros(8, dtype=torch.int64), torch.tensor(3000), wk, wk, torch.ones(8, 385, dtype=torch.bool), 0.1,
+            torch.bfloat16, softcap=cap)
         heads_labels.append(f"heads d={d} bits={bits} hi_dev=True" + (f" softcap={cap}" if cap else ""))
     # the decode step's write (one program per row and KV head): D = 128 with and without a retrieval head coded at 8
     # bits, D = 96 (plane-padded; INT4 halves), D = 512 (8 warps; 16-bit heads)
@@ -232,15 +234,15 @@ def main():
     # slots, 8 rows; every head INT2 at D = 128, a retrieval head at 8 bits (D = 128), 16 (D = 64), 4 (D = 96: the
     # plane-padded layout) and 8 (D = 512: 8 warps)
     from oscar_hf.kernels.kv import PagedRows
-    from oscar_hf.serving.pool import PagedInt2Pool
+    from oscar_hf.serving.pool import HeadLayout, PagedInt2Pool
 
     paged_labels = []
     for d, g, heads, bits in ((128, 64, None, None), (128, 64, [1, -1, 0, 2], 8), (64, 32, [1, -1, 0, 2], 16),
                               (96, 32, [1, -1, 0, 2], 4), (512, 64, [1, -1, 0, 2], 8)):
         hk, bp = 4, 8
         hq = hk if heads is None else sum(h >= 0 for h in heads)
-        pool = PagedInt2Pool(8, 2, hk, d, 16, g, int2_heads=[hq] * 2, coded_heads=[hk - hq] * 2,
-                             coded_bits=bits or 8, trash_page=True)
+        pool = PagedInt2Pool(8, 2, hk, d, 16, g, layout=HeadLayout([hq] * 2, [hk - hq] * 2, bits or 8),
+                             trash_page=True)
         coded = None
         if bits:
             coded_of = torch.full((hk,), -1, dtype=torch.long)

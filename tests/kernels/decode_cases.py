@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 import torch
-from kernel_utils import random_rotation, rel_err
+from kernel_utils import loose, random_rotation, rel_err
 
 from oscar_hf.kernels.int2_attention import decode_attention_reference, rotate_query_reference
 from oscar_hf.quant import QuantizedRows, dequantize_rows, quantize_rows
@@ -109,10 +109,10 @@ def rotating_op(args, **kw):
     """The launcher from the unrotated query, as ``kernels.decode.decode`` calls it on CUDA: ``args`` of
     :func:`_rotating_case`, ``q_rot`` None (the op rotates ``qf``, also the window's query, itself)."""
     rest = {k_: v_ for k_, v_ in args.items() if k_ != "qf"}
-    return _dt().decode_attention_triton(q_rot=None, qk_offset=None, q_win=args["qf"], **rest, **kw)
+    return loose(_dt().decode_attention_triton)(q_rot=None, qk_offset=None, q_win=args["qf"], **rest, **kw)
 
 
 def _rotating_reference(args, **kw):
     q_rot, qk_off = rotate_query_reference(args["qf"], args["r_k"], args["mu_k"])
     rest = {k_: v_ for k_, v_ in args.items() if k_ not in ("qf", "r_k", "mu_k")}
-    return decode_attention_reference(q_rot=q_rot, qk_offset=qk_off, q_win=args["qf"], **rest, **kw)
+    return loose(decode_attention_reference)(q_rot=q_rot, qk_offset=qk_off, q_win=args["qf"], **rest, **kw)

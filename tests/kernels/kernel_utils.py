@@ -77,6 +77,23 @@ def assert_int2_rows_close(got, ref, meta_dtype) -> None:
 
 
 # ------------------------------------------- the tests' loose arguments as the kernels' bundles (oscar_hf.kernels.kv)
+def loose(fn):
+    """``fn`` (``decode_triton.decode_attention_triton`` or ``int2_attention.decode_attention_reference``, which take
+    ``(params, q, window, history, scaling, out_dtype, *, rotated, ...)``) called with the decode cases' loose
+    arguments (``q_rot`` None: the op rotates ``q_win`` by ``r_k`` / ``mu_k``)."""
+
+    def call(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, q_win=None, k_win=None, v_win=None,
+             win_mask=None, r_v=None, mu_v=None, out_dtype=None, n_valid=None, splits=None, r_k=None, mu_k=None,
+             block_n=1024, **kw):
+        from oscar_hf.kernels.kv import History, KVParams, Window
+
+        return fn(KVParams(r_k, mu_k, r_v, mu_v, group_size, block_n=block_n), q_win, Window(k_win, v_win, win_mask),
+                  History(k, v, start, key_mask, n_valid, splits), scaling, out_dtype,
+                  rotated=None if q_rot is None else (q_rot, qk_offset), **kw)
+
+    return call
+
+
 def rotating(qf, r_k, mu_k, k, v, start, key_mask, scaling, group_size, k_win, v_win, win_mask, r_v, mu_v,
              out_dtype=None, block_n=1024, n_valid=None, splits=None, use_kernels="auto", softcap=None, sinks=None):
     """:func:`~oscar_hf.kernels.decode.decode` from the unrotated query over a contiguous history (the caches' read)."""
@@ -86,6 +103,23 @@ def rotating(qf, r_k, mu_k, k, v, start, key_mask, scaling, group_size, k_win, v
     return decode(KVParams(r_k, mu_k, r_v, mu_v, group_size, block_n=block_n), qf, Window(k_win, v_win, win_mask),
                   History(k, v, start, key_mask, n_valid, splits), scaling, out_dtype, softcap=softcap, sinks=sinks,
                   use_kernels=use_kernels)
+
+
+def heads_loose(fn):
+    """``fn`` (``heads_attention.heads_decode_reference`` / ``heads_decode_attention``, ``heads_triton.
+    heads_decode_triton``, which take ``(q, heads, (k, v), bits, (lo, hi), window, scaling, out_dtype, *, pages, ...)``)
+    called with the heads cases' loose arguments (``block_table`` / ``max_len``: a paged store, ``hi`` its lengths)."""
+
+    def call(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling, out_dtype=None, block_n=None, *,
+             block_table=None, max_len=None, **kw):
+        from oscar_hf.kernels.kv import Pages, Window
+
+        if block_n is not None:
+            kw["block_n"] = block_n
+        return fn(q, heads, (k, v), bits, (lo, hi), Window(win_k, win_v, win_mask), scaling, out_dtype,
+                  pages=None if block_table is None else Pages(block_table, hi, max_len), **kw)
+
+    return call
 
 
 def paged_bundles(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask, r_v, mu_v,
@@ -129,14 +163,10 @@ def paged_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, 
 
     params, window, history = paged_bundles(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
                                             win_slot, win_mask, r_v, mu_v, group_size, max_hist_len)
-    pages = history.pages
-    if pages.max_len is None:
-        pages = dataclasses.replace(pages, max_len=int(hist_len.max()))
-    b, w = qf.shape[0], win_k.shape[2]
-    return decode_triton.decode_attention_triton(
-        None, pages_k, pages_v, None, None, None, scaling, group_size, q_win=qf, k_win=win_k, v_win=win_v,
-        win_mask=win_mask.view(b, 1, 1, w), r_v=r_v, mu_v=mu_v, out_dtype=out_dtype, r_k=r_k, mu_k=mu_k, paged=pages,
-        win_slot=win_slot, defaults=defaults or DEFAULTS)
+    if history.pages.max_len is None:
+        history = dataclasses.replace(history, pages=dataclasses.replace(history.pages, max_len=int(hist_len.max())))
+    return decode_triton.decode_attention_triton(params, qf, window, history, scaling, out_dtype,
+                                                 defaults=defaults or DEFAULTS)
 
 
 def write_bundles(hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, quantizer, coded):

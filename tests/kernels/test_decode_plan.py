@@ -8,13 +8,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kernel_utils import setup_interpreter
+from kernel_utils import loose, setup_interpreter
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from decode_cases import _dt, _window_case  # noqa: E402
 from oscar_hf.kernels import plan  # noqa: E402
-from oscar_hf.kernels.plan import DEFAULTS, CombineShape, decode_plan  # noqa: E402
+from oscar_hf.kernels.plan import DEFAULTS, CombineShape, DecodeShape, decode_plan  # noqa: E402
 
 CUDA = torch.device("cuda", 0)  # (constructible without a GPU; the plan reads only its type and, faked, its SMs)
 N128K, N32K = 131072 - 320, 32768 - 320  # history tokens beside the 320-token window
@@ -115,14 +115,14 @@ def test_plan_matches_the_launch_code_before_it(gpu, case):
     kw, sms, want = CASES[case]
     gpu(sms)
     kw = dict(kw)
-    p = decode_plan(kw.pop("b"), kw.pop("hk"), kw.pop("m"), kw.pop("d"), kw.pop("n"), kw.pop("group_size"),
-                    kw.pop("w"), CUDA, **kw)
+    shape = DecodeShape(*(kw.pop(f) for f in ("b", "hk", "m", "d", "n", "group_size", "w")))
+    p = decode_plan(shape, CUDA, **kw)
     assert {f: getattr(p, f) for f in want} == want
 
 
 def test_plan_on_the_cpu():
     """Under the interpreter (4 SMs stand in, no combine choices for few rows) the split kernel serves everything."""
-    p = decode_plan(1, 2, 4, 64, 300, 32, 33, torch.device("cpu"), rotate=True, gluon_step=32)
+    p = decode_plan(DecodeShape(1, 2, 4, 64, 300, 32, 33), torch.device("cpu"), rotate=True, gluon_step=32)
     assert (p.gluon, p.s_hist, p.split_len, p.s_win, p.s_tot, p.pdl, p.fused_prologue) == (False, 2, 192, 1, 3, False,
                                                                                           False)
     assert p.combine == CombineShape(2, 64, 4, 1, False)
@@ -131,7 +131,7 @@ def test_plan_on_the_cpu():
 def test_plan_without_anything_to_read(gpu):
     """No history and no window: one empty partial for the combine, no other launch."""
     gpu(132)
-    p = decode_plan(2, 8, 4, 128, 0, 64, 0, CUDA, rotate=True, gluon_step=32,
+    p = decode_plan(DecodeShape(2, 8, 4, 128, 0, 64, 0), CUDA, rotate=True, gluon_step=32,
                     defaults=replace(DEFAULTS, gluon_min_work=0))
     assert p.empty and p.s_tot == 1 and p.split_programs == 0 and not (p.pdl or p.fused_prologue or p.k8)
 
@@ -151,7 +151,7 @@ def test_launcher_follows_its_plan(monkeypatch, window, n_valid):
     args, _ = _window_case(2, 2, 4, 300, 37, 64, 32, seed=1)
     if not window:
         args = {k: args[k] for k in ("q_rot", "k", "v", "start", "key_mask", "qk_offset", "scaling", "group_size")}
-    dt.decode_attention_triton(**args, n_valid=None if n_valid is None else torch.tensor(n_valid), splits=3)
+    loose(dt.decode_attention_triton)(**args, n_valid=None if n_valid is None else torch.tensor(n_valid), splits=3)
     (p,) = plans
     (_, split_grid, split), (_, comb_grid, comb) = launches
     assert split_grid == (4, p.split_programs) and p.split_programs == p.s_hist + p.s_win
@@ -172,7 +172,7 @@ def test_plan_head_dim_64_on_gluon_up_to_4_query_rows(gpu, m, static):
     stages), never at an odd M > 4 (no even split into query groups) even where the Gluon kernel would take the
     tensors (``gluon_step``)."""
     gpu(132)
-    p = decode_plan(8, 8, m, 64, N128K, 64, 320, CUDA, rotate=not static, static=static,
+    p = decode_plan(DecodeShape(8, 8, m, 64, N128K, 64, 320), CUDA, rotate=not static, static=static,
                     gluon_step=32 if m <= 4 else 16)
     if m <= 4:
         assert (p.gluon, p.block_n, p.maxnreg, p.gluon_maxnreg, p.gluon_stages, p.k8, p.qpre, p.ready) == (
@@ -183,7 +183,7 @@ def test_plan_head_dim_64_on_gluon_up_to_4_query_rows(gpu, m, static):
         assert (p.gluon, p.block_n, p.gluon_maxnreg, p.pid_off) == (False, DEFAULTS.block_n_other, 0, 0)
         assert p.split_programs == p.s_hist + p.s_win
     # short splits (an odd history shorter than two min_split splits, at any work): the short splits' 2 stages
-    p = decode_plan(2, 8, min(m, 4), 64, 301, 64, 320, CUDA, rotate=True, gluon_step=32,
+    p = decode_plan(DecodeShape(2, 8, min(m, 4), 64, 301, 64, 320), CUDA, rotate=True, gluon_step=32,
                     defaults=replace(DEFAULTS, gluon_min_work=0))
     assert p.gluon and (p.gluon_stages, p.gluon_maxnreg) == (DEFAULTS.gluon_stages, DEFAULTS.gluon_maxnreg)
 
@@ -203,7 +203,7 @@ def test_plan_head_dim_64_query_groups(gpu, m, groups):
     head), so the splits are those of twice the rows."""
     gpu(132)
     assert plan.gluon_query_groups(m, 64) == groups and plan.gluon_query_groups(m, 128) == 1
-    p = decode_plan(8, 8, m, 64, N128K, 64, 320, CUDA, rotate=True, gluon_step=32)
+    p = decode_plan(DecodeShape(8, 8, m, 64, N128K, 64, 320), CUDA, rotate=True, gluon_step=32)
     assert p.gluon == (m <= 4 or groups == 2)
     if p.gluon:
         assert p.s_hist == plan.gluon_plan(DEFAULTS, 32, N128K, 8 * 8 * groups, CUDA, 64).splits

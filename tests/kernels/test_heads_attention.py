@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_utils import rel_err, setup_interpreter
+from kernel_utils import heads_loose, rel_err, setup_interpreter
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
@@ -58,7 +58,7 @@ def plain(q, heads, k, v, bits, lo, hi, win_k, win_v, win_mask, scaling):
 def test_reference_equals_plain_softmax(bits, block_n):
     q, heads, k, v, lo, wk, wv, wm = make_case(bits, seed=bits)
     for hi in (120, torch.tensor(120)):
-        out = heads_decode_reference(q, heads, k, v, bits, lo, hi, wk, wv, wm, 0.125, torch.float32, block_n)
+        out = heads_loose(heads_decode_reference)(q, heads, k, v, bits, lo, hi, wk, wv, wm, 0.125, torch.float32, block_n)
         ref = plain(q, heads, k, v, bits, lo, 120, wk, wv, wm, 0.125)
         assert rel_err(out, ref) < 1e-5
 
@@ -67,7 +67,7 @@ def test_empty_rows_give_zero():
     q, heads, k, v, lo, wk, wv, wm = make_case(8)
     wm[1] = False
     lo = torch.tensor([0, 200, 0])  # row 1: no history either
-    out = heads_decode_reference(q, heads, k, v, 8, lo, 150, wk, wv, wm, 0.1, torch.float32)
+    out = heads_loose(heads_decode_reference)(q, heads, k, v, 8, lo, 150, wk, wv, wm, 0.1, torch.float32)
     assert torch.isfinite(out).all() and (out[1] == 0).all() and out[0].abs().sum() > 0
 
 
@@ -89,8 +89,8 @@ def test_triton_matches_reference(bits, d, device_hi):
     q, heads, k, v, lo, wk, wv, wm = make_case(bits, d=d, n=300 if d <= 128 else 100, seed=d + bits)
     n_hi = 250 if d <= 128 else 80
     hi = torch.tensor(n_hi) if device_hi else n_hi
-    out = heads_decode_attention(q, heads, k, v, bits, lo, hi, wk, wv, wm, 0.09, torch.float32, use_kernels=True)
-    ref = heads_decode_reference(q, heads, k, v, bits, lo, n_hi, wk, wv, wm, 0.09, torch.float32)
+    out = heads_loose(heads_decode_attention)(q, heads, k, v, bits, lo, hi, wk, wv, wm, 0.09, torch.float32, use_kernels=True)
+    ref = heads_loose(heads_decode_reference)(q, heads, k, v, bits, lo, n_hi, wk, wv, wm, 0.09, torch.float32)
     assert out.shape == (3, 2, 3, d)
     assert rel_err(out, ref) < 1e-5
 
@@ -98,14 +98,14 @@ def test_triton_matches_reference(bits, d, device_hi):
 @interp
 def test_triton_no_mask_no_history_and_empty_row():
     q, heads, k, v, lo, wk, wv, wm = make_case(8, m=5, heads=(0,), seed=3)
-    out = heads_decode_attention(q, heads, k, v, 8, lo, 0, wk, wv, None, 0.2, torch.float32, use_kernels=True)
-    ref = heads_decode_reference(q, heads, k, v, 8, lo, 0, wk, wv, None, 0.2, torch.float32)
+    out = heads_loose(heads_decode_attention)(q, heads, k, v, 8, lo, 0, wk, wv, None, 0.2, torch.float32, use_kernels=True)
+    ref = heads_loose(heads_decode_reference)(q, heads, k, v, 8, lo, 0, wk, wv, None, 0.2, torch.float32)
     assert rel_err(out, ref) < 1e-5
     wm[2] = False
     lo = torch.tensor([0, 5, 150])
-    out = heads_decode_attention(q, heads, k, v, 8, lo, 150, wk, wv, wm, 0.2, torch.float32, use_kernels=True)
+    out = heads_loose(heads_decode_attention)(q, heads, k, v, 8, lo, 150, wk, wv, wm, 0.2, torch.float32, use_kernels=True)
     assert (out[2] == 0).all() and torch.isfinite(out).all()
-    ref = heads_decode_reference(q, heads, k, v, 8, lo, 150, wk, wv, wm, 0.2, torch.float32)
+    ref = heads_loose(heads_decode_reference)(q, heads, k, v, 8, lo, 150, wk, wv, wm, 0.2, torch.float32)
     assert rel_err(out, ref) < 1e-5
 
 
@@ -123,23 +123,23 @@ def test_gpu_kernel_matches_reference_at_real_shapes(bits, d):
     args = [x.cuda() for x in (q, heads)], [tuple(x.cuda() for x in s) for s in (k, v)]
     (q, heads), (k, v) = args
     lo, wk, wv, wm = lo.cuda(), wk.cuda(), wv.cuda(), wm.cuda()
-    out = heads_decode_attention(q, heads, k, v, bits, lo, torch.tensor(8000, device="cuda"), wk, wv, wm,
+    out = heads_loose(heads_decode_attention)(q, heads, k, v, bits, lo, torch.tensor(8000, device="cuda"), wk, wv, wm,
                                  d ** -0.5, torch.float32)
-    ref = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5, torch.float32)
+    ref = heads_loose(heads_decode_reference)(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5, torch.float32)
     assert rel_err(out, ref) < 2e-2
     sinks = torch.randn(2, 4, device="cuda") * 3 + 2  # gpt-oss's s_aux by query row: the combine's last partial
-    out = heads_decode_attention(q, heads, k, v, bits, lo, torch.tensor(8000, device="cuda"), wk, wv, wm,
+    out = heads_loose(heads_decode_attention)(q, heads, k, v, bits, lo, torch.tensor(8000, device="cuda"), wk, wv, wm,
                                  d ** -0.5, torch.float32, sinks=sinks)
-    ref_s = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5, torch.float32, sinks=sinks)
+    ref_s = heads_loose(heads_decode_reference)(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5, torch.float32, sinks=sinks)
     # (the sink moves this case's output by 1.5-3%: the kernel must land well inside that move)
     assert rel_err(out, ref_s) < min(2e-2, rel_err(ref_s, ref) / 4)
     # soft-capping (Gemma 2) at a cap that bites: the kernel caps, host-side bound (eager) and device-side
     for hi in (8000, torch.tensor(8000, device="cuda")):
-        out = heads_decode_attention(q, heads, k, v, bits, lo, hi, wk, wv, wm, d ** -0.5 * 4, torch.float32,
+        out = heads_loose(heads_decode_attention)(q, heads, k, v, bits, lo, hi, wk, wv, wm, d ** -0.5 * 4, torch.float32,
                                      softcap=5.0)
-        ref_c = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5 * 4, torch.float32,
+        ref_c = heads_loose(heads_decode_reference)(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5 * 4, torch.float32,
                                        softcap=5.0)
-        ref_u = heads_decode_reference(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5 * 4, torch.float32)
+        ref_u = heads_loose(heads_decode_reference)(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5 * 4, torch.float32)
         assert rel_err(out, ref_c) < 2e-2 and rel_err(ref_c, ref_u) > 5e-2
 
 
@@ -164,9 +164,9 @@ def test_paged_reference_reads_the_contiguous_rows(bits):
     q, heads, k, v, lo, wk, wv, wm = make_case(bits, n=160, seed=5)
     (kp, table), (vp, _) = paged(k, 32, 20), paged(v, 32, 20)
     hi = torch.tensor([160, 45, 100])  # one bound per row (the serving store's rows differ in length)
-    out = heads_decode_reference(q, heads, kp, vp, bits, lo, hi, wk, wv, wm, 0.1, torch.float32, block_table=table)
+    out = heads_loose(heads_decode_reference)(q, heads, kp, vp, bits, lo, hi, wk, wv, wm, 0.1, torch.float32, block_table=table)
     for r in range(3):
-        ref = heads_decode_reference(q[r : r + 1], heads, tuple(x[r : r + 1] for x in k),
+        ref = heads_loose(heads_decode_reference)(q[r : r + 1], heads, tuple(x[r : r + 1] for x in k),
                                      tuple(x[r : r + 1] for x in v), bits, lo[r : r + 1], int(hi[r]), wk[r : r + 1],
                                      wv[r : r + 1], wm[r : r + 1], 0.1, torch.float32)
         assert rel_err(out[r : r + 1], ref) < 1e-6
@@ -179,12 +179,12 @@ def test_triton_paged_matches_reference(bits):
     lo = torch.zeros(3, dtype=torch.long)
     (kp, table), (vp, _) = paged(k, 32, 40, seed=1), paged(v, 32, 40, seed=1)
     hi = torch.tensor([256, 70, 0], dtype=torch.int32)
-    out = heads_decode_attention(q, heads, kp, vp, bits, lo, hi, wk, wv, wm, 0.1, torch.float32, use_kernels=True,
+    out = heads_loose(heads_decode_attention)(q, heads, kp, vp, bits, lo, hi, wk, wv, wm, 0.1, torch.float32, use_kernels=True,
                                  block_table=table, max_len=256)
-    ref = heads_decode_reference(q, heads, kp, vp, bits, lo, hi, wk, wv, wm, 0.1, torch.float32, block_table=table)
+    ref = heads_loose(heads_decode_reference)(q, heads, kp, vp, bits, lo, hi, wk, wv, wm, 0.1, torch.float32, block_table=table)
     assert rel_err(out, ref) < 1e-5
     with pytest.raises(ValueError, match="block table"):
-        heads_decode_attention(q, heads, kp, vp, bits, lo, hi, wk, wv, wm, 0.1, block_table=table[:2])
+        heads_loose(heads_decode_attention)(q, heads, kp, vp, bits, lo, hi, wk, wv, wm, 0.1, block_table=table[:2])
 
 
 @pytest.mark.parametrize("pairs,n,m", [(8, 37_000, 4), (1, 100_000, 4), (64, 4096, 3), (8, 0, 4), (2, 100, 33)])
@@ -209,7 +209,7 @@ def test_triton_in_row_chunks_matches_one_launch(monkeypatch):
 
     q, heads, k, v, lo, wk, wv, wm = make_case(8, n=100, seed=9)
     hi = torch.tensor([100, 60, 100])
-    whole = ht.heads_decode_triton(q, heads, k, v, 8, lo, hi, wk, wv, wm, 0.1, torch.float32)
+    whole = heads_loose(ht.heads_decode_triton)(q, heads, k, v, 8, lo, hi, wk, wv, wm, 0.1, torch.float32)
     launches = []
     kernel = ht._heads_split_kernel
 
@@ -220,7 +220,7 @@ def test_triton_in_row_chunks_matches_one_launch(monkeypatch):
 
     monkeypatch.setattr(ht, "_heads_split_kernel", Counted())
     monkeypatch.setattr(ht, "OFFSET_LIMIT", k[0].stride(0) + 1)
-    chunked = ht.heads_decode_triton(q, heads, k, v, 8, lo, hi, wk, wv, wm, 0.1, torch.float32)
+    chunked = heads_loose(ht.heads_decode_triton)(q, heads, k, v, 8, lo, hi, wk, wv, wm, 0.1, torch.float32)
     assert len(launches) == 3
     assert rel_err(chunked, whole) < 1e-6
 
@@ -239,9 +239,9 @@ def test_sinks_and_softcap_reference_equal_plain_softmax(bits):
     logits = torch.tanh(qh @ keys.transpose(-1, -2) * 0.2 / 2.5) * 2.5
     logits = torch.cat([logits.masked_fill(~ok, float("-inf")), sinks[None, :, :, None].expand(3, 2, 3, 1)], -1)
     want = torch.softmax(logits, -1) @ vals
-    got = heads_decode_reference(q, heads, k, v, bits, lo, 120, wk, wv, wm, 0.2, torch.float32, softcap=2.5, sinks=sinks)
+    got = heads_loose(heads_decode_reference)(q, heads, k, v, bits, lo, 120, wk, wv, wm, 0.2, torch.float32, softcap=2.5, sinks=sinks)
     assert rel_err(got, want) < 1e-5
-    plain_out = heads_decode_reference(q, heads, k, v, bits, lo, 120, wk, wv, wm, 0.2, torch.float32)
+    plain_out = heads_loose(heads_decode_reference)(q, heads, k, v, bits, lo, 120, wk, wv, wm, 0.2, torch.float32)
     assert rel_err(got, plain_out) > 1e-2
 
 
@@ -260,12 +260,12 @@ def test_triton_with_softcap_matches_reference(monkeypatch, bits, softcap, d):
     monkeypatch.setattr(ht, "heads_decode_triton", lambda *a, **kw: (launches.append(kw.get("softcap")),
                                                                      real(*a, **kw))[1])
     scaling = d ** -0.5 * 4  # logits of a few units: a cap of 5 changes them
-    out = heads_decode_attention(q, heads, k, v, bits, lo, 150, wk, wv, wm, scaling, torch.float32, use_kernels=True,
+    out = heads_loose(heads_decode_attention)(q, heads, k, v, bits, lo, 150, wk, wv, wm, scaling, torch.float32, use_kernels=True,
                                  softcap=softcap)
-    ref = heads_decode_reference(q, heads, k, v, bits, lo, 150, wk, wv, wm, scaling, torch.float32, softcap=softcap)
+    ref = heads_loose(heads_decode_reference)(q, heads, k, v, bits, lo, 150, wk, wv, wm, scaling, torch.float32, softcap=softcap)
     assert launches == [softcap] and rel_err(out, ref) < 1e-5
     if softcap == 5.0:
-        plain_out = heads_decode_reference(q, heads, k, v, bits, lo, 150, wk, wv, wm, scaling, torch.float32)
+        plain_out = heads_loose(heads_decode_reference)(q, heads, k, v, bits, lo, 150, wk, wv, wm, scaling, torch.float32)
         assert rel_err(ref, plain_out) > 2e-2
 
 
@@ -276,9 +276,9 @@ def test_triton_with_sinks_matches_reference(bits, device_hi):
     q, heads, k, v, lo, wk, wv, wm = make_case(bits, n=300, seed=bits)
     sinks = torch.randn(2, 3, generator=torch.Generator().manual_seed(bits)) * 3 + 2
     hi = torch.tensor(250) if device_hi else 250
-    out = heads_decode_attention(q, heads, k, v, bits, lo, hi, wk, wv, wm, 0.09, torch.float32, use_kernels=True,
+    out = heads_loose(heads_decode_attention)(q, heads, k, v, bits, lo, hi, wk, wv, wm, 0.09, torch.float32, use_kernels=True,
                                  sinks=sinks)
-    ref = heads_decode_reference(q, heads, k, v, bits, lo, 250, wk, wv, wm, 0.09, torch.float32, sinks=sinks)
+    ref = heads_loose(heads_decode_reference)(q, heads, k, v, bits, lo, 250, wk, wv, wm, 0.09, torch.float32, sinks=sinks)
     assert rel_err(out, ref) < 1e-5
     with pytest.raises(ValueError, match="sinks"):
-        heads_decode_attention(q, heads, k, v, bits, lo, hi, wk, wv, wm, 0.09, sinks=sinks[:1])
+        heads_loose(heads_decode_attention)(q, heads, k, v, bits, lo, hi, wk, wv, wm, 0.09, sinks=sinks[:1])

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kernel_utils import HAS_CUDA, paged, paged_reference, paged_triton, random_rotation, rel_err, setup_interpreter
+from kernel_utils import HAS_CUDA, loose, paged, paged_reference, paged_triton, random_rotation, rel_err, setup_interpreter
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
@@ -113,7 +113,7 @@ def test_reference_equals_contiguous_reference(page, lens, mu):
 
     q_rot, qk_off = rotate_query_reference(args["qf"], args["r_k"], args["mu_k"])
     slot = args["win_slot"]
-    ref = decode_attention_reference(
+    ref = loose(decode_attention_reference)(
         q_rot, padded(0), padded(1), torch.tensor([n - x for x in lens]), None, qk_off, args["scaling"], g,
         args["qf"], args["win_k"][slot], args["win_v"][slot], args["win_mask"][:, None, None, :], args["r_v"],
         args["mu_v"], out_dtype=torch.float32)

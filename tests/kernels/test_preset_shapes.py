@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_utils import random_rotation, rel_err, rotating, setup_interpreter
+from kernel_utils import loose, random_rotation, rel_err, rotating, setup_interpreter
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
@@ -48,8 +48,8 @@ def test_decode_op_at_preset_shape(monkeypatch, b, hk, m, n, w):
     monkeypatch.setattr(plan, "device_sms", lambda device: 16)  # several splits per call on the CPU
     args, (qf, r_k) = _decode_args(b, hk, m, n, w, seed=n + w)
     assert dt.decode_supported(args["q_rot"], args["k"], G, None, None, w)  # served by the kernels, not the reference
-    ref = decode_attention_reference(**args)
-    got = dt.decode_attention_triton(**args)
+    ref = loose(decode_attention_reference)(**args)
+    got = loose(dt.decode_attention_triton)(**args)
     assert got.shape == (b, hk, m, D) and rel_err(got, ref) < 2e-5
     # the history partial alone (the combine's input)
     part = dt.history_partial_triton(args["q_rot"], args["k"], args["v"], args["start"], None, None, D**-0.5, G)

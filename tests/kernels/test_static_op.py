@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from kernel_utils import HAS_CUDA, rel_err, ring_write, setup_interpreter
+from kernel_utils import HAS_CUDA, heads_loose, loose, rel_err, ring_write, setup_interpreter
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
@@ -86,12 +86,12 @@ def _read_reference(layer, args):
     if q_rot is not None:
         ii = torch.arange(q.shape[1]) if int2_idx is None else int2_idx
         sel = lambda x: x.index_select(1, ii)  # noqa: E731
-        out[:, ii] = decode_attention_reference(
+        out[:, ii] = loose(decode_attention_reference)(
             q_rot, layer.hist_k, layer.hist_v, pad, None, qk_off, scaling, layer.g, sel(q), sel(layer.win_k),
             sel(layer.win_v), win_mask, layer.r_v, mu_v, torch.float32, n_valid=hist_len, softcap=softcap or None,
             sinks=None if sinks is None else sinks[ii])
     if coded_idx is not None and len(coded_idx):
-        out[:, coded_idx] = heads_decode_reference(
+        out[:, coded_idx] = heads_loose(heads_decode_reference)(
             q, coded_idx, layer.coded_k, layer.coded_v, layer.coded_bits, pad, hist_len, layer.win_k, layer.win_v,
             win_mask[:, 0, 0], scaling, torch.float32, softcap=softcap or None,
             sinks=None if sinks is None else sinks[coded_idx])
