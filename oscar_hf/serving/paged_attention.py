@@ -27,6 +27,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from oscar_hf.kernels.int2_attention import (empty_partial, history_partial_reference, merge_history_and_window,
                                                merge_partials, rotate_query_reference)
+from oscar_hf.kernels.kv import KVParams, Window
 
 from ..attention import OscarKV
 from ..cache import heads
@@ -59,22 +60,24 @@ def paged_history_partial(q_rot, pool: PagedInt2Pool, table: list[int], layer: i
     return part
 
 
-def paged_multi_token_attention(qf, r_k, mu_k, pool: PagedInt2Pool, table: list[int], layer: int, n: int, scaling: float,
-                           k_win, v_win, win_mask, r_v, mu_v, out_dtype, block_n: int = 1024) -> torch.Tensor:
+def paged_multi_token_attention(params: KVParams, qf, window: Window, pool: PagedInt2Pool, table: list[int],
+                                layer: int, n: int, scaling: float, out_dtype) -> torch.Tensor:
     """``[1, Hk, M, D]``: attention of the unrotated query ``qf [1, Hk, M, D]`` over the request's INT2 history
-    (``n`` entries through ``table``) and its full-precision window ``k_win/v_win [1, Hk, W, D]`` (``win_mask`` None
-    or bool broadcastable to ``[1, Hk, M, W]``). The history partial is computed in the rotated space
-    (``q R_K``, ``+ q·mu_K``), brought back by ``R_Vᵀ`` and ``+ l·mu_V``, merged with the window by log-sum-exp."""
-    q_rot, qk_offset = rotate_query_reference(qf, r_k, mu_k)
-    hist = paged_history_partial(q_rot, pool, table, layer, n, qk_offset, scaling, block_n)
-    return merge_history_and_window(hist, qf, k_win, v_win, win_mask, r_v, mu_v, scaling, out_dtype)
+    (``n`` entries through ``table``, ``params.block_n`` at a time) and its full-precision window ``window.k/v [1, Hk,
+    W, D]`` (``window.mask`` None or bool broadcastable to ``[1, Hk, M, W]``). The history partial is computed in the
+    rotated space (``q R_K``, ``+ q·mu_K``), brought back by ``R_Vᵀ`` and ``+ l·mu_V``, merged with the window by
+    log-sum-exp."""
+    q_rot, qk_offset = rotate_query_reference(qf, params.r_k, params.mu_k)
+    hist = paged_history_partial(q_rot, pool, table, layer, n, qk_offset, scaling, params.block_n)
+    return merge_history_and_window(hist, qf, window.k, window.v, window.mask, params.r_v, params.mu_v, scaling,
+                                    out_dtype)
 
 
-def paged_chunk_attention(query, k_win, v_win, pool: PagedInt2Pool, table: list[int], layer: int, n: int, r_k, mu_k,
-                          r_v, mu_v, scaling: float, split: LayerParams | None = None) -> torch.Tensor:
+def paged_chunk_attention(query, window: Window, pool: PagedInt2Pool, table: list[int], layer: int, n: int, r_k,
+                          mu_k, r_v, mu_v, scaling: float, split: LayerParams | None = None) -> torch.Tensor:
     """``[1, L, Hq, D]``: the ``L`` new rows ``query [1, Hq, L, D]`` of one request over its history (``n`` entries
-    through ``table``), then its window and new rows ``k_win/v_win [1, Hk, E + L, D]`` (the last ``L`` are the new
-    rows, causal among themselves; everything before them is visible to every row).
+    through ``table``), then its window and new rows ``window.k/v [1, Hk, E + L, D]`` (the last ``L`` are the new
+    rows, causal among themselves; everything before them is visible to every row; ``window.mask`` unused).
 
     In the INT2 history's space: keys ``(k - mu_K) R_K``, values ``(v - mu_V) R_V``, query ``q R_K``. The window is
     brought into that space exactly (``R`` is orthogonal), so one SDPA call covers all keys; the logit offset
@@ -83,6 +86,7 @@ def paged_chunk_attention(query, k_win, v_win, pool: PagedInt2Pool, table: list[
     ``split.int2_heads``) the coded heads read their coded history (dequantized, :mod:`oscar_hf.cache.heads`) and
     their window unrotated, in the same SDPA call. With ``n == 0`` nothing is rotated: exact attention."""
     _, hq, l, d = query.shape
+    k_win, v_win = window.k, window.v
     hk, dt = k_win.shape[1], query.dtype
     keys, values, q = k_win, v_win, query
     int2 = split.int2_idx if split is not None else None

@@ -32,6 +32,7 @@ touches a real request's pages.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -83,16 +84,27 @@ class PoolExhausted(RuntimeError):
     """No free page is left: the scheduler admitted more history than the pool holds."""
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    """A pool's heads per layer in each form: ``int2_heads`` / ``coded_heads`` (default: all ``num_kv_heads`` in INT2,
+    none coded); ``coded_bits`` / ``coded_dtype`` the coded rows' form (``OscarConfig.full_precision_bits``, the model
+    dtype). The keywords of :func:`page_bytes` of the same name."""
+
+    int2_heads: Sequence[int] | None = None
+    coded_heads: Sequence[int] | None = None
+    coded_bits: int = 8
+    coded_dtype: torch.dtype = torch.bfloat16
+
+
 class PagedInt2Pool:
-    """Fixed-size pool of history pages (see the module docstring for the layout). ``int2_heads`` / ``coded_heads``:
-    heads per layer in each form (default: all ``num_kv_heads`` in INT2, none coded); ``coded_bits`` / ``coded_dtype``
-    the coded rows' form (``OscarConfig.full_precision_bits``, the model dtype)."""
+    """Fixed-size pool of history pages (see the module docstring for the layout), its heads per layer as ``layout``
+    says (:class:`HeadLayout`)."""
 
     def __init__(self, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                  group_size: int, meta_dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-                 storage: torch.Tensor | None = None, *, int2_heads: Sequence[int] | None = None,
-                 coded_heads: Sequence[int] | None = None, coded_bits: int = 8,
-                 coded_dtype: torch.dtype = torch.bfloat16, trash_page: bool = False):
+                 storage: torch.Tensor | None = None, *, layout: HeadLayout = HeadLayout(), trash_page: bool = False):
+        int2_heads, coded_heads = layout.int2_heads, layout.coded_heads
+        coded_bits, coded_dtype = layout.coded_bits, layout.coded_dtype
         if num_pages < 1 or num_layers < 1 or num_kv_heads < 1 or page_size < 1:
             raise ValueError(f"PagedInt2Pool needs positive sizes, got num_pages={num_pages}, num_layers={num_layers}, "
                              f"num_kv_heads={num_kv_heads}, page_size={page_size}")

@@ -10,7 +10,7 @@ import logging
 import torch
 
 from ..cache.base import check_first_keys
-from .pool import PagedInt2Pool, PoolExhausted, page_bytes
+from .pool import HeadLayout, PagedInt2Pool, PoolExhausted, page_bytes
 
 logger = logging.getLogger("oscar_hf")
 
@@ -203,7 +203,7 @@ class StoreRequests:
             raise RuntimeError(f"the store still holds {len(self.requests)} requests; free them before a new pool")
         self.pool = PagedInt2Pool(num_pages, self.num_layers, self.num_kv_heads, self.head_dim, page_size,
                                   self.config.group_size, self.config.torch_meta_dtype, self.device, storage=storage,
-                                  trash_page=True, **self._layout())
+                                  trash_page=True, layout=HeadLayout(**self._layout()))
         self._buffers = None  # sized for this pool's pages
         return self.pool
 

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import torch
 
+from oscar_hf.kernels.kv import Window
+
 from ..cache.params import LayerParams
 from ..cache.window import PagedHistory, commit, demote_pending, ring_entries
 from ..config import OscarConfig, starting_config
@@ -210,8 +212,8 @@ class OscarPagedStore(StoreRequests, DecodeStep):
             entries = torch.cat([torch.arange(min(t_old, s0), device=dev), ring_entries(recent, s0, self.ring)])
             k_win = torch.cat([win_k.index_select(2, entries), new_k], 2)  # [1, Hk, E + L, D]
             v_win = torch.cat([win_v.index_select(2, entries), new_v], 2)
-            out = paged_chunk_attention(query, k_win, v_win, self.pool, r.table, li, max(t_old - w - s0, 0), p.r_k,
-                                        p.mu_k, p.r_v, p.mu_v, scaling, p if p.coded_heads else None)
+            out = paged_chunk_attention(query, Window(k_win, v_win), self.pool, r.table, li, max(t_old - w - s0, 0),
+                                        p.r_k, p.mu_k, p.r_v, p.mu_v, scaling, p if p.coded_heads else None)
         # no padding: the request's sink is its slots [0, S0)
         commit(win_k, win_v, 0, self._history(r, li, t_old + l - w), p, self.config, t_old, new_k, new_v)
         r.lengths[layer_idx] = t_old + l

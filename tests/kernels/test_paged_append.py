@@ -16,7 +16,7 @@ from oscar_hf.kernels import write_path  # noqa: E402
 from oscar_hf.kernels.write_path import CodedSlots  # noqa: E402
 from oscar_hf.kernels.kv import PagedRows  # noqa: E402
 from oscar_hf.quant import encode_heads, quantize_rows, unpack_int2  # noqa: E402
-from oscar_hf.serving.pool import PagedInt2Pool  # noqa: E402
+from oscar_hf.serving.pool import HeadLayout, PagedInt2Pool  # noqa: E402
 
 paged_append_reference = paged_write(write_path.paged_append_reference)
 
@@ -57,8 +57,8 @@ class Paged:
         f = hk - hq
         if f and coded_bits is None:
             raise ValueError("retrieval heads need coded_bits")
-        self.pool = PagedInt2Pool(pages, 2, hk, d, page_size, g, meta, int2_heads=[hq] * 2, coded_heads=[f] * 2,
-                                  coded_bits=coded_bits or 8, coded_dtype=dtype, trash_page=True)
+        self.pool = PagedInt2Pool(pages, 2, hk, d, page_size, g, meta, trash_page=True,
+                                  layout=HeadLayout([hq] * 2, [f] * 2, coded_bits or 8, dtype))
         for t in (*self.pool.int2, *self.pool.coded):
             if t.dtype == torch.uint8:
                 t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))

@@ -4,9 +4,11 @@ import torch
 
 from oscar_hf.cache.base import group_queries, mask_rows
 from oscar_hf.kernels.int2_attention import decode_attention_reference, rotate_query_reference
+from oscar_hf.kernels.kv import History, KVParams, Window
 from oscar_hf.quant import QuantizedRows
 from oscar_hf.serving import PagedInt2Pool, PoolExhausted, page_bytes
 from oscar_hf.serving.paged_attention import paged_chunk_attention, paged_multi_token_attention
+from oscar_hf.serving.pool import HeadLayout
 
 
 def small_pool(num_pages=6, page_size=4, layers=2, hk=2, d=32, g=16):
@@ -58,9 +60,9 @@ def test_layers_with_retrieval_heads(bits, in_storage):
     storage = torch.zeros(num_pages * size + 2, dtype=torch.uint8)[1:-1] if in_storage else None
     if in_storage:
         with pytest.raises(ValueError, match="aligned"):  # an odd start address
-            PagedInt2Pool(num_pages, 3, hk, d, p, g, torch.float32, storage=storage, **layout)
+            PagedInt2Pool(num_pages, 3, hk, d, p, g, torch.float32, storage=storage, layout=HeadLayout(**layout))
         storage = torch.zeros(num_pages * size, dtype=torch.uint8)
-    pool = PagedInt2Pool(num_pages, 3, hk, d, p, g, torch.float32, storage=storage, **layout)
+    pool = PagedInt2Pool(num_pages, 3, hk, d, p, g, torch.float32, storage=storage, layout=HeadLayout(**layout))
     assert pool.bytes_per_page == size and pool.nbytes == num_pages * size
     assert pool.coded_bytes_per_page == 2 * p * 3 * coded_row
     if in_storage:  # views of the storage, no memory of their own
@@ -89,9 +91,9 @@ def test_layers_with_retrieval_heads(bits, in_storage):
             got = tuple(a[:1] for a in got)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     with pytest.raises(ValueError, match="one count per layer"):
-        PagedInt2Pool(4, 2, hk, d, p, g, int2_heads=(2, 2), coded_heads=(0, 1))  # 3 heads in a layer of 2
+        PagedInt2Pool(4, 2, hk, d, p, g, layout=HeadLayout((2, 2), (0, 1)))  # 3 heads in a layer of 2
     with pytest.raises(ValueError, match="one count per layer"):
-        PagedInt2Pool(4, 2, hk, d, p, g, int2_heads=(2,))
+        PagedInt2Pool(4, 2, hk, d, p, g, layout=HeadLayout((2,)))
 
 
 def random_rows(n, hk=2, d=32, g=16, seed=0):
@@ -128,11 +130,12 @@ def test_paged_read_equals_contiguous_reference():
     mu_k, mu_v = torch.randn(hk, d), torch.randn(hk, d)
     win_k, win_v = torch.randn(1, hk, 5, d), torch.randn(1, hk, 5, d)
     for block_n in (8, 1024):
-        got = paged_multi_token_attention(qf, r_k, mu_k, pool, table, 0, n, 0.2, win_k, win_v, None, r_v, mu_v,
-                                     torch.float32, block_n=block_n)
+        got = paged_multi_token_attention(KVParams(r_k, mu_k, r_v, mu_v, g, block_n=block_n), qf,
+                                          Window(win_k, win_v), pool, table, 0, n, 0.2, torch.float32)
         q_rot, off = rotate_query_reference(qf, r_k, mu_k)
-        want = decode_attention_reference(q_rot, k, v, torch.zeros(1, dtype=torch.long), None, off, 0.2, g, qf,
-                                          win_k, win_v, None, r_v, mu_v, torch.float32, block_n=block_n)
+        want = decode_attention_reference(KVParams(r_k, mu_k, r_v, mu_v, g, block_n=block_n), qf,
+                                          Window(win_k, win_v), History(k, v, torch.zeros(1, dtype=torch.long)), 0.2,
+                                          torch.float32, rotated=(q_rot, off))
         assert torch.equal(got, want)
 
 
@@ -158,13 +161,15 @@ def test_chunk_attention_equals_reference(n, device, dtype, rtol, atol):
     mu_k, mu_v = torch.randn(hk, d, device=device), torch.randn(hk, d, device=device)
     query = torch.randn(1, hk * g, l, d).to(device, dtype)
     k_win, v_win = torch.randn(1, hk, e + l, d).to(device, dtype), torch.randn(1, hk, e + l, d).to(device, dtype)
-    got = paged_chunk_attention(query, k_win, v_win, pool, table, 0, n, r_k, mu_k, r_v, mu_v, 0.2)  # [1, L, Hq, D]
+    got = paged_chunk_attention(query, Window(k_win, v_win), pool, table, 0, n, r_k, mu_k, r_v, mu_v,
+                                0.2)  # [1, L, Hq, D]
     assert got.dtype == dtype
     query, k_win, v_win = query.float(), k_win.float(), v_win.float()
     visible = torch.arange(e + l, device=device)[None, :] <= e + torch.arange(l, device=device)[:, None]  # [L, E+L]
     if n:
-        want = paged_multi_token_attention(group_queries(query, hk), r_k, mu_k, pool, table, 0, n, 0.2, k_win, v_win,
-                                           mask_rows(visible[None], g), r_v, mu_v, torch.float32)
+        want = paged_multi_token_attention(KVParams(r_k, mu_k, r_v, mu_v, gs), group_queries(query, hk),
+                                           Window(k_win, v_win, mask_rows(visible[None], g)), pool, table, 0, n, 0.2,
+                                           torch.float32)
         want = want.reshape(1, hk * g, l, d)
     else:
         want = torch.nn.functional.scaled_dot_product_attention(
