@@ -210,16 +210,12 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     k, v, start, key_mask = history.k, history.v, history.start, history.key_mask
     n_valid, splits, paged = history.n_valid, history.splits, history.pages
     group_size, r_k, mu_k, r_v, mu_v = params.group_size, params.r_k, params.mu_k, params.r_v, params.mu_v
-    q_rot, qk_offset = (None, None) if rotated is None else rotated
-    q_win = q
-    k_win, v_win, win_mask, win_slot = (None, None, None, None) if window is None else (
-        window.k, window.v, window.mask, window.slot)
+    (q_rot, qk_offset), q_win = (None, None) if rotated is None else rotated, q
+    k_win, v_win, win_mask, win_slot = (None,) * 4 if window is None else (window.k, window.v, window.mask, window.slot)
     if paged is not None:  # (the pool's window: each row's mask [B, 1, 1, W] and slot [B])
         b0 = q.shape[0]
         win_mask = window.mask_2d().view(b0, 1, 1, k_win.shape[-2])
-        if win_slot is None:
-            win_slot = torch.arange(b0, device=q.device)
-    if paged is not None:
+        win_slot = win_slot if win_slot is not None else torch.arange(b0, device=q.device)
         table = paged.table if paged.table.stride(-1) == 1 else paged.table.contiguous()
         paged = _PagedRead(table, paged.lengths, win_slot, k.codes.shape[-2], paged.max_len)
     rotate = q_rot is None
