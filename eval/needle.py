@@ -368,7 +368,8 @@ def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, opt
     score, fmt, hay_stride = opts.score, opts.fmt, opts.hay_stride
     cells = make_cells(lengths, depths, opts.trials, opts.seed, fmt)
     if opts.run_depths is not None:
-        cells = [c for c in cells if c[1] in set(opts.run_depths)]
+        run_depths = set(opts.run_depths)
+        cells = [c for c in cells if c[1] in run_depths]
     raw = list(done or [])
     seen = {(r["method"], r["length"], r["depth"], r["value"], r.get("trial", 0)) for r in raw
             if ("nll" in r) == (score == "nll")}

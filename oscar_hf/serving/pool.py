@@ -46,16 +46,28 @@ from ..quant import SUPPORTED_META_DTYPES, QuantizedRows, check_group_size
 KINDS = {"k": 0, "v": 1}
 
 
+@dataclasses.dataclass(frozen=True)
+class HeadLayout:
+    """A pool's heads per layer in each form: ``int2_heads`` / ``coded_heads`` (default: all ``num_kv_heads`` in INT2,
+    none coded); ``coded_bits`` / ``coded_dtype`` the coded rows' form (``OscarConfig.full_precision_bits``, the model
+    dtype)."""
+
+    int2_heads: Sequence[int] | None = None
+    coded_heads: Sequence[int] | None = None
+    coded_bits: int = 8
+    coded_dtype: torch.dtype = torch.bfloat16
+
+
 def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, group_size: int,
-               meta_dtype: torch.dtype, int2_heads: Sequence[int] | None = None,
-               coded_heads: Sequence[int] = (), coded_bits: int = 8, coded_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes of one page, keys and values: INT2 rows (D/4 code bytes + scale and zero, D/G each) of ``int2_heads[l]``
-    heads per layer (default: ``num_kv_heads`` in each of ``num_layers``) and coded rows of ``coded_heads[l]``
-    (``heads.row_bytes(coded_bits, D, coded_dtype)`` each)."""
-    int2 = num_layers * num_kv_heads if int2_heads is None else sum(int2_heads)
+               meta_dtype: torch.dtype, layout: HeadLayout = HeadLayout()) -> int:
+    """Bytes of one page, keys and values: INT2 rows (D/4 code bytes + scale and zero, D/G each) of
+    ``layout.int2_heads[l]`` heads per layer (default: ``num_kv_heads`` in each of ``num_layers``) and coded rows of
+    ``layout.coded_heads[l]`` (``heads.row_bytes(coded_bits, D, coded_dtype)`` each)."""
+    int2 = num_layers * num_kv_heads if layout.int2_heads is None else sum(layout.int2_heads)
     meta = torch.empty((), dtype=meta_dtype).element_size()
     row = head_dim // 4 + 2 * (head_dim // group_size) * meta
-    coded = sum(coded_heads) * heads.row_bytes(coded_bits, head_dim, coded_dtype) if sum(coded_heads) else 0
+    n_coded = sum(layout.coded_heads or ())
+    coded = n_coded * heads.row_bytes(layout.coded_bits, head_dim, layout.coded_dtype) if n_coded else 0
     return 2 * page_size * (int2 * row + coded)
 
 
@@ -82,18 +94,6 @@ def _views(storage: torch.Tensor, specs: list[tuple[tuple, torch.dtype]]) -> lis
 
 class PoolExhausted(RuntimeError):
     """No free page is left: the scheduler admitted more history than the pool holds."""
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadLayout:
-    """A pool's heads per layer in each form: ``int2_heads`` / ``coded_heads`` (default: all ``num_kv_heads`` in INT2,
-    none coded); ``coded_bits`` / ``coded_dtype`` the coded rows' form (``OscarConfig.full_precision_bits``, the model
-    dtype). The keywords of :func:`page_bytes` of the same name."""
-
-    int2_heads: Sequence[int] | None = None
-    coded_heads: Sequence[int] | None = None
-    coded_bits: int = 8
-    coded_dtype: torch.dtype = torch.bfloat16
 
 
 class PagedInt2Pool:
@@ -175,13 +175,14 @@ class PagedInt2Pool:
     def bytes_per_page(self) -> int:
         """Bytes of one page: INT2 rows and coded rows."""
         return page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size, self.group_size,
-                          self.int2.scale.dtype, self.int2_heads, self.coded_heads, self.coded_bits, self.coded_dtype)
+                          self.int2.scale.dtype, HeadLayout(self.int2_heads, self.coded_heads, self.coded_bits,
+                                                            self.coded_dtype))
 
     @property
     def coded_bytes_per_page(self) -> int:
         """The retrieval heads' share of :attr:`bytes_per_page`."""
         return self.bytes_per_page - page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size,
-                                                self.group_size, self.int2.scale.dtype, self.int2_heads)
+                                                self.group_size, self.int2.scale.dtype, HeadLayout(self.int2_heads))
 
     @property
     def nbytes(self) -> int:

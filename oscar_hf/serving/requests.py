@@ -141,17 +141,16 @@ class StoreRequests:
         """Layers the store quantizes."""
         return len(self.layer_slot)
 
-    def _layout(self) -> dict:
-        """Heads per pool layer in each form of a page (:class:`PagedInt2Pool`'s keywords)."""
+    def _layout(self) -> HeadLayout:
+        """Heads per pool layer in each form of a page."""
         coded = [len(p.coded_heads) for p in self.params.values()]
-        return dict(int2_heads=[self.num_kv_heads - c for c in coded], coded_heads=coded,
-                    coded_bits=self.config.full_precision_bits, coded_dtype=self.dtype)
+        return HeadLayout([self.num_kv_heads - c for c in coded], coded, self.config.full_precision_bits, self.dtype)
 
     def page_bytes(self, page_size: int) -> int:
         """Bytes of one page of ``page_size`` history entries, keys and values of every quantized layer: the INT2 rows
         and the retrieval heads' coded rows."""
         return page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, page_size, self.config.group_size,
-                          self.config.torch_meta_dtype, **self._layout())
+                          self.config.torch_meta_dtype, self._layout())
 
     def window_tokens(self) -> int:
         """Full-precision entries a request holds per layer: sink + ring."""
@@ -203,7 +202,7 @@ class StoreRequests:
             raise RuntimeError(f"the store still holds {len(self.requests)} requests; free them before a new pool")
         self.pool = PagedInt2Pool(num_pages, self.num_layers, self.num_kv_heads, self.head_dim, page_size,
                                   self.config.group_size, self.config.torch_meta_dtype, self.device, storage=storage,
-                                  trash_page=True, layout=HeadLayout(**self._layout()))
+                                  trash_page=True, layout=self._layout())
         self._buffers = None  # sized for this pool's pages
         return self.pool
 

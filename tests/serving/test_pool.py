@@ -53,16 +53,16 @@ def test_layers_with_retrieval_heads(bits, in_storage):
     from oscar_hf.cache import heads
 
     num_pages, hk, d, p, g, dt = 6, 2, 32, 4, 16, torch.bfloat16
-    layout = dict(int2_heads=(2, 1, 0), coded_heads=(0, 1, 2), coded_bits=bits, coded_dtype=dt)
-    size = page_bytes(3, hk, d, p, g, torch.float32, **layout)
+    layout = HeadLayout(int2_heads=(2, 1, 0), coded_heads=(0, 1, 2), coded_bits=bits, coded_dtype=dt)
+    size = page_bytes(3, hk, d, p, g, torch.float32, layout)
     int2_row, coded_row = d // 4 + 2 * (d // g) * 4, heads.row_bytes(bits, d, dt)
     assert size == 2 * p * (3 * int2_row + 3 * coded_row)
     storage = torch.zeros(num_pages * size + 2, dtype=torch.uint8)[1:-1] if in_storage else None
     if in_storage:
         with pytest.raises(ValueError, match="aligned"):  # an odd start address
-            PagedInt2Pool(num_pages, 3, hk, d, p, g, torch.float32, storage=storage, layout=HeadLayout(**layout))
+            PagedInt2Pool(num_pages, 3, hk, d, p, g, torch.float32, storage=storage, layout=layout)
         storage = torch.zeros(num_pages * size, dtype=torch.uint8)
-    pool = PagedInt2Pool(num_pages, 3, hk, d, p, g, torch.float32, storage=storage, layout=HeadLayout(**layout))
+    pool = PagedInt2Pool(num_pages, 3, hk, d, p, g, torch.float32, storage=storage, layout=layout)
     assert pool.bytes_per_page == size and pool.nbytes == num_pages * size
     assert pool.coded_bytes_per_page == 2 * p * 3 * coded_row
     if in_storage:  # views of the storage, no memory of their own
@@ -71,7 +71,7 @@ def test_layers_with_retrieval_heads(bits, in_storage):
     table = [5, 0, 2]
     gen = torch.Generator().manual_seed(4)
     written = {}
-    for layer, (hq, f) in enumerate(zip(layout["int2_heads"], layout["coded_heads"])):
+    for layer, (hq, f) in enumerate(zip(layout.int2_heads, layout.coded_heads)):
         assert pool.rows(layer, "k").codes.shape == (num_pages, hq, p, d // 4)
         for kind in "kv":
             if hq:
