@@ -12,9 +12,9 @@ recent 256 = 320 BF16 window tokens, the rest INT2 history; total length T):
 * ``sdpa``: ``F.scaled_dot_product_attention(q, K, V, enable_gqa=True)`` on BF16 K/V of length T,
   each available backend forced in turn; the fastest is the baseline.
 Every timing is the median over calls with a cold L2 (a 256 MB buffer is zeroed and read back before each
-call, outside the timed region; ``--flush dirty``: zeroed only, see ``FLUSH_MODE``),
-measured with CUDA events around each call, eagerly and as a replayed CUDA graph (four calls back to back in
-one graph, as a captured decode step runs its layers: ``bench_kernels.py`` at d1f081d). Bandwidth: bytes the op must
+call, outside the timed region: ``flush_l2``), measured with CUDA events around each call, eagerly and as a replayed
+CUDA graph (four calls back to back in one graph, as a captured decode step runs its layers: ``bench_kernels.py`` at
+d1f081d). Bandwidth: bytes the op must
 read (INT2 codes + scale/zero of K and V, BF16 window) over its time, against a measured device-to-device copy
 (bytes read + written).
 
@@ -39,11 +39,11 @@ import itertools
 import json
 import platform
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from oscar_hf.kernels import decode_triton as dt
 from oscar_hf.kernels.int2_attention import decode_attention_reference
@@ -63,15 +63,6 @@ NG = D // GS
 SCALING = D**-0.5
 FLUSH = None
 KERNEL_DEFAULTS = DEFAULTS  # the decode kernels' defaults of this run (--config: dataclasses.replace of DEFAULTS)
-# How the L2 is made cold before each timed call (``--flush``):
-#   "dirty": zero the 256 MB FLUSH buffer. The L2 is then full of the flush's dirty lines, and the
-#            timed call pays their write-back to DRAM as it evicts them: up to one L2 of extra DRAM traffic (~50 MB),
-#            charged to every timed call alike -- about 60% on top of B=1/128K's 84 MB of INT2 history, 9% on top of
-#            SDPA's 537 MB.
-#   "clean": zero it, then read it back (a reduction over the whole buffer): the write-back happens inside the flush,
-#            and the timed call finds an L2 of clean lines of an unrelated buffer -- cold, as in a model's decode step,
-#            where the weights read by the projections before attention are what the L2 holds.
-FLUSH_MODE = "clean"
 
 
 def log(*a):
@@ -112,30 +103,12 @@ def timed(fn, *, graph=False, iters=30, warmup=3):
     return ts[len(ts) // 2]
 
 
-def flush_l2(buf=None):
-    """Make the L2 cold before a timed call (untimed), as ``FLUSH_MODE`` says, with ``FLUSH`` (or ``buf``, a byte
-    buffer of another size)."""
-    buf = FLUSH if buf is None else buf
-    buf.zero_()
-    if FLUSH_MODE == "clean":
-        buf.view(torch.int32).sum(dtype=torch.int32)  # (the name of its kernel: "reduce_kernel")
-
-
-def add_flush_arg(ap):
-    ap.add_argument("--flush", choices=["clean", "dirty"], default="clean",
-                    help="cold L2 before each timed call: 'clean' (zero + read back a 256 MB buffer) or 'dirty' "
-                         "(zero only: the timed call pays the write-back of ~one L2 of dirty lines)")
-
-
-def host_us_per_call(fn, n=50):
-    """Host-side issue rate: wall time of n back-to-back eager calls / n (no flush)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+def flush_l2():
+    """Make the L2 cold before a timed call (untimed): zero the 256 MB ``FLUSH`` buffer, then read it back, so that
+    the write-back of its dirty lines happens here and the timed call finds clean lines of an unrelated buffer, as in
+    a model's decode step (zeroing alone charged each call up to one L2 of write-back: docs/kernels.md, ab1cc7e)."""
+    FLUSH.zero_()
+    FLUSH.view(torch.int32).sum(dtype=torch.int32)  # (the name of its kernel: "reduce_kernel")
 
 
 def copy_bandwidth_gbps():
@@ -192,28 +165,17 @@ def oscar_op(st):
     return run
 
 
-def sdpa_backends():
-    from torch.nn.attention import SDPBackend
-
-    return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
 def sdpa_op(q, k, v, backend=None, causal=False):
-    from torch.nn.attention import sdpa_kernel
-
     def run():
         ctx = sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
         with ctx:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
     return run
-
-
-def oscar_bytes(b, n):
-    hist = 2 * b * HK * n * (D // 4 + 2 * NG * META.itemsize)  # K and V: codes + scale + zero
-    win = 2 * b * HK * W * D * 2
-    return hist, win
 
 
 # ------------------------------------------------------------------------------------------ benches
@@ -232,7 +194,7 @@ def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
         sk = torch.randn(b, HK, t, D, device="cuda", dtype=torch.bfloat16)
         sv = torch.randn(b, HK, t, D, device="cuda", dtype=torch.bfloat16)
         sdpa = {}
-        for name, be in sdpa_backends().items():
+        for name, be in SDPA_BACKENDS.items():
             try:
                 fn = sdpa_op(st["q"], sk, sv, be)
                 fn()
@@ -247,7 +209,7 @@ def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
         row["sdpa_best"] = best_name
         row["sdpa_best_ms"] = sdpa[best_name]
         try:
-            row["sdpa_best_graph_ms"] = timed(sdpa_op(st["q"], sk, sv, sdpa_backends().get(best_name)), graph=True)
+            row["sdpa_best_graph_ms"] = timed(sdpa_op(st["q"], sk, sv, SDPA_BACKENDS.get(best_name)), graph=True)
         except Exception as e:
             row["sdpa_best_graph_ms"] = None
             row["sdpa_graph_error"] = repr(e)[:160]
@@ -255,10 +217,9 @@ def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
         op = oscar_op(st)
         row["oscar_ms"] = timed(op)
         row["oscar_graph_ms"] = timed(op, graph=True)
-        row["oscar_host_us_per_call"] = host_us_per_call(op)
-        hist, win = oscar_bytes(b, st["n"])
-        row["oscar_bytes"] = hist + win
-        row["oscar_GBps"] = (hist + win) / row["oscar_ms"] / 1e6
+        # K and V: the INT2 history's codes + scale + zero, and the BF16 window
+        row["oscar_bytes"] = 2 * b * HK * (st["n"] * (D // 4 + 2 * NG * META.itemsize) + W * D * 2)
+        row["oscar_GBps"] = row["oscar_bytes"] / row["oscar_ms"] / 1e6
         row["oscar_pct_copy_bw"] = 100 * row["oscar_GBps"] / copy_bw
         row["oscar_graph_pct_copy_bw"] = graph_pct_copy_bw(row, copy_bw)
         row["sdpa_GBps"] = kv_bytes / row["sdpa_best_ms"] / 1e6
@@ -313,7 +274,7 @@ def bench_write(gen, copy_bw, t=32768):
     k = torch.randn(1, HK, t, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     prefill = {}
-    for name, be in list(sdpa_backends().items()) + [("default", None)]:
+    for name, be in list(SDPA_BACKENDS.items()) + [("default", None)]:
         try:
             prefill[name] = timed(sdpa_op(q, k, v, be, causal=True), iters=10)
         except Exception as e:
@@ -403,7 +364,7 @@ def set_shape(group_size: int, meta_dtype: str, head_dim: int = 128, q_heads: in
 
 
 def main(argv=None):
-    global FLUSH, FLUSH_MODE, KERNEL_DEFAULTS
+    global FLUSH, KERNEL_DEFAULTS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--plot", help="only make the PNG from an existing result JSON")
@@ -420,7 +381,6 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=HK, help=f"KV heads (default {HK})")
     ap.add_argument("--meta-dtype", choices=sorted(META_DTYPES), default="bfloat16",
                     help="dtype of the history's scale/zero (default bfloat16; the authors' preset: float32)")
-    add_flush_arg(ap)
     args = ap.parse_args(argv)
     set_shape(args.group_size, args.meta_dtype, args.head_dim, args.q_heads, args.kv_heads)
     if args.plot:
@@ -428,14 +388,13 @@ def main(argv=None):
     assert args.out and torch.cuda.is_available(), "--out and a CUDA device are needed to benchmark"
     torch.backends.cuda.matmul.allow_tf32 = False
     FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    FLUSH_MODE = args.flush
     gen = torch.Generator().manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     result = {
         "device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "shape": {"Hq": HQ, "Hk": HK, "D": D, "group_size": GS, "meta": args.meta_dtype, "sink": SINK, "recent": RECENT},
-        "command": " ".join(sys.argv), "flush": FLUSH_MODE,
+        "command": " ".join(sys.argv), "flush": "clean",
     }
 
     def save():

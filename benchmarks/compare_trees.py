@@ -45,21 +45,20 @@ def main(argv=None):
     a = p.parse_args(argv[:split])
     bench_args = argv[split + 1 :]
     report = dict(command="python compare_trees.py " + " ".join(argv), old=a.old_name, new="this tree", runs=[])
+    ms = {}  # "<method> B=<b> T=<t>" -> {"old": [ms per token of each turn], "new": [...]}
     for turn in range(a.turns):
         for name, site in (("old", a.old), ("new", a.new)):
             for r in run(site, bench_args):
                 r.update(tree=name, turn=turn)
                 report["runs"].append(r)
+                ms.setdefault(f"{r['method']} B={r['batch']} T={r['context']}", {"old": [], "new": []})[name].append(
+                    r["decode_ms_per_token"])
                 print(json.dumps({k: r.get(k) for k in ("tree", "turn", "method", "batch", "context",
                                                         "decode_ms_per_token")}), flush=True)
-            Path(a.out).write_text(json.dumps(report, indent=1))
-    ratios = {}
-    for r in report["runs"]:
-        key = f"{r['method']} B={r['batch']} T={r['context']}"
-        ratios.setdefault(key, {"old": [], "new": []})[r["tree"]].append(r["decode_ms_per_token"])
+            Path(a.out).write_text(json.dumps(report, indent=1))  # after every run: a cut run keeps the ones before
     report["new_over_old"] = {k: dict(old_ms=v["old"], new_ms=v["new"],
                                       ratio=statistics.median(v["new"]) / statistics.median(v["old"]))
-                              for k, v in ratios.items()}
+                              for k, v in ms.items()}
     for k, v in report["new_over_old"].items():
         print(f"{k}: old {v['old_ms']} new {v['new_ms']} ms/token, new/old {v['ratio']:.3f}")
     Path(a.out).write_text(json.dumps(report, indent=1))

@@ -98,7 +98,8 @@ def _combine_kernel(PM, PL, PO, OUT, S, GROUP: tl.constexpr, SP: tl.constexpr, D
     tl.store(OUT + r * D + d, (tl.sum(o * w[:, None], 0) / l).to(OUT.dtype.element_ty))
 
 
-# H200, one layer's read (strong_bf16_op_h200.json): 128-token tiles 4-9% faster than 64 at B=1/100K, 8/32K, 32/32K
+# H200, one layer's read (strong_bf16_op_h200.json, the tile sweep of strong_bf16.py at 4dc2fce): 128-token tiles
+# 4-9% faster than 64 at B=1/100K, 8/32K, 32/32K
 BLOCK_N, NUM_WARPS, NUM_STAGES, PROGRAMS_PER_SM = 128, 4, 3, 4
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -290,46 +291,11 @@ def restore(model) -> None:
 
 
 # ---- one layer's read, timed -----------------------------------------------------------------------------------------
-def _graph_time(fn, flush, iters: int = 20) -> float:
-    """Median µs of ``fn`` replayed in a CUDA graph, L2 flushed clean before each replay."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            fn()
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        flush.sum()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    return sorted(times)[len(times) // 2]
-
-
-SWEEP = [(64, 2), (64, 4), (64, 8), (32, 4)]  # (BLOCK_N, PROGRAMS_PER_SM) beside the defaults
-
-
-def _with_config(block_n: int, programs_per_sm: int):
-    def fn(*args):
-        global BLOCK_N, PROGRAMS_PER_SM
-        old = BLOCK_N, PROGRAMS_PER_SM
-        BLOCK_N, PROGRAMS_PER_SM = block_n, programs_per_sm
-        try:
-            return split_decode(*args)
-        finally:
-            BLOCK_N, PROGRAMS_PER_SM = old
-    return fn
-
-
 def bench_op(points, hq=32, hk=8, d=128) -> list[dict]:
+    import bench_kernels as bk  # its timer: median of CUDA-graph replays, the L2 flushed clean before each
+
     dev = torch.device("cuda")
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=dev)
+    bk.FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     rows = []
     for b, t in points:
         cap = t + 64
@@ -340,16 +306,15 @@ def bench_op(points, hq=32, hk=8, d=128) -> list[dict]:
         ref = reference_decode(q, k, v, length, d ** -0.5)
         row = dict(batch=b, context=t, kv_bytes=2 * b * hk * t * d * 2)
         flex = torch.compile(flex_decode, fullgraph=True)
-        variants = [("split", split_decode), ("flex", flex), ("sdpa_exact", reference_decode)]
-        variants += [(f"split_n{bn}_p{pps}", _with_config(bn, pps)) for bn, pps in SWEEP]
-        for name, fn in variants:
+        for name, fn in (("split", split_decode), ("flex", flex), ("sdpa_exact", reference_decode)):
             try:
                 err = (fn(q, k, v, length, d ** -0.5).float() - ref.float()).abs().max().item()
                 if name == "sdpa_exact":
                     kk, vv = k[:, :, :t], v[:, :, :t]
-                    us = _graph_time(lambda: F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True), flush)
+                    call = lambda: F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)  # noqa: E731
                 else:
-                    us = _graph_time(lambda: fn(q, k, v, length, d ** -0.5), flush)
+                    call = lambda: fn(q, k, v, length, d ** -0.5)  # noqa: E731
+                us = 1000 * bk.timed(call, graph=True, iters=20)
                 row[name] = dict(us=us, read_tb_s=row["kv_bytes"] / us / 1e6, max_err=err)
             except Exception as e:  # noqa: BLE001 (record and go on)
                 row[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
