@@ -329,16 +329,18 @@ def length_summary(acc: dict, reference: str | None = None) -> dict:
 @dataclass(frozen=True)
 class GridOptions:
     """How :func:`run_grid` draws and scores its cells. ``trials`` needles per (length, depth), drawn from
-    ``seed``; ``run_depths``: only these depths are run, on the needles the full ``depths`` grid draws (so a run
-    of the interior depths meets the same needles as a full run); ``score="nll"``: instead of generating, record
-    the teacher-forced NLL of the right answer (:func:`answer_nll`); ``fmt``: the needle format; ``hay_stride``:
-    trial ``t`` reads the haystack from token ``t * hay_stride`` on (distinct text around each needle);
+    ``seed``; ``run_depths`` / ``run_lengths``: only these depths / lengths are run, on the needles the full grid
+    draws (so a run of the interior depths, or of one length, meets the same needles as a full run);
+    ``score="nll"``: instead of generating, record the teacher-forced NLL of the right answer (:func:`answer_nll`);
+    ``fmt``: the needle format; ``hay_stride``: trial ``t`` reads the haystack from token ``t * hay_stride`` on
+    (distinct text around each needle);
     ``share_prefill``: one exact prefill per needle written into every method's cache (:func:`write_prefix`)
     instead of one prefill per method (same caches, a fraction of the time); ``progress``: a tqdm bar."""
 
     trials: int = 1
     seed: int = 0
     run_depths: tuple[float, ...] | None = None
+    run_lengths: tuple[int, ...] | None = None
     score: str = "generate"
     fmt: NeedleFormat = MAGIC_NUMBER
     hay_stride: int = 0
@@ -367,9 +369,11 @@ def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, opt
 
     score, fmt, hay_stride = opts.score, opts.fmt, opts.hay_stride
     cells = make_cells(lengths, depths, opts.trials, opts.seed, fmt)
-    if opts.run_depths is not None:
-        run_depths = set(opts.run_depths)
-        cells = [c for c in cells if c[1] in run_depths]
+    for i, only, grid in ((0, opts.run_lengths, lengths), (1, opts.run_depths, depths)):  # (length, depth, ...)
+        if only is not None:
+            if not set(only) <= set(grid):  # else no cell would run, silently
+                raise ValueError(f"run_{('lengths', 'depths')[i]} {sorted(only)} must be among {list(grid)}")
+            cells = [c for c in cells if c[i] in set(only)]
     raw = list(done or [])
     seen = {(r["method"], r["length"], r["depth"], r["value"], r.get("trial", 0)) for r in raw
             if ("nll" in r) == (score == "nll")}

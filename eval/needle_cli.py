@@ -122,7 +122,7 @@ def main(argv=None, model=None, tokenizer=None):
     import sys
 
     from oscar_hf import OscarCache, OscarConfig, OscarRotations
-    from oscar_hf.config import FULL_PRECISION_BIT_CHOICES
+    from oscar_hf.config import RETRIEVAL_BIT_CHOICES
     from oscar_hf.models import model_for_eval
     from oscar_hf.quant import QUANTIZERS
 
@@ -135,6 +135,9 @@ def main(argv=None, model=None, tokenizer=None):
     p.add_argument("--depths", default="0,0.5,1")
     p.add_argument("--run-depths", default=None,
                    help="comma list: run only these of --depths, on the same needles (e.g. the interior ones)")
+    p.add_argument("--run-lengths", default=None,
+                   help="comma list: run only these of --lengths, on the same needles (the needles are drawn "
+                        "trial-major over every length: a shorter --lengths draws others)")
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--score", choices=["generate", "nll"], default="generate",
                    help="generate: greedy answer, exact match; nll: teacher-forced NLL of the right answer")
@@ -161,7 +164,7 @@ def main(argv=None, model=None, tokenizer=None):
                    help="OSCAR row: keep the artifact's k best retrieval heads in full precision "
                         "(OscarConfig.full_precision_heads; needs scripts/find_retrieval_heads.py scores)")
     p.add_argument("--label", default=None, help="label of the OSCAR row (default 'OSCAR + centering')")
-    p.add_argument("--full-precision-bits", type=int, choices=FULL_PRECISION_BIT_CHOICES, default=None,
+    p.add_argument("--full-precision-bits", type=int, choices=RETRIEVAL_BIT_CHOICES, default=None,
                    help="OscarConfig.full_precision_bits of the OSCAR and artifact rows: how their full-precision "
                         "heads are stored (16: model dtype; 8/4: codes with a scale and zero per token and head; "
                         "default: the library's)")
@@ -170,6 +173,9 @@ def main(argv=None, model=None, tokenizer=None):
     p.add_argument("--artifact-full-precision-heads", default="auto",
                    help="artifact row: 'auto' (the library's rule at --full-precision-bits) or k (the artifact's "
                         "k best retrieval heads)")
+    for name, what in (("sink", "sink tokens"), ("recent", "recent tokens"), ("group-size", "group size")):
+        p.add_argument(f"--artifact-{name}", type=int, default=None,
+                       help=f"artifact row: its {what} instead of the artifact's chosen ones")
     p.add_argument("--dtype", default="float32", help="model dtype (bfloat16: the cache keeps K/V in bf16)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--name", default=None, help="output stem (default needle_<haystack>)")
@@ -219,6 +225,8 @@ def main(argv=None, model=None, tokenizer=None):
             kw["full_precision_heads"] = artifact_heads
         if args.quantizer is not None:
             kw["quantizer"] = args.quantizer
+        kw.update({k: v for k, v in (("sink", args.artifact_sink), ("recent", args.artifact_recent),
+                                     ("group_size", args.artifact_group_size)) if v is not None})
         opts = "".join(f", {k}={v}" for k, v in kw.items())
         return (f"OscarCache.from_pretrained({Path(args.artifact).name}{opts})",
                 UserCache("artifact", lambda m: OscarCache.from_pretrained(args.artifact, m, **kw)))
@@ -289,7 +297,9 @@ def main(argv=None, model=None, tokenizer=None):
                                          answers=raw), indent=1))
 
     run_depths = tuple(float(x) for x in args.run_depths.split(",")) if args.run_depths else None
-    opts = GridOptions(trials=args.trials, seed=args.seed, run_depths=run_depths, score=args.score, fmt=fmt,
+    run_lengths = tuple(int(x) for x in args.run_lengths.split(",")) if args.run_lengths else None
+    opts = GridOptions(trials=args.trials, seed=args.seed, run_depths=run_depths, run_lengths=run_lengths,
+                       score=args.score, fmt=fmt,
                        hay_stride=args.hay_stride, share_prefill=args.share_prefill)
     res = run_grid(model, tokenizer, hay, methods, lengths, depths, opts, done=done, on_result=save)
     save(res["answers"])

@@ -2,7 +2,8 @@
 fly: no download). Every task's ``custom_dataset`` receives the run's ``--model_args`` merged with ``--metadata``:
 
 * the tokenizer that sizes the prompts: ``tokenizer`` (a name / path, or a tokenizer object from Python), else
-  ``pretrained`` (``smollm2`` = the packaged GGUF; ``gguf_file`` is honoured as HFLM does);
+  ``pretrained`` (``smollm2`` / ``gemma3-270m`` = the packaged GGUF's tokenizer, as ``load_model`` builds it;
+  ``gguf_file`` is honoured as HFLM does);
 * ``lengths``: int, list or ``"1024,2048"`` (default 4096; lm-eval RULER's ``max_seq_lengths`` is accepted);
 * ``samples``: samples per length and task (default 4); ``seed`` (default 0);
 * ``haystack``: text file (default WikiText-2 raw test; a relative path resolves against THIS file's folder).
@@ -26,8 +27,15 @@ _HAYSTACKS: dict = {}
 def _load_tokenizer(name: str, gguf_file: str | None):
     from transformers import AutoTokenizer
 
-    from oscar_hf.models import DEFAULT_MODEL, SMOLLM2_GGUF, smollm2_dir
+    from oscar_hf.models import (DEFAULT_MODEL, GEMMA3, SMOLLM2_GGUF, gemma3_cache_dir, gemma3_gguf,
+                                 gguf_gemma_tokenizer, smollm2_dir)
 
+    if name == GEMMA3:  # the tokenizer load_model gives Gemma (Transformers' GGUF conversion drops merges and <bos>)
+        if gguf_file is not None:
+            raise ValueError(f"pretrained={name!r} is a packaged model: gguf_file is not taken with it")
+        saved = gemma3_cache_dir() / "tokenizer"  # load_model's conversion, when a run has made it
+        return AutoTokenizer.from_pretrained(saved) if (saved / "tokenizer.json").is_file() else \
+            gguf_gemma_tokenizer(gemma3_gguf())
     if name == DEFAULT_MODEL:
         name, gguf_file = str(smollm2_dir()), gguf_file or SMOLLM2_GGUF
     return AutoTokenizer.from_pretrained(name, **({"gguf_file": gguf_file} if gguf_file else {}))

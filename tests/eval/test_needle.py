@@ -89,6 +89,12 @@ def test_run_grid_shares_cells_and_resumes():
 
     again = run_grid(model, ModTok(), hay, {"fp": Boom(), "int2": Boom()}, [240, 280], [0.0, 1.0], opts, done=raw)
     assert again["answers"] == raw
+    # one length of the grid: its cells are the full grid's (resumed: nothing re-run), the other length's dropped
+    only = GridOptions(trials=2, progress=False, run_lengths=(280,))
+    part = run_grid(model, ModTok(), hay, {"fp": Boom(), "int2": Boom()}, [240, 280], [0.0, 1.0], only, done=raw)
+    assert part["answers"] == [r for r in raw if r["length"] == 280] and len(part["answers"]) == 8
+    with pytest.raises(ValueError, match="run_lengths"):  # a length outside the grid would run nothing
+        run_grid(model, ModTok(), hay, methods, [240, 280], [0.0, 1.0], GridOptions(run_lengths=(256,)))
     with pytest.raises(ValueError, match="score"):  # a misspelt option stops at the options, not mid-grid
         GridOptions(score="nl")
     with pytest.raises(ValueError, match="hay_stride"):

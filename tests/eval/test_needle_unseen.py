@@ -266,8 +266,9 @@ def test_cli_end_to_end_on_a_tiny_llama(tmp_path):
         main(argv[:5] + ["fp,bogus"] + argv[6:], model=model, tokenizer=ByteTok())
 
 
-def test_cli_quantizer_reaches_the_oscar_and_artifact_rows(tmp_path):
-    """--quantizer sets OscarConfig.quantizer on the rows built from the artifact (the user's cache included)."""
+def test_cli_quantizer_and_window_reach_the_artifact_rows(tmp_path):
+    """--quantizer sets OscarConfig.quantizer on the rows built from the artifact (the user's cache included);
+    --artifact-sink / --artifact-recent / --artifact-group-size the artifact row's windows and group size."""
     from oscar_hf import OscarRotations
     from oscar_hf.eval.needle_cli import main
 
@@ -275,9 +276,12 @@ def test_cli_quantizer_reaches_the_oscar_and_artifact_rows(tmp_path):
     art = tmp_path / "art"
     OscarRotations.builtin(model, "hadamard").save_pretrained(art)
     argv = ["--format", "locker", "--haystack", "pydoc", "--methods", "oscar,artifact", "--artifact", str(art),
-            "--quantizer", "std", "--lengths", "600", "--depths", "0.5", "--out", str(tmp_path), "--name", "q"]
+            "--quantizer", "std", "--artifact-sink", "8", "--artifact-recent", "40", "--artifact-group-size", "32",
+            "--lengths", "600", "--depths", "0.5", "--out", str(tmp_path), "--name", "q"]
     main(argv, model=model, tokenizer=ByteTok())
     setup = json.loads((tmp_path / "q.json").read_text())["setup"]
     assert setup["oscar"]["quantizer"] == "std"
-    (user,) = setup["user_caches"].values()
+    ((label, user),) = setup["user_caches"].items()
     assert user["config"]["quantizer"] == "std"
+    assert (user["config"]["sink"], user["config"]["recent"], user["config"]["group_size"]) == (8, 40, 32)
+    assert label == "OscarCache.from_pretrained(art, quantizer=std, sink=8, recent=40, group_size=32)"
