@@ -51,7 +51,6 @@ RETRIEVAL_HEAD_MAX_BITS = 16  # the most a retrieval head costs per element (BF1
 # through the real cache INT8 heads keep >= 0.9x BF16 at every length 1K-8K, INT4 0.82x at 8K (docs/quality.md).
 RETRIEVAL_BITS = 8
 RETRIEVAL_BIT_CHOICES = (16, 8, 4)  # the model dtype, INT8, INT4 (the forms oscar_hf.cache.heads stores)
-FULL_PRECISION_BITS, FULL_PRECISION_BIT_CHOICES = RETRIEVAL_BITS, RETRIEVAL_BIT_CHOICES  # (their names before)
 WINDOW_BITS = 16  # bits of a full-precision cached element in OscarConfig.stored_bits (BF16 / FP16)
 # The cache settings calibrate() may choose per model (oscar_hf.calibration.settings) and store in the artifact's
 # metadata["settings"]["chosen"]; a cache built from that artifact starts from them (artifact_settings).

@@ -215,11 +215,6 @@ def token_windows(
     return win
 
 
-def content_tokens_per_window(tokenizer, seq_len: int, add_bos: bool | str = "auto") -> int:
-    bos = _adds_bos(tokenizer) if add_bos == "auto" else bool(add_bos)
-    return seq_len - 1 if bos else seq_len
-
-
 def calibration_windows(
     tokenizer,
     text: str | Sequence[str],

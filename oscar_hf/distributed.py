@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .rotations import LayerRotation, OscarRotations
+from .rotations import LayerRotation
 
 logger = logging.getLogger("oscar_hf")
 
@@ -89,16 +89,6 @@ def slice_layer_rotation(lr: LayerRotation, k: HeadShard, v: HeadShard | None = 
     if k.is_full(hk) and v.is_full(lr.r_v.shape[0]):
         return lr
     return dataclasses.replace(lr, r_k=cut(lr.r_k, k), r_v=cut(lr.r_v, v), mu_k=cut(lr.mu_k, k), mu_v=cut(lr.mu_v, v))
-
-
-def shard_rotations(rotations: OscarRotations, layout: TPLayout) -> dict[int, LayerRotation]:
-    """Per quantized layer, the slice of ``rotations`` that this rank's cache layer needs."""
-    out = {}
-    for i, lr in rotations.layers.items():
-        k = layout.k.get(i) or even_head_shard(lr.r_k.shape[0], layout.rank, layout.world)
-        v = layout.v.get(i) or even_head_shard(lr.r_v.shape[0], layout.rank, layout.world)
-        out[i] = slice_layer_rotation(lr, k, v)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- detection

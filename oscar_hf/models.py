@@ -112,7 +112,7 @@ def read_gguf_metadata(path) -> dict:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         if mm[:4] != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", mm, 4)
+        version, _, n_kv = struct.unpack_from("<IQQ", mm, 4)
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} is not supported")
 

@@ -60,10 +60,10 @@ def register_handler(prefix: str, handler: Handler) -> None:
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping[mask_base])
 
 
-def split_name(impl: str | None, prefixes=None) -> tuple[str | None, str]:
+def split_name(impl: str | None) -> tuple[str | None, str]:
     """``"oscar_sdpa"`` -> ``("oscar_", "sdpa")``; unprefixed names -> ``(None, name)``."""
     impl = impl or "sdpa"
-    for p in prefixes or _HANDLERS:
+    for p in _HANDLERS:
         if impl.startswith(p):
             return p, impl[len(p) :]
     return None, impl

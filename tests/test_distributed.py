@@ -8,7 +8,7 @@ import oscar_hf.distributed as tpd
 from oscar_hf import OscarCache, OscarRotations, StaticOscarCache
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.config import ModelFingerprint
-from oscar_hf.distributed import HeadShard, even_head_shard, shard_rotations, slice_layer_rotation, tp_layout, tp_rank_world
+from oscar_hf.distributed import HeadShard, even_head_shard, slice_layer_rotation, tp_layout, tp_rank_world
 from oscar_hf.models import tiny_model
 from oscar_hf.rotations import LayerRotation
 from script_utils import run_under_torchrun
@@ -68,15 +68,6 @@ def test_slice_full_range_is_a_no_op_and_out_of_range_raises():
         slice_layer_rotation(lr, HeadShard(2, 6))
     with pytest.raises(ValueError, match="out of range"):
         slice_layer_rotation(lr, HeadShard(2, 2))
-
-
-def test_shard_rotations_every_layer():
-    rot = {i: distinct_rotation(8, 8) for i in range(3)}
-    layout = tpd.TPLayout(rank=1, world=4, num_kv_heads=8, k={0: HeadShard(2, 4)}, v={0: HeadShard(2, 4)}, source="dtensor")
-    out = shard_rotations(OscarRotations(None, "x", rot), layout)
-    for i in range(3):  # layer 0 from the layout, layers 1-2 from the even layout of rank 1 / 4
-        torch.testing.assert_close(out[i].r_k, rot[i].r_k[2:4])
-        torch.testing.assert_close(out[i].mu_v, rot[i].mu_v[2:4])
 
 
 # ------------------------------------------------------------------ detecting the model's TP group

@@ -248,7 +248,6 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
             # at least one page of every layer (Transformers never writes there: no BF16 layer).
             trash = 2 * self.bytes_per_sector - -(-store.page_bytes(allocator.tokens_per_page) // 128) * 128
             store.attach_pool(allocator.num_blocks, allocator.tokens_per_page, storage=self.cache_tensor[trash:])
-            store.pool_in_cache = True
             # Transformers reads no past for these layers: the index tensors and sdpa masks it allocates are
             # [*, 1 + M] instead of [*, num_blocks * P + M], and the scheduler's read budget (max_tokens_read, minus
             # min(request length, read_cache_limit) per request) never runs out.

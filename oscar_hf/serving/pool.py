@@ -189,9 +189,6 @@ class PagedInt2Pool:
         """Bytes of the page tensors (the trash page included)."""
         return sum(t.numel() * t.element_size() for t in (*self.int2, *self.coded))
 
-    def refcount(self, page: int) -> int:
-        return self._refs[page]
-
     # ------------------------------------------------------------------ allocation
     def allocate(self) -> int:
         """A free page id, now held once."""

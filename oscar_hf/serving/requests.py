@@ -152,10 +152,6 @@ class StoreRequests:
         return page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, page_size, self.config.group_size,
                           self.config.torch_meta_dtype, self._layout())
 
-    def window_tokens(self) -> int:
-        """Full-precision entries a request holds per layer: sink + ring."""
-        return self.config.sink + self.ring
-
     def prompt_token_bytes(self) -> int:
         """Bytes a prompt token costs while its prompt arrives in chunks: its keys and values in every quantized layer,
         held in full precision until the prompt is complete (``RequestKV.prompt``, ``[1, Hk, T, D]`` per layer)."""
@@ -308,7 +304,6 @@ class StoreRequests:
         self.windows.release_memory()
         if self._deferred and self.has_pool:
             self.pool.release_storage()
-            self.pool_in_cache = False
 
     @property
     def has_pool(self) -> bool:

@@ -140,7 +140,6 @@ class OscarPagedStore(StoreRequests, DecodeStep):
         # takes fresh tensors, eagerly)
         self.max_positions = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.pool: PagedInt2Pool | None = None
-        self.pool_in_cache = False  # set by OscarPagedCache when the pool is laid out in Transformers' cache tensor
         self._deferred = defer_pool
         if defer_pool:
             if num_pages is not None or memory_budget is not None:
