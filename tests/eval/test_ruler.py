@@ -146,6 +146,20 @@ def test_task_configs_match_the_generator():
     assert mod.process_results({"length": 1024, "answers": ["ab", "cd"]}, [" AB x"]) == {"1024": 0.5}
 
 
+def test_tasks_size_gemma3_prompts_with_its_rebuilt_tokenizer():
+    """``pretrained=gemma3-270m``: the tokenizer load_model gives Gemma (merges rebuilt, ``<bos>`` first), so a
+    prompt's token count is the model's; a gguf_file beside the packaged name is refused."""
+    from gemma3_helpers import gemma3_model
+
+    _, tok = gemma3_model()
+    mod = _task_module()
+    got = mod.tokenizer_from(pretrained="gemma3-270m")
+    text = "The special magic number for halls-reactions is: 3004173."
+    assert got(text)["input_ids"] == tok(text)["input_ids"] and got(text)["input_ids"][0] == tok.bos_token_id
+    with pytest.raises(ValueError, match="packaged"):
+        mod.tokenizer_from(pretrained="gemma3-270m", gguf_file="x.gguf")
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tok, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-llama")
