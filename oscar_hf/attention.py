@@ -7,7 +7,7 @@ skipped layers) goes to the user's own implementation untouched.
 An OSCAR cache layer's ``update(k, v)`` does not return tensors: it parks the new rows and returns
 an :class:`OscarKV` handle (as both ``key`` and ``value``). The handler here checks the call's
 arguments and asks the handle for the result; each layer kind owns its read (the dynamic layer in
-:mod:`oscar_hf.cache.dynamic`, the static one in :mod:`oscar_hf.cache.static`), so this module
+:mod:`oscar_hf.cache.dynamic`, the compiled one in :mod:`oscar_hf.cache.compiled`), so this module
 knows no layer type.
 """
 from __future__ import annotations

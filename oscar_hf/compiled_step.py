@@ -13,7 +13,7 @@ compiled callable of a model it serves (installed by :class:`~oscar_hf.OscarCach
   call (a compiled one would recompile);
 * when ``generate`` prepares its cache, each layer learns the length the call will reach (``max_cache_length``:
   prompt + ``max_new_tokens``), so that its first allocation holds the whole answer where that is within reach
-  (:func:`~oscar_hf.cache.static.capacity_for`) and the step compiles once.
+  (:func:`~oscar_hf.cache.compiled.capacity_for`) and the step compiles once.
 
 A cache without OSCAR layers (e.g. a ``StaticCache`` passed to the same model) goes straight to the compiled call,
 so the wrappers stay on the model once installed (nothing removes them).

@@ -1,9 +1,10 @@
 """The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers; on CUDA
-its storage is device-resident and ``generate`` compiles the decode step by itself (:mod:`.static`, growing in
+its storage is device-resident and ``generate`` compiles the decode step by itself (:mod:`.compiled`, growing in
 capacity buckets), elsewhere it is the eager reference (:mod:`.dynamic`). :class:`StaticOscarCache` fixes the
 capacity (``max_cache_len``). Two words for two things: "compiled storage" is the device-resident layer
-(:class:`StaticOscarLayer`, whatever its capacity), "fixed capacity" is :class:`StaticOscarCache` (as Transformers'
-``StaticCache``).
+(:class:`CompiledOscarLayer`, whatever its capacity), "fixed capacity" is :class:`StaticOscarCache` (as Transformers'
+``StaticCache``: "static" in a public class name means fixed capacity, nothing else; the compiled layer's old name
+``StaticOscarLayer`` still imports from here, with a warning).
 
 The eager layer keeps a layout of its own (a growing tail instead of the compiled layer's fixed sink + ring) because
 it reads any attention mask exactly (holes, custom 4D masks) and equals a ``DynamicCache`` bit for bit until its first
@@ -14,7 +15,7 @@ and the retrieval heads' coded rows (``LayerParams.encode_history``), addressed 
 
 Data flow: an artifact (:class:`~oscar_hf.OscarRotations`) -> the layer choice (:func:`oscar_hf.layer_choice.choose_layers`:
 which layers are quantized, their retrieval heads) and the storage (:mod:`.storage`: compiled or eager) -> a cache layer per decoder layer
-(:mod:`.dynamic` / :mod:`.static`: write path + read) -> the registered attention function
+(:mod:`.dynamic` / :mod:`.compiled`: write path + read) -> the registered attention function
 (:mod:`oscar_hf.attention`) that hands each call to its layer; :mod:`.io` saves and loads a live cache.
 
     cache = OscarCache.from_pretrained("rotations_dir", model)   # or OscarCache(model, method="hadamard")
@@ -61,16 +62,29 @@ from ..distributed import shard_cache_for_tensor_parallel
 from ..layer_choice import choose_layers, resolve_retrieval_heads
 from ..rotations import LayerRotation, OscarRotations
 from . import report
+from .compiled import CompiledOscarLayer, StepShared
 from .dynamic import OscarLayer
 from .growing import GrowingLayer
-from .hybrid import OscarHybridLayer, StaticOscarHybridLayer
+from .hybrid import CompiledOscarHybridLayer, OscarHybridLayer
 from .io import load_cache, save_cache
-from .static import StaticOscarLayer, StepShared
-from .storage import AUTO_COMPILED_LAYER_TYPES, compiled_storage, model_on_cuda, not_auto_compiled  # noqa: F401
+from .storage import compiled_storage, not_auto_compiled  # noqa: F401 (not_auto_compiled: what tests ask of a layout)
 
-__all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "StaticOscarLayer", "OscarHybridLayer", "StaticOscarHybridLayer",
-           "GrowingLayer", "resolve_retrieval_heads", "resolve_full_precision_heads"]
+__all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "CompiledOscarLayer", "OscarHybridLayer",
+           "CompiledOscarHybridLayer", "GrowingLayer", "resolve_retrieval_heads", "resolve_full_precision_heads"]
 resolve_full_precision_heads = resolve_retrieval_heads  # the name before "retrieval heads" was the one name
+# The compiled layers' names before: "static" there meant compiled (their capacity grows), not StaticOscarCache's fixed
+# capacity. Importing them still works, with a FutureWarning naming the new name.
+RENAMED = {"StaticOscarLayer": "CompiledOscarLayer", "StaticOscarHybridLayer": "CompiledOscarHybridLayer"}
+
+
+def __getattr__(name: str):
+    if name in RENAMED:
+        import warnings
+
+        warnings.warn(f"oscar_hf.cache.{name} is now {RENAMED[name]} (the compiled layer; \"static\" names only the "
+                      "fixed-capacity StaticOscarCache)", FutureWarning, stacklevel=2)
+        return globals()[RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class OscarCache(Cache):
@@ -97,7 +111,7 @@ class OscarCache(Cache):
     ``oscar_hf.config.FULL_PRECISION_WHY``); KV sharing's reuse layers -> ``DummyLayer`` (nothing cached).
 
     ``compile``: "auto" (default) keeps the storage on the device in fixed-address buffers
-    (:class:`StaticOscarLayer`, capacity growing in buckets) when the model is on CUDA and its layers are full
+    (:class:`CompiledOscarLayer`, capacity growing in buckets) when the model is on CUDA and its layers are full
     attention (soft-capped or not), sliding-window / chunked (Transformers' ``StaticSlidingWindowLayer``, a buffer of
     the window's width, beside the compiled OSCAR layers; the compiled step is traced up to three times as that layer
     fills, and it cannot ``crop`` once it rolls), linear attention or hybrid attention + state (layers kept in full
@@ -149,11 +163,11 @@ class OscarCache(Cache):
                                           "Transformers' DummyLayer (transformers >= 5.2x)")
             layers = layers[:n]
         super().__init__(layers=layers)
-        static = [x for x in layers if isinstance(x, StaticOscarLayer)]
-        if static:  # one decode forward's window mask and history length, computed by its first OSCAR layer
+        compiled = [x for x in layers if isinstance(x, CompiledOscarLayer)]
+        if compiled:  # one decode forward's window mask and history length, computed by its first OSCAR layer
             step = StepShared()
-            step.last_layer = max(x.layer_idx for x in static)
-            for x in static:
+            step.last_layer = max(x.layer_idx for x in compiled)
+            for x in compiled:
                 x.step = step
         # a compiled full-precision layer's decode step returns all C slots of its buffers: every full-attention
         # layer's mask is then its (C, 0) (an OSCAR layer reads none in a decode step)
@@ -175,7 +189,7 @@ class OscarCache(Cache):
         """What each decoder layer got, in order (:func:`oscar_hf.cache.report.layer_kinds` lists the kinds)."""
         return report.layer_kinds(self)
 
-    # Layer factories: eager (OscarLayer) or device-resident (StaticOscarLayer) storage.
+    # Layer factories: eager (OscarLayer) or device-resident (CompiledOscarLayer) storage.
     # ``state``: a "hybrid" layer's linear-attention / SSM state goes with it (Transformers' LinearAttentionLayer).
     def _sliding_layer(self, window: int, state: bool = False):
         n = self._n_states
@@ -202,9 +216,9 @@ class OscarCache(Cache):
         n = self._n_states
         if self.compiled:
             if state:
-                return StaticOscarHybridLayer(config, rotation, layer_idx, fp_heads, self.max_cache_len_fixed,
+                return CompiledOscarHybridLayer(config, rotation, layer_idx, fp_heads, self.max_cache_len_fixed,
                                               number_of_states=n)
-            return StaticOscarLayer(config, rotation, layer_idx, self.max_cache_len_fixed, fp_heads)
+            return CompiledOscarLayer(config, rotation, layer_idx, self.max_cache_len_fixed, fp_heads)
         if state:
             return OscarHybridLayer(config, rotation, layer_idx, fp_heads, number_of_states=n)
         return OscarLayer(config, rotation, layer_idx, fp_heads)
@@ -231,7 +245,7 @@ class OscarCache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
-        if self._mask_layer is not None and isinstance(layer, StaticOscarLayer):
+        if self._mask_layer is not None and isinstance(layer, CompiledOscarLayer):
             return self.layers[self._mask_layer].get_mask_sizes(query_length)  # the full-attention layers' one mask
         return super().get_mask_sizes(query_length, layer_idx)
 

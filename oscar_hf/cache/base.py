@@ -31,7 +31,7 @@ def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.
 
 class QuantizedLayerBase(CacheLayerMixin):
     """What both quantized layers (:class:`~oscar_hf.cache.dynamic.OscarLayer`,
-    :class:`~oscar_hf.cache.static.StaticOscarLayer`) share: the layer's :class:`~oscar_hf.cache.params.LayerParams`
+    :class:`~oscar_hf.cache.compiled.CompiledOscarLayer`) share: the layer's :class:`~oscar_hf.cache.params.LayerParams`
     (``self.params``, built at the first forward on the cache's device from the rotation, which
     :mod:`oscar_hf.distributed` may first replace by the rank's slice, and the retrieval heads ``self.fp_heads``), the
     update checks and the offsets. Each subclass implements ``attend`` (its read, called through the handle ``update``

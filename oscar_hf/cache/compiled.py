@@ -1,4 +1,4 @@
-"""`StaticOscarLayer`: one quantized layer whose storage lives on the device in fixed-address buffers, so that
+"""`CompiledOscarLayer`: one quantized layer whose storage lives on the device in fixed-address buffers, so that
 ``generate`` compiles the decode step (``torch.compile`` + CUDA graphs). :class:`~oscar_hf.OscarCache` uses it on
 CUDA by itself (``compile="auto"``); :class:`~oscar_hf.StaticOscarCache` with a fixed ``max_cache_len``.
 
@@ -49,7 +49,7 @@ from ..quant import QuantizedRows
 from ..rotations import LayerRotation
 from . import heads
 from .base import QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, logit_terms
-from .static_eager import StaticEager, _compiling, _static
+from .compiled_eager import CompiledEager, _compiling, _fixed_address
 from .window import ring_slots, window_mask
 
 RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE (as OscarLayer's CROP_RESERVE)
@@ -71,7 +71,7 @@ def capacity_for(need: int, current: int = 0, expected: int = 0) -> int:
     return int(math.ceil(want / BUCKET) * BUCKET)
 
 
-class StaticOscarKV(OscarKV):
+class CompiledOscarKV(OscarKV):
     """The handle ``update`` returns (no ``__slots__``: plain attribute access for dynamo)."""
 
 
@@ -85,7 +85,7 @@ class StepShared:
     takes one length and one ``pad`` as inputs, not one of each per layer (each graph input costs the compiled call
     a guard, a load and a pointer check on every step). The last layer of the device advances it, once a step.
 
-    The cache hands one instance to all its :class:`StaticOscarLayer` layers (a lone layer keeps its own). A layer
+    The cache hands one instance to all its :class:`CompiledOscarLayer` layers (a lone layer keeps its own). A layer
     recomputes when it is not after the one that computed or is on another device (a new forward: layers run in index
     order); the last layer clears it, so every trace starts from the same state and dynamo's guards on it hold from
     step to step."""
@@ -99,12 +99,12 @@ class StepShared:
     def clear(self) -> None:
         self.layer_idx, self.key, self.t, self.pad, self.win_mask, self.hist_len = -1, None, None, None, None, None
 
-    def join(self, layer: "StaticOscarLayer") -> torch.Tensor:
+    def join(self, layer: "CompiledOscarLayer") -> torch.Tensor:
         """The length tensor of ``layer``'s device (0-d int64, shared by the layers there); the highest-index layer of
         the device is the one that advances it (``advances_length``)."""
         length, last = self.lengths.get(layer.device, (None, None))
         if length is None:
-            length = _static(torch.zeros((), dtype=torch.long, device=layer.device))
+            length = _fixed_address(torch.zeros((), dtype=torch.long, device=layer.device))
         if last is None or layer.layer_idx >= last.layer_idx:
             if last is not None:
                 last.advances_length = False
@@ -114,7 +114,7 @@ class StepShared:
         return length
 
 
-class StaticOscarLayer(StaticEager, QuantizedLayerBase):
+class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
     """One quantized decoder layer with device-resident storage (see the module docstring). ``max_cache_len``
     fixes the capacity (:class:`~oscar_hf.StaticOscarCache`); None lets it grow in buckets."""
 
@@ -149,20 +149,20 @@ class StaticOscarLayer(StaticEager, QuantizedLayerBase):
         self.batch_size, self.num_kv_heads, self.head_dim = b, hk, d
         dev = self.device
         # Each tensor this layer's own (~1 MB per layer): a step whose inputs alias (e.g. the built-in Hadamard
-        # rotation shared by K and V and by every layer) loses its static-input marks under CUDA graphs (torch 2.11),
-        # which then skip the whole step. Static: graph inputs that never change, no copy per CUDA-graph replay.
-        self.params = params.with_tensors(lambda t: _static(t.clone()))
+        # rotation shared by K and V and by every layer) loses its fixed-address marks under CUDA graphs (torch 2.11),
+        # which then skip the whole step. Fixed addresses: graph inputs that never move, no copy per CUDA-graph replay.
+        self.params = params.with_tensors(lambda t: _fixed_address(t.clone()))
         kw = dict(dtype=self.dtype, device=dev)
         s0 = self.config.sink
-        self.win = _static(torch.zeros(2, b, hk, s0 + self.ring, d, **kw))
-        self.pad = _static(torch.zeros(b, dtype=torch.long, device=dev))
+        self.win = _fixed_address(torch.zeros(2, b, hk, s0 + self.ring, d, **kw))
+        self.pad = _fixed_address(torch.zeros(b, dtype=torch.long, device=dev))
         self.length = self.step.join(self)
         self.codes = self.meta = None
         self.coded_x = self.coded_meta = None
         self.heads_index = None
         if self.fp_heads:
             prm = self.params
-            self.heads_index = _static(join_heads_index(prm.hist_of, prm.coded_of, prm.int2_idx, prm.coded_idx))
+            self.heads_index = _fixed_address(join_heads_index(prm.hist_of, prm.coded_of, prm.int2_idx, prm.coded_idx))
         self.capacity = 0
         self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2]), 0, self.expected_len))
         self.is_initialized = True
@@ -215,7 +215,7 @@ class StaticOscarLayer(StaticEager, QuantizedLayerBase):
             if old is not None:
                 k = min(old.shape[dim], new.shape[dim])
                 new.narrow(dim, 0, k).copy_(old.narrow(dim, 0, k))
-            return _static(new)
+            return _fixed_address(new)
 
         # codes [2 (K, V), B, Hq, N, D/4]; meta [2 (K, V), 2 (scale, zero), B, Hq, N, D/G]
         self.codes = grow(self.codes, 2, b, hq, n, d // 4, dtype=torch.uint8, dim=3)
@@ -261,7 +261,7 @@ class StaticOscarLayer(StaticEager, QuantizedLayerBase):
                 self.announced = False
             else:
                 self.advance(key_states.shape[2])
-        handle = StaticOscarKV(self, key_states, value_states)
+        handle = CompiledOscarKV(self, key_states, value_states)
         return handle, handle
 
     def get_seq_length(self):
@@ -334,7 +334,7 @@ class StaticOscarLayer(StaticEager, QuantizedLayerBase):
                 sinks, float(softcap or 0.0), *self.step_storage, *(self.step_heads if self.fp_heads else NO_HEADS),
                 *self.step.config)
         # through the opaque op while torch.compile traces, straight in eager code; under mode="reduce-overhead" the
-        # mutated tensors are static inputs (_static) so that the step is recorded as a CUDA graph
+        # mutated tensors have fixed addresses (_fixed_address) so that the step is recorded as a CUDA graph
         out = decode_step_(*args) if _compiling() else decode_step(*args)
         if self.advances_length:  # the last layer of its device: once for all of them
             t.add_(1)

@@ -1,8 +1,8 @@
-"""The compiled layer's eager side (:class:`StaticEager`, a base of :class:`~oscar_hf.cache.static.StaticOscarLayer`):
+"""The compiled layer's eager side (:class:`CompiledEager`, a base of :class:`~oscar_hf.cache.compiled.CompiledOscarLayer`):
 its multi-token forwards (prefill, next turn, assisted decoding's verification) and their bulk writes, ``generate``'s
 cache operations (crop, beam reorder, batch select), save / load in the eager layer's format, and its memory. Never
 compiled: the compiled step wrapper runs multi-token forwards through the plain model. Layout: the module docstring of
-:mod:`oscar_hf.cache.static`."""
+:mod:`oscar_hf.cache.compiled`."""
 from __future__ import annotations
 
 import torch
@@ -21,7 +21,7 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _static(t: torch.Tensor) -> torch.Tensor:
+def _fixed_address(t: torch.Tensor) -> torch.Tensor:
     """Tag a buffer as having a fixed address (CUDA graphs re-use it instead of copying it). Capacity dimensions are
     not marked dynamic: the first compile of the step sees fixed sizes (symbolic sizes made it ~1.4x slower to trace
     and compile); a capacity growth then recompiles once, and torch's automatic dynamic shapes make the capacity
@@ -31,7 +31,7 @@ def _static(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-class StaticEager:
+class CompiledEager:
     """The eager operations of a compiled layer (see the module docstring)."""
 
     def _multi_token(self, query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs):
@@ -98,7 +98,7 @@ class StaticEager:
         t_new = t_old + new_k.shape[2]
         b = t_new - w
         if b > max(t_old - w, s0) and t_old == 0 and self.config.key_offset == "prefill" and self.mu_k_seq is None:
-            self.mu_k_seq = _static(self.sequence_key_mean(new_k[:, :, :b]))
+            self.mu_k_seq = _fixed_address(self.sequence_key_mean(new_k[:, :, :b]))
         commit(self.win_k, self.win_v, self.pad, self._history(), self.params, self.config, t_old, new_k, new_v,
                self.mu_k_seq)
         self.length.fill_(t_new)
@@ -151,7 +151,7 @@ class StaticEager:
             out = fn(t.movedim(dim, 0)).movedim(0, dim)
             if in_place:
                 return t.copy_(out)
-            return _static(out.contiguous())
+            return _fixed_address(out.contiguous())
 
         for name, dim in (("win", 1), ("codes", 1), ("meta", 2), ("coded_x", 1), ("coded_meta", 2), ("pad", 0),
                           ("mu_k_seq", 0)):
@@ -236,7 +236,7 @@ class StaticEager:
                 for dst, src in zip(store, saved):
                     dst[:, :, :n] = src[:, :, s0 : s0 + n]
         if state.get("mu_k_seq") is not None:
-            self.mu_k_seq = _static(state["mu_k_seq"].float().contiguous())
+            self.mu_k_seq = _fixed_address(state["mu_k_seq"].float().contiguous())
         if ts > s0:  # the ring also holds the slot before the window (a decode step re-demotes it): from its codes
             self._refill_ring(ts - 1, ts)
         self.length.fill_(t)

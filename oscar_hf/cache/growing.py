@@ -1,18 +1,18 @@
 """`GrowingLayer`: a full-precision layer of the compiled storage (layers kept precise beside the OSCAR layers:
 ``skip_layers``, MLA latents, KV sharing's store layers), in fixed-address buffers that grow in the OSCAR layers'
-capacity buckets (:func:`~oscar_hf.cache.static.capacity_for`)."""
+capacity buckets (:func:`~oscar_hf.cache.compiled.capacity_for`)."""
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from .static import _compiling, _static, capacity_for
+from .compiled import _compiling, _fixed_address, capacity_for
 
 
 class GrowingLayer(CacheLayerMixin):
     """The compiled storage's ``DynamicLayer``: a full-precision layer whose ``update`` returns tensors (Transformers'
-    own kind: MLA latents, KV sharing's store layers) in fixed-address buffers that grow in :class:`StaticOscarLayer`'s
-    capacity buckets (:func:`~oscar_hf.cache.static.capacity_for`; the compiled step's wrapper grows both before a step
+    own kind: MLA latents, KV sharing's store layers) in fixed-address buffers that grow in :class:`CompiledOscarLayer`'s
+    capacity buckets (:func:`~oscar_hf.cache.compiled.capacity_for`; the compiled step's wrapper grows both before a step
     that would not fit), so that such a model compiles without a ``max_cache_len``. ``keys [B, H, C, Dk]``,
     ``values [B, H, C, Dv]`` (an MLA latent ``[B, 1, C, kv_lora_rank]`` and its rope part ``[B, 1, C,
     qk_rope_head_dim]``), slot = absolute position. A decode step's ``update`` returns all ``C`` slots and the mask
@@ -34,7 +34,7 @@ class GrowingLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.length = _static(torch.zeros((), dtype=torch.long, device=self.device))
+        self.length = _fixed_address(torch.zeros((), dtype=torch.long, device=self.device))
         self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
         self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2]), 0, self.expected_len))
         self.is_initialized = True
@@ -43,7 +43,7 @@ class GrowingLayer(CacheLayerMixin):
         def grow(old):  # [B, H, C_old, D] -> [B, H, capacity, D], content kept
             new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
             new[:, :, : old.shape[2]] = old[:, :, :capacity]
-            return _static(new)
+            return _fixed_address(new)
 
         self.keys, self.values = grow(self.keys), grow(self.values)
         self.capacity = capacity
@@ -124,7 +124,7 @@ class GrowingLayer(CacheLayerMixin):
         if self.fixed_capacity:
             raise NotImplementedError("StaticOscarCache has a fixed batch size")
         if self.is_initialized:
-            self.keys, self.values = (_static(fn(t).contiguous()) for t in (self.keys, self.values))
+            self.keys, self.values = (_fixed_address(fn(t).contiguous()) for t in (self.keys, self.values))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._rebatch(lambda t: t.repeat_interleave(repeats, dim=0))

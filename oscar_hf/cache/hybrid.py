@@ -7,8 +7,8 @@ from transformers.cache_utils import LinearAttentionLayer
 
 from ..config import OscarConfig
 from ..rotations import LayerRotation
+from .compiled import CompiledOscarLayer
 from .dynamic import OscarLayer
-from .static import StaticOscarLayer
 
 
 class _HybridState(LinearAttentionLayer):
@@ -64,8 +64,8 @@ class OscarHybridLayer(_HybridState, OscarLayer):
     is_compileable = False
 
 
-class StaticOscarHybridLayer(_HybridState, StaticOscarLayer):
-    """:class:`StaticOscarLayer` + Transformers' ``LinearAttentionLayer`` state (compiled storage; compileable while the
+class CompiledOscarHybridLayer(_HybridState, CompiledOscarLayer):
+    """:class:`CompiledOscarLayer` + Transformers' ``LinearAttentionLayer`` state (compiled storage; compileable while the
     state records no past, as ``LinearAttentionLayer``)."""
 
-    _attention = StaticOscarLayer
+    _attention = CompiledOscarLayer

@@ -42,8 +42,8 @@ from .io_checks import (  # noqa: F401  (weights_digest, position_limit: part of
     position_limit,
     weights_digest,
 )
+from .compiled import CompiledOscarLayer, capacity_for
 from .dynamic import CROP_RESERVE, TAIL_SLACK, OscarLayer
-from .static import StaticOscarLayer, capacity_for
 
 FORMAT = "oscar_hf.cache"
 VERSION = 1
@@ -56,7 +56,7 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
     path = Path(directory)
     tensors, layers = {}, []
     for i, layer in enumerate(cache.layers):
-        if isinstance(layer, (OscarLayer, StaticOscarLayer)):
+        if isinstance(layer, (OscarLayer, CompiledOscarLayer)):
             if getattr(layer, "pending", None) is not None:
                 raise RuntimeError("cannot save an OscarCache in the middle of a forward pass")
             if not layer.is_initialized or (isinstance(layer, OscarLayer) and layer.pad is None):
@@ -100,7 +100,7 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
 def layer_state(layer) -> dict:
     """An OSCAR layer's saved form: positions and the used part of each buffer (the eager layer's layout; the
     device-resident layer exports the same)."""
-    if isinstance(layer, StaticOscarLayer):
+    if isinstance(layer, CompiledOscarLayer):
         return layer.export_state()
     # the rollback reserve [buf_slot0, tail_start) is not saved: a loaded cache starts without one
     a, b = layer.tail_start - layer.buf_slot0, layer.seq_len - layer.buf_slot0
@@ -160,10 +160,11 @@ def _fixed_capacity(doc: dict, tensors: dict, max_cache_len: int | None, limit: 
     return int(max_cache_len)
 
 
-def _fill_static_window(layer: StaticSlidingWindowLayer, keys: torch.Tensor, values: torch.Tensor, cumulative: int):
+def _fill_fixed_window(layer: StaticSlidingWindowLayer, keys: torch.Tensor, values: torch.Tensor, cumulative: int):
     """Load a saved sliding window (``DynamicSlidingWindowLayer``'s: the last ``min(cumulative, window - 1)`` tokens,
-    all a next forward reads) into Transformers' static one: its ``window`` slots in order, the oldest dropped by the
-    next write once ``cumulative`` reaches the window, so the saved tokens go to the last ``window - 1``."""
+    all a next forward reads) into Transformers' fixed-capacity one (``StaticSlidingWindowLayer``): its ``window``
+    slots in order, the oldest dropped by the next write once ``cumulative`` reaches the window, so the saved tokens
+    go to the last ``window - 1``."""
     window = layer.max_cache_len
     layer.lazy_initialization(keys, values)
     if cumulative >= window:
@@ -180,7 +181,7 @@ def _fill_static_window(layer: StaticSlidingWindowLayer, keys: torch.Tensor, val
 
 
 def _sink_from_tail(sink: torch.Tensor, tail: torch.Tensor, pad: torch.Tensor, tail_start: int) -> torch.Tensor:
-    """The sink as :class:`StaticOscarLayer` holds it: row ``b``'s first ``S0`` real tokens from the start. The eager
+    """The sink as :class:`CompiledOscarLayer` holds it: row ``b``'s first ``S0`` real tokens from the start. The eager
     layer fills a sink entry only when the tail moves past its slot; those still in the tail (slots ``>= tail_start``,
     the tail starting there) are copied from it."""
     b, hk, s0, d = sink.shape
@@ -241,7 +242,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
         if entry.get("empty"):
             continue
         if entry["kind"] == "oscar":
-            if not isinstance(layer, (OscarLayer, StaticOscarLayer)):
+            if not isinstance(layer, (OscarLayer, CompiledOscarLayer)):
                 raise ValueError(f"layer {i}: saved as quantized, but this cache does not quantize it")
             b, hk, d = entry["batch_size"], entry["num_kv_heads"], entry["head_dim"]
             dtype = _DTYPES[entry["dtype"]]
@@ -272,7 +273,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
             elif p + "mu_k_seq" in tensors:
                 raise ValueError(f"layer {i}: the saved history is centered on per-sequence key means "
                                  "(key_offset='prefill'), this cache's config says key_offset='calibrated'")
-            if isinstance(layer, StaticOscarLayer):
+            if isinstance(layer, CompiledOscarLayer):
                 tail = [x[:, :, ts - bs0 :] for x in tail]  # (saves write buf_slot0 = tail_start)
                 sink = [_sink_from_tail(x, t, pad, ts) for x, t in zip(sink, tail)]
                 layer.import_state(dict(
@@ -303,7 +304,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
             if keys is None or values is None or keys.dim() != 4 or keys.shape[:3] != values.shape[:3]:
                 raise ValueError(f"layer {i}: missing or malformed full-precision keys/values")
             if isinstance(layer, StaticSlidingWindowLayer):
-                _fill_static_window(layer, keys.to(device), values.to(device), int(entry["cumulative_length"]))
+                _fill_fixed_window(layer, keys.to(device), values.to(device), int(entry["cumulative_length"]))
                 continue
             layer.update(keys.to(device), values.to(device))
             if entry["kind"] == "sliding":

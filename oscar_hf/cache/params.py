@@ -68,7 +68,7 @@ class LayerParams:
 
     def with_tensors(self, fn) -> "LayerParams":
         """The same parameters with ``fn`` applied to each tensor (the compiled storage gives each layer its own
-        static copies)."""
+        fixed-address copies)."""
         return dataclasses.replace(self, **{f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), torch.Tensor)})
 

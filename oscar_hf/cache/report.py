@@ -8,9 +8,9 @@ import logging
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from ..config import DUMMY_LAYER_TYPE, FULL_PRECISION_WHY, SLIDING_LAYER_TYPES, STATE_LAYER_TYPES
+from .compiled import CompiledOscarLayer
 from .dynamic import OscarLayer
 from .growing import GrowingLayer
-from .static import StaticOscarLayer
 
 logger = logging.getLogger("oscar_hf")
 _SAID: set[tuple[str, str]] = set()  # (architecture, layer kind) whose full-precision reason was logged
@@ -25,7 +25,7 @@ def layer_kinds(cache) -> list[str]:
     out = []
     for i, t in enumerate(cache.fingerprint.layer_types):
         layer = cache.layers[i] if i < len(cache.layers) else None
-        if isinstance(layer, (OscarLayer, StaticOscarLayer)):
+        if isinstance(layer, (OscarLayer, CompiledOscarLayer)):
             out.append("oscar+state" if isinstance(layer, LinearAttentionCacheLayerMixin) else "oscar")
         elif t in named:
             out.append(named[t])
@@ -75,7 +75,7 @@ def memory_report(cache) -> dict[str, float]:
                allocated=0, full_precision_layers=0)
     elements = 0
     for layer in cache.layers:
-        if hasattr(layer, "memory"):  # OscarLayer and the compiled StaticOscarLayer
+        if hasattr(layer, "memory"):  # OscarLayer and the compiled CompiledOscarLayer
             m = layer.memory()
             for k in ("sink", "recent", "history_codes", "history_meta", "history_elements", "allocated"):
                 tot[k] += m[k]

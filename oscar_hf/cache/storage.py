@@ -1,5 +1,5 @@
 """Which storage an :class:`~oscar_hf.OscarCache` gets: device-resident buffers that ``generate`` compiles the decode
-step over (:class:`~oscar_hf.cache.static.StaticOscarLayer`), or the eager reference
+step over (:class:`~oscar_hf.cache.compiled.CompiledOscarLayer`), or the eager reference
 (:class:`~oscar_hf.cache.dynamic.OscarLayer`); decided once per cache from the model and its :class:`LayerChoice`."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The sink + ring window of the device-side storages and the writes that move its slots into the history: one
-layout and one write path for the compiled layer (:class:`~oscar_hf.cache.static.StaticOscarLayer`) and the
+layout and one write path for the compiled layer (:class:`~oscar_hf.cache.compiled.CompiledOscarLayer`) and the
 serving store (:class:`~oscar_hf.serving.store.OscarPagedStore`), which differ only in what they pass in.
 
 A window (``S0 = sink``, ``W = recent``, ``R`` ring entries, ``R >= W + 1``) is ``[B', Hk, S0 + R, D]`` in the model

@@ -27,7 +27,7 @@ of their own.
 
 With ``trash_page=True`` the tensors hold one more page, :attr:`PagedInt2Pool.trash_page` (index ``num_pages``), that
 is never handed out: the batched decode write sends the entries of rows that demote nothing this step (and of the
-padded rows of a CUDA-graphed step) there, so that every step writes one entry per row with static shapes and never
+padded rows of a CUDA-graphed step) there, so that every step writes one entry per row with fixed shapes and never
 touches a real request's pages.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ window (a slot of one :class:`WindowPool`), and its INT2 history in pages of one
 
 Per request and quantized layer, with ``S0 = sink``, ``W = recent``, ``R = W + 1``, ``T`` tokens seen (no padding:
 every request is its own sequence), the layout of :mod:`oscar_hf.cache.window` (the compiled
-:class:`~oscar_hf.cache.static.StaticOscarLayer`'s with one row and no crop reserve in the ring), whose writes it
+:class:`~oscar_hf.cache.compiled.CompiledOscarLayer`'s with one row and no crop reserve in the ring), whose writes it
 shares (a request's window slot as the window, :class:`~oscar_hf.cache.window.PagedHistory` as the history):
 
 * window slot ``[S0 + R, D]`` per KV head (model dtype): entries ``[0, S0)`` the sink (slots ``[0, S0)``), entries

@@ -8,7 +8,7 @@ from oscar_hf import OscarCache, StaticOscarCache
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
 from oscar_hf.cache.io import STATE_NAME, TENSORS_NAME, position_limit, weights_digest
-from oscar_hf.cache.static import capacity_for
+from oscar_hf.cache.compiled import capacity_for
 
 KW = dict(method="hadamard", sink=4, recent=8, group_size=32)
 

@@ -9,8 +9,8 @@ from torch._dynamo.utils import counters
 
 from oscar_hf import OscarCache
 from oscar_hf.cache import heads as heads_mod
-from oscar_hf.cache import GrowingLayer, OscarLayer, StaticOscarLayer
-from oscar_hf.cache import static as static_mod
+from oscar_hf.cache import CompiledOscarLayer, GrowingLayer, OscarLayer
+from oscar_hf.cache import compiled as compiled_mod
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
 
@@ -23,9 +23,9 @@ SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes af
 def small_buckets(monkeypatch):
     """Capacity buckets of 16 slots, so that a few decode steps cross several of them (and no reservation of
     generate's length, which would make them fit from the start: test_generate_reserves_its_length_up_front)."""
-    monkeypatch.setattr(static_mod, "BUCKET", 16)
-    monkeypatch.setattr(static_mod, "HEADROOM", 0.0)
-    monkeypatch.setattr(static_mod, "RESERVE_FACTOR", 1)
+    monkeypatch.setattr(compiled_mod, "BUCKET", 16)
+    monkeypatch.setattr(compiled_mod, "HEADROOM", 0.0)
+    monkeypatch.setattr(compiled_mod, "RESERVE_FACTOR", 1)
 
 
 def _gen(m, ids, am, cache, n=16, **kw):
@@ -47,7 +47,7 @@ def _compiled_matches_eager(m, ids, am, cache, n):
 
 
 def _oscar_layers(cache):
-    return [x for x in cache.layers if isinstance(x, StaticOscarLayer)]
+    return [x for x in cache.layers if isinstance(x, CompiledOscarLayer)]
 
 
 def test_auto_is_eager_on_cpu_and_compile_true_gives_device_storage():
@@ -69,7 +69,7 @@ def test_compiled_generate_with_layers_kept_in_full_precision(keep):
     ids, am = random_left_padded([3, 20, 31])
     cache = OscarCache(m, compile=True, **keep, **SMALL)
     kept = 0 if "skip_layers" in keep else 1
-    assert isinstance(cache.layers[kept], GrowingLayer) and isinstance(cache.layers[1 - kept], StaticOscarLayer)
+    assert isinstance(cache.layers[kept], GrowingLayer) and isinstance(cache.layers[1 - kept], CompiledOscarLayer)
     ref = _gen(m, ids, am, OscarCache(m, **keep, **SMALL), n=40)
     torch._dynamo.reset()
     counters.clear()
@@ -87,9 +87,9 @@ def test_generate_reserves_its_length_up_front(monkeypatch):
     """generate tells the growing layers its max_cache_length (prompt + max_new_tokens) before the prefill: the first
     allocation holds the whole answer, so the decode step compiles once and never grows; a far-off length reserves
     at most RESERVE_FACTOR x what the prompt alone gets."""
-    monkeypatch.setattr(static_mod, "RESERVE_FACTOR", 4)
-    assert static_mod.capacity_for(31, 0, 70) == 80 and static_mod.capacity_for(31, 0, 0) == 48
-    assert static_mod.capacity_for(31, 0, 10_000) == 4 * 48  # capped
+    monkeypatch.setattr(compiled_mod, "RESERVE_FACTOR", 4)
+    assert compiled_mod.capacity_for(31, 0, 70) == 80 and compiled_mod.capacity_for(31, 0, 0) == 48
+    assert compiled_mod.capacity_for(31, 0, 10_000) == 4 * 48  # capped
     m = tiny_model("llama")
     ids, am = random_left_padded([3, 20, 31])
     cache = OscarCache(m, compile=True, skip_layers=(1,), **SMALL)  # an OSCAR layer and a GrowingLayer
@@ -150,7 +150,7 @@ def test_decode_step_computes_the_window_positions_once(heads):
 def test_layers_share_one_length_per_device():
     """StepShared.join: the layers of one device get one length tensor, which the highest-index layer there advances
     (a model split over devices: each device's own), whatever order they join in."""
-    step = static_mod.StepShared()
+    step = compiled_mod.StepShared()
 
     class Layer:  # what join reads of a layer
         def __init__(self, i, device):
@@ -191,7 +191,7 @@ def test_compiled_generate_with_sliding_layers(model_type):
     ids, am = random_left_padded([9, 30])
     cache = OscarCache(m, compile=True, **SMALL)
     kinds = {type(x) for x in cache.layers}
-    assert StaticSlidingWindowLayer in kinds and (model_type == "mistral") == (StaticOscarLayer not in kinds)
+    assert StaticSlidingWindowLayer in kinds and (model_type == "mistral") == (CompiledOscarLayer not in kinds)
     counts = _compiled_matches_eager(m, ids, am, cache, n=30)
     assert not counts["graph_break"] and counts["stats"]["unique_graphs"] <= 3
     assert not OscarCache(m, compile="auto", **SMALL).compiled  # on the CPU: the eager storage (CUDA compiles it)
@@ -220,7 +220,7 @@ def test_crop_beyond_the_reserve_refills_from_history(monkeypatch, bits):
     offset added), the retrieval heads' coded rows (decoded)."""
     from oscar_hf.quant import QuantizedRows, dequantize_rows
 
-    monkeypatch.setattr(static_mod, "RING_RESERVE", 2)
+    monkeypatch.setattr(compiled_mod, "RING_RESERVE", 2)
     m = tiny_model("llama")
     torch.manual_seed(3)
     prompt, extra = torch.randint(1, 200, (1, 30)), torch.randint(1, 200, (1, 12))
@@ -307,7 +307,7 @@ def test_gpu_default_cache_compiles_with_cuda_graphs_and_matches_eager(monkeypat
     and gives the eager layer's tokens (kernels on both)."""
     from batch_utils import cuda_qwen3
 
-    monkeypatch.setattr(static_mod, "BUCKET", 256)
+    monkeypatch.setattr(compiled_mod, "BUCKET", 256)
     m = cuda_qwen3()
     ids, am = random_left_padded([700, 1500, 2000], seed=3)
     ids, am = ids.cuda(), am.cuda()

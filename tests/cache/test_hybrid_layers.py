@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
 from oscar_hf import OscarCache
-from oscar_hf.cache import GrowingLayer, OscarHybridLayer, OscarLayer, StaticOscarHybridLayer, StaticOscarLayer
+from oscar_hf.cache import CompiledOscarHybridLayer, CompiledOscarLayer, GrowingLayer, OscarHybridLayer, OscarLayer
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
 
@@ -20,7 +20,7 @@ from batch_utils import cpu_compile_config
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 HYBRIDS = ["qwen3_next", "jamba", "bamba", "granitemoehybrid", "lfm2", "falcon_h1", "zamba", "zamba2"]
 EAGER = {"full_attention": OscarLayer, "hybrid": OscarHybridLayer}  # by config.layer_types; else LinearAttentionLayer
-COMPILED = {"full_attention": StaticOscarLayer, "hybrid": StaticOscarHybridLayer}
+COMPILED = {"full_attention": CompiledOscarLayer, "hybrid": CompiledOscarHybridLayer}
 
 
 def _gen(m, ids, cache=None, n=8, **kw):
@@ -85,7 +85,7 @@ def test_a_hybrid_layer_counts_its_attention_tokens(compile_):
     update are counted, as an int, as the OSCAR layer counts them."""
     m = tiny_model("falcon_h1")
     cache = OscarCache(m, compile=compile_, **SMALL)
-    i = next(i for i, layer in enumerate(cache.layers) if isinstance(layer, (OscarHybridLayer, StaticOscarHybridLayer)))
+    i = next(i for i, layer in enumerate(cache.layers) if isinstance(layer, (OscarHybridLayer, CompiledOscarHybridLayer)))
     text = m.config.get_text_config(decoder=True)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     k = torch.randn(1, text.num_key_value_heads, 17, head_dim)

@@ -1,7 +1,7 @@
 """One contract for every storage of the OSCAR KV, run on each:
 
 * ``eager``: :class:`~oscar_hf.cache.dynamic.OscarLayer` (``OscarCache(compile=False)``), the reference layout;
-* ``compiled``: :class:`~oscar_hf.cache.static.StaticOscarLayer` (``OscarCache(compile=True)``), its decode step
+* ``compiled``: :class:`~oscar_hf.cache.compiled.CompiledOscarLayer` (``OscarCache(compile=True)``), its decode step
   through ``generate``'s compiled route (fullgraph; the CPU runs its torch reference), capacity buckets of 16 slots
   so that a generation grows the history (INT2 and coded rows) several times;
 * ``paged``: :class:`~oscar_hf.serving.store.OscarPagedStore` under ``model.generate_batch`` (continuous
@@ -20,7 +20,7 @@ import torch
 from transformers import CompileConfig, GenerationConfig
 
 from oscar_hf import OscarCache
-from oscar_hf.cache import static as static_mod
+from oscar_hf.cache import compiled as compiled_mod
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
 from oscar_hf.serving import continuous_batching_config, paged_oscar
@@ -51,8 +51,8 @@ def model():
 @pytest.fixture(autouse=True)
 def small_buckets(monkeypatch):
     """Capacity buckets of 16 slots: the compiled storage grows during a generation."""
-    monkeypatch.setattr(static_mod, "BUCKET", 16)
-    monkeypatch.setattr(static_mod, "HEADROOM", 0.0)
+    monkeypatch.setattr(compiled_mod, "BUCKET", 16)
+    monkeypatch.setattr(compiled_mod, "HEADROOM", 0.0)
 
 
 def prompts_of(lens, seed=0):

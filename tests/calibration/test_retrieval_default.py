@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, OscarConfig, OscarRotations, calibrate
-from oscar_hf.cache import OscarLayer, StaticOscarLayer, resolve_full_precision_heads
+from oscar_hf.cache import OscarLayer, CompiledOscarLayer, resolve_full_precision_heads
 from oscar_hf.calibration import calibration_report
 from oscar_hf.calibration.retrieval_heads import LENGTHS, PROBES
 from oscar_hf.compat import cache_kwargs
@@ -126,7 +126,7 @@ def test_a_whole_layer_of_coded_heads_keeps_its_storage(compile):
     caches = {c: OscarCache(m, **SMALL, full_precision_heads=whole, compile=c) for c in (False, True)}
     cache = caches[compile]
     layer = cache.layers[1]
-    assert isinstance(layer, StaticOscarLayer if compile else OscarLayer)
+    assert isinstance(layer, CompiledOscarLayer if compile else OscarLayer)
     kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0, output_scores=True,
               return_dict_in_generate=True)
     got = {c: m.generate(ids, **kw, **cache_kwargs(m, x)) for c, x in caches.items()}
@@ -225,7 +225,7 @@ def test_calibrate_scores_retrieval_heads_by_default(caplog):
 # ------------------------------------------------------------------ both storages, and the bit counts
 @pytest.mark.parametrize("compile", [False, True])
 def test_auto_heads_generate_on_both_storages(compile):
-    """Eager ``OscarLayer`` and device-resident ``StaticOscarLayer`` (``compile=True``, its torch reference on the
+    """Eager ``OscarLayer`` and device-resident ``CompiledOscarLayer`` (``compile=True``, its torch reference on the
     CPU) keep the auto heads, generate with them, and the heads change the outputs."""
     m = tiny_model("llama", initializer_range=0.2)
     rot = scored(m, [[0.1, 0.9], [0.5, 0.2]])
@@ -233,7 +233,7 @@ def test_auto_heads_generate_on_both_storages(compile):
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0, output_scores=True,
               return_dict_in_generate=True)
     cache = OscarCache(m, rot, compile=compile, **SMALL, max_history_bits=9.5)
-    layer_cls = StaticOscarLayer if compile else OscarLayer
+    layer_cls = CompiledOscarLayer if compile else OscarLayer
     assert [type(x) for x in cache.layers] == [layer_cls, layer_cls]
     assert [x.fp_heads for x in cache.layers] == [(1,), (0,)]
     got = m.generate(ids, **kw, **cache_kwargs(m, cache))
