@@ -201,7 +201,7 @@ def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 
     ``context``, as a prefill leaves them. Linear-attention layers (no K/V rows) are left as the cache made them:
     ``generate``'s first forward, the prompt's last token, runs their prefill path, which leaves the state a prefill
     leaves (its shapes and dtype); every decode step after it, the timed ones, reads and writes that state."""
-    from oscar_hf.cache import DummyLayer, OscarLayer, StaticOscarLayer
+    from oscar_hf.cache import DummyLayer, OscarLayer, CompiledOscarLayer
     from strong_bf16 import StrongBF16Cache
     from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
@@ -233,12 +233,12 @@ def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 
             else:  # (its device count serves only until full, and an overflowing prefill leaves it as it was)
                 layer.cumulative_length_int = context
             continue
-        step = chunk if isinstance(layer, (OscarLayer, StaticOscarLayer)) or hasattr(layer, "max_cache_len") else context
+        step = chunk if isinstance(layer, (OscarLayer, CompiledOscarLayer)) or hasattr(layer, "max_cache_len") else context
         for c0 in range(0, context, step):
             n = min(step, context - c0)
             k = torch.randn(batch, hk, n, d, device=device, dtype=model.dtype, generator=g)
             v = torch.randn(batch, hk, n, d, device=device, dtype=model.dtype, generator=g)
-            if isinstance(layer, StaticOscarLayer):
+            if isinstance(layer, CompiledOscarLayer):
                 if not layer.is_initialized:
                     layer.lazy_initialization(k, v)
                     layer.pad_known = True

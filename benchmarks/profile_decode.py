@@ -121,7 +121,7 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
             by_kernel[ev.key] += dev_us / 1000 / steps
             by_group[_group(ev.key)] += dev_us / 1000 / steps
     dev_ms = sum(by_group.values())
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:15]
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:30]
     if method.startswith("oscar"):
         from oscar_hf import disable_oscar
 

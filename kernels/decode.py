@@ -38,10 +38,11 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
     out_dtype = out_dtype or q.dtype
     split = params.heads if history.coded is not None else None
     qi, win, si = q, window, sinks
-    if split is not None:  # the INT2 heads' part of the query, the window (each row's) and the sinks
-        window = window.rows()
+    full = None  # with retrieval heads: [B, Hk, M, D], the launcher writes the INT2 heads' rows into it in place
+    if split is not None:  # the INT2 heads' part of the query and the sinks; their window, read in place
         qi, win = q.index_select(1, split.int2_idx), window.heads(split.int2_idx)
         si = None if sinks is None else sinks.index_select(0, split.int2_idx)
+        full = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     out = None
     if history.k.codes.shape[1]:  # the INT2 heads
         from . import decode_triton as dt
@@ -59,15 +60,16 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
                     out = torch.zeros(qf.shape, device=qf.device, dtype=out_dtype)
                 else:
                     out = dt.decode_attention_triton(params, qf, win, dataclasses.replace(history, pages=pages),
-                                                     scaling, out_dtype)
+                                                     scaling, out_dtype, out=full)
             elif pages.max_len is not None:
-                out = paged_decode_batched(params, qf, win, history, scaling, out_dtype)
+                out = paged_decode_batched(params, qf, win.gathered(), history, scaling, out_dtype)
             else:
-                out = paged_decode_reference(params, qf, win, history, scaling, out_dtype)
+                out = paged_decode_reference(params, qf, win.gathered(), history, scaling, out_dtype)
         elif (rotated is None and history.n_valid is None and kernels and not torch.compiler.is_compiling()
               and query_kernel_supported(qi)
               and dt.decode_supported(qi, k, params.group_size, history.key_mask, win.mask, w)):
-            out = dt.decode_attention_triton(params, qi, win, history, scaling, out_dtype, sinks=si, softcap=softcap)
+            out = dt.decode_attention_triton(params, qi, win, history, scaling, out_dtype, sinks=si, softcap=softcap,
+                                             out=full)
         else:
             if rotated is None:  # the kernels' rotation where the launcher reads a device-side length
                 rotate = rotate_query if history.n_valid is not None else rotate_query_reference
@@ -75,10 +77,10 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
             if kernels and dt.decode_supported(qi, k, params.group_size, history.key_mask, win.mask, w):
                 out = dt.decode_attention_triton(params, qi, win, history, scaling, out_dtype,
                                                  rotated=(rotated[0].float().contiguous(), rotated[1]), sinks=si,
-                                                 softcap=softcap)
+                                                 softcap=softcap, out=full)
             else:
-                out = decode_attention_reference(params, qi, win, history.cut(), scaling, out_dtype, rotated=rotated,
-                                                 softcap=softcap, sinks=si)
+                out = decode_attention_reference(params, qi, win.gathered(), history.cut(), scaling, out_dtype,
+                                                 rotated=rotated, softcap=softcap, sinks=si)
     if split is None:  # (no INT2 head: an empty output, the caller merges the retrieval heads it reads itself)
         return out if out is not None else torch.empty(qi.shape, dtype=out_dtype, device=qi.device)
     # the retrieval heads: their coded history read in place (through the block tables when paged), the exact window
@@ -87,7 +89,9 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
     hi = pages.lengths if pages is not None else history.n_valid
     if pages is None and hi.device.type == "cpu":  # (a CPU reference reads only the filled part)
         hi = int(hi)
-    coded = heads_decode_attention(q, split.coded_idx, history.coded, split.bits, (lo, hi), window, scaling, out_dtype,
-                                   pages=pages, softcap=softcap, use_kernels=use_kernels,
+    coded = heads_decode_attention(q, split.coded_idx, history.coded, split.bits, (lo, hi), window.rows(), scaling,
+                                   out_dtype, pages=pages, softcap=softcap, use_kernels=use_kernels,
                                    sinks=None if sinks is None else sinks.index_select(0, split.coded_idx))
+    if out is full:  # (the launcher wrote the INT2 heads' rows in place)
+        return full.index_copy_(1, split.coded_idx, coded.to(out_dtype))
     return merge_heads(out, coded.to(out_dtype), split.int2_idx, split.coded_idx, q.shape[1])

@@ -38,7 +38,7 @@ def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,
     PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
-    READY=None, RESET: tl.constexpr = 0, DP: tl.constexpr = 0,
+    READY=None, RESET: tl.constexpr = 0, DP: tl.constexpr = 0, OHEAD=None, HK_OUT=1, HAS_OHEAD: tl.constexpr = 0,
 ):
     """One program per (b, h, query row): log-sum-exp merge of the split partials.
 
@@ -67,13 +67,19 @@ def _combine_kernel(
     0 for the next call (this call's history grid, and with it the prologue's, is complete by then).
 
     ``DP``: ``D`` padded to a power of two where it is none (D = 96: 128; 0 = ``D``): the rows of partials and of
-    ``R_V`` are read ``DP`` wide, the padded channels masked to 0; ``C_BLOCK`` then divides ``D`` (whole chunks)."""
+    ``R_V`` are read ``DP`` wide, the padded channels masked to 0; ``C_BLOCK`` then divides ``D`` (whole chunks).
+
+    ``HAS_OHEAD`` (FINAL): head ``h``'s rows go to KV head ``OHEAD[h]`` of an output of ``HK_OUT`` heads (a layer with
+    retrieval heads: its INT2 heads' rows written in place, the retrieval heads' by their own read)."""
     row = tl.program_id(0) // PARTS  # = bh * M + mm
     c_lo = (tl.program_id(0) % PARTS) * (D // PARTS)  # this program's first output channel
     bh = row // M
     mm = row % M
     h = bh % Hk
     DPAD: tl.constexpr = D if DP == 0 else DP
+    orow = row  # the output row
+    if HAS_OHEAD:
+        orow = ((bh // Hk) * HK_OUT + tl.load(OHEAD + h)) * M + mm
     offs_s = tl.arange(0, S_BLOCK)
     offs_d = tl.arange(0, DPAD)
     base = bh.to(tl.int64) * S_TOT * M + mm  # partial (bh, s, mm) lives at base + s * M
@@ -136,7 +142,7 @@ def _combine_kernel(
                 o += lh * tl.load(MUV + h * D + offs_c)
             # this chunk of the window's row (a masked sum over the chunk axis: no slicing of register tensors)
             o += ww * tl.sum(tl.where(tl.arange(0, DPAD // C_BLOCK)[:, None] == c_lo // C_BLOCK + ci, o_w, 0.0), 0)
-            tl.store(OACC + row.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
+            tl.store(OACC + orow.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
     elif FINAL:
         # window splits (value space): their max and sum in one online pass; their acc rows per output chunk below
         m_w = tl.max(tl.full((S_BLOCK,), float("-inf"), tl.float32), 0)
@@ -170,7 +176,7 @@ def _combine_kernel(
                 w = tl.exp2(tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf")) - m_safe)
                 a = tl.load(PACC + (base + (s0 + offs_s)[:, None] * M) * D + offs_c[None, :], mask=sm[:, None], other=0.0)
                 o += tl.sum(w[:, None] * a, 0)
-            tl.store(OACC + row.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
+            tl.store(OACC + orow.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
     else:
         tl.store(OM + row, m_h * _LN2)
         tl.store(OL + row, l_h)

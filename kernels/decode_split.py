@@ -37,7 +37,7 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from .decode_split_ops import (DF_LIM, _block_rows, _df_meta, _df_v_plane, _int2_plane, _meta_tiles, _op, _op16,
                                _rd_logits, _soft_cap, _softmax_step, _token_block, _u_plane, _v_code_operand,
-                               _window_row, _window_split)
+                               _window_head, _window_row, _window_split)
 from .plan import settle_cache_keys
 from .query_triton import _cols_mask, _rotate_block, _rotate_plane_q8
 
@@ -63,7 +63,8 @@ def _split_kernel(
     HAS_WIN: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, DEFERRED: tl.constexpr,
     N_DEV: tl.constexpr, PAIR: tl.constexpr = 0, ASM: tl.constexpr = 0, WIN_STAGES: tl.constexpr = 1,
     WIN_ONLY: tl.constexpr = 0,
-    BT=None, HLEN=None, WSLOT=None, sbt=None, PAGED: tl.constexpr = 0, PAGE: tl.constexpr = 1,
+    BT=None, HLEN=None, WSLOT=None, sbt=None, PAGED: tl.constexpr = 0, PAGE: tl.constexpr = 1, WHEAD=None,
+    HAS_WHEAD: tl.constexpr = 0,
     DP: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """``DEFERRED``: the deferred inner loop (else dequant); ``PAIR``: both groups' bf16 scale (zero) of a token as
@@ -80,7 +81,8 @@ def _split_kernel(
     row ``b``'s entry ``n`` is at page ``BT[b, n // PAGE]`` (``BT [B, max_pages]``, row stride ``sbt``), offset
     ``n % PAGE`` (:func:`_block_rows`); row ``b`` has ``HLEN[b]`` entries (``N``: the longest row's, which sizes the
     grid: splits past a row's length run no block and write the empty partial ``m = -inf, l = 0, acc = 0``); its
-    window is ``KW[WSLOT[b]]`` / ``VW[WSLOT[b]]`` (the window mask stays per row)."""
+    window is ``KW[WSLOT[b]]`` / ``VW[WSLOT[b]]`` (the window mask stays per row). ``HAS_WHEAD``: the launch's heads
+    are a layer's INT2 heads, whose window is the layer's ``[.., Hk, W, D]`` read in place at KV heads ``WHEAD``."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     DPAD: tl.constexpr = D if DP == 0 else DP
@@ -98,7 +100,8 @@ def _split_kernel(
     part = (pid_bh.to(tl.int64) * S_TOT + pid_s) * M  # first partial row of this program
 
     if WIN_ONLY:  # the window programs of the Gluon path: this launch compiles without the history branch
-        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h, part,
+        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h,
+                      _window_head(h, WHEAD, HAS_WHEAD), part,
                       (pid_s - S) * win_split, W, win_split, qk_scale,
                       sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                       M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
@@ -292,7 +295,8 @@ def _split_kernel(
             tl.store(PL + part + offs_m, l_i, mask=mrow)
         else:
             if HAS_WIN:
-                _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h, part,
+                _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h,
+                      _window_head(h, WHEAD, HAS_WHEAD), part,
                               (pid_s - S) * win_split, W, win_split, qk_scale,
                               sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                               M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
@@ -306,7 +310,8 @@ def _prologue_kernel(
     D: tl.constexpr, M_PAD: tl.constexpr, M_PAD_ROT: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr,
     HAS_WMASK: tl.constexpr, LOWP: tl.constexpr, WIN_STAGES: tl.constexpr, PDL: tl.constexpr = 0,
     QP8=None, QPF=None, QPRE: tl.constexpr = 0, TB: tl.constexpr = 2, READY=None, QFLAG: tl.constexpr = 0,
-    DP: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, WSLOT=None, PAGED: tl.constexpr = 0,
+    DP: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, WSLOT=None, PAGED: tl.constexpr = 0, WHEAD=None,
+    HAS_WHEAD: tl.constexpr = 0,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
     what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
@@ -317,7 +322,8 @@ def _prologue_kernel(
     ``QFLAG`` (with ``QPRE``): each rotation program adds 1 to ``READY[b * Hk + h]`` (release, GPU scope) once its
     plane's operands are stored; the history programs of that (row, head) wait for 4 there, not for this grid's
     completion (the combine sets it back to 0). ``DP``, ``SOFTCAP``: as for :func:`_split_kernel` (the window
-    programs'); ``PAGED``: row ``b``'s window is slot ``WSLOT[b]`` of the window pool ``KW`` / ``VW``."""
+    programs'); ``PAGED``: row ``b``'s window is slot ``WSLOT[b]`` of the window pool ``KW`` / ``VW``; ``WHEAD``: as
+    for :func:`_split_kernel`."""
     DPAD: tl.constexpr = D if DP == 0 else DP
     pid_bh = tl.program_id(0)
     j = tl.program_id(1)
@@ -338,7 +344,8 @@ def _prologue_kernel(
         b = pid_bh // Hk
         h = pid_bh % Hk
         part = (pid_bh.to(tl.int64) * S_TOT + S + (j - NROT)) * M
-        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h, part, (j - NROT) * win_split,
+        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h,
+                      _window_head(h, WHEAD, HAS_WHEAD), part, (j - NROT) * win_split,
                       W, win_split, qk_scale, sqb, sqh, sqm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                       M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
 

@@ -312,13 +312,14 @@ def _softmax_step(s, valid, m_i, l_i):
 
 
 @triton.jit
-def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, part, w0, W, win_split, qk_scale,
+def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, hw, part, w0, W, win_split, qk_scale,
                   sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                   M, D: tl.constexpr, M_PAD: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr,
                   WIN_STAGES: tl.constexpr, DP: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     """One window program of :func:`_split_kernel`: full-precision (unrotated) window tokens ``[w0, w0 + win_split)``
     of one (row, KV head), online softmax over ``BLOCK_W``-token steps, partial ``(m, l, acc)`` at ``part``. ``bw``:
-    the index of the row's window in ``KW`` / ``VW`` (``b``, or its slot in a window pool). ``DP``: ``D`` padded to a
+    the index of the row's window in ``KW`` / ``VW`` (``b``, or its slot in a window pool), ``hw`` the KV head of
+    head ``h`` there (:func:`_window_head`). ``DP``: ``D`` padded to a
     power of two (the padded channels load as 0, are not stored); ``SOFTCAP`` > 0: the logits soft-capped
     (:func:`_soft_cap`)."""
     BLOCK_W: tl.constexpr = 32  # window tokens per step
@@ -342,9 +343,9 @@ def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, part, w0, W, win_sp
             wm = tl.load(WMASK + b.to(tl.int64) * swb + h * swh + offs_n * swn, mask=valid, other=0)
             valid = valid & (wm != 0)
         # keys and values loaded together: one round of memory latency per step, not two
-        kw = tl.load(KW + bw.to(tl.int64) * skwb + h * skwh + offs_n[:, None] * skwn + offs_d[None, :],
+        kw = tl.load(KW + bw.to(tl.int64) * skwb + hw * skwh + offs_n[:, None] * skwn + offs_d[None, :],
                      mask=_cols_mask(valid, offs_d, D, DP), other=0.0)
-        vw = tl.load(VW + bw.to(tl.int64) * svwb + h * svwh + offs_n[:, None] * svwn + offs_d[None, :],
+        vw = tl.load(VW + bw.to(tl.int64) * svwb + hw * svwh + offs_n[:, None] * svwn + offs_d[None, :],
                      mask=_cols_mask(valid, offs_d, D, DP), other=0.0)
         s = tl.dot(qw, tl.trans(_op(kw, LOWP)))
         if SOFTCAP > 0:
@@ -363,6 +364,16 @@ def _window_row(b, WSLOT, PAGED: tl.constexpr):
         return tl.load(WSLOT + b)
     else:
         return b
+
+
+@triton.jit
+def _window_head(h, WHEAD, HAS_WHEAD: tl.constexpr):
+    """The KV head of the window that head ``h`` of the launch reads: ``h``, or (``HAS_WHEAD``: the INT2 heads of a
+    layer with retrieval heads, which read the layer's whole window in place) ``WHEAD[h]``."""
+    if HAS_WHEAD:
+        return tl.load(WHEAD + h)
+    else:
+        return h
 
 
 settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

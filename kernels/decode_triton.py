@@ -172,7 +172,7 @@ def _gluon_module():
 
 
 def decode_attention_triton(params, q, window, history, scaling, out_dtype=None, *, rotated=None, softcap=None,
-                            sinks=None, defaults=DEFAULTS):
+                            sinks=None, defaults=DEFAULTS, out=None):
     """The decode attention of one layer over INT2 history + full-precision window, for the shapes
     :func:`decode_supported` accepts: two launches (three with the query's rotation or the Gluon history). The run
     half of the read: the KV as :mod:`~oscar_hf.kernels.kv`'s bundles, every launch decision from
@@ -203,6 +203,9 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
         softcap: None or Gemma 2's logit soft-capping ``softcap * tanh(logit / softcap)`` (natural units), applied to
             every history and window logit by the split kernel (which then serves the history, not the Gluon kernel).
         out_dtype: dtype of the result (default: ``q``'s).
+        out: None, or ``[B, Hk_layer, M, D]`` (``out_dtype``) with ``window.kv_heads`` given (a layer's INT2 heads
+            reading its window in place): the rows of head ``h`` are written to KV head ``kv_heads[h]`` of ``out``,
+            which is returned (the retrieval heads' rows are the caller's).
     Returns ``[B, Hk, M, D]``: softmax attention over history and window, in the value space (rows without any valid
     key are 0); without ``r_v`` the partials ``(m, l, acc)``, ``[B, Hk, M]`` twice and ``[B, Hk, M, D]``, float32.
     """
@@ -211,7 +214,13 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     n_valid, splits, paged = history.n_valid, history.splits, history.pages
     group_size, r_k, mu_k, r_v, mu_v = params.group_size, params.r_k, params.mu_k, params.r_v, params.mu_v
     (q_rot, qk_offset), q_win = (None, None) if rotated is None else rotated, q
-    k_win, v_win, win_mask, win_slot = (None,) * 4 if window is None else (window.k, window.v, window.mask, window.slot)
+    k_win, v_win, win_mask, win_slot, win_heads = ((None,) * 5 if window is None else
+                                                   (window.k, window.v, window.mask, window.slot, window.kv_heads))
+    if out is not None and (win_heads is None or out.shape[0] != q.shape[0] or out.shape[2:] != q.shape[2:]):
+        raise ValueError(f"an output buffer {tuple(out.shape)} needs the window's kv_heads and [B, Hk, M, D] = "
+                         f"{tuple(q.shape)} but for its heads")
+    # the INT2 heads of a layer with retrieval heads read the layer's window (and write its output) in place
+    wh = {} if win_heads is None else dict(WHEAD=win_heads, HAS_WHEAD=1)
     if paged is not None:  # (the pool's window: each row's mask [B, 1, 1, W] and slot [B])
         b0 = q.shape[0]
         win_mask = window.mask_2d().view(b0, 1, 1, k_win.shape[-2])
@@ -298,7 +307,7 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
                 HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda), WIN_STAGES=defaults.gluon_win_stages,
                 PDL=int(p.pdl), QP8=qp8, QPF=qpf, QPRE=int(p.qpre), TB=p.tb,
                 READY=ready, QFLAG=int(ready is not None), DP=dp, SOFTCAP=cap, num_warps=defaults.num_warps,
-                **({} if paged is None else dict(WSLOT=paged.win_slot, PAGED=1)),
+                **({} if paged is None else dict(WSLOT=paged.win_slot, PAGED=1)), **wh,
             )
         else:
             launch_rotation(q_win, r_k, mu_k, q_rot, qk_offset)
@@ -327,18 +336,20 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
             ASM=int(q_rot.is_cuda),  # inline PTX: not under the interpreter
             num_warps=p.split_warps, num_stages=p.split_stages,
             WIN_STAGES=p.win_stages, WIN_ONLY=int(p.pid_off > 0), DP=dp, SOFTCAP=cap,
-            **({"maxnreg": p.maxnreg} if p.maxnreg else {}), **pk,
+            **({"maxnreg": p.maxnreg} if p.maxnreg else {}), **pk, **wh,
         )
     cs = p.combine
     if window:
         out_dtype = out_dtype or (q_win.dtype if q_win is not None else torch.float32)
-        out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
+        oh = {} if out is None else dict(OHEAD=win_heads, HK_OUT=out.shape[1], HAS_OHEAD=1)
+        if out is None:
+            out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
         with _counters_reset_on_error(ready):
             _combine_kernel[(bh * m * cs.parts,)](
                 pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, p.s_hist, p.s_tot,
                 D=d, S_BLOCK=cs.s_block, C_BLOCK=cs.c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(p.pdl),
                 HOIST=int(cs.hoist), SW_BLOCK=p.sw_block, PARTS=cs.parts,
-                READY=ready, RESET=int(ready is not None), DP=dp,
+                READY=ready, RESET=int(ready is not None), DP=dp, **oh,
                 num_warps=cs.warps,
                 **({"launch_pdl": True} if p.pdl else {}),
             )

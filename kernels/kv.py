@@ -53,22 +53,33 @@ class Window:
     """The full-precision window (sink + ring, unrotated, model dtype): ``k/v [B, Hk, W, D]`` (or ``[slots, Hk, W,
     D]`` with ``slot [B]``: row ``b`` reads slot ``slot[b]``, the serving store's window pool); ``mask`` None or bool
     broadcastable to ``[B, Hk, M, W]`` (False: not a token of the row), or ``[B, W]`` for the retrieval heads' read
-    alone (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`)."""
+    alone (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`); ``kv_heads`` None, or ``[Hq]`` long:
+    the read's head ``h`` is KV head ``kv_heads[h]`` of ``k``/``v`` (a layer's INT2 heads reading its whole window in
+    place, :meth:`heads`)."""
 
     k: torch.Tensor
     v: torch.Tensor
     mask: torch.Tensor | None = None
     slot: torch.Tensor | None = None
+    kv_heads: torch.Tensor | None = None
 
     def rows(self) -> "Window":
         """The window of each row, ``[B, Hk, W, D]`` (gathered from the pool when ``slot`` is given)."""
         if self.slot is None:
             return self
-        return Window(self.k.index_select(0, self.slot), self.v.index_select(0, self.slot), self.mask)
+        return Window(self.k.index_select(0, self.slot), self.v.index_select(0, self.slot), self.mask,
+                      kv_heads=self.kv_heads)
 
     def heads(self, idx: torch.Tensor) -> "Window":
-        """The window of the KV heads ``idx`` (of each row: :meth:`rows` first)."""
-        return Window(self.k.index_select(1, idx), self.v.index_select(1, idx), self.mask)
+        """The window of the KV heads ``idx``, read in place (the kernels); :meth:`gathered` copies it out."""
+        return dataclasses.replace(self, kv_heads=idx)
+
+    def gathered(self) -> "Window":
+        """The same window as plain ``[B, Hq, W, D]`` tensors (the torch references' form): rows and heads copied."""
+        w = self.rows()
+        if w.kv_heads is None:
+            return w
+        return Window(w.k.index_select(1, w.kv_heads), w.v.index_select(1, w.kv_heads), w.mask)
 
     def mask_2d(self) -> torch.Tensor | None:
         """``[B, W]``: the mask of each row (the retrieval heads' read; a ``[B, W]`` mask as it is)."""

@@ -57,7 +57,10 @@ def check_paged_inputs(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, pages
         if t.shape != (b,) or t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32/int64 [B={b}], got {t.dtype} {tuple(t.shape)}")
     win_k, win_v = window.k, window.v
-    if win_k.dim() != 4 or win_k.shape != win_v.shape or win_k.shape[1] != hk or win_k.shape[3] != d:
+    if window.kv_heads is not None and (window.kv_heads.shape != (hk,) or window.kv_heads.dtype != torch.long):
+        raise ValueError(f"the window's kv_heads must be long [Hk={hk}], got {tuple(window.kv_heads.shape)}")
+    if (win_k.dim() != 4 or win_k.shape != win_v.shape or win_k.shape[3] != d
+            or (window.kv_heads is None and win_k.shape[1] != hk)):  # (kv_heads: a layer's INT2 heads, read in place)
         raise ValueError(f"win_k / win_v must be [num_slots, Hk={hk}, W, D={d}], got {tuple(win_k.shape)} / "
                          f"{tuple(win_v.shape)}")
     mask = window.mask_2d()

@@ -93,7 +93,7 @@ class DecodeDefaults:
     # with 32-token blocks, 816 with 64), the combine's partials in tiles of [32 splits, 512] (registers:
     # tests/kernels/test_compile_sm90.py); GPU time not measured yet
     block_n_xwide: int = 16
-    num_warps_xwide: int = 8
+    num_warps_xwide: int = 8  # (INT8 / 16 bits; INT4 keeps its 4)
     merge_block_xwide: int = 32
     # split-K: the wave model of num_splits, which followed the split kernel's time within 2% on the H200
     max_waves: int = 4  # at most this many waves of programs (more splits: more partials to merge)
@@ -137,9 +137,9 @@ DEFAULTS = DecodeDefaults()
 class HeadsDefaults:
     """Tunables of the retrieval heads' read (docs/kernels.md, section 3.9)."""
 
-    block_n: int = 64  # slots per inner step
-    num_warps: int = 8  # INT8 / 16-bit codes (H200 sweep, benchmarks/results/heads_kernel_h200.json) ...
-    num_stages: int = 4
+    block_n: int = 32  # slots per inner step
+    num_warps: int = 4  # INT8 / 16-bit codes (H200 sweeps, benchmarks/results/heads_kernel_sweep_h200.json: 32 / 4 / 3
+    num_stages: int = 3  # took 27.4 us against 32.1 for 64 / 8 / 4 at B=1 x 100K, 47.5 against 50.3 at B=8 x 32K) ...
     num_warps_int4: int = 4  # ... and INT4's (two planes per block: more registers a block)
     num_stages_int4: int = 2
     min_split: int = 256  # never fewer history slots per split
@@ -151,12 +151,15 @@ class HeadsDefaults:
     # time not measured yet
     block_n_xwide: int = 32
     num_stages_xwide: int = 2
+    num_warps_xwide: int = 8  # (INT8 / 16 bits; INT4 keeps its 4)
     merge_warps_xwide: int = 8
 
     def launch(self, bits: int, d: int = 128) -> tuple[int, int]:
         """``(num_warps, num_stages)`` of the split kernel for ``bits``-bit codes of head_dim ``d``."""
         warps, stages = (self.num_warps_int4, self.num_stages_int4) if bits == 4 else (self.num_warps, self.num_stages)
-        return warps, (min(stages, self.num_stages_xwide) if d > 256 else stages)
+        if d > 256:  # (INT8 / 16-bit rows of 512 on 4 warps spill 208 bytes: tests/kernels/test_compile_sm90.py)
+            return (warps if bits == 4 else self.num_warps_xwide), min(stages, self.num_stages_xwide)
+        return warps, stages
 
 
 HEADS_DEFAULTS = HeadsDefaults()

@@ -125,7 +125,7 @@ def decode_step(
     cmeta: torch.Tensor | None, group_size: int, meta_dtype: torch.dtype, sink: int, recent: int,
     use_kernels: str, quantizer: str, coded_bits: int, block_n: int,
 ) -> torch.Tensor:
-    """One decode step of one layer of the compiled storage (:class:`~oscar_hf.cache.static.StaticOscarLayer`, its
+    """One decode step of one layer of the compiled storage (:class:`~oscar_hf.cache.compiled.CompiledOscarLayer`, its
     module docstring): the write (:func:`~oscar_hf.kernels.write_path.append`: slot ``T - 1 - W`` demoted into
     the history, the new token into the window), then the attention -> ``[B, Hk, g, D]`` in ``out_dtype``.
 
