@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Calibrate OSCAR rotations for a model and write the artifact, a report and a spectra plot.
+"""Calibrate OSCAR rotations for a model and write the artifact, a report, a spectra plot and (with the settings search)
+its KL-against-bits plot.
 
 Examples::
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from oscar_hf import data
-    from oscar_hf.calibration import CLIP_GRID, calibrate, calibration_report, plot_spectra
+    from oscar_hf.calibration import CLIP_GRID, calibrate, calibration_report, plot_settings, plot_spectra
     from oscar_hf.models import WIKITEXT_FILE, load_model, wikitext_path
 
     window = None if args.window.strip().lower() == "none" else tuple(int(x) for x in args.window.split(","))
@@ -170,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     report = calibration_report(rot)
     (out / "report.txt").write_text(report)
     plot_spectra(rot, out / "spectra.png")
+    if (rot.metadata.get("settings") or {}).get("tried"):  # the settings search's KL against bits
+        plot_settings(rot, out / "settings.png")
     if not args.quiet:
         print(report)
     print(json.dumps({"out": str(out), "time_s": rot.metadata["calibration"]["time_s"],

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from oscar_hf import OscarConfig, OscarRotations, data
-    from oscar_hf.calibration import calibration_report
+    from oscar_hf.calibration import calibration_report, plot_settings
     from oscar_hf.calibration.hooks import as_sequences
     from oscar_hf.calibration.settings import choose_settings
     from oscar_hf.models import load_model, wikitext_path
@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     rot.save_pretrained(out)
     report = calibration_report(rot)
     (out / "report.txt").write_text(report)
+    plot_settings(rot, out / "settings.png")
     print(report)
     print(json.dumps({"out": str(out), "time_s": round(time.perf_counter() - t0, 1), "chosen": entry["chosen"]}))
     return 0

@@ -54,7 +54,7 @@ width and layers kept precise are chosen by next-token KL through the cache with
 """
 from .options import CalibrationOptions
 from .pipeline import METHODS, VALUE_TARGETS, calibrate
-from .report import calibration_report, plot_spectra
+from .report import calibration_report, plot_settings, plot_spectra
 from .retrieval_heads import find_retrieval_heads
 from .search import CLIP_GRID, attention_error, build_candidates, evaluate_candidates
 from .settings import choose_settings
@@ -66,6 +66,7 @@ __all__ = [
     "choose_settings",
     "attention_error",
     "calibration_report",
+    "plot_settings",
     "plot_spectra",
     "find_retrieval_heads",
     "collect_statistics",

@@ -1,4 +1,5 @@
-"""Human-readable views of a calibration: the text report of an artifact and the plot of its spectra."""
+"""Human-readable views of a calibration: the text report of an artifact, the plot of its spectra and the plot of its
+settings search (KL against bits)."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +8,7 @@ from ..config import OscarConfig, artifact_settings
 from ..layer_choice import resolve_retrieval_heads
 from ..rotations import OscarRotations
 from .retrieval_heads import top_heads
-from .settings import settings_summary
+from .settings import kl_frontier, settings_summary
 from .stats import CalibrationStats
 
 
@@ -157,4 +158,44 @@ def plot_spectra(obj: CalibrationStats | OscarRotations, path) -> None:
     fig.colorbar(sm, ax=axes[1], label="layer")
     fig.suptitle("normalized eigenvalues (share of the trace), mean over KV heads")
     fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_settings(rotations: OscarRotations, path) -> None:
+    """PNG of the settings search an artifact records (``metadata["settings"]``, :func:`.settings.choose_settings`):
+    every setting scored, its held-out next-token KL against its stored bits at the target context, the KL-vs-bits
+    frontier (:func:`.settings.kl_frontier`), the budget, the chosen setting, and the settings priced over the budget
+    (not scored: marked on the bits axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    entry = rotations.metadata.get("settings") if isinstance(rotations, OscarRotations) else None
+    if not isinstance(entry, dict) or not entry.get("tried"):
+        raise ValueError("this artifact records no settings search (calibrate(..., choose_settings=True) makes one)")
+    tried, front = entry["tried"], kl_frontier(entry["tried"])
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), constrained_layout=True)
+    ax.scatter([t["bits"] for t in tried], [t["kl"] for t in tried], s=24, color="tab:blue", label="scored")
+    ax.plot([t["bits"] for t in front], [t["kl"] for t in front], color="tab:blue", lw=1, label="frontier")
+    for i, t in enumerate(tried):  # (labels above and below in turn: settings often share a point)
+        ax.annotate(t["name"], (t["bits"], t["kl"]), fontsize=7, xytext=(4, 4 if i % 2 else -10),
+                    textcoords="offset points")
+    chosen = next((t for t in tried if t["name"] == entry.get("chosen_name")), None)
+    if chosen is not None:
+        ax.scatter([chosen["bits"]], [chosen["kl"]], s=90, facecolors="none", edgecolors="tab:red", lw=1.5,
+                   label=f"chosen: {chosen['name']}")
+    over = entry.get("over_budget") or []
+    if over:
+        ax.scatter([o["bits"] for o in over], [0.0] * len(over), marker="x", color="tab:gray", clip_on=False,
+                   transform=ax.get_xaxis_transform(), label="over the budget (not scored)")
+    ax.axvline(entry["budget_bits"], color="tab:red", ls="--", lw=1, label=f"budget {entry['budget_bits']} bits")
+    xs = [t["bits"] for t in tried] + [o["bits"] for o in over] + [entry["budget_bits"]]
+    ax.set_xlim(min(xs) - 0.1, max(xs) + 0.1)
+    ax.set_xlabel(f"stored bits per cached K/V element at {entry['target_context']} tokens")
+    ax.set_ylabel("held-out next-token KL")
+    ax.set_title(f"settings search ({entry.get('time_s', '?')} s): KL against bits")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=110)
     plt.close(fig)

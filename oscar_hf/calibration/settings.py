@@ -276,6 +276,16 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     }
 
 
+def kl_frontier(tried: Sequence[dict]) -> list[dict]:
+    """The settings of a search's ``tried`` records (``bits``, ``kl``) that no other beats at equal or fewer bits:
+    the KL-vs-bits frontier, cheapest first (a setting costing more for no lower KL is off it)."""
+    front: list[dict] = []
+    for t in sorted(tried, key=lambda t: (t["bits"], t["kl"])):
+        if not front or t["kl"] < front[-1]["kl"]:
+            front.append(t)
+    return front
+
+
 def settings_summary(entry: dict) -> list[str]:
     """Report lines of a ``metadata["settings"]`` entry (:func:`oscar_hf.calibration.calibration_report`)."""
     c = entry["chosen"]
@@ -298,5 +308,5 @@ def settings_summary(entry: dict) -> list[str]:
 
 
 __all__ = ["choose_settings", "heldout_kl", "window_candidates", "settings_summary", "default_target_context",
-           "check_budget", "DEFAULT_BUDGET_BITS", "DEFAULT_TARGET_CONTEXT", "MARGIN", "WINDOW_SHARE", "Trial"]
+           "check_budget", "kl_frontier", "DEFAULT_BUDGET_BITS", "DEFAULT_TARGET_CONTEXT", "MARGIN", "WINDOW_SHARE", "Trial"]
 

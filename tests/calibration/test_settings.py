@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, OscarConfig, OscarRotations, calibrate
-from oscar_hf.calibration import calibration_report
+from oscar_hf.calibration import calibration_report, plot_settings
 from oscar_hf.calibration.selection import next_token_kl
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.calibration.settings import choose_settings, window_candidates
+from oscar_hf.calibration.settings import choose_settings, kl_frontier, window_candidates
 from oscar_hf.config import ModelFingerprint, artifact_settings
 from oscar_hf.models import tiny_model
 
@@ -229,3 +229,20 @@ def test_text_too_short_for_the_extra_window_scores_one(tiny):
     # the statistics and the selection read the same windows either way: same rotations and clips
     assert all(torch.equal(short.layers[i].r_k, long.layers[i].r_k) and short.layers[i].clip_k == long.layers[i].clip_k
                for i in short.layers)
+
+
+def test_kl_frontier_keeps_what_nothing_cheaper_beats():
+    tried = [dict(name="a", bits=3.0, kl=0.05), dict(name="b", bits=2.5, kl=0.09), dict(name="c", bits=3.2, kl=0.06),
+             dict(name="d", bits=3.4, kl=0.03), dict(name="e", bits=3.0, kl=0.04), dict(name="f", bits=3.6, kl=0.03)]
+    # c costs more than e for a higher KL; a ties e's bits with a higher KL; f ties d's KL at more bits
+    assert [t["name"] for t in kl_frontier(tried)] == ["b", "e", "d"]
+    assert kl_frontier([]) == []
+
+
+def test_settings_plot_of_a_searched_artifact(calibrated, tmp_path):
+    rot, _ = calibrated
+    plot_settings(rot, tmp_path / "s.png")
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    meta = {k: v for k, v in rot.metadata.items() if k != "settings"}
+    with pytest.raises(ValueError, match="no settings search"):
+        plot_settings(OscarRotations(rot.fingerprint, rot.method, rot.layers, meta), tmp_path / "x.png")
