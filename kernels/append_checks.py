@@ -40,7 +40,7 @@ def write_operands(params, window, history) -> tuple:
 
 def check_append_inputs(params, new_k, new_v, window, history, at) -> tuple[int, int, int]:
     """Shape checks of the contiguous one-token write (``write_path.append`` at a ``Ring``; host-side metadata only:
-    no device sync). Returns ``(R, N, Hq)``: ring entries, history capacity, quantized heads."""
+    no device sync). Returns ``(R, N, H2)``: ring entries, history capacity, quantized heads."""
     win_k, win_v, hist_k, hist_v, length, pad, sink, recent = (window.k, window.v, history.k, history.v, at.length,
                                                                at.pad, at.sink, at.recent)
     hist_heads, r_k, mu_k, r_v, mu_v, group_size, meta_dtype = (params.hist_of, params.r_k, params.mu_k, params.r_v,
@@ -61,23 +61,23 @@ def check_append_inputs(params, new_k, new_v, window, history, at) -> tuple[int,
     if ring < recent + 1:
         raise ValueError(f"the ring has {ring} entries (window {win_k.shape[2]} - sink {sink}); it needs at least "
                          f"recent + 1 = {recent + 1}")
-    hq, n = hist_k.codes.shape[1], hist_k.codes.shape[2]
-    _check_history(hist_k, hist_v, (b, hq, n), "B, Hq, N", d, group_size, meta_dtype, hist_heads, hk, r_k, r_v)
-    if mu_k is not None and mu_k.shape not in ((hq, d), (b, hq, d)):
-        raise ValueError(f"mu_k must be None, [Hq, D] or [B, Hq, D] = {(b, hq, d)}, got {tuple(mu_k.shape)}")
-    if mu_v is not None and mu_v.shape != (hq, d):
-        raise ValueError(f"mu_v must be None or [Hq, D] = {(hq, d)}, got {tuple(mu_v.shape)}")
+    h2, n = hist_k.codes.shape[1], hist_k.codes.shape[2]
+    _check_history(hist_k, hist_v, (b, h2, n), "B, H2, N", d, group_size, meta_dtype, hist_heads, hk, r_k, r_v)
+    if mu_k is not None and mu_k.shape not in ((h2, d), (b, h2, d)):
+        raise ValueError(f"mu_k must be None, [H2, D] or [B, H2, D] = {(b, h2, d)}, got {tuple(mu_k.shape)}")
+    if mu_v is not None and mu_v.shape != (h2, d):
+        raise ValueError(f"mu_v must be None or [H2, D] = {(h2, d)}, got {tuple(mu_v.shape)}")
     if length.dim() != 0 or pad.shape != (b,):
         raise ValueError(f"length must be a 0-d tensor and pad [B={b}], got {tuple(length.shape)}, {tuple(pad.shape)}")
     check_coded_slots(coded_slots(params, history), win_k, n)
-    return ring, n, hq
+    return ring, n, h2
 
 
 def _check_history(hist_k: QuantizedRows, hist_v: QuantizedRows, lead: tuple, lead_names: str, d: int,
                    group_size: int, meta_dtype, hist_heads, hk: int, r_k, r_v) -> None:
-    """The INT2 rows ``[*lead, D/4]`` uint8 and ``[*lead, D/G]`` metadata (``lead[1]`` = Hq quantized heads), the
-    KV head -> history head map and the rotations ``[Hq, D, D]``: the contiguous and the paged write alike."""
-    hq = lead[1]
+    """The INT2 rows ``[*lead, D/4]`` uint8 and ``[*lead, D/G]`` metadata (``lead[1]`` = H2 quantized heads), the
+    KV head -> history head map and the rotations ``[H2, D, D]``: the contiguous and the paged write alike."""
+    h2 = lead[1]
     for name, q in (("hist_k", hist_k), ("hist_v", hist_v)):
         if q.codes.shape != (*lead, d // 4) or q.codes.dtype != torch.uint8:
             raise ValueError(f"{name}.codes must be uint8 [{lead_names}, D/4] = {(*lead, d // 4)}, got "
@@ -87,14 +87,14 @@ def _check_history(hist_k: QuantizedRows, hist_v: QuantizedRows, lead: tuple, le
                 raise ValueError(f"{name} metadata must be {meta_dtype} [{lead_names}, D/G] = "
                                  f"{(*lead, d // group_size)}, got {t.dtype} {tuple(t.shape)}")
     if hist_heads is None:
-        if hq != hk:
-            raise ValueError(f"hist_heads=None means every KV head is quantized, but the history has {hq} heads, "
+        if h2 != hk:
+            raise ValueError(f"hist_heads=None means every KV head is quantized, but the history has {h2} heads, "
                              f"not Hk={hk}")
     elif hist_heads.shape != (hk,) or hist_heads.dtype != torch.long:
         raise ValueError(f"hist_heads must be int64 [Hk={hk}], got {hist_heads.dtype} {tuple(hist_heads.shape)}")
     for name, r in (("r_k", r_k), ("r_v", r_v)):
-        if r.shape != (hq, d, d):
-            raise ValueError(f"{name} must be [Hq={hq}, D, D], got {tuple(r.shape)}")
+        if r.shape != (h2, d, d):
+            raise ValueError(f"{name} must be [H2={h2}, D, D], got {tuple(r.shape)}")
 
 
 def check_coded_slots(coded, win_k, n: int) -> None:
@@ -122,7 +122,7 @@ def check_coded_slots(coded, win_k, n: int) -> None:
 
 def check_paged_inputs(params, new_k, new_v, window, history, rows) -> int:
     """Shape checks of the paged one-token write (``write_path.append`` at ``PagedRows``; host-side metadata only).
-    Returns ``Hq``, the quantized heads."""
+    Returns ``H2``, the quantized heads."""
     win_k, win_v, hist_k, hist_v, coded = window.k, window.v, history.k, history.v, coded_slots(params, history)
     hist_heads, r_k, mu_k, r_v, mu_v, group_size, meta_dtype = (params.hist_of, params.r_k, params.mu_k, params.r_v,
                                                                 params.mu_v, params.group_size, params.meta_dtype)
@@ -140,11 +140,11 @@ def check_paged_inputs(params, new_k, new_v, window, history, rows) -> int:
                        rows.tensors()):
         if x.shape != (bp,) or x.dtype != torch.long:
             raise ValueError(f"rows.{name} must be int64 [Bp={bp}], got {x.dtype} {tuple(x.shape)}")
-    pages, hq, p = hist_k.codes.shape[:3]
-    _check_history(hist_k, hist_v, (pages, hq, p), "pages, Hq, P", d, group_size, meta_dtype, hist_heads, hk, r_k, r_v)
+    pages, h2, p = hist_k.codes.shape[:3]
+    _check_history(hist_k, hist_v, (pages, h2, p), "pages, H2, P", d, group_size, meta_dtype, hist_heads, hk, r_k, r_v)
     for name, mu in (("mu_k", mu_k), ("mu_v", mu_v)):
-        if mu is not None and mu.shape != (hq, d):
-            raise ValueError(f"{name} must be None or [Hq, D] = {(hq, d)}, got {tuple(mu.shape)}")
+        if mu is not None and mu.shape != (h2, d):
+            raise ValueError(f"{name} must be None or [H2, D] = {(h2, d)}, got {tuple(mu.shape)}")
     if coded is not None:  # the coded pages as a history of `pages` rows of P entries
         check_coded_slots(coded, torch.empty((pages, hk, 1, d), dtype=win_k.dtype, device="meta"), p)
-    return hq
+    return h2

@@ -159,9 +159,9 @@ def _append_token_kernel(
     clip_k, clip_v, Hk, N, S0, RING, W,
     snkb, snkh, snvb, snvh,  # new_k / new_v strides [B, Hk, 1, D] (D contiguous)
     swb, swh, sws,  # window strides [B, Hk, S0 + R, D], shared by K and V
-    scb, sch, scn,  # history codes strides [B, Hq, N, D/4], shared by K and V
-    ssb, ssh, ssn,  # history scale / zero strides [B, Hq, N, D/G], shared by all four
-    smkb,  # mu_k's batch stride: 0 for [Hq, D], Hq * D for [B, Hq, D]
+    scb, sch, scn,  # history codes strides [B, H2, N, D/4], shared by K and V
+    ssb, ssh, ssn,  # history scale / zero strides [B, H2, N, D/G], shared by all four
+    smkb,  # mu_k's batch stride: 0 for [H2, D], H2 * D for [B, H2, D]
     sxb, sxp, sxn,  # coded codes (or 16-bit rows) strides [B, P, N, *], shared by K and V
     szb, szp, szn,  # coded scale / zero strides [B, P, N, 1], shared by all four
     D: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_HEADS: tl.constexpr,
@@ -298,8 +298,8 @@ def _paged_append_kernel(
     clip_k, clip_v, Hk,
     snh, snq,  # new_k / new_v strides [Hk, Q, D] (D contiguous), shared
     swb, swh, sws,  # window pool strides [slots, Hk, S0 + R, D], shared by K and V
-    scb, sch, scn,  # INT2 codes strides [pages, Hq, P, D/4], shared by K and V
-    ssb, ssh, ssn,  # INT2 scale / zero strides [pages, Hq, P, D/G], shared by all four
+    scb, sch, scn,  # INT2 codes strides [pages, H2, P, D/4], shared by K and V
+    ssb, ssh, ssn,  # INT2 scale / zero strides [pages, H2, P, D/G], shared by all four
     sxb, sxp, sxn,  # coded codes (or 16-bit rows) strides [pages, F, P, *], shared by K and V
     szb, szp, szn,  # coded scale / zero strides [pages, F, P, 1], shared by all four
     D: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_HEADS: tl.constexpr,

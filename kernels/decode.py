@@ -30,8 +30,8 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
            rotated=None, softcap=None, sinks=None, use_kernels="auto") -> torch.Tensor:
     """``[B, Hk, M, D]`` in ``out_dtype`` (default ``q``'s): softmax attention of ``q [B, Hk, M, D]`` (unrotated,
     model dtype or float32: every head's query, also the window's) over ``window`` and ``history``, in the value
-    space; rows without any valid key give 0. ``rotated``: the INT2 heads' query already rotated, ``(q_rot [B, Hq, M,
-    D] float32, qk_off [B, Hq, M] or None)``; ``softcap``: Gemma 2's logit soft-capping (None: none); ``sinks [Hk,
+    space; rows without any valid key give 0. ``rotated``: the INT2 heads' query already rotated, ``(q_rot [B, H2, M,
+    D] float32, qk_off [B, H2, M] or None)``; ``softcap``: Gemma 2's logit soft-capping (None: none); ``sinks [Hk,
     M]``: an attention sink's logit per query row (gpt-oss's ``s_aux``) or None. With retrieval heads
     (``history.coded`` and ``params.heads``) the INT2 heads read ``history`` and the retrieval heads their coded rows,
     both the same window; the outputs are merged at their KV heads."""

@@ -73,8 +73,8 @@ def check_heads_args(q, heads, k, v, bits, win_k, win_mask, block_table=None) ->
 
 def merge_heads(int2_part: torch.Tensor | None, coded_part: torch.Tensor, int2_idx: torch.Tensor,
                 coded_idx: torch.Tensor, hk: int) -> torch.Tensor:
-    """``[B, Hq, ...]`` and ``[B, P, ...]`` -> ``[B, Hk, ...]`` (``coded_part``'s dtype), each part at its KV heads
-    ``int2_idx [Hq]`` / ``coded_idx [P]`` (``int2_part`` None when no head is an INT2 head)."""
+    """``[B, H2, ...]`` and ``[B, P, ...]`` -> ``[B, Hk, ...]`` (``coded_part``'s dtype), each part at its KV heads
+    ``int2_idx [H2]`` / ``coded_idx [P]`` (``int2_part`` None when no head is an INT2 head)."""
     out = coded_part.new_empty(coded_part.shape[0], hk, *coded_part.shape[2:])
     if int2_part is not None:
         out.index_copy_(1, int2_idx, int2_part.to(out.dtype))

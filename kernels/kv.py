@@ -2,7 +2,7 @@
 write (:func:`~oscar_hf.kernels.write_path.append`) over them, for every storage (the eager and compiled layers of
 ``generate``, the serving store's pages).
 
-``B`` rows, ``Hk`` KV heads of which ``Hq`` are INT2 heads and ``P`` retrieval heads (coded rows, exact window),
+``B`` rows, ``Hk`` KV heads of which ``H2`` are INT2 heads and ``P`` retrieval heads (coded rows, exact window),
 ``M`` query rows per KV head, ``D`` head_dim, ``W`` window entries (sink + ring), ``N`` history entries.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from oscar_hf.quant import QuantizedRows
 
 @dataclasses.dataclass(frozen=True)
 class HeadSplit:
-    """A layer's split of its KV heads into INT2 heads and retrieval heads: ``int2_idx [Hq]`` / ``coded_idx [P]``
+    """A layer's split of its KV heads into INT2 heads and retrieval heads: ``int2_idx [H2]`` / ``coded_idx [P]``
     (long, ascending KV heads), ``coded_of [Hk]`` each KV head's index among the retrieval heads or -1, ``bits`` their
     storage (16, 8 or 4)."""
 
@@ -28,8 +28,8 @@ class HeadSplit:
 
 @dataclasses.dataclass(frozen=True)
 class KVParams:
-    """A layer's parameters as its write and read take them: the INT2 heads' rotations ``r_k/r_v [Hq, D, D]``
-    (float32) and offsets ``mu_k`` (None, ``[Hq, D]`` or per sequence ``[B, Hq, D]``) / ``mu_v`` (None or ``[Hq,
+    """A layer's parameters as its write and read take them: the INT2 heads' rotations ``r_k/r_v [H2, D, D]``
+    (float32) and offsets ``mu_k`` (None, ``[H2, D]`` or per sequence ``[B, H2, D]``) / ``mu_v`` (None or ``[H2,
     D]``), the quantizer's group size, clip ratios, metadata dtype and kind, the torch references' block of history
     entries; ``hist_of [Hk]`` (None: every KV head is an INT2 head) each KV head's INT2 index or -1, and ``heads`` the
     split into INT2 and retrieval heads (None without retrieval heads)."""
@@ -53,7 +53,7 @@ class Window:
     """The full-precision window (sink + ring, unrotated, model dtype): ``k/v [B, Hk, W, D]`` (or ``[slots, Hk, W,
     D]`` with ``slot [B]``: row ``b`` reads slot ``slot[b]``, the serving store's window pool); ``mask`` None or bool
     broadcastable to ``[B, Hk, M, W]`` (False: not a token of the row), or ``[B, W]`` for the retrieval heads' read
-    alone (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`); ``kv_heads`` None, or ``[Hq]`` long:
+    alone (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`); ``kv_heads`` None, or ``[H2]`` long:
     the read's head ``h`` is KV head ``kv_heads[h]`` of ``k``/``v`` (a layer's INT2 heads reading its whole window in
     place, :meth:`heads`)."""
 
@@ -75,7 +75,7 @@ class Window:
         return dataclasses.replace(self, kv_heads=idx)
 
     def gathered(self) -> "Window":
-        """The same window as plain ``[B, Hq, W, D]`` tensors (the torch references' form): rows and heads copied."""
+        """The same window as plain ``[B, H2, W, D]`` tensors (the torch references' form): rows and heads copied."""
         w = self.rows()
         if w.kv_heads is None:
             return w
@@ -99,9 +99,9 @@ class Pages:
 
 @dataclasses.dataclass(frozen=True)
 class History:
-    """The INT2 history of the INT2 heads, ``k/v`` :class:`~oscar_hf.quant.QuantizedRows` ``[B, Hq, N, *]`` (rotated
-    by ``R_K/R_V`` and centered), or with ``pages`` the pool's ``[num_pages, Hq, P, *]``. Row ``b`` reads entries
-    ``start[b] <= j`` (None: 0) that ``key_mask`` (None, or bool broadcastable to ``[B, Hq, M, N]``) allows, below
+    """The INT2 history of the INT2 heads, ``k/v`` :class:`~oscar_hf.quant.QuantizedRows` ``[B, H2, N, *]`` (rotated
+    by ``R_K/R_V`` and centered), or with ``pages`` the pool's ``[num_pages, H2, P, *]``. Row ``b`` reads entries
+    ``start[b] <= j`` (None: 0) that ``key_mask`` (None, or bool broadcastable to ``[B, H2, M, N]``) allows, below
     ``n_valid`` (a 0-d device tensor: the compiled storage's length, read on the device; ``splits`` then fixes the
     grid's history programs). ``coded``: the retrieval heads' rows, ``(k, v)`` tuples of parts ``[B, P, N, *]`` (or
     ``[num_pages, P, P_size, *]``) in :mod:`oscar_hf.cache.heads`' form, None without."""

@@ -46,7 +46,7 @@ class StepHeads(NamedTuple):
     """A layer's retrieval heads in the op's arguments (:func:`step_heads`); a layer without any passes
     :data:`NO_HEADS`, one object for all of them (the compiled step guards its Nones once, not once per layer)."""
 
-    heads_index: torch.Tensor | None  # [2 Hk + Hq + P] int64: hist_of [Hk], coded_of [Hk], int2_idx [Hq], coded_idx [P]
+    heads_index: torch.Tensor | None  # [2 Hk + H2 + P] int64: hist_of [Hk], coded_of [Hk], int2_idx [H2], coded_idx [P]
     cx: torch.Tensor | None  # [2, B, P, N, X]: the keys' and values' codes (rows at 16 bits)
     cmeta: torch.Tensor | None  # [2, 2 (scale, zero), B, P, N, 1], None at 16 bits
 
@@ -87,9 +87,9 @@ def step_heads(heads_index, cx, cmeta) -> StepHeads:
 
 
 def join_heads_index(hist_of, coded_of, int2_idx, coded_idx) -> torch.Tensor:
-    """A layer's four retrieval-head indices as the op's one ``heads_index [2 Hk + Hq + P]`` (one input of the
+    """A layer's four retrieval-head indices as the op's one ``heads_index [2 Hk + H2 + P]`` (one input of the
     compiled step, not four): ``hist_of``/``coded_of [Hk]`` (KV head -> INT2 / coded head, -1 elsewhere), then the
-    KV heads ``int2_idx [Hq]``/``coded_idx [P]``; :func:`split_heads_index` reads it back."""
+    KV heads ``int2_idx [H2]``/``coded_idx [P]``; :func:`split_heads_index` reads it back."""
     return torch.cat([torch.as_tensor(x, dtype=torch.long) for x in (hist_of, coded_of, int2_idx, coded_idx)])
 
 
@@ -130,14 +130,14 @@ def decode_step(
     the history, the new token into the window), then the attention -> ``[B, Hk, g, D]`` in ``out_dtype``.
 
     Per step: ``q [B, Hk, g, D]`` the grouped query (model dtype; the window's and the retrieval heads' query),
-    ``q_rot [B, Hq, g, D]`` float32 / ``qk_off`` its INT2 heads' rotated query and logit offset (None: no INT2
+    ``q_rot [B, H2, g, D]`` float32 / ``qk_off`` its INT2 heads' rotated query and logit offset (None: no INT2
     head), ``new_k/new_v [B, Hk, 1, D]``, ``length`` (0-d, ``T``), ``pad [B]``, ``win_mask [B, 1, 1, S0 + R]``,
-    ``hist_len`` (0-d: history entries ``[pad, hist_len)`` valid after the write), ``mu_k`` (``[Hq, D]`` or ``[B,
-    Hq, D]``), ``mu_v``, ``sinks [Hk, g]`` or None, ``softcap`` (0: none). The layer's storage
-    (:class:`StepStorage`): ``win [2, B, Hk, S0 + R, D]``, ``codes [2, B, Hq, N, D/4]``, ``meta [2, 2, B, Hq, N,
-    D/G]``, ``r [2, Hq, D, D]`` (keys at index 0, values at 1) and its clip ratios; its retrieval heads
+    ``hist_len`` (0-d: history entries ``[pad, hist_len)`` valid after the write), ``mu_k`` (``[H2, D]`` or ``[B,
+    H2, D]``), ``mu_v``, ``sinks [Hk, g]`` or None, ``softcap`` (0: none). The layer's storage
+    (:class:`StepStorage`): ``win [2, B, Hk, S0 + R, D]``, ``codes [2, B, H2, N, D/4]``, ``meta [2, 2, B, H2, N,
+    D/G]``, ``r [2, H2, D, D]`` (keys at index 0, values at 1) and its clip ratios; its retrieval heads
     (:class:`StepHeads`, all None without): the KV heads' places ``hist_of``/``coded_of [Hk]`` and the heads
-    ``int2_idx [Hq]``/``coded_idx [P]`` in one index, their stores ``cx``/``cmeta`` (keys at 0, values at 1; 16-bit
+    ``int2_idx [H2]``/``coded_idx [P]`` in one index, their stores ``cx``/``cmeta`` (keys at 0, values at 1; 16-bit
     stores have no metadata); the config's constants (:class:`StepConfig`; ``use_kernels`` ``"auto"``, ``"on"`` or
     ``"off"``). Unpacked into the bundles of :mod:`.kv` (the INT2 heads' rows and the retrieval heads' coded rows as
     one :class:`~.kv.History`, the stacked window as one :class:`~.kv.Window`)."""
@@ -178,7 +178,7 @@ _PARAMS = list(inspect.signature(decode_step).parameters)
 
 def warm_args(spec: dict) -> tuple:
     """:func:`decode_step`'s arguments rebuilt from their description (:func:`.step_warmup.values_of`), the retrieval
-    heads' index given valid values for its layout (the first ``Hq`` KV heads the INT2 heads, the others the
+    heads' index given valid values for its layout (the first ``H2`` KV heads the INT2 heads, the others the
     retrieval heads)."""
     values = step_warmup.values_of(spec)
     if len(values) != len(_PARAMS):

@@ -63,7 +63,7 @@ def rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset
 
 
 def _kv_head_of_hist(hist_heads, hq: int):
-    """``[Hq]`` int64: the KV head that history head ``hh`` stores (the inverse of ``hist_heads``, computed on the
+    """``[H2]`` int64: the KV head that history head ``hh`` stores (the inverse of ``hist_heads``, computed on the
     device: every history index is assumed to be the image of exactly one KV head), or None for the identity."""
     if hist_heads is None:
         return None
@@ -83,10 +83,10 @@ def append_token_reference(params: KVParams, new_k, new_v, window: Window, histo
 
     * ``win_k/win_v [B, Hk, S0 + R, D]`` model dtype: ``[:S0]`` row ``b``'s first real tokens (slot ``pad[b] + j``
       at entry ``j``), ``[S0:]`` a ring holding slot ``s`` at entry ``S0 + s % R`` (``R >= W + 1``);
-    * ``hist_k/hist_v`` :class:`QuantizedRows` ``[B, Hq, N, ...]``: slot ``s >= S0`` at index ``s - S0``;
-      ``hist_heads``: None (``Hq = Hk``) or int64 ``[Hk]``, each KV head's history index or -1 (not quantized),
+    * ``hist_k/hist_v`` :class:`QuantizedRows` ``[B, H2, N, ...]``: slot ``s >= S0`` at index ``s - S0``;
+      ``hist_heads``: None (``H2 = Hk``) or int64 ``[Hk]``, each KV head's history index or -1 (not quantized),
       one KV head per history index (not checked: that would read the device);
-    * ``r_* [Hq, D, D]`` float32 rotations, ``mu_k`` None | ``[Hq, D]`` | ``[B, Hq, D]``, ``mu_v`` None | ``[Hq, D]``.
+    * ``r_* [H2, D, D]`` float32 rotations, ``mu_k`` None | ``[H2, D]`` | ``[B, H2, D]``, ``mu_v`` None | ``[H2, D]``.
 
     Steps: (1) slot ``s = T - 1 - W`` leaves the window: when ``S0 <= s < S0 + N`` its ring entry is quantized
     (rotate, center, clip, INT2) into history index ``s - S0`` of every quantized head; it is read before (2), which
@@ -115,7 +115,7 @@ def append_token_reference(params: KVParams, new_k, new_v, window: Window, histo
         for win, hist, r, mu, clip in ((win_k, hist_k, r_k, mu_k, clip_k), (win_v, hist_v, r_v, mu_v, clip_v)):
             x = win.index_select(2, src_entry)  # [B, Hk, 1, D]
             if heads is not None:
-                x = x.index_select(1, heads)  # [B, Hq, 1, D]
+                x = x.index_select(1, heads)  # [B, H2, 1, D]
             write(hist, rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, quantizer=quantizer))
     if n > 0 and coded is not None:
         heads = _kv_head_of_hist(coded.coded_of, coded.k[0].shape[1])  # [P]: the KV head of each coded entry
@@ -161,11 +161,11 @@ def paged_append_reference(params: KVParams, new_k, new_v, window: Window, histo
 
     * ``new_k/new_v [Hk, Q, D]`` the packed batch's keys / values (row ``b``'s token at ``rows.pos[b]``);
     * ``win_k/win_v [slots, Hk, S0 + R, D]`` the window pool (one layer);
-    * ``hist_k/hist_v`` :class:`QuantizedRows` ``[pages, Hq, P, *]`` the page pool's INT2 rows of the layer
-      (``PagedInt2Pool.rows``); ``hist_heads`` None (``Hq = Hk``) or int64 ``[Hk]``, each KV head's INT2 index or -1;
+    * ``hist_k/hist_v`` :class:`QuantizedRows` ``[pages, H2, P, *]`` the page pool's INT2 rows of the layer
+      (``PagedInt2Pool.rows``); ``hist_heads`` None (``H2 = Hk``) or int64 ``[Hk]``, each KV head's INT2 index or -1;
       ``coded`` (:class:`CodedSlots`, its parts ``[pages, F, P, *]``: ``PagedInt2Pool.coded_rows``) the retrieval
       heads' pages;
-    * ``r_* [Hq, D, D]`` float32 rotations, ``mu_*`` None or ``[Hq, D]``; ``rows``: :class:`PagedRows`.
+    * ``r_* [H2, D, D]`` float32 rotations, ``mu_*`` None or ``[H2, D]``; ``rows``: :class:`PagedRows`.
 
     Steps (``demote`` / ``write_sink``: whether any row demotes / writes a sink entry this step, host bools): (1) ring
     entry ``demote_entry[b]`` of slot ``slots[b]`` is quantized (rotate, center, clip, INT2) into offset

@@ -231,8 +231,8 @@ def shard_cache_for_tensor_parallel(cache, model) -> TPLayout | None:
         layer = cache.layers[i]
         full = cache.rotations.layers[i]
         layer._rotation_cpu = slice_layer_rotation(full, layout.k[i], layout.v[i]) if i in layout.k else full
-        if getattr(layer, "fp_heads", ()) and i in layout.k:  # global KV head ids -> this rank's own, if it holds them
-            layer.fp_heads = local_full_precision_heads(layer.fp_heads, layout.k[i], layout.v[i], i, layout.rank)
+        if getattr(layer, "retrieval_heads", ()) and i in layout.k:  # global KV head ids -> this rank's own, if it holds them
+            layer.retrieval_heads = local_full_precision_heads(layer.retrieval_heads, layout.k[i], layout.v[i], i, layout.rank)
     cache.tp_layout = layout
     logger.info("OscarCache: tensor-parallel rank %d/%d (%s), KV heads %s", layout.rank, layout.world, layout.source,
                 sorted({(s.start, s.stop) for s in layout.k.values()}))

@@ -155,7 +155,7 @@ def main(argv=None):
         print(f"{name:22s}{ppl[name]:12.3f}{(ppl[name] / base - 1) * 100:+9.2f}%{mem[name]:14,d}"
               f"{mem[BASE] / mem[name]:9.2f}x")
     # the retrieval heads OscarCache keeps by default (retrieval_heads="auto", stored per retrieval_bits)
-    heads = sum(len(layer.fp_heads) for layer in oscar_cache.layers if hasattr(layer, "fp_heads"))
+    heads = sum(len(layer.retrieval_heads) for layer in oscar_cache.layers if hasattr(layer, "retrieval_heads"))
     bits = oscar_cache.oscar_config.retrieval_bits
     form = "model dtype" if bits == 16 else f"INT{bits}"
     print(f"\nOSCAR cache after generation: sink {report['sink']:,} B, recent {report['recent']:,} B, "

@@ -225,7 +225,7 @@ def test_full_precision_heads_follow_the_rank(monkeypatch):
     single = OscarCache(model, rot, **kw)
     fake_tp(monkeypatch, model, rank=1, world=2, head_dim=32)  # this rank: KV heads 2, 3
     cache = OscarCache(model, rot, **kw)
-    assert [layer.fp_heads for layer in cache.layers] == [(1,), (0,)]  # global (0, 3) -> local 1; (1, 2) -> 0
+    assert [layer.retrieval_heads for layer in cache.layers] == [(1,), (0,)]  # global (0, 3) -> local 1; (1, 2) -> 0
     gen = torch.Generator().manual_seed(0)
     module = _Attention()
     for past, n in ((0, 30), (30, 1), (31, 1)):  # prompt (history from slot 4 + 8), then two decode steps

@@ -37,7 +37,7 @@ def test_cache_and_fake_quant_build_what_the_choice_says(tiny_and_rotations, kw,
     assert list(choice.quantized_layers) == quantized and choice.retrieval_heads == heads
     cache = OscarCache(model, rot, config, compile=False)
     assert [i for i, x in enumerate(cache.layers) if isinstance(x, OscarLayer)] == quantized
-    assert {i: cache.layers[i].fp_heads for i in quantized if cache.layers[i].fp_heads} == {
+    assert {i: cache.layers[i].retrieval_heads for i in quantized if cache.layers[i].retrieval_heads} == {
         i: h for i, h in heads.items() if i in quantized}
     assert cache.layer_choice.config == choice.config
     spec = OscarSpec(model, rot, config)

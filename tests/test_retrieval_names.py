@@ -53,8 +53,10 @@ def test_cache_and_eval_row_take_either_name():
     with pytest.warns(FutureWarning, match="retrieval_heads="):
         old = OscarCache(m, full_precision_heads=PAIRS, **kw)
     new = OscarCache(m, retrieval_heads=PAIRS, **kw)
-    assert [getattr(x, "fp_heads", None) for x in old.layers] == [getattr(x, "fp_heads", None) for x in new.layers]
+    assert [getattr(x, "retrieval_heads", None) for x in old.layers] == [getattr(x, "retrieval_heads", None) for x in new.layers]
     assert new.layer_choice.retrieval_heads == {0: (1,), 1: (0,)}
+    with pytest.warns(FutureWarning, match="layer.retrieval_heads"):  # a layer's old attribute name
+        assert new.layers[0].fp_heads == new.layers[0].retrieval_heads == (1,)
     with pytest.warns(FutureWarning, match="retrieval_bits="):
         row = OscarFamily("hadamard", full_precision_bits=16, **kw)
     assert row.config.retrieval_bits == 16

@@ -212,16 +212,16 @@ class OscarCache(Cache):
             raise NotImplementedError("a hybrid layer kept in full precision (skip_layers) needs compile=False")
         return GrowingLayer(self.max_cache_len_fixed)
 
-    def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=(), state=False):
+    def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, retrieval_heads=(), state=False):
         n = self._n_states
         if self.compiled:
             if state:
-                return CompiledOscarHybridLayer(config, rotation, layer_idx, fp_heads, self.max_cache_len_fixed,
+                return CompiledOscarHybridLayer(config, rotation, layer_idx, retrieval_heads, self.max_cache_len_fixed,
                                               number_of_states=n)
-            return CompiledOscarLayer(config, rotation, layer_idx, self.max_cache_len_fixed, fp_heads)
+            return CompiledOscarLayer(config, rotation, layer_idx, self.max_cache_len_fixed, retrieval_heads)
         if state:
-            return OscarHybridLayer(config, rotation, layer_idx, fp_heads, number_of_states=n)
-        return OscarLayer(config, rotation, layer_idx, fp_heads)
+            return OscarHybridLayer(config, rotation, layer_idx, retrieval_heads, number_of_states=n)
+        return OscarLayer(config, rotation, layer_idx, retrieval_heads)
 
     @classmethod
     def from_pretrained(cls, name_or_path, model, config: OscarConfig | None = None, *, preset: str | None = None,

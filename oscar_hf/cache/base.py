@@ -1,10 +1,12 @@
 """What both quantized layers share: the base class (clip ratios, offsets), the first-keys check, and the
 mask helpers of their reads.
 
-Shapes: ``B`` rows, ``Hq`` query heads, ``Hk`` KV heads, ``g = Hq / Hk``, ``L`` new tokens, ``kv``
-slots after this forward (``T + L``), ``D`` head_dim.
+Shapes: ``B`` rows, ``Hq`` query heads, ``Hk`` KV heads, ``g = Hq / Hk``, ``H2`` of the KV heads quantized in INT2
+(the others retrieval heads), ``L`` new tokens, ``kv`` slots after this forward (``T + L``), ``D`` head_dim.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -33,25 +35,31 @@ class QuantizedLayerBase(CacheLayerMixin):
     """What both quantized layers (:class:`~oscar_hf.cache.dynamic.OscarLayer`,
     :class:`~oscar_hf.cache.compiled.CompiledOscarLayer`) share: the layer's :class:`~oscar_hf.cache.params.LayerParams`
     (``self.params``, built at the first forward on the cache's device from the rotation, which
-    :mod:`oscar_hf.distributed` may first replace by the rank's slice, and the retrieval heads ``self.fp_heads``), the
+    :mod:`oscar_hf.distributed` may first replace by the rank's slice, and the retrieval heads ``self.retrieval_heads``), the
     update checks and the offsets. Each subclass implements ``attend`` (its read, called through the handle ``update``
     returns)."""
 
     is_sliding = False
 
-    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=()):
+    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, retrieval_heads=()):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         self._rotation_cpu = rotation  # (oscar_hf.distributed replaces it by the rank's slice under TP)
-        self.fp_heads = tuple(sorted(set(int(h) for h in fp_heads)))  # KV heads kept in full precision
+        self.retrieval_heads = tuple(sorted(set(int(h) for h in retrieval_heads)))  # KV heads kept out of INT2
         self.params: LayerParams | None = None
+
+    @property
+    def fp_heads(self) -> tuple[int, ...]:
+        """The old name of :attr:`retrieval_heads` (deprecated)."""
+        warnings.warn("layer.fp_heads is now layer.retrieval_heads", FutureWarning, stacklevel=2)
+        return self.retrieval_heads
 
     mu_k_seq: torch.Tensor | None = None  # [B, Hk, D] float32, key_offset="prefill" once known
 
     def build_params(self, key_states: torch.Tensor) -> LayerParams:
         """The first keys checked (:func:`check_first_keys`), then this layer's parameters on their device."""
         check_first_keys(self.layer_idx, self._rotation_cpu, key_states)
-        return LayerParams.build(self.config, self._rotation_cpu, self.layer_idx, key_states.shape[1], self.fp_heads,
+        return LayerParams.build(self.config, self._rotation_cpu, self.layer_idx, key_states.shape[1], self.retrieval_heads,
                                  key_states.device)
 
     @property
@@ -74,13 +82,13 @@ class QuantizedLayerBase(CacheLayerMixin):
 
     def offsets(self):
         """``(mu_K, mu_V)`` on the cache's device, each None when centering is off or absent. mu_K is
-        ``[Hq, D]`` (calibrated) or ``[B, Hq, D]`` (``key_offset="prefill"``, once the first history row
+        ``[H2, D]`` (calibrated) or ``[B, H2, D]`` (``key_offset="prefill"``, once the first history row
         was written)."""
         p = self.params
         return (self.mu_k_seq if self.mu_k_seq is not None else p.mu_k), p.mu_v
 
     def sequence_key_mean(self, keys: torch.Tensor) -> torch.Tensor:
-        """``[B, Hq, D]`` float32: per row, the mean of its non-sink keys ``keys [B, Hk, b, D]`` (slots ``[0, b)``, the
+        """``[B, H2, D]`` float32: per row, the mean of its non-sink keys ``keys [B, Hk, b, D]`` (slots ``[0, b)``, the
         first demotion's: ``key_offset="prefill"``) from slot ``pad + S0`` on; a row without one (all padding) takes
         the calibrated mu_K, or zero."""
         k = self.params.int2_part(keys)
@@ -101,7 +109,7 @@ class QuantizedLayerBase(CacheLayerMixin):
     def prefetch(self):
         return None
 
-    EMPTY_MEMORY = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, full_precision_heads=0,
+    EMPTY_MEMORY = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, retrieval_heads=0,
                         allocated=0, tokens=0)
 
     def memory_from_counts(self, n_sink: int, n_rec: int, n_hist: int, n_coded: int, buffers) -> dict[str, int]:
@@ -115,7 +123,7 @@ class QuantizedLayerBase(CacheLayerMixin):
             history_codes=2 * n_hist * hq * d // 4, history_meta=2 * n_hist * hq * (d // g) * 2 * meta_el,
             history_elements=2 * n_hist * hq * d,
             # the coded slots of those heads (their window copies, if any, are counted above)
-            full_precision_heads=2 * n_coded * len(self.fp_heads) * heads.row_bytes(self.config.full_precision_bits,
+            retrieval_heads=2 * n_coded * len(self.retrieval_heads) * heads.row_bytes(self.config.retrieval_bits,
                                                                                    d, self.dtype),
             allocated=sum(x.numel() * x.element_size() for x in buffers), tokens=n_sink + n_rec + n_hist,
         )

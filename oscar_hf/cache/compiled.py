@@ -4,7 +4,7 @@ CUDA by itself (``compile="auto"``); :class:`~oscar_hf.StaticOscarCache` with a 
 
 Semantics are those of the eager :class:`~oscar_hf.cache.dynamic.OscarLayer` (same sink / recent / INT2-history
 partition of every row's tokens, same quantizer); only the storage differs. Its layout and multi-token writes are
-the serving store's (:mod:`oscar_hf.cache.window`), with left-padded rows. ``B`` rows, ``Hk`` KV heads (``Hq`` of
+the serving store's (:mod:`oscar_hf.cache.window`), with left-padded rows. ``B`` rows, ``Hk`` KV heads (``H2`` of
 them quantized in INT2, ``P`` retrieval heads coded), ``S0`` sink, ``W`` recent, slot = absolute position:
 
 * ``win [2, B, Hk, S0 + R, D]`` (keys, values; model dtype, every head; ``win_k``/``win_v`` its two views): ``[:S0]``
@@ -13,11 +13,11 @@ them quantized in INT2, ``P`` retrieval heads coded), ``S0`` sink, ``W`` recent,
   ``S0 + s % R``. A decode step reads ``W`` recent tokens and itself from it; the ``RING_RESERVE`` older entries,
   already in the history, let ``crop(-n)`` (assisted decoding) undo up to that many tokens exactly;
 * the history, slot ``s >= S0`` at index ``s - S0`` of ``N`` rows, row ``b`` reading ``pad[b] <= j < T - W - S0``:
-  ``codes [2, B, Hq, N, D/4]`` and ``meta [2, 2, B, Hq, N, D/G]`` (keys, values; scale, zero), viewed as ``hist_k/hist_v``
-  (:class:`~oscar_hf.quant.QuantizedRows` ``[B, Hq, N, ...]``), the INT2 heads, and ``coded_x [2, B, P, N, *]`` and
+  ``codes [2, B, H2, N, D/4]`` and ``meta [2, 2, B, H2, N, D/G]`` (keys, values; scale, zero), viewed as ``hist_k/hist_v``
+  (:class:`~oscar_hf.quant.QuantizedRows` ``[B, H2, N, ...]``), the INT2 heads, and ``coded_x [2, B, P, N, *]`` and
   ``coded_meta [2, 2, B, P, N, 1]`` (:mod:`oscar_hf.cache.heads`: INT8/INT4 codes with a scale and zero per token and
   head, or the rows in the model dtype and no metadata), viewed as ``coded_k/coded_v`` (tuples of ``[B, P, N, *]``),
-  the retrieval heads (``OscarConfig.full_precision_heads``; None without);
+  the retrieval heads (``OscarConfig.retrieval_heads``; None without);
 * ``length`` (0-d int64 device tensor, one for all the cache's layers on a device: :class:`StepShared`) = ``T``;
   ``host_len`` the same count on the host, kept by the eager calls
   and by the compiled step's wrapper (:mod:`oscar_hf.compiled_step`), which grows the storage before a step that
@@ -122,8 +122,8 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
     is_croppable = True
 
     def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, max_cache_len: int | None = None,
-                 fp_heads=()):
-        super().__init__(config, rotation, layer_idx, fp_heads)
+                 retrieval_heads=()):
+        super().__init__(config, rotation, layer_idx, retrieval_heads)
         if config.recent < 1:
             raise ValueError("the compiled OSCAR cache needs recent >= 1 (the ring buffer of the recent window)")
         self.fixed_capacity = None if max_cache_len is None else int(max_cache_len)
@@ -160,7 +160,7 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         self.codes = self.meta = None
         self.coded_x = self.coded_meta = None
         self.heads_index = None
-        if self.fp_heads:
+        if self.retrieval_heads:
             prm = self.params
             self.heads_index = _fixed_address(join_heads_index(prm.hist_of, prm.coded_of, prm.int2_idx, prm.coded_idx))
         self.capacity = 0
@@ -208,7 +208,7 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         their content."""
         b, d, dev = self.batch_size, self.head_dim, self.device
         g, meta = self.config.group_size, self.config.torch_meta_dtype
-        hq, p, n = len(self.params.int2_heads), len(self.fp_heads), self._hist_rows(capacity)
+        hq, p, n = len(self.params.int2_heads), len(self.retrieval_heads), self._hist_rows(capacity)
 
         def grow(old, *shape, dtype, dim=2):  # ``dim``: the capacity's
             new = torch.zeros(*shape, dtype=dtype, device=dev)
@@ -217,12 +217,12 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
                 new.narrow(dim, 0, k).copy_(old.narrow(dim, 0, k))
             return _fixed_address(new)
 
-        # codes [2 (K, V), B, Hq, N, D/4]; meta [2 (K, V), 2 (scale, zero), B, Hq, N, D/G]
+        # codes [2 (K, V), B, H2, N, D/4]; meta [2 (K, V), 2 (scale, zero), B, H2, N, D/G]
         self.codes = grow(self.codes, 2, b, hq, n, d // 4, dtype=torch.uint8, dim=3)
         self.meta = grow(self.meta, 2, 2, b, hq, n, d // g, dtype=meta, dim=4)
         if p:  # the retrieval heads' stores, keys and values stacked as the INT2 history's: coded_x [2, B, P, N, X]
             # (codes, or the rows at 16 bits), coded_meta [2, 2 (scale, zero), B, P, N, 1] (None at 16 bits)
-            (last, dt), *meta_spec = heads.part_specs(self.config.full_precision_bits, d, self.dtype)
+            (last, dt), *meta_spec = heads.part_specs(self.config.retrieval_bits, d, self.dtype)
             self.coded_x = grow(self.coded_x, 2, b, p, n, last, dtype=dt, dim=3)
             if meta_spec:
                 self.coded_meta = grow(self.coded_meta, 2, 2, b, p, n, 1, dtype=meta_spec[0][1], dim=4)
@@ -236,10 +236,10 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         cfg, prm = self.config, self.params
         self.step_storage = step_storage(self.win, self.codes, self.meta, prm.r, prm.clip_k, prm.clip_v)
         self.step_heads = NO_HEADS
-        if self.fp_heads:
+        if self.retrieval_heads:
             self.step_heads = step_heads(self.heads_index, self.coded_x, self.coded_meta)
         self.step.config = step_config(cfg.group_size, cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels,
-                                       cfg.quantizer, cfg.full_precision_bits, cfg.block_size)
+                                       cfg.quantizer, cfg.retrieval_bits, cfg.block_size)
 
     def advance(self, n: int) -> None:
         """Host side, before ``n`` new tokens are written: make room for them (a bigger bucket when needed)."""
@@ -321,9 +321,9 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         mu_k, mu_v = self.offsets()
         q = group_queries(query, self.num_kv_heads)  # [B, Hk, g, D]
         q_rot = qk_off = None
-        if self.params.int2_heads:  # [B, Hq, g, D] float32, [B, Hq, g]
+        if self.params.int2_heads:  # [B, H2, g, D] float32, [B, H2, g]
             qi = q.float()
-            if self.fp_heads:  # the INT2 heads' KV heads: a slice of the op's index, not one more input of the step
+            if self.retrieval_heads:  # the INT2 heads' KV heads: a slice of the op's index, not one more input of the step
                 int2_idx = split_heads_index(self.step_heads.heads_index, self.num_kv_heads,
                                              len(self.params.int2_heads))[2]
                 qi = qi.index_select(1, int2_idx)
@@ -331,7 +331,7 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
             q_rot = q_rot.contiguous()
         # (NO_HEADS through its module global, not the layer's attribute: one set of guards for all such layers)
         args = (q, q_rot, qk_off, new_k, new_v, t, pad, win_mask, hist_len, mu_k, mu_v, float(scaling), query.dtype,
-                sinks, float(softcap or 0.0), *self.step_storage, *(self.step_heads if self.fp_heads else NO_HEADS),
+                sinks, float(softcap or 0.0), *self.step_storage, *(self.step_heads if self.retrieval_heads else NO_HEADS),
                 *self.step.config)
         # through the opaque op while torch.compile traces, straight in eager code; under mode="reduce-overhead" the
         # mutated tensors have fixed addresses (_fixed_address) so that the step is recorded as a CUDA graph

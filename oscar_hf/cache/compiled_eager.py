@@ -63,16 +63,16 @@ class CompiledEager:
         hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (self.hist_k, self.hist_v))
         win_k, win_v = torch.cat([self.win_k, new_k], 2), torch.cat([self.win_v, new_v], 2)
         q_part = qf
-        if self.fp_heads:
+        if self.retrieval_heads:
             q_part, win_k, win_v = (x.index_select(1, self.params.int2_idx) for x in (qf, win_k, win_v))
         mu_k, mu_v = self.offsets()
         out = decode(self.params.kv(cfg, mu_k, mu_v), q_part, Window(win_k, win_v, mask_rows(ok, g)),
                      History(hist_k, hist_v, self.pad, mask_rows(allowed[:, :, s0 : s0 + n], g)), scaling,
                      query.dtype, softcap=softcap, sinks=self.params.int2_rows(sinks), use_kernels=cfg.use_kernels)
-        if self.fp_heads:  # their coded history [0, n) and the window above, exact
+        if self.retrieval_heads:  # their coded history [0, n) and the window above, exact
             q = qf.index_select(1, self.params.coded_idx).to(self.dtype)  # [B, P, g*L, D]
             hist_ok = allowed[:, :, s0 : s0 + n] & (torch.arange(n, device=dev)[None, None, :] >= self.pad[:, None, None])
-            k, v = (torch.cat([heads.decode(tuple(x[:, :, :n] for x in coded), cfg.full_precision_bits, self.dtype),
+            k, v = (torch.cat([heads.decode(tuple(x[:, :, :n] for x in coded), cfg.retrieval_bits, self.dtype),
                                w.index_select(1, self.params.coded_idx), new.index_select(1, self.params.coded_idx)], 2)
                     for coded, w, new in ((self.coded_k, self.win_k, new_k), (self.coded_v, self.win_v, new_v)))
             out_fp = heads.attention(q, k, v, mask_rows(torch.cat([hist_ok, ok], -1), g), scaling, softcap,
@@ -130,15 +130,15 @@ class CompiledEager:
         idx = ring_entries(torch.arange(a, b, device=self.device), s0, self.ring)
         for win, hist, coded, r, mu in ((self.win_k, self.hist_k, self.coded_k, self.params.r_k, self.offsets()[0]),
                                         (self.win_v, self.hist_v, self.coded_v, self.params.r_v, self.offsets()[1])):
-            x = None  # [B, Hq, b - a, D]
+            x = None  # [B, H2, b - a, D]
             if self.params.int2_heads:
                 rows = dequantize_rows(QuantizedRows(*(h[:, :, a - s0 : b - s0] for h in hist)), g)  # rotated, centered
                 x = torch.matmul(rows, r.transpose(-1, -2).unsqueeze(0))
                 if mu is not None:
                     x = x + (mu[None, :, None, :] if mu.dim() == 2 else mu[:, :, None, :])
-            if self.fp_heads:  # [B, P, b - a, D] decoded, merged with the INT2 heads' rows into [B, Hk, b - a, D]
+            if self.retrieval_heads:  # [B, P, b - a, D] decoded, merged with the INT2 heads' rows into [B, Hk, b - a, D]
                 x = self.params.merge(x, heads.decode(tuple(c[:, :, a - s0 : b - s0] for c in coded),
-                                                      self.config.full_precision_bits, self.dtype))
+                                                      self.config.retrieval_bits, self.dtype))
             win.index_copy_(2, idx, x.to(self.dtype))
 
     def _batch_apply(self, fn, in_place: bool) -> None:
@@ -201,7 +201,7 @@ class CompiledEager:
         state = dict(seq_len=t, tail_start=ts, pad=self.pad.clone(), sink_k=self.win_k[:, :, :s0], sink_v=self.win_v[:, :, :s0],
                      tail_k=tail[0], tail_v=tail[1], hist_k=QuantizedRows(*(x[:, :, :n] for x in self.hist_k)),
                      hist_v=QuantizedRows(*(x[:, :, :n] for x in self.hist_v)), mu_k_seq=self.mu_k_seq)
-        if self.fp_heads:
+        if self.retrieval_heads:
             # the eager layer keeps every slot [0, t) of the retrieval heads coded: slots [S0, ts) are the coded
             # history as stored, the others are coded from the window (the same codes: each token and head is coded
             # alone); slots [0, S0) below a history are never read, coded from the window as far as it holds them
@@ -230,7 +230,7 @@ class CompiledEager:
         for dst, src in ((self.hist_k, state["hist_k"]), (self.hist_v, state["hist_v"])):
             for a, x in zip(dst, src):
                 a[:, :, : x.shape[2]] = x
-        if self.fp_heads:  # the retrieval heads' history entries: slots [S0, ts) of the saved every-slot form
+        if self.retrieval_heads:  # the retrieval heads' history entries: slots [S0, ts) of the saved every-slot form
             n = max(0, ts - s0)
             for store, saved in ((self.coded_k, state["fp_k"]), (self.coded_v, state["fp_v"])):
                 for dst, src in zip(store, saved):

@@ -11,13 +11,13 @@ Storage of one layer, for a batch of ``B`` rows, ``Hk`` KV heads:
   kept as a small rollback reserve so that ``crop`` (assisted decoding) is exact;
 * **sink** (``sink_k/v [B, Hk, S0, D]``): row ``b``'s first ``S0`` real tokens, slots
   ``pad[b] + j``, gathered per row when demoted (rows of different padding demote at their own pace);
-* **history** (``QuantizedRows`` of ``[B, Hq, cap_h, ...]``): slot ``S0 + j`` at index ``j`` for
+* **history** (``QuantizedRows`` of ``[B, H2, cap_h, ...]``): slot ``S0 + j`` at index ``j`` for
   every row, rotated/centered/clipped INT2; row ``b`` reads ``pad[b] <= j < tail_start - S0``
   (indices below ``pad[b]`` hold that row's padding or sink tokens and are never read).
-  ``Hq = Hk`` unless the layer has **full-precision heads** (``OscarConfig.full_precision_heads``,
+  ``H2 = Hk`` unless the layer has **full-precision heads** (``OscarConfig.retrieval_heads``,
   e.g. the retrieval heads): those ``P`` heads are left out of the INT2 history and instead keep every
   slot ``[0, T)`` in ``fp_k/v`` (``[B, P, cap, *]`` tensors: the model dtype or INT8/INT4 codes with a scale and zero
-  per token and head, ``OscarConfig.full_precision_bits``, :mod:`oscar_hf.cache.heads`), read like a ``DynamicCache``.
+  per token and head, ``OscarConfig.retrieval_bits``, :mod:`oscar_hf.cache.heads`), read like a ``DynamicCache``.
 
 So every slot of row ``b`` is in exactly one part: pad ``[0, pad_b)``, sink ``[pad_b, min(tail_start,
 pad_b + S0))``, history ``[pad_b + S0, tail_start)``, recent ``[tail_start, T)``; per-row counts are
@@ -44,9 +44,9 @@ The read (:meth:`OscarLayer.attend`). For one layer and a forward of ``L`` new t
      rotated space, rotated back once by ``R_Vᵀ`` and get ``+ (Σ_history p)·mu_V``. The history
      is read in bounded blocks (torch reference) or by the split-K Triton kernel (CUDA): no
      full-precision copy of it is ever built;
-* full-precision heads (``OscarConfig.full_precision_heads``): those KV heads keep every slot in
+* full-precision heads (``OscarConfig.retrieval_heads``): those KV heads keep every slot in
   ``layer.fp_k/v`` (INT8 by default) and read their history range from it and the window of part 1, one SDPA
-  call (:meth:`OscarLayer.full_precision_heads_attention`; at 16 bits what a ``DynamicCache`` reads); the two
+  call (:meth:`OscarLayer.retrieval_heads_attention`; at 16 bits what a ``DynamicCache`` reads); the two
   parts above run on the other heads only;
 * then :meth:`OscarLayer.commit` demotes/appends.
 
@@ -102,8 +102,8 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=()):
-        super().__init__(config, rotation, layer_idx, fp_heads)
+    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, retrieval_heads=()):
+        super().__init__(config, rotation, layer_idx, retrieval_heads)
         self._clear()
 
     # ------------------------------------------------------------------ state
@@ -139,36 +139,36 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         self.sink_v = torch.zeros(b, hk, s0, d, **kw)
         self.hist_k = self._alloc_hist(0, b, len(self.params.int2_heads), d, g, meta)
         self.hist_v = self._alloc_hist(0, b, len(self.params.int2_heads), d, g, meta)
-        if self.fp_heads:
-            bits = self.config.full_precision_bits
-            self.fp_k = heads.allocate(bits, b, len(self.fp_heads), 0, d, self.dtype, self.device)
-            self.fp_v = heads.allocate(bits, b, len(self.fp_heads), 0, d, self.dtype, self.device)
+        if self.retrieval_heads:
+            bits = self.config.retrieval_bits
+            self.fp_k = heads.allocate(bits, b, len(self.retrieval_heads), 0, d, self.dtype, self.device)
+            self.fp_v = heads.allocate(bits, b, len(self.retrieval_heads), 0, d, self.dtype, self.device)
         self.is_initialized = True
 
-    def write_full_precision_heads(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
+    def write_retrieval_heads(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
         """Slots ``[t_old, t_old + L)`` of the full-precision heads (amortized growth). The attention function
         calls it before reading them; ``commit`` then does not write again."""
-        if not self.fp_heads or self._fp_written:
+        if not self.retrieval_heads or self._fp_written:
             return
         t_new = t_old + new_k.shape[2]
         self.fp_k = tuple(grown(t, t_old, t_new) for t in self.fp_k)
         self.fp_v = tuple(grown(t, t_old, t_new) for t in self.fp_v)
-        self._store_full_precision_rows(new_k, new_v, t_old)
+        self._store_retrieval_rows(new_k, new_v, t_old)
         self._fp_written = True
 
-    def full_precision_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def retrieval_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v) [B, P, n, D]``: slots ``[0, n)`` of the full-precision heads in the model dtype."""
-        bits = self.config.full_precision_bits
+        bits = self.config.retrieval_bits
         return tuple(heads.decode(tuple(t[:, :, :n] for t in store), bits, self.dtype)
                      for store in (self.fp_k, self.fp_v))
 
-    def _store_full_precision_rows(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
+    def _store_retrieval_rows(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
         """Slots ``[t_old, t_old + L)`` of the full-precision heads from ``new_k/v [B, Hk, L, D]`` (the storage
         already holds them)."""
         l = new_k.shape[2]
         for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
             for dst, src in zip(store, heads.encode(new.index_select(1, self.params.coded_idx),
-                                                    self.config.full_precision_bits)):
+                                                    self.config.retrieval_bits)):
                 dst[:, :, t_old : t_old + l] = src
 
     def _alloc_hist(self, cap, b, hk, d, g, meta):
@@ -267,16 +267,16 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
                 hm = allowed[:, :, s0 : s0 + n]
                 key_mask = hm[:, None] if l == 1 else mask_rows(hm, g)
         out_fp = None
-        if self.fp_heads:  # full-precision heads apart; the rest reads window + INT2 history below
+        if self.retrieval_heads:  # full-precision heads apart; the rest reads window + INT2 history below
             if l == 1 and key_mask is None:  # a decode step: their codes read in place
-                self.write_full_precision_heads(new_k, new_v, t_old)
+                self.write_retrieval_heads(new_k, new_v, t_old)
                 out_fp = heads_decode_attention(
                     group_queries(query, hk), self.params.coded_idx, (self.fp_k, self.fp_v), self.params.bits,
                     (s0 + hist_start, self.tail_start), Window(win_k, win_v, None if ok is None else ok[:, 0]),
                     scaling, query.dtype, use_kernels=self.config.use_kernels, softcap=softcap,
                     sinks=self.params.coded_rows(sinks))
             else:
-                out_fp = self.full_precision_heads_attention(query, new_k, new_v, win_k, win_v, ok, allowed, t_old,
+                out_fp = self.retrieval_heads_attention(query, new_k, new_v, win_k, win_v, ok, allowed, t_old,
                                                              scaling, softcap, self.params.coded_rows(sinks))
             qf, win_k, win_v = (x.index_select(1, self.params.int2_idx) for x in (qf, win_k, win_v))
             sinks = self.params.int2_rows(sinks)
@@ -296,7 +296,7 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         self.commit(new_k, new_v, pad)
         return out
 
-    def full_precision_heads_attention(self, query, new_k, new_v, win_k, win_v, win_ok, allowed, t_old: int,
+    def retrieval_heads_attention(self, query, new_k, new_v, win_k, win_v, win_ok, allowed, t_old: int,
                                        scaling: float, softcap=None, sinks=None) -> torch.Tensor:
         """``[B, P, g*L, D]``: the layer's full-precision heads over their history slots ``[S0, tail_start)`` as
         stored (``full_precision_bits``; row ``b`` from slot ``S0 + pad[b]``, the INT2 history's range) and the
@@ -306,9 +306,9 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         b, hq, l, d = query.shape
         hk, s0, dev = new_k.shape[1], self.config.sink, query.device
         g = hq // hk
-        self.write_full_precision_heads(new_k, new_v, t_old)
+        self.write_retrieval_heads(new_k, new_v, t_old)
         n = max(self.tail_start - s0, 0)
-        hist_k, hist_v = (x[:, :, s0:] for x in self.full_precision_kv(s0 + n))  # [B, P, n, D]
+        hist_k, hist_v = (x[:, :, s0:] for x in self.retrieval_kv(s0 + n))  # [B, P, n, D]
         hist_ok = (torch.arange(n, device=dev)[None, :] >= self.pad[:, None])[:, None, :].expand(b, l, n)
         if allowed is not None:
             hist_ok = hist_ok & allowed[:, :, s0 : s0 + n]

@@ -57,7 +57,7 @@ class DynamicWrites:
         if not self.is_initialized:
             self.lazy_initialization(new_k, new_v)
         self.pending = None
-        self.write_full_precision_heads(new_k, new_v, self.seq_len)
+        self.write_retrieval_heads(new_k, new_v, self.seq_len)
         self._fp_written = False
         if self.pad is None:
             self.pad = (pad if pad is not None else torch.zeros(self.batch_size, dtype=torch.long)).to(self.device)

@@ -20,9 +20,9 @@ class _HybridState(LinearAttentionLayer):
 
     _attention: type = OscarLayer
 
-    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, fp_heads=(), *args,
+    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, retrieval_heads=(), *args,
                  number_of_states: int = 1):
-        self._attention.__init__(self, config, rotation, layer_idx, *args, fp_heads=fp_heads)
+        self._attention.__init__(self, config, rotation, layer_idx, *args, retrieval_heads=retrieval_heads)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
     def lazy_initialization(self, *args, **kwargs) -> None:

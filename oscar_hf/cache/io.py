@@ -68,7 +68,7 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
                 t.update({f"hist_{kv}_{f}": x for f, x in zip(("codes", "scale", "zero"), st[f"hist_{kv}"])})
             if st["mu_k_seq"] is not None:  # key_offset="prefill": the history is centered on it
                 t["mu_k_seq"] = st["mu_k_seq"]
-            if layer.fp_heads:  # retrieval heads: every slot [0, seq_len), in their stored form
+            if layer.retrieval_heads:  # retrieval heads: every slot [0, seq_len), in their stored form
                 for kv in ("k", "v"):
                     t.update(zip(_fp_names(kv, cache.oscar_config.retrieval_bits), st[f"fp_{kv}"]))
             tensors.update({f"layers.{i}.{k}": v.detach().cpu().contiguous() for k, v in t.items()})
@@ -108,7 +108,7 @@ def layer_state(layer) -> dict:
     st = dict(seq_len=layer.seq_len, tail_start=layer.tail_start, pad=layer.pad, sink_k=layer.sink_k,
               sink_v=layer.sink_v, tail_k=layer.tail_k[:, :, a:b], tail_v=layer.tail_v[:, :, a:b], hist_k=hist_k,
               hist_v=hist_v, mu_k_seq=layer.mu_k_seq)
-    if layer.fp_heads:
+    if layer.retrieval_heads:
         st["fp_k"], st["fp_v"] = (tuple(x[:, :, : layer.seq_len] for x in store) for store in (layer.fp_k, layer.fp_v))
     return st
 
@@ -256,7 +256,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
             sink = [_expect(tensors, p + k, (b, hk, s0, d), dtype) for k in ("sink_k", "sink_v")]
             tail = [_expect(tensors, p + k, (b, hk, seq - bs0, d), dtype) for k in ("tail_k", "tail_v")]
             hist = []
-            hq, n_fp = hk - len(layer.fp_heads), len(layer.fp_heads)  # quantized / retrieval heads
+            hq, n_fp = hk - len(layer.retrieval_heads), len(layer.retrieval_heads)  # quantized / retrieval heads
             for kv in ("k", "v"):
                 hist.append(QuantizedRows(
                     _expect(tensors, f"{p}hist_{kv}_codes", (b, hq, n, d // 4), torch.uint8),

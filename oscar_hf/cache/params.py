@@ -1,9 +1,9 @@
 """`LayerParams`: what one quantized layer's write and read need, built once per layer on the storage's device and
 shared by every storage (the generate cache's eager and compiled layers, the serving store's layers).
 
-A layer's ``Hk`` KV heads split into the ``Hq`` INT2 heads (rotated, centered, clipped history rows) and the ``P``
-coded (retrieval) heads (``OscarConfig.full_precision_heads``: history rows in :mod:`oscar_hf.cache.heads`' form,
-``full_precision_bits``). The rotations and offsets are the INT2 heads' (``LayerRotation.select_heads``); the clip
+A layer's ``Hk`` KV heads split into the ``H2`` INT2 heads (rotated, centered, clipped history rows) and the ``P``
+retrieval heads (``OscarConfig.retrieval_heads``: history rows coded in :mod:`oscar_hf.cache.heads`' form, at
+``retrieval_bits``). The rotations and offsets are the INT2 heads' (``LayerRotation.select_heads``); the clip
 ratios come from the config or the artifact (``OscarConfig.clip_for``); offsets are used when centering is on and the
 artifact has them. :meth:`LayerParams.encode_history` is the one encoding of history rows the device-side storages
 write (:mod:`oscar_hf.cache.window`, and their decode steps).
@@ -26,15 +26,15 @@ from . import heads
 
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
-    r: torch.Tensor  # [2, Hq, D, D] float32: the INT2 heads' key (r[0]) and value (r[1]) rotations, one tensor (one
+    r: torch.Tensor  # [2, H2, D, D] float32: the INT2 heads' key (r[0]) and value (r[1]) rotations, one tensor (one
     # input of a compiled step, not two)
-    mu_k: torch.Tensor | None  # [Hq, D] calibrated key offset; None when centering is off or the artifact has none
-    mu_v: torch.Tensor | None  # [Hq, D]
+    mu_k: torch.Tensor | None  # [H2, D] calibrated key offset; None when centering is off or the artifact has none
+    mu_v: torch.Tensor | None  # [H2, D]
     clip_k: float
     clip_v: float
     int2_heads: tuple[int, ...]  # the layer's KV heads in the INT2 history, ascending
     coded_heads: tuple[int, ...]  # its retrieval heads, ascending
-    int2_idx: torch.Tensor  # [Hq] long
+    int2_idx: torch.Tensor  # [H2] long
     coded_idx: torch.Tensor  # [P] long
     hist_of: torch.Tensor | None  # [Hk] long: KV head -> INT2 head (-1: coded), for the fused write; None without
     coded_of: torch.Tensor | None  # [Hk] long: KV head -> coded head (-1: INT2), for the fused write; None without
@@ -56,11 +56,11 @@ class LayerParams:
         return cls(torch.stack([r.r_k, r.r_v]), r.mu_k if centered else None, r.mu_v if centered else None,
                    config.clip_for("k", layer_idx, rotation.clip_k), config.clip_for("v", layer_idx, rotation.clip_v),
                    int2, coded, idx(int2), idx(coded), index_of(int2) if coded else None,
-                   index_of(coded) if coded else None, int(config.full_precision_bits))
+                   index_of(coded) if coded else None, int(config.retrieval_bits))
 
     @property
     def r_k(self) -> torch.Tensor:
-        return self.r[0]  # [Hq, D, D]
+        return self.r[0]  # [H2, D, D]
 
     @property
     def r_v(self) -> torch.Tensor:
@@ -80,11 +80,11 @@ class LayerParams:
                         config.torch_meta_dtype, config.quantizer, config.block_size, self.hist_of, heads)
 
     def int2_part(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [B, Hk, ...]`` -> its INT2 heads ``[B, Hq, ...]`` (``x`` itself when the layer has no coded head)."""
+        """``x [B, Hk, ...]`` -> its INT2 heads ``[B, H2, ...]`` (``x`` itself when the layer has no coded head)."""
         return x.index_select(1, self.int2_idx) if self.coded_heads else x
 
     def int2_rows(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
-        """Per-KV-head rows ``sinks [Hk, M]`` (:func:`~oscar_hf.cache.base.logit_terms`) -> the INT2 heads' ``[Hq, M]``."""
+        """Per-KV-head rows ``sinks [Hk, M]`` (:func:`~oscar_hf.cache.base.logit_terms`) -> the INT2 heads' ``[H2, M]``."""
         return sinks if sinks is None or not self.coded_heads else sinks.index_select(0, self.int2_idx)
 
     def coded_rows(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
@@ -100,8 +100,8 @@ class LayerParams:
                        ) -> tuple[tuple[torch.Tensor, ...] | None, QuantizedRows | None]:
         """Window rows ``x [B, Hk, n, D]`` (keys: ``kind="k"``, or values) as history entries in their two forms:
         ``(coded, int2)``, the retrieval heads coded (:meth:`encode_coded`) and the INT2 heads rotated, centered,
-        clipped and quantized (:class:`QuantizedRows` ``[B, Hq, n, *]``), each None where the layer has no such head.
-        ``mu_k``: a per-sequence key offset ``[B, Hq, D]`` (``key_offset="prefill"``) in place of the calibrated one."""
+        clipped and quantized (:class:`QuantizedRows` ``[B, H2, n, *]``), each None where the layer has no such head.
+        ``mu_k``: a per-sequence key offset ``[B, H2, D]`` (``key_offset="prefill"``) in place of the calibrated one."""
         coded = self.encode_coded(x)
         if not self.int2_heads:
             return coded, None
@@ -113,7 +113,7 @@ class LayerParams:
                                       use_kernels=config.use_kernels, quantizer=config.quantizer)
 
     def merge(self, int2_part: torch.Tensor | None, coded_part: torch.Tensor) -> torch.Tensor:
-        """``[B, Hq, ...]`` and ``[B, P, ...]`` -> ``[B, Hk, ...]`` at their heads (``int2_part`` None when the layer
+        """``[B, H2, ...]`` and ``[B, P, ...]`` -> ``[B, Hk, ...]`` at their heads (``int2_part`` None when the layer
         keeps no head in INT2)."""
         return merge_heads(int2_part, coded_part, self.int2_idx, self.coded_idx,
                            len(self.int2_heads) + len(self.coded_heads))

@@ -79,7 +79,7 @@ def memory_report(cache) -> dict[str, float]:
             m = layer.memory()
             for k in ("sink", "recent", "history_codes", "history_meta", "history_elements", "allocated"):
                 tot[k] += m[k]
-            tot["retrieval_heads"] += m.get("full_precision_heads", 0)  # (the layers' own key)
+            tot["retrieval_heads"] += m.get("retrieval_heads", 0)
             if layer.is_initialized:
                 elements += 2 * m["tokens"] * layer.num_kv_heads * layer.head_dim
         elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
@@ -101,6 +101,6 @@ def memory_report(cache) -> dict[str, float]:
     # the history's average over the quantized layers' KV heads, retrieval heads at their stored bits
     q_layers = [layer for layer in cache.layers if hasattr(layer, "memory")]
     n_heads = len(q_layers) * cache.fingerprint.num_key_value_heads
-    share = sum(len(layer.fp_heads) for layer in q_layers) / n_heads if n_heads else 0.0
+    share = sum(len(layer.retrieval_heads) for layer in q_layers) / n_heads if n_heads else 0.0
     tot["history_bits_per_element"] = cache.oscar_config.history_bits(cache.fingerprint.head_dim, share)
     return tot

@@ -60,7 +60,7 @@ def window_mask(length: torch.Tensor, pad, sink: int, ring: int, recent: int) ->
 # ------------------------------------------------------------------ history addressings
 class RowsHistory:
     """History entries as rows of per-layer buffers (the compiled layer): entry ``j`` at index ``j`` of every batch
-    row. ``int2_k/v``: :class:`QuantizedRows` ``[B, Hq, N, *]``; ``coded_k/v``: tuples of ``[B, P, N, *]``
+    row. ``int2_k/v``: :class:`QuantizedRows` ``[B, H2, N, *]``; ``coded_k/v``: tuples of ``[B, P, N, *]``
     (:mod:`oscar_hf.cache.heads`), None without retrieval heads."""
 
     def __init__(self, int2_k: QuantizedRows, int2_v: QuantizedRows, coded_k: tuple | None, coded_v: tuple | None):
@@ -95,7 +95,7 @@ def demote(win_k: torch.Tensor, win_v: torch.Tensor, history, params: LayerParam
     """Quantize slots ``[a, b)`` (``>= S0``) into history entries ``[a - S0, b - S0)`` of ``history``, both forms:
     slots ``< t_old`` from the ring of ``win_k/v [B', Hk, S0 + R, D]``, the others from the new rows ``new_k/v
     [B', Hk, L, D]`` (slot ``t_old + i`` at row ``i``), ``prefill_chunk`` slots at a time (a long prompt is never
-    encoded whole). ``mu_k``: a per-sequence key offset ``[B', Hq, D]`` (``key_offset="prefill"``), else None."""
+    encoded whole). ``mu_k``: a per-sequence key offset ``[B', H2, D]`` (``key_offset="prefill"``), else None."""
     s0 = config.sink
     ring = win_k.shape[2] - s0
     for c0 in range(a, b, config.prefill_chunk):

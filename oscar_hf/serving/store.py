@@ -88,7 +88,7 @@ class OscarPagedStore(StoreRequests, DecodeStep):
         # the layers, group size and retrieval heads OscarCache gets; a layer whose every head is a 16-bit retrieval
         # head is exact: Transformers' own paged cache keeps it (at INT8 / INT4 it stays here with no INT2 head)
         choice = choose_layers(model_config, rotations, config, default_group=default_group)
-        config, rotations, fp, fp_heads = choice.config, choice.rotations, choice.fingerprint, choice.retrieval_heads
+        config, rotations, fp, retrieval_heads = choice.config, choice.rotations, choice.fingerprint, choice.retrieval_heads
         hk = fp.num_key_value_heads
         self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.num_kv_heads, self.head_dim = hk, fp.head_dim
@@ -99,7 +99,7 @@ class OscarPagedStore(StoreRequests, DecodeStep):
                              "not every head a 16-bit retrieval head)")
         self.layer_slot = {layer: k for k, layer in enumerate(layers)}  # model layer -> pool layer index
         rots = {i: rotations.layers[i] for i in layers}
-        heads = {i: fp_heads.get(i, ()) for i in layers}
+        heads = {i: retrieval_heads.get(i, ()) for i in layers}
         self.num_query_heads = fp.num_attention_heads
         # tensor parallelism (a model loaded with tp_plan="auto"): this rank's pages and windows hold its own KV heads,
         # with the rotations, offsets and retrieval heads of those heads (as OscarCache under TP)

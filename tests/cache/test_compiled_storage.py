@@ -273,7 +273,7 @@ def test_retrieval_heads_are_history_entries(bits):
             assert torch.equal(a[:, :, : n - 1], b[:, :, s0 : s0 + n - 1])
     rows = int((n - layer.pad).clamp(min=0).sum())  # each row's history entries [pad, n), as OscarLayer counts them
     d = layer.head_dim
-    assert layer.memory()["full_precision_heads"] == 2 * rows * heads_mod.row_bytes(bits, d, torch.float32)
+    assert layer.memory()["retrieval_heads"] == 2 * rows * heads_mod.row_bytes(bits, d, torch.float32)
 
 
 def test_prompt_lookup_and_assisted_style_decoding():

@@ -79,13 +79,13 @@ def test_codes_read_back_as_their_fake_quantization_and_nothing_else_changes(bit
     ref = run_cache(model, ids, decode=6, full_precision_bits=16)
     got = run_cache(model, ids, decode=6, full_precision_bits=bits)
     r0, g0 = ref.layers[0], got.layers[0]
-    assert r0.fp_heads == g0.fp_heads == (FP_PAIR[1],)
+    assert r0.retrieval_heads == g0.retrieval_heads == (FP_PAIR[1],)
     t = g0.seq_len
     assert t == ids.shape[1] and g0.n_hist > 0  # prefill and decode rows written, history quantized
     codes, scale, zero = g0.fp_k
     assert codes.dtype == torch.uint8 and codes.shape[-1] == 64 * bits // 8 and scale.shape[-1] == zero.shape[-1] == 1
-    ref_k, ref_v = r0.full_precision_kv(t)
-    got_k, got_v = g0.full_precision_kv(t)
+    ref_k, ref_v = r0.retrieval_kv(t)
+    got_k, got_v = g0.retrieval_kv(t)
     for ref_rows, got_rows in ((ref_k, got_k), (ref_v, got_v)):  # [B, P, T, D], every slot: prefill and decode
         assert torch.equal(got_rows, minmax_fake_quant(ref_rows, bits, ref_rows.dtype))
         assert not torch.equal(got_rows, ref_rows) and distinct_per_row(got_rows) <= 2**bits
@@ -95,10 +95,10 @@ def test_codes_read_back_as_their_fake_quantization_and_nothing_else_changes(bit
             assert torch.equal(a, b)
     for name in ("tail_k", "tail_v", "sink_k", "sink_v"):
         assert torch.equal(getattr(r0, name), getattr(g0, name)), name
-    assert got.layers[1].fp_heads == () and got.layers[1].fp_k is None
+    assert got.layers[1].retrieval_heads == () and got.layers[1].fp_k is None
     # the memory the cache reports: codes + a float32 scale and zero per token and head (this model is float32)
-    assert got.layers[0].memory()["full_precision_heads"] == 2 * t * 1 * (64 * bits // 8 + 2 * 4)
-    assert ref.layers[0].memory()["full_precision_heads"] == 2 * t * 1 * 64 * 4
+    assert got.layers[0].memory()["retrieval_heads"] == 2 * t * 1 * (64 * bits // 8 + 2 * 4)
+    assert ref.layers[0].memory()["retrieval_heads"] == 2 * t * 1 * 64 * 4
 
 
 def test_history_bits_count_the_stored_form():

@@ -109,7 +109,7 @@ def test_auto_without_scores_gives_no_heads_and_says_so(caplog):
     m = tiny_model("llama")
     with caplog.at_level(logging.INFO, logger="oscar_hf"):
         cache = OscarCache(m, **SMALL)  # built-in Hadamard rotations: no retrieval scores
-    assert all(isinstance(x, OscarLayer) and x.fp_heads == () for x in cache.layers)
+    assert all(isinstance(x, OscarLayer) and x.retrieval_heads == () for x in cache.layers)
     assert cache.oscar_config.full_precision_heads == "auto"
     assert "no retrieval scores" in caplog.text
     assert resolve(m, OscarRotations.builtin(m, "identity")) == []
@@ -130,7 +130,7 @@ def test_a_whole_layer_of_coded_heads_keeps_its_storage(compile):
     kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0, output_scores=True,
               return_dict_in_generate=True)
     got = {c: m.generate(ids, **kw, **cache_kwargs(m, x)) for c, x in caches.items()}
-    assert layer.q_heads == () and layer.fp_heads == (0, 1)
+    assert layer.q_heads == () and layer.retrieval_heads == (0, 1)
     rep = cache.memory_report()
     assert rep["full_precision_layers"] == 0
     assert rep["history_bits_per_element"] == pytest.approx((2 * 3.0 + 2 * 9.0) / 4)  # INT2 rows 3.0, INT8 heads 9.0
@@ -235,11 +235,11 @@ def test_auto_heads_generate_on_both_storages(compile):
     cache = OscarCache(m, rot, compile=compile, **SMALL, max_history_bits=9.5)
     layer_cls = CompiledOscarLayer if compile else OscarLayer
     assert [type(x) for x in cache.layers] == [layer_cls, layer_cls]
-    assert [x.fp_heads for x in cache.layers] == [(1,), (0,)]
+    assert [x.retrieval_heads for x in cache.layers] == [(1,), (0,)]
     got = m.generate(ids, **kw, **cache_kwargs(m, cache))
     assert got.sequences.shape == (2, 42) and cache.get_seq_length() == 41
     plain = OscarCache(m, rot, compile=compile, **SMALL, full_precision_heads=0)
-    assert all(x.fp_heads == () for x in plain.layers)
+    assert all(x.retrieval_heads == () for x in plain.layers)
     ref = m.generate(ids, **kw, **cache_kwargs(m, plain))
     diff = [(a - b).nan_to_num(0.0).abs().max() for a, b in zip(got.scores, ref.scores)]  # (EOS held at -inf)
     assert max(map(float, diff)) > 1e-4  # the heads are used

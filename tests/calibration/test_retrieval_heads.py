@@ -79,7 +79,7 @@ def test_full_precision_heads_storage_and_memory():
     t = out.shape[1] - 1
     for (li, h) in FPH:
         layer = cache.layers[li]
-        assert isinstance(layer, OscarLayer) and layer.fp_heads == (h,) and layer.q_heads == (1 - h,)
+        assert isinstance(layer, OscarLayer) and layer.retrieval_heads == (h,) and layer.q_heads == (1 - h,)
         assert layer.hist_k.codes.shape[1] == 1  # the full-precision head is not in the INT2 history
         ref = ref_cache.layers[li]  # the prompt's slots (prefill is exact; later ones see quantized layers)
         (fp_k,), (fp_v,) = layer.fp_k, layer.fp_v
@@ -132,12 +132,12 @@ def test_top_k_from_artifact_scores_and_bad_input():
     rot = with_scores(m, [[0.1, 0.9], [0.5, 0.2]])
     cache = OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=2))
     assert cache.oscar_config.full_precision_heads == ((0, 1), (1, 0))  # resolved: the saved config names them
-    assert [layer.fp_heads for layer in cache.layers] == [(1,), (0,)]
+    assert [layer.retrieval_heads for layer in cache.layers] == [(1,), (0,)]
     whole = ((0, 0), (0, 1))  # every head of layer 0: exact -> a full-precision layer; INT8 -> no INT2 head left
     assert not isinstance(OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=whole,
                                                          full_precision_bits=16)).layers[0], OscarLayer)
     cache = OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=whole))
-    assert isinstance(cache.layers[0], OscarLayer) and cache.layers[0].fp_heads == (0, 1)
+    assert isinstance(cache.layers[0], OscarLayer) and cache.layers[0].retrieval_heads == (0, 1)
     with pytest.raises(ValueError, match="retrieval scores"):
         OscarCache(m, **SMALL, full_precision_heads=1)  # built-in rotations have no scores
     with pytest.raises(ValueError, match="must lie in"):
@@ -149,7 +149,7 @@ def test_top_k_from_artifact_scores_and_bad_input():
     with pytest.raises(ValueError, match=">= 0"):
         OscarConfig(full_precision_heads=-1)
     static = StaticOscarCache(m, max_cache_len=64, **SMALL, full_precision_heads=((0, 1),))  # both storages take them
-    assert static.layers[0].fp_heads == (1,) and static.layers[1].fp_heads == ()
+    assert static.layers[0].retrieval_heads == (1,) and static.layers[1].retrieval_heads == ()
 
 
 def test_retrieval_scores_round_trip_and_validation(tmp_path):

@@ -175,7 +175,7 @@ def test_artifact_round_trip_and_user_arguments_win(tiny, calibrated, tmp_path):
     want = OscarConfig(**{**CHOSEN, "full_precision_heads": ((0, 1),)})
     for cache in (OscarCache.from_pretrained(tmp_path / "a", tiny), OscarCache(tiny, loaded)):
         assert cache.oscar_config == want
-        assert [len(layer.fp_heads) for layer in cache.layers] == [1, 0]
+        assert [len(layer.retrieval_heads) for layer in cache.layers] == [1, 0]
     # the user's keywords win field by field; config= / preset= replace the choice wholesale
     c = OscarCache.from_pretrained(tmp_path / "a", tiny, recent=32, group_size=64).oscar_config
     assert (c.recent, c.group_size, c.sink, c.quantizer) == (32, 64, 8, "std")

@@ -199,7 +199,7 @@ def test_fast_equals_token_by_token_head_dim_256_one_kv_head():
     ids = torch.randint(0, 256, (1, 64))
     with torch.no_grad():
         model(ids[:, :40], **cache_kwargs(model, cache))
-    assert cache.layers[1].q_heads == () and cache.layers[1].fp_heads == (0,) and cache.layers[3].q_heads == (0,)
+    assert cache.layers[1].q_heads == () and cache.layers[1].retrieval_heads == (0,) and cache.layers[3].q_heads == (0,)
     assert not isinstance(cache.layers[0], OscarLayer) and not isinstance(cache.layers[2], OscarLayer)  # sliding
     assert cache.memory_report()["history_bits_per_element"] == pytest.approx((2.5 + 8.125) / 2)
     f, c = both(model, ids, method, 20)

@@ -48,8 +48,8 @@ class Layer:
         hist_k, hist_v = hist(), hist()
         # stored as the compiled storage keeps them (keys at 0, values at 1), read through the views below
         self.win_kv = torch.stack([win_k, win_v])  # [2, B, Hk, S0 + R, D]
-        self.codes_kv = torch.stack([hist_k.codes, hist_v.codes])  # [2, B, Hq, N, D/4]
-        self.meta_kv = torch.stack([torch.stack([h.scale, h.zero]) for h in (hist_k, hist_v)])  # [2, 2, B, Hq, N, D/G]
+        self.codes_kv = torch.stack([hist_k.codes, hist_v.codes])  # [2, B, H2, N, D/4]
+        self.meta_kv = torch.stack([torch.stack([h.scale, h.zero]) for h in (hist_k, hist_v)])  # [2, 2, B, H2, N, D/G]
         # exact: signed permutations, so (x - mu) @ r is exact in fp32 whatever the summation order
         rot = _signed_permutation if exact else random_rotation
         self.r_k, self.r_v = rot(hq, d, gen), rot(hq, d, gen)
@@ -214,7 +214,7 @@ def test_reference_matches_loop_model(heads, ring_extra, mu_k, meta, dtype, code
     for now, then in ((layer.hist_k, first.hist_k), (layer.hist_v, first.hist_v), (layer.coded_k, first.coded_k),
                       (layer.coded_v, first.coded_v)):
         if now is not None:
-            assert (now[0] != then[0]).any(-1).all()  # [B, Hq or P, N]
+            assert (now[0] != then[0]).any(-1).all()  # [B, H2 or P, N]
 
 
 def test_reference_no_demotion_past_capacity():
