@@ -3,7 +3,7 @@
 Rows: a BF16 ``DynamicCache`` and ``OscarCache.from_pretrained(ARTIFACT, model)`` with its defaults (calibrated
 rotations, ``full_precision_heads="auto"``), plus optional rows given by ``--rows``. Texts: the evaluation half of
 WikiText (:func:`~oscar_hf.eval.perplexity.evaluation_ids`) and the prose of the Python language reference
-(``pydoc``, :func:`~oscar_hf.eval.needle.pydoc_prose`: not WikiText, never seen by calibration). Every window
+(``pydoc``, :func:`~oscar_hf.eval.haystack.pydoc_prose`: not WikiText, never seen by calibration). Every window
 starts with a ``--prefill``-token prompt (default 1; the prefill itself is exact); each later token is predicted by a
 decode step of the cache under test (``--path exact``, no fake-quant shortcut), so the history holds up to
 ``context - sink - recent`` INT2 tokens, from the prompt's first decode step on when the prompt is long; ``--path fast``
@@ -36,7 +36,7 @@ def load_ids(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
 
         return evaluation_ids(tokenizer, n_tokens)
     if text == "pydoc":
-        from .needle import load_haystack
+        from .haystack import load_haystack
 
         return load_haystack(tokenizer, "pydoc", n_tokens)
     raise ValueError(f"unknown text {text!r}; known: {TEXTS}")
@@ -45,7 +45,7 @@ def load_ids(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
 def window_ids(tokenizer, text: str, context: int, windows: int) -> torch.Tensor:
     """``[context * windows]`` ids of ``text``, window after window; a tokenizer that adds a BOS token (Gemma) gets it
     at the start of every window (the window's one-token prompt), as the model always saw it in training."""
-    from .needle import bos_ids
+    from .haystack import bos_ids
 
     head = bos_ids(tokenizer)
     if not head:

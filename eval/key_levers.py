@@ -40,7 +40,8 @@ import torch
 
 from .fakequant import FakeQuantSpec
 from .methods import OscarSpec
-from .needle import LOCKER, fast_answer_scores, load_haystack, make_cells, make_needle_prompt
+from .haystack import load_haystack
+from .needle import LOCKER, fast_answer_scores, make_cells, make_needle_prompt
 
 BLOCK = 64  # tokens per per-channel group / per block mean (KIVI's group of 64 tokens)
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .needle import (FORMATS, MAGIC_NUMBER, GridOptions, accuracy_table, history_bits, length_summary, load_haystack,
+from .haystack import load_haystack
+from .needle import (FORMATS, MAGIC_NUMBER, GridOptions, accuracy_table, history_bits, length_summary,
                      nll_table, run_grid)
 
 

@@ -40,7 +40,7 @@ def test_metadata(gguf):
 
 
 def _passages():
-    from oscar_hf.eval.needle import pydoc_prose
+    from oscar_hf.eval.haystack import pydoc_prose
 
     wiki = wikitext_path().read_text(encoding="utf-8")
     return [wiki[400_000:406_000], pydoc_prose()[:6_000],

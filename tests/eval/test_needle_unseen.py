@@ -9,6 +9,7 @@ import torch
 
 from oscar_hf.calibration.retrieval_heads import probe_needles
 from oscar_hf.data import split_texts
+from oscar_hf.eval.haystack import load_haystack, pydoc_prose
 from oscar_hf.eval.methods import get_method
 from oscar_hf.eval.needle import (
     FORMATS,
@@ -17,11 +18,9 @@ from oscar_hf.eval.needle import (
     MAGIC_NUMBER,
     answer,
     answer_nll,
-    load_haystack,
     make_cells,
     make_needle_prompt,
     prefill_kv,
-    pydoc_prose,
     score_code,
     write_prefix,
 )
