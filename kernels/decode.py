@@ -89,7 +89,7 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
     hi = pages.lengths if pages is not None else history.n_valid
     if pages is None and hi.device.type == "cpu":  # (a CPU reference reads only the filled part)
         hi = int(hi)
-    coded = heads_decode_attention(q, split.coded_idx, history.coded, split.bits, (lo, hi), window.rows(), scaling,
+    coded = heads_decode_attention(q, split.coded_idx, history.coded, split.bits, (lo, hi), window, scaling,
                                    out_dtype, pages=pages, softcap=softcap, use_kernels=use_kernels,
                                    sinks=None if sinks is None else sinks.index_select(0, split.coded_idx))
     if out is full:  # (the launcher wrote the INT2 heads' rows in place)

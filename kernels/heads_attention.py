@@ -17,8 +17,9 @@ min-max: ``x ~ zero + code * scale``), or in the model dtype (16 bits); :mod:`os
   :class:`~oscar_hf.kernels.kv.Pages` (its ``table`` int ``[B, pages]`` and ``max_len`` read): the store is paged,
   parts ``[num_pages, P, page_size, *]``, slot ``s`` of row ``b`` at offset ``s % page_size`` of page ``table[b, s
   // page_size]`` (the serving store); ``max_len``: the longest ``hi`` (sizes the grid);
-* ``window`` a :class:`~oscar_hf.kernels.kv.Window`: ``k/v [B, Hk, W, D]`` (model dtype) and a bool mask ``[B, W]``
-  or ``[B, 1, 1, W]`` (or None): the window (sink, recent, the new token) that every head reads exactly;
+* ``window`` a :class:`~oscar_hf.kernels.kv.Window`: ``k/v [B, Hk, W, D]`` (model dtype; or the serving store's pool
+  ``[slots, Hk, W, D]`` with ``slot [B]``, read in place) and a bool mask ``[B, W]`` or ``[B, 1, 1, W]`` (or None):
+  the window (sink, recent, the new token) that every head reads exactly;
 
 returns ``[B, P, M, D]`` in ``out_dtype``: ``softmax(scaling * q k^T) v`` over the history and the window. Rows with
 no valid key give 0. ``softcap`` (Gemma 2's logit soft-capping) and ``sinks`` (``[P, M]`` logits of a zero-valued key,
@@ -47,8 +48,9 @@ def dequantize_heads(parts: tuple[torch.Tensor, ...], bits: int) -> torch.Tensor
     return zero.float() + codes.float() * scale.float()
 
 
-def check_heads_args(q, heads, k, v, bits, win_k, win_mask, block_table=None) -> None:
-    """Shapes and forms the read takes: a clear error at the call, never a wrong read."""
+def check_heads_args(q, heads, k, v, bits, win_k, win_mask, block_table=None, win_slot=None) -> None:
+    """Shapes and forms the read takes: a clear error at the call, never a wrong read (``win_slot [B]``: the window
+    is a pool ``[slots, Hk, W, D]``, row ``b`` at ``win_slot[b]``)."""
     if bits not in (4, 8, 16):
         raise ValueError(f"retrieval heads are stored at 4, 8 or 16 bits, got {bits}")
     if len(k) != (1 if bits == 16 else 3) or len(v) != len(k):
@@ -65,8 +67,10 @@ def check_heads_args(q, heads, k, v, bits, win_k, win_mask, block_table=None) ->
         raise ValueError(f"{bits}-bit head codes of head_dim {d} have {want} columns, got {k[0].shape[-1]}")
     if block_table is not None and (block_table.dim() != 2 or block_table.shape[0] != b):
         raise ValueError(f"block table {tuple(block_table.shape)} is not [B, pages] with B = {b}")
-    if win_k.shape[:2] != (b, hk) or win_k.shape[-1] != d:
+    if (win_k.shape[0] != b and win_slot is None) or win_k.shape[1] != hk or win_k.shape[-1] != d:
         raise ValueError(f"window {tuple(win_k.shape)} does not match queries {tuple(q.shape)}")
+    if win_slot is not None and (win_slot.shape != (b,) or win_slot.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"window slots must be int32/int64 [B={b}], got {win_slot.dtype} {tuple(win_slot.shape)}")
     if win_mask is not None and win_mask.shape != (b, win_k.shape[2]):
         raise ValueError(f"window mask {tuple(win_mask.shape)} is not [B, W] = {(b, win_k.shape[2])}")
 
@@ -98,6 +102,7 @@ def heads_decode_reference(q, heads, coded, bits: int, bounds, window, scaling: 
     """Torch reference of :func:`heads_decode_attention` (float32 math; the history dequantized ``block_n`` slots at
     a time and merged by the online-softmax rule, as the kernel does in registers)."""
     (k, v), (lo, hi), block_table = coded, bounds, None if pages is None else pages.table
+    window = window.rows()  # (the reference gathers a window pool's rows by slot; the kernel reads them in place)
     win_k, win_v, win_mask = window.k, window.v, window.mask_2d()
     if block_table is not None:
         k, v = gather_pages(k, block_table), gather_pages(v, block_table)
@@ -132,7 +137,8 @@ def heads_decode_attention(q, heads, coded, bits: int, bounds, window, scaling: 
                            pages=None, softcap=None, sinks=None, use_kernels="auto") -> torch.Tensor:
     """Dispatch: the two Triton launches on CUDA (never traced: the compiled layer calls it inside its opaque op,
     :mod:`.static_op`), the reference elsewhere. Arguments: the module docstring."""
-    check_heads_args(q, heads, *coded, bits, window.k, window.mask_2d(), None if pages is None else pages.table)
+    check_heads_args(q, heads, *coded, bits, window.k, window.mask_2d(), None if pages is None else pages.table,
+                     window.slot)
     out_dtype = out_dtype or q.dtype
     if sinks is not None and sinks.shape != (heads.numel(), q.shape[2]):
         raise ValueError(f"sinks {tuple(sinks.shape)} are not [P, M] = {(heads.numel(), q.shape[2])}")

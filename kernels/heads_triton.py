@@ -123,14 +123,15 @@ def _history_part(qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI
 
 
 @triton.jit
-def _window_part(qa, qb, m_i, l_i, acc_a, acc_b, WK, WV, WM, b, h, swb, swh, swn, swvb, swvh, swvn, smb, W,
+def _window_part(qa, qb, m_i, l_i, acc_a, acc_b, WK, WV, WM, b, bw, h, swb, swh, swn, swvb, swvh, swvn, smb, W,
                  qk_scale, DC: tl.constexpr, NPL: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WMASK: tl.constexpr,
                  OP: tl.constexpr, DCP: tl.constexpr, SOFTCAP: tl.constexpr):
-    """The window: exact keys and values in the model dtype, entries masked by ``WM``."""
+    """The window: exact keys and values in the model dtype (row ``bw`` of ``WK`` / ``WV``: ``b``, or its slot of the
+    serving store's window pool), entries masked by row ``b`` of ``WM``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, DCP)
-    kbase = WK + b * swb + h * swh
-    vbase = WV + b * swvb + h * swvh
+    kbase = WK + bw * swb + h * swh
+    vbase = WV + bw * swvb + h * swvh
     for n0 in range(0, W, BLOCK_N):
         offs = n0 + offs_n
         inb = offs < W
@@ -158,10 +159,11 @@ def _heads_split_kernel(
     swb, swh, swn, swvb, swvh, swvn, smb, P, M, W, hi_host, split_len, s_hist, s_tot, qk_scale,
     DC: tl.constexpr, NPL: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
     HI_DEV: tl.constexpr, PAGE: tl.constexpr, HAS_WMASK: tl.constexpr, OP: tl.constexpr, DCP: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, WSLOT=None, HAS_WSLOT: tl.constexpr = 0,
 ):
     """``DCP``: the plane width ``DC`` padded to a power of two (``DC`` itself where it is one); ``SOFTCAP``: the
-    logits' cap in log2 units (0: none)."""
+    logits' cap in log2 units (0: none); ``HAS_WSLOT``: row ``b``'s window is row ``WSLOT[b]`` of ``WK`` / ``WV`` (the
+    serving store's window pool, read in place)."""
     bp = tl.program_id(0)
     s = tl.program_id(1)
     b = bp // P
@@ -185,8 +187,11 @@ def _heads_split_kernel(
             skb, skp, skn, sksb, sksp, sksn, svb, svp, svn, svsb, svsp, svsn, shi, sbt, hi_host, split_len, qk_scale,
             DC, NPL, BLOCK_N, BITS, HI_DEV, PAGE, OP, DCP, SOFTCAP)
     else:
+        bw = b
+        if HAS_WSLOT:  # (64-bit: a pool of many slots is past 2**31 elements sooner than a row's store)
+            bw = tl.load(WSLOT + b).to(tl.int64)
         m_i, l_i, acc_a, acc_b = _window_part(
-            qa, qb, m_i, l_i, acc_a, acc_b, WK, WV, WM, b, h, swb, swh, swn, swvb, swvh, swvn, smb, W, qk_scale,
+            qa, qb, m_i, l_i, acc_a, acc_b, WK, WV, WM, b, bw, h, swb, swh, swn, swvb, swvh, swvn, smb, W, qk_scale,
             DC, NPL, BLOCK_N, HAS_WMASK, OP, DCP, SOFTCAP)
     part = bp * s_tot + s  # (s_tot: the partials per row, one more than the programs with a sink)
     tl.store(PM + part * M_PAD + offs_m, m_i)
@@ -242,6 +247,7 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
     any head_dim (a plane that is no power of two is padded inside), ``softcap`` (natural units) capped in the
     kernel."""
     (k, v), (lo, hi), win_k, win_v, win_mask = coded, bounds, window.k, window.v, window.mask_2d()
+    slot = window.slot  # None, or [B]: row b's window is row slot[b] of win_k / win_v (the store's pool, in place)
     block_table, max_len = (None, None) if pages is None else (pages.table, pages.max_len)
     df = defaults
     b, _, m, d = q.shape
@@ -260,6 +266,8 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
         return torch.cat([heads_decode_triton(
             q[a : a + rows], heads, tuple(tuple(t[a : a + rows] for t in x) for x in (k, v)), bits,
             (lo[a : a + rows], rows_of(hi, a, a + rows)),
+            Window(win_k, win_v, None if win_mask is None else win_mask[a : a + rows], slot[a : a + rows])
+            if slot is not None else
             Window(win_k[a : a + rows], win_v[a : a + rows], None if win_mask is None else win_mask[a : a + rows]),
             scaling, out_dtype, sinks=sinks, softcap=softcap, defaults=defaults) for a in range(0, b, rows)])
     npl = 2 if bits == 4 else 1
@@ -294,6 +302,7 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
         DC=d // npl, NPL=npl, M_PAD=m_pad, BLOCK_N=plan.block_n, BITS=bits, HI_DEV=hi_dev, PAGE=page,
         HAS_WMASK=win_mask is not None, OP=op, DCP=next_pow2(d // npl),
         SOFTCAP=float(softcap) * 1.4426950408889634 if softcap else 0.0, num_warps=warps, num_stages=stages,
+        **({} if slot is None else dict(WSLOT=slot, HAS_WSLOT=1)),
     )
     out = torch.empty(b, p, m, d, dtype=out_dtype, device=dev)
     _heads_combine_kernel[(b * p * m,)](pm, pl, pacc, out, m, s_tot, M_PAD=m_pad, D=d,

@@ -186,6 +186,16 @@ def main():
                 torch.zeros(8, dtype=torch.int64), hi, wk, wk, torch.ones(8, 385, dtype=torch.bool), 0.1,
                 torch.bfloat16)
             heads_labels.append(f"heads bits={bits} hi_dev={isinstance(hi, torch.Tensor)}")
+    # the serving store's window pool read in place by slot (HAS_WSLOT)
+    from oscar_hf.kernels.kv import Window
+
+    x = torch.randn(8, 2, 4096, 128, generator=g0).bfloat16()
+    qm = quantize_minmax(x, 8, torch.bfloat16)
+    wk = torch.randn(12, 8, 385, 128, generator=g0).bfloat16()
+    ht.heads_decode_triton(torch.randn(8, 8, 4, 128, generator=g0).bfloat16(), torch.tensor([1, 5]),
+                           ((qm.codes, qm.scale, qm.zero),) * 2, 8, (torch.zeros(8, dtype=torch.int64), torch.tensor(3000)),
+                           Window(wk, wk, torch.ones(8, 385, dtype=torch.bool), torch.arange(8) + 2), 0.1, torch.bfloat16)
+    heads_labels.append("heads bits=8 hi_dev=True window_slots=True")
     # head_dims 96 (planes padded) and 512 (32-slot blocks, 2 stages), and soft-capped logits
     for d, bits, cap in ((96, 8, None), (96, 4, None), (96, 16, None), (512, 8, None), (512, 4, None), (512, 16, None),
                          (128, 8, 50.0)):

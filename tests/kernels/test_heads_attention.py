@@ -292,8 +292,9 @@ def test_decode_reads_the_int2_heads_window_in_place(mode):
     """A layer with a retrieval head (KV head 1 of 4): the INT2 heads' launch reads the layer's whole window at their
     own KV heads (``Window.kv_heads``, no copy of the window) and writes their rows straight into the layer's output,
     the retrieval head's rows beside them -- equal to the references, which copy the INT2 heads' window out
-    (``Window.gathered``), for the eager read, the compiled storage's device-side length and the paged pool. Every
-    KV head's window differs, so a head read at another head's place would not match."""
+    (``Window.gathered``), for the whole history, the compiled storage's device-side length and the paged pool (whose
+    window pool both reads take in place by slot, the slots reversed against the rows). Every KV head's window
+    differs, so a head read at another head's place would not match."""
     from oscar_hf.kernels.decode import decode
     from oscar_hf.kernels.kv import HeadSplit, History, KVParams, Pages, Window
     from oscar_hf.quant import encode_heads, quantize_rows
