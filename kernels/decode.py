@@ -38,11 +38,10 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
     out_dtype = out_dtype or q.dtype
     split = params.heads if history.coded is not None else None
     qi, win, si = q, window, sinks
-    full = None  # with retrieval heads: [B, Hk, M, D], the launcher writes the INT2 heads' rows into it in place
+    full = None  # with retrieval heads and kernels: [B, Hk, M, D], the launcher writes the INT2 heads' rows in place
     if split is not None:  # the INT2 heads' part of the query and the sinks; their window, read in place
         qi, win = q.index_select(1, split.int2_idx), window.heads(split.int2_idx)
         si = None if sinks is None else sinks.index_select(0, split.int2_idx)
-        full = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     out = None
     if history.k.codes.shape[1]:  # the INT2 heads
         from . import decode_triton as dt
@@ -50,6 +49,8 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
 
         k, v, w = history.k, history.v, 0 if win.k is None else win.k.shape[-2]
         kernels = triton_enabled(qi, use_kernels)
+        if split is not None and kernels:  # (the references return the INT2 heads' rows: merged below)
+            full = torch.empty(q.shape, dtype=out_dtype, device=q.device)
         if history.pages is not None:  # (the float32 query: the window's logits as the store has always read them)
             pages, qf, b = history.pages, qi.float(), qi.shape[0]
             check_paged_inputs(qf, k, v, pages, win)
@@ -92,6 +93,6 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
     coded = heads_decode_attention(q, split.coded_idx, history.coded, split.bits, (lo, hi), window, scaling,
                                    out_dtype, pages=pages, softcap=softcap, use_kernels=use_kernels,
                                    sinks=None if sinks is None else sinks.index_select(0, split.coded_idx))
-    if out is full:  # (the launcher wrote the INT2 heads' rows in place)
+    if full is not None and out is full:  # (the launcher wrote the INT2 heads' rows in place)
         return full.index_copy_(1, split.coded_idx, coded.to(out_dtype))
     return merge_heads(out, coded.to(out_dtype), split.int2_idx, split.coded_idx, q.shape[1])
