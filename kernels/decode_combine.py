@@ -1,10 +1,9 @@
 """The combine kernel of the decode read path: the log-sum-exp merge of the split partials.
 
 One program per query row (``PARTS`` per row where rows are few) merges the ``S_HIST`` history partials (rotated value
-space) and, for the decode op (``FINAL``), the window partials (value space), rotates the merged history row back
-(``acc R_Vᵀ + l mu_V``, a per-row mat-vec) and normalizes. Partials are ``[B * Hk, S_TOT, M]`` (``m``, ``l``, log2
-units) and ``[B * Hk, S_TOT, M, D]`` (``acc``), as :mod:`~oscar_hf.kernels.decode_split` and the Gluon history kernel
-write them.
+space) and, for the decode op (``FINAL``), the window partials (value space), rotates the merged history row back (``acc
+R_Vᵀ + l mu_V``, a per-row mat-vec) and normalizes. Partials are ``[B * Hk, S_TOT, M]`` (``m``, ``l``, log2 units) and
+``[B * Hk, S_TOT, M, D]`` (``acc``), as :mod:`~oscar_hf.kernels.decode_split` and the Gluon history kernel write them.
 """
 from __future__ import annotations
 
@@ -49,10 +48,9 @@ def _combine_kernel(
     at a time, so only the merged history row (not each split) is rotated back. Rows without any
     valid key are 0.
 
-    Latency, not bandwidth, sets this kernel's time (a few programs per SM, each a chain of dependent
-    loads): the history is merged in ONE pass with a running
-    max (one round of loads when ``S_HIST <= S_BLOCK``), and with ``C_BLOCK == D`` the whole ``R_V[h]``
-    is loaded first, so its latency overlaps the partials' loads.
+    Latency, not bandwidth, sets this kernel's time (a few programs per SM, each a chain of dependent loads): the
+    history is merged in ONE pass with a running max (one round of loads when ``S_HIST <= S_BLOCK``), and with ``C_BLOCK
+    == D`` the whole ``R_V[h]`` is loaded first, so its latency overlaps the partials' loads.
 
     ``HOIST`` (FINAL, ``C_BLOCK < D``, at most ``SW_BLOCK`` window splits): one round of loads before the merge -- the
     history partials, all window partials (``[SW_BLOCK, D]``) and ``R_V``'s first chunk -- and each further chunk's

@@ -68,10 +68,9 @@ Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets), per
 (8 per row), value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``); logits ``[16, 8]`` float32 (rows
 ``r, r + 8``, columns ``2c, 2c + 1``), value accumulators ``4 NH`` x ``[32, 8]`` float32 (one per chunk).
 
-GPU only: Gluon has no interpreter mode. ``tests/kernels/test_compile_sm90.py`` compiles it on any machine
-(with checks of the hot loop: its MMA and copy counts, no spill and no shared-memory store inside it); the GPU tests
-compare it with the reference. The building blocks (layouts, inline PTX, operands) are in
-:mod:`~oscar_hf.kernels.decode_gluon_ops`.
+GPU only: Gluon has no interpreter mode. ``tests/kernels/test_compile_sm90.py`` compiles it on any machine (with checks
+of the hot loop: its MMA and copy counts, no spill and no shared-memory store inside it); the GPU tests compare it with
+the reference. The building blocks (layouts, inline PTX, operands) are in :mod:`~oscar_hf.kernels.decode_gluon_ops`.
 """
 from __future__ import annotations
 

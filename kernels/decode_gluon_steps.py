@@ -25,15 +25,14 @@ def _pair_valid(n0, start, hi):
 def _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, co, mo, lo, hi, lr, lc, mr, TB: gl.constexpr, NH: gl.constexpr,
                  MASKED: gl.constexpr, TP: gl.constexpr = 1):
     """The loads of the step at ``n0`` (word offsets ``co`` of its codes, ``mo`` of its metadata: :func:`_row_offs`)
-    from per-lane addresses (``[32]`` each, at token 0; lane ``4r + c`` reads key
-    row ``r``, value token ``2c``, metadata of logit row ``r`` (token ``mr``)): the tiles of :func:`_loads`, in its
-    layouts, as tuples -- ``NH`` key and value word tiles (one per 32-byte half of a row), ``NH`` metadata tiles per
-    tensor (one per word of a token). ``MASKED``: only tokens in ``[lo, hi)`` are read (keys and their metadata:
-    ``< hi``), else 0. ``TP = 2`` (D = 64; ``n0`` a row of two tokens, ``lo`` / ``hi`` token bounds): a lane reads
-    the bytes of its row's token ``2 row + e`` only where that token is ``< hi`` (keys: bytes ``8c..`` are token
-    ``e = c // 2``'s; values: word ``r``, ``e = r // 4``), so the missing token of an odd last row is never read; a
-    metadata word (both tokens') is read where either token is in range, and set to 0 in the logit columns whose
-    token is not (:func:`_pair_valid`)."""
+    from per-lane addresses (``[32]`` each, at token 0; lane ``4r + c`` reads key row ``r``, value token ``2c``,
+    metadata of logit row ``r`` (token ``mr``)): the tiles of :func:`_loads`, in its layouts, as tuples -- ``NH`` key
+    and value word tiles (one per 32-byte half of a row), ``NH`` metadata tiles per tensor (one per word of a token).
+    ``MASKED``: only tokens in ``[lo, hi)`` are read (keys and their metadata: ``< hi``), else 0. ``TP = 2`` (D = 64;
+    ``n0`` a row of two tokens, ``lo`` / ``hi`` token bounds): a lane reads the bytes of its row's token ``2 row +
+    e`` only where that token is ``< hi`` (keys: bytes ``8c..`` are token ``e = c // 2``'s; values: word ``r``, ``e =
+    r // 4``), so the missing token of an odd last row is never read; a metadata word (both tokens') is read where
+    either token is in range, and set to 0 in the logit columns whose token is not (:func:`_pair_valid`)."""
     big = -(1 << 30)
     if TP == 2:  # the token bounds as row bounds: keys (lane column c: token 2 row + c // 2), values (word r: token
         # 2 row + r // 4), metadata words (either token)
@@ -296,8 +295,7 @@ def _accumulate(lg, xv, vs, vz, kdiag, ones, state, TB: gl.constexpr, NH: gl.con
 def _step(xk, xv, ks, kz, vs, vz, n0, hi, start, qb, c, qs, offc, kdiag, ones, state,
           TB: gl.constexpr, MH: gl.constexpr, NH: gl.constexpr, MASKED: gl.constexpr, K8: gl.constexpr,
           TP: gl.constexpr = 1):
-    """One step of ``16 TB`` code rows (``TP`` tokens each) from its loaded words: logits, then
-    :func:`_accumulate`."""
+    """One step of ``16 TB`` code rows (``TP`` tokens each) from its loaded words: logits, then :func:`_accumulate`."""
     lg = _logits(xk, ks, kz, n0, hi, start, qb, c, qs, offc, TB, MH, NH, MASKED, K8, TP)
     return _accumulate(lg, xv, vs, vz, kdiag, ones, state, TB, NH, TP)
 

@@ -71,10 +71,9 @@ def _split_kernel(
     one 4-byte word (NG = 2); ``ASM``: code extraction in inline PTX (GPU only); ``WIN_ONLY``: only the window
     programs (``PID_OFF`` = S), software-pipelined over ``WIN_STAGES``.
 
-    ``DP``: ``D`` padded to a power of two where it is none (D = 96: 128; 0 = ``D``): the planes' tiles are
-    ``D4P = DP / 4`` channels wide, the padded ones masked on every load (codes 0, query 0) and store. ``SOFTCAP`` > 0:
-    every logit (history and window) soft-capped, ``SOFTCAP tanh(x / SOFTCAP)`` in log2 units (:func:`_soft_cap`),
-    before the mask.
+    ``DP``: ``D`` padded to a power of two where it is none (D = 96: 128; 0 = ``D``): the planes' tiles are ``D4P = DP /
+    4`` channels wide, the padded ones masked on every load (codes 0, query 0) and store. ``SOFTCAP`` > 0: every logit
+    (history and window) soft-capped, ``SOFTCAP tanh(x / SOFTCAP)`` in log2 units (:func:`_soft_cap`), before the mask.
 
     ``PAGED`` (the serving pool, ``paged_decode.py``): the history lives in pages of ``PAGE`` entries, ``KC`` ..
     ``VZ`` are ``[num_pages, Hk, PAGE, *]`` (the ``b`` strides ``skb``, ``smkb``, ``svb``, ``smvb`` are page strides);
@@ -166,15 +165,13 @@ def _split_kernel(
                 cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
                        OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
                 qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))
-                # No per-block reductions. Every block is
-                # exponentiated against one fixed reference phi[m] (the max of the split's first block),
-                # and l, sum p z and the running max are kept as elementwise [BLOCK_N, M_PAD] tiles
-                # (registers only: no shuffles, no barriers, no rescaling of acc), reduced once after the
-                # loop, where acc, l, zacc are rescaled to the true max. Guard: if any row's true max
-                # differs from phi by more than DF_LIM (log2 units: p up to 2^DF_LIM stays far from
-                # float32 / bf16 overflow; phi = 0 when the first block has no valid token could also
-                # underflow every p) the split is run again with phi = its true max (at most once).
-                # phi: max of the first block's valid logits (0 for rows without any there)
+                # No per-block reductions. Every block is exponentiated against one fixed reference phi[m] (the max of
+                # the split's first block), and l, sum p z and the running max are kept as elementwise [BLOCK_N, M_PAD]
+                # tiles (registers only: no shuffles, no barriers, no rescaling of acc), reduced once after the loop,
+                # where acc, l, zacc are rescaled to the true max. Guard: if any row's true max differs from phi by more
+                # than DF_LIM (log2 units: p up to 2^DF_LIM stays far from float32 / bf16 overflow; phi = 0 when the
+                # first block has no valid token could also underflow every p) the split is run again with phi = its
+                # true max (at most once). phi: max of the first block's valid logits (0 for rows without any there)
                 offs_n, inb, valid = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 kro0, kmo0, vro0, vmo0 = _block_rows(lo, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn, smvb,
                                                      NG, PAGE, BLOCK_N, PAGED)

@@ -36,12 +36,11 @@ def _op16(x, LOWP: tl.constexpr):
 
 @triton.jit
 def _u_plane(bytes_, P: tl.constexpr, LOWP: tl.constexpr, EXACT: tl.constexpr):
-    """Codes of plane ``P`` of a byte tile as exact tensor-core operands, with no shift and no
-    int->float conversion: ``byte & (3 << 2P)`` is ``4^P code``; or-ed into the fp16 bit pattern of
-    1024 (``0x6400``, whose mantissa LSB is worth 1; ``4^P code <= 192`` fits the 10 mantissa bits)
-    it reads as ``u = 1024 + 4^P code``: one and-or per code. ``EXACT`` subtracts the 1024 (exact in
-    fp16), else the caller removes the offset from the result. Interpreter (float32): ``u = 1 + 4^P
-    code`` (offset ``OFFS = 1``), so the offset bookkeeping is exercised on the CPU too."""
+    """Codes of plane ``P`` of a byte tile as exact tensor-core operands, with no shift and no int->float conversion:
+    ``byte & (3 << 2P)`` is ``4^P code``; or-ed into the fp16 bit pattern of 1024 (``0x6400``, whose mantissa LSB is
+    worth 1; ``4^P code <= 192`` fits the 10 mantissa bits) it reads as ``u = 1024 + 4^P code``: one and-or per code.
+    ``EXACT`` subtracts the 1024 (exact in fp16), else the caller removes the offset from the result. Interpreter
+    (float32): ``u = 1 + 4^P code`` (offset ``OFFS = 1``), so the offset bookkeeping is exercised on the CPU too."""
     m = bytes_ & (3 << (2 * P))
     if LOWP:
         u = (m.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
@@ -319,9 +318,8 @@ def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, hw, part, w0, W, wi
     """One window program of :func:`_split_kernel`: full-precision (unrotated) window tokens ``[w0, w0 + win_split)``
     of one (row, KV head), online softmax over ``BLOCK_W``-token steps, partial ``(m, l, acc)`` at ``part``. ``bw``:
     the index of the row's window in ``KW`` / ``VW`` (``b``, or its slot in a window pool), ``hw`` the KV head of
-    head ``h`` there (:func:`_window_head`). ``DP``: ``D`` padded to a
-    power of two (the padded channels load as 0, are not stored); ``SOFTCAP`` > 0: the logits soft-capped
-    (:func:`_soft_cap`)."""
+    head ``h`` there (:func:`_window_head`). ``DP``: ``D`` padded to a power of two (the padded channels load as 0,
+    are not stored); ``SOFTCAP`` > 0: the logits soft-capped (:func:`_soft_cap`)."""
     BLOCK_W: tl.constexpr = 32  # window tokens per step
     offs_m = tl.arange(0, M_PAD)
     offs_d = tl.arange(0, DP)

@@ -19,13 +19,12 @@ Three modes:
   (:mod:`~oscar_hf.kernels.decode_combine`, one program per query row).
 
 Where the history runs on the Gluon kernel (:mod:`~oscar_hf.kernels.decode_gluon`: CUDA, D = 128 or 256, G = 64, <= 8
-query rows per KV head -- D = 64 with <= 4, or an even number up to 8 in two query groups --, bf16
-metadata, no key mask, no soft-capping, at least ``gluon_min_work`` history token-heads),
-the split kernel runs the window programs only (``PID_OFF``); from the unrotated query the op is three launches -- the
-rotation with the window programs (``_prologue_kernel``), the Gluon history, the combine -- with programmatic dependent
-launch between them (sm_90+): the history's first loads under the rotation, the combine's launch under the history's
-tail, and the history programs waiting for counters their head's rotation programs raise (``QFLAG``), not for the
-rotation's grid.
+query rows per KV head -- D = 64 with <= 4, or an even number up to 8 in two query groups --, bf16 metadata, no key
+mask, no soft-capping, at least ``gluon_min_work`` history token-heads), the split kernel runs the window programs only
+(``PID_OFF``); from the unrotated query the op is three launches -- the rotation with the window programs
+(``_prologue_kernel``), the Gluon history, the combine -- with programmatic dependent launch between them (sm_90+): the
+history's first loads under the rotation, the combine's launch under the history's tail, and the history programs
+waiting for counters their head's rotation programs raise (``QFLAG``), not for the rotation's grid.
 
 A *paged* history (``history.pages``: :class:`~oscar_hf.kernels.kv.Pages`, the serving pool) takes the same plan
 and launches, every kernel in its ``PAGED`` mode: each row's own history length and window slot, pages through the

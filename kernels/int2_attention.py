@@ -12,11 +12,10 @@
 * logits are ``scaling * (q_rot · k_hat + qk_offset)`` (with ``softcap``: ``softcap * tanh(logits / softcap)``, Gemma 2's
   logit soft-capping, before the mask).
 
-Returns ``(m, l, acc)``: running max ``[B, Hk, M]``, softmax denominator ``[B, Hk, M]`` relative
-to ``m``, and the unnormalized ``sum_j p_j * v_hat_j`` ``[B, Hk, M, D]`` in the *rotated* value
-space (float32). A row with no valid key has ``m = -inf, l = 0, acc = 0``. The caller rotates
-``acc`` back by ``R_Vᵀ``, adds ``l * mu_V`` and merges with the full-precision partial
-(:func:`merge_partials`).
+Returns ``(m, l, acc)``: running max ``[B, Hk, M]``, softmax denominator ``[B, Hk, M]`` relative to ``m``, and the
+unnormalized ``sum_j p_j * v_hat_j`` ``[B, Hk, M, D]`` in the *rotated* value space (float32). A row with no valid key
+has ``m = -inf, l = 0, acc = 0``. The caller rotates ``acc`` back by ``R_Vᵀ``, adds ``l * mu_V`` and merges with the
+full-precision partial (:func:`merge_partials`).
 
 The reference below dequantizes ``block_n`` history tokens at a time (never the whole history)
 and merges blocks with the online-softmax rule: exactly what the split-K kernel does in

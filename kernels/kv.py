@@ -128,8 +128,7 @@ class History:
 @dataclasses.dataclass(frozen=True)
 class Ring:
     """Where a one-token write of a contiguous storage goes (:func:`~oscar_hf.kernels.write_path.append`): ``length``
-    (0-d int64 device tensor, ``T``), each row's left padding ``pad [B]``, ``sink`` (``S0``) and ``recent``
-    (``W``)."""
+    (0-d int64 device tensor, ``T``), each row's left padding ``pad [B]``, ``sink`` (``S0``) and ``recent`` (``W``)."""
 
     length: torch.Tensor
     pad: torch.Tensor

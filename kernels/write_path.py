@@ -156,8 +156,7 @@ def scatter_entries(dst, pages, offsets, src) -> None:
 
 def paged_append_reference(params: KVParams, new_k, new_v, window: Window, history: History, rows: PagedRows):
     """The write of one decode step of the serving store (one token per row, ``Bp`` rows; :mod:`.kv`'s bundles, the
-    names below their fields), in place; returns None.
-    Tensor ops only, static shapes (a CUDA graph captures it).
+    names below their fields), in place; returns None. Tensor ops only, static shapes (a CUDA graph captures it).
 
     * ``new_k/new_v [Hk, Q, D]`` the packed batch's keys / values (row ``b``'s token at ``rows.pos[b]``);
     * ``win_k/win_v [slots, Hk, S0 + R, D]`` the window pool (one layer);

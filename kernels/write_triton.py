@@ -69,10 +69,9 @@ def _rint(y):
 
 @triton.jit
 def _round_meta(v, META_KIND: tl.constexpr):
-    """Round float32 ``v`` to the metadata dtype (0: bf16, 1: fp16, 2: fp32), round-to-nearest-even
-    like torch. Returns ``(stored, stored as float32)``. The bf16 rounding is done on the bits: the
-    Triton interpreter truncates on float32 -> bfloat16 casts, the GPU rounds; bit arithmetic
-    gives the torch result on both."""
+    """Round float32 ``v`` to the metadata dtype (0: bf16, 1: fp16, 2: fp32), round-to-nearest-even like torch.
+    Returns ``(stored, stored as float32)``. The bf16 rounding is done on the bits: the Triton interpreter truncates
+    on float32 -> bfloat16 casts, the GPU rounds; bit arithmetic gives the torch result on both."""
     if META_KIND == 0:
         bits = v.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)  # RNE on the 16 dropped bits

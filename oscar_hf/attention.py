@@ -4,11 +4,10 @@ Registered as ``oscar_<base>`` for every base implementation (``oscar_sdpa``, ``
 see :mod:`oscar_hf.patching`); any call whose ``key`` is a plain tensor (other caches, sliding or
 skipped layers) goes to the user's own implementation untouched.
 
-An OSCAR cache layer's ``update(k, v)`` does not return tensors: it parks the new rows and returns
-an :class:`OscarKV` handle (as both ``key`` and ``value``). The handler here checks the call's
-arguments and asks the handle for the result; each layer kind owns its read (the dynamic layer in
-:mod:`oscar_hf.cache.dynamic`, the compiled one in :mod:`oscar_hf.cache.compiled`), so this module
-knows no layer type.
+An OSCAR cache layer's ``update(k, v)`` does not return tensors: it parks the new rows and returns an :class:`OscarKV`
+handle (as both ``key`` and ``value``). The handler here checks the call's arguments and asks the handle for the result;
+each layer kind owns its read (the dynamic layer in :mod:`oscar_hf.cache.dynamic`, the compiled one in
+:mod:`oscar_hf.cache.compiled`), so this module knows no layer type.
 """
 from __future__ import annotations
 

@@ -11,14 +11,12 @@ there is none). Then
 * **calibration text** = ``joined[:b]`` (the first ~25 % of the characters),
 * **evaluation text**  = ``joined[b + 1:]`` (everything after that line break).
 
-The split is defined on characters, so it does not depend on the tokenizer: every model and every
-calibration budget sees the same held-out evaluation text. For WikiText-2 raw test
-(1,285,622 characters, ~302K SmolLM2 tokens) the calibration part is ~75K tokens and the
-evaluation part ~227K tokens. Calibration (``oscar_hf.calibration.calibrate`` via
-``scripts/calibrate.py``) tokenizes only the calibration text; within it, the statistics windows come
-first and the windows used to choose clips / ``auto`` candidates directly after them (see
-:func:`calibration_windows`). Evaluation code must use :func:`evaluation_text` (or
-``split_texts(...).evaluation``).
+The split is defined on characters, so it does not depend on the tokenizer: every model and every calibration budget
+sees the same held-out evaluation text. For WikiText-2 raw test (1,285,622 characters, ~302K SmolLM2 tokens) the
+calibration part is ~75K tokens and the evaluation part ~227K tokens. Calibration (``oscar_hf.calibration.calibrate``
+via ``scripts/calibrate.py``) tokenizes only the calibration text; within it, the statistics windows come first and the
+windows used to choose clips / ``auto`` candidates directly after them (see :func:`calibration_windows`). Evaluation
+code must use :func:`evaluation_text` (or ``split_texts(...).evaluation``).
 """
 from __future__ import annotations
 
@@ -187,11 +185,10 @@ def token_windows(
 ) -> torch.Tensor:
     """``[n, seq_len]`` consecutive, non-overlapping windows of ``text``'s tokens.
 
-    Window ``i`` holds content tokens ``[offset + i*c, offset + (i+1)*c)`` of the text's token
-    stream (no special tokens), where ``c = seq_len - 1`` when a BOS token is prepended to every
-    window (``add_bos="auto"``: when the tokenizer adds one by default, e.g. Llama 3, Gemma) and
-    ``c = seq_len`` otherwise (e.g. SmolLM2). ``n=None``: as many full windows as fit.
-    Raises ValueError when the text has fewer tokens than asked for.
+    Window ``i`` holds content tokens ``[offset + i*c, offset + (i+1)*c)`` of the text's token stream (no special
+    tokens), where ``c = seq_len - 1`` when a BOS token is prepended to every window (``add_bos="auto"``: when the
+    tokenizer adds one by default, e.g. Llama 3, Gemma) and ``c = seq_len`` otherwise (e.g. SmolLM2). ``n=None``: as
+    many full windows as fit. Raises ValueError when the text has fewer tokens than asked for.
     """
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
@@ -225,10 +222,9 @@ def calibration_windows(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(statistics windows, held-out windows) from calibration text.
 
-    ``ceil(tokens / seq_len)`` statistics windows of ``min(seq_len, tokens)`` tokens start at token 0
-    of ``text``; the ``holdout_windows`` held-out windows (same length; used only to choose clips
-    and ``auto`` candidates) follow directly after them. Both come from the text given, which
-    should be the calibration part of :func:`split_texts`.
+    ``ceil(tokens / seq_len)`` statistics windows of ``min(seq_len, tokens)`` tokens start at token 0 of ``text``; the
+    ``holdout_windows`` held-out windows (same length; used only to choose clips and ``auto`` candidates) follow
+    directly after them. Both come from the text given, which should be the calibration part of :func:`split_texts`.
     """
     if tokens < 2:
         raise ValueError(f"tokens must be >= 2, got {tokens}")

@@ -1,10 +1,9 @@
 """Orthogonal building blocks of the rotations: normalized Hadamard matrices and the
 bit-reversal (digit-reversal) permutation.
 
-``R = U · H · P_br``: ``U`` (eigenvectors, descending) orders directions by importance, ``H``
-spreads every direction evenly over all channels (``diag(H Λ Hᵀ) = tr(Λ)/d``, the paper's
-Lemma 1), and ``P_br`` makes every power-of-two group of contiguous channels receive one
-channel of each importance level.
+``R = U · H · P_br``: ``U`` (eigenvectors, descending) orders directions by importance, ``H`` spreads every direction
+evenly over all channels (``diag(H Λ Hᵀ) = tr(Λ)/d``, the paper's Lemma 1), and ``P_br`` makes every power-of-two group
+of contiguous channels receive one channel of each importance level.
 
 head_dim that is not a power of two: ``H = H_m ⊗ H_{2^k}`` with a Paley-construction Hadamard
 matrix of order ``m`` (12, 20, 24, 28, 36, 44, ...), e.g. 96 = 12·8 (Phi-3), 80 = 20·4.
@@ -104,9 +103,8 @@ def _prime_factors(n: int) -> list[int]:
 def bit_reversal_permutation(d: int) -> torch.Tensor:
     """``perm[i]`` = position of importance level ``i``: the bit reversal of ``i`` for ``d = 2^k``.
 
-    For other ``d`` this is the mixed-radix digit reversal over d's prime factors (twos first), which
-    reduces to the bit reversal for powers of two and still spreads consecutive importance levels
-    over all power-of-two groups.
+    For other ``d`` this is the mixed-radix digit reversal over d's prime factors (twos first), which reduces to the bit
+    reversal for powers of two and still spreads consecutive importance levels over all power-of-two groups.
     """
     radices = sorted(_prime_factors(d)) if d > 1 else []
     perm = []

@@ -16,8 +16,7 @@ Layout (shared by the torch reference and the Triton kernels in ``oscar_hf.kerne
   gives the contiguous channel block ``[p*D/4, (p+1)*D/4)``: a kernel dequantizes four
   contiguous sub-vectors with one shift and mask each, no interleaving shuffle.
 
-A group whose range is zero (constant or all-zero rows) gets ``scale = 0`` and reconstructs
-exactly to its constant.
+A group whose range is zero (constant or all-zero rows) gets ``scale = 0`` and reconstructs exactly to its constant.
 
 Two rules set a group's ``scale`` and ``zero`` (``OscarConfig.quantizer``); both store the same two values, so the
 read path is the same:

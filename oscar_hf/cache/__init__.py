@@ -88,9 +88,8 @@ def __getattr__(name: str):
 
 
 class OscarCache(Cache):
-    """Drop-in KV cache for ``generate(cache=...)`` (``past_key_values=`` on
-    Transformers versions without ``cache=``, e.g. 5.17): 2-bit OSCAR
-    history, full-precision sink + recent.
+    """Drop-in KV cache for ``generate(cache=...)`` (``past_key_values=`` on Transformers versions without ``cache=``,
+    e.g. 5.17): 2-bit OSCAR history, full-precision sink + recent.
 
     ``OscarCache(model, rotations=None, config=None, *, preset=None, **overrides)`` with ``rotations`` an
     :class:`OscarRotations` (e.g. from ``scripts/calibrate.py``) or None for the artifact-free

@@ -81,9 +81,8 @@ class QuantizedLayerBase(CacheLayerMixin):
             )
 
     def offsets(self):
-        """``(mu_K, mu_V)`` on the cache's device, each None when centering is off or absent. mu_K is
-        ``[H2, D]`` (calibrated) or ``[B, H2, D]`` (``key_offset="prefill"``, once the first history row
-        was written)."""
+        """``(mu_K, mu_V)`` on the cache's device, each None when centering is off or absent. mu_K is ``[H2, D]``
+        (calibrated) or ``[B, H2, D]`` (``key_offset="prefill"``, once the first history row was written)."""
         p = self.params
         return (self.mu_k_seq if self.mu_k_seq is not None else p.mu_k), p.mu_v
 

@@ -25,13 +25,12 @@ them quantized in INT2, ``P`` retrieval heads coded), ``S0`` sink, ``W`` recent,
   once (with ``N`` symbolic), each later bucket records one more CUDA graph.
 
 A decode step (one token at slot ``T``), device tensors only, no host synchronisation, one op per layer after the
-query's rotation (:func:`~oscar_hf.kernels.static_op.decode_step`): one fused write (demote slot ``T - 1 - W`` from
-the ring into the history, the INT2 heads quantized and the retrieval heads coded, then write the new token into the
-ring and the sink of rows still filling it), one decode attention over the window (masked per row) and the history
-(``n_valid = T - W - S0`` read on the device; the retrieval heads' in place, merged at their KV heads), ``T += 1``.
-A multi-token forward (prefill, next turn; eager, never compiled: the step wrapper runs it through the plain model)
-attends over the new rows in full precision like ``OscarLayer`` and bulk-demotes
-(:func:`~oscar_hf.cache.window.commit`).
+query's rotation (:func:`~oscar_hf.kernels.static_op.decode_step`): one fused write (demote slot ``T - 1 - W`` from the
+ring into the history, the INT2 heads quantized and the retrieval heads coded, then write the new token into the ring
+and the sink of rows still filling it), one decode attention over the window (masked per row) and the history (``n_valid
+= T - W - S0`` read on the device; the retrieval heads' in place, merged at their KV heads), ``T += 1``. A multi-token
+forward (prefill, next turn; eager, never compiled: the step wrapper runs it through the plain model) attends over the
+new rows in full precision like ``OscarLayer`` and bulk-demotes (:func:`~oscar_hf.cache.window.commit`).
 """
 from __future__ import annotations
 

@@ -23,13 +23,12 @@ So every slot of row ``b`` is in exactly one part: pad ``[0, pad_b)``, sink ``[p
 pad_b + S0))``, history ``[pad_b + S0, tail_start)``, recent ``[tail_start, T)``; per-row counts are
 derived from ``tail_start`` and ``pad`` (no per-row counters to keep in sync).
 
-Life of a forward: ``update(k, v)`` only parks the new rows and returns an :class:`OscarKV`
-handle; the registered attention function (``oscar_hf.attention``) hands the call to
-:meth:`OscarLayer.attend`, which reads the cache as it was *before* this forward plus the new rows
-in full precision (prefill is exact), then calls :meth:`OscarLayer.commit`, which demotes
-everything older than the last ``recent`` slots (bulk, in ``prefill_chunk`` pieces, at prefill;
-one row per step while decoding) and appends the remaining new rows to the tail. A long prompt therefore never has its history held in full
-precision inside the cache.
+Life of a forward: ``update(k, v)`` only parks the new rows and returns an :class:`OscarKV` handle; the registered
+attention function (``oscar_hf.attention``) hands the call to :meth:`OscarLayer.attend`, which reads the cache as it was
+*before* this forward plus the new rows in full precision (prefill is exact), then calls :meth:`OscarLayer.commit`,
+which demotes everything older than the last ``recent`` slots (bulk, in ``prefill_chunk`` pieces, at prefill; one row
+per step while decoding) and appends the remaining new rows to the tail. A long prompt therefore never has its history
+held in full precision inside the cache.
 
 The read (:meth:`OscarLayer.attend`). For one layer and a forward of ``L`` new tokens at slots ``[T, T + L)``:
 

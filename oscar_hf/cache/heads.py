@@ -1,9 +1,8 @@
 """Storage of a layer's full-precision (retrieval) heads: their keys and values coded, every slot in the eager
 :class:`~oscar_hf.cache.dynamic.OscarLayer`, the history entries in the compiled layer and the serving store (whose
 window holds the other slots of every head). A decode step reads them in place
-(:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`: a fused split-K kernel on CUDA, no dequantized
-copy); a multi-token forward reads them back in the model dtype for one SDPA call (:func:`decode`,
-:func:`attention`).
+(:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`: a fused split-K kernel on CUDA, no dequantized copy);
+a multi-token forward reads them back in the model dtype for one SDPA call (:func:`decode`, :func:`attention`).
 
 ``OscarConfig.full_precision_bits`` picks the form, per K or V, ``P`` heads, ``N`` slots:
 

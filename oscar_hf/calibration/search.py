@@ -94,12 +94,11 @@ def build_candidates(
 ) -> tuple[dict[int, LayerCandidates], list[str], list[str]]:
     """Candidate rotations (and offsets) of every layer, and their names.
 
-    ``center=True``/``False``: every candidate is centered / uncentered; ``"auto"``: each rotation
-    appears twice, uncentered (``"oscar"``) and centered (``"oscar+center"``, covariances taken around
-    the means), so the selection also decides per layer, KV head and K/V whether to center. The
-    identity rotation without offsets at clip 1.0 (naive INT2) is always evaluated as a reference
-    for the report (never selected). ``shared``: every candidate is one rotation per layer, replicated over its KV
-    heads (:func:`candidate_rotation`)."""
+    ``center=True``/``False``: every candidate is centered / uncentered; ``"auto"``: each rotation appears twice,
+    uncentered (``"oscar"``) and centered (``"oscar+center"``, covariances taken around the means), so the selection
+    also decides per layer, KV head and K/V whether to center. The identity rotation without offsets at clip 1.0
+    (naive INT2) is always evaluated as a reference for the report (never selected). ``shared``: every candidate is
+    one rotation per layer, replicated over its KV heads (:func:`candidate_rotation`)."""
     names = _candidate_names(method, value_target)
     modes = center_modes(center)
     suffix = (lambda c: "+center" if c else "") if len(modes) > 1 else (lambda c: "")  # noqa: E731
