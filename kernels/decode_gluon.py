@@ -1,76 +1,29 @@
-"""Split-K decode attention over the INT2 history in Gluon (Triton's explicit-layout dialect).
+"""Split-K decode attention over the INT2 history in Gluon (Triton's explicit-layout dialect); docs/kernels.md §3.3.
 
 The same contract as the history programs of :func:`oscar_hf.kernels.decode_split._split_kernel` (partials
-``(m, l, acc)`` per split, in the rotated value space, written where the combine kernel reads them), for the
-common decode shapes: ``D = 128`` or ``256``, ``G = 64`` (two groups per bf16 scale / zero word, one word per token at
-D = 128, two at 256), ``M <= 8`` query rows per KV head, no key mask (and, gated, ``D = 64`` with ``M <= 4``).
-Everything else stays on the Triton kernel.
+``(m, l, acc)`` per split, in the rotated value space, where the combine reads them), for ``D = 128`` or ``256``,
+``G = 64``, ``M <= 8`` query rows per KV head, no key mask (and ``D = 64`` with ``M <= 4``); the rest stays on the
+Triton kernel. One warp per program on mma.sync ``m16n8k16`` (``MMA``), every operand built in the registers that hold
+it; shared memory only lands the cp.async copies. Layout facts the code relies on:
 
-Why a second kernel. The Triton kernel spends ~32 warp instructions per history token (its SASS count),
-most of it on layout work the compiler chooses: byte gathers of the value codes into the tensor cores' operand
-layout, ``W = p s`` transposed through shared memory, a 16-row query tile of which GQA 4 fills 4 rows. Gluon lets
-the kernel state its layouts, so here every operand is built in the registers that hold it:
+* Logits transposed, ``Sᵀ [16 tokens, 8 columns]``; with ``M <= 4`` (``TB = 2``) column ``n = tb * MH + h`` is query
+  row ``h`` over tokens ``n0 + 16 tb + t'`` (block-diagonal query operand).
+* Key codes: a plane's channels taken in the order ``j -> sigma_K(j)`` (:func:`_k_operand`) make a thread's bytes one
+  8-byte load; fp16 ``1024 + 4^P code``, the offset removed by the accumulator's start ``-1024 C``. Value codes enter
+  ``outᵀ = Vᵀ Wᵀ`` as bf16 ``256 + KP code`` (:func:`_v_planes`), output rows in channel order ``sigma_V``, undone by
+  the store; ``Wᵀ`` is the logit accumulator after ``movmatrix.trans`` (:func:`_w_operand`).
+* ``K8``: int8 key MMAs (``m16n8k32``) on long splits; ``QPRE``: their query operands built by the prologue
+  (:func:`oscar_hf.kernels.query_triton._rotate_plane_q8`); ``PDL`` / ``QFLAG``: docs/kernels.md §3.6.
+* ``NH = 2`` (D = 256): half ``h`` of a code row holds channels ``64 P + 32 h + [0, 32)`` in plane ``P``; chunk ``i``
+  is plane ``i // NH`` of half ``i % NH``, group ``i // 2``; ``TB = 1``, fp16 keys only.
+* ``TP = 2`` (D = 64): tokens ``2j, 2j + 1`` read as one 32-byte "code row" ``j`` (byte ``s < 16``: token ``2j``'s,
+  channel ``16 P + s``; ``s >= 16``: token ``2j + 1``'s); logit column ``4 e + h`` is row ``h`` on token ``2j + e``.
+  ``lo``, ``f0``, ``f1`` count code rows, ``start`` and ``hi`` tokens; an odd last token's partner is masked.
 
-* **One warp per program**, mma.sync ``m16n8k16`` (``MMA``); shared memory only as the landing buffer of the codes'
-  and metadata's cp.async copies (no layout conversion goes through it).
-* **Logits transposed**, ``Sᵀ [16 tokens, 8 columns]``: tokens are the MMA's M, query rows its N (8 wide, not 16).
-  With ``M <= 4`` the 8 columns hold two token sets (``TB = 2``): column ``n = tb * MH + h`` is query row ``h``
-  over tokens ``n0 + 16 tb + t'``, with a block-diagonal query operand, so no column is padding.
-* **Key codes straight into the A operand.** A thread of the A layout needs the bytes ``8c .. 8c + 7`` of its
-  token rows if the channels of a plane are taken in the order ``j -> sigma_K(j)`` (:func:`_k_operand`), i.e.
-  one 8-byte load per token row; ``prmt`` + ``lop3`` per two codes (fp16 ``1024 + 4^P code``, offset removed by
-  the accumulator's initial value ``-1024 C``). The query operand is gathered in the same channel order once.
-* **Value codes straight into the A operand of ``outᵀ = Vᵀ Wᵀ``** (channels on M, tokens on K): a thread needs
-  two consecutive tokens of one channel per register; it loads 4-byte words of tokens ``2c, 2c + 1`` and one
-  ``prmt`` per byte position pairs them (:func:`_v_planes`). Output rows come out in channel order ``sigma_V``,
-  undone by the final store.
-* **``Wᵀ`` by ``movmatrix``**: the logit tile's accumulator registers, transposed per 8x8 block by one
-  ``movmatrix.trans`` each, are exactly the B operand of the value MMA (:func:`_w_operand`).
-* **Value offset removed by the tensor cores**: codes enter as exact bf16 ``256 + KP code``. One MMA per group and
-  token tile against a tile of ones accumulates ``sum W`` of the group, and ``256 sum W`` is subtracted once after
-  the loop (36 MMAs per 32 tokens).
-* The deferred softmax of the Triton kernel: one fixed reference per column (the max of the split's first
-  block), elementwise ``l``, ``max``, ``sum p z`` tiles reduced after the loop, a rerun against the true max if a
-  column strays more than ``DF_LIM``.
-* **A peeled loop.** The split's first step (which may hold left padding) is the reference step: its logits are
-  computed once, masked. Then the full steps, without masks, through a cp.async pipeline of ``STAGES``
-  shared-memory buffers (2 for short splits: the copies of step ``i + 1`` are in flight while step ``i`` is computed;
-  4 for long ones); then the masked last step, if the split does not end on a step boundary.
-* **Int8 keys on long splits** (``K8``): the key logits on int8 tensor cores (``m16n8k32``), a plane of 4 key bytes
-  one operand register after one ``lop3``, the query as two int8 operands (``hi + lo / 254``); their setup pays back
-  over a long split only. ``QPRE``: those query operands built once per (row, KV head) by the prologue's rotation
-  programs (:func:`oscar_hf.kernels.query_triton._rotate_plane_q8`) instead of by every program.
-* **The first loads before the query**: the split's bounds, the reference step's words and the first full steps'
-  copies are issued before the query operands are built, so that their memory latency overlaps the query's loads --
-  and, with ``PDL``, the launch before this one, which computes the query (programmatic dependent launch:
-  ``griddepcontrol.wait`` comes after those loads); the next launch (the combine) may start once every program is
-  past its loop. ``QFLAG``: instead of that wait, a poll of a counter the (row, head)'s rotation programs raise once
-  its query operands are stored (the PDL wait then comes at the program's end).
-
-**D = 256** (``NH = 2``): a code row is two 32-byte halves; in half ``h`` plane ``P`` holds channels
-``64 P + 32 h + [0, 32)`` (group ``P``), so each half is read like a D = 128 row (same loads, operands, ``sigma_K`` /
-``sigma_V``). The kernel runs over ``4 NH`` chunks of 32 channels -- chunk ``i``: plane ``i // NH`` of half
-``i % NH``, channels ``32 i + [0, 32)``, group ``i // 2`` (at D = 128 chunk = plane) -- with one query operand and
-one value accumulator each; group ``g``'s logit term is its chunks ``2g, 2g + 1``'s two MMAs. ``TB = 1`` (its 8
-accumulators and operands fill the registers), fp16 keys only (no ``K8`` / ``QPRE`` / ``QFLAG``).
-
-**D = 64** (``TP = 2``, ``M <= 4``):
-the 16-byte rows of tokens ``2j, 2j + 1`` are read as one 32-byte D = 128 row ("code row" ``j``; byte ``s < 16``: token
-``2j``'s, channel ``16 P + s`` of plane ``P``; ``s >= 16``: token ``2j + 1``'s), so its loads, copies, key and value
-operands and metadata words (now the two tokens' bf16) are D = 128's at ``TB = 1``: 16 code rows, 32 tokens a step.
-Logit column ``4 e + h`` is query row ``h`` on token ``2j + e``: its query operand holds ``q`` only in the rows of
-token ``e``'s bytes (:func:`_q_plane`), its metadata is the word's half ``e``; one group (G = 64) for all 4 chunks. Of
-the value MMA's output rows a column keeps its own token's, and a row's two columns merge like ``TB = 2``'s token sets.
-``lo``, ``f0``, ``f1`` count code rows, ``start`` and ``hi`` tokens; the missing second token of an odd last row is
-masked and never read.
-
-Tensor shapes (``T = 16 TB`` tokens per step; a thread's share in brackets), per 32-byte half: key bytes ``[T, 32]``
-(8 per row), value words ``[T, 8]`` int32 (tokens ``2c, 2c+1`` of word ``r``); logits ``[16, 8]`` float32 (rows
-``r, r + 8``, columns ``2c, 2c + 1``), value accumulators ``4 NH`` x ``[32, 8]`` float32 (one per chunk).
-
-GPU only: Gluon has no interpreter mode. ``tests/kernels/test_compile_sm90.py`` compiles it on any machine (with checks
-of the hot loop: its MMA and copy counts, no spill and no shared-memory store inside it); the GPU tests compare it with
-the reference. The building blocks (layouts, inline PTX, operands) are in :mod:`~oscar_hf.kernels.decode_gluon_ops`.
+Tensor shapes (``T = 16 TB`` tokens per step), per 32-byte half: key bytes ``[T, 32]``, value words ``[T, 8]`` int32
+(tokens ``2c, 2c+1``); logits ``[16, 8]`` float32, value accumulators ``4 NH`` x ``[32, 8]`` float32. GPU only (no
+interpreter mode): ``tests/kernels/test_compile_sm90.py`` compiles it anywhere and checks the hot loop. Building
+blocks: :mod:`~oscar_hf.kernels.decode_gluon_ops`, :mod:`~oscar_hf.kernels.decode_gluon_steps`.
 """
 from __future__ import annotations
 

@@ -1,36 +1,21 @@
 """`CompiledOscarLayer`: one quantized layer whose storage lives on the device in fixed-address buffers, so that
-``generate`` compiles the decode step (``torch.compile`` + CUDA graphs). :class:`~oscar_hf.OscarCache` uses it on
-CUDA by itself (``compile="auto"``); :class:`~oscar_hf.StaticOscarCache` with a fixed ``max_cache_len``.
+``generate`` compiles the decode step (``torch.compile`` + CUDA graphs); the eager layer's semantics, the serving
+store's layout (:mod:`oscar_hf.cache.window`). The decode step and the storage's growth: docs/cache.md.
 
-Semantics are those of the eager :class:`~oscar_hf.cache.dynamic.OscarLayer` (same sink / recent / INT2-history
-partition of every row's tokens, same quantizer); only the storage differs. Its layout and multi-token writes are
-the serving store's (:mod:`oscar_hf.cache.window`), with left-padded rows. ``B`` rows, ``Hk`` KV heads (``H2`` of
-them quantized in INT2, ``P`` retrieval heads coded), ``S0`` sink, ``W`` recent, slot = absolute position:
+``B`` rows, ``Hk`` KV heads (``H2`` quantized in INT2, ``P`` retrieval heads coded), ``S0`` sink, ``W`` recent,
+slot = absolute position:
 
-* ``win [2, B, Hk, S0 + R, D]`` (keys, values; model dtype, every head; ``win_k``/``win_v`` its two views): ``[:S0]``
-  row ``b``'s first ``S0`` real tokens
-  (slot ``pad[b] + j`` at entry ``j``), ``[S0:]`` a ring of ``R = W + 1 + RING_RESERVE`` entries, slot ``s`` at
-  ``S0 + s % R``. A decode step reads ``W`` recent tokens and itself from it; the ``RING_RESERVE`` older entries,
-  already in the history, let ``crop(-n)`` (assisted decoding) undo up to that many tokens exactly;
+* ``win [2, B, Hk, S0 + R, D]`` (keys, values; model dtype; views ``win_k`` / ``win_v``): ``[:S0]`` row ``b``'s first
+  ``S0`` real tokens (slot ``pad[b] + j`` at entry ``j``), ``[S0:]`` a ring of ``R = W + 1 + RING_RESERVE`` entries,
+  slot ``s`` at ``S0 + s % R``. A decode step reads ``W`` recent tokens and itself from it; the ``RING_RESERVE`` older
+  entries, already in the history, let ``crop(-n)`` undo up to that many tokens exactly;
 * the history, slot ``s >= S0`` at index ``s - S0`` of ``N`` rows, row ``b`` reading ``pad[b] <= j < T - W - S0``:
-  ``codes [2, B, H2, N, D/4]`` and ``meta [2, 2, B, H2, N, D/G]`` (keys, values; scale, zero), viewed as ``hist_k/hist_v``
-  (:class:`~oscar_hf.quant.QuantizedRows` ``[B, H2, N, ...]``), the INT2 heads, and ``coded_x [2, B, P, N, *]`` and
-  ``coded_meta [2, 2, B, P, N, 1]`` (:mod:`oscar_hf.cache.heads`: INT8/INT4 codes with a scale and zero per token and
-  head, or the rows in the model dtype and no metadata), viewed as ``coded_k/coded_v`` (tuples of ``[B, P, N, *]``),
-  the retrieval heads (``OscarConfig.retrieval_heads``; None without);
-* ``length`` (0-d int64 device tensor, one for all the cache's layers on a device: :class:`StepShared`) = ``T``;
-  ``host_len`` the same count on the host, kept by the eager calls
-  and by the compiled step's wrapper (:mod:`oscar_hf.compiled_step`), which grows the storage before a step that
-  would not fit it: ``N`` grows in capacity buckets (:func:`capacity_for`); the first growth recompiles the step
-  once (with ``N`` symbolic), each later bucket records one more CUDA graph.
-
-A decode step (one token at slot ``T``), device tensors only, no host synchronisation, one op per layer after the
-query's rotation (:func:`~oscar_hf.kernels.static_op.decode_step`): one fused write (demote slot ``T - 1 - W`` from the
-ring into the history, the INT2 heads quantized and the retrieval heads coded, then write the new token into the ring
-and the sink of rows still filling it), one decode attention over the window (masked per row) and the history (``n_valid
-= T - W - S0`` read on the device; the retrieval heads' in place, merged at their KV heads), ``T += 1``. A multi-token
-forward (prefill, next turn; eager, never compiled: the step wrapper runs it through the plain model) attends over the
-new rows in full precision like ``OscarLayer`` and bulk-demotes (:func:`~oscar_hf.cache.window.commit`).
+  ``codes [2, B, H2, N, D/4]``, ``meta [2, 2, B, H2, N, D/G]`` (keys, values; scale, zero), viewed as ``hist_k`` /
+  ``hist_v`` (:class:`~oscar_hf.quant.QuantizedRows` ``[B, H2, N, ...]``); the retrieval heads' ``coded_x [2, B, P, N,
+  *]`` and ``coded_meta [2, 2, B, P, N, 1]`` (:mod:`oscar_hf.cache.heads`), viewed as ``coded_k`` / ``coded_v``
+  (None without retrieval heads);
+* ``length``: ``T`` as a 0-d int64 device tensor shared by the layers of a device (:class:`StepShared`); ``host_len``
+  the same count on the host; ``N`` grows in capacity buckets (:func:`capacity_for`).
 """
 from __future__ import annotations
 

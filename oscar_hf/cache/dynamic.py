@@ -1,56 +1,21 @@
 """`OscarLayer`: one quantized layer of :class:`~oscar_hf.OscarCache`: BF16 sink + BF16 recent window + packed INT2
-rotated history, and its read.
+rotated history, and its read (the life of a forward and the read's three partials: docs/cache.md).
 
-Storage of one layer, for a batch of ``B`` rows, ``Hk`` KV heads:
+Storage for ``B`` rows, ``Hk`` KV heads; slots are absolute positions in the (left-padded) batch, ``0 <= s < T``, row
+``b``'s first real token at slot ``pad[b]`` (from the attention mask at the first forward):
 
-* slots are absolute positions in the (left-padded) batch, ``0 <= s < T``; row ``b``'s first real
-  token is at slot ``pad[b]`` (read from the attention mask at the first forward);
-* **tail** (``tail_k/v [B, Hk, cap, D]``, model dtype): slots ``[tail_start, T)``: the last
-  ``recent`` tokens (and, while nothing is quantized yet, everything). Slot ``s`` lives at
-  physical index ``s - buf_slot0``; slots ``[buf_slot0, tail_start)`` were already demoted but are
-  kept as a small rollback reserve so that ``crop`` (assisted decoding) is exact;
-* **sink** (``sink_k/v [B, Hk, S0, D]``): row ``b``'s first ``S0`` real tokens, slots
-  ``pad[b] + j``, gathered per row when demoted (rows of different padding demote at their own pace);
-* **history** (``QuantizedRows`` of ``[B, H2, cap_h, ...]``): slot ``S0 + j`` at index ``j`` for
-  every row, rotated/centered/clipped INT2; row ``b`` reads ``pad[b] <= j < tail_start - S0``
-  (indices below ``pad[b]`` hold that row's padding or sink tokens and are never read).
-  ``H2 = Hk`` unless the layer has **full-precision heads** (``OscarConfig.retrieval_heads``,
-  e.g. the retrieval heads): those ``P`` heads are left out of the INT2 history and instead keep every
-  slot ``[0, T)`` in ``fp_k/v`` (``[B, P, cap, *]`` tensors: the model dtype or INT8/INT4 codes with a scale and zero
-  per token and head, ``OscarConfig.retrieval_bits``, :mod:`oscar_hf.cache.heads`), read like a ``DynamicCache``.
+* **tail** ``tail_k/v [B, Hk, cap, D]`` (model dtype): slots ``[tail_start, T)``, the last ``recent`` tokens (and,
+  while nothing is quantized yet, everything); slot ``s`` at index ``s - buf_slot0``; ``[buf_slot0, tail_start)`` is
+  a rollback reserve for ``crop``;
+* **sink** ``sink_k/v [B, Hk, S0, D]``: row ``b``'s first ``S0`` real tokens, slots ``pad[b] + j``;
+* **history** (``QuantizedRows`` of ``[B, H2, cap_h, ...]``, rotated / centered / clipped INT2): slot ``S0 + j`` at
+  index ``j``; row ``b`` reads ``pad[b] <= j < tail_start - S0``. ``H2 = Hk`` unless the layer has ``P`` retrieval
+  heads (``OscarConfig.retrieval_heads``), which keep every slot ``[0, T)`` in ``fp_k/v [B, P, cap, *]`` instead (model
+  dtype, or INT8 / INT4 codes with a scale and zero per token and head: :mod:`oscar_hf.cache.heads`).
 
-So every slot of row ``b`` is in exactly one part: pad ``[0, pad_b)``, sink ``[pad_b, min(tail_start,
-pad_b + S0))``, history ``[pad_b + S0, tail_start)``, recent ``[tail_start, T)``; per-row counts are
-derived from ``tail_start`` and ``pad`` (no per-row counters to keep in sync).
-
-Life of a forward: ``update(k, v)`` only parks the new rows and returns an :class:`OscarKV` handle; the registered
-attention function (``oscar_hf.attention``) hands the call to :meth:`OscarLayer.attend`, which reads the cache as it was
-*before* this forward plus the new rows in full precision (prefill is exact), then calls :meth:`OscarLayer.commit`,
-which demotes everything older than the last ``recent`` slots (bulk, in ``prefill_chunk`` pieces, at prefill; one row
-per step while decoding) and appends the remaining new rows to the tail. A long prompt therefore never has its history
-held in full precision inside the cache.
-
-The read (:meth:`OscarLayer.attend`). For one layer and a forward of ``L`` new tokens at slots ``[T, T + L)``:
-
-* nothing quantized yet (``tail_start == 0``): the tail holds every slot in order, so the base
-  implementation runs on ``cat(tail, new)`` with the model's own mask: bit-identical to a
-  ``DynamicCache`` (prompts shorter than ``sink + recent``);
-* otherwise three online-softmax partials, merged by log-sum-exp:
-  1. full precision: sink (row ``b``'s slots ``pad[b] + j``), recent tail ``[tail_start, T)``
-     and the new rows (causal among themselves);
-  2. INT2 history ``[S0 + pad[b], tail_start)``: ``q`` is rotated once by ``R_K``
-     (``q·k = (q R_K)·(k R_K)``), logits get ``+ q·mu_K``; the values are accumulated in the
-     rotated space, rotated back once by ``R_Vᵀ`` and get ``+ (Σ_history p)·mu_V``. The history
-     is read in bounded blocks (torch reference) or by the split-K Triton kernel (CUDA): no
-     full-precision copy of it is ever built;
-* full-precision heads (``OscarConfig.retrieval_heads``): those KV heads keep every slot in
-  ``layer.fp_k/v`` (INT8 by default) and read their history range from it and the window of part 1, one SDPA
-  call (:meth:`OscarLayer.retrieval_heads_attention`; at 16 bits what a ``DynamicCache`` reads); the two
-  parts above run on the other heads only;
-* then :meth:`OscarLayer.commit` demotes/appends.
-
-The attention mask (left padding, holes, custom 4D masks) is honoured in all three parts by
-indexing it at each part's absolute slots.
+Invariant: every slot of row ``b`` is in exactly one part: pad ``[0, pad_b)``, sink ``[pad_b, min(tail_start, pad_b +
+S0))``, history ``[pad_b + S0, tail_start)``, recent ``[tail_start, T)``; per-row counts derive from ``tail_start``
+and ``pad`` (no per-row counters to keep in sync). The mask is honoured by indexing it at each part's slots.
 """
 from __future__ import annotations
 

@@ -1,34 +1,8 @@
-"""The cache settings chosen per model, by measurement, within a memory budget (``calibrate(choose_settings=True)``).
-
-Once the rotations are chosen, :func:`choose_settings` searches what :class:`~oscar_hf.OscarConfig` otherwise fixes
-(group size, the group quantizer, the sink / recent windows, how many retrieval heads and at what width, layers kept
-precise) by the end-to-end next-token KL through :class:`~oscar_hf.OscarCache` on held-out calibration windows
-(:func:`.selection.next_token_kl`, averaged over the windows), and keeps the lowest-KL setting whose cost fits the
-budget. The artifact stores the choice (``metadata["settings"]``: the budget, every setting tried with its KL and
-bits); a cache built from it starts from it (:func:`oscar_hf.config.artifact_settings`).
-
-**The budget** is :meth:`OscarConfig.stored_bits <oscar_hf.config.OscarConfig.stored_bits>`: average stored bits per
-cached K/V element over the quantized layers once ``target_context`` tokens are cached (windows at 16 bits, INT2
-codes + scale / zero, retrieval heads at their width). Default :data:`DEFAULT_BUDGET_BITS` = 3.5 at
-``min(32768, the model's context)``, the long contexts where the KV memory matters (SmolLM2: its 8192): today's
-defaults cost 3.476 there on SmolLM2 (7 INT8 heads), so they fit; at 32K the windows cost 0.16 of those bits instead
-of 0.63 at 8K, which leaves a longer-context model room for what its own KL asks for.
-
-**The search** is one pass of coordinate descent from today's defaults (the calibration's window and group size,
-``"minmax"``, as many retrieval heads as fit at INT8): each dimension's alternatives are scored with the others held,
-and one replaces the incumbent only if its KL is lower by more than :data:`MARGIN` (a setting that wins by less on
-2-4K held-out tokens is not known to win elsewhere). Every candidate first spends the budget it leaves on retrieval
-heads (best score first), so the heads fill what the other dimensions leave; a candidate that cannot keep as many
-retrieval heads as the defaults keep within the budget is not tried: the text KL cannot see a single fact retrieved
-from far back (docs/quality.md, "Retrieval-safe defaults"), so it may not trade those heads away.
-
-**Why the window candidates are capped.** A window covering much of a short held-out prompt looks better than it
-will at long context (at 2K tokens a 1024-token recent window is half the context; at an 8K target an eighth). The
-KL is measured on windows as long as the calibration's (2048 tokens: a 1536-token prompt, 512 scored), and a window
-candidate is tried only if ``sink + recent`` is at most :data:`WINDOW_SHARE` of that prompt; its cost is priced at
-``target_context``, where larger windows cost more. Longer held-out windows (``calibrate(seq_len=...)``) admit larger
-windows.
-"""
+"""The cache settings chosen per model, by measurement, within a memory budget (``calibrate(choose_settings=True)``):
+:func:`choose_settings` searches what :class:`~oscar_hf.OscarConfig` otherwise fixes by next-token KL through the cache
+on held-out windows and keeps the lowest-KL setting within the budget (``OscarConfig.stored_bits``). The budget, the
+coordinate descent, the retrieval-head floor, why window candidates are capped (:data:`WINDOW_SHARE`) and why a win
+needs :data:`MARGIN`: docs/quality.md, "Settings chosen per model by calibration"."""
 from __future__ import annotations
 
 import dataclasses
