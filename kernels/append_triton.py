@@ -1,31 +1,22 @@
-"""The static cache's one-token write step as one Triton launch.
+"""The static cache's one-token write step as one Triton launch (docs/kernels.md §2.1).
 
 ``append_token_triton`` has the signature and semantics of
-:func:`oscar_hf.kernels.write_path.append_token_reference` (see there for the storage layout). Grid ``(B * Hk * 2,)``:
-one program per (row ``b``, KV head ``h``, K or V) reads ``T`` from the device and, for its K or V (two programs, not
-one doing both in turn: at B = 1 a layer's write is a few programs on a GPU of 132 SMs, 16 for 8 KV heads, and its
-latency is that of one program's serial rotation loads, ``launch_shape``):
+:func:`oscar_hf.kernels.write_path.append_token_reference` (the storage layout is there). Grid ``(B * Hk * 2,)``: one
+program per (row ``b``, KV head ``h``, K or V; two programs, not one doing both, since at B = 1 a program's serial
+rotation loads set the write's latency: ``launch_shape``) reads ``T`` on the device, then
 
-1. if slot ``s = T - 1 - W`` is a history slot (``0 <= s - S0 < N``) and head ``h`` is quantized (history head
-   ``hh``): loads its ring row (``D`` values), rotates it as a K-blocked matvec (``BLOCK_K`` input channels at a time,
-   broadcast-multiply + ``tl.sum``, fp32), quantizes and packs it exactly as ``write_triton`` does (same metadata
-   rounding and ``rint``) and stores one history row ``[b, hh, s - S0]``;
-   A retrieval head (``hist_heads[h] = -1``, ``coded`` given) codes the same slot into its coded entry instead
-   (:func:`_code_row`: ``oscar_hf.quant.encode_heads``' min-max codes, or the row itself at 16 bits);
-2. after a CTA barrier (the demoted ring entry is the new token's entry when ``R = W + 1``), stores the new token into
-   ring entry ``S0 + T % R`` and, while row ``b`` has fewer than ``S0`` real tokens, into sink entry ``T - pad[b]``.
+1. if slot ``s = T - 1 - W`` is a history slot (``0 <= s - S0 < N``): rotates its ring row (K-blocked fp32 matvec of
+   ``BLOCK_K`` input channels at a time), quantizes and packs it exactly as ``write_triton`` (same metadata rounding
+   and ``rint``) into history row ``[b, hh, s - S0]``; a retrieval head (``hist_heads[h] = -1``) codes it into its coded
+   entry instead (:func:`_code_row`, ``oscar_hf.quant.encode_heads``' codes, or the row at 16 bits);
+2. after a CTA barrier (with ``R = W + 1`` the demoted entry is the new token's), stores the new token into ring entry
+   ``S0 + T % R`` and, while row ``b`` has fewer than ``S0`` real tokens, into sink entry ``T - pad[b]``.
 
-Only the rows that change are touched: ``2 * D`` window elements and one history row per (row, head, K/V), plus the
-head's rotations (``2 * D * D`` fp32, shared by the ``B`` programs of a head through L2). Supported shapes are those of
-``write_triton.kernel_supported`` (``D`` in ``plan.WRITE_HEAD_DIMS``, ``G`` as ``plan.group_fits`` takes it, bf16 /
-fp16 / fp32 metadata); the window may be bf16, fp16 or fp32. A head_dim that is no power of two (96) is rotated and
-coded in ``write_triton``'s plane-padded layout of ``DP`` lanes (its module docstring), and a retrieval head's INT4
-row in the same layout of two channel halves.
-
-``paged_append_triton`` is the same write for the serving store's decode rows
-(:func:`oscar_hf.kernels.write_path.paged_append_reference`): the same two steps per (row, KV head), with the row's
-window slot, its entries and the page and offset of its demotion read from the step's plan instead of computed from
-``T``, the INT2 and coded rows written into the page pool, and the new token read at its position in the packed batch.
+Shapes: those of ``write_triton.kernel_supported``; the window may be bf16, fp16 or fp32; D = 96 runs in
+``write_triton``'s plane-padded layout of ``DP`` lanes (a retrieval head's INT4 row in two channel halves).
+``paged_append_triton`` is the same write for the serving store's rows
+(:func:`oscar_hf.kernels.write_path.paged_append_reference`): window slot, entries and the demotion's page and offset
+come from the step's plan, the rows go to the page pool, the new token from its place in the packed batch.
 """
 from __future__ import annotations
 

@@ -39,36 +39,19 @@ def _combine_kernel(
     PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
     READY=None, RESET: tl.constexpr = 0, DP: tl.constexpr = 0, OHEAD=None, HK_OUT=1, HAS_OHEAD: tl.constexpr = 0,
 ):
-    """One program per (b, h, query row): log-sum-exp merge of the split partials.
+    """One program per (b, h, query row) (``PARTS`` per row): log-sum-exp merge of the split partials; the shapes and
+    why latency sets its time: docs/kernels.md §3.5.
 
-    Splits ``[0, S_HIST)`` are history (rotated value space), ``[S_HIST, S_TOT)`` window (value space).
-    Not FINAL (history_partial): write ``m`` (natural units), ``l``, ``acc``.
-    FINAL (decode_attention): ``out = (w_h (acc_h R_Vᵀ + l_h mu_V) + w_w acc_w) / (w_h l_h + w_w l_w)``,
-    where ``w = exp(m_part - m)``; the un-rotation is a per-row mat-vec over ``C_BLOCK`` output channels
-    at a time, so only the merged history row (not each split) is rotated back. Rows without any
-    valid key are 0.
-
-    Latency, not bandwidth, sets this kernel's time (a few programs per SM, each a chain of dependent loads): the
-    history is merged in ONE pass with a running max (one round of loads when ``S_HIST <= S_BLOCK``), and with ``C_BLOCK
-    == D`` the whole ``R_V[h]`` is loaded first, so its latency overlaps the partials' loads.
-
-    ``HOIST`` (FINAL, ``C_BLOCK < D``, at most ``SW_BLOCK`` window splits): one round of loads before the merge -- the
-    history partials, all window partials (``[SW_BLOCK, D]``) and ``R_V``'s first chunk -- and each further chunk's
-    load issued before the chunk before it is used, instead of a round for the window's max, then per chunk one for
-    ``R_V`` and the window's rows.
-
-    ``PARTS`` (FINAL, ``C_BLOCK <= D / PARTS``): ``PARTS`` programs per row, each merging the row's partials and
-    writing output channels ``[pc D / PARTS, (pc + 1) D / PARTS)`` only, so that each loads ``1 / PARTS`` of ``R_V[h]``
-    (the partials are read ``PARTS`` times, from L2): more programs and fewer bytes each where there are few rows.
-
-    ``RESET``: one program per (b, h) sets ``READY[b * Hk + h]`` (the prologue -> history counter of ``QFLAG``) back to
-    0 for the next call (this call's history grid, and with it the prologue's, is complete by then).
-
-    ``DP``: ``D`` padded to a power of two where it is none (D = 96: 128; 0 = ``D``): the rows of partials and of
-    ``R_V`` are read ``DP`` wide, the padded channels masked to 0; ``C_BLOCK`` then divides ``D`` (whole chunks).
-
-    ``HAS_OHEAD`` (FINAL): head ``h``'s rows go to KV head ``OHEAD[h]`` of an output of ``HK_OUT`` heads (a layer with
-    retrieval heads: its INT2 heads' rows written in place, the retrieval heads' by their own read)."""
+    Splits ``[0, S_HIST)`` are history (rotated value space), ``[S_HIST, S_TOT)`` window (value space). Not FINAL
+    (history_partial): write ``m`` (natural units), ``l``, ``acc``. FINAL: ``out = (w_h (acc_h R_Vᵀ + l_h mu_V) + w_w
+    acc_w) / (w_h l_h + w_w l_w)``, ``w = exp(m_part - m)``; only the merged history row is rotated back, ``C_BLOCK``
+    output channels at a time (``C_BLOCK == D``: all of ``R_V[h]`` loaded first). Rows without a valid key are 0.
+    ``HOIST`` (FINAL, ``C_BLOCK < D``, <= ``SW_BLOCK`` window splits): one round of loads before the merge (history and
+    window partials, ``R_V``'s first chunk), each next chunk loaded before the previous one is used. ``PARTS``
+    (``C_BLOCK <= D / PARTS``): program ``pc`` of a row writes channels ``[pc D / PARTS, (pc + 1) D / PARTS)``. ``RESET``:
+    one program per (b, h) sets ``READY[b * Hk + h]`` back to 0 (this call's history grid is complete by then). ``DP``:
+    ``D`` padded to a power of two (D = 96: 128; 0 = ``D``), the padded channels masked to 0. ``HAS_OHEAD`` (FINAL):
+    head ``h``'s rows go to KV head ``OHEAD[h]`` of an output of ``HK_OUT`` heads (the INT2 heads' rows in place)."""
     row = tl.program_id(0) // PARTS  # = bh * M + mm
     c_lo = (tl.program_id(0) % PARTS) * (D // PARTS)  # this program's first output channel
     bh = row // M

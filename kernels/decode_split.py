@@ -1,33 +1,23 @@
-"""The Triton split kernel of the decode read path: history splits, window programs, and the fused prologue.
+"""The Triton split kernel of the decode read path: history splits, window programs, and the fused prologue
+(docs/kernels.md §3.2, §3.4).
 
 Program ``(bh, s)`` of :func:`_split_kernel` (grid ``(B * Hk, S_TOT)``) streams history tokens ``[s * L, (s + 1) * L)``
-of one KV head in blocks of ``BLOCK_N`` and keeps a running max / sum / accumulator for all ``M`` query rows of that
-head (GQA: ``M = group * q_len``, padded to ``M_PAD >= 16`` for ``tl.dot``); programs ``s >= S`` attend to the
-full-precision window instead (:func:`_window_split`). Each writes one online-softmax partial ``(m, l, acc)`` that
-:mod:`~oscar_hf.kernels.decode_combine` merges. :func:`_prologue_kernel` is the Gluon path's first launch: the
-query rotation and the window programs side by side.
+of one KV head in blocks of ``BLOCK_N`` for all ``M`` query rows of that head (GQA: ``M = group * q_len``, padded to
+``M_PAD >= 16`` for ``tl.dot``); programs ``s >= S`` attend to the full-precision window (:func:`_window_split`). Each
+writes one online-softmax partial ``(m, l, acc)`` for :mod:`~oscar_hf.kernels.decode_combine`. :func:`_prologue_kernel`
+is the Gluon path's first launch: the query rotation and the window programs side by side.
 
-Math of one history block (``n`` = token, ``c`` = channel, ``g(c)`` its group, ``p`` a plane): byte ``j`` holds the
-codes of channels ``j + p * D/4`` in bits ``2p..2p+1``, so one shift and mask of the ``[BLOCK_N, D/4]`` byte tile
-yields the codes of the contiguous channel block ``p``. Two inner loops (``DEFERRED``):
+Byte ``j`` of a token's ``[D/4]`` codes holds channel ``j + p * D/4`` in bits ``2p..2p+1``, so one shift and mask of
+the ``[BLOCK_N, D/4]`` byte tile yields plane ``p``, a contiguous channel block. Two inner loops (``DEFERRED``): the
+deferred one (``G >= D/4``, <= 16 query rows) takes the byte tile as the A operand, logits transposed ``[BLOCK_N,
+M_PAD]``, keys as fp16 ``1024 + 4^p code`` (:func:`_u_plane`), values as bf16 ``(p s)ᵀ . code`` (:func:`_df_v_plane`),
+one fixed softmax reference per split (rerun past ``DF_LIM``), the reductions after the loop; the dequant fallback
+builds ``k_hat = zero + code * scale`` per plane in registers.
 
-* deferred (``G >= D/4`` and at most 16 query rows per KV head): the K byte tile is the tensor cores' A operand in
-  its natural ``[token, channel]`` layout, logits are computed transposed (``[BLOCK_N, M_PAD]``), codes enter as
-  exact fp16 ``1024 + 4^p code`` (:func:`_u_plane`), scale / zero are applied to the logits (:func:`_rd_logits`).
-  No per-block reductions: each split exponentiates against one fixed reference (the max of its first block) and
-  keeps ``l``, ``sum p z`` and the running max as elementwise ``[BLOCK_N, M_PAD]`` tiles, reduced once after the
-  loop; values as bf16 ``(p s)ᵀ . code`` (:func:`_df_v_plane`). A split whose true max strays more than ``DF_LIM``
-  from the reference is run again against its true max. Each block's scale / zero are loaded one iteration ahead
-  (registers), so that their latency overlaps a block's work; on the GPU the codes are extracted in inline PTX.
-* dequant (the fallback: ``G < D/4``, or more than 16 query rows per KV head): keys are dequantized in registers
-  plane by plane, ``k_hat = zero[n, g(c)] + code[n, c] * scale[n, g(c)]``, and ``logits = sum_p q_p · k_hat_pᵀ``
-  accumulates over the four planes; the values likewise.
-
-Logits are computed in base 2: ``q`` and ``qk_offset`` are pre-scaled by ``scaling * log2(e)`` and ``exp2`` is used.
-Masking: token ``n`` of row ``b`` is valid when ``start[b] <= n < N`` and ``key_mask[b, h, 0, n]``; with ``N_DEV``
-(the static cache under CUDA graphs) ``N`` is the storage capacity and ``n < n_valid`` is read by the kernel
-itself. Blocks entirely below ``start[b]`` are skipped. Value metadata of invalid tokens is never read (masked
-loads), so stale storage cannot poison ``acc`` with NaN.
+Logits are in base 2 (``q`` and ``qk_offset`` pre-scaled by ``scaling * log2(e)``, ``exp2``). Token ``n`` of row ``b``
+is valid when ``start[b] <= n < N`` and ``key_mask[b, h, 0, n]``; with ``N_DEV`` (CUDA graphs) ``N`` is the capacity
+and the kernel reads ``n_valid`` itself. Blocks entirely below ``start[b]`` are skipped; metadata of invalid tokens is
+never read (masked loads), so stale storage cannot poison ``acc`` with NaN.
 """
 from __future__ import annotations
 

@@ -1,34 +1,14 @@
 """Host side of the split-K decode attention over the packed INT2 history: plan the call, then launch its kernels.
 
-:func:`decode_attention_triton` is the launcher: it brings the tensors into the kernels' layouts, takes every launch
-decision from one :func:`~oscar_hf.kernels.plan.decode_plan` (pure host code: which kernels, grids, tiles, register
-caps, PDL) and launches what the plan says. Its callers (:func:`~oscar_hf.kernels.decode.decode`, the one read of
-every storage, and :func:`history_partial_triton`) send only
-the shapes :func:`decode_supported` / :func:`kernel_supported` accept; everything else takes the torch reference.
-Three modes:
-
-* pre-rotated query (``rotated = (q_rot, qk_offset)``) and a full-precision window (sink + recent, unrotated): the
-  whole decode attention of one layer -> normalized output in the value space. The split kernel gets extra programs
-  for the window (which then runs concurrently with the history); the combine merges history and window partials,
-  rotates the merged history row back (``acc R_Vᵀ + l mu_V``) and normalizes.
-* ``rotated`` None: the same op from the *unrotated* query (the dynamic cache's attention): the op launches the query
-  rotation itself.
-* no ``params.r_v`` (:func:`history_partial_triton`): the contract of ``int2_attention.history_partial_reference``,
-  online-softmax partials ``(m, l, acc)`` of the history in the rotated value space. Two launches: the split kernel
-  (:mod:`~oscar_hf.kernels.decode_split`, grid ``(B * Hk, S)``), then the combine
-  (:mod:`~oscar_hf.kernels.decode_combine`, one program per query row).
-
-Where the history runs on the Gluon kernel (:mod:`~oscar_hf.kernels.decode_gluon`: CUDA, D = 128 or 256, G = 64, <= 8
-query rows per KV head -- D = 64 with <= 4, or an even number up to 8 in two query groups --, bf16 metadata, no key
-mask, no soft-capping, at least ``gluon_min_work`` history token-heads), the split kernel runs the window programs only
-(``PID_OFF``); from the unrotated query the op is three launches -- the rotation with the window programs
-(``_prologue_kernel``), the Gluon history, the combine -- with programmatic dependent launch between them (sm_90+): the
-history's first loads under the rotation, the combine's launch under the history's tail, and the history programs
-waiting for counters their head's rotation programs raise (``QFLAG``), not for the rotation's grid.
-
-A *paged* history (``history.pages``: :class:`~oscar_hf.kernels.kv.Pages`, the serving pool) takes the same plan
-and launches, every kernel in its ``PAGED`` mode: each row's own history length and window slot, pages through the
-block table (the Gluon kernel where a page holds whole steps).
+:func:`decode_attention_triton` brings the tensors into the kernels' layouts, takes every launch decision from one
+:func:`~oscar_hf.kernels.plan.decode_plan` and launches what the plan says; its callers
+(:func:`~oscar_hf.kernels.decode.decode`, :func:`history_partial_triton`) send only the shapes
+:func:`decode_supported` / :func:`kernel_supported` accept. Three modes: a pre-rotated query (``rotated``) with the
+window, the unrotated query (the op rotates it), and no ``params.r_v`` (the history's partials ``(m, l, acc)`` in the
+rotated value space, as ``int2_attention.history_partial_reference``). Where the Gluon kernel serves the history the
+split kernel runs the window programs only (``PID_OFF``), chained to the rotation and the combine by PDL; a paged
+history (``history.pages``) takes the same plan, every kernel in its ``PAGED`` mode. Which path serves a call, the
+launches and PDL: docs/kernels.md §3.1-3.8.
 """
 from __future__ import annotations
 

@@ -1,28 +1,18 @@
-"""Fused write path: center + rotate + clip + INT2-quantize + pack, one Triton kernel.
+"""Fused write path: center + rotate + clip + INT2-quantize + pack, one Triton kernel (docs/kernels.md §2).
 
 ``rotate_quantize_triton`` has the signature and semantics of
-:func:`oscar_hf.kernels.write_path.rotate_quantize_reference` (see there and ``oscar_hf/quant.py``
-for the layout). One launch per call; grid ``(cdiv(T, BLOCK_T), B * Hk)``: each program owns
-``BLOCK_T`` rows of one (batch, KV head) and does, without touching device memory in between:
-
-1. ``rows = (x - mu) @ R`` as a K-blocked ``tl.dot`` (fp32 operands; ``tf32x3`` on the GPU, which
-   is float32-accurate, so codes agree with the fp32 reference except on rounding ties);
-2. per group of ``G`` contiguous channels, ``zero`` and ``scale`` (:func:`_group_grid`: the clipped range
-   ``lo', (hi' - lo') / 3``, or ``quantizer="std"``'s mean and standard deviation), rounded to the metadata dtype
-   *before* the codes are computed (as the reference does);
-3. ``code = clamp(rint((x - zero) / scale), 0, 3)`` (0 where the group range is 0);
-4. pack: byte ``j`` = ``code[j] | code[j + D/4] << 2 | code[j + D/2] << 4 | code[j + 3D/4] << 6``.
-
-Requirements for the kernel (:func:`kernel_supported`; the dispatcher ``write_path.rotate_quantize`` sends anything
-else to the reference): ``D`` in ``plan.WRITE_HEAD_DIMS`` (32, 64, 96, 128, 256, 512), ``G`` as ``plan.group_fits``
-takes it (a power of two dividing ``D``, or a whole number of ``D/4``-channel planes), a float ``clip``, bf16 / fp16 /
-fp32 metadata.
+:func:`oscar_hf.kernels.write_path.rotate_quantize_reference` (layout: ``oscar_hf/quant.py``). Grid ``(cdiv(T,
+BLOCK_T), B * Hk)``: a program owns ``BLOCK_T`` rows of one (batch, KV head) and, without touching memory in between,
+rotates ``(x - mu) @ R`` (K-blocked ``tl.dot``, ``tf32x3`` on the GPU: float32-accurate), sets each group's ``zero`` /
+``scale`` (:func:`_group_grid`) rounded to the metadata dtype *before* the codes, computes ``code = clamp(rint((x -
+zero) / scale), 0, 3)`` (0 where the range is 0) and packs byte ``j = code[j] | code[j + D/4] << 2 | code[j + D/2] << 4
+| code[j + 3D/4] << 6``. Shapes: :func:`kernel_supported` (anything else: the reference).
 
 A head_dim that is no power of two (96) is computed in the *plane-padded* layout of ``DP`` = the next power of two
 channels (:func:`_padded_cols`): padded channel ``c' = p * DP/4 + j`` is channel ``p * D/4 + j`` for ``j < D/4`` (plane
-``p``'s byte ``j``), the rest are padding (R's columns gathered so, padding 0). Step 4 is then the same reshape to
-``(4, DP/4)`` planes; steps 2-3 reduce each group over its channels' mask (:func:`_quantize_masked`), since a group need
-not be a contiguous range of that layout (D = 96, G = 32: group 0 is plane 0 and the first 8 channels of plane 1).
+``p``'s byte ``j``), the rest are padding (R's columns gathered so, padding 0). Packing is then the same reshape to
+``(4, DP/4)`` planes; the groups reduce over their channels' mask (:func:`_quantize_masked`), since a group need not be
+contiguous in that layout (D = 96, G = 32: group 0 is plane 0 and the first 8 channels of plane 1).
 """
 from __future__ import annotations
 

@@ -1,30 +1,17 @@
-"""Per-token asymmetric INT2 group quantization: the torch reference of the write path.
+"""Per-token asymmetric INT2 group quantization: the torch reference of the write path (docs/kernels.md §1).
 
-Layout (shared by the torch reference and the Triton kernels in ``oscar_hf.kernels``):
+A row ``x[..., D]`` (one token of one KV head, rotated and centered) has ``D // G`` groups of ``G`` *contiguous*
+channels, each with a ``scale`` and ``zero`` in the metadata dtype; ``code = clamp(round((x - zero) / scale), 0, 3)``,
+``x_hat = zero + code * scale``, the codes computed against the *stored* (rounded) metadata so that ``|x - x_hat| <=
+scale / 2`` holds for unclipped values; a zero-range group gets ``scale = 0`` and reconstructs exactly. Four codes per
+byte in *planes*: byte ``j < D/4`` holds channel ``j + p * D/4`` in bits ``2p .. 2p+1``, so plane ``p`` unpacks to the
+contiguous block ``[p*D/4, (p+1)*D/4)`` with one shift and mask. Two rules set ``scale`` / ``zero``
+(``OscarConfig.quantizer``; the read path is the same):
 
-* a row ``x[..., D]`` (one token of one KV head, already rotated and centered) is split into
-  ``D // G`` groups of ``G`` *contiguous* channels; each group gets its own ``scale`` and
-  ``zero`` (the group minimum after clipping), stored in the metadata dtype;
-* the clip ratio ``c`` shrinks each group's range around its midpoint before the scale is
-  set: ``lo' = mid - c * (hi - lo) / 2``, ``hi' = mid + c * (hi - lo) / 2``; values outside are
-  saturated to the end codes;
-* ``code = clamp(round((x - zero) / scale), 0, 3)`` and ``x_hat = zero + code * scale`` with
-  ``scale = (hi' - lo') / 3``. Codes are computed against the *stored* (rounded) metadata so
-  the error bound ``|x - x_hat| <= scale / 2`` holds for unclipped values;
-* four codes are packed per byte in *planes*: byte ``j`` (``0 <= j < D/4``) holds channel
-  ``j + p * D/4`` in bits ``2p .. 2p+1`` (``p = 0..3``). Unpacking plane ``p`` of every byte
-  gives the contiguous channel block ``[p*D/4, (p+1)*D/4)``: a kernel dequantizes four
-  contiguous sub-vectors with one shift and mask each, no interleaving shuffle.
-
-A group whose range is zero (constant or all-zero rows) gets ``scale = 0`` and reconstructs exactly to its constant.
-
-Two rules set a group's ``scale`` and ``zero`` (``OscarConfig.quantizer``); both store the same two values, so the
-read path is the same:
-
-* ``"minmax"``: the clipped range above;
-* ``"std"``: an even grid centred on the group's mean, ``scale = 0.996 * std`` and ``zero = mean - 1.5 * scale``
-  (levels at mean +-0.498 and +-1.494 std): the even 4-level grid with the least squared error for a Gaussian, which
-  a rotated group nearly is. No clip ratio; values beyond the end levels saturate.
+* ``"minmax"``: the range shrunk around its midpoint by the clip ratio ``c`` (``lo' = mid - c (hi - lo) / 2``, ``hi'``
+  likewise), ``scale = (hi' - lo') / 3``, ``zero = lo'``; values outside saturate;
+* ``"std"``: ``scale = 0.996 * std``, ``zero = mean - 1.5 * scale`` (levels at mean +-0.498 and +-1.494 std): the even
+  4-level grid with the least squared error for a Gaussian, which a rotated group nearly is; no clip ratio.
 """
 from __future__ import annotations
 

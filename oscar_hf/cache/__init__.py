@@ -1,22 +1,13 @@
-"""The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers; on CUDA
-its storage is device-resident and ``generate`` compiles the decode step by itself (:mod:`.compiled`, growing in
-capacity buckets), elsewhere it is the eager reference (:mod:`.dynamic`). :class:`StaticOscarCache` fixes the
-capacity (``max_cache_len``). Two words for two things: "compiled storage" is the device-resident layer
-(:class:`CompiledOscarLayer`, whatever its capacity), "fixed capacity" is :class:`StaticOscarCache` (as Transformers'
-``StaticCache``: "static" in a public class name means fixed capacity, nothing else; the compiled layer's old name
-``StaticOscarLayer`` still imports from here, with a warning).
+"""The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers, device-resident
+on CUDA (:mod:`.compiled`: ``generate`` compiles the decode step) and the eager reference elsewhere (:mod:`.dynamic`:
+its own growing-tail layout reads any attention mask exactly and equals a ``DynamicCache`` until its first demotion);
+:class:`StaticOscarCache` fixes the capacity ("static" means fixed capacity only, as Transformers' ``StaticCache``; the
+compiled layer's old name ``StaticOscarLayer`` still imports, with a warning). Every layer and the serving store share
+one :class:`~oscar_hf.cache.params.LayerParams` per layer, the write kernels and the reads; the compiled layer and the
+serving store also share one storage model (:mod:`.window`).
 
-The eager layer keeps a layout of its own (a growing tail instead of the compiled layer's fixed sink + ring) because
-it reads any attention mask exactly (holes, custom 4D masks) and equals a ``DynamicCache`` bit for bit until its first
-demotion; both layers, and the serving store, share one :class:`~oscar_hf.cache.params.LayerParams` per layer, the
-write kernels and the reads (the INT2 decode op, the retrieval heads' kernel). The compiled layer and the serving
-store also share one storage model, written once in :mod:`.window`: a sink + ring window, and a history of INT2 rows
-and the retrieval heads' coded rows (``LayerParams.encode_history``), addressed as rows or as pages.
-
-Data flow: an artifact (:class:`~oscar_hf.OscarRotations`) -> the layer choice (:func:`oscar_hf.layer_choice.choose_layers`:
-which layers are quantized, their retrieval heads) and the storage (:mod:`.storage`: compiled or eager) -> a cache layer per decoder layer
-(:mod:`.dynamic` / :mod:`.compiled`: write path + read) -> the registered attention function
-(:mod:`oscar_hf.attention`) that hands each call to its layer; :mod:`.io` saves and loads a live cache.
+Data flow: an artifact -> :func:`oscar_hf.layer_choice.choose_layers` and the storage (:mod:`.storage`) -> a cache
+layer per decoder layer -> the registered attention function (:mod:`oscar_hf.attention`); :mod:`.io` saves / loads.
 
     cache = OscarCache.from_pretrained("rotations_dir", model)   # or OscarCache(model, method="hadamard")
     model.generate(**inputs, cache=cache)   # Transformers without `cache=` (e.g. 5.17): past_key_values=cache
@@ -91,33 +82,15 @@ class OscarCache(Cache):
     """Drop-in KV cache for ``generate(cache=...)`` (``past_key_values=`` on Transformers versions without ``cache=``,
     e.g. 5.17): 2-bit OSCAR history, full-precision sink + recent.
 
-    ``OscarCache(model, rotations=None, config=None, *, preset=None, **overrides)`` with ``rotations`` an
-    :class:`OscarRotations` (e.g. from ``scripts/calibrate.py``) or None for the artifact-free
-    ``method`` ("identity" / "hadamard"); overrides are :class:`OscarConfig` fields. Without ``config`` and
-    ``preset``, the settings the calibration chose for the model (``calibrate(choose_settings=True)``, the artifact's
-    ``metadata["settings"]``) replace :class:`OscarConfig`'s defaults, the overrides on top; artifacts without them
-    start from the defaults (``from_pretrained`` also applies their calibrated group size). The cache routes
-    the model's attention through OSCAR (:func:`~oscar_hf.enable_oscar`); the user's attention
-    implementation still serves every layer OSCAR does not quantize. ``model_or_config`` is the model,
-    or the model's own config (``model.config``, which the model reads at every forward; the model is
-    needed for tensor parallelism, whose KV-head slices are read from its weights).
-    Layers (:meth:`layer_kinds`; ``oscar_hf.config.layer_types_of`` reads the kinds): full attention ->
-    :class:`OscarLayer` (a "hybrid" layer, Falcon-H1 / Zamba: :class:`OscarHybridLayer`, with Transformers'
-    ``LinearAttentionLayer`` state); sliding-window / chunked -> Transformers' full-precision
-    ``DynamicSlidingWindowLayer`` (bounded by its window already); linear attention / SSM / convolution ->
-    Transformers' ``LinearAttentionLayer``; ``skip_layers``, MLA latents (DeepSeek-V2/V3, ...) and KV sharing's
-    store layers (Gemma 3n / 4) -> ``DynamicLayer`` (the reason is logged once at construction:
-    ``oscar_hf.config.FULL_PRECISION_WHY``); KV sharing's reuse layers -> ``DummyLayer`` (nothing cached).
-
-    ``compile``: "auto" (default) keeps the storage on the device in fixed-address buffers
-    (:class:`CompiledOscarLayer`, capacity growing in buckets) when the model is on CUDA and its layers are full
-    attention (soft-capped or not), sliding-window / chunked (Transformers' ``StaticSlidingWindowLayer``, a buffer of
-    the window's width, beside the compiled OSCAR layers; the compiled step is traced up to three times as that layer
-    fills, and it cannot ``crop`` once it rolls), linear attention or hybrid attention + state (layers kept in full
-    precision as :class:`GrowingLayer`), with no tensor parallelism, so that ``generate`` compiles the decode step with
-    CUDA graphs by itself; where it does not, the reason is logged as a warning once. True asks for that storage
-    anywhere (the CPU runs its torch reference), and also serves tensor parallelism (each rank's layers hold its KV
-    heads) and the full-precision layers of MLA / KV-sharing models; False keeps the eager :class:`OscarLayer`.
+    ``rotations``: an :class:`OscarRotations` or None for the artifact-free ``method`` ("identity" / "hadamard");
+    ``overrides`` are :class:`OscarConfig` fields. Without ``config`` and ``preset`` the settings the calibration chose
+    (the artifact's ``metadata["settings"]``) replace :class:`OscarConfig`'s defaults, the overrides on top.
+    ``model_or_config``: the model, or its config (the model is needed for tensor parallelism, whose KV-head slices
+    come from its weights). The cache routes the model's attention through OSCAR (:func:`~oscar_hf.enable_oscar`);
+    the user's implementation serves every layer OSCAR does not quantize. The layer kind per model layer
+    (:meth:`layer_kinds`: sliding, linear, MLA, KV sharing, ...) and ``compile`` ("auto": the device-resident
+    :class:`CompiledOscarLayer` on CUDA where every layer kind allows it, else a logged reason; True: anywhere; False:
+    the eager :class:`OscarLayer`): docs/usage.md, "The cache in generate" and "Supported models".
     """
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
