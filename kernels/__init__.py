@@ -17,9 +17,7 @@ from .kv import History, KVParams, Pages, PagedRows, Ring, Window
 from .plan import DEFAULTS, DecodeDefaults, cdiv, cuda_major, next_pow2, num_splits, triton_enabled, triton_importable
 from .write_path import rotate_quantize, rotate_quantize_reference
 
-__all__ = [
-    "DEFAULTS", "DecodeDefaults", "History", "KVParams", "PagedRows", "Pages", "Ring", "Window", "cdiv", "cuda_major",
-    "decode", "decode_attention_reference", "history_partial", "history_partial_reference", "next_pow2", "num_splits",
-    "rotate_query", "rotate_query_reference", "rotate_quantize", "rotate_quantize_reference", "triton_enabled",
-    "triton_importable",
-]
+__all__ = ["DEFAULTS", "DecodeDefaults", "History", "KVParams", "PagedRows", "Pages", "Ring", "Window", "cdiv",
+    "cuda_major", "decode", "decode_attention_reference", "history_partial", "history_partial_reference", "next_pow2",
+    "num_splits", "rotate_query", "rotate_query_reference", "rotate_quantize", "rotate_quantize_reference",
+    "triton_enabled", "triton_importable"]

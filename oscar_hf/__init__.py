@@ -19,14 +19,5 @@ from .version import __version__
 
 logging.getLogger("oscar_hf").addHandler(logging.NullHandler())
 
-__all__ = [
-    "OscarCache",
-    "StaticOscarCache",
-    "OscarConfig",
-    "OscarRotations",
-    "calibrate",
-    "find_retrieval_heads",
-    "enable_oscar",
-    "disable_oscar",
-    "__version__",
-]
+__all__ = ["OscarCache", "StaticOscarCache", "OscarConfig", "OscarRotations", "calibrate", "find_retrieval_heads",
+    "enable_oscar", "disable_oscar", "__version__"]

@@ -13,42 +13,21 @@ from typing import Any
 import torch
 
 from .fingerprint import (  # noqa: F401  (re-exported: the names every module imports from config)
-    DUMMY_LAYER_TYPE,
-    FULL_LAYER_TYPES,
-    FULL_PRECISION_LAYER_TYPES,
-    FULL_PRECISION_WHY,
-    LATENT_LAYER_TYPE,
-    SHARED_KV_LAYER_TYPE,
-    SLIDING_LAYER_TYPES,
-    STATE_LAYER_TYPES,
-    UNEQUAL_KV_LAYER_TYPE,
-    ModelFingerprint,
-    default_group_size,
-    hybrid_state_layers,
-    kv_sharing_modes,
-    layer_types_of,
-    validate_head_dim,
-)
+    DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_TYPES, FULL_PRECISION_WHY, LATENT_LAYER_TYPE,
+    SHARED_KV_LAYER_TYPE, SLIDING_LAYER_TYPES, STATE_LAYER_TYPES, UNEQUAL_KV_LAYER_TYPE, ModelFingerprint,
+    default_group_size, hybrid_state_layers, kv_sharing_modes, layer_types_of, validate_head_dim)
 from .config_checks import RENAMED_FIELDS, check_config, renamed_keywords  # noqa: F401
 from .quant import SUPPORTED_META_DTYPES, bits_per_element
 
 _META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
 
-# retrieval_heads="auto" (the default): the KV heads whose retrieval score (oscar_hf.calibration.retrieval_heads:
-# attention mass that the answer of a key/value probe puts on its fact sentence, in [0, 1]) reaches this threshold,
-# best first, as many as ``max_history_bits`` allows. On SmolLM2-135M (12 probes of 2-4K tokens) the 90 KV heads split
-# into 8 at 0.55-0.73 and the rest at or below 0.27 (then 0.25, 0.23, 0.20, 0.17, 0.10; median 0.004): 0.4 lies in
-# that gap. A head at the threshold puts 40% of its attention on a ~15-token fact among 2-4K tokens; shorter probes
-# raise every score (1-2K tokens: two more heads at 0.43-0.46), so the probes keep their 2-4K default.
+# retrieval_heads="auto" keeps the KV heads whose retrieval score (attention mass on a probe's fact, in [0, 1]) reaches
+# this: SmolLM2's 90 heads split into 8 at 0.55-0.73 and the rest <= 0.27 (docs/quality.md, "Retrieval-safe defaults")
 RETRIEVAL_THRESHOLD = 0.4
 MAX_HISTORY_BITS = 3.0  # default cap on the history's average bits per element (INT2 heads + retrieval heads)
 RETRIEVAL_HEAD_MAX_BITS = 16  # the most a retrieval head costs per element (BF16 / FP16 storage)
-# retrieval_bits: how those heads are stored (oscar_hf.cache.heads). 8 by default: INT8 codes with a scale and
-# zero per token and head cost 8.5 bits per element at head_dim 64 (8.25 at 128) against 16, so the 3.0-bit cap holds
-# 7 of SmolLM2's 8 retrieval heads instead of 3. INT4 (4.5 bits, all 8 heads) is not enough: its min-max step over
-# the unrotated post-RoPE key channels is set by a few large channels and the keys lose the detail that retrieves.
-# On 24 interior locker needles at 8K (BF16 22) INT4 heads found 17, INT8 heads 21, the same heads' keys exact 21;
-# through the real cache INT8 heads keep >= 0.9x BF16 at every length 1K-8K, INT4 0.82x at 8K (docs/quality.md).
+# retrieval_bits: 8 by default: INT8 (8.5 bits at head_dim 64) lets the 3.0-bit cap hold 7 of SmolLM2's 8 retrieval
+# heads instead of 3 at 16; INT4's min-max step over unrotated post-RoPE keys loses needles (17 of 24 vs 21: same doc)
 RETRIEVAL_BITS = 8
 RETRIEVAL_BIT_CHOICES = (16, 8, 4)  # the model dtype, INT8, INT4 (the forms oscar_hf.cache.heads stores)
 WINDOW_BITS = 16  # bits of a full-precision cached element in OscarConfig.stored_bits (BF16 / FP16)
@@ -87,28 +66,21 @@ class OscarConfig:
         method: rotation for ``OscarCache(model_config, ...)`` without an artifact:
             "identity" (naive INT2) or "hadamard" (QuaRot-style).
         center: use the artifact's calibrated offsets mu_K / mu_V when it has them.
-        key_offset: which key offset the INT2 history is centered on. "calibrated": the artifact's
-            mu_K (with ``center``); "prefill": per sequence and KV head, the mean of the sequence's own
-            non-sink keys at its first demotion (usually the prompt), fixed from then on. Any offset is
-            exact for attention (``q·k = q·(k - mu) + q·mu``); the prompt's own mean follows the
-            position-dependent drift of RoPE'd keys that a calibrated mean misses at long context.
-            ``OscarCache`` (either storage) and ``StaticOscarCache``; the paged serving store takes
-            "calibrated" only.
+        key_offset: which key offset the INT2 history is centered on. "calibrated": the artifact's mu_K (with
+            ``center``); "prefill": per sequence and KV head, the mean of its own non-sink keys at its first demotion
+            (usually the prompt), fixed from then on; it follows the position-dependent drift of RoPE'd keys that a
+            calibrated mean misses at long context (any offset is exact: ``q·k = q·(k - mu) + q·mu``). Both caches;
+            the paged serving store takes "calibrated" only.
         skip_layers: layers kept entirely in full precision (negative indices count from the end).
         retrieval_heads: KV heads kept out of the INT2 history (keys and values, every position, stored as
-            ``retrieval_bits`` says: INT8 by default), the rest of their layer quantized as usual; they give
-            back retrieval of single facts from far back
-            (needle in a haystack). ``"auto"`` (default): the artifact's best retrieval heads
-            (``OscarRotations.retrieval_scores``, see ``oscar_hf.calibration.retrieval_heads``) whose score
-            reaches ``retrieval_threshold``, best first, at most as many as keep :meth:`history_bits` within
-            ``max_history_bits``; none without scores (built-in ``method``, or an artifact calibrated with
-            ``retrieval_probes=0``). An int ``k``: the ``k`` best retrieval heads; or explicit ``(layer, kv_head)``
-            pairs (neither capped by ``max_history_bits``). Each head costs :meth:`retrieval_head_bits` per
-            element of its share of the history instead of 2.5 (SmolLM2: 7 of 90 heads, 2.97 history bits at INT8;
-            3.7 at 16 bits).
-        retrieval_bits: how the retrieval heads store their keys and values (``oscar_hf.cache.heads``):
-            16 (the model dtype, exact), 8 or 4 (default: codes with a scale and zero per token and head in the
-            model dtype, min-max over head_dim; :data:`RETRIEVAL_BITS` says why 8).
+            ``retrieval_bits`` says), the rest of their layer quantized; they give back retrieval of single facts from
+            far back. ``"auto"`` (default): the artifact's best retrieval heads (``OscarRotations.retrieval_scores``)
+            scoring at least ``retrieval_threshold``, at most as many as keep :meth:`history_bits` within
+            ``max_history_bits``; none without scores. An int ``k``: the ``k`` best; or explicit ``(layer, kv_head)``
+            pairs (neither capped). Each costs :meth:`retrieval_head_bits` per element of its share of the history
+            instead of 2.5 (SmolLM2: 7 of 90 heads, 2.97 history bits at INT8; 3.7 at 16 bits).
+        retrieval_bits: 16 (the model dtype, exact), 8 (default) or 4: codes with a scale and zero per token and head
+            in the model dtype, min-max over head_dim (``oscar_hf.cache.heads``; :data:`RETRIEVAL_BITS` says why 8).
             (``full_precision_heads`` / ``full_precision_bits``: their old names, accepted with a FutureWarning.)
         max_history_bits: cap of ``retrieval_heads="auto"`` on the average bits per history element over
             all KV heads of the quantized layers (:meth:`history_bits`).
@@ -236,23 +208,13 @@ class OscarConfig:
         return min(n, num_heads)
 
     def stored_bits(self, fingerprint: "ModelFingerprint", quantized_layers: Sequence[int], context: int) -> float:
-        """THE memory budget's measure (``calibrate(budget_bits=...)``, :mod:`oscar_hf.calibration.settings`): average
-        stored bits per cached K/V element over the layers OSCAR quantizes (``quantized_layers``: the artifact's
-        full-attention layers), once ``context`` tokens are cached. Per layer and KV head:
-
-        * the ``min(context, sink + recent)`` window tokens at :data:`WINDOW_BITS` (BF16 / FP16, the dtype a cache
-          serves in; a float32 calibration model's windows are counted at 16 too);
-        * the other ``context - sink - recent`` tokens as history: INT2 codes + the group's scale and zero
-          (:func:`~oscar_hf.quant.bits_per_element`: 2.5 at group 64, BF16), or :meth:`retrieval_head_bits` for a
-          retrieval head (INT8: 8.5 at head_dim 64);
-        * a ``skip_layers`` layer: :data:`WINDOW_BITS` for every token.
-
-        Sliding-window, linear-attention and latent layers are not counted (no setting changes them). This is the
-        compiled and serving storage's layout; the eager storage (the CPU's) also keeps a retrieval head's window
-        tokens at its width (SmolLM2's 7 INT8 heads: +0.026 bits at 8192 tokens). ``retrieval_heads`` must be
-        resolved (an int or pairs; ``"auto"`` depends on the artifact's scores:
-        resolve it with :func:`oscar_hf.layer_choice.resolve_retrieval_heads` first). Today's defaults on SmolLM2
-        (30 layers x 3 KV heads of 64, 7 INT8 heads) at 8192 tokens: (320 x 16 + 7872 x 2.967) / 8192 = 3.476."""
+        """THE memory budget's measure (``calibrate(budget_bits=...)``): average stored bits per cached K/V element over
+        the layers OSCAR quantizes (``quantized_layers``) once ``context`` tokens are cached: per layer and KV head the
+        ``min(context, sink + recent)`` window tokens at :data:`WINDOW_BITS`, the rest as INT2 codes + scale / zero
+        (:func:`~oscar_hf.quant.bits_per_element`) or a retrieval head's :meth:`retrieval_head_bits`, a ``skip_layers``
+        layer at :data:`WINDOW_BITS` for every token. ``retrieval_heads`` must be resolved (an int or pairs:
+        :func:`oscar_hf.layer_choice.resolve_retrieval_heads`). What is counted and why, and SmolLM2's 3.476:
+        docs/quality.md, "Settings chosen per model by calibration"."""
         if isinstance(context, bool) or not isinstance(context, int) or context < 1:
             raise ValueError(f"context must be a positive int of tokens, got {context!r}")
         layers = sorted({int(i) for i in quantized_layers})

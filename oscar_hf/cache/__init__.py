@@ -19,17 +19,11 @@ import weakref
 from typing import Any
 
 import torch
-from transformers.cache_utils import (
-    Cache,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    LinearAttentionAndFullAttentionLayer,
-    LinearAttentionAndSlidingWindowAttentionLayer,
-    LinearAttentionAndStaticSlidingWindowAttentionLayer,
-    LinearAttentionCacheLayerMixin,
-    LinearAttentionLayer,
-    StaticSlidingWindowLayer,
-)
+from transformers.cache_utils import (Cache, DynamicLayer, DynamicSlidingWindowLayer,
+                                      LinearAttentionAndFullAttentionLayer,
+                                      LinearAttentionAndSlidingWindowAttentionLayer,
+                                      LinearAttentionAndStaticSlidingWindowAttentionLayer,
+                                      LinearAttentionCacheLayerMixin, LinearAttentionLayer, StaticSlidingWindowLayer)
 
 try:  # Transformers >= 5.2x: the layer of KV sharing's reuse layers (and MoE / MLP-only layers); 5.17 leaves them out
     from transformers.cache_utils import DummyLayer
@@ -38,17 +32,8 @@ except ImportError:  # pragma: no cover - transformers 5.17
 
 from ..attention import enable_oscar
 from ..compiled_step import install_step_hook
-from ..config import (
-    DUMMY_LAYER_TYPE,
-    FULL_LAYER_TYPES,
-    FULL_PRECISION_LAYER_TYPES,
-    SLIDING_LAYER_TYPES,
-    STATE_LAYER_TYPES,
-    OscarConfig,
-    artifact_settings,
-    hybrid_state_layers,
-    starting_config,
-)
+from ..config import (DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_TYPES, SLIDING_LAYER_TYPES,
+                      STATE_LAYER_TYPES, OscarConfig, artifact_settings, hybrid_state_layers, starting_config)
 from ..distributed import shard_cache_for_tensor_parallel
 from ..layer_choice import choose_layers, resolve_retrieval_heads
 from ..rotations import LayerRotation, OscarRotations

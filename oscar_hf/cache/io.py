@@ -32,16 +32,8 @@ from ..quant import QuantizedRows
 from ..rotations import OscarRotations
 from . import heads
 from .io_checks import (  # noqa: F401  (weights_digest, position_limit: part of this module's API)
-    _DTYPES,
-    STATE_NAME,
-    TENSORS_NAME,
-    _bounded,
-    check_finite,
-    check_sizes,
-    check_weights,
-    position_limit,
-    weights_digest,
-)
+    _DTYPES, STATE_NAME, TENSORS_NAME, _bounded, check_finite, check_sizes, check_weights, position_limit,
+    weights_digest)
 from .compiled import CompiledOscarLayer, capacity_for
 from .dynamic import CROP_RESERVE, TAIL_SLACK, OscarLayer
 

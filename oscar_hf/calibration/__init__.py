@@ -9,20 +9,6 @@ from .search import CLIP_GRID, attention_error, build_candidates, evaluate_candi
 from .settings import choose_settings
 from .stats import CalibrationStats, collect_statistics
 
-__all__ = [
-    "calibrate",
-    "CalibrationOptions",
-    "choose_settings",
-    "attention_error",
-    "calibration_report",
-    "plot_settings",
-    "plot_spectra",
-    "find_retrieval_heads",
-    "collect_statistics",
-    "build_candidates",
-    "evaluate_candidates",
-    "CalibrationStats",
-    "CLIP_GRID",
-    "METHODS",
-    "VALUE_TARGETS",
-]
+__all__ = ["calibrate", "CalibrationOptions", "choose_settings", "attention_error", "calibration_report",
+    "plot_settings", "plot_spectra", "find_retrieval_heads", "collect_statistics", "build_candidates",
+    "evaluate_candidates", "CalibrationStats", "CLIP_GRID", "METHODS", "VALUE_TARGETS"]
