@@ -1,23 +1,19 @@
-"""Triton kernels of the retrieval heads' decode read (:mod:`.heads_attention`): a split kernel and a combine.
+"""Triton kernels of the retrieval heads' decode read (:mod:`.heads_attention`; docs/kernels.md §3.9): a split kernel
+and a combine.
 
 Program ``(bp, s)`` of :func:`_heads_split_kernel` (grid ``(B * P, S + 1)``, ``bp = b * P + p``) reads coded head ``p``
 of row ``b`` (KV head ``heads[p]`` of the query and the window): programs ``s < S`` stream history slots ``[s * L, (s +
-1) * L)`` clipped to ``[lo[b], hi)`` in blocks of ``BLOCK_N``; program ``S`` reads the window. Each keeps a running max
-/ sum / accumulator for the ``M`` query rows of the head (padded to ``M_PAD >= 16`` for ``tl.dot``) and writes one
-online-softmax partial; :func:`_heads_combine_kernel` merges a row's ``S + 1`` partials and normalizes.
+1) * L)`` clipped to ``[lo[b], hi)`` in blocks of ``BLOCK_N``, program ``S`` the window; each writes one online-softmax
+partial for the ``M`` query rows (padded to ``M_PAD >= 16``), which :func:`_heads_combine_kernel` merges and normalizes.
 
-A coded block is never dequantized: with ``x = zero + code * scale`` per token, ``q . x = scale * (q . code) + zero *
-sum(q)`` and ``sum_n p_n x_n = (p * scale) . code + sum_n p_n zero_n``, so the tensor cores take the codes themselves
-(exact in bf16 / fp16 up to 255) and the metadata scales a ``[M_PAD, BLOCK_N]`` tile. INT4 bytes hold channel ``j`` (low
-nibble) and ``j + D/2`` (high), so the query, window and accumulator are handled as two halves of ``DC = D / 2``
-channels (``NPL = 2`` planes); INT8 and 16 bits have one plane of ``D``. A half (plane) of a width that is no power of
-two (D = 96: 96, or 48 for INT4) is read as ``DCP``, the next power of two, lanes, the padded ones masked on every load
-(0) and store. ``SOFTCAP`` > 0: every logit soft-capped (``decode_split._soft_cap``, in log2 units) before the mask.
-Logits are in base 2 (``qk_scale = scaling * log2(e)``, applied to the float32 logits so that the query stays exact in
-its dtype). ``hi`` is read on the device under CUDA graphs and in the paged store (``HI_DEV``; one bound, or one per
-row): the grid is sized by the storage's capacity (or the batch's longest history) and splits past a row's ``hi`` write
-an empty partial. ``PAGE > 0``: the store is paged (the serving store), slot ``n`` of row ``b`` at offset ``n % PAGE``
-of page ``block_table[b, n // PAGE]``.
+Codes are never dequantized: ``q . x = scale * (q . code) + zero * sum(q)`` and ``sum_n p_n x_n = (p * scale) . code +
+sum_n p_n zero_n``, so the tensor cores take the codes (exact in bf16 / fp16 up to 255). INT4 bytes hold channel ``j``
+(low nibble) and ``j + D/2`` (high): two planes of ``DC = D / 2`` channels (``NPL = 2``); INT8 / 16 bits one plane of
+``D``; a plane width that is no power of two is read as ``DCP`` lanes, the padding masked. Logits in base 2
+(``qk_scale = scaling * log2(e)`` applied to the float32 logits, so the query stays exact in its dtype); ``SOFTCAP``
+before the mask. ``HI_DEV``: ``hi`` read on the device (CUDA graphs, paged store), the grid sized by the capacity,
+splits past a row's ``hi`` write an empty partial. ``PAGE > 0``: slot ``n`` of row ``b`` at offset ``n % PAGE`` of
+page ``block_table[b, n // PAGE]``.
 """
 from __future__ import annotations
 

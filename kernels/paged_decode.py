@@ -1,20 +1,13 @@
-"""Decode attention over a *paged* INT2 history (the serving pool) and a pool of full-precision windows.
+"""Decode attention over a *paged* INT2 history (the serving pool) and a pool of full-precision windows (docs/kernels.md
+§3.8).
 
-For continuous batching the history of every request lives in one shared pool of pages
-(:class:`~oscar_hf.serving.pool.PagedInt2Pool`): for one layer and keys (values alike) ``pages_k`` is the
-:class:`~oscar_hf.quant.QuantizedRows` of strided views ``codes [num_pages, Hk, P, D/4]``,
-``scale / zero [num_pages, Hk, P, D/G]``. Row ``b`` of the batch has ``hist_len[b]`` history entries; entry ``j`` is
-row ``j % P`` of page ``block_table[b, j // P]``. Its full-precision window (sink + recent, unrotated, model dtype) is
-slot ``win_slot[b]`` of ``win_k / win_v [num_slots, Hk, W, D]``, masked by ``win_mask[b] [W]`` (False = not a token).
-
-:func:`~oscar_hf.kernels.decode.decode` reads it (a :class:`~oscar_hf.kernels.kv.History` with ``pages``): on CUDA the
-split kernel of the contiguous path (``decode_split._split_kernel``) in its ``PAGED`` mode: the query rotation (one
-launch), the history splits and window programs (one launch, grid sized for the longest row: the splits past a row's
-length write empty partials), the combine (one launch); the history runs on the Gluon history kernel where it serves
-the shape (as in the contiguous op), reading each step's page from the block table. Elsewhere the torch references
-here: row by row ``int2_attention.decode_attention_reference`` over the row's history gathered in block-table order
-and its window (:func:`paged_decode_reference`), or every row at once to a host bound
-(:func:`paged_decode_batched`).
+Per layer, keys (values alike): ``pages_k`` the :class:`~oscar_hf.quant.QuantizedRows` of ``codes [num_pages, Hk, P,
+D/4]``, ``scale / zero [num_pages, Hk, P, D/G]`` (:class:`~oscar_hf.serving.pool.PagedInt2Pool`); row ``b`` has
+``hist_len[b]`` entries, entry ``j`` at row ``j % P`` of page ``block_table[b, j // P]``; its window (sink + recent,
+unrotated, model dtype) is slot ``win_slot[b]`` of ``win_k / win_v [num_slots, Hk, W, D]``, masked by ``win_mask[b]
+[W]`` (False = not a token). On CUDA :func:`~oscar_hf.kernels.decode.decode` reads it with the contiguous path's kernels
+in their ``PAGED`` mode; elsewhere the torch references here: row by row over the history gathered in block-table
+order (:func:`paged_decode_reference`), or every row at once to a host bound (:func:`paged_decode_batched`).
 """
 from __future__ import annotations
 

@@ -1,19 +1,13 @@
 """The compiled storage's op (``torch.library``, opaque to the compiler): its decode step (``oscar::decode_step_``: the
-one-token write and the attention of one layer).
+one-token write and the attention of one layer; docs/kernels.md §3.7).
 
-Under ``torch.compile`` (``generate`` compiling a :class:`~oscar_hf.StaticOscarCache` decode step, CUDA graphs) a
-layer's whole decode step behind the query's rotation is one custom op: dynamo records one call, Inductor leaves its
-kernels alone (compiled and tuned by Triton's own JIT, as in eager) and the CUDA graph captures their launches. What
-the op does -- the write, the choice of kernels or references, the split of the retrieval heads from the INT2 heads
-and the merge of their outputs -- is plain Python that runs once per capture, not bytecode that dynamo traces and
-Inductor lowers once per layer (``docs/results.md``, the first call). The op mutates the layer's window, history and
-retrieval heads' entries in place (declared in ``mutates_args``, so functionalization tracks them) and returns the
-attention output; the fake implementation checks the stacked tensors' shapes and gives the output's.
-
-The op's flat schema (a ``torch.library`` op takes tensors and scalars, not objects) exists here only: the compiled
-layer packs its storage into the step's tuples (:class:`StepStorage`, :class:`StepHeads`, :class:`StepConfig`), and
-:func:`decode_step` unpacks them into :mod:`.kv`'s bundles for the one write (``write_path.append``) and the one read
-(``decode.decode``) that every storage shares.
+Under ``torch.compile`` a layer's whole decode step behind the query's rotation is one custom op: dynamo records one
+call, Inductor leaves its kernels alone and the CUDA graph captures their launches; what the op does is plain Python
+run once per capture, not traced and lowered per layer (docs/results.md, the first call). It mutates the layer's
+window, history and retrieval heads' entries in place (``mutates_args``) and returns the attention output. The op's
+flat schema exists here only: the compiled layer packs its storage into :class:`StepStorage`, :class:`StepHeads`,
+:class:`StepConfig`, and :func:`decode_step` unpacks them into :mod:`.kv`'s bundles for ``write_path.append`` and
+``decode.decode``.
 """
 from __future__ import annotations
 

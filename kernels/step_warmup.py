@@ -1,21 +1,14 @@
 """A compiled op's Triton kernels compiled in a helper process while torch compiles the step.
 
-A first compiled ``generate`` call traces the step (dynamo), compiles it (Inductor), then runs it once, and only
-then does OSCAR's decode op (:mod:`.static_op`) launch its kernels, each compiled by Triton's JIT one after another on
-the call's critical path (5-9 s on an H200, docs/results.md). The op's fake implementation sees every layer's
-arguments (shapes, strides, dtypes, scalars) at the start of the trace, which is all a specialization of the kernels
-depends on. So the first time it meets a new set of arguments it hands a description of them (:func:`spec_of`) to a
-helper process (one per compile, fed on its stdin; its loop is :func:`serve`) that rebuilds zero-filled tensors of
-the same layout on the same GPU (:func:`values_of`) and runs the op's implementation once: the kernels compile
-there, into the Triton cache on disk that the step's own first run then reads (``TRITON_CACHE_DIR``, else the folder
-Inductor sets once it loads its kernels). The helper's stdin closes at the op's first real call (:func:`release`);
-it finishes the descriptions it was given and exits.
-
-Only on CUDA (elsewhere the kernels are not compiled, or run under the interpreter), and only with
-``OSCAR_WARM_KERNELS=1``: on an H200 it took the decode kernels' JIT (5.8 s) off the step's first run, but the whole
-first call was not measurably shorter in single runs (docs/results.md, the first call). The helper holds a CUDA
-context and one layer's storage at a time. A failure there costs only the time it was to save: the step compiles the
-kernels itself, as without it.
+Without it, OSCAR's decode op (:mod:`.static_op`) JIT-compiles its kernels one after another on the first call's
+critical path (5-9 s on an H200, docs/results.md). The op's fake implementation sees every layer's arguments at the
+start of the trace, all a kernel's specialization depends on, so the first time it meets new arguments it hands
+their description (:func:`spec_of`) to a helper process (one per compile, fed on stdin; loop: :func:`serve`) that
+rebuilds zero-filled tensors of the same layout on the same GPU (:func:`values_of`) and runs the op once: the kernels
+compile into the on-disk Triton cache the step's own first run reads. The helper's stdin closes at the op's first
+real call (:func:`release`). CUDA only, and only with ``OSCAR_WARM_KERNELS=1``: it took the kernels' JIT (5.8 s) off
+the step's first run, but the first call was not measurably shorter. A failure there only costs the time it was to
+save.
 """
 from __future__ import annotations
 

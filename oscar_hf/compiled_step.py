@@ -1,22 +1,18 @@
-"""The host side of the compiled decode step.
+"""The host side of the compiled decode step (docs/cache.md, the compiled layer).
 
-``generate`` compiles ``model.__call__`` by itself when the cache is compileable (CUDA, ``cache.is_compileable``;
-``model.get_compiled_call``) and runs every decode step through that compiled callable. A compiled step cannot
-allocate, and must not read the cache's length back from the device (a host stall per step); so OSCAR wraps the
-compiled callable of a model it serves (installed by :class:`~oscar_hf.OscarCache` on a model whose cache compiles):
+``generate`` compiles ``model.__call__`` by itself when the cache is compileable and runs every decode step through
+it. A compiled step cannot allocate and must not read the cache's length back from the device (a host stall per
+step), so :class:`~oscar_hf.OscarCache` wraps the compiled callable of a model it serves:
 
-* before a one-token step, each OSCAR layer learns on the host that one token arrives (its ``host_len``) and grows
-  its storage to the next capacity bucket if the token would not fit (the first growth recompiles the step once,
-  with the capacity symbolic; each later bucket records one more CUDA graph);
-* a multi-token forward (chunked prefill ``generate(..., prefill_chunk_size=N)``, assisted decoding's verification
-  of candidate tokens) runs through the plain model instead: it is dominated by GEMMs, and its shapes change every
-  call (a compiled one would recompile);
-* when ``generate`` prepares its cache, each layer learns the length the call will reach (``max_cache_length``:
-  prompt + ``max_new_tokens``), so that its first allocation holds the whole answer where that is within reach
-  (:func:`~oscar_hf.cache.compiled.capacity_for`) and the step compiles once.
+* before a one-token step each OSCAR layer learns its ``host_len`` on the host and grows its storage to the next
+  capacity bucket if the token would not fit (the first growth recompiles once, capacity symbolic; each later bucket
+  records one more CUDA graph);
+* a multi-token forward (chunked prefill, assisted decoding's verification) runs through the plain model: GEMM-bound,
+  and its shapes change every call;
+* when ``generate`` prepares its cache, each layer learns ``max_cache_length`` so that its first allocation holds the
+  whole answer where that is within reach (:func:`~oscar_hf.cache.compiled.capacity_for`).
 
-A cache without OSCAR layers (e.g. a ``StaticCache`` passed to the same model) goes straight to the compiled call,
-so the wrappers stay on the model once installed (nothing removes them).
+A cache without OSCAR layers goes straight to the compiled call, so the wrappers stay on the model once installed.
 """
 from __future__ import annotations
 
