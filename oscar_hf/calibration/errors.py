@@ -1,6 +1,5 @@
 """The held-out attention error of quantized candidates (:class:`ErrorRecorder`, an attention handler), summed per
-layer in float64 (:class:`LayerErrors`); :mod:`.search` picks from it. See :mod:`oscar_hf.calibration` for the
-error measures."""
+layer in float64 (:class:`LayerErrors`); :mod:`.search` picks from it. The measures: docs/calibration.md."""
 from __future__ import annotations
 
 import dataclasses

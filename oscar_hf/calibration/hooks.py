@@ -1,21 +1,8 @@
-"""The calibration hooks: how a recorder sees every attention call of a model, and how the model is run over
-calibration windows.
-
-A recorder (:class:`~.stats.StatsRecorder`, :class:`~.errors.ErrorRecorder`) is an attention *handler* (see :mod:`oscar_hf.patching`) registered under the prefix
-``oscarcalib_``. While a recorder is active (:func:`recording`), every attention call of a
-full-attention layer goes through it: it runs the user's original attention implementation
-(``base``), returns that result unchanged, and records what it needs from ``query [B, Hq, q, D]``
-(post-RoPE), ``key``/``value [B, Hk, kv, D]`` (post-RoPE keys, what a cache stores) and the output
-``[B, q, Hq, D]``. Sliding-window layers are passed through untouched (OSCAR does not quantize them).
-
-Padding: a key/value position is a real token iff *some* query may attend to it under the
-attention mask (4-D bool from the sdpa mask builder, 4-D additive float from eager, 2-D padding
-masks from flash-style builders, or ``None`` = no padding). Without a KV cache (``use_cache=False``,
-how calibration runs) query ``i`` is token ``kv - q + i``. Padded tokens are excluded everywhere.
-
-Nothing stores activations: :class:`~.stats.StatsRecorder` accumulates float64 sums (Σx, Σxᵀx, counts)
-and :class:`~.errors.ErrorRecorder` accumulates float64 error sums of quantized candidates on the fly.
-"""
+"""The calibration hooks: a recorder (:class:`~.stats.StatsRecorder`, :class:`~.errors.ErrorRecorder`) is an attention
+handler (:mod:`oscar_hf.patching`, prefix ``oscarcalib_``) that runs the user's attention, returns its result unchanged
+and records ``query [B, Hq, q, D]``, ``key`` / ``value [B, Hk, kv, D]`` (post-RoPE) and the output ``[B, q, Hq, D]``
+of full-attention layers, padded tokens excluded; and the model's run over calibration windows. Padding rules and
+why nothing stores activations: docs/calibration.md, "The hooks"."""
 from __future__ import annotations
 
 import contextlib

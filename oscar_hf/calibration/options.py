@@ -18,62 +18,50 @@ VALUE_TARGETS = ("sst", "score-weighted")
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationOptions:
-    """The keywords of :func:`~oscar_hf.calibration.calibrate`, with its defaults. Normalized at construction:
-    ``meta_dtype`` a name, ``clips`` floats (and then no ``clip_grid``), ``window`` ints.
+    """The keywords of :func:`~oscar_hf.calibration.calibrate`, with its defaults (what each pass does:
+    docs/calibration.md). Normalized at construction: ``meta_dtype`` a name, ``clips`` floats (and then no
+    ``clip_grid``), ``window`` ints.
 
     Args:
-        method: "oscar" (C_Q keys / value_target values), "pca-kv" (C_K / C_V), "hadamard",
-            "identity" (calibrated offsets and clips only), or "auto" (best candidate per layer, KV head
-            and K/V on held-out tokens, then checked end to end: that pick, all-"oscar", all-"pca-kv" and
-            all-"hadamard" are scored by next-token KL through the cache on a held-out window and the lowest wins, see
-            :mod:`.selection`; the metadata's ``selection`` says which).
-        tokens: statistics tokens: ``ceil(tokens / seq_len)`` windows of ``min(seq_len, tokens)`` tokens
-            from the start of the text (ignored for token-id input: all rows are used).
-        group_size: the quantization group size the clips (and ``auto``) are chosen for; ``None``: head_dim (one
-            group per head, the authors' setting); ``"auto"`` (default): 64, or where 64 does not divide head_dim
-            :func:`~oscar_hf.config.default_group_size`'s (48 at 96).
-        center: store and use the per-KV-head means ``mu_K``/``mu_V``; ``"auto"``: decide per layer, KV head
-            and K/V on the held-out error (an unchosen offset is stored as zeros).
+        method: "oscar" (C_Q keys / value_target values), "pca-kv" (C_K / C_V), "hadamard", "identity" (calibrated
+            offsets and clips only), or "auto": the best candidate per layer, KV head and K/V on held-out tokens, then
+            that pick, all-"oscar", all-"pca-kv" and all-"hadamard" scored by next-token KL through the cache, the
+            lowest kept (:mod:`.selection`; the metadata's ``selection`` says which).
+        tokens: statistics tokens: ``ceil(tokens / seq_len)`` windows of ``min(seq_len, tokens)`` tokens from the
+            start of the text (token-id input: all rows).
+        group_size: the group size the clips (and ``auto``) are chosen for; ``None``: head_dim (the authors'
+            setting); ``"auto"``: 64, or :func:`~oscar_hf.config.default_group_size`'s where 64 does not divide it.
+        center: store and use the per-KV-head means ``mu_K``/``mu_V``; ``"auto"``: decide per layer, KV head and K/V
+            on the held-out error (an unchosen offset is stored as zeros).
         value_target: "sst" (exact ``C_S = Σ oᵀo``) or "score-weighted" (the reference code's target).
-        clip_grid: clip ratios searched per layer (default 0.80..1.00 step 0.02); ``None`` or one value:
-            no search (clips 1.0 or that value).
-        holdout_fraction: held-out windows for the clip / ``auto`` choice, as a fraction of the statistics
-            windows (at least one), taken right after them (token-id input: the last rows).
+        clip_grid: clip ratios searched per layer (default 0.80..1.00 step 0.02); ``None`` or one value: no search.
+        holdout_fraction: held-out windows for the clip / ``auto`` choice, as a fraction of the statistics windows
+            (at least one), right after them (token-id input: the last rows).
         batch_size: windows per forward.
         progress: tqdm bar (also honours ``transformers.utils.logging.disable_progress_bar()``).
         meta_dtype: dtype of the quantizer's scale/zero during the clip search (as the cache will use).
         query_samples: queries per held-out sequence whose real attention probabilities weigh the errors.
-        window: ``(sink, recent)`` of the cache the artifact is for (``OscarConfig`` defaults 64, 256):
-            the first ``sink`` tokens of every window are left out of the key/value statistics (never
-            quantized; attention sinks have atypical activations), and held-out errors count only the
-            (query, key) pairs the cache quantizes, ``sink <= key < query - recent``. Windows not longer than
-            ``sink + recent + 1`` get a proportionally smaller window ``(min(sink, L//8), min(recent, L//4))``
-            with a warning (recorded in the metadata). ``None``: all tokens, all (query, key) pairs.
+        window: ``(sink, recent)`` of the cache the artifact is for: the first ``sink`` tokens of every window are
+            left out of the statistics, and held-out errors count only the pairs ``sink <= key < query - recent``.
+            Windows not longer than ``sink + recent + 1`` get ``(min(sink, L//8), min(recent, L//4))`` with a warning
+            (recorded in the metadata). ``None``: all tokens, all (query, key) pairs.
         metadata: extra JSON-able entries stored in the artifact's metadata (e.g. the data source).
-        share_rotation_across_heads: one ``R_K`` and one ``R_V`` per layer, shared by its KV heads (as the
-            authors' rotation files), from the statistics of all its KV heads pooled, replicated per head in the
-            artifact; the held-out selection then picks one candidate per layer. Offsets (``center``) stay per
-            head. Default: one rotation per KV head.
-        clips: fixed ``(clip_k, clip_v)`` for every layer, not searched (e.g. the authors' ``(0.96, 0.92)``);
-            overrides ``clip_grid``.
-        retrieval_probes: synthetic key/value probes placed in the calibration text that score every KV head's
-            retrieval (:mod:`.retrieval_heads`), stored as the artifact's ``retrieval_scores``: the heads that
-            ``OscarConfig(retrieval_heads="auto")`` (the default) keeps in full precision. 0: no scores (then
-            no retrieval heads by default). Needs string ``texts`` (token-id input is not scored) with at
-            least ``max(retrieval_lengths) + retrieval_probes`` tokens.
+        share_rotation_across_heads: one ``R_K`` and one ``R_V`` per layer from the pooled statistics of its KV heads
+            (as the authors' files), replicated per head; offsets stay per head.
+        clips: fixed ``(clip_k, clip_v)`` for every layer (e.g. the authors' ``(0.96, 0.92)``); overrides
+            ``clip_grid``.
+        retrieval_probes: synthetic key/value probes placed in the text that score every KV head's retrieval
+            (:mod:`.retrieval_heads`), stored as ``retrieval_scores`` for ``retrieval_heads="auto"``. 0: no scores
+            (no retrieval heads by default). Needs string ``texts`` of at least ``max(retrieval_lengths) +
+            retrieval_probes`` tokens.
         retrieval_lengths: probe lengths in tokens (those beyond the model's context are dropped).
-        select_by_kl: ``method="auto"``'s end-to-end check (False: the held-out error's pick as it is). It needs a
-            held-out window longer than ``512 + sink + recent`` tokens, else the pick stays as it is.
-        choose_settings: after the rotations, choose the cache settings (window, group size, quantizer, retrieval
-            heads and their width, layers kept precise) by next-token KL through the cache on held-out windows,
-            within ``budget_bits`` (:mod:`.settings`), and store the choice in ``metadata["settings"]``: a cache built
-            from the artifact starts from it (the user's arguments still win). Text input scores
-            ``SETTINGS_WINDOWS`` held-out windows of ``seq_len`` tokens read after the statistics windows; held-out
-            windows not longer than ``512 + 4 * (sink + recent)`` tokens skip the search (recorded). False: the
-            cache uses ``OscarConfig``'s defaults, as artifacts calibrated before the search.
-        budget_bits: the memory budget: average stored bits per cached K/V element over the quantized layers at
-            ``target_context`` tokens (``OscarConfig.stored_bits``: windows at 16 bits, INT2 codes + scale / zero,
-            retrieval heads at their width). Default 3.5 (today's defaults cost 3.476 on SmolLM2 at 8192).
+        select_by_kl: ``method="auto"``'s end-to-end check; needs a held-out window longer than ``512 + sink +
+            recent`` tokens, else the pick stays.
+        choose_settings: after the rotations, choose the cache settings by next-token KL within ``budget_bits``
+            (:mod:`.settings`) and store them in ``metadata["settings"]`` (a cache from the artifact starts from
+            them). Text input scores ``SETTINGS_WINDOWS`` held-out windows of ``seq_len`` tokens; windows not longer
+            than ``512 + 4 * (sink + recent)`` skip the search (recorded). False: ``OscarConfig``'s defaults.
+        budget_bits: the budget in ``OscarConfig.stored_bits`` at ``target_context`` tokens (default 3.5).
         target_context: the context the budget is priced at; ``None``: ``min(32768, max_position_embeddings)``.
     """
 

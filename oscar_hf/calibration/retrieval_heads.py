@@ -1,16 +1,12 @@
-"""Retrieval heads: the KV heads that copy a fact from far back in the context (calibration side).
+"""Retrieval heads: the KV heads that copy a fact from far back in the context (calibration side; docs/usage.md,
+"Retrieval heads").
 
-A 2-bit history keeps attention statistics close (perplexity +2-5%) but can lose the one needle a retrieval query must
-find among thousands of keys. Those lookups are done by a few heads (Wu et al., "Retrieval Head Mechanistically Explains
-Long-Context Factuality", 2024). This module finds them with synthetic key/value probes placed in *calibration* text:
-per ``(layer, query head)`` the attention mass that the positions predicting the answer put on the probe's fact
-sentence, pooled per KV head by the max over its query heads. ``calibrate()`` stores these scores in the artifact by
-default (``retrieval_probes``), and ``OscarConfig(retrieval_heads="auto")`` (the default) keeps the heads scoring at
-least ``OscarConfig.retrieval_threshold`` in full precision, within a bit budget.
-
-Probe prompts: ``<haystack> <fact> <haystack> <question> <answer>`` with
-fact = "The access code of <name> is <7 digits>." and question "What is the access code of <name>?
-The access code of <name> is" (words and names other than the needle evaluation's).
+A 2-bit history keeps attention statistics close but can lose the one needle a retrieval query must find; a few heads
+do those lookups (Wu et al., 2024, "Retrieval Head Mechanistically Explains Long-Context Factuality"). Synthetic
+key/value probes in *calibration* text score each ``(layer, query head)`` by the attention mass the positions
+predicting the answer put on the probe's fact sentence, pooled per KV head by the max over its query heads. Probe:
+``<haystack> <fact> <haystack> <question> <answer>``, fact "The access code of <name> is <7 digits>.", question "What
+is the access code of <name>? The access code of <name> is" (words and names other than the needle evaluation's).
 """
 from __future__ import annotations
 

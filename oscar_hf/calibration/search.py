@@ -1,9 +1,8 @@
-"""Candidates and their selection: the rotations a layer may use (from the statistics), and their held-out
-attention error for every clip ratio (:class:`ErrorRecorder`), from which :func:`select_best` picks one clip per
-layer and one candidate per KV head (K and V separately). See :mod:`oscar_hf.calibration` for the error measures.
-
-Eigenvectors are taken in float64 (``torch.linalg.eigh``, descending, sign-fixed so the largest
-component of each is positive) and turned into ``R = U · H · P_br`` (:func:`~oscar_hf.hadamard.oscar_rotation`).
+"""Candidates and their selection: the rotations a layer may use (from the statistics), and their held-out attention
+error for every clip ratio (:class:`ErrorRecorder`; the measures: docs/calibration.md), from which :func:`select_best`
+picks one clip per layer and one candidate per KV head (K and V separately). Eigenvectors in float64
+(``torch.linalg.eigh``, descending, sign-fixed so each one's largest component is positive) become ``R = U · H · P_br``
+(:func:`~oscar_hf.hadamard.oscar_rotation`).
 """
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""End-to-end check of a calibration's candidates: next-token KL through the real cache on held-out tokens.
-
-The held-out attention error (:mod:`.search`) picks one rotation per layer and KV head, but it does not rank end-to-end
-perplexity perfectly: on SmolLM2 the per-head pick of ``method="auto"`` is worse than C_Q / C_S everywhere
-(``method="oscar"``), while on other models ``"oscar"`` loses to ``"auto"`` by far. The teacher-forced next-token KL
-ranks the configurations as perplexity does (docs/quality.md, "Which calibration error predicts perplexity"), and it is
-cheap to measure for a few whole artifacts: ``method="auto"`` builds the per-head pick and the all-``oscar``,
-all-``pca-kv`` and all-``hadamard`` artifacts from the same statistics and keeps the one with the lowest KL.
-
-The KL is measured through :class:`~oscar_hf.OscarCache` itself: a held-out window's first tokens are written as a
-prompt (its history quantized as the cache does), then the rest is scored in one call that reads that history;
-the reference is the model without a cache. No retrieval heads, so that only the INT2 rows differ.
-"""
+"""End-to-end check of a calibration's candidates: next-token KL through the real cache on held-out tokens (why the
+held-out attention error is not enough, and how it is measured: docs/calibration.md, "The end-to-end check")."""
 from __future__ import annotations
 
 import torch
