@@ -1,13 +1,8 @@
-"""The registered attention function: ``oscar_<base>`` serves every call whose ``key`` is an :class:`OscarKV`.
-
-Registered as ``oscar_<base>`` for every base implementation (``oscar_sdpa``, ``oscar_eager``, ...,
-see :mod:`oscar_hf.patching`); any call whose ``key`` is a plain tensor (other caches, sliding or
-skipped layers) goes to the user's own implementation untouched.
-
-An OSCAR cache layer's ``update(k, v)`` does not return tensors: it parks the new rows and returns an :class:`OscarKV`
-handle (as both ``key`` and ``value``). The handler here checks the call's arguments and asks the handle for the result;
-each layer kind owns its read (the dynamic layer in :mod:`oscar_hf.cache.dynamic`, the compiled one in
-:mod:`oscar_hf.cache.compiled`), so this module knows no layer type.
+"""The registered attention function: ``oscar_<base>`` (:mod:`oscar_hf.patching`) serves every call whose ``key`` is an
+:class:`OscarKV`, the handle an OSCAR layer's ``update(k, v)`` returns (as ``key`` and ``value``) after parking the new
+rows; it checks the call's arguments and asks the handle for the result, since each layer kind owns its read (so this
+module knows no layer type). A call whose ``key`` is a plain tensor (other caches, sliding or skipped layers) goes to
+the user's own implementation untouched.
 """
 from __future__ import annotations
 

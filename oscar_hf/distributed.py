@@ -1,20 +1,12 @@
 """Tensor parallelism: give each rank's :class:`~oscar_hf.OscarCache` the rotations of its own KV heads.
 
-Under ``from_pretrained(..., tp_plan="auto")`` (Transformers' DTensor TP, 5.17 .. 5.2x) the Llama / Qwen2 / Qwen3 /
-Mistral plans shard ``k_proj`` and ``v_proj`` column-wise (``"colwise"``: weight ``Shard(0)``, output ``Shard(-1)``,
-kept local). Rank ``r`` of ``W`` therefore computes the output features ``[r*Hk*D/W, (r+1)*Hk*D/W)`` of ``k_proj``, i.e.
-the KV heads ``[r*Hk/W, (r+1)*Hk/W)`` (the attention reshapes with ``view(..., -1, head_dim)``), and its cache only ever
-sees ``[B, Hk/W, T, D]`` keys. The rotation artifact is per KV head (``r_k``, ``r_v`` ``[Hk, D, D]``, ``mu_k``, ``mu_v``
-``[Hk, D]``; clip ratios are per layer), so each rank keeps the slice of its heads.
-
-Which heads a rank holds is read from the model itself, per layer: the ``k_proj`` / ``v_proj`` weight of each decoder
-layer's attention is a DTensor whose global offset along the output dimension gives the first head. Models whose
-attention has no separate ``k_proj`` / ``v_proj`` (fused ``qkv_proj``) fall back to the even layout above, from the
-model's TP rank (``model._device_mesh`` / ``model.tp_size`` / ``torch.distributed``). Without tensor parallelism nothing
-changes, so an artifact with the wrong head count still fails with OscarLayer's clear error at the first ``update``.
-
-The cache keeps the full artifact in ``cache.rotations`` (saving a cache writes the whole artifact);
-only each :class:`~oscar_hf.cache.OscarLayer` gets its rank's slice.
+Under ``from_pretrained(..., tp_plan="auto")`` (Transformers' DTensor TP) the Llama / Qwen2 / Qwen3 / Mistral plans
+shard ``k_proj`` / ``v_proj`` column-wise, so rank ``r`` of ``W`` holds KV heads ``[r*Hk/W, (r+1)*Hk/W)`` and its cache
+sees ``[B, Hk/W, T, D]`` keys; the artifact is per KV head (``r_k``, ``r_v`` ``[Hk, D, D]``, ``mu_k``, ``mu_v`` ``[Hk,
+D]``; clips per layer), so each rank keeps its heads' slice. Which heads a rank holds is read per layer from the
+``k_proj`` / ``v_proj`` DTensor's global offset; a fused ``qkv_proj`` falls back to the even layout from the model's
+TP rank. Without TP nothing changes (a wrong head count still fails with OscarLayer's error at the first ``update``).
+The cache keeps the full artifact in ``cache.rotations`` (saving writes all of it); only the layers get the slice.
 """
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""Orthogonal building blocks of the rotations: normalized Hadamard matrices and the
-bit-reversal (digit-reversal) permutation.
-
-``R = U · H · P_br``: ``U`` (eigenvectors, descending) orders directions by importance, ``H`` spreads every direction
-evenly over all channels (``diag(H Λ Hᵀ) = tr(Λ)/d``, the paper's Lemma 1), and ``P_br`` makes every power-of-two group
-of contiguous channels receive one channel of each importance level.
-
-head_dim that is not a power of two: ``H = H_m ⊗ H_{2^k}`` with a Paley-construction Hadamard
-matrix of order ``m`` (12, 20, 24, 28, 36, 44, ...), e.g. 96 = 12·8 (Phi-3), 80 = 20·4.
+"""Orthogonal building blocks of the rotations: normalized Hadamard matrices and the bit-reversal (digit-reversal)
+permutation. ``R = U · H · P_br``: ``U`` (eigenvectors, descending) orders directions by importance, ``H`` spreads
+every direction evenly over all channels (``diag(H Λ Hᵀ) = tr(Λ)/d``, the paper's Lemma 1), and ``P_br`` gives every
+power-of-two group of contiguous channels one channel of each importance level. A head_dim that is not a power of
+two: ``H = H_m ⊗ H_{2^k}`` with a Paley-construction Hadamard matrix of order ``m`` (12, 20, 24, 28, ...), e.g. 96 =
+12·8 (Phi-3), 80 = 20·4.
 """
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """Route a model's attention through OSCAR without per-architecture code.
 
 Transformers' attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``. We register wrapped
-implementations named ``<prefix><base>`` (e.g. ``oscar_sdpa``, ``oscar_eager``): each calls a *handler* first, and the
-handler either serves the call (an OSCAR cache handle arrived as ``key``, or calibration statistics are being recorded)
-or returns ``NotImplemented``, in which case the user's original implementation ``<base>`` runs unchanged. The base name
-lives in the registered name, so a patched model still works with any other cache, and :func:`restore_attention`
-restores the user's choice exactly.
-
-The matching mask builder is registered under the same name (without it the attention function
-would receive ``attention_mask=None`` and silently ignore padding).
+implementations named ``<prefix><base>`` (e.g. ``oscar_sdpa``): each calls a *handler* first, which serves the call (an
+OSCAR cache handle arrived as ``key``, or calibration is recording) or returns ``NotImplemented``, and then the user's
+``<base>`` runs unchanged; so a patched model works with any other cache, and :func:`restore_attention` restores the
+user's choice exactly. The matching mask builder is registered under the same name (without it the attention
+function would receive ``attention_mask=None`` and silently ignore padding).
 """
 from __future__ import annotations
 

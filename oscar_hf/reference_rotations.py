@@ -1,21 +1,16 @@
 """The authors' rotation files (FutureMLS-Lab/OSCAR, ``rotation/compute_kv_rotation.py``), read safely.
 
-Their script writes, with ``torch.save``, one file for keys and one for values (e.g.
-``k_rotation_qqt_r_h_pbr.pt``, ``v_rotation_sst_r_h_pbr.pt``), each::
+Their script ``torch.save``-s one file for keys and one for values (e.g. ``k_rotation_qqt_r_h_pbr.pt``), each::
 
     {"format_version": 1, "objective": str, "source_grouping": "layer",
      "layers": {i: {"layer_id": i, "rotation": float32 [head_dim, head_dim], "eigenvalues": ...}}}
 
-one matrix per layer, shared by all of its KV heads. Their newer files are ``format_version`` 2 with
-``"source_grouping": "per_kv_head"``: a layer's ``rotation`` is ``[num_kv_heads, head_dim, head_dim]`` (one per KV
-head; a v1 ``[head_dim, head_dim]`` still loads), optionally with ``k_mean`` (``[head_dim]`` or ``[num_kv_heads,
-head_dim]``: the keys' mean, subtracted before the rotation, as our artifact's ``mu_k``) and ``q_rotation`` /
-``o_rotation`` (for folding the rotations into the weights, which the cache does not do: read, not used). Their
-convention is ours: a token is a row and the cache stores ``(k - k_mean) @ R_K`` / ``v @ R_V`` with ``R = U · H ·
-P_br`` (``U``: eigenvectors as columns, descending), so a matrix is used as it is, never transposed.
-
-The files are pickles: they are read with ``torch.load(weights_only=True)`` only, which rebuilds
-tensors and plain containers and refuses any other object (no code from the file ever runs).
+one matrix per layer, shared by its KV heads. ``format_version`` 2 (``"source_grouping": "per_kv_head"``): a layer's
+``rotation`` is ``[num_kv_heads, head_dim, head_dim]`` (a v1 matrix still loads), optionally with ``k_mean``
+(``[head_dim]`` or ``[num_kv_heads, head_dim]``, subtracted before the rotation: our ``mu_k``) and ``q_rotation`` /
+``o_rotation`` (for folding into the weights: read, not used). Their convention is ours (a token is a row, the cache
+stores ``(k - k_mean) @ R_K`` / ``v @ R_V``, ``R = U · H · P_br``), so a matrix is never transposed. The pickles are
+read with ``torch.load(weights_only=True)`` only (tensors and plain containers; no code from the file runs);
 :meth:`oscar_hf.OscarRotations.from_reference` turns a validated pair into our artifact.
 """
 from __future__ import annotations

@@ -1,20 +1,18 @@
-"""Storage of a layer's full-precision (retrieval) heads: their keys and values coded, every slot in the eager
+"""Storage of a layer's retrieval heads: their keys and values coded, every slot in the eager
 :class:`~oscar_hf.cache.dynamic.OscarLayer`, the history entries in the compiled layer and the serving store (whose
-window holds the other slots of every head). A decode step reads them in place
-(:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`: a fused split-K kernel on CUDA, no dequantized copy);
-a multi-token forward reads them back in the model dtype for one SDPA call (:func:`decode`, :func:`attention`).
-
-``OscarConfig.full_precision_bits`` picks the form, per K or V, ``P`` heads, ``N`` slots:
+window holds the other slots). A decode step reads them in place
+(:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`); a multi-token forward reads them back in the
+model dtype for one SDPA call (:func:`decode`, :func:`attention`). ``OscarConfig.retrieval_bits`` picks the form, per K
+or V, ``P`` heads, ``N`` slots:
 
 * ``16``: the model dtype, one tensor ``[B, P, N, D]`` (exact);
 * ``8`` / ``4``: codes ``[B, P, N, D * bits / 8] uint8`` (INT4: two per byte, :func:`~oscar_hf.quant.pack_int4`) and
-  one scale and one zero per token and head ``[B, P, N, 1]`` in the model dtype: asymmetric min-max over the head's
-  ``D`` channels, no rotation, no clipping (:func:`~oscar_hf.quant.quantize_minmax`). 8.5 / 4.5 bits per element at
-  ``D = 64`` (8.25 / 4.25 at 128) against 16: the retrieval heads that fit 3.0 history bits on SmolLM2 go from 3 to
-  7 (INT8, the default) or all 8 (INT4, whose keys lose 8K needles; docs/quality.md, "Retrieval-safe defaults").
+  one scale and zero per token and head ``[B, P, N, 1]`` in the model dtype: min-max over the head's ``D`` channels,
+  no rotation, no clipping (:func:`~oscar_hf.quant.quantize_minmax`); 8.5 / 4.5 bits per element at ``D = 64`` (why
+  INT8: docs/quality.md, "Retrieval-safe defaults").
 
-A stored form is a tuple of tensors that share their first three dimensions (batch, head, slot): the caches slice,
-grow, reorder and save them part by part, as they do the INT2 history's ``QuantizedRows``.
+A stored form is a tuple of tensors sharing their first three dimensions (batch, head, slot): the caches slice, grow,
+reorder and save them part by part, as they do the INT2 history's ``QuantizedRows``.
 """
 from __future__ import annotations
 
