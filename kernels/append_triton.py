@@ -61,7 +61,6 @@ def _demote_row(SRC, R, MU, CODES, SCALE, ZERO, c_off, m_off, clip,
     offs_k = tl.arange(0, BLOCK_K)
     if DP > D:  # each lane's channel (R's column) and whether it is one
         ch, real = _padded_cols(DP, 4, D4)
-
     # rot[n] = sum_k (x[k] - mu[k]) * R[k, n], BLOCK_K rows of R at a time (a [BLOCK_K, DP] tile in registers)
     rot = tl.zeros((DP,), dtype=tl.float32)
     for k0 in tl.static_range(0, D, BLOCK_K):
@@ -73,7 +72,6 @@ def _demote_row(SRC, R, MU, CODES, SCALE, ZERO, c_off, m_off, clip,
         else:
             r = tl.load(R + (k0 + offs_k)[:, None] * D + offs_d[None, :])
         rot += tl.sum(x[:, None] * r, axis=0)
-
     if DP > D:  # per group by mask (its metadata stored here), codes [DP]
         q = _quantize_masked(rot, ch, real, clip, SCALE + m_off, ZERO + m_off, None, G, NG, 0, STD, META_KIND)
     else:
@@ -83,7 +81,6 @@ def _demote_row(SRC, R, MU, CODES, SCALE, ZERO, c_off, m_off, clip,
         scale_m, s = _round_meta(scale, META_KIND)
         zero_m, z = _round_meta(zero, META_KIND)
         q = _codes(xg, z, s, _LEVELS, 1)
-
     # plane packing: channel p * D/4 + j -> bits 2p..2p+1 of byte j (disjoint bits: the sum is an OR)
     q4 = tl.reshape(q, (4, D4P))
     packed = tl.sum(q4 << (2 * tl.arange(0, 4))[:, None], axis=0).to(tl.uint8)
@@ -167,7 +164,6 @@ def _append_token_kernel(
     h = pid % Hk
     offs_d = tl.arange(0, DP)
     t = tl.load(LENGTH)  # int64: the new token's slot
-
     # 1. demote slot s = T - 1 - W (read before the ring entry is overwritten below)
     s = t - 1 - W
     e = s - S0
@@ -196,7 +192,6 @@ def _append_token_kernel(
                 _code_row(WIN_V + src, CVX, CVS, CVZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
     # every thread's loads of the old ring row come before any thread's store of the new one
     tl.debug_barrier()
-
     # 2. the new token: ring entry S0 + T % R, and sink entry T - pad[b] while the row's sink is filling
     dm = offs_d < D if DP > D else None  # (D = 96: the row's 96 of 128 lanes)
     dst = b * swb + h * swh + (S0 + t % RING) * sws + offs_d
@@ -303,7 +298,6 @@ def _paged_append_kernel(
     h = pid % Hk
     offs_d = tl.arange(0, DP)
     win = tl.load(SLOTS + b) * swb + h * swh  # int64: the row's window slot, head h
-
     # 1. demote ring entry DEM_ENTRY[b] into (DEM_PAGE[b], DEM_OFF[b]) (the pool's trash page when it demotes nothing)
     if DEMOTE:
         src = win + tl.load(DEM_ENTRY + b) * sws
@@ -330,7 +324,6 @@ def _paged_append_kernel(
         # every thread's loads of the demoted ring row come before any thread's store of the new one (R = W + 1: the
         # same entry)
         tl.debug_barrier()
-
     # 2. the new token (position POS[b] of the packed batch): its ring entry, and its sink entry when that is another
     dm = offs_d < D if DP > D else None
     new = h * snh + tl.load(POS + b) * snq + offs_d

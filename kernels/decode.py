@@ -46,7 +46,6 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
     if history.k.codes.shape[1]:  # the INT2 heads
         from . import decode_triton as dt
         from .query_triton import query_kernel_supported
-
         k, v, w = history.k, history.v, 0 if win.k is None else win.k.shape[-2]
         kernels = triton_enabled(qi, use_kernels)
         if split is not None and kernels:  # (the references return the INT2 heads' rows: merged below)

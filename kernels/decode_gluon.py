@@ -107,7 +107,6 @@ def _hist_kernel(
     elif PDL:
         wdep = gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False,
                                          pack=1)
-
     # ---- query operands (once per program) ----
     q_ptr = Q + b.to(gl.int64) * sqb + h * sqh + grp * M * sqm
     cn = gl.arange(0, 8, layout=gl.SliceLayout(0, MMA))
@@ -153,13 +152,11 @@ def _hist_kernel(
     kn = gl.arange(0, 8, layout=gl.SliceLayout(0, B_OP))
     kdiag = gl.where((kk // 16)[:, None] == (kn // MH)[None, :], -1, 0).to(gl.int16)
     ones = gl.full([16, T], 1.0, gl.bfloat16, layout=A_OP)
-
     # reference phi per column: the max of the first step's valid logits (0 where there is none)
     lg = _logits(xk, ks, kz, lo, hi, start, qb, c, qs, off, TB, MH, NH, True, K8, TP)
     phi = gl.max(lg, 0)
     phi = gl.where(phi == float("-inf"), 0.0, phi)
     phi = gl.where(cvalid, phi, 0.0)
-
     m_c = gl.full([8], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     # the first step (which may hold padding) is the reference step, its logits known; then the full steps [f0, f1)
     # in a loop without masks, and a last step [f1, hi) if any (full steps: all tokens >= start, since lo + T > start).
@@ -216,7 +213,6 @@ def _hist_kernel(
                                                   NH, True, TP)
             state = _step(xk, xv, ks, kz, vs, vz, lo, hi, start, qb, c, qs, off - phi, kdiag, ones,
                           _fresh_state(NH, TP), TB, MH, NH, True, K8, TP)
-
     if PDL:  # the combine may launch once every program is past its loop (an input from m_c orders it there)
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $1", "=r,f", [m_c], dtype=gl.int32,
                                   is_pure=False, pack=1)

@@ -87,7 +87,6 @@ def _split_kernel(
     m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((M_PAD,), tl.float32)
     part = (pid_bh.to(tl.int64) * S_TOT + pid_s) * M  # first partial row of this program
-
     if WIN_ONLY:  # the window programs of the Gluon path: this launch compiles without the history branch
         _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h,
                       _window_head(h, WHEAD, HAS_WHEAD), part,
@@ -111,7 +110,6 @@ def _split_kernel(
             acc1 = tl.zeros((M_PAD, D4P), tl.float32)
             acc2 = tl.zeros((M_PAD, D4P), tl.float32)
             acc3 = tl.zeros((M_PAD, D4P), tl.float32)
-
             start = tl.load(START + b).to(tl.int32)
             if N_DEV:
                 # Static cache (CUDA graphs): N is the storage capacity, the valid length is read from
@@ -272,7 +270,6 @@ def _split_kernel(
                     acc1 = tl.dot(p, _int2_plane(vb, 1, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc1 * alpha[:, None])
                     acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc2 * alpha[:, None])
                     acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc3 * alpha[:, None])
-
             a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
             tl.store(a_ptr + 0 * D4, acc0, mask=qmask)
             tl.store(a_ptr + 1 * D4, acc1, mask=qmask)

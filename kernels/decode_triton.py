@@ -255,7 +255,6 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     cap = float(softcap) * LOG2E if softcap else 0.0  # the cap in the kernels' log2 units (SOFTCAP; 0: none)
     dp = next_pow2(d)  # D padded to a power of two (D = 96: 128) for the kernels' channel tiles
     z3 = (0, 0, 0)
-
     pm = torch.empty(bh, p.s_tot, m, device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(bh, p.s_tot, m, d, device=dev, dtype=torch.float32)

@@ -144,7 +144,6 @@ def heads_decode_attention(q, heads, coded, bits: int, bounds, window, scaling: 
         raise ValueError(f"sinks {tuple(sinks.shape)} are not [P, M] = {(heads.numel(), q.shape[2])}")
     if triton_enabled(q, use_kernels) and q.shape[2] <= 64:
         from .heads_triton import heads_decode_triton
-
         return heads_decode_triton(q, heads, coded, bits, bounds, window, scaling, out_dtype, pages=pages,
                                    sinks=sinks, softcap=softcap)
     return heads_decode_reference(q, heads, coded, bits, bounds, window, scaling, out_dtype, pages=pages,

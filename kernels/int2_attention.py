@@ -123,7 +123,6 @@ def rotate_query(qf, r_k, mu_k, use_kernels="auto"):
     where inductor fuses the torch ops itself), else the reference."""
     if triton_enabled(qf, use_kernels) and not torch.compiler.is_compiling():
         from .query_triton import query_kernel_supported, rotate_query_triton
-
         if query_kernel_supported(qf):
             return rotate_query_triton(qf, r_k, mu_k)
     return rotate_query_reference(qf, r_k, mu_k)
@@ -134,7 +133,6 @@ def history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size
     reference."""
     if triton_enabled(q_rot, use_kernels):
         from .decode_triton import history_partial_triton, kernel_supported
-
         if kernel_supported(q_rot, k, group_size, key_mask):
             return history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size)
     return history_partial_reference(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n)

@@ -21,7 +21,6 @@ def triton_importable() -> bool:  # trace, would fail at the next call and compi
         try:
             import triton  # noqa: F401
             import triton.language  # noqa: F401  (importable, not only the package)
-
             _TRITON_IMPORTABLE = True
         except Exception:
             _TRITON_IMPORTABLE = False

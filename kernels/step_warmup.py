@@ -133,7 +133,6 @@ def _spawn(device: torch.device, entry: str) -> subprocess.Popen:
     # (CachingAutotuner, torch 2.5-2.13)
     if "TRITON_CACHE_DIR" not in env:
         from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
-
         env["TRITON_CACHE_DIR"] = triton_cache_dir(device.index or 0)
     # this process's imports, the folder that holds this package first (-P: nothing from the working folder); but not
     # a checkout's root, whose source folder `kernels/` (installed as oscar_hf.kernels) would shadow the Hub's
@@ -154,7 +153,6 @@ def _pin_ptxas_version(device: torch.device) -> None:
     sets it when it compiles a kernel in-process) cannot give the two processes different keys for one kernel."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas_version
-
         major, minor = torch.cuda.get_device_capability(device)
         get_ptxas_version(major * 10 + minor)  # (the argument Triton's CUDA backend passes: its target's arch)
     except Exception:  # noqa: BLE001 (another backend or Triton: a key that differs costs only the time saved)

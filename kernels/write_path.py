@@ -51,7 +51,6 @@ def rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset
     reference."""
     if triton_enabled(x, use_kernels):
         from .write_triton import kernel_supported, rotate_quantize_triton
-
         if kernel_supported(x, group_size, clip, meta_dtype):
             return rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset,
                                           quantizer=quantizer)
@@ -140,7 +139,6 @@ def _append_kernel_serves(new_k, group_size, clip_k, clip_v, meta_dtype, use_ker
     if not triton_enabled(new_k, use_kernels):
         return False
     from .write_triton import kernel_supported
-
     return kernel_supported(new_k, group_size, clip_k, meta_dtype) and kernel_supported(new_k, group_size, clip_v)
 
 
@@ -213,7 +211,6 @@ def append(params: KVParams, new_k, new_v, window: Window, history: History, at:
     contiguous = isinstance(at, Ring)
     if _append_kernel_serves(new_k, params.group_size, params.clip_k, params.clip_v, params.meta_dtype, use_kernels):
         from .append_triton import append_token_triton, paged_append_triton
-
         write = append_token_triton if contiguous else paged_append_triton
     else:
         write = append_token_reference if contiguous else paged_append_reference

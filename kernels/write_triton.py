@@ -177,14 +177,12 @@ def _rotate_quantize_kernel(
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
     D4P: tl.constexpr = DP // 4
-
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rmask = rows < T
     offs_d = tl.arange(0, DP)
     offs_k = tl.arange(0, BLOCK_K)
     if DP > D:  # each lane's channel (R's column) and whether it is one
         ch, real = _padded_cols(DP, 4, D4)
-
     # 1. rot = (x - mu) @ R[h], accumulated over BLOCK_K input channels at a time.
     x_base = X + b.to(tl.int64) * sxb + h * sxh + rows[:, None].to(tl.int64) * sxt
     r_base = R + h * D * D
@@ -198,7 +196,6 @@ def _rotate_quantize_kernel(
         else:
             r = tl.load(r_base + (k0 + offs_k)[:, None] * D + offs_d[None, :])
         rot = tl.dot(x, r, rot, input_precision=PRECISION)
-
     if DP > D:
         # 2-3. per group (by mask), its metadata stored at once; codes [BLOCK_T, DP]
         orow = (out_offset + rows).to(tl.int64)
@@ -210,17 +207,14 @@ def _rotate_quantize_kernel(
         scale, zero = _group_grid(xg, clip, 2, G, STD)
         scale_m, s = _round_meta(scale, META_KIND)
         zero_m, z = _round_meta(zero, META_KIND)
-
         # 3. codes against the stored metadata; a zero-range group gets code 0 (x_hat = zero exactly).
         q = _codes(xg, z, s, _LEVELS, 2)
-
     # 4. pack the plane layout: channel p * D/4 + j goes to bits 2p..2p+1 of byte j. Reshaping the
     # channel axis to (4, D/4) puts plane p on axis 1 (the padded layout: (4, DP/4)); the shifted planes share no
     # bits, so a sum is an OR.
     q4 = tl.reshape(q, (BLOCK_T, 4, D4P))
     shift = 2 * tl.arange(0, 4)
     packed = tl.sum(q4 << shift[None, :, None], axis=1).to(tl.uint8)
-
     if DP == D:
         orow = (out_offset + rows).to(tl.int64)
     offs_j = tl.arange(0, D4P)

@@ -39,7 +39,6 @@ def _argument_of_class(cls: type) -> str:
     # A forward that takes only **kwargs (a wrapper such as PEFT's): the name this Transformers' generate
     # hands to every model forward (GenerationMixin.prepare_inputs_for_generation declares it).
     from transformers.generation.utils import GenerationMixin
-
     params = _parameters(GenerationMixin.prepare_inputs_for_generation)
     for name in CACHE_ARGUMENTS:
         if name in params:

@@ -48,7 +48,6 @@ def cpu_compile_config():
     """``generate``'s own compile route taken on the CPU (it compiles on CUDA only unless told): fullgraph (a graph
     break is an error), dynamo with the eager backend. The compiled storage's logic, checked where there is no GPU."""
     from transformers import CompileConfig
-
     cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
     cc._compile_all_devices = True
     return cc

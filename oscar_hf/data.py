@@ -58,7 +58,6 @@ def load_texts(
     text field or an empty corpus.
     """
     import datasets
-
     path = Path(source)
     name = str(source)
     if path.is_dir():

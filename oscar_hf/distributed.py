@@ -95,7 +95,6 @@ def _dim0_range(w) -> tuple[int, int, int]:
     n = int(w.shape[0])
     try:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
         return int(offset[0]), int(shape[0]), n
     except ImportError:  # pragma: no cover - older/newer torch: plain chunk arithmetic (torch.chunk semantics)

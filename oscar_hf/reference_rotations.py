@@ -57,7 +57,6 @@ class ReferencePair:
 # ---------------------------------------------------------------------------------------------- locate
 def _offline() -> bool:
     from huggingface_hub import constants
-
     env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     return bool(getattr(constants, "HF_HUB_OFFLINE", False)) or env
 
@@ -74,7 +73,6 @@ def resolve_file(path: str | os.PathLike, repo_id: str | None = None, *, subfold
             raise OSError(f"reference rotation file {str(p)!r} {why} (pass repo_id=... to read it from the Hub)")
         return p
     from huggingface_hub import hf_hub_download
-
     offline = local_files_only or _offline()
     try:
         return Path(hf_hub_download(repo_id, str(path), subfolder=subfolder, revision=revision, cache_dir=cache_dir,

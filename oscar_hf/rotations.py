@@ -114,7 +114,6 @@ class OscarRotations:
         ``OscarCache.from_pretrained``). ``save_pretrained`` writes it as our safetensors artifact."""
         from .quant import check_group_size
         from .reference_rotations import read_reference_pair, resolve_file
-
         config = getattr(model_or_config, "config", model_or_config)
         fp = ModelFingerprint.from_config(config)
         g = fp.head_dim if group_size is None else int(group_size)
@@ -215,7 +214,6 @@ class OscarRotations:
     # ------------------------------------------------------------------ serialization
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **hub_kwargs) -> None:
         from safetensors.torch import save_file
-
         self.validate()
         path = Path(save_directory)
         path.mkdir(parents=True, exist_ok=True)
@@ -244,14 +242,12 @@ class OscarRotations:
 
     def push_to_hub(self, repo_id: str | None = None, save_directory=None, token=None, private=None, **kw) -> str:
         from huggingface_hub import HfApi
-
         if repo_id is None:
             raise ValueError("push_to_hub needs repo_id='user/name'")
         api = HfApi(token=token)
         api.create_repo(repo_id, exist_ok=True, private=private)
         if save_directory is None:
             import tempfile
-
             with tempfile.TemporaryDirectory() as tmp:
                 self.save_pretrained(tmp)
                 return api.upload_folder(repo_id=repo_id, folder_path=tmp, **kw)
@@ -280,7 +276,6 @@ class OscarRotations:
             if name.count("/") != 1 or name.startswith((".", "/")):
                 raise OSError(f"OSCAR rotation artifact {name!r} not found (no such directory, and not a Hub repo id)")
             from huggingface_hub import hf_hub_download
-
             kw = dict(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
             try:
                 cfg_file = Path(hf_hub_download(name, CONFIG_NAME, **kw))
@@ -293,7 +288,6 @@ class OscarRotations:
     def _load_files(cls, cfg_file: Path, w_file: Path) -> "OscarRotations":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
-
         try:
             doc = json.loads(cfg_file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

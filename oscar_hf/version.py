@@ -18,7 +18,6 @@ def check_serving_transformers(version: str) -> None:
     """Raise ImportError, saying what to install, when ``version`` is outside :data:`SERVING_TRANSFORMERS` (unless
     lifted, see above)."""
     from packaging.version import Version
-
     lo, hi = SERVING_TRANSFORMERS
     if Version(lo) <= Version(Version(version).base_version) < Version(hi):
         return

@@ -56,7 +56,6 @@ RENAMED = {"StaticOscarLayer": "CompiledOscarLayer", "StaticOscarHybridLayer": "
 def __getattr__(name: str):
     if name in RENAMED:
         import warnings
-
         warnings.warn(f"oscar_hf.cache.{name} is now {RENAMED[name]} (the compiled layer; \"static\" names only the "
                       "fixed-capacity StaticOscarCache)", FutureWarning, stacklevel=2)
         return globals()[RENAMED[name]]

@@ -185,7 +185,6 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         kv = t_old + l
         allowed = allowed_slots(attention_mask, b, l, kv, t_old)
         pad = first_real_slot(allowed, b, query.device) if self.pad is None else None
-
         if self.tail_start == 0:
             # Nothing quantized yet: exactly what DynamicCache + the user's attention would compute.
             tk, tv = self.tail_view()
@@ -194,7 +193,6 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
             out, _ = base_attention_function(module, base)(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
             self.commit(new_k, new_v, pad)
             return out
-
         qf = group_queries(query.float(), hk)  # [B, Hk, M, D], M = g*L
         softcap, sinks = logit_terms(kwargs, hk, l)  # sinks [Hk, M] or None
         s0 = self.config.sink
@@ -244,7 +242,6 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
                                                              scaling, softcap, self.params.coded_rows(sinks))
             qf, win_k, win_v = (x.index_select(1, self.params.int2_idx) for x in (qf, win_k, win_v))
             sinks = self.params.int2_rows(sinks)
-
         # 3. INT2 history, in the rotated space: q rotated once; + q.mu_K on logits; values rotated back once.
         rot = self.params
         hist_k, hist_v = self.hist_view()

@@ -44,7 +44,6 @@ VERSION = 1
 def save_cache(cache, directory: str | os.PathLike) -> None:
     """Write ``cache`` (an ``OscarCache``) to ``directory`` (layout in the module docstring)."""
     from safetensors.torch import save_file
-
     path = Path(directory)
     tensors, layers = {}, []
     for i, layer in enumerate(cache.layers):
@@ -193,7 +192,6 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
     (None: :func:`_fixed_capacity`'s default)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
     path = Path(directory)
     if not (path / STATE_NAME).is_file() or not (path / TENSORS_NAME).is_file():
         raise OSError(f"{path} is not a saved OscarCache (needs {STATE_NAME} and {TENSORS_NAME})")

@@ -130,5 +130,4 @@ def as_sequences(input_ids) -> list[torch.Tensor]:
 def progress_bar(progress: bool, total: int, desc: str):
     from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
-
     return tqdm(total=total, desc=desc, disable=not (progress and hf_logging.is_progress_bar_enabled()))

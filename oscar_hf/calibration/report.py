@@ -121,10 +121,8 @@ def plot_spectra(obj: CalibrationStats | OscarRotations, path) -> None:
     """PNG of the normalized eigen-spectra of ``C_Q`` vs ``C_K`` per layer (mean over KV heads, one line
     per layer, coloured by depth) and the top-eigenvalue share per layer."""
     import matplotlib
-
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-
     if isinstance(obj, CalibrationStats):
         spectra = {str(i): v for i, v in obj.spectra().items()}
     elif isinstance(obj, OscarRotations):
@@ -167,10 +165,8 @@ def plot_settings(rotations: OscarRotations, path) -> None:
     frontier (:func:`.settings.kl_frontier`), the budget, the chosen setting, and the settings priced over the budget
     (not scored: marked on the bits axis)."""
     import matplotlib
-
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
-
     entry = rotations.metadata.get("settings") if isinstance(rotations, OscarRotations) else None
     if not isinstance(entry, dict) or not entry.get("tried"):
         raise ValueError("this artifact records no settings search (calibrate(..., choose_settings=True) makes one)")

@@ -87,7 +87,6 @@ def retrieval_scores(model, probes: list[Probe], progress: bool = True) -> torch
     attention mass the answer-predicting rows put on the fact sentence. Layers without attention
     (``layer_idx`` absent) stay zero."""
     from tqdm.auto import tqdm
-
     cfg = model.config.get_text_config(decoder=True)
     nl, hq = cfg.num_hidden_layers, cfg.num_attention_heads
     hk = getattr(cfg, "num_key_value_heads", None) or hq

@@ -29,7 +29,6 @@ def next_token_kl(model, rotations: OscarRotations, ids: torch.Tensor, *, sink: 
     :mod:`.settings`), used instead of ``sink`` / ``recent`` / ``group_size`` / ``meta_dtype`` and no heads."""
     from ..cache import OscarCache
     from ..compat import cache_kwargs
-
     if config is None:
         config = OscarConfig(sink=sink, recent=recent, group_size=group_size, meta_dtype=meta_dtype,
                              retrieval_heads=0)

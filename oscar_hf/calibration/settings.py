@@ -160,7 +160,6 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         score = heldout_kl(model, rotations, windows)
     prompt = min(int(w.numel()) for w in windows) - SCORED_TOKENS if windows else 1 << 30
     hd = space.fp.head_dim
-
     tried: list[Trial] = []
     over: list[dict] = []
     # the bar counts settings scored or found over budget: the defaults, 1 quantizer, the group sizes, the windows,
