@@ -1,31 +1,27 @@
-"""Read path of the retrieval heads: a decode step's attention of a layer's full-precision heads over their coded
-history, read in place, and the exact window every head shares.
+"""Read path of the retrieval heads: a decode step's attention of a layer's retrieval heads over their coded history,
+read in place, and the exact window every head shares (docs/kernels.md §3.9).
 
-A layer keeps ``P`` of its ``Hk`` KV heads out of the INT2 history (``OscarConfig.full_precision_heads``) and stores
-every slot of them as ``bits``-bit codes with one scale and one zero per token and head (8 or 4 bits, unrotated
-min-max: ``x ~ zero + code * scale``), or in the model dtype (16 bits); :mod:`oscar_hf.cache.heads` writes them.
+A layer keeps ``P`` of its ``Hk`` KV heads out of the INT2 history (``OscarConfig.retrieval_heads``) and stores every
+slot of them as ``bits``-bit codes with one scale and one zero per token and head (8 or 4 bits, unrotated min-max:
+``x ~ zero + code * scale``), or in the model dtype (16 bits); :mod:`oscar_hf.cache.heads` writes them.
 ``heads_decode_attention(q, heads, (k, v), bits, (lo, hi), window, scaling)`` with
 
 * ``q [B, Hk, M, D]``: every KV head's query rows (``M = g * q_len``, query-head-major), unrotated;
 * ``heads [P]`` int64: which KV heads are the coded ones (the index into ``q``, ``win_k``, ``win_v``);
-* ``k``, ``v``: the coded store, tuples ``(codes [B, P, N, D * bits / 8] uint8, scale [B, P, N, 1], zero [B, P, N,
-  1])`` (INT4: channel ``j`` in byte ``j``'s low nibble, ``j + D/2`` in its high one) or ``(x [B, P, N, D],)`` at 16
-  bits; slot ``s`` at index ``s``;
-* ``lo [B]`` int, ``hi`` an int, a 0-d or a ``[B]`` int device tensor: row ``b`` reads history slots
-  ``lo[b] <= s < hi`` (``hi[b]``); a device-side ``hi`` keeps the call valid inside a CUDA graph while the cache grows;
-* ``pages`` None (the store's rows are ``[B, P, N, *]``, slot ``s`` at index ``s``) or a
-  :class:`~oscar_hf.kernels.kv.Pages` (its ``table`` int ``[B, pages]`` and ``max_len`` read): the store is paged,
-  parts ``[num_pages, P, page_size, *]``, slot ``s`` of row ``b`` at offset ``s % page_size`` of page ``table[b, s
-  // page_size]`` (the serving store); ``max_len``: the longest ``hi`` (sizes the grid);
+* ``k``, ``v``: tuples ``(codes [B, P, N, D * bits / 8] uint8, scale [B, P, N, 1], zero [B, P, N, 1])`` (INT4: channel
+  ``j`` in byte ``j``'s low nibble, ``j + D/2`` in its high one) or ``(x [B, P, N, D],)`` at 16 bits; slot ``s`` at
+  index ``s``;
+* ``lo [B]`` int, ``hi`` an int, a 0-d or a ``[B]`` int device tensor: row ``b`` reads history slots ``lo[b] <= s <
+  hi`` (a device-side ``hi`` keeps the call valid inside a CUDA graph while the cache grows);
+* ``pages`` None or a :class:`~oscar_hf.kernels.kv.Pages` (the serving store): parts ``[num_pages, P, page_size, *]``,
+  slot ``s`` of row ``b`` at offset ``s % page_size`` of page ``table[b, s // page_size]``; ``max_len`` the longest
+  ``hi`` (sizes the grid);
 * ``window`` a :class:`~oscar_hf.kernels.kv.Window`: ``k/v [B, Hk, W, D]`` (model dtype; or the serving store's pool
-  ``[slots, Hk, W, D]`` with ``slot [B]``, read in place) and a bool mask ``[B, W]`` or ``[B, 1, 1, W]`` (or None):
-  the window (sink, recent, the new token) that every head reads exactly;
+  ``[slots, Hk, W, D]`` with ``slot [B]``, read in place) and a bool mask ``[B, W]`` or ``[B, 1, 1, W]`` (or None);
 
-returns ``[B, P, M, D]`` in ``out_dtype``: ``softmax(scaling * q k^T) v`` over the history and the window. Rows with
-no valid key give 0. ``softcap`` (Gemma 2's logit soft-capping) and ``sinks`` (``[P, M]`` logits of a zero-valued key,
-gpt-oss's ``s_aux`` by query row: one more partial) as for the INT2 heads' read (:mod:`.int2_attention`), in the
-kernel too. On CUDA one split-K Triton launch streams the codes (``heads_triton``: logits ``scale * (q . code) + zero
-* sum(q)``, values ``(p * scale) . code + sum(p * zero)``, no dequantized copy) and a second merges the splits;
+returns ``[B, P, M, D]`` in ``out_dtype``: ``softmax(scaling * q k^T) v`` over the history and the window; rows with no
+valid key give 0. ``softcap`` and ``sinks`` (``[P, M]``) as for the INT2 heads' read (:mod:`.int2_attention`). On CUDA
+one split-K Triton launch streams the codes (``heads_triton``, no dequantized copy) and a second merges the splits;
 elsewhere the torch reference below dequantizes ``block_n`` tokens at a time.
 """
 from __future__ import annotations

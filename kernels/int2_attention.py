@@ -1,27 +1,18 @@
 """Read path: attention of pre-rotated queries over the packed INT2 history, as online-softmax partials.
 
-``history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n)`` with
-
-* ``q_rot`` ``[B, Hk, M, D]`` float32: the queries of one KV head's group (``M = g * q_len``,
-  query-head-major), already rotated by ``R_K`` (unscaled),
-* ``k``, ``v``: :class:`oscar_hf.quant.QuantizedRows` with ``codes [B, Hk, N, D/4]``,
-  ``scale``/``zero`` ``[B, Hk, N, D/G]``; only the first ``N`` entries are read,
-* ``start`` ``[B]`` int: row ``b`` has valid history entries ``start[b] <= j < N`` (left padding),
-* ``key_mask`` None or bool broadcastable to ``[B, Hk|1, M|1, N]`` (the attention mask),
-* ``qk_offset`` None or ``[B, Hk, M]`` float32 ``q · mu_K`` (centering; added to every logit),
-* logits are ``scaling * (q_rot · k_hat + qk_offset)`` (with ``softcap``: ``softcap * tanh(logits / softcap)``, Gemma 2's
-  logit soft-capping, before the mask).
+``history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n)`` with ``q_rot [B, Hk, M, D]``
+float32 the queries of one KV head's group (``M = g * q_len``, query-head-major) rotated by ``R_K`` (unscaled); ``k``,
+``v`` :class:`oscar_hf.quant.QuantizedRows` (``codes [B, Hk, N, D/4]``, ``scale``/``zero`` ``[B, Hk, N, D/G]``);
+``start [B]`` int (row ``b``'s valid entries are ``start[b] <= j < N``: left padding); ``key_mask`` None or bool
+broadcastable to ``[B, Hk|1, M|1, N]``; ``qk_offset`` None or ``[B, Hk, M]`` float32 ``q · mu_K``. Logits are
+``scaling * (q_rot · k_hat + qk_offset)`` (``softcap``: ``softcap * tanh(logits / softcap)`` before the mask).
 
 Returns ``(m, l, acc)``: running max ``[B, Hk, M]``, softmax denominator ``[B, Hk, M]`` relative to ``m``, and the
-unnormalized ``sum_j p_j * v_hat_j`` ``[B, Hk, M, D]`` in the *rotated* value space (float32). A row with no valid key
+unnormalized ``sum_j p_j * v_hat_j`` ``[B, Hk, M, D]`` in the *rotated* value space (float32); a row with no valid key
 has ``m = -inf, l = 0, acc = 0``. The caller rotates ``acc`` back by ``R_Vᵀ``, adds ``l * mu_V`` and merges with the
-full-precision partial (:func:`merge_partials`).
-
-The reference below dequantizes ``block_n`` history tokens at a time (never the whole history)
-and merges blocks with the online-softmax rule: exactly what the split-K kernel does in
-registers. The dispatchers (:func:`history_partial`, :func:`rotate_query`; the whole read's:
-:func:`~oscar_hf.kernels.decode.decode`) send the shapes the Triton kernels support on CUDA to their launchers
-(``decode_triton.py``, ``query_triton.py``) and everything else to the references here.
+full-precision partial (:func:`merge_partials`). The reference dequantizes ``block_n`` tokens at a time and merges
+blocks by the online-softmax rule, as the split-K kernel does in registers; the dispatchers send the shapes the
+Triton kernels support on CUDA to their launchers and everything else to the references here.
 """
 from __future__ import annotations
 

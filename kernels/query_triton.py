@@ -1,16 +1,12 @@
 """Query prologue of a decode step in one launch: ``q R_K`` and the centering offset ``q · mu_K``.
 
-The history's keys are stored rotated and centered, ``(k - mu_K) R_K``, so each decode step needs the
-query in that space, ``q_rot = q R_K`` (float32), and the logit offset ``q · mu_K``
-(:func:`~oscar_hf.kernels.int2_attention.rotate_query_reference`). In torch that is a dtype cast, a
-batched GEMM and a GEMV: three or four launches, 13-15 us of a 46 us B=1 / 8K decode op on an H200
-(docs/kernels.md). Here program ``(row * Hk + head, c)`` multiplies
-the ``M`` query rows by the ``C_BLOCK`` columns ``c`` of ``R_K`` on the tensor cores in tf32x3 (three tf32
-products: float32 accuracy, as for the write path's rotation); the first column block's program also writes
-the offset. (A float32 FMA dot, ``input_precision="ieee"``, took 58 us per call on the H200.)
-
-The same programs can also build the Gluon history kernel's int8 query operands (:func:`_rotate_plane_q8`, in the
-decode op's fused prologue, ``decode_split._prologue_kernel``): see the comment above it for their layout and scale.
+The history's keys are stored as ``(k - mu_K) R_K``, so each decode step needs ``q_rot = q R_K`` (float32) and the
+logit offset ``q · mu_K`` (:func:`~oscar_hf.kernels.int2_attention.rotate_query_reference`); in torch three or four
+launches, 13-15 us of a 46 us B=1 / 8K decode op on an H200 (docs/kernels.md). Program ``(row * Hk + head, c)``
+multiplies the ``M`` query rows by the ``C_BLOCK`` columns ``c`` of ``R_K`` on the tensor cores in tf32x3 (float32
+accuracy, as the write path's rotation; a float32 FMA dot took 58 us); the first column block's program also writes
+the offset. The same programs can build the Gluon history kernel's int8 query operands (:func:`_rotate_plane_q8`, in
+``decode_split._prologue_kernel``; their layout and scale: the comment above it).
 """
 from __future__ import annotations
 

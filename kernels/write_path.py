@@ -1,24 +1,17 @@
 """Write path: rotate + center + clip + quantize + pack K/V rows into INT2 history storage.
 
-``rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, quantizer="minmax")``
+``rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, quantizer="minmax")``: ``x [B, Hk,
+T, D]`` rows in the model dtype (post-RoPE keys or values); ``r [Hk, D, D]`` float32 rotation (row-vector convention:
+``x_rot = (x - mu) @ r``); ``mu [Hk, D]`` float32 or None; ``clip`` the layer's clip ratio (``"minmax"``; ``"std"``
+has none, ``oscar_hf/quant.py``). Result: :class:`oscar_hf.quant.QuantizedRows` (``codes [B, Hk, T, D/4] uint8``,
+``scale``/``zero`` ``[B, Hk, T, D/G]``), or written into ``out.*[:, :, out_offset : out_offset + T]`` (the cache's
+history storage). The torch reference is here; :func:`rotate_quantize` sends supported shapes on CUDA to
+``write_triton.py``.
 
-* ``x``  ``[B, Hk, T, D]`` rows in the model dtype (post-RoPE keys or values),
-* ``r``  ``[Hk, D, D]`` float32 rotation (row-vector convention: ``x_rot = (x - mu) @ r``),
-* ``mu`` ``[Hk, D]`` float32 offset or None,
-* ``clip`` float: the layer's clip ratio (``quantizer="minmax"``; ``"std"`` sets each group's grid from its mean and
-  standard deviation and has no clip, see ``oscar_hf/quant.py``),
-* result: :class:`oscar_hf.quant.QuantizedRows` with ``codes [B, Hk, T, D/4] uint8`` and
-  ``scale``/``zero`` ``[B, Hk, T, D/G]``; when ``out`` is given the rows are written into
-  ``out.*[:, :, out_offset : out_offset + T]`` instead (the cache's history storage).
-
-This file holds the torch reference and the dispatcher :func:`rotate_quantize`, which sends supported shapes on CUDA
-to the Triton kernel (``write_triton.py``) and everything else to the reference.
-
-``append(params, new_k, new_v, window, history, at)``: the one-token write of every storage (:mod:`.kv`'s bundles):
-the compiled layer's (``at`` a ``Ring``: :func:`append_token_reference` for the layout and the semantics) and the
-serving store's decode rows (``at`` the step's ``PagedRows``: window slots of a window pool, history in a page pool;
-:func:`paged_append_reference`), in place; supported shapes on CUDA go to one fused Triton launch
-(``append_triton.py``).
+``append(params, new_k, new_v, window, history, at)``: the one-token write of every storage (:mod:`.kv`'s bundles), in
+place: the compiled layer's (``at`` a ``Ring``: :func:`append_token_reference`) and the serving store's decode rows
+(``at`` the step's ``PagedRows``: :func:`paged_append_reference`); supported shapes on CUDA go to one fused Triton
+launch (``append_triton.py``).
 """
 from __future__ import annotations
 
