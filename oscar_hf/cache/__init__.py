@@ -1,10 +1,10 @@
-"""The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers, device-resident
-on CUDA (:mod:`.compiled`: ``generate`` compiles the decode step) and the eager reference elsewhere (:mod:`.dynamic`:
-its own growing-tail layout reads any attention mask exactly and equals a ``DynamicCache`` until its first demotion);
-:class:`StaticOscarCache` fixes the capacity ("static" means fixed capacity only, as Transformers' ``StaticCache``; the
-compiled layer's old name ``StaticOscarLayer`` still imports, with a warning). Every layer and the serving store share
-one :class:`~oscar_hf.cache.params.LayerParams` per layer, the write kernels and the reads; the compiled layer and the
-serving store also share one storage model (:mod:`.window`).
+"""The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers,
+device-resident on CUDA (:mod:`.compiled`: ``generate`` compiles the decode step), the eager reference elsewhere
+(:mod:`.dynamic`: its own growing-tail layout reads any attention mask exactly and equals a ``DynamicCache`` until its
+first demotion); :class:`StaticOscarCache` fixes the capacity ("static" means fixed capacity only, as Transformers'
+``StaticCache``; the compiled layer's old name ``StaticOscarLayer`` still imports, with a warning). Every layer and the
+serving store share one :class:`~oscar_hf.cache.params.LayerParams` per layer, the write kernels and the reads; the
+compiled layer and the serving store also share one storage model (:mod:`.window`).
 
 Data flow: an artifact -> :func:`oscar_hf.layer_choice.choose_layers` and the storage (:mod:`.storage`) -> a cache
 layer per decoder layer -> the registered attention function (:mod:`oscar_hf.attention`); :mod:`.io` saves / loads.
