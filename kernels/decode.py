@@ -1,17 +1,11 @@
-"""The one read of a decode step: :func:`decode`, a layer's attention over its window and history
-(:mod:`.kv`'s bundles), for every storage -- the eager layer, the compiled layer's op (:mod:`.static_op`), the serving
-store's pages -- and the retrieval heads beside the INT2 heads.
-
-Dispatch, one call to a launch on CUDA where the kernels take the shape (the launcher
-``decode_triton.decode_attention_triton``; the retrieval heads' ``heads_attention.heads_decode_attention``), the torch
-references elsewhere (``int2_attention.decode_attention_reference``, ``paged_decode``'s for pages):
-
-* paged history: the launcher reading through the block tables (the query rotated by its first launch), else the
-  batched reference (a host bound ``max_len``: no synchronization, what a CUDA graph captures) or the per-row one;
-* the unrotated query (``rotated`` None, no device-side length): the launcher rotating the query itself (on the Gluon
-  path in one launch with the window programs), for <= 16 query rows a KV head and outside a trace;
-* otherwise the query rotated first (``rotated``, or :func:`~.int2_attention.rotate_query`), then the launcher or the
-  reference.
+"""The one read of a decode step: :func:`decode`, a layer's attention over its window and history (:mod:`.kv`'s
+bundles), for every storage (the eager layer, the compiled layer's op :mod:`.static_op`, the serving store's pages),
+the retrieval heads beside the INT2 heads. On CUDA where the kernels take the shape one call reaches a launch
+(``decode_triton.decode_attention_triton``; the heads' ``heads_attention.heads_decode_attention``), the torch
+references elsewhere: a paged history through the block tables, else the batched reference (a host bound
+``max_len``: no synchronization) or the per-row one; the unrotated query (``rotated`` None, no device-side length, <=
+16 query rows a KV head, outside a trace) rotated by the launcher itself; otherwise the query rotated first
+(``rotated``, or :func:`~.int2_attention.rotate_query`), then the launcher or the reference.
 """
 from __future__ import annotations
 

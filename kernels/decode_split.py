@@ -298,16 +298,12 @@ def _prologue_kernel(
     HAS_WHEAD: tl.constexpr = 0,
 ):
     """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
-    what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column
-    block ``j`` of the query, the rest are window programs ``j - D / C_BLOCK``). Before, each was a launch of its own,
-    before and after the history kernel. ``QPRE`` (``C_BLOCK`` = 32, one plane): each rotation program also
-    writes its plane's int8 query operands of the Gluon kernel's int8 key path (``query_triton._rotate_plane_q8``).
-
-    ``QFLAG`` (with ``QPRE``): each rotation program adds 1 to ``READY[b * Hk + h]`` (release, GPU scope) once its
-    plane's operands are stored; the history programs of that (row, head) wait for 4 there, not for this grid's
-    completion (the combine sets it back to 0). ``DP``, ``SOFTCAP``: as for :func:`_split_kernel` (the window
-    programs'); ``PAGED``: row ``b``'s window is slot ``WSLOT[b]`` of the window pool ``KW`` / ``VW``; ``WHEAD``: as
-    for :func:`_split_kernel`."""
+    what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column block
+    ``j``, the rest are window programs ``j - D / C_BLOCK``). ``QPRE`` (``C_BLOCK`` = 32, one plane): each rotation
+    program also writes its plane's int8 query operands (``query_triton._rotate_plane_q8``); ``QFLAG`` (with ``QPRE``):
+    it then adds 1 to ``READY[b * Hk + h]`` (release, GPU scope), and that (row, head)'s history programs wait for 4
+    there, not for this grid (the combine resets it). ``DP``, ``SOFTCAP``, ``WHEAD``: as for :func:`_split_kernel`;
+    ``PAGED``: row ``b``'s window is slot ``WSLOT[b]`` of the window pool ``KW`` / ``VW``."""
     DPAD: tl.constexpr = D if DP == 0 else DP
     pid_bh = tl.program_id(0)
     j = tl.program_id(1)

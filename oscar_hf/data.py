@@ -1,22 +1,14 @@
-"""Text for calibration and evaluation: loading, a fixed calibration / evaluation split, and
-tokenization into fixed-length windows.
+"""Text for calibration and evaluation: loading, a fixed calibration / evaluation split, and tokenization into
+fixed-length windows.
 
-The split (never let calibration and evaluation text overlap)
---------------------------------------------------------------
-A corpus (one or more documents) is joined into one string with ``"\\n\\n"`` between documents
-(a single document, e.g. WikiText-2's test file, is used as is). Let ``b`` be the index of the
-first line break at or after ``floor(CALIBRATION_FRACTION * len(joined))`` (``len(joined)`` if
-there is none). Then
-
-* **calibration text** = ``joined[:b]`` (the first ~25 % of the characters),
-* **evaluation text**  = ``joined[b + 1:]`` (everything after that line break).
-
-The split is defined on characters, so it does not depend on the tokenizer: every model and every calibration budget
-sees the same held-out evaluation text. For WikiText-2 raw test (1,285,622 characters, ~302K SmolLM2 tokens) the
-calibration part is ~75K tokens and the evaluation part ~227K tokens. Calibration (``oscar_hf.calibration.calibrate``
-via ``scripts/calibrate.py``) tokenizes only the calibration text; within it, the statistics windows come first and the
-windows used to choose clips / ``auto`` candidates directly after them (see :func:`calibration_windows`). Evaluation
-code must use :func:`evaluation_text` (or ``split_texts(...).evaluation``).
+The split (never let calibration and evaluation text overlap): a corpus is joined into one string with ``"\\n\\n"``
+between documents (a single document is used as is); with ``b`` the first line break at or after
+``floor(CALIBRATION_FRACTION * len(joined))`` (``len(joined)`` if none), the **calibration text** is ``joined[:b]``
+(the first ~25 % of the characters) and the **evaluation text** ``joined[b + 1:]``. Defined on characters, it does not
+depend on the tokenizer: every model and calibration budget sees the same held-out text (WikiText-2 raw test,
+1,285,622 characters: ~75K SmolLM2 tokens of calibration, ~227K of evaluation). Calibration tokenizes only the
+calibration text, the statistics windows first and the clip / ``auto`` windows directly after them
+(:func:`calibration_windows`); evaluation code must use :func:`evaluation_text` (or ``split_texts(...).evaluation``).
 """
 from __future__ import annotations
 
@@ -45,18 +37,11 @@ def load_texts(
     text_field: str = "text",
     cache_dir: str | None = None,
 ) -> list[str]:
-    """Documents of a corpus, in order.
-
-    * ``*.txt`` (or ``.text``/``.raw``): the whole file is one document (``datasets``' ``text`` loader
-      with ``sample_by="document"``, byte-exact);
-    * ``*.json`` / ``*.jsonl``: one document per record, the string in ``text_field``
-      (``datasets``' ``json`` loader);
-    * anything else that is not an existing path: a ``datasets`` Hub name, loaded with
-      ``load_dataset(source, data_config, split=split)`` and read from ``text_field``.
-
-    Empty documents are dropped. Raises OSError for a missing local file, ValueError for a missing
-    text field or an empty corpus.
-    """
+    """Documents of a corpus, in order: ``*.txt`` (or ``.text``/``.raw``) one document per file (``datasets``' ``text``
+    loader, ``sample_by="document"``, byte-exact); ``*.json`` / ``*.jsonl`` one per record, the string in
+    ``text_field``; anything else that is not an existing path a ``datasets`` Hub name (``load_dataset(source,
+    data_config, split=split)``, read from ``text_field``). Empty documents are dropped. Raises OSError for a missing
+    local file, ValueError for a missing text field or an empty corpus."""
     import datasets
     path = Path(source)
     name = str(source)

@@ -1,16 +1,12 @@
-"""`OscarRotations`: the rotation artifact (calibrate -> artifact -> cache).
+"""`OscarRotations`: the rotation artifact (calibrate -> artifact -> cache). Per quantized layer ``i``:
 
-Per quantized layer ``i`` and KV head ``h``:
+* ``layers.{i}.r_k``, ``layers.{i}.r_v``: ``[kv_heads, head_dim, head_dim]`` float32, orthogonal; row-vector
+  convention: the history stores ``(k - mu_K) @ R_K`` and ``(v - mu_V) @ R_V``;
+* ``layers.{i}.mu_k``, ``layers.{i}.mu_v``: optional ``[kv_heads, head_dim]`` offsets (centering);
+* clip ratios ``c_K``, ``c_V`` per layer, the model fingerprint, the method and calibration metadata (JSON).
 
-* ``layers.{i}.r_k``, ``layers.{i}.r_v``: ``[kv_heads, head_dim, head_dim]`` float32, orthogonal.
-  Row-vector convention: the history stores ``(k - mu_K) @ R_K`` and ``(v - mu_V) @ R_V``.
-* ``layers.{i}.mu_k``, ``layers.{i}.mu_v``: optional ``[kv_heads, head_dim]`` offsets (centering).
-* clip ratios ``c_K``, ``c_V`` per layer (JSON), the model fingerprint, the method and free-form
-  calibration metadata (JSON).
-
-On disk: ``oscar_rotations.safetensors`` (tensors) + ``oscar_config.json`` (everything else).
-Loading never unpickles: safetensors and JSON only, and every tensor is validated (shape, dtype,
-finite, orthogonal) before use.
+On disk: ``oscar_rotations.safetensors`` (tensors) + ``oscar_config.json`` (everything else). Loading never unpickles,
+and every tensor is validated (shape, dtype, finite, orthogonal) before use.
 """
 from __future__ import annotations
 
@@ -104,13 +100,10 @@ class OscarRotations:
         local_files_only: bool = False,
         token: str | bool | None = None,
     ) -> "OscarRotations":
-        """Convert the authors' rotation files (FutureMLS-Lab/OSCAR ``compute_kv_rotation.py``: one
-        ``torch.save`` file for keys, one for values; format 1: one ``[head_dim, head_dim]`` matrix per layer, format
-        2: one per KV head and an optional key mean, ``k_mean``, kept as the key offset) for ``model_or_config``. ``k_path`` / ``v_path``: local files, or file names in the Hub repo
-        ``repo_id`` (``subfolder``, ``revision``). Read with ``torch.load(weights_only=True)`` only and
-        validated against the model; a format-1 layer's matrix serves all its KV heads (same ``k @ R``
-        convention as ours), no offsets unless a format-2 file has ``k_mean``, their clips 0.96 / 0.92 and
-        their group size, one group per head (``group_size=None`` = head_dim, recorded for
+        """Convert the authors' rotation files (formats: :mod:`oscar_hf.reference_rotations`) for ``model_or_config``.
+        ``k_path`` / ``v_path``: local files, or file names in the Hub repo ``repo_id`` (``subfolder``, ``revision``).
+        Validated against the model; a format-1 layer's matrix serves all its KV heads, no offsets unless a format-2
+        file has ``k_mean``, their clips 0.96 / 0.92 and one group per head (``group_size=None``, recorded for
         ``OscarCache.from_pretrained``). ``save_pretrained`` writes it as our safetensors artifact."""
         from .quant import check_group_size
         from .reference_rotations import read_reference_pair, resolve_file

@@ -61,18 +61,12 @@ class CompiledOscarKV(OscarKV):
 
 class StepShared:
     """What every compiled OSCAR layer of one decode forward reads alike, computed once by the first of them: the
-    length ``t`` (0-d) and left padding ``pad [B]``, the window mask ``[B, 1, 1, S0 + R]`` and the history length
-    (0-d). Per layer these were ~25 of the step graph's ~35 extra nodes per layer over BF16's, which the first call
-    traces, functionalizes and lowers 36 times (``docs/results.md``, the first call).
-
-    The layers of one device also share one length tensor (:meth:`join`): they step together, and the step graph then
-    takes one length and one ``pad`` as inputs, not one of each per layer (each graph input costs the compiled call
-    a guard, a load and a pointer check on every step). The last layer of the device advances it, once a step.
-
-    The cache hands one instance to all its :class:`CompiledOscarLayer` layers (a lone layer keeps its own). A layer
-    recomputes when it is not after the one that computed or is on another device (a new forward: layers run in index
-    order); the last layer clears it, so every trace starts from the same state and dynamo's guards on it hold from
-    step to step."""
+    length ``t`` (0-d), left padding ``pad [B]``, the window mask ``[B, 1, 1, S0 + R]`` and the history length (0-d)
+    (per layer these were ~25 of the step graph's ~35 extra nodes, traced and lowered 36 times at the first call). The
+    layers of one device also share one length tensor (:meth:`join`), so the step graph takes one length and one
+    ``pad`` input, not one per layer; the device's last layer advances it once a step. A layer recomputes when it is
+    not after the one that computed or is on another device (a new forward); the last layer clears it, so every trace
+    starts from the same state and dynamo's guards hold from step to step. A lone layer keeps its own."""
 
     def __init__(self):
         self.last_layer = None  # index of the last layer that shares it (None: every layer clears it)
