@@ -2,30 +2,25 @@
 """Load test of Transformers' continuous batching (``ContinuousBatchingManager``, what ``generate_batch`` and
 ``transformers serve --continuous-batching`` run): BF16 paged (Transformers' own ``PagedAttentionCache``, sdpa)
 against OSCAR paged (:func:`oscar_hf.serving.paged_oscar`) in the same KV memory budget, one after the other in one
-process, on a random-initialised model of a real shape (default Qwen3-8B).
-
-Parts (``--parts``):
+process, on a random-initialised model of a real shape (default Qwen3-8B). Parts (``--parts``):
 
 * ``capacity``: requests of ``--context`` prompt tokens submitted at once, as many as each cache admits at that
-  context in ``--kv-budget-gib`` (its own number), ``--new-tokens`` each. Reported: peak concurrency (requests
+  context in ``--kv-budget-gib`` (or ``--concurrency``), ``--new-tokens`` each. Reported: peak concurrency (requests
   decoding at once, from the per-token timestamps) and the aggregate decode tokens/s while that many decode.
-* ``load``: ``--requests`` requests of mixed prompt lengths (``--lengths``, drawn uniformly) arriving over time
-  (Poisson, ``--rate`` requests/s), ``--new-tokens`` each. Reported: completed tokens/s (generated tokens over the
-  makespan), time to first token p50 / p90, peak concurrency, peak memory.
+* ``load``: ``--requests`` requests of mixed prompt lengths (``--lengths``) arriving over time (Poisson, ``--rate``
+  requests/s). Reported: completed tokens/s (over the makespan), time to first token p50 / p90, peak concurrency.
+* ``prefix``: ``--requests`` prompts of one ``--context``-token prefix and 64 tokens of their own: the first alone,
+  the others once it has its first token, one every ``1 / --rate`` s. Kinds ``oscar-shared`` (the store's prefix
+  sharing), ``oscar``, ``bf16`` (Transformers' own). Reported: the first's time to first token, the others' p50 / p90,
+  their ratio, and the store's peak pages.
 
-``--kinds`` ``bf16-graphs`` / ``oscar-graphs`` run the same with Transformers' CUDA graphs (``use_cuda_graph=True``,
-``q_padding_interval_size=--q-padding``): OSCAR graphs its decode-only steps (prefill stays eager), BF16 every step
-(Transformers' sdpa varlen graphs). Each row reports ``decode_step_ms_p50``: the median gap between a request's
-consecutive tokens while the peak number of requests decode (the decode step time at that concurrency); the capacity
-part takes ``--concurrency`` requests (default: as many as the budget admits).
-
-Memory: BF16 gets ``num_blocks = budget / (bytes of a 256-token block of every layer)``; OSCAR gets ``max_requests``
-full-precision window slots and ``(budget - windows) / (bytes of an INT2 page)`` pages. ``torch.cuda.
+``*-graphs`` kinds run with Transformers' CUDA graphs (``use_cuda_graph=True``, ``q_padding_interval_size``): OSCAR
+graphs its decode-only steps, BF16 every step. ``decode_step_ms_p50``: the median gap between a request's consecutive
+tokens while the peak number of requests decode. Memory: BF16 gets ``budget / (bytes of a 256-token block of every
+layer)`` blocks; OSCAR ``max_requests`` window slots and the INT2 pages the rest pays for; ``torch.cuda.
 max_memory_allocated`` (minus the weights) is reported for each run.
 
     python benchmarks/bench_serving.py --parts capacity load --out serving.json
-    python benchmarks/bench_serving.py --parts capacity --kinds oscar oscar-graphs --kv-budget-gib 20 \
-        --context 32768 --concurrency 24 --max-requests 24 --new-tokens 64 --out serving_graphs.json
     python benchmarks/bench_serving.py --shape tiny --device cpu --context 256 --kv-budget-gib 0.01 ...   (smoke)
 """
 from __future__ import annotations
@@ -67,7 +62,7 @@ def cache_configs(model, kind: str, budget: int, max_batch_tokens: int, max_requ
         return continuous_batching_config(num_blocks=blocks, page_size=PAGE, max_batch_tokens=max_batch_tokens,
                                           **graphs), None
     store = OscarPagedStore(model, defer_pool=True, max_requests=max_requests, device=model.device, dtype=model.dtype,
-                            **oscar_kw)
+                            prefix_sharing=kind == "oscar-shared", **oscar_kw)
     pages = store.pages_in(budget, PAGE, max_batch_tokens)  # after the windows and the prompt transient it reserves
     return continuous_batching_config(num_blocks=pages, page_size=PAGE, max_batch_tokens=max_batch_tokens,
                                       **graphs), store
@@ -98,6 +93,7 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
     """Submit ``prompts`` at ``arrivals`` (seconds from the start) to a fresh manager; collect every result."""
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     ctx = paged_oscar(model, store) if kind.startswith("oscar") else contextlib.nullcontext()
+    lead = arrivals[0] < 0  # the first request alone: the others' arrivals count from its first token
     cuda = model.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -108,14 +104,17 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         manager.start()
         t0 = time.perf_counter()
-        for prompt, at in zip(prompts, arrivals):
+        for i, (prompt, at) in enumerate(zip(prompts, arrivals)):
             time.sleep(max(0.0, t0 + at - time.perf_counter()))
-            manager.add_request(prompt, max_new_tokens=new_tokens, record_timestamps=True)
+            manager.add_request(prompt, f"r{i}", max_new_tokens=new_tokens, record_timestamps=True, streaming=lead)
+            while lead and i == 0 and manager.get_result("r0", timeout=TIMEOUT_S) is None:
+                pass
+            t0 = time.perf_counter() if lead and i == 0 else t0
         deadline = time.perf_counter() + TIMEOUT_S
         bar = tqdm(total=len(prompts), desc=f"{kind} requests", mininterval=10)
         while len(outs) + len(errors) < len(prompts) and time.perf_counter() < deadline:
             r = manager.get_result(timeout=1.0)
-            if r is not None:
+            if r is not None and (r.is_finished() or r.error):
                 (errors if r.error else outs).append(r)
                 bar.update(1)
         bar.close()
@@ -133,7 +132,8 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
     tokens = sum(len(o.generated_tokens) for o in outs)
     first = min(o.created_time for o in outs)
     last = max(o.timestamps[-1] for o in outs)
-    ttft = sorted(o.timestamps[0] - o.created_time for o in outs)
+    ttft_of = {o.request_id: o.timestamps[0] - o.created_time for o in outs}
+    ttft = sorted(ttft_of.values())
     peak, t_a, t_b = concurrency(outs)
     in_window = sum(sum(t_a < s <= t_b for s in o.timestamps) for o in outs)
     # the decode step at that concurrency: gaps between a request's consecutive tokens inside the peak window
@@ -149,7 +149,12 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
                num_blocks=cb.num_blocks, max_batch_tokens=cb.max_batch_tokens)
     if store is not None:
         row.update(window_slots=store.windows.num_slots, window_gib=round(store.windows.reserved_bytes / 2**30, 3),
-                   pool_pages_peak=pool_peak)
+                   pool_pages_peak=pool_peak, pool_peak_gib=round(pool_peak * store.page_bytes(PAGE) / 2**30, 3))
+    if lead:
+        later = sorted(o.timestamps[0] - o.created_time for o in outs if o.request_id != "r0")
+        row.update(first_ttft_s=round(ttft_of["r0"], 3), later_ttft_p50_s=round(later[len(later) // 2], 3),
+                   later_ttft_p90_s=round(later[int(0.9 * (len(later) - 1))], 3))
+        row["later_over_first"] = round(row["later_ttft_p50_s"] / row["first_ttft_s"], 3)
     row["outputs"] = {o.request_id: o.generated_tokens[:8] for o in outs}  # a glimpse, to compare runs
     print(json.dumps({k: v for k, v in row.items() if k != "outputs"}), flush=True)
     return row
@@ -159,9 +164,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda")
-    p.add_argument("--parts", nargs="+", default=["capacity", "load"], choices=["capacity", "load"])
+    p.add_argument("--parts", nargs="+", default=["capacity", "load"], choices=["capacity", "load", "prefix"])
     p.add_argument("--kinds", nargs="+", default=["bf16", "oscar"],
-                   choices=["bf16", "oscar", "bf16-graphs", "oscar-graphs"],
+                   choices=["bf16", "oscar", "bf16-graphs", "oscar-graphs", "oscar-shared"],
                    help="*-graphs: with Transformers' CUDA graphs (use_cuda_graph=True)")
     p.add_argument("--q-padding", type=int, default=8,
                    help="*-graphs: q_padding_interval_size (a decode step of N requests runs ceil(N / it) * it rows)")
@@ -192,7 +197,7 @@ def main(argv=None):
     oscar_kw = dict(method="hadamard", prompt_budget=args.prompt_budget)  # artifact-free
     oscar_tokens = args.oscar_batch_tokens or longest + args.max_requests
     batch_tokens = {"bf16": args.bf16_batch_tokens, "bf16-graphs": args.bf16_batch_tokens, "oscar": oscar_tokens,
-                    "oscar-graphs": oscar_tokens}
+                    "oscar-graphs": oscar_tokens, "oscar-shared": oscar_tokens}
     rng = random.Random(0)
     doc = dict(env=run_env(argv), shape=SHAPES[args.shape], kv_budget_gib=args.kv_budget_gib, results={})
 
@@ -215,6 +220,11 @@ def main(argv=None):
                     n = args.concurrency
                 prompts = [[rng.randrange(vocab) for _ in range(args.context)] for _ in range(n)]
                 arrivals = [0.0] * n
+            elif part == "prefix":
+                r = random.Random(2)
+                prefix = [r.randrange(vocab) for _ in range(args.context)]
+                prompts = [prefix + [r.randrange(vocab) for _ in range(64)] for _ in range(args.requests)]
+                arrivals = [-1.0] + [i / args.rate for i in range(args.requests - 1)]
             else:
                 r = random.Random(1)  # the same requests for every kind
                 prompts = [[r.randrange(vocab) for _ in range(r.choice(args.lengths))] for _ in range(args.requests)]

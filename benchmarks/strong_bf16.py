@@ -175,17 +175,9 @@ class LiveKV:
     def __init__(self, keys, values, length, new_k, new_v, read):
         self.keys, self.values, self.length, self.new_k, self.new_v, self.read = keys, values, length, new_k, new_v, read
 
-    @property
-    def shape(self):
-        return self.keys.shape
-
-    @property
-    def dtype(self):
-        return self.keys.dtype
-
-    @property
-    def device(self):
-        return self.keys.device
+    shape = property(lambda self: self.keys.shape)  # what Transformers' attention wrappers read of K
+    dtype = property(lambda self: self.keys.dtype)
+    device = property(lambda self: self.keys.device)
 
 
 class LiveLayer(CacheLayerMixin):

@@ -36,6 +36,9 @@ def parse(argv: list[str]):
     p.add_argument("--sink", type=int)
     p.add_argument("--recent", type=int)
     p.add_argument("--group-size", type=int)
+    p.add_argument("--prefix-sharing", action="store_true",
+                   help="a request whose prompt begins with a live request's INT2 pages starts on them (Transformers "
+                        "5.20+; its prompt then reads the prefix from the INT2 pages: docs/serving.md)")
     return p.parse_args(ours), theirs
 
 
@@ -67,6 +70,8 @@ def main(argv: list[str] | None = None):
     rotations = OscarRotations.from_pretrained(args.rotations) if args.rotations else None
     overrides = {k: v for k, v in dict(sink=args.sink, recent=args.recent, group_size=args.group_size,
                                        prompt_budget=args.prompt_budget).items() if v is not None}
+    if args.prefix_sharing:
+        overrides["prefix_sharing"] = True
     if rotations is None:
         overrides["method"] = args.method
     check_startup(args.model, rotations, args.max_requests, **overrides)

@@ -118,16 +118,18 @@ def demote_pending(win_k: torch.Tensor, win_v: torch.Tensor, history, params: La
 
 
 def commit(win_k: torch.Tensor, win_v: torch.Tensor, pad, history, params: LayerParams, config: OscarConfig,
-           t_old: int, new_k: torch.Tensor, new_v: torch.Tensor, mu_k: torch.Tensor | None = None) -> None:
+           t_old: int, new_k: torch.Tensor, new_v: torch.Tensor, mu_k: torch.Tensor | None = None,
+           floor: int = 0) -> None:
     """Store a multi-token forward's rows ``new_k/v [B', Hk, L, D]`` (slots ``[T, T + L)``, ``T = t_old``): the
-    history up to ``T + L - W`` (:func:`demote`), the sink entries among them (row ``b``'s real token ``j`` at slot
-    ``pad[b] + j``; ``pad`` ``[B']`` or 0) and the last ``R`` slots in the ring. ``win_k/v [B', Hk, S0 + R, D]``."""
+    history up to ``T + L - W`` (:func:`demote`; from ``floor`` up: slots below it are in the history already, a
+    shared prefix's pages), the sink entries among them (row ``b``'s real token ``j`` at slot ``pad[b] + j``; ``pad``
+    ``[B']`` or 0) and the last ``R`` slots in the ring. ``win_k/v [B', Hk, S0 + R, D]``."""
     s0, w, dev = config.sink, config.recent, new_k.device
     ring = win_k.shape[2] - s0
     b, hk, n_new, d = new_k.shape
     t_new = t_old + n_new
     # 1. history: slots [max(T - W, S0), T + L - W), from the ring (< T) or the new rows (>= T)
-    demote(win_k, win_v, history, params, config, max(t_old - w, s0), t_new - w, t_old, new_k, new_v, mu_k)
+    demote(win_k, win_v, history, params, config, max(t_old - w, s0, floor), t_new - w, t_old, new_k, new_v, mu_k)
     # 2. sink: the entries whose slot is among the new rows, per row
     slot = torch.as_tensor(pad, device=dev).reshape(-1, 1) + torch.arange(s0, device=dev)[None, :]  # [B' or 1, S0]
     sel = ((slot >= t_old) & (slot < t_new))[:, None, :, None]

@@ -9,7 +9,8 @@ raises :class:`RequestRefused` there, naming the mistake:
   id, and so does Transformers' result routing (``register_result_handler``, refused alike);
 * a prompt whose tokens, with ``max_new_tokens``, can never fit the page pool (a lone request that outgrows the pool
   cannot be offloaded: the loop would stop);
-* forks (``num_return_sequences > 1``), an empty prompt, token ids outside the vocabulary.
+* forks (``num_return_sequences > 1``) where the cache cannot fork (Transformers 5.17 - 5.19, or layers it leaves to
+  Transformers' BF16 cache), an empty prompt, token ids outside the vocabulary.
 
 :class:`RequestRefused` is a ``ValueError`` and, where Starlette is installed (``transformers[serving]``), an
 ``HTTPException`` with its status (409 for a live id, 400 otherwise): ``transformers serve`` answers it as that 4xx.
@@ -45,14 +46,15 @@ class RequestRefused(*dict.fromkeys((_HTTPError, ValueError))):  # (ValueError,)
 
 
 def check_request(store, input_ids, max_new_tokens: int | None, vocab_size: int | None, forks: int,
-                  blocks_hold_windows: bool = False) -> None:
+                  blocks_hold_windows: bool = False, can_fork: bool = False) -> None:
     """Raise :class:`RequestRefused` when ``store`` (None: its pool is not built yet) cannot serve a request of
     ``input_ids`` with ``max_new_tokens`` new tokens and ``forks`` extra sequences. ``blocks_hold_windows``: the
     scheduler's blocks count every token of a request, its window's too (5.17 - 5.19's block manager), instead of
-    its history pages."""
-    if forks > 0:
-        raise RequestRefused(f"the OSCAR paged cache does not fork requests (num_return_sequences={forks + 1}): "
-                             "send one request per sequence")
+    its history pages. ``can_fork``: the cache forks requests (Transformers 5.20+, the store holding every layer)."""
+    if forks > 0 and not can_fork:
+        raise RequestRefused(f"the OSCAR paged cache forks requests (num_return_sequences={forks + 1}) only on "
+                             "Transformers 5.20+ for models whose every layer it quantizes: send one request per "
+                             "sequence")
     n = len(input_ids)
     if n == 0:
         raise RequestRefused("the prompt is empty: a request needs at least one token")
@@ -94,6 +96,7 @@ class Admission:
         self.store = None
         self.vocab_size: int | None = None
         self.blocks_hold_windows = False
+        self.can_fork = False
 
     def claim(self, request_id: str, has_handler: bool) -> None:
         """A result handler is being registered for ``request_id``: before its ``add_request`` (claimed), or right
@@ -181,12 +184,13 @@ def install(manager, processor) -> None:
             raise live_id_refusal(rid)
         if not getattr(state, "_true_initial_tokens", 0) and state.position_offset == 0:  # a new request
             check_request(processor.cache.store, state.initial_tokens, state.max_new_tokens, adm.vocab_size,
-                          state.num_children, adm.blocks_hold_windows)
+                          state.num_children, adm.blocks_hold_windows, adm.can_fork)
         return add_waiting(state)
 
     scheduler.clear_cancelled_requests, scheduler.add_waiting_request = clear_cancelled, add_checked
     adm.store = processor.cache.store
     adm.blocks_hold_windows = not hasattr(processor.cache, "cache_allocators")  # 5.17 - 5.19's block manager
+    adm.can_fork = not adm.blocks_hold_windows and processor.cache.oscar_owns_memory
     adm.ready.set()
 
 
@@ -205,7 +209,7 @@ def add_request(manager, original, input_ids, request_id=None, max_new_tokens=No
         if max_new_tokens is None:
             max_new_tokens = manager.generation_config.max_new_tokens
         check_request(adm.store, list(input_ids), max_new_tokens, adm.vocab_size, manager.num_return_sequences - 1,
-                      adm.blocks_hold_windows)
+                      adm.blocks_hold_windows, adm.can_fork or not adm.ready.is_set())  # else checked in the loop
         out = original(manager, input_ids, request_id, max_new_tokens, *args, **kwargs)
     except BaseException:
         _drop(manager, adm, request_id, claimed)

@@ -113,6 +113,8 @@ class DecodeStep:
             if any(n != t for n in r.lengths.values()):
                 raise RuntimeError(f"request {rid!r}: the store holds {None if r is None else r.lengths} tokens per "
                                    f"layer, the batch says {t}")
+            if r.floor and t - 1 - w < r.floor:  # would rewrite a shared page (a shared prompt stores >= W + 2 rows)
+                raise RuntimeError(f"request {rid!r} decodes at {t} tokens inside its shared prefix ({r.floor})")
             e = t - 1 - w - s0  # history entry of slot T - 1 - W, which left the window at the previous step
             if e >= 0:
                 self._pages_for(r, e + 1)

@@ -35,8 +35,9 @@ sized pool.
 
 CUDA graphs (``use_cuda_graph``): decode-only batches replay Transformers' graphs with the store's decode step in
 them; the host side of a step (:meth:`RecordedBatch.prepare_forward`) runs before the forward, see
-:mod:`~oscar_hf.serving.batching`. Not followed (refused loudly): prefix sharing (block sharing is turned off), forks
-(``num_return_sequences > 1``), CPU offloading, torch.compile. See docs/serving.md.
+:mod:`~oscar_hf.serving.batching`. Prefix sharing (``OscarPagedStore(prefix_sharing=True)``) and forks
+(``num_return_sequences > 1``) are the store's (:mod:`~oscar_hf.serving.prefix`), where it holds every layer; not
+followed (refused loudly): CPU offloading, torch.compile. See docs/serving.md.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
     produced and the keys each request attends to count as its new rows only (the ``[sum L, sum L]`` mask
     Transformers builds for sdpa is not read either). Bound to a store by :meth:`bind`."""
 
-    supports_block_sharing = False  # prefix sharing is not followed
+    supports_block_sharing = False  # Transformers keys blocks by their tokens; the store keys its pages (prefix.py)
     supports_block_table = False  # no flash decode fast path
     store: OscarPagedStore  # set on the bound subclass
 
@@ -118,8 +119,12 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
     def get_cache_for_block_table(self, layer_idx: int):
         raise NotImplementedError("the OSCAR paged cache does not serve the flash block-table decode path")
 
+    def count_shareable_blocks(self, source_request_id: str, past_length: int) -> int:
+        """A fork shares the pages no later step writes (the store's count, not whole blocks of tokens)."""
+        return min(self.store.shareable_pages(past_length), len(self.block_table[source_request_id]))
+
     def copy_blocks(self, source_block_ids, dest_block_ids) -> None:
-        raise NotImplementedError("the OSCAR paged cache does not copy blocks (forks)")
+        pass  # bookkeeping only: the store copied the pages (OscarPagedCache.prepare_fork_request)
 
 
 class OscarMemoryHandler(PagedAttentionMemoryHandler):
@@ -252,8 +257,10 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
             # [*, 1 + M] instead of [*, num_blocks * P + M], and the scheduler's read budget (max_tokens_read, minus
             # min(request length, read_cache_limit) per request) never runs out.
             self.max_tokens_read, self.read_cache_limit = 1, 0
-        # The store's requests start empty: a prefix matched in the BF16 pages was never written to it.
-        self.allow_block_sharing = self.use_prefix_sharing = False
+        # Prefix sharing is the store's (its own page keys: prefix.py), where it holds every layer and was asked for;
+        # Transformers' own would match BF16 blocks the store never wrote.
+        self.allow_block_sharing = self.use_prefix_sharing = (
+            self.oscar_owns_memory and store.prefix_sharing and self.allow_block_sharing)
         self.store = store
         if self.cuda_graphs:  # every window slot now: a captured graph holds their addresses
             store.windows.fix()
@@ -302,5 +309,35 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
         super().free_all_requests(clear_ledgers)
         self.store.free_all()
 
-    def prepare_fork_request(self, *args, **kwargs):
-        raise NotImplementedError("the OSCAR paged cache does not fork requests (num_return_sequences > 1)")
+    # ------------------------------------------------------------------ prefix sharing, forks (oscar_hf.serving.prefix)
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        """Tokens of the prompt a new request takes from a live request's pages (the store's match); Transformers'
+        allocator holds the same blocks for it, so that admission counts the shared pages once."""
+        if not self.use_prefix_sharing:
+            return 0
+        m, holder, k = self.store.share_prefix(request_id, list(prompt_ids))
+        if m:
+            allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
+            blocks = allocator.block_table[holder][:k]
+            allocator.block_table[request_id] = list(blocks)
+            for block in blocks:
+                allocator.ledger.acquire(block)
+        return m
+
+    def count_new_complete_blocks(self, state, request_len: int) -> dict[str, int]:
+        return {"oscar": 1} if self.use_prefix_sharing else {}  # any: mark_complete_blocks then offers the pages
+
+    def mark_complete_blocks(self, state, complete_blocks) -> None:
+        if complete_blocks:
+            self.store.index_pages(state.request_id, state.initial_tokens + state.generated_tokens)
+
+    def prepare_fork_request(self, src_state, dst_req_ids: list[str], copy_src_and_dst) -> list[str]:
+        """``num_return_sequences > 1``: as many children as the store and Transformers' blocks hold start as copies
+        of the source (:meth:`OscarPagedStore.fork`); Transformers prefills the others anew."""
+        if not self.oscar_owns_memory:
+            raise NotImplementedError("the OSCAR paged cache forks requests only where it holds every layer")
+        fits = self.store.fork_fits(src_state.request_id, len(dst_req_ids))
+        forked = super().prepare_fork_request(src_state, dst_req_ids[:fits], copy_src_and_dst)
+        for child in forked:
+            self.store.fork(src_state.request_id, child)
+        return forked

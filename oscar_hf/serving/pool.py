@@ -172,6 +172,11 @@ class PagedInt2Pool:
         return self.num_pages - len(self._free)
 
     @property
+    def num_shared(self) -> int:
+        """Pages held by more than one request (prefix sharing, forks): each stored once."""
+        return sum(r > 1 for r in self._refs)
+
+    @property
     def bytes_per_page(self) -> int:
         """Bytes of one page: INT2 rows and coded rows."""
         return page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size, self.group_size,
@@ -217,6 +222,11 @@ class PagedInt2Pool:
             self._free.append(page)
 
     # ------------------------------------------------------------------ data
+    def copy_page(self, source: int, dest: int) -> None:
+        """Page ``dest`` becomes a copy of page ``source`` (every layer, both forms: a fork's pages still written)."""
+        for t in (*self.int2, *self.coded):
+            t[dest] = t[source]
+
     def rows(self, layer: int, kind: str) -> QuantizedRows:
         """One layer's INT2 keys or values of every page, ``[num_pages, Hq_l, P, X]`` strided views (what the paged
         kernel and :func:`~oscar_hf.kernels.paged_decode.gather_pages` read)."""

@@ -11,6 +11,7 @@ import torch
 
 from ..cache.base import check_first_keys
 from .pool import HeadLayout, PagedInt2Pool, PoolExhausted, page_bytes
+from .prefix import PrefixIndex
 
 logger = logging.getLogger("oscar_hf")
 
@@ -126,6 +127,7 @@ class RequestKV:
     prompt: dict = dataclasses.field(default_factory=dict)
     prompt_more: bool | None = None
     prompt_reserved: int = 0
+    floor: int = 0  # slots below it are history whatever the window: a shared prefix's (oscar_hf.serving.prefix)
 
     def length(self) -> int:
         return max(self.lengths.values(), default=0)
@@ -199,6 +201,7 @@ class StoreRequests:
         self.pool = PagedInt2Pool(num_pages, self.num_layers, self.num_kv_heads, self.head_dim, page_size,
                                   self.config.group_size, self.config.torch_meta_dtype, self.device, storage=storage,
                                   trash_page=True, layout=self._layout())
+        self.prefixes = PrefixIndex(self.config.sink, page_size) if self.prefix_sharing else None
         self._buffers = None  # sized for this pool's pages
         return self.pool
 
@@ -286,6 +289,8 @@ class StoreRequests:
     def free(self, request_id: str) -> None:
         """The request leaves: its window slot and pages go back (shared pages when their last holder leaves)."""
         r = self.requests.pop(request_id, None)
+        if self.prefixes is not None:
+            self.prefixes.forget(request_id)
         if r is not None:
             for page in r.table:
                 self.pool.release(page)
@@ -341,15 +346,17 @@ class StoreRequests:
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, int]:
-        """Live requests, pages held and free, the bytes of the pages held (``history_bytes``: INT2 and coded rows;
-        ``full_precision_heads_bytes``: the retrieval heads' share of them), of the window slots allocated now, and of
-        the prompts arriving in chunks (``prompt_bytes``: their chunks so far, in full precision until the prompt is
-        complete; ``prompt_tokens_reserved``: their share of ``prompt_budget``)."""
+        """Live requests, pages held, free and shared (held by several requests, stored once), the bytes of the pages
+        held (``history_bytes``: INT2 and coded rows; ``full_precision_heads_bytes``: the retrieval heads' share of
+        them), of the window slots allocated now, and of the prompts arriving in chunks (``prompt_bytes``: their chunks
+        so far, in full precision until the prompt is complete; ``prompt_tokens_reserved``: their share of
+        ``prompt_budget``)."""
         pool = self.pool
         prompt = sum(x.numel() * x.element_size() for r in self.requests.values() for kv in r.prompt.values()
                      for x in kv)
         pages = pool.num_used if pool is not None else 0
         return dict(requests=len(self.requests), pages_used=pages, pages_free=pool.num_free if pool is not None else 0,
+                    pages_shared=pool.num_shared if pool is not None else 0,
                     history_bytes=pages * pool.bytes_per_page if pool is not None else 0,
                     full_precision_heads_bytes=pages * pool.coded_bytes_per_page if pool is not None else 0,
                     window_slots_used=self.windows.num_slots - self.windows.num_free,

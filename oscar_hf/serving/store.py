@@ -53,6 +53,7 @@ from ..rotations import OscarRotations
 from .decode_step import DecodeBuffers, DecodeStep, StepPlan
 from .paged_attention import paged_chunk_attention
 from .pool import PagedInt2Pool
+from .prefix import SharedPrefixes
 from .requests import RequestKV, StoreRequests, WindowPool
 
 DEFAULT_MAX_REQUESTS = 64  # window slots when the caller gives none: requests live at once
@@ -61,7 +62,7 @@ DEFAULT_MAX_REQUESTS = 64  # window slots when the caller gives none: requests l
 DEFAULT_CHUNK_TOKENS = 8192
 
 
-class OscarPagedStore(StoreRequests, DecodeStep):
+class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
     """The paged OSCAR KV store of a server (see the module docstring).
 
     ``OscarPagedStore(model_or_config, rotations=None, config=None, *, num_pages=None, memory_budget=None,
@@ -74,13 +75,14 @@ class OscarPagedStore(StoreRequests, DecodeStep):
     ``max_requests`` and the prompt budget); with ``defer_pool=True`` it has no page pool until
     :meth:`attach_pool` (what :func:`~oscar_hf.serving.paged_oscar` does: the pages then live in Transformers' paged
     cache tensor, sized by its scheduler). Layers the store does not quantize (``skip_layers``, sliding-window
-    layers) are left to Transformers' own paged cache (:meth:`handles`)."""
+    layers) are left to Transformers' own paged cache (:meth:`handles`). ``prefix_sharing=True``: a new request whose
+    prompt begins with pages a live request holds shares them (:mod:`~oscar_hf.serving.prefix`)."""
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
                  num_pages: int | None = None, memory_budget: int | None = None, page_size: int = 256,
                  max_requests: int = DEFAULT_MAX_REQUESTS, prompt_budget: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, defer_pool: bool = False,
-                 **overrides):
+                 prefix_sharing: bool = False, **overrides):
         config, default_group = starting_config(config, None, rotations, overrides)  # (as OscarCache)
         model_config = getattr(model_or_config, "config", model_or_config)
         if config.key_offset != "calibrated":
@@ -140,6 +142,9 @@ class OscarPagedStore(StoreRequests, DecodeStep):
         # takes fresh tensors, eagerly)
         self.max_positions = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.pool: PagedInt2Pool | None = None
+        if not isinstance(prefix_sharing, bool):
+            raise TypeError(f"prefix_sharing must be True or False, got {prefix_sharing!r}")
+        self.prefix_sharing, self.prefixes = prefix_sharing, None  # the PrefixIndex comes with the pool
         self._deferred = defer_pool
         if defer_pool:
             if num_pages is not None or memory_budget is not None:
@@ -205,16 +210,20 @@ class OscarPagedStore(StoreRequests, DecodeStep):
             out, _ = base_attention_function(module, base)(module, query, k_all, v_all, mask[None, None],
                                                            scaling=scaling, dropout=0.0)
         else:  # the history, the sink and the ring's slots [max(S0, T - W), T), then the new rows (causal)
-            demote_pending(win_k, win_v, self._history(r, li, t_old - w), p, self.config, t_old)
+            # slots below r.floor are history whatever the window (a shared prefix's pages, never written here)
+            hist_end = max(t_old - w, r.floor)
+            if t_old - w - 1 >= r.floor:
+                demote_pending(win_k, win_v, self._history(r, li, t_old - w), p, self.config, t_old)
             dev = query.device
-            recent = torch.arange(min(t_old, max(s0, t_old - w)), t_old, device=dev)
+            recent = torch.arange(min(t_old, max(s0, hist_end)), t_old, device=dev)
             entries = torch.cat([torch.arange(min(t_old, s0), device=dev), ring_entries(recent, s0, self.ring)])
             k_win = torch.cat([win_k.index_select(2, entries), new_k], 2)  # [1, Hk, E + L, D]
             v_win = torch.cat([win_v.index_select(2, entries), new_v], 2)
-            out = paged_chunk_attention(query, Window(k_win, v_win), self.pool, r.table, li, max(t_old - w - s0, 0),
+            out = paged_chunk_attention(query, Window(k_win, v_win), self.pool, r.table, li, max(hist_end - s0, 0),
                                         p.r_k, p.mu_k, p.r_v, p.mu_v, scaling, p if p.coded_heads else None)
         # no padding: the request's sink is its slots [0, S0)
-        commit(win_k, win_v, 0, self._history(r, li, t_old + l - w), p, self.config, t_old, new_k, new_v)
+        commit(win_k, win_v, 0, self._history(r, li, t_old + l - w), p, self.config, t_old, new_k, new_v,
+               floor=r.floor)
         r.lengths[layer_idx] = t_old + l
         # more of the prompt may come: it stays exact, within the request's reservation when a scheduler drives the
         # store (prompt_more known); without one (None) until the first decode step

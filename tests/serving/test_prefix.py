@@ -1,0 +1,236 @@
+"""Prefix sharing and forks in the paged store (:mod:`oscar_hf.serving.prefix`), driven as the scheduler drives it.
+
+The oracle of a shared request is a request in a second store fed the donor's first ``m`` rows and its own rows as one
+prompt: stored row by row, the two hold the same pages (the shared ones by content) and window, so every later step
+gives the same output; the shared request's prompt rows read the donor's INT2 pages where the oracle's attended
+exactly, so they are checked against the store's own chunk read over the oracle's pages."""
+import pytest
+import torch
+
+from oscar_hf.kernels.kv import Window
+from oscar_hf.serving.paged_attention import paged_chunk_attention
+from oscar_hf.serving.prefix import PrefixIndex, shareable_pages
+
+from test_store import HEADS, FakeAttention, make_store
+
+S0, W, P = 4, 8, 4  # make_store's sink, recent and page size
+
+
+def step(store, batch, qkv, module=FakeAttention()):
+    """One packed forward of ``batch`` [(id, past, L)] with ``qkv`` [(q, k, v)] per layer: the outputs per layer."""
+    d = qkv[0][0].shape[-1]
+    return [store.attend(layer, q, k, v, batch, d**-0.5, module, "sdpa") for layer, (q, k, v) in enumerate(qkv)]
+
+
+def rand_qkv(cfg, n, gen):
+    hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    return [(torch.randn(1, hq, n, d, generator=gen), torch.randn(1, hk, n, d, generator=gen),
+             torch.randn(1, hk, n, d, generator=gen)) for _ in range(cfg.num_hidden_layers)]
+
+
+def page_bytes_of(store, pages):
+    return [torch.stack([t[p] for p in pages]).clone() for t in (*store.pool.int2, *store.pool.coded)]
+
+
+def test_prefix_index():
+    index = PrefixIndex(sink=S0, page_size=P)
+    a = list(range(100, 130))
+    index.register("a", a, 3)  # pages 0-2: tokens [0, 16)
+    assert len(index.links["a"]) == 3
+    links, holder = index.match(a[:16] + [7] * 10, max_pages=10)
+    assert len(links) == 3 and holder == "a"
+    assert len(index.match(a[:11] + [7] * 10, 10)[0]) == 1  # page 1 covers tokens [8, 12): 11 differs
+    assert len(index.match(a, 2)[0]) == 2  # the caller's limit
+    assert index.match([1] + a[1:], 10) == ([], None)  # the chain starts at the first token
+    index.adopt("b", links[:2])
+    index.forget("a")
+    assert len(index.match(a, 10)[0]) == 2 and index.match(a, 10)[1] == "b"
+    index.forget("b")
+    assert index.match(a, 10) == ([], None) and not index.holders
+    assert shareable_pages(30, S0, W, P) == 4 and shareable_pages(13, S0, W, P) == 0
+
+
+@pytest.mark.parametrize("kw", [{}, HEADS[0], HEADS[1]])
+def test_shared_prefix_equals_its_rows_stored_as_one_prompt(kw):
+    cfg, shared = make_store(prefix_sharing=True, **kw)
+    oracle = make_store(**kw)[1]
+    gen = torch.Generator().manual_seed(0)
+    donor_tokens = list(range(100, 130))
+    donor = rand_qkv(cfg, 30, gen)
+    step(shared, [("d", 0, 30)], donor)
+    shared.index_pages("d", donor_tokens)
+    # the new request: the donor's first 22 tokens, then its own; 4 pages (tokens [0, 20)) are shareable
+    tokens = donor_tokens[:22] + list(range(500, 518))
+    m, holder, k = shared.share_prefix("r", tokens)
+    assert (m, holder, k) == (S0 + 4 * P, "d", 4)
+    r, d = shared.requests["r"], shared.requests["d"]
+    assert r.table == d.table[:4] and shared.pool.num_used == len(d.table)  # stored once
+    assert shared.stats()["pages_shared"] == 4
+    before = page_bytes_of(shared, d.table[:4])
+    own = rand_qkv(cfg, len(tokens) - m, gen)
+    out = step(shared, [("r", m, len(tokens) - m)], own)
+    # the oracle: the donor's first m rows and the request's own, one prompt
+    rows = [tuple(torch.cat([a[:, :, :m], b], 2) for a, b in zip(dl, ol)) for dl, ol in zip(donor, own)]
+    step(oracle, [("o", 0, len(tokens))], rows)
+    o = oracle.requests["o"]
+    for li, ((q, k_new, v_new), got) in enumerate(zip(own, out)):  # the prompt rows: the chunk read, oracle's pages
+        p = oracle.params[li]
+        win = Window(torch.cat([oracle.windows.k[o.slot, li][None][:, :, :S0], k_new], 2),
+                     torch.cat([oracle.windows.v[o.slot, li][None][:, :, :S0], v_new], 2))
+        want = paged_chunk_attention(q, win, oracle.pool, o.table, li, m - S0, p.r_k, p.mu_k, p.r_v, p.mu_v,
+                                     cfg.head_dim**-0.5, p if p.coded_heads else None)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the same state: pages by content, windows; then decode steps give the same outputs
+    assert len(r.table) == len(o.table) and r.lengths == o.lengths
+    for pa, pb in zip(r.table, o.table):
+        for ta, tb in zip((*shared.pool.int2, *shared.pool.coded), (*oracle.pool.int2, *oracle.pool.coded)):
+            torch.testing.assert_close(ta[pa], tb[pb])
+    torch.testing.assert_close(shared.windows.k[r.slot], oracle.windows.k[o.slot])
+    torch.testing.assert_close(shared.windows.v[r.slot], oracle.windows.v[o.slot])
+    for _ in range(10):  # the donor decodes beside it, then leaves halfway
+        t = shared.length("r")
+        qkv = rand_qkv(cfg, 2, gen)
+        got = step(shared, [("r", t, 1), ("d", shared.length("d"), 1)] if "d" in shared.requests else
+                   [("r", t, 1)], qkv if "d" in shared.requests else [tuple(x[:, :, :1] for x in l) for l in qkv])
+        want = step(oracle, [("o", t, 1)], [tuple(x[:, :, :1] for x in l) for l in qkv])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a[:, :1], b, rtol=1e-5, atol=1e-6)
+        if t == 45:
+            shared.free("d")
+    for a, b in zip(before, page_bytes_of(shared, r.table[:4])):  # never written by either request
+        assert torch.equal(a, b)
+    shared.free("r")
+    assert shared.pool.num_used == 0 and not shared.prefixes.holders and not shared.requests
+
+
+def test_sharing_leaves_enough_rows_of_its_own_and_needs_a_live_holder():
+    cfg, store = make_store(prefix_sharing=True)
+    gen = torch.Generator().manual_seed(1)
+    tokens = list(range(100, 140))
+    step(store, [("d", 0, 40)], rand_qkv(cfg, 40, gen))
+    store.index_pages("d", tokens)
+    # a prompt of 30 tokens keeps >= W + 2 = 10 of its own: pages covering at most 20 tokens
+    assert store.share_prefix("a", tokens[:30])[0] == S0 + 4 * P
+    assert store.share_prefix("b", tokens[:14]) == (0, None, 0)  # too short to keep W + 2 rows past one page
+    store.free("a")
+    store.free("d")
+    assert store.share_prefix("c", tokens) == (0, None, 0) and store.pool.num_used == 0
+    off = make_store()[1]
+    assert off.prefixes is None and off.share_prefix("a", tokens) == (0, None, 0)
+    with pytest.raises(TypeError, match="prefix_sharing"):
+        make_store(prefix_sharing="yes")
+
+
+@pytest.mark.parametrize("kw", [{}, HEADS[0]])
+def test_fork_decodes_as_its_source(kw):
+    """A fork's child decodes as its source would from the fork on; the source is not disturbed by the child's
+    writes (the pages still written were copied)."""
+    cfg, store = make_store(**kw)
+    replay = make_store(**kw)[1]
+    gen = torch.Generator().manual_seed(2)
+    prompt = rand_qkv(cfg, 27, gen)
+    step(store, [("s", 0, 27)], prompt)
+    for rid in ("s", "c"):  # the replay: the child's prompt stored by itself
+        step(replay, [(rid, 0, 27)], prompt)
+    store.fork("s", "c")
+    src, child = store.requests["s"], store.requests["c"]
+    k = shareable_pages(27, S0, W, P)
+    assert child.table[:k] == src.table[:k] and set(child.table[k:]).isdisjoint(src.table)
+    assert store.fork_fits("s", 5) == min(5, store.windows.num_free, store.pool.num_free // (len(src.table) - k))
+    for _ in range(9):
+        t = store.length("s")
+        qkv_s, qkv_c = rand_qkv(cfg, 1, gen), rand_qkv(cfg, 1, gen)
+        both = [tuple(torch.cat([a, b], 2) for a, b in zip(x, y)) for x, y in zip(qkv_s, qkv_c)]
+        got = step(store, [("s", t, 1), ("c", t, 1)], both)
+        want = step(replay, [("s", t, 1), ("c", t, 1)], both)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="already"):
+        store.fork("s", "c")
+    store.free("s")
+    store.free("c")
+    assert store.pool.num_used == 0
+
+
+# ------------------------------------------------------------------ through Transformers' continuous batching
+@pytest.fixture(scope="module")
+def model():
+    from oscar_hf.models import tiny_model
+
+    return tiny_model("llama")
+
+
+def _serving():
+    from oscar_hf.serving import batching
+
+    if not batching.SECTOR_API:
+        pytest.skip("prefix sharing and forks follow Transformers 5.20+'s cache allocators")
+    return batching
+
+
+def _gen(n, **kw):
+    from transformers import GenerationConfig
+
+    return GenerationConfig(**{**dict(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0), **kw})
+
+
+def _result(manager, rid, timeout=120.0):
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        r = manager.get_result(rid, timeout=1)
+        if r is not None and r.is_finished():
+            return r
+    raise AssertionError(f"no result for {rid!r}")
+
+
+def test_continuous_batching_shares_a_live_prefix(model):
+    """A request whose prompt begins with a live request's pages starts on them (Transformers' allocator holds the
+    same blocks, counted once), gets its tokens, and everything is given back."""
+    import time
+
+    serving = _serving()
+    oscar = dict(sink=S0, recent=W, group_size=32)
+    prefix = list(range(5, 85))
+    with serving.paged_oscar(model, prefix_sharing=True, **oscar) as store:
+        shares, share = {}, store.share_prefix
+        store.share_prefix = lambda rid, tokens: shares.setdefault(rid, share(rid, tokens))
+        manager = model.init_continuous_batching(
+            generation_config=_gen(10), continuous_batching_config=serving.continuous_batching_config(
+                num_blocks=64, max_batch_tokens=256, page_size=8))
+        manager.start()
+        try:
+            manager.add_request(prefix + [90, 91, 92], request_id="a", max_new_tokens=60)
+            deadline = time.time() + 60
+            while store.length("a") < len(prefix) + 5:  # a's prompt stored and a few tokens decoded
+                assert time.time() < deadline
+                time.sleep(0.02)
+            manager.add_request(prefix + [93, 94], request_id="b", max_new_tokens=10)
+            rb, ra = _result(manager, "b"), _result(manager, "a")
+            assert ra.error is None and rb.error is None and len(rb.generated_tokens) == 10
+            m, holder, k = shares["b"]
+            # b keeps >= W + 2 of its 82 tokens to prefill: pages of 8 up to 72 tokens
+            assert holder == "a" and k == (len(prefix) + 2 - W - 2 - S0) // 8 and m == S0 + 8 * k
+            assert shares["a"] == (0, None, 0)
+            assert manager.background_thread_status.fatal_error is None
+        finally:
+            manager.stop(block=True)
+        assert store.stats()["requests"] == 0 and store.pool.num_used == 0
+
+
+def test_continuous_batching_forks(model):
+    """``num_return_sequences=2``: the children start as copies of their parent's KV (sampling with top_k=1: alike)."""
+    serving = _serving()
+    oscar = dict(sink=S0, recent=W, group_size=32)
+    with serving.paged_oscar(model, **oscar) as store:
+        forks, fork = [], store.fork
+        store.fork = lambda src, child: forks.append((src, child)) or fork(src, child)
+        out = model.generate_batch([list(range(5, 45))], _gen(8, num_return_sequences=2, do_sample=True, top_k=1),
+                                   continuous_batching_config=serving.continuous_batching_config(
+                                       num_blocks=64, max_batch_tokens=256, page_size=8), warmup=False)
+        assert len(forks) == 1
+        seqs = [o.generated_tokens for o in out.values()]
+        assert len(seqs) == 2 and all(len(s) == 8 for s in seqs) and seqs[0] == seqs[1]
+        assert all(o.error is None for o in out.values())
+        assert store.stats()["requests"] == 0 and store.pool.num_used == 0
