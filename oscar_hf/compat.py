@@ -1,9 +1,7 @@
-"""The name under which the installed Transformers takes the cache, read off the model itself.
-
-Recent Transformers (5.24) renamed the argument: ``generate(cache=...)`` / ``model(..., cache=...)``, outputs
-carry ``.cache``, and ``past_key_values=`` still works but warns (``FutureWarning``, removal in 6.0). Older 5.x
-(5.17 on our GPU machine) only knows ``past_key_values=``. Every call site of ours (scripts, evals,
-benchmarks, tests) goes through these two helpers so that it runs warning-free on both::
+"""The name under which the installed Transformers takes the cache, read off the model itself. Transformers 5.24
+renamed it (``generate(cache=...)``, outputs carry ``.cache``; ``past_key_values=`` warns, removal in 6.0); older 5.x
+(5.17 on our GPU machine) only knows ``past_key_values=``. Every call site of ours goes through these two helpers so
+that it runs warning-free on both::
 
     out = model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=64)
     out = model(ids, **cache_kwargs(model, cache), use_cache=True)
@@ -63,11 +61,9 @@ def cache_kwargs(model_or_cls: Any, cache) -> dict[str, Any]:
 
 
 def returned_cache(outputs) -> Any:
-    """The cache a forward, or ``generate(..., return_dict_in_generate=True)``, returned: ``outputs.cache``
-    (recent Transformers) or ``outputs.past_key_values`` (older); None when it returned none (``use_cache=False``).
-
-    Read from the output's keys: on recent versions the ``past_key_values`` attribute is a deprecated alias that
-    logs a warning."""
+    """The cache a forward, or ``generate(..., return_dict_in_generate=True)``, returned: ``outputs.cache`` (recent
+    Transformers) or ``outputs.past_key_values`` (older), read from the output's keys (on recent versions that
+    attribute is a deprecated alias that warns); None when it returned none (``use_cache=False``)."""
     if not isinstance(outputs, Mapping):  # ModelOutput is an OrderedDict of its non-None fields
         raise ValueError(f"expected a model output (ModelOutput), got {type(outputs).__name__}: call the model with "
                          "return_dict=True, or generate with return_dict_in_generate=True")

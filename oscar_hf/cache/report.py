@@ -63,14 +63,10 @@ def log_layer_plan(cache, hybrid: set[int]) -> None:
 
 def memory_report(cache) -> dict[str, float]:
     """Bytes by part (summed over layers), bits per element, and the BF16 DynamicCache equivalent.
-
     ``full_precision_layers``: bytes of the layers kept in Transformers' own full-precision form (sliding windows,
-    ``skip_layers``, MLA latents, KV sharing's store layers: :func:`layer_kinds` says which, the cache's log at
-    construction why; for MLA see ``oscar_hf.config.FULL_PRECISION_WHY``: the latent, already ~71x smaller than
-    per-head K/V, is expanded through ``kv_b_proj`` at every step, so an INT2 latent would need a full-precision
-    copy of its history every step); ``retrieval_heads``: bytes of the retrieval heads' own buffers;
-    ``quantized_layers`` / ``latent_layers`` / ``shared_kv_layers``: how many layers are OSCAR layers / MLA latents /
-    KV sharing's store layers."""
+    ``skip_layers``, MLA latents, KV sharing's store layers: :func:`layer_kinds` says which,
+    ``oscar_hf.config.FULL_PRECISION_WHY`` why); ``retrieval_heads``: bytes of the retrieval heads' own buffers;
+    ``quantized_layers`` / ``latent_layers`` / ``shared_kv_layers``: how many layers are of each kind."""
     tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, retrieval_heads=0,
                allocated=0, full_precision_layers=0)
     elements = 0
