@@ -86,7 +86,7 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         self.hist_v: QuantizedRows | None = None
         self.mu_k_seq = None
         self.pending: OscarKV | None = None
-        self.fp_k = self.fp_v = None  # every slot of the full-precision heads: tuples of [B, P, cap, *] (heads.py)
+        self.fp_k = self.fp_v = None  # every slot of the retrieval heads: tuples of [B, P, cap, *] (heads.py)
         self._fp_written = False  # this forward's new rows are already in fp_k/v
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -110,7 +110,7 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         self.is_initialized = True
 
     def write_retrieval_heads(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
-        """Slots ``[t_old, t_old + L)`` of the full-precision heads (amortized growth). The attention function
+        """Slots ``[t_old, t_old + L)`` of the retrieval heads (amortized growth). The attention function
         calls it before reading them; ``commit`` then does not write again."""
         if not self.retrieval_heads or self._fp_written:
             return
@@ -121,13 +121,13 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         self._fp_written = True
 
     def retrieval_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k, v) [B, P, n, D]``: slots ``[0, n)`` of the full-precision heads in the model dtype."""
+        """``(k, v) [B, P, n, D]``: slots ``[0, n)`` of the retrieval heads in the model dtype."""
         bits = self.config.retrieval_bits
         return tuple(heads.decode(tuple(t[:, :, :n] for t in store), bits, self.dtype)
                      for store in (self.fp_k, self.fp_v))
 
     def _store_retrieval_rows(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
-        """Slots ``[t_old, t_old + L)`` of the full-precision heads from ``new_k/v [B, Hk, L, D]`` (the storage
+        """Slots ``[t_old, t_old + L)`` of the retrieval heads from ``new_k/v [B, Hk, L, D]`` (the storage
         already holds them)."""
         l = new_k.shape[2]
         for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
@@ -229,7 +229,7 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
                 hm = allowed[:, :, s0 : s0 + n]
                 key_mask = hm[:, None] if l == 1 else mask_rows(hm, g)
         out_fp = None
-        if self.retrieval_heads:  # full-precision heads apart; the rest reads window + INT2 history below
+        if self.retrieval_heads:  # retrieval heads apart; the rest reads window + INT2 history below
             if l == 1 and key_mask is None:  # a decode step: their codes read in place
                 self.write_retrieval_heads(new_k, new_v, t_old)
                 out_fp = heads_decode_attention(
@@ -259,8 +259,8 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
 
     def retrieval_heads_attention(self, query, new_k, new_v, win_k, win_v, win_ok, allowed, t_old: int,
                                        scaling: float, softcap=None, sinks=None) -> torch.Tensor:
-        """``[B, P, g*L, D]``: the layer's full-precision heads over their history slots ``[S0, tail_start)`` as
-        stored (``full_precision_bits``; row ``b`` from slot ``S0 + pad[b]``, the INT2 history's range) and the
+        """``[B, P, g*L, D]``: the layer's retrieval heads over their history slots ``[S0, tail_start)`` as
+        stored (``retrieval_bits``; row ``b`` from slot ``S0 + pad[b]``, the INT2 history's range) and the
         window every head reads exactly (``win_k/v [B, Hk, window, D]``: sink, recent tail, new rows; ``win_ok
         [B, L, window]`` or None when all valid): one SDPA call in the model dtype. With 16 bits this is exactly
         what a ``DynamicCache`` reads. ``softcap``, ``sinks [P, g*L]``: :func:`~oscar_hf.cache.base.logit_terms`."""

@@ -45,7 +45,7 @@ class LayerParams:
               device) -> "LayerParams":
         coded = tuple(sorted(set(int(h) for h in coded_heads)))
         if coded and not 0 <= coded[0] <= coded[-1] < num_kv_heads:
-            raise ValueError(f"layer {layer_idx}: full_precision_heads {coded} out of range for {num_kv_heads} KV heads")
+            raise ValueError(f"layer {layer_idx}: retrieval_heads {coded} out of range for {num_kv_heads} KV heads")
         int2 = tuple(h for h in range(num_kv_heads) if h not in coded)
         r = (rotation.select_heads(int2) if coded else rotation).to(device)
         centered = config.center and (rotation.mu_k is not None or rotation.mu_v is not None)
