@@ -9,35 +9,26 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from .plan import settle_cache_keys
 
-
 DF_LIM = gl.constexpr(64.0)  # as in decode_split: largest excess of a column's max over its reference (log2)
-
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 
-
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
 
-
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
-
 
 # int8 operands of mma.sync m16n8k32 (K8): a register holds 4 consecutive k of one row (A) / one column (B)
 A8_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=4))
 
-
 B8_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=4))
-
 
 # [T, 8] key words (4 bytes): lane 4r + c holds words 2c, 2c + 1 (bytes 8c .. 8c + 7) of rows r, r + 8, ... (one
 # 8-byte load per row). Codes travel as 32-bit words: uint8 tensors carried through the loop or a branch would be
 # kept one byte per register
 KLOAD = gl.constexpr(gl.BlockedLayout([1, 2], [8, 4], [1, 1], [1, 0]))
 
-
 # [T, 8] value words (4 bytes): lane 4r + c holds word r of tokens 2c, 2c + 1 (+ 8 i)
 VLOAD = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
-
 
 # cp.async pipeline (STAGES > 0): copies of 16 bytes a lane (8 for TB = 1's metadata) -- [T, 8 NH] code words,
 # [4 TB, 16] metadata words (row j TB + tb: token set tb of key scale, key zero, value scale, value zero) -- into plain
@@ -46,23 +37,17 @@ VLOAD = gl.constexpr(gl.BlockedLayout([2, 1], [4, 8], [1, 1], [0, 1]))
 # copies two tokens' words, as 4-byte copies: they are not merged), read back per word. CP_META[TB - 1 + 2 (NH - 1)]
 CP_CODES = gl.constexpr(gl.BlockedLayout([1, 4], [16, 2], [1, 1], [1, 0]))
 
-
 CP_META = gl.constexpr((gl.BlockedLayout([1, 2], [4, 8], [1, 1], [1, 0]),
                         gl.BlockedLayout([1, 4], [8, 4], [1, 1], [1, 0]),
                         gl.BlockedLayout([2, 2], [32, 1], [1, 1], [1, 0])))
 
-
 SMEM3 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # (the layout of one stage)
-
 
 META3 = gl.constexpr(gl.BlockedLayout([1, 1, 2], [8, 2, 2], [1, 1, 1], [2, 1, 0]))  # [16 t', 2 sets, 4 columns]
 
-
 _sync = getattr(gl, "thread_barrier", None) or gl.barrier  # (Triton 3.6 / newer)
 
-
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-
 
 # Key codes of one 32-bit word ($16, bytes 0..3 of a token row): two prmt put bytes 0, 1 (2, 3) into the low bytes of
 # the two 16-bit halves, one lop3 per plane and pair keeps the plane's bits and or-s in 0x6400 (fp16 1024):
@@ -74,7 +59,6 @@ _K_ASM = gl.constexpr(
                f"mov.b32 {{${4 * p}, ${4 * p + 1}}}, r0; mov.b32 {{${4 * p + 2}, ${4 * p + 3}}}, r1;" for p in range(4))
     + " }")
 
-
 # K8: plane P of 4 key bytes (one 32-bit word, $1; $2..$4 are copies of it) as 4 int8 operands in one instruction:
 # (x & mask_P) ^ flip_P = 4^P code -- plane 3 with its top bit flipped, 64 code - 128, so that it fits int8 (the -128 is
 # given back by the accumulator's start)
@@ -82,9 +66,7 @@ _K8_ASM = gl.constexpr(tuple(
     f"lop3.b32 $0, $1, 0x{(3 << 2 * p) * 0x01010101:08X}, 0x{0x80808080 if p == 3 else 0:08X}, 0x6A;"
     for p in range(4)))
 
-
 _RNI_ASM = gl.constexpr("cvt.rni.f32.f32 $0, $1;")  # round to the nearest integer (even on ties)
-
 
 # Value codes of byte position BB of two tokens' words ($4: token t, $5: token t + 1): prmt pairs the two bytes
 # (selector nibble i = source of destination byte i: byte 0 <- byte BB of $4, byte 2 <- byte BB of $5; half 0: token t), one lop3 per plane or-s them into 0x4380 (bf16 256, mantissa LSB worth 2): 256 + KP code
@@ -95,7 +77,6 @@ _V_ASM = gl.constexpr(tuple(
     "lop3.b32 $2, w, 0x00300030, 0x43804380, 0xEA; lop3.b32 $3, y, 0x00300030, 0x43804380, 0xEA; }"
     for bb in range(4)))
 
-
 # Wait until the 32-bit counter at $1 reaches $2 (acquire, GPU scope; QFLAG): poll with a short sleep, trap after
 # ~2^22 polls (seconds) rather than hang; $0 is 0, an opaque offset for the loads that must follow the wait
 _SPIN_ASM = gl.constexpr(
@@ -104,9 +85,7 @@ _SPIN_ASM = gl.constexpr(
     "add.u32 n, n, 1; setp.gt.u32 p, n, 4194304; @p trap; nanosleep.u32 32; bra SPIN${:uid}; "
     "DONE${:uid}: mov.u32 $0, 0; }")
 
-
 LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
-
 
 # movmatrix.trans on each 8x8 block of a 16-bit accumulator-layout tile (see _w_operand)
 _MOVM_ASM = gl.constexpr("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;")
@@ -131,11 +110,9 @@ def _lane_loads(vec, offs, strides):
 _KLD_ASM = gl.constexpr(sum((_lane_loads(2, [8 * i for i in range(2 * tb)], 32 * nh) for nh in (1, 2) for tb in (1, 2)),
                             ()))
 
-
 # values: word r of tokens 2c + 8i + j, i < 2 TB, j < 2, output 2i + j (address: token 2c, byte 4r)
 _VLD_ASM = gl.constexpr(sum((_lane_loads(1, [8 * i + j for i in range(2 * tb) for j in range(2)], 32 * nh)
                               for nh in (1, 2) for tb in (1, 2)), ()))
-
 
 # metadata of logit rows r and r + 8 (address: the word of row r's token)
 _MLD_ASM = gl.constexpr(sum((_lane_loads(1, [0, 8], 4 * nh) for nh in (1, 2)), ()))

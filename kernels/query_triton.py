@@ -16,7 +16,6 @@ import triton.language as tl
 
 from .plan import WRITE_HEAD_DIMS, next_pow2, settle_cache_keys
 
-
 # the rotation's largest single tl.dot over the head_dim, and the K step beyond it (D = 512: 4 steps of 128; one product
 # over 512 channels spilled ~5 KB, two of 256 ~0.5-0.9 KB, tests/kernels/test_compile_sm90.py)
 ROT_K = tl.constexpr(256)
