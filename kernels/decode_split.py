@@ -153,13 +153,9 @@ def _split_kernel(
                 cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
                        OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
                 qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))
-                # No per-block reductions. Every block is exponentiated against one fixed reference phi[m] (the max of
-                # the split's first block), and l, sum p z and the running max are kept as elementwise [BLOCK_N, M_PAD]
-                # tiles (registers only: no shuffles, no barriers, no rescaling of acc), reduced once after the loop,
-                # where acc, l, zacc are rescaled to the true max. Guard: if any row's true max differs from phi by more
-                # than DF_LIM (log2 units: p up to 2^DF_LIM stays far from float32 / bf16 overflow; phi = 0 when the
-                # first block has no valid token could also underflow every p) the split is run again with phi = its
-                # true max (at most once). phi: max of the first block's valid logits (0 for rows without any there)
+                # Deferred softmax (docs/kernels.md §3.3): every block exponentiated against one fixed reference phi[m],
+                # the max of the first block's valid logits (0 for rows without any); l, sum p z and the max kept as
+                # [BLOCK_N, M_PAD] tiles, reduced after the loop; rerun once with the true max past DF_LIM (log2 units)
                 offs_n, inb, valid = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 kro0, kmo0, vro0, vmo0 = _block_rows(lo, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn, smvb,
                                                      NG, PAGE, BLOCK_N, PAGED)
@@ -196,12 +192,9 @@ def _split_kernel(
                                                              smvb, NG, PAGE, BLOCK_N, PAGED)
                     md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, kmo_p, vmo_p, inb_a, valid_a, NG, PAIR)
                     for n0 in range(lo, hi, BLOCK_N):
-                        # The scale / zero loads are synchronous 2-byte loads (the pipeliner cannot make them
-                        # asynchronous copies) and the loop stalled on them (ncu: long scoreboard): issue the next
-                        # block's here, one iteration before their use, and use the ones issued last iteration.
-                        # Only the metadata is carried: the token indices and masks are recomputed from n0, since
-                        # code loads whose addresses depend on a loop-carried value are not software-pipelined by
-                        # Triton 3.6 (no asynchronous copies at all: the loop waited on its own global loads).
+                        # The scale / zero loads are synchronous (no asynchronous copies for them) and the loop stalled
+                        # on them: issue the next block's here, one iteration ahead. Only the metadata is carried: code
+                        # loads whose addresses depend on a loop-carried value are not software-pipelined (Triton 3.6)
                         ksp, kzp, vsp, vzp = md_a
                         offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                         offs_a, inb_a, valid_a = _token_block(n0 + BLOCK_N, hi, start, KMASK, b, h, smb, smh, smn,

@@ -159,16 +159,11 @@ def query_kernel_supported(qf: torch.Tensor) -> bool:
     return qf.dim() == 4 and d in WRITE_HEAD_DIMS and 1 <= m <= 16
 
 
-# The Gluon history kernel's int8 key path (decode_gluon, K8) multiplies the key planes by the query as two int8
-# operands per plane, hi + lo / 254 of q_P / sigma_g (q_P = q_rot's plane P times qk_scale / 4^P; sigma_g a bound of
-# |q_P| over group g's planes and the head's rows, / 127). Built by every history program from q_rot they cost
-# ~850 instructions before its loop (docs/kernels.md); QPRE prologues build them once per (row, KV head) here, in the rotation's own programs (one per plane of 32 channels), in the layout the
-# history kernel loads as its tensor-core operands. A plane's program cannot see its group's other plane, so sigma_g
-# is not their largest entry (as in the history kernel's own setup) but a bound both programs compute alike: the
-# largest norm of the head's query rows (R_K is orthogonal, so no rotated entry exceeds it; 1.001 x for rounding,
-# and the codes clamped to +-127 all the same), ~2 bits coarser than the largest entry of a random query (15 bits
-# relative to the norm instead of the entry; q_rot to ~3e-4 relative instead of ~6e-5, where the bf16 query itself
-# holds ~4e-3):
+# The Gluon kernel's int8 key path (K8) takes the query as two int8 operands per plane, hi + lo / 254 of q_P / sigma_g
+# (q_P = q_rot's plane P times qk_scale / 4^P). QPRE prologues build them once per (row, KV head) here, one program per
+# 32-channel plane (~850 instructions less before every history program's loop, docs/kernels.md §3.2). A plane's program
+# cannot see its group's other plane, so sigma_g is a bound both compute alike: the largest norm of the head's query
+# rows (R_K is orthogonal; x 1.001 for rounding, codes clamped to +-127), ~2 bits coarser than the largest entry:
 #   tiles  int8    [B * Hk, 4 planes, 2 (hi, lo), 8 columns n, 32 TB k]: column n is query row n % MH of token set
 #                  n // MH (TB = 2 for <= 4 rows a KV head, else 1; MH = 8 // TB), k = 32 tb + j holds channel
 #                  32 P + sigma8(j) of that row where tb = n // MH, 0 elsewhere (the block-diagonal B operand)

@@ -35,12 +35,10 @@ WINDOW_BITS = 16  # bits of a full-precision cached element in OscarConfig.store
 # metadata["settings"]["chosen"]; a cache built from that artifact starts from them (artifact_settings).
 CHOSEN_FIELDS = ("sink", "recent", "group_size", "meta_dtype", "quantizer", "retrieval_heads", "retrieval_bits")
 
-# Named settings (``OscarConfig.from_preset``). "paper": the method authors' own runs (FutureMLS-Lab/OSCAR): one
-# quantization group per head (group_size None = head_dim, resolved when the model is known) with float32 scale and
-# zero, fixed clip ratios K 0.96 / V 0.92 (not searched), sink 64 / recent 256, no centering. Their rotations are
-# one per layer shared by its KV heads: the authors' files (``OscarRotations.from_reference``) or
-# ``calibrate(..., share_rotation_across_heads=True)``; the preset itself works with any artifact. The authors keep no
-# retrieval head: retrieval_heads=0, not the default "auto".
+# Named settings (``OscarConfig.from_preset``). "paper": the method authors' runs (FutureMLS-Lab/OSCAR): one group per
+# head (group_size None = head_dim) with float32 scale and zero, fixed clips K 0.96 / V 0.92, sink 64 / recent 256, no
+# centering, no retrieval head; their rotations are one per layer (``OscarRotations.from_reference`` or
+# ``calibrate(..., share_rotation_across_heads=True)``), but the preset works with any artifact.
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": dict(sink=64, recent=256, group_size=None, meta_dtype="float32", clip_k=0.96, clip_v=0.92,
                   center=False, retrieval_heads=0),

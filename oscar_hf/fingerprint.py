@@ -17,17 +17,10 @@ SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 # Layers with a recurrent or convolution state and no per-token K/V (Qwen3-Next / Qwen3.5, Jamba, Bamba,
 # GraniteMoeHybrid, LFM2, ...): Transformers' own state layer, untouched.
 STATE_LAYER_TYPES = ("linear_attention", "conv")
-# Full attention kept in Transformers' own full-precision layer, with the reason (logged by OscarCache, docs/usage.md):
-# * MLA (DeepSeek-V2/V3, GLM-4-MoE-Lite, Kimi-Linear, ...): Transformers caches the compressed latent
-#   [B, 1, S, kv_lora_rank] and its rope part [B, 1, S, qk_rope_head_dim], and rebuilds every head's keys and values
-#   from the whole latent history with kv_b_proj at every step. An INT2 latent would have to be dequantized to a
-#   full-precision copy of that history every step to feed kv_b_proj (which OSCAR never builds), and the latent is
-#   already ~71x smaller than per-head K/V (576 vs 40,960 elements per token and layer on DeepSeek-V3); reading it in
-#   INT2 needs kv_b_proj absorbed into the queries, which is model-specific code.
-# * KV sharing (Gemma 3n, Gemma 4): a "store" layer's cache.update result is attended to again by later "reuse" layers,
-#   which need tensors, not OSCAR's handle.
-# * keys and values of different head sizes (``v_head_dim`` != ``head_dim``: MiMo-V2-Flash, 192 / 128): the INT2
-#   storage, its rotations and the decode kernels pair one head_dim for both.
+# Full attention kept in Transformers' own full-precision layer, with the reason OscarCache logs (FULL_PRECISION_WHY):
+# MLA (DeepSeek-V2/V3, GLM-4-MoE-Lite, Kimi-Linear, ...; its latent is 576 vs 40,960 K/V elements per token and layer
+# on DeepSeek-V3; an INT2 read would need kv_b_proj absorbed into the queries, model-specific code), KV sharing's store
+# layers (Gemma 3n, Gemma 4), keys and values of different head sizes (MiMo-V2-Flash, 192 / 128).
 LATENT_LAYER_TYPE = "latent_attention"
 SHARED_KV_LAYER_TYPE = "shared_kv_attention"
 UNEQUAL_KV_LAYER_TYPE = "unequal_kv_attention"
