@@ -159,32 +159,25 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
 
     Args (``B`` batch, ``Hk`` KV heads, ``M`` query rows per KV head, ``D`` head_dim):
         params: :class:`~oscar_hf.kernels.kv.KVParams` (``r_k`` / ``mu_k`` rotate the query where ``rotated`` is
-            None; ``r_v`` ``[Hk, D, D]`` / ``mu_v`` bring the history back to the value space; ``group_size``).
-            ``r_v`` None: no window either, the history's online-softmax partials (:func:`history_partial_triton`).
+            None; ``r_v`` ``[Hk, D, D]`` / ``mu_v`` bring the history back to the value space). ``r_v`` None: no
+            window either, the history's online-softmax partials (:func:`history_partial_triton`).
         q: ``[B, Hk, M, D]`` the *unrotated* queries (any float dtype), for the window keys (None without a window).
-        window: :class:`~oscar_hf.kernels.kv.Window` (``k``/``v`` ``[B, Hk, W, D]`` unrotated full precision, sink
-            + recent; ``mask`` None or bool broadcastable to ``[B, Hk, 1, W]``, False = masked), or None.
-        history: :class:`~oscar_hf.kernels.kv.History`: ``k``, ``v``, ``start``, ``key_mask`` as for
-            ``int2_attention.history_partial_reference`` (rotated by R_K/R_V and centered); ``n_valid`` / ``splits``
-            the static cache's device-side length (0-d int tensor: entries ``< n_valid`` are valid; the grid is sized
-            by the capacity and ``splits`` history programs per (row, head), so that a CUDA graph of this call stays
-            valid while the cache grows); ``pages`` a paged history (``max_len`` given): ``k`` / ``v`` the pool's
-            ``[num_pages, Hk, P, *]`` views, the window the pool ``[num_slots, Hk, W, D]`` (row ``b`` at slot
-            ``window.slot[b]``) with a ``[B, W]`` mask; no left padding, key mask or ``n_valid``. The same launches,
-            every kernel reading through the block table.
+        window: :class:`~oscar_hf.kernels.kv.Window` (``mask`` bool broadcastable to ``[B, Hk, 1, W]``), or None.
+        history: :class:`~oscar_hf.kernels.kv.History`, its fields as documented there: ``n_valid`` / ``splits`` size
+            the grid by the capacity so that a CUDA graph of this call stays valid while the cache grows; ``pages``
+            (``max_len`` given; the window then a pool with ``window.slot`` and a ``[B, W]`` mask; no left padding,
+            key mask or ``n_valid``): the same launches, every kernel reading through the block table.
         rotated: ``(q_rot [B, Hk, M, D], qk_offset [B, Hk, M] or None)`` the history's query rotated by R_K
-            (unscaled), or None: the op rotates ``q`` by ``params.r_k`` and centers by ``params.mu_k`` itself, as
-            ``int2_attention.rotate_query_reference`` does (on the Gluon path in one launch with the window programs).
-        sinks: None or ``[Hk, M]`` float: an attention sink's logit per query row (gpt-oss's ``s_aux``, natural units,
-            not scaled): a key of value 0 that every row attends to, i.e. ``exp(s)`` more in the softmax denominator.
-            It is one more partial (``m = s``, ``l = 1``, ``acc = 0``) after the window's, filled here and merged by
-            the combine like the others.
-        softcap: None or Gemma 2's logit soft-capping ``softcap * tanh(logit / softcap)`` (natural units), applied to
-            every history and window logit by the split kernel (which then serves the history, not the Gluon kernel).
+            (unscaled), or None: the op rotates and centers ``q`` itself, as ``int2_attention.rotate_query_reference``.
+        sinks: None or ``[Hk, M]`` float: an attention sink's logit per query row (gpt-oss's ``s_aux``, natural units):
+            a key of value 0 every row attends to, one more partial (``m = s``, ``l = 1``, ``acc = 0``) after the
+            window's, filled here and merged by the combine like the others.
+        softcap: None or Gemma 2's ``softcap * tanh(logit / softcap)`` (natural units) on every history and window
+            logit, by the split kernel (which then serves the history, not the Gluon kernel).
         out_dtype: dtype of the result (default: ``q``'s).
         out: None, or ``[B, Hk_layer, M, D]`` (``out_dtype``) with ``window.kv_heads`` given (a layer's INT2 heads
-            reading its window in place): the rows of head ``h`` are written to KV head ``kv_heads[h]`` of ``out``,
-            which is returned (the retrieval heads' rows are the caller's).
+            reading its window in place): head ``h``'s rows go to KV head ``kv_heads[h]`` of ``out``, which is
+            returned (the retrieval heads' rows are the caller's).
     Returns ``[B, Hk, M, D]``: softmax attention over history and window, in the value space (rows without any valid
     key are 0); without ``r_v`` the partials ``(m, l, acc)``, ``[B, Hk, M]`` twice and ``[B, Hk, M, D]``, float32.
     """

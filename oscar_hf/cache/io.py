@@ -1,21 +1,18 @@
-"""Save a live :class:`~oscar_hf.OscarCache` to disk and load it back to continue generation exactly.
-
-A long document prefilled once can be reused across program runs at the cache's own size
-(INT2 history + full-precision windows), not BF16's. Layout of a saved cache directory:
+"""Save a live :class:`~oscar_hf.OscarCache` to disk and load it back to continue generation exactly: a long document
+prefilled once is reused across runs at the cache's own size (INT2 history + full-precision windows). A saved cache:
 
 * ``cache_state.json``: format/version, the ``OscarConfig``, the model fingerprint, ``weights`` (a digest of the
-  model's weights, :func:`weights_digest`; null when the cache was built from a config), ``max_cache_len`` (a
-  :class:`~oscar_hf.StaticOscarCache`'s capacity, null for a growable cache; absent in caches saved before it was
-  recorded), and per layer its kind (``oscar`` / ``dynamic`` / ``sliding``) and scalar positions (``seq_len``,
-  ``tail_start``, ``buf_slot0``, ...);
-* ``cache_tensors.safetensors``: per layer only the *used* part of each buffer (pad offsets, sink,
-  the tail slots ``[buf_slot0, seq_len)``, history ``[:n_hist]`` (quantized heads), the slots
-  ``[0, seq_len)`` of retrieval heads; full K/V for unquantized layers);
+  model's weights, :func:`weights_digest`; null when built from a config), ``max_cache_len`` (a
+  :class:`~oscar_hf.StaticOscarCache`'s capacity, null for a growable cache; absent in older saves), and per layer its
+  kind (``oscar`` / ``dynamic`` / ``sliding``) and scalar positions (``seq_len``, ``tail_start``, ``buf_slot0``, ...);
+* ``cache_tensors.safetensors``: per layer only the *used* part of each buffer (pad offsets, sink, the tail slots
+  ``[buf_slot0, seq_len)``, history ``[:n_hist]``, the slots ``[0, seq_len)`` of retrieval heads; full K/V for
+  unquantized layers);
 * ``rotations/``: the rotation artifact the cache was built with.
 
-Loading refuses, before anything is allocated: a cache saved from other weights (the digest), non-finite values,
-and sizes in the JSON beyond the model's position limit (:func:`position_limit`) or the tensors in the file; then
-validates every tensor's shape and dtype against the JSON before use. Nothing is unpickled.
+Loading refuses, before anything is allocated: other weights (the digest), non-finite values, and sizes in the JSON
+beyond the model's position limit (:func:`position_limit`) or the tensors in the file; then every tensor's shape and
+dtype is checked against the JSON before use. Nothing is unpickled.
 """
 from __future__ import annotations
 

@@ -41,18 +41,11 @@ def _is_texts(texts) -> bool:
 def calibrate(model, tokenizer, texts, options: CalibrationOptions | None = None, **overrides) -> OscarRotations:
     """Calibrate OSCAR rotations, offsets and clip ratios for ``model``: the windows of ``texts`` -> retrieval scores ->
     statistics, candidates and their held-out error -> the pick per layer and KV head (end to end by KL for
-    ``method="auto"``) -> the cache settings search -> the artifact.
-
-    ``options``: a :class:`~.options.CalibrationOptions` (default: its defaults); ``overrides``: its fields as
-    keywords, on top (``calibrate(model, tok, text, method="oscar")`` as always).
-
-    Args:
-        texts: a string or list of strings (tokenized with ``tokenizer``; give calibration text only,
-            e.g. ``oscar_hf.data.calibration_text(...)``), or with ``tokenizer=None`` a ``[n, L]`` tensor
-            / list of 1-D token-id sequences.
-
-    The other keywords are :class:`~.options.CalibrationOptions`' fields, documented there.
-    """
+    ``method="auto"``) -> the cache settings search -> the artifact (docs/calibration.md). ``texts``: a string or list
+    of strings (tokenized with ``tokenizer``; calibration text only, e.g. ``oscar_hf.data.calibration_text(...)``), or
+    with ``tokenizer=None`` a ``[n, L]`` tensor / list of 1-D token-id sequences. ``options``: a
+    :class:`~.options.CalibrationOptions` (its fields documented there); ``overrides``: its fields as keywords, on top
+    (``calibrate(model, tok, text, method="oscar")``)."""
     t0, c0 = time.perf_counter(), time.process_time()
     o = (options or CalibrationOptions()).replace(**overrides)
     fp, group_size = _model_group_size(model, o.group_size)

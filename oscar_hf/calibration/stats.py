@@ -1,8 +1,7 @@
-"""Pass 1 (and 2) of calibration: streaming float64 attention statistics of every full-attention layer.
-
-:class:`StatsRecorder` accumulates, per layer and KV head, ``Σx``, ``Σxᵀx`` and counts of queries
-(pooled over the KV head's query heads), keys, values and attention outputs; with the score-weighted
-value target a second pass over the same windows adds ``Σ w_t v_tᵀ v_t``. Nothing stores activations.
+"""Pass 1 (and 2) of calibration: streaming float64 attention statistics of every full-attention layer
+(docs/calibration.md). :class:`StatsRecorder` accumulates, per layer and KV head, ``Σx``, ``Σxᵀx`` and counts of
+queries (pooled over the KV head's query heads), keys, values and attention outputs; with the score-weighted value
+target a second pass over the same windows adds ``Σ w_t v_tᵀ v_t``. Nothing stores activations.
 """
 from __future__ import annotations
 
@@ -39,11 +38,9 @@ def _rows(x: torch.Tensor, hk: int, valid: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass
 class LayerStats:
-    """Float64 sums for one layer; every tensor has a leading KV-head axis ``[Hk, ...]``.
-
-    Query and output rows are pooled over the ``g`` query heads of each KV head, so ``n_q`` counts
-    (tokens x g) rows and ``n_kv`` counts tokens. ``sw_*`` hold the score-weighted value sums
-    ``Σ w_t``, ``Σ w_t v_t``, ``Σ w_t v_tᵀ v_t`` with ``w_t = k_t C_Q k_tᵀ`` (second pass)."""
+    """Float64 sums for one layer; every tensor has a leading KV-head axis ``[Hk, ...]``. Query and output rows are
+    pooled over the ``g`` query heads of each KV head, so ``n_q`` counts (tokens x g) rows and ``n_kv`` tokens. ``sw_*``
+    hold the score-weighted value sums ``Σ w_t``, ``Σ w_t v_t``, ``Σ w_t v_tᵀ v_t``, ``w_t = k_t C_Q k_tᵀ``."""
 
     qq: torch.Tensor
     k_sum: torch.Tensor
@@ -116,14 +113,11 @@ class LayerStats:
 
 
 class StatsRecorder:
-    """Accumulates :class:`LayerStats` for the given layers. ``phase="moments"`` records queries,
-    keys, values and outputs; ``phase="score_weighted"`` (a second pass over the same windows, once
-    ``C_Q`` of the whole set is known) records the score-weighted value sums.
-
-    ``kv_skip``: the first ``kv_skip`` real tokens of every sequence are left out of the key / value
-    statistics (means, ``C_K``, ``C_V``, score-weighted target): the cache keeps them in the sink
-    window and never quantizes them, and attention-sink tokens carry atypical, huge activations.
-    Queries and outputs are recorded at every position."""
+    """Accumulates :class:`LayerStats` for the given layers. ``phase="moments"`` records queries, keys, values and
+    outputs; ``phase="score_weighted"`` (a second pass, once ``C_Q`` of the whole set is known) the score-weighted
+    value sums. ``kv_skip``: the first ``kv_skip`` real tokens of every sequence are left out of the key / value
+    statistics (the cache keeps them in the sink window, and attention-sink tokens carry atypical, huge activations);
+    queries and outputs are recorded at every position."""
 
     def __init__(self, layers, kv_skip: int = 0):
         self.layers = set(int(i) for i in layers)
