@@ -1,8 +1,7 @@
-"""What both quantized layers share: the base class (clip ratios, offsets), the first-keys check, and the
-mask helpers of their reads.
-
-Shapes: ``B`` rows, ``Hq`` query heads, ``Hk`` KV heads, ``g = Hq / Hk``, ``H2`` of the KV heads quantized in INT2
-(the others retrieval heads), ``L`` new tokens, ``kv`` slots after this forward (``T + L``), ``D`` head_dim.
+"""What both quantized layers share: the base class (clip ratios, offsets), the first-keys check, and the mask helpers
+of their reads. Shapes: ``B`` rows, ``Hq`` query heads, ``Hk`` KV heads, ``g = Hq / Hk``, ``H2`` of the KV heads
+quantized in INT2 (the others retrieval heads), ``L`` new tokens, ``kv`` slots after this forward (``T + L``), ``D``
+head_dim.
 """
 from __future__ import annotations
 
@@ -32,12 +31,10 @@ def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.
 
 
 class QuantizedLayerBase(CacheLayerMixin):
-    """What both quantized layers (:class:`~oscar_hf.cache.dynamic.OscarLayer`,
-    :class:`~oscar_hf.cache.compiled.CompiledOscarLayer`) share: the layer's :class:`~oscar_hf.cache.params.LayerParams`
-    (``self.params``, built at the first forward on the cache's device from the rotation, which
-    :mod:`oscar_hf.distributed` may first replace by the rank's slice, and the retrieval heads ``self.retrieval_heads``), the
-    update checks and the offsets. Each subclass implements ``attend`` (its read, called through the handle ``update``
-    returns)."""
+    """What both quantized layers share: the layer's :class:`~oscar_hf.cache.params.LayerParams` (``self.params``,
+    built at the first forward on the cache's device from the rotation, which :mod:`oscar_hf.distributed` may first
+    replace by the rank's slice), the retrieval heads ``self.retrieval_heads``, the update checks and the offsets. Each
+    subclass implements ``attend`` (its read, called through the handle ``update`` returns)."""
 
     is_sliding = False
 

@@ -1,8 +1,8 @@
-"""The compiled layer's eager side (:class:`CompiledEager`, a base of :class:`~oscar_hf.cache.compiled.CompiledOscarLayer`):
-its multi-token forwards (prefill, next turn, assisted decoding's verification) and their bulk writes, ``generate``'s
-cache operations (crop, beam reorder, batch select), save / load in the eager layer's format, and its memory. Never
-compiled: the compiled step wrapper runs multi-token forwards through the plain model. Layout: the module docstring of
-:mod:`oscar_hf.cache.compiled`."""
+"""The compiled layer's eager side (:class:`CompiledEager`, a base of
+:class:`~oscar_hf.cache.compiled.CompiledOscarLayer`): its multi-token forwards (prefill, next turn, assisted
+decoding's verification) and their bulk writes, ``generate``'s cache operations (crop, beam reorder, batch select),
+save / load in the eager layer's format, and its memory. Never compiled (the compiled step wrapper runs multi-token
+forwards through the plain model). Layout: :mod:`oscar_hf.cache.compiled`."""
 from __future__ import annotations
 
 import torch

@@ -1,7 +1,6 @@
 """The eager layer's writes (:class:`DynamicWrites`, a base of :class:`~oscar_hf.cache.dynamic.OscarLayer`): new rows
 committed to the tail, slots leaving the recent window demoted into the sink and the INT2 history, and ``generate``'s
-cache operations on that storage (crop, beam reorder, batch select). Layout: the module docstring of
-:mod:`oscar_hf.cache.dynamic`."""
+cache operations on that storage (crop, beam reorder, batch select). Layout: :mod:`oscar_hf.cache.dynamic`."""
 from __future__ import annotations
 
 import logging

@@ -10,14 +10,13 @@ from .compiled import _compiling, _fixed_address, capacity_for
 
 
 class GrowingLayer(CacheLayerMixin):
-    """The compiled storage's ``DynamicLayer``: a full-precision layer whose ``update`` returns tensors (Transformers'
-    own kind: MLA latents, KV sharing's store layers) in fixed-address buffers that grow in :class:`CompiledOscarLayer`'s
-    capacity buckets (:func:`~oscar_hf.cache.compiled.capacity_for`; the compiled step's wrapper grows both before a step
-    that would not fit), so that such a model compiles without a ``max_cache_len``. ``keys [B, H, C, Dk]``,
-    ``values [B, H, C, Dv]`` (an MLA latent ``[B, 1, C, kv_lora_rank]`` and its rope part ``[B, 1, C,
-    qk_rope_head_dim]``), slot = absolute position. A decode step's ``update`` returns all ``C`` slots and the mask
-    (``(C, 0)``, as ``StaticLayer``'s ``max_cache_len``) hides those not written yet; a multi-token forward (eager) gets
-    the ``T`` written ones, as from ``DynamicLayer``. ``length`` (0-d device tensor) = ``host_len`` = slots written."""
+    """The compiled storage's ``DynamicLayer``: a full-precision layer whose ``update`` returns tensors, in
+    fixed-address buffers grown with the OSCAR layers (the compiled step's wrapper grows both before a step that would
+    not fit), so that such a model compiles without a ``max_cache_len``. ``keys [B, H, C, Dk]``, ``values [B, H, C,
+    Dv]`` (an MLA latent ``[B, 1, C, kv_lora_rank]`` and its rope part ``[B, 1, C, qk_rope_head_dim]``), slot = absolute
+    position. A decode step's ``update`` returns all ``C`` slots and the mask (``(C, 0)``, as ``StaticLayer``'s) hides
+    those not written yet; a multi-token forward (eager) gets the ``T`` written ones, as from ``DynamicLayer``.
+    ``length`` (0-d device tensor) = ``host_len`` = slots written."""
 
     is_compileable = True
     is_croppable = True
