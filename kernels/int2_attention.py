@@ -71,10 +71,8 @@ def sink_partial(sinks: torch.Tensor, like: torch.Tensor):
     return m, torch.ones_like(m), torch.zeros(*like.shape, 1, device=like.device)
 
 
-def history_partial_reference(
-    q_rot, k: QuantizedRows, v: QuantizedRows, start, key_mask, qk_offset, scaling, group_size, block_n=1024,
-    n_valid=None, softcap=None,
-):
+def history_partial_reference(q_rot, k: QuantizedRows, v: QuantizedRows, start, key_mask, qk_offset, scaling,
+                              group_size, block_n=1024, n_valid=None, softcap=None):
     n = k.codes.shape[-2]
     part = empty_partial(q_rot)
     pos = torch.arange(n, device=q_rot.device)

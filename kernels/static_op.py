@@ -110,15 +110,14 @@ def _check_stacked(win, codes, meta, r) -> None:
                              f"{tuple(t.shape)}")
 
 
-def decode_step(
-    q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tensor | None, new_k: torch.Tensor,
-    new_v: torch.Tensor, length: torch.Tensor, pad: torch.Tensor, win_mask: torch.Tensor, hist_len: torch.Tensor,
-    mu_k: torch.Tensor | None, mu_v: torch.Tensor | None, scaling: float, out_dtype: torch.dtype,
-    sinks: torch.Tensor | None, softcap: float, win: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor,
-    r: torch.Tensor, clip_k: float, clip_v: float, heads_index: torch.Tensor | None, cx: torch.Tensor | None,
-    cmeta: torch.Tensor | None, group_size: int, meta_dtype: torch.dtype, sink: int, recent: int,
-    use_kernels: str, quantizer: str, coded_bits: int, block_n: int,
-) -> torch.Tensor:
+def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tensor | None, new_k: torch.Tensor,
+                new_v: torch.Tensor, length: torch.Tensor, pad: torch.Tensor, win_mask: torch.Tensor,
+                hist_len: torch.Tensor, mu_k: torch.Tensor | None, mu_v: torch.Tensor | None, scaling: float,
+                out_dtype: torch.dtype, sinks: torch.Tensor | None, softcap: float, win: torch.Tensor,
+                codes: torch.Tensor, meta: torch.Tensor, r: torch.Tensor, clip_k: float, clip_v: float,
+                heads_index: torch.Tensor | None, cx: torch.Tensor | None, cmeta: torch.Tensor | None, group_size: int,
+                meta_dtype: torch.dtype, sink: int, recent: int, use_kernels: str, quantizer: str, coded_bits: int,
+                block_n: int) -> torch.Tensor:
     """One decode step of one layer of the compiled storage (:class:`~oscar_hf.cache.compiled.CompiledOscarLayer`, its
     module docstring): the write (:func:`~oscar_hf.kernels.write_path.append`: slot ``T - 1 - W`` demoted into
     the history, the new token into the window), then the attention -> ``[B, Hk, g, D]`` in ``out_dtype``.

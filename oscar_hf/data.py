@@ -29,14 +29,8 @@ _JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def load_texts(
-    source: str | os.PathLike,
-    *,
-    data_config: str | None = None,
-    split: str = "test",
-    text_field: str = "text",
-    cache_dir: str | None = None,
-) -> list[str]:
+def load_texts(source: str | os.PathLike, *, data_config: str | None = None, split: str = "test",
+               text_field: str = "text", cache_dir: str | None = None) -> list[str]:
     """Documents of a corpus, in order: ``*.txt`` (or ``.text``/``.raw``) one document per file (``datasets``' ``text``
     loader, ``sample_by="document"``, byte-exact); ``*.json`` / ``*.jsonl`` one per record, the string in
     ``text_field``; anything else that is not an existing path a ``datasets`` Hub name (``load_dataset(source,
@@ -159,14 +153,8 @@ def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tenso
     return torch.tensor(ids[:max_tokens], dtype=torch.long)
 
 
-def token_windows(
-    tokenizer,
-    text: str | Sequence[str],
-    seq_len: int,
-    n: int | None = None,
-    offset: int = 0,
-    add_bos: bool | str = "auto",
-) -> torch.Tensor:
+def token_windows(tokenizer, text: str | Sequence[str], seq_len: int, n: int | None = None, offset: int = 0,
+                  add_bos: bool | str = "auto") -> torch.Tensor:
     """``[n, seq_len]`` consecutive, non-overlapping windows of ``text``'s tokens.
 
     Window ``i`` holds content tokens ``[offset + i*c, offset + (i+1)*c)`` of the text's token stream (no special
@@ -196,14 +184,8 @@ def token_windows(
     return win
 
 
-def calibration_windows(
-    tokenizer,
-    text: str | Sequence[str],
-    tokens: int,
-    seq_len: int,
-    holdout_windows: int = 0,
-    add_bos: bool | str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def calibration_windows(tokenizer, text: str | Sequence[str], tokens: int, seq_len: int, holdout_windows: int = 0,
+                        add_bos: bool | str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
     """(statistics windows, held-out windows) from calibration text.
 
     ``ceil(tokens / seq_len)`` statistics windows of ``min(seq_len, tokens)`` tokens start at token 0 of ``text``; the

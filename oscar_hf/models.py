@@ -28,14 +28,9 @@ def smollm2_dir() -> Path:
     raise OSError(f"{SMOLLM2_GGUF} not found in {list(spec.submodule_search_locations)}")
 
 
-def load_model(
-    name_or_path: str = DEFAULT_MODEL,
-    gguf_file: str | None = None,
-    dtype: torch.dtype | str = torch.float32,
-    device: str = "cpu",
-    attn_implementation: str = "sdpa",
-    **kwargs,
-):
+def load_model(name_or_path: str = DEFAULT_MODEL, gguf_file: str | None = None,
+               dtype: torch.dtype | str = torch.float32, device: str = "cpu", attn_implementation: str = "sdpa",
+               **kwargs):
     """(model, tokenizer) from a hub id / local path, ``"smollm2"`` for the packaged default, or ``"gemma3-270m"``
     for the packaged Gemma-3-270M (:func:`load_gemma3`). GGUF weights are dequantized by Transformers (needs `gguf`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

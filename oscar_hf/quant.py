@@ -64,13 +64,8 @@ def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
     return planes.reshape(*packed.shape[:-1], packed.shape[-1] * CODES_PER_BYTE)
 
 
-def quantize_rows(
-    x: torch.Tensor,
-    group_size: int,
-    clip: float | torch.Tensor = 1.0,
-    meta_dtype: torch.dtype = torch.bfloat16,
-    quantizer: str = "minmax",
-) -> QuantizedRows:
+def quantize_rows(x: torch.Tensor, group_size: int, clip: float | torch.Tensor = 1.0,
+                  meta_dtype: torch.dtype = torch.bfloat16, quantizer: str = "minmax") -> QuantizedRows:
     """Quantize ``x [..., D]`` per row and group to packed INT2.
 
     ``clip`` is a float or a tensor broadcastable to ``x.shape[:-1] + (1,)`` (e.g. per KV head); ``quantizer`` is

@@ -84,22 +84,11 @@ class OscarRotations:
         return cls(fp, method, layers, {"builtin": True})
 
     @classmethod
-    def from_reference(
-        cls,
-        k_path: str | os.PathLike,
-        v_path: str | os.PathLike,
-        model_or_config,
-        *,
-        clip_k: float = REFERENCE_CLIP_K,
-        clip_v: float = REFERENCE_CLIP_V,
-        group_size: int | None = None,
-        repo_id: str | None = None,
-        subfolder: str | None = None,
-        revision: str | None = None,
-        cache_dir: str | None = None,
-        local_files_only: bool = False,
-        token: str | bool | None = None,
-    ) -> "OscarRotations":
+    def from_reference(cls, k_path: str | os.PathLike, v_path: str | os.PathLike, model_or_config, *,
+                       clip_k: float = REFERENCE_CLIP_K, clip_v: float = REFERENCE_CLIP_V,
+                       group_size: int | None = None, repo_id: str | None = None, subfolder: str | None = None,
+                       revision: str | None = None, cache_dir: str | None = None, local_files_only: bool = False,
+                       token: str | bool | None = None) -> "OscarRotations":
         """Convert the authors' rotation files (formats: :mod:`oscar_hf.reference_rotations`) for ``model_or_config``.
         ``k_path`` / ``v_path``: local files, or file names in the Hub repo ``repo_id`` (``subfolder``, ``revision``).
         Validated against the model; a format-1 layer's matrix serves all its KV heads, no offsets unless a format-2
@@ -247,14 +236,8 @@ class OscarRotations:
         return api.upload_folder(repo_id=repo_id, folder_path=str(save_directory), **kw)
 
     @classmethod
-    def from_pretrained(
-        cls,
-        name_or_path: str | os.PathLike,
-        revision: str | None = None,
-        cache_dir: str | None = None,
-        local_files_only: bool = False,
-        token: str | bool | None = None,
-    ) -> "OscarRotations":
+    def from_pretrained(cls, name_or_path: str | os.PathLike, revision: str | None = None, cache_dir: str | None = None,
+                        local_files_only: bool = False, token: str | bool | None = None) -> "OscarRotations":
         """Load from a local directory or a Hub repo id (``HF_HUB_OFFLINE`` respected)."""
         path = Path(name_or_path)
         if path.is_dir():

@@ -87,10 +87,9 @@ def center_modes(center) -> list[bool]:
     raise ValueError(f"center must be True, False or 'auto', got {center!r}")
 
 
-def build_candidates(
-    stats: CalibrationStats, method: str, *, center: bool | str = True, value_target: str = "sst", clip_grid=CLIP_GRID,
-    shared: bool = False,
-) -> tuple[dict[int, LayerCandidates], list[str], list[str]]:
+def build_candidates(stats: CalibrationStats, method: str, *, center: bool | str = True, value_target: str = "sst",
+                     clip_grid=CLIP_GRID,
+                     shared: bool = False) -> tuple[dict[int, LayerCandidates], list[str], list[str]]:
     """Candidate rotations (and offsets) of every layer, and their names.
 
     ``center=True``/``False``: every candidate is centered / uncentered; ``"auto"``: each rotation appears twice,
@@ -124,11 +123,10 @@ def build_candidates(
     return out, knames, vnames
 
 
-def evaluate_candidates(
-    model, input_ids, candidates: dict[int, LayerCandidates], *, group_size: int = 64, meta_dtype="bfloat16",
-    batch_size: int = 1, pad_id: int = 0, query_samples: int = 128, window: tuple[int, int] | None = None,
-    progress: bool = False, _bar=None,
-) -> dict[int, LayerErrors]:
+def evaluate_candidates(model, input_ids, candidates: dict[int, LayerCandidates], *, group_size: int = 64,
+                        meta_dtype="bfloat16", batch_size: int = 1, pad_id: int = 0, query_samples: int = 128,
+                        window: tuple[int, int] | None = None, progress: bool = False,
+                        _bar=None) -> dict[int, LayerErrors]:
     """Held-out attention error of every candidate x clip of every layer (see the module docstring)."""
     meta = META_DTYPES[meta_dtype] if isinstance(meta_dtype, str) else meta_dtype
     seqs = as_sequences(input_ids)
@@ -158,11 +156,9 @@ def select_best(errors: torch.Tensor, shared: bool = False) -> tuple[int, list[i
     return j, ([int(arg[j])] * hk if shared else [int(a) for a in arg[j]])
 
 
-def attention_error(
-    model, rotations: OscarRotations, input_ids, *, group_size: int = 64, center: bool = True,
-    meta_dtype="bfloat16", batch_size: int = 1, pad_id: int = 0, query_samples: int = 128,
-    window: tuple[int, int] | None = (64, 256), progress: bool = False,
-) -> dict:
+def attention_error(model, rotations: OscarRotations, input_ids, *, group_size: int = 64, center: bool = True,
+                    meta_dtype="bfloat16", batch_size: int = 1, pad_id: int = 0, query_samples: int = 128,
+                    window: tuple[int, int] | None = (64, 256), progress: bool = False) -> dict:
     """The library's attention-error measure of an artifact on ``input_ids`` (use held-out text):
     per layer the mean squared key-logit error ``k``, the mean squared output error of values ``v``,
     and both relative to the signal (``k_rel`` = / mean squared logit, ``v_rel`` = / mean ||o||²);

@@ -204,10 +204,8 @@ def full_attention_layers(fp: ModelFingerprint) -> list[int]:
     return [i for i, t in enumerate(fp.layer_types) if t == "full_attention"]
 
 
-def collect_statistics(
-    model, input_ids, *, score_weighted: bool = False, kv_skip: int = 0, batch_size: int = 1, pad_id: int = 0,
-    progress: bool = False, _bar=None,
-) -> CalibrationStats:
+def collect_statistics(model, input_ids, *, score_weighted: bool = False, kv_skip: int = 0, batch_size: int = 1,
+                       pad_id: int = 0, progress: bool = False, _bar=None) -> CalibrationStats:
     """Run ``model`` over ``input_ids`` (tensor ``[n, L]`` or a list of 1-D sequences, right-padded per
     batch) and return the accumulated statistics of every full-attention layer. With
     ``score_weighted=True`` a second pass accumulates the score-weighted value target."""
