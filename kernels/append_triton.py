@@ -268,8 +268,7 @@ def append_token_triton(params, new_k, new_v, window, history, at):
         D=d, G=group_size, BLOCK_K=blk, HAS_HEADS=hist_heads is not None,
         HAS_MU_K=mu_k is not None, HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[meta_dtype],
         STD=quantizer == "std", CODED_BITS=0 if coded is None else coded.bits, WIN_KIND=_META_KIND[win_k.dtype],
-        DP=next_pow2(d), num_warps=warps,
-    )
+        DP=next_pow2(d), num_warps=warps)
     return None
 
 
@@ -371,8 +370,7 @@ def paged_append_triton(params, new_k, new_v, window, history, rows):
         HAS_MU_K=mu_k is not None, HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[meta_dtype],
         STD=quantizer == "std", CODED_BITS=0 if coded is None else coded.bits, WIN_KIND=_META_KIND[win_k.dtype],
         DP=next_pow2(d), DEMOTE=bool(demote) and hq + (0 if coded is None else coded.k[0].shape[1]) > 0,
-        num_warps=warps,
-    )
+        num_warps=warps)
     return None
 
 

@@ -341,8 +341,7 @@ def launch_history(q_rot, qk_offset, history, partials, n, qk_scale, *, plan, qp
         STAGES=stages, PDL=int(bool(pdl)), K8=int(bool(k8)), NH=max(d // 128, 1), TP=tp,
         QP8=qpre[0] if qpre else None, QPF=qpre[1] if qpre else None, QPRE=int(bool(qpre and k8)),
         READY=ready, QFLAG=int(ready is not None and bool(qpre and k8) and bool(pdl)), num_warps=1,
-        **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}), **pk,
-    )
+        **({"launch_pdl": True} if pdl else {}), **({"maxnreg": maxnreg} if maxnreg else {}), **pk)
 
 
 settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

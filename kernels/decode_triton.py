@@ -56,8 +56,7 @@ def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask) -> bool
     b, hk, m, d = q_rot.shape
     n = k.codes.shape[-2]
     return (
-        d in KERNEL_HEAD_DIMS and group_fits(d, group_size) and 1 <= m <= 64 and _mask_ok(key_mask, b, hk, n)
-    )
+        d in KERNEL_HEAD_DIMS and group_fits(d, group_size) and 1 <= m <= 64 and _mask_ok(key_mask, b, hk, n))
 
 
 def _rows_layout(x: QuantizedRows) -> QuantizedRows:
@@ -278,8 +277,7 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
                 HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda), WIN_STAGES=defaults.gluon_win_stages,
                 PDL=int(p.pdl), QP8=qp8, QPF=qpf, QPRE=int(p.qpre), TB=p.tb,
                 READY=ready, QFLAG=int(ready is not None), DP=dp, SOFTCAP=cap, num_warps=defaults.num_warps,
-                **({} if paged is None else dict(WSLOT=paged.win_slot, PAGED=1)), **wh,
-            )
+                **({} if paged is None else dict(WSLOT=paged.win_slot, PAGED=1)), **wh)
         else:
             launch_rotation(q_win, r_k, mu_k, q_rot, qk_offset)
     if p.gluon and p.s_hist:  # the history on the Gluon kernel; the split kernel runs the window programs only
@@ -307,8 +305,7 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
             ASM=int(q_rot.is_cuda),  # inline PTX: not under the interpreter
             num_warps=p.split_warps, num_stages=p.split_stages,
             WIN_STAGES=p.win_stages, WIN_ONLY=int(p.pid_off > 0), DP=dp, SOFTCAP=cap,
-            **({"maxnreg": p.maxnreg} if p.maxnreg else {}), **pk, **wh,
-        )
+            **({"maxnreg": p.maxnreg} if p.maxnreg else {}), **pk, **wh)
     cs = p.combine
     if window:
         out_dtype = out_dtype or (q_win.dtype if q_win is not None else torch.float32)
@@ -322,8 +319,7 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
                 HOIST=int(cs.hoist), SW_BLOCK=p.sw_block, PARTS=cs.parts,
                 READY=ready, RESET=int(ready is not None), DP=dp, **oh,
                 num_warps=cs.warps,
-                **({"launch_pdl": True} if p.pdl else {}),
-            )
+                **({"launch_pdl": True} if p.pdl else {}))
         return out
     om = torch.empty(b, hk, m, device=dev, dtype=torch.float32)
     ol = torch.empty_like(om)
@@ -331,8 +327,7 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     _combine_kernel[(bh * m,)](
         pm, pl, pacc, om, ol, oacc, None, None, m, hk, p.s_tot, p.s_tot,
         D=d, S_BLOCK=cs.s_block, C_BLOCK=cs.c_block, FINAL=False, HAS_MUV=False, PDL=0,
-        HOIST=0, SW_BLOCK=1, DP=dp, num_warps=cs.warps,
-    )
+        HOIST=0, SW_BLOCK=1, DP=dp, num_warps=cs.warps)
     return om, ol, oacc
 
 

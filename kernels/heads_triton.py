@@ -296,8 +296,7 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
         DC=d // npl, NPL=npl, M_PAD=m_pad, BLOCK_N=plan.block_n, BITS=bits, HI_DEV=hi_dev, PAGE=page,
         HAS_WMASK=win_mask is not None, OP=op, DCP=next_pow2(d // npl),
         SOFTCAP=float(softcap) * 1.4426950408889634 if softcap else 0.0, num_warps=warps, num_stages=stages,
-        **({} if slot is None else dict(WSLOT=slot, HAS_WSLOT=1)),
-    )
+        **({} if slot is None else dict(WSLOT=slot, HAS_WSLOT=1)))
     out = torch.empty(b, p, m, d, dtype=out_dtype, device=dev)
     _heads_combine_kernel[(b * p * m,)](pm, pl, pacc, out, m, s_tot, M_PAD=m_pad, D=d,
                                         S_BLOCK=min(df.merge_block, pow2_at_least(s_tot, 1)), DP=next_pow2(d),

@@ -31,8 +31,7 @@ def empty_partial(q_rot: torch.Tensor):
     return (
         torch.full((b, h, m), NEG_INF, device=dev),
         torch.zeros(b, h, m, device=dev),
-        torch.zeros(b, h, m, d, device=dev),
-    )
+        torch.zeros(b, h, m, d, device=dev))
 
 
 def merge_partials(parts):

@@ -369,8 +369,7 @@ def decode_plan(shape: DecodeShape, device: torch.device, *, window: bool = True
                      else df.num_warps_wide if (d > 128 or m_pad >= 64 or group_size % (d // 4)) else df.num_warps),
         split_stages=df.num_stages_wide if d > 128 else df.num_stages,
         win_stages=df.gluon_win_stages if pid_off else 1,
-        combine=combine, sw_block=pow2_at_least(s_after, 1) if combine.hoist else 1,
-    )
+        combine=combine, sw_block=pow2_at_least(s_after, 1) if combine.hoist else 1)
 
 
 # ---- the retrieval heads' read (kernels/heads_triton.py)

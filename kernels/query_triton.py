@@ -139,8 +139,7 @@ def launch_rotation(qf, r_k, mu_k, q_rot, off):
     c_block = min(d, C_BLOCK)
     _rotate_query_kernel[(b * hk, d // c_block)](
         qf, r_k, mu_k, q_rot, off, m, hk, *rotation_strides(qf, mu_k),
-        D=d, M_PAD=max(16, next_pow2(m)), C_BLOCK=c_block, HAS_MU=mu_k is not None, DP=next_pow2(d), num_warps=4,
-    )
+        D=d, M_PAD=max(16, next_pow2(m)), C_BLOCK=c_block, HAS_MU=mu_k is not None, DP=next_pow2(d), num_warps=4)
 
 
 def rotate_query_triton(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None):

@@ -57,8 +57,7 @@ def triton_enabled(t: torch.Tensor, use_kernels="auto") -> bool:
         raise RuntimeError(
             "use_kernels=True but the Triton kernels cannot run here "
             f"(triton importable: {triton_importable()}, device: {t.device}); install `triton` and use a CUDA device, "
-            "or set use_kernels='auto'."
-        )
+            "or set use_kernels='auto'.")
     return ok
 
 

@@ -247,8 +247,7 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
         res = QuantizedRows(
             torch.empty(b, hk, t, d // 4, dtype=torch.uint8, device=x.device),
             torch.empty(b, hk, t, ng, dtype=meta_dtype, device=x.device),
-            torch.empty(b, hk, t, ng, dtype=meta_dtype, device=x.device),
-        )
+            torch.empty(b, hk, t, ng, dtype=meta_dtype, device=x.device))
         offset = 0
     else:
         res, offset = out, int(out_offset)
@@ -281,8 +280,7 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
         D=d, G=group_size, BLOCK_T=block_t, BLOCK_K=block_k(d),
         HAS_MU=mu is not None, META_KIND=_META_KIND[meta_dtype],
         PRECISION="tf32x3" if x.is_cuda else "ieee", STD=quantizer == "std", DP=next_pow2(d),
-        num_warps=warps,
-    )
+        num_warps=warps)
     return res
 
 

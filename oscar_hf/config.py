@@ -41,8 +41,7 @@ CHOSEN_FIELDS = ("sink", "recent", "group_size", "meta_dtype", "quantizer", "ret
 # ``calibrate(..., share_rotation_across_heads=True)``), but the preset works with any artifact.
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": dict(sink=64, recent=256, group_size=None, meta_dtype="float32", clip_k=0.96, clip_v=0.92,
-                  center=False, retrieval_heads=0),
-}
+                  center=False, retrieval_heads=0)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,8 +50,7 @@ def load_texts(source: str | os.PathLike, *, data_config: str | None = None, spl
                 logger.info("reading %s as plain text", path)
             ds = datasets.load_dataset(
                 "text", data_files=str(path), split="train", sample_by="document", keep_linebreaks=True,
-                cache_dir=cache_dir,
-            )
+                cache_dir=cache_dir)
             text_field = "text"
     elif path.suffix.lower() in _TEXT_SUFFIXES + _JSON_SUFFIXES or name.startswith((".", "/", "~")):
         raise OSError(f"data file {name!r} not found")
@@ -82,8 +81,7 @@ class TextSplit:
     def describe(self) -> str:
         return (
             f"calibration chars [0, {self.boundary}), evaluation chars [{min(self.boundary + 1, self.total_chars)}, "
-            f"{self.total_chars}) of the joined corpus (fraction {self.fraction})"
-        )
+            f"{self.total_chars}) of the joined corpus (fraction {self.fraction})")
 
 
 def join_texts(texts: str | Sequence[str]) -> str:
@@ -176,8 +174,7 @@ def token_windows(tokenizer, text: str | Sequence[str], seq_len: int, n: int | N
     if n < 1 or avail < n:
         raise ValueError(
             f"the text has {len(ids)} tokens: not enough for {n if n else 1} window(s) of {seq_len} tokens after "
-            f"offset {offset} (needs {offset + max(n, 1) * c}); use more text or a smaller budget"
-        )
+            f"offset {offset} (needs {offset + max(n, 1) * c}); use more text or a smaller budget")
     win = ids[offset : offset + n * c].view(n, c)
     if bos:
         win = torch.cat([torch.full((n, 1), tokenizer.bos_token_id, dtype=torch.long), win], dim=1)

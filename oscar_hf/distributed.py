@@ -61,8 +61,7 @@ def even_head_shard(num_kv_heads: int, rank: int, world: int) -> HeadShard:
     if num_kv_heads % world:
         raise ValueError(
             f"tensor parallelism over {world} ranks needs the number of KV heads ({num_kv_heads}) to be a multiple "
-            f"of the TP size: column-sharding k_proj/v_proj would otherwise split a head across ranks"
-        )
+            f"of the TP size: column-sharding k_proj/v_proj would otherwise split a head across ranks")
     per = num_kv_heads // world
     return HeadShard(rank * per, (rank + 1) * per)
 
@@ -181,8 +180,7 @@ def tp_layout(model, num_kv_heads: int, head_dim: int, layers=None) -> TPLayout 
     if missing and world > 1:
         logger.warning(
             "tensor parallelism: no sharded k_proj/v_proj found for layers %s; assuming the even column-sharded layout "
-            "(rank %d of %d holds KV heads [%d*Hk/W, (%d+1)*Hk/W))", missing[:8], rank, world, rank, rank,
-        )
+            "(rank %d of %d holds KV heads [%d*Hk/W, (%d+1)*Hk/W))", missing[:8], rank, world, rank, rank)
     source = "dtensor" if ks else "even"
     if world > 1:
         even = even_head_shard(num_kv_heads, rank, world)

@@ -31,8 +31,7 @@ FULL_PRECISION_WHY = {
                        "the latent is already ~71x smaller than per-head keys and values",
     SHARED_KV_LAYER_TYPE: "KV sharing: later layers attend again to the keys and values this layer's cache returns",
     UNEQUAL_KV_LAYER_TYPE: "keys and values of different head sizes: OSCAR's INT2 storage and decode kernels pair one "
-                           "head_dim for both",
-}
+                           "head_dim for both"}
 # Layers that cache nothing: the "reuse" layers of KV sharing, MoE / MLP-only layers (Transformers' DummyLayer).
 DUMMY_LAYER_TYPE = "dummy"
 # Transformers' legacy names (remap_legacy_layer_types) and the attention kind of its "hybrid" layers
@@ -73,8 +72,7 @@ class ModelFingerprint:
             num_key_value_heads=n_kv,
             head_dim=int(head_dim),
             layer_types=tuple(types),
-            name_or_path=str(getattr(config, "_name_or_path", "") or ""),
-        )
+            name_or_path=str(getattr(config, "_name_or_path", "") or ""))
 
     @property
     def has_quantized_layers(self) -> bool:

@@ -74,8 +74,7 @@ def _hadamard_f64(d: int) -> torch.Tensor:
         if h is None:
             raise ValueError(
                 f"No Hadamard matrix is known to this library for head_dim={d} (= {m}·2^k with no Paley "
-                f"construction of order {m}·2^j). Supported: powers of two and 2^k times 12, 20, 24, 28, 36, 44, ..."
-            )
+                f"construction of order {m}·2^j). Supported: powers of two and 2^k times 12, 20, 24, 28, 36, 44, ...")
     hn = h / (d**0.5)
     err = (hn @ hn.T - torch.eye(d, dtype=torch.float64)).abs().max().item()
     assert err < 1e-9, f"internal error: Hadamard of order {d} is not orthogonal ({err})"

@@ -45,8 +45,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, gguf_file: str | None = None,
     kw = dict(gguf_file=gguf_file) if gguf_file else {}
     tok = AutoTokenizer.from_pretrained(name_or_path, **kw, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(
-        name_or_path, dtype=dtype, attn_implementation=attn_implementation, **kw, **kwargs
-    )
+        name_or_path, dtype=dtype, attn_implementation=attn_implementation, **kw, **kwargs)
     model.to(device).eval()
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -277,8 +276,7 @@ def tiny_config(model_type: str, **overrides):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
-        head_dim=32,
-    )
+        head_dim=32)
     per_type = {
         "gemma2": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=None, final_logit_softcapping=None, query_pre_attn_scalar=32),
         "gemma3_text": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32),
@@ -321,8 +319,7 @@ def tiny_config(model_type: str, **overrides):
                         layer_types=["sliding_attention", "full_attention"]),
         "qwen2": dict(),
         "qwen3": dict(),
-        "llama": dict(),
-    }
+        "llama": dict()}
     kw = {**base, **per_type.get(model_type, {}), **overrides}
     kw = {k: v for k, v in kw.items() if v is not None or k in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")}
     return AutoConfig.for_model(model_type, **kw)

@@ -33,8 +33,7 @@ def base_attention_function(module, base: str) -> Callable:
         if fn is None:
             raise NotImplementedError(
                 f"{type(module).__name__} has no module-level eager_attention_forward; load the model with "
-                "attn_implementation='sdpa' to use OSCAR"
-            )
+                "attn_implementation='sdpa' to use OSCAR")
         return fn
     return ALL_ATTENTION_FUNCTIONS[base]
 
@@ -102,8 +101,7 @@ def switch_attention(target, prefix: str) -> str:
         return current
     if base not in BASE_IMPLEMENTATIONS:
         raise ValueError(
-            f"OSCAR cannot wrap attn_implementation={current!r}; load the model with one of {BASE_IMPLEMENTATIONS}"
-        )
+            f"OSCAR cannot wrap attn_implementation={current!r}; load the model with one of {BASE_IMPLEMENTATIONS}")
     name = prefix + base
     if is_model and hasattr(target, "set_attn_implementation"):
         target.set_attn_implementation(name)

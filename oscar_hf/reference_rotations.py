@@ -205,8 +205,7 @@ def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp
             "k_objective": k.objective,
             "v_objective": v.objective,
             "layers_in_files": len(k.rotations),
-        }
-    }
+        }}
     if k.k_means and any(i not in k.k_means for i in full):
         raise ValueError(f"{k.path}: k_mean for some full-attention layers but not for "
                          f"{[i for i in full if i not in k.k_means]}")

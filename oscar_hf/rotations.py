@@ -75,8 +75,7 @@ class OscarRotations:
         if method not in BUILTIN_METHODS:
             raise ValueError(
                 f"method={method!r} needs a calibrated artifact (scripts/calibrate.py / oscar_hf.calibrate); "
-                f"artifact-free methods are {BUILTIN_METHODS}"
-            )
+                f"artifact-free methods are {BUILTIN_METHODS}")
         d, hk = fp.head_dim, fp.num_key_value_heads
         base = torch.eye(d) if method == "identity" else hadamard_matrix(d)
         rot = base.expand(hk, d, d).contiguous()
@@ -106,8 +105,7 @@ class OscarRotations:
         pair = read_reference_pair(k_file, v_file, fp, ORTHOGONALITY_TOL)
         layers = {  # [Hk, D, D] each (a format-1 matrix repeated over the heads); k_mean as the key offset
             i: LayerRotation(pair.r_k[i], pair.r_v[i], float(clip_k), float(clip_v), mu_k=pair.mu_k.get(i))
-            for i in pair.r_k
-        }
+            for i in pair.r_k}
         source = dict(pair.metadata["source"], repo_id=repo_id, subfolder=subfolder, revision=revision)
         rot = cls(fp, "oscar-reference", layers, {"source": source, "group_size": g,
                                                   "shared_across_heads": source["shared_across_heads"]})
@@ -128,8 +126,7 @@ class OscarRotations:
                     raise ValueError(f"layer {i} {name}: expected a float32 tensor, got {getattr(r, 'dtype', type(r))}")
                 if tuple(r.shape) != (hk, d, d):
                     raise ValueError(
-                        f"layer {i} {name}: shape {tuple(r.shape)} does not match (kv_heads={hk}, head_dim={d}, {d})"
-                    )
+                        f"layer {i} {name}: shape {tuple(r.shape)} does not match (kv_heads={hk}, head_dim={d}, {d})")
                 if not torch.isfinite(r).all():
                     raise ValueError(f"layer {i} {name}: contains NaN or Inf")
                 eye = torch.eye(d, device=r.device)
@@ -164,8 +161,7 @@ class OscarRotations:
             raise ValueError(
                 "retrieval_heads=<int> needs retrieval scores in the rotation artifact: run "
                 "scripts/find_retrieval_heads.py --artifact <dir> (or calibrate with --retrieval-probes), "
-                "or pass explicit (layer, kv_head) pairs"
-            )
+                "or pass explicit (layer, kv_head) pairs")
         s = self.retrieval_scores.clone()
         for i in range(s.shape[0]):
             if i not in self.layers:
@@ -184,14 +180,12 @@ class OscarRotations:
         if problems:
             raise ValueError(
                 f"OSCAR rotations were calibrated for {self.fingerprint.name_or_path or self.fingerprint.architecture!r}"
-                f" and do not fit this model ({other.name_or_path or other.architecture!r}): " + "; ".join(problems)
-            )
+                f" and do not fit this model ({other.name_or_path or other.architecture!r}): " + "; ".join(problems))
         if self.fingerprint.name_or_path and other.name_or_path and _model_name(self.fingerprint) != _model_name(other):
             logger.warning(
                 "OSCAR rotations were calibrated on %r, loading them into %r (same shapes)",
                 self.fingerprint.name_or_path,
-                other.name_or_path,
-            )
+                other.name_or_path)
 
     # ------------------------------------------------------------------ serialization
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **hub_kwargs) -> None:
@@ -216,8 +210,7 @@ class OscarRotations:
             "method": self.method,
             "fingerprint": self.fingerprint.to_dict(),
             "layers": layer_meta,
-            "metadata": self.metadata,
-        }
+            "metadata": self.metadata}
         (path / CONFIG_NAME).write_text(json.dumps(doc, indent=2, sort_keys=True))
         if push_to_hub:
             self.push_to_hub(save_directory=path, **hub_kwargs)
@@ -294,8 +287,7 @@ class OscarRotations:
             except KeyError as e:
                 raise ValueError(f"{w_file}: missing tensor {e.args[0]} for layer {i}") from None
             layers[i] = LayerRotation(
-                r_k, r_v, clip_k, clip_v, tensors.pop(f"layers.{i}.mu_k", None), tensors.pop(f"layers.{i}.mu_v", None)
-            )
+                r_k, r_v, clip_k, clip_v, tensors.pop(f"layers.{i}.mu_k", None), tensors.pop(f"layers.{i}.mu_v", None))
         if tensors:
             raise ValueError(f"{w_file}: unexpected tensors {sorted(tensors)[:5]} (no matching layer in {cfg_file.name})")
         rot = cls(fp, str(doc.get("method", "unknown")), layers, dict(doc.get("metadata") or {}), scores)
@@ -314,8 +306,7 @@ class OscarRotations:
         return (
             f"OscarRotations(method={self.method!r}, model={self.fingerprint.name_or_path or self.fingerprint.architecture!r}, "
             f"layers={len(self.layers)}, kv_heads={self.fingerprint.num_key_value_heads}, head_dim={self.fingerprint.head_dim}, "
-            f"offsets={self.has_offsets})"
-        )
+            f"offsets={self.has_offsets})")
 
 
 def _model_name(fp) -> str:

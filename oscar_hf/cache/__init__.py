@@ -184,8 +184,7 @@ class OscarCache(Cache):
                         revision=None, cache_dir=None, local_files_only=False, token=None, **overrides) -> "OscarCache":
         """Load a rotation artifact (local dir or Hub repo id) and build a cache for ``model``."""
         rot = OscarRotations.from_pretrained(
-            name_or_path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token
-        )
+            name_or_path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
         if (config is None and preset is None and "group_size" not in overrides
                 and artifact_settings(rot.metadata) is None):
             # (an artifact with chosen settings has its group size there: the constructor applies them)
@@ -254,8 +253,7 @@ class OscarCache(Cache):
         c = self.oscar_config
         return (
             f"OscarCache(method={self.rotations.method!r}, quantized_layers={n_q}/{len(self.layers)}, sink={c.sink}, "
-            f"recent={c.recent}, group_size={c.group_size}, seq_len={self.get_seq_length()})"
-        )
+            f"recent={c.recent}, group_size={c.group_size}, seq_len={self.get_seq_length()})")
 
 
 class StaticOscarCache(OscarCache):

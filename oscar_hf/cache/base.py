@@ -26,8 +26,7 @@ def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.
     if rotation.r_k.shape[0] != hk or rotation.r_k.shape[-1] != d:
         raise ValueError(
             f"layer {layer_idx}: rotations are for kv_heads={rotation.r_k.shape[0]}, head_dim={rotation.r_k.shape[-1]} "
-            f"but the model produced keys with kv_heads={hk}, head_dim={d}"
-        )
+            f"but the model produced keys with kv_heads={hk}, head_dim={d}")
 
 
 class QuantizedLayerBase(CacheLayerMixin):
@@ -69,13 +68,11 @@ class QuantizedLayerBase(CacheLayerMixin):
         if key_states.shape[0] != self.batch_size:
             raise ValueError(
                 f"OscarCache layer {self.layer_idx} holds batch size {self.batch_size}, got {key_states.shape[0]} rows "
-                "(use batch_repeat_interleave / batch_select_indices, or a fresh cache)"
-            )
+                "(use batch_repeat_interleave / batch_select_indices, or a fresh cache)")
         if key_states.dtype != self.dtype or key_states.device != self.device:
             raise ValueError(
                 f"OscarCache layer {self.layer_idx}: got {key_states.dtype} on {key_states.device}, "
-                f"cache holds {self.dtype} on {self.device}"
-            )
+                f"cache holds {self.dtype} on {self.device}")
 
     def offsets(self):
         """``(mu_K, mu_V)`` on the cache's device, each None when centering is off or absent. mu_K is ``[H2, D]``
@@ -121,8 +118,7 @@ class QuantizedLayerBase(CacheLayerMixin):
             # the coded slots of those heads (their window copies, if any, are counted above)
             retrieval_heads=2 * n_coded * len(self.retrieval_heads) * heads.row_bytes(self.config.retrieval_bits,
                                                                                    d, self.dtype),
-            allocated=sum(x.numel() * x.element_size() for x in buffers), tokens=n_sink + n_rec + n_hist,
-        )
+            allocated=sum(x.numel() * x.element_size() for x in buffers), tokens=n_sink + n_rec + n_hist)
 
 
 # ---------------------------------------------------------------------------------------------- read helpers

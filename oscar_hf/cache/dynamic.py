@@ -139,8 +139,7 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         return QuantizedRows(
             torch.zeros(b, hk, cap, d // 4, dtype=torch.uint8, device=self.device),
             torch.zeros(b, hk, cap, d // g, dtype=meta, device=self.device),
-            torch.zeros(b, hk, cap, d // g, dtype=meta, device=self.device),
-        )
+            torch.zeros(b, hk, cap, d // g, dtype=meta, device=self.device))
 
     # ------------------------------------------------------------------ Cache layer API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -151,8 +150,7 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
                 f"OscarCache layer {self.layer_idx}: update() was called again before the previous rows were consumed "
                 "by the 'oscar_*' attention function. The model's attention does not go through OSCAR: build the "
                 "cache with OscarCache(model, ...) / OscarCache.from_pretrained(path, model), or call "
-                "oscar_hf.enable_oscar(model)."
-            )
+                "oscar_hf.enable_oscar(model).")
         self.check_update(key_states)
         self.pending = OscarKV(self, key_states, value_states)
         self._fp_written = False  # (a forward that failed after writing its full-precision rows left it set)

@@ -122,8 +122,7 @@ class ErrorRecorder:
                 z(cand.k_rots.shape[0], cand.clips_k.numel(), hk), z(cand.v_rots.shape[0], cand.clips_v.numel(), hk),
                 0.0, 0.0, z(hk), z(hk),
                 None if cand.k_ref is None else z(cand.k_ref.shape[0], 1, hk),
-                None if cand.v_ref is None else z(cand.v_ref.shape[0], 1, hk),
-            )
+                None if cand.v_ref is None else z(cand.v_ref.shape[0], 1, hk))
         err = self.errors[i]
         one = torch.ones(1, device=dev)
         f32 = lambda t: t.to(dev, torch.float32)  # noqa: E731

@@ -54,8 +54,7 @@ def token_validity(attention_mask, batch: int, q_len: int, kv_len: int, device) 
     elif not isinstance(attention_mask, torch.Tensor):
         raise NotImplementedError(
             f"calibration cannot read an attention mask of type {type(attention_mask).__name__}; "
-            "load the model with attn_implementation='sdpa' or 'eager'"
-        )
+            "load the model with attn_implementation='sdpa' or 'eager'")
     elif attention_mask.dim() == 2:
         vk = attention_mask[:, -kv_len:].bool()
     elif attention_mask.dim() == 4:

@@ -34,8 +34,7 @@ SETTINGS_WINDOWS = 2  # held-out windows the settings search scores (text input;
 def _is_texts(texts) -> bool:
     return isinstance(texts, str) or (
         isinstance(texts, Sequence) and not isinstance(texts, torch.Tensor) and len(texts) > 0
-        and all(isinstance(t, str) for t in texts)
-    )
+        and all(isinstance(t, str) for t in texts))
 
 
 def calibrate(model, tokenizer, texts, options: CalibrationOptions | None = None, **overrides) -> OscarRotations:
@@ -140,8 +139,7 @@ def _fitted_window(window, w: _Windows):
         fitted = (min(window[0], shortest // 8), min(window[1], shortest // 4))
         logger.warning(
             "calibration windows of %d tokens are too short for window=(sink=%d, recent=%d); using (%d, %d) "
-            "(pass seq_len > %d for the cache's own window)", shortest, *window, *fitted, sum(window) + 1,
-        )
+            "(pass seq_len > %d for the cache's own window)", shortest, *window, *fitted, sum(window) + 1)
         return fitted
     return window
 
@@ -222,13 +220,11 @@ def _measure(model, o: CalibrationOptions, w: _Windows, window, group_size: int)
         t_stats = time.perf_counter()
         stats = collect_statistics(
             model, w.stats, score_weighted=o.need_score_weighted, kv_skip=window[0] if window else 0,
-            batch_size=o.batch_size, pad_id=w.pad_id, _bar=bar,
-        )
+            batch_size=o.batch_size, pad_id=w.pad_id, _bar=bar)
         t_stats = time.perf_counter() - t_stats
         cands, knames, vnames = build_candidates(
             stats, o.method, center=o.center, value_target=o.value_target, clip_grid=o.grid,
-            shared=o.share_rotation_across_heads,
-        )
+            shared=o.share_rotation_across_heads)
         if o.clips is not None:  # (method / center "auto"): the candidates are judged at the fixed clips
             for c in cands.values():
                 c.clips_k, c.clips_v = torch.tensor([o.clips[0]]), torch.tensor([o.clips[1]])
@@ -237,8 +233,7 @@ def _measure(model, o: CalibrationOptions, w: _Windows, window, group_size: int)
             t_hold = time.perf_counter()
             errors = evaluate_candidates(
                 model, w.hold, cands, group_size=group_size, meta_dtype=o.meta_dtype, batch_size=o.batch_size,
-                pad_id=w.pad_id, query_samples=o.query_samples, window=window, _bar=bar,
-            )
+                pad_id=w.pad_id, query_samples=o.query_samples, window=window, _bar=bar)
             t_hold = time.perf_counter() - t_hold
     finally:
         bar.close()
@@ -338,12 +333,10 @@ def _metadata(model, o: CalibrationOptions, w: _Windows, m: _Measured, window, g
             "time_settings_s": round(times["settings"], 2),
             "oscar_hf": __version__,
             "transformers": transformers.__version__,
-            "torch": torch.__version__,
-        },
+            "torch": torch.__version__},
         "clips": {str(i): [lr.clip_k, lr.clip_v] for i, lr in sorted(layers.items())},
         "winners": winners,
-        "spectra": spectra,
-    }
+        "spectra": spectra}
     if held:
         meta["heldout_error"] = held
     if selection is not None:
@@ -353,8 +346,7 @@ def _metadata(model, o: CalibrationOptions, w: _Windows, m: _Measured, window, g
     if o.method == "auto" or o.center == "auto":
         meta["auto_counts"] = {
             kind: dict(Counter(n for names in winners[kind].values() for n in names).most_common())
-            for kind in ("k", "v")
-        }
+            for kind in ("k", "v")}
     if scores is not None:
         meta["retrieval_probes"] = {"n": o.retrieval_probes, "lengths": list(probe_lengths(model, o.retrieval_lengths))}
     if o.metadata:

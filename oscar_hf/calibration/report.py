@@ -44,21 +44,18 @@ def calibration_report(rotations: OscarRotations) -> str:
     lines = [
         f"OSCAR calibration report: method={rotations.method}  model={fp.name_or_path or fp.architecture}",
         f"  {fp.architecture} ({fp.model_type}): {fp.num_layers} layers, {len(rotations.layers)} quantized "
-        f"(full attention), {fp.num_attention_heads} q / {fp.num_key_value_heads} kv heads, head_dim {fp.head_dim}",
-    ]
+        f"(full attention), {fp.num_attention_heads} q / {fp.num_key_value_heads} kv heads, head_dim {fp.head_dim}"]
     if cal:
         lines.append(
             f"  tokens: {cal.get('tokens')} statistics ({cal.get('windows')} x {cal.get('seq_len')}) + "
             f"{cal.get('holdout_tokens')} held-out; group_size={cal.get('group_size')}, meta={cal.get('meta_dtype')}, "
             f"center={cal.get('center')}, value_target={cal.get('value_target')}, "
-            f"window(sink, recent)={cal.get('window')}"
-        )
+            f"window(sink, recent)={cal.get('window')}")
         lines.append(
             f"  time: {cal.get('time_s')} s (statistics {cal.get('time_statistics_s')} s, selection "
             f"{cal.get('time_selection_s')} s, KL check {cal.get('time_kl_selection_s', 0)} s, retrieval probes "
             f"{cal.get('time_retrieval_s', 0)} s, settings search {cal.get('time_settings_s', 0)} s); "
-            f"passes: {', '.join(cal.get('passes', []))}"
-        )
+            f"passes: {', '.join(cal.get('passes', []))}")
     lines.append(retrieval_summary(rotations))
     held = md.get("heldout_error", {})
     if held:
@@ -81,21 +78,18 @@ def calibration_report(rotations: OscarRotations) -> str:
         for kind, name in (("k", "keys"), ("v", "values")):
             cnt = md["auto_counts"].get(kind, {})
             lines.append(
-                f"  auto winners ({name}, per layer x kv head): " + ", ".join(f"{k} {v}" for k, v in cnt.items())
-            )
+                f"  auto winners ({name}, per layer x kv head): " + ", ".join(f"{k} {v}" for k, v in cnt.items()))
     clips = [(lr.clip_k, lr.clip_v) for _, lr in sorted(rotations.layers.items())]
     if clips:
         lines.append(
             f"  clips: c_K mean {sum(c[0] for c in clips) / len(clips):.3f} [{min(c[0] for c in clips):.2f}, "
             f"{max(c[0] for c in clips):.2f}], c_V mean {sum(c[1] for c in clips) / len(clips):.3f} "
-            f"[{min(c[1] for c in clips):.2f}, {max(c[1] for c in clips):.2f}]"
-        )
+            f"[{min(c[1] for c in clips):.2f}, {max(c[1] for c in clips):.2f}]")
     spectra, winners = md.get("spectra", {}), md.get("winners", {})
     lines.append("")
     lines.append(
         f"{'layer':>5} {'c_K':>5} {'c_V':>5} {'k_rel':>9} {'v_rel':>9}  {'C_Q top/erank':>14} {'C_K top/erank':>14}"
-        f" {'C_S top/erank':>14}  rotation k | v (per kv head)"
-    )
+        f" {'C_S top/erank':>14}  rotation k | v (per kv head)")
     for i, lr in sorted(rotations.layers.items()):
         h = held.get(str(i), {})
         sp = spectra.get(str(i), {})
@@ -112,8 +106,7 @@ def calibration_report(rotations: OscarRotations) -> str:
         wv = ",".join(winners.get("v", {}).get(str(i), []))
         lines.append(
             f"{i:>5} {lr.clip_k:>5.2f} {lr.clip_v:>5.2f} {h.get('k_rel', float('nan')):>9.4g} "
-            f"{h.get('v_rel', float('nan')):>9.4g}  {summ('C_Q')} {summ('C_K')} {summ('C_S')}  {wk} | {wv}"
-        )
+            f"{h.get('v_rel', float('nan')):>9.4g}  {summ('C_Q')} {summ('C_K')} {summ('C_S')}  {wk} | {wv}")
     return "\n".join(lines) + "\n"
 
 

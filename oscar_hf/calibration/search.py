@@ -118,8 +118,7 @@ def build_candidates(stats: CalibrationStats, method: str, *, center: bool | str
             grid,
             grid.clone(),
             ref,
-            ref,
-        )
+            ref)
     return out, knames, vnames
 
 
@@ -171,20 +170,16 @@ def attention_error(model, rotations: OscarRotations, input_ids, *, group_size: 
         i: LayerCandidates(
             lr.r_k[None].float(), lr.r_v[None].float(),
             lr.mu_k if center else None, lr.mu_v if center else None,
-            torch.tensor([lr.clip_k]), torch.tensor([lr.clip_v]),
-        )
-        for i, lr in rotations.layers.items()
-    }
+            torch.tensor([lr.clip_k]), torch.tensor([lr.clip_v]))
+        for i, lr in rotations.layers.items()}
     errs = evaluate_candidates(
         model, input_ids, cands, group_size=group_size, meta_dtype=meta_dtype, batch_size=batch_size, pad_id=pad_id,
-        query_samples=query_samples, window=window, progress=progress,
-    )
+        query_samples=query_samples, window=window, progress=progress)
     per = {}
     for i, e in sorted(errs.items()):
         per[i] = {
             "k": float(e.k_mean().sum()), "v": float(e.v_mean().sum()),
-            "k_rel": float(e.k.sum() / e.k_signal.sum()), "v_rel": float(e.v.sum() / e.v_signal.sum()),
-        }
+            "k_rel": float(e.k.sum() / e.k_signal.sum()), "v_rel": float(e.v.sum() / e.v_signal.sum())}
     k_rel = sum(p["k_rel"] for p in per.values()) / max(len(per), 1)
     v_rel = sum(p["v_rel"] for p in per.values()) / max(len(per), 1)
     return {"layers": per, "k_rel": k_rel, "v_rel": v_rel, "total": k_rel + v_rel}

@@ -245,8 +245,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         "kl": inc.kl,
         "tried": [t.record() for t in tried],
         "over_budget": over,
-        "time_s": round(time.perf_counter() - t0, 2),
-    }
+        "time_s": round(time.perf_counter() - t0, 2)}
 
 
 def kl_frontier(tried: Sequence[dict]) -> list[dict]:

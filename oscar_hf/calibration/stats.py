@@ -20,8 +20,7 @@ def _output_tensor(result, batch, q_len, hq, d) -> torch.Tensor:
     if tuple(out.shape) != (batch, q_len, hq, d):
         raise NotImplementedError(
             f"attention returned an output of shape {tuple(out.shape)}, "
-            f"expected [B, q, Hq, D] = {(batch, q_len, hq, d)}"
-        )
+            f"expected [B, q, Hq, D] = {(batch, q_len, hq, d)}")
     return out
 
 
@@ -180,8 +179,7 @@ def spectrum_summary(c: torch.Tensor) -> dict:
     return {
         "top_share": [round(float(x), 5) for x in p[:, 0]],
         "eff_rank": [round(float(x), 3) for x in torch.exp(ent)],
-        "eigvals": [[float(f"{float(x):.4g}") for x in row] for row in p],
-    }
+        "eigvals": [[float(f"{float(x):.4g}") for x in row] for row in p]}
 
 
 @dataclasses.dataclass
@@ -230,7 +228,6 @@ def collect_statistics(model, input_ids, *, score_weighted: bool = False, kv_ski
     if missing:
         raise RuntimeError(
             f"the calibration hook saw no attention call for layers {missing[:8]}; does this model route attention "
-            "through transformers' attention interface (config._attn_implementation)?"
-        )
+            "through transformers' attention interface (config._attn_implementation)?")
     tokens = sum(s.numel() for s in seqs)
     return CalibrationStats(fp, rec.stats, tokens, len(seqs))
