@@ -313,21 +313,19 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
         if out is None:
             out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
         with _counters_reset_on_error(ready):
-            _combine_kernel[(bh * m * cs.parts,)](
-                pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, p.s_hist, p.s_tot,
-                D=d, S_BLOCK=cs.s_block, C_BLOCK=cs.c_block, FINAL=True, HAS_MUV=mu_v is not None, PDL=int(p.pdl),
-                HOIST=int(cs.hoist), SW_BLOCK=p.sw_block, PARTS=cs.parts,
-                READY=ready, RESET=int(ready is not None), DP=dp, **oh,
-                num_warps=cs.warps,
-                **({"launch_pdl": True} if p.pdl else {}))
+            _combine_kernel[(bh * m * cs.parts,)](pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, p.s_hist, p.s_tot,
+                                                  D=d, S_BLOCK=cs.s_block, C_BLOCK=cs.c_block, FINAL=True,
+                                                  HAS_MUV=mu_v is not None, PDL=int(p.pdl), HOIST=int(cs.hoist),
+                                                  SW_BLOCK=p.sw_block, PARTS=cs.parts, READY=ready,
+                                                  RESET=int(ready is not None), DP=dp, **oh, num_warps=cs.warps,
+                                                  **{"launch_pdl": True} if p.pdl else {})
         return out
     om = torch.empty(b, hk, m, device=dev, dtype=torch.float32)
     ol = torch.empty_like(om)
     oacc = torch.empty(b, hk, m, d, device=dev, dtype=torch.float32)
-    _combine_kernel[(bh * m,)](
-        pm, pl, pacc, om, ol, oacc, None, None, m, hk, p.s_tot, p.s_tot,
-        D=d, S_BLOCK=cs.s_block, C_BLOCK=cs.c_block, FINAL=False, HAS_MUV=False, PDL=0,
-        HOIST=0, SW_BLOCK=1, DP=dp, num_warps=cs.warps)
+    _combine_kernel[(bh * m,)](pm, pl, pacc, om, ol, oacc, None, None, m, hk, p.s_tot, p.s_tot, D=d, S_BLOCK=cs.s_block,
+                               C_BLOCK=cs.c_block, FINAL=False, HAS_MUV=False, PDL=0, HOIST=0, SW_BLOCK=1, DP=dp,
+                               num_warps=cs.warps)
     return om, ol, oacc
 
 

@@ -152,9 +152,8 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
                   softcap=softcap or None, sinks=sinks, use_kernels=kernels)
 
 
-decode_step_ = torch.library.custom_op(
-    "oscar::decode_step_", decode_step,
-    mutates_args=("win", "codes", "meta", "cx", "cmeta"))
+decode_step_ = torch.library.custom_op("oscar::decode_step_", decode_step,
+                                       mutates_args=("win", "codes", "meta", "cx", "cmeta"))
 
 
 @decode_step_.register_fake

@@ -244,10 +244,9 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
         raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
     ng = d // group_size
     if out is None:
-        res = QuantizedRows(
-            torch.empty(b, hk, t, d // 4, dtype=torch.uint8, device=x.device),
-            torch.empty(b, hk, t, ng, dtype=meta_dtype, device=x.device),
-            torch.empty(b, hk, t, ng, dtype=meta_dtype, device=x.device))
+        res = QuantizedRows(torch.empty(b, hk, t, d // 4, dtype=torch.uint8, device=x.device),
+                            torch.empty(b, hk, t, ng, dtype=meta_dtype, device=x.device),
+                            torch.empty(b, hk, t, ng, dtype=meta_dtype, device=x.device))
         offset = 0
     else:
         res, offset = out, int(out_offset)
@@ -270,17 +269,12 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
     else:  # D = 256, 512: smaller row tiles, no register spills
         block_t, warps = 16, (NUM_WARPS_XWIDE if d > 256 else 8)
     grid = (cdiv(t, block_t), b * hk)
-    _rotate_quantize_kernel[grid](
-        x, r, mu if mu is not None else r, codes, scale, zero,
-        t, hk, offset, clip,
-        (hk * d if mu is not None and mu.dim() == 3 else 0),
-        *x.stride(),
-        *codes.stride()[:3],
-        *scale.stride()[:3],
-        D=d, G=group_size, BLOCK_T=block_t, BLOCK_K=block_k(d),
-        HAS_MU=mu is not None, META_KIND=_META_KIND[meta_dtype],
-        PRECISION="tf32x3" if x.is_cuda else "ieee", STD=quantizer == "std", DP=next_pow2(d),
-        num_warps=warps)
+    _rotate_quantize_kernel[grid](x, r, mu if mu is not None else r, codes, scale, zero, t, hk, offset, clip,
+                                  hk * d if mu is not None and mu.dim() == 3 else 0, *x.stride(), *codes.stride()[:3],
+                                  *scale.stride()[:3], D=d, G=group_size, BLOCK_T=block_t, BLOCK_K=block_k(d),
+                                  HAS_MU=mu is not None, META_KIND=_META_KIND[meta_dtype],
+                                  PRECISION="tf32x3" if x.is_cuda else "ieee", STD=quantizer == "std", DP=next_pow2(d),
+                                  num_warps=warps)
     return res
 
 

@@ -48,9 +48,8 @@ def load_texts(source: str | os.PathLike, *, data_config: str | None = None, spl
         else:
             if suffix not in _TEXT_SUFFIXES:
                 logger.info("reading %s as plain text", path)
-            ds = datasets.load_dataset(
-                "text", data_files=str(path), split="train", sample_by="document", keep_linebreaks=True,
-                cache_dir=cache_dir)
+            ds = datasets.load_dataset("text", data_files=str(path), split="train", sample_by="document",
+                                       keep_linebreaks=True, cache_dir=cache_dir)
             text_field = "text"
     elif path.suffix.lower() in _TEXT_SUFFIXES + _JSON_SUFFIXES or name.startswith((".", "/", "~")):
         raise OSError(f"data file {name!r} not found")

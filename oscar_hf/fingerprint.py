@@ -64,15 +64,10 @@ class ModelFingerprint:
         head_dim = _layer_attr(cfg, first, "head_dim") or cfg.hidden_size // n_heads
         n_layers = int(cfg.num_hidden_layers)
         archs = getattr(config, "architectures", None) or getattr(cfg, "architectures", None) or []
-        return cls(
-            architecture=archs[0] if archs else type(cfg).__name__.replace("Config", "ForCausalLM"),
-            model_type=str(getattr(cfg, "model_type", "")),
-            num_layers=n_layers,
-            num_attention_heads=n_heads,
-            num_key_value_heads=n_kv,
-            head_dim=int(head_dim),
-            layer_types=tuple(types),
-            name_or_path=str(getattr(config, "_name_or_path", "") or ""))
+        return cls(architecture=archs[0] if archs else type(cfg).__name__.replace("Config", "ForCausalLM"),
+                   model_type=str(getattr(cfg, "model_type", "")), num_layers=n_layers, num_attention_heads=n_heads,
+                   num_key_value_heads=n_kv, head_dim=int(head_dim), layer_types=tuple(types),
+                   name_or_path=str(getattr(config, "_name_or_path", "") or ""))
 
     @property
     def has_quantized_layers(self) -> bool:

@@ -268,15 +268,8 @@ def tiny_config(model_type: str, **overrides):
     """A small random-initialisable config of ``model_type`` (Llama, Qwen2/3, Mistral, Gemma 2/3/3n/4, Phi-3, the
     hybrids, MLA models, ...; tests/test_model_matrix.py runs each)."""
     from transformers import AutoConfig
-    base = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        head_dim=32)
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=4096, head_dim=32)
     per_type = {
         "gemma2": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=None, final_logit_softcapping=None, query_pre_attn_scalar=32),
         "gemma3_text": dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32),

@@ -182,10 +182,8 @@ class OscarRotations:
                 f"OSCAR rotations were calibrated for {self.fingerprint.name_or_path or self.fingerprint.architecture!r}"
                 f" and do not fit this model ({other.name_or_path or other.architecture!r}): " + "; ".join(problems))
         if self.fingerprint.name_or_path and other.name_or_path and _model_name(self.fingerprint) != _model_name(other):
-            logger.warning(
-                "OSCAR rotations were calibrated on %r, loading them into %r (same shapes)",
-                self.fingerprint.name_or_path,
-                other.name_or_path)
+            logger.warning("OSCAR rotations were calibrated on %r, loading them into %r (same shapes)",
+                           self.fingerprint.name_or_path, other.name_or_path)
 
     # ------------------------------------------------------------------ serialization
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **hub_kwargs) -> None:

@@ -136,10 +136,9 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
                 dst[:, :, t_old : t_old + l] = src
 
     def _alloc_hist(self, cap, b, hk, d, g, meta):
-        return QuantizedRows(
-            torch.zeros(b, hk, cap, d // 4, dtype=torch.uint8, device=self.device),
-            torch.zeros(b, hk, cap, d // g, dtype=meta, device=self.device),
-            torch.zeros(b, hk, cap, d // g, dtype=meta, device=self.device))
+        return QuantizedRows(torch.zeros(b, hk, cap, d // 4, dtype=torch.uint8, device=self.device),
+                             torch.zeros(b, hk, cap, d // g, dtype=meta, device=self.device),
+                             torch.zeros(b, hk, cap, d // g, dtype=meta, device=self.device))
 
     # ------------------------------------------------------------------ Cache layer API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -245,11 +245,9 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
             hist = []
             hq, n_fp = hk - len(layer.retrieval_heads), len(layer.retrieval_heads)  # quantized / retrieval heads
             for kv in ("k", "v"):
-                hist.append(QuantizedRows(
-                    _expect(tensors, f"{p}hist_{kv}_codes", (b, hq, n, d // 4), torch.uint8),
-                    _expect(tensors, f"{p}hist_{kv}_scale", (b, hq, n, d // g), meta),
-                    _expect(tensors, f"{p}hist_{kv}_zero", (b, hq, n, d // g), meta),
-                ))
+                hist.append(QuantizedRows(_expect(tensors, f"{p}hist_{kv}_codes", (b, hq, n, d // 4), torch.uint8),
+                                          _expect(tensors, f"{p}hist_{kv}_scale", (b, hq, n, d // g), meta),
+                                          _expect(tensors, f"{p}hist_{kv}_zero", (b, hq, n, d // g), meta)))
             fp_bits = config.retrieval_bits
             fp_kv = [tuple(_expect(tensors, p + name, (b, n_fp, seq, last), dt) for name, (last, dt)
                            in zip(_fp_names(kv, fp_bits), heads.part_specs(fp_bits, d, dtype)))
@@ -263,13 +261,12 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
             if isinstance(layer, CompiledOscarLayer):
                 tail = [x[:, :, ts - bs0 :] for x in tail]  # (saves write buf_slot0 = tail_start)
                 sink = [_sink_from_tail(x, t, pad, ts) for x, t in zip(sink, tail)]
-                layer.import_state(dict(
-                    seq_len=seq, tail_start=ts, pad=pad.to(device), sink_k=sink[0].to(device), sink_v=sink[1].to(device),
-                    tail_k=tail[0].to(device), tail_v=tail[1].to(device),
-                    hist_k=QuantizedRows(*(x.to(device) for x in hist[0])),
-                    hist_v=QuantizedRows(*(x.to(device) for x in hist[1])), mu_k_seq=mu_k_seq,
-                    fp_k=tuple(x.to(device) for x in fp_kv[0]) if fp_kv else None,
-                    fp_v=tuple(x.to(device) for x in fp_kv[1]) if fp_kv else None))
+                layer.import_state(dict(seq_len=seq, tail_start=ts, pad=pad.to(device), sink_k=sink[0].to(device),
+                                        sink_v=sink[1].to(device), tail_k=tail[0].to(device), tail_v=tail[1].to(device),
+                                        hist_k=QuantizedRows(*(x.to(device) for x in hist[0])),
+                                        hist_v=QuantizedRows(*(x.to(device) for x in hist[1])), mu_k_seq=mu_k_seq,
+                                        fp_k=tuple(x.to(device) for x in fp_kv[0]) if fp_kv else None,
+                                        fp_v=tuple(x.to(device) for x in fp_kv[1]) if fp_kv else None))
                 continue
             layer.lazy_initialization(tail[0][:, :, :0].to(device), tail[1][:, :, :0].to(device))
             layer.pad = pad.to(device)

@@ -118,11 +118,10 @@ class ErrorRecorder:
         allowed = allowed_matrix(attention_mask, b, q_len, kv_len, dev)
         if i not in self.errors:
             z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=dev)  # noqa: E731
-            self.errors[i] = LayerErrors(
-                z(cand.k_rots.shape[0], cand.clips_k.numel(), hk), z(cand.v_rots.shape[0], cand.clips_v.numel(), hk),
-                0.0, 0.0, z(hk), z(hk),
-                None if cand.k_ref is None else z(cand.k_ref.shape[0], 1, hk),
-                None if cand.v_ref is None else z(cand.v_ref.shape[0], 1, hk))
+            self.errors[i] = LayerErrors(z(cand.k_rots.shape[0], cand.clips_k.numel(), hk),
+                                         z(cand.v_rots.shape[0], cand.clips_v.numel(), hk), 0.0, 0.0, z(hk), z(hk),
+                                         None if cand.k_ref is None else z(cand.k_ref.shape[0], 1, hk),
+                                         None if cand.v_ref is None else z(cand.v_ref.shape[0], 1, hk))
         err = self.errors[i]
         one = torch.ones(1, device=dev)
         f32 = lambda t: t.to(dev, torch.float32)  # noqa: E731

@@ -222,9 +222,8 @@ def _measure(model, o: CalibrationOptions, w: _Windows, window, group_size: int)
             model, w.stats, score_weighted=o.need_score_weighted, kv_skip=window[0] if window else 0,
             batch_size=o.batch_size, pad_id=w.pad_id, _bar=bar)
         t_stats = time.perf_counter() - t_stats
-        cands, knames, vnames = build_candidates(
-            stats, o.method, center=o.center, value_target=o.value_target, clip_grid=o.grid,
-            shared=o.share_rotation_across_heads)
+        cands, knames, vnames = build_candidates(stats, o.method, center=o.center, value_target=o.value_target,
+                                                 clip_grid=o.grid, shared=o.share_rotation_across_heads)
         if o.clips is not None:  # (method / center "auto"): the candidates are judged at the fixed clips
             for c in cands.values():
                 c.clips_k, c.clips_v = torch.tensor([o.clips[0]]), torch.tensor([o.clips[1]])

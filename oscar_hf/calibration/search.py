@@ -167,10 +167,8 @@ def attention_error(model, rotations: OscarRotations, input_ids, *, group_size: 
     rotations.check_compatible(model.config)
     validate_head_dim(rotations.fingerprint, group_size)
     cands = {
-        i: LayerCandidates(
-            lr.r_k[None].float(), lr.r_v[None].float(),
-            lr.mu_k if center else None, lr.mu_v if center else None,
-            torch.tensor([lr.clip_k]), torch.tensor([lr.clip_v]))
+        i: LayerCandidates(lr.r_k[None].float(), lr.r_v[None].float(), lr.mu_k if center else None,
+                           lr.mu_v if center else None, torch.tensor([lr.clip_k]), torch.tensor([lr.clip_v]))
         for i, lr in rotations.layers.items()}
     errs = evaluate_candidates(
         model, input_ids, cands, group_size=group_size, meta_dtype=meta_dtype, batch_size=batch_size, pad_id=pad_id,
