@@ -48,10 +48,10 @@ def _combine_kernel(
     output channels at a time (``C_BLOCK == D``: all of ``R_V[h]`` loaded first). Rows without a valid key are 0.
     ``HOIST`` (FINAL, ``C_BLOCK < D``, <= ``SW_BLOCK`` window splits): one round of loads before the merge (history and
     window partials, ``R_V``'s first chunk), each next chunk loaded before the previous one is used. ``PARTS``
-    (``C_BLOCK <= D / PARTS``): program ``pc`` of a row writes channels ``[pc D / PARTS, (pc + 1) D / PARTS)``. ``RESET``:
-    one program per (b, h) sets ``READY[b * Hk + h]`` back to 0 (this call's history grid is complete by then). ``DP``:
-    ``D`` padded to a power of two (D = 96: 128; 0 = ``D``), the padded channels masked to 0. ``HAS_OHEAD`` (FINAL):
-    head ``h``'s rows go to KV head ``OHEAD[h]`` of an output of ``HK_OUT`` heads (the INT2 heads' rows in place)."""
+    (``C_BLOCK <= D / PARTS``): program ``pc`` of a row writes channels ``[pc D / PARTS, (pc + 1) D / PARTS)``.
+    ``RESET``: one program per (b, h) sets ``READY[b * Hk + h]`` back to 0 (this call's history grid is complete then).
+    ``DP``: ``D`` padded to a power of two (D = 96: 128; 0 = ``D``), the padded channels masked to 0. ``HAS_OHEAD``
+    (FINAL): head ``h``'s rows go to KV head ``OHEAD[h]`` of an output of ``HK_OUT`` heads (the INT2 heads' rows in place)."""
     row = tl.program_id(0) // PARTS  # = bh * M + mm
     c_lo = (tl.program_id(0) % PARTS) * (D // PARTS)  # this program's first output channel
     bh = row // M
