@@ -51,7 +51,7 @@ def _combine_kernel(
     (``C_BLOCK <= D / PARTS``): program ``pc`` of a row writes channels ``[pc D / PARTS, (pc + 1) D / PARTS)``.
     ``RESET``: one program per (b, h) sets ``READY[b * Hk + h]`` back to 0 (this call's history grid is complete then).
     ``DP``: ``D`` padded to a power of two (D = 96: 128; 0 = ``D``), the padded channels masked to 0. ``HAS_OHEAD``
-    (FINAL): head ``h``'s rows go to KV head ``OHEAD[h]`` of an output of ``HK_OUT`` heads (the INT2 heads, in place)."""
+    (FINAL): head ``h``'s rows go to KV head ``OHEAD[h]`` of an output of ``HK_OUT`` heads (INT2 heads, in place)."""
     row = tl.program_id(0) // PARTS  # = bh * M + mm
     c_lo = (tl.program_id(0) % PARTS) * (D // PARTS)  # this program's first output channel
     bh = row // M
