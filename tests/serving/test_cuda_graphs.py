@@ -241,6 +241,7 @@ def test_decode_forward_has_no_host_sync(kw):
 
 
 # ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_generate_batch_with_real_cuda_graphs(monkeypatch):
     """On CUDA (a small bf16 Qwen3 with the production head shape: the Triton kernels run): ``generate_batch`` with
@@ -273,8 +274,8 @@ def test_generate_batch_with_real_cuda_graphs(monkeypatch):
     assert len(replays) > 20
     prepare = RecordedBatch.prepare_forward
 
-    def planned_but_eager(self, rows):  # the graphed run's plans, run without a graph
-        prepare(self, rows)
+    def planned_but_eager(self, rows, packed=None):  # the graphed run's plans (packed rows checked), without a graph
+        prepare(self, rows, packed)
         self.graph_step = False
         return False
 
@@ -288,6 +289,7 @@ def test_generate_batch_with_real_cuda_graphs(monkeypatch):
     assert same >= 0.8 * sum(len(t) for t in plain)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_generate_batch_matches_oscar_generate_at_real_lengths():
     """On CUDA, prompts of 2-6K tokens: ``generate_batch`` with CUDA graphs (the paged read on the Gluon history
