@@ -39,6 +39,12 @@ def base_attention_function(module, base: str) -> Callable:
 
 
 def _wrapped(module, query, key, value, attention_mask, *args, _prefix: str, _base: str, **kwargs):
+    cache = kwargs.get("cache")
+    if getattr(cache, "updates_in_attention", False) and isinstance(key, torch.Tensor):
+        # Transformers 5.20 - 5.23: the attention function, not the layer, updates the paged cache: OSCAR's hands back
+        # its handle (OSCAR layers) or the layer's keys and values read back; either way the update is done here
+        key, value = cache.update(key, value, module.layer_idx, kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k != "cache"}
     out = _HANDLERS[_prefix](module, query, key, value, attention_mask, *args, base=_base, **kwargs)
     if out is NotImplemented:
         return base_attention_function(module, _base)(module, query, key, value, attention_mask, *args, **kwargs)

@@ -96,6 +96,9 @@ def _check_cb_config(cbc) -> None:
                                   "use_async_batching=False with OSCAR")
     if hasattr(cbc, "use_async_batching"):
         cbc.use_async_batching = False
+    if SECTOR_API and getattr(cbc, "use_cuda_graph", False) and OscarPagedCache.updates_in_attention:
+        raise NotImplementedError("CUDA graphs with OSCAR need Transformers 5.24+ (5.20 - 5.23 build the packed "
+                                  "batch's mask with a host sync inside the capture): use_cuda_graph=False")
     if cbc.cpu_offload_space:
         raise NotImplementedError("CPU offloading copies BF16 pages only; use cpu_offload_space=0 with OSCAR")
     if cbc.varlen_compile_config is not None or cbc.decode_compile_config is not None:

@@ -42,6 +42,7 @@ followed (refused loudly): CPU offloading, torch.compile. See docs/serving.md.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 
 import torch
@@ -53,6 +54,7 @@ from transformers.generation.continuous_batching.cache import (
     group_layers_by_attn_type,
 )
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .paged_attention import PagedOscarKV, RecordedBatch
 from .store import OscarPagedStore
@@ -236,6 +238,10 @@ def _oscar_allocation(store: OscarPagedStore):
 class OscarPagedCache(RecordedBatch, PagedAttentionCache):
     """``PagedAttentionCache`` whose OSCAR layers live in an :class:`OscarPagedStore` (see the module docstring).
     Built by :func:`paged_oscar` in place of the manager's own cache, with the manager's arguments."""
+
+    # 5.20 - 5.23: Transformers' sdpa function (not the layer) calls ``cache.update``; OSCAR's registered function
+    # then does it first (oscar_hf.patching), so that the handle never reaches Transformers' function
+    updates_in_attention = "cache" in inspect.signature(sdpa_attention_forward).parameters
 
     def __init__(self, *args, store: OscarPagedStore, **kwargs):
         config = args[0] if args else kwargs["config"]

@@ -58,6 +58,10 @@ def alone(model, prompt, **store_kw):
 @pytest.mark.parametrize("store_kw", [{}, dict(full_precision_heads=((0, 1), (1, 0)), full_precision_bits=8)],
                          ids=["int2", "retrieval-heads"])
 def test_generate_batch_with_cuda_graphs_equals_eager_and_generate(model, monkeypatch, store_kw):
+    from oscar_hf.serving.batching import OscarPagedCache
+
+    if getattr(OscarPagedCache, "updates_in_attention", False):  # 5.20 - 5.23: refused, test_graphs_refused_...
+        pytest.skip("CUDA graphs with OSCAR need Transformers 5.24+")
     """(a) tokens with graphed decode steps equal the eager serving path and OscarCache alone; (b) no capture
     synchronized with the host (the emulated capture raises on it); (c) graphs were captured once per (padded rows,
     history bound) and replayed for later steps, whose plans only rewrote the buffers; padded rows (3 requests a
@@ -333,3 +337,16 @@ def test_generate_batch_matches_oscar_generate_at_real_lengths():
     assert [t[0] for t in served] == [t[0] for t in alone_tokens]
     same = sum(a == b for x, y in zip(served, alone_tokens) for a, b in zip(x, y))
     assert same >= 0.8 * new * len(prompts), (served, alone_tokens)
+
+
+def test_graphs_refused_where_the_attention_function_updates_the_cache(model, monkeypatch):
+    """Transformers 5.20 - 5.23 (Transformers' sdpa function calls ``cache.update``): ``use_cuda_graph=True`` is
+    refused at the manager's construction, naming the version, instead of failing inside the capture."""
+    from oscar_hf.serving import batching
+
+    if not batching.SECTOR_API:
+        pytest.skip("5.17 - 5.19: the layer-independent paged functions")
+    monkeypatch.setattr(batching.OscarPagedCache, "updates_in_attention", True)
+    with pytest.raises(NotImplementedError, match="5.24"):
+        batching._check_cb_config(batching.continuous_batching_config(use_cuda_graph=True))
+    batching._check_cb_config(batching.continuous_batching_config(use_cuda_graph=False))
