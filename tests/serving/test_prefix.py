@@ -11,6 +11,8 @@ from oscar_hf.kernels.kv import Window
 from oscar_hf.serving.paged_attention import paged_chunk_attention
 from oscar_hf.serving.prefix import PrefixIndex, shareable_pages
 
+from test_admission import gen_config as _gen
+from test_admission import result as _result
 from test_store import HEADS, FakeAttention, make_store
 
 S0, W, P = 4, 8, 4  # make_store's sink, recent and page size
@@ -166,23 +168,6 @@ def _serving():
     if not batching.SECTOR_API:
         pytest.skip("prefix sharing and forks follow Transformers 5.20+'s cache allocators")
     return batching
-
-
-def _gen(n, **kw):
-    from transformers import GenerationConfig
-
-    return GenerationConfig(**{**dict(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0), **kw})
-
-
-def _result(manager, rid, timeout=120.0):
-    import time
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        r = manager.get_result(rid, timeout=1)
-        if r is not None and r.is_finished():
-            return r
-    raise AssertionError(f"no result for {rid!r}")
 
 
 def test_continuous_batching_shares_a_live_prefix(model):
