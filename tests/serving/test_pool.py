@@ -141,7 +141,7 @@ def test_paged_read_equals_contiguous_reference():
 
 CHUNK_CASES = [("cpu", torch.float32, 1e-4, 1e-5)]
 if torch.cuda.is_available():  # the GPU's SDPA kernels (memory-efficient with the lower-right causal mask), BF16
-    CHUNK_CASES.append(("cuda", torch.bfloat16, 2e-2, 2e-2))
+    CHUNK_CASES.append(pytest.param("cuda", torch.bfloat16, 2e-2, 2e-2, marks=pytest.mark.gpu))  # run_gpu.sh tests
 
 
 @pytest.mark.parametrize("device,dtype,rtol,atol", CHUNK_CASES)
