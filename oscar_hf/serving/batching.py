@@ -96,7 +96,7 @@ def _check_cb_config(cbc) -> None:
                                   "use_async_batching=False with OSCAR")
     if hasattr(cbc, "use_async_batching"):
         cbc.use_async_batching = False
-    if SECTOR_API and getattr(cbc, "use_cuda_graph", False) and OscarPagedCache.updates_in_attention:
+    if SECTOR_API and OscarPagedCache.updates_in_attention and any(cbc.cuda_graph_booleans):  # (as _start_graphs)
         raise NotImplementedError("CUDA graphs with OSCAR need Transformers 5.24+ (5.20 - 5.23 build the packed "
                                   "batch's mask with a host sync inside the capture): use_cuda_graph=False")
     if cbc.cpu_offload_space:
