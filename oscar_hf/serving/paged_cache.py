@@ -324,14 +324,14 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
         m, holder, k = self.store.share_prefix(request_id, list(prompt_ids))
         if m:
             allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
-            blocks = allocator.block_table[holder][:k]
-            allocator.block_table[request_id] = list(blocks)
-            for block in blocks:
-                allocator.ledger.acquire(block)
+            allocator.acquire_prefix_blocks(request_id, k * allocator.tokens_per_page, allocator.block_table[holder])
         return m
 
     def count_new_complete_blocks(self, state, request_len: int) -> dict[str, int]:
-        return {"oscar": 1} if self.use_prefix_sharing else {}  # any: mark_complete_blocks then offers the pages
+        """Non-empty (then ``mark_complete_blocks`` offers the request's pages) when this forward writes a page for
+        good: once every ``P`` tokens, not every step (the offer reads the request's tokens)."""
+        n, shareable = state.current_len(), self.store.shareable_pages
+        return {"oscar": 1} if self.use_prefix_sharing and shareable(n + request_len) > shareable(n) else {}
 
     def mark_complete_blocks(self, state, complete_blocks) -> None:
         if complete_blocks:

@@ -90,6 +90,10 @@ class SharedPrefixes:
     def shareable_pages(self, length: int) -> int:
         return shareable_pages(length, self.config.sink, self.config.recent, self.pool.page_size)
 
+    def _fork_shares(self, source) -> int:
+        """Pages of request ``source`` (a :class:`RequestKV`) a fork shares; it copies the rest of its table."""
+        return min(self.shareable_pages(source.length()), len(source.table))
+
     def share_prefix(self, request_id: str, tokens: list[int]) -> tuple[int, str | None, int]:
         """Start the new request ``request_id`` (prompt ``tokens``) on the longest prefix of pages a live request holds:
         ``(m, holder, k)``, its ``k`` shared pages covering its first ``m = S0 + kP`` tokens and the request they were
@@ -130,7 +134,7 @@ class SharedPrefixes:
         if child_id in self.requests:
             raise RuntimeError(f"fork: request {child_id!r} is already in the OSCAR store")
         r = self.reserve(child_id)
-        k = min(self.shareable_pages(s.length()), len(s.table))
+        k = self._fork_shares(s)
         for page in s.table[:k]:
             self.pool.acquire(page)
         copies = []
@@ -147,6 +151,6 @@ class SharedPrefixes:
     def fork_fits(self, source_id: str, children: int) -> int:
         """How many of ``children`` forks of ``source_id`` the store has window slots and pages for."""
         s = self.requests[source_id]
-        copies = len(s.table) - min(self.shareable_pages(s.length()), len(s.table))
+        copies = len(s.table) - self._fork_shares(s)
         by_pages = self.pool.num_free // copies if copies else children
         return max(0, min(children, self.windows.num_free, by_pages))
