@@ -55,14 +55,16 @@ def cache_configs(model, kind: str, budget: int, max_batch_tokens: int, max_requ
                   q_padding: int = 8):
     """``(ContinuousBatchingConfig, store or None)`` spending ``budget`` bytes of KV (``*-graphs`` kinds: with
     Transformers' CUDA graphs, batches padded to ``q_padding`` rows)."""
-    graphs = dict(use_cuda_graph=True, q_padding_interval_size=q_padding) if kind.endswith("-graphs") else \
+    # oscar-shared-graphs: decode steps only (the store never graphs a prompt's rows; True pads those steps too)
+    on = (False, True) if kind == "oscar-shared-graphs" else True
+    graphs = dict(use_cuda_graph=on, q_padding_interval_size=q_padding) if kind.endswith("-graphs") else \
         dict(use_cuda_graph=False)
     if kind.startswith("bf16"):
         blocks = budget // bf16_block_bytes(model.config)
         return continuous_batching_config(num_blocks=blocks, page_size=PAGE, max_batch_tokens=max_batch_tokens,
                                           **graphs), None
     store = OscarPagedStore(model, defer_pool=True, max_requests=max_requests, device=model.device, dtype=model.dtype,
-                            prefix_sharing=kind == "oscar-shared", **oscar_kw)
+                            prefix_sharing=kind.startswith("oscar-shared"), **oscar_kw)
     pages = store.pages_in(budget, PAGE, max_batch_tokens)  # after the windows and the prompt transient it reserves
     return continuous_batching_config(num_blocks=pages, page_size=PAGE, max_batch_tokens=max_batch_tokens,
                                       **graphs), store
@@ -166,7 +168,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--parts", nargs="+", default=["capacity", "load"], choices=["capacity", "load", "prefix"])
     p.add_argument("--kinds", nargs="+", default=["bf16", "oscar"],
-                   choices=["bf16", "oscar", "bf16-graphs", "oscar-graphs", "oscar-shared"],
+                   choices=["bf16", "oscar", "bf16-graphs", "oscar-graphs", "oscar-shared", "oscar-shared-graphs"],
                    help="*-graphs: with Transformers' CUDA graphs (use_cuda_graph=True)")
     p.add_argument("--q-padding", type=int, default=8,
                    help="*-graphs: q_padding_interval_size (a decode step of N requests runs ceil(N / it) * it rows)")
@@ -196,8 +198,7 @@ def main(argv=None):
     budget = int(args.kv_budget_gib * 2**30)
     oscar_kw = dict(method="hadamard", prompt_budget=args.prompt_budget)  # artifact-free
     oscar_tokens = args.oscar_batch_tokens or longest + args.max_requests
-    batch_tokens = {"bf16": args.bf16_batch_tokens, "bf16-graphs": args.bf16_batch_tokens, "oscar": oscar_tokens,
-                    "oscar-graphs": oscar_tokens, "oscar-shared": oscar_tokens}
+    batch_tokens = {k: args.bf16_batch_tokens if k.startswith("bf16") else oscar_tokens for k in args.kinds}
     rng = random.Random(0)
     doc = dict(env=run_env(argv), shape=SHAPES[args.shape], kv_budget_gib=args.kv_budget_gib, results={})
 

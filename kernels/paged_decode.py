@@ -15,9 +15,13 @@ import torch
 
 from oscar_hf.quant import QuantizedRows
 
-from .int2_attention import decode_attention_reference, rotate_query_reference
+from .int2_attention import (decode_attention_reference, empty_partial, history_partial_reference,
+                             merge_history_and_window, merge_partials, rotate_query_reference)
 from .kv import History, KVParams, Pages, Window
-from .plan import cdiv
+from .plan import cdiv, triton_enabled
+
+ROW_TILE = 64  # query rows of one program of the chunk read (the split-K kernel's most); a tile reads the history once
+LOGITS_BUDGET = 256 << 20  # bytes of one history block's float32 logits in the chunk read's reference
 
 
 def _pow2(x: int) -> bool:
@@ -152,3 +156,53 @@ def paged_supported(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, group_si
         ok = ok and codes.stride(-1) == 1 and scale.stride(-1) == 1 and scale.stride(-2) == ng
         ok = ok and zero.stride() == scale.stride() and scale.shape[-1] == ng
     return ok
+
+
+def paged_history_partial(q_rot, qk_offset, history: History, scaling: float, group_size: int, block_n: int = 1024,
+                          use_kernels="auto"):
+    """``(m, l, acc)`` (``int2_attention``'s partials, rotated value space) of ``q_rot [1, Hk, M, D]`` (float32, any
+    ``M``: a prompt chunk's ``g * L`` rows) over one request's paged history: ``history.k/v`` the pool's pages, and
+    ``history.pages`` its block table ``[1, np]`` and length (``max_len`` the host's count ``n``). On CUDA the split-K
+    kernels read it once per tile of ``ROW_TILE`` rows: the tiles are the launch's batch rows, each with the same block
+    table. Elsewhere the reference gathers ``block_n`` entries at a time (fewer for a long chunk: its logits stay
+    within ``LOGITS_BUDGET``) and merges the blocks' partials."""
+    from . import decode_triton as dt
+
+    pages, (_, hk, m, d) = history.pages, q_rot.shape
+    n = int(pages.max_len)
+    if triton_enabled(q_rot, use_kernels) and n and paged_supported(q_rot[:, :, :ROW_TILE], history.k, history.v, group_size, q_rot):
+        t = cdiv(m, ROW_TILE)
+
+        def tiles(x):  # [1, Hk, M, *] -> [T, Hk, ROW_TILE, *] (zero rows past M: computed, then dropped)
+            x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 3) + (0, t * ROW_TILE - m))
+            return x.view(hk, t, ROW_TILE, *x.shape[3:]).transpose(0, 1).contiguous()
+
+        rows = Pages(pages.table.expand(t, -1), pages.lengths.expand(t).contiguous(), n)
+        part = dt.decode_attention_triton(KVParams(None, None, None, None, group_size), None, None,
+                                          History(history.k, history.v, pages=rows), scaling,
+                                          rotated=(tiles(q_rot), None if qk_offset is None else
+                                                   tiles(qk_offset[..., None])[..., 0]))
+        return tuple(x.transpose(0, 1).reshape(1, hk, t * ROW_TILE, *x.shape[3:])[:, :, :m] for x in part)
+    p = history.k.codes.shape[-2]
+    block = max(p, min(block_n, LOGITS_BUDGET // (4 * hk * m)) // p * p)
+    table, part = pages.table[0], empty_partial(q_rot)
+    start = torch.zeros(1, dtype=torch.long, device=q_rot.device)
+    for j0 in range(0, n, block):
+        j1 = min(n, j0 + block)
+        k, v = (gather_pages(x, table[j0 // p :], j1 - j0) for x in (history.k, history.v))
+        blk = history_partial_reference(q_rot, k, v, start, None, qk_offset, scaling, group_size, block_n=block)
+        part = merge_partials([part, blk])
+    return part
+
+
+def paged_multi_token_attention(params: KVParams, qf, window: Window, history: History, scaling: float, out_dtype,
+                                use_kernels="auto") -> torch.Tensor:
+    """``[1, Hk, M, D]``: attention of the unrotated query ``qf [1, Hk, M, D]`` over one request's paged INT2 history
+    (:func:`paged_history_partial`) and its full-precision window ``window.k/v [1, Hk, W, D]`` (``window.mask`` None
+    or bool broadcastable to ``[1, Hk, M, W]``: a prompt chunk's causal rows). The history partial is computed in the
+    rotated space (``q R_K``, ``+ q·mu_K``), brought back by ``R_Vᵀ`` and ``+ l·mu_V``, merged with the window by
+    log-sum-exp (:func:`~.int2_attention.merge_history_and_window`)."""
+    q_rot, qk_offset = rotate_query_reference(qf, params.r_k, params.mu_k)
+    hist = paged_history_partial(q_rot, qk_offset, history, scaling, params.group_size, params.block_n, use_kernels)
+    return merge_history_and_window(hist, qf, window.k, window.v, window.mask, params.r_v, params.mu_v, scaling,
+                                    out_dtype)

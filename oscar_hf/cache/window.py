@@ -130,12 +130,13 @@ def commit(win_k: torch.Tensor, win_v: torch.Tensor, pad, history, params: Layer
     t_new = t_old + n_new
     # 1. history: slots [max(T - W, S0), T + L - W), from the ring (< T) or the new rows (>= T)
     demote(win_k, win_v, history, params, config, max(t_old - w, s0, floor), t_new - w, t_old, new_k, new_v, mu_k)
-    # 2. sink: the entries whose slot is among the new rows, per row
-    slot = torch.as_tensor(pad, device=dev).reshape(-1, 1) + torch.arange(s0, device=dev)[None, :]  # [B' or 1, S0]
-    sel = ((slot >= t_old) & (slot < t_new))[:, None, :, None]
-    idx = (slot - t_old).clamp(0, n_new - 1)[:, None, :, None].expand(b, hk, s0, d)
-    for win, new in ((win_k, new_k), (win_v, new_v)):
-        win[:, :, :s0] = torch.where(sel, new.gather(2, idx), win[:, :, :s0])
+    # 2. sink: the entries whose slot is among the new rows, per row (none past the sink without padding: a chunk)
+    if not (isinstance(pad, int) and pad + s0 <= t_old):
+        slot = torch.as_tensor(pad, device=dev).reshape(-1, 1) + torch.arange(s0, device=dev)[None, :]  # [B' or 1, S0]
+        sel = ((slot >= t_old) & (slot < t_new))[:, None, :, None]
+        idx = (slot - t_old).clamp(0, n_new - 1)[:, None, :, None].expand(b, hk, s0, d)
+        for win, new in ((win_k, new_k), (win_v, new_v)):
+            win[:, :, :s0] = torch.where(sel, new.gather(2, idx), win[:, :, :s0])
     # 3. ring: the last R slots
     first = max(t_old, t_new - ring)
     entries = ring_entries(torch.arange(first, t_new, device=dev), s0, ring)

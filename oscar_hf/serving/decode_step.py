@@ -182,14 +182,20 @@ class DecodeStep:
         b = self._buffers
         return b if rows <= b.rows and cols <= b.cols else None
 
+    def kv_params(self, layer_idx: int):
+        """The layer's :class:`~oscar_hf.kernels.kv.KVParams` (the kernels' bundle of ``self.params``), built once."""
+        params = self._kv.get(layer_idx)
+        if params is None:
+            p = self.params[layer_idx]
+            params = self._kv[layer_idx] = p.kv(self.config, p.mu_k, p.mu_v)
+        return params
+
     def _decode(self, layer_idx: int, plan: StepPlan, query, new_k, new_v, scaling: float) -> torch.Tensor:
         """``[Bp, Hq, D]``: write then read one token for each row of ``plan`` (see the module docstring). Device
         work only, its shapes set by the plan's row count and ``max_hist``: no host synchronization, so a CUDA graph
         may capture it and replay it with the next step's plan in the same buffers."""
         li, p, pool = self.layer_slot[layer_idx], self.params[layer_idx], self.pool
-        params = self._kv.get(layer_idx)
-        if params is None:
-            params = self._kv[layer_idx] = p.kv(self.config, p.mu_k, p.mu_v)
+        params = self.kv_params(layer_idx)
         # the window pool [slots, Hk, S0 + R, D] (row b at slot plan.slots[b]); the pages through the block tables
         window = Window(self.windows.k[:, li], self.windows.v[:, li], plan.win_mask[:, None, None, :], plan.slots)
         coded = (pool.coded_rows(li, "k"), pool.coded_rows(li, "v")) if p.coded_heads else None

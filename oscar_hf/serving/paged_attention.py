@@ -1,22 +1,12 @@
 """Read path of the paged store for one request's rows when they continue a request (a prompt chunk after earlier
-tokens): the INT2 history is read through the request's block table.
+tokens): :func:`paged_chunk_attention`. A continuing chunk can be a whole long prompt (Transformers' scheduler fills a
+step's token budget with the first tokens of the next prompt and sends the rest next step), or a request's own rows
+after a shared prefix: prefill-sized work over a long INT2 history, so the history is read in place through the
+request's block table by the split-K kernels, a tile of query rows at a time
+(:func:`oscar_hf.kernels.paged_decode.paged_history_partial`), never dequantized to a full-precision copy. The decode
+rows of a batch (one token each) take :func:`oscar_hf.kernels.decode.decode` instead.
 
-:func:`paged_chunk_attention` is the path the store takes: one scaled-dot-product attention call in the rotated
-space over ``[history | window | new rows]``, the history dequantized once for the call (one request and one layer,
-freed when the call returns; decode rows never do this). A continuing chunk can be a whole long prompt: Transformers'
-scheduler fills a step's token budget with the first few tokens of the next prompt and sends the rest next step, so
-this path carries prefill-sized work and has to run at SDPA speed.
-
-:func:`paged_multi_token_attention` is its float32 reference and is :func:`oscar_hf.kernels.int2_attention.decode_attention_reference` with the
-contiguous history replaced by pages: the history partial is accumulated over blocks of ``block_n`` entries, each
-block gathered from its pages (:meth:`PagedInt2Pool.gather`: packed INT2 codes + metadata, never full precision)
-and dequantized by :func:`history_partial_reference`, the blocks merged by the online-softmax rule. With ``block_n``
-a multiple of the page size the blocks are the ones the contiguous reference reads, so the result is the same as
-:class:`~oscar_hf.cache.dynamic.OscarLayer`'s. The decode rows of a batch (one token each) take the split-K kernel
-instead, which loads each split's pages through the block tables
-(:func:`oscar_hf.kernels.decode.decode`).
-
-Shapes: ``Hk`` KV heads, ``M = g * L`` query rows per KV head (query-head-major), ``D`` head_dim, ``n`` history
+Shapes: ``Hk`` KV heads, ``g`` query heads per KV head, ``L`` new rows, ``E`` window entries before them, ``n`` history
 entries of the request, ``P`` the page size.
 """
 from __future__ import annotations
@@ -25,114 +15,65 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from oscar_hf.kernels.int2_attention import (empty_partial, history_partial_reference, merge_history_and_window,
-                                               merge_partials, rotate_query_reference)
-from oscar_hf.kernels.kv import KVParams, Window
+from oscar_hf.kernels.heads_attention import merge_heads
+from oscar_hf.kernels.kv import History, KVParams, Pages, Window
+from oscar_hf.kernels.paged_decode import LOGITS_BUDGET, paged_multi_token_attention
 
 from ..attention import OscarKV
 from ..cache import heads
-from ..cache.base import group_queries
-from ..cache.params import LayerParams
-from ..quant import dequantize_rows
+from ..cache.base import group_queries, mask_rows
 from .pool import PagedInt2Pool
 
-LOGITS_BUDGET = 256 << 20  # bytes of one history block's logits
+
+def _causal(query, keys, values, scaling: float):
+    """``[1, H, L, D]``: SDPA of ``query [1, H, L, D]`` over ``keys/values [1, Hk, S, D]`` (repeated to ``H``), the
+    ``L`` rows being the last ``L`` keys, causal among themselves."""
+    g, l = query.shape[1] // keys.shape[1], query.shape[2]
+    keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(l, keys.shape[2]),
+                                          scale=scaling)
 
 
-def paged_history_partial(q_rot, pool: PagedInt2Pool, table: list[int], layer: int, n: int, qk_offset, scaling: float,
-                          block_n: int):
-    """``(m, l, acc)`` of ``q_rot [1, Hk, M, D]`` (rotated, float32) over history entries ``[0, n)`` of the request
-    with block table ``table``, ``block_n`` entries at a time (rounded up to whole pages)."""
-    p = pool.page_size
-    # a block's logits are [Hk, M, block] float32: a long prompt chunk (M = g * L rows) reads fewer entries at a time
-    hk, m = q_rot.shape[1], q_rot.shape[2]
-    block_n = min(block_n, LOGITS_BUDGET // (4 * hk * m))
-    block = max(p, block_n // p * p)
-    part = empty_partial(q_rot)
-    start = torch.zeros(1, dtype=torch.long, device=q_rot.device)
-    for j0 in range(0, n, block):
-        j1 = min(n, j0 + block)
-        pages = torch.tensor(table[j0 // p : (j1 + p - 1) // p], dtype=torch.long, device=pool.codes.device)
-        k = pool.gather(pages, layer, "k", j1 - j0)
-        v = pool.gather(pages, layer, "v", j1 - j0)
-        blk = history_partial_reference(q_rot, k, v, start, None, qk_offset, scaling, pool.group_size, block_n=block)
-        part = merge_partials([part, blk])
-    return part
-
-
-def paged_multi_token_attention(params: KVParams, qf, window: Window, pool: PagedInt2Pool, table: list[int],
-                                layer: int, n: int, scaling: float, out_dtype) -> torch.Tensor:
-    """``[1, Hk, M, D]``: attention of the unrotated query ``qf [1, Hk, M, D]`` over the request's INT2 history
-    (``n`` entries through ``table``, ``params.block_n`` at a time) and its full-precision window ``window.k/v [1, Hk,
-    W, D]`` (``window.mask`` None or bool broadcastable to ``[1, Hk, M, W]``). The history partial is computed in the
-    rotated space (``q R_K``, ``+ q·mu_K``), brought back by ``R_Vᵀ`` and ``+ l·mu_V``, merged with the window by
-    log-sum-exp."""
-    q_rot, qk_offset = rotate_query_reference(qf, params.r_k, params.mu_k)
-    hist = paged_history_partial(q_rot, pool, table, layer, n, qk_offset, scaling, params.block_n)
-    return merge_history_and_window(hist, qf, window.k, window.v, window.mask, params.r_v, params.mu_v, scaling,
-                                    out_dtype)
-
-
-def paged_chunk_attention(query, window: Window, pool: PagedInt2Pool, table: list[int], layer: int, n: int, r_k,
-                          mu_k, r_v, mu_v, scaling: float, split: LayerParams | None = None) -> torch.Tensor:
+def paged_chunk_attention(query, window: Window, pool: PagedInt2Pool, table: list[int], layer: int, n: int,
+                          params: KVParams, scaling: float, use_kernels="auto") -> torch.Tensor:
     """``[1, L, Hq, D]``: the ``L`` new rows ``query [1, Hq, L, D]`` of one request over its history (``n`` entries
     through ``table``), then its window and new rows ``window.k/v [1, Hk, E + L, D]`` (the last ``L`` are the new
     rows, causal among themselves; everything before them is visible to every row; ``window.mask`` unused).
 
-    In the INT2 history's space: keys ``(k - mu_K) R_K``, values ``(v - mu_V) R_V``, query ``q R_K``. The window is
-    brought into that space exactly (``R`` is orthogonal), so one SDPA call covers all keys; the logit offset
-    ``q · mu_K`` is the same for every key of a row, which softmax ignores; the output comes back by ``R_Vᵀ`` and
-    ``+ mu_V`` (the weights sum to one). With ``split`` (a layer with retrieval heads; ``r_*``, ``mu_*`` then of its
-    ``split.int2_heads``) the coded heads read their coded history (dequantized, :mod:`oscar_hf.cache.heads`) and
-    their window unrotated, in the same SDPA call. With ``n == 0`` nothing is rotated: exact attention."""
+    ``params`` the layer's :class:`~oscar_hf.kernels.kv.KVParams`: its INT2 heads read the history in the rotated
+    space and the window exactly (:func:`~oscar_hf.kernels.paged_decode.paged_multi_token_attention`); with
+    retrieval heads (``params.heads``) those read their coded history (dequantized for the call: a few heads,
+    :mod:`oscar_hf.cache.heads`) and their window unrotated in one SDPA call. With ``n == 0``: exact attention."""
     _, hq, l, d = query.shape
     k_win, v_win = window.k, window.v
     hk, dt = k_win.shape[1], query.dtype
-    keys, values, q = k_win, v_win, query
-    int2 = split.int2_idx if split is not None else None
-    if n:
-        pages = torch.tensor(table[: -(-n // pool.page_size)], dtype=torch.long, device=pool.int2.codes.device)
-
-        def rotated(x, r, mu):  # [1, Hq_l, E + L, D] -> (x - mu) R, float32
-            x = x.float() if mu is None else x.float() - mu.float()[None, :, None]
-            return torch.matmul(x, r.float().unsqueeze(0))
-
-        def history_space(kind, win, r, mu):  # [1, Hk, n + E + L, D]: each head's keys (values) as its history reads
-            if split is not None and not split.int2_heads:
-                part = None
-            else:
-                part = torch.cat([dequantize_rows(pool.gather(pages, layer, kind, n), pool.group_size),
-                                  rotated(win if int2 is None else win.index_select(1, int2), r, mu)], 2).to(dt)
-            if split is None:
-                return part
-            coded = heads.decode(pool.gather_coded(pages[None], layer, kind, n), split.bits, dt)  # [1, F_l, n, D]
-            return split.merge(part, torch.cat([coded, win.index_select(1, split.coded_idx)], 2))
-
-        keys, values = history_space("k", k_win, r_k, mu_k), history_space("v", v_win, r_v, mu_v)
-        q = _on_int2_heads(group_queries(query, hk), int2, lambda x: torch.matmul(x.float(), r_k.float().unsqueeze(0)))
-        q = q.reshape(1, hq, l, d)
-    g = hq // hk
-    keys, values = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)  # [1, Hq, n + E + L, D]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(l, keys.shape[2]),
-                                         scale=scaling)  # [1, Hq, L, D]
-    if n:
-        def back(x):  # R_Vᵀ, + mu_V
-            x = torch.matmul(x.float(), r_v.float().transpose(-1, -2).unsqueeze(0))
-            return x if mu_v is None else x + mu_v.float()[None, :, None]
-
-        out = _on_int2_heads(group_queries(out, hk), int2, back).reshape(1, hq, l, d)
-    return out.to(dt).transpose(1, 2)
-
-
-def _on_int2_heads(x: torch.Tensor, int2: torch.Tensor | None, fn) -> torch.Tensor:
-    """``x [1, Hk, M, D]`` with ``fn`` applied to the heads ``int2`` (every head when None), in ``x``'s dtype."""
-    if int2 is None:
-        return fn(x).to(x.dtype)
-    if not int2.numel():
-        return x
-    x = x.clone()
-    x[:, int2] = fn(x.index_select(1, int2)).to(x.dtype)
-    return x
+    if not n:
+        return _causal(query, k_win, v_win, scaling).transpose(1, 2)
+    split, e, g, dev = params.heads, k_win.shape[2] - l, hq // hk, query.device
+    ids = torch.tensor(table[: -(-n // pool.page_size)], dtype=torch.int32, device=dev)[None]  # [1, np]
+    qg, out = group_queries(query, hk), None  # [1, Hk, g * L, D]
+    if split is None or split.int2_idx.numel():
+        pick = (lambda x: x) if split is None else (lambda x: x.index_select(1, split.int2_idx))
+        history = History(pool.rows(layer, "k"), pool.rows(layer, "v"),
+                          pages=Pages(ids, torch.full((1,), n, dtype=torch.int32, device=dev), n))
+        # rows [a, b) at a time: their window logits [H2, g * (b - a), E + b] float32 stay within LOGITS_BUDGET
+        step, parts = max(1, LOGITS_BUDGET // (4 * hq * (e + l))), []
+        for a in range(0, l, step):
+            b = min(l, a + step)
+            visible = torch.arange(e + b, device=dev)[None, :] <= e + torch.arange(a, b, device=dev)[:, None]
+            window = Window(pick(k_win[:, :, : e + b]), pick(v_win[:, :, : e + b]), mask_rows(visible[None], g))
+            part = paged_multi_token_attention(params, pick(group_queries(query[:, :, a:b], hk)), window, history,
+                                               scaling, dt, use_kernels)  # [1, H2, g * (b - a), D]
+            parts.append(part.view(1, part.shape[1], g, b - a, d))
+        out = torch.cat(parts, 3).view(1, -1, g * l, d)
+    if split is not None:  # the retrieval heads: [coded history | window], unrotated
+        c = split.coded_idx
+        keys, values = (torch.cat([heads.decode(pool.gather_coded(ids.long(), layer, kind, n), split.bits, dt),
+                                   win.index_select(1, c)], 2) for kind, win in (("k", k_win), ("v", v_win)))
+        qc = qg.index_select(1, c).reshape(1, -1, l, d)  # [1, P * g, L, D]
+        coded = _causal(qc, keys, values, scaling)  # [1, P * g, L, D]
+        out = merge_heads(out, coded.reshape(1, c.numel(), -1, d), split.int2_idx, split.coded_idx, hk)
+    return out.reshape(1, hq, l, d).to(dt).transpose(1, 2)
 
 
 class PagedOscarKV(OscarKV):

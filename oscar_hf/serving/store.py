@@ -28,7 +28,8 @@ share across layers (slots, entries, pages, block tables, window masks) is plann
 and written into fixed device buffers (:meth:`OscarPagedStore.plan_decode`, :class:`StepPlan`); the forward is
 device work only, so that Transformers' CUDA graphs may capture and replay it (padded rows go to a trash window slot
 and the pool's trash page; docs/serving.md, "CUDA graphs"). **Multi-token rows** (a prompt, a prompt chunk) are
-served one request at a time: the user's attention over the prompt when the request is new, else one SDPA call over history + window + the new rows
+served one request at a time: the user's attention over the prompt when the request is new, else the history read
+in place a tile of rows at a time, merged with the window and the new rows
 (:func:`~oscar_hf.serving.paged_attention.paged_chunk_attention`); then they are stored
 (:func:`~oscar_hf.cache.window.commit`: the slots leaving the window demoted in ``prefill_chunk`` pieces).
 
@@ -92,7 +93,10 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         choice = choose_layers(model_config, rotations, config, default_group=default_group)
         config, rotations, fp, retrieval_heads = choice.config, choice.rotations, choice.fingerprint, choice.retrieval_heads
         hk = fp.num_key_value_heads
-        self.config, self.device, self.dtype = config, torch.device(device), dtype
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device, as its tensors say
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.config, self.dtype = config, dtype
         self.num_kv_heads, self.head_dim = hk, fp.head_dim
         self.ring = config.recent + 1
         layers = list(choice.quantized_layers)
@@ -220,7 +224,7 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
             k_win = torch.cat([win_k.index_select(2, entries), new_k], 2)  # [1, Hk, E + L, D]
             v_win = torch.cat([win_v.index_select(2, entries), new_v], 2)
             out = paged_chunk_attention(query, Window(k_win, v_win), self.pool, r.table, li, max(hist_end - s0, 0),
-                                        p.r_k, p.mu_k, p.r_v, p.mu_v, scaling, p if p.coded_heads else None)
+                                        self.kv_params(layer_idx), scaling, self.config.use_kernels)
         # no padding: the request's sink is its slots [0, S0)
         commit(win_k, win_v, 0, self._history(r, li, t_old + l - w), p, self.config, t_old, new_k, new_v,
                floor=r.floor)

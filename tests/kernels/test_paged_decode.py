@@ -232,6 +232,34 @@ def test_dispatcher(device):
                        paged_reference(**args96))
 
 
+# ------------------------------------------------------------------------ a prompt chunk's rows over one history
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d,m,page,n", [(64, 70, 16, 37), (128, 64, 32, 200), (128, 130, 256, 700)])
+def test_chunk_history_partial_matches_reference(monkeypatch, many_sms, device, d, m, page, n):
+    """A prompt chunk's ``M`` rows (more than one program's tile: the tiles are the launch's rows, each with the
+    request's block table) over one request's pages: the kernels' partials, normalized, equal the reference's, with
+    the same log-sum-exp; rows past ``M`` in the last tile never reach the result."""
+    args, _ = paged_case(1, 2, 1, d, 32, page, (n,), 4, True, seed=d + m, device=device)
+    q_rot = torch.randn(1, 2, m, d, generator=torch.Generator().manual_seed(m)).to(device)
+    off = torch.randn(1, 2, m).to(device)
+    pages = pd.Pages(args["block_table"][:1], args["hist_len"][:1], n)
+    history = pd.History(args["pages_k"], args["pages_v"], pages=pages)
+    launched = []
+    real = decode_triton.decode_attention_triton if triton_importable() else None
+    monkeypatch.setattr(decode_triton, "decode_attention_triton",
+                        lambda *a, **kw: (launched.append(kw["rotated"][0].shape), real(*a, **kw))[1])
+    got = pd.paged_history_partial(q_rot, off, history, d**-0.5, 32, use_kernels=True)
+    want = pd.paged_history_partial(q_rot, off, history, d**-0.5, 32, block_n=page, use_kernels=False)
+    assert launched == [(_cdiv(m, pd.ROW_TILE), 2, pd.ROW_TILE, d)]
+    for x, y in zip(got, want):
+        assert x.shape == y.shape
+    lse = lambda p: p[0] + torch.log(p[1])  # noqa: E731
+    torch.testing.assert_close(lse(got), lse(want), rtol=0, atol=1e-4 if device == "cpu" else 2e-2)
+    assert rel_err(got[2] / got[1][..., None], want[2] / want[1][..., None]) < (2e-5 if device == "cpu" else 2e-2)
+
+
 # ------------------------------------------------------------------------------- the Gluon history kernel, paged
 
 on_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA (the Gluon kernel has no interpreter)")

@@ -4,11 +4,19 @@ import torch
 
 from oscar_hf.cache.base import group_queries, mask_rows
 from oscar_hf.kernels.int2_attention import decode_attention_reference, rotate_query_reference
-from oscar_hf.kernels.kv import History, KVParams, Window
+from oscar_hf.kernels.kv import History, KVParams, Pages, Window
+from oscar_hf.kernels.paged_decode import paged_multi_token_attention
 from oscar_hf.quant import QuantizedRows
 from oscar_hf.serving import PagedInt2Pool, PoolExhausted, page_bytes
-from oscar_hf.serving.paged_attention import paged_chunk_attention, paged_multi_token_attention
+from oscar_hf.serving.paged_attention import paged_chunk_attention
 from oscar_hf.serving.pool import HeadLayout
+
+
+def paged_history(pool, table, layer, n):
+    """One request's history in ``pool`` (block table ``table``, ``n`` entries) as the chunk read takes it."""
+    dev = pool.codes.device
+    return History(pool.rows(layer, "k"), pool.rows(layer, "v"),
+                   pages=Pages(torch.tensor([table], device=dev), torch.tensor([n], device=dev), n))
 
 
 def small_pool(num_pages=6, page_size=4, layers=2, hk=2, d=32, g=16):
@@ -131,7 +139,7 @@ def test_paged_read_equals_contiguous_reference():
     win_k, win_v = torch.randn(1, hk, 5, d), torch.randn(1, hk, 5, d)
     for block_n in (8, 1024):
         got = paged_multi_token_attention(KVParams(r_k, mu_k, r_v, mu_v, g, block_n=block_n), qf,
-                                          Window(win_k, win_v), pool, table, 0, n, 0.2, torch.float32)
+                                          Window(win_k, win_v), paged_history(pool, table, 0, n), 0.2, torch.float32)
         q_rot, off = rotate_query_reference(qf, r_k, mu_k)
         want = decode_attention_reference(KVParams(r_k, mu_k, r_v, mu_v, g, block_n=block_n), qf,
                                           Window(win_k, win_v), History(k, v, torch.zeros(1, dtype=torch.long)), 0.2,
@@ -145,13 +153,16 @@ if torch.cuda.is_available():  # the GPU's SDPA kernels (memory-efficient with t
 
 
 @pytest.mark.parametrize("device,dtype,rtol,atol", CHUNK_CASES)
-@pytest.mark.parametrize("n", [0, 1, 37])
-def test_chunk_attention_equals_reference(n, device, dtype, rtol, atol):
-    """A chunk of new rows after earlier tokens (one SDPA call in the rotated space, the store's path) equals the
-    float32 reference that reads the history block by block, with the new rows causal among themselves; with no
-    history yet it is exact attention over the window and the new rows."""
+@pytest.mark.parametrize("n,sliced", [(0, False), (1, False), (37, False), (37, True)])
+def test_chunk_attention_equals_reference(monkeypatch, n, sliced, device, dtype, rtol, atol):
+    """A chunk of new rows after earlier tokens (the store's path: the history read in place, merged with the window
+    and the new rows, a slice of rows at a time when their window logits would pass the budget) equals the float32
+    reference that reads the history block by block, with the new rows causal among themselves; with no history yet
+    it is exact attention over the window and the new rows."""
     torch.manual_seed(3)
     hk, g, d, gs, p, e, l = 2, 3, 32, 16, 4, 6, 5
+    if sliced:  # two rows a slice
+        monkeypatch.setattr("oscar_hf.serving.paged_attention.LOGITS_BUDGET", 4 * hk * g * (e + l) * 2)
     pool = PagedInt2Pool(12, 1, hk, d, p, gs, torch.float32, device=device)
     table = [pool.allocate() for _ in range(10)][::-1]
     if n:
@@ -161,15 +172,15 @@ def test_chunk_attention_equals_reference(n, device, dtype, rtol, atol):
     mu_k, mu_v = torch.randn(hk, d, device=device), torch.randn(hk, d, device=device)
     query = torch.randn(1, hk * g, l, d).to(device, dtype)
     k_win, v_win = torch.randn(1, hk, e + l, d).to(device, dtype), torch.randn(1, hk, e + l, d).to(device, dtype)
-    got = paged_chunk_attention(query, Window(k_win, v_win), pool, table, 0, n, r_k, mu_k, r_v, mu_v,
+    got = paged_chunk_attention(query, Window(k_win, v_win), pool, table, 0, n, KVParams(r_k, mu_k, r_v, mu_v, gs),
                                 0.2)  # [1, L, Hq, D]
     assert got.dtype == dtype
     query, k_win, v_win = query.float(), k_win.float(), v_win.float()
     visible = torch.arange(e + l, device=device)[None, :] <= e + torch.arange(l, device=device)[:, None]  # [L, E+L]
     if n:
         want = paged_multi_token_attention(KVParams(r_k, mu_k, r_v, mu_v, gs), group_queries(query, hk),
-                                           Window(k_win, v_win, mask_rows(visible[None], g)), pool, table, 0, n, 0.2,
-                                           torch.float32)
+                                           Window(k_win, v_win, mask_rows(visible[None], g)),
+                                           paged_history(pool, table, 0, n), 0.2, torch.float32, use_kernels=False)
         want = want.reshape(1, hk * g, l, d)
     else:
         want = torch.nn.functional.scaled_dot_product_attention(

@@ -76,11 +76,10 @@ def test_shared_prefix_equals_its_rows_stored_as_one_prompt(kw):
     step(oracle, [("o", 0, len(tokens))], rows)
     o = oracle.requests["o"]
     for li, ((q, k_new, v_new), got) in enumerate(zip(own, out)):  # the prompt rows: the chunk read, oracle's pages
-        p = oracle.params[li]
         win = Window(torch.cat([oracle.windows.k[o.slot, li][None][:, :, :S0], k_new], 2),
                      torch.cat([oracle.windows.v[o.slot, li][None][:, :, :S0], v_new], 2))
-        want = paged_chunk_attention(q, win, oracle.pool, o.table, li, m - S0, p.r_k, p.mu_k, p.r_v, p.mu_v,
-                                     cfg.head_dim**-0.5, p if p.coded_heads else None)
+        want = paged_chunk_attention(q, win, oracle.pool, o.table, li, m - S0, oracle.kv_params(li),
+                                     cfg.head_dim**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # the same state: pages by content, windows; then decode steps give the same outputs
     assert len(r.table) == len(o.table) and r.lengths == o.lengths
