@@ -46,6 +46,14 @@ from ..quant import SUPPORTED_META_DTYPES, QuantizedRows, check_group_size
 KINDS = {"k": 0, "v": 1}
 
 
+def device_ids(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """``values`` as a ``dtype`` tensor on ``device``, sent without waiting for the device: on CUDA a pinned host copy
+    goes asynchronously (``torch.tensor(values, device=...)`` from a list synchronizes the stream, which stalls the
+    prompt path's host and GPU work against each other at every layer)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadLayout:
     """A pool's heads per layer in each form: ``int2_heads`` / ``coded_heads`` (default: all ``num_kv_heads`` in INT2,
@@ -254,7 +262,7 @@ class PagedInt2Pool:
         if n == 0:
             return
         j = torch.arange(first, first + n, device=dst[0].device)
-        pages = torch.tensor(table[first // p : (first + n - 1) // p + 1], dtype=torch.long, device=j.device)
+        pages = device_ids(table[first // p : (first + n - 1) // p + 1], torch.long, j.device)
         scatter_entries(dst, pages[j // p - first // p], j % p, tuple(t[0].transpose(0, 1)[:, :, None] for t in src))
 
     def gather(self, pages: torch.Tensor, layer: int, kind: str, n: int) -> QuantizedRows:
