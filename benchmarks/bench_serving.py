@@ -55,7 +55,7 @@ def cache_configs(model, kind: str, budget: int, max_batch_tokens: int, max_requ
                   q_padding: int = 8):
     """``(ContinuousBatchingConfig, store or None)`` spending ``budget`` bytes of KV (``*-graphs`` kinds: with
     Transformers' CUDA graphs, batches padded to ``q_padding`` rows)."""
-    # oscar-shared-graphs: decode steps only (the store never graphs a prompt's rows; True pads those steps too)
+    # oscar-shared-graphs: Transformers' decode graphs only (the store runs steps with prompt rows eager anyway)
     on = (False, True) if kind == "oscar-shared-graphs" else True
     graphs = dict(use_cuda_graph=on, q_padding_interval_size=q_padding) if kind.endswith("-graphs") else \
         dict(use_cuda_graph=False)
