@@ -1,7 +1,5 @@
-"""`OscarConfig`: the cache's settings (and named presets of them); where a cache's settings come from
-(:func:`starting_config`: a config, a preset, or the ones an artifact's calibration chose). Their checks live in
-:mod:`oscar_hf.config_checks`; the model's facts (:class:`ModelFingerprint`, layer kinds) in :mod:`oscar_hf.fingerprint`
-and are re-exported here."""
+"""`OscarConfig`: the cache's settings, their presets, and where a cache's settings come from
+(:func:`starting_config`). Checks: :mod:`oscar_hf.config_checks`; model facts (re-exported): :mod:`.fingerprint`."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,24 +19,20 @@ from .quant import SUPPORTED_META_DTYPES, bits_per_element
 
 _META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
 
-# retrieval_heads="auto" keeps the KV heads whose retrieval score (attention mass on a probe's fact, in [0, 1]) reaches
-# this: SmolLM2's 90 heads split into 8 at 0.55-0.73 and the rest <= 0.27 (docs/quality.md, "Retrieval-safe defaults")
+# retrieval_heads="auto" keeps the KV heads whose retrieval score (attention mass in [0, 1]) reaches this; why 0.4:
+# docs/quality.md, "Retrieval-safe defaults"
 RETRIEVAL_THRESHOLD = 0.4
 MAX_HISTORY_BITS = 3.0  # default cap on the history's average bits per element (INT2 heads + retrieval heads)
 RETRIEVAL_HEAD_MAX_BITS = 16  # the most a retrieval head costs per element (BF16 / FP16 storage)
-# retrieval_bits: 8 by default: INT8 (8.5 bits at head_dim 64) lets the 3.0-bit cap hold 7 of SmolLM2's 8 retrieval
-# heads instead of 3 at 16; INT4's min-max step over unrotated post-RoPE keys loses needles (17 of 24 vs 21: same doc)
+# retrieval_bits 8: the 3.0-bit cap holds more heads than at 16, and INT4 loses needles (same doc)
 RETRIEVAL_BITS = 8
 RETRIEVAL_BIT_CHOICES = (16, 8, 4)  # the model dtype, INT8, INT4 (the forms oscar_hf.cache.heads stores)
 WINDOW_BITS = 16  # bits of a full-precision cached element in OscarConfig.stored_bits (BF16 / FP16)
-# The cache settings calibrate() may choose per model (oscar_hf.calibration.settings) and store in the artifact's
-# metadata["settings"]["chosen"]; a cache built from that artifact starts from them (artifact_settings).
+# The settings calibrate() may choose per model, stored in metadata["settings"]["chosen"] (artifact_settings)
 CHOSEN_FIELDS = ("sink", "recent", "group_size", "meta_dtype", "quantizer", "retrieval_heads", "retrieval_bits")
 
-# Named settings (``OscarConfig.from_preset``). "paper": the method authors' runs (FutureMLS-Lab/OSCAR): one group per
-# head (group_size None = head_dim) with float32 scale and zero, fixed clips K 0.96 / V 0.92, sink 64 / recent 256, no
-# centering, no retrieval head; their rotations are one per layer (``OscarRotations.from_reference`` or
-# ``calibrate(..., share_rotation_across_heads=True)``), but the preset works with any artifact.
+# Named settings (``OscarConfig.from_preset``). "paper": the method authors' runs (FutureMLS-Lab/OSCAR); it works with
+# any artifact, though theirs has one rotation per layer (``OscarRotations.from_reference``).
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": dict(sink=64, recent=256, group_size=None, meta_dtype="float32", clip_k=0.96, clip_v=0.92,
                   center=False, retrieval_heads=0)}
@@ -49,40 +43,27 @@ class OscarConfig:
     """Settings of an :class:`~oscar_hf.OscarCache` (frozen: a user's config is never mutated).
 
     Args:
-        sink: first tokens of each sequence kept in the model dtype (attention sinks), paper: 64.
-        recent: last tokens before the current position kept in the model dtype, paper: 256.
+        sink, recent: first tokens / last tokens before the current position kept in the model dtype.
         group_size: channels per quantization group along head_dim (one scale + zero each); ``None``: one group
-            per head (``head_dim``), resolved by the cache (:meth:`for_head_dim`).
+            per head, resolved by :meth:`for_head_dim`.
         bits: code width; only 2 is implemented.
-        clip_k, clip_v: clip ratio override, a float for all layers or one per layer; ``None``
-            takes the artifact's calibrated ratios (1.0 for artifact-free methods).
+        clip_k, clip_v: clip ratio, one float or one per layer; ``None``: the artifact's (1.0 without one).
         meta_dtype: dtype of scale/zero ("bfloat16", "float16" or "float32").
-        quantizer: how each group's scale and zero are set (``oscar_hf.quant``; same storage and read path):
-            "minmax" (its range, shrunk by the clip ratio) or "std" (an even grid around its mean, levels 0.996
-            standard deviations apart; no clip ratio).
-        method: rotation for ``OscarCache(model_config, ...)`` without an artifact:
-            "identity" (naive INT2) or "hadamard" (QuaRot-style).
-        center: use the artifact's calibrated offsets mu_K / mu_V when it has them.
-        key_offset: which key offset the INT2 history is centered on. "calibrated": the artifact's mu_K (with
-            ``center``); "prefill": per sequence and KV head, the mean of its own non-sink keys at its first demotion
-            (usually the prompt), fixed from then on; it follows the position-dependent drift of RoPE'd keys that a
-            calibrated mean misses at long context (any offset is exact: ``q·k = q·(k - mu) + q·mu``). Both caches;
-            the paged serving store takes "calibrated" only.
+        quantizer: "minmax" (the group's range shrunk by the clip ratio) or "std" (an even grid around its mean,
+            levels 0.996 standard deviations apart; no clip): ``oscar_hf.quant``.
+        method: rotation without an artifact: "identity" (naive INT2) or "hadamard" (QuaRot-style).
+        center: use the artifact's offsets mu_K / mu_V when it has them.
+        key_offset: "calibrated" (the artifact's mu_K) or "prefill": per sequence and KV head, the mean of its own
+            non-sink keys at its first demotion, which follows RoPE'd keys' drift at long context (any offset is exact:
+            ``q·k = q·(k - mu) + q·mu``). The paged serving store takes "calibrated" only.
         skip_layers: layers kept entirely in full precision (negative indices count from the end).
-        retrieval_heads: KV heads kept out of the INT2 history (keys and values, every position, stored as
-            ``retrieval_bits`` says), the rest of their layer quantized; they give back retrieval of single facts from
-            far back. ``"auto"`` (default): the artifact's best retrieval heads (``OscarRotations.retrieval_scores``)
-            scoring at least ``retrieval_threshold``, at most as many as keep :meth:`history_bits` within
-            ``max_history_bits``; none without scores. An int ``k``: the ``k`` best; or explicit ``(layer, kv_head)``
-            pairs (neither capped). Each costs :meth:`retrieval_head_bits` per element of its share of the history
-            instead of 2.5 (SmolLM2: 7 of 90 heads, 2.97 history bits at INT8; 3.7 at 16 bits).
-        retrieval_bits: 16 (the model dtype, exact), 8 (default) or 4: codes with a scale and zero per token and head
-            in the model dtype, min-max over head_dim (``oscar_hf.cache.heads``; :data:`RETRIEVAL_BITS` says why 8).
-            (``full_precision_heads`` / ``full_precision_bits``: their old names, accepted with a FutureWarning.)
-        max_history_bits: cap of ``retrieval_heads="auto"`` on the average bits per history element over
-            all KV heads of the quantized layers (:meth:`history_bits`).
-        retrieval_threshold: retrieval score (attention mass in [0, 1]) from which ``retrieval_heads="auto"``
-            keeps a head; :data:`RETRIEVAL_THRESHOLD` says why 0.4.
+        retrieval_heads: KV heads kept out of the INT2 history (stored as ``retrieval_bits`` says). ``"auto"``: the
+            artifact's heads scoring at least ``retrieval_threshold``, as many as keep :meth:`history_bits` within
+            ``max_history_bits`` (none without scores); an int ``k``: the ``k`` best; or ``(layer, kv_head)`` pairs.
+        retrieval_bits: 16 (model dtype), 8 or 4 (codes with a scale and zero per token and head:
+            ``oscar_hf.cache.heads``). Old names ``full_precision_heads`` / ``_bits`` are accepted with a FutureWarning.
+        max_history_bits: cap of ``"auto"`` on the average bits per history element (:meth:`history_bits`).
+        retrieval_threshold: retrieval score from which ``"auto"`` keeps a head.
         block_size: history tokens dequantized at once by the CPU reference decode (bounded memory).
         prefill_chunk: tokens quantized at once when a long prompt is written to history.
         use_kernels: "auto" (Triton on CUDA when available), True (require) or False (torch reference).
@@ -111,8 +92,7 @@ class OscarConfig:
     def __post_init__(self):
         check_config(self, _META_DTYPES, RETRIEVAL_BIT_CHOICES, RETRIEVAL_HEAD_MAX_BITS)
 
-    # the names before "retrieval heads" became the one name, read by code not yet renamed (keywords warn instead:
-    # config_checks.renamed_keywords)
+    # the old names, still read by serving and eval
     full_precision_heads = property(lambda self: self.retrieval_heads)
     full_precision_bits = property(lambda self: self.retrieval_bits)
 
@@ -125,8 +105,7 @@ class OscarConfig:
 
     @classmethod
     def reference(cls, **overrides) -> "OscarConfig":
-        """The authors' settings (``from_preset("paper")``): group size = head_dim with float32 scale/zero, clips
-        K 0.96 / V 0.92, sink 64, recent 256, no centering."""
+        """``from_preset("paper")``."""
         return cls.from_preset("paper", **overrides)
 
     @classmethod
@@ -143,10 +122,8 @@ class OscarConfig:
         return base.replace(**overrides) if overrides else base
 
     def for_head_dim(self, head_dim: int, *, default_group: bool = False) -> "OscarConfig":
-        """This config with ``group_size=None`` resolved to ``head_dim`` (one group per head). ``default_group``: the
-        group size is :class:`OscarConfig`'s default, not the user's or an artifact's choice, so where 64 does not
-        divide ``head_dim`` it becomes :func:`default_group_size`'s (48 at Phi-3's 96); a chosen one stays (and is
-        checked by :func:`validate_head_dim`)."""
+        """``group_size=None`` resolved to ``head_dim``. ``default_group``: nobody chose the group size, so where it
+        does not divide ``head_dim`` it becomes :func:`default_group_size`'s (48 at 96); a chosen one stays."""
         if self.group_size is None:
             return self.replace(group_size=int(head_dim))
         if default_group and head_dim % self.group_size:
@@ -177,15 +154,13 @@ class OscarConfig:
         return out
 
     def retrieval_head_bits(self, head_dim: int) -> float:
-        """Bits per element of a retrieval head as stored (``retrieval_bits``; codes + a 16-bit scale and zero per
-        ``head_dim`` elements below 16)."""
+        """Bits per element of a retrieval head (codes + a 16-bit scale and zero per head below 16 bits)."""
         b = self.retrieval_bits
         return float(b) if b == 16 else b + 2 * 16 / head_dim
 
     def history_bits(self, head_dim: int, retrieval_share: float = 0.0, head_bits: float | None = None) -> float:
-        """Average bits per history element when ``retrieval_share`` of the quantized layers' KV heads are retrieval
-        heads (``head_bits`` each, default :meth:`retrieval_head_bits`) and the rest INT2 (code + scale/zero per
-        group: 2.5 at group 64, BF16)."""
+        """Average bits per history element when ``retrieval_share`` of the KV heads are retrieval heads and the rest
+        INT2 (2.5 at group 64, BF16)."""
         c = self.for_head_dim(head_dim)
         q = bits_per_element(head_dim, c.group_size, c.torch_meta_dtype)
         if head_bits is None:
@@ -193,9 +168,7 @@ class OscarConfig:
         return (1.0 - retrieval_share) * q + retrieval_share * head_bits
 
     def retrieval_head_budget(self, head_dim: int, num_heads: int, head_bits: float | None = None) -> int:
-        """How many of ``num_heads`` (the quantized layers' KV heads) may be retrieval heads (``head_bits`` each,
-        default :meth:`retrieval_head_bits`) while :meth:`history_bits` stays within ``max_history_bits``
-        (``retrieval_heads="auto"``)."""
+        """How many of ``num_heads`` may be retrieval heads while :meth:`history_bits` <= ``max_history_bits``."""
         if head_bits is None:
             head_bits = self.retrieval_head_bits(head_dim)
         q = self.history_bits(head_dim)
@@ -205,13 +178,10 @@ class OscarConfig:
         return min(n, num_heads)
 
     def stored_bits(self, fingerprint: "ModelFingerprint", quantized_layers: Sequence[int], context: int) -> float:
-        """THE memory budget's measure (``calibrate(budget_bits=...)``): average stored bits per cached K/V element over
-        the layers OSCAR quantizes (``quantized_layers``) once ``context`` tokens are cached: per layer and KV head the
-        ``min(context, sink + recent)`` window tokens at :data:`WINDOW_BITS`, the rest as INT2 codes + scale / zero
-        (:func:`~oscar_hf.quant.bits_per_element`) or a retrieval head's :meth:`retrieval_head_bits`, a ``skip_layers``
-        layer at :data:`WINDOW_BITS` for every token. ``retrieval_heads`` must be resolved (an int or pairs:
-        :func:`oscar_hf.layer_choice.resolve_retrieval_heads`). What is counted and why, and SmolLM2's 3.476:
-        docs/quality.md, "Settings chosen per model by calibration"."""
+        """The memory budget's measure (``calibrate(budget_bits=...)``): average stored bits per cached K/V element
+        over ``quantized_layers`` once ``context`` tokens are cached (window at :data:`WINDOW_BITS`, history INT2 or
+        retrieval heads, skipped layers at :data:`WINDOW_BITS`). ``retrieval_heads`` must be resolved. What is
+        counted: docs/quality.md, "Settings chosen per model by calibration"."""
         if isinstance(context, bool) or not isinstance(context, int) or context < 1:
             raise ValueError(f"context must be a positive int of tokens, got {context!r}")
         layers = sorted({int(i) for i in quantized_layers})
@@ -235,10 +205,10 @@ class OscarConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "OscarConfig":
-        """The config of :meth:`to_dict` (also after a JSON round trip: lists become tuples again)."""
+        """Inverse of :meth:`to_dict`, also after JSON (lists become tuples)."""
         if not isinstance(d, dict):
             raise ValueError(f"OscarConfig.from_dict needs a dict, got {type(d).__name__}")
-        d = renamed_keywords(d, "OscarConfig.from_dict", warn=False)  # configs saved before the rename load as they were
+        d = renamed_keywords(d, "OscarConfig.from_dict", warn=False)  # configs saved before the rename
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"unknown OscarConfig fields {unknown}")
@@ -248,7 +218,7 @@ class OscarConfig:
     def replace(self, **kw) -> "OscarConfig":
         return dataclasses.replace(self, **renamed_keywords(kw, "OscarConfig.replace"))
 
-    # the method names before "retrieval heads" became the one name
+    # the old method names
     full_precision_head_bits = retrieval_head_bits
     full_precision_head_budget = retrieval_head_budget
 
@@ -264,10 +234,8 @@ OscarConfig.__init__ = functools.wraps(_dataclass_init)(_init_with_old_names)
 
 
 def artifact_settings(metadata: dict) -> dict[str, Any] | None:
-    """The cache settings a calibration chose for its model (``metadata["settings"]["chosen"]``, written by
-    :func:`oscar_hf.calibration.settings.choose_settings`) as :class:`OscarConfig` keywords, checked; None when the
-    artifact has none (written before the search existed, or calibrated with ``choose_settings=False``): a cache from
-    it then starts from today's defaults, as before."""
+    """The settings a calibration chose (``metadata["settings"]["chosen"]``) as checked :class:`OscarConfig`
+    keywords; None when the artifact has none."""
     entry = (metadata or {}).get("settings")
     if not isinstance(entry, dict) or entry.get("chosen") is None:
         return None
@@ -286,18 +254,15 @@ def artifact_settings(metadata: dict) -> dict[str, Any] | None:
 
 
 def artifact_config(rotations) -> "OscarConfig | None":
-    """The :class:`OscarConfig` a cache from ``rotations`` starts from: the settings its calibration chose
-    (:func:`artifact_settings`), or None (no artifact, or none chosen: :class:`OscarConfig`'s defaults)."""
+    """The :class:`OscarConfig` of ``rotations``' chosen settings, or None."""
     chosen = artifact_settings(rotations.metadata) if rotations is not None else None
     return OscarConfig(**chosen) if chosen else None
 
 
 def starting_config(config: "OscarConfig | None", preset: str | None, rotations,
                     overrides: dict) -> tuple["OscarConfig", bool]:
-    """The config a cache or a serving store starts from, before the model's head_dim is known: ``config`` or the
-    named ``preset``, else the settings ``rotations``' calibration chose (:func:`artifact_config`), else
-    :class:`OscarConfig`'s defaults, with ``overrides`` on top; and whether its group size is the default nobody chose
-    (:meth:`OscarConfig.for_head_dim` then fits it to the head_dim)."""
+    """The config a cache or serving store starts from: ``config`` or ``preset``, else the artifact's chosen settings,
+    else the defaults, with ``overrides`` on top; and whether nobody chose its group size (for :meth:`for_head_dim`)."""
     default_group = config is None and preset is None and "group_size" not in overrides
     if config is None and preset is None:
         config = artifact_config(rotations)

