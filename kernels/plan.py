@@ -1,14 +1,6 @@
-"""Launch planning of the kernels: where a call runs, the named defaults, the split-K policy and launch shapes.
-
-Plain Python and torch only (no Triton import), so that the cache can size its grid and the package can be
-imported on machines without Triton.
-
-* :mod:`~oscar_hf.kernels.settings` (re-exported here): :func:`triton_enabled` and the named defaults
-  (:class:`DecodeDefaults` / :data:`DEFAULTS`, the retrieval heads' :class:`HeadsDefaults`).
-* :func:`num_splits`: the split-K factor (the wave model), and the choices that follow from a call's shape:
-  the Gluon kernel's long-split path (:func:`gluon_plan`), the combine kernel's launch (:func:`combine_shape`).
-* :func:`decode_plan` / :class:`DecodePlan`: all of them for one decode call (which kernels, grids, tiles, register
-  caps, PDL), from its shapes and flags; the launchers read only the plan.
+"""Launch planning: the split-K wave model and :func:`decode_plan`, every launch decision of one decode call (kernels,
+grids, tiles, register caps, PDL) from its shapes and flags; the launchers only read the plan. Plain Python and torch
+(no Triton import), so the cache can size its grid on machines without Triton. Re-exports :mod:`.settings`.
 """
 from __future__ import annotations
 
@@ -23,17 +15,15 @@ from .settings import (DEFAULTS, HEADS_DEFAULTS, DecodeDefaults, HeadsDefaults, 
 
 # ---- the shapes the Triton kernels serve (the tests in tests/kernels parametrize over the same tuples)
 
-# head_dims of the decode read (split kernel, combine, query rotation) and of the writes (prefill, the decode step's
-# append; also 32 there). A power of two, or 96 (Phi-3): the kernels pad a non-power-of-two head_dim to the next
-# power of two inside (tl.arange takes powers of two only), masking the padded channels (DP, D4P in the kernels).
+# head_dims of the decode read and of the writes (also 32 there). 96 (Phi-3) is padded to 128 inside the kernels
+# (tl.arange takes powers of two only), the padded channels masked (DP, D4P).
 KERNEL_HEAD_DIMS = (64, 96, 128, 256, 512)
 WRITE_HEAD_DIMS = (32, *KERNEL_HEAD_DIMS)
 
 
 def group_fits(d: int, group_size: int) -> bool:
-    """Whether the kernels take ``group_size`` channels per scale / zero at head_dim ``d``: a divisor of ``d`` that is
-    a power of two (planes of ``D/4`` channels then lie inside a group, or groups inside a plane, whenever ``d`` is a
-    power of two) or a whole number of planes (24, 48, 96 at ``d = 96``)."""
+    """Whether the kernels take ``group_size`` channels per scale / zero at head_dim ``d``: a power-of-two divisor of
+    ``d``, or a whole number of ``D/4``-channel planes (24, 48, 96 at ``d = 96``)."""
     g = group_size
     return g > 0 and d % g == 0 and ((g & (g - 1)) == 0 or g % (d // 4) == 0)
 
@@ -64,9 +54,8 @@ M_PAD_MIN = 16  # smallest query-row tile of the split kernel (tl.dot needs 16; 
 
 
 def resident_programs(defaults: DecodeDefaults = DEFAULTS, maxnreg: int | None = -1) -> int:
-    """Split-kernel programs one SM holds at once: from the register cap (``65536 // (maxnreg * 32 * num_warps)``, 3
-    at 168), else 2 (ptxas takes 238-255 registers x 128 threads for the default tile). ``maxnreg`` -1: the
-    defaults' cap."""
+    """Split-kernel programs one SM holds: ``65536 // (maxnreg * 32 * num_warps)`` under a register cap (-1: the
+    defaults'), else 2 (ptxas takes 238-255 registers for the default tile)."""
     cap = defaults.maxnreg if maxnreg == -1 else maxnreg
     if cap:
         return max(1, 65536 // (cap * 32 * defaults.num_warps))
@@ -74,17 +63,15 @@ def resident_programs(defaults: DecodeDefaults = DEFAULTS, maxnreg: int | None =
 
 
 def wave_splits(n: int, bh: int, sms: int, block_n: int, min_split: int, max_waves: int, resident: int) -> int:
-    """The wave model: the GPU runs ``slots = resident x SMs`` programs at once, so ``bh * S`` programs take
-    ``ceil(bh * S / slots)`` waves, each as long as one split, ``ceil(n / S)`` tokens (plus half a block for the
-    deferred loop's reference prologue). Take the ``S`` of least ``waves x blocks per split`` (the smallest on ties:
-    fewer partials to merge), at least ``min_split`` tokens per split, at most ``max_waves``."""
+    """The wave model: ``bh * S`` programs on ``resident x SMs`` slots take ``ceil(bh * S / slots)`` waves of one
+    split each. Returns the ``S`` of least ``waves x (blocks per split + 1/2)`` (smallest on ties), with at least
+    ``min_split`` tokens per split and at most ``max_waves`` waves."""
     bh = max(bh, 1)
     s_max = max(1, min(cdiv(n, min_split), cdiv(n, block_n)))
     slots = resident * sms
     s_max = min(s_max, max(1, max_waves * slots // bh))
-    # cost(S) = waves(S) * (blocks(S) + 1/2), waves non-decreasing and blocks non-increasing in S: among the S with
-    # w waves the largest is cheapest, and the smallest S with its block count costs no more. So one candidate per
-    # wave count instead of a scan over S (this runs on the host at every decode step of every layer).
+    # waves non-decreasing and blocks non-increasing in S: one candidate per wave count suffices, not a scan over S
+    # (this runs on the host every decode step of every layer)
     best, best_cost = 1, None
     for w in range(1, cdiv(bh * s_max, slots) + 1):
         s_top = min(s_max, w * slots // bh)
@@ -100,9 +87,8 @@ def wave_splits(n: int, bh: int, sms: int, block_n: int, min_split: int, max_wav
 
 def num_splits(n: int, bh: int, device: torch.device, defaults: DecodeDefaults | None = None,
                static: bool = False) -> int:
-    """Split-K factor ``S`` of the Triton split kernel for ``bh`` (row, KV head) pairs of ``n`` history tokens
-    (:func:`wave_splits`). ``static``: the grid of the static cache's call, which runs without the register cap (so
-    with fewer programs per SM)."""
+    """Split-K factor of the split kernel for ``bh`` (row, KV head) pairs of ``n`` history tokens. ``static``: the
+    static cache's call, which runs without the register cap."""
     d = defaults or DEFAULTS
     resident = resident_programs(d, None if static else d.maxnreg)
     return wave_splits(n, bh, device_sms(device), d.block_n, d.min_split, d.max_waves, resident)
@@ -117,29 +103,27 @@ class GluonPlan(NamedTuple):
 
 
 def long_splits(defaults: DecodeDefaults, n: int, s_hist: int) -> bool:
-    """Whether ``n`` history tokens in ``s_hist`` splits make splits of at least ``gluon_long_split`` tokens: then the
-    Gluon kernel takes int8 key MMAs (their setup pays back over a long split only) and ``gluon_stages_long``."""
+    """Splits of at least ``gluon_long_split`` tokens: the Gluon kernel then takes int8 key MMAs (whose setup pays
+    back over a long split only) and ``gluon_stages_long``."""
     return n >= max(s_hist, 1) * defaults.gluon_long_split
 
 
 def gluon_query_groups(m: int, d: int) -> int:
-    """Programs per (row, KV head) of the Gluon history kernel, each for ``m / groups`` query rows: 2 at D = 64 with 5
-    to 8 rows (an even number; its logit columns hold two tokens' columns for <= 4 rows), else 1."""
+    """Gluon history programs per (row, KV head): 2 at D = 64 with an even 5-8 query rows (its logit tile holds <= 4
+    rows), else 1."""
     return 2 if (d == 64 and 4 < m <= 8 and m % 2 == 0) else 1
 
 
 def tokens_per_step(m: int, d: int = 128) -> int:
-    """Tokens per step of the Gluon history kernel: two token sets of 16 (TB = 2) where <= 4 query rows leave half the
-    logit tile's 8 columns free, at D = 128 only (D = 256: its 8 chunk accumulators and query operands fill the
-    registers at TB = 1); at D = 64 16 code rows of two tokens (for each query group's <= 4 rows)."""
+    """Tokens per Gluon step: 32 (two sets of 16) where <= 4 query rows leave half the logit tile free at D = 128, and
+    at D = 64; else 16 (D = 256 fills the registers at one set)."""
     return 32 if ((m <= 4 and d == 128) or d == 64) else 16
 
 
 def gluon_plan(defaults: DecodeDefaults, tokens_per_step: int, n: int, bh: int, device: torch.device,
                head_dim: int = 128) -> GluonPlan:
-    """Where the splits at the short-split residency (``gluon_resident``) are long, the long splits' residency and
-    register cap instead (with fewer slots the wave model picks fewer, so longer, splits). ``head_dim`` 256: its own
-    residency and cap at every split length; 64: the short splits' at every split length (no int8 keys)."""
+    """The Gluon grid: the short-split residency and cap, or the long splits' where those splits are long;
+    ``head_dim`` 256 has its own, 64 always the short splits' (no int8 keys)."""
     d = defaults
     sms = device_sms(device)
 
@@ -160,8 +144,8 @@ def few_rows(rows: int, device: torch.device) -> bool:
 
 
 def pow2_below_within(s: int, slack: float) -> int:
-    """``s`` splits, or the power of two below it if that is at most ``slack * s`` fewer: the combine merges a row's
-    splits in tiles of a power of two (132 splits would fill a tile of 256 rows, 128 fill one of 128)."""
+    """``s``, or the power of two below it if at most ``slack * s`` fewer: the combine merges splits in power-of-two
+    tiles (132 splits would take a tile of 256)."""
     p = 1 << max(s.bit_length() - 1, 0)
     return p if s > p and s - p <= slack * s else s
 
@@ -175,18 +159,16 @@ class CombineShape(NamedTuple):
 
 
 def merge_step(defaults: DecodeDefaults, s_hist: int, s_win: int, few: bool, d: int = 128) -> int:
-    """Split partials the combine merges per step: all of a row's (a power of two), at most ``merge_block``
-    (``merge_block_few`` where the combine has fewer rows than SMs; ``merge_block_xwide`` at head_dims above 256, whose
-    ``[S_BLOCK, D]`` tile of partials sits in registers)."""
+    """Split partials the combine merges per step: a row's all (a power of two), capped by ``merge_block`` (``_few``
+    under fewer rows than SMs, ``_xwide`` above D = 256)."""
     cap = defaults.merge_block_xwide if d > 256 else defaults.merge_block_few if few else defaults.merge_block
     return min(pow2_at_least(max(s_hist, s_win, 1), 1), cap)
 
 
 def combine_shape(defaults: DecodeDefaults, d: int, rows: int, s_hist: int, s_win: int, device: torch.device,
                   few: bool) -> CombineShape:
-    """The decode op's combine launch for ``rows`` query rows (B x Hk x M) of head_dim ``d``. Few rows (fewer than
-    SMs): ``merge_out_parts`` programs a row of ``merge_warps_few`` warps; many: 4 warps, R_V in chunks; crowded
-    (``merge_one_warp_rows`` rows per SM): one warp per row, R_V in 16-row chunks, at most 16 splits a round."""
+    """The combine launch for ``rows`` (B x Hk x M) query rows. Few rows (< SMs): ``merge_out_parts`` programs a row;
+    many: 4 warps; crowded (``merge_one_warp_rows`` a SM): one warp a row, 16-row R_V chunks, <= 16 splits a round."""
     df = defaults
     s_block = merge_step(df, s_hist, s_win, few, d)
     many = not few and device.type == "cuda"
@@ -206,21 +188,17 @@ def combine_shape(defaults: DecodeDefaults, d: int, rows: int, s_hist: int, s_wi
     return CombineShape(s_block, c_block, warps, parts, hoist)
 
 
-# ---- the decode op's launch plan: every decision of one call, made once from shapes and flags (FlashInfer's plan();
-# the launchers in decode_triton.py and paged_decode.py then only allocate, launch and read the plan)
+# ---- the decode op's launch plan (FlashInfer's plan(); decode_triton.py and paged_decode.py launch from it)
 
 
 def gluon_pays(defaults: DecodeDefaults, bh: int, n: int) -> bool:
-    """Whether the Gluon history kernel pays for its extra launch: from ``gluon_min_work`` (~0.5 M) history
-    token-heads per call, ``bh`` (row, KV head) pairs of ``n`` tokens (docs/kernels.md); below, the split kernel runs
-    everything."""
+    """Whether the Gluon history kernel pays for its extra launch: ``bh * n >= gluon_min_work`` (docs/kernels.md)."""
     return bh * n >= defaults.gluon_min_work
 
 
 def fused_prologue(gluon: bool) -> bool:
-    """Whether the op from the unrotated query launches the rotation with the window programs (``_prologue_kernel``)
-    where it has both history and window: on the Gluon path, whose window programs leave the history's launch anyway
-    (tests force it on the split-kernel path, to run that launch under the interpreter)."""
+    """Whether the query rotation launches with the window programs (``_prologue_kernel``): on the Gluon path, whose
+    window programs are a launch of their own anyway (tests patch this to run it under the interpreter)."""
     return gluon
 
 
@@ -264,8 +242,8 @@ class DecodePlan:
 
 
 class DecodeShape(NamedTuple):
-    """A decode call's shape: ``B = b`` rows, ``Hk = hk`` KV heads, ``M = m`` query rows of head_dim ``d`` per KV head,
-    ``n`` INT2 history tokens (the capacity where the length is on the device) of ``group_size``, ``w`` window ones."""
+    """``b`` rows, ``hk`` KV heads, ``m`` query rows per KV head of head_dim ``d``, ``n`` INT2 history tokens (the
+    capacity where the length is on the device), ``w`` window tokens."""
 
     b: int
     hk: int
@@ -279,42 +257,30 @@ class DecodeShape(NamedTuple):
 def decode_plan(shape: DecodeShape, device: torch.device, *, window: bool = True, static: bool = False,
                 splits: int | None = None, rotate: bool = False, gluon_step: int = 0, page: int = 0,
                 sinks: bool = False, softcap: bool = False, defaults: DecodeDefaults = DEFAULTS) -> DecodePlan:
-    """The launch plan of one decode call of ``shape`` on ``device`` (its SMs and compute capability), no tensor.
+    """The launch plan of one decode call of ``shape`` on ``device``; no tensor.
 
-    window: the whole op (window programs, normalized output); False: the history's partials only.
-    static: the history length is read on the device (the static cache's ``n_valid``): the grid follows from the
-        capacity and ``splits`` (the cache's fixed split count; None: the wave model's), so a CUDA graph stays valid.
-    rotate: the op rotates the query itself (its first launch).
-    gluon_step: the Gluon kernel's tokens per step where it serves this call's tensors
-        (``decode_gluon.gluon_supported`` / ``tokens_per_step``: D = 128 or 256; D = 64 with ``M <= 4``, or an even
-        ``M <= 8`` in two query groups), 0 where not.
-    page: entries per page of a paged history (the serving pool, ``paged_decode``), 0 for a contiguous one.
-    sinks: one more partial per row after the window's, which the launcher fills with the attention sink's logit
-        (``m = s``, ``l = 1``, ``acc = 0``): the combine merges it like a window partial, so no kernel knows of sinks.
-    softcap: the logits are soft-capped (Gemma 2): the split kernel caps them (``SOFTCAP``); the Gluon kernel does
-        not, so the split kernel serves the history whatever ``gluon_step`` says.
+    window: False: the history's partials only. static: the length is on the device (``n_valid``); the grid follows
+    from the capacity and ``splits`` so a CUDA graph stays valid. rotate: the op rotates the query itself.
+    gluon_step: the Gluon kernel's tokens per step where it serves the call (0: not). page: entries per page of a
+    paged history (0: contiguous). sinks: one more partial per row, the sink's logit (``m = s, l = 1, acc = 0``),
+    merged like a window partial. softcap: the Gluon kernel has none, so the split kernel serves the history.
     """
     df, (b, hk, m, d, n, group_size, w) = defaults, shape
     bh = b * hk
     m_pad = pow2_at_least(m, M_PAD_MIN)
-    # the defaults were tuned for D = 128 and <= 16 query rows per KV head; other shapes take 64-token blocks (larger
-    # tiles would spill registers there), D = 512 32-token ones
+    # defaults tuned for D = 128, <= 16 query rows; larger tiles would spill registers elsewhere
     block_n = df.block_n if (d == 128 and m_pad <= 16) else df.block_n_xwide if d > 256 else df.block_n_other
     if page >= 16 and page & (page - 1) == 0:  # pages of a power of two: a block in one page, one table load a block
         block_n = min(block_n, page)
-    # the deferred loop: each plane (D/4 channels) inside one group, G a multiple of D/4, and at most 16 query rows per
-    # KV head (its elementwise [BLOCK_N, M_PAD] tiles would spill registers beyond); the dequant loop serves the rest
+    # the deferred loop needs G a multiple of D/4 and <= 16 query rows ([BLOCK_N, M_PAD] tiles spill beyond)
     deferred = group_size % (d // 4) == 0 and m_pad <= 16
-    # the register cap was measured for the deferred loop's default tile over a contiguous history only; the static
-    # cache's variant (length read on the device) would spill 184 bytes under it (tests/kernels/test_compile_sm90.py)
+    # the cap was measured for the contiguous deferred loop only; the static variant spills under it (test_compile_sm90)
     maxnreg = df.maxnreg if (not static and not page and deferred and d == 128) else None
     qg = gluon_query_groups(m, d)
-    # D = 64 with 5-8 query rows per KV head (gpt-oss 64 / 8): two programs per (row, KV head), each for half the rows
-    # (the kernel's logit columns hold <= 4 at D = 64); H200, 64 / 8 heads: B=8/128K 0.76x -> 1.92x BF16 SDPA
+    # D = 64 with 5-8 query rows (gpt-oss): two query groups (gluon_query_groups)
     gluon = gluon_step > 0 and not softcap and gluon_pays(df, bh, n) and (d != 64 or m <= 4 or qg > 1)
     if gluon:
-        # the Gluon kernel's step and residency (its programs: qg per (row, KV head)); the static cache's `splits`
-        # (sized for the split kernel) are not used: its grid follows from the capacity alone, so it is just as fixed
+        # the static cache's `splits` (sized for the split kernel) unused: the capacity alone fixes the Gluon grid
         gp = gluon_plan(df, gluon_step, n, bh * qg, device, d)
         block_n, maxnreg, splits = gp.block_n, None, None
     few = few_rows(bh * m, device)  # combine programs (one per query row) fewer than SMs
@@ -339,15 +305,12 @@ def decode_plan(shape: DecodeShape, device: torch.device, *, window: bool = True
     if window and gluon and bh * cdiv(w, df.gluon_win_split) <= 8 * device_sms(device):
         win_split = df.gluon_win_split
     s_win = cdiv(w, win_split) if window else 0
-    # programmatic dependent launch (sm_90+) on the Gluon path where the call launches the rotation itself, right
-    # before the history: the history loads its first steps, then waits for the rotation; each history program lets
-    # the combine launch after its loop (the combine waits for the history grid's completion before it reads)
+    # PDL (sm_90+) on the Gluon path after the call's own rotation: the history loads its first steps before waiting
     pdl = bool(gluon and s_hist and rotate and device.type == "cuda" and cuda_major(device) >= 9)
     fused = bool(rotate and s_hist and s_win and fused_prologue(gluon))
     long_ = bool(gluon and s_hist and long_splits(df, n, s_hist))
     k8 = long_ and d == 128  # (int8 keys at D = 128 only: D = 256's long splits take fp16 keys, the long stages)
-    # the int8 key path's query operands built once per (row, KV head) by the prologue's rotation programs, one per
-    # plane, not by every history program; and the history programs' wait for them on counters those programs raise
+    # the int8 key path's query operands built once by the prologue's rotation programs, not by every history program
     qpre = fused and k8
     pid_off = s_hist if gluon else 0
     s_after = s_win + int(sinks and window)  # the partials after the history's: window programs' and the sink's
@@ -362,9 +325,7 @@ def decode_plan(shape: DecodeShape, device: torch.device, *, window: bool = True
         fused_prologue=fused, qpre=qpre, pdl=pdl, ready=qpre and pdl, tb=gluon_step // 16 if qpre else 2,
         pid_off=pid_off, split_programs=(s_hist if fused else s_hist + s_win) - pid_off,
         split_window=s_win > 0 and not fused,
-        # D = 256, 64 query rows or the dequant loop's per-channel metadata: 8 warps (and 2 stages for D = 256) keep the
-        # tiles in registers, except D = 256 on the deferred loop (<= 16 query rows): 4 warps; D = 512: 8 (spill
-        # bounds: tests/kernels/test_compile_sm90.py)
+        # warps that keep the tiles in registers (spill bounds: tests/kernels/test_compile_sm90.py)
         split_warps=(df.num_warps_xwide if d > 256 else df.num_warps_wide_deferred if (d > 128 and deferred)
                      else df.num_warps_wide if (d > 128 or m_pad >= 64 or group_size % (d // 4)) else df.num_warps),
         split_stages=df.num_stages_wide if d > 128 else df.num_stages,
@@ -376,8 +337,8 @@ def decode_plan(shape: DecodeShape, device: torch.device, *, window: bool = True
 
 
 class HeadsPlan(NamedTuple):
-    """The heads' read grid: ``splits`` history programs per (row, coded head) of ``split_len`` slots each (a multiple
-    of ``block_n``), one window program more; ``m_pad`` query rows per program (``tl.dot`` needs 16)."""
+    """The heads' read grid: ``splits`` history programs of ``split_len`` slots per (row, coded head), plus one window
+    program; ``m_pad`` query rows per program."""
 
     splits: int
     split_len: int
@@ -387,9 +348,8 @@ class HeadsPlan(NamedTuple):
 
 def heads_plan(pairs: int, n_hist: int, m: int, device: torch.device,
                defaults: HeadsDefaults = HEADS_DEFAULTS, d: int = 128) -> HeadsPlan:
-    """The grid of the heads' read for ``pairs`` (row, coded head) pairs of at most ``n_hist`` history slots and
-    ``m`` query rows each, head_dim ``d``: the INT2 kernel's wave model with the heads' defaults. Host code only
-    (testable anywhere; a CUDA graph keeps it, being a function of the storage's capacity)."""
+    """The heads' read grid for ``pairs`` (row, coded head) pairs of <= ``n_hist`` slots and ``m`` query rows: the
+    wave model with the heads' defaults (a function of the capacity, so a CUDA graph keeps it)."""
     df = defaults
     block_n = df.block_n_xwide if d > 256 else df.block_n
     s = 0 if n_hist <= 0 else wave_splits(n_hist, pairs, device_sms(device), block_n, df.min_split, df.max_waves,
