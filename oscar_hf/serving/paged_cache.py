@@ -1,43 +1,10 @@
-"""OSCAR's paged cache for Transformers 5.20+ continuous batching, whose sector allocators and
-``cache.update(..., kwargs)`` it follows (:mod:`~oscar_hf.serving.paged_cache_blocks` serves 5.17 - 5.19;
-:func:`~oscar_hf.serving.paged_oscar` picks the one that fits).
+"""OSCAR's paged cache for Transformers 5.20+ continuous batching (:mod:`.paged_cache_blocks` serves 5.17 - 5.19).
 
-How continuous batching runs a step (Transformers 5.2x, read off ``generation/continuous_batching``): the scheduler
-picks requests; ``ContinuousBatchingIOs.prepare_batch_tensors`` packs their new tokens into one row
-``input_ids [1, sum L_i]`` and calls ``cache.extend_read_and_write_indices(request_id, past_length, query_length,
-...)`` for each request in order; the model forward gets ``cache=<PagedAttentionCache>`` plus ``cu_seq_lens_q``,
-``read_index``, ``write_index`` and a block-diagonal 4D mask; every attention module calls
-``cache.update(k, v, layer_idx, kwargs=kwargs)`` and hands what it returns to ``ALL_ATTENTION_FUNCTIONS[name]``.
-
-Where OSCAR plugs in, with no change to Transformers:
-
-* :class:`OscarPagedCache` subclasses ``PagedAttentionCache``. It records the batch's ``(request_id, past_length,
-  query_length)`` from ``extend_read_and_write_indices`` (the request ids never reach the forward otherwise), and
-  its ``update`` returns a :class:`PagedOscarKV` handle for the layers the store quantizes (the others take the
-  BF16 paged path unchanged). ``free_blocks`` / ``reset`` also free the store.
-* The handle is an :class:`oscar_hf.attention.OscarKV`, so the project's registered ``oscar_<base>`` attention
-  (``oscar_sdpa``) serves it: one registration route for ``generate`` and for continuous batching.
-* :func:`~oscar_hf.serving.paged_oscar` builds it in place of the manager's own cache (see
-  :mod:`~oscar_hf.serving.batching`).
-
-Memory: when the store quantizes every layer of the model (all full attention, none skipped), Transformers allocates
-no BF16 K/V at all. While :class:`OscarPagedCache` is constructed, the ``"full_attention"`` allocator is
-:class:`OscarCacheAllocator` (a block = one INT2 page per layer; a request holds the pages of its history) and the
-memory handler is :class:`OscarMemoryHandler` (no
-BF16 read-back or ``[M, N + M]`` mask per cache token), so the flat cache tensor Transformers sizes from
-``num_blocks`` / ``max_memory_percent`` holds INT2 pages, and the store's page pool is laid out in that tensor. The
-scheduler's admission (``can_store_request_tokens``) then counts OSCAR bytes, a request also needs a free slot
-of the store's window pool (at most ``max_requests`` full-precision windows, allocated on demand) and a prompt the
-scheduler splits needs its length in the store's ``prompt_budget`` (its chunks are held in full precision until it
-completes); the memory handler reserves both from ``max_memory_percent`` before sizing the pages. Models with layers
-the store leaves to Transformers (sliding windows, ``skip_layers``) keep Transformers' BF16 cache and a separately
-sized pool.
-
-CUDA graphs (``use_cuda_graph``): decode-only batches replay Transformers' graphs with the store's decode step in
-them; the host side of a step (:meth:`RecordedBatch.prepare_forward`) runs before the forward, see
-:mod:`~oscar_hf.serving.batching`. Prefix sharing (``OscarPagedStore(prefix_sharing=True)``) and forks
-(``num_return_sequences > 1``) are the store's (:mod:`~oscar_hf.serving.prefix`), where it holds every layer; not
-followed (refused loudly): CPU offloading, torch.compile. See docs/serving.md.
+:class:`OscarPagedCache` records each batch's ``(request_id, past_length, query_length)`` and returns a
+:class:`PagedOscarKV` handle from ``update`` for the layers the store quantizes, which the registered ``oscar_<base>``
+attention serves. Where the store holds every layer, :class:`OscarCacheAllocator` and :class:`OscarMemoryHandler`
+make Transformers size its cache tensor in INT2 pages, which the store's pool is laid out in. How Transformers calls
+the cache, and the memory accounting: docs/serving.md sections 1 - 3.
 """
 from __future__ import annotations
 
@@ -63,16 +30,10 @@ from .store import OscarPagedStore
 class OscarCacheAllocator(FullAttentionCacheAllocator):
     """Transformers' block accounting for the layers the store quantizes, without their BF16 K/V.
 
-    A block is one store page (``page_size`` history entries, keys and values, of every quantized layer: INT2 rows
-    and the retrieval heads' coded rows): ``bytes_per_page`` is its bytes over the layers (rounded up), so sectors,
-    ``num_blocks`` and the memory budget count OSCAR bytes. A request of ``T`` tokens holds
-    ``ceil((T - S0 - W) / P)`` blocks: its history pages (the store's own count); its full-precision window is a slot
-    of the store's window pool, allocated before Transformers sizes its cache (so ``max_memory_percent`` sees it) and
-    taken at admission (:meth:`OscarPagedCache.can_store_request_tokens`). The blocks are bookkeeping only: the store
-    writes its pages through its own free list in the same memory (``num_blocks`` pages), and holds at most as many
-    pages as Transformers has handed out. Nothing here is read by the attention, so no read / write indices are
-    produced and the keys each request attends to count as its new rows only (the ``[sum L, sum L]`` mask
-    Transformers builds for sdpa is not read either). Bound to a store by :meth:`bind`."""
+    A block is one store page of every quantized layer, so sectors, ``num_blocks`` and the memory budget count OSCAR
+    bytes; a request of ``T`` tokens holds ``ceil((T - S0 - W) / P)`` blocks (its history pages). The blocks are
+    bookkeeping only (the store writes its pages through its own free list in the same memory): no read / write
+    indices, and each request's keys count as its new rows only. Bound to a store by :meth:`bind`."""
 
     supports_block_sharing = False  # Transformers keys blocks by their tokens; the store keys its pages (prefix.py)
     supports_block_table = False  # no flash decode fast path
@@ -130,12 +91,9 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
 
 
 class OscarMemoryHandler(PagedAttentionMemoryHandler):
-    """Transformers' sizing of the cache when every layer is OSCAR's: a cache token costs its INT2 share of a sector
-    only (no BF16 read-back at the attention peak, no read index), the sdpa masks are ``[M, M]`` (each request's
-    keys are its new rows for Transformers; the store reads the past), and what the store takes beside its pages is
-    reserved up front (:meth:`OscarPagedStore.reserved_bytes`: ``max_requests`` window slots, allocated on demand, and
-    the prompt chunks held in full precision, at most ``prompt_budget`` tokens), so that ``max_memory_percent`` bounds
-    them all. Bound to a store by :meth:`bind`."""
+    """Transformers' sizing when every layer is OSCAR's: a cache token costs its INT2 share of a sector only, the sdpa
+    masks are ``[M, M]``, and :meth:`OscarPagedStore.reserved_bytes` (window slots, ``prompt_budget``) is reserved up
+    front, so ``max_memory_percent`` bounds them all. Bound to a store by :meth:`bind`."""
 
     store: OscarPagedStore  # set on the bound subclass
 
@@ -186,9 +144,8 @@ _install_lock = threading.Lock()
 
 
 class _PerThread:
-    """Stands in for a class of Transformers' ``continuous_batching.cache`` module while some thread builds an OSCAR
-    cache: in that thread it is OSCAR's class, in every other thread Transformers' own (a plain paged cache built
-    meanwhile in another thread gets Transformers' allocator and sizing). Calls and attribute reads are forwarded."""
+    """Stands in for a class of Transformers' ``continuous_batching.cache`` module: OSCAR's class in a thread building
+    an OSCAR cache, Transformers' own in every other. Calls and attribute reads are forwarded."""
 
     def __init__(self, original: type):
         self.original = original
@@ -205,9 +162,8 @@ class _PerThread:
 
 @contextlib.contextmanager
 def _oscar_allocation(store: OscarPagedStore):
-    """Inside: Transformers' cache construction *in this thread* uses the OSCAR allocator and memory handler (the
-    module globals of ``continuous_batching.cache`` it reads are :class:`_PerThread` stand-ins while any thread builds
-    an OSCAR cache; Transformers' own classes otherwise). Restored on exit of the last builder."""
+    """Inside: Transformers' cache construction in this thread uses the OSCAR allocator and memory handler (through
+    :class:`_PerThread` stand-ins, restored on exit of the last builder)."""
     full = FullAttentionCacheAllocator.layer_type
     with _install_lock:
         if _installed["count"] == 0:
@@ -236,8 +192,8 @@ def _oscar_allocation(store: OscarPagedStore):
 
 
 class OscarPagedCache(RecordedBatch, PagedAttentionCache):
-    """``PagedAttentionCache`` whose OSCAR layers live in an :class:`OscarPagedStore` (see the module docstring).
-    Built by :func:`paged_oscar` in place of the manager's own cache, with the manager's arguments."""
+    """``PagedAttentionCache`` whose OSCAR layers live in an :class:`OscarPagedStore`; built by :func:`paged_oscar` in
+    place of the manager's own cache, with the manager's arguments."""
 
     # 5.20 - 5.23: Transformers' sdpa function (not the layer) calls ``cache.update``; OSCAR's registered function
     # then does it first (oscar_hf.patching), so that the handle never reaches Transformers' function
@@ -254,17 +210,12 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
             with _oscar_allocation(store):
                 super().__init__(*args, **kwargs)
             allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
-            # The pool: one page per block, laid out in the cache tensor after its two trash sectors, and the
-            # pool's trash page (where rows that demote nothing write) in the end of those sectors: a sector holds
-            # at least one page of every layer (Transformers never writes there: no BF16 layer).
+            # one page per block after the two trash sectors; the pool's trash page in the end of those sectors
             trash = 2 * self.bytes_per_sector - -(-store.page_bytes(allocator.tokens_per_page) // 128) * 128
             store.attach_pool(allocator.num_blocks, allocator.tokens_per_page, storage=self.cache_tensor[trash:])
-            # Transformers reads no past for these layers: the index tensors and sdpa masks it allocates are
-            # [*, 1 + M] instead of [*, num_blocks * P + M], and the scheduler's read budget (max_tokens_read, minus
-            # min(request length, read_cache_limit) per request) never runs out.
+            # Transformers reads no past for these layers: [*, 1 + M] index tensors and masks; no read budget spent
             self.max_tokens_read, self.read_cache_limit = 1, 0
-        # Prefix sharing is the store's (its own page keys: prefix.py), where it holds every layer and was asked for;
-        # Transformers' own would match BF16 blocks the store never wrote.
+        # prefix sharing is the store's (prefix.py); Transformers' own would match BF16 blocks the store never wrote
         self.allow_block_sharing = self.use_prefix_sharing = (
             self.oscar_owns_memory and store.prefix_sharing and self.allow_block_sharing)
         self.store = store
@@ -292,8 +243,7 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
 
     # ------------------------------------------------------------------ admission, requests leaving
     def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
-        """Transformers' admission, a window slot of the store for a request that has none yet, and, for a prompt this
-        step splits, its share of the store's ``prompt_budget`` (:meth:`OscarPagedStore.admit_prompt`)."""
+        """Transformers' admission, plus a store window slot for a new request and a split prompt's ``prompt_budget``."""
         new = state.request_id not in self.store.requests
         if new and not self.store.can_reserve():
             return False
@@ -317,8 +267,8 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
 
     # ------------------------------------------------------------------ prefix sharing, forks (oscar_hf.serving.prefix)
     def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
-        """Tokens of the prompt a new request takes from a live request's pages (the store's match); Transformers'
-        allocator holds the same blocks for it, so that admission counts the shared pages once."""
+        """Prompt tokens a new request takes from a live request's pages; Transformers' allocator holds the same blocks
+        for it, so admission counts them once."""
         if not self.use_prefix_sharing:
             return 0
         m, holder, k = self.store.share_prefix(request_id, list(prompt_ids))
@@ -328,8 +278,7 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
         return m
 
     def count_new_complete_blocks(self, state, request_len: int) -> dict[str, int]:
-        """Non-empty (then ``mark_complete_blocks`` offers the request's pages) when this forward writes a page for
-        good: once every ``P`` tokens, not every step (the offer reads the request's tokens)."""
+        """Non-empty (so ``mark_complete_blocks`` indexes the pages) once every ``P`` tokens, when a page is final."""
         n, shareable = state.current_len(), self.store.shareable_pages
         return {"oscar": 1} if self.use_prefix_sharing and shareable(n + request_len) > shareable(n) else {}
 
@@ -338,8 +287,7 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
             self.store.index_pages(state.request_id, state.initial_tokens + state.generated_tokens)
 
     def prepare_fork_request(self, src_state, dst_req_ids: list[str], copy_src_and_dst) -> list[str]:
-        """``num_return_sequences > 1``: as many children as the store and Transformers' blocks hold start as copies
-        of the source (:meth:`OscarPagedStore.fork`); Transformers prefills the others anew."""
+        """``num_return_sequences > 1``: the children that fit start as copies of the source; the rest are prefilled."""
         if not self.oscar_owns_memory:
             raise NotImplementedError("the OSCAR paged cache forks requests only where it holds every layer")
         fits = self.store.fork_fits(src_state.request_id, len(dst_req_ids))
