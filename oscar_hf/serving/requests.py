@@ -1,7 +1,5 @@
-"""Requests and memory of the paged OSCAR store (:class:`~oscar_hf.serving.store.OscarPagedStore`): the window
-slots of live requests (:class:`WindowPool`), one request's entry (:class:`RequestKV`), and the store's sizes,
-admission and accounting (:class:`StoreRequests`, a base of the store: it reads the store's ``config``, ``params``,
-``pool``, ``windows`` and ``requests``)."""
+"""Requests and memory of the paged store: window slots (:class:`WindowPool`), one request's entry
+(:class:`RequestKV`), and the store's sizes, admission and accounting (:class:`StoreRequests`, a base of the store)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,13 +18,9 @@ class WindowPool:
     """Full-precision windows of up to ``num_slots`` live requests: ``k, v [capacity, L, Hk, S0 + R, D]`` (model dtype;
     ``L`` quantized layers) and a free list of slots.
 
-    Allocated on demand, not up front: ``capacity`` starts at 0 and doubles (at most ``num_slots``) when a request is
-    admitted and no allocated slot is free, and goes back to 0 with :meth:`release_memory` when no request is live (a
-    manager stopping). At the Qwen3-8B shape a slot is 47 MB (36 layers x 8 heads x 321 entries x 128 x 2 x 2 bytes),
-    so 64 slots held from the start were 3 GB idle. The most they take, ``reserved_bytes``, is what the store's memory
-    plan reserves for them (:meth:`OscarPagedStore.reserved_bytes`). A growth copies the live slots through host
-    memory, so that the device never holds the old and the new tensors at once (nothing above ``reserved_bytes``); it
-    happens at admission, between forwards, at most log2(num_slots) + 1 times until the next release."""
+    Allocated on demand (a slot is 47 MB at the Qwen3-8B shape): ``capacity`` doubles up to ``num_slots`` when no
+    allocated slot is free, and goes back to 0 with :meth:`release_memory`. A growth copies the live slots through
+    host memory, so the device never holds more than ``reserved_bytes``."""
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, entries: int, head_dim: int,
                  dtype: torch.dtype, device):
@@ -38,8 +32,7 @@ class WindowPool:
         self.k = self.v = torch.empty((0, *self.slot_shape), dtype=dtype, device=self.device)
         self._free: list[int] = []  # allocated slots nobody holds
         self._held = 0
-        # CUDA graphs (:meth:`fix`): every slot allocated at once plus one trash slot, the last row of k / v, that the
-        # padded rows of a graphed step write to; None otherwise
+        # CUDA graphs (:meth:`fix`): one trash slot, the last row of k / v, for a graphed step's padded rows
         self.with_trash = False
         self.trash_slot: int | None = None
 
@@ -68,8 +61,7 @@ class WindowPool:
         return (self.num_slots + self.with_trash) * self.slot_bytes
 
     def fix(self) -> None:
-        """Allocate every slot now, and the trash slot (``with_trash``): a CUDA graph captured over the decode step
-        holds the windows' addresses, so they must not move while the manager lives (no growth on demand)."""
+        """Allocate every slot and the trash slot now: a captured CUDA graph holds the windows' addresses."""
         if self.trash_slot is None:
             self.with_trash = True
             self._grow(self.num_slots, trash=True)
@@ -113,13 +105,9 @@ class WindowPool:
 @dataclasses.dataclass
 class RequestKV:
     """One live request: its window slot, its block table (history pages, shared by its layers) and the tokens each
-    quantized layer has stored (the layers of one forward advance one after the other). While its prompt arrives in
-    chunks, ``prompt[layer]`` keeps the chunks so far in full precision (``[1, Hk, T, D]`` keys and values), so that a
-    later chunk attends to them exactly, as a prompt sent in one piece does; ``prompt_more`` says whether the
-    scheduler has more of the prompt to send after this step (None: not known, kept until the first decode step).
-    ``prompt_reserved`` is the share of the store's ``prompt_budget`` the request was given for that (its prompt's
-    length, reserved when the scheduler first split it: :meth:`OscarPagedStore.admit_prompt`); under a scheduler
-    (``prompt_more`` known) chunks are kept only within it."""
+    quantized layer has stored. While its prompt arrives in chunks, ``prompt[layer]`` keeps them in full precision
+    (``[1, Hk, T, D]`` keys and values) so a later chunk attends to them exactly; ``prompt_more``: the scheduler has
+    more to send (None: not known); ``prompt_reserved``: its share of ``prompt_budget``."""
 
     slot: int
     table: list[int]
@@ -135,7 +123,8 @@ class RequestKV:
 
 
 class StoreRequests:
-    """The store's sizes, requests and accounting (a base of :class:`~oscar_hf.serving.store.OscarPagedStore`)."""
+    """The store's sizes, requests and accounting (a base of the store: reads its ``config``, ``pool``, ``windows``,
+    ``requests``)."""
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -149,30 +138,23 @@ class StoreRequests:
         return HeadLayout([self.num_kv_heads - c for c in coded], coded, self.config.full_precision_bits, self.dtype)
 
     def page_bytes(self, page_size: int) -> int:
-        """Bytes of one page of ``page_size`` history entries, keys and values of every quantized layer: the INT2 rows
-        and the retrieval heads' coded rows."""
+        """Bytes of one page of ``page_size`` history entries, keys and values, of every quantized layer."""
         return page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, page_size, self.config.group_size,
                           self.config.torch_meta_dtype, self._layout())
 
     def prompt_token_bytes(self) -> int:
-        """Bytes a prompt token costs while its prompt arrives in chunks: its keys and values in every quantized layer,
-        held in full precision until the prompt is complete (``RequestKV.prompt``, ``[1, Hk, T, D]`` per layer)."""
+        """Bytes a prompt token costs while held in full precision (``RequestKV.prompt``), over every layer."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.windows.k.element_size()
 
     def prompt_transient_bytes(self, max_batch_tokens: int) -> int:
-        """The most memory prompts arriving in chunks take beside the pages and windows: ``prompt_budget`` tokens held
-        (:meth:`prompt_token_bytes`), plus one chunk call over the longest of them (one layer, ``T <= prompt_budget``
-        keys; chunk of ``L <= max_batch_tokens`` rows): its keys and values repeated to the ``Hq`` query heads
-        (``[1, Hq, T, D]`` each, what Transformers' sdpa hands SDPA) and its causal mask ``[L, T]`` in the model
-        dtype. The concatenation that extends a layer's held chunks holds the old and the new ones of that layer for a
-        moment, before the call: within the call's term (``Hq >= Hk``)."""
+        """The most chunked prompts take beside pages and windows: ``prompt_budget`` tokens held, plus one chunk call
+        over the longest (``[1, Hq, T, D]`` keys and values repeated to the query heads, an ``[L, T]`` mask)."""
         t, a = self.prompt_budget, self.windows.k.element_size()
         call = t * (2 * self.num_query_heads * self.head_dim + min(max_batch_tokens, t)) * a
         return t * self.prompt_token_bytes() + call
 
     def reserved_bytes(self, max_batch_tokens: int) -> int:
-        """What the store takes beside its page pool, at most: the windows of ``max_requests`` live requests and the
-        prompt transient (:meth:`prompt_transient_bytes`). Sizing the pool from a memory budget reserves it."""
+        """The most the store takes beside its page pool (windows and prompt transient); sizing reserves it."""
         return self.windows.reserved_bytes + self.prompt_transient_bytes(max_batch_tokens)
 
     def pages_in(self, budget: int, page_size: int, max_batch_tokens: int) -> int:
@@ -194,8 +176,7 @@ class StoreRequests:
         return -(-n // page_size) if n > 0 else 0
 
     def attach_pool(self, num_pages: int, page_size: int, storage: torch.Tensor | None = None) -> PagedInt2Pool:
-        """(Re)build the page pool: ``num_pages`` pages of ``page_size`` entries, in ``storage`` (flat uint8, see
-        :class:`PagedInt2Pool`) or in tensors of its own. Only while no request is live."""
+        """(Re)build the page pool, in ``storage`` (flat uint8) or its own tensors; only while no request is live."""
         if self.requests:
             raise RuntimeError(f"the store still holds {len(self.requests)} requests; free them before a new pool")
         self.pool = PagedInt2Pool(num_pages, self.num_layers, self.num_kv_heads, self.head_dim, page_size,
@@ -206,17 +187,14 @@ class StoreRequests:
         return self.pool
 
     def enable_graphs(self, rows: int) -> None:
-        """Make the decode step graph-safe for steps of up to ``rows`` rows (a CUDA-graph manager's padded batch):
-        the window slots are allocated now with a trash slot (:meth:`WindowPool.fix`: their addresses never change
-        after a capture) and the decode buffers take ``rows`` rows. Before the manager sizes its cache: the trash
-        slot is in :meth:`reserved_bytes`."""
+        """Make the decode step graph-safe for steps of up to ``rows`` rows; before the manager sizes its cache (the
+        trash slot counts in :meth:`reserved_bytes`)."""
         self.graph_rows = rows
         self.windows.with_trash = True
         self._buffers = None
 
     def check_pool_sizing(self, follows_blocks: bool) -> None:
-        """Who sizes the page pool: Transformers' blocks when the store quantizes every layer (``follows_blocks``),
-        else the user (Transformers keeps its BF16 cache for the other layers)."""
+        """Who sizes the page pool: Transformers' blocks (``follows_blocks``: the store has every layer), else the user."""
         if not follows_blocks and not self.has_pool:
             raise ValueError("this model has layers OSCAR does not quantize (sliding windows / skip_layers): its BF16 "
                              "paged cache stays and the INT2 pool is sized apart: give num_pages= or memory_budget=")
@@ -242,23 +220,19 @@ class StoreRequests:
         return sum(r.prompt_reserved for r in self.requests.values())
 
     def prompt_hold(self, request_id: str, prompt_len: int, split: bool) -> int:
-        """Tokens of ``prompt_budget`` that admitting this step's chunk of ``request_id`` needs: its whole prompt
-        (``prompt_len`` tokens) when the scheduler splits it and it has no reservation yet, else 0."""
+        """Tokens of ``prompt_budget`` this step's chunk needs: the whole prompt when split and unreserved, else 0."""
         r = self.requests.get(request_id)
         if not split or (r is not None and r.prompt_reserved):
             return 0
         return prompt_len
 
     def can_hold(self, tokens: int) -> bool:
-        """Whether ``tokens`` more prompt tokens fit the budget now. A prompt longer than the whole budget never
-        will: it is admitted without a reservation (its chunks are not kept, see :meth:`admit_prompt`)."""
+        """Whether ``tokens`` more prompt tokens fit the budget now (a prompt longer than the budget goes unreserved)."""
         return tokens > self.prompt_budget or self.prompt_reserved + tokens <= self.prompt_budget
 
     def admit_prompt(self, request_id: str, tokens: int) -> None:
-        """Reserve ``tokens`` of ``prompt_budget`` for ``request_id``'s chunks (the scheduler's admission, after
-        :meth:`can_hold`), given back when it decodes or leaves. A prompt longer than the whole budget gets none: its
-        later chunks attend to its INT2 history, as a long prompt through ``generate(prefill_chunk_size=...)`` does,
-        so its tokens depend on how the scheduler split it (logged once)."""
+        """Reserve ``tokens`` of ``prompt_budget`` (after :meth:`can_hold`), given back when it decodes or leaves. A
+        prompt longer than the budget gets none: its later chunks attend to its INT2 history (logged once)."""
         r = self.reserve(request_id)
         if tokens > self.prompt_budget:
             if not self._warned_prompt:
@@ -280,8 +254,7 @@ class StoreRequests:
         return r
 
     def note_prompt(self, request_id: str, more: bool | None) -> None:
-        """The scheduler's word for this step: ``request_id``'s prompt has more chunks to come (True), ends with this
-        step's (False), or None (not known). Decides whether its chunks stay in full precision (:class:`RequestKV`)."""
+        """Whether ``request_id``'s prompt has more chunks after this step (None: not known); see :class:`RequestKV`."""
         r = self.requests.get(request_id)
         if r is not None:
             r.prompt_more = more
@@ -301,10 +274,8 @@ class StoreRequests:
             self.free(rid)
 
     def release_memory(self) -> None:
-        """Every request leaves and the memory goes back: the window slots, and a page pool that lives in a
-        continuous-batching manager's cache tensor or was sized by it (``defer_pool``); a pool the caller sized
-        (``num_pages`` / ``memory_budget``) stays. What a stopping manager calls (:mod:`~oscar_hf.serving.batching`);
-        the next manager attaches a new pool."""
+        """A stopping manager's call: every request leaves; the window slots and a manager-sized pool (``defer_pool``)
+        give their memory back (a pool the caller sized stays)."""
         self.free_all()
         self.windows.release_memory()
         if self._deferred and self.has_pool:
@@ -346,11 +317,8 @@ class StoreRequests:
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, int]:
-        """Live requests, pages held, free and shared (held by several requests, stored once), the bytes of the pages
-        held (``history_bytes``: INT2 and coded rows; ``full_precision_heads_bytes``: the retrieval heads' share of
-        them), of the window slots allocated now, and of the prompts arriving in chunks (``prompt_bytes``: their chunks
-        so far, in full precision until the prompt is complete; ``prompt_tokens_reserved``: their share of
-        ``prompt_budget``)."""
+        """Live requests; pages used, free and shared; bytes of the pages held (``full_precision_heads_bytes``: the
+        retrieval heads' share), of the window slots and of the prompt chunks held; prompt tokens reserved."""
         pool = self.pool
         prompt = sum(x.numel() * x.element_size() for r in self.requests.values() for kv in r.prompt.values()
                      for x in kv)
