@@ -1,34 +1,22 @@
 """`PagedInt2Pool`: one preallocated pool of history pages shared by every request of a server.
 
-A **page** holds the history of ``P = page_size`` consecutive history entries of one request, for every quantized
-layer, keys and values (the unit Transformers' continuous batching calls a *block*: one page per layer). Layer ``l``
-keeps ``Hq_l`` of its KV heads in INT2 and its ``F_l`` retrieval heads (``OscarConfig.full_precision_heads``) as
-coded rows (:mod:`oscar_hf.cache.heads`: INT8 / INT4 codes with a scale and zero per token and head, or the model
-dtype at 16 bits). Each form has one flat head axis, layer ``l``'s keys then values, layer after layer:
+A **page** (Transformers' *block*) holds ``P = page_size`` consecutive history entries of one request, keys and values
+of every quantized layer: layer ``l``'s ``Hq_l`` INT2 heads and its ``F_l`` retrieval heads as coded rows
+(:mod:`oscar_hf.cache.heads`). Each form has one flat head axis, layer ``l``'s keys then values, layer after layer:
 
     INT2   codes [num_pages, 2 sum Hq_l, P, D/4] uint8       (four 2-bit codes per byte, plane layout)
            scale [num_pages, 2 sum Hq_l, P, D/G] meta dtype
            zero  [num_pages, 2 sum Hq_l, P, D/G] meta dtype
     coded  parts [num_pages, 2 sum F_l, P, *]                 (heads.part_specs: codes, scale, zero; or the values)
 
-so that a layer's keys of every page are one strided view ``[num_pages, Hq_l, P, *]`` (what the paged kernel reads)
-and a retrieval head costs its coded bytes only, no INT2 row it would never read. Without retrieval heads
-(``Hq_l = Hk``) ``codes / scale / zero`` are the same memory viewed ``[num_pages, L, 2, Hk, P, *]``.
+so a layer's keys of every page are one strided view ``[num_pages, Hq_l, P, *]`` (what the paged kernel reads).
+Without retrieval heads ``codes / scale / zero`` are also viewed ``[num_pages, L, 2, Hk, P, *]``.
 
-A request owns a *block table*: the list of its page ids, history entry ``j`` at page ``table[j // P]``, offset
-``j % P`` (INT2 and coded rows alike). Pages are taken from a free list and given back when the request leaves; a
-reference count per page lets two requests hold the same page (prefix sharing, :meth:`acquire`), a page returning to
-the free list only when its last holder releases it. Nothing else is allocated while serving: memory is flat however
-requests come and go.
-
-With ``storage`` (a flat ``uint8`` tensor, e.g. the non-trash part of Transformers' paged cache tensor) the tensors
-are views into it, one after the other (widest element first: every offset stays aligned), instead of allocations
-of their own.
-
-With ``trash_page=True`` the tensors hold one more page, :attr:`PagedInt2Pool.trash_page` (index ``num_pages``), that
-is never handed out: the batched decode write sends the entries of rows that demote nothing this step (and of the
-padded rows of a CUDA-graphed step) there, so that every step writes one entry per row with fixed shapes and never
-touches a real request's pages.
+A request's *block table* lists its page ids: history entry ``j`` is at page ``table[j // P]``, offset ``j % P``.
+Pages are reference-counted (prefix sharing, forks) and come from a free list: nothing is allocated while serving.
+``storage``: the tensors are views of one flat ``uint8`` tensor (Transformers' cache tensor), widest dtype first.
+``trash_page``: one more page, never handed out, where the batched decode write sends the rows that demote nothing
+this step (and a graphed step's padded rows), so every step writes with fixed shapes.
 """
 from __future__ import annotations
 
@@ -47,18 +35,15 @@ KINDS = {"k": 0, "v": 1}
 
 
 def device_ids(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
-    """``values`` as a ``dtype`` tensor on ``device``, sent without waiting for the device: on CUDA a pinned host copy
-    goes asynchronously (``torch.tensor(values, device=...)`` from a list synchronizes the stream, which stalls the
-    prompt path's host and GPU work against each other at every layer)."""
+    """``values`` as a ``dtype`` tensor on ``device`` via an asynchronous pinned copy (``torch.tensor(list,
+    device=cuda)`` synchronizes the stream)."""
     t = torch.tensor(values, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
 @dataclasses.dataclass(frozen=True)
 class HeadLayout:
-    """A pool's heads per layer in each form: ``int2_heads`` / ``coded_heads`` (default: all ``num_kv_heads`` in INT2,
-    none coded); ``coded_bits`` / ``coded_dtype`` the coded rows' form (``OscarConfig.full_precision_bits``, the model
-    dtype)."""
+    """A pool's heads per layer in each form (default: all in INT2, none coded) and the coded rows' form."""
 
     int2_heads: Sequence[int] | None = None
     coded_heads: Sequence[int] | None = None
@@ -68,9 +53,7 @@ class HeadLayout:
 
 def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, group_size: int,
                meta_dtype: torch.dtype, layout: HeadLayout = HeadLayout()) -> int:
-    """Bytes of one page, keys and values: INT2 rows (D/4 code bytes + scale and zero, D/G each) of
-    ``layout.int2_heads[l]`` heads per layer (default: ``num_kv_heads`` in each of ``num_layers``) and coded rows of
-    ``layout.coded_heads[l]`` (``heads.row_bytes(coded_bits, D, coded_dtype)`` each)."""
+    """Bytes of one page, keys and values: INT2 rows (D/4 code bytes, D/G scales and zeros) and coded rows."""
     int2 = num_layers * num_kv_heads if layout.int2_heads is None else sum(layout.int2_heads)
     meta = torch.empty((), dtype=meta_dtype).element_size()
     row = head_dim // 4 + 2 * (head_dim // group_size) * meta
@@ -80,8 +63,7 @@ def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int
 
 
 def _views(storage: torch.Tensor, specs: list[tuple[tuple, torch.dtype]]) -> list[torch.Tensor]:
-    """One tensor per ``(shape, dtype)`` of ``specs``, consecutive views of the flat ``uint8`` tensor ``storage`` (no
-    copy, no allocation), laid out widest dtype first so that each starts aligned for its dtype."""
+    """One tensor per ``(shape, dtype)``, consecutive views of flat ``uint8`` ``storage``, widest dtype first (aligned)."""
     if storage.dtype != torch.uint8 or storage.dim() != 1:
         raise ValueError(f"pool storage must be a flat uint8 tensor, got {storage.dtype} {tuple(storage.shape)}")
     size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
@@ -105,8 +87,7 @@ class PoolExhausted(RuntimeError):
 
 
 class PagedInt2Pool:
-    """Fixed-size pool of history pages (see the module docstring for the layout), its heads per layer as ``layout``
-    says (:class:`HeadLayout`)."""
+    """Fixed-size pool of history pages (layout: the module docstring)."""
 
     def __init__(self, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                  group_size: int, meta_dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
@@ -159,9 +140,7 @@ class PagedInt2Pool:
         self.released = False  # release_storage() gave the tensors back
 
     def release_storage(self) -> None:
-        """Give the page tensors back (when they are views of a stopped manager's cache tensor, that tensor goes with
-        them); the accounting (``num_used``, ``peak_used``) stays readable, allocating a page raises. Only while no
-        page is held."""
+        """Give the page tensors back (only while no page is held); the accounting stays readable."""
         if self.num_used:
             raise RuntimeError(f"{self.num_used} pages are still held")
         empty = lambda t: t.new_empty((0, *t.shape[1:]))  # noqa: E731
@@ -236,21 +215,18 @@ class PagedInt2Pool:
             t[dest] = t[source]
 
     def rows(self, layer: int, kind: str) -> QuantizedRows:
-        """One layer's INT2 keys or values of every page, ``[num_pages, Hq_l, P, X]`` strided views (what the paged
-        kernel and :func:`~oscar_hf.kernels.paged_decode.gather_pages` read)."""
+        """One layer's INT2 keys or values of every page, ``[num_pages, Hq_l, P, X]`` strided views."""
         a = self._int2_at[layer] + KINDS[kind] * self.int2_heads[layer]
         return QuantizedRows(*(t[:, a : a + self.int2_heads[layer]] for t in self.int2))
 
     def coded_rows(self, layer: int, kind: str) -> tuple[torch.Tensor, ...]:
-        """One layer's coded keys or values (its retrieval heads) of every page, ``[num_pages, F_l, P, *]`` views in
-        the part order of :func:`oscar_hf.cache.heads.part_specs`."""
+        """One layer's coded keys or values of every page, ``[num_pages, F_l, P, *]`` views per ``heads.part_specs``."""
         a = self._coded_at[layer] + KINDS[kind] * self.coded_heads[layer]
         return tuple(t[:, a : a + self.coded_heads[layer]] for t in self.coded)
 
     def write(self, table: list[int], layer: int, kind: str, first: int, rows: QuantizedRows) -> None:
-        """Write packed rows ``rows.* [1, Hq_l, n, X]`` as history entries ``[first, first + n)`` of the request whose
-        block table is ``table`` (the pages must be allocated already): one indexed write per tensor, whatever
-        the number of pages (a 32K-token prompt spans 128 pages of 256)."""
+        """Write packed rows ``rows.* [1, Hq_l, n, X]`` as history entries ``[first, first + n)`` of the (allocated)
+        pages of ``table``: one indexed write per tensor, however many pages."""
         self._write(self.rows(layer, kind), table, first, rows)
 
     def write_coded(self, table: list[int], layer: int, kind: str, first: int, parts: tuple) -> None:
@@ -266,14 +242,12 @@ class PagedInt2Pool:
         scatter_entries(dst, pages[j // p - first // p], j % p, tuple(t[0].transpose(0, 1)[:, :, None] for t in src))
 
     def gather(self, pages: torch.Tensor, layer: int, kind: str, n: int) -> QuantizedRows:
-        """The first ``n`` INT2 entries of the pages ``pages [np]`` (long, in block-table order) as packed rows
-        ``[1, Hq_l, n, X]``: a copy of INT2 codes and metadata only, never a full-precision history."""
+        """The first ``n`` INT2 entries of ``pages [np]`` (block-table order) as packed rows ``[1, Hq_l, n, X]``."""
         return gather_pages(self.rows(layer, kind), pages, n)
 
     def gather_coded(self, page_ids: torch.Tensor, layer: int, kind: str, n: int) -> tuple[torch.Tensor, ...]:
-        """The first ``n`` coded entries of each row of ``page_ids [B, np]`` (long, block-table order, valid ids),
-        ``[B, F_l, n, *]`` per part (a copy of the coded rows; entries past a row's own history are whatever its
-        last page or page ``page_ids`` names holds: the reader masks them)."""
+        """The first ``n`` coded entries of each row of ``page_ids [B, np]``, ``[B, F_l, n, *]`` per part (entries
+        past a row's history are garbage the reader masks)."""
         b, np_ = page_ids.shape
         out = []
         for t in self.coded_rows(layer, kind):  # [num_pages, F, P, X]
