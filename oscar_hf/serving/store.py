@@ -1,42 +1,13 @@
 """`OscarPagedStore`: the OSCAR KV of every live request of a server: per request a full-precision sink + recent
 window (a slot of one :class:`WindowPool`), and its INT2 history in pages of one :class:`PagedInt2Pool`.
 
-Per request and quantized layer, with ``S0 = sink``, ``W = recent``, ``R = W + 1``, ``T`` tokens seen (no padding:
-every request is its own sequence), the layout of :mod:`oscar_hf.cache.window` (the compiled
-:class:`~oscar_hf.cache.compiled.CompiledOscarLayer`'s with one row and no crop reserve in the ring), whose writes it
-shares (a request's window slot as the window, :class:`~oscar_hf.cache.window.PagedHistory` as the history):
-
-* window slot ``[S0 + R, D]`` per KV head (model dtype): entries ``[0, S0)`` the sink (slots ``[0, S0)``), entries
-  ``[S0, S0 + R)`` a ring holding slot ``s`` at entry ``S0 + s % R``;
-* history: slots ``[S0, T - W)`` as entries ``j = slot - S0`` of the request's pages (block table shared by its
-  layers: page ``table[j // P]`` holds entries ``[P * (j // P), P * (j // P + 1))`` of every layer).
-
-**Retrieval heads** (``OscarConfig.full_precision_heads``: the artifact's by default, resolved as
-:class:`~oscar_hf.OscarCache` does) stay out of the INT2 rows: a layer's pages hold its other heads in INT2 and these
-heads' history entries as coded rows (:mod:`oscar_hf.cache.heads`, ``full_precision_bits``), written beside the INT2
-row of the same entry and freed with the same pages. They read their coded history and the exact window, unrotated
-(:class:`~oscar_hf.cache.params.LayerParams` splits a layer's heads); the INT2 path serves the other heads. A layer
-whose every head is a 16-bit retrieval head is exact and left to Transformers' paged cache, as ``OscarCache`` leaves it to Transformers' layer.
-
-**Decode rows** (one new token, ``T > 0``) of a forward are served together, one batched call per layer: the write
-(:func:`~oscar_hf.kernels.write_path.append`, one Triton launch on CUDA: slot ``T - 1 - W``, which left the
-window at the previous step, is quantized into the request's current page; the new token goes to ring entry
-``S0 + T % R`` and, while ``T < S0``, to the sink), then one paged decode attention
-over the history (through the block tables) and the window slots
-(:func:`~oscar_hf.kernels.decode.decode`: the split-K Triton kernel on CUDA). What the rows
-share across layers (slots, entries, pages, block tables, window masks) is planned on the host before the forward
-and written into fixed device buffers (:meth:`OscarPagedStore.plan_decode`, :class:`StepPlan`); the forward is
-device work only, so that Transformers' CUDA graphs may capture and replay it (padded rows go to a trash window slot
-and the pool's trash page; docs/serving.md, "CUDA graphs"). **Multi-token rows** (a prompt, a prompt chunk) are
-served one request at a time: the user's attention over the prompt when the request is new, else the history read
-in place a tile of rows at a time, merged with the window and the new rows
-(:func:`~oscar_hf.serving.paged_attention.paged_chunk_attention`); then they are stored
-(:func:`~oscar_hf.cache.window.commit`: the slots leaving the window demoted in ``prefill_chunk`` pieces).
-
-Requests get their window slot when admitted (:meth:`OscarPagedStore.reserve`, or at their first forward) and give
-slot and pages back with :meth:`OscarPagedStore.free`. Memory is bounded: the page pool is allocated once, the window
-slots grow on demand up to ``max_requests``, and a prompt arriving in chunks holds its chunks in full precision only
-within ``prompt_budget`` (:meth:`OscarPagedStore.reserved_bytes` is what these take at most, beside the pool).
+Per request and layer (``S0 = sink``, ``W = recent``, ``R = W + 1``, ``T`` tokens seen) the layout and writes of
+:mod:`oscar_hf.cache.window`: a window slot ``[S0 + R, D]`` per KV head (the sink, then a ring holding slot ``s`` at
+entry ``S0 + s % R``), and history slots ``[S0, T - W)`` as entries ``j = slot - S0`` of the request's pages.
+Retrieval heads are coded rows of the same pages (:mod:`.pool`). Decode rows of a forward are served together, one
+batched write and one paged decode call per layer, from a plan made on the host before the forward
+(:mod:`.decode_step`, so CUDA graphs can replay it); multi-token rows one request at a time (:meth:`_attend_one`).
+Memory and lifecycle: docs/serving.md section 3.
 """
 from __future__ import annotations
 
@@ -66,18 +37,12 @@ DEFAULT_CHUNK_TOKENS = 8192
 class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
     """The paged OSCAR KV store of a server (see the module docstring).
 
-    ``OscarPagedStore(model_or_config, rotations=None, config=None, *, num_pages=None, memory_budget=None,
-    page_size=256, max_requests=64, prompt_budget=None, device="cpu", dtype=torch.float32, **overrides)``:
-    ``rotations`` an :class:`OscarRotations` or None for the artifact-free ``method``; ``overrides`` are
-    :class:`OscarConfig` fields. At most ``max_requests`` requests are live (a window slot each, allocated on demand:
-    :class:`WindowPool`); at most ``prompt_budget`` prompt tokens (default: the model's ``max_position_embeddings``)
-    are held in full precision while their prompts arrive in chunks (:meth:`admit_prompt`). The page pool holds
-    ``num_pages`` pages, or as many as ``memory_budget`` bytes pay for after :meth:`reserved_bytes` (the windows at
-    ``max_requests`` and the prompt budget); with ``defer_pool=True`` it has no page pool until
-    :meth:`attach_pool` (what :func:`~oscar_hf.serving.paged_oscar` does: the pages then live in Transformers' paged
-    cache tensor, sized by its scheduler). Layers the store does not quantize (``skip_layers``, sliding-window
-    layers) are left to Transformers' own paged cache (:meth:`handles`). ``prefix_sharing=True``: a new request whose
-    prompt begins with pages a live request holds shares them (:mod:`~oscar_hf.serving.prefix`)."""
+    ``rotations``: None for the artifact-free ``method``; ``overrides``: :class:`OscarConfig` fields. At most
+    ``max_requests`` live requests; at most ``prompt_budget`` prompt tokens (default: ``max_position_embeddings``)
+    held in full precision while their prompts arrive in chunks. The pool holds ``num_pages`` pages, or what
+    ``memory_budget`` bytes pay for after :meth:`reserved_bytes`; ``defer_pool``: none until :meth:`attach_pool`
+    (:func:`~oscar_hf.serving.paged_oscar`: the pages live in Transformers' cache tensor). Layers it does not quantize
+    are left to Transformers (:meth:`handles`). ``prefix_sharing``: see :mod:`~oscar_hf.serving.prefix`."""
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
                  num_pages: int | None = None, memory_budget: int | None = None, page_size: int = 256,
@@ -107,8 +72,7 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         rots = {i: rotations.layers[i] for i in layers}
         heads = {i: retrieval_heads.get(i, ()) for i in layers}
         self.num_query_heads = fp.num_attention_heads
-        # tensor parallelism (a model loaded with tp_plan="auto"): this rank's pages and windows hold its own KV heads,
-        # with the rotations, offsets and retrieval heads of those heads (as OscarCache under TP)
+        # tensor parallelism (tp_plan="auto"): this rank's own KV heads, their rotations and retrieval heads
         self.tp_layout = tp_layout(model_or_config, hk, fp.head_dim, layers=set(layers))
         if self.tp_layout is not None and self.tp_layout.world > 1:
             lay = self.tp_layout
@@ -121,8 +85,6 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
             rots = {i: slice_layer_rotation(rots[i], lay.k[i], lay.v[i]) for i in layers}
             heads = {i: local_full_precision_heads(heads[i], lay.k[i], lay.v[i], i, lay.rank) if heads[i] else ()
                      for i in layers}
-        # per layer its parameters (the INT2 heads' rotations, clips, the split into INT2 and retrieval heads: the
-        # generate cache's LayerParams)
         self.params = {i: LayerParams.build(config, rots[i], i, self.num_kv_heads, heads[i], self.device)
                        for i in layers}
         self._rotations_cpu = rots
@@ -142,8 +104,7 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         self._buffers: DecodeBuffers | None = None
         self._kv = {}  # model layer -> its KVParams (the kernels' bundle of self.params), built at its first step
         self.graph_rows = 0  # CUDA graphs (enable_graphs): the most rows of a graphed decode step; 0 = off
-        # the longest history a request is expected to reach (sizes the decode buffers' block tables; a longer one
-        # takes fresh tensors, eagerly)
+        # the longest expected history: sizes the decode buffers' block tables (a longer one takes fresh tensors)
         self.max_positions = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.pool: PagedInt2Pool | None = None
         if not isinstance(prefix_sharing, bool):
@@ -166,10 +127,8 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
     def attend(self, layer_idx: int, query: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, batch,
                scaling: float, module, base: str) -> torch.Tensor:
         """``[1, Q, Hq, D]``: one layer of a packed forward. ``query [1, Hq, Q, D]``, ``new_k/new_v [1, Hk, Q, D]``,
-        ``batch`` the requests in packing order as ``(request_id, past_length, L_i)`` (``sum L_i <= Q``: rows past
-        them pad the batch to a CUDA-graph size and get 0); each request's rows attend to its own cache and new rows
-        (causal), which are then stored. The decode rows read the step's :class:`StepPlan`
-        (:meth:`plan_decode`, made here by the first layer when no prepare hook made it before the forward)."""
+        ``batch``: ``(request_id, past_length, L_i)`` in packing order (rows past ``sum L_i`` are graph padding and
+        get 0). Each request's rows attend causally to its cache and new rows, which are then stored."""
         total = sum(q for _, _, q in batch)
         if total > query.shape[2] or new_k.shape[2] != query.shape[2]:
             raise RuntimeError(f"OSCAR paged attention: the batch holds {total} new tokens, the query "
@@ -205,9 +164,7 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
                                                            dropout=0.0)
         elif exact:  # a later chunk of a prompt: exactly, over every earlier chunk
             k_all, v_all = torch.cat([earlier[0], new_k], 2), torch.cat([earlier[1], new_v], 2)  # [1, Hk, T + L, D]
-            # the layer's held chunks are k_all from here: the earlier ones go before the attention call repeats K/V to
-            # the query heads (both held only during the cat, within prompt_transient_bytes' call term)
-            earlier = None
+            earlier = None  # freed before the attention call repeats K/V (prompt_transient_bytes counts on it)
             row = t_old + torch.arange(l, device=query.device)[:, None]  # [L, 1] each new row's slot
             causal = torch.arange(t_old + l, device=query.device)[None, :] <= row  # [L, T + L]
             mask = torch.zeros(causal.shape, dtype=query.dtype, device=query.device).masked_fill(~causal, float("-inf"))
@@ -229,15 +186,13 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         commit(win_k, win_v, 0, self._history(r, li, t_old + l - w), p, self.config, t_old, new_k, new_v,
                floor=r.floor)
         r.lengths[layer_idx] = t_old + l
-        # more of the prompt may come: it stays exact, within the request's reservation when a scheduler drives the
-        # store (prompt_more known); without one (None) until the first decode step
+        # more of the prompt may come: kept exact within the reservation (without a scheduler: until the first decode)
         keep = r.prompt_more is None or (r.prompt_more and t_old + l <= r.prompt_reserved)
         if keep and (t_old == 0 or exact):
             r.prompt[li] = (k_all, v_all) if exact else (new_k.contiguous(), new_v.contiguous())
         return out
 
     def _history(self, r: RequestKV, li: int, end: int) -> PagedHistory:
-        """Where request ``r``'s history entries of pool layer ``li`` live, with pages for the slots below ``end``
-        (history entries ``[0, end - S0)``; the first layer to need a page takes it for all layers)."""
+        """Request ``r``'s history of pool layer ``li``, with pages allocated for the slots below ``end``."""
         self._pages_for(r, end - self.config.sink)
         return PagedHistory(self.pool, r.table, li)
