@@ -1,6 +1,4 @@
-"""The checks of an :class:`~oscar_hf.config.OscarConfig`: each field's range, at construction, with an error naming
-the field (:func:`check_config`); and the field names before "retrieval heads" became the one name
-(:data:`RENAMED_FIELDS`, :func:`renamed_keywords`)."""
+"""The checks of an :class:`~oscar_hf.config.OscarConfig` (:func:`check_config`) and its renamed fields."""
 from __future__ import annotations
 
 import warnings
@@ -8,14 +6,12 @@ from collections.abc import Sequence
 
 from .quant import QUANTIZERS
 
-# old keyword / field name -> today's: the retrieval heads were "full-precision heads" (INT8 by default, so the old
-# name said what they are not). Keywords warn (FutureWarning); saved configs and artifacts load either name.
+# old name -> today's. Keywords warn (FutureWarning); saved configs and artifacts load either name.
 RENAMED_FIELDS = {"full_precision_heads": "retrieval_heads", "full_precision_bits": "retrieval_bits"}
 
 
 def renamed_keywords(kw: dict, where: str, warn: bool = True, stacklevel: int = 3) -> dict:
-    """``kw`` with the old field names (:data:`RENAMED_FIELDS`) under today's; a FutureWarning naming the new name for
-    each old one (``warn``); a TypeError when both names are given."""
+    """``kw`` with old field names renamed (a FutureWarning each when ``warn``); a TypeError when both are given."""
     if not any(old in kw for old in RENAMED_FIELDS):
         return kw
     kw = dict(kw)
@@ -31,8 +27,7 @@ def renamed_keywords(kw: dict, where: str, warn: bool = True, stacklevel: int = 
 
 
 def check_config(c, meta_dtypes, bit_choices, max_head_bits) -> None:
-    """Raise ValueError naming the field of ``c`` (an ``OscarConfig``) that is out of range; normalize the sequences
-    (clips and skipped layers to tuples, retrieval-head pairs sorted) and the float fields in place."""
+    """Raise ValueError naming the field of ``c`` that is out of range; normalize sequences to tuples in place."""
     for name in ("sink", "recent"):
         if not isinstance(getattr(c, name), int) or getattr(c, name) < 0:
             raise ValueError(f"OscarConfig.{name} must be a non-negative int, got {getattr(c, name)!r}")

@@ -1,6 +1,5 @@
-"""What an artifact was made for: :class:`ModelFingerprint` (the shape facts of a model's text config) and each
-layer's kind as OSCAR sees it (:func:`layer_types_of`); the group size a head_dim takes (:func:`default_group_size`,
-:func:`validate_head_dim`)."""
+"""What an artifact was made for: :class:`ModelFingerprint`, each layer's kind as OSCAR sees it
+(:func:`layer_types_of`), and the group size a head_dim takes (:func:`default_group_size`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,18 +8,12 @@ from typing import Any
 
 from .quant import check_group_size
 
-# Layer kinds (ModelFingerprint.layer_types, read by layer_types_of from Transformers' config.layer_types): the
-# attention of each decoder layer as OSCAR sees it. FULL: OSCAR quantizes it (a "hybrid" layer's attention too: its
-# state is hybrid_state_layers'). SLIDING: Transformers' own full-precision sliding-window layer (bounded already).
+# Layer kinds. FULL: OSCAR quantizes it (a "hybrid" layer's attention too). SLIDING: Transformers' own layer.
 FULL_LAYER_TYPES = ("full_attention",)
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
-# Layers with a recurrent or convolution state and no per-token K/V (Qwen3-Next / Qwen3.5, Jamba, Bamba,
-# GraniteMoeHybrid, LFM2, ...): Transformers' own state layer, untouched.
+# Layers with a recurrent or convolution state and no per-token K/V: Transformers' own state layer, untouched.
 STATE_LAYER_TYPES = ("linear_attention", "conv")
-# Full attention kept in Transformers' own full-precision layer, with the reason OscarCache logs (FULL_PRECISION_WHY):
-# MLA (DeepSeek-V2/V3, GLM-4-MoE-Lite, Kimi-Linear, ...; its latent is 576 vs 40,960 K/V elements per token and layer
-# on DeepSeek-V3; an INT2 read would need kv_b_proj absorbed into the queries, model-specific code), KV sharing's store
-# layers (Gemma 3n, Gemma 4), keys and values of different head sizes (MiMo-V2-Flash, 192 / 128).
+# Full attention kept in Transformers' own full-precision layer, for the reason OscarCache logs (FULL_PRECISION_WHY)
 LATENT_LAYER_TYPE = "latent_attention"
 SHARED_KV_LAYER_TYPE = "shared_kv_attention"
 UNEQUAL_KV_LAYER_TYPE = "unequal_kv_attention"
@@ -54,8 +47,7 @@ class ModelFingerprint:
 
     @classmethod
     def from_config(cls, config) -> "ModelFingerprint":
-        """The text config's facts; ``head_dim`` / ``num_key_value_heads`` are those of the layers OSCAR quantizes
-        (Gemma 4's full-attention layers have their own, ``global_head_dim``: read from ``per_layer_config``)."""
+        """``head_dim`` / ``num_key_value_heads`` are those of the layers OSCAR quantizes (Gemma 4 has its own)."""
         cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         types = layer_types_of(cfg)
         first = next((i for i, t in enumerate(types) if t in FULL_LAYER_TYPES), 0)
@@ -97,8 +89,7 @@ class ModelFingerprint:
 
 
 def _layer_attr(cfg, i: int, name: str):
-    """``cfg.<name>`` as layer ``i`` sees it: heterogeneous configs (Gemma 4) hold it per layer, in ``per_layer_config``
-    (whose global attribute raises); None where the config has none."""
+    """``cfg.<name>`` as layer ``i`` sees it (Gemma 4: ``per_layer_config``, whose global attribute raises), or None."""
     try:
         return getattr(cfg.per_layer_config[i], name, None)
     except (AttributeError, IndexError, KeyError, TypeError):  # no per_layer_config (older Transformers, plain objects)
@@ -109,10 +100,9 @@ def _layer_attr(cfg, i: int, name: str):
 
 
 def kv_sharing_modes(cfg) -> list[str | None] | None:
-    """Per layer ``"store"`` (later layers reuse what its ``cache.update`` returned), ``"reuse"`` (attends to a store
-    layer's keys and values, caches nothing) or None; None for a model without KV sharing. Transformers 5.2x has
-    ``config.kv_sharing_modes``; 5.17 derives it in the model (Gemma 3n / Gemma 4: the last ``num_kv_shared_layers``
-    layers reuse the last earlier layer of their type), as here."""
+    """Per layer ``"store"`` (later layers reuse its K/V), ``"reuse"`` (caches nothing) or None; None without KV
+    sharing. Older Transformers derive it in the model (the last ``num_kv_shared_layers`` layers reuse the last
+    earlier layer of their type), as here."""
     modes = getattr(cfg, "kv_sharing_modes", None)
     if modes is not None:
         return list(modes)
@@ -130,10 +120,8 @@ def kv_sharing_modes(cfg) -> list[str | None] | None:
 
 
 def layer_types_of(cfg) -> list[str]:
-    """Per-layer kind as OSCAR sees it (the constants above): Transformers' ``layer_types`` (inferred as its caches do
-    when absent; works on 5.10 .. 5.2x), legacy names mapped, a "hybrid" layer's attention as its attention type, MLA
-    layers ``latent_attention``, KV sharing's reuse layers ``dummy`` and their store layers (when reused, and full
-    attention) ``shared_kv_attention``, full attention whose values have another head size ``unequal_kv_attention``."""
+    """Per-layer kind as OSCAR sees it (the constants above), from Transformers' ``layer_types`` (inferred as its
+    caches do when absent), legacy names mapped."""
     n = int(cfg.num_hidden_layers)
     types = getattr(cfg, "layer_types", None)
     if types is None:
@@ -159,16 +147,13 @@ def layer_types_of(cfg) -> list[str]:
 
 
 def hybrid_state_layers(cfg) -> set[int]:
-    """Layers that are attention and a linear-attention / SSM state in one (``layer_types`` "hybrid" /
-    "hybrid_sliding": Falcon-H1, Zamba): their cache layer holds both."""
+    """Layers that are attention and an SSM state in one (Falcon-H1, Zamba): their cache layer holds both."""
     return {i for i, t in enumerate(getattr(cfg, "layer_types", None) or ()) if t in ("hybrid", "hybrid_sliding")}
 
 
 def default_group_size(head_dim: int) -> int:
-    """The default quantization group at ``head_dim``: 64 channels where 64 divides it; else the largest whole
-    number of planes (``head_dim / 4`` channels: the INT2 packing's unit, which the kernels' fast loop reads under one
-    scale and zero) up to 64 channels -- 48 at head_dim 96 (Phi-3: 2.67 bits per element, where 32 would be 3.0 and
-    take the kernels' slower per-channel loop), the whole head below 64 -- else one group per head."""
+    """64 where it divides ``head_dim``; else the largest whole number of planes (``head_dim / 4``, what the
+    kernels' fast loop reads under one scale) up to 64 (48 at 96); else one group per head."""
     if head_dim % 64 == 0:
         return 64
     plane = head_dim // 4
@@ -176,8 +161,7 @@ def default_group_size(head_dim: int) -> int:
 
 
 def validate_head_dim(fp: ModelFingerprint, group_size: int | None) -> None:
-    """Raise ValueError naming the model when ``group_size`` (None: ``head_dim``) cannot group its heads (those of the
-    quantized layers: nothing to check without one)."""
+    """Raise ValueError naming the model when ``group_size`` (None: ``head_dim``) cannot group its quantized heads."""
     if not fp.has_quantized_layers:
         return
     try:

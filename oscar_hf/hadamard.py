@@ -1,9 +1,7 @@
-"""Orthogonal building blocks of the rotations: normalized Hadamard matrices and the bit-reversal (digit-reversal)
-permutation. ``R = U · H · P_br``: ``U`` (eigenvectors, descending) orders directions by importance, ``H`` spreads
-every direction evenly over all channels (``diag(H Λ Hᵀ) = tr(Λ)/d``, the paper's Lemma 1), and ``P_br`` gives every
-power-of-two group of contiguous channels one channel of each importance level. A head_dim that is not a power of
-two: ``H = H_m ⊗ H_{2^k}`` with a Paley-construction Hadamard matrix of order ``m`` (12, 20, 24, 28, ...), e.g. 96 =
-12·8 (Phi-3), 80 = 20·4.
+"""``R = U · H · P_br``: ``U`` (eigenvectors, descending) orders directions by importance, the normalized Hadamard
+``H`` spreads each evenly over all channels (the paper's Lemma 1), and the bit-reversal ``P_br`` gives every
+power-of-two group of contiguous channels one channel of each importance level. Other head_dims: ``H = H_m ⊗ H_{2^k}``
+with a Paley ``H_m`` (m = 12, 20, 24, 28, ...).
 """
 from __future__ import annotations
 
@@ -97,11 +95,8 @@ def _prime_factors(n: int) -> list[int]:
 
 
 def bit_reversal_permutation(d: int) -> torch.Tensor:
-    """``perm[i]`` = position of importance level ``i``: the bit reversal of ``i`` for ``d = 2^k``.
-
-    For other ``d`` this is the mixed-radix digit reversal over d's prime factors (twos first), which reduces to the bit
-    reversal for powers of two and still spreads consecutive importance levels over all power-of-two groups.
-    """
+    """``perm[i]`` = position of importance level ``i``: the mixed-radix digit reversal of ``i`` over ``d``'s prime
+    factors (twos first), the bit reversal for ``d = 2^k``."""
     radices = sorted(_prime_factors(d)) if d > 1 else []
     perm = []
     for i in range(d):

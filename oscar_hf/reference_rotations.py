@@ -1,17 +1,12 @@
-"""The authors' rotation files (FutureMLS-Lab/OSCAR, ``rotation/compute_kv_rotation.py``), read safely.
-
-Their script ``torch.save``-s one file for keys and one for values (e.g. ``k_rotation_qqt_r_h_pbr.pt``), each::
+"""The authors' rotation files (FutureMLS-Lab/OSCAR, ``rotation/compute_kv_rotation.py``), read with
+``torch.load(weights_only=True)`` only. One file for keys, one for values, each::
 
     {"format_version": 1, "objective": str, "source_grouping": "layer",
      "layers": {i: {"layer_id": i, "rotation": float32 [head_dim, head_dim], "eigenvalues": ...}}}
 
-one matrix per layer, shared by its KV heads. ``format_version`` 2 (``"source_grouping": "per_kv_head"``): a layer's
-``rotation`` is ``[num_kv_heads, head_dim, head_dim]`` (a v1 matrix still loads), optionally with ``k_mean``
-(``[head_dim]`` or ``[num_kv_heads, head_dim]``, subtracted before the rotation: our ``mu_k``) and ``q_rotation`` /
-``o_rotation`` (for folding into the weights: read, not used). Their convention is ours (a token is a row, the cache
-stores ``(k - k_mean) @ R_K`` / ``v @ R_V``, ``R = U · H · P_br``), so a matrix is never transposed. The pickles are
-read with ``torch.load(weights_only=True)`` only (tensors and plain containers; no code from the file runs);
-:meth:`oscar_hf.OscarRotations.from_reference` turns a validated pair into our artifact.
+Format 2 (``"per_kv_head"``): ``rotation`` may be ``[num_kv_heads, head_dim, head_dim]``, with optional ``k_mean``
+(``[head_dim]`` or ``[num_kv_heads, head_dim]``: our ``mu_k``) and ``q_rotation`` / ``o_rotation`` (read, not used).
+Their row-vector convention is ours, so a matrix is never transposed.
 """
 from __future__ import annotations
 
@@ -54,7 +49,6 @@ class ReferencePair:
     metadata: dict[str, Any]
 
 
-# ---------------------------------------------------------------------------------------------- locate
 def _offline() -> bool:
     from huggingface_hub import constants
     env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
@@ -64,8 +58,7 @@ def _offline() -> bool:
 def resolve_file(path: str | os.PathLike, repo_id: str | None = None, *, subfolder: str | None = None,
                  revision: str | None = None, cache_dir: str | None = None, local_files_only: bool = False,
                  token: str | bool | None = None) -> Path:
-    """A local file (``repo_id=None``), or ``path`` as a file name inside the Hub repo ``repo_id``
-    (``subfolder`` / ``revision``; ``HF_HUB_OFFLINE`` respected). Anything that cannot be found -> OSError."""
+    """A local file (``repo_id=None``), or ``path`` inside the Hub repo ``repo_id``; OSError when not found."""
     if repo_id is None:
         p = Path(path)
         if not p.is_file():
@@ -83,14 +76,12 @@ def resolve_file(path: str | os.PathLike, repo_id: str | None = None, *, subfold
         raise OSError(f"could not fetch reference rotation file {where!r} from the Hub{hint}: {e}") from e
 
 
-# ---------------------------------------------------------------------------------------------- read
 def _safe_load(path: Path) -> Any:
     """``torch.load`` restricted to tensors and plain containers; anything else is a ValueError."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        # weights_only refused the pickle: it asks for an object other than tensors and plain containers (a class
-        # to build, a function to call: e.g. "unsupported GLOBAL posix.system"), or it is not a pickle at all
+        # weights_only refused it: a class to build or function to call ("GLOBAL posix.system"), or not a pickle
         lines = [ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln]
         raise ValueError(
             f"{path}: not a plain-tensor rotation file -- torch.load(weights_only=True) refused it"
@@ -117,9 +108,8 @@ def _per_head(path: Path, what: str, x, shapes: dict[tuple, str], hk: int) -> to
 
 
 def read_reference_file(path: str | os.PathLike, head_dim: int, tol: float, num_kv_heads: int = 1) -> ReferenceFile:
-    """Load and check one file: its header, and every layer's rotation (float ``[head_dim, head_dim]``, or at format
-    2 ``[num_kv_heads, head_dim, head_dim]``; finite, orthogonal within ``tol``) and ``k_mean``. Raises ValueError
-    naming the file and the culprit."""
+    """Load and check one file (header; every rotation finite and orthogonal within ``tol``; ``k_mean``). Raises
+    ValueError naming the file and the culprit."""
     path, d, hk = Path(path), head_dim, num_kv_heads
     doc = _safe_load(path)
     if not isinstance(doc, dict):
@@ -171,9 +161,8 @@ def read_reference_file(path: str | os.PathLike, head_dim: int, tol: float, num_
 
 def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp: ModelFingerprint,
                         tol: float) -> ReferencePair:
-    """Both files, checked against the model ``fp`` and each other: no layer beyond the model, every
-    full-attention layer present in both, the same layers in both. Sliding / chunked layers (kept in full
-    precision by the cache) may be absent; their matrices, when present, are checked and dropped."""
+    """Both files, checked against the model and each other: every full-attention layer in both, none beyond the
+    model. Sliding layers' matrices may be absent; present, they are checked and dropped."""
     k = read_reference_file(k_file, fp.head_dim, tol, fp.num_key_value_heads)
     v = read_reference_file(v_file, fp.head_dim, tol, fp.num_key_value_heads)
     if v.k_means:

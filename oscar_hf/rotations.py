@@ -1,12 +1,7 @@
-"""`OscarRotations`: the rotation artifact (calibrate -> artifact -> cache). Per quantized layer ``i``:
-
-* ``layers.{i}.r_k``, ``layers.{i}.r_v``: ``[kv_heads, head_dim, head_dim]`` float32, orthogonal; row-vector
-  convention: the history stores ``(k - mu_K) @ R_K`` and ``(v - mu_V) @ R_V``;
-* ``layers.{i}.mu_k``, ``layers.{i}.mu_v``: optional ``[kv_heads, head_dim]`` offsets (centering);
-* clip ratios ``c_K``, ``c_V`` per layer, the model fingerprint, the method and calibration metadata (JSON).
-
-On disk: ``oscar_rotations.safetensors`` (tensors) + ``oscar_config.json`` (everything else). Loading never unpickles,
-and every tensor is validated (shape, dtype, finite, orthogonal) before use.
+"""`OscarRotations`: the rotation artifact. Per quantized layer ``i``: ``r_k``, ``r_v`` ``[Hk, D, D]`` float32
+orthogonal (the history stores ``(k - mu_K) @ R_K``), optional offsets ``mu_k``, ``mu_v`` ``[Hk, D]``, clip ratios;
+plus the model fingerprint and metadata. On disk: ``oscar_rotations.safetensors`` + ``oscar_config.json``; loading
+never unpickles and validates every tensor.
 """
 from __future__ import annotations
 
@@ -61,15 +56,12 @@ class OscarRotations:
     method: str
     layers: dict[int, LayerRotation]
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # [num_layers, Hk] float32 >= 0: how much each KV head retrieves facts from far back
-    # (oscar_hf.calibration.retrieval_heads); OscarConfig(retrieval_heads=k) keeps the top k in full precision.
+    # [num_layers, Hk] float32 >= 0: how much each KV head retrieves far-back facts (calibration.retrieval_heads)
     retrieval_scores: torch.Tensor | None = None
 
-    # ------------------------------------------------------------------ construction
     @classmethod
     def builtin(cls, model_or_config, method: str = "hadamard") -> "OscarRotations":
-        """Artifact-free rotations: ``identity`` (naive INT2) or ``hadamard`` (QuaRot-style), for
-        every full-attention layer of the model."""
+        """Artifact-free ``identity`` or ``hadamard`` rotations for every full-attention layer."""
         config = getattr(model_or_config, "config", model_or_config)
         fp = ModelFingerprint.from_config(config)
         if method not in BUILTIN_METHODS:
@@ -88,11 +80,8 @@ class OscarRotations:
                        group_size: int | None = None, repo_id: str | None = None, subfolder: str | None = None,
                        revision: str | None = None, cache_dir: str | None = None, local_files_only: bool = False,
                        token: str | bool | None = None) -> "OscarRotations":
-        """Convert the authors' rotation files (formats: :mod:`oscar_hf.reference_rotations`) for ``model_or_config``.
-        ``k_path`` / ``v_path``: local files, or file names in the Hub repo ``repo_id`` (``subfolder``, ``revision``).
-        Validated against the model; a format-1 layer's matrix serves all its KV heads, no offsets unless a format-2
-        file has ``k_mean``, their clips 0.96 / 0.92 and one group per head (``group_size=None``, recorded for
-        ``OscarCache.from_pretrained``). ``save_pretrained`` writes it as our safetensors artifact."""
+        """Convert the authors' rotation files (formats: :mod:`oscar_hf.reference_rotations`), local or in the Hub
+        repo ``repo_id``, with their clips and one group per head by default (recorded for ``from_pretrained``)."""
         from .quant import check_group_size
         from .reference_rotations import read_reference_pair, resolve_file
         config = getattr(model_or_config, "config", model_or_config)
@@ -112,7 +101,6 @@ class OscarRotations:
         rot.validate()
         return rot
 
-    # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Shapes, dtypes, finiteness, orthogonality and clip ranges; raises ValueError naming the culprit."""
         fp = self.fingerprint
@@ -185,7 +173,6 @@ class OscarRotations:
             logger.warning("OSCAR rotations were calibrated on %r, loading them into %r (same shapes)",
                            self.fingerprint.name_or_path, other.name_or_path)
 
-    # ------------------------------------------------------------------ serialization
     def save_pretrained(self, save_directory: str | os.PathLike, push_to_hub: bool = False, **hub_kwargs) -> None:
         from safetensors.torch import save_file
         self.validate()
@@ -292,7 +279,6 @@ class OscarRotations:
         rot.validate()
         return rot
 
-    # ------------------------------------------------------------------ misc
     @property
     def has_offsets(self) -> bool:
         return any(lr.mu_k is not None or lr.mu_v is not None for lr in self.layers.values())
@@ -308,7 +294,6 @@ class OscarRotations:
 
 
 def _model_name(fp) -> str:
-    """A model's name for the same-model check: a Hub id as it is, a local folder by its last part (the same
-    installed model lives under another site-packages path on every machine; its shapes are checked anyway)."""
+    """A Hub id as it is, a local folder by its last part (an installed model's path differs per machine)."""
     name = str(fp.name_or_path)
     return Path(name).name if os.path.isabs(name) else name
