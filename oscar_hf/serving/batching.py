@@ -1,14 +1,9 @@
 """Selecting OSCAR in Transformers' continuous batching: :func:`paged_oscar` (a ``with`` block around
 ``model.generate_batch``, ``model.init_continuous_batching`` or a server) and :func:`generate_batch`.
 
-The manager builds its cache inside ``_create_batch_processor`` from the module global
-``continuous_api.PagedAttentionCache`` and accepts only ``sdpa`` / ``paged|*`` / flash attention names at
-construction: :func:`paged_oscar` swaps that global for the duration of the block (on 5.17 - 5.19 also the function
-that caps ``max_requests_per_batch`` by the cache's blocks, see :func:`paged_oscar`) and, once
-the manager has accepted ``sdpa``, switches the model to OSCAR's attention: ``oscar_sdpa`` on Transformers 5.20+
-(the model calls ``cache.update``, which hands OSCAR's handle to the registered function,
-:mod:`~oscar_hf.serving.paged_cache`), ``paged|oscar_sdpa`` on 5.17 - 5.19 (the attention function receives the
-cache, :mod:`~oscar_hf.serving.paged_cache_blocks`). Everything is restored on exit.
+The manager builds its cache from the module global ``continuous_api.PagedAttentionCache`` and accepts only
+``sdpa`` / ``paged|*`` / flash names: the block swaps that global and, once the manager has accepted ``sdpa``,
+switches the model to ``oscar_sdpa`` (5.20+) or ``paged|oscar_sdpa`` (5.17 - 5.19). Restored on exit.
 """
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ from . import admission
 from .store import OscarPagedStore
 
 logger = logging.getLogger("oscar_hf")
-# logged (INFO, with the store's stats as JSON) when a stopped manager's store gives its memory back: a server's log
-# says what each store still held then (a load test reads it: nothing but the memory itself should be left)
+# logged with the store's stats as JSON when a stopped manager's store gives its memory back (a load test reads it)
 STORE_RELEASED = "OSCAR store released after its manager stopped; it held:"
 
 # Transformers 5.20+ allocates its paged cache in sectors (continuous_batching/cache_allocators) and its models call
@@ -59,8 +53,7 @@ def continuous_batching_config(page_size: int = 256, **kwargs):
 
 
 def _attention_configs(target) -> list:
-    """The config objects whose ``_attn_implementation`` the attention modules read: every module's of a model, or
-    the given config (what a paged cache receives: ``model.config.get_text_config()``, the model's own for LMs)."""
+    """The configs whose ``_attn_implementation`` the attention modules read: every module's of a model, or ``target``."""
     if isinstance(target, torch.nn.Module):
         found = {id(m.config): m.config for m in target.modules()
                  if hasattr(getattr(m, "config", None), "_attn_implementation")}
@@ -69,8 +62,7 @@ def _attention_configs(target) -> list:
 
 
 def _switch(target) -> list:
-    """Route the attention of ``target`` (a model or its config) through OSCAR: ``oscar_<base>`` on 5.20+ (the
-    handle ``cache.update`` returns reaches it), ``paged|oscar_sdpa`` before. Returns ``[(config, old name)]``."""
+    """Route the attention of ``target`` (a model or its config) through OSCAR; returns ``[(config, old, new)]``."""
     saved = []
     for c in _attention_configs(target):
         old = c._attn_implementation
@@ -110,17 +102,10 @@ def _check_cb_config(cbc) -> None:
 def _install_graph_hooks(processor) -> None:
     """Let Transformers' CUDA graphs (``use_cuda_graph``) replay OSCAR's decode steps, on this batch processor only.
 
-    OSCAR serves every batch through Transformers' varlen path (it has no flash block table), whose graphs would
-    capture prefill too: instead a step is graphed exactly when its batch is decode-only (and fits the store's
-    buffers) and Transformers' decode boolean is on; prefill and mixed batches run eagerly (their padded rows get 0).
-    Three instance attributes of Transformers' objects are wrapped:
-
-    * ``model_runner.compute_batch``: first the cache's host side of the step (:meth:`RecordedBatch.prepare_forward`:
-      the recorded requests checked against the ones Transformers packed, the decode plan into the store's fixed
-      buffers), then Transformers' own (forward, or graph capture / replay);
-    * ``model_runner._get_forward_fn``: a graph for this step or not, as the cache decided;
-    * ``inputs_and_outputs._get_graph_key``: Transformers' key (padded rows, KV sizes) plus the history bound the
-      step's grids are sized for (a power of two of pages), so that a graph is replayed only for steps it covers."""
+    A step is graphed exactly when its batch is decode-only and fits the store's buffers; prefill and mixed batches
+    run eagerly. Wrapped: ``compute_batch`` (first the cache's host side, :meth:`RecordedBatch.prepare_forward`),
+    ``_get_forward_fn`` (graph or not, as the cache decided) and ``_get_graph_key`` (plus the history bound the
+    step's grids are sized for). docs/serving.md, "CUDA graphs"."""
     cache, runner, io = processor.cache, processor.model_runner, processor.inputs_and_outputs
     compute, forward_fn, graph_key = runner.compute_batch, runner._get_forward_fn, io._get_graph_key
 
@@ -140,8 +125,7 @@ def _install_graph_hooks(processor) -> None:
 
 
 def _check_processor(processor) -> None:
-    """The batch processor a manager built inside an OSCAR block must serve OSCAR's paged cache: if Transformers
-    built its cache some other way (its internals moved), stop here instead of serving plain BF16."""
+    """Refuse a batch processor whose cache is not OSCAR's (Transformers' internals moved) instead of serving BF16."""
     if not isinstance(getattr(processor, "cache", None), OscarPagedCache):
         raise RuntimeError(
             "continuous batching built a cache that is not OSCAR's ("
@@ -150,10 +134,8 @@ def _check_processor(processor) -> None:
 
 
 def _manager_patches(serves) -> list[tuple[object, str, object]]:
-    """``[(owner, name, replacement)]`` on Transformers' manager for an OSCAR block: for the managers of a model whose
-    config ``serves(config)`` accepts, keep the attention as OSCAR needs it (5.20+ managers switch an sdpa model to flash
-    attention where it is available, which would leave the store out of the path: OSCAR serves the attention itself)
-    and check every batch processor they build; other managers are left as Transformers makes them."""
+    """``[(owner, name, replacement)]`` on Transformers' manager: for the managers ``serves(config)`` accepts, no
+    switch to flash attention (it would bypass the store), checked batch processors, admission and release hooks."""
     manager = getattr(continuous_api, "ContinuousBatchingManager", None)
     create = getattr(manager, "_create_batch_processor", None)
     if create is None:
@@ -185,8 +167,7 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
     stop = manager.stop
 
     def stop_and_release(self, *args, **kwargs):
-        # the store's memory goes back with its manager (a model switch in `transformers serve` stops the old one):
-        # its window slots, and its pages, which live in the manager's cache tensor (5.20+) or beside it (5.17 - 5.19)
+        # the store's memory goes back with its manager (a model switch in `transformers serve` stops the old one)
         cache = getattr(getattr(self, "batch_processor", None), "cache", None)
         thread = getattr(self, "_generation_thread", None)
         out = stop(self, *args, **kwargs)
@@ -225,8 +206,7 @@ def _release_after(thread: threading.Thread, release) -> None:
 
 
 def _name_bf16_layers(store: OscarPagedStore, config) -> None:
-    """Warn, once per store, naming the layers it leaves to Transformers' BF16 paged cache (sliding windows,
-    ``skip_layers``, layers an artifact has no rotation for, layers whose every head is a 16-bit retrieval head)."""
+    """Warn, once per store, naming the layers it leaves to Transformers' BF16 paged cache."""
     if getattr(store, "bf16_named", False):
         return
     store.bf16_named = True
@@ -238,8 +218,7 @@ def _name_bf16_layers(store: OscarPagedStore, config) -> None:
 
 
 class _LiveStores:
-    """The stores an OSCAR block has built and that are still alive (weak references, in build order): what
-    ``with oscar_serving() as stores`` yields."""
+    """The live stores an OSCAR block has built (weak references, in build order)."""
 
     def __init__(self):
         self._refs: list[weakref.ref] = []
@@ -262,18 +241,14 @@ class _LiveStores:
 
 @contextlib.contextmanager
 def oscar_continuous_batching(make_store, model=None):
-    """Inside the block, every continuous-batching manager (``generate_batch``, ``init_continuous_batching``, a
-    server's) of ``model`` (without one: every manager) builds OSCAR's paged cache, with the store
-    ``make_store(config, device, dtype)`` returns, and routes the attention of ``model`` (or, without one, of the config
-    the cache receives) through OSCAR; the managers keep that attention (no switch to flash attention) and refuse,
-    loudly, a batch processor whose cache is not OSCAR's. A manager that stops gives its store's memory back and its
-    model's attention name (``OscarPagedStore.release_memory``); the block holds its stores weakly (yields them as a
-    live view), so a dropped manager's store is freed. Restored on exit."""
+    """Inside the block, every continuous-batching manager of ``model`` (without one: every manager) builds OSCAR's
+    paged cache with the store ``make_store(config, device, dtype)`` returns, and routes the attention through OSCAR.
+    A stopping manager gives its store's memory and attention name back; stores are held weakly (yielded as a live
+    view). Restored on exit."""
     original = continuous_api.PagedAttentionCache
     if getattr(original, "__name__", "") != "PagedAttentionCache" or original is OscarPagedCache:
         raise RuntimeError("continuous_api.PagedAttentionCache is already replaced (nested paged_oscar?)")
     signature = inspect.signature(original.__init__)
-    # the stores built in the block, weakly: a store lives as long as its manager's cache (or the caller) holds it
     saved, stores = [], _LiveStores()
     built = threading.local()  # .pages: INT2 pages of the OSCAR cache this thread built last (5.17 - 5.19)
     # a model routed through OSCAR by an OscarCache run (oscar_sdpa) is shown to the manager as its base (sdpa)
@@ -282,8 +257,7 @@ def oscar_continuous_batching(make_store, model=None):
     for c, name in entry:
         c._attn_implementation_internal = split_name(name)[1]
 
-    # with a model, only its managers get OSCAR (a plain generate_batch of another model, in another thread, stays
-    # BF16); without one (a server loading its models), every manager of the block does
+    # with a model, only its managers get OSCAR; without one (a server loading its models), every manager does
     ours = None if model is None else {id(c) for c in _attention_configs(model)} | {id(model.config.get_text_config())}
 
     def serves(config) -> bool:
@@ -312,9 +286,8 @@ def oscar_continuous_batching(make_store, model=None):
         setattr(owner, name, new)
     update = getattr(continuous_api, "update_cb_config_after_cache_creation", None)
     if not SECTOR_API and update is not None:
-        # 5.17 - 5.19 cap max_requests_per_batch at the cache's num_blocks, which OSCAR's cache keeps at 1 (the
-        # size of Transformers' unused K/V and of its masks): the cap follows the INT2 pages of the cache just built
-        # (of the cache this thread just built: another thread's plain manager keeps its own num_blocks)
+        # 5.17 - 5.19 cap max_requests_per_batch at the cache's num_blocks, which OSCAR's cache keeps at 1: the cap
+        # follows the INT2 pages of the cache this thread just built
         def update_with_pages(cb_config, num_blocks, *args, **kwargs):
             pages, built.pages = getattr(built, "pages", None), None
             return update(cb_config, num_blocks if pages is None else max(num_blocks, pages), *args, **kwargs)
@@ -345,11 +318,9 @@ def paged_oscar(model, store: OscarPagedStore | None = None, **store_kwargs):
         with paged_oscar(model, method="hadamard") as store:
             outputs = model.generate_batch(inputs, generation_config)
 
-    ``store`` an :class:`OscarPagedStore`, or its arguments (``store_kwargs``; device and dtype default to the
-    model's). When the store quantizes every layer, its page pool follows Transformers' blocks, sized by the
-    ``ContinuousBatchingConfig`` (``num_blocks`` INT2 pages, or ``max_memory_percent`` of free memory at OSCAR's
-    bytes per token) with its page size: give no ``num_pages`` / ``memory_budget`` / ``page_size`` then. The model
-    must be loaded with ``attn_implementation="sdpa"``."""
+    ``store``: an :class:`OscarPagedStore`, or its arguments (device and dtype default to the model's). When it
+    quantizes every layer, its pool is sized by the ``ContinuousBatchingConfig`` (give no ``num_pages`` /
+    ``memory_budget`` / ``page_size`` then). The model must be loaded with ``attn_implementation="sdpa"``."""
     if store is None:
         store_kwargs.setdefault("device", model.device)
         store_kwargs.setdefault("dtype", model.dtype)
