@@ -1,14 +1,6 @@
-"""Host side of the split-K decode attention over the packed INT2 history: plan the call, then launch its kernels.
-
-:func:`decode_attention_triton` brings the tensors into the kernels' layouts, takes every launch decision from one
-:func:`~oscar_hf.kernels.plan.decode_plan` and launches what the plan says; its callers
-(:func:`~oscar_hf.kernels.decode.decode`, :func:`history_partial_triton`) send only the shapes
-:func:`decode_supported` / :func:`kernel_supported` accept. Three modes: a pre-rotated query (``rotated``) with the
-window, the unrotated query (the op rotates it), and no ``params.r_v`` (the history's partials ``(m, l, acc)`` in the
-rotated value space, as ``int2_attention.history_partial_reference``). Where the Gluon kernel serves the history the
-split kernel runs the window programs only (``PID_OFF``), chained to the rotation and the combine by PDL; a paged
-history (``history.pages``) takes the same plan, every kernel in its ``PAGED`` mode. Which path serves a call, the
-launches and PDL: docs/kernels.md §3.1-3.8.
+"""Host side of the split-K decode attention over the packed INT2 history: bring the tensors into the kernels'
+layouts, take every decision from one :func:`~oscar_hf.kernels.plan.decode_plan`, launch what it says. Callers send
+only the shapes :func:`decode_supported` accepts. Paths, launches and PDL: docs/kernels.md §3.1-3.8.
 """
 from __future__ import annotations
 
@@ -31,8 +23,7 @@ LOG2E = 1.4426950408889634
 
 
 def _mask_ok(mask, b, hk, n) -> bool:
-    """Whether the kernels take ``mask``: None, or bool broadcastable to [B, Hk, 1, N] (additive float masks etc.:
-    the reference decides). Shapes only: the support checks run inside the compiled step's trace."""
+    """Whether the kernels take ``mask``: None, or bool broadcastable to [B, Hk, 1, N] (shapes only: runs in traces)."""
     return mask is None or (mask.dim() == 4 and mask.shape[2] == 1 and mask.shape[3] == n and mask.shape[0] in (1, b)
                             and mask.shape[1] in (1, hk) and mask.dtype == torch.bool)
 
@@ -44,15 +35,13 @@ def _mask_4d(mask, b, hk, n):
     if not _mask_ok(mask, b, hk, n):
         return None, False
     m = mask.expand(b, hk, 1, n)
-    # Eager: a free uint8 view. Compiled (static cache): a small uint8 copy, since the functionalized
-    # graph must not see a kernel argument that aliases a bool tensor.
+    # compiled: a copy, since the functionalized graph must not see a kernel argument aliasing a bool tensor
     return (m.to(torch.uint8) if torch.compiler.is_compiling() else m.view(torch.uint8)), True
 
 
 def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask) -> bool:
-    """Shapes the kernels serve (anything else: the reference): a head_dim of ``plan.KERNEL_HEAD_DIMS`` (64, 96, 128,
-    256, 512), a group size ``plan.group_fits`` takes, 1 to 64 query rows per KV head, a key mask of one row per KV
-    head (or none)."""
+    """Shapes the kernels serve (else: the reference): ``KERNEL_HEAD_DIMS``, a group size ``group_fits`` takes, 1 to
+    64 query rows per KV head, a key mask of one row per KV head (or none)."""
     b, hk, m, d = q_rot.shape
     n = k.codes.shape[-2]
     return (
@@ -60,9 +49,8 @@ def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask) -> bool
 
 
 def _rows_layout(x: QuantizedRows) -> QuantizedRows:
-    """The kernel reads codes with contiguous bytes per token and metadata as contiguous
-    ``[token, group]`` rows with one shared layout for scale and zero (what the cache's storage
-    and its ``[:, :, :N]`` views are); anything else is copied once."""
+    """Rows in the kernels' layout (contiguous code bytes, ``[token, group]`` metadata shared by scale and zero);
+    anything else is copied once."""
     codes, scale, zero = x
     if codes.stride(-1) != 1:
         codes = codes.contiguous()
@@ -78,9 +66,8 @@ def _pairable(k: QuantizedRows, v: QuantizedRows, d: int, group_size: int) -> bo
 
 
 def _meta_words(k: QuantizedRows, v: QuantizedRows) -> bool:
-    """Whether the bf16 scale (zero) of a token's groups can be read two at a time as aligned 4-byte words (an even
-    number of groups: the Gluon kernel's metadata at D = 128 and 256), or with one group a token those of a token
-    pair ``2j, 2j + 1`` (contiguous tokens, each (row, head) starting on a word: the Gluon kernel at D = 64)."""
+    """Whether bf16 metadata can be read as aligned 4-byte words: two groups of a token (even group count), or with
+    one group a token, a token pair ``2j, 2j + 1`` (the Gluon kernel at D = 64)."""
     if k.scale.shape[-1] == 1:
         return all(t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0 and t.stride(-2) == 1
                    and all(st % 2 == 0 for st in t.stride()[:-2]) for t in (k.scale, k.zero, v.scale, v.zero))
@@ -89,16 +76,13 @@ def _meta_words(k: QuantizedRows, v: QuantizedRows) -> bool:
         for t in (k.scale, k.zero, v.scale, v.zero))
 
 
-
 _READY = {}  # device -> [int32 counters of QFLAG (prologue -> history), zero between calls; the last stream]
 
 
 def _ready_counters(dev: torch.device, n: int):
-    """``n`` zeroed int32 counters for the prologue -> history handoff (``QFLAG``), one buffer per
-    device: each call's combine sets them back to 0, so successive calls reuse them. A call from another stream than
-    the last one's first waits for that stream's work (the last call's combine) -- except while a CUDA graph is being
-    captured, whose replays must then not overlap the op on another stream. None while capturing if no buffer that
-    large exists yet (the call then takes the PDL wait; allocating here would capture a memset into every replay)."""
+    """``n`` zeroed int32 counters for the prologue -> history handoff (``QFLAG``), one buffer per device reset by each
+    call's combine. A call on another stream first waits for the last one's. None while capturing a graph before a
+    buffer that large exists (the PDL wait serves; allocating would capture a memset into every replay)."""
     dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
     entry = _READY.get(dev)
     if torch.cuda.is_current_stream_capturing():
@@ -115,9 +99,8 @@ def _ready_counters(dev: torch.device, n: int):
 
 @contextlib.contextmanager
 def _counters_reset_on_error(ready):
-    """Around the launches after the prologue raised ``ready``'s counters: if one fails (say, a kernel that does not
-    compile), the counters are set back to 0 here (the combine that would have done it never runs), so that the next
-    call's history cannot take them for its own prologue's and read its operands before they are written."""
+    """Zero ``ready``'s counters if a launch after the prologue fails (the combine that would have never runs), so the
+    next call cannot take them for its own prologue's."""
     try:
         yield
     except BaseException:
@@ -126,11 +109,9 @@ def _counters_reset_on_error(ready):
         raise
 
 
-
 class _PagedRead(NamedTuple):
-    """A paged history as the kernels read it (built by :func:`decode_attention_triton` from a
-    :class:`~oscar_hf.kernels.kv.Pages`): ``block_table [B, max_pages]`` (contiguous rows), ``hist_len [B]``, the
-    window slot of each row ``win_slot [B]``, ``page`` entries per page and ``max_len`` the grid's history bound."""
+    """A paged history as the kernels read it: ``block_table [B, max_pages]``, ``hist_len [B]``, ``win_slot [B]``,
+    ``page`` entries per page, ``max_len`` the grid's history bound."""
 
     block_table: torch.Tensor
     hist_len: torch.Tensor
@@ -151,34 +132,17 @@ def _gluon_module():
 
 def decode_attention_triton(params, q, window, history, scaling, out_dtype=None, *, rotated=None, softcap=None,
                             sinks=None, defaults=DEFAULTS, out=None):
-    """The decode attention of one layer over INT2 history + full-precision window, for the shapes
-    :func:`decode_supported` accepts: two launches (three with the query's rotation or the Gluon history). The run
-    half of the read: the KV as :mod:`~oscar_hf.kernels.kv`'s bundles, every launch decision from
-    :func:`~oscar_hf.kernels.plan.decode_plan`.
+    """The decode attention of one layer over INT2 history + full-precision window (``B`` batch, ``Hk`` KV heads,
+    ``M`` query rows per KV head, ``D`` head_dim; the bundles of :mod:`~oscar_hf.kernels.kv`).
 
-    Args (``B`` batch, ``Hk`` KV heads, ``M`` query rows per KV head, ``D`` head_dim):
-        params: :class:`~oscar_hf.kernels.kv.KVParams` (``r_k`` / ``mu_k`` rotate the query where ``rotated`` is
-            None; ``r_v`` ``[Hk, D, D]`` / ``mu_v`` bring the history back to the value space). ``r_v`` None: no
-            window either, the history's online-softmax partials (:func:`history_partial_triton`).
-        q: ``[B, Hk, M, D]`` the *unrotated* queries (any float dtype), for the window keys (None without a window).
-        window: :class:`~oscar_hf.kernels.kv.Window` (``mask`` bool broadcastable to ``[B, Hk, 1, W]``), or None.
-        history: :class:`~oscar_hf.kernels.kv.History`, its fields as documented there: ``n_valid`` / ``splits`` size
-            the grid by the capacity so that a CUDA graph of this call stays valid while the cache grows; ``pages``
-            (``max_len`` given; the window then a pool with ``window.slot`` and a ``[B, W]`` mask; no left padding,
-            key mask or ``n_valid``): the same launches, every kernel reading through the block table.
-        rotated: ``(q_rot [B, Hk, M, D], qk_offset [B, Hk, M] or None)`` the history's query rotated by R_K
-            (unscaled), or None: the op rotates and centers ``q`` itself, as ``int2_attention.rotate_query_reference``.
-        sinks: None or ``[Hk, M]`` float: an attention sink's logit per query row (gpt-oss's ``s_aux``, natural units):
-            a key of value 0 every row attends to, one more partial (``m = s``, ``l = 1``, ``acc = 0``) after the
-            window's, filled here and merged by the combine like the others.
-        softcap: None or Gemma 2's ``softcap * tanh(logit / softcap)`` (natural units) on every history and window
-            logit, by the split kernel (which then serves the history, not the Gluon kernel).
-        out_dtype: dtype of the result (default: ``q``'s).
-        out: None, or ``[B, Hk_layer, M, D]`` (``out_dtype``) with ``window.kv_heads`` given (a layer's INT2 heads
-            reading its window in place): head ``h``'s rows go to KV head ``kv_heads[h]`` of ``out``, which is
-            returned (the retrieval heads' rows are the caller's).
-    Returns ``[B, Hk, M, D]``: softmax attention over history and window, in the value space (rows without any valid
-    key are 0); without ``r_v`` the partials ``(m, l, acc)``, ``[B, Hk, M]`` twice and ``[B, Hk, M, D]``, float32.
+    params: ``r_v`` None: no window, the history's online-softmax partials (:func:`history_partial_triton`).
+    q: ``[B, Hk, M, D]`` the unrotated queries, for the window keys (None without a window).
+    rotated: ``(q_rot [B, Hk, M, D], qk_offset [B, Hk, M] or None)`` the query rotated by R_K, or None: the op
+    rotates ``q`` itself. sinks: None or ``[Hk, M]`` sink logits (natural units), one more partial per row.
+    softcap: Gemma 2's cap (natural units), by the split kernel only. out: None, or ``[B, Hk_layer, M, D]`` with
+    ``window.kv_heads`` given: head ``h``'s rows go to KV head ``kv_heads[h]``.
+    Returns ``[B, Hk, M, D]`` in the value space (rows without a valid key are 0); without ``r_v`` the float32
+    partials ``(m [B, Hk, M], l [B, Hk, M], acc [B, Hk, M, D])``.
     """
     # the bundles' fields under the names the launches below use
     k, v, start, key_mask = history.k, history.v, history.start, history.key_mask
@@ -251,8 +215,6 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     pm = torch.empty(bh, p.s_tot, m, device=dev, dtype=torch.float32)
     pl = torch.empty_like(pm)
     pacc = torch.empty(bh, p.s_tot, m, d, device=dev, dtype=torch.float32)
-    # [B * Hk] int32 counters the prologue's rotation programs raise (None while capturing a graph before they exist:
-    # the PDL wait then serves)
     ready = _ready_counters(dev, bh) if p.ready else None
     qp8 = qpf = None
     if p.qpre:  # the int8 key path's query operands, per (row, KV head): tiles and fields (query_triton.Q8_*)
@@ -338,8 +300,7 @@ def decode_supported(q, k: QuantizedRows, group_size: int, key_mask, win_mask=No
 
 def history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, defaults=DEFAULTS,
                            softcap=None):
-    """Triton version of ``int2_attention.history_partial_reference`` (same contract, for the shapes
-    :func:`kernel_supported` accepts): :func:`decode_attention_triton` without a window. Two launches."""
+    """``int2_attention.history_partial_reference`` on the kernels: :func:`decode_attention_triton` without a window."""
     return decode_attention_triton(KVParams(None, None, None, None, group_size), None, None,
                                    History(k, v, start, key_mask), scaling, rotated=(q_rot, qk_offset),
                                    softcap=softcap, defaults=defaults)
