@@ -1,17 +1,6 @@
-"""Write path: rotate + center + clip + quantize + pack K/V rows into INT2 history storage.
-
-``rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, quantizer="minmax")``: ``x [B, Hk,
-T, D]`` rows in the model dtype (post-RoPE keys or values); ``r [Hk, D, D]`` float32 rotation (row-vector convention:
-``x_rot = (x - mu) @ r``); ``mu [Hk, D]`` float32 or None; ``clip`` the layer's clip ratio (``"minmax"``; ``"std"``
-has none, ``oscar_hf/quant.py``). Result: :class:`oscar_hf.quant.QuantizedRows` (``codes [B, Hk, T, D/4] uint8``,
-``scale``/``zero`` ``[B, Hk, T, D/G]``), or written into ``out.*[:, :, out_offset : out_offset + T]`` (the cache's
-history storage). The torch reference is here; :func:`rotate_quantize` sends supported shapes on CUDA to
-``write_triton.py``.
-
-``append(params, new_k, new_v, window, history, at)``: the one-token write of every storage (:mod:`.kv`'s bundles), in
-place: the compiled layer's (``at`` a ``Ring``: :func:`append_token_reference`) and the serving store's decode rows
-(``at`` the step's ``PagedRows``: :func:`paged_append_reference`); supported shapes on CUDA go to one fused Triton
-launch (``append_triton.py``).
+"""Write path: rotate + center + clip + quantize + pack K/V rows into INT2 history storage, and the one-token write
+(:func:`append`) of every storage. Torch references here; supported shapes on CUDA go to ``write_triton.py`` /
+``append_triton.py``.
 """
 from __future__ import annotations
 
@@ -25,6 +14,9 @@ from .plan import triton_enabled
 
 
 def rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, quantizer="minmax"):
+    """``x [B, Hk, T, D]`` (model dtype) -> ``QuantizedRows`` (``codes [B, Hk, T, D/4]`` uint8, ``scale`` / ``zero``
+    ``[B, Hk, T, D/G]``) of ``(x - mu) @ r`` (``r [Hk, D, D]`` float32, ``mu`` None or ``[Hk, D]``), or written into
+    ``out.*[:, :, out_offset : out_offset + T]``."""
     xf = x.float()
     if mu is not None:  # [Hk, D] (calibrated) or [B, Hk, D] (per sequence)
         xf = xf - (mu[None, :, None, :] if mu.dim() == 2 else mu[:, :, None, :])
@@ -67,24 +59,11 @@ def _kv_head_of_hist(hist_heads, hq: int):
 
 
 def append_token_reference(params: KVParams, new_k, new_v, window: Window, history: History, at: Ring):
-    """One decode step of the static cache's storage (the window, history and parameters of :mod:`.kv`'s bundles:
-    the names below are their fields), in place; returns None. Tensor ops only (no host sync), so it
-    can be captured in a CUDA graph or compiled.
-
-    Storage (``S0 = sink``, ``W = recent``, ``T = length``, a 0-d int64 device tensor, not modified):
-
-    * ``win_k/win_v [B, Hk, S0 + R, D]`` model dtype: ``[:S0]`` row ``b``'s first real tokens (slot ``pad[b] + j``
-      at entry ``j``), ``[S0:]`` a ring holding slot ``s`` at entry ``S0 + s % R`` (``R >= W + 1``);
-    * ``hist_k/hist_v`` :class:`QuantizedRows` ``[B, H2, N, ...]``: slot ``s >= S0`` at index ``s - S0``;
-      ``hist_heads``: None (``H2 = Hk``) or int64 ``[Hk]``, each KV head's history index or -1 (not quantized),
-      one KV head per history index (not checked: that would read the device);
-    * ``r_* [H2, D, D]`` float32 rotations, ``mu_k`` None | ``[H2, D]`` | ``[B, H2, D]``, ``mu_v`` None | ``[H2, D]``.
-
-    Steps: (1) slot ``s = T - 1 - W`` leaves the window: when ``S0 <= s < S0 + N`` its ring entry is quantized
-    (rotate, center, clip, INT2) into history index ``s - S0`` of every quantized head; it is read before (2), which
-    overwrites the same entry when ``R = W + 1``; ``coded`` (:class:`CodedSlots`, the retrieval heads) gets the same
-    slot's entry of its heads, coded. (2) ``new [B, Hk, 1, D]`` goes to ring entry ``S0 + T % R``, and to sink entry
-    ``T - pad[b]`` of each row with ``0 <= T - pad[b] < S0``."""
+    """One decode step of a contiguous storage (``S0 = sink``, ``W = recent``, ``T = length``), in place, tensor ops
+    only (graph-capturable). Window ``[B, Hk, S0 + R, D]``: the sink, then a ring holding slot ``s`` at entry
+    ``S0 + s % R``; history slot ``s >= S0`` at index ``s - S0``. (1) Slot ``T - 1 - W`` leaves the window: quantized
+    into the history (coded for the retrieval heads), read before (2) overwrites it when ``R = W + 1``. (2) ``new
+    [B, Hk, 1, D]`` goes to ring entry ``S0 + T % R`` and, for rows with ``0 <= T - pad[b] < S0``, the sink."""
     ring, n, hq = check_append_inputs(params, new_k, new_v, window, history, at)
     win_k, win_v, hist_k, hist_v, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, coded = write_operands(
         params, window, history)
@@ -127,8 +106,7 @@ def append_token_reference(params: KVParams, new_k, new_v, window: Window, histo
 
 
 def _append_kernel_serves(new_k, group_size, clip_k, clip_v, meta_dtype, use_kernels) -> bool:
-    """Whether the one-token write (contiguous or paged) runs its Triton kernel: CUDA (when importable and allowed,
-    as for :func:`rotate_quantize`) and a shape ``write_triton.kernel_supported`` takes for keys and values."""
+    """Whether the one-token write runs its Triton kernel (CUDA, allowed, a shape ``kernel_supported`` takes)."""
     if not triton_enabled(new_k, use_kernels):
         return False
     from .write_triton import kernel_supported
@@ -146,22 +124,10 @@ def scatter_entries(dst, pages, offsets, src) -> None:
 
 
 def paged_append_reference(params: KVParams, new_k, new_v, window: Window, history: History, rows: PagedRows):
-    """The write of one decode step of the serving store (one token per row, ``Bp`` rows; :mod:`.kv`'s bundles, the
-    names below their fields), in place; returns None. Tensor ops only, static shapes (a CUDA graph captures it).
-
-    * ``new_k/new_v [Hk, Q, D]`` the packed batch's keys / values (row ``b``'s token at ``rows.pos[b]``);
-    * ``win_k/win_v [slots, Hk, S0 + R, D]`` the window pool (one layer);
-    * ``hist_k/hist_v`` :class:`QuantizedRows` ``[pages, H2, P, *]`` the page pool's INT2 rows of the layer
-      (``PagedInt2Pool.rows``); ``hist_heads`` None (``H2 = Hk``) or int64 ``[Hk]``, each KV head's INT2 index or -1;
-      ``coded`` (:class:`CodedSlots`, its parts ``[pages, F, P, *]``: ``PagedInt2Pool.coded_rows``) the retrieval
-      heads' pages;
-    * ``r_* [H2, D, D]`` float32 rotations, ``mu_*`` None or ``[H2, D]``; ``rows``: :class:`PagedRows`.
-
-    Steps (``demote`` / ``write_sink``: whether any row demotes / writes a sink entry this step, host bools): (1) ring
-    entry ``demote_entry[b]`` of slot ``slots[b]`` is quantized (rotate, center, clip, INT2) into offset
-    ``demote_off[b]`` of page ``demote_page[b]`` for every INT2 head, and coded there for every retrieval head; (2) the
-    new token goes to ring entry ``new_entry[b]`` (the one just read when ``R = W + 1``) and sink entry
-    ``sink_entry[b]``."""
+    """One decode step of the serving store, in place, static shapes (graph-capturable): ``new_k/new_v [Hk, Q, D]``
+    the packed batch, the window ``[slots, Hk, S0 + R, D]``, the history the page pool's ``[pages, H2, P, *]``.
+    (1) Each row's ``demote_entry`` is quantized (coded for the retrieval heads) into ``demote_page`` /
+    ``demote_off``; (2) its new token goes to ``new_entry`` and ``sink_entry`` (:class:`PagedRows`)."""
     hq = check_paged_inputs(params, new_k, new_v, window, history, rows)
     win_k, win_v, hist_k, hist_v, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, coded = write_operands(
         params, window, history)
@@ -193,14 +159,9 @@ def paged_append_reference(params: KVParams, new_k, new_v, window: Window, histo
 
 def append(params: KVParams, new_k, new_v, window: Window, history: History, at: Ring | PagedRows,
            use_kernels="auto") -> None:
-    """The one-token write of every storage, in place (returns None): slot ``T - 1 - W``, which left the window at the
-    previous step, demoted into the history (INT2 heads quantized, retrieval heads coded: ``history.coded`` with
-    ``params.heads``), then the new token into the ring and, while the row fills it, the sink. ``at``: a
-    :class:`~oscar_hf.kernels.kv.Ring` (a contiguous storage, ``new_k/new_v [B, Hk, 1, D]``: the compiled layer;
-    :func:`append_token_reference`) or the serving step's :class:`~oscar_hf.kernels.kv.PagedRows` (``new_k/new_v [Hk,
-    Q, D]`` the packed batch, the window a pool of slots, the history pages; :func:`paged_append_reference`). One
-    fused Triton launch on CUDA (when importable, allowed and the shape is supported, as for :func:`rotate_quantize`),
-    else the torch reference."""
+    """The one-token write of every storage, in place: slot ``T - 1 - W`` demoted into the history, the new token into
+    the ring (and the sink while it fills). ``at``: a :class:`Ring` (contiguous, :func:`append_token_reference`) or a
+    serving step's :class:`PagedRows` (:func:`paged_append_reference`). One fused Triton launch where supported."""
     contiguous = isinstance(at, Ring)
     if _append_kernel_serves(new_k, params.group_size, params.clip_k, params.clip_v, params.meta_dtype, use_kernels):
         from .append_triton import append_token_triton, paged_append_triton
