@@ -1,13 +1,8 @@
-"""The compiled storage's op (``torch.library``, opaque to the compiler): its decode step (``oscar::decode_step_``: the
-one-token write and the attention of one layer; docs/kernels.md §3.7).
-
-Under ``torch.compile`` a layer's whole decode step behind the query's rotation is one custom op: dynamo records one
-call, Inductor leaves its kernels alone and the CUDA graph captures their launches; what the op does is plain Python
-run once per capture, not traced and lowered per layer (docs/results.md, the first call). It mutates the layer's
-window, history and retrieval heads' entries in place (``mutates_args``) and returns the attention output. The op's
-flat schema exists here only: the compiled layer packs its storage into :class:`StepStorage`, :class:`StepHeads`,
-:class:`StepConfig`, and :func:`decode_step` unpacks them into :mod:`.kv`'s bundles for ``write_path.append`` and
-``decode.decode``.
+"""The compiled storage's op ``oscar::decode_step_`` (``torch.library``, opaque to the compiler): one layer's
+one-token write and attention, so dynamo records one call and the CUDA graph captures its launches instead of tracing
+and lowering them per layer (docs/kernels.md §3.7). The flat schema exists here only: the compiled layer packs its
+storage into :class:`StepStorage`, :class:`StepHeads`, :class:`StepConfig`; :func:`decode_step` unpacks them into
+:mod:`.kv`'s bundles.
 """
 from __future__ import annotations
 
@@ -25,8 +20,7 @@ from .write_path import append
 
 
 class StepStorage(NamedTuple):
-    """A layer's arguments of :func:`decode_step` that change only when its storage is (re)allocated, in the op's
-    order (:func:`step_storage` builds it): the traced step reads one tuple per layer."""
+    """A layer's op arguments that change only when its storage is (re)allocated, in the op's order."""
 
     win: torch.Tensor
     codes: torch.Tensor
@@ -37,8 +31,8 @@ class StepStorage(NamedTuple):
 
 
 class StepHeads(NamedTuple):
-    """A layer's retrieval heads in the op's arguments (:func:`step_heads`); a layer without any passes
-    :data:`NO_HEADS`, one object for all of them (the compiled step guards its Nones once, not once per layer)."""
+    """A layer's retrieval heads in the op's arguments; a layer without passes the shared :data:`NO_HEADS` (the
+    compiled step guards its Nones once, not per layer)."""
 
     heads_index: torch.Tensor | None  # [2 Hk + H2 + P] int64: hist_of [Hk], coded_of [Hk], int2_idx [H2], coded_idx [P]
     cx: torch.Tensor | None  # [2, B, P, N, X]: the keys' and values' codes (rows at 16 bits)
@@ -49,8 +43,7 @@ NO_HEADS = StepHeads(None, None, None)
 
 
 class StepConfig(NamedTuple):
-    """The op's last arguments, the same for every layer of a cache (:func:`step_config`): one tuple that all the
-    layers share, so that the compiled step guards its constants once, not once per layer."""
+    """The op's last arguments, one tuple shared by every layer (its constants guarded once, not per layer)."""
 
     group_size: int
     meta_dtype: torch.dtype
@@ -81,15 +74,13 @@ def step_heads(heads_index, cx, cmeta) -> StepHeads:
 
 
 def join_heads_index(hist_of, coded_of, int2_idx, coded_idx) -> torch.Tensor:
-    """A layer's four retrieval-head indices as the op's one ``heads_index [2 Hk + H2 + P]`` (one input of the
-    compiled step, not four): ``hist_of``/``coded_of [Hk]`` (KV head -> INT2 / coded head, -1 elsewhere), then the
-    KV heads ``int2_idx [H2]``/``coded_idx [P]``; :func:`split_heads_index` reads it back."""
+    """A layer's four retrieval-head indices as one ``heads_index [2 Hk + H2 + P]``: ``hist_of`` / ``coded_of [Hk]``
+    (KV head -> INT2 / coded head, -1 elsewhere), then ``int2_idx [H2]`` / ``coded_idx [P]``."""
     return torch.cat([torch.as_tensor(x, dtype=torch.long) for x in (hist_of, coded_of, int2_idx, coded_idx)])
 
 
 def split_heads_index(heads_index: torch.Tensor, hk: int, hq: int) -> tuple[torch.Tensor, ...]:
-    """``(hist_of, coded_of, int2_idx, coded_idx)``: views of :func:`join_heads_index`'s tensor, for ``hk`` KV heads
-    of which ``hq`` are INT2 heads."""
+    """``(hist_of, coded_of, int2_idx, coded_idx)``: views of :func:`join_heads_index`'s tensor."""
     return (heads_index[:hk], heads_index[hk : 2 * hk], heads_index[2 * hk : 2 * hk + hq],
             heads_index[2 * hk + hq :])
 
@@ -118,22 +109,15 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
                 heads_index: torch.Tensor | None, cx: torch.Tensor | None, cmeta: torch.Tensor | None, group_size: int,
                 meta_dtype: torch.dtype, sink: int, recent: int, use_kernels: str, quantizer: str, coded_bits: int,
                 block_n: int) -> torch.Tensor:
-    """One decode step of one layer of the compiled storage (:class:`~oscar_hf.cache.compiled.CompiledOscarLayer`, its
-    module docstring): the write (:func:`~oscar_hf.kernels.write_path.append`: slot ``T - 1 - W`` demoted into
-    the history, the new token into the window), then the attention -> ``[B, Hk, g, D]`` in ``out_dtype``.
+    """One decode step of one layer of the compiled storage: the write (:func:`~.write_path.append`), then the
+    attention -> ``[B, Hk, g, D]`` in ``out_dtype``.
 
-    Per step: ``q [B, Hk, g, D]`` the grouped query (model dtype; the window's and the retrieval heads' query),
-    ``q_rot [B, H2, g, D]`` float32 / ``qk_off`` its INT2 heads' rotated query and logit offset (None: no INT2
-    head), ``new_k/new_v [B, Hk, 1, D]``, ``length`` (0-d, ``T``), ``pad [B]``, ``win_mask [B, 1, 1, S0 + R]``,
-    ``hist_len`` (0-d: history entries ``[pad, hist_len)`` valid after the write), ``mu_k`` (``[H2, D]`` or ``[B,
-    H2, D]``), ``mu_v``, ``sinks [Hk, g]`` or None, ``softcap`` (0: none). The layer's storage
-    (:class:`StepStorage`): ``win [2, B, Hk, S0 + R, D]``, ``codes [2, B, H2, N, D/4]``, ``meta [2, 2, B, H2, N,
-    D/G]``, ``r [2, H2, D, D]`` (keys at index 0, values at 1) and its clip ratios; its retrieval heads
-    (:class:`StepHeads`, all None without): the KV heads' places ``hist_of``/``coded_of [Hk]`` and the heads
-    ``int2_idx [H2]``/``coded_idx [P]`` in one index, their stores ``cx``/``cmeta`` (keys at 0, values at 1; 16-bit
-    stores have no metadata); the config's constants (:class:`StepConfig`; ``use_kernels`` ``"auto"``, ``"on"`` or
-    ``"off"``). Unpacked into the bundles of :mod:`.kv` (the INT2 heads' rows and the retrieval heads' coded rows as
-    one :class:`~.kv.History`, the stacked window as one :class:`~.kv.Window`)."""
+    ``q [B, Hk, g, D]`` the grouped query; ``q_rot [B, H2, g, D]`` float32 / ``qk_off`` the INT2 heads' rotated
+    query and logit offset (None: no INT2 head); ``new_k/new_v [B, Hk, 1, D]``; ``length`` (0-d ``T``); ``pad [B]``;
+    ``win_mask [B, 1, 1, S0 + R]``; ``hist_len`` (0-d: entries ``[pad, hist_len)`` valid after the write);
+    ``sinks [Hk, g]`` or None; ``softcap`` (0: none). Stacked storage, keys at index 0, values at 1:
+    ``win [2, B, Hk, S0 + R, D]``, ``codes [2, B, H2, N, D/4]``, ``meta [2, 2, B, H2, N, D/G]``, ``r [2, H2, D, D]``;
+    retrieval heads (:class:`StepHeads`) ``cx`` / ``cmeta`` (no metadata at 16 bits)."""
     _check_stacked(win, codes, meta, r)
     step_warmup.release()  # (a compiled step's first run: its helper gets no more arguments)
     kernels = {"auto": "auto", "on": True, "off": False}[use_kernels]
@@ -169,9 +153,7 @@ _PARAMS = list(inspect.signature(decode_step).parameters)
 
 
 def warm_args(spec: dict) -> tuple:
-    """:func:`decode_step`'s arguments rebuilt from their description (:func:`.step_warmup.values_of`), the retrieval
-    heads' index given valid values for its layout (the first ``H2`` KV heads the INT2 heads, the others the
-    retrieval heads)."""
+    """:func:`decode_step`'s arguments rebuilt from their description, with a valid retrieval heads' index."""
     values = step_warmup.values_of(spec)
     if len(values) != len(_PARAMS):
         raise ValueError(f"{len(values)} arguments described, the op takes {len(_PARAMS)}")
