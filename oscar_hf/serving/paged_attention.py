@@ -1,13 +1,9 @@
-"""Read path of the paged store for one request's rows when they continue a request (a prompt chunk after earlier
-tokens): :func:`paged_chunk_attention`. A continuing chunk can be a whole long prompt (Transformers' scheduler fills a
-step's token budget with the first tokens of the next prompt and sends the rest next step), or a request's own rows
-after a shared prefix: prefill-sized work over a long INT2 history, so the history is read in place through the
-request's block table by the split-K kernels, a tile of query rows at a time
-(:func:`oscar_hf.kernels.paged_decode.paged_history_partial`), never dequantized to a full-precision copy. The decode
-rows of a batch (one token each) take :func:`oscar_hf.kernels.decode.decode` instead.
+"""Read path of the paged store for rows that continue a request (a prompt chunk, a request's rows after a shared
+prefix): :func:`paged_chunk_attention` reads the INT2 history in place through the block table, a tile of query rows
+at a time, never dequantized; and the handle and batch recording both paged caches share.
 
 Shapes: ``Hk`` KV heads, ``g`` query heads per KV head, ``L`` new rows, ``E`` window entries before them, ``n`` history
-entries of the request, ``P`` the page size.
+entries of the request.
 """
 from __future__ import annotations
 
@@ -40,10 +36,8 @@ def paged_chunk_attention(query, window: Window, pool: PagedInt2Pool, table: lis
     through ``table``), then its window and new rows ``window.k/v [1, Hk, E + L, D]`` (the last ``L`` are the new
     rows, causal among themselves; everything before them is visible to every row; ``window.mask`` unused).
 
-    ``params`` the layer's :class:`~oscar_hf.kernels.kv.KVParams`: its INT2 heads read the history in the rotated
-    space and the window exactly (:func:`~oscar_hf.kernels.paged_decode.paged_multi_token_attention`); with
-    retrieval heads (``params.heads``) those read their coded history (dequantized for the call: a few heads,
-    :mod:`oscar_hf.cache.heads`) and their window unrotated in one SDPA call. With ``n == 0``: exact attention."""
+    Retrieval heads (``params.heads``) read their coded history, dequantized for the call, and their window in one
+    SDPA call. With ``n == 0``: exact attention."""
     _, hq, l, d = query.shape
     k_win, v_win = window.k, window.v
     hk, dt = k_win.shape[1], query.dtype
@@ -92,9 +86,8 @@ class PagedOscarKV(OscarKV):
         return torch.Size((b, h, l + sum(past for _, past, _ in self.batch), d))
 
     def attend(self, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
-        """``[1, sum L_i, Hq, D]``: each request's rows attend to that request's cache only (the block-diagonal mask
-        continuous batching builds is implied by the store's per-request bookkeeping, so it is not read; neither is
-        ``cu_seq_lens_q``, a device tensor: reading it would stall every layer)."""
+        """``[1, sum L_i, Hq, D]``: each request's rows attend to its own cache (the block-diagonal mask and the device
+        tensor ``cu_seq_lens_q`` are not read: the batch recording says the same without a sync)."""
         if kwargs.get("s_aux") is not None or kwargs.get("softcap"):
             raise NotImplementedError("OSCAR serving does not implement attention sinks (s_aux) or logit soft-capping "
                                       "yet; OscarCache with generate does")
@@ -103,9 +96,8 @@ class PagedOscarKV(OscarKV):
 
 
 class RecordedBatch:
-    """What both paged caches (5.20+ and 5.17 - 5.19) keep for the store: the requests of a forward in packing order,
-    recorded by Transformers' per-request hooks while it prepares the batch (the request ids never reach the
-    forward) and taken by the forward's first OSCAR layer."""
+    """What both paged caches keep for the store: a forward's requests in packing order, recorded by Transformers'
+    per-request hooks (the ids never reach the forward) and taken by its first OSCAR layer."""
 
     def _start_recording(self) -> None:
         self.scheduler = None  # the manager's scheduler (its request states), once its batch processor exists
@@ -113,9 +105,8 @@ class RecordedBatch:
         self._batch: list[tuple[str, int, int]] = []
 
     def _start_graphs(self, store, cb_config) -> None:
-        """Before Transformers sizes the cache: when the manager graphs decode steps (``use_cuda_graph``: its decode
-        boolean), the store's decode step becomes graph-safe for the padded batches it will see (``max_requests``
-        decode rows at most, padded to ``q_padding_interval_size``): :meth:`OscarPagedStore.enable_graphs`."""
+        """Before Transformers sizes the cache: when the manager graphs decode steps, make the store's step graph-safe
+        for ``max_requests`` rows padded to ``q_padding_interval_size``."""
         self.cuda_graphs = bool(cb_config is not None and cb_config.cuda_graph_booleans[1])
         self.graph_step, self.graph_key = False, ()
         if self.cuda_graphs:
@@ -125,14 +116,10 @@ class RecordedBatch:
             store.graph_rows = 0
 
     def prepare_forward(self, rows: int, packed: list[tuple[str, int, int]] | None = None) -> bool:
-        """The host side of a forward, once Transformers has prepared the batch (every request recorded) and before
-        the model runs or a CUDA graph replays: the store's decode plan, written into its fixed buffers (pages
-        allocated, lengths advanced). ``rows``: the forward's packed rows, padding included; ``packed``: the requests
-        Transformers packed, ``(request_id, past_length, query_length)`` in row order, which must be exactly the ones
-        recorded (the store learns whose rows are whose only from the recording: a missed or reordered call would
-        give requests each other's KV). Returns whether this step may run as a graph (a decode-only batch that fits
-        the buffers, graphs on); ``graph_key`` then holds what else its graph depends on (the history bound its grids
-        are sized for)."""
+        """The host side of a forward, before the model runs or a graph replays: the store's decode plan into its fixed
+        buffers. ``rows``: packed rows, padding included; ``packed``: what Transformers packed, which must equal the
+        recording (else requests would read each other's KV). Returns whether the step may run as a graph;
+        ``graph_key`` then holds the history bound its grids are sized for."""
         if packed is not None and packed != self._pending:
             recorded, self._pending = self._pending, []
             raise RuntimeError(f"OSCAR paged cache: the forward packs {packed}, the cache recorded {recorded} (request "
@@ -145,22 +132,17 @@ class RecordedBatch:
 
     def _record(self, request_id: str, past_length: int, query_length: int) -> None:
         self._pending.append((request_id, int(past_length), int(query_length)))
-        # the scheduler has split the request's tokens for this step: what its state keeps for later steps is the rest
-        # of the prompt (none: this step's chunk completes it). The store keeps a prompt's chunks exact while more
-        # follow; without the scheduler (set by the OSCAR manager, serving/batching.py) None: until the request decodes
+        # what the scheduler's state keeps for later steps is the rest of the prompt (None without a scheduler)
         state = self.scheduler.active_requests.get(request_id) if self.scheduler is not None else None
         rest = getattr(state, "remaining_prefill_tokens", None)
         self.store.note_prompt(request_id, None if rest is None else len(rest) > 0)
 
     def attach_scheduler(self, scheduler) -> None:
-        """The manager's scheduler, whose request states say when a prompt is complete (:meth:`_record`) and how long
-        it is (:meth:`_prompt_hold`)."""
+        """The manager's scheduler, whose request states say when a prompt is complete and how long it is."""
         self.scheduler = scheduler
 
     def _prompt_hold(self, state, request_len: int) -> int:
-        """Tokens of the store's ``prompt_budget`` that admitting ``request_len`` tokens of ``state`` (a Transformers
-        ``RequestState``) this step needs: its whole prompt (what is left of it after ``position_offset`` tokens) when
-        the scheduler splits it now (``request_len`` short of what is left) and it has no reservation yet, else 0."""
+        """:meth:`OscarPagedStore.prompt_hold` for ``request_len`` tokens of a Transformers ``RequestState``."""
         rest = len(state.remaining_prefill_tokens)
         return self.store.prompt_hold(state.request_id, state.position_offset + rest, request_len < rest)
 

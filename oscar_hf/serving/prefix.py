@@ -1,19 +1,11 @@
 """Prefix sharing and forks in the paged INT2 store: requests whose prompts begin alike hold the same history pages.
 
-Page ``b`` of a request holds history entries ``[bP, (b+1)P)``, slots ``[S0 + bP, S0 + (b+1)P)``, whose keys and
-values depend on every token up to the page's last slot: a page is keyed by tokens ``[0, S0 + (b+1)P)``, as a chain of
-hashes, one link a page (link 0 covers the sink's ``S0`` tokens and page 0's ``P``). A page can be shared once it is
-written for good: below the entry the next decode step rewrites (slot ``T - 1 - W``, :func:`shareable_pages`).
-
-A request that shares ``k`` pages starts at ``m = S0 + kP`` tokens: the sink copied from a live holder's window (the
-same tokens, so the same exact rows), slots ``[S0, m)`` in the shared pages, and its window empty past the sink. It
-then prefills at least ``W + 2`` tokens of its own (:meth:`SharedPrefixes.share_prefix` shares fewer pages
-otherwise), so that once its prompt is stored its window holds only its own rows and the history below ``m`` is never
-written again: from there it is an ordinary request. Until then its rows read slots below ``m`` from the INT2 pages
-(``RequestKV.floor``), not from an exact window: a shared prompt's new rows attend to the prefix as a decode step
-does, where an unshared prompt attends to itself exactly (docs/serving.md, "Prefix sharing").
-
-A fork copies its source's window and the pages still to be written, and shares the others.
+Page ``b`` holds slots ``[S0 + bP, S0 + (b+1)P)``, so it is keyed by tokens ``[0, S0 + (b+1)P)`` as a chain of hashes,
+one link a page (link 0 covers the sink too), and can be shared once written for good (:func:`shareable_pages`). A
+request sharing ``k`` pages starts at ``m = S0 + kP`` tokens with the holder's sink copied, and prefills at least
+``W + 2`` tokens of its own; its rows read slots below ``m`` from the INT2 pages (``RequestKV.floor``), as a decode
+step does (docs/serving.md, "Prefix sharing"). A fork copies its source's window and the pages still to be written,
+and shares the others.
 """
 from __future__ import annotations
 
@@ -83,9 +75,7 @@ class PrefixIndex:
 
 
 class SharedPrefixes:
-    """Prefix sharing and forks (a base of :class:`~oscar_hf.serving.store.OscarPagedStore`: it reads the store's
-    ``config``, ``pool``, ``windows``, ``requests``, ``layer_slot`` and ``prefixes``, a :class:`PrefixIndex` or None
-    when sharing is off)."""
+    """Prefix sharing and forks (a base of the store; ``prefixes`` is None when sharing is off)."""
 
     def shareable_pages(self, length: int) -> int:
         return shareable_pages(length, self.config.sink, self.config.recent, self.pool.page_size)
@@ -95,10 +85,8 @@ class SharedPrefixes:
         return min(self.shareable_pages(source.length()), len(source.table))
 
     def share_prefix(self, request_id: str, tokens: list[int]) -> tuple[int, str | None, int]:
-        """Start the new request ``request_id`` (prompt ``tokens``) on the longest prefix of pages a live request holds:
-        ``(m, holder, k)``, its ``k`` shared pages covering its first ``m = S0 + kP`` tokens and the request they were
-        taken from (``(0, None, 0)``: none, or no window slot is free). It keeps at least ``W + 2`` tokens to prefill
-        (module docstring)."""
+        """Start a new request on the longest prefix of pages a live request holds: ``(m, holder, k)``, ``k`` pages
+        covering its first ``m = S0 + kP`` tokens (``(0, None, 0)``: none, or no free window slot)."""
         r = self.requests.get(request_id)
         if self.prefixes is None or not self.has_pool or (r is not None and r.lengths):
             return 0, None, 0
@@ -120,16 +108,14 @@ class SharedPrefixes:
         return m, holder, k
 
     def index_pages(self, request_id: str, tokens: list[int]) -> None:
-        """After a forward: offer ``request_id``'s pages written for good (``tokens``: its prompt and the tokens it
-        generated) for sharing."""
+        """After a forward: offer ``request_id``'s final pages (``tokens``: prompt and generated) for sharing."""
         r = self.requests.get(request_id)
         if self.prefixes is not None and r is not None and r.lengths:
             self.prefixes.register(request_id, tokens, self.shareable_pages(r.length()))
 
     def fork(self, source_id: str, child_id: str) -> None:
-        """Start ``child_id`` as a copy of ``source_id``'s KV (``num_return_sequences > 1``): its window slot copied,
-        the pages no later step writes shared, the others copied (at most two: the one the next decode step
-        rewrites an entry of, and one allocated ahead)."""
+        """Start ``child_id`` as a copy of ``source_id``'s KV: window copied, final pages shared, the others (at most
+        two) copied."""
         s = self.requests[source_id]
         if child_id in self.requests:
             raise RuntimeError(f"fork: request {child_id!r} is already in the OSCAR store")
