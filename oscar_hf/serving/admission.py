@@ -1,22 +1,9 @@
 """One bad request fails alone: what the OSCAR store cannot serve is refused when it is submitted.
 
-Transformers' continuous-batching loop treats an exception inside a forward as fatal (the manager stops and every
-later request is dropped), so a request the store cannot serve must never reach a forward. A manager an OSCAR block
-serves checks each request in ``add_request`` (the caller's thread: ``generate_batch``, a server's handler) and
-raises :class:`RequestRefused` there, naming the mistake:
-
-* a request id that is live (submitted, not yet finished, failed or cancelled): the store keys a request's KV by its
-  id, and so does Transformers' result routing (``register_result_handler``, refused alike);
-* a prompt whose tokens, with ``max_new_tokens``, can never fit the page pool (a lone request that outgrows the pool
-  cannot be offloaded: the loop would stop);
-* forks (``num_return_sequences > 1``) where the cache cannot fork (Transformers 5.17 - 5.19, or layers it leaves to
-  Transformers' BF16 cache), an empty prompt, token ids outside the vocabulary.
-
-:class:`RequestRefused` is a ``ValueError`` and, where Starlette is installed (``transformers[serving]``), an
-``HTTPException`` with its status (409 for a live id, 400 otherwise): ``transformers serve`` answers it as that 4xx.
-The same checks run again in the loop when the request joins the scheduler (``add_waiting_request``, inside
-Transformers' per-request ``try``): a request submitted before the manager's cache existed fails alone there, with
-the message as its ``error``.
+Transformers' loop treats an exception inside a forward as fatal, so a manager an OSCAR block serves checks each
+request in ``add_request`` (the caller's thread) and raises :class:`RequestRefused` (a ``ValueError``, and a Starlette
+``HTTPException`` with its 4xx status where installed). The same checks run again when the request joins the
+scheduler, inside Transformers' per-request ``try``. What is refused and why: docs/serving.md section 2a.
 """
 from __future__ import annotations
 
@@ -47,10 +34,8 @@ class RequestRefused(*dict.fromkeys((_HTTPError, ValueError))):  # (ValueError,)
 
 def check_request(store, input_ids, max_new_tokens: int | None, vocab_size: int | None, forks: int,
                   blocks_hold_windows: bool = False, can_fork: bool = False) -> None:
-    """Raise :class:`RequestRefused` when ``store`` (None: its pool is not built yet) cannot serve a request of
-    ``input_ids`` with ``max_new_tokens`` new tokens and ``forks`` extra sequences. ``blocks_hold_windows``: the
-    scheduler's blocks count every token of a request, its window's too (5.17 - 5.19's block manager), instead of
-    its history pages. ``can_fork``: the cache forks requests (Transformers 5.20+, the store holding every layer)."""
+    """Raise :class:`RequestRefused` when ``store`` (None: no pool yet) cannot serve the request.
+    ``blocks_hold_windows``: the scheduler's blocks count the window's tokens too (5.17 - 5.19)."""
     if forks > 0 and not can_fork:
         raise RequestRefused(f"the OSCAR paged cache forks requests (num_return_sequences={forks + 1}) only on "
                              "Transformers 5.20+ for models whose every layer it quantizes: send one request per "
@@ -83,10 +68,8 @@ def check_request(store, input_ids, max_new_tokens: int | None, vocab_size: int 
 
 
 class Admission:
-    """A manager's request ids that are live (submitted and not yet finished, failed or cancelled) or claimed (a
-    result handler registered for a request about to be submitted), and the store once the manager's cache exists
-    (``ready``). Ids leave when the manager delivers a finished or failed output for them, or when its scheduler
-    clears them as cancelled (hooks on those two instances, :func:`install`)."""
+    """A manager's live request ids, those claimed by a result handler before submission, and the store once the
+    cache exists (``ready``). Ids leave when their last output is delivered or the scheduler cancels them."""
 
     def __init__(self):
         self.lock = threading.Lock()
@@ -99,9 +82,8 @@ class Admission:
         self.can_fork = False
 
     def claim(self, request_id: str, has_handler: bool) -> None:
-        """A result handler is being registered for ``request_id``: before its ``add_request`` (claimed), or right
-        after it (a streamed request in ``transformers serve``: live, no handler yet). Refused when the id is
-        claimed, or live with a handler (a second client's)."""
+        """A result handler is registered for ``request_id`` (before or right after its ``add_request``); refused
+        when the id is claimed, or live with a handler already."""
         with self.lock:
             if request_id in self.claimed or (request_id in self.live and has_handler):
                 raise live_id_refusal(request_id)
@@ -165,8 +147,7 @@ def _hook_router(router, adm: Admission) -> None:
 
 
 def install(manager, processor) -> None:
-    """Once the manager's batch processor exists (its loop thread): the store for the size checks, and the
-    scheduler's hooks (cancelled ids leave; a request joining the scheduler is checked again, failing alone)."""
+    """Once the batch processor exists: the store for the size checks, and the scheduler's hooks."""
     adm = admission_of(manager)
     scheduler = processor.scheduler
     clear, add_waiting = scheduler.clear_cancelled_requests, scheduler.add_waiting_request
@@ -177,8 +158,7 @@ def install(manager, processor) -> None:
         return states
 
     def add_checked(state):
-        # Transformers calls this for new requests inside a per-request try (the error fails that request alone),
-        # and for requests it re-queues after finishing them (soft reset, forks), whose ids have left
+        # new requests (inside a per-request try) and re-queued ones (soft reset, forks)
         rid = state.request_id
         if rid in scheduler.active_requests or rid in scheduler.waiting_requests:
             raise live_id_refusal(rid)
@@ -195,8 +175,8 @@ def install(manager, processor) -> None:
 
 
 def add_request(manager, original, input_ids, request_id=None, max_new_tokens=None, *args, **kwargs):
-    """``ContinuousBatchingManager.add_request`` of a manager an OSCAR block serves: the request is checked (waiting
-    for a started manager's cache, whose pool the size check reads) and its id made live, then submitted."""
+    """``add_request`` of a manager an OSCAR block serves: the id made live, the request checked (once the cache
+    exists), then submitted."""
     adm = admission_of(manager)
     if request_id is None:  # Transformers' own naming, taken here so that the id is tracked from the start
         with manager._request_lock:
@@ -236,8 +216,7 @@ def _wait_ready(manager, adm: Admission) -> None:
 
 
 def register_result_handler(manager, original, request_id, callback):
-    """``register_result_handler`` of such a manager: refused where it would take a live request's outputs (see
-    :meth:`Admission.claim`)."""
+    """``register_result_handler``: refused where it would take a live request's outputs."""
     router = manager.output_router
     with router._lock:
         has_handler = request_id in router.result_handlers
