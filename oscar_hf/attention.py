@@ -1,8 +1,5 @@
-"""The registered attention function: ``oscar_<base>`` (:mod:`oscar_hf.patching`) serves every call whose ``key`` is an
-:class:`OscarKV`, the handle an OSCAR layer's ``update(k, v)`` returns (as ``key`` and ``value``) after parking the new
-rows; it checks the call's arguments and asks the handle for the result, since each layer kind owns its read (so this
-module knows no layer type). A call whose ``key`` is a plain tensor (other caches, sliding or skipped layers) goes to
-the user's own implementation untouched.
+"""The registered attention function ``oscar_<base>``: a call whose ``key`` is an :class:`OscarKV` (what an OSCAR
+layer's ``update`` returns) is served by that layer's own read; any other call goes to the user's implementation.
 """
 from __future__ import annotations
 
@@ -45,8 +42,7 @@ def _handler(module, query, key, value, attention_mask, *args, base: str, dropou
              sliding_window=None, softcap=None, **kwargs):
     if not isinstance(key, OscarKV):
         return NotImplemented
-    # soft-capping (Gemma 2) and learned sinks (s_aux [Hq]: gpt-oss) stay in kwargs: the layer's read applies them
-    # (oscar_hf.cache.base.logit_terms) and a prefill on an empty cache hands them to the user's implementation
+    # soft-capping and learned sinks (s_aux [Hq]) stay in kwargs: the layer's read applies them (cache.base.logit_terms)
     if softcap:
         kwargs["softcap"] = softcap
     if kwargs.get("sinks") is not None or kwargs.get("position_bias") is not None:
@@ -66,8 +62,7 @@ register_handler(PREFIX, _handler)
 
 
 def enable_oscar(model) -> str:
-    """Route ``model``'s attention through OSCAR (keeps the user's implementation for other caches).
-    Also takes the model's own config (``model.config``), which the model reads at every forward."""
+    """Route ``model``'s (or its config's) attention through OSCAR; other caches keep the user's implementation."""
     return switch_attention(model, PREFIX)
 
 

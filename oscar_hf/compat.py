@@ -1,7 +1,5 @@
-"""The name under which the installed Transformers takes the cache, read off the model itself. Transformers 5.24
-renamed it (``generate(cache=...)``, outputs carry ``.cache``; ``past_key_values=`` warns, removal in 6.0); older 5.x
-(5.17 on our GPU machine) only knows ``past_key_values=``. Every call site of ours goes through these two helpers so
-that it runs warning-free on both::
+"""The name under which the installed Transformers takes the cache (``cache=`` from 5.24, ``past_key_values=``
+before), read off the model, so that every call site runs warning-free on both::
 
     out = model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=64)
     out = model(ids, **cache_kwargs(model, cache), use_cache=True)
@@ -20,8 +18,7 @@ CACHE_ARGUMENTS = ("cache", "past_key_values")  # newest name first
 
 
 def _parameters(fn) -> set[str]:
-    # inspect.signature follows __wrapped__, i.e. through Transformers' deprecate_kwarg / can_return_tuple
-    # wrappers and accelerate's forward hooks, down to the function that declares the real parameters.
+    # inspect.signature follows __wrapped__ through Transformers' and accelerate's wrappers to the real parameters
     try:
         return set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
@@ -34,8 +31,7 @@ def _argument_of_class(cls: type) -> str:
     for name in CACHE_ARGUMENTS:
         if name in params:
             return name
-    # A forward that takes only **kwargs (a wrapper such as PEFT's): the name this Transformers' generate
-    # hands to every model forward (GenerationMixin.prepare_inputs_for_generation declares it).
+    # a forward taking only **kwargs (PEFT): the name this Transformers' generate hands to every forward
     from transformers.generation.utils import GenerationMixin
     params = _parameters(GenerationMixin.prepare_inputs_for_generation)
     for name in CACHE_ARGUMENTS:
@@ -46,28 +42,23 @@ def _argument_of_class(cls: type) -> str:
 
 
 def cache_argument(model_or_cls: Any) -> str:
-    """``"cache"`` where the model's forward takes ``cache=`` (recent Transformers), else ``"past_key_values"``.
-
-    ``model_or_cls``: a model (a ``torch.compile``'d one too) or its class. Read from the forward's signature
-    (``generate`` of the same Transformers version hands the cache to the forward under the same name)."""
+    """``"cache"`` where the forward of the model (or class) takes ``cache=``, else ``"past_key_values"``."""
     model = getattr(model_or_cls, "_orig_mod", model_or_cls)  # torch.compile's OptimizedModule
     return _argument_of_class(model if isinstance(model, type) else type(model))
 
 
 def cache_kwargs(model_or_cls: Any, cache) -> dict[str, Any]:
-    """``{"cache": cache}`` or ``{"past_key_values": cache}``, whichever ``model_or_cls`` takes, for
-    ``model.generate(..., **cache_kwargs(model, cache))`` and ``model(..., **cache_kwargs(model, cache))``."""
+    """``{"cache": cache}`` or ``{"past_key_values": cache}``, whichever ``model_or_cls`` takes."""
     return {cache_argument(model_or_cls): cache}
 
 
 def returned_cache(outputs) -> Any:
-    """The cache a forward, or ``generate(..., return_dict_in_generate=True)``, returned: ``outputs.cache`` (recent
-    Transformers) or ``outputs.past_key_values`` (older), read from the output's keys (on recent versions that
-    attribute is a deprecated alias that warns); None when it returned none (``use_cache=False``)."""
+    """The cache a forward or ``generate(..., return_dict_in_generate=True)`` returned, read from the output's keys
+    (the deprecated attribute warns), or None."""
     if not isinstance(outputs, Mapping):  # ModelOutput is an OrderedDict of its non-None fields
         raise ValueError(f"expected a model output (ModelOutput), got {type(outputs).__name__}: call the model with "
                          "return_dict=True, or generate with return_dict_in_generate=True")
-    present = set(outputs.keys())  # (on 5.24, even outputs.get("past_key_values") logs that deprecation warning)
+    present = set(outputs.keys())  # (on 5.24 even outputs.get("past_key_values") warns)
     for name in CACHE_ARGUMENTS:
         if name in present:
             return outputs[name]

@@ -1,12 +1,8 @@
-"""Tensor parallelism: give each rank's :class:`~oscar_hf.OscarCache` the rotations of its own KV heads.
+"""Tensor parallelism: each rank's cache layers get the rotations of its own KV heads.
 
-Under ``from_pretrained(..., tp_plan="auto")`` (Transformers' DTensor TP) the Llama / Qwen2 / Qwen3 / Mistral plans
-shard ``k_proj`` / ``v_proj`` column-wise, so rank ``r`` of ``W`` holds KV heads ``[r*Hk/W, (r+1)*Hk/W)`` and its cache
-sees ``[B, Hk/W, T, D]`` keys; the artifact is per KV head (``r_k``, ``r_v`` ``[Hk, D, D]``, ``mu_k``, ``mu_v`` ``[Hk,
-D]``; clips per layer), so each rank keeps its heads' slice. Which heads a rank holds is read per layer from the
-``k_proj`` / ``v_proj`` DTensor's global offset; a fused ``qkv_proj`` falls back to the even layout from the model's
-TP rank. Without TP nothing changes (a wrong head count still fails with OscarLayer's error at the first ``update``).
-The cache keeps the full artifact in ``cache.rotations`` (saving writes all of it); only the layers get the slice.
+Under Transformers' DTensor TP, ``k_proj`` / ``v_proj`` are column-sharded, so a rank's cache sees ``[B, Hk/W, T, D]``
+keys; which heads it holds is read per layer from the DTensor's global offset (else the even layout from the TP rank).
+``cache.rotations`` keeps the full artifact; only the layers get the slice.
 """
 from __future__ import annotations
 
@@ -53,7 +49,6 @@ class TPLayout:
                     v={i: (s.start, s.stop) for i, s in sorted(self.v.items())})
 
 
-# ---------------------------------------------------------------------------------------------- head slicing
 def even_head_shard(num_kv_heads: int, rank: int, world: int) -> HeadShard:
     """The heads of rank ``rank`` when ``k_proj``/``v_proj`` are column-sharded evenly over ``world`` ranks."""
     if world < 1 or not 0 <= rank < world:
@@ -67,8 +62,7 @@ def even_head_shard(num_kv_heads: int, rank: int, world: int) -> HeadShard:
 
 
 def slice_layer_rotation(lr: LayerRotation, k: HeadShard, v: HeadShard | None = None) -> LayerRotation:
-    """``lr`` restricted to KV heads ``k`` (keys: ``r_k``, ``mu_k``) and ``v`` (values: ``r_v``, ``mu_v``;
-    defaults to ``k``). Clip ratios are per layer and carried over. Works on any device, meta included."""
+    """``lr`` restricted to KV heads ``k`` (keys) and ``v`` (values; default ``k``); clips carried over."""
     v = k if v is None else v
     hk = lr.r_k.shape[0]
     for name, s, t in (("k", k, lr.r_k), ("v", v, lr.r_v)):
@@ -80,7 +74,6 @@ def slice_layer_rotation(lr: LayerRotation, k: HeadShard, v: HeadShard | None = 
     return dataclasses.replace(lr, r_k=cut(lr.r_k, k), r_v=cut(lr.r_v, v), mu_k=cut(lr.mu_k, k), mu_v=cut(lr.mu_v, v))
 
 
-# ---------------------------------------------------------------------------------------------- detection
 def _is_dtensor(t) -> bool:
     try:
         from torch.distributed.tensor import DTensor
@@ -155,8 +148,7 @@ def _attention_modules(model) -> dict[int, torch.nn.Module]:
 
 
 def tp_layout(model, num_kv_heads: int, head_dim: int, layers=None) -> TPLayout | None:
-    """This rank's KV heads per decoder layer, or None when the model is not tensor-parallel (no DTensor
-    ``k_proj``/``v_proj`` and no TP group), in which case the cache must be used exactly as without TP."""
+    """This rank's KV heads per decoder layer, or None when the model is not tensor-parallel."""
     attn = _attention_modules(model) if isinstance(model, torch.nn.Module) else {}
     ks, vs = {}, {}
     for i, mod in attn.items():
@@ -202,14 +194,12 @@ def local_full_precision_heads(heads: tuple[int, ...], k: slice, v: slice, layer
     return local
 
 
-# ---------------------------------------------------------------------------------------------- the cache hook
 def shard_cache_for_tensor_parallel(cache, model) -> TPLayout | None:
-    """Called by ``OscarCache.__init__`` (with the model): under tensor parallelism, replace every
-    ``OscarLayer``'s rotation by the slice of this rank's KV heads; no-op (returns None) otherwise."""
+    """Under tensor parallelism, give every quantized layer the rotation slice of this rank's KV heads; else None."""
     if not isinstance(model, torch.nn.Module):
         return None
     fp = cache.fingerprint
-    # quantized layers: OscarLayer and any subclass / sibling that keeps its rotation in ``_rotation_cpu``
+    # the quantized layers: those keeping their rotation in _rotation_cpu
     q_layers = {i for i, layer in enumerate(cache.layers) if getattr(layer, "_rotation_cpu", None) is not None}
     layout = tp_layout(model, fp.num_key_value_heads, fp.head_dim, layers=q_layers)
     if layout is None:

@@ -1,8 +1,6 @@
-"""Which layers OSCAR quantizes, and how: one pure function, :func:`choose_layers`, shared by
-:class:`~oscar_hf.OscarCache`, the paged serving store and the evaluation methods (as Transformers' caches pick a layer
-class per ``config.layer_types`` in one place). In order: built-in or artifact rotations -> the model's fingerprint ->
-the group size at its head_dim (checked) -> skipped layers -> retrieval heads -> exact layers (every KV head a 16-bit
-retrieval head: Transformers' own layer keeps it). The cache then only builds layers from the :class:`LayerChoice`.
+"""Which layers OSCAR quantizes, and how: :func:`choose_layers`, one pure function shared by the caches, the
+serving store and the eval methods. In order: rotations -> fingerprint -> group size -> skipped layers -> retrieval
+heads -> exact layers (every KV head a 16-bit retrieval head: Transformers' own layer keeps it).
 """
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ logger = logging.getLogger("oscar_hf")
 
 
 class WindowsWarning(UserWarning):
-    """A cache keeps smaller full-precision windows (sink / recent) than the ones its artifact's settings search
-    chose: it gives up quality that the artifact was scored with, and that no fluency metric shows."""
+    """A cache keeps smaller sink / recent windows than its artifact chose: quality no fluency metric shows is lost."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,18 +49,15 @@ class LayerChoice:
 
 def choose_layers(model_config, rotations: OscarRotations | None, config: OscarConfig, *,
                   default_group: bool = False) -> LayerChoice:
-    """The layer choice for a model (``model_config``: its config, or the model) under ``config``: ``rotations`` (None:
-    ``config.method``'s built-in ones, checked against the model otherwise); ``default_group``: the group size is
-    :class:`OscarConfig`'s default, which :meth:`OscarConfig.for_head_dim` may fit to the head_dim. Warns when the
-    artifact was calibrated at another group size, lacks rotations for full-attention layers, or chose larger
-    full-precision windows than ``config`` keeps (:class:`WindowsWarning`)."""
+    """The layer choice for a model (or its config) under ``config``; ``rotations`` None: ``config.method``'s
+    built-in ones. ``default_group``: as :meth:`OscarConfig.for_head_dim`. Warns on a group size other than the
+    calibrated one, missing rotations, or windows smaller than the artifact's (:class:`WindowsWarning`)."""
     model_config = getattr(model_config, "config", model_config)
     if rotations is None:
         rotations = OscarRotations.builtin(model_config, config.method)
     else:
         rotations.check_compatible(model_config)
     fp = ModelFingerprint.from_config(model_config)
-    # group_size=None (the "paper" preset): one group per head; the default 64 where it does not divide head_dim: 48 at 96
     config = config.for_head_dim(fp.head_dim, default_group=default_group)
     validate_head_dim(fp, config.group_size)
     cal_g = rotations.metadata.get("group_size")
@@ -87,15 +81,13 @@ def choose_layers(model_config, rotations: OscarRotations | None, config: OscarC
 
 
 def chosen_windows(rotations: OscarRotations | None, config: OscarConfig) -> tuple[int, int] | None:
-    """``(sink, recent)`` that the artifact's settings search chose (``metadata["settings"]["chosen"]``; a window it
-    did not choose is ``config``'s), or None when it chose none."""
+    """``(sink, recent)`` the artifact chose (one it did not choose is ``config``'s), or None."""
     chosen = artifact_settings(rotations.metadata) if rotations is not None else None
     return (chosen.get("sink", config.sink), chosen.get("recent", config.recent)) if chosen else None
 
 
 def window_shortfall(config: OscarConfig, rotations: OscarRotations | None) -> str | None:
-    """What is smaller in ``config``'s full-precision windows than in the ones the artifact chose (a sentence naming
-    both), or None when they are as large or larger, or the artifact chose none."""
+    """A sentence when ``config``'s windows are smaller than the ones the artifact chose, else None."""
     want = chosen_windows(rotations, config)
     have = (config.sink, config.recent)
     if want is None or (have[0] >= want[0] and have[1] >= want[1]):
@@ -106,11 +98,8 @@ def window_shortfall(config: OscarConfig, rotations: OscarRotations | None) -> s
 
 def resolve_retrieval_heads(config: OscarConfig, rotations: OscarRotations, fp: ModelFingerprint,
                             skipped: set[int]) -> dict[int, tuple[int, ...]]:
-    """``{layer: kv heads}`` kept out of the INT2 history (``OscarConfig.retrieval_heads``, stored at
-    ``retrieval_bits``), checked against the model. ``"auto"``: the artifact's heads scoring at least
-    ``config.retrieval_threshold``, best first, at most ``config.retrieval_head_budget(...)`` of them (history bits
-    within ``max_history_bits``), none without retrieval scores; an int ``k``: the ``k`` best; pairs: those heads. Heads
-    of unquantized layers (skipped, sliding, without rotation) are left out, being full precision already."""
+    """``{layer: kv heads}`` kept out of the INT2 history (``OscarConfig.retrieval_heads`` says how they are chosen),
+    checked against the model; heads of unquantized layers are left out."""
     want = config.retrieval_heads
     if want == "auto":
         # the quantized layers' KV heads: the ones the INT2 history (and the bit budget) is about
@@ -149,8 +138,7 @@ _SAID_MISSING: set[tuple] = set()  # (architecture, missing layers) already warn
 
 
 def _warn_missing_rotations(fp: ModelFingerprint, rotations: OscarRotations, skipped) -> None:
-    """A warning, once per process for each model and set of layers: full-attention layers (not skipped by the
-    config) that the rotation artifact has no rotation for, and that therefore stay unquantized."""
+    """Warn once per model and set of layers about full-attention layers left unquantized for want of a rotation."""
     missing = tuple(i for i, t in enumerate(fp.layer_types)
                     if t in FULL_LAYER_TYPES and i not in skipped and i not in rotations.layers)
     if missing and (fp.architecture, missing) not in _SAID_MISSING:

@@ -1,11 +1,8 @@
 """Route a model's attention through OSCAR without per-architecture code.
 
-Transformers' attention modules call ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``. We register wrapped
-implementations named ``<prefix><base>`` (e.g. ``oscar_sdpa``): each calls a *handler* first, which serves the call (an
-OSCAR cache handle arrived as ``key``, or calibration is recording) or returns ``NotImplemented``, and then the user's
-``<base>`` runs unchanged; so a patched model works with any other cache, and :func:`restore_attention` restores the
-user's choice exactly. The matching mask builder is registered under the same name (without it the attention
-function would receive ``attention_mask=None`` and silently ignore padding).
+We register attention functions ``<prefix><base>`` (e.g. ``oscar_sdpa``): each calls a *handler*, which serves the
+call or returns ``NotImplemented``, and then the user's ``<base>`` runs unchanged, so a patched model works with any
+cache. The mask builder is registered under the same name (else the function would get ``attention_mask=None``).
 """
 from __future__ import annotations
 
@@ -41,8 +38,7 @@ def base_attention_function(module, base: str) -> Callable:
 def _wrapped(module, query, key, value, attention_mask, *args, _prefix: str, _base: str, **kwargs):
     cache = kwargs.get("cache")
     if getattr(cache, "updates_in_attention", False) and isinstance(key, torch.Tensor):
-        # Transformers 5.20 - 5.23: the attention function, not the layer, updates the paged cache: OSCAR's hands back
-        # its handle (OSCAR layers) or the layer's keys and values read back; either way the update is done here
+        # Transformers 5.20 - 5.23: the attention function, not the layer, updates the paged cache
         key, value = cache.update(key, value, module.layer_idx, kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k != "cache"}
     out = _HANDLERS[_prefix](module, query, key, value, attention_mask, *args, base=_base, **kwargs)
@@ -94,10 +90,8 @@ def _config_tree(config):
 
 
 def switch_attention(target, prefix: str) -> str:
-    """Switch ``target`` to ``<prefix><its current implementation>``; returns the new name. Idempotent.
-
-    ``target`` is a model, or a model's own config (``model.config``): the attention modules read
-    ``config._attn_implementation`` at every forward, so switching the config switches the model."""
+    """Switch ``target`` (a model, or its config, read at every forward) to ``<prefix><its implementation>``;
+    returns the new name. Idempotent."""
     if prefix not in _HANDLERS:
         raise ValueError(f"no attention handler registered for prefix {prefix!r}")
     is_model = isinstance(target, torch.nn.Module)

@@ -1,22 +1,18 @@
-"""The package version (its own module so that modules inside the package can read it without a cycle), and the
-Transformers releases ``oscar_hf.serving`` follows."""
+"""The package version (its own module: no import cycle), and the Transformers releases ``oscar_hf.serving`` follows."""
 from __future__ import annotations
 
 import os
 
 __version__ = "0.1.0"
 
-# The Transformers releases whose continuous-batching internals oscar_hf.serving follows (tests/serving/
-# test_transformers_internals.py pins each one it touches): 5.17 - 5.19 (block managers) and 5.20 - 5.25 (sectors);
-# setup.cfg's `serving` extra pins the same range. Outside it `import oscar_hf.serving` refuses before it imports any
-# of those internals, so that a new release fails a test here instead of serving wrongly;
-# OSCAR_SERVING_ANY_TRANSFORMERS=1 lifts the check (at your own risk: the tests above say what it relies on).
+# The Transformers releases whose continuous-batching internals oscar_hf.serving follows (pinned by
+# tests/serving/test_transformers_internals.py and setup.cfg); outside it the import refuses, so that a new release
+# fails a test instead of serving wrongly. OSCAR_SERVING_ANY_TRANSFORMERS=1 lifts the check.
 SERVING_TRANSFORMERS = ("5.17", "5.26")  # [first, first not covered)
 
 
 def check_serving_transformers(version: str) -> None:
-    """Raise ImportError, saying what to install, when ``version`` is outside :data:`SERVING_TRANSFORMERS` (unless
-    lifted, see above)."""
+    """Raise ImportError, saying what to install, when ``version`` is outside :data:`SERVING_TRANSFORMERS`."""
     from packaging.version import Version
     lo, hi = SERVING_TRANSFORMERS
     if Version(lo) <= Version(Version(version).base_version) < Version(hi):
