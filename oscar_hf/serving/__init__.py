@@ -1,11 +1,8 @@
 """Serving many requests: a paged OSCAR KV store for Transformers' continuous batching (``model.generate_batch``,
 ``ContinuousBatchingManager``, ``transformers serve --continuous-batching`` through ``scripts/serve.py``).
 
-Data flow: :class:`PagedInt2Pool` (history pages, one pool for every request: INT2 rows, and the retrieval heads'
-coded rows) and the store's window pool -> :class:`OscarPagedStore` (per request: a window slot and a block table;
-the write path; the read: decode rows batched through the paged split-K kernel, prompts one by one) ->
-:class:`OscarPagedCache` (Transformers' ``PagedAttentionCache`` subclass that records each batch and admits requests
-by OSCAR's memory) -> OSCAR's registered attention.
+Data flow: :class:`PagedInt2Pool` (history pages) and the window pool -> :class:`OscarPagedStore` (per request a
+window slot and a block table) -> :class:`OscarPagedCache` (Transformers' paged cache subclass) -> OSCAR's attention.
 
     from oscar_hf.serving import paged_oscar
     with paged_oscar(model, method="hadamard"):   # pages: ContinuousBatchingConfig(num_blocks / max_memory_percent)

@@ -18,10 +18,9 @@ from ..cache.window import window_mask
 
 @dataclasses.dataclass
 class StepPlan:
-    """What the decode rows of one forward read, shared by its layers: ``Bp`` rows, the batch's decode rows and (a
-    CUDA-graphed step) its padded rows, as views of the store's fixed device buffers (:class:`DecodeBuffers`; fresh
-    tensors only when a step outgrows them, never in a graphed step). Built on the host before the forward
-    (:meth:`OscarPagedStore.plan_decode`); the forward only reads it, so a replayed graph reads the next step's."""
+    """What the decode rows of one forward read, shared by its layers: ``Bp`` rows (a graphed step's padded rows
+    included) as views of the fixed :class:`DecodeBuffers`. Built on the host before the forward, which only reads it,
+    so a replayed graph reads the next step's."""
 
     key: tuple  # the batch it was built for
     pos: torch.Tensor  # [Bp] long: the rows' positions in the packed batch
@@ -53,10 +52,8 @@ class StepPlan:
 
 
 class DecodeBuffers:
-    """The fixed device tensors a decode step reads (:class:`StepPlan` holds views of them): allocated once per
-    store and size, written on the host side of each step (one copy per tensor) before the forward, so that a CUDA
-    graph captured over the forward replays with the next step's rows. ``rows`` x ``cols``: the most rows a step
-    takes and the most pages a row's history spans."""
+    """The fixed device tensors a decode step reads, written by one copy each before the forward (so a captured graph
+    replays with the next step's rows). ``rows`` x ``cols``: the most rows a step takes and pages a row spans."""
 
     FIELDS = ("pos", "slots", "new_entry", "sink_entry", "demote_entry", "demote_page", "demote_off", "t")
 
@@ -70,25 +67,22 @@ class DecodeBuffers:
 
 
 def history_bucket(n: int, page_size: int) -> int:
-    """The history bound a graphed step's grid is sized for: ``n`` rounded up to a power of two of pages (0 stays 0),
-    so that a batch size needs about log2(pages) graphs, each within 2x of the rows' longest history."""
+    """A graphed step's history bound: ``n`` rounded up to a power of two of pages (about log2(pages) graphs a batch
+    size, each within 2x of the longest history)."""
     if n <= 0:
         return 0
     pages = -(-n // page_size)
     return page_size * (1 << (pages - 1).bit_length())
 
+
 class DecodeStep:
     """The batched decode rows of a forward (a base of :class:`~oscar_hf.serving.store.OscarPagedStore`)."""
 
     def plan_decode(self, batch, rows: int | None = None) -> StepPlan | None:
-        """The decode rows' plan of the forward that packs ``batch`` (host work, before the forward: Transformers'
-        prepare hooks, :meth:`OscarPagedCache.prepare_forward`): window slots and ring entries, the page and offset
-        each row demotes slot ``T - 1 - W`` to (pages allocated here), block tables, history lengths, window masks,
-        written into the fixed :class:`DecodeBuffers`. The requests' token counts advance here, in every layer at
-        once, so the forward itself updates no host state (a graph replay runs none). ``rows``: the forward's
-        padded row count when the step may be CUDA-graphed (graphs enabled, every row of ``batch`` a decode row, and
-        it fits the buffers): the padded rows then point to the trash window slot and the trash page, and
-        ``max_hist`` is the bucket (:func:`history_bucket`). None when ``batch`` has no decode row."""
+        """The decode rows' plan of the forward that packs ``batch``, written into the fixed buffers (pages allocated
+        here). Token counts advance here, so the forward updates no host state. ``rows``: the padded row count when
+        the step may be graphed (padded rows point to the trash slot and page; ``max_hist`` is the bucket). None
+        when ``batch`` has no decode row."""
         decode = [i for i, (_, past, q) in enumerate(batch) if q == 1 and past > 0]
         if not decode:
             self._plan = None
@@ -170,9 +164,7 @@ class DecodeStep:
         return self._plan
 
     def _decode_buffers(self, rows: int, cols: int) -> DecodeBuffers | None:
-        """The fixed buffers if a step of ``rows`` x ``cols`` fits them (allocated at the first step: ``max_requests``
-        rows, or the graphed step's ``graph_rows``; the block tables as wide as the model's longest history or the
-        pool, whichever is less), else None. Never reallocated while graphs may hold them."""
+        """The fixed buffers if a step of ``rows`` x ``cols`` fits them, else None; allocated once (graphs hold them)."""
         if self._buffers is None:
             most = self.pool.num_pages
             if self.max_positions:
@@ -191,9 +183,7 @@ class DecodeStep:
         return params
 
     def _decode(self, layer_idx: int, plan: StepPlan, query, new_k, new_v, scaling: float) -> torch.Tensor:
-        """``[Bp, Hq, D]``: write then read one token for each row of ``plan`` (see the module docstring). Device
-        work only, its shapes set by the plan's row count and ``max_hist``: no host synchronization, so a CUDA graph
-        may capture it and replay it with the next step's plan in the same buffers."""
+        """``[Bp, Hq, D]``: write then read one token for each row of ``plan``; device work only (graph-capturable)."""
         li, p, pool = self.layer_slot[layer_idx], self.params[layer_idx], self.pool
         params = self.kv_params(layer_idx)
         # the window pool [slots, Hk, S0 + R, D] (row b at slot plan.slots[b]); the pages through the block tables
@@ -201,11 +191,9 @@ class DecodeStep:
         coded = (pool.coded_rows(li, "k"), pool.coded_rows(li, "v")) if p.coded_heads else None
         history = History(pool.rows(li, "k"), pool.rows(li, "v"),
                           pages=Pages(plan.block_table, plan.hist_len, plan.max_hist), coded=coded)
-        # 1-2. the write, one launch on CUDA: slot T - 1 - W leaves the ring for the row's current page (or the trash
-        # page) as INT2 and coded rows, then the new token goes to its ring entry (the one just demoted: R = W + 1)
-        # and its sink entry while T < S0
+        # 1-2. the write: slot T - 1 - W into the pages, the new token into the ring (and the sink)
         append(params, new_k[0], new_v[0], window, history, plan.write_rows, use_kernels=self.config.use_kernels)
-        # 3. the read: history pages + the window slots, the retrieval heads' coded pages beside the INT2 heads'
+        # 3. the read: history pages + the window slots
         q = group_queries(query[0].index_select(1, plan.pos).transpose(0, 1)[:, :, None], self.num_kv_heads)
         out = decode(params, q, window, history, scaling, query.dtype, use_kernels=self.config.use_kernels)
         return out.reshape(plan.rows, query.shape[1], query.shape[3])

@@ -1,15 +1,10 @@
 """OSCAR for a process that loads its models itself (:func:`oscar_serving`), and in the model process ``transformers
 serve`` spawns (Transformers 5.25+).
 
-From 5.25 the server loads the model and runs its continuous-batching manager in a process of its own, started with
-the ``spawn`` method (``transformers.cli.serving.model_manager.EngineClient.start_process``): nothing the serving
-process patched is there, so an :func:`~oscar_hf.serving.oscar_serving` block around the server alone would serve plain
-BF16. Inside the block the model process's entry point (``EngineClient.run_engine``, which the parent hands to the
-child by name) is replaced by :func:`run_engine`, a module function of ours bound to the block's settings (pickled
-with the process's arguments): the child enters its own ``oscar_serving`` block, then runs Transformers' entry point.
-There the manager never sees the ``X-Request-ID`` header (the model process numbers requests itself), so the
-serving process refuses a repeated live id itself (:func:`refusing_live_ids`, 409 as admission gives on earlier
-releases). On earlier releases (the model runs in the serving process) nothing is replaced.
+From 5.25 the model runs in a ``spawn``ed process, where nothing the serving process patched exists: inside the block
+its entry point ``EngineClient.run_engine`` is replaced by :func:`run_engine`, which enters its own ``oscar_serving``
+block first. That process never sees ``X-Request-ID``, so the serving process refuses a repeated live id itself
+(:func:`refusing_live_ids`). On earlier releases nothing is replaced.
 """
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ def _engine_client():
 
 
 def log_to_stderr() -> None:
-    """A server's log: the ``oscar_hf`` logger's INFO lines (a stopped manager's store released, with what it still
-    held; layers left in BF16) on stderr, beside Transformers' own."""
+    """The ``oscar_hf`` logger's INFO lines on stderr, beside Transformers' own."""
     log = logging.getLogger("oscar_hf")
     if not any(type(h) is logging.StreamHandler for h in log.handlers):  # (oscar_hf installs a NullHandler)
         handler = logging.StreamHandler()
@@ -55,14 +49,12 @@ def run_engine(settings: tuple, *args, **kwargs):
         return original.__func__(*args, **kwargs)
 
 
-# logged (INFO, the store's stats as JSON) by a 5.25+ model process told to stop: its manager never stops before (a
-# model switch there is another process), so this is where its log says what the store still held
+# logged with the store's stats by a 5.25+ model process told to stop (its manager never stops before)
 STORE_AT_EXIT = "OSCAR store at its model process's end; it held:"
 
 
 def _log_stores_on_sigterm(stores) -> None:
-    """The model process ends on SIGTERM (idle past ``--model-timeout``, or the server stopping): first each live
-    store of the block logs its stats, then the signal's default action ends the process as before."""
+    """On SIGTERM (the model process's end) each live store logs its stats, then the default action runs."""
     logger = logging.getLogger("oscar_hf")
 
     def on_term(signum, frame):
@@ -75,13 +67,8 @@ def _log_stores_on_sigterm(stores) -> None:
 
 
 def refusing_live_ids(middleware):
-    """``__call__`` for 5.25's ``RequestIdMiddleware`` (the serving process's ASGI middleware that reads the
-    ``X-Request-ID`` header): a POST whose header names a request still being answered (its handler, a stream's whole
-    body included, not yet returned) is refused with the 409 that admission gives on earlier releases
-    (:func:`~oscar_hf.serving.admission.live_id_refusal`). The model process numbers requests itself from 5.25, so
-    its manager never sees the header: without this a retry with the same id was served as a new request. The ids
-    live in this closure (one uvicorn event loop: no lock); one whose handler ends, fails or is cancelled (a client
-    leaving) is free again."""
+    """``__call__`` for 5.25's ``RequestIdMiddleware``: a POST whose ``X-Request-ID`` names a request still being
+    answered is refused with admission's 409. The ids live in this closure (one event loop: no lock)."""
     from starlette.datastructures import Headers
     from starlette.responses import JSONResponse
 
@@ -110,8 +97,7 @@ def refusing_live_ids(middleware):
 
 @contextlib.contextmanager
 def model_processes(rotations, store_kwargs: dict):
-    """Inside: a model process the server spawns serves through OSCAR with these settings, and a repeated live
-    ``X-Request-ID`` is refused in the serving process (:func:`refusing_live_ids`; see the module docstring)."""
+    """Inside: a model process the server spawns serves through OSCAR (module docstring)."""
     client = _engine_client()
     if client is None:
         yield
@@ -130,14 +116,11 @@ def model_processes(rotations, store_kwargs: dict):
 
 @contextlib.contextmanager
 def oscar_serving(rotations=None, **store_kwargs):
-    """:func:`oscar_continuous_batching` for a process that loads its models itself (``transformers serve``,
-    ``scripts/serve.py``): each manager's cache gets a fresh :class:`OscarPagedStore` for the model it serves
-    (``rotations`` an :class:`~oscar_hf.OscarRotations` or None for the artifact-free ``method``; ``store_kwargs``
-    its other arguments, e.g. ``max_requests``, ``sink``)."""
+    """:func:`oscar_continuous_batching` for a process that loads its models itself (``transformers serve``): each
+    manager's cache gets a fresh :class:`OscarPagedStore(config, rotations, **store_kwargs)`."""
 
     def make_store(config, device, dtype):
         return OscarPagedStore(config, rotations, device=device, dtype=dtype, defer_pool=True, **store_kwargs)
 
-    # (5.25+ `transformers serve` runs the model in a process it spawns: that process enters a block of its own)
     with model_processes(rotations, store_kwargs), oscar_continuous_batching(make_store) as stores:
         yield stores
