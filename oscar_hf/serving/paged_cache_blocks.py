@@ -1,17 +1,10 @@
 """OSCAR in continuous batching for Transformers whose paged cache is run by its ``paged|*`` attention functions and
 counts memory in blocks of a ``BlockManager`` (5.17 - 5.19; :mod:`~oscar_hf.serving.paged_cache` serves 5.20+).
 
-There the model does not call the paged cache: the registered ``paged|sdpa`` function receives ``cache=`` and calls
-``cache.update(key, value, layer_idx, read_index=..., write_index=...)`` itself. So OSCAR registers its own
-``paged|oscar_sdpa`` (:func:`paged_oscar_attention`): for the layers the store quantizes it hands the packed batch to
-the store (the same :meth:`OscarPagedStore.attend` as on 5.20+), for the others it calls Transformers' ``paged|sdpa``.
-
-Memory, when the store quantizes every layer: Transformers' block manager keeps the admission (a block = one INT2 page
-of every layer, ``num_blocks`` of them) but its own K/V tensors are built for a single block (they are never read or
-written: no ``update`` reaches them), the read indices and the ``seqlen_k`` of each request are its new rows only (the
-``[M, N + M]`` mask and index tensors Transformers sizes from ``num_blocks * block_size`` are sized from that single
-block), and the store's page pool is allocated beside it with one page per block. A request also needs a free window
-slot of the store (:meth:`OscarPagedCacheBlocks.allocate_blocks`).
+There the registered ``paged|sdpa`` function calls the cache, so OSCAR registers ``paged|oscar_sdpa``
+(:func:`paged_oscar_attention`), which hands its layers' packed batch to :meth:`OscarPagedStore.attend`. Where the
+store has every layer, the block manager keeps the admission (a block = one INT2 page of every layer) while
+Transformers' own K/V, masks and indices are sized for a single block, and the page pool is allocated beside it.
 """
 from __future__ import annotations
 
@@ -74,9 +67,8 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
 
     # ------------------------------------------------------------------ admission
     def attach_scheduler(self, scheduler) -> None:
-        """Also count a prompt the scheduler splits in the store's ``prompt_budget``: here the cache's admission
-        (``allocate_blocks``) is not told the step's tokens, so the scheduler's ``_allocate_blocks_if_needed(state,
-        len_next_tokens)`` is wrapped, on this scheduler instance only."""
+        """Also count a split prompt in ``prompt_budget``: ``allocate_blocks`` is not told the step's tokens, so this
+        scheduler instance's ``_allocate_blocks_if_needed`` is wrapped."""
         super().attach_scheduler(scheduler)
         allocate = scheduler._allocate_blocks_if_needed
 
