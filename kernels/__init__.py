@@ -1,12 +1,9 @@
 """OSCAR kernels (installed as ``oscar_hf.kernels``, never as a top-level ``kernels`` module).
 
-Data flow: ``kv`` (the bundles a storage hands the kernels: window, history, parameters), ``write_path``
-(rotate + center + clip + quantize + pack, used at prefill and when a recent token is demoted: ``append``, the one
-one-token write) and ``decode`` (the one read: split-K decode attention over packed INT2 history + log-sum-exp merge,
-references in ``int2_attention`` / ``paged_decode``). Each is a dispatcher with its plain-torch reference beside it;
-the Triton kernels (``write_triton``, ``query_triton``, ``decode_triton`` with ``decode_split`` / ``decode_combine`` / ``decode_gluon``) run on CUDA, or on the CPU under
-``TRITON_INTERPRET=1`` in the tests. ``plan`` holds the named defaults and the split-K policy. Importing this package
-does not import Triton.
+Data flow: ``kv`` (the bundles a storage hands the kernels) -> ``write_path`` (quantize and pack; ``append``, the
+one-token write) and ``decode`` (the one read). Each dispatches to Triton kernels on CUDA (or under
+``TRITON_INTERPRET=1``) and a torch reference elsewhere; ``plan`` holds the defaults and the split-K policy.
+Importing this package does not import Triton.
 """
 from __future__ import annotations
 

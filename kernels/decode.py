@@ -1,11 +1,6 @@
 """The one read of a decode step: :func:`decode`, a layer's attention over its window and history (:mod:`.kv`'s
-bundles), for every storage (the eager layer, the compiled layer's op :mod:`.static_op`, the serving store's pages),
-the retrieval heads beside the INT2 heads. On CUDA where the kernels take the shape one call reaches a launch
-(``decode_triton.decode_attention_triton``; the heads' ``heads_attention.heads_decode_attention``), the torch
-references elsewhere: a paged history through the block tables, else the batched reference (a host bound
-``max_len``: no synchronization) or the per-row one; the unrotated query (``rotated`` None, no device-side length, <=
-16 query rows a KV head, outside a trace) rotated by the launcher itself; otherwise the query rotated first
-(``rotated``, or :func:`~.int2_attention.rotate_query`), then the launcher or the reference.
+bundles) for every storage, the retrieval heads beside the INT2 heads: the kernels where they take the shape, the
+torch references elsewhere.
 """
 from __future__ import annotations
 
@@ -22,13 +17,10 @@ from .plan import triton_enabled
 
 def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, scaling: float, out_dtype=None, *,
            rotated=None, softcap=None, sinks=None, use_kernels="auto") -> torch.Tensor:
-    """``[B, Hk, M, D]`` in ``out_dtype`` (default ``q``'s): softmax attention of ``q [B, Hk, M, D]`` (unrotated,
-    model dtype or float32: every head's query, also the window's) over ``window`` and ``history``, in the value
-    space; rows without any valid key give 0. ``rotated``: the INT2 heads' query already rotated, ``(q_rot [B, H2, M,
-    D] float32, qk_off [B, H2, M] or None)``; ``softcap``: Gemma 2's logit soft-capping (None: none); ``sinks [Hk,
-    M]``: an attention sink's logit per query row (gpt-oss's ``s_aux``) or None. With retrieval heads
-    (``history.coded`` and ``params.heads``) the INT2 heads read ``history`` and the retrieval heads their coded rows,
-    both the same window; the outputs are merged at their KV heads."""
+    """``[B, Hk, M, D]`` in ``out_dtype``: attention of ``q [B, Hk, M, D]`` (unrotated) over ``window`` and
+    ``history`` in the value space; rows without a valid key give 0. ``rotated``: the INT2 heads' query already
+    rotated, ``(q_rot [B, H2, M, D] float32, qk_off [B, H2, M] or None)``; ``sinks [Hk, M]`` or None. With
+    ``history.coded`` the retrieval heads read their coded rows; outputs merge at their KV heads."""
     out_dtype = out_dtype or q.dtype
     split = params.heads if history.coded is not None else None
     qi, win, si = q, window, sinks

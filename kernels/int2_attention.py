@@ -1,18 +1,6 @@
-"""Read path: attention of pre-rotated queries over the packed INT2 history, as online-softmax partials.
-
-``history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n)`` with ``q_rot [B, Hk, M, D]``
-float32 the queries of one KV head's group (``M = g * q_len``, query-head-major) rotated by ``R_K`` (unscaled); ``k``,
-``v`` :class:`oscar_hf.quant.QuantizedRows` (``codes [B, Hk, N, D/4]``, ``scale``/``zero`` ``[B, Hk, N, D/G]``);
-``start [B]`` int (row ``b``'s valid entries are ``start[b] <= j < N``: left padding); ``key_mask`` None or bool
-broadcastable to ``[B, Hk|1, M|1, N]``; ``qk_offset`` None or ``[B, Hk, M]`` float32 ``q · mu_K``. Logits are
-``scaling * (q_rot · k_hat + qk_offset)`` (``softcap``: ``softcap * tanh(logits / softcap)`` before the mask).
-
-Returns ``(m, l, acc)``: running max ``[B, Hk, M]``, softmax denominator ``[B, Hk, M]`` relative to ``m``, and the
-unnormalized ``sum_j p_j * v_hat_j`` ``[B, Hk, M, D]`` in the *rotated* value space (float32); a row with no valid key
-has ``m = -inf, l = 0, acc = 0``. The caller rotates ``acc`` back by ``R_Vᵀ``, adds ``l * mu_V`` and merges with the
-full-precision partial (:func:`merge_partials`). The reference dequantizes ``block_n`` tokens at a time and merges
-blocks by the online-softmax rule, as the split-K kernel does in registers; the dispatchers send the shapes the
-Triton kernels support on CUDA to their launchers and everything else to the references here.
+"""Read path references: attention of rotated queries over the packed INT2 history as online-softmax partials
+``(m, l, acc)``, and their merge with the full-precision window. The dispatchers send the shapes the Triton kernels
+support on CUDA to their launchers, everything else here.
 """
 from __future__ import annotations
 
@@ -72,6 +60,12 @@ def sink_partial(sinks: torch.Tensor, like: torch.Tensor):
 
 def history_partial_reference(q_rot, k: QuantizedRows, v: QuantizedRows, start, key_mask, qk_offset, scaling,
                               group_size, block_n=1024, n_valid=None, softcap=None):
+    """``(m, l, acc)`` of ``q_rot [B, Hk, M, D]`` (float32, rotated by ``R_K``, ``M = g * q_len`` query-head-major)
+    over ``k/v`` ``QuantizedRows [B, Hk, N, *]``: running max and denominator ``[B, Hk, M]``, unnormalized
+    ``sum_j p_j v_hat_j [B, Hk, M, D]`` in the rotated value space; a row without a valid key has ``(-inf, 0, 0)``.
+    Logits ``scaling * (q_rot · k_hat + qk_offset)`` (``qk_offset [B, Hk, M]`` = ``q · mu_K`` or None), soft-capped
+    before the mask. Valid: ``start[b] <= j`` (< ``n_valid``) where ``key_mask`` (bool ``[B, Hk|1, M|1, N]``) allows.
+    ``block_n`` tokens dequantized at a time, merged online as the split-K kernel does in registers."""
     n = k.codes.shape[-2]
     part = empty_partial(q_rot)
     pos = torch.arange(n, device=q_rot.device)
@@ -95,9 +89,8 @@ def history_partial_reference(q_rot, k: QuantizedRows, v: QuantizedRows, start, 
 
 
 def rotate_query_reference(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None):
-    """The history's query: ``qf [B, Hk, M, D]`` -> ``q R_K`` (float32) and the logit offset ``q · mu_K``
-    ``[B, Hk, M]`` (None without key centering; ``mu_k`` ``[Hk, D]`` calibrated or ``[B, Hk, D]`` per
-    sequence): ``q·k = (q R_K)·(k R_K)`` and the history holds ``(k - mu_K) R_K``."""
+    """``qf [B, Hk, M, D]`` -> ``q R_K`` (float32) and the logit offset ``q · mu_K [B, Hk, M]`` (None without
+    ``mu_k``): the history holds ``(k - mu_K) R_K``."""
     qf = qf.float()
     q_rot = torch.matmul(qf, r_k.float().unsqueeze(0))
     if mu_k is None:
@@ -107,8 +100,7 @@ def rotate_query_reference(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tens
 
 
 def rotate_query(qf, r_k, mu_k, use_kernels="auto"):
-    """Dispatch: one Triton launch on CUDA for decode-sized queries (not while ``torch.compile`` traces,
-    where inductor fuses the torch ops itself), else the reference."""
+    """Dispatch: one Triton launch on CUDA for decode-sized queries (not under ``torch.compile``), else the reference."""
     if triton_enabled(qf, use_kernels) and not torch.compiler.is_compiling():
         from .query_triton import query_kernel_supported, rotate_query_triton
         if query_kernel_supported(qf):
@@ -117,8 +109,7 @@ def rotate_query(qf, r_k, mu_k, use_kernels="auto"):
 
 
 def history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, block_n=1024, use_kernels="auto"):
-    """Dispatch: split-K Triton kernels on CUDA (when importable, allowed and the shape is supported), else the
-    reference."""
+    """Dispatch: split-K Triton kernels on CUDA where supported, else the reference."""
     if triton_enabled(q_rot, use_kernels):
         from .decode_triton import history_partial_triton, kernel_supported
         if kernel_supported(q_rot, k, group_size, key_mask):
@@ -128,14 +119,8 @@ def history_partial(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size
 
 def decode_attention_reference(params, q, window, history, scaling, out_dtype=None, *, rotated=None, softcap=None,
                                sinks=None):
-    """The whole decode attention of one layer (torch reference of ``decode_triton.decode_attention_triton``, the same
-    arguments: :mod:`~oscar_hf.kernels.kv`'s bundles): the INT2 history partial (rotated; the query ``rotated = (q_rot,
-    qk_offset)``, or ``q`` rotated by ``params.r_k`` / ``params.mu_k``) is brought back to the value space (``acc
-    R_Vᵀ + l mu_V``), merged with the full-precision window partial (``q`` and ``window.k/v`` unrotated,
-    ``window.mask`` bool broadcastable to ``[B, Hk, M, W]``) and normalized. Rows with no valid key give 0.
-    ``history.n_valid`` (0-d tensor or None): only history entries below it are read (static cache). ``softcap``:
-    logit soft-capping (None: none); ``sinks`` ``[Hk, M]`` or None: an attention sink's logit per query row
-    (:func:`sink_partial`)."""
+    """Torch reference of ``decode_triton.decode_attention_triton`` (same arguments): the history partial, brought
+    back to the value space, merged with the window's and normalized (rows with no valid key give 0)."""
     out_dtype = out_dtype or (q.dtype if q is not None else torch.float32)
     q_rot, qk_offset = rotated if rotated is not None else rotate_query_reference(q, params.r_k, params.mu_k)
     h = history
@@ -147,9 +132,8 @@ def decode_attention_reference(params, q, window, history, scaling, out_dtype=No
 
 def merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, scaling: float, out_dtype, softcap=None,
                              sinks=None):
-    """The end of a reference decode: the history partial ``hist = (m, l, acc)`` (rotated space) brought back to the
-    value space (``acc R_Vᵀ + l mu_V``), merged by log-sum-exp with the full-precision window's partial, normalized
-    (rows with no valid key give 0), in ``out_dtype``; ``softcap`` and ``sinks`` as in :func:`decode_attention_reference`."""
+    """The history partial brought back to the value space (``acc R_Vᵀ + l mu_V``), merged with the window's
+    partial (and the sinks'), normalized, in ``out_dtype``."""
     hm, hl, hacc = hist
     hacc = torch.matmul(hacc, r_v.float().transpose(-1, -2).unsqueeze(0))
     if mu_v is not None:
