@@ -1,28 +1,7 @@
-"""Read path of the retrieval heads: a decode step's attention of a layer's retrieval heads over their coded history,
-read in place, and the exact window every head shares (docs/kernels.md §3.9).
-
-A layer keeps ``P`` of its ``Hk`` KV heads out of the INT2 history (``OscarConfig.retrieval_heads``) and stores every
-slot of them as ``bits``-bit codes with one scale and one zero per token and head (8 or 4 bits, unrotated min-max:
-``x ~ zero + code * scale``), or in the model dtype (16 bits); :mod:`oscar_hf.cache.heads` writes them.
-``heads_decode_attention(q, heads, (k, v), bits, (lo, hi), window, scaling)`` with
-
-* ``q [B, Hk, M, D]``: every KV head's query rows (``M = g * q_len``, query-head-major), unrotated;
-* ``heads [P]`` int64: which KV heads are the coded ones (the index into ``q``, ``win_k``, ``win_v``);
-* ``k``, ``v``: tuples ``(codes [B, P, N, D * bits / 8] uint8, scale [B, P, N, 1], zero [B, P, N, 1])`` (INT4: channel
-  ``j`` in byte ``j``'s low nibble, ``j + D/2`` in its high one) or ``(x [B, P, N, D],)`` at 16 bits; slot ``s`` at
-  index ``s``;
-* ``lo [B]`` int, ``hi`` an int, a 0-d or a ``[B]`` int device tensor: row ``b`` reads history slots ``lo[b] <= s <
-  hi`` (a device-side ``hi`` keeps the call valid inside a CUDA graph while the cache grows);
-* ``pages`` None or a :class:`~oscar_hf.kernels.kv.Pages` (the serving store): parts ``[num_pages, P, page_size, *]``,
-  slot ``s`` of row ``b`` at offset ``s % page_size`` of page ``table[b, s // page_size]``; ``max_len`` the longest
-  ``hi`` (sizes the grid);
-* ``window`` a :class:`~oscar_hf.kernels.kv.Window`: ``k/v [B, Hk, W, D]`` (model dtype; or the serving store's pool
-  ``[slots, Hk, W, D]`` with ``slot [B]``, read in place) and a bool mask ``[B, W]`` or ``[B, 1, 1, W]`` (or None);
-
-returns ``[B, P, M, D]`` in ``out_dtype``: ``softmax(scaling * q k^T) v`` over the history and the window; rows with no
-valid key give 0. ``softcap`` and ``sinks`` (``[P, M]``) as for the INT2 heads' read (:mod:`.int2_attention`). On CUDA
-one split-K Triton launch streams the codes (``heads_triton``, no dequantized copy) and a second merges the splits;
-elsewhere the torch reference below dequantizes ``block_n`` tokens at a time.
+"""Read path of the retrieval heads: a decode step's attention of a layer's ``P`` retrieval heads over their coded
+history (:mod:`oscar_hf.cache.heads`: 8 or 4-bit min-max codes with a scale and zero per token and head, or the model
+dtype at 16 bits), read in place, and the exact window every head shares (docs/kernels.md §3.9). On CUDA
+``heads_triton`` streams the codes (no dequantized copy); elsewhere the torch reference below.
 """
 from __future__ import annotations
 
@@ -95,8 +74,7 @@ def gather_pages(parts: tuple[torch.Tensor, ...], block_table: torch.Tensor) -> 
 
 def heads_decode_reference(q, heads, coded, bits: int, bounds, window, scaling: float, out_dtype=None, *,
                            pages=None, block_n: int = 1024, softcap=None, sinks=None) -> torch.Tensor:
-    """Torch reference of :func:`heads_decode_attention` (float32 math; the history dequantized ``block_n`` slots at
-    a time and merged by the online-softmax rule, as the kernel does in registers)."""
+    """Torch reference of :func:`heads_decode_attention` (float32; ``block_n`` slots dequantized at a time)."""
     (k, v), (lo, hi), block_table = coded, bounds, None if pages is None else pages.table
     window = window.rows()  # (the reference gathers a window pool's rows by slot; the kernel reads them in place)
     win_k, win_v, win_mask = window.k, window.v, window.mask_2d()
@@ -131,8 +109,15 @@ def heads_decode_reference(q, heads, coded, bits: int, bounds, window, scaling: 
 
 def heads_decode_attention(q, heads, coded, bits: int, bounds, window, scaling: float, out_dtype=None, *,
                            pages=None, softcap=None, sinks=None, use_kernels="auto") -> torch.Tensor:
-    """Dispatch: the two Triton launches on CUDA (never traced: the compiled layer calls it inside its opaque op,
-    :mod:`.static_op`), the reference elsewhere. Arguments: the module docstring."""
+    """``[B, P, M, D]`` in ``out_dtype``: ``softmax(scaling * q k^T) v`` over the coded history and the window (rows
+    with no valid key give 0); two Triton launches on CUDA, the reference elsewhere.
+
+    ``q [B, Hk, M, D]`` every KV head's query rows, unrotated; ``heads [P]`` int64 the coded KV heads; ``coded``
+    ``(k, v)``, each ``(codes [B, P, N, D * bits / 8] uint8, scale [B, P, N, 1], zero [B, P, N, 1])`` (INT4: channel
+    ``j`` in byte ``j``'s low nibble, ``j + D/2`` in its high one) or ``(x [B, P, N, D],)`` at 16 bits; ``bounds``
+    ``(lo [B], hi)``: row ``b`` reads slots ``lo[b] <= s < hi`` (``hi`` an int, or a 0-d / ``[B]`` device tensor,
+    graph-safe); ``pages``: parts ``[num_pages, P, page_size, *]`` through ``pages.table``; ``window``: ``k/v [B, Hk,
+    W, D]`` (or a pool with ``slot``), mask ``[B, W]`` or ``[B, 1, 1, W]``; ``sinks [P, M]``."""
     check_heads_args(q, heads, *coded, bits, window.k, window.mask_2d(), None if pages is None else pages.table,
                      window.slot)
     out_dtype = out_dtype or q.dtype

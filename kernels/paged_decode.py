@@ -1,13 +1,6 @@
-"""Decode attention over a *paged* INT2 history (the serving pool) and a pool of full-precision windows (docs/kernels.md
-§3.8).
-
-Per layer, keys (values alike): ``pages_k`` the :class:`~oscar_hf.quant.QuantizedRows` of ``codes [num_pages, Hk, P,
-D/4]``, ``scale / zero [num_pages, Hk, P, D/G]`` (:class:`~oscar_hf.serving.pool.PagedInt2Pool`); row ``b`` has
-``hist_len[b]`` entries, entry ``j`` at row ``j % P`` of page ``block_table[b, j // P]``; its window (sink + recent,
-unrotated, model dtype) is slot ``win_slot[b]`` of ``win_k / win_v [num_slots, Hk, W, D]``, masked by ``win_mask[b]
-[W]`` (False = not a token). On CUDA :func:`~oscar_hf.kernels.decode.decode` reads it with the contiguous path's kernels
-in their ``PAGED`` mode; elsewhere the torch references here: row by row over the history gathered in block-table
-order (:func:`paged_decode_reference`), or every row at once to a host bound (:func:`paged_decode_batched`).
+"""Decode attention over a *paged* INT2 history (the serving pool, ``[num_pages, Hk, P, *]``; row ``b``'s entry ``j``
+at row ``j % P`` of page ``table[b, j // P]``) and a pool of full-precision windows (docs/kernels.md §3.8). On CUDA
+the contiguous path's kernels in their ``PAGED`` mode read it; elsewhere the torch references here.
 """
 from __future__ import annotations
 
@@ -29,8 +22,7 @@ def _pow2(x: int) -> bool:
 
 
 def check_paged_inputs(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, pages: Pages, window: Window) -> None:
-    """Raise a clear ValueError for inputs whose shapes do not fit together (no device synchronization: the values
-    of the block table, lengths and window slots are not checked here)."""
+    """Raise a clear ValueError for shapes that do not fit together (values are not checked: no device sync)."""
     if qf.dim() != 4:
         raise ValueError(f"qf must be [B, Hk, M, D], got {tuple(qf.shape)}")
     b, hk, _, d = qf.shape
@@ -80,9 +72,7 @@ def gather_pages(pages: QuantizedRows, table_row: torch.Tensor, n: int) -> Quant
 
 
 def paged_decode_reference(params: KVParams, qf, window: Window, history: History, scaling, out_dtype):
-    """Torch reference of a paged read (``qf [B, Hk, M, D]`` float32, the unrotated query): per row, its history
-    gathered in block-table order (:func:`gather_pages`), the query rotated (``rotate_query_reference``) and
-    ``int2_attention.decode_attention_reference`` over that history and the row's window slot."""
+    """Torch reference of a paged read of ``qf [B, Hk, M, D]`` (unrotated): row by row, its history gathered."""
     pages, mask = history.pages, window.mask_2d()
     slots = window.slot if window.slot is not None else torch.arange(qf.shape[0])
     w = window.k.shape[2]
@@ -103,9 +93,8 @@ def paged_decode_reference(params: KVParams, qf, window: Window, history: Histor
 
 
 def gather_rows(pages: QuantizedRows, block_table: torch.Tensor, n: int) -> QuantizedRows:
-    """The first ``n`` history entries of every row, ``[B, Hk, n, *]`` (a copy), through ``block_table [B, >=
-    ceil(n / P)]`` (entries past a row's pages, -1, read page 0: the caller masks them by the row's length). Static
-    shapes, no host synchronization (a CUDA graph may capture it)."""
+    """The first ``n`` history entries of every row, ``[B, Hk, n, *]`` (a copy; entries past a row's pages read page
+    0, for the caller to mask). Static shapes, no host sync."""
     b, p = block_table.shape[0], pages.codes.shape[-2]
     cols = cdiv(n, p)
     ids = block_table[:, :cols].long().clamp(min=0).reshape(-1)  # [B * cols]
@@ -118,12 +107,8 @@ def gather_rows(pages: QuantizedRows, block_table: torch.Tensor, n: int) -> Quan
 
 
 def paged_decode_batched(params: KVParams, qf, window: Window, history: History, scaling, out_dtype):
-    """:func:`paged_decode_reference` for every row at once, with the shapes the host bound ``pages.max_len`` fixes:
-    each row's history gathered to that many entries (:func:`gather_rows`), entries at or past its length masked; the
-    windows gathered by slot. No host synchronization (``.tolist()`` / ``.item()``) and no shape read from a tensor's
-    values: what the serving store's decode step runs off CUDA, and what a CUDA graph may capture. Rows whose history
-    is shorter than the bound read masked entries beside it (the same partials up to float rounding of the longer
-    reductions)."""
+    """:func:`paged_decode_reference` for every row at once, to the host bound ``pages.max_len`` (entries past a row's
+    length masked): no host sync, so the serving step runs it off CUDA and a graph may capture it."""
     pages = history.pages
     n = int(pages.max_len)
     key_mask = (torch.arange(n, device=qf.device)[None, :] < pages.lengths.to(qf.device)[:, None])[:, None, None, :]
@@ -145,9 +130,7 @@ def paged_decode_batched(params: KVParams, qf, window: Window, history: History,
 
 
 def paged_supported(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, group_size: int, win_k) -> bool:
-    """Shapes and layouts the Triton path serves (anything else: the reference). The pool is read in place, never
-    copied: codes with contiguous bytes per entry, metadata as contiguous ``[entry, group]`` rows with one layout for
-    scale and zero (what :class:`~oscar_hf.serving.pool.PagedInt2Pool`'s views are)."""
+    """Shapes and layouts the Triton path serves, reading the pool in place (else: the reference)."""
     _, _, m, d = qf.shape
     ng = d // group_size if group_size > 0 else 0
     ok = (_pow2(d) and 64 <= d <= 256 and _pow2(group_size) and group_size <= d and 1 <= m <= 64
@@ -160,12 +143,9 @@ def paged_supported(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, group_si
 
 def paged_history_partial(q_rot, qk_offset, history: History, scaling: float, group_size: int, block_n: int = 1024,
                           use_kernels="auto"):
-    """``(m, l, acc)`` (``int2_attention``'s partials, rotated value space) of ``q_rot [1, Hk, M, D]`` (float32, any
-    ``M``: a prompt chunk's ``g * L`` rows) over one request's paged history: ``history.k/v`` the pool's pages, and
-    ``history.pages`` its block table ``[1, np]`` and length (``max_len`` the host's count ``n``). On CUDA the split-K
-    kernels read it once per tile of ``ROW_TILE`` rows: the tiles are the launch's batch rows, each with the same block
-    table. Elsewhere the reference gathers ``block_n`` entries at a time (fewer for a long chunk: its logits stay
-    within ``LOGITS_BUDGET``) and merges the blocks' partials."""
+    """``(m, l, acc)`` partials of ``q_rot [1, Hk, M, D]`` (any ``M``: a prompt chunk's rows) over one request's paged
+    history (``history.pages``: table ``[1, np]``, ``max_len`` its length). On CUDA tiles of ``ROW_TILE`` rows are the
+    launch's batch rows, sharing the block table; the reference's blocks keep their logits within ``LOGITS_BUDGET``."""
     from . import decode_triton as dt
 
     pages, (_, hk, m, d) = history.pages, q_rot.shape
@@ -197,11 +177,8 @@ def paged_history_partial(q_rot, qk_offset, history: History, scaling: float, gr
 
 def paged_multi_token_attention(params: KVParams, qf, window: Window, history: History, scaling: float, out_dtype,
                                 use_kernels="auto") -> torch.Tensor:
-    """``[1, Hk, M, D]``: attention of the unrotated query ``qf [1, Hk, M, D]`` over one request's paged INT2 history
-    (:func:`paged_history_partial`) and its full-precision window ``window.k/v [1, Hk, W, D]`` (``window.mask`` None
-    or bool broadcastable to ``[1, Hk, M, W]``: a prompt chunk's causal rows). The history partial is computed in the
-    rotated space (``q R_K``, ``+ q·mu_K``), brought back by ``R_Vᵀ`` and ``+ l·mu_V``, merged with the window by
-    log-sum-exp (:func:`~.int2_attention.merge_history_and_window`)."""
+    """``[1, Hk, M, D]``: attention of the unrotated ``qf [1, Hk, M, D]`` over one request's paged history and its
+    window ``[1, Hk, W, D]`` (``window.mask`` broadcastable to ``[1, Hk, M, W]``: a chunk's causal rows)."""
     q_rot, qk_offset = rotate_query_reference(qf, params.r_k, params.mu_k)
     hist = paged_history_partial(q_rot, qk_offset, history, scaling, params.group_size, params.block_n, use_kernels)
     return merge_history_and_window(hist, qf, window.k, window.v, window.mask, params.r_v, params.mu_v, scaling,
