@@ -1,8 +1,6 @@
-"""Where the kernels run and their named defaults (re-exported by :mod:`~oscar_hf.kernels.plan`, which plans launches
-from them): whether Triton serves a tensor, the kernels' settled cache keys, the tunables of the decode read
-(:class:`DecodeDefaults`: the launchers take one as ``defaults=``; tests and benchmarks pass
-``dataclasses.replace(DEFAULTS, ...)``) and of the retrieval heads' read. The measured reason for each value is in
-``docs/kernels.md``. Plain Python and torch only (no Triton import)."""
+"""Where the kernels run (:func:`triton_enabled`) and their named defaults (:class:`DecodeDefaults`,
+:class:`HeadsDefaults`; the launchers take ``defaults=``). The measured reason for each value: docs/kernels.md §4.
+Plain Python and torch only (no Triton import)."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,14 +26,9 @@ def triton_importable() -> bool:  # trace, would fail at the next call and compi
 
 
 def settle_cache_keys(namespace: dict) -> None:
-    """Computes the Triton cache key of every jit function in ``namespace`` (a kernel module's globals, at the end of
-    its import), in definition order: the called helpers before the kernels that call them.
-
-    Triton 3.6 (fixed by 3.9) merges a called function's constexpr globals (``write_triton._LEVELS``) into a kernel's
-    key only if that function's own key was computed before, so a kernel's key depended on which kernel a process
-    launched first: generate's prefill launches ``_rotate_quantize_kernel`` before the decode step's
-    ``_append_token_kernel``, the step's warm-up helper (``step_warmup``) does not, and the two processes compiled
-    the same kernel under two keys of the on-disk cache. Settled at import, the keys are the same in every process."""
+    """Compute the Triton cache key of every jit function in ``namespace`` (a kernel module's globals, at the end of
+    its import), helpers before their callers: Triton 3.6 merges a called function's constexpr globals into a key
+    only if that function's key exists already, so a key depended on which kernel a process launched first."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
@@ -61,69 +54,51 @@ def triton_enabled(t: torch.Tensor, use_kernels="auto") -> bool:
     return ok
 
 
-# ---- host-side helpers of the per-call launch code. Plain Python on purpose: triton.cdiv and
-# triton.next_power_of_2 go through Triton's constexpr wrapper (~1-2 us a call; docs/kernels.md, host overhead)
-
-
 @dataclasses.dataclass(frozen=True)
 class DecodeDefaults:
-    """Tunables of the decode read path; each comment gives the measured reason in one sentence (the numbers and the
-    alternatives that lost: ``docs/kernels.md``, "Why the defaults")."""
+    """Tunables of the decode read path (figures and the alternatives that lost: docs/kernels.md, "Why the defaults")."""
 
-    # split kernel (Triton): the tile of the default shape (D = 128, <= 16 query rows per KV head), the best of the
-    # H100 tile sweep with the deferred loop
+    # split kernel: the tile of the default shape (D = 128, <= 16 query rows per KV head), best of the tile sweep
     block_n: int = 64  # history tokens per inner-loop step
     num_warps: int = 4
     num_stages: int = 4
-    # ptxas register cap of the deferred loop at its default tile: 3 programs of 4 warps fit an SM (~60 bytes of
-    # spills), faster than 2 uncapped or 4 under 128 registers (None: no cap)
+    # register cap of the deferred loop: 3 programs an SM, faster than 2 uncapped or 4 under 128 (None: no cap)
     maxnreg: int | None = 168
-    # the split kernel at other head_dims (64, 96, 256, ...) or more than 16 query rows per KV head: its tile
-    block_n_other: int = 64  # history tokens per step (larger tiles spilled registers at D = 256 / 64 query rows)
-    # D > 128, 64 query rows, or the dequant loop's per-channel metadata (groups not whole planes: D = 96, G = 32): 8
-    # warps keep the tiles in registers (tests/kernels/test_compile_sm90.py)
+    block_n_other: int = 64  # other head_dims or > 16 query rows (larger tiles spill registers)
+    # D > 128, 64 query rows, or per-channel metadata: 8 warps keep the tiles in registers
     num_warps_wide: int = 8
-    # ... except D > 128 on the deferred loop (G >= D/4): 4 warps, twice as fast (H200, D = 256, 16 / 8 heads, B=8/128K:
-    # 2.55 -> 1.23 ms; 32 or 128-token blocks and 3 stages lost: benchmarks/results/sweep_h200_d256.json)
-    num_warps_wide_deferred: int = 4
+    num_warps_wide_deferred: int = 4  # ... but D > 128 on the deferred loop: 4 warps, twice as fast
     num_stages_wide: int = 2  # D > 128
-    # D = 512 (Gemma 4's full layers): 16-token blocks and 8 warps for either loop (the deferred loop spilled 384 bytes
-    # with 32-token blocks, 816 with 64), the combine's partials in tiles of [32 splits, 512] (registers:
-    # tests/kernels/test_compile_sm90.py); GPU time not measured yet
+    # D = 512: the smallest tiles that do not spill (tests/kernels/test_compile_sm90.py); GPU time not measured yet
     block_n_xwide: int = 16
     num_warps_xwide: int = 8  # (INT8 / 16 bits; INT4 keeps its 4)
     merge_block_xwide: int = 32
-    # split-K: the wave model of num_splits, which followed the split kernel's time within 2% on the H200
+    # split-K: the wave model of num_splits
     max_waves: int = 4  # at most this many waves of programs (more splits: more partials to merge)
     min_split: int = 256  # never fewer history tokens than this per split
     win_split: int = 128  # window tokens per window program
     # combine kernel (latency-bound: few programs, each a chain of dependent loads)
-    merge_block: int = 128  # split partials merged per step: B=1/128K's ~200 partials a row in two rounds, not four
+    merge_block: int = 128  # split partials merged per step
     merge_block_few: int = 256  # where the combine has fewer rows than SMs: all of a row's splits in one round
     merge_hoist_win: int = 16  # R_V's chunks and the window partials loaded with the history's up to this many
-    merge_one_warp_rows: int = 4  # one warp per query row from this many rows per SM on (B=32/32K: 15.1 -> 10.4 us)
+    merge_one_warp_rows: int = 4  # one warp per query row from this many rows per SM on
     merge_out_parts: int = 4  # programs per row where rows are fewer than SMs, each un-rotating 1/4 of R_V's rows
     merge_warps_few: int = 4  # their warps (at D = 128 with a row's splits in one tile of <= 128)
     splits_pow2_slack: float = 0.05  # few rows: splits rounded down to a power of two (a full combine tile)
-    # Gluon history kernel (CUDA, D = 128 or 256 with <= 8 query rows per KV head or D = 64 with <= 4, G = 64, bf16
-    # metadata, no key mask): ~12 SASS instructions per history token at D = 128 instead of the split kernel's ~32
+    # Gluon history kernel (decode_gluon.gluon_supported): ~12 SASS instructions a history token against ~32
     gluon_min_work: int = 500_000  # history tokens x (row, KV head) from which it pays for its extra launch
     gluon_resident: int = 12  # one-warp programs resident per SM under gluon_maxnreg (the wave model's slots)
     gluon_maxnreg: int = 168  # 12 programs an SM were faster than 13-14 without the cap's small spills
     gluon_stages: int = 2  # cp.async pipeline stages of short splits (a deeper pipeline's start costs them more)
-    # long splits (at least gluon_long_split tokens): int8 key MMAs (their query setup pays back over a long split
-    # only), 4 pipeline stages, 8 programs an SM under ptxas's own register limit
+    # long splits (>= gluon_long_split tokens): int8 key MMAs, 4 stages, 8 programs an SM uncapped
     gluon_long_split: int = 256
     gluon_stages_long: int = 4
     gluon_resident_long: int = 8
     gluon_maxnreg_long: int = 255
-    # window programs on the Gluon path where programs are few (<= 8 per SM): a launch of their own after the
-    # history, 64 tokens each, software-pipelined over 2 stages
+    # window programs on the Gluon path where programs are few (<= 8 per SM)
     gluon_win_split: int = 64
     gluon_win_stages: int = 2
-    # D = 256 (rows of two 32-byte halves: 8 chunk accumulators, 8 query operands, 16-token steps): fp16 keys at every
-    # split length (the int8 path serves D = 128 only), the stages above by split length, 8 programs an SM under
-    # ptxas's own limit (255 registers; a few spilled bytes outside the loop: tests/kernels/test_compile_sm90.py)
+    # D = 256: fp16 keys at every split length, 8 programs an SM uncapped
     gluon_maxnreg_wide: int = 255
     gluon_resident_wide: int = 8
 
@@ -136,17 +111,15 @@ class HeadsDefaults:
     """Tunables of the retrieval heads' read (docs/kernels.md, section 3.9)."""
 
     block_n: int = 32  # slots per inner step
-    num_warps: int = 4  # INT8 / 16-bit codes (H200 sweeps, benchmarks/results/heads_kernel_sweep_h200.json: 32 / 4 / 3
-    num_stages: int = 3  # took 27.4 us against 32.1 for 64 / 8 / 4 at B=1 x 100K, 47.5 against 50.3 at B=8 x 32K) ...
-    num_warps_int4: int = 4  # ... and INT4's (two planes per block: more registers a block)
+    num_warps: int = 4  # INT8 / 16-bit codes: the sweep's best tile with block_n
+    num_stages: int = 3
+    num_warps_int4: int = 4  # INT4: two planes per block, more registers
     num_stages_int4: int = 2
     min_split: int = 256  # never fewer history slots per split
     max_waves: int = 4
     resident: int = 3  # split programs an SM holds at once (the wave model's slots)
     merge_block: int = 64  # partials merged per step of the combine
-    # D = 512: 32-slot blocks, 2 stages (a 64-slot block of 16-bit K and V rows is 128 KB of shared memory a stage), a
-    # combine of 8 warps (its [64, 512] tile of partials spilled 3.5 KB on 4; tests/kernels/test_compile_sm90.py); GPU
-    # time not measured yet
+    # D = 512: what fits shared memory and registers (tests/kernels/test_compile_sm90.py); GPU time not measured yet
     block_n_xwide: int = 32
     num_stages_xwide: int = 2
     num_warps_xwide: int = 8  # (INT8 / 16 bits; INT4 keeps its 4)
@@ -163,6 +136,7 @@ class HeadsDefaults:
 HEADS_DEFAULTS = HeadsDefaults()
 
 
+# plain Python on purpose: triton.cdiv and next_power_of_2 go through Triton's constexpr wrapper (~1-2 us a call)
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` of non-negative ints (``b > 0``)."""
     return -(-a // b)

@@ -1,14 +1,10 @@
 """A compiled op's Triton kernels compiled in a helper process while torch compiles the step.
 
-Without it, OSCAR's decode op (:mod:`.static_op`) JIT-compiles its kernels one after another on the first call's
-critical path (5-9 s on an H200, docs/results.md). The op's fake implementation sees every layer's arguments at the
-start of the trace, all a kernel's specialization depends on, so the first time it meets new arguments it hands
-their description (:func:`spec_of`) to a helper process (one per compile, fed on stdin; loop: :func:`serve`) that
-rebuilds zero-filled tensors of the same layout on the same GPU (:func:`values_of`) and runs the op once: the kernels
-compile into the on-disk Triton cache the step's own first run reads. The helper's stdin closes at the op's first
-real call (:func:`release`). CUDA only, and only with ``OSCAR_WARM_KERNELS=1``: it took the kernels' JIT (5.8 s) off
-the step's first run, but the first call was not measurably shorter. A failure there only costs the time it was to
-save.
+The op's fake implementation (:mod:`.static_op`) hands each new set of arguments' description (:func:`spec_of`) to a
+helper process fed on stdin (:func:`serve`), which runs the op once on zero tensors of the same layout
+(:func:`values_of`), so the kernels compile into the on-disk Triton cache the step's first run reads; the helper's
+stdin closes at the op's first real call (:func:`release`). CUDA only, with ``OSCAR_WARM_KERNELS=1`` (why it is off:
+docs/kernels.md §3.7). A failure only costs the time it was to save.
 """
 from __future__ import annotations
 
@@ -31,16 +27,15 @@ class _Helper:
 
 
 def enabled() -> bool:
-    """``OSCAR_WARM_KERNELS=1`` turns it on (off by default: no first call measurably shorter on an H200 yet)."""
+    """``OSCAR_WARM_KERNELS=1`` turns it on."""
     return os.environ.get(ENV, "0").lower() in ("1", "true", "yes", "on")
 
 
 # ---------------------------------------------------------------- the description of one call's arguments
 
 def spec_of(args: tuple) -> dict | None:
-    """An op's positional ``args`` (real or fake tensors) as JSON-able data: each tensor's shape, strides,
-    storage offset, dtype and device; dtypes by name; other values as they are. None when a size is symbolic (a
-    recompile with a dynamic capacity: nothing concrete to compile for)."""
+    """An op's positional ``args`` (real or fake tensors) as JSON-able data (a tensor's layout, dtype and device);
+    None when a size is symbolic (nothing concrete to compile for)."""
     items = []
     for a in args:
         if a is None:
@@ -71,8 +66,7 @@ def _tensor(item: dict) -> torch.Tensor:
 
 
 def values_of(spec: dict) -> list:
-    """The values :func:`spec_of` described, rebuilt: zero-filled tensors of the same layout, the rest as they were
-    (a kernel's specialization depends on a tensor's layout, not on its values)."""
+    """The values :func:`spec_of` described: zero tensors of the same layout (what a specialization depends on)."""
     out = []
     for item in spec["args"]:
         if item is None:
@@ -89,9 +83,7 @@ def values_of(spec: dict) -> list:
 # ---------------------------------------------------------------- the parent's side
 
 def note(args: tuple, entry: str) -> None:
-    """From the op's fake implementation: hand the op's arguments (the first a tensor on the op's device) to a helper
-    process, once per distinct set; ``entry``: the helper's code (the module and function that serves it,
-    ``"module:function"``)."""
+    """Hand the op's arguments to a helper process, once per distinct set; ``entry``: ``"module:function"`` it runs."""
     if not enabled() or not isinstance(args[0], torch.Tensor) or not _on_cuda(args[0]):
         return
     spec = spec_of(args)
@@ -134,9 +126,8 @@ def _spawn(device: torch.device, entry: str) -> subprocess.Popen:
     if "TRITON_CACHE_DIR" not in env:
         from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
         env["TRITON_CACHE_DIR"] = triton_cache_dir(device.index or 0)
-    # this process's imports, the folder that holds this package first (-P: nothing from the working folder); but not
-    # a checkout's root, whose source folder `kernels/` (installed as oscar_hf.kernels) would shadow the Hub's
-    # `kernels` package that Transformers >= 5.25 imports: there the package is installed (editable) and found anyway
+    # this process's imports, but not a checkout's root, whose `kernels/` would shadow the Hub's `kernels` package
+    # that Transformers >= 5.25 imports (the editable install finds oscar_hf anyway)
     package = sys.modules[__name__.rsplit(".", 2)[0]]  # oscar_hf (loaded before any of its modules)
     path = [str(Path(package.__file__).resolve().parent.parent), *(p for p in sys.path if p)]
     path = [p for p in path if not (Path(p) / "kernels" / "step_warmup.py").is_file()]
@@ -147,10 +138,8 @@ def _spawn(device: torch.device, entry: str) -> subprocess.Popen:
 
 
 def _pin_ptxas_version(device: torch.device) -> None:
-    """Triton's cache key holds the version of the ptxas it runs, read once per process (cached) at its first compile:
-    generate's prefill has already compiled the write kernels here, under this environment, which the helper
-    inherits. Read it now if nothing has, so that a later change of ``TRITON_PTXAS_PATH`` in this process (Inductor
-    sets it when it compiles a kernel in-process) cannot give the two processes different keys for one kernel."""
+    """Read the ptxas version (part of Triton's cache key, cached per process) now, so that Inductor's later change
+    of ``TRITON_PTXAS_PATH`` cannot give this process and the helper different keys for one kernel."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas_version
         major, minor = torch.cuda.get_device_capability(device)
