@@ -1,6 +1,4 @@
-"""The jit helpers of the split kernel (:mod:`~oscar_hf.kernels.decode_split`, whose docstring has the math): code
-planes and their fp16 / inline-PTX extraction, the groups' metadata, the deferred loop's logits and value planes, the
-token blocks of a (paged) history, the online softmax and the window's programs."""
+"""The jit helpers of the split kernel (:mod:`~oscar_hf.kernels.decode_split`, whose docstring has the math)."""
 from __future__ import annotations
 
 import triton
@@ -15,11 +13,9 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _soft_cap(x, CAP: tl.constexpr):
-    """Logit soft-capping (Gemma 2's ``softcap * tanh(logit / softcap)``) in the kernels' log2 units, where it is
-    ``CAP tanh(x / CAP)`` with ``CAP = softcap * log2(e)``. tanh from one exp2 (Triton has no tanh on every version):
-    ``tanh|y| = (1 - t) / (1 + t)`` with ``t = exp(-2|y|)`` in (0, 1], so no overflow at any ``|x|`` (large ``|x|``
-    gives ``+-CAP``), and an absolute error of a few float32 ulps of ``CAP`` near 0. Apply before masking: ``-inf``
-    would come out as ``-CAP``."""
+    """Gemma 2's soft-capping in log2 units, ``CAP tanh(x / CAP)`` (``CAP = softcap * log2(e)``), tanh from one exp2
+    (not every Triton has tanh): ``tanh|y| = (1 - t) / (1 + t)``, ``t = exp(-2|y|)`` in (0, 1], no overflow. Apply
+    before masking (``-inf`` would become ``-CAP``)."""
     t = tl.exp2(tl.abs(x) * (-2.0 * _LOG2E / CAP))
     c = CAP * ((1.0 - t) / (1.0 + t))
     return tl.where(x < 0, -c, c)
@@ -36,11 +32,10 @@ def _op16(x, LOWP: tl.constexpr):
 
 @triton.jit
 def _u_plane(bytes_, P: tl.constexpr, LOWP: tl.constexpr, EXACT: tl.constexpr):
-    """Codes of plane ``P`` of a byte tile as exact tensor-core operands, with no shift and no int->float conversion:
-    ``byte & (3 << 2P)`` is ``4^P code``; or-ed into the fp16 bit pattern of 1024 (``0x6400``, whose mantissa LSB is
-    worth 1; ``4^P code <= 192`` fits the 10 mantissa bits) it reads as ``u = 1024 + 4^P code``: one and-or per code.
-    ``EXACT`` subtracts the 1024 (exact in fp16), else the caller removes the offset from the result. Interpreter
-    (float32): ``u = 1 + 4^P code`` (offset ``OFFS = 1``), so the offset bookkeeping is exercised on the CPU too."""
+    """Codes of plane ``P`` of a byte tile as exact fp16 operands with one and-or, no shift or conversion: ``byte & (3
+    << 2P)`` (``4^P code <= 192``) or-ed into the bit pattern of 1024 reads as ``u = 1024 + 4^P code``. ``EXACT``
+    subtracts the 1024, else the caller removes it. Interpreter: ``u = 1 + 4^P code`` (``OFFS = 1``), so the offset
+    bookkeeping runs on the CPU too."""
     m = bytes_ & (3 << (2 * P))
     if LOWP:
         u = (m.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
@@ -54,9 +49,8 @@ def _u_plane(bytes_, P: tl.constexpr, LOWP: tl.constexpr, EXACT: tl.constexpr):
         return u
 
 
-# PTX of _u_plane_asm / _v_code_asm, one string per plane P (the mask 3 << 2P in both 16-bit halves). Key codes:
-# fp16 1024 + 4^P code; value codes: bf16 256 + KP code, plane 3 shifted down by 2 first (its bits would reach the
-# exponent). The leading cvt + prmt is the same for the four planes of a tile, so ptxas computes it once.
+# PTX of _u_plane_asm / _v_code_asm, one string per plane P (mask 3 << 2P in both 16-bit halves); the leading
+# cvt + prmt is the same for the four planes of a tile, so ptxas computes it once
 _K_PLANE_ASM = tl.constexpr(tuple(
     "{ .reg .b32 w; cvt.u32.u16 w, $1; prmt.b32 w, w, 0, 0x4140; "
     f"lop3.b32 $0, w, 0x{(3 << 2 * p) * 0x10001:08X}, 0x64006400, 0xEA; }}" for p in range(4)))
@@ -67,11 +61,8 @@ _V_PLANE_ASM = tl.constexpr(tuple(
 
 @triton.jit
 def _u_plane_asm(bytes_, P: tl.constexpr):
-    """:func:`_u_plane` (not EXACT) in PTX, two codes at a time: ``prmt`` moves the two bytes into the low bytes of
-    the two 16-bit halves (the same for the four planes of a byte tile: ptxas merges it), then one ``lop3`` keeps
-    plane ``P``'s bits and or-s in 0x6400 (the fp16 bit pattern of 1024). Written out because the Triton versions
-    differ in what they make of the same arithmetic (3.6: an and and an or per two codes; 3.9: the masks
-    re-materialized in registers). GPU only."""
+    """:func:`_u_plane` (not EXACT) in PTX, two codes at a time (``prmt``, then one ``lop3``): Triton versions differ
+    in what they make of the same arithmetic. GPU only."""
     return tl.inline_asm_elementwise(_K_PLANE_ASM[P], "=r,h", [bytes_], dtype=tl.float16, is_pure=True, pack=2)
 
 
@@ -86,8 +77,7 @@ def _gsum(t, g: tl.constexpr, PPG: tl.constexpr):
 
 @triton.jit
 def _op(x, LOWP: tl.constexpr):
-    """Operand dtype of the attention dots: bf16 on the GPU (LOWP=1); float32 under the Triton
-    interpreter (LOWP=0), whose ``tl.dot`` multiplies the raw uint16 bits of bf16 tensors."""
+    """bf16 dot operand on the GPU; float32 under the interpreter, whose ``tl.dot`` multiplies bf16's raw bits."""
     if LOWP:
         return x.to(tl.bfloat16)
     else:
@@ -97,30 +87,28 @@ def _op(x, LOWP: tl.constexpr):
 @triton.jit
 def _int2_plane(bytes_, P: tl.constexpr, s_tile, z_tile, s_row, z_row, nmask,
                 D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, LOWP: tl.constexpr, D4P: tl.constexpr):
-    """Dequantize plane ``P`` (channels ``[P*D4, (P+1)*D4)``) of a ``[BLOCK_N, D4P]`` byte tile to the
-    dot operand dtype: ``zero[n, g(c)] + code[n, c] * scale[n, g(c)]`` (``D4P``: ``D4`` padded to a power of two,
-    D = 96; the padded channels' bytes are 0 and meet 0 query channels)."""
+    """Plane ``P`` (channels ``[P*D4, (P+1)*D4)``) of a ``[BLOCK_N, D4P]`` byte tile dequantized to the dot operand:
+    ``zero[n, g(c)] + code[n, c] * scale[n, g(c)]`` (``D4P``: ``D4`` padded to a power of two)."""
     code = ((bytes_ >> (2 * P)) & 3).to(tl.float32)
     if G % D4 == 0:
-        # The plane lies in one group g: pick column g of the [BLOCK_N, NG] metadata tiles (a
-        # one-hot sum over NG <= 8 register values; the tiles were loaded once per block).
+        # the plane in one group g: column g of the [BLOCK_N, NG] metadata tiles, by a one-hot sum
         onehot = tl.arange(0, NG)[None, :] == (P * D4) // G
         s = tl.sum(tl.where(onehot, s_tile, 0.0), 1)
         z = tl.sum(tl.where(onehot, z_tile, 0.0), 1)
         return _op(z[:, None] + code * s[:, None], LOWP)
     else:
-        # groups inside the plane (D=256, G=32) or across planes (D=96, G=32: channels 24..47 in groups 0 and 1):
-        # gather scale/zero per channel (L1 hits).
+        # groups inside or across planes (D=256 or 96, G=32): scale/zero gathered per channel (L1 hits)
         offs = tl.arange(0, D4P)
         g = (P * D4 + offs) // G
         s = tl.load(s_row[:, None] + g[None, :], mask=_cols_mask(nmask, offs, D4, D4P), other=0.0).to(tl.float32)
         z = tl.load(z_row[:, None] + g[None, :], mask=_cols_mask(nmask, offs, D4, D4P), other=0.0).to(tl.float32)
         return _op(z + code * s, LOWP)
+
+
 @triton.jit
 def _bf16_pair(base, meta, mask):
-    """Scale (or zero) of groups 0 and 1 of each token (NG = 2, bf16 metadata) with ONE 4-byte load per
-    token instead of two 2-byte ones, widened to float32 by a 16-bit shift (little endian: group 0 in the
-    low half). Halves the synchronous metadata loads the split kernel waits on."""
+    """Scale (or zero) of groups 0 and 1 of each token (NG = 2, bf16) by one 4-byte load, not two 2-byte ones,
+    widened by a 16-bit shift (group 0 in the low half)."""
     w = tl.load((base + meta).to(tl.pointer_type(tl.int32)), mask=mask, other=0)
     return (w << 16).to(tl.float32, bitcast=True), (w & -65536).to(tl.float32, bitcast=True)
 
@@ -141,9 +129,8 @@ def _meta_groups(base, meta, mask, NG: tl.constexpr):
 
 @triton.jit
 def _df_meta(ks_base, kz_base, vs_base, vz_base, kmeta, vmeta, inb, valid, NG: tl.constexpr, PAIR: tl.constexpr):
-    """The deferred loop's metadata of one block: K scale / zero (in-bounds tokens) and V scale / zero (valid
-    tokens only: stale storage may hold NaN), each a tuple over the groups (:func:`_bf16_pair` when ``PAIR``).
-    ``kmeta`` / ``vmeta``: the tokens' metadata row offsets ``[BLOCK_N]`` (:func:`_block_rows`)."""
+    """The deferred loop's metadata of one block, tuples over the groups: K scale / zero (in-bounds tokens) and V
+    scale / zero (valid tokens only: stale storage may hold NaN). ``kmeta`` / ``vmeta``: row offsets ``[BLOCK_N]``."""
     if PAIR:
         return (_bf16_pair(ks_base, kmeta, inb), _bf16_pair(kz_base, kmeta, inb),
                 _bf16_pair(vs_base, vmeta, valid), _bf16_pair(vz_base, vmeta, valid))
@@ -177,8 +164,7 @@ def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.cons
             else:
                 sg = tl.load(ks_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
                 zg = tl.load(kz_base + meta + P // PPG, mask=inb, other=0.0).to(tl.float32)
-            # s (d - C) + z Qs as three fused multiply-adds into st (d - C first took a separate add and multiply;
-            # the rounding of s d + st is of the order of the tensor cores' own fp32 accumulation error in d)
+            # s (d - C) + z Qs as three fused multiply-adds (rounding within the tensor cores' own error in d)
             st = tl.fma(sg[:, None], d, st)
             st = tl.fma(-sg[:, None], _gsum(cps, P // PPG, PPG)[None, :], st)
             st = tl.fma(zg[:, None], _gsum(qss, P // PPG, PPG)[None, :], st)
@@ -188,12 +174,9 @@ def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.cons
 
 @triton.jit
 def _v_code_operand(vb, P: tl.constexpr, LOWP: tl.constexpr):
-    """Codes of plane ``P`` of a value byte tile as exact bf16 ``KP * code`` with ``KP = 2 * 4^min(P, 2)``, no
-    per-code shift for planes 0-2: ``byte & (3 << 2P)`` (``4^P code <= 48``) or-ed into the bit pattern of 256.0
-    (``0x4380``, mantissa LSB worth 2) reads as ``256 + KP code``, and the subtraction of 256 is exact (one
-    and-or + one packed subtract per two codes, against two shifts, a byte merge, an and-or and a subtract
-    for ``_code_operand``); plane 3's bits 6-7 would reach the exponent, so it is shifted down to bits 4-5 first.
-    Float32 under the interpreter (the same bit pattern, widened)."""
+    """Codes of plane ``P`` of a value byte tile as exact bf16 ``KP * code`` (``KP = 2 * 4^min(P, 2)``) without a
+    shift: ``byte & (3 << 2P)`` or-ed into the bit pattern of 256.0 (mantissa LSB worth 2) reads as ``256 + KP code``,
+    minus 256 exactly. Plane 3 is shifted down by 2 first (its bits would reach the exponent)."""
     if P < 3:
         m = vb & (3 << (2 * P))
     else:
@@ -207,10 +190,7 @@ def _v_code_operand(vb, P: tl.constexpr, LOWP: tl.constexpr):
 
 @triton.jit
 def _v_code_asm(vb, P: tl.constexpr):
-    """:func:`_v_code_operand` on the GPU in PTX, two codes at a time: ``prmt`` moves the two bytes into the low
-    bytes of the two 16-bit halves (shared by the four planes), one ``lop3`` keeps plane ``P``'s bits and or-s in
-    the bit pattern of 256.0 (plane 3: shifted down by 2 first, its bits 6-7 would reach the exponent). Same values
-    as :func:`_v_code_operand`: ``256 + KP code``; the caller's subtraction of 256 is exact."""
+    """:func:`_v_code_operand` in PTX, two codes at a time (as :func:`_u_plane_asm`)."""
     u = tl.inline_asm_elementwise(_V_PLANE_ASM[P], "=r,h", [vb], dtype=tl.bfloat16, is_pure=True, pack=2)
     return u - 256.0
 
@@ -218,12 +198,9 @@ def _v_code_asm(vb, P: tl.constexpr):
 @triton.jit
 def _df_v_plane(p, vb, P: tl.constexpr, acc, zt, D4: tl.constexpr, G: tl.constexpr, PPG: tl.constexpr,
                 LOWP: tl.constexpr, s_pre, z_pre, ASM: tl.constexpr = 0):
-    """Deferred-loop values of plane ``P`` (group ``g``): ``acc += bf16((p s_g)ᵀ) . (KP code_P)`` -- bf16,
-    since ``p`` is relative to a fixed reference and may exceed 1; ``KP`` (:func:`_v_code_operand`) is divided
-    out after the loop -- and the elementwise tile ``zt += p z_g`` (reduced over tokens once, after the loop;
-    kept by the group's first plane only). No rescaling: the reference is fixed. Planes of one group compute
-    the same ``W_g`` (merged by CSE: one transposition through shared memory per group). ``s_pre``, ``z_pre``: the
-    block's value scale / zero, one vector per group (:func:`_df_meta`)."""
+    """Deferred-loop values of plane ``P`` (group ``g``): ``acc += bf16((p s_g)ᵀ) . (KP code_P)`` (bf16: ``p`` is
+    relative to a fixed reference and may exceed 1; ``KP`` divided out after the loop) and ``zt += p z_g`` (by the
+    group's first plane; reduced after the loop). Planes of a group share ``W_g`` (CSE: one transposition)."""
     g: tl.constexpr = (P * D4) // G
     s = s_pre[g]
     z = z_pre[g]
@@ -240,11 +217,8 @@ def _df_v_plane(p, vb, P: tl.constexpr, acc, zt, D4: tl.constexpr, G: tl.constex
 @triton.jit
 def _meta_tiles(s_base, z_base, offs_n, rows, nmask, NG: tl.constexpr, PAGED: tl.constexpr = 0,
                 TILES: tl.constexpr = 1):
-    """``[BLOCK_N, NG]`` scale/zero tiles (float32) of a block: rows are contiguous (``NG``
-    values per token), so this is one vectorized, pipelinable load per tensor; plus the row pointers.
-    ``PAGED``: the tokens' metadata row offsets are ``rows [BLOCK_N]`` (:func:`_block_rows`), not ``offs_n * NG``.
-    ``TILES`` 0 (no plane inside one group: :func:`_int2_plane` gathers per channel from the row pointers): the row
-    pointers only (``NG`` need not be a power of two there, e.g. 3 at D = 96, G = 32)."""
+    """``[BLOCK_N, NG]`` float32 scale/zero tiles of a block (one vectorized load per tensor) and the row pointers
+    (``PAGED``: row offsets ``rows [BLOCK_N]``). ``TILES`` 0: the row pointers only (``NG`` may be 3 there)."""
     if PAGED:
         row = rows
     else:
@@ -260,10 +234,11 @@ def _meta_tiles(s_base, z_base, offs_n, rows, nmask, NG: tl.constexpr, PAGED: tl
         s_tile = 0.0
         z_tile = 0.0
     return s_tile, z_tile, s_base + row, z_base + row
+
+
 @triton.jit
 def _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr):
-    """History tokens ``[n0, n0 + BLOCK_N)`` of one (row, KV head): their indices, which are in
-    bounds (``< hi``), and which are valid (in bounds, ``>= start`` of the row, and not masked)."""
+    """Tokens ``[n0, n0 + BLOCK_N)``: indices, in bounds (``< hi``), valid (also ``>= start``, not masked)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     inb = offs_n < hi
     valid = inb & (offs_n >= start)
@@ -279,11 +254,8 @@ def _block_rows(n0, hi, offs_n, inb, BT_ROW, skb, skn, smkb, svb, svn, smvb, NG:
     """Element offsets of a block's tokens from the (row, KV head) bases: ``(K codes [BLOCK_N, 1], K metadata
     [BLOCK_N], V codes [BLOCK_N, 1], V metadata [BLOCK_N])``, int64.
 
-    Contiguous history: token ``n`` is row ``n`` (code rows ``skn`` / ``svn`` apart, metadata rows ``NG``). Paged
-    (``PAGED``): token ``n`` is row ``n % PAGE`` of page ``BT_ROW[n // PAGE]`` (the row's block table; page strides
-    ``skb``, ``smkb``, ``svb``, ``smvb``). Where ``BLOCK_N`` divides ``PAGE`` the block lies in one page: one scalar
-    table load; else one table load per token (the same few entries: L1 hits). Table entries are read for in-bounds
-    tokens only (``< hi``), so entries past a row's pages are never read."""
+    Paged: token ``n`` is row ``n % PAGE`` of page ``BT_ROW[n // PAGE]``; one scalar table load where ``BLOCK_N``
+    divides ``PAGE``, else one a token. Only in-bounds tokens' entries are read."""
     if PAGED:
         if PAGE % BLOCK_N == 0:
             pg = tl.load(BT_ROW + n0 // PAGE, mask=n0 < hi, other=0).to(tl.int64)
@@ -315,11 +287,8 @@ def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, hw, part, w0, W, wi
                   sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                   M, D: tl.constexpr, M_PAD: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr,
                   WIN_STAGES: tl.constexpr, DP: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
-    """One window program of :func:`_split_kernel`: full-precision (unrotated) window tokens ``[w0, w0 + win_split)``
-    of one (row, KV head), online softmax over ``BLOCK_W``-token steps, partial ``(m, l, acc)`` at ``part``. ``bw``:
-    the index of the row's window in ``KW`` / ``VW`` (``b``, or its slot in a window pool), ``hw`` the KV head of
-    head ``h`` there (:func:`_window_head`). ``DP``: ``D`` padded to a power of two (the padded channels load as 0,
-    are not stored); ``SOFTCAP`` > 0: the logits soft-capped (:func:`_soft_cap`)."""
+    """One window program: full-precision window tokens ``[w0, w0 + win_split)`` of one (row, KV head), partial
+    ``(m, l, acc)`` at ``part``. ``bw`` / ``hw``: the row's window (or pool slot) and KV head in ``KW`` / ``VW``."""
     BLOCK_W: tl.constexpr = 32  # window tokens per step
     offs_m = tl.arange(0, M_PAD)
     offs_d = tl.arange(0, DP)
@@ -331,9 +300,7 @@ def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, hw, part, w0, W, wi
     qw = _op(qw * qk_scale, LOWP)
     acc = tl.zeros((M_PAD, DP), tl.float32)
     w1 = tl.minimum(w0 + win_split, W)
-    # Small tiles, and not software-pipelined (WIN_STAGES = 1) when the history programs share the launch:
-    # keeps the shared memory of this branch below the history branch's, so occupancy is set by the history
-    # programs. A window-only launch (the Gluon path) pipelines its steps.
+    # not pipelined when history programs share the launch: their shared memory, not this branch's, sets occupancy
     for n0 in tl.range(w0, w1, BLOCK_W, num_stages=WIN_STAGES):
         offs_n = n0 + tl.arange(0, BLOCK_W)
         valid = offs_n < w1
@@ -366,8 +333,7 @@ def _window_row(b, WSLOT, PAGED: tl.constexpr):
 
 @triton.jit
 def _window_head(h, WHEAD, HAS_WHEAD: tl.constexpr):
-    """The KV head of the window that head ``h`` of the launch reads: ``h``, or (``HAS_WHEAD``: the INT2 heads of a
-    layer with retrieval heads, which read the layer's whole window in place) ``WHEAD[h]``."""
+    """The window's KV head for head ``h``: ``h``, or ``WHEAD[h]`` (INT2 heads reading a layer's window in place)."""
     if HAS_WHEAD:
         return tl.load(WHEAD + h)
     else:
