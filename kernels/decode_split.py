@@ -32,10 +32,8 @@ from .plan import settle_cache_keys
 from .query_triton import _cols_mask, _rotate_block, _rotate_plane_q8
 
 
-# The split counts are not specialized: the wave model gives layers with retrieval heads (one INT2 head fewer) other
-# counts (37 against 32 at B=1/32K on an H200), and Triton's divisibility-by-16 specialization of those ints compiled
-# the kernel twice in a first call (5.4 s for the two). They only index the partials, whose alignment comes from the
-# constexpr D.
+# The split counts are not specialized: layers with retrieval heads get other counts, and Triton's divisibility-by-16
+# specialization compiled the kernel twice in a first call. They only index the partials (aligned by the constexpr D).
 @triton.jit(do_not_specialize=["S", "S_TOT", "PID_OFF"])
 def _split_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, START, KMASK, QKOFF, NPTR,  # history inputs (NPTR: device history length or None)
@@ -61,17 +59,13 @@ def _split_kernel(
     one 4-byte word (NG = 2); ``ASM``: code extraction in inline PTX (GPU only); ``WIN_ONLY``: only the window
     programs (``PID_OFF`` = S), software-pipelined over ``WIN_STAGES``.
 
-    ``DP``: ``D`` padded to a power of two where it is none (D = 96: 128; 0 = ``D``): the planes' tiles are ``D4P = DP /
-    4`` channels wide, the padded ones masked on every load (codes 0, query 0) and store. ``SOFTCAP`` > 0: every logit
-    (history and window) soft-capped, ``SOFTCAP tanh(x / SOFTCAP)`` in log2 units (:func:`_soft_cap`), before the mask.
+    ``DP``: ``D`` padded to a power of two (D = 96: 128; 0 = ``D``), the padded channels masked. ``SOFTCAP`` > 0:
+    every logit soft-capped before the mask (:func:`_soft_cap`).
 
-    ``PAGED`` (the serving pool, ``paged_decode.py``): the history lives in pages of ``PAGE`` entries, ``KC`` ..
-    ``VZ`` are ``[num_pages, Hk, PAGE, *]`` (the ``b`` strides ``skb``, ``smkb``, ``svb``, ``smvb`` are page strides);
-    row ``b``'s entry ``n`` is at page ``BT[b, n // PAGE]`` (``BT [B, max_pages]``, row stride ``sbt``), offset
-    ``n % PAGE`` (:func:`_block_rows`); row ``b`` has ``HLEN[b]`` entries (``N``: the longest row's, which sizes the
-    grid: splits past a row's length run no block and write the empty partial ``m = -inf, l = 0, acc = 0``); its
-    window is ``KW[WSLOT[b]]`` / ``VW[WSLOT[b]]`` (the window mask stays per row). ``HAS_WHEAD``: the launch's heads
-    are a layer's INT2 heads, whose window is the layer's ``[.., Hk, W, D]`` read in place at KV heads ``WHEAD``."""
+    ``PAGED``: ``KC`` .. ``VZ`` are ``[num_pages, Hk, PAGE, *]`` (the ``b`` strides are page strides), row ``b``'s
+    entry ``n`` at page ``BT[b, n // PAGE]``, offset ``n % PAGE``; row ``b`` has ``HLEN[b]`` entries (``N``, the
+    longest, sizes the grid: splits past a row's length write the empty partial); its window is ``KW[WSLOT[b]]``.
+    ``HAS_WHEAD``: the window is read in place at KV heads ``WHEAD``."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     DPAD: tl.constexpr = D if DP == 0 else DP
@@ -112,8 +106,7 @@ def _split_kernel(
             acc3 = tl.zeros((M_PAD, D4P), tl.float32)
             start = tl.load(START + b).to(tl.int32)
             if N_DEV:
-                # Static cache (CUDA graphs): N is the storage capacity, the valid length is read from
-                # device memory and the S splits share it (the grid cannot change between replays).
+                # static cache (CUDA graphs): N is the capacity, the length read on the device
                 n_tot = tl.minimum(tl.load(NPTR).to(tl.int32), N)
                 slen = tl.cdiv(tl.cdiv(tl.maximum(n_tot, 1), S), BLOCK_N) * BLOCK_N
             else:
@@ -192,9 +185,8 @@ def _split_kernel(
                                                              smvb, NG, PAGE, BLOCK_N, PAGED)
                     md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, kmo_p, vmo_p, inb_a, valid_a, NG, PAIR)
                     for n0 in range(lo, hi, BLOCK_N):
-                        # The scale / zero loads are synchronous (no asynchronous copies for them) and the loop stalled
-                        # on them: issue the next block's here, one iteration ahead. Only the metadata is carried: code
-                        # loads whose addresses depend on a loop-carried value are not software-pipelined (Triton 3.6)
+                        # the synchronous scale / zero loads stalled the loop: the next block's issued one iteration
+                        # ahead (code loads with loop-carried addresses are not software-pipelined, Triton 3.6)
                         ksp, kzp, vsp, vzp = md_a
                         offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                         offs_a, inb_a, valid_a = _token_block(n0 + BLOCK_N, hi, start, KMASK, b, h, smb, smh, smn,
@@ -210,8 +202,7 @@ def _split_kernel(
                                             LOWP, 1, ksp, kzp, ASM and LOWP)
                             st = _soft_cap(st, SOFTCAP) - phi[None, :]
                         else:
-                            # logits relative to the reference (off_phi = off - phi: one subtraction per row, not per
-                            # logit)
+                            # logits relative to the reference (off_phi = off - phi: once per row, not per logit)
                             st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off_phi, PPG, BLOCK_N,
                                             M_PAD, LOWP, 1, ksp, kzp, ASM and LOWP)
                         st = tl.where(valid[:, None], st, float("-inf"))
