@@ -37,9 +37,8 @@ WARP_TILE = 1024  # elements of the rotation chunk [BLOCK_K, DP] in registers pe
 def launch_shape(d: int) -> tuple[int, int]:
     """``(num_warps, BLOCK_K)`` for head_dim ``d``: ``BLOCK_K`` rows of R per step of the matvec, the largest power of
     two that divides ``D`` and fits ``MAX_WARPS`` warps' tiles over ``DP`` (``D`` padded to a power of two), and the
-    warps that chunk needs. The program's latency is the serial chain of its steps' loads (at B = 1 the write is 16
-    programs a layer), so the whole rotation in one step where it fits (D = 64, 128; 256 and 512: 4 and 16 steps);
-    ``benchmarks/bench_append.py`` (H200, D = 128): 16 warps and one step 6.5 us a layer, 4 warps and four 10.2."""
+    warps that chunk needs: the program's latency is the serial chain of its steps' loads, so the whole rotation in one
+    step where it fits (``benchmarks/bench_append.py``)."""
     k = 1
     while d % (2 * k) == 0 and 2 * k * next_pow2(d) <= MAX_WARPS * WARP_TILE:
         k *= 2

@@ -1,12 +1,8 @@
 """Query prologue of a decode step in one launch: ``q R_K`` and the centering offset ``q · mu_K``.
 
-The history's keys are stored as ``(k - mu_K) R_K``, so each decode step needs ``q_rot = q R_K`` (float32) and the
-logit offset ``q · mu_K`` (:func:`~oscar_hf.kernels.int2_attention.rotate_query_reference`); in torch three or four
-launches, 13-15 us of a 46 us B=1 / 8K decode op on an H200 (docs/kernels.md). Program ``(row * Hk + head, c)``
-multiplies the ``M`` query rows by the ``C_BLOCK`` columns ``c`` of ``R_K`` on the tensor cores in tf32x3 (float32
-accuracy, as the write path's rotation; a float32 FMA dot took 58 us); the first column block's program also writes
-the offset. The same programs can build the Gluon history kernel's int8 query operands (:func:`_rotate_plane_q8`, in
-``decode_split._prologue_kernel``; their layout and scale: the comment above it).
+Program ``(row * Hk + head, c)`` multiplies the ``M`` query rows by the ``C_BLOCK`` columns ``c`` of ``R_K`` in tf32x3
+(float32 accuracy; torch took three or four launches, docs/kernels.md); the first column block's program also writes
+the offset. The same programs can build the Gluon kernel's int8 query operands (:func:`_rotate_plane_q8`).
 """
 from __future__ import annotations
 
@@ -16,17 +12,14 @@ import triton.language as tl
 
 from .plan import WRITE_HEAD_DIMS, next_pow2, settle_cache_keys
 
-# the rotation's largest single tl.dot over the head_dim, and the K step beyond it (D = 512: 4 steps of 128; one product
-# over 512 channels spilled ~5 KB, two of 256 ~0.5-0.9 KB, tests/kernels/test_compile_sm90.py)
+# the rotation's largest single tl.dot over the head_dim, and the K step beyond it (larger products spill at D = 512)
 ROT_K = tl.constexpr(256)
 ROT_STEP = tl.constexpr(128)
 
 
 @triton.jit
 def _cols_mask(rows, offs, N: tl.constexpr, NP: tl.constexpr):
-    """Load / store mask of a ``[R, NP]`` tile: rows ``rows [R]`` (bool) and, where a width ``N`` that is not a power of
-    two was padded to the power of two ``NP`` (head_dim 96: ``tl.arange`` takes powers of two only), the real columns
-    ``offs < N`` of ``offs [NP]``; with ``N == NP`` just ``rows[:, None]`` (the code of the unpadded kernels)."""
+    """Mask of a ``[R, NP]`` tile: rows ``rows [R]`` and, where width ``N`` was padded to ``NP``, the real columns."""
     if N == NP:
         return rows[:, None]
     else:

@@ -30,11 +30,9 @@ _STD_STEP = tl.constexpr(STD_STEP)
 
 _META_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
-# Tile for D <= 128 (D = 256 and 512 always take 16-row tiles, with 8 and 16 warps: no register spills; D = 512 on 8
-# spilled ~2 KB). ``BLOCK_T``: rows per program for bulk writes (prefill); each program reads and splits the fp32 R of
-# its head once (tf32x3), so taller tiles amortize that over more rows; 128-row tiles with 8 warps were the fastest
-# that compile without spills (docs/kernels.md). Short writes (decode-time demotion: one row per sequence) take the
-# smallest power of two >= T, at least 16, with 4 warps, so a one-row write does not run a 256-row tile.
+# Bulk writes (prefill) at D <= 128: each program reads and splits its head's fp32 R once, so taller tiles amortize it;
+# 128 rows on 8 warps were the fastest without spills. D = 256 / 512 take 16-row tiles; short writes (decode-time
+# demotion) the smallest power of two >= T, at least 16, on 4 warps.
 BLOCK_T = 128
 NUM_WARPS = 8  # for tiles of >= 128 rows
 NUM_WARPS_XWIDE = 16  # D = 512 (GPU time not measured yet)
@@ -42,8 +40,7 @@ R_TILE = 16384  # elements of one [BLOCK_K, D] block of R in registers (D = 256:
 
 
 def block_k(d: int) -> int:
-    """Input channels of R per step of the rotation's K loop: at most 64 and ``R_TILE / D`` (a power of two), and a
-    divisor of ``D`` (D = 96: 32), so that the loop needs no mask."""
+    """Input channels of R per step of the rotation's K loop: at most 64 and ``R_TILE / D``, dividing ``D`` (no mask)."""
     k = min(64, R_TILE // d, d)
     while d % k:
         k //= 2
