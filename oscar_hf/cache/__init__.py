@@ -1,13 +1,6 @@
 """The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers,
-device-resident on CUDA (:mod:`.compiled`: ``generate`` compiles the decode step), the eager reference elsewhere
-(:mod:`.dynamic`: its own growing-tail layout reads any attention mask exactly and equals a ``DynamicCache`` until its
-first demotion); :class:`StaticOscarCache` fixes the capacity ("static" means fixed capacity only, as Transformers'
-``StaticCache``; the compiled layer's old name ``StaticOscarLayer`` still imports, with a warning). Every layer and the
-serving store share one :class:`~oscar_hf.cache.params.LayerParams` per layer, the write kernels and the reads; the
-compiled layer and the serving store also share one storage model (:mod:`.window`).
-
-Data flow: an artifact -> :func:`oscar_hf.layer_choice.choose_layers` and the storage (:mod:`.storage`) -> a cache
-layer per decoder layer -> the registered attention function (:mod:`oscar_hf.attention`); :mod:`.io` saves / loads.
+device-resident on CUDA (:mod:`.compiled`), the eager reference elsewhere (:mod:`.dynamic`); :class:`StaticOscarCache`
+fixes the capacity. Layer kinds and storages: docs/cache.md.
 
     cache = OscarCache.from_pretrained("rotations_dir", model)   # or OscarCache(model, method="hadamard")
     model.generate(**inputs, cache=cache)   # Transformers without `cache=` (e.g. 5.17): past_key_values=cache
@@ -48,8 +41,7 @@ from .storage import compiled_storage, not_auto_compiled  # noqa: F401 (not_auto
 __all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "CompiledOscarLayer", "OscarHybridLayer",
            "CompiledOscarHybridLayer", "GrowingLayer", "resolve_retrieval_heads", "resolve_full_precision_heads"]
 resolve_full_precision_heads = resolve_retrieval_heads  # the name before "retrieval heads" was the one name
-# The compiled layers' names before: "static" there meant compiled (their capacity grows), not StaticOscarCache's fixed
-# capacity. Importing them still works, with a FutureWarning naming the new name.
+# The compiled layers' old names ("static" now names only fixed capacity); importing them warns
 RENAMED = {"StaticOscarLayer": "CompiledOscarLayer", "StaticOscarHybridLayer": "CompiledOscarHybridLayer"}
 
 
@@ -63,26 +55,19 @@ def __getattr__(name: str):
 
 
 class OscarCache(Cache):
-    """Drop-in KV cache for ``generate(cache=...)`` (``past_key_values=`` on Transformers versions without ``cache=``,
-    e.g. 5.17): 2-bit OSCAR history, full-precision sink + recent.
+    """Drop-in KV cache for ``generate(cache=...)``: 2-bit OSCAR history, full-precision sink + recent.
 
-    ``rotations``: an :class:`OscarRotations` or None for the artifact-free ``method`` ("identity" / "hadamard");
-    ``overrides`` are :class:`OscarConfig` fields. Without ``config`` and ``preset`` the settings the calibration chose
-    (the artifact's ``metadata["settings"]``) replace :class:`OscarConfig`'s defaults, the overrides on top.
-    ``model_or_config``: the model, or its config (the model is needed for tensor parallelism, whose KV-head slices
-    come from its weights). The cache routes the model's attention through OSCAR (:func:`~oscar_hf.enable_oscar`);
-    the user's implementation serves every layer OSCAR does not quantize. The layer kind per model layer
-    (:meth:`layer_kinds`: sliding, linear, MLA, KV sharing, ...) and ``compile`` ("auto": the device-resident
-    :class:`CompiledOscarLayer` on CUDA where every layer kind allows it, else a logged reason; True: anywhere; False:
-    the eager :class:`OscarLayer`): docs/usage.md, "The cache in generate" and "Supported models".
+    ``rotations``: an :class:`OscarRotations` or None for the artifact-free ``method``; ``overrides``:
+    :class:`OscarConfig` fields on top of ``config`` / ``preset`` / the artifact's chosen settings. ``model_or_config``:
+    the model (needed for tensor parallelism) or its config; its attention is routed through OSCAR. ``compile``:
+    "auto" (the device-resident :class:`CompiledOscarLayer` on CUDA where every layer kind allows it), True, or False
+    (the eager :class:`OscarLayer`). Layer kinds: docs/usage.md, "Supported models".
     """
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
                  preset: str | None = None, compile: bool | str = "auto", **overrides):
         if compile not in (True, False, "auto"):
             raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
-        # without config / preset: the settings calibration chose for this model (calibrate(choose_settings=True)),
-        # under the user's keywords; a group size nobody chose is fitted to the model's head_dim (for_head_dim)
         config, default_group = starting_config(config, preset, rotations, overrides)
         is_model = isinstance(model_or_config, torch.nn.Module)
         model_config = model_or_config.config if is_model else model_or_config
@@ -125,8 +110,7 @@ class OscarCache(Cache):
             step.last_layer = max(x.layer_idx for x in compiled)
             for x in compiled:
                 x.step = step
-        # a compiled full-precision layer's decode step returns all C slots of its buffers: every full-attention
-        # layer's mask is then its (C, 0) (an OSCAR layer reads none in a decode step)
+        # a compiled full-precision layer returns all C slots: every full-attention layer's mask is then its (C, 0)
         self._mask_layer = next((i for i, x in enumerate(layers) if isinstance(x, GrowingLayer)), None)
         self.oscar_config, self.rotations, self.fingerprint, self.layer_choice = config, rotations, fp, choice
         self._model_ref = weakref.ref(model_or_config) if is_model else None  # save's weights digest (io.py)
@@ -145,8 +129,7 @@ class OscarCache(Cache):
         """What each decoder layer got, in order (:func:`oscar_hf.cache.report.layer_kinds` lists the kinds)."""
         return report.layer_kinds(self)
 
-    # Layer factories: eager (OscarLayer) or device-resident (CompiledOscarLayer) storage.
-    # ``state``: a "hybrid" layer's linear-attention / SSM state goes with it (Transformers' LinearAttentionLayer).
+    # Layer factories, eager or compiled; ``state``: a "hybrid" layer's SSM state goes with it
     def _sliding_layer(self, window: int, state: bool = False):
         n = self._n_states
         if self.compiled:
@@ -187,9 +170,7 @@ class OscarCache(Cache):
             name_or_path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
         if (config is None and preset is None and "group_size" not in overrides
                 and artifact_settings(rot.metadata) is None):
-            # (an artifact with chosen settings has its group size there: the constructor applies them)
-            # the group size the clips were chosen for: top level (hand-written artifacts) wins over where
-            # calibrate() records it, metadata["calibration"]["group_size"]
+            # the group size the clips were chosen for: top level (hand-written artifacts) wins over calibrate()'s
             cal = rot.metadata.get("calibration")
             g = rot.metadata.get("group_size")
             if g is None and isinstance(cal, dict):
@@ -204,10 +185,8 @@ class OscarCache(Cache):
             return self.layers[self._mask_layer].get_mask_sizes(query_length)  # the full-attention layers' one mask
         return super().get_mask_sizes(query_length, layer_idx)
 
-    # ------------------------------------------------------------------ persistence
     def save(self, directory) -> None:
-        """Write the live cache (INT2 history, windows, positions, rotations) to ``directory``. Refused
-        (NotImplementedError, nothing written) for a cache holding a linear-attention / SSM / convolution state."""
+        """Write the live cache to ``directory``; NotImplementedError for a cache holding an SSM / conv state."""
         for i, layer in enumerate(self.layers):
             if isinstance(layer, LinearAttentionCacheLayerMixin):  # hybrid OSCAR layers too: their state would be lost
                 raise NotImplementedError(f"cannot save cache layer {i}: {type(layer).__name__} holds a linear-attention"
@@ -219,7 +198,7 @@ class OscarCache(Cache):
 
     @staticmethod
     def _saved_layer(layer):
-        """``layer`` in the form :mod:`.io` saves (the eager storage's), loaded back into either storage."""
+        """``layer`` in the eager form :mod:`.io` saves."""
         if isinstance(layer, GrowingLayer) or (DummyLayer is not None and isinstance(layer, DummyLayer)):
             out = DynamicLayer()  # a DummyLayer caches nothing: saved empty, and load leaves it as it is
             if isinstance(layer, GrowingLayer) and layer.is_initialized and layer.host_len:
@@ -238,14 +217,11 @@ class OscarCache(Cache):
 
     @classmethod
     def load(cls, directory, model, device=None, compile: bool | str = "auto") -> "OscarCache":
-        """Load a cache written by :meth:`save` to continue generation exactly where it stopped (into either storage,
-        whichever wrote it: ``compile`` as in the constructor)."""
+        """Load a cache written by :meth:`save` to continue exactly where it stopped (into either storage)."""
         return load_cache(cls, directory, model, device, compile=compile)
 
-    # ------------------------------------------------------------------ reporting
     def memory_report(self) -> dict[str, float]:
-        """Bytes by part, bits per element and the BF16 ``DynamicCache`` equivalent
-        (:func:`oscar_hf.cache.report.memory_report` says what each key counts)."""
+        """Bytes by part, bits per element and the BF16 equivalent (:func:`.report.memory_report`)."""
         return report.memory_report(self)
 
     def __repr__(self) -> str:
@@ -257,11 +233,8 @@ class OscarCache(Cache):
 
 
 class StaticOscarCache(OscarCache):
-    """:class:`OscarCache` with device-resident storage of a fixed capacity: ``max_cache_len`` slots (prompt + new
-    tokens, left padding included). ``OscarCache`` does the same on CUDA by itself, growing as needed; this class is
-    for a known bound, and for models with sliding-window or ``skip_layers`` layers (Transformers'
-    ``StaticSlidingWindowLayer`` / :class:`GrowingLayer` of that capacity). The batch size is taken from the first
-    forward and fixed."""
+    """:class:`OscarCache` with compiled storage of a fixed capacity of ``max_cache_len`` slots (left padding
+    included); the batch size is fixed by the first forward."""
 
     def __init__(self, model_or_config, rotations=None, config: OscarConfig | None = None, *, max_cache_len: int,
                  **overrides):
@@ -278,9 +251,8 @@ class StaticOscarCache(OscarCache):
 
     @classmethod
     def load(cls, directory, model, device=None, *, max_cache_len: int | None = None) -> "StaticOscarCache":
-        """Load a cache written by :meth:`save` (from either class) into a fixed capacity of ``max_cache_len`` slots:
-        by default the saved StaticOscarCache's own, or the saved length plus headroom; a ``max_cache_len`` smaller
-        than the saved length (left padding included) is a ValueError."""
+        """Load a cache written by :meth:`save` into ``max_cache_len`` slots (default: the saved capacity, or the
+        saved length plus headroom)."""
         return load_cache(cls, directory, model, device, compile=True, fixed_capacity=True, max_cache_len=max_cache_len)
 
     def __repr__(self) -> str:

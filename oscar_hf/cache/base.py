@@ -1,7 +1,6 @@
-"""What both quantized layers share: the base class (clip ratios, offsets), the first-keys check, and the mask helpers
-of their reads. Shapes: ``B`` rows, ``Hq`` query heads, ``Hk`` KV heads, ``g = Hq / Hk``, ``H2`` of the KV heads
-quantized in INT2 (the others retrieval heads), ``L`` new tokens, ``kv`` slots after this forward (``T + L``), ``D``
-head_dim.
+"""What both quantized layers share: the base class, the first-keys check, the mask helpers of their reads. Shapes:
+``B`` rows, ``Hq`` query heads, ``Hk`` KV heads, ``g = Hq / Hk``, ``H2`` INT2 KV heads, ``L`` new tokens, ``kv``
+slots after this forward (``T + L``), ``D`` head_dim.
 """
 from __future__ import annotations
 
@@ -30,10 +29,9 @@ def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.
 
 
 class QuantizedLayerBase(CacheLayerMixin):
-    """What both quantized layers share: the layer's :class:`~oscar_hf.cache.params.LayerParams` (``self.params``,
-    built at the first forward on the cache's device from the rotation, which :mod:`oscar_hf.distributed` may first
-    replace by the rank's slice), the retrieval heads ``self.retrieval_heads``, the update checks and the offsets. Each
-    subclass implements ``attend`` (its read, called through the handle ``update`` returns)."""
+    """What both quantized layers share: ``self.params`` (:class:`~oscar_hf.cache.params.LayerParams`, built at the
+    first forward on the cache's device), the retrieval heads, the update checks and the offsets. Each subclass
+    implements ``attend``, its read."""
 
     is_sliding = False
 
@@ -75,15 +73,13 @@ class QuantizedLayerBase(CacheLayerMixin):
                 f"cache holds {self.dtype} on {self.device}")
 
     def offsets(self):
-        """``(mu_K, mu_V)`` on the cache's device, each None when centering is off or absent. mu_K is ``[H2, D]``
-        (calibrated) or ``[B, H2, D]`` (``key_offset="prefill"``, once the first history row was written)."""
+        """``(mu_K, mu_V)`` or None each; mu_K ``[H2, D]``, or ``[B, H2, D]`` with ``key_offset="prefill"``."""
         p = self.params
         return (self.mu_k_seq if self.mu_k_seq is not None else p.mu_k), p.mu_v
 
     def sequence_key_mean(self, keys: torch.Tensor) -> torch.Tensor:
-        """``[B, H2, D]`` float32: per row, the mean of its non-sink keys ``keys [B, Hk, b, D]`` (slots ``[0, b)``, the
-        first demotion's: ``key_offset="prefill"``) from slot ``pad + S0`` on; a row without one (all padding) takes
-        the calibrated mu_K, or zero."""
+        """``[B, H2, D]`` float32: per row, the mean of ``keys [B, Hk, b, D]`` from slot ``pad + S0`` on
+        (``key_offset="prefill"``); a row without one takes the calibrated mu_K, or zero."""
         k = self.params.int2_part(keys)
         slot = torch.arange(k.shape[2], device=k.device)
         w = (slot[None, :] >= (self.pad + self.config.sink)[:, None]).float()  # [B, b]
@@ -106,9 +102,8 @@ class QuantizedLayerBase(CacheLayerMixin):
                         allocated=0, tokens=0)
 
     def memory_from_counts(self, n_sink: int, n_rec: int, n_hist: int, n_coded: int, buffers) -> dict[str, int]:
-        """:meth:`memory`'s bytes from the token counts summed over rows (sink, recent and history slots, and the
-        slots the retrieval heads keep coded: every real slot in the eager layer, the history's in the compiled one)
-        and the layer's buffers (``allocated``). The same accounting whatever the storage's layout."""
+        """:meth:`memory`'s bytes from token counts summed over rows (``n_coded``: the retrieval heads' coded slots)
+        and the layer's buffers (``allocated``), whatever the storage's layout."""
         hk, hq, d, g = self.num_kv_heads, len(self.params.int2_heads), self.head_dim, self.config.group_size
         el, meta_el = self.dtype.itemsize, self.config.torch_meta_dtype.itemsize
         return dict(
@@ -121,7 +116,6 @@ class QuantizedLayerBase(CacheLayerMixin):
             allocated=sum(x.numel() * x.element_size() for x in buffers), tokens=n_sink + n_rec + n_hist)
 
 
-# ---------------------------------------------------------------------------------------------- read helpers
 def allowed_slots(mask: torch.Tensor | None, b: int, l: int, kv: int, t_old: int) -> torch.Tensor | None:
     """Normalize any Transformers mask to bool ``[B, L, kv]`` (True = may attend) or None (all, causal)."""
     if mask is None:
@@ -160,9 +154,8 @@ def mask_rows(m: torch.Tensor, g: int) -> torch.Tensor:
 
 
 def logit_terms(kwargs: dict, hk: int, l: int) -> tuple[float | None, torch.Tensor | None]:
-    """What the model's attention call adds to plain softmax attention, from its kwargs: ``softcap`` (Gemma 2's
-    logit soft-capping, None without) and the attention sinks ``s_aux [Hq]`` (gpt-oss: one logit per query head of a
-    key whose value is 0) as ``[Hk, g*L]``, one per row of :func:`group_queries`'s layout (None without)."""
+    """``(softcap, sinks)`` from the attention call's kwargs, each None without: the sinks ``s_aux [Hq]`` (one logit
+    per query head of a zero-valued key) as ``[Hk, g*L]``, in :func:`group_queries`'s row order."""
     s_aux = kwargs.get("s_aux")
     if s_aux is None:
         return kwargs.get("softcap") or None, None

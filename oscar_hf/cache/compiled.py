@@ -1,21 +1,12 @@
-"""`CompiledOscarLayer`: one quantized layer whose storage lives on the device in fixed-address buffers, so that
-``generate`` compiles the decode step (``torch.compile`` + CUDA graphs); the eager layer's semantics, the serving
-store's layout (:mod:`oscar_hf.cache.window`). The decode step and the storage's growth: docs/cache.md.
+"""`CompiledOscarLayer`: a quantized layer in fixed-address device buffers, so that ``generate`` compiles the decode
+step; the eager layer's semantics, the serving store's layout (:mod:`.window`; docs/cache.md). ``H2`` INT2 heads, ``P``
+retrieval heads, ``S0`` sink, ``W`` recent, slot = absolute position:
 
-``B`` rows, ``Hk`` KV heads (``H2`` quantized in INT2, ``P`` retrieval heads coded), ``S0`` sink, ``W`` recent,
-slot = absolute position:
-
-* ``win [2, B, Hk, S0 + R, D]`` (keys, values; model dtype; views ``win_k`` / ``win_v``): ``[:S0]`` row ``b``'s first
-  ``S0`` real tokens (slot ``pad[b] + j`` at entry ``j``), ``[S0:]`` a ring of ``R = W + 1 + RING_RESERVE`` entries,
-  slot ``s`` at ``S0 + s % R``. A decode step reads ``W`` recent tokens and itself from it; the ``RING_RESERVE`` older
-  entries, already in the history, let ``crop(-n)`` undo up to that many tokens exactly;
-* the history, slot ``s >= S0`` at index ``s - S0`` of ``N`` rows, row ``b`` reading ``pad[b] <= j < T - W - S0``:
-  ``codes [2, B, H2, N, D/4]``, ``meta [2, 2, B, H2, N, D/G]`` (keys, values; scale, zero), viewed as ``hist_k`` /
-  ``hist_v`` (:class:`~oscar_hf.quant.QuantizedRows` ``[B, H2, N, ...]``); the retrieval heads' ``coded_x [2, B, P, N,
-  *]`` and ``coded_meta [2, 2, B, P, N, 1]`` (:mod:`oscar_hf.cache.heads`), viewed as ``coded_k`` / ``coded_v``
-  (None without retrieval heads);
-* ``length``: ``T`` as a 0-d int64 device tensor shared by the layers of a device (:class:`StepShared`); ``host_len``
-  the same count on the host; ``N`` grows in capacity buckets (:func:`capacity_for`).
+* ``win [2, B, Hk, S0 + R, D]`` (K, V): ``[:S0]`` row ``b``'s first real tokens, ``[S0:]`` a ring of
+  ``R = W + 1 + RING_RESERVE`` entries, slot ``s`` at ``S0 + s % R`` (the reserve lets ``crop(-n)`` be exact);
+* the history, slot ``s`` at index ``s - S0`` of ``N``: ``codes [2, B, H2, N, D/4]``, ``meta [2, 2, B, H2, N, D/G]``
+  (K, V; scale, zero); the retrieval heads' ``coded_x [2, B, P, N, *]``, ``coded_meta [2, 2, B, P, N, 1]``;
+* ``length``: ``T``, 0-d int64 on the device (:class:`StepShared`); ``host_len`` the same on the host.
 """
 from __future__ import annotations
 
@@ -40,15 +31,13 @@ RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_
 BUCKET = 1024  # capacity granularity (slots)
 HEADROOM = 1 / 8  # a fresh allocation leaves room for this fraction of its length (at least BUCKET slots) ...
 GROWTH = 1.5  # ... and a full one grows by this factor: few buckets (CUDA graphs) over a long generation
-RESERVE_FACTOR = 4  # generate's own length (prompt + max_new_tokens) is allocated up front, up to this many times
-# what ``need`` alone would get: a chat turn's answer then fits without a growth (each growth re-records a CUDA graph,
-# the first one recompiles the step), while a far-off max_length (a model default) does not reserve it all
+RESERVE_FACTOR = 4  # generate's own length is allocated up front, up to this many times what ``need`` gets: an
+# answer then fits without a growth (each re-records a CUDA graph), while a far-off max_length is not all reserved
 
 
 def capacity_for(need: int, current: int = 0, expected: int = 0) -> int:
-    """Slots to allocate for ``need`` tokens: ``need`` plus headroom, or ``GROWTH`` x the current capacity when
-    growing, raised to ``expected`` (the length ``generate`` will reach; at most ``RESERVE_FACTOR`` x that), rounded
-    up to ``BUCKET``."""
+    """Slots to allocate for ``need`` tokens (``current``: the capacity when growing; ``expected``: the length
+    ``generate`` will reach), rounded up to ``BUCKET``."""
     want = max(need + max(int(need * HEADROOM), BUCKET), int(current * GROWTH))
     if expected > want:
         want = min(expected, RESERVE_FACTOR * want)
@@ -60,13 +49,10 @@ class CompiledOscarKV(OscarKV):
 
 
 class StepShared:
-    """What every compiled OSCAR layer of one decode forward reads alike, computed once by the first of them: the
-    length ``t`` (0-d), left padding ``pad [B]``, the window mask ``[B, 1, 1, S0 + R]`` and the history length (0-d)
-    (per layer these were ~25 of the step graph's ~35 extra nodes, traced and lowered 36 times at the first call). The
-    layers of one device also share one length tensor (:meth:`join`), so the step graph takes one length and one
-    ``pad`` input, not one per layer; the device's last layer advances it once a step. A layer recomputes when it is
-    not after the one that computed or is on another device (a new forward); the last layer clears it, so every trace
-    starts from the same state and dynamo's guards hold from step to step. A lone layer keeps its own."""
+    """What every compiled layer of one decode forward reads alike, computed once by the first of them (fewer nodes
+    in the step graph): the length ``t`` (0-d, one per device: :meth:`join`), left padding ``pad [B]``, the window
+    mask ``[B, 1, 1, S0 + R]``, the history length (0-d). The last layer clears it, so that every trace starts from
+    the same state and dynamo's guards hold."""
 
     def __init__(self):
         self.last_layer = None  # index of the last layer that shares it (None: every layer clears it)
@@ -78,8 +64,7 @@ class StepShared:
         self.layer_idx, self.key, self.t, self.pad, self.win_mask, self.hist_len = -1, None, None, None, None, None
 
     def join(self, layer: "CompiledOscarLayer") -> torch.Tensor:
-        """The length tensor of ``layer``'s device (0-d int64, shared by the layers there); the highest-index layer of
-        the device is the one that advances it (``advances_length``)."""
+        """The length tensor of ``layer``'s device; its highest-index layer advances it."""
         length, last = self.lengths.get(layer.device, (None, None))
         if length is None:
             length = _fixed_address(torch.zeros((), dtype=torch.long, device=layer.device))
@@ -93,8 +78,7 @@ class StepShared:
 
 
 class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
-    """One quantized decoder layer with device-resident storage (see the module docstring). ``max_cache_len``
-    fixes the capacity (:class:`~oscar_hf.StaticOscarCache`); None lets it grow in buckets."""
+    """One quantized layer with device-resident storage. ``max_cache_len`` fixes the capacity; None grows it."""
 
     is_compileable = True
     is_croppable = True
@@ -119,16 +103,14 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         self.pad_known = False  # Python flag: set at the first (eager) forward
         self.step = StepShared()  # replaced by the cache's one, shared by its layers
 
-    # ------------------------------------------------------------------ storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         params = self.build_params(key_states)
         b, hk, _, d = key_states.shape
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_kv_heads, self.head_dim = b, hk, d
         dev = self.device
-        # Each tensor this layer's own (~1 MB per layer): a step whose inputs alias (e.g. the built-in Hadamard
-        # rotation shared by K and V and by every layer) loses its fixed-address marks under CUDA graphs (torch 2.11),
-        # which then skip the whole step. Fixed addresses: graph inputs that never move, no copy per CUDA-graph replay.
+        # Each tensor this layer's own: a step whose inputs alias (a Hadamard rotation shared by layers) loses its
+        # fixed-address marks under CUDA graphs, which then skip the whole step
         self.params = params.with_tensors(lambda t: _fixed_address(t.clone()))
         kw = dict(dtype=self.dtype, device=dev)
         s0 = self.config.sink
@@ -145,8 +127,7 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2]), 0, self.expected_len))
         self.is_initialized = True
 
-    # One tensor per kind of storage, keys and values stacked (each tensor is one input of the compiled step: a view
-    # of it taken inside the step costs nothing per call). Views for the code that reads and writes them:
+    # One tensor per kind of storage, keys and values stacked (one input of the compiled step each); views:
     @property
     def win_k(self) -> torch.Tensor:
         return self.win[0]  # [B, Hk, S0 + R, D]
@@ -165,8 +146,7 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
 
     @property
     def coded_k(self) -> tuple[torch.Tensor, ...] | None:
-        """The retrieval heads' key store (:mod:`.heads`' parts ``[B, P, N, *]``: views of ``coded_x`` and
-        ``coded_meta``), None without retrieval heads."""
+        """The retrieval heads' key parts ``[B, P, N, *]``, or None."""
         return self._coded(0)
 
     @property
@@ -182,8 +162,7 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         return max(capacity - self.config.sink - self.config.recent, 1)
 
     def _allocate(self, capacity: int) -> None:
-        """(Re)allocate the capacity-sized buffers (the history: INT2 rows and retrieval heads' coded rows), keeping
-        their content."""
+        """(Re)allocate the history buffers at ``capacity``, keeping their content."""
         b, d, dev = self.batch_size, self.head_dim, self.device
         g, meta = self.config.group_size, self.config.torch_meta_dtype
         hq, p, n = len(self.params.int2_heads), len(self.retrieval_heads), self._hist_rows(capacity)
@@ -198,8 +177,7 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         # codes [2 (K, V), B, H2, N, D/4]; meta [2 (K, V), 2 (scale, zero), B, H2, N, D/G]
         self.codes = grow(self.codes, 2, b, hq, n, d // 4, dtype=torch.uint8, dim=3)
         self.meta = grow(self.meta, 2, 2, b, hq, n, d // g, dtype=meta, dim=4)
-        if p:  # the retrieval heads' stores, keys and values stacked as the INT2 history's: coded_x [2, B, P, N, X]
-            # (codes, or the rows at 16 bits), coded_meta [2, 2 (scale, zero), B, P, N, 1] (None at 16 bits)
+        if p:  # coded_x [2, B, P, N, X] (codes, or the rows at 16 bits), coded_meta [2, 2, B, P, N, 1] (not at 16)
             (last, dt), *meta_spec = heads.part_specs(self.config.retrieval_bits, d, self.dtype)
             self.coded_x = grow(self.coded_x, 2, b, p, n, last, dtype=dt, dim=3)
             if meta_spec:
@@ -208,9 +186,7 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         self._bind_step_storage()
 
     def _bind_step_storage(self) -> None:
-        """The decode op's arguments that change only with the buffers (:class:`~oscar_hf.kernels.static_op.StepStorage`
-        and ``StepHeads``: tuples read by the traced step); rebuilt whenever a buffer is replaced. The config's part
-        (``StepConfig``) goes on the :class:`StepShared` that the layers share."""
+        """The decode op's arguments that change only with the buffers, rebuilt whenever one is replaced."""
         cfg, prm = self.config, self.params
         self.step_storage = step_storage(self.win, self.codes, self.meta, prm.r, prm.clip_k, prm.clip_v)
         self.step_heads = NO_HEADS
@@ -225,8 +201,7 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         if need > self.capacity and self.is_initialized:
             if self.fixed_capacity:
                 raise ValueError(f"StaticOscarCache is full (max_cache_len={self.fixed_capacity}, {need} tokens)")
-            # a decode step outgrowing its bucket grows it by GROWTH (few CUDA graphs over a long generation); a
-            # multi-token forward (prefill chunk) to its own need plus headroom (no x1.5 overshoot per chunk)
+            # a decode step grows by GROWTH; a prefill chunk to its own need (no x1.5 overshoot per chunk)
             self._allocate(capacity_for(need, self.capacity if n == 1 else 0, self.expected_len))
         self.host_len = need
 
@@ -248,9 +223,8 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         return self.host_len
 
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
-        # A decode step reads no mask (left padding was taken at the first forward): a one-slot mask keeps the
-        # compiled step's inputs of fixed shape. Multi-token forwards (eager) get the dynamic layer's full mask.
-        # A fixed capacity keeps StaticCache's full-size mask (a skipped StaticLayer may read it).
+        # A decode step reads no mask: one slot keeps the step's inputs of fixed shape. A fixed capacity keeps
+        # StaticCache's full-size mask (a skipped layer may read it)
         if self.fixed_capacity:
             return self.fixed_capacity, 0
         if query_length == 1:
@@ -275,11 +249,9 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         self.host_len = 0
         self.announced = False
 
-    # ------------------------------------------------------------------ read
     def attend(self, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
-        """Attention for one forward through this layer, ``query [B, Hq, L, D]`` -> ``[B, L, Hq, D]``. One-token
-        steps write first, then read the stored state with tensor ops only (what ``torch.compile`` / CUDA graphs
-        capture); multi-token forwards (prefill, eager) read the old state + the new rows, then write."""
+        """``query [B, Hq, L, D]`` -> ``[B, L, Hq, D]``. A decode step writes, then reads, device ops only;
+        multi-token forwards (eager) read the old state + the new rows, then write."""
         new_k, new_v = handle.key_states, handle.value_states
         b, hq, l, d = query.shape
         t_old = None
@@ -290,10 +262,8 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
             self.pad_known = True
         if l > 1:
             return self._multi_token(query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs)
-        # A decode step. The query's rotation is torch ops here (Inductor fuses them with the projection's epilogue:
-        # faster end to end than a launch inside the op, docs/kernels.md); the write and the attention are one opaque
-        # op (:func:`~oscar_hf.kernels.static_op.decode_step`). t: slot of the new token (the window then holds slots
-        # [T - W, T]); pad, win_mask, hist_len: StepShared. softcap, sinks [Hk, g]: logit_terms.
+        # A decode step: the query's rotation in torch ops (Inductor fuses them with the projection), the write and
+        # the attention one opaque op (static_op.decode_step). t: the new token's slot
         softcap, sinks = logit_terms(kwargs, self.num_kv_heads, 1)
         t, pad, win_mask, hist_len = self._step_state()
         mu_k, mu_v = self.offsets()
@@ -311,8 +281,7 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         args = (q, q_rot, qk_off, new_k, new_v, t, pad, win_mask, hist_len, mu_k, mu_v, float(scaling), query.dtype,
                 sinks, float(softcap or 0.0), *self.step_storage, *(self.step_heads if self.retrieval_heads else NO_HEADS),
                 *self.step.config)
-        # through the opaque op while torch.compile traces, straight in eager code; under mode="reduce-overhead" the
-        # mutated tensors have fixed addresses (_fixed_address) so that the step is recorded as a CUDA graph
+        # the opaque op while torch.compile traces, the function in eager code
         out = decode_step_(*args) if _compiling() else decode_step(*args)
         if self.advances_length:  # the last layer of its device: once for all of them
             t.add_(1)
@@ -321,10 +290,7 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
 
     def _step_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(t 0-d, pad [B], win_mask [B, 1, 1, S0 + R], hist_len 0-d)`` of a decode step (:class:`StepShared`, from
-        the first layer of the forward on this device): the new token's slot, the rows' left padding, the window's
-        sink, ``W`` recent tokens and the new one; history slots ``[S0, T - W)`` once this step's write demoted slot
-        ``T - 1 - W``."""
+        """``(t 0-d, pad [B], win_mask [B, 1, 1, S0 + R], hist_len 0-d)`` of a decode step (:class:`StepShared`)."""
         step, key = self.step, (self.config.sink, self.ring, self.config.recent, self.batch_size, self.device)
         if step.key != key or self.layer_idx <= step.layer_idx:
             step.t, step.pad = self.length, self.pad
@@ -333,7 +299,6 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         step.layer_idx = self.layer_idx
         return step.t, step.pad, step.win_mask, step.hist_len
 
-    # ------------------------------------------------------------------ positions of the window
     def n_hist(self, length: torch.Tensor) -> torch.Tensor:
         s0, w = self.config.sink, self.config.recent
         return (length - w - s0).clamp(min=0)

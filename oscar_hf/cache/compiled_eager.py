@@ -1,8 +1,5 @@
-"""The compiled layer's eager side (:class:`CompiledEager`, a base of
-:class:`~oscar_hf.cache.compiled.CompiledOscarLayer`): its multi-token forwards (prefill, next turn, assisted
-decoding's verification) and their bulk writes, ``generate``'s cache operations (crop, beam reorder, batch select),
-save / load in the eager layer's format, and its memory. Never compiled (the compiled step wrapper runs multi-token
-forwards through the plain model). Layout: :mod:`oscar_hf.cache.compiled`."""
+"""The compiled layer's eager side (never compiled): multi-token forwards and their bulk writes, ``generate``'s cache
+operations, save / load in the eager layer's format, memory. Layout: :mod:`oscar_hf.cache.compiled`."""
 from __future__ import annotations
 
 import torch
@@ -23,9 +20,7 @@ def _compiling() -> bool:
 
 def _fixed_address(t: torch.Tensor) -> torch.Tensor:
     """Tag a buffer as having a fixed address (CUDA graphs re-use it instead of copying it). Capacity dimensions are
-    not marked dynamic: the first compile of the step sees fixed sizes (symbolic sizes made it ~1.4x slower to trace
-    and compile); a capacity growth then recompiles once, and torch's automatic dynamic shapes make the capacity
-    symbolic in that second graph, so that later buckets only re-record the CUDA graph."""
+    not marked dynamic (slower to compile): the first growth recompiles once with them symbolic."""
     if not _compiling():
         torch._dynamo.mark_static_address(t)
     return t
@@ -45,9 +40,7 @@ class CompiledEager:
             out, _ = base_attention_function(module, base)(module, query, new_k, new_v, mask, scaling=scaling, **kwargs)
             self.commit_bulk(new_k, new_v, t_old)
             return out
-        # A multi-token forward on a non-empty cache (next turn, chunked prefill, assisted decoding's verification):
-        # the history up to T - W (the last decode step's pending demotion done first), the stored window's slots
-        # [T - W, T) and the sink, and the new rows.
+        # On a non-empty cache: the history up to T - W (the pending demotion first), the window and the new rows
         self._demote_pending(t_old)
         allowed = allowed_slots(attention_mask, b, l, kv, t_old)
         if allowed is None:  # causal among the new rows
@@ -81,19 +74,16 @@ class CompiledEager:
         self.commit_bulk(new_k, new_v, t_old)
         return out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
 
-    # ------------------------------------------------------------------ write path (eager, multi-token)
     def _history(self) -> RowsHistory:
-        """Where this layer's history entries live (:mod:`.window`'s writes): index ``slot - S0`` of every row."""
+        """Where this layer's history entries live: index ``slot - S0`` of every row."""
         return RowsHistory(self.hist_k, self.hist_v, self.coded_k, self.coded_v)
 
     def _demote_pending(self, t: int) -> None:
-        """Slot ``t - 1 - W``, which the last decode step left in the window, into the history
-        (:func:`~oscar_hf.cache.window.demote_pending`)."""
+        """Slot ``t - 1 - W``, which the last decode step left in the window, into the history."""
         demote_pending(self.win_k, self.win_v, self._history(), self.params, self.config, t, self.mu_k_seq)
 
     def commit_bulk(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
-        """Prefill / multi-token forward (eager): slots ``[T, T + L)`` (:func:`~oscar_hf.cache.window.commit`), the
-        history centered on the sequence's key mean (``key_offset="prefill"``) when this write demotes its first."""
+        """Write slots ``[T, T + L)``; with ``key_offset="prefill"`` the first demotion fixes the key mean."""
         s0, w = self.config.sink, self.config.recent
         t_new = t_old + new_k.shape[2]
         b = t_new - w
@@ -103,11 +93,9 @@ class CompiledEager:
                self.mu_k_seq)
         self.length.fill_(t_new)
 
-    # ------------------------------------------------------------------ generate() contract
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens: exact for up to ``RING_RESERVE`` tokens (their window
-        predecessors are still in the ring); beyond it the window slots that left the ring are refilled from the
-        history (INT2 rows dequantized, retrieval heads decoded), as if they had stayed in it."""
+        """Remove the last ``-tokens_to_remove`` tokens: exact up to ``RING_RESERVE``; beyond it the window slots
+        that left the ring are refilled from the history."""
         if tokens_to_remove > 0:
             raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
         n = -tokens_to_remove
@@ -124,8 +112,7 @@ class CompiledEager:
             self.mu_k_seq = None
 
     def _refill_ring(self, a: int, b: int) -> None:
-        """Window slots ``[a, b)`` (history slots ``>= S0``) back into their ring entries from the history: the INT2
-        heads dequantized, rotated back and offset, the retrieval heads decoded from their coded rows."""
+        """Window slots ``[a, b)`` (``>= S0``) back into their ring entries, dequantized from the history."""
         s0, g = self.config.sink, self.config.group_size
         idx = ring_entries(torch.arange(a, b, device=self.device), s0, self.ring)
         for win, hist, coded, r, mu in ((self.win_k, self.hist_k, self.coded_k, self.params.r_k, self.offsets()[0]),
@@ -142,8 +129,7 @@ class CompiledEager:
             win.index_copy_(2, idx, x.to(self.dtype))
 
     def _batch_apply(self, fn, in_place: bool) -> None:
-        """Apply ``fn`` (a batch-dim op) to every per-row buffer: in place (same batch size: beam reorder, keeps the
-        CUDA graphs' addresses) or by reallocation (new batch size)."""
+        """Apply ``fn`` (a batch-dim op) to every per-row buffer, in place (keeps CUDA graphs' addresses) or not."""
         if not self.is_initialized:
             return
 
@@ -176,10 +162,8 @@ class CompiledEager:
         self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices],
                           in_place=False)
 
-    # ------------------------------------------------------------------ persistence (the eager layer's format)
     def _window_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """``[2, B, Hk, n, D]`` (keys, values): the rows of ``slots [n]`` (``< T``) from the window: the ring while it
-        holds them, else row ``b``'s sink; zeros for what neither holds (padding below a row's sink)."""
+        """``[2, B, Hk, n, D]`` (K, V): the rows of ``slots [n]`` from the ring or the sink; zeros where neither."""
         s0, t = self.config.sink, self.host_len
         in_ring = slots >= t - self.ring
         j = slots[None, :] - self.pad[:, None]  # [B, n] sink index of each slot
@@ -202,9 +186,7 @@ class CompiledEager:
                      tail_k=tail[0], tail_v=tail[1], hist_k=QuantizedRows(*(x[:, :, :n] for x in self.hist_k)),
                      hist_v=QuantizedRows(*(x[:, :, :n] for x in self.hist_v)), mu_k_seq=self.mu_k_seq)
         if self.retrieval_heads:
-            # the eager layer keeps every slot [0, t) of the retrieval heads coded: slots [S0, ts) are the coded
-            # history as stored, the others are coded from the window (the same codes: each token and head is coded
-            # alone); slots [0, S0) below a history are never read, coded from the window as far as it holds them
+            # the eager layer keeps every slot [0, t) coded: [S0, ts) as stored, the others coded from the window
             front = self._window_rows(torch.arange(min(s0, ts), device=dev))  # [2, B, Hk, min(S0, ts), D]
             for i, (kind, coded) in enumerate((("k", self.coded_k), ("v", self.coded_v))):
                 parts = zip(self.params.encode_coded(front[i]), (x[:, :, :n] for x in coded),
@@ -241,10 +223,8 @@ class CompiledEager:
             self._refill_ring(ts - 1, ts)
         self.length.fill_(t)
 
-    # ------------------------------------------------------------------ accounting
     def memory(self) -> dict[str, int]:
-        """Bytes used by the cached tokens (logical, as ``OscarLayer.memory``, but for the retrieval heads, whose
-        coded rows are history entries only: their sink and recent tokens are the window's) and allocated."""
+        """Bytes of the cached tokens (the retrieval heads' coded rows: history entries only) and allocated."""
         if not self.is_initialized:
             return dict(self.EMPTY_MEMORY)
         s0 = self.config.sink

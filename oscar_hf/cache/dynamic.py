@@ -1,21 +1,13 @@
-"""`OscarLayer`: one quantized layer of :class:`~oscar_hf.OscarCache`: BF16 sink + BF16 recent window + packed INT2
-rotated history, and its read (the life of a forward and the read's three partials: docs/cache.md).
+"""`OscarLayer`: the eager quantized layer: sink + recent window in the model dtype + packed INT2 rotated history,
+and its read (docs/cache.md). Slots are absolute positions ``0 <= s < T``, row ``b``'s first real one ``pad[b]``:
 
-Storage for ``B`` rows, ``Hk`` KV heads; slots are absolute positions in the (left-padded) batch, ``0 <= s < T``, row
-``b``'s first real token at slot ``pad[b]`` (from the attention mask at the first forward):
+* **tail** ``tail_k/v [B, Hk, cap, D]``: slots ``[tail_start, T)`` at index ``s - buf_slot0``;
+  ``[buf_slot0, tail_start)`` is a rollback reserve for ``crop``;
+* **sink** ``sink_k/v [B, Hk, S0, D]``: row ``b``'s first ``S0`` real tokens;
+* **history** (``QuantizedRows`` ``[B, H2, cap_h, ...]``): slot ``S0 + j`` at index ``j``, row ``b`` reading
+  ``pad[b] <= j < tail_start - S0``; the ``P`` retrieval heads keep every slot in ``fp_k/v [B, P, cap, *]`` instead.
 
-* **tail** ``tail_k/v [B, Hk, cap, D]`` (model dtype): slots ``[tail_start, T)``, the last ``recent`` tokens (and,
-  while nothing is quantized yet, everything); slot ``s`` at index ``s - buf_slot0``; ``[buf_slot0, tail_start)`` is
-  a rollback reserve for ``crop``;
-* **sink** ``sink_k/v [B, Hk, S0, D]``: row ``b``'s first ``S0`` real tokens, slots ``pad[b] + j``;
-* **history** (``QuantizedRows`` of ``[B, H2, cap_h, ...]``, rotated / centered / clipped INT2): slot ``S0 + j`` at
-  index ``j``; row ``b`` reads ``pad[b] <= j < tail_start - S0``. ``H2 = Hk`` unless the layer has ``P`` retrieval
-  heads (``OscarConfig.retrieval_heads``), which keep every slot ``[0, T)`` in ``fp_k/v [B, P, cap, *]`` instead (model
-  dtype, or INT8 / INT4 codes with a scale and zero per token and head: :mod:`oscar_hf.cache.heads`).
-
-Invariant: every slot of row ``b`` is in exactly one part: pad ``[0, pad_b)``, sink ``[pad_b, min(tail_start, pad_b +
-S0))``, history ``[pad_b + S0, tail_start)``, recent ``[tail_start, T)``; per-row counts derive from ``tail_start``
-and ``pad`` (no per-row counters to keep in sync). The mask is honoured by indexing it at each part's slots.
+Every slot of a row is in exactly one part (pad, sink, history, recent), derived from ``tail_start`` and ``pad``.
 """
 from __future__ import annotations
 
@@ -38,17 +30,14 @@ from .dynamic_write import CROP_RESERVE, TAIL_SLACK, DynamicWrites, grown  # (io
 
 logger = logging.getLogger("oscar_hf")
 
-# one forward's answer of _left_padding_only, shared by its layers: (mask, t_old, answer); the mask held so that its id
-# cannot be reused while the entry lives
+# one forward's answer of _left_padding_only for its layers: (mask, t_old, answer); the mask held so its id stays unique
 _LEFT_PAD_MEMO: list = [None]
 
 
 def _left_padding_only(attention_mask, allowed: torch.Tensor, t_old: int) -> bool:
-    """Whether a decode step's mask (``allowed [B, 1, kv]``) only hides a left-padding prefix of each row (every row
-    False...False True...True). Then the history's key mask says no more than a per-row start (its first allowed
-    slot), which the decode op takes without a mask -- and so can run on the Gluon history kernel, which has none.
-    One host sync per forward: the answer is kept for the other layers given the same mask (a layer with another
-    mask, e.g. a sliding window, gets its own); none while compiling or capturing a CUDA graph (the mask is kept)."""
+    """Whether a decode step's mask (``allowed [B, 1, kv]``) only hides a left-padding prefix of each row: then a
+    per-row start replaces the history's key mask (the Gluon history kernel has none). One host sync per forward,
+    none while compiling or capturing a CUDA graph."""
     if torch.compiler.is_compiling() or (allowed.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
     memo = _LEFT_PAD_MEMO[0]
@@ -61,7 +50,7 @@ def _left_padding_only(attention_mask, allowed: torch.Tensor, t_old: int) -> boo
 
 
 class OscarLayer(DynamicWrites, QuantizedLayerBase):
-    """One quantized decoder layer's cache (see the module docstring for the layout)."""
+    """One quantized decoder layer's eager cache (layout: the module docstring)."""
 
     is_compileable = False
     is_croppable = True
@@ -70,7 +59,6 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         super().__init__(config, rotation, layer_idx, retrieval_heads)
         self._clear()
 
-    # ------------------------------------------------------------------ state
     def _clear(self):
         self.is_initialized = False
         self.keys = self.values = None  # CacheLayerMixin attributes; unused (no full-precision copy)
@@ -110,8 +98,7 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         self.is_initialized = True
 
     def write_retrieval_heads(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
-        """Slots ``[t_old, t_old + L)`` of the retrieval heads (amortized growth). The attention function
-        calls it before reading them; ``commit`` then does not write again."""
+        """Slots ``[t_old, t_old + L)`` of the retrieval heads, once per forward (before they are read)."""
         if not self.retrieval_heads or self._fp_written:
             return
         t_new = t_old + new_k.shape[2]
@@ -127,8 +114,7 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
                      for store in (self.fp_k, self.fp_v))
 
     def _store_retrieval_rows(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
-        """Slots ``[t_old, t_old + L)`` of the retrieval heads from ``new_k/v [B, Hk, L, D]`` (the storage
-        already holds them)."""
+        """Slots ``[t_old, t_old + L)`` of the retrieval heads from ``new_k/v [B, Hk, L, D]`` (room made already)."""
         l = new_k.shape[2]
         for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
             for dst, src in zip(store, heads.encode(new.index_select(1, self.params.coded_idx),
@@ -140,7 +126,6 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
                              torch.zeros(b, hk, cap, d // g, dtype=meta, device=self.device),
                              torch.zeros(b, hk, cap, d // g, dtype=meta, device=self.device))
 
-    # ------------------------------------------------------------------ Cache layer API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -170,10 +155,8 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
     def reset(self) -> None:
         self._clear()
 
-    # ------------------------------------------------------------------ read
     def attend(self, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
-        """Attention for one forward through this layer (see the module docstring); commits the new rows.
-        ``query [B, Hq, L, D]`` -> ``[B, L, Hq, D]``."""
+        """``query [B, Hq, L, D]`` -> ``[B, L, Hq, D]`` over the cache and the new rows, then commits them."""
         new_k, new_v = handle.key_states, handle.value_states
         b, hq, l, d = query.shape
         hk = new_k.shape[1]
@@ -194,8 +177,7 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         softcap, sinks = logit_terms(kwargs, hk, l)  # sinks [Hk, M] or None
         s0 = self.config.sink
         dev = query.device
-        # 1. full-precision window: sink (row b's slots pad[b] + j) + recent tail + the new rows.
-        #    Its size is bounded (S0 + W + L), independent of the context length.
+        # 1. full-precision window: sink + recent tail + the new rows (S0 + W + L slots at most)
         tk, tv = self.tail_view()
         win_k = torch.cat([self.sink_k, tk, new_k], 2)  # [B, Hk, S0 + (T - tail_start) + L, D]
         win_v = torch.cat([self.sink_v, tv, new_v], 2)
@@ -243,8 +225,7 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         rot = self.params
         hist_k, hist_v = self.hist_view()
         mu_k, mu_v = self.offsets()
-        # 1 + 3 merged by log-sum-exp, the query rotated inside: three Triton launches on CUDA (rotation + window,
-        # split-K history, combine), torch reference elsewhere.
+        # 1 + 3 merged by log-sum-exp, the query rotated inside
         out = decode(rot.kv(self.config, mu_k, mu_v), qf, Window(win_k, win_v, win_mask),
                      History(hist_k, hist_v, hist_start, key_mask), scaling, query.dtype, softcap=softcap, sinks=sinks,
                      use_kernels=self.config.use_kernels)
@@ -256,11 +237,9 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
 
     def retrieval_heads_attention(self, query, new_k, new_v, win_k, win_v, win_ok, allowed, t_old: int,
                                        scaling: float, softcap=None, sinks=None) -> torch.Tensor:
-        """``[B, P, g*L, D]``: the layer's retrieval heads over their history slots ``[S0, tail_start)`` as
-        stored (``retrieval_bits``; row ``b`` from slot ``S0 + pad[b]``, the INT2 history's range) and the
-        window every head reads exactly (``win_k/v [B, Hk, window, D]``: sink, recent tail, new rows; ``win_ok
-        [B, L, window]`` or None when all valid): one SDPA call in the model dtype. With 16 bits this is exactly
-        what a ``DynamicCache`` reads. ``softcap``, ``sinks [P, g*L]``: :func:`~oscar_hf.cache.base.logit_terms`."""
+        """``[B, P, g*L, D]``: the retrieval heads over their history slots ``[S0, tail_start)`` (from ``S0 + pad[b]``)
+        and the window ``win_k/v [B, Hk, window, D]`` (``win_ok [B, L, window]`` or None: all valid), one SDPA call;
+        at 16 bits what a ``DynamicCache`` reads."""
         b, hq, l, d = query.shape
         hk, s0, dev = new_k.shape[1], self.config.sink, query.device
         g = hq // hk
@@ -278,7 +257,6 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         values = torch.cat([hist_v, win_v.index_select(1, self.params.coded_idx)], 2)
         return heads.attention(q, keys, values, mask, scaling, softcap, sinks)
 
-    # ------------------------------------------------------------------ derived per-row views
     @property
     def n_hist(self) -> int:
         """History entries stored (shared index space); row b reads [pad[b], n_hist)."""
@@ -298,7 +276,6 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         cut = lambda q: QuantizedRows(*(t[:, :, :n] for t in q))  # noqa: E731
         return cut(self.hist_k), cut(self.hist_v)
 
-    # ------------------------------------------------------------------ accounting
     def memory(self) -> dict[str, int]:
         """Bytes actually used by the cached tokens (logical) and allocated by the buffers."""
         if not self.is_initialized:

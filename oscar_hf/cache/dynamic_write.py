@@ -1,6 +1,5 @@
-"""The eager layer's writes (:class:`DynamicWrites`, a base of :class:`~oscar_hf.cache.dynamic.OscarLayer`): new rows
-committed to the tail, slots leaving the recent window demoted into the sink and the INT2 history, and ``generate``'s
-cache operations on that storage (crop, beam reorder, batch select). Layout: :mod:`oscar_hf.cache.dynamic`."""
+"""The eager layer's writes: new rows into the tail, slots leaving the recent window demoted into the sink and the
+INT2 history, and ``generate``'s cache operations. Layout: :mod:`oscar_hf.cache.dynamic`."""
 from __future__ import annotations
 
 import logging
@@ -18,8 +17,7 @@ TAIL_SLACK = 64  # extra tail capacity so that compaction happens once every TAI
 
 
 def grown(t: torch.Tensor, keep: int, need: int) -> torch.Tensor:
-    """``t [B, H, cap, X]`` with room for at least ``need`` entries along dim 2 (amortized growth: never an O(n)
-    copy per step); its first ``keep`` entries are kept. ``t`` itself when it is large enough."""
+    """``t [B, H, cap, X]`` with room for ``need`` entries along dim 2 (amortized x1.5), its first ``keep`` kept."""
     cap = t.shape[2]
     if need <= cap:
         return t
@@ -28,29 +26,9 @@ def grown(t: torch.Tensor, keep: int, need: int) -> torch.Tensor:
     return z
 
 
-def slot_rows(tail_k, tail_v, tail_slot0: int, t_old: int, a: int, b: int, new_k, new_v):
-    """``(k, v) [B, H, b - a, D]``: the rows of slots ``[a, b)`` from a full-precision tail whose index 0 is slot
-    ``tail_slot0`` (slots ``< t_old``) and/or the new rows (slots ``>= t_old``); views when one source serves."""
-    parts_k, parts_v = [], []
-    if a < t_old:
-        pa, pb = a - tail_slot0, min(b, t_old) - tail_slot0
-        parts_k.append(tail_k[:, :, pa:pb])
-        parts_v.append(tail_v[:, :, pa:pb])
-    if b > t_old:
-        na, nb = max(a, t_old) - t_old, b - t_old
-        parts_k.append(new_k[:, :, na:nb])
-        parts_v.append(new_v[:, :, na:nb])
-    if len(parts_k) == 1:
-        return parts_k[0], parts_v[0]
-    return torch.cat(parts_k, 2), torch.cat(parts_v, 2)
-
-
-
-
 class DynamicWrites:
     """The writes and cache operations of an eager layer (see the module docstring)."""
 
-    # ------------------------------------------------------------------ write path
     def commit(self, new_k: torch.Tensor, new_v: torch.Tensor, pad: torch.Tensor | None = None) -> None:
         """Append ``new_k/v [B, Hk, L, D]`` (slots ``[T, T + L)``) and demote what left the recent window."""
         if not self.is_initialized:
@@ -72,14 +50,25 @@ class DynamicWrites:
         self.seq_len = t_new
 
     def _recent_start(self, t: int) -> int:
-        """First full-precision recent slot for a sequence of ``t`` slots. Nothing is quantized until
-        some row has a history token: while ``t - recent <= sink`` the tail holds every slot (0)."""
+        """First recent slot at ``t`` slots; 0 (the tail holds all) until some row has a history token."""
         s0, w = self.config.sink, self.config.recent
         return t - w if t - w > s0 else 0
 
     def _source(self, a: int, b: int, t_old: int, new_k, new_v):
-        """Rows of slots ``[a, b)`` from the old tail and/or the new rows (views, no copy when possible)."""
-        return slot_rows(self.tail_k, self.tail_v, self.buf_slot0, t_old, a, b, new_k, new_v)
+        """``(k, v) [B, H, b - a, D]``: slots ``[a, b)`` from the old tail (``< t_old``) and/or the new rows; views
+        when one source serves."""
+        parts_k, parts_v = [], []
+        if a < t_old:
+            pa, pb = a - self.buf_slot0, min(b, t_old) - self.buf_slot0
+            parts_k.append(self.tail_k[:, :, pa:pb])
+            parts_v.append(self.tail_v[:, :, pa:pb])
+        if b > t_old:
+            na, nb = max(a, t_old) - t_old, b - t_old
+            parts_k.append(new_k[:, :, na:nb])
+            parts_v.append(new_v[:, :, na:nb])
+        if len(parts_k) == 1:
+            return parts_k[0], parts_v[0]
+        return torch.cat(parts_k, 2), torch.cat(parts_v, 2)
 
     def _demote(self, a: int, b: int, t_old: int, new_k, new_v) -> None:
         s0 = self.config.sink
@@ -118,9 +107,8 @@ class DynamicWrites:
         self.hist_k, self.hist_v = (QuantizedRows(*(grown(t, cap, n) for t in q)) for q in (self.hist_k, self.hist_v))
 
     def _append(self, new_k, new_v, t_old: int, t_new: int, target: int) -> None:
-        """Write new slots ``[first, t_new)`` into the tail buffer (``first`` includes up to
-        ``CROP_RESERVE`` already-demoted slots), compacting or growing the buffer when it is full.
-        Compaction copies at most ``recent + CROP_RESERVE`` rows once every ``TAIL_SLACK`` steps."""
+        """Write slots ``[first, t_new)`` (up to ``CROP_RESERVE`` demoted ones too) into the tail, compacting or
+        growing it when full (at most ``recent + CROP_RESERVE`` rows once every ``TAIL_SLACK`` steps)."""
         first = max(t_old, target - CROP_RESERVE)
         keep_from = max(self.buf_slot0, target - CROP_RESERVE)  # oldest slot worth keeping
         cap = self.tail_k.shape[2]
@@ -140,10 +128,9 @@ class DynamicWrites:
         self.tail_k[:, :, p : p + t_new - first] = new_k[:, :, first - t_old :]
         self.tail_v[:, :, p : p + t_new - first] = new_v[:, :, first - t_old :]
 
-    # ------------------------------------------------------------------ generate() contract
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens. Exact (as if they were never added) while the
-        demoted slots are still in the rollback reserve; beyond it the tail is refilled as far as possible."""
+        """Remove the last ``-tokens_to_remove`` tokens: exact within the rollback reserve; beyond it the recent
+        window refills as decoding goes on."""
         if tokens_to_remove > 0:
             raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
         if self.pending is not None:

@@ -1,18 +1,11 @@
-"""Storage of a layer's retrieval heads: their keys and values coded, every slot in the eager
-:class:`~oscar_hf.cache.dynamic.OscarLayer`, the history entries in the compiled layer and the serving store (whose
-window holds the other slots). A decode step reads them in place
-(:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`); a multi-token forward reads them back in the
-model dtype for one SDPA call (:func:`decode`, :func:`attention`). ``OscarConfig.retrieval_bits`` picks the form, per K
-or V, ``P`` heads, ``N`` slots:
+"""Storage of a layer's retrieval heads (every slot in the eager layer, the history entries in the compiled layer and
+the serving store). Per K or V, ``P`` heads, ``N`` slots, by ``OscarConfig.retrieval_bits``:
 
-* ``16``: the model dtype, one tensor ``[B, P, N, D]`` (exact);
-* ``8`` / ``4``: codes ``[B, P, N, D * bits / 8] uint8`` (INT4: two per byte, :func:`~oscar_hf.quant.pack_int4`) and
-  one scale and zero per token and head ``[B, P, N, 1]`` in the model dtype: min-max over the head's ``D`` channels,
-  no rotation, no clipping (:func:`~oscar_hf.quant.quantize_minmax`); 8.5 / 4.5 bits per element at ``D = 64`` (why
-  INT8: docs/quality.md, "Retrieval-safe defaults").
+* ``16``: the model dtype, one tensor ``[B, P, N, D]``;
+* ``8`` / ``4``: codes ``[B, P, N, D * bits / 8] uint8`` and a min-max scale and zero per token and head
+  ``[B, P, N, 1]`` in the model dtype (:func:`~oscar_hf.quant.quantize_minmax`).
 
-A stored form is a tuple of tensors sharing their first three dimensions (batch, head, slot): the caches slice, grow,
-reorder and save them part by part, as they do the INT2 history's ``QuantizedRows``.
+A stored form is a tuple of tensors sharing (batch, head, slot), sliced, grown and saved part by part.
 """
 from __future__ import annotations
 
@@ -44,8 +37,7 @@ def allocate(bits: int, b: int, p: int, n: int, head_dim: int, dtype: torch.dtyp
 
 
 def encode(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
-    """``x [B, P, L, D]`` (model dtype) -> its stored form (:func:`~oscar_hf.quant.encode_heads`, which the fused
-    one-token write's reference shares)."""
+    """``x [B, P, L, D]`` (model dtype) -> its stored form."""
     return encode_heads(x, bits)
 
 
@@ -59,12 +51,9 @@ def decode(parts: tuple[torch.Tensor, ...], bits: int, dtype: torch.dtype) -> to
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float,
               softcap: float | None = None, sinks: torch.Tensor | None = None):
-    """``[B, P, M, D]``: softmax attention of ``q [B, P, M, D]`` over ``keys/values [B, P, N, D]`` (model dtype)
-    with ``mask`` (bool, broadcastable to ``[B, P, M, N]``). SDPA for prompt-sized ``M``; a decode step (``M = g``
-    query heads of one KV head) as two matmuls and a softmax: SDPA's kernels give such a step one block per batch
-    row and head, which leaves an H100 nearly idle over 32K keys (1.5 ms per head at B = 8), while the matmuls
-    spread the keys over the whole GPU. ``softcap`` (Gemma 2's logit soft-capping) and ``sinks`` (``[P, M]`` logits
-    of a zero-valued key, gpt-oss's ``s_aux``), which SDPA cannot express, take the matmuls at any ``M``."""
+    """``[B, P, M, D]``: attention of ``q [B, P, M, D]`` over ``keys/values [B, P, N, D]`` with ``mask`` (bool,
+    broadcastable to ``[B, P, M, N]``). SDPA for prompt-sized ``M``; a decode step as two matmuls, since SDPA gives it
+    one block per row and head and leaves the GPU idle. ``softcap`` and ``sinks`` (``[P, M]``) take the matmuls."""
     if q.shape[2] > 16 and not softcap and sinks is None:
         return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling)
     logits = soft_cap(torch.matmul(q, keys.transpose(-1, -2)).float() * scaling, softcap)  # [B, P, M, N]

@@ -1,5 +1,5 @@
-"""Hybrid decoder layers (attention + a linear-attention / SSM state in one layer: Falcon-H1, Zamba, Zamba 2): an OSCAR
-layer of either storage with Transformers' own state beside it."""
+"""Hybrid decoder layers (attention + an SSM state in one layer: Falcon-H1, Zamba): an OSCAR layer with Transformers'
+own state beside it."""
 from __future__ import annotations
 
 import torch
@@ -12,11 +12,9 @@ from .dynamic import OscarLayer
 
 
 class _HybridState(LinearAttentionLayer):
-    """A "hybrid" layer (``layer_types`` "hybrid": Falcon-H1, Zamba, Zamba 2): attention and a linear-attention / SSM
-    state in one decoder layer. As Transformers' ``LinearAttentionAndFullAttentionLayer`` does for ``DynamicLayer``, the state
-    is Transformers' ``LinearAttentionLayer`` (``update_conv_state`` / ``update_recurrent_state``, untouched) and the
-    attention an OSCAR layer (``_attention``: ``update`` returns its handle); ``lazy_initialization`` is called with the
-    keys and values (2 positional arguments) by the attention, with keywords by the state."""
+    """As Transformers' ``LinearAttentionAndFullAttentionLayer``: the state is its ``LinearAttentionLayer``, the
+    attention an OSCAR layer (``_attention``). ``lazy_initialization`` gets keys and values positionally from the
+    attention, keywords from the state."""
 
     _attention: type = OscarLayer
 
@@ -53,8 +51,7 @@ class _HybridState(LinearAttentionLayer):
         return self._attention.get_max_length(self)
 
     def get_seq_length(self):
-        # the attention's tokens: Transformers 5.25 gives LinearAttentionLayer a count of its own, which would come
-        # first in the method order (its own hybrid layers override it the same way)
+        # the attention's tokens (Transformers 5.25's LinearAttentionLayer has its own count, first in the MRO)
         return self._attention.get_seq_length(self)
 
 
@@ -65,7 +62,6 @@ class OscarHybridLayer(_HybridState, OscarLayer):
 
 
 class CompiledOscarHybridLayer(_HybridState, CompiledOscarLayer):
-    """:class:`CompiledOscarLayer` + Transformers' ``LinearAttentionLayer`` state (compiled storage; compileable while the
-    state records no past, as ``LinearAttentionLayer``)."""
+    """:class:`CompiledOscarLayer` + Transformers' ``LinearAttentionLayer`` state (compileable while it records no past)."""
 
     _attention = CompiledOscarLayer
