@@ -1,22 +1,11 @@
 """The static cache's one-token write step as one Triton launch (docs/kernels.md §2.1).
 
-``append_token_triton`` has the signature and semantics of
-:func:`oscar_hf.kernels.write_path.append_token_reference` (the storage layout is there). Grid ``(B * Hk * 2,)``: one
-program per (row ``b``, KV head ``h``, K or V; two programs, not one doing both, since at B = 1 a program's serial
-rotation loads set the write's latency: ``launch_shape``) reads ``T`` on the device, then
-
-1. if slot ``s = T - 1 - W`` is a history slot (``0 <= s - S0 < N``): rotates its ring row (K-blocked fp32 matvec of
-   ``BLOCK_K`` input channels at a time), quantizes and packs it exactly as ``write_triton`` (same metadata rounding
-   and ``rint``) into history row ``[b, hh, s - S0]``; a retrieval head (``hist_heads[h] = -1``) codes it into its coded
-   entry instead (:func:`_code_row`, ``oscar_hf.quant.encode_heads``' codes, or the row at 16 bits);
-2. after a CTA barrier (with ``R = W + 1`` the demoted entry is the new token's), stores the new token into ring entry
-   ``S0 + T % R`` and, while row ``b`` has fewer than ``S0`` real tokens, into sink entry ``T - pad[b]``.
-
-Shapes: those of ``write_triton.kernel_supported``; the window may be bf16, fp16 or fp32; D = 96 runs in
-``write_triton``'s plane-padded layout of ``DP`` lanes (a retrieval head's INT4 row in two channel halves).
-``paged_append_triton`` is the same write for the serving store's rows
-(:func:`oscar_hf.kernels.write_path.paged_append_reference`): window slot, entries and the demotion's page and offset
-come from the step's plan, the rows go to the page pool, the new token from its place in the packed batch.
+``append_token_triton`` is :func:`~oscar_hf.kernels.write_path.append_token_reference` (the storage layout is
+there) for ``write_triton.kernel_supported``'s shapes. One program per (row, KV head, K or V: at B = 1 a program's
+serial rotation loads set the latency) reads ``T`` on the device, then (1) quantizes slot ``T - 1 - W``'s ring row into
+the history exactly as ``write_triton`` (a retrieval head codes it instead, :func:`_code_row`), and (2) after a CTA
+barrier (with ``R = W + 1`` the demoted entry is the new token's) stores the new token into the ring and the sink.
+``paged_append_triton``: the same write for the serving store's rows (``paged_append_reference``).
 """
 from __future__ import annotations
 

@@ -1,18 +1,13 @@
 """Fused write path: center + rotate + clip + INT2-quantize + pack, one Triton kernel (docs/kernels.md §2).
 
-``rotate_quantize_triton`` has the signature and semantics of
-:func:`oscar_hf.kernels.write_path.rotate_quantize_reference` (layout: ``oscar_hf/quant.py``). Grid ``(cdiv(T,
-BLOCK_T), B * Hk)``: a program owns ``BLOCK_T`` rows of one (batch, KV head) and, without touching memory in between,
-rotates ``(x - mu) @ R`` (K-blocked ``tl.dot``, ``tf32x3`` on the GPU: float32-accurate), sets each group's ``zero`` /
-``scale`` (:func:`_group_grid`) rounded to the metadata dtype *before* the codes, computes ``code = clamp(rint((x -
-zero) / scale), 0, 3)`` (0 where the range is 0) and packs byte ``j = code[j] | code[j + D/4] << 2 | code[j + D/2] << 4
-| code[j + 3D/4] << 6``. Shapes: :func:`kernel_supported` (anything else: the reference).
+``rotate_quantize_triton`` is :func:`~oscar_hf.kernels.write_path.rotate_quantize_reference` for the shapes
+:func:`kernel_supported` takes. A program owns ``BLOCK_T`` rows of one (batch, KV head): ``(x - mu) @ R`` in tf32x3,
+each group's scale / zero rounded to the metadata dtype *before* the codes, ``code = clamp(rint((x - zero) / scale),
+0, 3)``, packed as byte ``j = code[j] | code[j + D/4] << 2 | code[j + D/2] << 4 | code[j + 3D/4] << 6``.
 
-A head_dim that is no power of two (96) is computed in the *plane-padded* layout of ``DP`` = the next power of two
-channels (:func:`_padded_cols`): padded channel ``c' = p * DP/4 + j`` is channel ``p * D/4 + j`` for ``j < D/4`` (plane
-``p``'s byte ``j``), the rest are padding (R's columns gathered so, padding 0). Packing is then the same reshape to
-``(4, DP/4)`` planes; the groups reduce over their channels' mask (:func:`_quantize_masked`), since a group need not be
-contiguous in that layout (D = 96, G = 32: group 0 is plane 0 and the first 8 channels of plane 1).
+D = 96 runs in the *plane-padded* layout of ``DP = 128`` lanes (:func:`_padded_cols`): lane ``p * DP/4 + j`` is channel
+``p * D/4 + j`` for ``j < D/4``, the rest padding; groups reduce by mask (:func:`_quantize_masked`), since a group need
+not be contiguous there (G = 32: group 0 is plane 0 and 8 channels of plane 1).
 """
 from __future__ import annotations
 
