@@ -1,23 +1,19 @@
 """The Triton split kernel of the decode read path: history splits, window programs, and the fused prologue
 (docs/kernels.md §3.2, §3.4).
 
-Program ``(bh, s)`` of :func:`_split_kernel` (grid ``(B * Hk, S_TOT)``) streams history tokens ``[s * L, (s + 1) * L)``
-of one KV head in blocks of ``BLOCK_N`` for all ``M`` query rows of that head (GQA: ``M = group * q_len``, padded to
-``M_PAD >= 16`` for ``tl.dot``); programs ``s >= S`` attend to the full-precision window (:func:`_window_split`). Each
-writes one online-softmax partial ``(m, l, acc)`` for :mod:`~oscar_hf.kernels.decode_combine`. :func:`_prologue_kernel`
-is the Gluon path's first launch: the query rotation and the window programs side by side.
+Program ``(bh, s)`` of :func:`_split_kernel` streams history tokens ``[s * L, (s + 1) * L)`` of one KV head for its
+``M`` query rows (padded to ``M_PAD >= 16``); programs ``s >= S`` attend to the window (:func:`_window_split`). Each
+writes one partial ``(m, l, acc)`` for :mod:`~oscar_hf.kernels.decode_combine`. :func:`_prologue_kernel`: the Gluon
+path's first launch, the query rotation beside the window programs.
 
-Byte ``j`` of a token's ``[D/4]`` codes holds channel ``j + p * D/4`` in bits ``2p..2p+1``, so one shift and mask of
-the ``[BLOCK_N, D/4]`` byte tile yields plane ``p``, a contiguous channel block. Two inner loops (``DEFERRED``): the
-deferred one (``G >= D/4``, <= 16 query rows) takes the byte tile as the A operand, logits transposed ``[BLOCK_N,
-M_PAD]``, keys as fp16 ``1024 + 4^p code`` (:func:`_u_plane`), values as bf16 ``(p s)ᵀ . code`` (:func:`_df_v_plane`),
-one fixed softmax reference per split (rerun past ``DF_LIM``), the reductions after the loop; the dequant fallback
-builds ``k_hat = zero + code * scale`` per plane in registers.
+Byte ``j`` of a token's ``[D/4]`` codes holds channel ``j + p * D/4`` in bits ``2p..2p+1``: one shift and mask of the
+byte tile yields plane ``p``. The deferred loop (``G >= D/4``, <= 16 query rows) takes the byte tile as the A operand
+(logits ``[BLOCK_N, M_PAD]``, keys fp16 ``1024 + 4^p code``, values bf16 ``(p s)ᵀ . code``) against one fixed softmax
+reference per split (rerun past ``DF_LIM``); the dequant loop builds ``zero + code * scale`` per plane.
 
-Logits are in base 2 (``q`` and ``qk_offset`` pre-scaled by ``scaling * log2(e)``, ``exp2``). Token ``n`` of row ``b``
-is valid when ``start[b] <= n < N`` and ``key_mask[b, h, 0, n]``; with ``N_DEV`` (CUDA graphs) ``N`` is the capacity
-and the kernel reads ``n_valid`` itself. Blocks entirely below ``start[b]`` are skipped; metadata of invalid tokens is
-never read (masked loads), so stale storage cannot poison ``acc`` with NaN.
+Logits are in base 2 (``qk_scale = scaling * log2(e)``). Token ``n`` of row ``b`` is valid when ``start[b] <= n < N``
+and ``key_mask[b, h, 0, n]``; ``N_DEV``: ``N`` is the capacity, ``n_valid`` read on the device. Invalid tokens'
+metadata is never read, so stale storage cannot poison ``acc`` with NaN.
 """
 from __future__ import annotations
 

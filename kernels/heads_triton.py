@@ -1,19 +1,13 @@
 """Triton kernels of the retrieval heads' decode read (:mod:`.heads_attention`; docs/kernels.md §3.9): a split kernel
 and a combine.
 
-Program ``(bp, s)`` of :func:`_heads_split_kernel` (grid ``(B * P, S + 1)``, ``bp = b * P + p``) reads coded head ``p``
-of row ``b`` (KV head ``heads[p]`` of the query and the window): programs ``s < S`` stream history slots ``[s * L, (s +
-1) * L)`` clipped to ``[lo[b], hi)`` in blocks of ``BLOCK_N``, program ``S`` the window; each writes one online-softmax
-partial for the ``M`` query rows (padded to ``M_PAD >= 16``), which :func:`_heads_combine_kernel` merges and normalizes.
-
-Codes are never dequantized: ``q . x = scale * (q . code) + zero * sum(q)`` and ``sum_n p_n x_n = (p * scale) . code +
-sum_n p_n zero_n``, so the tensor cores take the codes (exact in bf16 / fp16 up to 255). INT4 bytes hold channel ``j``
-(low nibble) and ``j + D/2`` (high): two planes of ``DC = D / 2`` channels (``NPL = 2``); INT8 / 16 bits one plane of
-``D``; a plane width that is no power of two is read as ``DCP`` lanes, the padding masked. Logits in base 2
-(``qk_scale = scaling * log2(e)`` applied to the float32 logits, so the query stays exact in its dtype); ``SOFTCAP``
-before the mask. ``HI_DEV``: ``hi`` read on the device (CUDA graphs, paged store), the grid sized by the capacity,
-splits past a row's ``hi`` write an empty partial. ``PAGE > 0``: slot ``n`` of row ``b`` at offset ``n % PAGE`` of
-page ``block_table[b, n // PAGE]``.
+Program ``(b * P + p, s)`` of :func:`_heads_split_kernel` reads coded head ``p`` of row ``b`` (KV head ``heads[p]`` of
+the query and window): programs ``s < S`` stream history slots within ``[lo[b], hi)``, program ``S`` the window; the
+combine merges the partials. Codes are never dequantized: ``q . x = scale (q . code) + zero sum(q)`` and ``sum p x =
+(p scale) . code + sum p zero``, so the tensor cores take the codes (exact up to 255). INT4: two planes of ``D / 2``
+channels (``NPL = 2``). ``qk_scale`` multiplies the float32 logits, so the query stays exact in its dtype. ``HI_DEV``:
+``hi`` read on the device, the grid sized by the capacity. ``PAGE > 0``: slot ``n`` at offset ``n % PAGE`` of page
+``block_table[b, n // PAGE]``.
 """
 from __future__ import annotations
 
