@@ -1,10 +1,8 @@
 """Split-K decode attention over the INT2 history in Gluon (Triton's explicit-layout dialect); docs/kernels.md §3.3.
 
-The same contract as the history programs of :func:`oscar_hf.kernels.decode_split._split_kernel` (partials
-``(m, l, acc)`` per split, in the rotated value space, where the combine reads them), for ``D = 128`` or ``256``,
-``G = 64``, ``M <= 8`` query rows per KV head, no key mask (and ``D = 64`` with ``M <= 4``); the rest stays on the
-Triton kernel. One warp per program on mma.sync ``m16n8k16`` (``MMA``), every operand built in the registers that hold
-it; shared memory only lands the cp.async copies. Layout facts the code relies on:
+The history programs' contract of :func:`~oscar_hf.kernels.decode_split._split_kernel` (partials in the rotated value
+space) for the shapes :func:`gluon_supported` takes; one warp per program on mma.sync ``m16n8k16`` (``MMA``). The
+design: docs/kernels.md §3.3. Layout facts the code relies on:
 
 * Logits transposed, ``Sᵀ [16 tokens, 8 columns]``; with ``M <= 4`` (``TB = 2``) column ``n = tb * MH + h`` is query
   row ``h`` over tokens ``n0 + 16 tb + t'`` (block-diagonal query operand).
@@ -20,10 +18,9 @@ it; shared memory only lands the cp.async copies. Layout facts the code relies o
   channel ``16 P + s``; ``s >= 16``: token ``2j + 1``'s); logit column ``4 e + h`` is row ``h`` on token ``2j + e``.
   ``lo``, ``f0``, ``f1`` count code rows, ``start`` and ``hi`` tokens; an odd last token's partner is masked.
 
-Tensor shapes (``T = 16 TB`` tokens per step), per 32-byte half: key bytes ``[T, 32]``, value words ``[T, 8]`` int32
-(tokens ``2c, 2c+1``); logits ``[16, 8]`` float32, value accumulators ``4 NH`` x ``[32, 8]`` float32. GPU only (no
-interpreter mode): ``tests/kernels/test_compile_sm90.py`` compiles it anywhere and checks the hot loop. Building
-blocks: :mod:`~oscar_hf.kernels.decode_gluon_ops`, :mod:`~oscar_hf.kernels.decode_gluon_steps`.
+Shapes (``T = 16 TB`` tokens per step), per 32-byte half: key bytes ``[T, 32]``, value words ``[T, 8]`` int32; logits
+``[16, 8]`` float32, value accumulators ``4 NH`` x ``[32, 8]`` float32. GPU only (``tests/kernels/test_compile_sm90.py``
+compiles it anywhere).
 """
 from __future__ import annotations
 
@@ -58,11 +55,9 @@ def _hist_kernel(
     (NH = 2: TB = 1, not K8). ``TP = 2``: D = 64, a 32-byte code row is two tokens (NH = 1, TB = 1, not K8, M <= 4);
     ``N``, ``split_len`` (even) and ``START`` count tokens.
 
-    ``PAGED`` (the serving pool, ``paged_decode.py``): ``KC`` .. ``VZ`` are ``[num_pages, Hk, P, *]`` (the ``b``
-    strides 0), row ``b``'s code row ``j`` is row ``j % PR`` of page ``BT[b, j // PR]`` (``PR = P / TP`` code rows a
-    page, a multiple of ``T``: a step never straddles pages; ``cps`` / ``mps``: page strides of the codes / metadata in
-    4-byte words, the same for keys and values), and it has ``NPTR[b]`` history tokens. A step's page is loaded one
-    step ahead of its copies (its latency under the step before).
+    ``PAGED``: ``KC`` .. ``VZ`` are ``[num_pages, Hk, P, *]``, row ``b``'s code row ``j`` is row ``j % PR`` of page
+    ``BT[b, j // PR]`` (``PR = P / TP``, a multiple of ``T``: a step never straddles pages; ``cps`` / ``mps``: page
+    strides in 4-byte words); ``NPTR[b]`` history tokens. A step's page is loaded one step ahead of its copies.
 
     ``QG`` query groups (D = 64, 5-8 query rows): grid ``(B * Hk * QG, S)``, program ``(q, s)`` serves query rows
     ``[g M, (g + 1) M)`` (``g = q % QG``; ``M`` is the rows per group, ``M QG`` the row's) of (row, KV head)
@@ -305,13 +300,9 @@ def gluon_supported(q_rot, k, v, group_size: int, key_mask, meta_words: bool) ->
 
 
 def launch_history(q_rot, qk_offset, history, partials, n, qk_scale, *, plan, qpre=None, ready=None, paged=None):
-    """Grid ``(B * Hk, plan.s_hist)``: the history partials of each (row, head) of ``q_rot [B, Hk, M, D]`` over
-    ``history`` (:class:`~oscar_hf.kernels.kv.History`: ``k``, ``v``, ``start [B]``, ``n_valid``; ``n`` entries bound
-    the grid) into ``partials = (pm, pl, pacc)``, as the call's :class:`~oscar_hf.kernels.plan.DecodePlan` says
-    (``pdl``: under PDL after the query's launch; ``k8`` at D = 128 only). ``qpre``: None, or ``(tiles, fields)``, the
-    int8 key path's query operands the prologue built; ``ready`` (with ``qpre`` and ``pdl``): the counters ``[B * Hk]``
-    its rotation programs raise, the history programs wait for 4 there, not for PDL (``QFLAG``). D = 64: code rows of
-    two tokens (``TP = 2``), ``split_len`` even. ``paged``: a ``decode_triton._PagedRead`` (``n`` its ``max_len``)."""
+    """The history partials ``(pm, pl, pacc)`` of ``q_rot [B, Hk, M, D]`` over ``history`` (``n`` entries bound the
+    grid), launched as ``plan`` says. ``qpre``: None or ``(tiles, fields)``, the int8 query operands the prologue
+    built; ``ready``: the counters ``[B * Hk]`` its programs raise (``QFLAG``). ``paged``: a ``_PagedRead``."""
     (k, v, start, n_valid), (pm, pl, pacc) = (history.k, history.v, history.start, history.n_valid), partials
     s_hist, s_tot, split_len, stages = plan.s_hist, plan.s_tot, plan.split_len, plan.gluon_stages
     maxnreg, pdl, k8 = plan.gluon_maxnreg, plan.pdl, plan.k8
