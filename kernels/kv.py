@@ -1,6 +1,5 @@
-"""The KV as the kernels take it: a few frozen bundles, one read (:func:`~oscar_hf.kernels.decode.decode`) and one
-write (:func:`~oscar_hf.kernels.write_path.append`) over them, for every storage (the eager and compiled layers of
-``generate``, the serving store's pages).
+"""The KV as the kernels take it: a few frozen bundles that the one read (:func:`~oscar_hf.kernels.decode.decode`) and
+the one write (:func:`~oscar_hf.kernels.write_path.append`) take from every storage.
 
 ``B`` rows, ``Hk`` KV heads of which ``H2`` are INT2 heads and ``P`` retrieval heads (coded rows, exact window),
 ``M`` query rows per KV head, ``D`` head_dim, ``W`` window entries (sink + ring), ``N`` history entries.
@@ -28,11 +27,10 @@ class HeadSplit:
 
 @dataclasses.dataclass(frozen=True)
 class KVParams:
-    """A layer's parameters as its write and read take them: the INT2 heads' rotations ``r_k/r_v [H2, D, D]``
-    (float32) and offsets ``mu_k`` (None, ``[H2, D]`` or per sequence ``[B, H2, D]``) / ``mu_v`` (None or ``[H2,
-    D]``), the quantizer's group size, clip ratios, metadata dtype and kind, the torch references' block of history
-    entries; ``hist_of [Hk]`` (None: every KV head is an INT2 head) each KV head's INT2 index or -1, and ``heads`` the
-    split into INT2 and retrieval heads (None without retrieval heads)."""
+    """A layer's parameters: the INT2 heads' rotations ``r_k/r_v [H2, D, D]`` (float32), offsets ``mu_k`` (None,
+    ``[H2, D]`` or ``[B, H2, D]``) / ``mu_v`` (None or ``[H2, D]``), the quantizer's settings, the references' block of
+    history entries; ``hist_of [Hk]`` each KV head's INT2 index or -1 (None: all INT2), ``heads`` (None: no
+    retrieval heads)."""
 
     r_k: torch.Tensor
     mu_k: torch.Tensor | None
@@ -50,12 +48,9 @@ class KVParams:
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """The full-precision window (sink + ring, unrotated, model dtype): ``k/v [B, Hk, W, D]`` (or ``[slots, Hk, W,
-    D]`` with ``slot [B]``: row ``b`` reads slot ``slot[b]``, the serving store's window pool); ``mask`` None or bool
-    broadcastable to ``[B, Hk, M, W]`` (False: not a token of the row), or ``[B, W]`` for the retrieval heads' read
-    alone (:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention`); ``kv_heads`` None, or ``[H2]`` long:
-    the read's head ``h`` is KV head ``kv_heads[h]`` of ``k``/``v`` (a layer's INT2 heads reading its whole window in
-    place, :meth:`heads`)."""
+    """The full-precision window (sink + ring, unrotated, model dtype): ``k/v [B, Hk, W, D]``, or a pool ``[slots, Hk,
+    W, D]`` with ``slot [B]``; ``mask`` None, bool broadcastable to ``[B, Hk, M, W]`` (False: not a token), or ``[B,
+    W]``; ``kv_heads`` None or ``[H2]`` long: the read's head ``h`` is KV head ``kv_heads[h]`` (read in place)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -88,9 +83,8 @@ class Window:
 
 @dataclasses.dataclass(frozen=True)
 class Pages:
-    """A paged history (the serving store's pool): row ``b``'s entry ``j`` is row ``j % P`` of page ``table[b, j //
-    P]`` (``[B, max_pages]`` int32, -1 past a row's pages); the row has ``lengths[b]`` entries (``[B]`` int32);
-    ``max_len``: a host bound of them that sizes the grid (None: read from ``lengths``, one synchronization)."""
+    """A paged history: row ``b``'s entry ``j`` is row ``j % P`` of page ``table[b, j // P]`` (``[B, max_pages]``
+    int32, -1 past its pages), ``lengths [B]`` int32; ``max_len`` a host bound that sizes the grid (None: one sync)."""
 
     table: torch.Tensor
     lengths: torch.Tensor
@@ -99,12 +93,10 @@ class Pages:
 
 @dataclasses.dataclass(frozen=True)
 class History:
-    """The INT2 history of the INT2 heads, ``k/v`` :class:`~oscar_hf.quant.QuantizedRows` ``[B, H2, N, *]`` (rotated
-    by ``R_K/R_V`` and centered), or with ``pages`` the pool's ``[num_pages, H2, P, *]``. Row ``b`` reads entries
-    ``start[b] <= j`` (None: 0) that ``key_mask`` (None, or bool broadcastable to ``[B, H2, M, N]``) allows, below
-    ``n_valid`` (a 0-d device tensor: the compiled storage's length, read on the device; ``splits`` then fixes the
-    grid's history programs). ``coded``: the retrieval heads' rows, ``(k, v)`` tuples of parts ``[B, P, N, *]`` (or
-    ``[num_pages, P, P_size, *]``) in :mod:`oscar_hf.cache.heads`' form, None without."""
+    """The INT2 heads' history, ``k/v`` ``QuantizedRows [B, H2, N, *]`` (rotated and centered; with ``pages`` the
+    pool's ``[num_pages, H2, P, *]``). Row ``b`` reads entries ``start[b] <= j`` that ``key_mask`` (bool
+    ``[B, H2, M, N]``) allows, below ``n_valid`` (0-d device tensor; ``splits`` then fixes the grid). ``coded``: the
+    retrieval heads' ``(k, v)`` parts ``[B, P, N, *]`` (:mod:`oscar_hf.cache.heads`), None without."""
 
     k: QuantizedRows
     v: QuantizedRows
@@ -138,12 +130,10 @@ class Ring:
 
 @dataclasses.dataclass(frozen=True)
 class PagedRows:
-    """Where each of the ``Bp`` decode rows of a serving step reads and writes (``[Bp]`` int64 device tensors, the
-    store's ``StepPlan``): ``pos`` its new token's position in the packed batch, ``slots`` its window slot,
-    ``new_entry`` the new token's ring entry, ``sink_entry`` its sink entry (``new_entry`` again when it has none),
-    ``demote_entry`` the ring entry that left the window at the previous step, ``demote_page`` / ``demote_off`` the page
-    and offset it goes to (the pool's trash page for a row that demotes nothing: every row writes one entry);
-    ``demote`` / ``write_sink``: whether any row demotes / writes a sink entry this step (host bools)."""
+    """Where each of the ``Bp`` decode rows of a serving step reads and writes (``[Bp]`` int64 device tensors): the
+    new token's position in the packed batch, window slot, ring and sink entries (``new_entry`` again without one),
+    the ring entry leaving the window and its page / offset (the trash page for rows that demote nothing);
+    ``demote`` / ``write_sink``: whether any row does (host bools)."""
 
     pos: torch.Tensor
     slots: torch.Tensor
