@@ -100,7 +100,7 @@ def rotate_query_reference(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tens
 
 
 def rotate_query(qf, r_k, mu_k, use_kernels="auto"):
-    """Dispatch: one Triton launch on CUDA for decode-sized queries (not under ``torch.compile``), else the reference."""
+    """Dispatch: one Triton launch on CUDA for decode-sized queries (not under compile), else the reference."""
     if triton_enabled(qf, use_kernels) and not torch.compiler.is_compiling():
         from .query_triton import query_kernel_supported, rotate_query_triton
         if query_kernel_supported(qf):

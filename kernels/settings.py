@@ -56,7 +56,7 @@ def triton_enabled(t: torch.Tensor, use_kernels="auto") -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeDefaults:
-    """Tunables of the decode read path (figures and the alternatives that lost: docs/kernels.md, "Why the defaults")."""
+    """Tunables of the decode read path (figures, alternatives that lost: docs/kernels.md, "Why the defaults")."""
 
     # split kernel: the tile of the default shape (D = 128, <= 16 query rows per KV head), best of the tile sweep
     block_n: int = 64  # history tokens per inner-loop step

@@ -35,7 +35,7 @@ R_TILE = 16384  # elements of one [BLOCK_K, D] block of R in registers (D = 256:
 
 
 def block_k(d: int) -> int:
-    """Input channels of R per step of the rotation's K loop: at most 64 and ``R_TILE / D``, dividing ``D`` (no mask)."""
+    """Input channels of R per step of the rotation's K loop: at most 64 and ``R_TILE / D``, dividing ``D``."""
     k = min(64, R_TILE // d, d)
     while d % k:
         k //= 2

@@ -53,7 +53,7 @@ def continuous_batching_config(page_size: int = 256, **kwargs):
 
 
 def _attention_configs(target) -> list:
-    """The configs whose ``_attn_implementation`` the attention modules read: every module's of a model, or ``target``."""
+    """The configs whose ``_attn_implementation`` the attention modules read: a model's modules', or ``target``."""
     if isinstance(target, torch.nn.Module):
         found = {id(m.config): m.config for m in target.modules()
                  if hasattr(getattr(m, "config", None), "_attn_implementation")}

@@ -164,7 +164,7 @@ class DecodeStep:
         return self._plan
 
     def _decode_buffers(self, rows: int, cols: int) -> DecodeBuffers | None:
-        """The fixed buffers if a step of ``rows`` x ``cols`` fits them, else None; allocated once (graphs hold them)."""
+        """The fixed buffers if a step of ``rows`` x ``cols`` fits them, else None; allocated once."""
         if self._buffers is None:
             most = self.pool.num_pages
             if self.max_positions:

@@ -243,7 +243,7 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
 
     # ------------------------------------------------------------------ admission, requests leaving
     def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
-        """Transformers' admission, plus a store window slot for a new request and a split prompt's ``prompt_budget``."""
+        """Transformers' admission, plus a window slot for a new request and a split prompt's ``prompt_budget``."""
         new = state.request_id not in self.store.requests
         if new and not self.store.can_reserve():
             return False

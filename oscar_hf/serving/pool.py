@@ -63,7 +63,7 @@ def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int
 
 
 def _views(storage: torch.Tensor, specs: list[tuple[tuple, torch.dtype]]) -> list[torch.Tensor]:
-    """One tensor per ``(shape, dtype)``, consecutive views of flat ``uint8`` ``storage``, widest dtype first (aligned)."""
+    """One tensor per ``(shape, dtype)``, consecutive views of flat ``uint8`` ``storage``, widest dtype first."""
     if storage.dtype != torch.uint8 or storage.dim() != 1:
         raise ValueError(f"pool storage must be a flat uint8 tensor, got {storage.dtype} {tuple(storage.shape)}")
     size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731

@@ -194,7 +194,7 @@ class StoreRequests:
         self._buffers = None
 
     def check_pool_sizing(self, follows_blocks: bool) -> None:
-        """Who sizes the page pool: Transformers' blocks (``follows_blocks``: the store has every layer), else the user."""
+        """Who sizes the page pool: Transformers' blocks (``follows_blocks``), else the user."""
         if not follows_blocks and not self.has_pool:
             raise ValueError("this model has layers OSCAR does not quantize (sliding windows / skip_layers): its BF16 "
                              "paged cache stays and the INT2 pool is sized apart: give num_pages= or memory_budget=")
@@ -227,7 +227,7 @@ class StoreRequests:
         return prompt_len
 
     def can_hold(self, tokens: int) -> bool:
-        """Whether ``tokens`` more prompt tokens fit the budget now (a prompt longer than the budget goes unreserved)."""
+        """Whether ``tokens`` more prompt tokens fit the budget now (longer than the budget: unreserved)."""
         return tokens > self.prompt_budget or self.prompt_reserved + tokens <= self.prompt_budget
 
     def admit_prompt(self, request_id: str, tokens: int) -> None:
