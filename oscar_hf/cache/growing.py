@@ -1,6 +1,4 @@
-"""`GrowingLayer`: a full-precision layer of the compiled storage (layers kept precise beside the OSCAR layers:
-``skip_layers``, MLA latents, KV sharing's store layers), in fixed-address buffers that grow in the OSCAR layers'
-capacity buckets (:func:`~oscar_hf.cache.compiled.capacity_for`)."""
+"""`GrowingLayer`: a full-precision layer of the compiled storage, growing in the OSCAR layers' capacity buckets."""
 from __future__ import annotations
 
 import torch
@@ -10,13 +8,10 @@ from .compiled import _compiling, _fixed_address, capacity_for
 
 
 class GrowingLayer(CacheLayerMixin):
-    """The compiled storage's ``DynamicLayer``: a full-precision layer whose ``update`` returns tensors, in
-    fixed-address buffers grown with the OSCAR layers (the compiled step's wrapper grows both before a step that would
-    not fit), so that such a model compiles without a ``max_cache_len``. ``keys [B, H, C, Dk]``, ``values [B, H, C,
-    Dv]`` (an MLA latent ``[B, 1, C, kv_lora_rank]`` and its rope part ``[B, 1, C, qk_rope_head_dim]``), slot = absolute
-    position. A decode step's ``update`` returns all ``C`` slots and the mask (``(C, 0)``, as ``StaticLayer``'s) hides
-    those not written yet; a multi-token forward (eager) gets the ``T`` written ones, as from ``DynamicLayer``.
-    ``length`` (0-d device tensor) = ``host_len`` = slots written."""
+    """The compiled storage's ``DynamicLayer`` (skipped layers, MLA latents, KV sharing's store layers), so that
+    such a model compiles without a ``max_cache_len``. ``keys [B, H, C, Dk]``, ``values [B, H, C, Dv]``, slot =
+    position. A decode step gets all ``C`` slots (the ``(C, 0)`` mask hides the unwritten), a multi-token forward
+    the ``T`` written ones."""
 
     is_compileable = True
     is_croppable = True
@@ -84,9 +79,7 @@ class GrowingLayer(CacheLayerMixin):
         self.length.add_(l)
         if _compiling() or l == 1:  # all C slots: a decode step's shapes stay fixed (its mask hides the unwritten ones)
             return self.keys, self.values
-        # a multi-token forward (eager: the compiled step's wrapper runs it through the plain model) reads the written
-        # slots only, as DynamicLayer: the model may skip its mask there (SDPA's is_causal) and even drop query rows
-        # (Gemma 4's KV-shared layers at the prefill)
+        # a multi-token forward reads the written slots only, as DynamicLayer: the model may skip its mask there
         return self.used()
 
     def get_seq_length(self):
@@ -132,6 +125,5 @@ class GrowingLayer(CacheLayerMixin):
         self._rebatch(lambda t: t[indices])
 
     def used(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(keys, values)`` of the slots written, ``[B, H, T, D]`` views (what :meth:`OscarCache.save` and
-        :meth:`OscarCache.memory_report` read)."""
+        """``(keys, values)`` of the slots written, ``[B, H, T, D]`` views."""
         return self.keys[:, :, : self.host_len], self.values[:, :, : self.host_len]

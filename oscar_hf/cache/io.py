@@ -1,18 +1,11 @@
-"""Save a live :class:`~oscar_hf.OscarCache` to disk and load it back to continue generation exactly: a long document
-prefilled once is reused across runs at the cache's own size (INT2 history + full-precision windows). A saved cache:
+"""Save a live :class:`~oscar_hf.OscarCache` and load it back to continue generation exactly. A saved cache:
 
-* ``cache_state.json``: format/version, the ``OscarConfig``, the model fingerprint, ``weights`` (a digest of the
-  model's weights, :func:`weights_digest`; null when built from a config), ``max_cache_len`` (a
-  :class:`~oscar_hf.StaticOscarCache`'s capacity, null for a growable cache; absent in older saves), and per layer its
-  kind (``oscar`` / ``dynamic`` / ``sliding``) and scalar positions (``seq_len``, ``tail_start``, ``buf_slot0``, ...);
-* ``cache_tensors.safetensors``: per layer only the *used* part of each buffer (pad offsets, sink, the tail slots
-  ``[buf_slot0, seq_len)``, history ``[:n_hist]``, the slots ``[0, seq_len)`` of retrieval heads; full K/V for
-  unquantized layers);
-* ``rotations/``: the rotation artifact the cache was built with.
+* ``cache_state.json``: format, config, fingerprint, ``weights`` (:func:`weights_digest`, null from a config),
+  ``max_cache_len`` (null when growable), per layer its kind and positions (``seq_len``, ``tail_start``, ...);
+* ``cache_tensors.safetensors``: per layer the *used* part of each buffer in the eager layer's layout;
+* ``rotations/``: the artifact the cache was built with.
 
-Loading refuses, before anything is allocated: other weights (the digest), non-finite values, and sizes in the JSON
-beyond the model's position limit (:func:`position_limit`) or the tensors in the file; then every tensor's shape and
-dtype is checked against the JSON before use. Nothing is unpickled.
+Loading checks everything before allocating (:mod:`.io_checks`) and unpickles nothing.
 """
 from __future__ import annotations
 
@@ -86,8 +79,7 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
 
 
 def layer_state(layer) -> dict:
-    """An OSCAR layer's saved form: positions and the used part of each buffer (the eager layer's layout; the
-    device-resident layer exports the same)."""
+    """An OSCAR layer's saved form: positions and the used part of each buffer (the eager layer's layout)."""
     if isinstance(layer, CompiledOscarLayer):
         return layer.export_state()
     # the rollback reserve [buf_slot0, tail_start) is not saved: a loaded cache starts without one
@@ -102,8 +94,7 @@ def layer_state(layer) -> dict:
 
 
 def _fp_names(kv: str, bits: int) -> list[str]:
-    """Saved names of the retrieval heads' tensors: ``fp_k`` in the model dtype, ``fp_k_codes/scale/zero``
-    at 8 or 4 bits."""
+    """Saved names of the retrieval heads' tensors: ``fp_k``, or ``fp_k_codes/scale/zero`` at 8 or 4 bits."""
     return [f"fp_{kv}"] if bits == 16 else [f"fp_{kv}_{name}" for name in heads.part_names(bits)]
 
 
@@ -132,9 +123,8 @@ def _saved_length(doc: dict, tensors: dict) -> int:
 
 
 def _fixed_capacity(doc: dict, tensors: dict, max_cache_len: int | None, limit: int | None = None) -> int:
-    """A StaticOscarCache's capacity for the saved state: ``max_cache_len``, or by default the saved cache's own
-    capacity when it was a StaticOscarCache (at most ``limit``, the model's position limit), else its length plus
-    :func:`capacity_for`'s headroom."""
+    """A StaticOscarCache's capacity for the saved state: ``max_cache_len``, else the saved one (at most ``limit``),
+    else the saved length plus headroom."""
     need = _saved_length(doc, tensors)
     if max_cache_len is None:
         saved = doc.get("max_cache_len")  # absent in caches saved before it was recorded
@@ -149,10 +139,8 @@ def _fixed_capacity(doc: dict, tensors: dict, max_cache_len: int | None, limit: 
 
 
 def _fill_fixed_window(layer: StaticSlidingWindowLayer, keys: torch.Tensor, values: torch.Tensor, cumulative: int):
-    """Load a saved sliding window (``DynamicSlidingWindowLayer``'s: the last ``min(cumulative, window - 1)`` tokens,
-    all a next forward reads) into Transformers' fixed-capacity one (``StaticSlidingWindowLayer``): its ``window``
-    slots in order, the oldest dropped by the next write once ``cumulative`` reaches the window, so the saved tokens
-    go to the last ``window - 1``."""
+    """Load a saved ``DynamicSlidingWindowLayer`` (the last ``min(cumulative, window - 1)`` tokens) into a
+    ``StaticSlidingWindowLayer``'s slots, in order (its last ``window - 1`` once full)."""
     window = layer.max_cache_len
     layer.lazy_initialization(keys, values)
     if cumulative >= window:
@@ -169,9 +157,8 @@ def _fill_fixed_window(layer: StaticSlidingWindowLayer, keys: torch.Tensor, valu
 
 
 def _sink_from_tail(sink: torch.Tensor, tail: torch.Tensor, pad: torch.Tensor, tail_start: int) -> torch.Tensor:
-    """The sink as :class:`CompiledOscarLayer` holds it: row ``b``'s first ``S0`` real tokens from the start. The eager
-    layer fills a sink entry only when the tail moves past its slot; those still in the tail (slots ``>= tail_start``,
-    the tail starting there) are copied from it."""
+    """The sink as :class:`CompiledOscarLayer` holds it, from the start: entries the eager layer still keeps in
+    its tail (slots ``>= tail_start``) are copied from there."""
     b, hk, s0, d = sink.shape
     n = tail.shape[2]
     if n == 0 or s0 == 0:
@@ -184,9 +171,8 @@ def _sink_from_tail(sink: torch.Tensor, tail: torch.Tensor, pad: torch.Tensor, t
 
 def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="auto", *, fixed_capacity: bool = False,
                max_cache_len: int | None = None):
-    """A ``cls`` (``OscarCache``) for ``model`` holding the state saved in ``directory``, on ``device``
-    (default: the model's). ``fixed_capacity``: ``cls`` is a StaticOscarCache, built with ``max_cache_len`` slots
-    (None: :func:`_fixed_capacity`'s default)."""
+    """A ``cls`` for ``model`` holding the state saved in ``directory``, on ``device`` (default: the model's).
+    ``fixed_capacity``: ``cls`` is a StaticOscarCache of ``max_cache_len`` slots."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     path = Path(directory)
@@ -202,7 +188,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
         tensors = load_file(str(path / TENSORS_NAME))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ValueError(f"{path / TENSORS_NAME}: corrupted or truncated ({e})") from None
-    # (names before the retrieval heads were called so load as they were; saved before the width existed: 16 bits)
+    # (old field names load as they were; saved before retrieval_bits existed: 16 bits)
     saved_config = dict(renamed_keywords(doc["config"], "saved cache", warn=False))
     saved_config.setdefault("retrieval_bits", 16)
     config = OscarConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved_config.items()})

@@ -1,6 +1,5 @@
-"""What loading a saved cache (:mod:`.io`) refuses, before anything is allocated: a cache saved from other weights
-(:func:`weights_digest`), non-finite values, and sizes in its JSON beyond the model's position limit
-(:func:`position_limit`) or the tensors in the file (:func:`check_sizes`)."""
+"""What loading a saved cache refuses before allocating: other weights, non-finite values, sizes beyond the model's
+position limit or the tensors in the file."""
 from __future__ import annotations
 
 import hashlib
@@ -14,9 +13,8 @@ TENSORS_NAME = "cache_tensors.safetensors"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 def weights_digest(model, per_tensor: int = 16) -> str:
-    """A short, deterministic digest of ``model``'s weights: ``per_tensor`` evenly spaced elements of every parameter
-    (rounded to bfloat16 first, so that the float32 and bfloat16 loads of a checkpoint agree; on any device), hashed.
-    One small gather per parameter and one copy to the host; parameters on the meta device (offloaded) are left out."""
+    """A short digest of ``model``'s weights: ``per_tensor`` evenly spaced elements of every parameter, rounded to
+    bfloat16 (float32 and bfloat16 loads agree), hashed; meta-device parameters are left out."""
     parts = []
     for p in model.parameters():
         x = p.detach()
@@ -62,8 +60,7 @@ def check_finite(tensors: dict, path) -> None:
 
 
 def position_limit(model_config) -> int | None:
-    """The most positions the model is configured for: ``max_position_embeddings`` times the largest RoPE scaling
-    ``factor`` (YaRN / linear / dynamic scaling extend it); None when the config names no limit."""
+    """``max_position_embeddings`` times the largest RoPE scaling ``factor``; None when the config names no limit."""
     cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
     n = getattr(cfg, "max_position_embeddings", None)
     if not isinstance(n, int) or n <= 0:
@@ -90,8 +87,7 @@ def _bounded(value, name: str, where: str, limit: int | None, lo: int = 0) -> in
 
 
 def check_sizes(doc: dict, tensors: dict, config: OscarConfig, limit: int | None, path) -> None:
-    """Every size in the JSON bounded, before anything is allocated: the config's windows and each layer's positions
-    by the model's position limit, and each quantized layer's positions and batch by the tensors in the file."""
+    """Every size in the JSON bounded by the position limit and, for quantized layers, by the tensors in the file."""
     where = str(path / STATE_NAME)
     _bounded(config.recent, "config.recent", where, limit, lo=1)
     _bounded(config.sink, "config.sink", where, limit)

@@ -1,12 +1,6 @@
-"""`LayerParams`: what one quantized layer's write and read need, built once per layer on the storage's device and
-shared by every storage (the generate cache's eager and compiled layers, the serving store's layers).
-
-A layer's ``Hk`` KV heads split into the ``H2`` INT2 heads (rotated, centered, clipped history rows) and the ``P``
-retrieval heads (``OscarConfig.retrieval_heads``: history rows coded in :mod:`oscar_hf.cache.heads`' form, at
-``retrieval_bits``). The rotations and offsets are the INT2 heads' (``LayerRotation.select_heads``); the clip
-ratios come from the config or the artifact (``OscarConfig.clip_for``); offsets are used when centering is on and the
-artifact has them. :meth:`LayerParams.encode_history` is the one encoding of history rows the device-side storages
-write (:mod:`oscar_hf.cache.window`, and their decode steps).
+"""`LayerParams`: what one quantized layer's write and read need, built once per layer on its device and shared by
+every storage. A layer's ``Hk`` KV heads split into ``H2`` INT2 heads (rotations and offsets are theirs) and ``P``
+retrieval heads (coded: :mod:`.heads`).
 """
 from __future__ import annotations
 
@@ -26,8 +20,7 @@ from . import heads
 
 @dataclasses.dataclass(frozen=True)
 class LayerParams:
-    r: torch.Tensor  # [2, H2, D, D] float32: the INT2 heads' key (r[0]) and value (r[1]) rotations, one tensor (one
-    # input of a compiled step, not two)
+    r: torch.Tensor  # [2, H2, D, D] float32: key and value rotations (one input of a compiled step)
     mu_k: torch.Tensor | None  # [H2, D] calibrated key offset; None when centering is off or the artifact has none
     mu_v: torch.Tensor | None  # [H2, D]
     clip_k: float
@@ -67,14 +60,12 @@ class LayerParams:
         return self.r[1]
 
     def with_tensors(self, fn) -> "LayerParams":
-        """The same parameters with ``fn`` applied to each tensor (the compiled storage gives each layer its own
-        fixed-address copies)."""
+        """The same parameters with ``fn`` applied to each tensor."""
         return dataclasses.replace(self, **{f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def kv(self, config: OscarConfig, mu_k: torch.Tensor | None, mu_v: torch.Tensor | None) -> KVParams:
-        """The kernels' bundle of this layer's parameters (:class:`~oscar_hf.kernels.kv.KVParams`), with the offsets
-        the storage reads (``mu_k`` per sequence under ``key_offset="prefill"``)."""
+        """The kernels' :class:`~oscar_hf.kernels.kv.KVParams`, with the offsets the storage reads."""
         heads = None if not self.coded_heads else HeadSplit(self.int2_idx, self.coded_idx, self.coded_of, self.bits)
         return KVParams(self.r_k, mu_k, self.r_v, mu_v, config.group_size, self.clip_k, self.clip_v,
                         config.torch_meta_dtype, config.quantizer, config.block_size, self.hist_of, heads)
@@ -84,7 +75,7 @@ class LayerParams:
         return x.index_select(1, self.int2_idx) if self.coded_heads else x
 
     def int2_rows(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
-        """Per-KV-head rows ``sinks [Hk, M]`` (:func:`~oscar_hf.cache.base.logit_terms`) -> the INT2 heads' ``[H2, M]``."""
+        """Per-KV-head rows ``sinks [Hk, M]`` -> the INT2 heads' ``[H2, M]``."""
         return sinks if sinks is None or not self.coded_heads else sinks.index_select(0, self.int2_idx)
 
     def coded_rows(self, sinks: torch.Tensor | None) -> torch.Tensor | None:
@@ -92,16 +83,13 @@ class LayerParams:
         return None if sinks is None else sinks.index_select(0, self.coded_idx)
 
     def encode_coded(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-        """Window rows ``x [B, Hk, n, D]`` (model dtype) -> the retrieval heads' coded rows (:func:`heads.encode`:
-        tensors ``[B, P, n, *]``), None when the layer has none."""
+        """Window rows ``x [B, Hk, n, D]`` -> the retrieval heads' coded parts ``[B, P, n, *]``, or None."""
         return heads.encode(x.index_select(1, self.coded_idx), self.bits) if self.coded_heads else None
 
     def encode_history(self, x: torch.Tensor, kind: str, config: OscarConfig, mu_k: torch.Tensor | None = None
                        ) -> tuple[tuple[torch.Tensor, ...] | None, QuantizedRows | None]:
-        """Window rows ``x [B, Hk, n, D]`` (keys: ``kind="k"``, or values) as history entries in their two forms:
-        ``(coded, int2)``, the retrieval heads coded (:meth:`encode_coded`) and the INT2 heads rotated, centered,
-        clipped and quantized (:class:`QuantizedRows` ``[B, H2, n, *]``), each None where the layer has no such head.
-        ``mu_k``: a per-sequence key offset ``[B, H2, D]`` (``key_offset="prefill"``) in place of the calibrated one."""
+        """Window rows ``x [B, Hk, n, D]`` (``kind`` "k" or "v") as history entries ``(coded, int2)``, each None
+        without such heads. ``mu_k [B, H2, D]``: a per-sequence key offset in place of the calibrated one."""
         coded = self.encode_coded(x)
         if not self.int2_heads:
             return coded, None
@@ -113,7 +101,6 @@ class LayerParams:
                                       use_kernels=config.use_kernels, quantizer=config.quantizer)
 
     def merge(self, int2_part: torch.Tensor | None, coded_part: torch.Tensor) -> torch.Tensor:
-        """``[B, H2, ...]`` and ``[B, P, ...]`` -> ``[B, Hk, ...]`` at their heads (``int2_part`` None when the layer
-        keeps no head in INT2)."""
+        """``[B, H2, ...]`` (or None) and ``[B, P, ...]`` -> ``[B, Hk, ...]`` at their heads."""
         return merge_heads(int2_part, coded_part, self.int2_idx, self.coded_idx,
                            len(self.int2_heads) + len(self.coded_heads))

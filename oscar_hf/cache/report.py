@@ -1,6 +1,4 @@
-"""What an :class:`~oscar_hf.OscarCache` holds, for people: each layer's kind (:func:`layer_kinds`), the log line at
-construction saying which layers stay in full precision and why (:func:`log_layer_plan`), and the bytes by part
-(:func:`memory_report`)."""
+"""What an :class:`~oscar_hf.OscarCache` holds, for people: layer kinds, the construction log line, bytes by part."""
 from __future__ import annotations
 
 import logging
@@ -17,10 +15,8 @@ _SAID: set[tuple[str, str]] = set()  # (architecture, layer kind) whose full-pre
 
 
 def layer_kinds(cache) -> list[str]:
-    """What each decoder layer got, in order: ``"oscar"`` (INT2 history; ``"oscar+state"`` for a hybrid layer),
-    ``"sliding"`` (Transformers' full-precision window), ``"state"`` (linear attention / SSM / convolution),
-    ``"latent"`` (MLA latent, full precision), ``"shared_kv"`` (KV sharing's store layer, full precision),
-    ``"full_precision"`` (skipped layers, layers without rotations), ``"none"`` (caches nothing)."""
+    """What each decoder layer got: ``"oscar"`` / ``"oscar+state"``, ``"sliding"``, ``"state"``, ``"latent"``,
+    ``"shared_kv"``, ``"full_precision"`` (skipped, no rotation) or ``"none"`` (caches nothing)."""
     named = {"latent_attention": "latent", "shared_kv_attention": "shared_kv", "unequal_kv_attention": "full_precision"}
     out = []
     for i, t in enumerate(cache.fingerprint.layer_types):
@@ -41,9 +37,8 @@ def layer_kinds(cache) -> list[str]:
 
 
 def log_layer_plan(cache, hybrid: set[int]) -> None:
-    """Says at construction, in one line per reason, which attention layers stay in full precision and why
-    (:func:`layer_kinds`): a warning when nothing is quantized, else info; the next caches of the architecture (a
-    fresh cache per ``generate`` call) at debug level."""
+    """Log which attention layers stay in full precision and why, one line per reason (a warning when nothing is
+    quantized; debug after the first cache of the architecture)."""
     fp = cache.fingerprint
     kinds = layer_kinds(cache)
     n_q = sum(k.startswith("oscar") for k in kinds)
@@ -62,11 +57,8 @@ def log_layer_plan(cache, hybrid: set[int]) -> None:
 
 
 def memory_report(cache) -> dict[str, float]:
-    """Bytes by part (summed over layers), bits per element, and the BF16 DynamicCache equivalent.
-    ``full_precision_layers``: bytes of the layers kept in Transformers' own full-precision form (sliding windows,
-    ``skip_layers``, MLA latents, KV sharing's store layers: :func:`layer_kinds` says which,
-    ``oscar_hf.config.FULL_PRECISION_WHY`` why); ``retrieval_heads``: bytes of the retrieval heads' own buffers;
-    ``quantized_layers`` / ``latent_layers`` / ``shared_kv_layers``: how many layers are of each kind."""
+    """Bytes by part (summed over layers), bits per element, and the BF16 equivalent. ``full_precision_layers``:
+    bytes of Transformers' own layers; ``*_layers`` counts: layers of each kind."""
     tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, retrieval_heads=0,
                allocated=0, full_precision_layers=0)
     elements = 0
