@@ -99,7 +99,12 @@ class RecordedBatch:
     """What both paged caches keep for the store: a forward's requests in packing order, recorded by Transformers'
     per-request hooks (the ids never reach the forward) and taken by its first OSCAR layer."""
 
-    def _start_recording(self) -> None:
+    def _start_recording(self, store) -> None:
+        """The end of a paged cache's ``__init__``: the store bound, its window slots fixed under CUDA graphs (a
+        captured graph holds their addresses)."""
+        self.store = store
+        if self.cuda_graphs:
+            store.windows.fix()
         self.scheduler = None  # the manager's scheduler (its request states), once its batch processor exists
         self._pending: list[tuple[str, int, int]] = []
         self._batch: list[tuple[str, int, int]] = []

@@ -218,10 +218,7 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
         # prefix sharing is the store's (prefix.py); Transformers' own would match BF16 blocks the store never wrote
         self.allow_block_sharing = self.use_prefix_sharing = (
             self.oscar_owns_memory and store.prefix_sharing and self.allow_block_sharing)
-        self.store = store
-        if self.cuda_graphs:  # every window slot now: a captured graph holds their addresses
-            store.windows.fix()
-        self._start_recording()
+        self._start_recording(store)
 
     # ------------------------------------------------------------------ batch composition
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:

@@ -60,10 +60,7 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
             self._block_manager = BlockManager(pages, self.block_size, tp_on=False)
             store.attach_pool(pages, self.block_size)
         self.allow_block_sharing = self.use_prefix_sharing = False
-        self.store = store
-        if self.cuda_graphs:  # every window slot now: a captured graph holds their addresses
-            store.windows.fix()
-        self._start_recording()
+        self._start_recording(store)
 
     # ------------------------------------------------------------------ admission
     def attach_scheduler(self, scheduler) -> None:
