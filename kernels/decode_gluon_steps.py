@@ -24,15 +24,11 @@ def _pair_valid(n0, start, hi):
 @gluon.jit
 def _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, co, mo, lo, hi, lr, lc, mr, TB: gl.constexpr, NH: gl.constexpr,
                  MASKED: gl.constexpr, TP: gl.constexpr = 1):
-    """The loads of the step at ``n0`` (word offsets ``co`` of its codes, ``mo`` of its metadata: :func:`_row_offs`)
-    from per-lane addresses (``[32]`` each, at token 0; lane ``4r + c`` reads key row ``r``, value token ``2c``,
-    metadata of logit row ``r`` (token ``mr``)): the tiles of :func:`_loads`, in its layouts, as tuples -- ``NH`` key
-    and value word tiles (one per 32-byte half of a row), ``NH`` metadata tiles per tensor (one per word of a token).
-    ``MASKED``: only tokens in ``[lo, hi)`` are read (keys and their metadata: ``< hi``), else 0. ``TP = 2`` (D = 64;
-    ``n0`` a row of two tokens, ``lo`` / ``hi`` token bounds): a lane reads the bytes of its row's token ``2 row +
-    e`` only where that token is ``< hi`` (keys: bytes ``8c..`` are token ``e = c // 2``'s; values: word ``r``, ``e =
-    r // 4``), so the missing token of an odd last row is never read; a metadata word (both tokens') is read where
-    either token is in range, and set to 0 in the logit columns whose token is not (:func:`_pair_valid`)."""
+    """The step at ``n0``'s tiles (word offsets ``co`` / ``mo``, :func:`_row_offs`) from per-lane addresses at token 0
+    (lane ``4r + c``: key row ``r``, value token ``2c``, metadata of logit row ``r``), as tuples: ``NH`` key and value
+    word tiles, ``NH`` metadata tiles per tensor. ``MASKED``: tokens outside ``[lo, hi)`` read as 0. ``TP = 2``: a lane
+    reads its row's token ``e`` only where it is ``< hi`` (keys: ``e = c // 2``; values: ``e = r // 4``), a metadata
+    word where either token is, zeroed in the other token's columns (:func:`_pair_valid`)."""
     big = -(1 << 30)
     if TP == 2:  # the token bounds as row bounds: keys (lane column c: token 2 row + c // 2), values (word r: token
         # 2 row + r // 4), metadata words (either token)
@@ -310,13 +306,10 @@ def _q_operand(q, qk_scale, P: gl.constexpr):
 def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
                  skb, skh, smkb, smkh, svb, svh, smvb, smvh, T: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr,
                  N_DEV: gl.constexpr, TP: gl.constexpr = 1, PAGED: gl.constexpr = 0):
-    """This split's tokens and addresses: the row's first valid token ``start``, the split ``[lo, hi)`` (all-padding
-    steps skipped), its full steps ``[f0, f1)`` after the reference step, the per-lane addresses at token 0 of
-    :func:`_loads_lanes` and the base pointers (int32 words) of the six history tensors. ``TP = 2`` (D = 64, code
-    rows of two tokens): ``lo``, ``f0``, ``f1`` count rows, ``start`` and ``hi`` tokens (``split_len`` even); full
-    steps hold only rows whose two tokens are both ``< hi`` (an odd ``hi``'s last row is the masked last step's).
-    ``PAGED``: the row's own history length ``NPTR[b]`` (``N``, the longest row's, sized the grid; ``split_len`` from
-    the host: the splits past the row's end are empty)."""
+    """This split's bounds and addresses: ``start``, the split ``[lo, hi)`` (all-padding steps skipped), its full steps
+    ``[f0, f1)`` after the reference step, :func:`_loads_lanes`' per-lane addresses and the six tensors' int32 base
+    pointers. ``TP = 2``: ``lo``, ``f0``, ``f1`` count rows, ``start`` and ``hi`` tokens; full steps hold only rows
+    whose two tokens are ``< hi``. ``PAGED``: ``hi`` from the row's own length ``NPTR[b]``."""
     start = gl.load(START + b).to(gl.int32)
     if N_DEV:
         n_tot = gl.minimum(gl.load(NPTR).to(gl.int32), N)
