@@ -1,5 +1,5 @@
 """The held-out attention error of quantized candidates (:class:`ErrorRecorder`, an attention handler), summed per
-layer in float64 (:class:`LayerErrors`); :mod:`.search` picks from it. The measures: docs/calibration.md."""
+layer in float64 (:class:`LayerErrors`). The measures: docs/calibration.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,10 +13,9 @@ from .hooks import allowed_matrix, token_validity
 
 @dataclasses.dataclass
 class LayerCandidates:
-    """What to evaluate in one layer: ``k_rots [Ck, Hk, D, D]``, ``v_rots [Cv, Hk, D, D]`` (row-vector
-    convention, history stores ``(x - mu) @ R``), offsets ``mu_k`` (``[Hk, D]`` shared by all candidates,
-    ``[Ck, Hk, D]`` one per candidate, or None) and ``mu_v``, and clip grids; optional reference
-    rotations ``k_ref [Cr, Hk, D, D]`` / ``v_ref`` evaluated uncentered at clip 1.0 only (for reports)."""
+    """What to evaluate in one layer: ``k_rots [Ck, Hk, D, D]``, ``v_rots [Cv, Hk, D, D]``, offsets ``mu_k``
+    (``[Hk, D]``, ``[Ck, Hk, D]`` or None) and ``mu_v``, clip grids; reference rotations ``k_ref [Cr, Hk, D, D]`` /
+    ``v_ref`` evaluated uncentered at clip 1.0 only (for reports)."""
 
     k_rots: torch.Tensor
     v_rots: torch.Tensor
@@ -30,13 +29,8 @@ class LayerCandidates:
 
 @dataclasses.dataclass
 class LayerErrors:
-    """Float64 error sums: ``k [Ck, Nk, Hk]``, ``v [Cv, Nv, Hk]``, counts and signal sums per KV head.
-
-    * key: ``Σ (scaling · q_i·(k_j - k̂_j))²`` over all (query head, query, key) pairs of a sequence;
-      ``k_signal`` is the same sum of ``(scaling · q_i·k_j)²``;
-    * value: ``Σ ||Σ_j p_ij (v_j - v̂_j)||²`` over (query head, sampled query) with the real attention
-      probabilities ``p``; ``v_signal`` is ``Σ ||o_i||²``.
-    """
+    """Float64 sums: key ``Σ (scaling · q_i·(k_j - k̂_j))²`` over (query head, query, key) pairs, value
+    ``Σ ||Σ_j p_ij (v_j - v̂_j)||²`` over (query head, sampled query); signals: the same of ``q_i·k_j`` and ``o_i``."""
 
     k: torch.Tensor  # [Ck, Nk, Hk]: Ck key candidates x Nk clip ratios, per KV head
     v: torch.Tensor  # [Cv, Nv, Hk]
@@ -53,20 +47,10 @@ class LayerErrors:
     def v_mean(self) -> torch.Tensor:
         return self.v / max(self.v_count, 1.0)
 
-    def k_rel(self) -> torch.Tensor:
-        """Key error relative to the mean squared logit, per candidate / clip / head."""
-        return self.k / self.k_signal.clamp_min(1e-300)
-
-    def v_rel(self) -> torch.Tensor:
-        return self.v / self.v_signal.clamp_min(1e-300)
-
 
 def quant_error(x: torch.Tensor, clips: torch.Tensor, group_size: int, meta_dtype) -> torch.Tensor:
-    """``dequant(quant(x)) - x`` for each clip ratio: ``x [..., D]`` -> ``[..., N, D]`` float32 (the clip
-    axis second to last).
-
-    The same arithmetic as :func:`oscar_hf.quant.quantize_rows` followed by ``dequantize_rows``
-    (bit-identical, see tests), without packing the codes and mostly in place, for speed."""
+    """``dequant(quant(x)) - x`` per clip ratio: ``x [..., D]`` -> ``[..., N, D]`` float32. Bit-identical to
+    :func:`oscar_hf.quant.quantize_rows` + ``dequantize_rows``, without packing and mostly in place, for speed."""
     d = x.shape[-1]
     n = clips.numel()
     xg = x.float().reshape(*x.shape[:-1], 1, d // group_size, group_size)  # [..., 1, ng, G]

@@ -1,8 +1,6 @@
-"""The calibration hooks: a recorder (:class:`~.stats.StatsRecorder`, :class:`~.errors.ErrorRecorder`) is an attention
-handler (:mod:`oscar_hf.patching`, prefix ``oscarcalib_``) that runs the user's attention, returns its result unchanged
-and records ``query [B, Hq, q, D]``, ``key`` / ``value [B, Hk, kv, D]`` (post-RoPE) and the output ``[B, q, Hq, D]``
-of full-attention layers, padded tokens excluded; and the model's run over calibration windows. Padding rules and
-why nothing stores activations: docs/calibration.md, "The hooks"."""
+"""The calibration hooks: a recorder is an attention handler (prefix ``oscarcalib_``) that runs the user's attention
+unchanged and records ``query [B, Hq, q, D]``, ``key`` / ``value [B, Hk, kv, D]`` and the output ``[B, q, Hq, D]``,
+padded tokens excluded; and the model's run over calibration windows (docs/calibration.md, "The hooks")."""
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +25,7 @@ register_handler(PREFIX, _dispatch)
 
 @contextlib.contextmanager
 def recording(model, recorder):
-    """Route ``model``'s attention through ``recorder`` (eval mode, no grad); restores the model's
-    attention implementation and training mode afterwards, also on error."""
+    """Route ``model``'s attention through ``recorder`` (eval mode, no grad), restored afterwards."""
     was_training = model.training
     _ACTIVE.append(recorder)
     try:
@@ -40,7 +37,6 @@ def recording(model, recorder):
         model.train(was_training)
 
 
-# ---------------------------------------------------------------------------------------------- masks
 def _allowed_4d(mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask
@@ -77,7 +73,6 @@ def allowed_matrix(attention_mask, batch: int, q_len: int, kv_len: int, device) 
     return _allowed_4d(attention_mask[..., :kv_len]).to(device).expand(batch, -1, q_len, kv_len)
 
 
-# ---------------------------------------------------------------------------------------------- running the model
 def _device(model) -> torch.device:
     try:
         return next(model.parameters()).device

@@ -1,6 +1,4 @@
-"""What :func:`~oscar_hf.calibration.calibrate` is asked to do: :class:`CalibrationOptions`, one frozen dataclass of
-its keywords (``calibrate(model, tok, text, options, **overrides)``; ``calibrate``'s docstring says what each
-means), checked at construction with an error naming the field."""
+""":class:`CalibrationOptions`: the keywords of :func:`~oscar_hf.calibration.calibrate`, checked at construction."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,50 +16,36 @@ VALUE_TARGETS = ("sst", "score-weighted")
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationOptions:
-    """The keywords of :func:`~oscar_hf.calibration.calibrate`, with its defaults (what each pass does:
-    docs/calibration.md). Normalized at construction: ``meta_dtype`` a name, ``clips`` floats (and then no
-    ``clip_grid``), ``window`` ints.
+    """The keywords of :func:`~oscar_hf.calibration.calibrate` (what each pass does: docs/calibration.md).
 
     Args:
-        method: "oscar" (C_Q keys / value_target values), "pca-kv" (C_K / C_V), "hadamard", "identity" (calibrated
-            offsets and clips only), or "auto": the best candidate per layer, KV head and K/V on held-out tokens, then
-            that pick, all-"oscar", all-"pca-kv" and all-"hadamard" scored by next-token KL through the cache, the
-            lowest kept (:mod:`.selection`; the metadata's ``selection`` says which).
-        tokens: statistics tokens: ``ceil(tokens / seq_len)`` windows of ``min(seq_len, tokens)`` tokens from the
-            start of the text (token-id input: all rows).
-        group_size: the group size the clips (and ``auto``) are chosen for; ``None``: head_dim (the authors'
-            setting); ``"auto"``: 64, or :func:`~oscar_hf.config.default_group_size`'s where 64 does not divide it.
-        center: store and use the per-KV-head means ``mu_K``/``mu_V``; ``"auto"``: decide per layer, KV head and K/V
-            on the held-out error (an unchosen offset is stored as zeros).
+        method: "oscar" (C_Q keys / value_target values), "pca-kv" (C_K / C_V), "hadamard", "identity" (offsets and
+            clips only), or "auto": the best candidate per layer, KV head and K/V on held-out error, then checked
+            against whole-artifact alternatives by next-token KL (:mod:`.selection`).
+        tokens: statistics tokens, in ``ceil(tokens / seq_len)`` windows from the start of the text.
+        group_size: the group size the clips are chosen for; ``None``: head_dim; ``"auto"``:
+            :func:`~oscar_hf.config.default_group_size`.
+        center: store and use the offsets ``mu_K``/``mu_V``; ``"auto"``: per layer, KV head and K/V by held-out error.
         value_target: "sst" (exact ``C_S = Σ oᵀo``) or "score-weighted" (the reference code's target).
-        clip_grid: clip ratios searched per layer (default 0.80..1.00 step 0.02); ``None`` or one value: no search.
-        holdout_fraction: held-out windows for the clip / ``auto`` choice, as a fraction of the statistics windows
-            (at least one), right after them (token-id input: the last rows).
+        clip_grid: clip ratios searched per layer; ``None`` or one value: no search.
+        holdout_fraction: held-out windows (after the statistics windows) as a fraction of those, at least one.
         batch_size: windows per forward.
-        progress: tqdm bar (also honours ``transformers.utils.logging.disable_progress_bar()``).
-        meta_dtype: dtype of the quantizer's scale/zero during the clip search (as the cache will use).
+        progress: tqdm bar.
+        meta_dtype: dtype of scale/zero during the clip search.
         query_samples: queries per held-out sequence whose real attention probabilities weigh the errors.
-        window: ``(sink, recent)`` of the cache the artifact is for: the first ``sink`` tokens of every window are
-            left out of the statistics, and held-out errors count only the pairs ``sink <= key < query - recent``.
-            Windows not longer than ``sink + recent + 1`` get ``(min(sink, L//8), min(recent, L//4))`` with a warning
-            (recorded in the metadata). ``None``: all tokens, all (query, key) pairs.
-        metadata: extra JSON-able entries stored in the artifact's metadata (e.g. the data source).
-        share_rotation_across_heads: one ``R_K`` and one ``R_V`` per layer from the pooled statistics of its KV heads
-            (as the authors' files), replicated per head; offsets stay per head.
-        clips: fixed ``(clip_k, clip_v)`` for every layer (e.g. the authors' ``(0.96, 0.92)``); overrides
-            ``clip_grid``.
-        retrieval_probes: synthetic key/value probes placed in the text that score every KV head's retrieval
-            (:mod:`.retrieval_heads`), stored as ``retrieval_scores`` for ``retrieval_heads="auto"``. 0: no scores
-            (no retrieval heads by default). Needs string ``texts`` of at least ``max(retrieval_lengths) +
-            retrieval_probes`` tokens.
+        window: ``(sink, recent)`` of the cache: sink tokens are left out of the statistics, held-out errors count
+            only ``sink <= key < query - recent`` (shrunk with a warning for short windows). ``None``: all pairs.
+        metadata: extra JSON-able entries for the artifact's metadata.
+        share_rotation_across_heads: one ``R_K`` / ``R_V`` per layer from its heads' pooled statistics.
+        clips: fixed ``(clip_k, clip_v)`` for every layer; overrides ``clip_grid``.
+        retrieval_probes: probes scoring every KV head's retrieval (:mod:`.retrieval_heads`) into
+            ``retrieval_scores``; 0: none. Needs string ``texts`` of ``max(retrieval_lengths) + retrieval_probes``
+            tokens.
         retrieval_lengths: probe lengths in tokens (those beyond the model's context are dropped).
-        select_by_kl: ``method="auto"``'s end-to-end check; needs a held-out window longer than ``512 + sink +
-            recent`` tokens, else the pick stays.
-        choose_settings: after the rotations, choose the cache settings by next-token KL within ``budget_bits``
-            (:mod:`.settings`) and store them in ``metadata["settings"]`` (a cache from the artifact starts from
-            them). Text input scores ``SETTINGS_WINDOWS`` held-out windows of ``seq_len`` tokens; windows not longer
-            than ``512 + 4 * (sink + recent)`` skip the search (recorded). False: ``OscarConfig``'s defaults.
-        budget_bits: the budget in ``OscarConfig.stored_bits`` at ``target_context`` tokens (default 3.5).
+        select_by_kl: ``method="auto"``'s end-to-end check (needs held-out windows longer than ``512 + sink + recent``).
+        choose_settings: choose the cache settings by next-token KL within ``budget_bits`` (:mod:`.settings`) into
+            ``metadata["settings"]``; skipped (recorded) for windows not longer than ``512 + 4 * (sink + recent)``.
+        budget_bits: the budget in ``OscarConfig.stored_bits`` at ``target_context`` tokens.
         target_context: the context the budget is priced at; ``None``: ``min(32768, max_position_embeddings)``.
     """
 

@@ -38,13 +38,10 @@ def _is_texts(texts) -> bool:
 
 
 def calibrate(model, tokenizer, texts, options: CalibrationOptions | None = None, **overrides) -> OscarRotations:
-    """Calibrate OSCAR rotations, offsets and clip ratios for ``model``: the windows of ``texts`` -> retrieval scores ->
-    statistics, candidates and their held-out error -> the pick per layer and KV head (end to end by KL for
-    ``method="auto"``) -> the cache settings search -> the artifact (docs/calibration.md). ``texts``: a string or list
-    of strings (tokenized with ``tokenizer``; calibration text only, e.g. ``oscar_hf.data.calibration_text(...)``), or
-    with ``tokenizer=None`` a ``[n, L]`` tensor / list of 1-D token-id sequences. ``options``: a
-    :class:`~.options.CalibrationOptions` (its fields documented there); ``overrides``: its fields as keywords, on top
-    (``calibrate(model, tok, text, method="oscar")``)."""
+    """Calibrate OSCAR rotations, offsets and clip ratios for ``model`` (the passes: docs/calibration.md).
+    ``texts``: calibration text (a string or list, e.g. ``oscar_hf.data.calibration_text(...)``), or with
+    ``tokenizer=None`` a ``[n, L]`` tensor / list of 1-D token ids. ``options``: a
+    :class:`~.options.CalibrationOptions`; ``overrides``: its fields as keywords, on top."""
     t0, c0 = time.perf_counter(), time.process_time()
     o = (options or CalibrationOptions()).replace(**overrides)
     fp, group_size = _model_group_size(model, o.group_size)
@@ -98,8 +95,7 @@ class _Windows:
 
 
 def _split_windows(texts, tokenizer, o: CalibrationOptions) -> _Windows:
-    """Text: ``ceil(tokens / seq_len)`` statistics windows from its start, then the held-out ones; token ids: the
-    rows, the last ones held out."""
+    """Text: statistics windows from its start, then the held-out ones; token ids: the last rows held out."""
     if _is_texts(texts):
         if tokenizer is None:
             raise ValueError("texts are strings: pass the model's tokenizer (or token ids with tokenizer=None)")
@@ -241,8 +237,8 @@ def _measure(model, o: CalibrationOptions, w: _Windows, window, group_size: int)
 
 
 def _select_by_kl(model, o: CalibrationOptions, fp, hold, m: _Measured, window, group_size: int):
-    """``(picked, selection or None, seconds)``: ``method="auto"``'s held-out pick against one candidate everywhere,
-    by next-token KL through the cache on the longest held-out window (the pick as it is otherwise)."""
+    """``(picked, selection or None, seconds)``: ``method="auto"``'s pick against one candidate everywhere, by
+    next-token KL through the cache on the longest held-out window."""
     picked = m.assemble()
     if not (o.method == "auto" and o.select_by_kl and m.errors):
         return picked, None, 0.0
@@ -268,8 +264,7 @@ def _select_by_kl(model, o: CalibrationOptions, fp, hold, m: _Measured, window, 
 
 
 def _search_settings(model, o: CalibrationOptions, fp, windows, window, group_size: int, picked, scores):
-    """``(metadata["settings"] entry or None, seconds)``: the cache settings for these rotations, by next-token KL on
-    held-out windows within the budget (``o.choose_settings``)."""
+    """``(metadata["settings"] entry or None, seconds)``: :func:`.settings.choose_settings` for these rotations."""
     if not o.choose_settings:
         return None, 0.0
     t = time.perf_counter()
@@ -290,8 +285,7 @@ def _search_settings(model, o: CalibrationOptions, fp, windows, window, group_si
 
 def _metadata(model, o: CalibrationOptions, w: _Windows, m: _Measured, window, group_size: int, picked, selection,
               settings, scores, times: dict) -> dict:
-    """The artifact's metadata: how it was calibrated (options, sizes, passes, times, versions), the clips, the
-    winners, the spectra, and what the steps chose."""
+    """The artifact's metadata: how it was calibrated, the clips, winners, spectra, and what each step chose."""
     layers, winners, held = picked
     spectra = {}
     for i, s in sorted(m.stats.layers.items()):

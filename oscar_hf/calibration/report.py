@@ -13,9 +13,8 @@ from .stats import CalibrationStats
 
 
 def retrieval_summary(rotations: OscarRotations, config: OscarConfig | None = None) -> str:
-    """One line: the best retrieval heads with their scores, and those ``config`` keeps in full precision at what
-    average history bits (default: what ``OscarCache.from_pretrained`` runs with, ``retrieval_heads="auto"`` at
-    the artifact's calibrated group size)."""
+    """One line: the best retrieval heads and their scores, and those ``config`` keeps (default: what
+    ``OscarCache.from_pretrained`` runs with) at what history bits."""
     scores = rotations.retrieval_scores
     if scores is None:
         return "  retrieval heads: not scored (no retrieval heads by default)"
@@ -111,8 +110,7 @@ def calibration_report(rotations: OscarRotations) -> str:
 
 
 def plot_spectra(obj: CalibrationStats | OscarRotations, path) -> None:
-    """PNG of the normalized eigen-spectra of ``C_Q`` vs ``C_K`` per layer (mean over KV heads, one line
-    per layer, coloured by depth) and the top-eigenvalue share per layer."""
+    """PNG of the normalized eigen-spectra of ``C_Q`` vs ``C_K`` per layer and the top-eigenvalue share per layer."""
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
@@ -153,10 +151,8 @@ def plot_spectra(obj: CalibrationStats | OscarRotations, path) -> None:
 
 
 def plot_settings(rotations: OscarRotations, path) -> None:
-    """PNG of the settings search an artifact records (``metadata["settings"]``, :func:`.settings.choose_settings`):
-    every setting scored, its held-out next-token KL against its stored bits at the target context, the KL-vs-bits
-    frontier (:func:`.settings.kl_frontier`), the budget, the chosen setting, and the settings priced over the budget
-    (not scored: marked on the bits axis)."""
+    """PNG of an artifact's settings search: each setting's KL against its bits, the frontier, the budget, the
+    chosen setting, and those over the budget (on the bits axis)."""
     import matplotlib
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt

@@ -1,12 +1,6 @@
-"""Retrieval heads: the KV heads that copy a fact from far back in the context (calibration side; docs/usage.md,
-"Retrieval heads").
-
-A 2-bit history keeps attention statistics close but can lose the one needle a retrieval query must find; a few heads
-do those lookups (Wu et al., 2024, "Retrieval Head Mechanistically Explains Long-Context Factuality"). Synthetic
-key/value probes in *calibration* text score each ``(layer, query head)`` by the attention mass the positions
-predicting the answer put on the probe's fact sentence, pooled per KV head by the max over its query heads. Probe:
-``<haystack> <fact> <haystack> <question> <answer>``, fact "The access code of <name> is <7 digits>.", question "What
-is the access code of <name>? The access code of <name> is" (words and names other than the needle evaluation's).
+"""Retrieval heads: the KV heads that copy a fact from far back (Wu et al., 2024), which a 2-bit history can lose.
+Probes ``<haystack> <fact> <haystack> <question> <answer>`` in *calibration* text score each KV head by the attention
+mass the answer-predicting rows put on the fact (max over its query heads). docs/quality.md, "Retrieval-safe defaults".
 """
 from __future__ import annotations
 
@@ -61,8 +55,7 @@ _STATE: dict = {}
 
 
 def _probe_handler(module, query, key, value, attention_mask, *args, base: str, scaling=None, **kwargs):
-    """Records, for the answer-predicting rows, the attention mass on the fact span; the base attention
-    then runs as usual (``NotImplemented``)."""
+    """Record the answer-predicting rows' attention mass on the fact span; the base attention then runs."""
     st = _STATE.get("probe")
     if st is None or not isinstance(key, torch.Tensor):
         return NotImplemented
@@ -83,9 +76,8 @@ register_handler("oscarprobe_", _probe_handler)
 
 @torch.no_grad()
 def retrieval_scores(model, probes: list[Probe], progress: bool = True) -> torch.Tensor:
-    """``[num_layers, num_kv_heads]``: mean over probes of the max (over the KV head's query heads) of the
-    attention mass the answer-predicting rows put on the fact sentence. Layers without attention
-    (``layer_idx`` absent) stay zero."""
+    """``[num_layers, num_kv_heads]``: mean over probes of the max over each KV head's query heads of the attention
+    mass on the fact; layers without attention stay zero."""
     from tqdm.auto import tqdm
     cfg = model.config.get_text_config(decoder=True)
     nl, hq = cfg.num_hidden_layers, cfg.num_attention_heads
@@ -120,12 +112,9 @@ def probe_lengths(model, lengths=LENGTHS) -> tuple[int, ...]:
 
 def find_retrieval_heads(model, tokenizer, calibration_text: str, n_probes: int = PROBES, lengths=LENGTHS,
                          seed: int = 1000, progress: bool = True, bf16_autocast: bool = True) -> torch.Tensor:
-    """``[num_layers, Hk]`` float32 retrieval scores of ``model`` from ``n_probes`` probes in calibration text
-    (store them as ``OscarRotations.retrieval_scores``). Lengths beyond the model's context are dropped.
-
-    ``bf16_autocast``: a float32 model on CPU / CUDA runs the probe forwards under bfloat16 autocast: they are most
-    of a CPU calibration's time (SmolLM2, 12 probes of 2-4K tokens: 2x faster), and the scores move by ~0.01, far
-    less than the gap between retrieval heads and the rest that ``OscarConfig.retrieval_threshold`` sits in."""
+    """``[num_layers, Hk]`` float32 retrieval scores from ``n_probes`` probes in calibration text (for
+    ``OscarRotations.retrieval_scores``). ``bf16_autocast``: a float32 model runs the probes under bfloat16 autocast,
+    2x faster; the scores move by ~0.01, far less than the gap the threshold sits in."""
     if n_probes < 1:
         raise ValueError(f"n_probes must be >= 1, got {n_probes}")
     lengths = probe_lengths(model, lengths)

@@ -1,8 +1,5 @@
-"""Candidates and their selection: the rotations a layer may use (from the statistics), and their held-out attention
-error for every clip ratio (:class:`ErrorRecorder`; the measures: docs/calibration.md), from which :func:`select_best`
-picks one clip per layer and one candidate per KV head (K and V separately). Eigenvectors in float64
-(``torch.linalg.eigh``, descending, sign-fixed so each one's largest component is positive) become ``R = U · H · P_br``
-(:func:`~oscar_hf.hadamard.oscar_rotation`).
+"""Candidates and their selection: the rotations a layer may use, their held-out attention error for every clip
+ratio (:class:`ErrorRecorder`; docs/calibration.md), and :func:`select_best`'s clip per layer and candidate per KV head.
 """
 from __future__ import annotations
 
@@ -23,10 +20,9 @@ V_CANDIDATES = ("identity", "hadamard", "oscar", "pca-kv", "score-weighted")
 META_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-# ---------------------------------------------------------------------------------------------- candidates
 def eigvecs_desc(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenvalues (descending) and eigenvectors (columns, same order) of symmetric ``c [..., D, D]``
-    in float64; each eigenvector's largest-magnitude component is made positive (reproducible signs)."""
+    """Eigenvalues (descending) and eigenvectors (columns) of symmetric ``c [..., D, D]`` in float64, signs fixed
+    so that each one's largest component is positive."""
     c = ((c + c.transpose(-1, -2)) / 2).double()
     w, u = torch.linalg.eigh(c)
     w, u = w.flip(-1), u.flip(-1)
@@ -37,18 +33,16 @@ def eigvecs_desc(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pooled_over_heads(c: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-KV-head second moments ``c [Hk, D, D]`` -> the layer's pooled moment, replicated ``[Hk, D, D]``:
-    ``Σ_h w_h c_h / Σ_h w_h`` with ``weights [Hk]`` each head's share of the pooled rows (None: equal, as for
-    queries, keys, values and outputs, which every head of a layer sees the same number of)."""
+    """``c [Hk, D, D]`` -> the layer's pooled moment ``Σ_h w_h c_h / Σ_h w_h`` replicated ``[Hk, D, D]``
+    (``weights [Hk]``; None: equal)."""
     w = torch.ones(c.shape[0], dtype=c.dtype, device=c.device) if weights is None else weights.to(c)
     pooled = (w[:, None, None] * c).sum(0) / w.sum().clamp_min(1e-300)
     return pooled.expand_as(c)
 
 
 def candidate_rotation(name: str, kind: str, s: LayerStats, center: bool, shared: bool = False) -> torch.Tensor:
-    """``[Hk, D, D]`` float32 rotation of candidate ``name`` for ``kind`` "k" or "v". ``shared``: one rotation for
-    all KV heads of the layer, from the statistics of all its heads pooled (:func:`pooled_over_heads`; with
-    ``center`` each head's moment is taken around its own mean, the offsets staying per head)."""
+    """``[Hk, D, D]`` float32 rotation of candidate ``name`` for ``kind`` "k" or "v". ``shared``: one rotation
+    from the layer's pooled statistics (:func:`pooled_over_heads`)."""
     hk, d = s.k_sum.shape
     if name == "identity":
         return torch.eye(d).expand(hk, d, d).contiguous()
@@ -90,13 +84,8 @@ def center_modes(center) -> list[bool]:
 def build_candidates(stats: CalibrationStats, method: str, *, center: bool | str = True, value_target: str = "sst",
                      clip_grid=CLIP_GRID,
                      shared: bool = False) -> tuple[dict[int, LayerCandidates], list[str], list[str]]:
-    """Candidate rotations (and offsets) of every layer, and their names.
-
-    ``center=True``/``False``: every candidate is centered / uncentered; ``"auto"``: each rotation appears twice,
-    uncentered (``"oscar"``) and centered (``"oscar+center"``, covariances taken around the means), so the selection
-    also decides per layer, KV head and K/V whether to center. The identity rotation without offsets at clip 1.0
-    (naive INT2) is always evaluated as a reference for the report (never selected). ``shared``: every candidate is
-    one rotation per layer, replicated over its KV heads (:func:`candidate_rotation`)."""
+    """Candidate rotations (and offsets) of every layer, and their names. ``center="auto"``: each candidate twice,
+    uncentered and ``"+center"``. Naive INT2 is always evaluated as the report's reference, never selected."""
     names = _candidate_names(method, value_target)
     modes = center_modes(center)
     suffix = (lambda c: "+center" if c else "") if len(modes) > 1 else (lambda c: "")  # noqa: E731
@@ -126,7 +115,7 @@ def evaluate_candidates(model, input_ids, candidates: dict[int, LayerCandidates]
                         meta_dtype="bfloat16", batch_size: int = 1, pad_id: int = 0, query_samples: int = 128,
                         window: tuple[int, int] | None = None, progress: bool = False,
                         _bar=None) -> dict[int, LayerErrors]:
-    """Held-out attention error of every candidate x clip of every layer (see the module docstring)."""
+    """Held-out attention error of every candidate x clip of every layer."""
     meta = META_DTYPES[meta_dtype] if isinstance(meta_dtype, str) else meta_dtype
     seqs = as_sequences(input_ids)
     rec = ErrorRecorder(candidates, group_size, meta, query_samples, window)
@@ -141,9 +130,8 @@ def evaluate_candidates(model, input_ids, candidates: dict[int, LayerCandidates]
 
 
 def select_best(errors: torch.Tensor, shared: bool = False) -> tuple[int, list[int]]:
-    """Joint choice for one layer from ``errors [C, N, Hk]``: one clip index for the layer and one
-    candidate per KV head (``shared``: one candidate for all its KV heads, repeated), minimizing the layer's summed
-    error. Ties prefer the larger clip ratio (the grid is ascending) and the earlier candidate."""
+    """From ``errors [C, N, Hk]``: one clip index for the layer and one candidate per KV head (``shared``: one for
+    all), minimizing the summed error; ties prefer the larger clip and the earlier candidate."""
     hk = errors.shape[-1]
     if shared:
         total, arg = errors.sum(-1).min(dim=0)  # [N]: the best candidate's layer error at each clip
@@ -158,12 +146,9 @@ def select_best(errors: torch.Tensor, shared: bool = False) -> tuple[int, list[i
 def attention_error(model, rotations: OscarRotations, input_ids, *, group_size: int = 64, center: bool = True,
                     meta_dtype="bfloat16", batch_size: int = 1, pad_id: int = 0, query_samples: int = 128,
                     window: tuple[int, int] | None = (64, 256), progress: bool = False) -> dict:
-    """The library's attention-error measure of an artifact on ``input_ids`` (use held-out text):
-    per layer the mean squared key-logit error ``k``, the mean squared output error of values ``v``,
-    and both relative to the signal (``k_rel`` = / mean squared logit, ``v_rel`` = / mean ||o||²);
-    plus their means over layers ``k_rel``, ``v_rel`` and ``total`` = ``k_rel + v_rel``. Uses the
-    artifact's rotations, clips and (with ``center``) offsets. ``window=(sink, recent)``: only the
-    (query, key) pairs the cache quantizes count (``sink <= key < query - recent``); ``None``: all pairs."""
+    """The selection's attention error of an artifact on held-out ``input_ids``: per layer the mean squared key-logit
+    error ``k``, value output error ``v``, and both relative to the signal; their means over layers ``k_rel``,
+    ``v_rel`` and ``total``. ``window=(sink, recent)``: only the pairs the cache quantizes count."""
     rotations.check_compatible(model.config)
     validate_head_dim(rotations.fingerprint, group_size)
     cands = {

@@ -12,8 +12,7 @@ SCORED_TOKENS = 512  # tokens of the held-out window scored after its prompt
 
 @torch.no_grad()
 def reference_log_probs(model, ids: torch.Tensor, scored: int = SCORED_TOKENS) -> torch.Tensor:
-    """``[1, scored, vocab]`` float32 log-probabilities of the model without a cache at the last ``scored`` positions
-    of ``ids [n]`` (computed once, shared by every artifact :func:`next_token_kl` scores on ``ids``)."""
+    """``[1, scored, vocab]`` float32 log-probabilities without a cache at the last ``scored`` positions of ``ids [n]``."""
     ids = ids.reshape(1, -1).to(next(model.parameters()).device)
     return torch.log_softmax(model(ids, use_cache=False, logits_to_keep=scored).logits.float(), -1)
 
@@ -22,11 +21,9 @@ def reference_log_probs(model, ids: torch.Tensor, scored: int = SCORED_TOKENS) -
 def next_token_kl(model, rotations: OscarRotations, ids: torch.Tensor, *, sink: int = 64, recent: int = 256,
                   group_size: int = 64, meta_dtype: str = "bfloat16", scored: int = SCORED_TOKENS,
                   reference: torch.Tensor | None = None, config: OscarConfig | None = None) -> float:
-    """Mean KL(model || model with the cache) of the next-token distributions of the last ``scored`` tokens of
-    ``ids [n]``, the first ``n - scored`` written to the cache as a prompt. Needs a prompt longer than
-    ``sink + recent`` (else nothing is quantized). ``reference``: :func:`reference_log_probs` of ``ids``.
-    ``config``: the cache's whole :class:`OscarConfig` (retrieval heads included; the settings search,
-    :mod:`.settings`), used instead of ``sink`` / ``recent`` / ``group_size`` / ``meta_dtype`` and no heads."""
+    """Mean KL(model || model with the cache) over the last ``scored`` tokens of ``ids [n]``, the rest the prompt
+    (longer than ``sink + recent``). ``reference``: :func:`reference_log_probs` of ``ids``. ``config``: the whole
+    cache config, in place of ``sink`` / ``recent`` / ``group_size`` / ``meta_dtype`` without heads."""
     from ..cache import OscarCache
     from ..compat import cache_kwargs
     if config is None:

@@ -1,8 +1,6 @@
-"""The cache settings chosen per model, by measurement, within a memory budget (``calibrate(choose_settings=True)``):
-:func:`choose_settings` searches what :class:`~oscar_hf.OscarConfig` otherwise fixes by next-token KL through the cache
-on held-out windows and keeps the lowest-KL setting within the budget (``OscarConfig.stored_bits``). The budget, the
-coordinate descent, the retrieval-head floor, why window candidates are capped (:data:`WINDOW_SHARE`) and why a win
-needs :data:`MARGIN`: docs/quality.md, "Settings chosen per model by calibration"."""
+"""The cache settings chosen per model by next-token KL on held-out windows, within a memory budget
+(``OscarConfig.stored_bits``). The search and its constants: docs/quality.md, "Settings chosen per model by
+calibration"."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +41,7 @@ def check_budget(budget_bits, target_context) -> None:
 
 @dataclasses.dataclass
 class Trial:
-    """One setting scored: what changed (``name``), the cache config, its cost (budget bits) and KL."""
+    """One setting scored: what changed, the config, its budget bits and KL."""
 
     name: str
     config: OscarConfig
@@ -64,8 +62,7 @@ class Trial:
 
 
 class _Space:
-    """The model's candidate settings and their cost: retrieval heads ranked by score, layers ranked by held-out
-    error, and :meth:`fit`, which fills the budget a setting leaves with retrieval heads."""
+    """Retrieval heads ranked by score, layers by held-out error, and :meth:`fit` of a setting to the budget."""
 
     def __init__(self, rotations: OscarRotations, base: OscarConfig, budget_bits: float, target_context: int):
         fp = self.fp = rotations.fingerprint
@@ -89,14 +86,12 @@ class _Space:
         return config.stored_bits(self.fp, self.layers, self.context)
 
     def with_heads(self, config: OscarConfig, n: int, precise: int = 0) -> OscarConfig:
-        """``config`` keeping all KV heads of its ``precise`` worst layers and its ``n`` best retrieval heads (all at
-        ``config.retrieval_bits``)."""
+        """``config`` keeping every KV head of the ``precise`` worst layers and the ``n`` best retrieval heads."""
         whole = {(i, h) for i in self.ranked_layers[:precise] for h in range(self.hk)}
         return config.replace(retrieval_heads=tuple(sorted(whole | set(self.heads[:n]))))
 
     def fit(self, config: OscarConfig, precise: int = 0) -> OscarConfig | None:
-        """:meth:`with_heads` with as many retrieval heads as fit the budget, or None when fewer than :attr:`floor`
-        retrieval heads fit."""
+        """:meth:`with_heads` with as many retrieval heads as fit the budget; None below :attr:`floor`."""
         retrieval = set(self.heads)
         for n in range(len(self.heads), -1, -1):  # most heads first
             c = self.with_heads(config, n, precise)
@@ -108,8 +103,7 @@ class _Space:
 
 
 def window_candidates(sink: int, recent: int, prompt: int) -> list[tuple[int, int]]:
-    """``(sink, recent)`` alternatives to the calibration's window: halved and doubled, each with ``sink + recent``
-    at most :data:`WINDOW_SHARE` of the held-out ``prompt`` (the bias of short held-out windows, module docstring)."""
+    """``(sink, recent)`` halved and doubled, each with ``sink + recent <= WINDOW_SHARE * prompt``."""
     out = []
     for s, r in ((sink // 2, recent // 2), (sink, recent // 2), (sink * 2, recent), (sink, recent * 2),
                  (sink * 2, recent * 2)):
@@ -120,8 +114,7 @@ def window_candidates(sink: int, recent: int, prompt: int) -> list[tuple[int, in
 
 def heldout_kl(model, rotations: OscarRotations, windows: Sequence[torch.Tensor],
                scored: int = SCORED_TOKENS) -> Callable[[OscarConfig], float]:
-    """A scorer: the mean next-token KL of a cache config over the held-out ``windows`` (each ``[n]`` ids; their
-    references computed once, here)."""
+    """``config -> mean next-token KL`` over the held-out ``windows`` (``[n]`` ids each; references computed once)."""
     refs = [reference_log_probs(model, w, scored) for w in windows]
 
     def score(config: OscarConfig) -> float:
@@ -135,18 +128,10 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
                     budget_bits: float = DEFAULT_BUDGET_BITS, target_context: int | None = None,
                     base: OscarConfig | None = None, margin: float = MARGIN, progress: bool = True,
                     score: Callable[[OscarConfig], float] | None = None) -> dict:
-    """Search the cache settings for ``model`` with ``rotations`` (module docstring) and return the artifact's
-    ``metadata["settings"]`` entry: ``chosen`` (:data:`~oscar_hf.config.CHOSEN_FIELDS`), its ``bits`` and ``kl``,
-    the budget, and ``tried`` (every setting scored, in order, with its KL and bits) and ``over_budget`` (those
-    skipped with their bits).
-
-    Args:
-        windows: held-out token windows ``[n]`` scored (``n - 512`` tokens prompt, 512 scored), not seen by the
-            statistics; their length bounds the window candidates.
-        base: the defaults the search starts from (default ``OscarConfig()``; the calibration passes its window and
-            group size).
-        score: ``config -> KL`` instead of :func:`heldout_kl` over ``windows`` (tests).
-    """
+    """Search the cache settings and return the artifact's ``metadata["settings"]`` entry: ``chosen``
+    (:data:`~oscar_hf.config.CHOSEN_FIELDS`), its ``bits`` and ``kl``, the budget, ``tried`` and ``over_budget``.
+    ``windows``: held-out ``[n]`` ids (512 scored, the rest prompt); ``base``: where the search starts; ``score``:
+    ``config -> KL`` in place of :func:`heldout_kl`."""
     t0 = time.perf_counter()
     target_context = default_target_context(model.config) if target_context is None else target_context
     check_budget(budget_bits, target_context)
@@ -162,8 +147,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     hd = space.fp.head_dim
     tried: list[Trial] = []
     over: list[dict] = []
-    # the bar counts settings scored or found over budget: the defaults, 1 quantizer, the group sizes, the windows,
-    # 1 head width and up to len(PRECISE_LAYERS) precise-layer steps (fewer when one does not pay)
+    # the bar counts settings scored or over budget: defaults, quantizer, group sizes, windows, head width, layers
     n_plan = (2 + len({hd if g is None else g for g in GROUP_SIZES if g is None or (g <= hd and hd % g == 0)} - {
         base.group_size}) + len(window_candidates(base.sink, base.recent, prompt)) + (1 if space.heads else 0)
         + min(len(PRECISE_LAYERS), len(space.ranked_layers)))
@@ -192,8 +176,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         precise = 0
 
         def step(options: list[tuple[str, OscarConfig, int]]) -> None:
-            """Score ``(name, unfitted config, precise layers)`` alternatives; the best replaces the incumbent if it
-            wins by more than the margin."""
+            """Score ``(name, unfitted config, precise layers)``; the best replaces the incumbent by > margin."""
             nonlocal inc, precise
             best = None
             for name, cfg, p in options:
@@ -249,8 +232,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
 
 
 def kl_frontier(tried: Sequence[dict]) -> list[dict]:
-    """The settings of a search's ``tried`` records (``bits``, ``kl``) that no other beats at equal or fewer bits:
-    the KL-vs-bits frontier, cheapest first (a setting costing more for no lower KL is off it)."""
+    """The KL-vs-bits frontier of ``tried`` records, cheapest first: those no cheaper one beats."""
     front: list[dict] = []
     for t in sorted(tried, key=lambda t: (t["bits"], t["kl"])):
         if not front or t["kl"] < front[-1]["kl"]:

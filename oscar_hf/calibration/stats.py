@@ -1,7 +1,5 @@
-"""Pass 1 (and 2) of calibration: streaming float64 attention statistics of every full-attention layer
-(docs/calibration.md). :class:`StatsRecorder` accumulates, per layer and KV head, ``Σx``, ``Σxᵀx`` and counts of
-queries (pooled over the KV head's query heads), keys, values and attention outputs; with the score-weighted value
-target a second pass over the same windows adds ``Σ w_t v_tᵀ v_t``. Nothing stores activations.
+"""Passes 1 and 2 of calibration: streaming float64 attention statistics (``Σx``, ``Σxᵀx``, counts) per
+full-attention layer and KV head (docs/calibration.md). Nothing stores activations.
 """
 from __future__ import annotations
 
@@ -25,8 +23,8 @@ def _output_tensor(result, batch, q_len, hq, d) -> torch.Tensor:
 
 
 def _rows(x: torch.Tensor, hk: int, valid: torch.Tensor) -> torch.Tensor:
-    """``x [B, H, L, D]`` -> ``[Hk, rows, D]``: the rows of the (H / Hk) heads sharing each KV head, real
-    tokens (``valid [B, L]``) only. Query head ``h`` belongs to KV head ``h // (H / Hk)`` (repeat_kv)."""
+    """``x [B, H, L, D]`` -> ``[Hk, rows, D]``: the rows of the heads sharing each KV head (repeat_kv's order), real
+    tokens (``valid [B, L]``) only."""
     b, h, l, d = x.shape
     x = x.reshape(b, hk, (h // hk) * l, d).transpose(0, 1)  # [Hk, B, g*L, D]
     if bool(valid.all()):
@@ -37,9 +35,9 @@ def _rows(x: torch.Tensor, hk: int, valid: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass
 class LayerStats:
-    """Float64 sums for one layer; every tensor has a leading KV-head axis ``[Hk, ...]``. Query and output rows are
-    pooled over the ``g`` query heads of each KV head, so ``n_q`` counts (tokens x g) rows and ``n_kv`` tokens. ``sw_*``
-    hold the score-weighted value sums ``Σ w_t``, ``Σ w_t v_t``, ``Σ w_t v_tᵀ v_t``, ``w_t = k_t C_Q k_tᵀ``."""
+    """Float64 sums for one layer, ``[Hk, ...]`` each. Query and output rows are pooled over each KV head's ``g``
+    query heads (``n_q`` counts tokens x g, ``n_kv`` tokens). ``sw_*``: ``Σ w_t``, ``Σ w_t v_t``, ``Σ w_t v_tᵀ v_t``,
+    ``w_t = k_t C_Q k_tᵀ``."""
 
     qq: torch.Tensor
     k_sum: torch.Tensor
@@ -59,7 +57,6 @@ class LayerStats:
         z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
         return cls(z(hk, d, d), z(hk, d), z(hk, d, d), z(hk, d), z(hk, d, d), z(hk, d), z(hk, d, d))
 
-    # -- derived quantities (float64) --
     def _need(self):
         if self.n_q == 0 or self.n_kv == 0:
             raise ValueError("no tokens were recorded for this layer")
@@ -75,8 +72,7 @@ class LayerStats:
         return self.v_sum / self.n_kv
 
     def c_q(self) -> torch.Tensor:
-        """``C_Q = (1/N) Σ qᵀq``: second moment of the (pooled, post-RoPE) queries (never centered:
-        the logit error of a centered key is still ``Δk C_Q Δkᵀ``)."""
+        """``C_Q = (1/N) Σ qᵀq`` of the pooled post-RoPE queries, never centered."""
         self._need()
         return self.qq / self.n_q
 
@@ -90,8 +86,7 @@ class LayerStats:
         return c
 
     def c_s(self, center: bool = False) -> torch.Tensor:
-        """``C_S = (1/N) Σ oᵀo`` over attention outputs; centered: around ``mu_V`` (``o - mu_V`` is exactly
-        the attention-weighted centered values, the part that is quantized)."""
+        """``C_S = (1/N) Σ oᵀo`` over attention outputs, centered around ``mu_V``."""
         self._need()
         return self._moment(self.oo, self.o_sum, self.n_q, self.mu_v, center)
 
@@ -112,11 +107,9 @@ class LayerStats:
 
 
 class StatsRecorder:
-    """Accumulates :class:`LayerStats` for the given layers. ``phase="moments"`` records queries, keys, values and
-    outputs; ``phase="score_weighted"`` (a second pass, once ``C_Q`` of the whole set is known) the score-weighted
-    value sums. ``kv_skip``: the first ``kv_skip`` real tokens of every sequence are left out of the key / value
-    statistics (the cache keeps them in the sink window, and attention-sink tokens carry atypical, huge activations);
-    queries and outputs are recorded at every position."""
+    """Accumulates :class:`LayerStats`: ``phase="moments"`` the moments, ``"score_weighted"`` (a second pass, once
+    ``C_Q`` is known) the score-weighted sums. ``kv_skip``: real tokens per sequence left out of the K/V statistics
+    (the cache keeps them in the sink)."""
 
     def __init__(self, layers, kv_skip: int = 0):
         self.layers = set(int(i) for i in layers)
@@ -171,8 +164,8 @@ class StatsRecorder:
 
 
 def spectrum_summary(c: torch.Tensor) -> dict:
-    """Per KV head of a ``[Hk, D, D]`` PSD matrix: descending eigenvalues normalized to sum 1, the top
-    eigenvalue's share and the effective rank ``exp(entropy)``."""
+    """Per KV head of ``c [Hk, D, D]`` (PSD): eigenvalues normalized to sum 1 (descending), the top one's share, the
+    effective rank ``exp(entropy)``."""
     w = torch.linalg.eigvalsh(((c + c.transpose(-1, -2)) / 2).double()).flip(-1).clamp_min(0)
     p = w / w.sum(-1, keepdim=True).clamp_min(1e-300)
     ent = -(p * torch.log(p.clamp_min(1e-300))).sum(-1)
@@ -204,9 +197,8 @@ def full_attention_layers(fp: ModelFingerprint) -> list[int]:
 
 def collect_statistics(model, input_ids, *, score_weighted: bool = False, kv_skip: int = 0, batch_size: int = 1,
                        pad_id: int = 0, progress: bool = False, _bar=None) -> CalibrationStats:
-    """Run ``model`` over ``input_ids`` (tensor ``[n, L]`` or a list of 1-D sequences, right-padded per
-    batch) and return the accumulated statistics of every full-attention layer. With
-    ``score_weighted=True`` a second pass accumulates the score-weighted value target."""
+    """The statistics of every full-attention layer over ``input_ids`` (``[n, L]`` or 1-D sequences, right-padded
+    per batch); ``score_weighted``: the second pass too."""
     fp = ModelFingerprint.from_config(model.config)
     layers = full_attention_layers(fp)
     if not layers:
