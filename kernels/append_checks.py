@@ -1,6 +1,5 @@
-"""Input checks of the fused one-token write (:func:`~oscar_hf.kernels.write_path.append`'s references and its
-Triton kernels ``append_triton.py``, all taking :mod:`.kv`'s bundles), shared by both without either importing the
-other. Reads no device data."""
+"""Input checks of the one-token write, shared by its references (``write_path``) and kernels (``append_triton``)
+without either importing the other. Reads no device data."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -11,11 +10,8 @@ from oscar_hf.quant import QuantizedRows, check_group_size
 
 
 class CodedSlots(NamedTuple):
-    """The retrieval heads' history entries that the one-token write fills beside the INT2 heads' (``coded=`` of
-    :func:`append`, built from the history's ``coded`` rows): ``k``/``v`` the stored parts ``[B, P, N, *]``
-    (:func:`~oscar_hf.quant.encode_heads`:
-    ``(x,)`` at 16 bits, ``(codes, scale, zero)`` at 8 / 4, metadata in the window's dtype), ``coded_of [Hk]`` int64
-    each KV head's index among them or -1 (an INT2 head), ``bits`` 16, 8 or 4."""
+    """The retrieval heads' entries the one-token write fills: ``k``/``v`` parts ``[B, P, N, *]`` (``encode_heads``:
+    ``(x,)`` at 16 bits, ``(codes, scale, zero)`` at 8 / 4), ``coded_of [Hk]`` int64 (-1: an INT2 head), ``bits``."""
 
     k: tuple[torch.Tensor, ...]
     v: tuple[torch.Tensor, ...]

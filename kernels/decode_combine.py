@@ -1,9 +1,5 @@
-"""The combine kernel of the decode read path: the log-sum-exp merge of the split partials.
-
-One program per query row (``PARTS`` per row where rows are few) merges the ``S_HIST`` history partials (rotated value
-space) and, for the decode op (``FINAL``), the window partials (value space), rotates the merged history row back (``acc
-R_Vᵀ + l mu_V``, a per-row mat-vec) and normalizes. Partials are ``[B * Hk, S_TOT, M]`` (``m``, ``l``, log2 units) and
-``[B * Hk, S_TOT, M, D]`` (``acc``), as :mod:`~oscar_hf.kernels.decode_split` and the Gluon history kernel write them.
+"""The combine kernel of the decode read path: the log-sum-exp merge of the split partials ``[B * Hk, S_TOT, M]``
+(``m``, ``l``, log2 units) and ``[B * Hk, S_TOT, M, D]`` (``acc``), the history's rotated back, normalized.
 """
 from __future__ import annotations
 
@@ -39,19 +35,14 @@ def _combine_kernel(
     PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
     READY=None, RESET: tl.constexpr = 0, DP: tl.constexpr = 0, OHEAD=None, HK_OUT=1, HAS_OHEAD: tl.constexpr = 0,
 ):
-    """One program per (b, h, query row) (``PARTS`` per row): log-sum-exp merge of the split partials; the shapes and
-    why latency sets its time: docs/kernels.md §3.5.
-
-    Splits ``[0, S_HIST)`` are history (rotated value space), ``[S_HIST, S_TOT)`` window (value space). Not FINAL
-    (history_partial): write ``m`` (natural units), ``l``, ``acc``. FINAL: ``out = (w_h (acc_h R_Vᵀ + l_h mu_V) + w_w
-    acc_w) / (w_h l_h + w_w l_w)``, ``w = exp(m_part - m)``; only the merged history row is rotated back, ``C_BLOCK``
-    output channels at a time (``C_BLOCK == D``: all of ``R_V[h]`` loaded first). Rows without a valid key are 0.
-    ``HOIST`` (FINAL, ``C_BLOCK < D``, <= ``SW_BLOCK`` window splits): one round of loads before the merge (history and
-    window partials, ``R_V``'s first chunk), each next chunk loaded before the previous one is used. ``PARTS``
-    (``C_BLOCK <= D / PARTS``): program ``pc`` of a row writes channels ``[pc D / PARTS, (pc + 1) D / PARTS)``.
-    ``RESET``: one program per (b, h) sets ``READY[b * Hk + h]`` back to 0 (this call's history grid is complete then).
-    ``DP``: ``D`` padded to a power of two (D = 96: 128; 0 = ``D``), the padded channels masked to 0. ``HAS_OHEAD``
-    (FINAL): head ``h``'s rows go to KV head ``OHEAD[h]`` of an output of ``HK_OUT`` heads (INT2 heads, in place)."""
+    """One program per (b, h, query row) (``PARTS`` per row): log-sum-exp merge of the split partials (shapes and why:
+    docs/kernels.md §3.5). Splits ``[0, S_HIST)`` are history (rotated value space), the rest window (value space).
+    Not FINAL: write ``m`` (natural units), ``l``, ``acc``. FINAL: ``out = (w_h (acc_h R_Vᵀ + l_h mu_V) + w_w acc_w) /
+    (w_h l_h + w_w l_w)``, only the merged history row rotated back, ``C_BLOCK`` output channels at a time; rows
+    without a valid key are 0. ``HOIST``: one round of loads before the merge, each next ``R_V`` chunk loaded before the
+    previous one is used. ``PARTS``: program ``pc`` writes channels ``[pc D / PARTS, (pc + 1) D / PARTS)``. ``RESET``:
+    zero ``READY[b * Hk + h]`` (the history grid is complete). ``DP``: padded ``D``. ``HAS_OHEAD``: head ``h``'s rows
+    go to KV head ``OHEAD[h]`` of ``HK_OUT`` heads."""
     row = tl.program_id(0) // PARTS  # = bh * M + mm
     c_lo = (tl.program_id(0) % PARTS) * (D // PARTS)  # this program's first output channel
     bh = row // M
