@@ -8,10 +8,8 @@ import dataclasses
 import logging
 import warnings
 
-import torch
-
 from .config import FULL_LAYER_TYPES, ModelFingerprint, OscarConfig, artifact_settings, validate_head_dim
-from .rotations import OscarRotations
+from .rotations import OscarRotations, ranked_heads
 
 logger = logging.getLogger("oscar_hf")
 
@@ -111,14 +109,12 @@ def resolve_retrieval_heads(config: OscarConfig, rotations: OscarRotations, fp: 
                         rotations.method)
             pairs = ()
         else:
-            budget = config.retrieval_head_budget(fp.head_dim, len(quantized) * fp.num_key_value_heads)
-            s = scores[quantized].flatten()  # [len(quantized) * Hk]
-            order = torch.argsort(s, descending=True, stable=True)
-            hk = fp.num_key_value_heads
-            passing = [(quantized[int(j) // hk], int(j) % hk) for j in order if s[j] >= config.retrieval_threshold]
+            n_heads = len(quantized) * fp.num_key_value_heads
+            budget = config.retrieval_head_budget(fp.head_dim, n_heads)
+            passing = [p for p in ranked_heads(scores, quantized) if scores[p] >= config.retrieval_threshold]
             pairs = tuple(passing[:budget])
             logger.info("retrieval heads 'auto': %d of %d heads score >= %.2f, budget %d (history <= %.2f bits): %s",
-                        len(passing), s.numel(), config.retrieval_threshold, budget, config.max_history_bits,
+                        len(passing), n_heads, config.retrieval_threshold, budget, config.max_history_bits,
                         list(pairs))
     elif isinstance(want, int):
         pairs = rotations.top_retrieval_heads(want)

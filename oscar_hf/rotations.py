@@ -150,16 +150,10 @@ class OscarRotations:
                 "retrieval_heads=<int> needs retrieval scores in the rotation artifact: run "
                 "scripts/find_retrieval_heads.py --artifact <dir> (or calibrate with --retrieval-probes), "
                 "or pass explicit (layer, kv_head) pairs")
-        s = self.retrieval_scores.clone()
-        for i in range(s.shape[0]):
-            if i not in self.layers:
-                s[i] = -1.0  # full-precision already (sliding / unquantized layers)
-        n_q = len(self.layers) * s.shape[1]
+        n_q = len(self.layers) * self.retrieval_scores.shape[1]
         if not 0 < k <= n_q:
             raise ValueError(f"retrieval_heads={k}: must lie in [0, {n_q}] (KV heads of the quantized layers)")
-        hk = s.shape[1]
-        order = torch.argsort(s.flatten(), descending=True, stable=True)[:k]
-        return tuple((int(i) // hk, int(i) % hk) for i in order)
+        return tuple(ranked_heads(self.retrieval_scores, sorted(self.layers))[:k])
 
     def check_compatible(self, config) -> None:
         """Refuse an artifact made for another model, naming every mismatch."""
@@ -291,6 +285,14 @@ class OscarRotations:
             f"OscarRotations(method={self.method!r}, model={self.fingerprint.name_or_path or self.fingerprint.architecture!r}, "
             f"layers={len(self.layers)}, kv_heads={self.fingerprint.num_key_value_heads}, head_dim={self.fingerprint.head_dim}, "
             f"offsets={self.has_offsets})")
+
+
+def ranked_heads(scores: torch.Tensor, layers) -> list[tuple[int, int]]:
+    """Every ``(layer, kv_head)`` of ``layers`` (ascending), by ``scores [num_layers, Hk]`` best first, ties in order."""
+    layers = list(layers)
+    hk = scores.shape[1]
+    order = torch.argsort(scores[layers].flatten(), descending=True, stable=True)
+    return [(layers[int(j) // hk], int(j) % hk) for j in order]
 
 
 def _model_name(fp) -> str:

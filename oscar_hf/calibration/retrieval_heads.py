@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..data import tokenize
 from ..patching import patched, register_handler
+from ..rotations import ranked_heads
 
 FACT = "The access code of {name} is {value}."
 ASK = " What is the access code of {name}? The access code of {name} is"
@@ -96,9 +97,7 @@ def retrieval_scores(model, probes: list[Probe], progress: bool = True) -> torch
 
 def top_heads(scores: torch.Tensor, k: int) -> tuple[tuple[int, int], ...]:
     """The ``k`` highest-scoring ``(layer, kv_head)`` pairs, best first."""
-    hk = scores.shape[1]
-    order = torch.argsort(scores.flatten(), descending=True)[:k]
-    return tuple((int(i) // hk, int(i) % hk) for i in order)
+    return tuple(ranked_heads(scores, range(scores.shape[0]))[:k])
 
 
 def probe_lengths(model, lengths=LENGTHS) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..config import CHOSEN_FIELDS, FULL_LAYER_TYPES, OscarConfig
-from ..rotations import OscarRotations
+from ..rotations import OscarRotations, ranked_heads
 from .hooks import progress_bar
 from .selection import SCORED_TOKENS, next_token_kl, reference_log_probs
 
@@ -73,10 +73,7 @@ class _Space:
         scores = rotations.retrieval_scores  # [num_layers, Hk] or None
         self.heads: list[tuple[int, int]] = []  # the retrieval heads (score >= threshold), best first
         if scores is not None:
-            s = scores[self.layers].flatten()  # [len(layers) * Hk]
-            order = torch.argsort(s, descending=True, stable=True)
-            self.heads = [(self.layers[int(j) // self.hk], int(j) % self.hk) for j in order
-                          if s[j] >= base.retrieval_threshold]
+            self.heads = [p for p in ranked_heads(scores, self.layers) if scores[p] >= base.retrieval_threshold]
         held = rotations.metadata.get("heldout_error") or {}
         err = {int(i): e.get("k_rel", 0.0) + e.get("v_rel", 0.0) for i, e in held.items() if int(i) in self.layers}
         self.ranked_layers = sorted(err, key=lambda i: -err[i])  # largest held-out attention error first
