@@ -125,6 +125,18 @@ def read_gguf_metadata(path) -> dict:
     return meta
 
 
+def gguf_specials(tok, path):
+    """``tok`` with its BOS, EOS and padding tokens as the GGUF ``path`` names them: Transformers' conversion does not
+    always (5.17 makes SmolLM2's ``<|im_start|>`` its EOS, where the file says ``<|im_end|>``)."""
+    meta = read_gguf_metadata(path)
+    tokens = meta["tokenizer.ggml.tokens"]
+    for name in ("bos", "eos", "pad"):
+        i = meta.get(f"tokenizer.ggml.{'padding' if name == 'pad' else name}_token_id")
+        if i is not None:
+            setattr(tok, f"{name}_token", tokens[int(i)])
+    return tok
+
+
 def gguf_gemma_tokenizer(path):
     """A ``GemmaTokenizer`` from a Gemma GGUF. GGUF carries no BPE merges: they are rebuilt from the vocabulary in
     the file's token order (Gemma's piece order). As in SentencePiece, control tokens (type 3) are special added
@@ -200,7 +212,7 @@ def _load_converted(gguf: Path, cache: Path, what: str, make_tokenizer, dtype, d
     return model.to(device).eval(), tok
 
 
-_SMOLLM2_CONVERSION = 1  # raise when the saved conversion changes: a new cache folder
+_SMOLLM2_CONVERSION = 2  # raise when the saved conversion changes: a new cache folder (2: specials from the GGUF)
 
 
 def smollm2_cache_dir() -> Path:
@@ -215,7 +227,8 @@ def load_smollm2(dtype: torch.dtype | str = torch.float32, device: str = "cpu", 
     from transformers import AutoTokenizer
     src = smollm2_dir()
     model, tok = _load_converted(src / SMOLLM2_GGUF, smollm2_cache_dir(), "SmolLM2",
-                                 lambda: AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF),
+                                 lambda: gguf_specials(AutoTokenizer.from_pretrained(src, gguf_file=SMOLLM2_GGUF),
+                                                       src / SMOLLM2_GGUF),
                                  dtype, device, attn_implementation)
     model.config._name_or_path = model.name_or_path = str(src)
     if tok.pad_token is None:
