@@ -184,8 +184,14 @@ def test_compiled_generate_with_sliding_layers(model_type):
     fills and rolls, traced at most three times (the sliding layer's length: filling, full); "auto" compiles them on
     CUDA only (tests/test_model_matrix.py checks that choice). Mistral with a sliding window: every layer sliding; Llama 4:
     chunked attention (the same cache layer, the chunking in the mask)."""
-    from transformers import StaticSlidingWindowLayer
+    import inspect
 
+    from transformers import StaticSlidingWindowLayer, masking_utils
+
+    if model_type == "llama4_text" and "block_sequence_ids" not in inspect.signature(
+            masking_utils.create_chunked_causal_mask).parameters:
+        pytest.skip("this Transformers (5.17) fails generate with its own StaticCache on chunked attention: "
+                    "create_masks_for_generate passes create_chunked_causal_mask a block_sequence_ids it does not take")
     over = dict(sliding_window=16) if model_type == "mistral" else {}
     m = tiny_model(model_type, **over)
     ids, am = random_left_padded([9, 30])
