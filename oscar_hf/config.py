@@ -212,8 +212,7 @@ class OscarConfig:
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"unknown OscarConfig fields {unknown}")
-        tup = lambda v: tuple(tup(x) for x in v) if isinstance(v, list) else v  # noqa: E731
-        return cls(**{k: tup(v) for k, v in d.items()})
+        return cls(**{k: _tuples(v) for k, v in d.items()})
 
     def replace(self, **kw) -> "OscarConfig":
         return dataclasses.replace(self, **renamed_keywords(kw, "OscarConfig.replace"))
@@ -221,6 +220,11 @@ class OscarConfig:
     # the old method names
     full_precision_head_bits = retrieval_head_bits
     full_precision_head_budget = retrieval_head_budget
+
+
+def _tuples(v):
+    """JSON lists (nested too) back to tuples."""
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
 
 _dataclass_init = OscarConfig.__init__
@@ -247,8 +251,7 @@ def artifact_settings(metadata: dict) -> dict[str, Any] | None:
     if unknown:
         raise ValueError(f"artifact metadata['settings']['chosen'] has fields no calibration chooses: {unknown} "
                          f"(known: {list(CHOSEN_FIELDS)})")
-    tup = lambda v: tuple(tup(x) for x in v) if isinstance(v, list) else v  # noqa: E731  (JSON lists -> tuples)
-    out = {k: tup(v) for k, v in chosen.items()}
+    out = {k: _tuples(v) for k, v in chosen.items()}
     OscarConfig(**out)  # a corrupted entry fails here, naming the field
     return out
 

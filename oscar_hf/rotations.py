@@ -174,12 +174,9 @@ class OscarRotations:
         path.mkdir(parents=True, exist_ok=True)
         tensors, layer_meta = {}, {}
         for i, lr in sorted(self.layers.items()):
-            tensors[f"layers.{i}.r_k"] = lr.r_k.detach().cpu().contiguous().clone()
-            tensors[f"layers.{i}.r_v"] = lr.r_v.detach().cpu().contiguous().clone()
-            if lr.mu_k is not None:
-                tensors[f"layers.{i}.mu_k"] = lr.mu_k.detach().cpu().contiguous().clone()
-            if lr.mu_v is not None:
-                tensors[f"layers.{i}.mu_v"] = lr.mu_v.detach().cpu().contiguous().clone()
+            for name in ("r_k", "r_v", "mu_k", "mu_v"):  # (offsets only where the layer has them)
+                if getattr(lr, name) is not None:
+                    tensors[f"layers.{i}.{name}"] = getattr(lr, name).detach().cpu().contiguous().clone()
             layer_meta[str(i)] = {"clip_k": lr.clip_k, "clip_v": lr.clip_v}
         if self.retrieval_scores is not None:
             tensors["retrieval_scores"] = self.retrieval_scores.detach().cpu().float().contiguous().clone()
