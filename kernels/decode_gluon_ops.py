@@ -69,8 +69,9 @@ _K8_ASM = gl.constexpr(tuple(
 _RNI_ASM = gl.constexpr("cvt.rni.f32.f32 $0, $1;")  # round to the nearest integer (even on ties)
 
 # Value codes of byte position BB of two tokens' words ($4: token t, $5: token t + 1): prmt pairs the two bytes
-# (selector nibble i = source of destination byte i: byte 0 <- byte BB of $4, byte 2 <- byte BB of $5; half 0: token t), one lop3 per plane or-s them into 0x4380 (bf16 256, mantissa LSB worth 2): 256 + KP code
-# with KP = 2, 8, 32; plane 3's bits would reach the exponent and are shifted down to bits 4-5 first (KP = 32).
+# (selector nibble i = source of destination byte i: byte 0 <- byte BB of $4, byte 2 <- byte BB of $5; half 0: token
+# t), one lop3 per plane or-s them into 0x4380 (bf16 256, mantissa LSB worth 2): 256 + KP code with KP = 2, 8, 32;
+# plane 3's bits would reach the exponent and are shifted down to bits 4-5 first (KP = 32).
 _V_ASM = gl.constexpr(tuple(
     f"{{ .reg .b32 w, y; prmt.b32 w, $4, $5, 0x{bb | ((4 + bb) << 8):04X}; shr.b32 y, w, 2; "
     "lop3.b32 $0, w, 0x00030003, 0x43804380, 0xEA; lop3.b32 $1, w, 0x000C000C, 0x43804380, 0xEA; "
