@@ -92,6 +92,21 @@ class QuantizedLayerBase(CacheLayerMixin):
     def attend(self, handle, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
         raise NotImplementedError
 
+    def _batch_apply(self, fn, in_place: bool) -> None:
+        """Apply ``fn`` (a batch-dim op) to every per-row buffer; ``in_place``: the batch size stays."""
+        raise NotImplementedError
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
+        self._batch_apply(lambda t: t.index_select(0, idx), in_place=True)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._batch_apply(lambda t: t.repeat_interleave(repeats, dim=0), in_place=False)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices],
+                          in_place=False)
+
     def offload(self):
         raise NotImplementedError("OscarCache does not support offloading (its history is already ~7x smaller)")
 

@@ -130,6 +130,8 @@ class CompiledEager:
 
     def _batch_apply(self, fn, in_place: bool) -> None:
         """Apply ``fn`` (a batch-dim op) to every per-row buffer, in place (keeps CUDA graphs' addresses) or not."""
+        if not in_place and self.fixed_capacity:
+            raise NotImplementedError("StaticOscarCache has a fixed batch size; build it after expanding the batch")
         if not self.is_initialized:
             return
 
@@ -146,21 +148,6 @@ class CompiledEager:
                 setattr(self, name, apply(t, dim))
         self.batch_size = self.win.shape[1]
         self._bind_step_storage()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
-        self._batch_apply(lambda t: t.index_select(0, idx), in_place=True)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.fixed_capacity:
-            raise NotImplementedError("StaticOscarCache has a fixed batch size; build it after expanding the batch")
-        self._batch_apply(lambda t: t.repeat_interleave(repeats, dim=0), in_place=False)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.fixed_capacity:
-            raise NotImplementedError("StaticOscarCache has a fixed batch size")
-        self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices],
-                          in_place=False)
 
     def _window_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """``[2, B, Hk, n, D]`` (K, V): the rows of ``slots [n]`` from the ring or the sink; zeros where neither."""

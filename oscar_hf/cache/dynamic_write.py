@@ -148,7 +148,7 @@ class DynamicWrites:
         if self.tail_start > want:
             logger.debug("layer %d: crop beyond the rollback reserve; recent window refills as decoding goes on", self.layer_idx)
 
-    def _batch_apply(self, fn) -> None:
+    def _batch_apply(self, fn, in_place: bool) -> None:  # (buffers replaced either way)
         if not self.is_initialized:
             return
         self.tail_k, self.tail_v = fn(self.tail_k), fn(self.tail_v)
@@ -163,13 +163,3 @@ class DynamicWrites:
         if self.mu_k_seq is not None:
             self.mu_k_seq = fn(self.mu_k_seq)
         self.batch_size = self.tail_k.shape[0]
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
-        self._batch_apply(lambda t: t.index_select(0, idx))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._batch_apply(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
