@@ -5,8 +5,7 @@ Data flow: ``calibration`` -> ``rotations`` (artifact) -> ``cache`` (write path)
     from oscar_hf import OscarCache
     cache = OscarCache.from_pretrained("rotations_dir", model)   # or OscarCache(model, method="hadamard")
     model.generate(**inputs, cache=cache)   # Transformers without `cache=` (e.g. 5.17): past_key_values=cache
-    # compiled decoding (CUDA graphs): StaticOscarCache.from_pretrained("rotations_dir", model, max_cache_len=N)
-    # our scripts pass it as model.generate(**inputs, **oscar_hf.compat.cache_kwargs(model, cache)): either name
+    # a fixed capacity: StaticOscarCache.from_pretrained("rotations_dir", model, max_cache_len=N)
 """
 import logging
 

@@ -1,9 +1,6 @@
 """The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers,
 device-resident on CUDA (:mod:`.compiled`), the eager reference elsewhere (:mod:`.dynamic`); :class:`StaticOscarCache`
-fixes the capacity. Layer kinds and storages: docs/cache.md.
-
-    cache = OscarCache.from_pretrained("rotations_dir", model)   # or OscarCache(model, method="hadamard")
-    model.generate(**inputs, cache=cache)   # Transformers without `cache=` (e.g. 5.17): past_key_values=cache
+fixes the capacity. Layer kinds and storages: docs/cache.md; usage: the package docstring.
 """
 from __future__ import annotations
 
