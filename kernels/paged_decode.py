@@ -150,7 +150,8 @@ def paged_history_partial(q_rot, qk_offset, history: History, scaling: float, gr
 
     pages, (_, hk, m, d) = history.pages, q_rot.shape
     n = int(pages.max_len)
-    if triton_enabled(q_rot, use_kernels) and n and paged_supported(q_rot[:, :, :ROW_TILE], history.k, history.v, group_size, q_rot):
+    tile_ok = n and paged_supported(q_rot[:, :, :ROW_TILE], history.k, history.v, group_size, q_rot)
+    if triton_enabled(q_rot, use_kernels) and tile_ok:
         t = cdiv(m, ROW_TILE)
 
         def tiles(x):  # [1, Hk, M, *] -> [T, Hk, ROW_TILE, *] (zero rows past M: computed, then dropped)
