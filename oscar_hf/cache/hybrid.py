@@ -62,6 +62,6 @@ class OscarHybridLayer(_HybridState, OscarLayer):
 
 
 class CompiledOscarHybridLayer(_HybridState, CompiledOscarLayer):
-    """:class:`CompiledOscarLayer` + Transformers' ``LinearAttentionLayer`` state (compileable while it records no past)."""
+    """:class:`CompiledOscarLayer` + Transformers' ``LinearAttentionLayer`` (compileable while it records no past)."""
 
     _attention = CompiledOscarLayer

@@ -12,7 +12,7 @@ SCORED_TOKENS = 512  # tokens of the held-out window scored after its prompt
 
 @torch.no_grad()
 def reference_log_probs(model, ids: torch.Tensor, scored: int = SCORED_TOKENS) -> torch.Tensor:
-    """``[1, scored, vocab]`` float32 log-probabilities without a cache at the last ``scored`` positions of ``ids [n]``."""
+    """``[1, scored, vocab]`` float32 log-probabilities, no cache, at the last ``scored`` positions of ``ids [n]``."""
     ids = ids.reshape(1, -1).to(next(model.parameters()).device)
     return torch.log_softmax(model(ids, use_cache=False, logits_to_keep=scored).logits.float(), -1)
 
