@@ -285,7 +285,7 @@ class OscarRotations:
 
 
 def ranked_heads(scores: torch.Tensor, layers) -> list[tuple[int, int]]:
-    """Every ``(layer, kv_head)`` of ``layers`` (ascending) by ``scores [num_layers, Hk]``, best first, ties in order."""
+    """Every ``(layer, kv_head)`` of ``layers`` (ascending) by ``scores [num_layers, Hk]``, best first (stable)."""
     layers = list(layers)
     hk = scores.shape[1]
     order = torch.argsort(scores[layers].flatten(), descending=True, stable=True)
