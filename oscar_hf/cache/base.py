@@ -107,6 +107,9 @@ class QuantizedLayerBase(CacheLayerMixin):
         self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices],
                           in_place=False)
 
+    def get_max_cache_shape(self) -> int:  # transformers < 5.2x name
+        return self.get_max_length()
+
     def offload(self):
         raise NotImplementedError("OscarCache does not support offloading (its history is already ~7x smaller)")
 

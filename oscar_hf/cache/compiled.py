@@ -234,9 +234,6 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
     def get_max_length(self) -> int:
         return self.fixed_capacity or -1
 
-    def get_max_cache_shape(self) -> int:  # transformers < 5.2x name
-        return self.get_max_length()
-
     def reset(self) -> None:
         if self.is_initialized:
             for t in (self.win, self.pad, self.length, self.codes, self.meta):

@@ -149,9 +149,6 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
     def get_max_length(self) -> int:
         return -1
 
-    def get_max_cache_shape(self) -> int:  # transformers < 5.2x name
-        return -1
-
     def reset(self) -> None:
         self._clear()
 
