@@ -36,9 +36,7 @@ def allocate(bits: int, b: int, p: int, n: int, head_dim: int, dtype: torch.dtyp
     return tuple(torch.zeros(b, p, n, last, dtype=dt, device=device) for last, dt in part_specs(bits, head_dim, dtype))
 
 
-def encode(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, ...]:
-    """``x [B, P, L, D]`` (model dtype) -> its stored form."""
-    return encode_heads(x, bits)
+encode = encode_heads  # x [B, P, L, D] (model dtype) -> its stored form (the fused write's reference shares it)
 
 
 def decode(parts: tuple[torch.Tensor, ...], bits: int, dtype: torch.dtype) -> torch.Tensor:
