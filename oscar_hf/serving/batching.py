@@ -22,7 +22,7 @@ from transformers.generation.continuous_batching import continuous_api
 from ..attention import PREFIX
 from ..config import ModelFingerprint
 from ..patching import split_name
-from ..version import SERVING_TRANSFORMERS  # noqa: F401  (checked when oscar_hf.serving is imported)
+from ..version import SERVING_EXCLUDED, SERVING_TRANSFORMERS  # noqa: F401  (checked when oscar_hf.serving is imported)
 from ..version import check_serving_transformers as check_transformers_version  # noqa: F401
 from . import admission
 from .store import OscarPagedStore

@@ -139,6 +139,9 @@ def test_the_declared_range_is_checked(monkeypatch):
         batching.check_transformers_version("5.26.0")
     with pytest.raises(ImportError):
         batching.check_transformers_version("5.16.2")
+    with pytest.raises(ImportError, match="5.18"):  # inside the range, not followed
+        batching.check_transformers_version("5.18.0")
+    batching.check_transformers_version("5.19.0")
     monkeypatch.setenv("OSCAR_SERVING_ANY_TRANSFORMERS", "1")
     batching.check_transformers_version("6.0.0")
 
@@ -152,7 +155,8 @@ def test_the_serving_extra_pins_the_declared_range():
     lo, hi = batching.SERVING_TRANSFORMERS
     for extra in ("serving", "dev"):
         lines = cfg["options.extras_require"][extra].split()
-        assert f"transformers[serving]>={lo},<{hi}" in lines, (extra, lines)
+        pin = ",".join([f"transformers[serving]>={lo}", f"<{hi}"] + [f"!={x}.*" for x in batching.SERVING_EXCLUDED])
+        assert pin in lines, (extra, lines)
 
 
 def test_an_unfollowed_release_is_refused_before_any_internal_is_imported():
