@@ -140,10 +140,10 @@ def main(argv=None, model=None, tokenizer=None):
         raise RuntimeError("the defaults row does not build the cache OscarCache.from_pretrained builds")
     methods[default.name] = default
     extras = {  # --rows: label and OscarFamily overrides
-        "no-heads": ("artifact, full_precision_heads=0", dict(full_precision_heads=0)),
+        "no-heads": ("artifact, full_precision_heads=0", dict(retrieval_heads=0)),
         # the retrieval heads' other storages (INT4 was the default before INT8; BF16 before INT4)
-        "int4-heads": ("artifact, auto heads as INT4", dict(full_precision_bits=4)),
-        "bf16-heads": ("artifact, auto heads in BF16", dict(full_precision_bits=16)),
+        "int4-heads": ("artifact, auto heads as INT4", dict(retrieval_bits=4)),
+        "bf16-heads": ("artifact, auto heads in BF16", dict(retrieval_bits=16)),
         # item 3 of the good-by-default issue: Lloyd-Max levels (eval-only, fast path) against uniform, at G 64 / 32
         "lloyd-max": ("artifact, Lloyd-Max levels", dict(levels="lloyd-max")),
         "g32": ("artifact, group 32", dict(group_size=32)),

@@ -206,11 +206,11 @@ def main(argv=None, model=None, tokenizer=None):
     oscar_kw = {k: v for k, v in (("clip_k", args.clip_k), ("clip_v", args.clip_v)) if v is not None}
     oscar_kw["key_offset"] = args.key_offset
     # the OSCAR row keeps exactly --full-precision-heads (0: none), whatever the library default ("auto")
-    oscar_kw["full_precision_heads"] = args.full_precision_heads
+    oscar_kw["retrieval_heads"] = args.full_precision_heads
     kv = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
-    fp_bits = args.full_precision_bits or OscarConfig().full_precision_bits
+    fp_bits = args.full_precision_bits or OscarConfig().retrieval_bits
     if args.full_precision_bits is not None:
-        oscar_kw["full_precision_bits"] = fp_bits
+        oscar_kw["retrieval_bits"] = fp_bits
     if args.quantizer is not None:
         oscar_kw["quantizer"] = args.quantizer
     artifact_heads = args.artifact_full_precision_heads
@@ -221,9 +221,9 @@ def main(argv=None, model=None, tokenizer=None):
 
     def artifact_row():
         """The artifact row: the library's own cache (exactly what a user gets without the two options)."""
-        kw = {} if args.full_precision_bits is None else dict(full_precision_bits=fp_bits)
+        kw = {} if args.full_precision_bits is None else dict(retrieval_bits=fp_bits)
         if artifact_heads != "auto":
-            kw["full_precision_heads"] = artifact_heads
+            kw["retrieval_heads"] = artifact_heads
         if args.quantizer is not None:
             kw["quantizer"] = args.quantizer
         kw.update({k: v for k, v in (("sink", args.artifact_sink), ("recent", args.artifact_recent),
@@ -240,9 +240,9 @@ def main(argv=None, model=None, tokenizer=None):
         "default": lambda: ("OscarCache(model)", UserCache("default", lambda m: OscarCache(m))),
         "artifact": artifact_row,
         "artifact-noheads": lambda: (
-            f"OscarCache.from_pretrained({Path(args.artifact).name}, full_precision_heads=0)",
+            f"OscarCache.from_pretrained({Path(args.artifact).name}, retrieval_heads=0)",
             UserCache("artifact-noheads",
-                      lambda m: OscarCache.from_pretrained(args.artifact, m, full_precision_heads=0))),
+                      lambda m: OscarCache.from_pretrained(args.artifact, m, retrieval_heads=0))),
     }
     wanted = args.methods.split(",")
     unknown = [m for m in wanted if m not in builders]

@@ -182,7 +182,7 @@ def tp_layout(model, num_kv_heads: int, head_dim: int, layers=None) -> TPLayout 
     return TPLayout(rank, world, num_kv_heads, ks, vs, source)
 
 
-def local_full_precision_heads(heads: tuple[int, ...], k: slice, v: slice, layer: int, rank: int) -> tuple[int, ...]:
+def local_retrieval_heads(heads: tuple[int, ...], k: slice, v: slice, layer: int, rank: int) -> tuple[int, ...]:
     """The retrieval heads (global KV head ids) that this rank's shard ``k`` / ``v`` holds, as its local ids."""
     if (k.start, k.stop) != (v.start, v.stop):
         raise NotImplementedError(f"layer {layer}: retrieval heads need the same KV heads for keys and values on "
@@ -209,7 +209,7 @@ def shard_cache_for_tensor_parallel(cache, model) -> TPLayout | None:
         full = cache.rotations.layers[i]
         layer._rotation_cpu = slice_layer_rotation(full, layout.k[i], layout.v[i]) if i in layout.k else full
         if getattr(layer, "retrieval_heads", ()) and i in layout.k:  # global KV head ids -> this rank's own, if it holds them
-            layer.retrieval_heads = local_full_precision_heads(layer.retrieval_heads, layout.k[i], layout.v[i], i, layout.rank)
+            layer.retrieval_heads = local_retrieval_heads(layer.retrieval_heads, layout.k[i], layout.v[i], i, layout.rank)
     cache.tp_layout = layout
     logger.info("OscarCache: tensor-parallel rank %d/%d (%s), KV heads %s", layout.rank, layout.world, layout.source,
                 sorted({(s.start, s.stop) for s in layout.k.values()}))

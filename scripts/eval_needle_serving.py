@@ -59,7 +59,7 @@ def main(argv=None):
     with torch.no_grad():
         with paged_oscar(model, rotations=rotations) as store:
             out = model.generate_batch([c["ids"] for c in cells], gen, continuous_batching_config=cb, warmup=False)
-            heads = store.config.full_precision_heads
+            heads = store.config.retrieval_heads
         served = [r.generated_tokens for r in sorted(out.values(), key=lambda r: int(r.request_id.split("_")[-1]))]
         alone = []
         for c in cells:

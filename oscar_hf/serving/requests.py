@@ -135,7 +135,7 @@ class StoreRequests:
     def _layout(self) -> HeadLayout:
         """Heads per pool layer in each form of a page."""
         coded = [len(p.coded_heads) for p in self.params.values()]
-        return HeadLayout([self.num_kv_heads - c for c in coded], coded, self.config.full_precision_bits, self.dtype)
+        return HeadLayout([self.num_kv_heads - c for c in coded], coded, self.config.retrieval_bits, self.dtype)
 
     def page_bytes(self, page_size: int) -> int:
         """Bytes of one page of ``page_size`` history entries, keys and values, of every quantized layer."""
@@ -317,7 +317,7 @@ class StoreRequests:
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, int]:
-        """Live requests; pages used, free and shared; bytes of the pages held (``full_precision_heads_bytes``: the
+        """Live requests; pages used, free and shared; bytes of the pages held (``retrieval_heads_bytes``: the
         retrieval heads' share), of the window slots and of the prompt chunks held; prompt tokens reserved."""
         pool = self.pool
         prompt = sum(x.numel() * x.element_size() for r in self.requests.values() for kv in r.prompt.values()
@@ -326,6 +326,6 @@ class StoreRequests:
         return dict(requests=len(self.requests), pages_used=pages, pages_free=pool.num_free if pool is not None else 0,
                     pages_shared=pool.num_shared if pool is not None else 0,
                     history_bytes=pages * pool.bytes_per_page if pool is not None else 0,
-                    full_precision_heads_bytes=pages * pool.coded_bytes_per_page if pool is not None else 0,
+                    retrieval_heads_bytes=pages * pool.coded_bytes_per_page if pool is not None else 0,
                     window_slots_used=self.windows.num_slots - self.windows.num_free,
                     window_bytes=self.windows.nbytes, prompt_bytes=prompt, prompt_tokens_reserved=self.prompt_reserved)

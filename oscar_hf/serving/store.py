@@ -18,7 +18,7 @@ from oscar_hf.kernels.kv import Window
 from ..cache.params import LayerParams
 from ..cache.window import PagedHistory, commit, demote_pending, ring_entries
 from ..config import OscarConfig, starting_config
-from ..distributed import local_full_precision_heads, slice_layer_rotation, tp_layout
+from ..distributed import local_retrieval_heads, slice_layer_rotation, tp_layout
 from ..layer_choice import choose_layers
 from ..patching import base_attention_function
 from ..rotations import OscarRotations
@@ -83,7 +83,7 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
             self.num_kv_heads = counts.pop()
             self.num_query_heads = fp.num_attention_heads * self.num_kv_heads // hk
             rots = {i: slice_layer_rotation(rots[i], lay.k[i], lay.v[i]) for i in layers}
-            heads = {i: local_full_precision_heads(heads[i], lay.k[i], lay.v[i], i, lay.rank) if heads[i] else ()
+            heads = {i: local_retrieval_heads(heads[i], lay.k[i], lay.v[i], i, lay.rank) if heads[i] else ()
                      for i in layers}
         self.params = {i: LayerParams.build(config, rots[i], i, self.num_kv_heads, heads[i], self.device)
                        for i in layers}
