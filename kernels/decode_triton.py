@@ -157,10 +157,10 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     # the INT2 heads of a layer with retrieval heads read the layer's window (and write its output) in place
     wh = {} if win_heads is None else dict(WHEAD=win_heads, HAS_WHEAD=1)
     if paged is not None:  # (the pool's window: each row's mask [B, 1, 1, W] and slot [B]; none for partials)
-        b0, dev0 = (q if q is not None else rotated[0]).shape[0], (q if q is not None else rotated[0]).device
+        rows = q if q is not None else rotated[0]  # [B, Hk, M, D]
         if window is not None:
-            win_mask = window.mask_2d().view(b0, 1, 1, k_win.shape[-2])
-        win_slot = win_slot if win_slot is not None else torch.arange(b0, device=dev0)
+            win_mask = window.mask_2d().view(rows.shape[0], 1, 1, k_win.shape[-2])
+        win_slot = win_slot if win_slot is not None else torch.arange(rows.shape[0], device=rows.device)
         table = paged.table if paged.table.stride(-1) == 1 else paged.table.contiguous()
         paged = _PagedRead(table, paged.lengths, win_slot, k.codes.shape[-2], paged.max_len)
     rotate = q_rot is None

@@ -14,7 +14,7 @@ from .kv import History, KVParams, Pages, Window
 from .plan import cdiv, triton_enabled
 
 ROW_TILE = 64  # query rows of one program of the chunk read (the split-K kernel's most); a tile reads the history once
-LOGITS_BUDGET = 256 << 20  # bytes of one history block's float32 logits in the chunk read's reference
+LOGITS_BUDGET = 256 << 20  # bytes of float32 logits a chunk read materializes at once (reference blocks, window slices)
 
 
 def _pow2(x: int) -> bool:

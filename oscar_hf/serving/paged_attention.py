@@ -45,7 +45,7 @@ def paged_chunk_attention(query, window: Window, pool: PagedInt2Pool, table: lis
         return _causal(query, k_win, v_win, scaling).transpose(1, 2)
     split, e, g, dev = params.heads, k_win.shape[2] - l, hq // hk, query.device
     ids = device_ids(table[: -(-n // pool.page_size)], torch.int32, dev)[None]  # [1, np]
-    qg, out = group_queries(query, hk), None  # [1, Hk, g * L, D]
+    out = None  # [1, H2, g * L, D]: the INT2 heads' rows
     if split is None or split.int2_idx.numel():
         pick = (lambda x: x) if split is None else (lambda x: x.index_select(1, split.int2_idx))
         history = History(pool.rows(layer, "k"), pool.rows(layer, "v"),
@@ -64,7 +64,7 @@ def paged_chunk_attention(query, window: Window, pool: PagedInt2Pool, table: lis
         c = split.coded_idx
         keys, values = (torch.cat([heads.decode(pool.gather_coded(ids.long(), layer, kind, n), split.bits, dt),
                                    win.index_select(1, c)], 2) for kind, win in (("k", k_win), ("v", v_win)))
-        qc = qg.index_select(1, c).reshape(1, -1, l, d)  # [1, P * g, L, D]
+        qc = group_queries(query, hk).index_select(1, c).reshape(1, -1, l, d)  # [1, P * g, L, D]
         coded = _causal(qc, keys, values, scaling)  # [1, P * g, L, D]
         out = merge_heads(out, coded.reshape(1, c.numel(), -1, d), split.int2_idx, split.coded_idx, hk)
     return out.reshape(1, hq, l, d).to(dt).transpose(1, 2)

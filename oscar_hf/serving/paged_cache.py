@@ -25,8 +25,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .paged_attention import PagedOscarKV, RecordedBatch
 from .store import OscarPagedStore
-# the full-attention layers' allocator key (5.18's allocator class does not name it)
-FULL_ATTENTION = getattr(FullAttentionCacheAllocator, "layer_type", "full_attention")
 
 
 class OscarCacheAllocator(FullAttentionCacheAllocator):
@@ -136,7 +134,7 @@ class OscarMemoryHandler(PagedAttentionMemoryHandler):
 def store_owns_every_layer(store: OscarPagedStore, config) -> bool:
     """Whether the store quantizes every layer of ``config`` (then Transformers allocates no BF16 K/V)."""
     groups = group_layers_by_attn_type(config)
-    full = FULL_ATTENTION
+    full = FullAttentionCacheAllocator.layer_type
     return list(groups) == [full] and all(store.handles(i) for i in groups[full])
 
 
@@ -166,7 +164,7 @@ class _PerThread:
 def _oscar_allocation(store: OscarPagedStore):
     """Inside: Transformers' cache construction in this thread uses the OSCAR allocator and memory handler (through
     :class:`_PerThread` stand-ins, restored on exit of the last builder)."""
-    full = FULL_ATTENTION
+    full = FullAttentionCacheAllocator.layer_type
     with _install_lock:
         if _installed["count"] == 0:
             saved = (ATTN_TYPE_TO_ALLOCATOR[full], cache_module.FullAttentionCacheAllocator,
@@ -211,7 +209,7 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
         else:
             with _oscar_allocation(store):
                 super().__init__(*args, **kwargs)
-            allocator = self.cache_allocators[FULL_ATTENTION]
+            allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
             # one page per block after the two trash sectors; the pool's trash page in the end of those sectors
             trash = 2 * self.bytes_per_sector - -(-store.page_bytes(allocator.tokens_per_page) // 128) * 128
             store.attach_pool(allocator.num_blocks, allocator.tokens_per_page, storage=self.cache_tensor[trash:])
@@ -272,7 +270,7 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
             return 0
         m, holder, k = self.store.share_prefix(request_id, list(prompt_ids))
         if m:
-            allocator = self.cache_allocators[FULL_ATTENTION]
+            allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
             allocator.acquire_prefix_blocks(request_id, k * allocator.tokens_per_page, allocator.block_table[holder])
         return m
 
