@@ -4,21 +4,18 @@
 against OSCAR paged (:func:`oscar_hf.serving.paged_oscar`) in the same KV memory budget, one after the other in one
 process, on a random-initialised model of a real shape (default Qwen3-8B). Parts (``--parts``):
 
-* ``capacity``: requests of ``--context`` prompt tokens submitted at once, as many as each cache admits at that
-  context in ``--kv-budget-gib`` (or ``--concurrency``), ``--new-tokens`` each. Reported: peak concurrency (requests
-  decoding at once, from the per-token timestamps) and the aggregate decode tokens/s while that many decode.
+* ``capacity``: as many requests of ``--context`` tokens as each cache admits in ``--kv-budget-gib`` (or
+  ``--concurrency``), at once. Reported: peak concurrency and the aggregate decode tokens/s while that many decode.
 * ``load``: ``--requests`` requests of mixed prompt lengths (``--lengths``) arriving over time (Poisson, ``--rate``
   requests/s). Reported: completed tokens/s (over the makespan), time to first token p50 / p90, peak concurrency.
 * ``prefix``: ``--requests`` prompts of one ``--context``-token prefix and 64 tokens of their own: the first alone,
-  the others once it has its first token, one every ``1 / --rate`` s. Kinds ``oscar-shared`` (the store's prefix
-  sharing), ``oscar``, ``bf16`` (Transformers' own). Reported: the first's time to first token, the others' p50 / p90,
-  their ratio, and the store's peak pages.
+  the others from its first token on, one every ``1 / --rate`` s. Kinds ``oscar-shared`` (the store's sharing),
+  ``oscar``, ``bf16`` (Transformers' own). Reported: the first's time to first token, the others' (and p50 / p90).
 
-``*-graphs`` kinds run with Transformers' CUDA graphs (``use_cuda_graph=True``, ``q_padding_interval_size``): OSCAR
-graphs its decode-only steps, BF16 every step. ``decode_step_ms_p50``: the median gap between a request's consecutive
-tokens while the peak number of requests decode. Memory: BF16 gets ``budget / (bytes of a 256-token block of every
-layer)`` blocks; OSCAR ``max_requests`` window slots and the INT2 pages the rest pays for; ``torch.cuda.
-max_memory_allocated`` (minus the weights) is reported for each run.
+``*-graphs``: Transformers' CUDA graphs (OSCAR graphs its decode-only steps, BF16 every step).
+``decode_step_ms_p50``: the median gap between a request's consecutive tokens at the peak concurrency. Memory: BF16
+gets ``budget / (bytes of a 256-token block of every layer)`` blocks, OSCAR ``max_requests`` window slots and the INT2
+pages the rest pays for; ``torch.cuda.max_memory_allocated`` (minus the weights) is reported.
 
     python benchmarks/bench_serving.py --parts capacity load --out serving.json
     python benchmarks/bench_serving.py --shape tiny --device cpu --context 256 --kv-budget-gib 0.01 ...   (smoke)
@@ -155,7 +152,8 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
     if lead:
         later = sorted(o.timestamps[0] - o.created_time for o in outs if o.request_id != "r0")
         row.update(first_ttft_s=round(ttft_of["r0"], 3), later_ttft_p50_s=round(later[len(later) // 2], 3),
-                   later_ttft_p90_s=round(later[int(0.9 * (len(later) - 1))], 3))
+                   later_ttft_p90_s=round(later[int(0.9 * (len(later) - 1))], 3), later_ttfts_s=[
+                       round(ttft_of[f"r{i}"], 3) for i in range(1, len(outs))])
         row["later_over_first"] = round(row["later_ttft_p50_s"] / row["first_ttft_s"], 3)
     row["outputs"] = {o.request_id: o.generated_tokens[:8] for o in outs}  # a glimpse, to compare runs
     print(json.dumps({k: v for k, v in row.items() if k != "outputs"}), flush=True)
@@ -203,9 +201,14 @@ def main(argv=None):
     doc = dict(env=run_env(argv), shape=SHAPES[args.shape], kv_budget_gib=args.kv_budget_gib, results={})
 
     # warm-up: Triton compiles its kernels, cuBLAS picks its algorithms (not measured)
-    for kind in args.kinds:
+    for kind in args.kinds:  # (prefix: also what a shared prefix runs, its chunk read and long-history decode rows)
         cb, store = cache_configs(model, kind, budget, 1024, 4, oscar_kw, args.q_padding)
         serve(model, kind, [[rng.randrange(vocab) for _ in range(600)] for _ in range(3)], [0, 0, 0], 8, cb, store)
+        if "prefix" in args.parts:
+            head, q = [rng.randrange(vocab) for _ in range(args.context)], args.q_padding
+            cb, store = cache_configs(model, kind, budget, batch_tokens[kind], args.max_requests, oscar_kw, q)
+            serve(model, kind, [head + [rng.randrange(vocab) for _ in range(64)] for _ in range(6)],
+                  [-1.0] + [0.1 * i for i in range(5)], 16, cb, store)
 
     for part in args.parts:
         rows = doc["results"].setdefault(part, {})

@@ -23,15 +23,13 @@ vocabulary); ``eos_token_id`` is set, so ``min_new_tokens`` keeps ``generate`` g
     of different shapes (Llama, Qwen3) taking ``--rounds`` (10) rounds in turn, each round a manager that gets requests
     of random prompt and answer lengths, cancels every 5th right after it is sent and a few more while decoding, then
     stops. Checks: every request not cancelled finishes with its ``max_new_tokens`` tokens, none fails; after each
-    round the store holds no request, page, window slot or prompt reservation and is garbage once the manager is
-    dropped; live tensors and (CUDA) ``memory_allocated`` come back to the first round's of the same model. The CUDA
-    figure is taken after ``torch._C._cuda_clearCublasWorkspaces()``: PyTorch keeps one cuBLAS workspace (32 MiB on
-    sm_90) per (handle, stream) for the process's life and every manager computes on streams of its own, a bounded
-    cache of PyTorch's, not a leak (both figures are recorded: ``memory_mib``, ``memory_mib_raw``).
+    round the store holds nothing and is garbage once the manager is dropped; live tensors and (CUDA)
+    ``memory_allocated`` come back to the first round's of the same model, taken after
+    ``torch._C._cuda_clearCublasWorkspaces()`` (PyTorch keeps a cuBLAS workspace per stream, and every manager has
+    streams of its own: ``memory_mib_raw`` is without it).
 
 ``--tiny`` (CPU): tiny shapes, sink 8 / recent 16, 160 new tokens, 8 calls, no CUDA memory checks.
-``--inject-nan-at N`` corrupts the cache at step N (a test that the checks fire). The peak-per-window check of (a)
-and per-window decode speed are ``soak.py`` at 6d19d0c.
+``--inject-nan-at N`` corrupts the cache at step N (a test that the checks fire).
 """
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ the contiguous path's kernels in their ``PAGED`` mode read it; elsewhere the tor
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from oscar_hf.quant import QuantizedRows
@@ -12,8 +14,12 @@ from .int2_attention import (decode_attention_reference, empty_partial, history_
                              merge_history_and_window, merge_partials, rotate_query_reference)
 from .kv import History, KVParams, Pages, Window
 from .plan import cdiv, triton_enabled
+from .settings import DEFAULTS
 
 ROW_TILE = 64  # query rows of one program of the chunk read (the split-K kernel's most); a tile reads the history once
+# the chunk read's tile at D = 128: 4 warps, not the decode's 8 for 64 rows (a 512-row chunk over 15,872 entries,
+# H200: 1.06 against 1.61 ms, the same partials; 16- or 32-row tiles took 1.45 / 2.96 ms; docs/serving.md)
+CHUNK_DEFAULTS = dataclasses.replace(DEFAULTS, num_warps_wide=4)
 LOGITS_BUDGET = 256 << 20  # bytes of float32 logits a chunk read materializes at once (reference blocks, window slices)
 
 
@@ -162,7 +168,8 @@ def paged_history_partial(q_rot, qk_offset, history: History, scaling: float, gr
         part = dt.decode_attention_triton(KVParams(None, None, None, None, group_size), None, None,
                                           History(history.k, history.v, pages=rows), scaling,
                                           rotated=(tiles(q_rot), None if qk_offset is None else
-                                                   tiles(qk_offset[..., None])[..., 0]))
+                                                   tiles(qk_offset[..., None])[..., 0]),
+                                          defaults=CHUNK_DEFAULTS if d == 128 else DEFAULTS)
         return tuple(x.transpose(0, 1).reshape(1, hk, t * ROW_TILE, *x.shape[3:])[:, :, :m] for x in part)
     p = history.k.codes.shape[-2]
     block = max(p, min(block_n, LOGITS_BUDGET // (4 * hk * m)) // p * p)

@@ -100,11 +100,10 @@ class RecordedBatch:
     per-request hooks (the ids never reach the forward) and taken by its first OSCAR layer."""
 
     def _start_recording(self, store) -> None:
-        """The end of a paged cache's ``__init__``: the store bound, its window slots fixed under CUDA graphs (a
-        captured graph holds their addresses)."""
+        """The end of a paged cache's ``__init__``: the store bound, its window slots allocated (under CUDA graphs
+        with the trash slot: a captured graph holds their addresses)."""
         self.store = store
-        if self.cuda_graphs:
-            store.windows.fix()
+        store.windows.allocate_all(trash=self.cuda_graphs)
         self.scheduler = None  # the manager's scheduler (its request states), once its batch processor exists
         self._pending: list[tuple[str, int, int]] = []
         self._batch: list[tuple[str, int, int]] = []

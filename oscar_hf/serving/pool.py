@@ -34,11 +34,22 @@ from ..quant import SUPPORTED_META_DTYPES, QuantizedRows, check_group_size
 KINDS = {"k": 0, "v": 1}
 
 
+_IDS: dict[tuple, torch.Tensor] = {}  # device_ids' recent answers (a step's layers ask for the same block table)
+_IDS_KEPT = 256
+
+
 def device_ids(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
     """``values`` as a ``dtype`` tensor on ``device`` via an asynchronous pinned copy (``torch.tensor(list,
-    device=cuda)`` synchronizes the stream)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+    device=cuda)`` synchronizes the stream); the last ``_IDS_KEPT`` answers are kept (callers only read them)."""
+    key = (tuple(values), dtype, str(device))
+    t = _IDS.get(key)
+    if t is None:
+        t = torch.tensor(values, dtype=dtype)
+        t = t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+        if len(_IDS) >= _IDS_KEPT:
+            del _IDS[next(iter(_IDS))]
+        _IDS[key] = t
+    return t
 
 
 @dataclasses.dataclass(frozen=True)

@@ -79,7 +79,7 @@ def test_the_memory_budget_reserves_windows_and_prompt_chunks(model, monkeypatch
             assert store.prompt_token_bytes() == 2 * 2 * 2 * 32 * 4
             assert store.prompt_transient_bytes(64) == prompt_budget * (1024 + (2 * 4 * 32 + 64) * 4)
             assert reserved == store.windows.reserved_bytes + store.prompt_transient_bytes(64)
-            assert store.windows.nbytes == 0  # reserved, not allocated
+            assert store.windows.nbytes == store.windows.reserved_bytes > 0  # allocated when the manager starts
             assert store.pool.nbytes + reserved <= budget
             pools[prompt_budget] = store.pool.nbytes
     assert 0 < pools[2048] < pools[256]  # without the reservation the pages would not depend on the prompt budget
