@@ -200,8 +200,7 @@ def main(argv=None):
     rng = random.Random(0)
     doc = dict(env=run_env(argv), shape=SHAPES[args.shape], kv_budget_gib=args.kv_budget_gib, results={})
 
-    # warm-up: Triton compiles its kernels, cuBLAS picks its algorithms (not measured)
-    for kind in args.kinds:  # (prefix: also what a shared prefix runs, its chunk read and long-history decode rows)
+    for kind in args.kinds:  # warm-up, not measured (prefix: also a shared prefix's chunk read, long-history decodes)
         cb, store = cache_configs(model, kind, budget, 1024, 4, oscar_kw, args.q_padding)
         serve(model, kind, [[rng.randrange(vocab) for _ in range(600)] for _ in range(3)], [0, 0, 0], 8, cb, store)
         if "prefix" in args.parts:
