@@ -14,7 +14,6 @@ from torch.nn.attention.bias import causal_lower_right
 from oscar_hf.kernels.heads_attention import merge_heads
 from oscar_hf.kernels.kv import History, KVParams, Pages, Window
 from oscar_hf.kernels.paged_decode import LOGITS_BUDGET, paged_multi_token_attention
-from oscar_hf.quant import QuantizedRows, dequantize_rows
 
 from ..attention import OscarKV
 from ..cache import heads
@@ -31,43 +30,14 @@ def _causal(query, keys, values, scaling: float):
                                           scale=scaling)
 
 
-DENSE_BLOCK = 4096  # history entries dequantized at a time by history_rows (float32 transients of 16 MB at Hk D = 1K)
-
-
-def history_rows(pool: PagedInt2Pool, ids: torch.Tensor, layer: int, n: int, params: KVParams, dtype):
-    """``(keys, values) [1, Hk, n, D]`` in ``dtype``: one request's ``n`` history entries (pages ``ids [np]``) back in
-    the model's space, ``x R^T + mu`` of the dequantized INT2 rows (``R`` orthogonal) and the retrieval heads' decoded
-    rows, ``DENSE_BLOCK`` entries at a time."""
-    split, kinds, p = params.heads, (("k", params.r_k, params.mu_k), ("v", params.r_v, params.mu_v)), pool.page_size
-    hk = pool.int2_heads[layer] + pool.coded_heads[layer]
-    out = [torch.empty(1, hk, n, pool.head_dim, dtype=dtype, device=ids.device) for _ in kinds]
-    int2 = slice(None) if split is None else split.int2_idx
-    if split is None or split.int2_idx.numel():
-        for dst, (kind, r, mu) in zip(out, kinds):
-            r_t = r.float().transpose(-1, -2)[None]  # [1, H2, D, D]: R^T undoes the rotation
-            for a in range(0, n, DENSE_BLOCK):
-                b, first = min(n, a + DENSE_BLOCK), a // p  # entries [a, b), from page ids[first] on
-                rows = pool.gather(ids[first:], layer, kind, b - first * p)  # [1, H2, b - first * P, X]
-                x = dequantize_rows(QuantizedRows(*(t[:, :, a - first * p :] for t in rows)), params.group_size)
-                x = torch.matmul(x, r_t) if mu is None else torch.matmul(x, r_t) + mu.float()[None, :, None, :]
-                dst[:, int2, a:b] = x.to(dtype)
-    if split is not None:
-        for dst, (kind, _, _) in zip(out, kinds):
-            dst[:, split.coded_idx] = heads.decode(pool.gather_coded(ids[None].long(), layer, kind, n), split.bits,
-                                                   dtype)
-    return out
-
-
 def paged_chunk_attention(query, window: Window, pool: PagedInt2Pool, table: list[int], layer: int, n: int,
-                          params: KVParams, scaling: float, use_kernels="auto", dense: bool = False) -> torch.Tensor:
+                          params: KVParams, scaling: float, use_kernels="auto") -> torch.Tensor:
     """``[1, L, Hq, D]``: the ``L`` new rows ``query [1, Hq, L, D]`` of one request over its history (``n`` entries
     through ``table``), then its window and new rows ``window.k/v [1, Hk, E + L, D]`` (the last ``L`` are the new
     rows, causal among themselves; everything before them is visible to every row; ``window.mask`` unused).
 
-    ``dense``: the history dequantized into the model's space (:func:`history_rows`) and one SDPA call over it and the
-    window (the caller's memory holds ``n + E + L`` keys and values repeated to the query heads). Else the INT2 heads
-    read it in place, tiles of query rows through the split-K kernels, and the retrieval heads read their coded
-    history, dequantized for the call, and their window in one SDPA call. With ``n == 0``: exact attention."""
+    Retrieval heads (``params.heads``) read their coded history, dequantized for the call, and their window in one
+    SDPA call. With ``n == 0``: exact attention."""
     _, hq, l, d = query.shape
     k_win, v_win = window.k, window.v
     hk, dt = k_win.shape[1], query.dtype
@@ -75,10 +45,6 @@ def paged_chunk_attention(query, window: Window, pool: PagedInt2Pool, table: lis
         return _causal(query, k_win, v_win, scaling).transpose(1, 2)
     split, e, g, dev = params.heads, k_win.shape[2] - l, hq // hk, query.device
     ids = device_ids(table[: -(-n // pool.page_size)], torch.int32, dev)[None]  # [1, np]
-    if dense:
-        keys, values = history_rows(pool, ids[0], layer, n, params, dt)
-        keys, values = torch.cat([keys, k_win], 2), torch.cat([values, v_win], 2)  # [1, Hk, n + E + L, D]
-        return _causal(query, keys, values, scaling).transpose(1, 2)
     out = None  # [1, H2, g * L, D]: the INT2 heads' rows
     if split is None or split.int2_idx.numel():
         pick = (lambda x: x) if split is None else (lambda x: x.index_select(1, split.int2_idx))

@@ -180,10 +180,8 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
             entries = torch.cat([torch.arange(min(t_old, s0), device=dev), ring_entries(recent, s0, self.ring)])
             k_win = torch.cat([win_k.index_select(2, entries), new_k], 2)  # [1, Hk, E + L, D]
             v_win = torch.cat([win_v.index_select(2, entries), new_v], 2)
-            # dense within the prompt transient the store reserves (its [L, T] mask term pays for the un-repeated copy)
             out = paged_chunk_attention(query, Window(k_win, v_win), self.pool, r.table, li, max(hist_end - s0, 0),
-                                        self.kv_params(layer_idx), scaling, self.config.use_kernels,
-                                        dense=t_old + l <= self.prompt_budget)
+                                        self.kv_params(layer_idx), scaling, self.config.use_kernels)
         # no padding: the request's sink is its slots [0, S0)
         commit(win_k, win_v, 0, self._history(r, li, t_old + l - w), p, self.config, t_old, new_k, new_v,
                floor=r.floor)

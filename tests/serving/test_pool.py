@@ -153,19 +153,16 @@ if torch.cuda.is_available():  # the GPU's SDPA kernels (memory-efficient with t
 
 
 @pytest.mark.parametrize("device,dtype,rtol,atol", CHUNK_CASES)
-@pytest.mark.parametrize("n,sliced,dense", [(0, False, False), (1, False, False), (37, False, False),
-                                            (37, True, False), (1, False, True), (37, False, True), (37, True, True)])
-def test_chunk_attention_equals_reference(monkeypatch, n, sliced, dense, device, dtype, rtol, atol):
-    """A chunk of new rows after earlier tokens (the store's paths: the history read in place, merged with the window
-    and the new rows, a slice of rows at a time when their window logits would pass the budget; or, ``dense``, the
-    history dequantized back to the model's space in blocks for one SDPA call) equals the float32 reference that reads
-    the history block by block, with the new rows causal among themselves; with no history yet it is exact attention
-    over the window and the new rows."""
+@pytest.mark.parametrize("n,sliced", [(0, False), (1, False), (37, False), (37, True)])
+def test_chunk_attention_equals_reference(monkeypatch, n, sliced, device, dtype, rtol, atol):
+    """A chunk of new rows after earlier tokens (the store's path: the history read in place, merged with the window
+    and the new rows, a slice of rows at a time when their window logits would pass the budget) equals the float32
+    reference that reads the history block by block, with the new rows causal among themselves; with no history yet
+    it is exact attention over the window and the new rows."""
     torch.manual_seed(3)
     hk, g, d, gs, p, e, l = 2, 3, 32, 16, 4, 6, 5
-    if sliced:  # two rows a slice; dense: history blocks of 8 entries (two pages)
+    if sliced:  # two rows a slice
         monkeypatch.setattr("oscar_hf.serving.paged_attention.LOGITS_BUDGET", 4 * hk * g * (e + l) * 2)
-        monkeypatch.setattr("oscar_hf.serving.paged_attention.DENSE_BLOCK", 8)
     pool = PagedInt2Pool(12, 1, hk, d, p, gs, torch.float32, device=device)
     table = [pool.allocate() for _ in range(10)][::-1]
     if n:
@@ -176,7 +173,7 @@ def test_chunk_attention_equals_reference(monkeypatch, n, sliced, dense, device,
     query = torch.randn(1, hk * g, l, d).to(device, dtype)
     k_win, v_win = torch.randn(1, hk, e + l, d).to(device, dtype), torch.randn(1, hk, e + l, d).to(device, dtype)
     got = paged_chunk_attention(query, Window(k_win, v_win), pool, table, 0, n, KVParams(r_k, mu_k, r_v, mu_v, gs),
-                                0.2, dense=dense)  # [1, L, Hq, D]
+                                0.2)  # [1, L, Hq, D]
     assert got.dtype == dtype
     query, k_win, v_win = query.float(), k_win.float(), v_win.float()
     visible = torch.arange(e + l, device=device)[None, :] <= e + torch.arange(l, device=device)[:, None]  # [L, E+L]
