@@ -1,7 +1,9 @@
 """The host side of the compiled decode step (docs/cache.md, the compiled layer). A compiled step cannot allocate
 or read the length back from the device, so before a one-token step each OSCAR layer advances ``host_len`` and grows
-its storage if needed; a multi-token forward runs through the plain model (its shapes change every call); and
-``generate``'s ``max_cache_length`` sizes each layer's first allocation.
+its storage if needed; a multi-token forward runs through the plain model (its shapes change every call);
+``generate``'s ``max_cache_length`` sizes each layer's first allocation; and a one-token step whose every layer is a
+compiled OSCAR layer gets no 4D mask from ``generate`` (none of them reads it, and building it costs the host ~0.3-0.6
+ms a step on an H200's host, docs/results.md).
 """
 from __future__ import annotations
 
@@ -51,8 +53,26 @@ def _expect_length(original, generation_config, model_kwargs, *args, **kwargs):
     return original(generation_config, model_kwargs, *args, **kwargs)
 
 
+def _mask_unread(cache, inputs_embeds) -> bool:
+    """Whether a one-token step's mask would go unread: every layer of ``cache`` a compiled OSCAR layer past its
+    prefill that sizes no mask (``CompiledOscarLayer.get_mask_sizes``: no fixed capacity)."""
+    from .cache.compiled import CompiledOscarLayer  # (here: the cache package imports this module)
+
+    layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None)
+    return (inputs_embeds is not None and inputs_embeds.shape[1] == 1 and bool(layers)
+            and all(isinstance(x, CompiledOscarLayer) and x.pad_known and not x.fixed_capacity for x in layers))
+
+
+def _decode_mask(original, *args, **kwargs):
+    """``generate``'s ``create_masks_for_generate``, or None where :func:`_mask_unread`."""
+    if _mask_unread(kwargs.get("cache", kwargs.get("past_key_values")), kwargs.get("inputs_embeds")):
+        return None
+    return original(*args, **kwargs)
+
+
 def install_step_hook(model) -> None:
-    """Wrap ``model.get_compiled_call`` and ``_prepare_cache_for_generation`` on the instance. Idempotent."""
+    """Wrap ``model.get_compiled_call``, ``_prepare_cache_for_generation`` and ``create_masks_for_generate`` (which
+    ``generate`` looks up on the model) on the instance. Idempotent."""
     if getattr(model, _MARK, False) or not hasattr(model, "get_compiled_call"):
         return
     original = model.get_compiled_call
@@ -64,4 +84,8 @@ def install_step_hook(model) -> None:
     model.get_compiled_call = get_compiled_call
     if hasattr(model, "_prepare_cache_for_generation"):
         model._prepare_cache_for_generation = functools.partial(_expect_length, model._prepare_cache_for_generation)
+    from transformers import masking_utils
+
+    masks = getattr(model, "create_masks_for_generate", masking_utils.create_masks_for_generate)
+    model.create_masks_for_generate = functools.partial(_decode_mask, masks)
     setattr(model, _MARK, True)
