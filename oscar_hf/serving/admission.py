@@ -37,9 +37,8 @@ def check_request(store, input_ids, max_new_tokens: int | None, vocab_size: int 
     """Raise :class:`RequestRefused` when ``store`` (None: no pool yet) cannot serve the request.
     ``blocks_hold_windows``: the scheduler's blocks count the window's tokens too (5.17 - 5.19)."""
     if forks > 0 and not can_fork:
-        raise RequestRefused(f"the OSCAR paged cache forks requests (num_return_sequences={forks + 1}) only on "
-                             "Transformers 5.20+ for models whose every layer it quantizes: send one request per "
-                             "sequence")
+        raise RequestRefused(f"the OSCAR paged cache forks requests (num_return_sequences={forks + 1}) only for "
+                             "models whose every layer it quantizes: send one request per sequence")
     n = len(input_ids)
     if n == 0:
         raise RequestRefused("the prompt is empty: a request needs at least one token")
@@ -170,7 +169,7 @@ def install(manager, processor) -> None:
     scheduler.clear_cancelled_requests, scheduler.add_waiting_request = clear_cancelled, add_checked
     adm.store = processor.cache.store
     adm.blocks_hold_windows = not hasattr(processor.cache, "cache_allocators")  # 5.17 - 5.19's block manager
-    adm.can_fork = not adm.blocks_hold_windows and processor.cache.oscar_owns_memory
+    adm.can_fork = processor.cache.oscar_owns_memory
     adm.ready.set()
 
 

@@ -59,7 +59,9 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
             self.num_pages = pages * self.block_size  # the scheduler's read budget: never the limit
             self._block_manager = BlockManager(pages, self.block_size, tp_on=False)
             store.attach_pool(pages, self.block_size)
-        self.allow_block_sharing = self.use_prefix_sharing = False
+        # prefix sharing is the store's (prefix.py); the block manager's would hash BF16 blocks the store never wrote
+        self.allow_block_sharing = self.use_prefix_sharing = (
+            self.oscar_owns_memory and store.prefix_sharing and continuous_batching_config.allow_block_sharing)
         self._start_recording(store)
 
     # ------------------------------------------------------------------ admission
@@ -97,8 +99,38 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
         super().free_all_requests()
         self.store.free_all()
 
-    def fork_request(self, *args, **kwargs):
-        raise NotImplementedError("the OSCAR paged cache does not fork requests (num_return_sequences > 1)")
+    # ------------------------------------------------------------------ prefix sharing, forks (oscar_hf.serving.prefix)
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        """Prompt tokens a new request takes from a live request's pages; its block table starts with the holder's
+        blocks for them (referenced once more), so the block manager counts them once."""
+        if not self.use_prefix_sharing:
+            return 0
+        m, holder, k = self.store.share_prefix(request_id, list(prompt_ids))
+        if m:
+            cm = self.group_cache_managers[0]
+            cm.block_table[request_id] = list(cm.block_table[holder][:k])
+            for block in cm.block_table[request_id]:
+                self._block_manager.increase_ref_count(block)
+        return m
+
+    def mark_shareable_blocks_as_complete(self, state, num_complete_blocks: int) -> None:
+        """After a forward that completed blocks: offer the request's final pages for sharing (the store's count)."""
+        if self.use_prefix_sharing and num_complete_blocks:
+            self.store.index_pages(state.request_id, state.initial_tokens + state.generated_tokens)
+
+    def compute_max_num_forks(self, source_request_id: str) -> int:
+        if not self.oscar_owns_memory:
+            raise NotImplementedError("the OSCAR paged cache forks requests only where it holds every layer")
+        return min(super().compute_max_num_forks(source_request_id),
+                   self.store.fork_fits(source_request_id, self.store.windows.num_slots))
+
+    def fork_request(self, source_request_id: str, destination_request_ids: list[str]) -> tuple[list[int], list[int]]:
+        """``num_return_sequences > 1``: the block manager's accounting, then the children as copies of the source in
+        the store (nothing left for Transformers to copy)."""
+        super().fork_request(source_request_id, destination_request_ids)
+        for child in destination_request_ids:
+            self.store.fork(source_request_id, child)
+        return [], []
 
     # ------------------------------------------------------------------ batch composition
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:

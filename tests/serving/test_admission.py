@@ -148,13 +148,9 @@ def test_a_cancelled_id_is_free_again(model):
 
 
 def test_forks_are_refused_where_the_cache_cannot_fork(model):
-    """Forks (``num_return_sequences > 1``) are served on Transformers 5.20+ where the store holds every layer
-    (tests/serving/test_prefix.py); refused at submission before 5.20 and where a layer stays in Transformers' BF16
-    cache (``skip_layers``)."""
-    from oscar_hf.serving.batching import SECTOR_API
-
-    kw = dict(OSCAR, skip_layers=(0,), num_pages=PAGES, page_size=PAGE) if SECTOR_API else OSCAR
-    with paged_oscar(model, **kw):
+    """Forks (``num_return_sequences > 1``) are served where the store holds every layer (tests/serving/test_prefix.py);
+    refused at submission where a layer stays in Transformers' BF16 cache (``skip_layers``)."""
+    with paged_oscar(model, **dict(OSCAR, skip_layers=(0,), num_pages=PAGES, page_size=PAGE)):
         manager = model.init_continuous_batching(generation_config=gen_config(num_return_sequences=2, do_sample=True),
                                                  continuous_batching_config=cb_config())
         manager.start()
