@@ -18,7 +18,7 @@ from oscar_hf.kernels.paged_decode import LOGITS_BUDGET, paged_multi_token_atten
 from ..attention import OscarKV
 from ..cache import heads
 from ..cache.base import group_queries, mask_rows
-from .pool import PagedInt2Pool, device_ids
+from .pool import PagedInt2Pool
 
 
 def _causal(query, keys, values, scaling: float):
@@ -44,7 +44,7 @@ def paged_chunk_attention(query, window: Window, pool: PagedInt2Pool, table: lis
     if not n:
         return _causal(query, k_win, v_win, scaling).transpose(1, 2)
     split, e, g, dev = params.heads, k_win.shape[2] - l, hq // hk, query.device
-    ids = device_ids(table[: -(-n // pool.page_size)], torch.int32, dev)[None]  # [1, np]
+    ids = pool.ids(table[: -(-n // pool.page_size)], torch.int32)[None]  # [1, np]
     out = None  # [1, H2, g * L, D]: the INT2 heads' rows
     if split is None or split.int2_idx.numel():
         pick = (lambda x: x) if split is None else (lambda x: x.index_select(1, split.int2_idx))

@@ -34,22 +34,14 @@ from ..quant import SUPPORTED_META_DTYPES, QuantizedRows, check_group_size
 KINDS = {"k": 0, "v": 1}
 
 
-_IDS: dict[tuple, torch.Tensor] = {}  # device_ids' recent answers (a step's layers ask for the same block table)
-_IDS_KEPT = 256
+IDS_KEPT = 256  # PagedInt2Pool.ids' recent answers kept (a step's layers ask for the same block table)
 
 
 def device_ids(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
     """``values`` as a ``dtype`` tensor on ``device`` via an asynchronous pinned copy (``torch.tensor(list,
-    device=cuda)`` synchronizes the stream); the last ``_IDS_KEPT`` answers are kept (callers only read them)."""
-    key = (tuple(values), dtype, str(device))
-    t = _IDS.get(key)
-    if t is None:
-        t = torch.tensor(values, dtype=dtype)
-        t = t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
-        if len(_IDS) >= _IDS_KEPT:
-            del _IDS[next(iter(_IDS))]
-        _IDS[key] = t
-    return t
+    device=cuda)`` synchronizes the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +141,18 @@ class PagedInt2Pool:
         self._refs = [0] * num_pages
         self.peak_used = 0  # most pages held at once since construction
         self.released = False  # release_storage() gave the tensors back
+        self._ids: dict[tuple, torch.Tensor] = {}  # ids(): its last IDS_KEPT answers
+
+    def ids(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """:func:`device_ids` on the pool's device, the last ``IDS_KEPT`` answers kept (callers only read them)."""
+        key = (tuple(values), dtype)
+        t = self._ids.get(key)
+        if t is None:
+            t = device_ids(values, dtype, self.int2.codes.device)
+            if len(self._ids) >= IDS_KEPT:
+                del self._ids[next(iter(self._ids))]
+            self._ids[key] = t
+        return t
 
     def release_storage(self) -> None:
         """Give the page tensors back (only while no page is held); the accounting stays readable."""
@@ -158,6 +162,7 @@ class PagedInt2Pool:
         self.int2 = QuantizedRows(*(empty(t) for t in self.int2))
         self.coded = tuple(empty(t) for t in self.coded)
         self.codes, self.scale, self.zero = (empty(t) for t in (self.codes, self.scale, self.zero))
+        self._ids.clear()
         self.released = True
 
     # ------------------------------------------------------------------ accounting
@@ -249,7 +254,7 @@ class PagedInt2Pool:
         if n == 0:
             return
         j = torch.arange(first, first + n, device=dst[0].device)
-        pages = device_ids(table[first // p : (first + n - 1) // p + 1], torch.long, j.device)
+        pages = self.ids(table[first // p : (first + n - 1) // p + 1], torch.long)
         scatter_entries(dst, pages[j // p - first // p], j % p, tuple(t[0].transpose(0, 1)[:, :, None] for t in src))
 
     def gather(self, pages: torch.Tensor, layer: int, kind: str, n: int) -> QuantizedRows:
