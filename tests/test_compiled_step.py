@@ -16,7 +16,7 @@ SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)
 def _masks(m, cache, ids, am, length):
     """What ``generate``'s mask hook gives a step of ``length`` tokens."""
     return m.create_masks_for_generate(config=m.config, inputs_embeds=torch.empty(ids.shape[0], length, 0),
-                                       attention_mask=am, cache=cache, past_key_values=cache,
+                                       attention_mask=am, **cache_kwargs(m, cache),
                                        position_ids=torch.zeros(ids.shape[0], length, dtype=torch.long))
 
 
