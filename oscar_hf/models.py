@@ -246,9 +246,7 @@ def load_gemma3(dtype: torch.dtype | str = torch.float32, device: str = "cpu", a
 def model_for_eval(model, tokenizer, dtype, name: str = DEFAULT_MODEL):
     """``(model, tokenizer, name, dtype)`` for the eval CLIs: the given model, or the packaged ``name`` in ``dtype``."""
     if model is None:
-        model, tokenizer = load_model(name, dtype=dtype)
-        label = MODEL_LABELS.get(name, name)
-        return model, tokenizer, label, dtype
+        return (*load_model(name, dtype=dtype), MODEL_LABELS.get(name, name), dtype)
     return model, tokenizer, f"{model.config.model_type} (given)", next(model.parameters()).dtype
 
 
@@ -304,10 +302,7 @@ def tiny_config(model_type: str, **overrides):
         "gemma4_text": dict(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention"] * 3,
                             num_kv_shared_layers=2, sliding_window=16, global_head_dim=64, **_PER_LAYER_INPUT),
         "gpt_oss": dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
-                        layer_types=["sliding_attention", "full_attention"]),
-        "qwen2": dict(),
-        "qwen3": dict(),
-        "llama": dict()}
+                        layer_types=["sliding_attention", "full_attention"])}  # others (Llama, Qwen2/3): the base
     kw = {**base, **per_type.get(model_type, {}), **overrides}
     kw = {k: v for k, v in kw.items() if v is not None or k in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")}
     return AutoConfig.for_model(model_type, **kw)
