@@ -40,7 +40,8 @@ def probe_needles(tokenizer, haystack_ids: torch.Tensor, n: int = 12, lengths=(2
     for i in range(n):
         L, d = cells[i % len(cells)]
         name, value = rng.choice(NAMES), str(rng.randint(1_000_000, 9_999_999))
-        fact, ask, ans = enc(" " + FACT.format(name=name, value=value) + " "), enc(ASK.format(name=name)), enc(" " + value)
+        fact = enc(" " + FACT.format(name=name, value=value) + " ")
+        ask, ans = enc(ASK.format(name=name)), enc(" " + value)
         n_hay = L - len(fact) - len(ask) - len(ans)
         if n_hay < 1 or hay.numel() < n_hay + i:
             raise ValueError(f"haystack too short for a probe of length {L}")

@@ -10,7 +10,8 @@ import torch
 from ..config import validate_head_dim
 from ..hadamard import hadamard_matrix, oscar_rotation
 from ..rotations import OscarRotations
-from .errors import ErrorRecorder, LayerCandidates, LayerErrors, quant_error  # noqa: F401  (tests use quant_error from here)
+# quant_error is re-exported: tests import it from here
+from .errors import ErrorRecorder, LayerCandidates, LayerErrors, quant_error  # noqa: F401
 from .hooks import as_sequences, padded_batches, progress_bar, recording, run_window
 from .stats import CalibrationStats, LayerStats
 

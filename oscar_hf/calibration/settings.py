@@ -253,11 +253,12 @@ def settings_summary(entry: dict) -> list[str]:
         lines.append(f"    tried {t['name']:<36} KL {t['kl']:.4g}  {t['bits']:.3f} bits  {t['heads']} heads "
                      f"INT{t['head_bits']}{mark}")
     for o in entry.get("over_budget", []):
-        lines.append(f"    not tried {o['name']:<32} {o['bits']:.3f} bits with {entry['retrieval_heads_floor']} retrieval "
-                     "heads: over budget")
+        lines.append(f"    not tried {o['name']:<32} {o['bits']:.3f} bits with "
+                     f"{entry['retrieval_heads_floor']} retrieval heads: over budget")
     return lines
 
 
 __all__ = ["choose_settings", "heldout_kl", "window_candidates", "settings_summary", "default_target_context",
-           "check_budget", "kl_frontier", "DEFAULT_BUDGET_BITS", "DEFAULT_TARGET_CONTEXT", "MARGIN", "WINDOW_SHARE", "Trial"]
+           "check_budget", "kl_frontier", "DEFAULT_BUDGET_BITS", "DEFAULT_TARGET_CONTEXT", "MARGIN", "WINDOW_SHARE",
+           "Trial"]
 
