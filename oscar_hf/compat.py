@@ -27,16 +27,13 @@ def _parameters(fn) -> set[str]:
 
 @lru_cache(maxsize=None)
 def _argument_of_class(cls: type) -> str:
-    params = _parameters(getattr(cls, "forward", None))
-    for name in CACHE_ARGUMENTS:
-        if name in params:
-            return name
-    # a forward taking only **kwargs (PEFT): the name this Transformers' generate hands to every forward
     from transformers.generation.utils import GenerationMixin
-    params = _parameters(GenerationMixin.prepare_inputs_for_generation)
-    for name in CACHE_ARGUMENTS:
-        if name in params:
-            return name
+    # a forward taking only **kwargs (PEFT): the name this Transformers' generate hands to every forward
+    for fn in (getattr(cls, "forward", None), GenerationMixin.prepare_inputs_for_generation):
+        params = _parameters(fn)
+        for name in CACHE_ARGUMENTS:
+            if name in params:
+                return name
     raise ValueError(f"{cls.__name__}.forward takes neither `cache` nor `past_key_values`, and this Transformers' "
                      "generate declares neither: not a decoder with a KV cache, or an unsupported Transformers version")
 

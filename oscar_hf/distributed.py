@@ -68,10 +68,9 @@ def slice_layer_rotation(lr: LayerRotation, k: HeadShard, v: HeadShard | None = 
     for name, s, t in (("k", k, lr.r_k), ("v", v, lr.r_v)):
         if not 0 <= s.start < s.stop <= t.shape[0]:
             raise ValueError(f"KV heads [{s.start}, {s.stop}) out of range for a rotation of {t.shape[0]} heads ({name})")
-    cut = lambda t, s: None if t is None else t[s.start : s.stop].contiguous()  # noqa: E731
     if k.is_full(hk) and v.is_full(lr.r_v.shape[0]):
         return lr
-    return dataclasses.replace(lr, r_k=cut(lr.r_k, k), r_v=cut(lr.r_v, v), mu_k=cut(lr.mu_k, k), mu_v=cut(lr.mu_v, v))
+    return lr.map(lambda t: t[k.start : k.stop], lambda t: t[v.start : v.stop])
 
 
 def _is_dtensor(t) -> bool:
@@ -154,12 +153,10 @@ def tp_layout(model, num_kv_heads: int, head_dim: int, layers=None) -> TPLayout 
     for i, mod in attn.items():
         if layers is not None and i not in layers:
             continue
-        k = _heads_of(getattr(mod.k_proj, "weight", None), head_dim, num_kv_heads, f"layer {i} k_proj")
-        v = _heads_of(getattr(mod.v_proj, "weight", None), head_dim, num_kv_heads, f"layer {i} v_proj")
-        if k is not None:
-            ks[i] = k
-        if v is not None:
-            vs[i] = v
+        for found, proj in ((ks, "k_proj"), (vs, "v_proj")):
+            s = _heads_of(getattr(getattr(mod, proj), "weight", None), head_dim, num_kv_heads, f"layer {i} {proj}")
+            if s is not None:
+                found[i] = s
     rw = tp_rank_world(model)
     if not ks and not vs and rw is None:
         return None

@@ -36,16 +36,24 @@ class LayerRotation:
     mu_k: torch.Tensor | None = None  # [Hk, D]
     mu_v: torch.Tensor | None = None  # [Hk, D]
 
+    def map(self, fn_k, fn_v=None) -> "LayerRotation":
+        """``r_k`` and ``mu_k`` through ``fn_k``, ``r_v`` and ``mu_v`` through ``fn_v`` (default ``fn_k``), made
+        contiguous (the decode kernels read R row-major and would otherwise copy it at every step); clips kept."""
+        fn_v = fn_k if fn_v is None else fn_v
+
+        def f(fn, t):
+            return None if t is None else fn(t).contiguous()
+
+        return dataclasses.replace(self, r_k=f(fn_k, self.r_k), r_v=f(fn_v, self.r_v), mu_k=f(fn_k, self.mu_k),
+                                   mu_v=f(fn_v, self.mu_v))
+
     def to(self, device) -> "LayerRotation":
-        # contiguous: the decode kernels read R row-major and would otherwise copy it at every step
-        mv = lambda t: None if t is None else t.to(device).contiguous()  # noqa: E731
-        return dataclasses.replace(self, r_k=mv(self.r_k), r_v=mv(self.r_v), mu_k=mv(self.mu_k), mu_v=mv(self.mu_v))
+        return self.map(lambda t: t.to(device))
 
     def select_heads(self, heads) -> "LayerRotation":
         """The rotations / offsets of the KV heads ``heads`` (a list of indices), in that order."""
         idx = torch.as_tensor(list(heads), dtype=torch.long, device=self.r_k.device)
-        sel = lambda t: None if t is None else t.index_select(0, idx.to(t.device)).contiguous()  # noqa: E731
-        return dataclasses.replace(self, r_k=sel(self.r_k), r_v=sel(self.r_v), mu_k=sel(self.mu_k), mu_v=sel(self.mu_v))
+        return self.map(lambda t: t.index_select(0, idx.to(t.device)))
 
 
 @dataclasses.dataclass
