@@ -145,7 +145,7 @@ class OscarCache(Cache):
         n = self._n_states
         if not self.compiled:
             return LinearAttentionAndFullAttentionLayer(number_of_states=n) if state else DynamicLayer()
-        if state:  # (_compiled_storage refuses the compiled storage for it)
+        if state:  # (storage.compiled_storage refuses the compiled storage for it)
             raise NotImplementedError("a hybrid layer kept in full precision (skip_layers) needs compile=False")
         return GrowingLayer(self.max_cache_len_fixed)
 
