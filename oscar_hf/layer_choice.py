@@ -31,8 +31,7 @@ class LayerChoice:
 
     def quantized(self, i: int) -> bool:
         """Whether layer ``i`` gets an OSCAR layer: full attention, with a rotation, neither skipped nor exact."""
-        return (self.fingerprint.layer_types[i] in FULL_LAYER_TYPES and i not in self.skipped
-                and i in self.rotations.layers and i not in self.exact)
+        return _rotated(self.fingerprint, self.rotations, self.skipped, i) and i not in self.exact
 
     @property
     def quantized_layers(self) -> tuple[int, ...]:
@@ -43,6 +42,11 @@ class LayerChoice:
         """Full-attention layers kept in full precision (skipped, without a rotation, or exact)."""
         return frozenset(i for i, t in enumerate(self.fingerprint.layer_types)
                          if t in FULL_LAYER_TYPES and not self.quantized(i))
+
+
+def _rotated(fp: ModelFingerprint, rotations: OscarRotations, skipped, i: int) -> bool:
+    """Whether layer ``i`` is a full-attention layer with a rotation, not skipped (quantized unless exact)."""
+    return fp.layer_types[i] in FULL_LAYER_TYPES and i not in skipped and i in rotations.layers
 
 
 def choose_layers(model_config, rotations: OscarRotations | None, config: OscarConfig, *,
@@ -102,7 +106,7 @@ def resolve_retrieval_heads(config: OscarConfig, rotations: OscarRotations, fp: 
     if want == "auto":
         # the quantized layers' KV heads: the ones the INT2 history (and the bit budget) is about
         quantized = [i for i in sorted(rotations.layers)
-                     if i not in skipped and 0 <= i < fp.num_layers and fp.layer_types[i] in FULL_LAYER_TYPES]
+                     if 0 <= i < fp.num_layers and _rotated(fp, rotations, skipped, i)]
         scores = rotations.retrieval_scores
         if scores is None:
             logger.info("retrieval heads 'auto': the %s rotations have no retrieval scores, no retrieval heads",
@@ -125,7 +129,7 @@ def resolve_retrieval_heads(config: OscarConfig, rotations: OscarRotations, fp: 
         if not 0 <= i < fp.num_layers or not 0 <= h < fp.num_key_value_heads:
             raise ValueError(f"retrieval heads: ({i}, {h}) is not a (layer, kv_head) of this model "
                              f"({fp.num_layers} layers, {fp.num_key_value_heads} KV heads)")
-        if i in rotations.layers and i not in skipped and fp.layer_types[i] in FULL_LAYER_TYPES:
+        if _rotated(fp, rotations, skipped, i):
             out.setdefault(i, []).append(h)
     return {i: tuple(sorted(hs)) for i, hs in out.items()}
 
