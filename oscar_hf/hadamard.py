@@ -21,27 +21,28 @@ def _legendre(a: int, q: int) -> int:
     return 1 if pow(a, (q - 1) // 2, q) == 1 else -1
 
 
+def _bordered_jacobsthal(q: int, column: float) -> torch.Tensor:
+    """``[[0, 1ᵀ], [column · 1, Q]]`` ``[q + 1, q + 1]`` around the Jacobsthal matrix ``Q[i, j] = legendre(j - i, q)``
+    (the core of both Paley constructions)."""
+    c = torch.zeros(q + 1, q + 1, dtype=torch.float64)
+    c[0, 1:] = 1
+    c[1:, 0] = column
+    c[1:, 1:] = torch.tensor([[_legendre(j - i, q) for j in range(q)] for i in range(q)], dtype=torch.float64)
+    return c
+
+
 def _paley(n: int) -> torch.Tensor | None:
     """Unnormalized ±1 Hadamard matrix of order ``n`` by Paley I/II, or None."""
     q = n - 1  # Paley I: q prime, q = 3 (mod 4), order q + 1
     if _is_prime(q) and q % 4 == 3:
-        Q = torch.tensor([[_legendre(j - i, q) for j in range(q)] for i in range(q)], dtype=torch.float64)
-        S = torch.zeros(n, n, dtype=torch.float64)
-        S[0, 1:] = 1
-        S[1:, 0] = -1
-        S[1:, 1:] = Q
-        return torch.eye(n, dtype=torch.float64) + S
+        return torch.eye(n, dtype=torch.float64) + _bordered_jacobsthal(q, -1)
     if n % 2 == 0:  # Paley II: q prime, q = 1 (mod 4), order 2(q + 1)
         q = n // 2 - 1
         if _is_prime(q) and q % 4 == 1:
-            Q = torch.tensor([[_legendre(j - i, q) for j in range(q)] for i in range(q)], dtype=torch.float64)
-            C = torch.zeros(q + 1, q + 1, dtype=torch.float64)
-            C[0, 1:] = 1
-            C[1:, 0] = 1
-            C[1:, 1:] = Q
             A = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
             B = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
-            return torch.kron(C, A) + torch.kron(torch.eye(q + 1, dtype=torch.float64), B)
+            return (torch.kron(_bordered_jacobsthal(q, 1), A)
+                    + torch.kron(torch.eye(q + 1, dtype=torch.float64), B))
     return None
 
 
