@@ -18,7 +18,7 @@ from .settings import DEFAULTS
 
 ROW_TILE = 64  # query rows of one program of the chunk read (the split-K kernel's most); a tile reads the history once
 # the chunk read's tile at D = 128: 4 warps, not the decode's 8 for 64 rows (a 512-row chunk over 15,872 entries,
-# H200: 1.06 against 1.61 ms, the same partials; 16- or 32-row tiles took 1.45 / 2.96 ms; docs/serving.md)
+# H200, one scratch timing: 1.06 against 1.61 ms, the same partials; 16- / 32-row tiles 1.45 / 2.96; docs/serving.md)
 CHUNK_DEFAULTS = dataclasses.replace(DEFAULTS, num_warps_wide=4)
 LOGITS_BUDGET = 256 << 20  # bytes of float32 logits a chunk read materializes at once (reference blocks, window slices)
 
