@@ -20,7 +20,7 @@ Methods (``--methods``):
   keeps the eager storage on CUDA (hybrid, MLA, KV-sharing, soft-capped); ``oscar-skipN``: the first N layers kept in
   full precision (``skip_layers``);
   ``oscar-fpN``: ``OscarCache`` with N retrieval heads (``retrieval_heads``, spread over the layers), stored
-  as the library stores them (INT8).
+  as the library stores them (INT8); ``oscar-fpN-serial``: their read on the layer's stream, not on its side stream.
 
 Every figure is a ratio against the baselines measured in the same run: ``speedup_vs_bf16_strong`` first, then
 ``speedup_vs_bf16`` (DynamicCache) and ``speedup_vs_bf16_static``.
@@ -38,6 +38,7 @@ measured bytes per token), and the aggregate decode throughput of each at that b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import platform
@@ -53,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oscar_hf import OscarCache, StaticOscarCache  # noqa: E402
 from oscar_hf.compat import cache_kwargs, returned_cache  # noqa: E402
+from oscar_hf.kernels import settings  # noqa: E402
 
 torch._dynamo.config.cache_size_limit = 64  # one compiled decode step per (method, batch, context)
 # A second (batch, context) in the same process would otherwise be recompiled with symbolic sizes, which failed in
@@ -276,7 +278,8 @@ def make_cache(model, method: str, capacity: int, explicit: bool = False):
     if method.startswith("oscar-skip"):  # oscar-skipN: the first N layers kept in full precision (skip_layers)
         return OscarCache(model, method="hadamard", group_size=64, skip_layers=tuple(range(int(method[10:]))))
     if method.startswith("oscar-fp"):  # oscar-fpN: N retrieval heads (INT8, as the library stores them), spread out
-        n, cfg = int(method.removeprefix("oscar-fp")), model.config.get_text_config(decoder=True)
+        n = int(method.removeprefix("oscar-fp").removesuffix("-serial"))  # (-serial: run_one's read on one stream)
+        cfg = model.config.get_text_config(decoder=True)
         nl, hk = cfg.num_hidden_layers, cfg.num_key_value_heads
         return OscarCache(model, method="hadamard", group_size=64,
                           retrieval_heads=tuple(((j * nl) // n, j % hk) for j in range(n)))
@@ -300,11 +303,14 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
         with torch.no_grad():
             synthetic_fill(model, cache, batch, context, device)
     t0 = time.perf_counter()
+    heads = settings.HEADS_DEFAULTS  # oscar-fpN-serial: the retrieval heads' read on the layer's stream, not beside it
+    settings.HEADS_DEFAULTS = dataclasses.replace(heads, side_stream=not method.endswith("-serial"))
     try:
         with torch.no_grad():
             out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True,
                                  **kwargs)
     finally:
+        settings.HEADS_DEFAULTS = heads
         if method.startswith("bf16-strong"):  # the model's attention back to its own implementation
             from strong_bf16 import restore
 

@@ -8,11 +8,24 @@ import dataclasses
 
 import torch
 
+from . import settings
 from .heads_attention import heads_decode_attention, merge_heads
 from .int2_attention import decode_attention_reference, rotate_query, rotate_query_reference
 from .kv import History, KVParams, Window
 from .paged_decode import check_paged_inputs, paged_decode_batched, paged_decode_reference, paged_supported
 from .plan import triton_enabled
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the retrieval heads' stream (settings.HeadsDefaults)
+
+
+def _side_stream(q: torch.Tensor, kernels: bool):
+    """The stream the retrieval heads' read runs on beside the INT2 heads', or None (same stream: CPU, references,
+    while dynamo traces, or ``HeadsDefaults.side_stream`` off)."""
+    if not (kernels and q.is_cuda and settings.HEADS_DEFAULTS.side_stream) or torch.compiler.is_compiling():
+        return None
+    if q.device.index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[q.device.index] = torch.cuda.Stream(q.device)
+    return _SIDE_STREAMS[q.device.index]
 
 
 def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, scaling: float, out_dtype=None, *,
@@ -28,6 +41,16 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
     if split is not None:  # the INT2 heads' part of the query and the sinks; their window, read in place
         qi, win = q.index_select(1, split.int2_idx), window.heads(split.int2_idx)
         si = None if sinks is None else sinks.index_select(0, split.int2_idx)
+    coded, side = None, None
+    if split is not None:  # the retrieval heads first, on a side stream where there is one (joined below)
+        side = _side_stream(q, triton_enabled(q, use_kernels))
+        if side is not None:
+            main = torch.cuda.current_stream(q.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                coded = _read_coded(params, q, window, history, scaling, out_dtype, softcap, sinks, use_kernels)
+        else:
+            coded = _read_coded(params, q, window, history, scaling, out_dtype, softcap, sinks, use_kernels)
     out = None
     if history.k.codes.shape[1]:  # the INT2 heads
         from . import decode_triton as dt
@@ -69,8 +92,19 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
                                                  rotated=rotated, softcap=softcap, sinks=si)
     if split is None:  # (no INT2 head: an empty output, the caller merges the retrieval heads it reads itself)
         return out if out is not None else torch.empty(qi.shape, dtype=out_dtype, device=qi.device)
-    # the retrieval heads: their coded history read in place (through the block tables when paged), the exact window
-    pages = history.pages
+    if side is not None:  # (the join: the output's rows are read on this stream from here on)
+        main.wait_stream(side)
+        coded.record_stream(main)
+    if full is not None and out is full:  # (the launcher wrote the INT2 heads' rows in place)
+        return full.index_copy_(1, split.coded_idx, coded)
+    return merge_heads(out, coded, split.int2_idx, split.coded_idx, q.shape[1])
+
+
+def _read_coded(params: KVParams, q, window: Window, history: History, scaling, out_dtype, softcap, sinks,
+                use_kernels) -> torch.Tensor:
+    """``[B, P, M, D]`` in ``out_dtype``: the retrieval heads' coded history read in place (through the block tables
+    when paged) and the exact window."""
+    split, pages = params.heads, history.pages
     lo = history.start if pages is None else torch.zeros_like(pages.lengths, dtype=torch.long)
     hi = pages.lengths if pages is not None else history.n_valid
     if pages is None and hi.device.type == "cpu":  # (a CPU reference reads only the filled part)
@@ -78,6 +112,4 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
     coded = heads_decode_attention(q, split.coded_idx, history.coded, split.bits, (lo, hi), window, scaling,
                                    out_dtype, pages=pages, softcap=softcap, use_kernels=use_kernels,
                                    sinks=None if sinks is None else sinks.index_select(0, split.coded_idx))
-    if full is not None and out is full:  # (the launcher wrote the INT2 heads' rows in place)
-        return full.index_copy_(1, split.coded_idx, coded.to(out_dtype))
-    return merge_heads(out, coded.to(out_dtype), split.int2_idx, split.coded_idx, q.shape[1])
+    return coded.to(out_dtype)

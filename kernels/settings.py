@@ -124,6 +124,9 @@ class HeadsDefaults:
     num_stages_xwide: int = 2
     num_warps_xwide: int = 8  # (INT8 / 16 bits; INT4 keeps its 4)
     merge_warps_xwide: int = 8
+    # CUDA: the two launches on a side stream beside the INT2 heads' (forked and joined inside the layer's read, so a
+    # CUDA graph captures them as a parallel branch): their programs fill the SMs the INT2 launches leave idle
+    side_stream: bool = True
 
     def launch(self, bits: int, d: int = 128) -> tuple[int, int]:
         """``(num_warps, num_stages)`` of the split kernel for ``bits``-bit codes of head_dim ``d``."""

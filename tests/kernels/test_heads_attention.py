@@ -327,3 +327,46 @@ def test_decode_reads_the_int2_heads_window_in_place(mode):
     # the window of the INT2 heads, copied out only where a reference reads it
     lazy = window.heads(int2_idx)
     assert lazy.k is window.k and torch.equal(lazy.gathered().k, window.rows().k.index_select(1, int2_idx))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("side_stream", [True, False])
+def test_gpu_decode_with_heads_replays_in_a_graph(monkeypatch, side_stream):
+    """A layer of the Qwen3-8B shape with a retrieval head (KV head 3 of 8), 4K of history: the retrieval heads' read
+    on its side stream (forked and joined inside :func:`decode`, ``HeadsDefaults.side_stream``) or on the layer's
+    stream, eager and replayed from a CUDA graph, equals the reference; a replay after the query changed in place
+    follows the new query (the join orders the coded rows before the output is read)."""
+    from oscar_hf.kernels import settings
+    from oscar_hf.kernels.decode import decode
+    from oscar_hf.kernels.kv import HeadSplit, History, KVParams, Window
+    from oscar_hf.quant import encode_heads, quantize_rows
+
+    monkeypatch.setattr(settings, "HEADS_DEFAULTS", dataclasses.replace(settings.HEADS_DEFAULTS,
+                                                                        side_stream=side_stream))
+    b, hk, m, n, w, d, g = 2, 8, 4, 4096, 320, 128, 64
+    gen = torch.Generator().manual_seed(3)
+    int2_idx, coded_idx = torch.tensor([0, 1, 2, 4, 5, 6, 7]), torch.tensor([3])
+    split = HeadSplit(int2_idx.cuda(), coded_idx.cuda(), torch.tensor([-1, -1, -1, 0, -1, -1, -1, -1]).cuda(), 8)
+    rot = torch.linalg.qr(torch.randn(7, d, d, generator=gen))[0].cuda()
+    params = KVParams(rot, None, rot.transpose(-1, -2).contiguous(), None, g, heads=split)
+    hist = [quantize_rows(torch.randn(b, 7, n, d, generator=gen).cuda(), g, 1.0, torch.bfloat16) for _ in "kv"]
+    coded = tuple(encode_heads(torch.randn(b, 1, n, d, generator=gen).cuda(), 8) for _ in "kv")
+    win = [torch.randn(b, hk, w, d, generator=gen).cuda().bfloat16() for _ in "kv"]
+    window = Window(*win, None)
+    history = History(*hist, torch.tensor([0, 100]).cuda(), n_valid=torch.tensor(n, device="cuda"), coded=coded)
+    q = torch.randn(b, hk, m, d, generator=gen).cuda().bfloat16()
+    want = decode(params, q, window, history, 0.088, torch.float32, use_kernels=False)
+    assert rel_err(decode(params, q, window, history, 0.088, torch.float32), want) < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = decode(params, q, window, history, 0.088, torch.float32)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, want) < 2e-2
+    q.copy_(torch.randn(b, hk, m, d, generator=gen).cuda().bfloat16())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, decode(params, q, window, history, 0.088, torch.float32, use_kernels=False)) < 2e-2
+    assert rel_err(out, want) > 0.1
