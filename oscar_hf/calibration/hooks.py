@@ -73,37 +73,31 @@ def allowed_matrix(attention_mask, batch: int, q_len: int, kv_len: int, device) 
     return _allowed_4d(attention_mask[..., :kv_len]).to(device).expand(batch, -1, q_len, kv_len)
 
 
-def _device(model) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
-
-
-def run_window(model, ids: torch.Tensor, mask: torch.Tensor | None) -> None:
-    dev = _device(model)
-    kw = dict(input_ids=ids.to(dev), use_cache=False)
-    if mask is not None:
-        kw["attention_mask"] = mask.to(dev)
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        kw["logits_to_keep"] = 1  # the LM head over the whole window is wasted work here
-    model(**kw)
-
-
-def padded_batches(seqs: list[torch.Tensor], batch_size: int, pad_id: int = 0):
-    """Right-padded ``(input_ids, attention_mask | None)`` batches of 1-D sequences."""
-    for s in range(0, len(seqs), batch_size):
-        chunk = seqs[s : s + batch_size]
-        n = max(x.numel() for x in chunk)
-        if all(x.numel() == n for x in chunk):
-            yield torch.stack(chunk), None
-            continue
-        ids = torch.full((len(chunk), n), pad_id, dtype=torch.long)
-        mask = torch.zeros(len(chunk), n, dtype=torch.long)
-        for j, x in enumerate(chunk):
-            ids[j, : x.numel()] = x
-            mask[j, : x.numel()] = 1
-        yield ids, mask
+def run_windows(model, recorder, seqs: list[torch.Tensor], batch_size: int, pad_id: int, bar, passes: int = 1) -> None:
+    """Every 1-D sequence of ``seqs`` through ``model`` under ``recorder``, ``batch_size`` at a time (right-padded,
+    one ``bar`` step a batch), ``passes`` times (``recorder.start_score_weighted()`` before the second)."""
+    p = next(model.parameters(), None)
+    dev = p.device if p is not None else torch.device("cpu")
+    keep_one = "logits_to_keep" in inspect.signature(model.forward).parameters
+    with recording(model, recorder):
+        for n in range(passes):
+            if n == 1:
+                recorder.start_score_weighted()
+            for s in range(0, len(seqs), batch_size):
+                chunk = seqs[s : s + batch_size]
+                kw = dict(use_cache=False, logits_to_keep=1) if keep_one else dict(use_cache=False)  # (LM head: waste)
+                L = max(x.numel() for x in chunk)
+                if all(x.numel() == L for x in chunk):
+                    kw["input_ids"] = torch.stack(chunk).to(dev)
+                else:
+                    ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
+                    mask = torch.zeros(len(chunk), L, dtype=torch.long)
+                    for j, x in enumerate(chunk):
+                        ids[j, : x.numel()] = x
+                        mask[j, : x.numel()] = 1
+                    kw["input_ids"], kw["attention_mask"] = ids.to(dev), mask.to(dev)
+                model(**kw)
+                bar.update(1)
 
 
 def as_sequences(input_ids) -> list[torch.Tensor]:

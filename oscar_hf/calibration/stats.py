@@ -10,7 +10,7 @@ import torch
 
 from ..config import ModelFingerprint
 from ..patching import base_attention_function
-from .hooks import as_sequences, padded_batches, progress_bar, recording, run_window, token_validity
+from .hooks import as_sequences, progress_bar, run_windows, token_validity
 
 
 def _output_tensor(result, batch, q_len, hq, d) -> torch.Tensor:
@@ -207,13 +207,7 @@ def collect_statistics(model, input_ids, *, score_weighted: bool = False, kv_ski
     rec = StatsRecorder(layers, kv_skip)
     passes = 2 if score_weighted else 1
     bar = _bar or progress_bar(progress, passes * math.ceil(len(seqs) / batch_size), "OSCAR statistics")
-    with recording(model, rec):
-        for p in range(passes):
-            if p == 1:
-                rec.start_score_weighted()
-            for ids, mask in padded_batches(seqs, batch_size, pad_id):
-                run_window(model, ids, mask)
-                bar.update(1)
+    run_windows(model, rec, seqs, batch_size, pad_id, bar, passes)
     if _bar is None:
         bar.close()
     missing = [i for i in layers if i not in rec.stats]
