@@ -226,17 +226,14 @@ class _LiveStores:
     def append(self, store: OscarPagedStore) -> None:
         self._refs = [r for r in self._refs if r() is not None] + [weakref.ref(store)]
 
-    def _live(self) -> list[OscarPagedStore]:
-        return [s for s in (r() for r in self._refs) if s is not None]
-
     def __iter__(self):
-        return iter(self._live())
+        return iter([s for s in (r() for r in self._refs) if s is not None])
 
     def __len__(self) -> int:
-        return len(self._live())
+        return len(list(iter(self)))
 
     def __getitem__(self, i):
-        return self._live()[i]
+        return list(iter(self))[i]
 
 
 @contextlib.contextmanager

@@ -87,9 +87,7 @@ class DecodeStep:
         if not decode:
             self._plan = None
             return None
-        if not self.has_pool:
-            raise RuntimeError("the OSCAR store has no page pool (defer_pool=True and no attach_pool, or its manager "
-                               "stopped and gave the pool's memory back)")
+        self._need_pool()
         s0, w, ring, p = self.config.sink, self.config.recent, self.ring, self.pool.page_size
         trash_page = self.pool.trash_page
         graphed = (rows is not None and self.graph_rows > 0 and len(decode) == len(batch)

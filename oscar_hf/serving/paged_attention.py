@@ -139,16 +139,22 @@ class RecordedBatch:
         # what the scheduler's state keeps for later steps is the rest of the prompt (None without a scheduler)
         state = self.scheduler.active_requests.get(request_id) if self.scheduler is not None else None
         rest = getattr(state, "remaining_prefill_tokens", None)
-        self.store.note_prompt(request_id, None if rest is None else len(rest) > 0)
+        r = self.store.requests.get(request_id)
+        if r is not None:  # (RequestKV.prompt_more)
+            r.prompt_more = None if rest is None else len(rest) > 0
 
     def attach_scheduler(self, scheduler) -> None:
         """The manager's scheduler, whose request states say when a prompt is complete and how long it is."""
         self.scheduler = scheduler
 
     def _prompt_hold(self, state, request_len: int) -> int:
-        """:meth:`OscarPagedStore.prompt_hold` for ``request_len`` tokens of a Transformers ``RequestState``."""
+        """Tokens of ``prompt_budget`` this step's ``request_len`` tokens of ``state`` need: its whole prompt when the
+        scheduler splits it and none is reserved yet, else 0."""
         rest = len(state.remaining_prefill_tokens)
-        return self.store.prompt_hold(state.request_id, state.position_offset + rest, request_len < rest)
+        r = self.store.requests.get(state.request_id)
+        if request_len >= rest or (r is not None and r.prompt_reserved):
+            return 0
+        return state.position_offset + rest
 
     def batch(self) -> list[tuple[str, int, int]]:
         """The requests of the running forward, ``(request_id, past_length, query_length)`` in packing order."""

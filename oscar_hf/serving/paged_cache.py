@@ -33,17 +33,11 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
     A block is one store page of every quantized layer, so sectors, ``num_blocks`` and the memory budget count OSCAR
     bytes; a request of ``T`` tokens holds ``ceil((T - S0 - W) / P)`` blocks (its history pages). The blocks are
     bookkeeping only (the store writes its pages through its own free list in the same memory): no read / write
-    indices, and each request's keys count as its new rows only. Bound to a store by :meth:`bind`."""
+    indices, and each request's keys count as its new rows only."""
 
     supports_block_sharing = False  # Transformers keys blocks by their tokens; the store keys its pages (prefix.py)
     supports_block_table = False  # no flash decode fast path
-    store: OscarPagedStore  # set on the bound subclass
-
-    @classmethod
-    def bind(cls, store: OscarPagedStore) -> type:
-        """A subclass whose sizes come from ``store`` (Transformers builds allocators and calls
-        ``get_bytes_per_page`` on the class, before any instance exists)."""
-        return type("BoundOscarCacheAllocator", (cls,), {"store": store})
+    store: OscarPagedStore  # set on the subclass _oscar_allocation binds (Transformers sizes blocks on the class)
 
     @classmethod
     def get_bytes_per_page(cls, num_key_value_heads: int, head_dim: int, cache_dtype: torch.dtype,
@@ -93,13 +87,9 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
 class OscarMemoryHandler(PagedAttentionMemoryHandler):
     """Transformers' sizing when every layer is OSCAR's: a cache token costs its INT2 share of a sector only, the sdpa
     masks are ``[M, M]``, and :meth:`OscarPagedStore.reserved_bytes` (window slots, ``prompt_budget``) is reserved up
-    front, so ``max_memory_percent`` bounds them all. Bound to a store by :meth:`bind`."""
+    front, so ``max_memory_percent`` bounds them all."""
 
-    store: OscarPagedStore  # set on the bound subclass
-
-    @classmethod
-    def bind(cls, store: OscarPagedStore) -> type:
-        return type("BoundOscarMemoryHandler", (cls,), {"store": store})
+    store: OscarPagedStore  # set on the subclass _oscar_allocation binds
 
     @property
     def fixed_overhead_bytes(self) -> int:
@@ -175,9 +165,10 @@ def _oscar_allocation(store: OscarPagedStore):
             cache_module.PagedAttentionMemoryHandler = _PerThread(saved[2])
         _installed["count"] += 1
         allocator_cls, handler_cls = _installed["saved"][0], _installed["saved"][2]
-    allocator = OscarCacheAllocator.bind(store)
-    _building.swaps = {allocator_cls: allocator, FullAttentionCacheAllocator: allocator,
-                       handler_cls: OscarMemoryHandler.bind(store)}
+    # subclasses bound to the store: Transformers builds them, and sizes blocks from the class, with its own arguments
+    allocator, handler = (type("Bound" + c.__name__, (c,), {"store": store}) for c in (OscarCacheAllocator,
+                                                                                        OscarMemoryHandler))
+    _building.swaps = {allocator_cls: allocator, FullAttentionCacheAllocator: allocator, handler_cls: handler}
     try:
         yield
     finally:

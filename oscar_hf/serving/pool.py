@@ -32,16 +32,7 @@ from ..cache import heads
 from ..quant import SUPPORTED_META_DTYPES, QuantizedRows, check_group_size
 
 KINDS = {"k": 0, "v": 1}
-
-
 IDS_KEPT = 256  # PagedInt2Pool.ids' recent answers kept (a step's layers ask for the same block table)
-
-
-def device_ids(values: list[int], dtype: torch.dtype, device) -> torch.Tensor:
-    """``values`` as a ``dtype`` tensor on ``device`` via an asynchronous pinned copy (``torch.tensor(list,
-    device=cuda)`` synchronizes the stream)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,11 +135,13 @@ class PagedInt2Pool:
         self._ids: dict[tuple, torch.Tensor] = {}  # ids(): its last IDS_KEPT answers
 
     def ids(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        """:func:`device_ids` on the pool's device, the last ``IDS_KEPT`` answers kept (callers only read them)."""
+        """``values`` as a ``dtype`` tensor on the pool's device, the last ``IDS_KEPT`` answers kept (callers only read
+        them); through an asynchronous pinned copy (``torch.tensor(list, device=cuda)`` synchronizes the stream)."""
         key = (tuple(values), dtype)
         t = self._ids.get(key)
         if t is None:
-            t = device_ids(values, dtype, self.int2.codes.device)
+            t, dev = torch.tensor(values, dtype=dtype), self.int2.codes.device
+            t = t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
             if len(self._ids) >= IDS_KEPT:
                 del self._ids[next(iter(self._ids))]
             self._ids[key] = t

@@ -34,7 +34,7 @@ class WindowPool:
         self.k = self.v = torch.empty((0, *self.slot_shape), dtype=dtype, device=self.device)
         self._free: list[int] = []  # allocated slots nobody holds
         self._held = 0
-        # CUDA graphs (:meth:`fix`): one trash slot, the last row of k / v, for a graphed step's padded rows
+        # CUDA graphs (allocate_all(trash=True)): one trash slot, the last row of k / v, for a graphed step's padded rows
         self.with_trash = False
         self.trash_slot: int | None = None
 
@@ -61,10 +61,6 @@ class WindowPool:
     def reserved_bytes(self) -> int:
         """Bytes of ``num_slots`` slots (and the trash slot under CUDA graphs): the most the pool takes."""
         return (self.num_slots + self.with_trash) * self.slot_bytes
-
-    def fix(self) -> None:
-        """Allocate every slot and the trash slot now: a captured CUDA graph holds the windows' addresses."""
-        self.allocate_all(trash=True)
 
     def allocate_all(self, trash: bool = False) -> None:
         """Allocate every slot now (and the trash slot, with ``trash``), keeping the live ones."""
@@ -126,7 +122,6 @@ class RequestKV:
 
     def length(self) -> int:
         return max(self.lengths.values(), default=0)
-
 
 
 class StoreRequests:
@@ -226,13 +221,6 @@ class StoreRequests:
         """Prompt tokens reserved now (:meth:`admit_prompt`), at most ``prompt_budget``."""
         return sum(r.prompt_reserved for r in self.requests.values())
 
-    def prompt_hold(self, request_id: str, prompt_len: int, split: bool) -> int:
-        """Tokens of ``prompt_budget`` this step's chunk needs: the whole prompt when split and unreserved, else 0."""
-        r = self.requests.get(request_id)
-        if not split or (r is not None and r.prompt_reserved):
-            return 0
-        return prompt_len
-
     def can_hold(self, tokens: int) -> bool:
         """Whether ``tokens`` more prompt tokens fit the budget now (longer than the budget: unreserved)."""
         return tokens > self.prompt_budget or self.prompt_reserved + tokens <= self.prompt_budget
@@ -259,12 +247,6 @@ class StoreRequests:
         if r is None:
             r = self.requests[request_id] = RequestKV(self.windows.allocate(), [], {})
         return r
-
-    def note_prompt(self, request_id: str, more: bool | None) -> None:
-        """Whether ``request_id``'s prompt has more chunks after this step (None: not known); see :class:`RequestKV`."""
-        r = self.requests.get(request_id)
-        if r is not None:
-            r.prompt_more = more
 
     def free(self, request_id: str) -> None:
         """The request leaves: its window slot and pages go back (shared pages when their last holder leaves)."""
@@ -293,10 +275,13 @@ class StoreRequests:
         """Whether the store has a page pool to serve from (attached, and its memory not given back)."""
         return self.pool is not None and not self.pool.released
 
-    def _request(self, request_id: str, layer_idx: int, past_length: int, new_k: torch.Tensor) -> RequestKV:
+    def _need_pool(self) -> None:
         if not self.has_pool:
             raise RuntimeError("the OSCAR store has no page pool (defer_pool=True and no attach_pool, or its manager "
                                "stopped and gave the pool's memory back)")
+
+    def _request(self, request_id: str, layer_idx: int, past_length: int, new_k: torch.Tensor) -> RequestKV:
+        self._need_pool()
         r = self.requests.get(request_id)
         if (r is None or layer_idx not in r.lengths) and past_length != 0:
             raise NotImplementedError(
@@ -320,7 +305,6 @@ class StoreRequests:
         need = -(-entries // self.pool.page_size)
         while len(r.table) < need:
             r.table.append(self.pool.allocate())
-
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, int]:

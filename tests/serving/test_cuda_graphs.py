@@ -112,7 +112,7 @@ BATCH = [(rid, n, 1) for rid, n in PROMPTS.items()]
 def prefilled_store(rows: int = 8, **kw):
     cfg, store = make_store(**kw)
     store.enable_graphs(rows)
-    store.windows.fix()
+    store.windows.allocate_all(trash=True)
     gen = torch.Generator().manual_seed(3)
     hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     for rid, n in PROMPTS.items():
