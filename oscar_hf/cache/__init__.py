@@ -75,22 +75,38 @@ class OscarCache(Cache):
         hybrid = hybrid_state_layers(text_cfg)  # attention + a state in one layer (Falcon-H1, Zamba)
         self.compiled = compiled_storage(compile, model_or_config if is_model else None, choice, hybrid,
                                          growable=self.max_cache_len_fixed is None)
-        self._n_states = getattr(text_cfg, "number_of_conv_states", 1)
+        n_states = dict(number_of_states=getattr(text_cfg, "number_of_conv_states", 1))
+        fixed = self.max_cache_len_fixed
         layers: list[Any] = []
         for i, kind in enumerate(fp.layer_types):
+            state = n_states if i in hybrid else {}  # a "hybrid" layer's SSM state goes with it
             if kind in SLIDING_LAYER_TYPES:
                 window = getattr(text_cfg, "sliding_window", None) if kind == "sliding_attention" else text_cfg.attention_chunk_size
-                layers.append(self._sliding_layer(window, i in hybrid))
-            elif kind in STATE_LAYER_TYPES:  # no per-token K/V: Transformers' own state layer (compileable as it is)
-                layers.append(LinearAttentionLayer(number_of_states=self._n_states))
-            elif kind in FULL_LAYER_TYPES:
-                if choice.quantized(i):
-                    layers.append(self._oscar_layer(config, rotations.layers[i], i, choice.retrieval_heads.get(i, ()),
-                                                    i in hybrid))
+                if self.compiled:  # a bounded buffer of the window's width, whatever the generation's length (crop
+                    # refused once it rolls)
+                    cls = LinearAttentionAndStaticSlidingWindowAttentionLayer if state else StaticSlidingWindowLayer
+                    layers.append(cls(max_cache_len=fixed or 2**62, sliding_window=window, **state))
                 else:
-                    layers.append(self._full_precision_layer(i in hybrid))
-            elif kind in FULL_PRECISION_LAYER_TYPES:  # MLA latents, KV sharing's store layers: Transformers' own kind
-                layers.append(self._full_precision_layer(False))
+                    cls = LinearAttentionAndSlidingWindowAttentionLayer if state else DynamicSlidingWindowLayer
+                    layers.append(cls(sliding_window=window, **state))
+            elif kind in STATE_LAYER_TYPES:  # no per-token K/V: Transformers' own state layer (compileable as it is)
+                layers.append(LinearAttentionLayer(**n_states))
+            elif kind in FULL_LAYER_TYPES and choice.quantized(i):
+                heads = choice.retrieval_heads.get(i, ())
+                if self.compiled:
+                    cls = CompiledOscarHybridLayer if state else CompiledOscarLayer
+                    layers.append(cls(config, rotations.layers[i], i, retrieval_heads=heads, max_cache_len=fixed, **state))
+                else:
+                    cls = OscarHybridLayer if state else OscarLayer
+                    layers.append(cls(config, rotations.layers[i], i, retrieval_heads=heads, **state))
+            elif kind in FULL_LAYER_TYPES + FULL_PRECISION_LAYER_TYPES:  # skipped, MLA latents, KV sharing's stores
+                state = state if kind in FULL_LAYER_TYPES else {}
+                if self.compiled and state:  # (storage.compiled_storage refuses the compiled storage for it)
+                    raise NotImplementedError("a hybrid layer kept in full precision (skip_layers) needs compile=False")
+                if self.compiled:
+                    layers.append(GrowingLayer(fixed))
+                else:
+                    layers.append(LinearAttentionAndFullAttentionLayer(**state) if state else DynamicLayer())
             elif kind == DUMMY_LAYER_TYPE:  # caches nothing (KV sharing's reuse layers)
                 layers.append(DummyLayer() if DummyLayer is not None else None)
             else:
@@ -126,39 +142,6 @@ class OscarCache(Cache):
     def layer_kinds(self) -> list[str]:
         """What each decoder layer got, in order (:func:`oscar_hf.cache.report.layer_kinds` lists the kinds)."""
         return report.layer_kinds(self)
-
-    # Layer factories, eager or compiled; ``state``: a "hybrid" layer's SSM state goes with it
-    def _sliding_layer(self, window: int, state: bool = False):
-        n = self._n_states
-        if self.compiled:
-            # a bounded buffer of the window's width, whatever the generation's length (crop refused once it rolls)
-            cap = self.max_cache_len_fixed or 2**62
-            if state:
-                return LinearAttentionAndStaticSlidingWindowAttentionLayer(max_cache_len=cap, sliding_window=window,
-                                                                           number_of_states=n)
-            return StaticSlidingWindowLayer(max_cache_len=cap, sliding_window=window)
-        if state:
-            return LinearAttentionAndSlidingWindowAttentionLayer(sliding_window=window, number_of_states=n)
-        return DynamicSlidingWindowLayer(sliding_window=window)
-
-    def _full_precision_layer(self, state: bool = False):
-        n = self._n_states
-        if not self.compiled:
-            return LinearAttentionAndFullAttentionLayer(number_of_states=n) if state else DynamicLayer()
-        if state:  # (storage.compiled_storage refuses the compiled storage for it)
-            raise NotImplementedError("a hybrid layer kept in full precision (skip_layers) needs compile=False")
-        return GrowingLayer(self.max_cache_len_fixed)
-
-    def _oscar_layer(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, retrieval_heads=(), state=False):
-        n = self._n_states
-        if self.compiled:
-            if state:
-                return CompiledOscarHybridLayer(config, rotation, layer_idx, retrieval_heads, self.max_cache_len_fixed,
-                                              number_of_states=n)
-            return CompiledOscarLayer(config, rotation, layer_idx, self.max_cache_len_fixed, retrieval_heads)
-        if state:
-            return OscarHybridLayer(config, rotation, layer_idx, retrieval_heads, number_of_states=n)
-        return OscarLayer(config, rotation, layer_idx, retrieval_heads)
 
     @classmethod
     def from_pretrained(cls, name_or_path, model, config: OscarConfig | None = None, *, preset: str | None = None,

@@ -28,7 +28,23 @@ def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.
             f"but the model produced keys with kv_heads={hk}, head_dim={d}")
 
 
-class QuantizedLayerBase(CacheLayerMixin):
+class BatchOps:
+    """``generate``'s batch operations on a layer, through its ``_batch_apply(fn, in_place)``: ``fn`` a batch-dim op
+    applied to every per-row buffer; ``in_place``: the batch size stays."""
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
+        self._batch_apply(lambda t: t.index_select(0, idx), in_place=True)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._batch_apply(lambda t: t.repeat_interleave(repeats, dim=0), in_place=False)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices],
+                          in_place=False)
+
+
+class QuantizedLayerBase(BatchOps, CacheLayerMixin):
     """What both quantized layers share: ``self.params`` (:class:`~oscar_hf.cache.params.LayerParams`, built at the
     first forward on the cache's device), the retrieval heads, the update checks and the offsets. Each subclass
     implements ``attend``, its read."""
@@ -51,8 +67,11 @@ class QuantizedLayerBase(CacheLayerMixin):
     mu_k_seq: torch.Tensor | None = None  # [B, Hk, D] float32, key_offset="prefill" once known
 
     def build_params(self, key_states: torch.Tensor) -> LayerParams:
-        """The first keys checked (:func:`check_first_keys`), then this layer's parameters on their device."""
+        """The first keys ``[B, Hk, L, D]`` checked (:func:`check_first_keys`) and their shape, dtype and device
+        recorded, then this layer's parameters on that device."""
         check_first_keys(self.layer_idx, self._rotation_cpu, key_states)
+        self.batch_size, self.num_kv_heads, _, self.head_dim = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
         return LayerParams.build(self.config, self._rotation_cpu, self.layer_idx, key_states.shape[1], self.retrieval_heads,
                                  key_states.device)
 
@@ -92,20 +111,11 @@ class QuantizedLayerBase(CacheLayerMixin):
     def attend(self, handle, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
         raise NotImplementedError
 
-    def _batch_apply(self, fn, in_place: bool) -> None:
-        """Apply ``fn`` (a batch-dim op) to every per-row buffer; ``in_place``: the batch size stays."""
-        raise NotImplementedError
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
-        self._batch_apply(lambda t: t.index_select(0, idx), in_place=True)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._batch_apply(lambda t: t.repeat_interleave(repeats, dim=0), in_place=False)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices],
-                          in_place=False)
+    def _tokens_to_crop(self, tokens_to_remove: int) -> int:
+        """``crop``'s count of tokens to remove (0: nothing to do)."""
+        if tokens_to_remove > 0:
+            raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
+        return -tokens_to_remove if self.is_initialized else 0
 
     def get_max_cache_shape(self) -> int:  # transformers < 5.2x name
         return self.get_max_length()

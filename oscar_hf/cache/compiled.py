@@ -44,6 +44,73 @@ def capacity_for(need: int, current: int = 0, expected: int = 0) -> int:
     return int(math.ceil(want / BUCKET) * BUCKET)
 
 
+class HostLength:
+    """The host side of a compiled-storage layer (:class:`CompiledOscarLayer`, ``GrowingLayer``): ``host_len``, ``T``
+    without a device sync, and the capacity, grown in buckets before a forward's rows are written."""
+
+    def _init_length(self, max_cache_len: int | None) -> None:
+        self.fixed_capacity = None if max_cache_len is None else int(max_cache_len)  # StaticOscarCache's: no growth
+        self.length = torch.zeros((), dtype=torch.long)  # T on the device, 0-d int64
+        self.capacity = self.host_len = 0
+        self.expected_len = 0  # the length generate will reach (set by the compiled step's hook; 0: unknown)
+        self.announced = False  # the compiled step's wrapper already counted this forward's token
+
+    def _first_capacity(self, n: int) -> int:
+        """The first allocation's capacity, for ``n`` new rows."""
+        return self.fixed_capacity or capacity_for(max(self.host_len, n), 0, self.expected_len)
+
+    def capacity_after(self, n: int) -> int:
+        """The capacity once ``n`` more tokens are written (:meth:`advance`'s rule): the mask is built before. A
+        decode step grows by GROWTH; a prefill chunk to its own need (no x1.5 overshoot per chunk)."""
+        need = self.host_len + n
+        if self.fixed_capacity:
+            return self.fixed_capacity
+        if not self.is_initialized:
+            return capacity_for(need, 0, self.expected_len)
+        return self.capacity if need <= self.capacity else capacity_for(need, self.capacity if n == 1 else 0,
+                                                                         self.expected_len)
+
+    def advance(self, n: int) -> None:
+        """Host side, before ``n`` new tokens are written: a bigger bucket when they would not fit."""
+        if self.is_initialized and self.host_len + n > self.capacity:
+            if self.fixed_capacity:
+                raise ValueError(f"StaticOscarCache is full (max_cache_len={self.fixed_capacity}, "
+                                 f"{self.host_len + n} tokens)")
+            self._allocate(self.capacity_after(n))
+        self.host_len += n
+
+    def _count_rows(self, n: int) -> None:
+        """An eager ``update``'s ``n`` rows, unless the compiled step's wrapper counted them (and this forward fell
+        back to eager)."""
+        if self.announced:
+            self.announced = False
+        else:
+            self.advance(n)
+
+    def _batch_apply(self, fn, in_place: bool) -> None:
+        """Apply ``fn`` (a batch-dim op) to every per-row buffer (``_BATCH_DIMS``: name, batch dimension), in place
+        (keeps CUDA graphs' addresses) or not."""
+        if not in_place and self.fixed_capacity:
+            raise NotImplementedError("StaticOscarCache has a fixed batch size; build it after expanding the batch")
+        if not self.is_initialized:
+            return
+        for name, dim in self._BATCH_DIMS:
+            t = getattr(self, name)
+            if t is not None:
+                out = fn(t.movedim(dim, 0)).movedim(0, dim)
+                setattr(self, name, t.copy_(out) if in_place else _fixed_address(out.contiguous()))
+        self._rebatched()
+
+    def _rebatched(self) -> None:
+        """After :meth:`_batch_apply`: what follows the buffers."""
+
+    def get_seq_length(self):
+        return self.length if _compiling() else self.host_len  # inside the compiled step: no guard on a changing int
+
+    def get_max_length(self) -> int:
+        return self.fixed_capacity or -1
+
+
 class CompiledOscarKV(OscarKV):
     """The handle ``update`` returns (no ``__slots__``: plain attribute access for dynamo)."""
 
@@ -77,7 +144,7 @@ class StepShared:
         return length
 
 
-class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
+class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
     """One quantized layer with device-resident storage. ``max_cache_len`` fixes the capacity; None grows it."""
 
     is_compileable = True
@@ -88,26 +155,19 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         super().__init__(config, rotation, layer_idx, retrieval_heads)
         if config.recent < 1:
             raise ValueError("the compiled OSCAR cache needs recent >= 1 (the ring buffer of the recent window)")
-        self.fixed_capacity = None if max_cache_len is None else int(max_cache_len)
+        self._init_length(max_cache_len)
         self.ring = config.recent + 1 + RING_RESERVE
         self.is_initialized = False
         self.keys = self.values = None  # CacheLayerMixin attributes; unused
         self.win = self.codes = self.meta = None  # the storage (lazy_initialization)
         self.coded_x = self.coded_meta = None
-        self.length = torch.zeros((), dtype=torch.long)
         self.advances_length = True
-        self.capacity = 0
-        self.host_len = 0  # T on the host (no sync needed to know it)
-        self.expected_len = 0  # the length generate will reach (set by the compiled step's hook; 0: unknown)
-        self.announced = False  # the compiled step's wrapper already counted this forward's token
         self.pad_known = False  # Python flag: set at the first (eager) forward
         self.step = StepShared()  # replaced by the cache's one, shared by its layers
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         params = self.build_params(key_states)
         b, hk, _, d = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.batch_size, self.num_kv_heads, self.head_dim = b, hk, d
         dev = self.device
         # Each tensor this layer's own: a step whose inputs alias (a Hadamard rotation shared by layers) loses its
         # fixed-address marks under CUDA graphs, which then skip the whole step
@@ -124,7 +184,7 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
             prm = self.params
             self.heads_index = _fixed_address(join_heads_index(prm.hist_of, prm.coded_of, prm.int2_idx, prm.coded_idx))
         self.capacity = 0
-        self._allocate(self.fixed_capacity or capacity_for(max(self.host_len, key_states.shape[2]), 0, self.expected_len))
+        self._allocate(self._first_capacity(key_states.shape[2]))
         self.is_initialized = True
 
     # One tensor per kind of storage, keys and values stacked (one input of the compiled step each); views:
@@ -195,32 +255,14 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         self.step.config = step_config(cfg.group_size, cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels,
                                        cfg.quantizer, cfg.retrieval_bits, cfg.block_size)
 
-    def advance(self, n: int) -> None:
-        """Host side, before ``n`` new tokens are written: make room for them (a bigger bucket when needed)."""
-        need = self.host_len + n
-        if need > self.capacity and self.is_initialized:
-            if self.fixed_capacity:
-                raise ValueError(f"StaticOscarCache is full (max_cache_len={self.fixed_capacity}, {need} tokens)")
-            # a decode step grows by GROWTH; a prefill chunk to its own need (no x1.5 overshoot per chunk)
-            self._allocate(capacity_for(need, self.capacity if n == 1 else 0, self.expected_len))
-        self.host_len = need
-
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not _compiling():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             self.check_update(key_states)
-            if self.announced:  # the compiled step's wrapper counted it (and this forward fell back to eager)
-                self.announced = False
-            else:
-                self.advance(key_states.shape[2])
+            self._count_rows(key_states.shape[2])
         handle = CompiledOscarKV(self, key_states, value_states)
         return handle, handle
-
-    def get_seq_length(self):
-        if _compiling():
-            return self.length  # a device tensor inside the compiled step: no guard on a changing int
-        return self.host_len
 
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
         # A decode step reads no mask: one slot keeps the step's inputs of fixed shape. A fixed capacity keeps
@@ -230,9 +272,6 @@ class CompiledOscarLayer(CompiledEager, QuantizedLayerBase):
         if query_length == 1:
             return 1, (0 if _compiling() else self.host_len)
         return self.host_len + query_length, 0
-
-    def get_max_length(self) -> int:
-        return self.fixed_capacity or -1
 
     def reset(self) -> None:
         if self.is_initialized:

@@ -96,10 +96,8 @@ class CompiledEager:
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens: exact up to ``RING_RESERVE``; beyond it the window slots
         that left the ring are refilled from the history."""
-        if tokens_to_remove > 0:
-            raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
-        n = -tokens_to_remove
-        if n == 0 or not self.is_initialized:
+        n = self._tokens_to_crop(tokens_to_remove)
+        if n == 0:
             return
         t_old, t_new = self.host_len, max(0, self.host_len - n)
         lost = range(max(t_new - self.config.recent - 1, self.config.sink), min(t_old - self.ring, t_new))
@@ -128,24 +126,9 @@ class CompiledEager:
                                                       self.config.retrieval_bits, self.dtype))
             win.index_copy_(2, idx, x.to(self.dtype))
 
-    def _batch_apply(self, fn, in_place: bool) -> None:
-        """Apply ``fn`` (a batch-dim op) to every per-row buffer, in place (keeps CUDA graphs' addresses) or not."""
-        if not in_place and self.fixed_capacity:
-            raise NotImplementedError("StaticOscarCache has a fixed batch size; build it after expanding the batch")
-        if not self.is_initialized:
-            return
+    _BATCH_DIMS = (("win", 1), ("codes", 1), ("meta", 2), ("coded_x", 1), ("coded_meta", 2), ("pad", 0), ("mu_k_seq", 0))
 
-        def apply(t, dim):  # fn along the batch dimension ``dim`` of ``t``
-            out = fn(t.movedim(dim, 0)).movedim(0, dim)
-            if in_place:
-                return t.copy_(out)
-            return _fixed_address(out.contiguous())
-
-        for name, dim in (("win", 1), ("codes", 1), ("meta", 2), ("coded_x", 1), ("coded_meta", 2), ("pad", 0),
-                          ("mu_k_seq", 0)):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, apply(t, dim))
+    def _rebatched(self) -> None:
         self.batch_size = self.win.shape[1]
         self._bind_step_storage()
 

@@ -80,8 +80,6 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.params = self.build_params(key_states)
         b, hk, _, d = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.batch_size, self.num_kv_heads, self.head_dim = b, hk, d
         s0, g, meta = self.config.sink, self.config.group_size, self.config.torch_meta_dtype
         kw = dict(dtype=self.dtype, device=self.device)
         cap = self.config.recent + CROP_RESERVE + TAIL_SLACK

@@ -131,12 +131,10 @@ class DynamicWrites:
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens: exact within the rollback reserve; beyond it the recent
         window refills as decoding goes on."""
-        if tokens_to_remove > 0:
-            raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
+        n = self._tokens_to_crop(tokens_to_remove)
         if self.pending is not None:
             raise RuntimeError("crop() during a forward pass")
-        n = -tokens_to_remove
-        if n == 0 or not self.is_initialized:
+        if n == 0:
             return
         t_new = max(0, self.seq_len - n)
         want = self._recent_start(t_new)  # where the tail would start had we decoded to t_new

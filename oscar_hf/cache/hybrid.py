@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 
-from ..config import OscarConfig
-from ..rotations import LayerRotation
 from .compiled import CompiledOscarLayer
 from .dynamic import OscarLayer
 
@@ -18,9 +16,8 @@ class _HybridState(LinearAttentionLayer):
 
     _attention: type = OscarLayer
 
-    def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, retrieval_heads=(), *args,
-                 number_of_states: int = 1):
-        self._attention.__init__(self, config, rotation, layer_idx, *args, retrieval_heads=retrieval_heads)
+    def __init__(self, *args, number_of_states: int = 1, **kwargs):  # the attention layer's arguments, and the state's
+        self._attention.__init__(self, *args, **kwargs)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
