@@ -116,37 +116,22 @@ class OscarRotations:
         for i, lr in self.layers.items():
             if not 0 <= i < fp.num_layers:
                 raise ValueError(f"artifact has rotations for layer {i}, but the model has {fp.num_layers} layers")
+            for name in ("r_k", "r_v", "mu_k", "mu_v"):
+                if name[0] == "r" or getattr(lr, name) is not None:  # (offsets are optional)
+                    _check_tensor(f"layer {i} {name}", getattr(lr, name), (hk, d, d) if name[0] == "r" else (hk, d))
             for name in ("r_k", "r_v"):
                 r = getattr(lr, name)
-                if not isinstance(r, torch.Tensor) or r.dtype != torch.float32:
-                    raise ValueError(f"layer {i} {name}: expected a float32 tensor, got {getattr(r, 'dtype', type(r))}")
-                if tuple(r.shape) != (hk, d, d):
-                    raise ValueError(
-                        f"layer {i} {name}: shape {tuple(r.shape)} does not match (kv_heads={hk}, head_dim={d}, {d})")
-                if not torch.isfinite(r).all():
-                    raise ValueError(f"layer {i} {name}: contains NaN or Inf")
-                eye = torch.eye(d, device=r.device)
-                err = (r.transpose(-1, -2) @ r - eye).abs().amax().item()
+                err = (r.transpose(-1, -2) @ r - torch.eye(d, device=r.device)).abs().amax().item()
                 if err > ORTHOGONALITY_TOL:
                     raise ValueError(f"layer {i} {name}: not orthogonal (max |RᵀR - I| = {err:.3g})")
-            for name in ("mu_k", "mu_v"):
-                m = getattr(lr, name)
-                if m is None:
-                    continue
-                if m.dtype != torch.float32 or tuple(m.shape) != (hk, d):
-                    raise ValueError(f"layer {i} {name}: expected float32 [{hk}, {d}], got {m.dtype} {tuple(m.shape)}")
-                if not torch.isfinite(m).all():
-                    raise ValueError(f"layer {i} {name}: contains NaN or Inf")
             for name in ("clip_k", "clip_v"):
                 c = getattr(lr, name)
                 if not isinstance(c, float) or not 0.0 < c <= 1.0:
                     raise ValueError(f"layer {i} {name}: clip ratio must be a float in (0, 1], got {c!r}")
         s = self.retrieval_scores
         if s is not None:
-            if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != (fp.num_layers, hk):
-                raise ValueError(f"retrieval_scores: expected float32 [{fp.num_layers}, {hk}], got "
-                                 f"{getattr(s, 'dtype', type(s))} {tuple(getattr(s, 'shape', ()))}")
-            if not torch.isfinite(s).all() or (s < 0).any():
+            _check_tensor("retrieval_scores", s, (fp.num_layers, hk))
+            if (s < 0).any():
                 raise ValueError("retrieval_scores: must be finite and non-negative")
 
     def top_retrieval_heads(self, k: int) -> tuple[tuple[int, int], ...]:
@@ -298,6 +283,15 @@ def ranked_heads(scores: torch.Tensor, layers) -> list[tuple[int, int]]:
     hk = scores.shape[1]
     order = torch.argsort(scores[layers].flatten(), descending=True, stable=True)
     return [(layers[int(j) // hk], int(j) % hk) for j in order]
+
+
+def _check_tensor(what: str, x, shape: tuple[int, ...]) -> None:
+    """A finite float32 tensor of ``shape``, else a ValueError starting with ``what``."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32 or tuple(x.shape) != shape:
+        raise ValueError(f"{what}: expected a float32 tensor of shape {list(shape)}, got {getattr(x, 'dtype', type(x))} "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{what}: contains NaN or Inf")
 
 
 def _model_name(fp) -> str:
