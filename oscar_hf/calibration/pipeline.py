@@ -161,9 +161,7 @@ class _Measured:
     knames: list[str]
     vnames: list[str]
     errors: dict
-    grid: tuple[float, ...]
-    clips: tuple[float, float] | None
-    shared: bool
+    o: CalibrationOptions
     t_stats: float = 0.0
     t_hold: float = 0.0
 
@@ -173,14 +171,14 @@ class _Measured:
         layers: dict[int, LayerRotation] = {}
         winners = {"k": {}, "v": {}}
         held: dict[str, dict] = {}
-        grid, clips = self.grid, self.clips
+        grid, clips, shared = self.o.grid, self.o.clips, self.o.share_rotation_across_heads
         for i, c in sorted(self.cands.items()):
             hk = c.k_rots.shape[1]
             if i in self.errors:
                 e = self.errors[i]
                 if only is None:
-                    jk, wk = select_best(e.k, self.shared)
-                    jv, wv = select_best(e.v, self.shared)
+                    jk, wk = select_best(e.k, shared)
+                    jv, wv = select_best(e.v, shared)
                 else:  # one candidate everywhere: the layer's best clip for it
                     ck, cv = self.knames.index(only), self.vnames.index(only)
                     jk, jv = select_best(e.k[ck : ck + 1], True)[0], select_best(e.v[cv : cv + 1], True)[0]
@@ -232,8 +230,7 @@ def _measure(model, o: CalibrationOptions, w: _Windows, window, group_size: int)
             t_hold = time.perf_counter() - t_hold
     finally:
         bar.close()
-    return _Measured(stats, cands, knames, vnames, errors, o.grid, o.clips, o.share_rotation_across_heads,
-                     t_stats, t_hold)
+    return _Measured(stats, cands, knames, vnames, errors, o, t_stats, t_hold)
 
 
 def _select_by_kl(model, o: CalibrationOptions, fp, hold, m: _Measured, window, group_size: int):
@@ -287,14 +284,10 @@ def _metadata(model, o: CalibrationOptions, w: _Windows, m: _Measured, window, g
               settings, scores, times: dict) -> dict:
     """The artifact's metadata: how it was calibrated, the clips, winners, spectra, and what each step chose."""
     layers, winners, held = picked
-    spectra = {}
-    for i, s in sorted(m.stats.layers.items()):
-        entry = {name: spectrum_summary(fn()) for name, fn in (("C_Q", s.c_q), ("C_K", s.c_k))}
-        for name, fn in (("C_S", s.c_s), ("C_V", s.c_v)):
-            summ = spectrum_summary(fn())
-            summ.pop("eigvals")
-            entry[name] = summ
-        spectra[str(i)] = entry
+    spectra = {str(i): entry for i, entry in m.stats.spectra().items()}  # C_Q, C_K; then C_S, C_V without eigvals
+    for i, s in m.stats.layers.items():
+        spectra[str(i)].update({name: {k: v for k, v in spectrum_summary(fn()).items() if k != "eigvals"}
+                                for name, fn in (("C_S", s.c_s), ("C_V", s.c_v))})
     meta = {
         "calibration": {
             "method": o.method,

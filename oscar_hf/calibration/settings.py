@@ -48,12 +48,6 @@ class Trial:
     bits: float
     kl: float | None = None
 
-    def chosen_fields(self) -> dict:
-        """The :data:`~oscar_hf.config.CHOSEN_FIELDS` of the config, JSON-able (pairs as lists)."""
-        d = {k: getattr(self.config, k) for k in CHOSEN_FIELDS}
-        d["retrieval_heads"] = [list(p) for p in d["retrieval_heads"]]
-        return d
-
     def record(self) -> dict:
         c = self.config
         return {"name": self.name, "bits": round(self.bits, 4), "kl": None if self.kl is None else float(self.kl),
@@ -144,10 +138,12 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     hd = space.fp.head_dim
     tried: list[Trial] = []
     over: list[dict] = []
+    # the group sizes tried: those dividing head_dim but the defaults' (the quantizer step keeps the group size)
+    groups = [g for g in dict.fromkeys(hd if g is None else g for g in GROUP_SIZES)
+              if g <= hd and hd % g == 0 and g != base.group_size]
     # the bar counts settings scored or over budget: defaults, quantizer, group sizes, windows, head width, layers
-    n_plan = (2 + len({hd if g is None else g for g in GROUP_SIZES if g is None or (g <= hd and hd % g == 0)} - {
-        base.group_size}) + len(window_candidates(base.sink, base.recent, prompt)) + (1 if space.heads else 0)
-        + min(len(PRECISE_LAYERS), len(space.ranked_layers)))
+    n_plan = (2 + len(groups) + len(window_candidates(base.sink, base.recent, prompt)) + (1 if space.heads else 0)
+              + min(len(PRECISE_LAYERS), len(space.ranked_layers)))
     bar = progress_bar(progress, n_plan, "OSCAR cache settings")
 
     def run(name: str, config: OscarConfig | None, unfitted: OscarConfig, precise: int = 0) -> Trial | None:
@@ -186,11 +182,6 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         unfit = lambda: inc.config.replace(retrieval_heads=())  # noqa: E731  (the incumbent, heads refitted)
         step([(f"quantizer={q}", unfit().replace(quantizer=q), precise) for q in ("minmax", "std")
               if q != inc.config.quantizer])
-        groups = []
-        for g in GROUP_SIZES:
-            g = hd if g is None else g
-            if g <= hd and hd % g == 0 and g != inc.config.group_size and g not in groups:
-                groups.append(g)
         step([(f"group_size={g}", unfit().replace(group_size=g), precise) for g in groups])
         step([(f"window=({s}, {r})", unfit().replace(sink=s, recent=r), precise)
               for s, r in window_candidates(inc.config.sink, inc.config.recent, prompt)])
@@ -207,6 +198,8 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
                 break
     finally:
         bar.close()
+    chosen = {k: getattr(inc.config, k) for k in CHOSEN_FIELDS}
+    chosen["retrieval_heads"] = [list(p) for p in chosen["retrieval_heads"]]  # JSON-able
     return {
         "budget_bits": float(budget_bits),
         "target_context": int(target_context),
@@ -219,7 +212,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         "margin": margin,
         "retrieval_heads_floor": space.floor,
         "precise_layers": space.ranked_layers[:precise],
-        "chosen": inc.chosen_fields(),
+        "chosen": chosen,
         "chosen_name": inc.name,
         "bits": round(inc.bits, 4),
         "kl": inc.kl,
