@@ -1,5 +1,5 @@
 """`OscarConfig`: the cache's settings, their presets, and where a cache's settings come from
-(:func:`starting_config`). Checks: :mod:`oscar_hf.config_checks`; model facts (re-exported): :mod:`.fingerprint`."""
+(:func:`starting_config`). Model facts (re-exported): :mod:`.fingerprint`."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +14,8 @@ from .fingerprint import (  # noqa: F401  (re-exported: the names every module i
     DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_TYPES, FULL_PRECISION_WHY, LATENT_LAYER_TYPE,
     SHARED_KV_LAYER_TYPE, SLIDING_LAYER_TYPES, STATE_LAYER_TYPES, UNEQUAL_KV_LAYER_TYPE, ModelFingerprint,
     default_group_size, hybrid_state_layers, kv_sharing_modes, layer_types_of, validate_head_dim)
-from .config_checks import RENAMED_FIELDS, check_config, renamed_keywords  # noqa: F401
-from .quant import SUPPORTED_META_DTYPES, bits_per_element
+from .config_checks import RENAMED_FIELDS, renamed_keywords  # noqa: F401
+from .quant import QUANTIZERS, SUPPORTED_META_DTYPES, bits_per_element
 
 _META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
 
@@ -90,7 +90,44 @@ class OscarConfig:
     use_kernels: bool | str = "auto"
 
     def __post_init__(self):
-        check_config(self, _META_DTYPES, RETRIEVAL_BIT_CHOICES, RETRIEVAL_HEAD_MAX_BITS)
+        """Raise ValueError naming the field that is out of range; sequences become tuples (in place: frozen)."""
+        for name, val in (("sink", self.sink), ("recent", self.recent)):
+            if not isinstance(val, int) or val < 0:
+                raise ValueError(f"OscarConfig.{name} must be a non-negative int, got {val!r}")
+        if self.recent < 1:
+            raise ValueError("OscarConfig.recent must be >= 1 (the current token's predecessor stays in full precision)")
+        g = self.group_size
+        if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
+            raise ValueError(f"OscarConfig.group_size must be a positive int or None (= head_dim), got {g!r}")
+        if self.bits != 2:
+            raise NotImplementedError(f"only bits=2 is implemented, got bits={self.bits}")
+        if self.meta_dtype not in _META_DTYPES:
+            raise ValueError(f"meta_dtype must be one of {sorted(_META_DTYPES)}, got {self.meta_dtype!r}")
+        if self.block_size < 1 or self.prefill_chunk < 1:
+            raise ValueError("block_size and prefill_chunk must be positive")
+        if self.quantizer not in QUANTIZERS:
+            raise ValueError(f"OscarConfig.quantizer must be one of {QUANTIZERS}, got {self.quantizer!r}")
+        if self.key_offset not in ("calibrated", "prefill"):
+            raise ValueError(f"key_offset must be 'calibrated' or 'prefill', got {self.key_offset!r}")
+        if self.use_kernels not in ("auto", True, False):
+            raise ValueError(f"use_kernels must be 'auto', True or False, got {self.use_kernels!r}")
+        for name in ("clip_k", "clip_v"):
+            val = getattr(self, name)
+            if seq := isinstance(val, Sequence) and not isinstance(val, str):
+                object.__setattr__(self, name, tuple(float(v) for v in val))
+            vals = getattr(self, name) if seq else () if val is None else (float(val),)
+            if any(not (0.0 < v <= 1.0) for v in vals):
+                raise ValueError(f"OscarConfig.{name} ratios must lie in (0, 1], got {val!r}")
+        object.__setattr__(self, "skip_layers", tuple(int(i) for i in self.skip_layers))
+        object.__setattr__(self, "retrieval_heads", _retrieval_heads(self.retrieval_heads))
+        if self.retrieval_bits not in RETRIEVAL_BIT_CHOICES or isinstance(self.retrieval_bits, bool):
+            raise ValueError(f"OscarConfig.retrieval_bits (full_precision_bits before) must be one of "
+                             f"{RETRIEVAL_BIT_CHOICES}, got {self.retrieval_bits!r}")
+        for name, lo, hi in (("max_history_bits", self.bits, RETRIEVAL_HEAD_MAX_BITS), ("retrieval_threshold", 0.0, 1.0)):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not lo <= val <= hi:
+                raise ValueError(f"OscarConfig.{name} must be a number in [{lo:g}, {hi:g}], got {val!r}")
+            object.__setattr__(self, name, float(val))
 
     # the old names, still read by serving and eval
     full_precision_heads = property(lambda self: self.retrieval_heads)
@@ -158,23 +195,19 @@ class OscarConfig:
         b = self.retrieval_bits
         return float(b) if b == 16 else b + 2 * 16 / head_dim
 
-    def history_bits(self, head_dim: int, retrieval_share: float = 0.0, head_bits: float | None = None) -> float:
+    def history_bits(self, head_dim: int, retrieval_share: float = 0.0) -> float:
         """Average bits per history element when ``retrieval_share`` of the KV heads are retrieval heads and the rest
         INT2 (2.5 at group 64, BF16)."""
         c = self.for_head_dim(head_dim)
         q = bits_per_element(head_dim, c.group_size, c.torch_meta_dtype)
-        if head_bits is None:
-            head_bits = self.retrieval_head_bits(head_dim)
-        return (1.0 - retrieval_share) * q + retrieval_share * head_bits
+        return (1.0 - retrieval_share) * q + retrieval_share * self.retrieval_head_bits(head_dim)
 
-    def retrieval_head_budget(self, head_dim: int, num_heads: int, head_bits: float | None = None) -> int:
+    def retrieval_head_budget(self, head_dim: int, num_heads: int) -> int:
         """How many of ``num_heads`` may be retrieval heads while :meth:`history_bits` <= ``max_history_bits``."""
-        if head_bits is None:
-            head_bits = self.retrieval_head_bits(head_dim)
         q = self.history_bits(head_dim)
         if num_heads <= 0 or self.max_history_bits <= q:
             return 0
-        n = math.floor(num_heads * (self.max_history_bits - q) / (head_bits - q) + 1e-9)
+        n = math.floor(num_heads * (self.max_history_bits - q) / (self.retrieval_head_bits(head_dim) - q) + 1e-9)
         return min(n, num_heads)
 
     def stored_bits(self, fingerprint: "ModelFingerprint", quantized_layers: Sequence[int], context: int) -> float:
@@ -222,6 +255,28 @@ class OscarConfig:
     full_precision_head_budget = retrieval_head_budget
 
 
+def _retrieval_heads(want):
+    """``retrieval_heads`` checked: "auto", an int >= 0, or (layer, kv_head) pairs (returned sorted, deduplicated)."""
+    bad = f"retrieval_heads (full_precision_heads before) must be 'auto', an int or (layer, kv_head) pairs, got {want!r}"
+    if isinstance(want, str):
+        if want != "auto":
+            raise ValueError(bad)
+        return want
+    if isinstance(want, bool) or not isinstance(want, (int, Sequence)):
+        raise ValueError(bad)
+    if isinstance(want, int):
+        if want < 0:
+            raise ValueError(f"retrieval_heads (full_precision_heads before) must be >= 0, got {want}")
+        return want
+    try:
+        pairs = tuple(sorted({(int(a), int(b)) for a, b in want}))
+    except (TypeError, ValueError):
+        raise ValueError(f"retrieval_heads pairs must be (layer, kv_head) ints, got {want!r}") from None
+    if any(a < 0 or b < 0 for a, b in pairs):
+        raise ValueError(f"retrieval_heads pairs must be non-negative, got {want!r}")
+    return pairs
+
+
 def _tuples(v):
     """JSON lists (nested too) back to tuples."""
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
@@ -256,18 +311,13 @@ def artifact_settings(metadata: dict) -> dict[str, Any] | None:
     return out
 
 
-def artifact_config(rotations) -> "OscarConfig | None":
-    """The :class:`OscarConfig` of ``rotations``' chosen settings, or None."""
-    chosen = artifact_settings(rotations.metadata) if rotations is not None else None
-    return OscarConfig(**chosen) if chosen else None
-
-
 def starting_config(config: "OscarConfig | None", preset: str | None, rotations,
                     overrides: dict) -> tuple["OscarConfig", bool]:
     """The config a cache or serving store starts from: ``config`` or ``preset``, else the artifact's chosen settings,
     else the defaults, with ``overrides`` on top; and whether nobody chose its group size (for :meth:`for_head_dim`)."""
     default_group = config is None and preset is None and "group_size" not in overrides
     if config is None and preset is None:
-        config = artifact_config(rotations)
+        chosen = artifact_settings(rotations.metadata) if rotations is not None else None
+        config = OscarConfig(**chosen) if chosen else None
         default_group = default_group and config is None
     return OscarConfig.build(config, preset, **overrides), default_group
