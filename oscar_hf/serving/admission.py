@@ -1,10 +1,6 @@
-"""One bad request fails alone: what the OSCAR store cannot serve is refused when it is submitted.
-
-Transformers' loop treats an exception inside a forward as fatal, so a manager an OSCAR block serves checks each
-request in ``add_request`` (the caller's thread) and raises :class:`RequestRefused` (a ``ValueError``, and a Starlette
-``HTTPException`` with its 4xx status where installed). The same checks run again when the request joins the
-scheduler, inside Transformers' per-request ``try``. What is refused and why: docs/serving.md section 2a.
-"""
+"""One bad request fails alone: what the OSCAR store cannot serve is refused when it is submitted, in the caller's
+thread (Transformers' loop treats an exception inside a forward as fatal), as :class:`RequestRefused`; the same checks
+run again when the request joins the scheduler. docs/serving.md section 2a."""
 from __future__ import annotations
 
 import threading

@@ -1,10 +1,6 @@
 """Selecting OSCAR in Transformers' continuous batching: :func:`paged_oscar` (a ``with`` block around
-``model.generate_batch``, ``model.init_continuous_batching`` or a server) and :func:`generate_batch`.
-
-The manager builds its cache from the module global ``continuous_api.PagedAttentionCache`` and accepts only
-``sdpa`` / ``paged|*`` / flash names: the block swaps that global and, once the manager has accepted ``sdpa``,
-switches the model to ``oscar_sdpa`` (5.20+) or ``paged|oscar_sdpa`` (5.17 - 5.19). Restored on exit.
-"""
+``model.generate_batch``, ``model.init_continuous_batching`` or a server) and :func:`generate_batch`. How the block
+swaps ``continuous_api.PagedAttentionCache`` and the attention name: docs/serving.md section 2."""
 from __future__ import annotations
 
 import contextlib
@@ -100,12 +96,9 @@ def _check_cb_config(cbc) -> None:
 
 
 def _install_graph_hooks(processor) -> None:
-    """Let Transformers' CUDA graphs (``use_cuda_graph``) replay OSCAR's decode steps, on this batch processor only.
-
-    A step is graphed exactly when its batch is decode-only and fits the store's buffers; prefill and mixed batches
-    run eagerly. Wrapped: ``compute_batch`` (first the cache's host side, :meth:`RecordedBatch.prepare_forward`),
-    ``_get_forward_fn`` (graph or not, as the cache decided) and ``_get_graph_key`` (plus the history bound the
-    step's grids are sized for). docs/serving.md, "CUDA graphs"."""
+    """Let Transformers' CUDA graphs (``use_cuda_graph``) replay OSCAR's decode steps, on this batch processor only:
+    a step is graphed exactly when its batch is decode-only and fits the store's buffers (docs/serving.md, "CUDA
+    graphs"); ``compute_batch`` first runs the cache's host side (:meth:`RecordedBatch.prepare_forward`)."""
     cache, runner, io = processor.cache, processor.model_runner, processor.inputs_and_outputs
     compute, forward_fn, graph_key = runner.compute_batch, runner._get_forward_fn, io._get_graph_key
 

@@ -1,11 +1,6 @@
 """OSCAR for a process that loads its models itself (:func:`oscar_serving`), and in the model process ``transformers
-serve`` spawns (Transformers 5.25+).
-
-From 5.25 the model runs in a ``spawn``ed process, where nothing the serving process patched exists: inside the block
-its entry point ``EngineClient.run_engine`` is replaced by :func:`run_engine`, which enters its own ``oscar_serving``
-block first. That process never sees ``X-Request-ID``, so the serving process refuses a repeated live id itself
-(:func:`refusing_live_ids`). On earlier releases nothing is replaced.
-"""
+serve`` spawns (5.25+: its entry point ``EngineClient.run_engine`` is replaced inside the block, and the serving process
+refuses a repeated live ``X-Request-ID`` itself); docs/serving.md."""
 from __future__ import annotations
 
 import contextlib

@@ -1,11 +1,6 @@
-"""OSCAR's paged cache for Transformers 5.20+ continuous batching (:mod:`.paged_cache_blocks` serves 5.17 - 5.19).
-
-:class:`OscarPagedCache` records each batch's ``(request_id, past_length, query_length)`` and returns a
-:class:`PagedOscarKV` handle from ``update`` for the layers the store quantizes, which the registered ``oscar_<base>``
-attention serves. Where the store holds every layer, :class:`OscarCacheAllocator` and :class:`OscarMemoryHandler`
-make Transformers size its cache tensor in INT2 pages, which the store's pool is laid out in. How Transformers calls
-the cache, and the memory accounting: docs/serving.md sections 1 - 3.
-"""
+"""OSCAR's paged cache for Transformers 5.20+ continuous batching (:mod:`.paged_cache_blocks` serves 5.17 - 5.19):
+``update`` returns a :class:`PagedOscarKV` handle for the store's layers; where the store holds every layer, its
+allocator and memory handler size Transformers' cache tensor in INT2 pages. docs/serving.md sections 1 - 3."""
 from __future__ import annotations
 
 import contextlib

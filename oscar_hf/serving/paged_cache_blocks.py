@@ -1,11 +1,6 @@
-"""OSCAR in continuous batching for Transformers whose paged cache is run by its ``paged|*`` attention functions and
-counts memory in blocks of a ``BlockManager`` (5.17 - 5.19; :mod:`~oscar_hf.serving.paged_cache` serves 5.20+).
-
-There the registered ``paged|sdpa`` function calls the cache, so OSCAR registers ``paged|oscar_sdpa``
-(:func:`paged_oscar_attention`), which hands its layers' packed batch to :meth:`OscarPagedStore.attend`. Where the
-store has every layer, the block manager keeps the admission (a block = one INT2 page of every layer) while
-Transformers' own K/V, masks and indices are sized for a single block, and the page pool is allocated beside it.
-"""
+"""OSCAR in continuous batching for Transformers 5.17 - 5.19, whose ``paged|*`` attention functions call the cache
+and whose ``BlockManager`` counts memory: OSCAR registers ``paged|oscar_sdpa``; where the store has every layer a block
+is one INT2 page of every layer and Transformers' own K/V is sized for a single block (docs/serving.md section 1)."""
 from __future__ import annotations
 
 import copy

@@ -1,23 +1,15 @@
-"""`PagedInt2Pool`: one preallocated pool of history pages shared by every request of a server.
-
-A **page** (Transformers' *block*) holds ``P = page_size`` consecutive history entries of one request, keys and values
-of every quantized layer: layer ``l``'s ``Hq_l`` INT2 heads and its ``F_l`` retrieval heads as coded rows
-(:mod:`oscar_hf.cache.heads`). Each form has one flat head axis, layer ``l``'s keys then values, layer after layer:
+"""`PagedInt2Pool`: one preallocated pool of history pages shared by every request of a server (docs/serving.md
+section 3, "Pool"). A page holds ``P`` consecutive history entries of one request, keys and values of every quantized
+layer, each form on one flat head axis (layer ``l``'s keys then values, layer after layer):
 
     INT2   codes [num_pages, 2 sum Hq_l, P, D/4] uint8       (four 2-bit codes per byte, plane layout)
            scale [num_pages, 2 sum Hq_l, P, D/G] meta dtype
            zero  [num_pages, 2 sum Hq_l, P, D/G] meta dtype
-    coded  parts [num_pages, 2 sum F_l, P, *]                 (heads.part_specs: codes, scale, zero; or the values)
+    coded  parts [num_pages, 2 sum F_l, P, *]                 (retrieval heads, heads.part_specs)
 
-so a layer's keys of every page are one strided view ``[num_pages, Hq_l, P, *]`` (what the paged kernel reads).
-Without retrieval heads ``codes / scale / zero`` are also viewed ``[num_pages, L, 2, Hk, P, *]``.
-
-A request's *block table* lists its page ids: history entry ``j`` is at page ``table[j // P]``, offset ``j % P``.
-Pages are reference-counted (prefix sharing, forks) and come from a free list: nothing is allocated while serving.
-``storage``: the tensors are views of one flat ``uint8`` tensor (Transformers' cache tensor), widest dtype first.
-``trash_page``: one more page, never handed out, where the batched decode write sends the rows that demote nothing
-this step (and a graphed step's padded rows), so every step writes with fixed shapes.
-"""
+so a layer's keys of every page are one strided view ``[num_pages, Hq_l, P, *]``; without retrieval heads also
+``[num_pages, L, 2, Hk, P, *]``. History entry ``j`` of a request is at page ``table[j // P]``, offset ``j % P``.
+``trash_page``: one more page, never handed out, where the batched decode write sends the rows that demote nothing."""
 from __future__ import annotations
 
 import dataclasses

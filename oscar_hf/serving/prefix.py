@@ -1,12 +1,7 @@
 """Prefix sharing and forks in the paged INT2 store: requests whose prompts begin alike hold the same history pages.
-
-Page ``b`` holds slots ``[S0 + bP, S0 + (b+1)P)``, so it is keyed by tokens ``[0, S0 + (b+1)P)`` as a chain of hashes,
-one link a page (link 0 covers the sink too), and can be shared once written for good (:func:`shareable_pages`). A
-request sharing ``k`` pages starts at ``m = S0 + kP`` tokens with the holder's sink copied, and prefills at least
-``W + 2`` tokens of its own; its rows read slots below ``m`` from the INT2 pages (``RequestKV.floor``), as a decode
-step does (docs/serving.md, "Prefix sharing"). A fork copies its source's window and the pages still to be written,
-and shares the others.
-"""
+Page ``b`` (slots ``[S0 + bP, S0 + (b+1)P)``) is keyed by a hash chain over tokens ``[0, S0 + (b+1)P)``, one link a
+page, and shared once no later step writes it (:func:`shareable_pages`); a sharing request's rows read slots below
+``RequestKV.floor`` from those pages. docs/serving.md section 3, "Prefix sharing and forks"."""
 from __future__ import annotations
 
 import hashlib

@@ -15,14 +15,9 @@ logger = logging.getLogger("oscar_hf")
 
 
 class WindowPool:
-    """Full-precision windows of up to ``num_slots`` live requests: ``k, v [capacity, L, Hk, S0 + R, D]`` (model dtype;
-    ``L`` quantized layers) and a free list of slots.
-
-    Standalone, allocated on demand (a slot is 47 MB at the Qwen3-8B shape): ``capacity`` doubles up to
-    ``num_slots`` when no allocated slot is free, and goes back to 0 with :meth:`release_memory`; a growth copies the
-    live slots through host memory, so the device never holds more than ``reserved_bytes``. Under a manager every slot
-    is allocated when it starts (:meth:`allocate_all`: the manager reserves their memory anyway, and a growth while
-    serving stalls the step: 66 ms at 2 -> 4 slots on an H200)."""
+    """Full-precision windows of up to ``num_slots`` live requests: ``k, v [capacity, L, Hk, S0 + R, D]`` (model
+    dtype) and a free list of slots. ``capacity`` doubles on demand (a growth copies the live slots through the host),
+    or every slot is allocated at once under a manager (:meth:`allocate_all`); docs/serving.md section 3, "Windows"."""
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, entries: int, head_dim: int,
                  dtype: torch.dtype, device):

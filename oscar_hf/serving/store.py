@@ -1,14 +1,7 @@
 """`OscarPagedStore`: the OSCAR KV of every live request of a server: per request a full-precision sink + recent
-window (a slot of one :class:`WindowPool`), and its INT2 history in pages of one :class:`PagedInt2Pool`.
-
-Per request and layer (``S0 = sink``, ``W = recent``, ``R = W + 1``, ``T`` tokens seen) the layout and writes of
-:mod:`oscar_hf.cache.window`: a window slot ``[S0 + R, D]`` per KV head (the sink, then a ring holding slot ``s`` at
-entry ``S0 + s % R``), and history slots ``[S0, T - W)`` as entries ``j = slot - S0`` of the request's pages.
-Retrieval heads are coded rows of the same pages (:mod:`.pool`). Decode rows of a forward are served together, one
-batched write and one paged decode call per layer, from a plan made on the host before the forward
-(:mod:`.decode_step`, so CUDA graphs can replay it); multi-token rows one request at a time (:meth:`_attend_one`).
-Memory and lifecycle: docs/serving.md section 3.
-"""
+window (a slot of one :class:`WindowPool`, the layout of :mod:`oscar_hf.cache.window`) and its INT2 history in pages
+of one :class:`PagedInt2Pool`. Decode rows are served together from a host plan (:mod:`.decode_step`), multi-token rows
+one request at a time (:meth:`_attend_one`). docs/serving.md section 3."""
 from __future__ import annotations
 
 import torch
@@ -35,14 +28,10 @@ DEFAULT_CHUNK_TOKENS = 8192
 
 
 class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
-    """The paged OSCAR KV store of a server (see the module docstring).
-
-    ``rotations``: None for the artifact-free ``method``; ``overrides``: :class:`OscarConfig` fields. At most
-    ``max_requests`` live requests; at most ``prompt_budget`` prompt tokens (default: ``max_position_embeddings``)
-    held in full precision while their prompts arrive in chunks. The pool holds ``num_pages`` pages, or what
-    ``memory_budget`` bytes pay for after :meth:`reserved_bytes`; ``defer_pool``: none until :meth:`attach_pool`
-    (:func:`~oscar_hf.serving.paged_oscar`: the pages live in Transformers' cache tensor). Layers it does not quantize
-    are left to Transformers (:meth:`handles`). ``prefix_sharing``: see :mod:`~oscar_hf.serving.prefix`."""
+    """The paged OSCAR KV store of a server (docs/serving.md section 3). ``rotations``: None for the artifact-free
+    ``method``; ``overrides``: :class:`OscarConfig` fields; at most ``max_requests`` live requests and ``prompt_budget``
+    prompt tokens held in full precision (default: ``max_position_embeddings``). The pool holds ``num_pages`` pages, or
+    what ``memory_budget`` bytes pay for after :meth:`reserved_bytes`; ``defer_pool``: none until :meth:`attach_pool`."""
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
                  num_pages: int | None = None, memory_budget: int | None = None, page_size: int = 256,
