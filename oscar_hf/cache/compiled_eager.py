@@ -11,7 +11,7 @@ from ..patching import base_attention_function
 from ..quant import QuantizedRows, dequantize_rows
 from . import heads
 from .base import allowed_slots, group_queries, logit_terms, mask_rows
-from .window import RowsHistory, commit, demote_pending, ring_entries
+from .window import RowsHistory, commit, demote_pending, ring_entries, sink_from
 
 
 def _compiling() -> bool:
@@ -165,20 +165,20 @@ class CompiledEager:
         return state
 
     def import_state(self, state: dict) -> None:
-        """Load :meth:`export_state`'s form (tensors on this layer's device, shapes checked by :mod:`.io`)."""
-        s0, t, ts = self.config.sink, int(state["seq_len"]), int(state["tail_start"])
-        tail_k = state["tail_k"]
+        """Load :meth:`export_state`'s form, the tail from ``buf_slot0`` (tensors on this layer's device, shapes
+        checked by :mod:`.io`). The eager layer fills a row's sink at its demotion: entries still in the tail come
+        from there."""
+        s0, t, ts, bs0 = self.config.sink, int(state["seq_len"]), int(state["tail_start"]), int(state["buf_slot0"])
+        tails = [state[k][:, :, ts - bs0 :] for k in ("tail_k", "tail_v")]  # slots [ts, t)
         self.host_len = 0
-        self.lazy_initialization(tail_k[:, :, :0], state["tail_v"][:, :, :0])
+        self.lazy_initialization(tails[0][:, :, :0], tails[1][:, :, :0])
         self.advance(t)
         self.pad.copy_(state["pad"])
         self.pad_known = True
-        self.win_k[:, :, :s0] = state["sink_k"]
-        self.win_v[:, :, :s0] = state["sink_v"]
-        first = max(ts, t - self.ring)
-        idx = ring_entries(torch.arange(first, t, device=self.device), s0, self.ring)
-        self.win_k.index_copy_(2, idx, tail_k[:, :, first - ts :])
-        self.win_v.index_copy_(2, idx, state["tail_v"][:, :, first - ts :])
+        idx = ring_entries(torch.arange(max(ts, t - self.ring), t, device=self.device), s0, self.ring)
+        for win, sink, tail in zip((self.win_k, self.win_v), (state["sink_k"], state["sink_v"]), tails):
+            win[:, :, :s0] = sink_from(sink, tail, state["pad"], ts)
+            win.index_copy_(2, idx, tail[:, :, tail.shape[2] - idx.shape[0] :])
         for dst, src in ((self.hist_k, state["hist_k"]), (self.hist_v, state["hist_v"])):
             for a, x in zip(dst, src):
                 a[:, :, : x.shape[2]] = x

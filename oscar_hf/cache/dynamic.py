@@ -26,7 +26,7 @@ from ..quant import QuantizedRows
 from ..rotations import LayerRotation
 from . import heads
 from .base import QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, logit_terms, mask_rows
-from .dynamic_write import CROP_RESERVE, TAIL_SLACK, DynamicWrites, grown  # (io.py reads the first two here)
+from .dynamic_write import CROP_RESERVE, TAIL_SLACK, DynamicWrites, grown
 
 logger = logging.getLogger("oscar_hf")
 
@@ -64,16 +64,9 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         self.keys = self.values = None  # CacheLayerMixin attributes; unused (no full-precision copy)
         self.params = None
         self.pad: torch.Tensor | None = None  # [B] first real slot per row
-        self.pad_max = 0
-        self.seq_len = 0  # T: committed slots
-        self.tail_start = 0
-        self.buf_slot0 = 0
-        self.tail_k = self.tail_v = None
-        self.sink_k = self.sink_v = None
-        self.hist_k: QuantizedRows | None = None
-        self.hist_v: QuantizedRows | None = None
-        self.mu_k_seq = None
-        self.pending: OscarKV | None = None
+        self.pad_max = self.seq_len = self.tail_start = self.buf_slot0 = 0  # seq_len: T, the committed slots
+        self.tail_k = self.tail_v = self.sink_k = self.sink_v = self.hist_k = self.hist_v = self.mu_k_seq = None
+        self.pending: OscarKV | None = None  # what update returned, until attend commits it
         self.fp_k = self.fp_v = None  # every slot of the retrieval heads: tuples of [B, P, cap, *] (heads.py)
         self._fp_written = False  # this forward's new rows are already in fp_k/v
 
@@ -83,16 +76,15 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         s0, g, meta = self.config.sink, self.config.group_size, self.config.torch_meta_dtype
         kw = dict(dtype=self.dtype, device=self.device)
         cap = self.config.recent + CROP_RESERVE + TAIL_SLACK
-        self.tail_k = torch.zeros(b, hk, cap, d, **kw)
-        self.tail_v = torch.zeros(b, hk, cap, d, **kw)
-        self.sink_k = torch.zeros(b, hk, s0, d, **kw)
-        self.sink_v = torch.zeros(b, hk, s0, d, **kw)
-        self.hist_k = self._alloc_hist(0, b, len(self.params.int2_heads), d, g, meta)
-        self.hist_v = self._alloc_hist(0, b, len(self.params.int2_heads), d, g, meta)
+        self.tail_k, self.tail_v = (torch.zeros(b, hk, cap, d, **kw) for _ in range(2))
+        self.sink_k, self.sink_v = (torch.zeros(b, hk, s0, d, **kw) for _ in range(2))
+        h2 = len(self.params.int2_heads)  # empty histories [B, H2, 0, *], grown as slots are demoted
+        self.hist_k, self.hist_v = (QuantizedRows(torch.zeros(b, h2, 0, d // 4, dtype=torch.uint8, device=self.device),
+                                                  *(torch.zeros(b, h2, 0, d // g, dtype=meta, device=self.device)
+                                                    for _ in range(2))) for _ in range(2))
         if self.retrieval_heads:
-            bits = self.config.retrieval_bits
-            self.fp_k = heads.allocate(bits, b, len(self.retrieval_heads), 0, d, self.dtype, self.device)
-            self.fp_v = heads.allocate(bits, b, len(self.retrieval_heads), 0, d, self.dtype, self.device)
+            self.fp_k, self.fp_v = (heads.allocate(self.config.retrieval_bits, b, len(self.retrieval_heads), 0, d,
+                                                   self.dtype, self.device) for _ in range(2))
         self.is_initialized = True
 
     def write_retrieval_heads(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
@@ -102,7 +94,10 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         t_new = t_old + new_k.shape[2]
         self.fp_k = tuple(grown(t, t_old, t_new) for t in self.fp_k)
         self.fp_v = tuple(grown(t, t_old, t_new) for t in self.fp_v)
-        self._store_retrieval_rows(new_k, new_v, t_old)
+        for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
+            for dst, src in zip(store, heads.encode(new.index_select(1, self.params.coded_idx),
+                                                    self.config.retrieval_bits)):
+                dst[:, :, t_old:t_new] = src
         self._fp_written = True
 
     def retrieval_kv(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,19 +105,6 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         bits = self.config.retrieval_bits
         return tuple(heads.decode(tuple(t[:, :, :n] for t in store), bits, self.dtype)
                      for store in (self.fp_k, self.fp_v))
-
-    def _store_retrieval_rows(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
-        """Slots ``[t_old, t_old + L)`` of the retrieval heads from ``new_k/v [B, Hk, L, D]`` (room made already)."""
-        l = new_k.shape[2]
-        for store, new in ((self.fp_k, new_k), (self.fp_v, new_v)):
-            for dst, src in zip(store, heads.encode(new.index_select(1, self.params.coded_idx),
-                                                    self.config.retrieval_bits)):
-                dst[:, :, t_old : t_old + l] = src
-
-    def _alloc_hist(self, cap, b, hk, d, g, meta):
-        return QuantizedRows(torch.zeros(b, hk, cap, d // 4, dtype=torch.uint8, device=self.device),
-                             torch.zeros(b, hk, cap, d // g, dtype=meta, device=self.device),
-                             torch.zeros(b, hk, cap, d // g, dtype=meta, device=self.device))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -270,6 +252,31 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         n = self.n_hist
         cut = lambda q: QuantizedRows(*(t[:, :, :n] for t in q))  # noqa: E731
         return cut(self.hist_k), cut(self.hist_v)
+
+    def export_state(self) -> dict:
+        """The saved form (:mod:`.io`): positions and the used part of each buffer; the rollback reserve
+        ``[buf_slot0, tail_start)`` is not saved (a loaded cache starts without one)."""
+        hist_k, hist_v = self.hist_view()
+        tail_k, tail_v = self.tail_view()
+        st = dict(seq_len=self.seq_len, tail_start=self.tail_start, pad=self.pad, sink_k=self.sink_k,
+                  sink_v=self.sink_v, tail_k=tail_k, tail_v=tail_v, hist_k=hist_k, hist_v=hist_v, mu_k_seq=self.mu_k_seq)
+        if self.retrieval_heads:
+            st["fp_k"], st["fp_v"] = (tuple(x[:, :, : self.seq_len] for x in store) for store in (self.fp_k, self.fp_v))
+        return st
+
+    def import_state(self, st: dict) -> None:
+        """Load the saved form, the tail from slot ``buf_slot0`` (tensors on this layer's device, shapes checked by
+        :mod:`.io`)."""
+        seq, bs0 = st["seq_len"], st["buf_slot0"]
+        self.lazy_initialization(st["tail_k"][:, :, :0], st["tail_v"][:, :, :0])
+        self._set_pad(st["pad"])
+        self.sink_k, self.sink_v, self.hist_k, self.hist_v = st["sink_k"], st["sink_v"], st["hist_k"], st["hist_v"]
+        cap = max(seq - bs0 + TAIL_SLACK, self.config.recent + CROP_RESERVE + TAIL_SLACK)
+        self.tail_k, self.tail_v = (grown(st[k], seq - bs0, cap, exact=True) for k in ("tail_k", "tail_v"))
+        self.seq_len, self.tail_start, self.buf_slot0 = seq, st["tail_start"], bs0
+        if st.get("fp_k") is not None:
+            self.fp_k, self.fp_v = st["fp_k"], st["fp_v"]
+        self.mu_k_seq = st["mu_k_seq"]
 
     def memory(self) -> dict[str, int]:
         """Bytes actually used by the cached tokens (logical) and allocated by the buffers."""

@@ -9,6 +9,7 @@ import torch
 from oscar_hf.kernels.write_path import rotate_quantize
 
 from ..quant import QuantizedRows
+from .window import sink_from
 
 logger = logging.getLogger("oscar_hf")
 
@@ -16,12 +17,13 @@ CROP_RESERVE = 64  # demoted slots kept in full precision so that crop(-n) can u
 TAIL_SLACK = 64  # extra tail capacity so that compaction happens once every TAIL_SLACK appends
 
 
-def grown(t: torch.Tensor, keep: int, need: int) -> torch.Tensor:
-    """``t [B, H, cap, X]`` with room for ``need`` entries along dim 2 (amortized x1.5), its first ``keep`` kept."""
+def grown(t: torch.Tensor, keep: int, need: int, exact: bool = False) -> torch.Tensor:
+    """``t [B, H, cap, X]`` with room for ``need`` entries along dim 2 (amortized x1.5 unless ``exact``), its first
+    ``keep`` kept."""
     cap = t.shape[2]
     if need <= cap:
         return t
-    z = t.new_zeros(*t.shape[:2], max(need, int(cap * 1.5), 1024), t.shape[3])
+    z = t.new_zeros(*t.shape[:2], need if exact else max(need, int(cap * 1.5), 1024), t.shape[3])
     z[:, :, :keep] = t[:, :, :keep]
     return z
 
@@ -37,8 +39,7 @@ class DynamicWrites:
         self.write_retrieval_heads(new_k, new_v, self.seq_len)
         self._fp_written = False
         if self.pad is None:
-            self.pad = (pad if pad is not None else torch.zeros(self.batch_size, dtype=torch.long)).to(self.device)
-            self.pad_max = int(self.pad.max()) if self.pad.numel() else 0
+            self._set_pad((pad if pad is not None else torch.zeros(self.batch_size, dtype=torch.long)).to(self.device))
         t_old, n_new = self.seq_len, new_k.shape[-2]
         t_new = t_old + n_new
         target = max(self._recent_start(t_new), self.tail_start)
@@ -48,6 +49,10 @@ class DynamicWrites:
         self._append(new_k, new_v, t_old, t_new, target)
         self.tail_start = target
         self.seq_len = t_new
+
+    def _set_pad(self, pad: torch.Tensor) -> None:
+        """``pad [B]``, each row's first real slot, and its maximum on the host."""
+        self.pad, self.pad_max = pad, int(pad.max()) if pad.numel() else 0
 
     def _recent_start(self, t: int) -> int:
         """First recent slot at ``t`` slots; 0 (the tail holds all) until some row has a history token."""
@@ -73,16 +78,9 @@ class DynamicWrites:
     def _demote(self, a: int, b: int, t_old: int, new_k, new_v) -> None:
         s0 = self.config.sink
         # Sink: rows whose first S0 real slots intersect [a, b) copy them in (per-row gather).
-        if a < self.pad_max + s0:
-            j = torch.arange(s0, device=self.device)
-            slot = self.pad[:, None] + j[None, :]  # [B, S0]
-            sel = (slot >= a) & (slot < b)
-            lo, hi = a, min(b, self.pad_max + s0)
-            src_k, src_v = self._source(lo, hi, t_old, new_k, new_v)
-            idx = (slot - lo).clamp(0, hi - lo - 1)[:, None, :, None].expand(-1, self.num_kv_heads, -1, self.head_dim)
-            m = sel[:, None, :, None]
-            self.sink_k = torch.where(m, src_k.gather(2, idx), self.sink_k)
-            self.sink_v = torch.where(m, src_v.gather(2, idx), self.sink_v)
+        if a < self.pad_max + s0:  # (no sink slot at or past pad_max + S0)
+            src_k, src_v = self._source(a, min(b, self.pad_max + s0), t_old, new_k, new_v)
+            self.sink_k, self.sink_v = sink_from(self.sink_k, src_k, self.pad, a), sink_from(self.sink_v, src_v, self.pad, a)
         # History: slots [max(a, S0), b) -> indices [.. - S0], every row (masked per row on read).
         ha = max(a, s0)
         if b <= ha:
@@ -156,8 +154,7 @@ class DynamicWrites:
         if self.fp_k is not None:
             self.fp_k, self.fp_v = tuple(fn(t) for t in self.fp_k), tuple(fn(t) for t in self.fp_v)
         if self.pad is not None:
-            self.pad = fn(self.pad)
-            self.pad_max = int(self.pad.max()) if self.pad.numel() else 0
+            self._set_pad(fn(self.pad))
         if self.mu_k_seq is not None:
             self.mu_k_seq = fn(self.mu_k_seq)
         self.batch_size = self.tail_k.shape[0]

@@ -25,7 +25,7 @@ from .io_checks import (  # noqa: F401  (weights_digest, position_limit: part of
     _DTYPES, STATE_NAME, TENSORS_NAME, _bounded, check_finite, check_sizes, check_weights, position_limit,
     weights_digest)
 from .compiled import CompiledOscarLayer, capacity_for
-from .dynamic import CROP_RESERVE, TAIL_SLACK, OscarLayer
+from .dynamic import OscarLayer
 
 FORMAT = "oscar_hf.cache"
 VERSION = 1
@@ -43,7 +43,7 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
             if not layer.is_initialized or (isinstance(layer, OscarLayer) and layer.pad is None):
                 layers.append(dict(kind="oscar", empty=True))
                 continue
-            st = layer_state(layer)
+            st = layer.export_state()
             t = {k: st[k] for k in ("pad", "sink_k", "sink_v", "tail_k", "tail_v")}
             for kv in ("k", "v"):
                 t.update({f"hist_{kv}_{f}": x for f, x in zip(("codes", "scale", "zero"), st[f"hist_{kv}"])})
@@ -80,17 +80,7 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
 
 def layer_state(layer) -> dict:
     """An OSCAR layer's saved form: positions and the used part of each buffer (the eager layer's layout)."""
-    if isinstance(layer, CompiledOscarLayer):
-        return layer.export_state()
-    # the rollback reserve [buf_slot0, tail_start) is not saved: a loaded cache starts without one
-    a, b = layer.tail_start - layer.buf_slot0, layer.seq_len - layer.buf_slot0
-    hist_k, hist_v = layer.hist_view()
-    st = dict(seq_len=layer.seq_len, tail_start=layer.tail_start, pad=layer.pad, sink_k=layer.sink_k,
-              sink_v=layer.sink_v, tail_k=layer.tail_k[:, :, a:b], tail_v=layer.tail_v[:, :, a:b], hist_k=hist_k,
-              hist_v=hist_v, mu_k_seq=layer.mu_k_seq)
-    if layer.retrieval_heads:
-        st["fp_k"], st["fp_v"] = (tuple(x[:, :, : layer.seq_len] for x in store) for store in (layer.fp_k, layer.fp_v))
-    return st
+    return layer.export_state()
 
 
 def _fp_names(kv: str, bits: int) -> list[str]:
@@ -156,19 +146,6 @@ def _fill_fixed_window(layer: StaticSlidingWindowLayer, keys: torch.Tensor, valu
     layer.cumulative_length_int = cumulative
 
 
-def _sink_from_tail(sink: torch.Tensor, tail: torch.Tensor, pad: torch.Tensor, tail_start: int) -> torch.Tensor:
-    """The sink as :class:`CompiledOscarLayer` holds it, from the start: entries the eager layer still keeps in
-    its tail (slots ``>= tail_start``) are copied from there."""
-    b, hk, s0, d = sink.shape
-    n = tail.shape[2]
-    if n == 0 or s0 == 0:
-        return sink
-    slot = pad[:, None] + torch.arange(s0, device=pad.device)[None, :]  # [B, S0]
-    in_tail = (slot >= tail_start) & (slot < tail_start + n)
-    idx = (slot - tail_start).clamp(0, n - 1)[:, None, :, None].expand(-1, hk, -1, d)
-    return torch.where(in_tail[:, None, :, None], tail.gather(2, idx), sink)
-
-
 def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="auto", *, fixed_capacity: bool = False,
                max_cache_len: int | None = None):
     """A ``cls`` for ``model`` holding the state saved in ``directory``, on ``device`` (default: the model's).
@@ -225,49 +202,30 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
                 raise ValueError(f"layer {i}: inconsistent positions {bs0=} {ts=} {seq=}")
             n = max(0, ts - s0)
             p = f"layers.{i}."
-            pad = _expect(tensors, p + "pad", (b,), torch.long)
-            sink = [_expect(tensors, p + k, (b, hk, s0, d), dtype) for k in ("sink_k", "sink_v")]
-            tail = [_expect(tensors, p + k, (b, hk, seq - bs0, d), dtype) for k in ("tail_k", "tail_v")]
-            hist = []
+
+            def take(key, shape, dt):  # a saved tensor of this layer, checked, on the device
+                return _expect(tensors, p + key, shape, dt).to(device)
+
+            pad = take("pad", (b,), torch.long)
+            sink = [take(k, (b, hk, s0, d), dtype) for k in ("sink_k", "sink_v")]
+            tail = [take(k, (b, hk, seq - bs0, d), dtype) for k in ("tail_k", "tail_v")]
             hq, n_fp = hk - len(layer.retrieval_heads), len(layer.retrieval_heads)  # quantized / retrieval heads
-            for kv in ("k", "v"):
-                hist.append(QuantizedRows(_expect(tensors, f"{p}hist_{kv}_codes", (b, hq, n, d // 4), torch.uint8),
-                                          _expect(tensors, f"{p}hist_{kv}_scale", (b, hq, n, d // g), meta),
-                                          _expect(tensors, f"{p}hist_{kv}_zero", (b, hq, n, d // g), meta)))
+            hist = [QuantizedRows(take(f"hist_{kv}_codes", (b, hq, n, d // 4), torch.uint8),
+                                  take(f"hist_{kv}_scale", (b, hq, n, d // g), meta),
+                                  take(f"hist_{kv}_zero", (b, hq, n, d // g), meta)) for kv in ("k", "v")]
             fp_bits = config.retrieval_bits
-            fp_kv = [tuple(_expect(tensors, p + name, (b, n_fp, seq, last), dt) for name, (last, dt)
+            fp_kv = [tuple(take(name, (b, n_fp, seq, last), dt) for name, (last, dt)
                            in zip(_fp_names(kv, fp_bits), heads.part_specs(fp_bits, d, dtype)))
-                     for kv in ("k", "v")] if n_fp else None
+                     for kv in ("k", "v")] if n_fp else (None, None)
             mu_k_seq = None
             if config.key_offset == "prefill" and n > 0:
-                mu_k_seq = _expect(tensors, p + "mu_k_seq", (b, hq, d), torch.float32).to(device)
+                mu_k_seq = take("mu_k_seq", (b, hq, d), torch.float32)
             elif p + "mu_k_seq" in tensors:
                 raise ValueError(f"layer {i}: the saved history is centered on per-sequence key means "
                                  "(key_offset='prefill'), this cache's config says key_offset='calibrated'")
-            if isinstance(layer, CompiledOscarLayer):
-                tail = [x[:, :, ts - bs0 :] for x in tail]  # (saves write buf_slot0 = tail_start)
-                sink = [_sink_from_tail(x, t, pad, ts) for x, t in zip(sink, tail)]
-                layer.import_state(dict(seq_len=seq, tail_start=ts, pad=pad.to(device), sink_k=sink[0].to(device),
-                                        sink_v=sink[1].to(device), tail_k=tail[0].to(device), tail_v=tail[1].to(device),
-                                        hist_k=QuantizedRows(*(x.to(device) for x in hist[0])),
-                                        hist_v=QuantizedRows(*(x.to(device) for x in hist[1])), mu_k_seq=mu_k_seq,
-                                        fp_k=tuple(x.to(device) for x in fp_kv[0]) if fp_kv else None,
-                                        fp_v=tuple(x.to(device) for x in fp_kv[1]) if fp_kv else None))
-                continue
-            layer.lazy_initialization(tail[0][:, :, :0].to(device), tail[1][:, :, :0].to(device))
-            layer.pad = pad.to(device)
-            layer.pad_max = int(pad.max()) if pad.numel() else 0
-            layer.sink_k, layer.sink_v = (x.to(device) for x in sink)
-            cap = max(seq - bs0 + TAIL_SLACK, config.recent + CROP_RESERVE + TAIL_SLACK)
-            layer.tail_k = tail[0].new_zeros(b, hk, cap, d, device=device)
-            layer.tail_v = tail[1].new_zeros(b, hk, cap, d, device=device)
-            layer.tail_k[:, :, : seq - bs0] = tail[0].to(device)
-            layer.tail_v[:, :, : seq - bs0] = tail[1].to(device)
-            layer.hist_k, layer.hist_v = (QuantizedRows(*(x.to(device) for x in h)) for h in hist)
-            layer.seq_len, layer.tail_start, layer.buf_slot0 = seq, ts, bs0
-            if fp_kv is not None:
-                layer.fp_k, layer.fp_v = (tuple(x.to(device) for x in store) for store in fp_kv)
-            layer.mu_k_seq = mu_k_seq
+            layer.import_state(dict(seq_len=seq, tail_start=ts, buf_slot0=bs0, pad=pad, sink_k=sink[0], sink_v=sink[1],
+                                    tail_k=tail[0], tail_v=tail[1], hist_k=hist[0], hist_v=hist[1], mu_k_seq=mu_k_seq,
+                                    fp_k=fp_kv[0], fp_v=fp_kv[1]))
         else:
             keys, values = tensors.pop(f"layers.{i}.keys", None), tensors.pop(f"layers.{i}.values", None)
             # (keys and values may differ in width: an MLA latent [B, 1, S, kv_lora_rank] and its rope part)

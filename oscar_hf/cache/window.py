@@ -39,6 +39,19 @@ def window_mask(length: torch.Tensor, pad, sink: int, ring: int, recent: int) ->
     return torch.cat([sink_ok, ring_ok], 1)
 
 
+def sink_from(sink: torch.Tensor, src: torch.Tensor, pad, first: int) -> torch.Tensor:
+    """``sink [B', Hk, S0, D]`` with the entries whose slot ``pad + j`` is one of ``src [B', Hk, n, D]``'s slots
+    ``[first, first + n)`` taken from there, per row (``pad``: ``[B']`` or an int)."""
+    b, hk, s0, d = sink.shape
+    n = src.shape[2]
+    if n == 0 or s0 == 0:
+        return sink
+    slot = torch.as_tensor(pad, device=src.device).reshape(-1, 1) + torch.arange(s0, device=src.device)[None, :]
+    sel = ((slot >= first) & (slot < first + n))[:, None, :, None]  # [B' or 1, 1, S0, 1]
+    idx = (slot - first).clamp(0, n - 1)[:, None, :, None].expand(b, hk, s0, d)
+    return torch.where(sel, src.gather(2, idx), sink)
+
+
 class RowsHistory:
     """History entries as rows of per-layer buffers (the compiled layer): entry ``j`` at index ``j`` of every row.
     ``int2_k/v``: :class:`QuantizedRows` ``[B, H2, N, *]``; ``coded_k/v``: tuples of ``[B, P, N, *]`` or None."""
@@ -99,17 +112,13 @@ def commit(win_k: torch.Tensor, win_v: torch.Tensor, pad, history, params: Layer
     to ``t_old + L - W`` (from ``floor``: below it, a shared prefix's pages), the sink entries, the ring."""
     s0, w, dev = config.sink, config.recent, new_k.device
     ring = win_k.shape[2] - s0
-    b, hk, n_new, d = new_k.shape
-    t_new = t_old + n_new
+    t_new = t_old + new_k.shape[2]
     # 1. history: slots [max(T - W, S0), T + L - W), from the ring (< T) or the new rows (>= T)
     demote(win_k, win_v, history, params, config, max(t_old - w, s0, floor), t_new - w, t_old, new_k, new_v, mu_k)
     # 2. sink: the entries whose slot is among the new rows, per row (none past the sink without padding: a chunk)
     if not (isinstance(pad, int) and pad + s0 <= t_old):
-        slot = torch.as_tensor(pad, device=dev).reshape(-1, 1) + torch.arange(s0, device=dev)[None, :]  # [B' or 1, S0]
-        sel = ((slot >= t_old) & (slot < t_new))[:, None, :, None]
-        idx = (slot - t_old).clamp(0, n_new - 1)[:, None, :, None].expand(b, hk, s0, d)
         for win, new in ((win_k, new_k), (win_v, new_v)):
-            win[:, :, :s0] = torch.where(sel, new.gather(2, idx), win[:, :, :s0])
+            win[:, :, :s0] = sink_from(win[:, :, :s0], new, pad, t_old)
     # 3. ring: the last R slots
     first = max(t_old, t_new - ring)
     entries = ring_entries(torch.arange(first, t_new, device=dev), s0, ring)
