@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+from oscar_hf.models import tiny_model
+
 
 @pytest.fixture(autouse=True, scope="package")
 def one_torch_thread():
@@ -11,3 +13,9 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The tiny Llama most serving tests serve (2 layers, 2 KV heads of 32, 4 query heads), one per test module."""
+    return tiny_model("llama")

@@ -9,17 +9,11 @@ from transformers import GenerationConfig
 
 from oscar_hf import OscarCache
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import tiny_model
 from oscar_hf.serving import continuous_batching_config, paged_oscar
 from oscar_hf.serving.admission import RequestRefused
 
 OSCAR = dict(sink=4, recent=8, group_size=32)
 PAGES, PAGE = 16, 8  # the pool: 16 pages of 8 tokens, a request holds at most 4 + 8 + 128 tokens
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
 
 
 def gen_config(n: int = 6, **kw) -> GenerationConfig:

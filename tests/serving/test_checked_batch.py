@@ -7,16 +7,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from oscar_hf.models import tiny_model
 from oscar_hf.serving import OscarPagedCache, continuous_batching_config, paged_oscar
 
 OSCAR = dict(sink=4, recent=8, group_size=32)
 PROMPTS = [[5, 9, 33, 2, 71, 8, 100, 4, 19, 60, 3, 17, 44, 81], [7, 7, 21, 90, 12, 6, 30, 2, 9, 11, 13, 15]]
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
 
 
 def run(model):

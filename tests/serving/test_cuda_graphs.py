@@ -15,16 +15,11 @@ from oscar_hf import OscarCache
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.kernels.decode import decode
 from oscar_hf.kernels.kv import History, KVParams, Pages, Window
-from oscar_hf.models import tiny_model
+
 from oscar_hf.serving import continuous_batching_config, paged_oscar
 
 OSCAR = dict(sink=4, recent=8, group_size=32)
 NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
 
 
 def served(model, prompts, graphs: bool, q_pad: int = 4, **store_kw):

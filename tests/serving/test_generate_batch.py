@@ -16,11 +16,6 @@ OSCAR = dict(sink=4, recent=8, group_size=32)
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
-
-
 def greedy_alone(model, prompt, cache=None):
     kw = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
     if cache is not None:

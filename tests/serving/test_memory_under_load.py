@@ -23,11 +23,6 @@ from oscar_hf.serving.batching import SECTOR_API
 OSCAR = dict(sink=4, recent=8, group_size=32)
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
-
-
 @pytest.fixture(autouse=True)
 def sdpa_after(request):
     """A manager built and never started (``processor``) keeps the attention Transformers 5.17 switched the model to

@@ -154,13 +154,6 @@ def test_fork_decodes_as_its_source(kw):
 
 
 # ------------------------------------------------------------------ through Transformers' continuous batching
-@pytest.fixture(scope="module")
-def model():
-    from oscar_hf.models import tiny_model
-
-    return tiny_model("llama")
-
-
 def _serving():
     from oscar_hf.serving import batching  # (either paged cache: 5.19+'s allocators, 5.17's block manager)
 

@@ -3,18 +3,11 @@ timeout on a model switch) releases everything once the loop is over: the store'
 and the model's attention name, so that the next manager of the model starts and serves."""
 import time
 
-import pytest
 from transformers import GenerationConfig
 
-from oscar_hf.models import tiny_model
 from oscar_hf.serving import SECTOR_API, continuous_batching_config, paged_oscar
 
 OSCAR = dict(sink=4, recent=8, group_size=32)
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
 
 
 def gen_config(n):

@@ -10,16 +10,10 @@ from transformers import GenerationConfig
 
 from oscar_hf import OscarCache, OscarRotations
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import tiny_model
 from oscar_hf.serving import continuous_batching_config, paged_oscar
 
 OSCAR = dict(sink=4, recent=8, group_size=32)
 NEW_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama")
 
 
 @pytest.fixture(scope="module")
