@@ -13,15 +13,6 @@ from ..patching import base_attention_function
 from .hooks import as_sequences, progress_bar, run_windows, token_validity
 
 
-def _output_tensor(result, batch, q_len, hq, d) -> torch.Tensor:
-    out = result[0] if isinstance(result, tuple) else result
-    if tuple(out.shape) != (batch, q_len, hq, d):
-        raise NotImplementedError(
-            f"attention returned an output of shape {tuple(out.shape)}, "
-            f"expected [B, q, Hq, D] = {(batch, q_len, hq, d)}")
-    return out
-
-
 def _rows(x: torch.Tensor, hk: int, valid: torch.Tensor) -> torch.Tensor:
     """``x [B, H, L, D]`` -> ``[Hk, rows, D]``: the rows of the heads sharing each KV head (repeat_kv's order), real
     tokens (``valid [B, L]``) only."""
@@ -148,7 +139,11 @@ class StatsRecorder:
             s.sw_v += (w[..., None] * vd).sum(1)
             s.sw_vv += (vd * w[..., None]).transpose(1, 2) @ vd
             return result
-        out = _output_tensor(result, b, q_len, hq, d).transpose(1, 2)  # [B, Hq, q, D]
+        out = result[0] if isinstance(result, tuple) else result
+        if tuple(out.shape) != (b, q_len, hq, d):
+            raise NotImplementedError(f"attention returned an output of shape {tuple(out.shape)}, expected "
+                                      f"[B, q, Hq, D] = {(b, q_len, hq, d)}")
+        out = out.transpose(1, 2)  # [B, Hq, q, D]
         qd = _rows(query, hk, vq).double()  # [Hk, n*g, D]
         od = _rows(out, hk, vq).double()  # padded rows (possibly NaN) are dropped, not multiplied
         s.qq += qd.transpose(1, 2) @ qd

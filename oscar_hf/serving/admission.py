@@ -127,18 +127,12 @@ def _hook_router(router, adm: Admission) -> None:
     """Ids leave before their last output is delivered (a client may resubmit the id as soon as it has it)."""
     deliver, deliver_batch = router.deliver, router.deliver_batch
 
-    def finished(outputs) -> None:
+    def finished(outputs: list) -> list:
         adm.release(*(o.request_id for o in outputs if o.is_finished()))
+        return outputs
 
-    def deliver_one(output):
-        finished([output])
-        return deliver(output)
-
-    def deliver_many(outputs):
-        finished(outputs)
-        return deliver_batch(outputs)
-
-    router.deliver, router.deliver_batch = deliver_one, deliver_many
+    router.deliver = lambda output: deliver(finished([output])[0])
+    router.deliver_batch = lambda outputs: deliver_batch(finished(outputs))
 
 
 def install(manager, processor) -> None:
