@@ -275,9 +275,7 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
 
     def reset(self) -> None:
         if self.is_initialized:
-            for t in (self.win, self.pad, self.length, self.codes, self.meta):
-                t.zero_()
-            for t in (self.coded_x, self.coded_meta):
+            for t in (self.win, self.pad, self.length, self.codes, self.meta, self.coded_x, self.coded_meta):
                 if t is not None:
                     t.zero_()
         self.mu_k_seq = None

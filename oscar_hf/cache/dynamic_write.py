@@ -147,12 +147,10 @@ class DynamicWrites:
     def _batch_apply(self, fn, in_place: bool) -> None:  # (buffers replaced either way)
         if not self.is_initialized:
             return
-        self.tail_k, self.tail_v = fn(self.tail_k), fn(self.tail_v)
-        self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
-        self.hist_k = QuantizedRows(*(fn(t) for t in self.hist_k))
-        self.hist_v = QuantizedRows(*(fn(t) for t in self.hist_v))
+        self.tail_k, self.tail_v, self.sink_k, self.sink_v = map(fn, (self.tail_k, self.tail_v, self.sink_k, self.sink_v))
+        self.hist_k, self.hist_v = (QuantizedRows(*map(fn, h)) for h in (self.hist_k, self.hist_v))
         if self.fp_k is not None:
-            self.fp_k, self.fp_v = tuple(fn(t) for t in self.fp_k), tuple(fn(t) for t in self.fp_v)
+            self.fp_k, self.fp_v = (tuple(map(fn, store)) for store in (self.fp_k, self.fp_v))
         if self.pad is not None:
             self._set_pad(fn(self.pad))
         if self.mu_k_seq is not None:

@@ -59,15 +59,14 @@ def log_layer_plan(cache, hybrid: set[int]) -> None:
 def memory_report(cache) -> dict[str, float]:
     """Bytes by part (summed over layers), bits per element, and the BF16 equivalent. ``full_precision_layers``:
     bytes of Transformers' own layers; ``*_layers`` counts: layers of each kind."""
-    tot = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, retrieval_heads=0,
-               allocated=0, full_precision_layers=0)
+    tot = dict.fromkeys(("sink", "recent", "history_codes", "history_meta", "history_elements", "retrieval_heads",
+                         "allocated", "full_precision_layers"), 0)
     elements = 0
     for layer in cache.layers:
         if hasattr(layer, "memory"):  # OscarLayer and the compiled CompiledOscarLayer
             m = layer.memory()
-            for k in ("sink", "recent", "history_codes", "history_meta", "history_elements", "allocated"):
+            for k in tot.keys() & m.keys():
                 tot[k] += m[k]
-            tot["retrieval_heads"] += m.get("retrieval_heads", 0)
             if layer.is_initialized:
                 elements += 2 * m["tokens"] * layer.num_kv_heads * layer.head_dim
         elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
