@@ -66,26 +66,19 @@ def split_name(impl: str | None) -> tuple[str | None, str]:
     return None, impl
 
 
-def _text_configs(model):
-    seen, out = set(), []
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation") and id(cfg) not in seen:
-            seen.add(id(cfg))
-            out.append(cfg)
-    return out
-
-
-def _config_tree(config):
-    """``config`` and its sub-configs at any depth (``config.sub_configs``), each once."""
-    seen, out, todo = set(), [], [config]
+def _configs(target) -> list:
+    """The configs that name an attention implementation, each once: a model's modules' own, or a config and its
+    sub-configs at any depth (``config.sub_configs``)."""
+    is_model = isinstance(target, torch.nn.Module)
+    seen, out, todo = set(), [], [getattr(m, "config", None) for m in target.modules()] if is_model else [target]
     while todo:
         cfg = todo.pop()
         if cfg is None or id(cfg) in seen or not hasattr(cfg, "_attn_implementation"):
             continue
         seen.add(id(cfg))
         out.append(cfg)
-        todo.extend(getattr(cfg, key, None) for key in getattr(cfg, "sub_configs", {}))
+        if not is_model:
+            todo.extend(getattr(cfg, key, None) for key in getattr(cfg, "sub_configs", {}))
     return out
 
 
@@ -106,7 +99,7 @@ def switch_attention(target, prefix: str) -> str:
     if is_model and hasattr(target, "set_attn_implementation"):
         target.set_attn_implementation(name)
     # Modules may hold their own config objects (sub-configs); make every one agree.
-    for cfg in _text_configs(target) if is_model else _config_tree(target):
+    for cfg in _configs(target):
         if split_name(cfg._attn_implementation)[1] == base or cfg._attn_implementation is None:
             cfg._attn_implementation_internal = name
     return name
@@ -117,7 +110,7 @@ def restore_attention(model) -> str:
     _, base = split_name(model.config._attn_implementation)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(base)
-    for cfg in _text_configs(model):
+    for cfg in _configs(model):
         cfg._attn_implementation_internal = split_name(cfg._attn_implementation)[1]
     return base
 
