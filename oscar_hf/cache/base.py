@@ -108,9 +108,6 @@ class QuantizedLayerBase(BatchOps, CacheLayerMixin):
         fallback = mu.float() if mu is not None else torch.zeros_like(mean[0])
         return torch.where((n > 0)[:, None, None], mean, fallback[None]).contiguous()
 
-    def attend(self, handle, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
-        raise NotImplementedError
-
     def _tokens_to_crop(self, tokens_to_remove: int) -> int:
         """``crop``'s count of tokens to remove (0: nothing to do)."""
         if tokens_to_remove > 0:

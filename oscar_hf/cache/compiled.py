@@ -25,7 +25,7 @@ from ..rotations import LayerRotation
 from . import heads
 from .base import QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, logit_terms
 from .compiled_eager import CompiledEager, _compiling, _fixed_address
-from .window import ring_slots, window_mask
+from .window import window_mask
 
 RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE (as OscarLayer's CROP_RESERVE)
 BUCKET = 1024  # capacity granularity (slots)
@@ -336,10 +336,6 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
     def n_hist(self, length: torch.Tensor) -> torch.Tensor:
         s0, w = self.config.sink, self.config.recent
         return (length - w - s0).clamp(min=0)
-
-    def ring_slots(self, length: torch.Tensor) -> torch.Tensor:
-        """``[R]``: the slot each ring entry holds once slots ``[0, length)`` are written (may be < 0)."""
-        return ring_slots(length, self.ring)
 
     def window_mask(self, length: torch.Tensor, recent: int) -> torch.Tensor:
         """``[B, S0 + R]`` bool: :func:`window_mask` of every row at ``length`` (0-d) from its left padding."""

@@ -11,7 +11,7 @@ from ..patching import base_attention_function
 from ..quant import QuantizedRows, dequantize_rows
 from . import heads
 from .base import allowed_slots, group_queries, logit_terms, mask_rows
-from .window import RowsHistory, commit, demote_pending, ring_entries, sink_from
+from .window import RowsHistory, commit, demote_pending, ring_entries, ring_slots, sink_from
 
 
 def _compiling() -> bool:
@@ -47,7 +47,7 @@ class CompiledEager:
             allowed = (torch.arange(kv, device=dev)[None, :] <= (t_old + torch.arange(l, device=dev))[:, None])[None].expand(b, l, kv)
         t = torch.tensor(t_old, device=dev)
         slots = torch.cat([self.pad[:, None] + torch.arange(s0, device=dev)[None, :],  # sink j
-                           self.ring_slots(t).clamp(min=0).expand(b, -1)], 1)  # ring entries
+                           ring_slots(t, self.ring).clamp(min=0).expand(b, -1)], 1)  # ring entries
         ok = self.window_mask(t, cfg.recent)[:, None, :] & allowed.gather(2, slots.clamp(max=kv - 1)[:, None, :].expand(b, l, -1))
         ok = torch.cat([ok, allowed[:, :, t_old:]], -1)  # [B, L, S0 + R + L]
         qf = group_queries(query.float(), hk)
