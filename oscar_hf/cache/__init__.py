@@ -27,7 +27,7 @@ from ..config import (DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_T
                       STATE_LAYER_TYPES, OscarConfig, artifact_settings, hybrid_state_layers, starting_config)
 from ..distributed import shard_cache_for_tensor_parallel
 from ..layer_choice import choose_layers, resolve_retrieval_heads
-from ..rotations import LayerRotation, OscarRotations
+from ..rotations import OscarRotations
 from . import report
 from .compiled import CompiledOscarLayer, StepShared
 from .dynamic import OscarLayer
