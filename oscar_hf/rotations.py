@@ -291,7 +291,7 @@ def _check_tensor(what: str, x, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{what}: expected a float32 tensor of shape {list(shape)}, got {getattr(x, 'dtype', type(x))} "
                          f"{tuple(getattr(x, 'shape', ()))}")
     if not torch.isfinite(x).all():
-        raise ValueError(f"{what}: contains NaN or Inf")
+        raise ValueError(f"{what}: not finite (contains NaN or Inf)")
 
 
 def _model_name(fp) -> str:
