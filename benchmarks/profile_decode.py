@@ -15,10 +15,6 @@ before the profiler starts. ``--op``: the decode-attention op alone (``bench_ker
 device time per call at ``--points`` (``BxT``), the L2 flush between calls left out:
 
     python benchmarks/profile_decode.py --op --points 1x131072 8x131072 32x32768 --out profile_op_h200.json
-
-``--heads-reads``: 36 layers' decode reads (Qwen3-8B's 8 KV heads of 128, 4 query rows each, 320 window tokens) in one
-CUDA graph at ``--points``: all 8 heads INT2, or 7 INT2 + 1 INT8 retrieval head per layer with the heads' read on its
-side stream or on the layer's (``HeadsDefaults.side_stream``); median replay of 30, four sets of stores cycled (no L2 reuse).
 """
 from __future__ import annotations
 
@@ -162,46 +158,6 @@ def op_kernel_times(b: int, t: int, iters: int = 20) -> dict:
     return dict(B=b, T=t, graph_ms=graph_ms, kernel_sum_us=sum(tot.values()), kernels=kernels)
 
 
-def heads_reads(b: int, n: int, layers: int = 36) -> list[dict]:
-    """``--heads-reads`` at one point: ms for ``layers`` reads in one graph (``bench_kernels.timed``), per variant."""
-    import dataclasses
-
-    import bench_kernels as bk
-
-    from oscar_hf.kernels import settings
-    from oscar_hf.kernels.decode import decode
-    from oscar_hf.kernels.kv import HeadSplit, History, KVParams, Window
-    from oscar_hf.quant import QuantizedRows, encode_heads, quantize_rows
-
-    bk.FLUSH = bk.FLUSH if bk.FLUSH is not None else torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    rnd = lambda *shape: torch.randn(*shape, device="cuda").bfloat16()  # noqa: E731
-    stores = [([quantize_rows(rnd(b, 8, n, 128), 64, 1.0, torch.bfloat16) for _ in "kv"],
-               tuple(encode_heads(rnd(b, 1, n, 128).float(), 8) for _ in "kv"), [rnd(b, 8, 320, 128) for _ in "kv"])
-              for _ in range(4)]
-    rot, q, start = torch.linalg.qr(torch.randn(8, 128, 128, device="cuda"))[0], rnd(b, 8, 4, 128), torch.zeros(
-        b, dtype=torch.long, device="cuda")
-    rows, base, length = [], settings.HEADS_DEFAULTS, torch.tensor(n, device="cuda")
-    for name, heads, side in [("int2", False, True), ("heads-side-stream", True, True), ("heads-serial", True, False)]:
-        settings.HEADS_DEFAULTS = dataclasses.replace(base, side_stream=side)
-        calls = []
-        for i in range(layers):
-            (hk, hv), coded, win = stores[i % 4]
-            params, hist = KVParams(rot, None, rot.mT.contiguous(), None, 64), History(hk, hv, start, n_valid=length)
-            if heads:  # KV head i % 8 of the layer is its retrieval head
-                h = i % 8
-                split = HeadSplit(torch.tensor([j for j in range(8) if j != h], device="cuda"),
-                                  torch.tensor([h], device="cuda"), (torch.arange(8, device="cuda") == h).long() - 1, 8)
-                hk, hv = (QuantizedRows(*(x[:, :7].contiguous() for x in r)) for r in (hk, hv))
-                params = KVParams(rot[:7], None, rot[:7].mT.contiguous(), None, 64, heads=split)
-                hist = History(hk, hv, start, n_valid=length, coded=coded)
-            calls.append((params, Window(*win, None), hist))
-        ms = bk.timed(lambda: [decode(pa, q, w, hi, 0.088, torch.bfloat16) for pa, w, hi in calls], graph=True)
-        rows.append(dict(B=b, T=n, variant=name, layers=layers, ms=ms))
-        print(json.dumps(rows[-1]), flush=True)
-    settings.HEADS_DEFAULTS = base
-    return rows
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
@@ -214,14 +170,11 @@ def main(argv=None):
     p.add_argument("--host", action="store_true", help="cProfile of the host instead of torch.profiler: where a "
                    "step's host time goes (the text report per method in the JSON)")
     p.add_argument("--op", action="store_true", help="the decode op alone at --points, kernel by kernel")
-    p.add_argument("--heads-reads", action="store_true", help="36 layers' reads in a graph, with a retrieval head or not")
     p.add_argument("--points", nargs="+", default=["1x131072", "8x131072", "32x32768", "8x8192"], help="--op: BxT")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                command="python " + " ".join([sys.argv[0].split("/")[-1]] + (argv or sys.argv[1:])))
-    if a.heads_reads:
-        return save(a.out, env, [r for pt in a.points for r in heads_reads(*(int(x) for x in pt.split("x")))])
     if a.op:
         rows = [op_kernel_times(*(int(x) for x in pt.split("x"))) for pt in a.points]
         for r in rows:
