@@ -193,16 +193,10 @@ def _is_state_layer(layer) -> bool:
 
 
 def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 1024) -> None:
-    """Leave in every layer what a prefill of ``context`` tokens would: random K/V rows written through
-    the cache's own write path (OSCAR: demotion = rotate + quantize + pack), chunk by chunk. Decode speed
-    does not depend on the values, and this skips the prompt's forward pass, whose activations (not the
-    cache) are what stops a batch of 64 x 32K prompts from being prefilled in one ``generate`` call (and gpt-oss's
-    eager attention from prefilling 32K at all).
-
-    Sliding-window layers get only the rows they keep (the last window's), with their token count set to
-    ``context``, as a prefill leaves them. Linear-attention layers (no K/V rows) are left as the cache made them:
-    ``generate``'s first forward, the prompt's last token, runs their prefill path, which leaves the state a prefill
-    leaves (its shapes and dtype); every decode step after it, the timed ones, reads and writes that state."""
+    """Leave in every layer what a prefill of ``context`` tokens would: random K/V rows through the cache's own write
+    path, chunk by chunk (decode speed does not depend on the values; a 64 x 32K prompt's activations would not fit).
+    Sliding layers get the rows they keep, their count set to ``context``; linear-attention layers are left to
+    ``generate``'s first forward (the prompt's last token), which leaves the state a prefill leaves."""
     from oscar_hf.cache import DummyLayer, OscarLayer, CompiledOscarLayer
     from strong_bf16 import StrongBF16Cache
     from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
