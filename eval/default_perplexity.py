@@ -72,11 +72,25 @@ def default_method(rotations, label: str, todays: bool = False, **overrides):
     return with_label(OscarFamily("oscar", rotations=rotations, **{**kw, **overrides}), label)
 
 
+def row_settings(spec: str) -> dict:
+    """``"sink=128,recent=2048,group_size=64"`` -> the OscarFamily overrides of one ``--row``."""
+    kinds = {"sink": int, "recent": int, "group_size": int, "quantizer": str}
+    kw = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key not in kinds or not value:
+            raise ValueError(f"--row {spec!r}: entries are KEY=VALUE with KEY one of {sorted(kinds)}")
+        kw[key] = kinds[key](value)
+    return kw
+
+
 def markdown(res: dict) -> str:
     rows = res["rows"]
     names = list(rows)
+    budget = next((r[res["texts"][0]]["budget_bits"]["context"] for r in rows.values()
+                   if "budget_bits" in r[res["texts"][0]]), None)  # the context the budget is priced at
     lines = ["| cache | " + " | ".join(f"{t} ppl | vs BF16" for t in res["texts"]) + " | bits / KV element | "
-             "history bits |", "|---" * (2 * len(res["texts"]) + 3) + "|"]
+             "history bits | bits at " + str(budget) + " (budget measure) |", "|---" * (2 * len(res["texts"]) + 4) + "|"]
     for name in names:
         cells = []
         for t in res["texts"]:
@@ -85,8 +99,10 @@ def markdown(res: dict) -> str:
             cells += [f"{r['ppl']:.3f}", "—" if name == names[0] else f"{r['ppl'] / ref - 1:+.2%}"]
         r0 = rows[name][res["texts"][0]]
         hist = r0.get("history_bits")
+        at = r0.get("budget_bits", {}).get("bits")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {r0['bits']:.2f} | "
-                     + (f"{hist:.2f}" if hist is not None else "16") + " |")
+                     + (f"{hist:.2f}" if hist is not None else "16") + " | "
+                     + (f"{at:.3f}" if at is not None else "16") + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -112,6 +128,9 @@ def main(argv=None, model=None, tokenizer=None):
                                               "g32, lloyd-max-g32 (Lloyd-Max levels: --path fast only; group 32), "
                                               "std (OscarConfig.quantizer='std'), today (OscarConfig's defaults, "
                                               "not the settings the calibration chose)")
+    p.add_argument("--row", action="append", default=[], metavar="KEY=V[,KEY=V]",
+                   help="an extra row of the artifact with these settings (sink, recent, group_size, quantizer) "
+                        "over its chosen ones, e.g. sink=128,recent=2048,group_size=64; repeatable")
     p.add_argument("--path", choices=["exact", "fast"], default="exact",
                    help="exact: token by token through the real caches; fast: one fake-quantized forward per window")
     p.add_argument("--reference-path", choices=["exact", "fast"], default=None,
@@ -130,7 +149,7 @@ def main(argv=None, model=None, tokenizer=None):
     rot = OscarRotations.from_pretrained(args.artifact)
     kv = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
     methods = {f"{kv} DynamicCache": with_label(get_method("fp"), f"{kv} DynamicCache")}
-    from oscar_hf.config import artifact_settings
+    from oscar_hf.config import FULL_LAYER_TYPES, artifact_settings
 
     default = default_method(rot, "defaults (the artifact's chosen settings)" if artifact_settings(rot.metadata)
                              else "defaults (artifact, auto heads)")
@@ -160,7 +179,16 @@ def main(argv=None, model=None, tokenizer=None):
             raise ValueError(f"--rows {extra}: an eval-only quantizer, scored by --path fast only")
         m = default_method(rot, label, **kw)
         methods[m.name] = m
+    for spec in args.row:
+        kw = row_settings(spec)
+        label = "artifact, " + ", ".join(f"{k} {v}" for k, v in kw.items())
+        m = default_method(rot, label, **kw)
+        methods[m.name] = m
     head_dim = user.fingerprint.head_dim
+    # the calibration's budget measure (OscarConfig.stored_bits) at its target context: what the search priced
+    target = (artifact_settings(rot.metadata) and rot.metadata["settings"].get("target_context")) or args.context
+    fp = rot.fingerprint
+    quantized = [i for i in sorted(rot.layers) if fp.layer_types[i] in FULL_LAYER_TYPES]
     res = dict(command="python -P -m oscar_hf.eval.default_perplexity " + " ".join(argv if argv is not None
                                                                                     else sys.argv[1:]),
                setup=dict(model=model_name, dtype=str(dtype).removeprefix("torch."), artifact=args.artifact,
@@ -182,6 +210,8 @@ def main(argv=None, model=None, tokenizer=None):
             if hasattr(method, "full_precision_share"):
                 row["history_bits"] = method.config.history_bits(head_dim, method.full_precision_share())
                 row["full_precision_heads"] = [list(x) for x in method.full_precision_pairs()]
+                resolved = method.config.replace(retrieval_heads=tuple(method.full_precision_pairs()))
+                row["budget_bits"] = {"context": target, "bits": resolved.stored_bits(fp, quantized, target)}
             row.update(time_s=round(time.perf_counter() - t0, 1), cpu_time_s=round(time.process_time() - c0, 1))
             res["rows"][name][t] = row
             print(f"{name} / {t}: ppl {r['ppl']:.4f} ({row['time_s']} s)", flush=True)

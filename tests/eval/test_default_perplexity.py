@@ -46,3 +46,17 @@ def test_reference_path_fast_gives_the_decoded_numbers(setup):
     assert (ref["path"], osc["path"]) == ("fast", "token-by-token") and fast["setup"]["reference_path"] == "fast"
     exact_ref, exact_osc = (r["wikitext"] for r in exact.values())
     assert ref["nll"] == pytest.approx(exact_ref["nll"], rel=1e-5) and osc["nll"] == exact_osc["nll"]
+
+
+def test_row_adds_the_artifact_with_other_windows(setup):
+    """--row scores the artifact with other settings beside its defaults; every OSCAR row carries the budget measure
+    (OscarConfig.stored_bits at the pricing context: the window here, the artifact having no chosen settings)."""
+    res = setup("--prefill", "360", "--row", "sink=32,recent=128,group_size=32")
+    ref, default, wide = (r["wikitext"] for r in res["rows"].values())
+    assert list(res["rows"])[2] == "artifact, sink 32, recent 128, group_size 32"
+    assert wide["settings"]["sink"] == 32 and wide["settings"]["recent"] == 128 and wide["settings"]["group_size"] == 32
+    assert wide["nll"] != default["nll"] and "budget_bits" not in ref
+    # 400 cached tokens: 160 window tokens at 16 bits, 240 INT2 at group 32 (2 + 32/32 bits), no retrieval head
+    assert wide["budget_bits"] == {"context": 400, "bits": pytest.approx((160 * 16 + 240 * 3.0) / 400)}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        setup("--row", "window=4")
