@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from oscar_hf.quant import QuantizedRows, check_group_size
+from oscar_hf.quant import check_group_size
 
 
 class CodedSlots(NamedTuple):
@@ -37,28 +37,25 @@ def write_operands(params, window, history) -> tuple:
 def check_append_inputs(params, new_k, new_v, window, history, at) -> tuple[int, int, int]:
     """Shape checks of the contiguous one-token write (``write_path.append`` at a ``Ring``; host-side metadata only:
     no device sync). Returns ``(R, N, H2)``: ring entries, history capacity, quantized heads."""
-    win_k, win_v, hist_k, hist_v, length, pad, sink, recent = (window.k, window.v, history.k, history.v, at.length,
-                                                               at.pad, at.sink, at.recent)
-    hist_heads, r_k, mu_k, r_v, mu_v, group_size, meta_dtype = (params.hist_of, params.r_k, params.mu_k, params.r_v,
-                                                                params.mu_v, params.group_size, params.meta_dtype)
+    win_k, win_v, length, pad, sink, recent = window.k, window.v, at.length, at.pad, at.sink, at.recent
     if new_k.dim() != 4 or new_k.shape[2] != 1 or new_v.shape != new_k.shape:
         raise ValueError(f"new_k/new_v must be [B, Hk, 1, D] of one shape, got {tuple(new_k.shape)}, "
                          f"{tuple(new_v.shape)}")
     b, hk, _, d = new_k.shape
-    check_group_size(d, group_size)
+    check_group_size(d, params.group_size)
     if sink < 0 or recent < 0:
         raise ValueError(f"sink={sink} and recent={recent} must be >= 0")
     if win_k.dim() != 4 or win_v.shape != win_k.shape or win_k.shape[:2] != (b, hk) or win_k.shape[3] != d:
         raise ValueError(f"win_k/win_v must be [B={b}, Hk={hk}, S0 + R, D={d}], got {tuple(win_k.shape)}, "
                          f"{tuple(win_v.shape)}")
-    if win_k.dtype != new_k.dtype or win_v.dtype != new_v.dtype:
-        raise ValueError(f"window dtype {win_k.dtype}/{win_v.dtype} != new token dtype {new_k.dtype}/{new_v.dtype}")
+    _check_dtypes(new_k, new_v, win_k, win_v)
     ring = win_k.shape[2] - sink
     if ring < recent + 1:
         raise ValueError(f"the ring has {ring} entries (window {win_k.shape[2]} - sink {sink}); it needs at least "
                          f"recent + 1 = {recent + 1}")
-    h2, n = hist_k.codes.shape[1], hist_k.codes.shape[2]
-    _check_history(hist_k, hist_v, (b, h2, n), "B, H2, N", d, group_size, meta_dtype, hist_heads, hk, r_k, r_v)
+    h2, n = history.k.codes.shape[1], history.k.codes.shape[2]
+    _check_history(params, history, (b, h2, n), "B, H2, N", d, hk)
+    mu_k, mu_v = params.mu_k, params.mu_v
     if mu_k is not None and mu_k.shape not in ((h2, d), (b, h2, d)):
         raise ValueError(f"mu_k must be None, [H2, D] or [B, H2, D] = {(b, h2, d)}, got {tuple(mu_k.shape)}")
     if mu_v is not None and mu_v.shape != (h2, d):
@@ -69,12 +66,16 @@ def check_append_inputs(params, new_k, new_v, window, history, at) -> tuple[int,
     return ring, n, h2
 
 
-def _check_history(hist_k: QuantizedRows, hist_v: QuantizedRows, lead: tuple, lead_names: str, d: int,
-                   group_size: int, meta_dtype, hist_heads, hk: int, r_k, r_v) -> None:
+def _check_dtypes(new_k, new_v, win_k, win_v) -> None:
+    if win_k.dtype != new_k.dtype or win_v.dtype != new_v.dtype:
+        raise ValueError(f"window dtype {win_k.dtype}/{win_v.dtype} != new token dtype {new_k.dtype}/{new_v.dtype}")
+
+
+def _check_history(params, history, lead: tuple, lead_names: str, d: int, hk: int) -> None:
     """The INT2 rows ``[*lead, D/4]`` uint8 and ``[*lead, D/G]`` metadata (``lead[1]`` = H2 quantized heads), the
     KV head -> history head map and the rotations ``[H2, D, D]``: the contiguous and the paged write alike."""
-    h2 = lead[1]
-    for name, q in (("hist_k", hist_k), ("hist_v", hist_v)):
+    h2, group_size, meta_dtype, hist_heads = lead[1], params.group_size, params.meta_dtype, params.hist_of
+    for name, q in (("hist_k", history.k), ("hist_v", history.v)):
         if q.codes.shape != (*lead, d // 4) or q.codes.dtype != torch.uint8:
             raise ValueError(f"{name}.codes must be uint8 [{lead_names}, D/4] = {(*lead, d // 4)}, got "
                              f"{q.codes.dtype} {tuple(q.codes.shape)}")
@@ -88,7 +89,7 @@ def _check_history(hist_k: QuantizedRows, hist_v: QuantizedRows, lead: tuple, le
                              f"not Hk={hk}")
     elif hist_heads.shape != (hk,) or hist_heads.dtype != torch.long:
         raise ValueError(f"hist_heads must be int64 [Hk={hk}], got {hist_heads.dtype} {tuple(hist_heads.shape)}")
-    for name, r in (("r_k", r_k), ("r_v", r_v)):
+    for name, r in (("r_k", params.r_k), ("r_v", params.r_v)):
         if r.shape != (h2, d, d):
             raise ValueError(f"{name} must be [H2={h2}, D, D], got {tuple(r.shape)}")
 
@@ -119,26 +120,23 @@ def check_coded_slots(coded, win_k, n: int) -> None:
 def check_paged_inputs(params, new_k, new_v, window, history, rows) -> int:
     """Shape checks of the paged one-token write (``write_path.append`` at ``PagedRows``; host-side metadata only).
     Returns ``H2``, the quantized heads."""
-    win_k, win_v, hist_k, hist_v, coded = window.k, window.v, history.k, history.v, coded_slots(params, history)
-    hist_heads, r_k, mu_k, r_v, mu_v, group_size, meta_dtype = (params.hist_of, params.r_k, params.mu_k, params.r_v,
-                                                                params.mu_v, params.group_size, params.meta_dtype)
+    win_k, win_v, coded = window.k, window.v, coded_slots(params, history)
     if new_k.dim() != 3 or new_v.shape != new_k.shape:
         raise ValueError(f"new_k/new_v must be [Hk, Q, D] of one shape, got {tuple(new_k.shape)}, {tuple(new_v.shape)}")
     hk, _, d = new_k.shape
-    check_group_size(d, group_size)
+    check_group_size(d, params.group_size)
     if win_k.dim() != 4 or win_v.shape != win_k.shape or win_k.shape[1] != hk or win_k.shape[3] != d:
         raise ValueError(f"win_k/win_v must be [slots, Hk={hk}, S0 + R, D={d}], got {tuple(win_k.shape)}, "
                          f"{tuple(win_v.shape)}")
-    if win_k.dtype != new_k.dtype or win_v.dtype != new_v.dtype:
-        raise ValueError(f"window dtype {win_k.dtype}/{win_v.dtype} != new token dtype {new_k.dtype}/{new_v.dtype}")
+    _check_dtypes(new_k, new_v, win_k, win_v)
     bp = rows.pos.shape[0]
     for name, x in zip(("pos", "slots", "new_entry", "sink_entry", "demote_entry", "demote_page", "demote_off"),
                        rows.tensors()):
         if x.shape != (bp,) or x.dtype != torch.long:
             raise ValueError(f"rows.{name} must be int64 [Bp={bp}], got {x.dtype} {tuple(x.shape)}")
-    pages, h2, p = hist_k.codes.shape[:3]
-    _check_history(hist_k, hist_v, (pages, h2, p), "pages, H2, P", d, group_size, meta_dtype, hist_heads, hk, r_k, r_v)
-    for name, mu in (("mu_k", mu_k), ("mu_v", mu_v)):
+    pages, h2, p = history.k.codes.shape[:3]
+    _check_history(params, history, (pages, h2, p), "pages, H2, P", d, hk)
+    for name, mu in (("mu_k", params.mu_k), ("mu_v", params.mu_v)):
         if mu is not None and mu.shape != (h2, d):
             raise ValueError(f"{name} must be None or [H2, D] = {(h2, d)}, got {tuple(mu.shape)}")
     if coded is not None:  # the coded pages as a history of `pages` rows of P entries

@@ -76,14 +76,14 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
                 out = paged_decode_reference(params, qf, win.gathered(), history, scaling, out_dtype)
         elif (rotated is None and history.n_valid is None and kernels and not torch.compiler.is_compiling()
               and query_kernel_supported(qi)
-              and dt.decode_supported(qi, k, params.group_size, history.key_mask, win.mask, w)):
+              and dt.kernel_supported(qi, k, params.group_size, history.key_mask, win.mask, w)):
             out = dt.decode_attention_triton(params, qi, win, history, scaling, out_dtype, sinks=si, softcap=softcap,
                                              out=full)
         else:
             if rotated is None:  # the kernels' rotation where the launcher reads a device-side length
                 rotate = rotate_query if history.n_valid is not None else rotate_query_reference
                 rotated = rotate(qi, params.r_k, params.mu_k, *(() if history.n_valid is None else (use_kernels,)))
-            if kernels and dt.decode_supported(qi, k, params.group_size, history.key_mask, win.mask, w):
+            if kernels and dt.kernel_supported(qi, k, params.group_size, history.key_mask, win.mask, w):
                 out = dt.decode_attention_triton(params, qi, win, history, scaling, out_dtype,
                                                  rotated=(rotated[0].float().contiguous(), rotated[1]), sinks=si,
                                                  softcap=softcap, out=full)

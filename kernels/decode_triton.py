@@ -1,6 +1,6 @@
 """Host side of the split-K decode attention over the packed INT2 history: bring the tensors into the kernels'
 layouts, take every decision from one :func:`~oscar_hf.kernels.plan.decode_plan`, launch what it says. Callers send
-only the shapes :func:`decode_supported` accepts. Paths, launches and PDL: docs/kernels.md §3.1-3.8.
+only the shapes :func:`kernel_supported` accepts. Paths, launches and PDL: docs/kernels.md §3.1-3.8.
 """
 from __future__ import annotations
 
@@ -29,23 +29,20 @@ def _mask_ok(mask, b, hk, n) -> bool:
 
 
 def _mask_4d(mask, b, hk, n):
-    """``mask`` (None or bool broadcastable to [B, Hk, 1, N]) -> (uint8 view expanded to [B, Hk, 1, N], ok)."""
+    """``mask`` (None or bool broadcastable to [B, Hk, 1, N], :func:`_mask_ok`) -> a uint8 view ``[B, Hk, 1, N]``."""
     if mask is None:
-        return None, True
-    if not _mask_ok(mask, b, hk, n):
-        return None, False
+        return None
     m = mask.expand(b, hk, 1, n)
     # compiled: a copy, since the functionalized graph must not see a kernel argument aliasing a bool tensor
-    return (m.to(torch.uint8) if torch.compiler.is_compiling() else m.view(torch.uint8)), True
+    return m.to(torch.uint8) if torch.compiler.is_compiling() else m.view(torch.uint8)
 
 
-def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask) -> bool:
+def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask, win_mask=None, w: int = 0) -> bool:
     """Shapes the kernels serve (else: the reference): ``KERNEL_HEAD_DIMS``, a group size ``group_fits`` takes, 1 to
-    64 query rows per KV head, a key mask of one row per KV head (or none)."""
+    64 query rows per KV head, a key mask (and a mask over ``w`` window tokens) of one row per KV head, or none."""
     b, hk, m, d = q_rot.shape
-    n = k.codes.shape[-2]
-    return (
-        d in KERNEL_HEAD_DIMS and group_fits(d, group_size) and 1 <= m <= 64 and _mask_ok(key_mask, b, hk, n))
+    return (d in KERNEL_HEAD_DIMS and group_fits(d, group_size) and 1 <= m <= 64
+            and _mask_ok(key_mask, b, hk, k.codes.shape[-2]) and _mask_ok(win_mask, b, hk, w))
 
 
 def _rows_layout(x: QuantizedRows) -> QuantizedRows:
@@ -58,11 +55,6 @@ def _rows_layout(x: QuantizedRows) -> QuantizedRows:
     if scale.stride(-1) != 1 or scale.stride(-2) != ng or zero.stride() != scale.stride():
         scale, zero = scale.contiguous(), zero.contiguous()
     return QuantizedRows(codes, scale, zero)
-
-
-def _pairable(k: QuantizedRows, v: QuantizedRows, d: int, group_size: int) -> bool:
-    """Whether the deferred loop may read both groups' bf16 scale (zero) of a token as one aligned 4-byte word."""
-    return d // group_size == 2 and _meta_words(k, v)
 
 
 def _meta_words(k: QuantizedRows, v: QuantizedRows) -> bool:
@@ -179,10 +171,9 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     elif not isinstance(start, torch.Tensor):
         start = torch.full((b,), int(start), dtype=torch.int32, device=dev)
     start = start.to(device=dev).reshape(b)
-    kmask, _ = _mask_4d(key_mask, b, hk, n)
+    kmask = _mask_4d(key_mask, b, hk, n)
     if qk_offset is not None:
         qk_offset = qk_offset.float().expand(b, hk, m)
-    pairable = _pairable(k, v, d, group_size)
     # the Gluon kernel's layout checks only where the plan may take it (it does not cap logits)
     glu = _gluon_module() if (q_rot.is_cuda and not softcap and gluon_pays(defaults, bh, n)) else None
     gluon_ok = glu is not None and glu.gluon_supported(q_rot, k, v, group_size, kmask, _meta_words(k, v))
@@ -200,12 +191,10 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     if sinks is not None and not window:
         raise ValueError("sinks are for the whole decode op (r_v given), not the history's partials")
     if w:
-        q_win = q_win if q_win.stride(-1) == 1 else q_win.contiguous()
-        k_win = k_win if k_win.stride(-1) == 1 else k_win.contiguous()
-        v_win = v_win if v_win.stride(-1) == 1 else v_win.contiguous()
+        q_win, k_win, v_win = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_win, k_win, v_win))
     wmask = None
     if window:
-        wmask, _ = _mask_4d(win_mask, b, hk, w)
+        wmask = _mask_4d(win_mask, b, hk, w)
         r_v = r_v.to(device=dev, dtype=torch.float32).contiguous()
         mu_v = None if mu_v is None else mu_v.to(device=dev, dtype=torch.float32).contiguous()
     qk_scale = float(scaling) * LOG2E
@@ -264,7 +253,8 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
             HAS_MASK=kmask is not None, HAS_OFF=qk_offset is not None,
             HAS_WIN=p.split_window, HAS_WMASK=wmask is not None, LOWP=int(q_rot.is_cuda),
             DEFERRED=int(p.deferred), N_DEV=n_valid is not None,
-            PAIR=int(pairable),  # NG = 2 bf16 metadata: one 4-byte load per token and tensor for both groups
+            # NG = 2 bf16 metadata: both groups' scale (zero) of a token as one aligned 4-byte load
+            PAIR=int(d // group_size == 2 and _meta_words(k, v)),
             ASM=int(q_rot.is_cuda),  # inline PTX: not under the interpreter
             num_warps=p.split_warps, num_stages=p.split_stages,
             WIN_STAGES=p.win_stages, WIN_ONLY=int(p.pid_off > 0), DP=dp, SOFTCAP=cap,
@@ -292,12 +282,6 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     return om, ol, oacc
 
 
-def decode_supported(q, k: QuantizedRows, group_size: int, key_mask, win_mask=None, w: int = 0) -> bool:
-    """:func:`kernel_supported`, and a window mask (over ``w`` window tokens) the kernels take."""
-    b, hk = q.shape[:2]
-    return kernel_supported(q, k, group_size, key_mask) and _mask_ok(win_mask, b, hk, w)
-
-
 def history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, group_size, defaults=DEFAULTS,
                            softcap=None):
     """``int2_attention.history_partial_reference`` on the kernels: :func:`decode_attention_triton` without a window."""
@@ -306,4 +290,4 @@ def history_partial_triton(q_rot, k, v, start, key_mask, qk_offset, scaling, gro
                                    softcap=softcap, defaults=defaults)
 
 
-__all__ = ["decode_attention_triton", "decode_supported", "history_partial_triton", "kernel_supported", "num_splits"]
+__all__ = ["decode_attention_triton", "history_partial_triton", "kernel_supported", "num_splits"]

@@ -10,6 +10,7 @@ import torch
 from oscar_hf.quant import unpack_int4
 
 from .int2_attention import NEG_INF, empty_partial, merge_partials, partial_from_logits, sink_partial, soft_cap
+from .paged_decode import gather_rows
 from .plan import triton_enabled
 
 
@@ -60,18 +61,6 @@ def merge_heads(int2_part: torch.Tensor | None, coded_part: torch.Tensor, int2_i
     return out.index_copy_(1, coded_idx, coded_part.to(out.dtype))
 
 
-def gather_pages(parts: tuple[torch.Tensor, ...], block_table: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A paged store's parts ``[num_pages, P, page_size, *]`` -> each row's slots in order ``[B, P, pages *
-    page_size, *]`` (the reference's copy; unused table entries, < 0, read page 0 and are masked by ``hi``)."""
-    b, n_pages = block_table.shape
-    ids = block_table.long().clamp(min=0).reshape(-1)
-    out = []
-    for x in parts:
-        g = x.index_select(0, ids).view(b, n_pages, *x.shape[1:])  # [B, pages, P, page_size, X]
-        out.append(g.transpose(1, 2).reshape(b, x.shape[1], n_pages * x.shape[2], x.shape[3]))
-    return tuple(out)
-
-
 def heads_decode_reference(q, heads, coded, bits: int, bounds, window, scaling: float, out_dtype=None, *,
                            pages=None, block_n: int = 1024, softcap=None, sinks=None) -> torch.Tensor:
     """Torch reference of :func:`heads_decode_attention` (float32; ``block_n`` slots dequantized at a time)."""
@@ -79,7 +68,8 @@ def heads_decode_reference(q, heads, coded, bits: int, bounds, window, scaling: 
     window = window.rows()  # (the reference gathers a window pool's rows by slot; the kernel reads them in place)
     win_k, win_v, win_mask = window.k, window.v, window.mask_2d()
     if block_table is not None:
-        k, v = gather_pages(k, block_table), gather_pages(v, block_table)
+        n_all = block_table.shape[1] * k[0].shape[2]  # every slot the table addresses (``hi`` masks the rest)
+        k, v = gather_rows(k, block_table, n_all), gather_rows(v, block_table, n_all)
     qh = q.index_select(1, heads).float()  # [B, P, M, D]
     b, n = qh.shape[0], k[0].shape[2]
     # a device-side hi is masked (no host sync: the compiled CPU step runs this), a host one cuts the loop

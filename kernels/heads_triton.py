@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .decode_split_ops import _soft_cap
+from .decode_triton import LOG2E
 from .kv import Window
 from .plan import HEADS_DEFAULTS, HeadsDefaults, heads_plan, next_pow2, pow2_at_least, settle_cache_keys
 from .query_triton import _cols_mask
@@ -270,7 +271,7 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
     pl = torch.empty_like(pm)
     pacc = torch.empty(b * p, s_tot, m_pad, d, dtype=torch.float32, device=dev)
     if sinks is not None:  # [P, M] logits of a zero-valued key: (m = s in log2 units, l = 1, acc = 0)
-        pm[:, -1, :m].view(b, p, m).copy_(sinks.float().to(dev).expand(b, p, m) * 1.4426950408889634)
+        pm[:, -1, :m].view(b, p, m).copy_(sinks.float().to(dev).expand(b, p, m) * LOG2E)
         pl[:, -1].fill_(1.0)
         pacc[:, -1].zero_()
     op = _OPS[q.dtype] if q.is_cuda else 0
@@ -286,10 +287,10 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
         hi_t.stride(0) if hi_dev and hi_t.numel() > 1 else 0, bt.stride(0) if block_table is not None else 0,
         win_k.stride(0), win_k.stride(1), win_k.stride(2), win_v.stride(0), win_v.stride(1), win_v.stride(2),
         wm.stride(0) if win_mask is not None else 0,
-        p, m, w, 0 if hi_dev else n_hist, split_len, s_hist, s_tot, float(scaling) * 1.4426950408889634,
+        p, m, w, 0 if hi_dev else n_hist, split_len, s_hist, s_tot, float(scaling) * LOG2E,
         DC=d // npl, NPL=npl, M_PAD=m_pad, BLOCK_N=plan.block_n, BITS=bits, HI_DEV=hi_dev, PAGE=page,
         HAS_WMASK=win_mask is not None, OP=op, DCP=next_pow2(d // npl),
-        SOFTCAP=float(softcap) * 1.4426950408889634 if softcap else 0.0, num_warps=warps, num_stages=stages,
+        SOFTCAP=float(softcap) * LOG2E if softcap else 0.0, num_warps=warps, num_stages=stages,
         **({} if slot is None else dict(WSLOT=slot, HAS_WSLOT=1)))
     out = torch.empty(b, p, m, d, dtype=out_dtype, device=dev)
     _heads_combine_kernel[(b * p * m,)](pm, pl, pacc, out, m, s_tot, M_PAD=m_pad, D=d,

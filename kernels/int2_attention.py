@@ -72,8 +72,7 @@ def history_partial_reference(q_rot, k: QuantizedRows, v: QuantizedRows, start, 
     for j0 in range(0, n, block_n):
         j1 = min(n, j0 + block_n)
         sl = slice(j0, j1)
-        kb = dequantize_rows(QuantizedRows(k.codes[:, :, sl], k.scale[:, :, sl], k.zero[:, :, sl]), group_size)
-        vb = dequantize_rows(QuantizedRows(v.codes[:, :, sl], v.scale[:, :, sl], v.zero[:, :, sl]), group_size)
+        kb, vb = (dequantize_rows(QuantizedRows(*(t[:, :, sl] for t in x)), group_size) for x in (k, v))
         logits = torch.matmul(q_rot, kb.transpose(-1, -2))  # [B, Hk, M, nb]
         if qk_offset is not None:
             logits = logits + qk_offset.unsqueeze(-1)

@@ -64,17 +64,25 @@ def check_paged_inputs(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, pages
                          f"{None if mask is None else (mask.dtype, tuple(mask.shape))}")
 
 
-def gather_pages(pages: QuantizedRows, table_row: torch.Tensor, n: int) -> QuantizedRows:
-    """The first ``n`` history entries of one row, ``[1, Hk, n, *]`` (a copy), from its block table ``table_row``
-    (only its first ``ceil(n / P)`` entries are read)."""
-    p = pages.codes.shape[-2]
-    ids = table_row[: cdiv(n, p)].long()
+def gather_rows(parts, block_table: torch.Tensor, n: int):
+    """The first ``n`` entries of every row of a paged store's parts ``[num_pages, H, P, X]`` -> ``[B, H, n, X]``
+    each (a copy; the same tuple type; entries past a row's pages read page 0, for the caller to mask). Static
+    shapes, no host sync."""
+    b, p = block_table.shape[0], parts[0].shape[-2]
+    cols = cdiv(n, p)
+    ids = block_table[:, :cols].long().clamp(min=0).reshape(-1)  # [B * cols]
 
     def cut(t):
-        x = t.index_select(0, ids)  # [np, Hk, P, X]
-        return x.transpose(0, 1).reshape(1, t.shape[1], -1, t.shape[-1])[:, :, :n]
+        x = t.index_select(0, ids).view(b, cols, *t.shape[1:])  # [B, cols, H, P, X]
+        return x.transpose(1, 2).reshape(b, t.shape[1], cols * p, t.shape[-1])[:, :, :n]
 
-    return QuantizedRows(*(cut(t) for t in pages))
+    out = tuple(cut(t) for t in parts)
+    return QuantizedRows(*out) if isinstance(parts, QuantizedRows) else out
+
+
+def gather_pages(pages: QuantizedRows, table_row: torch.Tensor, n: int) -> QuantizedRows:
+    """The first ``n`` history entries of one row, ``[1, Hk, n, *]``, from its block table ``table_row``."""
+    return gather_rows(pages, table_row[None], n)
 
 
 def paged_decode_reference(params: KVParams, qf, window: Window, history: History, scaling, out_dtype):
@@ -96,20 +104,6 @@ def paged_decode_reference(params: KVParams, qf, window: Window, history: Histor
     if not outs:
         return torch.empty(qf.shape, dtype=out_dtype, device=qf.device)
     return torch.cat(outs, 0)
-
-
-def gather_rows(pages: QuantizedRows, block_table: torch.Tensor, n: int) -> QuantizedRows:
-    """The first ``n`` history entries of every row, ``[B, Hk, n, *]`` (a copy; entries past a row's pages read page
-    0, for the caller to mask). Static shapes, no host sync."""
-    b, p = block_table.shape[0], pages.codes.shape[-2]
-    cols = cdiv(n, p)
-    ids = block_table[:, :cols].long().clamp(min=0).reshape(-1)  # [B * cols]
-
-    def cut(t):
-        x = t.index_select(0, ids).view(b, cols, *t.shape[1:])  # [B, cols, Hk, P, X]
-        return x.transpose(1, 2).reshape(b, t.shape[1], cols * p, t.shape[-1])[:, :, :n]
-
-    return QuantizedRows(*(cut(t) for t in pages))
 
 
 def paged_decode_batched(params: KVParams, qf, window: Window, history: History, scaling, out_dtype):

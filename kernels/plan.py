@@ -29,37 +29,32 @@ def group_fits(d: int, group_size: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _cuda_major(index: int) -> int:
-    return torch.cuda.get_device_capability(index)[0]
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def _cuda_properties(device: torch.device):
+    """A CUDA device's properties (its index, or the current one), cached: a query costs ~10 us a call."""
+    return _properties(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def cuda_major(device: torch.device) -> int:
-    """Compute capability major of a CUDA device (cached: ``get_device_capability`` costs ~10 us a call)."""
-    return _cuda_major(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    """Compute capability major of a CUDA device."""
+    return _cuda_properties(device).major
 
 
 def device_sms(device: torch.device) -> int:
-    """SMs of a CUDA device (its index, or the current one); 4 elsewhere (the interpreter's stand-in)."""
-    if device.type != "cuda":
-        return 4
-    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    """SMs of a CUDA device; 4 elsewhere (the interpreter's stand-in)."""
+    return _cuda_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 M_PAD_MIN = 16  # smallest query-row tile of the split kernel (tl.dot needs 16; 8 was slower: docs/kernels.md)
 
 
-def resident_programs(defaults: DecodeDefaults = DEFAULTS, maxnreg: int | None = -1) -> int:
-    """Split-kernel programs one SM holds: ``65536 // (maxnreg * 32 * num_warps)`` under a register cap (-1: the
-    defaults'), else 2 (ptxas takes 238-255 registers for the default tile)."""
-    cap = defaults.maxnreg if maxnreg == -1 else maxnreg
-    if cap:
-        return max(1, 65536 // (cap * 32 * defaults.num_warps))
-    return 2
+def resident_programs(defaults: DecodeDefaults, maxnreg: int | None) -> int:
+    """Split-kernel programs one SM holds: ``65536 // (maxnreg * 32 * num_warps)`` under a register cap, else 2 (ptxas
+    takes 238-255 registers for the default tile)."""
+    return max(1, 65536 // (maxnreg * 32 * defaults.num_warps)) if maxnreg else 2
 
 
 def wave_splits(n: int, bh: int, sms: int, block_n: int, min_split: int, max_waves: int, resident: int) -> int:
@@ -114,7 +109,7 @@ def gluon_query_groups(m: int, d: int) -> int:
     return 2 if (d == 64 and 4 < m <= 8 and m % 2 == 0) else 1
 
 
-def tokens_per_step(m: int, d: int = 128) -> int:
+def tokens_per_step(m: int, d: int) -> int:
     """Tokens per Gluon step: 32 (two sets of 16) where <= 4 query rows leave half the logit tile free at D = 128, and
     at D = 64; else 16 (D = 256 fills the registers at one set)."""
     return 32 if ((m <= 4 and d == 128) or d == 64) else 16

@@ -105,14 +105,6 @@ def append_token_reference(params: KVParams, new_k, new_v, window: Window, histo
             win.scatter_(2, idx, torch.where(in_sink, new, win.gather(2, idx)))
 
 
-def _append_kernel_serves(new_k, group_size, clip_k, clip_v, meta_dtype, use_kernels) -> bool:
-    """Whether the one-token write runs its Triton kernel (CUDA, allowed, a shape ``kernel_supported`` takes)."""
-    if not triton_enabled(new_k, use_kernels):
-        return False
-    from .write_triton import kernel_supported
-    return kernel_supported(new_k, group_size, clip_k, meta_dtype) and kernel_supported(new_k, group_size, clip_v)
-
-
 # ------------------------------------------------------------------- the paged one-token write (the serving store)
 
 
@@ -162,8 +154,12 @@ def append(params: KVParams, new_k, new_v, window: Window, history: History, at:
     """The one-token write of every storage, in place: slot ``T - 1 - W`` demoted into the history, the new token into
     the ring (and the sink while it fills). ``at``: a :class:`Ring` (contiguous, :func:`append_token_reference`) or a
     serving step's :class:`PagedRows` (:func:`paged_append_reference`). One fused Triton launch where supported."""
-    contiguous = isinstance(at, Ring)
-    if _append_kernel_serves(new_k, params.group_size, params.clip_k, params.clip_v, params.meta_dtype, use_kernels):
+    contiguous, kernels = isinstance(at, Ring), triton_enabled(new_k, use_kernels)
+    if kernels:  # (a shape the write kernel takes)
+        from .write_triton import kernel_supported
+        kernels = (kernel_supported(new_k, params.group_size, params.clip_k, params.meta_dtype)
+                   and kernel_supported(new_k, params.group_size, params.clip_v))
+    if kernels:
         from .append_triton import append_token_triton, paged_append_triton
         write = append_token_triton if contiguous else paged_append_triton
     else:

@@ -74,7 +74,7 @@ def assert_partials_close(got, ref, tol):
     assert rel_err(ga[full].double() * shift.unsqueeze(-1), ra[full]) <= tol
 
 
-def _window_case(b, hk, m, n, w, d, g, seed, device="cpu", mu=True, wmask=True):
+def _window_case(b, hk, m, n, w, d, g, seed, device="cpu", mu=True, wmask=True, out_dtype=torch.float32):
     q, k, v, gen = make_case(b, hk, m, n, d, g, seed=seed, device=device)
     q = q.cpu()
     r_k, r_v = random_rotation(hk, d, gen), random_rotation(hk, d, gen)
@@ -89,20 +89,25 @@ def _window_case(b, hk, m, n, w, d, g, seed, device="cpu", mu=True, wmask=True):
         q_rot=mv(q_rot), k=QuantizedRows(*map(mv, k)), v=QuantizedRows(*map(mv, v)), start=mv(torch.zeros(b, dtype=torch.long)),
         key_mask=None, qk_offset=mv(qk_offset), scaling=d**-0.5, group_size=g,
         q_win=mv(q.to(torch.bfloat16)), k_win=mv(k_win), v_win=mv(v_win), win_mask=mv(win_mask),
-        r_v=mv(r_v), mu_v=mv(mu_v), out_dtype=torch.float32,
+        r_v=mv(r_v), mu_v=mv(mu_v), out_dtype=out_dtype,
     )
     return args, gen
 
 
-def _rotating_case(b, hk, m, n, w, d, g, seed, device="cpu"):
+def _rotating_case(b, hk, m, n, w, d, g, seed, device="cpu", out_dtype=torch.float32):
     """A decode case for the rotating entry: the unrotated query (also the window's), R_K and a per-KV-head mu_K."""
-    args, gen = _window_case(b, hk, m, n, w, d, g, seed=seed, device=device)
+    args, gen = _window_case(b, hk, m, n, w, d, g, seed=seed, device=device, out_dtype=out_dtype)
     qf = args.pop("q_win").float()
     for k_ in ("q_rot", "qk_offset"):
         args.pop(k_)
     r_k = random_rotation(hk, d, gen).to(device)
     mu_k = (torch.randn(hk, d, generator=gen) * 0.5).to(device)
     return {"qf": qf, "r_k": r_k, "mu_k": mu_k, **args}
+
+
+def cut_history(args, n):
+    """``args`` with the history's ``k`` / ``v`` cut to their first ``n`` entries (what a device-side length reads)."""
+    return {k_: type(v_)(*(t[:, :, :n] for t in v_)) if k_ in ("k", "v") else v_ for k_, v_ in args.items()}
 
 
 def rotating_op(args, **kw):

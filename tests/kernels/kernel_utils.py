@@ -123,37 +123,34 @@ def heads_loose(fn):
 
 
 def paged_bundles(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask, r_v, mu_v,
-                  group_size, max_hist_len=None):
-    """``(params, window, history)`` of a paged read's loose arguments (``win_mask [B, W]``)."""
+                  group_size, max_hist_len=None, **_):
+    """``(params, window, history)`` of a paged read's loose arguments (``win_mask [B, W]``; ``scaling`` and
+    ``out_dtype`` ignored here)."""
     from oscar_hf.kernels.kv import History, KVParams, Pages, Window
 
     return (KVParams(r_k, mu_k, r_v, mu_v, group_size), Window(win_k, win_v, win_mask[:, None, None, :], win_slot),
             History(pages_k, pages_v, pages=Pages(block_table, hist_len, max_hist_len)))
 
 
-def paged(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask, r_v, mu_v,
-          scaling, group_size, out_dtype, use_kernels="auto", max_hist_len=None):
-    """:func:`~oscar_hf.kernels.decode.decode` over a paged history (the serving store's read)."""
+def paged(use_kernels="auto", **case):
+    """:func:`~oscar_hf.kernels.decode.decode` over a paged history (the serving store's read), from a case's
+    keyword arguments (``max_hist_len``: the host bound)."""
     from oscar_hf.kernels.decode import decode
 
-    params, window, history = paged_bundles(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
-                                            win_slot, win_mask, r_v, mu_v, group_size, max_hist_len)
-    return decode(params, qf, window, history, scaling, out_dtype, use_kernels=use_kernels)
+    params, window, history = paged_bundles(**case)
+    return decode(params, case["qf"], window, history, case["scaling"], case["out_dtype"], use_kernels=use_kernels)
 
 
-def paged_reference(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask, r_v,
-                    mu_v, scaling, group_size, out_dtype):
+def paged_reference(**case):
     """The paged read's per-row torch reference (``paged_decode.paged_decode_reference``)."""
     from oscar_hf.kernels.paged_decode import check_paged_inputs, paged_decode_reference
 
-    params, window, history = paged_bundles(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
-                                            win_slot, win_mask, r_v, mu_v, group_size)
-    check_paged_inputs(qf, pages_k, pages_v, history.pages, window)
-    return paged_decode_reference(params, qf, window, history, scaling, out_dtype)
+    params, window, history = paged_bundles(**case)
+    check_paged_inputs(case["qf"], case["pages_k"], case["pages_v"], history.pages, window)
+    return paged_decode_reference(params, case["qf"], window, history, case["scaling"], case["out_dtype"])
 
 
-def paged_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask, r_v, mu_v,
-                 scaling, group_size, out_dtype, max_hist_len=None, defaults=None):
+def paged_triton(defaults=None, **case):
     """The launcher over a paged history, as :func:`~oscar_hf.kernels.decode.decode` calls it on CUDA, with the
     given launch ``defaults``."""
     import dataclasses
@@ -161,12 +158,12 @@ def paged_triton(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, 
     from oscar_hf.kernels import decode_triton
     from oscar_hf.kernels.plan import DEFAULTS
 
-    params, window, history = paged_bundles(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v,
-                                            win_slot, win_mask, r_v, mu_v, group_size, max_hist_len)
+    params, window, history = paged_bundles(**case)
     if history.pages.max_len is None:
-        history = dataclasses.replace(history, pages=dataclasses.replace(history.pages, max_len=int(hist_len.max())))
-    return decode_triton.decode_attention_triton(params, qf, window, history, scaling, out_dtype,
-                                                 defaults=defaults or DEFAULTS)
+        history = dataclasses.replace(history, pages=dataclasses.replace(history.pages,
+                                                                         max_len=int(case["hist_len"].max())))
+    return decode_triton.decode_attention_triton(params, case["qf"], window, history, case["scaling"],
+                                                 case["out_dtype"], defaults=defaults or DEFAULTS)
 
 
 def write_bundles(hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, quantizer, coded):

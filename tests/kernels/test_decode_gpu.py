@@ -15,7 +15,7 @@ from kernel_utils import HAS_CUDA, loose, rel_err, setup_interpreter
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from decode_cases import (_dt, _rotating_case, _rotating_reference, _window_case, assert_partials_close,  # noqa: E402
-                          make_case, rotating_op)
+                          cut_history, make_case, rotating_op)
 from oscar_hf.kernels.int2_attention import decode_attention_reference, history_partial_reference  # noqa: E402
 from oscar_hf.kernels import plan  # noqa: E402
 from oscar_hf.kernels.plan import DEFAULTS  # noqa: E402
@@ -50,8 +50,7 @@ _PATHS = {"split": replace(DEFAULTS, gluon_min_work=1 << 62), "gluon": replace(D
 @pytest.mark.parametrize("path", list(_PATHS))
 @pytest.mark.parametrize("b,n", [(1, 131072 - 320), (8, 32768 - 320)])
 def test_gpu_decode_attention_real_shapes(b, n, path):
-    args, _ = _window_case(b, 8, 4, n, 320, 128, 64, seed=b, device="cuda")
-    args["out_dtype"] = torch.bfloat16
+    args, _ = _window_case(b, 8, 4, n, 320, 128, 64, seed=b, device="cuda", out_dtype=torch.bfloat16)
     got = loose(_dt().decode_attention_triton)(**args, defaults=_PATHS[path])
     ref = loose(decode_attention_reference)(**args)
     assert got.dtype == torch.bfloat16
@@ -65,8 +64,7 @@ def test_gpu_decode_attention_real_shapes(b, n, path):
 def test_gpu_decode_attention_with_sinks(b, hk, m, d, n, path):
     """An attention sink per query row (gpt-oss's ``s_aux``) as the combine's last partial, on both history paths
     (the Gluon path where the shape takes it: head_dim 128) and at head_dims 64 / 256 (the split kernel)."""
-    args, gen = _window_case(b, hk, m, n, 320, d, 64, seed=d, device="cuda")
-    args["out_dtype"] = torch.bfloat16
+    args, gen = _window_case(b, hk, m, n, 320, d, 64, seed=d, device="cuda", out_dtype=torch.bfloat16)
     sinks = (torch.randn(hk, m, generator=gen) * 2 + math.log(n)).cuda()  # about the rows' log-sum-exp: visible
     got = loose(_dt().decode_attention_triton)(**args, sinks=sinks, defaults=_PATHS[path])
     ref = loose(decode_attention_reference)(**args, sinks=sinks)
@@ -86,18 +84,15 @@ def test_gpu_decode_attention_with_sinks(b, hk, m, d, n, path):
 def test_gpu_decode_attention_head_dims(b, hk, m, d, g, n, static):
     """Head_dims 96 and 512 on the split kernel (+ combine, + the query rotation from the unrotated query), bf16
     operands, against rotate-then-reference: the caches' call (kernels.decode.decode), dynamic and with a
-    device-side length (the static op); the dispatcher must take the kernels (decode_supported)."""
+    device-side length (the static op); the dispatcher must take the kernels (kernel_supported)."""
     from kernel_utils import rotating
 
-    args = _rotating_case(b, hk, m, n, 320, d, g, seed=d + g, device="cuda")
-    args["qf"] = args["qf"].cuda()
+    args = _rotating_case(b, hk, m, n, 320, d, g, seed=d + g, device="cuda", out_dtype=torch.bfloat16)
     args["start"] = torch.tensor([0, 9, 0, 300, 1, 2, 3, 4][:b], device="cuda")
-    args["out_dtype"] = torch.bfloat16
-    assert _dt().decode_supported(args["qf"], args["k"], g, None, None, 320)
+    assert _dt().kernel_supported(args["qf"], args["k"], g, None, None, 320)
     if static:
         nv = n - 77
-        cut = {k_: (type(args[k_])(*(t[:, :, :nv] for t in args[k_])) if k_ in ("k", "v") else args[k_]) for k_ in args}
-        ref = _rotating_reference(cut)
+        ref = _rotating_reference(cut_history(args, nv))
         got = rotating(**args, n_valid=torch.tensor(nv, device="cuda"), splits=8)
     else:
         ref = _rotating_reference(args)
@@ -252,10 +247,8 @@ def test_gpu_gluon_decode_op_device_length_and_stale_storage(gluon_calls, n_vali
     storage holds NaN (never read for V), against the reference over the first n_valid entries."""
     b, hk, m, n, w, g = 2, 8, 4, 3000, 320, 64
     args, _ = _window_case(b, hk, m, n, w, d, g, seed=n_valid, device="cuda")
-    args = {k_: (v_.cuda() if isinstance(v_, torch.Tensor) else v_) for k_, v_ in args.items()}
     args["start"] = torch.tensor([0, 9], device="cuda")
-    cut = {k_: (type(args[k_])(*(t[:, :, :n_valid] for t in args[k_])) if k_ in ("k", "v") else args[k_]) for k_ in args}
-    ref = loose(decode_attention_reference)(**cut)
+    ref = loose(decode_attention_reference)(**cut_history(args, n_valid))
     for t in (args["v"].scale, args["v"].zero):
         t[1, :, :9] = float("nan")
     if d == 64:  # (an odd n_valid: the last code row's second token is stale storage)
@@ -282,17 +275,13 @@ def test_gpu_gluon_decode_op_rotating(gluon_calls, monkeypatch, fused, b, n, n_v
     launch or with the window programs (the default), left padding, dynamic and device-side lengths, against
     rotate-then-reference."""
     monkeypatch.setattr(plan, "fused_prologue", lambda gluon: bool(fused) and gluon)
-    args = _rotating_case(b, hk, m, n, 320, d, 64, seed=b + n + d, device="cuda")
-    args["qf"] = args["qf"].cuda()
+    args = _rotating_case(b, hk, m, n, 320, d, 64, seed=b + n + d, device="cuda", out_dtype=torch.bfloat16)
     args["start"] = torch.tensor([0, 9, 0, 1, 2, 3, 4, 5][:b], device="cuda")
-    args["out_dtype"] = torch.bfloat16
     if n_valid is None:
         ref = _rotating_reference(args)
         got = rotating_op(args, defaults=gluon_calls.defaults)
     else:
-        cut = {k_: (type(args[k_])(*(t[:, :, :n_valid] for t in args[k_])) if k_ in ("k", "v") else args[k_])
-               for k_ in args}
-        ref = _rotating_reference(cut)
+        ref = _rotating_reference(cut_history(args, n_valid))
         got = rotating_op(args, n_valid=torch.tensor(n_valid, device="cuda"), splits=3, defaults=gluon_calls.defaults)
     assert gluon_calls.calls, "the Gluon kernel did not run"
     assert got.dtype == torch.bfloat16
@@ -310,10 +299,8 @@ def test_gpu_gluon_serves_head_dim_256_by_default(monkeypatch, hk, m, n):
     real = glu.launch_history
     monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (seen.append((a[0].shape[-1], kw["plan"].k8)),
                                                                  real(*a, **kw))[1])
-    args = _rotating_case(8, hk, m, n, 320, 256, 64, seed=hk, device="cuda")
-    args["qf"] = args["qf"].cuda()
+    args = _rotating_case(8, hk, m, n, 320, 256, 64, seed=hk, device="cuda", out_dtype=torch.bfloat16)
     args["start"] = torch.tensor([0, 9, 0, 300, 1, 2, 3, 4], device="cuda")
-    args["out_dtype"] = torch.bfloat16
     got = rotating_op(args)
     assert seen == [(256, False)], seen
     assert rel_err(got.float(), _rotating_reference(args).float()) < 2e-2
@@ -334,14 +321,13 @@ def test_gpu_gluon_d64_query_groups(monkeypatch, m, static):
         lambda *a, **kw: (grids.append((grid, kw["QG"], a[14])), real[grid](*a, **kw))[1])})())  # a[14]: M, rows per group
     args = _rotating_case(8, 8, m, 32768 - 321, 320, 64, 64, seed=m, device="cuda")
     args["k"], args["v"] = _stored(args["k"]), _stored(args["v"])
-    args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 9, 1, 301, 1, 2, 3, 4], device="cuda")
     args["out_dtype"] = torch.bfloat16
     ref_args = args
     if static:  # the static op: storage past n_valid (odd) is stale; the reference sees the first n_valid entries
         nv = 32768 - 321 - 51
         got = rotating_op(args, n_valid=torch.tensor(nv, device="cuda"), splits=8)
-        ref_args = {k_: (type(v_)(*(t[:, :, :nv] for t in v_)) if k_ in ("k", "v") else v_) for k_, v_ in args.items()}
+        ref_args = cut_history(args, nv)
     else:
         got = rotating_op(args)
     assert len(grids) == 1 and grids[0][0][0] == 8 * 8 * 2 and grids[0][1] == 2 and grids[0][2] == m // 2, grids
@@ -361,7 +347,6 @@ def test_gpu_gluon_d64_routing(monkeypatch, hk, m):
     monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (seen.append(a[0].shape[-1]), real(*a, **kw))[1])
     args = _rotating_case(8, hk, m, 32768 - 321, 320, 64, 64, seed=hk + m, device="cuda")
     args["k"], args["v"] = _stored(args["k"]), _stored(args["v"])
-    args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 9, 1, 301, 1, 2, 3, 4], device="cuda")
     args["out_dtype"] = torch.bfloat16
     got = rotating_op(args)
@@ -383,7 +368,6 @@ def test_gpu_gluon_prologue_query_operands(monkeypatch, m):
     monkeypatch.setattr(glu, "launch_history", lambda *a, **kw: (seen.append(kw.get("qpre") is not None),
                                                                  real(*a, **kw))[1])
     args = _rotating_case(2, 8, m, 9000, 320, 128, 64, seed=m, device="cuda")
-    args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 37], device="cuda")
     args["out_dtype"] = torch.float32
     outs = {}
@@ -413,7 +397,6 @@ def test_gpu_gluon_qflag_counters(monkeypatch):
     prologue's."""
     dt = _dt()
     args = _rotating_case(2, 8, 4, 9000, 320, 128, 64, seed=3, device="cuda")
-    args["qf"] = args["qf"].cuda()
     args["start"] = torch.tensor([0, 37], device="cuda")
     args["out_dtype"] = torch.float32
     df = replace(DEFAULTS, gluon_min_work=0, gluon_long_split=64)  # int8 keys with the prologue's operands
@@ -458,10 +441,8 @@ def test_gpu_gluon_qflag_counters(monkeypatch):
 def test_gpu_gluon_decode_op_rotating_in_graph(gluon_calls, m, d):
     """The op from the unrotated query captured in a CUDA graph (programmatic dependent launch becomes graph edges):
     replays with new queries and window values written into the captured inputs equal the reference each time."""
-    args = _rotating_case(4, 8, m, 20000, 320, d, 64, seed=11, device="cuda")
-    args["qf"] = args["qf"].cuda()
+    args = _rotating_case(4, 8, m, 20000, 320, d, 64, seed=11, device="cuda", out_dtype=torch.bfloat16)
     args["start"] = torch.tensor([0, 9, 0, 300], device="cuda")
-    args["out_dtype"] = torch.bfloat16
     op = lambda: rotating_op(args, defaults=gluon_calls.defaults)  # noqa: E731
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -15,7 +15,7 @@ from kernel_utils import loose, rel_err, rotating, setup_interpreter
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from decode_cases import (_dt, _rotating_case, _rotating_reference, _window_case, assert_partials_close,  # noqa: E402
-                          make_case, normalized, plain_attention, rotating_op)
+                          cut_history, make_case, normalized, plain_attention, rotating_op)
 from oscar_hf.kernels import plan  # noqa: E402
 from oscar_hf.kernels.int2_attention import (  # noqa: E402
     decode_attention_reference,
@@ -421,8 +421,7 @@ def test_decode_attention_kernel_device_length(small_splits, n_valid):
     args, _ = _window_case(b, hk, m, n, w, d, g, seed=n_valid)
     args["start"] = torch.tensor([0, 9])
     got = loose(small_splits.decode_attention_triton)(**args, n_valid=torch.tensor(n_valid), splits=3, defaults=SMALL)
-    cut = {k: (type(args[k])(*(t[:, :, :n_valid] for t in args[k])) if k in ("k", "v") else args[k]) for k in args}
-    ref = loose(decode_attention_reference)(**cut)
+    ref = loose(decode_attention_reference)(**cut_history(args, n_valid))
     assert rel_err(got, ref) < 2e-5
     ref_masked = loose(decode_attention_reference)(**args, n_valid=torch.tensor(n_valid))
     assert rel_err(ref_masked, ref) < 1e-6
@@ -475,9 +474,7 @@ def test_decode_attention_rotating_dispatch(monkeypatch, case):
     got = rotating(**args, **extra, use_kernels=True)
     want = {"eager": ["launch, rotating"], "rows": ["launch"], "static": ["launch"], "unsupported": []}[case]
     assert calls == want
-    cut = args if nv is None else {k: (type(args[k])(*(t[:, :, :nv] for t in args[k])) if k in ("k", "v") else args[k])
-                                   for k in args}
-    assert rel_err(got, _rotating_reference(cut)) < 2e-5
+    assert rel_err(got, _rotating_reference(args if nv is None else cut_history(args, nv))) < 2e-5
 
 
 @interp
@@ -500,7 +497,7 @@ def test_decode_attention_kernel_property(small_splits):
             args["win_mask"][..., -1] = True  # every row attends to at least its newest window token
         elif not w:
             args["start"].zero_()  # no window: every row keeps at least one history key
-        assert small_splits.decode_supported(args["q_rot"], args["k"], args["group_size"], None, args["win_mask"], w)
+        assert small_splits.kernel_supported(args["q_rot"], args["k"], args["group_size"], None, args["win_mask"], w)
         got = loose(small_splits.decode_attention_triton)(**args, defaults=SMALL)
         ref = loose(decode_attention_reference)(**args)
         assert got.shape == (b, hk, m, d) and torch.isfinite(got).all()

@@ -47,7 +47,7 @@ def test_decode_op_at_preset_shape(monkeypatch, b, hk, m, n, w):
     dt = _dt()
     monkeypatch.setattr(plan, "device_sms", lambda device: 16)  # several splits per call on the CPU
     args, (qf, r_k) = _decode_args(b, hk, m, n, w, seed=n + w)
-    assert dt.decode_supported(args["q_rot"], args["k"], G, None, None, w)  # served by the kernels, not the reference
+    assert dt.kernel_supported(args["q_rot"], args["k"], G, None, None, w)  # served by the kernels, not the reference
     ref = loose(decode_attention_reference)(**args)
     got = loose(dt.decode_attention_triton)(**args)
     assert got.shape == (b, hk, m, D) and rel_err(got, ref) < 2e-5
