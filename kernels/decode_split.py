@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .decode_split_ops import (DF_LIM, _block_rows, _df_meta, _df_v_plane, _int2_plane, _meta_tiles, _op, _op16,
+from .decode_split_ops import (DF_LIM, _block_rows, _df_meta, _df_v_plane, _int2_plane, _meta_tiles, _op,
                                _rd_logits, _soft_cap, _softmax_step, _token_block, _u_plane, _v_code_operand,
                                _window_head, _window_row, _window_split)
 from .plan import settle_cache_keys
@@ -137,8 +137,8 @@ def _split_kernel(
                 qf2 = tl.load(q_ptr + 2 * D4, mask=qmask, other=0.0) * qk_scale
                 qf3 = tl.load(q_ptr + 3 * D4, mask=qmask, other=0.0) * qk_scale
                 # B operands [D4, M_PAD]: q_P / 4^P (exact power-of-two scaling before the fp16 rounding)
-                qts = (_op16(tl.trans(qf0), LOWP), _op16(tl.trans(qf1 * 0.25), LOWP),
-                       _op16(tl.trans(qf2 * 0.0625), LOWP), _op16(tl.trans(qf3 * 0.015625), LOWP))
+                qts = (_op(tl.trans(qf0), LOWP, True), _op(tl.trans(qf1 * 0.25), LOWP, True),
+                       _op(tl.trans(qf2 * 0.0625), LOWP, True), _op(tl.trans(qf3 * 0.015625), LOWP, True))
                 cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
                        OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
                 qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))

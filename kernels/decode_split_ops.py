@@ -22,15 +22,6 @@ def _soft_cap(x, CAP: tl.constexpr):
 
 
 @triton.jit
-def _op16(x, LOWP: tl.constexpr):
-    """fp16 dot operand on the GPU, float32 under the interpreter (see :func:`_op`)."""
-    if LOWP:
-        return x.to(tl.float16)
-    else:
-        return x.to(tl.float32)
-
-
-@triton.jit
 def _u_plane(bytes_, P: tl.constexpr, LOWP: tl.constexpr, EXACT: tl.constexpr):
     """Codes of plane ``P`` of a byte tile as exact fp16 operands with one and-or, no shift or conversion: ``byte & (3
     << 2P)`` (``4^P code <= 192``) or-ed into the bit pattern of 1024 reads as ``u = 1024 + 4^P code``. ``EXACT``
@@ -76,10 +67,14 @@ def _gsum(t, g: tl.constexpr, PPG: tl.constexpr):
 
 
 @triton.jit
-def _op(x, LOWP: tl.constexpr):
-    """bf16 dot operand on the GPU; float32 under the interpreter, whose ``tl.dot`` multiplies bf16's raw bits."""
+def _op(x, LOWP: tl.constexpr, F16: tl.constexpr = False):
+    """bf16 (``F16``: fp16) dot operand on the GPU; float32 under the interpreter, whose ``tl.dot`` multiplies bf16's
+    raw bits."""
     if LOWP:
-        return x.to(tl.bfloat16)
+        if F16:
+            return x.to(tl.float16)
+        else:
+            return x.to(tl.bfloat16)
     else:
         return x.to(tl.float32)
 
