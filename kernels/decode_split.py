@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .decode_split_ops import (DF_LIM, _block_rows, _df_meta, _df_v_plane, _int2_plane, _meta_tiles, _op,
-                               _rd_logits, _soft_cap, _softmax_step, _token_block, _u_plane, _v_code_operand,
-                               _window_head, _window_row, _window_split)
+from .decode_split_ops import (DF_LIM, _block_rows, _df_meta, _df_v_plane, _int2_plane, _mapped, _meta_tiles,
+                               _op, _rd_logits, _soft_cap, _softmax_step, _token_block, _u_plane, _v_code_operand,
+                               _window_split)
 from .plan import settle_cache_keys
 from .query_triton import _cols_mask, _rotate_block, _rotate_plane_q8
 
@@ -78,8 +78,8 @@ def _split_kernel(
     l_i = tl.zeros((M_PAD,), tl.float32)
     part = (pid_bh.to(tl.int64) * S_TOT + pid_s) * M  # first partial row of this program
     if WIN_ONLY:  # the window programs of the Gluon path: this launch compiles without the history branch
-        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h,
-                      _window_head(h, WHEAD, HAS_WHEAD), part,
+        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _mapped(b, WSLOT, PAGED), h,
+                      _mapped(h, WHEAD, HAS_WHEAD), part,
                       (pid_s - S) * win_split, W, win_split, qk_scale,
                       sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                       M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
@@ -259,8 +259,8 @@ def _split_kernel(
             tl.store(PL + part + offs_m, l_i, mask=mrow)
         else:
             if HAS_WIN:
-                _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h,
-                      _window_head(h, WHEAD, HAS_WHEAD), part,
+                _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _mapped(b, WSLOT, PAGED), h,
+                      _mapped(h, WHEAD, HAS_WHEAD), part,
                               (pid_s - S) * win_split, W, win_split, qk_scale,
                               sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                               M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
@@ -304,8 +304,8 @@ def _prologue_kernel(
         b = pid_bh // Hk
         h = pid_bh % Hk
         part = (pid_bh.to(tl.int64) * S_TOT + S + (j - NROT)) * M
-        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, _window_row(b, WSLOT, PAGED), h,
-                      _window_head(h, WHEAD, HAS_WHEAD), part, (j - NROT) * win_split,
+        _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, _mapped(b, WSLOT, PAGED), h,
+                      _mapped(h, WHEAD, HAS_WHEAD), part, (j - NROT) * win_split,
                       W, win_split, qk_scale, sqb, sqh, sqm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                       M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
 

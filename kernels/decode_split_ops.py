@@ -318,21 +318,13 @@ def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, hw, part, w0, W, wi
 
 
 @triton.jit
-def _window_row(b, WSLOT, PAGED: tl.constexpr):
-    """The window row of batch row ``b``: itself, or (``PAGED``) its slot ``WSLOT[b]`` of the window pool."""
-    if PAGED:
-        return tl.load(WSLOT + b)
+def _mapped(i, TABLE, HAS_TABLE: tl.constexpr):
+    """``i``, or ``TABLE[i]``: a batch row's window row (its slot of the serving store's window pool) or a head's KV
+    head of the window (INT2 heads reading a layer's window in place)."""
+    if HAS_TABLE:
+        return tl.load(TABLE + i)
     else:
-        return b
-
-
-@triton.jit
-def _window_head(h, WHEAD, HAS_WHEAD: tl.constexpr):
-    """The window's KV head for head ``h``: ``h``, or ``WHEAD[h]`` (INT2 heads reading a layer's window in place)."""
-    if HAS_WHEAD:
-        return tl.load(WHEAD + h)
-    else:
-        return h
+        return i
 
 
 settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)
