@@ -25,8 +25,7 @@ from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig, OscarRotations
 from oscar_hf.cache.params import LayerParams
-from oscar_hf.config import artifact_settings
-from oscar_hf.config_checks import renamed_keywords
+from oscar_hf.config import artifact_settings, renamed_keywords
 from oscar_hf.layer_choice import choose_layers, resolve_retrieval_heads
 from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.quant import dequantize_rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +15,6 @@ from .fingerprint import (  # noqa: F401  (re-exported: the names every module i
     DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_TYPES, FULL_PRECISION_WHY, LATENT_LAYER_TYPE,
     SHARED_KV_LAYER_TYPE, SLIDING_LAYER_TYPES, STATE_LAYER_TYPES, UNEQUAL_KV_LAYER_TYPE, ModelFingerprint,
     default_group_size, hybrid_state_layers, kv_sharing_modes, layer_types_of, validate_head_dim)
-from .config_checks import RENAMED_FIELDS, renamed_keywords  # noqa: F401
 from .quant import QUANTIZERS, SUPPORTED_META_DTYPES, bits_per_element
 
 _META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
@@ -36,6 +36,25 @@ CHOSEN_FIELDS = ("sink", "recent", "group_size", "meta_dtype", "quantizer", "ret
 PRESETS: dict[str, dict[str, Any]] = {
     "paper": dict(sink=64, recent=256, group_size=None, meta_dtype="float32", clip_k=0.96, clip_v=0.92,
                   center=False, retrieval_heads=0)}
+
+# old field name -> today's. Keywords warn (FutureWarning); saved configs and artifacts load either name.
+RENAMED_FIELDS = {"full_precision_heads": "retrieval_heads", "full_precision_bits": "retrieval_bits"}
+
+
+def renamed_keywords(kw: dict, where: str, warn: bool = True, stacklevel: int = 3) -> dict:
+    """``kw`` with old field names renamed (a FutureWarning each when ``warn``); a TypeError when both are given."""
+    if not any(old in kw for old in RENAMED_FIELDS):
+        return kw
+    kw = dict(kw)
+    for old, new in RENAMED_FIELDS.items():
+        if old in kw:
+            if new in kw:
+                raise TypeError(f"{where}: pass {new}= only ({old}= is its old name), not both")
+            if warn:
+                warnings.warn(f"{where}: {old}= is now {new}= (the retrieval heads); the old name will be removed",
+                              FutureWarning, stacklevel=stacklevel)
+            kw[new] = kw.pop(old)
+    return kw
 
 
 @dataclasses.dataclass(frozen=True)

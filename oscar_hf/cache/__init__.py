@@ -5,7 +5,6 @@ capacity. Layer kinds and storages: docs/cache.md; usage: the package docstring.
 """
 from __future__ import annotations
 
-import copy
 import weakref
 from typing import Any
 
@@ -14,7 +13,7 @@ from transformers.cache_utils import (Cache, DynamicLayer, DynamicSlidingWindowL
                                       LinearAttentionAndFullAttentionLayer,
                                       LinearAttentionAndSlidingWindowAttentionLayer,
                                       LinearAttentionAndStaticSlidingWindowAttentionLayer,
-                                      LinearAttentionCacheLayerMixin, LinearAttentionLayer, StaticSlidingWindowLayer)
+                                      LinearAttentionLayer, StaticSlidingWindowLayer)
 
 try:  # Transformers >= 5.2x: the layer of KV sharing's reuse layers (and MoE / MLP-only layers); 5.17 leaves them out
     from transformers.cache_utils import DummyLayer
@@ -168,33 +167,7 @@ class OscarCache(Cache):
 
     def save(self, directory) -> None:
         """Write the live cache to ``directory``; NotImplementedError for a cache holding an SSM / conv state."""
-        for i, layer in enumerate(self.layers):
-            if isinstance(layer, LinearAttentionCacheLayerMixin):  # hybrid OSCAR layers too: their state would be lost
-                raise NotImplementedError(f"cannot save cache layer {i}: {type(layer).__name__} holds a linear-attention"
-                                          " / SSM / convolution state (Transformers' LinearAttentionLayer), which "
-                                          "OscarCache.save does not serialize")
-        view = copy.copy(self)  # the saved form of the layers io does not know: the same tokens as DynamicLayers
-        view.layers = [self._saved_layer(layer) for layer in self.layers]
-        save_cache(view, directory)
-
-    @staticmethod
-    def _saved_layer(layer):
-        """``layer`` in the eager form :mod:`.io` saves."""
-        if isinstance(layer, GrowingLayer) or (DummyLayer is not None and isinstance(layer, DummyLayer)):
-            out = DynamicLayer()  # a DummyLayer caches nothing: saved empty, and load leaves it as it is
-            if isinstance(layer, GrowingLayer) and layer.is_initialized and layer.host_len:
-                out.update(*layer.used())  # loads back through GrowingLayer.update / DynamicLayer.update
-            return out
-        if isinstance(layer, StaticSlidingWindowLayer):
-            # its W slots hold the last min(T, W) tokens in order; DynamicSlidingWindowLayer's the last min(T, W - 1)
-            w, t = layer.max_cache_len, layer.cumulative_length_int
-            out = DynamicSlidingWindowLayer(sliding_window=w)
-            if layer.is_initialized and t:
-                keep = slice(1, None) if t >= w else slice(0, t)
-                out.update(layer.keys[:, :, keep], layer.values[:, :, keep])
-                out.cumulative_length = t
-            return out
-        return layer
+        save_cache(self, directory)
 
     @classmethod
     def load(cls, directory, model, device=None, compile: bool | str = "auto") -> "OscarCache":

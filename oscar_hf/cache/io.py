@@ -14,10 +14,15 @@ import os
 from pathlib import Path
 
 import torch
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticSlidingWindowLayer
+from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin,
+                                      StaticSlidingWindowLayer)
 
-from ..config import ModelFingerprint, OscarConfig
-from ..config_checks import renamed_keywords
+try:  # Transformers >= 5.2x; 5.17 has no DummyLayer
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # pragma: no cover - transformers 5.17
+    DummyLayer = None
+
+from ..config import ModelFingerprint, OscarConfig, renamed_keywords
 from ..quant import QuantizedRows
 from ..rotations import OscarRotations
 from . import heads
@@ -26,6 +31,7 @@ from .io_checks import (  # noqa: F401  (weights_digest, position_limit: part of
     weights_digest)
 from .compiled import CompiledOscarLayer, capacity_for
 from .dynamic import OscarLayer
+from .growing import GrowingLayer
 
 FORMAT = "oscar_hf.cache"
 VERSION = 1
@@ -37,6 +43,10 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
     path = Path(directory)
     tensors, layers = {}, []
     for i, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionCacheLayerMixin):  # hybrid OSCAR layers too: their state would be lost
+            raise NotImplementedError(f"cannot save cache layer {i}: {type(layer).__name__} holds a linear-attention"
+                                      " / SSM / convolution state (Transformers' LinearAttentionLayer), which "
+                                      "OscarCache.save does not serialize")
         if isinstance(layer, (OscarLayer, CompiledOscarLayer)):
             if getattr(layer, "pending", None) is not None:
                 raise RuntimeError("cannot save an OscarCache in the middle of a forward pass")
@@ -56,18 +66,11 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
             layers.append(dict(kind="oscar", empty=False, seq_len=st["seq_len"], tail_start=st["tail_start"],
                                buf_slot0=st["tail_start"], dtype=str(layer.dtype).removeprefix("torch."),
                                batch_size=layer.batch_size, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim))
-        elif isinstance(layer, DynamicLayer):
-            kind = "sliding" if isinstance(layer, DynamicSlidingWindowLayer) else "dynamic"
-            entry = dict(kind=kind, empty=not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0)
-            if kind == "sliding":
-                entry.update(sliding_window=layer.sliding_window, cumulative_length=layer.cumulative_length)
-            if not entry["empty"]:
-                tensors[f"layers.{i}.keys"] = layer.keys.detach().cpu().contiguous()
-                tensors[f"layers.{i}.values"] = layer.values.detach().cpu().contiguous()
+        else:
+            entry, kv = _full_precision_entry(i, layer)
+            if kv is not None:
+                tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"] = (x.detach().cpu().contiguous() for x in kv)
             layers.append(entry)
-        else:  # e.g. a linear-attention / conv layer's recurrent state (Transformers' LinearAttentionLayer)
-            raise NotImplementedError(f"cannot save cache layer {i}: {type(layer).__name__} is not serialized by "
-                                      "OscarCache.save (a state layer of a hybrid model)")
     path.mkdir(parents=True, exist_ok=True)  # after every layer was read: a refused cache writes nothing
     save_file(tensors, str(path / TENSORS_NAME), metadata={"format": FORMAT})
     cache.rotations.save_pretrained(path / "rotations")
@@ -78,9 +81,30 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
     (path / STATE_NAME).write_text(json.dumps(doc, indent=2))
 
 
-def layer_state(layer) -> dict:
-    """An OSCAR layer's saved form: positions and the used part of each buffer (the eager layer's layout)."""
-    return layer.export_state()
+def _full_precision_entry(i: int, layer) -> tuple[dict, tuple | None]:
+    """A full-precision layer's saved entry and ``(keys, values)`` ``[B, H, T, D]`` (None when empty), in the eager
+    form: a compiled storage's layers are saved as the DynamicLayer / DynamicSlidingWindowLayer holding their tokens."""
+    if isinstance(layer, StaticSlidingWindowLayer):
+        # its W slots hold the last min(T, W) tokens in order; DynamicSlidingWindowLayer's the last min(T, W - 1)
+        w, t = layer.max_cache_len, layer.cumulative_length_int
+        keep = slice(1, None) if t >= w else slice(0, t)
+        kv = (layer.keys[:, :, keep], layer.values[:, :, keep]) if layer.is_initialized and t else None
+        return dict(kind="sliding", empty=kv is None, sliding_window=w, cumulative_length=t if kv is not None else 0), kv
+    if isinstance(layer, GrowingLayer):  # loads back through GrowingLayer.update / DynamicLayer.update
+        kv = layer.used() if layer.is_initialized and layer.host_len else None
+        return dict(kind="dynamic", empty=kv is None), kv
+    if DummyLayer is not None and isinstance(layer, DummyLayer):  # caches nothing: load leaves it as it is
+        return dict(kind="dynamic", empty=True), None
+    if isinstance(layer, DynamicLayer):
+        sliding = isinstance(layer, DynamicSlidingWindowLayer)
+        kv = None if not layer.is_initialized or layer.keys is None or layer.keys.numel() == 0 else (layer.keys, layer.values)
+        entry = dict(kind="sliding" if sliding else "dynamic", empty=kv is None)
+        if sliding:
+            entry.update(sliding_window=layer.sliding_window, cumulative_length=layer.cumulative_length)
+        return entry, kv
+    # e.g. a linear-attention / conv layer's recurrent state (Transformers' LinearAttentionLayer)
+    raise NotImplementedError(f"cannot save cache layer {i}: {type(layer).__name__} is not serialized by "
+                              "OscarCache.save (a state layer of a hybrid model)")
 
 
 def _fp_names(kv: str, bits: int) -> list[str]:

@@ -49,7 +49,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsP
 
 from oscar_hf import OscarCache, OscarRotations, disable_oscar  # noqa: E402
 from oscar_hf.compat import cache_kwargs  # noqa: E402
-from oscar_hf.cache.io import layer_state  # noqa: E402
 from oscar_hf.compiled_step import cpu_compile_config  # noqa: E402
 from oscar_hf.config import ModelFingerprint  # noqa: E402
 from oscar_hf.rotations import LayerRotation  # noqa: E402
@@ -126,13 +125,13 @@ def inputs(config, batch: int, context: int, pad: int, seed: int, device):
 
 
 def oscar_state(cache) -> dict[int, dict]:
-    """Per quantized layer (either storage, through the saved form of ``OscarCache.save``): history codes (k, v) on
+    """Per quantized layer (either storage, through ``export_state``): history codes (k, v) on
     CPU, pad, sink and tail (full precision)."""
     out = {}
     for i, layer in enumerate(cache.layers):
         if getattr(layer, "hist_k", None) is None or not layer.is_initialized:
             continue
-        st = layer_state(layer)
+        st = layer.export_state()
         out[i] = dict(codes_k=st["hist_k"].codes.cpu(), codes_v=st["hist_v"].codes.cpu(), pad=st["pad"].cpu(),
                       sink_k=st["sink_k"].float().cpu(), tail_k=st["tail_k"].float().cpu(), heads=layer.num_kv_heads)
     return out
