@@ -16,61 +16,30 @@ VALUE_TARGETS = ("sst", "score-weighted")
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationOptions:
-    """The keywords of :func:`~oscar_hf.calibration.calibrate` (what each pass does: docs/calibration.md).
+    """The keywords of :func:`~oscar_hf.calibration.calibrate`; each option in full: docs/calibration.md, "Options"."""
 
-    Args:
-        method: "oscar" (C_Q keys / value_target values), "pca-kv" (C_K / C_V), "hadamard", "identity" (offsets and
-            clips only), or "auto": the best candidate per layer, KV head and K/V on held-out error, then checked
-            against whole-artifact alternatives by next-token KL (:mod:`.selection`).
-        tokens: statistics tokens, in ``ceil(tokens / seq_len)`` windows from the start of the text.
-        group_size: the group size the clips are chosen for; ``None``: head_dim; ``"auto"``:
-            :func:`~oscar_hf.config.default_group_size`.
-        center: store and use the offsets ``mu_K``/``mu_V``; ``"auto"``: per layer, KV head and K/V by held-out error.
-        value_target: "sst" (exact ``C_S = Σ oᵀo``) or "score-weighted" (the reference code's target).
-        clip_grid: clip ratios searched per layer; ``None`` or one value: no search.
-        holdout_fraction: held-out windows (after the statistics windows) as a fraction of those, at least one.
-        batch_size: windows per forward.
-        progress: tqdm bar.
-        meta_dtype: dtype of scale/zero during the clip search.
-        query_samples: queries per held-out sequence whose real attention probabilities weigh the errors.
-        window: ``(sink, recent)`` of the cache: sink tokens are left out of the statistics, held-out errors count
-            only ``sink <= key < query - recent`` (shrunk with a warning for short windows). ``None``: all pairs.
-        metadata: extra JSON-able entries for the artifact's metadata.
-        share_rotation_across_heads: one ``R_K`` / ``R_V`` per layer from its heads' pooled statistics.
-        clips: fixed ``(clip_k, clip_v)`` for every layer; overrides ``clip_grid``.
-        retrieval_probes: probes scoring every KV head's retrieval (:mod:`.retrieval_heads`) into
-            ``retrieval_scores``; 0: none. Needs string ``texts`` of ``max(retrieval_lengths) + retrieval_probes``
-            tokens.
-        retrieval_lengths: probe lengths in tokens (those beyond the model's context are dropped).
-        select_by_kl: ``method="auto"``'s end-to-end check (needs held-out windows longer than ``512 + sink + recent``).
-        choose_settings: choose the cache settings by next-token KL within ``budget_bits`` (:mod:`.settings`) into
-            ``metadata["settings"]``; skipped (recorded) for windows not longer than ``512 + 4 * (sink + recent)``.
-        budget_bits: the budget in ``OscarConfig.stored_bits`` at ``target_context`` tokens.
-        target_context: the context the budget is priced at; ``None``: ``min(32768, max_position_embeddings)``.
-    """
-
-    method: str = "auto"
-    tokens: int = 8192
-    seq_len: int = 2048
-    group_size: int | str | None = "auto"
-    center: bool | str = True
-    value_target: str = "sst"
-    clip_grid: Sequence[float] | None = CLIP_GRID
-    holdout_fraction: float = 0.25
-    batch_size: int = 1
-    progress: bool = True
-    meta_dtype: str = "bfloat16"
-    query_samples: int = 128
-    window: tuple[int, int] | None = (64, 256)
-    metadata: dict | None = None
-    share_rotation_across_heads: bool = False
-    clips: tuple[float, float] | None = None
-    retrieval_probes: int = PROBES
-    retrieval_lengths: Sequence[int] = LENGTHS
-    select_by_kl: bool = True
-    choose_settings: bool = True
-    budget_bits: float = DEFAULT_BUDGET_BITS
-    target_context: int | None = None
+    method: str = "auto"  # "oscar", "pca-kv", "hadamard", "identity" or "auto" (per layer / KV head, then by KL)
+    tokens: int = 8192  # statistics tokens, in ceil(tokens / seq_len) windows from the start of the text
+    seq_len: int = 2048  # tokens per calibration window
+    group_size: int | str | None = "auto"  # the group size the clips are chosen for; None: head_dim
+    center: bool | str = True  # store and use mu_K / mu_V; "auto": per layer, KV head and K/V by held-out error
+    value_target: str = "sst"  # "sst" (exact C_S) or "score-weighted" (the reference code's target)
+    clip_grid: Sequence[float] | None = CLIP_GRID  # clip ratios searched per layer; None or one value: no search
+    holdout_fraction: float = 0.25  # held-out windows as a fraction of the statistics windows, at least one
+    batch_size: int = 1  # windows per forward
+    progress: bool = True  # tqdm bar
+    meta_dtype: str = "bfloat16"  # dtype of scale / zero during the clip search
+    query_samples: int = 128  # queries per held-out sequence whose attention probabilities weigh the errors
+    window: tuple[int, int] | None = (64, 256)  # the cache's (sink, recent); None: every pair counts
+    metadata: dict | None = None  # extra JSON-able entries for the artifact's metadata
+    share_rotation_across_heads: bool = False  # one R_K / R_V per layer from its heads' pooled statistics
+    clips: tuple[float, float] | None = None  # fixed (clip_k, clip_v) for every layer; overrides clip_grid
+    retrieval_probes: int = PROBES  # probes scoring every KV head's retrieval (text input); 0: none
+    retrieval_lengths: Sequence[int] = LENGTHS  # probe lengths in tokens (beyond the model's context: dropped)
+    select_by_kl: bool = True  # method="auto"'s end-to-end check by next-token KL
+    choose_settings: bool = True  # choose the cache settings by next-token KL within budget_bits
+    budget_bits: float = DEFAULT_BUDGET_BITS  # the budget in OscarConfig.stored_bits at target_context tokens
+    target_context: int | None = None  # the context the budget is priced at; None: min(32768, the model's)
 
     def __post_init__(self):
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen: normalize in place)

@@ -119,11 +119,8 @@ def _split_windows(texts, tokenizer, o: CalibrationOptions) -> _Windows:
             raise ValueError("a clip search, method='auto' or center='auto' need at least 2 token sequences (one is "
                              "held out)")
         n_hold = min(len(seqs) - 1, max(1, round(len(seqs) * o.holdout_fraction / (1 + o.holdout_fraction))))
-    pad_id = 0
-    if tokenizer is not None and getattr(tokenizer, "pad_token_id", None) is not None:
-        pad_id = tokenizer.pad_token_id
     hold = seqs[len(seqs) - n_hold :]
-    return _Windows(seqs[: len(seqs) - n_hold], hold, hold, pad_id)
+    return _Windows(seqs[: len(seqs) - n_hold], hold, hold, getattr(tokenizer, "pad_token_id", None) or 0)
 
 
 def _fitted_window(window, w: _Windows):
@@ -288,25 +285,16 @@ def _metadata(model, o: CalibrationOptions, w: _Windows, m: _Measured, window, g
     for i, s in m.stats.layers.items():
         spectra[str(i)].update({name: {k: v for k, v in spectrum_summary(fn()).items() if k != "eigvals"}
                                 for name, fn in (("C_S", s.c_s), ("C_V", s.c_v))})
+    auto = o.method == "auto" or o.center == "auto"
     meta = {
         "calibration": {
-            "method": o.method,
-            "value_target": o.value_target,
-            "center": o.center,
-            "group_size": group_size,
-            "meta_dtype": o.meta_dtype,
-            "share_rotation_across_heads": bool(o.share_rotation_across_heads),
-            "fixed_clips": list(o.clips) if o.clips else None,
-            "tokens": m.stats.tokens,
-            "windows": m.stats.windows,
-            "seq_len": max(s.numel() for s in w.stats),
-            "holdout_tokens": sum(s.numel() for s in w.hold),
-            "holdout_windows": len(w.hold),
-            "settings_windows": len(w.settings) if o.choose_settings else 0,
-            "batch_size": o.batch_size,
-            "clip_grid": list(o.grid) if o.need_holdout else None,
-            "query_samples": o.query_samples if o.need_holdout else None,
-            "window": list(window) if window else None,
+            "method": o.method, "value_target": o.value_target, "center": o.center, "group_size": group_size,
+            "meta_dtype": o.meta_dtype, "share_rotation_across_heads": bool(o.share_rotation_across_heads),
+            "fixed_clips": list(o.clips) if o.clips else None, "tokens": m.stats.tokens, "windows": m.stats.windows,
+            "seq_len": max(s.numel() for s in w.stats), "holdout_tokens": sum(s.numel() for s in w.hold),
+            "holdout_windows": len(w.hold), "settings_windows": len(w.settings) if o.choose_settings else 0,
+            "batch_size": o.batch_size, "clip_grid": list(o.grid) if o.need_holdout else None,
+            "query_samples": o.query_samples if o.need_holdout else None, "window": list(window) if window else None,
             "passes": ["statistics"] + (["score-weighted (2nd pass, same windows)"] if o.need_score_weighted else [])
             + (["held-out selection"] if o.need_holdout else []) + (["retrieval probes"] if scores is not None else [])
             + (["cache settings search"] if settings and "chosen" in settings else []),
@@ -314,24 +302,19 @@ def _metadata(model, o: CalibrationOptions, w: _Windows, m: _Measured, window, g
             "cpu_time_s": round(time.process_time() - times["cpu_start"], 2),
             **{f"time_{k}_s": round(times[k], 2) for k in ("statistics", "selection", "retrieval", "kl_selection",
                                                              "settings")},
-            "oscar_hf": __version__,
-            "transformers": transformers.__version__,
-            "torch": torch.__version__},
+            "oscar_hf": __version__, "transformers": transformers.__version__, "torch": torch.__version__},
         "clips": {str(i): [lr.clip_k, lr.clip_v] for i, lr in sorted(layers.items())},
         "winners": winners,
-        "spectra": spectra}
-    if held:
-        meta["heldout_error"] = held
-    if selection is not None:
-        meta["selection"] = selection
-    if settings is not None:
-        meta["settings"] = settings
-    if o.method == "auto" or o.center == "auto":
-        meta["auto_counts"] = {
-            kind: dict(Counter(n for names in winners[kind].values() for n in names).most_common())
-            for kind in ("k", "v")}
-    if scores is not None:
-        meta["retrieval_probes"] = {"n": o.retrieval_probes, "lengths": list(probe_lengths(model, o.retrieval_lengths))}
+        "spectra": spectra,
+        # (those None or empty are left out)
+        "heldout_error": held or None,
+        "selection": selection,
+        "settings": settings,
+        "auto_counts": {kind: dict(Counter(n for names in winners[kind].values() for n in names).most_common())
+                        for kind in ("k", "v")} if auto else None,
+        "retrieval_probes": None if scores is None else {
+            "n": o.retrieval_probes, "lengths": list(probe_lengths(model, o.retrieval_lengths))}}
+    meta = {k: v for k, v in meta.items() if v is not None}
     if o.metadata:
         meta.update(o.metadata)
     return meta
