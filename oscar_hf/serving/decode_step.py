@@ -4,6 +4,7 @@ device, one batched write and read per layer (:meth:`DecodeStep._decode`). See :
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 import torch
@@ -92,19 +93,16 @@ class DecodeStep:
         trash_page = self.pool.trash_page
         graphed = (rows is not None and self.graph_rows > 0 and len(decode) == len(batch)
                    and len(decode) <= rows <= self.graph_rows and self.windows.trash_slot is not None)
-        offsets = [0]
-        for _, _, q in batch:
-            offsets.append(offsets[-1] + q)
+        offsets = list(itertools.accumulate((q for _, _, q in batch), initial=0))  # each request's first row
         fields = {f: [] for f in DecodeBuffers.FIELDS}
         tables, hist, requests = [], [], []
         for i in decode:
             rid, t, _ = batch[i]
             r = self.requests.get(rid)
-            if r is None or not r.lengths:  # never written: prefix sharing or an offload restore (refused there)
+            if r is None or not r.lengths:  # never written: prefix sharing or an offload restore (_request refuses)
                 self._request(rid, next(iter(self.layer_slot)), t, None)
             if any(n != t for n in r.lengths.values()):
-                raise RuntimeError(f"request {rid!r}: the store holds {None if r is None else r.lengths} tokens per "
-                                   f"layer, the batch says {t}")
+                raise RuntimeError(f"request {rid!r}: the store holds {r.lengths} tokens per layer, the batch says {t}")
             if r.floor and t - 1 - w < r.floor:  # would rewrite a shared page (a shared prompt stores >= W + 2 rows)
                 raise RuntimeError(f"request {rid!r} decodes at {t} tokens inside its shared prefix ({r.floor})")
             e = t - 1 - w - s0  # history entry of slot T - 1 - W, which left the window at the previous step
@@ -136,24 +134,16 @@ class DecodeStep:
         if buf is None:  # outgrew the buffers: fresh tensors, eagerly
             graphed = False
             buf = DecodeBuffers(bp, cols, s0 + ring, self.device)
-        idx = buf.index[:, :bp]
-        idx.copy_(index)
-        bt = buf.table[:bp, :cols]
-        bt.copy_(table)
-        hl = buf.hist_len[:bp]
-        hl.copy_(torch.tensor(hist, dtype=torch.int32))
-        wm = buf.win_mask[:bp]
-        # the new token, the W before it and the sink; computed on the host: every write here is a synchronous copy,
-        # complete before the forward starts on Transformers' compute stream (a device op here would race with it)
-        wm.copy_(window_mask(index[7] + 1, 0, s0, ring, w + 1))
-        pos, slots, new_entry, sink_entry, dem_entry, dem_page, dem_off, _ = idx.unbind(0)
+        # the window mask: the new token, the W before it and the sink; computed on the host: every write here is a
+        # synchronous copy, complete before the forward starts on Transformers' compute stream (a device op would race)
+        wm = buf.win_mask[:bp].copy_(window_mask(index[7] + 1, 0, s0, ring, w + 1))
         ts = fields["t"][: len(decode)]
+        # the index rows in FIELDS order: pos, slots, new_entry, sink_entry, demote_entry, demote_page, demote_off
         self._plan = StepPlan(
-            key=tuple(batch), pos=pos, slots=slots, new_entry=new_entry, sink_entry=sink_entry,
-            demote_entry=dem_entry, demote_page=dem_page, demote_off=dem_off, block_table=bt, hist_len=hl,
-            hist_start=buf.hist_start[:bp], win_mask=wm, max_hist=max_hist,
-            write_sink=graphed or min(ts) < s0, demote=graphed or max(ts) > w + s0, graphable=graphed,
-            requests=requests)
+            tuple(batch), *buf.index[:, :bp].copy_(index)[:7], block_table=buf.table[:bp, :cols].copy_(table),
+            hist_len=buf.hist_len[:bp].copy_(torch.tensor(hist, dtype=torch.int32)), hist_start=buf.hist_start[:bp],
+            win_mask=wm, max_hist=max_hist, write_sink=graphed or min(ts) < s0, demote=graphed or max(ts) > w + s0,
+            graphable=graphed, requests=requests)
         for rid, t in requests:  # the step's writes are planned: every layer holds T + 1 tokens after the forward
             r = self.requests[rid]
             r.lengths = dict.fromkeys(r.lengths, t + 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
 
 from oscar_hf.kernels.heads_attention import merge_heads
 from oscar_hf.kernels.kv import History, KVParams, Pages, Window
@@ -99,18 +100,26 @@ class RecordedBatch:
     """What both paged caches keep for the store: a forward's requests in packing order, recorded by Transformers'
     per-request hooks (the ids never reach the forward) and taken by its first OSCAR layer."""
 
-    def _start_recording(self, store) -> None:
+    def _start_recording(self, store, allow_block_sharing: bool) -> None:
         """The end of a paged cache's ``__init__``: the store bound, its window slots allocated (under CUDA graphs
-        with the trash slot: a captured graph holds their addresses)."""
+        with the trash slot: a captured graph holds their addresses). Prefix sharing is the store's (prefix.py):
+        Transformers' own would match BF16 blocks the store never wrote."""
         self.store = store
+        self.allow_block_sharing = self.use_prefix_sharing = (
+            self.oscar_owns_memory and store.prefix_sharing and allow_block_sharing)
         store.windows.allocate_all(trash=self.cuda_graphs)
         self.scheduler = None  # the manager's scheduler (its request states), once its batch processor exists
         self._pending: list[tuple[str, int, int]] = []
         self._batch: list[tuple[str, int, int]] = []
 
-    def _start_graphs(self, store, cb_config) -> None:
-        """Before Transformers sizes the cache: when the manager graphs decode steps, make the store's step graph-safe
-        for ``max_requests`` rows padded to ``q_padding_interval_size``."""
+    def _start_graphs(self, store, config, cb_config) -> None:
+        """Before Transformers sizes the cache: whether the store holds every layer (``oscar_owns_memory``: then
+        Transformers allocates no BF16 K/V and the store's pool follows its blocks); when the manager graphs decode
+        steps, the store's step made graph-safe for ``max_requests`` rows padded to ``q_padding_interval_size``."""
+        groups = group_layers_by_attn_type(config)  # 5.20+: {type: layers}; 5.17 - 5.19: (layers per group, types)
+        groups, types = (list(groups.values()), list(groups)) if isinstance(groups, dict) else groups
+        self.oscar_owns_memory = types == ["full_attention"] and all(store.handles(i) for i in groups[0])
+        store.check_pool_sizing(follows_blocks=self.oscar_owns_memory)
         self.cuda_graphs = bool(cb_config is not None and cb_config.cuda_graph_booleans[1])
         self.graph_step, self.graph_key = False, ()
         if self.cuda_graphs:
@@ -155,6 +164,24 @@ class RecordedBatch:
         if request_len >= rest or (r is not None and r.prompt_reserved):
             return 0
         return state.position_offset + rest
+
+    def free_blocks(self, request_id: str, *args, **kwargs) -> None:
+        super().free_blocks(request_id, *args, **kwargs)
+        self.store.free(request_id)
+
+    def free_all_requests(self, *args, **kwargs) -> None:
+        super().free_all_requests(*args, **kwargs)
+        self.store.free_all()
+
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        """Prompt tokens a new request takes from a live request's pages; Transformers' accounting then holds the
+        holder's first blocks for it too (``_share_blocks``), so admission counts them once."""
+        if not self.use_prefix_sharing:
+            return 0
+        m, holder, k = self.store.share_prefix(request_id, list(prompt_ids))
+        if m:
+            self._share_blocks(request_id, holder, k)
+        return m
 
     def batch(self) -> list[tuple[str, int, int]]:
         """The requests of the running forward, ``(request_id, past_length, query_length)`` in packing order."""

@@ -13,7 +13,6 @@ from transformers.generation.continuous_batching.cache import (
     ATTN_TYPE_TO_ALLOCATOR,
     PagedAttentionCache,
     PagedAttentionMemoryHandler,
-    group_layers_by_attn_type,
 )
 from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -116,13 +115,6 @@ class OscarMemoryHandler(PagedAttentionMemoryHandler):
         return self.io_multiplier * self.num_attention_masks * a * max_batch_tokens**2
 
 
-def store_owns_every_layer(store: OscarPagedStore, config) -> bool:
-    """Whether the store quantizes every layer of ``config`` (then Transformers allocates no BF16 K/V)."""
-    groups = group_layers_by_attn_type(config)
-    full = FullAttentionCacheAllocator.layer_type
-    return list(groups) == [full] and all(store.handles(i) for i in groups[full])
-
-
 _building = threading.local()  # .swaps {Transformers class: OSCAR's} while this thread builds an OSCAR cache
 _installed = {"count": 0, "saved": None}
 _install_lock = threading.Lock()
@@ -187,9 +179,7 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
 
     def __init__(self, *args, store: OscarPagedStore, **kwargs):
         config = args[0] if args else kwargs["config"]
-        self._start_graphs(store, args[1] if len(args) > 1 else kwargs.get("continuous_batching_config"))
-        self.oscar_owns_memory = store_owns_every_layer(store, config)
-        store.check_pool_sizing(follows_blocks=self.oscar_owns_memory)
+        self._start_graphs(store, config, args[1] if len(args) > 1 else kwargs.get("continuous_batching_config"))
         if not self.oscar_owns_memory:  # BF16 cache for the other layers, the store's pool sized by the user
             super().__init__(*args, **kwargs)
         else:
@@ -201,10 +191,7 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
             store.attach_pool(allocator.num_blocks, allocator.tokens_per_page, storage=self.cache_tensor[trash:])
             # Transformers reads no past for these layers: [*, 1 + M] index tensors and masks; no read budget spent
             self.max_tokens_read, self.read_cache_limit = 1, 0
-        # prefix sharing is the store's (prefix.py); Transformers' own would match BF16 blocks the store never wrote
-        self.allow_block_sharing = self.use_prefix_sharing = (
-            self.oscar_owns_memory and store.prefix_sharing and self.allow_block_sharing)
-        self._start_recording(store)
+        self._start_recording(store, self.allow_block_sharing)
 
     # ------------------------------------------------------------------ batch composition
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
@@ -240,25 +227,11 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
                 self.store.admit_prompt(state.request_id, hold)
         return ok
 
-    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
-        super().free_blocks(request_id, no_cache=no_cache)
-        self.store.free(request_id)
-
-    def free_all_requests(self, clear_ledgers: bool = False) -> None:
-        super().free_all_requests(clear_ledgers)
-        self.store.free_all()
-
     # ------------------------------------------------------------------ prefix sharing, forks (oscar_hf.serving.prefix)
-    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
-        """Prompt tokens a new request takes from a live request's pages; Transformers' allocator holds the same blocks
-        for it, so admission counts them once."""
-        if not self.use_prefix_sharing:
-            return 0
-        m, holder, k = self.store.share_prefix(request_id, list(prompt_ids))
-        if m:
-            allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
-            allocator.acquire_prefix_blocks(request_id, k * allocator.tokens_per_page, allocator.block_table[holder])
-        return m
+    def _share_blocks(self, request_id: str, holder: str, k: int) -> None:
+        """The allocator holds the holder's first ``k`` blocks for the request too."""
+        allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
+        allocator.acquire_prefix_blocks(request_id, k * allocator.tokens_per_page, allocator.block_table[holder])
 
     def count_new_complete_blocks(self, state, request_len: int) -> dict[str, int]:
         """Non-empty (so ``mark_complete_blocks`` indexes the pages) once every ``P`` tokens, when a page is final."""

@@ -19,20 +19,13 @@ from .store import OscarPagedStore
 ATTENTION_NAME = "paged|oscar_sdpa"
 
 
-def store_owns_every_layer(store: OscarPagedStore, config) -> bool:
-    groups, types = group_layers_by_attn_type(config)
-    return types == ["full_attention"] and all(store.handles(i) for i in groups[0])
-
-
 class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
     """``PagedAttentionCache`` (block-manager API) whose OSCAR layers live in an :class:`OscarPagedStore`."""
 
     def __init__(self, config, continuous_batching_config, device, distributed_helper, tp_plan=None,
                  dtype=torch.float16, *, store: OscarPagedStore):
         tp_plan = tp_plan or {}
-        self._start_graphs(store, continuous_batching_config)
-        self.oscar_owns_memory = store_owns_every_layer(store, config)
-        store.check_pool_sizing(follows_blocks=self.oscar_owns_memory)
+        self._start_graphs(store, config, continuous_batching_config)
         if not self.oscar_owns_memory:
             super().__init__(config, continuous_batching_config, device, distributed_helper, tp_plan, dtype)
         else:
@@ -54,10 +47,7 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
             self.num_pages = pages * self.block_size  # the scheduler's read budget: never the limit
             self._block_manager = BlockManager(pages, self.block_size, tp_on=False)
             store.attach_pool(pages, self.block_size)
-        # prefix sharing is the store's (prefix.py); the block manager's would hash BF16 blocks the store never wrote
-        self.allow_block_sharing = self.use_prefix_sharing = (
-            self.oscar_owns_memory and store.prefix_sharing and continuous_batching_config.allow_block_sharing)
-        self._start_recording(store)
+        self._start_recording(store, continuous_batching_config.allow_block_sharing)
 
     # ------------------------------------------------------------------ admission
     def attach_scheduler(self, scheduler) -> None:
@@ -86,27 +76,13 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
             self.store.reserve(request_id)
         return allocated
 
-    def free_blocks(self, request_id: str) -> None:
-        super().free_blocks(request_id)
-        self.store.free(request_id)
-
-    def free_all_requests(self) -> None:
-        super().free_all_requests()
-        self.store.free_all()
-
     # ------------------------------------------------------------------ prefix sharing, forks (oscar_hf.serving.prefix)
-    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
-        """Prompt tokens a new request takes from a live request's pages; its block table starts with the holder's
-        blocks for them (referenced once more), so the block manager counts them once."""
-        if not self.use_prefix_sharing:
-            return 0
-        m, holder, k = self.store.share_prefix(request_id, list(prompt_ids))
-        if m:
-            cm = self.group_cache_managers[0]
-            cm.block_table[request_id] = list(cm.block_table[holder][:k])
-            for block in cm.block_table[request_id]:
-                self._block_manager.increase_ref_count(block)
-        return m
+    def _share_blocks(self, request_id: str, holder: str, k: int) -> None:
+        """The request's block table starts with the holder's first ``k`` blocks (referenced once more)."""
+        cm = self.group_cache_managers[0]
+        cm.block_table[request_id] = list(cm.block_table[holder][:k])
+        for block in cm.block_table[request_id]:
+            self._block_manager.increase_ref_count(block)
 
     def mark_shareable_blocks_as_complete(self, state, num_complete_blocks: int) -> None:
         """After a forward that completed blocks: offer the request's final pages for sharing (the store's count)."""

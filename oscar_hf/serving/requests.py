@@ -308,10 +308,9 @@ class StoreRequests:
         pool = self.pool
         prompt = sum(x.numel() * x.element_size() for r in self.requests.values() for kv in r.prompt.values()
                      for x in kv)
-        pages = pool.num_used if pool is not None else 0
-        return dict(requests=len(self.requests), pages_used=pages, pages_free=pool.num_free if pool is not None else 0,
-                    pages_shared=pool.num_shared if pool is not None else 0,
-                    history_bytes=pages * pool.bytes_per_page if pool is not None else 0,
-                    retrieval_heads_bytes=pages * pool.coded_bytes_per_page if pool is not None else 0,
+        pages, free, shared, page, coded = (0,) * 5 if pool is None else (
+            pool.num_used, pool.num_free, pool.num_shared, pool.bytes_per_page, pool.coded_bytes_per_page)
+        return dict(requests=len(self.requests), pages_used=pages, pages_free=free, pages_shared=shared,
+                    history_bytes=pages * page, retrieval_heads_bytes=pages * coded,
                     window_slots_used=self.windows.num_slots - self.windows.num_free,
                     window_bytes=self.windows.nbytes, prompt_bytes=prompt, prompt_tokens_reserved=self.prompt_reserved)
