@@ -18,6 +18,9 @@ DEFAULT_BUDGET_BITS = 3.5  # today's defaults cost 3.476 on SmolLM2 at 8192 toke
 DEFAULT_TARGET_CONTEXT = 32768  # capped by the model's max_position_embeddings
 MARGIN = 0.02  # relative KL gain an alternative needs to replace the incumbent
 WINDOW_SHARE = 0.25  # a window candidate's sink + recent may cover at most this share of the held-out prompt
+# wide windows tried besides the incumbent's halves and doubles, up to the authors' 128 / 2048 (scored only on held-out
+# prompts of >= (sink + recent) / WINDOW_SHARE tokens: 8704 for (128, 2048))
+WIDE_WINDOWS = ((128, 512), (128, 1024), (128, 2048))
 HEAD_WIDTHS = (8, 4)  # retrieval heads' storage searched (INT8, INT4; 16 costs 2x INT8 and was not better on needles)
 GROUP_SIZES = (32, 64, 128, None)  # None: head_dim (one group per head); those that do not divide it are left out
 PRECISE_LAYERS = (1, 2, 4)  # numbers of layers kept precise (all their KV heads at the heads' width) tried, in order
@@ -94,10 +97,11 @@ class _Space:
 
 
 def window_candidates(sink: int, recent: int, prompt: int) -> list[tuple[int, int]]:
-    """``(sink, recent)`` halved and doubled, each with ``sink + recent <= WINDOW_SHARE * prompt``."""
+    """``(sink, recent)`` halved and doubled, then :data:`WIDE_WINDOWS`, each with
+    ``sink + recent <= WINDOW_SHARE * prompt``."""
     out = []
     for s, r in ((sink // 2, recent // 2), (sink, recent // 2), (sink * 2, recent), (sink, recent * 2),
-                 (sink * 2, recent * 2)):
+                 (sink * 2, recent * 2), *WIDE_WINDOWS):
         if r >= 1 and (s, r) != (sink, recent) and (s, r) not in out and s + r <= WINDOW_SHARE * prompt:
             out.append((s, r))
     return out
@@ -138,9 +142,9 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     hd = space.fp.head_dim
     tried: list[Trial] = []
     over: list[dict] = []
-    # the group sizes tried: those dividing head_dim but the defaults' (the quantizer step keeps the group size)
-    groups = [g for g in dict.fromkeys(hd if g is None else g for g in GROUP_SIZES)
-              if g <= hd and hd % g == 0 and g != base.group_size]
+    # the group sizes dividing head_dim; the group step tries all but the defaults' (the quantizer step keeps it)
+    sizes = [g for g in dict.fromkeys(hd if g is None else g for g in GROUP_SIZES) if g <= hd and hd % g == 0]
+    groups = [g for g in sizes if g != base.group_size]
     # the bar counts settings scored or over budget: defaults, quantizer, group sizes, windows, head width, layers
     n_plan = (2 + len(groups) + len(window_candidates(base.sink, base.recent, prompt)) + (1 if space.heads else 0)
               + min(len(PRECISE_LAYERS), len(space.ranked_layers)))
@@ -180,11 +184,22 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
                 inc, precise = best
 
         unfit = lambda: inc.config.replace(retrieval_heads=())  # noqa: E731  (the incumbent, heads refitted)
+
+        def window_option(s: int, r: int) -> tuple[str, OscarConfig, int]:
+            """Window ``(s, r)`` at the incumbent's group size or, over the budget there, at the finest coarser one
+            that fits: a wide window priced at target_context is paid for by the history's metadata (Gemma-3-270M's
+            (128, 2048) fits 3.5 bits at 32K with group 64, not 32)."""
+            cfg = unfit().replace(sink=s, recent=r)
+            if space.fit(cfg, precise) is None:
+                for g in (x for x in sizes if x > cfg.group_size):
+                    if space.fit(cfg.replace(group_size=g), precise) is not None:
+                        return f"window=({s}, {r}), group_size={g}", cfg.replace(group_size=g), precise
+            return f"window=({s}, {r})", cfg, precise
+
         step([(f"quantizer={q}", unfit().replace(quantizer=q), precise) for q in ("minmax", "std")
               if q != inc.config.quantizer])
         step([(f"group_size={g}", unfit().replace(group_size=g), precise) for g in groups])
-        step([(f"window=({s}, {r})", unfit().replace(sink=s, recent=r), precise)
-              for s, r in window_candidates(inc.config.sink, inc.config.recent, prompt)])
+        step([window_option(s, r) for s, r in window_candidates(inc.config.sink, inc.config.recent, prompt)])
         if space.heads or precise:  # (the width of no head changes nothing)
             step([(f"heads as INT{w}", unfit().replace(retrieval_bits=w), precise) for w in HEAD_WIDTHS
                   if w != inc.config.retrieval_bits])
@@ -253,5 +268,6 @@ def settings_summary(entry: dict) -> list[str]:
 
 __all__ = ["choose_settings", "heldout_kl", "window_candidates", "settings_summary", "default_target_context",
            "check_budget", "kl_frontier", "DEFAULT_BUDGET_BITS", "DEFAULT_TARGET_CONTEXT", "MARGIN", "WINDOW_SHARE",
+           "WIDE_WINDOWS",
            "Trial"]
 

@@ -136,6 +136,36 @@ def test_bad_budget_and_windows():
     assert (64, 512) in window_candidates(64, 256, 7680)
 
 
+def test_windows_reach_128_2048_priced_at_the_target_context():
+    """Gemma-3-270M's KV shape (one KV head of 256): on a held-out prompt of >= 4 x 2176 tokens the window step reaches
+    the authors' (128, 2048), priced at 32K tokens, where it fits 3.5 bits at group 64 and not at the incumbent's 32."""
+    assert (128, 2048) in window_candidates(128, 256, 8704) and (128, 1024) in window_candidates(128, 256, 4608)
+    assert (128, 2048) not in window_candidates(128, 256, 8703)
+    m = tiny_model("llama", head_dim=256, num_key_value_heads=1)
+    rot = OscarRotations.builtin(m, "hadamard")  # no retrieval scores, no held-out error: no heads, no precise layers
+    price = lambda c: c.stored_bits(rot.fingerprint, list(rot.layers), 32768)  # noqa: E731
+
+    def score(c):  # lower for group 32, and for a longer recent window
+        assert price(c) <= 3.5 + 1e-9, f"a setting over the budget was scored: {price(c)}"
+        return (0.8 if c.group_size == 32 else 1.0) * 256 / c.recent
+
+    run = lambda n: choose_settings(m, rot, [torch.zeros(n, dtype=torch.long)], budget_bits=3.5,  # noqa: E731
+                                    target_context=32768, score=score, progress=False)
+    e = run(8704 + 512)
+    tried = {t["name"]: t for t in e["tried"]}
+    wide = OscarConfig(sink=128, recent=2048, group_size=64, retrieval_heads=())
+    # (128, 2048): 2176 x 16 + 30592 x (2 + 32/64) bits over 32768 tokens = 3.396; at group 32 3.863, over
+    assert tried["window=(128, 2048), group_size=64"]["bits"] == pytest.approx(price(wide), abs=1e-4)
+    assert price(wide) == pytest.approx((2176 * 16 + 30592 * 2.5) / 32768)
+    assert price(wide.replace(group_size=32)) > 3.5
+    assert tried["window=(128, 1024)"]["bits"] == pytest.approx((1152 * 16 + 31616 * 3.0) / 32768, abs=1e-4)
+    assert (e["chosen"]["sink"], e["chosen"]["recent"], e["chosen"]["group_size"]) == (128, 2048, 64)
+    assert e["bits"] == pytest.approx(price(wide), abs=1e-4)
+    # held-out windows of 2048 tokens (the default seq_len): a quarter of the 1536-token prompt, no wide window
+    short = {t["name"] for t in run(2048)["tried"]}
+    assert not any("1024" in n or "2048" in n or "(128, 512)" in n for n in short)
+
+
 # ------------------------------------------------------------------ calibrate() and the artifact
 @pytest.fixture(scope="module")
 def calibrated(tiny):
