@@ -233,14 +233,6 @@ def candidate_rotation(name: str, kind: str, s: LayerStats, center: bool, shared
     return oscar_rotation(eigvecs_desc(c)[1]).contiguous()
 
 
-def _candidate_names(method: str, value_target: str) -> tuple[list[str], list[str]]:
-    """(key candidate names, value candidate names) that the selection chooses from."""
-    if method == "auto":
-        return list(K_CANDIDATES), list(V_CANDIDATES)
-    vname = ("score-weighted" if value_target == "score-weighted" else "oscar") if method == "oscar" else method
-    return [method], [vname]
-
-
 def center_modes(center) -> list[bool]:
     if center == "auto":
         return [False, True]
@@ -254,7 +246,11 @@ def build_candidates(stats: CalibrationStats, method: str, *, center: bool | str
                      shared: bool = False) -> tuple[dict[int, LayerCandidates], list[str], list[str]]:
     """Candidate rotations (and offsets) of every layer, and their names. ``center="auto"``: each candidate twice,
     uncentered and ``"+center"``. Naive INT2 is always evaluated as the report's reference, never selected."""
-    names = _candidate_names(method, value_target)
+    if method == "auto":  # (key names, value names) the selection chooses from
+        names = list(K_CANDIDATES), list(V_CANDIDATES)
+    else:
+        names = [method], [("score-weighted" if value_target == "score-weighted" else "oscar") if method == "oscar"
+                           else method]
     modes = center_modes(center)
     suffix = (lambda c: "+center" if c else "") if len(modes) > 1 else (lambda c: "")  # noqa: E731
     knames = [n + suffix(c) for c in modes for n in names[0]]
@@ -270,11 +266,7 @@ def build_candidates(stats: CalibrationStats, method: str, *, center: bool | str
         out[i] = LayerCandidates(
             torch.stack([candidate_rotation(n, "k", s, c, shared) for c in modes for n in names[0]]),
             torch.stack([candidate_rotation(n, "v", s, c, shared) for c in modes for n in names[1]]),
-            torch.stack(mk) if any(modes) else None,
-            torch.stack(mv) if any(modes) else None,
-            grid,
-            grid.clone(),
-            ref,
+            torch.stack(mk) if any(modes) else None, torch.stack(mv) if any(modes) else None, grid, grid.clone(), ref,
             ref)
     return out, knames, vnames
 

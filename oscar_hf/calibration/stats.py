@@ -76,17 +76,15 @@ class LayerStats:
             c = c - m * xbar[:, None, :] - xb * mu[:, None, :] + m * mu[:, None, :]
         return c
 
+    # (c_s, c_k, c_v: reading mu_v / mu_k checks that tokens were recorded)
     def c_s(self, center: bool = False) -> torch.Tensor:
         """``C_S = (1/N) Σ oᵀo`` over attention outputs, centered around ``mu_V``."""
-        self._need()
         return self._moment(self.oo, self.o_sum, self.n_q, self.mu_v, center)
 
     def c_k(self, center: bool = False) -> torch.Tensor:
-        self._need()
         return self._moment(self.kk, self.k_sum, self.n_kv, self.mu_k, center)
 
     def c_v(self, center: bool = False) -> torch.Tensor:
-        self._need()
         return self._moment(self.vv, self.v_sum, self.n_kv, self.mu_v, center)
 
     def c_sw(self, center: bool = False) -> torch.Tensor:
@@ -108,7 +106,6 @@ class StatsRecorder:
         self.stats: dict[int, LayerStats] = {}
         self.phase = "moments"
         self._cq: dict[int, torch.Tensor] = {}
-        self.calls = 0
 
     def start_score_weighted(self) -> None:
         self.phase = "score_weighted"
@@ -129,7 +126,6 @@ class StatsRecorder:
         if i not in self.stats:
             self.stats[i] = LayerStats.zeros(hk, d, key.device)
         s = self.stats[i]
-        self.calls += 1
         vkk = vk & (vk.cumsum(1) > self.kv_skip) if self.kv_skip else vk
         kd = _rows(key, hk, vkk).double()  # [Hk, n, D] real tokens only
         vd = _rows(value, hk, vkk).double()
@@ -180,10 +176,8 @@ class CalibrationStats:
     windows: int
 
     def spectra(self) -> dict[int, dict[str, dict]]:
-        out = {}
-        for i, s in sorted(self.layers.items()):
-            out[i] = {"C_Q": spectrum_summary(s.c_q()), "C_K": spectrum_summary(s.c_k())}
-        return out
+        return {i: {"C_Q": spectrum_summary(s.c_q()), "C_K": spectrum_summary(s.c_k())}
+                for i, s in sorted(self.layers.items())}
 
 
 def full_attention_layers(fp: ModelFingerprint) -> list[int]:
