@@ -173,35 +173,25 @@ def add_request(manager, original, input_ids, request_id=None, max_new_tokens=No
             manager._request_counter += 1
     claimed = request_id in adm.claimed
     adm.submit(request_id)
+    out = None
     try:
-        _wait_ready(manager, adm)
+        waited = 0.0  # until the cache exists, while the loop runs (a manager not started yet checks in the loop)
+        while not adm.ready.wait(0.05):
+            waited += 0.05
+            if not manager.is_running() or waited > READY_TIMEOUT:
+                break
         if max_new_tokens is None:
             max_new_tokens = manager.generation_config.max_new_tokens
         check_request(adm.store, list(input_ids), max_new_tokens, adm.vocab_size, manager.num_return_sequences - 1,
                       adm.blocks_hold_windows, adm.can_fork or not adm.ready.is_set())  # else checked in the loop
         out = original(manager, input_ids, request_id, max_new_tokens, *args, **kwargs)
-    except BaseException:
-        _drop(manager, adm, request_id, claimed)
-        raise
-    if out is None:  # not accepted (a stopping or dead loop): nothing will be delivered for it
-        _drop(manager, adm, request_id, claimed)
+    finally:
+        if out is None:  # refused, failed or not accepted (a stopping or dead loop): nothing will be delivered for it
+            adm.release(request_id)
+            if claimed:  # its result handler will never be called
+                with manager.output_router._lock:
+                    manager.output_router.result_handlers.pop(request_id, None)
     return out
-
-
-def _drop(manager, adm: Admission, request_id: str, claimed: bool) -> None:
-    adm.release(request_id)
-    if claimed:  # its result handler will never be called
-        with manager.output_router._lock:
-            manager.output_router.result_handlers.pop(request_id, None)
-
-
-def _wait_ready(manager, adm: Admission) -> None:
-    """Until the manager's cache exists, while its loop runs (a manager not started yet is checked in the loop)."""
-    waited = 0.0
-    while not adm.ready.wait(0.05):
-        waited += 0.05
-        if not manager.is_running() or waited > READY_TIMEOUT:
-            return
 
 
 def register_result_handler(manager, original, request_id, callback):

@@ -18,8 +18,6 @@ from transformers.generation.continuous_batching import continuous_api
 from ..attention import PREFIX
 from ..config import ModelFingerprint
 from ..patching import split_name
-from ..version import SERVING_EXCLUDED, SERVING_TRANSFORMERS  # noqa: F401  (checked when oscar_hf.serving is imported)
-from ..version import check_serving_transformers as check_transformers_version  # noqa: F401
 from . import admission
 from .store import OscarPagedStore
 
@@ -145,17 +143,9 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
             processor.oscar_hooked = True
         return processor
 
-    add, register = manager.add_request, manager.register_result_handler
-
-    def add_checked(self, *args, **kwargs):
-        if not serves(self.model.config):
-            return add(self, *args, **kwargs)
-        return admission.add_request(self, add, *args, **kwargs)
-
-    def register_checked(self, request_id, callback):
-        if not serves(self.model.config):
-            return register(self, request_id, callback)
-        return admission.register_result_handler(self, register, request_id, callback)
+    def checked(original, hook):  # the manager's own method, or admission's hook around it where OSCAR serves
+        return lambda self, *a, **k: (hook(self, original, *a, **k) if serves(self.model.config)
+                                      else original(self, *a, **k))
 
     stop = manager.stop
 
@@ -172,13 +162,17 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
                 logger.info("%s %s", STORE_RELEASED, json.dumps(held))
 
             if thread is not None and thread.is_alive():  # stopped with a timeout while its loop still flushes:
-                _release_after(thread, release)  # once the loop is over (its requests still need the store)
+                # release once the loop is over (its requests still need the store)
+                threading.Thread(target=lambda: (thread.join(), release()), name="oscar-release-after-flush",
+                                 daemon=True).start()
             else:
                 release()
         return out
 
     patches = [(manager, "_create_batch_processor", create_checked), (manager, "stop", stop_and_release),
-               (manager, "add_request", add_checked), (manager, "register_result_handler", register_checked)]
+               (manager, "add_request", checked(manager.add_request, admission.add_request)),
+               (manager, "register_result_handler",
+                checked(manager.register_result_handler, admission.register_result_handler))]
     switch = getattr(manager, "switch_to_cb_friendly_attn", None)
     if switch is not None and "auto_switch_to_flash" in inspect.signature(switch).parameters:
         # (5.17 - 5.19 have no such flag: there the OSCAR attention name replaces whatever the switch chose)
@@ -187,27 +181,6 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
 
         patches.append((manager, "switch_to_cb_friendly_attn", keep_attention))
     return patches
-
-
-def _release_after(thread: threading.Thread, release) -> None:
-    """Run ``release`` once ``thread`` (a stopped manager's generation loop, still flushing) has ended."""
-    def wait_then_release():
-        thread.join()
-        release()
-
-    threading.Thread(target=wait_then_release, name="oscar-release-after-flush", daemon=True).start()
-
-
-def _name_bf16_layers(store: OscarPagedStore, config) -> None:
-    """Warn, once per store, naming the layers it leaves to Transformers' BF16 paged cache."""
-    if getattr(store, "bf16_named", False):
-        return
-    store.bf16_named = True
-    types = ModelFingerprint.from_config(config).layer_types
-    left = {i: t for i, t in enumerate(types) if not store.handles(i)}
-    if left:
-        logger.warning("OSCAR serving keeps layers %s (%s) in BF16 in Transformers' paged cache: only the other %d "
-                       "layers are quantized", sorted(left), ", ".join(sorted(set(left.values()))), store.num_layers)
 
 
 class _LiveStores:
@@ -260,7 +233,14 @@ def oscar_continuous_batching(make_store, model=None):
         _check_cb_config(arguments.get("continuous_batching_config"))
         dtype = arguments.get("dtype", signature.parameters["dtype"].default)
         store = make_store(arguments["config"], arguments["device"], dtype)
-        _name_bf16_layers(store, arguments["config"])
+        if not getattr(store, "bf16_named", False):  # once per store: the layers left to Transformers' BF16 cache
+            store.bf16_named = True
+            types = ModelFingerprint.from_config(arguments["config"]).layer_types
+            left = {i: t for i, t in enumerate(types) if not store.handles(i)}
+            if left:
+                logger.warning("OSCAR serving keeps layers %s (%s) in BF16 in Transformers' paged cache: only the "
+                               "other %d layers are quantized", sorted(left), ", ".join(sorted(set(left.values()))),
+                               store.num_layers)
         cache = OscarPagedCache(*args, store=store, **kwargs)
         stores.append(store)
         built.pages = store.pool.num_pages if cache.oscar_owns_memory else None

@@ -39,9 +39,9 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
         if (num_key_value_heads, head_dim) != (cls.store.num_kv_heads, cls.store.head_dim):
             raise NotImplementedError(f"the OSCAR paged cache holds {cls.store.num_kv_heads} KV heads of "
                                       f"{cls.store.head_dim}; Transformers asks for {num_key_value_heads} of "
-                                      f"{head_dim} "
-                                      "(under tensor parallelism, build the store from the model: paged_oscar(model) "
-                                      "or OscarPagedStore(model, ...), whose weights say which heads this rank holds)")
+                                      f"{head_dim} (under tensor parallelism, build the store from the model: "
+                                      "paged_oscar(model) or OscarPagedStore(model, ...), whose weights say which "
+                                      "heads this rank holds)")
         # a block is one page of every layer: its bytes spread over the layers (rounded up: with retrieval heads the
         # layers' pages differ, and Transformers counts num_layers equal pages)
         return -(-cls.store.page_bytes(page_size) // cls.store.num_layers)

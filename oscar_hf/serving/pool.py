@@ -78,14 +78,13 @@ class PagedInt2Pool:
     def __init__(self, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
                  group_size: int, meta_dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                  storage: torch.Tensor | None = None, *, layout: HeadLayout = HeadLayout(), trash_page: bool = False):
-        int2_heads, coded_heads = layout.int2_heads, layout.coded_heads
-        coded_bits, coded_dtype = layout.coded_bits, layout.coded_dtype
         if num_pages < 1 or num_layers < 1 or num_kv_heads < 1 or page_size < 1:
             raise ValueError(f"PagedInt2Pool needs positive sizes, got num_pages={num_pages}, num_layers={num_layers}, "
                              f"num_kv_heads={num_kv_heads}, page_size={page_size}")
         check_group_size(head_dim, group_size)
         if meta_dtype not in SUPPORTED_META_DTYPES:
             raise ValueError(f"meta_dtype must be one of {SUPPORTED_META_DTYPES}, got {meta_dtype}")
+        int2_heads, coded_heads = layout.int2_heads, layout.coded_heads
         int2_heads = tuple(int(h) for h in (int2_heads if int2_heads is not None else [num_kv_heads] * num_layers))
         coded_heads = tuple(int(h) for h in (coded_heads if coded_heads is not None else [0] * num_layers))
         if (len(int2_heads) != num_layers or len(coded_heads) != num_layers
@@ -95,7 +94,7 @@ class PagedInt2Pool:
         self.num_pages, self.num_layers, self.page_size = num_pages, num_layers, page_size
         self.num_kv_heads, self.head_dim, self.group_size = num_kv_heads, head_dim, group_size
         self.int2_heads, self.coded_heads = int2_heads, coded_heads
-        self.coded_bits, self.coded_dtype = coded_bits, coded_dtype
+        self.coded_bits, self.coded_dtype = layout.coded_bits, layout.coded_dtype
         # first row of layer l's keys on each flat head axis (its values follow)
         self._int2_at = [2 * sum(int2_heads[:l]) for l in range(num_layers)]
         self._coded_at = [2 * sum(coded_heads[:l]) for l in range(num_layers)]
@@ -107,11 +106,9 @@ class PagedInt2Pool:
                  ((*lead, head_dim // group_size), meta_dtype)]
         if sum(coded_heads):
             specs += [((rows, 2 * sum(coded_heads), page_size, last), dt)
-                      for last, dt in heads.part_specs(coded_bits, head_dim, coded_dtype)]
-        if storage is None:
-            tensors = [torch.zeros(shape, dtype=dt, device=device) for shape, dt in specs]
-        else:
-            tensors = _views(storage, specs)
+                      for last, dt in heads.part_specs(self.coded_bits, head_dim, self.coded_dtype)]
+        tensors = ([torch.zeros(shape, dtype=dt, device=device) for shape, dt in specs] if storage is None
+                   else _views(storage, specs))
         self.int2 = QuantizedRows(*tensors[:3])  # the flat INT2 tensors
         self.coded = tuple(tensors[3:])  # the flat coded parts (empty without retrieval heads)
         if all(h == num_kv_heads for h in int2_heads):

@@ -80,8 +80,10 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         self.requests: dict[str, RequestKV] = {}
         self.windows = WindowPool(max_requests, len(layers), self.num_kv_heads, config.sink + self.ring, fp.head_dim,
                                   dtype, self.device)
+        # the longest expected history: sizes the decode buffers' block tables (a longer one takes fresh tensors)
+        self.max_positions = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
         if prompt_budget is None:
-            prompt_budget = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
+            prompt_budget = self.max_positions
             if prompt_budget is None:
                 raise ValueError("the model config has no max_position_embeddings: give prompt_budget= (tokens of "
                                  "prompts held in full precision at once while they arrive in chunks)")
@@ -93,8 +95,6 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         self._buffers: DecodeBuffers | None = None
         self._kv = {}  # model layer -> its KVParams (the kernels' bundle of self.params), built at its first step
         self.graph_rows = 0  # CUDA graphs (enable_graphs): the most rows of a graphed decode step; 0 = off
-        # the longest expected history: sizes the decode buffers' block tables (a longer one takes fresh tensors)
-        self.max_positions = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.pool: PagedInt2Pool | None = None
         if not isinstance(prefix_sharing, bool):
             raise TypeError(f"prefix_sharing must be True or False, got {prefix_sharing!r}")

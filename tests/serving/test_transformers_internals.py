@@ -11,7 +11,7 @@ import pytest
 import transformers
 from transformers.generation.continuous_batching import continuous_api
 
-from oscar_hf.serving import batching
+from oscar_hf import version
 from oscar_hf.serving.batching import SECTOR_API, OscarPagedCache
 
 
@@ -19,16 +19,21 @@ def params(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
-def overridden(cls) -> list[tuple[str, type]]:
-    """``(name, base)`` of each method ``cls`` defines that a Transformers base also defines."""
-    out = []
-    for name, value in vars(cls).items():
-        if not callable(value) and not isinstance(value, (classmethod, property)) or name.startswith("__"):
-            continue
-        for base in cls.__mro__[1:]:
-            if base.__module__.startswith("transformers") and name in vars(base):
-                out.append((name, base))
-                break
+def overridden(cls) -> list[tuple[str, type, type]]:
+    """``(name, owner, base)`` of each method ``cls`` or an OSCAR base of it (``RecordedBatch``, ``owner``) defines
+    that a Transformers base also defines."""
+    out, seen = [], set()
+    for owner in [c for c in cls.__mro__ if c.__module__.startswith("oscar_hf")]:
+        for name, value in vars(owner).items():
+            if not callable(value) and not isinstance(value, (classmethod, property)) or name.startswith("__"):
+                continue
+            if name in seen:
+                continue
+            seen.add(name)
+            for base in cls.__mro__[1:]:
+                if base.__module__.startswith("transformers") and name in vars(base):
+                    out.append((name, owner, base))
+                    break
     return out
 
 
@@ -45,13 +50,16 @@ def our_classes() -> list[type]:
 def test_overridden_methods_keep_their_transformers_signature(cls):
     pairs = overridden(cls)
     assert pairs, f"{cls.__name__} overrides nothing of Transformers?"
-    for name, base in pairs:
-        ours, theirs = vars(cls)[name], vars(base)[name]
+    for name, owner, base in pairs:
+        ours, theirs = vars(owner)[name], vars(base)[name]
         if isinstance(ours, property):
             assert isinstance(theirs, property), name
             continue
         ours, theirs = getattr(ours, "__func__", ours), getattr(theirs, "__func__", theirs)
         if params(ours) == ["self", "args", "kwargs"]:  # a refusal of that method: any signature will do
+            continue
+        if params(ours)[-2:] == ["args", "kwargs"]:  # shared by both paged caches: its leading parameters, the rest
+            assert params(theirs)[: len(params(ours)) - 2] == params(ours)[:-2], f"{base.__name__}.{name} changed"
             continue
         assert params(ours) == params(theirs), f"{base.__name__}.{name}{inspect.signature(theirs)} changed"
 
@@ -133,17 +141,17 @@ def test_request_state_and_config_fields_read():
 
 
 def test_the_declared_range_is_checked(monkeypatch):
-    batching.check_transformers_version(transformers.__version__)  # the installed one is inside it
-    batching.check_transformers_version("5.25.0")  # the newest release tested
+    version.check_serving_transformers(transformers.__version__)  # the installed one is inside it
+    version.check_serving_transformers("5.25.0")  # the newest release tested
     with pytest.raises(ImportError, match="OSCAR_SERVING_ANY_TRANSFORMERS"):
-        batching.check_transformers_version("5.26.0")
+        version.check_serving_transformers("5.26.0")
     with pytest.raises(ImportError):
-        batching.check_transformers_version("5.16.2")
+        version.check_serving_transformers("5.16.2")
     with pytest.raises(ImportError, match="5.18"):  # inside the range, not followed
-        batching.check_transformers_version("5.18.0")
-    batching.check_transformers_version("5.19.0")
+        version.check_serving_transformers("5.18.0")
+    version.check_serving_transformers("5.19.0")
     monkeypatch.setenv("OSCAR_SERVING_ANY_TRANSFORMERS", "1")
-    batching.check_transformers_version("6.0.0")
+    version.check_serving_transformers("6.0.0")
 
 
 def test_the_serving_extra_pins_the_declared_range():
@@ -152,10 +160,10 @@ def test_the_serving_extra_pins_the_declared_range():
 
     cfg = configparser.ConfigParser()
     cfg.read(Path(__file__).resolve().parents[2] / "setup.cfg")
-    lo, hi = batching.SERVING_TRANSFORMERS
+    lo, hi = version.SERVING_TRANSFORMERS
     for extra in ("serving", "dev"):
         lines = cfg["options.extras_require"][extra].split()
-        pin = ",".join([f"transformers[serving]>={lo}", f"<{hi}"] + [f"!={x}.*" for x in batching.SERVING_EXCLUDED])
+        pin = ",".join([f"transformers[serving]>={lo}", f"<{hi}"] + [f"!={x}.*" for x in version.SERVING_EXCLUDED])
         assert pin in lines, (extra, lines)
 
 
