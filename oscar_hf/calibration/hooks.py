@@ -7,6 +7,7 @@ import contextlib
 import inspect
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from ..patching import patched, register_handler
 
@@ -86,16 +87,10 @@ def run_windows(model, recorder, seqs: list[torch.Tensor], batch_size: int, pad_
             for s in range(0, len(seqs), batch_size):
                 chunk = seqs[s : s + batch_size]
                 kw = dict(use_cache=False, logits_to_keep=1) if keep_one else dict(use_cache=False)  # (LM head: waste)
-                L = max(x.numel() for x in chunk)
-                if all(x.numel() == L for x in chunk):
-                    kw["input_ids"] = torch.stack(chunk).to(dev)
-                else:
-                    ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
-                    mask = torch.zeros(len(chunk), L, dtype=torch.long)
-                    for j, x in enumerate(chunk):
-                        ids[j, : x.numel()] = x
-                        mask[j, : x.numel()] = 1
-                    kw["input_ids"], kw["attention_mask"] = ids.to(dev), mask.to(dev)
+                lengths = torch.tensor([x.numel() for x in chunk])
+                kw["input_ids"] = pad_sequence(chunk, batch_first=True, padding_value=pad_id).to(dev)  # right-padded
+                if bool((lengths < lengths.max()).any()):  # [n, L] 1 on real tokens
+                    kw["attention_mask"] = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).long().to(dev)
                 model(**kw)
                 bar.update(1)
 

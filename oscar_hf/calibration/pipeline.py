@@ -304,12 +304,9 @@ def _metadata(model, o: CalibrationOptions, w: _Windows, m: _Measured, window, g
                                                              "settings")},
             "oscar_hf": __version__, "transformers": transformers.__version__, "torch": torch.__version__},
         "clips": {str(i): [lr.clip_k, lr.clip_v] for i, lr in sorted(layers.items())},
-        "winners": winners,
-        "spectra": spectra,
+        "winners": winners, "spectra": spectra,
         # (those None or empty are left out)
-        "heldout_error": held or None,
-        "selection": selection,
-        "settings": settings,
+        "heldout_error": held or None, "selection": selection, "settings": settings,
         "auto_counts": {kind: dict(Counter(n for names in winners[kind].values() for n in names).most_common())
                         for kind in ("k", "v")} if auto else None,
         "retrieval_probes": None if scores is None else {

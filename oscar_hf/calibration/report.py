@@ -78,28 +78,21 @@ def calibration_report(rotations: OscarRotations) -> str:
             cnt = md["auto_counts"].get(kind, {})
             lines.append(
                 f"  auto winners ({name}, per layer x kv head): " + ", ".join(f"{k} {v}" for k, v in cnt.items()))
-    clips = [(lr.clip_k, lr.clip_v) for _, lr in sorted(rotations.layers.items())]
-    if clips:
-        lines.append(
-            f"  clips: c_K mean {sum(c[0] for c in clips) / len(clips):.3f} [{min(c[0] for c in clips):.2f}, "
-            f"{max(c[0] for c in clips):.2f}], c_V mean {sum(c[1] for c in clips) / len(clips):.3f} "
-            f"[{min(c[1] for c in clips):.2f}, {max(c[1] for c in clips):.2f}]")
+    if rotations.layers:  # per kind, over the layers in order: mean [min, max]
+        ck, cv = zip(*((lr.clip_k, lr.clip_v) for _, lr in sorted(rotations.layers.items())))
+        lines.append("  clips: " + ", ".join(f"c_{n} mean {sum(c) / len(c):.3f} [{min(c):.2f}, {max(c):.2f}]"
+                                             for n, c in (("K", ck), ("V", cv))))
     spectra, winners = md.get("spectra", {}), md.get("winners", {})
-    lines.append("")
-    lines.append(
-        f"{'layer':>5} {'c_K':>5} {'c_V':>5} {'k_rel':>9} {'v_rel':>9}  {'C_Q top/erank':>14} {'C_K top/erank':>14}"
-        f" {'C_S top/erank':>14}  rotation k | v (per kv head)")
+    lines += ["", f"{'layer':>5} {'c_K':>5} {'c_V':>5} {'k_rel':>9} {'v_rel':>9}  {'C_Q top/erank':>14} "
+              f"{'C_K top/erank':>14} {'C_S top/erank':>14}  rotation k | v (per kv head)"]
     for i, lr in sorted(rotations.layers.items()):
         h = held.get(str(i), {})
         sp = spectra.get(str(i), {})
 
-        def summ(name, sp=sp):
+        def summ(name, sp=sp):  # a spectrum's top share / effective rank, each the mean over KV heads
             s = sp.get(name)
-            if not s:
-                return f"{'-':>14}"
-            top = sum(s["top_share"]) / len(s["top_share"])
-            er = sum(s["eff_rank"]) / len(s["eff_rank"])
-            return f"{top:>7.3f}/{er:<6.1f}"
+            mean = lambda key: sum(s[key]) / len(s[key])  # noqa: E731
+            return f"{mean('top_share'):>7.3f}/{mean('eff_rank'):<6.1f}" if s else f"{'-':>14}"
 
         wk = ",".join(winners.get("k", {}).get(str(i), []))
         wv = ",".join(winners.get("v", {}).get(str(i), []))
@@ -130,17 +123,14 @@ def plot_spectra(obj: CalibrationStats | OscarRotations, path) -> None:
             ev = torch.tensor(spectra[li][name]["eigvals"], dtype=torch.float64).mean(0)
             color = cmap(n / max(len(layer_ids) - 1, 1))
             ax.semilogy(range(1, ev.numel() + 1), ev.clamp_min(1e-12).numpy(), color=color, lw=1)
-        ax.set_title(f"{name} eigen-spectrum")
-        ax.set_xlabel("eigenvalue index")
-        ax.set_ylabel("share of trace")
+        ax.set(title=f"{name} eigen-spectrum", xlabel="eigenvalue index", ylabel="share of trace")
         ax.grid(alpha=0.3)
     x = [int(li) for li in layer_ids]
     for name in ("C_Q", "C_K", "C_S", "C_V"):
         if all(name in spectra[li] for li in layer_ids):
             y = [sum(spectra[li][name]["top_share"]) / len(spectra[li][name]["top_share"]) for li in layer_ids]
             axes[2].plot(x, y, marker="o", ms=3, label=name)
-    axes[2].set_title("top-eigenvalue share per layer")
-    axes[2].set_xlabel("layer")
+    axes[2].set(title="top-eigenvalue share per layer", xlabel="layer")
     axes[2].legend()
     axes[2].grid(alpha=0.3)
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(min(x), max(x)))
@@ -176,10 +166,9 @@ def plot_settings(rotations: OscarRotations, path) -> None:
                    transform=ax.get_xaxis_transform(), label="over the budget (not scored)")
     ax.axvline(entry["budget_bits"], color="tab:red", ls="--", lw=1, label=f"budget {entry['budget_bits']} bits")
     xs = [t["bits"] for t in tried] + [o["bits"] for o in over] + [entry["budget_bits"]]
-    ax.set_xlim(min(xs) - 0.1, max(xs) + 0.1)
-    ax.set_xlabel(f"stored bits per cached K/V element at {entry['target_context']} tokens")
-    ax.set_ylabel("held-out next-token KL")
-    ax.set_title(f"settings search ({entry.get('time_s', '?')} s): KL against bits")
+    ax.set(xlim=(min(xs) - 0.1, max(xs) + 0.1), ylabel="held-out next-token KL",
+           xlabel=f"stored bits per cached K/V element at {entry['target_context']} tokens",
+           title=f"settings search ({entry.get('time_s', '?')} s): KL against bits")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=110)

@@ -219,12 +219,8 @@ def candidate_rotation(name: str, kind: str, s: LayerStats, center: bool, shared
     if kind == "k":
         cov = {"oscar": lambda: s.c_q(), "pca-kv": lambda: s.c_k(center)}.get(name)
     else:
-        cov = {
-            "oscar": lambda: s.c_s(center),
-            "sst": lambda: s.c_s(center),
-            "pca-kv": lambda: s.c_v(center),
-            "score-weighted": lambda: s.c_sw(center),
-        }.get(name)
+        cov = {"oscar": lambda: s.c_s(center), "sst": lambda: s.c_s(center), "pca-kv": lambda: s.c_v(center),
+               "score-weighted": lambda: s.c_sw(center)}.get(name)
     if cov is None:
         raise ValueError(f"unknown {kind} rotation candidate {name!r}")
     c = cov().cpu()
