@@ -24,13 +24,8 @@ class OscarKV:
         b, h, l, d = self.key_states.shape
         return torch.Size((b, h, self.layer.get_mask_sizes(l)[0], d))
 
-    @property
-    def dtype(self):
-        return self.key_states.dtype
-
-    @property
-    def device(self):
-        return self.key_states.device
+    dtype = property(lambda self: self.key_states.dtype)
+    device = property(lambda self: self.key_states.device)
 
     def attend(self, query: torch.Tensor, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
         """``[B, L, Hq, D]``: attention of ``query [B, Hq, L, D]`` over the layer's cache plus the new rows,

@@ -28,9 +28,6 @@ class HeadShard:
     def n(self) -> int:
         return self.stop - self.start
 
-    def is_full(self, num_heads: int) -> bool:
-        return self.start == 0 and self.stop == num_heads
-
 
 @dataclasses.dataclass(frozen=True)
 class TPLayout:
@@ -64,11 +61,10 @@ def even_head_shard(num_kv_heads: int, rank: int, world: int) -> HeadShard:
 def slice_layer_rotation(lr: LayerRotation, k: HeadShard, v: HeadShard | None = None) -> LayerRotation:
     """``lr`` restricted to KV heads ``k`` (keys) and ``v`` (values; default ``k``); clips carried over."""
     v = k if v is None else v
-    hk = lr.r_k.shape[0]
     for name, s, t in (("k", k, lr.r_k), ("v", v, lr.r_v)):
         if not 0 <= s.start < s.stop <= t.shape[0]:
             raise ValueError(f"KV heads [{s.start}, {s.stop}) out of range for a rotation of {t.shape[0]} heads ({name})")
-    if k.is_full(hk) and v.is_full(lr.r_v.shape[0]):
+    if (k.start, k.stop, v.start, v.stop) == (0, lr.r_k.shape[0], 0, lr.r_v.shape[0]):  # every head
         return lr
     return lr.map(lambda t: t[k.start : k.stop], lambda t: t[v.start : v.stop])
 

@@ -16,9 +16,7 @@ def _is_prime(n: int) -> bool:
 
 def _legendre(a: int, q: int) -> int:
     a %= q
-    if a == 0:
-        return 0
-    return 1 if pow(a, (q - 1) // 2, q) == 1 else -1
+    return 0 if a == 0 else 1 if pow(a, (q - 1) // 2, q) == 1 else -1
 
 
 def _bordered_jacobsthal(q: int, column: float) -> torch.Tensor:
@@ -101,14 +99,9 @@ def bit_reversal_permutation(d: int) -> torch.Tensor:
     radices = sorted(_prime_factors(d)) if d > 1 else []
     perm = []
     for i in range(d):
-        digits, r = [], i
-        for rad in radices:  # least significant digit first
-            digits.append(r % rad)
-            r //= rad
-        # reversed: the least significant digit of i becomes the most significant of the position
-        pos = 0
-        for rad, dig in zip(radices, digits):
-            pos = pos * rad + dig
+        pos, r = 0, i
+        for rad in radices:  # i's digits least significant first: the least significant becomes the most significant
+            pos, r = pos * rad + r % rad, r // rad
         perm.append(pos)
     return torch.tensor(perm, dtype=torch.long)
 

@@ -181,20 +181,12 @@ def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp
         only_k, only_v = sorted(set(k.rotations) - set(v.rotations)), sorted(set(v.rotations) - set(k.rotations))
         raise ValueError(f"key and value rotation files disagree: layers only in {k.path.name}: {only_k}, "
                          f"only in {v.path.name}: {only_v}")
-    metadata = {
-        "source": {
-            "format": "FutureMLS-Lab/OSCAR rotation files (rotation/compute_kv_rotation.py)",
-            "format_version": max(k.format_version, v.format_version),
-            "source_grouping": REFERENCE_GROUPINGS[max(k.format_version, v.format_version)],
-            "shared_across_heads": k.shared and v.shared,
-            "key_centering": bool(k.k_means),
-            "unused_fields": sorted(set(k.unused) | set(v.unused)),
-            "k_file": k.path.name,
-            "v_file": v.path.name,
-            "k_objective": k.objective,
-            "v_objective": v.objective,
-            "layers_in_files": len(k.rotations),
-        }}
+    version = max(k.format_version, v.format_version)
+    metadata = {"source": dict(
+        format="FutureMLS-Lab/OSCAR rotation files (rotation/compute_kv_rotation.py)", format_version=version,
+        source_grouping=REFERENCE_GROUPINGS[version], shared_across_heads=k.shared and v.shared,
+        key_centering=bool(k.k_means), unused_fields=sorted(set(k.unused) | set(v.unused)), k_file=k.path.name,
+        v_file=v.path.name, k_objective=k.objective, v_objective=v.objective, layers_in_files=len(k.rotations))}
     if k.k_means and any(i not in k.k_means for i in full):
         raise ValueError(f"{k.path}: k_mean for some full-attention layers but not for "
                          f"{[i for i in full if i not in k.k_means]}")

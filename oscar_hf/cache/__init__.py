@@ -15,11 +15,6 @@ from transformers.cache_utils import (Cache, DynamicLayer, DynamicSlidingWindowL
                                       LinearAttentionAndStaticSlidingWindowAttentionLayer,
                                       LinearAttentionLayer, StaticSlidingWindowLayer)
 
-try:  # Transformers >= 5.2x: the layer of KV sharing's reuse layers (and MoE / MLP-only layers); 5.17 leaves them out
-    from transformers.cache_utils import DummyLayer
-except ImportError:  # pragma: no cover - transformers 5.17
-    DummyLayer = None
-
 from ..attention import enable_oscar
 from ..compiled_step import install_step_hook
 from ..config import (DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_TYPES, SLIDING_LAYER_TYPES,
@@ -32,7 +27,7 @@ from .compiled import CompiledOscarLayer, StepShared
 from .dynamic import OscarLayer
 from .growing import GrowingLayer
 from .hybrid import CompiledOscarHybridLayer, OscarHybridLayer
-from .io import load_cache, save_cache
+from .io import DummyLayer, load_cache, save_cache  # (DummyLayer: None on Transformers 5.17)
 from .storage import compiled_storage, not_auto_compiled  # noqa: F401 (not_auto_compiled: what tests ask of a layout)
 
 __all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "CompiledOscarLayer", "OscarHybridLayer",

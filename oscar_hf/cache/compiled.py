@@ -188,44 +188,27 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
         self.is_initialized = True
 
     # One tensor per kind of storage, keys and values stacked (one input of the compiled step each); views:
-    @property
-    def win_k(self) -> torch.Tensor:
-        return self.win[0]  # [B, Hk, S0 + R, D]
+    win_k = property(lambda self: self.win[0])  # [B, Hk, S0 + R, D]
+    win_v = property(lambda self: self.win[1])
+    hist_k = property(lambda self: self._hist(0))  # QuantizedRows [B, H2, N, *], or None
+    hist_v = property(lambda self: self._hist(1))
+    coded_k = property(lambda self: self._coded(0))  # the retrieval heads' parts [B, P, N, *], or None
+    coded_v = property(lambda self: self._coded(1))
 
-    @property
-    def win_v(self) -> torch.Tensor:
-        return self.win[1]
+    def _hist(self, i: int) -> QuantizedRows | None:
+        return None if self.codes is None else QuantizedRows(self.codes[i], self.meta[i, 0], self.meta[i, 1])
 
-    @property
-    def hist_k(self) -> QuantizedRows | None:
-        return None if self.codes is None else QuantizedRows(self.codes[0], self.meta[0, 0], self.meta[0, 1])
-
-    @property
-    def hist_v(self) -> QuantizedRows | None:
-        return None if self.codes is None else QuantizedRows(self.codes[1], self.meta[1, 0], self.meta[1, 1])
-
-    @property
-    def coded_k(self) -> tuple[torch.Tensor, ...] | None:
-        """The retrieval heads' key parts ``[B, P, N, *]``, or None."""
-        return self._coded(0)
-
-    @property
-    def coded_v(self) -> tuple[torch.Tensor, ...] | None:
-        return self._coded(1)
-
-    def _coded(self, i: int):
+    def _coded(self, i: int) -> tuple[torch.Tensor, ...] | None:
         if self.coded_x is None:
             return None
         return (self.coded_x[i],) if self.coded_meta is None else (self.coded_x[i], *self.coded_meta[i])
-
-    def _hist_rows(self, capacity: int) -> int:
-        return max(capacity - self.config.sink - self.config.recent, 1)
 
     def _allocate(self, capacity: int) -> None:
         """(Re)allocate the history buffers at ``capacity``, keeping their content."""
         b, d, dev = self.batch_size, self.head_dim, self.device
         g, meta = self.config.group_size, self.config.torch_meta_dtype
-        hq, p, n = len(self.params.int2_heads), len(self.retrieval_heads), self._hist_rows(capacity)
+        hq, p = len(self.params.int2_heads), len(self.retrieval_heads)
+        n = max(capacity - self.config.sink - self.config.recent, 1)  # history rows
 
         def grow(old, *shape, dtype, dim=2):  # ``dim``: the capacity's
             new = torch.zeros(*shape, dtype=dtype, device=dev)
@@ -278,10 +261,7 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
             for t in (self.win, self.pad, self.length, self.codes, self.meta, self.coded_x, self.coded_meta):
                 if t is not None:
                     t.zero_()
-        self.mu_k_seq = None
-        self.pad_known = False
-        self.host_len = 0
-        self.announced = False
+        self.mu_k_seq, self.pad_known, self.host_len, self.announced = None, False, 0, False
 
     def attend(self, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
         """``query [B, Hq, L, D]`` -> ``[B, L, Hq, D]``. A decode step writes, then reads, device ops only;

@@ -57,9 +57,9 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
 
     def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, retrieval_heads=()):
         super().__init__(config, rotation, layer_idx, retrieval_heads)
-        self._clear()
+        OscarLayer.reset(self)  # (not self.reset: a hybrid layer's also resets its state, not built yet)
 
-    def _clear(self):
+    def reset(self) -> None:
         self.is_initialized = False
         self.keys = self.values = None  # CacheLayerMixin attributes; unused (no full-precision copy)
         self.params = None
@@ -128,9 +128,6 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
 
     def get_max_length(self) -> int:
         return -1
-
-    def reset(self) -> None:
-        self._clear()
 
     def attend(self, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
         """``query [B, Hq, L, D]`` -> ``[B, L, Hq, D]`` over the cache and the new rows, then commits them."""

@@ -62,18 +62,14 @@ class DynamicWrites:
     def _source(self, a: int, b: int, t_old: int, new_k, new_v):
         """``(k, v) [B, H, b - a, D]``: slots ``[a, b)`` from the old tail (``< t_old``) and/or the new rows; views
         when one source serves."""
-        parts_k, parts_v = [], []
+        parts = []  # (k, v) of the old tail, then of the new rows
         if a < t_old:
             pa, pb = a - self.buf_slot0, min(b, t_old) - self.buf_slot0
-            parts_k.append(self.tail_k[:, :, pa:pb])
-            parts_v.append(self.tail_v[:, :, pa:pb])
+            parts.append((self.tail_k[:, :, pa:pb], self.tail_v[:, :, pa:pb]))
         if b > t_old:
             na, nb = max(a, t_old) - t_old, b - t_old
-            parts_k.append(new_k[:, :, na:nb])
-            parts_v.append(new_v[:, :, na:nb])
-        if len(parts_k) == 1:
-            return parts_k[0], parts_v[0]
-        return torch.cat(parts_k, 2), torch.cat(parts_v, 2)
+            parts.append((new_k[:, :, na:nb], new_v[:, :, na:nb]))
+        return parts[0] if len(parts) == 1 else tuple(torch.cat(x, 2) for x in zip(*parts))
 
     def _demote(self, a: int, b: int, t_old: int, new_k, new_v) -> None:
         s0 = self.config.sink
@@ -114,13 +110,10 @@ class DynamicWrites:
             need = t_new - keep_from + TAIL_SLACK
             n_keep = max(0, t_old - keep_from)
             a = keep_from - self.buf_slot0
-            old_k = self.tail_k[:, :, a : a + n_keep].clone()
-            old_v = self.tail_v[:, :, a : a + n_keep].clone()
+            old = [t[:, :, a : a + n_keep].clone() for t in (self.tail_k, self.tail_v)]
             if need > cap:
-                self.tail_k = self.tail_k.new_zeros(*self.tail_k.shape[:2], need, self.head_dim)
-                self.tail_v = self.tail_v.new_zeros(*self.tail_v.shape[:2], need, self.head_dim)
-            self.tail_k[:, :, :n_keep] = old_k
-            self.tail_v[:, :, :n_keep] = old_v
+                self.tail_k, self.tail_v = (t.new_zeros(*t.shape[:2], need, self.head_dim) for t in old)
+            self.tail_k[:, :, :n_keep], self.tail_v[:, :, :n_keep] = old
             self.buf_slot0 = keep_from
         p = first - self.buf_slot0
         self.tail_k[:, :, p : p + t_new - first] = new_k[:, :, first - t_old :]

@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin,
                                       StaticSlidingWindowLayer)
 
-try:  # Transformers >= 5.2x; 5.17 has no DummyLayer
+try:  # Transformers >= 5.2x: the layer of KV sharing's reuse layers (and MoE / MLP-only layers); 5.17 leaves them out
     from transformers.cache_utils import DummyLayer
 except ImportError:  # pragma: no cover - transformers 5.17
     DummyLayer = None
@@ -56,12 +56,11 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
             st = layer.export_state()
             t = {k: st[k] for k in ("pad", "sink_k", "sink_v", "tail_k", "tail_v")}
             for kv in ("k", "v"):
-                t.update({f"hist_{kv}_{f}": x for f, x in zip(("codes", "scale", "zero"), st[f"hist_{kv}"])})
+                t.update({f"hist_{kv}_{f}": x for f, x in zip(QuantizedRows._fields, st[f"hist_{kv}"])})
+                if layer.retrieval_heads:  # retrieval heads: every slot [0, seq_len), in their stored form
+                    t.update(zip(_fp_names(kv, cache.oscar_config.retrieval_bits), st[f"fp_{kv}"]))
             if st["mu_k_seq"] is not None:  # key_offset="prefill": the history is centered on it
                 t["mu_k_seq"] = st["mu_k_seq"]
-            if layer.retrieval_heads:  # retrieval heads: every slot [0, seq_len), in their stored form
-                for kv in ("k", "v"):
-                    t.update(zip(_fp_names(kv, cache.oscar_config.retrieval_bits), st[f"fp_{kv}"]))
             tensors.update({f"layers.{i}.{k}": v.detach().cpu().contiguous() for k, v in t.items()})
             layers.append(dict(kind="oscar", empty=False, seq_len=st["seq_len"], tail_start=st["tail_start"],
                                buf_slot0=st["tail_start"], dtype=str(layer.dtype).removeprefix("torch."),
@@ -190,9 +189,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise ValueError(f"{path / TENSORS_NAME}: corrupted or truncated ({e})") from None
     # (old field names load as they were; saved before retrieval_bits existed: 16 bits)
-    saved_config = dict(renamed_keywords(doc["config"], "saved cache", warn=False))
-    saved_config.setdefault("retrieval_bits", 16)
-    config = OscarConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved_config.items()})
+    config = OscarConfig.from_dict({"retrieval_bits": 16, **renamed_keywords(doc["config"], "saved cache", warn=False)})
     saved_fp = ModelFingerprint.from_dict(doc["fingerprint"])
     problems = saved_fp.mismatches(ModelFingerprint.from_config(model.config))
     if problems:
@@ -202,11 +199,8 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
     limit = position_limit(model.config)
     check_sizes(doc, tensors, config, limit, path)
     rot = OscarRotations.from_pretrained(path / "rotations")
-    if fixed_capacity:
-        capacity = _fixed_capacity(doc, tensors, max_cache_len, limit)
-        cache = cls(model, rot, config, compile=compile, max_cache_len=capacity)
-    else:
-        cache = cls(model, rot, config, compile=compile)
+    fixed = dict(max_cache_len=_fixed_capacity(doc, tensors, max_cache_len, limit)) if fixed_capacity else {}
+    cache = cls(model, rot, config, compile=compile, **fixed)
     if device is None:
         device = next(model.parameters()).device
     if len(doc["layers"]) != len(cache.layers):

@@ -51,13 +51,8 @@ class LayerParams:
                    int2, coded, idx(int2), idx(coded), index_of(int2) if coded else None,
                    index_of(coded) if coded else None, int(config.retrieval_bits))
 
-    @property
-    def r_k(self) -> torch.Tensor:
-        return self.r[0]  # [H2, D, D]
-
-    @property
-    def r_v(self) -> torch.Tensor:
-        return self.r[1]
+    r_k = property(lambda self: self.r[0])  # [H2, D, D]
+    r_v = property(lambda self: self.r[1])
 
     def with_tensors(self, fn) -> "LayerParams":
         """The same parameters with ``fn`` applied to each tensor."""
