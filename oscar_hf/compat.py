@@ -17,20 +17,15 @@ __all__ = ["CACHE_ARGUMENTS", "cache_argument", "cache_kwargs", "returned_cache"
 CACHE_ARGUMENTS = ("cache", "past_key_values")  # newest name first
 
 
-def _parameters(fn) -> set[str]:
-    # inspect.signature follows __wrapped__ through Transformers' and accelerate's wrappers to the real parameters
-    try:
-        return set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
 @lru_cache(maxsize=None)
 def _argument_of_class(cls: type) -> str:
     from transformers.generation.utils import GenerationMixin
     # a forward taking only **kwargs (PEFT): the name this Transformers' generate hands to every forward
     for fn in (getattr(cls, "forward", None), GenerationMixin.prepare_inputs_for_generation):
-        params = _parameters(fn)
+        try:  # inspect.signature follows __wrapped__ through Transformers' and accelerate's wrappers
+            params = set(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            params = set()
         for name in CACHE_ARGUMENTS:
             if name in params:
                 return name

@@ -68,13 +68,11 @@ class OscarConfig:
         bits: code width; only 2 is implemented.
         clip_k, clip_v: clip ratio, one float or one per layer; ``None``: the artifact's (1.0 without one).
         meta_dtype: dtype of scale/zero ("bfloat16", "float16" or "float32").
-        quantizer: "minmax" (the group's range shrunk by the clip ratio) or "std" (an even grid around its mean,
-            levels 0.996 standard deviations apart; no clip): ``oscar_hf.quant``.
+        quantizer: "minmax" (the group's range shrunk by the clip ratio) or "std" (no clip): ``oscar_hf.quant``.
         method: rotation without an artifact: "identity" (naive INT2) or "hadamard" (QuaRot-style).
         center: use the artifact's offsets mu_K / mu_V when it has them.
         key_offset: "calibrated" (the artifact's mu_K) or "prefill": per sequence and KV head, the mean of its own
-            non-sink keys at its first demotion, which follows RoPE'd keys' drift at long context (any offset is exact:
-            ``q·k = q·(k - mu) + q·mu``). The paged serving store takes "calibrated" only.
+            non-sink keys at its first demotion (docs/usage.md). The paged serving store takes "calibrated" only.
         skip_layers: layers kept entirely in full precision (negative indices count from the end).
         retrieval_heads: KV heads kept out of the INT2 history (stored as ``retrieval_bits`` says). ``"auto"``: the
             artifact's heads scoring at least ``retrieval_threshold``, as many as keep :meth:`history_bits` within
@@ -201,13 +199,10 @@ class OscarConfig:
         return float(val)
 
     def skipped(self, num_layers: int) -> set[int]:
-        out = set()
         for i in self.skip_layers:
-            j = i + num_layers if i < 0 else i
-            if not 0 <= j < num_layers:
+            if not -num_layers <= i < num_layers:
                 raise ValueError(f"skip_layers entry {i} is out of range for a model with {num_layers} layers")
-            out.add(j)
-        return out
+        return {i % num_layers for i in self.skip_layers}  # (negative entries count from the end)
 
     def retrieval_head_bits(self, head_dim: int) -> float:
         """Bits per element of a retrieval head (codes + a 16-bit scale and zero per head below 16 bits)."""

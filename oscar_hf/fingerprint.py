@@ -61,24 +61,14 @@ class ModelFingerprint:
                    num_key_value_heads=n_kv, head_dim=int(head_dim), layer_types=tuple(types),
                    name_or_path=str(getattr(config, "_name_or_path", "") or ""))
 
-    @property
-    def has_quantized_layers(self) -> bool:
-        """Whether any layer is of a kind OSCAR quantizes (MLA-only models have none)."""
-        return any(t in FULL_LAYER_TYPES for t in self.layer_types)
-
     def mismatches(self, other: "ModelFingerprint") -> list[str]:
         """Human-readable differences that make an artifact unusable (the name is informative only)."""
-        out = []
-        for f in ("model_type", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):
-            a, b = getattr(self, f), getattr(other, f)
-            if a != b:
-                out.append(f"{f}: artifact has {a!r}, model has {b!r}")
-        return out
+        return [f"{f}: artifact has {getattr(self, f)!r}, model has {getattr(other, f)!r}"
+                for f in ("model_type", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+                if getattr(self, f) != getattr(other, f)]
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["layer_types"] = list(self.layer_types)
-        return d
+        return {**dataclasses.asdict(self), "layer_types": list(self.layer_types)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelFingerprint":
@@ -125,12 +115,9 @@ def layer_types_of(cfg) -> list[str]:
     n = int(cfg.num_hidden_layers)
     types = getattr(cfg, "layer_types", None)
     if types is None:
-        if getattr(cfg, "sliding_window", None) is not None:
-            types = ["sliding_attention"] * n
-        elif getattr(cfg, "attention_chunk_size", None) is not None:
-            types = ["chunked_attention"] * n
-        else:
-            types = ["full_attention"] * n
+        types = [("sliding_attention" if getattr(cfg, "sliding_window", None) is not None
+                  else "chunked_attention" if getattr(cfg, "attention_chunk_size", None) is not None
+                  else "full_attention")] * n
     types = [_LAYER_TYPE_ALIASES.get(t, t) for t in types]
     modes = kv_sharing_modes(cfg)
     if modes is not None:
@@ -162,7 +149,7 @@ def default_group_size(head_dim: int) -> int:
 
 def validate_head_dim(fp: ModelFingerprint, group_size: int | None) -> None:
     """Raise ValueError naming the model when ``group_size`` (None: ``head_dim``) cannot group its quantized heads."""
-    if not fp.has_quantized_layers:
+    if not any(t in FULL_LAYER_TYPES for t in fp.layer_types):  # MLA-only models quantize nothing
         return
     try:
         check_group_size(fp.head_dim, fp.head_dim if group_size is None else group_size)

@@ -174,12 +174,8 @@ class OscarRotations:
         if self.retrieval_scores is not None:
             tensors["retrieval_scores"] = self.retrieval_scores.detach().cpu().float().contiguous().clone()
         save_file(tensors, str(path / WEIGHTS_NAME), metadata={"format": "oscar_hf", "version": str(FORMAT_VERSION)})
-        doc = {
-            "format_version": FORMAT_VERSION,
-            "method": self.method,
-            "fingerprint": self.fingerprint.to_dict(),
-            "layers": layer_meta,
-            "metadata": self.metadata}
+        doc = dict(format_version=FORMAT_VERSION, method=self.method, fingerprint=self.fingerprint.to_dict(),
+                   layers=layer_meta, metadata=self.metadata)
         (path / CONFIG_NAME).write_text(json.dumps(doc, indent=2, sort_keys=True))
         if push_to_hub:
             self.push_to_hub(save_directory=path, **hub_kwargs)
@@ -216,14 +212,9 @@ class OscarRotations:
             from huggingface_hub import hf_hub_download
             kw = dict(revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token)
             try:
-                cfg_file = Path(hf_hub_download(name, CONFIG_NAME, **kw))
-                w_file = Path(hf_hub_download(name, WEIGHTS_NAME, **kw))
+                cfg_file, w_file = (Path(hf_hub_download(name, f, **kw)) for f in (CONFIG_NAME, WEIGHTS_NAME))
             except Exception as e:  # network, auth, offline mode: one clear OSError
                 raise OSError(f"could not fetch OSCAR rotations {name!r} from the Hub: {e}") from e
-        return cls._load_files(cfg_file, w_file)
-
-    @classmethod
-    def _load_files(cls, cfg_file: Path, w_file: Path) -> "OscarRotations":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
         try:

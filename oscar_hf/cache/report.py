@@ -17,22 +17,15 @@ _SAID: set[tuple[str, str]] = set()  # (architecture, layer kind) whose full-pre
 def layer_kinds(cache) -> list[str]:
     """What each decoder layer got: ``"oscar"`` / ``"oscar+state"``, ``"sliding"``, ``"state"``, ``"latent"``,
     ``"shared_kv"``, ``"full_precision"`` (skipped, no rotation) or ``"none"`` (caches nothing)."""
-    named = {"latent_attention": "latent", "shared_kv_attention": "shared_kv", "unequal_kv_attention": "full_precision"}
+    named = {"latent_attention": "latent", "shared_kv_attention": "shared_kv", DUMMY_LAYER_TYPE: "none",
+             **dict.fromkeys(SLIDING_LAYER_TYPES, "sliding"), **dict.fromkeys(STATE_LAYER_TYPES, "state")}
     out = []
     for i, t in enumerate(cache.fingerprint.layer_types):
         layer = cache.layers[i] if i < len(cache.layers) else None
         if isinstance(layer, (OscarLayer, CompiledOscarLayer)):
             out.append("oscar+state" if isinstance(layer, LinearAttentionCacheLayerMixin) else "oscar")
-        elif t in named:
-            out.append(named[t])
-        elif t in SLIDING_LAYER_TYPES:
-            out.append("sliding")
-        elif t in STATE_LAYER_TYPES:
-            out.append("state")
-        elif t == DUMMY_LAYER_TYPE:
-            out.append("none")
-        else:
-            out.append("full_precision")
+        else:  # full attention (skipped, no rotation, exact) and unequal K/V widths: "full_precision"
+            out.append(named.get(t, "full_precision"))
     return out
 
 
