@@ -45,12 +45,6 @@ class StepPlan:
     def rows(self) -> int:
         return self.pos.shape[0]
 
-    @property
-    def write_rows(self) -> PagedRows:
-        """What the step's write reads per row (:func:`~oscar_hf.kernels.write_path.append`)."""
-        return PagedRows(self.pos, self.slots, self.new_entry, self.sink_entry, self.demote_entry, self.demote_page,
-                         self.demote_off, self.demote, self.write_sink)
-
 
 class DecodeBuffers:
     """The fixed device tensors a decode step reads, written by one copy each before the forward (so a captured graph
@@ -180,7 +174,9 @@ class DecodeStep:
         history = History(pool.rows(li, "k"), pool.rows(li, "v"),
                           pages=Pages(plan.block_table, plan.hist_len, plan.max_hist), coded=coded)
         # 1-2. the write: slot T - 1 - W into the pages, the new token into the ring (and the sink)
-        append(params, new_k[0], new_v[0], window, history, plan.write_rows, use_kernels=self.config.use_kernels)
+        rows = PagedRows(plan.pos, plan.slots, plan.new_entry, plan.sink_entry, plan.demote_entry, plan.demote_page,
+                         plan.demote_off, plan.demote, plan.write_sink)  # what the write reads per row
+        append(params, new_k[0], new_v[0], window, history, rows, use_kernels=self.config.use_kernels)
         # 3. the read: history pages + the window slots
         q = group_queries(query[0].index_select(1, plan.pos).transpose(0, 1)[:, :, None], self.num_kv_heads)
         out = decode(params, q, window, history, scaling, query.dtype, use_kernels=self.config.use_kernels)

@@ -32,6 +32,10 @@ def log_to_stderr() -> None:
     log.setLevel(logging.INFO)
 
 
+# logged with the store's stats by a 5.25+ model process told to stop (its manager never stops before)
+STORE_AT_EXIT = "OSCAR store at its model process's end; it held:"
+
+
 def run_engine(settings: tuple, *args, **kwargs):
     """The model process's entry point inside an OSCAR block: ``settings`` are the block's ``(rotations,
     store_kwargs)``; the rest goes to Transformers' ``EngineClient.run_engine`` (which serves until the process ends)."""
@@ -40,25 +44,14 @@ def run_engine(settings: tuple, *args, **kwargs):
     rotations, store_kwargs = settings
     log_to_stderr()  # (the server's own process did the same)
     with oscar_serving(rotations, **store_kwargs) as stores:
-        _log_stores_on_sigterm(stores)
+        def on_term(signum, frame):  # the model process's end: each live store logs its stats, then the default action
+            for store in stores:
+                logging.getLogger("oscar_hf").info("%s %s", STORE_AT_EXIT, json.dumps(store.stats()))
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_term)
         return original.__func__(*args, **kwargs)
-
-
-# logged with the store's stats by a 5.25+ model process told to stop (its manager never stops before)
-STORE_AT_EXIT = "OSCAR store at its model process's end; it held:"
-
-
-def _log_stores_on_sigterm(stores) -> None:
-    """On SIGTERM (the model process's end) each live store logs its stats, then the default action runs."""
-    logger = logging.getLogger("oscar_hf")
-
-    def on_term(signum, frame):
-        for store in stores:
-            logger.info("%s %s", STORE_AT_EXIT, json.dumps(store.stats()))
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_term)
 
 
 def refusing_live_ids(middleware):
