@@ -239,22 +239,19 @@ def _select_by_kl(model, o: CalibrationOptions, fp, hold, m: _Measured, window, 
     t = time.perf_counter()
     sink, recent = window or (64, 256)
     kl_ids = max(hold, key=lambda x: x.numel())
-    selection = None
-    if kl_ids.numel() - SCORED_TOKENS > sink + recent:
-        options = {"auto": picked}
-        options.update({name: m.assemble(name) for name in SELECTION_CANDIDATES
-                        if name in m.knames and name in m.vnames})
-        ref = reference_log_probs(model, kl_ids)
-        kl = {name: next_token_kl(model, OscarRotations(fp, o.method, opt[0], {}), kl_ids, sink=sink, recent=recent,
-                                  group_size=group_size, meta_dtype=o.meta_dtype, reference=ref)
-              for name, opt in options.items()}
-        chosen = min(kl, key=kl.get)
-        picked = options[chosen]
-        selection = {"objective": f"next-token KL through OscarCache, last {SCORED_TOKENS} tokens of a held-out "
-                                  f"window of {kl_ids.numel()}", "kl": kl, "chosen": chosen}
-    else:
+    if kl_ids.numel() - SCORED_TOKENS <= sink + recent:
         logger.info("calibrate: held-out windows too short for the KL check; keeping the held-out error's pick")
-    return picked, selection, time.perf_counter() - t
+        return picked, None, time.perf_counter() - t
+    options = {"auto": picked}
+    options.update({name: m.assemble(name) for name in SELECTION_CANDIDATES if name in m.knames and name in m.vnames})
+    ref = reference_log_probs(model, kl_ids)
+    kl = {name: next_token_kl(model, OscarRotations(fp, o.method, opt[0], {}), kl_ids, sink=sink, recent=recent,
+                              group_size=group_size, meta_dtype=o.meta_dtype, reference=ref)
+          for name, opt in options.items()}
+    chosen = min(kl, key=kl.get)
+    selection = {"objective": f"next-token KL through OscarCache, last {SCORED_TOKENS} tokens of a held-out window of "
+                              f"{kl_ids.numel()}", "kl": kl, "chosen": chosen}
+    return options[chosen], selection, time.perf_counter() - t
 
 
 def _search_settings(model, o: CalibrationOptions, fp, windows, window, group_size: int, picked, scores):
