@@ -73,9 +73,7 @@ class TextSplit:
 
 
 def join_texts(texts: str | Sequence[str]) -> str:
-    if isinstance(texts, str):
-        return texts
-    return DOC_SEPARATOR.join(texts)
+    return texts if isinstance(texts, str) else DOC_SEPARATOR.join(texts)
 
 
 def split_texts(texts: str | Sequence[str], calibration_fraction: float = CALIBRATION_FRACTION) -> TextSplit:
@@ -114,21 +112,13 @@ def _adds_bos(tokenizer) -> bool:
 def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:
     """Token ids of ``text`` without special tokens, 1-D long. With ``max_tokens`` only a prefix is tokenized, cut at
     a line break with a margin so that the cut never changes the returned tokens."""
-    def _tok(s: str) -> list[int]:
-        return tokenizer(s, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
-
-    if max_tokens is None:
-        return torch.tensor(_tok(text), dtype=torch.long)
-    chars = max(4096, 8 * max_tokens)
+    chars = len(text) if max_tokens is None else max(4096, 8 * max_tokens)
     margin = 64
-    while True:
-        if chars >= len(text):
-            ids = _tok(text)
-            break
+    while True:  # (chars at or past the end: find gives -1, the whole text)
         cut = text.find("\n", chars)
         cut = len(text) if cut < 0 else cut
-        ids = _tok(text[:cut])
-        if len(ids) >= max_tokens + margin or cut >= len(text):
+        ids = tokenizer(text[:cut], add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+        if cut >= len(text) or len(ids) >= max_tokens + margin:
             break
         chars *= 2
     return torch.tensor(ids[:max_tokens], dtype=torch.long)

@@ -312,10 +312,9 @@ def tiny_model(model_type: str, seed: int = 0, dtype=torch.float32, attn_impleme
     from transformers import AutoModelForCausalLM
     if attn_implementation is None:  # Gemma 2 and gpt-oss support eager only (SDPA has no soft-capping / sinks)
         attn_implementation = "eager" if model_type in ("gemma2", "gpt_oss") else "sdpa"
-    torch.manual_seed(seed)
     cfg = tiny_config(model_type, **overrides)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
-    return model.eval()
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation=attn_implementation).eval()
 
 
 WIKITEXT_FILE = Path(__file__).resolve().parent / "texts" / "wikitext-2-raw-test.txt"  # shipped in the package

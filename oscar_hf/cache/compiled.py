@@ -24,7 +24,7 @@ from ..quant import QuantizedRows
 from ..rotations import LayerRotation
 from . import heads
 from .base import QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, logit_terms
-from .compiled_eager import CompiledEager, _compiling, _fixed_address
+from .compiled_eager import CompiledEager, _compiling, _fixed_address, regrown
 from .window import window_mask
 
 RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE (as OscarLayer's CROP_RESERVE)
@@ -210,21 +210,14 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
         hq, p = len(self.params.int2_heads), len(self.retrieval_heads)
         n = max(capacity - self.config.sink - self.config.recent, 1)  # history rows
 
-        def grow(old, *shape, dtype, dim=2):  # ``dim``: the capacity's
-            new = torch.zeros(*shape, dtype=dtype, device=dev)
-            if old is not None:
-                k = min(old.shape[dim], new.shape[dim])
-                new.narrow(dim, 0, k).copy_(old.narrow(dim, 0, k))
-            return _fixed_address(new)
-
         # codes [2 (K, V), B, H2, N, D/4]; meta [2 (K, V), 2 (scale, zero), B, H2, N, D/G]
-        self.codes = grow(self.codes, 2, b, hq, n, d // 4, dtype=torch.uint8, dim=3)
-        self.meta = grow(self.meta, 2, 2, b, hq, n, d // g, dtype=meta, dim=4)
+        self.codes = regrown(self.codes, (2, b, hq, n, d // 4), torch.uint8, dev, dim=3)
+        self.meta = regrown(self.meta, (2, 2, b, hq, n, d // g), meta, dev, dim=4)
         if p:  # coded_x [2, B, P, N, X] (codes, or the rows at 16 bits), coded_meta [2, 2, B, P, N, 1] (not at 16)
             (last, dt), *meta_spec = heads.part_specs(self.config.retrieval_bits, d, self.dtype)
-            self.coded_x = grow(self.coded_x, 2, b, p, n, last, dtype=dt, dim=3)
+            self.coded_x = regrown(self.coded_x, (2, b, p, n, last), dt, dev, dim=3)
             if meta_spec:
-                self.coded_meta = grow(self.coded_meta, 2, 2, b, p, n, 1, dtype=meta_spec[0][1], dim=4)
+                self.coded_meta = regrown(self.coded_meta, (2, 2, b, p, n, 1), meta_spec[0][1], dev, dim=4)
         self.capacity = capacity
         self._bind_step_storage()
 

@@ -26,6 +26,16 @@ def _fixed_address(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def regrown(old: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, dim: int) -> torch.Tensor:
+    """Zeros of ``shape`` at a fixed address, holding ``old``'s entries (if any) along ``dim``, the capacity's, up to
+    the smaller of the two sizes."""
+    new = torch.zeros(*shape, dtype=dtype, device=device)
+    if old is not None:
+        k = min(old.shape[dim], new.shape[dim])
+        new.narrow(dim, 0, k).copy_(old.narrow(dim, 0, k))
+    return _fixed_address(new)
+
+
 class CompiledEager:
     """The eager operations of a compiled layer (see the module docstring)."""
 
@@ -179,14 +189,10 @@ class CompiledEager:
         for win, sink, tail in zip((self.win_k, self.win_v), (state["sink_k"], state["sink_v"]), tails):
             win[:, :, :s0] = sink_from(sink, tail, state["pad"], ts)
             win.index_copy_(2, idx, tail[:, :, tail.shape[2] - idx.shape[0] :])
-        for dst, src in ((self.hist_k, state["hist_k"]), (self.hist_v, state["hist_v"])):
-            for a, x in zip(dst, src):
-                a[:, :, : x.shape[2]] = x
-        if self.retrieval_heads:  # the retrieval heads' history entries: slots [S0, ts) of the saved every-slot form
-            n = max(0, ts - s0)
-            for store, saved in ((self.coded_k, state["fp_k"]), (self.coded_v, state["fp_v"])):
-                for dst, src in zip(store, saved):
-                    dst[:, :, :n] = src[:, :, s0 : s0 + n]
+        history = self._history()
+        for kind in ("k", "v"):  # entries [0, ts - S0); the retrieval heads': slots [S0, ts) of the every-slot form
+            coded = tuple(x[:, :, s0 : max(s0, ts)] for x in state[f"fp_{kind}"]) if self.retrieval_heads else None
+            history.write(kind, 0, coded, state[f"hist_{kind}"])
         if state.get("mu_k_seq") is not None:
             self.mu_k_seq = _fixed_address(state["mu_k_seq"].float().contiguous())
         if ts > s0:  # the ring also holds the slot before the window (a decode step re-demotes it): from its codes

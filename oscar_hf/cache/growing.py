@@ -6,6 +6,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .base import BatchOps
 from .compiled import HostLength, _compiling, _fixed_address
+from .compiled_eager import regrown
 
 
 class GrowingLayer(HostLength, BatchOps, CacheLayerMixin):
@@ -32,12 +33,9 @@ class GrowingLayer(HostLength, BatchOps, CacheLayerMixin):
         self.is_initialized = True
 
     def _allocate(self, capacity: int) -> None:
-        def grow(old):  # [B, H, C_old, D] -> [B, H, capacity, D], content kept
-            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
-            new[:, :, : old.shape[2]] = old[:, :, :capacity]
-            return _fixed_address(new)
-
-        self.keys, self.values = grow(self.keys), grow(self.values)
+        # [B, H, C_old, D] -> [B, H, capacity, D], content kept
+        self.keys, self.values = (regrown(t, (*t.shape[:2], capacity, t.shape[3]), t.dtype, t.device, dim=2)
+                                  for t in (self.keys, self.values))
         self.capacity = capacity
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -111,15 +111,6 @@ def _fp_names(kv: str, bits: int) -> list[str]:
     return [f"fp_{kv}"] if bits == 16 else [f"fp_{kv}_{name}" for name in heads.part_names(bits)]
 
 
-def _expect(t: dict, key: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    if key not in t:
-        raise ValueError(f"saved cache is missing tensor {key}")
-    x = t.pop(key)
-    if tuple(x.shape) != tuple(shape) or x.dtype != dtype:
-        raise ValueError(f"saved cache tensor {key}: expected {dtype} {tuple(shape)}, got {x.dtype} {tuple(x.shape)}")
-    return x
-
-
 def _saved_length(doc: dict, tensors: dict) -> int:
     """Slots the saved cache holds (left padding included): what a fixed capacity must fit."""
     n = 0
@@ -222,7 +213,14 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
             p = f"layers.{i}."
 
             def take(key, shape, dt):  # a saved tensor of this layer, checked, on the device
-                return _expect(tensors, p + key, shape, dt).to(device)
+                key = p + key
+                if key not in tensors:
+                    raise ValueError(f"saved cache is missing tensor {key}")
+                x = tensors.pop(key)
+                if tuple(x.shape) != tuple(shape) or x.dtype != dt:
+                    raise ValueError(f"saved cache tensor {key}: expected {dt} {tuple(shape)}, got {x.dtype} "
+                                     f"{tuple(x.shape)}")
+                return x.to(device)
 
             pad = take("pad", (b,), torch.long)
             sink = [take(k, (b, hk, s0, d), dtype) for k in ("sink_k", "sink_v")]
