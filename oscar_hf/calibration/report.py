@@ -45,16 +45,15 @@ def calibration_report(rotations: OscarRotations) -> str:
         f"  {fp.architecture} ({fp.model_type}): {fp.num_layers} layers, {len(rotations.layers)} quantized "
         f"(full attention), {fp.num_attention_heads} q / {fp.num_key_value_heads} kv heads, head_dim {fp.head_dim}"]
     if cal:
-        lines.append(
+        lines += [
             f"  tokens: {cal.get('tokens')} statistics ({cal.get('windows')} x {cal.get('seq_len')}) + "
             f"{cal.get('holdout_tokens')} held-out; group_size={cal.get('group_size')}, meta={cal.get('meta_dtype')}, "
             f"center={cal.get('center')}, value_target={cal.get('value_target')}, "
-            f"window(sink, recent)={cal.get('window')}")
-        lines.append(
+            f"window(sink, recent)={cal.get('window')}",
             f"  time: {cal.get('time_s')} s (statistics {cal.get('time_statistics_s')} s, selection "
             f"{cal.get('time_selection_s')} s, KL check {cal.get('time_kl_selection_s', 0)} s, retrieval probes "
             f"{cal.get('time_retrieval_s', 0)} s, settings search {cal.get('time_settings_s', 0)} s); "
-            f"passes: {', '.join(cal.get('passes', []))}")
+            f"passes: {', '.join(cal.get('passes', []))}"]
     lines.append(retrieval_summary(rotations))
     held = md.get("heldout_error", {})
     if held:

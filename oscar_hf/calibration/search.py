@@ -311,11 +311,9 @@ def attention_error(model, rotations: OscarRotations, input_ids, *, group_size: 
     errs = evaluate_candidates(
         model, input_ids, cands, group_size=group_size, meta_dtype=meta_dtype, batch_size=batch_size, pad_id=pad_id,
         query_samples=query_samples, window=window, progress=progress)
-    per = {}
-    for i, e in sorted(errs.items()):
-        per[i] = {
-            "k": float((e.k / max(e.k_count, 1.0)).sum()), "v": float((e.v / max(e.v_count, 1.0)).sum()),
-            "k_rel": float(e.k.sum() / e.k_signal.sum()), "v_rel": float(e.v.sum() / e.v_signal.sum())}
+    per = {i: {"k": float((e.k / max(e.k_count, 1.0)).sum()), "v": float((e.v / max(e.v_count, 1.0)).sum()),
+               "k_rel": float(e.k.sum() / e.k_signal.sum()), "v_rel": float(e.v.sum() / e.v_signal.sum())}
+           for i, e in sorted(errs.items())}
     k_rel = sum(p["k_rel"] for p in per.values()) / max(len(per), 1)
     v_rel = sum(p["v_rel"] for p in per.values()) / max(len(per), 1)
     return {"layers": per, "k_rel": k_rel, "v_rel": v_rel, "total": k_rel + v_rel}
