@@ -65,8 +65,7 @@ def choose_layers(model_config, rotations: OscarRotations | None, config: OscarC
     cal_g = rotations.metadata.get("group_size")
     if cal_g is not None and int(cal_g) != config.group_size:
         logger.warning("rotations were calibrated for group_size=%s, cache uses %s", cal_g, config.group_size)
-    short = window_shortfall(config, rotations)
-    if short:
+    if short := window_shortfall(config, rotations):
         warnings.warn(f"OSCAR windows are smaller than the artifact's: {short}. Build the cache with "
                       "OscarCache.from_pretrained(artifact, model) and no config, or pass the artifact's sink / recent.",
                       WindowsWarning, stacklevel=3)

@@ -97,10 +97,8 @@ class OscarCache(Cache):
                 state = state if kind in FULL_LAYER_TYPES else {}
                 if self.compiled and state:  # (storage.compiled_storage refuses the compiled storage for it)
                     raise NotImplementedError("a hybrid layer kept in full precision (skip_layers) needs compile=False")
-                if self.compiled:
-                    layers.append(GrowingLayer(fixed))
-                else:
-                    layers.append(LinearAttentionAndFullAttentionLayer(**state) if state else DynamicLayer())
+                layers.append(GrowingLayer(fixed) if self.compiled
+                              else LinearAttentionAndFullAttentionLayer(**state) if state else DynamicLayer())
             elif kind == DUMMY_LAYER_TYPE:  # caches nothing (KV sharing's reuse layers)
                 layers.append(DummyLayer() if DummyLayer is not None else None)
             else:
