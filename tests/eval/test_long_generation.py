@@ -213,13 +213,15 @@ class CharTok:
 
 def test_cli_chat_sampled_on_gemma3_layout(tmp_path):
     """--chat --sample on a Gemma 3 layout (a sliding-window layer beside a full one): ragged prompts, the turn's end
-    never generated, every row scored on the same continuation."""
+    never generated, every row scored on the same continuation. Prompts of ~110 tokens and 260 generated: past the
+    Hadamard row's 320-token window, so its KL reads INT2 rows (below the window it is 0 up to rounding, of either
+    sign)."""
     tok = char_chat_tokenizer(cont.GEMMA3_CHAT_TEMPLATE)
     m = tiny_model("gemma3_text", vocab_size=len(tok), head_dim=64, initializer_range=0.2)
     text = tmp_path / "prompts.txt"
     text.write_text("\n".join(f"line {i} of a small text for prompts" for i in range(60)))
     argv = ["--methods", "fp,hadamard,kivi", "--source", str(text), "--prompts", "2", "--prompt-len", "6", "--chat",
-            "--sample", "--seed", "3", "--tokens", "40", "--buckets", "16", "--smooth", "4", "--dtype", "float32",
+            "--sample", "--seed", "3", "--tokens", "260", "--buckets", "16", "--smooth", "4", "--dtype", "float32",
             "--name", "chat", "--out", str(tmp_path)]
     res = lg.main(argv, model=m, tokenizer=tok)
     end = tok.convert_tokens_to_ids("<end_of_turn>")
