@@ -4,6 +4,7 @@ torch references elsewhere.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -38,18 +39,16 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
     split = params.heads if history.coded is not None else None
     qi, win, si = q, window, sinks
     full = None  # with retrieval heads and kernels: [B, Hk, M, D], the launcher writes the INT2 heads' rows in place
+    side = None
     if split is not None:  # the INT2 heads' part of the query and the sinks; their window, read in place
         qi, win = q.index_select(1, split.int2_idx), window.heads(split.int2_idx)
         si = None if sinks is None else sinks.index_select(0, split.int2_idx)
-    coded, side = None, None
-    if split is not None:  # the retrieval heads first, on a side stream where there is one (joined below)
+        # the retrieval heads first, on a side stream where there is one (joined below)
         side = _side_stream(q, triton_enabled(q, use_kernels))
         if side is not None:
             main = torch.cuda.current_stream(q.device)
             side.wait_stream(main)
-            with torch.cuda.stream(side):
-                coded = _read_coded(params, q, window, history, scaling, out_dtype, softcap, sinks, use_kernels)
-        else:
+        with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
             coded = _read_coded(params, q, window, history, scaling, out_dtype, softcap, sinks, use_kernels)
     out = None
     if history.k.codes.shape[1]:  # the INT2 heads
