@@ -26,8 +26,6 @@ Every figure is a ratio against the baselines measured in the same run: ``speedu
 ``speedup_vs_bf16`` (DynamicCache) and ``speedup_vs_bf16_static``.
 
     python benchmarks/bench_generate.py --contexts 8192 32768 100000 --batches 1 8 --out generate.json
-    python benchmarks/bench_generate.py --shape gpt-oss-20b --contexts 32768 --batches 8 --synthetic-fill \\
-        --methods bf16 bf16-static oscar-compiled --new-tokens 64 --out generate_gpt_oss.json
 
 Per (method, batch, context): prefill time, decode ms/token and tokens/s (timestamps taken by a
 logits processor at every generate step, after a CUDA sync), peak memory
@@ -126,6 +124,8 @@ SHAPES = {
     # in each; Transformers' torch path of the Mamba mixer where mamba-ssm is not installed)
     "falcon-h1": dict(model_type="falcon_h1", max_position_embeddings=131072),
 }
+# Qwen3-8B's layers, 18 of its 36: the strong BF16's K/V at B=32 x 32K (77 GB) fits one H200 beside the weights
+SHAPES["qwen3-8b-18l"] = dict(SHAPES["qwen3-8b"], num_hidden_layers=18)
 
 
 class StepClock(LogitsProcessor):

@@ -10,7 +10,8 @@
 #                    kernels-d64, -d256, -d256-kv2, -d96, -d96-g32, -d512          d96|d96_g32|d512>.json
 #   strong           the default call against the strong BF16 (strong_bf16.py): strong_bf16_op_<gpu>.json,
 #                    its GPU tests, one layer's read, generate at B=8/32K (with   generate_strong_<gpu>_b<B>_t<T>.json
-#                    the 40 GiB capacity), B=1/100K, B=1/1K (strong-op, -b8, -b1, -short: one part each)
+#                    the 40 GiB capacity), B=1/100K, B=1/1K, B=32/32K on 18 layers (strong-op, -b8, -b1,
+#                    -short, -b32: one part each)
 #   default          the default call vs BF16 DynamicCache and compiled         generate_default_<gpu>_b<B>_t<T>.json
 #                    StaticCache, B=8/32K, B=1/100K (default-long), B=1, 8 x 1K (default-short)
 #   short            B=1 and 8 x 1K: compiled StaticCache and the default call  generate_short_<gpu>_b<B>_t1024.json
@@ -102,7 +103,7 @@ for what in "$@"; do
           --group-size "$g" --batches 1,8 --lengths 32768,131072 --no-write --out "$OUT/kernels_${GPU}_$tag.json"
       $PY "$B/bench_kernels.py" --plot "$OUT/kernels_${GPU}_$tag.json"
     done ;;
-  strong|strong-op|strong-b8|strong-b1|strong-short)
+  strong|strong-op|strong-b8|strong-b1|strong-short|strong-b32)
     if [ "$what" = strong ] || [ "$what" = strong-op ]; then
       run "gpu_tests_strong_$GPU" $PY -m pytest -q -p no:cacheprovider -m gpu --rootdir "$R" "$R/tests/test_strong_bf16.py"
       run "strong_bf16_op_$GPU" $PY "$B/strong_bf16.py" --points 1x1024 1x100000 8x32768 32x32768 \
@@ -114,7 +115,10 @@ for what in "$@"; do
     case "$what" in strong|strong-b1) gen "generate_strong_${GPU}_b1_t100000" --contexts 100000 --batches 1 \
         --synthetic-fill --new-tokens 64 --methods $m ;; esac
     case "$what" in strong|strong-short) gen "generate_strong_${GPU}_b1_t1024" --contexts 1024 --batches 1 \
-        --new-tokens 64 --methods $m ;; esac ;;
+        --new-tokens 64 --methods $m ;; esac
+    # B=32: 18 of Qwen3-8B's 36 layers, where the strong BF16's K/V fits (77 GB; all 36 would need 155 GB)
+    case "$what" in strong|strong-b32) gen "generate_strong_${GPU}_b32_t32768_18l" --shape qwen3-8b-18l \
+        --contexts 32768 --batches 32 --synthetic-fill --new-tokens 64 --methods $m ;; esac ;;
   default|default-long|default-short)
     shapes="1:1024 8:1024 8:32768 1:100000"
     [ "$what" = default-short ] && shapes="1:1024 8:1024"
