@@ -183,36 +183,17 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
     return patches
 
 
-class _LiveStores:
-    """The live stores an OSCAR block has built (weak references, in build order)."""
-
-    def __init__(self):
-        self._refs: list[weakref.ref] = []
-
-    def append(self, store: OscarPagedStore) -> None:
-        self._refs = [r for r in self._refs if r() is not None] + [weakref.ref(store)]
-
-    def __iter__(self):
-        return iter([s for s in (r() for r in self._refs) if s is not None])
-
-    def __len__(self) -> int:
-        return len(list(iter(self)))
-
-    def __getitem__(self, i):
-        return list(iter(self))[i]
-
-
 @contextlib.contextmanager
 def oscar_continuous_batching(make_store, model=None):
     """Inside the block, every continuous-batching manager of ``model`` (without one: every manager) builds OSCAR's
     paged cache with the store ``make_store(config, device, dtype)`` returns, and routes the attention through OSCAR.
     A stopping manager gives its store's memory and attention name back; stores are held weakly (yielded as a live
-    view). Restored on exit."""
+    ``WeakSet``). Restored on exit."""
     original = continuous_api.PagedAttentionCache
     if getattr(original, "__name__", "") != "PagedAttentionCache" or original is OscarPagedCache:
         raise RuntimeError("continuous_api.PagedAttentionCache is already replaced (nested paged_oscar?)")
     signature = inspect.signature(original.__init__)
-    saved, stores = [], _LiveStores()
+    saved, stores = [], weakref.WeakSet()
     built = threading.local()  # .pages: INT2 pages of the OSCAR cache this thread built last (5.17 - 5.19)
     # a model routed through OSCAR by an OscarCache run (oscar_sdpa) is shown to the manager as its base (sdpa)
     entry = [] if model is None else [(c, c._attn_implementation) for c in _attention_configs(model)
@@ -242,7 +223,7 @@ def oscar_continuous_batching(make_store, model=None):
                                "other %d layers are quantized", sorted(left), ", ".join(sorted(set(left.values()))),
                                store.num_layers)
         cache = OscarPagedCache(*args, store=store, **kwargs)
-        stores.append(store)
+        stores.add(store)
         built.pages = store.pool.num_pages if cache.oscar_owns_memory else None
         # after the manager accepted sdpa; undone when the manager stops (the next manager of the model checks it)
         cache.oscar_switched = _switch(model if model is not None else arguments["config"])

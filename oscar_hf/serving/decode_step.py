@@ -24,26 +24,12 @@ class StepPlan:
     so a replayed graph reads the next step's."""
 
     key: tuple  # the batch it was built for
-    pos: torch.Tensor  # [Bp] long: the rows' positions in the packed batch
-    slots: torch.Tensor  # [Bp] long: window slots (padded rows: the trash slot)
-    new_entry: torch.Tensor  # [Bp] long: ring entry of the new token
-    sink_entry: torch.Tensor  # [Bp] long: its sink entry while T < S0, else new_entry again (the same value, twice)
-    demote_entry: torch.Tensor  # [Bp] long: ring entry of slot T - 1 - W, which left the window at the previous step
-    demote_page: torch.Tensor  # [Bp] long: its destination page (the pool's trash page for rows that demote none) ...
-    demote_off: torch.Tensor  # [Bp] long: ... and offset in it
-    block_table: torch.Tensor  # [Bp, ceil(max_hist / P)] int32 (-1 past a row's pages)
-    hist_len: torch.Tensor  # [Bp] int32: history entries after the demotion
-    hist_start: torch.Tensor  # [Bp] long zeros: every row's history from entry 0 (the retrieval heads' read)
+    write: PagedRows  # [Bp] long each; a graphed step writes sink and demotes always (one graph serves every step)
+    pages: Pages  # block_table [Bp, ceil(max_len / P)] int32 (-1 past a row's pages), lengths [Bp] int32 after the
+    # demotion, max_len: the grid's bound (exact, or its bucket in a graphed step)
     win_mask: torch.Tensor  # [Bp, S0 + R] bool
-    max_hist: int  # the grid's history bound (host int >= max(hist_len)): exact, or its bucket in a graphed step
-    write_sink: bool  # whether any row writes a sink entry (always in a graphed step: one graph serves every step)
-    demote: bool  # whether any row demotes (likewise)
     graphable: bool  # every tensor above is a view of the fixed buffers and the shapes depend on the bucket only
     requests: list  # [(request_id, T)] of the real rows, in row order
-
-    @property
-    def rows(self) -> int:
-        return self.pos.shape[0]
 
 
 class DecodeBuffers:
@@ -57,7 +43,6 @@ class DecodeBuffers:
         self.index = torch.zeros(len(self.FIELDS), rows, dtype=torch.long, device=device)  # [8, rows]
         self.table = torch.full((rows, cols), -1, dtype=torch.int32, device=device)
         self.hist_len = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.hist_start = torch.zeros(rows, dtype=torch.long, device=device)  # never written
         self.win_mask = torch.zeros(rows, entries, dtype=torch.bool, device=device)
 
 
@@ -133,11 +118,11 @@ class DecodeStep:
         wm = buf.win_mask[:bp].copy_(window_mask(index[7] + 1, 0, s0, ring, w + 1))
         ts = fields["t"][: len(decode)]
         # the index rows in FIELDS order: pos, slots, new_entry, sink_entry, demote_entry, demote_page, demote_off
-        self._plan = StepPlan(
-            tuple(batch), *buf.index[:, :bp].copy_(index)[:7], block_table=buf.table[:bp, :cols].copy_(table),
-            hist_len=buf.hist_len[:bp].copy_(torch.tensor(hist, dtype=torch.int32)), hist_start=buf.hist_start[:bp],
-            win_mask=wm, max_hist=max_hist, write_sink=graphed or min(ts) < s0, demote=graphed or max(ts) > w + s0,
-            graphable=graphed, requests=requests)
+        write = PagedRows(*buf.index[:, :bp].copy_(index)[:7], demote=graphed or max(ts) > w + s0,
+                          write_sink=graphed or min(ts) < s0)
+        pages = Pages(buf.table[:bp, :cols].copy_(table),
+                      buf.hist_len[:bp].copy_(torch.tensor(hist, dtype=torch.int32)), max_hist)
+        self._plan = StepPlan(tuple(batch), write, pages, wm, graphed, requests)
         for rid, t in requests:  # the step's writes are planned: every layer holds T + 1 tokens after the forward
             r = self.requests[rid]
             r.lengths = dict.fromkeys(r.lengths, t + 1)
@@ -168,16 +153,15 @@ class DecodeStep:
         """``[Bp, Hq, D]``: write then read one token for each row of ``plan``; device work only (graph-capturable)."""
         li, p, pool = self.layer_slot[layer_idx], self.params[layer_idx], self.pool
         params = self.kv_params(layer_idx)
-        # the window pool [slots, Hk, S0 + R, D] (row b at slot plan.slots[b]); the pages through the block tables
-        window = Window(self.windows.k[:, li], self.windows.v[:, li], plan.win_mask[:, None, None, :], plan.slots)
+        # the window pool [slots, Hk, S0 + R, D] (row b at slot plan.write.slots[b]); the pages through the block tables
+        window = Window(self.windows.k[:, li], self.windows.v[:, li], plan.win_mask[:, None, None, :],
+                        plan.write.slots)
         coded = (pool.coded_rows(li, "k"), pool.coded_rows(li, "v")) if p.coded_heads else None
-        history = History(pool.rows(li, "k"), pool.rows(li, "v"),
-                          pages=Pages(plan.block_table, plan.hist_len, plan.max_hist), coded=coded)
+        history = History(pool.rows(li, "k"), pool.rows(li, "v"), pages=plan.pages, coded=coded)
         # 1-2. the write: slot T - 1 - W into the pages, the new token into the ring (and the sink)
-        rows = PagedRows(plan.pos, plan.slots, plan.new_entry, plan.sink_entry, plan.demote_entry, plan.demote_page,
-                         plan.demote_off, plan.demote, plan.write_sink)  # what the write reads per row
-        append(params, new_k[0], new_v[0], window, history, rows, use_kernels=self.config.use_kernels)
+        append(params, new_k[0], new_v[0], window, history, plan.write, use_kernels=self.config.use_kernels)
         # 3. the read: history pages + the window slots
-        q = group_queries(query[0].index_select(1, plan.pos).transpose(0, 1)[:, :, None], self.num_kv_heads)
+        pos = plan.write.pos
+        q = group_queries(query[0].index_select(1, pos).transpose(0, 1)[:, :, None], self.num_kv_heads)
         out = decode(params, q, window, history, scaling, query.dtype, use_kernels=self.config.use_kernels)
-        return out.reshape(plan.rows, query.shape[1], query.shape[3])
+        return out.reshape(pos.shape[0], query.shape[1], query.shape[3])

@@ -140,7 +140,7 @@ class RecordedBatch:
                                "in a way oscar_hf does not follow")
         plan = self.store.plan_decode(self.batch(), rows if self.cuda_graphs else None)
         self.graph_step = plan is not None and plan.graphable
-        self.graph_key = (plan.max_hist,) if self.graph_step else ()
+        self.graph_key = (plan.pages.max_len,) if self.graph_step else ()
         return self.graph_step
 
     def _record(self, request_id: str, past_length: int, query_length: int) -> None:

@@ -135,7 +135,7 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
                                               new_v[:, :, sl], scaling, module, base)
             start += q_len
         if plan is not None:
-            out[0, plan.pos] = self._decode(layer_idx, plan, query, new_k, new_v, scaling)
+            out[0, plan.write.pos] = self._decode(layer_idx, plan, query, new_k, new_v, scaling)
         return out
 
     # ------------------------------------------------------------------ multi-token rows, one request at a time

@@ -35,7 +35,7 @@ def served(model, prompts, graphs: bool, q_pad: int = 4, **store_kw):
         def record(batch, rows=None):
             out = plan(batch, rows)
             if out is not None:
-                steps.append((out.rows, len(out.requests), out.graphable))
+                steps.append((out.write.pos.shape[0], len(out.requests), out.graphable))
             return out
 
         store.plan_decode = record
@@ -84,19 +84,19 @@ def test_the_capture_check_catches_host_syncs():
     cfg, store = prefilled_store()
     plan = store.plan_decode(BATCH)
     li, p = store.layer_slot[0], store.params[0]
-    q = torch.randn(plan.rows, store.num_kv_heads, 2, cfg.head_dim)
+    q = torch.randn(plan.write.pos.shape[0], store.num_kv_heads, 2, cfg.head_dim)
     params = KVParams(p.r_k, p.mu_k, p.r_v, p.mu_v, 32)
-    window = Window(store.windows.k[:, li], store.windows.v[:, li], plan.win_mask[:, None, None, :], plan.slots)
+    window = Window(store.windows.k[:, li], store.windows.v[:, li], plan.win_mask[:, None, None, :], plan.write.slots)
 
     def read(bound):
         history = History(store.pool.rows(li, "k"), store.pool.rows(li, "v"),
-                          pages=Pages(plan.block_table, plan.hist_len, bound))
+                          pages=Pages(plan.pages.table, plan.pages.lengths, bound))
         return decode(params, q, window, history, 0.1, torch.float32)
 
     with pytest.raises(HostSync), NoHostSync():
         read(None)
     with NoHostSync():
-        read(plan.max_hist)
+        read(plan.pages.max_len)
 
 
 # ---------------------------------------------------------------------------------------------- store level
@@ -167,7 +167,7 @@ def test_padded_rows_change_nothing_of_the_real_requests(kw):
         for step in range(12):  # a crosses a page boundary, b starts demoting, c leaves its sink
             batch = [(rid, n + step, 1) for rid, n in PROMPTS.items()]
             plan = store.plan_decode(batch, rows)
-            assert plan.graphable and plan.rows == rows
+            assert plan.graphable and plan.write.pos.shape[0] == rows
             outs = forward(store, cfg, batch, step_inputs(cfg, rows, seed=step, garbage_from=3))
             results.append((rows, step, [o[:, :3] for o in outs]))
         assert_same_later = state(store, PROMPTS)
@@ -207,10 +207,10 @@ def test_replaying_a_captured_step_equals_fresh_eager_steps(kw):
             for o, x in zip(static_out, forward(graphed, cfg, batch, static_in)):
                 o.copy_(x)
 
-        graph = graphs.get(plan.max_hist)
+        graph = graphs.get(plan.pages.max_len)
         if graph is None:  # what Transformers does for a new key: a warmup forward, then the capture
             run()
-            graph = graphs[plan.max_hist] = EmulatedGraph()
+            graph = graphs[plan.pages.max_len] = EmulatedGraph()
             with graph.capture():
                 run()
         else:
