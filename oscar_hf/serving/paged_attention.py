@@ -119,7 +119,13 @@ class RecordedBatch:
         groups = group_layers_by_attn_type(config)  # 5.20+: {type: layers}; 5.17 - 5.19: (layers per group, types)
         groups, types = (list(groups.values()), list(groups)) if isinstance(groups, dict) else groups
         self.oscar_owns_memory = types == ["full_attention"] and all(store.handles(i) for i in groups[0])
-        store.check_pool_sizing(follows_blocks=self.oscar_owns_memory)
+        if not self.oscar_owns_memory and not store.has_pool:  # the user sizes the pool, else Transformers' blocks
+            raise ValueError("this model has layers OSCAR does not quantize (sliding windows / skip_layers): its BF16 "
+                             "paged cache stays and the INT2 pool is sized apart: give num_pages= or memory_budget=")
+        if self.oscar_owns_memory and not store._deferred:
+            raise ValueError("the INT2 pool follows Transformers' blocks for this model: size it with "
+                             "ContinuousBatchingConfig(num_blocks= / max_memory_percent=), not num_pages= / "
+                             "memory_budget=")
         self.cuda_graphs = bool(cb_config is not None and cb_config.cuda_graph_booleans[1])
         self.graph_step, self.graph_key = False, ()
         if self.cuda_graphs:

@@ -214,17 +214,12 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
     # ------------------------------------------------------------------ admission, requests leaving
     def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
         """Transformers' admission, plus a window slot for a new request and a split prompt's ``prompt_budget``."""
-        new = state.request_id not in self.store.requests
-        if new and not self.store.can_reserve():
-            return False
         hold = self._prompt_hold(state, request_len)
-        if hold and not self.store.can_hold(hold):
+        if not self.store.can_reserve(state.request_id, hold):
             return False
         ok = super().can_store_request_tokens(state, request_len, dry_run=dry_run)
         if ok and not dry_run:
-            self.store.reserve(state.request_id)
-            if hold:
-                self.store.admit_prompt(state.request_id, hold)
+            self.store.reserve(state.request_id, hold)
         return ok
 
     # ------------------------------------------------------------------ prefix sharing, forks (oscar_hf.serving.prefix)

@@ -58,21 +58,20 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
 
         def allocate_with_prompt(state, len_next_tokens: int) -> bool:
             hold = self._prompt_hold(state, len_next_tokens)
-            if hold and not self.store.can_hold(hold):
+            if hold and not self.store.can_reserve(state.request_id, hold):
                 return False
             ok = allocate(state, len_next_tokens)
             if ok and hold:
-                self.store.admit_prompt(state.request_id, hold)
+                self.store.reserve(state.request_id, hold)
             return ok
 
         scheduler._allocate_blocks_if_needed = allocate_with_prompt
 
     def allocate_blocks(self, n_blocks: int, request_id: str, allocated_blocks: int) -> int | None:
-        new = request_id not in self.store.requests
-        if new and not self.store.can_reserve():
+        if not self.store.can_reserve(request_id):  # a window slot for a new request
             return None
         allocated = super().allocate_blocks(n_blocks, request_id, allocated_blocks)
-        if allocated is not None and new:
+        if allocated is not None:
             self.store.reserve(request_id)
         return allocated
 

@@ -87,7 +87,7 @@ class SharedPrefixes:
             return 0, None, 0
         s0, w, p = self.config.sink, self.config.recent, self.pool.page_size
         links, holder = self.prefixes.match(tokens, max(len(tokens) - w - 2 - s0, 0) // p)
-        if not links or (r is None and not self.can_reserve()):
+        if not links or not self.can_reserve(request_id):
             return 0, None, 0
         k, source = len(links), self.requests[holder]
         r = self.reserve(request_id)

@@ -190,16 +190,6 @@ class StoreRequests:
         self.windows.with_trash = True
         self._buffers = None
 
-    def check_pool_sizing(self, follows_blocks: bool) -> None:
-        """Who sizes the page pool: Transformers' blocks (``follows_blocks``), else the user."""
-        if not follows_blocks and not self.has_pool:
-            raise ValueError("this model has layers OSCAR does not quantize (sliding windows / skip_layers): its BF16 "
-                             "paged cache stays and the INT2 pool is sized apart: give num_pages= or memory_budget=")
-        if follows_blocks and not self._deferred:
-            raise ValueError("the INT2 pool follows Transformers' blocks for this model: size it with "
-                             "ContinuousBatchingConfig(num_blocks= / max_memory_percent=), not num_pages= / "
-                             "memory_budget=")
-
     # ------------------------------------------------------------------ requests
     def handles(self, layer_idx: int) -> bool:
         return layer_idx in self.layer_slot
@@ -208,39 +198,36 @@ class StoreRequests:
         r = self.requests.get(request_id)
         return 0 if r is None else r.length()
 
-    def can_reserve(self) -> bool:
-        return self.windows.num_free > 0
-
     @property
     def prompt_reserved(self) -> int:
-        """Prompt tokens reserved now (:meth:`admit_prompt`), at most ``prompt_budget``."""
+        """Prompt tokens reserved now, at most ``prompt_budget``."""
         return sum(r.prompt_reserved for r in self.requests.values())
 
-    def can_hold(self, tokens: int) -> bool:
-        """Whether ``tokens`` more prompt tokens fit the budget now (longer than the budget: unreserved)."""
-        return tokens > self.prompt_budget or self.prompt_reserved + tokens <= self.prompt_budget
+    def can_reserve(self, request_id: str | None = None, hold: int = 0) -> bool:
+        """Whether :meth:`reserve` can take the request now (None: a new one): a window slot if it has none, and
+        ``hold`` prompt tokens within ``prompt_budget`` (a prompt longer than the budget reserves none)."""
+        if request_id not in self.requests and not self.windows.num_free:
+            return False
+        return hold > self.prompt_budget or self.prompt_reserved + hold <= self.prompt_budget
 
-    def admit_prompt(self, request_id: str, tokens: int) -> None:
-        """Reserve ``tokens`` of ``prompt_budget`` (after :meth:`can_hold`), given back when it decodes or leaves. A
-        prompt longer than the budget gets none: its later chunks attend to its INT2 history (logged once)."""
-        r = self.reserve(request_id)
-        if tokens > self.prompt_budget:
+    def reserve(self, request_id: str, hold: int = 0) -> RequestKV:
+        """The request's entry, a window slot taken now if it has none (admission), and ``hold`` tokens of
+        ``prompt_budget`` (after :meth:`can_reserve`) until it decodes or leaves. A prompt longer than the budget gets
+        none: its later chunks attend to its INT2 history (logged once)."""
+        r = self.requests.get(request_id)
+        if r is None:
+            r = self.requests[request_id] = RequestKV(self.windows.allocate(), [], {})
+        if hold > self.prompt_budget:
             if not self._warned_prompt:
                 self._warned_prompt = True
                 logger.warning("a prompt of %d tokens arrives in chunks but prompt_budget is %d tokens: its later "
                                "chunks attend to the INT2 history of the earlier ones (raise prompt_budget to keep "
-                               "them exact)", tokens, self.prompt_budget)
-            return
-        if self.prompt_reserved + tokens > self.prompt_budget:
-            raise RuntimeError(f"prompt budget exceeded: {self.prompt_reserved} + {tokens} > {self.prompt_budget} "
-                               "tokens (admit only after can_hold)")
-        r.prompt_reserved = tokens
-
-    def reserve(self, request_id: str) -> RequestKV:
-        """The request's entry (a window slot taken now if it has none: admission)."""
-        r = self.requests.get(request_id)
-        if r is None:
-            r = self.requests[request_id] = RequestKV(self.windows.allocate(), [], {})
+                               "them exact)", hold, self.prompt_budget)
+        elif hold:
+            if self.prompt_reserved + hold > self.prompt_budget:
+                raise RuntimeError(f"prompt budget exceeded: {self.prompt_reserved} + {hold} > {self.prompt_budget} "
+                                   "tokens (reserve only after can_reserve)")
+            r.prompt_reserved = hold
         return r
 
     def free(self, request_id: str) -> None:
