@@ -13,7 +13,7 @@ from . import settings
 from .heads_attention import heads_decode_attention, merge_heads
 from .int2_attention import decode_attention_reference, rotate_query, rotate_query_reference
 from .kv import History, KVParams, Window
-from .paged_decode import check_paged_inputs, paged_decode_batched, paged_decode_reference, paged_supported
+from .paged_decode import check_paged_inputs, paged_decode_batched, paged_supported
 from .plan import triton_enabled
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the retrieval heads' stream (settings.HeadsDefaults)
@@ -61,18 +61,15 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
         if history.pages is not None:  # (the float32 query: the window's logits as the store has always read them)
             pages, qf, b = history.pages, qi.float(), qi.shape[0]
             check_paged_inputs(qf, k, v, pages, win)
-            if kernels and paged_supported(qf, k, v, params.group_size, win.k):
-                if pages.max_len is None:
-                    pages = dataclasses.replace(pages, max_len=int(pages.lengths.max()) if b else 0)
-                if b == 0 or (pages.max_len == 0 and w == 0):  # nothing to attend to
-                    out = torch.zeros(qf.shape, device=qf.device, dtype=out_dtype)
-                else:
-                    out = dt.decode_attention_triton(params, qf, win, dataclasses.replace(history, pages=pages),
-                                                     scaling, out_dtype, out=full)
-            elif pages.max_len is not None:
-                out = paged_decode_batched(params, qf, win.gathered(), history, scaling, out_dtype)
+            if pages.max_len is None:  # (one host sync: the bound of the grid, or of the reference's gather)
+                pages = dataclasses.replace(pages, max_len=int(pages.lengths.max()) if b else 0)
+                history = dataclasses.replace(history, pages=pages)
+            if not (kernels and paged_supported(qf, k, v, params.group_size, win.k)):
+                out = paged_decode_batched(params, qf, win, history, scaling, out_dtype)
+            elif b == 0 or (pages.max_len == 0 and w == 0):  # nothing to attend to
+                out = torch.zeros(qf.shape, device=qf.device, dtype=out_dtype)
             else:
-                out = paged_decode_reference(params, qf, win.gathered(), history, scaling, out_dtype)
+                out = dt.decode_attention_triton(params, qf, win, history, scaling, out_dtype, out=full)
         elif (rotated is None and history.n_valid is None and kernels and not torch.compiler.is_compiling()
               and query_kernel_supported(qi)
               and dt.kernel_supported(qi, k, params.group_size, history.key_mask, win.mask, w)):

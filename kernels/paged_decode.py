@@ -85,48 +85,23 @@ def gather_pages(pages: QuantizedRows, table_row: torch.Tensor, n: int) -> Quant
     return gather_rows(pages, table_row[None], n)
 
 
-def paged_decode_reference(params: KVParams, qf, window: Window, history: History, scaling, out_dtype):
-    """Torch reference of a paged read of ``qf [B, Hk, M, D]`` (unrotated): row by row, its history gathered."""
-    pages, mask = history.pages, window.mask_2d()
-    slots = window.slot if window.slot is not None else torch.arange(qf.shape[0])
-    w = window.k.shape[2]
-    outs = []
-    for b, (n, slot) in enumerate(zip(pages.lengths.tolist(), slots.tolist())):
-        k, v = gather_pages(history.k, pages.table[b], n), gather_pages(history.v, pages.table[b], n)
-        mu_k = params.mu_k
-        mu_b = mu_k if (mu_k is None or mu_k.dim() == 2) else mu_k[b : b + 1]
-        q_rot, qk_off = rotate_query_reference(qf[b : b + 1], params.r_k, mu_b)
-        start = torch.zeros(1, dtype=torch.long, device=qf.device)
-        row_window = Window(window.k[slot : slot + 1] if w else None, window.v[slot : slot + 1] if w else None,
-                            mask[b].view(1, 1, 1, w))
-        outs.append(decode_attention_reference(params, qf[b : b + 1].float(), row_window, History(k, v, start),
-                                               scaling, out_dtype, rotated=(q_rot, qk_off)))
-    if not outs:
-        return torch.empty(qf.shape, dtype=out_dtype, device=qf.device)
-    return torch.cat(outs, 0)
-
-
 def paged_decode_batched(params: KVParams, qf, window: Window, history: History, scaling, out_dtype):
-    """:func:`paged_decode_reference` for every row at once, to the host bound ``pages.max_len`` (entries past a row's
-    length masked): no host sync, so the serving step runs it off CUDA and a graph may capture it."""
-    pages = history.pages
-    n = int(pages.max_len)
+    """The paged read's torch reference: every row's history gathered to the host bound ``pages.max_len`` (entries
+    past a row's length masked, and zeroed: stale storage may hold NaN), then the contiguous reference. No host sync,
+    so the serving step runs it off CUDA and a graph may capture it."""
+    pages, n = history.pages, int(history.pages.max_len)
     key_mask = (torch.arange(n, device=qf.device)[None, :] < pages.lengths.to(qf.device)[:, None])[:, None, None, :]
+    keep = key_mask.transpose(-1, -2)  # [B, 1, n, 1]
 
-    def valid_only(rows: QuantizedRows) -> QuantizedRows:  # entries past a row's length: 0 (what they hold may be NaN)
-        keep = key_mask.transpose(-1, -2)  # [B, 1, n, 1]
+    def valid_only(rows: QuantizedRows) -> QuantizedRows:  # [B, H2, n, *]
+        rows = gather_rows(rows, pages.table, n)
         return QuantizedRows(rows.codes, *(torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
                                            for x in (rows.scale, rows.zero)))
 
-    k = valid_only(gather_rows(history.k, pages.table, n))
-    v = valid_only(gather_rows(history.v, pages.table, n))
-    q_rot, qk_off = rotate_query_reference(qf, params.r_k, params.mu_k)
-    start = torch.zeros(qf.shape[0], dtype=torch.long, device=qf.device)
-    win = window.rows()
-    w = win.k.shape[2]
-    wk, wv = (win.k, win.v) if w else (None, None)
-    return decode_attention_reference(params, qf.float(), Window(wk, wv, window.mask_2d()[:, None, None, :]),
-                                      History(k, v, start, key_mask), scaling, out_dtype, rotated=(q_rot, qk_off))
+    win, start = window.gathered(), torch.zeros(qf.shape[0], dtype=torch.long, device=qf.device)
+    return decode_attention_reference(params, qf, Window(win.k, win.v, win.mask_2d()[:, None, None, :]),
+                                      History(valid_only(history.k), valid_only(history.v), start, key_mask), scaling,
+                                      out_dtype)
 
 
 def paged_supported(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, group_size: int, win_k) -> bool:

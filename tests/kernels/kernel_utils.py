@@ -142,12 +142,8 @@ def paged(use_kernels="auto", **case):
 
 
 def paged_reference(**case):
-    """The paged read's per-row torch reference (``paged_decode.paged_decode_reference``)."""
-    from oscar_hf.kernels.paged_decode import check_paged_inputs, paged_decode_reference
-
-    params, window, history = paged_bundles(**case)
-    check_paged_inputs(case["qf"], case["pages_k"], case["pages_v"], history.pages, window)
-    return paged_decode_reference(params, case["qf"], window, history, case["scaling"], case["out_dtype"])
+    """The paged read's torch reference (``paged_decode.paged_decode_batched``), as :func:`paged` dispatches to it."""
+    return paged(use_kernels=False, **case)
 
 
 def paged_triton(defaults=None, **case):

@@ -20,6 +20,7 @@ INTERPRETED = setup_interpreter()  # before any kernel module is imported
 from oscar_hf.kernels import paged_decode as pd  # noqa: E402
 from oscar_hf.kernels import plan  # noqa: E402
 from oscar_hf.kernels.int2_attention import decode_attention_reference, rotate_query_reference  # noqa: E402
+from oscar_hf.kernels.kv import History, KVParams, Window  # noqa: E402
 from oscar_hf.kernels.plan import DEFAULTS, triton_importable  # noqa: E402
 from oscar_hf.kernels.write_path import rotate_quantize  # noqa: E402
 from oscar_hf.quant import QuantizedRows  # noqa: E402
@@ -122,13 +123,25 @@ def test_reference_equals_contiguous_reference(page, lens, mu):
     assert rel_err(got, ref) < 1e-5
 
 
+def rowwise_reference(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, win_k, win_v, win_slot, win_mask, r_v,
+                      mu_v, scaling, group_size, out_dtype):
+    """Row by row: each row's history gathered to its own length and read by the contiguous reference."""
+    params, outs = KVParams(r_k, mu_k, r_v, mu_v, group_size), []
+    for b, (n, slot) in enumerate(zip(hist_len.tolist(), win_slot.tolist())):
+        k, v = (pd.gather_pages(x, block_table[b], n) for x in (pages_k, pages_v))
+        window = Window(win_k[slot : slot + 1], win_v[slot : slot + 1], win_mask[b].view(1, 1, 1, -1))
+        outs.append(decode_attention_reference(params, qf[b : b + 1], window,
+                                               History(k, v, torch.zeros(1, dtype=torch.long)), scaling, out_dtype))
+    return torch.cat(outs, 0)
+
+
 @pytest.mark.parametrize("page,lens,mu", [(16, (37, 0, 5, 50), True), (8, (9, 24, 1), False)])
 def test_batched_reference_equals_the_reference(page, lens, mu):
     """The batched torch path (what the serving store's decode step runs off CUDA, and what a CUDA graph may capture:
     every row gathered to a host bound, no host sync) equals the row-by-row reference, at the exact longest history
     and at a larger bound (a graphed step's bucket), with NaN in the storage past each row's entries."""
     args, _ = paged_case(len(lens), 2, 4, 64, 32, page, lens, 20, mu, seed=page + 1)
-    ref = paged_reference(**args)
+    ref = rowwise_reference(**args)
     wide = dict(args, block_table=torch.nn.functional.pad(args["block_table"], (0, 2), value=-1))
     for bound, a in ((max(lens), args), (max(lens) + 2 * page, wide)):
         got = paged(**a, use_kernels=False, max_hist_len=bound)
