@@ -192,11 +192,11 @@ def _is_state_layer(layer) -> bool:
     return not isinstance(layer, CacheLayerMixin) and hasattr(layer, "recurrent_states")
 
 
-def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 1024) -> None:
-    """Leave in every layer what a prefill of ``context`` tokens would: random K/V rows through the cache's own write
-    path, chunk by chunk (decode speed does not depend on the values; a 64 x 32K prompt's activations would not fit).
-    Sliding layers get the rows they keep, their count set to ``context``; linear-attention layers are left to
-    ``generate``'s first forward (the prompt's last token), which leaves the state a prefill leaves."""
+def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 1024, expect: int = 0) -> None:
+    """What a prefill of ``context`` tokens leaves: random K/V rows through the cache's own write path, chunk by chunk
+    (speed does not depend on the values; a 64 x 32K prompt's activations would not fit), OSCAR's capacity sized for
+    ``expect`` tokens as ``generate`` sizes it. Sliding layers get the rows they keep, their count set to ``context``;
+    linear-attention layers are left to ``generate``'s first forward (the prompt's last token)."""
     from oscar_hf.cache import DummyLayer, OscarLayer, CompiledOscarLayer
     from strong_bf16 import StrongBF16Cache
     from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
@@ -216,9 +216,8 @@ def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 
         cache.length.fill_(context)
         return
     for layer in tqdm(cache.layers, desc="synthetic fill", leave=False):
-        # (state layers have no K/V rows; KV sharing's reuse layers cache nothing)
         if _is_state_layer(layer) or (DummyLayer is not None and isinstance(layer, DummyLayer)):
-            continue
+            continue  # (state layers have no K/V rows; KV sharing's reuse layers cache nothing)
         if isinstance(layer, (DynamicSlidingWindowLayer, StaticSlidingWindowLayer)):
             keep = layer.sliding_window if isinstance(layer, DynamicSlidingWindowLayer) else layer.max_cache_len
             n = min(keep + 1, context)  # one row more than it keeps: the layer takes them as a prefill overflowing it
@@ -236,6 +235,7 @@ def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 
             v = torch.randn(batch, hk, n, d, device=device, dtype=model.dtype, generator=g)
             if isinstance(layer, CompiledOscarLayer):
                 if not layer.is_initialized:
+                    layer.expected_len = expect  # (what generate's hook tells it before a prefill)
                     layer.lazy_initialization(k, v)
                     layer.pad_known = True
                 t_old = layer.host_len
@@ -295,7 +295,7 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
         base = torch.cuda.memory_allocated()
     if fill:  # the cache holds `context` tokens; generate feeds the last prompt token, then decodes
         with torch.no_grad():
-            synthetic_fill(model, cache, batch, context, device)
+            synthetic_fill(model, cache, batch, context, device, expect=context + new_tokens + 1)
     t0 = time.perf_counter()
     heads = settings.HEADS_DEFAULTS  # oscar-fpN-serial: the retrieval heads' read on the layer's stream, not beside it
     settings.HEADS_DEFAULTS = dataclasses.replace(heads, side_stream=not method.endswith("-serial"))
@@ -355,7 +355,7 @@ def main(argv=None):
                         "(decode-only measurements at batch x context whose prefill activations would not fit)")
     p.add_argument("--capacity-only", action="store_true", help="skip the sweep; capacity from --bytes-per-token")
     p.add_argument("--bytes-per-token", nargs=2, type=float, metavar=("BF16", "OSCAR"), default=None,
-                   help="KV bytes per token (all layers) measured by an earlier sweep, for --capacity-only")
+                   help="KV bytes allocated per token (all layers) by an earlier sweep; 0: this run's")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -400,12 +400,12 @@ def main(argv=None):
     capacity = {}
     per_tok = {}
     for m in ("bf16", "oscar"):
-        rs = [r for r in results if r["method"] == m and r.get("cache_bytes")]
-        if rs:
+        if rs := [r for r in results if r["method"] == m and r.get("cache_bytes")]:
             big = max(rs, key=lambda r: r["batch"] * r["context"])
-            per_tok[m] = big["cache_bytes"] / (big["batch"] * (big["context"] + big["new_tokens"] - 1))
-    if args.bytes_per_token:
-        per_tok = dict(zip(("bf16", "oscar"), args.bytes_per_token))
+            n = big["batch"] * (big["context"] + big["new_tokens"] - 1)
+            per_tok[m] = (big.get("cache_allocated_bytes") or big["cache_bytes"]) / n
+    if args.bytes_per_token:  # (a 0: the bytes this run allocated)
+        per_tok.update({m: b for m, b in zip(("bf16", "oscar"), args.bytes_per_token) if b})
     budget = args.kv_budget_gib * 2**30
     for m, bpt in per_tok.items():
         capacity[m] = dict(bytes_per_token=bpt, max_tokens=int(budget / bpt),

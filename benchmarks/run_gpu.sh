@@ -111,7 +111,7 @@ for what in "$@"; do
     fi
     m=${METHODS:-bf16-strong oscar oscar-fp25}
     case "$what" in strong|strong-b8) gen "generate_strong_${GPU}_b8_t32768" --contexts 32768 --batches 8 \
-        --synthetic-fill --new-tokens 64 --methods $m $CAP --capacity-methods bf16-strong oscar ;; esac
+        --synthetic-fill --new-tokens 64 --methods $m ${CAP/ 27375/ 0} --capacity-methods bf16-strong oscar ;; esac
     case "$what" in strong|strong-b1) gen "generate_strong_${GPU}_b1_t100000" --contexts 100000 --batches 1 \
         --synthetic-fill --new-tokens 64 --methods $m ;; esac
     case "$what" in strong|strong-short) gen "generate_strong_${GPU}_b1_t1024" --contexts 1024 --batches 1 \

@@ -90,6 +90,7 @@ def test_generate_reserves_its_length_up_front(monkeypatch):
     monkeypatch.setattr(compiled_mod, "RESERVE_FACTOR", 4)
     assert compiled_mod.capacity_for(31, 0, 70) == 80 and compiled_mod.capacity_for(31, 0, 0) == 48
     assert compiled_mod.capacity_for(31, 0, 10_000) == 4 * 48  # capped
+    assert compiled_mod.capacity_for(100, 0, 110) == 112  # its length, not the need's headroom (128)
     m = tiny_model("llama")
     ids, am = random_left_padded([3, 20, 31])
     cache = OscarCache(m, compile=True, skip_layers=(1,), **SMALL)  # an OSCAR layer and a GrowingLayer
