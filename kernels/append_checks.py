@@ -1,42 +1,15 @@
-"""Input checks of the one-token write, shared by its references (``write_path``) and kernels (``append_triton``)
-without either importing the other. Reads no device data."""
+"""Input checks of the one-token write (:func:`~oscar_hf.kernels.write_path.append`), shared by its references
+(``write_path``) and kernels (``append_triton``) without either importing the other. Host-side metadata only: no
+device sync."""
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
 from oscar_hf.quant import check_group_size
 
 
-class CodedSlots(NamedTuple):
-    """The retrieval heads' entries the one-token write fills: ``k``/``v`` parts ``[B, P, N, *]`` (``encode_heads``:
-    ``(x,)`` at 16 bits, ``(codes, scale, zero)`` at 8 / 4), ``coded_of [Hk]`` int64 (-1: an INT2 head), ``bits``."""
-
-    k: tuple[torch.Tensor, ...]
-    v: tuple[torch.Tensor, ...]
-    coded_of: torch.Tensor
-    bits: int
-
-
-def coded_slots(params, history) -> CodedSlots | None:
-    """The retrieval heads' rows of a write (``history.coded`` with ``params.heads``), None without."""
-    if history.coded is None:
-        return None
-    return CodedSlots(history.coded[0], history.coded[1], params.heads.coded_of, params.heads.bits)
-
-
-def write_operands(params, window, history) -> tuple:
-    """A write's operands from its bundles, as the references and the launchers read them: ``(win_k, win_v, hist_k,
-    hist_v, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, coded)``."""
-    p = params
-    return (window.k, window.v, history.k, history.v, p.hist_of, p.r_k, p.mu_k, p.clip_k, p.r_v, p.mu_v, p.clip_v,
-            coded_slots(params, history))
-
-
 def check_append_inputs(params, new_k, new_v, window, history, at) -> tuple[int, int, int]:
-    """Shape checks of the contiguous one-token write (``write_path.append`` at a ``Ring``; host-side metadata only:
-    no device sync). Returns ``(R, N, H2)``: ring entries, history capacity, quantized heads."""
+    """The contiguous write at a ``Ring``. Returns ``(R, N, H2)``: ring entries, history capacity, quantized heads."""
     win_k, win_v, length, pad, sink, recent = window.k, window.v, at.length, at.pad, at.sink, at.recent
     if new_k.dim() != 4 or new_k.shape[2] != 1 or new_v.shape != new_k.shape:
         raise ValueError(f"new_k/new_v must be [B, Hk, 1, D] of one shape, got {tuple(new_k.shape)}, "
@@ -54,7 +27,7 @@ def check_append_inputs(params, new_k, new_v, window, history, at) -> tuple[int,
         raise ValueError(f"the ring has {ring} entries (window {win_k.shape[2]} - sink {sink}); it needs at least "
                          f"recent + 1 = {recent + 1}")
     h2, n = history.k.codes.shape[1], history.k.codes.shape[2]
-    _check_history(params, history, (b, h2, n), "B, H2, N", d, hk)
+    _check_history(params, history, (b, h2, n), "B, H2, N", d, hk, win_k.dtype)
     mu_k, mu_v = params.mu_k, params.mu_v
     if mu_k is not None and mu_k.shape not in ((h2, d), (b, h2, d)):
         raise ValueError(f"mu_k must be None, [H2, D] or [B, H2, D] = {(b, h2, d)}, got {tuple(mu_k.shape)}")
@@ -62,7 +35,6 @@ def check_append_inputs(params, new_k, new_v, window, history, at) -> tuple[int,
         raise ValueError(f"mu_v must be None or [H2, D] = {(h2, d)}, got {tuple(mu_v.shape)}")
     if length.dim() != 0 or pad.shape != (b,):
         raise ValueError(f"length must be a 0-d tensor and pad [B={b}], got {tuple(length.shape)}, {tuple(pad.shape)}")
-    check_coded_slots(coded_slots(params, history), win_k, n)
     return ring, n, h2
 
 
@@ -71,9 +43,10 @@ def _check_dtypes(new_k, new_v, win_k, win_v) -> None:
         raise ValueError(f"window dtype {win_k.dtype}/{win_v.dtype} != new token dtype {new_k.dtype}/{new_v.dtype}")
 
 
-def _check_history(params, history, lead: tuple, lead_names: str, d: int, hk: int) -> None:
+def _check_history(params, history, lead: tuple, lead_names: str, d: int, hk: int, dtype) -> None:
     """The INT2 rows ``[*lead, D/4]`` uint8 and ``[*lead, D/G]`` metadata (``lead[1]`` = H2 quantized heads), the
-    KV head -> history head map and the rotations ``[H2, D, D]``: the contiguous and the paged write alike."""
+    KV head -> history head map, the rotations ``[H2, D, D]`` and the retrieval heads' rows (``dtype``: the window's)
+    of the contiguous and the paged write alike."""
     h2, group_size, meta_dtype, hist_heads = lead[1], params.group_size, params.meta_dtype, params.hist_of
     for name, q in (("hist_k", history.k), ("hist_v", history.v)):
         if q.codes.shape != (*lead, d // 4) or q.codes.dtype != torch.uint8:
@@ -92,35 +65,33 @@ def _check_history(params, history, lead: tuple, lead_names: str, d: int, hk: in
     for name, r in (("r_k", params.r_k), ("r_v", params.r_v)):
         if r.shape != (h2, d, d):
             raise ValueError(f"{name} must be [H2={h2}, D, D], got {tuple(r.shape)}")
+    if history.coded is not None:
+        _check_coded(params, history.coded, lead[0], lead[2], hk, d, dtype)
 
 
-def check_coded_slots(coded, win_k, n: int) -> None:
-    """Shape checks of the retrieval heads' part of the one-token write (``coded``: a ``CodedSlots`` or None) against
-    the window ``win_k [B, Hk, S0 + R, D]`` and the history capacity ``n``."""
-    if coded is None:
-        return
-    b, hk, _, d = win_k.shape
-    if coded.bits not in (4, 8, 16):
-        raise ValueError(f"coded heads are stored at 4, 8 or 16 bits, got {coded.bits}")
-    parts = 1 if coded.bits == 16 else 3
-    if len(coded.k) != parts or len(coded.v) != parts:
-        raise ValueError(f"a {coded.bits}-bit coded store has {parts} parts, got {len(coded.k)} / {len(coded.v)}")
-    p = coded.k[0].shape[1]
-    want = [(d if coded.bits == 16 else d * coded.bits // 8, win_k.dtype if coded.bits == 16 else torch.uint8)]
-    want += [(1, win_k.dtype)] * (parts - 1)
-    for name, store in (("k", coded.k), ("v", coded.v)):
+def _check_coded(params, coded, rows: int, n: int, hk: int, d: int, dtype) -> None:
+    """The retrieval heads' ``(k, v)`` parts ``[rows, P, n, *]`` (rows: B, or pages of ``n`` entries) at
+    ``params.heads.bits`` and their ``coded_of [Hk]``."""
+    bits, coded_of = params.heads.bits, params.heads.coded_of
+    if bits not in (4, 8, 16):
+        raise ValueError(f"coded heads are stored at 4, 8 or 16 bits, got {bits}")
+    parts = 1 if bits == 16 else 3
+    if len(coded[0]) != parts or len(coded[1]) != parts:
+        raise ValueError(f"a {bits}-bit coded store has {parts} parts, got {len(coded[0])} / {len(coded[1])}")
+    p = coded[0][0].shape[1]
+    want = [(d if bits == 16 else d * bits // 8, dtype if bits == 16 else torch.uint8)] + [(1, dtype)] * (parts - 1)
+    for name, store in zip("kv", coded):
         for x, (last, dt) in zip(store, want):
-            if x.shape != (b, p, n, last) or x.dtype != dt or x.stride(-1) != 1:
+            if x.shape != (rows, p, n, last) or x.dtype != dt or x.stride(-1) != 1:
                 raise ValueError(f"coded {name} part {x.dtype} {tuple(x.shape)} is not {dt} [B, P, N, {last}] = "
-                                 f"{(b, p, n, last)}, contiguous in its last dimension")
-    if coded.coded_of.shape != (hk,) or coded.coded_of.dtype != torch.long:
-        raise ValueError(f"coded_of must be int64 [Hk={hk}], got {coded.coded_of.dtype} {tuple(coded.coded_of.shape)}")
+                                 f"{(rows, p, n, last)}, contiguous in its last dimension")
+    if coded_of.shape != (hk,) or coded_of.dtype != torch.long:
+        raise ValueError(f"coded_of must be int64 [Hk={hk}], got {coded_of.dtype} {tuple(coded_of.shape)}")
 
 
 def check_paged_inputs(params, new_k, new_v, window, history, rows) -> int:
-    """Shape checks of the paged one-token write (``write_path.append`` at ``PagedRows``; host-side metadata only).
-    Returns ``H2``, the quantized heads."""
-    win_k, win_v, coded = window.k, window.v, coded_slots(params, history)
+    """The paged write at ``PagedRows``. Returns ``H2``, the quantized heads."""
+    win_k, win_v = window.k, window.v
     if new_k.dim() != 3 or new_v.shape != new_k.shape:
         raise ValueError(f"new_k/new_v must be [Hk, Q, D] of one shape, got {tuple(new_k.shape)}, {tuple(new_v.shape)}")
     hk, _, d = new_k.shape
@@ -135,10 +106,8 @@ def check_paged_inputs(params, new_k, new_v, window, history, rows) -> int:
         if x.shape != (bp,) or x.dtype != torch.long:
             raise ValueError(f"rows.{name} must be int64 [Bp={bp}], got {x.dtype} {tuple(x.shape)}")
     pages, h2, p = history.k.codes.shape[:3]
-    _check_history(params, history, (pages, h2, p), "pages, H2, P", d, hk)
+    _check_history(params, history, (pages, h2, p), "pages, H2, P", d, hk, win_k.dtype)
     for name, mu in (("mu_k", params.mu_k), ("mu_v", params.mu_v)):
         if mu is not None and mu.shape != (h2, d):
             raise ValueError(f"{name} must be None or [H2, D] = {(h2, d)}, got {tuple(mu.shape)}")
-    if coded is not None:  # the coded pages as a history of `pages` rows of P entries
-        check_coded_slots(coded, torch.empty((pages, hk, 1, d), dtype=win_k.dtype, device="meta"), p)
     return h2

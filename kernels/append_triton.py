@@ -13,9 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oscar_hf.quant import QuantizedRows
-
-from .append_checks import check_append_inputs, check_paged_inputs, write_operands
+from .append_checks import check_append_inputs, check_paged_inputs
 from .plan import next_pow2, settle_cache_keys
 from .write_triton import _LEVELS, _META_KIND, _codes, _group_grid, _padded_cols, _quantize_masked, _round_meta
 
@@ -197,24 +195,14 @@ def _append_token_kernel(
             tl.store(WIN_V + sink_dst, nv, mask=dm)
 
 
-def _rotations_and_coded(dev, r_k, mu_k, r_v, mu_v, coded, placeholder):
-    """Both write kernels' rotation inputs (float32, contiguous, on ``dev``) and their retrieval heads' stores:
-    ``(r_k, mu_k, r_v, mu_v, ck, cv, x_strides, m_strides)``, the three coded parts of K and V (a 16-bit store's one
-    part thrice) and their strides, or ``placeholder`` tensors never read (no coded heads: ``CODED_BITS = 0``)."""
-    f32 = lambda t: None if t is None else t.to(device=dev, dtype=torch.float32).contiguous()  # noqa: E731
-    if coded is None:
-        return f32(r_k), f32(mu_k), f32(r_v), f32(mu_v), (placeholder,) * 3, (placeholder,) * 3, (0, 0, 0), (0, 0, 0)
-    ck, cv = (parts * 3 if len(parts) == 1 else parts for parts in (coded.k, coded.v))
-    if any(a.stride() != c.stride() for a, c in zip(ck, cv)) or ck[1].stride() != ck[2].stride():
-        raise ValueError("the coded K and V stores must share one layout (and scale and zero one)")
-    return f32(r_k), f32(mu_k), f32(r_v), f32(mu_v), ck, cv, ck[0].stride()[:3], ck[1].stride()[:3]
-
-
-def _check_kernel_layouts(win_k, win_v, hist_k: QuantizedRows, hist_v: QuantizedRows, meta_dtype) -> None:
-    """What both write kernels assume of their tensors beyond the shapes (``append_checks``): a metadata dtype they
-    code, K and V windows of one layout contiguous in D, one codes layout and one metadata layout for K and V."""
-    if meta_dtype not in _META_KIND:
-        raise ValueError(f"metadata dtype {meta_dtype} is not supported by the kernel; use one of {list(_META_KIND)}")
+def _shared_args(params, window, history, placeholder) -> tuple[tuple, tuple, dict]:
+    """What both write kernels take alike, once the layouts they assume beyond the shapes (``append_checks``) are
+    checked: the arguments ``HEADS .. clip_v`` (rotations float32 and contiguous; the retrieval heads' three parts of
+    K and of V, a 16-bit store's one part thrice), the coded parts' strides, and the constexprs with ``num_warps``.
+    ``placeholder``: a tensor passed for pointers never read (no ``hist_of``, no ``mu``, no coded heads)."""
+    p, win_k, win_v, hist_k, hist_v, coded = params, window.k, window.v, history.k, history.v, history.coded
+    if p.meta_dtype not in _META_KIND:
+        raise ValueError(f"metadata dtype {p.meta_dtype} is not supported by the kernel; use one of {list(_META_KIND)}")
     if win_k.stride() != win_v.stride() or win_k.stride(-1) != 1:
         raise ValueError(f"win_k and win_v must share a layout contiguous in D, got {win_k.stride()}, {win_v.stride()}")
     metas = (hist_k.scale, hist_k.zero, hist_v.scale, hist_v.zero)
@@ -223,40 +211,43 @@ def _check_kernel_layouts(win_k, win_v, hist_k: QuantizedRows, hist_v: Quantized
     ) or hist_k.scale.stride(-1) != 1:
         raise ValueError("hist_k and hist_v must share one codes layout and one metadata layout, contiguous in the "
                          "last dimension")
+    ck = cv = (placeholder,) * 3
+    strides = (0,) * 6
+    if coded is not None:
+        ck, cv = (parts * 3 if len(parts) == 1 else parts for parts in coded)
+        if any(a.stride() != c.stride() for a, c in zip(ck, cv)) or ck[1].stride() != ck[2].stride():
+            raise ValueError("the coded K and V stores must share one layout (and scale and zero one)")
+        strides = (*ck[0].stride()[:3], *ck[1].stride()[:3])
+    r_k, mu_k, r_v, mu_v = (None if t is None else t.to(device=win_k.device, dtype=torch.float32).contiguous()
+                            for t in (p.r_k, p.mu_k, p.r_v, p.mu_v))
+    args = (placeholder if p.hist_of is None else p.hist_of, r_k, r_k if mu_k is None else mu_k, r_v,
+            r_v if mu_v is None else mu_v, *ck, *cv, placeholder if coded is None else p.heads.coded_of,
+            float(p.clip_k), float(p.clip_v))
+    d = win_k.shape[-1]
+    warps, blk = launch_shape(d)
+    return args, strides, dict(
+        D=d, G=p.group_size, BLOCK_K=blk, HAS_HEADS=p.hist_of is not None, HAS_MU_K=mu_k is not None,
+        HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[p.meta_dtype], STD=p.quantizer == "std",
+        CODED_BITS=0 if coded is None else p.heads.bits, WIN_KIND=_META_KIND[win_k.dtype], DP=next_pow2(d),
+        num_warps=warps)
 
 
 def append_token_triton(params, new_k, new_v, window, history, at):
-    """Triton version of :func:`~oscar_hf.kernels.write_path.append_token_reference` (same contract and bundles, for
-    the shapes ``write_triton.kernel_supported`` accepts): one launch, no host synchronisation. Returns None."""
-    ring, n, hq = check_append_inputs(params, new_k, new_v, window, history, at)
-    win_k, win_v, hist_k, hist_v, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, coded = write_operands(
-        params, window, history)
-    length, pad, sink, recent = at.length, at.pad, at.sink, at.recent
-    group_size, meta_dtype, quantizer = params.group_size, params.meta_dtype, params.quantizer
+    """:func:`~oscar_hf.kernels.write_path.append_token_reference` in one launch, no host synchronisation."""
+    ring, n, h2 = check_append_inputs(params, new_k, new_v, window, history, at)
     b, hk, _, d = new_k.shape
     if b == 0 or hk == 0:
         return None
-    if length.dtype != torch.long or pad.dtype != torch.long:
-        raise ValueError(f"length and pad must be int64, got {length.dtype}, {pad.dtype}")
-    _check_kernel_layouts(win_k, win_v, hist_k, hist_v, meta_dtype)
-    new_k = new_k if new_k.stride(-1) == 1 else new_k.contiguous()
-    new_v = new_v if new_v.stride(-1) == 1 else new_v.contiguous()
-    r_k, mu_k, r_v, mu_v, ck, cv, x_strides, m_strides = _rotations_and_coded(
-        new_k.device, r_k, mu_k, r_v, mu_v, coded, length)
-    warps, blk = launch_shape(d)
+    if at.length.dtype != torch.long or at.pad.dtype != torch.long:
+        raise ValueError(f"length and pad must be int64, got {at.length.dtype}, {at.pad.dtype}")
+    args, coded_strides, const = _shared_args(params, window, history, at.length)
+    new_k, new_v = (x if x.stride(-1) == 1 else x.contiguous() for x in (new_k, new_v))
+    mu_k = params.mu_k
     _append_token_kernel[(b * hk * 2,)](
-        new_k, new_v, win_k, win_v, *hist_k, *hist_v, length, pad,
-        hist_heads if hist_heads is not None else length,  # unused placeholder when every head is quantized
-        r_k, mu_k if mu_k is not None else r_k, r_v, mu_v if mu_v is not None else r_v,
-        *ck, *cv, coded.coded_of if coded is not None else length,
-        float(clip_k), float(clip_v), hk, n, sink, ring, recent,
-        new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
-        *win_k.stride()[:3], *hist_k.codes.stride()[:3], *hist_k.scale.stride()[:3],
-        (hq * d if mu_k is not None and mu_k.dim() == 3 else 0), *x_strides, *m_strides,
-        D=d, G=group_size, BLOCK_K=blk, HAS_HEADS=hist_heads is not None,
-        HAS_MU_K=mu_k is not None, HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[meta_dtype],
-        STD=quantizer == "std", CODED_BITS=0 if coded is None else coded.bits, WIN_KIND=_META_KIND[win_k.dtype],
-        DP=next_pow2(d), num_warps=warps)
+        new_k, new_v, window.k, window.v, *history.k, *history.v, at.length, at.pad, *args,
+        hk, n, at.sink, ring, at.recent, new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
+        *window.k.stride()[:3], *history.k.codes.stride()[:3], *history.k.scale.stride()[:3],
+        (h2 * d if mu_k is not None and mu_k.dim() == 3 else 0), *coded_strides, **const)
     return None
 
 
@@ -328,37 +319,22 @@ def _paged_append_kernel(
 
 
 def paged_append_triton(params, new_k, new_v, window, history, rows):
-    """Triton version of :func:`~oscar_hf.kernels.write_path.paged_append_reference` (same contract, for the shapes
-    ``write_triton.kernel_supported`` accepts): one launch of ``Bp * Hk`` programs, no host synchronisation; the sink
-    write is skipped per row where ``sink_entry = new_entry`` (``write_sink`` only tells the reference). Returns
-    None."""
-    hq = check_paged_inputs(params, new_k, new_v, window, history, rows)
-    win_k, win_v, hist_k, hist_v, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, coded = write_operands(
-        params, window, history)
-    group_size, meta_dtype, quantizer, demote = params.group_size, params.meta_dtype, params.quantizer, rows.demote
-    hk, _, d = new_k.shape
-    bp = rows.pos.shape[0]
+    """:func:`~oscar_hf.kernels.write_path.paged_append_reference` in one launch of ``Bp * Hk`` programs, no host
+    synchronisation; the sink write is skipped per row where ``sink_entry = new_entry`` (``write_sink`` only tells the
+    reference)."""
+    h2 = check_paged_inputs(params, new_k, new_v, window, history, rows)
+    hk, bp = new_k.shape[0], rows.pos.shape[0]
     if bp == 0 or hk == 0:
         return None
-    _check_kernel_layouts(win_k, win_v, hist_k, hist_v, meta_dtype)
+    args, coded_strides, const = _shared_args(params, window, history, rows.pos)
     if new_k.stride(-1) != 1 or new_v.stride() != new_k.stride():
         new_k, new_v = new_k.contiguous(), new_v.contiguous()
     tensors = tuple(x.contiguous() for x in rows.tensors())  # (views of the plan's buffers: already contiguous)
-    r_k, mu_k, r_v, mu_v, ck, cv, x_strides, m_strides = _rotations_and_coded(
-        new_k.device, r_k, mu_k, r_v, mu_v, coded, rows.pos)
-    warps, blk = launch_shape(d)
+    coded_heads = 0 if history.coded is None else history.coded[0][0].shape[1]
     _paged_append_kernel[(bp * hk,)](
-        new_k, new_v, *tensors, win_k, win_v, *hist_k, *hist_v,
-        hist_heads if hist_heads is not None else rows.pos,  # unused placeholder when every head is quantized
-        r_k, mu_k if mu_k is not None else r_k, r_v, mu_v if mu_v is not None else r_v,
-        *ck, *cv, coded.coded_of if coded is not None else rows.pos,
-        float(clip_k), float(clip_v), hk, new_k.stride(0), new_k.stride(1),
-        *win_k.stride()[:3], *hist_k.codes.stride()[:3], *hist_k.scale.stride()[:3], *x_strides, *m_strides,
-        D=d, G=group_size, BLOCK_K=blk, HAS_HEADS=hist_heads is not None,
-        HAS_MU_K=mu_k is not None, HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[meta_dtype],
-        STD=quantizer == "std", CODED_BITS=0 if coded is None else coded.bits, WIN_KIND=_META_KIND[win_k.dtype],
-        DP=next_pow2(d), DEMOTE=bool(demote) and hq + (0 if coded is None else coded.k[0].shape[1]) > 0,
-        num_warps=warps)
+        new_k, new_v, *tensors, window.k, window.v, *history.k, *history.v, *args, hk, new_k.stride(0),
+        new_k.stride(1), *window.k.stride()[:3], *history.k.codes.stride()[:3], *history.k.scale.stride()[:3],
+        *coded_strides, DEMOTE=bool(rows.demote) and h2 + coded_heads > 0, **const)
     return None
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.quant import QuantizedRows, encode_heads, quantize_rows
+from oscar_hf.quant import encode_heads, quantize_rows
 
-from .append_checks import CodedSlots, check_append_inputs, check_paged_inputs, write_operands  # noqa: F401
+from .append_checks import check_append_inputs, check_paged_inputs
 from .kv import History, KVParams, PagedRows, Ring, Window
 from .plan import triton_enabled
 
@@ -64,14 +64,10 @@ def append_token_reference(params: KVParams, new_k, new_v, window: Window, histo
     ``S0 + s % R``; history slot ``s >= S0`` at index ``s - S0``. (1) Slot ``T - 1 - W`` leaves the window: quantized
     into the history (coded for the retrieval heads), read before (2) overwrites it when ``R = W + 1``. (2) ``new
     [B, Hk, 1, D]`` goes to ring entry ``S0 + T % R`` and, for rows with ``0 <= T - pad[b] < S0``, the sink."""
-    ring, n, hq = check_append_inputs(params, new_k, new_v, window, history, at)
-    win_k, win_v, hist_k, hist_v, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, coded = write_operands(
-        params, window, history)
-    length, pad, sink, recent = at.length, at.pad, at.sink, at.recent
-    group_size, meta_dtype, quantizer = params.group_size, params.meta_dtype, params.quantizer
-    s0, t = sink, length
+    ring, n, h2 = check_append_inputs(params, new_k, new_v, window, history, at)
+    p, win_k, win_v, s0, t = params, window.k, window.v, at.sink, at.length
     # 1. demotion: written to a clamped index, masked to the old contents when slot s is no history slot
-    s = t - 1 - recent
+    s = t - 1 - at.recent
     e = s - s0
     ok = (e >= 0) & (e < n)
     src_entry = (s0 + torch.remainder(s, ring)).reshape(1)
@@ -81,23 +77,24 @@ def append_token_reference(params: KVParams, new_k, new_v, window: Window, histo
         for store, row in zip(stores, rows, strict=True):
             store.index_copy_(2, dst, torch.where(ok, row, store.index_select(2, dst)))
 
-    if n > 0 and hq > 0:
-        heads = _kv_head_of_hist(hist_heads, hq)
-        for win, hist, r, mu, clip in ((win_k, hist_k, r_k, mu_k, clip_k), (win_v, hist_v, r_v, mu_v, clip_v)):
+    if n > 0 and h2 > 0:
+        heads = _kv_head_of_hist(p.hist_of, h2)
+        for win, hist, r, mu, clip in ((win_k, history.k, p.r_k, p.mu_k, p.clip_k),
+                                       (win_v, history.v, p.r_v, p.mu_v, p.clip_v)):
             x = win.index_select(2, src_entry)  # [B, Hk, 1, D]
             if heads is not None:
                 x = x.index_select(1, heads)  # [B, H2, 1, D]
-            write(hist, rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, quantizer=quantizer))
-    if n > 0 and coded is not None:
-        heads = _kv_head_of_hist(coded.coded_of, coded.k[0].shape[1])  # [P]: the KV head of each coded entry
-        for win, store in ((win_k, coded.k), (win_v, coded.v)):
-            write(store, encode_heads(win.index_select(2, src_entry).index_select(1, heads), coded.bits))
+            write(hist, rotate_quantize_reference(x, r, mu, clip, p.group_size, p.meta_dtype, quantizer=p.quantizer))
+    if n > 0 and history.coded is not None:
+        heads = _kv_head_of_hist(p.heads.coded_of, history.coded[0][0].shape[1])  # [P]: each coded entry's KV head
+        for win, store in zip((win_k, win_v), history.coded):
+            write(store, encode_heads(win.index_select(2, src_entry).index_select(1, heads), p.heads.bits))
     # 2. the new token: ring entry, then the sink of rows with fewer than S0 real tokens
     entry = (s0 + torch.remainder(t, ring)).reshape(1)
     win_k.index_copy_(2, entry, new_k)
     win_v.index_copy_(2, entry, new_v)
     if s0 > 0:
-        j = t - pad  # [B] row b's real tokens before this one
+        j = t - at.pad  # [B] row b's real tokens before this one
         in_sink = ((j >= 0) & (j < s0))[:, None, None, None]
         b, hk, _, d = new_k.shape
         idx = j.clamp(0, s0 - 1)[:, None, None, None].expand(b, hk, 1, d)
@@ -120,31 +117,28 @@ def paged_append_reference(params: KVParams, new_k, new_v, window: Window, histo
     the packed batch, the window ``[slots, Hk, S0 + R, D]``, the history the page pool's ``[pages, H2, P, *]``.
     (1) Each row's ``demote_entry`` is quantized (coded for the retrieval heads) into ``demote_page`` /
     ``demote_off``; (2) its new token goes to ``new_entry`` and ``sink_entry`` (:class:`PagedRows`)."""
-    hq = check_paged_inputs(params, new_k, new_v, window, history, rows)
-    win_k, win_v, hist_k, hist_v, hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, coded = write_operands(
-        params, window, history)
-    demote, write_sink = rows.demote, rows.write_sink
-    group_size, meta_dtype, quantizer = params.group_size, params.meta_dtype, params.quantizer
+    h2 = check_paged_inputs(params, new_k, new_v, window, history, rows)
+    p, win_k, win_v, coded = params, window.k, window.v, history.coded
     k_new = new_k.index_select(1, rows.pos).transpose(0, 1)  # [Bp, Hk, D]
     v_new = new_v.index_select(1, rows.pos).transpose(0, 1)
-    if demote:  # 1. ring -> INT2 and coded rows, into the row's page (or the trash page)
-        int2 = _kv_head_of_hist(hist_heads, hq)
-        coded_heads = _kv_head_of_hist(coded.coded_of, coded.k[0].shape[1]) if coded is not None else None
-        stores = (None, None) if coded is None else (coded.k, coded.v)
-        for win, hist, r, mu, clip, store in ((win_k, hist_k, r_k, mu_k, clip_k, stores[0]),
-                                              (win_v, hist_v, r_v, mu_v, clip_v, stores[1])):
+    if rows.demote:  # 1. ring -> INT2 and coded rows, into the row's page (or the trash page)
+        int2 = _kv_head_of_hist(p.hist_of, h2)
+        coded_heads = None if coded is None else _kv_head_of_hist(p.heads.coded_of, coded[0][0].shape[1])
+        stores = coded or (None, None)
+        for win, hist, r, mu, clip, store in ((win_k, history.k, p.r_k, p.mu_k, p.clip_k, stores[0]),
+                                              (win_v, history.v, p.r_v, p.mu_v, p.clip_v, stores[1])):
             x = win[rows.slots, :, rows.demote_entry][:, :, None]  # [Bp, Hk, 1, D]
             if store is not None:
                 scatter_entries(store, rows.demote_page, rows.demote_off,
-                                 encode_heads(x.index_select(1, coded_heads), coded.bits))
-            if hq:
-                q = rotate_quantize_reference(x if int2 is None else x.index_select(1, int2), r, mu, clip, group_size,
-                                              meta_dtype, quantizer=quantizer)
+                                encode_heads(x.index_select(1, coded_heads), p.heads.bits))
+            if h2:
+                q = rotate_quantize_reference(x if int2 is None else x.index_select(1, int2), r, mu, clip, p.group_size,
+                                              p.meta_dtype, quantizer=p.quantizer)
                 scatter_entries(hist, rows.demote_page, rows.demote_off, q)
     # 2. the new token: its ring entry, and its sink entry while T < S0
     win_k[rows.slots, :, rows.new_entry] = k_new
     win_v[rows.slots, :, rows.new_entry] = v_new
-    if write_sink:
+    if rows.write_sink:
         win_k[rows.slots, :, rows.sink_entry] = k_new
         win_v[rows.slots, :, rows.sink_entry] = v_new
 

@@ -88,7 +88,7 @@ def compile_call(fn, args, kw, cuda_kw, sass=False):
 
 def main():
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
-    from kernel_utils import heads_loose, loose, paged_write, ring_write  # (the launchers take the kernels' bundles)
+    from kernel_utils import CodedSlots, heads_loose, loose, paged_write, ring_write  # (the launchers take the bundles)
 
     from oscar_hf.kernels import append_triton as at
     from oscar_hf.kernels import decode_triton as dt
@@ -96,7 +96,6 @@ def main():
     from oscar_hf.kernels import query_triton as qt
     from oscar_hf.kernels import write_triton as wt
     from oscar_hf.kernels.plan import DEFAULTS, HEADS_DEFAULTS
-    from oscar_hf.kernels.write_path import CodedSlots
     from oscar_hf.quant import QuantizedRows, quantize_rows
 
     # the launchers' module-level names of the kernels, recorded instead of run

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -162,8 +163,18 @@ def paged_triton(defaults=None, **case):
                                                  case["out_dtype"], defaults=defaults or DEFAULTS)
 
 
+class CodedSlots(NamedTuple):
+    """The retrieval heads' loose write arguments: ``k``/``v`` parts ``[B, P, N, *]`` (``encode_heads``: ``(x,)`` at
+    16 bits, ``(codes, scale, zero)`` at 8 / 4), ``coded_of [Hk]`` int64 (-1: an INT2 head), ``bits``."""
+
+    k: tuple
+    v: tuple
+    coded_of: torch.Tensor
+    bits: int
+
+
 def write_bundles(hist_heads, r_k, mu_k, clip_k, r_v, mu_v, clip_v, group_size, meta_dtype, quantizer, coded):
-    """``(params, coded rows)`` of a one-token write's loose arguments (``coded`` a ``write_path.CodedSlots``)."""
+    """``(params, coded rows)`` of a one-token write's loose arguments (``coded`` a :class:`CodedSlots`)."""
     from oscar_hf.kernels.kv import HeadSplit, KVParams
 
     heads = None if coded is None else HeadSplit(None, None, coded.coded_of, coded.bits)

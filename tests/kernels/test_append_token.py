@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_utils import HAS_CUDA, append_token, assert_int2_rows_close, random_rotation, ring_write, setup_interpreter
+from kernel_utils import (HAS_CUDA, CodedSlots, append_token, assert_int2_rows_close, random_rotation, ring_write,
+                          setup_interpreter)
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from oscar_hf.kernels import write_path  # noqa: E402
-from oscar_hf.kernels.write_path import CodedSlots  # noqa: E402
 
 append_token_reference = ring_write(write_path.append_token_reference)
 from oscar_hf.quant import QuantizedRows, encode_heads, quantize_rows  # noqa: E402

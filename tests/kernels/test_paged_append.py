@@ -8,12 +8,12 @@ import dataclasses
 
 import pytest
 import torch
-from kernel_utils import HAS_CUDA, assert_int2_rows_close, paged_append, paged_write, random_rotation, setup_interpreter
+from kernel_utils import (HAS_CUDA, CodedSlots, assert_int2_rows_close, paged_append, paged_write, random_rotation,
+                          setup_interpreter)
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from oscar_hf.kernels import write_path  # noqa: E402
-from oscar_hf.kernels.write_path import CodedSlots  # noqa: E402
 from oscar_hf.kernels.kv import PagedRows  # noqa: E402
 from oscar_hf.quant import encode_heads, quantize_rows, unpack_int2  # noqa: E402
 from oscar_hf.serving.pool import HeadLayout, PagedInt2Pool  # noqa: E402
