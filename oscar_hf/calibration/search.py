@@ -200,17 +200,9 @@ def eigvecs_desc(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w, u * sign
 
 
-def pooled_over_heads(c: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-    """``c [Hk, D, D]`` -> the layer's pooled moment ``Σ_h w_h c_h / Σ_h w_h`` replicated ``[Hk, D, D]``
-    (``weights [Hk]``; None: equal)."""
-    w = torch.ones(c.shape[0], dtype=c.dtype, device=c.device) if weights is None else weights.to(c)
-    pooled = (w[:, None, None] * c).sum(0) / w.sum().clamp_min(1e-300)
-    return pooled.expand_as(c)
-
-
 def candidate_rotation(name: str, kind: str, s: LayerStats, center: bool, shared: bool = False) -> torch.Tensor:
     """``[Hk, D, D]`` float32 rotation of candidate ``name`` for ``kind`` "k" or "v". ``shared``: one rotation
-    from the layer's pooled statistics (:func:`pooled_over_heads`)."""
+    from the layer's pooled moment ``Σ_h w_h c_h / Σ_h w_h`` (equal weights but for the score-weighted target)."""
     hk, d = s.k_sum.shape
     if name == "identity":
         return torch.eye(d).expand(hk, d, d).contiguous()
@@ -225,7 +217,8 @@ def candidate_rotation(name: str, kind: str, s: LayerStats, center: bool, shared
         raise ValueError(f"unknown {kind} rotation candidate {name!r}")
     c = cov().cpu()
     if shared:  # the score-weighted target's rows weigh w_t: head h holds sw_w[h] of the pooled weight
-        c = pooled_over_heads(c, s.sw_w.cpu() if name == "score-weighted" else None)
+        w = s.sw_w.cpu().to(c) if name == "score-weighted" else torch.ones(hk, dtype=c.dtype)  # [Hk]
+        c = ((w[:, None, None] * c).sum(0) / w.sum().clamp_min(1e-300)).expand_as(c)
     return oscar_rotation(eigvecs_desc(c)[1]).contiguous()
 
 
@@ -249,21 +242,17 @@ def build_candidates(stats: CalibrationStats, method: str, *, center: bool | str
                            else method]
     modes = center_modes(center)
     suffix = (lambda c: "+center" if c else "") if len(modes) > 1 else (lambda c: "")  # noqa: E731
-    knames = [n + suffix(c) for c in modes for n in names[0]]
-    vnames = [n + suffix(c) for c in modes for n in names[1]]
+    pairs = [[(n, c) for c in modes for n in kind] for kind in names]  # per kind: (name, centered) in candidate order
+    knames, vnames = ([n + suffix(c) for n, c in kind] for kind in pairs)
     grid = torch.tensor(sorted(float(c) for c in clip_grid), dtype=torch.float32)
     out = {}
     for i, s in sorted(stats.layers.items()):
-        hk, d = s.k_sum.shape
-        zero = torch.zeros(hk, d)
+        zero = torch.zeros(s.k_sum.shape)  # [Hk, D]: an uncentered candidate's offset
+        rots = [torch.stack([candidate_rotation(n, kind, s, c, shared) for n, c in p]) for kind, p in zip("kv", pairs)]
+        mus = [torch.stack([mu.float().cpu() if c else zero for _, c in p]) if any(modes) else None
+               for mu, p in zip((s.mu_k, s.mu_v), pairs)]
         ref = candidate_rotation("identity", "k", s, False)[None]
-        mk = [s.mu_k.float().cpu() if c else zero for c in modes for _ in names[0]]
-        mv = [s.mu_v.float().cpu() if c else zero for c in modes for _ in names[1]]
-        out[i] = LayerCandidates(
-            torch.stack([candidate_rotation(n, "k", s, c, shared) for c in modes for n in names[0]]),
-            torch.stack([candidate_rotation(n, "v", s, c, shared) for c in modes for n in names[1]]),
-            torch.stack(mk) if any(modes) else None, torch.stack(mv) if any(modes) else None, grid, grid.clone(), ref,
-            ref)
+        out[i] = LayerCandidates(*rots, *mus, grid, grid.clone(), ref, ref)
     return out, knames, vnames
 
 

@@ -26,13 +26,6 @@ GROUP_SIZES = (32, 64, 128, None)  # None: head_dim (one group per head); those 
 PRECISE_LAYERS = (1, 2, 4)  # numbers of layers kept precise (all their KV heads at the heads' width) tried, in order
 
 
-def default_target_context(model_config) -> int:
-    """:data:`DEFAULT_TARGET_CONTEXT` capped by the model's context (``max_position_embeddings``)."""
-    cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
-    limit = getattr(cfg, "max_position_embeddings", None)
-    return int(min(DEFAULT_TARGET_CONTEXT, limit)) if limit else DEFAULT_TARGET_CONTEXT
-
-
 def check_budget(budget_bits, target_context) -> None:
     """ValueError for a budget that is not a number of bits in (2, 16] or a context that is not a positive int."""
     if isinstance(budget_bits, bool) or not isinstance(budget_bits, (int, float)) or not 2.0 < budget_bits <= 16.0:
@@ -49,11 +42,11 @@ class Trial:
     name: str
     config: OscarConfig
     bits: float
-    kl: float | None = None
+    kl: float
 
     def record(self) -> dict:
         c = self.config
-        return {"name": self.name, "bits": round(self.bits, 4), "kl": None if self.kl is None else float(self.kl),
+        return {"name": self.name, "bits": round(self.bits, 4), "kl": self.kl,
                 "sink": c.sink, "recent": c.recent, "group_size": c.group_size, "quantizer": c.quantizer,
                 "heads": len(c.retrieval_heads), "head_bits": c.retrieval_bits}
 
@@ -107,18 +100,6 @@ def window_candidates(sink: int, recent: int, prompt: int) -> list[tuple[int, in
     return out
 
 
-def heldout_kl(model, rotations: OscarRotations, windows: Sequence[torch.Tensor],
-               scored: int = SCORED_TOKENS) -> Callable[[OscarConfig], float]:
-    """``config -> mean next-token KL`` over the held-out ``windows`` (``[n]`` ids each; references computed once)."""
-    refs = [reference_log_probs(model, w, scored) for w in windows]
-
-    def score(config: OscarConfig) -> float:
-        return sum(next_token_kl(model, rotations, w, scored=scored, reference=r, config=config)
-                   for w, r in zip(windows, refs)) / len(windows)
-
-    return score
-
-
 def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Tensor] | None = None, *,
                     budget_bits: float = DEFAULT_BUDGET_BITS, target_context: int | None = None,
                     base: OscarConfig | None = None, margin: float = MARGIN, progress: bool = True,
@@ -126,9 +107,12 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     """Search the cache settings and return the artifact's ``metadata["settings"]`` entry: ``chosen``
     (:data:`~oscar_hf.config.CHOSEN_FIELDS`), its ``bits`` and ``kl``, the budget, ``tried`` and ``over_budget``.
     ``windows``: held-out ``[n]`` ids (512 scored, the rest prompt); ``base``: where the search starts; ``score``:
-    ``config -> KL`` in place of :func:`heldout_kl`."""
+    ``config -> KL`` in place of the mean next-token KL over ``windows``; ``target_context`` None:
+    :data:`DEFAULT_TARGET_CONTEXT` capped by the model's ``max_position_embeddings``."""
     t0 = time.perf_counter()
-    target_context = default_target_context(model.config) if target_context is None else target_context
+    if target_context is None:
+        limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        target_context = int(min(DEFAULT_TARGET_CONTEXT, limit)) if limit else DEFAULT_TARGET_CONTEXT
     check_budget(budget_bits, target_context)
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must lie in [0, 1), got {margin!r}")
@@ -137,7 +121,12 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     if score is None:
         if not windows:
             raise ValueError("choose_settings needs held-out windows (or a score function)")
-        score = heldout_kl(model, rotations, windows)
+        refs = [reference_log_probs(model, w, SCORED_TOKENS) for w in windows]  # computed once
+
+        def score(config: OscarConfig) -> float:
+            return sum(next_token_kl(model, rotations, w, reference=r, config=config)
+                       for w, r in zip(windows, refs)) / len(windows)
+
     prompt = min(int(w.numel()) for w in windows) - SCORED_TOKENS if windows else 1 << 30
     hd = space.fp.head_dim
     tried: list[Trial] = []
@@ -153,13 +142,10 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     def run(name: str, config: OscarConfig | None, unfitted: OscarConfig, precise: int = 0) -> Trial | None:
         if config is None:  # over the budget even with the fewest retrieval heads allowed
             over.append({"name": name, "bits": round(space.bits(space.with_heads(unfitted, space.floor, precise)), 4)})
-            bar.update(1)
-            return None
-        t = Trial(name, config, space.bits(config))
-        t.kl = float(score(config))
-        tried.append(t)
+        else:
+            tried.append(Trial(name, config, space.bits(config), float(score(config))))
         bar.update(1)
-        return t
+        return None if config is None else tried[-1]
 
     try:
         # today's defaults, their heads fitted to the budget; that head count is the floor every candidate keeps
@@ -172,7 +158,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         inc = run("defaults", inc_cfg, start)
         precise = 0
 
-        def step(options: list[tuple[str, OscarConfig, int]]) -> None:
+        def step(options: list[tuple[str, OscarConfig, int]]) -> bool:
             """Score ``(name, unfitted config, precise layers)``; the best replaces the incumbent by > margin."""
             nonlocal inc, precise
             best = None
@@ -182,6 +168,8 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
                     best = (t, p)
             if best is not None and best[0].kl < inc.kl * (1.0 - margin):
                 inc, precise = best
+                return True
+            return False
 
         unfit = lambda: inc.config.replace(retrieval_heads=())  # noqa: E731  (the incumbent, heads refitted)
 
@@ -205,12 +193,9 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
                   if w != inc.config.retrieval_bits])
         # layers kept precise (greedy: more while it pays), worst held-out attention error first
         for n in PRECISE_LAYERS:
-            if n > len(space.ranked_layers) or n <= precise:
-                continue
-            before = precise
-            step([(f"{n} precise layers {space.ranked_layers[:n]}", unfit(), n)])
-            if precise == before:
-                break
+            if n <= len(space.ranked_layers) and n > precise:
+                if not step([(f"{n} precise layers {space.ranked_layers[:n]}", unfit(), n)]):
+                    break
     finally:
         bar.close()
     chosen = {k: getattr(inc.config, k) for k in CHOSEN_FIELDS}
@@ -264,10 +249,3 @@ def settings_summary(entry: dict) -> list[str]:
         lines.append(f"    not tried {o['name']:<32} {o['bits']:.3f} bits with "
                      f"{entry['retrieval_heads_floor']} retrieval heads: over budget")
     return lines
-
-
-__all__ = ["choose_settings", "heldout_kl", "window_candidates", "settings_summary", "default_target_context",
-           "check_budget", "kl_frontier", "DEFAULT_BUDGET_BITS", "DEFAULT_TARGET_CONTEXT", "MARGIN", "WINDOW_SHARE",
-           "WIDE_WINDOWS",
-           "Trial"]
-
