@@ -59,52 +59,31 @@ def renamed_keywords(kw: dict, where: str, warn: bool = True, stacklevel: int = 
 
 @dataclasses.dataclass(frozen=True)
 class OscarConfig:
-    """Settings of an :class:`~oscar_hf.OscarCache` (frozen: a user's config is never mutated).
+    """Settings of an :class:`~oscar_hf.OscarCache` (frozen: a user's config is never mutated); docs/usage.md."""
 
-    Args:
-        sink, recent: first tokens / last tokens before the current position kept in the model dtype.
-        group_size: channels per quantization group along head_dim (one scale + zero each); ``None``: one group
-            per head, resolved by :meth:`for_head_dim`.
-        bits: code width; only 2 is implemented.
-        clip_k, clip_v: clip ratio, one float or one per layer; ``None``: the artifact's (1.0 without one).
-        meta_dtype: dtype of scale/zero ("bfloat16", "float16" or "float32").
-        quantizer: "minmax" (the group's range shrunk by the clip ratio) or "std" (no clip): ``oscar_hf.quant``.
-        method: rotation without an artifact: "identity" (naive INT2) or "hadamard" (QuaRot-style).
-        center: use the artifact's offsets mu_K / mu_V when it has them.
-        key_offset: "calibrated" (the artifact's mu_K) or "prefill": per sequence and KV head, the mean of its own
-            non-sink keys at its first demotion (docs/usage.md). The paged serving store takes "calibrated" only.
-        skip_layers: layers kept entirely in full precision (negative indices count from the end).
-        retrieval_heads: KV heads kept out of the INT2 history (stored as ``retrieval_bits`` says). ``"auto"``: the
-            artifact's heads scoring at least ``retrieval_threshold``, as many as keep :meth:`history_bits` within
-            ``max_history_bits`` (none without scores); an int ``k``: the ``k`` best; or ``(layer, kv_head)`` pairs.
-        retrieval_bits: 16 (model dtype), 8 or 4 (codes with a scale and zero per token and head:
-            ``oscar_hf.cache.heads``). Old names ``full_precision_heads`` / ``_bits`` are accepted with a FutureWarning.
-        max_history_bits: cap of ``"auto"`` on the average bits per history element (:meth:`history_bits`).
-        retrieval_threshold: retrieval score from which ``"auto"`` keeps a head.
-        block_size: history tokens dequantized at once by the CPU reference decode (bounded memory).
-        prefill_chunk: tokens quantized at once when a long prompt is written to history.
-        use_kernels: "auto" (Triton on CUDA when available), True (require) or False (torch reference).
-    """
-
-    sink: int = 64
-    recent: int = 256
-    group_size: int | None = 64
-    bits: int = 2
-    clip_k: float | tuple[float, ...] | None = None
+    sink: int = 64  # the first tokens kept in the model dtype
+    recent: int = 256  # the last tokens before the current position kept in the model dtype
+    group_size: int | None = 64  # channels per group along head_dim (one scale + zero); None: head_dim (for_head_dim)
+    bits: int = 2  # code width; only 2 is implemented
+    clip_k: float | tuple[float, ...] | None = None  # clip ratio, one or one per layer; None: the artifact's (else 1)
     clip_v: float | tuple[float, ...] | None = None
-    meta_dtype: str = "bfloat16"
-    quantizer: str = "minmax"
-    method: str = "hadamard"
-    center: bool = True
+    meta_dtype: str = "bfloat16"  # of scale / zero: "bfloat16", "float16" or "float32"
+    quantizer: str = "minmax"  # "minmax" (range shrunk by the clip ratio) or "std" (no clip): oscar_hf.quant
+    method: str = "hadamard"  # rotation without an artifact: "identity" (naive INT2) or "hadamard" (QuaRot-style)
+    center: bool = True  # use the artifact's offsets mu_K / mu_V when it has them
+    # "calibrated" (the artifact's mu_K) or "prefill" (each sequence's own non-sink key mean at its first demotion;
+    # not the paged serving store)
     key_offset: str = "calibrated"
-    skip_layers: tuple[int, ...] = ()
+    skip_layers: tuple[int, ...] = ()  # layers kept in full precision (negative indices count from the end)
+    # KV heads out of the INT2 history: "auto" (scoring >= retrieval_threshold, within max_history_bits), k (the k
+    # best) or (layer, kv_head) pairs
     retrieval_heads: str | int | tuple[tuple[int, int], ...] = "auto"
-    retrieval_bits: int = RETRIEVAL_BITS
-    max_history_bits: float = MAX_HISTORY_BITS
+    retrieval_bits: int = RETRIEVAL_BITS  # 16 (model dtype), 8 or 4 (codes + a scale and zero per token and head)
+    max_history_bits: float = MAX_HISTORY_BITS  # "auto"'s cap on history_bits
     retrieval_threshold: float = RETRIEVAL_THRESHOLD
-    block_size: int = 1024
-    prefill_chunk: int = 4096
-    use_kernels: bool | str = "auto"
+    block_size: int = 1024  # history tokens the CPU reference decode dequantizes at once (bounded memory)
+    prefill_chunk: int = 4096  # tokens quantized at once when a long prompt is written to the history
+    use_kernels: bool | str = "auto"  # "auto" (Triton on CUDA), True (require) or False (torch reference)
 
     def __post_init__(self):
         """Raise ValueError naming the field that is out of range; sequences become tuples (in place: frozen)."""

@@ -9,6 +9,9 @@ import warnings
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from oscar_hf.kernels.decode import decode
+from oscar_hf.kernels.kv import History, Window
+
 from ..config import OscarConfig
 from ..rotations import LayerRotation
 from . import heads
@@ -95,6 +98,31 @@ class QuantizedLayerBase(BatchOps, CacheLayerMixin):
         """``(mu_K, mu_V)`` or None each; mu_K ``[H2, D]``, or ``[B, H2, D]`` with ``key_offset="prefill"``."""
         p = self.params
         return (self.mu_k_seq if self.mu_k_seq is not None else p.mu_k), p.mu_v
+
+    def read(self, qf: torch.Tensor, window: Window, history: History, scaling: float, shape: torch.Size, dtype,
+             softcap=None, sinks=None, out_fp: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, L, Hq, D]`` (``shape`` the query's ``[B, Hq, L, D]``, in ``dtype``): the INT2 heads of ``qf [B, Hk,
+        g*L, D]`` over ``window`` (all ``Hk`` heads) and ``history``, merged with the retrieval heads' ``out_fp
+        [B, P, g*L, D]``."""
+        if self.retrieval_heads:
+            idx = self.params.int2_idx
+            qf, window = qf.index_select(1, idx), Window(window.k.index_select(1, idx), window.v.index_select(1, idx),
+                                                         window.mask)
+        out = decode(self.params.kv(self.config, *self.offsets()), qf, window, history, scaling, dtype,
+                     softcap=softcap, sinks=self.params.int2_rows(sinks), use_kernels=self.config.use_kernels)
+        if out_fp is not None:
+            out = self.params.merge(out, out_fp.to(out.dtype))
+        return out.reshape(shape).transpose(1, 2).contiguous()
+
+    def retrieval_read(self, q: torch.Tensor, hist_k: torch.Tensor, hist_v: torch.Tensor, win_k: torch.Tensor,
+                       win_v: torch.Tensor, ok: torch.Tensor, scaling: float, softcap=None, sinks=None) -> torch.Tensor:
+        """``[B, P, g*L, D]``: the retrieval heads of ``q [B, Hk, g*L, D]`` over their decoded history ``hist_k/v
+        [B, P, n, D]`` and the window ``win_k/v [B, Hk, w, D]``, ``ok [B, L, n + w]`` (one SDPA call; at 16 bits what
+        a ``DynamicCache`` reads); ``sinks [Hk, g*L]`` or None."""
+        idx = self.params.coded_idx
+        keys, values = (torch.cat([h, w.index_select(1, idx)], 2) for h, w in ((hist_k, win_k), (hist_v, win_v)))
+        return heads.attention(q.index_select(1, idx).to(keys.dtype), keys, values, mask_rows(ok, q.shape[2] // ok.shape[1]),
+                               scaling, softcap, self.params.coded_rows(sinks))
 
     def sequence_key_mean(self, keys: torch.Tensor) -> torch.Tensor:
         """``[B, H2, D]`` float32: per row, the mean of ``keys [B, Hk, b, D]`` from slot ``pad + S0`` on

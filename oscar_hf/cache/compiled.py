@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.compiler import is_compiling
 
 from oscar_hf.kernels.int2_attention import rotate_query
 from oscar_hf.kernels.static_op import (NO_HEADS, decode_step, decode_step_, join_heads_index, split_heads_index,
@@ -24,7 +25,7 @@ from ..quant import QuantizedRows
 from ..rotations import LayerRotation
 from . import heads
 from .base import QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, logit_terms
-from .compiled_eager import CompiledEager, _compiling, _fixed_address, regrown
+from .compiled_eager import CompiledEager, _fixed_address, regrown
 from .window import window_mask
 
 RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE (as OscarLayer's CROP_RESERVE)
@@ -105,7 +106,7 @@ class HostLength:
         """After :meth:`_batch_apply`: what follows the buffers."""
 
     def get_seq_length(self):
-        return self.length if _compiling() else self.host_len  # inside the compiled step: no guard on a changing int
+        return self.length if is_compiling() else self.host_len  # inside the compiled step: no guard on a changing int
 
     def get_max_length(self) -> int:
         return self.fixed_capacity or -1
@@ -232,7 +233,7 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
                                        cfg.quantizer, cfg.retrieval_bits, cfg.block_size)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not _compiling():
+        if not is_compiling():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             self.check_update(key_states)
@@ -246,7 +247,7 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
         if self.fixed_capacity:
             return self.fixed_capacity, 0
         if query_length == 1:
-            return 1, (0 if _compiling() else self.host_len)
+            return 1, (0 if is_compiling() else self.host_len)
         return self.host_len + query_length, 0
 
     def reset(self) -> None:
@@ -289,7 +290,7 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
                 sinks, float(softcap or 0.0), *self.step_storage, *(self.step_heads if self.retrieval_heads else NO_HEADS),
                 *self.step.config)
         # the opaque op while torch.compile traces, the function in eager code
-        out = decode_step_(*args) if _compiling() else decode_step(*args)
+        out = decode_step_(*args) if is_compiling() else decode_step(*args)
         if self.advances_length:  # the last layer of its device: once for all of them
             t.add_(1)
         if self.step.last_layer is None or self.layer_idx >= self.step.last_layer:

@@ -3,8 +3,8 @@ operations, save / load in the eager layer's format, memory. Layout: :mod:`oscar
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling
 
-from oscar_hf.kernels.decode import decode
 from oscar_hf.kernels.kv import History, Window
 
 from ..patching import base_attention_function
@@ -14,14 +14,10 @@ from .base import allowed_slots, group_queries, logit_terms, mask_rows
 from .window import RowsHistory, commit, demote_pending, ring_entries, ring_slots, sink_from
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
 def _fixed_address(t: torch.Tensor) -> torch.Tensor:
     """Tag a buffer as having a fixed address (CUDA graphs re-use it instead of copying it). Capacity dimensions are
     not marked dynamic (slower to compile): the first growth recompiles once with them symbolic."""
-    if not _compiling():
+    if not is_compiling():
         torch._dynamo.mark_static_address(t)
     return t
 
@@ -60,29 +56,23 @@ class CompiledEager:
                            ring_slots(t, self.ring).clamp(min=0).expand(b, -1)], 1)  # ring entries
         ok = self.window_mask(t, cfg.recent)[:, None, :] & allowed.gather(2, slots.clamp(max=kv - 1)[:, None, :].expand(b, l, -1))
         ok = torch.cat([ok, allowed[:, :, t_old:]], -1)  # [B, L, S0 + R + L]
-        qf = group_queries(query.float(), hk)
+        q = group_queries(query, hk)  # [B, Hk, g*L, D]
         softcap, sinks = logit_terms(kwargs, hk, l)  # sinks [Hk, g*L] or None
         n = max(t_old - cfg.recent - s0, 0)
-        hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in q)) for q in (self.hist_k, self.hist_v))
+        hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in h)) for h in (self.hist_k, self.hist_v))
         win_k, win_v = torch.cat([self.win_k, new_k], 2), torch.cat([self.win_v, new_v], 2)
-        q_part = qf
-        if self.retrieval_heads:
-            q_part, win_k, win_v = (x.index_select(1, self.params.int2_idx) for x in (qf, win_k, win_v))
-        mu_k, mu_v = self.offsets()
-        out = decode(self.params.kv(cfg, mu_k, mu_v), q_part, Window(win_k, win_v, mask_rows(ok, g)),
-                     History(hist_k, hist_v, self.pad, mask_rows(allowed[:, :, s0 : s0 + n], g)), scaling,
-                     query.dtype, softcap=softcap, sinks=self.params.int2_rows(sinks), use_kernels=cfg.use_kernels)
+        out_fp = None
         if self.retrieval_heads:  # their coded history [0, n) and the window above, exact
-            q = qf.index_select(1, self.params.coded_idx).to(self.dtype)  # [B, P, g*L, D]
             hist_ok = allowed[:, :, s0 : s0 + n] & (torch.arange(n, device=dev)[None, None, :] >= self.pad[:, None, None])
-            k, v = (torch.cat([heads.decode(tuple(x[:, :, :n] for x in coded), cfg.retrieval_bits, self.dtype),
-                               w.index_select(1, self.params.coded_idx), new.index_select(1, self.params.coded_idx)], 2)
-                    for coded, w, new in ((self.coded_k, self.win_k, new_k), (self.coded_v, self.win_v, new_v)))
-            out_fp = heads.attention(q, k, v, mask_rows(torch.cat([hist_ok, ok], -1), g), scaling, softcap,
-                                     self.params.coded_rows(sinks))
-            out = self.params.merge(out, out_fp.to(out.dtype))
+            coded_k, coded_v = (heads.decode(tuple(x[:, :, :n] for x in c), cfg.retrieval_bits, self.dtype)
+                                for c in (self.coded_k, self.coded_v))
+            out_fp = self.retrieval_read(q, coded_k, coded_v, win_k, win_v, torch.cat([hist_ok, ok], -1), scaling,
+                                         softcap, sinks)
+        out = self.read(q.float(), Window(win_k, win_v, mask_rows(ok, g)),
+                        History(hist_k, hist_v, self.pad, mask_rows(allowed[:, :, s0 : s0 + n], g)), scaling,
+                        query.shape, query.dtype, softcap, sinks, out_fp)
         self.commit_bulk(new_k, new_v, t_old)
-        return out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
+        return out
 
     def _history(self) -> RowsHistory:
         """Where this layer's history entries live: index ``slot - S0`` of every row."""

@@ -16,7 +16,6 @@ import logging
 import torch
 
 from oscar_hf.kernels.heads_attention import heads_decode_attention
-from oscar_hf.kernels.decode import decode
 from oscar_hf.kernels.kv import History, Window
 
 from ..attention import OscarKV
@@ -147,7 +146,7 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
             out, _ = base_attention_function(module, base)(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
             self.commit(new_k, new_v, pad)
             return out
-        qf = group_queries(query.float(), hk)  # [B, Hk, M, D], M = g*L
+        q = group_queries(query, hk)  # [B, Hk, M, D], M = g*L
         softcap, sinks = logit_terms(kwargs, hk, l)  # sinks [Hk, M] or None
         s0 = self.config.sink
         dev = query.device
@@ -183,53 +182,26 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
                 key_mask = hm[:, None] if l == 1 else mask_rows(hm, g)
         out_fp = None
         if self.retrieval_heads:  # retrieval heads apart; the rest reads window + INT2 history below
+            self.write_retrieval_heads(new_k, new_v, t_old)
             if l == 1 and key_mask is None:  # a decode step: their codes read in place
-                self.write_retrieval_heads(new_k, new_v, t_old)
                 out_fp = heads_decode_attention(
-                    group_queries(query, hk), self.params.coded_idx, (self.fp_k, self.fp_v), self.params.bits,
+                    q, self.params.coded_idx, (self.fp_k, self.fp_v), self.params.bits,
                     (s0 + hist_start, self.tail_start), Window(win_k, win_v, None if ok is None else ok[:, 0]),
                     scaling, query.dtype, use_kernels=self.config.use_kernels, softcap=softcap,
                     sinks=self.params.coded_rows(sinks))
-            else:
-                out_fp = self.retrieval_heads_attention(query, new_k, new_v, win_k, win_v, ok, allowed, t_old,
-                                                             scaling, softcap, self.params.coded_rows(sinks))
-            qf, win_k, win_v = (x.index_select(1, self.params.int2_idx) for x in (qf, win_k, win_v))
-            sinks = self.params.int2_rows(sinks)
-        # 3. INT2 history, in the rotated space: q rotated once; + q.mu_K on logits; values rotated back once.
-        rot = self.params
-        hist_k, hist_v = self.hist_view()
-        mu_k, mu_v = self.offsets()
-        # 1 + 3 merged by log-sum-exp, the query rotated inside
-        out = decode(rot.kv(self.config, mu_k, mu_v), qf, Window(win_k, win_v, win_mask),
-                     History(hist_k, hist_v, hist_start, key_mask), scaling, query.dtype, softcap=softcap, sinks=sinks,
-                     use_kernels=self.config.use_kernels)
-        if out_fp is not None:
-            out = self.params.merge(out, out_fp.to(out.dtype))
-        out = out.reshape(b, hq, l, d).transpose(1, 2).contiguous()
+            else:  # their history slots [S0, tail_start) (from S0 + pad[b]) and the window
+                hist_ok = (torch.arange(n, device=dev)[None, :] >= self.pad[:, None])[:, None, :].expand(b, l, n)
+                if allowed is not None:
+                    hist_ok = hist_ok & allowed[:, :, s0 : s0 + n]
+                win_ok = ok if ok is not None else hist_ok.new_ones(b, l, win_k.shape[2])
+                hist_k, hist_v = (x[:, :, s0:] for x in self.retrieval_kv(s0 + n))  # [B, P, n, D]
+                out_fp = self.retrieval_read(q, hist_k, hist_v, win_k, win_v, torch.cat([hist_ok, win_ok], -1), scaling,
+                                             softcap, sinks)
+        # 1 + 3 merged by log-sum-exp (the INT2 history in the rotated space, the query rotated inside)
+        out = self.read(q.float(), Window(win_k, win_v, win_mask), History(*self.hist_view(), hist_start, key_mask), scaling,
+                        query.shape, query.dtype, softcap, sinks, out_fp)
         self.commit(new_k, new_v, pad)
         return out
-
-    def retrieval_heads_attention(self, query, new_k, new_v, win_k, win_v, win_ok, allowed, t_old: int,
-                                       scaling: float, softcap=None, sinks=None) -> torch.Tensor:
-        """``[B, P, g*L, D]``: the retrieval heads over their history slots ``[S0, tail_start)`` (from ``S0 + pad[b]``)
-        and the window ``win_k/v [B, Hk, window, D]`` (``win_ok [B, L, window]`` or None: all valid), one SDPA call;
-        at 16 bits what a ``DynamicCache`` reads."""
-        b, hq, l, d = query.shape
-        hk, s0, dev = new_k.shape[1], self.config.sink, query.device
-        g = hq // hk
-        self.write_retrieval_heads(new_k, new_v, t_old)
-        n = max(self.tail_start - s0, 0)
-        hist_k, hist_v = (x[:, :, s0:] for x in self.retrieval_kv(s0 + n))  # [B, P, n, D]
-        hist_ok = (torch.arange(n, device=dev)[None, :] >= self.pad[:, None])[:, None, :].expand(b, l, n)
-        if allowed is not None:
-            hist_ok = hist_ok & allowed[:, :, s0 : s0 + n]
-        if win_ok is None:
-            win_ok = hist_ok.new_ones(b, l, win_k.shape[2])
-        mask = mask_rows(torch.cat([hist_ok, win_ok], -1), g)  # [B, 1, g*L, n + window]
-        q = group_queries(query, hk).index_select(1, self.params.coded_idx)  # [B, P, g*L, D]
-        keys = torch.cat([hist_k, win_k.index_select(1, self.params.coded_idx)], 2)
-        values = torch.cat([hist_v, win_v.index_select(1, self.params.coded_idx)], 2)
-        return heads.attention(q, keys, values, mask, scaling, softcap, sinks)
 
     @property
     def n_hist(self) -> int:

@@ -84,17 +84,13 @@ class DynamicWrites:
         self._reserve_hist(b - s0)
         if self.config.key_offset == "prefill" and self.mu_k_seq is None:
             self.mu_k_seq = self.sequence_key_mean(self._source(0, b, t_old, new_k, new_v)[0])
-        step = self.config.prefill_chunk
-        r, g, meta = self.params, self.config.group_size, self.config.torch_meta_dtype
-        mu_k, mu_v = self.offsets()
-        uk, qz = self.config.use_kernels, self.config.quantizer
-        for c0 in range(ha, b, step):
-            c1 = min(b, c0 + step)
-            xk, xv = (self.params.int2_part(x) for x in self._source(c0, c1, t_old, new_k, new_v))
-            rotate_quantize(xk, r.r_k, mu_k, self.params.clip_k, g, meta, out=self.hist_k, out_offset=c0 - s0, use_kernels=uk,
-                            quantizer=qz)
-            rotate_quantize(xv, r.r_v, mu_v, self.params.clip_v, g, meta, out=self.hist_v, out_offset=c0 - s0, use_kernels=uk,
-                            quantizer=qz)
+        cfg, prm = self.config, self.params
+        for c0 in range(ha, b, cfg.prefill_chunk):
+            parts = zip(self._source(c0, min(b, c0 + cfg.prefill_chunk), t_old, new_k, new_v), prm.r, self.offsets(),
+                        (prm.clip_k, prm.clip_v), (self.hist_k, self.hist_v))
+            for x, r, mu, clip, out in parts:  # keys, then values
+                rotate_quantize(prm.int2_part(x), r, mu, clip, cfg.group_size, cfg.torch_meta_dtype, out=out,
+                                out_offset=c0 - s0, use_kernels=cfg.use_kernels, quantizer=cfg.quantizer)
 
     def _reserve_hist(self, n: int) -> None:
         cap = self.hist_k.codes.shape[2]

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import torch
+from torch.compiler import is_compiling
 from transformers.cache_utils import CacheLayerMixin
 
 from .base import BatchOps
-from .compiled import HostLength, _compiling, _fixed_address
+from .compiled import HostLength, _fixed_address
 from .compiled_eager import regrown
 
 
@@ -40,7 +41,7 @@ class GrowingLayer(HostLength, BatchOps, CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         l = key_states.shape[2]
-        if not _compiling():
+        if not is_compiling():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
             if key_states.shape[0] != self.keys.shape[0]:
@@ -51,13 +52,13 @@ class GrowingLayer(HostLength, BatchOps, CacheLayerMixin):
         self.keys.index_copy_(2, idx, key_states)
         self.values.index_copy_(2, idx, value_states)
         self.length.add_(l)
-        if _compiling() or l == 1:  # all C slots: a decode step's shapes stay fixed (its mask hides the unwritten ones)
+        if is_compiling() or l == 1:  # all C slots: a decode step's shapes stay fixed (its mask hides the unwritten ones)
             return self.keys, self.values
         # a multi-token forward reads the written slots only, as DynamicLayer: the model may skip its mask there
         return self.used()
 
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
-        if _compiling():
+        if is_compiling():
             return self.capacity, 0
         return (self.capacity_after(1) if query_length == 1 else self.host_len + query_length), 0
 
