@@ -94,9 +94,8 @@ def _check_cb_config(cbc) -> None:
 
 
 def _install_graph_hooks(processor) -> None:
-    """Let Transformers' CUDA graphs (``use_cuda_graph``) replay OSCAR's decode steps, on this batch processor only:
-    a step is graphed exactly when its batch is decode-only and fits the store's buffers (docs/serving.md, "CUDA
-    graphs"); ``compute_batch`` first runs the cache's host side (:meth:`RecordedBatch.prepare_forward`)."""
+    """Let Transformers' CUDA graphs replay OSCAR's decode steps on this batch processor (docs/serving.md, "CUDA
+    graphs"): ``compute_batch`` first runs the cache's host side (:meth:`RecordedBatch.prepare_forward`)."""
     cache, runner, io = processor.cache, processor.model_runner, processor.inputs_and_outputs
     compute, forward_fn, graph_key = runner.compute_batch, runner._get_forward_fn, io._get_graph_key
 

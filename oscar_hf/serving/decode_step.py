@@ -1,6 +1,5 @@
-"""The decode step of the paged OSCAR store: the decode rows of one forward, planned on the host before it
-(:class:`StepPlan` in the fixed :class:`DecodeBuffers`, :meth:`DecodeStep.plan_decode`) and served together on the
-device, one batched write and read per layer (:meth:`DecodeStep._decode`). See :mod:`oscar_hf.serving.store`."""
+"""The decode rows of one forward: planned on the host before it (:meth:`DecodeStep.plan_decode`, a :class:`StepPlan`
+in fixed :class:`DecodeBuffers`), then one batched write and read per layer (:meth:`DecodeStep._decode`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -59,10 +58,9 @@ class DecodeStep:
     """The batched decode rows of a forward (a base of :class:`~oscar_hf.serving.store.OscarPagedStore`)."""
 
     def plan_decode(self, batch, rows: int | None = None) -> StepPlan | None:
-        """The decode rows' plan of the forward that packs ``batch``, written into the fixed buffers (pages allocated
-        here). Token counts advance here, so the forward updates no host state. ``rows``: the padded row count when
-        the step may be graphed (padded rows point to the trash slot and page; ``max_hist`` is the bucket). None
-        when ``batch`` has no decode row."""
+        """The decode rows' plan of the forward that packs ``batch`` (None: no decode row); pages are allocated and
+        token counts advanced here, so the forward updates no host state. ``rows``: the padded row count of a step
+        that may be graphed (padded rows: the trash slot and page)."""
         decode = [i for i, (_, past, q) in enumerate(batch) if q == 1 and past > 0]
         if not decode:
             self._plan = None

@@ -1,10 +1,6 @@
-"""Read path of the paged store for rows that continue a request (a prompt chunk, a request's rows after a shared
-prefix): :func:`paged_chunk_attention` reads the INT2 history in place through the block table, a tile of query rows
-at a time, never dequantized; and the handle and batch recording both paged caches share.
-
-Shapes: ``Hk`` KV heads, ``g`` query heads per KV head, ``L`` new rows, ``E`` window entries before them, ``n`` history
-entries of the request.
-"""
+"""The read of rows that continue a request (:func:`paged_chunk_attention`: a prompt chunk, rows after a shared
+prefix; docs/serving.md section 3, "Prompts"), and what both paged caches share (:class:`PagedOscarKV`,
+:class:`RecordedBatch`)."""
 from __future__ import annotations
 
 import torch
@@ -33,12 +29,9 @@ def _causal(query, keys, values, scaling: float):
 
 def paged_chunk_attention(query, window: Window, pool: PagedInt2Pool, table: list[int], layer: int, n: int,
                           params: KVParams, scaling: float, use_kernels="auto") -> torch.Tensor:
-    """``[1, L, Hq, D]``: the ``L`` new rows ``query [1, Hq, L, D]`` of one request over its history (``n`` entries
-    through ``table``), then its window and new rows ``window.k/v [1, Hk, E + L, D]`` (the last ``L`` are the new
-    rows, causal among themselves; everything before them is visible to every row; ``window.mask`` unused).
-
-    Retrieval heads (``params.heads``) read their coded history, dequantized for the call, and their window in one
-    SDPA call. With ``n == 0``: exact attention."""
+    """``[1, L, Hq, D]``: the ``L`` new rows ``query [1, Hq, L, D]`` of one request over its ``n`` history entries
+    (through ``table``, read in place), then ``window.k/v [1, Hk, E + L, D]``: ``E`` entries every row sees and the new
+    rows, causal. The retrieval heads (``params.heads``) read their decoded history and window in one SDPA call."""
     _, hq, l, d = query.shape
     k_win, v_win = window.k, window.v
     hk, dt = k_win.shape[1], query.dtype
@@ -101,9 +94,8 @@ class RecordedBatch:
     per-request hooks (the ids never reach the forward) and taken by its first OSCAR layer."""
 
     def _start_recording(self, store, allow_block_sharing: bool) -> None:
-        """The end of a paged cache's ``__init__``: the store bound, its window slots allocated (under CUDA graphs
-        with the trash slot: a captured graph holds their addresses). Prefix sharing is the store's (prefix.py):
-        Transformers' own would match BF16 blocks the store never wrote."""
+        """The end of a paged cache's ``__init__``: the store bound, its window slots allocated (a captured graph
+        holds their addresses); prefix sharing is the store's (Transformers' would match BF16 blocks never written)."""
         self.store = store
         self.allow_block_sharing = self.use_prefix_sharing = (
             self.oscar_owns_memory and store.prefix_sharing and allow_block_sharing)
@@ -113,9 +105,8 @@ class RecordedBatch:
         self._batch: list[tuple[str, int, int]] = []
 
     def _start_graphs(self, store, config, cb_config) -> None:
-        """Before Transformers sizes the cache: whether the store holds every layer (``oscar_owns_memory``: then
-        Transformers allocates no BF16 K/V and the store's pool follows its blocks); when the manager graphs decode
-        steps, the store's step made graph-safe for ``max_requests`` rows padded to ``q_padding_interval_size``."""
+        """Before Transformers sizes the cache: whether the store holds every layer (``oscar_owns_memory``: no BF16 K/V,
+        the pool follows Transformers' blocks); under CUDA graphs, ``max_requests`` rows padded as Transformers pads."""
         groups = group_layers_by_attn_type(config)  # 5.20+: {type: layers}; 5.17 - 5.19: (layers per group, types)
         groups, types = (list(groups.values()), list(groups)) if isinstance(groups, dict) else groups
         self.oscar_owns_memory = types == ["full_attention"] and all(store.handles(i) for i in groups[0])
@@ -135,10 +126,9 @@ class RecordedBatch:
             store.graph_rows = 0
 
     def prepare_forward(self, rows: int, packed: list[tuple[str, int, int]] | None = None) -> bool:
-        """The host side of a forward, before the model runs or a graph replays: the store's decode plan into its fixed
-        buffers. ``rows``: packed rows, padding included; ``packed``: what Transformers packed, which must equal the
-        recording (else requests would read each other's KV). Returns whether the step may run as a graph;
-        ``graph_key`` then holds the history bound its grids are sized for."""
+        """Before the model runs or a graph replays: the store's decode plan into its fixed buffers. ``rows``: packed
+        rows, padding included; ``packed``: what Transformers packed, which must equal the recording (else requests
+        would read each other's KV). Returns whether the step may run as a graph (``graph_key``: its history bound)."""
         if packed is not None and packed != self._pending:
             recorded, self._pending = self._pending, []
             raise RuntimeError(f"OSCAR paged cache: the forward packs {packed}, the cache recorded {recorded} (request "

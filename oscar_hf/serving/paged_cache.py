@@ -22,12 +22,9 @@ from .store import OscarPagedStore
 
 
 class OscarCacheAllocator(FullAttentionCacheAllocator):
-    """Transformers' block accounting for the layers the store quantizes, without their BF16 K/V.
-
-    A block is one store page of every quantized layer, so sectors, ``num_blocks`` and the memory budget count OSCAR
-    bytes; a request of ``T`` tokens holds ``ceil((T - S0 - W) / P)`` blocks (its history pages). The blocks are
-    bookkeeping only (the store writes its pages through its own free list in the same memory): no read / write
-    indices, and each request's keys count as its new rows only."""
+    """Transformers' block accounting for the store's layers, without BF16 K/V: a block is one store page of every
+    quantized layer (a request of ``T`` tokens holds ``ceil((T - S0 - W) / P)``), bookkeeping only (the store keeps
+    its own free list in the same memory): no read / write indices, and a request's keys are its new rows only."""
 
     supports_block_sharing = False  # Transformers keys blocks by their tokens; the store keys its pages (prefix.py)
     supports_block_table = False  # no flash decode fast path

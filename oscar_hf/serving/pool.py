@@ -1,15 +1,8 @@
-"""`PagedInt2Pool`: one preallocated pool of history pages shared by every request of a server (docs/serving.md
-section 3, "Pool"). A page holds ``P`` consecutive history entries of one request, keys and values of every quantized
-layer, each form on one flat head axis (layer ``l``'s keys then values, layer after layer):
-
-    INT2   codes [num_pages, 2 sum Hq_l, P, D/4] uint8       (four 2-bit codes per byte, plane layout)
-           scale [num_pages, 2 sum Hq_l, P, D/G] meta dtype
-           zero  [num_pages, 2 sum Hq_l, P, D/G] meta dtype
-    coded  parts [num_pages, 2 sum F_l, P, *]                 (retrieval heads, heads.part_specs)
-
-so a layer's keys of every page are one strided view ``[num_pages, Hq_l, P, *]``; without retrieval heads also
-``[num_pages, L, 2, Hk, P, *]``. History entry ``j`` of a request is at page ``table[j // P]``, offset ``j % P``.
-``trash_page``: one more page, never handed out, where the batched decode write sends the rows that demote nothing."""
+"""`PagedInt2Pool`: the history pages every request of a server shares (docs/serving.md section 3, "Pool"). Each form
+on one flat head axis, layer after layer, keys then values: INT2 ``codes [num_pages, 2 sum Hq_l, P, D/4]`` uint8,
+``scale`` / ``zero [num_pages, 2 sum Hq_l, P, D/G]``; the retrieval heads' coded ``parts [num_pages, 2 sum F_l, P, *]``.
+Entry ``j`` of a request is at page ``table[j // P]``, offset ``j % P``; ``trash_page``: one more page, never handed
+out, where the decode rows that demote nothing write."""
 from __future__ import annotations
 
 import dataclasses
@@ -98,7 +91,7 @@ class PagedInt2Pool:
         # first row of layer l's keys on each flat head axis (its values follow)
         self._int2_at = [2 * sum(int2_heads[:l]) for l in range(num_layers)]
         self._coded_at = [2 * sum(coded_heads[:l]) for l in range(num_layers)]
-        # the trash page (index num_pages, never allocated): where rows with nothing to demote write (module docstring)
+        # the trash page: index num_pages, never allocated
         self.trash_page = num_pages if trash_page else None
         rows = num_pages + int(trash_page)
         lead = (rows, 2 * sum(int2_heads), page_size)

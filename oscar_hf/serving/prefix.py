@@ -1,7 +1,5 @@
-"""Prefix sharing and forks in the paged INT2 store: requests whose prompts begin alike hold the same history pages.
-Page ``b`` (slots ``[S0 + bP, S0 + (b+1)P)``) is keyed by a hash chain over tokens ``[0, S0 + (b+1)P)``, one link a
-page, and shared once no later step writes it (:func:`shareable_pages`); a sharing request's rows read slots below
-``RequestKV.floor`` from those pages. docs/serving.md section 3, "Prefix sharing and forks"."""
+"""Prefix sharing and forks: requests whose prompts begin alike hold the same history pages, page ``b`` keyed by a hash
+chain over tokens ``[0, S0 + (b+1)P)`` (docs/serving.md section 3, "Prefix sharing and forks")."""
 from __future__ import annotations
 
 import hashlib
@@ -109,8 +107,8 @@ class SharedPrefixes:
             self.prefixes.register(request_id, tokens, self.shareable_pages(r.length()))
 
     def fork(self, source_id: str, child_id: str) -> None:
-        """Start ``child_id`` as a copy of ``source_id``'s KV: window copied, final pages shared, the others (at most
-        two) copied."""
+        """Start ``child_id`` as a copy of ``source_id``: window copied, final pages shared, the others (at most two)
+        copied."""
         s = self.requests[source_id]
         if child_id in self.requests:
             raise RuntimeError(f"fork: request {child_id!r} is already in the OSCAR store")

@@ -15,9 +15,8 @@ logger = logging.getLogger("oscar_hf")
 
 
 class WindowPool:
-    """Full-precision windows of up to ``num_slots`` live requests: ``k, v [capacity, L, Hk, S0 + R, D]`` (model
-    dtype) and a free list of slots. ``capacity`` doubles on demand (a growth copies the live slots through the host),
-    or every slot is allocated at once under a manager (:meth:`allocate_all`); docs/serving.md section 3, "Windows"."""
+    """Full-precision windows of up to ``num_slots`` live requests, ``k, v [capacity, L, Hk, S0 + R, D]`` (model
+    dtype), and a free list of slots (docs/serving.md section 3, "Windows")."""
 
     def __init__(self, num_slots: int, num_layers: int, num_kv_heads: int, entries: int, head_dim: int,
                  dtype: torch.dtype, device):
@@ -102,10 +101,9 @@ class WindowPool:
 
 @dataclasses.dataclass
 class RequestKV:
-    """One live request: its window slot, its block table (history pages, shared by its layers) and the tokens each
-    quantized layer has stored. While its prompt arrives in chunks, ``prompt[layer]`` keeps them in full precision
-    (``[1, Hk, T, D]`` keys and values) so a later chunk attends to them exactly; ``prompt_more``: the scheduler has
-    more to send (None: not known); ``prompt_reserved``: its share of ``prompt_budget``."""
+    """One live request: window slot, block table (shared by its layers), tokens each layer has stored. ``prompt``:
+    per pool layer the prompt's chunks in full precision (``[1, Hk, T, D]`` keys and values) while more may come
+    (``prompt_more``; None: not known), within its ``prompt_reserved`` share of ``prompt_budget``."""
 
     slot: int
     table: list[int]
@@ -120,8 +118,7 @@ class RequestKV:
 
 
 class StoreRequests:
-    """The store's sizes, requests and accounting (a base of the store: reads its ``config``, ``pool``, ``windows``,
-    ``requests``)."""
+    """The store's sizes, requests and accounting (a base of :class:`~oscar_hf.serving.store.OscarPagedStore`)."""
 
     # ------------------------------------------------------------------ sizes
     @property

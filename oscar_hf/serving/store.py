@@ -1,7 +1,6 @@
-"""`OscarPagedStore`: the OSCAR KV of every live request of a server: per request a full-precision sink + recent
-window (a slot of one :class:`WindowPool`, the layout of :mod:`oscar_hf.cache.window`) and its INT2 history in pages
-of one :class:`PagedInt2Pool`. Decode rows are served together from a host plan (:mod:`.decode_step`), multi-token rows
-one request at a time (:meth:`_attend_one`). docs/serving.md section 3."""
+"""`OscarPagedStore`: the OSCAR KV of every live request of a server, per request a window slot and INT2 history pages
+(docs/serving.md section 3). Decode rows are served together (:mod:`.decode_step`), multi-token rows one request at a
+time (:meth:`OscarPagedStore._attend_one`)."""
 from __future__ import annotations
 
 import torch
@@ -28,10 +27,10 @@ DEFAULT_CHUNK_TOKENS = 8192
 
 
 class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
-    """The paged OSCAR KV store of a server (docs/serving.md section 3). ``rotations``: None for the artifact-free
-    ``method``; ``overrides``: :class:`OscarConfig` fields; at most ``max_requests`` live requests and ``prompt_budget``
-    prompt tokens held in full precision (default: ``max_position_embeddings``). The pool holds ``num_pages`` pages, or
-    what ``memory_budget`` bytes pay for after :meth:`reserved_bytes`; ``defer_pool``: none until :meth:`attach_pool`."""
+    """``rotations``: None for the artifact-free ``method``; ``overrides``: :class:`OscarConfig` fields; at most
+    ``max_requests`` live requests and ``prompt_budget`` prompt tokens held in full precision (default:
+    ``max_position_embeddings``); ``num_pages`` pages, or what ``memory_budget`` bytes pay for after
+    :meth:`reserved_bytes`, or (``defer_pool``) none until :meth:`attach_pool`."""
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
                  num_pages: int | None = None, memory_budget: int | None = None, page_size: int = 256,
