@@ -9,7 +9,8 @@ import torch
 
 from oscar_hf.quant import unpack_int4
 
-from .int2_attention import NEG_INF, empty_partial, merge_partials, partial_from_logits, sink_partial, soft_cap
+from .int2_attention import (NEG_INF, empty_partial, merge_partials, normalized, partial_from_logits, sink_partial,
+                             soft_cap, window_partial)
 from .paged_decode import gather_rows
 from .plan import triton_enabled
 
@@ -64,12 +65,10 @@ def merge_heads(int2_part: torch.Tensor | None, coded_part: torch.Tensor, int2_i
 def heads_decode_reference(q, heads, coded, bits: int, bounds, window, scaling: float, out_dtype=None, *,
                            pages=None, block_n: int = 1024, softcap=None, sinks=None) -> torch.Tensor:
     """Torch reference of :func:`heads_decode_attention` (float32; ``block_n`` slots dequantized at a time)."""
-    (k, v), (lo, hi), block_table = coded, bounds, None if pages is None else pages.table
-    window = window.rows()  # (the reference gathers a window pool's rows by slot; the kernel reads them in place)
-    win_k, win_v, win_mask = window.k, window.v, window.mask_2d()
-    if block_table is not None:
-        n_all = block_table.shape[1] * k[0].shape[2]  # every slot the table addresses (``hi`` masks the rest)
-        k, v = gather_rows(k, block_table, n_all), gather_rows(v, block_table, n_all)
+    (k, v), (lo, hi) = coded, bounds
+    if pages is not None:
+        n_all = pages.table.shape[1] * k[0].shape[2]  # every slot the table addresses (``hi`` masks the rest)
+        k, v = gather_rows(k, pages.table, n_all), gather_rows(v, pages.table, n_all)
     qh = q.index_select(1, heads).float()  # [B, P, M, D]
     b, n = qh.shape[0], k[0].shape[2]
     # a device-side hi is masked (no host sync: the compiled CPU step runs this), a host one cuts the loop
@@ -85,16 +84,12 @@ def heads_decode_reference(q, heads, coded, bits: int, bounds, window, scaling: 
         pos = torch.arange(j0, j1, device=qh.device)
         logits = logits.masked_fill((pos < lo) | (pos >= hi), NEG_INF)
         part = merge_partials([part, partial_from_logits(logits, vb)])
-    wk, wv = (x.index_select(1, heads).float() for x in (win_k, win_v))  # [B, P, W, D]
-    logits = soft_cap(torch.matmul(qh, wk.transpose(-1, -2)) * scaling, softcap)
-    if win_mask is not None:
-        logits = logits.masked_fill(~win_mask[:, None, None, :], NEG_INF)
-    parts = [part, partial_from_logits(logits, wv)]
+    win = window.heads(heads).gathered()  # [B, P, W, D], copied (the kernel reads the pool's rows and heads in place)
+    mask = win.mask_2d()
+    parts = [part, window_partial(qh, win.k, win.v, None if mask is None else mask[:, None, None, :], scaling, softcap)]
     if sinks is not None:
         parts.append(sink_partial(sinks, part[0]))
-    _, l, acc = merge_partials(parts)
-    out = acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)
-    return out.to(out_dtype or q.dtype)
+    return normalized(parts, out_dtype or q.dtype)
 
 
 def heads_decode_attention(q, heads, coded, bits: int, bounds, window, scaling: float, out_dtype=None, *,

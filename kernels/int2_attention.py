@@ -1,6 +1,5 @@
-"""Read path references: attention of rotated queries over the packed INT2 history as online-softmax partials
-``(m, l, acc)``, and their merge with the full-precision window. The dispatchers send the shapes the Triton kernels
-support on CUDA to their launchers, everything else here.
+"""Torch references of the read (docs/kernels.md §3): online-softmax partials ``(m, l, acc)`` of rotated queries over
+the packed INT2 history, merged with the full-precision window's; and the dispatchers of the rotation and the partials.
 """
 from __future__ import annotations
 
@@ -56,6 +55,21 @@ def sink_partial(sinks: torch.Tensor, like: torch.Tensor):
     row) of a key whose value is 0, i.e. ``(m = s, l = 1, acc = 0)`` shaped as ``like``'s ``[B, Hk, M]``."""
     m = sinks.float().to(like.device).expand(like.shape)
     return m, torch.ones_like(m), torch.zeros(*like.shape, 1, device=like.device)
+
+
+def window_partial(q, k, v, mask, scaling: float, softcap=None):
+    """The partial of ``q [B, H, M, D]`` over exact keys / values ``[B, H, W, D]`` (``mask``: None, or bool
+    broadcastable to the logits ``[B, H, M, W]``)."""
+    logits = soft_cap(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling, softcap)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, NEG_INF)
+    return partial_from_logits(logits, v)
+
+
+def normalized(parts, out_dtype) -> torch.Tensor:
+    """``acc / l`` of the merged partials in ``out_dtype`` (rows without a valid key: 0)."""
+    _, l, acc = merge_partials(parts)
+    return (acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)).to(out_dtype)
 
 
 def history_partial_reference(q_rot, k: QuantizedRows, v: QuantizedRows, start, key_mask, qk_offset, scaling,
@@ -139,12 +153,7 @@ def merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, sca
         hacc = hacc + hl.unsqueeze(-1) * mu_v.float()[None, :, None, :]
     parts = [(hm, hl, hacc)]
     if k_win is not None and k_win.shape[-2] > 0:
-        logits = soft_cap(torch.matmul(q_win.float(), k_win.float().transpose(-1, -2)) * scaling, softcap)
-        if win_mask is not None:
-            logits = logits.masked_fill(~win_mask, NEG_INF)
-        parts.append(partial_from_logits(logits, v_win))
+        parts.append(window_partial(q_win, k_win, v_win, win_mask, scaling, softcap))
     if sinks is not None:
         parts.append(sink_partial(sinks, hm))
-    _, l, acc = merge_partials(parts)
-    out = acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)
-    return out.to(out_dtype)
+    return normalized(parts, out_dtype)
