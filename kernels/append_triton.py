@@ -1,11 +1,7 @@
-"""The static cache's one-token write step as one Triton launch (docs/kernels.md §2.1).
-
-``append_token_triton`` is :func:`~oscar_hf.kernels.write_path.append_token_reference` (the storage layout is
-there) for ``write_triton.kernel_supported``'s shapes. One program per (row, KV head, K or V: at B = 1 a program's
-serial rotation loads set the latency) reads ``T`` on the device, then (1) quantizes slot ``T - 1 - W``'s ring row into
-the history exactly as ``write_triton`` (a retrieval head codes it instead, :func:`_code_row`), and (2) after a CTA
-barrier (with ``R = W + 1`` the demoted entry is the new token's) stores the new token into the ring and the sink.
-``paged_append_triton``: the same write for the serving store's rows (``paged_append_reference``).
+"""The one-token write as one Triton launch (docs/kernels.md §2.1): ``append_token_triton`` at a contiguous storage's
+ring, ``paged_append_triton`` at the serving store's rows, each the references' contract (``write_path``). A program
+demotes its slot (quantized as ``write_triton`` does, or coded for a retrieval head, :func:`_code_row`), then, after a
+CTA barrier (with ``R = W + 1`` the demoted entry is the new token's), stores the new token.
 """
 from __future__ import annotations
 

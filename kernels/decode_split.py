@@ -1,15 +1,8 @@
-"""The Triton split kernel of the decode read path: history splits, window programs, and the fused prologue
-(docs/kernels.md §3.2, §3.4).
-
-Program ``(bh, s)`` of :func:`_split_kernel` streams history tokens ``[s * L, (s + 1) * L)`` of one KV head for its
-``M`` query rows (padded to ``M_PAD >= 16``); programs ``s >= S`` attend to the window (:func:`_window_split`). Each
-writes one partial ``(m, l, acc)`` for :mod:`~oscar_hf.kernels.decode_combine`. :func:`_prologue_kernel`: the Gluon
-path's first launch, the query rotation beside the window programs.
-
-Byte ``j`` of a token's ``[D/4]`` codes holds channel ``j + p * D/4`` in bits ``2p..2p+1``: one shift and mask of the
-byte tile yields plane ``p``. The deferred loop (``G >= D/4``, <= 16 query rows) takes the byte tile as the A operand
-(logits ``[BLOCK_N, M_PAD]``, keys fp16 ``1024 + 4^p code``, values bf16 ``(p s)ᵀ . code``) against one fixed softmax
-reference per split (rerun past ``DF_LIM``); the dequant loop builds ``zero + code * scale`` per plane.
+"""The Triton split kernel of the decode read (docs/kernels.md §1 the code layout, §3.2 the prologue, §3.4 the loops):
+program ``(bh, s)`` of :func:`_split_kernel` streams history tokens ``[s * L, (s + 1) * L)`` of one KV head for its
+``M`` query rows (padded to ``M_PAD >= 16``), programs ``s >= S`` the window (:func:`_window_split`), each writing one
+partial ``(m, l, acc)`` for :mod:`~oscar_hf.kernels.decode_combine`; :func:`_prologue_kernel` the rotation beside the
+window programs.
 
 Logits are in base 2 (``qk_scale = scaling * log2(e)``). Token ``n`` of row ``b`` is valid when ``start[b] <= n < N``
 and ``key_mask[b, h, 0, n]``; ``N_DEV``: ``N`` is the capacity, ``n_valid`` read on the device. Invalid tokens'

@@ -1,4 +1,4 @@
-"""The jit helpers of the split kernel (:mod:`~oscar_hf.kernels.decode_split`, whose docstring has the math)."""
+"""The jit helpers of the split kernel (:mod:`~oscar_hf.kernels.decode_split`; the math: docs/kernels.md §1, §3.4)."""
 from __future__ import annotations
 
 import triton

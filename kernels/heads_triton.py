@@ -1,13 +1,6 @@
-"""Triton kernels of the retrieval heads' decode read (:mod:`.heads_attention`; docs/kernels.md §3.9): a split kernel
-and a combine.
-
-Program ``(b * P + p, s)`` of :func:`_heads_split_kernel` reads coded head ``p`` of row ``b`` (KV head ``heads[p]`` of
-the query and window): programs ``s < S`` stream history slots within ``[lo[b], hi)``, program ``S`` the window; the
-combine merges the partials. Codes are never dequantized: ``q . x = scale (q . code) + zero sum(q)`` and ``sum p x =
-(p scale) . code + sum p zero``, so the tensor cores take the codes (exact up to 255). INT4: two planes of ``D / 2``
-channels (``NPL = 2``). ``qk_scale`` multiplies the float32 logits, so the query stays exact in its dtype. ``HI_DEV``:
-``hi`` read on the device, the grid sized by the capacity. ``PAGE > 0``: slot ``n`` at offset ``n % PAGE`` of page
-``block_table[b, n // PAGE]``.
+"""Triton kernels of the retrieval heads' decode read (:mod:`.heads_attention`): a split kernel over the codes, read
+as they are, and a combine (docs/kernels.md §3.9). ``qk_scale`` multiplies the float32 logits, so the query stays exact
+in its dtype; ``HI_DEV``: ``hi`` read on the device, the grid sized by the capacity.
 """
 from __future__ import annotations
 

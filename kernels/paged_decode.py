@@ -10,8 +10,8 @@ import torch
 
 from oscar_hf.quant import QuantizedRows
 
-from .int2_attention import (decode_attention_reference, empty_partial, history_partial_reference,
-                             merge_history_and_window, merge_partials, rotate_query_reference)
+from .int2_attention import (decode_attention_reference, history_partial_reference, merge_history_and_window,
+                             rotate_query_reference)
 from .kv import History, KVParams, Pages, Window
 from .plan import cdiv, triton_enabled
 from .settings import DEFAULTS
@@ -142,14 +142,9 @@ def paged_history_partial(q_rot, qk_offset, history: History, scaling: float, gr
         return tuple(x.transpose(0, 1).reshape(1, hk, t * ROW_TILE, *x.shape[3:])[:, :, :m] for x in part)
     p = history.k.codes.shape[-2]
     block = max(p, min(block_n, LOGITS_BUDGET // (4 * hk * m)) // p * p)
-    table, part = pages.table[0], empty_partial(q_rot)
+    k, v = (gather_pages(x, pages.table[0], n) for x in (history.k, history.v))  # [1, Hk, n, *]
     start = torch.zeros(1, dtype=torch.long, device=q_rot.device)
-    for j0 in range(0, n, block):
-        j1 = min(n, j0 + block)
-        k, v = (gather_pages(x, table[j0 // p :], j1 - j0) for x in (history.k, history.v))
-        blk = history_partial_reference(q_rot, k, v, start, None, qk_offset, scaling, group_size, block_n=block)
-        part = merge_partials([part, blk])
-    return part
+    return history_partial_reference(q_rot, k, v, start, None, qk_offset, scaling, group_size, block_n=block)
 
 
 def paged_multi_token_attention(params: KVParams, qf, window: Window, history: History, scaling: float, out_dtype,

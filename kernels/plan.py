@@ -28,9 +28,7 @@ def group_fits(d: int, group_size: int) -> bool:
     return g > 0 and d % g == 0 and ((g & (g - 1)) == 0 or g % (d // 4) == 0)
 
 
-@functools.lru_cache(maxsize=None)
-def _properties(index: int):
-    return torch.cuda.get_device_properties(index)
+_properties = functools.lru_cache(maxsize=None)(torch.cuda.get_device_properties)  # device index -> properties
 
 
 def _cuda_properties(device: torch.device):

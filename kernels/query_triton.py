@@ -1,8 +1,5 @@
-"""Query prologue of a decode step in one launch: ``q R_K`` and the centering offset ``q · mu_K``.
-
-Program ``(row * Hk + head, c)`` multiplies the ``M`` query rows by the ``C_BLOCK`` columns ``c`` of ``R_K`` in tf32x3
-(float32 accuracy; torch took three or four launches, docs/kernels.md); the first column block's program also writes
-the offset. The same programs can build the Gluon kernel's int8 query operands (:func:`_rotate_plane_q8`).
+"""The query rotation of a decode step in one launch: ``q R_K`` in tf32x3 and the offset ``q · mu_K`` (docs/kernels.md
+§3.2); the same programs can build the Gluon kernel's int8 query operands (:func:`_rotate_plane_q8`).
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""Fused write path: center + rotate + clip + INT2-quantize + pack, one Triton kernel (docs/kernels.md §2).
-
-``rotate_quantize_triton`` is :func:`~oscar_hf.kernels.write_path.rotate_quantize_reference` for the shapes
-:func:`kernel_supported` takes. A program owns ``BLOCK_T`` rows of one (batch, KV head): ``(x - mu) @ R`` in tf32x3,
-each group's scale / zero rounded to the metadata dtype *before* the codes, ``code = clamp(rint((x - zero) / scale),
-0, 3)``, packed as byte ``j = code[j] | code[j + D/4] << 2 | code[j + D/2] << 4 | code[j + 3D/4] << 6``.
-
-D = 96 runs in the *plane-padded* layout of ``DP = 128`` lanes (:func:`_padded_cols`): lane ``p * DP/4 + j`` is channel
-``p * D/4 + j`` for ``j < D/4``, the rest padding; groups reduce by mask (:func:`_quantize_masked`), since a group need
-not be contiguous there (G = 32: group 0 is plane 0 and 8 channels of plane 1).
+"""Fused write path: center + rotate + clip + INT2-quantize + pack in one Triton kernel, for the shapes
+:func:`kernel_supported` takes (docs/kernels.md §1 the layout, §2 the steps). D = 96 runs in the *plane-padded* layout
+of ``DP = 128`` lanes (:func:`_padded_cols`), its groups reduced by mask (:func:`_quantize_masked`).
 """
 from __future__ import annotations
 
