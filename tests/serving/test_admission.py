@@ -1,6 +1,7 @@
 """One bad request fails alone: requests the OSCAR store cannot serve are refused at submission (duplicate live ids,
 prompts that can never fit the page pool, forks, empty prompts, ids outside the vocabulary), the manager keeps
 serving, and every other request gets exactly the tokens it gets alone through ``OscarCache``."""
+import contextlib
 import time
 
 import pytest
@@ -22,6 +23,20 @@ def gen_config(n: int = 6, **kw) -> GenerationConfig:
 
 def cb_config():
     return continuous_batching_config(num_blocks=PAGES, max_batch_tokens=256, page_size=PAGE)
+
+
+@contextlib.contextmanager
+def serving(model, generation_config=None, start=True, **store_kw):
+    """A manager of ``model`` inside ``paged_oscar`` (yields it and the store), stopped on exit."""
+    with paged_oscar(model, **{**OSCAR, **store_kw}) as store:
+        manager = model.init_continuous_batching(generation_config=generation_config or gen_config(),
+                                                 continuous_batching_config=cb_config())
+        if start:
+            manager.start()
+        try:
+            yield manager, store
+        finally:
+            manager.stop(block=True)
 
 
 def alone(model, prompt, n):
@@ -83,20 +98,14 @@ def test_the_pool_limit_is_exact(model):
     # 16 * 8 = 128 on 5.17 - 5.19 (Transformers' blocks count every token there)
     prompt = list(range(3, 103))
     most = 41 if SECTOR_API else 29
-    with paged_oscar(model, **OSCAR) as store:
-        manager = model.init_continuous_batching(generation_config=gen_config(),
-                                                 continuous_batching_config=cb_config())
-        manager.start()
-        try:
-            with pytest.raises(RequestRefused):
-                manager.add_request(prompt, request_id="over", max_new_tokens=most + 1)
-            manager.add_request(prompt, request_id="fits", max_new_tokens=most)
-            r = result(manager, "fits")
-            assert r.error is None and len(r.generated_tokens) == most
-            assert not SECTOR_API or store.pool.peak_used == PAGES
-            assert manager.background_thread_status.fatal_error is None
-        finally:
-            manager.stop(block=True)
+    with serving(model) as (manager, store):
+        with pytest.raises(RequestRefused):
+            manager.add_request(prompt, request_id="over", max_new_tokens=most + 1)
+        manager.add_request(prompt, request_id="fits", max_new_tokens=most)
+        r = result(manager, "fits")
+        assert r.error is None and len(r.generated_tokens) == most
+        assert not SECTOR_API or store.pool.peak_used == PAGES
+        assert manager.background_thread_status.fatal_error is None
 
 
 def test_requests_sent_before_the_cache_exists_fail_alone_in_the_loop(model):
@@ -104,56 +113,40 @@ def test_requests_sent_before_the_cache_exists_fail_alone_in_the_loop(model):
     scheduler and fails it alone (its error says why); the others are served."""
     good = list(range(7, 30))
     want = alone(model, good, 5)
-    with paged_oscar(model, **OSCAR):
-        manager = model.init_continuous_batching(generation_config=gen_config(),
-                                                 continuous_batching_config=cb_config())
+    with serving(model, start=False) as (manager, _):
         manager.add_request(list(range(5, 200)), request_id="big", max_new_tokens=3)
         manager.add_request(good, request_id="ok", max_new_tokens=5)
         manager.start()
-        try:
-            got = {rid: result(manager, rid) for rid in ("big", "ok")}
-            assert "INT2 pages" in got["big"].error
-            assert got["ok"].error is None and got["ok"].generated_tokens == want
-            assert manager.background_thread_status.fatal_error is None
-        finally:
-            manager.stop(block=True)
+        got = {rid: result(manager, rid) for rid in ("big", "ok")}
+        assert "INT2 pages" in got["big"].error
+        assert got["ok"].error is None and got["ok"].generated_tokens == want
+        assert manager.background_thread_status.fatal_error is None
 
 
 def test_a_cancelled_id_is_free_again(model):
     want = alone(model, list(range(9, 30)), 4)
-    with paged_oscar(model, **OSCAR):
-        manager = model.init_continuous_batching(generation_config=gen_config(),
-                                                 continuous_batching_config=cb_config())
-        manager.start()
-        try:
-            manager.add_request(list(range(5, 40)), request_id="c", max_new_tokens=60)
-            manager.cancel_request("c")
-            deadline = time.time() + 60
-            while True:  # live until the loop has cleared the cancellation, then free
-                try:
-                    manager.add_request(list(range(9, 30)), request_id="c", max_new_tokens=4)
-                    break
-                except RequestRefused:
-                    assert time.time() < deadline, "the cancelled id never left"
-                    time.sleep(0.05)
-            assert result(manager, "c").generated_tokens == want
-        finally:
-            manager.stop(block=True)
+    with serving(model) as (manager, _):
+        manager.add_request(list(range(5, 40)), request_id="c", max_new_tokens=60)
+        manager.cancel_request("c")
+        deadline = time.time() + 60
+        while True:  # live until the loop has cleared the cancellation, then free
+            try:
+                manager.add_request(list(range(9, 30)), request_id="c", max_new_tokens=4)
+                break
+            except RequestRefused:
+                assert time.time() < deadline, "the cancelled id never left"
+                time.sleep(0.05)
+        assert result(manager, "c").generated_tokens == want
 
 
 def test_forks_are_refused_where_the_cache_cannot_fork(model):
     """Forks (``num_return_sequences > 1``) are served where the store holds every layer (tests/serving/test_prefix.py);
     refused at submission where a layer stays in Transformers' BF16 cache (``skip_layers``)."""
-    with paged_oscar(model, **dict(OSCAR, skip_layers=(0,), num_pages=PAGES, page_size=PAGE)):
-        manager = model.init_continuous_batching(generation_config=gen_config(num_return_sequences=2, do_sample=True),
-                                                 continuous_batching_config=cb_config())
-        manager.start()
-        try:
-            with pytest.raises(RequestRefused, match="fork"):
-                manager.add_request([1, 2, 3], request_id="f")
-            assert manager.background_thread_status.fatal_error is None
-        finally:
-            manager.stop(block=True)
+    with serving(model, gen_config(num_return_sequences=2, do_sample=True), skip_layers=(0,), num_pages=PAGES,
+                 page_size=PAGE) as (manager, _):
+        with pytest.raises(RequestRefused, match="fork"):
+            manager.add_request([1, 2, 3], request_id="f")
+        assert manager.background_thread_status.fatal_error is None
 
 
 def test_refusal_without_the_serving_extra():
