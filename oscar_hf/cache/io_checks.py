@@ -30,10 +30,6 @@ def weights_digest(model, per_tensor: int = 16) -> str:
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]
 
 
-def _model_name(fingerprint: ModelFingerprint) -> str:
-    return fingerprint.name_or_path or fingerprint.architecture
-
-
 def check_weights(doc: dict, model, path) -> None:
     """Refuse a cache saved from other weights than ``model``'s (same shapes: a fine-tune, another checkpoint)."""
     saved = doc.get("weights")
@@ -43,8 +39,8 @@ def check_weights(doc: dict, model, path) -> None:
         raise ValueError(f"{path / STATE_NAME}: corrupted weights digest {saved!r}")
     here = weights_digest(model)
     if here != saved:
-        theirs = _model_name(ModelFingerprint.from_dict(doc["fingerprint"]))
-        ours = _model_name(ModelFingerprint.from_config(model.config))
+        theirs, ours = (fp.name_or_path or fp.architecture for fp in (ModelFingerprint.from_dict(doc["fingerprint"]),
+                                                                       ModelFingerprint.from_config(model.config)))
         raise ValueError(f"{path}: this cache was saved from other weights than the model it is loaded into: saved "
                          f"from {theirs!r} (weights {saved}), loading into {ours!r} (weights {here}); its keys and "
                          "values only continue the model that wrote them")

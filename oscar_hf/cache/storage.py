@@ -13,7 +13,7 @@ logger = logging.getLogger("oscar_hf")
 # the others need compile=True
 AUTO_COMPILED_LAYER_TYPES = (FULL_LAYER_TYPES + SLIDING_LAYER_TYPES + STATE_LAYER_TYPES
                              + (SHARED_KV_LAYER_TYPE, DUMMY_LAYER_TYPE))
-_SAID_EAGER: set[str] = set()  # the reasons already logged (once per process each)
+_SAID_EAGER: set[str] = set()  # the reasons already logged
 
 
 def not_auto_compiled(fp: ModelFingerprint) -> str | None:
@@ -25,13 +25,6 @@ def not_auto_compiled(fp: ModelFingerprint) -> str | None:
 def model_on_cuda(model) -> bool:
     """Whether ``compile="auto"`` sees a model on CUDA (any of its parameters)."""
     return model is not None and any(p.is_cuda for p in model.parameters())
-
-
-def _say_eager_once(message: str) -> None:
-    """Log ``message`` once per process."""
-    if message not in _SAID_EAGER:
-        _SAID_EAGER.add(message)
-        logger.warning(message)
 
 
 def compiled_storage(compile: bool | str, model, choice: LayerChoice, hybrid: set[int], growable: bool) -> bool:
@@ -50,14 +43,15 @@ def compiled_storage(compile: bool | str, model, choice: LayerChoice, hybrid: se
         on_cuda = model_on_cuda(model)
         # tensor parallelism compiles (checked on the CPU) but is not measured on GPUs yet
         tp = model is not None and (getattr(model, "_tp_size", None) or 1) > 1
-        if on_cuda and why:
-            _say_eager_once(f"OscarCache: eager storage, not compiled (the compiled decode step does not support "
-                            f"{why})")
-        elif on_cuda and growable and (unmeasured := "tensor parallelism" if tp else not_auto_compiled(choice.fingerprint)):
-            _say_eager_once(f"OscarCache: eager storage, not compiled, for a model with {unmeasured} "
-                            f"(compile=True compiles it; not measured on a GPU, so not the default)")
-            return False
-        return on_cuda and why is None
+        unmeasured = on_cuda and growable and ("tensor parallelism" if tp else not_auto_compiled(choice.fingerprint))
+        say = (f"OscarCache: eager storage, not compiled (the compiled decode step does not support {why})"
+               if on_cuda and why else
+               f"OscarCache: eager storage, not compiled, for a model with {unmeasured} (compile=True compiles it; "
+               "not measured on a GPU, so not the default)" if unmeasured else None)
+        if say and say not in _SAID_EAGER:  # once per process each
+            _SAID_EAGER.add(say)
+            logger.warning(say)
+        return on_cuda and why is None and not unmeasured
     if why:
         raise ValueError(f"OscarCache(compile=True) does not support {why}")
     return True
