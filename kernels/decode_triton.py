@@ -124,17 +124,13 @@ def _gluon_module():
 
 def decode_attention_triton(params, q, window, history, scaling, out_dtype=None, *, rotated=None, softcap=None,
                             sinks=None, defaults=DEFAULTS, out=None):
-    """The decode attention of one layer over INT2 history + full-precision window (``B`` batch, ``Hk`` KV heads,
-    ``M`` query rows per KV head, ``D`` head_dim; the bundles of :mod:`~oscar_hf.kernels.kv`).
-
-    params: ``r_v`` None: no window, the history's online-softmax partials (:func:`history_partial_triton`).
-    q: ``[B, Hk, M, D]`` the unrotated queries, for the window keys (None without a window).
-    rotated: ``(q_rot [B, Hk, M, D], qk_offset [B, Hk, M] or None)`` the query rotated by R_K, or None: the op
-    rotates ``q`` itself. sinks: None or ``[Hk, M]`` sink logits (natural units), one more partial per row.
-    softcap: Gemma 2's cap (natural units), by the split kernel only. out: None, or ``[B, Hk_layer, M, D]`` with
-    ``window.kv_heads`` given: head ``h``'s rows go to KV head ``kv_heads[h]``.
-    Returns ``[B, Hk, M, D]`` in the value space (rows without a valid key are 0); without ``r_v`` the float32
-    partials ``(m [B, Hk, M], l [B, Hk, M], acc [B, Hk, M, D])``.
+    """:func:`~oscar_hf.kernels.int2_attention.decode_attention_reference` on the kernels, launched as one
+    :func:`~oscar_hf.kernels.plan.decode_plan` says: ``[B, Hk, M, D]`` in the value space (rows without a valid key
+    are 0). ``rotated``: ``(q_rot [B, Hk, M, D], qk_offset [B, Hk, M] or None)``, or None: the op rotates the
+    unrotated ``q [B, Hk, M, D]`` (the window's query) itself. ``params.r_v`` None: no window, the history's float32
+    partials ``(m [B, Hk, M], l [B, Hk, M], acc [B, Hk, M, D])`` instead (:func:`history_partial_triton`). ``sinks``
+    ``[Hk, M]``; ``softcap``: the split kernel's only. ``out``: None, or ``[B, Hk_layer, M, D]`` with
+    ``window.kv_heads``: head ``h``'s rows go to KV head ``kv_heads[h]``.
     """
     # the bundles' fields under the names the launches below use
     k, v, start, key_mask = history.k, history.v, history.start, history.key_mask
@@ -166,11 +162,7 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     if q_rot.stride(-1) != 1:
         q_rot = q_rot.contiguous()
     k, v = _rows_layout(k), _rows_layout(v)
-    if start is None:
-        start = torch.zeros(b, dtype=torch.int32, device=dev)
-    elif not isinstance(start, torch.Tensor):
-        start = torch.full((b,), int(start), dtype=torch.int32, device=dev)
-    start = start.to(device=dev).reshape(b)
+    start = torch.zeros(b, dtype=torch.int32, device=dev) if start is None else start.to(device=dev).reshape(b)
     kmask = _mask_4d(key_mask, b, hk, n)
     if qk_offset is not None:
         qk_offset = qk_offset.float().expand(b, hk, m)
