@@ -1,6 +1,5 @@
 """Candidates and their selection: the rotations a layer may use, their held-out attention error for every clip
-ratio (:class:`ErrorRecorder`; docs/calibration.md), and :func:`select_best`'s clip per layer and candidate per KV head.
-"""
+ratio (:class:`ErrorRecorder`; docs/calibration.md), :func:`select_best`'s clip per layer and candidate per KV head."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,6 +1,5 @@
 """Passes 1 and 2 of calibration: streaming float64 attention statistics (``Σx``, ``Σxᵀx``, counts) per
-full-attention layer and KV head (docs/calibration.md). Nothing stores activations.
-"""
+full-attention layer and KV head, no activation stored (docs/calibration.md)."""
 from __future__ import annotations
 
 import dataclasses
@@ -110,10 +109,8 @@ class StatsRecorder:
     def start_score_weighted(self) -> None:
         self.phase = "score_weighted"
         self._cq = {i: s.c_q() for i, s in self.stats.items()}
-        for s in self.stats.values():
-            hk, d = s.k_sum.shape
-            z = lambda *sh: torch.zeros(*sh, dtype=torch.float64, device=s.k_sum.device)  # noqa: E731
-            s.sw_w, s.sw_v, s.sw_vv = z(hk), z(hk, d), z(hk, d, d)
+        for s in self.stats.values():  # [Hk], [Hk, D], [Hk, D, D] float64
+            s.sw_w, s.sw_v, s.sw_vv = torch.zeros_like(s.k_sum[:, 0]), torch.zeros_like(s.k_sum), torch.zeros_like(s.kk)
 
     def __call__(self, module, query, key, value, attention_mask, *args, base, **kwargs):
         i = getattr(module, "layer_idx", None)
