@@ -1,10 +1,7 @@
-"""A compiled op's Triton kernels compiled in a helper process while torch compiles the step.
-
-The op's fake implementation (:mod:`.static_op`) hands each new set of arguments' description (:func:`spec_of`) to a
-helper process fed on stdin (:func:`serve`), which runs the op once on zero tensors of the same layout
-(:func:`values_of`), so the kernels compile into the on-disk Triton cache the step's first run reads; the helper's
-stdin closes at the op's first real call (:func:`release`). CUDA only, with ``OSCAR_WARM_KERNELS=1`` (why it is off:
-docs/kernels.md §3.7). A failure only costs the time it was to save.
+"""A compiled op's Triton kernels compiled in a helper process while torch compiles the step (CUDA only, with
+``OSCAR_WARM_KERNELS=1``; the design, and why it is off: docs/kernels.md §3.7). The op's fake implementation hands each
+new layout (:func:`spec_of`) to the helper (:func:`serve`), which runs the op on zeros of it (:func:`values_of`); the
+op's first real call closes its input (:func:`release`). A failure only costs the time it was to save.
 """
 from __future__ import annotations
 
