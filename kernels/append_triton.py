@@ -77,11 +77,9 @@ def _demote_row(SRC, R, MU, CODES, SCALE, ZERO, c_off, m_off, clip,
 @triton.jit
 def _code_row(SRC, X, SCALE, ZERO, x_off, m_off, D: tl.constexpr, BITS: tl.constexpr, META_KIND: tl.constexpr,
               DP: tl.constexpr):
-    """Code one window row of a retrieval head (``oscar_hf.quant.encode_heads``): ``SRC`` -> ``D`` contiguous
-    model-dtype values; 16 bits: stored as they are at ``X + x_off``; 8 / 4: min-max codes (INT4: channel ``j`` in
-    byte ``j``'s low nibble, ``j + D/2`` in its high one) at ``X + x_off``, one scale and zero (rounded to the model
-    dtype first, the codes computed against the stored values) at ``SCALE/ZERO + m_off``. ``DP > D``: ``DP`` lanes,
-    the row's two halves (INT4) or the row padded at its end (``write_triton._padded_cols``)."""
+    """Code one window row ``SRC`` (``D`` model-dtype values) of a retrieval head as ``oscar_hf.quant.encode_heads``: 16
+    bits as they are at ``X + x_off``, 8 / 4 bits as min-max codes there, scale / zero at ``SCALE/ZERO + m_off``.
+    ``DP > D``: ``DP`` lanes (``write_triton._padded_cols``)."""
     HALVES: tl.constexpr = 2 if BITS == 4 else 1
     if DP > D:
         offs, real = _padded_cols(DP, HALVES, D // HALVES)

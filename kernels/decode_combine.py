@@ -35,14 +35,9 @@ def _combine_kernel(
     PDL: tl.constexpr = 0, HOIST: tl.constexpr = 0, SW_BLOCK: tl.constexpr = 1, PARTS: tl.constexpr = 1,
     READY=None, RESET: tl.constexpr = 0, DP: tl.constexpr = 0, OHEAD=None, HK_OUT=1, HAS_OHEAD: tl.constexpr = 0,
 ):
-    """One program per (b, h, query row) (``PARTS`` per row): log-sum-exp merge of the split partials (shapes and why:
-    docs/kernels.md §3.5). Splits ``[0, S_HIST)`` are history (rotated value space), the rest window (value space).
-    Not FINAL: write ``m`` (natural units), ``l``, ``acc``. FINAL: ``out = (w_h (acc_h R_Vᵀ + l_h mu_V) + w_w acc_w) /
-    (w_h l_h + w_w l_w)``, only the merged history row rotated back, ``C_BLOCK`` output channels at a time; rows
-    without a valid key are 0. ``HOIST``: one round of loads before the merge, each next ``R_V`` chunk loaded before the
-    previous one is used. ``PARTS``: program ``pc`` writes channels ``[pc D / PARTS, (pc + 1) D / PARTS)``. ``RESET``:
-    zero ``READY[b * Hk + h]`` (the history grid is complete). ``DP``: padded ``D``. ``HAS_OHEAD``: head ``h``'s rows
-    go to KV head ``OHEAD[h]`` of ``HK_OUT`` heads."""
+    """Program ``(b, h, query row)`` x part ``pc < PARTS`` (channels ``[pc D / PARTS, (pc + 1) D / PARTS)``): merges
+    history splits ``[0, S_HIST)`` and window splits by log-sum-exp (docs/kernels.md §3.5; ``RESET`` §3.6, ``OHEAD``
+    §3.9). ``FINAL``: the output (0 for rows without a valid key); else ``m`` (natural units), ``l``, ``acc``."""
     row = tl.program_id(0) // PARTS  # = bh * M + mm
     c_lo = (tl.program_id(0) % PARTS) * (D // PARTS)  # this program's first output channel
     bh = row // M

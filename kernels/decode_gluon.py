@@ -47,21 +47,9 @@ def _hist_kernel(
     QP8=None, QPF=None, QPRE: gl.constexpr = 0, READY=None, QFLAG: gl.constexpr = 0, TP: gl.constexpr = 1,
     BT=None, sbt=0, cps=0, mps=0, PAGED: gl.constexpr = 0, PR: gl.constexpr = 1, QG: gl.constexpr = 1,
 ):
-    """Grid ``(B * Hk, S)``: program ``(bh, s)`` writes the partial of history split ``s`` of one (row, KV head).
-    ``STAGES``: cp.async pipeline stages (a power of two); ``PDL``: launched under programmatic dependent launch
-    after the query's launch (waits for it after the first loads; lets the combine launch after its loop); ``K8``:
-    int8 key MMAs; ``QPRE``: their query operands built by the prologue (``QP8``, ``QPF``); ``QFLAG``: wait for the
-    prologue's counter ``READY[bh]`` instead of the PDL wait. ``NH``: 32-byte halves of a code row, ``D = 128 NH``
-    (NH = 2: TB = 1, not K8). ``TP = 2``: D = 64, a 32-byte code row is two tokens (NH = 1, TB = 1, not K8, M <= 4);
-    ``N``, ``split_len`` (even) and ``START`` count tokens.
-
-    ``PAGED``: ``KC`` .. ``VZ`` are ``[num_pages, Hk, P, *]``, row ``b``'s code row ``j`` is row ``j % PR`` of page
-    ``BT[b, j // PR]`` (``PR = P / TP``, a multiple of ``T``: a step never straddles pages; ``cps`` / ``mps``: page
-    strides in 4-byte words); ``NPTR[b]`` history tokens. A step's page is loaded one step ahead of its copies.
-
-    ``QG`` query groups (D = 64, 5-8 query rows): grid ``(B * Hk * QG, S)``, program ``(q, s)`` serves query rows
-    ``[g M, (g + 1) M)`` (``g = q % QG``; ``M`` is the rows per group, ``M QG`` the row's) of (row, KV head)
-    ``q // QG``, reading the whole split for them."""
+    """Program ``(q, s)``: the partial of history split ``s`` for query rows ``[g M, (g + 1) M)``, ``g = q % QG``, of
+    (row, KV head) ``q // QG``. Flags: docs/kernels.md §3.3, §3.6, §3.8. ``PAGED``: code row ``j`` is row ``j % PR`` of
+    page ``BT[b, j // PR]`` (``cps`` / ``mps``: page strides in 4-byte words), ``NPTR[b]`` the row's tokens."""
     CS: gl.constexpr = _col_sets(TB, TP)  # column sets: the token sets, or (TP = 2) the two tokens of a code row
     MH: gl.constexpr = 8 // CS
     T: gl.constexpr = 16 * TB  # code rows a step

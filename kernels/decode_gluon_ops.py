@@ -177,13 +177,9 @@ def _q8_split(q, f):
 @gluon.jit
 def _q_plane(q_ptr, sqm, M, P: gl.constexpr, TB: gl.constexpr, MH: gl.constexpr, K8: gl.constexpr,
              TP: gl.constexpr = 1):
-    """``q[h, 32 P + sigma(j)]`` (float32) in the B layout ``[32 TB, 8]`` of the key MMA, row ``tb * 32 + j``, column
-    ``tb * MH + h``; zero off the block diagonal and in padding columns. ``P``: the 32-channel chunk (D = 128: the
-    plane; D = 256: plane ``P // 2`` of half ``P % 2``). The channel order is the key operand's:
-    ``sigma_K`` (fp16 ``m16n8k16``, :func:`_k_operand`) or, ``K8``, ``sigma8`` (int8 ``m16n8k32``, :func:`_k8_operand`).
-    ``TP = 2`` (D = 64: a code row's bytes ``s < 16`` are token ``2j``'s, ``s >= 16`` token ``2j + 1``'s; plane ``P``
-    holds channels ``16 P + s % 16``): column ``e * MH + h`` holds ``q[h, 16 P + sigma(j) % 16]`` in the rows ``j``
-    whose byte ``sigma(j)`` is token ``2j + e``'s and 0 in the others, so that it takes that token's logit alone."""
+    """``q[h, 32 P + sigma(j)]`` (float32) as the key MMA's B operand ``[32 TB, 8]``: row ``tb * 32 + j``, column
+    ``tb * MH + h`` (0 off the block diagonal), ``sigma`` the order of :func:`_k_operand` (``K8``: :func:`_k8_operand`).
+    ``TP = 2``: column ``e * MH + h`` only in rows of token ``2j + e`` (docs/kernels.md §3.3)."""
     OP: gl.constexpr = B8_OP if K8 else B_OP
     k = gl.arange(0, 32 * TB, layout=gl.SliceLayout(1, OP))
     n = gl.arange(0, 8, layout=gl.SliceLayout(0, OP))
@@ -221,10 +217,9 @@ def _q_sums(q, qk_scale, GC: gl.constexpr = 2):
 
 @gluon.jit
 def _q8_operands(q_ptr, sqm, M, qk_scale, TB: gl.constexpr, MH: gl.constexpr):
-    """K8 query operands: per plane the pair ``(hi, lo)`` (int8, ``B8_OP``) of ``q_P = q qk_scale / 4^P`` (plane codes
-    enter as ``4^P code``) over ``sigma_g``; per group ``g`` the accumulator starts ``(hi, lo)`` (int32 ``[16, 8]``:
-    plane 3's ``+128 sum q``) and the factor ``sigma_g / 254`` of ``Y = 254 acc_hi + acc_lo``. ``sigma_g``: the
-    group's largest ``|q_P|`` (all columns) / 127. Last two: the groups' query sums (:func:`_q_sums`)."""
+    """K8 query operands: per plane ``(hi, lo)`` int8 (``B8_OP``) of ``q_P = q qk_scale / 4^P`` over ``sigma_g`` (the
+    group's largest ``|q_P|`` / 127); per group the accumulator starts (int32 ``[16, 8]``, plane 3's ``+128 sum q``) and
+    the factor ``sigma_g / 254`` of ``254 acc_hi + acc_lo``; last, the groups' query sums (:func:`_q_sums`)."""
     q0 = _q_plane(q_ptr, sqm, M, 0, TB, MH, True)
     q1 = _q_plane(q_ptr, sqm, M, 1, TB, MH, True)
     q2 = _q_plane(q_ptr, sqm, M, 2, TB, MH, True)
@@ -293,10 +288,9 @@ def _v_operand(o0, o1, o2, o3, T: gl.constexpr):
 
 @gluon.jit
 def _w_operand(w, kdiag, TB: gl.constexpr):
-    """``w [16 t', 8 n]`` (bf16, accumulator layout) -> the B operand ``[16 TB k, 8 n]`` of the value MMA.
-    ``movmatrix.trans`` transposes each 8x8 block in registers; the result, read as the block-transposed tile
-    ``y[8a + i, j] = w[8a + j, i]``, is ``w`` itself in the B layout (a reshape / permute, register renaming).
-    TB = 2: rows ``k = 16 tb + t'`` see column ``n`` only where ``tb`` is the column's token set (``kdiag``)."""
+    """``w [16 t', 8 n]`` (bf16, accumulator layout) -> the value MMA's B operand ``[16 TB k, 8 n]``:
+    ``movmatrix.trans`` per 8x8 block, then a register renaming. TB = 2: row ``k = 16 tb + t'`` sees column ``n`` only
+    in its token set (``kdiag``)."""
     y = gl.inline_asm_elementwise(_MOVM_ASM, "=r,r", [w], dtype=gl.bfloat16, is_pure=True, pack=2)
     y = gl.reshape(y, [2, 8, 8])
     y = gl.permute(y, [0, 2, 1])

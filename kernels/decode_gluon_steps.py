@@ -24,11 +24,9 @@ def _pair_valid(n0, start, hi):
 @gluon.jit
 def _loads_lanes(kl, vl, ksl, kzl, vsl, vzl, n0, co, mo, lo, hi, lr, lc, mr, TB: gl.constexpr, NH: gl.constexpr,
                  MASKED: gl.constexpr, TP: gl.constexpr = 1):
-    """The step at ``n0``'s tiles (word offsets ``co`` / ``mo``, :func:`_row_offs`) from per-lane addresses at token 0
-    (lane ``4r + c``: key row ``r``, value token ``2c``, metadata of logit row ``r``), as tuples: ``NH`` key and value
-    word tiles, ``NH`` metadata tiles per tensor. ``MASKED``: tokens outside ``[lo, hi)`` read as 0. ``TP = 2``: a lane
-    reads its row's token ``e`` only where it is ``< hi`` (keys: ``e = c // 2``; values: ``e = r // 4``), a metadata
-    word where either token is, zeroed in the other token's columns (:func:`_pair_valid`)."""
+    """The step at ``n0``'s tiles from per-lane addresses at token 0 (lane ``4r + c``: key row ``r``, value token
+    ``2c``, metadata of logit row ``r``): ``NH`` key and value word tiles, ``NH`` metadata tiles per tensor. ``MASKED``:
+    tokens outside ``[lo, hi)`` read as 0 (``TP = 2``: per token of a row, metadata zeroed by :func:`_pair_valid`)."""
     big = -(1 << 30)
     if TP == 2:  # the token bounds as row bounds: keys (lane column c: token 2 row + c // 2), values (word r: token
         # 2 row + r // 4), metadata words (either token)
@@ -177,12 +175,9 @@ def _k_chunk(u, i: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr):
 def _logits(xk, ks, kz, n0, hi, start, qb, c, qs, offc,
             TB: gl.constexpr, MH: gl.constexpr, NH: gl.constexpr, MASKED: gl.constexpr, K8: gl.constexpr,
             TP: gl.constexpr = 1):
-    """Logits ``[16, 8]`` (log2 units, minus the reference: ``offc`` holds ``off - phi``) of a step from its key
-    word tiles ``xk`` (``NH`` halves) and key metadata words; invalid tokens -inf when ``MASKED``. ``qb``: the query
-    operands of the ``4 NH`` 32-channel chunks (chunk ``i``: plane ``i // NH`` of half ``i % NH``), ``c`` the
-    accumulator starts and ``qs`` the query sums of the ``2 NH`` groups (group ``g``: chunks ``2g, 2g + 1``; TP = 2:
-    one group of the 4 chunks, see :func:`_groups`). ``K8`` (NH = 1): int8 MMAs (``_q8_operands``: ``qb_P`` are
-    ``(hi, lo)`` pairs, ``c_g`` the accumulator starts and factor of group ``g``)."""
+    """Logits ``[16, 8]`` (log2 units, ``offc = off - phi``) of a step from its key word tiles ``xk`` and key metadata
+    words, invalid tokens -inf when ``MASKED``. ``qb`` / ``c`` / ``qs``: the query operands of the ``4 NH`` chunks, the
+    accumulator starts and the query sums of the groups (:func:`_groups`; ``K8``: :func:`_q8_operands`' pairs)."""
     s = _f32_groups(ks, TP)
     z = _f32_groups(kz, TP)
     if K8:
@@ -249,12 +244,9 @@ def _fresh_state(NH: gl.constexpr, TP: gl.constexpr = 1):
 
 @gluon.jit
 def _accumulate(lg, xv, vs, vz, kdiag, ones, state, TB: gl.constexpr, NH: gl.constexpr, TP: gl.constexpr = 1):
-    """A step's logits ``lg [16, 8]`` (minus the reference) into the running state (:func:`_fresh_state`): the
-    deferred softmax tiles and the value MMAs of the ``4 NH`` chunks (chunk ``i``: plane ``i // NH`` of half
-    ``i % NH``, weights ``W`` of its group ``i // 2``; TP = 2: of the one group). ``ones`` is a tile of ones and
-    ``sw_g`` accumulate ``sum W`` of each group (every row the same), subtracted ``256 x`` once after the loop (the
-    value codes' offset). TP = 2: a column's ``W`` weighs the rows of both tokens; only the output rows of its own
-    token's bytes are kept (the kernel's epilogue)."""
+    """A step's logits ``lg [16, 8]`` (minus the reference) into the running state (:func:`_fresh_state`): the deferred
+    softmax tiles, the value MMAs of the ``4 NH`` chunks and, against the tile ``ones``, each group's ``sum W`` (the
+    value codes' offset, subtracted once after the loop; docs/kernels.md §3.3)."""
     T: gl.constexpr = 16 * TB
     NG: gl.constexpr = _groups(NH, TP)
     GC: gl.constexpr = 4 * NH // NG
@@ -306,10 +298,9 @@ def _q_operand(q, qk_scale, P: gl.constexpr):
 def _split_setup(KC, KS, KZ, VC, VS, VZ, START, NPTR, b, h, pid_s, N, S, split_len,
                  skb, skh, smkb, smkh, svb, svh, smvb, smvh, T: gl.constexpr, TB: gl.constexpr, NH: gl.constexpr,
                  N_DEV: gl.constexpr, TP: gl.constexpr = 1, PAGED: gl.constexpr = 0):
-    """This split's bounds and addresses: ``start``, the split ``[lo, hi)`` (all-padding steps skipped), its full steps
-    ``[f0, f1)`` after the reference step, :func:`_loads_lanes`' per-lane addresses and the six tensors' int32 base
-    pointers. ``TP = 2``: ``lo``, ``f0``, ``f1`` count rows, ``start`` and ``hi`` tokens; full steps hold only rows
-    whose two tokens are ``< hi``. ``PAGED``: ``hi`` from the row's own length ``NPTR[b]``."""
+    """The split's ``start``, ``[lo, hi)`` (all-padding steps skipped; ``PAGED``: ``hi`` from ``NPTR[b]``), full steps
+    ``[f0, f1)`` after the reference step, :func:`_loads_lanes`' lane addresses and the six int32 base pointers.
+    ``TP = 2``: ``lo``, ``f0``, ``f1`` count rows (full: both tokens ``< hi``)."""
     start = gl.load(START + b).to(gl.int32)
     if N_DEV:
         n_tot = gl.minimum(gl.load(NPTR).to(gl.int32), N)

@@ -44,17 +44,9 @@ def _split_kernel(
     HAS_WHEAD: tl.constexpr = 0,
     DP: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
-    """``DEFERRED``: the deferred inner loop (else dequant); ``PAIR``: both groups' bf16 scale (zero) of a token as
-    one 4-byte word (NG = 2); ``ASM``: code extraction in inline PTX (GPU only); ``WIN_ONLY``: only the window
-    programs (``PID_OFF`` = S), software-pipelined over ``WIN_STAGES``.
-
-    ``DP``: ``D`` padded to a power of two (D = 96: 128; 0 = ``D``), the padded channels masked. ``SOFTCAP`` > 0:
-    every logit soft-capped before the mask (:func:`_soft_cap`).
-
-    ``PAGED``: ``KC`` .. ``VZ`` are ``[num_pages, Hk, PAGE, *]`` (the ``b`` strides are page strides), row ``b``'s
-    entry ``n`` at page ``BT[b, n // PAGE]``, offset ``n % PAGE``; row ``b`` has ``HLEN[b]`` entries (``N``, the
-    longest, sizes the grid: splits past a row's length write the empty partial); its window is ``KW[WSLOT[b]]``.
-    ``HAS_WHEAD``: the window is read in place at KV heads ``WHEAD``."""
+    """Program ``(bh, s)``: history split ``s < S`` (``DEFERRED`` loop, else dequant) or window split ``s - S`` of one
+    (row, KV head), one partial each; ``WIN_ONLY``: window programs only (``PID_OFF = S``, ``WIN_STAGES``). Flags:
+    docs/kernels.md §3.4 (``PAIR``, ``ASM``), §3.8 (``PAGED``), §3.9 (``WHEAD``), §3.10 (``SOFTCAP``), §7 (``DP``)."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     DPAD: tl.constexpr = D if DP == 0 else DP
@@ -270,13 +262,9 @@ def _prologue_kernel(
     DP: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, WSLOT=None, PAGED: tl.constexpr = 0, WHEAD=None,
     HAS_WHEAD: tl.constexpr = 0,
 ):
-    """The Gluon path's first launch: the query rotation and the window programs side by side, since neither reads
-    what the other writes (grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate column block
-    ``j``, the rest are window programs ``j - D / C_BLOCK``). ``QPRE`` (``C_BLOCK`` = 32, one plane): each rotation
-    program also writes its plane's int8 query operands (``query_triton._rotate_plane_q8``); ``QFLAG`` (with ``QPRE``):
-    it then adds 1 to ``READY[b * Hk + h]`` (release, GPU scope), and that (row, head)'s history programs wait for 4
-    there, not for this grid (the combine resets it). ``DP``, ``SOFTCAP``, ``WHEAD``: as for :func:`_split_kernel`;
-    ``PAGED``: row ``b``'s window is slot ``WSLOT[b]`` of the window pool ``KW`` / ``VW``."""
+    """The Gluon path's first launch, grid ``(B * Hk, D / C_BLOCK + S_TOT - S)``: programs ``j < D / C_BLOCK`` rotate
+    column block ``j`` (``QPRE``: and write its int8 query operands, ``QFLAG``: then count in ``READY``), the rest are
+    window programs (docs/kernels.md §3.2, §3.6); ``PAGED``: the window is slot ``WSLOT[b]``."""
     DPAD: tl.constexpr = D if DP == 0 else DP
     pid_bh = tl.program_id(0)
     j = tl.program_id(1)

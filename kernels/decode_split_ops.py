@@ -13,9 +13,8 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def _soft_cap(x, CAP: tl.constexpr):
-    """Gemma 2's soft-capping in log2 units, ``CAP tanh(x / CAP)`` (``CAP = softcap * log2(e)``), tanh from one exp2
-    (not every Triton has tanh): ``tanh|y| = (1 - t) / (1 + t)``, ``t = exp(-2|y|)`` in (0, 1], no overflow. Apply
-    before masking (``-inf`` would become ``-CAP``)."""
+    """``CAP tanh(x / CAP)`` in log2 units (``CAP = softcap * log2(e)``), tanh from one exp2 (docs/kernels.md §3.10);
+    applied before masking (``-inf`` would become ``-CAP``)."""
     t = tl.exp2(tl.abs(x) * (-2.0 * _LOG2E / CAP))
     c = CAP * ((1.0 - t) / (1.0 + t))
     return tl.where(x < 0, -c, c)
@@ -23,10 +22,9 @@ def _soft_cap(x, CAP: tl.constexpr):
 
 @triton.jit
 def _u_plane(bytes_, P: tl.constexpr, LOWP: tl.constexpr, EXACT: tl.constexpr):
-    """Codes of plane ``P`` of a byte tile as exact fp16 operands with one and-or, no shift or conversion: ``byte & (3
-    << 2P)`` (``4^P code <= 192``) or-ed into the bit pattern of 1024 reads as ``u = 1024 + 4^P code``. ``EXACT``
-    subtracts the 1024, else the caller removes it. Interpreter: ``u = 1 + 4^P code`` (``OFFS = 1``), so the offset
-    bookkeeping runs on the CPU too."""
+    """Plane ``P`` of a byte tile as exact fp16 ``u = 1024 + 4^P code`` by one and-or (docs/kernels.md §1); ``EXACT``
+    subtracts the 1024, else the caller does. Interpreter: ``u = 1 + 4^P code`` (``OFFS = 1``), so the offset's
+    bookkeeping runs on the CPU."""
     m = bytes_ & (3 << (2 * P))
     if LOWP:
         u = (m.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
@@ -138,13 +136,9 @@ def _df_meta(ks_base, kz_base, vs_base, vz_base, kmeta, vmeta, inb, valid, NG: t
 def _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG: tl.constexpr,
                BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, LOWP: tl.constexpr, PRE: tl.constexpr = 0,
                s_pre=None, z_pre=None, ASM: tl.constexpr = 0):
-    """Logits ``[BLOCK_N, M_PAD]`` (log2 units, offset ``q·mu_K`` included) of one K byte tile
-    ``kb [BLOCK_N, D/4]``: four plane dots with the tile as the A operand (each plane inside one group); after the
-    last plane of a group, its scale / zero are applied:
-    ``logit[n, m] = sum_g s[n, g] (sum_{P in g} u_P[n] . q_P[m] / 4^P - C_g[m]) + z[n, g] Qs_g[m]`` with
-    ``u_P = OFFS + 4^P code`` (:func:`_u_plane`), ``C_g[m] = OFFS sum_{P in g} sum_c q_P[m, c] / 4^P`` (the offset,
-    from the same rounded operands the dot sees, ``cps``) and ``Qs_g[m] = sum_{c in g} q[m, c]`` (``qss``). ``PRE``:
-    scale / zero come preloaded (``s_pre``, ``z_pre``: one vector per group, :func:`_df_meta`)."""
+    """Logits ``[BLOCK_N, M_PAD]`` (log2, ``off`` included) of a K byte tile ``kb [BLOCK_N, D/4]``, four plane dots then
+    per group ``s (sum_P u_P . q_P / 4^P - C_g) + z Qs_g`` (``u_P``: :func:`_u_plane`; ``C_g = cps``, the offset from
+    the dot's own rounded operands; ``Qs_g = qss``). ``PRE``: scale / zero preloaded (:func:`_df_meta`)."""
     st = tl.zeros((BLOCK_N, M_PAD), tl.float32) + off[None, :]
     d = tl.zeros((BLOCK_N, M_PAD), tl.float32)
     for P in tl.static_range(4):
@@ -246,11 +240,9 @@ def _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N: tl.constexp
 @triton.jit
 def _block_rows(n0, hi, offs_n, inb, BT_ROW, skb, skn, smkb, svb, svn, smvb, NG: tl.constexpr, PAGE: tl.constexpr,
                 BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
-    """Element offsets of a block's tokens from the (row, KV head) bases: ``(K codes [BLOCK_N, 1], K metadata
-    [BLOCK_N], V codes [BLOCK_N, 1], V metadata [BLOCK_N])``, int64.
-
-    Paged: token ``n`` is row ``n % PAGE`` of page ``BT_ROW[n // PAGE]``; one scalar table load where ``BLOCK_N``
-    divides ``PAGE``, else one a token. Only in-bounds tokens' entries are read."""
+    """Int64 element offsets of a block's tokens from the (row, KV head) bases:
+    ``(K codes [BLOCK_N, 1], K metadata [BLOCK_N], V codes [BLOCK_N, 1], V metadata [BLOCK_N])``; ``PAGED``: through
+    ``BT_ROW`` (docs/kernels.md §3.8)."""
     if PAGED:
         if PAGE % BLOCK_N == 0:
             pg = tl.load(BT_ROW + n0 // PAGE, mask=n0 < hi, other=0).to(tl.int64)

@@ -29,12 +29,9 @@ def _rotate_block(
     sqb, sqh, sqm, smb, smh,
     D: tl.constexpr, M_PAD: tl.constexpr, C_BLOCK: tl.constexpr, HAS_MU: tl.constexpr, DP: tl.constexpr,
 ):
-    """Columns ``[c0, c0 + C_BLOCK)`` of ``q_rot`` for the ``M`` query rows of ``pid = b * Hk + h`` (and, in the
-    program of the first column block, the offset ``q · mu_K``). Shared by :func:`_rotate_query_kernel` and the
-    Gluon path's prologue launch (``decode_triton._prologue_kernel``: rotation + window programs). Returns the query
-    ``[M_PAD, DP]`` and the block ``[M_PAD, C_BLOCK]`` (float32; rows ``>= M`` zero), for :func:`_rotate_plane_q8`.
-    ``DP``: ``D`` padded to a power of two (D = 96: 128; the padded channels load as 0 and are no rows of R_K); beyond
-    ``ROT_K`` channels (D = 512) the product is K-blocked by ``ROT_STEP``."""
+    """Columns ``[c0, c0 + C_BLOCK)`` of ``q_rot`` for the ``M`` query rows of ``pid = b * Hk + h`` (the first block's
+    program also writes ``q · mu_K``), for :func:`_rotate_query_kernel` and ``decode_split._prologue_kernel``. Returns
+    the query ``[M_PAD, DP]`` and the block ``[M_PAD, C_BLOCK]``, float32 (``DP``, ``ROT_STEP``: docs/kernels.md §7)."""
     b = pid // Hk
     h = pid % Hk
     offs_m = tl.arange(0, M_PAD)
@@ -149,10 +146,8 @@ def query_kernel_supported(qf: torch.Tensor) -> bool:
 
 
 # The Gluon kernel's int8 key path (K8) takes the query as two int8 operands per plane, hi + lo / 254 of q_P / sigma_g
-# (q_P = q_rot's plane P times qk_scale / 4^P). QPRE prologues build them once per (row, KV head) here, one program per
-# 32-channel plane (~850 instructions less before every history program's loop, docs/kernels.md §3.2). A plane's program
-# cannot see its group's other plane, so sigma_g is a bound both compute alike: the largest norm of the head's query
-# rows (R_K is orthogonal; x 1.001 for rounding, codes clamped to +-127), ~2 bits coarser than the largest entry:
+# (q_P = q_rot's plane P times qk_scale / 4^P), built here once per (row, KV head), one program per 32-channel plane;
+# sigma_g from the largest query row norm (R_K is orthogonal; codes clamped to +-127), docs/kernels.md §3.2:
 #   tiles  int8    [B * Hk, 4 planes, 2 (hi, lo), 8 columns n, 32 TB k]: column n is query row n % MH of token set
 #                  n // MH (TB = 2 for <= 4 rows a KV head, else 1; MH = 8 // TB), k = 32 tb + j holds channel
 #                  32 P + sigma8(j) of that row where tb = n // MH, 0 elsewhere (the block-diagonal B operand)
@@ -181,11 +176,8 @@ def _rotate_plane_q8(
     sqb, sqh, sqm, smb, smh,
     D: tl.constexpr, M_PAD: tl.constexpr, TB: tl.constexpr, HAS_MU: tl.constexpr, ASM: tl.constexpr,
 ):
-    """Plane ``P`` (channels ``[32 P, 32 P + 32)``) of ``q_rot`` for the query rows of ``pid = b * Hk + h``
-    (:func:`_rotate_block`, which also writes ``q · mu_K`` in the program of plane 0) and its int8 operands (see
-    above): query row ``m`` is column ``tb * MH + m`` of token set ``tb``, so each row's codes are stored once per token
-    set (channels scattered into the operand's order). ``ASM``: the rounding in inline PTX (the GPU; not under the
-    interpreter)."""
+    """Plane ``P`` (channels ``[32 P, 32 P + 32)``) of ``q_rot`` (:func:`_rotate_block`) and its int8 operands (above):
+    query row ``m`` stored once per token set ``tb``, as column ``tb * MH + m``. ``ASM``: the rounding in inline PTX."""
     MH: tl.constexpr = 8 // TB
     q, y = _rotate_block(Q, RK, MU, QR, QO, pid, 32 * P, M, Hk, sqb, sqh, sqm, smb, smh, D, M_PAD, 32, HAS_MU, D)
     m = tl.arange(0, M_PAD)  # [M_PAD, 32]: q_rot[m, 32 P + c] (rows >= M zero)

@@ -65,10 +65,8 @@ def _round_meta(v, META_KIND: tl.constexpr):
 @triton.jit
 def _group_grid(xg, clip, AXIS: tl.constexpr, G: tl.constexpr, STD: tl.constexpr, MASKED: tl.constexpr = 0,
                 mask=None):
-    """``(scale, zero)`` in float32 of each group of ``G`` values along ``AXIS`` of ``xg`` (``oscar_hf.quant``):
-    ``STD`` the even grid around the mean, ``scale = 0.996 std``, ``zero = mean - 1.5 scale`` (``clip`` unused); else
-    the range clipped around its midpoint, ``scale = (hi' - lo') / 3``, ``zero = lo'``. ``MASKED``: the group is the
-    ``G`` entries of ``mask`` (broadcast against ``xg``) along ``AXIS``, the others ignored."""
+    """Float32 ``(scale, zero)`` of each group of ``G`` values along ``AXIS`` of ``xg`` as ``oscar_hf.quant``: ``STD``
+    the std grid (``clip`` unused), else the clipped range; ``MASKED``: a group is its ``mask`` entries."""
     if STD:
         if MASKED:
             mean = tl.sum(tl.where(mask, xg, 0.0), AXIS) / G
@@ -109,10 +107,9 @@ def _codes(x, z, s, LEVELS: tl.constexpr, AXIS: tl.constexpr = -1):
 
 @triton.jit
 def _padded_cols(DP: tl.constexpr, PARTS: tl.constexpr, W: tl.constexpr):
-    """The padded layout of a row of ``PARTS`` parts of ``W`` channels (``D = PARTS * W``) in ``DP`` lanes, each part
-    ``DP / PARTS`` lanes wide (INT2 planes: ``PARTS`` = 4; INT4's channel halves: 2; 1: padding at the end): lane
-    ``c'`` holds channel ``(c' // (DP / PARTS)) * W + c' % (DP / PARTS)`` where ``c' % (DP / PARTS) < W``. Returns
-    ``(channel [DP], real [DP])``."""
+    """Lane ``c'`` of ``DP`` holds channel ``(c' // WP) * W + c' % WP``, ``WP = DP / PARTS``, real where
+    ``c' % WP < W``: ``PARTS`` parts of ``W`` channels (INT2 planes 4, INT4 halves 2, end padding 1). Returns
+    ``(channel, real)``, ``[DP]``."""
     WP: tl.constexpr = DP // PARTS
     offs = tl.arange(0, DP)
     return (offs // WP) * W + offs % WP, offs % WP < W
@@ -121,10 +118,9 @@ def _padded_cols(DP: tl.constexpr, PARTS: tl.constexpr, W: tl.constexpr):
 @triton.jit
 def _quantize_masked(rot, ch, real, clip, S_PTR, Z_PTR, smask, G: tl.constexpr, NG: tl.constexpr, AXIS: tl.constexpr,
                      STD: tl.constexpr, META_KIND: tl.constexpr):
-    """Steps 2-3 of a row tile in the plane-padded layout (:func:`_padded_cols`: ``rot [.., DP]`` along ``AXIS``,
-    its lanes' channels ``ch [DP]`` and ``real [DP]``): each group's scale / zero (its ``G`` lanes by mask: in this
-    layout a group need not be contiguous), rounded and stored at ``S_PTR + g`` / ``Z_PTR + g`` (row pointers, ``smask``
-    the rows to store), and the codes ``[.., DP]`` against the stored values (0 in the padding)."""
+    """Steps 2-3 in the plane-padded layout (:func:`_padded_cols`, ``rot [.., DP]`` along ``AXIS``): each group's scale
+    / zero by mask (groups need not be contiguous), stored at ``S_PTR + g`` / ``Z_PTR + g`` (rows ``smask``), and the
+    codes ``[.., DP]`` against them (0 in the padding)."""
     s_c = tl.zeros_like(rot)  # each lane's group's stored scale / zero (0 / 0 in the padding: code 0)
     z_c = tl.zeros_like(rot)
     for g in tl.static_range(NG):
