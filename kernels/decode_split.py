@@ -15,8 +15,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from .decode_split_ops import (DF_LIM, _block_rows, _df_meta, _df_v_plane, _int2_plane, _mapped, _meta_tiles,
-                               _op, _rd_logits, _soft_cap, _softmax_step, _token_block, _u_plane, _v_code_operand,
-                               _window_split)
+                               _op, _rd_logits, _soft_cap, _softmax_step, _token_block, _window_split)
 from .plan import settle_cache_keys
 from .query_triton import _cols_mask, _rotate_block, _rotate_plane_q8
 
