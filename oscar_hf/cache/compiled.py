@@ -40,7 +40,7 @@ def capacity_for(need: int, current: int = 0, expected: int = 0) -> int:
     """Slots to allocate for ``need`` tokens (``current``: the capacity when growing; ``expected``: the length
     ``generate`` will reach), rounded up to ``BUCKET``."""
     want = max(need + max(int(need * HEADROOM), BUCKET), int(current * GROWTH))
-    if expected >= need:  # generate's length known: it, not the headroom (no slack beyond one bucket)
+    if expected > want:
         want = min(expected, RESERVE_FACTOR * want)
     return int(math.ceil(want / BUCKET) * BUCKET)
 
