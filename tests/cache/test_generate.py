@@ -143,6 +143,7 @@ def test_left_padding_mask_becomes_a_start_not_a_key_mask(monkeypatch):
     """A decode step whose mask only hides each row's left padding reaches the decode op as a later per-row start with
     no key mask (so that on the GPU it can take the Gluon history kernel, which has none); the tokens are those of
     the same run with the key mask kept (masks with holes: the next test)."""
+    import oscar_hf.cache.base as read_mod  # (the eager layer's one INT2 read: QuantizedLayerBase.read)
     import oscar_hf.cache.dynamic as attn
 
     m = tiny_model("llama")
@@ -150,13 +151,13 @@ def test_left_padding_mask_becomes_a_start_not_a_key_mask(monkeypatch):
     prompts = [torch.randint(1, 200, (n,)) for n in (40, 17, 29)]
     ids, am = left_pad(prompts)
     seen = []
-    real = attn.decode
+    real = read_mod.decode
 
     def spy(params, q, window, history, *a, **kw):
         seen.append((history.key_mask is None, history.start.clone()))
         return real(params, q, window, history, *a, **kw)
 
-    monkeypatch.setattr(attn, "decode", spy)
+    monkeypatch.setattr(read_mod, "decode", spy)
     run = lambda: m.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False,  # noqa: E731
                              **cache_kwargs(m, OscarCache(m, **SMALL)), pad_token_id=0)
     out = run()
