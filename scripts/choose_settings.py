@@ -5,6 +5,10 @@ held-out windows calibration reads (the windows after the statistics windows of 
 
     python -P scripts/choose_settings.py --artifact /tmp/smollm2-default --budget-bits 4.0 --out /tmp/smollm2-b4
 
+``--heldout-len``: held-out windows of that many tokens instead of the calibration's ``seq_len`` (still after its
+statistics windows): a setting's windows may cover at most a quarter of a held-out prompt, so wide ones need long
+windows (Gemma-3-270M's (128, 2048) needs 9,216 tokens).
+
 The rotations, offsets, clips and retrieval scores are copied unchanged; ``metadata["settings"]`` is replaced.
 """
 from __future__ import annotations
@@ -15,6 +19,17 @@ import logging
 import sys
 import time
 from pathlib import Path
+
+
+def heldout_windows(tok, text, tokens: int, seq_len: int, windows: int, heldout_len: int | None = None):
+    """``[windows, heldout_len or seq_len]`` ids that follow the statistics windows of a calibration of ``tokens``
+    in windows of ``seq_len`` (those it held out itself when ``heldout_len`` is None)."""
+    from oscar_hf import data
+
+    stats, held = data.calibration_windows(tok, text, tokens, seq_len, windows)
+    if heldout_len:  # from the token after the statistics windows' n x seq_len (their BOS included): no overlap
+        held = data.token_windows(tok, text, heldout_len, windows, offset=stats.numel())
+    return held
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-bits", type=float, default=DEFAULT_BUDGET_BITS)
     p.add_argument("--target-context", type=int, default=None)
     p.add_argument("--windows", type=int, default=SETTINGS_WINDOWS, help="held-out windows scored")
+    p.add_argument("--heldout-len", type=int, default=None, help="held-out window length (default: calibration's)")
     p.add_argument("--out", required=True, help="output artifact directory")
     p.add_argument("--force", action="store_true", help="overwrite --out")
     p.add_argument("--device", default="cpu")
@@ -60,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     rot.check_compatible(model.config)
     split = data.split_texts(data.load_texts(args.data or str(wikitext_path())),
                              (rot.metadata.get("data") or {}).get("calibration_fraction", data.CALIBRATION_FRACTION))
-    _, held = data.calibration_windows(tok, split.calibration, int(cal["tokens"]), int(cal["seq_len"]), args.windows)
+    held = heldout_windows(tok, split.calibration, int(cal["tokens"]), int(cal["seq_len"]), args.windows,
+                           args.heldout_len)
     sink, recent = cal.get("window") or (64, 256)
     g = cal.get("group_size")
     base = OscarConfig(sink=sink, recent=recent, group_size=int(g) if g else None,

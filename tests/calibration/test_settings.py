@@ -276,3 +276,22 @@ def test_settings_plot_of_a_searched_artifact(calibrated, tmp_path):
     meta = {k: v for k, v in rot.metadata.items() if k != "settings"}
     with pytest.raises(ValueError, match="no settings search"):
         plot_settings(OscarRotations(rot.fingerprint, rot.method, rot.layers, meta), tmp_path / "x.png")
+
+
+def test_choose_settings_script_heldout_len_reads_past_the_statistics_windows():
+    """``scripts/choose_settings.py --heldout-len``: held-out windows of that length, starting where the statistics
+    windows of the artifact's calibration end (none of their tokens scored), the calibration's own without it."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "choose_settings.py"
+    spec = importlib.util.spec_from_file_location("choose_settings_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    g = torch.Generator().manual_seed(5)
+    text = "".join(chr(97 + int(c)) for c in torch.randint(0, 26, (5000,), generator=g))
+    ids = CharTok()(text)["input_ids"]
+    own = script.heldout_windows(CharTok(), text, 1200, 600, 2)  # statistics: 2 windows of 600
+    assert own.tolist() == [ids[1200:1800], ids[1800:2400]]
+    long = script.heldout_windows(CharTok(), text, 1200, 600, 2, heldout_len=1000)
+    assert long.tolist() == [ids[1200:2200], ids[2200:3200]]
