@@ -1,9 +1,6 @@
-"""OSCAR kernels (installed as ``oscar_hf.kernels``, never as a top-level ``kernels`` module).
-
-Data flow: ``kv`` (the bundles a storage hands the kernels) -> ``write_path`` (quantize and pack; ``append``, the
-one-token write) and ``decode`` (the one read). Each dispatches to Triton kernels on CUDA (or under
-``TRITON_INTERPRET=1``) and a torch reference elsewhere; ``plan`` holds the defaults and the split-K policy.
-Importing this package does not import Triton.
+"""OSCAR kernels (installed as ``oscar_hf.kernels``, never as a top-level ``kernels`` module): the bundles (``kv``),
+the one write (``write_path``) and the one read (``decode``), each a Triton kernel on CUDA beside its torch reference.
+Files and data flow: docs/kernels.md §2-§3. Importing this package does not import Triton.
 """
 from __future__ import annotations
 

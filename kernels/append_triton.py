@@ -1,7 +1,6 @@
-"""The one-token write as one Triton launch (docs/kernels.md §2.1): ``append_token_triton`` at a contiguous storage's
-ring, ``paged_append_triton`` at the serving store's rows, each the references' contract (``write_path``). A program
-demotes its slot (quantized as ``write_triton`` does, or coded for a retrieval head, :func:`_code_row`), then, after a
-CTA barrier (with ``R = W + 1`` the demoted entry is the new token's), stores the new token.
+"""The one-token write as one Triton launch: ``append_token_triton`` at a contiguous storage's ring,
+``paged_append_triton`` at the serving store's rows, both demoting with ``_demote_row`` / ``_code_row`` and each the
+torch references' contract (``write_path``). Design: docs/kernels.md §2.1, docs/serving.md §3 ("The paged write").
 """
 from __future__ import annotations
 

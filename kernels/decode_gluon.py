@@ -1,26 +1,6 @@
-"""Split-K decode attention over the INT2 history in Gluon (Triton's explicit-layout dialect); docs/kernels.md §3.3.
-
-The history programs' contract of :func:`~oscar_hf.kernels.decode_split._split_kernel` (partials in the rotated value
-space) for the shapes :func:`gluon_supported` takes; one warp per program on mma.sync ``m16n8k16`` (``MMA``). The
-design: docs/kernels.md §3.3. Layout facts the code relies on:
-
-* Logits transposed, ``Sᵀ [16 tokens, 8 columns]``; with ``M <= 4`` (``TB = 2``) column ``n = tb * MH + h`` is query
-  row ``h`` over tokens ``n0 + 16 tb + t'`` (block-diagonal query operand).
-* Key codes: a plane's channels taken in the order ``j -> sigma_K(j)`` (:func:`_k_operand`) make a thread's bytes one
-  8-byte load; fp16 ``1024 + 4^P code``, the offset removed by the accumulator's start ``-1024 C``. Value codes enter
-  ``outᵀ = Vᵀ Wᵀ`` as bf16 ``256 + KP code`` (:func:`_v_planes`), output rows in channel order ``sigma_V``, undone by
-  the store; ``Wᵀ`` is the logit accumulator after ``movmatrix.trans`` (:func:`_w_operand`).
-* ``K8``: int8 key MMAs (``m16n8k32``) on long splits; ``QPRE``: their query operands built by the prologue
-  (:func:`oscar_hf.kernels.query_triton._rotate_plane_q8`); ``PDL`` / ``QFLAG``: docs/kernels.md §3.6.
-* ``NH = 2`` (D = 256): half ``h`` of a code row holds channels ``64 P + 32 h + [0, 32)`` in plane ``P``; chunk ``i``
-  is plane ``i // NH`` of half ``i % NH``, group ``i // 2``; ``TB = 1``, fp16 keys only.
-* ``TP = 2`` (D = 64): tokens ``2j, 2j + 1`` read as one 32-byte "code row" ``j`` (byte ``s < 16``: token ``2j``'s,
-  channel ``16 P + s``; ``s >= 16``: token ``2j + 1``'s); logit column ``4 e + h`` is row ``h`` on token ``2j + e``.
-  ``lo``, ``f0``, ``f1`` count code rows, ``start`` and ``hi`` tokens; an odd last token's partner is masked.
-
-Shapes (``T = 16 TB`` tokens per step), per 32-byte half: key bytes ``[T, 32]``, value words ``[T, 8]`` int32; logits
-``[16, 8]`` float32, value accumulators ``4 NH`` x ``[32, 8]`` float32. GPU only (``tests/kernels/test_compile_sm90.py``
-compiles it anywhere).
+"""The decode read's history programs in Gluon (Triton's explicit-layout dialect): ``decode_split._split_kernel``'s
+contract (partials in the rotated value space) for the shapes :func:`gluon_supported` takes, one warp a program on
+mma.sync ``m16n8k16``; GPU only. Design, operand layouts, ``K8`` / ``QPRE`` / ``NH`` / ``TP``: docs/kernels.md §3.3.
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""The Triton split kernel of the decode read (docs/kernels.md §1 the code layout, §3.2 the prologue, §3.4 the loops):
-program ``(bh, s)`` of :func:`_split_kernel` streams history tokens ``[s * L, (s + 1) * L)`` of one KV head for its
-``M`` query rows (padded to ``M_PAD >= 16``), programs ``s >= S`` the window (:func:`_window_split`), each writing one
-partial ``(m, l, acc)`` for :mod:`~oscar_hf.kernels.decode_combine`; :func:`_prologue_kernel` the rotation beside the
-window programs.
-
-Logits are in base 2 (``qk_scale = scaling * log2(e)``). Token ``n`` of row ``b`` is valid when ``start[b] <= n < N``
-and ``key_mask[b, h, 0, n]``; ``N_DEV``: ``N`` is the capacity, ``n_valid`` read on the device. Invalid tokens'
-metadata is never read, so stale storage cannot poison ``acc`` with NaN.
+"""The Triton split kernel of the decode read (:func:`_split_kernel`: history programs and window programs,
+:func:`_window_split`, each one ``(m, l, acc)`` partial for ``decode_combine``) and the prologue
+(:func:`_prologue_kernel`). Code layout: docs/kernels.md §1; prologue §3.2; loops and token validity §3.4.
 """
 from __future__ import annotations
 

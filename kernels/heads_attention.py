@@ -1,7 +1,6 @@
-"""Read path of the retrieval heads: a decode step's attention of a layer's ``P`` retrieval heads over their coded
-history (:mod:`oscar_hf.cache.heads`: 8 or 4-bit min-max codes with a scale and zero per token and head, or the model
-dtype at 16 bits), read in place, and the exact window every head shares (docs/kernels.md §3.9). On CUDA
-``heads_triton`` streams the codes (no dequantized copy); elsewhere the torch reference below.
+"""The retrieval heads' decode read (:func:`heads_decode_attention`): a layer's ``P`` coded heads
+(:mod:`oscar_hf.cache.heads`) and the window they share, read in place by ``heads_triton`` on CUDA and by the torch
+reference below elsewhere, with the argument checks. Design: docs/kernels.md §3.9.
 """
 from __future__ import annotations
 

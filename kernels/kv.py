@@ -1,8 +1,6 @@
-"""The KV as the kernels take it: a few frozen bundles that the one read (:func:`~oscar_hf.kernels.decode.decode`) and
-the one write (:func:`~oscar_hf.kernels.write_path.append`) take from every storage.
-
-``B`` rows, ``Hk`` KV heads of which ``H2`` are INT2 heads and ``P`` retrieval heads (coded rows, exact window),
-``M`` query rows per KV head, ``D`` head_dim, ``W`` window entries (sink + ring), ``N`` history entries.
+"""The KV as the kernels take it: frozen bundles that the one read (:func:`~oscar_hf.kernels.decode.decode`) and the
+one write (:func:`~oscar_hf.kernels.write_path.append`) take from every storage (docs/kernels.md §2.1, §3). ``B`` rows,
+``Hk`` KV heads (``H2`` INT2, ``P`` retrieval), ``M`` query rows a KV head, ``D`` head_dim, ``W`` window, ``N`` history.
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The compiled storage's op ``oscar::decode_step_`` (``torch.library``, opaque to the compiler): one layer's
-one-token write and attention, so dynamo records one call and the CUDA graph captures its launches instead of tracing
-and lowering them per layer (docs/kernels.md §3.7). The flat schema exists here only: the compiled layer packs its
-storage into :class:`StepStorage`, :class:`StepHeads`, :class:`StepConfig`; :func:`decode_step` unpacks them into
-:mod:`.kv`'s bundles.
+"""The compiled storage's opaque op ``oscar::decode_step_`` (``torch.library``): one layer's one-token write and read
+as one call, whose launches the CUDA graph captures. The flat schema exists here only (:class:`StepStorage`,
+:class:`StepHeads`, :class:`StepConfig` in; :mod:`.kv`'s bundles out). Design: docs/kernels.md §3.7.
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""A compiled op's Triton kernels compiled in a helper process while torch compiles the step (CUDA only, with
-``OSCAR_WARM_KERNELS=1``; the design, and why it is off: docs/kernels.md §3.7). The op's fake implementation hands each
-new layout (:func:`spec_of`) to the helper (:func:`serve`), which runs the op on zeros of it (:func:`values_of`); the
-op's first real call closes its input (:func:`release`). A failure only costs the time it was to save.
+"""The compiled op's Triton kernels compiled in a helper process while torch compiles the step (CUDA only,
+``OSCAR_WARM_KERNELS=1``, off by default): layouts (:func:`spec_of`), the helper (:func:`serve`, zeros from
+:func:`values_of`), closing its input (:func:`release`). Design and why it is off: docs/kernels.md §3.7.
 """
 from __future__ import annotations
 
