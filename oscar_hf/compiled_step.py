@@ -1,9 +1,6 @@
-"""The host side of the compiled decode step (docs/cache.md, the compiled layer). A compiled step cannot allocate
-or read the length back from the device, so before a one-token step each OSCAR layer advances ``host_len`` and grows
-its storage if needed; a multi-token forward runs through the plain model (its shapes change every call);
-``generate``'s ``max_cache_length`` sizes each layer's first allocation; and a one-token step whose every layer is a
-compiled OSCAR layer gets no 4D mask from ``generate`` (none of them reads it, and building it costs the host ~0.3-0.6
-ms a step on an H200's host, docs/results.md).
+"""The host side of the compiled decode step: a compiled step cannot allocate or read the length back, so the host
+advances each layer's ``host_len`` and grows its storage before a one-token step, runs multi-token forwards through
+the plain model, and adapts ``generate``'s first allocation and mask; docs/cache.md, "The compiled layer".
 """
 from __future__ import annotations
 

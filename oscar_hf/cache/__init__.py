@@ -1,7 +1,6 @@
-"""The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers,
-device-resident on CUDA (:mod:`.compiled`), the eager reference elsewhere (:mod:`.dynamic`: its growing tail reads any
-attention mask exactly and equals a ``DynamicCache`` until its first demotion); :class:`StaticOscarCache` fixes the
-capacity. Layer kinds and storages: docs/cache.md; usage: the package docstring.
+"""The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers, compiled
+storage on CUDA (:mod:`.compiled`), the eager layer elsewhere (:mod:`.dynamic`); :class:`StaticOscarCache` fixes the
+capacity. Layer kinds and storages: docs/cache.md; usage: docs/usage.md, "The cache in `generate`".
 """
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """`CompiledOscarLayer`: a quantized layer in fixed-address device buffers, so that ``generate`` compiles the decode
-step; the eager layer's semantics, the serving store's layout (:mod:`.window`; docs/cache.md). ``H2`` INT2 heads, ``P``
-retrieval heads, ``S0`` sink, ``W`` recent, slot = absolute position:
-
-* ``win [2, B, Hk, S0 + R, D]`` (K, V): ``[:S0]`` row ``b``'s first real tokens, ``[S0:]`` a ring of
-  ``R = W + 1 + RING_RESERVE`` entries, slot ``s`` at ``S0 + s % R`` (the reserve lets ``crop(-n)`` be exact);
-* the history, slot ``s`` at index ``s - S0`` of ``N``: ``codes [2, B, H2, N, D/4]``, ``meta [2, 2, B, H2, N, D/G]``
-  (K, V; scale, zero); the retrieval heads' ``coded_x [2, B, P, N, *]``, ``coded_meta [2, 2, B, P, N, 1]``;
-* ``length``: ``T``, 0-d int64 on the device (:class:`StepShared`); ``host_len`` the same on the host.
+step; the eager layer's semantics in the serving store's layout (:mod:`.window`). Its buffers and their shapes
+(``win``, ``codes``, ``meta``, ``coded_x``, ``coded_meta``, ``length``): docs/cache.md, "The compiled layer".
 """
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""`OscarLayer`: the eager quantized layer: sink + recent window in the model dtype + packed INT2 rotated history,
-and its read (docs/cache.md). Slots are absolute positions ``0 <= s < T``, row ``b``'s first real one ``pad[b]``:
-
-* **tail** ``tail_k/v [B, Hk, cap, D]``: slots ``[tail_start, T)`` at index ``s - buf_slot0``;
-  ``[buf_slot0, tail_start)`` is a rollback reserve for ``crop``;
-* **sink** ``sink_k/v [B, Hk, S0, D]``: row ``b``'s first ``S0`` real tokens;
-* **history** (``QuantizedRows`` ``[B, H2, cap_h, ...]``): slot ``S0 + j`` at index ``j``, row ``b`` reading
-  ``pad[b] <= j < tail_start - S0``; the ``P`` retrieval heads keep every slot in ``fp_k/v [B, P, cap, *]`` instead.
-
-Every slot of a row is in exactly one part (pad, sink, history, recent), derived from ``tail_start`` and ``pad``.
+"""`OscarLayer`: the eager quantized layer (sink + recent window in the model dtype, packed INT2 rotated history) and
+its read. Slots are absolute positions ``0 <= s < T``, row ``b``'s first real one ``pad[b]``; the parts (tail, sink,
+history, retrieval heads), their shapes and the life of a forward: docs/cache.md, "The eager layer".
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Storage of a layer's retrieval heads (every slot in the eager layer, the history entries in the compiled layer and
-the serving store). Per K or V, ``P`` heads, ``N`` slots, by ``OscarConfig.retrieval_bits``:
-
-* ``16``: the model dtype, one tensor ``[B, P, N, D]``;
-* ``8`` / ``4``: codes ``[B, P, N, D * bits / 8] uint8`` and a min-max scale and zero per token and head
-  ``[B, P, N, 1]`` in the model dtype (:func:`~oscar_hf.quant.quantize_minmax`).
-
-A stored form is a tuple of tensors sharing (batch, head, slot), sliced, grown and saved part by part.
+the serving store): per K or V a tuple of tensors sharing (batch, head, slot), sliced, grown and saved part by part;
+by ``OscarConfig.retrieval_bits`` min-max codes or the model dtype. Shapes: docs/kernels.md §1, §3.9.
 """
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""Save a live :class:`~oscar_hf.OscarCache` and load it back to continue generation exactly. A saved cache:
-
-* ``cache_state.json``: format, config, fingerprint, ``weights`` (:func:`weights_digest`, null from a config),
-  ``max_cache_len`` (null when growable), per layer its kind and positions (``seq_len``, ``tail_start``, ...);
-* ``cache_tensors.safetensors``: per layer the *used* part of each buffer in the eager layer's layout;
-* ``rotations/``: the artifact the cache was built with.
-
-Loading checks everything before allocating (:mod:`.io_checks`) and unpickles nothing.
+"""Save a live :class:`~oscar_hf.OscarCache` and load it back to continue generation exactly. The saved folder
+(``cache_state.json``, ``cache_tensors.safetensors``, ``rotations/``) and what loading refuses: docs/usage.md, "The
+cache in `generate`". Loading checks everything before allocating (:mod:`.io_checks`) and unpickles nothing.
 """
 from __future__ import annotations
 

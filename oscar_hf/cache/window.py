@@ -1,11 +1,6 @@
 """The sink + ring window of the compiled layer and the serving store, and the writes that move its slots into the
-history: one layout and write path for both.
-
-A window is ``[B', Hk, S0 + R, D]`` in the model dtype (``R >= W + 1``; the store's ``B' = 1``): entries ``[0, S0)``
-the row's first real tokens (slot ``pad + j``; ``pad`` ``[B']`` or 0), entries ``[S0, S0 + R)`` a ring, slot ``s``
-at ``S0 + s % R``. The history holds slot ``s >= S0`` at entry ``s - S0``, INT2 heads quantized, retrieval heads coded;
-where an entry lives is told by a *history addressing* with one method, ``write(kind, first, coded, int2)``:
-:class:`RowsHistory` or :class:`PagedHistory`. A decode step's one-token write is each storage's own.
+history, addressed by :class:`RowsHistory` or :class:`PagedHistory`: one layout and write path for both. Layout:
+docs/kernels.md §1, docs/cache.md ("The compiled layer"), docs/serving.md §3 ("Windows").
 """
 from __future__ import annotations
 
