@@ -1,14 +1,6 @@
 """Serving many requests: a paged OSCAR KV store for Transformers' continuous batching (``model.generate_batch``,
-``ContinuousBatchingManager``, ``transformers serve --continuous-batching`` through ``scripts/serve.py``).
-
-Data flow: :class:`PagedInt2Pool` (history pages) and the window pool -> :class:`OscarPagedStore` (per request a
-window slot and a block table) -> :class:`OscarPagedCache` (Transformers' paged cache subclass) -> OSCAR's attention.
-
-    from oscar_hf.serving import paged_oscar
-    with paged_oscar(model, method="hadamard"):   # pages: ContinuousBatchingConfig(num_blocks / max_memory_percent)
-        outputs = model.generate_batch(prompts, generation_config)
-
-docs/serving.md has the design, what Transformers exposes, the measured load test and what is missing.
+``ContinuousBatchingManager``, ``transformers serve --continuous-batching`` through ``scripts/serve.py``), entered
+with :func:`paged_oscar` or :func:`oscar_serving`. Usage, design, measurements, what is missing: docs/serving.md.
 """
 # ruff: noqa: E402
 import transformers as _transformers

@@ -1,8 +1,7 @@
-"""`PagedInt2Pool`: the history pages every request of a server shares (docs/serving.md section 3, "Pool"). Each form
-on one flat head axis, layer after layer, keys then values: INT2 ``codes [num_pages, 2 sum Hq_l, P, D/4]`` uint8,
-``scale`` / ``zero [num_pages, 2 sum Hq_l, P, D/G]``; the retrieval heads' coded ``parts [num_pages, 2 sum F_l, P, *]``.
-Entry ``j`` of a request is at page ``table[j // P]``, offset ``j % P``; ``trash_page``: one more page, never handed
-out, where the decode rows that demote nothing write."""
+"""`PagedInt2Pool`: the history pages every request of a server shares, each form (INT2 codes, scale, zero, the
+retrieval heads' coded parts) on one flat head axis, and the trash page where the decode rows that demote nothing
+write. Shapes and page addressing: docs/serving.md §3, "Pool" and "Per request".
+"""
 from __future__ import annotations
 
 import dataclasses
