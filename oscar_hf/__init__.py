@@ -1,11 +1,6 @@
-"""oscar-hf: OSCAR 2-bit KV-cache quantization as a drop-in Cache for Hugging Face Transformers.
-
-Data flow: ``calibration`` -> ``rotations`` (artifact) -> ``cache`` (write path) -> ``attention`` (read path).
-
-    from oscar_hf import OscarCache
-    cache = OscarCache.from_pretrained("rotations_dir", model)   # or OscarCache(model, method="hadamard")
-    model.generate(**inputs, cache=cache)   # Transformers without `cache=` (e.g. 5.17): past_key_values=cache
-    # a fixed capacity: StaticOscarCache.from_pretrained("rotations_dir", model, max_cache_len=N)
+"""oscar-hf: OSCAR 2-bit KV-cache quantization as a drop-in Cache for Hugging Face Transformers. Data flow:
+``calibration`` -> ``rotations`` (artifact) -> ``cache`` (write path) -> ``attention`` (read path); usage: README.md
+and docs/usage.md ("The cache in `generate`").
 """
 import logging
 

@@ -1,9 +1,6 @@
 """The name under which the installed Transformers takes the cache (``cache=`` from 5.24, ``past_key_values=``
-before), read off the model, so that every call site runs warning-free on both::
-
-    out = model.generate(**inputs, **cache_kwargs(model, cache), max_new_tokens=64)
-    out = model(ids, **cache_kwargs(model, cache), use_cache=True)
-    cache = returned_cache(out)   # out.cache or out.past_key_values
+before), read off the model, so that every call site runs warning-free on both: :func:`cache_kwargs`,
+:func:`returned_cache`; docs/usage.md, "The cache in `generate`".
 """
 from __future__ import annotations
 

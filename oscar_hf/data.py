@@ -1,8 +1,6 @@
 """Text for calibration and evaluation: loading, the calibration / evaluation split, fixed-length token windows.
-
-The split keeps the two disjoint and does not depend on the tokenizer: documents joined with ``"\\n\\n"``, ``b``
-the first line break at or after ``CALIBRATION_FRACTION * len(joined)``; calibration text ``joined[:b]``, evaluation
-text ``joined[b + 1:]``. Evaluation code must use :func:`evaluation_text` (or ``split_texts(...).evaluation``).
+The split keeps the two disjoint and does not depend on the tokenizer (docs/calibration.md, "Passes"); evaluation
+code must use :func:`evaluation_text` (or ``split_texts(...).evaluation``).
 """
 from __future__ import annotations
 

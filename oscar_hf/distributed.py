@@ -1,8 +1,6 @@
-"""Tensor parallelism: each rank's cache layers get the rotations of its own KV heads.
-
-Under Transformers' DTensor TP, ``k_proj`` / ``v_proj`` are column-sharded, so a rank's cache sees ``[B, Hk/W, T, D]``
-keys; which heads it holds is read per layer from the DTensor's global offset (else the even layout from the TP rank).
-``cache.rotations`` keeps the full artifact; only the layers get the slice.
+"""Tensor parallelism: each rank's cache layers get the rotations of its own KV heads (under Transformers' DTensor TP
+a rank's cache sees ``[B, Hk/W, T, D]`` keys), read per layer from the sharded ``k_proj`` / ``v_proj``; docs/usage.md,
+"Multi-GPU and tensor parallelism".
 """
 from __future__ import annotations
 

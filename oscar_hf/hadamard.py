@@ -1,7 +1,6 @@
-"""``R = U · H · P_br``: ``U`` (eigenvectors, descending) orders directions by importance, the normalized Hadamard
-``H`` spreads each evenly over all channels (the paper's Lemma 1), and the bit-reversal ``P_br`` gives every
-power-of-two group of contiguous channels one channel of each importance level. Other head_dims: ``H = H_m ⊗ H_{2^k}``
-with a Paley ``H_m`` (m = 12, 20, 24, 28, ...).
+"""The OSCAR rotation ``R = U · H · P_br`` (eigenvectors, normalized Hadamard, bit-reversal permutation) and its
+parts, with Hadamard matrices of every head_dim (Sylvester, Paley); what each factor does: docs/calibration.md, "The
+rotation".
 """
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Route a model's attention through OSCAR without per-architecture code.
-
-We register attention functions ``<prefix><base>`` (e.g. ``oscar_sdpa``): each calls a *handler*, which serves the
-call or returns ``NotImplemented``, and then the user's ``<base>`` runs unchanged, so a patched model works with any
-cache. The mask builder is registered under the same name (else the function would get ``attention_mask=None``).
+"""Route a model's attention through OSCAR without per-architecture code: attention functions ``<prefix><base>``
+(e.g. ``oscar_sdpa``) call a *handler*, which serves the call or returns ``NotImplemented`` for the user's ``<base>``,
+and the mask builder is registered under the same name; docs/usage.md, "The cache in `generate`".
 """
 from __future__ import annotations
 

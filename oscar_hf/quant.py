@@ -1,8 +1,6 @@
-"""Per-token asymmetric INT2 group quantization, the torch reference of the write path. Layout (``D // G`` groups
-of ``G`` contiguous channels, codes packed by plane) and rounding: docs/kernels.md §1; the quantizers: docs/quality.md.
-
-* ``"minmax"``: the range shrunk around its midpoint by the clip ratio, ``scale = (hi' - lo') / 3``, ``zero = lo'``;
-* ``"std"``: ``scale = 0.996 * std``, ``zero = mean - 1.5 * scale``: the MSE-optimal even 4-level grid for a Gaussian.
+"""Per-token asymmetric INT2 group quantization, the torch reference of the write path: the ``"minmax"`` and ``"std"``
+quantizers (docs/quality.md, "The group quantizer"); layout (``D // G`` groups of ``G`` contiguous channels, codes
+packed by plane) and rounding: docs/kernels.md §1.
 """
 from __future__ import annotations
 

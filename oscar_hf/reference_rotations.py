@@ -1,12 +1,6 @@
-"""The authors' rotation files (FutureMLS-Lab/OSCAR, ``rotation/compute_kv_rotation.py``), read with
-``torch.load(weights_only=True)`` only. One file for keys, one for values, each::
-
-    {"format_version": 1, "objective": str, "source_grouping": "layer",
-     "layers": {i: {"layer_id": i, "rotation": float32 [head_dim, head_dim], "eigenvalues": ...}}}
-
-Format 2 (``"per_kv_head"``): ``rotation`` may be ``[num_kv_heads, head_dim, head_dim]``, with optional ``k_mean``
-(``[head_dim]`` or ``[num_kv_heads, head_dim]``: our ``mu_k``) and ``q_rotation`` / ``o_rotation`` (read, not used).
-Their row-vector convention is ours, so a matrix is never transposed.
+"""The authors' rotation files (FutureMLS-Lab/OSCAR, ``rotation/compute_kv_rotation.py``: one for keys, one for
+values), read with ``torch.load(weights_only=True)`` only and converted to our artifact. Formats 1 and 2 and what each
+field becomes: docs/usage.md, "The authors' rotations and settings".
 """
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """`OscarRotations`: the rotation artifact. Per quantized layer ``i``: ``r_k``, ``r_v`` ``[Hk, D, D]`` float32
 orthogonal (the history stores ``(k - mu_K) @ R_K``), optional offsets ``mu_k``, ``mu_v`` ``[Hk, D]``, clip ratios;
-plus the model fingerprint and metadata. On disk: ``oscar_rotations.safetensors`` + ``oscar_config.json``; loading
-never unpickles and validates every tensor.
+plus the model fingerprint and metadata. Its files and loading's checks: docs/usage.md, "Calibration".
 """
 from __future__ import annotations
 
