@@ -192,11 +192,11 @@ def _is_state_layer(layer) -> bool:
     return not isinstance(layer, CacheLayerMixin) and hasattr(layer, "recurrent_states")
 
 
-def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 1024, expect: int = 0) -> None:
-    """What a prefill of ``context`` tokens leaves: random K/V rows through the cache's own write path, chunk by chunk
-    (speed does not depend on the values; a 64 x 32K prompt's activations would not fit), OSCAR's capacity sized for
-    ``expect`` tokens as ``generate`` sizes it. Sliding layers get the rows they keep, their count set to ``context``;
-    linear-attention layers are left to ``generate``'s first forward (the prompt's last token)."""
+def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 1024) -> None:
+    """Leave in every layer what a prefill of ``context`` tokens would: random K/V rows through the cache's own write
+    path, chunk by chunk (decode speed does not depend on the values; a 64 x 32K prompt's activations would not fit).
+    Sliding layers get the rows they keep, their count set to ``context``; linear-attention layers are left to
+    ``generate``'s first forward (the prompt's last token), which leaves the state a prefill leaves."""
     from oscar_hf.cache import DummyLayer, OscarLayer, CompiledOscarLayer
     from strong_bf16 import StrongBF16Cache
     from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
@@ -235,7 +235,6 @@ def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 
             v = torch.randn(batch, hk, n, d, device=device, dtype=model.dtype, generator=g)
             if isinstance(layer, CompiledOscarLayer):
                 if not layer.is_initialized:
-                    layer.expected_len = expect  # (what generate's hook tells it before a prefill)
                     layer.lazy_initialization(k, v)
                     layer.pad_known = True
                 t_old = layer.host_len
@@ -295,7 +294,7 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
         base = torch.cuda.memory_allocated()
     if fill:  # the cache holds `context` tokens; generate feeds the last prompt token, then decodes
         with torch.no_grad():
-            synthetic_fill(model, cache, batch, context, device, expect=context + new_tokens + 1)
+            synthetic_fill(model, cache, batch, context, device)
     t0 = time.perf_counter()
     heads = settings.HEADS_DEFAULTS  # oscar-fpN-serial: the retrieval heads' read on the layer's stream, not beside it
     settings.HEADS_DEFAULTS = dataclasses.replace(heads, side_stream=not method.endswith("-serial"))
