@@ -32,7 +32,7 @@ def heldout_windows(tok, text, tokens: int, seq_len: int, windows: int, heldout_
     return held
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from oscar_hf.calibration.pipeline import SETTINGS_WINDOWS
     from oscar_hf.calibration.settings import DEFAULT_BUDGET_BITS
 
@@ -49,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from oscar_hf.rotations import CONFIG_NAME
 
     out = Path(args.out)

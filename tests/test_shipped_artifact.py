@@ -23,20 +23,25 @@ SHIPPED = {"smollm2": (PRETRAINED / "smollm2-135m-instruct", 30),
 
 @pytest.fixture(scope="module", params=sorted(SHIPPED))
 def recorded(request):
-    """(the --model name, the artifact's folder, the artifact's JSON document, the parsed arguments of the command
-    that made it)."""
+    """(the --model name, the artifact's folder, the artifact's JSON document, the parsed arguments of the
+    calibration that made it, those of the settings search run on it afterwards or None)."""
     name = request.param
     folder = ROOT / SHIPPED[name][0]
     lines = (folder / "command.txt").read_text(encoding="utf-8").splitlines()
-    command = shlex.split(next(line for line in lines if line.strip() and not line.startswith("#")))
-    assert command[:3] == ["python", "-P", "scripts/calibrate.py"], command
-    args = import_script("calibrate").build_parser().parse_args(command[3:])
+    commands = [shlex.split(line) for line in lines if line.strip() and not line.startswith("#")]
+    assert commands[0][:3] == ["python", "-P", "scripts/calibrate.py"], commands[0]
+    assert all(c[:3] == ["python", "-P", "scripts/choose_settings.py"] for c in commands[1:]), commands
+    assert len(commands) <= 2, "one calibration, at most one settings search after it"
+    args = import_script("calibrate").build_parser().parse_args(commands[0][3:])
     assert Path(args.out) == SHIPPED[name][0], "the command writes elsewhere"
-    return name, folder, json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8")), args
+    search = import_script("choose_settings").build_parser().parse_args(commands[1][3:]) if commands[1:] else None
+    if search is not None:
+        assert Path(search.artifact) == Path(search.out) == SHIPPED[name][0], "the search reads or writes elsewhere"
+    return name, folder, json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8")), args, search
 
 
 def test_shipped_artifact_is_in_this_trees_format(recorded):
-    name, folder, doc, _ = recorded
+    name, folder, doc, _, _ = recorded
     assert doc["format_version"] == FORMAT_VERSION
     assert (folder / WEIGHTS_NAME).is_file()
     rot = OscarRotations.from_pretrained(folder)  # validates shapes, finiteness and orthogonality
@@ -48,7 +53,7 @@ def test_shipped_artifact_has_the_settings_its_command_gives(recorded):
     from oscar_hf.calibration import CLIP_GRID
     from oscar_hf.models import WIKITEXT_FILE
 
-    name, _, doc, args = recorded
+    name, _, doc, args, _ = recorded
     meta, cal = doc["metadata"], doc["metadata"]["calibration"]
     assert args.model == name and meta["model_arg"] == name
     assert (meta["dtype"], meta["device"]) == (args.dtype, args.device)
@@ -63,6 +68,35 @@ def test_shipped_artifact_has_the_settings_its_command_gives(recorded):
     assert ("chosen" in meta["settings"]) is (not args.no_choose_settings)
     assert meta["data"]["source"] == "oscar_hf/texts/" + WIKITEXT_FILE.name and args.data is None
     assert meta["data"]["calibration_fraction"] == args.calibration_fraction
+
+
+def test_shipped_artifact_has_the_settings_search_its_command_gives(recorded):
+    """An artifact whose settings were searched again records that search (``scripts/choose_settings.py`` writes
+    ``metadata["settings_source"]``) with the arguments of its command.txt line, up to the folders it read and wrote;
+    one made by the calibration alone records none."""
+    import re
+
+    from oscar_hf.calibration.pipeline import SETTINGS_WINDOWS
+
+    name, _, doc, _, search = recorded
+    meta = doc["metadata"]
+    if search is None:
+        assert "settings_source" not in meta
+        return
+    source = shlex.split(meta["settings_source"]["command"])
+    assert source[:3] == ["python", "-P", "scripts/choose_settings.py"], source
+    ran = import_script("choose_settings").build_parser().parse_args(source[3:])
+    assert ran.artifact == meta["settings_source"]["artifact"]
+    places = ("artifact", "out", "force", "threads")  # where it ran, not what it chose
+    assert {k: v for k, v in vars(ran).items() if k not in places} == \
+        {k: v for k, v in vars(search).items() if k not in places}
+    settings = meta["settings"]
+    assert settings["budget_bits"] == search.budget_bits
+    held = re.search(r"(\d+) held-out window\(s\) of \[([\d, ]+)\] tokens", settings["objective"])
+    assert held, settings["objective"]
+    lengths = [int(x) for x in held.group(2).split(",")]
+    assert int(held.group(1)) == len(lengths) == (search.windows or SETTINGS_WINDOWS)
+    assert set(lengths) == {search.heldout_len or meta["calibration"]["seq_len"]}
 
 
 @pytest.mark.slow
