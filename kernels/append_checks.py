@@ -65,28 +65,31 @@ def _check_history(params, history, lead: tuple, lead_names: str, d: int, hk: in
     for name, r in (("r_k", params.r_k), ("r_v", params.r_v)):
         if r.shape != (h2, d, d):
             raise ValueError(f"{name} must be [H2={h2}, D, D], got {tuple(r.shape)}")
-    if history.coded is not None:
-        _check_coded(params, history.coded, lead[0], lead[2], hk, d, dtype)
+    if history.coded is not None:  # the retrieval heads' parts [B or pages, P, N or P, *] and their coded_of [Hk]
+        check_coded_store(*history.coded, params.heads.bits, lead[0], history.coded[0][0].shape[1], lead[2], d, dtype)
+        coded_of = params.heads.coded_of
+        if coded_of.shape != (hk,) or coded_of.dtype != torch.long:
+            raise ValueError(f"coded_of must be int64 [Hk={hk}], got {coded_of.dtype} {tuple(coded_of.shape)}")
 
 
-def _check_coded(params, coded, rows: int, n: int, hk: int, d: int, dtype) -> None:
-    """The retrieval heads' ``(k, v)`` parts ``[rows, P, n, *]`` (rows: B, or pages of ``n`` entries) at
-    ``params.heads.bits`` and their ``coded_of [Hk]``."""
-    bits, coded_of = params.heads.bits, params.heads.coded_of
+def check_coded_store(k, v, bits: int, rows: int, p: int, n: int, d: int, dtype=None) -> None:
+    """A retrieval heads' store (:mod:`oscar_hf.cache.heads`): ``k`` / ``v`` parts ``[rows, P, n, *]`` (rows: B, or
+    pages of ``n`` entries) at ``bits``, codes ``D * bits / 8`` columns; with ``dtype`` (the writes) every part's
+    last dimension and dtype too, contiguous in its last dimension."""
     if bits not in (4, 8, 16):
-        raise ValueError(f"coded heads are stored at 4, 8 or 16 bits, got {bits}")
+        raise ValueError(f"retrieval heads are stored at 4, 8 or 16 bits, got {bits}")
     parts = 1 if bits == 16 else 3
-    if len(coded[0]) != parts or len(coded[1]) != parts:
-        raise ValueError(f"a {bits}-bit coded store has {parts} parts, got {len(coded[0])} / {len(coded[1])}")
-    p = coded[0][0].shape[1]
+    if len(k) != parts or len(v) != parts:
+        raise ValueError(f"a {bits}-bit head store has {parts} parts, got {len(k)} / {len(v)}")
     want = [(d if bits == 16 else d * bits // 8, dtype if bits == 16 else torch.uint8)] + [(1, dtype)] * (parts - 1)
-    for name, store in zip("kv", coded):
+    full = dtype is not None  # (the read takes any dtype and stride: it copies what the kernel cannot read)
+    for name, store in zip("kv", (k, v)):
         for x, (last, dt) in zip(store, want):
-            if x.shape != (rows, p, n, last) or x.dtype != dt or x.stride(-1) != 1:
-                raise ValueError(f"coded {name} part {x.dtype} {tuple(x.shape)} is not {dt} [B, P, N, {last}] = "
-                                 f"{(rows, p, n, last)}, contiguous in its last dimension")
-    if coded_of.shape != (hk,) or coded_of.dtype != torch.long:
-        raise ValueError(f"coded_of must be int64 [Hk={hk}], got {coded_of.dtype} {tuple(coded_of.shape)}")
+            if x.shape[:3] != (rows, p, n) or full and (x.shape[3:] != (last,) or x.dtype != dt or x.stride(-1) != 1):
+                raise ValueError(f"head store {name} part {x.dtype} {tuple(x.shape)} is not [rows, P, N, {last}] = "
+                                 f"{(rows, p, n, last)}{f' {dt}, contiguous in its last dimension' if full else ''}")
+    if k[0].shape[-1] != want[0][0]:
+        raise ValueError(f"{bits}-bit head codes of head_dim {d} have {want[0][0]} columns, got {k[0].shape[-1]}")
 
 
 def check_paged_inputs(params, new_k, new_v, window, history, rows) -> int:

@@ -8,6 +8,7 @@ import torch
 
 from oscar_hf.quant import unpack_int4
 
+from .append_checks import check_coded_store
 from .int2_attention import (NEG_INF, empty_partial, merge_partials, normalized, partial_from_logits, sink_partial,
                              soft_cap, window_partial)
 from .paged_decode import gather_rows
@@ -27,20 +28,9 @@ def dequantize_heads(parts: tuple[torch.Tensor, ...], bits: int) -> torch.Tensor
 def check_heads_args(q, heads, k, v, bits, win_k, win_mask, block_table=None, win_slot=None) -> None:
     """Shapes and forms the read takes: a clear error at the call, never a wrong read (``win_slot [B]``: the window
     is a pool ``[slots, Hk, W, D]``, row ``b`` at ``win_slot[b]``)."""
-    if bits not in (4, 8, 16):
-        raise ValueError(f"retrieval heads are stored at 4, 8 or 16 bits, got {bits}")
-    if len(k) != (1 if bits == 16 else 3) or len(v) != len(k):
-        raise ValueError(f"a {bits}-bit head store has {1 if bits == 16 else 3} parts, got {len(k)} / {len(v)}")
     b, hk, _, d = q.shape
-    p = heads.numel()
-    rows = b if block_table is None else k[0].shape[0]  # rows, or pages of a paged store
-    want = d if bits == 16 else d * bits // 8
-    for x in (*k, *v):
-        if x.shape[:2] != (rows, p) or x.shape[2] != k[0].shape[2]:
-            raise ValueError(f"head store part {tuple(x.shape)} does not match {(rows, p, k[0].shape[2])} "
-                             f"({'pages' if block_table is not None else 'B'}, P, slots)")
-    if k[0].shape[-1] != want:
-        raise ValueError(f"{bits}-bit head codes of head_dim {d} have {want} columns, got {k[0].shape[-1]}")
+    # rows, or pages of a paged store
+    check_coded_store(k, v, bits, b if block_table is None else k[0].shape[0], heads.numel(), k[0].shape[2], d)
     if block_table is not None and (block_table.dim() != 2 or block_table.shape[0] != b):
         raise ValueError(f"block table {tuple(block_table.shape)} is not [B, pages] with B = {b}")
     if (win_k.shape[0] != b and win_slot is None) or win_k.shape[1] != hk or win_k.shape[-1] != d:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ..quant import QuantizedRows, dequantize_minmax, encode_heads, unpack_int4
+from ..kernels.heads_attention import dequantize_heads
 from ..kernels.int2_attention import soft_cap
+from ..quant import encode_heads
 
 def part_names(bits: int) -> tuple[str, ...]:
     """Names of the stored tensors (what a saved cache calls them)."""
@@ -35,11 +36,8 @@ encode = encode_heads  # x [B, P, L, D] (model dtype) -> its stored form (the fu
 
 
 def decode(parts: tuple[torch.Tensor, ...], bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """Stored form -> ``[B, P, N, D]`` in ``dtype``."""
-    if bits == 16:
-        return parts[0]
-    codes, scale, zero = parts
-    return dequantize_minmax(QuantizedRows(unpack_int4(codes) if bits == 4 else codes, scale, zero), dtype)
+    """Stored form -> ``[B, P, N, D]`` in ``dtype`` (16 bits: the stored rows themselves)."""
+    return parts[0] if bits == 16 else dequantize_heads(parts, bits).to(dtype)
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float,
