@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from oscar_hf.kernels.paged_decode import gather_pages
+from oscar_hf.kernels.paged_decode import gather_pages, gather_rows
 from oscar_hf.kernels.write_path import scatter_entries
 
 from ..cache import heads
@@ -238,9 +238,4 @@ class PagedInt2Pool:
     def gather_coded(self, page_ids: torch.Tensor, layer: int, kind: str, n: int) -> tuple[torch.Tensor, ...]:
         """The first ``n`` coded entries of each row of ``page_ids [B, np]``, ``[B, F_l, n, *]`` per part (entries
         past a row's history are garbage the reader masks)."""
-        b, np_ = page_ids.shape
-        out = []
-        for t in self.coded_rows(layer, kind):  # [num_pages, F, P, X]
-            x = t.index_select(0, page_ids.reshape(-1)).view(b, np_, *t.shape[1:])  # [B, np, F, P, X]
-            out.append(x.transpose(1, 2).reshape(b, t.shape[1], np_ * t.shape[2], t.shape[3])[:, :, :n])
-        return tuple(out)
+        return gather_rows(self.coded_rows(layer, kind), page_ids, n)
