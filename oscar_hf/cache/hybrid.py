@@ -2,23 +2,11 @@
 own state beside it."""
 from __future__ import annotations
 
+import torch
 from transformers.cache_utils import LinearAttentionLayer
 
 from .compiled import CompiledOscarLayer
 from .dynamic import OscarLayer
-
-
-def _attention_only(name: str):
-    """The attention layer's method ``name`` (``LinearAttentionLayer``, first in the MRO, has its own)."""
-    return lambda self, *args: getattr(self._attention, name)(self, *args)
-
-
-def _state_then_attention(name: str):
-    """``name`` on the state first (its ``crop`` refuses unless its past is recorded), then on the attention."""
-    def both(self, *args) -> None:
-        getattr(LinearAttentionLayer, name)(self, *args)
-        getattr(self._attention, name)(self, *args)
-    return both
 
 
 class _HybridState(LinearAttentionLayer):
@@ -38,10 +26,30 @@ class _HybridState(LinearAttentionLayer):
         else:
             LinearAttentionLayer.lazy_initialization(self, *args, **kwargs)
 
-    reset, reorder_cache, crop = map(_state_then_attention, ("reset", "reorder_cache", "crop"))
-    # the attention's tokens (Transformers 5.25's LinearAttentionLayer has its own count)
-    offload, prefetch, get_max_length, get_seq_length = map(
-        _attention_only, ("offload", "prefetch", "get_max_length", "get_seq_length"))
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        self._attention.reset(self)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        self._attention.reorder_cache(self, beam_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:  # the state first: it refuses unless its past is recorded
+        LinearAttentionLayer.crop(self, tokens_to_remove)
+        self._attention.crop(self, tokens_to_remove)
+
+    def offload(self):
+        return self._attention.offload(self)
+
+    def prefetch(self):
+        return self._attention.prefetch(self)
+
+    def get_max_length(self) -> int:
+        return self._attention.get_max_length(self)
+
+    def get_seq_length(self):
+        # the attention's tokens (Transformers 5.25's LinearAttentionLayer has its own count, first in the MRO)
+        return self._attention.get_seq_length(self)
 
 
 class OscarHybridLayer(_HybridState, OscarLayer):
