@@ -231,6 +231,7 @@ def main(argv=None, model=None, tokenizer=None):
     p.add_argument("--tokens", type=int, default=720, help="tokens generated between the passage and the cue")
     p.add_argument("--prefix", type=int, default=256, help="held-out tokens before the passage")
     p.add_argument("--passages", type=int, default=len(PASSAGES))
+    p.add_argument("--skip", type=int, default=0, help="passages left out before the first one probed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=None)
@@ -249,7 +250,7 @@ def main(argv=None, model=None, tokenizer=None):
                "defaults (artifact)": lambda: OscarCache.from_pretrained(args.artifact, model)}
     load_s = time.perf_counter() - t_load
     t0 = time.perf_counter()
-    res = probe(model, tokenizer, methods, PASSAGES[:args.passages], tokens=args.tokens, prefix=args.prefix,
+    res = probe(model, tokenizer, methods, PASSAGES[args.skip:args.skip + args.passages], tokens=args.tokens, prefix=args.prefix,
                 seed=args.seed)
     res.update(command="python -P -m oscar_hf.eval.retention " + " ".join(argv if argv is not None else sys.argv[1:]),
                setup=dict(model=model_name, dtype=str(dtype).removeprefix("torch."), artifact=args.artifact,
