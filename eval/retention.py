@@ -250,8 +250,8 @@ def main(argv=None, model=None, tokenizer=None):
                "defaults (artifact)": lambda: OscarCache.from_pretrained(args.artifact, model)}
     load_s = time.perf_counter() - t_load
     t0 = time.perf_counter()
-    res = probe(model, tokenizer, methods, PASSAGES[args.skip:args.skip + args.passages], tokens=args.tokens, prefix=args.prefix,
-                seed=args.seed)
+    res = probe(model, tokenizer, methods, PASSAGES[args.skip:args.skip + args.passages], tokens=args.tokens,
+                prefix=args.prefix, seed=args.seed)
     res.update(command="python -P -m oscar_hf.eval.retention " + " ".join(argv if argv is not None else sys.argv[1:]),
                setup=dict(model=model_name, dtype=str(dtype).removeprefix("torch."), artifact=args.artifact,
                           config=OscarCache.from_pretrained(args.artifact, model).oscar_config.to_dict(),

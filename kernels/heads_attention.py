@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.quant import unpack_int4
+from oscar_hf.quant import QuantizedRows, dequantize_minmax, unpack_int4
 
 from .append_checks import check_coded_store
 from .int2_attention import (NEG_INF, empty_partial, merge_partials, normalized, partial_from_logits, sink_partial,
@@ -20,9 +20,7 @@ def dequantize_heads(parts: tuple[torch.Tensor, ...], bits: int) -> torch.Tensor
     if bits == 16:
         return parts[0].float()
     codes, scale, zero = parts
-    if bits == 4:
-        codes = unpack_int4(codes)
-    return zero.float() + codes.float() * scale.float()
+    return dequantize_minmax(QuantizedRows(unpack_int4(codes) if bits == 4 else codes, scale, zero), torch.float32)
 
 
 def check_heads_args(q, heads, k, v, bits, win_k, win_mask, block_table=None, win_slot=None) -> None:

@@ -64,7 +64,7 @@ def split_name(impl: str | None) -> tuple[str | None, str]:
     return None, impl
 
 
-def _configs(target) -> list:
+def attention_configs(target) -> list:
     """The configs that name an attention implementation, each once: a model's modules' own, or a config and its
     sub-configs at any depth (``config.sub_configs``)."""
     is_model = isinstance(target, torch.nn.Module)
@@ -97,7 +97,7 @@ def switch_attention(target, prefix: str) -> str:
     if is_model and hasattr(target, "set_attn_implementation"):
         target.set_attn_implementation(name)
     # Modules may hold their own config objects (sub-configs); make every one agree.
-    for cfg in _configs(target):
+    for cfg in attention_configs(target):
         if split_name(cfg._attn_implementation)[1] == base or cfg._attn_implementation is None:
             cfg._attn_implementation_internal = name
     return name
@@ -108,7 +108,7 @@ def restore_attention(model) -> str:
     _, base = split_name(model.config._attn_implementation)
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(base)
-    for cfg in _configs(model):
+    for cfg in attention_configs(model):
         cfg._attn_implementation_internal = split_name(cfg._attn_implementation)[1]
     return base
 

@@ -17,7 +17,7 @@ from transformers.generation.continuous_batching import continuous_api
 
 from ..attention import PREFIX
 from ..config import ModelFingerprint
-from ..patching import _configs, split_name
+from ..patching import attention_configs, split_name
 from . import admission
 from .store import OscarPagedStore
 
@@ -48,7 +48,7 @@ def continuous_batching_config(page_size: int = 256, **kwargs):
 
 def _attention_configs(target) -> list:
     """The configs whose ``_attn_implementation`` the attention modules read: a model's modules', or ``target``."""
-    return _configs(target) if isinstance(target, torch.nn.Module) else [target]
+    return attention_configs(target) if isinstance(target, torch.nn.Module) else [target]
 
 
 def _switch(target) -> list:
