@@ -1,0 +1,103 @@
+"""The load test's token check that survives rounding: each served stream teacher-forced through ``OscarCache``.
+
+Comparing a served stream with its prompt's greedy run alone proves nothing after the first step where the two round
+differently (BF16 on the GPU: the batched serving step and a single request's ``generate`` take other GEMM tiles), and
+on a random model the top-2 logits are often that close. Here every served token is checked instead: the reference
+is run on the stream's own tokens (``generate`` with a logits processor that forces them), and at each step the served
+token's logit must be within ``tol`` x the step's largest |logit| of the step's best. A server that mixed up requests'
+KV, or decoded a row against another row's history, gives tokens far from the best of their own context; the control
+(``mismatched``) runs the same check on other prompts' streams and must flag every one.
+
+The server returns text, not token ids: the served tokens are recovered step by step as the best of the step's
+``topk`` tokens whose decoding continues the text (a stream none of whose top-``topk`` continues it is wrong).
+"""
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+
+class FollowText(LogitsProcessor):
+    """Forces, row by row, the token that continues the row's served text; records its gap to the step's best.
+
+    ``texts[r]`` the served text, ``counts[r]`` its completion tokens (``None``: until the text is matched).
+    Per row after the run: ``tokens`` (recovered), ``gaps`` (one per recovered token), ``lost`` (the step where no
+    top-``topk`` token continued the text, else ``None``)."""
+
+    def __init__(self, tok, texts: list[str], counts: list[int | None], topk: int = 16):
+        self.tok, self.texts, self.counts, self.topk = tok, texts, counts, topk
+        self.eos = tok.eos_token_id
+        n = len(texts)
+        self.tokens, self.gaps, self.lost, self.done = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n, \
+            [False] * n
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def _pick(self, r: int, logits: torch.Tensor) -> int | None:
+        """The best of the top-``topk`` tokens that continues row ``r``'s text (EOS once the text is all matched)."""
+        have, text = self.tokens[r], self.texts[r]
+        matched = self._text(have) == text
+        for c in logits.topk(min(self.topk, logits.numel())).indices.tolist():
+            after = self._text(have + [c])
+            if c == self.eos or after == self._text(have):  # (EOS, or a token that decodes to nothing)
+                if matched:
+                    return c
+                continue
+            if text.startswith(after.rstrip("\ufffd")):
+                return c
+        return None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        forced = torch.full_like(scores, float("-inf"))
+        for r in range(scores.shape[0]):
+            want = self.counts[r]
+            if not self.done[r] and (len(self.tokens[r]) == want or (want is None and
+                                                                     self._text(self.tokens[r]) == self.texts[r])):
+                self.done[r] = True
+            c = None if self.done[r] else self._pick(r, scores[r].float())
+            if c is None:
+                if not self.done[r]:
+                    self.lost[r], self.done[r] = len(self.tokens[r]), True
+                forced[r, self.eos] = 0.0  # (finished or lost: EOS ends the row)
+                continue
+            s = scores[r].float()
+            self.gaps[r].append(float((s.max() - s[c]) / s.abs().max().clamp_min(1e-30)))
+            self.tokens[r].append(c)
+            forced[r, c] = 0.0
+        return forced
+
+
+def forced_check(model, tok, prompts: list[str], texts: list[str], counts: list[int | None], oscar: dict,
+                 tol: float, batch: int = 32) -> list[dict]:
+    """For each (prompt, served text, completion tokens): ``verdict`` "followed" (every served token within ``tol`` of
+    its step's best under teacher forcing, the whole text recovered) or "wrong" (with ``step`` and ``gap``, or the step
+    where the text was ``lost``), and ``max_gap``. Rows run ``batch`` at a time, left-padded, through one
+    ``OscarCache`` each (``method="hadamard"``, uncompiled: the references' settings)."""
+    from oscar_hf import OscarCache
+    from oscar_hf.compat import cache_kwargs
+
+    side, tok.padding_side = tok.padding_side, "left"
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    out = []
+    try:
+        for a in range(0, len(prompts), batch):
+            rows = slice(a, a + batch)
+            enc = tok(prompts[rows], return_tensors="pt", padding=True).to(model.device)
+            follow = FollowText(tok, texts[rows], counts[rows])
+            most = max((c if c is not None else len(tok(t).input_ids) + 8) for c, t in zip(counts[rows], texts[rows]))
+            cache = OscarCache(model, method="hadamard", compile=False, **oscar)
+            model.generate(**enc, max_new_tokens=max(1, most + 1), do_sample=False, eos_token_id=tok.eos_token_id,
+                           pad_token_id=pad, logits_processor=LogitsProcessorList([follow]), **cache_kwargs(model, cache))
+            for r, text in enumerate(texts[rows]):
+                gaps, lost = follow.gaps[r], follow.lost[r]
+                whole = follow._text(follow.tokens[r]) == text
+                worst = max(range(len(gaps)), key=gaps.__getitem__) if gaps else None
+                bad = lost is not None or not whole or (worst is not None and gaps[worst] > tol)
+                out.append(dict(verdict="wrong" if bad else "followed", max_gap=max(gaps, default=0.0),
+                                step=lost if lost is not None else worst,
+                                gap=None if worst is None or lost is not None else gaps[worst],
+                                lost=lost, recovered=len(follow.tokens[r])))
+    finally:
+        tok.padding_side = side
+    return out
