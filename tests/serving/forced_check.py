@@ -69,7 +69,7 @@ class FollowText(LogitsProcessor):
 
 
 def forced_check(model, tok, prompts: list[str], texts: list[str], counts: list[int | None], oscar: dict,
-                 tol: float, batch: int = 32) -> list[dict]:
+                 tol: float, batch: int | None = None) -> list[dict]:
     """For each (prompt, served text, completion tokens): ``verdict`` "followed" (every served token within ``tol`` of
     its step's best under teacher forcing, the whole text recovered) or "wrong" (with ``step`` and ``gap``, or the step
     where the text was ``lost``), and ``max_gap``. Rows run ``batch`` at a time, left-padded, through one
@@ -77,6 +77,7 @@ def forced_check(model, tok, prompts: list[str], texts: list[str], counts: list[
     from oscar_hf import OscarCache
     from oscar_hf.compat import cache_kwargs
 
+    batch = batch or (64 if model.device.type == "cuda" else 32)
     side, tok.padding_side = tok.padding_side, "left"
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     out = []

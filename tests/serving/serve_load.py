@@ -71,7 +71,7 @@ PROFILES = {
                      distinct=16, min_prompt=32, max_prompt=1024, max_new=48, dup_new=64, max_requests=32,
                      page_size=256, num_blocks=320, max_batch_tokens=2048, oscar=dict(sink=64, recent=256,
                                                                                       group_size=64),
-                     tie_tol=0.02, timeout=300.0, deadline=240.0),
+                     tie_tol=0.05, timeout=300.0, deadline=240.0),
 }
 # model B (the switch): another type and shape than A
 B_SHAPES = {
