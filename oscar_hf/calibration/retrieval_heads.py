@@ -4,6 +4,7 @@ mass the answer-predicting rows put on the fact (max over its query heads). docs
 """
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -11,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ..data import tokenize
-from ..patching import patched, register_handler
 from ..rotations import ranked_heads
+from .hooks import recording
 
 FACT = "The access code of {name} is {value}."
 ASK = " What is the access code of {name}? The access code of {name} is"
@@ -53,27 +54,21 @@ def probe_needles(tokenizer, haystack_ids: torch.Tensor, n: int = 12, lengths=(2
     return out
 
 
-_STATE: dict = {}
-
-
-def _probe_handler(module, query, key, value, attention_mask, *args, base: str, scaling=None, **kwargs):
-    """Record the answer-predicting rows' attention mass on the fact span; the base attention then runs."""
-    st = _STATE.get("probe")
-    if st is None or not isinstance(key, torch.Tensor):
+def _fact_mass(module, query, key, value, attention_mask, *args, base: str, probe: Probe, mass: torch.Tensor,
+               scaling=None, **kwargs):
+    """Add the answer-predicting rows' attention mass on ``probe``'s fact span to ``mass [num_layers, Hq]``; the base
+    attention then runs (``NotImplemented``)."""
+    if not isinstance(key, torch.Tensor):
         return NotImplemented
-    (f0, f1), (a0, a1) = st["fact"], st["answer"]
+    (f0, f1), (a0, a1) = probe.fact, probe.answer
     rows = torch.arange(a0 - 1, a1 - 1, device=query.device)  # the positions whose next token is an answer token
     q = query[:, :, rows].float()  # [B, Hq, m, D]
     hq, hk = q.shape[1], key.shape[1]
     k = key.float().repeat_interleave(hq // hk, dim=1)
     s = torch.matmul(q, k.transpose(-1, -2)) * (scaling or q.shape[-1] ** -0.5)  # [B, Hq, m, kv]
     s = s.masked_fill(torch.arange(k.shape[2], device=q.device)[None, :] > rows[:, None], float("-inf"))
-    mass = F.softmax(s, -1)[..., f0:f1].sum(-1).mean((0, 2))  # [Hq]
-    st["mass"][module.layer_idx] += mass.cpu()
+    mass[module.layer_idx] += F.softmax(s, -1)[..., f0:f1].sum(-1).mean((0, 2)).cpu()  # [Hq]
     return NotImplemented
-
-
-register_handler("oscarprobe_", _probe_handler)
 
 
 @torch.no_grad()
@@ -86,13 +81,9 @@ def retrieval_scores(model, probes: list[Probe], progress: bool = True) -> torch
     hk = getattr(cfg, "num_key_value_heads", None) or hq
     mass = torch.zeros(nl, hq)
     dev = next(model.parameters()).device
-    with patched(model, "oscarprobe_"):
-        for pr in tqdm(probes, desc="retrieval probes", disable=not progress):
-            _STATE["probe"] = dict(fact=pr.fact, answer=pr.answer, mass=mass)
-            try:
-                model(pr.ids[None].to(dev), use_cache=False, logits_to_keep=1)
-            finally:
-                _STATE.pop("probe", None)
+    for pr in tqdm(probes, desc="retrieval probes", disable=not progress):
+        with recording(model, functools.partial(_fact_mass, probe=pr, mass=mass)):
+            model(pr.ids[None].to(dev), use_cache=False, logits_to_keep=1)
     return (mass / len(probes)).reshape(nl, hk, hq // hk).amax(-1)
 
 
