@@ -110,7 +110,9 @@ def as_sequences(input_ids) -> list[torch.Tensor]:
     return seqs
 
 
-def progress_bar(progress: bool, total: int, desc: str):
-    from tqdm.auto import tqdm
+def progress_bar(progress: bool, total: int, desc: str, shared=None):
+    """A tqdm of ``total`` steps, off when ``progress`` is False or Transformers' progress bars are (its ``tqdm``);
+    ``shared``: a caller's bar instead, which leaving ``with`` does not close."""
     from transformers.utils import logging as hf_logging
-    return tqdm(total=total, desc=desc, disable=not (progress and hf_logging.is_progress_bar_enabled()))
+    return contextlib.nullcontext(shared) if shared is not None else hf_logging.tqdm(
+        total=total, desc=desc, disable=not progress)

@@ -206,8 +206,7 @@ def _measure(model, o: CalibrationOptions, w: _Windows, window, group_size: int)
     """Statistics on the statistics windows, the candidates from them, their error on the held-out windows."""
     n_fw = (math.ceil(len(w.stats) / o.batch_size) * (2 if o.need_score_weighted else 1)
             + math.ceil(len(w.hold) / o.batch_size))
-    bar = progress_bar(o.progress, n_fw, f"OSCAR calibration ({o.method})")
-    try:
+    with progress_bar(o.progress, n_fw, f"OSCAR calibration ({o.method})") as bar:
         t_stats = time.perf_counter()
         stats = collect_statistics(
             model, w.stats, score_weighted=o.need_score_weighted, kv_skip=window[0] if window else 0,
@@ -225,8 +224,6 @@ def _measure(model, o: CalibrationOptions, w: _Windows, window, group_size: int)
                 model, w.hold, cands, group_size=group_size, meta_dtype=o.meta_dtype, batch_size=o.batch_size,
                 pad_id=w.pad_id, query_samples=o.query_samples, window=window, _bar=bar)
             t_hold = time.perf_counter() - t_hold
-    finally:
-        bar.close()
     return _Measured(stats, cands, knames, vnames, errors, o, t_stats, t_hold)
 
 

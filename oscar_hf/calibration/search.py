@@ -263,10 +263,8 @@ def evaluate_candidates(model, input_ids, candidates: dict[int, LayerCandidates]
     meta = META_DTYPES[meta_dtype] if isinstance(meta_dtype, str) else meta_dtype
     seqs = as_sequences(input_ids)
     rec = ErrorRecorder(candidates, group_size, meta, query_samples, window)
-    bar = _bar or progress_bar(progress, math.ceil(len(seqs) / batch_size), "OSCAR held-out error")
-    run_windows(model, rec, seqs, batch_size, pad_id, bar)
-    if _bar is None:
-        bar.close()
+    with progress_bar(progress, math.ceil(len(seqs) / batch_size), "OSCAR held-out error", _bar) as bar:
+        run_windows(model, rec, seqs, batch_size, pad_id, bar)
     return rec.errors
 
 

@@ -137,7 +137,6 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     # the bar counts settings scored or over budget: defaults, quantizer, group sizes, windows, head width, layers
     n_plan = (2 + len(groups) + len(window_candidates(base.sink, base.recent, prompt)) + (1 if space.heads else 0)
               + min(len(PRECISE_LAYERS), len(space.ranked_layers)))
-    bar = progress_bar(progress, n_plan, "OSCAR cache settings")
 
     def run(name: str, config: OscarConfig | None, unfitted: OscarConfig, precise: int = 0) -> Trial | None:
         if config is None:  # over the budget even with the fewest retrieval heads allowed
@@ -147,7 +146,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         bar.update(1)
         return None if config is None else tried[-1]
 
-    try:
+    with progress_bar(progress, n_plan, "OSCAR cache settings") as bar:
         # today's defaults, their heads fitted to the budget; that head count is the floor every candidate keeps
         start = base.replace(retrieval_bits=HEAD_WIDTHS[0])
         inc_cfg = space.fit(start)
@@ -196,8 +195,6 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
             if n <= len(space.ranked_layers) and n > precise:
                 if not step([(f"{n} precise layers {space.ranked_layers[:n]}", unfit(), n)]):
                     break
-    finally:
-        bar.close()
     chosen = {k: getattr(inc.config, k) for k in CHOSEN_FIELDS}
     chosen["retrieval_heads"] = [list(p) for p in chosen["retrieval_heads"]]  # JSON-able
     return {

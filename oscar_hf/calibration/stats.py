@@ -192,10 +192,8 @@ def collect_statistics(model, input_ids, *, score_weighted: bool = False, kv_ski
     seqs = as_sequences(input_ids)
     rec = StatsRecorder(layers, kv_skip)
     passes = 2 if score_weighted else 1
-    bar = _bar or progress_bar(progress, passes * math.ceil(len(seqs) / batch_size), "OSCAR statistics")
-    run_windows(model, rec, seqs, batch_size, pad_id, bar, passes)
-    if _bar is None:
-        bar.close()
+    with progress_bar(progress, passes * math.ceil(len(seqs) / batch_size), "OSCAR statistics", _bar) as bar:
+        run_windows(model, rec, seqs, batch_size, pad_id, bar, passes)
     missing = [i for i in layers if i not in rec.stats]
     if missing:
         raise RuntimeError(
