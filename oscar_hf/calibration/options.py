@@ -43,25 +43,23 @@ class CalibrationOptions:
 
     def __post_init__(self):
         put = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731  (frozen: normalize in place)
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if isinstance(self.meta_dtype, torch.dtype):
+            put("meta_dtype", str(self.meta_dtype).removeprefix("torch."))
+        for name, allowed in (("method", METHODS), ("value_target", VALUE_TARGETS),
+                              ("meta_dtype", sorted(META_DTYPES))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         probes = self.retrieval_probes
         if isinstance(probes, bool) or not isinstance(probes, int) or probes < 0:
             raise ValueError(f"retrieval_probes must be an int >= 0, got {probes!r}")
         if not isinstance(self.choose_settings, bool):
             raise ValueError(f"choose_settings must be True or False, got {self.choose_settings!r}")
         check_budget(self.budget_bits, self.target_context)
-        if self.value_target not in VALUE_TARGETS:
-            raise ValueError(f"value_target must be one of {VALUE_TARGETS}, got {self.value_target!r}")
         center_modes(self.center)
         if not 0.0 < self.holdout_fraction <= 1.0:
             raise ValueError(f"holdout_fraction must lie in (0, 1], got {self.holdout_fraction}")
         if self.batch_size < 1 or self.tokens < 2 or self.seq_len < 2:
             raise ValueError("batch_size must be >= 1, tokens and seq_len >= 2")
-        if isinstance(self.meta_dtype, torch.dtype):
-            put("meta_dtype", str(self.meta_dtype).removeprefix("torch."))
-        if self.meta_dtype not in META_DTYPES:
-            raise ValueError(f"meta_dtype must be one of {sorted(META_DTYPES)}, got {self.meta_dtype!r}")
         clips = self.clips
         if clips is not None:
             if isinstance(clips, (str, bytes)) or len(clips) != 2:

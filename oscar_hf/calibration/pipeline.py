@@ -32,9 +32,8 @@ SETTINGS_WINDOWS = 2  # held-out windows the settings search scores (text input;
 
 
 def _is_texts(texts) -> bool:
-    return isinstance(texts, str) or (
-        isinstance(texts, Sequence) and not isinstance(texts, torch.Tensor) and len(texts) > 0
-        and all(isinstance(t, str) for t in texts))
+    return isinstance(texts, str) or (isinstance(texts, Sequence) and len(texts) > 0
+                                      and all(isinstance(t, str) for t in texts))  # (a tensor is no Sequence)
 
 
 def calibrate(model, tokenizer, texts, options: CalibrationOptions | None = None, **overrides) -> OscarRotations:
@@ -239,8 +238,8 @@ def _select_by_kl(model, o: CalibrationOptions, fp, hold, m: _Measured, window, 
     if kl_ids.numel() - SCORED_TOKENS <= sink + recent:
         logger.info("calibrate: held-out windows too short for the KL check; keeping the held-out error's pick")
         return picked, None, time.perf_counter() - t
-    options = {"auto": picked}
-    options.update({name: m.assemble(name) for name in SELECTION_CANDIDATES if name in m.knames and name in m.vnames})
+    options = {"auto": picked, **{name: m.assemble(name) for name in SELECTION_CANDIDATES
+                                  if name in m.knames and name in m.vnames}}
     ref = reference_log_probs(model, kl_ids)
     kl = {name: next_token_kl(model, OscarRotations(fp, o.method, opt[0], {}), kl_ids, sink=sink, recent=recent,
                               group_size=group_size, meta_dtype=o.meta_dtype, reference=ref)

@@ -12,16 +12,16 @@ from .settings import kl_frontier, settings_summary
 from .stats import CalibrationStats
 
 
-def retrieval_summary(rotations: OscarRotations, config: OscarConfig | None = None) -> str:
-    """One line: the best retrieval heads and their scores, and those ``config`` keeps (default: what
-    ``OscarCache.from_pretrained`` runs with) at what history bits."""
+def retrieval_summary(rotations: OscarRotations) -> str:
+    """One line: the best retrieval heads and their scores, and those ``OscarCache.from_pretrained``'s config keeps
+    at what history bits."""
     scores = rotations.retrieval_scores
     if scores is None:
         return "  retrieval heads: not scored (no retrieval heads by default)"
     chosen = artifact_settings(rotations.metadata)
-    if config is None and chosen:  # the settings the calibration chose (what the cache starts from)
+    if chosen:  # the settings the calibration chose (what the cache starts from)
         config = OscarConfig(**chosen)
-    if config is None:
+    else:
         g = (rotations.metadata.get("calibration") or {}).get("group_size", rotations.metadata.get("group_size"))
         config = OscarConfig(group_size=int(g)) if g is not None else OscarConfig()
     config = config.for_head_dim(rotations.fingerprint.head_dim)

@@ -95,9 +95,7 @@ class ErrorRecorder:
         hk, kv_len = key.shape[1], key.shape[2]
         g = hq // hk
         dev = key.device
-        scaling = kwargs.get("scaling")
-        if scaling is None:
-            scaling = getattr(module, "scaling", d**-0.5)
+        scaling = kwargs.get("scaling") or getattr(module, "scaling", d**-0.5)  # (None: the module's)
         softcap = kwargs.get("softcap")
         vq, vk = token_validity(attention_mask, b, q_len, kv_len, dev)
         allowed = allowed_matrix(attention_mask, b, q_len, kv_len, dev)
@@ -230,8 +228,7 @@ def center_modes(center) -> list[bool]:
 
 
 def build_candidates(stats: CalibrationStats, method: str, *, center: bool | str = True, value_target: str = "sst",
-                     clip_grid=CLIP_GRID,
-                     shared: bool = False) -> tuple[dict[int, LayerCandidates], list[str], list[str]]:
+                     clip_grid=CLIP_GRID, shared: bool = False) -> tuple[dict[int, LayerCandidates], list, list]:
     """Candidate rotations (and offsets) of every layer, and their names. ``center="auto"``: each candidate twice,
     uncentered and ``"+center"``. Naive INT2 is always evaluated as the report's reference, never selected."""
     if method == "auto":  # (key names, value names) the selection chooses from
@@ -300,6 +297,5 @@ def attention_error(model, rotations: OscarRotations, input_ids, *, group_size: 
     per = {i: {"k": float((e.k / max(e.k_count, 1.0)).sum()), "v": float((e.v / max(e.v_count, 1.0)).sum()),
                "k_rel": float(e.k.sum() / e.k_signal.sum()), "v_rel": float(e.v.sum() / e.v_signal.sum())}
            for i, e in sorted(errs.items())}
-    k_rel = sum(p["k_rel"] for p in per.values()) / max(len(per), 1)
-    v_rel = sum(p["v_rel"] for p in per.values()) / max(len(per), 1)
+    k_rel, v_rel = (sum(p[key] for p in per.values()) / max(len(per), 1) for key in ("k_rel", "v_rel"))
     return {"layers": per, "k_rel": k_rel, "v_rel": v_rel, "total": k_rel + v_rel}
