@@ -97,16 +97,12 @@ class OscarConfig:
             raise ValueError(f"OscarConfig.group_size must be a positive int or None (= head_dim), got {g!r}")
         if self.bits != 2:
             raise NotImplementedError(f"only bits=2 is implemented, got bits={self.bits}")
-        if self.meta_dtype not in _META_DTYPES:
-            raise ValueError(f"meta_dtype must be one of {sorted(_META_DTYPES)}, got {self.meta_dtype!r}")
         if self.block_size < 1 or self.prefill_chunk < 1:
             raise ValueError("block_size and prefill_chunk must be positive")
-        if self.quantizer not in QUANTIZERS:
-            raise ValueError(f"OscarConfig.quantizer must be one of {QUANTIZERS}, got {self.quantizer!r}")
-        if self.key_offset not in ("calibrated", "prefill"):
-            raise ValueError(f"key_offset must be 'calibrated' or 'prefill', got {self.key_offset!r}")
-        if self.use_kernels not in ("auto", True, False):
-            raise ValueError(f"use_kernels must be 'auto', True or False, got {self.use_kernels!r}")
+        for name, allowed in (("meta_dtype", sorted(_META_DTYPES)), ("quantizer", QUANTIZERS),
+                              ("key_offset", ("calibrated", "prefill")), ("use_kernels", ("auto", True, False))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"OscarConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         for name in ("clip_k", "clip_v"):
             val = getattr(self, name)
             if seq := isinstance(val, Sequence) and not isinstance(val, str):
@@ -116,7 +112,7 @@ class OscarConfig:
                 raise ValueError(f"OscarConfig.{name} ratios must lie in (0, 1], got {val!r}")
         object.__setattr__(self, "skip_layers", tuple(int(i) for i in self.skip_layers))
         object.__setattr__(self, "retrieval_heads", _retrieval_heads(self.retrieval_heads))
-        if self.retrieval_bits not in RETRIEVAL_BIT_CHOICES or isinstance(self.retrieval_bits, bool):
+        if self.retrieval_bits not in RETRIEVAL_BIT_CHOICES:  # (True and False are 1 and 0: refused too)
             raise ValueError(f"OscarConfig.retrieval_bits (full_precision_bits before) must be one of "
                              f"{RETRIEVAL_BIT_CHOICES}, got {self.retrieval_bits!r}")
         for name, lo, hi in (("max_history_bits", self.bits, RETRIEVAL_HEAD_MAX_BITS), ("retrieval_threshold", 0.0, 1.0)):
@@ -250,13 +246,11 @@ class OscarConfig:
 
 def _retrieval_heads(want):
     """``retrieval_heads`` checked: "auto", an int >= 0, or (layer, kv_head) pairs (returned sorted, deduplicated)."""
-    bad = f"retrieval_heads (full_precision_heads before) must be 'auto', an int or (layer, kv_head) pairs, got {want!r}"
-    if isinstance(want, str):
-        if want != "auto":
-            raise ValueError(bad)
+    if isinstance(want, str) and want == "auto":
         return want
-    if isinstance(want, bool) or not isinstance(want, (int, Sequence)):
-        raise ValueError(bad)
+    if isinstance(want, (bool, str)) or not isinstance(want, (int, Sequence)):
+        raise ValueError(f"retrieval_heads (full_precision_heads before) must be 'auto', an int or (layer, kv_head) "
+                         f"pairs, got {want!r}")
     if isinstance(want, int):
         if want < 0:
             raise ValueError(f"retrieval_heads (full_precision_heads before) must be >= 0, got {want}")
