@@ -93,8 +93,7 @@ def calibration_report(rotations: OscarRotations) -> str:
             mean = lambda key: sum(s[key]) / len(s[key])  # noqa: E731
             return f"{mean('top_share'):>7.3f}/{mean('eff_rank'):<6.1f}" if s else f"{'-':>14}"
 
-        wk = ",".join(winners.get("k", {}).get(str(i), []))
-        wv = ",".join(winners.get("v", {}).get(str(i), []))
+        wk, wv = (",".join(winners.get(kind, {}).get(str(i), [])) for kind in "kv")
         lines.append(
             f"{i:>5} {lr.clip_k:>5.2f} {lr.clip_v:>5.2f} {h.get('k_rel', float('nan')):>9.4g} "
             f"{h.get('v_rel', float('nan')):>9.4g}  {summ('C_Q')} {summ('C_K')} {summ('C_S')}  {wk} | {wv}")

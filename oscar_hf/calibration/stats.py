@@ -140,12 +140,9 @@ class StatsRecorder:
         qd = _rows(query, hk, vq).double()  # [Hk, n*g, D]
         od = _rows(out, hk, vq).double()  # padded rows (possibly NaN) are dropped, not multiplied
         s.qq += qd.transpose(1, 2) @ qd
-        s.k_sum += kd.sum(1)
-        s.kk += kd.transpose(1, 2) @ kd
-        s.v_sum += vd.sum(1)
-        s.vv += vd.transpose(1, 2) @ vd
-        s.o_sum += od.sum(1)
-        s.oo += od.transpose(1, 2) @ od
+        for x_sum, xx, x in ((s.k_sum, s.kk, kd), (s.v_sum, s.vv, vd), (s.o_sum, s.oo, od)):
+            x_sum += x.sum(1)  # (in place: the layer's own sums)
+            xx += x.transpose(1, 2) @ x
         s.n_q += qd.shape[1]
         s.n_kv += kd.shape[1]
         return result
