@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .config import FULL_LAYER_TYPES, ModelFingerprint
+from .rotations import ORTHOGONALITY_TOL, LayerRotation
 
 # format_version -> its source_grouping: one rotation per layer shared by its KV heads (1), one per KV head (2)
 REFERENCE_GROUPINGS = {1: "layer", 2: "per_kv_head"}
@@ -31,16 +32,6 @@ class ReferenceFile:
     k_means: dict[int, torch.Tensor]
     shared: bool  # every layer's matrix shared by its heads (a [D, D] rotation)
     unused: list[str]  # the fields of UNUSED_FIELDS the file has
-
-
-@dataclasses.dataclass
-class ReferencePair:
-    """Key and value rotations of the model's quantized (full-attention) layers, and where they came from."""
-
-    r_k: dict[int, torch.Tensor]  # layer -> [Hk, D, D] float32
-    r_v: dict[int, torch.Tensor]  # layer -> [Hk, D, D] float32
-    mu_k: dict[int, torch.Tensor]  # layer -> [Hk, D] float32 (the key file's k_mean), only where it has one
-    metadata: dict[str, Any]
 
 
 def _offline() -> bool:
@@ -101,9 +92,9 @@ def _per_head(path: Path, what: str, x, shapes: dict[tuple, str], hk: int) -> to
     return (x.expand(hk, *x.shape) if shared else x).contiguous()
 
 
-def read_reference_file(path: str | os.PathLike, head_dim: int, tol: float, num_kv_heads: int = 1) -> ReferenceFile:
-    """Load and check one file (header; every rotation finite and orthogonal within ``tol``; ``k_mean``). Raises
-    ValueError naming the file and the culprit."""
+def read_reference_file(path: str | os.PathLike, head_dim: int, num_kv_heads: int = 1) -> ReferenceFile:
+    """Load and check one file (header; every rotation finite and orthogonal within ``ORTHOGONALITY_TOL``;
+    ``k_mean``). Raises ValueError naming the file and the culprit."""
     path, d, hk = Path(path), head_dim, num_kv_heads
     doc = _safe_load(path)
     if not isinstance(doc, dict):
@@ -142,8 +133,9 @@ def read_reference_file(path: str | os.PathLike, head_dim: int, tol: float, num_
         r = _per_head(path, f"layer {i} rotation", entry["rotation"], rot_shapes, hk)  # [Hk, D, D]
         shared &= entry["rotation"].dim() == 2  # (a tensor: _per_head checked it)
         err = (r.transpose(-1, -2) @ r - torch.eye(d)).abs().amax().item()
-        if err > tol:
-            raise ValueError(f"{path}: layer {i} rotation: not orthogonal (max |RᵀR - I| = {err:.3g} > {tol:g})")
+        if err > ORTHOGONALITY_TOL:
+            raise ValueError(f"{path}: layer {i} rotation: not orthogonal (max |RᵀR - I| = {err:.3g} > "
+                             f"{ORTHOGONALITY_TOL:g})")
         out[i] = r
         if entry.get("k_mean") is not None:
             if version < 2:
@@ -153,12 +145,12 @@ def read_reference_file(path: str | os.PathLike, head_dim: int, tol: float, num_
     return ReferenceFile(path, version, objective, out, means, shared, sorted(unused))
 
 
-def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp: ModelFingerprint,
-                        tol: float) -> ReferencePair:
-    """Both files, checked against the model and each other: every full-attention layer in both, none beyond the
-    model. Sliding layers' matrices may be absent; present, they are checked and dropped."""
-    k = read_reference_file(k_file, fp.head_dim, tol, fp.num_key_value_heads)
-    v = read_reference_file(v_file, fp.head_dim, tol, fp.num_key_value_heads)
+def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp: ModelFingerprint, clip_k: float,
+                        clip_v: float) -> tuple[dict[int, LayerRotation], dict[str, Any]]:
+    """``({layer: LayerRotation}, source metadata)`` of the model's full-attention layers from both files, checked
+    against the model and each other: every full-attention layer in both, none beyond the model. Sliding layers'
+    matrices may be absent; present, they are checked and dropped."""
+    k, v = (read_reference_file(f, fp.head_dim, fp.num_key_value_heads) for f in (k_file, v_file))
     if v.k_means:
         raise ValueError(f"{v.path}: a value rotation file with k_mean (key centering belongs to the key file)")
     full = [i for i, t in enumerate(fp.layer_types) if t in FULL_LAYER_TYPES]
@@ -175,15 +167,16 @@ def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp
         only_k, only_v = sorted(set(k.rotations) - set(v.rotations)), sorted(set(v.rotations) - set(k.rotations))
         raise ValueError(f"key and value rotation files disagree: layers only in {k.path.name}: {only_k}, "
                          f"only in {v.path.name}: {only_v}")
-    version = max(k.format_version, v.format_version)
-    metadata = {"source": dict(
-        format="FutureMLS-Lab/OSCAR rotation files (rotation/compute_kv_rotation.py)", format_version=version,
-        source_grouping=REFERENCE_GROUPINGS[version], shared_across_heads=k.shared and v.shared,
-        key_centering=bool(k.k_means), unused_fields=sorted(set(k.unused) | set(v.unused)), k_file=k.path.name,
-        v_file=v.path.name, k_objective=k.objective, v_objective=v.objective, layers_in_files=len(k.rotations))}
     if k.k_means and any(i not in k.k_means for i in full):
         raise ValueError(f"{k.path}: k_mean for some full-attention layers but not for "
                          f"{[i for i in full if i not in k.k_means]}")
-    return ReferencePair({i: k.rotations[i] for i in full}, {i: v.rotations[i] for i in full},
-                         {i: k.k_means[i] for i in full if i in k.k_means}, metadata)
+    version = max(k.format_version, v.format_version)
+    source = dict(
+        format="FutureMLS-Lab/OSCAR rotation files (rotation/compute_kv_rotation.py)", format_version=version,
+        source_grouping=REFERENCE_GROUPINGS[version], shared_across_heads=k.shared and v.shared,
+        key_centering=bool(k.k_means), unused_fields=sorted(set(k.unused) | set(v.unused)), k_file=k.path.name,
+        v_file=v.path.name, k_objective=k.objective, v_objective=v.objective, layers_in_files=len(k.rotations))
+    # [Hk, D, D] each (a format-1 matrix repeated over the heads); k_mean [Hk, D] as the key offset
+    return {i: LayerRotation(k.rotations[i], v.rotations[i], float(clip_k), float(clip_v), mu_k=k.k_means.get(i))
+            for i in full}, source
 

@@ -98,11 +98,8 @@ class OscarRotations:
         hub = dict(subfolder=subfolder, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
                    token=token)
         k_file, v_file = (resolve_file(p, repo_id, **hub) for p in (k_path, v_path))
-        pair = read_reference_pair(k_file, v_file, fp, ORTHOGONALITY_TOL)
-        layers = {  # [Hk, D, D] each (a format-1 matrix repeated over the heads); k_mean as the key offset
-            i: LayerRotation(pair.r_k[i], pair.r_v[i], float(clip_k), float(clip_v), mu_k=pair.mu_k.get(i))
-            for i in pair.r_k}
-        source = dict(pair.metadata["source"], repo_id=repo_id, subfolder=subfolder, revision=revision)
+        layers, source = read_reference_pair(k_file, v_file, fp, clip_k, clip_v)
+        source.update(repo_id=repo_id, subfolder=subfolder, revision=revision)
         rot = cls(fp, "oscar-reference", layers, {"source": source, "group_size": g,
                                                   "shared_across_heads": source["shared_across_heads"]})
         rot.validate()
