@@ -77,21 +77,9 @@ def _is_dtensor(t) -> bool:
 
 def _dim0_range(w) -> tuple[int, int, int]:
     """``(offset, local_size, global_size)`` of a DTensor weight along dim 0 (its output features)."""
-    n = int(w.shape[0])
-    try:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-        shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
-        return int(offset[0]), int(shape[0]), n
-    except ImportError:  # pragma: no cover - older/newer torch: plain chunk arithmetic (torch.chunk semantics)
-        off, size = 0, n
-        coord = w.device_mesh.get_coordinate()
-        for mdim, p in enumerate(w.placements):
-            if getattr(p, "dim", None) in (0, -w.ndim) and p.is_shard():
-                parts = w.device_mesh.size(mdim)
-                chunk = -(-size // parts)
-                lo = min(coord[mdim] * chunk, size)
-                off, size = off + lo, min(size, lo + chunk) - lo
-        return off, size, n
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(w.shape, w.device_mesh, w.placements)
+    return int(offset[0]), int(shape[0]), int(w.shape[0])
 
 
 def _heads_of(weight, head_dim: int, num_kv_heads: int, what: str) -> HeadShard | None:
