@@ -55,22 +55,16 @@ def _hadamard_f64(d: int) -> torch.Tensor:
     if d <= 0:
         raise ValueError(f"head_dim must be positive, got {d}")
     pow2 = d & -d  # largest power of two dividing d
-    m = d // pow2
-    if m == 1:
-        h = _sylvester(d)
-    else:
-        # move factors of two into the Paley order until one is known (e.g. 24 = 24·1 or 12·2)
-        h = None
-        p = pow2
-        while p >= 1 and h is None:
-            base = _paley(d // p)
-            if base is not None:
-                h = torch.kron(base, _sylvester(p))
-            p //= 2
-        if h is None:
-            raise ValueError(
-                f"No Hadamard matrix is known to this library for head_dim={d} (= {m}·2^k with no Paley "
-                f"construction of order {m}·2^j). Supported: powers of two and 2^k times 12, 20, 24, 28, 36, 44, ...")
+    h, p = (_sylvester(d) if pow2 == d else None), pow2
+    while h is None and p >= 1:  # move factors of two into the Paley order until one is known (24 = 24·1 or 12·2)
+        base = _paley(d // p)
+        if base is not None:
+            h = torch.kron(base, _sylvester(p))
+        p //= 2
+    if h is None:
+        raise ValueError(
+            f"No Hadamard matrix is known to this library for head_dim={d} (= {d // pow2}·2^k with no Paley "
+            f"construction of order {d // pow2}·2^j). Supported: powers of two and 2^k times 12, 20, 24, 28, 36, ...")
     hn = h / (d**0.5)
     err = (hn @ hn.T - torch.eye(d, dtype=torch.float64)).abs().max().item()
     assert err < 1e-9, f"internal error: Hadamard of order {d} is not orthogonal ({err})"
@@ -95,7 +89,7 @@ def _prime_factors(n: int) -> list[int]:
 def bit_reversal_permutation(d: int) -> torch.Tensor:
     """``perm[i]`` = position of importance level ``i``: the mixed-radix digit reversal of ``i`` over ``d``'s prime
     factors (twos first), the bit reversal for ``d = 2^k``."""
-    radices = sorted(_prime_factors(d)) if d > 1 else []
+    radices = _prime_factors(d)  # (ascending: twos first)
     perm = []
     for i in range(d):
         pos, r = 0, i
@@ -107,10 +101,7 @@ def bit_reversal_permutation(d: int) -> torch.Tensor:
 
 def permutation_matrix(perm: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``P`` with ``P[i, perm[i]] = 1``: ``(x @ P)[perm[i]] = x[i]``."""
-    d = perm.numel()
-    p = torch.zeros(d, d, dtype=dtype)
-    p[torch.arange(d), perm] = 1
-    return p
+    return torch.eye(perm.numel(), dtype=dtype)[perm]
 
 
 def oscar_rotation(eigvecs: torch.Tensor) -> torch.Tensor:
