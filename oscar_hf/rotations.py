@@ -217,12 +217,10 @@ class OscarRotations:
             doc = json.loads(cfg_file.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{cfg_file}: corrupted OSCAR config JSON ({e})") from None
-        if not isinstance(doc, dict) or "fingerprint" not in doc or "layers" not in doc:
-            raise ValueError(f"{cfg_file}: not an OSCAR config (missing 'fingerprint' / 'layers')")
+        if not isinstance(doc, dict) or not all(isinstance(doc.get(k), dict) for k in ("fingerprint", "layers")):
+            raise ValueError(f"{cfg_file}: not an OSCAR config (needs the objects 'fingerprint' and 'layers')")
         if doc.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{cfg_file}: unsupported format_version {doc.get('format_version')!r}")
-        if not isinstance(doc["fingerprint"], dict):
-            raise ValueError(f"{cfg_file}: 'fingerprint' must be an object")
         fp = ModelFingerprint.from_dict(doc["fingerprint"])
         try:
             tensors = load_file(str(w_file))
@@ -230,8 +228,6 @@ class OscarRotations:
             raise ValueError(f"{w_file}: corrupted or truncated safetensors file ({e})") from None
         layers: dict[int, LayerRotation] = {}
         scores = tensors.pop("retrieval_scores", None)
-        if not isinstance(doc["layers"], dict):
-            raise ValueError(f"{cfg_file}: 'layers' must be an object")
         for key, meta in doc["layers"].items():
             try:
                 i = int(key)
