@@ -109,9 +109,6 @@ _create_lock = threading.Lock()
 
 def admission_of(manager) -> Admission:
     """The manager's :class:`Admission`, made (and its output router hooked) on first use."""
-    adm = manager.__dict__.get("oscar_admission")
-    if adm is not None:
-        return adm
     with _create_lock:
         adm = manager.__dict__.get("oscar_admission")
         if adm is None:

@@ -225,11 +225,7 @@ def oscar_continuous_batching(make_store, model=None):
         saved.extend(cache.oscar_switched)
         return cache
 
-    patches = _manager_patches(serves)
-    originals = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in patches]  # None: inherited
-    continuous_api.PagedAttentionCache = build
-    for owner, name, new in patches:
-        setattr(owner, name, new)
+    patches = [(continuous_api, "PagedAttentionCache", build), *_manager_patches(serves)]
     update = getattr(continuous_api, "update_cb_config_after_cache_creation", None)
     if not SECTOR_API and update is not None:
         # 5.17 - 5.19 cap max_requests_per_batch at the cache's num_blocks, which OSCAR's cache keeps at 1: the cap
@@ -238,18 +234,18 @@ def oscar_continuous_batching(make_store, model=None):
             pages, built.pages = getattr(built, "pages", None), None
             return update(cb_config, num_blocks if pages is None else max(num_blocks, pages), *args, **kwargs)
 
-        continuous_api.update_cb_config_after_cache_creation = update_with_pages
+        patches.append((continuous_api, "update_cb_config_after_cache_creation", update_with_pages))
+    originals = [(owner, name, vars(owner).get(name)) for owner, name, _ in patches]  # None: inherited
+    for owner, name, new in patches:
+        setattr(owner, name, new)
     try:
         yield stores
     finally:
-        continuous_api.PagedAttentionCache = original
         for owner, name, old in originals:
             if old is None:
                 delattr(owner, name)
             else:
                 setattr(owner, name, old)
-        if update is not None:
-            continuous_api.update_cb_config_after_cache_creation = update
         _restore(saved)
         for c, name in entry:
             c._attn_implementation_internal = name

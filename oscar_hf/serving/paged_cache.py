@@ -58,8 +58,7 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
     def get_read_indices(self, request_id: str, past_length: int, query_length: int) -> list[int]:
         return []
 
-    def get_write_indices(self, request_id: str, past_length: int, query_length: int) -> list[int]:
-        return []
+    get_write_indices = get_read_indices
 
     def update(self, *args, **kwargs):
         raise RuntimeError("OSCAR layers are served by OscarPagedCache.update, not the allocator")
@@ -115,6 +114,10 @@ class OscarMemoryHandler(PagedAttentionMemoryHandler):
 _building = threading.local()  # .swaps {Transformers class: OSCAR's} while this thread builds an OSCAR cache
 _installed = {"count": 0, "saved": None}
 _install_lock = threading.Lock()
+# where Transformers' cache construction finds the classes _oscar_allocation swaps: (namespace, name)
+_SWAPPED = ((ATTN_TYPE_TO_ALLOCATOR, FullAttentionCacheAllocator.layer_type),
+            (vars(cache_module), "FullAttentionCacheAllocator"),  # the handler's bytes per block
+            (vars(cache_module), "PagedAttentionMemoryHandler"))
 
 
 class _PerThread:
@@ -138,17 +141,13 @@ class _PerThread:
 def _oscar_allocation(store: OscarPagedStore):
     """Inside: Transformers' cache construction in this thread uses the OSCAR allocator and memory handler (through
     :class:`_PerThread` stand-ins, restored on exit of the last builder)."""
-    full = FullAttentionCacheAllocator.layer_type
     with _install_lock:
         if _installed["count"] == 0:
-            saved = (ATTN_TYPE_TO_ALLOCATOR[full], cache_module.FullAttentionCacheAllocator,
-                     cache_module.PagedAttentionMemoryHandler)
-            _installed["saved"] = saved
-            ATTN_TYPE_TO_ALLOCATOR[full] = _PerThread(saved[0])
-            cache_module.FullAttentionCacheAllocator = _PerThread(saved[1])  # the handler's bytes per block
-            cache_module.PagedAttentionMemoryHandler = _PerThread(saved[2])
+            _installed["saved"] = [names[name] for names, name in _SWAPPED]
+            for (names, name), original in zip(_SWAPPED, _installed["saved"]):
+                names[name] = _PerThread(original)
         _installed["count"] += 1
-        allocator_cls, handler_cls = _installed["saved"][0], _installed["saved"][2]
+        allocator_cls, _, handler_cls = _installed["saved"]
     # subclasses bound to the store: Transformers builds them, and sizes blocks from the class, with its own arguments
     allocator, handler = (type("Bound" + c.__name__, (c,), {"store": store}) for c in (OscarCacheAllocator,
                                                                                         OscarMemoryHandler))
@@ -160,9 +159,8 @@ def _oscar_allocation(store: OscarPagedStore):
         with _install_lock:
             _installed["count"] -= 1
             if _installed["count"] == 0:
-                saved = _installed["saved"]
-                ATTN_TYPE_TO_ALLOCATOR[full], cache_module.FullAttentionCacheAllocator = saved[:2]
-                cache_module.PagedAttentionMemoryHandler = saved[2]
+                for (names, name), original in zip(_SWAPPED, _installed["saved"]):
+                    names[name] = original
                 _installed["saved"] = None
 
 

@@ -99,16 +99,13 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
             raise TypeError(f"prefix_sharing must be True or False, got {prefix_sharing!r}")
         self.prefix_sharing, self.prefixes = prefix_sharing, None  # the PrefixIndex comes with the pool
         self._deferred = defer_pool
+        if (num_pages is not None) + (memory_budget is not None) + bool(defer_pool) != 1:
+            raise ValueError("size the pool with exactly one of num_pages=, memory_budget= (bytes) or defer_pool=True "
+                             "(sized when attached)")
         if defer_pool:
-            if num_pages is not None or memory_budget is not None:
-                raise ValueError("defer_pool=True: the pool is sized when attached; drop num_pages / memory_budget")
             return
         if num_pages is None:
-            if memory_budget is None:
-                raise ValueError("give the pool's size: num_pages= or memory_budget= (bytes), or defer_pool=True")
             num_pages = self.pages_in(int(memory_budget), page_size, min(DEFAULT_CHUNK_TOKENS, prompt_budget))
-        elif memory_budget is not None:
-            raise ValueError("pass num_pages= or memory_budget=, not both")
         self.attach_pool(num_pages, page_size)
 
     # ------------------------------------------------------------------ one forward of a batch
@@ -153,9 +150,8 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         elif exact:  # a later chunk of a prompt: exactly, over every earlier chunk
             k_all, v_all = torch.cat([earlier[0], new_k], 2), torch.cat([earlier[1], new_v], 2)  # [1, Hk, T + L, D]
             earlier = None  # freed before the attention call repeats K/V (prompt_transient_bytes counts on it)
-            row = t_old + torch.arange(l, device=query.device)[:, None]  # [L, 1] each new row's slot
-            causal = torch.arange(t_old + l, device=query.device)[None, :] <= row  # [L, T + L]
-            mask = torch.zeros(causal.shape, dtype=query.dtype, device=query.device).masked_fill(~causal, float("-inf"))
+            # [L, T + L] additive causal mask: new row i sees slots [0, T + i]
+            mask = torch.full((l, t_old + l), float("-inf"), dtype=query.dtype, device=query.device).triu(t_old + 1)
             out, _ = base_attention_function(module, base)(module, query, k_all, v_all, mask[None, None],
                                                            scaling=scaling, dropout=0.0)
         else:  # the history, the sink and the ring's slots [max(S0, T - W), T), then the new rows (causal)
