@@ -4,24 +4,25 @@ capacity. Layer kinds and storages: docs/cache.md; usage: docs/usage.md, "The ca
 """
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
 import torch
 from transformers.cache_utils import (Cache, DynamicLayer, DynamicSlidingWindowLayer,
-                                      LinearAttentionAndFullAttentionLayer,
+                                      LinearAttentionAndFullAttentionLayer, LinearAttentionCacheLayerMixin,
                                       LinearAttentionAndSlidingWindowAttentionLayer,
                                       LinearAttentionAndStaticSlidingWindowAttentionLayer,
                                       LinearAttentionLayer, StaticSlidingWindowLayer)
 
 from ..attention import enable_oscar
 from ..compiled_step import install_step_hook
-from ..config import (DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_TYPES, SLIDING_LAYER_TYPES,
-                      STATE_LAYER_TYPES, OscarConfig, artifact_settings, hybrid_state_layers, starting_config)
+from ..config import (DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_TYPES, FULL_PRECISION_WHY,
+                      SLIDING_LAYER_TYPES, STATE_LAYER_TYPES, OscarConfig, artifact_settings, hybrid_state_layers,
+                      starting_config)
 from ..distributed import shard_cache_for_tensor_parallel
 from ..layer_choice import choose_layers, resolve_retrieval_heads
 from ..rotations import OscarRotations
-from . import report
 from .compiled import CompiledOscarLayer, StepShared
 from .dynamic import OscarLayer
 from .growing import GrowingLayer
@@ -34,6 +35,8 @@ __all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "CompiledOscarLayer",
 resolve_full_precision_heads = resolve_retrieval_heads  # the name before "retrieval heads" was the one name
 # The compiled layers' old names ("static" now names only fixed capacity); importing them warns
 RENAMED = {"StaticOscarLayer": "CompiledOscarLayer", "StaticOscarHybridLayer": "CompiledOscarHybridLayer"}
+logger = logging.getLogger("oscar_hf")
+_SAID: set[tuple[str, str]] = set()  # (architecture, layer kind) whose full-precision reason was logged
 
 
 def __getattr__(name: str):
@@ -120,7 +123,7 @@ class OscarCache(Cache):
         self.oscar_config, self.rotations, self.fingerprint, self.layer_choice = config, rotations, fp, choice
         self._model_ref = weakref.ref(model_or_config) if is_model else None  # save's weights digest (io.py)
         self.tp_layout = None  # [tensor parallelism] set by oscar_hf/distributed.py: each rank keeps its own KV heads
-        report.log_layer_plan(self, hybrid)
+        self._log_layer_plan(hybrid)
         if is_model:
             shard_cache_for_tensor_parallel(self, model_or_config)  # [tensor parallelism] no-op without TP
             if self.compiled:
@@ -131,8 +134,18 @@ class OscarCache(Cache):
     _mask_layer: int | None = None
 
     def layer_kinds(self) -> list[str]:
-        """What each decoder layer got, in order (:func:`oscar_hf.cache.report.layer_kinds` lists the kinds)."""
-        return report.layer_kinds(self)
+        """What each decoder layer got, in order: ``"oscar"`` / ``"oscar+state"``, ``"sliding"``, ``"state"``,
+        ``"latent"``, ``"shared_kv"``, ``"full_precision"`` (skipped, no rotation) or ``"none"`` (caches nothing)."""
+        named = {"latent_attention": "latent", "shared_kv_attention": "shared_kv", DUMMY_LAYER_TYPE: "none",
+                 **dict.fromkeys(SLIDING_LAYER_TYPES, "sliding"), **dict.fromkeys(STATE_LAYER_TYPES, "state")}
+        out = []
+        for i, t in enumerate(self.fingerprint.layer_types):
+            layer = self.layers[i] if i < len(self.layers) else None
+            if isinstance(layer, (OscarLayer, CompiledOscarLayer)):
+                out.append("oscar+state" if isinstance(layer, LinearAttentionCacheLayerMixin) else "oscar")
+            else:  # full attention (skipped, no rotation, exact) and unequal K/V widths: "full_precision"
+                out.append(named.get(t, "full_precision"))
+        return out
 
     @classmethod
     def from_pretrained(cls, name_or_path, model, config: OscarConfig | None = None, *, preset: str | None = None,
@@ -167,8 +180,59 @@ class OscarCache(Cache):
         return load_cache(cls, directory, model, device, compile=compile)
 
     def memory_report(self) -> dict[str, float]:
-        """Bytes by part, bits per element and the BF16 equivalent (:func:`.report.memory_report`)."""
-        return report.memory_report(self)
+        """Bytes by part (summed over layers), bits per element, and the BF16 equivalent. ``full_precision_layers``:
+        bytes of Transformers' own layers; ``*_layers`` counts: layers of each kind."""
+        tot = dict.fromkeys(("sink", "recent", "history_codes", "history_meta", "history_elements", "retrieval_heads",
+                             "allocated", "full_precision_layers"), 0)
+        elements = 0
+        for layer in self.layers:
+            if hasattr(layer, "memory"):  # OscarLayer and the compiled CompiledOscarLayer
+                m = layer.memory()
+                for k in tot.keys() & m.keys():
+                    tot[k] += m[k]
+                if layer.is_initialized:
+                    elements += 2 * m["tokens"] * layer.num_kv_heads * layer.head_dim
+            elif getattr(layer, "is_initialized", False) and getattr(layer, "keys", None) is not None:
+                kv = layer.used() if isinstance(layer, GrowingLayer) else (layer.keys, layer.values)
+                nb = sum(x.numel() * x.element_size() for x in kv)  # (an MLA latent's K and V widths differ)
+                tot["full_precision_layers"] += nb
+                tot["allocated"] += sum(x.numel() * x.element_size() for x in (layer.keys, layer.values))
+                elements += sum(x.numel() for x in kv)
+        kinds = self.layer_kinds()
+        tot["quantized_layers"] = sum(k.startswith("oscar") for k in kinds)
+        tot["latent_layers"] = kinds.count("latent")
+        tot["shared_kv_layers"] = kinds.count("shared_kv")
+        used = (tot["sink"] + tot["recent"] + tot["history_codes"] + tot["history_meta"] + tot["full_precision_layers"]
+                + tot["retrieval_heads"])
+        tot["total"] = used
+        tot["bf16_equivalent"] = 2 * elements
+        tot["bits_per_element"] = 8 * used / elements if elements else float("nan")
+        tot["compression_vs_bf16"] = tot["bf16_equivalent"] / used if used else float("nan")
+        # the history's average over the quantized layers' KV heads, retrieval heads at their stored bits
+        q_layers = [layer for layer in self.layers if hasattr(layer, "memory")]
+        n_heads = len(q_layers) * self.fingerprint.num_key_value_heads
+        share = sum(len(layer.retrieval_heads) for layer in q_layers) / n_heads if n_heads else 0.0
+        tot["history_bits_per_element"] = self.oscar_config.history_bits(self.fingerprint.head_dim, share)
+        return tot
+
+    def _log_layer_plan(self, hybrid: set[int]) -> None:
+        """Log which attention layers stay in full precision and why, one line per reason (a warning when nothing is
+        quantized; debug after the first cache of the architecture)."""
+        fp = self.fingerprint
+        kinds = self.layer_kinds()
+        n_q = sum(k.startswith("oscar") for k in kinds)
+        for kind, why in FULL_PRECISION_WHY.items():
+            idx = [i for i, t in enumerate(fp.layer_types) if t == kind]
+            if idx:
+                first = (fp.architecture, kind) not in _SAID
+                _SAID.add((fp.architecture, kind))
+                level = (logging.WARNING if n_q == 0 else logging.INFO) if first else logging.DEBUG
+                logger.log(level, "OscarCache: %d of %d layers of %s kept in full precision (Transformers' own layer, "
+                           "%s storage), %d quantized: %s", len(idx), fp.num_layers, fp.architecture,
+                           "compiled" if self.compiled else "eager", n_q, why)
+        if hybrid and n_q:
+            logger.debug("OscarCache: %d hybrid layers of %s: OSCAR attention beside Transformers' linear-attention / "
+                         "SSM state", len(hybrid), fp.architecture)
 
     def __repr__(self) -> str:
         n_q = sum(hasattr(layer, "memory") for layer in self.layers)
