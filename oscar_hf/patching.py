@@ -17,8 +17,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 # modeling file's own `eager_attention_forward`.
 BASE_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
-Handler = Callable[..., object]
-_HANDLERS: dict[str, Handler] = {}
+_HANDLERS: dict[str, Callable] = {}
 
 
 def base_attention_function(module, base: str) -> Callable:
@@ -45,7 +44,7 @@ def _wrapped(module, query, key, value, attention_mask, *args, _prefix: str, _ba
     return out
 
 
-def register_handler(prefix: str, handler: Handler) -> None:
+def register_handler(prefix: str, handler: Callable) -> None:
     """Register ``<prefix><base>`` attention + mask functions for every known base implementation."""
     _HANDLERS[prefix] = handler
     for base in BASE_IMPLEMENTATIONS:

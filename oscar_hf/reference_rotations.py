@@ -34,12 +34,6 @@ class ReferenceFile:
     unused: list[str]  # the fields of UNUSED_FIELDS the file has
 
 
-def _offline() -> bool:
-    from huggingface_hub import constants
-    env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    return bool(getattr(constants, "HF_HUB_OFFLINE", False)) or env
-
-
 def resolve_file(path: str | os.PathLike, repo_id: str | None = None, *, subfolder: str | None = None,
                  revision: str | None = None, cache_dir: str | None = None, local_files_only: bool = False,
                  token: str | bool | None = None) -> Path:
@@ -50,8 +44,10 @@ def resolve_file(path: str | os.PathLike, repo_id: str | None = None, *, subfold
             why = "is a directory" if p.is_dir() else "does not exist"
             raise OSError(f"reference rotation file {str(p)!r} {why} (pass repo_id=... to read it from the Hub)")
         return p
-    from huggingface_hub import hf_hub_download
-    offline = local_files_only or _offline()
+    from huggingface_hub import constants, hf_hub_download
+    # (HF_HUB_OFFLINE read now too: huggingface_hub's constant is read once, at its import)
+    offline = (local_files_only or bool(getattr(constants, "HF_HUB_OFFLINE", False))
+               or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"))
     try:
         return Path(hf_hub_download(repo_id, str(path), subfolder=subfolder, revision=revision, cache_dir=cache_dir,
                                     local_files_only=offline, token=token))
