@@ -188,8 +188,7 @@ class ErrorRecorder:
 def eigvecs_desc(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigenvalues (descending) and eigenvectors (columns) of symmetric ``c [..., D, D]`` in float64, signs fixed
     so that each one's largest component is positive."""
-    c = ((c + c.transpose(-1, -2)) / 2).double()
-    w, u = torch.linalg.eigh(c)
+    w, u = torch.linalg.eigh(((c + c.transpose(-1, -2)) / 2).double())
     w, u = w.flip(-1), u.flip(-1)
     idx = u.abs().argmax(dim=-2, keepdim=True)
     sign = torch.sign(torch.gather(u, -2, idx))
@@ -205,11 +204,8 @@ def candidate_rotation(name: str, kind: str, s: LayerStats, center: bool, shared
         return torch.eye(d).expand(hk, d, d).contiguous()
     if name == "hadamard":
         return hadamard_matrix(d).expand(hk, d, d).contiguous()
-    if kind == "k":
-        cov = {"oscar": lambda: s.c_q(), "pca-kv": lambda: s.c_k(center)}.get(name)
-    else:
-        cov = {"oscar": lambda: s.c_s(center), "sst": lambda: s.c_s(center), "pca-kv": lambda: s.c_v(center),
-               "score-weighted": lambda: s.c_sw(center)}.get(name)
+    cov = {("k", "oscar"): s.c_q, ("k", "pca-kv"): lambda: s.c_k(center), ("v", "oscar"): lambda: s.c_s(center),
+           ("v", "pca-kv"): lambda: s.c_v(center), ("v", "score-weighted"): lambda: s.c_sw(center)}.get((kind, name))
     if cov is None:
         raise ValueError(f"unknown {kind} rotation candidate {name!r}")
     c = cov().cpu()
@@ -274,8 +270,7 @@ def select_best(errors: torch.Tensor, shared: bool = False) -> tuple[int, list[i
     else:
         best, arg = errors.min(dim=0)  # [N, Hk]
         total = best.sum(-1)  # [N]
-    n = total.numel()
-    j = n - 1 - int(torch.argmin(total.flip(0)))
+    j = total.numel() - 1 - int(torch.argmin(total.flip(0)))  # the last minimum: ties prefer the larger clip
     return j, ([int(arg[j])] * hk if shared else [int(a) for a in arg[j]])
 
 
