@@ -47,24 +47,22 @@ class LayerStats:
         z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=device)  # noqa: E731
         return cls(z(hk, d, d), z(hk, d), z(hk, d, d), z(hk, d), z(hk, d, d), z(hk, d), z(hk, d, d))
 
-    def _need(self):
+    def _mean(self, x_sum: torch.Tensor, n: int) -> torch.Tensor:
         if self.n_q == 0 or self.n_kv == 0:
             raise ValueError("no tokens were recorded for this layer")
+        return x_sum / n
 
     @property
     def mu_k(self) -> torch.Tensor:
-        self._need()
-        return self.k_sum / self.n_kv
+        return self._mean(self.k_sum, self.n_kv)
 
     @property
     def mu_v(self) -> torch.Tensor:
-        self._need()
-        return self.v_sum / self.n_kv
+        return self._mean(self.v_sum, self.n_kv)
 
     def c_q(self) -> torch.Tensor:
         """``C_Q = (1/N) Σ qᵀq`` of the pooled post-RoPE queries, never centered."""
-        self._need()
-        return self.qq / self.n_q
+        return self._mean(self.qq, self.n_q)
 
     @staticmethod
     def _moment(xx, x_sum, n, mu, center):
