@@ -9,12 +9,14 @@ from .compiled import CompiledOscarLayer
 from .dynamic import OscarLayer
 
 
-class _HybridState(LinearAttentionLayer):
-    """As Transformers' ``LinearAttentionAndFullAttentionLayer``: the state is its ``LinearAttentionLayer``, the
-    attention an OSCAR layer (``_attention``). ``lazy_initialization`` gets keys and values positionally from the
-    attention, keywords from the state."""
+class _HybridState:
+    """As Transformers' ``LinearAttentionAndFullAttentionLayer``: the state is a ``LinearAttentionLayer`` (after the
+    attention in the MRO: the attention's length, offload and the like win), the attention an OSCAR layer
+    (``_attention``); the operations on both call both. ``lazy_initialization`` gets keys and values positionally
+    from the attention, keywords from the state."""
 
     _attention: type = OscarLayer
+    supports_early_init = False  # (the state's)
 
     def __init__(self, *args, number_of_states: int = 1, **kwargs):  # the attention layer's arguments, and the state's
         self._attention.__init__(self, *args, **kwargs)
@@ -38,27 +40,15 @@ class _HybridState(LinearAttentionLayer):
         LinearAttentionLayer.crop(self, tokens_to_remove)
         self._attention.crop(self, tokens_to_remove)
 
-    def offload(self):
-        return self._attention.offload(self)
 
-    def prefetch(self):
-        return self._attention.prefetch(self)
-
-    def get_max_length(self) -> int:
-        return self._attention.get_max_length(self)
-
-    def get_seq_length(self):
-        # the attention's tokens (Transformers 5.25's LinearAttentionLayer has its own count, first in the MRO)
-        return self._attention.get_seq_length(self)
-
-
-class OscarHybridLayer(_HybridState, OscarLayer):
+class OscarHybridLayer(_HybridState, OscarLayer, LinearAttentionLayer):
     """:class:`OscarLayer` + Transformers' ``LinearAttentionLayer`` state (eager storage)."""
 
     is_compileable = False
 
 
-class CompiledOscarHybridLayer(_HybridState, CompiledOscarLayer):
+class CompiledOscarHybridLayer(_HybridState, CompiledOscarLayer, LinearAttentionLayer):
     """:class:`CompiledOscarLayer` + Transformers' ``LinearAttentionLayer`` (compileable while it records no past)."""
 
     _attention = CompiledOscarLayer
+    is_compileable = LinearAttentionLayer.is_compileable
