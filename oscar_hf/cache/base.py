@@ -53,6 +53,7 @@ class QuantizedLayerBase(BatchOps, CacheLayerMixin):
     implements ``attend``, its read."""
 
     is_sliding = False
+    is_croppable = True
 
     def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, retrieval_heads=()):
         super().__init__()

@@ -143,7 +143,6 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
     """One quantized layer with device-resident storage. ``max_cache_len`` fixes the capacity; None grows it."""
 
     is_compileable = True
-    is_croppable = True
 
     def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, max_cache_len: int | None = None,
                  retrieval_heads=()):
@@ -152,8 +151,6 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
             raise ValueError("the compiled OSCAR cache needs recent >= 1 (the ring buffer of the recent window)")
         self._init_length(max_cache_len)
         self.ring = config.recent + 1 + RING_RESERVE
-        self.is_initialized = False
-        self.keys = self.values = None  # CacheLayerMixin attributes; unused
         self.win = self.codes = self.meta = None  # the storage (lazy_initialization)
         self.coded_x = self.coded_meta = None
         self.advances_length = True
@@ -178,7 +175,6 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
         if self.retrieval_heads:
             prm = self.params
             self.heads_index = _fixed_address(join_heads_index(prm.hist_of, prm.coded_of, prm.int2_idx, prm.coded_idx))
-        self.capacity = 0
         self._allocate(self._first_capacity(key_states.shape[2]))
         self.is_initialized = True
 

@@ -45,7 +45,6 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
     """One quantized decoder layer's eager cache (layout: the module docstring)."""
 
     is_compileable = False
-    is_croppable = True
 
     def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, retrieval_heads=()):
         super().__init__(config, rotation, layer_idx, retrieval_heads)
@@ -53,7 +52,6 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
 
     def reset(self) -> None:
         self.is_initialized = False
-        self.keys = self.values = None  # CacheLayerMixin attributes; unused (no full-precision copy)
         self.params = None
         self.pad: torch.Tensor | None = None  # [B] first real slot per row
         self.pad_max = self.seq_len = self.tail_start = self.buf_slot0 = 0  # seq_len: T, the committed slots
@@ -74,9 +72,10 @@ class OscarLayer(DynamicWrites, QuantizedLayerBase):
         self.hist_k, self.hist_v = (QuantizedRows(torch.zeros(b, h2, 0, d // 4, dtype=torch.uint8, device=self.device),
                                                   *(torch.zeros(b, h2, 0, d // g, dtype=meta, device=self.device)
                                                     for _ in range(2))) for _ in range(2))
-        if self.retrieval_heads:
-            self.fp_k, self.fp_v = (heads.allocate(self.config.retrieval_bits, b, len(self.retrieval_heads), 0, d,
-                                                   self.dtype, self.device) for _ in range(2))
+        if self.retrieval_heads:  # no slot yet: [B, P, 0, *] each, grown by write_retrieval_heads
+            p, specs = len(self.retrieval_heads), heads.part_specs(self.config.retrieval_bits, d, self.dtype)
+            self.fp_k, self.fp_v = (tuple(torch.zeros(b, p, 0, x, dtype=dt, device=self.device) for x, dt in specs)
+                                    for _ in range(2))
         self.is_initialized = True
 
     def write_retrieval_heads(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:

@@ -27,11 +27,6 @@ def row_bytes(bits: int, head_dim: int, dtype: torch.dtype) -> int:
     return sum(n * torch.empty((), dtype=dt).element_size() for n, dt in part_specs(bits, head_dim, dtype))
 
 
-def allocate(bits: int, b: int, p: int, n: int, head_dim: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
-    """Zeroed storage of ``n`` slots."""
-    return tuple(torch.zeros(b, p, n, last, dtype=dt, device=device) for last, dt in part_specs(bits, head_dim, dtype))
-
-
 encode = encode_heads  # x [B, P, L, D] (model dtype) -> its stored form (the fused write's reference shares it)
 
 
