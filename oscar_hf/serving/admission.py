@@ -28,40 +28,6 @@ class RequestRefused(*dict.fromkeys((_HTTPError, ValueError))):  # (ValueError,)
         return self.detail
 
 
-def check_request(store, input_ids, max_new_tokens: int | None, vocab_size: int | None, forks: int,
-                  blocks_hold_windows: bool = False, can_fork: bool = False) -> None:
-    """Raise :class:`RequestRefused` when ``store`` (None: no pool yet) cannot serve the request.
-    ``blocks_hold_windows``: the scheduler's blocks count the window's tokens too (5.17 - 5.19)."""
-    if forks > 0 and not can_fork:
-        raise RequestRefused(f"the OSCAR paged cache forks requests (num_return_sequences={forks + 1}) only for "
-                             "models whose every layer it quantizes: send one request per sequence")
-    n = len(input_ids)
-    if n == 0:
-        raise RequestRefused("the prompt is empty: a request needs at least one token")
-    if vocab_size is not None:
-        lo, hi = min(input_ids), max(input_ids)
-        if lo < 0 or hi >= vocab_size:
-            raise RequestRefused(f"token id {lo if lo < 0 else hi} is outside the model's vocabulary "
-                                 f"[0, {vocab_size})")
-    if store is None or not store.has_pool:
-        return
-    # the tokens the request stores at most: its prompt and every new token but the last (never fed back)
-    stored = n + max(int(max_new_tokens or 1), 1) - 1
-    pool = store.pool
-    p = pool.page_size
-    if blocks_hold_windows:  # Transformers' allocation: ((prompt + 1) // P) + 1 blocks first, then one at a time
-        need = max(-(-stored // p), (n + 1) // p + 1)
-        most = pool.num_pages * p
-    else:
-        need = store.history_pages(stored, p)
-        most = store.config.sink + store.config.recent + pool.num_pages * p
-    if need > pool.num_pages:
-        raise RequestRefused(
-            f"a prompt of {n} tokens with max_new_tokens={max_new_tokens} needs {need} INT2 pages of "
-            f"{pool.page_size} tokens; the whole pool has {pool.num_pages} (at most {most} tokens a request): "
-            "shorten the prompt or max_new_tokens, or give the server more pages (--cb-num-blocks)")
-
-
 class Admission:
     """A manager's live request ids, those claimed by a result handler before submission, and the store once the
     cache exists (``ready``). Ids leave when their last output is delivered or the scheduler cancels them."""
@@ -75,6 +41,38 @@ class Admission:
         self.vocab_size: int | None = None
         self.blocks_hold_windows = False
         self.can_fork = False
+
+    def check(self, input_ids, max_new_tokens: int | None, forks: int, can_fork: bool) -> None:
+        """Raise :class:`RequestRefused` when the store (None: no pool yet) cannot serve the request.
+        ``blocks_hold_windows``: the scheduler's blocks count the window's tokens too (5.17 - 5.19)."""
+        if forks > 0 and not can_fork:
+            raise RequestRefused(f"the OSCAR paged cache forks requests (num_return_sequences={forks + 1}) only for "
+                                 "models whose every layer it quantizes: send one request per sequence")
+        n = len(input_ids)
+        if n == 0:
+            raise RequestRefused("the prompt is empty: a request needs at least one token")
+        if self.vocab_size is not None:
+            lo, hi = min(input_ids), max(input_ids)
+            if lo < 0 or hi >= self.vocab_size:
+                raise RequestRefused(f"token id {lo if lo < 0 else hi} is outside the model's vocabulary "
+                                     f"[0, {self.vocab_size})")
+        store = self.store
+        if store is None or not store.has_pool:
+            return
+        # the tokens the request stores at most: its prompt and every new token but the last (never fed back)
+        stored = n + max(int(max_new_tokens or 1), 1) - 1
+        pool, p = store.pool, store.pool.page_size
+        if self.blocks_hold_windows:  # Transformers allocates ((prompt + 1) // P) + 1 blocks first, then one a step
+            need = max(-(-stored // p), (n + 1) // p + 1)
+            most = pool.num_pages * p
+        else:
+            need = store.history_pages(stored, p)
+            most = store.config.sink + store.config.recent + pool.num_pages * p
+        if need > pool.num_pages:
+            raise RequestRefused(
+                f"a prompt of {n} tokens with max_new_tokens={max_new_tokens} needs {need} INT2 pages of "
+                f"{pool.page_size} tokens; the whole pool has {pool.num_pages} (at most {most} tokens a request): "
+                "shorten the prompt or max_new_tokens, or give the server more pages (--cb-num-blocks)")
 
     def claim(self, request_id: str, has_handler: bool) -> None:
         """A result handler is registered for ``request_id`` (before or right after its ``add_request``); refused
@@ -149,8 +147,7 @@ def install(manager, processor) -> None:
         if rid in scheduler.active_requests or rid in scheduler.waiting_requests:
             raise live_id_refusal(rid)
         if not getattr(state, "_true_initial_tokens", 0) and state.position_offset == 0:  # a new request
-            check_request(processor.cache.store, state.initial_tokens, state.max_new_tokens, adm.vocab_size,
-                          state.num_children, adm.blocks_hold_windows, adm.can_fork)
+            adm.check(state.initial_tokens, state.max_new_tokens, state.num_children, adm.can_fork)
         return add_waiting(state)
 
     scheduler.clear_cancelled_requests, scheduler.add_waiting_request = clear_cancelled, add_checked
@@ -179,8 +176,8 @@ def add_request(manager, original, input_ids, request_id=None, max_new_tokens=No
                 break
         if max_new_tokens is None:
             max_new_tokens = manager.generation_config.max_new_tokens
-        check_request(adm.store, list(input_ids), max_new_tokens, adm.vocab_size, manager.num_return_sequences - 1,
-                      adm.blocks_hold_windows, adm.can_fork or not adm.ready.is_set())  # else checked in the loop
+        adm.check(list(input_ids), max_new_tokens, manager.num_return_sequences - 1,
+                  adm.can_fork or not adm.ready.is_set())  # (forks: else checked in the loop)
         out = original(manager, input_ids, request_id, max_new_tokens, *args, **kwargs)
     finally:
         if out is None:  # refused, failed or not accepted (a stopping or dead loop): nothing will be delivered for it

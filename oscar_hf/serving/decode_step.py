@@ -71,8 +71,7 @@ class DecodeStep:
         graphed = (rows is not None and self.graph_rows > 0 and len(decode) == len(batch)
                    and len(decode) <= rows <= self.graph_rows and self.windows.trash_slot is not None)
         offsets = list(itertools.accumulate((q for _, _, q in batch), initial=0))  # each request's first row
-        fields = {f: [] for f in DecodeBuffers.FIELDS}
-        tables, hist, requests = [], [], []
+        index_rows, tables, hist, requests = [], [], [], []  # index_rows: [Bp] tuples in DecodeBuffers.FIELDS order
         for i in decode:
             rid, t, _ = batch[i]
             r = self.requests.get(rid)
@@ -86,24 +85,21 @@ class DecodeStep:
             if e >= 0:
                 self._pages_for(r, e + 1)
             new_entry = s0 + t % ring
-            for f, x in zip(DecodeBuffers.FIELDS, (
-                    offsets[i], r.slot, new_entry, t if t < s0 else new_entry, s0 + (t - 1 - w) % ring,
-                    r.table[e // p] if e >= 0 else trash_page, e % p if e >= 0 else 0, t)):
-                fields[f].append(x)
+            index_rows.append((offsets[i], r.slot, new_entry, t if t < s0 else new_entry, s0 + (t - 1 - w) % ring,
+                               r.table[e // p] if e >= 0 else trash_page, e % p if e >= 0 else 0, t))
             hist.append(max(t - w - s0, 0))
             tables.append(r.table)
             requests.append((rid, t))
         if graphed:  # the padded rows: the trash slot (t = -1: nothing valid in its window), the trash page
             for k in range(len(decode), rows):
-                for f, x in zip(DecodeBuffers.FIELDS, (k, self.windows.trash_slot, s0, s0, s0, trash_page, 0, -1)):
-                    fields[f].append(x)
+                index_rows.append((k, self.windows.trash_slot, s0, s0, s0, trash_page, 0, -1))
                 hist.append(0)
                 tables.append([])
         max_hist = history_bucket(max(hist), p) if graphed else max(hist)
         cols = max(1, -(-max_hist // p))
-        bp = len(fields["pos"])
+        bp = len(index_rows)
         # on the host, through numpy (3x faster than torch.tensor from lists: ~80 us for 24 rows x 128 pages)
-        index = torch.from_numpy(np.array([fields[f] for f in DecodeBuffers.FIELDS], dtype=np.int64))  # [8, Bp]
+        index = torch.from_numpy(np.array(index_rows, dtype=np.int64).T)  # [8, Bp]
         # [Bp, cols] block tables, -1 past a row's pages
         table = torch.from_numpy(np.array([tb[:cols] + [-1] * (cols - min(len(tb), cols)) for tb in tables],
                                           dtype=np.int32))
@@ -114,7 +110,7 @@ class DecodeStep:
         # the window mask: the new token, the W before it and the sink; computed on the host: every write here is a
         # synchronous copy, complete before the forward starts on Transformers' compute stream (a device op would race)
         wm = buf.win_mask[:bp].copy_(window_mask(index[7] + 1, 0, s0, ring, w + 1))
-        ts = fields["t"][: len(decode)]
+        ts = [t for _, t in requests]
         # the index rows in FIELDS order: pos, slots, new_entry, sink_entry, demote_entry, demote_page, demote_off
         write = PagedRows(*buf.index[:, :bp].copy_(index)[:7], demote=graphed or max(ts) > w + s0,
                           write_sink=graphed or min(ts) < s0)

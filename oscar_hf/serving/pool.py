@@ -33,8 +33,7 @@ def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int
                meta_dtype: torch.dtype, layout: HeadLayout = HeadLayout()) -> int:
     """Bytes of one page, keys and values: INT2 rows (D/4 code bytes, D/G scales and zeros) and coded rows."""
     int2 = num_layers * num_kv_heads if layout.int2_heads is None else sum(layout.int2_heads)
-    meta = torch.empty((), dtype=meta_dtype).element_size()
-    row = head_dim // 4 + 2 * (head_dim // group_size) * meta
+    row = head_dim // 4 + 2 * (head_dim // group_size) * meta_dtype.itemsize
     n_coded = sum(layout.coded_heads or ())
     coded = n_coded * heads.row_bytes(layout.coded_bits, head_dim, layout.coded_dtype) if n_coded else 0
     return 2 * page_size * (int2 * row + coded)
@@ -44,17 +43,16 @@ def _views(storage: torch.Tensor, specs: list[tuple[tuple, torch.dtype]]) -> lis
     """One tensor per ``(shape, dtype)``, consecutive views of flat ``uint8`` ``storage``, widest dtype first."""
     if storage.dtype != torch.uint8 or storage.dim() != 1:
         raise ValueError(f"pool storage must be a flat uint8 tensor, got {storage.dtype} {tuple(storage.shape)}")
-    size = lambda dt: torch.empty((), dtype=dt).element_size()  # noqa: E731
-    need = sum(torch.Size(shape).numel() * size(dt) for shape, dt in specs)
+    need = sum(torch.Size(shape).numel() * dt.itemsize for shape, dt in specs)
     if storage.numel() < need:
         raise ValueError(f"pool storage holds {storage.numel()} bytes, the pages need {need}")
-    if storage.data_ptr() % max(size(dt) for _, dt in specs):
+    if storage.data_ptr() % max(dt.itemsize for _, dt in specs):
         raise ValueError("pool storage is not aligned for the metadata dtype")
     out: list[torch.Tensor | None] = [None] * len(specs)
     pos = 0
-    for i in sorted(range(len(specs)), key=lambda i: -size(specs[i][1])):  # stable: widest first
+    for i in sorted(range(len(specs)), key=lambda i: -specs[i][1].itemsize):  # stable: widest first
         shape, dt = specs[i]
-        n = torch.Size(shape).numel() * size(dt)
+        n = torch.Size(shape).numel() * dt.itemsize
         out[i] = storage[pos : pos + n].view(dt).view(shape)
         pos += n
     return out
