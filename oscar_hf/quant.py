@@ -140,5 +140,4 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 def bits_per_element(head_dim: int, group_size: int, meta_dtype: torch.dtype) -> float:
     """Bits per stored history element: 2 for the code + two metadata values per group."""
-    meta_bits = torch.finfo(meta_dtype).bits
-    return BITS + 2 * meta_bits / group_size
+    return BITS + 2 * torch.finfo(meta_dtype).bits / group_size

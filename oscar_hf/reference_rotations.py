@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from .config import FULL_LAYER_TYPES, ModelFingerprint
-from .rotations import ORTHOGONALITY_TOL, LayerRotation
 
 # format_version -> its source_grouping: one rotation per layer shared by its KV heads (1), one per KV head (2)
 REFERENCE_GROUPINGS = {1: "layer", 2: "per_kv_head"}
@@ -88,9 +87,9 @@ def _per_head(path: Path, what: str, x, shapes: dict[tuple, str], hk: int) -> to
     return (x.expand(hk, *x.shape) if shared else x).contiguous()
 
 
-def read_reference_file(path: str | os.PathLike, head_dim: int, num_kv_heads: int = 1) -> ReferenceFile:
-    """Load and check one file (header; every rotation finite and orthogonal within ``ORTHOGONALITY_TOL``;
-    ``k_mean``). Raises ValueError naming the file and the culprit."""
+def read_reference_file(path: str | os.PathLike, head_dim: int, tol: float, num_kv_heads: int = 1) -> ReferenceFile:
+    """Load and check one file (header; every rotation finite and orthogonal within ``tol``; ``k_mean``). Raises
+    ValueError naming the file and the culprit."""
     path, d, hk = Path(path), head_dim, num_kv_heads
     doc = _safe_load(path)
     if not isinstance(doc, dict):
@@ -129,9 +128,8 @@ def read_reference_file(path: str | os.PathLike, head_dim: int, num_kv_heads: in
         r = _per_head(path, f"layer {i} rotation", entry["rotation"], rot_shapes, hk)  # [Hk, D, D]
         shared &= entry["rotation"].dim() == 2  # (a tensor: _per_head checked it)
         err = (r.transpose(-1, -2) @ r - torch.eye(d)).abs().amax().item()
-        if err > ORTHOGONALITY_TOL:
-            raise ValueError(f"{path}: layer {i} rotation: not orthogonal (max |RᵀR - I| = {err:.3g} > "
-                             f"{ORTHOGONALITY_TOL:g})")
+        if err > tol:
+            raise ValueError(f"{path}: layer {i} rotation: not orthogonal (max |RᵀR - I| = {err:.3g} > {tol:g})")
         out[i] = r
         if entry.get("k_mean") is not None:
             if version < 2:
@@ -141,12 +139,12 @@ def read_reference_file(path: str | os.PathLike, head_dim: int, num_kv_heads: in
     return ReferenceFile(path, version, objective, out, means, shared, sorted(unused))
 
 
-def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp: ModelFingerprint, clip_k: float,
-                        clip_v: float) -> tuple[dict[int, LayerRotation], dict[str, Any]]:
-    """``({layer: LayerRotation}, source metadata)`` of the model's full-attention layers from both files, checked
-    against the model and each other: every full-attention layer in both, none beyond the model. Sliding layers'
-    matrices may be absent; present, they are checked and dropped."""
-    k, v = (read_reference_file(f, fp.head_dim, fp.num_key_value_heads) for f in (k_file, v_file))
+def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp: ModelFingerprint,
+                        tol: float) -> tuple[dict[int, tuple], dict[str, Any]]:
+    """``({layer: (r_k, r_v, mu_k)}, source metadata)`` of the model's full-attention layers from both files,
+    checked against the model and each other: every full-attention layer in both, none beyond the model. Sliding
+    layers' matrices may be absent; present, they are checked and dropped."""
+    k, v = (read_reference_file(f, fp.head_dim, tol, fp.num_key_value_heads) for f in (k_file, v_file))
     if v.k_means:
         raise ValueError(f"{v.path}: a value rotation file with k_mean (key centering belongs to the key file)")
     full = [i for i, t in enumerate(fp.layer_types) if t in FULL_LAYER_TYPES]
@@ -172,7 +170,6 @@ def read_reference_pair(k_file: str | os.PathLike, v_file: str | os.PathLike, fp
         source_grouping=REFERENCE_GROUPINGS[version], shared_across_heads=k.shared and v.shared,
         key_centering=bool(k.k_means), unused_fields=sorted(set(k.unused) | set(v.unused)), k_file=k.path.name,
         v_file=v.path.name, k_objective=k.objective, v_objective=v.objective, layers_in_files=len(k.rotations))
-    # [Hk, D, D] each (a format-1 matrix repeated over the heads); k_mean [Hk, D] as the key offset
-    return {i: LayerRotation(k.rotations[i], v.rotations[i], float(clip_k), float(clip_v), mu_k=k.k_means.get(i))
-            for i in full}, source
+    # r_k, r_v [Hk, D, D] (a format-1 matrix repeated over the heads); mu_k: the key file's k_mean [Hk, D] or None
+    return {i: (k.rotations[i], v.rotations[i], k.k_means.get(i)) for i in full}, source
 

@@ -69,8 +69,7 @@ class OscarRotations:
     @classmethod
     def builtin(cls, model_or_config, method: str = "hadamard") -> "OscarRotations":
         """Artifact-free ``identity`` or ``hadamard`` rotations for every full-attention layer."""
-        config = getattr(model_or_config, "config", model_or_config)
-        fp = ModelFingerprint.from_config(config)
+        fp = ModelFingerprint.from_config(getattr(model_or_config, "config", model_or_config))
         if method not in BUILTIN_METHODS:
             raise ValueError(
                 f"method={method!r} needs a calibrated artifact (scripts/calibrate.py / oscar_hf.calibrate); "
@@ -91,14 +90,14 @@ class OscarRotations:
         repo ``repo_id``, with their clips and one group per head by default (recorded for ``from_pretrained``)."""
         from .quant import check_group_size
         from .reference_rotations import read_reference_pair, resolve_file
-        config = getattr(model_or_config, "config", model_or_config)
-        fp = ModelFingerprint.from_config(config)
+        fp = ModelFingerprint.from_config(getattr(model_or_config, "config", model_or_config))
         g = fp.head_dim if group_size is None else int(group_size)
         check_group_size(fp.head_dim, g)
-        hub = dict(subfolder=subfolder, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only,
-                   token=token)
-        k_file, v_file = (resolve_file(p, repo_id, **hub) for p in (k_path, v_path))
-        layers, source = read_reference_pair(k_file, v_file, fp, clip_k, clip_v)
+        k_file, v_file = (resolve_file(p, repo_id, subfolder=subfolder, revision=revision, cache_dir=cache_dir,
+                                       local_files_only=local_files_only, token=token) for p in (k_path, v_path))
+        pairs, source = read_reference_pair(k_file, v_file, fp, ORTHOGONALITY_TOL)
+        layers = {i: LayerRotation(r_k, r_v, float(clip_k), float(clip_v), mu_k=mu_k)  # k_mean as the key offset
+                  for i, (r_k, r_v, mu_k) in pairs.items()}
         source.update(repo_id=repo_id, subfolder=subfolder, revision=revision)
         rot = cls(fp, "oscar-reference", layers, {"source": source, "group_size": g,
                                                   "shared_across_heads": source["shared_across_heads"]})
