@@ -231,7 +231,7 @@ def test_auto_on_cuda_compiles_soft_capping_and_hybrids_and_says_what_stays_eage
     Gemma 2 (soft-capping), Falcon-H1 (hybrid layers) and Gemma 3n (KV sharing) get the compiled storage; an MLA
     model keeps the eager one,
     and the cache says why as a warning, once per process however many caches are built."""
-    import oscar_hf.cache.storage as cache_module
+    import oscar_hf.cache as cache_module
 
     monkeypatch.setattr(cache_module, "model_on_cuda", lambda model: True)
     monkeypatch.setattr(cache_module, "_SAID_EAGER", set())

@@ -18,17 +18,16 @@ from transformers.cache_utils import (Cache, DynamicLayer, DynamicSlidingWindowL
 from ..attention import enable_oscar
 from ..compiled_step import install_step_hook
 from ..config import (DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_TYPES, FULL_PRECISION_WHY,
-                      SLIDING_LAYER_TYPES, STATE_LAYER_TYPES, OscarConfig, artifact_settings, hybrid_state_layers,
-                      starting_config)
+                      SHARED_KV_LAYER_TYPE, SLIDING_LAYER_TYPES, STATE_LAYER_TYPES, ModelFingerprint, OscarConfig,
+                      artifact_settings, hybrid_state_layers, starting_config)
 from ..distributed import shard_cache_for_tensor_parallel
-from ..layer_choice import choose_layers, resolve_retrieval_heads
+from ..layer_choice import LayerChoice, choose_layers, resolve_retrieval_heads
 from ..rotations import OscarRotations
 from .compiled import CompiledOscarLayer, StepShared
 from .dynamic import OscarLayer
 from .growing import GrowingLayer
 from .hybrid import CompiledOscarHybridLayer, OscarHybridLayer
 from .io import DummyLayer, load_cache, save_cache  # (DummyLayer: None on Transformers 5.17)
-from .storage import compiled_storage, not_auto_compiled  # noqa: F401 (not_auto_compiled: what tests ask of a layout)
 
 __all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "CompiledOscarLayer", "OscarHybridLayer",
            "CompiledOscarHybridLayer", "GrowingLayer", "resolve_retrieval_heads", "resolve_full_precision_heads"]
@@ -46,6 +45,54 @@ def __getattr__(name: str):
                       "fixed-capacity StaticOscarCache)", FutureWarning, stacklevel=2)
         return globals()[RENAMED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# layer kinds that compile="auto" compiles on CUDA: those measured on a GPU (docs/results.md, "Other architectures");
+# the others need compile=True
+AUTO_COMPILED_LAYER_TYPES = (FULL_LAYER_TYPES + SLIDING_LAYER_TYPES + STATE_LAYER_TYPES
+                             + (SHARED_KV_LAYER_TYPE, DUMMY_LAYER_TYPE))
+_SAID_EAGER: set[str] = set()  # the reasons already logged
+
+
+def not_auto_compiled(fp: ModelFingerprint) -> str | None:
+    """The unmeasured layer kinds that keep ``compile="auto"`` eager for this model, or None."""
+    other = sorted({k for k in fp.layer_types if k not in AUTO_COMPILED_LAYER_TYPES})
+    return f"{' / '.join(other)} layers" if other else None
+
+
+def model_on_cuda(model) -> bool:
+    """Whether ``compile="auto"`` sees a model on CUDA (any of its parameters)."""
+    return model is not None and any(p.is_cuda for p in model.parameters())
+
+
+def compiled_storage(compile: bool | str, model, choice: LayerChoice, hybrid: set[int], growable: bool) -> bool:
+    """Whether the full-attention layers get compiled storage (``model`` None for a config; ``growable``: no fixed
+    capacity)."""
+    if compile is False:
+        return False
+    why = None
+    # a hybrid layer kept in full precision would need a growing hybrid layer, which does not exist
+    if choice.kept_full_attention & set(hybrid):
+        why = "a hybrid (attention + state) layer kept in full precision (skip_layers, BF16 retrieval heads)"
+    elif model is not None and any(m._backward_hooks or m._backward_pre_hooks for m in model.modules()):
+        # Transformers 5.17's tensor-parallel layers register these, and dynamo refuses them
+        why = "a model with module backward hooks (tensor parallelism on Transformers 5.17), which torch.compile cannot trace"
+    if compile == "auto":
+        on_cuda = model_on_cuda(model)
+        # tensor parallelism compiles (checked on the CPU) but is not measured on GPUs yet
+        tp = model is not None and (getattr(model, "_tp_size", None) or 1) > 1
+        unmeasured = on_cuda and growable and ("tensor parallelism" if tp else not_auto_compiled(choice.fingerprint))
+        say = (f"OscarCache: eager storage, not compiled (the compiled decode step does not support {why})"
+               if on_cuda and why else
+               f"OscarCache: eager storage, not compiled, for a model with {unmeasured} (compile=True compiles it; "
+               "not measured on a GPU, so not the default)" if unmeasured else None)
+        if say and say not in _SAID_EAGER:  # once per process each
+            _SAID_EAGER.add(say)
+            logger.warning(say)
+        return on_cuda and why is None and not unmeasured
+    if why:
+        raise ValueError(f"OscarCache(compile=True) does not support {why}")
+    return True
 
 
 class OscarCache(Cache):
@@ -97,7 +144,7 @@ class OscarCache(Cache):
                     layers.append(cls(config, rotations.layers[i], i, retrieval_heads=heads, **state))
             elif kind in FULL_LAYER_TYPES + FULL_PRECISION_LAYER_TYPES:  # skipped, MLA latents, KV sharing's stores
                 state = state if kind in FULL_LAYER_TYPES else {}
-                if self.compiled and state:  # (storage.compiled_storage refuses the compiled storage for it)
+                if self.compiled and state:  # (compiled_storage refuses the compiled storage for it)
                     raise NotImplementedError("a hybrid layer kept in full precision (skip_layers) needs compile=False")
                 layers.append(GrowingLayer(fixed) if self.compiled
                               else LinearAttentionAndFullAttentionLayer(**state) if state else DynamicLayer())
