@@ -60,8 +60,6 @@ class HostLength:
         need = self.host_len + n
         if self.fixed_capacity:
             return self.fixed_capacity
-        if not self.is_initialized:
-            return capacity_for(need, 0, self.expected_len)
         return self.capacity if need <= self.capacity else capacity_for(need, self.capacity if n == 1 else 0,
                                                                          self.expected_len)
 
