@@ -84,25 +84,6 @@ def refusing_live_ids(middleware):
 
 
 @contextlib.contextmanager
-def model_processes(rotations, store_kwargs: dict):
-    """Inside: a model process the server spawns serves through OSCAR (module docstring)."""
-    client = _engine_client()
-    if client is None:
-        yield
-        return
-    from transformers.cli.serving.utils import RequestIdMiddleware
-
-    original, call = vars(client)["run_engine"], vars(RequestIdMiddleware)["__call__"]
-    client.run_engine = staticmethod(functools.partial(run_engine, (rotations, dict(store_kwargs))))
-    RequestIdMiddleware.__call__ = refusing_live_ids(RequestIdMiddleware)
-    try:
-        yield
-    finally:
-        client.run_engine = original
-        RequestIdMiddleware.__call__ = call
-
-
-@contextlib.contextmanager
 def oscar_serving(rotations=None, **store_kwargs):
     """:func:`oscar_continuous_batching` for a process that loads its models itself (``transformers serve``): each
     manager's cache gets a fresh :class:`OscarPagedStore(config, rotations, **store_kwargs)`."""
@@ -110,5 +91,13 @@ def oscar_serving(rotations=None, **store_kwargs):
     def make_store(config, device, dtype):
         return OscarPagedStore(config, rotations, device=device, dtype=dtype, defer_pool=True, **store_kwargs)
 
-    with model_processes(rotations, store_kwargs), oscar_continuous_batching(make_store) as stores:
+    client = _engine_client()
+    with contextlib.ExitStack() as undo, oscar_continuous_batching(make_store) as stores:
+        if client is not None:  # a model process the server spawns serves through OSCAR too (module docstring)
+            from transformers.cli.serving.utils import RequestIdMiddleware
+
+            undo.callback(setattr, client, "run_engine", vars(client)["run_engine"])
+            undo.callback(setattr, RequestIdMiddleware, "__call__", vars(RequestIdMiddleware)["__call__"])
+            client.run_engine = staticmethod(functools.partial(run_engine, (rotations, dict(store_kwargs))))
+            RequestIdMiddleware.__call__ = refusing_live_ids(RequestIdMiddleware)
         yield stores

@@ -81,13 +81,11 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
                                   dtype, self.device)
         # the longest expected history: sizes the decode buffers' block tables (a longer one takes fresh tensors)
         self.max_positions = getattr(model_config.get_text_config(decoder=True), "max_position_embeddings", None)
-        if prompt_budget is None:
-            prompt_budget = self.max_positions
-            if prompt_budget is None:
-                raise ValueError("the model config has no max_position_embeddings: give prompt_budget= (tokens of "
-                                 "prompts held in full precision at once while they arrive in chunks)")
+        prompt_budget = self.max_positions if prompt_budget is None else prompt_budget
         if not isinstance(prompt_budget, int) or isinstance(prompt_budget, bool) or prompt_budget < 1:
-            raise ValueError(f"prompt_budget must be a positive number of tokens, got {prompt_budget!r}")
+            raise ValueError("prompt_budget must be a positive number of tokens (of prompts held in full precision at "
+                             "once while they arrive in chunks; default: the model config's max_position_embeddings), "
+                             f"got {prompt_budget!r}")
         self.prompt_budget = prompt_budget
         self._warned_prompt = False
         self._plan: StepPlan | None = None
