@@ -23,9 +23,8 @@ from ..config import ModelFingerprint, OscarConfig, renamed_keywords
 from ..quant import QuantizedRows
 from ..rotations import OscarRotations
 from . import heads
-from .compiled import CompiledOscarLayer, capacity_for
+from .compiled import CompiledOscarLayer, GrowingLayer, capacity_for
 from .dynamic import OscarLayer
-from .growing import GrowingLayer
 
 FORMAT = "oscar_hf.cache"
 VERSION = 1
