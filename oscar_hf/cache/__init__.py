@@ -216,9 +216,7 @@ class OscarCache(Cache):
             return self.layers[self._mask_layer].get_mask_sizes(query_length)  # the full-attention layers' one mask
         return super().get_mask_sizes(query_length, layer_idx)
 
-    def save(self, directory) -> None:
-        """Write the live cache to ``directory``; NotImplementedError for a cache holding an SSM / conv state."""
-        save_cache(self, directory)
+    save = save_cache  # cache.save(directory)
 
     @classmethod
     def load(cls, directory, model, device=None, compile: bool | str = "auto") -> "OscarCache":

@@ -141,7 +141,8 @@ def check_sizes(doc: dict, tensors: dict, config: OscarConfig, limit: int | None
 
 
 def save_cache(cache, directory: str | os.PathLike) -> None:
-    """Write ``cache`` (an ``OscarCache``) to ``directory`` (layout in the module docstring)."""
+    """Write the live ``cache`` (an ``OscarCache``: ``cache.save(directory)``) to ``directory`` (layout in the module
+    docstring); NotImplementedError for a cache holding an SSM / conv state."""
     from safetensors.torch import save_file
     path = Path(directory)
     tensors, layers = {}, []
