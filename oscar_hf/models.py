@@ -81,15 +81,47 @@ def gemma3_cache_dir() -> Path:
     return _cache_root() / f"gemma-3-270m-{pkg.EXPECTED_SHA256[:12]}-v{_GEMMA3_CONVERSION}"
 
 
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
 def read_gguf_metadata(path) -> dict:
-    """The key/value metadata of a GGUF file, read by ``gguf.GGUFReader``: arrays as lists."""
-    from gguf import GGUFReader, GGUFValueType
-    from transformers.modeling_gguf_pytorch_utils import read_field
-    reader = GGUFReader(path)
-    meta = {}
-    for key, field in reader.fields.items():
-        values = read_field(reader, key)  # one per element: a scalar is a list of one
-        meta[key] = values if field.types[0] == GGUFValueType.ARRAY else values[0]
+    """The key/value metadata of a GGUF file (v2 / v3), header only: numeric arrays as numpy, string arrays as lists."""
+    import mmap
+    import struct
+    import numpy as np
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        if mm[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, _, n_kv = struct.unpack_from("<IQQ", mm, 4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported")
+
+        def string(pos):
+            (n,) = struct.unpack_from("<Q", mm, pos)
+            return mm[pos + 8:pos + 8 + n].decode("utf-8"), pos + 8 + n
+
+        def value(kind, pos):
+            if kind == 8:
+                return string(pos)
+            if kind == 9:
+                item, n = struct.unpack_from("<IQ", mm, pos)
+                pos += 12
+                if item in _GGUF_SCALARS:
+                    dt = np.dtype(_GGUF_SCALARS[item])
+                    return np.frombuffer(mm, dt, n, pos).copy(), pos + n * dt.itemsize
+                out = []
+                for _ in range(n):
+                    v, pos = value(item, pos)
+                    out.append(v)
+                return out, pos
+            fmt = _GGUF_SCALARS[kind]
+            return struct.unpack_from(fmt, mm, pos)[0], pos + struct.calcsize(fmt)
+
+        meta, pos = {}, 24
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", mm, pos)
+            meta[key], pos = value(kind, pos + 4)
     return meta
 
 
@@ -161,11 +193,11 @@ def _load_converted(gguf: Path, cache: Path, what: str, make_tokenizer, dtype, d
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    if not (cache / "model" / "config.json").is_file() and importlib.util.find_spec("gguf") is None:
-        raise ImportError(f"converting the {what} GGUF needs `pip install gguf`")  # (the tokenizer's too)
     if not (cache / "tokenizer" / "tokenizer.json").is_file():
         _atomic_save(make_tokenizer(), cache / "tokenizer")
     if not (cache / "model" / "config.json").is_file():
+        if importlib.util.find_spec("gguf") is None:
+            raise ImportError(f"converting the {what} GGUF needs `pip install gguf`")
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # without a GGUF matmul kernel (the CPU) Transformers dequantizes every weight: a plain float32 checkpoint
         if any(type(m).__name__ != "Linear" for m in model.modules() if "Linear" in type(m).__name__) or any(
