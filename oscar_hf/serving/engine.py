@@ -38,7 +38,7 @@ STORE_AT_EXIT = "OSCAR store at its model process's end; it held:"
 
 def run_engine(settings: tuple, *args, **kwargs):
     """The model process's entry point inside an OSCAR block: ``settings`` are the block's ``(rotations,
-    store_kwargs)``; the rest goes to Transformers' ``EngineClient.run_engine`` (which serves until the process ends)."""
+    store_kwargs)``; the rest goes to Transformers' ``EngineClient.run_engine`` (serving until the process ends)."""
     client = _engine_client()
     original = vars(client)["run_engine"]  # (the child's own, before its block replaces it)
     rotations, store_kwargs = settings

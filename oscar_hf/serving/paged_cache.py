@@ -48,9 +48,7 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
         self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)  # no BF16 views
 
     def _compute_blocks_needed(self, allocated_blocks: int, past_length: int, query_length: int) -> int:
-        p = self.tokens_per_page
-        total = self.store.history_pages(past_length + query_length, p)
-        return max(0, total - allocated_blocks)
+        return max(0, self.store.history_pages(past_length + query_length, self.tokens_per_page) - allocated_blocks)
 
     def get_seqlen_k(self, past_length: int, query_length: int) -> int:
         return query_length
@@ -107,8 +105,7 @@ class OscarMemoryHandler(PagedAttentionMemoryHandler):
         return 0
 
     def attention_mask_bytes(self, max_batch_tokens: int, num_sectors: int) -> int:
-        a = self.activation_dtype.itemsize
-        return self.io_multiplier * self.num_attention_masks * a * max_batch_tokens**2
+        return self.io_multiplier * self.num_attention_masks * self.activation_dtype.itemsize * max_batch_tokens**2
 
 
 _building = threading.local()  # .swaps {Transformers class: OSCAR's} while this thread builds an OSCAR cache

@@ -44,7 +44,7 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         # the layers, group size and retrieval heads OscarCache gets; a layer whose every head is a 16-bit retrieval
         # head is exact: Transformers' own paged cache keeps it (at INT8 / INT4 it stays here with no INT2 head)
         choice = choose_layers(model_config, rotations, config, default_group=default_group)
-        config, rotations, fp, retrieval_heads = choice.config, choice.rotations, choice.fingerprint, choice.retrieval_heads
+        config, rotations, fp = choice.config, choice.rotations, choice.fingerprint
         hk = fp.num_key_value_heads
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda": the current device, as its tensors say
@@ -58,7 +58,7 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
                              "not every head a 16-bit retrieval head)")
         self.layer_slot = {layer: k for k, layer in enumerate(layers)}  # model layer -> pool layer index
         rots = {i: rotations.layers[i] for i in layers}
-        heads = {i: retrieval_heads.get(i, ()) for i in layers}
+        heads = {i: choice.retrieval_heads.get(i, ()) for i in layers}
         self.num_query_heads = fp.num_attention_heads
         # tensor parallelism (tp_plan="auto"): this rank's own KV heads, their rotations and retrieval heads
         self.tp_layout = tp_layout(model_or_config, hk, fp.head_dim, layers=set(layers))
