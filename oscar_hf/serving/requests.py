@@ -25,8 +25,12 @@ class WindowPool:
         self.slot_shape = (num_layers, num_kv_heads, entries, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
         self.num_slots = num_slots  # the most live requests (admission's limit)
+        self.k = self.v = torch.empty((0, *self.slot_shape), dtype=dtype, device=self.device)
+        self._free: list[int] = []  # allocated slots nobody holds
         self._held = 0
-        self.release_memory()  # nothing allocated until allocate / allocate_all
+        # CUDA graphs (allocate_all(trash=True)): one trash slot, the last row of k / v, for a graphed step's padded rows
+        self.with_trash = False
+        self.trash_slot: int | None = None
 
     @property
     def capacity(self) -> int:
@@ -91,8 +95,7 @@ class WindowPool:
         if self._held:
             raise RuntimeError(f"{self._held} window slots are still held")
         self.k = self.v = torch.empty((0, *self.slot_shape), dtype=self.dtype, device=self.device)
-        self._free: list[int] = []  # allocated slots nobody holds
-        # CUDA graphs (allocate_all(trash=True)): one trash slot, the last row of k / v, for graphed steps' padded rows
+        self._free = []
         self.with_trash, self.trash_slot = False, None
 
 
