@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .append_checks import check_append_inputs, check_paged_inputs
-from .plan import next_pow2, settle_cache_keys
+from .plan import last_contiguous, next_pow2, settle_cache_keys
 from .write_triton import _LEVELS, _META_KIND, _codes, _group_grid, _padded_cols, _quantize_masked, _round_meta
 
 MIN_WARPS, MAX_WARPS = 4, 16
@@ -234,7 +234,7 @@ def append_token_triton(params, new_k, new_v, window, history, at):
     if at.length.dtype != torch.long or at.pad.dtype != torch.long:
         raise ValueError(f"length and pad must be int64, got {at.length.dtype}, {at.pad.dtype}")
     args, coded_strides, const = _shared_args(params, window, history, at.length)
-    new_k, new_v = (x if x.stride(-1) == 1 else x.contiguous() for x in (new_k, new_v))
+    new_k, new_v = (last_contiguous(x) for x in (new_k, new_v))
     mu_k = params.mu_k
     _append_token_kernel[(b * hk * 2,)](
         new_k, new_v, window.k, window.v, *history.k, *history.v, at.length, at.pad, *args,

@@ -15,7 +15,8 @@ from oscar_hf.quant import QuantizedRows
 from .decode_combine import _combine_kernel
 from .decode_split import _prologue_kernel, _split_kernel
 from .kv import History, KVParams
-from .plan import DEFAULTS, KERNEL_HEAD_DIMS, DecodeShape, decode_plan, gluon_pays, group_fits, next_pow2, num_splits
+from .plan import (DEFAULTS, KERNEL_HEAD_DIMS, DecodeShape, decode_plan, gluon_pays, group_fits, last_contiguous,
+                   next_pow2, num_splits)
 from .query_triton import C_BLOCK as ROT_C_BLOCK
 from .query_triton import Q8_FIELDS, Q8_TILE_BYTES, launch_rotation, rotation_args, rotation_strides
 
@@ -48,11 +49,8 @@ def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask, win_mas
 def _rows_layout(x: QuantizedRows) -> QuantizedRows:
     """Rows in the kernels' layout (contiguous code bytes, ``[token, group]`` metadata shared by scale and zero);
     anything else is copied once."""
-    codes, scale, zero = x
-    if codes.stride(-1) != 1:
-        codes = codes.contiguous()
-    ng = scale.shape[-1]
-    if scale.stride(-1) != 1 or scale.stride(-2) != ng or zero.stride() != scale.stride():
+    codes, scale, zero = last_contiguous(x.codes), x.scale, x.zero
+    if scale.stride(-1) != 1 or scale.stride(-2) != scale.shape[-1] or zero.stride() != scale.stride():
         scale, zero = scale.contiguous(), zero.contiguous()
     return QuantizedRows(codes, scale, zero)
 
@@ -149,8 +147,7 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
         if window is not None:
             win_mask = window.mask_2d().view(rows.shape[0], 1, 1, k_win.shape[-2])
         win_slot = win_slot if win_slot is not None else torch.arange(rows.shape[0], device=rows.device)
-        table = paged.table if paged.table.stride(-1) == 1 else paged.table.contiguous()
-        paged = _PagedRead(table, paged.lengths, win_slot, k.codes.shape[-2], paged.max_len)
+        paged = _PagedRead(last_contiguous(paged.table), paged.lengths, win_slot, k.codes.shape[-2], paged.max_len)
     rotate = q_rot is None
     if rotate:  # the kernels' layouts of the rotation's inputs, and its outputs (filled by the first launch below)
         q_win, r_k, mu_k, q_rot, qk_offset = rotation_args(q_win, r_k, mu_k)
@@ -158,9 +155,7 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     n = k.codes.shape[-2] if paged is None else paged.max_len
     bh = b * hk
     dev = q_rot.device
-    q_rot = q_rot.float()
-    if q_rot.stride(-1) != 1:
-        q_rot = q_rot.contiguous()
+    q_rot = last_contiguous(q_rot.float())
     k, v = _rows_layout(k), _rows_layout(v)
     start = torch.zeros(b, dtype=torch.int32, device=dev) if start is None else start.to(device=dev).reshape(b)
     kmask = _mask_4d(key_mask, b, hk, n)
@@ -183,7 +178,7 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     if sinks is not None and not window:
         raise ValueError("sinks are for the whole decode op (r_v given), not the history's partials")
     if w:
-        q_win, k_win, v_win = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_win, k_win, v_win))
+        q_win, k_win, v_win = (last_contiguous(x) for x in (q_win, k_win, v_win))
     wmask = None
     if window:
         wmask = _mask_4d(win_mask, b, hk, w)

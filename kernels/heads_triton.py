@@ -11,7 +11,8 @@ import triton.language as tl
 from .decode_split_ops import _soft_cap
 from .decode_triton import LOG2E
 from .kv import Window
-from .plan import HEADS_DEFAULTS, HeadsDefaults, heads_plan, next_pow2, pow2_at_least, settle_cache_keys
+from .plan import (HEADS_DEFAULTS, HeadsDefaults, heads_plan, last_contiguous, next_pow2, pow2_at_least,
+                   settle_cache_keys)
 from .query_triton import _cols_mask
 
 _OPS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
@@ -219,10 +220,6 @@ def _heads_combine_kernel(PM, PL, PACC, OUT, M, S_TOT, M_PAD: tl.constexpr, D: t
         tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D)
 
 
-def _last_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: float, out_dtype, *, pages=None,
                         sinks=None, softcap=None, defaults: HeadsDefaults = HEADS_DEFAULTS) -> torch.Tensor:
     """:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention` in two launches (arguments checked there);
@@ -231,12 +228,10 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
     (k, v), (lo, hi), win_k, win_v, win_mask = coded, bounds, window.k, window.v, window.mask_2d()
     slot = window.slot  # None, or [B]: row b's window is row slot[b] of win_k / win_v (the store's pool, in place)
     block_table, max_len = (None, None) if pages is None else (pages.table, pages.max_len)
-    df = defaults
     b, _, m, d = q.shape
     p, w = heads.numel(), win_k.shape[2]
     dev = q.device
-    q, win_k, win_v = _last_contiguous(q), _last_contiguous(win_k), _last_contiguous(win_v)
-    kc, vc = _last_contiguous(k[0]), _last_contiguous(v[0])
+    q, win_k, win_v, kc, vc = (last_contiguous(x) for x in (q, win_k, win_v, k[0], v[0]))
     ks, kz, vs, vz = (k[1], k[2], v[1], v[2]) if bits != 16 else (kc, kc, vc, vc)  # (unused at 16 bits)
     if ks.stride() != kz.stride() or vs.stride() != vz.stride():
         raise ValueError("a head store's scale and zero must share their strides")
@@ -257,7 +252,7 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
     n = kc.shape[2] if block_table is None else block_table.shape[1] * page  # slots the store can address per row
     hi_dev = isinstance(hi, torch.Tensor)
     n_hist = min(n, int(max_len)) if max_len is not None else n if hi_dev else max(0, min(n, int(hi)))
-    plan = heads_plan(b * p, n_hist, m, dev, df, d)
+    plan = heads_plan(b * p, n_hist, m, dev, defaults, d)
     s_hist, split_len, m_pad = plan.splits, plan.split_len, plan.m_pad
     s_tot = s_hist + 1 + (sinks is not None)  # history splits, the window, the sink (a partial the combine merges)
     pm = torch.empty(b * p, s_tot, m_pad, dtype=torch.float32, device=dev)
@@ -268,7 +263,7 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
         pl[:, -1].fill_(1.0)
         pacc[:, -1].zero_()
     op = _OPS[q.dtype] if q.is_cuda else 0
-    warps, stages = df.launch(bits, d)
+    warps, stages = defaults.launch(bits, d)
     lo = lo.reshape(b)
     wm = win_mask if win_mask is not None else lo  # (placeholder pointers where there is no mask / table / hi)
     bt = block_table if block_table is not None else lo
@@ -287,8 +282,8 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
         **({} if slot is None else dict(WSLOT=slot, HAS_WSLOT=1)))
     out = torch.empty(b, p, m, d, dtype=out_dtype, device=dev)
     _heads_combine_kernel[(b * p * m,)](pm, pl, pacc, out, m, s_tot, M_PAD=m_pad, D=d,
-                                        S_BLOCK=min(df.merge_block, pow2_at_least(s_tot, 1)), DP=next_pow2(d),
-                                        num_warps=df.merge_warps_xwide if d > 256 else 4)
+                                        S_BLOCK=min(defaults.merge_block, pow2_at_least(s_tot, 1)), DP=next_pow2(d),
+                                        num_warps=defaults.merge_warps_xwide if d > 256 else 4)
     return out
 
 

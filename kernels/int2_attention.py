@@ -23,7 +23,6 @@ def empty_partial(q_rot: torch.Tensor):
 
 def merge_partials(parts):
     """Combine ``(m, l, acc)`` partials over disjoint key sets by log-sum-exp."""
-    parts = [p for p in parts if p is not None]
     m = parts[0][0]
     for p in parts[1:]:
         m = torch.maximum(m, p[0])
@@ -136,9 +135,8 @@ def decode_attention_reference(params, q, window, history, scaling, out_dtype=No
     back to the value space, merged with the window's and normalized (rows with no valid key give 0)."""
     out_dtype = out_dtype or (q.dtype if q is not None else torch.float32)
     q_rot, qk_offset = rotated if rotated is not None else rotate_query_reference(q, params.r_k, params.mu_k)
-    h = history
-    hist = history_partial_reference(q_rot, h.k, h.v, h.start, h.key_mask, qk_offset, scaling, params.group_size,
-                                     params.block_n, n_valid=h.n_valid, softcap=softcap)
+    hist = history_partial_reference(q_rot, history.k, history.v, history.start, history.key_mask, qk_offset, scaling,
+                                     params.group_size, params.block_n, n_valid=history.n_valid, softcap=softcap)
     return merge_history_and_window(hist, q, window.k, window.v, window.mask, params.r_v, params.mu_v, scaling,
                                     out_dtype, softcap, sinks)
 

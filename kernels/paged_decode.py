@@ -23,10 +23,6 @@ CHUNK_DEFAULTS = dataclasses.replace(DEFAULTS, num_warps_wide=4)
 LOGITS_BUDGET = 256 << 20  # bytes of float32 logits a chunk read materializes at once (reference blocks, window slices)
 
 
-def _pow2(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
-
-
 def check_paged_inputs(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, pages: Pages, window: Window) -> None:
     """Raise a clear ValueError for shapes that do not fit together (values are not checked: no device sync)."""
     if qf.dim() != 4:
@@ -34,10 +30,9 @@ def check_paged_inputs(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, pages
     b, hk, _, d = qf.shape
     for name, rows in (("pages_k", pages_k), ("pages_v", pages_v)):
         codes, scale, zero = rows
-        if codes.dim() != 4 or codes.shape[1] != hk or codes.shape[3] * 4 != d:
-            raise ValueError(f"{name}.codes must be [num_pages, Hk={hk}, P, D/4={d // 4}], got {tuple(codes.shape)}")
-        if codes.dtype != torch.uint8:
-            raise ValueError(f"{name}.codes must be uint8, got {codes.dtype}")
+        if codes.dim() != 4 or codes.shape[1] != hk or codes.shape[3] * 4 != d or codes.dtype != torch.uint8:
+            raise ValueError(f"{name}.codes must be uint8 [num_pages, Hk={hk}, P, D/4={d // 4}], got {codes.dtype} "
+                             f"{tuple(codes.shape)}")
         if scale.shape != zero.shape or scale.shape[:3] != codes.shape[:3] or d % scale.shape[3]:
             raise ValueError(f"{name}.scale / zero must be [num_pages, Hk, P, D/G] like its codes, got "
                              f"{tuple(scale.shape)} / {tuple(zero.shape)} for codes {tuple(codes.shape)}")
@@ -108,7 +103,7 @@ def paged_supported(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, group_si
     """Shapes and layouts the Triton path serves, reading the pool in place (else: the reference)."""
     _, _, m, d = qf.shape
     ng = d // group_size if group_size > 0 else 0
-    ok = (_pow2(d) and 64 <= d <= 256 and _pow2(group_size) and group_size <= d and 1 <= m <= 64
+    ok = (d in (64, 128, 256) and 0 < group_size <= d and group_size & (group_size - 1) == 0 and 1 <= m <= 64
           and qf.device == pages_k.codes.device == win_k.device)
     for codes, scale, zero in (pages_k, pages_v):
         ok = ok and codes.stride(-1) == 1 and scale.stride(-1) == 1 and scale.stride(-2) == ng

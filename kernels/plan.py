@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from .settings import (DEFAULTS, HEADS_DEFAULTS, DecodeDefaults, HeadsDefaults, cdiv, next_pow2,  # noqa: F401
-                       pow2_at_least, settle_cache_keys, triton_enabled, triton_importable)
+                       last_contiguous, pow2_at_least, settle_cache_keys, triton_enabled, triton_importable)
 
 # ---- the shapes the Triton kernels serve (the tests in tests/kernels parametrize over the same tuples)
 

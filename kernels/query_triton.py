@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .plan import WRITE_HEAD_DIMS, next_pow2, settle_cache_keys
+from .plan import WRITE_HEAD_DIMS, last_contiguous, next_pow2, settle_cache_keys
 
 # the rotation's largest single tl.dot over the head_dim, and the K step beyond it (larger products spill at D = 512)
 ROT_K = tl.constexpr(256)
@@ -98,16 +98,13 @@ def rotation_args(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None
     expanded to ``[B, Hk, D]`` with unit last stride) and the outputs ``q_rot [B, Hk, M, D]``, ``qk_offset [B, Hk, M]``
     (None without ``mu_K``), both float32."""
     b, hk, m, d = qf.shape
-    if qf.stride(-1) != 1:
-        qf = qf.contiguous()
+    qf = last_contiguous(qf)
     r_k = r_k.to(device=qf.device, dtype=torch.float32).contiguous()
     q_rot = torch.empty(b, hk, m, d, device=qf.device, dtype=torch.float32)
     off = None
     if mu_k is not None:
         mu_k = mu_k.to(device=qf.device, dtype=torch.float32)
-        mu_k = (mu_k if mu_k.dim() == 3 else mu_k.unsqueeze(0)).expand(b, hk, d)
-        if mu_k.stride(-1) != 1:
-            mu_k = mu_k.contiguous()
+        mu_k = last_contiguous((mu_k if mu_k.dim() == 3 else mu_k.unsqueeze(0)).expand(b, hk, d))
         off = torch.empty(b, hk, m, device=qf.device, dtype=torch.float32)
     return qf, r_k, mu_k, q_rot, off
 

@@ -152,3 +152,8 @@ def next_pow2(n: int) -> int:
 
 def pow2_at_least(n: int, lo: int) -> int:
     return max(lo, next_pow2(n))
+
+
+def last_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy where its last dimension is strided (the kernels read rows of unit stride)."""
+    return x if x.stride(-1) == 1 else x.contiguous()

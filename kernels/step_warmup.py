@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -12,19 +13,11 @@ from pathlib import Path
 
 import torch
 
-ENV = "OSCAR_WARM_KERNELS"
-
-
 class _Helper:
     """This process's helper (at most one at a time) and the argument sets already handed to one."""
 
     proc: subprocess.Popen | None = None
     done: set[str] = set()
-
-
-def enabled() -> bool:
-    """``OSCAR_WARM_KERNELS=1`` turns it on."""
-    return os.environ.get(ENV, "0").lower() in ("1", "true", "yes", "on")
 
 
 # ---------------------------------------------------------------- the description of one call's arguments
@@ -51,24 +44,19 @@ def spec_of(args: tuple) -> dict | None:
     return dict(args=items)
 
 
-def _tensor(item: dict) -> torch.Tensor:
-    """Zeros laid out as described: the same strides and storage offset (a pointer's alignment and a stride's
-    divisibility are part of a kernel's specialization)."""
-    shape, stride, offset = item["shape"], item["stride"], item["offset"]
-    extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride) if n > 0)
-    base = torch.zeros(extent if all(shape) else offset + 1, dtype=getattr(torch, item["dtype"]),
-                       device=item["device"])
-    return base.as_strided(shape, stride, offset)
-
-
 def values_of(spec: dict) -> list:
-    """The values :func:`spec_of` described: zero tensors of the same layout (what a specialization depends on)."""
+    """The values :func:`spec_of` described: zero tensors of the same strides and storage offset (a pointer's
+    alignment and a stride's divisibility are part of a kernel's specialization)."""
     out = []
     for item in spec["args"]:
         if item is None:
             out.append(None)
         elif "shape" in item:
-            out.append(_tensor(item))
+            shape, stride, offset = item["shape"], item["stride"], item["offset"]
+            extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride) if n > 0)
+            base = torch.zeros(extent if all(shape) else offset + 1, dtype=getattr(torch, item["dtype"]),
+                               device=item["device"])
+            out.append(base.as_strided(shape, stride, offset))
         elif "dtype_arg" in item:
             out.append(getattr(torch, item["dtype_arg"]))
         else:
@@ -80,9 +68,8 @@ def values_of(spec: dict) -> list:
 
 def note(args: tuple, entry: str) -> None:
     """Hand the op's arguments to a helper process, once per distinct set; ``entry``: ``"module:function"`` it runs."""
-    if not enabled() or not isinstance(args[0], torch.Tensor) or not _on_cuda(args[0]):
-        return
-    spec = spec_of(args)
+    on = os.environ.get("OSCAR_WARM_KERNELS", "0").lower() in ("1", "true", "yes", "on")
+    spec = spec_of(args) if on and isinstance(args[0], torch.Tensor) and _on_cuda(args[0]) else None
     if spec is None:
         return
     line = json.dumps(spec, sort_keys=True)
@@ -107,15 +94,18 @@ def release() -> subprocess.Popen | None:
     not waited for)."""
     proc, _Helper.proc = _Helper.proc, None
     if proc is not None:
-        try:
+        with contextlib.suppress(OSError):
             proc.stdin.close()
-        except OSError:
-            pass
     return proc
 
 
 def _spawn(device: torch.device, entry: str) -> subprocess.Popen:
-    _pin_ptxas_version(device)
+    # the ptxas version (part of Triton's cache key, cached per process) read now, so that Inductor's later change of
+    # TRITON_PTXAS_PATH cannot give this process and the helper different keys for one kernel
+    with contextlib.suppress(Exception):  # (another backend or Triton: a key that differs costs only the time saved)
+        from triton.backends.nvidia.compiler import get_ptxas_version
+        major, minor = torch.cuda.get_device_capability(device)
+        get_ptxas_version(major * 10 + minor)  # (the argument Triton's CUDA backend passes: its target's arch)
     env = dict(os.environ)  # (TRITON_PTXAS_PATH as this process has it: the helper's kernels get the same keys)
     # the folder the step's first run will read: the user's, else the one Inductor sets before that run
     # (CachingAutotuner, torch 2.5-2.13)
@@ -131,17 +121,6 @@ def _spawn(device: torch.device, entry: str) -> subprocess.Popen:
     module, function = entry.split(":")
     return subprocess.Popen([sys.executable, "-P", "-c", f"from {module} import {function}; {function}()"],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
-
-
-def _pin_ptxas_version(device: torch.device) -> None:
-    """Read the ptxas version (part of Triton's cache key, cached per process) now, so that Inductor's later change
-    of ``TRITON_PTXAS_PATH`` cannot give this process and the helper different keys for one kernel."""
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas_version
-        major, minor = torch.cuda.get_device_capability(device)
-        get_ptxas_version(major * 10 + minor)  # (the argument Triton's CUDA backend passes: its target's arch)
-    except Exception:  # noqa: BLE001 (another backend or Triton: a key that differs costs only the time saved)
-        pass
 
 
 # ---------------------------------------------------------------- the helper process

@@ -226,8 +226,7 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
     ng = d // group_size
     if out is None:
         res = QuantizedRows(torch.empty(b, hk, t, d // 4, dtype=torch.uint8, device=x.device),
-                            torch.empty(b, hk, t, ng, dtype=meta_dtype, device=x.device),
-                            torch.empty(b, hk, t, ng, dtype=meta_dtype, device=x.device))
+                            *(torch.empty(b, hk, t, ng, dtype=meta_dtype, device=x.device) for _ in range(2)))
         offset = 0
     else:
         res, offset = out, int(out_offset)
@@ -241,8 +240,7 @@ def rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=None, out
     assert codes.stride(-1) == 1 and scale.stride(-1) == 1 and zero.stride(-1) == 1, "storage must be contiguous in D"
     assert scale.stride() == zero.stride(), "scale and zero storage must share a layout"
     r = r.to(device=x.device, dtype=torch.float32).contiguous()
-    if mu is not None:
-        mu = mu.to(device=x.device, dtype=torch.float32).contiguous()
+    mu = None if mu is None else mu.to(device=x.device, dtype=torch.float32).contiguous()
     clip = float(clip)
     if d <= 128:
         block_t = min(block_t, max(16, next_pow2(t)))
