@@ -78,8 +78,10 @@ def forced_check(model, tok, prompts: list[str], texts: list[str], counts: list[
     from oscar_hf.compat import cache_kwargs
 
     batch = batch or (64 if model.device.type == "cuda" else 32)
-    side, tok.padding_side = tok.padding_side, "left"
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    side, tok.padding_side, pad_token = tok.padding_side, "left", tok.pad_token
+    if pad_token is None:  # (a GGUF tokenizer may have none: EOS pads, as generate's pad_token_id below)
+        tok.pad_token = tok.eos_token
+    pad = tok.pad_token_id
     out = []
     try:
         for a in range(0, len(prompts), batch):
@@ -100,5 +102,5 @@ def forced_check(model, tok, prompts: list[str], texts: list[str], counts: list[
                                 gap=None if worst is None or lost is not None else gaps[worst],
                                 lost=lost, recovered=len(follow.tokens[r])))
     finally:
-        tok.padding_side = side
+        tok.padding_side, tok.pad_token = side, pad_token
     return out
