@@ -17,6 +17,10 @@ class _HybridState:
 
     _attention: type = OscarLayer
     supports_early_init = False  # (the state's)
+    # the state's too: on Transformers 5.17 a property, False once the layer holds recurrent states (which crop cannot
+    # roll back); the OSCAR layer's True would let assisted decoding crop them
+    is_croppable = LinearAttentionLayer.is_croppable
+    __repr__ = LinearAttentionLayer.__repr__
 
     def __init__(self, *args, number_of_states: int = 1, **kwargs):  # the attention layer's arguments, and the state's
         self._attention.__init__(self, *args, **kwargs)

@@ -93,3 +93,20 @@ def test_a_hybrid_layer_counts_its_attention_tokens(compile_):
     layer = cache.layers[i]
     assert layer.get_seq_length() == type(layer)._attention.get_seq_length(layer) == 17
     assert isinstance(layer.get_seq_length(), int) and cache.get_seq_length(i) == 17
+
+
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+def test_a_hybrid_layer_is_croppable_as_its_state_is(compile_):
+    """Whether a hybrid layer can be cropped is its state's answer (on Transformers 5.17 a property: False once the
+    layer holds recurrent states, which crop cannot roll back), not the OSCAR layer's ``True``: assisted decoding
+    would otherwise crop a Mamba state."""
+    m = tiny_model("falcon_h1")
+    ids = torch.randint(3, m.config.vocab_size, (1, 20))
+    cache = OscarCache(m, compile=compile_, **SMALL)
+    with torch.no_grad():
+        m(ids, **cache_kwargs(m, cache))
+    layer = next(x for x in cache.layers if isinstance(x, (OscarHybridLayer, CompiledOscarHybridLayer)))
+    state = LinearAttentionLayer.is_croppable
+    want = state.__get__(layer) if isinstance(state, property) else state
+    assert layer.is_croppable is want
+    assert cache.is_croppable is (want and all(x.is_croppable for x in cache.layers if x is not layer))
