@@ -9,8 +9,7 @@ import torch
 from oscar_hf.quant import QuantizedRows, dequantize_minmax, unpack_int4
 
 from .append_checks import check_coded_store
-from .int2_attention import (NEG_INF, empty_partial, merge_partials, normalized, partial_from_logits, sink_partial,
-                             soft_cap, window_partial)
+from .int2_attention import history_partial_reference, normalized, sink_partial, window_partial
 from .paged_decode import gather_rows
 from .plan import triton_enabled
 
@@ -57,20 +56,14 @@ def heads_decode_reference(q, heads, coded, bits: int, bounds, window, scaling: 
         n_all = pages.table.shape[1] * k[0].shape[2]  # every slot the table addresses (``hi`` masks the rest)
         k, v = gather_rows(k, pages.table, n_all), gather_rows(v, pages.table, n_all)
     qh = q.index_select(1, heads).float()  # [B, P, M, D]
-    b, n = qh.shape[0], k[0].shape[2]
-    # a device-side hi is masked (no host sync: the compiled CPU step runs this), a host one cuts the loop
-    end = n if isinstance(hi, torch.Tensor) else min(n, int(hi))
+    # a device-side hi is masked (no host sync: the compiled CPU step runs this), a host one cuts the store
     if isinstance(hi, torch.Tensor):
         hi = hi.to(qh.device).reshape(-1, 1, 1, 1)  # one bound, or one per row
-    lo = lo.to(qh.device).reshape(b, 1, 1, 1)
-    part = empty_partial(qh)
-    for j0 in range(0, end, block_n):
-        j1 = min(end, j0 + block_n)
-        kb, vb = (dequantize_heads(tuple(x[:, :, j0:j1] for x in s), bits) for s in (k, v))
-        logits = soft_cap(torch.matmul(qh, kb.transpose(-1, -2)) * scaling, softcap)  # [B, P, M, nb]
-        pos = torch.arange(j0, j1, device=qh.device)
-        logits = logits.masked_fill((pos < lo) | (pos >= hi), NEG_INF)
-        part = merge_partials([part, partial_from_logits(logits, vb)])
+    else:
+        end = max(0, min(k[0].shape[2], int(hi)))
+        k, v, hi = tuple(x[:, :, :end] for x in k), tuple(x[:, :, :end] for x in v), None
+    part = history_partial_reference(qh, k, v, lo.to(qh.device).reshape(-1), None, None, scaling, 0, block_n, hi,
+                                     softcap, dequant=lambda parts: dequantize_heads(parts, bits))
     win = window.heads(heads).gathered()  # [B, P, W, D], copied (the kernel reads the pool's rows and heads in place)
     mask = win.mask_2d()
     parts = [part, window_partial(qh, win.k, win.v, None if mask is None else mask[:, None, None, :], scaling, softcap)]

@@ -13,12 +13,10 @@ NEG_INF = float("-inf")
 
 
 def empty_partial(q_rot: torch.Tensor):
+    """``(m, l, acc)`` of no key, ``(-inf, 0, 0)``, for ``q_rot [B, H, M, D]``."""
     b, h, m, d = q_rot.shape
-    dev = q_rot.device
-    return (
-        torch.full((b, h, m), NEG_INF, device=dev),
-        torch.zeros(b, h, m, device=dev),
-        torch.zeros(b, h, m, d, device=dev))
+    return (torch.full((b, h, m), NEG_INF, device=q_rot.device), torch.zeros(b, h, m, device=q_rot.device),
+            torch.zeros(b, h, m, d, device=q_rot.device))
 
 
 def merge_partials(parts):
@@ -72,20 +70,22 @@ def normalized(parts, out_dtype) -> torch.Tensor:
 
 
 def history_partial_reference(q_rot, k: QuantizedRows, v: QuantizedRows, start, key_mask, qk_offset, scaling,
-                              group_size, block_n=1024, n_valid=None, softcap=None):
+                              group_size, block_n=1024, n_valid=None, softcap=None, dequant=None):
     """``(m, l, acc)`` of ``q_rot [B, Hk, M, D]`` (float32, rotated by ``R_K``, ``M = g * q_len`` query-head-major)
     over ``k/v`` ``QuantizedRows [B, Hk, N, *]``: running max and denominator ``[B, Hk, M]``, unnormalized
     ``sum_j p_j v_hat_j [B, Hk, M, D]`` in the rotated value space; a row without a valid key has ``(-inf, 0, 0)``.
     Logits ``scaling * (q_rot · k_hat + qk_offset)`` (``qk_offset [B, Hk, M]`` = ``q · mu_K`` or None), soft-capped
-    before the mask. Valid: ``start[b] <= j`` (< ``n_valid``) where ``key_mask`` (bool ``[B, Hk|1, M|1, N]``) allows.
-    ``block_n`` tokens dequantized at a time, merged online as the split-K kernel does in registers."""
-    n = k.codes.shape[-2]
+    before the mask. Valid: ``start[b] <= j`` (< ``n_valid``, 0-d or ``[B, 1, 1, 1]``) where ``key_mask`` (bool
+    ``[B, Hk|1, M|1, N]``) allows. ``block_n`` tokens dequantized at a time, merged online as the split-K kernel does in
+    registers; ``dequant``: a block's parts -> float32 rows (None: INT2 rows; the retrieval heads' reference its own)."""
+    n = k[0].shape[-2]
+    dequant = dequant or (lambda parts: dequantize_rows(QuantizedRows(*parts), group_size))
     part = empty_partial(q_rot)
     pos = torch.arange(n, device=q_rot.device)
     for j0 in range(0, n, block_n):
         j1 = min(n, j0 + block_n)
         sl = slice(j0, j1)
-        kb, vb = (dequantize_rows(QuantizedRows(*(t[:, :, sl] for t in x)), group_size) for x in (k, v))
+        kb, vb = (dequant(tuple(t[:, :, sl] for t in x)) for x in (k, v))
         logits = torch.matmul(q_rot, kb.transpose(-1, -2))  # [B, Hk, M, nb]
         if qk_offset is not None:
             logits = logits + qk_offset.unsqueeze(-1)

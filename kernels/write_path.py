@@ -119,8 +119,6 @@ def paged_append_reference(params: KVParams, new_k, new_v, window: Window, histo
     ``demote_off``; (2) its new token goes to ``new_entry`` and ``sink_entry`` (:class:`PagedRows`)."""
     h2 = check_paged_inputs(params, new_k, new_v, window, history, rows)
     p, win_k, win_v, coded = params, window.k, window.v, history.coded
-    k_new = new_k.index_select(1, rows.pos).transpose(0, 1)  # [Bp, Hk, D]
-    v_new = new_v.index_select(1, rows.pos).transpose(0, 1)
     if rows.demote:  # 1. ring -> INT2 and coded rows, into the row's page (or the trash page)
         int2 = _kv_head_of_hist(p.hist_of, h2)
         coded_heads = None if coded is None else _kv_head_of_hist(p.heads.coded_of, coded[0][0].shape[1])
@@ -136,11 +134,11 @@ def paged_append_reference(params: KVParams, new_k, new_v, window: Window, histo
                                               p.meta_dtype, quantizer=p.quantizer)
                 scatter_entries(hist, rows.demote_page, rows.demote_off, q)
     # 2. the new token: its ring entry, and its sink entry while T < S0
-    win_k[rows.slots, :, rows.new_entry] = k_new
-    win_v[rows.slots, :, rows.new_entry] = v_new
-    if rows.write_sink:
-        win_k[rows.slots, :, rows.sink_entry] = k_new
-        win_v[rows.slots, :, rows.sink_entry] = v_new
+    for win, new in ((win_k, new_k), (win_v, new_v)):
+        new = new.index_select(1, rows.pos).transpose(0, 1)  # [Bp, Hk, D]
+        win[rows.slots, :, rows.new_entry] = new
+        if rows.write_sink:
+            win[rows.slots, :, rows.sink_entry] = new
 
 
 def append(params: KVParams, new_k, new_v, window: Window, history: History, at: Ring | PagedRows,
