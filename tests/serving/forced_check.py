@@ -17,6 +17,12 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 
+def relative_gap(logits: torch.Tensor, token: int) -> float:
+    """How far ``token``'s logit is below the best of ``logits [V]``, over their largest |logit|."""
+    logits = logits.float()
+    return float((logits.max() - logits[token]) / logits.abs().max().clamp_min(1e-30))
+
+
 class FollowText(LogitsProcessor):
     """Forces, row by row, the token that continues the row's served text; records its gap to the step's best.
 
@@ -37,11 +43,11 @@ class FollowText(LogitsProcessor):
     def _pick(self, r: int, logits: torch.Tensor) -> int | None:
         """The best of the top-``topk`` tokens that continues row ``r``'s text (EOS once the text is all matched)."""
         have, text = self.tokens[r], self.texts[r]
-        matched = self._text(have) == text
+        before = self._text(have)
         for c in logits.topk(min(self.topk, logits.numel())).indices.tolist():
             after = self._text(have + [c])
-            if c == self.eos or after == self._text(have):  # (EOS, or a token that decodes to nothing)
-                if matched:
+            if c == self.eos or after == before:  # (EOS, or a token that decodes to nothing)
+                if before == text:  # (the text all matched)
                     return c
                 continue
             if text.startswith(after.rstrip("\ufffd")):
@@ -55,14 +61,13 @@ class FollowText(LogitsProcessor):
             if not self.done[r] and (len(self.tokens[r]) == want or (want is None and
                                                                      self._text(self.tokens[r]) == self.texts[r])):
                 self.done[r] = True
-            c = None if self.done[r] else self._pick(r, scores[r].float())
+            c = None if self.done[r] else self._pick(r, scores[r])
             if c is None:
                 if not self.done[r]:
                     self.lost[r], self.done[r] = len(self.tokens[r]), True
                 forced[r, self.eos] = 0.0  # (finished or lost: EOS ends the row)
                 continue
-            s = scores[r].float()
-            self.gaps[r].append(float((s.max() - s[c]) / s.abs().max().clamp_min(1e-30)))
+            self.gaps[r].append(relative_gap(scores[r], c))
             self.tokens[r].append(c)
             forced[r, c] = 0.0
         return forced

@@ -156,6 +156,7 @@ def reference(model, tok, text: str, n: int, oscar: dict) -> dict:
     top-2 logit gap over the step's largest |logit|."""
     import torch
 
+    from forced_check import relative_gap
     from oscar_hf import OscarCache
     from oscar_hf.compat import cache_kwargs
 
@@ -165,10 +166,7 @@ def reference(model, tok, text: str, n: int, oscar: dict) -> dict:
     out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=gc.eos_token_id,
                          pad_token_id=gc.pad_token_id, output_logits=True, return_dict_in_generate=True,
                          **cache_kwargs(model, cache))
-    gaps = []
-    for logits in out.logits:
-        top = logits[0].float().topk(2).values
-        gaps.append(float((top[0] - top[1]) / logits[0].float().abs().max().clamp_min(1e-30)))
+    gaps = [relative_gap(logits[0], int(logits[0].topk(2).indices[1])) for logits in out.logits]  # (top-2 gaps)
     return dict(tokens=out.sequences[0, ids.shape[1]:].tolist(), gaps=gaps)
 
 
@@ -372,7 +370,7 @@ class Load:
                     return dict(rec, verdict="failed", detail=str(error)[:300])
                 rec.update(self.check(model, prompt, m, text + rest, rec["tokens"]))
                 # the id left with its request: taken again, it is served
-                rec["reused"] = self.answer(model, prompt, 2, False, rid).get("verdict")
+                rec["reused"] = dict(model=model, prompt=prompt, **self.answer(model, prompt, 2, False, rid))
                 return rec
             if kind == "oversized":
                 body = dict(self.body(model, prompt, 4, job["stream"]), prompt=self.oversized)
@@ -409,8 +407,9 @@ def follow_diverged(records: list[dict], models, prompts: list[str], refs, tok, 
     from forced_check import forced_check
 
     tol = p["tie_tol"] if p["tie_tol"] > 0 else 1e-3
+    answers = records + [r["reused"] for r in records if isinstance(r.get("reused"), dict)]  # (a duplicate's reuse)
     for m, model in enumerate(models):
-        todo = [r for r in records if r.get("verdict") == "diverged" and r["model"] == m]
+        todo = [r for r in answers if r.get("verdict") == "diverged" and r["model"] == m]
         if todo:
             got = forced_check(model, tok, [prompts[r["prompt"]] for r in todo], [r["text"] for r in todo],
                                [r.get("count") for r in todo], p["oscar"], tol)
@@ -462,7 +461,7 @@ def summarize(records: list[dict], tie_tol: float) -> tuple[dict, dict]:
     failed = [r for r in records if r.get("verdict") in ("failed", "not_run")]
     refused_ok = {
         "duplicate": all(r.get("duplicate", {}).get("status") == 409 and "already live" in r["duplicate"]["detail"]
-                         and r["reused"] in ("exact", "diverged" if tie_tol > 0 else "exact")
+                         and r["reused"].get("verdict") in ("exact", "followed" if tie_tol > 0 else "exact")
                          for r in records if r["kind"] == "duplicate" and r.get("verdict") != "failed"),
         "oversized": all(r["status"] == 400 and "INT2 pages" in r["detail"]
                          for r in records if r["kind"] == "oversized"),
