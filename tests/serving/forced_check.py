@@ -96,7 +96,8 @@ def forced_check(model, tok, prompts: list[str], texts: list[str], counts: list[
             most = max((c if c is not None else len(tok(t).input_ids) + 8) for c, t in zip(counts[rows], texts[rows]))
             cache = OscarCache(model, method="hadamard", compile=False, **oscar)
             model.generate(**enc, max_new_tokens=max(1, most + 1), do_sample=False, eos_token_id=tok.eos_token_id,
-                           pad_token_id=pad, logits_processor=LogitsProcessorList([follow]), **cache_kwargs(model, cache))
+                           pad_token_id=pad, logits_processor=LogitsProcessorList([follow]),
+                           **cache_kwargs(model, cache))
             for r, text in enumerate(texts[rows]):
                 gaps, lost = follow.gaps[r], follow.lost[r]
                 whole = follow._text(follow.tokens[r]) == text
