@@ -237,4 +237,5 @@ def test_the_compiled_storage_scores_a_real_text_as_the_eager_one(smollm2):
         res[compile_] = r
     diff = float((res[True]["token_nll"] - res[False]["token_nll"]).abs().max())
     rel = abs(res[True]["ppl"] / res[False]["ppl"] - 1)
+    print(f"perplexity eager {res[False]['ppl']:.6f} compiled {res[True]['ppl']:.6f}, max token NLL diff {diff:.2g}")
     assert diff <= 1e-3 and rel <= 1e-6, (diff, rel, res[False]["ppl"], res[True]["ppl"])
