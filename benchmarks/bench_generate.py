@@ -14,8 +14,8 @@ Methods (``--methods``):
   ``torch.compile(mode="reduce-overhead")``, CUDA graphs; its mask over the whole capacity makes SDPA repeat K/V
   for GQA);
 * ``oscar``: ``OscarCache(model, ...)``, the default call: on CUDA its storage is device-resident and ``generate``
-  compiles the decode step by itself (like bf16-static); ``oscar-eager``: ``OscarCache(compile=False)``, the eager
-  layer; ``oscar-static``: ``StaticOscarCache`` (a fixed ``max_cache_len``);
+  compiles the decode step by itself (like bf16-static); ``oscar-eager``: ``OscarCache(compile=False)``, every
+  forward eager; ``oscar-static``: ``StaticOscarCache`` (a fixed ``max_cache_len``);
   ``oscar-compiled``: ``OscarCache(compile=True)``, the compiled storage also for the models where the default call
   keeps the eager storage on CUDA (hybrid, MLA, KV-sharing, soft-capped); ``oscar-skipN``: the first N layers kept in
   full precision (``skip_layers``);
@@ -197,7 +197,7 @@ def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 
     path, chunk by chunk (decode speed does not depend on the values; a 64 x 32K prompt's activations would not fit).
     Sliding layers get the rows they keep, their count set to ``context``; linear-attention layers are left to
     ``generate``'s first forward (the prompt's last token), which leaves the state a prefill leaves."""
-    from oscar_hf.cache import DummyLayer, OscarLayer, CompiledOscarLayer
+    from oscar_hf.cache import DummyLayer, OscarLayer
     from strong_bf16 import StrongBF16Cache
     from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
@@ -228,20 +228,13 @@ def synthetic_fill(model, cache, batch: int, context: int, device, chunk: int = 
             else:  # (its device count serves only until full, and an overflowing prefill leaves it as it was)
                 layer.cumulative_length_int = context
             continue
-        step = chunk if isinstance(layer, (OscarLayer, CompiledOscarLayer)) or hasattr(layer, "max_cache_len") else context
+        step = chunk if isinstance(layer, OscarLayer) or hasattr(layer, "max_cache_len") else context
         for c0 in range(0, context, step):
             n = min(step, context - c0)
             k = torch.randn(batch, hk, n, d, device=device, dtype=model.dtype, generator=g)
             v = torch.randn(batch, hk, n, d, device=device, dtype=model.dtype, generator=g)
-            if isinstance(layer, CompiledOscarLayer):
-                if not layer.is_initialized:
-                    layer.lazy_initialization(k, v)
-                    layer.pad_known = True
-                t_old = layer.host_len
-                layer.advance(n)
-                layer.commit_bulk(k, v, t_old)
-            elif isinstance(layer, OscarLayer):
-                layer.commit(k, v, None)
+            if isinstance(layer, OscarLayer):
+                layer.write(k, v)
             else:  # DynamicLayer / StaticLayer
                 layer.update(k, v)
 

@@ -123,10 +123,7 @@ def cache_finite(cache) -> bool:
     for layer in cache.layers:
         if not getattr(layer, "is_initialized", False) or getattr(layer, "hist_k", None) is None:
             continue
-        tk, tv = layer.tail_view()
-        n = layer.n_hist
-        for t in (tk, tv, layer.sink_k, layer.sink_v, layer.hist_k.scale[:, :, :n], layer.hist_k.zero[:, :, :n],
-                  layer.hist_v.scale[:, :, :n], layer.hist_v.zero[:, :, :n]):
+        for t in (layer.win, layer.meta):  # (zeros past the written entries)
             ok &= bool(torch.isfinite(t).all())
     return ok
 
@@ -149,8 +146,8 @@ class Monitor(LogitsProcessor):
         s = dict(step=self.step, seq_len=self.cache.get_seq_length(), t=time.perf_counter() - self.t0,
                  cache_used=int(rep["total"]), cache_allocated=int(rep["allocated"]),
                  history_codes=int(rep["history_codes"]), nonfinite_so_far=int(self.bad))
-        s["sinks_full"] = all(bool((layer.sink_count() == layer.config.sink).all()) for layer in self.cache.layers
-                              if getattr(layer, "hist_k", None) is not None and layer.is_initialized and layer.pad is not None)
+        s["sinks_full"] = all(bool((layer.host_len - layer.pad >= layer.config.sink).all()) for layer in self.cache.layers
+                              if getattr(layer, "hist_k", None) is not None and layer.is_initialized)
         if mem:
             s.update(mem_allocated=mem["allocated"], non_cache=mem["allocated"] - s["cache_allocated"])
         self.samples.append(s)
@@ -159,8 +156,9 @@ class Monitor(LogitsProcessor):
     def __call__(self, input_ids, scores):
         if self.step == self.inject_nan_at:
             for layer in self.cache.layers:  # corrupt one stored scale: its history token's logits become NaN
-                if getattr(layer, "hist_k", None) is not None and layer.n_hist > 0:
-                    layer.hist_k.scale[:, :, layer.n_hist - 1] = float("nan")
+                n = layer.host_len - layer.config.recent - layer.config.sink if layer.is_initialized else 0
+                if getattr(layer, "hist_k", None) is not None and n > 1:  # (entry n - 1 is written again next step)
+                    layer.hist_k.scale[:, :, n - 2] = float("nan")
         self.bad += (~torch.isfinite(scores.index_select(1, self.keep))).sum()
         e = scores[:, EOS]
         self.bad_eos += (torch.isnan(e) | torch.isposinf(e)).sum()

@@ -179,8 +179,9 @@ class OscarFamily(KVMethod):
         c = self.config.for_head_dim(head_dim)  # group_size=None: one group (one scale + zero) per head
         n_fp, n_q = window_counts(T, c.sink, c.recent)
         share = self.retrieval_share()
-        # a retrieval head keeps every position in its own buffer (at retrieval_head_bits), and its sink /
-        # recent slots also sit in the window buffers of all heads (OscarLayer.memory counts both)
+        # a retrieval head counted at every position (at retrieval_head_bits) on top of the window buffers of all
+        # heads: an upper bound (the OSCAR layer codes only its history entries), kept so that the settings search
+        # and the published bits stay those measured
         return (mix_bits(n_fp, n_q, c.history_bits(head_dim, share))
                 + share * c.retrieval_head_bits(head_dim) * n_fp / max(T, 1))
 

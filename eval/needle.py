@@ -130,7 +130,7 @@ def prefill_kv(model, context: torch.Tensor) -> list[tuple[torch.Tensor, torch.T
 
 def write_prefix(cache, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Store a prefilled prefix in the fresh ``cache`` as the prefill forward would: an OSCAR layer through its
-    write path (``commit``: sink, recent window, INT2 history; OscarCache's prefill attention is exact, so its
+    write path (``write``: sink, recent window, INT2 history; OscarCache's prefill attention is exact, so its
     K/V rows are those of any exact prefill), a full-precision ``DynamicLayer`` by ``update``. Other layer
     kinds (sliding windows, Transformers' quantized layers) raise ValueError: prefill those through the model."""
     from transformers.cache_utils import DynamicLayer
@@ -143,7 +143,7 @@ def write_prefix(cache, prefix_kv: list[tuple[torch.Tensor, torch.Tensor]]) -> N
         if getattr(layer, "is_initialized", False):
             raise ValueError(f"layer {i} already holds tokens: write_prefix needs a fresh cache")
         if isinstance(layer, OscarLayer):
-            layer.commit(k, v)
+            layer.write(k, v)
         elif type(layer) is DynamicLayer:  # noqa: E721 (subclasses such as sliding windows drop tokens)
             layer.update(k, v)
         else:

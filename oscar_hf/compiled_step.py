@@ -52,12 +52,12 @@ def _expect_length(original, generation_config, model_kwargs, *args, **kwargs):
 
 def _mask_unread(cache, inputs_embeds) -> bool:
     """Whether a one-token step's mask would go unread: every layer of ``cache`` a compiled OSCAR layer past its
-    prefill that sizes no mask (``CompiledOscarLayer.get_mask_sizes``: no fixed capacity)."""
-    from .cache.compiled import CompiledOscarLayer  # (here: the cache package imports this module)
+    prefill that sizes no mask (``OscarLayer.get_mask_sizes``: compiled, no fixed capacity)."""
+    from .cache.compiled import OscarLayer  # (here: the cache package imports this module)
 
     layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None)
     return (inputs_embeds is not None and inputs_embeds.shape[1] == 1 and bool(layers)
-            and all(isinstance(x, CompiledOscarLayer) and x.pad_known and not x.fixed_capacity for x in layers))
+            and all(isinstance(x, OscarLayer) and x.compiled and x.pad_known and not x.fixed_capacity for x in layers))
 
 
 def _decode_mask(original, *args, **kwargs):

@@ -237,6 +237,6 @@ def test_full_precision_heads_follow_the_rank(monkeypatch):
             qs = q[:, 2 * sl.start : 2 * sl.stop]
             outs.append(handle.attend(qs, None, 32**-0.5, module, "sdpa"))  # [1, n, Hq of the rank, D]
         torch.testing.assert_close(outs[1], outs[0][:, :, 4:8], rtol=1e-5, atol=1e-6)
-    assert cache.layers[0].n_hist > 0 and cache.layers[0].fp_k is not None
+    assert cache.layers[0].export_state()["hist_k"].codes.shape[2] > 0 and cache.layers[0].coded_x is not None
     with pytest.raises(NotImplementedError, match="every KV head of rank 1"):
         OscarCache(model, rot, **{**kw, "full_precision_heads": ((0, 2), (0, 3))})

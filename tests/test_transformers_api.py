@@ -25,7 +25,7 @@ from transformers.cache_utils import (
 
 import oscar_hf
 from oscar_hf import OscarCache, StaticOscarCache
-from oscar_hf.cache import CompiledOscarHybridLayer, CompiledOscarLayer, GrowingLayer, OscarHybridLayer, OscarLayer
+from oscar_hf.cache import GrowingLayer, OscarHybridLayer, OscarLayer
 from oscar_hf.cache.base import QuantizedLayerBase
 from oscar_hf.compat import CACHE_ARGUMENTS, cache_argument, cache_kwargs, returned_cache
 from oscar_hf.models import tiny_model
@@ -216,7 +216,7 @@ CONSTRUCTORS = {  # the unquantized layers OscarCache / StaticOscarCache build, 
     LinearAttentionAndStaticSlidingWindowAttentionLayer: ("max_cache_len", "sliding_window", "number_of_states"),
 }
 # every layer class of ours that a cache holds (test_our_layers_do_not_set_layer_type checks that none is missing)
-OUR_LAYERS = (OscarLayer, CompiledOscarLayer, OscarHybridLayer, CompiledOscarHybridLayer, GrowingLayer)
+OUR_LAYERS = (OscarLayer, OscarHybridLayer, GrowingLayer)
 
 
 def param_names(fn) -> tuple[str, ...]:
@@ -313,9 +313,9 @@ def test_signature_checks_fail_on_a_drift(monkeypatch):
     assert base_problems() == []
 
     monkeypatch.setattr(OscarLayer, "reorder_cache", lambda self: None)  # lost its beam_idx
-    monkeypatch.setattr(CompiledOscarLayer, "get_mask_sizes", lambda self, query_length, layer_idx: (0, 0))
+    monkeypatch.setattr(GrowingLayer, "get_mask_sizes", lambda self, query_length, layer_idx: (0, 0))
     problems = "\n".join(override_problems())
-    assert "OscarLayer.reorder_cache" in problems and "CompiledOscarLayer.get_mask_sizes" in problems, problems
+    assert "OscarLayer.reorder_cache" in problems and "GrowingLayer.get_mask_sizes" in problems, problems
 
 
 # ---------------------------------------------------------------------------------------------- layer mapping

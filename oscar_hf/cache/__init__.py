@@ -1,6 +1,6 @@
-"""The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers, compiled
-storage on CUDA (:mod:`.compiled`), the eager layer elsewhere (:mod:`.dynamic`); :class:`StaticOscarCache` fixes the
-capacity. Layer kinds and storages: docs/cache.md; usage: docs/usage.md, "The cache in `generate`".
+"""The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers
+(:mod:`.compiled`), their decode step compiled on CUDA, eager elsewhere; :class:`StaticOscarCache` fixes the
+capacity. Layer kinds and storage: docs/cache.md; usage: docs/usage.md, "The cache in `generate`".
 """
 from __future__ import annotations
 
@@ -23,16 +23,16 @@ from ..config import (DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_T
 from ..distributed import shard_cache_for_tensor_parallel
 from ..layer_choice import LayerChoice, choose_layers, resolve_retrieval_heads
 from ..rotations import OscarRotations
-from .compiled import CompiledOscarLayer, GrowingLayer, StepShared
-from .dynamic import OscarLayer
-from .hybrid import CompiledOscarHybridLayer, OscarHybridLayer
+from .compiled import GrowingLayer, OscarLayer, StepShared
+from .hybrid import OscarHybridLayer
 from .io import DummyLayer, load_cache, save_cache  # (DummyLayer: None on Transformers 5.17)
 
-__all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "CompiledOscarLayer", "OscarHybridLayer",
-           "CompiledOscarHybridLayer", "GrowingLayer", "resolve_retrieval_heads", "resolve_full_precision_heads"]
+__all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "OscarHybridLayer", "GrowingLayer", "resolve_retrieval_heads",
+           "resolve_full_precision_heads"]
 resolve_full_precision_heads = resolve_retrieval_heads  # the name before "retrieval heads" was the one name
-# The compiled layers' old names ("static" now names only fixed capacity); importing them warns
-RENAMED = {"StaticOscarLayer": "CompiledOscarLayer", "StaticOscarHybridLayer": "CompiledOscarHybridLayer"}
+# The layers' old names (one layer, compiled or not; "static" names only fixed capacity); importing them warns
+RENAMED = {"StaticOscarLayer": "OscarLayer", "StaticOscarHybridLayer": "OscarHybridLayer",
+           "CompiledOscarLayer": "OscarLayer", "CompiledOscarHybridLayer": "OscarHybridLayer"}
 logger = logging.getLogger("oscar_hf")
 _SAID: set[tuple[str, str]] = set()  # (architecture, layer kind) whose full-precision reason was logged
 
@@ -40,8 +40,8 @@ _SAID: set[tuple[str, str]] = set()  # (architecture, layer kind) whose full-pre
 def __getattr__(name: str):
     if name in RENAMED:
         import warnings
-        warnings.warn(f"oscar_hf.cache.{name} is now {RENAMED[name]} (the compiled layer; \"static\" names only the "
-                      "fixed-capacity StaticOscarCache)", FutureWarning, stacklevel=2)
+        warnings.warn(f"oscar_hf.cache.{name} is now {RENAMED[name]} (one layer, compiled or not; \"static\" names only "
+                      "the fixed-capacity StaticOscarCache)", FutureWarning, stacklevel=2)
         return globals()[RENAMED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -100,8 +100,8 @@ class OscarCache(Cache):
     ``rotations``: an :class:`OscarRotations` or None for the artifact-free ``method``; ``overrides``:
     :class:`OscarConfig` fields on top of ``config`` / ``preset`` / the artifact's chosen settings. ``model_or_config``:
     the model (needed for tensor parallelism) or its config; its attention is routed through OSCAR. ``compile``:
-    "auto" (the device-resident :class:`CompiledOscarLayer` on CUDA where every layer kind allows it), True, or False
-    (the eager :class:`OscarLayer`). Layer kinds: docs/usage.md, "Supported models".
+    "auto" (``generate`` compiles the decode step on CUDA where every layer kind allows it), True, or False (every
+    forward eager; the same :class:`OscarLayer` storage). Layer kinds: docs/usage.md, "Supported models".
     """
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
@@ -134,13 +134,9 @@ class OscarCache(Cache):
             elif kind in STATE_LAYER_TYPES:  # no per-token K/V: Transformers' own state layer (compileable as it is)
                 layers.append(LinearAttentionLayer(**n_states))
             elif kind in FULL_LAYER_TYPES and choice.quantized(i):
-                heads = choice.retrieval_heads.get(i, ())
-                if self.compiled:
-                    cls = CompiledOscarHybridLayer if state else CompiledOscarLayer
-                    layers.append(cls(config, rotations.layers[i], i, retrieval_heads=heads, max_cache_len=fixed, **state))
-                else:
-                    cls = OscarHybridLayer if state else OscarLayer
-                    layers.append(cls(config, rotations.layers[i], i, retrieval_heads=heads, **state))
+                layers.append((OscarHybridLayer if state else OscarLayer)(
+                    config, rotations.layers[i], i, retrieval_heads=choice.retrieval_heads.get(i, ()), max_cache_len=fixed,
+                    compiled=self.compiled, **state))
             elif kind in FULL_LAYER_TYPES + FULL_PRECISION_LAYER_TYPES:  # skipped, MLA latents, KV sharing's stores
                 state = state if kind in FULL_LAYER_TYPES else {}
                 if self.compiled and state:  # (compiled_storage refuses the compiled storage for it)
@@ -158,11 +154,11 @@ class OscarCache(Cache):
                                           "Transformers' DummyLayer (transformers >= 5.2x)")
             layers = layers[:n]
         super().__init__(layers=layers)
-        compiled = [x for x in layers if isinstance(x, CompiledOscarLayer)]
-        if compiled:  # one decode forward's window mask and history length, computed by its first OSCAR layer
+        quantized = [x for x in layers if isinstance(x, OscarLayer)]
+        if quantized:  # one decode forward's window mask and history length, computed by its first OSCAR layer
             step = StepShared()
-            step.last_layer = max(x.layer_idx for x in compiled)
-            for x in compiled:
+            step.last_layer = max(x.layer_idx for x in quantized)
+            for x in quantized:
                 x.step = step
         # a compiled full-precision layer returns all C slots: every full-attention layer's mask is then its (C, 0)
         self._mask_layer = next((i for i, x in enumerate(layers) if isinstance(x, GrowingLayer)), None)
@@ -179,6 +175,10 @@ class OscarCache(Cache):
     max_cache_len_fixed: int | None = None  # StaticOscarCache's capacity
     _mask_layer: int | None = None
 
+    @property
+    def is_compileable(self) -> bool:  # (compile=False: generate keeps every forward eager)
+        return self.compiled and super().is_compileable
+
     def layer_kinds(self) -> list[str]:
         """What each decoder layer got, in order: ``"oscar"`` / ``"oscar+state"``, ``"sliding"``, ``"state"``,
         ``"latent"``, ``"shared_kv"``, ``"full_precision"`` (skipped, no rotation) or ``"none"`` (caches nothing)."""
@@ -187,7 +187,7 @@ class OscarCache(Cache):
         out = []
         for i, t in enumerate(self.fingerprint.layer_types):
             layer = self.layers[i] if i < len(self.layers) else None
-            if isinstance(layer, (OscarLayer, CompiledOscarLayer)):
+            if isinstance(layer, OscarLayer):
                 out.append("oscar+state" if isinstance(layer, LinearAttentionCacheLayerMixin) else "oscar")
             else:  # full attention (skipped, no rotation, exact) and unequal K/V widths: "full_precision"
                 out.append(named.get(t, "full_precision"))
@@ -212,7 +212,7 @@ class OscarCache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
-        if self._mask_layer is not None and isinstance(layer, CompiledOscarLayer):
+        if self._mask_layer is not None and isinstance(layer, OscarLayer):
             return self.layers[self._mask_layer].get_mask_sizes(query_length)  # the full-attention layers' one mask
         return super().get_mask_sizes(query_length, layer_idx)
 
@@ -230,7 +230,7 @@ class OscarCache(Cache):
                              "allocated", "full_precision_layers"), 0)
         elements = 0
         for layer in self.layers:
-            if hasattr(layer, "memory"):  # OscarLayer and the compiled CompiledOscarLayer
+            if hasattr(layer, "memory"):  # OscarLayer
                 m = layer.memory()
                 for k in tot.keys() & m.keys():
                     tot[k] += m[k]
@@ -295,7 +295,7 @@ class StaticOscarCache(OscarCache):
         if max_cache_len is None or int(max_cache_len) < 1:
             raise ValueError("StaticOscarCache needs max_cache_len >= 1 (prompt + new tokens, padding included)")
         if overrides.pop("compile", True) is not True:
-            raise ValueError("StaticOscarCache is the compiled storage; use OscarCache(compile=False) for the eager one")
+            raise ValueError("StaticOscarCache compiles its decode step; use OscarCache(compile=False) for eager forwards")
         self.max_cache_len_fixed = int(max_cache_len)  # (transformers 5.17's Cache has a read-only max_cache_len)
         super().__init__(model_or_config, rotations, config, compile=True, **overrides)
 

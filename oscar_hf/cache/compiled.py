@@ -1,7 +1,8 @@
-"""`CompiledOscarLayer`: a quantized layer in fixed-address device buffers, so that ``generate`` compiles the decode
-step; the eager layer's semantics in the serving store's layout (:mod:`.window`). `GrowingLayer`: a full-precision
-layer of the compiled storage, growing in the same capacity buckets. The compiled layer's buffers and their shapes
-(``win``, ``codes``, ``meta``, ``coded_x``, ``coded_meta``, ``length``): docs/cache.md, "The compiled layer".
+"""`OscarLayer`: a quantized layer in fixed-address device buffers, in the serving store's layout (:mod:`.window`),
+so that ``generate`` can compile its decode step; run eagerly (``OscarCache(compile=False)``, the CPU) it is the same
+storage. `GrowingLayer`: a full-precision layer of the compiled storage, growing in the same capacity buckets. The
+buffers and their shapes (``win``, ``codes``, ``meta``, ``coded_x``, ``coded_meta``, ``length``): docs/cache.md,
+"The OSCAR layer".
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from .base import BatchOps, QuantizedLayerBase, allowed_slots, first_real_slot, 
 from .compiled_eager import CompiledEager, _fixed_address, regrown
 from .window import window_mask
 
-RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE (as OscarLayer's CROP_RESERVE)
+RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE
 BUCKET = 1024  # capacity granularity (slots)
 HEADROOM = 1 / 8  # a fresh allocation leaves room for this fraction of its length (at least BUCKET slots) ...
 GROWTH = 1.5  # ... and a full one grows by this factor: few buckets (CUDA graphs) over a long generation
@@ -42,7 +43,7 @@ def capacity_for(need: int, current: int = 0, expected: int = 0) -> int:
 
 
 class HostLength:
-    """The host side of a compiled-storage layer (:class:`CompiledOscarLayer`, ``GrowingLayer``): ``host_len``, ``T``
+    """The host side of a compiled-storage layer (:class:`OscarLayer`, ``GrowingLayer``): ``host_len``, ``T``
     without a device sync, and the capacity, grown in buckets before a forward's rows are written."""
 
     def _init_length(self, max_cache_len: int | None) -> None:
@@ -125,7 +126,7 @@ class StepShared:
     def clear(self) -> None:
         self.layer_idx, self.key, self.t, self.pad, self.win_mask, self.hist_len = -1, None, None, None, None, None
 
-    def join(self, layer: "CompiledOscarLayer") -> torch.Tensor:
+    def join(self, layer: "OscarLayer") -> torch.Tensor:
         """The length tensor of ``layer``'s device; its highest-index layer advances it."""
         length, last = self.lengths.get(layer.device, (None, None))
         if length is None:
@@ -139,14 +140,17 @@ class StepShared:
         return length
 
 
-class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
-    """One quantized layer with device-resident storage. ``max_cache_len`` fixes the capacity; None grows it."""
+class OscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
+    """One quantized layer with device-resident storage. ``max_cache_len`` fixes the capacity; None grows it.
+    ``compiled``: ``generate`` compiles its decode step (fixed mask sizes); else every forward runs eagerly and reads
+    the model's mask (any mask, as a ``DynamicLayer`` neighbour sizes it)."""
 
     is_compileable = True
 
     def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, max_cache_len: int | None = None,
-                 retrieval_heads=()):
+                 retrieval_heads=(), compiled: bool = False):
         super().__init__(config, rotation, layer_idx, retrieval_heads)
+        self.compiled = compiled
         if config.recent < 1:
             raise ValueError("the compiled OSCAR cache needs recent >= 1 (the ring buffer of the recent window)")
         self._init_length(max_cache_len)
@@ -156,6 +160,7 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
         self.advances_length = True
         self.pad_known = False  # Python flag: set at the first (eager) forward
         self.step = StepShared()  # replaced by the cache's one, shared by its layers
+        self.pending = False  # (eager) update returned rows that attend has not consumed yet
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         params = self.build_params(key_states)
@@ -226,14 +231,23 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
         if not is_compiling():
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
+            if self.pending:
+                raise RuntimeError(
+                    f"OscarCache layer {self.layer_idx}: update() was called again before the previous rows were "
+                    "consumed by the 'oscar_*' attention function. The model's attention does not go through OSCAR: "
+                    "build the cache with OscarCache(model, ...) / OscarCache.from_pretrained(path, model), or call "
+                    "oscar_hf.enable_oscar(model).")
             self.check_update(key_states)
             self._count_rows(key_states.shape[2])
+            self.pending = True
         handle = CompiledOscarKV(self, key_states, value_states)
         return handle, handle
 
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
-        # A decode step reads no mask: one slot keeps the step's inputs of fixed shape. A fixed capacity keeps
-        # StaticCache's full-size mask (a skipped layer may read it)
+        # A compiled decode step reads no mask: one slot keeps the step's inputs of fixed shape. A fixed capacity keeps
+        # StaticCache's full-size mask (a skipped layer may read it); eager, DynamicLayer's
+        if not self.compiled:
+            return self.host_len + query_length, 0
         if self.fixed_capacity:
             return self.fixed_capacity, 0
         if query_length == 1:
@@ -245,7 +259,7 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
             for t in (self.win, self.pad, self.length, self.codes, self.meta, self.coded_x, self.coded_meta):
                 if t is not None:
                     t.zero_()
-        self.mu_k_seq, self.pad_known, self.host_len, self.announced = None, False, 0, False
+        self.mu_k_seq, self.pad_known, self.host_len, self.announced, self.pending = None, False, 0, False, False
 
     def attend(self, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
         """``query [B, Hq, L, D]`` -> ``[B, L, Hq, D]``. A decode step writes, then reads, device ops only;
@@ -253,12 +267,17 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
         new_k, new_v = handle.key_states, handle.value_states
         b, hq, l, d = query.shape
         t_old = None
-        if not self.pad_known:  # first forward of this cache (eager): left padding from the mask
+        if not is_compiling():
+            self.pending = False
             t_old = self.host_len - l
-            allowed = allowed_slots(attention_mask, b, l, t_old + l, t_old)
-            self.pad.copy_(first_real_slot(allowed, b, query.device))
-            self.pad_known = True
-        if l > 1:
+            if not self.pad_known:  # first forward of this cache: left padding from the mask
+                allowed = allowed_slots(attention_mask, b, l, t_old + l, t_old)
+                self.pad.copy_(first_real_slot(allowed, b, query.device))
+                self.pad_known = True
+        # eager: while nothing is quantized (the model's own attention), or under a mask that hides more than left
+        # padding, a decode step reads as a multi-token forward does
+        if l > 1 or (not is_compiling() and not self.compiled and (
+                t_old - self.config.recent <= self.config.sink or not self._left_padding_only(attention_mask, t_old))):
             return self._multi_token(query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs)
         # A decode step: the query's rotation in torch ops (Inductor fuses them with the projection), the write and
         # the attention one opaque op (static_op.decode_step). t: the new token's slot
@@ -276,7 +295,7 @@ class CompiledOscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
             q_rot, qk_off = rotate_query(qi, self.params.r_k, mu_k, self.config.use_kernels)
             q_rot = q_rot.contiguous()
         # (NO_HEADS through its module global, not the layer's attribute: one set of guards for all such layers)
-        args = (q, q_rot, qk_off, new_k, new_v, t, pad, win_mask, hist_len, mu_k, mu_v, float(scaling), query.dtype,
+        args = (q, q_rot, qk_off, new_k.detach(), new_v.detach(), t, pad, win_mask, hist_len, mu_k, mu_v, float(scaling), query.dtype,
                 sinks, float(softcap or 0.0), *self.step_storage, *(self.step_heads if self.retrieval_heads else NO_HEADS),
                 *self.step.config)
         # the opaque op while torch.compile traces, the function in eager code

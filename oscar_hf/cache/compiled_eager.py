@@ -1,5 +1,5 @@
-"""The compiled layer's eager side (never compiled): multi-token forwards and their bulk writes, ``generate``'s cache
-operations, save / load in the eager layer's format, memory. Layout: :mod:`oscar_hf.cache.compiled`."""
+"""The OSCAR layer's eager side (never compiled): multi-token forwards and their bulk writes, ``generate``'s cache
+operations, save / load, memory. Layout: :mod:`oscar_hf.cache.compiled`."""
 from __future__ import annotations
 
 import torch
@@ -22,6 +22,11 @@ def _fixed_address(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# one decode forward's answer of CompiledEager._left_padding_only for its layers: (mask, t_old, answer); the mask
+# held so that its id stays unique
+_LEFT_PAD_MEMO: list = [None]
+
+
 def regrown(old: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, dim: int) -> torch.Tensor:
     """Zeros of ``shape`` at a fixed address, holding ``old``'s entries (if any) along ``dim``, the capacity's, up to
     the smaller of the two sizes."""
@@ -41,9 +46,13 @@ class CompiledEager:
         g = hq // hk
         t_old = self.host_len - l if t_old is None else t_old
         kv = t_old + l
-        if t_old == 0:  # prefill of an empty cache: exactly the user's attention over the prompt
-            mask = attention_mask[..., :l] if attention_mask is not None and attention_mask.dim() == 4 else attention_mask
-            out, _ = base_attention_function(module, base)(module, query, new_k, new_v, mask, scaling=scaling, **kwargs)
+        if t_old - cfg.recent <= s0:  # nothing quantized yet: exactly the user's attention (as a DynamicCache)
+            mask = attention_mask[..., :kv] if attention_mask is not None and attention_mask.dim() == 4 else attention_mask
+            keys, values = new_k, new_v
+            if t_old:  # slots [0, T) from the sink and the ring, in order
+                old = self._window_rows(torch.arange(t_old, device=dev), t_old)  # [2, B, Hk, T, D]
+                keys, values = torch.cat([old[0], new_k], 2), torch.cat([old[1], new_v], 2)
+            out, _ = base_attention_function(module, base)(module, query, keys, values, mask, scaling=scaling, **kwargs)
             self.commit_bulk(new_k, new_v, t_old)
             return out
         # On a non-empty cache: the history up to T - W (the pending demotion first), the window and the new rows
@@ -74,6 +83,19 @@ class CompiledEager:
         self.commit_bulk(new_k, new_v, t_old)
         return out
 
+    def write(self, new_k: torch.Tensor, new_v: torch.Tensor, pad: torch.Tensor | None = None) -> None:
+        """Store ``new_k/v [B, Hk, L, D]`` at slots ``[T, T + L)`` without reading them (rows computed elsewhere:
+        a shared prefix); ``pad [B]``: each row's first real slot, taken at the first write (default 0)."""
+        self.update(new_k, new_v)
+        self.pending = False
+        if not self.pad_known:
+            if pad is not None:
+                self.pad.copy_(pad)
+            self.pad_known = True
+        t_old = self.host_len - new_k.shape[2]
+        self._demote_pending(t_old)
+        self.commit_bulk(new_k, new_v, t_old)
+
     def _history(self) -> RowsHistory:
         """Where this layer's history entries live: index ``slot - S0`` of every row."""
         return RowsHistory(self.hist_k, self.hist_v, self.coded_k, self.coded_v)
@@ -83,7 +105,9 @@ class CompiledEager:
         demote_pending(self.win_k, self.win_v, self._history(), self.params, self.config, t, self.mu_k_seq)
 
     def commit_bulk(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
-        """Write slots ``[T, T + L)``; with ``key_offset="prefill"`` the first demotion fixes the key mean."""
+        """Write slots ``[T, T + L)``; with ``key_offset="prefill"`` the first demotion fixes the key mean. The cache
+        stores values, not autograd graphs (its buffers are written in place)."""
+        new_k, new_v = new_k.detach(), new_v.detach()
         s0, w = self.config.sink, self.config.recent
         t_new = t_old + new_k.shape[2]
         b = t_new - w
@@ -132,9 +156,23 @@ class CompiledEager:
         self.batch_size = self.win.shape[1]
         self._bind_step_storage()
 
-    def _window_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """``[2, B, Hk, n, D]`` (K, V): the rows of ``slots [n]`` from the ring or the sink; zeros where neither."""
-        s0, t = self.config.sink, self.host_len
+    def _left_padding_only(self, attention_mask, t_old: int) -> bool:
+        """Whether a decode step's mask hides only each row's left padding, which the decode step reads without a
+        mask. One host sync per forward (its first layer)."""
+        if attention_mask is None:
+            return True
+        memo = _LEFT_PAD_MEMO[0]
+        if memo is not None and memo[0] is attention_mask and memo[1] == t_old:
+            return memo[2]
+        allowed = allowed_slots(attention_mask, self.batch_size, 1, t_old + 1, t_old)[:, 0]  # [B, T + 1]
+        ok = torch.equal(allowed, torch.arange(t_old + 1, device=allowed.device)[None, :] >= self.pad[:, None])
+        _LEFT_PAD_MEMO[0] = (attention_mask, t_old, ok)
+        return ok
+
+    def _window_rows(self, slots: torch.Tensor, t: int) -> torch.Tensor:
+        """``[2, B, Hk, n, D]`` (K, V): the rows of ``slots [n]`` from the ring or the sink once slots ``[0, t)`` are
+        written; zeros where neither."""
+        s0 = self.config.sink
         in_ring = slots >= t - self.ring
         j = slots[None, :] - self.pad[:, None]  # [B, n] sink index of each slot
         in_sink = (j >= 0) & (j < s0)
@@ -146,18 +184,19 @@ class CompiledEager:
                             for win in (self.win_k, self.win_v)])
 
     def export_state(self) -> dict:
-        """The state in :class:`OscarLayer`'s saved form (:mod:`.io`): positions and the used part of each buffer."""
+        """The saved form (:mod:`.io`): positions, the sink, the window's slots in order (``tail``), the history's used
+        entries and the retrieval heads' every slot."""
         s0, w, t, dev = self.config.sink, self.config.recent, self.host_len, self.device
         self._demote_pending(t)
         ts = t - w if t - w > s0 else 0
         n = max(0, ts - s0)
-        tail = self._window_rows(torch.arange(ts, t, device=dev))  # [2, B, Hk, t - ts, D]
+        tail = self._window_rows(torch.arange(ts, t, device=dev), t)  # [2, B, Hk, t - ts, D]
         state = dict(seq_len=t, tail_start=ts, pad=self.pad.clone(), sink_k=self.win_k[:, :, :s0], sink_v=self.win_v[:, :, :s0],
                      tail_k=tail[0], tail_v=tail[1], hist_k=QuantizedRows(*(x[:, :, :n] for x in self.hist_k)),
                      hist_v=QuantizedRows(*(x[:, :, :n] for x in self.hist_v)), mu_k_seq=self.mu_k_seq)
         if self.retrieval_heads:
-            # the eager layer keeps every slot [0, t) coded: [S0, ts) as stored, the others coded from the window
-            front = self._window_rows(torch.arange(min(s0, ts), device=dev))  # [2, B, Hk, min(S0, ts), D]
+            # every slot [0, t) coded: [S0, ts) as stored, the others coded from the window
+            front = self._window_rows(torch.arange(min(s0, ts), device=dev), t)  # [2, B, Hk, min(S0, ts), D]
             for i, (kind, coded) in enumerate((("k", self.coded_k), ("v", self.coded_v))):
                 parts = zip(self.params.encode_coded(front[i]), (x[:, :, :n] for x in coded),
                             self.params.encode_coded(tail[i]))
@@ -166,8 +205,7 @@ class CompiledEager:
 
     def import_state(self, state: dict) -> None:
         """Load :meth:`export_state`'s form, the tail from ``buf_slot0`` (tensors on this layer's device, shapes
-        checked by :mod:`.io`). The eager layer fills a row's sink at its demotion: entries still in the tail come
-        from there."""
+        checked by :mod:`.io`). A sink may be saved partly filled: entries still in the tail come from there."""
         s0, t, ts, bs0 = self.config.sink, int(state["seq_len"]), int(state["tail_start"]), int(state["buf_slot0"])
         tails = [state[k][:, :, ts - bs0 :] for k in ("tail_k", "tail_v")]  # slots [ts, t)
         self.host_len = 0

@@ -1,5 +1,5 @@
-"""Storage of a layer's retrieval heads (every slot in the eager layer, the history entries in the compiled layer and
-the serving store): per K or V a tuple of tensors sharing (batch, head, slot), sliced, grown and saved part by part;
+"""Storage of a layer's retrieval heads (their history entries, in the OSCAR layer and the serving store; every slot
+in the saved form): per K or V a tuple of tensors sharing (batch, head, slot), sliced, grown and saved part by part;
 by ``OscarConfig.retrieval_bits`` min-max codes or the model dtype. Shapes: docs/kernels.md §1, §3.9.
 """
 from __future__ import annotations

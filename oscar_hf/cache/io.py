@@ -23,8 +23,7 @@ from ..config import ModelFingerprint, OscarConfig, renamed_keywords
 from ..quant import QuantizedRows
 from ..rotations import OscarRotations
 from . import heads
-from .compiled import CompiledOscarLayer, GrowingLayer, capacity_for
-from .dynamic import OscarLayer
+from .compiled import GrowingLayer, OscarLayer, capacity_for
 
 FORMAT = "oscar_hf.cache"
 VERSION = 1
@@ -151,10 +150,10 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
             raise NotImplementedError(f"cannot save cache layer {i}: {type(layer).__name__} holds a linear-attention"
                                       " / SSM / convolution state (Transformers' LinearAttentionLayer), which "
                                       "OscarCache.save does not serialize")
-        if isinstance(layer, (OscarLayer, CompiledOscarLayer)):
-            if getattr(layer, "pending", None) is not None:
+        if isinstance(layer, OscarLayer):
+            if layer.pending:
                 raise RuntimeError("cannot save an OscarCache in the middle of a forward pass")
-            if not layer.is_initialized or (isinstance(layer, OscarLayer) and layer.pad is None):
+            if not layer.is_initialized:
                 layers.append(dict(kind="oscar", empty=True))
                 continue
             st = layer.export_state()
@@ -305,7 +304,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
         if entry.get("empty"):
             continue
         if entry["kind"] == "oscar":
-            if not isinstance(layer, (OscarLayer, CompiledOscarLayer)):
+            if not isinstance(layer, OscarLayer):
                 raise ValueError(f"layer {i}: saved as quantized, but this cache does not quantize it")
             b, hk, d = entry["batch_size"], entry["num_kv_heads"], entry["head_dim"]
             dtype = _DTYPES[entry["dtype"]]

@@ -4,7 +4,6 @@ import types
 import pytest
 import torch
 
-from oscar_hf.attention import OscarKV
 from oscar_hf.cache import OscarLayer
 from oscar_hf.config import OscarConfig
 from oscar_hf.hadamard import hadamard_matrix
@@ -109,19 +108,16 @@ def test_decode_attention_matches_fake_quant_reference(hq, hk, d, g, offsets, ke
         q = torch.randn(b, hq, l, d)
         kv = t + l
         mask = sdpa_mask(mask2d[:, :kv], t, l)
-        handle = OscarKV(layer, K[:, :, t:kv], V[:, :, t:kv])
-        if not layer.is_initialized:
-            layer.lazy_initialization(handle.key_states, handle.value_states)
-        ref_layer_state = layer.tail_start
+        handle, _ = layer.update(K[:, :, t:kv], V[:, :, t:kv])
         out = handle.attend(q, mask, 0.125, module, "sdpa")
-        # the reference uses the state *before* the commit of this forward
-        layer_before = types.SimpleNamespace(tail_start=ref_layer_state)
+        # the reference uses the state *before* this forward's write: the recent window's start by the rule
+        layer_before = types.SimpleNamespace(tail_start=t - recent if t - recent > sink else 0)
         ref = reference_attention(K[:, :, :kv], V[:, :, :kv], pads, t, q, mask2d[:, :kv], layer_before, rot, cfg, 0.125,
                                   mu_k=mu_k)
         real = (t + torch.arange(l))[None, :] >= pads[:, None]  # padding query rows are garbage by definition
         torch.testing.assert_close(out.float()[real], ref[real], rtol=2e-4, atol=2e-4, msg=f"mismatch at t={t}, l={l}")
         t = kv
-    assert layer.seq_len == total and layer.n_hist > 0
+    assert layer.get_seq_length() == total and layer.export_state()["hist_k"].codes.shape[2] > 0
     if key_offset == "prefill":
         torch.testing.assert_close(layer.mu_k_seq, mu_k)
 
@@ -141,9 +137,8 @@ def test_history_never_materialized_in_full_precision(monkeypatch):
     layer, rot, cfg = make_layer(2, 64, 2, 4, 64, True)
     module = types.SimpleNamespace(num_key_value_groups=2, is_causal=True, training=False)
     K, V = torch.randn(1, 2, 60, 64), torch.randn(1, 2, 60, 64)
-    layer.lazy_initialization(K, V)
-    layer.commit(K, V)
+    layer.write(K, V)
     q = torch.randn(1, 4, 1, 64)
     k1, v1 = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64)
-    OscarKV(layer, k1, v1).attend(q, None, 0.1, module, "sdpa")
+    layer.update(k1, v1)[0].attend(q, None, 0.1, module, "sdpa")
     assert seen and max(seen) <= cfg.block_size and sum(seen) >= 2 * (60 - 2 - 4)

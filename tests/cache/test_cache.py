@@ -20,16 +20,16 @@ def identity_layer(sink, recent, g=32):
     return OscarLayer(cfg, LayerRotation(eye, eye), 0)
 
 
-def parts_of(layer, b):
-    """Which part each slot of row b is in, read off the layer's own state."""
-    p = int(layer.pad[b])
+def parts_of(st, b, sink):
+    """Which part each slot of row b is in, read off the layer's saved form ``st`` (``export_state``)."""
+    p = int(st["pad"][b])
     out = {}
-    for s in range(layer.seq_len):
+    for s in range(st["seq_len"]):
         if s < p:
             out[s] = "pad"
-        elif s >= layer.tail_start:
+        elif s >= st["tail_start"]:
             out[s] = "recent"
-        elif s - p < layer.config.sink:
+        elif s - p < sink:
             out[s] = "sink"
         else:
             out[s] = "history"
@@ -60,27 +60,28 @@ def test_every_slot_in_exactly_one_part_and_data_where_it_belongs(sink, recent):
     K = torch.arange(total, dtype=torch.float32)[None, None, :, None].expand(3, HK, total, D).contiguous()
     K = K + torch.linspace(0, 0.5, D)  # distinct, exactly representable rows
     layer = identity_layer(sink, recent)
-    layer.lazy_initialization(K[:, :, :1], K[:, :, :1])
     t = 0
     for l in [7, 1, 1, 5] + [1] * (total - 14):
-        layer.commit(K[:, :, t : t + l], K[:, :, t : t + l], pads)
+        layer.write(K[:, :, t : t + l], K[:, :, t : t + l], pads)
         t += l
+        st = layer.export_state()
         for b in range(3):
-            assert parts_of(layer, b) == brute_force(t, int(pads[b]), sink, recent), f"t={t} row={b}"
+            assert parts_of(st, b, sink) == brute_force(t, int(pads[b]), sink, recent), f"t={t} row={b}"
         # contents: sink holds row b's slots pad+j, tail holds [tail_start, T), history dequantizes close
-        tk, _ = layer.tail_view()
-        assert torch.equal(tk, K[:, :, layer.tail_start : t])
+        ts = st["tail_start"]
+        assert torch.equal(st["tail_k"], K[:, :, ts:t])
         for b in range(3):
-            n_sink = int(layer.sink_count()[b])
             p = int(pads[b])
-            assert torch.equal(layer.sink_k[b, :, :n_sink], K[b, :, p : p + n_sink])
-        hk, _ = layer.hist_view()
-        if layer.n_hist:
-            deq = dequantize_rows(hk, 32)
-            ref = K[:, :, sink : sink + layer.n_hist]
+            n_sink = min(max(ts - p, 0), sink)
+            assert torch.equal(st["sink_k"][b, :, :n_sink], K[b, :, p : p + n_sink])
+        n_hist = max(0, ts - sink)
+        assert st["hist_k"].codes.shape[2] == n_hist
+        if n_hist:
+            deq = dequantize_rows(st["hist_k"], 32)
+            ref = K[:, :, sink : sink + n_hist]
             for b in range(3):
                 lo = int(pads[b])
-                if lo < layer.n_hist:
+                if lo < n_hist:
                     assert (deq[b, :, lo:] - ref[b, :, lo:]).abs().max() < 0.5 / 3 + 1e-5
     assert layer.get_seq_length() == total
 
@@ -92,32 +93,35 @@ def test_crop_within_reserve_is_exact_rollback():
     pads = torch.tensor([0, 5])
     a, b = identity_layer(4, 8), identity_layer(4, 8)
     for layer, n in ((a, 50), (b, 60)):
-        layer.lazy_initialization(K[:, :, :1], K[:, :, :1])
-        layer.commit(K[:, :, :20], K[:, :, :20], pads)
+        layer.write(K[:, :, :20], K[:, :, :20], pads)
         for t in range(20, n):
-            layer.commit(K[:, :, t : t + 1], K[:, :, t : t + 1])
+            layer.write(K[:, :, t : t + 1], K[:, :, t : t + 1])
     b.crop(-10)
     assert b.get_seq_length() == a.get_seq_length() == 50
-    assert (a.tail_start, a.n_hist) == (b.tail_start, b.n_hist)
-    assert torch.equal(a.tail_view()[0], b.tail_view()[0])
-    assert torch.equal(a.sink_count(), b.sink_count())
-    n = a.n_hist
-    assert torch.equal(a.hist_k.codes[:, :, :n], b.hist_k.codes[:, :, :n])
+
+    def same(x, y):
+        assert (x["seq_len"], x["tail_start"]) == (y["seq_len"], y["tail_start"])
+        for name in ("tail_k", "tail_v", "sink_k", "pad"):
+            assert torch.equal(x[name], y[name]), name
+        assert all(torch.equal(p, q) for p, q in zip(x["hist_k"], y["hist_k"]))
+
+    same(a.export_state(), b.export_state())
     # continue both: identical again
     for layer in (a, b):
-        layer.commit(K[:, :, 50:51], K[:, :, 50:51])
-    assert torch.equal(a.tail_view()[0], b.tail_view()[0]) and a.tail_start == b.tail_start
+        layer.write(K[:, :, 50:51], K[:, :, 50:51])
+    same(a.export_state(), b.export_state())
 
 
 def test_crop_beyond_reserve_keeps_parts_consistent():
     K = torch.randn(1, HK, 400, D)
     layer = identity_layer(4, 8)
-    layer.lazy_initialization(K[:, :, :1], K[:, :, :1])
-    layer.commit(K, K)
+    layer.write(K, K)
     layer.crop(-300)
     assert layer.get_seq_length() == 100
-    assert layer.tail_start <= 100 and layer.n_hist == max(0, layer.tail_start - 4)
-    layer.commit(K[:, :, :1], K[:, :, :1])
+    st = layer.export_state()  # the window refilled from the history: slots [92, 100), dequantized
+    assert (st["seq_len"], st["tail_start"], st["hist_k"].codes.shape[2]) == (100, 92, 88)
+    assert (st["tail_k"] - K[:, :, 92:100]).abs().max() <= (K.amax() - K.amin()) / 6 + 1e-5  # half a 2-bit step
+    layer.write(K[:, :, :1], K[:, :, :1])
     assert layer.get_seq_length() == 101
     with pytest.raises(ValueError, match="negative"):
         layer.crop(5)
@@ -128,19 +132,21 @@ def test_reorder_and_batch_ops_follow_rows():
     K = torch.randn(3, HK, 40, D)
     pads = torch.tensor([0, 2, 7])
     layer = identity_layer(4, 8)
-    layer.lazy_initialization(K[:, :, :1], K[:, :, :1])
-    layer.commit(K, K, pads)
-    before = (layer.sink_k.clone(), layer.hist_k.codes.clone(), layer.tail_view()[0].clone(), layer.pad.clone())
+    layer.write(K, K, pads)
+    names = ("sink_k", "tail_k", "pad")
+    before = layer.export_state()
+    before = [before[k].clone() for k in names] + [before["hist_k"].codes.clone()]
     idx = torch.tensor([2, 0, 0])
     layer.reorder_cache(idx)
-    assert torch.equal(layer.sink_k, before[0][idx]) and torch.equal(layer.hist_k.codes, before[1][idx])
-    assert torch.equal(layer.tail_view()[0], before[2][idx]) and torch.equal(layer.pad, before[3][idx])
+    after = layer.export_state()
+    for x, y in zip([after[k] for k in names] + [after["hist_k"].codes], before):
+        assert torch.equal(x, y[idx])
     layer.batch_select_indices(torch.tensor([1]))
     assert layer.batch_size == 1 and int(layer.pad[0]) == 0
     layer.batch_repeat_interleave(4)
-    assert layer.batch_size == 4 and layer.sink_k.shape[0] == 4
-    layer.reset()
-    assert not layer.is_initialized and layer.get_seq_length() == 0
+    assert layer.batch_size == 4 and layer.win.shape[1] == 4
+    layer.reset()  # (keeps its buffers, zeroed, as Transformers' layers do)
+    assert layer.get_seq_length() == 0 and not layer.win.any() and not layer.pad_known
 
 
 def test_update_without_oscar_attention_is_a_clear_error():
@@ -195,13 +201,12 @@ def test_history_written_with_the_configured_quantizer(quantizer):
                       clip_v=0.7, use_kernels=False)
     layer = OscarLayer(cfg, LayerRotation(eye, eye), 0)
     K, V = torch.randn(2, HK, 40, D), torch.randn(2, HK, 40, D)
-    layer.lazy_initialization(K[:, :, :1], V[:, :, :1])
-    layer.commit(K[:, :, :30], V[:, :, :30], torch.zeros(2, dtype=torch.long))
+    layer.write(K[:, :, :30], V[:, :, :30], torch.zeros(2, dtype=torch.long))
     for t in range(30, 40):
-        layer.commit(K[:, :, t : t + 1], V[:, :, t : t + 1], torch.zeros(2, dtype=torch.long))
-    hk, hv = layer.hist_view()
-    for got, x in ((hk, K), (hv, V)):
-        want = quantize_rows(x[:, :, 2 : 2 + layer.n_hist], 16, 0.7, torch.float32, quantizer)
+        layer.write(K[:, :, t : t + 1], V[:, :, t : t + 1])
+    st = layer.export_state()
+    for got, x in ((st["hist_k"], K), (st["hist_v"], V)):
+        want = quantize_rows(x[:, :, 2 : 2 + got.codes.shape[2]], 16, 0.7, torch.float32, quantizer)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 

@@ -1,5 +1,5 @@
-"""OscarCache's device-resident storage (what it uses on CUDA by itself; ``compile=True`` here on the CPU), what is
-its own beyond the storage contract (tests/cache/test_storage_contract.py: tokens, chunked prefill, crop, beam
+"""OscarCache's compiled decode step (what it uses on CUDA by itself; ``compile=True`` here on the CPU) and the OSCAR
+layer's storage, what is their own beyond the storage contract (tests/cache/test_storage_contract.py: tokens, chunked prefill, crop, beam
 search, batch ops, save/load, retrieval heads): generate's compiled route (fullgraph, the step wrapper) with capacity
 growing in buckets without recompiling, crop beyond the ring's reserve, prompt-lookup decoding, the retrieval heads
 kept as history entries, key_offset="prefill"."""
@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 from oscar_hf import OscarCache
 from oscar_hf.cache import heads as heads_mod
-from oscar_hf.cache import CompiledOscarLayer, GrowingLayer, OscarLayer
+from oscar_hf.cache import GrowingLayer, OscarLayer
 from oscar_hf.cache import compiled as compiled_mod
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
@@ -47,13 +47,14 @@ def _compiled_matches_eager(m, ids, am, cache, n):
 
 
 def _oscar_layers(cache):
-    return [x for x in cache.layers if isinstance(x, CompiledOscarLayer)]
+    return [x for x in cache.layers if isinstance(x, OscarLayer)]
 
 
 def test_auto_is_eager_on_cpu_and_compile_true_gives_device_storage():
     m = tiny_model("llama")
     auto, forced = OscarCache(m, **SMALL), OscarCache(m, compile=True, **SMALL)
-    assert not auto.compiled and all(isinstance(x, OscarLayer) for x in auto.layers)
+    assert not auto.compiled and not auto.is_compileable and all(isinstance(x, OscarLayer) for x in auto.layers)
+    assert not any(x.compiled for x in auto.layers) and all(x.compiled for x in forced.layers)
     assert forced.compiled and forced.is_compileable and len(_oscar_layers(forced)) == len(forced.layers)
     with pytest.raises(ValueError, match="compile"):
         OscarCache(m, compile="yes", **SMALL)
@@ -69,7 +70,7 @@ def test_compiled_generate_with_layers_kept_in_full_precision(keep):
     ids, am = random_left_padded([3, 20, 31])
     cache = OscarCache(m, compile=True, **keep, **SMALL)
     kept = 0 if "skip_layers" in keep else 1
-    assert isinstance(cache.layers[kept], GrowingLayer) and isinstance(cache.layers[1 - kept], CompiledOscarLayer)
+    assert isinstance(cache.layers[kept], GrowingLayer) and isinstance(cache.layers[1 - kept], OscarLayer)
     ref = _gen(m, ids, am, OscarCache(m, **keep, **SMALL), n=40)
     torch._dynamo.reset()
     counters.clear()
@@ -197,7 +198,7 @@ def test_compiled_generate_with_sliding_layers(model_type):
     ids, am = random_left_padded([9, 30])
     cache = OscarCache(m, compile=True, **SMALL)
     kinds = {type(x) for x in cache.layers}
-    assert StaticSlidingWindowLayer in kinds and (model_type == "mistral") == (CompiledOscarLayer not in kinds)
+    assert StaticSlidingWindowLayer in kinds and (model_type == "mistral") == (OscarLayer not in kinds)
     counts = _compiled_matches_eager(m, ids, am, cache, n=30)
     assert not counts["graph_break"] and counts["stats"]["unique_graphs"] <= 3
     assert not OscarCache(m, compile="auto", **SMALL).compiled  # on the CPU: the eager storage (CUDA compiles it)
@@ -255,29 +256,35 @@ def test_crop_beyond_the_reserve_refills_from_history(monkeypatch, bits):
 
 @pytest.mark.parametrize("bits", [8, 16])
 def test_retrieval_heads_are_history_entries(bits):
-    """The compiled layer keeps its retrieval heads' coded rows for the history entries only (the window holds their
-    other slots), grown with the INT2 history and written by the decode step's demotion: the eager layer's codes of
-    slots [S0, T - W), and what memory() counts."""
+    """The layer keeps its retrieval heads' coded rows for the history entries only (the window holds their other
+    slots), grown with the INT2 history and written by the decode step's demotion: the codes of the keys and values
+    of slots [S0, T - W) (layer 0's K/V depend on the tokens only: a DynamicCache's of the whole sequence), and what
+    memory() counts."""
+    from transformers import DynamicCache
+
     m = tiny_model("llama")
     ids, am = random_left_padded([9, 30], seed=7)
     kw = dict(SMALL, full_precision_heads=((0, 1),), full_precision_bits=bits)
-    caches = OscarCache(m, **kw), OscarCache(m, compile=True, **kw)
+    cache, dyn = OscarCache(m, compile=True, **kw), DynamicCache(config=m.config)
+    steps = torch.arange(5, 25).repeat(2, 1)  # [2, 20] the decoded tokens
     with torch.no_grad():
-        for c in caches:
-            m(ids, attention_mask=am, **cache_kwargs(m, c))
-            mask = am
-            for j in range(20):
-                mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
-                m(torch.full((2, 1), 5 + j), attention_mask=mask, **cache_kwargs(m, c))
-    eager, layer = caches[0].layers[0], _oscar_layers(caches[1])[0]  # layer 0: its K/V depend on the tokens only
+        m(ids, attention_mask=am, **cache_kwargs(m, cache))
+        mask = am
+        for j in range(20):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            m(steps[:, j : j + 1], attention_mask=mask, **cache_kwargs(m, cache))
+        m(torch.cat([ids, steps], 1), attention_mask=mask, **cache_kwargs(m, dyn))
+    layer = _oscar_layers(cache)[0]
     s0, t = layer.config.sink, layer.host_len
     n = t - layer.config.recent - s0
     # prompt 30 -> 48 slots; 20 steps grow it to 80 (buckets of 16): N = 80 - S0 - W rows, INT2 and coded alike
     assert layer.capacity == 80 and layer.coded_k[0].shape[:3] == (2, 1, 68) == layer.hist_k.codes.shape[:3]
-    for coded, every_slot in ((layer.coded_k, eager.fp_k), (layer.coded_v, eager.fp_v)):
-        for a, b in zip(coded, every_slot, strict=True):  # (slot T - 1 - W waits in the ring for the next step)
-            assert torch.equal(a[:, :, : n - 1], b[:, :, s0 : s0 + n - 1])
-    rows = int((n - layer.pad).clamp(min=0).sum())  # each row's history entries [pad, n), as OscarLayer counts them
+    for coded, rows in ((layer.coded_k, dyn.layers[0].keys), (layer.coded_v, dyn.layers[0].values)):
+        want = rows[:, 1:2, s0 : s0 + n - 1]  # (slot T - 1 - W waits in the ring for the next step)
+        got = heads_mod.decode(tuple(x[:, :, : n - 1] for x in coded), bits, torch.float32)
+        step = 0 if bits == 16 else float((want.amax(-1) - want.amin(-1)).max()) / 255  # one INT8 code
+        torch.testing.assert_close(got, want, atol=step / 2 + 1e-5, rtol=0)
+    rows = int((n - layer.pad).clamp(min=0).sum())  # each row's history entries [pad, n)
     d = layer.head_dim
     assert layer.memory()["retrieval_heads"] == 2 * rows * heads_mod.row_bytes(bits, d, torch.float32)
 
@@ -310,7 +317,7 @@ def test_prefill_key_offset_matches_eager():
 @pytest.mark.parametrize("heads", [(), ((0, 1), (2, 5)), ((0, 1),) + tuple((3, h) for h in range(8))])
 def test_gpu_default_cache_compiles_with_cuda_graphs_and_matches_eager(monkeypatch, heads):
     """On CUDA the user's default call compiles (CUDA graphs, no skipped graph), grows across buckets during decode,
-    and gives the eager layer's tokens (kernels on both)."""
+    and gives the eager forwards' tokens (kernels on both)."""
     from batch_utils import cuda_qwen3
 
     monkeypatch.setattr(compiled_mod, "BUCKET", 256)

@@ -80,25 +80,26 @@ def test_codes_read_back_as_their_fake_quantization_and_nothing_else_changes(bit
     got = run_cache(model, ids, decode=6, full_precision_bits=bits)
     r0, g0 = ref.layers[0], got.layers[0]
     assert r0.retrieval_heads == g0.retrieval_heads == (FP_PAIR[1],)
-    t = g0.seq_len
-    assert t == ids.shape[1] and g0.n_hist > 0  # prefill and decode rows written, history quantized
-    codes, scale, zero = g0.fp_k
+    rs, gs = r0.export_state(), g0.export_state()  # (the retrieval heads' every slot: history codes + window coded)
+    t, n = gs["seq_len"], gs["hist_k"].codes.shape[2]
+    assert t == ids.shape[1] and n > 0  # prefill and decode rows written, history quantized
+    codes, scale, zero = (x[:, :, SMALL["sink"] : SMALL["sink"] + n] for x in gs["fp_k"])  # the stored history codes
     assert codes.dtype == torch.uint8 and codes.shape[-1] == 64 * bits // 8 and scale.shape[-1] == zero.shape[-1] == 1
-    ref_k, ref_v = r0.retrieval_kv(t)
-    got_k, got_v = g0.retrieval_kv(t)
-    for ref_rows, got_rows in ((ref_k, got_k), (ref_v, got_v)):  # [B, P, T, D], every slot: prefill and decode
+    for kind in ("fp_k", "fp_v"):  # [B, P, T, D], every slot: prefill and decode
+        ref_rows, got_rows = heads.decode(rs[kind], 16, torch.float32), heads.decode(gs[kind], bits, torch.float32)
         assert torch.equal(got_rows, minmax_fake_quant(ref_rows, bits, ref_rows.dtype))
         assert not torch.equal(got_rows, ref_rows) and distinct_per_row(got_rows) <= 2**bits
     # everything else layer 0 holds is written from the same K/V and is identical
-    for rows_ref, rows_got in zip(r0.hist_view(), g0.hist_view()):
-        for a, b in zip(rows_ref, rows_got):
+    for kind in ("hist_k", "hist_v"):
+        for a, b in zip(rs[kind], gs[kind]):
             assert torch.equal(a, b)
     for name in ("tail_k", "tail_v", "sink_k", "sink_v"):
-        assert torch.equal(getattr(r0, name), getattr(g0, name)), name
-    assert got.layers[1].retrieval_heads == () and got.layers[1].fp_k is None
-    # the memory the cache reports: codes + a float32 scale and zero per token and head (this model is float32)
-    assert got.layers[0].memory()["retrieval_heads"] == 2 * t * 1 * (64 * bits // 8 + 2 * 4)
-    assert ref.layers[0].memory()["retrieval_heads"] == 2 * t * 1 * 64 * 4
+        assert torch.equal(rs[name], gs[name]), name
+    assert got.layers[1].retrieval_heads == () and got.layers[1].coded_x is None
+    # the memory the cache reports: the history entries' codes + a float32 scale and zero per token and head (this
+    # model is float32; the window slots are counted with the window)
+    assert got.layers[0].memory()["retrieval_heads"] == 2 * n * 1 * (64 * bits // 8 + 2 * 4)
+    assert ref.layers[0].memory()["retrieval_heads"] == 2 * n * 1 * 64 * 4
 
 
 def test_history_bits_count_the_stored_form():

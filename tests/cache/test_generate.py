@@ -1,4 +1,6 @@
 """`generate` with OscarCache on real and tiny models: exactness, left padding, beam/sample/crop/multi-turn."""
+import types
+
 import pytest
 import torch
 from batch_utils import left_pad
@@ -43,7 +45,7 @@ def test_generate_tiny_architectures(model_type):
     assert out.shape == ref.shape
     assert cache.get_seq_length() == out.shape[1] - 1
     quantized = [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
-    assert quantized and all(layer.n_hist > 0 for layer in quantized)
+    assert quantized and all(layer.export_state()["hist_k"].codes.shape[2] > 0 for layer in quantized)
     # the patched model still serves ordinary caches exactly
     assert torch.equal(greedy(m, ids, DynamicCache(config=m.config)), ref)
 
@@ -85,7 +87,8 @@ def test_beam_search_sampling_and_prompt_lookup():
         out = greedy(m, ids, cache, n=16, **kw)
         assert cache.get_seq_length() == out.shape[1] - 1
         for layer in cache.layers:
-            assert layer.tail_start <= layer.seq_len and layer.seq_len - layer.tail_start <= max(layer.config.recent, 1) + 16
+            st = layer.export_state()
+            assert st["tail_start"] <= st["seq_len"] and st["seq_len"] - st["tail_start"] <= max(layer.config.recent, 1) + 16
 
 
 def test_multi_turn_reuses_one_cache():
@@ -142,22 +145,25 @@ def test_smollm2_real_weights(smollm2, wikitext_text):
 def test_left_padding_mask_becomes_a_start_not_a_key_mask(monkeypatch):
     """A decode step whose mask only hides each row's left padding reaches the decode op as a later per-row start with
     no key mask (so that on the GPU it can take the Gluon history kernel, which has none); the tokens are those of
-    the same run with the key mask kept (masks with holes: the next test)."""
-    import oscar_hf.cache.base as read_mod  # (the eager layer's one INT2 read: QuantizedLayerBase.read)
-    import oscar_hf.cache.dynamic as attn
+    the same run with the mask read as a key mask (masks with holes: the next test)."""
+    import oscar_hf.cache.base as read_mod  # the multi-token read (QuantizedLayerBase.read)
+    import oscar_hf.kernels.static_op as step_mod  # the decode step
+    from oscar_hf.cache.compiled_eager import CompiledEager
 
     m = tiny_model("llama")
     torch.manual_seed(4)
     prompts = [torch.randint(1, 200, (n,)) for n in (40, 17, 29)]
     ids, am = left_pad(prompts)
     seen = []
-    real = read_mod.decode
 
-    def spy(params, q, window, history, *a, **kw):
-        seen.append((history.key_mask is None, history.start.clone()))
-        return real(params, q, window, history, *a, **kw)
+    def spy(real):
+        def decode(params, q, window, history, *a, **kw):
+            seen.append((history.key_mask is None, history.start.clone()))
+            return real(params, q, window, history, *a, **kw)
+        return decode
 
-    monkeypatch.setattr(read_mod, "decode", spy)
+    for mod in (read_mod, step_mod):
+        monkeypatch.setattr(mod, "decode", spy(mod.decode))
     run = lambda: m.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False,  # noqa: E731
                              **cache_kwargs(m, OscarCache(m, **SMALL)), pad_token_id=0)
     out = run()
@@ -166,23 +172,26 @@ def test_left_padding_mask_becomes_a_start_not_a_key_mask(monkeypatch):
     assert any(bool((start > 0).any()) for _, start in seen)  # the padded rows start later
     assert all(bool((start >= pads - SMALL["sink"]).all()) for _, start in seen)
     seen.clear()
-    monkeypatch.setattr(attn, "_left_padding_only", lambda *a: False)
+    monkeypatch.setattr(CompiledEager, "_left_padding_only", lambda *a: False)
     assert torch.equal(run(), out)
     assert seen and not any(no_mask for no_mask, _ in seen)
 
 
 def test_left_padding_only_detects_holes_and_is_shared_by_a_forwards_layers():
-    from oscar_hf.cache.dynamic import _LEFT_PAD_MEMO, _left_padding_only
+    from oscar_hf.cache import compiled_eager
 
-    ok = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)[:, None]
+    layer = types.SimpleNamespace(batch_size=3, pad=torch.tensor([2, 0, 1]))
+    check = lambda mask, t_old: compiled_eager.CompiledEager._left_padding_only(layer, mask, t_old)  # noqa: E731
+    ok = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)[:, None, None]  # [B, 1, 1, 5]
     hole = ok.clone()
-    hole[1, 0, 2] = False
-    mask_a, mask_b = object(), object()
-    assert _left_padding_only(mask_a, ok, 4)
-    assert not _left_padding_only(mask_b, hole, 4)
-    assert not _left_padding_only(mask_a, hole, 5)  # another step: asked again
-    assert _LEFT_PAD_MEMO[0][0] is mask_a and _LEFT_PAD_MEMO[0][1] == 5
-    assert not _left_padding_only(mask_a, ok, 5)  # the same forward (mask, step): the kept answer
+    hole[1, 0, 0, 2] = False
+    assert check(ok, 4)
+    assert not check(hole, 4)
+    assert compiled_eager._LEFT_PAD_MEMO[0][0] is hole and compiled_eager._LEFT_PAD_MEMO[0][1] == 4
+    hole.copy_(ok)
+    assert not check(hole, 4)  # the same forward (mask, step): the kept answer
+    assert check(hole, 3)  # another step: asked again
+    assert check(None, 4)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
@@ -198,6 +207,7 @@ def test_cache_built_from_the_model_config_routes_the_attention(model_type):
     cache = OscarCache(m.config, **SMALL)
     assert m.config._attn_implementation == "oscar_sdpa"
     assert torch.equal(greedy(m, ids, cache), want)
-    assert any(isinstance(layer, OscarLayer) and layer.n_hist > 0 for layer in cache.layers)
+    assert any(isinstance(layer, OscarLayer) and layer.export_state()["hist_k"].codes.shape[2] > 0
+               for layer in cache.layers)
     disable_oscar(m)
     assert torch.equal(greedy(m, ids), greedy(m, ids, DynamicCache(config=m.config)))

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
 from oscar_hf import OscarCache
-from oscar_hf.cache import CompiledOscarHybridLayer, CompiledOscarLayer, GrowingLayer, OscarHybridLayer, OscarLayer
+from oscar_hf.cache import GrowingLayer, OscarHybridLayer, OscarLayer
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.models import tiny_model
 
@@ -19,8 +19,7 @@ from batch_utils import cpu_compile_config
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 HYBRIDS = ["qwen3_next", "jamba", "bamba", "granitemoehybrid", "lfm2", "falcon_h1", "zamba", "zamba2"]
-EAGER = {"full_attention": OscarLayer, "hybrid": OscarHybridLayer}  # by config.layer_types; else LinearAttentionLayer
-COMPILED = {"full_attention": CompiledOscarLayer, "hybrid": CompiledOscarHybridLayer}
+OSCAR = {"full_attention": OscarLayer, "hybrid": OscarHybridLayer}  # by config.layer_types; else LinearAttentionLayer
 
 
 def _gen(m, ids, cache=None, n=8, **kw):
@@ -40,9 +39,10 @@ def test_state_layers_are_transformers_own_and_exact_before_quantization(model):
     equals BF16 DynamicCache's: the state layers see exactly what Transformers' own cache gives them."""
     cache = OscarCache(model, **SMALL)
     types = list(model.config.layer_types)
-    assert [type(x) for x in cache.layers] == [EAGER.get(t, LinearAttentionLayer) for t in types]
+    assert [type(x) for x in cache.layers] == [OSCAR.get(t, LinearAttentionLayer) for t in types]
     compiled = OscarCache(model, compile=True, **SMALL)
-    assert [type(x) for x in compiled.layers] == [COMPILED.get(t, LinearAttentionLayer) for t in types]
+    assert [type(x) for x in compiled.layers] == [OSCAR.get(t, LinearAttentionLayer) for t in types]
+    assert [getattr(x, "compiled", None) for x in compiled.layers] == [True if t in OSCAR else None for t in types]
     assert not OscarCache(model, compile="auto", **SMALL).compiled
     ids = torch.randint(1, 200, (2, 5), generator=torch.Generator().manual_seed(1))
     ref = _gen(model, ids, DynamicCache(config=model.config), n=6)
@@ -85,13 +85,13 @@ def test_a_hybrid_layer_counts_its_attention_tokens(compile_):
     update are counted, as an int, as the OSCAR layer counts them."""
     m = tiny_model("falcon_h1")
     cache = OscarCache(m, compile=compile_, **SMALL)
-    i = next(i for i, layer in enumerate(cache.layers) if isinstance(layer, (OscarHybridLayer, CompiledOscarHybridLayer)))
+    i = next(i for i, layer in enumerate(cache.layers) if isinstance(layer, OscarHybridLayer))
     text = m.config.get_text_config(decoder=True)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     k = torch.randn(1, text.num_key_value_heads, 17, head_dim)
     cache.update(k, k.clone(), i)
     layer = cache.layers[i]
-    assert layer.get_seq_length() == type(layer)._attention.get_seq_length(layer) == 17
+    assert layer.get_seq_length() == OscarLayer.get_seq_length(layer) == 17
     assert isinstance(layer.get_seq_length(), int) and cache.get_seq_length(i) == 17
 
 
@@ -105,7 +105,7 @@ def test_a_hybrid_layer_is_croppable_as_its_state_is(compile_):
     cache = OscarCache(m, compile=compile_, **SMALL)
     with torch.no_grad():
         m(ids, **cache_kwargs(m, cache))
-    layer = next(x for x in cache.layers if isinstance(x, (OscarHybridLayer, CompiledOscarHybridLayer)))
+    layer = next(x for x in cache.layers if isinstance(x, OscarHybridLayer))
     state = LinearAttentionLayer.is_croppable
     want = state.__get__(layer) if isinstance(state, property) else state
     assert layer.is_croppable is want

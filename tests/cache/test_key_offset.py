@@ -34,20 +34,20 @@ def _history_error(key_offset):
     gen = torch.Generator().manual_seed(0)
     b, hk, t, d = 2, m.config.num_key_value_heads, 64, m.config.head_dim
     k = torch.randn(b, hk, t, d, generator=gen) + 6 * torch.randn(b, hk, 1, d, generator=gen)
-    layer.commit(k, torch.randn(b, hk, t, d, generator=gen))
-    hist_k, _ = layer.hist_view()
+    layer.write(k, torch.randn(b, hk, t, d, generator=gen))
+    hist_k = layer.export_state()["hist_k"]
     mu = layer.offsets()[0]
     mu = torch.zeros(b, hk, d) if mu is None else (mu.expand(b, hk, d) if mu.dim() == 2 else mu)
     rec = dequantize_rows(hist_k, KW["group_size"]) @ layer.params.r_k.transpose(-1, -2)[None] + mu[:, :, None]
     s0 = KW["sink"]
-    ref = k[:, :, s0 : s0 + layer.n_hist]
+    ref = k[:, :, s0 : s0 + hist_k.codes.shape[2]]
     return ((rec - ref).norm() / ref.norm()).item(), layer, k
 
 
 def test_prefill_offset_is_the_sequence_mean_and_cuts_history_error():
     err_cal, _, _ = _history_error("calibrated")  # Hadamard artifact-free: no key offset at all
     err_pre, layer, k = _history_error("prefill")
-    s0, n = KW["sink"], layer.n_hist
+    s0, n = KW["sink"], layer.export_state()["hist_k"].codes.shape[2]
     torch.testing.assert_close(layer.mu_k_seq, k[:, :, s0 : s0 + n].mean(2))  # the demoted slots' mean
     assert err_pre < 0.5 * err_cal, (err_pre, err_cal)
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import oscar_hf.cache.dynamic as dynamic
+import oscar_hf.cache.compiled as compiled
+import oscar_hf.cache.compiled_eager as compiled_eager
 from oscar_hf import OscarCache
 from oscar_hf.eval.methods import get_method
 from oscar_hf.eval.perplexity import cache_nll, fast_nll
@@ -56,11 +57,13 @@ def test_cache_equals_fake_quant(model, cache_kw):
 
 
 def test_dropping_the_term_is_detected(model, monkeypatch):
-    """Negative control: the eager layer's read without the model's sinks / soft-capping differs from the fake-quant
-    forward (so the equality above depends on the term being applied in the cache's read)."""
+    """Negative control: the layer's eager read (decode step and multi-token forward) without the model's sinks /
+    soft-capping differs from the fake-quant forward (so the equality above depends on the term being applied in the
+    cache's read)."""
     torch.manual_seed(1)
     ids = torch.randint(0, 256, (1, 48))
-    monkeypatch.setattr(dynamic, "logit_terms", lambda kwargs, hk, l: (None, None))
+    for module in (compiled, compiled_eager):
+        monkeypatch.setattr(module, "logit_terms", lambda kwargs, hk, l: (None, None))
     fake, cached = _nll(model, ids, compile=False)
     assert (fake - cached).abs().max() > 1e-3
 

@@ -20,7 +20,7 @@ def test_model_dtypes(dtype):
         out = m(ids, **cache_kwargs(m, cache), use_cache=True)
         step = m(ids[:, :1], **cache_kwargs(m, cache), use_cache=True)
     assert torch.isfinite(out.logits).all() and torch.isfinite(step.logits).all()
-    assert cache.layers[0].tail_k.dtype == dtype and cache.layers[0].n_hist > 0
+    assert cache.layers[0].win.dtype == dtype and cache.layers[0].export_state()["hist_k"].codes.shape[2] > 0
 
 
 @pytest.mark.parametrize("meta", [torch.bfloat16, torch.float32])
@@ -45,10 +45,9 @@ def test_zero_and_constant_kv_through_the_cache():
 
     eye = torch.eye(32).expand(2, 32, 32).contiguous()
     layer = OscarLayer(OscarConfig(sink=2, recent=4, group_size=32, meta_dtype="float32"), LayerRotation(eye, eye), 0)
-    layer.lazy_initialization(layer_in, layer_in)
-    layer.commit(layer_in, layer_in)
-    hk, _ = layer.hist_view()
-    assert torch.equal(dequantize_rows(hk, 32), layer_in[:, :, 2 : 2 + layer.n_hist])
+    layer.write(layer_in, layer_in)
+    hk = layer.export_state()["hist_k"]
+    assert torch.equal(dequantize_rows(hk, 32), layer_in[:, :, 2 : 2 + hk.codes.shape[2]])
 
 
 def test_nan_in_inputs_propagates_like_bf16_without_crashing():

@@ -6,7 +6,7 @@ from transformers import StaticCache
 
 from oscar_hf import OscarCache, StaticOscarCache
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.cache import CompiledOscarLayer
+from oscar_hf.cache import OscarLayer
 from oscar_hf.models import tiny_model
 
 from batch_utils import cpu_compile_config, random_left_padded
@@ -29,7 +29,7 @@ def test_static_equals_dynamic_oscar_with_left_padding(model_type):
     assert torch.equal(sta.sequences, dyn.sequences)
     for a, b in zip(sta.scores, dyn.scores):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
-    layers = [x for x in cache.layers if isinstance(x, CompiledOscarLayer)]
+    layers = [x for x in cache.layers if isinstance(x, OscarLayer)]
     assert layers and all(int(x.length) == ids.shape[1] + 15 for x in layers)
     assert all(int(x.n_hist(x.length)) > 0 for x in layers)
     assert cache.is_compileable
@@ -83,7 +83,7 @@ def test_static_multi_turn_prefill_continues_like_dynamic():
 def test_static_compiles_without_graph_breaks(model_type):
     """generate() auto-compiles the decode step of a compileable cache; fullgraph=True makes any
     graph break an error (CPU, eager backend; the CUDA run is the -m gpu test below). Gemma 3 mixes
-    StaticSlidingWindowLayer and CompiledOscarLayer. Tokens equal the dynamic OscarCache's."""
+    StaticSlidingWindowLayer and OscarLayer. Tokens equal the dynamic OscarCache's."""
     m = tiny_model(model_type)
     ids, am = random_left_padded([6, 30], seed=9)
     ref = _gen(m, ids, am, OscarCache(m, **SMALL), n=10)
@@ -112,11 +112,13 @@ def test_static_errors():
         cache.batch_repeat_interleave(2)
 
 
-def test_compiled_layers_old_names_warn_and_are_the_same_classes():
-    """"Static" names only the fixed-capacity StaticOscarCache; the compiled layers' old names still import."""
+def test_the_layers_old_names_warn_and_are_the_same_classes():
+    """One layer, compiled or not ("static" names only the fixed-capacity StaticOscarCache): the old names still
+    import."""
     import oscar_hf.cache as cache_mod
 
-    renamed = (("StaticOscarLayer", CompiledOscarLayer), ("StaticOscarHybridLayer", cache_mod.CompiledOscarHybridLayer))
+    renamed = (("StaticOscarLayer", OscarLayer), ("StaticOscarHybridLayer", cache_mod.OscarHybridLayer),
+               ("CompiledOscarLayer", OscarLayer), ("CompiledOscarHybridLayer", cache_mod.OscarHybridLayer))
     for old, new in renamed:
         with pytest.warns(FutureWarning, match=f"{old} is now {new.__name__}"):
             assert getattr(cache_mod, old) is new

@@ -27,7 +27,7 @@ PROMPT = ("The history of the city of Paris begins with a small settlement on an
 
 def history_rows(cache) -> list[int]:
     """INT2 history entries per quantized layer."""
-    return [layer.n_hist for layer in cache.layers if isinstance(layer, OscarLayer)]
+    return [layer.export_state()["hist_k"].codes.shape[2] for layer in cache.layers if isinstance(layer, OscarLayer)]
 
 
 @contextlib.contextmanager
@@ -67,7 +67,7 @@ def test_pipeline_hands_the_cache_to_generate(smollm2):
     assert history_rows(cache) == history_rows(direct) and min(history_rows(cache)) > 0
     for a, b in zip(cache.layers, direct.layers):
         if isinstance(a, OscarLayer):
-            assert torch.equal(a.hist_k.codes[:, :, : a.n_hist], b.hist_k.codes[:, :, : b.n_hist])
+            assert torch.equal(a.export_state()["hist_k"].codes, b.export_state()["hist_k"].codes)
 
 
 # ---------------------------------------------------------------------------------------------- forward loops

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, OscarConfig, OscarRotations, calibrate
-from oscar_hf.cache import OscarLayer, CompiledOscarLayer, resolve_full_precision_heads
+from oscar_hf.cache import OscarLayer, resolve_full_precision_heads
 from oscar_hf.calibration import calibration_report
 from oscar_hf.calibration.retrieval_heads import LENGTHS, PROBES
 from oscar_hf.compat import cache_kwargs
@@ -126,7 +126,7 @@ def test_a_whole_layer_of_coded_heads_keeps_its_storage(compile):
     caches = {c: OscarCache(m, **SMALL, full_precision_heads=whole, compile=c) for c in (False, True)}
     cache = caches[compile]
     layer = cache.layers[1]
-    assert isinstance(layer, CompiledOscarLayer if compile else OscarLayer)
+    assert isinstance(layer, OscarLayer) and layer.compiled == compile
     kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0, output_scores=True,
               return_dict_in_generate=True)
     got = {c: m.generate(ids, **kw, **cache_kwargs(m, x)) for c, x in caches.items()}
@@ -225,16 +225,14 @@ def test_calibrate_scores_retrieval_heads_by_default(caplog):
 # ------------------------------------------------------------------ both storages, and the bit counts
 @pytest.mark.parametrize("compile", [False, True])
 def test_auto_heads_generate_on_both_storages(compile):
-    """Eager ``OscarLayer`` and device-resident ``CompiledOscarLayer`` (``compile=True``, its torch reference on the
-    CPU) keep the auto heads, generate with them, and the heads change the outputs."""
+    """``OscarLayer`` with eager forwards and with ``compile=True`` (its torch reference on the CPU) keep the auto heads, generate with them, and the heads change the outputs."""
     m = tiny_model("llama", initializer_range=0.2)
     rot = scored(m, [[0.1, 0.9], [0.5, 0.2]])
     ids = torch.randint(1, 200, (2, 30), generator=torch.Generator().manual_seed(3))
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0, output_scores=True,
               return_dict_in_generate=True)
     cache = OscarCache(m, rot, compile=compile, **SMALL, max_history_bits=9.5)
-    layer_cls = CompiledOscarLayer if compile else OscarLayer
-    assert [type(x) for x in cache.layers] == [layer_cls, layer_cls]
+    assert [(type(x), x.compiled) for x in cache.layers] == [(OscarLayer, compile)] * 2
     assert [x.retrieval_heads for x in cache.layers] == [(1,), (0,)]
     got = m.generate(ids, **kw, **cache_kwargs(m, cache))
     assert got.sequences.shape == (2, 42) and cache.get_seq_length() == 41
@@ -247,7 +245,8 @@ def test_auto_heads_generate_on_both_storages(compile):
 
 def test_memory_report_and_eval_bits_agree_on_auto_heads():
     """``memory_report()["bits_per_element"]`` of a BF16 cache = the eval harness's ``bits(T)`` for the same
-    config, with and without the auto heads."""
+    config, with and without the auto heads, less (with them) the eval's second count of the retrieval heads'
+    window slots at their coded bits (the layer keeps those slots in the window only)."""
     m = tiny_model("llama", dtype=torch.bfloat16)
     rot = scored(m, [[0.1, 0.9], [0.5, 0.2]])
     ids = torch.randint(1, 200, (1, 50), generator=torch.Generator().manual_seed(4))
@@ -259,4 +258,7 @@ def test_memory_report_and_eval_bits_agree_on_auto_heads():
         assert len(method.full_precision_pairs()) == n_heads
         assert method.settings().get("retrieval_heads", 0) == n_heads
         rep = cache.memory_report()
-        assert rep["bits_per_element"] == pytest.approx(method.bits(50, m.config.head_dim), rel=1e-9)
+        c = method.config.for_head_dim(m.config.head_dim)
+        twice = method.retrieval_share() * c.retrieval_head_bits(m.config.head_dim) * (c.sink + c.recent) / 50
+        assert (twice > 0) == (n_heads > 0)
+        assert rep["bits_per_element"] == pytest.approx(method.bits(50, m.config.head_dim) - twice, rel=1e-9)

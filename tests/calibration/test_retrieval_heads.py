@@ -82,13 +82,15 @@ def test_full_precision_heads_storage_and_memory():
         assert isinstance(layer, OscarLayer) and layer.retrieval_heads == (h,) and layer.q_heads == (1 - h,)
         assert layer.hist_k.codes.shape[1] == 1  # the full-precision head is not in the INT2 history
         ref = ref_cache.layers[li]  # the prompt's slots (prefill is exact; later ones see quantized layers)
-        (fp_k,), (fp_v,) = layer.fp_k, layer.fp_v
+        st = layer.export_state()
+        (fp_k,), (fp_v,) = st["fp_k"], st["fp_v"]  # every slot: the history entries' rows and the window's
         assert torch.equal(fp_k[:, :, :40], ref.keys[:, h : h + 1, :40])
         assert torch.equal(fp_v[:, :, :40], ref.values[:, h : h + 1, :40])
         assert fp_k[:, :, 40:t].abs().sum(-1).gt(0).all()  # and every decoded slot was written
     rep = cache.memory_report()
     d, el = m.config.head_dim, 4
-    assert rep["retrieval_heads"] == len(FPH) * 2 * 2 * t * d * el  # 2 rows, K and V
+    n = st["hist_k"].codes.shape[2]  # history entries (the retrieval heads' window slots are the window's)
+    assert n > 0 and rep["retrieval_heads"] == len(FPH) * 2 * 2 * n * d * el  # 2 rows, K and V
     plain = OscarCache(m, **SMALL)
     greedy(m, ids, plain)
     prep = plain.memory_report()
