@@ -37,8 +37,9 @@ def parse(argv: list[str]):
     p.add_argument("--recent", type=int)
     p.add_argument("--group-size", type=int)
     p.add_argument("--prefix-sharing", action="store_true",
-                   help="a request whose prompt begins with a live request's INT2 pages starts on them (Transformers "
-                        "5.20+; its prompt then reads the prefix from the INT2 pages: docs/serving.md)")
+                   help="a request whose prompt begins with INT2 pages a live request holds, or a finished one left "
+                        "retained, starts on them (its prompt then reads the prefix from the INT2 pages: "
+                        "docs/serving.md)")
     return p.parse_args(ours), theirs
 
 

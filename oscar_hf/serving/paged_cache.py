@@ -215,10 +215,23 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
         return ok
 
     # ------------------------------------------------------------------ prefix sharing, forks (oscar_hf.serving.prefix)
-    def _share_blocks(self, request_id: str, holder: str, k: int) -> None:
-        """The allocator holds the holder's first ``k`` blocks for the request too."""
-        allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
-        allocator.acquire_prefix_blocks(request_id, k * allocator.tokens_per_page, allocator.block_table[holder])
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        if self.use_prefix_sharing:  # the blocks free now: for retained pages a new request takes (_share_blocks)
+            allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
+            self.store.share_room = (self.pool.count_free_blocks(allocator.index)
+                                     + self.pool.num_free_sectors * allocator.blocks_per_sector)
+        return super().search_prefix_match(request_id, prompt_ids)
+
+    def _share_blocks(self, request_id: str, holder: str | None, k: int) -> None:
+        """The allocator holds the holder's blocks for the pages the request took from it, and fresh blocks for the
+        retained pages it took (at most ``share_room``: it has them free), as for a request of ``k`` pages."""
+        allocator, p = self.cache_allocators[FullAttentionCacheAllocator.layer_type], self.store.pool.page_size
+        live = self.store.pages_from(request_id, holder)
+        allocator.acquire_prefix_blocks(request_id, live * p, allocator.block_table[holder] if live else [])
+        length = self.store.config.sink + self.store.config.recent + k * p  # history_pages(length) == k
+        for _ in range(allocator.needs_new_sectors(request_id, length, 0)):
+            self.pool.allocate_sector(allocator.index)
+        allocator.allocate_cache_to_request(request_id, length, 0)
 
     def count_new_complete_blocks(self, state, request_len: int) -> dict[str, int]:
         """Non-empty (so ``mark_complete_blocks`` indexes the pages) once every ``P`` tokens, when a page is final."""

@@ -76,12 +76,19 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
         return allocated
 
     # ------------------------------------------------------------------ prefix sharing, forks (oscar_hf.serving.prefix)
-    def _share_blocks(self, request_id: str, holder: str, k: int) -> None:
-        """The request's block table starts with the holder's first ``k`` blocks (referenced once more)."""
-        cm = self.group_cache_managers[0]
-        cm.block_table[request_id] = list(cm.block_table[holder][:k])
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        self.store.share_room = self.get_num_free_blocks()  # for retained pages a new request takes (_share_blocks)
+        return super().search_prefix_match(request_id, prompt_ids)
+
+    def _share_blocks(self, request_id: str, holder: str | None, k: int) -> None:
+        """The request's block table starts with the holder's blocks for the pages it took from it (referenced once
+        more), then fresh blocks for the retained pages it took (at most ``share_room``: free ones)."""
+        cm, live = self.group_cache_managers[0], self.store.pages_from(request_id, holder)
+        cm.block_table[request_id] = list(cm.block_table[holder][:live]) if live else []
         for block in cm.block_table[request_id]:
             self._block_manager.increase_ref_count(block)
+        if k > live:
+            super().allocate_blocks(k - live, request_id, live)
 
     def mark_shareable_blocks_as_complete(self, state, num_complete_blocks: int) -> None:
         """After a forward that completed blocks: offer the request's final pages for sharing (the store's count)."""

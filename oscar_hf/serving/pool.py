@@ -109,6 +109,10 @@ class PagedInt2Pool:
         # LIFO free list: a page freed by a leaving request is the next one handed out (warm in cache)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
+        # pages no request holds, kept for a prefix index (page -> its link), least recently released first; free to
+        # allocate(), which evicts the first (calling evicted(link)) when no other page is
+        self.retained: dict[int, int] = {}
+        self.evicted = lambda link: None
         self.peak_used = 0  # most pages held at once since construction
         self.released = False  # release_storage() gave the tensors back
         self._ids: dict[tuple, torch.Tensor] = {}  # ids(): its last IDS_KEPT answers
@@ -140,11 +144,13 @@ class PagedInt2Pool:
     # ------------------------------------------------------------------ accounting
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages :meth:`allocate` can hand out: free and retained."""
+        return len(self._free) + len(self.retained)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages live requests hold."""
+        return self.num_pages - self.num_free
 
     @property
     def num_shared(self) -> int:
@@ -175,26 +181,39 @@ class PagedInt2Pool:
         if self.released:
             raise RuntimeError("this page pool gave its memory back (its continuous-batching manager stopped)")
         if not self._free:
-            raise PoolExhausted(f"OSCAR INT2 page pool exhausted ({self.num_pages} pages of {self.page_size} tokens): "
-                                "size it for the scheduler's capacity (num_pages / memory budget)")
+            self.evict()
         page = self._free.pop()
         self._refs[page] = 1
         self.peak_used = max(self.peak_used, self.num_used)
         return page
 
+    def evict(self) -> None:
+        """Free the least recently released retained page (of a chain of pages, the last: :meth:`release` order)."""
+        if not self.retained:
+            raise PoolExhausted(f"OSCAR INT2 page pool exhausted ({self.num_pages} pages of {self.page_size} tokens): "
+                                "size it for the scheduler's capacity (num_pages / memory budget)")
+        page = next(iter(self.retained))
+        self._free.append(page)
+        self.evicted(self.retained.pop(page))
+
     def acquire(self, page: int) -> None:
-        """One more holder of an allocated page (prefix sharing)."""
-        if self._refs[page] < 1:
+        """One more holder of an allocated or retained page (prefix sharing)."""
+        if self._refs[page] < 1 and self.retained.pop(page, None) is None:
             raise ValueError(f"page {page} is free; only an allocated page can be shared")
         self._refs[page] += 1
 
-    def release(self, page: int) -> None:
-        """Drop one holder; the page returns to the free list with its last holder."""
+    def release(self, page: int, link: int | None = None) -> bool:
+        """Drop one holder; with its last holder the page returns to the free list, or is retained under ``link`` (a
+        prefix index's): whether it was."""
         if self._refs[page] < 1:
             raise ValueError(f"page {page} released more often than it was held")
         self._refs[page] -= 1
-        if self._refs[page] == 0:
+        kept = not self._refs[page] and link is not None
+        if kept:
+            self.retained[page] = link
+        elif not self._refs[page]:
             self._free.append(page)
+        return kept
 
     # ------------------------------------------------------------------ data
     def copy_page(self, source: int, dest: int) -> None:

@@ -1,8 +1,11 @@
 """Prefix sharing and forks: requests whose prompts begin alike hold the same history pages, page ``b`` keyed by a hash
-chain over tokens ``[0, S0 + (b+1)P)`` (docs/serving.md section 3, "Prefix sharing and forks")."""
+chain over tokens ``[0, S0 + (b+1)P)``; indexed pages no request holds any more are retained until the pool needs them
+(docs/serving.md section 3, "Prefix sharing and forks")."""
 from __future__ import annotations
 
 import hashlib
+import itertools
+import operator
 from array import array
 
 
@@ -21,12 +24,15 @@ def _link(parent: int | None, tokens: list[int]) -> int:
 
 
 class PrefixIndex:
-    """Which live requests hold a page keyed by each hash chain link (module docstring)."""
+    """Which live requests hold a page keyed by each hash chain link, and which retained page keeps a link no live
+    request holds (module docstring)."""
 
     def __init__(self, sink: int, page_size: int):
         self.sink, self.page_size = sink, page_size
         self.holders: dict[int, dict[str, None]] = {}  # link -> the requests holding its page (an ordered set)
         self.links: dict[str, list[int]] = {}  # request -> its pages' links, in block-table order
+        self.kept: dict[int, int] = {}  # link -> its retained page (the pool's retained set, in the pool's order)
+        self.sinks: dict[int, int] = {}  # a kept first page's link -> the window slot kept with it (the sink's rows)
 
     def _tokens(self, tokens: list[int], b: int) -> list[int]:
         """The tokens link ``b`` adds to its parent's."""
@@ -41,30 +47,36 @@ class PrefixIndex:
             self.holders.setdefault(links[-1], {})[request_id] = None
 
     def match(self, tokens: list[int], max_pages: int) -> tuple[list[int], str | None]:
-        """The links of the longest run of ``tokens``' pages (at most ``max_pages``) that a live request holds, and
-        one such request (``([], None)``: none)."""
-        links, holder = [], None
+        """The links of the longest run of ``tokens``' pages (at most ``max_pages``), those a live request holds, then
+        those kept; and a live request holding the first ones (``([], None)``: none)."""
+        links, holder, live = [], None, True
         while len(links) < max_pages:
             link = _link(links[-1] if links else None, self._tokens(tokens, len(links)))
-            held = self.holders.get(link)
-            if not held:
+            held = self.holders.get(link) if live else None
+            if held:
+                holder = next(iter(held))
+            elif link in self.kept:
+                live = False
+            else:
                 break
             links.append(link)
-            holder = next(iter(held))
         return links, holder
 
     def adopt(self, request_id: str, links: list[int]) -> None:
         """``request_id`` holds the pages of ``links`` too (it shares them)."""
         self.links[request_id] = list(links)
         for link in links:
-            self.holders[link][request_id] = None
+            self.holders.setdefault(link, {})[request_id] = None
 
-    def forget(self, request_id: str) -> None:
-        for link in self.links.pop(request_id, ()):
+    def forget(self, request_id: str) -> list[int | None]:
+        """``request_id`` leaves: its links, None for those a live request still holds."""
+        links = self.links.pop(request_id, [])
+        for link in links:
             held = self.holders[link]
             held.pop(request_id, None)
             if not held:
                 del self.holders[link]
+        return [None if link in self.holders else link for link in links]
 
 
 class SharedPrefixes:
@@ -78,27 +90,67 @@ class SharedPrefixes:
         return min(self.shareable_pages(source.length()), len(source.table))
 
     def share_prefix(self, request_id: str, tokens: list[int]) -> tuple[int, str | None, int]:
-        """Start a new request on the longest prefix of pages a live request holds: ``(m, holder, k)``, ``k`` pages
-        covering its first ``m = S0 + kP`` tokens (``(0, None, 0)``: none, or no free window slot)."""
-        r = self.requests.get(request_id)
+        """Start a new request on the longest prefix of pages a live request holds or the index keeps: ``(m, holder,
+        k)``, ``k`` pages covering its first ``m = S0 + kP`` tokens, the first ones ``holder``'s (None: all were kept)
+        (``(0, None, 0)``: none, or no free window slot)."""
+        r, (room, self.share_room) = self.requests.get(request_id), (self.share_room, None)
         if self.prefixes is None or not self.has_pool or (r is not None and r.lengths):
             return 0, None, 0
-        s0, w, p = self.config.sink, self.config.recent, self.pool.page_size
-        links, holder = self.prefixes.match(tokens, max(len(tokens) - w - 2 - s0, 0) // p)
+        s0, w, p, index = self.config.sink, self.config.recent, self.pool.page_size, self.prefixes
+        links, holder = index.match(tokens, max(len(tokens) - w - 2 - s0, 0) // p)
+        live = len(list(itertools.takewhile(index.holders.__contains__, links)))
+        links = links if room is None else links[: live + room]
         if not links or not self.can_reserve(request_id):
             return 0, None, 0
-        k, source = len(links), self.requests[holder]
-        r = self.reserve(request_id)
-        for page in source.table[:k]:
+        table = (self.requests[holder].table[:live] if live else []) + [index.kept.pop(x) for x in links[live:]]
+        for page in table:  # before a window slot is taken (that may evict retained pages)
             self.pool.acquire(page)
-        r.table = list(source.table[:k])
-        for win in (self.windows.k, self.windows.v):  # [slots, L, Hk, S0 + R, D]: the sink, every layer
-            win[r.slot, :, :, :s0] = win[source.slot, :, :, :s0]
-        m = s0 + k * p
-        r.lengths = dict.fromkeys(self.layer_slot, m)
-        r.floor = m
-        self.prefixes.adopt(request_id, links)
-        return m, holder, k
+        # the slot whose entries [0, S0) hold the sink: the holder's, or the one kept with the first page (then the
+        # request's own, unless it has one)
+        sink = self.requests[holder].slot if holder is not None else index.sinks.pop(links[0])
+        r = self.reserve(request_id, slot=None if holder is not None else sink)
+        if r.slot != sink:
+            for win in (self.windows.k, self.windows.v):  # [slots, L, Hk, S0 + R, D]: the sink, every layer
+                win[r.slot, :, :, :s0] = win[sink, :, :, :s0]
+            if holder is None:
+                self.windows.release(sink, held=False)
+        m = s0 + len(links) * p
+        r.table, r.lengths, r.floor = table, dict.fromkeys(self.layer_slot, m), m
+        index.adopt(request_id, links)
+        return m, holder, len(links)
+
+    def pages_from(self, request_id: str, holder: str | None) -> int:
+        """Pages a request that :meth:`share_prefix` started took from ``holder`` (its first; the others were kept)."""
+        return 0 if holder is None else sum(map(operator.eq, self.requests[request_id].table,
+                                                self.requests[holder].table))
+
+    def _leave(self, r, links: list[int | None]) -> None:
+        """Request ``r`` (a :class:`RequestKV`) left: its pages and window slot go back, but a page ``links`` names
+        (indexed, no live request holds it: ``PrefixIndex.forget``) is retained, the deepest first (evicted first), and
+        the slot with the first page (its sink)."""
+        kept, sink = self.prefixes.kept if self.prefixes is not None else {}, False
+        for b in reversed(range(len(r.table))):
+            link = links[b] if b < len(links) else None
+            if link in kept:  # another page keeps these tokens: it counts as released now
+                self.pool.retained[kept[link]] = self.pool.retained.pop(kept[link])
+                link = None
+            if self.pool.release(r.table[b], link):
+                kept[link], sink = r.table[b], b == 0
+        self.windows.release(r.slot, keep=sink)
+        if sink:
+            self.prefixes.sinks[links[0]] = r.slot
+
+    def _evicted(self, link: int) -> None:
+        """The pool evicted the retained page of ``link``: the index forgets it; a first page's slot goes back."""
+        del self.prefixes.kept[link]
+        slot = self.prefixes.sinks.pop(link, None)
+        if slot is not None:
+            self.windows.release(slot, held=False)
+
+    def drop_retained(self) -> None:
+        """Evict every retained page (a stopping manager, a new pool), their index entries and kept slots with them."""
+        while self.pool is not None and self.pool.retained:
+            self.pool.evict()
 
     def index_pages(self, request_id: str, tokens: list[int]) -> None:
         """After a forward: offer ``request_id``'s final pages (``tokens``: prompt and generated) for sharing."""

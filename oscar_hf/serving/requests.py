@@ -26,8 +26,9 @@ class WindowPool:
         self.dtype, self.device = dtype, torch.device(device)
         self.num_slots = num_slots  # the most live requests (admission's limit)
         self.k = self.v = torch.empty((0, *self.slot_shape), dtype=dtype, device=self.device)
-        self._free: list[int] = []  # allocated slots nobody holds
+        self._free: list[int] = []  # allocated slots nobody holds (but those kept: release(keep=True))
         self._held = 0
+        self.reclaim = None  # () -> None: evicts a retained page (the store's pool), in the end freeing a kept slot
         # CUDA graphs (allocate_all(trash=True)): one trash slot, the last row of k / v, for a graphed step's padded rows
         self.with_trash = False
         self.trash_slot: int | None = None
@@ -63,17 +64,21 @@ class WindowPool:
             self.with_trash = self.with_trash or trash
             self._grow(self.num_slots, trash=trash)
 
-    def allocate(self) -> int:
+    def allocate(self, slot: int | None = None) -> int:
+        """A free slot (a kept one taken back if none is), or kept ``slot`` itself."""
         if self._held == self.num_slots:
             raise PoolExhausted(f"all {self.num_slots} window slots are taken: raise max_requests")
-        if not self._free:
-            self._grow()
+        while slot is None and not self._free:
+            self._grow() if self.capacity < self.num_slots else self.reclaim()
         self._held += 1
-        return self._free.pop()
+        return self._free.pop() if slot is None else slot
 
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
-        self._held -= 1
+    def release(self, slot: int, keep: bool = False, held: bool = True) -> None:
+        """``slot`` goes back, or (``keep``) is kept, neither held nor free, for a retained prefix's sink; ``held``:
+        False for a kept slot going back."""
+        if not keep:
+            self._free.append(slot)
+        self._held -= held
 
     def _grow(self, new: int | None = None, trash: bool = False) -> None:
         old = self.capacity
@@ -173,10 +178,12 @@ class StoreRequests:
         """(Re)build the page pool, in ``storage`` (flat uint8) or its own tensors; only while no request is live."""
         if self.requests:
             raise RuntimeError(f"the store still holds {len(self.requests)} requests; free them before a new pool")
+        self.drop_retained()
         self.pool = PagedInt2Pool(num_pages, self.num_layers, self.num_kv_heads, self.head_dim, page_size,
                                   self.config.group_size, self.config.torch_meta_dtype, self.device, storage=storage,
                                   trash_page=True, layout=self._layout())
         self.prefixes = PrefixIndex(self.config.sink, page_size) if self.prefix_sharing else None
+        self.pool.evicted, self.windows.reclaim = self._evicted, self.pool.evict
         self._buffers = None  # sized for this pool's pages
         return self.pool
 
@@ -207,13 +214,13 @@ class StoreRequests:
             return False
         return hold > self.prompt_budget or self.prompt_reserved + hold <= self.prompt_budget
 
-    def reserve(self, request_id: str, hold: int = 0) -> RequestKV:
-        """The request's entry, a window slot taken now if it has none (admission), and ``hold`` tokens of
-        ``prompt_budget`` (after :meth:`can_reserve`) until it decodes or leaves. A prompt longer than the budget gets
-        none: its later chunks attend to its INT2 history (logged once)."""
+    def reserve(self, request_id: str, hold: int = 0, slot: int | None = None) -> RequestKV:
+        """The request's entry, a window slot taken now if it has none (admission; ``slot``: that kept slot), and
+        ``hold`` tokens of ``prompt_budget`` (after :meth:`can_reserve`) until it decodes or leaves. A prompt longer
+        than the budget gets none: its later chunks attend to its INT2 history (logged once)."""
         r = self.requests.get(request_id)
         if r is None:
-            r = self.requests[request_id] = RequestKV(self.windows.allocate(), [], {})
+            r = self.requests[request_id] = RequestKV(self.windows.allocate(slot), [], {})
         if hold > self.prompt_budget:
             if not self._warned_prompt:
                 self._warned_prompt = True
@@ -228,14 +235,12 @@ class StoreRequests:
         return r
 
     def free(self, request_id: str) -> None:
-        """The request leaves: its window slot and pages go back (shared pages when their last holder leaves)."""
+        """The request leaves: its window slot and pages go back (shared pages when their last holder leaves; indexed
+        pages no request holds then are retained, with ``retain_prefixes``: :meth:`SharedPrefixes._leave`)."""
         r = self.requests.pop(request_id, None)
-        if self.prefixes is not None:
-            self.prefixes.forget(request_id)
+        links = self.prefixes.forget(request_id) if self.prefixes is not None else []
         if r is not None:
-            for page in r.table:
-                self.pool.release(page)
-            self.windows.release(r.slot)
+            self._leave(r, links if self.retain_prefixes else [])
 
     def free_all(self) -> None:
         for rid in list(self.requests):
@@ -245,6 +250,7 @@ class StoreRequests:
         """A stopping manager's call: every request leaves; the window slots and a manager-sized pool (``defer_pool``)
         give their memory back (a pool the caller sized stays)."""
         self.free_all()
+        self.drop_retained()
         self.windows.release_memory()
         if self._deferred and self.has_pool:
             self.pool.release_storage()
@@ -287,14 +293,16 @@ class StoreRequests:
 
     # ------------------------------------------------------------------ accounting
     def stats(self) -> dict[str, int]:
-        """Live requests; pages used, free and shared; bytes of the pages held (``retrieval_heads_bytes``: the
-        retrieval heads' share), of the window slots and of the prompt chunks held; prompt tokens reserved."""
+        """Live requests; pages used, free (retained ones included), shared and retained; bytes of the pages held
+        (``retrieval_heads_bytes``: the retrieval heads' share), of the window slots and of the prompt chunks held;
+        prompt tokens reserved."""
         pool = self.pool
         prompt = sum(x.numel() * x.element_size() for r in self.requests.values() for kv in r.prompt.values()
                      for x in kv)
-        pages, free, shared, page, coded = (0,) * 5 if pool is None else (
-            pool.num_used, pool.num_free, pool.num_shared, pool.bytes_per_page, pool.coded_bytes_per_page)
+        pages, free, shared, retained, page, coded = (0,) * 6 if pool is None else (
+            pool.num_used, pool.num_free, pool.num_shared, len(pool.retained), pool.bytes_per_page,
+            pool.coded_bytes_per_page)
         return dict(requests=len(self.requests), pages_used=pages, pages_free=free, pages_shared=shared,
-                    history_bytes=pages * page, retrieval_heads_bytes=pages * coded,
+                    pages_retained=retained, history_bytes=pages * page, retrieval_heads_bytes=pages * coded,
                     window_slots_used=self.windows.num_slots - self.windows.num_free,
                     window_bytes=self.windows.nbytes, prompt_bytes=prompt, prompt_tokens_reserved=self.prompt_reserved)

@@ -30,13 +30,15 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
     """``rotations``: None for the artifact-free ``method``; ``overrides``: :class:`OscarConfig` fields; at most
     ``max_requests`` live requests and ``prompt_budget`` prompt tokens held in full precision (default:
     ``max_position_embeddings``); ``num_pages`` pages, or what ``memory_budget`` bytes pay for after
-    :meth:`reserved_bytes`, or (``defer_pool``) none until :meth:`attach_pool`."""
+    :meth:`reserved_bytes`, or (``defer_pool``) none until :meth:`attach_pool`. ``prefix_sharing``: requests share
+    prefix pages; ``retain_prefixes`` (keyword, default True) keeps them after their last holder leaves, till needed."""
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
                  num_pages: int | None = None, memory_budget: int | None = None, page_size: int = 256,
                  max_requests: int = DEFAULT_MAX_REQUESTS, prompt_budget: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, defer_pool: bool = False,
                  prefix_sharing: bool = False, **overrides):
+        retain = overrides.pop("retain_prefixes", True)  # (a keyword of its own: not an OscarConfig field)
         config, default_group = starting_config(config, None, rotations, overrides)  # (as OscarCache)
         model_config = getattr(model_or_config, "config", model_or_config)
         if config.key_offset != "calibrated":
@@ -93,9 +95,12 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         self._kv = {}  # model layer -> its KVParams (the kernels' bundle of self.params), built at its first step
         self.graph_rows = 0  # CUDA graphs (enable_graphs): the most rows of a graphed decode step; 0 = off
         self.pool: PagedInt2Pool | None = None
-        if not isinstance(prefix_sharing, bool):
-            raise TypeError(f"prefix_sharing must be True or False, got {prefix_sharing!r}")
+        for name, value in (("prefix_sharing", prefix_sharing), ("retain_prefixes", retain)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
         self.prefix_sharing, self.prefixes = prefix_sharing, None  # the PrefixIndex comes with the pool
+        self.retain_prefixes = prefix_sharing and retain
+        self.share_room: int | None = None  # kept pages the next share_prefix may take (a paged cache's free blocks)
         self._deferred = defer_pool
         if (num_pages is not None) + (memory_budget is not None) + bool(defer_pool) != 1:
             raise ValueError("size the pool with exactly one of num_pages=, memory_budget= (bytes) or defer_pool=True "

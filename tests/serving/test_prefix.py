@@ -105,7 +105,8 @@ def test_shared_prefix_equals_its_rows_stored_as_one_prompt(kw):
 
 
 def test_sharing_leaves_enough_rows_of_its_own_and_needs_a_live_holder():
-    cfg, store = make_store(prefix_sharing=True)
+    """With ``retain_prefixes=False`` (sharing as before retention): pages are shared while a holder is live."""
+    cfg, store = make_store(prefix_sharing=True, retain_prefixes=False)
     gen = torch.Generator().manual_seed(1)
     tokens = list(range(100, 140))
     step(store, [("d", 0, 40)], rand_qkv(cfg, 40, gen))
@@ -116,10 +117,98 @@ def test_sharing_leaves_enough_rows_of_its_own_and_needs_a_live_holder():
     store.free("a")
     store.free("d")
     assert store.share_prefix("c", tokens) == (0, None, 0) and store.pool.num_used == 0
+    assert not store.pool.retained and not store.prefixes.kept and store.stats()["pages_retained"] == 0
     off = make_store()[1]
     assert off.prefixes is None and off.share_prefix("a", tokens) == (0, None, 0)
     with pytest.raises(TypeError, match="prefix_sharing"):
         make_store(prefix_sharing="yes")
+    with pytest.raises(TypeError, match="retain_prefixes"):
+        make_store(prefix_sharing=True, retain_prefixes=1)
+
+
+@pytest.mark.parametrize("kw", [{}, HEADS[0]])
+def test_a_finished_request_leaves_its_prefix_pages_retained(kw):
+    """Request A runs and leaves; B, with A's first tokens, starts on A's retained pages (A's page ids, bytes unchanged,
+    A's window slot with its sink) and gets exactly what it gets joining A while A is live."""
+    gen = torch.Generator().manual_seed(3)
+    cfg = make_store()[0]
+    a_tokens, b_tokens = list(range(100, 130)), list(range(100, 122)) + list(range(500, 518))
+    a_rows, b_rows, decodes = rand_qkv(cfg, 30, gen), rand_qkv(cfg, 18, gen), [rand_qkv(cfg, 1, gen) for _ in range(6)]
+    outs = {}
+    for live in (True, False):
+        store = make_store(prefix_sharing=True, **kw)[1]
+        step(store, [("a", 0, 30)], a_rows)
+        store.index_pages("a", a_tokens)
+        a = store.requests["a"]
+        table, slot, before = list(a.table), a.slot, page_bytes_of(store, a.table[:4])
+        if not live:  # A's 4 indexed pages stay (its fifth is free), and its slot: all free to allocate
+            store.free("a")
+            assert store.stats()["pages_retained"] == 4 and store.pool.num_used == 0
+            assert store.pool.num_free == store.pool.num_pages and store.windows.num_free == store.windows.num_slots
+        assert store.share_prefix("b", b_tokens) == (S0 + 4 * P, "a" if live else None, 4)
+        b = store.requests["b"]
+        assert b.table == table[:4] and (live or b.slot == slot) and not store.pool.retained
+        outs[live] = step(store, [("b", S0 + 4 * P, 18)], b_rows)
+        for qkv in decodes:
+            outs[live] += step(store, [("b", store.length("b"), 1)], qkv)
+        assert all(torch.equal(x, y) for x, y in zip(before, page_bytes_of(store, table[:4])))
+        store.free("b")
+        store.free("a")
+        assert store.pool.num_used == 0 and len(store.pool.retained) == 4 and len(store.prefixes.sinks) == 1
+    assert all(torch.equal(x, y) for x, y in zip(outs[True], outs[False]))
+
+
+def test_a_prefix_stored_again_refreshes_its_retained_pages():
+    """x, then y leave; x2 stores x's tokens again (not joining) and leaves: its pages go free, x's retained pages count
+    as released after y's (so y's are evicted first), a chain still ordered from its deepest page."""
+    cfg, store = make_store(prefix_sharing=True)
+    gen, pages = torch.Generator().manual_seed(5), {}
+    for rid, tokens in (("x", list(range(100, 130))), ("y", list(range(200, 230))), ("x2", list(range(100, 130)))):
+        step(store, [(rid, 0, 30)], rand_qkv(cfg, 30, gen))
+        store.index_pages(rid, tokens)
+        pages[rid] = store.requests[rid].table[:4]
+        store.free(rid)
+    assert list(store.pool.retained) == pages["y"][::-1] + pages["x"][::-1] and store.pool.num_free == 64
+
+
+def test_retained_pages_are_evicted_least_recently_released_first_deepest_first():
+    """A pool of 12 pages, two window slots: x's and y's 4 indexed pages retained with their slots; z needs a slot
+    (x's chain goes, deepest page first, and x's slot with its first page) and 9 pages (y's deepest page goes too). z,
+    and a request starting as x did, get what they get in a store that never held x or y."""
+    cfg, store = make_store(num_pages=12, prefix_sharing=True, max_requests=2)
+    fresh = make_store(num_pages=12, max_requests=2)[1]
+    gen = torch.Generator().manual_seed(4)
+    x, y = list(range(100, 130)), list(range(200, 230))
+    links, slots = {}, {}
+    for rid, tokens in (("x", x), ("y", y)):
+        step(store, [(rid, 0, 30)], rand_qkv(cfg, 30, gen))
+        store.index_pages(rid, tokens)
+        links[rid], slots[rid] = list(store.prefixes.links[rid]), store.requests[rid].slot
+        store.free(rid)
+    assert len(store.pool.retained) == 8 and store.pool.num_free == 12 and store.windows.num_free == 2
+    evicted, hook = [], store.pool.evicted
+    store.pool.evicted = lambda link: evicted.append(link) or hook(link)
+    for rid, tokens in (("z", list(range(300, 346))), ("b", x[:22] + list(range(600, 618)))):  # b: as x began
+        assert store.share_prefix(rid, tokens) == (0, None, 0)
+        rows, decodes, outs = rand_qkv(cfg, len(tokens), gen), [rand_qkv(cfg, 1, gen) for _ in range(3)], []
+        for s in (store, fresh):
+            outs.append(step(s, [(rid, 0, len(tokens))], rows))
+            for qkv in decodes:
+                outs[-1] += step(s, [(rid, s.length(rid), 1)], qkv)
+        assert all(torch.equal(g, f) for g, f in zip(*outs))
+        if rid == "z":
+            assert evicted == links["x"][::-1] + links["y"][3:] and store.requests["z"].slot == slots["x"]
+            assert set(store.prefixes.kept) == set(links["y"][:3]) and list(store.prefixes.sinks) == links["y"][:1]
+            assert store.pool.num_used == 9 and store.stats()["pages_retained"] == 3 and store.pool.num_free == 3
+            assert store.prefixes.match(x, 10) == ([], None)
+        store.free(rid)
+        fresh.free(rid)
+    store.share_room = 2  # at most two kept pages: the blocks Transformers' allocator has free for them
+    assert store.share_prefix("c", y[:22] + [7] * 18) == (S0 + 2 * P, None, 2)
+    assert store.requests["c"].slot == slots["y"] and store.share_room is None
+    store.release_memory()
+    assert not store.pool.retained and not store.prefixes.kept and not store.prefixes.sinks
+    assert store.windows.num_free == 2 and store.pool.num_free == 12
 
 
 @pytest.mark.parametrize("kw", [{}, HEADS[0]])
@@ -224,6 +313,45 @@ def test_continuous_batching_shares_a_live_prefix(model):
     # b keeps >= W + 2 of its 82 tokens to prefill: pages of 8 up to 72 tokens
     assert holder == "a" and k == (len(prefix) + 2 - W - 2 - S0) // 8 and m == S0 + 8 * k
     assert shares["a"] == (0, None, 0)
+
+
+def test_continuous_batching_shares_a_retained_prefix(model):
+    """Two waves of requests with one 80-token system prompt, the second once the first has left: the second starts
+    on the first's retained pages (8 of them; Transformers' allocator gives them fresh blocks) and its tokens follow
+    its tokens alone as a live sharer's do; with ``retain_prefixes=False`` it prefills them anew."""
+    import time
+
+    serving, oscar, system = _serving(), dict(sink=S0, recent=W, group_size=32), list(range(5, 85))
+    waves = [[(system + [90 + i, 91], 6) for i in range(2)], [(system + [95 + i, 96, 97], 8) for i in range(2)]]
+    alone = [_alone(model, *r, oscar) for r in waves[1]]
+    for retain in (True, False):
+        with serving.paged_oscar(model, prefix_sharing=True, retain_prefixes=retain, **oscar) as store:
+            shares, share, rooms = {}, store.share_prefix, []
+            # (Transformers' free blocks when a request may join: never more than the store's free and retained pages)
+            store.share_prefix = lambda rid, tokens: (rooms.append((store.share_room, store.pool.num_free))
+                                                      or shares.setdefault(rid, share(rid, tokens)))
+            manager = model.init_continuous_batching(generation_config=_gen(10), continuous_batching_config=(
+                serving.continuous_batching_config(num_blocks=64, max_batch_tokens=1024, page_size=8)))
+            manager.start()
+            try:
+                for w, wave in enumerate(waves):
+                    for i, (prompt, n) in enumerate(wave):
+                        manager.add_request(prompt, request_id=f"{w}{i}", max_new_tokens=n)
+                    results = [_result(manager, f"{w}{i}") for i in range(len(wave))]
+                    assert all(r.error is None for r in results)
+                    deadline = time.time() + 60
+                    while store.stats()["requests"]:  # the wave has left the store
+                        assert time.time() < deadline
+                        time.sleep(0.02)
+                    assert (store.stats()["pages_retained"] > 0) == retain and store.pool.num_used == 0
+                assert manager.background_thread_status.fatal_error is None
+            finally:
+                manager.stop(block=True)
+            assert store.stats()["requests"] == 0 and store.pool.num_used == 0 and not store.pool.retained
+        assert shares["10"] == ((S0 + 8 * 8, None, 8) if retain else (0, None, 0)) and all(a <= b for a, b in rooms)
+        assert not retain or shares["11"][0] == S0 + 8 * 8  # (on the retained pages, or the first's, now live)
+        for r, want in zip(results, alone):
+            _assert_follows_alone(r.generated_tokens, want)
 
 
 @pytest.mark.slow
