@@ -144,7 +144,9 @@ def install(manager, processor) -> None:
     def add_checked(state):
         # new requests (inside a per-request try) and re-queued ones (soft reset, forks)
         rid = state.request_id
-        if rid in scheduler.active_requests or rid in scheduler.waiting_requests:
+        # waiting: in the queue's order (5.17 - 5.19 leave a request that joined a shared prefix in the dict, though
+        # active: a soft reset of it re-queues its id)
+        if rid in scheduler.active_requests or rid in scheduler.waiting_requests_order:
             raise live_id_refusal(rid)
         if not getattr(state, "_true_initial_tokens", 0) and state.position_offset == 0:  # a new request
             adm.check(state.initial_tokens, state.max_new_tokens, state.num_children, adm.can_fork)
