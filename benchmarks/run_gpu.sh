@@ -26,7 +26,7 @@
 #                    kernels), profile-host (cProfile; BATCH=, CONTEXT=)        profile_op_<gpu>.json, profile_host_*.json
 #   first-call       a fresh process's first generate calls, cold then warm     first_call_<gpu>_<method>_{cold,warm}.json
 #                    (METHODS=; ~10 min each); first-call-turns: fresh          first_call_<gpu>_turns.json
-#                    processes taking turns (TURNS=2, FIRST_TURN=0, OLD_SITE=, WARM_KERNELS=1)
+#                    processes taking turns (TURNS=2, FIRST_TURN=0, OLD_SITE=)
 #   regression       the default call, this tree vs OLD_SITE (an older tree     speed_vs_<OLD_NAME>_<gpu>_b<B>_t<T>.json
 #                    laid out as oscar_hf/{kernels,eval}) in turns: B=8/32K (-b8), B=1/100K (-b1)
 #   soak             200 generate calls (soak-calls); 32,768 new tokens         soak_{calls,long}_<gpu>.json
@@ -185,7 +185,6 @@ for what in "$@"; do
     done ;;
   first-call-turns)
     trees=(); [ -n "${OLD_SITE:-}" ] && trees=(--tree "${OLD_NAME:-old}=$OLD_SITE" --tree "new=$SITE")
-    [ -n "${WARM_KERNELS:-}" ] && trees+=(--variant plain=OSCAR_WARM_KERNELS=0 --variant warm=OSCAR_WARM_KERNELS=1)
     run "first_call_${GPU}_turns" $PY "$B/first_call.py" --warmup --turns "${TURNS:-2}" --first-turn "${FIRST_TURN:-0}" \
         --methods ${METHODS:-bf16-static oscar oscar-fp25} "${trees[@]}" --out "$OUT/first_call_${GPU}_turns.json" ;;
   regression|regression-b8|regression-b1)

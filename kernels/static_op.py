@@ -11,7 +11,6 @@ import torch
 
 from oscar_hf.quant import QuantizedRows
 
-from . import step_warmup
 from .decode import decode
 from .kv import HeadSplit, History, KVParams, Ring, Window
 from .write_path import append
@@ -117,7 +116,6 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
     ``win [2, B, Hk, S0 + R, D]``, ``codes [2, B, H2, N, D/4]``, ``meta [2, 2, B, H2, N, D/G]``, ``r [2, H2, D, D]``;
     retrieval heads (:class:`StepHeads`) ``cx`` / ``cmeta`` (no metadata at 16 bits)."""
     _check_stacked(win, codes, meta, r)
-    step_warmup.release()  # (a compiled step's first run: its helper gets no more arguments)
     kernels = {"auto": "auto", "on": True, "off": False}[use_kernels]
     heads = coded = None
     if heads_index is not None:
@@ -142,34 +140,7 @@ decode_step_ = torch.library.custom_op("oscar::decode_step_", decode_step,
 def _(*args):
     a = dict(zip(_PARAMS, args))
     _check_stacked(a["win"], a["codes"], a["meta"], a["r"])
-    if a["use_kernels"] != "off":  # these arguments' kernels compiled beside the compile
-        step_warmup.note(args, f"{__name__}:warm_kernels")
     return a["q"].new_empty(a["q"].shape, dtype=a["out_dtype"])
 
 
 _PARAMS = list(inspect.signature(decode_step).parameters)
-
-
-def warm_args(spec: dict) -> tuple:
-    """:func:`decode_step`'s arguments rebuilt from their description, with a valid retrieval heads' index."""
-    values = step_warmup.values_of(spec)
-    if len(values) != len(_PARAMS):
-        raise ValueError(f"{len(values)} arguments described, the op takes {len(_PARAMS)}")
-    args = dict(zip(_PARAMS, values))
-    if args["heads_index"] is not None:
-        hk, hq = args["win"].shape[2], args["codes"].shape[2]
-        int2, coded = list(range(hq)), list(range(hq, hk))
-        args["heads_index"].copy_(join_heads_index(int2 + [-1] * len(coded), [-1] * hq + list(range(len(coded))),
-                                                   int2, coded))
-    return tuple(args.values())
-
-
-def warm_kernels() -> int:
-    """The helper process of :mod:`.step_warmup`: :func:`decode_step` once on each layout it is given."""
-
-    def run(spec):
-        decode_step(*warm_args(spec))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    return step_warmup.serve(run)

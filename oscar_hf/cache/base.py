@@ -1,5 +1,5 @@
-"""What both quantized layers share: the base class, the first-keys check, the mask helpers of their reads. Shapes:
-``B`` rows, ``Hq`` query heads, ``Hk`` KV heads, ``g = Hq / Hk``, ``H2`` INT2 KV heads, ``L`` new tokens, ``kv``
+"""The OSCAR layer's base (parameters, checks, the multi-token read) and the mask helpers of the reads, serving's
+too. Shapes: ``B`` rows, ``Hq`` query heads, ``Hk`` KV heads, ``g = Hq / Hk``, ``H2`` INT2 KV heads, ``L`` new tokens, ``kv``
 slots after this forward (``T + L``), ``D`` head_dim.
 """
 from __future__ import annotations
@@ -48,9 +48,8 @@ class BatchOps:
 
 
 class QuantizedLayerBase(BatchOps, CacheLayerMixin):
-    """What both quantized layers share: ``self.params`` (:class:`~oscar_hf.cache.params.LayerParams`, built at the
-    first forward on the cache's device), the retrieval heads, the update checks and the offsets. Each subclass
-    implements ``attend``, its read."""
+    """The OSCAR layer's part that is not storage: ``self.params`` (:class:`~oscar_hf.cache.params.LayerParams`, built
+    at the first forward on the cache's device), the retrieval heads, the update checks, the offsets and the reads."""
 
     is_sliding = False
     is_croppable = True

@@ -1,4 +1,4 @@
-"""The sink + ring window of the compiled layer and the serving store, and the writes that move its slots into the
+"""The sink + ring window of the OSCAR layer and the serving store, and the writes that move its slots into the
 history, addressed by :class:`RowsHistory` or :class:`PagedHistory`: one layout and write path for both. Layout:
 docs/kernels.md §1, docs/cache.md ("The compiled layer"), docs/serving.md §3 ("Windows").
 """
@@ -48,7 +48,7 @@ def sink_from(sink: torch.Tensor, src: torch.Tensor, pad, first: int) -> torch.T
 
 
 class RowsHistory:
-    """History entries as rows of per-layer buffers (the compiled layer): entry ``j`` at index ``j`` of every row.
+    """History entries as rows of per-layer buffers (the OSCAR layer): entry ``j`` at index ``j`` of every row.
     ``int2_k/v``: :class:`QuantizedRows` ``[B, H2, N, *]``; ``coded_k/v``: tuples of ``[B, P, N, *]`` or None."""
 
     def __init__(self, int2_k: QuantizedRows, int2_v: QuantizedRows, coded_k: tuple | None, coded_v: tuple | None):
