@@ -7,7 +7,8 @@ import torch
 from oscar_hf import OscarCache, OscarConfig, OscarRotations
 from oscar_hf.calibration import calibrate
 from oscar_hf.eval.methods import OscarFamily
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 
 def _ids(seed=0, n=2, length=40):

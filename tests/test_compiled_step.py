@@ -6,9 +6,9 @@ import torch
 from oscar_hf import OscarCache
 from oscar_hf import compiled_step as step_mod
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import tiny_model
 
 from batch_utils import cpu_compile_config, random_left_padded
+from tiny_models import tiny_model
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)
 

@@ -9,9 +9,9 @@ from oscar_hf import OscarCache, OscarRotations, StaticOscarCache
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.config import ModelFingerprint
 from oscar_hf.distributed import HeadShard, even_head_shard, slice_layer_rotation, tp_layout, tp_rank_world
-from oscar_hf.models import tiny_model
 from oscar_hf.rotations import LayerRotation
 from script_utils import run_under_torchrun
+from tiny_models import tiny_model
 
 
 

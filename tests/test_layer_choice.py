@@ -12,7 +12,8 @@ from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.cache import OscarLayer
 from oscar_hf.eval.methods import OscarSpec
 from oscar_hf.layer_choice import WindowsWarning, choose_layers, window_shortfall
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")

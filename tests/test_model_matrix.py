@@ -1,4 +1,4 @@
-"""The model matrix: a tiny random config of every family (``oscar_hf.models.tiny_config``) through ``OscarCache``, in
+"""The model matrix: a tiny random config of every family (``tiny_models.tiny_config``) through ``OscarCache``, in
 the eager and the compiled storage (``compile=True``: on the CPU ``generate``'s compiled route with the eager backend,
 fullgraph), the fake-quant evaluation and save / load. What each family gets (which layers are OSCAR layers) is
 asserted, so that a silent fallback to full precision fails here; docs/usage.md's table says the same.
@@ -25,9 +25,9 @@ from oscar_hf import OscarCache
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.eval.methods import get_method
 from oscar_hf.eval.perplexity import cache_nll, fast_nll
-from oscar_hf.models import tiny_model
 
 from batch_utils import cpu_compile_config
+from tiny_models import tiny_model
 
 hf_logging.disable_progress_bar()
 

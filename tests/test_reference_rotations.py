@@ -15,10 +15,10 @@ from oscar_hf.calibration import calibrate
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.hadamard import bit_reversal_permutation, hadamard_matrix, permutation_matrix
 from oscar_hf.kernels.write_path import rotate_quantize_reference
-from oscar_hf.models import tiny_config, tiny_model
 from oscar_hf.quant import quantize_rows
 from oscar_hf.rotations import LayerRotation
 from script_utils import import_script
+from tiny_models import tiny_config, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 D = 32  # tiny_model head_dim

@@ -13,7 +13,8 @@ from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.config import artifact_settings
 from oscar_hf.eval.methods import OscarFamily
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 PAIRS = ((0, 1), (1, 0))
 

@@ -6,8 +6,9 @@ import torch
 
 from oscar_hf import OscarCache, OscarRotations
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import tiny_config, tiny_model
 from oscar_hf.rotations import CONFIG_NAME, WEIGHTS_NAME
+
+from tiny_models import tiny_config, tiny_model
 
 
 @pytest.fixture

@@ -28,7 +28,8 @@ from oscar_hf import OscarCache, StaticOscarCache
 from oscar_hf.cache import GrowingLayer, OscarHybridLayer, OscarLayer
 from oscar_hf.cache.base import QuantizedLayerBase
 from oscar_hf.compat import CACHE_ARGUMENTS, cache_argument, cache_kwargs, returned_cache
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # tiny llama: head_dim 32; quantizes after 12 tokens

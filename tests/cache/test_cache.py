@@ -7,9 +7,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 
 from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.cache import OscarLayer
-from oscar_hf.models import tiny_config
 from oscar_hf.quant import dequantize_rows, quantize_rows
 from oscar_hf.rotations import LayerRotation
+
+from tiny_models import tiny_config
 
 D, HK = 32, 2
 

@@ -6,9 +6,10 @@ import torch
 
 from oscar_hf import OscarCache, StaticOscarCache
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import tiny_model
 from oscar_hf.cache.io import STATE_NAME, TENSORS_NAME, position_limit, weights_digest
 from oscar_hf.cache.compiled import capacity_for
+
+from tiny_models import tiny_model
 
 KW = dict(method="hadamard", sink=4, recent=8, group_size=32)
 

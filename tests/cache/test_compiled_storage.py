@@ -12,9 +12,9 @@ from oscar_hf.cache import heads as heads_mod
 from oscar_hf.cache import GrowingLayer, OscarLayer
 from oscar_hf.cache import compiled as compiled_mod
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import tiny_model
 
 from batch_utils import cpu_compile_config, random_left_padded
+from tiny_models import tiny_model
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 

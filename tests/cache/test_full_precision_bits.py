@@ -9,8 +9,9 @@ from oscar_hf.cache import heads
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.eval.fakequant import minmax_fake_quant
 from oscar_hf.eval.needle import history_bits
-from oscar_hf.models import tiny_model
 from oscar_hf.quant import pack_int4, unpack_int4
+
+from tiny_models import tiny_model
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes the history after 12 tokens
 FP_PAIR = (0, 1)  # tiny llama: 2 layers x 2 KV heads; layer 0's K/V do not depend on its own attention

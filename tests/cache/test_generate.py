@@ -9,7 +9,8 @@ from transformers import DynamicCache
 from oscar_hf import OscarCache, disable_oscar
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.cache import OscarLayer
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 EXACT = dict(method="hadamard", group_size=32)  # sink 64 + recent 256: nothing quantized for short prompts

@@ -13,9 +13,9 @@ from transformers.cache_utils import LinearAttentionLayer
 from oscar_hf import OscarCache
 from oscar_hf.cache import GrowingLayer, OscarHybridLayer, OscarLayer
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import tiny_model
 
 from batch_utils import cpu_compile_config
+from tiny_models import tiny_model
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 HYBRIDS = ["qwen3_next", "jamba", "bamba", "granitemoehybrid", "lfm2", "falcon_h1", "zamba", "zamba2"]

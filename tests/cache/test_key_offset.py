@@ -10,9 +10,10 @@ import torch
 
 from oscar_hf import OscarCache, OscarConfig, StaticOscarCache
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import tiny_model
 from oscar_hf.quant import dequantize_rows
 from oscar_hf.cache.io import STATE_NAME
+
+from tiny_models import tiny_model
 
 KW = dict(method="hadamard", sink=4, recent=8, group_size=32)
 

@@ -12,7 +12,8 @@ import oscar_hf.cache.compiled_eager as compiled_eager
 from oscar_hf import OscarCache
 from oscar_hf.eval.methods import get_method
 from oscar_hf.eval.perplexity import cache_nll, fast_nll
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 SMALL = dict(sink=4, recent=8, group_size=16)  # the history is quantized from the 13th token on
 PREFILL = 9

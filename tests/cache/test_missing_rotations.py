@@ -4,8 +4,9 @@ import torch
 from oscar_hf.compat import cache_kwargs
 
 from oscar_hf import OscarCache
-from oscar_hf.models import tiny_model
 from oscar_hf.rotations import OscarRotations
+
+from tiny_models import tiny_model
 
 
 def test_missing_full_attention_layers_are_named_once(caplog):

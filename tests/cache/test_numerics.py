@@ -7,8 +7,9 @@ from hypothesis import strategies as st
 from oscar_hf import OscarCache
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.kernels.int2_attention import history_partial_reference
-from oscar_hf.models import tiny_model
 from oscar_hf.quant import dequantize_rows, quantize_rows
+
+from tiny_models import tiny_model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

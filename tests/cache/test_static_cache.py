@@ -7,9 +7,9 @@ from transformers import StaticCache
 from oscar_hf import OscarCache, StaticOscarCache
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.cache import OscarLayer
-from oscar_hf.models import tiny_model
 
 from batch_utils import cpu_compile_config, random_left_padded
+from tiny_models import tiny_model
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 

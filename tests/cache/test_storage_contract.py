@@ -22,10 +22,10 @@ from transformers import CompileConfig, GenerationConfig
 from oscar_hf import OscarCache
 from oscar_hf.cache import compiled as compiled_mod
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import tiny_model
 from oscar_hf.serving import continuous_batching_config, paged_oscar
 
 from batch_utils import cpu_compile_config, left_pad
+from tiny_models import tiny_model
 
 OSCAR = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 NEW = 16  # tokens generated

@@ -16,11 +16,11 @@ from oscar_hf.calibration.search import CLIP_GRID, ErrorRecorder, LayerCandidate
 from oscar_hf.calibration.stats import StatsRecorder, full_attention_layers
 from oscar_hf.config import ModelFingerprint
 from oscar_hf.hadamard import oscar_rotation
-from oscar_hf.models import tiny_model
 from oscar_hf.patching import base_attention_function, patched, register_handler
 from oscar_hf.quant import dequantize_rows, quantize_rows
 from oscar_hf.rotations import OscarRotations
 from script_utils import import_script
+from tiny_models import tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,9 +16,9 @@ from oscar_hf.calibration.retrieval_heads import LENGTHS, PROBES
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.config import MAX_HISTORY_BITS, RETRIEVAL_THRESHOLD, ModelFingerprint
 from oscar_hf.eval.methods import OscarFamily
-from oscar_hf.models import tiny_model
 
 from script_utils import import_script
+from tiny_models import tiny_model
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens; 3.0 INT2 bits
 

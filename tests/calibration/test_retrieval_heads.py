@@ -7,8 +7,9 @@ from transformers import DynamicCache
 from oscar_hf import OscarCache, OscarConfig, OscarRotations, StaticOscarCache
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.cache import OscarLayer
-from oscar_hf.models import tiny_model
 from oscar_hf.calibration.retrieval_heads import probe_needles, retrieval_scores, top_heads
+
+from tiny_models import tiny_model
 
 SMALL = dict(method="hadamard", sink=4, recent=8, group_size=32)  # quantizes after 12 tokens
 FPH = ((0, 1), (1, 0))  # tiny llama: 2 layers x 2 KV heads

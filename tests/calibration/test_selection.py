@@ -4,7 +4,8 @@ import torch
 
 from oscar_hf import OscarRotations, calibrate
 from oscar_hf.calibration.selection import SCORED_TOKENS, next_token_kl
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from oscar_hf.calibration.selection import next_token_kl
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.calibration.settings import choose_settings, kl_frontier, window_candidates
 from oscar_hf.config import ModelFingerprint, artifact_settings
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 # SmolLM2-135M's shape: 30 full-attention layers x 3 KV heads of 64
 SMOL = ModelFingerprint("LlamaForCausalLM", "llama", 30, 9, 3, 64, ("full_attention",) * 30)

@@ -3,7 +3,8 @@ import torch
 
 from oscar_hf.eval.attention_fidelity import fidelity
 from oscar_hf.eval.methods import get_method
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 
 def test_fidelity_zero_for_exact_and_positive_for_int2():

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from oscar_hf.eval import default_perplexity
-from oscar_hf.models import tiny_model
 
 from test_perplexity import random_artifact
+from tiny_models import tiny_model
 
 
 @pytest.fixture

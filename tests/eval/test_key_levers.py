@@ -11,10 +11,10 @@ from oscar_hf.eval.key_levers import (BLOCK, HeadKeysExact, KeysOrValuesFrom, hi
                                       rotated_fake_quant)
 from oscar_hf.eval.methods import OscarSpec
 from oscar_hf.kernels.write_path import rotate_quantize_reference
-from oscar_hf.models import tiny_model
 from oscar_hf.quant import dequantize_rows
 
 from test_perplexity import random_artifact
+from tiny_models import tiny_model
 
 
 def rows(t=100, seed=0):

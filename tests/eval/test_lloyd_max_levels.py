@@ -5,8 +5,9 @@ import torch
 
 from oscar_hf import OscarRotations
 from oscar_hf.eval.methods import OscarFamily, OscarSpec
-from oscar_hf.models import tiny_model
 from oscar_hf.quant import dequantize_rows, quantize_rows
+
+from tiny_models import tiny_model
 
 
 def spec(levels, group_size=32):

@@ -11,9 +11,9 @@ from transformers.utils import logging as hf_logging
 from oscar_hf.eval import continuations as cont
 from oscar_hf.eval import long_generation as lg
 from oscar_hf.eval.methods import KVMethod, get_method
-from oscar_hf.models import tiny_model
 
 from test_perplexity import random_artifact
+from tiny_models import tiny_model
 
 hf_logging.disable_progress_bar()
 N = 40  # generated tokens per prompt: past the windows of the small caches below, so history is quantized

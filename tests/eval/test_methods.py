@@ -7,7 +7,8 @@ import torch
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.eval.fakequant import residual_exact_mask
 from oscar_hf.eval.methods import METHODS, KiviSpec, TurboSpec, get_method, lloyd_max_gaussian
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 
 def test_registry_and_errors():

@@ -5,7 +5,8 @@ import torch
 from oscar_hf.eval.methods import get_method
 from oscar_hf.eval.haystack import filler_ids
 from oscar_hf.eval.needle import NEEDLE, answer, make_needle_prompt, score_answer
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 
 class CharTok:

@@ -24,7 +24,8 @@ from oscar_hf.eval.needle import (
     score_code,
     write_prefix,
 )
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 
 class ByteTok:

@@ -12,8 +12,9 @@ from oscar_hf.compat import cache_kwargs
 from oscar_hf.eval.fakequant import window_exact_mask
 from oscar_hf.eval.methods import OscarFamily, get_method
 from oscar_hf.eval.perplexity import cache_nll, evaluation_ids, fast_nll, perplexity
-from oscar_hf.models import tiny_model
 from oscar_hf.rotations import LayerRotation
+
+from tiny_models import tiny_model
 
 hf_logging.disable_progress_bar()
 

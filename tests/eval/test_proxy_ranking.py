@@ -6,7 +6,8 @@ from oscar_hf import OscarRotations
 from oscar_hf.eval.attention_fidelity import capture_qkv
 from oscar_hf.eval.methods import OscarFamily
 from oscar_hf.eval.proxy_ranking import fake_quant_kl, full_log_probs, output_errors, spearman
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 
 def test_spearman_orders_and_ties():

@@ -8,7 +8,8 @@ from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.eval.retention import PASSAGES, WindowsError, check_windows, probe
-from oscar_hf.models import tiny_model
+
+from tiny_models import tiny_model
 
 SINK, RECENT, TOKENS, PREFIX = 4, 48, 52, 8
 

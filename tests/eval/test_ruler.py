@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from oscar_hf.eval import ruler
-from oscar_hf.models import SMOLLM2_GGUF, smollm2_dir, tiny_model
+from oscar_hf.models import SMOLLM2_GGUF, smollm2_dir
+
+from tiny_models import tiny_model
 
 TASKS_DIR = Path(__file__).resolve().parents[2] / "eval" / "tasks"
 TOL = 32  # a prompt may fall short of its budget by this many tokens (CWE grows by whole words)

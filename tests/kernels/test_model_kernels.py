@@ -12,7 +12,8 @@ INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from oscar_hf import OscarCache  # noqa: E402
 from oscar_hf.compat import cache_kwargs  # noqa: E402
-from oscar_hf.models import tiny_model  # noqa: E402
+
+from tiny_models import tiny_model  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRITON_INTERPRET=1 without CUDA)")
 

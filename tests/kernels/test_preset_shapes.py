@@ -19,7 +19,8 @@ from oscar_hf.kernels import plan  # noqa: E402
 from oscar_hf.kernels.int2_attention import (decode_attention_reference, history_partial_reference,  # noqa: E402
                                              rotate_query_reference)
 from oscar_hf.kernels.write_path import rotate_quantize, rotate_quantize_reference  # noqa: E402
-from oscar_hf.models import tiny_model  # noqa: E402
+
+from tiny_models import tiny_model  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRITON_INTERPRET=1 without CUDA)")
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from oscar_hf.models import tiny_model
+from tiny_models import tiny_model
 
 
 @pytest.fixture(autouse=True, scope="package")

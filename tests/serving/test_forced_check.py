@@ -18,7 +18,8 @@ def setup():
 
     from oscar_hf import OscarCache
     from oscar_hf.compat import cache_kwargs
-    from oscar_hf.models import tiny_config
+
+    from tiny_models import tiny_config
 
     tok = load_tokenizer(None)
     torch.manual_seed(0)

@@ -9,8 +9,9 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from oscar_hf import OscarCache
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import tiny_model
 from oscar_hf.serving import OscarPagedStore, continuous_batching_config, paged_oscar
+
+from tiny_models import tiny_model
 
 OSCAR = dict(sink=4, recent=8, group_size=32)
 NEW_TOKENS = 24

@@ -13,8 +13,9 @@ from transformers.generation.continuous_batching.cache_allocators import FullAtt
 from transformers.generation.continuous_batching.distributed import DistributedHelper
 from transformers.generation.continuous_batching.requests import RequestState
 
-from oscar_hf.models import tiny_config
 from oscar_hf.serving import OscarPagedCache, OscarPagedStore
+
+from tiny_models import tiny_config
 
 OSCAR = dict(method="hadamard", sink=4, recent=8, group_size=32, prompt_budget=512)
 DTYPE = torch.bfloat16

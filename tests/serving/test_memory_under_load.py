@@ -16,9 +16,10 @@ from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching.cache import PagedAttentionMemoryHandler
 from transformers.generation.continuous_batching.requests import RequestState
 
-from oscar_hf.models import tiny_config, tiny_model
 from oscar_hf.serving import OscarPagedStore, PoolExhausted, continuous_batching_config, oscar_serving, paged_oscar
 from oscar_hf.serving.batching import SECTOR_API
+
+from tiny_models import tiny_config, tiny_model
 
 OSCAR = dict(sink=4, recent=8, group_size=32)
 

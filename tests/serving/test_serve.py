@@ -16,7 +16,9 @@ import torch
 
 from oscar_hf import OscarCache
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import SMOLLM2_GGUF, smollm2_dir, tiny_model
+from oscar_hf.models import SMOLLM2_GGUF, smollm2_dir
+
+from tiny_models import tiny_model
 
 pytest.importorskip("fastapi", reason="transformers serve needs `pip install transformers[serving]`")
 pytest.importorskip("uvicorn", reason="transformers serve needs `pip install transformers[serving]`")

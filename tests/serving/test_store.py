@@ -5,9 +5,10 @@ import random
 import pytest
 import torch
 
-from oscar_hf.models import tiny_config
 from oscar_hf.serving import OscarPagedStore, PoolExhausted
 from oscar_hf.serving.store import DEFAULT_CHUNK_TOKENS
+
+from tiny_models import tiny_config
 
 
 class FakeAttention(torch.nn.Module):
