@@ -53,7 +53,7 @@ def _expect_length(original, generation_config, model_kwargs, *args, **kwargs):
 def _mask_unread(cache, inputs_embeds) -> bool:
     """Whether a one-token step's mask would go unread: every layer of ``cache`` a compiled OSCAR layer past its
     prefill that sizes no mask (``OscarLayer.get_mask_sizes``: compiled, no fixed capacity)."""
-    from .cache.compiled import OscarLayer  # (here: the cache package imports this module)
+    from .cache.layer import OscarLayer  # (here: the cache package imports this module)
 
     layers = getattr(getattr(cache, "self_attention_cache", cache), "layers", None)
     return (inputs_embeds is not None and inputs_embeds.shape[1] == 1 and bool(layers)

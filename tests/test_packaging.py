@@ -134,9 +134,9 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_import_graph_sees_the_package():
     graph = import_graph()
-    assert {"oscar_hf", "oscar_hf.cache.compiled", "oscar_hf.kernels.write_path", "oscar_hf.eval.methods"} <= set(graph)
-    assert "oscar_hf.kernels.static_op" in graph["oscar_hf.cache.compiled"]  # the layer's decode step
-    assert "oscar_hf.cache.compiled_eager" in graph["oscar_hf.cache.compiled"]
+    assert {"oscar_hf", "oscar_hf.cache.layer", "oscar_hf.kernels.write_path", "oscar_hf.eval.methods"} <= set(graph)
+    assert "oscar_hf.kernels.static_op" in graph["oscar_hf.cache.layer"]  # the layer's decode step
+    assert "oscar_hf.cache.layer_eager" in graph["oscar_hf.cache.layer"]
     assert "oscar_hf.quant" in graph["oscar_hf.kernels.write_path"]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import LinearAttentionLayer
 
-from .compiled import OscarLayer
+from .layer import OscarLayer
 
 
 class OscarHybridLayer(OscarLayer, LinearAttentionLayer):

@@ -23,7 +23,7 @@ from ..config import ModelFingerprint, OscarConfig, renamed_keywords
 from ..quant import QuantizedRows
 from ..rotations import OscarRotations
 from . import heads
-from .compiled import GrowingLayer, OscarLayer, capacity_for
+from .layer import GrowingLayer, OscarLayer, capacity_for
 
 FORMAT = "oscar_hf.cache"
 VERSION = 1

@@ -7,7 +7,7 @@ import torch
 from oscar_hf import OscarCache, StaticOscarCache
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.cache.io import STATE_NAME, TENSORS_NAME, position_limit, weights_digest
-from oscar_hf.cache.compiled import capacity_for
+from oscar_hf.cache.layer import capacity_for
 
 from tiny_models import tiny_model
 

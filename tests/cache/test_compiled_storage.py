@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from oscar_hf import OscarCache
 from oscar_hf.cache import heads as heads_mod
 from oscar_hf.cache import GrowingLayer, OscarLayer
-from oscar_hf.cache import compiled as compiled_mod
+from oscar_hf.cache import layer as compiled_mod
 from oscar_hf.compat import cache_kwargs
 
 from batch_utils import cpu_compile_config, random_left_padded

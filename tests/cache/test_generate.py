@@ -149,7 +149,7 @@ def test_left_padding_mask_becomes_a_start_not_a_key_mask(monkeypatch):
     the same run with the mask read as a key mask (masks with holes: the next test)."""
     import oscar_hf.cache.base as read_mod  # the multi-token read (QuantizedLayerBase.read)
     import oscar_hf.kernels.static_op as step_mod  # the decode step
-    from oscar_hf.cache.compiled_eager import CompiledEager
+    from oscar_hf.cache.layer_eager import EagerOps
 
     m = tiny_model("llama")
     torch.manual_seed(4)
@@ -173,22 +173,22 @@ def test_left_padding_mask_becomes_a_start_not_a_key_mask(monkeypatch):
     assert any(bool((start > 0).any()) for _, start in seen)  # the padded rows start later
     assert all(bool((start >= pads - SMALL["sink"]).all()) for _, start in seen)
     seen.clear()
-    monkeypatch.setattr(CompiledEager, "_left_padding_only", lambda *a: False)
+    monkeypatch.setattr(EagerOps, "_left_padding_only", lambda *a: False)
     assert torch.equal(run(), out)
     assert seen and not any(no_mask for no_mask, _ in seen)
 
 
 def test_left_padding_only_detects_holes_and_is_shared_by_a_forwards_layers():
-    from oscar_hf.cache import compiled_eager
+    from oscar_hf.cache import layer_eager
 
     layer = types.SimpleNamespace(batch_size=3, pad=torch.tensor([2, 0, 1]))
-    check = lambda mask, t_old: compiled_eager.CompiledEager._left_padding_only(layer, mask, t_old)  # noqa: E731
+    check = lambda mask, t_old: layer_eager.EagerOps._left_padding_only(layer, mask, t_old)  # noqa: E731
     ok = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool)[:, None, None]  # [B, 1, 1, 5]
     hole = ok.clone()
     hole[1, 0, 0, 2] = False
     assert check(ok, 4)
     assert not check(hole, 4)
-    assert compiled_eager._LEFT_PAD_MEMO[0][0] is hole and compiled_eager._LEFT_PAD_MEMO[0][1] == 4
+    assert layer_eager._LEFT_PAD_MEMO[0][0] is hole and layer_eager._LEFT_PAD_MEMO[0][1] == 4
     hole.copy_(ok)
     assert not check(hole, 4)  # the same forward (mask, step): the kept answer
     assert check(hole, 3)  # another step: asked again

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import oscar_hf.cache.compiled as compiled
-import oscar_hf.cache.compiled_eager as compiled_eager
+import oscar_hf.cache.layer as layer_mod
+import oscar_hf.cache.layer_eager as layer_eager
 from oscar_hf import OscarCache
 from oscar_hf.eval.methods import get_method
 from oscar_hf.eval.perplexity import cache_nll, fast_nll
@@ -63,7 +63,7 @@ def test_dropping_the_term_is_detected(model, monkeypatch):
     cache's read)."""
     torch.manual_seed(1)
     ids = torch.randint(0, 256, (1, 48))
-    for module in (compiled, compiled_eager):
+    for module in (layer_mod, layer_eager):
         monkeypatch.setattr(module, "logit_terms", lambda kwargs, hk, l: (None, None))
     fake, cached = _nll(model, ids, compile=False)
     assert (fake - cached).abs().max() > 1e-3

@@ -1,6 +1,6 @@
 """One contract for every storage of the OSCAR KV, run on each:
 
-* ``eager``: :class:`~oscar_hf.cache.compiled.OscarLayer` with every forward eager (``OscarCache(compile=False)``);
+* ``eager``: :class:`~oscar_hf.cache.layer.OscarLayer` with every forward eager (``OscarCache(compile=False)``);
 * ``compiled``: the same layer under ``OscarCache(compile=True)``, its decode step
   through ``generate``'s compiled route (fullgraph; the CPU runs its torch reference), capacity buckets of 16 slots
   so that a generation grows the history (INT2 and coded rows) several times;
@@ -20,7 +20,7 @@ import torch
 from transformers import CompileConfig, GenerationConfig
 
 from oscar_hf import OscarCache
-from oscar_hf.cache import compiled as compiled_mod
+from oscar_hf.cache import layer as compiled_mod
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.serving import continuous_batching_config, paged_oscar
 

@@ -405,6 +405,7 @@ def follow_diverged(records: list[dict], models, prompts: list[str], refs, tok, 
     """Judge every ``diverged`` stream by teacher forcing (``forced_check``, tolerance ``tie_tol``), in place: its
     verdict becomes ``followed`` or ``wrong``. Returns the check's control on model A: each prompt's own reference
     stream must be followed, and every stream checked against another prompt's (the next one's reference) flagged."""
+    sys.path.insert(0, str(ROOT / "tests" / "serving"))  # its sibling (a script run with -P has not its folder on the path)
     from forced_check import forced_check
 
     tol = p["tie_tol"] if p["tie_tol"] > 0 else 1e-3

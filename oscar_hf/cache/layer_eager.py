@@ -1,5 +1,5 @@
 """The OSCAR layer's eager side (never compiled): multi-token forwards and their bulk writes, ``generate``'s cache
-operations, save / load, memory. Layout: :mod:`oscar_hf.cache.compiled`."""
+operations, save / load, memory. Layout: :mod:`oscar_hf.cache.layer`."""
 from __future__ import annotations
 
 import torch
@@ -22,7 +22,7 @@ def _fixed_address(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# one decode forward's answer of CompiledEager._left_padding_only for its layers: (mask, t_old, answer); the mask
+# one decode forward's answer of EagerOps._left_padding_only for its layers: (mask, t_old, answer); the mask
 # held so that its id stays unique
 _LEFT_PAD_MEMO: list = [None]
 
@@ -37,7 +37,7 @@ def regrown(old: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, 
     return _fixed_address(new)
 
 
-class CompiledEager:
+class EagerOps:
     """The eager operations of a compiled layer (see the module docstring)."""
 
     def _multi_token(self, query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs):

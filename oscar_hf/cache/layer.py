@@ -22,7 +22,7 @@ from ..quant import QuantizedRows
 from ..rotations import LayerRotation
 from . import heads
 from .base import BatchOps, QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, logit_terms
-from .compiled_eager import CompiledEager, _fixed_address, regrown
+from .layer_eager import EagerOps, _fixed_address, regrown
 from .window import window_mask
 
 RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE
@@ -140,7 +140,7 @@ class StepShared:
         return length
 
 
-class OscarLayer(CompiledEager, HostLength, QuantizedLayerBase):
+class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
     """One quantized layer with device-resident storage. ``max_cache_len`` fixes the capacity; None grows it.
     ``compiled``: ``generate`` compiles its decode step (fixed mask sizes); else every forward runs eagerly and reads
     the model's mask (any mask, as a ``DynamicLayer`` neighbour sizes it)."""
