@@ -82,8 +82,7 @@ class DecodeStep:
             if r.floor and t - 1 - w < r.floor:  # would rewrite a shared page (a shared prompt stores >= W + 2 rows)
                 raise RuntimeError(f"request {rid!r} decodes at {t} tokens inside its shared prefix ({r.floor})")
             e = t - 1 - w - s0  # history entry of slot T - 1 - W, which left the window at the previous step
-            if e >= 0:
-                self._pages_for(r, e + 1)
+            self._pages_for(r, e + 1)  # (none while e < 0)
             new_entry = s0 + t % ring
             index_rows.append((offsets[i], r.slot, new_entry, t if t < s0 else new_entry, s0 + (t - 1 - w) % ring,
                                r.table[e // p] if e >= 0 else trash_page, e % p if e >= 0 else 0, t))
@@ -136,12 +135,8 @@ class DecodeStep:
         return b if rows <= b.rows and cols <= b.cols else None
 
     def kv_params(self, layer_idx: int):
-        """The layer's :class:`~oscar_hf.kernels.kv.KVParams` (the kernels' bundle of ``self.params``), built once."""
-        params = self._kv.get(layer_idx)
-        if params is None:
-            p = self.params[layer_idx]
-            params = self._kv[layer_idx] = p.kv(self.config, p.mu_k, p.mu_v)
-        return params
+        """The layer's :class:`~oscar_hf.kernels.kv.KVParams` (the kernels' bundle of ``self.params``)."""
+        return self._kv[layer_idx]
 
     def _decode(self, layer_idx: int, plan: StepPlan, query, new_k, new_v, scaling: float) -> torch.Tensor:
         """``[Bp, Hq, D]``: write then read one token for each row of ``plan``; device work only (graph-capturable)."""

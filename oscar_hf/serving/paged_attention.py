@@ -93,12 +93,12 @@ class RecordedBatch:
     """What both paged caches keep for the store: a forward's requests in packing order, recorded by Transformers'
     per-request hooks (the ids never reach the forward) and taken by its first OSCAR layer."""
 
-    def _start_recording(self, store, allow_block_sharing: bool) -> None:
+    def _start_recording(self, store) -> None:
         """The end of a paged cache's ``__init__``: the store bound, its window slots allocated (a captured graph
         holds their addresses); prefix sharing is the store's (Transformers' would match BF16 blocks never written)."""
         self.store = store
         self.allow_block_sharing = self.use_prefix_sharing = (
-            self.oscar_owns_memory and store.prefix_sharing and allow_block_sharing)
+            self.oscar_owns_memory and store.prefix_sharing and self.allow_block_sharing)
         store.windows.allocate_all(trash=self.cuda_graphs)
         self.scheduler = None  # the manager's scheduler (its request states), once its batch processor exists
         self._pending: list[tuple[str, int, int]] = []
@@ -174,6 +174,7 @@ class RecordedBatch:
         holder's first blocks for it too (``_share_blocks``), so admission counts them once."""
         if not self.use_prefix_sharing:
             return 0
+        self.store.share_room = self.get_num_free_blocks()  # for retained pages a new request takes (_share_blocks)
         m, holder, k = self.store.share_prefix(request_id, list(prompt_ids))
         if m:
             self._share_blocks(request_id, holder, k)

@@ -183,7 +183,7 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
             store.attach_pool(allocator.num_blocks, allocator.tokens_per_page, storage=self.cache_tensor[trash:])
             # Transformers reads no past for these layers: [*, 1 + M] index tensors and masks; no read budget spent
             self.max_tokens_read, self.read_cache_limit = 1, 0
-        self._start_recording(store, self.allow_block_sharing)
+        self._start_recording(store)
 
     # ------------------------------------------------------------------ batch composition
     def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
@@ -215,12 +215,10 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
         return ok
 
     # ------------------------------------------------------------------ prefix sharing, forks (oscar_hf.serving.prefix)
-    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
-        if self.use_prefix_sharing:  # the blocks free now: for retained pages a new request takes (_share_blocks)
-            allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
-            self.store.share_room = (self.pool.count_free_blocks(allocator.index)
-                                     + self.pool.num_free_sectors * allocator.blocks_per_sector)
-        return super().search_prefix_match(request_id, prompt_ids)
+    def get_num_free_blocks(self) -> int:
+        """Blocks a request can take now (Transformers 5.17's name, which the 5.17 cache answers itself)."""
+        allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
+        return self.pool.count_free_blocks(allocator.index) + self.pool.num_free_sectors * allocator.blocks_per_sector
 
     def _share_blocks(self, request_id: str, holder: str | None, k: int) -> None:
         """The allocator holds the holder's blocks for the pages the request took from it, and fresh blocks for the

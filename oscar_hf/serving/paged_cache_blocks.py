@@ -47,7 +47,7 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
             self.num_pages = pages * self.block_size  # the scheduler's read budget: never the limit
             self._block_manager = BlockManager(pages, self.block_size, tp_on=False)
             store.attach_pool(pages, self.block_size)
-        self._start_recording(store, continuous_batching_config.allow_block_sharing)
+        self._start_recording(store)
 
     # ------------------------------------------------------------------ admission
     def attach_scheduler(self, scheduler) -> None:
@@ -76,10 +76,6 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
         return allocated
 
     # ------------------------------------------------------------------ prefix sharing, forks (oscar_hf.serving.prefix)
-    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
-        self.store.share_room = self.get_num_free_blocks()  # for retained pages a new request takes (_share_blocks)
-        return super().search_prefix_match(request_id, prompt_ids)
-
     def _share_blocks(self, request_id: str, holder: str | None, k: int) -> None:
         """The request's block table starts with the holder's blocks for the pages it took from it (referenced once
         more), then fresh blocks for the retained pages it took (at most ``share_room``: free ones)."""

@@ -171,8 +171,7 @@ class StoreRequests:
 
     def history_pages(self, length: int, page_size: int) -> int:
         """INT2 pages a request of ``length`` tokens holds: its history entries ``[S0, length - W)``."""
-        n = length - self.config.sink - self.config.recent
-        return -(-n // page_size) if n > 0 else 0
+        return -(-max(length - self.config.sink - self.config.recent, 0) // page_size)
 
     def attach_pool(self, num_pages: int, page_size: int, storage: torch.Tensor | None = None) -> PagedInt2Pool:
         """(Re)build the page pool, in ``storage`` (flat uint8) or its own tensors; only while no request is live."""

@@ -92,7 +92,7 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         self._warned_prompt = False
         self._plan: StepPlan | None = None
         self._buffers: DecodeBuffers | None = None
-        self._kv = {}  # model layer -> its KVParams (the kernels' bundle of self.params), built at its first step
+        self._kv = {i: p.kv(config, p.mu_k, p.mu_v) for i, p in self.params.items()}  # the kernels' bundles of params
         self.graph_rows = 0  # CUDA graphs (enable_graphs): the most rows of a graphed decode step; 0 = off
         self.pool: PagedInt2Pool | None = None
         for name, value in (("prefix_sharing", prefix_sharing), ("retain_prefixes", retain)):
