@@ -113,13 +113,10 @@ def tp_rank_world(model) -> tuple[int, int] | None:
 
 def _attention_modules(model) -> dict[int, torch.nn.Module]:
     """Decoder-layer attention modules by ``layer_idx`` (searched inside the text decoder when there is one)."""
-    root = model
-    get_dec = getattr(model, "get_decoder", None)
-    if callable(get_dec):
-        try:
-            root = get_dec() or model
-        except Exception:  # noqa: BLE001 - some wrappers raise instead of returning None
-            root = model
+    try:
+        root = model.get_decoder() or model
+    except Exception:  # noqa: BLE001 - no get_decoder, or a wrapper that raises instead of returning None
+        root = model
     out = {}
     for _, mod in root.named_modules():
         idx = getattr(mod, "layer_idx", None)

@@ -76,20 +76,15 @@ def hadamard_matrix(d: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return _hadamard_f64(d).to(dtype).clone()
 
 
-def _prime_factors(n: int) -> list[int]:
-    out, p = [], 2
-    while n > 1:
-        while n % p == 0:
-            out.append(p)
-            n //= p
-        p += 1
-    return out
-
-
 def bit_reversal_permutation(d: int) -> torch.Tensor:
     """``perm[i]`` = position of importance level ``i``: the mixed-radix digit reversal of ``i`` over ``d``'s prime
     factors (twos first), the bit reversal for ``d = 2^k``."""
-    radices = _prime_factors(d)  # (ascending: twos first)
+    radices, n, p = [], d, 2  # d's prime factors, ascending: twos first
+    while n > 1:
+        while n % p == 0:
+            radices.append(p)
+            n //= p
+        p += 1
     perm = []
     for i in range(d):
         pos, r = 0, i

