@@ -17,7 +17,7 @@ from .fingerprint import (  # noqa: F401  (re-exported: the names every module i
     default_group_size, hybrid_state_layers, kv_sharing_modes, layer_types_of, validate_head_dim)
 from .quant import QUANTIZERS, SUPPORTED_META_DTYPES, bits_per_element
 
-_META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
+META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
 
 # retrieval_heads="auto" keeps the KV heads whose retrieval score (attention mass in [0, 1]) reaches this; why 0.4:
 # docs/quality.md, "Retrieval-safe defaults"
@@ -99,7 +99,7 @@ class OscarConfig:
             raise NotImplementedError(f"only bits=2 is implemented, got bits={self.bits}")
         if self.block_size < 1 or self.prefill_chunk < 1:
             raise ValueError("block_size and prefill_chunk must be positive")
-        for name, allowed in (("meta_dtype", sorted(_META_DTYPES)), ("quantizer", QUANTIZERS),
+        for name, allowed in (("meta_dtype", sorted(META_DTYPES)), ("quantizer", QUANTIZERS),
                               ("key_offset", ("calibrated", "prefill")), ("use_kernels", ("auto", True, False))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"OscarConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -161,7 +161,7 @@ class OscarConfig:
 
     @property
     def torch_meta_dtype(self) -> torch.dtype:
-        return _META_DTYPES[self.meta_dtype]
+        return META_DTYPES[self.meta_dtype]
 
     def clip_for(self, kind: str, layer_idx: int, default: float) -> float:
         val = getattr(self, f"clip_{kind}")

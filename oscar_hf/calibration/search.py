@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..config import validate_head_dim
+from ..config import META_DTYPES, validate_head_dim
 from ..hadamard import hadamard_matrix, oscar_rotation
 from ..patching import base_attention_function
 from ..quant import LEVELS
@@ -18,14 +18,13 @@ from .stats import CalibrationStats, LayerStats
 CLIP_GRID = tuple(round(0.80 + 0.02 * i, 2) for i in range(11))  # 0.80 .. 1.00
 K_CANDIDATES = ("identity", "hadamard", "oscar", "pca-kv")
 V_CANDIDATES = ("identity", "hadamard", "oscar", "pca-kv", "score-weighted")
-META_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclasses.dataclass
 class LayerCandidates:
     """What to evaluate in one layer: ``k_rots [Ck, Hk, D, D]``, ``v_rots [Cv, Hk, D, D]``, offsets ``mu_k``
-    (``[Hk, D]``, ``[Ck, Hk, D]`` or None) and ``mu_v``, clip grids; reference rotations ``k_ref [Cr, Hk, D, D]`` /
-    ``v_ref`` evaluated uncentered at clip 1.0 only (for reports)."""
+    (``[Hk, D]``, ``[Ck, Hk, D]`` or None) and ``mu_v``, clip grids; reference rotations ``ref [Cr, Hk, D, D]``
+    evaluated for keys and values, uncentered at clip 1.0 only (for reports)."""
 
     k_rots: torch.Tensor
     v_rots: torch.Tensor
@@ -33,8 +32,7 @@ class LayerCandidates:
     mu_v: torch.Tensor | None
     clips_k: torch.Tensor
     clips_v: torch.Tensor
-    k_ref: torch.Tensor | None = None
-    v_ref: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -101,19 +99,17 @@ class ErrorRecorder:
         allowed = allowed_matrix(attention_mask, b, q_len, kv_len, dev)
         if i not in self.errors:
             z = lambda *s: torch.zeros(*s, dtype=torch.float64, device=dev)  # noqa: E731
+            ref = () if cand.ref is None else [z(len(cand.ref), 1, hk) for _ in "kv"]  # LayerErrors.k_ref, v_ref
             self.errors[i] = LayerErrors(z(cand.k_rots.shape[0], cand.clips_k.numel(), hk),
-                                         z(cand.v_rots.shape[0], cand.clips_v.numel(), hk), 0.0, 0.0, z(hk), z(hk),
-                                         None if cand.k_ref is None else z(cand.k_ref.shape[0], 1, hk),
-                                         None if cand.v_ref is None else z(cand.v_ref.shape[0], 1, hk))
+                                         z(cand.v_rots.shape[0], cand.clips_v.numel(), hk), 0.0, 0.0, z(hk), z(hk), *ref)
         err = self.errors[i]
         one = torch.ones(1, device=dev)
         f32 = lambda t: t.to(dev, torch.float32)  # noqa: E731
         k_jobs = [(f32(cand.k_rots), cand.mu_k, cand.clips_k.to(dev), err.k)]
         v_jobs = [(f32(cand.v_rots), cand.mu_v, cand.clips_v.to(dev), err.v)]
-        if cand.k_ref is not None:
-            k_jobs.append((f32(cand.k_ref), None, one, err.k_ref))
-        if cand.v_ref is not None:
-            v_jobs.append((f32(cand.v_ref), None, one, err.v_ref))
+        if cand.ref is not None:
+            k_jobs.append((f32(cand.ref), None, one, err.k_ref))
+            v_jobs.append((f32(cand.ref), None, one, err.v_ref))
         s2 = float(scaling) ** 2
 
         def errors(jobs, x):  # per candidate c: (target[c], its rotation [Hk, D, D], quant error [Hk, n, N, D])
@@ -243,8 +239,7 @@ def build_candidates(stats: CalibrationStats, method: str, *, center: bool | str
         rots = [torch.stack([candidate_rotation(n, kind, s, c, shared) for n, c in p]) for kind, p in zip("kv", pairs)]
         mus = [torch.stack([mu.float().cpu() if c else zero for _, c in p]) if any(modes) else None
                for mu, p in zip((s.mu_k, s.mu_v), pairs)]
-        ref = candidate_rotation("identity", "k", s, False)[None]
-        out[i] = LayerCandidates(*rots, *mus, grid, grid.clone(), ref, ref)
+        out[i] = LayerCandidates(*rots, *mus, grid, grid.clone(), candidate_rotation("identity", "k", s, False)[None])
     return out, knames, vnames
 
 
