@@ -97,14 +97,11 @@ def evaluation_text(source, calibration_fraction: float = CALIBRATION_FRACTION, 
 
 
 def _adds_bos(tokenizer) -> bool:
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return False
     try:
         ids = tokenizer("a", add_special_tokens=True)["input_ids"]
     except Exception:  # noqa: BLE001
         return False
-    return len(ids) > 0 and ids[0] == bos
+    return len(ids) > 0 and ids[0] == getattr(tokenizer, "bos_token_id", None)  # (no BOS: None, never a token id)
 
 
 def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> torch.Tensor:

@@ -16,10 +16,8 @@ PREFIX = "oscarcalib_"
 _ACTIVE: list = []
 
 
-def _dispatch(module, query, key, value, attention_mask, *args, base, **kwargs):
-    if not _ACTIVE:
-        return NotImplemented
-    return _ACTIVE[-1](module, query, key, value, attention_mask, *args, base=base, **kwargs)
+def _dispatch(*args, **kwargs):  # the innermost recording's recorder; outside one, the user's attention
+    return _ACTIVE[-1](*args, **kwargs) if _ACTIVE else NotImplemented
 
 register_handler(PREFIX, _dispatch)
 
