@@ -58,12 +58,6 @@ class OscarCacheAllocator(FullAttentionCacheAllocator):
 
     get_write_indices = get_read_indices
 
-    def update(self, *args, **kwargs):
-        raise RuntimeError("OSCAR layers are served by OscarPagedCache.update, not the allocator")
-
-    def get_cache_for_block_table(self, layer_idx: int):
-        raise NotImplementedError("the OSCAR paged cache does not serve the flash block-table decode path")
-
     def count_shareable_blocks(self, source_request_id: str, past_length: int) -> int:
         """A fork shares the pages no later step writes (the store's count, not whole blocks of tokens)."""
         return min(self.store.shareable_pages(past_length), len(self.block_table[source_request_id]))

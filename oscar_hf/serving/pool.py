@@ -74,9 +74,8 @@ class PagedInt2Pool:
         check_group_size(head_dim, group_size)
         if meta_dtype not in SUPPORTED_META_DTYPES:
             raise ValueError(f"meta_dtype must be one of {SUPPORTED_META_DTYPES}, got {meta_dtype}")
-        int2_heads, coded_heads = layout.int2_heads, layout.coded_heads
-        int2_heads = tuple(int(h) for h in (int2_heads if int2_heads is not None else [num_kv_heads] * num_layers))
-        coded_heads = tuple(int(h) for h in (coded_heads if coded_heads is not None else [0] * num_layers))
+        int2_heads = tuple(map(int, [num_kv_heads] * num_layers if layout.int2_heads is None else layout.int2_heads))
+        coded_heads = tuple(map(int, [0] * num_layers if layout.coded_heads is None else layout.coded_heads))
         if (len(int2_heads) != num_layers or len(coded_heads) != num_layers
                 or any(a < 0 or b < 0 or a + b > num_kv_heads for a, b in zip(int2_heads, coded_heads))):
             raise ValueError(f"int2_heads {int2_heads} / coded_heads {coded_heads}: one count per layer "

@@ -168,11 +168,10 @@ class SharedPrefixes:
         k = self._fork_shares(s)
         for page in s.table[:k]:
             self.pool.acquire(page)
-        copies = []
+        r.table = s.table[:k]
         for page in s.table[k:]:
-            copies.append(self.pool.allocate())
-            self.pool.copy_page(page, copies[-1])
-        r.table = s.table[:k] + copies
+            r.table.append(self.pool.allocate())
+            self.pool.copy_page(page, r.table[-1])
         for win in (self.windows.k, self.windows.v):
             win[r.slot] = win[s.slot]
         r.lengths, r.floor = dict(s.lengths), s.floor
