@@ -146,7 +146,8 @@ class Monitor(LogitsProcessor):
         s = dict(step=self.step, seq_len=self.cache.get_seq_length(), t=time.perf_counter() - self.t0,
                  cache_used=int(rep["total"]), cache_allocated=int(rep["allocated"]),
                  history_codes=int(rep["history_codes"]), nonfinite_so_far=int(self.bad))
-        s["sinks_full"] = all(bool((layer.host_len - layer.pad >= layer.config.sink).all()) for layer in self.cache.layers
+        s["sinks_full"] = all(bool((layer.host_len - layer.pad >= layer.config.sink).all())
+                              for layer in self.cache.layers
                               if getattr(layer, "hist_k", None) is not None and layer.is_initialized)
         if mem:
             s.update(mem_allocated=mem["allocated"], non_cache=mem["allocated"] - s["cache_allocated"])

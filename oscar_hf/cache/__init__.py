@@ -27,8 +27,8 @@ from .layer import GrowingLayer, OscarLayer, StepShared
 from .hybrid import OscarHybridLayer
 from .io import DummyLayer, load_cache, save_cache  # (DummyLayer: None on Transformers 5.17)
 
-__all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "OscarHybridLayer", "GrowingLayer", "resolve_retrieval_heads",
-           "resolve_full_precision_heads"]
+__all__ = ["OscarCache", "StaticOscarCache", "OscarLayer", "OscarHybridLayer", "GrowingLayer",
+           "resolve_retrieval_heads", "resolve_full_precision_heads"]
 resolve_full_precision_heads = resolve_retrieval_heads  # the name before "retrieval heads" was the one name
 # The layers' old names (one layer, compiled or not; "static" names only fixed capacity); importing them warns
 RENAMED = {"StaticOscarLayer": "OscarLayer", "StaticOscarHybridLayer": "OscarHybridLayer",
@@ -40,8 +40,8 @@ _SAID: set[tuple[str, str]] = set()  # (architecture, layer kind) whose full-pre
 def __getattr__(name: str):
     if name in RENAMED:
         import warnings
-        warnings.warn(f"oscar_hf.cache.{name} is now {RENAMED[name]} (one layer, compiled or not; \"static\" names only "
-                      "the fixed-capacity StaticOscarCache)", FutureWarning, stacklevel=2)
+        warnings.warn(f"oscar_hf.cache.{name} is now {RENAMED[name]} (one layer, compiled or not; \"static\" names "
+                      "only the fixed-capacity StaticOscarCache)", FutureWarning, stacklevel=2)
         return globals()[RENAMED[name]]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -135,8 +135,8 @@ class OscarCache(Cache):
                 layers.append(LinearAttentionLayer(**n_states))
             elif kind in FULL_LAYER_TYPES and choice.quantized(i):
                 layers.append((OscarHybridLayer if state else OscarLayer)(
-                    config, rotations.layers[i], i, retrieval_heads=choice.retrieval_heads.get(i, ()), max_cache_len=fixed,
-                    compiled=self.compiled, **state))
+                    config, rotations.layers[i], i, retrieval_heads=choice.retrieval_heads.get(i, ()),
+                    max_cache_len=fixed, compiled=self.compiled, **state))
             elif kind in FULL_LAYER_TYPES + FULL_PRECISION_LAYER_TYPES:  # skipped, MLA latents, KV sharing's stores
                 state = state if kind in FULL_LAYER_TYPES else {}
                 if self.compiled and state:  # (compiled_storage refuses the compiled storage for it)
@@ -295,7 +295,7 @@ class StaticOscarCache(OscarCache):
         if max_cache_len is None or int(max_cache_len) < 1:
             raise ValueError("StaticOscarCache needs max_cache_len >= 1 (prompt + new tokens, padding included)")
         if overrides.pop("compile", True) is not True:
-            raise ValueError("StaticOscarCache compiles its decode step; use OscarCache(compile=False) for eager forwards")
+            raise ValueError("StaticOscarCache compiles its decode step; OscarCache(compile=False) runs eager forwards")
         self.max_cache_len_fixed = int(max_cache_len)  # (transformers 5.17's Cache has a read-only max_cache_len)
         super().__init__(model_or_config, rotations, config, compile=True, **overrides)
 

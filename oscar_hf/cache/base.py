@@ -1,6 +1,6 @@
 """The OSCAR layer's base (parameters, checks, the multi-token read) and the mask helpers of the reads, serving's
-too. Shapes: ``B`` rows, ``Hq`` query heads, ``Hk`` KV heads, ``g = Hq / Hk``, ``H2`` INT2 KV heads, ``L`` new tokens, ``kv``
-slots after this forward (``T + L``), ``D`` head_dim.
+too. Shapes: ``B`` rows, ``Hq`` query heads, ``Hk`` KV heads, ``g = Hq / Hk``, ``H2`` INT2 KV heads, ``L`` new
+tokens, ``kv`` slots after this forward (``T + L``), ``D`` head_dim.
 """
 from __future__ import annotations
 

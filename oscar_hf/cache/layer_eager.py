@@ -47,7 +47,8 @@ class EagerOps:
         t_old = self.host_len - l if t_old is None else t_old
         kv = t_old + l
         if t_old - cfg.recent <= s0:  # nothing quantized yet: exactly the user's attention (as a DynamicCache)
-            mask = attention_mask[..., :kv] if attention_mask is not None and attention_mask.dim() == 4 else attention_mask
+            four_d = attention_mask is not None and attention_mask.dim() == 4
+            mask = attention_mask[..., :kv] if four_d else attention_mask
             keys, values = new_k, new_v
             if t_old:  # slots [0, T) from the sink and the ring, in order
                 old = self._window_rows(torch.arange(t_old, device=dev), t_old)  # [2, B, Hk, T, D]

@@ -1,6 +1,6 @@
 """OscarCache's compiled decode step (what it uses on CUDA by itself; ``compile=True`` here on the CPU) and the OSCAR
-layer's storage, what is their own beyond the storage contract (tests/cache/test_storage_contract.py: tokens, chunked prefill, crop, beam
-search, batch ops, save/load, retrieval heads): generate's compiled route (fullgraph, the step wrapper) with capacity
+layer's storage, what is their own beyond the storage contract (tests/cache/test_storage_contract.py: tokens, chunked
+prefill, crop, beam search, batch ops, save/load, retrieval heads): generate's compiled route (fullgraph, the step wrapper) with capacity
 growing in buckets without recompiling, crop beyond the ring's reserve, prompt-lookup decoding, the retrieval heads
 kept as history entries, key_offset="prefill"."""
 import pytest
