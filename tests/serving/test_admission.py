@@ -46,7 +46,7 @@ def alone(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def result(manager, rid, timeout=120.0):
+def result(manager, rid, timeout=300.0):  # (a hang guard: SmolLM2's shared-prefix run took 70-126 s on a busy CPU)
     deadline = time.time() + timeout
     while time.time() < deadline:
         r = manager.get_result(rid, timeout=1)
