@@ -1,5 +1,5 @@
 """The cache: :class:`OscarCache`, a ``transformers.Cache`` whose full-attention layers are OSCAR layers
-(:mod:`.compiled`), their decode step compiled on CUDA, eager elsewhere; :class:`StaticOscarCache` fixes the
+(:mod:`.layer`), their decode step compiled on CUDA, eager elsewhere; :class:`StaticOscarCache` fixes the
 capacity. Layer kinds and storage: docs/cache.md; usage: docs/usage.md, "The cache in `generate`".
 """
 from __future__ import annotations

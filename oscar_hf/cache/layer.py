@@ -107,7 +107,7 @@ class HostLength:
         return self.fixed_capacity or -1
 
 
-class CompiledOscarKV(OscarKV):
+class LayerKV(OscarKV):
     """The handle ``update`` returns (no ``__slots__``: plain attribute access for dynamo)."""
 
 
@@ -150,9 +150,7 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
     def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, max_cache_len: int | None = None,
                  retrieval_heads=(), compiled: bool = False):
         super().__init__(config, rotation, layer_idx, retrieval_heads)
-        self.compiled = compiled
-        if config.recent < 1:
-            raise ValueError("the compiled OSCAR cache needs recent >= 1 (the ring buffer of the recent window)")
+        self.compiled = compiled  # (OscarConfig keeps recent >= 1: the ring holds at least the last slot)
         self._init_length(max_cache_len)
         self.ring = config.recent + 1 + RING_RESERVE
         self.win = self.codes = self.meta = None  # the storage (lazy_initialization)
@@ -240,7 +238,7 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
             self.check_update(key_states)
             self._count_rows(key_states.shape[2])
             self.pending = True
-        handle = CompiledOscarKV(self, key_states, value_states)
+        handle = LayerKV(self, key_states, value_states)
         return handle, handle
 
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
