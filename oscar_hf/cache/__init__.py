@@ -138,9 +138,7 @@ class OscarCache(Cache):
                     config, rotations.layers[i], i, retrieval_heads=choice.retrieval_heads.get(i, ()),
                     max_cache_len=fixed, compiled=self.compiled, **state))
             elif kind in FULL_LAYER_TYPES + FULL_PRECISION_LAYER_TYPES:  # skipped, MLA latents, KV sharing's stores
-                state = state if kind in FULL_LAYER_TYPES else {}
-                if self.compiled and state:  # (compiled_storage refuses the compiled storage for it)
-                    raise NotImplementedError("a hybrid layer kept in full precision (skip_layers) needs compile=False")
+                state = state if kind in FULL_LAYER_TYPES else {}  # (compiled_storage refuses compiling with it)
                 layers.append(GrowingLayer(fixed) if self.compiled
                               else LinearAttentionAndFullAttentionLayer(**state) if state else DynamicLayer())
             elif kind == DUMMY_LAYER_TYPE:  # caches nothing (KV sharing's reuse layers)

@@ -1,4 +1,4 @@
-"""The OSCAR layer's base (parameters, checks, the multi-token read) and the mask helpers of the reads, serving's
+"""The OSCAR layer's base (parameters, checks, the key mean) and the mask helpers of the reads, serving's
 too. Shapes: ``B`` rows, ``Hq`` query heads, ``Hk`` KV heads, ``g = Hq / Hk``, ``H2`` INT2 KV heads, ``L`` new
 tokens, ``kv`` slots after this forward (``T + L``), ``D`` head_dim.
 """
@@ -9,12 +9,8 @@ import warnings
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from oscar_hf.kernels.decode import decode
-from oscar_hf.kernels.kv import History, Window
-
 from ..config import OscarConfig
 from ..rotations import LayerRotation
-from . import heads
 from .params import LayerParams
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -49,7 +45,7 @@ class BatchOps:
 
 class QuantizedLayerBase(BatchOps, CacheLayerMixin):
     """The OSCAR layer's part that is not storage: ``self.params`` (:class:`~oscar_hf.cache.params.LayerParams`, built
-    at the first forward on the cache's device), the retrieval heads, the update checks, the offsets and the reads."""
+    at the first forward on the cache's device), the retrieval heads, the update checks and the offsets."""
 
     is_sliding = False
     is_croppable = True
@@ -99,31 +95,6 @@ class QuantizedLayerBase(BatchOps, CacheLayerMixin):
         p = self.params
         return (self.mu_k_seq if self.mu_k_seq is not None else p.mu_k), p.mu_v
 
-    def read(self, qf: torch.Tensor, window: Window, history: History, scaling: float, shape: torch.Size, dtype,
-             softcap=None, sinks=None, out_fp: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, L, Hq, D]`` (``shape`` the query's ``[B, Hq, L, D]``, in ``dtype``): the INT2 heads of ``qf [B, Hk,
-        g*L, D]`` over ``window`` (all ``Hk`` heads) and ``history``, merged with the retrieval heads' ``out_fp
-        [B, P, g*L, D]``."""
-        if self.retrieval_heads:
-            idx = self.params.int2_idx
-            qf, window = qf.index_select(1, idx), Window(window.k.index_select(1, idx), window.v.index_select(1, idx),
-                                                         window.mask)
-        out = decode(self.params.kv(self.config, *self.offsets()), qf, window, history, scaling, dtype,
-                     softcap=softcap, sinks=self.params.int2_rows(sinks), use_kernels=self.config.use_kernels)
-        if out_fp is not None:
-            out = self.params.merge(out, out_fp.to(out.dtype))
-        return out.reshape(shape).transpose(1, 2).contiguous()
-
-    def retrieval_read(self, q: torch.Tensor, hist_k: torch.Tensor, hist_v: torch.Tensor, win_k: torch.Tensor,
-                       win_v: torch.Tensor, ok: torch.Tensor, scaling: float, softcap=None, sinks=None) -> torch.Tensor:
-        """``[B, P, g*L, D]``: the retrieval heads of ``q [B, Hk, g*L, D]`` over their decoded history ``hist_k/v
-        [B, P, n, D]`` and the window ``win_k/v [B, Hk, w, D]``, ``ok [B, L, n + w]`` (one SDPA call; at 16 bits what
-        a ``DynamicCache`` reads); ``sinks [Hk, g*L]`` or None."""
-        idx = self.params.coded_idx
-        keys, values = (torch.cat([h, w.index_select(1, idx)], 2) for h, w in ((hist_k, win_k), (hist_v, win_v)))
-        return heads.attention(q.index_select(1, idx).to(keys.dtype), keys, values, mask_rows(ok, q.shape[2] // ok.shape[1]),
-                               scaling, softcap, self.params.coded_rows(sinks))
-
     def sequence_key_mean(self, keys: torch.Tensor) -> torch.Tensor:
         """``[B, H2, D]`` float32: per row, the mean of ``keys [B, Hk, b, D]`` from slot ``pad + S0`` on
         (``key_offset="prefill"``); a row without one takes the calibrated mu_K, or zero."""
@@ -136,12 +107,6 @@ class QuantizedLayerBase(BatchOps, CacheLayerMixin):
         fallback = mu.float() if mu is not None else torch.zeros_like(mean[0])
         return torch.where((n > 0)[:, None, None], mean, fallback[None]).contiguous()
 
-    def _tokens_to_crop(self, tokens_to_remove: int) -> int:
-        """``crop``'s count of tokens to remove (0: nothing to do)."""
-        if tokens_to_remove > 0:
-            raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
-        return -tokens_to_remove if self.is_initialized else 0
-
     def get_max_cache_shape(self) -> int:  # transformers < 5.2x name
         return self.get_max_length()
 
@@ -150,23 +115,6 @@ class QuantizedLayerBase(BatchOps, CacheLayerMixin):
 
     def prefetch(self):
         return None
-
-    EMPTY_MEMORY = dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, retrieval_heads=0,
-                        allocated=0, tokens=0)
-
-    def memory_from_counts(self, n_sink: int, n_rec: int, n_hist: int, n_coded: int, buffers) -> dict[str, int]:
-        """:meth:`memory`'s bytes from token counts summed over rows (``n_coded``: the retrieval heads' coded slots)
-        and the layer's buffers (``allocated``), whatever the storage's layout."""
-        hk, hq, d, g = self.num_kv_heads, len(self.params.int2_heads), self.head_dim, self.config.group_size
-        el, meta_el = self.dtype.itemsize, self.config.torch_meta_dtype.itemsize
-        return dict(
-            sink=2 * n_sink * hk * d * el, recent=2 * n_rec * hk * d * el,
-            history_codes=2 * n_hist * hq * d // 4, history_meta=2 * n_hist * hq * (d // g) * 2 * meta_el,
-            history_elements=2 * n_hist * hq * d,
-            # the coded slots of those heads (their window copies, if any, are counted above)
-            retrieval_heads=2 * n_coded * len(self.retrieval_heads) * heads.row_bytes(self.config.retrieval_bits,
-                                                                                   d, self.dtype),
-            allocated=sum(x.numel() * x.element_size() for x in buffers), tokens=n_sink + n_rec + n_hist)
 
 
 def allowed_slots(mask: torch.Tensor | None, b: int, l: int, kv: int, t_old: int) -> torch.Tensor | None:

@@ -1,10 +1,11 @@
-"""The OSCAR layer's eager side (never compiled): multi-token forwards and their bulk writes, ``generate``'s cache
-operations, save / load, memory. Layout: :mod:`oscar_hf.cache.layer`."""
+"""The OSCAR layer's eager side (never compiled): multi-token forwards (their read and bulk writes), ``generate``'s
+cache operations, save / load, memory. Layout: :mod:`oscar_hf.cache.layer`."""
 from __future__ import annotations
 
 import torch
 from torch.compiler import is_compiling
 
+from oscar_hf.kernels.decode import decode
 from oscar_hf.kernels.kv import History, Window
 
 from ..patching import base_attention_function
@@ -38,7 +39,7 @@ def regrown(old: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, 
 
 
 class EagerOps:
-    """The eager operations of a compiled layer (see the module docstring)."""
+    """The OSCAR layer's eager operations (see the module docstring)."""
 
     def _multi_token(self, query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs):
         b, hq, l, d = query.shape
@@ -71,18 +72,25 @@ class EagerOps:
         n = max(t_old - cfg.recent - s0, 0)
         hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in h)) for h in (self.hist_k, self.hist_v))
         win_k, win_v = torch.cat([self.win_k, new_k], 2), torch.cat([self.win_v, new_v], 2)
-        out_fp = None
-        if self.retrieval_heads:  # their coded history [0, n) and the window above, exact
+        prm, q_int2, out_fp = self.params, q.float(), None
+        if self.retrieval_heads:  # their coded history [0, n) and the window above, exact: one SDPA call (at 16 bits
+            # what a DynamicCache reads) over keys / values [B, P, n + S0 + R + L, D], out_fp [B, P, g*L, D]
             hist_ok = allowed[:, :, s0 : s0 + n] & (torch.arange(n, device=dev)[None, None, :] >= self.pad[:, None, None])
-            coded_k, coded_v = (heads.decode(tuple(x[:, :, :n] for x in c), cfg.retrieval_bits, self.dtype)
-                                for c in (self.coded_k, self.coded_v))
-            out_fp = self.retrieval_read(q, coded_k, coded_v, win_k, win_v, torch.cat([hist_ok, ok], -1), scaling,
-                                         softcap, sinks)
-        out = self.read(q.float(), Window(win_k, win_v, mask_rows(ok, g)),
-                        History(hist_k, hist_v, self.pad, mask_rows(allowed[:, :, s0 : s0 + n], g)), scaling,
-                        query.shape, query.dtype, softcap, sinks, out_fp)
+            keys, values = (torch.cat([heads.decode(tuple(x[:, :, :n] for x in c), cfg.retrieval_bits, self.dtype),
+                                       w.index_select(1, prm.coded_idx)], 2)
+                            for c, w in ((self.coded_k, win_k), (self.coded_v, win_v)))
+            ok_fp = mask_rows(torch.cat([hist_ok, ok], -1), g)  # [B, 1, g*L, n + S0 + R + L]
+            out_fp = heads.attention(q.index_select(1, prm.coded_idx).to(keys.dtype), keys, values, ok_fp, scaling,
+                                     softcap, prm.coded_rows(sinks))
+            # the INT2 read below: the other heads only
+            q_int2, win_k, win_v = (x.index_select(1, prm.int2_idx) for x in (q_int2, win_k, win_v))
+        out = decode(prm.kv(cfg, *self.offsets()), q_int2, Window(win_k, win_v, mask_rows(ok, g)),
+                     History(hist_k, hist_v, self.pad, mask_rows(allowed[:, :, s0 : s0 + n], g)), scaling, query.dtype,
+                     softcap=softcap, sinks=prm.int2_rows(sinks), use_kernels=cfg.use_kernels)
+        if out_fp is not None:
+            out = prm.merge(out, out_fp.to(out.dtype))
         self.commit_bulk(new_k, new_v, t_old)
-        return out
+        return out.reshape(query.shape).transpose(1, 2).contiguous()  # [B, L, Hq, D]
 
     def write(self, new_k: torch.Tensor, new_v: torch.Tensor, pad: torch.Tensor | None = None) -> None:
         """Store ``new_k/v [B, Hk, L, D]`` at slots ``[T, T + L)`` without reading them (rows computed elsewhere:
@@ -121,10 +129,11 @@ class EagerOps:
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` tokens: exact up to ``RING_RESERVE``; beyond it the window slots
         that left the ring are refilled from the history."""
-        n = self._tokens_to_crop(tokens_to_remove)
-        if n == 0:
+        if tokens_to_remove > 0:
+            raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
+        if tokens_to_remove == 0 or not self.is_initialized:
             return
-        t_old, t_new = self.host_len, max(0, self.host_len - n)
+        t_old, t_new = self.host_len, max(0, self.host_len + tokens_to_remove)
         lost = range(max(t_new - self.config.recent - 1, self.config.sink), min(t_old - self.ring, t_new))
         if len(lost):  # window slots no longer in the ring: back from the history
             self._refill_ring(lost.start, lost.stop)
@@ -231,11 +240,19 @@ class EagerOps:
     def memory(self) -> dict[str, int]:
         """Bytes of the cached tokens (the retrieval heads' coded rows: history entries only) and allocated."""
         if not self.is_initialized:
-            return dict(self.EMPTY_MEMORY)
-        s0 = self.config.sink
+            return dict(sink=0, recent=0, history_codes=0, history_meta=0, history_elements=0, retrieval_heads=0,
+                        allocated=0, tokens=0)
+        cfg, s0, hk, d = self.config, self.config.sink, self.num_kv_heads, self.head_dim
         t = torch.tensor(self.host_len, device=self.device)
-        mask = self.window_mask(t, self.config.recent)
-        n_sink, n_rec = int(mask[:, :s0].sum()), int(mask[:, s0:].sum())
+        mask = self.window_mask(t, cfg.recent)
+        n_sink, n_rec = int(mask[:, :s0].sum()), int(mask[:, s0:].sum())  # summed over rows
         n_hist = int((self.n_hist(t) - self.pad).clamp(min=0).sum())
-        bufs = [t for t in (self.win, self.codes, self.meta, self.coded_x, self.coded_meta) if t is not None]
-        return self.memory_from_counts(n_sink, n_rec, n_hist, n_hist, bufs)
+        hq, el, meta_el = len(self.params.int2_heads), self.dtype.itemsize, cfg.torch_meta_dtype.itemsize
+        bufs = [x for x in (self.win, self.codes, self.meta, self.coded_x, self.coded_meta) if x is not None]
+        return dict(
+            sink=2 * n_sink * hk * d * el, recent=2 * n_rec * hk * d * el,
+            history_codes=2 * n_hist * hq * d // 4, history_meta=2 * n_hist * hq * (d // cfg.group_size) * 2 * meta_el,
+            history_elements=2 * n_hist * hq * d,
+            # the coded history entries of those heads (their window copies, if any, are counted above)
+            retrieval_heads=2 * n_hist * len(self.retrieval_heads) * heads.row_bytes(cfg.retrieval_bits, d, self.dtype),
+            allocated=sum(x.numel() * x.element_size() for x in bufs), tokens=n_sink + n_rec + n_hist)

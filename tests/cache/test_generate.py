@@ -147,7 +147,7 @@ def test_left_padding_mask_becomes_a_start_not_a_key_mask(monkeypatch):
     """A decode step whose mask only hides each row's left padding reaches the decode op as a later per-row start with
     no key mask (so that on the GPU it can take the Gluon history kernel, which has none); the tokens are those of
     the same run with the mask read as a key mask (masks with holes: the next test)."""
-    import oscar_hf.cache.base as read_mod  # the multi-token read (QuantizedLayerBase.read)
+    import oscar_hf.cache.layer_eager as read_mod  # the multi-token read (EagerOps._multi_token)
     import oscar_hf.kernels.static_op as step_mod  # the decode step
     from oscar_hf.cache.layer_eager import EagerOps
 
