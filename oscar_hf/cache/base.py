@@ -63,16 +63,7 @@ class QuantizedLayerBase(BatchOps, CacheLayerMixin):
         warnings.warn("layer.fp_heads is now layer.retrieval_heads", FutureWarning, stacklevel=2)
         return self.retrieval_heads
 
-    mu_k_seq: torch.Tensor | None = None  # [B, Hk, D] float32, key_offset="prefill" once known
-
-    def build_params(self, key_states: torch.Tensor) -> LayerParams:
-        """The first keys ``[B, Hk, L, D]`` checked (:func:`check_first_keys`) and their shape, dtype and device
-        recorded, then this layer's parameters on that device."""
-        check_first_keys(self.layer_idx, self._rotation_cpu, key_states)
-        self.batch_size, self.num_kv_heads, _, self.head_dim = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
-        return LayerParams.build(self.config, self._rotation_cpu, self.layer_idx, key_states.shape[1], self.retrieval_heads,
-                                 key_states.device)
+    mu_k_seq: torch.Tensor | None = None  # [B, H2, D] float32, key_offset="prefill" once known
 
     @property
     def q_heads(self) -> tuple[int, ...]:

@@ -21,8 +21,10 @@ from ..config import OscarConfig
 from ..quant import QuantizedRows
 from ..rotations import LayerRotation
 from . import heads
-from .base import BatchOps, QuantizedLayerBase, allowed_slots, first_real_slot, group_queries, logit_terms
+from .base import (BatchOps, QuantizedLayerBase, allowed_slots, check_first_keys, first_real_slot, group_queries,
+                   logit_terms)
 from .layer_eager import EagerOps, _fixed_address, regrown
+from .params import LayerParams
 from .window import window_mask
 
 RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE
@@ -161,19 +163,18 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         self.pending = False  # (eager) update returned rows that attend has not consumed yet
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        params = self.build_params(key_states)
+        check_first_keys(self.layer_idx, self._rotation_cpu, key_states)
         b, hk, _, d = key_states.shape
+        self.batch_size, self.num_kv_heads, self.head_dim = b, hk, d
+        self.dtype, self.device = key_states.dtype, key_states.device
         dev = self.device
+        params = LayerParams.build(self.config, self._rotation_cpu, self.layer_idx, hk, self.retrieval_heads, dev)
         # Each tensor this layer's own: a step whose inputs alias (a Hadamard rotation shared by layers) loses its
         # fixed-address marks under CUDA graphs, which then skip the whole step
         self.params = params.with_tensors(lambda t: _fixed_address(t.clone()))
-        kw = dict(dtype=self.dtype, device=dev)
-        s0 = self.config.sink
-        self.win = _fixed_address(torch.zeros(2, b, hk, s0 + self.ring, d, **kw))
+        self.win = _fixed_address(torch.zeros(2, b, hk, self.config.sink + self.ring, d, dtype=self.dtype, device=dev))
         self.pad = _fixed_address(torch.zeros(b, dtype=torch.long, device=dev))
         self.length = self.step.join(self)
-        self.codes = self.meta = None
-        self.coded_x = self.coded_meta = None
         self.heads_index = None
         if self.retrieval_heads:
             prm = self.params
