@@ -102,8 +102,13 @@ class DecodeStep:
         # [Bp, cols] block tables, -1 past a row's pages
         table = torch.from_numpy(np.array([tb[:cols] + [-1] * (cols - min(len(tb), cols)) for tb in tables],
                                           dtype=np.int32))
-        buf = self._decode_buffers(bp, cols)
-        if buf is None:  # outgrew the buffers: fresh tensors, eagerly
+        if self._buffers is None:  # allocated once: every window slot (or graphed row), the longest history's pages
+            most = self.pool.num_pages
+            if self.max_positions:
+                most = min(most, max(1, self.history_pages(self.max_positions, p)))
+            self._buffers = DecodeBuffers(max(self.windows.num_slots, self.graph_rows), most, s0 + ring, self.device)
+        buf = self._buffers
+        if bp > buf.rows or cols > buf.cols:  # outgrew the buffers: fresh tensors, eagerly
             graphed = False
             buf = DecodeBuffers(bp, cols, s0 + ring, self.device)
         # the window mask: the new token, the W before it and the sink; computed on the host: every write here is a
@@ -123,25 +128,10 @@ class DecodeStep:
             r.prompt_reserved = 0
         return self._plan
 
-    def _decode_buffers(self, rows: int, cols: int) -> DecodeBuffers | None:
-        """The fixed buffers if a step of ``rows`` x ``cols`` fits them, else None; allocated once."""
-        if self._buffers is None:
-            most = self.pool.num_pages
-            if self.max_positions:
-                most = min(most, max(1, self.history_pages(self.max_positions, self.pool.page_size)))
-            self._buffers = DecodeBuffers(max(self.windows.num_slots, self.graph_rows), most,
-                                          self.config.sink + self.ring, self.device)
-        b = self._buffers
-        return b if rows <= b.rows and cols <= b.cols else None
-
-    def kv_params(self, layer_idx: int):
-        """The layer's :class:`~oscar_hf.kernels.kv.KVParams` (the kernels' bundle of ``self.params``)."""
-        return self._kv[layer_idx]
-
     def _decode(self, layer_idx: int, plan: StepPlan, query, new_k, new_v, scaling: float) -> torch.Tensor:
         """``[Bp, Hq, D]``: write then read one token for each row of ``plan``; device work only (graph-capturable)."""
         li, p, pool = self.layer_slot[layer_idx], self.params[layer_idx], self.pool
-        params = self.kv_params(layer_idx)
+        params = self.kv_params[layer_idx]
         # the window pool [slots, Hk, S0 + R, D] (row b at slot plan.write.slots[b]); the pages through the block tables
         window = Window(self.windows.k[:, li], self.windows.v[:, li], plan.win_mask[:, None, None, :],
                         plan.write.slots)

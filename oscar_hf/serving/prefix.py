@@ -9,12 +9,6 @@ import operator
 from array import array
 
 
-def shareable_pages(length: int, sink: int, recent: int, page_size: int) -> int:
-    """History pages of a request of ``length`` tokens that no later step writes: entries below ``T - 1 - W - S0``
-    (a decode step at ``T`` rewrites slot ``T - 1 - W`` from its window)."""
-    return max(length - recent - 1 - sink, 0) // page_size
-
-
 def _link(parent: int | None, tokens: list[int]) -> int:
     h = hashlib.blake2b(digest_size=8)  # not hash(): salted per process, and tensor-parallel ranks must agree
     if parent is not None:
@@ -83,7 +77,9 @@ class SharedPrefixes:
     """Prefix sharing and forks (a base of the store; ``prefixes`` is None when sharing is off)."""
 
     def shareable_pages(self, length: int) -> int:
-        return shareable_pages(length, self.config.sink, self.config.recent, self.pool.page_size)
+        """History pages of a request of ``length`` tokens that no later step writes: entries below ``T - 1 - W - S0``
+        (a decode step at ``T`` rewrites slot ``T - 1 - W`` from its window)."""
+        return max(length - self.config.recent - 1 - self.config.sink, 0) // self.pool.page_size
 
     def _fork_shares(self, source) -> int:
         """Pages of request ``source`` (a :class:`RequestKV`) a fork shares; it copies the rest of its table."""

@@ -8,7 +8,7 @@ import torch
 from oscar_hf.kernels.kv import Window
 
 from ..cache.params import LayerParams
-from ..cache.window import PagedHistory, commit, demote_pending, ring_entries
+from ..cache.window import PagedHistory, commit, demote, ring_entries
 from ..config import OscarConfig, starting_config
 from ..distributed import local_retrieval_heads, slice_layer_rotation, tp_layout
 from ..layer_choice import choose_layers
@@ -92,7 +92,7 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         self._warned_prompt = False
         self._plan: StepPlan | None = None
         self._buffers: DecodeBuffers | None = None
-        self._kv = {i: p.kv(config, p.mu_k, p.mu_v) for i, p in self.params.items()}  # the kernels' bundles of params
+        self.kv_params = {i: p.kv(config, p.mu_k, p.mu_v) for i, p in self.params.items()}  # the kernels' bundles
         self.graph_rows = 0  # CUDA graphs (enable_graphs): the most rows of a graphed decode step; 0 = off
         self.pool: PagedInt2Pool | None = None
         for name, value in (("prefix_sharing", prefix_sharing), ("retain_prefixes", retain)):
@@ -147,28 +147,27 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         win_k, win_v = self.windows.k[r.slot, li][None], self.windows.v[r.slot, li][None]  # [1, Hk, S0 + R, D] views
         earlier = r.prompt.pop(li, None)  # [1, Hk, T, D] keys and values of the prompt's earlier chunks, if kept
         exact = earlier is not None and earlier[0].shape[2] == t_old
-        if t_old == 0:  # a new request: exactly the user's attention over its prompt
-            out, _ = base_attention_function(module, base)(module, query, new_k, new_v, None, scaling=scaling,
+        dev = query.device
+        if t_old == 0 or exact:  # a new request, or a later chunk of a prompt: exactly the user's attention over it
+            k_all, v_all, mask = new_k, new_v, None  # a new request: the attention function's own causal mask
+            if exact:  # [1, Hk, T + L, D]: every earlier chunk, then the new rows
+                k_all, v_all = torch.cat([earlier[0], new_k], 2), torch.cat([earlier[1], new_v], 2)
+                earlier = None  # freed before the attention call repeats K/V (prompt_transient_bytes counts on it)
+                # [1, 1, L, T + L] additive causal mask: new row i sees slots [0, T + i]
+                mask = torch.full((1, 1, l, t_old + l), float("-inf"), dtype=query.dtype, device=dev).triu(t_old + 1)
+            out, _ = base_attention_function(module, base)(module, query, k_all, v_all, mask, scaling=scaling,
                                                            dropout=0.0)
-        elif exact:  # a later chunk of a prompt: exactly, over every earlier chunk
-            k_all, v_all = torch.cat([earlier[0], new_k], 2), torch.cat([earlier[1], new_v], 2)  # [1, Hk, T + L, D]
-            earlier = None  # freed before the attention call repeats K/V (prompt_transient_bytes counts on it)
-            # [L, T + L] additive causal mask: new row i sees slots [0, T + i]
-            mask = torch.full((l, t_old + l), float("-inf"), dtype=query.dtype, device=query.device).triu(t_old + 1)
-            out, _ = base_attention_function(module, base)(module, query, k_all, v_all, mask[None, None],
-                                                           scaling=scaling, dropout=0.0)
         else:  # the history, the sink and the ring's slots [max(S0, T - W), T), then the new rows (causal)
             # slots below r.floor are history whatever the window (a shared prefix's pages, never written here)
             hist_end = max(t_old - w, r.floor)
-            if t_old - w - 1 >= r.floor:
-                demote_pending(win_k, win_v, self._history(r, li, t_old - w), p, self.config, t_old)
-            dev = query.device
+            if t_old - w - 1 >= max(r.floor, s0):  # slot T - 1 - W, which the last decode step kept in its window
+                demote(win_k, win_v, self._history(r, li, t_old - w), p, self.config, t_old - w - 1, t_old - w, t_old)
             recent = torch.arange(min(t_old, max(s0, hist_end)), t_old, device=dev)
             entries = torch.cat([torch.arange(min(t_old, s0), device=dev), ring_entries(recent, s0, self.ring)])
             k_win = torch.cat([win_k.index_select(2, entries), new_k], 2)  # [1, Hk, E + L, D]
             v_win = torch.cat([win_v.index_select(2, entries), new_v], 2)
             out = paged_chunk_attention(query, Window(k_win, v_win), self.pool, r.table, li, max(hist_end - s0, 0),
-                                        self.kv_params(layer_idx), scaling, self.config.use_kernels)
+                                        self.kv_params[layer_idx], scaling, self.config.use_kernels)
         # no padding: the request's sink is its slots [0, S0)
         commit(win_k, win_v, 0, self._history(r, li, t_old + l - w), p, self.config, t_old, new_k, new_v,
                floor=r.floor)

@@ -9,7 +9,7 @@ import torch
 
 from oscar_hf.kernels.kv import Window
 from oscar_hf.serving.paged_attention import paged_chunk_attention
-from oscar_hf.serving.prefix import PrefixIndex, shareable_pages
+from oscar_hf.serving.prefix import PrefixIndex
 
 from test_admission import gen_config as _gen
 from test_admission import result as _result
@@ -49,7 +49,8 @@ def test_prefix_index():
     assert len(index.match(a, 10)[0]) == 2 and index.match(a, 10)[1] == "b"
     index.forget("b")
     assert index.match(a, 10) == ([], None) and not index.holders
-    assert shareable_pages(30, S0, W, P) == 4 and shareable_pages(13, S0, W, P) == 0
+    store = make_store()[1]
+    assert store.shareable_pages(30) == 4 and store.shareable_pages(13) == 0
 
 
 @pytest.mark.parametrize("kw", [{}, HEADS[0], HEADS[1]])
@@ -78,7 +79,7 @@ def test_shared_prefix_equals_its_rows_stored_as_one_prompt(kw):
     for li, ((q, k_new, v_new), got) in enumerate(zip(own, out)):  # the prompt rows: the chunk read, oracle's pages
         win = Window(torch.cat([oracle.windows.k[o.slot, li][None][:, :, :S0], k_new], 2),
                      torch.cat([oracle.windows.v[o.slot, li][None][:, :, :S0], v_new], 2))
-        want = paged_chunk_attention(q, win, oracle.pool, o.table, li, m - S0, oracle.kv_params(li),
+        want = paged_chunk_attention(q, win, oracle.pool, o.table, li, m - S0, oracle.kv_params[li],
                                      cfg.head_dim**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # the same state: pages by content, windows; then decode steps give the same outputs
@@ -224,7 +225,7 @@ def test_fork_decodes_as_its_source(kw):
         step(replay, [(rid, 0, 27)], prompt)
     store.fork("s", "c")
     src, child = store.requests["s"], store.requests["c"]
-    k = shareable_pages(27, S0, W, P)
+    k = store.shareable_pages(27)
     assert child.table[:k] == src.table[:k] and set(child.table[k:]).isdisjoint(src.table)
     assert store.fork_fits("s", 5) == min(5, store.windows.num_free, store.pool.num_free // (len(src.table) - k))
     for _ in range(9):
