@@ -24,12 +24,9 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
 
     def __init__(self, config, continuous_batching_config, device, distributed_helper, tp_plan=None,
                  dtype=torch.float16, *, store: OscarPagedStore):
-        tp_plan = tp_plan or {}
         self._start_graphs(store, config, continuous_batching_config)
-        if not self.oscar_owns_memory:
-            super().__init__(config, continuous_batching_config, device, distributed_helper, tp_plan, dtype)
-        else:
-            cbc = continuous_batching_config
+        cbc = continuous_batching_config
+        if self.oscar_owns_memory:
             pages = cbc.num_blocks
             if pages is None:  # the bytes Transformers would give BF16 blocks, spent on INT2 pages
                 _, types = group_layers_by_attn_type(config)
@@ -37,12 +34,14 @@ class OscarPagedCacheBlocks(RecordedBatch, PagedAttentionCache):
                 mbt, bf16_blocks = handler.infer_max_batch_tokens_and_num_blocks()
                 if cbc.max_batch_tokens is None:
                     cbc.max_batch_tokens = mbt
-                bf16_bytes = 2 * store.num_layers * store.num_kv_heads * cbc.block_size * store.head_dim * dtype.itemsize
+                bf16_bytes = (2 * store.num_layers * store.num_kv_heads * cbc.block_size * store.head_dim
+                              * dtype.itemsize)
                 # less what the store takes beside its pages (window slots, prompt chunks: reserved_bytes)
                 pages = store.pages_in(bf16_blocks * bf16_bytes, cbc.block_size, cbc.max_batch_tokens)
-            single = copy.copy(cbc)
-            single.num_blocks = 1
-            super().__init__(config, single, device, distributed_helper, tp_plan, dtype)
+            cbc = copy.copy(cbc)
+            cbc.num_blocks = 1  # Transformers' own K/V: one block (the caller's config keeps its own)
+        super().__init__(config, cbc, device, distributed_helper, tp_plan or {}, dtype)
+        if self.oscar_owns_memory:
             self.num_blocks = 1  # what Transformers sizes its index tensors and masks from
             self.num_pages = pages * self.block_size  # the scheduler's read budget: never the limit
             self._block_manager = BlockManager(pages, self.block_size, tp_on=False)

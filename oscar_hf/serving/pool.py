@@ -83,7 +83,7 @@ class PagedInt2Pool:
         self.num_pages, self.num_layers, self.page_size = num_pages, num_layers, page_size
         self.num_kv_heads, self.head_dim, self.group_size = num_kv_heads, head_dim, group_size
         self.int2_heads, self.coded_heads = int2_heads, coded_heads
-        self.coded_bits, self.coded_dtype = layout.coded_bits, layout.coded_dtype
+        self.layout = dataclasses.replace(layout, int2_heads=int2_heads, coded_heads=coded_heads)
         # first row of layer l's keys on each flat head axis (its values follow)
         self._int2_at = [2 * sum(int2_heads[:l]) for l in range(num_layers)]
         self._coded_at = [2 * sum(coded_heads[:l]) for l in range(num_layers)]
@@ -95,7 +95,7 @@ class PagedInt2Pool:
                  ((*lead, head_dim // group_size), meta_dtype)]
         if sum(coded_heads):
             specs += [((rows, 2 * sum(coded_heads), page_size, last), dt)
-                      for last, dt in heads.part_specs(self.coded_bits, head_dim, self.coded_dtype)]
+                      for last, dt in heads.part_specs(layout.coded_bits, head_dim, layout.coded_dtype)]
         tensors = ([torch.zeros(shape, dtype=dt, device=device) for shape, dt in specs] if storage is None
                    else _views(storage, specs))
         self.int2 = QuantizedRows(*tensors[:3])  # the flat INT2 tensors
@@ -160,8 +160,7 @@ class PagedInt2Pool:
     def bytes_per_page(self) -> int:
         """Bytes of one page: INT2 rows and coded rows."""
         return page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size, self.group_size,
-                          self.int2.scale.dtype, HeadLayout(self.int2_heads, self.coded_heads, self.coded_bits,
-                                                            self.coded_dtype))
+                          self.int2.scale.dtype, self.layout)
 
     @property
     def coded_bytes_per_page(self) -> int:
