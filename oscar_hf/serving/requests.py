@@ -170,7 +170,7 @@ class StoreRequests:
         """INT2 pages a request of ``length`` tokens holds: its history entries ``[S0, length - W)``."""
         return -(-max(length - self.config.sink - self.config.recent, 0) // page_size)
 
-    def attach_pool(self, num_pages: int, page_size: int, storage: torch.Tensor | None = None) -> PagedInt2Pool:
+    def attach_pool(self, num_pages: int, page_size: int, storage: torch.Tensor | None = None) -> None:
         """(Re)build the page pool, in ``storage`` (flat uint8) or its own tensors; only while no request is live."""
         if self.requests:
             raise RuntimeError(f"the store still holds {len(self.requests)} requests; free them before a new pool")
@@ -181,7 +181,6 @@ class StoreRequests:
         self.prefixes = PrefixIndex(self.config.sink, page_size) if self.prefix_sharing else None
         self.pool.evicted, self.windows.reclaim = self._evicted, self.pool.evict
         self._buffers = None  # sized for this pool's pages
-        return self.pool
 
     def enable_graphs(self, rows: int) -> None:
         """Make the decode step graph-safe for steps of up to ``rows`` rows; before the manager sizes its cache (the
@@ -261,7 +260,7 @@ class StoreRequests:
             raise RuntimeError("the OSCAR store has no page pool (defer_pool=True and no attach_pool, or its manager "
                                "stopped and gave the pool's memory back)")
 
-    def _request(self, request_id: str, layer_idx: int, past_length: int, new_k: torch.Tensor) -> RequestKV:
+    def _request(self, request_id: str, layer_idx: int, past_length: int, new_k: torch.Tensor) -> None:
         self._need_pool()
         r = self.requests.get(request_id)
         if (r is None or layer_idx not in r.lengths) and past_length != 0:
@@ -279,7 +278,6 @@ class StoreRequests:
         if r.lengths[layer_idx] != past_length:
             raise RuntimeError(f"request {request_id!r} layer {layer_idx}: the store holds {r.lengths[layer_idx]} "
                                f"tokens, the batch says {past_length}")
-        return r
 
     def _pages_for(self, r: RequestKV, entries: int) -> None:
         """Pages for history entries ``[0, entries)`` (the first layer to need one takes it for all layers)."""
