@@ -125,11 +125,11 @@ class RecordedBatch:
         else:  # (a store reused by a manager without graphs)
             store.graph_rows = 0
 
-    def prepare_forward(self, rows: int, packed: list[tuple[str, int, int]] | None = None) -> bool:
-        """Before the model runs or a graph replays: the store's decode plan into its fixed buffers. ``rows``: packed
-        rows, padding included; ``packed``: what Transformers packed, which must equal the recording (else requests
-        would read each other's KV). Returns whether the step may run as a graph (``graph_key``: its history bound)."""
-        if packed is not None and packed != self._pending:
+    def prepare_forward(self, rows: int, packed: list[tuple[str, int, int]]) -> None:
+        """Before the model runs or a graph replays: the store's decode plan into its fixed buffers; ``graph_step``:
+        whether the step may run as a graph (``graph_key``: its history bound). ``rows``: packed rows, padding
+        included; ``packed``: what Transformers packed, equal to the recording (else requests read each other's KV)."""
+        if packed != self._pending:
             recorded, self._pending = self._pending, []
             raise RuntimeError(f"OSCAR paged cache: the forward packs {packed}, the cache recorded {recorded} (request "
                                "ids, past and new lengths, in row order): this Transformers version prepares batches "
@@ -137,7 +137,6 @@ class RecordedBatch:
         plan = self.store.plan_decode(self.batch(), rows if self.cuda_graphs else None)
         self.graph_step = plan is not None and plan.graphable
         self.graph_key = (plan.pages.max_len,) if self.graph_step else ()
-        return self.graph_step
 
     def _record(self, request_id: str, past_length: int, query_length: int) -> None:
         self._pending.append((request_id, int(past_length), int(query_length)))

@@ -235,7 +235,7 @@ class PagedInt2Pool:
         self._write(self.rows(layer, kind), table, first, rows)
 
     def write_coded(self, table: list[int], layer: int, kind: str, first: int, parts: tuple) -> None:
-        """:meth:`write` for the retrieval heads' coded rows ``parts [1, F_l, n, *]`` (``heads.encode``)."""
+        """:meth:`write` for the retrieval heads' coded rows ``parts [1, F_l, n, *]`` (``quant.encode_heads``)."""
         self._write(self.coded_rows(layer, kind), table, first, parts)
 
     def _write(self, dst: tuple, table: list[int], first: int, src: tuple) -> None:

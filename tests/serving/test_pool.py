@@ -6,7 +6,7 @@ from oscar_hf.cache.base import group_queries, mask_rows
 from oscar_hf.kernels.int2_attention import decode_attention_reference, rotate_query_reference
 from oscar_hf.kernels.kv import History, KVParams, Pages, Window
 from oscar_hf.kernels.paged_decode import paged_multi_token_attention
-from oscar_hf.quant import QuantizedRows
+from oscar_hf.quant import QuantizedRows, encode_heads
 from oscar_hf.serving import PagedInt2Pool, PoolExhausted, page_bytes
 from oscar_hf.serving.paged_attention import paged_chunk_attention
 from oscar_hf.serving.pool import HeadLayout
@@ -56,7 +56,7 @@ def test_page_bytes_and_bad_sizes():
 @pytest.mark.parametrize("in_storage", [False, True])
 def test_layers_with_retrieval_heads(bits, in_storage):
     """Layers keep different heads in INT2 (3 layers of 2 KV heads: 2, 1 and 0 of them) and the rest as coded rows
-    (heads.encode) in the same pages: each layer's rows are views of its own heads, written and read back through a
+    (encode_heads) in the same pages: each layer's rows are views of its own heads, written and read back through a
     block table, and a page costs exactly its rows (also laid out in a flat uint8 storage, widest dtype first)."""
     from oscar_hf.cache import heads
 
@@ -87,7 +87,7 @@ def test_layers_with_retrieval_heads(bits, in_storage):
                 pool.write(table, layer, kind, 0, rows)
                 written[layer, kind, "int2"] = rows
             if f:
-                parts = heads.encode(torch.randn(1, f, 10, d, generator=gen).to(dt), bits)  # [1, F_l, 10, *]
+                parts = encode_heads(torch.randn(1, f, 10, d, generator=gen).to(dt), bits)  # [1, F_l, 10, *]
                 pool.write_coded(table, layer, kind, 0, parts)
                 written[layer, kind, "coded"] = parts
     for (layer, kind, form), want in written.items():  # every layer's rows intact after the others were written
