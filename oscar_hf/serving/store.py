@@ -63,9 +63,8 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         heads = {i: choice.retrieval_heads.get(i, ()) for i in layers}
         self.num_query_heads = fp.num_attention_heads
         # tensor parallelism (tp_plan="auto"): this rank's own KV heads, their rotations and retrieval heads
-        self.tp_layout = tp_layout(model_or_config, hk, fp.head_dim, layers=set(layers))
-        if self.tp_layout is not None and self.tp_layout.world > 1:
-            lay = self.tp_layout
+        lay = self.tp_layout = tp_layout(model_or_config, hk, fp.head_dim, layers=set(layers))
+        if lay is not None and lay.world > 1:
             counts = {lay.k[i].n for i in layers} | {lay.v[i].n for i in layers}
             if len(counts) != 1:
                 raise NotImplementedError(f"tensor parallelism: rank {lay.rank} holds different numbers of KV heads "
