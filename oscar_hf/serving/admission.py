@@ -32,13 +32,13 @@ class Admission:
     """A manager's live request ids, those claimed by a result handler before submission, and the store once the
     cache exists (``ready``). Ids leave when their last output is delivered or the scheduler cancels them."""
 
-    def __init__(self):
+    def __init__(self, vocab_size: int | None):
         self.lock = threading.Lock()
         self.live: set[str] = set()
         self.claimed: set[str] = set()
         self.ready = threading.Event()
         self.store = None
-        self.vocab_size: int | None = None
+        self.vocab_size = vocab_size  # the token ids a prompt may hold: [0, vocab_size) (None: not checked)
         self.blocks_hold_windows = False
         self.can_fork = False
 
@@ -110,9 +110,7 @@ def admission_of(manager) -> Admission:
     with _create_lock:
         adm = manager.__dict__.get("oscar_admission")
         if adm is None:
-            adm = Admission()
-            text = manager.model.config.get_text_config(decoder=True)
-            adm.vocab_size = getattr(text, "vocab_size", None)
+            adm = Admission(getattr(manager.model.config.get_text_config(decoder=True), "vocab_size", None))
             _hook_router(manager.output_router, adm)
             manager.oscar_admission = adm
     return adm
