@@ -17,6 +17,11 @@ from .query_triton import _cols_mask
 
 _OPS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 OFFSET_LIMIT = 2**31 - 1  # the split kernel's 32-bit element offsets of a contiguous store
+# deferred loop: the largest excess (log2 units) of a row's max over its reference before the split is rerun, so
+# p <= 2**limit: 64 where p enters the value dot as bf16 / float32 (far inside their range; the float32 sums of a
+# split too), 15 where it enters it as fp16 beside fp16 16-bit values (fp16's largest: 65504)
+DEFER_LIMIT = tl.constexpr(64.0)
+DEFER_LIMIT_F16 = tl.constexpr(15.0)
 
 
 @triton.jit
@@ -45,14 +50,96 @@ def _online(logit, valid, m_i, l_i, SOFTCAP: tl.constexpr = 0.0):
 
 
 @triton.jit
+def _slot_offsets(BT, b, offs, valid, skb, skn, sksb, sksn, svb, svn, svsb, svsn, sbt, PAGE: tl.constexpr):
+    """Element offsets ``[BLOCK_N]`` of row ``b``'s slots ``offs``: key / value codes, key / value metadata. ``PAGE``
+    > 0: slot ``n`` at offset ``n % PAGE`` of page ``BT[b, n // PAGE]`` (the ``b`` strides: the page strides)."""
+    if PAGE > 0:  # (row, slot) -> (page, offset): the block table's entry, then the slot's place in that page
+        page = tl.load(BT + b * sbt + offs // PAGE, mask=valid, other=0).to(tl.int64)
+        slot = offs % PAGE
+        k_row, v_row = page * skb + slot * skn, page * svb + slot * svn
+        ks_row, vs_row = page * sksb + slot * sksn, page * svsb + slot * svsn
+    else:  # (32-bit offsets: a 64-bit row base costs 20 registers more, measured at 4 warps)
+        k_row, v_row = b * skb + offs * skn, b * svb + offs * svn
+        ks_row, vs_row = b * sksb + offs * sksn, b * svsb + offs * svsn
+    return k_row, v_row, ks_row, vs_row
+
+
+@triton.jit
+def _key_logits(qa, qb, qsum, KC, KS, KZ, k_row, ks_row, valid, cmask, offs_c, qk_scale, BITS: tl.constexpr,
+                OP: tl.constexpr, SOFTCAP: tl.constexpr):
+    """A block's logits ``[M_PAD, BLOCK_N]`` in log2 units, soft-capped, -inf where not ``valid``, from its key codes
+    (``KC`` / ``KS`` / ``KZ``: the head's bases; 16 bits: the keys themselves)."""
+    kt = tl.load(KC + k_row[:, None] + offs_c[None, :], mask=cmask, other=0)  # [BLOCK_N, DCP]
+    if BITS == 16:
+        logit = tl.dot(_op(qa, OP), tl.trans(_op(kt, OP)))
+    else:
+        ks = tl.load(KS + ks_row, mask=valid, other=0.0).to(tl.float32)
+        kz = tl.load(KZ + ks_row, mask=valid, other=0.0).to(tl.float32)
+        if BITS == 8:
+            qc = tl.dot(_op(qa, OP), tl.trans(_op(kt, OP)))
+        else:
+            qc = tl.dot(_op(qa, OP), tl.trans(_op(kt & 15, OP)))
+            qc += tl.dot(_op(qb, OP), tl.trans(_op(kt >> 4, OP)))
+        logit = qc * ks[None, :] + qsum[:, None] * kz[None, :]
+    logit = logit * qk_scale
+    if SOFTCAP > 0:
+        logit = _soft_cap(logit, SOFTCAP)
+    return tl.where(valid[None, :], logit, float("-inf"))
+
+
+@triton.jit
+def _deferred_pass(qa, qb, qsum, ref, n_lo, n_hi, KC, KS, KZ, VC, VS, VZ, BT, b, skb, skn, sksb, sksn, svb, svn,
+                   svsb, svsn, sbt, qk_scale, DC: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BITS: tl.constexpr, PAGE: tl.constexpr, OP: tl.constexpr, DCP: tl.constexpr, SOFTCAP: tl.constexpr,
+                   STAGES: tl.constexpr = None):
+    """One pass over slots ``[n_lo, n_hi)`` of row ``b`` (the head's bases ``KC`` .. ``VZ``), every block exponentiated
+    against the reference ``ref [M_PAD]``: ``l``, ``sum p z`` and the max kept as elementwise ``[M_PAD, BLOCK_N]`` tiles
+    and ``acc`` never rescaled, so the loop has no cross-thread reduction. ``(max, l, acc_a, acc_b)``, relative to
+    ``ref``. ``STAGES``: the loop's pipeline stages (None: the launch's)."""
+    VOP: tl.constexpr = 1 if OP == 2 else OP  # coded values: bf16 for fp16 models too (p past 65504; codes exact)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, DCP)
+    l_t = tl.zeros([M_PAD, BLOCK_N], tl.float32)
+    z_t = tl.zeros([M_PAD, BLOCK_N], tl.float32)  # sum p z (z: the values' zero points)
+    mx_t = tl.full([M_PAD, BLOCK_N], float("-inf"), tl.float32)
+    acc_a = tl.zeros([M_PAD, DCP], tl.float32)
+    acc_b = tl.zeros([M_PAD, DCP], tl.float32)
+    for n0 in tl.range(n_lo, n_hi, BLOCK_N, num_stages=STAGES):
+        offs = n0 + offs_n
+        valid = offs < n_hi
+        k_row, v_row, ks_row, vs_row = _slot_offsets(BT, b, offs, valid, skb, skn, sksb, sksn, svb, svn, svsb, svsn,
+                                                     sbt, PAGE)
+        cmask = _cols_mask(valid, offs_c, DC, DCP)
+        lg = _key_logits(qa, qb, qsum, KC, KS, KZ, k_row, ks_row, valid, cmask, offs_c, qk_scale, BITS, OP, SOFTCAP)
+        vt = tl.load(VC + v_row[:, None] + offs_c[None, :], mask=cmask, other=0)  # [BLOCK_N, DCP]
+        mx_t = tl.maximum(mx_t, lg)
+        pr = tl.exp2(lg - ref[:, None])  # [M_PAD, BLOCK_N]: 0 where masked, <= 2**limit once the guard passed
+        l_t += pr
+        if BITS == 16:
+            acc_a = tl.dot(_op(pr, OP), _op(vt, OP), acc_a)
+        else:
+            vs = tl.load(VS + vs_row, mask=valid, other=0.0).to(tl.float32)
+            vz = tl.load(VZ + vs_row, mask=valid, other=0.0).to(tl.float32)
+            z_t += pr * vz[None, :]
+            ps = _op(pr * vs[None, :], VOP)
+            if BITS == 8:
+                acc_a = tl.dot(ps, _op(vt, VOP), acc_a)
+            else:
+                acc_a = tl.dot(ps, _op(vt & 15, VOP), acc_a)
+                acc_b = tl.dot(ps, _op(vt >> 4, VOP), acc_b)
+    zsum = tl.sum(z_t, 1)[:, None]
+    return tl.max(mx_t, 1), tl.sum(l_t, 1), acc_a + zsum, acc_b + zsum
+
+
+@triton.jit
 def _history_part(qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI, BT, b, p, s,
                   skb, skp, skn, sksb, sksp, sksn, svb, svp, svn, svsb, svsp, svsn, shi, sbt, hi_host, split_len,
                   qk_scale, DC: tl.constexpr, NPL: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
                   HI_DEV: tl.constexpr, PAGE: tl.constexpr, OP: tl.constexpr, DCP: tl.constexpr,
-                  SOFTCAP: tl.constexpr):
-    """History split ``s``: slots ``[s * split_len, (s + 1) * split_len)`` within ``[lo[b], hi[b])``, read as codes.
-    ``PAGE > 0``: the store is paged, slot ``n`` of row ``b`` at offset ``n % PAGE`` of page ``BT[b, n // PAGE]`` (the
-    ``b`` strides are then the page strides)."""
+                  SOFTCAP: tl.constexpr, DEFER: tl.constexpr, M_PAD: tl.constexpr):
+    """History split ``s``: slots ``[s * split_len, (s + 1) * split_len)`` within ``[lo[b], hi[b])``, read as codes;
+    ``DEFER``: the deferred softmax (:func:`_deferred_pass`; docs/kernels.md §3.3), else the online one (a max, two
+    sums and a rescale of ``acc`` per block). ``(m, l, acc_a, acc_b)``, ``l`` and ``acc`` relative to ``m``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, DCP)
     lo = tl.load(LO + b).to(tl.int32)
@@ -65,43 +152,61 @@ def _history_part(qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI
     qsum = tl.sum(qa.to(tl.float32), 1)
     if NPL == 2:
         qsum += tl.sum(qb.to(tl.float32), 1)
-    for n0 in range(n_lo, n_hi, BLOCK_N):
-        offs = n0 + offs_n
-        valid = offs < n_hi
-        if PAGE > 0:  # (row, slot) -> (page, offset): the block table's entry, then the slot's place in that page
-            page = tl.load(BT + b * sbt + offs // PAGE, mask=valid, other=0).to(tl.int64)
-            slot = offs % PAGE
-            k_row, v_row = page * skb + slot * skn, page * svb + slot * svn
-            ks_row, vs_row = page * sksb + slot * sksn, page * svsb + slot * svsn
-        else:  # (32-bit offsets: a 64-bit row base costs 20 registers more, measured at 4 warps)
-            k_row, v_row = b * skb + offs * skn, b * svb + offs * svn
-            ks_row, vs_row = b * sksb + offs * sksn, b * svsb + offs * svsn
-        cmask = _cols_mask(valid, offs_c, DC, DCP)
-        kt = tl.load(KC + p * skp + k_row[:, None] + offs_c[None, :], mask=cmask, other=0)  # [BLOCK_N, DCP]
-        vt = tl.load(VC + p * svp + v_row[:, None] + offs_c[None, :], mask=cmask, other=0)
-        if BITS == 16:
-            logit = tl.dot(_op(qa, OP), tl.trans(_op(kt, OP)))
-            pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i, SOFTCAP)
-            acc_a = acc_a * alpha[:, None] + tl.dot(_op(pr, OP), _op(vt, OP))
-        else:
-            ks = tl.load(KS + p * sksp + ks_row, mask=valid, other=0.0).to(tl.float32)
-            kz = tl.load(KZ + p * sksp + ks_row, mask=valid, other=0.0).to(tl.float32)
-            vs = tl.load(VS + p * svsp + vs_row, mask=valid, other=0.0).to(tl.float32)
-            vz = tl.load(VZ + p * svsp + vs_row, mask=valid, other=0.0).to(tl.float32)
-            if BITS == 8:
-                qc = tl.dot(_op(qa, OP), tl.trans(_op(kt, OP)))
+    if DEFER:  # against phi, the max logit of the split's first block, rerun once against the true max past the limit
+        LIM: tl.constexpr = DEFER_LIMIT_F16 if BITS == 16 and OP == 2 else DEFER_LIMIT  # (fp16 p beside fp16 values)
+        kc, ksb, kzb = KC + p * skp, KS + p * sksp, KZ + p * sksp  # the head's bases
+        vc, vsb, vzb = VC + p * svp, VS + p * svsp, VZ + p * svsp
+        phi = tl.full([M_PAD], float("-inf"), tl.float32)  # (-inf: an empty split, whose partial is (-inf, 0, 0))
+        if n_lo < n_hi:  # (a region apart, or the loop's query operand is this one, hoisted: 40 registers more)
+            valid = n_lo + offs_n < n_hi
+            k_row, v_row, ks_row, vs_row = _slot_offsets(BT, b, n_lo + offs_n, valid, skb, skn, sksb, sksn, svb, svn,
+                                                         svsb, svsn, sbt, PAGE)
+            phi = tl.max(_key_logits(qa, qb, qsum, kc, ksb, kzb, k_row, ks_row, valid,
+                                     _cols_mask(valid, offs_c, DC, DCP), offs_c, qk_scale, BITS, OP, SOFTCAP), 1)
+        ref = tl.where(phi == float("-inf"), 0.0, phi)
+        top, l_i, acc_a, acc_b = _deferred_pass(qa, qb, qsum, ref, n_lo, n_hi, kc, ksb, kzb, vc, vsb, vzb, BT, b, skb,
+                                                skn, sksb, sksn, svb, svn, svsb, svsn, sbt, qk_scale, DC, M_PAD,
+                                                BLOCK_N, BITS, PAGE, OP, DCP, SOFTCAP)
+        # the rerun: a second pass under an if, unpipelined (a while loop around one pass took 80 registers more, a
+        # pipelined second pass 40: sm_90, INT8, D = 128)
+        if tl.max(top - ref, 0) > LIM:
+            ref = top
+            top, l_i, acc_a, acc_b = _deferred_pass(qa, qb, qsum, ref, n_lo, n_hi, kc, ksb, kzb, vc, vsb, vzb, BT, b,
+                                                    skb, skn, sksb, sksn, svb, svn, svsb, svsn, sbt, qk_scale, DC,
+                                                    M_PAD, BLOCK_N, BITS, PAGE, OP, DCP, SOFTCAP, 1)
+        m_i = tl.where(phi == float("-inf"), phi, ref)
+    else:
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            offs = n0 + offs_n
+            valid = offs < n_hi
+            k_row, v_row, ks_row, vs_row = _slot_offsets(BT, b, offs, valid, skb, skn, sksb, sksn, svb, svn, svsb,
+                                                         svsn, sbt, PAGE)
+            cmask = _cols_mask(valid, offs_c, DC, DCP)
+            kt = tl.load(KC + p * skp + k_row[:, None] + offs_c[None, :], mask=cmask, other=0)  # [BLOCK_N, DCP]
+            vt = tl.load(VC + p * svp + v_row[:, None] + offs_c[None, :], mask=cmask, other=0)
+            if BITS == 16:
+                logit = tl.dot(_op(qa, OP), tl.trans(_op(kt, OP)))
+                pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i, SOFTCAP)
+                acc_a = acc_a * alpha[:, None] + tl.dot(_op(pr, OP), _op(vt, OP))
             else:
-                qc = tl.dot(_op(qa, OP), tl.trans(_op(kt & 15, OP)))
-                qc += tl.dot(_op(qb, OP), tl.trans(_op(kt >> 4, OP)))
-            logit = qc * ks[None, :] + qsum[:, None] * kz[None, :]
-            pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i, SOFTCAP)
-            ps = _op(pr * vs[None, :], OP)
-            zsum = tl.sum(pr * vz[None, :], 1)[:, None]
-            if BITS == 8:
-                acc_a = acc_a * alpha[:, None] + tl.dot(ps, _op(vt, OP)) + zsum
-            else:
-                acc_a = acc_a * alpha[:, None] + tl.dot(ps, _op(vt & 15, OP)) + zsum
-                acc_b = acc_b * alpha[:, None] + tl.dot(ps, _op(vt >> 4, OP)) + zsum
+                ks = tl.load(KS + p * sksp + ks_row, mask=valid, other=0.0).to(tl.float32)
+                kz = tl.load(KZ + p * sksp + ks_row, mask=valid, other=0.0).to(tl.float32)
+                vs = tl.load(VS + p * svsp + vs_row, mask=valid, other=0.0).to(tl.float32)
+                vz = tl.load(VZ + p * svsp + vs_row, mask=valid, other=0.0).to(tl.float32)
+                if BITS == 8:
+                    qc = tl.dot(_op(qa, OP), tl.trans(_op(kt, OP)))
+                else:
+                    qc = tl.dot(_op(qa, OP), tl.trans(_op(kt & 15, OP)))
+                    qc += tl.dot(_op(qb, OP), tl.trans(_op(kt >> 4, OP)))
+                logit = qc * ks[None, :] + qsum[:, None] * kz[None, :]
+                pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i, SOFTCAP)
+                ps = _op(pr * vs[None, :], OP)
+                zsum = tl.sum(pr * vz[None, :], 1)[:, None]
+                if BITS == 8:
+                    acc_a = acc_a * alpha[:, None] + tl.dot(ps, _op(vt, OP)) + zsum
+                else:
+                    acc_a = acc_a * alpha[:, None] + tl.dot(ps, _op(vt & 15, OP)) + zsum
+                    acc_b = acc_b * alpha[:, None] + tl.dot(ps, _op(vt >> 4, OP)) + zsum
     return m_i, l_i, acc_a, acc_b
 
 
@@ -142,11 +247,11 @@ def _heads_split_kernel(
     swb, swh, swn, swvb, swvh, swvn, smb, P, M, W, hi_host, split_len, s_hist, s_tot, qk_scale,
     DC: tl.constexpr, NPL: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
     HI_DEV: tl.constexpr, PAGE: tl.constexpr, HAS_WMASK: tl.constexpr, OP: tl.constexpr, DCP: tl.constexpr,
-    SOFTCAP: tl.constexpr, WSLOT=None, HAS_WSLOT: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr, DEFER: tl.constexpr, WSLOT=None, HAS_WSLOT: tl.constexpr = 0,
 ):
     """``DCP``: the plane width ``DC`` padded to a power of two (``DC`` itself where it is one); ``SOFTCAP``: the
-    logits' cap in log2 units (0: none); ``HAS_WSLOT``: row ``b``'s window is row ``WSLOT[b]`` of ``WK`` / ``WV`` (the
-    serving store's window pool, read in place)."""
+    logits' cap in log2 units (0: none); ``DEFER``: the history's deferred softmax (else online); ``HAS_WSLOT``: row
+    ``b``'s window is row ``WSLOT[b]`` of ``WK`` / ``WV`` (the serving store's window pool, read in place)."""
     bp = tl.program_id(0)
     s = tl.program_id(1)
     b = bp // P
@@ -168,7 +273,7 @@ def _heads_split_kernel(
         m_i, l_i, acc_a, acc_b = _history_part(
             qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI, BT, b, p, s,
             skb, skp, skn, sksb, sksp, sksn, svb, svp, svn, svsb, svsp, svsn, shi, sbt, hi_host, split_len, qk_scale,
-            DC, NPL, BLOCK_N, BITS, HI_DEV, PAGE, OP, DCP, SOFTCAP)
+            DC, NPL, BLOCK_N, BITS, HI_DEV, PAGE, OP, DCP, SOFTCAP, DEFER, M_PAD)
     else:
         bw = b
         if HAS_WSLOT:  # (64-bit: a pool of many slots is past 2**31 elements sooner than a row's store)
@@ -278,7 +383,7 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
         p, m, w, 0 if hi_dev else n_hist, split_len, s_hist, s_tot, float(scaling) * LOG2E,
         DC=d // npl, NPL=npl, M_PAD=m_pad, BLOCK_N=plan.block_n, BITS=bits, HI_DEV=hi_dev, PAGE=page,
         HAS_WMASK=win_mask is not None, OP=op, DCP=next_pow2(d // npl),
-        SOFTCAP=float(softcap) * LOG2E if softcap else 0.0, num_warps=warps, num_stages=stages,
+        SOFTCAP=float(softcap) * LOG2E if softcap else 0.0, DEFER=int(defaults.defer), num_warps=warps, num_stages=stages,
         **({} if slot is None else dict(WSLOT=slot, HAS_WSLOT=1)))
     out = torch.empty(b, p, m, d, dtype=out_dtype, device=dev)
     _heads_combine_kernel[(b * p * m,)](pm, pl, pacc, out, m, s_tot, M_PAD=m_pad, D=d,
