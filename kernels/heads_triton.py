@@ -132,14 +132,14 @@ def _deferred_pass(qa, qb, qsum, ref, n_lo, n_hi, KC, KS, KZ, VC, VS, VZ, BT, b,
 
 
 @triton.jit
-def _history_part(qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI, BT, b, p, s,
+def _history_part(qa, qb, KC, KS, KZ, VC, VS, VZ, LO, HI, BT, b, p, s,
                   skb, skp, skn, sksb, sksp, sksn, svb, svp, svn, svsb, svsp, svsn, shi, sbt, hi_host, split_len,
                   qk_scale, DC: tl.constexpr, NPL: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
                   HI_DEV: tl.constexpr, PAGE: tl.constexpr, OP: tl.constexpr, DCP: tl.constexpr,
-                  SOFTCAP: tl.constexpr, DEFER: tl.constexpr, M_PAD: tl.constexpr):
-    """History split ``s``: slots ``[s * split_len, (s + 1) * split_len)`` within ``[lo[b], hi[b])``, read as codes;
-    ``DEFER``: the deferred softmax (:func:`_deferred_pass`; docs/kernels.md §3.3), else the online one (a max, two
-    sums and a rescale of ``acc`` per block). ``(m, l, acc_a, acc_b)``, ``l`` and ``acc`` relative to ``m``."""
+                  SOFTCAP: tl.constexpr, M_PAD: tl.constexpr):
+    """History split ``s``: slots ``[s * split_len, (s + 1) * split_len)`` within ``[lo[b], hi[b])``, read as codes
+with a deferred softmax (:func:`_deferred_pass`; docs/kernels.md §3.9). ``(m, l, acc_a, acc_b)``, ``l`` and ``acc``
+relative to ``m``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, DCP)
     lo = tl.load(LO + b).to(tl.int32)
@@ -152,61 +152,29 @@ def _history_part(qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI
     qsum = tl.sum(qa.to(tl.float32), 1)
     if NPL == 2:
         qsum += tl.sum(qb.to(tl.float32), 1)
-    if DEFER:  # against phi, the max logit of the split's first block, rerun once against the true max past the limit
-        LIM: tl.constexpr = DEFER_LIMIT_F16 if BITS == 16 and OP == 2 else DEFER_LIMIT  # (fp16 p beside fp16 values)
-        kc, ksb, kzb = KC + p * skp, KS + p * sksp, KZ + p * sksp  # the head's bases
-        vc, vsb, vzb = VC + p * svp, VS + p * svsp, VZ + p * svsp
-        phi = tl.full([M_PAD], float("-inf"), tl.float32)  # (-inf: an empty split, whose partial is (-inf, 0, 0))
-        if n_lo < n_hi:  # (a region apart, or the loop's query operand is this one, hoisted: 40 registers more)
-            valid = n_lo + offs_n < n_hi
-            k_row, v_row, ks_row, vs_row = _slot_offsets(BT, b, n_lo + offs_n, valid, skb, skn, sksb, sksn, svb, svn,
-                                                         svsb, svsn, sbt, PAGE)
-            phi = tl.max(_key_logits(qa, qb, qsum, kc, ksb, kzb, k_row, ks_row, valid,
-                                     _cols_mask(valid, offs_c, DC, DCP), offs_c, qk_scale, BITS, OP, SOFTCAP), 1)
-        ref = tl.where(phi == float("-inf"), 0.0, phi)
-        top, l_i, acc_a, acc_b = _deferred_pass(qa, qb, qsum, ref, n_lo, n_hi, kc, ksb, kzb, vc, vsb, vzb, BT, b, skb,
-                                                skn, sksb, sksn, svb, svn, svsb, svsn, sbt, qk_scale, DC, M_PAD,
-                                                BLOCK_N, BITS, PAGE, OP, DCP, SOFTCAP)
-        # the rerun: a second pass under an if, unpipelined (a while loop around one pass took 80 registers more, a
-        # pipelined second pass 40: sm_90, INT8, D = 128)
-        if tl.max(top - ref, 0) > LIM:
-            ref = top
-            top, l_i, acc_a, acc_b = _deferred_pass(qa, qb, qsum, ref, n_lo, n_hi, kc, ksb, kzb, vc, vsb, vzb, BT, b,
-                                                    skb, skn, sksb, sksn, svb, svn, svsb, svsn, sbt, qk_scale, DC,
-                                                    M_PAD, BLOCK_N, BITS, PAGE, OP, DCP, SOFTCAP, 1)
-        m_i = tl.where(phi == float("-inf"), phi, ref)
-    else:
-        for n0 in range(n_lo, n_hi, BLOCK_N):
-            offs = n0 + offs_n
-            valid = offs < n_hi
-            k_row, v_row, ks_row, vs_row = _slot_offsets(BT, b, offs, valid, skb, skn, sksb, sksn, svb, svn, svsb,
-                                                         svsn, sbt, PAGE)
-            cmask = _cols_mask(valid, offs_c, DC, DCP)
-            kt = tl.load(KC + p * skp + k_row[:, None] + offs_c[None, :], mask=cmask, other=0)  # [BLOCK_N, DCP]
-            vt = tl.load(VC + p * svp + v_row[:, None] + offs_c[None, :], mask=cmask, other=0)
-            if BITS == 16:
-                logit = tl.dot(_op(qa, OP), tl.trans(_op(kt, OP)))
-                pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i, SOFTCAP)
-                acc_a = acc_a * alpha[:, None] + tl.dot(_op(pr, OP), _op(vt, OP))
-            else:
-                ks = tl.load(KS + p * sksp + ks_row, mask=valid, other=0.0).to(tl.float32)
-                kz = tl.load(KZ + p * sksp + ks_row, mask=valid, other=0.0).to(tl.float32)
-                vs = tl.load(VS + p * svsp + vs_row, mask=valid, other=0.0).to(tl.float32)
-                vz = tl.load(VZ + p * svsp + vs_row, mask=valid, other=0.0).to(tl.float32)
-                if BITS == 8:
-                    qc = tl.dot(_op(qa, OP), tl.trans(_op(kt, OP)))
-                else:
-                    qc = tl.dot(_op(qa, OP), tl.trans(_op(kt & 15, OP)))
-                    qc += tl.dot(_op(qb, OP), tl.trans(_op(kt >> 4, OP)))
-                logit = qc * ks[None, :] + qsum[:, None] * kz[None, :]
-                pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i, SOFTCAP)
-                ps = _op(pr * vs[None, :], OP)
-                zsum = tl.sum(pr * vz[None, :], 1)[:, None]
-                if BITS == 8:
-                    acc_a = acc_a * alpha[:, None] + tl.dot(ps, _op(vt, OP)) + zsum
-                else:
-                    acc_a = acc_a * alpha[:, None] + tl.dot(ps, _op(vt & 15, OP)) + zsum
-                    acc_b = acc_b * alpha[:, None] + tl.dot(ps, _op(vt >> 4, OP)) + zsum
+    # against phi, the max logit of the split's first block, rerun once against the true max past the limit
+    LIM: tl.constexpr = DEFER_LIMIT_F16 if BITS == 16 and OP == 2 else DEFER_LIMIT  # (fp16 p beside fp16 values)
+    kc, ksb, kzb = KC + p * skp, KS + p * sksp, KZ + p * sksp  # the head's bases
+    vc, vsb, vzb = VC + p * svp, VS + p * svsp, VZ + p * svsp
+    phi = tl.full([M_PAD], float("-inf"), tl.float32)  # (-inf: an empty split, whose partial is (-inf, 0, 0))
+    if n_lo < n_hi:  # (a region apart, or the loop's query operand is this one, hoisted: 40 registers more)
+        valid = n_lo + offs_n < n_hi
+        k_row, v_row, ks_row, vs_row = _slot_offsets(BT, b, n_lo + offs_n, valid, skb, skn, sksb, sksn, svb, svn,
+                                                     svsb, svsn, sbt, PAGE)
+        phi = tl.max(_key_logits(qa, qb, qsum, kc, ksb, kzb, k_row, ks_row, valid,
+                                 _cols_mask(valid, offs_c, DC, DCP), offs_c, qk_scale, BITS, OP, SOFTCAP), 1)
+    ref = tl.where(phi == float("-inf"), 0.0, phi)
+    top, l_i, acc_a, acc_b = _deferred_pass(qa, qb, qsum, ref, n_lo, n_hi, kc, ksb, kzb, vc, vsb, vzb, BT, b, skb,
+                                            skn, sksb, sksn, svb, svn, svsb, svsn, sbt, qk_scale, DC, M_PAD,
+                                            BLOCK_N, BITS, PAGE, OP, DCP, SOFTCAP)
+    # the rerun: a second pass under an if, unpipelined (a while loop around one pass took 80 registers more, a
+    # pipelined second pass 40: sm_90, INT8, D = 128)
+    if tl.max(top - ref, 0) > LIM:
+        ref = top
+        top, l_i, acc_a, acc_b = _deferred_pass(qa, qb, qsum, ref, n_lo, n_hi, kc, ksb, kzb, vc, vsb, vzb, BT, b,
+                                                skb, skn, sksb, sksn, svb, svn, svsb, svsn, sbt, qk_scale, DC,
+                                                M_PAD, BLOCK_N, BITS, PAGE, OP, DCP, SOFTCAP, 1)
+    m_i = tl.where(phi == float("-inf"), phi, ref)
     return m_i, l_i, acc_a, acc_b
 
 
@@ -247,11 +215,11 @@ def _heads_split_kernel(
     swb, swh, swn, swvb, swvh, swvn, smb, P, M, W, hi_host, split_len, s_hist, s_tot, qk_scale,
     DC: tl.constexpr, NPL: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
     HI_DEV: tl.constexpr, PAGE: tl.constexpr, HAS_WMASK: tl.constexpr, OP: tl.constexpr, DCP: tl.constexpr,
-    SOFTCAP: tl.constexpr, DEFER: tl.constexpr, WSLOT=None, HAS_WSLOT: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr, WSLOT=None, HAS_WSLOT: tl.constexpr = 0,
 ):
     """``DCP``: the plane width ``DC`` padded to a power of two (``DC`` itself where it is one); ``SOFTCAP``: the
-    logits' cap in log2 units (0: none); ``DEFER``: the history's deferred softmax (else online); ``HAS_WSLOT``: row
-    ``b``'s window is row ``WSLOT[b]`` of ``WK`` / ``WV`` (the serving store's window pool, read in place)."""
+    logits' cap in log2 units (0: none); ``HAS_WSLOT``: row ``b``'s window is row ``WSLOT[b]`` of ``WK`` / ``WV`` (the
+    serving store's window pool, read in place)."""
     bp = tl.program_id(0)
     s = tl.program_id(1)
     b = bp // P
@@ -271,9 +239,9 @@ def _heads_split_kernel(
     acc_b = tl.zeros([M_PAD, DCP], tl.float32)
     if s < s_hist:
         m_i, l_i, acc_a, acc_b = _history_part(
-            qa, qb, m_i, l_i, acc_a, acc_b, KC, KS, KZ, VC, VS, VZ, LO, HI, BT, b, p, s,
+            qa, qb, KC, KS, KZ, VC, VS, VZ, LO, HI, BT, b, p, s,
             skb, skp, skn, sksb, sksp, sksn, svb, svp, svn, svsb, svsp, svsn, shi, sbt, hi_host, split_len, qk_scale,
-            DC, NPL, BLOCK_N, BITS, HI_DEV, PAGE, OP, DCP, SOFTCAP, DEFER, M_PAD)
+            DC, NPL, BLOCK_N, BITS, HI_DEV, PAGE, OP, DCP, SOFTCAP, M_PAD)
     else:
         bw = b
         if HAS_WSLOT:  # (64-bit: a pool of many slots is past 2**31 elements sooner than a row's store)
@@ -383,7 +351,7 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
         p, m, w, 0 if hi_dev else n_hist, split_len, s_hist, s_tot, float(scaling) * LOG2E,
         DC=d // npl, NPL=npl, M_PAD=m_pad, BLOCK_N=plan.block_n, BITS=bits, HI_DEV=hi_dev, PAGE=page,
         HAS_WMASK=win_mask is not None, OP=op, DCP=next_pow2(d // npl),
-        SOFTCAP=float(softcap) * LOG2E if softcap else 0.0, DEFER=int(defaults.defer), num_warps=warps, num_stages=stages,
+        SOFTCAP=float(softcap) * LOG2E if softcap else 0.0, num_warps=warps, num_stages=stages,
         **({} if slot is None else dict(WSLOT=slot, HAS_WSLOT=1)))
     out = torch.empty(b, p, m, d, dtype=out_dtype, device=dev)
     _heads_combine_kernel[(b * p * m,)](pm, pl, pacc, out, m, s_tot, M_PAD=m_pad, D=d,

@@ -111,8 +111,6 @@ class HeadsDefaults:
     """Tunables of the retrieval heads' read (docs/kernels.md, section 3.9)."""
 
     block_n: int = 32  # slots per inner step
-    # the history loop's deferred softmax (no per-block reduction or rescale); False: the online loop it replaced
-    defer: bool = True
     num_warps: int = 4  # INT8 / 16-bit codes: the sweep's best tile with block_n
     num_stages: int = 3
     num_warps_int4: int = 4  # INT4: two planes per block, more registers

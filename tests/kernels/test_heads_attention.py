@@ -112,14 +112,13 @@ def test_triton_no_mask_no_history_and_empty_row():
 
 
 @interp
-@pytest.mark.parametrize("defer", [True, False])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("peak", ["late", "first"])
-def test_triton_deferred_rerun_and_empty_splits(defer, bits, peak):
-    """The deferred history loop (``HeadsDefaults.defer``) and the online one against the reference, 2 splits of 320:
-    keys along the queries' common direction in each split's last block (``late``: logits past the first block's by far
-    more than ``DEFER_LIMIT``: the split reruns, else exp2 overflows) or in split 1's first block and ~8 nats lower in
-    its last (``first``); row 1's split 0 empty, its split 1 left-padded past that first key; row 2 empty."""
+def test_triton_deferred_rerun_and_empty_splits(bits, peak):
+    """The deferred history loop against the reference, 2 splits of 320: keys along the queries' common direction in
+    each split's last block (``late``: logits past the first block's by far more than ``DEFER_LIMIT``: the split
+    reruns, else exp2 overflows) or in split 1's first block and ~8 nats lower in its last (``first``); row 1's split
+    0 empty, its split 1 left-padded past that first key; row 2 empty."""
     import oscar_hf.kernels.heads_triton as ht
 
     q, heads, k, v, _, wk, wv, wm = make_case(16, n=640, d=64, seed=bits)
@@ -129,13 +128,12 @@ def test_triton_deferred_rerun_and_empty_splits(defer, bits, peak):
         k[0][:, :, slot] += c * u
     k, v, lo, wm[2] = encode(k[0], bits), encode(v[0], bits), torch.tensor([0, 360, 640]), False
     args = (q, heads, k, v, bits, lo, 640, wk, wv, wm, 0.1, torch.float32)
-    kw = dict(defaults=dataclasses.replace(ht.HEADS_DEFAULTS, defer=defer))
-    out = heads_loose(ht.heads_decode_triton)(*args, **kw)
+    out = heads_loose(ht.heads_decode_triton)(*args)
     assert rel_err(out, heads_loose(heads_decode_reference)(*args)) < 1e-5 and (out[2] == 0).all()
-    if defer and peak == "late":  # without the rerun the late blocks' p overflow
+    if peak == "late":  # without the rerun the late blocks' p overflow
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(ht, "DEFER_LIMIT", ht.tl.constexpr(1e9))
-            assert not torch.isfinite(heads_loose(ht.heads_decode_triton)(*args, **kw)).all()
+            assert not torch.isfinite(heads_loose(ht.heads_decode_triton)(*args)).all()
 
 
 @pytest.mark.gpu
