@@ -8,7 +8,6 @@ import torch
 
 from ..kernels.heads_attention import dequantize_heads
 from ..kernels.int2_attention import soft_cap
-from ..quant import encode_heads
 
 def part_names(bits: int) -> tuple[str, ...]:
     """Names of the stored tensors (what a saved cache calls them)."""
@@ -25,9 +24,6 @@ def part_specs(bits: int, head_dim: int, dtype: torch.dtype) -> list[tuple[int, 
 def row_bytes(bits: int, head_dim: int, dtype: torch.dtype) -> int:
     """Bytes of one token of one head, keys or values."""
     return sum(n * torch.empty((), dtype=dt).element_size() for n, dt in part_specs(bits, head_dim, dtype))
-
-
-encode = encode_heads  # x [B, P, L, D] (model dtype) -> its stored form (the fused write's reference shares it)
 
 
 def decode(parts: tuple[torch.Tensor, ...], bits: int, dtype: torch.dtype) -> torch.Tensor:

@@ -13,9 +13,8 @@ from oscar_hf.kernels.kv import HeadSplit, KVParams
 from oscar_hf.kernels.write_path import rotate_quantize
 
 from ..config import OscarConfig
-from ..quant import QuantizedRows
+from ..quant import QuantizedRows, encode_heads
 from ..rotations import LayerRotation
-from . import heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +78,7 @@ class LayerParams:
 
     def encode_coded(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """Window rows ``x [B, Hk, n, D]`` -> the retrieval heads' coded parts ``[B, P, n, *]``, or None."""
-        return heads.encode(x.index_select(1, self.coded_idx), self.bits) if self.coded_heads else None
+        return encode_heads(x.index_select(1, self.coded_idx), self.bits) if self.coded_heads else None
 
     def encode_history(self, x: torch.Tensor, kind: str, config: OscarConfig, mu_k: torch.Tensor | None = None
                        ) -> tuple[tuple[torch.Tensor, ...] | None, QuantizedRows | None]:
