@@ -85,7 +85,10 @@ def generate(storage, model, prompts, heads, chunk=None):
         return [(r.generated_tokens, torch.tensor(r.logprobs)) for r in done]
     ids, am = left_pad([torch.tensor(p) for p in prompts])
     cache = OscarCache(model, compile=storage == "compiled", **kw)
-    extra = dict(compile_config=cpu_compile_config()) if storage == "compiled" else {}
+    extra = {}
+    if storage == "compiled":  # (a clean dynamo cache: earlier tests' graphs count toward its recompile limit)
+        torch._dynamo.reset()
+        extra = dict(compile_config=cpu_compile_config())
     out = model.generate(ids, attention_mask=am, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
                          pad_token_id=0, prefill_chunk_size=chunk, output_scores=True, return_dict_in_generate=True,
                          **cache_kwargs(model, cache), **extra)
