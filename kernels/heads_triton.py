@@ -138,8 +138,8 @@ def _history_part(qa, qb, KC, KS, KZ, VC, VS, VZ, LO, HI, BT, b, p, s,
                   HI_DEV: tl.constexpr, PAGE: tl.constexpr, OP: tl.constexpr, DCP: tl.constexpr,
                   SOFTCAP: tl.constexpr, M_PAD: tl.constexpr):
     """History split ``s``: slots ``[s * split_len, (s + 1) * split_len)`` within ``[lo[b], hi[b])``, read as codes
-with a deferred softmax (:func:`_deferred_pass`; docs/kernels.md §3.9). ``(m, l, acc_a, acc_b)``, ``l`` and ``acc``
-relative to ``m``."""
+    with a deferred softmax (:func:`_deferred_pass`; docs/kernels.md §3.9). ``(m, l, acc_a, acc_b)``, ``l`` and
+    ``acc`` relative to ``m``."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, DCP)
     lo = tl.load(LO + b).to(tl.int32)

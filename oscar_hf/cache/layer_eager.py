@@ -12,7 +12,7 @@ from ..patching import base_attention_function
 from ..quant import QuantizedRows, dequantize_rows
 from . import heads
 from .base import allowed_slots, group_queries, logit_terms, mask_rows
-from .window import RowsHistory, commit, demote, ring_entries, ring_slots, sink_from
+from .window import RowsHistory, commit, demote_pending, ring_entries, ring_slots, sink_from
 
 
 def _fixed_address(t: torch.Tensor) -> torch.Tensor:
@@ -110,10 +110,8 @@ class EagerOps:
         return RowsHistory(self.hist_k, self.hist_v, self.coded_k, self.coded_v)
 
     def _demote_pending(self, t: int) -> None:
-        """Slot ``t - 1 - W``, which the last decode step left in the window, into the history (idempotent)."""
-        s0, w = self.config.sink, self.config.recent
-        demote(self.win_k, self.win_v, self._history(), self.params, self.config, max(s0, t - w - 1), t - w, t,
-               mu_k=self.mu_k_seq)
+        """Slot ``t - 1 - W``, which the last decode step left in the window, into the history."""
+        demote_pending(self.win_k, self.win_v, self._history(), self.params, self.config, t, self.mu_k_seq)
 
     def commit_bulk(self, new_k: torch.Tensor, new_v: torch.Tensor, t_old: int) -> None:
         """Write slots ``[T, T + L)``; with ``key_offset="prefill"`` the first demotion fixes the key mean. The cache

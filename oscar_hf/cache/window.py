@@ -93,6 +93,13 @@ def demote(win_k: torch.Tensor, win_v: torch.Tensor, history, params: LayerParam
             history.write(kind, c0 - s0, *params.encode_history(x, kind, config, mu_k))
 
 
+def demote_pending(win_k: torch.Tensor, win_v: torch.Tensor, history, params: LayerParams, config: OscarConfig,
+                   t: int, mu_k: torch.Tensor | None = None) -> None:
+    """Slot ``t - 1 - W``, which the last decode step kept in its window, into the history (idempotent)."""
+    s0, w = config.sink, config.recent
+    demote(win_k, win_v, history, params, config, max(s0, t - w - 1), t - w, t, mu_k=mu_k)
+
+
 def commit(win_k: torch.Tensor, win_v: torch.Tensor, pad, history, params: LayerParams, config: OscarConfig,
            t_old: int, new_k: torch.Tensor, new_v: torch.Tensor, mu_k: torch.Tensor | None = None,
            floor: int = 0) -> None:

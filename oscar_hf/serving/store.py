@@ -8,7 +8,7 @@ import torch
 from oscar_hf.kernels.kv import Window
 
 from ..cache.params import LayerParams
-from ..cache.window import PagedHistory, commit, demote, ring_entries
+from ..cache.window import PagedHistory, commit, demote_pending, ring_entries
 from ..config import OscarConfig, starting_config
 from ..distributed import local_retrieval_heads, slice_layer_rotation, tp_layout
 from ..layer_choice import choose_layers
@@ -159,8 +159,8 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         else:  # the history, the sink and the ring's slots [max(S0, T - W), T), then the new rows (causal)
             # slots below r.floor are history whatever the window (a shared prefix's pages, never written here)
             hist_end = max(t_old - w, r.floor)
-            if t_old - w - 1 >= max(r.floor, s0):  # slot T - 1 - W, which the last decode step kept in its window
-                demote(win_k, win_v, self._history(r, li, t_old - w), p, self.config, t_old - w - 1, t_old - w, t_old)
+            if t_old - w - 1 >= r.floor:  # (below the floor: a shared prefix's page, never written here)
+                demote_pending(win_k, win_v, self._history(r, li, t_old - w), p, self.config, t_old)
             recent = torch.arange(min(t_old, max(s0, hist_end)), t_old, device=dev)
             entries = torch.cat([torch.arange(min(t_old, s0), device=dev), ring_entries(recent, s0, self.ring)])
             k_win = torch.cat([win_k.index_select(2, entries), new_k], 2)  # [1, Hk, E + L, D]
