@@ -6,9 +6,10 @@
 
 ``--old`` / ``--new``: folders laid out as the package installs (``oscar_hf/`` with ``kernels/`` and ``eval/`` inside,
 as ``run_gpu.sh`` builds them); each run puts one on ``PYTHONPATH`` and runs *this* tree's ``bench_generate.py``
-with the arguments after ``--`` (the same benchmark code measures both). Runs go old, new, old, new, ... so that a
-drift of the machine (clocks, temperature) falls on both; the report gives every run and, per method and point, the
-new / old ratio of the median step time of the turns.
+with the arguments after ``--`` (the same benchmark code measures both). Runs go old, new, new, old, old, new, ...
+(each turn reverses the one before) so that neither tree always runs first and a steady drift of the machine (clocks,
+temperature) falls on both alike; the report gives every run and, per method and point, the new / old ratio of the
+median step time of the turns.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def main(argv=None):
     report = dict(command="python compare_trees.py " + " ".join(argv), old=a.old_name, new="this tree", runs=[])
     ms = {}  # "<method> B=<b> T=<t>" -> {"old": [ms per token of each turn], "new": [...]}
     for turn in range(a.turns):
-        for name, site in (("old", a.old), ("new", a.new)):
+        for name, site in (("old", a.old), ("new", a.new))[:: 1 if turn % 2 == 0 else -1]:
             for r in run(site, bench_args):
                 r.update(tree=name, turn=turn)
                 report["runs"].append(r)
