@@ -65,10 +65,8 @@ def _demote_row(SRC, R, MU, CODES, SCALE, ZERO, c_off, m_off, clip,
     # plane packing: channel p * D/4 + j -> bits 2p..2p+1 of byte j (disjoint bits: the sum is an OR)
     q4 = tl.reshape(q, (4, D4P))
     packed = tl.sum(q4 << (2 * tl.arange(0, 4))[:, None], axis=0).to(tl.uint8)
-    if DP > D:
-        tl.store(CODES + c_off + tl.arange(0, D4P), packed, mask=tl.arange(0, D4P) < D4)
-    else:
-        tl.store(CODES + c_off + tl.arange(0, D4), packed)
+    tl.store(CODES + c_off + tl.arange(0, D4P), packed, mask=tl.arange(0, D4P) < D4 if DP > D else None)
+    if DP == D:  # (DP > D: _quantize_masked stored the metadata)
         tl.store(SCALE + m_off + tl.arange(0, NG), scale_m)
         tl.store(ZERO + m_off + tl.arange(0, NG), zero_m)
 
@@ -85,12 +83,10 @@ def _code_row(SRC, X, SCALE, ZERO, x_off, m_off, D: tl.constexpr, BITS: tl.const
         x = tl.load(SRC + offs, mask=real, other=0.0)
     else:
         offs = tl.arange(0, D)
+        real = None  # (every lane a channel: the stores below unmasked)
         x = tl.load(SRC + offs)
     if BITS == 16:
-        if DP > D:
-            tl.store(X + x_off + offs, x, mask=real)
-        else:
-            tl.store(X + x_off + offs, x)
+        tl.store(X + x_off + offs, x, mask=real)
     else:
         LEVELS: tl.constexpr = (1 << BITS) - 1
         xf = x.to(tl.float32)
@@ -104,17 +100,11 @@ def _code_row(SRC, X, SCALE, ZERO, x_off, m_off, D: tl.constexpr, BITS: tl.const
         zero_m, z = _round_meta(lo, META_KIND)
         q = _codes(xf, z, s, LEVELS)
         if BITS == 8:
-            if DP > D:
-                tl.store(X + x_off + offs, q.to(tl.uint8), mask=real)
-            else:
-                tl.store(X + x_off + offs, q.to(tl.uint8))
+            tl.store(X + x_off + offs, q.to(tl.uint8), mask=real)
         else:  # a byte per channel pair (j, j + D/2): the halves' lanes j and DP/2 + j
             q2 = tl.reshape(q, (2, DP // 2))
             packed = tl.sum(q2 << (4 * tl.arange(0, 2))[:, None], axis=0).to(tl.uint8)
-            if DP > D:
-                tl.store(X + x_off + tl.arange(0, DP // 2), packed, mask=tl.arange(0, DP // 2) < D // 2)
-            else:
-                tl.store(X + x_off + tl.arange(0, D // 2), packed)
+            tl.store(X + x_off + tl.arange(0, DP // 2), packed, mask=tl.arange(0, DP // 2) < D // 2 if DP > D else None)
         tl.store(SCALE + m_off, scale_m)
         tl.store(ZERO + m_off, zero_m)
 
