@@ -215,10 +215,7 @@ def _split_kernel(
                     s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
                     s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
                     s = tl.dot(q3, tl.trans(_int2_plane(kb, 3, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
-                    s = s + off[:, None]
-                    if SOFTCAP > 0:
-                        s = _soft_cap(s, SOFTCAP)
-                    p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
+                    p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i, SOFTCAP)
                     p = _op(p, LOWP)
                     # V: only valid tokens are read, invalid ones dequantize to exactly 0.
                     vb = tl.load(vc_base + vro + offs_j[None, :], mask=_cols_mask(valid, offs_j, D4, D4P), other=0)

@@ -257,9 +257,12 @@ def _block_rows(n0, hi, offs_n, inb, BT_ROW, skb, skn, smkb, svb, svn, smvb, NG:
 
 
 @triton.jit
-def _softmax_step(s, valid, m_i, l_i):
-    """Online-softmax update in base 2 for a ``[M_PAD, BLOCK_N]`` logit tile. Fully masked rows keep
-    ``m = -inf`` and contribute nothing (``m_safe`` avoids ``-inf - -inf``)."""
+def _softmax_step(s, valid, m_i, l_i, SOFTCAP: tl.constexpr = 0.0):
+    """Online-softmax update in base 2 for a ``[M_PAD, BLOCK_N]`` logit tile, soft-capped first where ``SOFTCAP`` > 0
+    (:func:`_soft_cap`). Fully masked rows keep ``m = -inf`` and contribute nothing (``m_safe`` avoids ``-inf - -inf``);
+    returns ``(p, alpha, m_new, l_new)``."""
+    if SOFTCAP > 0:
+        s = _soft_cap(s, SOFTCAP)
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -299,10 +302,7 @@ def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, hw, part, w0, W, wi
                      mask=_cols_mask(valid, offs_d, D, DP), other=0.0)
         vw = tl.load(VW + bw.to(tl.int64) * svwb + hw * svwh + offs_n[:, None] * svwn + offs_d[None, :],
                      mask=_cols_mask(valid, offs_d, D, DP), other=0.0)
-        s = tl.dot(qw, tl.trans(_op(kw, LOWP)))
-        if SOFTCAP > 0:
-            s = _soft_cap(s, SOFTCAP)
-        p, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i)
+        p, alpha, m_i, l_i = _softmax_step(tl.dot(qw, tl.trans(_op(kw, LOWP))), valid, m_i, l_i, SOFTCAP)
         acc = tl.dot(_op(p, LOWP), _op(vw, LOWP), acc * alpha[:, None])
     tl.store(PACC + (part + offs_m[:, None]) * D + offs_d[None, :], acc, mask=_cols_mask(mrow, offs_d, D, DP))
     tl.store(PM + part + offs_m, m_i, mask=mrow)

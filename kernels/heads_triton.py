@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode_split_ops import _soft_cap
+from .decode_split_ops import _soft_cap, _softmax_step
 from .decode_triton import LOG2E
 from .kv import Window
 from .plan import (HEADS_DEFAULTS, HeadsDefaults, heads_plan, last_contiguous, next_pow2, pow2_at_least,
@@ -33,20 +33,6 @@ def _op(x, OP: tl.constexpr):
         return x.to(tl.float16)
     else:
         return x.to(tl.float32)
-
-
-@triton.jit
-def _online(logit, valid, m_i, l_i, SOFTCAP: tl.constexpr = 0.0):
-    """One block's softmax step: ``(p, alpha, m_new, l_new)``; masked entries and empty rows give 0, never NaN.
-    ``SOFTCAP`` > 0: the logits (log2 units) soft-capped first."""
-    if SOFTCAP > 0:
-        logit = _soft_cap(logit, SOFTCAP)
-    logit = tl.where(valid[None, :], logit, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(logit, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(logit - m_safe[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -200,7 +186,7 @@ def _window_part(qa, qb, m_i, l_i, acc_a, acc_b, WK, WV, WM, b, bw, h, swb, swh,
         logit = tl.dot(_op(qa, OP), tl.trans(_op(tl.load(kptr, mask=cmask, other=0.0), OP)))
         if NPL == 2:
             logit += tl.dot(_op(qb, OP), tl.trans(_op(tl.load(kptr + DC, mask=cmask, other=0.0), OP)))
-        pr, alpha, m_i, l_i = _online(logit * qk_scale, valid, m_i, l_i, SOFTCAP)
+        pr, alpha, m_i, l_i = _softmax_step(logit * qk_scale, valid, m_i, l_i, SOFTCAP)
         acc_a = acc_a * alpha[:, None] + tl.dot(_op(pr, OP), _op(tl.load(vptr, mask=cmask, other=0.0), OP))
         if NPL == 2:
             acc_b = acc_b * alpha[:, None] + tl.dot(_op(pr, OP),
