@@ -19,7 +19,7 @@ try:  # Transformers >= 5.2x: the layer of KV sharing's reuse layers (and MoE / 
 except ImportError:  # pragma: no cover - transformers 5.17
     DummyLayer = None
 
-from ..config import ModelFingerprint, OscarConfig, renamed_keywords
+from ..config import META_DTYPES, ModelFingerprint, OscarConfig, renamed_keywords
 from ..quant import QuantizedRows
 from ..rotations import OscarRotations
 from . import heads
@@ -29,7 +29,6 @@ FORMAT = "oscar_hf.cache"
 VERSION = 1
 STATE_NAME = "cache_state.json"  # the saved cache's JSON and tensors
 TENSORS_NAME = "cache_tensors.safetensors"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def weights_digest(model, per_tensor: int = 16) -> str:
@@ -102,27 +101,33 @@ def _bounded(value, name: str, where: str, limit: int | None, lo: int = 0) -> in
     return value
 
 
-def check_sizes(doc: dict, tensors: dict, config: OscarConfig, limit: int | None, path) -> None:
-    """Every size in the JSON bounded by the position limit and, for quantized layers, by the tensors in the file."""
+def check_sizes(doc: dict, tensors: dict, config: OscarConfig, limit: int | None, path) -> int:
+    """Every size in the JSON bounded by the position limit and, for quantized layers, by the tensors in the file;
+    returns the slots the saved cache holds (left padding included): what a fixed capacity must fit."""
     where = str(path / STATE_NAME)
     _bounded(config.recent, "config.recent", where, limit, lo=1)
     _bounded(config.sink, "config.sink", where, limit)
     if not isinstance(doc.get("layers"), list):
         raise ValueError(f"{where}: no list of layers")
+    need = 0
     for i, entry in enumerate(doc["layers"]):
         at = f"{where}, layer {i}"
         if not isinstance(entry, dict) or entry.get("kind") not in ("oscar", "dynamic", "sliding"):
             raise ValueError(f"{at}: not a saved layer ({str(entry)[:80]})")
         if entry.get("empty"):
             continue
+        keys = tensors.get(f"layers.{i}.keys")  # [B, H, T, D] of a full-precision layer
         if entry["kind"] == "sliding":
-            _bounded(entry.get("cumulative_length"), "cumulative_length", at, limit)
+            need = max(need, _bounded(entry.get("cumulative_length"), "cumulative_length", at, limit))
+        elif entry["kind"] == "dynamic" and keys is not None and keys.dim() == 4:
+            need = max(need, keys.shape[2])
         if entry["kind"] != "oscar":
             continue
         seq, ts, bs0 = (_bounded(entry.get(k), k, at, limit) for k in ("seq_len", "tail_start", "buf_slot0"))
+        need = max(need, seq)
         for k in ("batch_size", "num_kv_heads", "head_dim"):
             _bounded(entry.get(k), k, at, None, lo=1)
-        if entry.get("dtype") not in _DTYPES:
+        if entry.get("dtype") not in META_DTYPES:
             raise ValueError(f"{at}: unknown dtype {entry.get('dtype')!r}")
         p = f"layers.{i}."
         for key in ("pad", "tail_k", "hist_k_codes"):
@@ -137,6 +142,7 @@ def check_sizes(doc: dict, tensors: dict, config: OscarConfig, limit: int | None
         if hist.dim() != 4 or max(0, ts - config.sink) != hist.shape[2]:
             raise ValueError(f"{at}: tail_start={ts} says {max(0, ts - config.sink)} history rows, tensor "
                              f"{p}hist_k_codes has shape {tuple(hist.shape)}")
+    return need
 
 
 def save_cache(cache, directory: str | os.PathLike) -> None:
@@ -214,25 +220,9 @@ def _fp_names(kv: str, bits: int) -> list[str]:
     return [f"fp_{kv}"] if bits == 16 else [f"fp_{kv}_{name}" for name in heads.part_names(bits)]
 
 
-def _saved_length(doc: dict, tensors: dict) -> int:
-    """Slots the saved cache holds (left padding included): what a fixed capacity must fit."""
-    n = 0
-    for i, entry in enumerate(doc["layers"]):
-        if entry.get("empty"):
-            continue
-        if entry["kind"] == "oscar":
-            n = max(n, int(entry["seq_len"]))
-        elif entry["kind"] == "sliding":
-            n = max(n, int(entry["cumulative_length"]))
-        elif f"layers.{i}.keys" in tensors and tensors[f"layers.{i}.keys"].dim() == 4:
-            n = max(n, tensors[f"layers.{i}.keys"].shape[2])
-    return n
-
-
-def _fixed_capacity(doc: dict, tensors: dict, max_cache_len: int | None, limit: int | None = None) -> int:
-    """A StaticOscarCache's capacity for the saved state: ``max_cache_len``, else the saved one (at most ``limit``),
-    else the saved length plus headroom."""
-    need = _saved_length(doc, tensors)
+def _fixed_capacity(doc: dict, need: int, max_cache_len: int | None, limit: int | None) -> int:
+    """A StaticOscarCache's capacity for the saved state of ``need`` slots (:func:`check_sizes`): ``max_cache_len``,
+    else the saved one (at most ``limit``), else ``need`` plus headroom."""
     if max_cache_len is None:
         saved = doc.get("max_cache_len")  # absent in caches saved before it was recorded
         if saved is not None:
@@ -291,9 +281,9 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
     check_weights(doc, model, path)
     check_finite(tensors, path)
     limit = position_limit(model.config)
-    check_sizes(doc, tensors, config, limit, path)
+    need = check_sizes(doc, tensors, config, limit, path)
     rot = OscarRotations.from_pretrained(path / "rotations")
-    fixed = dict(max_cache_len=_fixed_capacity(doc, tensors, max_cache_len, limit)) if fixed_capacity else {}
+    fixed = dict(max_cache_len=_fixed_capacity(doc, need, max_cache_len, limit)) if fixed_capacity else {}
     cache = cls(model, rot, config, compile=compile, **fixed)
     if device is None:
         device = next(model.parameters()).device
@@ -307,7 +297,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
             if not isinstance(layer, OscarLayer):
                 raise ValueError(f"layer {i}: saved as quantized, but this cache does not quantize it")
             b, hk, d = entry["batch_size"], entry["num_kv_heads"], entry["head_dim"]
-            dtype = _DTYPES[entry["dtype"]]
+            dtype = META_DTYPES[entry["dtype"]]
             s0, g = config.sink, config.group_size
             seq, ts, bs0 = entry["seq_len"], entry["tail_start"], entry["buf_slot0"]
             if not 0 <= bs0 <= ts <= seq:
