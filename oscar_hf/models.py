@@ -31,14 +31,12 @@ def load_model(name_or_path: str = DEFAULT_MODEL, gguf_file: str | None = None,
                dtype: torch.dtype | str = torch.float32, device: str = "cpu", attn_implementation: str = "sdpa",
                **kwargs):
     """(model, tokenizer) from a hub id / local path, ``"smollm2"`` for the packaged default, or ``"gemma3-270m"``
-    for the packaged Gemma-3-270M (:func:`load_gemma3`). GGUF weights are dequantized by Transformers (needs `gguf`)."""
+    for the packaged Gemma-3-270M (:func:`load_gemma3`). GGUF weights are dequantized by Transformers (needs `gguf`);
+    a ``dtype`` name (``"bfloat16"``) is read by Transformers' ``from_pretrained``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    if name_or_path == GEMMA3:
-        return load_gemma3(dtype=dtype, device=device, attn_implementation=attn_implementation)
-    if name_or_path == DEFAULT_MODEL:
-        return load_smollm2(dtype=dtype, device=device, attn_implementation=attn_implementation)
+    packaged = {GEMMA3: load_gemma3, DEFAULT_MODEL: load_smollm2}.get(name_or_path)
+    if packaged is not None:
+        return packaged(dtype=dtype, device=device, attn_implementation=attn_implementation)
     if gguf_file is not None and importlib.util.find_spec("gguf") is None:
         raise ImportError("loading GGUF weights needs `pip install gguf`")
     kw = dict(gguf_file=gguf_file) if gguf_file else {}
@@ -190,8 +188,6 @@ def _atomic_save(obj, target: Path) -> None:
 def _load_converted(gguf: Path, cache: Path, what: str, make_tokenizer, dtype, device: str, attn_implementation: str):
     """(model, tokenizer) from ``cache``, first saving there the GGUF in float32 and ``make_tokenizer()``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
     if not (cache / "tokenizer" / "tokenizer.json").is_file():
         _atomic_save(make_tokenizer(), cache / "tokenizer")
     if not (cache / "model" / "config.json").is_file():
