@@ -41,7 +41,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 RENAMED_FIELDS = {"full_precision_heads": "retrieval_heads", "full_precision_bits": "retrieval_bits"}
 
 
-def renamed_keywords(kw: dict, where: str, warn: bool = True, stacklevel: int = 3) -> dict:
+def renamed_keywords(kw: dict, where: str, warn: bool = True) -> dict:
     """``kw`` with old field names renamed (a FutureWarning each when ``warn``); a TypeError when both are given."""
     if not any(old in kw for old in RENAMED_FIELDS):
         return kw
@@ -52,7 +52,7 @@ def renamed_keywords(kw: dict, where: str, warn: bool = True, stacklevel: int = 
                 raise TypeError(f"{where}: pass {new}= only ({old}= is its old name), not both")
             if warn:
                 warnings.warn(f"{where}: {old}= is now {new}= (the retrieval heads); the old name will be removed",
-                              FutureWarning, stacklevel=stacklevel)
+                              FutureWarning, stacklevel=3)  # (the line calling the OscarConfig method)
             kw[new] = kw.pop(old)
     return kw
 
