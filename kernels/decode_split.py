@@ -55,190 +55,178 @@ def _split_kernel(
     m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((M_PAD,), tl.float32)
     part = (pid_bh.to(tl.int64) * S_TOT + pid_s) * M  # first partial row of this program
-    if WIN_ONLY:  # the window programs of the Gluon path: this launch compiles without the history branch
-        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _mapped(b, WSLOT, PAGED), h,
-                      _mapped(h, WHEAD, HAS_WHEAD), part,
-                      (pid_s - S) * win_split, W, win_split, qk_scale,
-                      sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
-                      M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
-    else:
-        if pid_s < S:
-            # ---------------- INT2 history split ----------------
-            # q planes, pre-scaled so that logits come out in log2 units.
-            q_ptr = Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_j[None, :]
-            q0 = _op(tl.load(q_ptr + 0 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
-            q1 = _op(tl.load(q_ptr + 1 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
-            q2 = _op(tl.load(q_ptr + 2 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
-            q3 = _op(tl.load(q_ptr + 3 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
-            if HAS_OFF:
-                off = tl.load(QKOFF + b.to(tl.int64) * sob + h * soh + offs_m * som, mask=mrow, other=0.0) * qk_scale
-            else:
-                off = tl.zeros((M_PAD,), tl.float32)
-            acc0 = tl.zeros((M_PAD, D4P), tl.float32)
-            acc1 = tl.zeros((M_PAD, D4P), tl.float32)
-            acc2 = tl.zeros((M_PAD, D4P), tl.float32)
-            acc3 = tl.zeros((M_PAD, D4P), tl.float32)
-            start = tl.load(START + b).to(tl.int32)
-            if N_DEV:
-                # static cache (CUDA graphs): N is the capacity, the length read on the device
-                n_tot = tl.minimum(tl.load(NPTR).to(tl.int32), N)
-                slen = tl.cdiv(tl.cdiv(tl.maximum(n_tot, 1), S), BLOCK_N) * BLOCK_N
-            else:
-                n_tot = N
-                slen = split_len
-            if PAGED:  # per-row history length; the grid is sized for the longest row (N)
-                n_tot = tl.minimum(tl.load(HLEN + b).to(tl.int32), N)
-            hi = tl.minimum(pid_s * slen + slen, n_tot)
-            lo = tl.maximum(pid_s * slen, (start // BLOCK_N) * BLOCK_N)  # skip all-padding blocks
-            if PAGED:  # the KV head's bases: the pages' offsets come from the row's block table (_block_rows)
-                bt_row = BT + b.to(tl.int64) * sbt
-                kc_base = KC + h * skh
-                ks_base = KS + h * smkh
-                kz_base = KZ + h * smkh
-                vc_base = VC + h * svh
-                vs_base = VS + h * smvh
-                vz_base = VZ + h * smvh
-            else:
-                bt_row = BT
-                kc_base = KC + b.to(tl.int64) * skb + h * skh
-                ks_base = KS + b.to(tl.int64) * smkb + h * smkh
-                kz_base = KZ + b.to(tl.int64) * smkb + h * smkh
-                vc_base = VC + b.to(tl.int64) * svb + h * svh
-                vs_base = VS + b.to(tl.int64) * smvb + h * smvh
-                vz_base = VZ + b.to(tl.int64) * smvb + h * smvh
-            if DEFERRED:
-                # The K operands: the query planes as the B operands [D4, M_PAD] of the transposed logits.
-                PPG: tl.constexpr = G // D4  # planes per group
-                OFFS = 1.0 + 1023.0 * LOWP  # the code offset of _u_plane (1024 on the GPU)
-                qf0 = tl.load(q_ptr + 0 * D4, mask=qmask, other=0.0) * qk_scale
-                qf1 = tl.load(q_ptr + 1 * D4, mask=qmask, other=0.0) * qk_scale
-                qf2 = tl.load(q_ptr + 2 * D4, mask=qmask, other=0.0) * qk_scale
-                qf3 = tl.load(q_ptr + 3 * D4, mask=qmask, other=0.0) * qk_scale
-                # B operands [D4, M_PAD]: q_P / 4^P (exact power-of-two scaling before the fp16 rounding)
-                qts = (_op(tl.trans(qf0), LOWP, True), _op(tl.trans(qf1 * 0.25), LOWP, True),
-                       _op(tl.trans(qf2 * 0.0625), LOWP, True), _op(tl.trans(qf3 * 0.015625), LOWP, True))
-                cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
-                       OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
-                qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))
-                # Deferred softmax (docs/kernels.md §3.3): every block exponentiated against one fixed reference phi[m],
-                # the max of the first block's valid logits (0 for rows without any); l, sum p z and the max kept as
-                # [BLOCK_N, M_PAD] tiles, reduced after the loop; rerun once with the true max past DF_LIM (log2 units)
-                offs_n, inb, valid = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-                kro0, kmo0, vro0, vmo0 = _block_rows(lo, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn, smvb,
-                                                     NG, PAGE, BLOCK_N, PAGED)
-                kb = tl.load(kc_base + kro0 + offs_j[None, :], mask=_cols_mask(inb, offs_j, D4, D4P), other=0)
-                st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, kmo0, inb, off,
-                                PPG, BLOCK_N, M_PAD, LOWP)
-                if SOFTCAP > 0:
-                    st = _soft_cap(st, SOFTCAP)
-                phi = tl.max(tl.where(valid[:, None], st, float("-inf")), 0)
-                phi = tl.where(phi == float("-inf"), 0.0, phi)
-                # the tiles carried out of the rerun loop must exist before it (they are reset per pass)
+    # WIN_ONLY: the window programs of the Gluon path, a launch compiled without the history branch
+    hist = False if WIN_ONLY else pid_s < S
+    if hist:
+        # ---------------- INT2 history split ----------------
+        # q planes, pre-scaled so that logits come out in log2 units.
+        q_ptr = Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_j[None, :]
+        q0 = _op(tl.load(q_ptr + 0 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
+        q1 = _op(tl.load(q_ptr + 1 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
+        q2 = _op(tl.load(q_ptr + 2 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
+        q3 = _op(tl.load(q_ptr + 3 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
+        if HAS_OFF:
+            off = tl.load(QKOFF + b.to(tl.int64) * sob + h * soh + offs_m * som, mask=mrow, other=0.0) * qk_scale
+        else:
+            off = tl.zeros((M_PAD,), tl.float32)
+        acc0 = tl.zeros((M_PAD, D4P), tl.float32)
+        acc1 = tl.zeros((M_PAD, D4P), tl.float32)
+        acc2 = tl.zeros((M_PAD, D4P), tl.float32)
+        acc3 = tl.zeros((M_PAD, D4P), tl.float32)
+        start = tl.load(START + b).to(tl.int32)
+        if N_DEV:
+            # static cache (CUDA graphs): N is the capacity, the length read on the device
+            n_tot = tl.minimum(tl.load(NPTR).to(tl.int32), N)
+            slen = tl.cdiv(tl.cdiv(tl.maximum(n_tot, 1), S), BLOCK_N) * BLOCK_N
+        else:
+            n_tot = N
+            slen = split_len
+        if PAGED:  # per-row history length; the grid is sized for the longest row (N)
+            n_tot = tl.minimum(tl.load(HLEN + b).to(tl.int32), N)
+        hi = tl.minimum(pid_s * slen + slen, n_tot)
+        lo = tl.maximum(pid_s * slen, (start // BLOCK_N) * BLOCK_N)  # skip all-padding blocks
+        # the (row, KV head)'s bases; paged: the row's block table gives the pages' offsets (_block_rows)
+        rb = 0 if PAGED else b.to(tl.int64)
+        bt_row = BT + b.to(tl.int64) * sbt if PAGED else BT
+        kc_base = KC + rb * skb + h * skh
+        ks_base = KS + rb * smkb + h * smkh
+        kz_base = KZ + rb * smkb + h * smkh
+        vc_base = VC + rb * svb + h * svh
+        vs_base = VS + rb * smvb + h * smvh
+        vz_base = VZ + rb * smvb + h * smvh
+        if DEFERRED:
+            # The K operands: the query planes as the B operands [D4, M_PAD] of the transposed logits.
+            PPG: tl.constexpr = G // D4  # planes per group
+            OFFS = 1.0 + 1023.0 * LOWP  # the code offset of _u_plane (1024 on the GPU)
+            qf0 = tl.load(q_ptr + 0 * D4, mask=qmask, other=0.0) * qk_scale
+            qf1 = tl.load(q_ptr + 1 * D4, mask=qmask, other=0.0) * qk_scale
+            qf2 = tl.load(q_ptr + 2 * D4, mask=qmask, other=0.0) * qk_scale
+            qf3 = tl.load(q_ptr + 3 * D4, mask=qmask, other=0.0) * qk_scale
+            # B operands [D4, M_PAD]: q_P / 4^P (exact power-of-two scaling before the fp16 rounding)
+            qts = (_op(tl.trans(qf0), LOWP, True), _op(tl.trans(qf1 * 0.25), LOWP, True),
+                   _op(tl.trans(qf2 * 0.0625), LOWP, True), _op(tl.trans(qf3 * 0.015625), LOWP, True))
+            cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
+                   OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
+            qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))
+            # Deferred softmax (docs/kernels.md §3.3): every block exponentiated against one fixed reference phi[m],
+            # the max of the first block's valid logits (0 for rows without any); l, sum p z and the max kept as
+            # [BLOCK_N, M_PAD] tiles, reduced after the loop; rerun once with the true max past DF_LIM (log2 units)
+            offs_n, inb, valid = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+            kro0, kmo0, vro0, vmo0 = _block_rows(lo, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn, smvb,
+                                                 NG, PAGE, BLOCK_N, PAGED)
+            kb = tl.load(kc_base + kro0 + offs_j[None, :], mask=_cols_mask(inb, offs_j, D4, D4P), other=0)
+            st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, kmo0, inb, off,
+                            PPG, BLOCK_N, M_PAD, LOWP)
+            if SOFTCAP > 0:
+                st = _soft_cap(st, SOFTCAP)
+            phi = tl.max(tl.where(valid[:, None], st, float("-inf")), 0)
+            phi = tl.where(phi == float("-inf"), 0.0, phi)
+            # the tiles carried out of the rerun loop must exist before it (they are reset per pass)
+            lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+            mt = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
+            zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # sum p z per group: tile of the group's first plane
+            zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+            zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+            zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+            run = 1
+            while run > 0:
                 lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
                 mt = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
-                zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # sum p z per group: tile of the group's first plane
+                zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
                 zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
                 zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
                 zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                run = 1
-                while run > 0:
-                    lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                    mt = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
-                    zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                    zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                    zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                    zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                    acc0 = tl.zeros((M_PAD, D4P), tl.float32)
-                    acc1 = tl.zeros((M_PAD, D4P), tl.float32)
-                    acc2 = tl.zeros((M_PAD, D4P), tl.float32)
-                    acc3 = tl.zeros((M_PAD, D4P), tl.float32)
-                    off_phi = off - phi
-                    # metadata of the first block, loaded before the loop (see below)
-                    offs_a, inb_a, valid_a = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-                    kro_p, kmo_p, vro_p, vmo_p = _block_rows(lo, hi, offs_a, inb_a, bt_row, skb, skn, smkb, svb, svn,
-                                                             smvb, NG, PAGE, BLOCK_N, PAGED)
-                    md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, kmo_p, vmo_p, inb_a, valid_a, NG, PAIR)
-                    for n0 in range(lo, hi, BLOCK_N):
-                        # the synchronous scale / zero loads stalled the loop: the next block's issued one iteration
-                        # ahead (code loads with loop-carried addresses are not software-pipelined, Triton 3.6)
-                        ksp, kzp, vsp, vzp = md_a
-                        offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-                        offs_a, inb_a, valid_a = _token_block(n0 + BLOCK_N, hi, start, KMASK, b, h, smb, smh, smn,
-                                                              BLOCK_N, HAS_MASK)
-                        kro_n, kmo_n, vro_n, vmo_n = _block_rows(n0 + BLOCK_N, hi, offs_a, inb_a, bt_row, skb, skn,
-                                                                 smkb, svb, svn, smvb, NG, PAGE, BLOCK_N, PAGED)
-                        md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, kmo_n, vmo_n, inb_a, valid_a, NG, PAIR)
-                        kro, meta, vro, vmeta = _block_rows(n0, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn,
-                                                            smvb, NG, PAGE, BLOCK_N, PAGED)
-                        kb = tl.load(kc_base + kro + offs_j[None, :], mask=_cols_mask(inb, offs_j, D4, D4P), other=0)
-                        if SOFTCAP > 0:  # the cap takes the whole logit (q·mu_K included), then the reference goes
-                            st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG, BLOCK_N, M_PAD,
-                                            LOWP, 1, ksp, kzp, ASM and LOWP)
-                            st = _soft_cap(st, SOFTCAP) - phi[None, :]
-                        else:
-                            # logits relative to the reference (off_phi = off - phi: once per row, not per logit)
-                            st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off_phi, PPG, BLOCK_N,
-                                            M_PAD, LOWP, 1, ksp, kzp, ASM and LOWP)
-                        st = tl.where(valid[:, None], st, float("-inf"))
-                        mt = tl.maximum(mt, st)
-                        p = tl.exp2(st)
-                        lt += p
-                        vb = tl.load(vc_base + vro + offs_j[None, :], mask=_cols_mask(valid, offs_j, D4, D4P), other=0)
-                        acc0, zt0 = _df_v_plane(p, vb, 0, acc0, zt0, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
-                        acc1, zt1 = _df_v_plane(p, vb, 1, acc1, zt1, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
-                        acc2, zt2 = _df_v_plane(p, vb, 2, acc2, zt2, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
-                        acc3, zt3 = _df_v_plane(p, vb, 3, acc3, zt3, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
-                    m_i = tl.max(mt, 0) + phi  # (-inf stays -inf)
-                    over = tl.where(m_i == float("-inf"), 0.0, m_i - phi)
-                    run = 0
-                    if tl.max(tl.where(mrow, tl.abs(over), 0.0), 0) > DF_LIM:
-                        phi = tl.where(m_i == float("-inf"), phi, m_i)
-                        run = 1
-                # rescale from phi to the true max (rows without valid tokens: l = 0, m = -inf)
-                m_safe = tl.where(m_i == float("-inf"), phi, m_i)
-                alpha = tl.exp2(phi - m_safe)
-                l_i = tl.sum(lt, 0) * alpha
-                zs = (tl.sum(zt0, 0), tl.sum(zt1, 0), tl.sum(zt2, 0), tl.sum(zt3, 0))
-                acc0 = (acc0 * 0.5 + zs[0][:, None]) * alpha[:, None]  # / KP of _v_code_operand: 2, 8, 32, 32
-                acc1 = (acc1 * 0.125 + zs[1 - 1 % PPG][:, None]) * alpha[:, None]
-                acc2 = (acc2 * 0.03125 + zs[2 - 2 % PPG][:, None]) * alpha[:, None]
-                acc3 = (acc3 * 0.03125 + zs[3 - 3 % PPG][:, None]) * alpha[:, None]
-            else:
+                acc0 = tl.zeros((M_PAD, D4P), tl.float32)
+                acc1 = tl.zeros((M_PAD, D4P), tl.float32)
+                acc2 = tl.zeros((M_PAD, D4P), tl.float32)
+                acc3 = tl.zeros((M_PAD, D4P), tl.float32)
+                off_phi = off - phi
+                # metadata of the first block, loaded before the loop (see below)
+                offs_a, inb_a, valid_a = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                kro_p, kmo_p, vro_p, vmo_p = _block_rows(lo, hi, offs_a, inb_a, bt_row, skb, skn, smkb, svb, svn,
+                                                         smvb, NG, PAGE, BLOCK_N, PAGED)
+                md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, kmo_p, vmo_p, inb_a, valid_a, NG, PAIR)
                 for n0 in range(lo, hi, BLOCK_N):
+                    # the synchronous scale / zero loads stalled the loop: the next block's issued one iteration
+                    # ahead (code loads with loop-carried addresses are not software-pipelined, Triton 3.6)
+                    ksp, kzp, vsp, vzp = md_a
                     offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
-                    kro, kmo, vro, vmo = _block_rows(n0, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn, smvb, NG,
-                                                     PAGE, BLOCK_N, PAGED)
-                    # K: unpack + dequantize 4 planes, logits = sum_p q_p k_p^T (one accumulator).
+                    offs_a, inb_a, valid_a = _token_block(n0 + BLOCK_N, hi, start, KMASK, b, h, smb, smh, smn,
+                                                          BLOCK_N, HAS_MASK)
+                    kro_n, kmo_n, vro_n, vmo_n = _block_rows(n0 + BLOCK_N, hi, offs_a, inb_a, bt_row, skb, skn,
+                                                             smkb, svb, svn, smvb, NG, PAGE, BLOCK_N, PAGED)
+                    md_a = _df_meta(ks_base, kz_base, vs_base, vz_base, kmo_n, vmo_n, inb_a, valid_a, NG, PAIR)
+                    kro, meta, vro, vmeta = _block_rows(n0, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn,
+                                                        smvb, NG, PAGE, BLOCK_N, PAGED)
                     kb = tl.load(kc_base + kro + offs_j[None, :], mask=_cols_mask(inb, offs_j, D4, D4P), other=0)
-                    ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, kmo, inb, NG, PAGED, G % D4 == 0)
-                    s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)))
-                    s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
-                    s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
-                    s = tl.dot(q3, tl.trans(_int2_plane(kb, 3, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
-                    p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i, SOFTCAP)
-                    p = _op(p, LOWP)
-                    # V: only valid tokens are read, invalid ones dequantize to exactly 0.
+                    if SOFTCAP > 0:  # the cap takes the whole logit (q·mu_K included), then the reference goes
+                        st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off, PPG, BLOCK_N, M_PAD,
+                                        LOWP, 1, ksp, kzp, ASM and LOWP)
+                        st = _soft_cap(st, SOFTCAP) - phi[None, :]
+                    else:
+                        # logits relative to the reference (off_phi = off - phi: once per row, not per logit)
+                        st = _rd_logits(kb, qts, cps, qss, ks_base, kz_base, meta, inb, off_phi, PPG, BLOCK_N,
+                                        M_PAD, LOWP, 1, ksp, kzp, ASM and LOWP)
+                    st = tl.where(valid[:, None], st, float("-inf"))
+                    mt = tl.maximum(mt, st)
+                    p = tl.exp2(st)
+                    lt += p
                     vb = tl.load(vc_base + vro + offs_j[None, :], mask=_cols_mask(valid, offs_j, D4, D4P), other=0)
-                    vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, vmo, valid, NG, PAGED,
-                                                             G % D4 == 0)
-                    acc0 = tl.dot(p, _int2_plane(vb, 0, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc0 * alpha[:, None])
-                    acc1 = tl.dot(p, _int2_plane(vb, 1, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc1 * alpha[:, None])
-                    acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc2 * alpha[:, None])
-                    acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc3 * alpha[:, None])
-            a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
-            tl.store(a_ptr + 0 * D4, acc0, mask=qmask)
-            tl.store(a_ptr + 1 * D4, acc1, mask=qmask)
-            tl.store(a_ptr + 2 * D4, acc2, mask=qmask)
-            tl.store(a_ptr + 3 * D4, acc3, mask=qmask)
-            tl.store(PM + part + offs_m, m_i, mask=mrow)
-            tl.store(PL + part + offs_m, l_i, mask=mrow)
+                    acc0, zt0 = _df_v_plane(p, vb, 0, acc0, zt0, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
+                    acc1, zt1 = _df_v_plane(p, vb, 1, acc1, zt1, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
+                    acc2, zt2 = _df_v_plane(p, vb, 2, acc2, zt2, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
+                    acc3, zt3 = _df_v_plane(p, vb, 3, acc3, zt3, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
+                m_i = tl.max(mt, 0) + phi  # (-inf stays -inf)
+                over = tl.where(m_i == float("-inf"), 0.0, m_i - phi)
+                run = 0
+                if tl.max(tl.where(mrow, tl.abs(over), 0.0), 0) > DF_LIM:
+                    phi = tl.where(m_i == float("-inf"), phi, m_i)
+                    run = 1
+            # rescale from phi to the true max (rows without valid tokens: l = 0, m = -inf)
+            m_safe = tl.where(m_i == float("-inf"), phi, m_i)
+            alpha = tl.exp2(phi - m_safe)
+            l_i = tl.sum(lt, 0) * alpha
+            zs = (tl.sum(zt0, 0), tl.sum(zt1, 0), tl.sum(zt2, 0), tl.sum(zt3, 0))
+            acc0 = (acc0 * 0.5 + zs[0][:, None]) * alpha[:, None]  # / KP of _v_code_operand: 2, 8, 32, 32
+            acc1 = (acc1 * 0.125 + zs[1 - 1 % PPG][:, None]) * alpha[:, None]
+            acc2 = (acc2 * 0.03125 + zs[2 - 2 % PPG][:, None]) * alpha[:, None]
+            acc3 = (acc3 * 0.03125 + zs[3 - 3 % PPG][:, None]) * alpha[:, None]
         else:
-            if HAS_WIN:
-                _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _mapped(b, WSLOT, PAGED), h,
-                      _mapped(h, WHEAD, HAS_WHEAD), part,
-                              (pid_s - S) * win_split, W, win_split, qk_scale,
-                              sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
-                              M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
+            for n0 in range(lo, hi, BLOCK_N):
+                offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
+                kro, kmo, vro, vmo = _block_rows(n0, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn, smvb, NG,
+                                                 PAGE, BLOCK_N, PAGED)
+                # K: unpack + dequantize 4 planes, logits = sum_p q_p k_p^T (one accumulator).
+                kb = tl.load(kc_base + kro + offs_j[None, :], mask=_cols_mask(inb, offs_j, D4, D4P), other=0)
+                ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, kmo, inb, NG, PAGED, G % D4 == 0)
+                s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)))
+                s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
+                s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
+                s = tl.dot(q3, tl.trans(_int2_plane(kb, 3, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
+                p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i, SOFTCAP)
+                p = _op(p, LOWP)
+                # V: only valid tokens are read, invalid ones dequantize to exactly 0.
+                vb = tl.load(vc_base + vro + offs_j[None, :], mask=_cols_mask(valid, offs_j, D4, D4P), other=0)
+                vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, vmo, valid, NG, PAGED,
+                                                         G % D4 == 0)
+                acc0 = tl.dot(p, _int2_plane(vb, 0, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc0 * alpha[:, None])
+                acc1 = tl.dot(p, _int2_plane(vb, 1, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc1 * alpha[:, None])
+                acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc2 * alpha[:, None])
+                acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc3 * alpha[:, None])
+        a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
+        tl.store(a_ptr + 0 * D4, acc0, mask=qmask)
+        tl.store(a_ptr + 1 * D4, acc1, mask=qmask)
+        tl.store(a_ptr + 2 * D4, acc2, mask=qmask)
+        tl.store(a_ptr + 3 * D4, acc3, mask=qmask)
+        tl.store(PM + part + offs_m, m_i, mask=mrow)
+        tl.store(PL + part + offs_m, l_i, mask=mrow)
+    elif HAS_WIN:
+        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _mapped(b, WSLOT, PAGED), h, _mapped(h, WHEAD, HAS_WHEAD),
+                      part, (pid_s - S) * win_split, W, win_split, qk_scale,
+                      sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
+                      M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
+
+
 @triton.jit
 def _prologue_kernel(
     Q, RK, MU, QR, QO,  # rotation: q [B, Hk, M, D] (also the window's query), R_K, mu_K -> q_rot, q . mu_K
