@@ -102,6 +102,28 @@ class HostLength:
     def _rebatched(self) -> None:
         """After :meth:`_batch_apply`: what follows the buffers."""
 
+    def reset(self) -> None:
+        """Every per-row buffer and the length zeroed in place (their addresses kept: CUDA graphs), ``T = 0``."""
+        if self.is_initialized:
+            for t in (self.length, *(getattr(self, name) for name, _ in self._BATCH_DIMS)):
+                if t is not None:
+                    t.zero_()
+        self.host_len, self.announced = 0, False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens: the slots above the new length are hidden by the mask and
+        overwritten by the next writes (what else follows them: :meth:`_cropped`)."""
+        if tokens_to_remove > 0:
+            raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
+        if tokens_to_remove and self.is_initialized:
+            t_new = max(0, self.host_len + tokens_to_remove)
+            self._cropped(t_new)
+            self.host_len = t_new
+            self.length.fill_(t_new)
+
+    def _cropped(self, t_new: int) -> None:
+        """Before :meth:`crop` moves the length from ``host_len`` back to ``t_new``: what follows the slots."""
+
     def get_seq_length(self):
         return self.length if is_compiling() else self.host_len  # inside the compiled step: no guard on a changing int
 
@@ -220,9 +242,8 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         """The decode op's arguments that change only with the buffers, rebuilt whenever one is replaced."""
         cfg, prm = self.config, self.params
         self.step_storage = step_storage(self.win, self.codes, self.meta, prm.r, prm.clip_k, prm.clip_v)
-        self.step_heads = NO_HEADS
-        if self.retrieval_heads:
-            self.step_heads = step_heads(self.heads_index, self.coded_x, self.coded_meta)
+        self.step_heads = (step_heads(self.heads_index, self.coded_x, self.coded_meta) if self.retrieval_heads
+                           else NO_HEADS)
         self.step.config = step_config(cfg.group_size, cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels,
                                        cfg.quantizer, cfg.retrieval_bits, cfg.block_size)
 
@@ -254,11 +275,8 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         return self.host_len + query_length, 0
 
     def reset(self) -> None:
-        if self.is_initialized:
-            for t in (self.win, self.pad, self.length, self.codes, self.meta, self.coded_x, self.coded_meta):
-                if t is not None:
-                    t.zero_()
-        self.mu_k_seq, self.pad_known, self.host_len, self.announced, self.pending = None, False, 0, False, False
+        self.mu_k_seq, self.pad_known, self.pending = None, False, False  # (mu_k_seq dropped, not zeroed)
+        super().reset()
 
     def attend(self, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
         """``query [B, Hq, L, D]`` -> ``[B, L, Hq, D]``. A decode step writes, then reads, device ops only;
@@ -375,20 +393,6 @@ class GrowingLayer(HostLength, BatchOps, CacheLayerMixin):
         if is_compiling():
             return self.capacity, 0
         return (self.capacity_after(1) if query_length == 1 else self.host_len + query_length), 0
-
-    def reset(self) -> None:
-        if self.is_initialized:
-            for t in (self.keys, self.values, self.length):
-                t.zero_()
-        self.host_len, self.announced = 0, False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Exact: the slots above the new length are hidden by the mask and overwritten by the next writes."""
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative number of tokens to remove (transformers 5.x)")
-        self.host_len = max(0, self.host_len + tokens_to_remove)
-        if self.is_initialized:
-            self.length.fill_(self.host_len)
 
     def used(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` of the slots written, ``[B, H, T, D]`` views."""

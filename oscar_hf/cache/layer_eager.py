@@ -126,22 +126,14 @@ class EagerOps:
                self.mu_k_seq)
         self.length.fill_(t_new)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens: exact up to ``RING_RESERVE``; beyond it the window slots
-        that left the ring are refilled from the history."""
-        if tokens_to_remove > 0:
-            raise ValueError("OscarCache.crop takes a negative number of tokens to remove (transformers 5.x)")
-        if tokens_to_remove == 0 or not self.is_initialized:
-            return
-        t_old, t_new = self.host_len, max(0, self.host_len + tokens_to_remove)
-        lost = range(max(t_new - self.config.recent - 1, self.config.sink), min(t_old - self.ring, t_new))
+    def _cropped(self, t_new: int) -> None:
+        """Before ``crop`` (``HostLength.crop``) moves the length back to ``t_new``: exact up to ``RING_RESERVE``
+        tokens; beyond it the window slots that left the ring are refilled from the history."""
+        lost = range(max(t_new - self.config.recent - 1, self.config.sink), min(self.host_len - self.ring, t_new))
         if len(lost):  # window slots no longer in the ring: back from the history
             self._refill_ring(lost.start, lost.stop)
-        self.host_len = t_new
-        self.length.fill_(t_new)
         if t_new == 0:
-            self.pad_known = False
-            self.mu_k_seq = None
+            self.pad_known, self.mu_k_seq = False, None
 
     def _refill_ring(self, a: int, b: int) -> None:
         """Window slots ``[a, b)`` (``>= S0``) back into their ring entries, dequantized from the history."""
