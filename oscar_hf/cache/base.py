@@ -108,14 +108,15 @@ class QuantizedLayerBase(BatchOps, CacheLayerMixin):
         return None
 
 
-def allowed_slots(mask: torch.Tensor | None, b: int, l: int, kv: int, t_old: int) -> torch.Tensor | None:
-    """Normalize any Transformers mask to bool ``[B, L, kv]`` (True = may attend) or None (all, causal)."""
-    if mask is None:
-        return None
+def allowed_slots(mask: torch.Tensor | None, b: int, l: int, t_old: int, device) -> torch.Tensor:
+    """Any Transformers mask (None: every slot) as bool ``[B, L, T + L]`` (True = may attend), causal."""
+    kv = t_old + l
+    if mask is None:  # [1, kv], made causal below
+        mask = torch.ones(1, kv, dtype=torch.bool, device=device)
     if mask.dim() == 2:  # flash-style padding mask [B, kv]: add causality for the new rows
         pos = torch.arange(kv, device=mask.device)
         causal = pos[None, :] <= (t_old + torch.arange(l, device=mask.device))[:, None]
-        return mask.bool()[:, None, :kv] & causal[None]
+        return (mask.bool()[:, None, :kv] & causal[None]).expand(b, l, kv)
     if mask.dim() != 4:
         raise ValueError(f"unsupported attention mask shape {tuple(mask.shape)}")
     m = mask[:, 0, -l:, :kv]
@@ -124,10 +125,8 @@ def allowed_slots(mask: torch.Tensor | None, b: int, l: int, kv: int, t_old: int
     return m.expand(b, l, kv)
 
 
-def first_real_slot(allowed: torch.Tensor | None, b: int, device) -> torch.Tensor:
-    """Row ``b``'s first attended slot, read from the last query row (left padding)."""
-    if allowed is None:
-        return torch.zeros(b, dtype=torch.long, device=device)
+def first_real_slot(allowed: torch.Tensor) -> torch.Tensor:
+    """``[B]``: each row's first attended slot in the last query row of ``allowed [B, L, kv]`` (left padding)."""
     last = allowed[:, -1, :]
     first = last.to(torch.int8).argmax(-1)
     return torch.where(last.any(-1), first, torch.full_like(first, last.shape[-1]))

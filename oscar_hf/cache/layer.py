@@ -288,8 +288,7 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
             self.pending = False
             t_old = self.host_len - l
             if not self.pad_known:  # first forward of this cache: left padding from the mask
-                allowed = allowed_slots(attention_mask, b, l, t_old + l, t_old)
-                self.pad.copy_(first_real_slot(allowed, b, query.device))
+                self.pad.copy_(first_real_slot(allowed_slots(attention_mask, b, l, t_old, query.device)))
                 self.pad_known = True
         # eager: while nothing is quantized (the model's own attention), or under a mask that hides more than left
         # padding, a decode step reads as a multi-token forward does

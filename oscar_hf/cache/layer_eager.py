@@ -59,9 +59,7 @@ class EagerOps:
             return out
         # On a non-empty cache: the history up to T - W (the pending demotion first), the window and the new rows
         self._demote_pending(t_old)
-        allowed = allowed_slots(attention_mask, b, l, kv, t_old)
-        if allowed is None:  # causal among the new rows
-            allowed = (torch.arange(kv, device=dev)[None, :] <= (t_old + torch.arange(l, device=dev))[:, None])[None].expand(b, l, kv)
+        allowed = allowed_slots(attention_mask, b, l, t_old, dev)  # [B, L, kv]
         t = torch.tensor(t_old, device=dev)
         slots = torch.cat([self.pad[:, None] + torch.arange(s0, device=dev)[None, :],  # sink j
                            ring_slots(t, self.ring).clamp(min=0).expand(b, -1)], 1)  # ring entries
@@ -166,7 +164,7 @@ class EagerOps:
         memo = _LEFT_PAD_MEMO[0]
         if memo is not None and memo[0] is attention_mask and memo[1] == t_old:
             return memo[2]
-        allowed = allowed_slots(attention_mask, self.batch_size, 1, t_old + 1, t_old)[:, 0]  # [B, T + 1]
+        allowed = allowed_slots(attention_mask, self.batch_size, 1, t_old, attention_mask.device)[:, 0]  # [B, T + 1]
         ok = torch.equal(allowed, torch.arange(t_old + 1, device=allowed.device)[None, :] >= self.pad[:, None])
         _LEFT_PAD_MEMO[0] = (attention_mask, t_old, ok)
         return ok
