@@ -154,8 +154,7 @@ class OscarCache(Cache):
         super().__init__(layers=layers)
         quantized = [x for x in layers if isinstance(x, OscarLayer)]
         if quantized:  # one decode forward's window mask and history length, computed by its first OSCAR layer
-            step = StepShared()
-            step.last_layer = max(x.layer_idx for x in quantized)
+            step = StepShared(last_layer=max(x.layer_idx for x in quantized))
             for x in quantized:
                 x.step = step
         # a compiled full-precision layer returns all C slots: every full-attention layer's mask is then its (C, 0)

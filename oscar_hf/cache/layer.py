@@ -141,8 +141,8 @@ class StepShared:
     mask ``[B, 1, 1, S0 + R]``, the history length (0-d). The last layer clears it, so that every trace starts from
     the same state and dynamo's guards hold."""
 
-    def __init__(self):
-        self.last_layer = None  # index of the last layer that shares it (None: every layer clears it)
+    def __init__(self, last_layer: int | None = None):
+        self.last_layer = last_layer  # index of the last layer that shares it (None: every layer clears it)
         self.lengths = {}  # device -> (its layers' length tensor, the layer that advances it)
         self.config = None  # the decode op's StepConfig (the same for every layer)
         self.clear()
@@ -266,11 +266,9 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
     def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
         # A compiled decode step reads no mask: one slot keeps the step's inputs of fixed shape. A fixed capacity keeps
         # StaticCache's full-size mask (a skipped layer may read it); eager, DynamicLayer's
-        if not self.compiled:
-            return self.host_len + query_length, 0
-        if self.fixed_capacity:
+        if self.compiled and self.fixed_capacity:
             return self.fixed_capacity, 0
-        if query_length == 1:
+        if self.compiled and query_length == 1:
             return 1, (0 if is_compiling() else self.host_len)
         return self.host_len + query_length, 0
 
