@@ -9,6 +9,7 @@ import warnings
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from ..attention import OscarKV
 from ..config import OscarConfig
 from ..rotations import LayerRotation
 from .params import LayerParams
@@ -27,28 +28,13 @@ def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.
             f"but the model produced keys with kv_heads={hk}, head_dim={d}")
 
 
-class BatchOps:
-    """``generate``'s batch operations on a layer, through its ``_batch_apply(fn, in_place)``: ``fn`` a batch-dim op
-    applied to every per-row buffer; ``in_place``: the batch size stays."""
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
-        self._batch_apply(lambda t: t.index_select(0, idx), in_place=True)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._batch_apply(lambda t: t.repeat_interleave(repeats, dim=0), in_place=False)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices],
-                          in_place=False)
+class LayerKV(OscarKV):
+    """The handle the OSCAR layer's ``update`` returns (no ``__slots__``: plain attribute access for dynamo)."""
 
 
-class QuantizedLayerBase(BatchOps, CacheLayerMixin):
+class QuantizedLayerBase(CacheLayerMixin):
     """The OSCAR layer's part that is not storage: ``self.params`` (:class:`~oscar_hf.cache.params.LayerParams`, built
     at the first forward on the cache's device), the retrieval heads, the update checks and the offsets."""
-
-    is_sliding = False
-    is_croppable = True
 
     def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, retrieval_heads=()):
         super().__init__()

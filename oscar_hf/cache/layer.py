@@ -16,12 +16,11 @@ from oscar_hf.kernels.int2_attention import rotate_query
 from oscar_hf.kernels.static_op import (NO_HEADS, decode_step, decode_step_, join_heads_index, split_heads_index,
                                         step_config, step_heads, step_storage)
 
-from ..attention import OscarKV
 from ..config import OscarConfig
 from ..quant import QuantizedRows
 from ..rotations import LayerRotation
 from . import heads
-from .base import (BatchOps, QuantizedLayerBase, allowed_slots, check_first_keys, first_real_slot, group_queries,
+from .base import (LayerKV, QuantizedLayerBase, allowed_slots, check_first_keys, first_real_slot, group_queries,
                    logit_terms)
 from .layer_eager import EagerOps, _fixed_address, regrown
 from .params import LayerParams
@@ -45,8 +44,11 @@ def capacity_for(need: int, current: int = 0, expected: int = 0) -> int:
 
 
 class HostLength:
-    """The host side of a compiled-storage layer (:class:`OscarLayer`, ``GrowingLayer``): ``host_len``, ``T``
-    without a device sync, and the capacity, grown in buckets before a forward's rows are written."""
+    """Host side of the compiled-storage layers: ``host_len`` (``T``, no device sync), capacity buckets, cache ops."""
+
+    is_compileable = True
+    is_croppable = True
+    is_sliding = False
 
     def _init_length(self, max_cache_len: int | None) -> None:
         self.fixed_capacity = None if max_cache_len is None else int(max_cache_len)  # StaticOscarCache's: no growth
@@ -84,6 +86,17 @@ class HostLength:
             self.announced = False
         else:
             self.advance(n)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
+        self._batch_apply(lambda t: t.index_select(0, idx), in_place=True)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._batch_apply(lambda t: t.repeat_interleave(repeats, dim=0), in_place=False)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._batch_apply(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices],
+                          in_place=False)
 
     def _batch_apply(self, fn, in_place: bool) -> None:
         """Apply ``fn`` (a batch-dim op) to every per-row buffer (``_BATCH_DIMS``: name, batch dimension), in place
@@ -131,10 +144,6 @@ class HostLength:
         return self.fixed_capacity or -1
 
 
-class LayerKV(OscarKV):
-    """The handle ``update`` returns (no ``__slots__``: plain attribute access for dynamo)."""
-
-
 class StepShared:
     """What every compiled layer of one decode forward reads alike, computed once by the first of them (fewer nodes
     in the step graph): the length ``t`` (0-d, one per device: :meth:`join`), left padding ``pad [B]``, the window
@@ -168,8 +177,6 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
     """One quantized layer with device-resident storage. ``max_cache_len`` fixes the capacity; None grows it.
     ``compiled``: ``generate`` compiles its decode step (fixed mask sizes); else every forward runs eagerly and reads
     the model's mask (any mask, as a ``DynamicLayer`` neighbour sizes it)."""
-
-    is_compileable = True
 
     def __init__(self, config: OscarConfig, rotation: LayerRotation, layer_idx: int, max_cache_len: int | None = None,
                  retrieval_heads=(), compiled: bool = False):
@@ -276,7 +283,7 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         self.mu_k_seq, self.pad_known, self.pending = None, False, False  # (mu_k_seq dropped, not zeroed)
         super().reset()
 
-    def attend(self, handle: OscarKV, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
+    def attend(self, handle: LayerKV, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
         """``query [B, Hq, L, D]`` -> ``[B, L, Hq, D]``. A decode step writes, then reads, device ops only;
         multi-token forwards (eager) read the old state + the new rows, then write."""
         new_k, new_v = handle.key_states, handle.value_states
@@ -339,15 +346,12 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         return window_mask(length, self.pad, self.config.sink, self.ring, recent)
 
 
-class GrowingLayer(HostLength, BatchOps, CacheLayerMixin):
+class GrowingLayer(HostLength, CacheLayerMixin):
     """The compiled storage's ``DynamicLayer`` (skipped layers, MLA latents, KV sharing's store layers), so that
     such a model compiles without a ``max_cache_len``. ``keys [B, H, C, Dk]``, ``values [B, H, C, Dv]``, slot =
     position. A decode step gets all ``C`` slots (the ``(C, 0)`` mask hides the unwritten), a multi-token forward
     the ``T`` written ones."""
 
-    is_compileable = True
-    is_croppable = True
-    is_sliding = False
     supports_early_init = False
     _BATCH_DIMS = (("keys", 0), ("values", 0))
 
