@@ -239,8 +239,7 @@ def _hist_kernel(
         sig = 4 * (om % 8) + om // 8
     optr = PACC + (part + oh[None, :]) * (128 * NH // TP) + sig[:, None]
     omask = (oh < M)[None, :]
-    gl.store(optr, o4[0], mask=omask)
-    for i in gl.static_range(1, 4 * NH):
+    for i in gl.static_range(4 * NH):
         gl.store(optr + RW * i, o4[i], mask=omask)
     RL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     rh = gl.arange(0, MH, layout=RL)

@@ -59,20 +59,16 @@ def _split_kernel(
     hist = False if WIN_ONLY else pid_s < S
     if hist:
         # ---------------- INT2 history split ----------------
-        # q planes, pre-scaled so that logits come out in log2 units.
+        # q planes [M_PAD, D4P] (a tuple over the 4 planes, as acc), pre-scaled so that logits come out in log2 units.
         q_ptr = Q + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqm + offs_j[None, :]
-        q0 = _op(tl.load(q_ptr + 0 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
-        q1 = _op(tl.load(q_ptr + 1 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
-        q2 = _op(tl.load(q_ptr + 2 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
-        q3 = _op(tl.load(q_ptr + 3 * D4, mask=qmask, other=0.0) * qk_scale, LOWP)
+        q = ()
+        for P in tl.static_range(4):
+            q = q + (_op(tl.load(q_ptr + P * D4, mask=qmask, other=0.0) * qk_scale, LOWP),)
         if HAS_OFF:
             off = tl.load(QKOFF + b.to(tl.int64) * sob + h * soh + offs_m * som, mask=mrow, other=0.0) * qk_scale
         else:
             off = tl.zeros((M_PAD,), tl.float32)
-        acc0 = tl.zeros((M_PAD, D4P), tl.float32)
-        acc1 = tl.zeros((M_PAD, D4P), tl.float32)
-        acc2 = tl.zeros((M_PAD, D4P), tl.float32)
-        acc3 = tl.zeros((M_PAD, D4P), tl.float32)
+        acc = (tl.zeros((M_PAD, D4P), tl.float32),) * 4
         start = tl.load(START + b).to(tl.int32)
         if N_DEV:
             # static cache (CUDA graphs): N is the capacity, the length read on the device
@@ -98,16 +94,15 @@ def _split_kernel(
             # The K operands: the query planes as the B operands [D4, M_PAD] of the transposed logits.
             PPG: tl.constexpr = G // D4  # planes per group
             OFFS = 1.0 + 1023.0 * LOWP  # the code offset of _u_plane (1024 on the GPU)
-            qf0 = tl.load(q_ptr + 0 * D4, mask=qmask, other=0.0) * qk_scale
-            qf1 = tl.load(q_ptr + 1 * D4, mask=qmask, other=0.0) * qk_scale
-            qf2 = tl.load(q_ptr + 2 * D4, mask=qmask, other=0.0) * qk_scale
-            qf3 = tl.load(q_ptr + 3 * D4, mask=qmask, other=0.0) * qk_scale
+            qf = ()
+            for P in tl.static_range(4):
+                qf = qf + (tl.load(q_ptr + P * D4, mask=qmask, other=0.0) * qk_scale,)
             # B operands [D4, M_PAD]: q_P / 4^P (exact power-of-two scaling before the fp16 rounding)
-            qts = (_op(tl.trans(qf0), LOWP, True), _op(tl.trans(qf1 * 0.25), LOWP, True),
-                   _op(tl.trans(qf2 * 0.0625), LOWP, True), _op(tl.trans(qf3 * 0.015625), LOWP, True))
+            qts = (_op(tl.trans(qf[0]), LOWP, True), _op(tl.trans(qf[1] * 0.25), LOWP, True),
+                   _op(tl.trans(qf[2] * 0.0625), LOWP, True), _op(tl.trans(qf[3] * 0.015625), LOWP, True))
             cps = (OFFS * tl.sum(qts[0].to(tl.float32), 0), OFFS * tl.sum(qts[1].to(tl.float32), 0),
                    OFFS * tl.sum(qts[2].to(tl.float32), 0), OFFS * tl.sum(qts[3].to(tl.float32), 0))
-            qss = (tl.sum(qf0, 1), tl.sum(qf1, 1), tl.sum(qf2, 1), tl.sum(qf3, 1))
+            qss = (tl.sum(qf[0], 1), tl.sum(qf[1], 1), tl.sum(qf[2], 1), tl.sum(qf[3], 1))
             # Deferred softmax (docs/kernels.md §3.3): every block exponentiated against one fixed reference phi[m],
             # the max of the first block's valid logits (0 for rows without any); l, sum p z and the max kept as
             # [BLOCK_N, M_PAD] tiles, reduced after the loop; rerun once with the true max past DF_LIM (log2 units)
@@ -124,22 +119,13 @@ def _split_kernel(
             # the tiles carried out of the rerun loop must exist before it (they are reset per pass)
             lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
             mt = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
-            zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)  # sum p z per group: tile of the group's first plane
-            zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-            zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-            zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
+            zt = (tl.zeros((BLOCK_N, M_PAD), tl.float32),) * 4  # sum p z per group: tile of the group's first plane
             run = 1
             while run > 0:
                 lt = tl.zeros((BLOCK_N, M_PAD), tl.float32)
                 mt = tl.full((BLOCK_N, M_PAD), float("-inf"), tl.float32)
-                zt0 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                zt1 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                zt2 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                zt3 = tl.zeros((BLOCK_N, M_PAD), tl.float32)
-                acc0 = tl.zeros((M_PAD, D4P), tl.float32)
-                acc1 = tl.zeros((M_PAD, D4P), tl.float32)
-                acc2 = tl.zeros((M_PAD, D4P), tl.float32)
-                acc3 = tl.zeros((M_PAD, D4P), tl.float32)
+                zt = (tl.zeros((BLOCK_N, M_PAD), tl.float32),) * 4
+                acc = (tl.zeros((M_PAD, D4P), tl.float32),) * 4
                 off_phi = off - phi
                 # metadata of the first block, loaded before the loop (see below)
                 offs_a, inb_a, valid_a = _token_block(lo, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
@@ -172,10 +158,11 @@ def _split_kernel(
                     p = tl.exp2(st)
                     lt += p
                     vb = tl.load(vc_base + vro + offs_j[None, :], mask=_cols_mask(valid, offs_j, D4, D4P), other=0)
-                    acc0, zt0 = _df_v_plane(p, vb, 0, acc0, zt0, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
-                    acc1, zt1 = _df_v_plane(p, vb, 1, acc1, zt1, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
-                    acc2, zt2 = _df_v_plane(p, vb, 2, acc2, zt2, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
-                    acc3, zt3 = _df_v_plane(p, vb, 3, acc3, zt3, D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
+                    a0, z0 = _df_v_plane(p, vb, 0, acc[0], zt[0], D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
+                    a1, z1 = _df_v_plane(p, vb, 1, acc[1], zt[1], D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
+                    a2, z2 = _df_v_plane(p, vb, 2, acc[2], zt[2], D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
+                    a3, z3 = _df_v_plane(p, vb, 3, acc[3], zt[3], D4, G, PPG, LOWP, vsp, vzp, ASM and LOWP)
+                    acc, zt = (a0, a1, a2, a3), (z0, z1, z2, z3)
                 m_i = tl.max(mt, 0) + phi  # (-inf stays -inf)
                 over = tl.where(m_i == float("-inf"), 0.0, m_i - phi)
                 run = 0
@@ -186,12 +173,13 @@ def _split_kernel(
             m_safe = tl.where(m_i == float("-inf"), phi, m_i)
             alpha = tl.exp2(phi - m_safe)
             l_i = tl.sum(lt, 0) * alpha
-            zs = (tl.sum(zt0, 0), tl.sum(zt1, 0), tl.sum(zt2, 0), tl.sum(zt3, 0))
-            acc0 = (acc0 * 0.5 + zs[0][:, None]) * alpha[:, None]  # / KP of _v_code_operand: 2, 8, 32, 32
-            acc1 = (acc1 * 0.125 + zs[1 - 1 % PPG][:, None]) * alpha[:, None]
-            acc2 = (acc2 * 0.03125 + zs[2 - 2 % PPG][:, None]) * alpha[:, None]
-            acc3 = (acc3 * 0.03125 + zs[3 - 3 % PPG][:, None]) * alpha[:, None]
+            zs = (tl.sum(zt[0], 0), tl.sum(zt[1], 0), tl.sum(zt[2], 0), tl.sum(zt[3], 0))
+            acc = ((acc[0] * 0.5 + zs[0][:, None]) * alpha[:, None],  # / KP of _v_code_operand: 2, 8, 32, 32
+                   (acc[1] * 0.125 + zs[1 - 1 % PPG][:, None]) * alpha[:, None],
+                   (acc[2] * 0.03125 + zs[2 - 2 % PPG][:, None]) * alpha[:, None],
+                   (acc[3] * 0.03125 + zs[3 - 3 % PPG][:, None]) * alpha[:, None])
         else:
+            q0, q1, q2, q3 = q
             for n0 in range(lo, hi, BLOCK_N):
                 offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 kro, kmo, vro, vmo = _block_rows(n0, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn, smvb, NG,
@@ -209,15 +197,14 @@ def _split_kernel(
                 vb = tl.load(vc_base + vro + offs_j[None, :], mask=_cols_mask(valid, offs_j, D4, D4P), other=0)
                 vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, vmo, valid, NG, PAGED,
                                                          G % D4 == 0)
-                acc0 = tl.dot(p, _int2_plane(vb, 0, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc0 * alpha[:, None])
-                acc1 = tl.dot(p, _int2_plane(vb, 1, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc1 * alpha[:, None])
-                acc2 = tl.dot(p, _int2_plane(vb, 2, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc2 * alpha[:, None])
-                acc3 = tl.dot(p, _int2_plane(vb, 3, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P), acc3 * alpha[:, None])
+                acc_ = ()
+                for P in tl.static_range(4):
+                    v = _int2_plane(vb, P, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P)
+                    acc_ = acc_ + (tl.dot(p, v, acc[P] * alpha[:, None]),)
+                acc = acc_
         a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]
-        tl.store(a_ptr + 0 * D4, acc0, mask=qmask)
-        tl.store(a_ptr + 1 * D4, acc1, mask=qmask)
-        tl.store(a_ptr + 2 * D4, acc2, mask=qmask)
-        tl.store(a_ptr + 3 * D4, acc3, mask=qmask)
+        for P in tl.static_range(4):
+            tl.store(a_ptr + P * D4, acc[P], mask=qmask)
         tl.store(PM + part + offs_m, m_i, mask=mrow)
         tl.store(PL + part + offs_m, l_i, mask=mrow)
     elif HAS_WIN:
