@@ -34,8 +34,7 @@ def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int
     """Bytes of one page, keys and values: INT2 rows (D/4 code bytes, D/G scales and zeros) and coded rows."""
     int2 = num_layers * num_kv_heads if layout.int2_heads is None else sum(layout.int2_heads)
     row = head_dim // 4 + 2 * (head_dim // group_size) * meta_dtype.itemsize
-    n_coded = sum(layout.coded_heads or ())
-    coded = n_coded * heads.row_bytes(layout.coded_bits, head_dim, layout.coded_dtype) if n_coded else 0
+    coded = sum(layout.coded_heads or ()) * heads.row_bytes(layout.coded_bits, head_dim, layout.coded_dtype)
     return 2 * page_size * (int2 * row + coded)
 
 
