@@ -329,11 +329,9 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
     hi_t = hi.reshape(-1) if hi_dev else lo
     _heads_split_kernel[(b * p, s_hist + 1)](
         q, heads, kc, ks, kz, vc, vs, vz, lo, hi_t, bt, win_k, win_v, wm, pm, pl, pacc,
-        q.stride(0), q.stride(1), q.stride(2), kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1),
-        ks.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
+        *(st for t in (q, kc, ks, vc, vs) for st in t.stride()[:3]),
         hi_t.stride(0) if hi_dev and hi_t.numel() > 1 else 0, bt.stride(0) if block_table is not None else 0,
-        win_k.stride(0), win_k.stride(1), win_k.stride(2), win_v.stride(0), win_v.stride(1), win_v.stride(2),
-        wm.stride(0) if win_mask is not None else 0,
+        *win_k.stride()[:3], *win_v.stride()[:3], wm.stride(0) if win_mask is not None else 0,
         p, m, w, 0 if hi_dev else n_hist, split_len, s_hist, s_tot, float(scaling) * LOG2E,
         DC=d // npl, NPL=npl, M_PAD=m_pad, BLOCK_N=plan.block_n, BITS=bits, HI_DEV=hi_dev, PAGE=page,
         HAS_WMASK=win_mask is not None, OP=op, DCP=next_pow2(d // npl),
