@@ -243,9 +243,8 @@ class OscarCache(Cache):
         tot["quantized_layers"] = sum(k.startswith("oscar") for k in kinds)
         tot["latent_layers"] = kinds.count("latent")
         tot["shared_kv_layers"] = kinds.count("shared_kv")
-        used = (tot["sink"] + tot["recent"] + tot["history_codes"] + tot["history_meta"] + tot["full_precision_layers"]
-                + tot["retrieval_heads"])
-        tot["total"] = used
+        used = tot["total"] = (tot["sink"] + tot["recent"] + tot["history_codes"] + tot["history_meta"]
+                               + tot["full_precision_layers"] + tot["retrieval_heads"])
         tot["bf16_equivalent"] = 2 * elements
         tot["bits_per_element"] = 8 * used / elements if elements else float("nan")
         tot["compression_vs_bf16"] = tot["bf16_equivalent"] / used if used else float("nan")
