@@ -110,80 +110,117 @@ def _code_row(SRC, X, SCALE, ZERO, x_off, m_off, D: tl.constexpr, BITS: tl.const
 
 
 @triton.jit
+def _put_row(x, WIN, dst, sink, to_sink, offs_d, dm):
+    """The new token's row ``x [DP]`` into ring entry ``WIN + dst``, and into ``WIN + sink`` where ``to_sink``."""
+    tl.store(WIN + dst + offs_d, x, mask=dm)
+    if to_sink:
+        tl.store(WIN + sink + offs_d, x, mask=dm)
+
+
+@triton.jit
 def _append_token_kernel(
-    NEW_K, NEW_V, WIN_K, WIN_V, KC, KS, KZ, VC, VS, VZ, LENGTH, PAD, HEADS, RK, MUK, RV, MUV,
-    CKX, CKS, CKZ, CVX, CVS, CVZ, CODED_OF,  # the retrieval heads' stores [B, P, N, *] and KV head -> index map
-    clip_k, clip_v, Hk, N, S0, RING, W,
-    snkb, snkh, snvb, snvh,  # new_k / new_v strides [B, Hk, 1, D] (D contiguous)
-    swb, swh, sws,  # window strides [B, Hk, S0 + R, D], shared by K and V
-    scb, sch, scn,  # history codes strides [B, H2, N, D/4], shared by K and V
-    ssb, ssh, ssn,  # history scale / zero strides [B, H2, N, D/G], shared by all four
+    NEW_K, NEW_V, WIN_K, WIN_V, KC, KS, KZ, VC, VS, VZ, HEADS, RK, MUK, RV, MUV,
+    CKX, CKS, CKZ, CVX, CVS, CVZ, CODED_OF,  # the retrieval heads' stores [B | pages, P, N, *], KV head -> index map
+    clip_k, clip_v, Hk,
+    LENGTH, PAD, N, S0, RING, W,  # contiguous: the 0-d length T, pad [B], history capacity, sink, ring, recent
+    POS, SLOTS, NEW_ENTRY, SINK_ENTRY, DEM_ENTRY, DEM_PAGE, DEM_OFF,  # PAGED: the rows' plan, [Bp] each
+    snkb, snkh, snvb, snvh,  # new_k / new_v strides of a row and a head (D contiguous): [B, Hk, 1, D]; PAGED [Hk, Q, D]
+    swb, swh, sws,  # window strides [B, Hk, S0 + R, D] (PAGED: the pool's [slots, ...]), shared by K and V
+    scb, sch, scn,  # history codes strides [B | pages, H2, N | P, D/4], shared by K and V
+    ssb, ssh, ssn,  # history scale / zero strides [B | pages, H2, N | P, D/G], shared by all four
     smkb,  # mu_k's batch stride: 0 for [H2, D], H2 * D for [B, H2, D]
-    sxb, sxp, sxn,  # coded codes (or 16-bit rows) strides [B, P, N, *], shared by K and V
-    szb, szp, szn,  # coded scale / zero strides [B, P, N, 1], shared by all four
+    sxb, sxp, sxn,  # coded codes (or 16-bit rows) strides [B | pages, P, N | F, *], shared by K and V
+    szb, szp, szn,  # coded scale / zero strides [B | pages, P, N | F, 1], shared by all four
     D: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_HEADS: tl.constexpr,
     HAS_MU_K: tl.constexpr, HAS_MU_V: tl.constexpr, META_KIND: tl.constexpr, STD: tl.constexpr,
     CODED_BITS: tl.constexpr, WIN_KIND: tl.constexpr,  # 0: no coded heads; the window dtype's kind (their metadata)
     DP: tl.constexpr,  # D padded to a power of two (D where it is one)
+    PAGED: tl.constexpr,  # 0: a contiguous storage's ring; 1: the serving store's rows (docs/serving.md §3)
+    DEMOTE: tl.constexpr,  # 0: no row demotes this step (the paged plan's ``demote``)
 ):
     pid = tl.program_id(0)
-    kv = pid % 2  # 0: this program writes the keys, 1: the values
-    pid = pid // 2
-    b = (pid // Hk).to(tl.int64)
-    h = pid % Hk
-    offs_d = tl.arange(0, DP)
-    t = tl.load(LENGTH)  # int64: the new token's slot
-    # 1. demote slot s = T - 1 - W (read before the ring entry is overwritten below)
-    s = t - 1 - W
-    e = s - S0
-    if HAS_HEADS:
-        hh = tl.load(HEADS + h)
-    else:
-        hh = h.to(tl.int64)
-    src = b * swb + h * swh + (S0 + s % RING) * sws  # the slot's ring entry
-    if (e >= 0) & (e < N) & (hh >= 0):
-        c_off = b * scb + hh * sch + e * scn
-        m_off = b * ssb + hh * ssh + e * ssn
-        if kv == 0:
-            _demote_row(WIN_K + src, RK + hh * D * D, MUK + b * smkb + hh * D, KC, KS, KZ, c_off, m_off, clip_k,
-                        D, G, BLOCK_K, HAS_MU_K, META_KIND, STD, DP)
+    if PAGED:  # one program per row and KV head, writing K and V
+        b = pid // Hk
+        h = pid % Hk
+        win = tl.load(SLOTS + b) * swb + h * swh  # int64: the row's window slot, head h
+        # ring entry DEM_ENTRY[b] demoted into (DEM_PAGE[b], DEM_OFF[b]) (the pool's trash page when it demotes none)
+        src = win + tl.load(DEM_ENTRY + b) * sws
+        page = tl.load(DEM_PAGE + b)
+        e = tl.load(DEM_OFF + b)
+        live = True
+        do_k = True
+    else:  # two programs per row and KV head: the keys (kv = 0) and the values
+        kv = pid % 2
+        b = (pid // 2 // Hk).to(tl.int64)
+        h = pid // 2 % Hk
+        win = b * swb + h * swh
+        t = tl.load(LENGTH)  # int64: the new token's slot
+        s = t - 1 - W  # slot T - 1 - W demoted (read before the ring entry is overwritten below)
+        e = s - S0
+        src = win + (S0 + s % RING) * sws
+        page = b
+        live = (e >= 0) & (e < N)
+        do_k = kv == 0
+    # 1. demote the entry at src
+    if DEMOTE:
+        if HAS_HEADS:
+            hh = tl.load(HEADS + h)
         else:
-            _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, m_off, clip_v,
-                        D, G, BLOCK_K, HAS_MU_V, META_KIND, STD, DP)
-    if CODED_BITS > 0:  # a retrieval head: the same slot's entry, coded
-        cp = tl.load(CODED_OF + h)
-        if (e >= 0) & (e < N) & (cp >= 0):
-            x_off = b * sxb + cp * sxp + e * sxn
-            m_off = b * szb + cp * szp + e * szn
-            if kv == 0:
-                _code_row(WIN_K + src, CKX, CKS, CKZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
-            else:
-                _code_row(WIN_V + src, CVX, CVS, CVZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
-    # every thread's loads of the old ring row come before any thread's store of the new one
-    tl.debug_barrier()
-    # 2. the new token: ring entry S0 + T % R, and sink entry T - pad[b] while the row's sink is filling
-    dm = offs_d < D if DP > D else None  # (D = 96: the row's 96 of 128 lanes)
-    dst = b * swb + h * swh + (S0 + t % RING) * sws + offs_d
-    j = t - tl.load(PAD + b)
-    sink_dst = b * swb + h * swh + j * sws + offs_d
-    if kv == 0:
-        nk = tl.load(NEW_K + b * snkb + h * snkh + offs_d, mask=dm)
-        tl.store(WIN_K + dst, nk, mask=dm)
-        if (j >= 0) & (j < S0):
-            tl.store(WIN_K + sink_dst, nk, mask=dm)
+            hh = h.to(tl.int64)
+        if live & (hh >= 0):  # (live: True where PAGED)
+            c_off = page * scb + hh * sch + e * scn
+            m_off = page * ssb + hh * ssh + e * ssn
+            if do_k:  # (PAGED: the keys, then the values; else one of them)
+                _demote_row(WIN_K + src, RK + hh * D * D, MUK + b * smkb + hh * D, KC, KS, KZ, c_off, m_off,
+                            clip_k, D, G, BLOCK_K, HAS_MU_K, META_KIND, STD, DP)
+            if PAGED or not do_k:
+                _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, m_off, clip_v,
+                            D, G, BLOCK_K, HAS_MU_V, META_KIND, STD, DP)
+        if CODED_BITS > 0:  # a retrieval head: the same entry, coded
+            cp = tl.load(CODED_OF + h)
+            if live & (cp >= 0):
+                x_off = page * sxb + cp * sxp + e * sxn
+                m_off = page * szb + cp * szp + e * szn
+                if do_k:
+                    _code_row(WIN_K + src, CKX, CKS, CKZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
+                if PAGED or not do_k:
+                    _code_row(WIN_V + src, CVX, CVS, CVZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
+        # every thread's loads of the old ring row come before any thread's store of the new one (PAGED with
+        # R = W + 1: the same entry)
+        tl.debug_barrier()
+    # 2. the new token: its ring entry, and its sink entry where to_sink
+    if PAGED:
+        row = tl.load(POS + b)  # the new token's position in the packed batch
+        ne = tl.load(NEW_ENTRY + b)
+        se = tl.load(SINK_ENTRY + b)
+        dst, sink, to_sink = win + ne * sws, win + se * sws, se != ne
     else:
-        nv = tl.load(NEW_V + b * snvb + h * snvh + offs_d, mask=dm)
-        tl.store(WIN_V + dst, nv, mask=dm)
-        if (j >= 0) & (j < S0):
-            tl.store(WIN_V + sink_dst, nv, mask=dm)
+        row = b
+        j = t - tl.load(PAD + b)  # the new token's sink entry while the row's sink is filling
+        dst, sink, to_sink = win + (S0 + t % RING) * sws, win + j * sws, (j >= 0) & (j < S0)
+    offs_d = tl.arange(0, DP)
+    dm = offs_d < D if DP > D else None  # (D = 96: the row's 96 of 128 lanes)
+    new_k = NEW_K + row * snkb + h * snkh + offs_d
+    new_v = NEW_V + row * snvb + h * snvh + offs_d
+    if PAGED:  # (both loads in flight before the stores)
+        nk = tl.load(new_k, mask=dm)
+        nv = tl.load(new_v, mask=dm)
+        _put_row(nk, WIN_K, dst, sink, to_sink, offs_d, dm)
+        _put_row(nv, WIN_V, dst, sink, to_sink, offs_d, dm)
+    elif kv == 0:
+        _put_row(tl.load(new_k, mask=dm), WIN_K, dst, sink, to_sink, offs_d, dm)
+    else:
+        _put_row(tl.load(new_v, mask=dm), WIN_V, dst, sink, to_sink, offs_d, dm)
 
 
-def _shared_args(params, window, history, placeholder) -> tuple[tuple, tuple, dict]:
-    """What both write kernels take alike, once the layouts they assume beyond the shapes (``append_checks``) are
-    checked: the arguments ``HEADS .. clip_v`` (rotations float32 and contiguous; the retrieval heads' three parts of
-    K and of V, a 16-bit store's one part thrice), the coded parts' strides, and the constexprs with ``num_warps``.
-    ``placeholder``: a tensor passed for pointers never read (no ``hist_of``, no ``mu``, no coded heads)."""
+def _launch(params, new_k, new_v, window, history, grid: int, layout: tuple, new_strides: tuple, smkb: int,
+            paged: bool, demote: bool) -> None:
+    """The write kernel's launch, once the layouts it assumes beyond the shapes (``append_checks``) are checked:
+    rotations float32 and contiguous; the retrieval heads' three parts of K and of V, a 16-bit store's one part
+    thrice. ``layout``: the contiguous storage's ``(length, pad)`` or the paged plan's seven tensors, whose first is
+    passed for pointers never read (no ``hist_of``, no ``mu``, no coded heads, the other layout's)."""
     p, win_k, win_v, hist_k, hist_v, coded = params, window.k, window.v, history.k, history.v, history.coded
+    placeholder = layout[0]
     if p.meta_dtype not in _META_KIND:
         raise ValueError(f"metadata dtype {p.meta_dtype} is not supported by the kernel; use one of {list(_META_KIND)}")
     if win_k.stride() != win_v.stride() or win_k.stride(-1) != 1:
@@ -195,110 +232,44 @@ def _shared_args(params, window, history, placeholder) -> tuple[tuple, tuple, di
         raise ValueError("hist_k and hist_v must share one codes layout and one metadata layout, contiguous in the "
                          "last dimension")
     ck = cv = (placeholder,) * 3
-    strides = (0,) * 6
+    coded_strides = (0,) * 6
     if coded is not None:
         ck, cv = (parts * 3 if len(parts) == 1 else parts for parts in coded)
         if any(a.stride() != c.stride() for a, c in zip(ck, cv)) or ck[1].stride() != ck[2].stride():
             raise ValueError("the coded K and V stores must share one layout (and scale and zero one)")
-        strides = (*ck[0].stride()[:3], *ck[1].stride()[:3])
+        coded_strides = (*ck[0].stride()[:3], *ck[1].stride()[:3])
     r_k, mu_k, r_v, mu_v = (None if t is None else t.to(device=win_k.device, dtype=torch.float32).contiguous()
                             for t in (p.r_k, p.mu_k, p.r_v, p.mu_v))
-    args = (placeholder if p.hist_of is None else p.hist_of, r_k, r_k if mu_k is None else mu_k, r_v,
-            r_v if mu_v is None else mu_v, *ck, *cv, placeholder if coded is None else p.heads.coded_of,
-            float(p.clip_k), float(p.clip_v))
+    other = (placeholder,) * 7 if not paged else (placeholder,) * 2 + (0,) * 4  # (the other layout's arguments)
     d = win_k.shape[-1]
     warps, blk = launch_shape(d)
-    return args, strides, dict(
+    _append_token_kernel[(grid,)](
+        new_k, new_v, win_k, win_v, *hist_k, *hist_v, placeholder if p.hist_of is None else p.hist_of, r_k,
+        r_k if mu_k is None else mu_k, r_v, r_v if mu_v is None else mu_v, *ck, *cv,
+        placeholder if coded is None else p.heads.coded_of, float(p.clip_k), float(p.clip_v), new_k.shape[-3],
+        *(other + layout if paged else layout + other), *new_strides, *win_k.stride()[:3], *hist_k.codes.stride()[:3],
+        *hist_k.scale.stride()[:3], smkb, *coded_strides,
         D=d, G=p.group_size, BLOCK_K=blk, HAS_HEADS=p.hist_of is not None, HAS_MU_K=mu_k is not None,
         HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[p.meta_dtype], STD=p.quantizer == "std",
         CODED_BITS=0 if coded is None else p.heads.bits, WIN_KIND=_META_KIND[win_k.dtype], DP=next_pow2(d),
-        num_warps=warps)
+        PAGED=int(paged), DEMOTE=int(demote), num_warps=warps)
 
 
 def append_token_triton(params, new_k, new_v, window, history, at):
-    """:func:`~oscar_hf.kernels.write_path.append_token_reference` in one launch, no host synchronisation."""
+    """:func:`~oscar_hf.kernels.write_path.append_token_reference` in one launch of ``2 B Hk`` programs, no host
+    synchronisation."""
     ring, n, h2 = check_append_inputs(params, new_k, new_v, window, history, at)
     b, hk, _, d = new_k.shape
     if b == 0 or hk == 0:
         return None
     if at.length.dtype != torch.long or at.pad.dtype != torch.long:
         raise ValueError(f"length and pad must be int64, got {at.length.dtype}, {at.pad.dtype}")
-    args, coded_strides, const = _shared_args(params, window, history, at.length)
     new_k, new_v = (last_contiguous(x) for x in (new_k, new_v))
     mu_k = params.mu_k
-    _append_token_kernel[(b * hk * 2,)](
-        new_k, new_v, window.k, window.v, *history.k, *history.v, at.length, at.pad, *args,
-        hk, n, at.sink, ring, at.recent, new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1),
-        *window.k.stride()[:3], *history.k.codes.stride()[:3], *history.k.scale.stride()[:3],
-        (h2 * d if mu_k is not None and mu_k.dim() == 3 else 0), *coded_strides, **const)
+    _launch(params, new_k, new_v, window, history, b * hk * 2, (at.length, at.pad, n, at.sink, ring, at.recent),
+            (*new_k.stride()[:2], *new_v.stride()[:2]), h2 * d if mu_k is not None and mu_k.dim() == 3 else 0,
+            paged=False, demote=True)
     return None
-
-
-# ------------------------------------------------------------------ the paged twin (the serving store's decode step)
-
-
-@triton.jit
-def _paged_append_kernel(
-    NEW_K, NEW_V, POS, SLOTS, NEW_ENTRY, SINK_ENTRY, DEM_ENTRY, DEM_PAGE, DEM_OFF,  # the packed batch; the rows' plan
-    WIN_K, WIN_V, KC, KS, KZ, VC, VS, VZ, HEADS, RK, MUK, RV, MUV,
-    CKX, CKS, CKZ, CVX, CVS, CVZ, CODED_OF,  # the retrieval heads' pages [pages, F, P, *] and KV head -> index map
-    clip_k, clip_v, Hk,
-    snh, snq,  # new_k / new_v strides [Hk, Q, D] (D contiguous), shared
-    swb, swh, sws,  # window pool strides [slots, Hk, S0 + R, D], shared by K and V
-    scb, sch, scn,  # INT2 codes strides [pages, H2, P, D/4], shared by K and V
-    ssb, ssh, ssn,  # INT2 scale / zero strides [pages, H2, P, D/G], shared by all four
-    sxb, sxp, sxn,  # coded codes (or 16-bit rows) strides [pages, F, P, *], shared by K and V
-    szb, szp, szn,  # coded scale / zero strides [pages, F, P, 1], shared by all four
-    D: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_HEADS: tl.constexpr,
-    HAS_MU_K: tl.constexpr, HAS_MU_V: tl.constexpr, META_KIND: tl.constexpr, STD: tl.constexpr,
-    CODED_BITS: tl.constexpr, WIN_KIND: tl.constexpr, DP: tl.constexpr,
-    DEMOTE: tl.constexpr,  # 0: no row demotes this step (the plan's ``demote``)
-):
-    pid = tl.program_id(0)
-    b = pid // Hk
-    h = pid % Hk
-    offs_d = tl.arange(0, DP)
-    win = tl.load(SLOTS + b) * swb + h * swh  # int64: the row's window slot, head h
-    # 1. demote ring entry DEM_ENTRY[b] into (DEM_PAGE[b], DEM_OFF[b]) (the pool's trash page when it demotes nothing)
-    if DEMOTE:
-        src = win + tl.load(DEM_ENTRY + b) * sws
-        page = tl.load(DEM_PAGE + b)
-        off = tl.load(DEM_OFF + b)
-        if HAS_HEADS:
-            hh = tl.load(HEADS + h)
-        else:
-            hh = h.to(tl.int64)
-        if hh >= 0:
-            c_off = page * scb + hh * sch + off * scn
-            m_off = page * ssb + hh * ssh + off * ssn
-            _demote_row(WIN_K + src, RK + hh * D * D, MUK + hh * D, KC, KS, KZ, c_off, m_off, clip_k,
-                        D, G, BLOCK_K, HAS_MU_K, META_KIND, STD, DP)
-            _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, m_off, clip_v,
-                        D, G, BLOCK_K, HAS_MU_V, META_KIND, STD, DP)
-        if CODED_BITS > 0:  # a retrieval head: the same entry, coded into its pages
-            cp = tl.load(CODED_OF + h)
-            if cp >= 0:
-                x_off = page * sxb + cp * sxp + off * sxn
-                m_off = page * szb + cp * szp + off * szn
-                _code_row(WIN_K + src, CKX, CKS, CKZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
-                _code_row(WIN_V + src, CVX, CVS, CVZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
-        # every thread's loads of the demoted ring row come before any thread's store of the new one (R = W + 1: the
-        # same entry)
-        tl.debug_barrier()
-    # 2. the new token (position POS[b] of the packed batch): its ring entry, and its sink entry when that is another
-    dm = offs_d < D if DP > D else None
-    new = h * snh + tl.load(POS + b) * snq + offs_d
-    nk = tl.load(NEW_K + new, mask=dm)
-    nv = tl.load(NEW_V + new, mask=dm)
-    ne = tl.load(NEW_ENTRY + b)
-    dst = win + ne * sws + offs_d
-    tl.store(WIN_K + dst, nk, mask=dm)
-    tl.store(WIN_V + dst, nv, mask=dm)
-    se = tl.load(SINK_ENTRY + b)
-    if se != ne:
-        dst = win + se * sws + offs_d
-        tl.store(WIN_K + dst, nk, mask=dm)
-        tl.store(WIN_V + dst, nv, mask=dm)
 
 
 def paged_append_triton(params, new_k, new_v, window, history, rows):
@@ -309,15 +280,12 @@ def paged_append_triton(params, new_k, new_v, window, history, rows):
     hk, bp = new_k.shape[0], rows.pos.shape[0]
     if bp == 0 or hk == 0:
         return None
-    args, coded_strides, const = _shared_args(params, window, history, rows.pos)
     if new_k.stride(-1) != 1 or new_v.stride() != new_k.stride():
         new_k, new_v = new_k.contiguous(), new_v.contiguous()
     tensors = tuple(x.contiguous() for x in rows.tensors())  # (views of the plan's buffers: already contiguous)
     coded_heads = 0 if history.coded is None else history.coded[0][0].shape[1]
-    _paged_append_kernel[(bp * hk,)](
-        new_k, new_v, *tensors, window.k, window.v, *history.k, *history.v, *args, hk, new_k.stride(0),
-        new_k.stride(1), *window.k.stride()[:3], *history.k.codes.stride()[:3], *history.k.scale.stride()[:3],
-        *coded_strides, DEMOTE=bool(rows.demote) and h2 + coded_heads > 0, **const)
+    _launch(params, new_k, new_v, window, history, bp * hk, tensors, (new_k.stride(1), new_k.stride(0)) * 2, 0,
+            paged=True, demote=bool(rows.demote) and h2 + coded_heads > 0)
     return None
 
 

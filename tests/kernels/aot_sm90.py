@@ -105,10 +105,8 @@ def main():
     qt._rotate_query_kernel = rotq
     hsplit, hcomb = Recorder(ht._heads_split_kernel), Recorder(ht._heads_combine_kernel)
     ht._heads_split_kernel, ht._heads_combine_kernel = hsplit, hcomb
-    append = Recorder(at._append_token_kernel)
+    append = Recorder(at._append_token_kernel)  # (the contiguous and the paged write: PAGED tells them apart)
     at._append_token_kernel = append
-    paged_append = Recorder(at._paged_append_kernel)
-    at._paged_append_kernel = paged_append
     g0 = torch.Generator().manual_seed(0)
     labels = []
 
@@ -239,7 +237,7 @@ def main():
                                torch.randn(hq, d, generator=g0), 0.95, torch.randn(hq, d, d, generator=g0),
                                torch.randn(hq, d, generator=g0), 0.9, g, torch.bfloat16, 4, 16, coded=coded)
         append_labels.append(f"append d={d} g={g} coded_bits={bits}")
-    # the serving store's decode write (its paged twin): a pool of 9 pages of 16 entries over 2 layers, 12 window
+    # the serving store's decode write (its PAGED layout): a pool of 9 pages of 16 entries over 2 layers, 12 window
     # slots, 8 rows; every head INT2 at D = 128, a retrieval head at 8 bits (D = 128), 16 (D = 64), 4 (D = 96: the
     # plane-padded layout) and 8 (D = 512: 8 warps)
     from oscar_hf.kernels.kv import PagedRows
@@ -314,10 +312,10 @@ def main():
     grid, args, kw = hcomb.calls[i]
     print(json.dumps({"kernel": "heads_combine", "case": heads_labels[i] + f" s_block={HEADS_DEFAULTS.merge_block}",
                       **compile_call(hcomb.fn, args, {**kw, "S_BLOCK": HEADS_DEFAULTS.merge_block}, {})}))
-    for lab, (grid, args, kw) in zip(append_labels, append.calls):
-        print(json.dumps({"kernel": "append", "case": lab, **compile_call(append.fn, args, kw, {})}))
-    for lab, (grid, args, kw) in zip(paged_labels, paged_append.calls):
-        print(json.dumps({"kernel": "paged_append", "case": lab, **compile_call(paged_append.fn, args, kw, {})}))
+    for kind, labs in (("append", append_labels), ("paged_append", paged_labels)):
+        calls = [c for c in append.calls if c[2]["PAGED"] == (kind == "paged_append")]
+        for lab, (grid, args, kw) in zip(labs, calls, strict=True):
+            print(json.dumps({"kernel": kind, "case": lab, **compile_call(append.fn, args, kw, {})}))
     for grid, args, kw in rotq.calls:
         print(json.dumps({"kernel": "rotate_query", "case": f"d={kw['D']} m_pad={kw['M_PAD']}",
                           **compile_call(rotq.fn, args, kw, cuda_kw)}))
