@@ -172,34 +172,28 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
 
         unfit = lambda: inc.config.replace(retrieval_heads=())  # noqa: E731  (the incumbent, heads refitted)
 
-        def coarsened(name: str, cfg: OscarConfig, p: int, heads: bool = False) -> tuple[str, OscarConfig, int]:
-            """``(name, cfg, p)`` at its group size or, where the budget admits it there with no window (``fit``
-            None) or, for ``heads``, no more retrieval heads than the incumbent keeps, at the finest coarser group
-            size that does: a wide window or a retrieval head priced at target_context is paid for by the history's
-            metadata (Gemma-3-270M at 3.5 bits and 32K: (128, 2048) fits with group 64, not 32; so does one INT4
-            head, a whole layer there, beside (128, 1024))."""
-            def admits(c: OscarConfig) -> bool:
-                f = space.fit(c, p)
-                return f is not None and (not heads or len(f.retrieval_heads) > len(inc.config.retrieval_heads))
-
-            if not admits(cfg):
+        def window_option(s: int, r: int) -> tuple[str, OscarConfig, int]:
+            """Window ``(s, r)`` at the incumbent's group size or, over the budget there, at the finest coarser one
+            that fits: a wide window priced at target_context is paid for by the history's metadata (Gemma-3-270M's
+            (128, 2048) fits 3.5 bits at 32K with group 64, not 32)."""
+            cfg = unfit().replace(sink=s, recent=r)
+            if space.fit(cfg, precise) is None:
                 for g in (x for x in sizes if x > cfg.group_size):
-                    if admits(cfg.replace(group_size=g)):
-                        return f"{name}, group_size={g}", cfg.replace(group_size=g), p
-            return name, cfg, p
+                    if space.fit(cfg.replace(group_size=g), precise) is not None:
+                        return f"window=({s}, {r}), group_size={g}", cfg.replace(group_size=g), precise
+            return f"window=({s}, {r})", cfg, precise
 
         step([(f"quantizer={q}", unfit().replace(quantizer=q), precise) for q in ("minmax", "std")
               if q != inc.config.quantizer])
         step([(f"group_size={g}", unfit().replace(group_size=g), precise) for g in groups])
-        step([coarsened(f"window=({s}, {r})", unfit().replace(sink=s, recent=r), precise)
-              for s, r in window_candidates(inc.config.sink, inc.config.recent, prompt)])
+        step([window_option(s, r) for s, r in window_candidates(inc.config.sink, inc.config.recent, prompt)])
         if space.heads or precise:  # (the width of no head changes nothing)
-            step([coarsened(f"heads as INT{w}", unfit().replace(retrieval_bits=w), precise, heads=True)
-                  for w in HEAD_WIDTHS if w != inc.config.retrieval_bits])
+            step([(f"heads as INT{w}", unfit().replace(retrieval_bits=w), precise) for w in HEAD_WIDTHS
+                  if w != inc.config.retrieval_bits])
         # layers kept precise (greedy: more while it pays), worst held-out attention error first
         for n in PRECISE_LAYERS:
             if n <= len(space.ranked_layers) and n > precise:
-                if not step([coarsened(f"{n} precise layers {space.ranked_layers[:n]}", unfit(), n)]):
+                if not step([(f"{n} precise layers {space.ranked_layers[:n]}", unfit(), n)]):
                     break
     chosen = {k: getattr(inc.config, k) for k in CHOSEN_FIELDS}
     chosen["retrieval_heads"] = [list(p) for p in chosen["retrieval_heads"]]  # JSON-able

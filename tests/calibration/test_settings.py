@@ -167,29 +167,6 @@ def test_windows_reach_128_2048_priced_at_the_target_context():
     assert not any("1024" in n or "2048" in n or "(128, 512)" in n for n in short)
 
 
-def test_a_head_width_over_the_budget_at_the_incumbents_group_size_is_tried_at_a_coarser_one():
-    """Gemma-3-270M's KV shape, 3 full layers of one KV head: one INT4 retrieval head (a whole layer) beside (128, 1024)
-    costs 3.52 bits at 32K with group 32 and 3.497 with group 64, so the head-width step tries INT4 at group 64, not
-    an INT4 setting with no head (the incumbent again). Without the coarser group no head is ever kept here."""
-    m = tiny_model("llama", head_dim=256, num_key_value_heads=1, num_hidden_layers=3)
-    rot = scored_rotations(m, [[0.95], [0.2], [0.1]])  # one retrieval head: layer 0
-    price = lambda c: c.stored_bits(rot.fingerprint, list(rot.layers), 32768)  # noqa: E731
-
-    def score(c):  # lower with a head, for group 32, and for a longer recent window
-        assert price(c) <= 3.5 + 1e-9, f"a setting over the budget was scored: {price(c)}"
-        return (0.5 if c.retrieval_heads else 1.0) * (0.8 if c.group_size == 32 else 1.0) * 256 / c.recent
-
-    e = choose_settings(m, rot, [torch.zeros(4608 + 512, dtype=torch.long)], budget_bits=3.5, target_context=32768,
-                        score=score, progress=False)
-    tried = {t["name"]: t for t in e["tried"]}
-    head = OscarConfig(sink=128, recent=1024, group_size=64, retrieval_heads=((0, 0),), retrieval_bits=4)
-    assert price(head) == pytest.approx((1152 * 16 + 31616 * (2 * 2.5 + 4 + 32 / 256) / 3) / 32768)
-    assert price(head.replace(group_size=32)) > 3.5  # (the incumbent's group: no head fits)
-    assert "heads as INT4" not in tried and tried["heads as INT4, group_size=64"]["heads"] == 1
-    assert e["chosen_name"] == "heads as INT4, group_size=64" and e["bits"] == pytest.approx(price(head), abs=1e-4)
-    assert (e["chosen"]["group_size"], e["chosen"]["retrieval_heads"], e["chosen"]["retrieval_bits"]) == (64, [[0, 0]], 4)
-
-
 # ------------------------------------------------------------------ calibrate() and the artifact
 @pytest.fixture(scope="module")
 def calibrated(tiny):
