@@ -8,7 +8,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from .plan import settle_cache_keys
-from .query_triton import _cols_mask
+from .query_triton import _cols_mask, _load_padded
 
 LN2 = 0.6931471805599453
 _LN2 = tl.constexpr(LN2)  # jit code may only read constexpr globals
@@ -52,12 +52,10 @@ def _combine_kernel(
     base = bh.to(tl.int64) * S_TOT * M + mm  # partial (bh, s, mm) lives at base + s * M
     if FINAL and C_BLOCK == D:
         r_all = tl.load(RV + h * D * D + offs_d[:, None] * D + offs_d[None, :])  # issued before the partials
+    real = (offs_d < D)[None, :]  # R_V's real columns (D = DPAD: every one, no mask)
     if FINAL and HOIST:  # R_V's first chunk of this program's channels
-        if D == DPAD:
-            r_next = tl.load(RV + h * D * D + (c_lo + tl.arange(0, C_BLOCK))[:, None] * D + offs_d[None, :])
-        else:
-            r_next = tl.load(RV + h * D * D + (c_lo + tl.arange(0, C_BLOCK))[:, None] * D + offs_d[None, :],
-                             mask=(offs_d < D)[None, :], other=0.0)
+        r_next = _load_padded(RV + h * D * D + (c_lo + tl.arange(0, C_BLOCK))[:, None] * D + offs_d[None, :], real,
+                              DPAD > D)
     if PDL:  # programmatic dependent launch: the partials are ready once the grid before this one completed
         gdc_wait()
     if RESET:
@@ -99,11 +97,8 @@ def _combine_kernel(
             offs_c = c_lo + ci * C_BLOCK + tl.arange(0, C_BLOCK)
             r = r_next
             if ci + 1 < D // C_BLOCK // PARTS:  # the next chunk's load in flight while this one is used
-                if D == DPAD:
-                    r_next = tl.load(RV + h * D * D + (offs_c + C_BLOCK)[:, None] * D + offs_d[None, :])
-                else:
-                    r_next = tl.load(RV + h * D * D + (offs_c + C_BLOCK)[:, None] * D + offs_d[None, :],
-                                     mask=(offs_d < D)[None, :], other=0.0)
+                r_next = _load_padded(RV + h * D * D + (offs_c + C_BLOCK)[:, None] * D + offs_d[None, :], real,
+                                      DPAD > D)
             o = tl.sum(r * acc[None, :], 1)
             if HAS_MUV:
                 o += lh * tl.load(MUV + h * D + offs_c)
@@ -129,11 +124,8 @@ def _combine_kernel(
             # history: (acc R_Vᵀ)[c] = sum_d R_V[c, d] acc[d], plus l_h * mu_V[c]
             if C_BLOCK == D:
                 r = r_all
-            elif D == DPAD:
-                r = tl.load(RV + h * D * D + offs_c[:, None] * D + offs_d[None, :])
             else:  # [C_BLOCK, DP]: R_V's padded columns 0
-                r = tl.load(RV + h * D * D + offs_c[:, None] * D + offs_d[None, :], mask=(offs_d < D)[None, :],
-                            other=0.0)
+                r = _load_padded(RV + h * D * D + offs_c[:, None] * D + offs_d[None, :], real, DPAD > D)
             o = tl.sum(r * acc[None, :], 1)
             if HAS_MUV:
                 o += lh * tl.load(MUV + h * D + offs_c)
@@ -147,10 +139,7 @@ def _combine_kernel(
     else:
         tl.store(OM + row, m_h * _LN2)
         tl.store(OL + row, l_h)
-        if D == DPAD:
-            tl.store(OACC + row.to(tl.int64) * D + offs_d, acc)
-        else:
-            tl.store(OACC + row.to(tl.int64) * D + offs_d, acc, mask=offs_d < D)
+        tl.store(OACC + row.to(tl.int64) * D + offs_d, acc, mask=offs_d < D if DPAD > D else None)
 
 
 settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

@@ -273,10 +273,7 @@ def _heads_combine_kernel(PM, PL, PACC, OUT, M, S_TOT, M_PAD: tl.constexpr, D: t
         acc = acc * alpha + tl.sum(w[:, None] * av, 0)
         m_run = m_new
     out = acc / tl.where(l_run > 0, l_run, 1.0)
-    if D == DP:
-        tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty))
-    else:
-        tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D)
+    tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D if DP > D else None)
 
 
 def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: float, out_dtype, *, pages=None,

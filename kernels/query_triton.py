@@ -24,6 +24,15 @@ def _cols_mask(rows, offs, N: tl.constexpr, NP: tl.constexpr):
 
 
 @triton.jit
+def _load_padded(ptr, real, PADDED: tl.constexpr):
+    """``tl.load(ptr)``; where a width was padded to a power of two (``PADDED``), masked by ``real`` (0 elsewhere)."""
+    if PADDED:
+        return tl.load(ptr, mask=real, other=0.0)
+    else:
+        return tl.load(ptr)
+
+
+@triton.jit
 def _rotate_block(
     Q, RK, MU, QR, QO, pid, c0, M, Hk,
     sqb, sqh, sqm, smb, smh,
@@ -43,15 +52,10 @@ def _rotate_block(
                     mask=_cols_mask(mrow, offs_d, D, DP), other=0.0).to(tl.float32)  # [M_PAD, DP]
         if HAS_MU:  # loaded with q and R_K by every program (512 bytes), used by the first column block's: loaded only
             # there, after the product, it was a second round trip that made those programs the prologue's last to end
-            if D == DP:
-                mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d).to(tl.float32)
-            else:
-                mu = tl.load(MU + b.to(tl.int64) * smb + h * smh + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        if D == DP:
-            r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + offs_c[None, :])  # R_K[h][:, c-block]
-        else:  # [DP, C_BLOCK]: the padded rows 0
-            r = tl.load(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + offs_c[None, :],
-                        mask=(offs_d < D)[:, None], other=0.0)
+            mu = _load_padded(MU + b.to(tl.int64) * smb + h * smh + offs_d, offs_d < D, DP > D).to(tl.float32)
+        # R_K[h][:, c-block], [DP, C_BLOCK]: the padded rows 0
+        r = _load_padded(RK + h.to(tl.int64) * D * D + offs_d[:, None] * D + offs_c[None, :], (offs_d < D)[:, None],
+                         DP > D)
         out = QR + (pid.to(tl.int64) * M + offs_m[:, None]) * D  # q_rot [B, Hk, M, D] contiguous
         y = tl.dot(q, r, input_precision="tf32x3")
         tl.store(out + offs_c[None, :], y, mask=mrow[:, None])
