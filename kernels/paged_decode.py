@@ -75,11 +75,6 @@ def gather_rows(parts, block_table: torch.Tensor, n: int):
     return QuantizedRows(*out) if isinstance(parts, QuantizedRows) else out
 
 
-def gather_pages(pages: QuantizedRows, table_row: torch.Tensor, n: int) -> QuantizedRows:
-    """The first ``n`` history entries of one row, ``[1, Hk, n, *]``, from its block table ``table_row``."""
-    return gather_rows(pages, table_row[None], n)
-
-
 def paged_decode_batched(params: KVParams, qf, window: Window, history: History, scaling, out_dtype):
     """The paged read's torch reference: every row's history gathered to the host bound ``pages.max_len`` (entries
     past a row's length masked, and zeroed: stale storage may hold NaN), then the contiguous reference. No host sync,
@@ -137,7 +132,7 @@ def paged_history_partial(q_rot, qk_offset, history: History, scaling: float, gr
         return tuple(x.transpose(0, 1).reshape(1, hk, t * ROW_TILE, *x.shape[3:])[:, :, :m] for x in part)
     p = history.k.codes.shape[-2]
     block = max(p, min(block_n, LOGITS_BUDGET // (4 * hk * m)) // p * p)
-    k, v = (gather_pages(x, pages.table[0], n) for x in (history.k, history.v))  # [1, Hk, n, *]
+    k, v = (gather_rows(x, pages.table[:1], n) for x in (history.k, history.v))  # [1, Hk, n, *]
     start = torch.zeros(1, dtype=torch.long, device=q_rot.device)
     return history_partial_reference(q_rot, k, v, start, None, qk_offset, scaling, group_size, block_n=block)
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import torch
 
-from oscar_hf.kernels.paged_decode import gather_pages, gather_rows
+from oscar_hf.kernels.paged_decode import gather_rows
 from oscar_hf.kernels.write_path import scatter_entries
 
 from ..cache import heads
@@ -247,7 +247,7 @@ class PagedInt2Pool:
 
     def gather(self, pages: torch.Tensor, layer: int, kind: str, n: int) -> QuantizedRows:
         """The first ``n`` INT2 entries of ``pages [np]`` (block-table order) as packed rows ``[1, Hq_l, n, X]``."""
-        return gather_pages(self.rows(layer, kind), pages, n)
+        return gather_rows(self.rows(layer, kind), pages[None], n)
 
     def gather_coded(self, page_ids: torch.Tensor, layer: int, kind: str, n: int) -> tuple[torch.Tensor, ...]:
         """The first ``n`` coded entries of each row of ``page_ids [B, np]``, ``[B, F_l, n, *]`` per part (entries

@@ -128,7 +128,7 @@ def rowwise_reference(qf, r_k, mu_k, pages_k, pages_v, block_table, hist_len, wi
     """Row by row: each row's history gathered to its own length and read by the contiguous reference."""
     params, outs = KVParams(r_k, mu_k, r_v, mu_v, group_size), []
     for b, (n, slot) in enumerate(zip(hist_len.tolist(), win_slot.tolist())):
-        k, v = (pd.gather_pages(x, block_table[b], n) for x in (pages_k, pages_v))
+        k, v = (pd.gather_rows(x, block_table[b : b + 1], n) for x in (pages_k, pages_v))
         window = Window(win_k[slot : slot + 1], win_v[slot : slot + 1], win_mask[b].view(1, 1, 1, -1))
         outs.append(decode_attention_reference(params, qf[b : b + 1], window,
                                                History(k, v, torch.zeros(1, dtype=torch.long)), scaling, out_dtype))
