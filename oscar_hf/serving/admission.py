@@ -106,23 +106,26 @@ _create_lock = threading.Lock()
 
 
 def admission_of(manager) -> Admission:
-    """The manager's :class:`Admission`, made on first use, its output router hooked: ids leave before their last
-    output is delivered (a client may resubmit the id as soon as it has it)."""
+    """The manager's :class:`Admission`, made (and its output router hooked) on first use."""
     with _create_lock:
         adm = manager.__dict__.get("oscar_admission")
         if adm is None:
             adm = Admission(getattr(manager.model.config.get_text_config(decoder=True), "vocab_size", None))
-            router = manager.output_router
-            deliver, deliver_batch = router.deliver, router.deliver_batch
-
-            def finished(outputs: list) -> list:
-                adm.release(*(o.request_id for o in outputs if o.is_finished()))
-                return outputs
-
-            router.deliver = lambda output: deliver(finished([output])[0])
-            router.deliver_batch = lambda outputs: deliver_batch(finished(outputs))
+            _hook_router(manager.output_router, adm)
             manager.oscar_admission = adm
     return adm
+
+
+def _hook_router(router, adm: Admission) -> None:
+    """Ids leave before their last output is delivered (a client may resubmit the id as soon as it has it)."""
+    deliver, deliver_batch = router.deliver, router.deliver_batch
+
+    def finished(outputs: list) -> list:
+        adm.release(*(o.request_id for o in outputs if o.is_finished()))
+        return outputs
+
+    router.deliver = lambda output: deliver(finished([output])[0])
+    router.deliver_batch = lambda outputs: deliver_batch(finished(outputs))
 
 
 def install(manager, processor) -> None:

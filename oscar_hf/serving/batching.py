@@ -51,6 +51,19 @@ def _attention_configs(target) -> list:
     return attention_configs(target) if isinstance(target, torch.nn.Module) else [target]
 
 
+def _switch(target) -> list:
+    """Route the attention of ``target`` (a model or its config) through OSCAR; returns ``[(config, old, new)]``."""
+    saved = []
+    for c in _attention_configs(target):
+        old = c._attn_implementation
+        _, base = split_name(old)
+        new = PREFIX + base.removeprefix("paged|") if SECTOR_API else ATTENTION_NAME
+        # set directly: both names are registered, and set_attn_implementation would re-validate them
+        c._attn_implementation_internal = new
+        saved.append((c, old, new))
+    return saved
+
+
 def _restore(saved: list) -> None:
     for c, old, new in saved:
         if c._attn_implementation == new:
@@ -207,14 +220,8 @@ def oscar_continuous_batching(make_store, model=None):
         cache = OscarPagedCache(*args, store=store, **kwargs)
         stores.add(store)
         built.pages = store.pool.num_pages if cache.oscar_owns_memory else None
-        # after the manager accepted sdpa, the attention routed through OSCAR ([(config, old, new)]; set directly: both
-        # names are registered, and set_attn_implementation would re-validate them); undone when the manager stops
-        cache.oscar_switched = []
-        for c in _attention_configs(model if model is not None else arguments["config"]):
-            _, base = split_name(c._attn_implementation)
-            new = PREFIX + base.removeprefix("paged|") if SECTOR_API else ATTENTION_NAME
-            cache.oscar_switched.append((c, c._attn_implementation, new))
-            c._attn_implementation_internal = new
+        # after the manager accepted sdpa; undone when the manager stops (the next manager of the model checks it)
+        cache.oscar_switched = _switch(model if model is not None else arguments["config"])
         saved.extend(cache.oscar_switched)
         return cache
 
