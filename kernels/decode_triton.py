@@ -58,10 +58,12 @@ def _rows_layout(x: QuantizedRows) -> QuantizedRows:
 def _meta_words(k: QuantizedRows, v: QuantizedRows) -> bool:
     """Whether bf16 metadata can be read as aligned 4-byte words: two groups of a token (even group count), or with
     one group a token, a token pair ``2j, 2j + 1`` (the Gluon kernel at D = 64)."""
-    one = k.scale.shape[-1] == 1  # (then the token stride is 1 and the strides above it even)
-    return (one or k.scale.shape[-1] % 2 == 0) and all(
-        t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0 and (not one or t.stride(-2) == 1)
-        and all(st % 2 == 0 for st in t.stride()[:-2 if one else -1]) for t in (k.scale, k.zero, v.scale, v.zero))
+    if k.scale.shape[-1] == 1:
+        return all(t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0 and t.stride(-2) == 1
+                   and all(st % 2 == 0 for st in t.stride()[:-2]) for t in (k.scale, k.zero, v.scale, v.zero))
+    return k.scale.shape[-1] % 2 == 0 and all(
+        t.dtype == torch.bfloat16 and t.data_ptr() % 4 == 0 and all(st % 2 == 0 for st in t.stride()[:-1])
+        for t in (k.scale, k.zero, v.scale, v.zero))
 
 
 _READY = {}  # device -> [int32 counters of QFLAG (prologue -> history), zero between calls; the last stream]
