@@ -15,7 +15,6 @@ def check_append_inputs(params, new_k, new_v, window, history, at) -> tuple[int,
         raise ValueError(f"new_k/new_v must be [B, Hk, 1, D] of one shape, got {tuple(new_k.shape)}, "
                          f"{tuple(new_v.shape)}")
     b, hk, _, d = new_k.shape
-    check_group_size(d, params.group_size)
     if sink < 0 or recent < 0:
         raise ValueError(f"sink={sink} and recent={recent} must be >= 0")
     if win_k.dim() != 4 or win_v.shape != win_k.shape or win_k.shape[:2] != (b, hk) or win_k.shape[3] != d:
@@ -27,12 +26,7 @@ def check_append_inputs(params, new_k, new_v, window, history, at) -> tuple[int,
         raise ValueError(f"the ring has {ring} entries (window {win_k.shape[2]} - sink {sink}); it needs at least "
                          f"recent + 1 = {recent + 1}")
     h2, n = history.k.codes.shape[1], history.k.codes.shape[2]
-    _check_history(params, history, (b, h2, n), "B, H2, N", d, hk, win_k.dtype)
-    mu_k, mu_v = params.mu_k, params.mu_v
-    if mu_k is not None and mu_k.shape not in ((h2, d), (b, h2, d)):
-        raise ValueError(f"mu_k must be None, [H2, D] or [B, H2, D] = {(b, h2, d)}, got {tuple(mu_k.shape)}")
-    if mu_v is not None and mu_v.shape != (h2, d):
-        raise ValueError(f"mu_v must be None or [H2, D] = {(h2, d)}, got {tuple(mu_v.shape)}")
+    _check_history(params, history, (b, h2, n), "B, H2, N", d, hk, win_k.dtype, mu_rows=b)
     if length.dim() != 0 or pad.shape != (b,):
         raise ValueError(f"length must be a 0-d tensor and pad [B={b}], got {tuple(length.shape)}, {tuple(pad.shape)}")
     return ring, n, h2
@@ -43,11 +37,13 @@ def _check_dtypes(new_k, new_v, win_k, win_v) -> None:
         raise ValueError(f"window dtype {win_k.dtype}/{win_v.dtype} != new token dtype {new_k.dtype}/{new_v.dtype}")
 
 
-def _check_history(params, history, lead: tuple, lead_names: str, d: int, hk: int, dtype) -> None:
-    """The INT2 rows ``[*lead, D/4]`` uint8 and ``[*lead, D/G]`` metadata (``lead[1]`` = H2 quantized heads), the
-    KV head -> history head map, the rotations ``[H2, D, D]`` and the retrieval heads' rows (``dtype``: the window's)
-    of the contiguous and the paged write alike."""
+def _check_history(params, history, lead: tuple, lead_names: str, d: int, hk: int, dtype, mu_rows=None) -> None:
+    """The group size, the INT2 rows ``[*lead, D/4]`` uint8 and ``[*lead, D/G]`` metadata (``lead[1]`` = H2 quantized
+    heads), the KV head -> history head map, the rotations ``[H2, D, D]``, the offsets ``[H2, D]`` (``mu_k`` also
+    ``[mu_rows, H2, D]`` where given: the contiguous write's per-row offsets) and the retrieval heads' rows
+    (``dtype``: the window's) of the contiguous and the paged write alike."""
     h2, group_size, meta_dtype, hist_heads = lead[1], params.group_size, params.meta_dtype, params.hist_of
+    check_group_size(d, group_size)
     for name, q in (("hist_k", history.k), ("hist_v", history.v)):
         if q.codes.shape != (*lead, d // 4) or q.codes.dtype != torch.uint8:
             raise ValueError(f"{name}.codes must be uint8 [{lead_names}, D/4] = {(*lead, d // 4)}, got "
@@ -65,6 +61,10 @@ def _check_history(params, history, lead: tuple, lead_names: str, d: int, hk: in
     for name, r in (("r_k", params.r_k), ("r_v", params.r_v)):
         if r.shape != (h2, d, d):
             raise ValueError(f"{name} must be [H2={h2}, D, D], got {tuple(r.shape)}")
+    mu_k_shapes = ((h2, d),) if mu_rows is None else ((h2, d), (mu_rows, h2, d))
+    for name, mu, shapes in (("mu_k", params.mu_k, mu_k_shapes), ("mu_v", params.mu_v, ((h2, d),))):
+        if mu is not None and mu.shape not in shapes:
+            raise ValueError(f"{name} must be None or of a shape in {shapes}, got {tuple(mu.shape)}")
     if history.coded is not None:  # the retrieval heads' parts [B or pages, P, N or P, *] and their coded_of [Hk]
         check_coded_store(*history.coded, params.heads.bits, lead[0], history.coded[0][0].shape[1], lead[2], d, dtype)
         coded_of = params.heads.coded_of
@@ -98,7 +98,6 @@ def check_paged_inputs(params, new_k, new_v, window, history, rows) -> int:
     if new_k.dim() != 3 or new_v.shape != new_k.shape:
         raise ValueError(f"new_k/new_v must be [Hk, Q, D] of one shape, got {tuple(new_k.shape)}, {tuple(new_v.shape)}")
     hk, _, d = new_k.shape
-    check_group_size(d, params.group_size)
     if win_k.dim() != 4 or win_v.shape != win_k.shape or win_k.shape[1] != hk or win_k.shape[3] != d:
         raise ValueError(f"win_k/win_v must be [slots, Hk={hk}, S0 + R, D={d}], got {tuple(win_k.shape)}, "
                          f"{tuple(win_v.shape)}")
@@ -110,7 +109,4 @@ def check_paged_inputs(params, new_k, new_v, window, history, rows) -> int:
             raise ValueError(f"rows.{name} must be int64 [Bp={bp}], got {x.dtype} {tuple(x.shape)}")
     pages, h2, p = history.k.codes.shape[:3]
     _check_history(params, history, (pages, h2, p), "pages, H2, P", d, hk, win_k.dtype)
-    for name, mu in (("mu_k", params.mu_k), ("mu_v", params.mu_v)):
-        if mu is not None and mu.shape != (h2, d):
-            raise ValueError(f"{name} must be None or [H2, D] = {(h2, d)}, got {tuple(mu.shape)}")
     return h2
