@@ -261,7 +261,7 @@ def append_token_triton(params, new_k, new_v, window, history, at):
     ring, n, h2 = check_append_inputs(params, new_k, new_v, window, history, at)
     b, hk, _, d = new_k.shape
     if b == 0 or hk == 0:
-        return None
+        return
     if at.length.dtype != torch.long or at.pad.dtype != torch.long:
         raise ValueError(f"length and pad must be int64, got {at.length.dtype}, {at.pad.dtype}")
     new_k, new_v = (last_contiguous(x) for x in (new_k, new_v))
@@ -269,7 +269,6 @@ def append_token_triton(params, new_k, new_v, window, history, at):
     _launch(params, new_k, new_v, window, history, b * hk * 2, (at.length, at.pad, n, at.sink, ring, at.recent),
             (*new_k.stride()[:2], *new_v.stride()[:2]), h2 * d if mu_k is not None and mu_k.dim() == 3 else 0,
             paged=False, demote=True)
-    return None
 
 
 def paged_append_triton(params, new_k, new_v, window, history, rows):
@@ -279,14 +278,13 @@ def paged_append_triton(params, new_k, new_v, window, history, rows):
     h2 = check_paged_inputs(params, new_k, new_v, window, history, rows)
     hk, bp = new_k.shape[0], rows.pos.shape[0]
     if bp == 0 or hk == 0:
-        return None
+        return
     if new_k.stride(-1) != 1 or new_v.stride() != new_k.stride():
         new_k, new_v = new_k.contiguous(), new_v.contiguous()
     tensors = tuple(x.contiguous() for x in rows.tensors())  # (views of the plan's buffers: already contiguous)
     coded_heads = 0 if history.coded is None else history.coded[0][0].shape[1]
     _launch(params, new_k, new_v, window, history, bp * hk, tensors, (new_k.stride(1), new_k.stride(0)) * 2, 0,
             paged=True, demote=bool(rows.demote) and h2 + coded_heads > 0)
-    return None
 
 
 settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

@@ -9,7 +9,7 @@ import torch
 from oscar_hf.quant import QuantizedRows, dequantize_minmax, unpack_int4
 
 from .append_checks import check_coded_store
-from .int2_attention import history_partial_reference, normalized, sink_partial, window_partial
+from .int2_attention import history_partial_reference, merge_history_and_window
 from .paged_decode import gather_rows
 from .plan import triton_enabled
 
@@ -66,10 +66,8 @@ def heads_decode_reference(q, heads, coded, bits: int, bounds, window, scaling: 
                                      softcap, dequant=lambda parts: dequantize_heads(parts, bits))
     win = window.heads(heads).gathered()  # [B, P, W, D], copied (the kernel reads the pool's rows and heads in place)
     mask = win.mask_2d()
-    parts = [part, window_partial(qh, win.k, win.v, None if mask is None else mask[:, None, None, :], scaling, softcap)]
-    if sinks is not None:
-        parts.append(sink_partial(sinks, part[0]))
-    return normalized(parts, out_dtype or q.dtype)
+    return merge_history_and_window(part, qh, win.k, win.v, None if mask is None else mask[:, None, None, :], None,
+                                    None, scaling, out_dtype or q.dtype, softcap, sinks)
 
 
 def heads_decode_attention(q, heads, coded, bits: int, bounds, window, scaling: float, out_dtype=None, *,

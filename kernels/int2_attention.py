@@ -143,10 +143,11 @@ def decode_attention_reference(params, q, window, history, scaling, out_dtype=No
 
 def merge_history_and_window(hist, q_win, k_win, v_win, win_mask, r_v, mu_v, scaling: float, out_dtype, softcap=None,
                              sinks=None):
-    """The history partial brought back to the value space (``acc R_Vᵀ + l mu_V``), merged with the window's
-    partial (and the sinks'), normalized, in ``out_dtype``."""
+    """The history partial brought back to the value space (``acc R_Vᵀ + l mu_V``; ``r_v`` None: it is there, the
+    retrieval heads'), merged with the window's partial (and the sinks'), normalized, in ``out_dtype``."""
     hm, hl, hacc = hist
-    hacc = torch.matmul(hacc, r_v.float().transpose(-1, -2).unsqueeze(0))
+    if r_v is not None:
+        hacc = torch.matmul(hacc, r_v.float().transpose(-1, -2).unsqueeze(0))
     if mu_v is not None:
         hacc = hacc + hl.unsqueeze(-1) * mu_v.float()[None, :, None, :]
     parts = [(hm, hl, hacc)]
