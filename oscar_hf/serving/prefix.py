@@ -9,14 +9,6 @@ import operator
 from array import array
 
 
-def _link(parent: int | None, tokens: list[int]) -> int:
-    h = hashlib.blake2b(digest_size=8)  # not hash(): salted per process, and tensor-parallel ranks must agree
-    if parent is not None:
-        h.update(parent.to_bytes(8, "little"))
-    h.update(array("q", tokens).tobytes())
-    return int.from_bytes(h.digest(), "little")
-
-
 class PrefixIndex:
     """Which live requests hold a page keyed by each hash chain link, and which retained page keeps a link no live
     request holds (module docstring)."""
@@ -28,16 +20,21 @@ class PrefixIndex:
         self.kept: dict[int, int] = {}  # link -> its retained page (the pool's retained set, in the pool's order)
         self.sinks: dict[int, int] = {}  # a kept first page's link -> the window slot kept with it (the sink's rows)
 
-    def _tokens(self, tokens: list[int], b: int) -> list[int]:
-        """The tokens link ``b`` adds to its parent's."""
-        s0, p = self.sink, self.page_size
-        return tokens[: s0 + p] if b == 0 else tokens[s0 + b * p : s0 + (b + 1) * p]
+    def _next_link(self, links: list[int], tokens: list[int]) -> int:
+        """The chain's link after ``links``: page ``len(links)`` of ``tokens`` (its parent's link and its tokens)."""
+        b, s0, p = len(links), self.sink, self.page_size
+        h = hashlib.blake2b(digest_size=8)  # not hash(): salted per process, and tensor-parallel ranks must agree
+        if links:
+            h.update(links[-1].to_bytes(8, "little"))
+        first = s0 + b * p if b else 0  # page 0's link covers the sink's tokens too
+        h.update(array("q", tokens[first : s0 + (b + 1) * p]).tobytes())
+        return int.from_bytes(h.digest(), "little")
 
     def register(self, request_id: str, tokens: list[int], pages: int) -> None:
         """``request_id``'s first ``pages`` pages hold ``tokens``' prefix (the pages it holds for good)."""
         links = self.links.setdefault(request_id, [])
         while len(links) < pages and len(tokens) >= self.sink + (len(links) + 1) * self.page_size:
-            links.append(_link(links[-1] if links else None, self._tokens(tokens, len(links))))
+            links.append(self._next_link(links, tokens))
             self.holders.setdefault(links[-1], {})[request_id] = None
 
     def match(self, tokens: list[int], max_pages: int) -> tuple[list[int], str | None]:
@@ -45,7 +42,7 @@ class PrefixIndex:
         those kept; and a live request holding the first ones (``([], None)``: none)."""
         links, holder, live = [], None, True
         while len(links) < max_pages:
-            link = _link(links[-1] if links else None, self._tokens(tokens, len(links)))
+            link = self._next_link(links, tokens)
             held = self.holders.get(link) if live else None
             if held:
                 holder = next(iter(held))
