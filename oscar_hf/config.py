@@ -87,11 +87,10 @@ class OscarConfig:
 
     def __post_init__(self):
         """Raise ValueError naming the field that is out of range; sequences become tuples (in place: frozen)."""
-        for name, val in (("sink", self.sink), ("recent", self.recent)):
-            if not isinstance(val, int) or val < 0:
-                raise ValueError(f"OscarConfig.{name} must be a non-negative int, got {val!r}")
-        if self.recent < 1:
-            raise ValueError("OscarConfig.recent must be >= 1 (the current token's predecessor stays in full precision)")
+        for name, lo in (("sink", 0), ("recent", 1)):  # recent >= 1: the current token's predecessor stays unquantized
+            val = getattr(self, name)
+            if not isinstance(val, int) or val < lo:
+                raise ValueError(f"OscarConfig.{name} must be an int >= {lo}, got {val!r}")
         g = self.group_size
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
             raise ValueError(f"OscarConfig.group_size must be a positive int or None (= head_dim), got {g!r}")
@@ -200,10 +199,8 @@ class OscarConfig:
         return min(n, num_heads)
 
     def stored_bits(self, fingerprint: "ModelFingerprint", quantized_layers: Sequence[int], context: int) -> float:
-        """The memory budget's measure (``calibrate(budget_bits=...)``): average stored bits per cached K/V element
-        over ``quantized_layers`` once ``context`` tokens are cached (window at :data:`WINDOW_BITS`, history INT2 or
-        retrieval heads, skipped layers at :data:`WINDOW_BITS`). ``retrieval_heads`` must be resolved. What is
-        counted: docs/quality.md, "Settings chosen per model by calibration"."""
+        """The budget's measure (``calibrate(budget_bits=...)``): average stored bits per cached K/V element over
+        ``quantized_layers`` at ``context`` tokens (``retrieval_heads`` resolved); docs/quality.md, "The budget"."""
         if isinstance(context, bool) or not isinstance(context, int) or context < 1:
             raise ValueError(f"context must be a positive int of tokens, got {context!r}")
         layers = sorted({int(i) for i in quantized_layers})

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .config import ModelFingerprint
+from .config import ModelFingerprint, validate_head_dim
 from .hadamard import hadamard_matrix
 
 logger = logging.getLogger("oscar_hf")
@@ -88,11 +88,10 @@ class OscarRotations:
                        token: str | bool | None = None) -> "OscarRotations":
         """Convert the authors' rotation files (formats: :mod:`oscar_hf.reference_rotations`), local or in the Hub
         repo ``repo_id``, with their clips and one group per head by default (recorded for ``from_pretrained``)."""
-        from .quant import check_group_size
         from .reference_rotations import read_reference_pair, resolve_file
         fp = ModelFingerprint.from_config(getattr(model_or_config, "config", model_or_config))
         g = fp.head_dim if group_size is None else int(group_size)
-        check_group_size(fp.head_dim, g)
+        validate_head_dim(fp, g)
         k_file, v_file = (resolve_file(p, repo_id, subfolder=subfolder, revision=revision, cache_dir=cache_dir,
                                        local_files_only=local_files_only, token=token) for p in (k_path, v_path))
         pairs, source = read_reference_pair(k_file, v_file, fp, ORTHOGONALITY_TOL)

@@ -1,8 +1,6 @@
 """Save a live :class:`~oscar_hf.OscarCache` and load it back to continue generation exactly. The saved folder
-(``cache_state.json``, ``cache_tensors.safetensors``, ``rotations/``) and what loading refuses: docs/usage.md, "The
-cache in `generate`". Loading refuses other weights, non-finite values and sizes beyond the model's position limit or
-the tensors in the file, before allocating; it unpickles nothing.
-"""
+(``cache_state.json``, ``cache_tensors.safetensors``, ``rotations/``) and what loading refuses, before allocating and
+unpickling nothing: docs/usage.md, "The cache in `generate`"."""
 from __future__ import annotations
 
 import hashlib
