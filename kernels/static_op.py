@@ -138,9 +138,6 @@ decode_step_ = torch.library.custom_op("oscar::decode_step_", decode_step,
 
 @decode_step_.register_fake
 def _(*args):
-    a = dict(zip(_PARAMS, args))
+    a = inspect.signature(decode_step).bind(*args).arguments
     _check_stacked(a["win"], a["codes"], a["meta"], a["r"])
     return a["q"].new_empty(a["q"].shape, dtype=a["out_dtype"])
-
-
-_PARAMS = list(inspect.signature(decode_step).parameters)
