@@ -57,6 +57,16 @@ def random_rotation(hk: int, d: int, gen: torch.Generator) -> torch.Tensor:
     return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)).float()
 
 
+def signed_permutation(hk: int, d: int, gen: torch.Generator) -> torch.Tensor:
+    """``[Hk, D, D]`` float32 signed permutations: rotations whose products are exact (a kernel and its reference
+    then quantize the same values)."""
+    perm = torch.stack([torch.randperm(d, generator=gen) for _ in range(hk)]) if hk else torch.zeros(0, d).long()
+    sign = torch.randint(0, 2, (hk, d), generator=gen).float() * 2 - 1
+    r = torch.zeros(hk, d, d)
+    r.scatter_(2, perm[:, :, None], sign[:, :, None])
+    return r
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()

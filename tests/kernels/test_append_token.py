@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_utils import (HAS_CUDA, CodedSlots, append_token, assert_int2_rows_close, random_rotation, ring_write,
-                          setup_interpreter)
+                          setup_interpreter, signed_permutation)
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
@@ -51,7 +51,7 @@ class Layer:
         self.codes_kv = torch.stack([hist_k.codes, hist_v.codes])  # [2, B, H2, N, D/4]
         self.meta_kv = torch.stack([torch.stack([h.scale, h.zero]) for h in (hist_k, hist_v)])  # [2, 2, B, H2, N, D/G]
         # exact: signed permutations, so (x - mu) @ r is exact in fp32 whatever the summation order
-        rot = _signed_permutation if exact else random_rotation
+        rot = signed_permutation if exact else random_rotation
         self.r_k, self.r_v = rot(hq, d, gen), rot(hq, d, gen)
         self.mu_k = {None: None, "2d": torch.randn(hq, d, generator=gen),
                      "3d": 4.0 * torch.randn(b, hq, d, generator=gen)}[mu_k]
@@ -113,14 +113,6 @@ class Layer:
         """The positional arguments of append_token_reference / append_token_triton."""
         return (new_k, new_v, self.win_k, self.win_v, self.hist_k, self.hist_v, length, pad, self.heads, self.r_k,
                 self.mu_k, self.clip_k, self.r_v, self.mu_v, self.clip_v, self.g, self.meta, self.sink, self.recent)
-
-
-def _signed_permutation(hq, d, gen):
-    perm = torch.stack([torch.randperm(d, generator=gen) for _ in range(hq)])
-    sign = torch.randint(0, 2, (hq, d), generator=gen).float() * 2 - 1
-    r = torch.zeros(hq, d, d)
-    r.scatter_(2, perm[:, :, None], sign[:, :, None])
-    return r
 
 
 def _tokens(layer, step, device="cpu"):

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 from kernel_utils import (HAS_CUDA, CodedSlots, assert_int2_rows_close, paged_append, paged_write, random_rotation,
-                          setup_interpreter)
+                          setup_interpreter, signed_permutation)
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
@@ -30,14 +30,6 @@ def _triton():
 
 
 # ------------------------------------------------------------------------------------------------- fixtures
-
-
-def _signed_permutation(hq, d, gen):
-    perm = torch.stack([torch.randperm(d, generator=gen) for _ in range(hq)]) if hq else torch.zeros(0, d).long()
-    sign = torch.randint(0, 2, (hq, d), generator=gen).float() * 2 - 1
-    r = torch.zeros(hq, d, d)
-    r.scatter_(2, perm[:, :, None], sign[:, :, None])
-    return r
 
 
 class Paged:
@@ -65,7 +57,7 @@ class Paged:
             else:
                 t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
         self.windows = [torch.randn(slots + 1, 2, hk, sink + self.ring, d, generator=gen).to(dtype) for _ in "kv"]
-        rot = _signed_permutation if exact else random_rotation
+        rot = signed_permutation if exact else random_rotation
         self.r_k, self.r_v = rot(hq, d, gen), rot(hq, d, gen)
         self.mu_k = torch.randn(hq, d, generator=gen) if mu else None
         self.mu_v = torch.randn(hq, d, generator=gen) if mu else None
