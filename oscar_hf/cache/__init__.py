@@ -170,7 +170,6 @@ class OscarCache(Cache):
         enable_oscar(model_or_config)
 
     max_cache_len_fixed: int | None = None  # StaticOscarCache's capacity
-    _mask_layer: int | None = None
 
     @property
     def is_compileable(self) -> bool:  # (compile=False: generate keeps every forward eager)
@@ -259,8 +258,7 @@ class OscarCache(Cache):
         """Log which attention layers stay in full precision and why, one line per reason (a warning when nothing is
         quantized; debug after the first cache of the architecture)."""
         fp = self.fingerprint
-        kinds = self.layer_kinds()
-        n_q = sum(k.startswith("oscar") for k in kinds)
+        n_q = sum(k.startswith("oscar") for k in self.layer_kinds())
         for kind, why in FULL_PRECISION_WHY.items():
             idx = [i for i, t in enumerate(fp.layer_types) if t == kind]
             if idx:

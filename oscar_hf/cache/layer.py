@@ -338,8 +338,7 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         return step.t, step.pad, step.win_mask, step.hist_len
 
     def n_hist(self, length: torch.Tensor) -> torch.Tensor:
-        s0, w = self.config.sink, self.config.recent
-        return (length - w - s0).clamp(min=0)
+        return (length - self.config.recent - self.config.sink).clamp(min=0)
 
     def window_mask(self, length: torch.Tensor, recent: int) -> torch.Tensor:
         """``[B, S0 + R]`` bool: :func:`window_mask` of every row at ``length`` (0-d) from its left padding."""
