@@ -78,27 +78,23 @@ class Layer:
     hist_k = property(lambda self: QuantizedRows(self.codes_kv[0], self.meta_kv[0, 0], self.meta_kv[0, 1]))
     hist_v = property(lambda self: QuantizedRows(self.codes_kv[1], self.meta_kv[1, 0], self.meta_kv[1, 1]))
 
-    def to(self, device):
+    def _mapped(self, new, fn):
+        """``new`` given this layer's fields, ``fn`` applied to each tensor (alone, in QuantizedRows or a tuple)."""
         for name, v in vars(self).items():
             if isinstance(v, torch.Tensor):
-                setattr(self, name, v.to(device))
+                v = fn(v)
             elif isinstance(v, QuantizedRows):
-                setattr(self, name, QuantizedRows(*(x.to(device) for x in v)))
+                v = QuantizedRows(*(fn(x) for x in v))
             elif isinstance(v, tuple):
-                setattr(self, name, tuple(x.to(device) for x in v))
-        return self
-
-    def clone(self):
-        new = object.__new__(Layer)
-        for name, v in vars(self).items():
-            if isinstance(v, torch.Tensor):
-                v = v.clone()
-            elif isinstance(v, QuantizedRows):
-                v = QuantizedRows(*(x.clone() for x in v))
-            elif isinstance(v, tuple):
-                v = tuple(x.clone() for x in v)
+                v = tuple(fn(x) for x in v)
             setattr(new, name, v)
         return new
+
+    def to(self, device):
+        return self._mapped(self, lambda x: x.to(device))
+
+    def clone(self):
+        return self._mapped(object.__new__(Layer), torch.clone)
 
     def tensors(self):
         return [self.win_kv, self.codes_kv, self.meta_kv, *(self.coded_k or ()), *(self.coded_v or ())]
