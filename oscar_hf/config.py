@@ -120,7 +120,7 @@ class OscarConfig:
                 raise ValueError(f"OscarConfig.{name} must be a number in [{lo:g}, {hi:g}], got {val!r}")
             object.__setattr__(self, name, float(val))
 
-    # the old names, still read by serving and eval
+    # the old names, read-only (code written before the rename)
     full_precision_heads = property(lambda self: self.retrieval_heads)
     full_precision_bits = property(lambda self: self.retrieval_bits)
 
