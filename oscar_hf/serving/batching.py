@@ -255,14 +255,10 @@ def oscar_continuous_batching(make_store, model=None):
 
 @contextlib.contextmanager
 def paged_oscar(model, store: OscarPagedStore | None = None, **store_kwargs):
-    """Serve ``model``'s continuous batching through OSCAR inside the block::
-
-        with paged_oscar(model, method="hadamard") as store:
-            outputs = model.generate_batch(inputs, generation_config)
-
-    ``store``: an :class:`OscarPagedStore`, or its arguments (device and dtype default to the model's). When it
-    quantizes every layer, its pool is sized by the ``ContinuousBatchingConfig`` (give no ``num_pages`` /
-    ``memory_budget`` / ``page_size`` then). The model must be loaded with ``attn_implementation="sdpa"``."""
+    """Serve ``model``'s continuous batching through OSCAR inside the block (usage: docs/serving.md). ``store``: an
+    :class:`OscarPagedStore`, or its arguments (device and dtype default to the model's). When it quantizes every
+    layer, its pool is sized by the ``ContinuousBatchingConfig`` (give no ``num_pages`` / ``memory_budget`` /
+    ``page_size`` then). The model must be loaded with ``attn_implementation="sdpa"``."""
     if store is None:
         store_kwargs.setdefault("device", model.device)
         store_kwargs.setdefault("dtype", model.dtype)

@@ -163,14 +163,13 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
     # then does it first (oscar_hf.patching), so that the handle never reaches Transformers' function
     updates_in_attention = "cache" in inspect.signature(sdpa_attention_forward).parameters
 
-    def __init__(self, *args, store: OscarPagedStore, **kwargs):
-        config = args[0] if args else kwargs["config"]
-        self._start_graphs(store, config, args[1] if len(args) > 1 else kwargs.get("continuous_batching_config"))
+    def __init__(self, config, continuous_batching_config, *args, store: OscarPagedStore, **kwargs):
+        self._start_graphs(store, config, continuous_batching_config)
         if not self.oscar_owns_memory:  # BF16 cache for the other layers, the store's pool sized by the user
-            super().__init__(*args, **kwargs)
+            super().__init__(config, continuous_batching_config, *args, **kwargs)
         else:
             with _oscar_allocation(store):
-                super().__init__(*args, **kwargs)
+                super().__init__(config, continuous_batching_config, *args, **kwargs)
             allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
             # one page per block after the two trash sectors; the pool's trash page in the end of those sectors
             trash = 2 * self.bytes_per_sector - -(-store.page_bytes(allocator.tokens_per_page) // 128) * 128
