@@ -32,14 +32,6 @@ def _step(model, compiled, *args, **kwargs):
             layer.announced = False
 
 
-def cpu_compile_config():
-    """``generate``'s compile route on the CPU (fullgraph, eager backend): checks the compiled storage without a GPU."""
-    from transformers import CompileConfig
-    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
-    cc._compile_all_devices = True
-    return cc
-
-
 def _expect_length(original, generation_config, model_kwargs, *args, **kwargs):
     """``generate``'s ``_prepare_cache_for_generation``, telling the cache's layers ``max_cache_length`` first."""
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))

@@ -1,7 +1,13 @@
 """Helpers shared by the generate tests (imported as a plain module: pytest puts tests/ on sys.path)."""
 import torch
+from transformers import CompileConfig
 
-from oscar_hf.compiled_step import cpu_compile_config  # noqa: F401  (the tests import it from here)
+
+def cpu_compile_config():
+    """``generate``'s compile route on the CPU (fullgraph, eager backend): checks the compiled storage without a GPU."""
+    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    cc._compile_all_devices = True
+    return cc
 
 
 def left_pad(prompts):

@@ -49,12 +49,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LogitsP
 
 from oscar_hf import OscarCache, OscarRotations, disable_oscar  # noqa: E402
 from oscar_hf.compat import cache_kwargs  # noqa: E402
-from oscar_hf.compiled_step import cpu_compile_config  # noqa: E402
 from oscar_hf.config import ModelFingerprint  # noqa: E402
 from oscar_hf.rotations import LayerRotation  # noqa: E402
 from oscar_hf.distributed import even_head_shard, slice_layer_rotation  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # bench_generate
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # batch_utils
+from batch_utils import cpu_compile_config  # noqa: E402
 from bench_generate import SHAPES as _BENCH_SHAPES, StepClock  # noqa: E402
 
 SHAPES = {
