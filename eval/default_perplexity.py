@@ -1,7 +1,7 @@
 """Perplexity of the library's defaults against BF16 on two held-out texts, token by token.
 
 Rows: a BF16 ``DynamicCache`` and ``OscarCache.from_pretrained(ARTIFACT, model)`` with its defaults (calibrated
-rotations, ``full_precision_heads="auto"``), plus optional rows given by ``--rows``. Texts: the evaluation half of
+rotations, ``retrieval_heads="auto"``), plus optional rows given by ``--rows``. Texts: the evaluation half of
 WikiText (:func:`~oscar_hf.eval.perplexity.evaluation_ids`) and the prose of the Python language reference
 (``pydoc``, :func:`~oscar_hf.eval.haystack.pydoc_prose`: not WikiText, never seen by calibration). Every window
 starts with a ``--prefill``-token prompt (default 1; the prefill itself is exact); each later token is predicted by a
@@ -124,7 +124,7 @@ def main(argv=None, model=None, tokenizer=None):
     p.add_argument("--windows", type=int, default=2, help="windows per text")
     p.add_argument("--prefill", type=int, default=1, help="tokens prefilled (exactly) at the start of each window; "
                                                           "the rest are scored, one decode step each")
-    p.add_argument("--rows", default="", help="extra rows: comma list of no-heads (full_precision_heads=0), lloyd-max, "
+    p.add_argument("--rows", default="", help="extra rows: comma list of no-heads (retrieval_heads=0), lloyd-max, "
                                               "g32, lloyd-max-g32 (Lloyd-Max levels: --path fast only; group 32), "
                                               "std (OscarConfig.quantizer='std'), today (OscarConfig's defaults, "
                                               "not the settings the calibration chose)")
@@ -159,7 +159,7 @@ def main(argv=None, model=None, tokenizer=None):
         raise RuntimeError("the defaults row does not build the cache OscarCache.from_pretrained builds")
     methods[default.name] = default
     extras = {  # --rows: label and OscarFamily overrides
-        "no-heads": ("artifact, full_precision_heads=0", dict(retrieval_heads=0)),
+        "no-heads": ("artifact, retrieval_heads=0", dict(retrieval_heads=0)),
         # the retrieval heads' other storages (INT4 was the default before INT8; BF16 before INT4)
         "int4-heads": ("artifact, auto heads as INT4", dict(retrieval_bits=4)),
         "bf16-heads": ("artifact, auto heads in BF16", dict(retrieval_bits=16)),
@@ -207,10 +207,10 @@ def main(argv=None, model=None, tokenizer=None):
             r = perplexity(model, ids, method, context_len=args.context, n_windows=args.windows,
                            prefill_len=args.prefill, exact=path == "exact", progress=False)
             row = {k: r[k] for k in ("ppl", "nll", "tokens", "window_ppl", "bits", "mean_bits", "path", "settings")}
-            if hasattr(method, "full_precision_share"):
-                row["history_bits"] = method.config.history_bits(head_dim, method.full_precision_share())
-                row["full_precision_heads"] = [list(x) for x in method.full_precision_pairs()]
-                resolved = method.config.replace(retrieval_heads=tuple(method.full_precision_pairs()))
+            if hasattr(method, "retrieval_share"):
+                row["history_bits"] = method.config.history_bits(head_dim, method.retrieval_share())
+                row["retrieval_heads"] = [list(x) for x in method.retrieval_pairs()]
+                resolved = method.config.replace(retrieval_heads=tuple(method.retrieval_pairs()))
                 row["budget_bits"] = {"context": target, "bits": resolved.stored_bits(fp, quantized, target)}
             row.update(time_s=round(time.perf_counter() - t0, 1), cpu_time_s=round(time.process_time() - c0, 1))
             res["rows"][name][t] = row

@@ -1,14 +1,14 @@
 """Which part of the cache loses the 8K needles, and which levers bring them back.
 
 Every lever is a fake-quant view of the cache (:mod:`oscar_hf.eval.fakequant`): the defaults' artifact and coded
-retrieval heads (INT8 by default, ``--full-precision-bits``), with the keys or values of the INT2 heads read another
+retrieval heads (INT8 by default, ``--retrieval-bits``), with the keys or values of the INT2 heads read another
 way. Each locker needle (the unseen format of :mod:`oscar_hf.eval.needle`, pydoc haystack) is prefilled once, exactly,
 and every lever then scores the answer teacher-forced in one forward (:func:`oscar_hf.eval.needle.fast_answer_scores`):
 a needle counts when every answer token is the argmax (what greedy decoding of the right answer needs), and the
 answer's NLL is kept. On the 24 interior needles at 8K the count of the cache with INT4 heads equals its greedy
 exact-match count through the real cache (17).
 
-    python -P -m oscar_hf.eval.key_levers --artifact DIR --threads 2 --full-precision-bits 4
+    python -P -m oscar_hf.eval.key_levers --artifact DIR --threads 2 --retrieval-bits 4
     python -P -m oscar_hf.eval.key_levers --artifact DIR --threads 2 --perplexity   # what each lever costs in ppl
 
 Levers (history bits: the average over the quantized layers' KV heads, keys and values, the coded retrieval heads
@@ -105,7 +105,7 @@ class KeysOrValuesFrom(FakeQuantSpec):
 
 
 class HeadKeysExact(FakeQuantSpec):
-    """``inner`` (a :class:`KeysOrValuesFrom` or :class:`OscarSpec`), with the full-precision (retrieval) heads' keys
+    """``inner`` (a :class:`KeysOrValuesFrom` or :class:`OscarSpec`), with the retrieval heads' keys
     read exactly instead of from their codes."""
 
     def __init__(self, inner):

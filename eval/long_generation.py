@@ -201,7 +201,7 @@ def plot(res: dict, path: Path, smooth: int = 128) -> None:
 # ------------------------------------------------------------------------------------------ CLI
 def method_rows(names: Sequence[str], artifact: str | None, model) -> list[KVMethod]:
     """The CLI's rows by short name. ``default``: ``OscarCache.from_pretrained(artifact, model)``'s configuration
-    (calibrated rotations, ``full_precision_heads="auto"``); the others: the ≤3-bit rows of ``eval/compare.py`` and
+    (calibrated rotations, ``retrieval_heads="auto"``); the others: the ≤3-bit rows of ``eval/compare.py`` and
     ``bf16-kv``, the reference's own K/V through the fake-quant path (its noise floor)."""
     from .default_perplexity import default_method
 

@@ -207,8 +207,6 @@ class OscarFamily(KVMethod):
             self._fp_pairs = (self.rotations, sorted((i, h) for i, hs in heads.items() for h in hs))
         return self._fp_pairs[1]
 
-    full_precision_share, full_precision_pairs = retrieval_share, retrieval_pairs  # (their names before)
-
     def settings(self):
         c = self.config
         d = dict(method=self.method, sink=c.sink, recent=c.recent, group_size=c.group_size, center=c.center)

@@ -358,8 +358,8 @@ def run_grid(model, tokenizer, haystack_ids, methods: dict, lengths, depths, opt
 
 
 def history_bits(cache) -> dict:
-    """The history's average bits per element over the quantized layers' KV heads, the full-precision heads counted
-    as the cache stores them (``OscarConfig.full_precision_head_bits``: 8.5 at INT8, D = 64) and the rest at the INT2
+    """The history's average bits per element over the quantized layers' KV heads, the retrieval heads counted
+    as the cache stores them (``OscarConfig.retrieval_head_bits``: 8.5 at INT8, D = 64) and the rest at the INT2
     rows' cost (2.5 bits at group 64): ``cache.memory_report()``'s figure. ``{}`` for a cache without OSCAR layers."""
     layers = [layer for layer in getattr(cache, "layers", ()) if hasattr(layer, "retrieval_heads")]
     if not layers or not hasattr(cache, "oscar_config"):
@@ -367,5 +367,5 @@ def history_bits(cache) -> dict:
     fp, c = cache.fingerprint, cache.oscar_config
     n = len(layers) * fp.num_key_value_heads
     p = sum(len(layer.retrieval_heads) for layer in layers)
-    return dict(full_precision_heads=p, kv_heads=n, full_precision_head_bits=c.full_precision_head_bits(fp.head_dim),
+    return dict(retrieval_heads=p, kv_heads=n, retrieval_head_bits=c.retrieval_head_bits(fp.head_dim),
                 history_bits=c.history_bits(fp.head_dim, p / n))

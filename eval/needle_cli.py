@@ -92,13 +92,15 @@ def target_summary(acc: dict, reference: str, threshold: float = 0.9) -> str:
 
 
 def bits_summary(setup: dict) -> str:
-    """The storage of the full-precision heads and, per OscarCache row, its history bits (:func:`history_bits`)."""
+    """The storage of the retrieval heads and, per OscarCache row, its history bits (:func:`history_bits`; files
+    written before the rename name them ``full_precision_*``)."""
     rows = [(label, u) for label, u in setup.get("user_caches", {}).items() if "history_bits" in u]
     if not rows:
         return ""
-    lines = [f"\nFull-precision heads: {setup.get('full_precision_storage', 'BF16')}."]
-    lines += [f"* {label}: {u['full_precision_heads']} of {u['kv_heads']} KV heads at "
-              f"{u['full_precision_head_bits']:g} bits -> {u['history_bits']:.3f} history bits per element"
+    old = lambda u, key, default=None: u.get(f"retrieval_{key}", u.get(f"full_precision_{key}", default))  # noqa: E731
+    lines = [f"\nRetrieval heads: {old(setup, 'storage', 'BF16')}."]
+    lines += [f"* {label}: {old(u, 'heads')} of {u['kv_heads']} KV heads at "
+              f"{old(u, 'head_bits'):g} bits -> {u['history_bits']:.3f} history bits per element"
               for label, u in rows]
     return "\n".join(lines) + "\n"
 
@@ -154,25 +156,26 @@ def main(argv=None, model=None, tokenizer=None):
     p.add_argument("--methods", default="fp,identity,hadamard,oscar",
                    help="comma list of fp, identity, hadamard, oscar (OSCAR + centering, needs the artifact), "
                         "default (OscarCache(model)), artifact (OscarCache.from_pretrained(--artifact, model)), "
-                        "artifact-noheads (the same with full_precision_heads=0)")
+                        "artifact-noheads (the same with retrieval_heads=0)")
     p.add_argument("--artifact", default=None, help="OSCAR artifact dir (default: artifacts/smollm2-oscar)")
     p.add_argument("--group-size", type=int, default=64, help="group size of the quantized rows (default 64)")
     p.add_argument("--clip-k", type=float, default=None, help="OSCAR row: key clip ratio (default: the artifact's)")
     p.add_argument("--clip-v", type=float, default=None, help="OSCAR row: value clip ratio (default: the artifact's)")
     p.add_argument("--key-offset", choices=["calibrated", "prefill"], default="calibrated",
                    help="OSCAR row: key offset of the history (OscarConfig.key_offset)")
-    p.add_argument("--full-precision-heads", type=int, default=0,
-                   help="OSCAR row: keep the artifact's k best retrieval heads in full precision "
-                        "(OscarConfig.full_precision_heads; needs scripts/find_retrieval_heads.py scores)")
+    p.add_argument("--retrieval-heads", "--full-precision-heads", dest="retrieval_heads", type=int, default=0,
+                   help="OSCAR row: keep the artifact's k best retrieval heads out of INT2 "
+                        "(OscarConfig.retrieval_heads; needs scripts/find_retrieval_heads.py scores)")
     p.add_argument("--label", default=None, help="label of the OSCAR row (default 'OSCAR + centering')")
-    p.add_argument("--full-precision-bits", type=int, choices=RETRIEVAL_BIT_CHOICES, default=None,
-                   help="OscarConfig.full_precision_bits of the OSCAR and artifact rows: how their full-precision "
+    p.add_argument("--retrieval-bits", "--full-precision-bits", dest="retrieval_bits", type=int,
+                   choices=RETRIEVAL_BIT_CHOICES, default=None,
+                   help="OscarConfig.retrieval_bits of the OSCAR and artifact rows: how their retrieval "
                         "heads are stored (16: model dtype; 8/4: codes with a scale and zero per token and head; "
                         "default: the library's)")
     p.add_argument("--quantizer", choices=QUANTIZERS, default=None,
                    help="OscarConfig.quantizer of the OSCAR and artifact rows (default: the library's)")
-    p.add_argument("--artifact-full-precision-heads", default="auto",
-                   help="artifact row: 'auto' (the library's rule at --full-precision-bits) or k (the artifact's "
+    p.add_argument("--artifact-retrieval-heads", "--artifact-full-precision-heads", dest="artifact_retrieval_heads",
+                   default="auto", help="artifact row: 'auto' (the library's rule at --retrieval-bits) or k (the artifact's "
                         "k best retrieval heads)")
     for name, what in (("sink", "sink tokens"), ("recent", "recent tokens"), ("group-size", "group size")):
         p.add_argument(f"--artifact-{name}", type=int, default=None,
@@ -205,23 +208,23 @@ def main(argv=None, model=None, tokenizer=None):
     # the OSCAR row's settings beyond the windows: clip overrides and the key offset
     oscar_kw = {k: v for k, v in (("clip_k", args.clip_k), ("clip_v", args.clip_v)) if v is not None}
     oscar_kw["key_offset"] = args.key_offset
-    # the OSCAR row keeps exactly --full-precision-heads (0: none), whatever the library default ("auto")
-    oscar_kw["retrieval_heads"] = args.full_precision_heads
+    # the OSCAR row keeps exactly --retrieval-heads (0: none), whatever the library default ("auto")
+    oscar_kw["retrieval_heads"] = args.retrieval_heads
     kv = {torch.bfloat16: "BF16", torch.float16: "FP16", torch.float32: "FP32"}.get(dtype, str(dtype))
-    fp_bits = args.full_precision_bits or OscarConfig().retrieval_bits
-    if args.full_precision_bits is not None:
+    fp_bits = args.retrieval_bits or OscarConfig().retrieval_bits
+    if args.retrieval_bits is not None:
         oscar_kw["retrieval_bits"] = fp_bits
     if args.quantizer is not None:
         oscar_kw["quantizer"] = args.quantizer
-    artifact_heads = args.artifact_full_precision_heads
+    artifact_heads = args.artifact_retrieval_heads
     if artifact_heads != "auto":
         if not artifact_heads.isdigit():
-            raise ValueError(f"--artifact-full-precision-heads must be 'auto' or an int >= 0, got {artifact_heads!r}")
+            raise ValueError(f"--artifact-retrieval-heads must be 'auto' or an int >= 0, got {artifact_heads!r}")
         artifact_heads = int(artifact_heads)
 
     def artifact_row():
         """The artifact row: the library's own cache (exactly what a user gets without the two options)."""
-        kw = {} if args.full_precision_bits is None else dict(retrieval_bits=fp_bits)
+        kw = {} if args.retrieval_bits is None else dict(retrieval_bits=fp_bits)
         if artifact_heads != "auto":
             kw["retrieval_heads"] = artifact_heads
         if args.quantizer is not None:
@@ -270,11 +273,11 @@ def main(argv=None, model=None, tokenizer=None):
                  needle=fmt.needle, question=fmt.question, haystack=args.haystack, hay_stride=args.hay_stride,
                  lengths=lengths, depths=depths, trials=args.trials, seed=args.seed, window=W, oscar=oscar_kw,
                  artifact=osc.metadata.get("path") if osc is not None else args.artifact, user_caches=user_caches,
-                 share_prefill=args.share_prefill, full_precision_bits=fp_bits,
-                 full_precision_storage=(
+                 share_prefill=args.share_prefill, retrieval_bits=fp_bits,
+                 retrieval_storage=(
                      "the model dtype" if fp_bits == 16 else
                      f"INT{fp_bits} codes with an asymmetric min-max scale and zero per token and head in the model "
-                     "dtype (OscarConfig.full_precision_bits)"),
+                     "dtype (OscarConfig.retrieval_bits)"),
                  # pydoc_data.topics is the running Python's: another version is another haystack
                  python=platform.python_version(),
                  protocol="haystack+needle prefilled through the cache (--share-prefill: one exact prefill written "
@@ -287,7 +290,7 @@ def main(argv=None, model=None, tokenizer=None):
         old = json.loads(store.read_text()).get("setup", {})
         if (old.get("dtype") == setup["dtype"] and old.get("haystack") == args.haystack
                 and old.get("format", "magic-number") == fmt.name and old.get("hay_stride", 0) == args.hay_stride
-                and old.get("full_precision_bits", 16) == fp_bits):
+                and old.get("retrieval_bits", old.get("full_precision_bits", 16)) == fp_bits):
             done = json.loads(store.read_text()).get("answers", [])
 
     def save(raw):

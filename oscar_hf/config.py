@@ -57,6 +57,13 @@ def renamed_keywords(kw: dict, where: str, warn: bool = True) -> dict:
     return kw
 
 
+def _old_attribute(config, old: str):
+    new = RENAMED_FIELDS[old]
+    warnings.warn(f"OscarConfig.{old} is now OscarConfig.{new}; the old name will be removed", FutureWarning,
+                  stacklevel=3)  # (the line reading the attribute)
+    return getattr(config, new)
+
+
 @dataclasses.dataclass(frozen=True)
 class OscarConfig:
     """Settings of an :class:`~oscar_hf.OscarCache` (frozen: a user's config is never mutated); docs/usage.md."""
@@ -120,9 +127,9 @@ class OscarConfig:
                 raise ValueError(f"OscarConfig.{name} must be a number in [{lo:g}, {hi:g}], got {val!r}")
             object.__setattr__(self, name, float(val))
 
-    # the old names, read-only (code written before the rename)
-    full_precision_heads = property(lambda self: self.retrieval_heads)
-    full_precision_bits = property(lambda self: self.retrieval_bits)
+    # the old names, read-only and warned (code written before the rename)
+    full_precision_heads = property(lambda self: _old_attribute(self, "full_precision_heads"))
+    full_precision_bits = property(lambda self: _old_attribute(self, "full_precision_bits"))
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "OscarConfig":

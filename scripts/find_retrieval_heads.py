@@ -1,8 +1,8 @@
 """Score the retrieval heads of a model and store the scores in an existing rotation artifact.
 
 For artifacts made without them (``--retrieval-probes 0``, older artifacts, converted reference rotations): the
-default ``OscarConfig(full_precision_heads="auto")`` then keeps the best retrieval heads in full precision within
-``max_history_bits`` (``oscar_hf.calibration.retrieval_heads``); ``full_precision_heads=k`` the ``k`` best.
+default ``OscarConfig(retrieval_heads="auto")`` then keeps the best retrieval heads out of INT2 within
+``max_history_bits`` (``oscar_hf.calibration.retrieval_heads``); ``retrieval_heads=k`` the ``k`` best.
 ``scripts/calibrate.py`` and ``calibrate()`` score new artifacts by default.
 
     python -P scripts/find_retrieval_heads.py --artifact artifacts/smollm2-oscar

@@ -215,13 +215,13 @@ class _Attention(torch.nn.Module):
     training = False
 
 
-def test_full_precision_heads_follow_the_rank(monkeypatch):
+def test_retrieval_heads_follow_the_rank(monkeypatch):
     """Retrieval heads (global KV head ids) are kept by the rank that holds them, as its local ids, and its
     attention equals the same heads' rows of a single-device cache; a rank holding only such heads is refused."""
     model = tiny_model("qwen3", num_key_value_heads=4, num_attention_heads=8)  # head_dim 32
     fp = ModelFingerprint.from_config(model.config)
     rot = OscarRotations(fp, "distinct", {i: distinct_rotation(4, 32) for i in range(fp.num_layers)})
-    kw = dict(group_size=32, sink=4, recent=8, full_precision_heads=((0, 1), (0, 3), (1, 2)))
+    kw = dict(group_size=32, sink=4, recent=8, retrieval_heads=((0, 1), (0, 3), (1, 2)))
     single = OscarCache(model, rot, **kw)
     fake_tp(monkeypatch, model, rank=1, world=2, head_dim=32)  # this rank: KV heads 2, 3
     cache = OscarCache(model, rot, **kw)
@@ -239,4 +239,4 @@ def test_full_precision_heads_follow_the_rank(monkeypatch):
         torch.testing.assert_close(outs[1], outs[0][:, :, 4:8], rtol=1e-5, atol=1e-6)
     assert cache.layers[0].export_state()["hist_k"].codes.shape[2] > 0 and cache.layers[0].coded_x is not None
     with pytest.raises(NotImplementedError, match="every KV head of rank 1"):
-        OscarCache(model, rot, **{**kw, "full_precision_heads": ((0, 2), (0, 3))})
+        OscarCache(model, rot, **{**kw, "retrieval_heads": ((0, 2), (0, 3))})

@@ -27,9 +27,9 @@ def tiny_and_rotations():
 
 
 @pytest.mark.parametrize("kw, quantized, heads", [
-    (dict(skip_layers=(-1,), full_precision_heads=((0, 1), (1, 0))), [0], {0: (1,)}),  # layer 1 skipped: no heads there
-    (dict(full_precision_heads=((1, 0), (1, 1)), full_precision_bits=16), [0], {1: (0, 1)}),  # layer 1 exact
-    (dict(full_precision_heads=((1, 0), (1, 1)), full_precision_bits=8), [0, 1], {1: (0, 1)}),  # INT8: stays OSCAR
+    (dict(skip_layers=(-1,), retrieval_heads=((0, 1), (1, 0))), [0], {0: (1,)}),  # layer 1 skipped: no heads there
+    (dict(retrieval_heads=((1, 0), (1, 1)), retrieval_bits=16), [0], {1: (0, 1)}),  # layer 1 exact
+    (dict(retrieval_heads=((1, 0), (1, 1)), retrieval_bits=8), [0, 1], {1: (0, 1)}),  # INT8: stays OSCAR
 ])
 def test_cache_and_fake_quant_build_what_the_choice_says(tiny_and_rotations, kw, quantized, heads):
     model, rot = tiny_and_rotations  # 2 layers x 2 KV heads of 32
@@ -51,7 +51,7 @@ def test_auto_retrieval_heads_come_from_the_artifacts_scores(tiny_and_rotations)
     hk = rot.fingerprint.num_key_value_heads
     choice = choose_layers(model, rot, OscarConfig(group_size=32, max_history_bits=16.0))
     assert choice.retrieval_heads == {0: (hk - 1,)}
-    assert choice.config.full_precision_heads == ((0, hk - 1),)  # named, not "auto", once resolved
+    assert choice.config.retrieval_heads == ((0, hk - 1),)  # named, not "auto", once resolved
     none = choose_layers(model, None, OscarConfig(group_size=32))  # built-in rotations: no scores, no retrieval heads
     assert none.retrieval_heads == {} and none.rotations.method == "hadamard"
 

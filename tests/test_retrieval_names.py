@@ -34,7 +34,10 @@ def test_old_keywords_warn_and_mean_the_new_fields():
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         new = OscarConfig(retrieval_heads=PAIRS)  # the new names: no warning
-    assert new.full_precision_heads == PAIRS  # read by code not yet renamed
+    with pytest.warns(FutureWarning, match=r"OscarConfig.full_precision_heads is now OscarConfig.retrieval_heads"):
+        assert new.full_precision_heads == PAIRS  # read by code not yet renamed
+    with pytest.warns(FutureWarning, match=r"OscarConfig.full_precision_bits is now OscarConfig.retrieval_bits"):
+        assert new.full_precision_bits == new.retrieval_bits
 
 
 def test_saved_configs_and_artifacts_with_old_names_load_silently():

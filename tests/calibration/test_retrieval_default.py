@@ -1,5 +1,5 @@
 """Retrieval-safe defaults: ``calibrate()`` scores retrieval heads by default, and ``OscarConfig`` keeps
-``full_precision_heads="auto"``: the heads scoring at least ``retrieval_threshold``, best first, within
+``retrieval_heads="auto"``: the heads scoring at least ``retrieval_threshold``, best first, within
 ``max_history_bits``; none without scores. Both cache storages run with them, the eval harness counts the same
 bits as ``memory_report()``, and configs round-trip through JSON."""
 import inspect
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, OscarConfig, OscarRotations, calibrate
-from oscar_hf.cache import OscarLayer, resolve_full_precision_heads
+from oscar_hf.cache import OscarLayer, resolve_retrieval_heads
 from oscar_hf.calibration import calibration_report
 from oscar_hf.calibration.retrieval_heads import LENGTHS, PROBES
 from oscar_hf.compat import cache_kwargs
@@ -47,23 +47,23 @@ def scored(model, scores) -> OscarRotations:
 def resolve(model, rot, **cfg):
     config = OscarConfig(**{**SMALL, **cfg})
     fp = ModelFingerprint.from_config(model.config)
-    heads = resolve_full_precision_heads(config, rot, fp, config.skipped(fp.num_layers))
+    heads = resolve_retrieval_heads(config, rot, fp, config.skipped(fp.num_layers))
     return sorted((i, h) for i, hs in heads.items() for h in hs)
 
 
 # ------------------------------------------------------------------ the auto rule
 def test_defaults_are_auto_with_a_three_bit_cap():
     c = OscarConfig()
-    assert c.full_precision_heads == "auto" and c.max_history_bits == MAX_HISTORY_BITS == 3.0
+    assert c.retrieval_heads == "auto" and c.max_history_bits == MAX_HISTORY_BITS == 3.0
     assert c.retrieval_threshold == RETRIEVAL_THRESHOLD
-    assert OscarConfig.reference().full_precision_heads == 0  # the authors' settings keep no head in full precision
+    assert OscarConfig.reference().retrieval_heads == 0  # the authors' settings keep no head in full precision
     # SmolLM2 (head_dim 64, group 64, BF16 scale/zero: 2.5 bits): 90 KV heads leave room for 7 INT8 heads (8.5
     # bits each, the default storage) at <= 3.0 bits, 7 of its 8 retrieval heads; 3 when they are stored in BF16
-    assert c.history_bits(64) == 2.5 and c.full_precision_bits == 8
-    assert c.full_precision_head_budget(64, 90) == 7
+    assert c.history_bits(64) == 2.5 and c.retrieval_bits == 8
+    assert c.retrieval_head_budget(64, 90) == 7
     assert c.history_bits(64, 7 / 90) <= 3.0 < c.history_bits(64, 8 / 90)
-    bf16 = OscarConfig(full_precision_bits=16)
-    assert bf16.full_precision_head_budget(64, 90) == 3
+    bf16 = OscarConfig(retrieval_bits=16)
+    assert bf16.retrieval_head_budget(64, 90) == 3
     assert bf16.history_bits(64, 3 / 90) <= 3.0 < bf16.history_bits(64, 4 / 90)
 
 
@@ -79,7 +79,7 @@ def test_auto_is_capped_by_the_bit_budget():
     m = tiny_model("llama")
     rot = scored(m, [[0.6, 0.9], [0.7, 0.8]])  # all four pass the threshold
     # group 32 on head_dim 32: 3.0 bits per INT2 element; one of 4 heads at 16 bits -> 6.25 bits
-    bf16 = dict(full_precision_bits=16)
+    bf16 = dict(retrieval_bits=16)
     assert resolve(m, rot, max_history_bits=6.24, **bf16) == []
     assert resolve(m, rot, max_history_bits=6.25, **bf16) == [(0, 1)]  # the best one
     assert resolve(m, rot, max_history_bits=9.5, **bf16) == [(0, 1), (1, 1)]  # the two best
@@ -88,12 +88,12 @@ def test_auto_is_capped_by_the_bit_budget():
     assert resolve(m, rot, max_history_bits=4.5) == [(0, 1)]
     assert resolve(m, rot, max_history_bits=6.0) == [(0, 1), (1, 1)]
     # as INT4, 4 + 1 = 5 bits: one of 4 -> 3.5 bits, two -> 4.0
-    assert resolve(m, rot, max_history_bits=3.49, full_precision_bits=4) == []
-    assert resolve(m, rot, max_history_bits=4.0, full_precision_bits=4) == [(0, 1), (1, 1)]
+    assert resolve(m, rot, max_history_bits=3.49, retrieval_bits=4) == []
+    assert resolve(m, rot, max_history_bits=4.0, retrieval_bits=4) == [(0, 1), (1, 1)]
     assert resolve(m, rot, max_history_bits=16) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # explicit counts and pairs are not capped
-    assert resolve(m, rot, full_precision_heads=3, max_history_bits=3.0) == [(0, 1), (1, 0), (1, 1)]
-    assert resolve(m, rot, full_precision_heads=((1, 0),), max_history_bits=3.0) == [(1, 0)]
+    assert resolve(m, rot, retrieval_heads=3, max_history_bits=3.0) == [(0, 1), (1, 0), (1, 1)]
+    assert resolve(m, rot, retrieval_heads=((1, 0),), max_history_bits=3.0) == [(1, 0)]
 
 
 def test_auto_counts_only_quantized_layers():
@@ -101,8 +101,8 @@ def test_auto_counts_only_quantized_layers():
     m = tiny_model("llama")
     rot = scored(m, [[0.95, 0.9], [0.7, 0.8]])
     # layer 0 skipped: 2 quantized heads; one at 16 bits -> (3 + 16) / 2 = 9.5 bits
-    assert resolve(m, rot, skip_layers=(0,), max_history_bits=9.5, full_precision_bits=16) == [(1, 1)]
-    assert resolve(m, rot, skip_layers=(0,), max_history_bits=9.4, full_precision_bits=16) == []
+    assert resolve(m, rot, skip_layers=(0,), max_history_bits=9.5, retrieval_bits=16) == [(1, 1)]
+    assert resolve(m, rot, skip_layers=(0,), max_history_bits=9.4, retrieval_bits=16) == []
 
 
 def test_auto_without_scores_gives_no_heads_and_says_so(caplog):
@@ -110,7 +110,7 @@ def test_auto_without_scores_gives_no_heads_and_says_so(caplog):
     with caplog.at_level(logging.INFO, logger="oscar_hf"):
         cache = OscarCache(m, **SMALL)  # built-in Hadamard rotations: no retrieval scores
     assert all(isinstance(x, OscarLayer) and x.retrieval_heads == () for x in cache.layers)
-    assert cache.oscar_config.full_precision_heads == "auto"
+    assert cache.oscar_config.retrieval_heads == "auto"
     assert "no retrieval scores" in caplog.text
     assert resolve(m, OscarRotations.builtin(m, "identity")) == []
 
@@ -123,7 +123,7 @@ def test_a_whole_layer_of_coded_heads_keeps_its_storage(compile):
     m = tiny_model("llama", initializer_range=0.2)
     ids = torch.randint(1, 200, (2, 30), generator=torch.Generator().manual_seed(5))
     whole = ((1, 0), (1, 1))
-    caches = {c: OscarCache(m, **SMALL, full_precision_heads=whole, compile=c) for c in (False, True)}
+    caches = {c: OscarCache(m, **SMALL, retrieval_heads=whole, compile=c) for c in (False, True)}
     cache = caches[compile]
     layer = cache.layers[1]
     assert isinstance(layer, OscarLayer) and layer.compiled == compile
@@ -136,15 +136,15 @@ def test_a_whole_layer_of_coded_heads_keeps_its_storage(compile):
     assert rep["history_bits_per_element"] == pytest.approx((2 * 3.0 + 2 * 9.0) / 4)  # INT2 rows 3.0, INT8 heads 9.0
     for a, b in zip(got[False].scores, got[True].scores):
         torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
-    assert type(OscarCache(m, **SMALL, full_precision_heads=whole, full_precision_bits=16).layers[1]).__name__ == \
+    assert type(OscarCache(m, **SMALL, retrieval_heads=whole, retrieval_bits=16).layers[1]).__name__ == \
         "DynamicLayer"
 
 
 # ------------------------------------------------------------------ config validation and round trip
 @pytest.mark.parametrize("bad, match", [
-    (dict(full_precision_heads="all"), "full_precision_heads"),
-    (dict(full_precision_heads=True), "full_precision_heads"),
-    (dict(full_precision_heads=1.5), "full_precision_heads"),
+    (dict(retrieval_heads="all"), "retrieval_heads"),
+    (dict(retrieval_heads=True), "retrieval_heads"),
+    (dict(retrieval_heads=1.5), "retrieval_heads"),
     (dict(max_history_bits=1.9), "max_history_bits"),
     (dict(max_history_bits=17), "max_history_bits"),
     (dict(max_history_bits="3"), "max_history_bits"),
@@ -159,9 +159,9 @@ def test_config_rejects_bad_values(bad, match):
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(), dict(full_precision_heads=0), dict(full_precision_heads=5), dict(full_precision_heads=((3, 1), (0, 2))),
+    dict(), dict(retrieval_heads=0), dict(retrieval_heads=5), dict(retrieval_heads=((3, 1), (0, 2))),
     dict(max_history_bits=4, retrieval_threshold=0.25, clip_k=(0.9, 0.95), skip_layers=(-1,), group_size=None),
-    dict(full_precision_bits=8),
+    dict(retrieval_bits=8),
 ])
 def test_config_round_trips_through_json(cfg):
     c = OscarConfig(**cfg)
@@ -178,11 +178,11 @@ def test_saved_cache_keeps_auto_or_the_chosen_heads(tmp_path):
     cases = (("builtin", None, "auto"), ("scored", scored(m, [[0.1, 0.9], [0.5, 0.2]]), ((0, 1), (1, 0))))
     for name, rot, want in cases:
         cache = OscarCache(m, rot, **SMALL, max_history_bits=16)
-        assert cache.oscar_config.full_precision_heads == want
+        assert cache.oscar_config.retrieval_heads == want
         with torch.no_grad():
             m(ids, **cache_kwargs(m, cache))
         cache.save(tmp_path / name)
-        assert OscarCache.load(tmp_path / name, m).oscar_config.full_precision_heads == want
+        assert OscarCache.load(tmp_path / name, m).oscar_config.retrieval_heads == want
 
 
 # ------------------------------------------------------------------ calibrate() scores by default
@@ -205,8 +205,8 @@ def test_calibrate_scores_retrieval_heads_by_default(caplog):
     assert rot.metadata["calibration"]["time_retrieval_s"] > 0
     best = divmod(int(s.argmax()), 2)
     cache = OscarCache(m, rot, group_size=32, sink=4, recent=8, retrieval_threshold=0.0, max_history_bits=6.25,
-                       full_precision_bits=16)
-    assert cache.oscar_config.full_precision_heads == (best,)  # the best-scoring head, within the budget
+                       retrieval_bits=16)
+    assert cache.oscar_config.retrieval_heads == (best,)  # the best-scoring head, within the budget
     assert "retrieval heads (layer:kv_head score)" in calibration_report(rot)
 
     assert calibrate(m, tok, text(600), retrieval_probes=0, **kw).retrieval_scores is None
@@ -236,7 +236,7 @@ def test_auto_heads_generate_on_both_storages(compile):
     assert [x.retrieval_heads for x in cache.layers] == [(1,), (0,)]
     got = m.generate(ids, **kw, **cache_kwargs(m, cache))
     assert got.sequences.shape == (2, 42) and cache.get_seq_length() == 41
-    plain = OscarCache(m, rot, compile=compile, **SMALL, full_precision_heads=0)
+    plain = OscarCache(m, rot, compile=compile, **SMALL, retrieval_heads=0)
     assert all(x.retrieval_heads == () for x in plain.layers)
     ref = m.generate(ids, **kw, **cache_kwargs(m, plain))
     diff = [(a - b).nan_to_num(0.0).abs().max() for a, b in zip(got.scores, ref.scores)]  # (EOS held at -inf)
@@ -250,12 +250,12 @@ def test_memory_report_and_eval_bits_agree_on_auto_heads():
     m = tiny_model("llama", dtype=torch.bfloat16)
     rot = scored(m, [[0.1, 0.9], [0.5, 0.2]])
     ids = torch.randint(1, 200, (1, 50), generator=torch.Generator().manual_seed(4))
-    for extra, n_heads in ((dict(max_history_bits=9.5), 2), (dict(full_precision_heads=0), 0)):
+    for extra, n_heads in ((dict(max_history_bits=9.5), 2), (dict(retrieval_heads=0), 0)):
         cache = OscarCache(m, rot, **SMALL, **extra)
         with torch.no_grad():
             m(ids, **cache_kwargs(m, cache))
         method = OscarFamily("oscar", rotations=rot, **SMALL, **extra)
-        assert len(method.full_precision_pairs()) == n_heads
+        assert len(method.retrieval_pairs()) == n_heads
         assert method.settings().get("retrieval_heads", 0) == n_heads
         rep = cache.memory_report()
         c = method.config.for_head_dim(m.config.head_dim)

@@ -1,4 +1,4 @@
-"""Retrieval-head probes (oscar_hf.calibration.retrieval_heads) and full-precision heads in OscarCache."""
+"""Retrieval-head probes (oscar_hf.calibration.retrieval_heads) and retrieval heads in OscarCache."""
 import pytest
 import torch
 from batch_utils import left_pad
@@ -69,19 +69,19 @@ def greedy(model, ids, cache, n=10, **kw):
     return model.generate(ids, max_new_tokens=n, do_sample=False, **cache_kwargs(model, cache), pad_token_id=0, **kw)
 
 
-def test_full_precision_heads_storage_and_memory():
+def test_retrieval_heads_storage_and_memory():
     m = tiny_model("llama")
     torch.manual_seed(0)
     ids = torch.randint(1, 200, (2, 40))
     ref_cache = DynamicCache(config=m.config)
     greedy(m, ids, ref_cache)
-    cache = OscarCache(m, **SMALL, full_precision_heads=FPH, full_precision_bits=16)  # stored in the model dtype
+    cache = OscarCache(m, **SMALL, retrieval_heads=FPH, retrieval_bits=16)  # stored in the model dtype
     out = greedy(m, ids, cache)
     t = out.shape[1] - 1
     for (li, h) in FPH:
         layer = cache.layers[li]
         assert isinstance(layer, OscarLayer) and layer.retrieval_heads == (h,) and layer.q_heads == (1 - h,)
-        assert layer.hist_k.codes.shape[1] == 1  # the full-precision head is not in the INT2 history
+        assert layer.hist_k.codes.shape[1] == 1  # the retrieval head is not in the INT2 history
         ref = ref_cache.layers[li]  # the prompt's slots (prefill is exact; later ones see quantized layers)
         st = layer.export_state()
         (fp_k,), (fp_v,) = st["fp_k"], st["fp_v"]  # every slot: the history entries' rows and the window's
@@ -99,16 +99,16 @@ def test_full_precision_heads_storage_and_memory():
     assert rep["total"] > prep["total"]
 
 
-def test_full_precision_heads_change_outputs_and_left_padding_matches_solo_runs():
+def test_retrieval_heads_change_outputs_and_left_padding_matches_solo_runs():
     m = tiny_model("llama", initializer_range=0.2)
     torch.manual_seed(2)
     lens = [5, 30, 41, 17]
     prompts = [torch.randint(1, 200, (n,)) for n in lens]
     ids, am = left_pad(prompts)
     kw = dict(output_scores=True, return_dict_in_generate=True)
-    out = greedy(m, ids, OscarCache(m, **SMALL, full_precision_heads=FPH), attention_mask=am, **kw)
+    out = greedy(m, ids, OscarCache(m, **SMALL, retrieval_heads=FPH), attention_mask=am, **kw)
     for i, p in enumerate(prompts):
-        solo = greedy(m, p[None], OscarCache(m, **SMALL, full_precision_heads=FPH), **kw)
+        solo = greedy(m, p[None], OscarCache(m, **SMALL, retrieval_heads=FPH), **kw)
         a = torch.stack([s[i] for s in out.scores])
         b = torch.stack([s[0] for s in solo.scores])
         assert torch.allclose(a, b, atol=2e-4), f"row {i}: {(a - b).abs().max()}"
@@ -116,42 +116,42 @@ def test_full_precision_heads_change_outputs_and_left_padding_matches_solo_runs(
     assert max((a - b).abs().max() for a, b in zip(out.scores, plain.scores)) > 1e-3  # the heads matter
 
 
-def test_full_precision_heads_save_load_continues_exactly(tmp_path):
+def test_retrieval_heads_save_load_continues_exactly(tmp_path):
     m = tiny_model("llama")
     torch.manual_seed(0)
     ids = torch.randint(1, 200, (2, 40))
-    cache = OscarCache(m, **SMALL, full_precision_heads=FPH)
+    cache = OscarCache(m, **SMALL, retrieval_heads=FPH)
     out1 = greedy(m, ids, cache, n=6)
     cache.save(tmp_path / "c")
     nxt = torch.cat([out1, torch.randint(1, 200, (2, 3))], 1)
     ref = greedy(m, nxt, cache, n=8)
     loaded = OscarCache.load(tmp_path / "c", m)
-    assert loaded.oscar_config.full_precision_heads == FPH
+    assert loaded.oscar_config.retrieval_heads == FPH
     assert torch.equal(greedy(m, nxt, loaded, n=8), ref)
 
 
 def test_top_k_from_artifact_scores_and_bad_input():
     m = tiny_model("llama")
     rot = with_scores(m, [[0.1, 0.9], [0.5, 0.2]])
-    cache = OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=2))
-    assert cache.oscar_config.full_precision_heads == ((0, 1), (1, 0))  # resolved: the saved config names them
+    cache = OscarCache(m, rot, OscarConfig(**SMALL, retrieval_heads=2))
+    assert cache.oscar_config.retrieval_heads == ((0, 1), (1, 0))  # resolved: the saved config names them
     assert [layer.retrieval_heads for layer in cache.layers] == [(1,), (0,)]
     whole = ((0, 0), (0, 1))  # every head of layer 0: exact -> a full-precision layer; INT8 -> no INT2 head left
-    assert not isinstance(OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=whole,
-                                                         full_precision_bits=16)).layers[0], OscarLayer)
-    cache = OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=whole))
+    assert not isinstance(OscarCache(m, rot, OscarConfig(**SMALL, retrieval_heads=whole,
+                                                         retrieval_bits=16)).layers[0], OscarLayer)
+    cache = OscarCache(m, rot, OscarConfig(**SMALL, retrieval_heads=whole))
     assert isinstance(cache.layers[0], OscarLayer) and cache.layers[0].retrieval_heads == (0, 1)
     with pytest.raises(ValueError, match="retrieval scores"):
-        OscarCache(m, **SMALL, full_precision_heads=1)  # built-in rotations have no scores
+        OscarCache(m, **SMALL, retrieval_heads=1)  # built-in rotations have no scores
     with pytest.raises(ValueError, match="must lie in"):
-        OscarCache(m, rot, OscarConfig(**SMALL, full_precision_heads=5))
+        OscarCache(m, rot, OscarConfig(**SMALL, retrieval_heads=5))
     with pytest.raises(ValueError, match="not a \\(layer, kv_head\\)"):
-        OscarCache(m, **SMALL, full_precision_heads=((0, 2),))
+        OscarCache(m, **SMALL, retrieval_heads=((0, 2),))
     with pytest.raises(ValueError, match="pairs"):
-        OscarConfig(full_precision_heads=((0, "a"),))
+        OscarConfig(retrieval_heads=((0, "a"),))
     with pytest.raises(ValueError, match=">= 0"):
-        OscarConfig(full_precision_heads=-1)
-    static = StaticOscarCache(m, max_cache_len=64, **SMALL, full_precision_heads=((0, 1),))  # both storages take them
+        OscarConfig(retrieval_heads=-1)
+    static = StaticOscarCache(m, max_cache_len=64, **SMALL, retrieval_heads=((0, 1),))  # both storages take them
     assert static.layers[0].retrieval_heads == (1,) and static.layers[1].retrieval_heads == ()
 
 
@@ -171,20 +171,20 @@ def test_retrieval_scores_round_trip_and_validation(tmp_path):
 
 
 @pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter (CPU) only")
-def test_full_precision_heads_with_triton_kernels_match_reference():
+def test_retrieval_heads_with_triton_kernels_match_reference():
     """The kernels run on the quantized heads of a layer (a head subset); the result equals the torch reference."""
     m = tiny_model("llama", initializer_range=0.2)
     torch.manual_seed(3)
     ids = torch.randint(1, 200, (2, 30))
     kw = dict(output_scores=True, return_dict_in_generate=True)
-    got = greedy(m, ids, OscarCache(m, **SMALL, full_precision_heads=FPH, use_kernels=True), n=4, **kw)
-    ref = greedy(m, ids, OscarCache(m, **SMALL, full_precision_heads=FPH, use_kernels=False), n=4, **kw)
+    got = greedy(m, ids, OscarCache(m, **SMALL, retrieval_heads=FPH, use_kernels=True), n=4, **kw)
+    ref = greedy(m, ids, OscarCache(m, **SMALL, retrieval_heads=FPH, use_kernels=False), n=4, **kw)
     for a, b in zip(got.scores, ref.scores):
         assert (a - b).abs().max() < 1e-3 * b.abs().max(), (a - b).abs().max()
 
 
-def test_memory_report_history_bits_count_full_precision_heads():
-    """The report's history bits average the quantized layers' KV heads, a full-precision head at its stored
+def test_memory_report_history_bits_count_retrieval_heads():
+    """The report's history bits average the quantized layers' KV heads, a retrieval head at its stored
     bits (16, or INT8 / INT4 codes + a 16-bit scale and zero per token and head: 8 or 4 + 32 / D)."""
     from oscar_hf.quant import bits_per_element
 
@@ -194,5 +194,5 @@ def test_memory_report_history_bits_count_full_precision_heads():
     assert plain == bits_per_element(d, SMALL["group_size"], torch.bfloat16)
     share = 2 / (m.config.num_hidden_layers * hk)
     for bits, head_bits in ((16, 16), (8, 8 + 32 / d), (4, 4 + 32 / d)):
-        two = OscarCache(m, **SMALL, full_precision_heads=((0, 1), (1, 0)), full_precision_bits=bits)
+        two = OscarCache(m, **SMALL, retrieval_heads=((0, 1), (1, 0)), retrieval_bits=bits)
         assert two.memory_report()["history_bits_per_element"] == pytest.approx((1 - share) * plain + share * head_bits)

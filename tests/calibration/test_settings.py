@@ -25,27 +25,27 @@ SEVEN = ((7, 2), (14, 1), (17, 1), (18, 2), (20, 2), (21, 2), (23, 0))  # its 7 
 def test_stored_bits_by_hand():
     bits = lambda **kw: OscarConfig(**kw).stored_bits(SMOL, range(30), 8192)  # noqa: E731
     # today's defaults: 320 window tokens at 16 bits; 7872 history tokens, 83 heads at 2 + 32/64 and 7 at 8 + 32/64
-    assert bits(full_precision_heads=SEVEN) == pytest.approx((320 * 16 + 7872 * (83 * 2.5 + 7 * 8.5) / 90) / 8192)
-    assert bits(full_precision_heads=SEVEN) == pytest.approx(3.4758, abs=1e-4) and bits(full_precision_heads=7) < 3.5
-    assert bits(full_precision_heads=()) == pytest.approx((320 * 16 + 7872 * 2.5) / 8192)
-    assert bits(full_precision_heads=(), group_size=32) == pytest.approx((320 * 16 + 7872 * 3.0) / 8192)
-    assert bits(full_precision_heads=(), meta_dtype="float32") == pytest.approx((320 * 16 + 7872 * 3.0) / 8192)
+    assert bits(retrieval_heads=SEVEN) == pytest.approx((320 * 16 + 7872 * (83 * 2.5 + 7 * 8.5) / 90) / 8192)
+    assert bits(retrieval_heads=SEVEN) == pytest.approx(3.4758, abs=1e-4) and bits(retrieval_heads=7) < 3.5
+    assert bits(retrieval_heads=()) == pytest.approx((320 * 16 + 7872 * 2.5) / 8192)
+    assert bits(retrieval_heads=(), group_size=32) == pytest.approx((320 * 16 + 7872 * 3.0) / 8192)
+    assert bits(retrieval_heads=(), meta_dtype="float32") == pytest.approx((320 * 16 + 7872 * 3.0) / 8192)
     # INT4 heads: 4 + 32/64 bits; a window of (32, 128)
-    assert bits(full_precision_heads=SEVEN, full_precision_bits=4, sink=32, recent=128) == pytest.approx(
+    assert bits(retrieval_heads=SEVEN, retrieval_bits=4, sink=32, recent=128) == pytest.approx(
         (160 * 16 + 8032 * (83 * 2.5 + 7 * 4.5) / 90) / 8192)
     # a skipped layer: 16 bits for every token, the other 29 as usual (their heads share the history)
     one = (320 * 16 + 7872 * 2.5) / 8192
-    assert bits(full_precision_heads=(), skip_layers=(0,)) == pytest.approx((29 * one + 16) / 30)
+    assert bits(retrieval_heads=(), skip_layers=(0,)) == pytest.approx((29 * one + 16) / 30)
     # a context shorter than the windows: everything at 16
-    assert OscarConfig(full_precision_heads=()).stored_bits(SMOL, range(30), 100) == 16
+    assert OscarConfig(retrieval_heads=()).stored_bits(SMOL, range(30), 100) == 16
     # head_dim 128, one KV head: an INT8 head costs 8 + 32/128
     wide = ModelFingerprint("X", "llama", 2, 8, 1, 128, ("full_attention",) * 2)
-    assert OscarConfig(full_precision_heads=((0, 0),)).stored_bits(wide, [0, 1], 4096) == pytest.approx(
+    assert OscarConfig(retrieval_heads=((0, 0),)).stored_bits(wide, [0, 1], 4096) == pytest.approx(
         (320 * 16 + 3776 * (2.5 + 8.25) / 2) / 4096)
     with pytest.raises(ValueError, match="resolved"):
         OscarConfig().stored_bits(SMOL, range(30), 8192)  # "auto" depends on the artifact's scores
     with pytest.raises(ValueError, match="context"):
-        OscarConfig(full_precision_heads=0).stored_bits(SMOL, range(30), 0)
+        OscarConfig(retrieval_heads=0).stored_bits(SMOL, range(30), 0)
 
 
 # ------------------------------------------------------------------ the search, on a constructed KL
@@ -115,7 +115,7 @@ def test_search_keeps_the_retrieval_heads_the_defaults_keep(tiny):
     e = choose_settings(tiny, rot, [torch.zeros(2048, dtype=torch.long)], budget_bits=6.0, target_context=8192,
                         score=constructed_kl(calls, 6.0, rot), progress=False)
     assert e["retrieval_heads_floor"] == 2
-    assert all({(0, 0), (1, 0)} <= set(c.full_precision_heads) for c in calls)
+    assert all({(0, 0), (1, 0)} <= set(c.retrieval_heads) for c in calls)
     assert all(c.group_size == 64 for c in calls) and "group_size=32" in [o["name"] for o in e["over_budget"]]
     assert sorted(map(tuple, e["chosen"]["retrieval_heads"])) == [(0, 0), (1, 0)]
 
@@ -193,7 +193,7 @@ def test_calibrate_stores_the_choice_and_a_cache_uses_it(tiny, calibrated):
 
 
 CHOSEN = dict(sink=8, recent=16, group_size=32, meta_dtype="bfloat16", quantizer="std",
-              full_precision_heads=[[0, 1]], full_precision_bits=4)
+              retrieval_heads=[[0, 1]], retrieval_bits=4)
 
 
 def test_artifact_round_trip_and_user_arguments_win(tiny, calibrated, tmp_path):
@@ -203,15 +203,15 @@ def test_artifact_round_trip_and_user_arguments_win(tiny, calibrated, tmp_path):
     rot.save_pretrained(tmp_path / "a")
     loaded = OscarRotations.from_pretrained(tmp_path / "a")
     assert loaded.metadata["settings"] == rot.metadata["settings"]
-    want = OscarConfig(**{**CHOSEN, "full_precision_heads": ((0, 1),)})
+    want = OscarConfig(**{**CHOSEN, "retrieval_heads": ((0, 1),)})
     for cache in (OscarCache.from_pretrained(tmp_path / "a", tiny), OscarCache(tiny, loaded)):
         assert cache.oscar_config == want
         assert [len(layer.retrieval_heads) for layer in cache.layers] == [1, 0]
     # the user's keywords win field by field; config= / preset= replace the choice wholesale
     c = OscarCache.from_pretrained(tmp_path / "a", tiny, recent=32, group_size=64).oscar_config
     assert (c.recent, c.group_size, c.sink, c.quantizer) == (32, 64, 8, "std")
-    assert OscarCache(tiny, loaded, OscarConfig(full_precision_heads=0)).oscar_config == OscarConfig(
-        full_precision_heads=0)
+    assert OscarCache(tiny, loaded, OscarConfig(retrieval_heads=0)).oscar_config == OscarConfig(
+        retrieval_heads=0)
     assert OscarCache(tiny, loaded, preset="paper").oscar_config == OscarConfig.from_preset("paper").for_head_dim(64)
     # a cache saved and loaded keeps the chosen settings (it stores its config)
     cache = OscarCache(tiny, loaded)

@@ -106,7 +106,7 @@ def main(argv=None):
     prompts = [[rng.randrange(1, cfg.vocab_size) for _ in range(n)] for n in a.prompts]
     layer, head = a.retrieval_head
     oscar = dict(rotations=rot, sink=a.sink, recent=a.recent, group_size=a.group_size,
-                 full_precision_heads=((layer, head),), full_precision_bits=8)
+                 retrieval_heads=((layer, head),), retrieval_bits=8)
     res = dict(rank=rank, world=world, device=torch.cuda.get_device_name(device) if cuda else "cpu",
                torch=torch.__version__, transformers=__import__("transformers").__version__)
 

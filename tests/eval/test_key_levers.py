@@ -72,7 +72,7 @@ def test_block_mean_removes_a_per_block_offset():
 def test_views_replace_only_what_they_name():
     m = tiny_model("llama", head_dim=64)
     rot = random_artifact(m)
-    cfg = OscarConfig(sink=4, recent=8, group_size=64, full_precision_heads=((1, 0),))
+    cfg = OscarConfig(sink=4, recent=8, group_size=64, retrieval_heads=((1, 0),))
     base = OscarSpec(m, rot, cfg)
     g = torch.Generator().manual_seed(3)
     k, v = torch.randn(1, 2, 40, 64, generator=g), torch.randn(1, 2, 40, 64, generator=g)
@@ -81,11 +81,11 @@ def test_views_replace_only_what_they_name():
     assert torch.equal(ek, k) and torch.equal(ev, bv) and not torch.equal(bk, k)
     ek, ev = KeysOrValuesFrom(base, lambda x, lr: x, "v", layers={1}).layer_kv(0, k, v)  # another layer only
     assert torch.equal(ek, bk) and torch.equal(ev, bv)
-    # layer 1: head 0 is a full-precision head, only head 1 is replaced
+    # layer 1: head 0 is a retrieval head, only head 1 is replaced
     bk1, bv1 = base.layer_kv(1, k, v)
     ek1, ev1 = KeysOrValuesFrom(base, lambda x, lr: x, "k").layer_kv(1, k, v)
     assert torch.equal(ek1[:, 0], bk1[:, 0]) and torch.equal(ek1[:, 1], k[:, 1]) and torch.equal(ev1, bv1)
-    hk1, hv1 = HeadKeysExact(base).layer_kv(1, k, v)  # the full-precision head's keys exact, nothing else
+    hk1, hv1 = HeadKeysExact(base).layer_kv(1, k, v)  # the retrieval head's keys exact, nothing else
     assert torch.equal(hk1[:, 0], k[:, 0]) and not torch.equal(bk1[:, 0], k[:, 0])
     assert torch.equal(hk1[:, 1], bk1[:, 1]) and torch.equal(hv1, bv1)
     assert torch.equal(HeadKeysExact(base).layer_kv(0, k, v)[0], bk)  # layer 0 has none
@@ -97,12 +97,12 @@ def test_levers_and_report_end_to_end(tmp_path, monkeypatch):
     m = tiny_model("llama", head_dim=64)
     rot = random_artifact(m)
     rot.metadata["heldout_error"] = {str(i): {"k_rel": 0.1 * (i + 1)} for i in range(m.config.num_hidden_layers)}
-    cfg = OscarConfig(sink=4, recent=8, group_size=64, full_precision_heads=0, max_history_bits=16)
+    cfg = OscarConfig(sink=4, recent=8, group_size=64, retrieval_heads=0, max_history_bits=16)
     specs = levers(m, rot, cfg)
     assert "per-channel keys" in specs and specs["BF16 DynamicCache"] == (None, 16.0)
     # the defaults' heads are INT8: their whole-layer lever spends INT8 heads, the other width is INT4
     assert any(k.startswith("whole INT8 layers") for k in specs) and "0 INT4 retrieval heads" in specs
-    int4 = levers(m, rot, cfg.replace(full_precision_bits=4))
+    int4 = levers(m, rot, cfg.replace(retrieval_bits=4))
     assert any(k.startswith("whole INT4 layers") for k in int4) and "0 INT8 retrieval heads" in int4
     art = tmp_path / "art"
     rot.save_pretrained(art)
@@ -126,7 +126,7 @@ def test_levers_and_report_end_to_end(tmp_path, monkeypatch):
     assert all(0 <= r["correct"] <= 1 and r["nll"] > 0 for r in res["levers"].values())
     assert "| per-channel keys |" in (tmp_path / "levers.md").read_text()
     main(["--artifact", str(art), "--length", "300", "--trials", "1", "--depths", "0.5", "--out", str(tmp_path),
-          "--name", "only", "--only", "per-channel", "--full-precision-bits", "4"])
+          "--name", "only", "--only", "per-channel", "--retrieval-bits", "4"])
     only = json.loads((tmp_path / "only.json").read_text())["levers"]
     assert list(only)[1].endswith("INT4 retrieval heads)")  # the defaults' row, at the width asked for
     assert list(only)[:2] == list(int4)[:2] and all("per-channel" in k for k in list(only)[2:]) and len(only) > 2

@@ -195,7 +195,7 @@ def test_shared_prefill_equals_one_prefill_per_method(kind):
     m = {"fp": lambda: get_method("fp"),
          "hadamard": lambda: get_method("hadamard", **W),
          "prefill-offset": lambda: get_method("hadamard", key_offset="prefill", **W),
-         "fp-heads": lambda: get_method("hadamard", full_precision_heads=((1, 0),), **W)}[kind]()
+         "fp-heads": lambda: get_method("hadamard", retrieval_heads=((1, 0),), **W)}[kind]()
     assert 4 < at < len(ctx) - 16
     prefix = prefill_kv(model, ctx)
     before = [(k.clone(), v.clone()) for k, v in prefix]

@@ -51,12 +51,12 @@ CASES = [
     ("artifact", dict(sink=2, recent=6, group_size=16), 20),
     ("artifact-nocenter", dict(sink=2, recent=6, group_size=16, center=False), 4),
     ("skip", dict(sink=4, recent=8, group_size=32, skip_layers=(0,)), 1),
-    # full-precision heads, in the last quantized layer only: a float-noise code flip in a layer below would
+    # retrieval heads, in the last quantized layer only: a float-noise code flip in a layer below would
     # propagate and hide what is tested (the fp heads' exact reads beside the other heads' INT2 history)
-    ("artifact-fpheads", dict(sink=2, recent=6, group_size=16, full_precision_heads=((0, 1),), skip_layers=(1,)), 20),
-    ("artifact-fpheads-decode", dict(sink=2, recent=6, group_size=16, full_precision_heads=((1, 1),)), 1),
+    ("artifact-fpheads", dict(sink=2, recent=6, group_size=16, retrieval_heads=((0, 1),), skip_layers=(1,)), 20),
+    ("artifact-fpheads-decode", dict(sink=2, recent=6, group_size=16, retrieval_heads=((1, 1),)), 1),
     # a whole layer of INT8 heads (the default storage): no INT2 head left in it
-    ("artifact-coded-layer", dict(sink=2, recent=6, group_size=16, full_precision_heads=((1, 0), (1, 1))), 1),
+    ("artifact-coded-layer", dict(sink=2, recent=6, group_size=16, retrieval_heads=((1, 0), (1, 1))), 1),
 ]
 
 
@@ -170,10 +170,10 @@ def test_default_perplexity_rows_count_the_heads_storage(tmp_path, monkeypatch):
     # 16 KV heads at 2.5 bits (INT2 rows, group 64) and a 3.0-bit cap: room for 1 INT8 head (8.5 bits), 4 INT4 heads
     # (4.5; three pass the threshold), no BF16 head (16)
     for name, bits, heads in (("defaults (artifact, auto heads)", 8.5, [[0, 1]]),
-                              ("artifact, full_precision_heads=0", 0, []),
+                              ("artifact, retrieval_heads=0", 0, []),
                               ("artifact, auto heads as INT4", 4.5, [[0, 1], [2, 3], [3, 0]]),
                               ("artifact, auto heads in BF16", 16, [])):
-        assert rows[name]["full_precision_heads"] == heads, name
+        assert rows[name]["retrieval_heads"] == heads, name
         assert rows[name]["history_bits"] == pytest.approx(((16 - len(heads)) * 2.5 + len(heads) * bits) / 16)
     assert all(r[t]["tokens"] == 399 and r[t]["ppl"] > 1 for r in res["rows"].values() for t in res["texts"])
     assert "| artifact, auto heads in BF16 |" in (tmp_path / "ppl.md").read_text()
@@ -195,7 +195,7 @@ def test_fast_equals_token_by_token_head_dim_256_one_kv_head():
     # 2 quantized KV heads: INT2 rows 2.5 bits, an INT8 head 8 + 32 / 256 = 8.125; a 6.0-bit cap keeps one
     method = OscarFamily("oscar", rotations=rot, sink=2, recent=6, group_size=64, max_history_bits=6.0)
     cache = method.make_cache(model)
-    assert cache.oscar_config.full_precision_heads == ((1, 0),) and cache.oscar_config.full_precision_bits == 8
+    assert cache.oscar_config.retrieval_heads == ((1, 0),) and cache.oscar_config.retrieval_bits == 8
     torch.manual_seed(1)
     ids = torch.randint(0, 256, (1, 64))
     with torch.no_grad():

@@ -27,7 +27,7 @@ def _spy(monkeypatch, module, name, calls, what):
 @pytest.mark.parametrize("name,model_kw,cache_kw,d,softcap", [
     ("phi3", {}, {}, 96, None),  # head_dim 96: G = 32 (groups across the 24-channel planes)
     ("gemma2", dict(head_dim=64, query_pre_attn_scalar=64, attn_logit_softcapping=5.0, initializer_range=0.2),
-     dict(full_precision_heads=((1, 1),)), 64, 5.0),
+     dict(retrieval_heads=((1, 1),)), 64, 5.0),
 ])
 def test_tiny_model_on_the_kernels(monkeypatch, name, model_kw, cache_kw, d, softcap):
     from oscar_hf.kernels import decode_triton, heads_triton, write_triton

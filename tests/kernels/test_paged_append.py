@@ -342,7 +342,7 @@ def test_dispatch(monkeypatch):
 
 
 @interp
-@pytest.mark.parametrize("kw", [{}, dict(full_precision_heads=((0, 1), (1, 0)), full_precision_bits=8)])
+@pytest.mark.parametrize("kw", [{}, dict(retrieval_heads=((0, 1), (1, 0)), retrieval_bits=8)])
 def test_store_decode_write_on_the_kernel(monkeypatch, kw):
     """The serving store's decode steps with its write on the Triton kernel (the read on the reference) leave the same
     windows and pages as with the reference: the store hands the kernel its real views (the window pool at a layer,
