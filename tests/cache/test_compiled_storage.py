@@ -60,8 +60,8 @@ def test_auto_is_eager_on_cpu_and_compile_true_gives_device_storage():
         OscarCache(m, compile="yes", **SMALL)
 
 
-@pytest.mark.parametrize("keep", [dict(skip_layers=(0,)), dict(full_precision_heads=((1, 0), (1, 1)),
-                                                                full_precision_bits=16)])
+@pytest.mark.parametrize("keep", [dict(skip_layers=(0,)), dict(retrieval_heads=((1, 0), (1, 1)),
+                                                                retrieval_bits=16)])
 def test_compiled_generate_with_layers_kept_in_full_precision(keep):
     """skip_layers (and a layer whose every KV head is a BF16 full-precision head) in the growing compiled storage: a
     GrowingLayer beside the OSCAR layers, generate's compiled route gives the eager storage's tokens past the first
@@ -131,7 +131,7 @@ def test_decode_step_computes_the_window_positions_once(heads):
     cc = cpu_compile_config()
     cc.backend = count_backend
     ids, am = random_left_padded([5, 14, 20])
-    kw = dict(SMALL, full_precision_heads=heads, full_precision_bits=8)
+    kw = dict(SMALL, retrieval_heads=heads, retrieval_bits=8)
     cache = OscarCache(m, compile=True, **kw)
     ref = _gen(m, ids, am, OscarCache(m, **kw), n=12)
     torch._dynamo.reset()
@@ -231,7 +231,7 @@ def test_crop_beyond_the_reserve_refills_from_history(monkeypatch, bits):
     m = tiny_model("llama")
     torch.manual_seed(3)
     prompt, extra = torch.randint(1, 200, (1, 30)), torch.randint(1, 200, (1, 12))
-    kw = dict(SMALL) if bits is None else dict(SMALL, full_precision_heads=((0, 1),), full_precision_bits=bits)
+    kw = dict(SMALL) if bits is None else dict(SMALL, retrieval_heads=((0, 1),), retrieval_bits=bits)
     with torch.no_grad():
         a = OscarCache(m, compile=True, **kw)
         m(prompt, **cache_kwargs(m, a))
@@ -264,7 +264,7 @@ def test_retrieval_heads_are_history_entries(bits):
 
     m = tiny_model("llama")
     ids, am = random_left_padded([9, 30], seed=7)
-    kw = dict(SMALL, full_precision_heads=((0, 1),), full_precision_bits=bits)
+    kw = dict(SMALL, retrieval_heads=((0, 1),), retrieval_bits=bits)
     cache, dyn = OscarCache(m, compile=True, **kw), DynamicCache(config=m.config)
     steps = torch.arange(5, 25).repeat(2, 1)  # [2, 20] the decoded tokens
     with torch.no_grad():
@@ -324,7 +324,7 @@ def test_gpu_default_cache_compiles_with_cuda_graphs_and_matches_eager(monkeypat
     m = cuda_qwen3()
     ids, am = random_left_padded([700, 1500, 2000], seed=3)
     ids, am = ids.cuda(), am.cuda()
-    kw = dict(method="hadamard", group_size=64, full_precision_heads=heads or 0)
+    kw = dict(method="hadamard", group_size=64, retrieval_heads=heads or 0)
     eager = _gen(m, ids, am, OscarCache(m, compile=False, **kw), n=400)
     torch._dynamo.reset()
     counters.clear()

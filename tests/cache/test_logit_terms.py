@@ -45,8 +45,8 @@ def _nll(model, ids, compile=False, **cfg):
 
 
 @pytest.mark.parametrize("cache_kw", [dict(compile=False), dict(compile=True),
-                                      dict(compile=False, full_precision_heads=((1, 1),)),
-                                      dict(compile=True, full_precision_heads=((1, 1),))],
+                                      dict(compile=False, retrieval_heads=((1, 1),)),
+                                      dict(compile=True, retrieval_heads=((1, 1),))],
                          ids=["eager", "compiled-storage", "eager-retrieval-head", "compiled-retrieval-head"])
 def test_cache_equals_fake_quant(model, cache_kw):
     torch.manual_seed(1)

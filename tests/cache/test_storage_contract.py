@@ -32,10 +32,10 @@ NEW = 16  # tokens generated
 # tiny Llama: 2 layers x 2 KV heads of 32
 HEADS = {
     "none": {},
-    "int8": dict(full_precision_heads=((0, 1), (1, 0))),
-    "int16": dict(full_precision_heads=((0, 1), (1, 0)), full_precision_bits=16),
-    "int4": dict(full_precision_heads=((0, 1), (1, 0)), full_precision_bits=4),
-    "int8-layer": dict(full_precision_heads=((1, 0), (1, 1))),  # layer 1 keeps no INT2 head
+    "int8": dict(retrieval_heads=((0, 1), (1, 0))),
+    "int16": dict(retrieval_heads=((0, 1), (1, 0)), retrieval_bits=16),
+    "int4": dict(retrieval_heads=((0, 1), (1, 0)), retrieval_bits=4),
+    "int8-layer": dict(retrieval_heads=((1, 0), (1, 1))),  # layer 1 keeps no INT2 head
 }
 PAGED_HAS_NO = pytest.mark.skip(reason="the paged store serves continuous batching: a request comes and goes whole, "
                                        "no crop / beam reorder / batch select / save (generate's cache operations)")

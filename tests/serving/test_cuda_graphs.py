@@ -50,7 +50,7 @@ def alone(model, prompt, **store_kw):
     return model.generate(torch.tensor([prompt]), **kw)[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("store_kw", [{}, dict(full_precision_heads=((0, 1), (1, 0)), full_precision_bits=8)],
+@pytest.mark.parametrize("store_kw", [{}, dict(retrieval_heads=((0, 1), (1, 0)), retrieval_bits=8)],
                          ids=["int2", "retrieval-heads"])
 def test_generate_batch_with_cuda_graphs_equals_eager_and_generate(model, monkeypatch, store_kw):
     from oscar_hf.serving.batching import OscarPagedCache

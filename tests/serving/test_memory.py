@@ -130,7 +130,7 @@ def test_retrieval_heads_are_counted_in_blocks(config, memory_budget):
     block instead of an INT2 row: Transformers' blocks, its budget and its admission count them, and the pool, coded
     rows included, is laid out in the cache tensor."""
     helper = DistributedHelper(None, None)
-    heads = dict(full_precision_heads=((0, 1),), full_precision_bits=8)
+    heads = dict(retrieval_heads=((0, 1),), retrieval_bits=8)
 
     def cache(cb_cfg, **kw):
         store = OscarPagedStore(config, dtype=DTYPE, defer_pool=True, **OSCAR, **kw)
@@ -148,7 +148,7 @@ def test_retrieval_heads_are_counted_in_blocks(config, memory_budget):
     memory_budget["bytes"] = 3 << 20
     budget_cfg = ContinuousBatchingConfig(max_batch_tokens=64, page_size=PAGE)
     slots = dict(max_requests=256)  # pages, not window slots, limit admission (1.7 MB of the budget reserved)
-    with_heads, plain = cache(budget_cfg, **heads, **slots), cache(budget_cfg, full_precision_heads=0, **slots)
+    with_heads, plain = cache(budget_cfg, **heads, **slots), cache(budget_cfg, retrieval_heads=0, **slots)
     pages = with_heads.store.history_pages(64, PAGE)
     assert pages == plain.store.history_pages(64, PAGE) == 4
     assert with_heads.store.pool.num_pages * 2304 <= plain.store.pool.num_pages * 1536 + 2304

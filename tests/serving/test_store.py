@@ -22,8 +22,8 @@ class FakeAttention(torch.nn.Module):
 REQUESTS = 1000  # each joins with a prompt of 1-29 tokens, decodes 0-7 tokens and leaves; up to 6 live
 # retrieval heads (tiny Llama: 2 layers, 2 KV heads): one per layer at INT8; every head of layer 0 at INT4 (no INT2
 # head left there) and one of layer 1
-HEADS = [dict(full_precision_heads=((0, 1), (1, 0)), full_precision_bits=8),
-         dict(full_precision_heads=((0, 0), (0, 1), (1, 1)), full_precision_bits=4)]
+HEADS = [dict(retrieval_heads=((0, 1), (1, 0)), retrieval_bits=8),
+         dict(retrieval_heads=((0, 0), (0, 1), (1, 1)), retrieval_bits=4)]
 
 
 def make_store(num_pages=64, page_size=4, **kw):
@@ -141,7 +141,7 @@ def test_pool_exhaustion_and_bad_inputs():
 
 
 def test_retrieval_heads_of_an_artifact_are_kept_and_paid_for():
-    """The artifact's retrieval heads (the cache's default, full_precision_heads="auto") are kept, as OscarCache keeps
+    """The artifact's retrieval heads (the cache's default, retrieval_heads="auto") are kept, as OscarCache keeps
     them; each layer's pages hold its other heads in INT2 and these as coded rows, and a page's bytes count both."""
     from oscar_hf import OscarRotations
 
@@ -150,7 +150,7 @@ def test_retrieval_heads_of_an_artifact_are_kept_and_paid_for():
     rot.retrieval_scores = torch.tensor([[0.1, 0.9], [0.6, 0.2]])
     kw = dict(sink=4, recent=8, group_size=32, num_pages=8, page_size=4, max_history_bits=6.0)  # room for both (INT8)
     store = OscarPagedStore(cfg, rot, **kw)
-    assert store.config.full_precision_heads == ((0, 1), (1, 0))
+    assert store.config.retrieval_heads == ((0, 1), (1, 0))
     assert {i: (p.int2_heads, p.coded_heads) for i, p in store.params.items()} == {0: ((0,), (1,)), 1: ((1,), (0,))}
     assert store.pool.int2_heads == (1, 1) and store.pool.coded_heads == (1, 1)
     # per layer, K and V, 4 entries: one INT2 row (D/4 = 8 code bytes + scale and zero of D/G = 1, BF16) and one INT8
@@ -160,19 +160,19 @@ def test_retrieval_heads_of_an_artifact_are_kept_and_paid_for():
     assert store.pool.coded_bytes_per_page == 2 * 2 * 4 * coded_row
     # nothing allocated for INT2 rows nobody reads (8 pages and the pool's trash page)
     assert store.pool.nbytes == (8 + 1) * store.pool.bytes_per_page
-    plain = OscarPagedStore(cfg, rot, **{**kw, "full_precision_heads": 0})
+    plain = OscarPagedStore(cfg, rot, **{**kw, "retrieval_heads": 0})
     assert all(not p.coded_heads for p in plain.params.values()) and list(plain.params) == [0, 1] and plain.page_bytes(4) == 2 * 2 * 4 * 2 * int2_row
     budget = reserved(store) + 11 * store.page_bytes(4)  # the budget pays for the heads' bytes (and a trash page)
     assert OscarPagedStore(cfg, rot, **{**kw, "num_pages": None, "memory_budget": budget}).pool.num_pages == 10
     # explicit heads; a layer whose every head is a 16-bit head is exact: Transformers' paged cache keeps it
-    exact = OscarPagedStore(cfg, rot, **{**kw, "full_precision_heads": ((0, 0), (0, 1), (1, 1)),
-                                         "full_precision_bits": 16})
+    exact = OscarPagedStore(cfg, rot, **{**kw, "retrieval_heads": ((0, 0), (0, 1), (1, 1)),
+                                         "retrieval_bits": 16})
     assert not exact.handles(0) and exact.handles(1) and exact.pool.coded_heads == (1,)
     with pytest.raises(ValueError, match="not a \\(layer, kv_head\\)"):
-        OscarPagedStore(cfg, rot, **{**kw, "full_precision_heads": ((0, 2),)})  # head 2 of 2
+        OscarPagedStore(cfg, rot, **{**kw, "retrieval_heads": ((0, 2),)})  # head 2 of 2
     with pytest.raises(ValueError, match="no layer OSCAR quantizes"):
-        OscarPagedStore(cfg, rot, **{**kw, "full_precision_heads": tuple((i, h) for i in (0, 1) for h in (0, 1)),
-                                     "full_precision_bits": 16})
+        OscarPagedStore(cfg, rot, **{**kw, "retrieval_heads": tuple((i, h) for i in (0, 1) for h in (0, 1)),
+                                     "retrieval_bits": 16})
 
 
 def reserved(store) -> int:

@@ -18,7 +18,7 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def artifact(model):
-    """Hadamard rotations with retrieval scores: the default ``full_precision_heads="auto"`` picks (0, 1) and (1, 0)
+    """Hadamard rotations with retrieval scores: the default ``retrieval_heads="auto"`` picks (0, 1) and (1, 0)
     (``max_history_bits=6`` pays for both at INT8)."""
     rot = OscarRotations.builtin(model.config, "hadamard")
     rot.retrieval_scores = torch.tensor([[0.1, 0.9], [0.6, 0.2]])
@@ -35,7 +35,7 @@ def serve(model, artifact, prompts, cb_cfg, bits, heads):
     """Greedy tokens of ``generate_batch`` through the paged store, the store, and the batches of layer 0."""
     gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
     batches = []
-    with paged_oscar(model, rotations=artifact, full_precision_heads=heads, full_precision_bits=bits,
+    with paged_oscar(model, rotations=artifact, retrieval_heads=heads, retrieval_bits=bits,
                      max_history_bits=6.0, **OSCAR) as store:
         attend = store.attend
         store.attend = lambda layer, q, k, v, batch, *a: (batches.append(batch) if layer == 0 else None) or attend(
@@ -47,8 +47,8 @@ def serve(model, artifact, prompts, cb_cfg, bits, heads):
 
 
 def alone(model, artifact, prompts, bits, heads):
-    return [greedy_alone(model, p, OscarCache(model, artifact, compile=False, full_precision_heads=heads,
-                                              full_precision_bits=bits, max_history_bits=6.0, **OSCAR))
+    return [greedy_alone(model, p, OscarCache(model, artifact, compile=False, retrieval_heads=heads,
+                                              retrieval_bits=bits, max_history_bits=6.0, **OSCAR))
             for p in prompts]
 
 
@@ -58,7 +58,7 @@ def test_generate_batch_keeps_the_heads_of_oscar_cache(model, artifact):
     cb_cfg = continuous_batching_config(num_blocks=128, max_batch_tokens=256, page_size=8, max_requests_per_batch=3)
     bits, heads = 8, "auto"
     got, store, batches = serve(model, artifact, prompts, cb_cfg, bits, heads)
-    assert store.config.full_precision_heads == ((0, 1), (1, 0))  # the artifact's heads, named
+    assert store.config.retrieval_heads == ((0, 1), (1, 0))  # the artifact's heads, named
     assert max(len(b) for b in batches) == 3  # decodes batched with other requests' rows
     assert got == alone(model, artifact, prompts, bits, heads)
     # the heads were in the loop: without them at least one request decodes differently

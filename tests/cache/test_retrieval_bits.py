@@ -1,5 +1,5 @@
 """Full-precision (retrieval) heads stored as INT8 / INT4 codes with a scale and zero per token and head
-(``OscarConfig.full_precision_bits``, ``oscar_hf.cache.heads``): the codes, what they read back, the rest of the
+(``OscarConfig.retrieval_bits``, ``oscar_hf.cache.heads``): the codes, what they read back, the rest of the
 cache untouched, the bit counts, saving and loading."""
 import pytest
 import torch
@@ -51,20 +51,20 @@ def test_minmax_constant_row_bad_bits_and_int4_packing():
 
 def test_config_bits_and_budget():
     c = OscarConfig()
-    assert c.full_precision_bits == 8  # the default
-    assert [OscarConfig(full_precision_bits=b).full_precision_head_bits(64) for b in (16, 8, 4)] == [16.0, 8.5, 4.5]
-    assert c.full_precision_head_bits(128) == 8.25
+    assert c.retrieval_bits == 8  # the default
+    assert [OscarConfig(retrieval_bits=b).retrieval_head_bits(64) for b in (16, 8, 4)] == [16.0, 8.5, 4.5]
+    assert c.retrieval_head_bits(128) == 8.25
     # SmolLM2's 90 KV heads under the 3.0-bit cap: 3 heads at 16 bits, 7 at INT8, 22 at INT4 (2.5-bit rows at group 64)
-    assert [OscarConfig(full_precision_bits=b).full_precision_head_budget(64, 90) for b in (16, 8, 4)] == [3, 7, 22]
+    assert [OscarConfig(retrieval_bits=b).retrieval_head_budget(64, 90) for b in (16, 8, 4)] == [3, 7, 22]
     assert c.history_bits(64, 7 / 90) == pytest.approx((83 * 2.5 + 7 * 8.5) / 90)
     for bad in (2, 3, 32, True, "4"):
-        with pytest.raises(ValueError, match="full_precision_bits"):
-            OscarConfig(full_precision_bits=bad)
+        with pytest.raises(ValueError, match="retrieval_bits"):
+            OscarConfig(retrieval_bits=bad)
 
 
 def run_cache(model, ids: torch.Tensor, decode: int, **kw) -> OscarCache:
     """Prefill ``ids[:-decode]`` then feed the last ``decode`` tokens one by one (both write paths)."""
-    cache = OscarCache(model, **SMALL, full_precision_heads=(FP_PAIR,), **kw)
+    cache = OscarCache(model, **SMALL, retrieval_heads=(FP_PAIR,), **kw)
     n = ids.shape[1] - decode
     with torch.no_grad():
         model(ids[:, :n], **cache_kwargs(model, cache), use_cache=True)
@@ -77,8 +77,8 @@ def run_cache(model, ids: torch.Tensor, decode: int, **kw) -> OscarCache:
 def test_codes_read_back_as_their_fake_quantization_and_nothing_else_changes(bits):
     model = tiny_model("llama", head_dim=64)
     ids = torch.randint(1, 256, (1, 30), generator=torch.Generator().manual_seed(1))
-    ref = run_cache(model, ids, decode=6, full_precision_bits=16)
-    got = run_cache(model, ids, decode=6, full_precision_bits=bits)
+    ref = run_cache(model, ids, decode=6, retrieval_bits=16)
+    got = run_cache(model, ids, decode=6, retrieval_bits=bits)
     r0, g0 = ref.layers[0], got.layers[0]
     assert r0.retrieval_heads == g0.retrieval_heads == (FP_PAIR[1],)
     rs, gs = r0.export_state(), g0.export_state()  # (the retrieval heads' every slot: history codes + window coded)
@@ -106,8 +106,8 @@ def test_codes_read_back_as_their_fake_quantization_and_nothing_else_changes(bit
 def test_history_bits_count_the_stored_form():
     model = tiny_model("llama", head_dim=64)  # 2 layers x 2 KV heads, INT2 rows at group 32: 2 + 32 / 32 = 3 bits
     for bits, head_bits in ((16, 16.0), (8, 8.5), (4, 4.5)):
-        cache = OscarCache(model, **SMALL, full_precision_heads=(FP_PAIR,), full_precision_bits=bits)
-        assert history_bits(cache) == dict(full_precision_heads=1, kv_heads=4, full_precision_head_bits=head_bits,
+        cache = OscarCache(model, **SMALL, retrieval_heads=(FP_PAIR,), retrieval_bits=bits)
+        assert history_bits(cache) == dict(retrieval_heads=1, kv_heads=4, retrieval_head_bits=head_bits,
                                            history_bits=(3 * 3.0 + head_bits) / 4)
         assert history_bits(cache)["history_bits"] == cache.memory_report()["history_bits_per_element"]
     assert history_bits(OscarCache(model, **SMALL))["history_bits"] == 3.0
@@ -117,10 +117,10 @@ def test_history_bits_count_the_stored_form():
 def test_save_load_continues_exactly(tmp_path, compile):
     model = tiny_model("llama", head_dim=64)
     ids = torch.randint(1, 256, (1, 30), generator=torch.Generator().manual_seed(2))
-    cache = run_cache(model, ids, decode=3, full_precision_bits=4, compile=compile)
+    cache = run_cache(model, ids, decode=3, retrieval_bits=4, compile=compile)
     cache.save(tmp_path / "c")
     loaded = OscarCache.load(tmp_path / "c", model, compile=compile)
-    assert loaded.oscar_config.full_precision_bits == 4
+    assert loaded.oscar_config.retrieval_bits == 4
     nxt = torch.randint(1, 256, (1, 5), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         a, b = (model(nxt, **cache_kwargs(model, c)).logits for c in (cache, loaded))
