@@ -1,9 +1,11 @@
 """OSCAR for a process that loads its models itself (:func:`oscar_serving`), and in the model process ``transformers
 serve`` spawns (5.25+: its entry point ``EngineClient.run_engine`` is replaced inside the block, and the serving process
-refuses a repeated live ``X-Request-ID`` itself); docs/serving.md."""
+refuses a repeated live ``X-Request-ID`` itself and answers a stream the model process refuses with a 400);
+docs/serving.md."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import json
 import logging
@@ -83,6 +85,68 @@ def refusing_live_ids(middleware):
     return call
 
 
+# a streamed request's record while its handler runs: {"streamer": its Detokenizer, "error": the ValueError that
+# failed it}; the task that sends it to the model process copies the handler's context, so both see one dict
+_STREAMED: contextvars.ContextVar[dict] = contextvars.ContextVar("oscar_streamed")
+
+
+def recording_refusals(send_request):
+    """``_send_request`` for 5.25's ``EngineClient``: a streamed request's streamer, and the ValueError (a refusal,
+    the request's fault) that fails it, recorded for :func:`refusing_before_streaming`."""
+    async def send(self, method, args, streamer=None):
+        seen = _STREAMED.get(None) if streamer is not None else None
+        if seen is not None:
+            seen["streamer"] = streamer
+        try:
+            return await send_request(self, method, args=args, streamer=streamer)
+        except ValueError as e:
+            if seen is not None:
+                seen["error"] = e
+            raise
+
+    return send
+
+
+def refusing_before_streaming(handle_request):
+    """``handle_request`` for 5.25's completion handlers: a streamed request refused in the model process (a ValueError
+    before its first token: a prompt the pool cannot hold, ...) is answered 400 with the reason, as a plain request
+    is, not with an error event in a 200 stream. So the stream's first chunks wait for its first token or its end."""
+    from starlette.responses import JSONResponse
+
+    async def handle(self, body: dict, request_id: str):
+        seen = {}
+        token = _STREAMED.set(seen)
+        try:
+            response = await handle_request(self, body, request_id)
+        finally:
+            _STREAMED.reset(token)
+        if not (isinstance(body, dict) and body.get("stream")) or not hasattr(response, "body_iterator"):
+            return response
+        body_iterator, head = response.body_iterator, []
+        while "error" not in seen and not getattr(seen.get("streamer"), "total_tokens", 0):
+            try:
+                head.append(await body_iterator.__anext__())
+            except StopAsyncIteration:
+                break
+        if "error" in seen:
+            await body_iterator.aclose()
+            return JSONResponse({"detail": str(seen["error"])}, status_code=400)
+
+        async def stream():
+            try:
+                for part in head:
+                    yield part
+                async for part in body_iterator:
+                    yield part
+            finally:
+                await body_iterator.aclose()
+
+        response.body_iterator = stream()
+        return response
+
+    return handle
+
+
 @contextlib.contextmanager
 def oscar_serving(rotations=None, **store_kwargs):
     """:func:`oscar_continuous_batching` for a process that loads its models itself (``transformers serve``): each
@@ -94,10 +158,17 @@ def oscar_serving(rotations=None, **store_kwargs):
     client = _engine_client()
     with contextlib.ExitStack() as undo, oscar_continuous_batching(make_store) as stores:
         if client is not None:  # a model process the server spawns serves through OSCAR too (module docstring)
+            from transformers.cli.serving.chat_completion import ChatCompletionHandler
+            from transformers.cli.serving.completion import CompletionHandler
             from transformers.cli.serving.utils import RequestIdMiddleware
 
-            undo.callback(setattr, client, "run_engine", vars(client)["run_engine"])
-            undo.callback(setattr, RequestIdMiddleware, "__call__", vars(RequestIdMiddleware)["__call__"])
-            client.run_engine = staticmethod(functools.partial(run_engine, (rotations, dict(store_kwargs))))
-            RequestIdMiddleware.__call__ = refusing_live_ids(RequestIdMiddleware)
+            patches = [(client, "run_engine", staticmethod(functools.partial(run_engine, (rotations,
+                                                                                          dict(store_kwargs))))),
+                       (client, "_send_request", recording_refusals(vars(client)["_send_request"])),
+                       (RequestIdMiddleware, "__call__", refusing_live_ids(RequestIdMiddleware))]
+            patches += [(h, "handle_request", refusing_before_streaming(vars(h)["handle_request"]))
+                        for h in (CompletionHandler, ChatCompletionHandler)]
+            for owner, name, value in patches:
+                undo.callback(setattr, owner, name, vars(owner)[name])
+                setattr(owner, name, value)
         yield stores

@@ -60,6 +60,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE = ROOT / "scripts" / "serve.py"
+sys.path.insert(0, str(ROOT / "tests" / "serving"))  # forced_check, its sibling (a script run with -P has not its
+# folder on the path)
 
 # settings of each profile: the server's (OSCAR's window and page pool, Transformers' batching) and the load's
 PROFILES = {
@@ -175,7 +177,9 @@ def judge(text: str, count: int | None, ref: dict, m: int, tok, tie_tol: float) 
     """``exact``, or where the text leaves the reference (``step``, the reference's top-2 ``gap`` there): ``wrong``
     with ``tie_tol`` 0, else ``diverged`` (judged by the teacher-forced check, :func:`follow_diverged`)."""
     want = ref["tokens"][:m]
-    if text == tok.decode(want, skip_special_tokens=True) and count in (None, len(want)):
+    full = tok.decode(want, skip_special_tokens=True)
+    # (a stream withholds the bytes of a character its last token leaves unfinished, which decode() shows as U+FFFD)
+    if text in (full, full.rstrip("\ufffd")) and count in (None, len(want)):
         return dict(verdict="exact")
     k = 0  # the first step the text leaves the reference at (the longest decoded prefix it starts with)
     while k < len(want) and text.startswith(tok.decode(want[: k + 1], skip_special_tokens=True).rstrip("\ufffd")):
@@ -183,7 +187,7 @@ def judge(text: str, count: int | None, ref: dict, m: int, tok, tie_tol: float) 
     gap = ref["gaps"][k] if k < len(ref["gaps"]) else None
     # (with tie_tol > 0, forced_check.forced_check later turns "diverged" into "followed" or "wrong")
     return dict(verdict="diverged" if tie_tol > 0 else "wrong", step=k, gap=gap, text=text,
-                want=tok.decode(want, skip_special_tokens=True)[:200], count=count, want_count=len(want))
+                want=full[:200], count=count, want_count=len(want))
 
 
 # ------------------------------------------------------------------------------------------------------ server
@@ -405,7 +409,6 @@ def follow_diverged(records: list[dict], models, prompts: list[str], refs, tok, 
     """Judge every ``diverged`` stream by teacher forcing (``forced_check``, tolerance ``tie_tol``), in place: its
     verdict becomes ``followed`` or ``wrong``. Returns the check's control on model A: each prompt's own reference
     stream must be followed, and every stream checked against another prompt's (the next one's reference) flagged."""
-    sys.path.insert(0, str(ROOT / "tests" / "serving"))  # its sibling (a script run with -P has not its folder on the path)
     from forced_check import forced_check
 
     tol = p["tie_tol"] if p["tie_tol"] > 0 else 1e-3

@@ -134,7 +134,7 @@ def status_of(req) -> tuple[int, str]:
 def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(model_dir, server):
     """While a streamed request decodes: the same X-Request-ID again (a retry) gets 409, streamed or not (on every
     supported Transformers: 5.25+ hands the model process ids of its own, the serving process refuses it); a request
-    that can never fit the page pool 400; a malformed one 400 (Transformers' own check). The first stream's text is
+    that can never fit the page pool 400, streamed or not, completion or chat; a malformed one 400 (Transformers' own check). The first stream's text is
     then exactly its run alone through OscarCache, the worker is healthy and serves the next request."""
     path, model, tok = model_dir
     url, _ = server
@@ -149,6 +149,12 @@ def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(model_dir, server):
         "duplicate": status_of(request(f"{url}/v1/completions", {**body, "max_tokens": 4}, "dup")),
         "duplicate streamed": status_of(request(f"{url}/v1/completions", {**body, "stream": True}, "dup")),
         "too long": status_of(request(f"{url}/v1/completions", {**body, "max_tokens": 64 * 256}, "big")),
+        # streamed: refused before the stream starts (5.25+'s model process refuses it after the handler returned)
+        "too long streamed": status_of(request(f"{url}/v1/completions",
+                                               {**body, "max_tokens": 64 * 256, "stream": True}, "big-s")),
+        "too long streamed chat": status_of(request(
+            f"{url}/v1/chat/completions", dict(model=str(path), messages=[dict(role="user", content=PROMPT)],
+                                               max_tokens=64 * 256, temperature=0.0, stream=True), "big-c")),
         "malformed": status_of(request(f"{url}/v1/completions", {**body, "prompt": [1, 2]}, "bad")),
     }
     chunks.extend(stream.readlines())
@@ -157,7 +163,8 @@ def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(model_dir, server):
     # serving process's request-id middleware)
     assert codes["duplicate"][0] == 409 and "already live" in codes["duplicate"][1], codes
     assert codes["duplicate streamed"][0] == 409 and "already live" in codes["duplicate streamed"][1], codes
-    assert codes["too long"][0] == 400 and "INT2 pages" in codes["too long"][1], codes
+    for kind in ("too long", "too long streamed", "too long streamed chat"):
+        assert codes[kind][0] == 400 and "INT2 pages" in codes[kind][1], (kind, codes)
     assert codes["malformed"][0] == 400, codes
     text = ""
     for line in b"".join(chunks).decode().splitlines():
