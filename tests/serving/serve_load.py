@@ -13,9 +13,9 @@ machine). Model B, of another shape, is the model switch. No model is pinned: re
 
 The run, bounded in count (``--requests``) and time (``--deadline`` seconds of load): one warm-up request to A; phase 1,
 ``--share`` of the requests to A from the threads, of mixed kinds: streamed and plain requests (most), a stream the
-client closes after its first text (cancellation), a pair with one ``X-Request-ID`` (the second sent while the first
-streams; the first is then read to its end, and the id sent once more), a prompt longer than the whole page pool,
-malformed JSON and bad fields; phase 2, requests to B (a switch: A's manager stops); phase 3, the rest to A (a switch
+client closes after its first text (cancellation), a stream the client leaves before any answer, a pair with one
+``X-Request-ID`` (the second sent while the first streams; the first is then read to its end, and the id sent once
+more), a prompt longer than the whole page pool, malformed JSON and bad fields; phase 2, requests to B (a switch: A's manager stops); phase 3, the rest to A (a switch
 back); last, one request to B, so that A's manager stops again after all of its load.
 
 Checks (exit status 1 when one fails; each is in the JSON):
@@ -83,7 +83,7 @@ B_SHAPES = {
                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192),
 }
 # kinds of requests to A in a load phase and their shares (each kind at least once per phase)
-KINDS = dict(stream=0.42, plain=0.38, cancel=0.07, duplicate=0.04, oversized=0.04, malformed=0.05)
+KINDS = dict(stream=0.40, plain=0.36, cancel=0.07, abandon=0.04, duplicate=0.04, oversized=0.04, malformed=0.05)
 WORDS = ("the quick brown fox jumps over lazy dog while cat sleeps on warm windowsill and children play in garden "
          "until sun goes down behind hills river flows past old mill where miller grinds wheat into flour for bread "
          "baked each morning before town wakes").split()
@@ -355,6 +355,12 @@ class Load:
                     return dict(job, status=200, verdict="cancelled", text=text)
                 return dict(job, status=200, verdict="diverged" if self.p["tie_tol"] > 0 else "wrong", text=text,
                             count=None, cancelled=True)
+            if kind == "abandon":  # the client sends a stream and leaves before any answer (mid-prefill, or queued)
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.p["timeout"])
+                conn.request("POST", "/v1/completions", body=json.dumps(self.body(model, prompt, m, True)).encode(),
+                             headers={"Content-Type": "application/json", "X-Request-ID": self.rid(kind)})
+                conn.close()
+                return dict(job, status=None, verdict="abandoned")
             if kind == "duplicate":
                 rid = self.rid(kind)
                 t0 = time.perf_counter()
