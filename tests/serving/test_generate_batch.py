@@ -177,3 +177,41 @@ def test_another_model_inside_the_block_stays_bf16(model):
     assert inside == plain
     assert ours == [greedy_alone(model, p, OscarCache(model, method="hadamard", compile=False, **OSCAR))[:10]
                     for p in prompts]
+
+
+def test_soft_reset_requests_are_re_prefilled_and_the_rest_stay_exact(model, monkeypatch):
+    """A pool too small for the batch: Transformers soft-resets requests (frees their blocks, later re-prefills prompt +
+    generated tokens). Every request still gets all its tokens and the store ends empty; a request never reset is its
+    run alone through OscarCache, and a reset one is up to its reset (after it, the re-prefill computes the generated
+    tokens' K/V under exact attention where the uninterrupted run read the INT2 history: docs/serving.md §6)."""
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    resets = {}  # request id -> tokens generated when it was first reset
+    original = RequestState.create_equivalent_initial_request
+
+    def counted(state):
+        resets.setdefault(state.request_id, len(state.generated_tokens))
+        return original(state)
+
+    monkeypatch.setattr(RequestState, "create_equivalent_initial_request", counted)
+    new = 48
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(20, 90))] for _ in range(12)]
+    gen_cfg = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    # 12 pages of 16 tokens: a request holds up to 9 of them (90 + 48 tokens) and 6 may run at once
+    cb_cfg = continuous_batching_config(num_blocks=12, max_batch_tokens=128, page_size=16, max_requests_per_batch=6)
+    with paged_oscar(model, **OSCAR) as store:
+        out = model.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg, warmup=False)
+        assert store.pool.num_used == 0 and not store.requests
+    assert len(resets) >= 2, resets  # the pool did force resets
+    order = sorted(out, key=lambda rid: int(rid.rsplit("_", 1)[-1]))  # req_0, req_1, ... in prompt order
+    assert len(order) == len(prompts)
+    for rid, prompt in zip(order, prompts):
+        got = out[rid].generated_tokens
+        assert len(got) == new, rid
+        kw = dict(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        alone = model.generate(torch.tensor([prompt]), **kw, **cache_kwargs(
+            model, OscarCache(model, method="hadamard", compile=False, **OSCAR)))[0, len(prompt):].tolist()
+        upto = resets.get(rid, new)
+        assert got[:upto] == alone[:upto], (rid, upto)
+    assert len(resets) < len(prompts)  # some requests ran through without a reset (checked whole above)
