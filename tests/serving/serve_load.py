@@ -597,13 +597,16 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=float, help="seconds of load after which no request starts")
     ap.add_argument("--tie-tol", type=float)
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], help="the models' (and the server's) dtype")
+    ap.add_argument("--num-blocks", type=int, help="the page pool's pages (a small pool makes Transformers soft-reset)")
+    ap.add_argument("--max-requests", type=int, help="window slots: requests live at once")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", help="where the models are saved (default: a temporary directory)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=a.workdir) as tmp:
         res = run(a.profile, Path(tmp), a.tokenizer, a.seed, requests=a.requests, concurrency=a.concurrency,
-                  deadline=a.deadline, tie_tol=a.tie_tol, dtype=a.dtype)
+                  deadline=a.deadline, tie_tol=a.tie_tol, dtype=a.dtype, num_blocks=a.num_blocks,
+                  max_requests=a.max_requests)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=1, default=str))
