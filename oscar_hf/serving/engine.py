@@ -110,9 +110,8 @@ def recording_refusals(send_request):
 def refusing_before_streaming(handle_request):
     """``handle_request`` for 5.25's completion handlers: a streamed request refused in the model process (a ValueError
     before its first token: a prompt the pool cannot hold, ...) is answered 400 with the reason, as a plain request
-    is, not with an error event in a 200 stream. So the stream's first chunks wait for its first token or its end."""
-    from starlette.responses import JSONResponse
-
+    is (raised here, the server's ValueError handler answers it), not with an error event in a 200 stream. So the
+    stream's first chunks wait for its first token or its end."""
     async def handle(self, body: dict, request_id: str):
         seen = {}
         token = _STREAMED.set(seen)
@@ -130,7 +129,7 @@ def refusing_before_streaming(handle_request):
                 break
         if "error" in seen:
             await body_iterator.aclose()
-            return JSONResponse({"detail": str(seen["error"])}, status_code=400)
+            raise seen["error"]
 
         async def stream():
             try:
