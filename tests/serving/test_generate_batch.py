@@ -214,4 +214,8 @@ def test_soft_reset_requests_are_re_prefilled_and_the_rest_stay_exact(model, mon
             model, OscarCache(model, method="hadamard", compile=False, **OSCAR)))[0, len(prompt):].tolist()
         upto = resets.get(rid, new)
         assert got[:upto] == alone[:upto], (rid, upto)
+        if got != alone:  # (-s prints what docs/serving.md §6 quotes)
+            print(f"{rid}: reset after {upto} tokens, leaves its run alone at token "
+                  f"{next(i for i, (a, b) in enumerate(zip(got, alone)) if a != b)}")
+    print(f"{len(resets)} of {len(prompts)} requests reset")
     assert len(resets) < len(prompts)  # some requests ran through without a reset (checked whole above)
