@@ -144,7 +144,7 @@ def main(argv=None):
     import argparse
     import sys
 
-    from oscar_hf.models import load_model
+    from oscar_hf.eval.models import load_model
 
     from .compare import find_artifact, swap_rotation
     from .methods import OscarFamily, get_method

@@ -54,7 +54,7 @@ def calibrate_artifact(model, tok, method: str, group_size: int, root: Path = RO
     """Calibrate on the calibration split only (``oscar_hf.data``), 8192 tokens, cache under artifacts/eval/."""
     from oscar_hf.calibration import calibrate
     from oscar_hf.data import split_texts
-    from oscar_hf.models import wikitext_path
+    from oscar_hf.eval.models import wikitext_path
 
     rot = find_artifact(method, group_size, root)
     if rot is not None:
@@ -221,7 +221,7 @@ def main(argv=None):
 
     from transformers.utils import logging as hf_logging
 
-    from oscar_hf.models import load_model
+    from oscar_hf.eval.models import load_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tables", default="main,groups,windows,decode")

@@ -111,7 +111,7 @@ def main(argv=None, model=None, tokenizer=None):
     import argparse
 
     from oscar_hf import OscarCache, OscarRotations
-    from oscar_hf.models import model_for_eval
+    from oscar_hf.eval.models import model_for_eval
 
     from .methods import get_method, with_label
     from .perplexity import perplexity

@@ -255,7 +255,7 @@ def main(argv=None):
 
     from oscar_hf import OscarCache
     from oscar_hf.config import RETRIEVAL_BIT_CHOICES
-    from oscar_hf.models import model_for_eval
+    from oscar_hf.eval.models import model_for_eval
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--artifact", required=True, help="the calibrated artifact (scripts/calibrate.py --out DIR)")

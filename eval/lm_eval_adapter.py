@@ -22,7 +22,7 @@ What the cache changes, per request type:
   which attends to the quantized history (stricter: the question itself reads the INT2 history).
 
 ``pretrained=smollm2`` / ``pretrained=gemma3-270m`` load the packaged SmolLM2-135M / Gemma-3-270M through
-:func:`oscar_hf.models.load_model` (Gemma's tokenizer rebuilt from its GGUF, which lm-eval's own GGUF path would get
+:func:`oscar_hf.eval.models.load_model` (Gemma's tokenizer rebuilt from its GGUF, which lm-eval's own GGUF path would get
 wrong: no merges, no ``<bos>``), in ``dtype`` (default float32).
 ``method``: ``fp`` (DynamicCache), ``identity``, ``hadamard`` (no artifact) or ``oscar`` / ``pca-kv`` /
 any calibrated method (``rotations=DIR``).
@@ -34,7 +34,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import DEFAULT_MODEL, GEMMA3, load_model
+from oscar_hf.eval.models import DEFAULT_MODEL, GEMMA3, load_model
 
 from .fakequant import fake_quant
 from .methods import OscarFamily, get_method

@@ -248,7 +248,7 @@ def main(argv=None, model=None, tokenizer=None):
     """CLI. ``model`` / ``tokenizer``: run on these instead of loading ``--model``."""
     import argparse
 
-    from oscar_hf.models import GEMMA3, model_for_eval, wikitext_path
+    from oscar_hf.eval.models import GEMMA3, model_for_eval, wikitext_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help='"smollm2" (default) or "gemma3-270m"')

@@ -126,7 +126,7 @@ def main(argv=None, model=None, tokenizer=None):
 
     from oscar_hf import OscarCache, OscarConfig, OscarRotations
     from oscar_hf.config import RETRIEVAL_BIT_CHOICES
-    from oscar_hf.models import model_for_eval
+    from oscar_hf.eval.models import model_for_eval
     from oscar_hf.quant import QUANTIZERS
 
     from .compare import find_artifact

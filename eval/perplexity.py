@@ -127,7 +127,7 @@ def fast_nll(model, input_ids: torch.Tensor, context_len: int, spec: FakeQuantSp
 def evaluation_ids(tokenizer, n_tokens: int, text: str | None = None) -> torch.Tensor:
     """The first ``n_tokens`` token ids (no special tokens) of the held-out half of the WikiText file."""
     from oscar_hf.data import split_texts, tokenize
-    from oscar_hf.models import wikitext_path
+    from oscar_hf.eval.models import wikitext_path
 
     if text is None:
         text = wikitext_path().read_text(encoding="utf-8")

@@ -115,7 +115,7 @@ def main(argv=None, model=None, tokenizer=None):
     from oscar_hf import OscarRotations
     from oscar_hf.calibration.search import attention_error
     from oscar_hf.data import calibration_text, tokenize
-    from oscar_hf.models import model_for_eval, wikitext_path
+    from oscar_hf.eval.models import model_for_eval, wikitext_path
 
     from .default_perplexity import load_ids
     from .methods import get_method

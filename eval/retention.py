@@ -223,7 +223,7 @@ def main(argv=None, model=None, tokenizer=None):
     import argparse
 
     from oscar_hf import OscarCache
-    from oscar_hf.models import model_for_eval
+    from oscar_hf.eval.models import model_for_eval
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help='"smollm2" or "gemma3-270m"')

@@ -11,7 +11,7 @@ Four tasks (:data:`TASKS`), prompts worded as RULER's:
   and the others once (30 / 3 times from 4K on), after one worked example; the 10 frequent words are gold.
 
 The haystack is the held-out part of a text file (``oscar_hf.data.split_texts(...).evaluation``: the first
-~25 % that calibration reads is never used; default file: WikiText-2 raw test, ``oscar_hf.models.wikitext_path``
+~25 % that calibration reads is never used; default file: WikiText-2 raw test, ``oscar_hf.eval.models.wikitext_path``
 or ``OSCAR_WIKITEXT``); needle keys and CWE words are lower-case words of that text. A sample of length ``L`` has
 ``L - GEN_TOKENS[task]`` prompt tokens or a few fewer (the model's tokenizer counts them, special tokens
 included), so prompt + answer budget fit in ``L`` (RULER's convention). Everything is drawn from
@@ -80,7 +80,7 @@ class Haystack:
 
     def __init__(self, tokenizer, path: str | Path | None = None):
         from oscar_hf.data import split_texts
-        from oscar_hf.models import wikitext_path
+        from oscar_hf.eval.models import wikitext_path
 
         self.path = Path(path) if path else wikitext_path()
         if not self.path.is_file():
@@ -316,7 +316,7 @@ def main(argv=None) -> int:
         return 0
     from transformers import AutoTokenizer
 
-    from oscar_hf.models import DEFAULT_MODEL, SMOLLM2_GGUF, smollm2_dir
+    from oscar_hf.eval.models import DEFAULT_MODEL, SMOLLM2_GGUF, smollm2_dir
 
     kw = dict(gguf_file=SMOLLM2_GGUF) if args.tokenizer == DEFAULT_MODEL else {}
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir()) if kw else args.tokenizer, **kw)

@@ -20,7 +20,7 @@ from transformers import GenerationConfig
 
 import oscar_hf
 from oscar_hf import OscarRotations
-from oscar_hf.models import load_smollm2, wikitext_path
+from oscar_hf.eval.models import load_smollm2, wikitext_path
 from oscar_hf.serving import continuous_batching_config, paged_oscar
 
 

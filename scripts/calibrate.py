@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from oscar_hf import data
     from oscar_hf.calibration import CLIP_GRID, calibrate, calibration_report, plot_settings, plot_spectra
-    from oscar_hf.models import WIKITEXT_FILE, load_model, wikitext_path
+    from oscar_hf.eval.models import WIKITEXT_FILE, load_model, wikitext_path
 
     window = None if args.window.strip().lower() == "none" else tuple(int(x) for x in args.window.split(","))
     if window is not None and len(window) != 2:

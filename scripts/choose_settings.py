@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from oscar_hf.calibration import calibration_report, plot_settings
     from oscar_hf.calibration.hooks import as_sequences
     from oscar_hf.calibration.settings import choose_settings
-    from oscar_hf.models import load_model, wikitext_path
+    from oscar_hf.eval.models import load_model, wikitext_path
 
     if args.threads:
         torch.set_num_threads(args.threads)

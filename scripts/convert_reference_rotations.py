@@ -47,7 +47,7 @@ def load_config(name: str, gguf_file: str | None = None):
     """The model's config only: conversion needs its shapes, not its weights (a 32B model converts in seconds)."""
     from transformers import AutoConfig
 
-    from oscar_hf.models import DEFAULT_MODEL, SMOLLM2_GGUF, smollm2_dir
+    from oscar_hf.eval.models import DEFAULT_MODEL, SMOLLM2_GGUF, smollm2_dir
 
     if name == DEFAULT_MODEL:
         name, gguf_file = str(smollm2_dir()), SMOLLM2_GGUF

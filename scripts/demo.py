@@ -29,7 +29,7 @@ from oscar_hf import OscarCache, OscarRotations, calibrate
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.eval.perplexity import cache_nll, fast_nll
 from oscar_hf.data import split_texts
-from oscar_hf.models import DEFAULT_MODEL, GEMMA3, load_model, wikitext_path
+from oscar_hf.eval.models import DEFAULT_MODEL, GEMMA3, load_model, wikitext_path
 from oscar_hf.rotations import BUILTIN_METHODS
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ import torch
 from oscar_hf import OscarRotations
 from oscar_hf.eval.methods import OscarFamily, get_method
 from oscar_hf.eval.perplexity import evaluation_ids, perplexity
-from oscar_hf.models import load_model
+from oscar_hf.eval.models import load_model
 
 
 def main(argv=None):

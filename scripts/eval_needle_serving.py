@@ -24,7 +24,7 @@ from oscar_hf import OscarCache, OscarRotations
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.eval.haystack import load_haystack
 from oscar_hf.eval.needle import FORMATS, make_needle_prompt
-from oscar_hf.models import load_model
+from oscar_hf.eval.models import load_model
 from oscar_hf.serving import continuous_batching_config, paged_oscar
 
 

@@ -16,7 +16,7 @@ import torch
 
 from oscar_hf import OscarRotations
 from oscar_hf.data import CALIBRATION_FRACTION, load_texts, split_texts
-from oscar_hf.models import load_model, wikitext_path
+from oscar_hf.eval.models import load_model, wikitext_path
 from oscar_hf.calibration.report import retrieval_summary
 from oscar_hf.calibration.retrieval_heads import LENGTHS, PROBES, find_retrieval_heads, top_heads
 

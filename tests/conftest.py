@@ -16,7 +16,7 @@ import torch  # noqa: E402
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
-from oscar_hf.models import load_model, wikitext_path  # noqa: E402
+from oscar_hf.eval.models import load_model, wikitext_path  # noqa: E402
 
 from tiny_models import tiny_model  # noqa: E402
 

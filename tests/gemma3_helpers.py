@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from oscar_hf.models import GEMMA3_INSTALL, gemma3_available
+from oscar_hf.eval.models import GEMMA3_INSTALL, gemma3_available
 
 
 def skip_without_gemma3():
@@ -17,7 +17,7 @@ def skip_without_gemma3():
 
 @functools.lru_cache(maxsize=1)
 def _load():
-    from oscar_hf.models import load_gemma3
+    from oscar_hf.eval.models import load_gemma3
 
     torch.manual_seed(0)
     return load_gemma3(dtype=torch.float32)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from oscar_hf.models import WIKITEXT_FILE
+from oscar_hf.eval.models import WIKITEXT_FILE
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ def test_a_copy_of_the_tracked_tree_reads_its_own_text(tmp_path):
             shutil.copy2(REPO / rel, dst)
     probe = (
         "import importlib.util, sys\n"
-        "spec = importlib.util.spec_from_file_location('clone_models', 'oscar_hf/models.py')\n"
+        "spec = importlib.util.spec_from_file_location('clone_models', 'eval/models.py')\n"
         "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
         "p = m.wikitext_path(); print(p.resolve()); print(len(p.read_text(encoding='utf-8')))\n"
     )
@@ -58,7 +58,7 @@ def test_a_copy_of_the_tracked_tree_reads_its_own_text(tmp_path):
 
 
 def test_wikitext_override_must_name_a_file(monkeypatch, tmp_path):
-    from oscar_hf.models import wikitext_path
+    from oscar_hf.eval.models import wikitext_path
 
     monkeypatch.setenv("OSCAR_WIKITEXT", str(tmp_path / "missing.txt"))
     with pytest.raises(OSError, match="OSCAR_WIKITEXT"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gemma3_helpers import gemma3_model, skip_without_gemma3
-from oscar_hf.models import wikitext_path
+from oscar_hf.eval.models import wikitext_path
 
 pytestmark = pytest.mark.slow
 
@@ -15,20 +15,20 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def gguf():
     skip_without_gemma3()
-    from oscar_hf.models import gemma3_gguf
+    from oscar_hf.eval.models import gemma3_gguf
 
     return gemma3_gguf()
 
 
 @pytest.fixture(scope="module")
 def tok(gguf):
-    from oscar_hf.models import gguf_gemma_tokenizer
+    from oscar_hf.eval.models import gguf_gemma_tokenizer
 
     return gguf_gemma_tokenizer(gguf)
 
 
 def test_metadata(gguf):
-    from oscar_hf.models import read_gguf_metadata
+    from oscar_hf.eval.models import read_gguf_metadata
 
     meta = read_gguf_metadata(gguf)
     assert meta["general.architecture"] == "gemma3"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oscar_hf.models import SMOLLM2_GGUF, load_model, smollm2_cache_dir, smollm2_dir, wikitext_path
+from oscar_hf.eval.models import SMOLLM2_GGUF, load_model, smollm2_cache_dir, smollm2_dir, wikitext_path
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from oscar_hf.calibration.search import eigvecs_desc, select_best
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.config import PRESETS, OscarConfig, default_group_size
 from oscar_hf.hadamard import oscar_rotation
-from oscar_hf.models import SMOLLM2_GGUF, smollm2_dir
+from oscar_hf.eval.models import SMOLLM2_GGUF, smollm2_dir
 from oscar_hf.rotations import OscarRotations
 from script_utils import import_script
 from tiny_models import tiny_model

@@ -51,7 +51,7 @@ def test_shipped_artifact_is_in_this_trees_format(recorded):
 def test_shipped_artifact_has_the_settings_its_command_gives(recorded):
     """Each setting the command decides, as calibrate.py passes it on (the same parser, the same defaults)."""
     from oscar_hf.calibration import CLIP_GRID
-    from oscar_hf.models import WIKITEXT_FILE
+    from oscar_hf.eval.models import WIKITEXT_FILE
 
     name, _, doc, args, _ = recorded
     meta, cal = doc["metadata"], doc["metadata"]["calibration"]

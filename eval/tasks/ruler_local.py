@@ -27,7 +27,7 @@ _HAYSTACKS: dict = {}
 def _load_tokenizer(name: str, gguf_file: str | None):
     from transformers import AutoTokenizer
 
-    from oscar_hf.models import (DEFAULT_MODEL, GEMMA3, SMOLLM2_GGUF, gemma3_cache_dir, gemma3_gguf,
+    from oscar_hf.eval.models import (DEFAULT_MODEL, GEMMA3, SMOLLM2_GGUF, gemma3_cache_dir, gemma3_gguf,
                                  gguf_gemma_tokenizer, smollm2_dir)
 
     if name == GEMMA3:  # the tokenizer load_model gives Gemma (Transformers' GGUF conversion drops merges and <bos>)

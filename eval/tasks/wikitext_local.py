@@ -1,5 +1,5 @@
 """Loader of the offline ``wikitext_local`` task: articles of the held-out half of the WikiText-2 raw
-test file (``oscar_hf.models.wikitext_path()``, or ``path=`` in ``--metadata``; a relative path
+test file (``oscar_hf.eval.models.wikitext_path()``, or ``path=`` in ``--metadata``; a relative path
 resolves against THIS file's folder, not the working directory)."""
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def load(path: str | None = None, max_docs: int | None = None, max_chars: int | 
     import datasets
 
     from oscar_hf.eval.perplexity import EVAL_START_FRACTION
-    from oscar_hf.models import wikitext_path
+    from oscar_hf.eval.models import wikitext_path
 
     p = Path(path) if path else wikitext_path()
     if not p.is_absolute():

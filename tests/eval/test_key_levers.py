@@ -117,7 +117,7 @@ def test_levers_and_report_end_to_end(tmp_path, monkeypatch):
             return "".join(chr(i) for i in ids)
 
     monkeypatch.setattr(key_levers, "load_haystack", lambda tok, kind, n: torch.randint(1, 200, (n,)))
-    monkeypatch.setattr("oscar_hf.models.model_for_eval", lambda *a: (m, Tok(), "tiny", torch.float32))
+    monkeypatch.setattr("oscar_hf.eval.models.model_for_eval", lambda *a: (m, Tok(), "tiny", torch.float32))
     main(["--artifact", str(art), "--length", "300", "--trials", "1", "--depths", "0.5", "--out", str(tmp_path),
           "--name", "levers"])
     res = json.loads((tmp_path / "levers.json").read_text())

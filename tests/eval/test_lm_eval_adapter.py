@@ -66,7 +66,7 @@ def test_task_loader_resolves_relative_to_its_file(tmp_path, monkeypatch):
     spec.loader.exec_module(mod)
     monkeypatch.chdir(tmp_path)  # a relative path must not depend on the working directory
     rel = Path("..") / ".." / "shared" / "data" / "wikitext-2-raw-test.txt"
-    from oscar_hf.models import wikitext_path
+    from oscar_hf.eval.models import wikitext_path
 
     if not (TASKS / rel).resolve().is_file():
         rel = Path(__import__("os").path.relpath(wikitext_path(), TASKS))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from oscar_hf.eval import ruler
-from oscar_hf.models import SMOLLM2_GGUF, smollm2_dir
+from oscar_hf.eval.models import SMOLLM2_GGUF, smollm2_dir
 
 from tiny_models import tiny_model
 

@@ -96,7 +96,7 @@ def load_tokenizer(path: str | None):
 
     if path:
         return AutoTokenizer.from_pretrained(path)
-    from oscar_hf.models import SMOLLM2_GGUF, smollm2_dir
+    from oscar_hf.eval.models import SMOLLM2_GGUF, smollm2_dir
 
     return AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
 

