@@ -154,11 +154,13 @@ def test_gpu_kernel_matches_reference_at_real_shapes(bits, d):
                                  d ** -0.5, torch.float32)
     ref = heads_loose(heads_decode_reference)(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5, torch.float32)
     assert rel_err(out, ref) < 2e-2
-    sinks = torch.randn(2, 4, device="cuda") * 3 + 2  # gpt-oss's s_aux by query row: the combine's last partial
+    # gpt-oss's s_aux by query row: the combine's last partial. Drawn from a seeded generator: the global CUDA one
+    # depends on what the worker ran before, and one such draw moved the output by only 0.4% (an H100 run, 12 workers)
+    sinks = (torch.randn(2, 4, generator=torch.Generator().manual_seed(0)) * 3 + 2).cuda()
     out = heads_loose(heads_decode_attention)(q, heads, k, v, bits, lo, torch.tensor(8000, device="cuda"), wk, wv, wm,
                                  d ** -0.5, torch.float32, sinks=sinks)
     ref_s = heads_loose(heads_decode_reference)(q, heads, k, v, bits, lo, 8000, wk, wv, wm, d ** -0.5, torch.float32, sinks=sinks)
-    # (the sink moves this case's output by 1.5-3%: the kernel must land well inside that move)
+    # (the sink moves this case's output by 13-17% on the CPU reference: the kernel must land well inside it)
     assert rel_err(out, ref_s) < min(2e-2, rel_err(ref_s, ref) / 4)
     # soft-capping (Gemma 2) at a cap that bites: the kernel caps, host-side bound (eager) and device-side
     for hi in (8000, torch.tensor(8000, device="cuda")):
