@@ -72,6 +72,7 @@ class DecodeStep:
                    and len(decode) <= rows <= self.graph_rows and self.windows.trash_slot is not None)
         offsets = list(itertools.accumulate((q for _, _, q in batch), initial=0))  # each request's first row
         index_rows, tables, hist, requests = [], [], [], []  # index_rows: [Bp] tuples in DecodeBuffers.FIELDS order
+        floors = []  # [Bp] each row's shared-prefix floor past the sink: its window's slots below it are not read
         for i in decode:
             rid, t, _ = batch[i]
             r = self.requests.get(rid)
@@ -79,14 +80,15 @@ class DecodeStep:
                 self._request(rid, next(iter(self.layer_slot)), t, None)
             if any(n != t for n in r.lengths.values()):
                 raise RuntimeError(f"request {rid!r}: the store holds {r.lengths} tokens per layer, the batch says {t}")
-            if r.floor and t - 1 - w < r.floor:  # would rewrite a shared page (a shared prompt stores >= W + 2 rows)
-                raise RuntimeError(f"request {rid!r} decodes at {t} tokens inside its shared prefix ({r.floor})")
-            e = t - 1 - w - s0  # history entry of slot T - 1 - W, which left the window at the previous step
+            # history entry of slot T - 1 - W, which left the window at the previous step; below the request's floor
+            # it is in a shared prefix's pages already (prefix.SharedPrefixes._join_window): demoted to the trash page
+            e = t - 1 - w - s0 if t - 1 - w >= r.floor else -1
             self._pages_for(r, e + 1)  # (none while e < 0)
             new_entry = s0 + t % ring
             index_rows.append((offsets[i], r.slot, new_entry, t if t < s0 else new_entry, s0 + (t - 1 - w) % ring,
                                r.table[e // p] if e >= 0 else trash_page, e % p if e >= 0 else 0, t))
-            hist.append(max(t - w - s0, 0))
+            hist.append(max(t - w, r.floor) - s0 if t - w > s0 else 0)
+            floors.append(max(r.floor - s0, 0))
             tables.append(r.table)
             requests.append((rid, t))
         if graphed:  # the padded rows: the trash slot (t = -1: nothing valid in its window), the trash page
@@ -94,6 +96,7 @@ class DecodeStep:
                 index_rows.append((k, self.windows.trash_slot, s0, s0, s0, trash_page, 0, -1))
                 hist.append(0)
                 tables.append([])
+                floors.append(0)
         max_hist = history_bucket(max(hist), p) if graphed else max(hist)
         cols = max(1, -(-max_hist // p))
         bp = len(index_rows)
@@ -113,7 +116,7 @@ class DecodeStep:
             buf = DecodeBuffers(bp, cols, s0 + ring, self.device)
         # the window mask: the new token, the W before it and the sink; computed on the host: every write here is a
         # synchronous copy, complete before the forward starts on Transformers' compute stream (a device op would race)
-        wm = buf.win_mask[:bp].copy_(window_mask(index[7] + 1, 0, s0, ring, w + 1))
+        wm = buf.win_mask[:bp].copy_(window_mask(index[7] + 1, torch.tensor(floors), s0, ring, w + 1))
         ts = [t for _, t in requests]
         # the index rows in FIELDS order: pos, slots, new_entry, sink_entry, demote_entry, demote_page, demote_off
         write = PagedRows(*buf.index[:, :bp].copy_(index)[:7], demote=graphed or max(ts) > w + s0,

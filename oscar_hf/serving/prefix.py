@@ -19,6 +19,7 @@ class PrefixIndex:
         self.links: dict[str, list[int]] = {}  # request -> its pages' links, in block-table order
         self.kept: dict[int, int] = {}  # link -> its retained page (the pool's retained set, in the pool's order)
         self.sinks: dict[int, int] = {}  # a kept first page's link -> the window slot kept with it (the sink's rows)
+        self.tokens: dict[str, list[int]] = {}  # request -> its tokens when it last offered pages
 
     def _next_link(self, links: list[int], tokens: list[int]) -> int:
         """The chain's link after ``links``: page ``len(links)`` of ``tokens`` (its parent's link and its tokens)."""
@@ -32,7 +33,7 @@ class PrefixIndex:
 
     def register(self, request_id: str, tokens: list[int], pages: int) -> None:
         """``request_id``'s first ``pages`` pages hold ``tokens``' prefix (the pages it holds for good)."""
-        links = self.links.setdefault(request_id, [])
+        links, self.tokens[request_id] = self.links.setdefault(request_id, []), tokens
         while len(links) < pages and len(tokens) >= self.sink + (len(links) + 1) * self.page_size:
             links.append(self._next_link(links, tokens))
             self.holders.setdefault(links[-1], {})[request_id] = None
@@ -62,6 +63,7 @@ class PrefixIndex:
     def forget(self, request_id: str) -> list[int | None]:
         """``request_id`` leaves: its links, None for those a live request still holds."""
         links = self.links.pop(request_id, [])
+        self.tokens.pop(request_id, None)
         for link in links:
             held = self.holders[link]
             held.pop(request_id, None)
@@ -83,9 +85,10 @@ class SharedPrefixes:
         return min(self.shareable_pages(source.length()), len(source.table))
 
     def share_prefix(self, request_id: str, tokens: list[int]) -> tuple[int, str | None, int]:
-        """Start a new request on the longest prefix of pages a live request holds or the index keeps: ``(m, holder,
-        k)``, ``k`` pages covering its first ``m = S0 + kP`` tokens, the first ones ``holder``'s (None: all were kept)
-        (``(0, None, 0)``: none, or no free window slot)."""
+        """Start a new request on the longest prefix a live request holds in its pages and window
+        (:meth:`_join_window`), else of pages a live request holds or the index keeps: ``(m, holder, k)``, its first
+        ``m`` tokens taken (``S0 + kP`` from pages alone), ``k`` pages, the first ones ``holder``'s (None: all were
+        kept) (``(0, None, 0)``: none, or no free window slot)."""
         r, (room, self.share_room) = self.requests.get(request_id), (self.share_room, None)
         if self.prefixes is None or not self.has_pool or (r is not None and r.lengths):
             return 0, None, 0
@@ -93,6 +96,10 @@ class SharedPrefixes:
         links, holder = index.match(tokens, max(len(tokens) - w - 2 - s0, 0) // p)
         live = len(list(itertools.takewhile(index.holders.__contains__, links)))
         links = links if room is None else links[: live + room]
+        near = self._window_source(tokens) if room is None or room > 0 else None
+        copy = near is not None and (near[2] - s0) % p  # (its last page a copy: a free page for it)
+        if near and near[1] > s0 + len(links) * p and self.can_reserve(request_id) and (not copy or self.pool.num_free):
+            return self._join_window(request_id, *near)
         if not links or not self.can_reserve(request_id):
             return 0, None, 0
         table = (self.requests[holder].table[:live] if live else []) + [index.kept.pop(x) for x in links[live:]]
@@ -111,6 +118,44 @@ class SharedPrefixes:
         r.table, r.lengths, r.floor = table, dict.fromkeys(self.layer_slot, m), m
         index.adopt(request_id, links)
         return m, holder, len(links)
+
+    def _window_source(self, tokens: list[int]) -> tuple[str, int, int] | None:
+        """The live request that holds the most of ``tokens``' prefix in its final pages and its window: ``(holder, b,
+        f)``, tokens ``[0, b)`` its, slots ``[S0, f)`` in its final pages and ``[f, b)`` in its window (which holds
+        its last ``W + 1``); only a holder at most a page past the joiner's prompt (each slot it is ahead is one the
+        joiner's first decode steps read in INT2, not from its window)."""
+        s0, w, p, best = self.config.sink, self.config.recent, self.pool.page_size, None
+        for hid, theirs in self.prefixes.tokens.items():  # (the requests that offered pages: all live)
+            h = self.requests[hid]
+            t = h.length()
+            lo, hi = 0, min(len(tokens) - 1, t, len(theirs))  # b: the common prefix's length, by bisection
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if tokens[:mid] == theirs[:mid] else (lo, mid - 1)
+            f = min(lo, max(t - w - 1, h.floor, s0))
+            if lo > s0 and f - (len(tokens) - w - 1) <= p and (best is None or (lo, -f) > (best[1], -best[2])):
+                best = (hid, lo, f)
+        return best
+
+    def _join_window(self, request_id: str, holder: str, b: int, f: int) -> tuple[int, str, int]:
+        """:meth:`share_prefix` from a :meth:`_window_source`: ``holder``'s final pages below slot ``f`` (the last one
+        a copy where ``f`` ends inside it), its window's rows for slots ``[f, b)`` and its sink; the request's floor
+        is ``f``, so its own rows and decode steps read the slots below it from those pages."""
+        s0, p, h = self.config.sink, self.pool.page_size, self.requests[holder]
+        k, part = divmod(f - s0, p)
+        table = h.table[:k]
+        for page in table:  # before a window slot is taken (that may evict retained pages)
+            self.pool.acquire(page)
+        if part:
+            table.append(self.pool.allocate())
+            self.pool.copy_page(h.table[k], table[-1])
+        r = self.reserve(request_id)
+        entries = list(range(s0)) + [s0 + s % self.ring for s in range(f, b)]  # the sink, then the window's rows
+        for win in (self.windows.k, self.windows.v):  # [slots, L, Hk, S0 + R, D]
+            win[r.slot, :, :, entries] = win[h.slot, :, :, entries]
+        r.table, r.lengths, r.floor = table, dict.fromkeys(self.layer_slot, b), f
+        self.prefixes.adopt(request_id, self.prefixes.links.get(holder, [])[:k])
+        return b, holder, len(table)
 
     def pages_from(self, request_id: str, holder: str | None) -> int:
         """Pages a request that :meth:`share_prefix` started took from ``holder`` (its first; the others were kept)."""

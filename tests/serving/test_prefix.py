@@ -62,24 +62,27 @@ def test_shared_prefix_equals_its_rows_stored_as_one_prompt(kw):
     donor = rand_qkv(cfg, 30, gen)
     step(shared, [("d", 0, 30)], donor)
     shared.index_pages("d", donor_tokens)
-    # the new request: the donor's first 22 tokens, then its own; 4 pages (tokens [0, 20)) are shareable
+    # the new request: the donor's first 22 tokens, then its own. The donor's window holds slots [21, 30): the request
+    # takes its final pages below slot 21 (the fifth a copy: slot 21 ends inside it), slot 21's window row and the sink
     tokens = donor_tokens[:22] + list(range(500, 518))
     m, holder, k = shared.share_prefix("r", tokens)
-    assert (m, holder, k) == (S0 + 4 * P, "d", 4)
     r, d = shared.requests["r"], shared.requests["d"]
-    assert r.table == d.table[:4] and shared.pool.num_used == len(d.table)  # stored once
-    assert shared.stats()["pages_shared"] == 4
-    before = page_bytes_of(shared, d.table[:4])
+    assert (m, holder, k, r.floor) == (22, "d", 5, 21)
+    assert r.table[:4] == d.table[:4] and r.table[4] not in d.table and shared.pool.num_used == len(d.table) + 1
+    assert shared.stats()["pages_shared"] == 4  # stored once, one copied
+    before, copied = page_bytes_of(shared, d.table[:4]), page_bytes_of(shared, d.table[4:5])
     own = rand_qkv(cfg, len(tokens) - m, gen)
     out = step(shared, [("r", m, len(tokens) - m)], own)
+    assert all(torch.equal(a, b) for a, b in zip(copied, page_bytes_of(shared, d.table[4:5])))  # it wrote its copy
     # the oracle: the donor's first m rows and the request's own, one prompt
     rows = [tuple(torch.cat([a[:, :, :m], b], 2) for a, b in zip(dl, ol)) for dl, ol in zip(donor, own)]
     step(oracle, [("o", 0, len(tokens))], rows)
     o = oracle.requests["o"]
+    h_end = max(m - W, r.floor)  # the prompt reads the pages below slot h_end, then the window's slots [h_end, m)
     for li, ((q, k_new, v_new), got) in enumerate(zip(own, out)):  # the prompt rows: the chunk read, oracle's pages
-        win = Window(torch.cat([oracle.windows.k[o.slot, li][None][:, :, :S0], k_new], 2),
-                     torch.cat([oracle.windows.v[o.slot, li][None][:, :, :S0], v_new], 2))
-        want = paged_chunk_attention(q, win, oracle.pool, o.table, li, m - S0, oracle.kv_params[li],
+        win = Window(*(torch.cat([w[o.slot, li][None][:, :, :S0], x[:, :, h_end:m], new], 2)
+                       for w, x, new in ((oracle.windows.k, donor[li][1], k_new), (oracle.windows.v, donor[li][2], v_new))))
+        want = paged_chunk_attention(q, win, oracle.pool, o.table, li, h_end - S0, oracle.kv_params[li],
                                      cfg.head_dim**-0.5)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # the same state: pages by content, windows; then decode steps give the same outputs
@@ -103,6 +106,41 @@ def test_shared_prefix_equals_its_rows_stored_as_one_prompt(kw):
         assert torch.equal(a, b)
     shared.free("r")
     assert shared.pool.num_used == 0 and not shared.prefixes.holders and not shared.requests
+
+
+@pytest.mark.parametrize("kw", [{}, HEADS[0]])
+def test_a_joiner_behind_its_holder_reads_below_its_floor_from_the_pages(kw):
+    """The donor has decoded 3 tokens past the 26 the request shares: its window holds slots [24, 33), so the request
+    starts at 26 on its pages below slot 24 and its window's slots [24, 26), with 4 tokens of its own. Its decode steps
+    at 30 - 32 read slots [T - W, 24) from those pages and send their demotions (slots 21 - 23, already in the shared
+    pages) to the trash page; from T = 33 it is an ordinary request. Every output is the chunk read of its pages and the
+    rows of its window's slots, and the shared pages are never written."""
+    cfg, store = make_store(prefix_sharing=True, **kw)
+    gen = torch.Generator().manual_seed(6)
+    d_tokens, d_rows = list(range(100, 133)), rand_qkv(cfg, 33, gen)
+    step(store, [("d", 0, 30)], [tuple(x[:, :, :30] for x in layer) for layer in d_rows])
+    for t in range(30, 33):
+        step(store, [("d", t, 1)], [tuple(x[:, :, t : t + 1] for x in layer) for layer in d_rows])
+    store.index_pages("d", d_tokens)
+    m, holder, k = store.share_prefix("r", d_tokens[:26] + list(range(500, 504)))
+    r, d = store.requests["r"], store.requests["d"]
+    assert (m, holder, k, r.floor) == (26, "d", 5, 24) and r.table == d.table[:5]
+    before = page_bytes_of(store, d.table[:5])
+    rows = [[x[:, :, :26] for x in layer] for layer in d_rows]  # every slot's raw (q), k, v rows, grown per step
+    for t, n in ((26, 4), (30, 1), (31, 1), (32, 1), (33, 1)):
+        new = rand_qkv(cfg, n, gen)
+        out = step(store, [("r", t, n)], new)
+        for li, (got, (q, k_new, v_new)) in enumerate(zip(out, new)):
+            rows[li] = [torch.cat([a, b], 2) for a, b in zip(rows[li], (q, k_new, v_new))]
+            lo = max(t - W, r.floor) if n > 1 else max(t - W, r.floor, S0)  # the window's first slot read
+            win = Window(*(torch.cat([x[:, :, :S0], x[:, :, lo : t + n]], 2) for x in rows[li][1:]))
+            want = paged_chunk_attention(q, win, store.pool, r.table, li, lo - S0, store.kv_params[li],
+                                         cfg.head_dim**-0.5)
+            torch.testing.assert_close(got[:, :n], want, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(before, page_bytes_of(store, d.table[:5])))
+    assert len(r.table) == 6 and store.length("r") == 34  # slot 24 went into its own sixth page at T = 33
+    store.free("r")
+    store.free("d")
 
 
 def test_sharing_leaves_enough_rows_of_its_own_and_needs_a_live_holder():
@@ -133,7 +171,8 @@ def test_a_finished_request_leaves_its_prefix_pages_retained(kw):
     A's window slot with its sink) and gets exactly what it gets joining A while A is live."""
     gen = torch.Generator().manual_seed(3)
     cfg = make_store()[0]
-    a_tokens, b_tokens = list(range(100, 130)), list(range(100, 122)) + list(range(500, 518))
+    # (b's tokens part from a's at a page's first slot: a live a's window has none of them, as a retained a's)
+    a_tokens, b_tokens = list(range(100, 130)), list(range(100, 120)) + list(range(500, 520))
     a_rows, b_rows, decodes = rand_qkv(cfg, 30, gen), rand_qkv(cfg, 18, gen), [rand_qkv(cfg, 1, gen) for _ in range(6)]
     outs = {}
     for live in (True, False):
@@ -311,8 +350,9 @@ def test_continuous_batching_shares_a_live_prefix(model):
     assert ra.generated_tokens == _alone(model, *donor, oscar)[0]
     _assert_follows_alone(rb.generated_tokens, _alone(model, *sharer, oscar))
     m, holder, k = shares["b"]
-    # b keeps >= W + 2 of its 82 tokens to prefill: pages of 8 up to 72 tokens
-    assert holder == "a" and k == (len(prefix) + 2 - W - 2 - S0) // 8 and m == S0 + 8 * k
+    # b starts on a's window and pages at the 80 tokens they share, or (a already a page past b's prompt) on a's pages
+    # alone, keeping W + 2 of its 82 tokens to prefill: pages of 8 up to 72 tokens
+    assert holder == "a" and m in (len(prefix), S0 + 8 * ((len(prefix) + 2 - W - 2 - S0) // 8))
     assert shares["a"] == (0, None, 0)
 
 
@@ -365,7 +405,7 @@ def test_continuous_batching_shares_a_prefix_of_smollm2(smollm2, wikitext_text):
     oscar = dict(sink=64, recent=256, group_size=64)
     donor, sharer = (ids[:610], 24), (ids[:600] + ids[700:705], 24)
     ra, rb, shares = _serve_sharing(model, oscar, donor, sharer, page=32)
-    assert shares["b"][:2] == (320, "a")
+    assert shares["b"][:2] in ((600, "a"), (320, "a"))  # a's window and pages, or (a a page past b's prompt) its pages
     assert ra.generated_tokens == _alone(model, *donor, oscar)[0]
     _assert_follows_alone(rb.generated_tokens, _alone(model, *sharer, oscar))
 
