@@ -108,7 +108,7 @@ def test_shared_prefix_equals_its_rows_stored_as_one_prompt(kw):
     assert shared.pool.num_used == 0 and not shared.prefixes.holders and not shared.requests
 
 
-@pytest.mark.parametrize("kw", [{}, HEADS[0]])
+@pytest.mark.parametrize("kw", [{}, HEADS[0], dict(use_kernels=True)])  # (kernels: the write's, on the interpreter)
 def test_a_joiner_behind_its_holder_reads_below_its_floor_from_the_pages(kw):
     """The donor has decoded 3 tokens past the 26 the request shares: its window holds slots [24, 33), so the request
     starts at 26 on its pages below slot 24 and its window's slots [24, 26), with 4 tokens of its own. Its decode steps
