@@ -72,7 +72,7 @@ class DecodeStep:
                    and len(decode) <= rows <= self.graph_rows and self.windows.trash_slot is not None)
         offsets = list(itertools.accumulate((q for _, _, q in batch), initial=0))  # each request's first row
         index_rows, tables, hist, requests = [], [], [], []  # index_rows: [Bp] tuples in DecodeBuffers.FIELDS order
-        floors = []  # [Bp] each row's shared-prefix floor past the sink: its window's slots below it are not read
+        floors = []  # [Bp] window_mask's pad: a row's floor less S0 (its window's slots below the floor are not read)
         for i in decode:
             rid, t, _ = batch[i]
             r = self.requests.get(rid)
