@@ -97,8 +97,7 @@ class SharedPrefixes:
         live = len(list(itertools.takewhile(index.holders.__contains__, links)))
         links = links if room is None else links[: live + room]
         near = self._window_source(tokens) if room is None or room > 0 else None
-        copy = near is not None and (near[2] - s0) % p  # (its last page a copy: a free page for it)
-        if near and near[1] > s0 + len(links) * p and self.can_reserve(request_id) and (not copy or self.pool.num_free):
+        if near and near[1] > s0 + len(links) * p and self.can_reserve(request_id):
             return self._join_window(request_id, *near)
         if not links or not self.can_reserve(request_id):
             return 0, None, 0
@@ -123,7 +122,8 @@ class SharedPrefixes:
         """The live request that holds the most of ``tokens``' prefix in its final pages and its window: ``(holder, b,
         f)``, tokens ``[0, b)`` its, slots ``[S0, f)`` in its final pages and ``[f, b)`` in its window (which holds
         its last ``W + 1``); only a holder at most a page past the joiner's prompt (each slot it is ahead is one the
-        joiner's first decode steps read in INT2, not from its window)."""
+        joiner's first decode steps read in INT2, not from its window), and one whose page ``f`` ends inside (copied)
+        only while a page is free."""
         s0, w, p, best = self.config.sink, self.config.recent, self.pool.page_size, None
         for hid, theirs in self.prefixes.tokens.items():  # (the requests that offered pages: all live)
             h = self.requests[hid]
@@ -133,7 +133,8 @@ class SharedPrefixes:
                 mid = (lo + hi + 1) // 2
                 lo, hi = (mid, hi) if tokens[:mid] == theirs[:mid] else (lo, mid - 1)
             f = min(lo, max(t - w - 1, h.floor, s0))
-            if lo > s0 and f - (len(tokens) - w - 1) <= p and (best is None or (lo, -f) > (best[1], -best[2])):
+            fits = (f - s0) % p == 0 or self.pool.num_free > 0
+            if lo > s0 and fits and f - (len(tokens) - w - 1) <= p and (best is None or (lo, -f) > (best[1], -best[2])):
                 best = (hid, lo, f)
         return best
 

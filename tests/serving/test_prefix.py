@@ -143,6 +143,27 @@ def test_a_joiner_behind_its_holder_reads_below_its_floor_from_the_pages(kw):
     store.free("d")
 
 
+@pytest.mark.parametrize("free", [True, False])
+def test_a_joiner_takes_the_holder_it_has_pages_for(free):
+    """Two live holders of the request's first tokens: ``a`` shares 23 of them, its page below slot 21 a copy (slot 21
+    ends inside it); ``b`` shares 22, its slots below 20 in whole pages. With a free page the request joins ``a``;
+    with none, ``b`` (not the page-only join, which would take 20 tokens)."""
+    cfg, store = make_store(num_pages=10 + free, prefix_sharing=True)
+    gen = torch.Generator().manual_seed(2)
+    a, b = list(range(100, 130)), list(range(100, 122)) + list(range(700, 707))
+    for rid, tokens in (("a", a), ("b", b)):
+        step(store, [(rid, 0, len(tokens))], rand_qkv(cfg, len(tokens), gen))
+        store.index_pages(rid, tokens)
+    assert store.pool.num_free == int(free)
+    m, holder, k = store.share_prefix("r", a[:23] + list(range(500, 510)))
+    r = store.requests["r"]
+    want = (23, "a", 5, 21) if free else (22, "b", 4, 20)
+    assert (m, holder, k, r.floor) == want and r.table[:4] == store.requests[holder].table[:4]
+    for rid in ("r", "a", "b"):
+        store.free(rid)
+    assert store.pool.num_used == 0
+
+
 def test_sharing_leaves_enough_rows_of_its_own_and_needs_a_live_holder():
     """With ``retain_prefixes=False`` (sharing as before retention): pages are shared while a holder is live."""
     cfg, store = make_store(prefix_sharing=True, retain_prefixes=False)
