@@ -43,8 +43,6 @@ RENAMED_FIELDS = {"full_precision_heads": "retrieval_heads", "full_precision_bit
 
 def renamed_keywords(kw: dict, where: str, warn: bool = True) -> dict:
     """``kw`` with old field names renamed (a FutureWarning each when ``warn``); a TypeError when both are given."""
-    if not any(old in kw for old in RENAMED_FIELDS):
-        return kw
     kw = dict(kw)
     for old, new in RENAMED_FIELDS.items():
         if old in kw:
@@ -235,8 +233,7 @@ class OscarConfig:
         if not isinstance(d, dict):
             raise ValueError(f"OscarConfig.from_dict needs a dict, got {type(d).__name__}")
         d = renamed_keywords(d, "OscarConfig.from_dict", warn=False)  # configs saved before the rename
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
+        if unknown := sorted(set(d) - {f.name for f in dataclasses.fields(cls)}):
             raise ValueError(f"unknown OscarConfig fields {unknown}")
         return cls(**{k: _tuples(v) for k, v in d.items()})
 
@@ -293,8 +290,7 @@ def artifact_settings(metadata: dict) -> dict[str, Any] | None:
     if not isinstance(chosen, dict):
         raise ValueError(f"artifact metadata['settings']['chosen'] must be an object, got {type(chosen).__name__}")
     chosen = renamed_keywords(chosen, "artifact settings", warn=False)  # artifacts written before the rename
-    unknown = sorted(set(chosen) - set(CHOSEN_FIELDS))
-    if unknown:
+    if unknown := sorted(set(chosen) - set(CHOSEN_FIELDS)):
         raise ValueError(f"artifact metadata['settings']['chosen'] has fields no calibration chooses: {unknown} "
                          f"(known: {list(CHOSEN_FIELDS)})")
     out = {k: _tuples(v) for k, v in chosen.items()}

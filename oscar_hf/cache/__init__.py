@@ -202,8 +202,7 @@ class OscarCache(Cache):
             # the group size the clips were chosen for: top level (hand-written artifacts) wins over calibrate()'s
             cal = rot.metadata.get("calibration")
             g = rot.metadata.get("group_size")
-            if g is None and isinstance(cal, dict):
-                g = cal.get("group_size")
+            g = cal.get("group_size") if g is None and isinstance(cal, dict) else g
             if g is not None:
                 overrides["group_size"] = int(g)
         return cls(model, rot, config, preset=preset, **overrides)

@@ -54,8 +54,7 @@ def check_weights(doc: dict, model, path) -> None:
         return
     if not isinstance(saved, str):
         raise ValueError(f"{path / STATE_NAME}: corrupted weights digest {saved!r}")
-    here = weights_digest(model)
-    if here != saved:
+    if (here := weights_digest(model)) != saved:
         theirs, ours = (fp.name_or_path or fp.architecture for fp in (ModelFingerprint.from_dict(doc["fingerprint"]),
                                                                        ModelFingerprint.from_config(model.config)))
         raise ValueError(f"{path}: this cache was saved from other weights than the model it is loaded into: saved "
@@ -273,8 +272,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
     # (old field names load as they were; saved before retrieval_bits existed: 16 bits)
     config = OscarConfig.from_dict({"retrieval_bits": 16, **renamed_keywords(doc["config"], "saved cache", warn=False)})
     saved_fp = ModelFingerprint.from_dict(doc["fingerprint"])
-    problems = saved_fp.mismatches(ModelFingerprint.from_config(model.config))
-    if problems:
+    if problems := saved_fp.mismatches(ModelFingerprint.from_config(model.config)):
         raise ValueError("saved cache was made for another model: " + "; ".join(problems))
     check_weights(doc, model, path)
     check_finite(tensors, path)
@@ -283,8 +281,7 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
     rot = OscarRotations.from_pretrained(path / "rotations")
     fixed = dict(max_cache_len=_fixed_capacity(doc, need, max_cache_len, limit)) if fixed_capacity else {}
     cache = cls(model, rot, config, compile=compile, **fixed)
-    if device is None:
-        device = next(model.parameters()).device
+    device = next(model.parameters()).device if device is None else device
     if len(doc["layers"]) != len(cache.layers):
         raise ValueError(f"saved cache has {len(doc['layers'])} layers, model has {len(cache.layers)}")
     meta = config.torch_meta_dtype
