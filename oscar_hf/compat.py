@@ -48,7 +48,4 @@ def returned_cache(outputs) -> Any:
         raise ValueError(f"expected a model output (ModelOutput), got {type(outputs).__name__}: call the model with "
                          "return_dict=True, or generate with return_dict_in_generate=True")
     present = set(outputs.keys())  # (on 5.24 even outputs.get("past_key_values") warns)
-    for name in CACHE_ARGUMENTS:
-        if name in present:
-            return outputs[name]
-    return None
+    return next((outputs[name] for name in CACHE_ARGUMENTS if name in present), None)

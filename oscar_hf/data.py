@@ -81,8 +81,7 @@ def split_texts(texts: str | Sequence[str], calibration_fraction: float = CALIBR
     joined = join_texts(texts)
     n = len(joined)
     b = joined.find("\n", int(n * calibration_fraction))
-    if b < 0:
-        b = n
+    b = n if b < 0 else b
     return TextSplit(joined[:b], joined[b + 1 :], b, n, calibration_fraction)
 
 
@@ -129,11 +128,9 @@ def token_windows(tokenizer, text: str | Sequence[str], seq_len: int, n: int | N
         raise ValueError(f"offset must be >= 0, got {offset}")
     bos = _adds_bos(tokenizer) if add_bos == "auto" else bool(add_bos)
     c = seq_len - 1 if bos else seq_len
-    need = None if n is None else offset + n * c
-    ids = tokenize(tokenizer, join_texts(text), need)
+    ids = tokenize(tokenizer, join_texts(text), None if n is None else offset + n * c)
     avail = (len(ids) - offset) // c if len(ids) > offset else 0
-    if n is None:
-        n = avail
+    n = avail if n is None else n
     if n < 1 or avail < n:
         raise ValueError(
             f"the text has {len(ids)} tokens: not enough for {n if n else 1} window(s) of {seq_len} tokens after "

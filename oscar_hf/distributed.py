@@ -90,10 +90,9 @@ def _heads_of(weight, head_dim: int, num_kv_heads: int, what: str) -> HeadShard 
     if n != num_kv_heads * head_dim:
         raise ValueError(f"{what}: {n} output features, expected kv_heads*head_dim = {num_kv_heads}*{head_dim}")
     if off % head_dim or size % head_dim or size == 0:
-        raise ValueError(
-            f"{what}: this rank holds output features [{off}, {off + size}) of {n}, which is not a whole number of "
-            f"KV heads (head_dim={head_dim}); the tensor-parallel size must divide the number of KV heads ({num_kv_heads})"
-        )
+        raise ValueError(f"{what}: this rank holds output features [{off}, {off + size}) of {n}, which is not a "
+                         f"whole number of KV heads (head_dim={head_dim}); the tensor-parallel size must divide the "
+                         f"number of KV heads ({num_kv_heads})")
     return HeadShard(off // head_dim, (off + size) // head_dim)
 
 

@@ -54,12 +54,11 @@ class ModelFingerprint:
         n_heads = int(cfg.num_attention_heads)
         n_kv = int(_layer_attr(cfg, first, "num_key_value_heads") or n_heads)
         head_dim = _layer_attr(cfg, first, "head_dim") or cfg.hidden_size // n_heads
-        n_layers = int(cfg.num_hidden_layers)
         archs = getattr(config, "architectures", None) or getattr(cfg, "architectures", None) or []
         return cls(architecture=archs[0] if archs else type(cfg).__name__.replace("Config", "ForCausalLM"),
-                   model_type=str(getattr(cfg, "model_type", "")), num_layers=n_layers, num_attention_heads=n_heads,
-                   num_key_value_heads=n_kv, head_dim=int(head_dim), layer_types=tuple(types),
-                   name_or_path=str(getattr(config, "_name_or_path", "") or ""))
+                   model_type=str(getattr(cfg, "model_type", "")), num_layers=int(cfg.num_hidden_layers),
+                   num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=int(head_dim),
+                   layer_types=tuple(types), name_or_path=str(getattr(config, "_name_or_path", "") or ""))
 
     def mismatches(self, other: "ModelFingerprint") -> list[str]:
         """Human-readable differences that make an artifact unusable (the name is informative only)."""
@@ -119,8 +118,7 @@ def layer_types_of(cfg) -> list[str]:
                   else "chunked_attention" if getattr(cfg, "attention_chunk_size", None) is not None
                   else "full_attention")] * n
     types = [_LAYER_TYPE_ALIASES.get(t, t) for t in types]
-    modes = kv_sharing_modes(cfg)
-    if modes is not None:
+    if (modes := kv_sharing_modes(cfg)) is not None:
         reused = {t for t, m in zip(types, modes) if m == "reuse"}
         types = [DUMMY_LAYER_TYPE if m == "reuse"
                  else SHARED_KV_LAYER_TYPE if m == "store" and t in reused and t in FULL_LAYER_TYPES else t

@@ -119,10 +119,8 @@ def resolve_retrieval_heads(config: OscarConfig, rotations: OscarRotations, fp: 
             logger.info("retrieval heads 'auto': %d of %d heads score >= %.2f, budget %d (history <= %.2f bits): %s",
                         len(passing), n_heads, config.retrieval_threshold, budget, config.max_history_bits,
                         list(pairs))
-    elif isinstance(want, int):
-        pairs = rotations.top_retrieval_heads(want)
     else:
-        pairs = want
+        pairs = rotations.top_retrieval_heads(want) if isinstance(want, int) else want
     out: dict[int, list[int]] = {}
     for i, h in pairs:
         if not 0 <= i < fp.num_layers or not 0 <= h < fp.num_key_value_heads:

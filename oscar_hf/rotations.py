@@ -39,10 +39,7 @@ class LayerRotation:
         """``r_k`` and ``mu_k`` through ``fn_k``, ``r_v`` and ``mu_v`` through ``fn_v`` (default ``fn_k``), made
         contiguous (the decode kernels read R row-major and would otherwise copy it at every step); clips kept."""
         fn_v = fn_k if fn_v is None else fn_v
-
-        def f(fn, t):
-            return None if t is None else fn(t).contiguous()
-
+        f = lambda fn, t: None if t is None else fn(t).contiguous()  # noqa: E731
         return dataclasses.replace(self, r_k=f(fn_k, self.r_k), r_v=f(fn_v, self.r_v), mu_k=f(fn_k, self.mu_k),
                                    mu_v=f(fn_v, self.mu_v))
 
@@ -75,8 +72,7 @@ class OscarRotations:
                 f"method={method!r} needs a calibrated artifact (scripts/calibrate.py / oscar_hf.calibrate); "
                 f"artifact-free methods are {BUILTIN_METHODS}")
         d, hk = fp.head_dim, fp.num_key_value_heads
-        base = torch.eye(d) if method == "identity" else hadamard_matrix(d)
-        rot = base.expand(hk, d, d).contiguous()
+        rot = (torch.eye(d) if method == "identity" else hadamard_matrix(d)).expand(hk, d, d).contiguous()
         layers = {i: LayerRotation(rot, rot) for i, t in enumerate(fp.layer_types) if t == "full_attention"}
         return cls(fp, method, layers, {"builtin": True})
 
@@ -122,8 +118,7 @@ class OscarRotations:
                 c = getattr(lr, name)
                 if not isinstance(c, float) or not 0.0 < c <= 1.0:
                     raise ValueError(f"layer {i} {name}: clip ratio must be a float in (0, 1], got {c!r}")
-        s = self.retrieval_scores
-        if s is not None:
+        if (s := self.retrieval_scores) is not None:
             _check_tensor("retrieval_scores", s, (fp.num_layers, hk))
             if (s < 0).any():
                 raise ValueError("retrieval_scores: must be finite and non-negative")
@@ -145,8 +140,7 @@ class OscarRotations:
     def check_compatible(self, config) -> None:
         """Refuse an artifact made for another model, naming every mismatch."""
         other = ModelFingerprint.from_config(config)
-        problems = self.fingerprint.mismatches(other)
-        if problems:
+        if problems := self.fingerprint.mismatches(other):
             raise ValueError(
                 f"OSCAR rotations were calibrated for {self.fingerprint.name_or_path or self.fingerprint.architecture!r}"
                 f" and do not fit this model ({other.name_or_path or other.architecture!r}): " + "; ".join(problems))
