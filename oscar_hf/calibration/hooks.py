@@ -36,10 +36,8 @@ def recording(model, recorder):
         model.train(was_training)
 
 
-def _allowed_4d(mask: torch.Tensor) -> torch.Tensor:
-    if mask.dtype == torch.bool:
-        return mask
-    return mask > torch.finfo(mask.dtype).min / 2  # additive: 0 = attend, large negative / -inf = masked
+def _allowed_4d(mask: torch.Tensor) -> torch.Tensor:  # additive: 0 = attend, large negative / -inf = masked
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
 def token_validity(attention_mask, batch: int, q_len: int, kv_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +93,7 @@ def run_windows(model, recorder, seqs: list[torch.Tensor], batch_size: int, pad_
 
 def as_sequences(input_ids) -> list[torch.Tensor]:
     if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
+        input_ids = input_ids[None] if input_ids.dim() == 1 else input_ids
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [n, seq_len], got shape {tuple(input_ids.shape)}")
         seqs = [r for r in input_ids.long()]

@@ -124,16 +124,14 @@ def _split_windows(texts, tokenizer, o: CalibrationOptions) -> _Windows:
 
 def _fitted_window(window, w: _Windows):
     """``window=(sink, recent)``, made proportionally smaller (with a warning) for windows too short for it."""
-    if window is None:
-        return None
     shortest = min(max(s.numel() for s in w.stats), max((s.numel() for s in w.hold), default=1 << 30))
-    if shortest <= sum(window) + 1:
-        fitted = (min(window[0], shortest // 8), min(window[1], shortest // 4))
-        logger.warning(
-            "calibration windows of %d tokens are too short for window=(sink=%d, recent=%d); using (%d, %d) "
-            "(pass seq_len > %d for the cache's own window)", shortest, *window, *fitted, sum(window) + 1)
-        return fitted
-    return window
+    if window is None or shortest > sum(window) + 1:
+        return window
+    fitted = (min(window[0], shortest // 8), min(window[1], shortest // 4))
+    logger.warning(
+        "calibration windows of %d tokens are too short for window=(sink=%d, recent=%d); using (%d, %d) "
+        "(pass seq_len > %d for the cache's own window)", shortest, *window, *fitted, sum(window) + 1)
+    return fitted
 
 
 def _retrieval_scores(model, tokenizer, texts, o: CalibrationOptions):
@@ -304,7 +302,4 @@ def _metadata(model, o: CalibrationOptions, w: _Windows, m: _Measured, window, g
                         for kind in ("k", "v")} if auto else None,
         "retrieval_probes": None if scores is None else {
             "n": o.retrieval_probes, "lengths": list(probe_lengths(model, o.retrieval_lengths))}}
-    meta = {k: v for k, v in meta.items() if v is not None}
-    if o.metadata:
-        meta.update(o.metadata)
-    return meta
+    return {**{k: v for k, v in meta.items() if v is not None}, **(o.metadata or {})}

@@ -62,8 +62,7 @@ def calibration_report(rotations: OscarRotations) -> str:
         if all("k_rel_identity" in h for h in held.values()):
             line += f"  (identity / no clip: keys {mean('k_rel_identity'):.4g}, values {mean('v_rel_identity'):.4g})"
         lines.append(line)
-    sel = md.get("selection")
-    if sel:
+    if sel := md.get("selection"):
         kl = ", ".join(f"{k} {v:.4g}" + (" (kept)" if k == sel["chosen"] else "") for k, v in sel["kl"].items())
         lines.append(f"  end-to-end check, next-token KL on held-out tokens (per-head pick 'auto' against one "
                      f"candidate everywhere): {kl}")
@@ -131,8 +130,7 @@ def plot_spectra(obj: CalibrationStats | OscarRotations, path) -> None:
     axes[2].set(title="top-eigenvalue share per layer", xlabel="layer")
     axes[2].legend()
     axes[2].grid(alpha=0.3)
-    sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(min(x), max(x)))
-    fig.colorbar(sm, ax=axes[1], label="layer")
+    fig.colorbar(plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(min(x), max(x))), ax=axes[1], label="layer")
     fig.suptitle("normalized eigenvalues (share of the trace), mean over KV heads")
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -49,8 +49,7 @@ def probe_needles(tokenizer, haystack_ids: torch.Tensor, n: int = 12, lengths=(2
         h = hay[i : i + n_hay]  # shift the haystack per probe
         at = int(round(d * n_hay))
         ids = torch.cat([h[:at], fact, h[at:], ask, ans])
-        a0 = len(ids) - len(ans)
-        out.append(Probe(ids, (at, at + len(fact)), (a0, len(ids))))
+        out.append(Probe(ids, (at, at + len(fact)), (len(ids) - len(ans), len(ids))))
     return out
 
 
@@ -96,8 +95,7 @@ def probe_lengths(model, lengths=LENGTHS) -> tuple[int, ...]:
     """``lengths`` that fit the model's context (``max_position_embeddings``); the context itself if none does."""
     if not lengths or any(int(L) < 2 for L in lengths):
         raise ValueError(f"retrieval probe lengths must be integers >= 2, got {lengths!r}")
-    cfg = model.config.get_text_config(decoder=True)
-    limit = getattr(cfg, "max_position_embeddings", None) or max(lengths)
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or max(lengths)
     return tuple(int(L) for L in lengths if L <= limit) or (min(limit, min(lengths)),)
 
 

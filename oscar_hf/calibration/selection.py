@@ -26,9 +26,8 @@ def next_token_kl(model, rotations: OscarRotations, ids: torch.Tensor, *, sink: 
     cache config, in place of ``sink`` / ``recent`` / ``group_size`` / ``meta_dtype`` without heads."""
     from ..cache import OscarCache
     from ..compat import cache_kwargs
-    if config is None:
-        config = OscarConfig(sink=sink, recent=recent, group_size=group_size, meta_dtype=meta_dtype,
-                             retrieval_heads=0)
+    config = OscarConfig(sink=sink, recent=recent, group_size=group_size, meta_dtype=meta_dtype,
+                         retrieval_heads=0) if config is None else config
     ids = ids.reshape(1, -1).to(next(model.parameters()).device)
     prompt = ids.shape[1] - scored
     if prompt <= config.sink + config.recent:

@@ -189,10 +189,8 @@ def collect_statistics(model, input_ids, *, score_weighted: bool = False, kv_ski
     passes = 2 if score_weighted else 1
     with progress_bar(progress, passes * math.ceil(len(seqs) / batch_size), "OSCAR statistics", _bar) as bar:
         run_windows(model, rec, seqs, batch_size, pad_id, bar, passes)
-    missing = [i for i in layers if i not in rec.stats]
-    if missing:
+    if missing := [i for i in layers if i not in rec.stats]:
         raise RuntimeError(
             f"the calibration hook saw no attention call for layers {missing[:8]}; does this model route attention "
             "through transformers' attention interface (config._attn_implementation)?")
-    tokens = sum(s.numel() for s in seqs)
-    return CalibrationStats(fp, rec.stats, tokens, len(seqs))
+    return CalibrationStats(fp, rec.stats, sum(s.numel() for s in seqs), len(seqs))
