@@ -92,9 +92,8 @@ class Admission:
 
     def release(self, *request_ids: str) -> None:
         with self.lock:
-            for rid in request_ids:
-                self.live.discard(rid)
-                self.claimed.discard(rid)
+            self.live.difference_update(request_ids)
+            self.claimed.difference_update(request_ids)
 
 
 def live_id_refusal(request_id: str) -> RequestRefused:
@@ -174,8 +173,7 @@ def add_request(manager, original, input_ids, request_id=None, max_new_tokens=No
             waited += 0.05
             if not manager.is_running() or waited > READY_TIMEOUT:
                 break
-        if max_new_tokens is None:
-            max_new_tokens = manager.generation_config.max_new_tokens
+        max_new_tokens = manager.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
         adm.check(list(input_ids), max_new_tokens, manager.num_return_sequences - 1,
                   adm.can_fork or not adm.ready.is_set())  # (forks: else checked in the loop)
         out = original(manager, input_ids, request_id, max_new_tokens, *args, **kwargs)

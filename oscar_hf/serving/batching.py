@@ -56,8 +56,7 @@ def _switch(target) -> list:
     saved = []
     for c in _attention_configs(target):
         old = c._attn_implementation
-        _, base = split_name(old)
-        new = PREFIX + base.removeprefix("paged|") if SECTOR_API else ATTENTION_NAME
+        new = PREFIX + split_name(old)[1].removeprefix("paged|") if SECTOR_API else ATTENTION_NAME
         # set directly: both names are registered, and set_attn_implementation would re-validate them
         c._attn_implementation_internal = new
         saved.append((c, old, new))
@@ -212,8 +211,7 @@ def oscar_continuous_batching(make_store, model=None):
         if not getattr(store, "bf16_named", False):  # once per store: the layers left to Transformers' BF16 cache
             store.bf16_named = True
             types = ModelFingerprint.from_config(arguments["config"]).layer_types
-            left = {i: t for i, t in enumerate(types) if not store.handles(i)}
-            if left:
+            if left := {i: t for i, t in enumerate(types) if not store.handles(i)}:
                 logger.warning("OSCAR serving keeps layers %s (%s) in BF16 in Transformers' paged cache: only the "
                                "other %d layers are quantized", sorted(left), ", ".join(sorted(set(left.values()))),
                                store.num_layers)

@@ -41,8 +41,7 @@ STORE_AT_EXIT = "OSCAR store at its model process's end; it held:"
 def run_engine(settings: tuple, *args, **kwargs):
     """The model process's entry point inside an OSCAR block: ``settings`` are the block's ``(rotations,
     store_kwargs)``; the rest goes to Transformers' ``EngineClient.run_engine`` (serving until the process ends)."""
-    client = _engine_client()
-    original = vars(client)["run_engine"]  # (the child's own, before its block replaces it)
+    original = vars(_engine_client())["run_engine"]  # (the child's own, before its block replaces it)
     rotations, store_kwargs = settings
     log_to_stderr()  # (the server's own process did the same)
     with oscar_serving(rotations, **store_kwargs) as stores:

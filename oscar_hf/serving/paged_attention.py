@@ -143,8 +143,7 @@ class RecordedBatch:
         # what the scheduler's state keeps for later steps is the rest of the prompt (None without a scheduler)
         state = self.scheduler.active_requests.get(request_id) if self.scheduler is not None else None
         rest = getattr(state, "remaining_prefill_tokens", None)
-        r = self.store.requests.get(request_id)
-        if r is not None:  # (RequestKV.prompt_more)
+        if (r := self.store.requests.get(request_id)) is not None:  # (RequestKV.prompt_more)
             r.prompt_more = None if rest is None else len(rest) > 0
 
     def attach_scheduler(self, scheduler) -> None:
@@ -156,9 +155,7 @@ class RecordedBatch:
         scheduler splits it and none is reserved yet, else 0."""
         rest = len(state.remaining_prefill_tokens)
         r = self.store.requests.get(state.request_id)
-        if request_len >= rest or (r is not None and r.prompt_reserved):
-            return 0
-        return state.position_offset + rest
+        return 0 if request_len >= rest or (r is not None and r.prompt_reserved) else state.position_offset + rest
 
     def free_blocks(self, request_id: str, *args, **kwargs) -> None:
         super().free_blocks(request_id, *args, **kwargs)

@@ -165,11 +165,10 @@ class OscarPagedCache(RecordedBatch, PagedAttentionCache):
 
     def __init__(self, config, continuous_batching_config, *args, store: OscarPagedStore, **kwargs):
         self._start_graphs(store, config, continuous_batching_config)
-        if not self.oscar_owns_memory:  # BF16 cache for the other layers, the store's pool sized by the user
+        # not owning the memory: a BF16 cache for the other layers, the store's pool sized by the user
+        with _oscar_allocation(store) if self.oscar_owns_memory else contextlib.nullcontext():
             super().__init__(config, continuous_batching_config, *args, **kwargs)
-        else:
-            with _oscar_allocation(store):
-                super().__init__(config, continuous_batching_config, *args, **kwargs)
+        if self.oscar_owns_memory:
             allocator = self.cache_allocators[FullAttentionCacheAllocator.layer_type]
             # one page per block after the two trash sectors; the pool's trash page in the end of those sectors
             trash = 2 * self.bytes_per_sector - -(-store.page_bytes(allocator.tokens_per_page) // 128) * 128

@@ -182,8 +182,7 @@ class SharedPrefixes:
     def _evicted(self, link: int) -> None:
         """The pool evicted the retained page of ``link``: the index forgets it; a first page's slot goes back."""
         del self.prefixes.kept[link]
-        slot = self.prefixes.sinks.pop(link, None)
-        if slot is not None:
+        if (slot := self.prefixes.sinks.pop(link, None)) is not None:
             self.windows.release(slot, held=False)
 
     def drop_retained(self) -> None:

@@ -120,9 +120,7 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         if total > query.shape[2] or new_k.shape[2] != query.shape[2]:
             raise RuntimeError(f"OSCAR paged attention: the batch holds {total} new tokens, the query "
                                f"{query.shape[2]}, the keys {new_k.shape[2]}")
-        plan = self._plan
-        if plan is None or plan.key != tuple(batch):
-            plan = self.plan_decode(batch)
+        plan = self._plan if self._plan is not None and self._plan.key == tuple(batch) else self.plan_decode(batch)
         out = query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
         start = 0
         for rid, past, q_len in batch:
