@@ -47,7 +47,8 @@ def _handler(module, query, key, value, attention_mask, *args, base: str, dropou
         raise NotImplementedError("OSCAR attention is for inference; attention dropout in training mode is not supported")
     if args:
         raise TypeError(f"unexpected positional arguments to the attention function: {len(args)}")
-    scaling = (getattr(module, "scaling", None) or query.shape[-1] ** -0.5) if scaling is None else scaling
+    if scaling is None:
+        scaling = getattr(module, "scaling", None) or query.shape[-1] ** -0.5
     kwargs.pop("is_causal", None)
     return key.attend(query, attention_mask, scaling, module, base, dropout=dropout, **kwargs), None
 

@@ -81,7 +81,8 @@ def split_texts(texts: str | Sequence[str], calibration_fraction: float = CALIBR
     joined = join_texts(texts)
     n = len(joined)
     b = joined.find("\n", int(n * calibration_fraction))
-    b = n if b < 0 else b
+    if b < 0:
+        b = n
     return TextSplit(joined[:b], joined[b + 1 :], b, n, calibration_fraction)
 
 
@@ -130,7 +131,8 @@ def token_windows(tokenizer, text: str | Sequence[str], seq_len: int, n: int | N
     c = seq_len - 1 if bos else seq_len
     ids = tokenize(tokenizer, join_texts(text), None if n is None else offset + n * c)
     avail = (len(ids) - offset) // c if len(ids) > offset else 0
-    n = avail if n is None else n
+    if n is None:
+        n = avail
     if n < 1 or avail < n:
         raise ValueError(
             f"the text has {len(ids)} tokens: not enough for {n if n else 1} window(s) of {seq_len} tokens after "

@@ -39,7 +39,10 @@ class LayerRotation:
         """``r_k`` and ``mu_k`` through ``fn_k``, ``r_v`` and ``mu_v`` through ``fn_v`` (default ``fn_k``), made
         contiguous (the decode kernels read R row-major and would otherwise copy it at every step); clips kept."""
         fn_v = fn_k if fn_v is None else fn_v
-        f = lambda fn, t: None if t is None else fn(t).contiguous()  # noqa: E731
+
+        def f(fn, t):
+            return None if t is None else fn(t).contiguous()
+
         return dataclasses.replace(self, r_k=f(fn_k, self.r_k), r_v=f(fn_v, self.r_v), mu_k=f(fn_k, self.mu_k),
                                    mu_v=f(fn_v, self.mu_v))
 
