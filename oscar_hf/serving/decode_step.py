@@ -87,7 +87,7 @@ class DecodeStep:
             new_entry = s0 + t % ring
             index_rows.append((offsets[i], r.slot, new_entry, t if t < s0 else new_entry, s0 + (t - 1 - w) % ring,
                                r.table[e // p] if e >= 0 else trash_page, e % p if e >= 0 else 0, t))
-            hist.append(max(t - w, r.floor) - s0 if t - w > s0 else 0)
+            hist.append(max(t - w, r.floor, s0) - s0)  # (a joiner's pages below its floor even while T - W <= S0)
             floors.append(max(r.floor - s0, 0))
             tables.append(r.table)
             requests.append((rid, t))

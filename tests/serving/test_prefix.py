@@ -108,6 +108,23 @@ def test_shared_prefix_equals_its_rows_stored_as_one_prompt(kw):
     assert shared.pool.num_used == 0 and not shared.prefixes.holders and not shared.requests
 
 
+def _steps_read_below_the_floor(cfg, store, r, d_rows, steps, gen):
+    """Request ``r``'s forwards ``steps`` [(T, rows)] with random rows of its own after the holder's ``d_rows`` (per
+    layer (q, k, v) ``[1, H, T_d, D]``): every output is the chunk read of its pages below the window's first slot
+    (the floor, ``T - W`` or ``S0``) and its window's rows from there."""
+    rows = [[x[:, :, : steps[0][0]] for x in layer] for layer in d_rows]  # every slot's raw (q), k, v rows, grown
+    for t, n in steps:
+        new = rand_qkv(cfg, n, gen)
+        out = step(store, [("r", t, n)], new)
+        for li, (got, (q, k_new, v_new)) in enumerate(zip(out, new)):
+            rows[li] = [torch.cat([a, b], 2) for a, b in zip(rows[li], (q, k_new, v_new))]
+            lo = max(t - W, r.floor) if n > 1 else max(t - W, r.floor, S0)  # the window's first slot read
+            win = Window(*(torch.cat([x[:, :, :S0], x[:, :, lo : t + n]], 2) for x in rows[li][1:]))
+            want = paged_chunk_attention(q, win, store.pool, r.table, li, lo - S0, store.kv_params[li],
+                                         cfg.head_dim**-0.5)
+            torch.testing.assert_close(got[:, :n], want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kw", [{}, HEADS[0], dict(use_kernels=True)])  # (kernels: the write's, on the interpreter)
 def test_a_joiner_behind_its_holder_reads_below_its_floor_from_the_pages(kw):
     """The donor has decoded 3 tokens past the 26 the request shares: its window holds slots [24, 33), so the request
@@ -126,19 +143,26 @@ def test_a_joiner_behind_its_holder_reads_below_its_floor_from_the_pages(kw):
     r, d = store.requests["r"], store.requests["d"]
     assert (m, holder, k, r.floor) == (26, "d", 5, 24) and r.table == d.table[:5]
     before = page_bytes_of(store, d.table[:5])
-    rows = [[x[:, :, :26] for x in layer] for layer in d_rows]  # every slot's raw (q), k, v rows, grown per step
-    for t, n in ((26, 4), (30, 1), (31, 1), (32, 1), (33, 1)):
-        new = rand_qkv(cfg, n, gen)
-        out = step(store, [("r", t, n)], new)
-        for li, (got, (q, k_new, v_new)) in enumerate(zip(out, new)):
-            rows[li] = [torch.cat([a, b], 2) for a, b in zip(rows[li], (q, k_new, v_new))]
-            lo = max(t - W, r.floor) if n > 1 else max(t - W, r.floor, S0)  # the window's first slot read
-            win = Window(*(torch.cat([x[:, :, :S0], x[:, :, lo : t + n]], 2) for x in rows[li][1:]))
-            want = paged_chunk_attention(q, win, store.pool, r.table, li, lo - S0, store.kv_params[li],
-                                         cfg.head_dim**-0.5)
-            torch.testing.assert_close(got[:, :n], want, rtol=1e-5, atol=1e-5)
+    _steps_read_below_the_floor(cfg, store, r, d_rows, ((26, 4), (30, 1), (31, 1), (32, 1), (33, 1)), gen)
     assert all(torch.equal(a, b) for a, b in zip(before, page_bytes_of(store, d.table[:5])))
     assert len(r.table) == 6 and store.length("r") == 34  # slot 24 went into its own sixth page at T = 33
+    store.free("r")
+    store.free("d")
+
+
+def test_a_short_joiner_reads_the_prefix_below_its_floor_from_the_pages():
+    """A joiner of 11 tokens shares the holder's first 6: its floor is slot 6 (the holder's window begins at 21), its
+    history slots [S0, 6) are in a copy of the holder's first page. Its decode steps at T = 11 and 12 (T - W <= S0)
+    read them from there as those at T = 13 and 14 do."""
+    cfg, store = make_store(prefix_sharing=True)
+    gen = torch.Generator().manual_seed(7)
+    d_tokens, d_rows = list(range(100, 130)), rand_qkv(cfg, 30, gen)
+    step(store, [("d", 0, 30)], d_rows)
+    store.index_pages("d", d_tokens)
+    m, holder, k = store.share_prefix("r", d_tokens[:6] + list(range(500, 505)))
+    r = store.requests["r"]
+    assert (m, holder, k, r.floor) == (6, "d", 1, 6)
+    _steps_read_below_the_floor(cfg, store, r, d_rows, ((6, 5), (11, 1), (12, 1), (13, 1), (14, 1)), gen)
     store.free("r")
     store.free("d")
 
