@@ -144,12 +144,8 @@ class SharedPrefixes:
         is ``f``, so its own rows and decode steps read the slots below it from those pages."""
         s0, p, h = self.config.sink, self.pool.page_size, self.requests[holder]
         k, part = divmod(f - s0, p)
-        table = h.table[:k]
-        for page in table:  # before a window slot is taken (that may evict retained pages)
-            self.pool.acquire(page)
-        if part:
-            table.append(self.pool.allocate())
-            self.pool.copy_page(h.table[k], table[-1])
+        # its pages before a window slot is taken (that may evict retained pages)
+        table = self._take_pages(h.table, k, int(part > 0))
         r = self.reserve(request_id)
         entries = list(range(s0)) + [s0 + s % self.ring for s in range(f, b)]  # the sink, then the window's rows
         for win in (self.windows.k, self.windows.v):  # [slots, L, Hk, S0 + R, D]
@@ -157,6 +153,16 @@ class SharedPrefixes:
         r.table, r.lengths, r.floor = table, dict.fromkeys(self.layer_slot, b), f
         self.prefixes.adopt(request_id, self.prefixes.links.get(holder, [])[:k])
         return b, holder, len(table)
+
+    def _take_pages(self, table: list[int], shared: int, copied: int) -> list[int]:
+        """A new block table: ``table``'s first ``shared`` pages held once more, then copies of the ``copied`` after."""
+        for page in table[:shared]:
+            self.pool.acquire(page)
+        new = table[:shared]
+        for page in table[shared : shared + copied]:
+            new.append(self.pool.allocate())
+            self.pool.copy_page(page, new[-1])
+        return new
 
     def pages_from(self, request_id: str, holder: str | None) -> int:
         """Pages a request that :meth:`share_prefix` started took from ``holder`` (its first; the others were kept)."""
@@ -204,12 +210,7 @@ class SharedPrefixes:
             raise RuntimeError(f"fork: request {child_id!r} is already in the OSCAR store")
         r = self.reserve(child_id)
         k = self._fork_shares(s)
-        for page in s.table[:k]:
-            self.pool.acquire(page)
-        r.table = s.table[:k]
-        for page in s.table[k:]:
-            r.table.append(self.pool.allocate())
-            self.pool.copy_page(page, r.table[-1])
+        r.table = self._take_pages(s.table, k, len(s.table) - k)
         for win in (self.windows.k, self.windows.v):
             win[r.slot] = win[s.slot]
         r.lengths, r.floor = dict(s.lengths), s.floor
