@@ -9,8 +9,9 @@ process, on a random-initialised model of a real shape (default Qwen3-8B). Parts
 * ``load``: ``--requests`` requests of mixed prompt lengths (``--lengths``) arriving over time (Poisson, ``--rate``
   requests/s). Reported: completed tokens/s (over the makespan), time to first token p50 / p90, peak concurrency.
 * ``prefix``: ``--requests`` prompts of one ``--context``-token prefix and 64 tokens of their own: the first alone,
-  the others from its first token on, one every ``1 / --rate`` s. Kinds ``oscar-shared`` (the store's sharing),
-  ``oscar``, ``bf16`` (Transformers' own). Reported: the first's time to first token, the others' (and p50 / p90).
+  the others from its first token on (``--retained``: from its last, so that they join its retained pages), one every
+  ``1 / --rate`` s. Kinds ``oscar-shared`` (the store's sharing), ``oscar``, ``bf16`` (Transformers' own). Reported:
+  the first's time to first token, the others' (and p50 / p90).
 
 ``*-graphs``: Transformers' CUDA graphs (OSCAR graphs its decode-only steps, BF16 every step).
 ``decode_step_ms_p50``: the median gap between a request's consecutive tokens at the peak concurrency. Memory: BF16
@@ -88,8 +89,10 @@ def concurrency(outs) -> tuple[int, float, float]:
     return peak, t_a, t_b
 
 
-def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBatchingConfig, store) -> dict:
-    """Submit ``prompts`` at ``arrivals`` (seconds from the start) to a fresh manager; collect every result."""
+def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBatchingConfig, store,
+          retained=False) -> dict:
+    """Submit ``prompts`` at ``arrivals`` (seconds from the start) to a fresh manager; collect every result.
+    ``arrivals[0] < 0``: the first alone, the others' arrivals from its first token (``retained``: its last)."""
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     ctx = paged_oscar(model, store) if kind.startswith("oscar") else contextlib.nullcontext()
     lead = arrivals[0] < 0  # the first request alone: the others' arrivals count from its first token
@@ -106,8 +109,11 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
         for i, (prompt, at) in enumerate(zip(prompts, arrivals)):
             time.sleep(max(0.0, t0 + at - time.perf_counter()))
             manager.add_request(prompt, f"r{i}", max_new_tokens=new_tokens, record_timestamps=True, streaming=lead)
-            while lead and i == 0 and manager.get_result("r0", timeout=TIMEOUT_S) is None:
+            while lead and i == 0 and ((r0 := manager.get_result("r0", timeout=TIMEOUT_S)) is None
+                                       or (retained and not r0.is_finished())):
                 pass
+            if lead and i == 0 and retained:
+                outs.append(r0)
             t0 = time.perf_counter() if lead and i == 0 else t0
         deadline = time.perf_counter() + TIMEOUT_S
         bar = tqdm(total=len(prompts), desc=f"{kind} requests", mininterval=10)
@@ -186,6 +192,7 @@ def main(argv=None):
     p.add_argument("--prompt-budget", type=int, default=None,
                    help="OSCAR prompt_budget (tokens of split prompts held in full precision, reserved from the KV "
                         "budget; default the model's max_position_embeddings)")
+    p.add_argument("--retained", action="store_true", help="prefix: the others arrive after the first has finished")
     p.add_argument("--out")
     args = p.parse_args(argv)
 
@@ -233,7 +240,8 @@ def main(argv=None):
                 prompts = [[r.randrange(vocab) for _ in range(r.choice(args.lengths))] for _ in range(args.requests)]
                 gaps = [r.expovariate(args.rate) for _ in range(args.requests)]
                 arrivals = [sum(gaps[:i]) for i in range(args.requests)]
-            rows[kind] = serve(model, kind, prompts, arrivals, args.new_tokens, cb, store)
+            rows[kind] = serve(model, kind, prompts, arrivals, args.new_tokens, cb, store,
+                               retained=part == "prefix" and args.retained)
             write_json(args.out, doc)
         if {"oscar", "oscar-graphs"} <= rows.keys() and rows["oscar"]["decode_step_ms_p50"]:
             rows["graphs_speedup"] = round(rows["oscar"]["decode_step_ms_p50"]

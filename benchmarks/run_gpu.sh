@@ -37,7 +37,8 @@
 #                    and compiled BF16 StaticCache at B=4; -conc: 4 x 32K;      generate_bf16_static_<gpu>_b4_t32768.json,
 #                    -load: Poisson arrivals (TTFT)                             serving_fair_<gpu>_20gib_{t32768_c4,load}.json
 #   serving-prefix   32 requests on one 16K-token prefix: OSCAR shared (eager,  serving_prefix_<gpu>_t16384<SUFFIX>.json
-#                    graphed) / not, BF16 (Transformers' sharing); KINDS=, RATE=, REQUESTS=, SUFFIX=; needs 5.20+
+#                    graphed) / not, BF16 (Transformers' sharing); KINDS=, RATE=, REQUESTS=, SUFFIX=, EXTRA=
+#                    (EXTRA=--retained: the others after the first has finished); needs 5.20+
 #   serving-step     graphed serving step at 24 x 32K, compiled generate B=24   serving_step_<gpu>_t32768_c24.json
 #   serving-graphs   the serving step with and without CUDA graphs, 24 x 32K    serving_graphs_<gpu>_t32768_c24.json
 #   multigpu, tp, tp-serving  device_map over 2 GPUs; tensor parallelism and   multigpu_<gpu>x2.json, tp_<gpu>x2.json,
@@ -215,7 +216,7 @@ for what in "$@"; do
   serving-prefix)  # the first request alone, the 31 others from its first token on, 4 a second
     run "serving_prefix_${GPU}_t16384${SUFFIX:-}" $PY "$B/bench_serving.py" --parts prefix \
         --kinds ${KINDS:-oscar-shared oscar-shared-graphs oscar bf16} --context 16384 --requests ${REQUESTS:-32} \
-        --rate ${RATE:-4} --new-tokens 128 --kv-budget-gib 20 --max-requests 32 --prompt-budget 16448 \
+        --rate ${RATE:-4} --new-tokens 128 --kv-budget-gib 20 --max-requests 32 --prompt-budget 16448 ${EXTRA:-} \
         --out "$OUT/serving_prefix_${GPU}_t16384${SUFFIX:-}.json" ;;
   serving-fair-conc)
     run "serving_fair_${GPU}_20gib_t32768_c4" $PY "$B/bench_serving.py" --parts capacity $FAIR --concurrency 4 \

@@ -111,9 +111,25 @@ def rotate_query_reference(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tens
     return q_rot, torch.matmul(qf, (mu_k[None] if mu_k.dim() == 2 else mu_k).unsqueeze(-1)).squeeze(-1)
 
 
+def rotate_query_summed(qf: torch.Tensor, r_k: torch.Tensor, mu_k: torch.Tensor | None):
+    """:func:`rotate_query_reference` as a broadcast product summed over ``D``: under ``torch.compile`` Inductor makes
+    it one fused reduction kernel, where the batched float32 matmul is a cuBLAS call (~7 µs a layer at B=1 on an
+    H100, 0.26 ms of a 36-layer step). Eager, it would build a ``[B, Hk, M, D, D]`` product."""
+    qf = qf.float()
+    r = r_k.float()
+    q_rot = (qf.unsqueeze(-1) * (r if r.dim() == 3 else r[None])[None, :, None]).sum(-2)  # [B, Hk, M, D]
+    if mu_k is None:
+        return q_rot, None
+    mu_k = mu_k.float()
+    return q_rot, (qf * (mu_k[None] if mu_k.dim() == 2 else mu_k)[:, :, None, :]).sum(-1)
+
+
 def rotate_query(qf, r_k, mu_k, use_kernels="auto"):
-    """Dispatch: one Triton launch on CUDA for decode-sized queries (not under compile), else the reference."""
-    if triton_enabled(qf, use_kernels) and not torch.compiler.is_compiling():
+    """Dispatch: one Triton launch on CUDA for decode-sized queries (not under compile), the summed form under
+    compile, else the reference."""
+    if torch.compiler.is_compiling():
+        return rotate_query_summed(qf, r_k, mu_k)
+    if triton_enabled(qf, use_kernels):
         from .query_triton import query_kernel_supported, rotate_query_triton
         if query_kernel_supported(qf):
             return rotate_query_triton(qf, r_k, mu_k)

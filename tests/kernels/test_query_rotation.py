@@ -70,6 +70,22 @@ def test_rotate_query_dispatch_falls_back_to_reference():
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
+@pytest.mark.parametrize("mu", [None, "head", "row"])
+def test_rotate_query_under_compile_is_the_summed_form_of_the_reference(mu):
+    """Under torch.compile the dispatch takes the broadcast-sum form (one fused reduction, not a float32 matmul): equal
+    to the reference to float32 rounding, each head's rotation and offset its own (the swapped ones are far off)."""
+    from oscar_hf.kernels.int2_attention import rotate_query_summed
+
+    q, r_k, mu_k = _case(2, 3, 4, 64, mu, torch.bfloat16, "cpu", seed=5)
+    ref_q, ref_off = rotate_query_reference(q, r_k, mu_k)
+    compiled = torch.compile(lambda a, b, c: rotate_query(a, b, c, use_kernels=False), fullgraph=True, backend="eager")
+    for got_q, got_off in (rotate_query_summed(q, r_k, mu_k), compiled(q, r_k, mu_k)):
+        assert rel_err(got_q, ref_q) < 1e-6 and (got_off is None) == (mu_k is None)
+        assert got_off is None or rel_err(got_off, ref_off) < 1e-6
+    swapped = rotate_query_reference(q, r_k.flip(0), None if mu_k is None else mu_k.flip(-2))
+    assert rel_err(rotate_query_summed(q, r_k, mu_k)[0], swapped[0]) > 0.5
+
+
 @on_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,mu", [(4, "head"), (8, "row"), (1, None)])
