@@ -9,9 +9,8 @@ process, on a random-initialised model of a real shape (default Qwen3-8B). Parts
 * ``load``: ``--requests`` requests of mixed prompt lengths (``--lengths``) arriving over time (Poisson, ``--rate``
   requests/s). Reported: completed tokens/s (over the makespan), time to first token p50 / p90, peak concurrency.
 * ``prefix``: ``--requests`` prompts of one ``--context``-token prefix and 64 tokens of their own: the first alone,
-  the others from its first token on (``--retained``: from its last, so that they join its retained pages), one every
-  ``1 / --rate`` s. Kinds ``oscar-shared`` (the store's sharing), ``oscar``, ``bf16`` (Transformers' own). Reported:
-  the first's time to first token, the others' (and p50 / p90).
+  the others from its first token on (``--retained``: its last; they join its retained pages), one every ``1 / --rate``
+  s. Kinds ``oscar-shared`` (sharing), ``oscar``, ``bf16`` (Transformers'). Reported: the first's and the others' TTFT.
 
 ``*-graphs``: Transformers' CUDA graphs (OSCAR graphs its decode-only steps, BF16 every step).
 ``decode_step_ms_p50``: the median gap between a request's consecutive tokens at the peak concurrency. Memory: BF16
@@ -112,8 +111,7 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
             while lead and i == 0 and ((r0 := manager.get_result("r0", timeout=TIMEOUT_S)) is None
                                        or (retained and not r0.is_finished())):
                 pass
-            if lead and i == 0 and retained:
-                outs.append(r0)
+            outs += [r0] if lead and i == 0 and retained else []
             t0 = time.perf_counter() if lead and i == 0 else t0
         deadline = time.perf_counter() + TIMEOUT_S
         bar = tqdm(total=len(prompts), desc=f"{kind} requests", mininterval=10)
@@ -240,8 +238,7 @@ def main(argv=None):
                 prompts = [[r.randrange(vocab) for _ in range(r.choice(args.lengths))] for _ in range(args.requests)]
                 gaps = [r.expovariate(args.rate) for _ in range(args.requests)]
                 arrivals = [sum(gaps[:i]) for i in range(args.requests)]
-            rows[kind] = serve(model, kind, prompts, arrivals, args.new_tokens, cb, store,
-                               retained=part == "prefix" and args.retained)
+            rows[kind] = serve(model, kind, prompts, arrivals, args.new_tokens, cb, store, part == "prefix" and args.retained)
             write_json(args.out, doc)
         if {"oscar", "oscar-graphs"} <= rows.keys() and rows["oscar"]["decode_step_ms_p50"]:
             rows["graphs_speedup"] = round(rows["oscar"]["decode_step_ms_p50"]

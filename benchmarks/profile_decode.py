@@ -55,6 +55,16 @@ def _group(name: str) -> str:
     return "other"
 
 
+def _release(model, method: str) -> None:
+    """The model's attention back to its own implementation, so that the next method of the process can take it."""
+    if method.startswith("oscar"):
+        from oscar_hf import disable_oscar
+        disable_oscar(model)
+    elif method.startswith("bf16-strong"):
+        from strong_bf16 import restore
+        restore(model)
+
+
 def profile_method(model, method: str, batch: int, context: int, warmup: int, steps: int, device, host=False):
     new = warmup + steps
     cache = make_cache(model, method, context + new + 1, explicit=True)
@@ -95,11 +105,8 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
     # the steps before the profiler started (after the first `warmup // 2`: compilation, graph recording)
     plain = sorted(b - a for a, b in zip(clock.stamps[warmup // 2 : warmup], clock.stamps[warmup // 2 + 1 : warmup + 1]))
     plain_ms = plain[len(plain) // 2] * 1000 if plain else None
+    _release(model, method)
     if host:
-        if method.startswith("oscar"):
-            from oscar_hf import disable_oscar
-
-            disable_oscar(model)
         text = {}
         for key in ("tottime", "cumulative"):
             buf = io.StringIO()
@@ -122,10 +129,6 @@ def profile_method(model, method: str, batch: int, context: int, warmup: int, st
             by_group[_group(ev.key)] += dev_us / 1000 / steps
     dev_ms = sum(by_group.values())
     top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:30]
-    if method.startswith("oscar"):
-        from oscar_hf import disable_oscar
-
-        disable_oscar(model)
     return dict(method=method, batch=batch, context=context, steps=steps, wall_ms_per_step=wall_ms,
                 device_ms_per_step=dev_ms, gpu_busy_fraction=dev_ms / wall_ms if wall_ms else None,
                 groups_ms=dict(sorted(by_group.items(), key=lambda kv: -kv[1])), top_kernels_ms=dict(top))

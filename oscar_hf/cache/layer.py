@@ -300,7 +300,7 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         if l > 1 or (not is_compiling() and not self.compiled and (
                 t_old - self.config.recent <= self.config.sink or not self._left_padding_only(attention_mask, t_old))):
             return self._multi_token(query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs)
-        # A decode step: the query's rotation in torch ops (Inductor fuses them with the projection), the write and
+        # A decode step: the query's rotation in torch ops (one Inductor reduction kernel), the write and
         # the attention one opaque op (static_op.decode_step). t: the new token's slot
         softcap, sinks = logit_terms(kwargs, self.num_kv_heads, 1)
         t, pad, win_mask, hist_len = self._step_state()
