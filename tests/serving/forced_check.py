@@ -9,7 +9,11 @@ KV, or decoded a row against another row's history, gives tokens far from the be
 (``mismatched``) runs the same check on other prompts' streams and must flag every one.
 
 The server returns text, not token ids: the served tokens are recovered step by step as the best of the step's
-``topk`` tokens whose decoding continues the text (a stream none of whose top-``topk`` continues it is wrong).
+``topk`` tokens whose decoding continues the text (a stream none of whose top-``topk`` continues it is wrong). A text
+can split into tokens in more than one way ("Arch" + "itects" or "Architects"); where two such tokens are near-tied,
+the best one may not be the one served, and the recovered tokens then leave the served ones. A stream that fails the
+check is therefore checked once more choosing, among the continuing tokens within ``tol`` of the best, the one that
+covers the most text; it is wrong only if neither split follows it.
 """
 from __future__ import annotations
 
@@ -30,8 +34,10 @@ class FollowText(LogitsProcessor):
     Per row after the run: ``tokens`` (recovered), ``gaps`` (one per recovered token), ``lost`` (the step where no
     top-``topk`` token continued the text, else ``None``)."""
 
-    def __init__(self, tok, texts: list[str], counts: list[int | None], topk: int = 16):
-        self.tok, self.texts, self.counts, self.topk = tok, texts, counts, topk
+    def __init__(self, tok, texts: list[str], counts: list[int | None], topk: int = 16, longest_within: float | None = None):
+        # longest_within: None takes the best continuing token; a tolerance takes, of the continuing tokens within it
+        # of the step's best, the one whose text is longest (the other way to split a near-tied text)
+        self.tok, self.texts, self.counts, self.topk, self.longest_within = tok, texts, counts, topk, longest_within
         self.eos = tok.eos_token_id
         n = len(texts)
         self.tokens, self.gaps, self.lost, self.done = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n, \
@@ -44,6 +50,7 @@ class FollowText(LogitsProcessor):
         """The best of the top-``topk`` tokens that continues row ``r``'s text (EOS once the text is all matched)."""
         have, text = self.tokens[r], self.texts[r]
         before = self._text(have)
+        continuing = []  # (token, its decoded text) in the order of their logits
         for c in logits.topk(min(self.topk, logits.numel())).indices.tolist():
             after = self._text(have + [c])
             if c == self.eos or after == before:  # (EOS, or a token that decodes to nothing)
@@ -51,8 +58,13 @@ class FollowText(LogitsProcessor):
                     return c
                 continue
             if text.startswith(after.rstrip("\ufffd")):
-                return c
-        return None
+                if self.longest_within is None:
+                    return c
+                continuing.append((c, after))
+        near = [(c, after) for c, after in continuing if relative_gap(logits, c) <= self.longest_within]
+        if near:
+            return max(near, key=lambda ca: len(ca[1].rstrip("\ufffd")))[0]
+        return continuing[0][0] if continuing else None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         forced = torch.full_like(scores, float("-inf"))
@@ -87,26 +99,37 @@ def forced_check(model, tok, prompts: list[str], texts: list[str], counts: list[
     if pad_token is None:  # (a GGUF tokenizer may have none: EOS pads, as generate's pad_token_id below)
         tok.pad_token = tok.eos_token
     pad = tok.pad_token_id
-    out = []
-    try:
-        for a in range(0, len(prompts), batch):
-            rows = slice(a, a + batch)
-            enc = tok(prompts[rows], return_tensors="pt", padding=True).to(model.device)
-            follow = FollowText(tok, texts[rows], counts[rows])
-            most = max((c if c is not None else len(tok(t).input_ids) + 8) for c, t in zip(counts[rows], texts[rows]))
+
+    def check(rows: list[int], longest_within: float | None) -> list[dict]:
+        out = []
+        for a in range(0, len(rows), batch):
+            part = rows[a: a + batch]
+            enc = tok([prompts[i] for i in part], return_tensors="pt", padding=True).to(model.device)
+            follow = FollowText(tok, [texts[i] for i in part], [counts[i] for i in part],
+                                longest_within=longest_within)
+            most = max((counts[i] if counts[i] is not None else len(tok(texts[i]).input_ids) + 8) for i in part)
             cache = OscarCache(model, method="hadamard", compile=False, **oscar)
             model.generate(**enc, max_new_tokens=max(1, most + 1), do_sample=False, eos_token_id=tok.eos_token_id,
                            pad_token_id=pad, logits_processor=LogitsProcessorList([follow]),
                            **cache_kwargs(model, cache))
-            for r, text in enumerate(texts[rows]):
+            for r, i in enumerate(part):
                 gaps, lost = follow.gaps[r], follow.lost[r]
-                whole = follow._text(follow.tokens[r]) == text
+                whole = follow._text(follow.tokens[r]) == texts[i]
                 worst = max(range(len(gaps)), key=gaps.__getitem__) if gaps else None
                 bad = lost is not None or not whole or (worst is not None and gaps[worst] > tol)
                 out.append(dict(verdict="wrong" if bad else "followed", max_gap=max(gaps, default=0.0),
                                 step=lost if lost is not None else worst,
                                 gap=None if worst is None or lost is not None else gaps[worst],
-                                lost=lost, recovered=len(follow.tokens[r])))
+                                lost=lost, recovered=len(follow.tokens[r]), split="best"))
+        return out
+
+    try:
+        out = check(list(range(len(prompts))), None)
+        again = [i for i, g in enumerate(out) if g["verdict"] == "wrong"]
+        if again:  # (the other split of near-tied texts; a row stays wrong unless it follows)
+            for i, g in zip(again, check(again, tol)):
+                if g["verdict"] == "followed":
+                    out[i] = dict(g, split="longest")
     finally:
         tok.padding_side, tok.pad_token = side, pad_token
     return out

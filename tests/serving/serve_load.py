@@ -425,7 +425,7 @@ def follow_diverged(records: list[dict], models, prompts: list[str], refs, tok, 
             got = forced_check(model, tok, [prompts[r["prompt"]] for r in todo], [r["text"] for r in todo],
                                [r.get("count") for r in todo], p["oscar"], tol)
             for r, g in zip(todo, got):
-                r.update(left_reference_at=dict(step=r["step"], gap=r["gap"]), **g)
+                r.update(left_reference_at=dict(step=r.get("step"), gap=r.get("gap")), **g)  # (a cancelled stream has neither)
     mine = sorted(refs[0])
     texts = [tok.decode(refs[0][i]["tokens"], skip_special_tokens=True) for i in mine]
     counts = [len(refs[0][i]["tokens"]) for i in mine]

@@ -63,3 +63,21 @@ def test_a_token_off_its_steps_best_is_flagged_at_that_step(setup):
     assert strict["verdict"] == "wrong" and strict["step"] == k and strict["gap"] == pytest.approx(gap, rel=1e-4)
     loose, = forced_check(model, tok, prompts[:1], [text], [k + 1], OSCAR, tol=gap * 2)
     assert loose["verdict"] == "followed" and loose["recovered"] == k + 1
+
+
+def test_a_near_tied_longer_split_of_the_text_is_tried_when_the_best_split_fails():
+    from forced_check import FollowText
+
+    tok = load_tokenizer(None)
+    # two tokens, one whose text starts the other's: "Arch" and "Architect" (or whatever pair the vocabulary has)
+    short, long_ = next((tok.convert_tokens_to_ids(a), tok.convert_tokens_to_ids(a + b))
+                        for a, b in (("Arch", "itect"), ("Ġinter", "national"), ("Ġcon", "tinue"))
+                        if tok.convert_tokens_to_ids(a + b) != tok.unk_token_id)
+    text = tok.decode([long_], skip_special_tokens=True)
+    assert text.startswith(tok.decode([short], skip_special_tokens=True)) and short != long_
+    logits = torch.zeros(len(tok))
+    logits[short], logits[long_] = 10.0, 9.9  # (the longer split 1% below the best)
+    best = FollowText(tok, [text], [1])
+    assert best._pick(0, logits) == short
+    assert FollowText(tok, [text], [1], longest_within=0.02)._pick(0, logits) == long_
+    assert FollowText(tok, [text], [1], longest_within=0.005)._pick(0, logits) == short  # (outside the tolerance)
