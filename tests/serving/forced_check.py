@@ -32,7 +32,8 @@ class FollowText(LogitsProcessor):
 
     ``texts[r]`` the served text, ``counts[r]`` its completion tokens (``None``: until the text is matched).
     Per row after the run: ``tokens`` (recovered), ``gaps`` (one per recovered token), ``lost`` (the step where no
-    top-``topk`` token continued the text, else ``None``)."""
+    top-``topk`` token continued the text, else ``None``) and ``lost_gap`` (there, the ``topk``-th token's gap: the
+    served token's gap was at least that)."""
 
     def __init__(self, tok, texts: list[str], counts: list[int | None], topk: int = 16, longest_within: float | None = None):
         # longest_within: None takes the best continuing token; a tolerance takes, of the continuing tokens within it
@@ -42,6 +43,7 @@ class FollowText(LogitsProcessor):
         n = len(texts)
         self.tokens, self.gaps, self.lost, self.done = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n, \
             [False] * n
+        self.lost_gap = [None] * n
 
     def _text(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
@@ -77,6 +79,8 @@ class FollowText(LogitsProcessor):
             if c is None:
                 if not self.done[r]:
                     self.lost[r], self.done[r] = len(self.tokens[r]), True
+                    kth = int(scores[r].topk(min(self.topk, scores.shape[-1])).indices[-1])
+                    self.lost_gap[r] = relative_gap(scores[r], kth)
                 forced[r, self.eos] = 0.0  # (finished or lost: EOS ends the row)
                 continue
             self.gaps[r].append(relative_gap(scores[r], c))
@@ -120,7 +124,8 @@ def forced_check(model, tok, prompts: list[str], texts: list[str], counts: list[
                 out.append(dict(verdict="wrong" if bad else "followed", max_gap=max(gaps, default=0.0),
                                 step=lost if lost is not None else worst,
                                 gap=None if worst is None or lost is not None else gaps[worst],
-                                lost=lost, recovered=len(follow.tokens[r]), split="best"))
+                                lost=lost, lost_gap=follow.lost_gap[r], recovered=len(follow.tokens[r]),
+                                split="best"))
         return out
 
     try:

@@ -436,7 +436,11 @@ def follow_diverged(records: list[dict], models, prompts: list[str], refs, tok, 
                 and all(g["verdict"] == "wrong" for g in other),
                 own_max_gap=max(g["max_gap"] for g in own), tol=tol,
                 others_flagged=sum(g["verdict"] == "wrong" for g in other), others=len(other),
-                others_flagged_at=[g["step"] for g in other])
+                others_flagged_at=[g["step"] for g in other],
+                # how far the flagged streams were from their step's best (at least): the margin over own_max_gap
+                # that a tolerance has between rounding and a stream read against another context
+                others_min_gap=min((g["gap"] if g["gap"] is not None else g["lost_gap"] or 0.0 for g in other
+                                    if g["verdict"] == "wrong"), default=None))
 
 
 def plan(p: dict, rng: random.Random, n: int, model: int, kinds: dict) -> list[dict]:

@@ -45,6 +45,10 @@ def test_a_prompts_own_stream_is_followed_and_another_prompts_is_flagged(setup):
     assert max(g["max_gap"] for g in own) < 1e-4
     other = forced_check(model, tok, prompts[1:] + prompts[:1], texts, counts, OSCAR, tol=1e-3)
     assert [g["verdict"] for g in other] == ["wrong"] * 3
+    # each flagged stream's distance from its step's best (at least the 16th token's gap where it was lost) is far
+    # above the own streams' largest gap: the margin a tolerance has
+    assert all((g["gap"] if g["gap"] is not None else g["lost_gap"]) > 10 * max(h["max_gap"] for h in own) + 1e-3
+               for g in other)
 
 
 def test_a_token_off_its_steps_best_is_flagged_at_that_step(setup):
