@@ -62,10 +62,8 @@ class _Space:
             raise ValueError("choose_settings: the artifact has no quantized (full-attention) layer")
         scores = rotations.retrieval_scores  # [num_layers, Hk] or None
         self.heads: list[tuple[int, int]] = []  # the retrieval heads (score >= threshold), best first
-        self.ranked: list[tuple[int, int]] = []  # every head by score, best first: those past the threshold too
         if scores is not None:
-            self.ranked = list(ranked_heads(scores, self.layers))
-            self.heads = [p for p in self.ranked if scores[p] >= base.retrieval_threshold]
+            self.heads = [p for p in ranked_heads(scores, self.layers) if scores[p] >= base.retrieval_threshold]
         held = rotations.metadata.get("heldout_error") or {}
         err = {int(i): e.get("k_rel", 0.0) + e.get("v_rel", 0.0) for i, e in held.items() if int(i) in self.layers}
         self.ranked_layers = sorted(err, key=lambda i: -err[i])  # largest held-out attention error first
@@ -74,19 +72,16 @@ class _Space:
     def bits(self, config: OscarConfig) -> float:
         return config.stored_bits(self.fp, self.layers, self.context)
 
-    def with_heads(self, config: OscarConfig, n: int, precise: int = 0, pool=None) -> OscarConfig:
-        """``config`` keeping every KV head of the ``precise`` worst layers and the ``n`` best heads of ``pool``
-        (None: the retrieval heads)."""
+    def with_heads(self, config: OscarConfig, n: int, precise: int = 0) -> OscarConfig:
+        """``config`` keeping every KV head of the ``precise`` worst layers and the ``n`` best retrieval heads."""
         whole = {(i, h) for i in self.ranked_layers[:precise] for h in range(self.hk)}
-        pool = self.heads if pool is None else pool
-        return config.replace(retrieval_heads=tuple(sorted(whole | set(pool[:n]))))
+        return config.replace(retrieval_heads=tuple(sorted(whole | set(self.heads[:n]))))
 
-    def fit(self, config: OscarConfig, precise: int = 0, pool=None) -> OscarConfig | None:
-        """:meth:`with_heads` with as many heads of ``pool`` as fit the budget; None below :attr:`floor`."""
+    def fit(self, config: OscarConfig, precise: int = 0) -> OscarConfig | None:
+        """:meth:`with_heads` with as many retrieval heads as fit the budget; None below :attr:`floor`."""
         retrieval = set(self.heads)
-        pool = self.heads if pool is None else pool
-        for n in range(len(pool), -1, -1):  # most heads first
-            c = self.with_heads(config, n, precise, pool)
+        for n in range(len(self.heads), -1, -1):  # most heads first
+            c = self.with_heads(config, n, precise)
             if len(set(c.retrieval_heads) & retrieval) < self.floor:
                 return None
             if self.bits(c) <= self.budget + 1e-9:
@@ -140,9 +135,8 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     sizes = [g for g in dict.fromkeys(hd if g is None else g for g in GROUP_SIZES) if g <= hd and hd % g == 0]
     groups = [g for g in sizes if g != base.group_size]
     # the bar counts settings scored or over budget: defaults, quantizer, group sizes, windows, head width, layers
-    fill = len(space.ranked) > len(space.heads)  # heads past the threshold exist: the budget-filling step runs
     n_plan = (2 + len(groups) + len(window_candidates(base.sink, base.recent, prompt)) + (1 if space.heads else 0)
-              + min(len(PRECISE_LAYERS), len(space.ranked_layers)) + len(HEAD_WIDTHS) * fill)
+              + min(len(PRECISE_LAYERS), len(space.ranked_layers)))
 
     def run(name: str, config: OscarConfig | None, unfitted: OscarConfig, precise: int = 0) -> Trial | None:
         if config is None:  # over the budget even with the fewest retrieval heads allowed
@@ -163,13 +157,12 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         inc = run("defaults", inc_cfg, start)
         precise = 0
 
-        def step(options: list[tuple]) -> bool:
-            """Score ``(name, unfitted config, precise layers[, head pool])``; the best replaces the incumbent by
-            > margin."""
+        def step(options: list[tuple[str, OscarConfig, int]]) -> bool:
+            """Score ``(name, unfitted config, precise layers)``; the best replaces the incumbent by > margin."""
             nonlocal inc, precise
             best = None
-            for name, cfg, p, *pool in options:
-                t = run(name, space.fit(cfg, p, *pool), cfg, p)
+            for name, cfg, p in options:
+                t = run(name, space.fit(cfg, p), cfg, p)
                 if t is not None and (best is None or t.kl < best[0].kl):
                     best = (t, p)
             if best is not None and best[0].kl < inc.kl * (1.0 - margin):
@@ -202,12 +195,6 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
             if n <= len(space.ranked_layers) and n > precise:
                 if not step([(f"{n} precise layers {space.ranked_layers[:n]}", unfit(), n)]):
                     break
-        # the budget left filled with heads past the retrieval threshold, best score first: not retrieval heads by
-        # name, but a precise head lowers the KL wherever it sits (SmolLM2: 22 INT4 heads in 3.5 bits, against the
-        # 7 INT8 retrieval heads, +1.06% / +0.50% against +1.15% / +0.92% perplexity; docs/quality.md)
-        if fill:
-            step([(f"INT{w} heads filling the budget", unfit().replace(retrieval_bits=w), precise, space.ranked)
-                  for w in HEAD_WIDTHS])
     chosen = {k: getattr(inc.config, k) for k in CHOSEN_FIELDS}
     chosen["retrieval_heads"] = [list(p) for p in chosen["retrieval_heads"]]  # JSON-able
     return {

@@ -120,29 +120,6 @@ def test_search_keeps_the_retrieval_heads_the_defaults_keep(tiny):
     assert sorted(map(tuple, e["chosen"]["retrieval_heads"])) == [(0, 0), (1, 0)]
 
 
-def test_the_budget_left_is_filled_with_heads_past_the_threshold(tiny):
-    rot = scored_rotations(tiny, [[0.9, 0.2], [0.3, 0.1]])  # one retrieval head (0, 0); three below the threshold
-    calls = []
-
-    def score(c):  # each precise head lowers the KL by 0.1, whatever its width
-        assert c.stored_bits(rot.fingerprint, list(rot.layers), 8192) <= 4.5 + 1e-9
-        calls.append(c)
-        return 1.0 - 0.1 * len(c.retrieval_heads)
-
-    # budget 4.5 at 8192: (320 x 16 + 7872 x history) / 8192 with history (2.5 x plain + 8.5 or 4.5 x precise) / 4:
-    # one INT8 head or three INT4 heads fit (4.469 bits), two INT8 or four INT4 do not
-    e = choose_settings(tiny, rot, [torch.zeros(2048, dtype=torch.long)], budget_bits=4.5, target_context=8192,
-                        score=score, progress=False)
-    assert e["chosen_name"] == "INT4 heads filling the budget"
-    assert e["chosen"]["retrieval_bits"] == 4 and e["bits"] <= 4.5
-    assert sorted(map(tuple, e["chosen"]["retrieval_heads"])) == [(0, 0), (0, 1), (1, 0)]  # best scores first
-    assert e["kl"] == pytest.approx(0.7) and all((0, 0) in c.retrieval_heads for c in calls)  # the floor kept
-    # every head past the threshold: no such step
-    rot = scored_rotations(tiny, [[0.9, 0.8], [0.7, 0.6]])
-    e = choose_settings(tiny, rot, [torch.zeros(2048, dtype=torch.long)], budget_bits=4.5, target_context=8192,
-                        score=lambda c: 1.0 - 0.1 * len(c.retrieval_heads), progress=False)
-    assert not any("filling" in t["name"] for t in e["tried"])
-
 def test_bad_budget_and_windows():
     m = tiny_model("llama", head_dim=64)
     rot = scored_rotations(m, [[0.1, 0.1], [0.1, 0.1]])
