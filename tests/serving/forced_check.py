@@ -35,7 +35,8 @@ class FollowText(LogitsProcessor):
     top-``topk`` token continued the text, else ``None``) and ``lost_gap`` (there, the ``topk``-th token's gap: the
     served token's gap was at least that)."""
 
-    def __init__(self, tok, texts: list[str], counts: list[int | None], topk: int = 16, longest_within: float | None = None):
+    def __init__(self, tok, texts: list[str], counts: list[int | None], topk: int = 16,
+                 longest_within: float | None = None):
         # longest_within: None takes the best continuing token; a tolerance takes, of the continuing tokens within it
         # of the step's best, the one whose text is longest (the other way to split a near-tied text)
         self.tok, self.texts, self.counts, self.topk, self.longest_within = tok, texts, counts, topk, longest_within

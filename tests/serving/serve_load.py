@@ -425,7 +425,8 @@ def follow_diverged(records: list[dict], models, prompts: list[str], refs, tok, 
             got = forced_check(model, tok, [prompts[r["prompt"]] for r in todo], [r["text"] for r in todo],
                                [r.get("count") for r in todo], p["oscar"], tol)
             for r, g in zip(todo, got):
-                r.update(left_reference_at=dict(step=r.get("step"), gap=r.get("gap")), **g)  # (a cancelled stream has neither)
+                # (a cancelled stream that left the reference has no step or gap)
+                r.update(left_reference_at=dict(step=r.get("step"), gap=r.get("gap")), **g)
     mine = sorted(refs[0])
     texts = [tok.decode(refs[0][i]["tokens"], skip_special_tokens=True) for i in mine]
     counts = [len(refs[0][i]["tokens"]) for i in mine]
@@ -565,7 +566,7 @@ def run(profile: str, workdir: Path, tokenizer: str | None = None, seed: int = 0
     expected = 3 if engine_processes is None else 2
     checks["nothing_held"] = dict(ok=len(releases) >= expected and all(not r.get(k) for r in releases for k in HELD),
                                   expected=expected, releases=releases)
-    # (the load phases' records: their verdicts after the forced check, which updates ``records``, not ``one``/``three``)
+    # (the load phases' records: their verdicts after the forced check, which updates ``records``, not ``one``)
     loaded = [r for r in records if r["phase"] in (1, 3) and r.get("verdict") in ("exact", "followed")]
     tokens = sum(r.get("tokens") or 0 for r in loaded)
     streamed = [r["ttft_s"] for r in loaded if r.get("streamed")]
