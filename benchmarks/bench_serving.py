@@ -88,10 +88,42 @@ def concurrency(outs) -> tuple[int, float, float]:
     return peak, t_a, t_b
 
 
+def trace_steps(store) -> list:
+    """``[(t, prompt rows, decode rows)]``, one a forward, appended as the store plans it (``t``: perf_counter; a step
+    lasts until the next one starts, since greedy serving reads every step's tokens before the next)."""
+    steps, plan, last = [], store.plan_decode, [None]
+
+    def traced(batch, rows=None):
+        if tuple(batch) != last[0]:  # (a step without decode rows plans again in each layer: one entry a forward)
+            last[0] = tuple(batch)
+            decode = sum(1 for _, past, q in batch if q == 1 and past > 0)
+            steps.append((time.perf_counter(), sum(q for _, past, q in batch) - decode, decode))
+        return plan(batch, rows)
+
+    store.plan_decode = traced
+    return steps
+
+
+def step_summary(steps, outs) -> dict:
+    """The traced steps (:func:`trace_steps`) by kind: how long the steps with prompt rows and the decode-only ones
+    took, and for each later request the steps between its arrival and its first token."""
+    spans = [(t, b[0] - t, pr, dr) for (t, pr, dr), b in zip(steps, steps[1:])]  # [(start, seconds, prompt, decode)]
+    med = lambda xs: round(1000 * sorted(xs)[len(xs) // 2], 2) if xs else None  # noqa: E731
+    waits = []
+    for o in sorted(outs, key=lambda o: o.created_time)[1:]:
+        inside = [s for s in spans if s[0] + s[1] > o.created_time and s[0] < o.timestamps[0]]
+        waits.append(dict(request=o.request_id, ttft_s=round(o.timestamps[0] - o.created_time, 3),
+                          steps=[(round(1000 * d, 1), pr, dr) for _, d, pr, dr in inside]))
+    return dict(mixed_step_ms_p50=med([d for _, d, pr, _ in spans if pr]),
+                decode_step_ms_p50=med([d for _, d, pr, dr in spans if not pr and dr]),
+                mixed_steps=sum(1 for s in spans if s[2]), steps=len(spans), later_requests=waits)
+
+
 def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBatchingConfig, store,
-          retained=False) -> dict:
+          retained=False, trace=False) -> dict:
     """Submit ``prompts`` at ``arrivals`` (seconds from the start) to a fresh manager; collect every result.
-    ``arrivals[0] < 0``: the first alone, the others' arrivals from its first token (``retained``: its last)."""
+    ``arrivals[0] < 0``: the first alone, the others' arrivals from its first token (``retained``: its last).
+    ``trace``: each step's prompt and decode rows and length (:func:`step_summary`)."""
     gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     ctx = paged_oscar(model, store) if kind.startswith("oscar") else contextlib.nullcontext()
     lead = arrivals[0] < 0  # the first request alone: the others' arrivals count from its first token
@@ -101,6 +133,7 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
         torch.cuda.reset_peak_memory_stats()
     weights = torch.cuda.memory_allocated() if cuda else 0
     outs, errors = [], []
+    steps = trace_steps(store) if trace and store is not None else None
     with ctx:
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         manager.start()
@@ -159,8 +192,12 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
                    later_ttft_p90_s=round(later[int(0.9 * (len(later) - 1))], 3), later_ttfts_s=[
                        round(ttft_of[f"r{i}"], 3) for i in range(1, len(outs))])
         row["later_over_first"] = round(row["later_ttft_p50_s"] / row["first_ttft_s"], 3)
+    if steps is not None:
+        row["step_trace"] = step_summary(steps, outs)
     row["outputs"] = {o.request_id: o.generated_tokens[:8] for o in outs}  # a glimpse, to compare runs
-    print(json.dumps({k: v for k, v in row.items() if k != "outputs"}), flush=True)
+    print(json.dumps({k: v for k, v in row.items() if k not in ("outputs", "step_trace")}), flush=True)
+    if steps is not None:
+        print(json.dumps({k: v for k, v in row["step_trace"].items() if k != "later_requests"}), flush=True)
     return row
 
 
@@ -191,6 +228,9 @@ def main(argv=None):
                    help="OSCAR prompt_budget (tokens of split prompts held in full precision, reserved from the KV "
                         "budget; default the model's max_position_embeddings)")
     p.add_argument("--retained", action="store_true", help="prefix: the others arrive after the first has finished")
+    p.add_argument("--trace-steps", action="store_true",
+                   help="OSCAR: record each step's prompt / decode rows and length; per later request, the steps it "
+                        "waited through")
     p.add_argument("--out")
     args = p.parse_args(argv)
 
@@ -238,7 +278,8 @@ def main(argv=None):
                 prompts = [[r.randrange(vocab) for _ in range(r.choice(args.lengths))] for _ in range(args.requests)]
                 gaps = [r.expovariate(args.rate) for _ in range(args.requests)]
                 arrivals = [sum(gaps[:i]) for i in range(args.requests)]
-            rows[kind] = serve(model, kind, prompts, arrivals, args.new_tokens, cb, store, part == "prefix" and args.retained)
+            rows[kind] = serve(model, kind, prompts, arrivals, args.new_tokens, cb, store,
+                               part == "prefix" and args.retained, args.trace_steps)
             write_json(args.out, doc)
         if {"oscar", "oscar-graphs"} <= rows.keys() and rows["oscar"]["decode_step_ms_p50"]:
             rows["graphs_speedup"] = round(rows["oscar"]["decode_step_ms_p50"]
