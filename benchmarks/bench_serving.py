@@ -41,6 +41,7 @@ from oscar_hf.serving import OscarPagedStore, continuous_batching_config, paged_
 
 TIMEOUT_S = 540.0  # a run that has not finished by then is stuck (inside the device machine's 10 minutes)
 PAGE = 256  # Transformers' default page size (and flash's block-table granularity)
+COMPILES: list = []  # (perf_counter, kernel, seconds) of every Triton compile once traced (trace_compiles)
 
 
 def bf16_block_bytes(cfg) -> int:
@@ -104,7 +105,29 @@ def trace_steps(store) -> list:
     return steps
 
 
-def step_summary(steps, outs) -> dict:
+def trace_compiles() -> list:
+    """``[(t, kernel, seconds)]``: every Triton JIT compile (or disk-cache load) of this process from now on (a compile
+    inside a served step stalls it)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return COMPILES
+    compile_ = getattr(JITFunction, "_do_compile", None)
+    if compile_ is None or getattr(compile_, "traced", False):
+        return COMPILES
+
+    def traced(self, *args, **kwargs):
+        t = time.perf_counter()
+        out = compile_(self, *args, **kwargs)
+        COMPILES.append((t, getattr(self.fn, "__name__", "?"), round(time.perf_counter() - t, 3)))
+        return out
+
+    traced.traced = True
+    JITFunction._do_compile = traced
+    return COMPILES
+
+
+def step_summary(steps, outs, compiles=()) -> dict:
     """The traced steps (:func:`trace_steps`) by kind: how long the steps with prompt rows and the decode-only ones
     took, and for each later request the steps between its arrival and its first token."""
     spans = [(t, b[0] - t, pr, dr) for (t, pr, dr), b in zip(steps, steps[1:])]  # [(start, seconds, prompt, decode)]
@@ -113,10 +136,13 @@ def step_summary(steps, outs) -> dict:
     for o in sorted(outs, key=lambda o: o.created_time)[1:]:
         inside = [s for s in spans if s[0] + s[1] > o.created_time and s[0] < o.timestamps[0]]
         waits.append(dict(request=o.request_id, ttft_s=round(o.timestamps[0] - o.created_time, 3),
-                          steps=[(round(1000 * d, 1), pr, dr) for _, d, pr, dr in inside]))
+                          steps=[(round(1000 * d, 1), pr, dr, [(k, c) for t, k, c in compiles if s <= t < s + d])
+                                 for s, d, pr, dr in inside]))
     return dict(mixed_step_ms_p50=med([d for _, d, pr, _ in spans if pr]),
                 decode_step_ms_p50=med([d for _, d, pr, dr in spans if not pr and dr]),
-                mixed_steps=sum(1 for s in spans if s[2]), steps=len(spans), later_requests=waits)
+                mixed_steps=sum(1 for s in spans if s[2]), steps=len(spans),
+                compiles=[(round(t - steps[0][0], 3), k, c) for t, k, c in compiles if steps and t >= steps[0][0]],
+                later_requests=waits)
 
 
 def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBatchingConfig, store,
@@ -134,6 +160,7 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
     weights = torch.cuda.memory_allocated() if cuda else 0
     outs, errors = [], []
     steps = trace_steps(store) if trace and store is not None else None
+    compiles = trace_compiles() if steps is not None else []
     with ctx:
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         manager.start()
@@ -193,7 +220,7 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
                        round(ttft_of[f"r{i}"], 3) for i in range(1, len(outs))])
         row["later_over_first"] = round(row["later_ttft_p50_s"] / row["first_ttft_s"], 3)
     if steps is not None:
-        row["step_trace"] = step_summary(steps, outs)
+        row["step_trace"] = step_summary(steps, outs, compiles)
     row["outputs"] = {o.request_id: o.generated_tokens[:8] for o in outs}  # a glimpse, to compare runs
     print(json.dumps({k: v for k, v in row.items() if k not in ("outputs", "step_trace")}), flush=True)
     if steps is not None:
