@@ -41,7 +41,7 @@ import torch
 from .fakequant import FakeQuantSpec
 from .methods import OscarSpec
 from .haystack import load_haystack
-from .needle import LOCKER, fast_answer_scores, make_cells, make_needle_prompt
+from .needle import LOCKER, MAGIC_NUMBER, fast_answer_scores, make_cells, make_needle_prompt
 
 BLOCK = 64  # tokens per per-channel group / per block mean (KIVI's group of 64 tokens)
 
@@ -145,9 +145,9 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
     errors = {int(i): float(e["k_rel"]) for i, e in rotations.metadata.get("heldout_error", {}).items()}
     worst = sorted(errors, key=lambda i: -errors[i])
 
-    def keys(bits=2, axis="token", clip=None, block_mean=False):
+    def keys(bits=2, axis="token", clip=None, block_mean=False, group=config.group_size):
         return lambda x, lr: rotated_fake_quant(x, lr.r_k, lr.mu_k, lr.clip_k if clip is None else clip, bits,
-                                                config.group_size, axis, block_mean)
+                                                group, axis, block_mean)
 
     exact = lambda x, lr: x  # noqa: E731
     out = {
@@ -161,6 +161,17 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
         "Lloyd-Max levels": (OscarSpec(model, rotations, config, levels="lloyd-max"), bits(row)),
         "3-bit keys": (KeysOrValuesFrom(base, keys(3, clip=1.0)), bits(row + 1)),
     }
+    # keys in 8 levels and values in 4, both at twice the group: at group 32 the same bits as INT2 rows at 32
+    g2 = 2 * config.group_size
+    if fp.head_dim % g2 == 0:
+        wide = config.replace(group_size=g2)
+        row2 = wide.history_bits(fp.head_dim)
+        out[f"3-bit keys, keys and values at group {g2}"] = (
+            KeysOrValuesFrom(OscarSpec(model, rotations, wide), keys(3, clip=1.0, group=g2)),
+            history_bits(n, p, row2 + 1, row2, head))
+        out[f"3-bit keys, values at group {g2}"] = (
+            KeysOrValuesFrom(OscarSpec(model, rotations, wide), keys(3, clip=1.0)),
+            history_bits(n, p, row + 1, row2, head))
     if worst:
         top = set(worst[:4])
         n_int4 = sum(1 for i in top for h in range(fp.num_key_value_heads) if h not in base.retrieval_heads.get(i, ()))
@@ -190,17 +201,18 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
         KeysOrValuesFrom(base_alt, keys(axis="channel", clip=1.0)), bits_alt)
     # + a BF16 mean per channel and block of BLOCK tokens: 16 / BLOCK bits per key element
     out["block-mean keys"] = (KeysOrValuesFrom(base, keys(block_mean=True)), bits(row + 16 / BLOCK))
-    half = len(rotations.layers) // 2
-    out[f"keys exact, layers 0-{half - 1}"] = (KeysOrValuesFrom(base, exact, layers=set(range(half))), None)
-    out[f"keys exact, layers {half}-{len(rotations.layers) - 1}"] = (
-        KeysOrValuesFrom(base, exact, layers=set(range(half, len(rotations.layers)))), None)
+    quantized = sorted(int(i) for i in rotations.layers)  # (Gemma's full-attention layers: 5, 11, 17)
+    half = len(quantized) // 2
+    for part in (quantized[:half], quantized[half:]):
+        if part:
+            out[f"keys exact, layers {part[0]}-{part[-1]}"] = (KeysOrValuesFrom(base, exact, layers=set(part)), None)
     return out
 
 
 def report(res: dict) -> str:
     rows = res["levers"]
     ref = rows["BF16 DynamicCache"]["correct"]
-    lines = [f"{res['needles']} locker needles at {res['length']} tokens, depths {res['depths']}, teacher-forced "
+    lines = [f"{res['needles']} {res.get('format', 'locker')} needles at {res['length']} tokens, depths {res['depths']}, teacher-forced "
              "(a needle counts when every answer token is the argmax)", "",
              "| cache | history bits | needles | vs BF16 | mean answer NLL (nats) |", "|---|---|---|---|---|"]
     for label, r in rows.items():
@@ -213,13 +225,14 @@ def report(res: dict) -> str:
 def perplexities(model, tokenizer, specs: dict, windows: int, context: int) -> dict:
     """``{label: {text: {"ppl", "nll", "tokens"}}}``: every lever's fake-quant perplexity, token by token in effect
     (one forward per window, :func:`oscar_hf.eval.perplexity.fast_nll`), on ``windows`` held-out windows of
-    ``context`` tokens of WikiText and of the pydoc prose, each window's first token the prompt."""
-    from .default_perplexity import TEXTS, load_ids
+    ``context`` tokens of WikiText and of the pydoc prose, each window's first token the prompt (BOS where the
+    tokenizer adds one)."""
+    from .default_perplexity import TEXTS, window_ids
     from .perplexity import fast_nll
 
     out = {label: {} for label in specs}
-    for text in TEXTS:
-        ids = load_ids(tokenizer, text, windows * context).reshape(windows, context)
+    for text in TEXTS:  # (a tokenizer that adds BOS, Gemma's, starts every window with it)
+        ids = window_ids(tokenizer, text, context, windows).reshape(windows, context)
         for label, (spec, _) in specs.items():
             with torch.no_grad():
                 r = fast_nll(model, ids, 1, spec)
@@ -258,7 +271,9 @@ def main(argv=None):
     from oscar_hf.eval.models import model_for_eval
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help='"smollm2" or "gemma3-270m"')
     p.add_argument("--artifact", required=True, help="the calibrated artifact (scripts/calibrate.py --out DIR)")
+    p.add_argument("--format", default="locker", choices=["locker", "magic-number"], help="the needle's wording")
     p.add_argument("--length", type=int, default=8176)
     p.add_argument("--depths", default="0.3,0.5,0.7,0.9", help="of the grid 0.1,...,0.9 (BF16 misses every 10%%)")
     p.add_argument("--trials", type=int, default=6)
@@ -281,7 +296,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok, _, _ = model_for_eval(None, None, torch.bfloat16)
+    model, tok, _, _ = model_for_eval(None, None, torch.bfloat16, args.model)
     over = {} if args.retrieval_bits is None else dict(retrieval_bits=args.retrieval_bits)
     cache = OscarCache.from_pretrained(args.artifact, model, **over)  # the defaults, heads resolved
     specs = levers(model, cache.rotations, cache.oscar_config)
@@ -301,19 +316,21 @@ def main(argv=None):
         return
     grid = (0.1, 0.3, 0.5, 0.7, 0.9)  # the needle grid's draws, so that these are the needle CLI's needles
     run = [float(d) for d in args.depths.split(",")]
-    cells = make_cells([args.length], grid, args.trials, 0, LOCKER)
+    fmt = LOCKER if args.format == "locker" else MAGIC_NUMBER
+    cells = make_cells([args.length], grid, args.trials, 0, fmt)
     hay = load_haystack(tok, "pydoc", args.length + (args.trials - 1) * args.hay_stride)
     trial, raw = {}, []
     for L, d, key, value in tqdm(cells, desc="needles"):
         t = trial[d] = trial.get(d, -1) + 1
         if d not in run:
             continue
-        ctx, q, _ = make_needle_prompt(tok, hay, L, d, key, value, LOCKER, t * args.hay_stride)
+        ctx, q, _ = make_needle_prompt(tok, hay, L, d, key, value, fmt, t * args.hay_stride)
         t0 = time.perf_counter()
         with torch.no_grad():
             scores = fast_answer_scores(model, tok, ctx, q, value, {k: s for k, (s, _) in specs.items()})
         raw.append(dict(depth=d, trial=t, value=value, seconds=round(time.perf_counter() - t0, 1), scores=scores))
-    res = dict(command=command, length=args.length, depths=run, needles=len(raw), artifact=str(args.artifact), levers={
+    res = dict(command=command, length=args.length, format=args.format, depths=run, needles=len(raw),
+               artifact=str(args.artifact), levers={
                    k: dict(bits=b, correct=sum(r["scores"][k]["argmax_correct"] for r in raw),
                            nll=sum(r["scores"][k]["nll"] for r in raw) / max(len(raw), 1))
                    for k, (_, b) in specs.items()}, raw=raw)

@@ -22,6 +22,7 @@ Two needle formats (:data:`FORMATS`):
 """
 from __future__ import annotations
 
+import copy
 import random
 import re
 import string
@@ -225,9 +226,10 @@ def fast_answer_scores(model, tokenizer, context, question, value: str, specs: d
     n_ctx, n_q = len(context), len(question)
     out = {}
     for name, spec in specs.items():
+        # each method reads a copy of the exact prefix (a sliding-window layer cannot be cropped back to it)
         with fake_quant(model, spec, prefill_len=n_ctx):
-            logits = model(seq, **cache_kwargs(model, cache), use_cache=True).logits[0, n_q - 1 :].float()
-        cache.crop(-(cache.get_seq_length() - n_ctx))  # back to the exact prefix
+            past = copy.deepcopy(cache)
+            logits = model(seq, **cache_kwargs(model, past), use_cache=True).logits[0, n_q - 1 :].float()
         logp = torch.log_softmax(logits, -1)
         tgt = target.to(logits.device)
         out[name] = dict(nll=float(-logp.gather(1, tgt[:, None]).sum()), n_answer_tokens=len(target),

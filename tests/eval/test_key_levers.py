@@ -102,6 +102,13 @@ def test_levers_and_report_end_to_end(tmp_path, monkeypatch):
     assert "per-channel keys" in specs and specs["BF16 DynamicCache"] == (None, 16.0)
     # the defaults' heads are INT8: their whole-layer lever spends INT8 heads, the other width is INT4
     assert any(k.startswith("whole INT8 layers") for k in specs) and "0 INT4 retrieval heads" in specs
+    # keys in 8 levels and values in 4 at twice the group: at group 32, exactly the INT2 rows' bits
+    g32 = levers(m, rot, cfg.replace(group_size=32))
+    same = g32["3-bit keys, keys and values at group 64"][1]
+    assert same == pytest.approx(next(b for k, (_, b) in g32.items() if k.startswith("defaults")))
+    assert g32["3-bit keys, values at group 64"][1] > same and "3-bit keys, keys and values at group 128" not in specs
+    layers = sorted(int(i) for i in rot.layers)  # the halves name the quantized layers
+    assert f"keys exact, layers {layers[len(layers) // 2]}-{layers[-1]}" in specs
     int4 = levers(m, rot, cfg.replace(retrieval_bits=4))
     assert any(k.startswith("whole INT4 layers") for k in int4) and "0 INT8 retrieval heads" in int4
     art = tmp_path / "art"

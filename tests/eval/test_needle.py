@@ -177,3 +177,22 @@ def test_needle_prompt_starts_with_the_tokenizers_bos(depth):
     # without BOS the same prompt is the haystack alone
     plain = make_needle_prompt(CharTok(), hay, 500, depth, "quiet-river", "1234567")[0]
     assert len(plain) == len(ctx) and plain[0] != 2
+
+
+def test_fast_answer_scores_read_a_sliding_window_model_from_the_same_prefix():
+    """Gemma 3's sliding-window layers cannot be cropped back to the prefix: each method reads its own copy of the
+    exact prefill, so the BF16 row scored after another method still equals token-by-token decoding."""
+    from oscar_hf.eval.needle import answer_nll, fast_answer_scores
+
+    model = tiny_model("gemma3_text", sliding_window=32)
+    assert "sliding_attention" in model.config.layer_types
+    tok = CharTok()
+    hay = filler_ids(tok, 400) % 250
+    ctx, q, _ = make_needle_prompt(tok, hay, 240, 0.5, "k", "42")
+    ctx, q = ctx % 250, q % 250
+    other = get_method("identity", sink=4, recent=16, group_size=32).fake_spec(model)
+    fast = fast_answer_scores(model, tok, ctx, q, "42", {"other": other, "fp": None})
+    nll, n = answer_nll(model, tok, ctx, q, "42", lambda: get_method("fp").make_cache(model))
+    assert fast["fp"]["n_answer_tokens"] == n
+    assert abs(fast["fp"]["nll"] - nll) < 2e-4 * max(1.0, abs(nll))
+    assert abs(fast["other"]["nll"] - nll) > 1e-3
