@@ -212,7 +212,8 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
 def report(res: dict) -> str:
     rows = res["levers"]
     ref = rows["BF16 DynamicCache"]["correct"]
-    lines = [f"{res['needles']} {res.get('format', 'locker')} needles at {res['length']} tokens, depths {res['depths']}, teacher-forced "
+    lines = [f"{res['needles']} {res.get('format', 'locker')} needles at {res['length']} tokens, depths "
+             f"{res['depths']}, teacher-forced "
              "(a needle counts when every answer token is the argmax)", "",
              "| cache | history bits | needles | vs BF16 | mean answer NLL (nats) |", "|---|---|---|---|---|"]
     for label, r in rows.items():
