@@ -391,7 +391,7 @@ def main(argv=None):
                     r["kv_bytes_ratio_vs_bf16"] = ref["cache_bytes"] / r["cache_bytes"]
     capacity = {}
     per_tok = {}
-    for m in ("bf16", "oscar"):
+    for m in ("bf16", "oscar", "oscar-static"):  # (oscar-static: its capacity is the run's length, as BF16's static)
         if rs := [r for r in results if r["method"] == m and r.get("cache_bytes")]:
             big = max(rs, key=lambda r: r["batch"] * r["context"])
             n = big["batch"] * (big["context"] + big["new_tokens"] - 1)
@@ -404,7 +404,8 @@ def main(argv=None):
                            max_batch_at_context=int(budget / (bpt * (args.capacity_context + args.new_tokens))))
     if args.capacity_run and capacity:
         for m in args.capacity_methods or list(capacity):
-            base = "bf16" if m.startswith("bf16") else "oscar"  # each method at the batch of its bytes per token
+            # each method at the batch of its bytes per token (its own where measured, else its family's)
+            base = m if m in per_tok else "bf16" if m.startswith("bf16") else "oscar"
             if base not in capacity:
                 continue
             c = capacity.setdefault(m, dict(capacity[base]))
