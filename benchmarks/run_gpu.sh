@@ -11,7 +11,8 @@
 #   strong           the default call against the strong BF16 (strong_bf16.py): strong_bf16_op_<gpu>.json,
 #                    its GPU tests, one layer's read, generate at B=8/32K (with   generate_strong_<gpu>_b<B>_t<T>.json
 #                    the 40 GiB capacity), B=1/100K, B=1/1K, B=32/32K on 18 layers (strong-op, -b8, -b1,
-#                    -short, -b32: one part each)
+#                    -short, -b32: one part each; METHODS=, CAPACITY_METHODS= the 40 GiB rows, e.g.
+#                    "bf16-strong oscar oscar-static")
 #   default          the default call vs BF16 DynamicCache and compiled         generate_default_<gpu>_b<B>_t<T>.json
 #                    StaticCache, B=8/32K, B=1/100K (default-long), B=1, 8 x 1K (default-short)
 #   short            B=1 and 8 x 1K: compiled StaticCache and the default call  generate_short_<gpu>_b<B>_t1024.json
@@ -112,7 +113,7 @@ for what in "$@"; do
     fi
     m=${METHODS:-bf16-strong oscar oscar-fp25}
     case "$what" in strong|strong-b8) gen "generate_strong_${GPU}_b8_t32768" --contexts 32768 --batches 8 \
-        --synthetic-fill --new-tokens 64 --methods $m ${CAP/ 27375/ 0} --capacity-methods bf16-strong oscar ;; esac
+        --synthetic-fill --new-tokens 64 --methods $m ${CAP/ 27375/ 0} --capacity-methods ${CAPACITY_METHODS:-bf16-strong oscar} ;; esac
     case "$what" in strong|strong-b1) gen "generate_strong_${GPU}_b1_t100000" --contexts 100000 --batches 1 \
         --synthetic-fill --new-tokens 64 --methods $m ;; esac
     case "$what" in strong|strong-short) gen "generate_strong_${GPU}_b1_t1024" --contexts 1024 --batches 1 \
