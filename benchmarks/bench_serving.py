@@ -281,8 +281,9 @@ def main(argv=None):
             serve(model, kind, [head + [rng.randrange(vocab) for _ in range(64)] for _ in range(6)],
                   [-1.0] + [0.1 * i for i in range(5)], 16, cb, store)
 
-    for part in args.parts:
-        rows = doc["results"].setdefault(part, {})
+    for i, part in enumerate(args.parts):  # (a part given twice runs again: its rows under "<part>_2", ...)
+        seen = args.parts[:i].count(part)
+        rows = doc["results"].setdefault(f"{part}_{seen + 1}" if seen else part, {})
         for kind in args.kinds:
             cb, store = cache_configs(model, kind, budget, batch_tokens[kind], args.max_requests, oscar_kw,
                                       args.q_padding)
