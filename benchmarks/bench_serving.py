@@ -105,6 +105,15 @@ def trace_steps(store) -> list:
     return steps
 
 
+def triton_cache_files() -> int | None:
+    """Files in Triton's on-disk kernel cache (``TRITON_CACHE_DIR``, else ``~/.triton/cache``): 0 on a fresh machine,
+    where every kernel variant a run meets is compiled inside it (None: no cache folder)."""
+    import os
+
+    root = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return sum(1 for f in root.rglob("*") if f.is_file()) if root.is_dir() else None
+
+
 def trace_compiles() -> list:
     """``[(t, kernel, seconds)]``: every Triton JIT compile (or disk-cache load) of this process from now on (a compile
     inside a served step stalls it)."""
@@ -270,7 +279,8 @@ def main(argv=None):
     oscar_tokens = args.oscar_batch_tokens or longest + args.max_requests
     batch_tokens = {k: args.bf16_batch_tokens if k.startswith("bf16") else oscar_tokens for k in args.kinds}
     rng = random.Random(0)
-    doc = dict(env=run_env(argv), shape=SHAPES[args.shape], kv_budget_gib=args.kv_budget_gib, results={})
+    doc = dict(env=run_env(argv, triton_cache_files_at_start=triton_cache_files()), shape=SHAPES[args.shape],
+               kv_budget_gib=args.kv_budget_gib, results={})
 
     for kind in args.kinds:  # warm-up, not measured (prefix: also a shared prefix's chunk read, long-history decodes)
         cb, store = cache_configs(model, kind, budget, 1024, 4, oscar_kw, args.q_padding)
