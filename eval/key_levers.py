@@ -226,13 +226,17 @@ def perplexities(model, tokenizer, specs: dict, windows: int, context: int) -> d
     (one forward per window, :func:`oscar_hf.eval.perplexity.fast_nll`), on ``windows`` held-out windows of
     ``context`` tokens of WikiText and of the pydoc prose, each window's first token the prompt (BOS where the
     tokenizer adds one)."""
+    from tqdm.auto import tqdm
+
     from .default_perplexity import TEXTS, window_ids
     from .perplexity import fast_nll
 
     out = {label: {} for label in specs}
+    bar = tqdm(total=len(TEXTS) * len(specs), desc="perplexity")
     for text in TEXTS:  # (a tokenizer that adds BOS, Gemma's, starts every window with it)
         ids = window_ids(tokenizer, text, context, windows).reshape(windows, context)
         for label, (spec, _) in specs.items():
+            bar.update(1)
             with torch.no_grad():
                 r = fast_nll(model, ids, 1, spec)
             out[label][text] = dict(ppl=r["ppl"], nll=r["nll"], tokens=r["tokens"])
@@ -291,11 +295,13 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--name", default=None, help="output stem (default needle_key_levers_8k_smollm2_cpu, or "
                                                 "ppl_key_levers_smollm2_cpu with --perplexity)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the model's dtype (float32: several times faster on a CPU without bfloat16 instructions)")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok, _, _ = model_for_eval(None, None, torch.bfloat16, args.model)
+    model, tok, _, _ = model_for_eval(None, None, getattr(torch, args.dtype), args.model)
     over = {} if args.retrieval_bits is None else dict(retrieval_bits=args.retrieval_bits)
     cache = OscarCache.from_pretrained(args.artifact, model, **over)  # the defaults, heads resolved
     specs = levers(model, cache.rotations, cache.oscar_config)
@@ -309,7 +315,7 @@ def main(argv=None):
 
         name = args.name or "ppl_key_levers_smollm2_cpu"
         ppl = perplexities(model, tok, specs, args.windows, args.context)
-        res = dict(command=command, windows=args.windows, context=args.context, texts=list(TEXTS),
+        res = dict(command=command, dtype=args.dtype, windows=args.windows, context=args.context, texts=list(TEXTS),
                    artifact=str(args.artifact), levers={k: dict(bits=b, **ppl[k]) for k, (_, b) in specs.items()})
         write_results(out, name, res, ppl_report(res))
         return
@@ -328,7 +334,7 @@ def main(argv=None):
         with torch.no_grad():
             scores = fast_answer_scores(model, tok, ctx, q, value, {k: s for k, (s, _) in specs.items()})
         raw.append(dict(depth=d, trial=t, value=value, seconds=round(time.perf_counter() - t0, 1), scores=scores))
-    res = dict(command=command, length=args.length, format=args.format, depths=run, needles=len(raw),
+    res = dict(command=command, dtype=args.dtype, length=args.length, format=args.format, depths=run, needles=len(raw),
                artifact=str(args.artifact), levers={
                    k: dict(bits=b, correct=sum(r["scores"][k]["argmax_correct"] for r in raw),
                            nll=sum(r["scores"][k]["nll"] for r in raw) / max(len(raw), 1))
