@@ -236,10 +236,11 @@ def perplexities(model, tokenizer, specs: dict, windows: int, context: int) -> d
     for text in TEXTS:  # (a tokenizer that adds BOS, Gemma's, starts every window with it)
         ids = window_ids(tokenizer, text, context, windows).reshape(windows, context)
         for label, (spec, _) in specs.items():
-            bar.update(1)
             with torch.no_grad():
                 r = fast_nll(model, ids, 1, spec)
             out[label][text] = dict(ppl=r["ppl"], nll=r["nll"], tokens=r["tokens"])
+            bar.update(1)
+    bar.close()
     return out
 
 

@@ -226,8 +226,8 @@ def fast_answer_scores(model, tokenizer, context, question, value: str, specs: d
     n_ctx, n_q = len(context), len(question)
     out = {}
     for name, spec in specs.items():
-        past = copy.deepcopy(cache)  # each method reads a copy of the exact prefix (a sliding-window layer cannot be
-        # cropped back to it)
+        # each method reads a copy of the exact prefix (a sliding-window layer cannot be cropped back to it)
+        past = copy.deepcopy(cache)
         with fake_quant(model, spec, prefill_len=n_ctx):
             logits = model(seq, **cache_kwargs(model, past), use_cache=True).logits[0, n_q - 1 :].float()
         logp = torch.log_softmax(logits, -1)

@@ -37,8 +37,8 @@ class FollowText(LogitsProcessor):
 
     def __init__(self, tok, texts: list[str], counts: list[int | None], topk: int = 64,
                  longest_within: float | None = None):
-        # topk 64: a random model's logits are nearly flat (top-2 gaps ~4% of the largest |logit|), and BF16 rounding
-        # moved a served token below the reference's 16th in 7 of 1,000 GPU streams (lost, not judged by its gap)
+        # topk 64: a random model's logits are nearly flat (top-2 gaps ~4% of the largest |logit|); with 16, 9 of the
+        # 1,000 GPU streams (H100, BF16) were lost (no top-16 token continued the text), never judged by their gap
         # longest_within: None takes the best continuing token; a tolerance takes, of the continuing tokens within it
         # of the step's best, the one whose text is longest (the other way to split a near-tied text)
         self.tok, self.texts, self.counts, self.topk, self.longest_within = tok, texts, counts, topk, longest_within
