@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generate import SHAPES, build_model, run_env, write_json  # noqa: E402
 
 from oscar_hf.serving import OscarPagedStore, continuous_batching_config, paged_oscar  # noqa: E402
+from oscar_hf.serving.warmup import warm_kernels  # noqa: E402
 
 TIMEOUT_S = 540.0  # a run that has not finished by then is stuck (inside the device machine's 10 minutes)
 PAGE = 256  # Transformers' default page size (and flash's block-table granularity)
@@ -115,7 +116,7 @@ def triton_cache_files() -> int | None:
 
 
 def trace_compiles() -> list:
-    """``[(t, kernel, seconds)]``: every Triton JIT compile (or disk-cache load) of this process from now on (a compile
+    """``[(t, kernel, seconds, variant)]``: every Triton JIT compile (or disk-cache load) of this process from now on (a compile
     inside a served step stalls it)."""
     try:
         from triton.runtime.jit import JITFunction
@@ -128,7 +129,9 @@ def trace_compiles() -> list:
     def traced(self, *args, **kwargs):
         t = time.perf_counter()
         out = compile_(self, *args, **kwargs)
-        COMPILES.append((t, getattr(self.fn, "__name__", "?"), round(time.perf_counter() - t, 3)))
+        # (the variant: its constexprs and specializations, to tell which argument made a new one)
+        variant = str(kwargs.get("constexprs", args[3] if len(args) > 3 else ""))[:400]
+        COMPILES.append((t, getattr(self.fn, "__name__", "?"), round(time.perf_counter() - t, 3), variant))
         return out
 
     traced.traced = True
@@ -145,12 +148,13 @@ def step_summary(steps, outs, compiles=()) -> dict:
     for o in sorted(outs, key=lambda o: o.created_time)[1:]:
         inside = [s for s in spans if s[0] + s[1] > o.created_time and s[0] < o.timestamps[0]]
         waits.append(dict(request=o.request_id, ttft_s=round(o.timestamps[0] - o.created_time, 3),
-                          steps=[(round(1000 * d, 1), pr, dr, [(k, c) for t, k, c in compiles if s <= t < s + d])
+                          steps=[(round(1000 * d, 1), pr, dr, [(k, c) for t, k, c, _ in compiles if s <= t < s + d])
                                  for s, d, pr, dr in inside]))
     return dict(mixed_step_ms_p50=med([d for _, d, pr, _ in spans if pr]),
                 decode_step_ms_p50=med([d for _, d, pr, dr in spans if not pr and dr]),
                 mixed_steps=sum(1 for s in spans if s[2]), steps=len(spans),
-                compiles=[(round(t - steps[0][0], 3), k, c) for t, k, c in compiles if steps and t >= steps[0][0]],
+                compiles=[(round(t - steps[0][0], 3), k, c) for t, k, c, _ in compiles if steps and t >= steps[0][0]],
+                compile_variants=[(k, v) for t, k, _, v in compiles if steps and t >= steps[0][0]],
                 later_requests=waits)
 
 
@@ -233,7 +237,8 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
     row["outputs"] = {o.request_id: o.generated_tokens[:8] for o in outs}  # a glimpse, to compare runs
     print(json.dumps({k: v for k, v in row.items() if k not in ("outputs", "step_trace")}), flush=True)
     if steps is not None:
-        print(json.dumps({k: v for k, v in row["step_trace"].items() if k != "later_requests"}), flush=True)
+        shown = {k: v for k, v in row["step_trace"].items() if k not in ("later_requests", "compile_variants")}
+        print(json.dumps(shown), flush=True)
     return row
 
 
@@ -267,6 +272,9 @@ def main(argv=None):
     p.add_argument("--trace-steps", action="store_true",
                    help="OSCAR: record each step's prompt / decode rows and length; per later request, the steps it "
                         "waited through")
+    p.add_argument("--warm-kernels", action="store_true",
+                   help="OSCAR: compile the read kernels' variants before the measured parts (oscar_hf.serving."
+                        "warmup; its calls and seconds in env.kernel_warm_up)")
     p.add_argument("--out")
     args = p.parse_args(argv)
 
@@ -290,6 +298,15 @@ def main(argv=None):
             cb, store = cache_configs(model, kind, budget, batch_tokens[kind], args.max_requests, oscar_kw, q)
             serve(model, kind, [head + [rng.randrange(vocab) for _ in range(64)] for _ in range(6)],
                   [-1.0] + [0.1 * i for i in range(5)], 16, cb, store)
+
+    if args.warm_kernels:  # once a process: the compiled variants are the kernels' own (every store of a shape)
+        warm = doc["env"]["kernel_warm_up"] = {}
+        for kind in (k for k in args.kinds if k.startswith("oscar")):
+            store = cache_configs(model, kind, budget, batch_tokens[kind], args.max_requests, oscar_kw,
+                                  args.q_padding)[1]
+            warm[kind] = warm_kernels(store, page_size=PAGE, max_chunk=batch_tokens[kind],
+                                      max_history=longest + args.new_tokens)
+            print(kind, "kernel warm-up:", json.dumps(warm[kind]), flush=True)
 
     for i, part in enumerate(args.parts):  # (a part given twice runs again: its rows under "<part>_2", ...)
         seen = args.parts[:i].count(part)

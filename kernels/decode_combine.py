@@ -28,7 +28,7 @@ def _history_window_weights(m_h, l_h, m_w, l_w):
     return m_safe, w_h, w_w, lh, tl.where(l_tot > 0, 1.0 / tl.where(l_tot > 0, l_tot, 1.0), 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "S_HIST", "S_TOT"])  # (as _split_kernel's lengths)
 def _combine_kernel(
     PM, PL, PACC, OM, OL, OACC, RV, MUV, M, Hk, S_HIST, S_TOT,
     D: tl.constexpr, S_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, FINAL: tl.constexpr, HAS_MUV: tl.constexpr,

@@ -16,7 +16,7 @@ from .decode_gluon_steps import (_accumulate, _col_sets, _copy_setup, _fresh_sta
 from .plan import cuda_major, gluon_query_groups, settle_cache_keys, tokens_per_step
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["N", "M", "S", "S_TOT", "split_len", "sbt"])  # (as decode_split._split_kernel)
 def _hist_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, START, QKOFF, NPTR,
     PM, PL, PACC,

@@ -16,7 +16,11 @@ from .query_triton import _cols_mask, _rotate_block, _rotate_plane_q8
 
 # The split counts are not specialized: layers with retrieval heads get other counts, and Triton's divisibility-by-16
 # specialization compiled the kernel twice in a first call. They only index the partials (aligned by the constexpr D).
-@triton.jit(do_not_specialize=["S", "S_TOT", "PID_OFF"])
+# Nor are the lengths and the window mask's / block table's strides (per-step temporaries): in eager serving steps
+# they change from step to step, and each new combination of "== 1" / "divisible by 16" compiled the kernel again
+# inside a served step. The codes' and windows' row strides stay specialized (their loads' alignment).
+@triton.jit(do_not_specialize=["S", "S_TOT", "PID_OFF", "N", "M", "split_len", "W", "win_split", "swb", "swh", "swn",
+                               "sbt"])
 def _split_kernel(
     Q, KC, KS, KZ, VC, VS, VZ, START, KMASK, QKOFF, NPTR,  # history inputs (NPTR: device history length or None)
     QW, KW, VW, WMASK,  # full-precision window (decode_attention only)
@@ -214,7 +218,7 @@ def _split_kernel(
                       M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "S", "S_TOT", "W", "win_split"])  # (as _split_kernel's)
 def _prologue_kernel(
     Q, RK, MU, QR, QO,  # rotation: q [B, Hk, M, D] (also the window's query), R_K, mu_K -> q_rot, q . mu_K
     KW, VW, WMASK, PM, PL, PACC,  # window keys / values / mask -> its partials (slots S .. S_TOT - 1)

@@ -234,6 +234,14 @@ class DecodePlan:
         return self.s_hist + self.s_win == 0
 
 
+def plan_variant(plan: DecodePlan) -> tuple:
+    """What of ``plan`` the kernels compile for: its tiles, flags and which launches run, less the lengths and counts
+    that reach them as unspecialized ints or grid sizes (a new variant compiles; oscar_hf.serving.warmup)."""
+    return dataclasses.astuple(dataclasses.replace(
+        plan, s_hist=plan.s_hist > 0, split_len=plan.split_len > 0, s_win=plan.s_win > 0, win_split=0, s_tot=0,
+        pid_off=plan.pid_off > 0, split_programs=plan.split_programs > 0))
+
+
 class DecodeShape(NamedTuple):
     """``b`` rows, ``hk`` KV heads, ``m`` query rows per KV head of head_dim ``d``, ``n`` INT2 history tokens (the
     capacity where the length is on the device), ``w`` window tokens."""

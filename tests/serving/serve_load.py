@@ -475,15 +475,16 @@ def summarize(records: list[dict], tie_tol: float) -> tuple[dict, dict]:
     answered = [r for r in records if r["kind"] in ("stream", "plain", "duplicate")]
     wrong = [r for r in records if r.get("verdict") == "wrong"]
     failed = [r for r in records if r.get("verdict") in ("failed", "not_run")]
+    ran = [r for r in records if r.get("verdict") != "not_run"]  # (skipped by the deadline: judged as failed below)
     refused_ok = {
         "duplicate": all(r.get("duplicate", {}).get("status") == 409 and "already live" in r["duplicate"]["detail"]
                          and r["reused"].get("verdict") in ("exact", "followed" if tie_tol > 0 else "exact")
-                         for r in records if r["kind"] == "duplicate" and r.get("verdict") != "failed"),
+                         for r in ran if r["kind"] == "duplicate" and r.get("verdict") != "failed"),
         "oversized": all(r["status"] == 400 and "INT2 pages" in r["detail"]
-                         for r in records if r["kind"] == "oversized"),
+                         for r in ran if r["kind"] == "oversized"),
         "malformed": all(r["status"] is not None and 400 <= r["status"] < 500 and ("detail" in r["detail"]
                                                                                    or "error" in r["detail"])
-                         for r in records if r["kind"] == "malformed"),
+                         for r in ran if r["kind"] == "malformed"),
     }
     checks = dict(
         no_wrong_stream=dict(ok=not wrong, wrong=wrong[:5]),
@@ -491,7 +492,7 @@ def summarize(records: list[dict], tie_tol: float) -> tuple[dict, dict]:
         exact_unless_followed=dict(ok=all(r.get("verdict") in ("exact", "followed" if tie_tol > 0 else "exact")
                                      for r in answered if r.get("verdict") not in ("failed", "not_run"))),
         refusals=dict(ok=all(refused_ok.values()), **refused_ok,
-                      examples={k: next((r.get("duplicate", r)["detail"] for r in records if r["kind"] == k), None)
+                      examples={k: next((r.get("duplicate", r)["detail"] for r in ran if r["kind"] == k), None)
                                 for k in refused_ok}),
     )
     return by, checks

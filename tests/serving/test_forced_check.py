@@ -85,3 +85,15 @@ def test_a_near_tied_longer_split_of_the_text_is_tried_when_the_best_split_fails
     assert best._pick(0, logits) == short
     assert FollowText(tok, [text], [1], longest_within=0.02)._pick(0, logits) == long_
     assert FollowText(tok, [text], [1], longest_within=0.005)._pick(0, logits) == short  # (outside the tolerance)
+
+
+def test_a_request_skipped_by_the_deadline_fails_the_run_instead_of_crashing_its_summary():
+    from serve_load import summarize
+
+    done = dict(kind="oversized", status=400, detail="needs more INT2 pages than the pool has")
+    skipped = [dict(kind=k, model=0, prompt=0, verdict="not_run") for k in ("oversized", "malformed", "duplicate")]
+    _, checks = summarize([done] + skipped, tie_tol=0.01)
+    assert not checks["every_request_answered"]["ok"] and len(checks["every_request_answered"]["failed"]) == 3
+    assert checks["refusals"]["ok"]  # (judged on the requests that ran)
+    _, checks = summarize([dict(done, status=500)], tie_tol=0.01)
+    assert not checks["refusals"]["ok"]
