@@ -40,6 +40,9 @@ def parse(argv: list[str]):
                    help="a request whose prompt begins with INT2 pages a live request holds, or a finished one left "
                         "retained, starts on them (its prompt then reads the prefix from the INT2 pages: "
                         "docs/serving.md)")
+    p.add_argument("--no-warm-kernels", action="store_true",
+                   help="skip compiling the read kernels' variants when a model's manager starts (on a fresh machine "
+                        "they then compile inside the first steps that meet them, stalling those steps)")
     return p.parse_args(ours), theirs
 
 
@@ -73,6 +76,8 @@ def main(argv: list[str] | None = None):
                                        prompt_budget=args.prompt_budget).items() if v is not None}
     if args.prefix_sharing:
         overrides["prefix_sharing"] = True
+    if not args.no_warm_kernels:
+        overrides["warm_kernels"] = True
     if rotations is None:
         overrides["method"] = args.method
     check_startup(args.model, rotations, args.max_requests, **overrides)

@@ -100,6 +100,10 @@ class RecordedBatch:
         self.allow_block_sharing = self.use_prefix_sharing = (
             self.oscar_owns_memory and store.prefix_sharing and self.allow_block_sharing)
         store.windows.allocate_all(trash=self.cuda_graphs)
+        if store.warm_kernels:  # (after the pool and the graph rows: their sizes bound the grid)
+            from .warmup import warm_once
+
+            warm_once(store, max_chunk=getattr(self, "max_batch_tokens", None))
         self.scheduler = None  # the manager's scheduler (its request states), once its batch processor exists
         self._pending: list[tuple[str, int, int]] = []
         self._batch: list[tuple[str, int, int]] = []

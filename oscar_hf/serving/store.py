@@ -31,14 +31,17 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
     ``max_requests`` live requests and ``prompt_budget`` prompt tokens held in full precision (default:
     ``max_position_embeddings``); ``num_pages`` pages, or what ``memory_budget`` bytes pay for after
     :meth:`reserved_bytes`, or (``defer_pool``) none until :meth:`attach_pool`. ``prefix_sharing``: requests share
-    prefix pages; ``retain_prefixes`` (keyword, default True) keeps them after their last holder leaves, till needed."""
+    prefix pages; ``retain_prefixes`` (keyword, default True) keeps them after their last holder leaves, till needed;
+    ``warm_kernels`` (keyword, default False): a manager's cache compiles the read kernels' variants before it serves
+    (:func:`oscar_hf.serving.warmup.warm_kernels`, once a process for a shape)."""
 
     def __init__(self, model_or_config, rotations: OscarRotations | None = None, config: OscarConfig | None = None, *,
                  num_pages: int | None = None, memory_budget: int | None = None, page_size: int = 256,
                  max_requests: int = DEFAULT_MAX_REQUESTS, prompt_budget: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, defer_pool: bool = False,
                  prefix_sharing: bool = False, **overrides):
-        retain = overrides.pop("retain_prefixes", True)  # (a keyword of its own: not an OscarConfig field)
+        retain = overrides.pop("retain_prefixes", True)  # (keywords of their own: not OscarConfig fields)
+        warm = overrides.pop("warm_kernels", False)
         config, default_group = starting_config(config, None, rotations, overrides)  # (as OscarCache)
         model_config = getattr(model_or_config, "config", model_or_config)
         if config.key_offset != "calibrated":
@@ -94,7 +97,8 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         self.kv_params = {i: p.kv(config, p.mu_k, p.mu_v) for i, p in self.params.items()}  # the kernels' bundles
         self.graph_rows = 0  # CUDA graphs (enable_graphs): the most rows of a graphed decode step; 0 = off
         self.pool: PagedInt2Pool | None = None
-        for name, value in (("prefix_sharing", prefix_sharing), ("retain_prefixes", retain)):
+        self.warm_kernels = warm  # a manager's cache runs oscar_hf.serving.warmup before it serves (once a process)
+        for name, value in (("prefix_sharing", prefix_sharing), ("retain_prefixes", retain), ("warm_kernels", warm)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         self.prefix_sharing, self.prefixes = prefix_sharing, None  # the PrefixIndex comes with the pool

@@ -26,6 +26,7 @@ from .paged_attention import paged_chunk_attention
 from .pool import PagedInt2Pool
 
 PER_OCTAVE = 4  # grid points per doubling of a length (the plans' tiles change at powers of two and at thresholds)
+_WARMED: dict[tuple, dict] = {}  # warm_once: what this process has warmed, and what it took
 
 
 def length_grid(hi: int, per_octave: int = PER_OCTAVE) -> list[int]:
@@ -136,3 +137,17 @@ def _decode_read(store, layer: int, pool: PagedInt2Pool, slot_k: torch.Tensor, b
     # the packed query's decode rows, [Hq, B, D] gathered then [B, Hq, 1, D], grouped by KV head
     q = group_queries(torch.zeros(hq, b, d, dtype=store.dtype, device=dev).transpose(0, 1)[:, :, None], hk)
     decode(store.kv_params[layer], q, window, history, d**-0.5, store.dtype, use_kernels=store.config.use_kernels)
+
+
+def warm_once(store, **bounds) -> dict:
+    """:func:`warm_kernels` unless this process has warmed a store of the same shapes and bounds (a model's next
+    manager, a model switch back): the compiled variants are the kernels' own, not the store's."""
+    if not kernels_used(store):
+        return dict(calls=0, seconds=0.0)
+    kinds = tuple(sorted((tuple(p.coded_heads), store.kv_params[i].group_size) for i, p in store.params.items()))
+    key = (store.device, store.dtype, store.num_query_heads, store.num_kv_heads, store.head_dim, store.config.sink,
+           store.config.recent, store.config.use_kernels, kinds, store.pool.page_size if store.pool else None,
+           store.windows.num_slots, store.graph_rows, tuple(sorted(bounds.items())))
+    if key not in _WARMED:
+        _WARMED[key] = warm_kernels(store, **bounds)
+    return _WARMED[key]

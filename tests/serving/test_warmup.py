@@ -107,3 +107,26 @@ def test_one_part_is_the_longest_chunk_read_in_one_part(hq, entries):
     rows = lambda l: max(1, LOGITS_BUDGET // (4 * hq * (entries + l)))  # noqa: E731  (paged_chunk_attention's step)
     l = one_part(hq, entries)
     assert rows(l) >= l and rows(l + 1) < l + 1
+
+
+def test_a_managers_cache_warms_once_a_process_with_its_bounds(model, monkeypatch):
+    """``warm_kernels=True``: the cache of each manager calls the warm-up with its ``max_batch_tokens`` and its
+    attached pool; a second manager of the same shapes finds it done (``warm_once``)."""
+    from transformers import GenerationConfig
+
+    from oscar_hf.serving import continuous_batching_config, paged_oscar
+    from oscar_hf.serving import warmup
+
+    calls = []
+    monkeypatch.setattr(warmup, "kernels_used", lambda store: True)
+    monkeypatch.setattr(warmup, "warm_kernels", lambda store, **kw: calls.append((store.pool.page_size, kw)) or
+                        dict(calls=1, seconds=0.0))
+    monkeypatch.setattr(warmup, "_WARMED", {})
+    gen = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb = continuous_batching_config(num_blocks=64, max_batch_tokens=96, page_size=8)
+    for _ in range(2):
+        with paged_oscar(model, sink=4, recent=8, group_size=32, warm_kernels=True):
+            assert len(model.generate_batch([[1, 2, 3]], gen, continuous_batching_config=cb, warmup=False)) == 1
+    assert calls == [(8, dict(max_chunk=96))]
+    with pytest.raises(TypeError, match="warm_kernels must be True or False"):
+        OscarPagedStore(tiny_config("llama"), method="hadamard", num_pages=4, warm_kernels="yes")
