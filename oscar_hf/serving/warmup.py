@@ -26,6 +26,9 @@ from .paged_attention import paged_chunk_attention
 from .pool import PagedInt2Pool
 
 PER_OCTAVE = 4  # grid points per doubling of a length (the plans' tiles change at powers of two and at thresholds)
+# decode rows taken one by one up to here: the split count follows the rows closely (the wave model's splits per row
+# shrink with every row added), and with it the combine's tile (H100 trace: 4 rows a doubling missed two variants)
+DENSE_ROWS = 128
 _WARMED: dict[tuple, dict] = {}  # warm_once: what this process has warmed, and what it took
 
 
@@ -62,9 +65,9 @@ def warm_kernels(store, *, page_size: int | None = None, max_chunk: int | None =
                  max_history: int | None = None, per_octave: int = PER_OCTAVE, progress: bool = True) -> dict:
     """Run ``store``'s reads once for every shape of the grid: chunk reads of ``1 .. max_chunk`` rows (the manager's
     ``max_batch_tokens``; default: the store's ``prompt_budget``; a longer chunk is read in parts, :func:`one_part`), and
-    decode reads of ``1 .. max_rows`` rows (default: its window slots, or its graphed rows), each over histories of
-    ``1 .. max_history`` tokens (default: the model's ``max_position_embeddings``). One layer of each kind (retrieval
-    heads or not) stands for its kind. ``page_size``: the pool's (default: the attached pool's; required before it).
+    decode reads of ``1 .. max_rows`` rows (default: its window slots, or its graphed rows; every count up to
+    ``DENSE_ROWS``), each over histories of ``1 .. max_history`` tokens (default: the model's
+    ``max_position_embeddings``). One layer of each kind (retrieval heads or not) stands for its kind. ``page_size``: the pool's (default: the attached pool's; required before it).
     Returns ``{"calls", "seconds"}``; nothing runs where the reads do not use the kernels (:func:`kernels_used`)."""
     if not kernels_used(store):
         return dict(calls=0, seconds=0.0)
@@ -94,7 +97,7 @@ def warm_kernels(store, *, page_size: int | None = None, max_chunk: int | None =
     histories = length_grid(max_history, per_octave)
     # a chunk is read in parts of at most one_part(...) rows, so longer ones only repeat shorter ones' launches
     chunks = length_grid(min(max_chunk, one_part(store.num_query_heads, entries - 1)), per_octave)
-    rows = length_grid(max_rows, per_octave)
+    rows = sorted(set(range(1, min(max_rows, DENSE_ROWS) + 1)) | set(length_grid(max_rows, 4 * per_octave)))
     calls = 0
     with torch.no_grad(), tqdm(total=len(kinds) * len(histories) * (len(chunks) + len(rows)),
                                desc="OSCAR kernel warm-up", disable=not progress, mininterval=5) as bar:
