@@ -101,9 +101,7 @@ class RecordedBatch:
             self.oscar_owns_memory and store.prefix_sharing and self.allow_block_sharing)
         store.windows.allocate_all(trash=self.cuda_graphs)
         if store.warm_kernels:  # (after the pool and the graph rows: their sizes bound the grid)
-            from .warmup import warm_once
-
-            warm_once(store, max_chunk=getattr(self, "max_batch_tokens", None))
+            store.warm(max_chunk=getattr(self, "max_batch_tokens", None))
         self.scheduler = None  # the manager's scheduler (its request states), once its batch processor exists
         self._pending: list[tuple[str, int, int]] = []
         self._batch: list[tuple[str, int, int]] = []

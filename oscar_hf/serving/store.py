@@ -19,6 +19,7 @@ from .paged_attention import paged_chunk_attention
 from .pool import PagedInt2Pool
 from .prefix import SharedPrefixes
 from .requests import RequestKV, StoreRequests, WindowPool
+from .warmup import warm_once
 
 DEFAULT_MAX_REQUESTS = 64  # window slots when the caller gives none: requests live at once
 # chunk length a standalone memory_budget= assumes for the prompt transient (Transformers' default max_batch_tokens;
@@ -113,6 +114,11 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         if num_pages is None:
             num_pages = self.pages_in(int(memory_budget), page_size, min(DEFAULT_CHUNK_TOKENS, prompt_budget))
         self.attach_pool(num_pages, page_size)
+
+    def warm(self, **bounds) -> dict:
+        """Compile the read kernels' variants for this store's shapes (:func:`~oscar_hf.serving.warmup.warm_once`,
+        ``bounds`` its grid's); a manager's cache calls it when built if the store was made with ``warm_kernels``."""
+        return warm_once(self, **bounds)
 
     # ------------------------------------------------------------------ one forward of a batch
     def attend(self, layer_idx: int, query: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, batch,
