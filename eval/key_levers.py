@@ -28,7 +28,8 @@ included; INTb below: the heads' width, ``OscarConfig.retrieval_bits``):
   tokens instead of per token and group of 64 channels (the same bits);
 * ``block-mean keys``: per-token groups as today after removing each channel's mean over its block of 64 tokens
   (the means in BF16: +0.25 bits per key element);
-* ``keys exact, layers 0-14`` / ``15-29``: where in depth the key error matters.
+* ``keys exact, layers 0-14`` / ``15-29``: where in depth the key error matters; ``3-bit keys, layers 15-29``: the
+  3-bit keys in the deeper half only.
 """
 from __future__ import annotations
 
@@ -204,6 +205,11 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
     for part in (quantized[:half], quantized[half:]):
         if part:
             out[f"keys exact, layers {part[0]}-{part[-1]}"] = (KeysOrValuesFrom(base, exact, layers=set(part)), None)
+    if half:  # 3-bit keys in the deeper half only: +1 bit on its INT2 keys (+0.5 over keys and values)
+        deep = set(quantized[half:])
+        n3 = sum(1 for i in deep for h in range(fp.num_key_value_heads) if h not in base.retrieval_heads.get(i, ()))
+        out[f"3-bit keys, layers {quantized[half]}-{quantized[-1]}"] = (
+            KeysOrValuesFrom(base, keys(3, clip=1.0), layers=deep), bits(row) + n3 * 0.5 / n)
     return out
 
 

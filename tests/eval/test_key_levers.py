@@ -109,6 +109,9 @@ def test_levers_and_report_end_to_end(tmp_path, monkeypatch):
     assert g32["3-bit keys, values at group 64"][1] > same and "3-bit keys, keys and values at group 128" not in specs
     layers = sorted(int(i) for i in rot.layers)  # the halves name the quantized layers
     assert f"keys exact, layers {layers[len(layers) // 2]}-{layers[-1]}" in specs
+    # 3-bit keys in the deeper half: between the defaults' bits and 3-bit keys everywhere
+    deep = specs[f"3-bit keys, layers {layers[len(layers) // 2]}-{layers[-1]}"][1]
+    assert next(b for k, (_, b) in specs.items() if k.startswith("defaults")) < deep < specs["3-bit keys"][1]
     int4 = levers(m, rot, cfg.replace(retrieval_bits=4))
     assert any(k.startswith("whole INT4 layers") for k in int4) and "0 INT8 retrieval heads" in int4
     art = tmp_path / "art"
