@@ -116,8 +116,8 @@ def triton_cache_files() -> int | None:
 
 
 def trace_compiles() -> list:
-    """``[(t, kernel, seconds, variant)]``: every Triton JIT compile (or disk-cache load) of this process from now on (a compile
-    inside a served step stalls it)."""
+    """``[(t, kernel, seconds, variant)]``: every Triton JIT compile (or disk-cache load) of this process from now on
+    (a compile inside a served step stalls it)."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:

@@ -3,7 +3,7 @@
 Triton compiles a kernel variant the first time a launch needs it: a new query-row tile (``M_PAD``), a combine tile
 (``S_BLOCK`` from the split count), window tiles, the Gluon path from a history length on. In serving those follow
 the traffic (chunk lengths, histories, batch sizes), so each first meeting compiled inside a served step and stalled
-every request of it for 0.3-1.5 s (``serving_prefix_*_trace`` in docs/serving.md). The warm-up runs the store's two
+every request of it for 0.3-2 s (``serving_prefix_*_trace`` in docs/serving.md). The warm-up runs the store's two
 reads, the chunk read (:func:`~oscar_hf.serving.paged_attention.paged_chunk_attention`) and the batched decode read
 (:func:`~oscar_hf.kernels.decode.decode`), over a grid of the shapes a configuration can meet, on zeros in a scratch
 page and window slot laid out as the store's (the kernels' specialization sees the same strides): nothing of the
@@ -63,12 +63,13 @@ def kernels_used(store) -> bool:
 
 def warm_kernels(store, *, page_size: int | None = None, max_chunk: int | None = None, max_rows: int | None = None,
                  max_history: int | None = None, per_octave: int = PER_OCTAVE, progress: bool = True) -> dict:
-    """Run ``store``'s reads once for every shape of the grid: chunk reads of ``1 .. max_chunk`` rows (the manager's
-    ``max_batch_tokens``; default: the store's ``prompt_budget``; a longer chunk is read in parts, :func:`one_part`), and
-    decode reads of ``1 .. max_rows`` rows (default: its window slots, or its graphed rows; every count up to
-    ``DENSE_ROWS``), each over histories of ``1 .. max_history`` tokens (default: the model's
-    ``max_position_embeddings``). One layer of each kind (retrieval heads or not) stands for its kind. ``page_size``: the pool's (default: the attached pool's; required before it).
-    Returns ``{"calls", "seconds"}``; nothing runs where the reads do not use the kernels (:func:`kernels_used`)."""
+    """Run ``store``'s reads once for every shape of the grid: chunk reads of ``1 .. max_chunk`` rows (the
+    manager's ``max_batch_tokens``; default: the store's ``prompt_budget``; a longer chunk is read in parts,
+    :func:`one_part`) and decode reads of ``1 .. max_rows`` rows (default: its window slots, or its graphed rows;
+    every count up to ``DENSE_ROWS``), each over histories of ``1 .. max_history`` tokens (default: the model's
+    ``max_position_embeddings``). One layer of each kind (retrieval heads or not) stands for its kind. ``page_size``:
+    the pool's (default: the attached pool's; required before it). Returns ``{"calls", "seconds"}``; nothing runs
+    where the reads do not use the kernels (:func:`kernels_used`)."""
     if not kernels_used(store):
         return dict(calls=0, seconds=0.0)
     if page_size is None:
@@ -93,7 +94,7 @@ def warm_kernels(store, *, page_size: int | None = None, max_chunk: int | None =
     slot_k = torch.zeros((1, *store.windows.slot_shape), dtype=dt, device=dev)  # [1, L, Hk, S0 + R + 1, D]
     kinds = {}  # one model layer per kind of layer: its heads' split, its group size
     for layer, p in store.params.items():
-        kinds.setdefault((tuple(p.coded_heads), p.kv(store.config, p.mu_k, p.mu_v).group_size), layer)
+        kinds.setdefault((tuple(p.coded_heads), store.kv_params[layer].group_size), layer)
     histories = length_grid(max_history, per_octave)
     # a chunk is read in parts of at most one_part(...) rows, so longer ones only repeat shorter ones' launches
     chunks = length_grid(min(max_chunk, one_part(store.num_query_heads, entries - 1)), per_octave)
