@@ -51,9 +51,9 @@ def bf16_block_bytes(cfg) -> int:
 
 
 def cache_configs(model, kind: str, budget: int, max_batch_tokens: int, max_requests: int, oscar_kw: dict,
-                  q_padding: int = 8):
+                  q_padding: int = 8, scheduler: str = "fifo"):
     """``(ContinuousBatchingConfig, store or None)`` spending ``budget`` bytes of KV (``*-graphs`` kinds: with
-    Transformers' CUDA graphs, batches padded to ``q_padding`` rows)."""
+    Transformers' CUDA graphs, batches padded to ``q_padding`` rows; ``scheduler``: its ``scheduler_type``)."""
     # oscar-shared-graphs: Transformers' decode graphs only (the store runs steps with prompt rows eager anyway)
     on = (False, True) if kind == "oscar-shared-graphs" else True
     graphs = dict(use_cuda_graph=on, q_padding_interval_size=q_padding) if kind.endswith("-graphs") else \
@@ -61,12 +61,12 @@ def cache_configs(model, kind: str, budget: int, max_batch_tokens: int, max_requ
     if kind.startswith("bf16"):
         blocks = budget // bf16_block_bytes(model.config)
         return continuous_batching_config(num_blocks=blocks, page_size=PAGE, max_batch_tokens=max_batch_tokens,
-                                          **graphs), None
+                                          scheduler_type=scheduler, **graphs), None
     store = OscarPagedStore(model, defer_pool=True, max_requests=max_requests, device=model.device, dtype=model.dtype,
                             prefix_sharing=kind.startswith("oscar-shared"), **oscar_kw)
     pages = store.pages_in(budget, PAGE, max_batch_tokens)  # after the windows and the prompt transient it reserves
     return continuous_batching_config(num_blocks=pages, page_size=PAGE, max_batch_tokens=max_batch_tokens,
-                                      **graphs), store
+                                      scheduler_type=scheduler, **graphs), store
 
 
 def admitted_at(model, kind: str, store, cb: ContinuousBatchingConfig, context: int, new_tokens: int) -> int:
@@ -272,6 +272,9 @@ def main(argv=None):
     p.add_argument("--trace-steps", action="store_true",
                    help="OSCAR: record each step's prompt / decode rows and length; per later request, the steps it "
                         "waited through")
+    p.add_argument("--scheduler", default="fifo", choices=["fifo", "prefill_first", "oscar_prefill_apart"],
+                   help="every manager's scheduler_type, BF16's too (oscar_prefill_apart: prompt rows in steps of "
+                        "their own, oscar_hf.serving.scheduler)")
     p.add_argument("--warm-kernels", action="store_true",
                    help="OSCAR: compile the read kernels' variants before the measured parts (oscar_hf.serving."
                         "warmup; its calls and seconds in env.kernel_warm_up)")
@@ -291,11 +294,12 @@ def main(argv=None):
                kv_budget_gib=args.kv_budget_gib, results={})
 
     for kind in args.kinds:  # warm-up, not measured (prefix: also a shared prefix's chunk read, long-history decodes)
-        cb, store = cache_configs(model, kind, budget, 1024, 4, oscar_kw, args.q_padding)
+        cb, store = cache_configs(model, kind, budget, 1024, 4, oscar_kw, args.q_padding, args.scheduler)
         serve(model, kind, [[rng.randrange(vocab) for _ in range(600)] for _ in range(3)], [0, 0, 0], 8, cb, store)
         if "prefix" in args.parts:
             head, q = [rng.randrange(vocab) for _ in range(args.context)], args.q_padding
-            cb, store = cache_configs(model, kind, budget, batch_tokens[kind], args.max_requests, oscar_kw, q)
+            cb, store = cache_configs(model, kind, budget, batch_tokens[kind], args.max_requests, oscar_kw, q,
+                                      args.scheduler)
             serve(model, kind, [head + [rng.randrange(vocab) for _ in range(64)] for _ in range(6)],
                   [-1.0] + [0.1 * i for i in range(5)], 16, cb, store)
 
@@ -313,7 +317,7 @@ def main(argv=None):
         rows = doc["results"].setdefault(f"{part}_{seen + 1}" if seen else part, {})
         for kind in args.kinds:
             cb, store = cache_configs(model, kind, budget, batch_tokens[kind], args.max_requests, oscar_kw,
-                                      args.q_padding)
+                                      args.q_padding, args.scheduler)
             if part == "capacity":
                 n = admitted_at(model, kind, store, cb, args.context, args.new_tokens)
                 if args.concurrency is not None:

@@ -14,7 +14,10 @@ from .batching import (SECTOR_API, OscarPagedCache, continuous_batching_config, 
 from .engine import oscar_serving
 from .paged_attention import PagedOscarKV
 from .pool import PagedInt2Pool, PoolExhausted, page_bytes
+from .scheduler import register as _register_scheduler
 from .store import OscarPagedStore
+
+_register_scheduler()  # ContinuousBatchingConfig(scheduler_type="oscar_prefill_apart")
 
 __all__ = ["PagedInt2Pool", "PoolExhausted", "page_bytes", "OscarPagedStore", "OscarPagedCache", "PagedOscarKV",
            "paged_oscar", "oscar_serving", "oscar_continuous_batching", "generate_batch", "continuous_batching_config",
