@@ -15,6 +15,9 @@ back. ``--continuous-batching`` and
 Before the port opens, the settings are checked against the model's config (a ``--rotations`` artifact made for
 another model, a group size that does not divide its head_dim, ...): the script exits with the reason instead of
 serving a worker that would fail at the first request. ``--rotations`` needs ``MODEL`` (an artifact fits one model).
+When a model's manager starts, the read kernels' variants are compiled before it serves (``oscar_hf.serving.warmup``;
+tens of seconds on a fresh machine, then Triton's disk cache), so that no served step waits for a compile
+(``--no-warm-kernels`` skips it).
 """
 from __future__ import annotations
 
