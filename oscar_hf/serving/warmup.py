@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from oscar_hf.kernels.decode import decode
 from oscar_hf.kernels.kv import History, Pages, Window
 from oscar_hf.kernels.paged_decode import LOGITS_BUDGET
+from oscar_hf.kernels.settings import triton_enabled
 
 from ..cache.base import group_queries
 from .paged_attention import paged_chunk_attention
@@ -56,9 +57,17 @@ def one_part(num_query_heads: int, entries: int) -> int:
 
 
 def kernels_used(store) -> bool:
-    """Whether the store's reads run the Triton kernels (CUDA with ``use_kernels`` "auto", or ``use_kernels=True``)."""
-    use = store.config.use_kernels
-    return use is True or (use == "auto" and store.device.type == "cuda")
+    """Whether the store's reads run the Triton kernels (``triton_enabled`` for a tensor on its device)."""
+    return triton_enabled(torch.empty(0, device=store.device), store.config.use_kernels)
+
+
+def _layer_kinds(store) -> dict[tuple, int]:
+    """``{(retrieval heads, group size): the first model layer of that kind}``: the layers whose reads launch the
+    same kernel variants."""
+    kinds = {}
+    for layer, p in store.params.items():
+        kinds.setdefault((tuple(p.coded_heads), store.kv_params[layer].group_size), layer)
+    return kinds
 
 
 def warm_kernels(store, *, page_size: int | None = None, max_chunk: int | None = None, max_rows: int | None = None,
@@ -92,9 +101,7 @@ def warm_kernels(store, *, page_size: int | None = None, max_chunk: int | None =
     pool = PagedInt2Pool(1, store.num_layers, store.num_kv_heads, store.head_dim, page_size, store.config.group_size,
                          store.config.torch_meta_dtype, dev, layout=store._layout())
     slot_k = torch.zeros((1, *store.windows.slot_shape), dtype=dt, device=dev)  # [1, L, Hk, S0 + R + 1, D]
-    kinds = {}  # one model layer per kind of layer: its heads' split, its group size
-    for layer, p in store.params.items():
-        kinds.setdefault((tuple(p.coded_heads), store.kv_params[layer].group_size), layer)
+    kinds = _layer_kinds(store)
     histories = length_grid(max_history, per_octave)
     # a chunk is read in parts of at most one_part(...) rows, so longer ones only repeat shorter ones' launches
     chunks = length_grid(min(max_chunk, one_part(store.num_query_heads, entries - 1)), per_octave)
@@ -148,9 +155,8 @@ def warm_once(store, **bounds) -> dict:
     manager, a model switch back): the compiled variants are the kernels' own, not the store's."""
     if not kernels_used(store):
         return dict(calls=0, seconds=0.0)
-    kinds = tuple(sorted((tuple(p.coded_heads), store.kv_params[i].group_size) for i, p in store.params.items()))
     key = (store.device, store.dtype, store.num_query_heads, store.num_kv_heads, store.head_dim, store.config.sink,
-           store.config.recent, store.config.use_kernels, kinds, store.pool.page_size if store.pool else None,
+           store.config.recent, store.config.use_kernels, tuple(sorted(_layer_kinds(store))), store.pool.page_size if store.pool else None,
            store.windows.num_slots, store.graph_rows, tuple(sorted(bounds.items())))
     if key not in _WARMED:
         _WARMED[key] = warm_kernels(store, **bounds)
