@@ -43,6 +43,8 @@ from oscar_hf.serving.warmup import warm_kernels  # noqa: E402
 TIMEOUT_S = 540.0  # a run that has not finished by then is stuck (inside the device machine's 10 minutes)
 PAGE = 256  # Transformers' default page size (and flash's block-table granularity)
 COMPILES: list = []  # (perf_counter, kernel, seconds) of every Triton compile once traced (trace_compiles)
+CAPTURES: list = []  # perf_counter at the end of every CUDA graph capture once traced (trace_captures)
+PROFILES: list = []  # stop_profile's summaries of the steps trace_steps(profile_joiner=) profiled
 
 
 def bf16_block_bytes(cfg) -> int:
@@ -90,20 +92,69 @@ def concurrency(outs) -> tuple[int, float, float]:
     return peak, t_a, t_b
 
 
-def trace_steps(store) -> list:
+def trace_steps(store, profile_joiner: int = 0) -> list:
     """``[(t, prompt rows, decode rows)]``, one a forward, appended as the store plans it (``t``: perf_counter; a step
-    lasts until the next one starts, since greedy serving reads every step's tokens before the next)."""
+    lasts until the next one starts, since greedy serving reads every step's tokens before the next).
+    ``profile_joiner`` = k > 0: the k-th step whose prompt rows are a joiner's (fewer than 1,024) and the two steps
+    after it run under ``torch.profiler``, one profile a step (``PROFILES``)."""
     steps, plan, last = [], store.plan_decode, [None]
+    joiners, profiling = [0], []
 
     def traced(batch, rows=None):
         if tuple(batch) != last[0]:  # (a step without decode rows plans again in each layer: one entry a forward)
             last[0] = tuple(batch)
             decode = sum(1 for _, past, q in batch if q == 1 and past > 0)
-            steps.append((time.perf_counter(), sum(q for _, past, q in batch) - decode, decode))
+            prompt = sum(q for _, past, q in batch) - decode
+            if profiling:  # (the profiled step ends where the next one starts: its tokens were read on the host)
+                stop_profile(profiling.pop(), steps[-1])
+            joiners[0] += 0 < prompt < 1024
+            if profile_joiner and joiners[0] == profile_joiner and len(PROFILES) < 3:
+                profiling.append(start_profile())
+            steps.append((time.perf_counter(), prompt, decode))
         return plan(batch, rows)
 
     store.plan_decode = traced
     return steps
+
+
+def trace_captures() -> list:
+    """``[t]``: when each CUDA graph capture of this process ends from now on (a capture inside a served step runs its
+    forward twice, eagerly, and stalls it)."""
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    end = getattr(graph, "capture_end", None)
+    if end is not None and not getattr(end, "traced", False):
+        def traced(self, *a, **kw):
+            out = end(self, *a, **kw)
+            CAPTURES.append(time.perf_counter())
+            return out
+
+        traced.traced = True
+        graph.capture_end = traced
+    return CAPTURES
+
+
+def start_profile():
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA])
+    prof.__enter__()
+    return prof
+
+
+def stop_profile(prof, step) -> None:
+    """One step's profile into ``PROFILES``: its host time, its GPU kernels' time and the ops that took most of
+    either (self time, ms)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    host_ms = 1000 * (time.perf_counter() - step[0])
+    prof.__exit__(None, None, None)
+    ev = prof.key_averages()
+    gpu = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+    top = lambda key: [(e.key[:80], e.count, round(key(e) / 1000, 3))  # noqa: E731
+                       for e in sorted(ev, key=key, reverse=True)[:20] if key(e) > 0]
+    PROFILES.append(dict(prompt_rows=step[1], decode_rows=step[2], host_ms=round(host_ms, 2),
+                         gpu_ms=round(sum(gpu(e) for e in ev) / 1000, 3),
+                         launches=sum(e.count for e in ev if e.key.startswith(("cudaLaunchKernel", "cuLaunchKernel",
+                                                                              "cudaGraphLaunch"))),
+                         top_cpu=top(lambda e: e.self_cpu_time_total), top_gpu=top(gpu)))
 
 
 def triton_cache_files() -> int | None:
@@ -139,7 +190,7 @@ def trace_compiles() -> list:
     return COMPILES
 
 
-def step_summary(steps, outs, compiles=()) -> dict:
+def step_summary(steps, outs, compiles=(), captures=()) -> dict:
     """The traced steps (:func:`trace_steps`) by kind: how long the steps with prompt rows and the decode-only ones
     took, and for each later request the steps between its arrival and its first token."""
     spans = [(t, b[0] - t, pr, dr) for (t, pr, dr), b in zip(steps, steps[1:])]  # [(start, seconds, prompt, decode)]
@@ -148,18 +199,19 @@ def step_summary(steps, outs, compiles=()) -> dict:
     for o in sorted(outs, key=lambda o: o.created_time)[1:]:
         inside = [s for s in spans if s[0] + s[1] > o.created_time and s[0] < o.timestamps[0]]
         waits.append(dict(request=o.request_id, ttft_s=round(o.timestamps[0] - o.created_time, 3),
-                          steps=[(round(1000 * d, 1), pr, dr, [(k, c) for t, k, c, _ in compiles if s <= t < s + d])
-                                 for s, d, pr, dr in inside]))
+                          steps=[(round(1000 * d, 1), pr, dr, [(k, c) for t, k, c, _ in compiles if s <= t < s + d],
+                                  sum(s <= t < s + d for t in captures)) for s, d, pr, dr in inside]))
     return dict(mixed_step_ms_p50=med([d for _, d, pr, _ in spans if pr]),
                 decode_step_ms_p50=med([d for _, d, pr, dr in spans if not pr and dr]),
                 mixed_steps=sum(1 for s in spans if s[2]), steps=len(spans),
                 compiles=[(round(t - steps[0][0], 3), k, c) for t, k, c, _ in compiles if steps and t >= steps[0][0]],
                 compile_variants=[(k, v) for t, k, _, v in compiles if steps and t >= steps[0][0]],
+                graph_captures=sum(1 for t in captures if steps and t >= steps[0][0]),
                 later_requests=waits)
 
 
 def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBatchingConfig, store,
-          retained=False, trace=False) -> dict:
+          retained=False, trace=False, profile_joiner: int = 0) -> dict:
     """Submit ``prompts`` at ``arrivals`` (seconds from the start) to a fresh manager; collect every result.
     ``arrivals[0] < 0``: the first alone, the others' arrivals from its first token (``retained``: its last).
     ``trace``: each step's prompt and decode rows and length (:func:`step_summary`)."""
@@ -172,8 +224,9 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
         torch.cuda.reset_peak_memory_stats()
     weights = torch.cuda.memory_allocated() if cuda else 0
     outs, errors = [], []
-    steps = trace_steps(store) if trace and store is not None else None
+    steps = trace_steps(store, profile_joiner) if trace and store is not None else None
     compiles = trace_compiles() if steps is not None else []
+    captures = trace_captures() if steps is not None else []
     with ctx:
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         manager.start()
@@ -233,7 +286,11 @@ def serve(model, kind: str, prompts, arrivals, new_tokens: int, cb: ContinuousBa
                        round(ttft_of[f"r{i}"], 3) for i in range(1, len(outs))])
         row["later_over_first"] = round(row["later_ttft_p50_s"] / row["first_ttft_s"], 3)
     if steps is not None:
-        row["step_trace"] = step_summary(steps, outs, compiles)
+        row["step_trace"] = step_summary(steps, outs, compiles, captures)
+        if PROFILES:
+            row["step_trace"]["profiles"], PROFILES[:] = list(PROFILES), []
+            for prof in row["step_trace"]["profiles"]:
+                print(json.dumps(prof), flush=True)
     row["outputs"] = {o.request_id: o.generated_tokens[:8] for o in outs}  # a glimpse, to compare runs
     print(json.dumps({k: v for k, v in row.items() if k not in ("outputs", "step_trace")}), flush=True)
     if steps is not None:
@@ -275,6 +332,9 @@ def main(argv=None):
     p.add_argument("--scheduler", default="fifo", choices=["fifo", "prefill_first", "oscar_prefill_apart"],
                    help="every manager's scheduler_type, BF16's too (oscar_prefill_apart: prompt rows in steps of "
                         "their own, oscar_hf.serving.scheduler)")
+    p.add_argument("--profile-joiner", type=int, default=0,
+                   help="with --trace-steps: profile the k-th joiner's prompt step and the two steps after it "
+                        "(torch.profiler: host and GPU time, the top ops; in step_trace.profiles)")
     p.add_argument("--warm-kernels", action="store_true",
                    help="OSCAR: compile the read kernels' variants before the measured parts (oscar_hf.serving."
                         "warmup; its calls and seconds in env.kernel_warm_up)")
@@ -338,7 +398,7 @@ def main(argv=None):
                 gaps = [r.expovariate(args.rate) for _ in range(args.requests)]
                 arrivals = [sum(gaps[:i]) for i in range(args.requests)]
             rows[kind] = serve(model, kind, prompts, arrivals, args.new_tokens, cb, store,
-                               part == "prefix" and args.retained, args.trace_steps)
+                               part == "prefix" and args.retained, args.trace_steps, args.profile_joiner)
             write_json(args.out, doc)
         if {"oscar", "oscar-graphs"} <= rows.keys() and rows["oscar"]["decode_step_ms_p50"]:
             rows["graphs_speedup"] = round(rows["oscar"]["decode_step_ms_p50"]

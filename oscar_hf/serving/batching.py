@@ -106,7 +106,16 @@ def _install_graph_hooks(processor) -> None:
         return fn, cache.graph_step
 
     runner.compute_batch, runner._get_forward_fn = compute_batch, get_forward_fn
-    io._get_graph_key = lambda: (*graph_key(), *cache.graph_key)
+    def oscar_graph_key():
+        # Transformers' varlen key is (padded rows, padded KV read, longest KV per layer group); where the store holds
+        # every layer, the forward reads none of Transformers' K/V, so the KV sizes change nothing in a captured decode
+        # step: keyed by them, each request that joined (a 16K shared prefix: +16K read) cost a new capture (~150-250
+        # ms on an H100, in the way of the next joiner's first token). The store's key is (padded rows, history bound).
+        if cache.graph_step and cache.oscar_owns_memory:
+            return (*graph_key()[:1], *cache.graph_key)
+        return (*graph_key(), *cache.graph_key)
+
+    io._get_graph_key = oscar_graph_key
 
 
 def _check_processor(processor) -> None:

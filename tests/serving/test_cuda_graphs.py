@@ -23,9 +23,12 @@ NEW_TOKENS = 24
 
 
 def served(model, prompts, graphs: bool, q_pad: int = 4, **store_kw):
-    """``(tokens per request, [(rows, decode rows, graphable)] per planned step)`` of one ``generate_batch``."""
+    """``(tokens per request, [(rows, decode rows, graphable, history bound)] per planned step)`` of one
+    ``generate_batch``. Graphed: the KV read padded to pages (8 tokens), so Transformers' own key changes as the
+    requests grow (5.17 - 5.19 count every request's cached tokens in it)."""
     gen = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    extra = dict(use_cuda_graph=True, q_padding_interval_size=q_pad) if graphs else dict(use_cuda_graph=False)
+    extra = dict(use_cuda_graph=True, q_padding_interval_size=q_pad, kv_padding_interval_size=8) if graphs else \
+        dict(use_cuda_graph=False)
     cb = continuous_batching_config(num_blocks=128, max_batch_tokens=256, page_size=8, max_requests_per_batch=3,
                                     **extra)
     steps = []
@@ -35,7 +38,7 @@ def served(model, prompts, graphs: bool, q_pad: int = 4, **store_kw):
         def record(batch, rows=None):
             out = plan(batch, rows)
             if out is not None:
-                steps.append((out.write.pos.shape[0], len(out.requests), out.graphable))
+                steps.append((out.write.pos.shape[0], len(out.requests), out.graphable, out.pages.max_len))
             return out
 
         store.plan_decode = record
@@ -59,8 +62,9 @@ def test_generate_batch_with_cuda_graphs_equals_eager_and_generate(model, monkey
         pytest.skip("CUDA graphs with OSCAR need Transformers 5.24+")
     """(a) tokens with graphed decode steps equal the eager serving path and OscarCache alone; (b) no capture
     synchronized with the host (the emulated capture raises on it); (c) graphs were captured once per (padded rows,
-    history bound) and replayed for later steps, whose plans only rewrote the buffers; padded rows (3 requests a
-    step at most, padded to 4) ran in them."""
+    history bound) and replayed for later steps, whose plans only rewrote the buffers -- not again as Transformers'
+    KV read grows, which the store's forward does not read; padded rows (3 requests a step at most, padded to 4) ran
+    in them."""
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (3, 10, 17, 40, 25, 6, 33, 12)]
     eager, eager_steps = served(model, prompts, graphs=False, **store_kw)
@@ -69,8 +73,9 @@ def test_generate_batch_with_cuda_graphs_equals_eager_and_generate(model, monkey
     captures = sum(e == "capture" for e, _ in log)
     replays = sum(e == "replay" for e, _ in log)
     assert captures >= 2 and replays > 3 * captures  # several (rows, bound) keys, most steps replayed
-    assert any(g and rows > n for rows, n, g in steps)  # padded rows in graphed steps
-    assert not any(g for _, _, g in eager_steps) and all(rows == n for rows, n, _ in eager_steps)
+    assert captures == len({(rows, bound) for rows, _, g, bound in steps if g})  # one capture a key, no more
+    assert any(g and rows > n for rows, n, g, _ in steps)  # padded rows in graphed steps
+    assert not any(g for _, _, g, _ in eager_steps) and all(rows == n for rows, n, _, _ in eager_steps)
     assert graphed == eager
     assert graphed == [alone(model, p, **store_kw) for p in prompts]
 
@@ -261,7 +266,9 @@ def test_generate_batch_with_real_cuda_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or replay(self))
 
     def run(graphs: bool):
-        extra = dict(use_cuda_graph=True, q_padding_interval_size=4) if graphs else dict(use_cuda_graph=False)
+        # (the KV read padded to pages: Transformers' 5.17 - 5.19 key would change each page; the store's does not)
+        extra = dict(use_cuda_graph=True, q_padding_interval_size=4, kv_padding_interval_size=64) if graphs else \
+            dict(use_cuda_graph=False)
         cb = continuous_batching_config(num_blocks=256, max_batch_tokens=2048, page_size=64,
                                         max_requests_per_batch=4, **extra)
         with paged_oscar(model, method="hadamard", max_requests=8, sink=16, recent=32, group_size=64) as store:
