@@ -17,7 +17,8 @@ another model, a group size that does not divide its head_dim, ...): the script 
 serving a worker that would fail at the first request. ``--rotations`` needs ``MODEL`` (an artifact fits one model).
 When a model's manager starts, the read kernels' variants are compiled before it serves (``oscar_hf.serving.warmup``;
 tens of seconds on a fresh machine, then Triton's disk cache), so that no served step waits for a compile
-(``--no-warm-kernels`` skips it).
+(``--no-warm-kernels`` skips it). The scheduler runs a joining request's prompt in a step of its own
+(``--scheduler oscar_prefill_apart``, the default here; ``fifo`` is Transformers' default).
 """
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ def parse(argv: list[str]):
                    help="a request whose prompt begins with INT2 pages a live request holds, or a finished one left "
                         "retained, starts on them (its prompt then reads the prefix from the INT2 pages: "
                         "docs/serving.md)")
+    p.add_argument("--scheduler", default="oscar_prefill_apart",
+                   choices=["oscar_prefill_apart", "fifo", "prefill_first"],
+                   help="the continuous-batching scheduler (oscar_prefill_apart: a joining request's prompt runs in a "
+                        "step of its own, so decode steps stay CUDA-graphed; Transformers' own: fifo, prefill_first)")
     p.add_argument("--no-warm-kernels", action="store_true",
                    help="skip compiling the read kernels' variants when a model's manager starts (on a fresh machine "
                         "they then compile inside the first steps that meet them, stalling those steps)")
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None):
            *theirs]
     from transformers.cli.transformers import app
 
-    with oscar_serving(rotations, max_requests=args.max_requests, **overrides):
+    with oscar_serving(rotations, scheduler_type=args.scheduler, max_requests=args.max_requests, **overrides):
         app(cli, standalone_mode=False)
 
 

@@ -127,9 +127,10 @@ def _check_processor(processor) -> None:
             "builds its paged cache in a way oscar_hf does not follow, and would serve plain BF16")
 
 
-def _manager_patches(serves) -> list[tuple[object, str, object]]:
+def _manager_patches(serves, scheduler_type: str | None = None) -> list[tuple[object, str, object]]:
     """``[(owner, name, replacement)]`` on Transformers' manager: for the managers ``serves(config)`` accepts, no
-    switch to flash attention (it would bypass the store), checked batch processors, admission and release hooks."""
+    switch to flash attention (it would bypass the store), checked batch processors, admission and release hooks;
+    ``scheduler_type``: their scheduler, whatever their config says (``transformers serve`` has no option for it)."""
     manager = getattr(continuous_api, "ContinuousBatchingManager", None)
     create = getattr(manager, "_create_batch_processor", None)
     if create is None:
@@ -137,6 +138,8 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
                            "_create_batch_processor: this Transformers version is outside oscar_hf's serving range")
 
     def create_checked(self):
+        if scheduler_type is not None and serves(self.model.config):  # (read by _create_batch_processor, 5.17-5.25)
+            self.continuous_batching_config.scheduler_type = scheduler_type
         processor = create(self)
         if serves(self.model.config) and not getattr(processor, "oscar_hooked", False):  # (a reset one: once)
             _check_processor(processor)
@@ -187,9 +190,10 @@ def _manager_patches(serves) -> list[tuple[object, str, object]]:
 
 
 @contextlib.contextmanager
-def oscar_continuous_batching(make_store, model=None):
+def oscar_continuous_batching(make_store, model=None, scheduler_type: str | None = None):
     """Inside the block, every continuous-batching manager of ``model`` (without one: every manager) builds OSCAR's
-    paged cache with the store ``make_store(config, device, dtype)`` returns, and routes the attention through OSCAR.
+    paged cache with the store ``make_store(config, device, dtype)`` returns, and routes the attention through OSCAR
+    (``scheduler_type``: its scheduler instead of its config's, e.g. ``"oscar_prefill_apart"``).
     A stopping manager gives its store's memory and attention name back; stores are held weakly (yielded as a live
     ``WeakSet``). Restored on exit."""
     original = continuous_api.PagedAttentionCache
@@ -232,7 +236,7 @@ def oscar_continuous_batching(make_store, model=None):
         saved.extend(cache.oscar_switched)
         return cache
 
-    patches = [(continuous_api, "PagedAttentionCache", build), *_manager_patches(serves)]
+    patches = [(continuous_api, "PagedAttentionCache", build), *_manager_patches(serves, scheduler_type)]
     update = getattr(continuous_api, "update_cb_config_after_cache_creation", None)
     if not SECTOR_API and update is not None:
         # 5.17 - 5.19 cap max_requests_per_batch at the cache's num_blocks, which OSCAR's cache keeps at 1: the cap

@@ -146,22 +146,23 @@ def refusing_before_streaming(handle_request):
 
 
 @contextlib.contextmanager
-def oscar_serving(rotations=None, **store_kwargs):
+def oscar_serving(rotations=None, scheduler_type: str | None = None, **store_kwargs):
     """:func:`oscar_continuous_batching` for a process that loads its models itself (``transformers serve``): each
-    manager's cache gets a fresh :class:`OscarPagedStore(config, rotations, **store_kwargs)`."""
+    manager's cache gets a fresh :class:`OscarPagedStore(config, rotations, **store_kwargs)`, and its scheduler is
+    ``scheduler_type`` where given."""
 
     def make_store(config, device, dtype):
         return OscarPagedStore(config, rotations, device=device, dtype=dtype, defer_pool=True, **store_kwargs)
 
     client = _engine_client()
-    with contextlib.ExitStack() as undo, oscar_continuous_batching(make_store) as stores:
+    with contextlib.ExitStack() as undo, oscar_continuous_batching(make_store, scheduler_type=scheduler_type) as stores:
         if client is not None:  # a model process the server spawns serves through OSCAR too (module docstring)
             from transformers.cli.serving.chat_completion import ChatCompletionHandler
             from transformers.cli.serving.completion import CompletionHandler
             from transformers.cli.serving.utils import RequestIdMiddleware
 
-            patches = [(client, "run_engine", staticmethod(functools.partial(run_engine, (rotations,
-                                                                                          dict(store_kwargs))))),
+            patches = [(client, "run_engine", staticmethod(functools.partial(run_engine, (rotations, dict(
+                store_kwargs, scheduler_type=scheduler_type))))),
                        (client, "_send_request", recording_refusals(vars(client)["_send_request"])),
                        (RequestIdMiddleware, "__call__", refusing_live_ids(RequestIdMiddleware))]
             patches += [(h, "handle_request", refusing_before_streaming(vars(h)["handle_request"]))

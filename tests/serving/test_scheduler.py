@@ -38,3 +38,25 @@ def test_prompts_run_in_steps_of_their_own_and_tokens_do_not_change(model):
     assert apart == fifo
     assert all(not (p and d) for _, p, d in steps), [s for s in steps if s[1] and s[2]][:3]
     assert any(p and d for _, p, d in fifo_steps)  # (the check can fail: FIFO mixes them in this workload)
+
+
+def test_oscar_serving_gives_its_managers_the_scheduler_it_names(model):
+    """``oscar_serving(scheduler_type=...)`` (what ``scripts/serve.py --scheduler`` sets: ``transformers serve`` has no
+    option for it) replaces the scheduler the manager's config names; without it the config's stays."""
+    from transformers.generation.continuous_batching.scheduler import FIFOScheduler
+
+    from oscar_hf.serving.engine import oscar_serving
+    from oscar_hf.serving.scheduler import PrefillApartScheduler
+
+    gen = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for named, want in (("oscar_prefill_apart", PrefillApartScheduler), (None, FIFOScheduler)):
+        cb = continuous_batching_config(num_blocks=64, max_batch_tokens=64, page_size=8, scheduler_type="fifo")
+        with oscar_serving(scheduler_type=named, method="hadamard", **OSCAR):
+            manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+            manager.start()
+            try:
+                manager.add_request([5, 6, 7], request_id="a", max_new_tokens=2)
+                assert manager.get_result(request_id="a", timeout=60).error is None
+                assert type(manager.batch_processor.scheduler) is want
+            finally:
+                manager.stop(block=True)
