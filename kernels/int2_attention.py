@@ -19,26 +19,32 @@ def empty_partial(q_rot: torch.Tensor):
             torch.zeros(b, h, m, d, device=q_rot.device))
 
 
+def _finite_max(m: torch.Tensor) -> torch.Tensor:
+    """``m`` with the -inf of rows without a valid key as 0 (their exp(-inf - 0) = 0); one launch, where the
+    isfinite / zeros / where form took three (eager serving's chunk steps are launch-bound)."""
+    return torch.nan_to_num(m, nan=0.0, neginf=0.0)
+
+
 def merge_partials(parts):
     """Combine ``(m, l, acc)`` partials over disjoint key sets by log-sum-exp."""
     m = parts[0][0]
     for p in parts[1:]:
         m = torch.maximum(m, p[0])
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    l = torch.zeros_like(parts[0][1])
-    acc = torch.zeros_like(parts[0][2])
+    m_safe = _finite_max(m)
+    l = acc = None
     for pm, pl, pacc in parts:
         w = torch.exp(pm - m_safe)  # exp(-inf) = 0 for empty partials
-        l = l + w * pl
-        acc = acc + w.unsqueeze(-1) * pacc
+        if l is None:
+            l, acc = w * pl, w.unsqueeze(-1) * pacc
+        else:
+            l, acc = torch.addcmul(l, w, pl), torch.addcmul(acc, w.unsqueeze(-1), pacc)
     return m, l, acc
 
 
 def partial_from_logits(logits: torch.Tensor, values: torch.Tensor):
     """Softmax partial of ``logits [..., M, N]`` (masked = -inf) over ``values [..., N, D]``."""
     m = logits.amax(-1)
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(logits - m_safe.unsqueeze(-1))
+    p = torch.exp(logits - _finite_max(m).unsqueeze(-1))
     return m, p.sum(-1), torch.matmul(p, values.float())
 
 
@@ -59,14 +65,14 @@ def window_partial(q, k, v, mask, scaling: float, softcap=None):
     broadcastable to the logits ``[B, H, M, W]``)."""
     logits = soft_cap(torch.matmul(q.float(), k.float().transpose(-1, -2)) * scaling, softcap)
     if mask is not None:
-        logits = logits.masked_fill(~mask, NEG_INF)
+        logits = torch.where(mask, logits, NEG_INF)
     return partial_from_logits(logits, v)
 
 
 def normalized(parts, out_dtype) -> torch.Tensor:
     """``acc / l`` of the merged partials in ``out_dtype`` (rows without a valid key: 0)."""
     _, l, acc = merge_partials(parts)
-    return (acc / torch.where(l > 0, l, torch.ones_like(l)).unsqueeze(-1)).to(out_dtype)
+    return (acc / torch.where(l > 0, l, 1.0).unsqueeze(-1)).to(out_dtype)
 
 
 def history_partial_reference(q_rot, k: QuantizedRows, v: QuantizedRows, start, key_mask, qk_offset, scaling,

@@ -37,19 +37,20 @@ def paged_chunk_attention(query, window: Window, pool: PagedInt2Pool, table: lis
     hk, dt = k_win.shape[1], query.dtype
     if not n:
         return _causal(query, k_win, v_win, scaling).transpose(1, 2)
-    split, e, g, dev = params.heads, k_win.shape[2] - l, hq // hk, query.device
+    split, e, g = params.heads, k_win.shape[2] - l, hq // hk
     ids = pool.ids(table[: -(-n // pool.page_size)], torch.int32)[None]  # [1, np]
     out = None  # [1, H2, g * L, D]: the INT2 heads' rows
     if split is None or split.int2_idx.numel():
         pick = (lambda x: x) if split is None else (lambda x: x.index_select(1, split.int2_idx))
-        history = History(pool.rows(layer, "k"), pool.rows(layer, "v"),
-                          pages=Pages(ids, torch.full((1,), n, dtype=torch.int32, device=dev), n))
+        history = History(pool.rows(layer, "k"), pool.rows(layer, "v"), pages=Pages(ids, pool.ids([n], torch.int32), n))
         # rows [a, b) at a time: their window logits [H2, g * (b - a), E + b] float32 stay within LOGITS_BUDGET
         step, parts = max(1, LOGITS_BUDGET // (4 * hq * (e + l))), []
         for a in range(0, l, step):
             b = min(l, a + step)
-            visible = torch.arange(e + b, device=dev)[None, :] <= e + torch.arange(a, b, device=dev)[:, None]
-            window = Window(pick(k_win[:, :, : e + b]), pick(v_win[:, :, : e + b]), mask_rows(visible[None], g))
+            # [1, 1, g * (b - a), E + b]: row i sees the E entries and new rows up to its own (made once a forward)
+            visible = pool.kept(("causal", e, a, b, g), lambda dev: mask_rows(
+                (torch.arange(e + b, device=dev)[None, :] <= e + torch.arange(a, b, device=dev)[:, None])[None], g))
+            window = Window(pick(k_win[:, :, : e + b]), pick(v_win[:, :, : e + b]), visible)
             part = paged_multi_token_attention(params, pick(group_queries(query[:, :, a:b], hk)), window, history,
                                                scaling, dt, use_kernels)  # [1, H2, g * (b - a), D]
             parts.append(part.view(1, part.shape[1], g, b - a, d))

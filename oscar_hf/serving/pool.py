@@ -16,7 +16,7 @@ from ..cache import heads
 from ..quant import SUPPORTED_META_DTYPES, QuantizedRows, check_group_size
 
 KINDS = {"k": 0, "v": 1}
-IDS_KEPT = 256  # PagedInt2Pool.ids' recent answers kept (a step's layers ask for the same block table)
+IDS_KEPT = 256  # PagedInt2Pool.kept's recent answers kept (a step's layers ask for the same block table)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,20 +113,28 @@ class PagedInt2Pool:
         self.evicted = lambda link: None
         self.peak_used = 0  # most pages held at once since construction
         self.released = False  # release_storage() gave the tensors back
-        self._ids: dict[tuple, torch.Tensor] = {}  # ids(): its last IDS_KEPT answers
+        self._kept: dict[tuple, torch.Tensor] = {}  # kept(): its last IDS_KEPT answers
+
+    def kept(self, key: tuple, make) -> torch.Tensor:
+        """``make()`` on the pool's device, the last ``IDS_KEPT`` answers kept by ``key`` (callers only read them): the
+        tensors every layer of a forward asks for alike (block tables, window entries, masks) are made once, not one
+        launch or copy a layer."""
+        t = self._kept.get(key)
+        if t is None:
+            t = make(self.int2.codes.device)
+            if len(self._kept) >= IDS_KEPT:
+                del self._kept[next(iter(self._kept))]
+            self._kept[key] = t
+        return t
 
     def ids(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
-        """``values`` as a ``dtype`` tensor on the pool's device, the last ``IDS_KEPT`` answers kept (callers only read
-        them); through an asynchronous pinned copy (``torch.tensor(list, device=cuda)`` synchronizes the stream)."""
-        key = (tuple(values), dtype)
-        t = self._ids.get(key)
-        if t is None:
-            t, dev = torch.tensor(values, dtype=dtype), self.int2.codes.device
-            t = t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
-            if len(self._ids) >= IDS_KEPT:
-                del self._ids[next(iter(self._ids))]
-            self._ids[key] = t
-        return t
+        """``values`` as a ``dtype`` tensor on the pool's device (:meth:`kept`); through an asynchronous pinned copy
+        (``torch.tensor(list, device=cuda)`` synchronizes the stream)."""
+        def make(dev):
+            t = torch.tensor(values, dtype=dtype)
+            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
+        return self.kept(("ids", tuple(values), dtype), make)
 
     def release_storage(self) -> None:
         """Give the page tensors back (only while no page is held); the accounting stays readable."""
@@ -136,7 +144,7 @@ class PagedInt2Pool:
         self.int2 = QuantizedRows(*(empty(t) for t in self.int2))
         self.coded = tuple(empty(t) for t in self.coded)
         self.codes, self.scale, self.zero = (empty(t) for t in (self.codes, self.scale, self.zero))
-        self._ids.clear()
+        self._kept.clear()
         self.released = True
 
     # ------------------------------------------------------------------ accounting

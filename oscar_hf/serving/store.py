@@ -8,7 +8,7 @@ import torch
 from oscar_hf.kernels.kv import Window
 
 from ..cache.params import LayerParams
-from ..cache.window import PagedHistory, commit, demote_pending, ring_entries
+from ..cache.window import PagedHistory, commit, demote_pending
 from ..config import OscarConfig, starting_config
 from ..distributed import local_retrieval_heads, slice_layer_rotation, tp_layout
 from ..layer_choice import choose_layers
@@ -169,8 +169,9 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
             hist_end = max(t_old - w, r.floor)
             if t_old - w - 1 >= r.floor:  # (below the floor: a shared prefix's page, never written here)
                 demote_pending(win_k, win_v, self._history(r, li, t_old - w), p, self.config, t_old)
-            recent = torch.arange(min(t_old, max(s0, hist_end)), t_old, device=dev)
-            entries = torch.cat([torch.arange(min(t_old, s0), device=dev), ring_entries(recent, s0, self.ring)])
+            # the sink's entries, then the ring's of slots [max(S0, hist_end), T) (made once a forward, not per layer)
+            lo, ring = min(t_old, max(s0, hist_end)), self.ring
+            entries = self.pool.ids([*range(min(t_old, s0)), *(s0 + j % ring for j in range(lo, t_old))], torch.long)
             k_win = torch.cat([win_k.index_select(2, entries), new_k], 2)  # [1, Hk, E + L, D]
             v_win = torch.cat([win_v.index_select(2, entries), new_v], 2)
             out = paged_chunk_attention(query, Window(k_win, v_win), self.pool, r.table, li, max(hist_end - s0, 0),

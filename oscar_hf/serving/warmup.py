@@ -156,8 +156,8 @@ def warm_once(store, **bounds) -> dict:
     if not kernels_used(store):
         return dict(calls=0, seconds=0.0)
     key = (store.device, store.dtype, store.num_query_heads, store.num_kv_heads, store.head_dim, store.config.sink,
-           store.config.recent, store.config.use_kernels, tuple(sorted(_layer_kinds(store))), store.pool.page_size if store.pool else None,
-           store.windows.num_slots, store.graph_rows, tuple(sorted(bounds.items())))
+           store.config.recent, store.config.use_kernels, tuple(sorted(_layer_kinds(store))),
+           store.pool.page_size if store.pool else None, store.windows.num_slots, store.graph_rows, tuple(sorted(bounds.items())))
     if key not in _WARMED:
         _WARMED[key] = warm_kernels(store, **bounds)
     return _WARMED[key]
