@@ -44,6 +44,7 @@ TIMEOUT_S = 540.0  # a run that has not finished by then is stuck (inside the de
 PAGE = 256  # Transformers' default page size (and flash's block-table granularity)
 COMPILES: list = []  # (perf_counter, kernel, seconds) of every Triton compile once traced (trace_compiles)
 CAPTURES: list = []  # perf_counter at the end of every CUDA graph capture once traced (trace_captures)
+PROFILED: list = []  # [True] once a step of this process was profiled
 PROFILES: list = []  # stop_profile's summaries of the steps trace_steps(profile_joiner=) profiled
 
 
@@ -95,8 +96,9 @@ def concurrency(outs) -> tuple[int, float, float]:
 def trace_steps(store, profile_joiner: int = 0) -> list:
     """``[(t, prompt rows, decode rows)]``, one a forward, appended as the store plans it (``t``: perf_counter; a step
     lasts until the next one starts, since greedy serving reads every step's tokens before the next).
-    ``profile_joiner`` = k > 0: the k-th step whose prompt rows are a joiner's (fewer than 1,024) and the two steps
-    after it run under ``torch.profiler``, one profile a step (``PROFILES``)."""
+    ``profile_joiner`` = k > 0: the k-th step whose prompt rows are a joiner's (fewer than 1,024) runs under
+    ``torch.profiler`` (``PROFILES``; one a process: a second profiler started in the manager's thread failed to
+    initialize on an H100, and the profiled step's run is slower after it: its timings are not results)."""
     steps, plan, last = [], store.plan_decode, [None]
     joiners, profiling = [0], []
 
@@ -108,7 +110,8 @@ def trace_steps(store, profile_joiner: int = 0) -> list:
             if profiling:  # (the profiled step ends where the next one starts: its tokens were read on the host)
                 stop_profile(profiling.pop(), steps[-1])
             joiners[0] += 0 < prompt < 1024
-            if profile_joiner and joiners[0] == profile_joiner and len(PROFILES) < 3:
+            if profile_joiner and joiners[0] == profile_joiner and 0 < prompt < 1024 and not PROFILED:
+                PROFILED.append(True)
                 profiling.append(start_profile())
             steps.append((time.perf_counter(), prompt, decode))
         return plan(batch, rows)
@@ -333,8 +336,8 @@ def main(argv=None):
                    help="every manager's scheduler_type, BF16's too (oscar_prefill_apart: prompt rows in steps of "
                         "their own, oscar_hf.serving.scheduler)")
     p.add_argument("--profile-joiner", type=int, default=0,
-                   help="with --trace-steps: profile the k-th joiner's prompt step and the two steps after it "
-                        "(torch.profiler: host and GPU time, the top ops; in step_trace.profiles)")
+                   help="with --trace-steps: profile the k-th joiner's prompt step (torch.profiler: host and GPU "
+                        "time, launches, the top ops; in step_trace.profiles); the run's timings are then not results")
     p.add_argument("--warm-kernels", action="store_true",
                    help="OSCAR: compile the read kernels' variants before the measured parts (oscar_hf.serving."
                         "warmup; its calls and seconds in env.kernel_warm_up)")
