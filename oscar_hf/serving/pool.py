@@ -249,9 +249,14 @@ class PagedInt2Pool:
         n, p = src[0].shape[2], self.page_size
         if n == 0:
             return
-        j = torch.arange(first, first + n, device=dst[0].device)
-        pages = self.ids(table[first // p : (first + n - 1) // p + 1], torch.long)
-        scatter_entries(dst, pages[j // p - first // p], j % p, tuple(t[0].transpose(0, 1)[:, :, None] for t in src))
+        span = table[first // p : (first + n - 1) // p + 1]  # the pages entries [first, first + n) fall in
+
+        def make(dev):  # [2, n]: each entry's page and offset (made once a forward: K and V, every layer alike)
+            j = torch.arange(first % p, first % p + n, device=dev)
+            return torch.stack([self.ids(span, torch.long)[j // p], j % p])
+
+        where = self.kept(("write", tuple(span), first % p, n), make)
+        scatter_entries(dst, where[0], where[1], tuple(t[0].transpose(0, 1)[:, :, None] for t in src))
 
     def gather(self, pages: torch.Tensor, layer: int, kind: str, n: int) -> QuantizedRows:
         """The first ``n`` INT2 entries of ``pages [np]`` (block-table order) as packed rows ``[1, Hq_l, n, X]``."""
