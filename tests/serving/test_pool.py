@@ -186,3 +186,21 @@ def test_chunk_attention_equals_reference(monkeypatch, n, sliced, device, dtype,
         want = torch.nn.functional.scaled_dot_product_attention(
             query, k_win.repeat_interleave(g, 1), v_win.repeat_interleave(g, 1), attn_mask=visible, scale=0.2)
     torch.testing.assert_close(got.float(), want.transpose(1, 2), rtol=rtol, atol=atol)
+
+
+def test_kept_makes_a_tensor_once_per_key_and_keeps_the_latest():
+    """``PagedInt2Pool.kept`` (the tensors every layer of a forward asks for alike): one ``make`` per key while kept,
+    the oldest key dropped past ``IDS_KEPT``, ``ids`` through it (values and dtype in the key); a released pool forgets."""
+    from oscar_hf.serving.pool import IDS_KEPT
+
+    pool, made = small_pool(), []
+    first = pool.kept(("k", 0), lambda dev: made.append(0) or torch.zeros(2, device=dev))
+    assert pool.kept(("k", 0), lambda dev: made.append(1) or torch.ones(2)) is first and made == [0]
+    assert pool.ids([3, 1], torch.int32).tolist() == [3, 1] and pool.ids([3, 1], torch.long).dtype == torch.long
+    assert pool.ids([3, 1], torch.int32) is pool.ids([3, 1], torch.int32)
+    for i in range(IDS_KEPT):  # the first key is the oldest: dropped
+        pool.kept(("fill", i), lambda dev: torch.empty(0))
+    again = pool.kept(("k", 0), lambda dev: made.append(2) or torch.zeros(2))
+    assert again is not first and made == [0, 2]
+    pool.release_storage()
+    assert pool.kept(("k", 0), lambda dev: made.append(3) or torch.zeros(2)) is not again and made[-1] == 3
