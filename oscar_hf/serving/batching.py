@@ -106,6 +106,7 @@ def _install_graph_hooks(processor) -> None:
         return fn, cache.graph_step
 
     runner.compute_batch, runner._get_forward_fn = compute_batch, get_forward_fn
+
     def oscar_graph_key():
         # Transformers' varlen key is (padded rows, padded KV read, longest KV per layer group); where the store holds
         # every layer, the forward reads none of Transformers' K/V, so the KV sizes change nothing in a captured decode

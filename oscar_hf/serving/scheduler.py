@@ -6,8 +6,9 @@ waits through an eager step of all the decode rows besides its own chunk read: 2
 against 21 ms for a graphed decode step (docs/serving.md, section 4, "Prefix sharing"). Here a step takes the prompt
 rows alone whenever there are any, and the decode rows otherwise, so decode steps stay graphed and a joiner's step
 carries no decode rows; the decoding requests pause for one step per prompt chunk. Where the prompts cannot be
-scheduled (no room in the cache) the step falls back to Transformers' FIFO choice. Opt-in, for traffic of short
-prompts (prefix joiners); a long prompt's chunks then hold every decoding request for their whole prefill.
+scheduled (no room in the cache) the step falls back to Transformers' FIFO choice. ``scripts/serve.py``'s default
+(``oscar_serving(scheduler_type=...)``), opt-in elsewhere; it suits traffic of short prompts (prefix joiners): a long
+prompt's chunks hold every decoding request for their whole prefill.
 """
 from __future__ import annotations
 
