@@ -567,8 +567,10 @@ def run(profile: str, workdir: Path, tokenizer: str | None = None, seed: int = 0
     expected = 3 if engine_processes is None else 2
     checks["nothing_held"] = dict(ok=len(releases) >= expected and all(not r.get(k) for r in releases for k in HELD),
                                   expected=expected, releases=releases)
-    # (the load phases' records: their verdicts after the forced check, which updates ``records``, not ``one``)
-    loaded = [r for r in records if r["phase"] in (1, 3) and r.get("verdict") in ("exact", "followed")]
+    # (the load phases' records: their verdicts after the forced check, which updates ``records``, not ``one``; a
+    # stream the client closed after its first text has no latency, though the check may find it followed)
+    loaded = [r for r in records if r["phase"] in (1, 3) and r.get("verdict") in ("exact", "followed")
+              and "total_s" in r]
     tokens = sum(r.get("tokens") or 0 for r in loaded)
     streamed = [r["ttft_s"] for r in loaded if r.get("streamed")]
     res = dict(
