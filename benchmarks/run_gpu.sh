@@ -33,7 +33,8 @@
 #   soak             200 generate calls (soak-calls); 32,768 new tokens         soak_{calls,long}_<gpu>.json
 #                    (soak-long); serving-soak: 1,000 requests, two models      serving_soak_<gpu>.json
 #   serve-load       scripts/serve.py over HTTP (tests/serving/serve_load.py):   serve_load_<gpu>.json
-#                    1,000 requests, Qwen3-8B shape; TOKENIZER=<saved tokenizer dir>, EXTRA=, SUFFIX=
+#                    1,000 requests, Qwen3-8B shape; TOKENIZER= (chars: a token a character, the default;
+#                    smollm2; or a saved tokenizer's dir), EXTRA=, SUFFIX=
 #   serving-fair     BF16 and OSCAR serving, equal settings, 20 GiB at 32K,     serving_fair_<gpu>_20gib_t32768.json,
 #                    and compiled BF16 StaticCache at B=4; -conc: 4 x 32K;      generate_bf16_static_<gpu>_b4_t32768.json,
 #                    -load: Poisson arrivals (TTFT)                             serving_fair_<gpu>_20gib_{t32768_c4,load}.json
@@ -204,9 +205,10 @@ for what in "$@"; do
     [ "$what" != soak-calls ] && run "soak_long_$GPU" $PY "$B/soak.py" --parts long --out "$OUT/soak_long_$GPU.json" ;;
   serving-soak)
     run "serving_soak_$GPU" $PY "$B/soak.py" --parts serving --out "$OUT/serving_soak_$GPU.json" ;;
-  serve-load)  # scripts/serve.py over HTTP: 1,000 requests, Qwen3-8B shape (TOKENIZER=<a saved tokenizer's directory>)
-    run "serve_load_$GPU${SUFFIX:-}" $PY "$R/tests/serving/serve_load.py" --profile qwen3-8b --tokenizer "${TOKENIZER:?}" \
-        --workdir /tmp --out "$OUT/serve_load_$GPU${SUFFIX:-}.json" ${EXTRA:-} ;;
+  serve-load)  # scripts/serve.py over HTTP: 1,000 requests, Qwen3-8B shape; TOKENIZER: chars (default: a token a
+    # character, so that the forced check recovers each stream's tokens exactly), smollm2 or a saved tokenizer's dir
+    run "serve_load_$GPU${SUFFIX:-}" $PY "$R/tests/serving/serve_load.py" --profile qwen3-8b \
+        --tokenizer "${TOKENIZER:-chars}" --workdir /tmp --out "$OUT/serve_load_$GPU${SUFFIX:-}.json" ${EXTRA:-} ;;
   serving-fair)
     # each at the most requests its budget admits (BF16 4, OSCAR 24); 256 new tokens: every request still decodes when
     # the last prefill ends; then compiled StaticCache generate at its largest batch in the same memory (B=4 x 32K)

@@ -4,19 +4,25 @@ paged INT2 store) started as a process and driven over HTTP on loopback with Ope
 (``/v1/completions``, streamed and not) from ``--concurrency`` threads; every answer is checked.
 
     python tests/serving/serve_load.py --profile tiny --out serve_load.json                 # CPU, about a minute
-    python tests/serving/serve_load.py --profile qwen3-8b --tokenizer DIR --out serve_load_h200.json   # GPU
+    python tests/serving/serve_load.py --profile qwen3-8b --out serve_load_h200.json        # GPU
 
-Models: random weights, SmolLM2's tokenizer (``--tokenizer``: a saved tokenizer; default the packaged GGUF's), saved to
-a temporary directory that the server loads by path. Model A: ``tiny`` a tiny Llama; ``qwen3-8b`` Qwen3-8B's layers
-(36 x 4096, 32 query / 8 KV heads of 128) with the tokenizer's 49,152-entry vocabulary (Qwen's own is not on the GPU
-machine). Model B, of another shape, is the model switch. No model is pinned: requests name theirs by path.
+Models: random weights and a tokenizer (``--tokenizer``), saved to a temporary directory that the server loads by
+path; each model's vocabulary is the tokenizer's. The tokenizer: ``chars`` (the ``qwen3-8b`` profile's default), one
+token a character (printable ASCII and the newline) and an EOS, built here offline (:func:`char_tokenizer`), so that a
+served text has one tokenization, which the GPU profile's token check needs (below); ``smollm2`` (the ``tiny``
+profile's default), SmolLM2's 49,152-entry BPE vocabulary from the packaged GGUF, whose multi-character and
+byte-fallback tokens exercise the server's incremental decoding; or a saved tokenizer's directory. The prompts are
+random words (mapped to the tokenizer's alphabet). Model A: ``tiny`` a tiny Llama; ``qwen3-8b`` Qwen3-8B's layers
+(36 x 4096, 32 query / 8 KV heads of 128; Qwen's own tokenizer is not on the GPU machine). Model B, of another shape,
+is the model switch. No model is pinned: requests name theirs by path.
 
 The run, bounded in count (``--requests``) and time (``--deadline`` seconds of load): one warm-up request to A; phase 1,
 ``--share`` of the requests to A from the threads, of mixed kinds: streamed and plain requests (most), a stream the
 client closes after its first text (cancellation), a stream the client leaves before any answer, a pair with one
 ``X-Request-ID`` (the second sent while the first streams; the first is then read to its end, and the id sent once
-more), a prompt longer than the whole page pool, malformed JSON and bad fields; phase 2, requests to B (a switch: A's manager stops); phase 3, the rest to A (a switch
-back); last, one request to B, so that A's manager stops again after all of its load.
+more), a prompt longer than the whole page pool, malformed JSON and bad fields; phase 2, requests to B (a switch: A's
+manager stops); phase 3, the rest to A (a switch back); last, one request to B, so that A's manager stops again after
+all of its load.
 
 Checks (exit status 1 when one fails; each is in the JSON):
 
@@ -27,8 +33,11 @@ Checks (exit status 1 when one fails; each is in the JSON):
   GPU: batched and single-request arithmetic round differently, and a random model's top-2 logits are often closer
   than that) a stream that leaves the reference is checked token by token instead (``forced_check.py``): the
   reference teacher-forced on the stream's own tokens, each served token within ``tie_tol`` x the step's largest
-  |logit| of the step's best (``followed``), else ``wrong``. Its control (``forced_check_can_fail``): each prompt's
-  reference stream is followed, and every one checked against another prompt is flagged;
+  |logit| of the step's best (``followed``), else ``wrong``. The check recovers the stream's tokens from its text:
+  exactly with the character tokenizer; with a BPE vocabulary a text may split in more than one way, and a stream
+  split otherwise than served may be judged wrong (7 of 828 on an H100 with SmolLM2's). Its control
+  (``forced_check_can_fail``): each prompt's reference stream is followed, and every one checked against another
+  prompt (the next one answered otherwise: a random model answers some prompts alike) is flagged;
 * every refused request gets its 4xx and a message saying why: 409 naming the live id (which, once its request has
   ended, is served again), 400 naming the INT2 pages, a 4xx with a ``detail`` for malformed ones;
 * the server process never exits and ``/health`` answers 200 at the end;
@@ -65,15 +74,18 @@ sys.path.insert(0, str(ROOT / "tests" / "serving"))  # forced_check, its sibling
 
 # settings of each profile: the server's (OSCAR's window and page pool, Transformers' batching) and the load's
 PROFILES = {
-    "tiny": dict(device="cpu", dtype="float32", requests=36, concurrency=4, share=0.6, b_requests=4, distinct=8,
-                 min_prompt=20, max_prompt=90, max_new=12, dup_new=48, max_requests=4, page_size=16, num_blocks=48,
-                 max_batch_tokens=128, oscar=dict(sink=4, recent=8, group_size=32), tie_tol=0.0, timeout=120.0,
-                 deadline=240.0),
-    "qwen3-8b": dict(device="cuda", dtype="bfloat16", requests=1000, concurrency=32, share=0.6, b_requests=16,
-                     distinct=16, min_prompt=32, max_prompt=1024, max_new=48, dup_new=64, max_requests=32,
-                     page_size=256, num_blocks=320, max_batch_tokens=2048, oscar=dict(sink=64, recent=256,
-                                                                                      group_size=64),
-                     tie_tol=0.05, timeout=300.0, deadline=240.0),
+    # tokenizer: the CPU profile compares texts exactly (tie_tol 0), where SmolLM2's vocabulary is not ambiguous and
+    # tests the server's decoding of multi-byte characters; the GPU profile's token check needs the character one
+    "tiny": dict(device="cpu", dtype="float32", tokenizer="smollm2", requests=36, concurrency=4, share=0.6,
+                 b_requests=4, distinct=8, min_prompt=20, max_prompt=90, max_new=12, dup_new=48, max_requests=4,
+                 page_size=16, num_blocks=48, max_batch_tokens=128, oscar=dict(sink=4, recent=8, group_size=32),
+                 tie_tol=0.0, timeout=120.0, deadline=240.0),
+    "qwen3-8b": dict(device="cuda", dtype="bfloat16", tokenizer="chars", requests=1000, concurrency=32, share=0.6,
+                     b_requests=16, distinct=16, min_prompt=32, max_prompt=1024, max_new=48, dup_new=64,
+                     max_requests=32, page_size=256, num_blocks=320, max_batch_tokens=2048,
+                     # tie_tol 0.1: the H100 run at 0.05 (serve_load_h100.json) served every token within 0.07 of its
+                     # step's best; streams read against another prompt's context were 0.58 or more away
+                     oscar=dict(sink=64, recent=256, group_size=64), tie_tol=0.1, timeout=300.0, deadline=240.0),
 }
 # model B (the switch): another type and shape than A
 B_SHAPES = {
@@ -88,17 +100,60 @@ WORDS = ("the quick brown fox jumps over lazy dog while cat sleeps on warm windo
          "until sun goes down behind hills river flows past old mill where miller grinds wheat into flour for bread "
          "baked each morning before town wakes").split()
 HELD = ("requests", "pages_used", "window_slots_used", "prompt_bytes", "prompt_tokens_reserved")
+# the character tokenizer's vocabulary: printable ASCII and the newline, then EOS (also the padding). No unknown-
+# character token and no BOS: a random model emits any id of its vocabulary (its argmax is about uniform over the 97),
+# and an id that decodes to no character would make a text ambiguous again (the prompts are mapped to CHARS instead,
+# to_alphabet). The EOS's name is not ASCII, so that no ASCII text holds it (every text over CHARS round-trips).
+CHARS = "".join(map(chr, range(0x20, 0x7F))) + "\n"
+CHAR_EOS = "\u27e8eos\u27e9"  # (⟨eos⟩)
 
 
 # ------------------------------------------------------------------------------------------------------ models
 def load_tokenizer(path: str | None):
+    """``"chars"``: :func:`char_tokenizer`; ``None`` or ``"smollm2"``: SmolLM2's, from the packaged GGUF; else a saved
+    tokenizer's directory."""
     from transformers import AutoTokenizer
 
-    if path:
+    if path == "chars":
+        return char_tokenizer()
+    if path and path != "smollm2":
         return AutoTokenizer.from_pretrained(path)
     from oscar_hf.eval.models import SMOLLM2_GGUF, smollm2_dir
 
     return AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
+
+
+def char_tokenizer():
+    """A tokenizer of one token a character of :data:`CHARS`, and :data:`CHAR_EOS` (EOS and padding), built offline:
+    a BPE model without merges and without a pre-tokenizer or normalizer (the text is split into its characters as
+    is), and a decoder that concatenates. Every id but EOS decodes to one character of its own, so a text has one
+    tokenization, ``decode(tok(text).input_ids) == text`` over CHARS, and Transformers' serving streams the text as is
+    (its ``DecodeStream`` decodes the ids incrementally: no spaces inserted, no clean-up)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(CHARS)}
+    vocab[CHAR_EOS] = len(vocab)
+    rust = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # (no unk_token: a character not in CHARS is dropped)
+    rust.decoder = decoders.Fuse()
+    rust.add_special_tokens([AddedToken(CHAR_EOS, special=True, normalized=False)])
+    # clean-up off: it would join " ." and " 's" in the server's non-streamed answer (decode) where the Transformers
+    # version applies it (5.25 skips it for a BPE model)
+    return PreTrainedTokenizerFast(tokenizer_object=rust, eos_token=CHAR_EOS, pad_token=CHAR_EOS,
+                                   clean_up_tokenization_spaces=False)
+
+
+def is_char_tokenizer(tok) -> bool:
+    """Whether ``tok`` is :func:`char_tokenizer`'s (built, or saved and loaded)."""
+    return len(tok) == len(CHARS) + 1 and set(tok.get_vocab()) == {*CHARS, CHAR_EOS}
+
+
+def to_alphabet(tok, text: str) -> str:
+    """``text`` in the character tokenizer's alphabet (other whitespace becomes a space, other characters are dropped,
+    as the tokenizer would drop them: no id is unknown); unchanged for another tokenizer."""
+    if not is_char_tokenizer(tok):
+        return text
+    return "".join(c if c in CHARS else " " if c.isspace() else "" for c in text)
 
 
 def build_models(profile: str, p: dict, tok, workdir: Path):
@@ -137,19 +192,23 @@ def build_models(profile: str, p: dict, tok, workdir: Path):
 
 
 def make_prompts(tok, rng: random.Random, n: int, lo: int, hi: int) -> list[str]:
-    """``n`` texts of ``lo`` to ``hi`` tokens (random words)."""
-    texts = []
+    """``n`` texts of ``lo`` to ``hi`` tokens (random words; with the character tokenizer cut to the length drawn, as
+    it takes a token a character, not about a token a word)."""
+    chars, texts = is_char_tokenizer(tok), []
     for _ in range(n):
-        want, words = rng.randint(lo, hi), []
-        while len(tok(" ".join(words)).input_ids) < want:
+        want, words, text = rng.randint(lo, hi), [], ""
+        while len(tok(text).input_ids) < want:
             words.extend(rng.choice(WORDS) for _ in range(max(1, (want - len(words)) // 2)))
-        texts.append(" ".join(words))
+            text = to_alphabet(tok, " ".join(words))
+        texts.append(text[:want] if chars else text)
     return texts
 
 
 def oversized_prompt(tok, tokens: int) -> str:
     """A text of more than ``tokens`` tokens."""
-    text = " ".join((WORDS * (tokens // len(WORDS) + 1))[: tokens + 1])  # (a token a word at least)
+    text = to_alphabet(tok, " ".join((WORDS * (tokens // len(WORDS) + 1))[: tokens + 1]))  # (a token a word at least)
+    if is_char_tokenizer(tok):
+        text = text[: tokens + 1]  # (a token a character: the rest would only make the request larger)
     assert len(tok(text).input_ids) > tokens
     return text
 
@@ -414,7 +473,8 @@ class Load:
 def follow_diverged(records: list[dict], models, prompts: list[str], refs, tok, p: dict) -> dict:
     """Judge every ``diverged`` stream by teacher forcing (``forced_check``, tolerance ``tie_tol``), in place: its
     verdict becomes ``followed`` or ``wrong``. Returns the check's control on model A: each prompt's own reference
-    stream must be followed, and every stream checked against another prompt's (the next one's reference) flagged."""
+    stream must be followed, and every stream checked against another prompt (the next one whose reference differs
+    from it) flagged."""
     from forced_check import forced_check
 
     tol = p["tie_tol"] if p["tie_tol"] > 0 else 1e-3
@@ -430,13 +490,24 @@ def follow_diverged(records: list[dict], models, prompts: list[str], refs, tok, 
     mine = sorted(refs[0])
     texts = [tok.decode(refs[0][i]["tokens"], skip_special_tokens=True) for i in mine]
     counts = [len(refs[0][i]["tokens"]) for i in mine]
-    swap = mine[1:] + mine[:1]
+    # each stream against the next prompt whose reference differs from it where both have tokens: a random model can
+    # answer two prompts alike (with a vocabulary of characters, both "cccc..."), and a stream that is the other
+    # prompt's own is right to follow it
+    def differs(i: int, j: int) -> bool:
+        a, b = refs[0][i]["tokens"], refs[0][j]["tokens"]
+        return a[: len(b)] != b[: len(a)]
+
+    pairs = [(n, next((j for j in mine[n + 1:] + mine[:n] if differs(i, j)), None)) for n, i in enumerate(mine)]
+    pairs = [(n, j) for n, j in pairs if j is not None]  # (none only where every prompt's reference is alike)
     own = forced_check(models[0], tok, [prompts[i] for i in mine], texts, counts, p["oscar"], tol)
-    other = forced_check(models[0], tok, [prompts[i] for i in swap], texts, counts, p["oscar"], tol)
-    return dict(ok=len(mine) > 1 and all(g["verdict"] == "followed" for g in own)
+    other = forced_check(models[0], tok, [prompts[j] for _, j in pairs], [texts[n] for n, _ in pairs],
+                         [counts[n] for n, _ in pairs], p["oscar"], tol)
+    return dict(ok=len(other) > 1 and all(g["verdict"] == "followed" for g in own)
                 and all(g["verdict"] == "wrong" for g in other),
                 own_max_gap=max(g["max_gap"] for g in own), tol=tol,
                 others_flagged=sum(g["verdict"] == "wrong" for g in other), others=len(other),
+                # prompts checked against a later one than the next, whose reference was the same as theirs
+                others_past_alike=sum(j != mine[(n + 1) % len(mine)] for n, j in pairs),
                 others_flagged_at=[g["step"] for g in other],
                 # how far the flagged streams were from their step's best (at least): the margin over own_max_gap
                 # that a tolerance has between rounding and a stream read against another context
@@ -506,11 +577,12 @@ def run(profile: str, workdir: Path, tokenizer: str | None = None, seed: int = 0
     if PROFILES[profile]["device"] == "cpu":
         torch.set_num_threads(1)  # (the server computes beside us: tiny matmuls gain nothing from a second thread)
     p = {**PROFILES[profile], **{k: v for k, v in overrides.items() if v is not None}}
+    p["tokenizer"] = tokenizer or p["tokenizer"]
     from oscar_hf.serving.engine import _engine_client
 
     engine_processes = _engine_client()  # 5.25+: each model runs in a process of its own
     rng = random.Random(seed)
-    tok = load_tokenizer(tokenizer)
+    tok = load_tokenizer(p["tokenizer"])
     times, t0 = {}, time.perf_counter()
     (a_path, a_model), (b_path, b_model) = build_models(profile, p, tok, workdir)
     times["models_s"] = time.perf_counter() - t0
@@ -574,7 +646,8 @@ def run(profile: str, workdir: Path, tokenizer: str | None = None, seed: int = 0
     tokens = sum(r.get("tokens") or 0 for r in loaded)
     streamed = [r["ttft_s"] for r in loaded if r.get("streamed")]
     res = dict(
-        profile=profile, settings=p, seed=seed, requests=len(records), times={k: round(v, 1) for k, v in times.items()},
+        profile=profile, settings=p, vocab_size=len(tok), seed=seed, requests=len(records),
+        times={k: round(v, 1) for k, v in times.items()},
         device=torch.cuda.get_device_name() if p["device"] == "cuda" else platform.processor() or "cpu",
         torch=torch.__version__, transformers=transformers.__version__, counts=by,
         exact=sum(r.get("verdict") == "exact" for r in records),
@@ -600,7 +673,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="tiny", choices=sorted(PROFILES))
-    ap.add_argument("--tokenizer", help="a saved tokenizer's directory (default: SmolLM2's, from the packaged GGUF)")
+    ap.add_argument("--tokenizer", help="chars (a token a character), smollm2 (SmolLM2's, from the packaged GGUF) or "
+                    "a saved tokenizer's directory (default: the profile's, chars on the GPU, smollm2 on the CPU)")
     ap.add_argument("--requests", type=int)
     ap.add_argument("--concurrency", type=int)
     ap.add_argument("--deadline", type=float, help="seconds of load after which no request starts")

@@ -1,6 +1,7 @@
 """The load test of the real server (``serve_load.py``) at its CPU profile: ``scripts/serve.py`` as a process, a tiny
-random Llama (and a tiny Qwen3 for the model switch) with SmolLM2's tokenizer, three dozen requests over HTTP from four
-threads. The GPU run (``benchmarks/run_gpu.sh serve-load``) is the same driver at the Qwen3-8B shape."""
+random Llama (and a tiny Qwen3 for the model switch), three dozen requests over HTTP from four threads; once with the
+profile's tokenizer (SmolLM2's) and once with the character tokenizer, the GPU run's. The GPU run
+(``benchmarks/run_gpu.sh serve-load``) is the same driver at the Qwen3-8B shape."""
 import pytest
 
 pytest.importorskip("fastapi", reason="transformers serve needs `pip install transformers[serving]`")
@@ -9,9 +10,11 @@ pytest.importorskip("uvicorn", reason="transformers serve needs `pip install tra
 from serve_load import KINDS, PROFILES, run  # noqa: E402  (tests/serving is on the path, as for graph_emulation)
 
 
-def test_the_server_under_load_answers_every_request_exactly_and_holds_nothing_after(tmp_path):
-    res = run("tiny", tmp_path)
+@pytest.mark.parametrize("tokenizer", ["smollm2", "chars"])
+def test_the_server_under_load_answers_every_request_exactly_and_holds_nothing_after(tmp_path, tokenizer):
+    res = run("tiny", tmp_path, tokenizer)
     checks = res["checks"]
+    assert res["settings"]["tokenizer"] == tokenizer and (res["vocab_size"] == 97) == (tokenizer == "chars")
     assert res["ok"], {k: c for k, c in checks.items() if not c["ok"]}
     # every kind of request was sent, in both load phases, and every well-formed one answered exactly
     assert {key.split(":")[0] for key in res["counts"]} == set(KINDS), res["counts"]
