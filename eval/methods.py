@@ -100,12 +100,14 @@ class OscarSpec(FakeQuantSpec):
                                                      self.retrieval_heads.get(i, ()), device)
         return self._dev_cache[key]
 
-    def _fq(self, x, r, mu, clip):
+    def _fq(self, x, r, mu, clip, bits=2):
         g, meta = self.config.group_size, self.config.torch_meta_dtype
         if self.levels is not None:
+            if bits != 2:
+                raise NotImplementedError("eval-only levels are 4-level (2-bit) quantizers: key_bits=2 only")
             xh = torch.matmul(self._std_levels(x, r, mu), r.transpose(-1, -2).unsqueeze(0))
         else:
-            q = rotate_quantize_reference(x, r, mu, clip, g, meta, quantizer=self.config.quantizer)
+            q = rotate_quantize_reference(x, r, mu, clip, g, meta, quantizer=self.config.quantizer, bits=bits)
             xh = torch.matmul(dequantize_rows(q, g), r.transpose(-1, -2).unsqueeze(0))
         return xh + mu[None, :, None, :] if mu is not None else xh
 
@@ -129,7 +131,7 @@ class OscarSpec(FakeQuantSpec):
             return None
         p = self._params(i, k.shape[1], k.device)
         if not p.coded_heads:
-            return self._fq(k, p.r_k, p.mu_k, p.clip_k), self._fq(v, p.r_v, p.mu_v, p.clip_v)
+            return self._fq(k, p.r_k, p.mu_k, p.clip_k, self.config.key_bits), self._fq(v, p.r_v, p.mu_v, p.clip_v)
         # retrieval heads: every position as the cache stores them (OscarConfig.retrieval_bits: exact at
         # 16, else min-max codes per token and head; the window positions below still read exact, as for every head)
         q, c = list(p.int2_heads), list(p.coded_heads)
@@ -139,7 +141,7 @@ class OscarSpec(FakeQuantSpec):
             vh[:, c] = minmax_fake_quant(v[:, c], p.bits, v.dtype).float()
         if not q:  # a whole layer of INT4 / INT8 heads: no INT2 head left in it
             return kh, vh
-        kh[:, q] = self._fq(k[:, q], p.r_k, p.mu_k, p.clip_k).float()
+        kh[:, q] = self._fq(k[:, q], p.r_k, p.mu_k, p.clip_k, self.config.key_bits).float()
         vh[:, q] = self._fq(v[:, q], p.r_v, p.mu_v, p.clip_v).float()
         return kh, vh
 

@@ -40,9 +40,10 @@ def _mask_4d(mask, b, hk, n):
 
 def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask, win_mask=None, w: int = 0) -> bool:
     """Shapes the kernels serve (else: the reference): ``KERNEL_HEAD_DIMS``, a group size ``group_fits`` takes, 1 to
-    64 query rows per KV head, a key mask (and a mask over ``w`` window tokens) of one row per KV head, or none."""
+    64 query rows per KV head, a key mask (and a mask over ``w`` window tokens) of one row per KV head, or none; INT2
+    keys (3-bit keys: the reference)."""
     b, hk, m, d = q_rot.shape
-    return (d in KERNEL_HEAD_DIMS and group_fits(d, group_size) and 1 <= m <= 64
+    return (k.hi is None and d in KERNEL_HEAD_DIMS and group_fits(d, group_size) and 1 <= m <= 64
             and _mask_ok(key_mask, b, hk, k.codes.shape[-2]) and _mask_ok(win_mask, b, hk, w))
 
 

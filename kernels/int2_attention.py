@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.quant import QuantizedRows, dequantize_rows
+from oscar_hf.quant import QuantizedRows, dequantize_rows, rows_from
 
 from .plan import triton_enabled
 
@@ -85,7 +85,7 @@ def history_partial_reference(q_rot, k: QuantizedRows, v: QuantizedRows, start, 
     ``[B, Hk|1, M|1, N]``) allows. ``block_n`` tokens dequantized at a time, merged online as the split-K kernel does in
     registers; ``dequant``: a block's parts -> float32 rows (None: INT2 rows; the retrieval heads' reference its own)."""
     n = k[0].shape[-2]
-    dequant = dequant or (lambda parts: dequantize_rows(QuantizedRows(*parts), group_size))
+    dequant = dequant or (lambda parts: dequantize_rows(rows_from(parts), group_size))
     part = empty_partial(q_rot)
     pos = torch.arange(n, device=q_rot.device)
     for j0 in range(0, n, block_n):

@@ -42,6 +42,7 @@ class KVParams:
     block_n: int = 1024
     hist_of: torch.Tensor | None = None
     heads: HeadSplit | None = None
+    key_bits: int = 2  # the INT2 heads' key codes: 2, or 3 (``QuantizedRows.hi``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,8 @@ class History:
     """The INT2 heads' history, ``k/v`` ``QuantizedRows [B, H2, N, *]`` (rotated and centered; with ``pages`` the
     pool's ``[num_pages, H2, P, *]``). Row ``b`` reads entries ``start[b] <= j`` that ``key_mask`` (bool
     ``[B, H2, M, N]``) allows, below ``n_valid`` (0-d device tensor; ``splits`` then fixes the grid). ``coded``: the
-    retrieval heads' ``(k, v)`` parts ``[B, P, N, *]`` (:mod:`oscar_hf.cache.heads`), None without."""
+    retrieval heads' ``(k, v)`` parts ``[B, P, N, *]`` (:mod:`oscar_hf.cache.heads`), None without. 3-bit keys: ``k.hi``
+    set (:class:`~oscar_hf.quant.QuantizedRows`)."""
 
     k: QuantizedRows
     v: QuantizedRows
@@ -111,7 +113,7 @@ class History:
         if self.n_valid is None or self.n_valid.device.type != "cpu" or torch.compiler.is_compiling():
             return self
         n = int(self.n_valid)
-        k, v = (QuantizedRows(*(x[:, :, :n] for x in rows)) for rows in (self.k, self.v))
+        k, v = (rows.map(lambda x: x[:, :, :n]) for rows in (self.k, self.v))
         return dataclasses.replace(self, k=k, v=v, n_valid=None)
 
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from oscar_hf.quant import QuantizedRows
+from oscar_hf.quant import QuantizedRows, rows_from
 
 from .decode import decode
 from .kv import HeadSplit, History, KVParams, Ring, Window
@@ -22,6 +22,7 @@ class StepStorage(NamedTuple):
     win: torch.Tensor
     codes: torch.Tensor
     meta: torch.Tensor
+    key_hi: torch.Tensor | None  # [B, H2, N, D/8]: 3-bit keys' high bit plane, None for INT2 keys
     r: torch.Tensor
     clip_k: float
     clip_v: float
@@ -55,10 +56,10 @@ class StepConfig(NamedTuple):
 _USE_KERNELS = {"auto": "auto", True: "on", False: "off"}  # the op's string form of ``use_kernels``
 
 
-def step_storage(win, codes, meta, r, clip_k, clip_v) -> StepStorage:
+def step_storage(win, codes, meta, key_hi, r, clip_k, clip_v) -> StepStorage:
     """The :class:`StepStorage` of a layer (its stacked tensors checked)."""
     _check_stacked(win, codes, meta, r)
-    return StepStorage(win, codes, meta, r, float(clip_k), float(clip_v))
+    return StepStorage(win, codes, meta, key_hi, r, float(clip_k), float(clip_v))
 
 
 def step_heads(heads_index, cx, cmeta) -> StepHeads:
@@ -102,7 +103,8 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
                 new_v: torch.Tensor, length: torch.Tensor, pad: torch.Tensor, win_mask: torch.Tensor,
                 hist_len: torch.Tensor, mu_k: torch.Tensor | None, mu_v: torch.Tensor | None, scaling: float,
                 out_dtype: torch.dtype, sinks: torch.Tensor | None, softcap: float, win: torch.Tensor,
-                codes: torch.Tensor, meta: torch.Tensor, r: torch.Tensor, clip_k: float, clip_v: float,
+                codes: torch.Tensor, meta: torch.Tensor, key_hi: torch.Tensor | None, r: torch.Tensor, clip_k: float,
+                clip_v: float,
                 heads_index: torch.Tensor | None, cx: torch.Tensor | None, cmeta: torch.Tensor | None, group_size: int,
                 meta_dtype: torch.dtype, sink: int, recent: int, use_kernels: str, quantizer: str, coded_bits: int,
                 block_n: int) -> torch.Tensor:
@@ -113,7 +115,8 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
     query and logit offset (None: no INT2 head); ``new_k/new_v [B, Hk, 1, D]``; ``length`` (0-d ``T``); ``pad [B]``;
     ``win_mask [B, 1, 1, S0 + R]``; ``hist_len`` (0-d: entries ``[pad, hist_len)`` valid after the write);
     ``sinks [Hk, g]`` or None; ``softcap`` (0: none). Stacked storage, keys at index 0, values at 1:
-    ``win [2, B, Hk, S0 + R, D]``, ``codes [2, B, H2, N, D/4]``, ``meta [2, 2, B, H2, N, D/G]``, ``r [2, H2, D, D]``;
+    ``win [2, B, Hk, S0 + R, D]``, ``codes [2, B, H2, N, D/4]``, ``meta [2, 2, B, H2, N, D/G]``, ``r [2, H2, D, D]``,
+    ``key_hi [B, H2, N, D/8]`` (3-bit keys) or None;
     retrieval heads (:class:`StepHeads`) ``cx`` / ``cmeta`` (no metadata at 16 bits)."""
     _check_stacked(win, codes, meta, r)
     kernels = {"auto": "auto", "on": True, "off": False}[use_kernels]
@@ -123,17 +126,17 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
         heads = HeadSplit(int2_idx, coded_idx, coded_of, coded_bits)
         coded = tuple((cx[i],) if cmeta is None else (cx[i], cmeta[i, 0], cmeta[i, 1]) for i in (0, 1))
     params = KVParams(r[0], mu_k, r[1], mu_v, group_size, clip_k, clip_v, meta_dtype, quantizer, block_n,
-                      None if heads is None else hist_of, heads)
+                      None if heads is None else hist_of, heads, 2 if key_hi is None else 3)
     window = Window(win[0], win[1], win_mask)  # [B, Hk, S0 + R, D]
-    history = History(*(QuantizedRows(codes[i], meta[i, 0], meta[i, 1]) for i in (0, 1)), start=pad,
-                      n_valid=hist_len, coded=coded)
+    k = rows_from((codes[0], meta[0, 0], meta[0, 1]) + (() if key_hi is None else (key_hi,)))
+    history = History(k, QuantizedRows(codes[1], meta[1, 0], meta[1, 1]), start=pad, n_valid=hist_len, coded=coded)
     append(params, new_k, new_v, window, history, Ring(length, pad, sink, recent), use_kernels=kernels)
     return decode(params, q, window, history, scaling, out_dtype, rotated=None if q_rot is None else (q_rot, qk_off),
                   softcap=softcap or None, sinks=sinks, use_kernels=kernels)
 
 
 decode_step_ = torch.library.custom_op("oscar::decode_step_", decode_step,
-                                       mutates_args=("win", "codes", "meta", "cx", "cmeta"))
+                                       mutates_args=("win", "codes", "meta", "key_hi", "cx", "cmeta"))
 
 
 @decode_step_.register_fake

@@ -13,34 +13,35 @@ from .kv import History, KVParams, PagedRows, Ring, Window
 from .plan import triton_enabled
 
 
-def rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, quantizer="minmax"):
+def rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, quantizer="minmax",
+                              bits=2):
     """``x [B, Hk, T, D]`` (model dtype) -> ``QuantizedRows`` (``codes [B, Hk, T, D/4]`` uint8, ``scale`` / ``zero``
-    ``[B, Hk, T, D/G]``) of ``(x - mu) @ r`` (``r [Hk, D, D]`` float32, ``mu`` None or ``[Hk, D]``), or written into
-    ``out.*[:, :, out_offset : out_offset + T]``."""
+    ``[B, Hk, T, D/G]``, at 3 ``bits`` ``hi [B, Hk, T, D/8]``) of ``(x - mu) @ r`` (``r [Hk, D, D]`` float32, ``mu``
+    None or ``[Hk, D]``), or written into ``out.*[:, :, out_offset : out_offset + T]``."""
     xf = x.float()
     if mu is not None:  # [Hk, D] (calibrated) or [B, Hk, D] (per sequence)
         xf = xf - (mu[None, :, None, :] if mu.dim() == 2 else mu[:, :, None, :])
     rows = torch.matmul(xf, r.unsqueeze(0))  # [B, Hk, T, D] @ [1, Hk, D, D]
-    q = quantize_rows(rows, group_size, clip, meta_dtype, quantizer)
+    q = quantize_rows(rows, group_size, clip, meta_dtype, quantizer, bits)
     if out is None:
         return q
     t = x.shape[-2]
-    for dst, src in zip(out, q):
+    for dst, src in zip(out, q, strict=True):
         dst[:, :, out_offset : out_offset + t].copy_(src)
     return out
 
 
 def rotate_quantize(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, use_kernels="auto",
-                    quantizer="minmax"):
-    """Dispatch: the Triton kernel on CUDA (when importable, allowed and the shape is supported), else the torch
-    reference."""
-    if triton_enabled(x, use_kernels):
+                    quantizer="minmax", bits=2):
+    """Dispatch: the Triton kernel on CUDA (when importable, allowed and the shape is supported; INT2 codes only),
+    else the torch reference."""
+    if bits == 2 and triton_enabled(x, use_kernels):
         from .write_triton import kernel_supported, rotate_quantize_triton
         if kernel_supported(x, group_size, clip, meta_dtype):
             return rotate_quantize_triton(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset,
                                           quantizer=quantizer)
     return rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=out, out_offset=out_offset,
-                                     quantizer=quantizer)
+                                     quantizer=quantizer, bits=bits)
 
 
 # ---------------------------------------------------------------------------------- one-token write step (static cache)
@@ -79,12 +80,13 @@ def append_token_reference(params: KVParams, new_k, new_v, window: Window, histo
 
     if n > 0 and h2 > 0:
         heads = _kv_head_of_hist(p.hist_of, h2)
-        for win, hist, r, mu, clip in ((win_k, history.k, p.r_k, p.mu_k, p.clip_k),
-                                       (win_v, history.v, p.r_v, p.mu_v, p.clip_v)):
+        for win, hist, r, mu, clip, bits in ((win_k, history.k, p.r_k, p.mu_k, p.clip_k, p.key_bits),
+                                             (win_v, history.v, p.r_v, p.mu_v, p.clip_v, 2)):
             x = win.index_select(2, src_entry)  # [B, Hk, 1, D]
             if heads is not None:
                 x = x.index_select(1, heads)  # [B, H2, 1, D]
-            write(hist, rotate_quantize_reference(x, r, mu, clip, p.group_size, p.meta_dtype, quantizer=p.quantizer))
+            write(hist, rotate_quantize_reference(x, r, mu, clip, p.group_size, p.meta_dtype, quantizer=p.quantizer,
+                                                  bits=bits))
     if n > 0 and history.coded is not None:
         heads = _kv_head_of_hist(p.heads.coded_of, history.coded[0][0].shape[1])  # [P]: each coded entry's KV head
         for win, store in zip((win_k, win_v), history.coded):
@@ -118,6 +120,8 @@ def paged_append_reference(params: KVParams, new_k, new_v, window: Window, histo
     (1) Each row's ``demote_entry`` is quantized (coded for the retrieval heads) into ``demote_page`` /
     ``demote_off``; (2) its new token goes to ``new_entry`` and ``sink_entry`` (:class:`PagedRows`)."""
     h2 = check_paged_inputs(params, new_k, new_v, window, history, rows)
+    if params.key_bits != 2:
+        raise NotImplementedError("the serving store's pages hold INT2 keys only (OscarConfig.key_bits=2)")
     p, win_k, win_v, coded = params, window.k, window.v, history.coded
     if rows.demote:  # 1. ring -> INT2 and coded rows, into the row's page (or the trash page)
         int2 = _kv_head_of_hist(p.hist_of, h2)
@@ -146,7 +150,8 @@ def append(params: KVParams, new_k, new_v, window: Window, history: History, at:
     """The one-token write of every storage, in place: slot ``T - 1 - W`` demoted into the history, the new token into
     the ring (and the sink while it fills). ``at``: a :class:`Ring` (contiguous, :func:`append_token_reference`) or a
     serving step's :class:`PagedRows` (:func:`paged_append_reference`). One fused Triton launch where supported."""
-    contiguous, kernels = isinstance(at, Ring), triton_enabled(new_k, use_kernels)
+    # (3-bit keys: the references; the write kernels pack INT2 codes only)
+    contiguous, kernels = isinstance(at, Ring), params.key_bits == 2 and triton_enabled(new_k, use_kernels)
     if kernels:  # (a shape the write kernel takes)
         from .write_triton import kernel_supported
         kernels = (kernel_supported(new_k, params.group_size, params.clip_k, params.meta_dtype)

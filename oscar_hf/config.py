@@ -15,7 +15,7 @@ from .fingerprint import (  # noqa: F401  (re-exported: the names every module i
     DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_TYPES, FULL_PRECISION_WHY, LATENT_LAYER_TYPE,
     SHARED_KV_LAYER_TYPE, SLIDING_LAYER_TYPES, STATE_LAYER_TYPES, UNEQUAL_KV_LAYER_TYPE, ModelFingerprint,
     default_group_size, hybrid_state_layers, kv_sharing_modes, layer_types_of, validate_head_dim)
-from .quant import QUANTIZERS, SUPPORTED_META_DTYPES, bits_per_element
+from .quant import CODE_BITS, QUANTIZERS, SUPPORTED_META_DTYPES, bits_per_element
 
 META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
 
@@ -29,7 +29,8 @@ RETRIEVAL_BITS = 8
 RETRIEVAL_BIT_CHOICES = (16, 8, 4)  # the model dtype, INT8, INT4 (the forms oscar_hf.cache.heads stores)
 WINDOW_BITS = 16  # bits of a full-precision cached element in OscarConfig.stored_bits (BF16 / FP16)
 # The settings calibrate() may choose per model, stored in metadata["settings"]["chosen"] (artifact_settings)
-CHOSEN_FIELDS = ("sink", "recent", "group_size", "meta_dtype", "quantizer", "retrieval_heads", "retrieval_bits")
+CHOSEN_FIELDS = ("sink", "recent", "group_size", "meta_dtype", "quantizer", "retrieval_heads", "retrieval_bits",
+                 "key_bits")
 
 # Named settings (``OscarConfig.from_preset``). "paper": the method authors' runs (FutureMLS-Lab/OSCAR); it works with
 # any artifact, though theirs has one rotation per layer (``OscarRotations.from_reference``).
@@ -69,7 +70,10 @@ class OscarConfig:
     sink: int = 64  # the first tokens kept in the model dtype
     recent: int = 256  # the last tokens before the current position kept in the model dtype
     group_size: int | None = 64  # channels per group along head_dim (one scale + zero); None: head_dim (for_head_dim)
-    bits: int = 2  # code width; only 2 is implemented
+    bits: int = 2  # the values' code width (and the keys' unless key_bits); only 2 is implemented
+    # the keys' code width: 2, or 3 (8 levels, "minmax" only: the keys carry most of the INT2 loss, docs/quality.md);
+    # 3-bit keys are read by the torch references (no Triton kernel yet) and not by the serving store
+    key_bits: int = 2
     clip_k: float | tuple[float, ...] | None = None  # clip ratio, one or one per layer; None: the artifact's (else 1)
     clip_v: float | tuple[float, ...] | None = None
     meta_dtype: str = "bfloat16"  # of scale / zero: "bfloat16", "float16" or "float32"
@@ -101,6 +105,11 @@ class OscarConfig:
             raise ValueError(f"OscarConfig.group_size must be a positive int or None (= head_dim), got {g!r}")
         if self.bits != 2:
             raise NotImplementedError(f"only bits=2 is implemented, got bits={self.bits}")
+        if isinstance(self.key_bits, bool) or self.key_bits not in CODE_BITS:
+            raise ValueError(f"OscarConfig.key_bits must be one of {CODE_BITS}, got {self.key_bits!r}")
+        if self.key_bits == 3 and self.quantizer != "minmax":
+            raise ValueError(f"OscarConfig.key_bits=3 needs quantizer='minmax' (the 'std' grid has 4 levels), got "
+                             f"quantizer={self.quantizer!r}")
         if self.block_size < 1 or self.prefill_chunk < 1:
             raise ValueError("block_size and prefill_chunk must be positive")
         for name, allowed in (("meta_dtype", sorted(META_DTYPES)), ("quantizer", QUANTIZERS),
@@ -190,9 +199,9 @@ class OscarConfig:
 
     def history_bits(self, head_dim: int, retrieval_share: float = 0.0) -> float:
         """Average bits per history element when ``retrieval_share`` of the KV heads are retrieval heads and the rest
-        INT2 (2.5 at group 64, BF16)."""
+        INT2 (2.5 at group 64, BF16; keys and values averaged: 3.0 with 3-bit keys)."""
         c = self.for_head_dim(head_dim)
-        q = bits_per_element(head_dim, c.group_size, c.torch_meta_dtype)
+        q = sum(bits_per_element(head_dim, c.group_size, c.torch_meta_dtype, b) for b in (c.key_bits, c.bits)) / 2
         return (1.0 - retrieval_share) * q + retrieval_share * self.retrieval_head_bits(head_dim)
 
     def retrieval_head_budget(self, head_dim: int, num_heads: int) -> int:

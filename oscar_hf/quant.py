@@ -1,6 +1,7 @@
 """Per-token asymmetric INT2 group quantization, the torch reference of the write path: the ``"minmax"`` and ``"std"``
 quantizers (docs/quality.md, "The group quantizer"); layout (``D // G`` groups of ``G`` contiguous channels, codes
-packed by plane) and rounding: docs/kernels.md §1.
+packed by plane) and rounding: docs/kernels.md §1. 3-bit codes (keys at ``OscarConfig.key_bits=3``) keep the INT2
+planes of their low two bits as they are and add the high bit as a plane of its own (:class:`QuantizedRows3`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ CODES_PER_BYTE = 8 // BITS  # 4
 
 SUPPORTED_META_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 QUANTIZERS = ("minmax", "std")
+CODE_BITS = (2, 3)  # stored code widths: INT2, and 3-bit keys (OscarConfig.key_bits)
 STD_STEP = 0.996  # "std": the level spacing in standard deviations (the MSE-optimal even 4-level grid for N(0, 1))
 
 
@@ -23,6 +25,34 @@ class QuantizedRows(NamedTuple):
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
+
+    hi = None  # (no high bit plane: see QuantizedRows3)
+    bits = 2
+
+    def map(self, fn) -> "QuantizedRows":
+        """``fn`` applied to every stored tensor (a slice, a gather): rows of the same form."""
+        return QuantizedRows(*(fn(x) for x in self))
+
+
+class QuantizedRows3(NamedTuple):
+    """Packed 3-bit rows (keys at ``OscarConfig.key_bits=3``): :class:`QuantizedRows`' fields, ``codes`` holding each
+    code's low two bits as INT2 planes, and ``hi [..., D/8] uint8`` its high bit (:func:`pack_bits1`). A type of its
+    own, so that code iterating INT2 rows as ``(codes, scale, zero)`` never meets the fourth tensor."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    hi: torch.Tensor
+
+    bits = 3
+
+    def map(self, fn) -> "QuantizedRows3":
+        return QuantizedRows3(*(fn(x) for x in self))
+
+
+def rows_from(parts) -> QuantizedRows | QuantizedRows3:
+    """``(codes, scale, zero)`` or ``(codes, scale, zero, hi)`` (a sliced block of either) as their rows type."""
+    return QuantizedRows(*parts) if len(parts) == 3 else QuantizedRows3(*parts)
 
 
 def check_group_size(head_dim: int, group_size: int) -> None:
@@ -35,6 +65,32 @@ def check_group_size(head_dim: int, group_size: int) -> None:
         )
     if head_dim % CODES_PER_BYTE != 0:
         raise ValueError(f"head_dim={head_dim} must be a multiple of {CODES_PER_BYTE} to pack INT2 codes.")
+
+
+def check_code_bits(bits: int, head_dim: int, quantizer: str = "minmax") -> None:
+    """Raise a clear ValueError for a code width the cache does not store (2, or 3 with ``"minmax"``)."""
+    if isinstance(bits, bool) or bits not in CODE_BITS:
+        raise ValueError(f"code bits must be one of {CODE_BITS}, got {bits!r}")
+    if bits == 3 and quantizer != "minmax":
+        raise ValueError(f"3-bit codes use the 'minmax' quantizer (the 'std' grid is the 4-level one), got "
+                         f"{quantizer!r}")
+    if bits == 3 and head_dim % 8:
+        raise ValueError(f"head_dim={head_dim} must be a multiple of 8 to pack 3-bit codes")
+
+
+def pack_bits1(bits: torch.Tensor) -> torch.Tensor:
+    """``bits [..., D]`` (0 or 1) -> ``[..., D/8] uint8`` by plane: byte ``i`` holds channel ``k * D/8 + i`` at bit
+    ``k`` (as :func:`pack_int2`'s planes: a byte's channels are D/8 apart)."""
+    d = bits.shape[-1]
+    c = bits.to(torch.uint8).reshape(*bits.shape[:-1], 8, d // 8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device).view(8, 1)
+    return (c << shifts).sum(-2, dtype=torch.uint8)
+
+
+def unpack_bits1(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., D/8] uint8`` -> ``[..., D] uint8`` of 0 / 1 (inverse of :func:`pack_bits1`)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device).view(8, 1)
+    return ((packed.unsqueeze(-2) >> shifts) & 1).reshape(*packed.shape[:-1], packed.shape[-1] * 8)
 
 
 def pack_int2(codes: torch.Tensor) -> torch.Tensor:
@@ -53,13 +109,15 @@ def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor, group_size: int, clip: float | torch.Tensor = 1.0,
-                  meta_dtype: torch.dtype = torch.bfloat16, quantizer: str = "minmax") -> QuantizedRows:
-    """Quantize ``x [..., D]`` per row and group to packed INT2, in float32. ``clip``: a float or a tensor
-    broadcastable to ``x.shape[:-1] + (1,)``; unused by ``"std"``."""
+                  meta_dtype: torch.dtype = torch.bfloat16, quantizer: str = "minmax", bits: int = 2) -> QuantizedRows:
+    """Quantize ``x [..., D]`` per row and group to packed ``bits``-bit codes (2, or 3: ``hi`` set), in float32.
+    ``clip``: a float or a tensor broadcastable to ``x.shape[:-1] + (1,)``; unused by ``"std"``."""
     d = x.shape[-1]
     check_group_size(d, group_size)
     if quantizer not in QUANTIZERS:
         raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
+    check_code_bits(bits, d, quantizer)
+    levels = (1 << bits) - 1
     xg = x.float().reshape(*x.shape[:-1], d // group_size, group_size)  # [..., n_groups, G]
     if quantizer == "std":
         mean = xg.mean(-1)  # [..., n_groups]
@@ -72,10 +130,11 @@ def quantize_rows(x: torch.Tensor, group_size: int, clip: float | torch.Tensor =
             clip = clip.float()
         mid, half = (hi + lo) * 0.5, (hi - lo) * 0.5 * clip
         zero = mid - half  # the clipped minimum
-        scale = (2.0 * half) / LEVELS
-    q, scale_m, zero_m = _codes_against_stored(xg, scale.unsqueeze(-1), zero.unsqueeze(-1), LEVELS, meta_dtype)
-    codes = pack_int2(q.reshape(*x.shape[:-1], d))
-    return QuantizedRows(codes, scale_m.squeeze(-1), zero_m.squeeze(-1))
+        scale = (2.0 * half) / levels
+    q, scale_m, zero_m = _codes_against_stored(xg, scale.unsqueeze(-1), zero.unsqueeze(-1), levels, meta_dtype)
+    q = q.reshape(*x.shape[:-1], d).to(torch.uint8)
+    codes, scale, zero = pack_int2(q & 3), scale_m.squeeze(-1), zero_m.squeeze(-1)
+    return QuantizedRows(codes, scale, zero) if bits == 2 else QuantizedRows3(codes, scale, zero, pack_bits1(q >> 2))
 
 
 def _codes_against_stored(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: int, meta_dtype):
@@ -90,9 +149,12 @@ def _codes_against_stored(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     return torch.where(scale_f > 0, q, torch.zeros_like(q)), scale_m, zero_m
 
 
-def dequantize_rows(q: QuantizedRows, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_rows(q: QuantizedRows | QuantizedRows3, group_size: int, dtype: torch.dtype = torch.float32
+                    ) -> torch.Tensor:
     """Packed rows -> ``[..., D]`` in ``dtype``."""
     codes = unpack_int2(q.codes).float()
+    if q.hi is not None:  # 3-bit codes: the high bit's plane
+        codes = codes + 4.0 * unpack_bits1(q.hi).float()
     d = codes.shape[-1]
     cg = codes.reshape(*codes.shape[:-1], d // group_size, group_size)
     x = q.zero.float().unsqueeze(-1) + cg * q.scale.float().unsqueeze(-1)
@@ -136,6 +198,6 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([packed & 15, packed >> 4], dim=-1)
 
 
-def bits_per_element(head_dim: int, group_size: int, meta_dtype: torch.dtype) -> float:
-    """Bits per stored history element: 2 for the code + two metadata values per group."""
-    return BITS + 2 * torch.finfo(meta_dtype).bits / group_size
+def bits_per_element(head_dim: int, group_size: int, meta_dtype: torch.dtype, bits: int = BITS) -> float:
+    """Bits per stored history element: ``bits`` for the code + two metadata values per group."""
+    return bits + 2 * torch.finfo(meta_dtype).bits / group_size

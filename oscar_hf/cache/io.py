@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover - transformers 5.17
     DummyLayer = None
 
 from ..config import META_DTYPES, ModelFingerprint, OscarConfig, renamed_keywords
-from ..quant import QuantizedRows
+from ..quant import rows_from
 from ..rotations import OscarRotations
 from . import heads
 from .layer import GrowingLayer, OscarLayer, capacity_for
@@ -162,7 +162,8 @@ def save_cache(cache, directory: str | os.PathLike) -> None:
             st = layer.export_state()
             t = {k: st[k] for k in ("pad", "sink_k", "sink_v", "tail_k", "tail_v")}
             for kv in ("k", "v"):
-                t.update({f"hist_{kv}_{f}": x for f, x in zip(QuantizedRows._fields, st[f"hist_{kv}"])})
+                rows = st[f"hist_{kv}"]  # (3-bit keys: hist_k_hi too)
+                t.update({f"hist_{kv}_{f}": x for f, x in zip(type(rows)._fields, rows)})
                 if layer.retrieval_heads:  # retrieval heads: every slot [0, seq_len), in their stored form
                     t.update(zip(_fp_names(kv, cache.oscar_config.retrieval_bits), st[f"fp_{kv}"]))
             if st["mu_k_seq"] is not None:  # key_offset="prefill": the history is centered on it
@@ -317,7 +318,10 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
                 st[f"sink_{kv}"] = take(f"sink_{kv}", (b, hk, s0, d), dtype)
                 st[f"tail_{kv}"] = take(f"tail_{kv}", (b, hk, seq - bs0, d), dtype)
                 scale, zero = (take(f"hist_{kv}_{f}", (b, hq, n, d // g), meta) for f in ("scale", "zero"))
-                st[f"hist_{kv}"] = QuantizedRows(take(f"hist_{kv}_codes", (b, hq, n, d // 4), torch.uint8), scale, zero)
+                # (a saved hist_k_hi that this config does not read: "unexpected tensors" below)
+                hi = (take("hist_k_hi", (b, hq, n, d // 8), torch.uint8),) if kv == "k" and config.key_bits == 3 else ()
+                st[f"hist_{kv}"] = rows_from((take(f"hist_{kv}_codes", (b, hq, n, d // 4), torch.uint8), scale, zero,
+                                              *hi))
                 if n_fp:  # the retrieval heads: every slot [0, seq) in their stored form
                     specs = zip(_fp_names(kv, config.retrieval_bits), heads.part_specs(config.retrieval_bits, d, dtype))
                     st[f"fp_{kv}"] = tuple(take(name, (b, n_fp, seq, last), dt) for name, (last, dt) in specs)

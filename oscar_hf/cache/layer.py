@@ -7,17 +7,19 @@ buffers and their shapes (``win``, ``codes``, ``meta``, ``coded_x``, ``coded_met
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch.compiler import is_compiling
 from transformers.cache_utils import CacheLayerMixin
 
 from oscar_hf.kernels.int2_attention import rotate_query
+from oscar_hf.kernels.settings import triton_enabled
 from oscar_hf.kernels.static_op import (NO_HEADS, decode_step, decode_step_, join_heads_index, split_heads_index,
                                         step_config, step_heads, step_storage)
 
 from ..config import OscarConfig
-from ..quant import QuantizedRows
+from ..quant import QuantizedRows, rows_from
 from ..rotations import LayerRotation
 from . import heads
 from .base import (LayerKV, QuantizedLayerBase, allowed_slots, check_first_keys, first_real_slot, group_queries,
@@ -32,6 +34,23 @@ HEADROOM = 1 / 8  # a fresh allocation leaves room for this fraction of its leng
 GROWTH = 1.5  # ... and a full one grows by this factor: few buckets (CUDA graphs) over a long generation
 RESERVE_FACTOR = 4  # generate's own length is allocated up front, up to this many times what ``need`` gets: an
 # answer then fits without a growth (each re-records a CUDA graph), while a far-off max_length is not all reserved
+
+
+def check_key_bits(config: OscarConfig, key_states: torch.Tensor) -> None:
+    """3-bit keys run on the torch references: refused where kernels are required, said once where they would run."""
+    global _SAID_KEY_BITS
+    if config.key_bits == 2 or not triton_enabled(key_states, config.use_kernels):
+        return
+    if config.use_kernels is True:
+        raise ValueError("OscarConfig.key_bits=3 has no Triton kernels yet (the torch references read and write 3-bit "
+                         "keys): use use_kernels='auto' or False, or key_bits=2")
+    if not _SAID_KEY_BITS:
+        _SAID_KEY_BITS = True
+        warnings.warn("OscarConfig.key_bits=3: the 3-bit keys are written and read by the torch references, not the "
+                      "Triton kernels (slower decode on CUDA); key_bits=2 runs the kernels", UserWarning, stacklevel=3)
+
+
+_SAID_KEY_BITS = False
 
 
 def capacity_for(need: int, current: int = 0, expected: int = 0) -> int:
@@ -184,7 +203,7 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         self.compiled = compiled  # (OscarConfig keeps recent >= 1: the ring holds at least the last slot)
         self._init_length(max_cache_len)
         self.ring = config.recent + 1 + RING_RESERVE
-        self.win = self.codes = self.meta = None  # the storage (lazy_initialization)
+        self.win = self.codes = self.meta = self.key_hi = None  # the storage (lazy_initialization)
         self.coded_x = self.coded_meta = None
         self.advances_length = True
         self.pad_known = False  # Python flag: set at the first (eager) forward
@@ -193,6 +212,7 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         check_first_keys(self.layer_idx, self._rotation_cpu, key_states)
+        check_key_bits(self.config, key_states)
         b, hk, _, d = key_states.shape
         self.batch_size, self.num_kv_heads, self.head_dim = b, hk, d
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -220,7 +240,10 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
     coded_v = property(lambda self: self._coded(1))
 
     def _hist(self, i: int) -> QuantizedRows | None:
-        return None if self.codes is None else QuantizedRows(self.codes[i], self.meta[i, 0], self.meta[i, 1])
+        if self.codes is None:
+            return None
+        parts = (self.codes[i], self.meta[i, 0], self.meta[i, 1])
+        return rows_from(parts + (self.key_hi,) if i == 0 and self.key_hi is not None else parts)
 
     def _coded(self, i: int) -> tuple[torch.Tensor, ...] | None:
         if self.coded_x is None:
@@ -234,9 +257,12 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         hq, p = len(self.params.int2_heads), len(self.retrieval_heads)
         n = max(capacity - self.config.sink - self.config.recent, 1)  # history rows
 
-        # codes [2 (K, V), B, H2, N, D/4]; meta [2 (K, V), 2 (scale, zero), B, H2, N, D/G]
+        # codes [2 (K, V), B, H2, N, D/4]; meta [2 (K, V), 2 (scale, zero), B, H2, N, D/G]; 3-bit keys: their high
+        # bit's plane key_hi [B, H2, N, D/8] (a tensor of its own: the values stay at D/4 bytes a row)
         self.codes = regrown(self.codes, (2, b, hq, n, d // 4), torch.uint8, dev, dim=3)
         self.meta = regrown(self.meta, (2, 2, b, hq, n, d // g), meta, dev, dim=4)
+        if self.config.key_bits == 3:
+            self.key_hi = regrown(self.key_hi, (b, hq, n, d // 8), torch.uint8, dev, dim=2)
         if p:  # coded_x [2, B, P, N, X] (codes, or the rows at 16 bits), coded_meta [2, 2, B, P, N, 1] (not at 16)
             (last, dt), *meta_spec = heads.part_specs(self.config.retrieval_bits, d, self.dtype)
             self.coded_x = regrown(self.coded_x, (2, b, p, n, last), dt, dev, dim=3)
@@ -248,7 +274,7 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
     def _bind_step_storage(self) -> None:
         """The decode op's arguments that change only with the buffers, rebuilt whenever one is replaced."""
         cfg, prm = self.config, self.params
-        self.step_storage = step_storage(self.win, self.codes, self.meta, prm.r, prm.clip_k, prm.clip_v)
+        self.step_storage = step_storage(self.win, self.codes, self.meta, self.key_hi, prm.r, prm.clip_k, prm.clip_v)
         self.step_heads = (step_heads(self.heads_index, self.coded_x, self.coded_meta) if self.retrieval_heads
                            else NO_HEADS)
         self.step.config = step_config(cfg.group_size, cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels,

@@ -9,7 +9,7 @@ from oscar_hf.kernels.decode import decode
 from oscar_hf.kernels.kv import History, Window
 
 from ..patching import base_attention_function
-from ..quant import QuantizedRows, dequantize_rows
+from ..quant import dequantize_rows
 from . import heads
 from .base import allowed_slots, group_queries, logit_terms, mask_rows
 from .window import RowsHistory, commit, demote_pending, ring_entries, ring_slots, sink_from
@@ -68,7 +68,7 @@ class EagerOps:
         q = group_queries(query, hk)  # [B, Hk, g*L, D]
         softcap, sinks = logit_terms(kwargs, hk, l)  # sinks [Hk, g*L] or None
         n = max(t_old - cfg.recent - s0, 0)
-        hist_k, hist_v = (QuantizedRows(*(x[:, :, :n] for x in h)) for h in (self.hist_k, self.hist_v))
+        hist_k, hist_v = (h.map(lambda x: x[:, :, :n]) for h in (self.hist_k, self.hist_v))
         win_k, win_v = torch.cat([self.win_k, new_k], 2), torch.cat([self.win_v, new_v], 2)
         prm, q_int2, out_fp = self.params, q.float(), None
         if self.retrieval_heads:  # their coded history [0, n) and the window above, exact: one SDPA call (at 16 bits
@@ -141,7 +141,7 @@ class EagerOps:
                                         (self.win_v, self.hist_v, self.coded_v, self.params.r_v, self.offsets()[1])):
             x = None  # [B, H2, b - a, D]
             if self.params.int2_heads:
-                rows = dequantize_rows(QuantizedRows(*(h[:, :, a - s0 : b - s0] for h in hist)), g)  # rotated, centered
+                rows = dequantize_rows(hist.map(lambda h: h[:, :, a - s0 : b - s0]), g)  # rotated, centered
                 x = torch.matmul(rows, r.transpose(-1, -2).unsqueeze(0))
                 if mu is not None:
                     x = x + (mu[None, :, None, :] if mu.dim() == 2 else mu[:, :, None, :])
@@ -150,7 +150,8 @@ class EagerOps:
                                                       self.config.retrieval_bits, self.dtype))
             win.index_copy_(2, idx, x.to(self.dtype))
 
-    _BATCH_DIMS = (("win", 1), ("codes", 1), ("meta", 2), ("coded_x", 1), ("coded_meta", 2), ("pad", 0), ("mu_k_seq", 0))
+    _BATCH_DIMS = (("win", 1), ("codes", 1), ("meta", 2), ("key_hi", 0), ("coded_x", 1), ("coded_meta", 2), ("pad", 0),
+                   ("mu_k_seq", 0))
 
     def _rebatched(self) -> None:
         self.batch_size = self.win.shape[1]
@@ -192,8 +193,8 @@ class EagerOps:
         n = max(0, ts - s0)
         tail = self._window_rows(torch.arange(ts, t, device=dev), t)  # [2, B, Hk, t - ts, D]
         state = dict(seq_len=t, tail_start=ts, pad=self.pad.clone(), sink_k=self.win_k[:, :, :s0], sink_v=self.win_v[:, :, :s0],
-                     tail_k=tail[0], tail_v=tail[1], hist_k=QuantizedRows(*(x[:, :, :n] for x in self.hist_k)),
-                     hist_v=QuantizedRows(*(x[:, :, :n] for x in self.hist_v)), mu_k_seq=self.mu_k_seq)
+                     tail_k=tail[0], tail_v=tail[1], hist_k=self.hist_k.map(lambda x: x[:, :, :n]),
+                     hist_v=self.hist_v.map(lambda x: x[:, :, :n]), mu_k_seq=self.mu_k_seq)
         if self.retrieval_heads:
             # every slot [0, t) coded: [S0, ts) as stored, the others coded from the window
             front = self._window_rows(torch.arange(min(s0, ts), device=dev), t)  # [2, B, Hk, min(S0, ts), D]
@@ -238,10 +239,12 @@ class EagerOps:
         n_sink, n_rec = int(mask[:, :s0].sum()), int(mask[:, s0:].sum())  # summed over rows
         n_hist = int((self.n_hist(t) - self.pad).clamp(min=0).sum())
         hq, el, meta_el = len(self.params.int2_heads), self.dtype.itemsize, cfg.torch_meta_dtype.itemsize
-        bufs = [x for x in (self.win, self.codes, self.meta, self.coded_x, self.coded_meta) if x is not None]
+        bufs = [x for x in (self.win, self.codes, self.meta, self.key_hi, self.coded_x, self.coded_meta) if x is not None]
+        # (3-bit keys: one more bit a key element, the plane key_hi)
+        code_bits = cfg.key_bits + cfg.bits
         return dict(
             sink=2 * n_sink * hk * d * el, recent=2 * n_rec * hk * d * el,
-            history_codes=2 * n_hist * hq * d // 4, history_meta=2 * n_hist * hq * (d // cfg.group_size) * 2 * meta_el,
+            history_codes=code_bits * n_hist * hq * d // 8, history_meta=2 * n_hist * hq * (d // cfg.group_size) * 2 * meta_el,
             history_elements=2 * n_hist * hq * d,
             # the coded history entries of those heads (their window copies, if any, are counted above)
             retrieval_heads=2 * n_hist * len(self.retrieval_heads) * heads.row_bytes(cfg.retrieval_bits, d, self.dtype),

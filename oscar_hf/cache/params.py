@@ -62,7 +62,8 @@ class LayerParams:
         """The kernels' :class:`~oscar_hf.kernels.kv.KVParams`, with the offsets the storage reads."""
         heads = None if not self.coded_heads else HeadSplit(self.int2_idx, self.coded_idx, self.coded_of, self.bits)
         return KVParams(self.r_k, mu_k, self.r_v, mu_v, config.group_size, self.clip_k, self.clip_v,
-                        config.torch_meta_dtype, config.quantizer, config.block_size, self.hist_of, heads)
+                        config.torch_meta_dtype, config.quantizer, config.block_size, self.hist_of, heads,
+                        config.key_bits)
 
     def int2_part(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, Hk, ...]`` -> its INT2 heads ``[B, H2, ...]`` (``x`` itself when the layer has no coded head)."""
@@ -88,11 +89,11 @@ class LayerParams:
         if not self.int2_heads:
             return coded, None
         if kind == "k":
-            r, mu, clip = self.r_k, self.mu_k if mu_k is None else mu_k, self.clip_k
+            r, mu, clip, bits = self.r_k, self.mu_k if mu_k is None else mu_k, self.clip_k, config.key_bits
         else:
-            r, mu, clip = self.r_v, self.mu_v, self.clip_v
+            r, mu, clip, bits = self.r_v, self.mu_v, self.clip_v, config.bits
         return coded, rotate_quantize(self.int2_part(x), r, mu, clip, config.group_size, config.torch_meta_dtype,
-                                      use_kernels=config.use_kernels, quantizer=config.quantizer)
+                                      use_kernels=config.use_kernels, quantizer=config.quantizer, bits=bits)
 
     def merge(self, int2_part: torch.Tensor | None, coded_part: torch.Tensor) -> torch.Tensor:
         """``[B, H2, ...]`` (or None) and ``[B, P, ...]`` -> ``[B, Hk, ...]`` at their heads."""

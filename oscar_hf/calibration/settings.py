@@ -23,6 +23,7 @@ WINDOW_SHARE = 0.25  # a window candidate's sink + recent may cover at most this
 WIDE_WINDOWS = ((128, 512), (128, 1024), (128, 2048))
 HEAD_WIDTHS = (8, 4)  # retrieval heads' storage searched (INT8, INT4; 16 costs 2x INT8 and was not better on needles)
 GROUP_SIZES = (32, 64, 128, None)  # None: head_dim (one group per head); those that do not divide it are left out
+KEY_GROUP_STEPS = 1  # 3-bit keys are tried at the incumbent's group size and this many coarser ones
 PRECISE_LAYERS = (1, 2, 4)  # numbers of layers kept precise (all their KV heads at the heads' width) tried, in order
 
 
@@ -48,7 +49,7 @@ class Trial:
         c = self.config
         return {"name": self.name, "bits": round(self.bits, 4), "kl": self.kl,
                 "sink": c.sink, "recent": c.recent, "group_size": c.group_size, "quantizer": c.quantizer,
-                "heads": len(c.retrieval_heads), "head_bits": c.retrieval_bits}
+                "key_bits": c.key_bits, "heads": len(c.retrieval_heads), "head_bits": c.retrieval_bits}
 
 
 class _Space:
@@ -87,6 +88,11 @@ class _Space:
             if self.bits(c) <= self.budget + 1e-9:
                 return c
         return None
+
+
+def key_groups(group_size: int, sizes: Sequence[int]) -> list[int]:
+    """The group sizes 3-bit keys are tried at: ``group_size`` and the next :data:`KEY_GROUP_STEPS` coarser ones."""
+    return [g for g in sizes if g >= group_size][: 1 + KEY_GROUP_STEPS]
 
 
 def window_candidates(sink: int, recent: int, prompt: int) -> list[tuple[int, int]]:
@@ -135,7 +141,8 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     sizes = [g for g in dict.fromkeys(hd if g is None else g for g in GROUP_SIZES) if g <= hd and hd % g == 0]
     groups = [g for g in sizes if g != base.group_size]
     # the bar counts settings scored or over budget: defaults, quantizer, group sizes, windows, head width, layers
-    n_plan = (2 + len(groups) + len(window_candidates(base.sink, base.recent, prompt)) + (1 if space.heads else 0)
+    n_plan = (2 + len(groups) + len(key_groups(base.group_size, sizes))
+              + len(window_candidates(base.sink, base.recent, prompt)) + (1 if space.heads else 0)
               + min(len(PRECISE_LAYERS), len(space.ranked_layers)))
 
     def run(name: str, config: OscarConfig | None, unfitted: OscarConfig, precise: int = 0) -> Trial | None:
@@ -186,6 +193,11 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         step([(f"quantizer={q}", unfit().replace(quantizer=q), precise) for q in ("minmax", "std")
               if q != inc.config.quantizer])
         step([(f"group_size={g}", unfit().replace(group_size=g), precise) for g in groups])
+        # 3-bit keys (the keys carry most of the INT2 loss), at the incumbent's group size and the coarser ones that
+        # pay for the key's extra bit
+        if inc.config.key_bits == 2:
+            step([(f"key_bits=3, group_size={g}", unfit().replace(key_bits=3, quantizer="minmax", group_size=g),
+                   precise) for g in key_groups(inc.config.group_size, sizes)])
         step([window_option(s, r) for s, r in window_candidates(inc.config.sink, inc.config.recent, prompt)])
         if space.heads or precise:  # (the width of no head changes nothing)
             step([(f"heads as INT{w}", unfit().replace(retrieval_bits=w), precise) for w in HEAD_WIDTHS
@@ -233,7 +245,8 @@ def settings_summary(entry: dict) -> list[str]:
     width = "in the model dtype" if c["retrieval_bits"] == 16 else f"as INT{c['retrieval_bits']}"
     lines = [f"  cache settings chosen by next-token KL within {entry['budget_bits']:g} bits per cached element at "
              f"{entry['target_context']} tokens: sink {c['sink']} / recent {c['recent']}, group_size "
-             f"{c['group_size']}, quantizer {c['quantizer']}, {len(c['retrieval_heads'])} retrieval heads "
+             f"{c['group_size']}, quantizer {c['quantizer']}, {c.get('key_bits', 2)}-bit keys, "
+             f"{len(c['retrieval_heads'])} retrieval heads "
              f"{width} ({entry['chosen_name']}: {entry['bits']:.3f} bits, KL {entry['kl']:.4g}; search "
              f"{entry['time_s']} s; {entry['objective']})"]
     if entry.get("precise_layers"):

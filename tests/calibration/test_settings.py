@@ -296,3 +296,23 @@ def test_choose_settings_script_heldout_len_reads_past_the_statistics_windows():
     assert own.tolist() == [ids[1200:1800], ids[1800:2400]]
     long = script.heldout_windows(CharTok(), text, 1200, 600, 2, heldout_len=1000)
     assert long.tolist() == [ids[1200:2200], ids[2200:3200]]
+
+
+def test_search_tries_three_bit_keys_where_they_fit(tiny):
+    """3-bit keys are tried at the incumbent's group size and the next coarser one (with "minmax": the "std" grid
+    has 4 levels), chosen when they lower the KL, and reported as over the budget where they do not fit."""
+    rot = scored_rotations(tiny, [[0.1, 0.1], [0.1, 0.1]])
+    w = [torch.zeros(2048, dtype=torch.long)]
+
+    def score(c):  # lowest with 3-bit keys; "std" better than "minmax" at 2 bits
+        return 1.0 - (0.5 if c.key_bits == 3 else 0.0) - (0.1 if c.quantizer == "std" else 0.0)
+
+    # budget 3.6 at 8192: 3-bit keys at group 64 cost (320 x 16 + 7872 x 3.0) / 8192 = 3.51
+    e = choose_settings(tiny, rot, w, budget_bits=3.6, target_context=8192, score=score, progress=False)
+    assert e["chosen"]["key_bits"] == 3 and e["chosen"]["quantizer"] == "minmax" and e["chosen"]["group_size"] == 64
+    assert e["chosen_name"] == "key_bits=3, group_size=64" and e["bits"] == pytest.approx(3.5078, abs=1e-4)
+    assert OscarConfig(**artifact_settings({"settings": e})).key_bits == 3  # the artifact's entry loads
+    # budget 3.2: over it at group 64 (the tiny model's head_dim: no coarser group), reported, never scored
+    e = choose_settings(tiny, rot, w, budget_bits=3.2, target_context=8192, score=score, progress=False)
+    assert e["chosen"]["key_bits"] == 2 and "key_bits=3, group_size=64" in [o["name"] for o in e["over_budget"]]
+    assert all(t["key_bits"] == 2 for t in e["tried"])

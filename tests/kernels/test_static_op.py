@@ -50,7 +50,7 @@ def _storage(layer, use_kernels="auto", win=None) -> tuple:
     """The op's last arguments: the layer's StepStorage, StepHeads and StepConfig. A layer with retrieval heads gets
     their stores stacked as the compiled storage keeps them, its ``coded_k/coded_v`` rebound to views of them (the op
     writes the stacked tensors)."""
-    storage = step_storage(layer.win_kv if win is None else win, layer.codes_kv, layer.meta_kv,
+    storage = step_storage(layer.win_kv if win is None else win, layer.codes_kv, layer.meta_kv, None,
                            torch.stack([layer.r_k, layer.r_v]), layer.clip_k, layer.clip_v)
     heads = NO_HEADS
     if layer.coded_bits is not None:
