@@ -129,8 +129,9 @@ def main(argv=None, model=None, tokenizer=None):
                                               "std (OscarConfig.quantizer='std'), today (OscarConfig's defaults, "
                                               "not the settings the calibration chose)")
     p.add_argument("--row", action="append", default=[], metavar="KEY=V[,KEY=V]",
-                   help="an extra row of the artifact with these settings (sink, recent, group_size, quantizer, key_bits) "
-                        "over its chosen ones, e.g. sink=128,recent=2048,group_size=64; repeatable")
+                   help="an extra row of the artifact with these settings (sink, recent, group_size, quantizer, "
+                        "key_bits, retrieval_heads) over its chosen ones, e.g. sink=128,recent=2048,group_size=64; "
+                        "repeatable")
     p.add_argument("--path", choices=["exact", "fast"], default="exact",
                    help="exact: token by token through the real caches; fast: one fake-quantized forward per window")
     p.add_argument("--reference-path", choices=["exact", "fast"], default=None,

@@ -42,7 +42,6 @@ class KVParams:
     block_n: int = 1024
     hist_of: torch.Tensor | None = None
     heads: HeadSplit | None = None
-    key_bits: int = 2  # the INT2 heads' key codes: 2, or 3 (``QuantizedRows.hi``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +94,8 @@ class History:
     """The INT2 heads' history, ``k/v`` ``QuantizedRows [B, H2, N, *]`` (rotated and centered; with ``pages`` the
     pool's ``[num_pages, H2, P, *]``). Row ``b`` reads entries ``start[b] <= j`` that ``key_mask`` (bool
     ``[B, H2, M, N]``) allows, below ``n_valid`` (0-d device tensor; ``splits`` then fixes the grid). ``coded``: the
-    retrieval heads' ``(k, v)`` parts ``[B, P, N, *]`` (:mod:`oscar_hf.cache.heads`), None without. 3-bit keys: ``k.hi``
-    set (:class:`~oscar_hf.quant.QuantizedRows`)."""
+    retrieval heads' ``(k, v)`` parts ``[B, P, N, *]`` (:mod:`oscar_hf.cache.heads`), None without. 3-bit keys: ``k`` a
+    :class:`~oscar_hf.quant.QuantizedRows3` (its ``hi`` plane; the write takes the key width from it)."""
 
     k: QuantizedRows
     v: QuantizedRows

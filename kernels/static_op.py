@@ -126,7 +126,7 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
         heads = HeadSplit(int2_idx, coded_idx, coded_of, coded_bits)
         coded = tuple((cx[i],) if cmeta is None else (cx[i], cmeta[i, 0], cmeta[i, 1]) for i in (0, 1))
     params = KVParams(r[0], mu_k, r[1], mu_v, group_size, clip_k, clip_v, meta_dtype, quantizer, block_n,
-                      None if heads is None else hist_of, heads, 2 if key_hi is None else 3)
+                      None if heads is None else hist_of, heads)
     window = Window(win[0], win[1], win_mask)  # [B, Hk, S0 + R, D]
     k = rows_from((codes[0], meta[0, 0], meta[0, 1]) + (() if key_hi is None else (key_hi,)))
     history = History(k, QuantizedRows(codes[1], meta[1, 0], meta[1, 1]), start=pad, n_valid=hist_len, coded=coded)

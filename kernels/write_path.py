@@ -80,13 +80,13 @@ def append_token_reference(params: KVParams, new_k, new_v, window: Window, histo
 
     if n > 0 and h2 > 0:
         heads = _kv_head_of_hist(p.hist_of, h2)
-        for win, hist, r, mu, clip, bits in ((win_k, history.k, p.r_k, p.mu_k, p.clip_k, p.key_bits),
-                                             (win_v, history.v, p.r_v, p.mu_v, p.clip_v, 2)):
+        for win, hist, r, mu, clip in ((win_k, history.k, p.r_k, p.mu_k, p.clip_k),
+                                       (win_v, history.v, p.r_v, p.mu_v, p.clip_v)):
             x = win.index_select(2, src_entry)  # [B, Hk, 1, D]
             if heads is not None:
                 x = x.index_select(1, heads)  # [B, H2, 1, D]
             write(hist, rotate_quantize_reference(x, r, mu, clip, p.group_size, p.meta_dtype, quantizer=p.quantizer,
-                                                  bits=bits))
+                                                  bits=hist.bits))  # (the store's width: 3-bit keys or INT2)
     if n > 0 and history.coded is not None:
         heads = _kv_head_of_hist(p.heads.coded_of, history.coded[0][0].shape[1])  # [P]: each coded entry's KV head
         for win, store in zip((win_k, win_v), history.coded):
@@ -120,8 +120,6 @@ def paged_append_reference(params: KVParams, new_k, new_v, window: Window, histo
     (1) Each row's ``demote_entry`` is quantized (coded for the retrieval heads) into ``demote_page`` /
     ``demote_off``; (2) its new token goes to ``new_entry`` and ``sink_entry`` (:class:`PagedRows`)."""
     h2 = check_paged_inputs(params, new_k, new_v, window, history, rows)
-    if params.key_bits != 2:
-        raise NotImplementedError("the serving store's pages hold INT2 keys only (OscarConfig.key_bits=2)")
     p, win_k, win_v, coded = params, window.k, window.v, history.coded
     if rows.demote:  # 1. ring -> INT2 and coded rows, into the row's page (or the trash page)
         int2 = _kv_head_of_hist(p.hist_of, h2)
@@ -151,7 +149,7 @@ def append(params: KVParams, new_k, new_v, window: Window, history: History, at:
     the ring (and the sink while it fills). ``at``: a :class:`Ring` (contiguous, :func:`append_token_reference`) or a
     serving step's :class:`PagedRows` (:func:`paged_append_reference`). One fused Triton launch where supported."""
     # (3-bit keys: the references; the write kernels pack INT2 codes only)
-    contiguous, kernels = isinstance(at, Ring), params.key_bits == 2 and triton_enabled(new_k, use_kernels)
+    contiguous, kernels = isinstance(at, Ring), history.k.bits == 2 and triton_enabled(new_k, use_kernels)
     if kernels:  # (a shape the write kernel takes)
         from .write_triton import kernel_supported
         kernels = (kernel_supported(new_k, params.group_size, params.clip_k, params.meta_dtype)

@@ -15,7 +15,7 @@ from .fingerprint import (  # noqa: F401  (re-exported: the names every module i
     DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_TYPES, FULL_PRECISION_WHY, LATENT_LAYER_TYPE,
     SHARED_KV_LAYER_TYPE, SLIDING_LAYER_TYPES, STATE_LAYER_TYPES, UNEQUAL_KV_LAYER_TYPE, ModelFingerprint,
     default_group_size, hybrid_state_layers, kv_sharing_modes, layer_types_of, validate_head_dim)
-from .quant import CODE_BITS, QUANTIZERS, SUPPORTED_META_DTYPES, bits_per_element
+from .quant import QUANTIZERS, SUPPORTED_META_DTYPES, bits_per_element, check_code_bits
 
 META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
 
@@ -105,11 +105,7 @@ class OscarConfig:
             raise ValueError(f"OscarConfig.group_size must be a positive int or None (= head_dim), got {g!r}")
         if self.bits != 2:
             raise NotImplementedError(f"only bits=2 is implemented, got bits={self.bits}")
-        if isinstance(self.key_bits, bool) or self.key_bits not in CODE_BITS:
-            raise ValueError(f"OscarConfig.key_bits must be one of {CODE_BITS}, got {self.key_bits!r}")
-        if self.key_bits == 3 and self.quantizer != "minmax":
-            raise ValueError(f"OscarConfig.key_bits=3 needs quantizer='minmax' (the 'std' grid has 4 levels), got "
-                             f"quantizer={self.quantizer!r}")
+        check_code_bits(self.key_bits, quantizer=self.quantizer, name="OscarConfig.key_bits")
         if self.block_size < 1 or self.prefill_chunk < 1:
             raise ValueError("block_size and prefill_chunk must be positive")
         for name, allowed in (("meta_dtype", sorted(META_DTYPES)), ("quantizer", QUANTIZERS),

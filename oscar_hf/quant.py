@@ -67,14 +67,16 @@ def check_group_size(head_dim: int, group_size: int) -> None:
         raise ValueError(f"head_dim={head_dim} must be a multiple of {CODES_PER_BYTE} to pack INT2 codes.")
 
 
-def check_code_bits(bits: int, head_dim: int, quantizer: str = "minmax") -> None:
-    """Raise a clear ValueError for a code width the cache does not store (2, or 3 with ``"minmax"``)."""
+def check_code_bits(bits: int, head_dim: int | None = None, quantizer: str = "minmax", name: str = "code bits"
+                    ) -> None:
+    """Raise a clear ValueError (naming ``name``) for a code width the cache does not store (2, or 3 with
+    ``"minmax"`` and a ``head_dim`` of whole bytes of high bits; None: not checked)."""
     if isinstance(bits, bool) or bits not in CODE_BITS:
-        raise ValueError(f"code bits must be one of {CODE_BITS}, got {bits!r}")
+        raise ValueError(f"{name} must be one of {CODE_BITS}, got {bits!r}")
     if bits == 3 and quantizer != "minmax":
-        raise ValueError(f"3-bit codes use the 'minmax' quantizer (the 'std' grid is the 4-level one), got "
-                         f"{quantizer!r}")
-    if bits == 3 and head_dim % 8:
+        raise ValueError(f"{name}=3 needs the 'minmax' quantizer (the 'std' grid has 4 levels), got "
+                         f"quantizer={quantizer!r}")
+    if bits == 3 and head_dim is not None and head_dim % 8:
         raise ValueError(f"head_dim={head_dim} must be a multiple of 8 to pack 3-bit codes")
 
 

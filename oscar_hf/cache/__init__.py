@@ -23,7 +23,8 @@ from ..config import (DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_T
 from ..distributed import shard_cache_for_tensor_parallel
 from ..layer_choice import LayerChoice, choose_layers, resolve_retrieval_heads
 from ..rotations import OscarRotations
-from .layer import GrowingLayer, OscarLayer, StepShared
+from .layer import GrowingLayer, OscarLayer
+from .step_shared import StepShared
 from .hybrid import OscarHybridLayer
 from .io import DummyLayer, load_cache, save_cache  # (DummyLayer: None on Transformers 5.17)
 

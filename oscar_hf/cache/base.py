@@ -9,6 +9,8 @@ import warnings
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from oscar_hf.kernels.settings import triton_enabled
+
 from ..attention import OscarKV
 from ..config import OscarConfig
 from ..rotations import LayerRotation
@@ -26,6 +28,23 @@ def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.
         raise ValueError(
             f"layer {layer_idx}: rotations are for kv_heads={rotation.r_k.shape[0]}, head_dim={rotation.r_k.shape[-1]} "
             f"but the model produced keys with kv_heads={hk}, head_dim={d}")
+
+
+def check_key_bits(config: OscarConfig, key_states: torch.Tensor) -> None:
+    """3-bit keys run on the torch references: refused where kernels are required, said once where they would run."""
+    global _SAID_KEY_BITS
+    if config.key_bits == 2 or not triton_enabled(key_states, config.use_kernels):
+        return
+    if config.use_kernels is True:
+        raise ValueError("OscarConfig.key_bits=3 has no Triton kernels yet (the torch references read and write 3-bit "
+                         "keys): use use_kernels='auto' or False, or key_bits=2")
+    if not _SAID_KEY_BITS:
+        _SAID_KEY_BITS = True
+        warnings.warn("OscarConfig.key_bits=3: the 3-bit keys are written and read by the torch references, not the "
+                      "Triton kernels (slower decode on CUDA); key_bits=2 runs the kernels", UserWarning, stacklevel=3)
+
+
+_SAID_KEY_BITS = False
 
 
 class LayerKV(OscarKV):

@@ -7,14 +7,12 @@ buffers and their shapes (``win``, ``codes``, ``meta``, ``coded_x``, ``coded_met
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch.compiler import is_compiling
 from transformers.cache_utils import CacheLayerMixin
 
 from oscar_hf.kernels.int2_attention import rotate_query
-from oscar_hf.kernels.settings import triton_enabled
 from oscar_hf.kernels.static_op import (NO_HEADS, decode_step, decode_step_, join_heads_index, split_heads_index,
                                         step_config, step_heads, step_storage)
 
@@ -22,10 +20,11 @@ from ..config import OscarConfig
 from ..quant import QuantizedRows, rows_from
 from ..rotations import LayerRotation
 from . import heads
-from .base import (LayerKV, QuantizedLayerBase, allowed_slots, check_first_keys, first_real_slot, group_queries,
-                   logit_terms)
+from .base import (LayerKV, QuantizedLayerBase, allowed_slots, check_first_keys, check_key_bits, first_real_slot,
+                   group_queries, logit_terms)
 from .layer_eager import EagerOps, _fixed_address, regrown
 from .params import LayerParams
+from .step_shared import StepShared
 from .window import window_mask
 
 RING_RESERVE = 64  # ring entries beyond W + 1: crop(-n) is exact for n <= RING_RESERVE
@@ -34,23 +33,6 @@ HEADROOM = 1 / 8  # a fresh allocation leaves room for this fraction of its leng
 GROWTH = 1.5  # ... and a full one grows by this factor: few buckets (CUDA graphs) over a long generation
 RESERVE_FACTOR = 4  # generate's own length is allocated up front, up to this many times what ``need`` gets: an
 # answer then fits without a growth (each re-records a CUDA graph), while a far-off max_length is not all reserved
-
-
-def check_key_bits(config: OscarConfig, key_states: torch.Tensor) -> None:
-    """3-bit keys run on the torch references: refused where kernels are required, said once where they would run."""
-    global _SAID_KEY_BITS
-    if config.key_bits == 2 or not triton_enabled(key_states, config.use_kernels):
-        return
-    if config.use_kernels is True:
-        raise ValueError("OscarConfig.key_bits=3 has no Triton kernels yet (the torch references read and write 3-bit "
-                         "keys): use use_kernels='auto' or False, or key_bits=2")
-    if not _SAID_KEY_BITS:
-        _SAID_KEY_BITS = True
-        warnings.warn("OscarConfig.key_bits=3: the 3-bit keys are written and read by the torch references, not the "
-                      "Triton kernels (slower decode on CUDA); key_bits=2 runs the kernels", UserWarning, stacklevel=3)
-
-
-_SAID_KEY_BITS = False
 
 
 def capacity_for(need: int, current: int = 0, expected: int = 0) -> int:
@@ -161,35 +143,6 @@ class HostLength:
 
     def get_max_length(self) -> int:
         return self.fixed_capacity or -1
-
-
-class StepShared:
-    """What every compiled layer of one decode forward reads alike, computed once by the first of them (fewer nodes
-    in the step graph): the length ``t`` (0-d, one per device: :meth:`join`), left padding ``pad [B]``, the window
-    mask ``[B, 1, 1, S0 + R]``, the history length (0-d). The last layer clears it, so that every trace starts from
-    the same state and dynamo's guards hold."""
-
-    def __init__(self, last_layer: int | None = None):
-        self.last_layer = last_layer  # index of the last layer that shares it (None: every layer clears it)
-        self.lengths = {}  # device -> (its layers' length tensor, the layer that advances it)
-        self.config = None  # the decode op's StepConfig (the same for every layer)
-        self.clear()
-
-    def clear(self) -> None:
-        self.layer_idx, self.key, self.t, self.pad, self.win_mask, self.hist_len = -1, None, None, None, None, None
-
-    def join(self, layer: "OscarLayer") -> torch.Tensor:
-        """The length tensor of ``layer``'s device; its highest-index layer advances it."""
-        length, last = self.lengths.get(layer.device, (None, None))
-        if length is None:
-            length = _fixed_address(torch.zeros((), dtype=torch.long, device=layer.device))
-        if last is None or layer.layer_idx >= last.layer_idx:
-            if last is not None:
-                last.advances_length = False
-            last = layer
-        layer.advances_length = last is layer
-        self.lengths[layer.device] = (length, last)
-        return length
 
 
 class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):

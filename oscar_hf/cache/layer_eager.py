@@ -239,12 +239,14 @@ class EagerOps:
         n_sink, n_rec = int(mask[:, :s0].sum()), int(mask[:, s0:].sum())  # summed over rows
         n_hist = int((self.n_hist(t) - self.pad).clamp(min=0).sum())
         hq, el, meta_el = len(self.params.int2_heads), self.dtype.itemsize, cfg.torch_meta_dtype.itemsize
-        bufs = [x for x in (self.win, self.codes, self.meta, self.key_hi, self.coded_x, self.coded_meta) if x is not None]
+        bufs = [x for x in (self.win, self.codes, self.meta, self.key_hi, self.coded_x, self.coded_meta)
+                if x is not None]
         # (3-bit keys: one more bit a key element, the plane key_hi)
         code_bits = cfg.key_bits + cfg.bits
         return dict(
             sink=2 * n_sink * hk * d * el, recent=2 * n_rec * hk * d * el,
-            history_codes=code_bits * n_hist * hq * d // 8, history_meta=2 * n_hist * hq * (d // cfg.group_size) * 2 * meta_el,
+            history_codes=code_bits * n_hist * hq * d // 8,
+            history_meta=2 * n_hist * hq * (d // cfg.group_size) * 2 * meta_el,
             history_elements=2 * n_hist * hq * d,
             # the coded history entries of those heads (their window copies, if any, are counted above)
             retrieval_heads=2 * n_hist * len(self.retrieval_heads) * heads.row_bytes(cfg.retrieval_bits, d, self.dtype),

@@ -62,8 +62,7 @@ class LayerParams:
         """The kernels' :class:`~oscar_hf.kernels.kv.KVParams`, with the offsets the storage reads."""
         heads = None if not self.coded_heads else HeadSplit(self.int2_idx, self.coded_idx, self.coded_of, self.bits)
         return KVParams(self.r_k, mu_k, self.r_v, mu_v, config.group_size, self.clip_k, self.clip_v,
-                        config.torch_meta_dtype, config.quantizer, config.block_size, self.hist_of, heads,
-                        config.key_bits)
+                        config.torch_meta_dtype, config.quantizer, config.block_size, self.hist_of, heads)
 
     def int2_part(self, x: torch.Tensor) -> torch.Tensor:
         """``x [B, Hk, ...]`` -> its INT2 heads ``[B, H2, ...]`` (``x`` itself when the layer has no coded head)."""

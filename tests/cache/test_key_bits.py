@@ -69,12 +69,10 @@ def test_cache_stores_three_bit_keys_closer_to_the_exact_ones():
     caches = {b: OscarCache(m, key_bits=b, compile=False, **SMALL) for b in (2, 3)}
     for c in caches.values():
         _prefill_and_decode(m, ids, c, steps=8)
-    exact = OscarCache(m, compile=False, **SMALL)  # (its window's rows are exact: read the keys from a DynamicCache)
     from transformers import DynamicCache
-    dyn = DynamicCache(config=m.config)
+    dyn = DynamicCache(config=m.config)  # the model's exact keys
     with torch.no_grad():
         m(ids, **cache_kwargs(m, dyn))
-    del exact
     n = 48 - 1 - 8 - 4  # history entries after 48 tokens (the last decode step's demotion pending: one fewer)
     err, mem = {}, {}
     for b, c in caches.items():
@@ -165,8 +163,8 @@ def test_gpu_three_bit_keys_compiled_step_gives_the_eager_tokens():
                           **({} if compile_ else dict(disable_compile=True)))
 
     with pytest.warns(UserWarning, match="torch references"):
-        import oscar_hf.cache.layer as layer_mod
-        layer_mod._SAID_KEY_BITS = False
+        import oscar_hf.cache.base as base_mod
+        base_mod._SAID_KEY_BITS = False
         eager = gen(OscarCache(m, compile=False, **kw), False)
     torch._dynamo.reset()
     compiled = gen(OscarCache(m, **kw), True)
