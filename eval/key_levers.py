@@ -169,8 +169,13 @@ def levers(model, rotations, config) -> dict[str, tuple[FakeQuantSpec | None, fl
         base_wide, row2 = OscarSpec(model, rotations, wide), wide.history_bits(fp.head_dim)
         out[f"3-bit keys, keys and values at group {g2}"] = (
             KeysOrValuesFrom(base_wide, keys(3, clip=1.0, group=g2)), history_bits(n, p, row2 + 1, row2, head))
-        out[f"3-bit keys, values at group {g2}"] = (
-            KeysOrValuesFrom(base_wide, keys(3, clip=1.0)), history_bits(n, p, row + 1, row2, head))
+    # 3-bit keys at the group, values at coarser ones (2, 4 and 8 times it): the values' metadata pays the keys' bit
+    for gv in (2 * config.group_size, 4 * config.group_size, 8 * config.group_size):
+        if fp.head_dim % gv == 0:
+            wide = config.replace(group_size=gv)
+            out[f"3-bit keys, values at group {gv}"] = (
+                KeysOrValuesFrom(OscarSpec(model, rotations, wide), keys(3, clip=1.0)),
+                history_bits(n, p, row + 1, wide.history_bits(fp.head_dim), head))
     if worst:
         top = set(worst[:4])
         n_int4 = sum(1 for i in top for h in range(fp.num_key_value_heads) if h not in base.retrieval_heads.get(i, ()))

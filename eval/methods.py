@@ -100,11 +100,15 @@ class OscarSpec(FakeQuantSpec):
                                                      self.retrieval_heads.get(i, ()), device)
         return self._dev_cache[key]
 
-    def _fq(self, x, r, mu, clip, bits=2):
+    def _fq(self, x, r, mu, clip, bits=2, kind="k"):
+        """``x`` through the cache's write and read of ``kind`` ("k" / "v": the values' group may be their own)."""
         g, meta = self.config.group_size, self.config.torch_meta_dtype
+        if kind == "v":
+            g = self.config.value_group(x.shape[-1])
         if self.levels is not None:
-            if bits != 2:
-                raise NotImplementedError("eval-only levels are 4-level (2-bit) quantizers: key_bits=2 only")
+            if bits != 2 or g != self.config.group_size:
+                raise NotImplementedError("eval-only levels are 4-level (2-bit) quantizers at one group size: "
+                                          "key_bits=2, value_group_size None only")
             xh = torch.matmul(self._std_levels(x, r, mu), r.transpose(-1, -2).unsqueeze(0))
         else:
             q = rotate_quantize_reference(x, r, mu, clip, g, meta, quantizer=self.config.quantizer, bits=bits)
@@ -131,7 +135,8 @@ class OscarSpec(FakeQuantSpec):
             return None
         p = self._params(i, k.shape[1], k.device)
         if not p.coded_heads:
-            return self._fq(k, p.r_k, p.mu_k, p.clip_k, self.config.key_bits), self._fq(v, p.r_v, p.mu_v, p.clip_v)
+            return (self._fq(k, p.r_k, p.mu_k, p.clip_k, self.config.key_bits),
+                    self._fq(v, p.r_v, p.mu_v, p.clip_v, kind="v"))
         # retrieval heads: every position as the cache stores them (OscarConfig.retrieval_bits: exact at
         # 16, else min-max codes per token and head; the window positions below still read exact, as for every head)
         q, c = list(p.int2_heads), list(p.coded_heads)
@@ -142,7 +147,7 @@ class OscarSpec(FakeQuantSpec):
         if not q:  # a whole layer of INT4 / INT8 heads: no INT2 head left in it
             return kh, vh
         kh[:, q] = self._fq(k[:, q], p.r_k, p.mu_k, p.clip_k, self.config.key_bits).float()
-        vh[:, q] = self._fq(v[:, q], p.r_v, p.mu_v, p.clip_v).float()
+        vh[:, q] = self._fq(v[:, q], p.r_v, p.mu_v, p.clip_v, kind="v").float()
         return kh, vh
 
     def exact_mask(self, n, prefill_len, device):

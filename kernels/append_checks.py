@@ -48,10 +48,12 @@ def _check_history(params, history, lead: tuple, lead_names: str, d: int, hk: in
         if q.codes.shape != (*lead, d // 4) or q.codes.dtype != torch.uint8:
             raise ValueError(f"{name}.codes must be uint8 [{lead_names}, D/4] = {(*lead, d // 4)}, got "
                              f"{q.codes.dtype} {tuple(q.codes.shape)}")
+        g = group_size if name == "hist_k" else d // max(q.scale.shape[-1], 1)  # (values: a group of their own)
+        check_group_size(d, g)
         for t in (q.scale, q.zero):
-            if t.shape != (*lead, d // group_size) or t.dtype != meta_dtype:
+            if t.shape != (*lead, d // g) or t.dtype != meta_dtype:
                 raise ValueError(f"{name} metadata must be {meta_dtype} [{lead_names}, D/G] = "
-                                 f"{(*lead, d // group_size)}, got {t.dtype} {tuple(t.shape)}")
+                                 f"{(*lead, d // g)}, got {t.dtype} {tuple(t.shape)}")
     if hist_heads is None:
         if h2 != hk:
             raise ValueError(f"hist_heads=None means every KV head is quantized, but the history has {h2} heads, "

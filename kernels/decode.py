@@ -9,6 +9,8 @@ import dataclasses
 
 import torch
 
+from oscar_hf.quant import rows_group_size
+
 from . import settings
 from .heads_attention import heads_decode_attention, merge_heads
 from .int2_attention import decode_attention_reference, rotate_query, rotate_query_reference
@@ -55,7 +57,8 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
         from . import decode_triton as dt
         from .query_triton import query_kernel_supported
         k, v, w = history.k, history.v, 0 if win.k is None else win.k.shape[-2]
-        kernels = triton_enabled(qi, use_kernels)
+        # (values at a group of their own, OscarConfig.value_group_size: the references; the kernels take one group)
+        kernels = triton_enabled(qi, use_kernels) and rows_group_size(v) == params.group_size
         if split is not None and kernels:  # (the references return the INT2 heads' rows: merged below)
             full = torch.empty(q.shape, dtype=out_dtype, device=q.device)
         if history.pages is not None:  # (the float32 query: the window's logits as the store has always read them)

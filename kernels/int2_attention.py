@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.quant import QuantizedRows, dequantize_rows, rows_from
+from oscar_hf.quant import QuantizedRows, dequantize_rows, rows_from, rows_group_size
 
 from .plan import triton_enabled
 
@@ -85,7 +85,11 @@ def history_partial_reference(q_rot, k: QuantizedRows, v: QuantizedRows, start, 
     ``[B, Hk|1, M|1, N]``) allows. ``block_n`` tokens dequantized at a time, merged online as the split-K kernel does in
     registers; ``dequant``: a block's parts -> float32 rows (None: INT2 rows; the retrieval heads' reference its own)."""
     n = k[0].shape[-2]
-    dequant = dequant or (lambda parts: dequantize_rows(rows_from(parts), group_size))
+    if dequant is None:  # INT2 rows, each kind at the group its metadata holds (the values' may be their own)
+        if rows_group_size(rows_from(tuple(k))) != group_size:
+            raise ValueError(f"the keys' rows hold groups of {rows_group_size(rows_from(tuple(k)))} channels, not "
+                             f"group_size={group_size}")
+        dequant = lambda parts: dequantize_rows(rows_from(parts))  # noqa: E731
     part = empty_partial(q_rot)
     pos = torch.arange(n, device=q_rot.device)
     for j0 in range(0, n, block_n):

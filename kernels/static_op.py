@@ -23,6 +23,7 @@ class StepStorage(NamedTuple):
     codes: torch.Tensor
     meta: torch.Tensor
     key_hi: torch.Tensor | None  # [B, H2, N, D/8]: 3-bit keys' high bit plane, None for INT2 keys
+    value_meta: torch.Tensor | None  # [2, B, H2, N, D/Gv]: values at a group of their own (then meta holds the keys')
     r: torch.Tensor
     clip_k: float
     clip_v: float
@@ -56,10 +57,10 @@ class StepConfig(NamedTuple):
 _USE_KERNELS = {"auto": "auto", True: "on", False: "off"}  # the op's string form of ``use_kernels``
 
 
-def step_storage(win, codes, meta, key_hi, r, clip_k, clip_v) -> StepStorage:
+def step_storage(win, codes, meta, key_hi, value_meta, r, clip_k, clip_v) -> StepStorage:
     """The :class:`StepStorage` of a layer (its stacked tensors checked)."""
-    _check_stacked(win, codes, meta, r)
-    return StepStorage(win, codes, meta, key_hi, r, float(clip_k), float(clip_v))
+    _check_stacked(win, codes, meta, r, value_meta)
+    return StepStorage(win, codes, meta, key_hi, value_meta, r, float(clip_k), float(clip_v))
 
 
 def step_heads(heads_index, cx, cmeta) -> StepHeads:
@@ -91,20 +92,24 @@ def step_config(group_size, meta_dtype, sink, recent, use_kernels, quantizer, co
                       int(coded_bits), int(block_n))
 
 
-def _check_stacked(win, codes, meta, r) -> None:
-    for name, t, lead, dims in (("win", win, (2,), 5), ("codes", codes, (2,), 5), ("meta", meta, (2, 2), 6),
-                                ("r", r, (2,), 4)):
+def _check_stacked(win, codes, meta, r, value_meta=None) -> None:
+    """Keys and values stacked in one tensor per kind of storage (``meta`` the keys' alone beside a ``value_meta``)."""
+    kv_meta = (1 if value_meta is not None else 2, 2)
+    for name, t, lead, dims in (("win", win, (2,), 5), ("codes", codes, (2,), 5), ("meta", meta, kv_meta, 6),
+                                ("r", r, (2,), 4), ("value_meta", value_meta, (2,), 5)):
+        if t is None:
+            continue
         if t.dim() != dims or tuple(t.shape[: len(lead)]) != lead:
-            raise ValueError(f"{name} must stack keys and values: {dims} dimensions, leading {lead}; got shape "
-                             f"{tuple(t.shape)}")
+            raise ValueError(f"{name} must have {dims} dimensions, leading {lead} (keys and values stacked; scale and "
+                             f"zero in the metadata); got shape {tuple(t.shape)}")
 
 
 def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tensor | None, new_k: torch.Tensor,
                 new_v: torch.Tensor, length: torch.Tensor, pad: torch.Tensor, win_mask: torch.Tensor,
                 hist_len: torch.Tensor, mu_k: torch.Tensor | None, mu_v: torch.Tensor | None, scaling: float,
                 out_dtype: torch.dtype, sinks: torch.Tensor | None, softcap: float, win: torch.Tensor,
-                codes: torch.Tensor, meta: torch.Tensor, key_hi: torch.Tensor | None, r: torch.Tensor, clip_k: float,
-                clip_v: float,
+                codes: torch.Tensor, meta: torch.Tensor, key_hi: torch.Tensor | None, value_meta: torch.Tensor | None,
+                r: torch.Tensor, clip_k: float, clip_v: float,
                 heads_index: torch.Tensor | None, cx: torch.Tensor | None, cmeta: torch.Tensor | None, group_size: int,
                 meta_dtype: torch.dtype, sink: int, recent: int, use_kernels: str, quantizer: str, coded_bits: int,
                 block_n: int) -> torch.Tensor:
@@ -116,9 +121,10 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
     ``win_mask [B, 1, 1, S0 + R]``; ``hist_len`` (0-d: entries ``[pad, hist_len)`` valid after the write);
     ``sinks [Hk, g]`` or None; ``softcap`` (0: none). Stacked storage, keys at index 0, values at 1:
     ``win [2, B, Hk, S0 + R, D]``, ``codes [2, B, H2, N, D/4]``, ``meta [2, 2, B, H2, N, D/G]``, ``r [2, H2, D, D]``,
-    ``key_hi [B, H2, N, D/8]`` (3-bit keys) or None;
+    ``key_hi [B, H2, N, D/8]`` (3-bit keys) or None; ``value_meta [2, B, H2, N, D/Gv]`` (values at a group of
+    their own, ``meta`` then ``[1, 2, ...]``: the keys') or None;
     retrieval heads (:class:`StepHeads`) ``cx`` / ``cmeta`` (no metadata at 16 bits)."""
-    _check_stacked(win, codes, meta, r)
+    _check_stacked(win, codes, meta, r, value_meta)
     kernels = {"auto": "auto", "on": True, "off": False}[use_kernels]
     heads = coded = None
     if heads_index is not None:
@@ -129,18 +135,20 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
                       None if heads is None else hist_of, heads)
     window = Window(win[0], win[1], win_mask)  # [B, Hk, S0 + R, D]
     k = rows_from((codes[0], meta[0, 0], meta[0, 1]) + (() if key_hi is None else (key_hi,)))
-    history = History(k, QuantizedRows(codes[1], meta[1, 0], meta[1, 1]), start=pad, n_valid=hist_len, coded=coded)
+    v_meta = meta[1] if value_meta is None else value_meta  # [2 (scale, zero), B, H2, N, D/Gv]
+    history = History(k, QuantizedRows(codes[1], v_meta[0], v_meta[1]), start=pad, n_valid=hist_len, coded=coded)
     append(params, new_k, new_v, window, history, Ring(length, pad, sink, recent), use_kernels=kernels)
     return decode(params, q, window, history, scaling, out_dtype, rotated=None if q_rot is None else (q_rot, qk_off),
                   softcap=softcap or None, sinks=sinks, use_kernels=kernels)
 
 
 decode_step_ = torch.library.custom_op("oscar::decode_step_", decode_step,
-                                       mutates_args=("win", "codes", "meta", "key_hi", "cx", "cmeta"))
+                                       mutates_args=("win", "codes", "meta", "key_hi", "value_meta", "cx",
+                                                                     "cmeta"))
 
 
 @decode_step_.register_fake
 def _(*args):
     a = inspect.signature(decode_step).bind(*args).arguments
-    _check_stacked(a["win"], a["codes"], a["meta"], a["r"])
+    _check_stacked(a["win"], a["codes"], a["meta"], a["r"], a["value_meta"])
     return a["q"].new_empty(a["q"].shape, dtype=a["out_dtype"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from oscar_hf.quant import encode_heads, quantize_rows
+from oscar_hf.quant import encode_heads, quantize_rows, rows_group_size
 
 from .append_checks import check_append_inputs, check_paged_inputs
 from .kv import History, KVParams, PagedRows, Ring, Window
@@ -85,8 +85,9 @@ def append_token_reference(params: KVParams, new_k, new_v, window: Window, histo
             x = win.index_select(2, src_entry)  # [B, Hk, 1, D]
             if heads is not None:
                 x = x.index_select(1, heads)  # [B, H2, 1, D]
-            write(hist, rotate_quantize_reference(x, r, mu, clip, p.group_size, p.meta_dtype, quantizer=p.quantizer,
-                                                  bits=hist.bits))  # (the store's width: 3-bit keys or INT2)
+            # the store's own width and group (3-bit keys or INT2; values at a group of their own)
+            write(hist, rotate_quantize_reference(x, r, mu, clip, rows_group_size(hist), p.meta_dtype,
+                                                  quantizer=p.quantizer, bits=hist.bits))
     if n > 0 and history.coded is not None:
         heads = _kv_head_of_hist(p.heads.coded_of, history.coded[0][0].shape[1])  # [P]: each coded entry's KV head
         for win, store in zip((win_k, win_v), history.coded):
@@ -148,8 +149,9 @@ def append(params: KVParams, new_k, new_v, window: Window, history: History, at:
     """The one-token write of every storage, in place: slot ``T - 1 - W`` demoted into the history, the new token into
     the ring (and the sink while it fills). ``at``: a :class:`Ring` (contiguous, :func:`append_token_reference`) or a
     serving step's :class:`PagedRows` (:func:`paged_append_reference`). One fused Triton launch where supported."""
-    # (3-bit keys: the references; the write kernels pack INT2 codes only)
+    # (3-bit keys, values at a group of their own: the references; the write kernels pack INT2 codes of one group)
     contiguous, kernels = isinstance(at, Ring), history.k.bits == 2 and triton_enabled(new_k, use_kernels)
+    kernels = kernels and rows_group_size(history.v) == rows_group_size(history.k) == params.group_size
     if kernels:  # (a shape the write kernel takes)
         from .write_triton import kernel_supported
         kernels = (kernel_supported(new_k, params.group_size, params.clip_k, params.meta_dtype)

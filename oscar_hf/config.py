@@ -30,7 +30,7 @@ RETRIEVAL_BIT_CHOICES = (16, 8, 4)  # the model dtype, INT8, INT4 (the forms osc
 WINDOW_BITS = 16  # bits of a full-precision cached element in OscarConfig.stored_bits (BF16 / FP16)
 # The settings calibrate() may choose per model, stored in metadata["settings"]["chosen"] (artifact_settings)
 CHOSEN_FIELDS = ("sink", "recent", "group_size", "meta_dtype", "quantizer", "retrieval_heads", "retrieval_bits",
-                 "key_bits")
+                 "key_bits", "value_group_size")
 
 # Named settings (``OscarConfig.from_preset``). "paper": the method authors' runs (FutureMLS-Lab/OSCAR); it works with
 # any artifact, though theirs has one rotation per layer (``OscarRotations.from_reference``).
@@ -74,6 +74,9 @@ class OscarConfig:
     # the keys' code width: 2, or 3 (8 levels, "minmax" only: the keys carry most of the INT2 loss, docs/quality.md);
     # 3-bit keys are read by the torch references (no Triton kernel yet) and not by the serving store
     key_bits: int = 2
+    # the values' group size where it differs from the keys' (None: group_size): a coarser value group pays for the
+    # keys' third bit (docs/quality.md, "Three-bit keys"); like key_bits=3, read and written by the torch references
+    value_group_size: int | None = None
     clip_k: float | tuple[float, ...] | None = None  # clip ratio, one or one per layer; None: the artifact's (else 1)
     clip_v: float | tuple[float, ...] | None = None
     meta_dtype: str = "bfloat16"  # of scale / zero: "bfloat16", "float16" or "float32"
@@ -103,6 +106,9 @@ class OscarConfig:
         g = self.group_size
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
             raise ValueError(f"OscarConfig.group_size must be a positive int or None (= head_dim), got {g!r}")
+        gv = self.value_group_size
+        if gv is not None and (isinstance(gv, bool) or not isinstance(gv, int) or gv < 1):
+            raise ValueError(f"OscarConfig.value_group_size must be a positive int or None (= group_size), got {gv!r}")
         if self.bits != 2:
             raise NotImplementedError(f"only bits=2 is implemented, got bits={self.bits}")
         check_code_bits(self.key_bits, quantizer=self.quantizer, name="OscarConfig.key_bits")
@@ -168,6 +174,17 @@ class OscarConfig:
             return self.replace(group_size=default_group_size(int(head_dim)))
         return self
 
+    def value_group(self, head_dim: int) -> int:
+        """The values' group size at ``head_dim``: ``value_group_size``, else the keys' (``group_size``, None: one
+        group a head)."""
+        return self.value_group_size or self.for_head_dim(head_dim).group_size
+
+    @property
+    def kernels_serve(self) -> bool:
+        """Whether the Triton kernels can write and read this storage: INT2 keys at the values' group size (3-bit keys
+        and a values' group of its own run on the torch references)."""
+        return self.key_bits == 2 and self.value_group_size in (None, self.group_size)
+
     @property
     def torch_meta_dtype(self) -> torch.dtype:
         return META_DTYPES[self.meta_dtype]
@@ -197,7 +214,8 @@ class OscarConfig:
         """Average bits per history element when ``retrieval_share`` of the KV heads are retrieval heads and the rest
         INT2 (2.5 at group 64, BF16; keys and values averaged: 3.0 with 3-bit keys)."""
         c = self.for_head_dim(head_dim)
-        q = sum(bits_per_element(head_dim, c.group_size, c.torch_meta_dtype, b) for b in (c.key_bits, c.bits)) / 2
+        q = (bits_per_element(head_dim, c.group_size, c.torch_meta_dtype, c.key_bits)
+             + bits_per_element(head_dim, c.value_group(head_dim), c.torch_meta_dtype, c.bits)) / 2
         return (1.0 - retrieval_share) * q + retrieval_share * self.retrieval_head_bits(head_dim)
 
     def retrieval_head_budget(self, head_dim: int, num_heads: int) -> int:

@@ -151,13 +151,20 @@ def _codes_against_stored(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
     return torch.where(scale_f > 0, q, torch.zeros_like(q)), scale_m, zero_m
 
 
-def dequantize_rows(q: QuantizedRows | QuantizedRows3, group_size: int, dtype: torch.dtype = torch.float32
-                    ) -> torch.Tensor:
-    """Packed rows -> ``[..., D]`` in ``dtype``."""
+def rows_group_size(q: QuantizedRows | QuantizedRows3) -> int:
+    """The group size stored rows were written with: ``D`` (4 codes a byte) over the scales per row. Keys and values
+    may differ (``OscarConfig.value_group_size``), so a reader takes each kind's from its rows."""
+    return q.codes.shape[-1] * CODES_PER_BYTE // max(q.scale.shape[-1], 1)
+
+
+def dequantize_rows(q: QuantizedRows | QuantizedRows3, group_size: int | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed rows -> ``[..., D]`` in ``dtype`` (``group_size`` None: the rows' own, :func:`rows_group_size`)."""
     codes = unpack_int2(q.codes).float()
     if q.hi is not None:  # 3-bit codes: the high bit's plane
         codes = codes + 4.0 * unpack_bits1(q.hi).float()
     d = codes.shape[-1]
+    group_size = rows_group_size(q) if group_size is None else group_size
     cg = codes.reshape(*codes.shape[:-1], d // group_size, group_size)
     x = q.zero.float().unsqueeze(-1) + cg * q.scale.float().unsqueeze(-1)
     return x.reshape(*codes.shape[:-1], d).to(dtype)

@@ -13,6 +13,7 @@ from oscar_hf.kernels.settings import triton_enabled
 
 from ..attention import OscarKV
 from ..config import OscarConfig
+from ..quant import check_group_size
 from ..rotations import LayerRotation
 from .params import LayerParams
 
@@ -30,21 +31,30 @@ def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.
             f"but the model produced keys with kv_heads={hk}, head_dim={d}")
 
 
-def check_key_bits(config: OscarConfig, key_states: torch.Tensor) -> None:
-    """3-bit keys run on the torch references: refused where kernels are required, said once where they would run."""
-    global _SAID_KEY_BITS
-    if config.key_bits == 2 or not triton_enabled(key_states, config.use_kernels):
+def check_reference_storage(config: OscarConfig, key_states: torch.Tensor) -> None:
+    """Storage the Triton kernels do not take (3-bit keys, values at a group of their own: ``kernels_serve``) runs on
+    the torch references: refused where kernels are required, said once where they would run. The values' group
+    must divide head_dim (checked here, where head_dim is first known)."""
+    global _SAID_REFERENCE
+    d = key_states.shape[-1]
+    if config.value_group_size is not None:
+        check_group_size(d, config.value_group_size)
+    if config.kernels_serve or not triton_enabled(key_states, config.use_kernels):
         return
+    what = (f"key_bits={config.key_bits}" if config.key_bits != 2 else "")
+    what += (", " if what else "") + (f"value_group_size={config.value_group_size} (keys at {config.group_size})"
+                                      if config.value_group_size not in (None, config.group_size) else "")
     if config.use_kernels is True:
-        raise ValueError("OscarConfig.key_bits=3 has no Triton kernels yet (the torch references read and write 3-bit "
-                         "keys): use use_kernels='auto' or False, or key_bits=2")
-    if not _SAID_KEY_BITS:
-        _SAID_KEY_BITS = True
-        warnings.warn("OscarConfig.key_bits=3: the 3-bit keys are written and read by the torch references, not the "
-                      "Triton kernels (slower decode on CUDA); key_bits=2 runs the kernels", UserWarning, stacklevel=3)
+        raise ValueError(f"OscarConfig {what} has no Triton kernels yet (the torch references read and write it): use "
+                         "use_kernels='auto' or False, or INT2 keys at the values' group size")
+    if not _SAID_REFERENCE:
+        _SAID_REFERENCE = True
+        warnings.warn(f"OscarConfig {what}: the history is written and read by the torch references, not the Triton "
+                      "kernels (slower decode on CUDA); INT2 keys at the values' group size run the kernels",
+                      UserWarning, stacklevel=3)
 
 
-_SAID_KEY_BITS = False
+_SAID_REFERENCE = False
 
 
 class LayerKV(OscarKV):

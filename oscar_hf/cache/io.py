@@ -317,7 +317,8 @@ def load_cache(cls, directory: str | os.PathLike, model, device=None, compile="a
             for kv in ("k", "v"):
                 st[f"sink_{kv}"] = take(f"sink_{kv}", (b, hk, s0, d), dtype)
                 st[f"tail_{kv}"] = take(f"tail_{kv}", (b, hk, seq - bs0, d), dtype)
-                scale, zero = (take(f"hist_{kv}_{f}", (b, hq, n, d // g), meta) for f in ("scale", "zero"))
+                gk = g if kv == "k" else config.value_group(d)  # (the values' group may be their own)
+                scale, zero = (take(f"hist_{kv}_{f}", (b, hq, n, d // gk), meta) for f in ("scale", "zero"))
                 # (a saved hist_k_hi that this config does not read: "unexpected tensors" below)
                 hi = (take("hist_k_hi", (b, hq, n, d // 8), torch.uint8),) if kv == "k" and config.key_bits == 3 else ()
                 st[f"hist_{kv}"] = rows_from((take(f"hist_{kv}_codes", (b, hq, n, d // 4), torch.uint8), scale, zero,

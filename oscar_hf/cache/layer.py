@@ -20,8 +20,8 @@ from ..config import OscarConfig
 from ..quant import QuantizedRows, rows_from
 from ..rotations import LayerRotation
 from . import heads
-from .base import (LayerKV, QuantizedLayerBase, allowed_slots, check_first_keys, check_key_bits, first_real_slot,
-                   group_queries, logit_terms)
+from .base import (LayerKV, QuantizedLayerBase, allowed_slots, check_first_keys, check_reference_storage,
+                   first_real_slot, group_queries, logit_terms)
 from .layer_eager import EagerOps, _fixed_address, regrown
 from .params import LayerParams
 from .step_shared import StepShared
@@ -156,7 +156,7 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         self.compiled = compiled  # (OscarConfig keeps recent >= 1: the ring holds at least the last slot)
         self._init_length(max_cache_len)
         self.ring = config.recent + 1 + RING_RESERVE
-        self.win = self.codes = self.meta = self.key_hi = None  # the storage (lazy_initialization)
+        self.win = self.codes = self.meta = self.key_hi = self.value_meta = None  # the storage (lazy_initialization)
         self.coded_x = self.coded_meta = None
         self.advances_length = True
         self.pad_known = False  # Python flag: set at the first (eager) forward
@@ -165,7 +165,7 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         check_first_keys(self.layer_idx, self._rotation_cpu, key_states)
-        check_key_bits(self.config, key_states)
+        check_reference_storage(self.config, key_states)
         b, hk, _, d = key_states.shape
         self.batch_size, self.num_kv_heads, self.head_dim = b, hk, d
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -195,7 +195,8 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
     def _hist(self, i: int) -> QuantizedRows | None:
         if self.codes is None:
             return None
-        parts = (self.codes[i], self.meta[i, 0], self.meta[i, 1])
+        meta = self.meta[i] if i == 0 or self.value_meta is None else self.value_meta  # [2 (scale, zero), B, H2, N, *]
+        parts = (self.codes[i], meta[0], meta[1])
         return rows_from(parts + (self.key_hi,) if i == 0 and self.key_hi is not None else parts)
 
     def _coded(self, i: int) -> tuple[torch.Tensor, ...] | None:
@@ -206,14 +207,17 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
     def _allocate(self, capacity: int) -> None:
         """(Re)allocate the history buffers at ``capacity``, keeping their content."""
         b, d, dev = self.batch_size, self.head_dim, self.device
-        g, meta = self.config.group_size, self.config.torch_meta_dtype
+        g, gv, meta = self.config.group_size, self.config.value_group(self.head_dim), self.config.torch_meta_dtype
         hq, p = len(self.params.int2_heads), len(self.retrieval_heads)
         n = max(capacity - self.config.sink - self.config.recent, 1)  # history rows
 
         # codes [2 (K, V), B, H2, N, D/4]; meta [2 (K, V), 2 (scale, zero), B, H2, N, D/G]; 3-bit keys: their high
-        # bit's plane key_hi [B, H2, N, D/8] (a tensor of its own: the values stay at D/4 bytes a row)
+        # bit's plane key_hi [B, H2, N, D/8] (a tensor of its own: the values stay at D/4 bytes a row); values at a
+        # group of their own: meta [1 (K), 2, B, H2, N, D/G] and value_meta [2 (scale, zero), B, H2, N, D/Gv]
         self.codes = regrown(self.codes, (2, b, hq, n, d // 4), torch.uint8, dev, dim=3)
-        self.meta = regrown(self.meta, (2, 2, b, hq, n, d // g), meta, dev, dim=4)
+        self.meta = regrown(self.meta, (2 if gv == g else 1, 2, b, hq, n, d // g), meta, dev, dim=4)
+        if gv != g:
+            self.value_meta = regrown(self.value_meta, (2, b, hq, n, d // gv), meta, dev, dim=3)
         if self.config.key_bits == 3:
             self.key_hi = regrown(self.key_hi, (b, hq, n, d // 8), torch.uint8, dev, dim=2)
         if p:  # coded_x [2, B, P, N, X] (codes, or the rows at 16 bits), coded_meta [2, 2, B, P, N, 1] (not at 16)
@@ -227,7 +231,8 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
     def _bind_step_storage(self) -> None:
         """The decode op's arguments that change only with the buffers, rebuilt whenever one is replaced."""
         cfg, prm = self.config, self.params
-        self.step_storage = step_storage(self.win, self.codes, self.meta, self.key_hi, prm.r, prm.clip_k, prm.clip_v)
+        self.step_storage = step_storage(self.win, self.codes, self.meta, self.key_hi, self.value_meta, prm.r,
+                                         prm.clip_k, prm.clip_v)
         self.step_heads = (step_heads(self.heads_index, self.coded_x, self.coded_meta) if self.retrieval_heads
                            else NO_HEADS)
         self.step.config = step_config(cfg.group_size, cfg.torch_meta_dtype, cfg.sink, cfg.recent, cfg.use_kernels,

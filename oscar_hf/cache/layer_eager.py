@@ -135,13 +135,13 @@ class EagerOps:
 
     def _refill_ring(self, a: int, b: int) -> None:
         """Window slots ``[a, b)`` (``>= S0``) back into their ring entries, dequantized from the history."""
-        s0, g = self.config.sink, self.config.group_size
+        s0 = self.config.sink
         idx = ring_entries(torch.arange(a, b, device=self.device), s0, self.ring)
         for win, hist, coded, r, mu in ((self.win_k, self.hist_k, self.coded_k, self.params.r_k, self.offsets()[0]),
                                         (self.win_v, self.hist_v, self.coded_v, self.params.r_v, self.offsets()[1])):
             x = None  # [B, H2, b - a, D]
             if self.params.int2_heads:
-                rows = dequantize_rows(hist.map(lambda h: h[:, :, a - s0 : b - s0]), g)  # rotated, centered
+                rows = dequantize_rows(hist.map(lambda h: h[:, :, a - s0 : b - s0]))  # rotated, centered (own group)
                 x = torch.matmul(rows, r.transpose(-1, -2).unsqueeze(0))
                 if mu is not None:
                     x = x + (mu[None, :, None, :] if mu.dim() == 2 else mu[:, :, None, :])
@@ -150,8 +150,8 @@ class EagerOps:
                                                       self.config.retrieval_bits, self.dtype))
             win.index_copy_(2, idx, x.to(self.dtype))
 
-    _BATCH_DIMS = (("win", 1), ("codes", 1), ("meta", 2), ("key_hi", 0), ("coded_x", 1), ("coded_meta", 2), ("pad", 0),
-                   ("mu_k_seq", 0))
+    _BATCH_DIMS = (("win", 1), ("codes", 1), ("meta", 2), ("key_hi", 0), ("value_meta", 1), ("coded_x", 1),
+                   ("coded_meta", 2), ("pad", 0), ("mu_k_seq", 0))
 
     def _rebatched(self) -> None:
         self.batch_size = self.win.shape[1]
@@ -239,14 +239,14 @@ class EagerOps:
         n_sink, n_rec = int(mask[:, :s0].sum()), int(mask[:, s0:].sum())  # summed over rows
         n_hist = int((self.n_hist(t) - self.pad).clamp(min=0).sum())
         hq, el, meta_el = len(self.params.int2_heads), self.dtype.itemsize, cfg.torch_meta_dtype.itemsize
-        bufs = [x for x in (self.win, self.codes, self.meta, self.key_hi, self.coded_x, self.coded_meta)
-                if x is not None]
+        bufs = [x for x in (self.win, self.codes, self.meta, self.key_hi, self.value_meta, self.coded_x,
+                            self.coded_meta) if x is not None]
         # (3-bit keys: one more bit a key element, the plane key_hi)
         code_bits = cfg.key_bits + cfg.bits
         return dict(
             sink=2 * n_sink * hk * d * el, recent=2 * n_rec * hk * d * el,
             history_codes=code_bits * n_hist * hq * d // 8,
-            history_meta=2 * n_hist * hq * (d // cfg.group_size) * 2 * meta_el,
+            history_meta=n_hist * hq * (d // cfg.group_size + d // cfg.value_group(d)) * 2 * meta_el,
             history_elements=2 * n_hist * hq * d,
             # the coded history entries of those heads (their window copies, if any, are counted above)
             retrieval_heads=2 * n_hist * len(self.retrieval_heads) * heads.row_bytes(cfg.retrieval_bits, d, self.dtype),

@@ -88,10 +88,12 @@ class LayerParams:
         if not self.int2_heads:
             return coded, None
         if kind == "k":
-            r, mu, clip, bits = self.r_k, self.mu_k if mu_k is None else mu_k, self.clip_k, config.key_bits
-        else:
-            r, mu, clip, bits = self.r_v, self.mu_v, self.clip_v, config.bits
-        return coded, rotate_quantize(self.int2_part(x), r, mu, clip, config.group_size, config.torch_meta_dtype,
+            r, mu, clip = self.r_k, self.mu_k if mu_k is None else mu_k, self.clip_k
+            bits, g = config.key_bits, config.group_size
+        else:  # (the values' group may be their own: OscarConfig.value_group_size)
+            r, mu, clip = self.r_v, self.mu_v, self.clip_v
+            bits, g = config.bits, config.value_group(x.shape[-1])
+        return coded, rotate_quantize(self.int2_part(x), r, mu, clip, g, config.torch_meta_dtype,
                                       use_kernels=config.use_kernels, quantizer=config.quantizer, bits=bits)
 
     def merge(self, int2_part: torch.Tensor | None, coded_part: torch.Tensor) -> torch.Tensor:

@@ -140,8 +140,9 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     # the group sizes dividing head_dim; the group step tries all but the defaults' (the quantizer step keeps it)
     sizes = [g for g in dict.fromkeys(hd if g is None else g for g in GROUP_SIZES) if g <= hd and hd % g == 0]
     groups = [g for g in sizes if g != base.group_size]
-    # the bar counts settings scored or over budget: defaults, quantizer, group sizes, windows, head width, layers
-    n_plan = (2 + len(groups) + len(key_groups(base.group_size, sizes))
+    # the bar counts settings scored or over budget: defaults, quantizer, group sizes, 3-bit keys (and with coarser
+    # value groups), windows, head width, layers
+    n_plan = (2 + len(groups) + len(key_groups(base.group_size, sizes)) + sum(g > base.group_size for g in sizes)
               + len(window_candidates(base.sink, base.recent, prompt)) + (1 if space.heads else 0)
               + min(len(PRECISE_LAYERS), len(space.ranked_layers)))
 
@@ -198,6 +199,12 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         if inc.config.key_bits == 2:
             step([(f"key_bits=3, group_size={g}", unfit().replace(key_bits=3, quantizer="minmax", group_size=g),
                    precise) for g in key_groups(inc.config.group_size, sizes)])
+        # 3-bit keys at the incumbent's group with the values at a coarser one, whose metadata pays for the key's bit
+        # (Gemma-3-270M's needles: keys at group 32 and values at 64 kept them, docs/quality.md "Three-bit keys")
+        g = inc.config.group_size
+        step([(f"key_bits=3, group_size={g}, value_group_size={gv}",
+               unfit().replace(key_bits=3, quantizer="minmax", group_size=g, value_group_size=gv), precise)
+              for gv in sizes if gv > g])
         step([window_option(s, r) for s, r in window_candidates(inc.config.sink, inc.config.recent, prompt)])
         if space.heads or precise:  # (the width of no head changes nothing)
             step([(f"heads as INT{w}", unfit().replace(retrieval_bits=w), precise) for w in HEAD_WIDTHS
@@ -243,9 +250,10 @@ def settings_summary(entry: dict) -> list[str]:
     """Report lines of a ``metadata["settings"]`` entry (:func:`oscar_hf.calibration.calibration_report`)."""
     c = entry["chosen"]
     width = "in the model dtype" if c["retrieval_bits"] == 16 else f"as INT{c['retrieval_bits']}"
+    vg = f" (values {c['value_group_size']})" if c.get("value_group_size") not in (None, c["group_size"]) else ""
     lines = [f"  cache settings chosen by next-token KL within {entry['budget_bits']:g} bits per cached element at "
              f"{entry['target_context']} tokens: sink {c['sink']} / recent {c['recent']}, group_size "
-             f"{c['group_size']}, quantizer {c['quantizer']}, {c.get('key_bits', 2)}-bit keys, "
+             f"{c['group_size']}{vg}, quantizer {c['quantizer']}, {c.get('key_bits', 2)}-bit keys, "
              f"{len(c['retrieval_heads'])} retrieval heads "
              f"{width} ({entry['chosen_name']}: {entry['bits']:.3f} bits, KL {entry['kl']:.4g}; search "
              f"{entry['time_s']} s; {entry['objective']})"]

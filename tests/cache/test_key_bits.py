@@ -164,7 +164,7 @@ def test_gpu_three_bit_keys_compiled_step_gives_the_eager_tokens():
 
     with pytest.warns(UserWarning, match="torch references"):
         import oscar_hf.cache.base as base_mod
-        base_mod._SAID_KEY_BITS = False
+        base_mod._SAID_REFERENCE = False
         eager = gen(OscarCache(m, compile=False, **kw), False)
     torch._dynamo.reset()
     compiled = gen(OscarCache(m, **kw), True)

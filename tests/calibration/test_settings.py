@@ -316,3 +316,23 @@ def test_search_tries_three_bit_keys_where_they_fit(tiny):
     e = choose_settings(tiny, rot, w, budget_bits=3.2, target_context=8192, score=score, progress=False)
     assert e["chosen"]["key_bits"] == 2 and "key_bits=3, group_size=64" in [o["name"] for o in e["over_budget"]]
     assert all(t["key_bits"] == 2 for t in e["tried"])
+
+
+def test_search_tries_three_bit_keys_with_values_at_a_coarser_group(tiny):
+    """3-bit keys at the incumbent's group with the values at each coarser one: chosen where the KL says so and the
+    budget holds it (the values' metadata pays for part of the keys' bit), and the artifact's entry loads."""
+    rot = scored_rotations(tiny, [[0.1, 0.1], [0.1, 0.1]])
+    w = [torch.zeros(2048, dtype=torch.long)]
+
+    def score(c):  # lowest with 3-bit keys at group 32 and values at 64
+        return 1.0 - (0.5 if (c.key_bits, c.group_size, c.value_group(64)) == (3, 32, 64) else 0.0)
+
+    # at 8192: keys (3 + 32/32), values (2 + 32/64): (320 x 16 + 7872 x 3.25) / 8192 = 3.748; 3-bit keys with
+    # values at 32 too would cost 3.99, over the budget
+    e = choose_settings(tiny, rot, w, budget_bits=3.8, target_context=8192, score=score, progress=False,
+                        base=OscarConfig(group_size=32))
+    assert e["chosen_name"] == "key_bits=3, group_size=32, value_group_size=64"
+    assert e["bits"] == pytest.approx(3.7480, abs=1e-4)
+    assert "key_bits=3, group_size=32" in [o["name"] for o in e["over_budget"]]
+    cfg = OscarConfig(**artifact_settings({"settings": e}))
+    assert (cfg.key_bits, cfg.group_size, cfg.value_group_size) == (3, 32, 64)

@@ -57,6 +57,8 @@ CASES = [
     ("artifact-fpheads-decode", dict(sink=2, recent=6, group_size=16, retrieval_heads=((1, 1),)), 1),
     # a whole layer of INT8 heads (the default storage): no INT2 head left in it
     ("artifact-coded-layer", dict(sink=2, recent=6, group_size=16, retrieval_heads=((1, 0), (1, 1))), 1),
+    # 3-bit keys with the values at a coarser group of their own (the references' storage)
+    ("artifact-value-groups", dict(sink=2, recent=6, group_size=16, key_bits=3, value_group_size=32), 9),
 ]
 
 

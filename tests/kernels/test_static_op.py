@@ -50,7 +50,7 @@ def _storage(layer, use_kernels="auto", win=None) -> tuple:
     """The op's last arguments: the layer's StepStorage, StepHeads and StepConfig. A layer with retrieval heads gets
     their stores stacked as the compiled storage keeps them, its ``coded_k/coded_v`` rebound to views of them (the op
     writes the stacked tensors)."""
-    storage = step_storage(layer.win_kv if win is None else win, layer.codes_kv, layer.meta_kv, None,
+    storage = step_storage(layer.win_kv if win is None else win, layer.codes_kv, layer.meta_kv, None, None,
                            torch.stack([layer.r_k, layer.r_v]), layer.clip_k, layer.clip_v)
     heads = NO_HEADS
     if layer.coded_bits is not None:
@@ -177,7 +177,7 @@ def test_bad_arguments():
     layer, *_ = _case(None, None)
     with pytest.raises(ValueError, match="use_kernels"):
         _storage(layer, use_kernels="yes")
-    with pytest.raises(ValueError, match="win must stack keys and values"):
+    with pytest.raises(ValueError, match="win must have 5 dimensions"):
         _storage(layer, win=layer.win_k)
     storage = list(_storage(layer))
     storage[1] = layer.codes_kv[0]  # (StepStorage.codes)
@@ -185,9 +185,9 @@ def test_bad_arguments():
     new_k, new_v = _tokens(layer, 0)
     args = _step_args(layer, torch.zeros(b, hk, 2, d, dtype=torch.bfloat16), new_k, new_v, 0, torch.tensor([0, 0]),
                       torch.ones(b, 1, 1, S0 + W + 4, dtype=torch.bool), None, 0.0)
-    with pytest.raises(ValueError, match="codes must stack keys and values"):
+    with pytest.raises(ValueError, match="codes must have 5 dimensions"):
         decode_step_op(*args, *storage)
-    with pytest.raises(Exception, match="codes must stack keys and values"):
+    with pytest.raises(Exception, match="codes must have 5 dimensions"):
         torch.compile(lambda: decode_step_op(*args, *storage), fullgraph=True, backend="eager")()
 
 
