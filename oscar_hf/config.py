@@ -15,7 +15,7 @@ from .fingerprint import (  # noqa: F401  (re-exported: the names every module i
     DUMMY_LAYER_TYPE, FULL_LAYER_TYPES, FULL_PRECISION_LAYER_TYPES, FULL_PRECISION_WHY, LATENT_LAYER_TYPE,
     SHARED_KV_LAYER_TYPE, SLIDING_LAYER_TYPES, STATE_LAYER_TYPES, UNEQUAL_KV_LAYER_TYPE, ModelFingerprint,
     default_group_size, hybrid_state_layers, kv_sharing_modes, layer_types_of, validate_head_dim)
-from .quant import QUANTIZERS, SUPPORTED_META_DTYPES, bits_per_element, check_code_bits
+from .quant import QUANTIZERS, SUPPORTED_META_DTYPES, bits_per_element, check_code_bits, check_group_size
 
 META_DTYPES = {str(d).removeprefix("torch."): d for d in SUPPORTED_META_DTYPES}
 
@@ -214,6 +214,8 @@ class OscarConfig:
         """Average bits per history element when ``retrieval_share`` of the KV heads are retrieval heads and the rest
         INT2 (2.5 at group 64, BF16; keys and values averaged: 3.0 with 3-bit keys)."""
         c = self.for_head_dim(head_dim)
+        for g in (c.group_size, c.value_group(head_dim)):  # (a group that does not divide head_dim prices nothing)
+            check_group_size(head_dim, g)
         q = (bits_per_element(head_dim, c.group_size, c.torch_meta_dtype, c.key_bits)
              + bits_per_element(head_dim, c.value_group(head_dim), c.torch_meta_dtype, c.bits)) / 2
         return (1.0 - retrieval_share) * q + retrieval_share * self.retrieval_head_bits(head_dim)

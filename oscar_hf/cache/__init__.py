@@ -253,7 +253,8 @@ class OscarCache(Cache):
         q_layers = [layer for layer in self.layers if hasattr(layer, "memory")]
         n_heads = len(q_layers) * self.fingerprint.num_key_value_heads
         share = sum(len(layer.retrieval_heads) for layer in q_layers) / n_heads if n_heads else 0.0
-        tot["history_bits_per_element"] = self.oscar_config.history_bits(self.fingerprint.head_dim, share)
+        tot["history_bits_per_element"] = (self.oscar_config.history_bits(self.fingerprint.head_dim, share) if q_layers
+                                           else float("nan"))  # (no INT2 history, e.g. every layer latent)
         return tot
 
     def _log_layer_plan(self, hybrid: set[int]) -> None:

@@ -30,6 +30,9 @@ def test_config_bits_and_checks():
     assert c.history_bits(256) == pytest.approx((3 + 32 / 32 + 2 + 32 / 128) / 2)  # bf16 scale + zero a group
     assert c.history_bits(256) < OscarConfig(group_size=32, key_bits=3).history_bits(256)
     assert not c.kernels_serve and OscarConfig(group_size=64, value_group_size=64).kernels_serve
+    for cfg in (OscarConfig(group_size=128), OscarConfig(value_group_size=128)):  # priced only where they group D
+        with pytest.raises(ValueError, match="does not divide head_dim=64"):
+            cfg.history_bits(64)
     for bad in (0, -32, True, 32.0, "64"):
         with pytest.raises(ValueError, match="value_group_size"):
             OscarConfig(value_group_size=bad)
