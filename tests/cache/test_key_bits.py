@@ -1,6 +1,7 @@
 """3-bit keys (``OscarConfig.key_bits=3``): the codes (INT2 planes of the low bits + a plane of the high bit), what
 they read back, the cache's storage and bit counts, saving and loading, the refusals, the settings search trying them,
-and (GPU) the compiled step under CUDA graphs giving the eager tokens."""
+The decode op against the multi-token path and (GPU) the compiled step under CUDA graphs giving the eager tokens:
+``test_value_groups.py``, over every storage the references alone serve."""
 import pytest
 import torch
 
@@ -90,29 +91,6 @@ def test_cache_stores_three_bit_keys_closer_to_the_exact_ones():
     assert mem[3]["allocated"] == mem[2]["allocated"] + caches[3].layers[1].key_hi.numel()
 
 
-def test_the_decode_op_reads_the_three_bit_history_as_the_multi_token_path_does():
-    """One decode step through the decode op (its write, then its read) gives the logits of the multi-token path
-    (the pending demotion, then a read of the whole history) on a copy of the same state: both read 3-bit keys."""
-    import copy
-
-    torch.manual_seed(0)
-    m = tiny_model("llama", head_dim=64)
-    ids = torch.randint(0, m.config.vocab_size, (2, 40))
-    c = OscarCache(m, key_bits=3, compile=False, **SMALL)
-    _prefill_and_decode(m, ids, c, steps=6)
-    twin = copy.deepcopy(c)
-    for layer in twin.layers:  # (the eager route a decode step takes under a mask that hides more than padding)
-        layer._left_padding_only = lambda *a: False
-    nxt = torch.tensor([[3], [7]])
-    with torch.no_grad():
-        op = m(nxt, **cache_kwargs(m, c)).logits
-        eager = m(nxt, **cache_kwargs(m, twin)).logits
-    assert torch.allclose(op, eager, atol=1e-4, rtol=1e-4)
-    n = c.layers[1].host_len - 8 - 4 - 1  # (the eager route leaves this step's demotion pending for the next)
-    assert torch.equal(c.layers[1].key_hi[:, :, :n], twin.layers[1].key_hi[:, :, :n])
-    assert c.layers[1].key_hi[:, :, n - 1].any()  # (a row written by the decode steps, not zeros)
-
-
 def test_save_and_load_keep_the_high_plane(tmp_path):
     torch.manual_seed(0)
     m = tiny_model("llama", head_dim=64)
@@ -144,31 +122,3 @@ def test_the_serving_store_refuses_three_bit_keys():
     with pytest.raises(NotImplementedError, match="INT2 keys only"):
         OscarPagedStore(m, None, OscarConfig(key_bits=3, **{k: v for k, v in SMALL.items() if k != "method"}),
                         num_pages=4, page_size=16)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_three_bit_keys_compiled_step_gives_the_eager_tokens():
-    """On the GPU (torch references for the 3-bit keys, said once): generate's compiled decode under CUDA graphs
-    gives the eager tokens; use_kernels=True is refused."""
-    from batch_utils import cuda_qwen3
-
-    m = cuda_qwen3()
-    torch.manual_seed(0)
-    ids = torch.randint(0, m.config.vocab_size, (2, 600), device="cuda")
-    kw = dict(method="hadamard", group_size=64, key_bits=3, sink=16, recent=64)
-
-    def gen(cache, compile_):
-        return m.generate(ids, max_new_tokens=24, do_sample=False, **cache_kwargs(m, cache),
-                          **({} if compile_ else dict(disable_compile=True)))
-
-    with pytest.warns(UserWarning, match="torch references"):
-        import oscar_hf.cache.base as base_mod
-        base_mod._SAID_REFERENCE = False
-        eager = gen(OscarCache(m, compile=False, **kw), False)
-    torch._dynamo.reset()
-    compiled = gen(OscarCache(m, **kw), True)
-    assert (compiled == eager).float().mean().item() > 0.97
-    with pytest.raises(ValueError, match="no Triton kernels"):
-        with torch.no_grad():
-            m(ids[:, :32], **cache_kwargs(m, OscarCache(m, use_kernels=True, **kw)))

@@ -1,7 +1,7 @@
 """Values at a group size of their own (``OscarConfig.value_group_size``): the bit count, the storage (the values'
 metadata in ``value_meta``, the keys' in ``meta``), what the history reads back, the decode op against the
 multi-token path, saving and loading, the refusals, and (GPU) the compiled step under CUDA graphs giving the eager
-tokens. Each case beside 3-bit keys too, the pairing the settings search tries."""
+tokens. The decode op and the GPU case over every storage the references alone serve (3-bit keys too)."""
 import copy
 
 import pytest
@@ -78,10 +78,11 @@ def test_cache_stores_values_at_their_own_group(kw):
     assert mb["allocated"] < ma["allocated"]
 
 
-@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
-def test_the_decode_op_reads_values_at_their_group_as_the_multi_token_path_does(kw):
-    """One decode step through the decode op (its write, then its read) gives the logits of the multi-token path on a
-    copy of the same state, and both write the same value rows."""
+@pytest.mark.parametrize("kw", [dict(key_bits=3)] + VARIANTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+def test_the_decode_op_reads_the_reference_storage_as_the_multi_token_path_does(kw):
+    """One decode step through the decode op (its write, then its read) gives the logits of the multi-token path (the
+    pending demotion, then a read of the whole history) on a copy of the same state, and both write the same rows of
+    every storage the references alone serve (3-bit keys' high plane, the values' own metadata)."""
     torch.manual_seed(0)
     m = tiny_model("llama", head_dim=64)
     ids = torch.randint(0, m.config.vocab_size, (2, 40))
@@ -95,9 +96,13 @@ def test_the_decode_op_reads_values_at_their_group_as_the_multi_token_path_does(
         op = m(nxt, **cache_kwargs(m, c)).logits
         eager = m(nxt, **cache_kwargs(m, twin)).logits
     assert torch.allclose(op, eager, atol=1e-4, rtol=1e-4)
-    n = c.layers[1].host_len - 8 - 4 - 1
-    assert torch.equal(c.layers[1].value_meta[:, :, :, :n], twin.layers[1].value_meta[:, :, :, :n])
-    assert c.layers[1].value_meta[0, :, :, n - 1].any()  # (a row written by the decode steps, not zeros)
+    n = c.layers[1].host_len - 8 - 4 - 1  # (the eager route leaves this step's demotion pending for the next)
+    stores = [(c.layers[1].key_hi, twin.layers[1].key_hi, 2)] if kw.get("key_bits") == 3 else []
+    if "value_group_size" in kw:
+        stores.append((c.layers[1].value_meta[0], twin.layers[1].value_meta[0], 2))  # [B, H2, N, D/Gv] scales
+    for a, b, dim in stores:
+        assert torch.equal(a.narrow(dim, 0, n), b.narrow(dim, 0, n))
+        assert a.narrow(dim, n - 1, 1).any()  # (a row written by the decode steps, not zeros)
 
 
 def test_save_and_load_keep_the_values_groups(tmp_path):
@@ -132,23 +137,25 @@ def test_the_serving_store_refuses_values_at_their_own_group():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_values_at_their_group_compiled_step_gives_the_eager_tokens():
+@pytest.mark.parametrize("kw", [dict(group_size=64, key_bits=3), dict(group_size=32, value_group_size=128, key_bits=3)],
+                         ids=["key_bits3", "value_group128-key_bits3"])
+def test_gpu_reference_storage_compiled_step_gives_the_eager_tokens(kw):
     """On the GPU (the torch references, said once): generate's compiled decode under CUDA graphs gives the eager
-    tokens, with 3-bit keys beside; use_kernels=True is refused."""
+    tokens; use_kernels=True is refused."""
     import oscar_hf.cache.base as base_mod
     from batch_utils import cuda_qwen3
 
     m = cuda_qwen3()
     torch.manual_seed(0)
     ids = torch.randint(0, m.config.vocab_size, (2, 600), device="cuda")
-    kw = dict(method="hadamard", group_size=32, value_group_size=128, key_bits=3, sink=16, recent=64)
+    kw = dict(method="hadamard", sink=16, recent=64, **kw)
 
     def gen(cache, compile_):
         return m.generate(ids, max_new_tokens=24, do_sample=False, **cache_kwargs(m, cache),
                           **({} if compile_ else dict(disable_compile=True)))
 
     base_mod._SAID_REFERENCE = False
-    with pytest.warns(UserWarning, match="value_group_size=128"):
+    with pytest.warns(UserWarning, match="torch references"):
         eager = gen(OscarCache(m, compile=False, **kw), False)
     torch._dynamo.reset()
     compiled = gen(OscarCache(m, **kw), True)
