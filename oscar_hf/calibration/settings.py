@@ -95,6 +95,11 @@ def key_groups(group_size: int, sizes: Sequence[int]) -> list[int]:
     return [g for g in sizes if g >= group_size][: 1 + KEY_GROUP_STEPS]
 
 
+def value_key_groups(group_size: int, sizes: Sequence[int]) -> list[int]:
+    """The key groups 3-bit keys are tried at beside values at a coarser group: ``group_size`` and the next finer."""
+    return [g for g in sizes if g <= group_size][-2:]
+
+
 def window_candidates(sink: int, recent: int, prompt: int) -> list[tuple[int, int]]:
     """``(sink, recent)`` halved and doubled, then :data:`WIDE_WINDOWS`, each with
     ``sink + recent <= WINDOW_SHARE * prompt``."""
@@ -142,7 +147,8 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     groups = [g for g in sizes if g != base.group_size]
     # the bar counts settings scored or over budget: defaults, quantizer, group sizes, 3-bit keys (and with coarser
     # value groups), windows, head width, layers
-    n_plan = (2 + len(groups) + len(key_groups(base.group_size, sizes)) + sum(g > base.group_size for g in sizes)
+    n_plan = (2 + len(groups) + len(key_groups(base.group_size, sizes))
+              + sum(gv > g for g in value_key_groups(base.group_size, sizes) for gv in sizes)
               + len(window_candidates(base.sink, base.recent, prompt)) + (1 if space.heads else 0)
               + min(len(PRECISE_LAYERS), len(space.ranked_layers)))
 
@@ -199,12 +205,12 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         if inc.config.key_bits == 2:
             step([(f"key_bits=3, group_size={g}", unfit().replace(key_bits=3, quantizer="minmax", group_size=g),
                    precise) for g in key_groups(inc.config.group_size, sizes)])
-        # 3-bit keys at the incumbent's group with the values at a coarser one, whose metadata pays for the key's bit
-        # (Gemma-3-270M's needles: keys at group 32 and values at 64 kept them, docs/quality.md "Three-bit keys")
-        g = inc.config.group_size
+        # 3-bit keys at the incumbent's group or the next finer one with the values at each coarser group, whose
+        # metadata pays for part of the keys' bit (Gemma-3-270M's needles: keys at group 32 and values at 64 kept
+        # them where both at 64 did not, docs/quality.md "Three-bit keys")
         step([(f"key_bits=3, group_size={g}, value_group_size={gv}",
                unfit().replace(key_bits=3, quantizer="minmax", group_size=g, value_group_size=gv), precise)
-              for gv in sizes if gv > g])
+              for g in value_key_groups(inc.config.group_size, sizes) for gv in sizes if gv > g])
         step([window_option(s, r) for s, r in window_candidates(inc.config.sink, inc.config.recent, prompt)])
         if space.heads or precise:  # (the width of no head changes nothing)
             step([(f"heads as INT{w}", unfit().replace(retrieval_bits=w), precise) for w in HEAD_WIDTHS

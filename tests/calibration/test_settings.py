@@ -336,3 +336,6 @@ def test_search_tries_three_bit_keys_with_values_at_a_coarser_group(tiny):
     assert "key_bits=3, group_size=32" in [o["name"] for o in e["over_budget"]]
     cfg = OscarConfig(**artifact_settings({"settings": e}))
     assert (cfg.key_bits, cfg.group_size, cfg.value_group_size) == (3, 32, 64)
+    # from the defaults' group 64: the keys are also tried at the next finer group, 32
+    e = choose_settings(tiny, rot, w, budget_bits=3.8, target_context=8192, score=score, progress=False)
+    assert e["chosen_name"] == "key_bits=3, group_size=32, value_group_size=64"
