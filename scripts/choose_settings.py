@@ -44,7 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-context", type=int, default=None)
     p.add_argument("--windows", type=int, default=SETTINGS_WINDOWS, help="held-out windows scored")
     p.add_argument("--heldout-len", type=int, default=None, help="held-out window length (default: calibration's)")
-    p.add_argument("--out", required=True, help="output artifact directory")
+    p.add_argument("--out", required=True, help="output artifact directory (with --score: a JSON file)")
+    p.add_argument("--score", action="append", default=[], metavar="KEY=V[,KEY=V]",
+                   help="instead of searching: the next-token KL and the bits of these settings over the artifact's "
+                        "chosen ones, on the same held-out windows (KEYs as default_perplexity's --row; repeatable; "
+                        "an empty string: the chosen settings themselves)")
     p.add_argument("--force", action="store_true", help="overwrite --out")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -87,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     base = OscarConfig(sink=sink, recent=recent, group_size=int(g) if g else None,
                        meta_dtype=cal.get("meta_dtype", "bfloat16"))
     t0 = time.perf_counter()
+    if args.score:
+        return score_rows(args, model, rot, as_sequences(held), base)
     entry = choose_settings(model, rot, as_sequences(held), budget_bits=args.budget_bits,
                             target_context=args.target_context, base=base)
     rot.metadata["settings"] = entry
@@ -99,6 +105,32 @@ def main(argv: list[str] | None = None) -> int:
     plot_settings(rot, out / "settings.png")
     print(report)
     print(json.dumps({"out": str(out), "time_s": round(time.perf_counter() - t0, 1), "chosen": entry["chosen"]}))
+    return 0
+
+
+def score_rows(args, model, rot, held, base) -> int:
+    """``--score``: each row's mean next-token KL (the search's objective, on its windows) and bits at the budget's
+    context, as the search's report gives them, into the JSON file ``--out``."""
+    from oscar_hf.calibration.settings import (DEFAULT_TARGET_CONTEXT, SCORED_TOKENS, _Space, next_token_kl,
+                                               reference_log_probs)
+    from oscar_hf.config import OscarConfig, artifact_settings
+    from oscar_hf.eval.default_perplexity import row_settings
+
+    chosen = artifact_settings(rot.metadata) or {}
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)  # (as the search)
+    context = args.target_context or (int(min(DEFAULT_TARGET_CONTEXT, limit)) if limit else DEFAULT_TARGET_CONTEXT)
+    space = _Space(rot, base, args.budget_bits, context)
+    refs = [reference_log_probs(model, w, SCORED_TOKENS) for w in held]
+    rows = {}
+    for spec in args.score:
+        config = OscarConfig(**{**chosen, **row_settings(spec)})
+        kl = sum(next_token_kl(model, rot, w, reference=r, config=config) for w, r in zip(held, refs)) / len(held)
+        rows[spec or "chosen"] = {"kl": float(kl), "bits": round(space.bits(config), 4)}
+        print(f"{spec or 'chosen':<60} KL {kl:.4g}  {rows[spec or 'chosen']['bits']:.3f} bits", flush=True)
+    command = "python -P scripts/choose_settings.py " + " ".join(f"'{a}'" if "," in a or "=" in a else a
+                                                                  for a in sys.argv[1:])
+    Path(args.out).write_text(json.dumps({"command": command, "windows": [int(w.numel()) for w in held],
+                                          "target_context": space.context, "rows": rows}, indent=1))
     return 0
 
 
