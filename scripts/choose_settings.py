@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -127,8 +128,7 @@ def score_rows(args, model, rot, held, base) -> int:
         kl = sum(next_token_kl(model, rot, w, reference=r, config=config) for w, r in zip(held, refs)) / len(held)
         rows[spec or "chosen"] = {"kl": float(kl), "bits": round(space.bits(config), 4)}
         print(f"{spec or 'chosen':<60} KL {kl:.4g}  {rows[spec or 'chosen']['bits']:.3f} bits", flush=True)
-    command = "python -P scripts/choose_settings.py " + " ".join(f"'{a}'" if "," in a or "=" in a else a
-                                                                  for a in sys.argv[1:])
+    command = "python -P scripts/choose_settings.py " + shlex.join(sys.argv[1:])
     Path(args.out).write_text(json.dumps({"command": command, "windows": [int(w.numel()) for w in held],
                                           "target_context": space.context, "rows": rows}, indent=1))
     return 0
