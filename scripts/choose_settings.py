@@ -116,6 +116,7 @@ def score_rows(args, model, rot, held, base) -> int:
                                                reference_log_probs)
     from oscar_hf.config import OscarConfig, artifact_settings
     from oscar_hf.eval.default_perplexity import row_settings
+    from oscar_hf.layer_choice import resolve_retrieval_heads
 
     chosen = artifact_settings(rot.metadata) or {}
     limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)  # (as the search)
@@ -125,6 +126,9 @@ def score_rows(args, model, rot, held, base) -> int:
     rows = {}
     for spec in args.score:
         config = OscarConfig(**{**chosen, **row_settings(spec)})
+        if config.retrieval_heads == "auto":  # (priced as the cache resolves them)
+            heads = resolve_retrieval_heads(config, rot, rot.fingerprint, config.skipped(rot.fingerprint.num_layers))
+            config = config.replace(retrieval_heads=tuple(sorted((i, h) for i, hs in heads.items() for h in hs)))
         kl = sum(next_token_kl(model, rot, w, reference=r, config=config) for w, r in zip(held, refs)) / len(held)
         rows[spec or "chosen"] = {"kl": float(kl), "bits": round(space.bits(config), 4)}
         print(f"{spec or 'chosen':<60} KL {kl:.4g}  {rows[spec or 'chosen']['bits']:.3f} bits", flush=True)

@@ -339,3 +339,33 @@ def test_search_tries_three_bit_keys_with_values_at_a_coarser_group(tiny):
     # from the defaults' group 64: the keys are also tried at the next finer group, 32
     e = choose_settings(tiny, rot, w, budget_bits=3.8, target_context=8192, score=score, progress=False)
     assert e["chosen_name"] == "key_bits=3, group_size=32, value_group_size=64"
+
+
+def test_choose_settings_script_scores_given_settings_without_searching(tiny, tmp_path):
+    """``scripts/choose_settings.py --score``: each row's KL is the search's objective on the same windows (the
+    artifact's chosen settings under the row's), its bits the budget's measure; one JSON file with the command."""
+    import argparse
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from oscar_hf.calibration.settings import SCORED_TOKENS, next_token_kl, reference_log_probs
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "choose_settings.py"
+    spec = importlib.util.spec_from_file_location("choose_settings_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rot = scored_rotations(tiny, [[0.1, 0.1], [0.1, 0.1]])
+    w = [torch.randint(0, tiny.config.vocab_size, (1000,), generator=torch.Generator().manual_seed(3))]
+    out = tmp_path / "kl.json"
+    args = argparse.Namespace(score=["", "group_size=32", "key_bits=3"], budget_bits=3.5, target_context=8192, out=out)
+    assert script.score_rows(args, tiny, rot, w, OscarConfig()) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows) == ["chosen", "group_size=32", "key_bits=3"]
+    ref = reference_log_probs(tiny, w[0], SCORED_TOKENS)
+    for name, cfg in (("chosen", OscarConfig()), ("key_bits=3", OscarConfig(key_bits=3))):
+        assert rows[name]["kl"] == pytest.approx(float(next_token_kl(tiny, rot, w[0], reference=ref, config=cfg)))
+        heads = cfg.replace(retrieval_heads=())  # (these scores pick no retrieval head: all below 0.4)
+        assert rows[name]["bits"] == pytest.approx(heads.stored_bits(rot.fingerprint, sorted(rot.layers), 8192),
+                                                   abs=1e-4)
+    assert rows["group_size=32"]["bits"] > rows["chosen"]["bits"] and rows["chosen"]["kl"] > 0
