@@ -180,10 +180,15 @@ class OscarConfig:
         return self.value_group_size or self.for_head_dim(head_dim).group_size
 
     @property
+    def values_own_group(self) -> bool:
+        """Whether the values are grouped apart from the keys (a ``value_group_size`` other than ``group_size``)."""
+        return self.value_group_size not in (None, self.group_size)
+
+    @property
     def kernels_serve(self) -> bool:
         """Whether the Triton kernels can write and read this storage: INT2 keys at the values' group size (3-bit keys
         and a values' group of its own run on the torch references)."""
-        return self.key_bits == 2 and self.value_group_size in (None, self.group_size)
+        return self.key_bits == 2 and not self.values_own_group
 
     @property
     def torch_meta_dtype(self) -> torch.dtype:

@@ -112,16 +112,14 @@ def main(argv: list[str] | None = None) -> int:
 def score_rows(args, model, rot, held, base) -> int:
     """``--score``: each row's mean next-token KL (the search's objective, on its windows) and bits at the budget's
     context, as the search's report gives them, into the JSON file ``--out``."""
-    from oscar_hf.calibration.settings import (DEFAULT_TARGET_CONTEXT, SCORED_TOKENS, _Space, next_token_kl,
+    from oscar_hf.calibration.settings import (SCORED_TOKENS, _Space, default_target_context, next_token_kl,
                                                reference_log_probs)
     from oscar_hf.config import OscarConfig, artifact_settings
     from oscar_hf.eval.default_perplexity import row_settings
     from oscar_hf.layer_choice import resolve_retrieval_heads
 
     chosen = artifact_settings(rot.metadata) or {}
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)  # (as the search)
-    context = args.target_context or (int(min(DEFAULT_TARGET_CONTEXT, limit)) if limit else DEFAULT_TARGET_CONTEXT)
-    space = _Space(rot, base, args.budget_bits, context)
+    space = _Space(rot, base, args.budget_bits, args.target_context or default_target_context(model))
     refs = [reference_log_probs(model, w, SCORED_TOKENS) for w in held]
     rows = {}
     for spec in args.score:

@@ -41,9 +41,8 @@ def check_reference_storage(config: OscarConfig, key_states: torch.Tensor) -> No
         check_group_size(d, config.value_group_size)
     if config.kernels_serve or not triton_enabled(key_states, config.use_kernels):
         return
-    what = (f"key_bits={config.key_bits}" if config.key_bits != 2 else "")
-    what += (", " if what else "") + (f"value_group_size={config.value_group_size} (keys at {config.group_size})"
-                                      if config.value_group_size not in (None, config.group_size) else "")
+    what = ", ".join([f"key_bits={config.key_bits}"] * (config.key_bits != 2) + [
+        f"value_group_size={config.value_group_size} (keys at {config.group_size})"] * config.values_own_group)
     if config.use_kernels is True:
         raise ValueError(f"OscarConfig {what} has no Triton kernels yet (the torch references read and write it): use "
                          "use_kernels='auto' or False, or INT2 keys at the values' group size")

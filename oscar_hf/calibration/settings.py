@@ -90,6 +90,13 @@ class _Space:
         return None
 
 
+def default_target_context(model) -> int:
+    """The context the budget is priced at by default: :data:`DEFAULT_TARGET_CONTEXT`, capped by the model's
+    ``max_position_embeddings``."""
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    return int(min(DEFAULT_TARGET_CONTEXT, limit)) if limit else DEFAULT_TARGET_CONTEXT
+
+
 def key_groups(group_size: int, sizes: Sequence[int]) -> list[int]:
     """The group sizes 3-bit keys are tried at: ``group_size`` and the next :data:`KEY_GROUP_STEPS` coarser ones."""
     return [g for g in sizes if g >= group_size][: 1 + KEY_GROUP_STEPS]
@@ -122,8 +129,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     :data:`DEFAULT_TARGET_CONTEXT` capped by the model's ``max_position_embeddings``."""
     t0 = time.perf_counter()
     if target_context is None:
-        limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        target_context = int(min(DEFAULT_TARGET_CONTEXT, limit)) if limit else DEFAULT_TARGET_CONTEXT
+        target_context = default_target_context(model)
     check_budget(budget_bits, target_context)
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must lie in [0, 1), got {margin!r}")
