@@ -51,10 +51,11 @@ from oscar_hf.kernels.kv import History, KVParams, Window
 from oscar_hf.kernels.plan import DEFAULTS, group_fits
 from oscar_hf.kernels.write_path import rotate_quantize_reference
 from oscar_hf.kernels.write_triton import rotate_quantize_triton
-from oscar_hf.quant import QuantizedRows
+from oscar_hf.quant import QuantizedRows, rows_from
 
 HQ, HK, D, GS = 32, 8, 128, 64  # --q-heads, --kv-heads, --head-dim, --group-size (set_shape sets them and what follows)
 META = torch.bfloat16  # scale / zero dtype of the INT2 history: --meta-dtype
+KBITS, GV = 2, GS  # the keys' code bits (--key-bits) and the values' group (--value-group-size; default: the keys')
 META_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 GQ = HQ // HK
 SINK, RECENT = 64, 256
@@ -131,15 +132,15 @@ def make_decode(b, t, gen):
     n = t - W
     dev = "cuda"
 
-    def qrows():
-        return QuantizedRows(
+    def qrows(ng, hi=False):  # (hi: 3-bit keys' high bits [B, Hk, N, D/8])
+        return rows_from((
             torch.randint(0, 256, (b, HK, n, D // 4), dtype=torch.uint8, device=dev),
-            (torch.rand(b, HK, n, NG, device=dev) * 0.1 + 0.02).to(META),
-            (torch.randn(b, HK, n, NG, device=dev) * 0.5 - 0.15).to(META),
-        )
+            (torch.rand(b, HK, n, ng, device=dev) * 0.1 + 0.02).to(META),
+            (torch.randn(b, HK, n, ng, device=dev) * 0.5 - 0.15).to(META),
+        ) + ((torch.randint(0, 256, (b, HK, n, D // 8), dtype=torch.uint8, device=dev),) if hi else ()))
 
     st = dict(
-        n=n, k=qrows(), v=qrows(),
+        n=n, k=qrows(NG, KBITS == 3), v=qrows(D // GV),
         k_win=torch.randn(b, HK, W, D, device=dev, dtype=torch.bfloat16),
         v_win=torch.randn(b, HK, W, D, device=dev, dtype=torch.bfloat16),
         q=torch.randn(b, HQ, 1, D, device=dev, dtype=torch.bfloat16),
@@ -217,8 +218,9 @@ def bench_decode(gen, batches, lengths, copy_bw, rows=None, save=lambda: None):
         op = oscar_op(st)
         row["oscar_ms"] = timed(op)
         row["oscar_graph_ms"] = timed(op, graph=True)
-        # K and V: the INT2 history's codes + scale + zero, and the BF16 window
-        row["oscar_bytes"] = 2 * b * HK * (st["n"] * (D // 4 + 2 * NG * META.itemsize) + W * D * 2)
+        # K and V: the history's codes (3-bit keys: their high bits too) + scale + zero, and the BF16 window
+        row["oscar_bytes"] = b * HK * (st["n"] * (2 * (D // 4) + (D // 8) * (KBITS == 3)
+                                                  + 2 * (NG + D // GV) * META.itemsize) + 2 * W * D * 2)
         row["oscar_GBps"] = row["oscar_bytes"] / row["oscar_ms"] / 1e6
         row["oscar_pct_copy_bw"] = 100 * row["oscar_GBps"] / copy_bw
         row["oscar_graph_pct_copy_bw"] = graph_pct_copy_bw(row, copy_bw)
@@ -343,12 +345,13 @@ def plot(path):
     print("wrote", out)
 
 
-def set_shape(group_size: int, meta_dtype: str, head_dim: int = 128, q_heads: int = 32, kv_heads: int = 8) -> None:
+def set_shape(group_size: int, meta_dtype: str, head_dim: int = 128, q_heads: int = 32, kv_heads: int = 8,
+              key_bits: int = 2, value_group_size: int | None = None) -> None:
     """The attention shape (``--head-dim``, ``--q-heads``, ``--kv-heads``) and the history's quantization shape
     (``--group-size``, ``--meta-dtype``) of this run: module globals that every bench reads. Refuses a shape the decode
     kernels do not serve (``decode_triton.kernel_supported``: the op would take the torch reference, not what is
     meant to be timed)."""
-    global HQ, HK, D, GQ, NG, SCALING, GS, META
+    global HQ, HK, D, GQ, NG, SCALING, GS, META, KBITS, GV
     if kv_heads < 1 or q_heads % kv_heads:
         raise SystemExit(f"--q-heads must be a multiple of --kv-heads, got {q_heads} / {kv_heads}")
     if not group_fits(head_dim, group_size):
@@ -356,10 +359,12 @@ def set_shape(group_size: int, meta_dtype: str, head_dim: int = 128, q_heads: in
                          f"head_dim/4-channel planes (kernels.plan.group_fits), got {group_size}")
     HQ, HK, D, GQ = q_heads, kv_heads, head_dim, q_heads // kv_heads
     GS, NG, META = group_size, D // group_size, META_DTYPES[meta_dtype]
+    KBITS, GV = key_bits, value_group_size or group_size
     SCALING = D**-0.5
     meta = torch.empty(1, HK, 1, NG, dtype=META)
-    probe = QuantizedRows(torch.empty(1, HK, 1, D // 4, dtype=torch.uint8), meta, meta)
-    if not dt.kernel_supported(torch.empty(1, HK, GQ, D), probe, GS, None):
+    probe = rows_from((torch.empty(1, HK, 1, D // 4, dtype=torch.uint8), meta, meta)
+                      + ((torch.empty(1, HK, 1, D // 8, dtype=torch.uint8),) if KBITS == 3 else ()))
+    if not dt.kernel_supported(torch.empty(1, HK, GQ, D), probe, GS, None, value_group=GV):
         raise SystemExit(f"the decode kernels do not serve Hq={HQ}, Hk={HK}, D={D}, G={GS} (kernel_supported)")
 
 
@@ -381,8 +386,13 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=HK, help=f"KV heads (default {HK})")
     ap.add_argument("--meta-dtype", choices=sorted(META_DTYPES), default="bfloat16",
                     help="dtype of the history's scale/zero (default bfloat16; the authors' preset: float32)")
+    ap.add_argument("--key-bits", type=int, choices=(2, 3), default=2, help="the keys' code bits (3: OscarConfig "
+                    "key_bits=3, the split kernel's dequant loop)")
+    ap.add_argument("--value-group-size", type=int, default=None, help="the values' group (default: --group-size; "
+                    "another: OscarConfig value_group_size)")
     args = ap.parse_args(argv)
-    set_shape(args.group_size, args.meta_dtype, args.head_dim, args.q_heads, args.kv_heads)
+    set_shape(args.group_size, args.meta_dtype, args.head_dim, args.q_heads, args.kv_heads, args.key_bits,
+              args.value_group_size)
     if args.plot:
         return plot(args.plot)
     assert args.out and torch.cuda.is_available(), "--out and a CUDA device are needed to benchmark"
@@ -393,7 +403,8 @@ def main(argv=None):
     result = {
         "device": torch.cuda.get_device_name(0), "sms": props.multi_processor_count,
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-        "shape": {"Hq": HQ, "Hk": HK, "D": D, "group_size": GS, "meta": args.meta_dtype, "sink": SINK, "recent": RECENT},
+        "shape": {"Hq": HQ, "Hk": HK, "D": D, "group_size": GS, "meta": args.meta_dtype, "sink": SINK, "recent": RECENT,
+                  "key_bits": KBITS, "value_group_size": GV},
         "command": " ".join(sys.argv), "flush": "clean",
     }
 

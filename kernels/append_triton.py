@@ -31,10 +31,13 @@ def launch_shape(d: int) -> tuple[int, int]:
 @triton.jit
 def _demote_row(SRC, R, MU, CODES, SCALE, ZERO, c_off, m_off, clip,
                 D: tl.constexpr, G: tl.constexpr, BLOCK_K: tl.constexpr, HAS_MU: tl.constexpr,
-                META_KIND: tl.constexpr, STD: tl.constexpr, DP: tl.constexpr):
+                META_KIND: tl.constexpr, STD: tl.constexpr, DP: tl.constexpr,
+                HI=None, h_off=0, BITS: tl.constexpr = 2):
     """Quantize one window row: ``SRC`` -> ``D`` contiguous model-dtype values, ``R`` -> the head's ``[D, D]``
     rotation, ``MU`` -> its ``D`` offsets; stores ``D/4`` codes at ``CODES + c_off`` and ``D/G`` scale / zero at
-    ``SCALE/ZERO + m_off``. ``DP > D``: in the plane-padded layout of ``DP`` lanes (``write_triton``)."""
+    ``SCALE/ZERO + m_off``. ``DP > D``: in the plane-padded layout of ``DP`` lanes (``write_triton``). ``BITS`` 3
+    (``DP = D``, min-max): 8 levels, the codes' low two bits at ``CODES``, their high bits' plane (``D/8`` bytes,
+    ``oscar_hf.quant.pack_bits1``) at ``HI + h_off``."""
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
     D4P: tl.constexpr = DP // 4
@@ -57,11 +60,17 @@ def _demote_row(SRC, R, MU, CODES, SCALE, ZERO, c_off, m_off, clip,
         q = _quantize_masked(rot, ch, real, clip, SCALE + m_off, ZERO + m_off, None, G, NG, 0, STD, META_KIND)
     else:
         # per group: scale and zero rounded to the stored dtype before the codes (as write_triton)
+        LEVELS: tl.constexpr = 3.0 if BITS == 2 else 7.0
         xg = tl.reshape(rot, (NG, G))
-        scale, zero = _group_grid(xg, clip, 1, G, STD)
+        scale, zero = _group_grid(xg, clip, 1, G, STD, LEVELS=LEVELS)
         scale_m, s = _round_meta(scale, META_KIND)
         zero_m, z = _round_meta(zero, META_KIND)
-        q = _codes(xg, z, s, _LEVELS, 1)
+        q = _codes(xg, z, s, LEVELS, 1)
+        if BITS == 3:  # channel k * D/8 + i -> bit k of byte i (disjoint bits: the sum is an OR), then the low bits
+            qh = tl.reshape(q >> 2, (8, D // 8))
+            hi = tl.sum(qh << tl.arange(0, 8)[:, None], axis=0).to(tl.uint8)
+            tl.store(HI + h_off + tl.arange(0, D // 8), hi)
+            q = q & 3
     # plane packing: channel p * D/4 + j -> bits 2p..2p+1 of byte j (disjoint bits: the sum is an OR)
     q4 = tl.reshape(q, (4, D4P))
     packed = tl.sum(q4 << (2 * tl.arange(0, 4))[:, None], axis=0).to(tl.uint8)
@@ -121,6 +130,7 @@ def _put_row(x, WIN, dst, sink, to_sink, offs_d, dm):
 def _append_token_kernel(
     NEW_K, NEW_V, WIN_K, WIN_V, KC, KS, KZ, VC, VS, VZ, HEADS, RK, MUK, RV, MUV,
     CKX, CKS, CKZ, CVX, CVS, CVZ, CODED_OF,  # the retrieval heads' stores [B | pages, P, N, *], KV head -> index map
+    KH, shb, shh, shn, svsb, svsh, svsn,  # 3-bit keys' high bits [B, H2, N, D/8]; the values' own metadata strides
     clip_k, clip_v, Hk,
     LENGTH, PAD, N, S0, RING, W,  # contiguous: the 0-d length T, pad [B], history capacity, sink, ring, recent
     POS, SLOTS, NEW_ENTRY, SINK_ENTRY, DEM_ENTRY, DEM_PAGE, DEM_OFF,  # PAGED: the rows' plan, [Bp] each
@@ -137,6 +147,7 @@ def _append_token_kernel(
     DP: tl.constexpr,  # D padded to a power of two (D where it is one)
     PAGED: tl.constexpr,  # 0: a contiguous storage's ring; 1: the serving store's rows (docs/serving.md §3)
     DEMOTE: tl.constexpr,  # 0: no row demotes this step (the paged plan's ``demote``)
+    KBITS: tl.constexpr = 2, GV: tl.constexpr = 0,  # 3-bit keys; the values' group (0: G) (contiguous, DP = D)
 ):
     pid = tl.program_id(0)
     if PAGED:  # one program per row and KV head, writing K and V
@@ -172,10 +183,16 @@ def _append_token_kernel(
             m_off = page * ssb + hh * ssh + e * ssn
             if do_k:  # (PAGED: the keys, then the values; else one of them)
                 _demote_row(WIN_K + src, RK + hh * D * D, MUK + b * smkb + hh * D, KC, KS, KZ, c_off, m_off,
-                            clip_k, D, G, BLOCK_K, HAS_MU_K, META_KIND, STD, DP)
+                            clip_k, D, G, BLOCK_K, HAS_MU_K, META_KIND, STD, DP, KH, page * shb + hh * shh + e * shn,
+                            KBITS)
             if PAGED or not do_k:
-                _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, m_off, clip_v,
-                            D, G, BLOCK_K, HAS_MU_V, META_KIND, STD, DP)
+                if GV > 0:  # (the values' metadata: a tensor of its own, D/GV groups a row)
+                    _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off,
+                                page * svsb + hh * svsh + e * svsn, clip_v, D, GV, BLOCK_K, HAS_MU_V, META_KIND, STD,
+                                DP)
+                else:
+                    _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, m_off, clip_v,
+                                D, G, BLOCK_K, HAS_MU_V, META_KIND, STD, DP)
         if CODED_BITS > 0:  # a retrieval head: the same entry, coded
             cp = tl.load(CODED_OF + h)
             if live & (cp >= 0):
@@ -225,12 +242,20 @@ def _launch(params, new_k, new_v, window, history, grid: int, layout: tuple, new
         raise ValueError(f"metadata dtype {p.meta_dtype} is not supported by the kernel; use one of {list(_META_KIND)}")
     if win_k.stride() != win_v.stride() or win_k.stride(-1) != 1:
         raise ValueError(f"win_k and win_v must share a layout contiguous in D, got {win_k.stride()}, {win_v.stride()}")
-    metas = (hist_k.scale, hist_k.zero, hist_v.scale, hist_v.zero)
+    # 3-bit keys' high bits and a values' group of their own (the contiguous storage, DP = D: append_supported)
+    k_hi, own = hist_k.hi, hist_v.scale.shape[-1] != hist_k.scale.shape[-1]
+    metas = (hist_k.scale, hist_k.zero) + ((hist_v.scale, hist_v.zero) if not own else ())
     if hist_k.codes.stride() != hist_v.codes.stride() or hist_k.codes.stride(-1) != 1 or any(
         m.stride() != hist_k.scale.stride() for m in metas
-    ) or hist_k.scale.stride(-1) != 1:
-        raise ValueError("hist_k and hist_v must share one codes layout and one metadata layout, contiguous in the "
-                         "last dimension")
+    ) or hist_k.scale.stride(-1) != 1 or (own and (hist_v.zero.stride() != hist_v.scale.stride()
+                                                   or hist_v.scale.stride(-1) != 1)):
+        raise ValueError("hist_k and hist_v must share one codes layout and one metadata layout (a values' group of "
+                         "their own: scale and zero one), contiguous in the last dimension")
+    if (k_hi is not None or own) and (paged or next_pow2(win_k.shape[-1]) != win_k.shape[-1]):
+        raise ValueError("3-bit keys and a values' group of their own: the contiguous storage at a power-of-two "
+                         "head_dim only")
+    if k_hi is not None and k_hi.stride(-1) != 1:
+        raise ValueError(f"the keys' high bits must be contiguous in the last dimension, got {k_hi.stride()}")
     ck = cv = (placeholder,) * 3
     coded_strides = (0,) * 6
     if coded is not None:
@@ -244,15 +269,18 @@ def _launch(params, new_k, new_v, window, history, grid: int, layout: tuple, new
     d = win_k.shape[-1]
     warps, blk = launch_shape(d)
     _append_token_kernel[(grid,)](
-        new_k, new_v, win_k, win_v, *hist_k, *hist_v, placeholder if p.hist_of is None else p.hist_of, r_k,
+        new_k, new_v, win_k, win_v, *hist_k[:3], *hist_v[:3], placeholder if p.hist_of is None else p.hist_of, r_k,
         r_k if mu_k is None else mu_k, r_v, r_v if mu_v is None else mu_v, *ck, *cv,
-        placeholder if coded is None else p.heads.coded_of, float(p.clip_k), float(p.clip_v), new_k.shape[-3],
+        placeholder if coded is None else p.heads.coded_of,
+        placeholder if k_hi is None else k_hi, *((0, 0, 0) if k_hi is None else k_hi.stride()[:3]),
+        *(hist_v.scale.stride()[:3] if own else (0, 0, 0)), float(p.clip_k), float(p.clip_v), new_k.shape[-3],
         *(other + layout if paged else layout + other), *new_strides, *win_k.stride()[:3], *hist_k.codes.stride()[:3],
         *hist_k.scale.stride()[:3], smkb, *coded_strides,
         D=d, G=p.group_size, BLOCK_K=blk, HAS_HEADS=p.hist_of is not None, HAS_MU_K=mu_k is not None,
         HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[p.meta_dtype], STD=p.quantizer == "std",
         CODED_BITS=0 if coded is None else p.heads.bits, WIN_KIND=_META_KIND[win_k.dtype], DP=next_pow2(d),
-        PAGED=int(paged), DEMOTE=int(demote), num_warps=warps)
+        PAGED=int(paged), DEMOTE=int(demote), KBITS=2 if k_hi is None else 3,
+        GV=hist_v.codes.shape[-1] * 4 // hist_v.scale.shape[-1] if own else 0, num_warps=warps)
 
 
 def append_token_triton(params, new_k, new_v, window, history, at):

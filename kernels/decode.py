@@ -57,8 +57,7 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
         from . import decode_triton as dt
         from .query_triton import query_kernel_supported
         k, v, w = history.k, history.v, 0 if win.k is None else win.k.shape[-2]
-        # (values at a group of their own, OscarConfig.value_group_size: the references; the kernels take one group)
-        kernels = triton_enabled(qi, use_kernels) and rows_group_size(v) == params.group_size
+        kernels, vg = triton_enabled(qi, use_kernels), rows_group_size(v)  # (the values' group may be their own)
         if split is not None and kernels:  # (the references return the INT2 heads' rows: merged below)
             full = torch.empty(q.shape, dtype=out_dtype, device=q.device)
         if history.pages is not None:  # (the float32 query: the window's logits as the store has always read them)
@@ -75,14 +74,14 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
                 out = dt.decode_attention_triton(params, qf, win, history, scaling, out_dtype, out=full)
         elif (rotated is None and history.n_valid is None and kernels and not torch.compiler.is_compiling()
               and query_kernel_supported(qi)
-              and dt.kernel_supported(qi, k, params.group_size, history.key_mask, win.mask, w)):
+              and dt.kernel_supported(qi, k, params.group_size, history.key_mask, win.mask, w, vg)):
             out = dt.decode_attention_triton(params, qi, win, history, scaling, out_dtype, sinks=si, softcap=softcap,
                                              out=full)
         else:
             if rotated is None:  # the kernels' rotation where the launcher reads a device-side length
                 rotate = rotate_query if history.n_valid is not None else rotate_query_reference
                 rotated = rotate(qi, params.r_k, params.mu_k, *(() if history.n_valid is None else (use_kernels,)))
-            if kernels and dt.kernel_supported(qi, k, params.group_size, history.key_mask, win.mask, w):
+            if kernels and dt.kernel_supported(qi, k, params.group_size, history.key_mask, win.mask, w, vg):
                 out = dt.decode_attention_triton(params, qi, win, history, scaling, out_dtype,
                                                  rotated=(rotated[0].float().contiguous(), rotated[1]), sinks=si,
                                                  softcap=softcap, out=full)

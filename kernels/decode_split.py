@@ -40,12 +40,17 @@ def _split_kernel(
     BT=None, HLEN=None, WSLOT=None, sbt=None, PAGED: tl.constexpr = 0, PAGE: tl.constexpr = 1, WHEAD=None,
     HAS_WHEAD: tl.constexpr = 0,
     DP: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    KH=None, skhb=0, skhh=0, skhn=0, KBITS: tl.constexpr = 2, GV: tl.constexpr = 0,
 ):
     """Program ``(bh, s)``: history split ``s < S`` (``DEFERRED`` loop, else dequant) or window split ``s - S`` of one
     (row, KV head), one partial each; ``WIN_ONLY``: window programs only (``PID_OFF = S``, ``WIN_STAGES``). Flags:
-    docs/kernels.md §3.4 (``PAIR``, ``ASM``), §3.8 (``PAGED``), §3.9 (``WHEAD``), §3.10 (``SOFTCAP``), §7 (``DP``)."""
+    docs/kernels.md §3.4 (``PAIR``, ``ASM``), §3.8 (``PAGED``), §3.9 (``WHEAD``), §3.10 (``SOFTCAP``), §7 (``DP``),
+    §3.11 (``KBITS`` 3: the keys' high bits ``KH [B, Hk, N, D/8]``; ``GV`` > 0: the values' own group; the dequant
+    loop only)."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
+    GVV: tl.constexpr = G if GV == 0 else GV  # the values' group
+    NGV: tl.constexpr = D // GVV
     DPAD: tl.constexpr = D if DP == 0 else DP
     D4P: tl.constexpr = DPAD // 4
     pid_bh = tl.program_id(0)
@@ -184,26 +189,35 @@ def _split_kernel(
                    (acc[3] * 0.03125 + zs[3 - 3 % PPG][:, None]) * alpha[:, None])
         else:
             q0, q1, q2, q3 = q
+            kh_base = KH + rb * skhb + h * skhh if KBITS == 3 else KH
             for n0 in range(lo, hi, BLOCK_N):
                 offs_n, inb, valid = _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N, HAS_MASK)
                 kro, kmo, vro, vmo = _block_rows(n0, hi, offs_n, inb, bt_row, skb, skn, smkb, svb, svn, smvb, NG,
-                                                 PAGE, BLOCK_N, PAGED)
+                                                 PAGE, BLOCK_N, PAGED, NGV)
                 # K: unpack + dequantize 4 planes, logits = sum_p q_p k_p^T (one accumulator).
                 kb = tl.load(kc_base + kro + offs_j[None, :], mask=_cols_mask(inb, offs_j, D4, D4P), other=0)
+                hb = 0
+                if KBITS == 3:  # the high bits' bytes, lane j's byte j % (D/8) (docs/kernels.md §3.11)
+                    hb = tl.load(kh_base + offs_n[:, None].to(tl.int64) * skhn + (offs_j % (D // 8))[None, :],
+                                 mask=_cols_mask(inb, offs_j, D4, D4P), other=0)
                 ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, kmo, inb, NG, PAGED, G % D4 == 0)
-                s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)))
-                s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
-                s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
-                s = tl.dot(q3, tl.trans(_int2_plane(kb, 3, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P)), s)
+                s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P,
+                                                    hb, KBITS)))
+                s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P,
+                                                    hb, KBITS)), s)
+                s = tl.dot(q2, tl.trans(_int2_plane(kb, 2, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P,
+                                                    hb, KBITS)), s)
+                s = tl.dot(q3, tl.trans(_int2_plane(kb, 3, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P,
+                                                    hb, KBITS)), s)
                 p, alpha, m_i, l_i = _softmax_step(s + off[:, None], valid, m_i, l_i, SOFTCAP)
                 p = _op(p, LOWP)
                 # V: only valid tokens are read, invalid ones dequantize to exactly 0.
                 vb = tl.load(vc_base + vro + offs_j[None, :], mask=_cols_mask(valid, offs_j, D4, D4P), other=0)
-                vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, vmo, valid, NG, PAGED,
-                                                         G % D4 == 0)
+                vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, vmo, valid, NGV, PAGED,
+                                                         GVV % D4 == 0)
                 acc_ = ()
                 for P in tl.static_range(4):
-                    v = _int2_plane(vb, P, vs_t, vz_t, vs_row, vz_row, valid, D4, G, NG, LOWP, D4P)
+                    v = _int2_plane(vb, P, vs_t, vz_t, vs_row, vz_row, valid, D4, GVV, NGV, LOWP, D4P)
                     acc_ = acc_ + (tl.dot(p, v, acc[P] * alpha[:, None]),)
                 acc = acc_
         a_ptr = PACC + (part + offs_m[:, None]) * D + offs_j[None, :]

@@ -79,10 +79,18 @@ def _op(x, LOWP: tl.constexpr, F16: tl.constexpr = False):
 
 @triton.jit
 def _int2_plane(bytes_, P: tl.constexpr, s_tile, z_tile, s_row, z_row, nmask,
-                D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, LOWP: tl.constexpr, D4P: tl.constexpr):
+                D4: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, LOWP: tl.constexpr, D4P: tl.constexpr,
+                hi=None, KBITS: tl.constexpr = 2):
     """Plane ``P`` (channels ``[P*D4, (P+1)*D4)``) of a ``[BLOCK_N, D4P]`` byte tile dequantized to the dot operand:
-    ``zero[n, g(c)] + code[n, c] * scale[n, g(c)]`` (``D4P``: ``D4`` padded to a power of two)."""
-    code = ((bytes_ >> (2 * P)) & 3).to(tl.float32)
+    ``zero[n, g(c)] + code[n, c] * scale[n, g(c)]`` (``D4P``: ``D4`` padded to a power of two). ``KBITS`` 3: ``hi``
+    ``[BLOCK_N, D4P]`` holds byte ``j % (D/8)`` of the high bits' plane, whose bit ``c // (D/8)`` is channel ``c``'s
+    (``oscar_hf.quant.pack_bits1``): bit ``2P + j // (D/8)`` for lane ``j`` of plane ``P``."""
+    code = (bytes_ >> (2 * P)) & 3
+    if KBITS == 3:
+        D8: tl.constexpr = D4 // 2
+        bit = 2 * P + tl.arange(0, D4P) // D8  # [D4P]
+        code = code.to(tl.int32) + (((hi.to(tl.int32) >> bit[None, :]) & 1) << 2)
+    code = code.to(tl.float32)
     if G % D4 == 0:
         # the plane in one group g: column g of the [BLOCK_N, NG] metadata tiles, by a one-hot sum
         onehot = tl.arange(0, NG)[None, :] == (P * D4) // G
@@ -239,10 +247,11 @@ def _token_block(n0, hi, start, KMASK, b, h, smb, smh, smn, BLOCK_N: tl.constexp
 
 @triton.jit
 def _block_rows(n0, hi, offs_n, inb, BT_ROW, skb, skn, smkb, svb, svn, smvb, NG: tl.constexpr, PAGE: tl.constexpr,
-                BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+                BLOCK_N: tl.constexpr, PAGED: tl.constexpr, NGV: tl.constexpr = 0):
     """Int64 element offsets of a block's tokens from the (row, KV head) bases:
     ``(K codes [BLOCK_N, 1], K metadata [BLOCK_N], V codes [BLOCK_N, 1], V metadata [BLOCK_N])``; ``PAGED``: through
-    ``BT_ROW`` (docs/kernels.md §3.8)."""
+    ``BT_ROW`` (docs/kernels.md §3.8). ``NGV``: the values' groups a token where they have a group of their own."""
+    NV: tl.constexpr = NG if NGV == 0 else NGV
     if PAGED:
         if PAGE % BLOCK_N == 0:
             pg = tl.load(BT_ROW + n0 // PAGE, mask=n0 < hi, other=0).to(tl.int64)
@@ -250,10 +259,10 @@ def _block_rows(n0, hi, offs_n, inb, BT_ROW, skb, skn, smkb, svb, svn, smvb, NG:
         else:
             pg = tl.load(BT_ROW + offs_n // PAGE, mask=inb, other=0).to(tl.int64)
             r = (offs_n % PAGE).to(tl.int64)
-        return (pg * skb + r * skn)[:, None], pg * smkb + r * NG, (pg * svb + r * svn)[:, None], pg * smvb + r * NG
+        return (pg * skb + r * skn)[:, None], pg * smkb + r * NG, (pg * svb + r * svn)[:, None], pg * smvb + r * NV
     else:
         return (offs_n[:, None].to(tl.int64) * skn, offs_n.to(tl.int64) * NG, offs_n[:, None].to(tl.int64) * svn,
-                offs_n.to(tl.int64) * NG)
+                offs_n.to(tl.int64) * NV)
 
 
 @triton.jit

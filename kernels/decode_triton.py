@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from oscar_hf.quant import QuantizedRows
+from oscar_hf.quant import QuantizedRows, rows_group_size
 
 from .decode_combine import _combine_kernel
 from .decode_split import _prologue_kernel, _split_kernel
@@ -38,12 +38,17 @@ def _mask_4d(mask, b, hk, n):
     return m.to(torch.uint8) if torch.compiler.is_compiling() else m.view(torch.uint8)
 
 
-def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask, win_mask=None, w: int = 0) -> bool:
-    """Shapes the kernels serve (else: the reference): ``KERNEL_HEAD_DIMS``, a group size ``group_fits`` takes, 1 to
-    64 query rows per KV head, a key mask (and a mask over ``w`` window tokens) of one row per KV head, or none; INT2
-    keys (3-bit keys: the reference)."""
+def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask, win_mask=None, w: int = 0,
+                     value_group: int | None = None) -> bool:
+    """Shapes the kernels serve (else: the reference): ``KERNEL_HEAD_DIMS``, group sizes ``group_fits`` takes (the
+    values' ``value_group``, None: ``group_size``), 1 to 64 query rows per KV head, a key mask (and a mask over ``w``
+    window tokens) of one row per KV head, or none. 3-bit keys or a values' group of their own: power-of-two head
+    dims (the dequant loop, docs/kernels.md §3.11)."""
     b, hk, m, d = q_rot.shape
-    return (k.hi is None and d in KERNEL_HEAD_DIMS and group_fits(d, group_size) and 1 <= m <= 64
+    vg = group_size if value_group is None else value_group
+    plain = k.hi is not None or vg != group_size
+    return (d in KERNEL_HEAD_DIMS and group_fits(d, group_size) and group_fits(d, vg) and 1 <= m <= 64
+            and (not plain or d & (d - 1) == 0)
             and _mask_ok(key_mask, b, hk, k.codes.shape[-2]) and _mask_ok(win_mask, b, hk, w))
 
 
@@ -157,13 +162,16 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     bh = b * hk
     dev = q_rot.device
     q_rot = last_contiguous(q_rot.float())
+    # 3-bit keys' high bits [B, Hk, N, D/8] and a values' group of their own: the dequant loop's (plan's ``plain``)
+    k_hi, v_group = (None if k.hi is None else last_contiguous(k.hi)), rows_group_size(v)
+    plain = k_hi is not None or v_group != group_size
     k, v = _rows_layout(k), _rows_layout(v)
     start = torch.zeros(b, dtype=torch.int32, device=dev) if start is None else start.to(device=dev).reshape(b)
     kmask = _mask_4d(key_mask, b, hk, n)
     if qk_offset is not None:
         qk_offset = qk_offset.float().expand(b, hk, m)
     # the Gluon kernel's layout checks only where the plan may take it (it does not cap logits)
-    glu = _gluon_module() if (q_rot.is_cuda and not softcap and gluon_pays(defaults, bh, n)) else None
+    glu = _gluon_module() if (q_rot.is_cuda and not softcap and not plain and gluon_pays(defaults, bh, n)) else None
     gluon_ok = glu is not None and glu.gluon_supported(q_rot, k, v, group_size, kmask, _meta_words(k, v))
     if gluon_ok and paged is not None:  # (a step never straddles pages)
         gluon_ok = paged.page % glu.tokens_per_step(m, d) == 0
@@ -172,10 +180,14 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     p = decode_plan(DecodeShape(b, hk, m, d, n, group_size, w), dev, window=window, static=n_valid is not None,
                     splits=splits, rotate=rotate, gluon_step=glu.tokens_per_step(m, d) if gluon_ok else 0,
                     sinks=sinks is not None, softcap=bool(softcap), page=paged.page if paged is not None else 0,
-                    defaults=defaults)
+                    plain=plain, defaults=defaults)
     # the paged kernels' extra arguments: the block table, per-row lengths and window slots
     pk = {} if paged is None else dict(BT=paged.block_table, HLEN=paged.hist_len, WSLOT=paged.win_slot,
                                        sbt=paged.block_table.stride(0), PAGED=1, PAGE=paged.page)
+    if k_hi is not None:
+        pk.update(KH=k_hi, skhb=k_hi.stride(0), skhh=k_hi.stride(1), skhn=k_hi.stride(2), KBITS=3)
+    if v_group != group_size:
+        pk.update(GV=v_group)
     if sinks is not None and not window:
         raise ValueError("sinks are for the whole decode op (r_v given), not the history's partials")
     if w:

@@ -98,6 +98,8 @@ def paged_supported(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, group_si
     """Shapes and layouts the Triton path serves, reading the pool in place (else: the reference)."""
     _, _, m, d = qf.shape
     ng = d // group_size if group_size > 0 else 0
+    if pages_k.hi is not None:  # (3-bit keys: the contiguous cache's kernels only)
+        return False
     ok = (d in (64, 128, 256) and 0 < group_size <= d and group_size & (group_size - 1) == 0 and 1 <= m <= 64
           and qf.device == pages_k.codes.device == win_k.device)
     for codes, scale, zero in (pages_k, pages_v):

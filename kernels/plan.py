@@ -257,7 +257,8 @@ class DecodeShape(NamedTuple):
 
 def decode_plan(shape: DecodeShape, device: torch.device, *, window: bool = True, static: bool = False,
                 splits: int | None = None, rotate: bool = False, gluon_step: int = 0, page: int = 0,
-                sinks: bool = False, softcap: bool = False, defaults: DecodeDefaults = DEFAULTS) -> DecodePlan:
+                sinks: bool = False, softcap: bool = False, plain: bool = False,
+                defaults: DecodeDefaults = DEFAULTS) -> DecodePlan:
     """The launch plan of one decode call of ``shape`` on ``device``; no tensor.
 
     window: False: the history's partials only. static: the length is on the device (``n_valid``); the grid follows
@@ -265,6 +266,8 @@ def decode_plan(shape: DecodeShape, device: torch.device, *, window: bool = True
     gluon_step: the Gluon kernel's tokens per step where it serves the call (0: not). page: entries per page of a
     paged history (0: contiguous). sinks: one more partial per row, the sink's logit (``m = s, l = 1, acc = 0``),
     merged like a window partial. softcap: the Gluon kernel has none, so the split kernel serves the history.
+    plain: the split kernel's dequant loop serves the history (3-bit keys, values at a group of their own: the only
+    loop that reads them, docs/kernels.md §3.11).
     """
     df, (b, hk, m, d, n, group_size, w) = defaults, shape
     bh = b * hk
@@ -274,12 +277,12 @@ def decode_plan(shape: DecodeShape, device: torch.device, *, window: bool = True
     if page >= 16 and page & (page - 1) == 0:  # pages of a power of two: a block in one page, one table load a block
         block_n = min(block_n, page)
     # the deferred loop needs G a multiple of D/4 and <= 16 query rows ([BLOCK_N, M_PAD] tiles spill beyond)
-    deferred = group_size % (d // 4) == 0 and m_pad <= 16
+    deferred = group_size % (d // 4) == 0 and m_pad <= 16 and not plain
     # the cap was measured for the contiguous deferred loop only; the static variant spills under it (test_compile_sm90)
     maxnreg = df.maxnreg if (not static and not page and deferred and d == 128) else None
     qg = gluon_query_groups(m, d)
     # D = 64 with 5-8 query rows (gpt-oss): two query groups (gluon_query_groups)
-    gluon = gluon_step > 0 and not softcap and gluon_pays(df, bh, n) and (d != 64 or m <= 4 or qg > 1)
+    gluon = gluon_step > 0 and not softcap and not plain and gluon_pays(df, bh, n) and (d != 64 or m <= 4 or qg > 1)
     if gluon:
         # the static cache's `splits` (sized for the split kernel) unused: the capacity alone fixes the Gluon grid
         gp = gluon_plan(df, gluon_step, n, bh * qg, device, d)

@@ -149,13 +149,15 @@ def append(params: KVParams, new_k, new_v, window: Window, history: History, at:
     """The one-token write of every storage, in place: slot ``T - 1 - W`` demoted into the history, the new token into
     the ring (and the sink while it fills). ``at``: a :class:`Ring` (contiguous, :func:`append_token_reference`) or a
     serving step's :class:`PagedRows` (:func:`paged_append_reference`). One fused Triton launch where supported."""
-    # (3-bit keys, values at a group of their own: the references; the write kernels pack INT2 codes of one group)
-    contiguous, kernels = isinstance(at, Ring), history.k.bits == 2 and triton_enabled(new_k, use_kernels)
-    kernels = kernels and rows_group_size(history.v) == rows_group_size(history.k) == params.group_size
+    contiguous, kernels = isinstance(at, Ring), triton_enabled(new_k, use_kernels)
+    k_group, v_group, d = rows_group_size(history.k), rows_group_size(history.v), new_k.shape[-1]
+    # 3-bit keys, values at a group of their own: the contiguous write kernel at a power-of-two head_dim only
+    plain = history.k.bits == 3 or v_group != k_group
+    kernels = kernels and k_group == params.group_size and (not plain or (contiguous and d & (d - 1) == 0))
     if kernels:  # (a shape the write kernel takes)
         from .write_triton import kernel_supported
-        kernels = (kernel_supported(new_k, params.group_size, params.clip_k, params.meta_dtype)
-                   and kernel_supported(new_k, params.group_size, params.clip_v))
+        kernels = (kernel_supported(new_k, k_group, params.clip_k, params.meta_dtype)
+                   and kernel_supported(new_k, v_group, params.clip_v))
     if kernels:
         from .append_triton import append_token_triton, paged_append_triton
         write = append_token_triton if contiguous else paged_append_triton

@@ -64,9 +64,10 @@ def _round_meta(v, META_KIND: tl.constexpr):
 
 @triton.jit
 def _group_grid(xg, clip, AXIS: tl.constexpr, G: tl.constexpr, STD: tl.constexpr, MASKED: tl.constexpr = 0,
-                mask=None):
+                mask=None, LEVELS: tl.constexpr = 3.0):
     """Float32 ``(scale, zero)`` of each group of ``G`` values along ``AXIS`` of ``xg`` as ``oscar_hf.quant``: ``STD``
-    the std grid (``clip`` unused), else the clipped range; ``MASKED``: a group is its ``mask`` entries."""
+    the std grid (``clip`` unused; INT2 only), else the clipped range over ``LEVELS`` steps (7 for 3-bit codes);
+    ``MASKED``: a group is its ``mask`` entries."""
     if STD:
         if MASKED:
             mean = tl.sum(tl.where(mask, xg, 0.0), AXIS) / G
@@ -84,7 +85,7 @@ def _group_grid(xg, clip, AXIS: tl.constexpr, G: tl.constexpr, STD: tl.constexpr
             lo = tl.min(xg, AXIS)
             hi = tl.max(xg, AXIS)
         half = (hi - lo) * 0.5 * clip
-        scale = tl.math.div_rn(2.0 * half, 3.0)
+        scale = tl.math.div_rn(2.0 * half, LEVELS)
         zero = (hi + lo) * 0.5 - half
     return scale, zero
 

@@ -72,10 +72,10 @@ class OscarConfig:
     group_size: int | None = 64  # channels per group along head_dim (one scale + zero); None: head_dim (for_head_dim)
     bits: int = 2  # the values' code width (and the keys' unless key_bits); only 2 is implemented
     # the keys' code width: 2, or 3 (8 levels, "minmax" only: the keys carry most of the INT2 loss, docs/quality.md);
-    # 3-bit keys are read by the torch references (no Triton kernel yet) and not by the serving store
+    # 3-bit keys: the Triton kernels at power-of-two head_dims (kernels_serve), not the serving store
     key_bits: int = 2
     # the values' group size where it differs from the keys' (None: group_size): a coarser value group pays for the
-    # keys' third bit (docs/quality.md, "Three-bit keys"); like key_bits=3, read and written by the torch references
+    # keys' third bit (docs/quality.md, "Three-bit keys"); served as key_bits=3 is
     value_group_size: int | None = None
     clip_k: float | tuple[float, ...] | None = None  # clip ratio, one or one per layer; None: the artifact's (else 1)
     clip_v: float | tuple[float, ...] | None = None
@@ -184,11 +184,12 @@ class OscarConfig:
         """Whether the values are grouped apart from the keys (a ``value_group_size`` other than ``group_size``)."""
         return self.value_group_size not in (None, self.group_size)
 
-    @property
-    def kernels_serve(self) -> bool:
-        """Whether the Triton kernels can write and read this storage: INT2 keys at the values' group size (3-bit keys
-        and a values' group of its own run on the torch references)."""
-        return self.key_bits == 2 and not self.values_own_group
+    def kernels_serve(self, head_dim: int) -> bool:
+        """Whether the Triton kernels can write and read this storage at ``head_dim`` (the contiguous cache's): INT2
+        keys at the values' group anywhere; 3-bit keys or a values' group of their own at a power-of-two head_dim
+        (the split kernel's dequant loop and the one-token write kernel, docs/kernels.md §3.11), elsewhere the torch
+        references."""
+        return (self.key_bits == 2 and not self.values_own_group) or head_dim & (head_dim - 1) == 0
 
     @property
     def torch_meta_dtype(self) -> torch.dtype:

@@ -32,24 +32,26 @@ def check_first_keys(layer_idx: int, rotation: LayerRotation, key_states: torch.
 
 
 def check_reference_storage(config: OscarConfig, key_states: torch.Tensor) -> None:
-    """Storage the Triton kernels do not take (3-bit keys, values at a group of their own: ``kernels_serve``) runs on
-    the torch references: refused where kernels are required, said once where they would run. The values' group
-    must divide head_dim (checked here, where head_dim is first known)."""
+    """Storage the Triton kernels do not take (3-bit keys or values at a group of their own at a head_dim that is no
+    power of two: ``kernels_serve``) runs on the torch references: refused where kernels are required, said once where
+    they would run. The values' group must divide head_dim (checked here, where head_dim is first known)."""
     global _SAID_REFERENCE
     d = key_states.shape[-1]
     if config.value_group_size is not None:
         check_group_size(d, config.value_group_size)
-    if config.kernels_serve or not triton_enabled(key_states, config.use_kernels):
+    if config.kernels_serve(d) or not triton_enabled(key_states, config.use_kernels):
         return
     what = ", ".join([f"key_bits={config.key_bits}"] * (config.key_bits != 2) + [
         f"value_group_size={config.value_group_size} (keys at {config.group_size})"] * config.values_own_group)
     if config.use_kernels is True:
-        raise ValueError(f"OscarConfig {what} has no Triton kernels yet (the torch references read and write it): use "
-                         "use_kernels='auto' or False, or INT2 keys at the values' group size")
+        raise ValueError(f"OscarConfig {what} has no Triton kernels at head_dim={d} (the torch references read and "
+                         "write it; the kernels take it at power-of-two head_dims): use use_kernels='auto' or False, "
+                         "or INT2 keys at the values' group size")
     if not _SAID_REFERENCE:
         _SAID_REFERENCE = True
-        warnings.warn(f"OscarConfig {what}: the history is written and read by the torch references, not the Triton "
-                      "kernels (slower decode on CUDA); INT2 keys at the values' group size run the kernels",
+        warnings.warn(f"OscarConfig {what} at head_dim={d}: the history is written and read by the torch references, "
+                      "not the Triton kernels (slower decode on CUDA); INT2 keys at the values' group size run the "
+                      "kernels",
                       UserWarning, stacklevel=3)
 
 

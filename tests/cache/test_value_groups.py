@@ -29,7 +29,8 @@ def test_config_bits_and_checks():
     assert c.value_group(256) == 128 and OscarConfig(group_size=None).value_group(64) == 64
     assert c.history_bits(256) == pytest.approx((3 + 32 / 32 + 2 + 32 / 128) / 2)  # bf16 scale + zero a group
     assert c.history_bits(256) < OscarConfig(group_size=32, key_bits=3).history_bits(256)
-    assert not c.kernels_serve and OscarConfig(group_size=64, value_group_size=64).kernels_serve
+    assert c.kernels_serve(256) and not c.kernels_serve(96)  # (the dequant loop and the write kernel: powers of two)
+    assert OscarConfig(group_size=64, value_group_size=64).kernels_serve(96)
     for cfg in (OscarConfig(group_size=128), OscarConfig(value_group_size=128)):  # priced only where they group D
         with pytest.raises(ValueError, match="does not divide head_dim=64"):
             cfg.history_bits(64)
@@ -135,14 +136,30 @@ def test_the_serving_store_refuses_values_at_their_own_group():
         OscarPagedStore(m, None, cfg, num_pages=4, page_size=16)
 
 
+def test_kernels_required_at_a_head_dim_they_do_not_take(monkeypatch):
+    """Where the kernels would run (CUDA), 3-bit keys at head_dim 96 are refused with use_kernels=True and said once
+    with 'auto'; at a power-of-two head_dim they pass."""
+    import oscar_hf.cache.base as base_mod
+
+    monkeypatch.setattr(base_mod, "triton_enabled", lambda x, use: True)
+    monkeypatch.setattr(base_mod, "_SAID_REFERENCE", False)
+    keys = lambda d: torch.zeros(1, 1, 2, d)  # noqa: E731
+    cfg = OscarConfig(group_size=32, key_bits=3)
+    base_mod.check_reference_storage(cfg.replace(use_kernels=True), keys(128))
+    with pytest.raises(ValueError, match="no Triton kernels at head_dim=96"):
+        base_mod.check_reference_storage(cfg.replace(use_kernels=True), keys(96))
+    with pytest.warns(UserWarning, match="torch references"):
+        base_mod.check_reference_storage(cfg, keys(96))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kw", [dict(group_size=64, key_bits=3), dict(group_size=32, value_group_size=128, key_bits=3)],
-                         ids=["key_bits3", "value_group128-key_bits3"])
-def test_gpu_reference_storage_compiled_step_gives_the_eager_tokens(kw):
-    """On the GPU (the torch references, said once): generate's compiled decode under CUDA graphs gives the eager
-    tokens; use_kernels=True is refused."""
-    import oscar_hf.cache.base as base_mod
+@pytest.mark.parametrize("kw", [dict(group_size=64, key_bits=3), dict(group_size=32, value_group_size=128, key_bits=3),
+                                dict(group_size=32, value_group_size=128)],
+                         ids=["key_bits3", "value_group128-key_bits3", "value_group128"])
+def test_gpu_kernels_compiled_step_gives_the_reference_tokens(kw):
+    """On the GPU: generate's compiled decode on the kernels (the dequant loop, the write kernel; use_kernels=True),
+    under CUDA graphs, gives the eager references' tokens (use_kernels=False)."""
     from batch_utils import cuda_qwen3
 
     m = cuda_qwen3()
@@ -154,12 +171,7 @@ def test_gpu_reference_storage_compiled_step_gives_the_eager_tokens(kw):
         return m.generate(ids, max_new_tokens=24, do_sample=False, **cache_kwargs(m, cache),
                           **({} if compile_ else dict(disable_compile=True)))
 
-    base_mod._SAID_REFERENCE = False
-    with pytest.warns(UserWarning, match="torch references"):
-        eager = gen(OscarCache(m, compile=False, **kw), False)
+    reference = gen(OscarCache(m, compile=False, use_kernels=False, **kw), False)
     torch._dynamo.reset()
-    compiled = gen(OscarCache(m, **kw), True)
-    assert (compiled == eager).float().mean().item() > 0.97
-    with pytest.raises(ValueError, match="no Triton kernels"):
-        with torch.no_grad():
-            m(ids[:, :32], **cache_kwargs(m, OscarCache(m, use_kernels=True, **kw)))
+    compiled = gen(OscarCache(m, use_kernels=True, **kw), True)
+    assert (compiled == reference).float().mean().item() > 0.97

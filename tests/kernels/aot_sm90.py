@@ -110,9 +110,10 @@ def main():
     g0 = torch.Generator().manual_seed(0)
     labels = []
 
-    def attn(b, hk, m, n, d, g, window, softcap=None):
+    def attn(b, hk, m, n, d, g, window, softcap=None, kbits=2, gv=None):
         q = torch.randn(b, hk, m, d, generator=g0)
-        k, v = quantize_rows(torch.randn(b, hk, n, d, generator=g0), g), quantize_rows(torch.randn(b, hk, n, d, generator=g0), g)
+        k = quantize_rows(torch.randn(b, hk, n, d, generator=g0), g, bits=kbits)
+        v = quantize_rows(torch.randn(b, hk, n, d, generator=g0), gv or g)
         start = torch.zeros(b, dtype=torch.int64)
         off = torch.randn(b, hk, m, generator=g0)
         if window:
@@ -124,9 +125,11 @@ def main():
         else:
             mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
             dt.history_partial_triton(q, k, v, start, mask, off, 0.1, g)
-        loop = "deferred" if (g % (d // 4) == 0 and m <= 16) else "dequant"
+        plain = kbits == 3 or gv not in (None, g)  # (3-bit keys, a values' group of their own: the dequant loop)
+        loop = "deferred" if (g % (d // 4) == 0 and m <= 16 and not plain) else "dequant"
         cap = f" softcap={softcap}" if softcap else ""
-        labels.append(f"attn d={d} g={g} m={m} window={window} loop={loop}{cap}")
+        own = (f" key_bits={kbits}" if kbits != 2 else "") + (f" gv={gv}" if gv not in (None, g) else "")
+        labels.append(f"attn d={d} g={g} m={m} window={window} loop={loop}{cap}{own}")
 
     attn(1, 8, 4, 8192, 128, 64, True)  # the benchmark's shape, full decode op (deferred loop)
     attn(1, 2, 4, 4096, 64, 64, False)  # deferred, 4 planes per group
@@ -154,6 +157,11 @@ def main():
     attn(1, 4, 4, 8192, 512, 128, True)
     attn(1, 8, 4, 8192, 128, 64, True, softcap=50.0)
     attn(1, 32, 1, 8192, 96, 32, True, softcap=50.0)
+    # 3-bit keys (their high bits' plane) and values at a group of their own: the dequant loop (Gemma-3-270M's
+    # candidate: keys at 32, values at 128; keys at D/2 at D = 128; values apart alone)
+    attn(1, 1, 4, 8192, 256, 32, True, kbits=3, gv=128)
+    attn(1, 8, 4, 8192, 128, 64, True, kbits=3)
+    attn(2, 8, 4, 8192, 128, 32, False, gv=64)
     # write path: tile heights 128 (T=100 and bulk, T=1000) and 16 (one-row demotion) at D=128
     for d, g, meta, t in ((128, 64, torch.bfloat16, 100), (128, 64, torch.bfloat16, 1000), (128, 64, torch.bfloat16, 1),
                           (64, 32, torch.float16, 100), (256, 128, torch.bfloat16, 100),
@@ -237,6 +245,22 @@ def main():
                                torch.randn(hq, d, generator=g0), 0.95, torch.randn(hq, d, d, generator=g0),
                                torch.randn(hq, d, generator=g0), 0.9, g, torch.bfloat16, 4, 16, coded=coded)
         append_labels.append(f"append d={d} g={g} coded_bits={bits}")
+    # ... with 3-bit keys (8 levels, the high bits' plane) and values at a group of their own
+    from oscar_hf.quant import rows_from
+
+    for d, g, gv, kbits in ((256, 32, 128, 3), (128, 64, 64, 3), (128, 32, 128, 2)):
+        b, hk, n = 2, 4, 40
+        win = torch.randn(b, hk, 4 + 17, d, generator=g0).bfloat16()
+        meta = lambda gs: torch.zeros(b, hk, n, d // gs).bfloat16()  # noqa: E731
+        hk_ = rows_from((torch.zeros(b, hk, n, d // 4, dtype=torch.uint8), meta(g), meta(g))
+                        + ((torch.zeros(b, hk, n, d // 8, dtype=torch.uint8),) if kbits == 3 else ()))
+        hv_ = QuantizedRows(torch.zeros(b, hk, n, d // 4, dtype=torch.uint8), meta(gv), meta(gv))
+        new = torch.randn(b, hk, 1, d, generator=g0).bfloat16()
+        ring_write(at.append_token_triton)(new, new, win, win.clone(), hk_, hv_, torch.tensor(30), torch.tensor([0, 1]),
+                                           None, torch.randn(hk, d, d, generator=g0), torch.randn(hk, d, generator=g0),
+                                           0.95, torch.randn(hk, d, d, generator=g0), torch.randn(hk, d, generator=g0),
+                                           0.9, g, torch.bfloat16, 4, 16)
+        append_labels.append(f"append d={d} g={g} gv={gv} key_bits={kbits}")
     # the serving store's decode write (its PAGED layout): a pool of 9 pages of 16 entries over 2 layers, 12 window
     # slots, 8 rows; every head INT2 at D = 128, a retrieval head at 8 bits (D = 128), 16 (D = 64), 4 (D = 96: the
     # plane-padded layout) and 8 (D = 512: 8 warps)

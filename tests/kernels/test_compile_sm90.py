@@ -57,6 +57,10 @@ def test_kernels_compile_for_sm90_without_spills():
             assert any(r["kernel"] == kind and f"d={d} " in r["case"] + " " for r in rows), (d, kind)
     assert {r["case"].split(" loop=")[1] for r in rows if r["kernel"] == "split" and "softcap" in r["case"]} == {
         "deferred softcap=50.0", "dequant softcap=50.0"}
+    # 3-bit keys and a values' group of their own, in the split kernel's dequant loop and the one-token write
+    for kind in ("split", "append"):
+        for what in ("key_bits=3", "gv="):
+            assert any(r["kernel"] == kind and what in r["case"] for r in rows), (kind, what)
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="triton without its bundled ptxas/cuobjdump")
