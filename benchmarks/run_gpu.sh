@@ -6,6 +6,8 @@
 #   tests            GPU tests (pytest -m gpu; TESTS="<paths>" a subset)       gpu_tests_<gpu>.log
 #   kernels          decode op vs BF16 SDPA (B 1/8/32 x 8K/32K/128K) and the   kernels_<gpu>.json, _speedup.png
 #                    write path (bench_kernels.py)
+#   kernels-keybits  Gemma-3-270M's read: INT2 at group 32 against 3-bit keys   kernels_<gpu>_gemma3_270m_<g32|g32_k3_v128>.json
+#                    at 32 with values at 128 (B 1/8/32 x 8K/32K)
 #   kernels-dims     the op at other head shapes, B 1/8 x 32K/128K; one shape: kernels_<gpu>_<d64|d256|d256_kv2|
 #                    kernels-d64, -d256, -d256-kv2, -d96, -d96-g32, -d512          d96|d96_g32|d512>.json
 #   strong           the default call against the strong BF16 (strong_bf16.py): strong_bf16_op_<gpu>.json,
@@ -105,6 +107,15 @@ for what in "$@"; do
       run "kernels_${GPU}_$tag" $PY "$B/bench_kernels.py" --head-dim "$d" --q-heads "$hq" --kv-heads "$hk" \
           --group-size "$g" --batches 1,8 --lengths 32768,131072 --no-write --out "$OUT/kernels_${GPU}_$tag.json"
       $PY "$B/bench_kernels.py" --plot "$OUT/kernels_${GPU}_$tag.json"
+    done ;;
+  kernels-keybits)
+    # Gemma-3-270M's read (4 query heads, one KV head of 256): INT2 keys and values at group 32 (its shipped
+    # artifact's storage) against 3-bit keys at 32 with values at 128, each beside BF16 SDPA; the write path of both
+    for x in "g32::2" "g32_k3_v128:--value-group-size 128:3"; do
+      IFS=: read -r tag extra kb <<< "$x"
+      run "kernels_${GPU}_gemma3_270m_$tag" $PY "$B/bench_kernels.py" --head-dim 256 --q-heads 4 --kv-heads 1 \
+          --group-size 32 --key-bits "$kb" $extra --batches 1,8,32 --lengths 8192,32768 --no-write \
+          --out "$OUT/kernels_${GPU}_gemma3_270m_$tag.json"
     done ;;
   strong|strong-op|strong-b8|strong-b1|strong-short|strong-b32)
     if [ "$what" = strong ] || [ "$what" = strong-op ]; then
