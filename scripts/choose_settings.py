@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-len", type=int, default=None, help="held-out window length (default: calibration's)")
     p.add_argument("--out", required=True, help="output artifact directory (with --score: a JSON file)")
     p.add_argument("--score", action="append", default=[], metavar="KEY=V[,KEY=V]",
-                   help="instead of searching: the next-token KL and the bits of these settings over the artifact's "
+                   help="instead of searching: the search's objective (next-token KL + recall KL) and the bits of these settings over the artifact's "
                         "chosen ones, on the same held-out windows (KEYs as default_perplexity's --row; repeatable; "
                         "an empty string: the chosen settings themselves)")
     p.add_argument("--force", action="store_true", help="overwrite --out")
@@ -110,26 +110,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def score_rows(args, model, rot, held, base) -> int:
-    """``--score``: each row's mean next-token KL (the search's objective, on its windows) and bits at the budget's
-    context, as the search's report gives them, into the JSON file ``--out``."""
-    from oscar_hf.calibration.settings import (SCORED_TOKENS, _Space, default_target_context, next_token_kl,
-                                               reference_log_probs)
+    """``--score``: each row's objective (the search's: the next-token KL plus the recall term's, on its windows) and
+    bits at the budget's context, as the search's report gives them, into the JSON file ``--out``."""
+    from oscar_hf.calibration.settings import _Space, default_target_context, objective
     from oscar_hf.config import OscarConfig, artifact_settings
     from oscar_hf.eval.default_perplexity import row_settings
     from oscar_hf.layer_choice import resolve_retrieval_heads
 
     chosen = artifact_settings(rot.metadata) or {}
     space = _Space(rot, base, args.budget_bits, args.target_context or default_target_context(model))
-    refs = [reference_log_probs(model, w, SCORED_TOKENS) for w in held]
+    measure = objective(model, rot, held)
     rows = {}
     for spec in args.score:
         config = OscarConfig(**{**chosen, **row_settings(spec)})
         if config.retrieval_heads == "auto":  # (priced as the cache resolves them)
             heads = resolve_retrieval_heads(config, rot, rot.fingerprint, config.skipped(rot.fingerprint.num_layers))
             config = config.replace(retrieval_heads=tuple(sorted((i, h) for i, hs in heads.items() for h in hs)))
-        kl = sum(next_token_kl(model, rot, w, reference=r, config=config) for w, r in zip(held, refs)) / len(held)
-        rows[spec or "chosen"] = {"kl": float(kl), "bits": round(space.bits(config), 4)}
-        print(f"{spec or 'chosen':<60} KL {kl:.4g}  {rows[spec or 'chosen']['bits']:.3f} bits", flush=True)
+        parts = measure(config)
+        kl = sum(parts.values())
+        rows[spec or "chosen"] = {"kl": float(kl), **parts, "bits": round(space.bits(config), 4)}
+        split = " + ".join(f"{k} {v:.4g}" for k, v in parts.items())
+        print(f"{spec or 'chosen':<60} KL {kl:.4g} ({split})  {rows[spec or 'chosen']['bits']:.3f} bits", flush=True)
     command = "python -P scripts/choose_settings.py " + shlex.join(sys.argv[1:])
     Path(args.out).write_text(json.dumps({"command": command, "windows": [int(w.numel()) for w in held],
                                           "target_context": space.context, "rows": rows}, indent=1))

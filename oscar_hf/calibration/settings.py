@@ -1,6 +1,6 @@
-"""The cache settings chosen per model by next-token KL on held-out windows, within a memory budget
-(``OscarConfig.stored_bits``). The search and its constants: docs/quality.md, "Settings chosen per model by
-calibration"."""
+"""The cache settings chosen per model by next-token KL on held-out windows and on a verbatim copy of an early
+passage of each (the recall term), within a memory budget (``OscarConfig.stored_bits``). The search and its
+constants: docs/quality.md, "Settings chosen per model by calibration"."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,11 +20,17 @@ MARGIN = 0.02  # relative KL gain an alternative needs to replace the incumbent
 WINDOW_SHARE = 0.25  # a window candidate's sink + recent may cover at most this share of the held-out prompt
 # wide windows tried besides the incumbent's halves and doubles, up to the authors' 128 / 2048 (scored only on held-out
 # prompts of >= (sink + recent) / WINDOW_SHARE tokens: 8704 for (128, 2048))
-WIDE_WINDOWS = ((128, 512), (128, 1024), (128, 2048))
+WIDE_WINDOWS = ((128, 512), (128, 768), (128, 1024), (128, 2048))
 HEAD_WIDTHS = (8, 4)  # retrieval heads' storage searched (INT8, INT4; 16 costs 2x INT8 and was not better on needles)
 GROUP_SIZES = (32, 64, 128, None)  # None: head_dim (one group per head); those that do not divide it are left out
 KEY_GROUP_STEPS = 1  # 3-bit keys are tried at the incumbent's group size and this many coarser ones
 PRECISE_LAYERS = (1, 2, 4)  # numbers of layers kept precise (all their KV heads at the heads' width) tried, in order
+# The recall term: each held-out window's first c = min(RECALL_PROMPT, its prompt) tokens, then a verbatim copy of
+# min(SCORED_TOKENS, c / 4) of them from c / 4 on, scored: what a cache keeps of a passage flushed to the INT2 history
+# long before it is recalled (the next-token KL alone ranked settings against recall after the flush on Gemma-3-270M,
+# docs/quality.md "Three-bit keys"). A candidate's sink + recent is at most a quarter of the prompt
+# (WINDOW_SHARE), so the passage is history for every candidate.
+RECALL_PROMPT = 4096
 
 
 def check_budget(budget_bits, target_context) -> None:
@@ -36,18 +42,42 @@ def check_budget(budget_bits, target_context) -> None:
         raise ValueError(f"target_context must be a positive int of tokens (or None), got {target_context!r}")
 
 
+def recall_windows(windows: Sequence[torch.Tensor], scored: int = SCORED_TOKENS) -> list[tuple[torch.Tensor, int]]:
+    """The recall term's ``(ids, scored)`` windows: of each held-out ``[n]`` window, its first
+    ``c = min(RECALL_PROMPT, n - scored)`` tokens, then a copy of ``min(scored, c // 4)`` of them from ``c // 4`` on
+    (the copy scored). Windows too short for a 16-token passage give none."""
+    out = []
+    for w in windows:
+        c = min(RECALL_PROMPT, int(w.numel()) - scored)
+        n = min(scored, c // 4)
+        if n >= 16:
+            out.append((torch.cat([w[:c], w[c // 4 : c // 4 + n]]), n))
+    return out
+
+
+def check_recall_window(config: OscarConfig, window: torch.Tensor, scored: int) -> None:
+    """ValueError where ``config``'s sink or recent window would hold part of a recall window's passage (it must be
+    INT2 history when it is copied)."""
+    c = int(window.numel()) - scored
+    if config.sink > c // 4 or config.recent > c - c // 4 - scored:
+        raise ValueError(f"window=({config.sink}, {config.recent}) covers part of the recall term's passage (tokens "
+                         f"{c // 4}..{c // 4 + scored} of a {c}-token prompt)")
+
+
 @dataclasses.dataclass
 class Trial:
-    """One setting scored: what changed, the config, its budget bits and KL."""
+    """One setting scored: what changed, the config, its budget bits and objective (``kl``: the next-token KL plus
+    the recall term's, each given apart where the search computed them)."""
 
     name: str
     config: OscarConfig
     bits: float
     kl: float
+    parts: dict | None = None  # {"next_kl": .., "recall_kl": ..}
 
     def record(self) -> dict:
         c = self.config
-        return {"name": self.name, "bits": round(self.bits, 4), "kl": self.kl,
+        return {"name": self.name, "bits": round(self.bits, 4), "kl": self.kl, **(self.parts or {}),
                 "sink": c.sink, "recent": c.recent, "group_size": c.group_size, "quantizer": c.quantizer,
                 "key_bits": c.key_bits, "heads": len(c.retrieval_heads), "head_bits": c.retrieval_bits}
 
@@ -121,12 +151,13 @@ def window_candidates(sink: int, recent: int, prompt: int) -> list[tuple[int, in
 def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Tensor] | None = None, *,
                     budget_bits: float = DEFAULT_BUDGET_BITS, target_context: int | None = None,
                     base: OscarConfig | None = None, margin: float = MARGIN, progress: bool = True,
-                    score: Callable[[OscarConfig], float] | None = None) -> dict:
+                    score: Callable[[OscarConfig], float] | None = None, recall: bool = True) -> dict:
     """Search the cache settings and return the artifact's ``metadata["settings"]`` entry: ``chosen``
     (:data:`~oscar_hf.config.CHOSEN_FIELDS`), its ``bits`` and ``kl``, the budget, ``tried`` and ``over_budget``.
     ``windows``: held-out ``[n]`` ids (512 scored, the rest prompt); ``base``: where the search starts; ``score``:
-    ``config -> KL`` in place of the mean next-token KL over ``windows``; ``target_context`` None:
-    :data:`DEFAULT_TARGET_CONTEXT` capped by the model's ``max_position_embeddings``."""
+    ``config -> KL`` in place of :func:`objective` over ``windows``; ``recall``: the objective's recall term (False:
+    the next-token KL alone); ``target_context`` None: :data:`DEFAULT_TARGET_CONTEXT` capped by the model's
+    ``max_position_embeddings``."""
     t0 = time.perf_counter()
     if target_context is None:
         target_context = default_target_context(model)
@@ -135,14 +166,16 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         raise ValueError(f"margin must lie in [0, 1), got {margin!r}")
     base = (base or OscarConfig()).for_head_dim(rotations.fingerprint.head_dim)
     space = _Space(rotations, base, budget_bits, target_context)
+    parts: dict = {}  # the last scored config's objective in parts (the default score's)
     if score is None:
         if not windows:
             raise ValueError("choose_settings needs held-out windows (or a score function)")
-        refs = [reference_log_probs(model, w, SCORED_TOKENS) for w in windows]  # computed once
+        measure = objective(model, rotations, windows, recall)
 
         def score(config: OscarConfig) -> float:
-            return sum(next_token_kl(model, rotations, w, reference=r, config=config)
-                       for w, r in zip(windows, refs)) / len(windows)
+            parts.clear()
+            parts.update(measure(config))
+            return sum(parts.values())
 
     prompt = min(int(w.numel()) for w in windows) - SCORED_TOKENS if windows else 1 << 30
     hd = space.fp.head_dim
@@ -162,7 +195,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         if config is None:  # over the budget even with the fewest retrieval heads allowed
             over.append({"name": name, "bits": round(space.bits(space.with_heads(unfitted, space.floor, precise)), 4)})
         else:
-            tried.append(Trial(name, config, space.bits(config), float(score(config))))
+            tried.append(Trial(name, config, space.bits(config), float(score(config)), dict(parts) or None))
         bar.update(1)
         return None if config is None else tried[-1]
 
@@ -236,7 +269,10 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
                              "retrieval heads at their width)",
         "objective": f"mean next-token KL through OscarCache, last {SCORED_TOKENS} tokens of "
                      f"{len(windows) if windows else 0} held-out window(s) of "
-                     f"{[int(w.numel()) for w in windows] if windows else []} tokens",
+                     f"{[int(w.numel()) for w in windows] if windows else []} tokens"
+                     + (f", plus the recall term's: the same on a verbatim copy of a passage from a quarter into "
+                        f"each window's first {RECALL_PROMPT} tokens at most ({len(recall_windows(windows))} window(s))"
+                        if recall and windows and recall_windows(windows) else ""),
         "margin": margin,
         "retrieval_heads_floor": space.floor,
         "precise_layers": space.ranked_layers[:precise],
@@ -247,6 +283,28 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         "tried": [t.record() for t in tried],
         "over_budget": over,
         "time_s": round(time.perf_counter() - t0, 2)}
+
+
+def objective(model, rotations: OscarRotations, windows: Sequence[torch.Tensor], recall: bool = True
+              ) -> Callable[[OscarConfig], dict]:
+    """``config -> {"next_kl": .., "recall_kl": ..}``: the mean next-token KL over ``windows``' last
+    :data:`SCORED_TOKENS` tokens and (``recall``, where a window is long enough) over their :func:`recall_windows`'
+    copies; the search minimizes their sum. The references are computed once, here."""
+    copies = recall_windows(windows) if recall else []
+    refs = [reference_log_probs(model, w, SCORED_TOKENS) for w in windows]
+    copy_refs = [reference_log_probs(model, w, n) for w, n in copies]
+
+    def measure(config: OscarConfig) -> dict:
+        out = {"next_kl": sum(next_token_kl(model, rotations, w, reference=r, config=config)
+                              for w, r in zip(windows, refs)) / len(windows)}
+        if copies:
+            for w, n in copies:
+                check_recall_window(config, w, n)
+            out["recall_kl"] = sum(next_token_kl(model, rotations, w, reference=r, config=config, scored=n)
+                                   for (w, n), r in zip(copies, copy_refs)) / len(copies)
+        return out
+
+    return measure
 
 
 def kl_frontier(tried: Sequence[dict]) -> list[dict]:
@@ -273,7 +331,8 @@ def settings_summary(entry: dict) -> list[str]:
         lines.append(f"    layers kept precise (all their KV heads {width}): {entry['precise_layers']}")
     for t in entry["tried"]:
         mark = "  (kept)" if t["name"] == entry["chosen_name"] else ""
-        lines.append(f"    tried {t['name']:<36} KL {t['kl']:.4g}  {t['bits']:.3f} bits  {t['heads']} heads "
+        split = f" (next {t['next_kl']:.4g} + recall {t['recall_kl']:.4g})" if "recall_kl" in t else ""
+        lines.append(f"    tried {t['name']:<36} KL {t['kl']:.4g}{split}  {t['bits']:.3f} bits  {t['heads']} heads "
                      f"INT{t['head_bits']}{mark}")
     for o in entry.get("over_budget", []):
         lines.append(f"    not tried {o['name']:<32} {o['bits']:.3f} bits with "

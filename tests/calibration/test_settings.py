@@ -11,7 +11,8 @@ from oscar_hf import OscarCache, OscarConfig, OscarRotations, calibrate
 from oscar_hf.calibration import calibration_report, plot_settings
 from oscar_hf.calibration.selection import next_token_kl
 from oscar_hf.compat import cache_kwargs
-from oscar_hf.calibration.settings import choose_settings, kl_frontier, window_candidates
+from oscar_hf.calibration.settings import (check_recall_window, choose_settings, kl_frontier, recall_windows,
+                                          window_candidates)
 from oscar_hf.config import ModelFingerprint, artifact_settings
 
 from tiny_models import tiny_model
@@ -167,6 +168,21 @@ def test_windows_reach_128_2048_priced_at_the_target_context():
     assert not any("1024" in n or "2048" in n or "(128, 512)" in n for n in short)
 
 
+def test_recall_windows_copy_a_flushed_passage():
+    """The recall term's window: the prompt's first tokens, then a verbatim copy of a passage from a quarter into it;
+    a window that would keep part of the passage in full precision is refused; short windows give none."""
+    w = torch.arange(10_000)
+    (long_, n), = recall_windows([w])
+    assert n == 512 and long_.numel() == 4096 + 512
+    assert torch.equal(long_[:4096], w[:4096]) and torch.equal(long_[-512:], w[1024:1536])
+    check_recall_window(OscarConfig(sink=128, recent=2048), long_, n)
+    with pytest.raises(ValueError, match="covers part of the recall term's passage"):
+        check_recall_window(OscarConfig(sink=128, recent=2600), long_, n)
+    (short, m), = recall_windows([torch.arange(700)])  # a 188-token prompt: a 47-token passage from token 47
+    assert m == 47 and torch.equal(short[-47:], torch.arange(47, 94))
+    assert recall_windows([torch.arange(560)]) == []
+
+
 # ------------------------------------------------------------------ calibrate() and the artifact
 @pytest.fixture(scope="module")
 def calibrated(tiny):
@@ -183,10 +199,16 @@ def test_calibrate_stores_the_choice_and_a_cache_uses_it(tiny, calibrated):
     cache = OscarCache(tiny, rot)  # no options: the chosen settings
     for k, v in artifact_settings(rot.metadata).items():
         assert getattr(cache.oscar_config, k) == v, k
-    # the KL recorded is what that cache gives on the held-out window (the last row, never in the statistics)
-    assert next_token_kl(tiny, rot, ids[-1], config=cache.oscar_config) == pytest.approx(e["kl"], rel=1e-5)
+    # the KL recorded is what that cache gives on the held-out window (the last row, never in the statistics) plus
+    # what it gives on that window's recall copy
+    kept = next(t for t in e["tried"] if t["name"] == e["chosen_name"])
+    assert next_token_kl(tiny, rot, ids[-1], config=cache.oscar_config) == pytest.approx(kept["next_kl"], rel=1e-5)
+    (copy, n), = recall_windows([ids[-1]])
+    assert next_token_kl(tiny, rot, copy, config=cache.oscar_config, scored=n) == pytest.approx(kept["recall_kl"],
+                                                                                                 rel=1e-5)
+    assert e["kl"] == pytest.approx(kept["next_kl"] + kept["recall_kl"])
     report = calibration_report(rot)
-    assert "cache settings chosen by next-token KL" in report and "tried defaults" in report
+    assert "cache settings chosen by next-token KL" in report and "tried defaults" in report and "+ recall" in report
     off = calibrate(tiny, None, ids, method="oscar", window=(4, 8), progress=False, retrieval_probes=0,
                     choose_settings=False)
     assert "settings" not in off.metadata and "cache settings chosen" not in calibration_report(off)
@@ -349,22 +371,25 @@ def test_choose_settings_script_scores_given_settings_without_searching(tiny, tm
     import json
     from pathlib import Path
 
-    from oscar_hf.calibration.settings import SCORED_TOKENS, next_token_kl, reference_log_probs
+    from oscar_hf.calibration.settings import SCORED_TOKENS, next_token_kl
 
     path = Path(__file__).resolve().parents[2] / "scripts" / "choose_settings.py"
     spec = importlib.util.spec_from_file_location("choose_settings_script", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     rot = scored_rotations(tiny, [[0.1, 0.1], [0.1, 0.1]])
-    w = [torch.randint(0, tiny.config.vocab_size, (1000,), generator=torch.Generator().manual_seed(3))]
+    w = [torch.randint(0, tiny.config.vocab_size, (2400,), generator=torch.Generator().manual_seed(3))]
     out = tmp_path / "kl.json"
     args = argparse.Namespace(score=["", "group_size=32", "key_bits=3"], budget_bits=3.5, target_context=8192, out=out)
     assert script.score_rows(args, tiny, rot, w, OscarConfig()) == 0
     rows = json.loads(out.read_text())["rows"]
     assert list(rows) == ["chosen", "group_size=32", "key_bits=3"]
-    ref = reference_log_probs(tiny, w[0], SCORED_TOKENS)
+    (copy, n), = recall_windows(w)
     for name, cfg in (("chosen", OscarConfig()), ("key_bits=3", OscarConfig(key_bits=3))):
-        assert rows[name]["kl"] == pytest.approx(float(next_token_kl(tiny, rot, w[0], reference=ref, config=cfg)))
+        kl = next_token_kl(tiny, rot, w[0], config=cfg, scored=SCORED_TOKENS)
+        recall = next_token_kl(tiny, rot, copy, config=cfg, scored=n)
+        assert (rows[name]["next_kl"], rows[name]["recall_kl"]) == pytest.approx((kl, recall))
+        assert rows[name]["kl"] == pytest.approx(kl + recall)
         heads = cfg.replace(retrieval_heads=())  # (these scores pick no retrieval head: all below 0.4)
         assert rows[name]["bits"] == pytest.approx(heads.stored_bits(rot.fingerprint, sorted(rot.layers), 8192),
                                                    abs=1e-4)
