@@ -18,23 +18,43 @@ def reference_log_probs(model, ids: torch.Tensor, scored: int = SCORED_TOKENS) -
 
 
 @torch.no_grad()
+def cached_log_probs(model, rotations: OscarRotations, ids: torch.Tensor, config: OscarConfig,
+                     scored: int = SCORED_TOKENS) -> torch.Tensor:
+    """``[1, scored, vocab]`` float32 log-probabilities at the last ``scored`` positions of ``ids [n]`` through an
+    ``OscarCache`` of ``config``: the rest prefilled (longer than ``sink + recent``), then the scored tokens in one
+    forward."""
+    from ..cache import OscarCache
+    from ..compat import cache_kwargs
+    ids = ids.reshape(1, -1).to(next(model.parameters()).device)
+    prompt = ids.shape[1] - scored
+    if prompt <= config.sink + config.recent:
+        raise ValueError(f"a held-out window of {ids.shape[1]} tokens leaves a prompt of {prompt} tokens: it must be "
+                         f"longer than sink + recent = {config.sink + config.recent}")
+    cache = OscarCache(model, rotations, config)
+    model(ids[:, :prompt], **cache_kwargs(model, cache), logits_to_keep=1)
+    return torch.log_softmax(model(ids[:, prompt:], **cache_kwargs(model, cache)).logits.float(), -1)
+
+
+@torch.no_grad()
 def next_token_kl(model, rotations: OscarRotations, ids: torch.Tensor, *, sink: int = 64, recent: int = 256,
                   group_size: int = 64, meta_dtype: str = "bfloat16", scored: int = SCORED_TOKENS,
                   reference: torch.Tensor | None = None, config: OscarConfig | None = None) -> float:
     """Mean KL(model || model with the cache) over the last ``scored`` tokens of ``ids [n]``, the rest the prompt
     (longer than ``sink + recent``). ``reference``: :func:`reference_log_probs` of ``ids``. ``config``: the whole
     cache config, in place of ``sink`` / ``recent`` / ``group_size`` / ``meta_dtype`` without heads."""
-    from ..cache import OscarCache
-    from ..compat import cache_kwargs
     config = OscarConfig(sink=sink, recent=recent, group_size=group_size, meta_dtype=meta_dtype,
                          retrieval_heads=0) if config is None else config
-    ids = ids.reshape(1, -1).to(next(model.parameters()).device)
-    prompt = ids.shape[1] - scored
-    if prompt <= config.sink + config.recent:
-        raise ValueError(f"a held-out window of {ids.shape[1]} tokens leaves a prompt of {prompt} tokens: it must be "
-                         f"longer than sink + recent = {config.sink + config.recent}")
+    got = cached_log_probs(model, rotations, ids, config, scored)
     ref = reference if reference is not None else reference_log_probs(model, ids, scored)
-    cache = OscarCache(model, rotations, config)
-    model(ids[:, :prompt], **cache_kwargs(model, cache), logits_to_keep=1)
-    got = torch.log_softmax(model(ids[:, prompt:], **cache_kwargs(model, cache)).logits.float(), -1)
     return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+
+@torch.no_grad()
+def greedy_mismatch(model, rotations: OscarRotations, ids: torch.Tensor, config: OscarConfig, scored: int,
+                    reference: torch.Tensor | None = None) -> float:
+    """The share of the last ``scored`` positions of ``ids [n]`` where the cache's most likely next token is not the
+    model's (``reference``: :func:`reference_log_probs`): where greedy decoding through the cache would part from
+    the model's."""
+    got = cached_log_probs(model, rotations, ids, config, scored)
+    ref = reference if reference is not None else reference_log_probs(model, ids, scored)
+    return float((got.argmax(-1) != ref.argmax(-1)).float().mean())

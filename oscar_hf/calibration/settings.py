@@ -1,5 +1,5 @@
-"""The cache settings chosen per model by next-token KL on held-out windows and on a verbatim copy of an early
-passage of each (the recall term), within a memory budget (``OscarConfig.stored_bits``). The search and its
+"""The cache settings chosen per model by next-token KL on held-out windows plus the greedy mismatch on a verbatim copy
+of an early passage of each (the recall term), within a memory budget (``OscarConfig.stored_bits``). The search and its
 constants: docs/quality.md, "Settings chosen per model by calibration"."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from ..config import CHOSEN_FIELDS, FULL_LAYER_TYPES, OscarConfig
 from ..rotations import OscarRotations, ranked_heads
 from .hooks import progress_bar
-from .selection import SCORED_TOKENS, next_token_kl, reference_log_probs
+from .selection import SCORED_TOKENS, greedy_mismatch, next_token_kl, reference_log_probs
 
 DEFAULT_BUDGET_BITS = 3.5  # today's defaults cost 3.476 on SmolLM2 at 8192 tokens (OscarConfig.stored_bits)
 DEFAULT_TARGET_CONTEXT = 32768  # capped by the model's max_position_embeddings
@@ -26,10 +26,11 @@ GROUP_SIZES = (32, 64, 128, None)  # None: head_dim (one group per head); those 
 KEY_GROUP_STEPS = 1  # 3-bit keys are tried at the incumbent's group size and this many coarser ones
 PRECISE_LAYERS = (1, 2, 4)  # numbers of layers kept precise (all their KV heads at the heads' width) tried, in order
 # The recall term: each held-out window's first c = min(RECALL_PROMPT, its prompt) tokens, then a verbatim copy of
-# min(SCORED_TOKENS, c / 4) of them from c / 4 on, scored: what a cache keeps of a passage flushed to the INT2 history
-# long before it is recalled (the next-token KL alone ranked settings against recall after the flush on Gemma-3-270M,
-# docs/quality.md "Three-bit keys"). A candidate's sink + recent is at most a quarter of the prompt
-# (WINDOW_SHARE), so the passage is history for every candidate.
+# min(SCORED_TOKENS, c / 4) of them from c / 4 on; the share of the copy's tokens whose greedy choice through the
+# cache differs from the model's: what a cache keeps of a passage flushed to the INT2 history long before it is
+# recalled word for word (the next-token KL alone ranked settings against recall after the flush on Gemma-3-270M,
+# docs/quality.md "Three-bit keys"; the copy's KL told them apart less). A candidate's sink + recent is at most a
+# quarter of the prompt (WINDOW_SHARE), so the passage is history for every candidate.
 RECALL_PROMPT = 4096
 
 
@@ -67,13 +68,13 @@ def check_recall_window(config: OscarConfig, window: torch.Tensor, scored: int) 
 @dataclasses.dataclass
 class Trial:
     """One setting scored: what changed, the config, its budget bits and objective (``kl``: the next-token KL plus
-    the recall term's, each given apart where the search computed them)."""
+    the recall term's greedy mismatch, each given apart where the search computed them)."""
 
     name: str
     config: OscarConfig
     bits: float
     kl: float
-    parts: dict | None = None  # {"next_kl": .., "recall_kl": ..}
+    parts: dict | None = None  # {"next_kl": .., "recall_mismatch": ..}
 
     def record(self) -> dict:
         c = self.config
@@ -155,8 +156,8 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
     """Search the cache settings and return the artifact's ``metadata["settings"]`` entry: ``chosen``
     (:data:`~oscar_hf.config.CHOSEN_FIELDS`), its ``bits`` and ``kl``, the budget, ``tried`` and ``over_budget``.
     ``windows``: held-out ``[n]`` ids (512 scored, the rest prompt); ``base``: where the search starts; ``score``:
-    ``config -> KL`` in place of :func:`objective` over ``windows``; ``recall``: the objective's recall term (False:
-    the next-token KL alone); ``target_context`` None: :data:`DEFAULT_TARGET_CONTEXT` capped by the model's
+    ``config -> objective`` in place of :func:`objective` over ``windows``; ``recall``: the objective's recall term
+    (False: the next-token KL alone); ``target_context`` None: :data:`DEFAULT_TARGET_CONTEXT` capped by the model's
     ``max_position_embeddings``."""
     t0 = time.perf_counter()
     if target_context is None:
@@ -270,9 +271,10 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         "objective": f"mean next-token KL through OscarCache, last {SCORED_TOKENS} tokens of "
                      f"{len(windows) if windows else 0} held-out window(s) of "
                      f"{[int(w.numel()) for w in windows] if windows else []} tokens"
-                     + (f", plus the recall term's: the same on a verbatim copy of a passage from a quarter into "
-                        f"each window's first {RECALL_PROMPT} tokens at most ({len(recall_windows(windows))} window(s))"
-                        if recall and windows and recall_windows(windows) else ""),
+                     + (f", plus the recall term: the share of greedy mismatches on a verbatim copy of a passage "
+                        f"from a quarter into each window's first {RECALL_PROMPT} tokens at most "
+                        f"({len(recall_windows(windows))} window(s))" if recall and windows and recall_windows(windows)
+                        else ""),
         "margin": margin,
         "retrieval_heads_floor": space.floor,
         "precise_layers": space.ranked_layers[:precise],
@@ -287,9 +289,10 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
 
 def objective(model, rotations: OscarRotations, windows: Sequence[torch.Tensor], recall: bool = True
               ) -> Callable[[OscarConfig], dict]:
-    """``config -> {"next_kl": .., "recall_kl": ..}``: the mean next-token KL over ``windows``' last
-    :data:`SCORED_TOKENS` tokens and (``recall``, where a window is long enough) over their :func:`recall_windows`'
-    copies; the search minimizes their sum. The references are computed once, here."""
+    """``config -> {"next_kl": .., "recall_mismatch": ..}``: the mean next-token KL over ``windows``' last
+    :data:`SCORED_TOKENS` tokens and (``recall``, where a window is long enough) the share of their
+    :func:`recall_windows`' copied tokens where greedy decoding through the cache parts from the model's; the search
+    minimizes their sum. The references are computed once, here."""
     copies = recall_windows(windows) if recall else []
     refs = [reference_log_probs(model, w, SCORED_TOKENS) for w in windows]
     copy_refs = [reference_log_probs(model, w, n) for w, n in copies]
@@ -300,8 +303,8 @@ def objective(model, rotations: OscarRotations, windows: Sequence[torch.Tensor],
         if copies:
             for w, n in copies:
                 check_recall_window(config, w, n)
-            out["recall_kl"] = sum(next_token_kl(model, rotations, w, reference=r, config=config, scored=n)
-                                   for (w, n), r in zip(copies, copy_refs)) / len(copies)
+            out["recall_mismatch"] = sum(greedy_mismatch(model, rotations, w, config, n, r) * n
+                                         for (w, n), r in zip(copies, copy_refs)) / sum(n for _, n in copies)
         return out
 
     return measure
@@ -331,7 +334,7 @@ def settings_summary(entry: dict) -> list[str]:
         lines.append(f"    layers kept precise (all their KV heads {width}): {entry['precise_layers']}")
     for t in entry["tried"]:
         mark = "  (kept)" if t["name"] == entry["chosen_name"] else ""
-        split = f" (next {t['next_kl']:.4g} + recall {t['recall_kl']:.4g})" if "recall_kl" in t else ""
+        split = f" (next {t['next_kl']:.4g} + recall {t['recall_mismatch']:.4g})" if "recall_mismatch" in t else ""
         lines.append(f"    tried {t['name']:<36} KL {t['kl']:.4g}{split}  {t['bits']:.3f} bits  {t['heads']} heads "
                      f"INT{t['head_bits']}{mark}")
     for o in entry.get("over_budget", []):

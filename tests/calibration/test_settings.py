@@ -9,7 +9,7 @@ import torch
 
 from oscar_hf import OscarCache, OscarConfig, OscarRotations, calibrate
 from oscar_hf.calibration import calibration_report, plot_settings
-from oscar_hf.calibration.selection import next_token_kl
+from oscar_hf.calibration.selection import greedy_mismatch, next_token_kl
 from oscar_hf.compat import cache_kwargs
 from oscar_hf.calibration.settings import (check_recall_window, choose_settings, kl_frontier, recall_windows,
                                           window_candidates)
@@ -204,9 +204,8 @@ def test_calibrate_stores_the_choice_and_a_cache_uses_it(tiny, calibrated):
     kept = next(t for t in e["tried"] if t["name"] == e["chosen_name"])
     assert next_token_kl(tiny, rot, ids[-1], config=cache.oscar_config) == pytest.approx(kept["next_kl"], rel=1e-5)
     (copy, n), = recall_windows([ids[-1]])
-    assert next_token_kl(tiny, rot, copy, config=cache.oscar_config, scored=n) == pytest.approx(kept["recall_kl"],
-                                                                                                 rel=1e-5)
-    assert e["kl"] == pytest.approx(kept["next_kl"] + kept["recall_kl"])
+    assert greedy_mismatch(tiny, rot, copy, cache.oscar_config, n) == pytest.approx(kept["recall_mismatch"])
+    assert e["kl"] == pytest.approx(kept["next_kl"] + kept["recall_mismatch"])
     report = calibration_report(rot)
     assert "cache settings chosen by next-token KL" in report and "tried defaults" in report and "+ recall" in report
     off = calibrate(tiny, None, ids, method="oscar", window=(4, 8), progress=False, retrieval_probes=0,
@@ -371,7 +370,7 @@ def test_choose_settings_script_scores_given_settings_without_searching(tiny, tm
     import json
     from pathlib import Path
 
-    from oscar_hf.calibration.settings import SCORED_TOKENS, next_token_kl
+    from oscar_hf.calibration.settings import SCORED_TOKENS, greedy_mismatch, next_token_kl
 
     path = Path(__file__).resolve().parents[2] / "scripts" / "choose_settings.py"
     spec = importlib.util.spec_from_file_location("choose_settings_script", path)
@@ -387,8 +386,8 @@ def test_choose_settings_script_scores_given_settings_without_searching(tiny, tm
     (copy, n), = recall_windows(w)
     for name, cfg in (("chosen", OscarConfig()), ("key_bits=3", OscarConfig(key_bits=3))):
         kl = next_token_kl(tiny, rot, w[0], config=cfg, scored=SCORED_TOKENS)
-        recall = next_token_kl(tiny, rot, copy, config=cfg, scored=n)
-        assert (rows[name]["next_kl"], rows[name]["recall_kl"]) == pytest.approx((kl, recall))
+        recall = greedy_mismatch(tiny, rot, copy, cfg, n)
+        assert (rows[name]["next_kl"], rows[name]["recall_mismatch"]) == pytest.approx((kl, recall))
         assert rows[name]["kl"] == pytest.approx(kl + recall)
         heads = cfg.replace(retrieval_heads=())  # (these scores pick no retrieval head: all below 0.4)
         assert rows[name]["bits"] == pytest.approx(heads.stored_bits(rot.fingerprint, sorted(rot.layers), 8192),
