@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 def score_rows(args, model, rot, held, base) -> int:
     """``--score``: each row's objective (the search's: the next-token KL plus the recall term's, on its windows) and
     bits at the budget's context, as the search's report gives them, into the JSON file ``--out``."""
-    from oscar_hf.calibration.settings import _Space, default_target_context, objective
+    from oscar_hf.calibration.settings import OBJECTIVE, _Space, default_target_context, objective
     from oscar_hf.config import OscarConfig, artifact_settings
     from oscar_hf.eval.default_perplexity import row_settings
     from oscar_hf.layer_choice import resolve_retrieval_heads
@@ -127,7 +127,7 @@ def score_rows(args, model, rot, held, base) -> int:
             heads = resolve_retrieval_heads(config, rot, rot.fingerprint, config.skipped(rot.fingerprint.num_layers))
             config = config.replace(retrieval_heads=tuple(sorted((i, h) for i, hs in heads.items() for h in hs)))
         parts = measure(config)
-        kl = sum(parts.values())
+        kl = sum(parts.get(k, 0.0) for k in OBJECTIVE)
         rows[spec or "chosen"] = {"kl": float(kl), **parts, "bits": round(space.bits(config), 4)}
         split = " + ".join(f"{k} {v:.4g}" for k, v in parts.items())
         print(f"{spec or 'chosen':<60} KL {kl:.4g} ({split})  {rows[spec or 'chosen']['bits']:.3f} bits", flush=True)

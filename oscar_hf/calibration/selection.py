@@ -51,10 +51,11 @@ def next_token_kl(model, rotations: OscarRotations, ids: torch.Tensor, *, sink: 
 
 @torch.no_grad()
 def greedy_mismatch(model, rotations: OscarRotations, ids: torch.Tensor, config: OscarConfig, scored: int,
-                    reference: torch.Tensor | None = None) -> float:
-    """The share of the last ``scored`` positions of ``ids [n]`` where the cache's most likely next token is not the
-    model's (``reference``: :func:`reference_log_probs`): where greedy decoding through the cache would part from
-    the model's."""
+                    reference: torch.Tensor | None = None) -> tuple[float, float]:
+    """``(mismatch, kl)`` over the last ``scored`` positions of ``ids [n]``: the share where the cache's most likely
+    next token is not the model's (``reference``: :func:`reference_log_probs`), where greedy decoding through the
+    cache would part from the model's; and the mean KL there (a diagnostic beside it)."""
     got = cached_log_probs(model, rotations, ids, config, scored)
     ref = reference if reference is not None else reference_log_probs(model, ids, scored)
-    return float((got.argmax(-1) != ref.argmax(-1)).float().mean())
+    return (float((got.argmax(-1) != ref.argmax(-1)).float().mean()),
+            float((ref.exp() * (ref - got)).sum(-1).mean()))

@@ -32,6 +32,7 @@ PRECISE_LAYERS = (1, 2, 4)  # numbers of layers kept precise (all their KV heads
 # docs/quality.md "Three-bit keys"; the copy's KL told them apart less). A candidate's sink + recent is at most a
 # quarter of the prompt (WINDOW_SHARE), so the passage is history for every candidate.
 RECALL_PROMPT = 4096
+OBJECTIVE = ("next_kl", "recall_mismatch")  # the parts of objective()'s record the search minimizes the sum of
 
 
 def check_budget(budget_bits, target_context) -> None:
@@ -74,7 +75,7 @@ class Trial:
     config: OscarConfig
     bits: float
     kl: float
-    parts: dict | None = None  # {"next_kl": .., "recall_mismatch": ..}
+    parts: dict | None = None  # {"next_kl": .., "recall_mismatch": .., "recall_kl": .. (not in the objective)}
 
     def record(self) -> dict:
         c = self.config
@@ -176,7 +177,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         def score(config: OscarConfig) -> float:
             parts.clear()
             parts.update(measure(config))
-            return sum(parts.values())
+            return sum(parts.get(k, 0.0) for k in OBJECTIVE)
 
     prompt = min(int(w.numel()) for w in windows) - SCORED_TOKENS if windows else 1 << 30
     hd = space.fp.head_dim
@@ -289,10 +290,11 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
 
 def objective(model, rotations: OscarRotations, windows: Sequence[torch.Tensor], recall: bool = True
               ) -> Callable[[OscarConfig], dict]:
-    """``config -> {"next_kl": .., "recall_mismatch": ..}``: the mean next-token KL over ``windows``' last
-    :data:`SCORED_TOKENS` tokens and (``recall``, where a window is long enough) the share of their
+    """``config -> {"next_kl": .., "recall_mismatch": .., "recall_kl": ..}``: the mean next-token KL over
+    ``windows``' last :data:`SCORED_TOKENS` tokens and (``recall``, where a window is long enough) the share of their
     :func:`recall_windows`' copied tokens where greedy decoding through the cache parts from the model's; the search
-    minimizes their sum. The references are computed once, here."""
+    minimizes their sum (:data:`OBJECTIVE`). ``recall_kl``, the copy's mean KL, is reported, not minimized. The
+    references are computed once, here."""
     copies = recall_windows(windows) if recall else []
     refs = [reference_log_probs(model, w, SCORED_TOKENS) for w in windows]
     copy_refs = [reference_log_probs(model, w, n) for w, n in copies]
@@ -303,8 +305,10 @@ def objective(model, rotations: OscarRotations, windows: Sequence[torch.Tensor],
         if copies:
             for w, n in copies:
                 check_recall_window(config, w, n)
-            out["recall_mismatch"] = sum(greedy_mismatch(model, rotations, w, config, n, r) * n
-                                         for (w, n), r in zip(copies, copy_refs)) / sum(n for _, n in copies)
+            scores = [greedy_mismatch(model, rotations, w, config, n, r) for (w, n), r in zip(copies, copy_refs)]
+            total = sum(n for _, n in copies)
+            out["recall_mismatch"] = sum(m * n for (m, _), (_, n) in zip(scores, copies)) / total
+            out["recall_kl"] = sum(k * n for (_, k), (_, n) in zip(scores, copies)) / total
         return out
 
     return measure

@@ -204,7 +204,8 @@ def test_calibrate_stores_the_choice_and_a_cache_uses_it(tiny, calibrated):
     kept = next(t for t in e["tried"] if t["name"] == e["chosen_name"])
     assert next_token_kl(tiny, rot, ids[-1], config=cache.oscar_config) == pytest.approx(kept["next_kl"], rel=1e-5)
     (copy, n), = recall_windows([ids[-1]])
-    assert greedy_mismatch(tiny, rot, copy, cache.oscar_config, n) == pytest.approx(kept["recall_mismatch"])
+    assert greedy_mismatch(tiny, rot, copy, cache.oscar_config, n) == pytest.approx((kept["recall_mismatch"],
+                                                                                      kept["recall_kl"]))
     assert e["kl"] == pytest.approx(kept["next_kl"] + kept["recall_mismatch"])
     report = calibration_report(rot)
     assert "cache settings chosen by next-token KL" in report and "tried defaults" in report and "+ recall" in report
@@ -386,9 +387,10 @@ def test_choose_settings_script_scores_given_settings_without_searching(tiny, tm
     (copy, n), = recall_windows(w)
     for name, cfg in (("chosen", OscarConfig()), ("key_bits=3", OscarConfig(key_bits=3))):
         kl = next_token_kl(tiny, rot, w[0], config=cfg, scored=SCORED_TOKENS)
-        recall = greedy_mismatch(tiny, rot, copy, cfg, n)
-        assert (rows[name]["next_kl"], rows[name]["recall_mismatch"]) == pytest.approx((kl, recall))
-        assert rows[name]["kl"] == pytest.approx(kl + recall)
+        mismatch, copy_kl = greedy_mismatch(tiny, rot, copy, cfg, n)
+        assert (rows[name]["next_kl"], rows[name]["recall_mismatch"], rows[name]["recall_kl"]) == pytest.approx(
+            (kl, mismatch, copy_kl))
+        assert rows[name]["kl"] == pytest.approx(kl + mismatch)
         heads = cfg.replace(retrieval_heads=())  # (these scores pick no retrieval head: all below 0.4)
         assert rows[name]["bits"] == pytest.approx(heads.stored_bits(rot.fingerprint, sorted(rot.layers), 8192),
                                                    abs=1e-4)
