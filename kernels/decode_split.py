@@ -200,7 +200,8 @@ def _split_kernel(
                 if KBITS == 3:  # the high bits' bytes, lane j's byte j % (D/8) (docs/kernels.md §3.11)
                     hb = tl.load(kh_base + offs_n[:, None].to(tl.int64) * skhn + (offs_j % (D // 8))[None, :],
                                  mask=_cols_mask(inb, offs_j, D4, D4P), other=0)
-                ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, kmo, inb, NG, PAGED, G % D4 == 0)
+                ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, kmo, inb, NG, PAGED,
+                                                         G % D4 == 0 or D4 % G == 0)
                 s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P,
                                                     hb, KBITS)))
                 s = tl.dot(q1, tl.trans(_int2_plane(kb, 1, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P,
@@ -214,7 +215,7 @@ def _split_kernel(
                 # V: only valid tokens are read, invalid ones dequantize to exactly 0.
                 vb = tl.load(vc_base + vro + offs_j[None, :], mask=_cols_mask(valid, offs_j, D4, D4P), other=0)
                 vs_t, vz_t, vs_row, vz_row = _meta_tiles(vs_base, vz_base, offs_n, vmo, valid, NGV, PAGED,
-                                                         GVV % D4 == 0)
+                                                         GVV % D4 == 0 or D4 % GVV == 0)
                 acc_ = ()
                 for P in tl.static_range(4):
                     v = _int2_plane(vb, P, vs_t, vz_t, vs_row, vz_row, valid, D4, GVV, NGV, LOWP, D4P)

@@ -97,6 +97,19 @@ def _int2_plane(bytes_, P: tl.constexpr, s_tile, z_tile, s_row, z_row, nmask,
         s = tl.sum(tl.where(onehot, s_tile, 0.0), 1)
         z = tl.sum(tl.where(onehot, z_tile, 0.0), 1)
         return _op(z[:, None] + code * s[:, None], LOWP)
+    elif D4 % G == 0:
+        # whole groups inside the plane (D = 256, G = 32: two): each group's column of the tiles, by one-hot sums,
+        # spread over its lanes in registers (no per-channel gather of scale / zero)
+        GPP: tl.constexpr = D4 // G
+        lane_group = tl.arange(0, D4P) // G  # [D4P]
+        s = tl.zeros_like(code)
+        z = tl.zeros_like(code)
+        for k in tl.static_range(GPP):
+            onehot = tl.arange(0, NG)[None, :] == P * GPP + k
+            inside = (lane_group == k)[None, :]
+            s = tl.where(inside, tl.sum(tl.where(onehot, s_tile, 0.0), 1)[:, None], s)
+            z = tl.where(inside, tl.sum(tl.where(onehot, z_tile, 0.0), 1)[:, None], z)
+        return _op(z + code * s, LOWP)
     else:
         # groups inside or across planes (D=256 or 96, G=32): scale/zero gathered per channel (L1 hits)
         offs = tl.arange(0, D4P)

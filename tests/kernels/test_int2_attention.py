@@ -284,6 +284,8 @@ def test_gluon_long_split_residency():
         (2, 1, 4, 100, 0, 128, 128, True, False),  # no window
         (2, 1, 4, 90, 40, 96, 32, True, True),  # head_dim 96 (the window's 96 channels padded to 128 lanes)
         (1, 1, 2, 70, 33, 256, 64, False, True),
+        (2, 1, 4, 90, 40, 256, 32, True, True),  # two groups a plane: their columns of the metadata tiles
+        (1, 2, 4, 80, 30, 128, 16, False, True),
         (1, 1, 4, 40, 33, 512, 128, True, False),
     ],
 )
