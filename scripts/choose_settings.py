@@ -129,7 +129,8 @@ def score_rows(args, model, rot, held, base) -> int:
         parts = measure(config)
         kl = sum(parts.get(k, 0.0) for k in OBJECTIVE)
         rows[spec or "chosen"] = {"kl": float(kl), **parts, "bits": round(space.bits(config), 4)}
-        split = " + ".join(f"{k} {v:.4g}" for k, v in parts.items())
+        split = " + ".join(f"{k} {parts[k]:.4g}" for k in OBJECTIVE if k in parts) + "".join(
+            f"; {k} {v:.4g}" for k, v in parts.items() if k not in OBJECTIVE)
         print(f"{spec or 'chosen':<60} KL {kl:.4g} ({split})  {rows[spec or 'chosen']['bits']:.3f} bits", flush=True)
     command = "python -P scripts/choose_settings.py " + shlex.join(sys.argv[1:])
     Path(args.out).write_text(json.dumps({"command": command, "windows": [int(w.numel()) for w in held],
