@@ -6,8 +6,8 @@
 #   tests            GPU tests (pytest -m gpu; TESTS="<paths>" a subset)       gpu_tests_<gpu>.log
 #   kernels          decode op vs BF16 SDPA (B 1/8/32 x 8K/32K/128K) and the   kernels_<gpu>.json, _speedup.png
 #                    write path (bench_kernels.py)
-#   kernels-keybits  Gemma-3-270M's read: INT2 at group 32 against 3-bit keys   kernels_<gpu>_gemma3_270m_<g32|g32_k3_v128>.json
-#                    at 32 with values at 128 (B 1/8/32 x 8K/32K)
+#   kernels-keybits  Gemma-3-270M's read: INT2 at group 32 against 3-bit keys   kernels_<gpu>_gemma3_270m_g32.json,
+#                    at 32 with values at 128 (B 1/8/32 x 8K/32K)               kernels_<gpu>_gemma3_270m_g32_k3_v128.json
 #   kernels-dims     the op at other head shapes, B 1/8 x 32K/128K; one shape: kernels_<gpu>_<d64|d256|d256_kv2|
 #                    kernels-d64, -d256, -d256-kv2, -d96, -d96-g32, -d512          d96|d96_g32|d512>.json
 #   strong           the default call against the strong BF16 (strong_bf16.py): strong_bf16_op_<gpu>.json,

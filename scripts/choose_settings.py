@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout-len", type=int, default=None, help="held-out window length (default: calibration's)")
     p.add_argument("--out", required=True, help="output artifact directory (with --score: a JSON file)")
     p.add_argument("--score", action="append", default=[], metavar="KEY=V[,KEY=V]",
-                   help="instead of searching: the search's objective (next-token KL + recall KL) and the bits of these settings over the artifact's "
+                   help="instead of searching: the search's objective (next-token KL + the recall term's greedy "
+                        "mismatch; the copy's KL beside them) and the bits of these settings over the artifact's "
                         "chosen ones, on the same held-out windows (KEYs as default_perplexity's --row; repeatable; "
                         "an empty string: the chosen settings themselves)")
     p.add_argument("--force", action="store_true", help="overwrite --out")
