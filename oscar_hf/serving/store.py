@@ -50,7 +50,7 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         if config.key_bits != 2:  # (an artifact that chose 3-bit keys: serve it with key_bits=2, or use OscarCache)
             raise NotImplementedError(f"the paged OSCAR store holds INT2 keys only, this config has key_bits="
                                       f"{config.key_bits}: pass key_bits=2 (OscarCache reads 3-bit keys)")
-        if config.values_own_group:  # (as 3-bit keys: the references only)
+        if config.values_own_group:  # (as 3-bit keys: the contiguous cache's storage only)
             raise NotImplementedError(f"the paged OSCAR store holds keys and values at one group size, this config has "
                                       f"value_group_size={config.value_group_size} with group_size={config.group_size}:"
                                       f" pass value_group_size=None (OscarCache reads values at a group of their own)")

@@ -1,7 +1,7 @@
 """3-bit keys (``OscarConfig.key_bits=3``): the codes (INT2 planes of the low bits + a plane of the high bit), what
 they read back, the cache's storage and bit counts, saving and loading, the refusals, the settings search trying them,
 The decode op against the multi-token path and (GPU) the compiled step under CUDA graphs giving the eager tokens:
-``test_value_groups.py``, over every storage the references alone serve."""
+``test_value_groups.py``, with the values' own groups."""
 import pytest
 import torch
 

@@ -1,7 +1,7 @@
 """Values at a group size of their own (``OscarConfig.value_group_size``): the bit count, the storage (the values'
 metadata in ``value_meta``, the keys' in ``meta``), what the history reads back, the decode op against the
 multi-token path, saving and loading, the refusals, and (GPU) the compiled step under CUDA graphs giving the eager
-tokens. The decode op and the GPU case over every storage the references alone serve (3-bit keys too)."""
+tokens. The decode op and the GPU case over every storage the paged store does not hold (3-bit keys too)."""
 import copy
 
 import pytest
@@ -80,10 +80,10 @@ def test_cache_stores_values_at_their_own_group(kw):
 
 
 @pytest.mark.parametrize("kw", [dict(key_bits=3)] + VARIANTS, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
-def test_the_decode_op_reads_the_reference_storage_as_the_multi_token_path_does(kw):
+def test_the_decode_op_reads_the_wider_storage_as_the_multi_token_path_does(kw):
     """One decode step through the decode op (its write, then its read) gives the logits of the multi-token path (the
     pending demotion, then a read of the whole history) on a copy of the same state, and both write the same rows of
-    every storage the references alone serve (3-bit keys' high plane, the values' own metadata)."""
+    storage of 3-bit keys' high plane and of the values' own metadata."""
     torch.manual_seed(0)
     m = tiny_model("llama", head_dim=64)
     ids = torch.randint(0, m.config.vocab_size, (2, 40))
