@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .append_checks import check_append_inputs, check_paged_inputs
-from .plan import last_contiguous, next_pow2, settle_cache_keys
+from .plan import last_contiguous, next_pow2, plain_fits, settle_cache_keys
 from .write_triton import _LEVELS, _META_KIND, _codes, _group_grid, _padded_cols, _quantize_masked, _round_meta
 
 MIN_WARPS, MAX_WARPS = 4, 16
@@ -149,6 +149,7 @@ def _append_token_kernel(
     DEMOTE: tl.constexpr,  # 0: no row demotes this step (the paged plan's ``demote``)
     KBITS: tl.constexpr = 2, GV: tl.constexpr = 0,  # 3-bit keys; the values' group (0: G) (contiguous, DP = D)
 ):
+    VG: tl.constexpr = G if GV == 0 else GV  # the values' group
     pid = tl.program_id(0)
     if PAGED:  # one program per row and KV head, writing K and V
         b = pid // Hk
@@ -186,13 +187,11 @@ def _append_token_kernel(
                             clip_k, D, G, BLOCK_K, HAS_MU_K, META_KIND, STD, DP, KH, page * shb + hh * shh + e * shn,
                             KBITS)
             if PAGED or not do_k:
+                vm_off = m_off
                 if GV > 0:  # (the values' metadata: a tensor of its own, D/GV groups a row)
-                    _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off,
-                                page * svsb + hh * svsh + e * svsn, clip_v, D, GV, BLOCK_K, HAS_MU_V, META_KIND, STD,
-                                DP)
-                else:
-                    _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, m_off, clip_v,
-                                D, G, BLOCK_K, HAS_MU_V, META_KIND, STD, DP)
+                    vm_off = page * svsb + hh * svsh + e * svsn
+                _demote_row(WIN_V + src, RV + hh * D * D, MUV + hh * D, VC, VS, VZ, c_off, vm_off, clip_v,
+                            D, VG, BLOCK_K, HAS_MU_V, META_KIND, STD, DP)
         if CODED_BITS > 0:  # a retrieval head: the same entry, coded
             cp = tl.load(CODED_OF + h)
             if live & (cp >= 0):
@@ -251,7 +250,7 @@ def _launch(params, new_k, new_v, window, history, grid: int, layout: tuple, new
                                                    or hist_v.scale.stride(-1) != 1)):
         raise ValueError("hist_k and hist_v must share one codes layout and one metadata layout (a values' group of "
                          "their own: scale and zero one), contiguous in the last dimension")
-    if (k_hi is not None or own) and (paged or next_pow2(win_k.shape[-1]) != win_k.shape[-1]):
+    if (k_hi is not None or own) and (paged or not plain_fits(win_k.shape[-1])):
         raise ValueError("3-bit keys and a values' group of their own: the contiguous storage at a power-of-two "
                          "head_dim only")
     if k_hi is not None and k_hi.stride(-1) != 1:

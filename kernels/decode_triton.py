@@ -16,7 +16,7 @@ from .decode_combine import _combine_kernel
 from .decode_split import _prologue_kernel, _split_kernel
 from .kv import History, KVParams
 from .plan import (DEFAULTS, KERNEL_HEAD_DIMS, DecodeShape, decode_plan, gluon_pays, group_fits, last_contiguous,
-                   next_pow2, num_splits)
+                   next_pow2, num_splits, plain_fits)
 from .query_triton import C_BLOCK as ROT_C_BLOCK
 from .query_triton import Q8_FIELDS, Q8_TILE_BYTES, launch_rotation, rotation_args, rotation_strides
 
@@ -48,7 +48,7 @@ def kernel_supported(q_rot, k: QuantizedRows, group_size: int, key_mask, win_mas
     vg = group_size if value_group is None else value_group
     plain = k.hi is not None or vg != group_size
     return (d in KERNEL_HEAD_DIMS and group_fits(d, group_size) and group_fits(d, vg) and 1 <= m <= 64
-            and (not plain or d & (d - 1) == 0)
+            and (not plain or plain_fits(d))
             and _mask_ok(key_mask, b, hk, k.codes.shape[-2]) and _mask_ok(win_mask, b, hk, w))
 
 

@@ -28,6 +28,13 @@ def group_fits(d: int, group_size: int) -> bool:
     return g > 0 and d % g == 0 and ((g & (g - 1)) == 0 or g % (d // 4) == 0)
 
 
+def plain_fits(d: int) -> bool:
+    """Whether the kernels take 3-bit keys or a values' group of their own at head_dim ``d``: the split kernel's
+    dequant loop and the one-token write kernel read and write them in the unpadded layout, at power-of-two head_dims
+    (docs/kernels.md §3.11; ``OscarConfig.kernels_serve`` states the same rule for the cache)."""
+    return d > 0 and d & (d - 1) == 0
+
+
 _properties = functools.lru_cache(maxsize=None)(torch.cuda.get_device_properties)  # device index -> properties
 
 

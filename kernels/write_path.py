@@ -10,7 +10,7 @@ from oscar_hf.quant import encode_heads, quantize_rows, rows_group_size
 
 from .append_checks import check_append_inputs, check_paged_inputs
 from .kv import History, KVParams, PagedRows, Ring, Window
-from .plan import triton_enabled
+from .plan import plain_fits, triton_enabled
 
 
 def rotate_quantize_reference(x, r, mu, clip, group_size, meta_dtype, out=None, out_offset=0, quantizer="minmax",
@@ -153,7 +153,7 @@ def append(params: KVParams, new_k, new_v, window: Window, history: History, at:
     k_group, v_group, d = rows_group_size(history.k), rows_group_size(history.v), new_k.shape[-1]
     # 3-bit keys, values at a group of their own: the contiguous write kernel at a power-of-two head_dim only
     plain = history.k.bits == 3 or v_group != k_group
-    kernels = kernels and k_group == params.group_size and (not plain or (contiguous and d & (d - 1) == 0))
+    kernels = kernels and k_group == params.group_size and (not plain or (contiguous and plain_fits(d)))
     if kernels:  # (a shape the write kernel takes)
         from .write_triton import kernel_supported
         kernels = (kernel_supported(new_k, k_group, params.clip_k, params.meta_dtype)

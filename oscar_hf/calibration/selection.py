@@ -46,7 +46,7 @@ def next_token_kl(model, rotations: OscarRotations, ids: torch.Tensor, *, sink: 
                          retrieval_heads=0) if config is None else config
     got = cached_log_probs(model, rotations, ids, config, scored)
     ref = reference if reference is not None else reference_log_probs(model, ids, scored)
-    return float((ref.exp() * (ref - got)).sum(-1).mean())
+    return _mean_kl(ref, got)
 
 
 @torch.no_grad()
@@ -57,5 +57,9 @@ def greedy_mismatch(model, rotations: OscarRotations, ids: torch.Tensor, config:
     cache would part from the model's; and the mean KL there (a diagnostic beside it)."""
     got = cached_log_probs(model, rotations, ids, config, scored)
     ref = reference if reference is not None else reference_log_probs(model, ids, scored)
-    return (float((got.argmax(-1) != ref.argmax(-1)).float().mean()),
-            float((ref.exp() * (ref - got)).sum(-1).mean()))
+    return float((got.argmax(-1) != ref.argmax(-1)).float().mean()), _mean_kl(ref, got)
+
+
+def _mean_kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """Mean over positions of KL(ref || got), both ``[..., vocab]`` log-probabilities."""
+    return float((ref.exp() * (ref - got)).sum(-1).mean())

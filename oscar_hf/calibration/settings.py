@@ -180,6 +180,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
             return sum(parts.get(k, 0.0) for k in OBJECTIVE)
 
     prompt = min(int(w.numel()) for w in windows) - SCORED_TOKENS if windows else 1 << 30
+    n_copies = len(recall_windows(windows)) if recall and windows else 0  # (the objective's recall windows)
     hd = space.fp.head_dim
     tried: list[Trial] = []
     over: list[dict] = []
@@ -273,9 +274,8 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
                      f"{len(windows) if windows else 0} held-out window(s) of "
                      f"{[int(w.numel()) for w in windows] if windows else []} tokens"
                      + (f", plus the recall term: the share of greedy mismatches on a verbatim copy of a passage "
-                        f"from a quarter into each window's first {RECALL_PROMPT} tokens at most "
-                        f"({len(recall_windows(windows))} window(s))" if recall and windows and recall_windows(windows)
-                        else ""),
+                        f"from a quarter into each window's first {RECALL_PROMPT} tokens at most ({n_copies} "
+                        f"window(s))" if n_copies else ""),
         "margin": margin,
         "retrieval_heads_floor": space.floor,
         "precise_layers": space.ranked_layers[:precise],
