@@ -20,7 +20,8 @@ Methods (``--methods``):
   keeps the eager storage on CUDA (hybrid, MLA, KV-sharing, soft-capped); ``oscar-skipN``: the first N layers kept in
   full precision (``skip_layers``);
   ``oscar-fpN``: ``OscarCache`` with N retrieval heads (``retrieval_heads``, spread over the layers), stored
-  as the library stores them (INT8); ``oscar-fpN-serial``: their read on the layer's stream, not on its side stream.
+  as the library stores them (INT8); ``oscar-fpN-serial``: their read on the layer's stream, not on its side stream;
+  ``oscar-fpN-apart``: their rows merged by a combine of their own, then copied in (``HeadsDefaults.merged`` off).
 
 Every figure is a ratio against the baselines measured in the same run: ``speedup_vs_bf16_strong`` first, then
 ``speedup_vs_bf16`` (DynamicCache) and ``speedup_vs_bf16_static``.
@@ -264,7 +265,7 @@ def make_cache(model, method: str, capacity: int, explicit: bool = False):
     if method.startswith("oscar-skip"):  # oscar-skipN: the first N layers kept in full precision (skip_layers)
         return OscarCache(model, method="hadamard", group_size=64, skip_layers=tuple(range(int(method[10:]))))
     if method.startswith("oscar-fp"):  # oscar-fpN: N retrieval heads (INT8, as the library stores them), spread out
-        n = int(method.removeprefix("oscar-fp").removesuffix("-serial"))  # (-serial: run_one's read on one stream)
+        n = int(method.removeprefix("oscar-fp").removesuffix("-serial").removesuffix("-apart"))  # (suffixes: run_one)
         cfg = model.config.get_text_config(decoder=True)
         nl, hk = cfg.num_hidden_layers, cfg.num_key_value_heads
         return OscarCache(model, method="hadamard", group_size=64,
@@ -289,8 +290,10 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
         with torch.no_grad():
             synthetic_fill(model, cache, batch, context, device)
     t0 = time.perf_counter()
-    heads = settings.HEADS_DEFAULTS  # oscar-fpN-serial: the retrieval heads' read on the layer's stream, not beside it
-    settings.HEADS_DEFAULTS = dataclasses.replace(heads, side_stream=not method.endswith("-serial"))
+    heads = settings.HEADS_DEFAULTS  # oscar-fpN-serial: the retrieval heads' read on the layer's stream, not beside it;
+    # -apart: their own combine
+    settings.HEADS_DEFAULTS = dataclasses.replace(heads, side_stream=not method.endswith("-serial"),
+                                                  merged=not method.endswith("-apart"))
     try:
         with torch.no_grad():
             out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True,

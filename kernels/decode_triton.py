@@ -16,7 +16,7 @@ from .decode_combine import _combine_kernel
 from .decode_split import _prologue_kernel, _split_kernel
 from .kv import History, KVParams
 from .plan import (DEFAULTS, KERNEL_HEAD_DIMS, DecodeShape, decode_plan, gluon_pays, group_fits, last_contiguous,
-                   next_pow2, num_splits, plain_fits)
+                   next_pow2, num_splits, plain_fits, pow2_at_least)
 from .query_triton import C_BLOCK as ROT_C_BLOCK
 from .query_triton import Q8_FIELDS, Q8_TILE_BYTES, launch_rotation, rotation_args, rotation_strides
 
@@ -127,14 +127,16 @@ def _gluon_module():
 
 
 def decode_attention_triton(params, q, window, history, scaling, out_dtype=None, *, rotated=None, softcap=None,
-                            sinks=None, defaults=DEFAULTS, out=None):
+                            sinks=None, defaults=DEFAULTS, out=None, coded=None, coded_ready=None):
     """:func:`~oscar_hf.kernels.int2_attention.decode_attention_reference` on the kernels, launched as one
     :func:`~oscar_hf.kernels.plan.decode_plan` says: ``[B, Hk, M, D]`` in the value space (rows without a valid key
     are 0). ``rotated``: ``(q_rot [B, Hk, M, D], qk_offset [B, Hk, M] or None)``, or None: the op rotates the
     unrotated ``q [B, Hk, M, D]`` (the window's query) itself. ``params.r_v`` None: no window, the history's float32
     partials ``(m [B, Hk, M], l [B, Hk, M], acc [B, Hk, M, D])`` instead (:func:`history_partial_triton`). ``sinks``
     ``[Hk, M]``; ``softcap``: the split kernel's only. ``out``: None, or ``[B, Hk_layer, M, D]`` with
-    ``window.kv_heads``: head ``h``'s rows go to KV head ``kv_heads[h]``.
+    ``window.kv_heads``: head ``h``'s rows go to KV head ``kv_heads[h]``. ``coded``: with ``out``, the layer's
+    retrieval heads' :class:`~oscar_hf.kernels.kv.CodedPartials`, merged into ``out`` at their KV heads by this
+    call's combine (once this stream has waited for ``coded_ready``, the event of the stream that made them).
     """
     # the bundles' fields under the names the launches below use
     k, v, start, key_mask = history.k, history.v, history.start, history.key_mask
@@ -146,6 +148,10 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     if out is not None and (win_heads is None or out.shape[0] != q.shape[0] or out.shape[2:] != q.shape[2:]):
         raise ValueError(f"an output buffer {tuple(out.shape)} needs the window's kv_heads and [B, Hk, M, D] = "
                          f"{tuple(q.shape)} but for its heads")
+    if coded is not None and (out is None or coded.acc.shape[0] != q.shape[0] * coded.heads.numel()
+                              or coded.acc.shape[-1] != q.shape[-1] or coded.pm.shape[2] < q.shape[2]):
+        raise ValueError("the retrieval heads' partials need an output buffer and [B * P, S, >= M, D] partials of this "
+                         f"call's rows, got {tuple(coded.acc.shape)} for queries {tuple(q.shape)}")
     # the INT2 heads of a layer with retrieval heads read the layer's window (and write its output) in place
     wh = {} if win_heads is None else dict(WHEAD=win_heads, HAS_WHEAD=1)
     if paged is not None:  # (the pool's window: each row's mask [B, 1, 1, W] and slot [B]; none for partials)
@@ -265,8 +271,18 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
         oh = {} if out is None else dict(OHEAD=win_heads, HK_OUT=out.shape[1], HAS_OHEAD=1)
         if out is None:
             out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
+        n_int2, grid = bh * m * cs.parts, bh * m * cs.parts
+        if coded is not None:  # programs past the INT2 heads' merge the retrieval heads' partials (docs/kernels.md §3.9)
+            c_s, cw = coded.pm.shape[1], next_pow2(d // cs.parts)
+            oh.update(CPM=coded.pm, CPL=coded.pl, CPACC=coded.acc, CHEAD=coded.heads, C_P=coded.heads.numel(),
+                      C_S_TOT=c_s, N_INT2=n_int2, C_M_PAD=coded.pm.shape[2], CW=cw, HAS_CODED=1,
+                      # (a tile no larger than the INT2 rows' [S_BLOCK, D]: the same registers)
+                      C_S_BLOCK=min(pow2_at_least(c_s, 1), max(1, cs.s_block * dp // cw)))
+            grid += coded.acc.shape[0] * m * cs.parts
+            if coded_ready is not None:
+                torch.cuda.current_stream(dev).wait_event(coded_ready)
         with _counters_reset_on_error(ready):
-            _combine_kernel[(bh * m * cs.parts,)](pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, p.s_hist, p.s_tot,
+            _combine_kernel[(grid,)](pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, p.s_hist, p.s_tot,
                                                   D=d, S_BLOCK=cs.s_block, C_BLOCK=cs.c_block, FINAL=True,
                                                   HAS_MUV=mu_v is not None, PDL=int(p.pdl), HOIST=int(cs.hoist),
                                                   SW_BLOCK=p.sw_block, PARTS=cs.parts, READY=ready,

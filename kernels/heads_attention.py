@@ -81,14 +81,35 @@ def heads_decode_attention(q, heads, coded, bits: int, bounds, window, scaling: 
     ``(lo [B], hi)``: row ``b`` reads slots ``lo[b] <= s < hi`` (``hi`` an int, or a 0-d / ``[B]`` device tensor,
     graph-safe); ``pages``: parts ``[num_pages, P, page_size, *]`` through ``pages.table``; ``window``: ``k/v [B, Hk,
     W, D]`` (or a pool with ``slot``), mask ``[B, W]`` or ``[B, 1, 1, W]``; ``sinks [P, M]``."""
-    check_heads_args(q, heads, *coded, bits, window.k, window.mask_2d(), None if pages is None else pages.table,
-                     window.slot)
+    _check(q, heads, coded, bits, window, pages, sinks)
     out_dtype = out_dtype or q.dtype
-    if sinks is not None and sinks.shape != (heads.numel(), q.shape[2]):
-        raise ValueError(f"sinks {tuple(sinks.shape)} are not [P, M] = {(heads.numel(), q.shape[2])}")
-    if triton_enabled(q, use_kernels) and q.shape[2] <= 64:
+    if _on_kernels(q, use_kernels):
         from .heads_triton import heads_decode_triton
         return heads_decode_triton(q, heads, coded, bits, bounds, window, scaling, out_dtype, pages=pages,
                                    sinks=sinks, softcap=softcap)
     return heads_decode_reference(q, heads, coded, bits, bounds, window, scaling, out_dtype, pages=pages,
                                   softcap=softcap, sinks=sinks)
+
+
+def heads_decode_partials(q, heads, coded, bits: int, bounds, window, scaling: float, *, pages=None, softcap=None,
+                          sinks=None, use_kernels="auto"):
+    """The split launch of :func:`heads_decode_attention` alone (its arguments): the retrieval heads' partials for the
+    INT2 heads' combine to merge (:class:`~oscar_hf.kernels.kv.CodedPartials`), or None where the kernels do not
+    serve the call in one launch (the reference, or row chunks): then :func:`heads_decode_attention` reads them."""
+    _check(q, heads, coded, bits, window, pages, sinks)
+    if not _on_kernels(q, use_kernels):
+        return None
+    from .heads_triton import heads_partials
+    return heads_partials(q, heads, coded, bits, bounds, window, scaling, pages=pages, sinks=sinks, softcap=softcap)
+
+
+def _on_kernels(q, use_kernels) -> bool:
+    """Whether the Triton launches read the call (up to 64 query rows a KV head)."""
+    return triton_enabled(q, use_kernels) and q.shape[2] <= 64
+
+
+def _check(q, heads, coded, bits, window, pages, sinks) -> None:
+    check_heads_args(q, heads, *coded, bits, window.k, window.mask_2d(), None if pages is None else pages.table,
+                     window.slot)
+    if sinks is not None and sinks.shape != (heads.numel(), q.shape[2]):
+        raise ValueError(f"sinks {tuple(sinks.shape)} are not [P, M] = {(heads.numel(), q.shape[2])}")

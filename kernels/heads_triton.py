@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .decode_split_ops import _soft_cap, _softmax_step
 from .decode_triton import LOG2E
-from .kv import Window
+from .kv import CodedPartials, Window
 from .plan import (HEADS_DEFAULTS, HeadsDefaults, heads_plan, last_contiguous, next_pow2, pow2_at_least,
                    settle_cache_keys)
 from .query_triton import _cols_mask
@@ -283,16 +283,8 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
     kernel."""
     (k, v), (lo, hi), win_k, win_v, win_mask = coded, bounds, window.k, window.v, window.mask_2d()
     slot = window.slot  # None, or [B]: row b's window is row slot[b] of win_k / win_v (the store's pool, in place)
-    block_table, max_len = (None, None) if pages is None else (pages.table, pages.max_len)
-    b, _, m, d = q.shape
-    p, w = heads.numel(), win_k.shape[2]
-    dev = q.device
-    q, win_k, win_v, kc, vc = (last_contiguous(x) for x in (q, win_k, win_v, k[0], v[0]))
-    ks, kz, vs, vz = (k[1], k[2], v[1], v[2]) if bits != 16 else (kc, kc, vc, vc)  # (unused at 16 bits)
-    if ks.stride() != kz.stride() or vs.stride() != vz.stride():
-        raise ValueError("a head store's scale and zero must share their strides")
-    rows = OFFSET_LIMIT // max(x.stride(0) for x in (kc, vc, ks, vs))  # rows whose offsets fit the kernel's int32
-    if block_table is None and b > rows:  # (a store past 2**31 elements: in row chunks, same results)
+    b, rows = q.shape[0], _rows_per_launch(coded, pages)
+    if b > rows:  # (a store past 2**31 elements: in row chunks, same results)
         def rows_of(x, a, z):
             return x[a:z] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == b else x
 
@@ -303,6 +295,43 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
             if slot is not None else
             Window(win_k[a : a + rows], win_v[a : a + rows], None if win_mask is None else win_mask[a : a + rows]),
             scaling, out_dtype, sinks=sinks, softcap=softcap, defaults=defaults) for a in range(0, b, rows)])
+    parts = heads_partials(q, heads, coded, bits, bounds, window, scaling, pages=pages, sinks=sinks, softcap=softcap,
+                           defaults=defaults)
+    m, d = q.shape[2:]
+    out = torch.empty(b, heads.numel(), m, d, dtype=out_dtype, device=q.device)
+    _heads_combine_kernel[(b * heads.numel() * m,)](
+        parts.pm, parts.pl, parts.acc, out, m, parts.pm.shape[1], M_PAD=parts.pm.shape[2], D=d,
+        S_BLOCK=min(defaults.merge_block, pow2_at_least(parts.pm.shape[1], 1)), DP=next_pow2(d),
+        num_warps=defaults.merge_warps_xwide if d > 256 else 4)
+    return out
+
+
+def _rows_per_launch(coded, pages) -> int:
+    """The rows one split launch takes: all with a paged store, else those whose element offsets fit its int32."""
+    if pages is not None:
+        return 2**62
+    k, v = coded
+    kc, vc = last_contiguous(k[0]), last_contiguous(v[0])
+    ks, vs = (k[1], v[1]) if len(k) > 1 else (kc, vc)
+    return OFFSET_LIMIT // max(x.stride(0) for x in (kc, vc, ks, vs))
+
+
+def heads_partials(q, heads, coded, bits: int, bounds, window, scaling: float, *, pages=None, sinks=None,
+                   softcap=None, defaults: HeadsDefaults = HEADS_DEFAULTS) -> CodedPartials | None:
+    """The split launch of :func:`heads_decode_triton`: the retrieval heads' float32 partials (history splits, the
+    window, the sink) for a combine to merge, or None where the store needs row chunks (the two launches serve)."""
+    (k, v), (lo, hi), win_k, win_v, win_mask = coded, bounds, window.k, window.v, window.mask_2d()
+    slot = window.slot  # None, or [B]: row b's window is row slot[b] of win_k / win_v (the store's pool, in place)
+    block_table, max_len = (None, None) if pages is None else (pages.table, pages.max_len)
+    b, _, m, d = q.shape
+    if b > _rows_per_launch(coded, pages):
+        return None
+    p, w = heads.numel(), win_k.shape[2]
+    dev = q.device
+    q, win_k, win_v, kc, vc = (last_contiguous(x) for x in (q, win_k, win_v, k[0], v[0]))
+    ks, kz, vs, vz = (k[1], k[2], v[1], v[2]) if bits != 16 else (kc, kc, vc, vc)  # (unused at 16 bits)
+    if ks.stride() != kz.stride() or vs.stride() != vz.stride():
+        raise ValueError("a head store's scale and zero must share their strides")
     npl = 2 if bits == 4 else 1
     page = 0 if block_table is None else kc.shape[2]
     n = kc.shape[2] if block_table is None else block_table.shape[1] * page  # slots the store can address per row
@@ -334,11 +363,7 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
         HAS_WMASK=win_mask is not None, OP=op, DCP=next_pow2(d // npl),
         SOFTCAP=float(softcap) * LOG2E if softcap else 0.0, num_warps=warps, num_stages=stages,
         **({} if slot is None else dict(WSLOT=slot, HAS_WSLOT=1)))
-    out = torch.empty(b, p, m, d, dtype=out_dtype, device=dev)
-    _heads_combine_kernel[(b * p * m,)](pm, pl, pacc, out, m, s_tot, M_PAD=m_pad, D=d,
-                                        S_BLOCK=min(defaults.merge_block, pow2_at_least(s_tot, 1)), DP=next_pow2(d),
-                                        num_warps=defaults.merge_warps_xwide if d > 256 else 4)
-    return out
+    return CodedPartials(pm, pl, pacc, heads)
 
 
 settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

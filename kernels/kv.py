@@ -5,6 +5,7 @@ one write (:func:`~oscar_hf.kernels.write_path.append`) take from every storage 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -114,6 +115,17 @@ class History:
         n = int(self.n_valid)
         k, v = (rows.map(lambda x: x[:, :, :n]) for rows in (self.k, self.v))
         return dataclasses.replace(self, k=k, v=v, n_valid=None)
+
+
+class CodedPartials(NamedTuple):
+    """The retrieval heads' split partials for a combine to merge (:func:`~oscar_hf.kernels.heads_triton.
+    heads_partials`): ``m`` / ``l`` ``[B * P, S, M_PAD]`` (log2 units) and ``acc [B * P, S, M_PAD, D]`` float32 over
+    their ``S`` history splits, window and sink; ``heads [P]`` the KV heads whose output rows they make."""
+
+    pm: torch.Tensor
+    pl: torch.Tensor
+    acc: torch.Tensor
+    heads: torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)

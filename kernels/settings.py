@@ -127,6 +127,9 @@ class HeadsDefaults:
     # CUDA: the two launches on a side stream beside the INT2 heads' (forked and joined inside the layer's read, so a
     # CUDA graph captures them as a parallel branch): their programs fill the SMs the INT2 launches leave idle
     side_stream: bool = True
+    # where the INT2 heads' read is the kernels': the split launch alone, its partials merged by the INT2 heads'
+    # combine into the layer's output (False: a combine of their own, then a copy of their rows into the output)
+    merged: bool = True
 
     def launch(self, bits: int, d: int = 128) -> tuple[int, int]:
         """``(num_warps, num_stages)`` of the split kernel for ``bits``-bit codes of head_dim ``d``."""

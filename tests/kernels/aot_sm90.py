@@ -314,6 +314,19 @@ def main():
                "SW_BLOCK": 16 if hoist else 1, "PARTS": parts, "PDL": 1}
         print(json.dumps({"kernel": "combine", "case": f"decode op s_block={s_block} warps={warps} c_block={c_block}"
                           f" hoist={hoist} parts={parts}", **compile_call(comb.fn, args, kw2, cuda_kw)}))
+    # ... with a retrieval head's rows merged by the same launch (B=1/100K: 391 heads' splits + the window, 4
+    # programs a row of 32 channels; B=8: 4 warps; crowded: one warp), PDL and the counters' reset as launched
+    z = torch.zeros(1)
+    for s_block, warps, c_block, hoist, parts, c_s in ((DEFAULTS.merge_block_few, 8, 32, 1, DEFAULTS.merge_out_parts,
+                                                        392), (64, 4, 64, 1, 1, 129), (16, 1, 16, 1, 1, 40)):
+        cw = 128 // parts
+        kw2 = {**kw, "S_BLOCK": s_block, "C_BLOCK": c_block, "num_warps": warps, "HOIST": hoist,
+               "SW_BLOCK": 16 if hoist else 1, "PARTS": parts, "PDL": 1, "CPM": z, "CPL": z, "CPACC": z,
+               "CHEAD": torch.zeros(1, dtype=torch.long), "C_P": 1, "C_S_TOT": c_s, "N_INT2": 7 * 4 * parts,
+               "C_M_PAD": 16, "CW": cw, "C_S_BLOCK": min(triton.next_power_of_2(c_s), s_block * 128 // cw),
+               "HAS_CODED": 1, "OHEAD": torch.zeros(7, dtype=torch.long), "HK_OUT": 8, "HAS_OHEAD": 1}
+        print(json.dumps({"kernel": "combine", "case": f"decode op with heads' rows s_block={s_block} warps={warps} "
+                          f"parts={parts}", **compile_call(comb.fn, args, kw2, cuda_kw)}))
     # ... at head_dim 96 (few rows: 3 programs of 32 channels a row, hoisted; many: 4 warps, chunks of 32; crowded: one
     # warp, chunks of 16) and 512 (partials merged 32 at a time, 8 warps, 4 programs a row)
     grid, args, kw = comb.calls[wide]

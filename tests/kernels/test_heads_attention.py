@@ -314,41 +314,54 @@ def test_triton_with_sinks_matches_reference(bits, device_hi):
 
 
 @interp
-@pytest.mark.parametrize("mode", ["whole", "device_length", "paged"])
-def test_decode_reads_the_int2_heads_window_in_place(mode):
+@pytest.mark.parametrize("mode", ["whole", "device_length", "paged", "two_heads_sinks"])
+def test_decode_reads_the_int2_heads_window_in_place(monkeypatch, mode):
     """A layer with a retrieval head (KV head 1 of 4): the INT2 heads' launch reads the layer's whole window at their
     own KV heads (``Window.kv_heads``, no copy of the window) and writes their rows straight into the layer's output,
-    the retrieval head's rows beside them -- equal to the references, which copy the INT2 heads' window out
-    (``Window.gathered``), for the whole history, the compiled storage's device-side length and the paged pool (whose
-    window pool both reads take in place by slot, the slots reversed against the rows). Every KV head's window
-    differs, so a head read at another head's place would not match."""
+    its combine the retrieval head's rows beside them from their split launch's partials (the heads' own combine
+    never runs) -- equal to the references, which copy the INT2 heads' window out (``Window.gathered``), for the whole
+    history, the compiled storage's device-side length, the paged pool (whose window pool both reads take in place
+    by slot, the slots reversed against the rows), and two retrieval heads with attention sinks. Every KV head's
+    window differs, so a head read at another head's place would not match."""
+    from oscar_hf.kernels import heads_triton
     from oscar_hf.kernels.decode import decode
     from oscar_hf.kernels.kv import HeadSplit, History, KVParams, Pages, Window
     from oscar_hf.quant import encode_heads, quantize_rows
 
+    class Refused:
+        def __getitem__(self, grid):
+            raise AssertionError("the retrieval heads' own combine ran beside the INT2 heads' combine")
+
+    monkeypatch.setattr(heads_triton, "_heads_combine_kernel", Refused())
     b, hk, m, n, w, d, g = 2, 4, 3, 96, 24, 64, 32
     gen = torch.Generator().manual_seed(7)
-    int2_idx, coded_idx = torch.tensor([0, 2, 3]), torch.tensor([1])
-    split = HeadSplit(int2_idx, coded_idx, torch.tensor([-1, 0, -1, -1]), 8)
-    rot = torch.linalg.qr(torch.randn(3, d, d, generator=gen))[0]
+    int2_idx, coded_idx, coded_of = torch.tensor([0, 2, 3]), torch.tensor([1]), torch.tensor([-1, 0, -1, -1])
+    if mode == "two_heads_sinks":
+        int2_idx, coded_idx, coded_of = torch.tensor([0, 2]), torch.tensor([1, 3]), torch.tensor([-1, 0, -1, 1])
+    h2, p = int2_idx.numel(), coded_idx.numel()
+    split = HeadSplit(int2_idx, coded_idx, coded_of, 8)
+    rot = torch.linalg.qr(torch.randn(h2, d, d, generator=gen))[0]
     params = KVParams(rot, None, rot.transpose(-1, -2).contiguous(), None, g, heads=split)
     q = torch.randn(b, hk, m, d, generator=gen)
     win_k = torch.randn(b, hk, w, d, generator=gen) + torch.arange(hk).view(1, hk, 1, 1)  # each head its own
     win_v = torch.randn(b, hk, w, d, generator=gen) - torch.arange(hk).view(1, hk, 1, 1)
-    hist_k, hist_v = (quantize_rows(torch.randn(b, 3, n, d, generator=gen), g, 1.0, torch.bfloat16) for _ in "kv")
-    coded = tuple(encode_heads(torch.randn(b, 1, n, d, generator=gen), 8) for _ in "kv")
+    hist_k, hist_v = (quantize_rows(torch.randn(b, h2, n, d, generator=gen), g, 1.0, torch.bfloat16) for _ in "kv")
+    coded = tuple(encode_heads(torch.randn(b, p, n, d, generator=gen), 8) for _ in "kv")
     mask = torch.ones(b, 1, 1, w, dtype=torch.bool)
     mask[1, ..., :5] = False
     window = Window(win_k, win_v, mask)
     history = History(hist_k, hist_v, torch.tensor([0, 9]), n_valid=torch.tensor(n), coded=coded)
+    sinks = None
     if mode == "device_length":  # (the compiled storage's grid: fixed splits over the capacity)
         history = dataclasses.replace(history, n_valid=torch.tensor(80), splits=2)
     elif mode == "paged":  # one page per row of the whole history, the window pool's slots reversed
         pages = Pages(torch.arange(b, dtype=torch.int32).view(b, 1), torch.tensor([n, 70], dtype=torch.int32))
         history = History(hist_k, hist_v, pages=pages, coded=coded)  # (page b: row b's whole history)
         window = Window(win_k.flip(0), win_v.flip(0), mask[:, 0, 0], torch.arange(b).flip(0))
-    got = decode(params, q, window, history, 0.1, torch.float32, use_kernels=True)
-    want = decode(params, q, window, history, 0.1, torch.float32, use_kernels=False)
+    elif mode == "two_heads_sinks":
+        sinks = torch.randn(hk, m, generator=gen) * 3
+    got = decode(params, q, window, history, 0.1, torch.float32, sinks=sinks, use_kernels=True)
+    want = decode(params, q, window, history, 0.1, torch.float32, sinks=sinks, use_kernels=False)
     assert got.shape == (b, hk, m, d)
     assert rel_err(got, want) < 2e-5
     # the window of the INT2 heads, copied out only where a reference reads it

@@ -39,7 +39,7 @@ def test_tiny_model_on_the_kernels(monkeypatch, name, model_kw, cache_kw, d, sof
     _spy(monkeypatch, decode_triton, "decode_attention_triton", calls,
          lambda *a, **kw: ("decode", a[3].k.codes.shape[-1] * 4, kw.get("softcap")))  # (history k's D/4 code bytes)
     _spy(monkeypatch, write_triton, "rotate_quantize_triton", calls, lambda *a, **kw: ("write", a[0].shape[-1], None))
-    _spy(monkeypatch, heads_triton, "heads_decode_triton", calls,
+    _spy(monkeypatch, heads_triton, "heads_partials", calls,  # (the heads' split launch: merged or not)
          lambda *a, **kw: ("heads", a[0].shape[-1], kw.get("softcap")))
     logits = {}
     for kernels in (True, False):
