@@ -10,7 +10,8 @@ Variants, one process, every point:
 * ``heads``: KV head ``i % 8`` of layer ``i`` an INT8 retrieval head, read as the defaults read it (its split launch
   on the side stream, its rows merged by the INT2 heads' combine);
 * ``heads-apart``: the same with ``HeadsDefaults.merged`` off: a combine of its own, then a copy into the output;
-* ``heads-serial``: merged, on the layer's stream (``side_stream`` off).
+* ``heads-serial``: merged, on the layer's stream (``side_stream`` off);
+* ``heads-min<S>`` (``--min-splits S ...``): the defaults with at least ``S`` history slots a split (fewer splits).
 Per point: ms for the 36 reads, and each variant's cost over ``int2``.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ import bench_kernels as bk  # noqa: E402
 VARIANTS = {"int2": None, "heads": {}, "heads-apart": {"merged": False}, "heads-serial": {"side_stream": False}}
 
 
-def point(b: int, n: int, layers: int = 36, hk: int = 8, d: int = 128, w: int = 320) -> list[dict]:
+def point(b: int, n: int, variants: dict, layers: int = 36, hk: int = 8, d: int = 128, w: int = 320) -> list[dict]:
     """ms of ``layers`` reads in one graph at ``b`` rows of ``n`` history tokens, per variant."""
     from oscar_hf.kernels import settings
     from oscar_hf.kernels.decode import decode
@@ -45,7 +46,7 @@ def point(b: int, n: int, layers: int = 36, hk: int = 8, d: int = 128, w: int = 
     q, start, length = rnd(b, hk, 4, d), torch.zeros(b, dtype=torch.long, device="cuda"), torch.tensor(n, device="cuda")
     rows, base = [], settings.HEADS_DEFAULTS
     try:
-        for name, knobs in VARIANTS.items():
+        for name, knobs in variants.items():
             settings.HEADS_DEFAULTS = dataclasses.replace(base, **(knobs or {}))
             calls = []
             for i in range(layers):
@@ -74,10 +75,12 @@ def point(b: int, n: int, layers: int = 36, hk: int = 8, d: int = 128, w: int = 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--points", nargs="+", default=["1x100000", "8x32768"], help="BxT")
+    p.add_argument("--min-splits", nargs="*", type=int, default=[], help="more variants: HeadsDefaults.min_split")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     bk.FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    rows = [r for pt in a.points for r in point(*(int(x) for x in pt.split("x")))]
+    variants = {**VARIANTS, **{f"heads-min{s}": {"min_split": s} for s in a.min_splits}}
+    rows = [r for pt in a.points for r in point(*(int(x) for x in pt.split("x")), variants)]
     doc = dict(env=dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(),
                         command="python " + " ".join([Path(__file__).name, *(argv or sys.argv[1:])])), results=rows)
     if a.out:
