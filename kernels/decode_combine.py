@@ -30,15 +30,19 @@ def _history_window_weights(m_h, l_h, m_w, l_w):
 
 @triton.jit
 def _coded_row(CPM, CPL, CPACC, CHEAD, OACC, pid, M, C_P, C_S_TOT, HK_OUT, D: tl.constexpr, PARTS: tl.constexpr,
-               C_M_PAD: tl.constexpr, C_S_BLOCK: tl.constexpr, CW: tl.constexpr):
+               C_M_PAD: tl.constexpr, C_S_BLOCK: tl.constexpr, CW: tl.constexpr, DENSE: tl.constexpr = 0):
     """A retrieval head's query row (``pid``: its program among theirs, ``(b, p, query row)`` x part): the log-sum-exp
     merge of its ``C_S_TOT`` partials ``[B * P, C_S_TOT, C_M_PAD(, D)]`` (already in the value space: no rotation),
     normalized (0 for a row without a valid key), into channels ``[pc D / PARTS, (pc + 1) D / PARTS)`` (``CW``: their
-    count padded to a power of two) of its output row at KV head ``CHEAD[p]``; ``C_S_BLOCK`` partials a step."""
+    count padded to a power of two) of its output row at KV head ``CHEAD[p]`` of ``HK_OUT`` (``DENSE``: of the
+    retrieval heads' own ``[B, P, M, D]`` output, ``CHEAD`` unread); ``C_S_BLOCK`` partials a step."""
     row = pid // PARTS  # = bp * M + mm
     bp = row // M
     mm = row % M
-    orow = ((bp // C_P) * HK_OUT + tl.load(CHEAD + bp % C_P)) * M + mm
+    if DENSE:
+        orow = row
+    else:
+        orow = ((bp // C_P) * HK_OUT + tl.load(CHEAD + bp % C_P)) * M + mm
     offs_s = tl.arange(0, C_S_BLOCK)
     offs_c = (pid % PARTS) * (D // PARTS) + tl.arange(0, CW)  # this program's channels
     cols = tl.arange(0, CW) < D // PARTS

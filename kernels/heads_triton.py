@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .decode_combine import _coded_row
 from .decode_split_ops import _soft_cap, _softmax_step
 from .decode_triton import LOG2E
 from .kv import CodedPartials, Window
@@ -247,33 +248,10 @@ def _heads_split_kernel(
 @triton.jit
 def _heads_combine_kernel(PM, PL, PACC, OUT, M, S_TOT, M_PAD: tl.constexpr, D: tl.constexpr,
                           S_BLOCK: tl.constexpr, DP: tl.constexpr):
-    """Program ``bp * M + row``: the log-sum-exp merge of the row's ``S_TOT`` partials, normalized (0 when empty).
-    ``DP``: ``D`` padded to a power of two."""
-    pid = tl.program_id(0)
-    bp = pid // M
-    row = pid % M
-    offs_s = tl.arange(0, S_BLOCK)
-    offs_d = tl.arange(0, DP)
-    m_run = tl.full([1], float("-inf"), tl.float32)
-    l_run = tl.zeros([1], tl.float32)
-    acc = tl.zeros([DP], tl.float32)
-    for s0 in range(0, S_TOT, S_BLOCK):
-        ss = s0 + offs_s
-        ok = ss < S_TOT
-        part = (bp * S_TOT + ss) * M_PAD + row
-        mv = tl.load(PM + part, mask=ok, other=float("-inf"))
-        lv = tl.load(PL + part, mask=ok, other=0.0)
-        av = tl.load(PACC + part[:, None] * D + offs_d[None, :], mask=_cols_mask(ok, offs_d, D, DP),
-                     other=0.0)  # [S_BLOCK, DP]
-        m_new = tl.maximum(m_run, tl.max(mv, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.exp2(mv - m_safe)  # [S_BLOCK]
-        alpha = tl.exp2(m_run - m_safe)  # [1]
-        l_run = l_run * alpha + tl.sum(w * lv, 0)
-        acc = acc * alpha + tl.sum(w[:, None] * av, 0)
-        m_run = m_new
-    out = acc / tl.where(l_run > 0, l_run, 1.0)
-    tl.store(OUT + pid * D + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < D if DP > D else None)
+    """Program ``bp * M + row``: the log-sum-exp merge of the row's ``S_TOT`` partials, normalized (0 when empty), into
+    ``OUT [B, P, M, D]`` (the INT2 heads' combine's merge of them, ``decode_combine._coded_row``). ``DP``: ``D`` padded
+    to a power of two."""
+    _coded_row(PM, PL, PACC, PM, OUT, tl.program_id(0), M, 1, S_TOT, 1, D, 1, M_PAD, S_BLOCK, DP, DENSE=1)
 
 
 def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: float, out_dtype, *, pages=None,
