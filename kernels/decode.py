@@ -43,7 +43,10 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
     split = params.heads if history.coded is not None else None
     qi, win, si = q, window, sinks
     if split is not None:  # the INT2 heads' part of the query and the sinks; their window, read in place
-        qi, win = q.index_select(1, split.int2_idx), window.heads(split.int2_idx)
+        # (with their query rotated, ``qi`` stands for their rows' shapes until the route is known: the kernels read
+        # the window's query rows in place too, the references take a copy)
+        qi = rotated[0] if rotated is not None else q.index_select(1, split.int2_idx)
+        win = window.heads(split.int2_idx)
         si = None if sinks is None else sinks.index_select(0, split.int2_idx)
     k, v, w = history.k, history.v, 0 if win.k is None else win.k.shape[-2]
     kernels, vg = triton_enabled(qi, use_kernels), rows_group_size(v)  # (the values' group may be their own)
@@ -54,6 +57,9 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
             pages = dataclasses.replace(pages, max_len=int(pages.lengths.max()) if qi.shape[0] else 0)
             history = dataclasses.replace(history, pages=pages)
     route = _int2_route(params, qi, win, history, kernels, vg, w)
+    in_place = split is not None and rotated is not None and route == "kernels"
+    if split is not None and rotated is not None:
+        qi = q if in_place else q.index_select(1, split.int2_idx)
     full = coded = parts = ready = side = None
     if split is not None:
         # the retrieval heads first, on a side stream where there is one (joined below); where the INT2 heads' read
@@ -74,7 +80,7 @@ def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, 
         if route in ("kernels", "paged"):  # (the references return the INT2 heads' rows: merged below)
             full = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     out = _read_int2(route, params, qi, win, history, scaling, out_dtype, rotated, softcap, si, use_kernels, full,
-                     parts, ready)
+                     parts, ready, in_place)
     if split is None:  # (no INT2 head: an empty output, the caller merges the retrieval heads it reads itself)
         return out if out is not None else torch.empty(qi.shape, dtype=out_dtype, device=qi.device)
     if side is not None:  # (the join: the output's rows and the partials are read on this stream from here on)
@@ -105,9 +111,10 @@ def _int2_route(params: KVParams, qi, win: Window, history: History, kernels: bo
 
 
 def _read_int2(route: str, params: KVParams, qi, win: Window, history: History, scaling, out_dtype, rotated, softcap,
-               si, use_kernels, full, parts, ready):
+               si, use_kernels, full, parts, ready, in_place=False):
     """The INT2 heads' read (:func:`decode`'s arguments for them) on ``route``; ``full``: the layer's output buffer,
-    ``parts``: the retrieval heads' partials for the launcher's combine (``ready``: their stream's event)."""
+    ``parts``: the retrieval heads' partials for the launcher's combine (``ready``: their stream's event);
+    ``in_place``: ``qi`` is the layer's query, read at the INT2 heads' KV heads."""
     from . import decode_triton as dt
     from .query_triton import query_kernel_supported
     if route == "none":
@@ -129,7 +136,7 @@ def _read_int2(route: str, params: KVParams, qi, win: Window, history: History, 
     if route == "kernels":
         return dt.decode_attention_triton(params, qi, win, history, scaling, out_dtype,
                                           rotated=(rotated[0].float().contiguous(), rotated[1]), sinks=si,
-                                          softcap=softcap, **extra)
+                                          softcap=softcap, q_at_kv_heads=in_place, **extra)
     return decode_attention_reference(params, qi, win.gathered(), history.cut(), scaling, out_dtype,
                                       rotated=rotated, softcap=softcap, sinks=si)
 

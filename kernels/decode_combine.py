@@ -113,7 +113,8 @@ def _combine_kernel(
             wm = offs_w < S_TOT
             pm_w = tl.load(PM + base + offs_w * M, mask=wm, other=float("-inf"))
             pl_w = tl.load(PL + base + offs_w * M, mask=wm, other=0.0)
-            a_w = tl.load(PACC + (base + offs_w[:, None] * M) * D + offs_d[None, :], mask=_cols_mask(wm, offs_d, D, DPAD),
+            a_w = tl.load(PACC + (base + offs_w[:, None] * M) * D + offs_d[None, :],
+                          mask=_cols_mask(wm, offs_d, D, DPAD),
                           other=0.0)
         # history splits: online log-sum-exp (log2 units), blocks of S_BLOCK splits
         m_h = tl.max(tl.full((S_BLOCK,), float("-inf"), tl.float32), 0)
@@ -180,7 +181,8 @@ def _combine_kernel(
                 for s0 in range(S_HIST, S_TOT, S_BLOCK):
                     sm = s0 + offs_s < S_TOT
                     w = tl.exp2(tl.load(PM + base + (s0 + offs_s) * M, mask=sm, other=float("-inf")) - m_safe)
-                    a = tl.load(PACC + (base + (s0 + offs_s)[:, None] * M) * D + offs_c[None, :], mask=sm[:, None], other=0.0)
+                    a = tl.load(PACC + (base + (s0 + offs_s)[:, None] * M) * D + offs_c[None, :], mask=sm[:, None],
+                                other=0.0)
                     o += tl.sum(w[:, None] * a, 0)
                 tl.store(OACC + orow.to(tl.int64) * D + offs_c, (o * inv).to(OACC.dtype.element_ty))
         else:

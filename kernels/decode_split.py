@@ -38,15 +38,15 @@ def _split_kernel(
     N_DEV: tl.constexpr, PAIR: tl.constexpr = 0, ASM: tl.constexpr = 0, WIN_STAGES: tl.constexpr = 1,
     WIN_ONLY: tl.constexpr = 0,
     BT=None, HLEN=None, WSLOT=None, sbt=None, PAGED: tl.constexpr = 0, PAGE: tl.constexpr = 1, WHEAD=None,
-    HAS_WHEAD: tl.constexpr = 0,
+    HAS_WHEAD: tl.constexpr = 0, QW_AT_HEAD: tl.constexpr = 0,
     DP: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
     KH=None, skhb=0, skhh=0, skhn=0, KBITS: tl.constexpr = 2, GV: tl.constexpr = 0,
 ):
     """Program ``(bh, s)``: history split ``s < S`` (``DEFERRED`` loop, else dequant) or window split ``s - S`` of one
     (row, KV head), one partial each; ``WIN_ONLY``: window programs only (``PID_OFF = S``, ``WIN_STAGES``). Flags:
-    docs/kernels.md §3.4 (``PAIR``, ``ASM``), §3.8 (``PAGED``), §3.9 (``WHEAD``), §3.10 (``SOFTCAP``), §7 (``DP``),
-    §3.11 (``KBITS`` 3: the keys' high bits ``KH [B, Hk, N, D/8]``; ``GV`` > 0: the values' own group; the dequant
-    loop only)."""
+    docs/kernels.md §3.4 (``PAIR``, ``ASM``), §3.8 (``PAGED``), §3.9 (``WHEAD``, ``QW_AT_HEAD``), §3.10
+    (``SOFTCAP``), §7 (``DP``), §3.11 (``KBITS`` 3: the keys' high bits ``KH [B, Hk, N, D/8]``; ``GV`` > 0: the
+    values' own group; the dequant loop only)."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     GVV: tl.constexpr = G if GV == 0 else GV  # the values' group
@@ -227,10 +227,11 @@ def _split_kernel(
         tl.store(PM + part + offs_m, m_i, mask=mrow)
         tl.store(PL + part + offs_m, l_i, mask=mrow)
     elif HAS_WIN:
-        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _mapped(b, WSLOT, PAGED), h, _mapped(h, WHEAD, HAS_WHEAD),
+        hw = _mapped(h, WHEAD, HAS_WHEAD)
+        _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, _mapped(b, WSLOT, PAGED), h, hw,
                       part, (pid_s - S) * win_split, W, win_split, qk_scale,
                       sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
-                      M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
+                      M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP, hw if QW_AT_HEAD else h)
 
 
 @triton.jit(do_not_specialize=["M", "S", "S_TOT", "W", "win_split"])  # (as _split_kernel's)
@@ -272,7 +273,7 @@ def _prologue_kernel(
         _window_split(Q, KW, VW, WMASK, PM, PL, PACC, b, _mapped(b, WSLOT, PAGED), h,
                       _mapped(h, WHEAD, HAS_WHEAD), part, (j - NROT) * win_split,
                       W, win_split, qk_scale, sqb, sqh, sqm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
-                      M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP)
+                      M, D, M_PAD, HAS_WMASK, LOWP, WIN_STAGES, DPAD, SOFTCAP, h)
 
 
 settle_cache_keys(globals())  # (plan.settle_cache_keys: the same kernel keys in every process)

@@ -298,16 +298,17 @@ def _softmax_step(s, valid, m_i, l_i, SOFTCAP: tl.constexpr = 0.0):
 def _window_split(QW, KW, VW, WMASK, PM, PL, PACC, b, bw, h, hw, part, w0, W, win_split, qk_scale,
                   sqwb, sqwh, sqwm, skwb, skwh, skwn, svwb, svwh, svwn, swb, swh, swn,
                   M, D: tl.constexpr, M_PAD: tl.constexpr, HAS_WMASK: tl.constexpr, LOWP: tl.constexpr,
-                  WIN_STAGES: tl.constexpr, DP: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+                  WIN_STAGES: tl.constexpr, DP: tl.constexpr, SOFTCAP: tl.constexpr, hq):
     """One window program: full-precision window tokens ``[w0, w0 + win_split)`` of one (row, KV head), partial
-    ``(m, l, acc)`` at ``part``. ``bw`` / ``hw``: the row's window (or pool slot) and KV head in ``KW`` / ``VW``."""
+    ``(m, l, acc)`` at ``part``. ``bw`` / ``hw``: the row's window (or pool slot) and KV head in ``KW`` / ``VW``;
+    ``hq``: the query's head in ``QW`` (``h``, or ``hw`` where ``QW`` is the layer's query)."""
     BLOCK_W: tl.constexpr = 32  # window tokens per step
     offs_m = tl.arange(0, M_PAD)
     offs_d = tl.arange(0, DP)
     mrow = offs_m < M
     m_i = tl.full((M_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((M_PAD,), tl.float32)
-    qw = tl.load(QW + b.to(tl.int64) * sqwb + h * sqwh + offs_m[:, None] * sqwm + offs_d[None, :],
+    qw = tl.load(QW + b.to(tl.int64) * sqwb + hq * sqwh + offs_m[:, None] * sqwm + offs_d[None, :],
                  mask=_cols_mask(mrow, offs_d, D, DP), other=0.0).to(tl.float32)
     qw = _op(qw * qk_scale, LOWP)
     acc = tl.zeros((M_PAD, DP), tl.float32)

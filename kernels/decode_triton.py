@@ -127,7 +127,7 @@ def _gluon_module():
 
 
 def decode_attention_triton(params, q, window, history, scaling, out_dtype=None, *, rotated=None, softcap=None,
-                            sinks=None, defaults=DEFAULTS, out=None, coded=None, coded_ready=None):
+                            sinks=None, defaults=DEFAULTS, out=None, coded=None, coded_ready=None, q_at_kv_heads=False):
     """:func:`~oscar_hf.kernels.int2_attention.decode_attention_reference` on the kernels, launched as one
     :func:`~oscar_hf.kernels.plan.decode_plan` says: ``[B, Hk, M, D]`` in the value space (rows without a valid key
     are 0). ``rotated``: ``(q_rot [B, Hk, M, D], qk_offset [B, Hk, M] or None)``, or None: the op rotates the
@@ -137,6 +137,8 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
     ``window.kv_heads``: head ``h``'s rows go to KV head ``kv_heads[h]``. ``coded``: with ``out``, the layer's
     retrieval heads' :class:`~oscar_hf.kernels.kv.CodedPartials`, merged into ``out`` at their KV heads by this
     call's combine (once this stream has waited for ``coded_ready``, the event of the stream that made them).
+    ``q_at_kv_heads``: with ``rotated`` and ``window.kv_heads``, ``q`` is the layer's ``[B, Hk_layer, M, D]`` query,
+    whose rows the window programs read at head ``h``'s KV head in place (no copy of the INT2 heads' rows).
     """
     # the bundles' fields under the names the launches below use
     k, v, start, key_mask = history.k, history.v, history.start, history.key_mask
@@ -154,6 +156,9 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
                          f"call's rows, got {tuple(coded.acc.shape)} for queries {tuple(q.shape)}")
     # the INT2 heads of a layer with retrieval heads read the layer's window (and write its output) in place
     wh = {} if win_heads is None else dict(WHEAD=win_heads, HAS_WHEAD=1)
+    if q_at_kv_heads and (rotated is None or win_heads is None):
+        raise ValueError("q_at_kv_heads reads the window's query at the window's kv_heads: it needs both rotated "
+                         "queries and window.kv_heads")
     if paged is not None:  # (the pool's window: each row's mask [B, 1, 1, W] and slot [B]; none for partials)
         rows = q if q is not None else rotated[0]  # [B, Hk, M, D]
         if window is not None:
@@ -263,7 +268,7 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
             PAIR=int(d // group_size == 2 and _meta_words(k, v)),
             ASM=int(q_rot.is_cuda),  # inline PTX: not under the interpreter
             num_warps=p.split_warps, num_stages=p.split_stages,
-            WIN_STAGES=p.win_stages, WIN_ONLY=int(p.pid_off > 0), DP=dp, SOFTCAP=cap,
+            WIN_STAGES=p.win_stages, WIN_ONLY=int(p.pid_off > 0), DP=dp, SOFTCAP=cap, QW_AT_HEAD=int(q_at_kv_heads),
             **({"maxnreg": p.maxnreg} if p.maxnreg else {}), **pk, **wh)
     cs = p.combine
     if window:
@@ -272,7 +277,7 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
         if out is None:
             out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
         n_int2, grid = bh * m * cs.parts, bh * m * cs.parts
-        if coded is not None:  # programs past the INT2 heads' merge the retrieval heads' partials (docs/kernels.md §3.9)
+        if coded is not None:  # programs past the INT2 heads' merge the retrieval heads' partials (kernels.md §3.9)
             c_s, cw = coded.pm.shape[1], next_pow2(d // cs.parts)
             oh.update(CPM=coded.pm, CPL=coded.pl, CPACC=coded.acc, CHEAD=coded.heads, C_P=coded.heads.numel(),
                       C_S_TOT=c_s, N_INT2=n_int2, C_M_PAD=coded.pm.shape[2], CW=cw, HAS_CODED=1,

@@ -297,6 +297,11 @@ def main():
         split.fn, args, {**{k: v for k, v in kw.items() if k != "maxnreg"}, "WIN_STAGES": DEFAULTS.gluon_win_stages,
                          "WIN_ONLY": 1},
         cuda_kw)}))  # (no register cap on the Gluon path)
+    # ... as the compiled step's layer with retrieval heads launches it: its KV heads' window and query read in place
+    print(json.dumps({"kernel": "split", "case": labels[0] + " window-only, query at the window's heads", **compile_call(
+        split.fn, args, {**{k: v for k, v in kw.items() if k != "maxnreg"}, "WIN_STAGES": DEFAULTS.gluon_win_stages,
+                         "WIN_ONLY": 1, "WHEAD": torch.zeros(7, dtype=torch.long), "HAS_WHEAD": 1, "QW_AT_HEAD": 1},
+        cuda_kw)}))
     for i in (0, 1, *range(wide, len(labels))):
         grid, args, kw = comb.calls[i]
         print(json.dumps({"kernel": "combine", "case": labels[i], **compile_call(comb.fn, args, kw, cuda_kw)}))

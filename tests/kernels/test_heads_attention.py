@@ -314,15 +314,16 @@ def test_triton_with_sinks_matches_reference(bits, device_hi):
 
 
 @interp
-@pytest.mark.parametrize("mode", ["whole", "device_length", "paged", "two_heads_sinks"])
+@pytest.mark.parametrize("mode", ["whole", "device_length", "paged", "two_heads_sinks", "rotated"])
 def test_decode_reads_the_int2_heads_window_in_place(monkeypatch, mode):
     """A layer with a retrieval head (KV head 1 of 4): the INT2 heads' launch reads the layer's whole window at their
     own KV heads (``Window.kv_heads``, no copy of the window) and writes their rows straight into the layer's output,
     its combine the retrieval head's rows beside them from their split launch's partials (the heads' own combine
     never runs) -- equal to the references, which copy the INT2 heads' window out (``Window.gathered``), for the whole
     history, the compiled storage's device-side length, the paged pool (whose window pool both reads take in place
-    by slot, the slots reversed against the rows), and two retrieval heads with attention sinks. Every KV head's
-    window differs, so a head read at another head's place would not match."""
+    by slot, the slots reversed against the rows), two retrieval heads with attention sinks, and the compiled
+    step's pre-rotated query (whose window programs read the layer's query rows in place too). Every KV head's window
+    and query differ, so a head read at another head's place would not match."""
     from oscar_hf.kernels import heads_triton
     from oscar_hf.kernels.decode import decode
     from oscar_hf.kernels.kv import HeadSplit, History, KVParams, Pages, Window
@@ -360,8 +361,13 @@ def test_decode_reads_the_int2_heads_window_in_place(monkeypatch, mode):
         window = Window(win_k.flip(0), win_v.flip(0), mask[:, 0, 0], torch.arange(b).flip(0))
     elif mode == "two_heads_sinks":
         sinks = torch.randn(hk, m, generator=gen) * 3
-    got = decode(params, q, window, history, 0.1, torch.float32, sinks=sinks, use_kernels=True)
-    want = decode(params, q, window, history, 0.1, torch.float32, sinks=sinks, use_kernels=False)
+    rotated = None
+    if mode == "rotated":  # (the compiled step: the INT2 heads' query rotated outside the op, a device-side length)
+        from oscar_hf.kernels.int2_attention import rotate_query_reference
+        history = dataclasses.replace(history, n_valid=torch.tensor(80), splits=2)
+        rotated = rotate_query_reference(q.index_select(1, int2_idx), rot, None)
+    got = decode(params, q, window, history, 0.1, torch.float32, sinks=sinks, rotated=rotated, use_kernels=True)
+    want = decode(params, q, window, history, 0.1, torch.float32, sinks=sinks, rotated=rotated, use_kernels=False)
     assert got.shape == (b, hk, m, d)
     assert rel_err(got, want) < 2e-5
     # the window of the INT2 heads, copied out only where a reference reads it
