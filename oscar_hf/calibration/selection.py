@@ -2,12 +2,16 @@
 held-out attention error is not enough, and how it is measured: docs/calibration.md, "The end-to-end check")."""
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 
 from ..config import OscarConfig
 from ..rotations import OscarRotations
 
 SCORED_TOKENS = 512  # tokens of the held-out window scored after its prompt
+CONFIDENT = 0.9  # the model's top-token probability from which a recall copy's flip counts as a failed copy
 
 
 @torch.no_grad()
@@ -49,15 +53,27 @@ def next_token_kl(model, rotations: OscarRotations, ids: torch.Tensor, *, sink: 
     return _mean_kl(ref, got)
 
 
+class Recall(NamedTuple):
+    """:func:`greedy_mismatch`'s measures of a recall copy."""
+
+    mismatch: float  # share of positions whose most likely next token through the cache is not the model's
+    kl: float  # mean KL(model || cache) there
+    confident: float  # the mismatch among the positions where the model's top token has probability >= CONFIDENT
+
+
 @torch.no_grad()
 def greedy_mismatch(model, rotations: OscarRotations, ids: torch.Tensor, config: OscarConfig, scored: int,
-                    reference: torch.Tensor | None = None) -> tuple[float, float]:
-    """``(mismatch, kl)`` over the last ``scored`` positions of ``ids [n]``: the share where the cache's most likely
+                    reference: torch.Tensor | None = None) -> Recall:
+    """:class:`Recall` over the last ``scored`` positions of ``ids [n]``: the share where the cache's most likely
     next token is not the model's (``reference``: :func:`reference_log_probs`), where greedy decoding through the
-    cache would part from the model's; and the mean KL there (a diagnostic beside it)."""
+    cache would part from the model's; the mean KL there and the share among the model's confident positions
+    (diagnostics beside it: a flip where the model is sure is a failed copy, not a near tie)."""
     got = cached_log_probs(model, rotations, ids, config, scored)
     ref = reference if reference is not None else reference_log_probs(model, ids, scored)
-    return float((got.argmax(-1) != ref.argmax(-1)).float().mean()), _mean_kl(ref, got)
+    flips = got.argmax(-1) != ref.argmax(-1)
+    sure = ref.max(-1).values >= math.log(CONFIDENT)
+    confident = float(flips[sure].float().mean()) if sure.any() else 0.0
+    return Recall(float(flips.float().mean()), _mean_kl(ref, got), confident)
 
 
 def _mean_kl(ref: torch.Tensor, got: torch.Tensor) -> float:

@@ -75,7 +75,7 @@ class Trial:
     config: OscarConfig
     bits: float
     kl: float
-    parts: dict | None = None  # {"next_kl": .., "recall_mismatch": .., "recall_kl": .. (not in the objective)}
+    parts: dict | None = None  # {"next_kl": .., "recall_mismatch": .., "recall_kl" / "recall_confident" (reported)}
 
     def record(self) -> dict:
         c = self.config
@@ -290,11 +290,12 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
 
 def objective(model, rotations: OscarRotations, windows: Sequence[torch.Tensor], recall: bool = True
               ) -> Callable[[OscarConfig], dict]:
-    """``config -> {"next_kl": .., "recall_mismatch": .., "recall_kl": ..}``: the mean next-token KL over
-    ``windows``' last :data:`SCORED_TOKENS` tokens and (``recall``, where a window is long enough) the share of their
-    :func:`recall_windows`' copied tokens where greedy decoding through the cache parts from the model's; the search
-    minimizes their sum (:data:`OBJECTIVE`). ``recall_kl``, the copy's mean KL, is reported, not minimized. The
-    references are computed once, here."""
+    """``config -> {"next_kl": .., "recall_mismatch": .., "recall_kl": .., "recall_confident": ..}``: the mean
+    next-token KL over ``windows``' last :data:`SCORED_TOKENS` tokens and (``recall``, where a window is long enough)
+    the share of their :func:`recall_windows`' copied tokens where greedy decoding through the cache parts from the
+    model's; the search minimizes their sum (:data:`OBJECTIVE`). ``recall_kl``, the copy's mean KL, and
+    ``recall_confident``, its mismatch where the model is confident (``selection.Recall``; windows weighted by their
+    copies' lengths), are reported, not minimized. The references are computed once, here."""
     copies = recall_windows(windows) if recall else []
     refs = [reference_log_probs(model, w, SCORED_TOKENS) for w in windows]
     copy_refs = [reference_log_probs(model, w, n) for w, n in copies]
@@ -307,8 +308,9 @@ def objective(model, rotations: OscarRotations, windows: Sequence[torch.Tensor],
                 check_recall_window(config, w, n)
             scores = [greedy_mismatch(model, rotations, w, config, n, r) for (w, n), r in zip(copies, copy_refs)]
             total = sum(n for _, n in copies)
-            out["recall_mismatch"] = sum(m * n for (m, _), (_, n) in zip(scores, copies)) / total
-            out["recall_kl"] = sum(k * n for (_, k), (_, n) in zip(scores, copies)) / total
+            out["recall_mismatch"] = sum(r.mismatch * n for r, (_, n) in zip(scores, copies)) / total
+            out["recall_kl"] = sum(r.kl * n for r, (_, n) in zip(scores, copies)) / total
+            out["recall_confident"] = sum(r.confident * n for r, (_, n) in zip(scores, copies)) / total
         return out
 
     return measure

@@ -205,7 +205,8 @@ def test_calibrate_stores_the_choice_and_a_cache_uses_it(tiny, calibrated):
     assert next_token_kl(tiny, rot, ids[-1], config=cache.oscar_config) == pytest.approx(kept["next_kl"], rel=1e-5)
     (copy, n), = recall_windows([ids[-1]])
     assert greedy_mismatch(tiny, rot, copy, cache.oscar_config, n) == pytest.approx((kept["recall_mismatch"],
-                                                                                      kept["recall_kl"]))
+                                                                                      kept["recall_kl"],
+                                                                                      kept["recall_confident"]))
     assert e["kl"] == pytest.approx(kept["next_kl"] + kept["recall_mismatch"])
     report = calibration_report(rot)
     assert "cache settings chosen by next-token KL" in report and "tried defaults" in report and "+ recall" in report
@@ -387,11 +388,27 @@ def test_choose_settings_script_scores_given_settings_without_searching(tiny, tm
     (copy, n), = recall_windows(w)
     for name, cfg in (("chosen", OscarConfig()), ("key_bits=3", OscarConfig(key_bits=3))):
         kl = next_token_kl(tiny, rot, w[0], config=cfg, scored=SCORED_TOKENS)
-        mismatch, copy_kl = greedy_mismatch(tiny, rot, copy, cfg, n)
-        assert (rows[name]["next_kl"], rows[name]["recall_mismatch"], rows[name]["recall_kl"]) == pytest.approx(
-            (kl, mismatch, copy_kl))
+        mismatch, copy_kl, confident = greedy_mismatch(tiny, rot, copy, cfg, n)
+        assert (rows[name]["next_kl"], rows[name]["recall_mismatch"], rows[name]["recall_kl"],
+                rows[name]["recall_confident"]) == pytest.approx((kl, mismatch, copy_kl, confident))
         assert rows[name]["kl"] == pytest.approx(kl + mismatch)
         heads = cfg.replace(retrieval_heads=())  # (these scores pick no retrieval head: all below 0.4)
         assert rows[name]["bits"] == pytest.approx(heads.stored_bits(rot.fingerprint, sorted(rot.layers), 8192),
                                                    abs=1e-4)
     assert rows["group_size=32"]["bits"] > rows["chosen"]["bits"] and rows["chosen"]["kl"] > 0
+
+
+def test_greedy_mismatch_counts_confident_flips_apart(monkeypatch):
+    """``Recall.confident`` is the mismatch among the model's positions of top-token probability >= CONFIDENT only: a
+    flip at a near tie raises ``mismatch`` but not it; a flip where the model was sure raises both."""
+    from oscar_hf.calibration import selection
+
+    sure, tie = [0.95, 0.03, 0.02], [0.5, 0.4, 0.1]
+    ref = torch.tensor([[sure, sure, tie, tie]]).log()  # [1, 4 positions, vocab 3]; the model's top token: 0
+    other = [0.1, 0.8, 0.1]  # the cache's top token: 1 (a flip)
+    for flipped, want in (([2], (0.25, 0.0)), ([1, 2], (0.5, 0.5)), ([0, 1, 3], (0.75, 1.0))):
+        got = torch.tensor([[other if i in flipped else sure for i in range(4)]]).log()
+        monkeypatch.setattr(selection, "cached_log_probs", lambda *a, got=got, **k: got)
+        r = selection.greedy_mismatch(None, None, torch.zeros(8, dtype=torch.long), None, 4, ref)
+        assert (r.mismatch, r.confident) == pytest.approx(want)
+        assert r.kl > 0
