@@ -276,7 +276,7 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
         oh = {} if out is None else dict(OHEAD=win_heads, HK_OUT=out.shape[1], HAS_OHEAD=1)
         if out is None:
             out = torch.empty(b, hk, m, d, device=dev, dtype=out_dtype)
-        n_int2, grid = bh * m * cs.parts, bh * m * cs.parts
+        grid = n_int2 = bh * m * cs.parts
         if coded is not None:  # programs past the INT2 heads' merge the retrieval heads' partials (kernels.md §3.9)
             c_s, cw = coded.pm.shape[1], next_pow2(d // cs.parts)
             oh.update(CPM=coded.pm, CPL=coded.pl, CPACC=coded.acc, CHEAD=coded.heads, C_P=coded.heads.numel(),
@@ -288,11 +288,11 @@ def decode_attention_triton(params, q, window, history, scaling, out_dtype=None,
                 torch.cuda.current_stream(dev).wait_event(coded_ready)
         with _counters_reset_on_error(ready):
             _combine_kernel[(grid,)](pm, pl, pacc, None, None, out, r_v, mu_v, m, hk, p.s_hist, p.s_tot,
-                                                  D=d, S_BLOCK=cs.s_block, C_BLOCK=cs.c_block, FINAL=True,
-                                                  HAS_MUV=mu_v is not None, PDL=int(p.pdl), HOIST=int(cs.hoist),
-                                                  SW_BLOCK=p.sw_block, PARTS=cs.parts, READY=ready,
-                                                  RESET=int(ready is not None), DP=dp, **oh, num_warps=cs.warps,
-                                                  **{"launch_pdl": True} if p.pdl else {})
+                                     D=d, S_BLOCK=cs.s_block, C_BLOCK=cs.c_block, FINAL=True,
+                                     HAS_MUV=mu_v is not None, PDL=int(p.pdl), HOIST=int(cs.hoist),
+                                     SW_BLOCK=p.sw_block, PARTS=cs.parts, READY=ready,
+                                     RESET=int(ready is not None), DP=dp, **oh, num_warps=cs.warps,
+                                     **{"launch_pdl": True} if p.pdl else {})
         return out
     om = torch.empty(b, hk, m, device=dev, dtype=torch.float32)
     ol = torch.empty_like(om)

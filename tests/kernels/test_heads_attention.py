@@ -416,3 +416,30 @@ def test_gpu_decode_with_heads_replays_in_a_graph(monkeypatch, side_stream):
     torch.cuda.synchronize()
     assert rel_err(out, decode(params, q, window, history, 0.088, torch.float32, use_kernels=False)) < 2e-2
     assert rel_err(out, want) > 0.1
+
+
+def test_the_launcher_refuses_partials_or_an_in_place_query_it_cannot_place():
+    """The retrieval heads' partials without the layer's output buffer (or of other rows), and a query read at the
+    window's KV heads without a rotated query or those heads: a clear error before any launch."""
+    from oscar_hf.kernels.decode_triton import decode_attention_triton
+    from oscar_hf.kernels.kv import CodedPartials, History, KVParams, Window
+    from oscar_hf.quant import quantize_rows
+
+    b, hk, m, n, w, d = 2, 3, 4, 64, 8, 64
+    rot = torch.eye(d).expand(hk, d, d).contiguous()
+    params = KVParams(rot, None, rot, None, 32)
+    q = torch.randn(b, hk, m, d)
+    hist = History(*(quantize_rows(torch.randn(b, hk, n, d), 32, 1.0, torch.bfloat16) for _ in "kv"))
+    win = Window(torch.randn(b, hk + 1, w, d), torch.randn(b, hk + 1, w, d), kv_heads=torch.tensor([0, 1, 3]))
+    out = torch.empty(b, hk + 1, m, d)
+    parts = CodedPartials(torch.zeros(b, 5, 16), torch.zeros(b, 5, 16), torch.zeros(b, 5, 16, d), torch.tensor([2]))
+    with pytest.raises(ValueError, match="partials need an output buffer"):
+        decode_attention_triton(params, q, win, hist, 0.1, coded=parts)
+    bad = parts._replace(acc=torch.zeros(b + 1, 5, 16, d))
+    with pytest.raises(ValueError, match="partials need an output buffer"):
+        decode_attention_triton(params, q, win, hist, 0.1, out=out, coded=bad)
+    with pytest.raises(ValueError, match="q_at_kv_heads"):
+        decode_attention_triton(params, q, win, hist, 0.1, out=out, q_at_kv_heads=True)
+    with pytest.raises(ValueError, match="q_at_kv_heads"):
+        decode_attention_triton(params, q, Window(win.k, win.v), hist, 0.1, q_at_kv_heads=True,
+                                rotated=(q.float(), None))
