@@ -174,6 +174,8 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         # Each tensor this layer's own: a step whose inputs alias (a Hadamard rotation shared by layers) loses its
         # fixed-address marks under CUDA graphs, which then skip the whole step
         self.params = params.with_tensors(lambda t: _fixed_address(t.clone()))
+        # the INT2 heads' count: what the compiled step asks of params.int2_heads (one guard, not one per head)
+        self.n_int2 = len(params.int2_heads)
         self.win = _fixed_address(torch.zeros(2, b, hk, self.config.sink + self.ring, d, dtype=self.dtype, device=dev))
         self.pad = _fixed_address(torch.zeros(b, dtype=torch.long, device=dev))
         self.length = self.step.join(self)
@@ -291,11 +293,10 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         mu_k, mu_v = self.offsets()
         q = group_queries(query, self.num_kv_heads)  # [B, Hk, g, D]
         q_rot = qk_off = None
-        if self.params.int2_heads:  # [B, H2, g, D] float32, [B, H2, g]
+        if self.n_int2:  # [B, H2, g, D] float32, [B, H2, g]
             qi = q.float()
             if self.retrieval_heads:  # the INT2 heads' KV heads: a slice of the op's index, not one more input of the step
-                int2_idx = split_heads_index(self.step_heads.heads_index, self.num_kv_heads,
-                                             len(self.params.int2_heads))[2]
+                int2_idx = split_heads_index(self.step_heads.heads_index, self.num_kv_heads, self.n_int2)[2]
                 qi = qi.index_select(1, int2_idx)
             q_rot, qk_off = rotate_query(qi, self.params.r_k, mu_k, self.config.use_kernels)
             q_rot = q_rot.contiguous()
