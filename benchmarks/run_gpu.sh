@@ -8,6 +8,8 @@
 #                    write path (bench_kernels.py)
 #   kernels-keybits  Gemma-3-270M's read: INT2 at group 32 against 3-bit keys   kernels_<gpu>_gemma3_270m_g32.json,
 #                    at 32 with values at 128 (B 1/8/32 x 8K/32K)               kernels_<gpu>_gemma3_270m_g32_k3_v128.json
+#   heads-read       36 layers' reads with one INT8 retrieval head a layer:     heads_read_<gpu>.json
+#                    merged (default), their own combine, one stream, fewer splits (bench_heads_read.py)
 #   kernels-dims     the op at other head shapes, B 1/8 x 32K/128K; one shape: kernels_<gpu>_<d64|d256|d256_kv2|
 #                    kernels-d64, -d256, -d256-kv2, -d96, -d96-g32, -d512          d96|d96_g32|d512>.json
 #   strong           the default call against the strong BF16 (strong_bf16.py): strong_bf16_op_<gpu>.json,
@@ -167,6 +169,9 @@ for what in "$@"; do
   arch-gemma2) arch gemma2-9b 8 "bf16 oscar-eager oscar-compiled" --synthetic-fill ;;
   arch-gemma3n) arch gemma3n-e4b 8 "bf16 oscar-eager oscar-compiled" --synthetic-fill ;;
   arch-falconh1) arch falcon-h1 8 "bf16 oscar-eager oscar-compiled" --synthetic-fill ;;
+  heads-read)
+    run "heads_read_$GPU" $PY "$B/bench_heads_read.py" --points 1x100000 8x32768 --min-splits 1024 \
+        --out "$OUT/heads_read_$GPU.json" ;;
   profile)
     for bt in 8:32768 1:1024; do
       run "profile_${GPU}_b${bt%:*}_t${bt#*:}" $PY "$B/profile_decode.py" --batch ${bt%:*} --context ${bt#*:} \
