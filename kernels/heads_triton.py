@@ -259,10 +259,13 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
     """:func:`~oscar_hf.kernels.heads_attention.heads_decode_attention` in two launches (arguments checked there);
     any head_dim (a plane that is no power of two is padded inside), ``softcap`` (natural units) capped in the
     kernel."""
-    (k, v), (lo, hi), win_k, win_v, win_mask = coded, bounds, window.k, window.v, window.mask_2d()
-    slot = window.slot  # None, or [B]: row b's window is row slot[b] of win_k / win_v (the store's pool, in place)
-    b, rows = q.shape[0], _rows_per_launch(coded, pages)
-    if b > rows:  # (a store past 2**31 elements: in row chunks, same results)
+    parts = heads_partials(q, heads, coded, bits, bounds, window, scaling, pages=pages, sinks=sinks, softcap=softcap,
+                           defaults=defaults)
+    b, _, m, d = q.shape
+    if parts is None:  # (a store past 2**31 elements: in row chunks, same results)
+        (k, v), (lo, hi), win_k, win_v, win_mask = coded, bounds, window.k, window.v, window.mask_2d()
+        slot, rows = window.slot, _rows_per_launch(coded, pages)  # (slot: the store's window pool, read in place)
+
         def rows_of(x, a, z):
             return x[a:z] if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == b else x
 
@@ -273,9 +276,6 @@ def heads_decode_triton(q, heads, coded, bits: int, bounds, window, scaling: flo
             if slot is not None else
             Window(win_k[a : a + rows], win_v[a : a + rows], None if win_mask is None else win_mask[a : a + rows]),
             scaling, out_dtype, sinks=sinks, softcap=softcap, defaults=defaults) for a in range(0, b, rows)])
-    parts = heads_partials(q, heads, coded, bits, bounds, window, scaling, pages=pages, sinks=sinks, softcap=softcap,
-                           defaults=defaults)
-    m, d = q.shape[2:]
     out = torch.empty(b, heads.numel(), m, d, dtype=out_dtype, device=q.device)
     _heads_combine_kernel[(b * heads.numel() * m,)](
         parts.pm, parts.pl, parts.acc, out, m, parts.pm.shape[1], M_PAD=parts.pm.shape[2], D=d,
