@@ -21,7 +21,9 @@ Methods (``--methods``):
   full precision (``skip_layers``);
   ``oscar-fpN``: ``OscarCache`` with N retrieval heads (``retrieval_heads``, spread over the layers), stored
   as the library stores them (INT8); ``oscar-fpN-serial``: their read on the layer's stream, not on its side stream;
-  ``oscar-fpN-apart``: their rows merged by a combine of their own, then copied in (``HeadsDefaults.merged`` off).
+  ``oscar-fpN-apart``: their rows merged by a combine of their own, then copied in (``HeadsDefaults.merged`` off);
+  ``<oscar method>-inline``: the decode step's demotion on the layer's stream before its read, not beside it
+  (``WriteDefaults.side_stream`` off).
 
 Every figure is a ratio against the baselines measured in the same run: ``speedup_vs_bf16_strong`` first, then
 ``speedup_vs_bf16`` (DynamicCache) and ``speedup_vs_bf16_static``.
@@ -256,6 +258,7 @@ def make_cache(model, method: str, capacity: int, explicit: bool = False):
         return StaticCache(config=model.config, max_cache_len=capacity)
     if method == "bf16-static":
         return None
+    method = method.removesuffix("-inline")  # (the write's stream: run_one)
     if method == "oscar":
         return OscarCache(model, method="hadamard", group_size=64)
     if method == "oscar-eager":
@@ -290,16 +293,22 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
         with torch.no_grad():
             synthetic_fill(model, cache, batch, context, device)
     t0 = time.perf_counter()
-    heads = settings.HEADS_DEFAULTS  # oscar-fpN-serial: the retrieval heads' read on the layer's stream, not beside it;
-    # -apart: their own combine
-    settings.HEADS_DEFAULTS = dataclasses.replace(heads, side_stream=not method.endswith("-serial"),
-                                                  merged=not method.endswith("-apart"))
+    # oscar-fpN-serial: the retrieval heads' read on the layer's stream, not beside it; -apart: their own combine;
+    # -inline: the demotion on the layer's stream (WRITE_DEFAULTS: absent from trees before it, compare_trees.py)
+    heads, write = settings.HEADS_DEFAULTS, getattr(settings, "WRITE_DEFAULTS", None)
+    base = method.removesuffix("-inline")
+    settings.HEADS_DEFAULTS = dataclasses.replace(heads, side_stream=not base.endswith("-serial"),
+                                                  merged=not base.endswith("-apart"))
+    if write is not None:
+        settings.WRITE_DEFAULTS = dataclasses.replace(write, side_stream=base == method)
     try:
         with torch.no_grad():
             out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True,
                                  **kwargs)
     finally:
         settings.HEADS_DEFAULTS = heads
+        if write is not None:
+            settings.WRITE_DEFAULTS = write
         if method.startswith("bf16-strong"):  # the model's attention back to its own implementation
             from strong_bf16 import restore
 

@@ -33,7 +33,8 @@
 #                    (METHODS=; ~10 min each); first-call-turns: fresh          first_call_<gpu>_turns.json
 #                    processes taking turns (TURNS=2, FIRST_TURN=0, OLD_SITE=)
 #   regression       the default call, this tree vs OLD_SITE (an older tree     speed_vs_<OLD_NAME>_<gpu>_b<B>_t<T>.json
-#                    laid out as oscar_hf/{kernels,eval}) in turns: B=8/32K (-b8), B=1/100K (-b1)
+#                    laid out as oscar_hf/{kernels,eval}) in turns: B=8/32K (-b8), B=1/100K (-b1),
+#                    B=1/1K (-short, not in the default pair)
 #   soak             200 generate calls (soak-calls); 32,768 new tokens         soak_{calls,long}_<gpu>.json
 #                    (soak-long); serving-soak: 1,000 requests, two models      serving_soak_<gpu>.json
 #   serve-load       scripts/serve.py over HTTP (tests/serving/serve_load.py):   serve_load_<gpu>.json
@@ -206,11 +207,12 @@ for what in "$@"; do
     trees=(); [ -n "${OLD_SITE:-}" ] && trees=(--tree "${OLD_NAME:-old}=$OLD_SITE" --tree "new=$SITE")
     run "first_call_${GPU}_turns" $PY "$B/first_call.py" --warmup --turns "${TURNS:-2}" --first-turn "${FIRST_TURN:-0}" \
         --methods ${METHODS:-bf16-static oscar oscar-fp25} "${trees[@]}" --out "$OUT/first_call_${GPU}_turns.json" ;;
-  regression|regression-b8|regression-b1)
+  regression|regression-b8|regression-b1|regression-short)
     old=${OLD_SITE:?OLD_SITE=<old tree laid out as oscar_hf/{kernels,eval}>}; tag=${OLD_NAME:-old}
     shapes="8:32768 1:100000"
     [ "$what" = regression-b8 ] && shapes="8:32768"
     [ "$what" = regression-b1 ] && shapes="1:100000"
+    [ "$what" = regression-short ] && shapes="1:1024"
     for bt in $shapes; do
       name="speed_vs_${tag}_${GPU}_b${bt%:*}_t${bt#*:}"
       run "$name" $PY "$B/compare_trees.py" --old "$old" --new "$SITE" --old-name "$tag" --turns 2 \

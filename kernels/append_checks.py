@@ -9,18 +9,23 @@ from oscar_hf.quant import check_group_size
 
 
 def check_append_inputs(params, new_k, new_v, window, history, at) -> tuple[int, int, int]:
-    """The contiguous write at a ``Ring``. Returns ``(R, N, H2)``: ring entries, history capacity, quantized heads."""
+    """The contiguous write at a ``Ring`` (``new_k = new_v = None``: the demotion alone). Returns ``(R, N, H2)``:
+    ring entries, history capacity, quantized heads."""
     win_k, win_v, length, pad, sink, recent = window.k, window.v, at.length, at.pad, at.sink, at.recent
-    if new_k.dim() != 4 or new_k.shape[2] != 1 or new_v.shape != new_k.shape:
-        raise ValueError(f"new_k/new_v must be [B, Hk, 1, D] of one shape, got {tuple(new_k.shape)}, "
-                         f"{tuple(new_v.shape)}")
-    b, hk, _, d = new_k.shape
+    if (new_k is None) != (new_v is None) or new_k is not None and (
+            new_k.dim() != 4 or new_k.shape[2] != 1 or new_v.shape != new_k.shape):
+        raise ValueError(f"new_k/new_v must be [B, Hk, 1, D] of one shape (or both None), got "
+                         f"{None if new_k is None else tuple(new_k.shape)}, {None if new_v is None else tuple(new_v.shape)}")
+    if win_k.dim() != 4:
+        raise ValueError(f"win_k must be [B, Hk, S0 + R, D], got {tuple(win_k.shape)}")
+    b, hk, _, d = new_k.shape if new_k is not None else win_k.shape
     if sink < 0 or recent < 0:
         raise ValueError(f"sink={sink} and recent={recent} must be >= 0")
-    if win_k.dim() != 4 or win_v.shape != win_k.shape or win_k.shape[:2] != (b, hk) or win_k.shape[3] != d:
+    if win_v.shape != win_k.shape or win_k.shape[:2] != (b, hk) or win_k.shape[3] != d:
         raise ValueError(f"win_k/win_v must be [B={b}, Hk={hk}, S0 + R, D={d}], got {tuple(win_k.shape)}, "
                          f"{tuple(win_v.shape)}")
-    _check_dtypes(new_k, new_v, win_k, win_v)
+    if new_k is not None:
+        _check_dtypes(new_k, new_v, win_k, win_v)
     ring = win_k.shape[2] - sink
     if ring < recent + 1:
         raise ValueError(f"the ring has {ring} entries (window {win_k.shape[2]} - sink {sink}); it needs at least "

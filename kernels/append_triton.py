@@ -147,6 +147,7 @@ def _append_token_kernel(
     DP: tl.constexpr,  # D padded to a power of two (D where it is one)
     PAGED: tl.constexpr,  # 0: a contiguous storage's ring; 1: the serving store's rows (docs/serving.md §3)
     DEMOTE: tl.constexpr,  # 0: no row demotes this step (the paged plan's ``demote``)
+    PUT: tl.constexpr = 1,  # 0: the new token is not written (contiguous: the compiled layer's ``ring_put`` did)
     KBITS: tl.constexpr = 2, GV: tl.constexpr = 0,  # 3-bit keys; the values' group (0: G) (contiguous, DP = D)
 ):
     VG: tl.constexpr = G if GV == 0 else GV  # the values' group
@@ -167,7 +168,7 @@ def _append_token_kernel(
         h = pid // 2 % Hk
         win = b * swb + h * swh
         t = tl.load(LENGTH)  # int64: the new token's slot
-        s = t - 1 - W  # slot T - 1 - W demoted (read before the ring entry is overwritten below)
+        s = t - W  # slot T - W demoted (its ring entry is not the new token's: R > W)
         e = s - S0
         src = win + (S0 + s % RING) * sws
         page = b
@@ -201,10 +202,11 @@ def _append_token_kernel(
                     _code_row(WIN_K + src, CKX, CKS, CKZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
                 if PAGED or not do_k:
                     _code_row(WIN_V + src, CVX, CVS, CVZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
-        # every thread's loads of the old ring row come before any thread's store of the new one (PAGED with
-        # R = W + 1: the same entry)
-        tl.debug_barrier()
+        if PAGED:  # every thread's loads of the old ring row before any thread's store of the new one (R = W + 1:
+            tl.debug_barrier()  # the same entry)
     # 2. the new token: its ring entry, and its sink entry where to_sink
+    if not PUT:
+        return
     if PAGED:
         row = tl.load(POS + b)  # the new token's position in the packed batch
         ne = tl.load(NEW_ENTRY + b)
@@ -230,7 +232,7 @@ def _append_token_kernel(
 
 
 def _launch(params, new_k, new_v, window, history, grid: int, layout: tuple, new_strides: tuple, smkb: int,
-            paged: bool, demote: bool) -> None:
+            paged: bool, demote: bool, put: bool = True) -> None:
     """The write kernel's launch, once the layouts it assumes beyond the shapes (``append_checks``) are checked:
     rotations float32 and contiguous; the retrieval heads' three parts of K and of V, a 16-bit store's one part
     thrice. ``layout``: the contiguous storage's ``(length, pad)`` or the paged plan's seven tensors, whose first is
@@ -278,24 +280,28 @@ def _launch(params, new_k, new_v, window, history, grid: int, layout: tuple, new
         D=d, G=p.group_size, BLOCK_K=blk, HAS_HEADS=p.hist_of is not None, HAS_MU_K=mu_k is not None,
         HAS_MU_V=mu_v is not None, META_KIND=_META_KIND[p.meta_dtype], STD=p.quantizer == "std",
         CODED_BITS=0 if coded is None else p.heads.bits, WIN_KIND=_META_KIND[win_k.dtype], DP=next_pow2(d),
-        PAGED=int(paged), DEMOTE=int(demote), KBITS=2 if k_hi is None else 3,
+        PAGED=int(paged), DEMOTE=int(demote), PUT=int(put), KBITS=2 if k_hi is None else 3,
         GV=hist_v.codes.shape[-1] * 4 // hist_v.scale.shape[-1] if own else 0, num_warps=warps)
 
 
 def append_token_triton(params, new_k, new_v, window, history, at):
     """:func:`~oscar_hf.kernels.write_path.append_token_reference` in one launch of ``2 B Hk`` programs, no host
-    synchronisation."""
+    synchronisation; ``new_k = new_v = None``: :func:`~oscar_hf.kernels.write_path.demote_reference` alone."""
     ring, n, h2 = check_append_inputs(params, new_k, new_v, window, history, at)
-    b, hk, _, d = new_k.shape
+    b, hk, _, d = window.k.shape
     if b == 0 or hk == 0:
         return
     if at.length.dtype != torch.long or at.pad.dtype != torch.long:
         raise ValueError(f"length and pad must be int64, got {at.length.dtype}, {at.pad.dtype}")
-    new_k, new_v = (last_contiguous(x) for x in (new_k, new_v))
+    put = new_k is not None
+    if put:
+        new_k, new_v = (last_contiguous(x) for x in (new_k, new_v))
+    else:  # (pointers never read)
+        new_k = new_v = window.k
     mu_k = params.mu_k
     _launch(params, new_k, new_v, window, history, b * hk * 2, (at.length, at.pad, n, at.sink, ring, at.recent),
             (*new_k.stride()[:2], *new_v.stride()[:2]), h2 * d if mu_k is not None and mu_k.dim() == 3 else 0,
-            paged=False, demote=True)
+            paged=False, demote=True, put=put)
 
 
 def paged_append_triton(params, new_k, new_v, window, history, rows):

@@ -1,6 +1,6 @@
 """Where the kernels run (:func:`triton_enabled`) and their named defaults (:class:`DecodeDefaults`,
-:class:`HeadsDefaults`; the launchers take ``defaults=``). The measured reason for each value: docs/kernels.md §4.
-Plain Python and torch only (no Triton import)."""
+:class:`HeadsDefaults`, :class:`WriteDefaults`; the launchers take ``defaults=``). The measured reason for each
+value: docs/kernels.md §4. Plain Python and torch only (no Triton import)."""
 from __future__ import annotations
 
 import dataclasses
@@ -140,6 +140,18 @@ class HeadsDefaults:
 
 
 HEADS_DEFAULTS = HeadsDefaults()
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteDefaults:
+    """Tunables of the compiled layer's one-token write (docs/kernels.md, section 2.1)."""
+
+    # CUDA: the demotion (one latency-bound launch a layer) on a side stream beside the read, forked and joined inside
+    # the decode op, so that a CUDA graph captures it as a parallel branch (False: before the read, on its stream)
+    side_stream: bool = True
+
+
+WRITE_DEFAULTS = WriteDefaults()
 
 
 # plain Python on purpose: triton.cdiv and next_power_of_2 go through Triton's constexpr wrapper (~1-2 us a call)

@@ -59,16 +59,40 @@ def _kv_head_of_hist(hist_heads, hq: int):
     return inv[:hq]
 
 
-def append_token_reference(params: KVParams, new_k, new_v, window: Window, history: History, at: Ring):
-    """One decode step of a contiguous storage (``S0 = sink``, ``W = recent``, ``T = length``), in place, tensor ops
-    only (graph-capturable). Window ``[B, Hk, S0 + R, D]``: the sink, then a ring holding slot ``s`` at entry
-    ``S0 + s % R``; history slot ``s >= S0`` at index ``s - S0``. (1) Slot ``T - 1 - W`` leaves the window: quantized
-    into the history (coded for the retrieval heads), read before (2) overwrites it when ``R = W + 1``. (2) ``new
-    [B, Hk, 1, D]`` goes to ring entry ``S0 + T % R`` and, for rows with ``0 <= T - pad[b] < S0``, the sink."""
-    ring, n, h2 = check_append_inputs(params, new_k, new_v, window, history, at)
-    p, win_k, win_v, s0, t = params, window.k, window.v, at.sink, at.length
-    # 1. demotion: written to a clamped index, masked to the old contents when slot s is no history slot
-    s = t - 1 - at.recent
+def put_entries(at: Ring, ring: int) -> torch.Tensor:
+    """``[B, 2]`` (``[B, 1]`` without a sink) int64: the window entries a decode step's new token goes to, per row:
+    ring entry ``S0 + T % R`` and, for rows with ``0 <= T - pad[b] < S0``, sink entry ``T - pad[b]`` (else the ring
+    entry again). The same for every layer of a step (the compiled layer computes it once: ``StepShared``)."""
+    s0, t = at.sink, at.length
+    b = at.pad.shape[0]
+    entry = (s0 + torch.remainder(t, ring)).reshape(1, 1).expand(b, 1)  # [B, 1]
+    if s0 == 0:
+        return entry
+    j = (t - at.pad).reshape(b, 1)  # row b's real tokens before this one
+    return torch.cat([entry, torch.where((j >= 0) & (j < s0), j, entry)], 1)
+
+
+def ring_put(win: torch.Tensor, new: torch.Tensor, entries: torch.Tensor) -> None:
+    """The new token's rows ``new [..., B, Hk, 1, D]`` into ``win [..., B, Hk, S0 + R, D]`` (any leading dimensions:
+    the compiled layer's keys and values stacked, or one of them) at :func:`put_entries` ``[B, E]``, in place, one
+    scatter (a row outside its sink writes its ring entry twice, the same value): inside a compiled step Inductor
+    fuses it into the kernel that makes ``new`` (docs/kernels.md §2.1)."""
+    *lead, b, hk, _, d = new.shape
+    e = entries.shape[1]
+    win.scatter_(-2, entries[:, None, :, None].expand(*lead, b, hk, e, d), new.expand(*lead, b, hk, e, d))
+
+
+def demote_reference(params: KVParams, window: Window, history: History, at: Ring) -> None:
+    """Slot ``T - W`` of a contiguous storage (``S0 = sink``, ``W = recent``, ``T = length``) from its ring entry into
+    history index ``T - W - S0`` (coded for the retrieval heads), in place, tensor ops only (graph-capturable); a
+    no-op where that slot is no history slot. Window ``[B, Hk, S0 + R, D]``: the sink, then a ring holding slot ``s``
+    at entry ``S0 + s % R``. Step ``T`` reads slot ``T - W`` from its window and the history below it: this write
+    touches nothing that step's read reads, nor the entry :func:`ring_put` writes (``R > W``), so it may run beside
+    them (docs/kernels.md §2.1)."""
+    ring, n, h2 = check_append_inputs(params, None, None, window, history, at)
+    p, win_k, win_v, s0 = params, window.k, window.v, at.sink
+    # written to a clamped index, masked to the old contents when slot s is no history slot
+    s = at.length - at.recent
     e = s - s0
     ok = (e >= 0) & (e < n)
     src_entry = (s0 + torch.remainder(s, ring)).reshape(1)
@@ -92,17 +116,16 @@ def append_token_reference(params: KVParams, new_k, new_v, window: Window, histo
         heads = _kv_head_of_hist(p.heads.coded_of, history.coded[0][0].shape[1])  # [P]: each coded entry's KV head
         for win, store in zip((win_k, win_v), history.coded):
             write(store, encode_heads(win.index_select(2, src_entry).index_select(1, heads), p.heads.bits))
-    # 2. the new token: ring entry, then the sink of rows with fewer than S0 real tokens
-    entry = (s0 + torch.remainder(t, ring)).reshape(1)
-    win_k.index_copy_(2, entry, new_k)
-    win_v.index_copy_(2, entry, new_v)
-    if s0 > 0:
-        j = t - at.pad  # [B] row b's real tokens before this one
-        in_sink = ((j >= 0) & (j < s0))[:, None, None, None]
-        b, hk, _, d = new_k.shape
-        idx = j.clamp(0, s0 - 1)[:, None, None, None].expand(b, hk, 1, d)
-        for win, new in ((win_k, new_k), (win_v, new_v)):
-            win.scatter_(2, idx, torch.where(in_sink, new, win.gather(2, idx)))
+
+
+def append_token_reference(params: KVParams, new_k, new_v, window: Window, history: History, at: Ring):
+    """One decode step's write of a contiguous storage: :func:`demote_reference` (slot ``T - W`` into the history),
+    then :func:`ring_put` (``new [B, Hk, 1, D]`` into the ring and, while it fills, the sink). Tensor ops only."""
+    ring = check_append_inputs(params, new_k, new_v, window, history, at)[0]
+    demote_reference(params, window, history, at)
+    entries = put_entries(at, ring)
+    for win, new in ((window.k, new_k), (window.v, new_v)):
+        ring_put(win, new, entries)
 
 
 # ------------------------------------------------------------------- the paged one-token write (the serving store)
@@ -146,21 +169,27 @@ def paged_append_reference(params: KVParams, new_k, new_v, window: Window, histo
 
 def append(params: KVParams, new_k, new_v, window: Window, history: History, at: Ring | PagedRows,
            use_kernels="auto") -> None:
-    """The one-token write of every storage, in place: slot ``T - 1 - W`` demoted into the history, the new token into
-    the ring (and the sink while it fills). ``at``: a :class:`Ring` (contiguous, :func:`append_token_reference`) or a
-    serving step's :class:`PagedRows` (:func:`paged_append_reference`). One fused Triton launch where supported."""
-    contiguous, kernels = isinstance(at, Ring), triton_enabled(new_k, use_kernels)
-    k_group, v_group, d = rows_group_size(history.k), rows_group_size(history.v), new_k.shape[-1]
+    """The one-token write of every storage, in place. At a :class:`Ring` (a contiguous storage,
+    :func:`append_token_reference`): slot ``T - W`` demoted into the history, the new token into the ring (and the
+    sink while it fills); ``new_k = new_v = None``: the demotion alone (the compiled layer puts the token itself,
+    :func:`ring_put`). At a serving step's :class:`PagedRows` (:func:`paged_append_reference`): slot ``T - 1 - W``
+    demoted, then the new token. One fused Triton launch where supported."""
+    contiguous, kernels = isinstance(at, Ring), triton_enabled(window.k, use_kernels)
+    if new_k is None and not contiguous:
+        raise ValueError("the paged write takes the new token's rows (new_k, new_v); only a Ring's demotes alone")
+    k_group, v_group, d = rows_group_size(history.k), rows_group_size(history.v), window.k.shape[-1]
     # 3-bit keys, values at a group of their own: the contiguous write kernel at a power-of-two head_dim only
     plain = history.k.bits == 3 or v_group != k_group
     kernels = kernels and k_group == params.group_size and (not plain or (contiguous and plain_fits(d)))
     if kernels:  # (a shape the write kernel takes)
         from .write_triton import kernel_supported
-        kernels = (kernel_supported(new_k, k_group, params.clip_k, params.meta_dtype)
-                   and kernel_supported(new_k, v_group, params.clip_v))
+        kernels = (kernel_supported(window.k, k_group, params.clip_k, params.meta_dtype)
+                   and kernel_supported(window.k, v_group, params.clip_v))
     if kernels:
         from .append_triton import append_token_triton, paged_append_triton
         write = append_token_triton if contiguous else paged_append_triton
+    elif contiguous and new_k is None:
+        return demote_reference(params, window, history, at)
     else:
         write = append_token_reference if contiguous else paged_append_reference
     return write(params, new_k, new_v, window, history, at)

@@ -113,12 +113,12 @@ def test_decode_step_computes_the_window_positions_once(heads):
     """Every OSCAR layer of a step reads the same length, left padding, window mask and history length (the layers
     step together): the step's graph takes the length and padding once and computes the rest once (StepShared), not
     once per layer, each layer brings its storage as 4 inputs (keys and values stacked in each), a layer with retrieval
-    heads 3 more (their index, keys and values stacked, their metadata stacked), and calls one op (its write and
-    attention); the tokens are the eager storage's."""
+    heads 3 more (their index, keys and values stacked, their metadata stacked), puts its new token in torch ops at the
+    step's shared entries and calls one op (its demotion and attention); the tokens are the eager storage's."""
     import re
 
     m = tiny_model("llama", num_hidden_layers=3)
-    ring_ops = []  # torch.remainder calls of each compiled graph: one per window mask (ring_slots)
+    ring_ops = []  # torch.remainder calls of each compiled graph: the window mask's (ring_slots), the put's entry
     oscar_ops = []  # the graph's calls into OSCAR's ops: one decode op per layer, nothing else
     layer_inputs = {}  # layer index -> the names of the graph's inputs that come from that cache layer
 
@@ -140,7 +140,7 @@ def test_decode_step_computes_the_window_positions_once(heads):
     torch._dynamo.reset()
     out = _gen(m, ids, am, cache, n=12, compile_config=cc)
     assert torch.equal(out.sequences, ref.sequences)
-    assert len(_oscar_layers(cache)) == 3 and ring_ops == [1], ring_ops  # one graph, one mask for three layers
+    assert len(_oscar_layers(cache)) == 3 and ring_ops == [2], ring_ops  # one graph, one mask for three layers
     assert oscar_ops == ["oscar.decode_step_.default"] * 3, oscar_ops
     assert all(x.step is cache.layers[0].step and x.step.win_mask is None for x in cache.layers)  # cleared after
     storage = {"step_storage_win", "step_storage_codes", "step_storage_meta", "params_r"}
@@ -283,8 +283,8 @@ def test_retrieval_heads_are_history_entries(bits):
     # prompt 30 -> 48 slots; 20 steps grow it to 80 (buckets of 16): N = 80 - S0 - W rows, INT2 and coded alike
     assert layer.capacity == 80 and layer.coded_k[0].shape[:3] == (2, 1, 68) == layer.hist_k.codes.shape[:3]
     for coded, rows in ((layer.coded_k, dyn.layers[0].keys), (layer.coded_v, dyn.layers[0].values)):
-        want = rows[:, 1:2, s0 : s0 + n - 1]  # (slot T - 1 - W waits in the ring for the next step)
-        got = heads_mod.decode(tuple(x[:, :, : n - 1] for x in coded), bits, torch.float32)
+        want = rows[:, 1:2, s0 : s0 + n]  # (every history slot: the last step demoted slot T - W)
+        got = heads_mod.decode(tuple(x[:, :, :n] for x in coded), bits, torch.float32)
         step = 0 if bits == 16 else float((want.amax(-1) - want.amin(-1)).max()) / 255  # one INT8 code
         torch.testing.assert_close(got, want, atol=step / 2 + 1e-5, rtol=0)
     rows = int((n - layer.pad).clamp(min=0).sum())  # each row's history entries [pad, n)

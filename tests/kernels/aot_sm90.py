@@ -239,12 +239,12 @@ def main():
             coded_of = torch.full((hk,), -1, dtype=torch.long)
             coded_of[[i for i in range(hk) if heads[i] < 0]] = torch.arange(p)
             coded = CodedSlots(store(), store(), coded_of, bits)
-        new = torch.randn(b, hk, 1, d, generator=g0).bfloat16()
-        ring_write(at.append_token_triton)(new, new, win, win.clone(), hist(), hist(), torch.tensor(30), torch.tensor([0, 1]),
+        # (the compiled layer's call: the demotion alone, its new token put by ring_put)
+        ring_write(at.append_token_triton)(None, None, win, win.clone(), hist(), hist(), torch.tensor(30), torch.tensor([0, 1]),
                                None if heads is None else torch.tensor(heads), torch.randn(hq, d, d, generator=g0),
                                torch.randn(hq, d, generator=g0), 0.95, torch.randn(hq, d, d, generator=g0),
                                torch.randn(hq, d, generator=g0), 0.9, g, torch.bfloat16, 4, 16, coded=coded)
-        append_labels.append(f"append d={d} g={g} coded_bits={bits}")
+        append_labels.append(f"demote d={d} g={g} coded_bits={bits}")
     # ... with 3-bit keys (8 levels, the high bits' plane) and values at a group of their own
     from oscar_hf.quant import rows_from
 

@@ -1,6 +1,7 @@
-"""The static cache's one-token write step (``write_path.append`` at a ``Ring``): the torch reference against a naive loop model of
-its semantics, the fused Triton kernel against the reference (interpreter on CPU; compiled on CUDA with ``-m gpu``).
-The compiled storage's op that calls it: ``test_static_op.py``.
+"""The static cache's one-token write step (``write_path.append`` at a ``Ring``): the torch reference against a naive
+loop model of its semantics, the fused Triton kernel against the reference (interpreter on CPU; compiled on CUDA with
+``-m gpu``), both also as the compiled layer splits it (the demotion alone, ``ring_put``). The compiled storage's op
+that calls it: ``test_static_op.py``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ INTERPRETED = setup_interpreter()  # before any kernel module is imported
 from oscar_hf.kernels import write_path  # noqa: E402
 
 append_token_reference = ring_write(write_path.append_token_reference)
+demote_reference = ring_write(lambda params, new_k, new_v, *rest: write_path.demote_reference(params, *rest))
+from oscar_hf.kernels.kv import Ring  # noqa: E402
 from oscar_hf.quant import QuantizedRows, encode_heads, quantize_rows  # noqa: E402
 
 interp = pytest.mark.skipif(not INTERPRETED, reason="CPU interpreter tests (TRITON_INTERPRET=1 without CUDA)")
@@ -120,12 +123,12 @@ def _tokens(layer, step, device="cpu"):
 
 
 def naive_step(layer, new_k, new_v, t: int, pad: list[int]):
-    """The semantics, one (row, head) at a time with python ints: demote slot T - 1 - W (reading the ring before the
-    new token is written), then write the new token into its ring entry and, while filling, the row's sink."""
+    """The semantics, one (row, head) at a time with python ints: demote slot T - W (its ring entry is not the new
+    token's: R > W), then write the new token into its ring entry and, while filling, the row's sink."""
     s0, w = layer.sink, layer.recent
     b_, hk, slots, _ = layer.win_k.shape
     ring, n = slots - s0, layer.hist_k.codes.shape[2]
-    s = t - 1 - w
+    s = t - w
     if s >= s0 and s - s0 < n:
         for b in range(b_):
             for h in range(hk):
@@ -174,7 +177,7 @@ def assert_kernel_matches(got: Layer, ref: Layer):
 @pytest.mark.parametrize(
     "heads,ring_extra,mu_k,meta,dtype,coded_bits",
     [
-        (None, 0, "2d", torch.bfloat16, torch.bfloat16, None),  # R = W + 1: the demoted entry is the new token's entry
+        (None, 0, "2d", torch.bfloat16, torch.bfloat16, None),  # R = W + 1: the smallest ring
         ([1, -1, 0], 2, "3d", torch.bfloat16, torch.bfloat16, None),  # R > W + 1; head 1 not INT2; per-row mu_k
         ([-1, 0, 1], 0, None, torch.float16, torch.float32, None),  # no offsets, fp16 metadata, fp32 window
         ([1, -1, 0], 2, "3d", torch.bfloat16, torch.bfloat16, 8),  # head 1 a retrieval head, coded INT8 ...
@@ -187,16 +190,21 @@ def test_reference_matches_loop_model(heads, ring_extra, mu_k, meta, dtype, code
     layer = Layer(3, 3, 32, 16, s0, w, w + 1 + ring_extra, n, heads=heads, mu_k=mu_k, mu_v=mu_k is not None,
                   dtype=dtype, meta=meta, exact=True, seed=len(heads or []) + ring_extra, coded_bits=coded_bits)
     pad = [0, 1, 3]  # row 2 fills its sink at slots 3 and 4; 3 >= S0 so its slots 0..2 are padding
-    model = layer.clone()
+    model, parts = layer.clone(), layer.clone()
     first = layer.clone()
     demotions = 0
-    # T = 0 .. S0 + W + N + 2: sink filling, the first demotion (T = S0 + W + 1), the last history row, overflow
+    # T = 0 .. S0 + W + N + 2: sink filling, the first demotion (T = S0 + W), the last history row, overflow
     for t in range(s0 + w + n + 3):
         new_k, new_v = _tokens(layer, t)
         append_token_reference(*layer.args(new_k, new_v, torch.tensor(t), torch.tensor(pad)), **layer.coded())
         naive_step(model, new_k, new_v, t, pad)
         assert_same(layer, model, f"T={t}")
-        demotions += 0 <= t - 1 - w - s0 < n
+        # the compiled layer's two parts: the demotion alone, the put into the stacked window
+        demote_reference(*parts.args(None, None, torch.tensor(t), torch.tensor(pad)), **parts.coded())
+        at = Ring(torch.tensor(t), torch.tensor(pad), s0, w)
+        write_path.ring_put(parts.win_kv, torch.stack([new_k, new_v]), write_path.put_entries(at, w + 1 + ring_extra))
+        assert_same(parts, model, f"T={t}")
+        demotions += 0 <= t - w - s0 < n
     assert demotions == n
     # every history row was written once (random initial contents replaced), nothing else changed
     for now, then in ((layer.hist_k, first.hist_k), (layer.hist_v, first.hist_v), (layer.coded_k, first.coded_k),
@@ -210,7 +218,7 @@ def test_reference_no_demotion_past_capacity():
     s0, w, n = 1, 2, 3
     layer = Layer(2, 2, 32, 32, s0, w, w + 1, n, exact=True, seed=3)
     before = layer.clone()
-    t = s0 + w + 1 + n  # s - S0 = N
+    t = s0 + w + n  # s - S0 = N
     new_k, new_v = _tokens(layer, t)
     append_token_reference(*layer.args(new_k, new_v, torch.tensor(t), torch.tensor([0, 0])))
     for a, b in zip(layer.hist_k + layer.hist_v, before.hist_k + before.hist_v):
@@ -258,13 +266,18 @@ def test_kernel_matches_reference(b, hk, d, g, heads, ring_extra, mu_k, dtype, m
     s0, w, n = 2, 2, 3
     ref = Layer(b, hk, d, g, s0, w, w + 1 + ring_extra, n, heads=heads, mu_k=mu_k, mu_v=mu_k is not None,
                 dtype=dtype, meta=meta, seed=d + g, coded_bits=coded_bits)
-    got, minmax = ref.clone(), ref.clone()
+    got, minmax, parts = ref.clone(), ref.clone(), ref.clone()
     pad = torch.tensor([1, 0][:b])
     for t in range(s0 + w + n + 2):
         new_k, new_v = _tokens(ref, t)
         append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), pad), quantizer=quantizer, **ref.coded())
         _triton()(*got.args(new_k, new_v, torch.tensor(t), pad), quantizer=quantizer, **got.coded())
         assert_kernel_matches(got, ref)
+        # the demotion alone (the compiled layer's op; the new token put by ring_put)
+        _triton()(*parts.args(None, None, torch.tensor(t), pad), quantizer=quantizer, **parts.coded())
+        entries = write_path.put_entries(Ring(torch.tensor(t), pad, s0, w), w + 1 + ring_extra)
+        write_path.ring_put(parts.win_kv, torch.stack([new_k, new_v]), entries)
+        assert_kernel_matches(parts, ref)
         append_token_reference(*minmax.args(new_k, new_v, torch.tensor(t), pad), **minmax.coded())
     # "std" really is another grid than the default's
     assert torch.equal(minmax.hist_k.scale, ref.hist_k.scale) == (quantizer == "minmax")
