@@ -296,11 +296,11 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
     # oscar-fpN-serial: the retrieval heads' read on the layer's stream, not beside it; -apart: their own combine;
     # -inline: the demotion on the layer's stream (WRITE_DEFAULTS: absent from trees before it, compare_trees.py)
     heads, write = settings.HEADS_DEFAULTS, getattr(settings, "WRITE_DEFAULTS", None)
-    base = method.removesuffix("-inline")
-    settings.HEADS_DEFAULTS = dataclasses.replace(heads, side_stream=not base.endswith("-serial"),
-                                                  merged=not base.endswith("-apart"))
+    plain = method.removesuffix("-inline")
+    settings.HEADS_DEFAULTS = dataclasses.replace(heads, side_stream=not plain.endswith("-serial"),
+                                                  merged=not plain.endswith("-apart"))
     if write is not None:
-        settings.WRITE_DEFAULTS = dataclasses.replace(write, side_stream=base == method)
+        settings.WRITE_DEFAULTS = dataclasses.replace(write, side_stream=plain == method)
     try:
         with torch.no_grad():
             out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True,
