@@ -22,8 +22,8 @@ Methods (``--methods``):
   ``oscar-fpN``: ``OscarCache`` with N retrieval heads (``retrieval_heads``, spread over the layers), stored
   as the library stores them (INT8); ``oscar-fpN-serial``: their read on the layer's stream, not on its side stream;
   ``oscar-fpN-apart``: their rows merged by a combine of their own, then copied in (``HeadsDefaults.merged`` off);
-  ``<oscar method>-inline``: the decode step's demotion on the layer's stream before its read, not beside it
-  (``WriteDefaults.side_stream`` off).
+  ``<oscar method>-beside``: the decode step's write split, its demotion on a side stream beside the read
+  (``WriteDefaults.beside``).
 
 Every figure is a ratio against the baselines measured in the same run: ``speedup_vs_bf16_strong`` first, then
 ``speedup_vs_bf16`` (DynamicCache) and ``speedup_vs_bf16_static``.
@@ -258,7 +258,7 @@ def make_cache(model, method: str, capacity: int, explicit: bool = False):
         return StaticCache(config=model.config, max_cache_len=capacity)
     if method == "bf16-static":
         return None
-    method = method.removesuffix("-inline")  # (the write's stream: run_one)
+    method = method.removesuffix("-beside")  # (the write's split: run_one)
     if method == "oscar":
         return OscarCache(model, method="hadamard", group_size=64)
     if method == "oscar-eager":
@@ -294,13 +294,13 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
             synthetic_fill(model, cache, batch, context, device)
     t0 = time.perf_counter()
     # oscar-fpN-serial: the retrieval heads' read on the layer's stream, not beside it; -apart: their own combine;
-    # -inline: the demotion on the layer's stream (WRITE_DEFAULTS: absent from trees before it, compare_trees.py)
+    # -beside: the write split, its demotion beside the read (WRITE_DEFAULTS: absent from older trees, compare_trees.py)
     heads, write = settings.HEADS_DEFAULTS, getattr(settings, "WRITE_DEFAULTS", None)
-    plain = method.removesuffix("-inline")
+    plain = method.removesuffix("-beside")
     settings.HEADS_DEFAULTS = dataclasses.replace(heads, side_stream=not plain.endswith("-serial"),
                                                   merged=not plain.endswith("-apart"))
     if write is not None:
-        settings.WRITE_DEFAULTS = dataclasses.replace(write, side_stream=plain == method)
+        settings.WRITE_DEFAULTS = dataclasses.replace(write, beside=plain != method)
     try:
         with torch.no_grad():
             out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True,

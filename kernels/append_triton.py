@@ -147,7 +147,7 @@ def _append_token_kernel(
     DP: tl.constexpr,  # D padded to a power of two (D where it is one)
     PAGED: tl.constexpr,  # 0: a contiguous storage's ring; 1: the serving store's rows (docs/serving.md §3)
     DEMOTE: tl.constexpr,  # 0: no row demotes this step (the paged plan's ``demote``)
-    PUT: tl.constexpr = 1,  # 0: the new token is not written (contiguous: the compiled layer's ``ring_put`` did)
+    PUT: tl.constexpr = 1,  # 0: the new token is not written (contiguous: the demotion alone)
     KBITS: tl.constexpr = 2, GV: tl.constexpr = 0,  # 3-bit keys; the values' group (0: G) (contiguous, DP = D)
 ):
     VG: tl.constexpr = G if GV == 0 else GV  # the values' group
@@ -202,8 +202,9 @@ def _append_token_kernel(
                     _code_row(WIN_K + src, CKX, CKS, CKZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
                 if PAGED or not do_k:
                     _code_row(WIN_V + src, CVX, CVS, CVZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
-        if PAGED:  # every thread's loads of the old ring row before any thread's store of the new one (R = W + 1:
-            tl.debug_barrier()  # the same entry)
+        # every thread's loads of the old ring row come before any thread's store of the new one (PAGED with
+        # R = W + 1: the same entry)
+        tl.debug_barrier()
     # 2. the new token: its ring entry, and its sink entry where to_sink
     if not PUT:
         return
@@ -284,9 +285,10 @@ def _launch(params, new_k, new_v, window, history, grid: int, layout: tuple, new
         GV=hist_v.codes.shape[-1] * 4 // hist_v.scale.shape[-1] if own else 0, num_warps=warps)
 
 
-def append_token_triton(params, new_k, new_v, window, history, at):
+def append_token_triton(params, new_k, new_v, window, history, at, demote: bool = True):
     """:func:`~oscar_hf.kernels.write_path.append_token_reference` in one launch of ``2 B Hk`` programs, no host
-    synchronisation; ``new_k = new_v = None``: :func:`~oscar_hf.kernels.write_path.demote_reference` alone."""
+    synchronisation; ``new_k = new_v = None``: the demotion alone
+    (:func:`~oscar_hf.kernels.write_path.demote_reference`); ``demote=False``: the new token alone."""
     ring, n, h2 = check_append_inputs(params, new_k, new_v, window, history, at)
     b, hk, _, d = window.k.shape
     if b == 0 or hk == 0:
@@ -301,7 +303,7 @@ def append_token_triton(params, new_k, new_v, window, history, at):
     mu_k = params.mu_k
     _launch(params, new_k, new_v, window, history, b * hk * 2, (at.length, at.pad, n, at.sink, ring, at.recent),
             (*new_k.stride()[:2], *new_v.stride()[:2]), h2 * d if mu_k is not None and mu_k.dim() == 3 else 0,
-            paged=False, demote=True, put=put)
+            paged=False, demote=demote, put=put)
 
 
 def paged_append_triton(params, new_k, new_v, window, history, rows):

@@ -146,9 +146,10 @@ HEADS_DEFAULTS = HeadsDefaults()
 class WriteDefaults:
     """Tunables of the compiled layer's one-token write (docs/kernels.md, section 2.1)."""
 
-    # CUDA: the demotion (one latency-bound launch a layer) on a side stream beside the read, forked and joined inside
-    # the decode op, so that a CUDA graph captures it as a parallel branch (False: before the read, on its stream)
-    side_stream: bool = True
+    # CUDA: the new token's put alone before the read and the demotion (the latency-bound part) on a side stream
+    # beside it, forked and joined inside the decode op (a parallel branch of the CUDA graph), against one launch of
+    # both before the read (False). Off until timed on a GPU: docs/kernels.md §2.1
+    beside: bool = False
 
 
 WRITE_DEFAULTS = WriteDefaults()

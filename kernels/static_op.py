@@ -1,11 +1,9 @@
-"""The compiled storage's opaque op ``oscar::decode_step_`` (``torch.library``): one layer's demotion and read as one
-call, whose launches the CUDA graph captures (the new token's rows the layer puts in its ring first, in torch ops that
-Inductor fuses: ``write_path.ring_put``). The flat schema exists here only (:class:`StepStorage`,
+"""The compiled storage's opaque op ``oscar::decode_step_`` (``torch.library``): one layer's one-token write and read
+as one call, whose launches the CUDA graph captures. The flat schema exists here only (:class:`StepStorage`,
 :class:`StepHeads`, :class:`StepConfig` in; :mod:`.kv`'s bundles out). Design: docs/kernels.md §3.7.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 from typing import NamedTuple
 
@@ -107,7 +105,8 @@ def _check_stacked(win, codes, meta, r, value_meta=None) -> None:
                              f"zero in the metadata); got shape {tuple(t.shape)}")
 
 
-def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tensor | None, length: torch.Tensor, pad: torch.Tensor, win_mask: torch.Tensor,
+def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tensor | None, new_k: torch.Tensor,
+                new_v: torch.Tensor, length: torch.Tensor, pad: torch.Tensor, win_mask: torch.Tensor,
                 hist_len: torch.Tensor, mu_k: torch.Tensor | None, mu_v: torch.Tensor | None, scaling: float,
                 out_dtype: torch.dtype, sinks: torch.Tensor | None, softcap: float, win: torch.Tensor,
                 codes: torch.Tensor, meta: torch.Tensor, key_hi: torch.Tensor | None, value_meta: torch.Tensor | None,
@@ -115,13 +114,13 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
                 heads_index: torch.Tensor | None, cx: torch.Tensor | None, cmeta: torch.Tensor | None, group_size: int,
                 meta_dtype: torch.dtype, sink: int, recent: int, use_kernels: str, quantizer: str, coded_bits: int,
                 block_n: int) -> torch.Tensor:
-    """One decode step of one layer of the compiled storage, whose new token is in its window already
-    (:func:`~.write_path.ring_put`): the attention -> ``[B, Hk, g, D]`` in ``out_dtype``, and beside it (a side
-    stream on CUDA: :func:`_write_stream`) the demotion of slot ``T - W``, which that read does not touch
-    (:func:`~.write_path.append` without a new token).
+    """One decode step of one layer of the compiled storage: the write (:func:`~.write_path.append`: slot ``T - W``
+    demoted, the new token put), then the attention -> ``[B, Hk, g, D]`` in ``out_dtype``. With
+    ``WriteDefaults.beside`` (CUDA): the put alone before the read, the demotion on a side stream beside it
+    (:func:`_write_stream`; the read does not touch the demoted slot's history entry).
 
     ``q [B, Hk, g, D]`` the grouped query; ``q_rot [B, H2, g, D]`` float32 / ``qk_off`` the INT2 heads' rotated
-    query and logit offset (None: no INT2 head); ``length`` (0-d ``T``); ``pad [B]``;
+    query and logit offset (None: no INT2 head); ``new_k/new_v [B, Hk, 1, D]``; ``length`` (0-d ``T``); ``pad [B]``;
     ``win_mask [B, 1, 1, S0 + R]``; ``hist_len`` (0-d: entries ``[pad, hist_len)`` read);
     ``sinks [Hk, g]`` or None; ``softcap`` (0: none). Stacked storage, keys at index 0, values at 1:
     ``win [2, B, Hk, S0 + R, D]``, ``codes [2, B, H2, N, D/4]``, ``meta [2, 2, B, H2, N, D/G]``, ``r [2, H2, D, D]``,
@@ -141,12 +140,13 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
     k = rows_from((codes[0], meta[0, 0], meta[0, 1]) + (() if key_hi is None else (key_hi,)))
     v_meta = meta[1] if value_meta is None else value_meta  # [2 (scale, zero), B, H2, N, D/Gv]
     history = History(k, QuantizedRows(codes[1], v_meta[0], v_meta[1]), start=pad, n_valid=hist_len, coded=coded)
-    side = _write_stream(win, kernels)
-    if side is not None:
+    at, side = Ring(length, pad, sink, recent), _write_stream(win, kernels)
+    append(params, new_k, new_v, window, history, at, use_kernels=kernels, demote=side is None)
+    if side is not None:  # the demotion beside the read
         main = torch.cuda.current_stream(win.device)
         side.wait_stream(main)
-    with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
-        append(params, None, None, window, history, Ring(length, pad, sink, recent), use_kernels=kernels)
+        with torch.cuda.stream(side):
+            append(params, None, None, window, history, at, use_kernels=kernels)
     out = decode(params, q, window, history, scaling, out_dtype, rotated=None if q_rot is None else (q_rot, qk_off),
                  softcap=softcap or None, sinks=sinks, use_kernels=kernels)
     if side is not None:  # (the join: the next step's read, and the length's increment, see the demoted row)
@@ -159,9 +159,9 @@ _WRITE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the demotio
 
 def _write_stream(win: torch.Tensor, kernels) -> torch.cuda.Stream | None:
     """The stream the demotion runs on beside the read (forked and joined inside the op, so that a CUDA graph
-    captures a parallel branch: its latency-bound launch hides under the read's), or None: the same stream (CPU,
-    the references, ``WriteDefaults.side_stream`` off)."""
-    if not (win.is_cuda and kernels is not False and settings.WRITE_DEFAULTS.side_stream):
+    captures a parallel branch: its latency-bound launch beside the read's instead of before it), or None: one
+    launch before the read (CPU, the references, ``WriteDefaults.beside`` off: the default)."""
+    if not (win.is_cuda and kernels is not False and settings.WRITE_DEFAULTS.beside):
         return None
     if win.device.index not in _WRITE_STREAMS:
         _WRITE_STREAMS[win.device.index] = torch.cuda.Stream(win.device)

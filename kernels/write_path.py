@@ -62,7 +62,7 @@ def _kv_head_of_hist(hist_heads, hq: int):
 def put_entries(at: Ring, ring: int) -> torch.Tensor:
     """``[B, 2]`` (``[B, 1]`` without a sink) int64: the window entries a decode step's new token goes to, per row:
     ring entry ``S0 + T % R`` and, for rows with ``0 <= T - pad[b] < S0``, sink entry ``T - pad[b]`` (else the ring
-    entry again). The same for every layer of a step (the compiled layer computes it once: ``StepShared``)."""
+    entry again)."""
     s0, t = at.sink, at.length
     b = at.pad.shape[0]
     entry = (s0 + torch.remainder(t, ring)).reshape(1, 1).expand(b, 1)  # [B, 1]
@@ -73,10 +73,10 @@ def put_entries(at: Ring, ring: int) -> torch.Tensor:
 
 
 def ring_put(win: torch.Tensor, new: torch.Tensor, entries: torch.Tensor) -> None:
-    """The new token's rows ``new [..., B, Hk, 1, D]`` into ``win [..., B, Hk, S0 + R, D]`` (any leading dimensions:
-    the compiled layer's keys and values stacked, or one of them) at :func:`put_entries` ``[B, E]``, in place, one
-    scatter (a row outside its sink writes its ring entry twice, the same value): inside a compiled step Inductor
-    fuses it into the kernel that makes ``new`` (docs/kernels.md §2.1)."""
+    """The new token's rows ``new [..., B, Hk, 1, D]`` into ``win [..., B, Hk, S0 + R, D]`` (any leading dimensions)
+    at :func:`put_entries` ``[B, E]``, in place, one scatter (a row outside its sink writes its ring entry twice, the
+    same value). (Traced by a compiled step, Inductor made it a copy of the whole window: 0.8 ms a step at B=32/32K
+    on 18 layers, docs/kernels.md §2.1; the compiled layer puts with the write kernel instead.)"""
     *lead, b, hk, _, d = new.shape
     e = entries.shape[1]
     win.scatter_(-2, entries[:, None, :, None].expand(*lead, b, hk, e, d), new.expand(*lead, b, hk, e, d))
@@ -88,7 +88,7 @@ def demote_reference(params: KVParams, window: Window, history: History, at: Rin
     no-op where that slot is no history slot. Window ``[B, Hk, S0 + R, D]``: the sink, then a ring holding slot ``s``
     at entry ``S0 + s % R``. Step ``T`` reads slot ``T - W`` from its window and the history below it: this write
     touches nothing that step's read reads, nor the entry :func:`ring_put` writes (``R > W``), so it may run beside
-    them (docs/kernels.md §2.1)."""
+    them (``WriteDefaults.beside``, docs/kernels.md §2.1)."""
     ring, n, h2 = check_append_inputs(params, None, None, window, history, at)
     p, win_k, win_v, s0 = params, window.k, window.v, at.sink
     # written to a clamped index, masked to the old contents when slot s is no history slot
@@ -168,15 +168,18 @@ def paged_append_reference(params: KVParams, new_k, new_v, window: Window, histo
 
 
 def append(params: KVParams, new_k, new_v, window: Window, history: History, at: Ring | PagedRows,
-           use_kernels="auto") -> None:
+           use_kernels="auto", demote: bool = True) -> None:
     """The one-token write of every storage, in place. At a :class:`Ring` (a contiguous storage,
     :func:`append_token_reference`): slot ``T - W`` demoted into the history, the new token into the ring (and the
-    sink while it fills); ``new_k = new_v = None``: the demotion alone (the compiled layer puts the token itself,
-    :func:`ring_put`). At a serving step's :class:`PagedRows` (:func:`paged_append_reference`): slot ``T - 1 - W``
+    sink while it fills); ``new_k = new_v = None``: the demotion alone; ``demote=False``: the new token alone
+    (:func:`ring_put`). At a serving step's :class:`PagedRows` (:func:`paged_append_reference`): slot ``T - 1 - W``
     demoted, then the new token. One fused Triton launch where supported."""
     contiguous, kernels = isinstance(at, Ring), triton_enabled(window.k, use_kernels)
-    if new_k is None and not contiguous:
-        raise ValueError("the paged write takes the new token's rows (new_k, new_v); only a Ring's demotes alone")
+    if (new_k is None or not demote) and not contiguous:
+        raise ValueError("the paged write takes the new token's rows (new_k, new_v) and demotes; only a Ring's "
+                         "write splits")
+    if new_k is None and not demote:
+        raise ValueError("append without the new token's rows and without the demotion writes nothing")
     k_group, v_group, d = rows_group_size(history.k), rows_group_size(history.v), window.k.shape[-1]
     # 3-bit keys, values at a group of their own: the contiguous write kernel at a power-of-two head_dim only
     plain = history.k.bits == 3 or v_group != k_group
@@ -187,9 +190,16 @@ def append(params: KVParams, new_k, new_v, window: Window, history: History, at:
                    and kernel_supported(window.k, v_group, params.clip_v))
     if kernels:
         from .append_triton import append_token_triton, paged_append_triton
-        write = append_token_triton if contiguous else paged_append_triton
-    elif contiguous and new_k is None:
+        if contiguous:
+            return append_token_triton(params, new_k, new_v, window, history, at, demote=demote)
+        return paged_append_triton(params, new_k, new_v, window, history, at)
+    if contiguous and new_k is None:
         return demote_reference(params, window, history, at)
-    else:
-        write = append_token_reference if contiguous else paged_append_reference
+    if contiguous and not demote:
+        ring = check_append_inputs(params, new_k, new_v, window, history, at)[0]
+        entries = put_entries(at, ring)
+        for win, new in ((window.k, new_k), (window.v, new_v)):
+            ring_put(win, new, entries)
+        return None
+    write = append_token_reference if contiguous else paged_append_reference
     return write(params, new_k, new_v, window, history, at)

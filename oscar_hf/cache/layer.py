@@ -13,10 +13,8 @@ from torch.compiler import is_compiling
 from transformers.cache_utils import CacheLayerMixin
 
 from oscar_hf.kernels.int2_attention import rotate_query
-from oscar_hf.kernels.kv import Ring
 from oscar_hf.kernels.static_op import (NO_HEADS, decode_step, decode_step_, join_heads_index, split_heads_index,
                                         step_config, step_heads, step_storage)
-from oscar_hf.kernels.write_path import put_entries, ring_put
 
 from ..config import OscarConfig
 from ..quant import QuantizedRows, rows_from
@@ -272,9 +270,8 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         super().reset()
 
     def attend(self, handle: LayerKV, query, attention_mask, scaling: float, module, base: str, **kwargs) -> torch.Tensor:
-        """``query [B, Hq, L, D]`` -> ``[B, L, Hq, D]``. A decode step puts its token in the window, then reads (and
-        demotes beside the read), device ops only; multi-token forwards (eager) read the old state + the new rows, then
-        write."""
+        """``query [B, Hq, L, D]`` -> ``[B, L, Hq, D]``. A decode step writes, then reads, device ops only;
+        multi-token forwards (eager) read the old state + the new rows, then write."""
         new_k, new_v = handle.key_states, handle.value_states
         b, hq, l, d = query.shape
         t_old = None
@@ -289,12 +286,10 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
         if l > 1 or (not is_compiling() and not self.compiled and (
                 t_old - self.config.recent <= self.config.sink or not self._left_padding_only(attention_mask, t_old))):
             return self._multi_token(query, new_k, new_v, attention_mask, scaling, module, base, t_old, **kwargs)
-        # A decode step: the new token's rows into the window and the query's rotation in torch ops (Inductor fuses
-        # them into the kernels that make k / q), the demotion and the attention one opaque op
-        # (static_op.decode_step). t: the new token's slot
+        # A decode step: the query's rotation in torch ops (one Inductor reduction kernel), the write and
+        # the attention one opaque op (static_op.decode_step). t: the new token's slot
         softcap, sinks = logit_terms(kwargs, self.num_kv_heads, 1)
-        t, pad, win_mask, hist_len, put = self._step_state()
-        ring_put(self.step_storage.win, torch.stack([new_k, new_v]).detach(), put)  # (the op's input, one guard)
+        t, pad, win_mask, hist_len = self._step_state()
         mu_k, mu_v = self.offsets()
         q = group_queries(query, self.num_kv_heads)  # [B, Hk, g, D]
         q_rot = qk_off = None
@@ -306,7 +301,8 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
             q_rot, qk_off = rotate_query(qi, self.params.r_k, mu_k, self.config.use_kernels)
             q_rot = q_rot.contiguous()
         # (NO_HEADS through its module global, not the layer's attribute: one set of guards for all such layers)
-        args = (q, q_rot, qk_off, t, pad, win_mask, hist_len, mu_k, mu_v, float(scaling), query.dtype, sinks, float(softcap or 0.0), *self.step_storage,
+        args = (q, q_rot, qk_off, new_k.detach(), new_v.detach(), t, pad, win_mask, hist_len, mu_k, mu_v, float(scaling),
+                query.dtype, sinks, float(softcap or 0.0), *self.step_storage,
                 *(self.step_heads if self.retrieval_heads else NO_HEADS), *self.step.config)
         # the opaque op while torch.compile traces, the function in eager code
         out = decode_step_(*args) if is_compiling() else decode_step(*args)
@@ -316,17 +312,15 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
             self.step.clear()
         return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
 
-    def _step_state(self) -> tuple[torch.Tensor, ...]:
-        """``(t 0-d, pad [B], win_mask [B, 1, 1, S0 + R], hist_len 0-d, put [B, E])`` of a decode step
-        (:class:`StepShared`)."""
+    def _step_state(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(t 0-d, pad [B], win_mask [B, 1, 1, S0 + R], hist_len 0-d)`` of a decode step (:class:`StepShared`)."""
         step, key = self.step, (self.config.sink, self.ring, self.config.recent, self.batch_size, self.device)
         if step.key != key or self.layer_idx <= step.layer_idx:
             step.t, step.pad = self.length, self.pad
             step.win_mask = self.window_mask(self.length + 1, self.config.recent + 1)[:, None, None, :]
             step.hist_len, step.key = self.n_hist(self.length), key
-            step.put = put_entries(Ring(self.length, self.pad, self.config.sink, self.config.recent), self.ring)
         step.layer_idx = self.layer_idx
-        return step.t, step.pad, step.win_mask, step.hist_len, step.put
+        return step.t, step.pad, step.win_mask, step.hist_len
 
     def n_hist(self, length: torch.Tensor) -> torch.Tensor:
         return (length - self.config.recent - self.config.sink).clamp(min=0)

@@ -9,8 +9,7 @@ from .layer_eager import _fixed_address
 class StepShared:
     """What every compiled layer of one decode forward reads alike, computed once by the first of them (fewer nodes
     in the step graph): the length ``t`` (0-d, one per device: :meth:`join`), left padding ``pad [B]``, the window
-    mask ``[B, 1, 1, S0 + R]``, the history length (0-d), the new token's window entries ``put [B, E]``
-    (``write_path.put_entries``). The last layer clears it, so that every trace starts from
+    mask ``[B, 1, 1, S0 + R]``, the history length (0-d). The last layer clears it, so that every trace starts from
     the same state and dynamo's guards hold."""
 
     def __init__(self, last_layer: int | None = None):
@@ -20,7 +19,7 @@ class StepShared:
         self.clear()
 
     def clear(self) -> None:
-        self.layer_idx, self.key, self.t, self.pad, self.win_mask, self.hist_len, self.put = -1, *(None,) * 6
+        self.layer_idx, self.key, self.t, self.pad, self.win_mask, self.hist_len = -1, None, None, None, None, None
 
     def join(self, layer: "OscarLayer") -> torch.Tensor:
         """The length tensor of ``layer``'s device; its highest-index layer advances it."""

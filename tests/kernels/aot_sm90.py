@@ -239,12 +239,21 @@ def main():
             coded_of = torch.full((hk,), -1, dtype=torch.long)
             coded_of[[i for i in range(hk) if heads[i] < 0]] = torch.arange(p)
             coded = CodedSlots(store(), store(), coded_of, bits)
-        # (the compiled layer's call: the demotion alone, its new token put by ring_put)
-        ring_write(at.append_token_triton)(None, None, win, win.clone(), hist(), hist(), torch.tensor(30), torch.tensor([0, 1]),
+        new = torch.randn(b, hk, 1, d, generator=g0).bfloat16()
+        ring_write(at.append_token_triton)(new, new, win, win.clone(), hist(), hist(), torch.tensor(30), torch.tensor([0, 1]),
                                None if heads is None else torch.tensor(heads), torch.randn(hq, d, d, generator=g0),
                                torch.randn(hq, d, generator=g0), 0.95, torch.randn(hq, d, d, generator=g0),
                                torch.randn(hq, d, generator=g0), 0.9, g, torch.bfloat16, 4, 16, coded=coded)
-        append_labels.append(f"demote d={d} g={g} coded_bits={bits}")
+        append_labels.append(f"append d={d} g={g} coded_bits={bits}")
+        if d == 128 and bits is None:  # the write split in two (WriteDefaults.beside): the put alone, the demotion alone
+            parts = (((new, new), dict(demote=False), "put alone"), ((None, None), {}, "demotion alone"))
+            for rows, kw, label in parts:
+                r_k, r_v = torch.randn(hq, d, d, generator=g0), torch.randn(hq, d, d, generator=g0)
+                mu_k, mu_v = torch.randn(hq, d, generator=g0), torch.randn(hq, d, generator=g0)
+                ring_write(at.append_token_triton)(*rows, win, win.clone(), hist(), hist(), torch.tensor(30),
+                                                   torch.tensor([0, 1]), None, r_k, mu_k, 0.95, r_v, mu_v, 0.9, g,
+                                                   torch.bfloat16, 4, 16, **kw)
+                append_labels.append(f"append d={d} g={g} {label}")
     # ... with 3-bit keys (8 levels, the high bits' plane) and values at a group of their own
     from oscar_hf.quant import rows_from
 

@@ -1,9 +1,7 @@
-"""The compiled storage's decode step: the new token put in the window in torch ops (``write_path.ring_put``), then
-the op (``oscar::decode_step_``, :mod:`oscar_hf.kernels.static_op`): one layer's demotion and attention in one call.
-Its output against the reads' references on the written state (the INT2 heads from their rotated query, the retrieval
-heads in place, merged at their KV heads), the step's writes against the write's reference; under
-``torch.compile(fullgraph=True)`` one opaque call on the graph's inputs as they are, the put fused, nothing copied;
-its bad arguments.
+"""The compiled storage's decode op (``oscar::decode_step_``, :mod:`oscar_hf.kernels.static_op`): one layer's write
+and attention in one call. Its output against the reads' references on the written state (the INT2 heads from their
+rotated query, the retrieval heads in place, merged at their KV heads), its writes against the write's reference;
+under ``torch.compile(fullgraph=True)`` one opaque call on the graph's inputs as they are; its bad arguments.
 """
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ from oscar_hf.kernels.int2_attention import decode_attention_reference, rotate_q
 from oscar_hf.kernels.static_op import (NO_HEADS, decode_step, decode_step_, step_config, step_heads,  # noqa: E402
                                         step_storage)
 from oscar_hf.kernels import write_path  # noqa: E402
-from oscar_hf.kernels.kv import Ring  # noqa: E402
 
 append_token_reference = ring_write(write_path.append_token_reference)
 
@@ -30,12 +27,6 @@ append_token_reference = ring_write(write_path.append_token_reference)
 def decode_step_op(*args):
     """The op as the compiled layer calls it: the opaque op while torch.compile traces, the function in eager code."""
     return decode_step_(*args) if torch.compiler.is_compiling() else decode_step(*args)
-
-
-def put(win, new_k, new_v, length, pad):
-    """The layer's part of the write, before the op: the new token's rows into the stacked window ``win``."""
-    entries = write_path.put_entries(Ring(length, pad, S0, W), win.shape[-2] - S0)
-    write_path.ring_put(win, torch.stack([new_k, new_v]), entries)
 
 
 S0, W, N, G = 2, 2, 12, 16
@@ -83,13 +74,13 @@ def _step_args(layer, q, new_k, new_v, t, pad, win_mask, sinks, softcap, int2_id
         q_rot, qk_off = rotate_query_reference(qi.float(), layer.r_k, layer.mu_k)
         q_rot = q_rot.contiguous()
     hist_len = torch.tensor(max(t - W - S0, 0))
-    return (q, q_rot, qk_off, torch.tensor(t), pad, win_mask, hist_len, layer.mu_k, layer.mu_v, 0.3, torch.float32,
-            sinks, softcap)
+    return (q, q_rot, qk_off, new_k, new_v, torch.tensor(t), pad, win_mask, hist_len, layer.mu_k, layer.mu_v, 0.3,
+            torch.float32, sinks, softcap)
 
 
 def _read_reference(layer, args):
     """The step's output from the references, on the state after the write: per KV head, its INT2 or coded read."""
-    q, q_rot, qk_off, _, pad, win_mask, hist_len, _, mu_v, scaling, _, sinks, softcap = args
+    q, q_rot, qk_off, _, _, _, pad, win_mask, hist_len, _, mu_v, scaling, _, sinks, softcap = args
     hist_of, int2_idx, _, coded_idx = _indices(layer)
     out = torch.zeros(q.shape)
     if q_rot is not None:
@@ -133,9 +124,7 @@ def test_decode_step_writes_then_reads(heads, bits, use_kernels):
         append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), pad), **ref.coded())
         q = torch.randn(b, hk, g, d, generator=gen).to(torch.bfloat16)
         args = _step_args(layer, q, new_k, new_v, t, pad, win_mask, sinks if t % 2 else None, 2.0 if t == 4 else 0.0)
-        storage = _storage(layer, use_kernels)
-        put(storage[0], new_k, new_v, torch.tensor(t), pad)
-        out = decode_step(*args, *storage)
+        out = decode_step(*args, *_storage(layer, use_kernels))
         assert_same(layer, ref, f"T={t}")
         want = _read_reference(ref, args)
         assert out.shape == q.shape and out.dtype == torch.float32
@@ -159,8 +148,7 @@ def test_op_compiled_matches_eager(heads, bits):
     def step(q, new_k, new_v, length, storage):
         args = _step_args(layer, q, new_k, new_v, 0, pad, win_mask, sinks, 0.0, int2_idx)
         hist_len = (length - W - S0).clamp(min=0)
-        put(storage[0], new_k, new_v, length, pad)
-        out = decode_step_op(*args[:3], length, pad, win_mask, hist_len, *args[7:], *storage)
+        out = decode_step_op(*args[:5], length, pad, win_mask, hist_len, *args[9:], *storage)
         length.add_(1)
         return out
 
@@ -169,9 +157,7 @@ def test_op_compiled_matches_eager(heads, bits):
     for t in range(S0 + W + 4):
         new_k, new_v = _tokens(ref, t)
         q = torch.randn(b, hk, g, d, generator=gen).to(torch.bfloat16)
-        storage = _storage(ref)
-        put(storage[0], new_k, new_v, torch.tensor(t), pad)
-        want = decode_step(*_step_args(ref, q, new_k, new_v, t, pad, win_mask, sinks, 0.0), *storage)
+        want = decode_step(*_step_args(ref, q, new_k, new_v, t, pad, win_mask, sinks, 0.0), *_storage(ref))
         if t == 0:
             out, (code, *_) = run_and_get_code(compiled, q, new_k, new_v, length, _storage(layer))
             assert code.count("torch.ops.oscar.decode_step_.default(") == 1
@@ -209,10 +195,17 @@ def test_bad_arguments():
 @pytest.mark.skipif(not HAS_CUDA or INTERPRETED, reason="needs CUDA (compiled kernels)")
 @pytest.mark.parametrize("heads,bits", CASES)
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_decode_step(heads, bits, d):
+@pytest.mark.parametrize("beside", [False, True])
+def test_gpu_decode_step(heads, bits, d, beside, monkeypatch):
     """On CUDA the op's kernels (the fused write, the split-K read with a device-side length, the retrieval heads'
     read) under a CUDA graph: its writes within the write kernel's tolerance of the reference's, its output the
-    references' reads of the state it wrote, replayed as the length grows."""
+    references' reads of the state it wrote, replayed as the length grows; ``beside``: the write split, its demotion
+    on a side stream beside the read (``WriteDefaults.beside``)."""
+    import dataclasses
+
+    from oscar_hf.kernels import settings
+
+    monkeypatch.setattr(settings, "WRITE_DEFAULTS", dataclasses.replace(settings.WRITE_DEFAULTS, beside=beside))
     from test_append_token import assert_kernel_matches
 
     b, hk, g = 2, len(heads) if heads else 3, 4
@@ -229,8 +222,7 @@ def test_gpu_decode_step(heads, bits, d):
     def step():
         args = _step_args(layer, q, *new, 0, pad, win_mask, sinks, 0.0, int2_idx)
         hist_len = (length - W - S0).clamp(min=0)
-        put(storage[0], *new, length, pad)
-        out = decode_step_op(*args[:3], length, pad, win_mask, hist_len, *args[7:], *storage)
+        out = decode_step_op(*args[:5], length, pad, win_mask, hist_len, *args[9:], *storage)
         length.add_(1)
         return out
 
