@@ -159,7 +159,7 @@ def test_write_dispatch_takes_the_kernel_for_the_storage(monkeypatch):
     from oscar_hf.kernels import append_triton
 
     monkeypatch.setattr(write_path, "triton_enabled", lambda x, use: True)
-    monkeypatch.setattr(append_triton, "append_token_triton", lambda *a: calls.append("kernel"))
+    monkeypatch.setattr(append_triton, "append_token_triton", lambda *a, **kw: calls.append("kernel"))
     monkeypatch.setattr(write_path, "append_token_reference", lambda *a: calls.append("reference"))
     for d in (128, 96):
         k = quantize_rows(torch.randn(1, 1, 8, d), 32, bits=3)
