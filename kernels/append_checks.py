@@ -14,8 +14,8 @@ def check_append_inputs(params, new_k, new_v, window, history, at) -> tuple[int,
     win_k, win_v, length, pad, sink, recent = window.k, window.v, at.length, at.pad, at.sink, at.recent
     if (new_k is None) != (new_v is None) or new_k is not None and (
             new_k.dim() != 4 or new_k.shape[2] != 1 or new_v.shape != new_k.shape):
-        raise ValueError(f"new_k/new_v must be [B, Hk, 1, D] of one shape (or both None), got "
-                         f"{None if new_k is None else tuple(new_k.shape)}, {None if new_v is None else tuple(new_v.shape)}")
+        shapes = [None if x is None else tuple(x.shape) for x in (new_k, new_v)]
+        raise ValueError(f"new_k/new_v must be [B, Hk, 1, D] of one shape (or both None), got {shapes}")
     if win_k.dim() != 4:
         raise ValueError(f"win_k must be [B, Hk, S0 + R, D], got {tuple(win_k.shape)}")
     b, hk, _, d = new_k.shape if new_k is not None else win_k.shape

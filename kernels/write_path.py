@@ -118,14 +118,19 @@ def demote_reference(params: KVParams, window: Window, history: History, at: Rin
             write(store, encode_heads(win.index_select(2, src_entry).index_select(1, heads), p.heads.bits))
 
 
-def append_token_reference(params: KVParams, new_k, new_v, window: Window, history: History, at: Ring):
-    """One decode step's write of a contiguous storage: :func:`demote_reference` (slot ``T - W`` into the history),
-    then :func:`ring_put` (``new [B, Hk, 1, D]`` into the ring and, while it fills, the sink). Tensor ops only."""
-    ring = check_append_inputs(params, new_k, new_v, window, history, at)[0]
-    demote_reference(params, window, history, at)
-    entries = put_entries(at, ring)
+def put_reference(params: KVParams, new_k, new_v, window: Window, history: History, at: Ring) -> None:
+    """The new token alone: ``new_k/new_v [B, Hk, 1, D]`` into the ring and, while it fills, the sink
+    (:func:`ring_put`)."""
+    entries = put_entries(at, check_append_inputs(params, new_k, new_v, window, history, at)[0])
     for win, new in ((window.k, new_k), (window.v, new_v)):
         ring_put(win, new, entries)
+
+
+def append_token_reference(params: KVParams, new_k, new_v, window: Window, history: History, at: Ring):
+    """One decode step's write of a contiguous storage: :func:`demote_reference` (slot ``T - W`` into the history),
+    then :func:`put_reference`. Tensor ops only."""
+    demote_reference(params, window, history, at)
+    put_reference(params, new_k, new_v, window, history, at)
 
 
 # ------------------------------------------------------------------- the paged one-token write (the serving store)
@@ -196,10 +201,6 @@ def append(params: KVParams, new_k, new_v, window: Window, history: History, at:
     if contiguous and new_k is None:
         return demote_reference(params, window, history, at)
     if contiguous and not demote:
-        ring = check_append_inputs(params, new_k, new_v, window, history, at)[0]
-        entries = put_entries(at, ring)
-        for win, new in ((window.k, new_k), (window.v, new_v)):
-            ring_put(win, new, entries)
-        return None
+        return put_reference(params, new_k, new_v, window, history, at)
     write = append_token_reference if contiguous else paged_append_reference
     return write(params, new_k, new_v, window, history, at)

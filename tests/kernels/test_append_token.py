@@ -238,6 +238,10 @@ def test_bad_inputs():
         append_token_reference(*args)
     with pytest.raises(ValueError, match="new_k"):
         append_token_reference(*layer.args(new_k.expand(2, 2, 2, 32), new_v, t, pad))
+    with pytest.raises(ValueError, match="new_k"):  # one of the two rows missing
+        append_token_reference(*layer.args(new_k, None, t, pad))
+    with pytest.raises(ValueError, match="writes nothing"):  # the split's two halves: not both off
+        append_token(*layer.args(None, None, t, pad), demote=False)
 
 
 # ------------------------------------------------------------------------------------- (b) Triton kernel (interpreter)
