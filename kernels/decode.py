@@ -19,7 +19,17 @@ from .kv import History, KVParams, Window
 from .paged_decode import check_paged_inputs, paged_decode_batched, paged_supported
 from .plan import triton_enabled
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the retrieval heads' stream (settings.HeadsDefaults)
+_SIDE_STREAMS: dict[tuple[int, str], torch.cuda.Stream] = {}  # (device index, what runs on it) -> its stream
+
+
+def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
+    """The one side stream of ``device`` for ``purpose`` (``"heads"``: the retrieval heads' read; ``"write"``: the
+    decode step's demotion, ``static_op``), made at its first use: a launch forked onto it and joined back inside an
+    op is a parallel branch of the CUDA graph that captures the op."""
+    key = (device.index, purpose)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[key]
 
 
 def _side_stream(q: torch.Tensor, kernels: bool):
@@ -27,9 +37,7 @@ def _side_stream(q: torch.Tensor, kernels: bool):
     while dynamo traces, or ``HeadsDefaults.side_stream`` off)."""
     if not (kernels and q.is_cuda and settings.HEADS_DEFAULTS.side_stream) or torch.compiler.is_compiling():
         return None
-    if q.device.index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[q.device.index] = torch.cuda.Stream(q.device)
-    return _SIDE_STREAMS[q.device.index]
+    return side_stream(q.device, "heads")
 
 
 def decode(params: KVParams, q: torch.Tensor, window: Window, history: History, scaling: float, out_dtype=None, *,

@@ -12,7 +12,7 @@ import torch
 from oscar_hf.quant import QuantizedRows, rows_from
 
 from . import settings
-from .decode import decode
+from .decode import decode, side_stream
 from .kv import HeadSplit, History, KVParams, Ring, Window
 from .write_path import append
 
@@ -154,18 +154,13 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
     return out
 
 
-_WRITE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the demotion's stream
-
-
 def _write_stream(win: torch.Tensor, kernels) -> torch.cuda.Stream | None:
-    """The stream the demotion runs on beside the read (forked and joined inside the op, so that a CUDA graph
-    captures a parallel branch: its latency-bound launch beside the read's instead of before it), or None: one
-    launch before the read (CPU, the references, ``WriteDefaults.beside`` off: the default)."""
+    """The stream the demotion runs on beside the read (forked and joined inside the op: its latency-bound launch
+    beside the read's instead of before it), or None: one launch before the read (CPU, the references,
+    ``WriteDefaults.beside`` off: the default)."""
     if not (win.is_cuda and kernels is not False and settings.WRITE_DEFAULTS.beside):
         return None
-    if win.device.index not in _WRITE_STREAMS:
-        _WRITE_STREAMS[win.device.index] = torch.cuda.Stream(win.device)
-    return _WRITE_STREAMS[win.device.index]
+    return side_stream(win.device, "write")
 
 
 decode_step_ = torch.library.custom_op("oscar::decode_step_", decode_step,
