@@ -22,8 +22,9 @@ Methods (``--methods``):
   ``oscar-fpN``: ``OscarCache`` with N retrieval heads (``retrieval_heads``, spread over the layers), stored
   as the library stores them (INT8); ``oscar-fpN-serial``: their read on the layer's stream, not on its side stream;
   ``oscar-fpN-apart``: their rows merged by a combine of their own, then copied in (``HeadsDefaults.merged`` off);
-  ``<oscar method>-beside``: the decode step's write split, its demotion on a side stream beside the read
-  (``WriteDefaults.beside``).
+  ``<oscar method>-beside`` / ``-joined``: the decode step's write split at every batch, its demotion on a side
+  stream beside the read / one write launch at every batch (the default: split up to
+  ``WriteDefaults.beside_max_batch``).
 
 Every figure is a ratio against the baselines measured in the same run: ``speedup_vs_bf16_strong`` first, then
 ``speedup_vs_bf16`` (DynamicCache) and ``speedup_vs_bf16_static``.
@@ -258,7 +259,7 @@ def make_cache(model, method: str, capacity: int, explicit: bool = False):
         return StaticCache(config=model.config, max_cache_len=capacity)
     if method == "bf16-static":
         return None
-    method = method.removesuffix("-beside")  # (the write's split: run_one)
+    method = method.removesuffix("-beside").removesuffix("-joined")  # (the write's split: run_one)
     if method == "oscar":
         return OscarCache(model, method="hadamard", group_size=64)
     if method == "oscar-eager":
@@ -279,6 +280,16 @@ def make_cache(model, method: str, capacity: int, explicit: bool = False):
 
 
 def run_one(model, method: str, batch: int, context: int, new_tokens: int, device, seed=0, fill=False):
+    try:
+        return _run_one(model, method, batch, context, new_tokens, device, seed, fill)
+    finally:  # the model's attention back to its own implementation, also where the cache's build ran out of memory
+        if method.startswith("bf16-strong"):
+            from strong_bf16 import restore
+
+            restore(model)
+
+
+def _run_one(model, method: str, batch: int, context: int, new_tokens: int, device, seed, fill):
     g = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.randint(100, model.config.vocab_size - 100, (batch, context + int(fill)), generator=g).to(device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
@@ -294,13 +305,15 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
             synthetic_fill(model, cache, batch, context, device)
     t0 = time.perf_counter()
     # oscar-fpN-serial: the retrieval heads' read on the layer's stream, not beside it; -apart: their own combine;
-    # -beside: the write split, its demotion beside the read (WRITE_DEFAULTS: absent from older trees, compare_trees.py)
+    # -beside / -joined: the write split at every batch, its demotion beside the read / one write launch at every batch
+    # (the default splits it at small batches; WRITE_DEFAULTS: absent from older trees, compare_trees.py)
     heads, write = settings.HEADS_DEFAULTS, getattr(settings, "WRITE_DEFAULTS", None)
-    plain = method.removesuffix("-beside")
+    plain = method.removesuffix("-beside").removesuffix("-joined")
     settings.HEADS_DEFAULTS = dataclasses.replace(heads, side_stream=not plain.endswith("-serial"),
                                                   merged=not plain.endswith("-apart"))
-    if write is not None:
-        settings.WRITE_DEFAULTS = dataclasses.replace(write, beside=plain != method)
+    if write is not None and plain != method:
+        settings.WRITE_DEFAULTS = dataclasses.replace(write, beside_max_batch=1 << 30 if method.endswith("-beside")
+                                                      else 0)
     try:
         with torch.no_grad():
             out = model.generate(ids, logits_processor=LogitsProcessorList([clock]), return_dict_in_generate=True,
@@ -309,10 +322,6 @@ def run_one(model, method: str, batch: int, context: int, new_tokens: int, devic
         settings.HEADS_DEFAULTS = heads
         if write is not None:
             settings.WRITE_DEFAULTS = write
-        if method.startswith("bf16-strong"):  # the model's attention back to its own implementation
-            from strong_bf16 import restore
-
-            restore(model)
     st = clock.stamps
     # median step time: robust to the one-off Triton JIT compile of a new kernel specialization
     steps = sorted(b - a for a, b in zip(st, st[1:]))

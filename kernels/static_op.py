@@ -115,9 +115,9 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
                 meta_dtype: torch.dtype, sink: int, recent: int, use_kernels: str, quantizer: str, coded_bits: int,
                 block_n: int) -> torch.Tensor:
     """One decode step of one layer of the compiled storage: the write (:func:`~.write_path.append`: slot ``T - W``
-    demoted, the new token put), then the attention -> ``[B, Hk, g, D]`` in ``out_dtype``. With
-    ``WriteDefaults.beside`` (CUDA): the put alone before the read, the demotion on a side stream beside it
-    (:func:`_write_stream`; the read does not touch the demoted slot's history entry).
+    demoted, the new token put), then the attention -> ``[B, Hk, g, D]`` in ``out_dtype``. At
+    batches up to ``WriteDefaults.beside_max_batch`` (CUDA): the put alone before the read, the demotion on a side
+    stream beside it (:func:`_write_stream`; the read does not touch the demoted slot's history entry).
 
     ``q [B, Hk, g, D]`` the grouped query; ``q_rot [B, H2, g, D]`` float32 / ``qk_off`` the INT2 heads' rotated
     query and logit offset (None: no INT2 head); ``new_k/new_v [B, Hk, 1, D]``; ``length`` (0-d ``T``); ``pad [B]``;
@@ -156,9 +156,9 @@ def decode_step(q: torch.Tensor, q_rot: torch.Tensor | None, qk_off: torch.Tenso
 
 def _write_stream(win: torch.Tensor, kernels) -> torch.cuda.Stream | None:
     """The stream the demotion runs on beside the read (forked and joined inside the op: its latency-bound launch
-    beside the read's instead of before it), or None: one launch before the read (CPU, the references,
-    ``WriteDefaults.beside`` off: the default)."""
-    if not (win.is_cuda and kernels is not False and settings.WRITE_DEFAULTS.beside):
+    beside the read's instead of before it), or None: one launch before the read (CPU, the references, batches
+    ``win [2, B, ...]`` larger than ``WriteDefaults.beside_max_batch``)."""
+    if not (win.is_cuda and kernels is not False and win.shape[1] <= settings.WRITE_DEFAULTS.beside_max_batch):
         return None
     return side_stream(win.device, "write")
 

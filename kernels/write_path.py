@@ -88,7 +88,7 @@ def demote_reference(params: KVParams, window: Window, history: History, at: Rin
     no-op where that slot is no history slot. Window ``[B, Hk, S0 + R, D]``: the sink, then a ring holding slot ``s``
     at entry ``S0 + s % R``. Step ``T`` reads slot ``T - W`` from its window and the history below it: this write
     touches nothing that step's read reads, nor the entry :func:`ring_put` writes (``R > W``), so it may run beside
-    them (``WriteDefaults.beside``, docs/kernels.md §2.1)."""
+    them (``WriteDefaults.beside_max_batch``, docs/kernels.md §2.1)."""
     ring, n, h2 = check_append_inputs(params, None, None, window, history, at)
     p, win_k, win_v, s0 = params, window.k, window.v, at.sink
     # written to a clamped index, masked to the old contents when slot s is no history slot

@@ -1,6 +1,6 @@
 """The static cache's one-token write step (``write_path.append`` at a ``Ring``): the torch reference against a naive
 loop model of its semantics, the fused Triton kernel against the reference (interpreter on CPU; compiled on CUDA with
-``-m gpu``), both also split in two (the demotion alone, the new token alone: ``WriteDefaults.beside``). The compiled
+``-m gpu``), both also split in two (the demotion alone, the new token alone: ``WriteDefaults.beside_max_batch``). The compiled
 storage's op that calls it: ``test_static_op.py``.
 """
 from __future__ import annotations
@@ -199,7 +199,7 @@ def test_reference_matches_loop_model(heads, ring_extra, mu_k, meta, dtype, code
         append_token_reference(*layer.args(new_k, new_v, torch.tensor(t), torch.tensor(pad)), **layer.coded())
         naive_step(model, new_k, new_v, t, pad)
         assert_same(layer, model, f"T={t}")
-        # its two parts (WriteDefaults.beside): the demotion alone, the put alone (into the stacked window)
+        # its two parts (WriteDefaults.beside_max_batch): the demotion alone, the put alone (into the stacked window)
         demote_reference(*parts.args(None, None, torch.tensor(t), torch.tensor(pad)), **parts.coded())
         at = Ring(torch.tensor(t), torch.tensor(pad), s0, w)
         write_path.ring_put(parts.win_kv, torch.stack([new_k, new_v]), write_path.put_entries(at, w + 1 + ring_extra))
@@ -277,7 +277,7 @@ def test_kernel_matches_reference(b, hk, d, g, heads, ring_extra, mu_k, dtype, m
         append_token_reference(*ref.args(new_k, new_v, torch.tensor(t), pad), quantizer=quantizer, **ref.coded())
         _triton()(*got.args(new_k, new_v, torch.tensor(t), pad), quantizer=quantizer, **got.coded())
         assert_kernel_matches(got, ref)
-        # split as WriteDefaults.beside splits it: the new token alone, then the demotion alone
+        # split as WriteDefaults.beside_max_batch splits it: the new token alone, then the demotion alone
         _triton()(*parts.args(new_k, new_v, torch.tensor(t), pad), quantizer=quantizer, demote=False, **parts.coded())
         _triton()(*parts.args(None, None, torch.tensor(t), pad), quantizer=quantizer, **parts.coded())
         assert_kernel_matches(parts, ref)

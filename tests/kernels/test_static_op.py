@@ -200,12 +200,13 @@ def test_gpu_decode_step(heads, bits, d, beside, monkeypatch):
     """On CUDA the op's kernels (the fused write, the split-K read with a device-side length, the retrieval heads'
     read) under a CUDA graph: its writes within the write kernel's tolerance of the reference's, its output the
     references' reads of the state it wrote, replayed as the length grows; ``beside``: the write split, its demotion
-    on a side stream beside the read (``WriteDefaults.beside``)."""
+    on a side stream beside the read (``WriteDefaults.beside_max_batch`` at or above the batch), else one launch."""
     import dataclasses
 
     from oscar_hf.kernels import settings
 
-    monkeypatch.setattr(settings, "WRITE_DEFAULTS", dataclasses.replace(settings.WRITE_DEFAULTS, beside=beside))
+    monkeypatch.setattr(settings, "WRITE_DEFAULTS", dataclasses.replace(settings.WRITE_DEFAULTS,
+                                                                        beside_max_batch=2 if beside else 1))
     from test_append_token import assert_kernel_matches
 
     b, hk, g = 2, len(heads) if heads else 3, 4
