@@ -1,5 +1,5 @@
-"""The cache settings chosen per model by next-token KL on held-out windows plus the greedy mismatch on a verbatim copy
-of an early passage of each (the recall term), within a memory budget (``OscarConfig.stored_bits``). The search and its
+"""The cache settings chosen per model by next-token KL on held-out windows plus the confident greedy mismatches on a
+copy of a novel passage flushed to the history (the recall term), within a memory budget (``OscarConfig.stored_bits``). The search and its
 constants: docs/quality.md, "Settings chosen per model by calibration"."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from ..config import CHOSEN_FIELDS, FULL_LAYER_TYPES, OscarConfig
 from ..rotations import OscarRotations, ranked_heads
 from .hooks import progress_bar
-from .selection import SCORED_TOKENS, greedy_mismatch, next_token_kl, reference_log_probs
+from .selection import CONFIDENT, SCORED_TOKENS, greedy_mismatch, next_token_kl, reference_log_probs
 
 DEFAULT_BUDGET_BITS = 3.5  # today's defaults cost 3.476 on SmolLM2 at 8192 tokens (OscarConfig.stored_bits)
 DEFAULT_TARGET_CONTEXT = 32768  # capped by the model's max_position_embeddings
@@ -26,13 +26,16 @@ GROUP_SIZES = (32, 64, 128, None)  # None: head_dim (one group per head); those 
 KEY_GROUP_STEPS = 1  # 3-bit keys are tried at the incumbent's group size and this many coarser ones
 PRECISE_LAYERS = (1, 2, 4)  # numbers of layers kept precise (all their KV heads at the heads' width) tried, in order
 # The recall term: each held-out window's first c = min(RECALL_PROMPT, its prompt) tokens, then a verbatim copy of
-# min(SCORED_TOKENS, c / 4) of them from c / 4 on; the share of the copy's tokens whose greedy choice through the
-# cache differs from the model's: what a cache keeps of a passage flushed to the INT2 history long before it is
-# recalled word for word (the next-token KL alone ranked settings against recall after the flush on Gemma-3-270M,
-# docs/quality.md "Three-bit keys"; the copy's KL told them apart less). A candidate's sink + recent is at most a
-# quarter of the prompt (WINDOW_SHARE), so the passage is history for every candidate.
+# min(SCORED_TOKENS, c / 4) of them from c / 4 on, that passage's tokens put in a seeded random order where they stand
+# (a novel passage: the model cannot predict it from what it knows, only read it back from the cache's rows, as the
+# retention probe's passages written for it); the share of the copy's tokens where the model is sure of its next token
+# (top probability >= selection.CONFIDENT) but the cache's greedy choice differs: a failed copy of a passage flushed to
+# the INT2 history long before it is recalled. On Gemma-3-270M the next-token KL alone, the mismatch over every copied
+# token and the copy of unpermuted WikiText all ranked settings against verbatim retention after the flush; the
+# confident flips on a novel copy ranked them with it (docs/quality.md "The recall term"). A candidate's sink + recent
+# is at most a quarter of the prompt (WINDOW_SHARE), so the passage is history for every candidate.
 RECALL_PROMPT = 4096
-OBJECTIVE = ("next_kl", "recall_mismatch")  # the parts of objective()'s record the search minimizes the sum of
+OBJECTIVE = ("next_kl", "recall_confident")  # the parts of objective()'s record the search minimizes the sum of
 
 
 def check_budget(budget_bits, target_context) -> None:
@@ -46,14 +49,18 @@ def check_budget(budget_bits, target_context) -> None:
 
 def recall_windows(windows: Sequence[torch.Tensor], scored: int = SCORED_TOKENS) -> list[tuple[torch.Tensor, int]]:
     """The recall term's ``(ids, scored)`` windows: of each held-out ``[n]`` window, its first
-    ``c = min(RECALL_PROMPT, n - scored)`` tokens, then a copy of ``min(scored, c // 4)`` of them from ``c // 4`` on
-    (the copy scored). Windows too short for a 16-token passage give none."""
+    ``c = min(RECALL_PROMPT, n - scored)`` tokens with the ``min(scored, c // 4)`` from ``c // 4`` on permuted (seeded
+    by the window's index: the same passage for every candidate), then a copy of that passage (the copy scored).
+    Windows too short for a 16-token passage give none."""
     out = []
-    for w in windows:
+    for i, w in enumerate(windows):
         c = min(RECALL_PROMPT, int(w.numel()) - scored)
         n = min(scored, c // 4)
         if n >= 16:
-            out.append((torch.cat([w[:c], w[c // 4 : c // 4 + n]]), n))
+            prompt = w[:c].clone()
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(i)).to(w.device)
+            passage = prompt[c // 4 : c // 4 + n] = prompt[c // 4 : c // 4 + n][order]
+            out.append((torch.cat([prompt, passage]), n))
     return out
 
 
@@ -69,13 +76,13 @@ def check_recall_window(config: OscarConfig, window: torch.Tensor, scored: int) 
 @dataclasses.dataclass
 class Trial:
     """One setting scored: what changed, the config, its budget bits and objective (``kl``: the next-token KL plus
-    the recall term's greedy mismatch, each given apart where the search computed them)."""
+    the recall term's confident greedy mismatch, each given apart where the search computed them)."""
 
     name: str
     config: OscarConfig
     bits: float
     kl: float
-    parts: dict | None = None  # {"next_kl": .., "recall_mismatch": .., "recall_kl" / "recall_confident" (reported)}
+    parts: dict | None = None  # {"next_kl": .., "recall_confident": .., "recall_mismatch" / "recall_kl" (reported)}
 
     def record(self) -> dict:
         c = self.config
@@ -228,19 +235,28 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
 
         unfit = lambda: inc.config.replace(retrieval_heads=())  # noqa: E731  (the incumbent, heads refitted)
 
-        def window_option(s: int, r: int) -> tuple[str, OscarConfig, int]:
+        def window_options(s: int, r: int) -> list[tuple[str, OscarConfig, int]]:
             """Window ``(s, r)`` at the incumbent's group size or, over the budget there, at the finest coarser one
             that fits: a wide window priced at target_context is paid for by the history's metadata (Gemma-3-270M's
-            (128, 2048) fits 3.5 bits at 32K with group 64, not 32)."""
+            (128, 2048) fits 3.5 bits at 32K with group 64, not 32). With 3-bit keys whose values have a group of
+            their own, also the keys at the next finer group where that fits: a finer key group and a narrower
+            window are one move that neither step makes alone (Gemma-3-270M: keys at 32 with (128, 768), docs/
+            quality.md "The recall term")."""
             cfg = unfit().replace(sink=s, recent=r)
+            out = [(f"window=({s}, {r})", cfg, precise)]
             if space.fit(cfg, precise) is None:
                 for g in (x for x in sizes if x > cfg.group_size):
                     if space.fit(cfg.replace(group_size=g), precise) is not None:
-                        return f"window=({s}, {r}), group_size={g}", cfg.replace(group_size=g), precise
-            return f"window=({s}, {r})", cfg, precise
+                        out = [(f"window=({s}, {r}), group_size={g}", cfg.replace(group_size=g), precise)]
+                        break
+            finer = [g for g in sizes if g < cfg.group_size][-1:]
+            if cfg.key_bits == 3 and cfg.value_group_size and finer and space.fit(
+                    cfg.replace(group_size=finer[0]), precise) is not None:
+                out.append((f"window=({s}, {r}), group_size={finer[0]}", cfg.replace(group_size=finer[0]), precise))
+            return out
 
         step([(f"quantizer={q}", unfit().replace(quantizer=q), precise) for q in ("minmax", "std")
-              if q != inc.config.quantizer])
+              if q != inc.config.quantizer and (q == "minmax" or inc.config.key_bits == 2)])  # (std: 4 levels)
         step([(f"group_size={g}", unfit().replace(group_size=g), precise) for g in groups])
         # 3-bit keys (the keys carry most of the INT2 loss), at the incumbent's group size and the coarser ones that
         # pay for the key's extra bit
@@ -253,7 +269,7 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         step([(f"key_bits=3, group_size={g}, value_group_size={gv}",
                unfit().replace(key_bits=3, quantizer="minmax", group_size=g, value_group_size=gv), precise)
               for g in value_key_groups(inc.config.group_size, sizes) for gv in sizes if gv > g])
-        step([window_option(s, r) for s, r in window_candidates(inc.config.sink, inc.config.recent, prompt)])
+        step([o for s, r in window_candidates(inc.config.sink, inc.config.recent, prompt) for o in window_options(s, r)])
         if space.heads or precise:  # (the width of no head changes nothing)
             step([(f"heads as INT{w}", unfit().replace(retrieval_bits=w), precise) for w in HEAD_WIDTHS
                   if w != inc.config.retrieval_bits])
@@ -273,9 +289,9 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         "objective": f"mean next-token KL through OscarCache, last {SCORED_TOKENS} tokens of "
                      f"{len(windows) if windows else 0} held-out window(s) of "
                      f"{[int(w.numel()) for w in windows] if windows else []} tokens"
-                     + (f", plus the recall term: the share of greedy mismatches on a verbatim copy of a passage "
-                        f"from a quarter into each window's first {RECALL_PROMPT} tokens at most ({n_copies} "
-                        f"window(s))" if n_copies else ""),
+                     + (f", plus the recall term: the share of greedy mismatches where the model is sure (top token p >= "
+                        f"{CONFIDENT}) on a copy of a passage, its tokens permuted, from a quarter into each window's "
+                        f"first {RECALL_PROMPT} tokens at most ({n_copies} window(s))" if n_copies else ""),
         "margin": margin,
         "retrieval_heads_floor": space.floor,
         "precise_layers": space.ranked_layers[:precise],
@@ -290,12 +306,12 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
 
 def objective(model, rotations: OscarRotations, windows: Sequence[torch.Tensor], recall: bool = True
               ) -> Callable[[OscarConfig], dict]:
-    """``config -> {"next_kl": .., "recall_mismatch": .., "recall_kl": .., "recall_confident": ..}``: the mean
+    """``config -> {"next_kl": .., "recall_confident": .., "recall_mismatch": .., "recall_kl": ..}``: the mean
     next-token KL over ``windows``' last :data:`SCORED_TOKENS` tokens and (``recall``, where a window is long enough)
-    the share of their :func:`recall_windows`' copied tokens where greedy decoding through the cache parts from the
-    model's; the search minimizes their sum (:data:`OBJECTIVE`). ``recall_kl``, the copy's mean KL, and
-    ``recall_confident``, its mismatch where the model is confident (``selection.Recall``; windows weighted by their
-    copies' lengths), are reported, not minimized. The references are computed once, here."""
+    the share of their :func:`recall_windows`' copied tokens where the model is confident and greedy decoding through
+    the cache parts from it (``selection.Recall.confident``; windows weighted by their copies' lengths); the search
+    minimizes their sum (:data:`OBJECTIVE`). ``recall_mismatch``, the share over every copied token, and
+    ``recall_kl``, the copy's mean KL, are reported, not minimized. The references are computed once, here."""
     copies = recall_windows(windows) if recall else []
     refs = [reference_log_probs(model, w, SCORED_TOKENS) for w in windows]
     copy_refs = [reference_log_probs(model, w, n) for w, n in copies]
@@ -340,7 +356,8 @@ def settings_summary(entry: dict) -> list[str]:
         lines.append(f"    layers kept precise (all their KV heads {width}): {entry['precise_layers']}")
     for t in entry["tried"]:
         mark = "  (kept)" if t["name"] == entry["chosen_name"] else ""
-        split = f" (next {t['next_kl']:.4g} + recall {t['recall_mismatch']:.4g})" if "recall_mismatch" in t else ""
+        # the recall part the objective added (the confident flips; the whole mismatch in artifacts before 2026-12-06)
+        split = f" (next {t['next_kl']:.4g} + recall {t['kl'] - t['next_kl']:.4g})" if "recall_mismatch" in t else ""
         lines.append(f"    tried {t['name']:<36} KL {t['kl']:.4g}{split}  {t['bits']:.3f} bits  {t['heads']} heads "
                      f"INT{t['head_bits']}{mark}")
     for o in entry.get("over_budget", []):

@@ -168,18 +168,25 @@ def test_windows_reach_128_2048_priced_at_the_target_context():
     assert not any("1024" in n or "2048" in n or "(128, 512)" in n for n in short)
 
 
-def test_recall_windows_copy_a_flushed_passage():
-    """The recall term's window: the prompt's first tokens, then a verbatim copy of a passage from a quarter into it;
-    a window that would keep part of the passage in full precision is refused; short windows give none."""
+def test_recall_windows_copy_a_flushed_novel_passage():
+    """The recall term's window: the prompt's first tokens with a passage from a quarter into it permuted (novel: the
+    same tokens in a seeded order, the same for every call), then a verbatim copy of that passage; a window that would
+    keep part of the passage in full precision is refused; short windows give none."""
     w = torch.arange(10_000)
     (long_, n), = recall_windows([w])
     assert n == 512 and long_.numel() == 4096 + 512
-    assert torch.equal(long_[:4096], w[:4096]) and torch.equal(long_[-512:], w[1024:1536])
+    assert torch.equal(long_[:1024], w[:1024]) and torch.equal(long_[1536:4096], w[1536:4096])
+    passage = long_[1024:1536]
+    assert torch.equal(long_[-512:], passage) and torch.equal(passage.sort().values, w[1024:1536])
+    assert (passage != w[1024:1536]).float().mean() > 0.9  # permuted, not the text's own order
+    (again, _), (other, _) = recall_windows([w, w])
+    assert torch.equal(again, long_) and not torch.equal(other, long_)  # seeded by the window's index
     check_recall_window(OscarConfig(sink=128, recent=2048), long_, n)
     with pytest.raises(ValueError, match="covers part of the recall term's passage"):
         check_recall_window(OscarConfig(sink=128, recent=2600), long_, n)
     (short, m), = recall_windows([torch.arange(700)])  # a 188-token prompt: a 47-token passage from token 47
-    assert m == 47 and torch.equal(short[-47:], torch.arange(47, 94))
+    assert m == 47 and torch.equal(short[-47:], short[47:94]) and torch.equal(short[-47:].sort().values,
+                                                                              torch.arange(47, 94))
     assert recall_windows([torch.arange(560)]) == []
 
 
@@ -207,7 +214,7 @@ def test_calibrate_stores_the_choice_and_a_cache_uses_it(tiny, calibrated):
     assert greedy_mismatch(tiny, rot, copy, cache.oscar_config, n) == pytest.approx((kept["recall_mismatch"],
                                                                                       kept["recall_kl"],
                                                                                       kept["recall_confident"]))
-    assert e["kl"] == pytest.approx(kept["next_kl"] + kept["recall_mismatch"])
+    assert e["kl"] == pytest.approx(kept["next_kl"] + kept["recall_confident"])
     report = calibration_report(rot)
     assert "cache settings chosen by next-token KL" in report and "tried defaults" in report and "+ recall" in report
     off = calibrate(tiny, None, ids, method="oscar", window=(4, 8), progress=False, retrieval_probes=0,
@@ -364,6 +371,28 @@ def test_search_tries_three_bit_keys_with_values_at_a_coarser_group(tiny):
     assert e["chosen_name"] == "key_bits=3, group_size=32, value_group_size=64"
 
 
+def test_window_step_tries_three_bit_keys_at_the_next_finer_group(tiny):
+    """With 3-bit keys and values at a group of their own, the window step also tries each window with the keys at
+    the next finer group: a joint move neither the key step (at the incumbent's window) nor the window step (at its
+    group) makes alone, and the one the search chooses where the objective is lowest there."""
+    rot = scored_rotations(tiny, [[0.1, 0.1], [0.1, 0.1]])
+    w = [torch.zeros(2048, dtype=torch.long)]
+
+    def score(c):  # lowest only with keys at group 32 and the window (64, 128)
+        return 1.0 - (0.5 if (c.group_size, c.sink, c.recent) == (32, 64, 128) else 0.0)
+
+    base = OscarConfig(key_bits=3, quantizer="minmax", group_size=64, value_group_size=64)
+    e = choose_settings(tiny, rot, w, budget_bits=8.0, target_context=8192, score=score, progress=False, base=base)
+    names = [t["name"] for t in e["tried"]]
+    assert "window=(64, 128), group_size=32" in names and "window=(64, 128)" in names
+    assert e["chosen_name"] == "window=(64, 128), group_size=32"
+    assert (e["chosen"]["group_size"], e["chosen"]["value_group_size"], e["chosen"]["recent"]) == (32, 64, 128)
+    # 2-bit keys: the window step tries each window at the incumbent's group only
+    e = choose_settings(tiny, rot, w, budget_bits=8.0, target_context=8192, score=score, progress=False,
+                        base=OscarConfig(value_group_size=64))
+    assert not any(t["name"].startswith("window=") and "group_size" in t["name"] for t in e["tried"])
+
+
 def test_choose_settings_script_scores_given_settings_without_searching(tiny, tmp_path):
     """``scripts/choose_settings.py --score``: each row's KL is the search's objective on the same windows (the
     artifact's chosen settings under the row's), its bits the budget's measure; one JSON file with the command."""
@@ -391,7 +420,7 @@ def test_choose_settings_script_scores_given_settings_without_searching(tiny, tm
         mismatch, copy_kl, confident = greedy_mismatch(tiny, rot, copy, cfg, n)
         assert (rows[name]["next_kl"], rows[name]["recall_mismatch"], rows[name]["recall_kl"],
                 rows[name]["recall_confident"]) == pytest.approx((kl, mismatch, copy_kl, confident))
-        assert rows[name]["kl"] == pytest.approx(kl + mismatch)
+        assert rows[name]["kl"] == pytest.approx(kl + confident)
         heads = cfg.replace(retrieval_heads=())  # (these scores pick no retrieval head: all below 0.4)
         assert rows[name]["bits"] == pytest.approx(heads.stored_bits(rot.fingerprint, sorted(rot.layers), 8192),
                                                    abs=1e-4)
