@@ -202,8 +202,9 @@ def _append_token_kernel(
                     _code_row(WIN_K + src, CKX, CKS, CKZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
                 if PAGED or not do_k:
                     _code_row(WIN_V + src, CVX, CVS, CVZ, x_off, m_off, D, CODED_BITS, WIN_KIND, DP)
-        # every thread's loads of the old ring row come before any thread's store of the new one (PAGED with
-        # R = W + 1: the same entry)
+        # every thread's loads of the old ring row come before any thread's store of the new one: the same entry
+        # where the demoted slot and the new token share it (PAGED with R = W + 1; contiguous with W = 0, since it
+        # demotes slot T - W with R > W)
         tl.debug_barrier()
     # 2. the new token: its ring entry, and its sink entry where to_sink
     if not PUT:

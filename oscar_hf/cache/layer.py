@@ -301,8 +301,8 @@ class OscarLayer(EagerOps, HostLength, QuantizedLayerBase):
             q_rot, qk_off = rotate_query(qi, self.params.r_k, mu_k, self.config.use_kernels)
             q_rot = q_rot.contiguous()
         # (NO_HEADS through its module global, not the layer's attribute: one set of guards for all such layers)
-        args = (q, q_rot, qk_off, new_k.detach(), new_v.detach(), t, pad, win_mask, hist_len, mu_k, mu_v, float(scaling),
-                query.dtype, sinks, float(softcap or 0.0), *self.step_storage,
+        args = (q, q_rot, qk_off, new_k.detach(), new_v.detach(), t, pad, win_mask, hist_len, mu_k, mu_v,
+                float(scaling), query.dtype, sinks, float(softcap or 0.0), *self.step_storage,
                 *(self.step_heads if self.retrieval_heads else NO_HEADS), *self.step.config)
         # the opaque op while torch.compile traces, the function in eager code
         out = decode_step_(*args) if is_compiling() else decode_step(*args)

@@ -1,6 +1,7 @@
 """The cache settings chosen per model by next-token KL on held-out windows plus the confident greedy mismatches on a
-copy of a novel passage flushed to the history (the recall term), within a memory budget (``OscarConfig.stored_bits``). The search and its
-constants: docs/quality.md, "Settings chosen per model by calibration"."""
+copy of a novel passage flushed to the history (the recall term), within a memory budget
+(``OscarConfig.stored_bits``). The search and its constants: docs/quality.md, "Settings chosen per model by
+calibration"."""
 from __future__ import annotations
 
 import dataclasses
@@ -269,7 +270,11 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         step([(f"key_bits=3, group_size={g}, value_group_size={gv}",
                unfit().replace(key_bits=3, quantizer="minmax", group_size=g, value_group_size=gv), precise)
               for g in value_key_groups(inc.config.group_size, sizes) for gv in sizes if gv > g])
-        step([o for s, r in window_candidates(inc.config.sink, inc.config.recent, prompt) for o in window_options(s, r)])
+        windows_now = window_candidates(inc.config.sink, inc.config.recent, prompt)
+        options = [o for s, r in windows_now for o in window_options(s, r)]
+        if isinstance(getattr(bar, "total", None), int):  # (a disabled bar has none) the finer key groups beside them
+            bar.total += len(options) - len(windows_now)
+        step(options)
         if space.heads or precise:  # (the width of no head changes nothing)
             step([(f"heads as INT{w}", unfit().replace(retrieval_bits=w), precise) for w in HEAD_WIDTHS
                   if w != inc.config.retrieval_bits])
@@ -289,9 +294,9 @@ def choose_settings(model, rotations: OscarRotations, windows: Sequence[torch.Te
         "objective": f"mean next-token KL through OscarCache, last {SCORED_TOKENS} tokens of "
                      f"{len(windows) if windows else 0} held-out window(s) of "
                      f"{[int(w.numel()) for w in windows] if windows else []} tokens"
-                     + (f", plus the recall term: the share of greedy mismatches where the model is sure (top token p >= "
-                        f"{CONFIDENT}) on a copy of a passage, its tokens permuted, from a quarter into each window's "
-                        f"first {RECALL_PROMPT} tokens at most ({n_copies} window(s))" if n_copies else ""),
+                     + (f", plus the recall term: the share of greedy mismatches where the model is sure (top token "
+                        f"p >= {CONFIDENT}) on a copy of a passage, its tokens permuted, from a quarter into each "
+                        f"window's first {RECALL_PROMPT} tokens at most ({n_copies} window(s))" if n_copies else ""),
         "margin": margin,
         "retrieval_heads_floor": space.floor,
         "precise_layers": space.ranked_layers[:precise],

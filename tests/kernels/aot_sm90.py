@@ -245,7 +245,8 @@ def main():
                                torch.randn(hq, d, generator=g0), 0.95, torch.randn(hq, d, d, generator=g0),
                                torch.randn(hq, d, generator=g0), 0.9, g, torch.bfloat16, 4, 16, coded=coded)
         append_labels.append(f"append d={d} g={g} coded_bits={bits}")
-        if d == 128 and bits is None:  # the write split in two (WriteDefaults.beside_max_batch): the put alone, the demotion alone
+        # the write split in two (WriteDefaults.beside_max_batch): the put alone, the demotion alone
+        if d == 128 and bits is None:
             parts = (((new, new), dict(demote=False), "put alone"), ((None, None), {}, "demotion alone"))
             for rows, kw, label in parts:
                 r_k, r_v = torch.randn(hq, d, d, generator=g0), torch.randn(hq, d, d, generator=g0)

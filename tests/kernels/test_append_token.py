@@ -1,7 +1,7 @@
 """The static cache's one-token write step (``write_path.append`` at a ``Ring``): the torch reference against a naive
 loop model of its semantics, the fused Triton kernel against the reference (interpreter on CPU; compiled on CUDA with
-``-m gpu``), both also split in two (the demotion alone, the new token alone: ``WriteDefaults.beside_max_batch``). The compiled
-storage's op that calls it: ``test_static_op.py``.
+``-m gpu``), both also split in two (the demotion alone, the new token alone: ``WriteDefaults.beside_max_batch``).
+The compiled storage's op that calls it: ``test_static_op.py``.
 """
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ from test_append_token import Layer, _tokens, assert_same  # noqa: E402
 
 from oscar_hf.kernels.heads_attention import heads_decode_reference  # noqa: E402
 from oscar_hf.kernels.int2_attention import decode_attention_reference, rotate_query_reference  # noqa: E402
-from oscar_hf.kernels.static_op import (NO_HEADS, decode_step, decode_step_, step_config, step_heads,  # noqa: E402
-                                        step_storage)
+from oscar_hf.kernels.static_op import (NO_HEADS, _write_stream, decode_step, decode_step_, step_config,  # noqa: E402
+                                        step_heads, step_storage)
 from oscar_hf.kernels import write_path  # noqa: E402
 
 append_token_reference = ring_write(write_path.append_token_reference)
@@ -217,6 +217,7 @@ def test_gpu_decode_step(heads, bits, d, beside, monkeypatch):
     win_mask = torch.ones(b, 1, 1, S0 + W + 4, dtype=torch.bool, device="cuda")
     sinks = torch.randn(hk, g, generator=gen).cuda()
     length, storage, int2_idx = torch.zeros((), dtype=torch.long, device="cuda"), _storage(layer, True), _indices(layer)[1]
+    assert (_write_stream(storage[0], True) is not None) == beside  # the write this case runs: split, or one launch
     q = torch.zeros(b, hk, g, d, dtype=torch.bfloat16, device="cuda")
     new = [torch.zeros(b, hk, 1, d, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
 
