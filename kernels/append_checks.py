@@ -59,6 +59,11 @@ def _check_history(params, history, lead: tuple, lead_names: str, d: int, hk: in
             if t.shape != (*lead, d // g) or t.dtype != meta_dtype:
                 raise ValueError(f"{name} metadata must be {meta_dtype} [{lead_names}, D/G] = "
                                  f"{(*lead, d // g)}, got {t.dtype} {tuple(t.shape)}")
+    hi = history.k.hi  # (3-bit keys: their high bits' plane; values are INT2)
+    if hi is not None and (hi.shape != (*lead, d // 8) or hi.dtype != torch.uint8) or history.v.hi is not None:
+        raise ValueError(f"3-bit keys' high bits must be uint8 [{lead_names}, D/8] = {(*lead, d // 8)} and the values "
+                         f"INT2, got {None if hi is None else (hi.dtype, tuple(hi.shape))} / values of "
+                         f"{history.v.bits} bits")
     if hist_heads is None:
         if h2 != hk:
             raise ValueError(f"hist_heads=None means every KV head is quantized, but the history has {h2} heads, "

@@ -130,7 +130,7 @@ def _put_row(x, WIN, dst, sink, to_sink, offs_d, dm):
 def _append_token_kernel(
     NEW_K, NEW_V, WIN_K, WIN_V, KC, KS, KZ, VC, VS, VZ, HEADS, RK, MUK, RV, MUV,
     CKX, CKS, CKZ, CVX, CVS, CVZ, CODED_OF,  # the retrieval heads' stores [B | pages, P, N, *], KV head -> index map
-    KH, shb, shh, shn, svsb, svsh, svsn,  # 3-bit keys' high bits [B, H2, N, D/8]; the values' own metadata strides
+    KH, shb, shh, shn, svsb, svsh, svsn,  # 3-bit keys' high bits [B | pages, H2, N | P, D/8]; the values' own metadata
     clip_k, clip_v, Hk,
     LENGTH, PAD, N, S0, RING, W,  # contiguous: the 0-d length T, pad [B], history capacity, sink, ring, recent
     POS, SLOTS, NEW_ENTRY, SINK_ENTRY, DEM_ENTRY, DEM_PAGE, DEM_OFF,  # PAGED: the rows' plan, [Bp] each
@@ -148,7 +148,7 @@ def _append_token_kernel(
     PAGED: tl.constexpr,  # 0: a contiguous storage's ring; 1: the serving store's rows (docs/serving.md §3)
     DEMOTE: tl.constexpr,  # 0: no row demotes this step (the paged plan's ``demote``)
     PUT: tl.constexpr = 1,  # 0: the new token is not written (contiguous: the demotion alone)
-    KBITS: tl.constexpr = 2, GV: tl.constexpr = 0,  # 3-bit keys; the values' group (0: G) (contiguous, DP = D)
+    KBITS: tl.constexpr = 2, GV: tl.constexpr = 0,  # 3-bit keys; the values' group (0: G) (DP = D)
 ):
     VG: tl.constexpr = G if GV == 0 else GV  # the values' group
     pid = tl.program_id(0)
@@ -245,7 +245,7 @@ def _launch(params, new_k, new_v, window, history, grid: int, layout: tuple, new
         raise ValueError(f"metadata dtype {p.meta_dtype} is not supported by the kernel; use one of {list(_META_KIND)}")
     if win_k.stride() != win_v.stride() or win_k.stride(-1) != 1:
         raise ValueError(f"win_k and win_v must share a layout contiguous in D, got {win_k.stride()}, {win_v.stride()}")
-    # 3-bit keys' high bits and a values' group of their own (the contiguous storage, DP = D: append_supported)
+    # 3-bit keys' high bits and a values' group of their own (DP = D: a power-of-two head_dim)
     k_hi, own = hist_k.hi, hist_v.scale.shape[-1] != hist_k.scale.shape[-1]
     metas = (hist_k.scale, hist_k.zero) + ((hist_v.scale, hist_v.zero) if not own else ())
     if hist_k.codes.stride() != hist_v.codes.stride() or hist_k.codes.stride(-1) != 1 or any(
@@ -254,9 +254,8 @@ def _launch(params, new_k, new_v, window, history, grid: int, layout: tuple, new
                                                    or hist_v.scale.stride(-1) != 1)):
         raise ValueError("hist_k and hist_v must share one codes layout and one metadata layout (a values' group of "
                          "their own: scale and zero one), contiguous in the last dimension")
-    if (k_hi is not None or own) and (paged or not plain_fits(win_k.shape[-1])):
-        raise ValueError("3-bit keys and a values' group of their own: the contiguous storage at a power-of-two "
-                         "head_dim only")
+    if (k_hi is not None or own) and not plain_fits(win_k.shape[-1]):
+        raise ValueError("3-bit keys and a values' group of their own: a power-of-two head_dim only")
     if k_hi is not None and k_hi.stride(-1) != 1:
         raise ValueError(f"the keys' high bits must be contiguous in the last dimension, got {k_hi.stride()}")
     ck = cv = (placeholder,) * 3

@@ -8,8 +8,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
-from .decode_split_ops import (DF_LIM, _block_rows, _df_meta, _df_v_plane, _int2_plane, _mapped, _meta_tiles,
-                               _op, _rd_logits, _soft_cap, _softmax_step, _token_block, _window_split)
+from .decode_split_ops import (DF_LIM, _block_rows, _df_meta, _df_v_plane, _hi_rows, _int2_plane, _mapped,
+                               _meta_tiles, _op, _rd_logits, _soft_cap, _softmax_step, _token_block, _window_split)
 from .plan import settle_cache_keys
 from .query_triton import _cols_mask, _rotate_block, _rotate_plane_q8
 
@@ -45,7 +45,7 @@ def _split_kernel(
     """Program ``(bh, s)``: history split ``s < S`` (``DEFERRED`` loop, else dequant) or window split ``s - S`` of one
     (row, KV head), one partial each; ``WIN_ONLY``: window programs only (``PID_OFF = S``, ``WIN_STAGES``). Flags:
     docs/kernels.md §3.4 (``PAIR``, ``ASM``), §3.8 (``PAGED``), §3.9 (``WHEAD``, ``QW_AT_HEAD``), §3.10
-    (``SOFTCAP``), §7 (``DP``), §3.11 (``KBITS`` 3: the keys' high bits ``KH [B, Hk, N, D/8]``; ``GV`` > 0: the
+    (``SOFTCAP``), §7 (``DP``), §3.11 (``KBITS`` 3: the keys' high bits ``KH [B, Hk, N, D/8]``, paged ``[pages, Hk, P, D/8]``; ``GV`` > 0: the
     values' own group; the dequant loop only)."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -198,8 +198,9 @@ def _split_kernel(
                 kb = tl.load(kc_base + kro + offs_j[None, :], mask=_cols_mask(inb, offs_j, D4, D4P), other=0)
                 hb = 0
                 if KBITS == 3:  # the high bits' bytes, lane j's byte j % (D/8) (docs/kernels.md §3.11)
-                    hb = tl.load(kh_base + offs_n[:, None].to(tl.int64) * skhn + (offs_j % (D // 8))[None, :],
-                                 mask=_cols_mask(inb, offs_j, D4, D4P), other=0)
+                    hro = _hi_rows(n0, hi, offs_n, inb, bt_row, skhb, skhn, PAGE, BLOCK_N, PAGED)
+                    hb = tl.load(kh_base + hro + (offs_j % (D // 8))[None, :], mask=_cols_mask(inb, offs_j, D4, D4P),
+                                 other=0)
                 ks_t, kz_t, ks_row, kz_row = _meta_tiles(ks_base, kz_base, offs_n, kmo, inb, NG, PAGED,
                                                          G % D4 == 0 or D4 % G == 0)
                 s = tl.dot(q0, tl.trans(_int2_plane(kb, 0, ks_t, kz_t, ks_row, kz_row, inb, D4, G, NG, LOWP, D4P,

@@ -279,6 +279,21 @@ def _block_rows(n0, hi, offs_n, inb, BT_ROW, skb, skn, smkb, svb, svn, smvb, NG:
 
 
 @triton.jit
+def _hi_rows(n0, hi, offs_n, inb, BT_ROW, skhb, skhn, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+    """Int64 offsets ``[BLOCK_N, 1]`` of a block's 3-bit keys' high-bit rows from the (row, KV head) base
+    (``PAGED``: page ``BT_ROW[j // PAGE]`` at stride ``skhb``, row ``j % PAGE``, as :func:`_block_rows`)."""
+    if PAGED:
+        if PAGE % BLOCK_N == 0:
+            pg = tl.load(BT_ROW + n0 // PAGE, mask=n0 < hi, other=0).to(tl.int64)
+            r = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+        else:
+            pg = tl.load(BT_ROW + offs_n // PAGE, mask=inb, other=0).to(tl.int64)
+            r = (offs_n % PAGE).to(tl.int64)
+        return (pg * skhb + r * skhn)[:, None]
+    return offs_n[:, None].to(tl.int64) * skhn
+
+
+@triton.jit
 def _softmax_step(s, valid, m_i, l_i, SOFTCAP: tl.constexpr = 0.0):
     """Online-softmax update in base 2 for a ``[M_PAD, BLOCK_N]`` logit tile, soft-capped first where ``SOFTCAP`` > 0
     (:func:`_soft_cap`). Fully masked rows keep ``m = -inf`` and contribute nothing (``m_safe`` avoids ``-inf - -inf``);

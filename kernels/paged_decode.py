@@ -13,7 +13,7 @@ from oscar_hf.quant import QuantizedRows
 from .int2_attention import (decode_attention_reference, history_partial_reference, merge_history_and_window,
                              rotate_query_reference)
 from .kv import History, KVParams, Pages, Window
-from .plan import cdiv, triton_enabled
+from .plan import cdiv, group_fits, plain_fits, triton_enabled
 from .settings import DEFAULTS
 
 ROW_TILE = 64  # query rows of one program of the chunk read (the split-K kernel's most); a tile reads the history once
@@ -29,14 +29,19 @@ def check_paged_inputs(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, pages
         raise ValueError(f"qf must be [B, Hk, M, D], got {tuple(qf.shape)}")
     b, hk, _, d = qf.shape
     for name, rows in (("pages_k", pages_k), ("pages_v", pages_v)):
-        codes, scale, zero = rows
+        codes, scale, zero = rows[:3]
         if codes.dim() != 4 or codes.shape[1] != hk or codes.shape[3] * 4 != d or codes.dtype != torch.uint8:
             raise ValueError(f"{name}.codes must be uint8 [num_pages, Hk={hk}, P, D/4={d // 4}], got {codes.dtype} "
                              f"{tuple(codes.shape)}")
         if scale.shape != zero.shape or scale.shape[:3] != codes.shape[:3] or d % scale.shape[3]:
             raise ValueError(f"{name}.scale / zero must be [num_pages, Hk, P, D/G] like its codes, got "
                              f"{tuple(scale.shape)} / {tuple(zero.shape)} for codes {tuple(codes.shape)}")
-    if pages_k.codes.shape != pages_v.codes.shape or pages_k.scale.shape != pages_v.scale.shape:
+    if pages_k.hi is not None and pages_k.hi.shape != (*pages_k.codes.shape[:3], d // 8):
+        raise ValueError(f"pages_k.hi (3-bit keys' high bits) must be [num_pages, Hk, P, D/8={d // 8}], got "
+                         f"{tuple(pages_k.hi.shape)}")
+    if pages_v.hi is not None:
+        raise ValueError("values are stored in INT2: pages_v has no high bits")
+    if pages_k.codes.shape != pages_v.codes.shape:  # (the values' metadata may be at a group of their own)
         raise ValueError(f"pages_k and pages_v differ in shape: {tuple(pages_k.codes.shape)} / "
                          f"{tuple(pages_v.codes.shape)}")
     table = pages.table
@@ -72,7 +77,7 @@ def gather_rows(parts, block_table: torch.Tensor, n: int):
         return x.transpose(1, 2).reshape(b, t.shape[1], cols * p, t.shape[-1])[:, :, :n]
 
     out = tuple(cut(t) for t in parts)
-    return QuantizedRows(*out) if isinstance(parts, QuantizedRows) else out
+    return type(parts)(*out) if hasattr(parts, "_fields") else out  # (QuantizedRows / QuantizedRows3 as given)
 
 
 def paged_decode_batched(params: KVParams, qf, window: Window, history: History, scaling, out_dtype):
@@ -83,10 +88,10 @@ def paged_decode_batched(params: KVParams, qf, window: Window, history: History,
     key_mask = (torch.arange(n, device=qf.device)[None, :] < pages.lengths.to(qf.device)[:, None])[:, None, None, :]
     keep = key_mask.transpose(-1, -2)  # [B, 1, n, 1]
 
-    def valid_only(rows: QuantizedRows) -> QuantizedRows:  # [B, H2, n, *]
+    def valid_only(rows):  # [B, H2, n, *] (QuantizedRows, or QuantizedRows3 for 3-bit keys)
         rows = gather_rows(rows, pages.table, n)
-        return QuantizedRows(rows.codes, *(torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
-                                           for x in (rows.scale, rows.zero)))
+        return rows._replace(**{f: torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+                                for f, x in (("scale", rows.scale), ("zero", rows.zero))})
 
     win, start = window.gathered(), torch.zeros(qf.shape[0], dtype=torch.long, device=qf.device)
     return decode_attention_reference(params, qf, Window(win.k, win.v, win.mask_2d()[:, None, None, :]),
@@ -98,13 +103,14 @@ def paged_supported(qf, pages_k: QuantizedRows, pages_v: QuantizedRows, group_si
     """Shapes and layouts the Triton path serves, reading the pool in place (else: the reference)."""
     _, _, m, d = qf.shape
     ng = d // group_size if group_size > 0 else 0
-    if pages_k.hi is not None:  # (3-bit keys: the contiguous cache's kernels only)
-        return False
+    # 3-bit keys or the values at a group of their own: the split kernel's dequant loop (power-of-two head_dim)
+    plain = pages_k.hi is not None or pages_v.scale.shape[-1] != ng
     ok = (d in (64, 128, 256) and 0 < group_size <= d and group_size & (group_size - 1) == 0 and 1 <= m <= 64
-          and qf.device == pages_k.codes.device == win_k.device)
-    for codes, scale, zero in (pages_k, pages_v):
-        ok = ok and codes.stride(-1) == 1 and scale.stride(-1) == 1 and scale.stride(-2) == ng
-        ok = ok and zero.stride() == scale.stride() and scale.shape[-1] == ng
+          and qf.device == pages_k.codes.device == win_k.device and (not plain or plain_fits(d))
+          and pages_k.scale.shape[-1] == ng and (pages_k.hi is None or pages_k.hi.stride(-1) == 1))
+    for codes, scale, zero in (pages_k[:3], pages_v[:3]):
+        ok = ok and codes.stride(-1) == 1 and scale.stride(-1) == 1 and scale.stride(-2) == scale.shape[-1]
+        ok = ok and zero.stride() == scale.stride() and group_fits(d, d // scale.shape[-1])
     return ok
 
 

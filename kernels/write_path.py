@@ -160,9 +160,10 @@ def paged_append_reference(params: KVParams, new_k, new_v, window: Window, histo
             if store is not None:
                 scatter_entries(store, rows.demote_page, rows.demote_off,
                                 encode_heads(x.index_select(1, coded_heads), p.heads.bits))
-            if h2:
-                q = rotate_quantize_reference(x if int2 is None else x.index_select(1, int2), r, mu, clip, p.group_size,
-                                              p.meta_dtype, quantizer=p.quantizer)
+            if h2:  # (the store's own width and group: 3-bit keys or INT2; values at a group of their own)
+                q = rotate_quantize_reference(x if int2 is None else x.index_select(1, int2), r, mu, clip,
+                                              rows_group_size(hist), p.meta_dtype, quantizer=p.quantizer,
+                                              bits=hist.bits)
                 scatter_entries(hist, rows.demote_page, rows.demote_off, q)
     # 2. the new token: its ring entry, and its sink entry while T < S0
     for win, new in ((win_k, new_k), (win_v, new_v)):
@@ -186,9 +187,9 @@ def append(params: KVParams, new_k, new_v, window: Window, history: History, at:
     if new_k is None and not demote:
         raise ValueError("append without the new token's rows and without the demotion writes nothing")
     k_group, v_group, d = rows_group_size(history.k), rows_group_size(history.v), window.k.shape[-1]
-    # 3-bit keys, values at a group of their own: the contiguous write kernel at a power-of-two head_dim only
+    # 3-bit keys, values at a group of their own: the write kernel at a power-of-two head_dim only
     plain = history.k.bits == 3 or v_group != k_group
-    kernels = kernels and k_group == params.group_size and (not plain or (contiguous and plain_fits(d)))
+    kernels = kernels and k_group == params.group_size and (not plain or plain_fits(d))
     if kernels:  # (a shape the write kernel takes)
         from .write_triton import kernel_supported
         kernels = (kernel_supported(window.k, k_group, params.clip_k, params.meta_dtype)

@@ -1,6 +1,7 @@
 """`PagedInt2Pool`: the history pages every request of a server shares, each form (INT2 codes, scale, zero, the
-retrieval heads' coded parts) on one flat head axis, and the trash page where the decode rows that demote nothing
-write. Shapes and page addressing: docs/serving.md §3, "Pool" and "Per request".
+3-bit keys' high bits, the values' metadata at a group of their own, the retrieval heads' coded parts) on one flat
+head axis, and the trash page where the decode rows that demote nothing write. Shapes and page addressing:
+docs/serving.md §3, "Pool" and "Per request".
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from oscar_hf.kernels.paged_decode import gather_rows
 from oscar_hf.kernels.write_path import scatter_entries
 
 from ..cache import heads
-from ..quant import SUPPORTED_META_DTYPES, QuantizedRows, check_group_size
+from ..quant import SUPPORTED_META_DTYPES, QuantizedRows, QuantizedRows3, check_code_bits, check_group_size
 
 KINDS = {"k": 0, "v": 1}
 IDS_KEPT = 256  # PagedInt2Pool.kept's recent answers kept (a step's layers ask for the same block table)
@@ -21,21 +22,27 @@ IDS_KEPT = 256  # PagedInt2Pool.kept's recent answers kept (a step's layers ask 
 
 @dataclasses.dataclass(frozen=True)
 class HeadLayout:
-    """A pool's heads per layer in each form (default: all in INT2, none coded) and the coded rows' form."""
+    """A pool's heads per layer in each form (default: all in INT2, none coded), the coded rows' form, and the INT2
+    rows' (``OscarConfig.key_bits``; ``value_group``: the values' group, None: the keys')."""
 
     int2_heads: Sequence[int] | None = None
     coded_heads: Sequence[int] | None = None
     coded_bits: int = 8
     coded_dtype: torch.dtype = torch.bfloat16
+    key_bits: int = 2
+    value_group: int | None = None
 
 
 def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, group_size: int,
                meta_dtype: torch.dtype, layout: HeadLayout = HeadLayout()) -> int:
-    """Bytes of one page, keys and values: INT2 rows (D/4 code bytes, D/G scales and zeros) and coded rows."""
+    """Bytes of one page, keys and values: INT2 rows (D/4 code bytes, D/G scales and zeros; 3-bit keys D/8 more) and
+    coded rows."""
     int2 = num_layers * num_kv_heads if layout.int2_heads is None else sum(layout.int2_heads)
-    row = head_dim // 4 + 2 * (head_dim // group_size) * meta_dtype.itemsize
+    meta = 2 * meta_dtype.itemsize
+    rows = (2 * (head_dim // 4) + meta * (head_dim // group_size + head_dim // (layout.value_group or group_size))
+            + (head_dim // 8 if layout.key_bits == 3 else 0))  # a key's and a value's bytes
     coded = sum(layout.coded_heads or ()) * heads.row_bytes(layout.coded_bits, head_dim, layout.coded_dtype)
-    return 2 * page_size * (int2 * row + coded)
+    return page_size * (int2 * rows + 2 * coded)
 
 
 def _views(storage: torch.Tensor, specs: list[tuple[tuple, torch.dtype]]) -> list[torch.Tensor]:
@@ -71,6 +78,9 @@ class PagedInt2Pool:
             raise ValueError(f"PagedInt2Pool needs positive sizes, got num_pages={num_pages}, num_layers={num_layers}, "
                              f"num_kv_heads={num_kv_heads}, page_size={page_size}")
         check_group_size(head_dim, group_size)
+        check_code_bits(layout.key_bits, head_dim, name="key_bits")
+        value_group = layout.value_group or group_size
+        check_group_size(head_dim, value_group)
         if meta_dtype not in SUPPORTED_META_DTYPES:
             raise ValueError(f"meta_dtype must be one of {SUPPORTED_META_DTYPES}, got {meta_dtype}")
         int2_heads = tuple(map(int, [num_kv_heads] * num_layers if layout.int2_heads is None else layout.int2_heads))
@@ -83,27 +93,26 @@ class PagedInt2Pool:
         self.num_kv_heads, self.head_dim, self.group_size = num_kv_heads, head_dim, group_size
         self.int2_heads, self.coded_heads = int2_heads, coded_heads
         self.layout = dataclasses.replace(layout, int2_heads=int2_heads, coded_heads=coded_heads)
-        # first row of layer l's keys on each flat head axis (its values follow)
+        # first row of layer l's keys on each flat head axis (its values follow); on a one-kind axis, its first row
         self._int2_at = [2 * sum(int2_heads[:l]) for l in range(num_layers)]
+        self._half_at = [sum(int2_heads[:l]) for l in range(num_layers)]
         self._coded_at = [2 * sum(coded_heads[:l]) for l in range(num_layers)]
         # the trash page: index num_pages, never allocated
         self.trash_page = num_pages if trash_page else None
         rows = num_pages + int(trash_page)
-        lead = (rows, 2 * sum(int2_heads), page_size)
-        specs = [((*lead, head_dim // 4), torch.uint8), ((*lead, head_dim // group_size), meta_dtype),
-                 ((*lead, head_dim // group_size), meta_dtype)]
+        h_int2, own = sum(int2_heads), value_group != group_size
+        lead, half = (rows, 2 * h_int2, page_size), (rows, h_int2, page_size)  # both kinds' heads / one kind's
+        # codes of both kinds; scale and zero of both, or the keys' then (own) the values' at their group
+        specs = [((*lead, head_dim // 4), torch.uint8)] + [((*(half if own else lead), head_dim // group_size),
+                                                             meta_dtype)] * 2
+        specs += [((*half, head_dim // value_group), meta_dtype)] * 2 if own else []
+        specs += [((*half, head_dim // 8), torch.uint8)] if layout.key_bits == 3 else []  # the keys' high bits
         if sum(coded_heads):
             specs += [((rows, 2 * sum(coded_heads), page_size, last), dt)
                       for last, dt in heads.part_specs(layout.coded_bits, head_dim, layout.coded_dtype)]
-        tensors = ([torch.zeros(shape, dtype=dt, device=device) for shape, dt in specs] if storage is None
-                   else _views(storage, specs))
-        self.int2 = QuantizedRows(*tensors[:3])  # the flat INT2 tensors
-        self.coded = tuple(tensors[3:])  # the flat coded parts (empty without retrieval heads)
-        if all(h == num_kv_heads for h in int2_heads):
-            self.codes, self.scale, self.zero = (t.view(rows, num_layers, 2, num_kv_heads, *t.shape[2:])
-                                                 for t in self.int2)
-        else:
-            self.codes, self.scale, self.zero = self.int2
+        self._own_values = own
+        self._set_tensors([torch.zeros(shape, dtype=dt, device=device) for shape, dt in specs] if storage is None
+                          else _views(storage, specs))
         # LIFO free list: a page freed by a leaving request is the next one handed out (warm in cache)
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
@@ -114,6 +123,26 @@ class PagedInt2Pool:
         self.peak_used = 0  # most pages held at once since construction
         self.released = False  # release_storage() gave the tensors back
         self._kept: dict[tuple, torch.Tensor] = {}  # kept(): its last IDS_KEPT answers
+
+    def _set_tensors(self, tensors) -> None:
+        """The page tensors, in the order of the layout's specs: codes, scale, zero (own value groups: the keys'),
+        the values' scale and zero, the keys' high bits, then the coded parts."""
+        own, hi = self._own_values, self.layout.key_bits == 3
+        n_int2 = 3 + 2 * own + hi
+        self.tensors = tuple(tensors)  # every page tensor (copies, bytes)
+        self.int2 = QuantizedRows(*self.tensors[:3])  # the flat INT2 tensors (own value groups: the keys' metadata)
+        self.value_meta = self.tensors[3:5] if own else ()  # the values' scale and zero at their own group
+        self.key_hi = self.tensors[n_int2 - 1] if hi else None  # [rows, H, P, D/8]
+        self.coded = self.tensors[n_int2:]  # the flat coded parts (empty without retrieval heads)
+        if all(h == self.num_kv_heads for h in self.int2_heads) and not own:  # [rows, layers, 2, Hk, P, X] views
+            self.codes, self.scale, self.zero = (t.view(t.shape[0], self.num_layers, 2, self.num_kv_heads,
+                                                        *t.shape[2:]) for t in self.int2)
+        else:
+            self.codes, self.scale, self.zero = self.int2
+
+    def map_tensors(self, fn) -> None:
+        """Every page tensor replaced by ``fn(t)`` (a copy, another device), the layout kept."""
+        self._set_tensors([fn(t) for t in self.tensors])
 
     def kept(self, key: tuple, make) -> torch.Tensor:
         """``make()`` on the pool's device, the last ``IDS_KEPT`` answers kept by ``key`` (callers only read them): the
@@ -140,10 +169,7 @@ class PagedInt2Pool:
         """Give the page tensors back (only while no page is held); the accounting stays readable."""
         if self.num_used:
             raise RuntimeError(f"{self.num_used} pages are still held")
-        empty = lambda t: t.new_empty((0, *t.shape[1:]))  # noqa: E731
-        self.int2 = QuantizedRows(*(empty(t) for t in self.int2))
-        self.coded = tuple(empty(t) for t in self.coded)
-        self.codes, self.scale, self.zero = (empty(t) for t in (self.codes, self.scale, self.zero))
+        self.map_tensors(lambda t: t.new_empty((0, *t.shape[1:])))
         self._kept.clear()
         self.released = True
 
@@ -173,12 +199,13 @@ class PagedInt2Pool:
     def coded_bytes_per_page(self) -> int:
         """The retrieval heads' share of :attr:`bytes_per_page`."""
         return self.bytes_per_page - page_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.page_size,
-                                                self.group_size, self.int2.scale.dtype, HeadLayout(self.int2_heads))
+                                                self.group_size, self.int2.scale.dtype, dataclasses.replace(
+                                                    self.layout, coded_heads=None))
 
     @property
     def nbytes(self) -> int:
         """Bytes of the page tensors (the trash page included)."""
-        return sum(t.numel() * t.element_size() for t in (*self.int2, *self.coded))
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     # ------------------------------------------------------------------ allocation
     def allocate(self) -> int:
@@ -222,24 +249,38 @@ class PagedInt2Pool:
 
     # ------------------------------------------------------------------ data
     def copy_page(self, source: int, dest: int) -> None:
-        """Page ``dest`` becomes a copy of page ``source`` (every layer, both forms: a fork's pages still written)."""
-        for t in (*self.int2, *self.coded):
+        """Page ``dest`` becomes a copy of page ``source`` (every layer, every form: a fork's pages still written)."""
+        for t in self.tensors:
             t[dest] = t[source]
 
-    def rows(self, layer: int, kind: str) -> QuantizedRows:
-        """One layer's INT2 keys or values of every page, ``[num_pages, Hq_l, P, X]`` strided views."""
-        a = self._int2_at[layer] + KINDS[kind] * self.int2_heads[layer]
-        return QuantizedRows(*(t[:, a : a + self.int2_heads[layer]] for t in self.int2))
+    def rows(self, layer: int, kind: str) -> QuantizedRows | QuantizedRows3:
+        """One layer's INT2 keys or values of every page, ``[num_pages, Hq_l, P, X]`` strided views (3-bit keys:
+        :class:`QuantizedRows3`)."""
+        n = self.int2_heads[layer]
+        a, h = self._int2_at[layer] + KINDS[kind] * n, self._half_at[layer]
+        codes = self.int2.codes[:, a : a + n]
+        if not self.value_meta:  # (one metadata axis for both kinds)
+            meta = (self.int2.scale[:, a : a + n], self.int2.zero[:, a : a + n])
+        else:
+            meta = tuple(t[:, h : h + n] for t in (self.int2[1:] if kind == "k" else self.value_meta))
+        if kind == "k" and self.key_hi is not None:
+            return QuantizedRows3(codes, *meta, self.key_hi[:, h : h + n])
+        return QuantizedRows(codes, *meta)
 
     def coded_rows(self, layer: int, kind: str) -> tuple[torch.Tensor, ...]:
         """One layer's coded keys or values of every page, ``[num_pages, F_l, P, *]`` views per ``heads.part_specs``."""
         a = self._coded_at[layer] + KINDS[kind] * self.coded_heads[layer]
         return tuple(t[:, a : a + self.coded_heads[layer]] for t in self.coded)
 
-    def write(self, table: list[int], layer: int, kind: str, first: int, rows: QuantizedRows) -> None:
-        """Write packed rows ``rows.* [1, Hq_l, n, X]`` as history entries ``[first, first + n)`` of the (allocated)
+    def write(self, table: list[int], layer: int, kind: str, first: int, rows: QuantizedRows | QuantizedRows3
+              ) -> None:
+        """Write packed rows ``rows.* [1, Hq_l, n, X]`` (the form :meth:`rows` holds) as history entries ``[first, first + n)`` of the (allocated)
         pages of ``table``: one indexed write per tensor, however many pages."""
-        self._write(self.rows(layer, kind), table, first, rows)
+        dst = self.rows(layer, kind)
+        if type(rows) is not type(dst):  # (3-bit keys: the high bits' plane too)
+            raise ValueError(f"the pool holds {kind} rows as {type(dst).__name__} ({dst.bits}-bit codes), got "
+                             f"{type(rows).__name__}")
+        self._write(dst, table, first, rows)
 
     def write_coded(self, table: list[int], layer: int, kind: str, first: int, parts: tuple) -> None:
         """:meth:`write` for the retrieval heads' coded rows ``parts [1, F_l, n, *]`` (``quant.encode_heads``)."""
@@ -258,7 +299,7 @@ class PagedInt2Pool:
         where = self.kept(("write", tuple(span), first % p, n), make)
         scatter_entries(dst, where[0], where[1], tuple(t[0].transpose(0, 1)[:, :, None] for t in src))
 
-    def gather(self, pages: torch.Tensor, layer: int, kind: str, n: int) -> QuantizedRows:
+    def gather(self, pages: torch.Tensor, layer: int, kind: str, n: int) -> QuantizedRows | QuantizedRows3:
         """The first ``n`` INT2 entries of ``pages [np]`` (block-table order) as packed rows ``[1, Hq_l, n, X]``."""
         return gather_rows(self.rows(layer, kind), pages[None], n)
 

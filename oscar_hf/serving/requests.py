@@ -134,7 +134,8 @@ class StoreRequests:
     def _layout(self) -> HeadLayout:
         """Heads per pool layer in each form of a page."""
         coded = [len(p.coded_heads) for p in self.params.values()]
-        return HeadLayout([self.num_kv_heads - c for c in coded], coded, self.config.retrieval_bits, self.dtype)
+        return HeadLayout([self.num_kv_heads - c for c in coded], coded, self.config.retrieval_bits, self.dtype,
+                          self.config.key_bits, self.config.value_group(self.head_dim))
 
     def page_bytes(self, page_size: int) -> int:
         """Bytes of one page of ``page_size`` history entries, keys and values, of every quantized layer."""

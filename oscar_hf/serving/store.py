@@ -47,13 +47,6 @@ class OscarPagedStore(StoreRequests, DecodeStep, SharedPrefixes):
         model_config = getattr(model_or_config, "config", model_or_config)
         if config.key_offset != "calibrated":
             raise NotImplementedError("the paged OSCAR store supports key_offset='calibrated' only")
-        if config.key_bits != 2:  # (an artifact that chose 3-bit keys: serve it with key_bits=2, or use OscarCache)
-            raise NotImplementedError(f"the paged OSCAR store holds INT2 keys only, this config has key_bits="
-                                      f"{config.key_bits}: pass key_bits=2 (OscarCache reads 3-bit keys)")
-        if config.values_own_group:  # (as 3-bit keys: the contiguous cache's storage only)
-            raise NotImplementedError(f"the paged OSCAR store holds keys and values at one group size, this config has "
-                                      f"value_group_size={config.value_group_size} with group_size={config.group_size}:"
-                                      f" pass value_group_size=None (OscarCache reads values at a group of their own)")
         # the layers, group size and retrieval heads OscarCache gets; a layer whose every head is a 16-bit retrieval
         # head is exact: Transformers' own paged cache keeps it (at INT8 / INT4 it stays here with no INT2 head)
         choice = choose_layers(model_config, rotations, config, default_group=default_group)

@@ -7,11 +7,12 @@ write kernel against the write's reference, code for code: under the interpreter
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
 import torch
-from kernel_utils import HAS_CUDA, loose, random_rotation, rel_err, setup_interpreter
+from kernel_utils import HAS_CUDA, loose, random_rotation, rel_err, setup_interpreter, signed_permutation
 
 INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
@@ -21,9 +22,10 @@ from test_append_token import Layer  # noqa: E402
 from oscar_hf.kernels import plan, write_path  # noqa: E402
 from oscar_hf.kernels.int2_attention import (decode_attention_reference, history_partial_reference,  # noqa: E402
                                              rotate_query_reference)  # noqa: E402
-from oscar_hf.kernels.kv import History, KVParams, Ring, Window  # noqa: E402
+from oscar_hf.kernels.kv import History, KVParams, PagedRows, Pages, Ring, Window  # noqa: E402
 from oscar_hf.kernels.plan import DEFAULTS  # noqa: E402
 from oscar_hf.quant import QuantizedRows, quantize_rows, rows_from  # noqa: E402
+from oscar_hf.serving.pool import HeadLayout, PagedInt2Pool  # noqa: E402
 
 DEV = "cpu" if INTERPRETED else "cuda"
 TOL = 2e-5 if INTERPRETED else 2e-2
@@ -146,6 +148,66 @@ def test_append_writes_the_references_codes(d, g, gv, bits, mu_k, length):
         assert all(torch.equal(x, y) for x, y in zip(a, b_, strict=True))
 
 
+@pytest.mark.gpu
+@on
+@pytest.mark.parametrize("d,g,gv,bits", [(64, 16, 32, 3), (256, 32, 128, 3), (128, 32, 64, 2), (128, 64, 64, 3)])
+def test_paged_storage_on_the_kernels(dt, d, g, gv, bits):
+    """The serving pool's storage (3-bit keys' high bits and the values' own metadata as pool tensors of their own,
+    every layer's heads on one axis): the paged read (split kernel, ``PAGED``) against the paged reference over rows
+    of different lengths through shuffled block tables, then one decode step's write (the write kernel) against the
+    write's reference, code for code (exact rotations: both round the same values), the trash page for a row that
+    demotes nothing."""
+    from oscar_hf.kernels.decode import decode
+
+    gen = torch.Generator().manual_seed(d + g + gv + bits)
+    hk, m, page, lens, sink, recent = 2, 4, 16, (37, 0, 70), 2, 5
+    ring, slots = recent + 1, len(lens) + 1
+    pool = PagedInt2Pool(12, 2, hk, d, page, g, torch.bfloat16, device=DEV, trash_page=True,
+                         layout=HeadLayout(key_bits=bits, value_group=gv))
+    ids = torch.randperm(12, generator=gen).tolist()
+    tables = [ids[:3], [], ids[3:8]]
+    for table, n in zip(tables, lens):
+        for layer in (0, 1):  # layer 0 holds other rows on the same pages
+            for kind, group, width, scale in (("k", g, bits, 2.0), ("v", gv, 2, 1.0)):
+                x = torch.randn(1, hk, n, d, generator=gen).to(DEV) * scale
+                if n:
+                    pool.write(table, layer, kind, 0, quantize_rows(x, group, 0.95, torch.bfloat16, bits=width))
+    block_table = torch.full((len(lens), 6), -1, dtype=torch.int32)
+    for row, table in enumerate(tables):
+        block_table[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    rot = (signed_permutation(hk, d, gen), signed_permutation(hk, d, gen))
+    params = KVParams(rot[0].to(DEV), (torch.randn(hk, d, generator=gen) * 0.5).to(DEV), rot[1].to(DEV), None, g,
+                      0.95, 0.9, torch.bfloat16)
+    win = [(torch.randn(slots, hk, sink + ring, d, generator=gen) * s).to(DEV, torch.bfloat16) for s in (2.0, 1.0)]
+    slot = torch.tensor([2, 0, 1], device=DEV)
+    mask = torch.rand(len(lens), sink + ring, generator=gen).to(DEV) > 0.3
+    history = History(pool.rows(1, "k"), pool.rows(1, "v"), pages=Pages(block_table.to(DEV), torch.tensor(
+        lens, dtype=torch.int32, device=DEV), max(lens)))
+    assert (history.k.hi is not None) == (bits == 3) and history.v.scale.shape[-1] == d // gv
+    qf = torch.randn(len(lens), hk, m, d, generator=gen).to(DEV)
+    window = Window(win[0], win[1], mask[:, None, None, :], slot)
+    got, want = (decode(params, qf, window, history, d**-0.5, torch.float32, use_kernels=k) for k in (True, False))
+    assert torch.isfinite(got).all() and rel_err(got, want) < TOL
+    # one write: rows 0 and 2 demote their ring entry into their next history entry, row 1 (no history) the trash page
+    new = [torch.randn(hk, len(lens), d, generator=gen).to(DEV, torch.bfloat16) for _ in "kv"]
+    demote = [(tables[0][37 // page], 37 % page), (pool.trash_page, 0), (tables[2][70 // page], 70 % page)]
+    rows = PagedRows(*(torch.tensor(c, dtype=torch.long, device=DEV) for c in (
+        [0, 1, 2], slot.tolist(), [sink + 1] * 3, [sink + 1] * 3, [sink + 3] * 3, [p for p, _ in demote],
+        [o for _, o in demote])))
+    states = []
+    for kernels in (True, False):
+        pool_w = copy.copy(pool)
+        pool_w.map_tensors(torch.clone)  # (its own copy of every page tensor)
+        wk, wv = win[0].clone(), win[1].clone()
+        write_path.append(params, *new, Window(wk, wv), History(pool_w.rows(1, "k"), pool_w.rows(1, "v")), rows,
+                          use_kernels=kernels)
+        states.append((wk, wv, pool_w.tensors))
+    (wk, wv, t_got), (wk2, wv2, t_want) = states
+    assert torch.equal(wk, wk2) and torch.equal(wv, wv2)
+    assert all(torch.equal(a, b) for a, b in zip(t_got, t_want, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(t_got, pool.tensors))  # the step did write
+
+
 def _append_triton():
     from oscar_hf.kernels.append_triton import append_token_triton
 
@@ -154,7 +216,7 @@ def _append_triton():
 
 def test_write_dispatch_takes_the_kernel_for_the_storage(monkeypatch):
     """``write_path.append`` sends 3-bit keys and a values' group of their own to the write kernel where it takes
-    them (contiguous, power-of-two head_dim), the reference elsewhere (head_dim 96)."""
+    them (a power-of-two head_dim), the reference elsewhere (head_dim 96)."""
     calls = []
     from oscar_hf.kernels import append_triton
 

@@ -15,7 +15,7 @@ INTERPRETED = setup_interpreter()  # before any kernel module is imported
 
 from oscar_hf.kernels import write_path  # noqa: E402
 from oscar_hf.kernels.kv import PagedRows  # noqa: E402
-from oscar_hf.quant import encode_heads, quantize_rows, unpack_int2  # noqa: E402
+from oscar_hf.quant import encode_heads, quantize_rows, unpack_bits1, unpack_int2  # noqa: E402
 from oscar_hf.serving.pool import HeadLayout, PagedInt2Pool  # noqa: E402
 
 paged_append_reference = paged_write(write_path.paged_append_reference)
@@ -342,7 +342,8 @@ def test_dispatch(monkeypatch):
 
 
 @interp
-@pytest.mark.parametrize("kw", [{}, dict(retrieval_heads=((0, 1), (1, 0)), retrieval_bits=8)])
+@pytest.mark.parametrize("kw", [{}, dict(retrieval_heads=((0, 1), (1, 0)), retrieval_bits=8),
+                                dict(group_size=16, key_bits=3, value_group_size=32)])
 def test_store_decode_write_on_the_kernel(monkeypatch, kw):
     """The serving store's decode steps with its write on the Triton kernel (the read on the reference) leave the same
     windows and pages as with the reference: the store hands the kernel its real views (the window pool at a layer,
@@ -382,11 +383,15 @@ def test_store_decode_write_on_the_kernel(monkeypatch, kw):
     assert torch.equal(ref.windows.k, got.windows.k) and torch.equal(ref.windows.v, got.windows.v)
     for a, b in zip(ref.pool.coded, got.pool.coded):
         assert torch.equal(a, b)
-    for a, b in ((ref.pool.int2.scale, got.pool.int2.scale), (ref.pool.int2.zero, got.pool.int2.zero)):
-        a, b = a.double(), b.double()
-        assert ((a - b).abs() <= 1e-3 * b.abs().amax() + 2**-7 * b.abs()).all()
-    cg, cr = unpack_int2(got.pool.int2.codes).int(), unpack_int2(ref.pool.int2.codes).int()
-    assert (cg - cr).abs().max() <= 1 and ((cg != cr).double().mean() < 5e-3)
+    for layer in range(ref.num_layers):  # every form of each layer's rows (3-bit keys: their high bits too)
+        for kind in "kv":
+            r, g_ = ref.pool.rows(layer, kind), got.pool.rows(layer, kind)
+            for a, b in ((r.scale, g_.scale), (r.zero, g_.zero)):
+                a, b = a.double(), b.double()
+                assert ((a - b).abs() <= 1e-3 * b.abs().amax() + 2**-7 * b.abs()).all()
+            cg, cr = (unpack_int2(x.codes).int() + (0 if x.hi is None else 4 * unpack_bits1(x.hi).int())
+                      for x in (g_, r))
+            assert (cg - cr).abs().max() <= 1 and ((cg != cr).double().mean() < 5e-3)
     assert ref.pool.num_used > 0  # the history did go to pages
 
 

@@ -25,26 +25,34 @@ def greedy_alone(model, prompt, cache=None):
     return out[0, len(prompt):].tolist()
 
 
-def test_generate_batch_matches_oscar_cache_alone(model):
+# the storage settings served: INT2 at one group; 3-bit keys with the values at a group of their own (what Gemma-3-270M's
+# artifact chose, at its ratio of groups: keys at D/8, values at D/2)
+STORAGE = [{}, dict(group_size=16, key_bits=3, value_group_size=32)]
+
+
+@pytest.mark.parametrize("storage", STORAGE, ids=["int2", "k3-own-value-group"])
+def test_generate_batch_matches_oscar_cache_alone(model, storage):
+    settings = {**OSCAR, **storage}
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (3, 10, 17, 40, 25, 6, 33, 12)]
     gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
     # at most 3 requests per batch: the later ones join as the first ones leave; pages of 8 tokens (a request holds
     # 16 blocks for its window + its history pages: 128 blocks never make the scheduler evict one)
     cb_cfg = continuous_batching_config(num_blocks=128, max_batch_tokens=256, page_size=8, max_requests_per_batch=3)
-    sizes = []
-    with paged_oscar(model, **OSCAR) as store:
+    sizes, before = [], model.config._attn_implementation  # (an earlier OscarCache run leaves it routed: oscar_sdpa)
+    with paged_oscar(model, **settings) as store:
         assert isinstance(store, OscarPagedStore)
         attend = store.attend
         store.attend = lambda layer, q, k, v, batch, *a: sizes.append(len(batch)) or attend(layer, q, k, v, batch, *a)
         out = model.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg, warmup=False)
         assert store.pool.num_used == 0 and not store.requests  # every request left and gave its pages back
+        assert (store.pool.key_hi is not None, bool(store.pool.value_meta)) == (bool(storage),) * 2  # (its storage)
         assert store.pool.peak_used >= 3  # histories did live in pages (40 + 24 tokens: 6 pages alone)
     assert max(sizes) == 3  # requests shared forwards, up to max_requests_per_batch
-    assert model.config._attn_implementation == "sdpa"  # restored
+    assert model.config._attn_implementation == before  # restored
     got = [r.generated_tokens for r in out.values()]
     assert len(got) == len(prompts)
-    want = [greedy_alone(model, p, OscarCache(model, method="hadamard", compile=False, **OSCAR)) for p in prompts]
+    want = [greedy_alone(model, p, OscarCache(model, method="hadamard", compile=False, **settings)) for p in prompts]
     assert got == want
     # OSCAR was in the loop: the full-precision model decodes at least one request differently
     assert got != [greedy_alone(model, p) for p in prompts]

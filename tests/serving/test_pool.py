@@ -110,6 +110,49 @@ def random_rows(n, hk=2, d=32, g=16, seed=0):
                          torch.rand(1, hk, n, d // g, generator=gen), torch.randn(1, hk, n, d // g, generator=gen))
 
 
+@pytest.mark.parametrize("in_storage", [False, True])
+def test_key_bits_and_value_groups_are_laid_out_and_paid_for(in_storage):
+    """3-bit keys (their high bits a pool tensor of their own) and the values at a group of their own (their scale and
+    zero too), beside a retrieval head: each layer's keys read back as QuantizedRows3 and its values at their group,
+    every page tensor counted in the page's bytes, and a page copy copies them all."""
+    from oscar_hf.cache import heads
+    from oscar_hf.quant import QuantizedRows3, pack_bits1
+
+    num_pages, hk, d, p, g, gv, meta = 5, 2, 32, 4, 8, 16, torch.bfloat16
+    layout = HeadLayout(int2_heads=(2, 1), coded_heads=(0, 1), coded_bits=8, key_bits=3, value_group=gv)
+    size = page_bytes(2, hk, d, p, g, meta, layout)
+    key_row, value_row = d // 4 + d // 8 + 2 * (d // g) * 2, d // 4 + 2 * (d // gv) * 2
+    assert size == p * (3 * (key_row + value_row) + 2 * heads.row_bytes(8, d, torch.bfloat16))
+    assert size - page_bytes(2, hk, d, p, g, meta, HeadLayout((2, 1), (0, 1), 8, value_group=gv)) == p * 3 * d // 8
+    storage = torch.zeros(num_pages * size, dtype=torch.uint8) if in_storage else None
+    pool = PagedInt2Pool(num_pages, 2, hk, d, p, g, meta, storage=storage, layout=layout)
+    assert pool.nbytes == num_pages * size == sum(t.numel() * t.element_size() for t in pool.tensors)
+    assert len(pool.tensors) == 3 + 2 + 1 + 3  # codes, the keys' scale / zero, the values', high bits, coded parts
+    gen = torch.Generator().manual_seed(9)
+    table, written = [3, 0, 4], {}
+    for layer, hq in enumerate(layout.int2_heads):
+        for kind in "kv":
+            group = g if kind == "k" else gv
+            rows = QuantizedRows(torch.randint(0, 256, (1, hq, 10, d // 4), dtype=torch.uint8, generator=gen),
+                                 torch.rand(1, hq, 10, d // group, generator=gen).to(meta),
+                                 torch.randn(1, hq, 10, d // group, generator=gen).to(meta))
+            if kind == "k":
+                rows = QuantizedRows3(*rows, pack_bits1(torch.randint(0, 2, (1, hq, 10, d), generator=gen)))
+                with pytest.raises(ValueError, match="QuantizedRows3"):  # INT2 rows where 3-bit keys live
+                    pool.write(table, layer, kind, 0, QuantizedRows(*rows[:3]))
+            pool.write(table, layer, kind, 0, rows)
+            written[layer, kind] = rows
+    for (layer, kind), want in written.items():  # every layer's rows intact after the others were written
+        got = pool.gather(torch.tensor(table), layer, kind, 10)
+        assert type(got) is type(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    pool.copy_page(3, 1)
+    assert all(torch.equal(t[1], t[3]) for t in pool.tensors)
+    with pytest.raises(ValueError, match="key_bits"):
+        PagedInt2Pool(4, 1, 1, 32, 4, 16, layout=HeadLayout(key_bits=4))
+    with pytest.raises(ValueError, match="group_size=12"):
+        PagedInt2Pool(4, 1, 1, 32, 4, 16, layout=HeadLayout(value_group=12))
+
+
 def test_write_gather_roundtrip_across_pages():
     pool = small_pool()
     table = [4, 1, 3]  # not in order: the block table decides where entry j lives

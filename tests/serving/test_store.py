@@ -24,12 +24,16 @@ REQUESTS = 1000  # each joins with a prompt of 1-29 tokens, decodes 0-7 tokens a
 # head left there) and one of layer 1
 HEADS = [dict(retrieval_heads=((0, 1), (1, 0)), retrieval_bits=8),
          dict(retrieval_heads=((0, 0), (0, 1), (1, 1)), retrieval_bits=4)]
+# 3-bit keys at group 16 and the values at 32 (their high bits' plane and the values' metadata: pool tensors of their
+# own), with a retrieval head beside them
+KEY_BITS = dict(group_size=16, key_bits=3, value_group_size=32, retrieval_heads=((1, 0),), retrieval_bits=8)
 
 
 def make_store(num_pages=64, page_size=4, **kw):
     cfg = tiny_config("llama", num_hidden_layers=2)
-    return cfg, OscarPagedStore(cfg, method="hadamard", sink=4, recent=8, group_size=32, num_pages=num_pages,
-                                page_size=page_size, **kw)
+    kw = {"group_size": 32, **kw}
+    return cfg, OscarPagedStore(cfg, method="hadamard", sink=4, recent=8, num_pages=num_pages, page_size=page_size,
+                                **kw)
 
 
 def expected_pages(store, t):
@@ -76,7 +80,7 @@ def test_requests_join_and_leave(kw, requests):
     assert pool_ptrs == [t.data_ptr() for t in (*store.pool.int2, *store.pool.coded)]  # flat
 
 
-@pytest.mark.parametrize("kw", [{}, *HEADS])
+@pytest.mark.parametrize("kw", [{}, *HEADS, KEY_BITS])
 def test_packed_batch_equals_requests_one_by_one(kw):
     """A forward that packs several requests (decodes batched, prompts one by one) gives each request what it gets
     alone, and stores the same state (with retrieval heads: the decode rows' coded histories, of different lengths,
@@ -112,7 +116,7 @@ def test_packed_batch_equals_requests_one_by_one(kw):
         ra, rb = a.requests[rid], b.requests[rid]
         assert ra.lengths == rb.lengths and ra.table and len(ra.table) == len(rb.table)
         for pa, pb in zip(ra.table, rb.table):
-            for ta, tb in zip((*a.pool.int2, *a.pool.coded), (*b.pool.int2, *b.pool.coded)):
+            for ta, tb in zip(a.pool.tensors, b.pool.tensors, strict=True):
                 torch.testing.assert_close(ta[pa], tb[pb])
         torch.testing.assert_close(a.windows.k[ra.slot], b.windows.k[rb.slot])
 
@@ -193,7 +197,7 @@ def test_memory_budget_sizes_the_pool():
         make_store(num_pages=None, memory_budget=first)
 
 
-@pytest.mark.parametrize("kw", [{}, *HEADS])
+@pytest.mark.parametrize("kw", [{}, *HEADS, KEY_BITS])
 def test_prompt_in_chunks_stores_what_one_piece_stores(kw):
     """A prompt that arrives in chunks (Transformers' scheduler splits one across steps) leaves the same pages (INT2
     and the retrieval heads' coded rows) and window as the prompt in one piece, and its later chunks attend exactly to
