@@ -120,6 +120,43 @@ def test_shipped_artifact_fits_the_packaged_model(name, request, caplog):
     assert not [r for r in caplog.records if "calibrated on" in r.getMessage()], caplog.text
     chosen = rot.metadata["settings"]["chosen"]
     cfg = cache.oscar_config
-    for key in ("sink", "recent", "group_size", "quantizer"):
+    for key in ("sink", "recent", "group_size", "quantizer", "key_bits", "value_group_size"):
         if key in chosen:
             assert getattr(cfg, key) == chosen[key], key
+
+
+@pytest.mark.slow
+def test_gemma3_artifact_serves_as_it_generates(wikitext_file):
+    """Gemma-3-270M's artifact (3-bit keys, values at a group of their own) through continuous batching: two prompts
+    longer than its sink + recent window, so their history is in the pool's pages, get the greedy tokens each gets
+    alone through ``OscarCache`` (the sliding-window layers stay in Transformers' own paged cache)."""
+    import torch
+    from transformers import GenerationConfig
+
+    from gemma3_helpers import gemma3_model
+    from oscar_hf import OscarCache
+    from oscar_hf.compat import cache_kwargs
+    from oscar_hf.data import evaluation_text
+    from oscar_hf.serving import continuous_batching_config, paged_oscar
+
+    model, tok = gemma3_model()
+    folder = ROOT / SHIPPED["gemma3-270m"][0]
+    rot = OscarRotations.from_pretrained(folder)
+    chosen = rot.metadata["settings"]["chosen"]
+    window = chosen["sink"] + chosen["recent"]
+    ids = tok(evaluation_text(wikitext_file)[:20000])["input_ids"]
+    prompts = [ids[:window + 150], ids[3000 : 3000 + window + 60]]
+    new = 6
+    gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb = continuous_batching_config(num_blocks=64, max_batch_tokens=1024, page_size=64, max_requests_per_batch=2)
+    with paged_oscar(model, rotations=rot, num_pages=32, page_size=64) as store:  # (its sliding layers: BF16 pages)
+        assert (store.config.key_bits, store.config.value_group_size) == (chosen["key_bits"], chosen["value_group_size"])
+        out = model.generate_batch(prompts, gen, continuous_batching_config=cb, warmup=False)
+        assert store.pool.peak_used > 0  # the history did live in pages
+    served = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    alone = []
+    for prompt in prompts:
+        kw = dict(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        kw.update(cache_kwargs(model, OscarCache.from_pretrained(folder, model, compile=False)))
+        alone.append(model.generate(torch.tensor([prompt]), **kw)[0, len(prompt):].tolist())
+    assert served == alone

@@ -9,11 +9,12 @@ import inspect
 import json
 import logging
 import threading
+import types
 import weakref
 
 import torch
 from transformers import AttentionInterface
-from transformers.generation.continuous_batching import continuous_api
+from transformers.generation.continuous_batching import continuous_api, input_outputs
 
 from ..attention import PREFIX
 from ..config import ModelFingerprint
@@ -215,6 +216,18 @@ def oscar_continuous_batching(make_store, model=None, scheduler_type: str | None
     def serves(config) -> bool:
         return ours is None or id(config) in ours
 
+    # Transformers builds the attention masks only for the attention names it knows (sdpa, eager), not OSCAR's: the
+    # layers a cache leaves in BF16 (sliding windows, skipped layers) read them, OSCAR's own read does not need them
+    bf16_layers: dict[int, bool] = {}  # id(config) of a cache OSCAR built -> whether it leaves layers in BF16
+    mask_is_needed = input_outputs.attn_mask_is_needed
+
+    def mask_needed(config) -> bool:
+        if mask_is_needed(config):
+            return True
+        name = config._attn_implementation or ""
+        base = types.SimpleNamespace(_attn_implementation=name.replace(PREFIX, "", 1))  # oscar_sdpa -> sdpa
+        return bf16_layers.get(id(config), False) and name != base._attn_implementation and mask_is_needed(base)
+
     def build(*args, **kwargs):
         arguments = signature.bind(None, *args, **kwargs).arguments
         if not serves(arguments["config"]):
@@ -230,6 +243,7 @@ def oscar_continuous_batching(make_store, model=None, scheduler_type: str | None
                                "other %d layers are quantized", sorted(left), ", ".join(sorted(set(left.values()))),
                                store.num_layers)
         cache = OscarPagedCache(*args, store=store, **kwargs)
+        bf16_layers[id(arguments["config"])] = not cache.oscar_owns_memory
         stores.add(store)
         built.pages = store.pool.num_pages if cache.oscar_owns_memory else None
         # after the manager accepted sdpa; undone when the manager stops (the next manager of the model checks it)
@@ -237,7 +251,8 @@ def oscar_continuous_batching(make_store, model=None, scheduler_type: str | None
         saved.extend(cache.oscar_switched)
         return cache
 
-    patches = [(continuous_api, "PagedAttentionCache", build), *_manager_patches(serves, scheduler_type)]
+    patches = [(continuous_api, "PagedAttentionCache", build), (input_outputs, "attn_mask_is_needed", mask_needed),
+               *_manager_patches(serves, scheduler_type)]
     update = getattr(continuous_api, "update_cb_config_after_cache_creation", None)
     if not SECTOR_API and update is not None:
         # 5.17 - 5.19 cap max_requests_per_batch at the cache's num_blocks, which OSCAR's cache keeps at 1: the cap

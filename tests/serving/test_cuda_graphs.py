@@ -32,7 +32,7 @@ def served(model, prompts, graphs: bool, q_pad: int = 4, **store_kw):
     cb = continuous_batching_config(num_blocks=128, max_batch_tokens=256, page_size=8, max_requests_per_batch=3,
                                     **extra)
     steps = []
-    with paged_oscar(model, **OSCAR, **store_kw) as store:
+    with paged_oscar(model, **{**OSCAR, **store_kw}) as store:
         plan = store.plan_decode
 
         def record(batch, rows=None):
@@ -49,12 +49,13 @@ def served(model, prompts, graphs: bool, q_pad: int = 4, **store_kw):
 
 def alone(model, prompt, **store_kw):
     kw = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    kw.update(cache_kwargs(model, OscarCache(model, method="hadamard", compile=False, **OSCAR, **store_kw)))
+    kw.update(cache_kwargs(model, OscarCache(model, method="hadamard", compile=False, **{**OSCAR, **store_kw})))
     return model.generate(torch.tensor([prompt]), **kw)[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("store_kw", [{}, dict(retrieval_heads=((0, 1), (1, 0)), retrieval_bits=8)],
-                         ids=["int2", "retrieval-heads"])
+@pytest.mark.parametrize("store_kw", [{}, dict(retrieval_heads=((0, 1), (1, 0)), retrieval_bits=8),
+                                      dict(group_size=16, key_bits=3, value_group_size=32)],
+                         ids=["int2", "retrieval-heads", "k3-own-value-group"])
 def test_generate_batch_with_cuda_graphs_equals_eager_and_generate(model, monkeypatch, store_kw):
     from oscar_hf.serving.batching import OscarPagedCache
 
@@ -149,7 +150,7 @@ def state(store, rids):
     for rid in rids:
         r = store.requests[rid]
         out += [store.windows.k[r.slot], store.windows.v[r.slot], r.lengths]
-        out += [t[page] for page in r.table for t in (*store.pool.int2, *store.pool.coded)]
+        out += [t[page] for page in r.table for t in store.pool.tensors]
     return out
 
 
@@ -247,7 +248,9 @@ def test_decode_forward_has_no_host_sync(kw):
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_generate_batch_with_real_cuda_graphs(monkeypatch):
+@pytest.mark.parametrize("storage", [{}, dict(group_size=32, key_bits=3, value_group_size=128)],
+                         ids=["int2", "k3-own-value-group"])
+def test_generate_batch_with_real_cuda_graphs(monkeypatch, storage):
     """On CUDA (a small bf16 Qwen3 with the production head shape: the Triton kernels run): ``generate_batch`` with
     ``use_cuda_graph=True`` captures and replays Transformers' graphs over OSCAR's decode steps and gives the tokens
     of the same steps run eagerly (the same plans: padded rows, history bounds); the first token (prefill, eager in
@@ -271,7 +274,8 @@ def test_generate_batch_with_real_cuda_graphs(monkeypatch):
             dict(use_cuda_graph=False)
         cb = continuous_batching_config(num_blocks=256, max_batch_tokens=2048, page_size=64,
                                         max_requests_per_batch=4, **extra)
-        with paged_oscar(model, method="hadamard", max_requests=8, sink=16, recent=32, group_size=64) as store:
+        with paged_oscar(model, method="hadamard", max_requests=8, sink=16, recent=32,
+                         **{"group_size": 64, **storage}) as store:
             out = model.generate_batch(prompts, gen, continuous_batching_config=cb, warmup=False)
             assert store.pool.num_used == 0
         return [r.generated_tokens for r in out.values()]

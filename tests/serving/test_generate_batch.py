@@ -134,6 +134,30 @@ def test_a_batch_processor_without_the_oscar_cache_is_refused():
         _check_processor(SimpleNamespace(cache=object()))
 
 
+@pytest.mark.parametrize("max_batch_tokens", [256, 24])
+def test_layers_left_in_bf16_keep_their_masks(max_batch_tokens):
+    """A model with layers OSCAR leaves to Transformers' own paged cache (Gemma 3's sliding-window layers, window 16):
+    those layers read Transformers' attention masks (the sliding window, and the block-diagonal mask between requests
+    packed in one forward), which Transformers builds only for the attention names it knows, not OSCAR's. Requests
+    packed together, prompts longer than the window, split over steps (24 tokens a forward), get the greedy tokens
+    each gets alone through ``OscarCache``."""
+    from tiny_models import tiny_model
+
+    gemma = tiny_model("gemma3_text")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (40, 29, 57)]
+    gen_cfg = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cb_cfg = continuous_batching_config(num_blocks=128, max_batch_tokens=max_batch_tokens, page_size=8,
+                                        max_requests_per_batch=3)
+    with paged_oscar(gemma, num_pages=32, page_size=8, **OSCAR) as store:
+        assert not store.handles(0) and store.handles(1)  # the sliding layer stays BF16
+        out = gemma.generate_batch(prompts, gen_cfg, continuous_batching_config=cb_cfg, warmup=False)
+        assert store.pool.peak_used > 0
+    got = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    want = [greedy_alone(gemma, p, OscarCache(gemma, method="hadamard", compile=False, **OSCAR)) for p in prompts]
+    assert got == want
+
+
 @pytest.mark.parametrize("max_batch_tokens", [24, 7])
 def test_tokens_do_not_depend_on_how_prompts_are_chunked(model, max_batch_tokens):
     """A prompt the scheduler splits over several steps (its later chunks beside other requests' prompts and decode
