@@ -266,12 +266,7 @@ def _block_rows(n0, hi, offs_n, inb, BT_ROW, skb, skn, smkb, svb, svn, smvb, NG:
     ``BT_ROW`` (docs/kernels.md §3.8). ``NGV``: the values' groups a token where they have a group of their own."""
     NV: tl.constexpr = NG if NGV == 0 else NGV
     if PAGED:
-        if PAGE % BLOCK_N == 0:
-            pg = tl.load(BT_ROW + n0 // PAGE, mask=n0 < hi, other=0).to(tl.int64)
-            r = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
-        else:
-            pg = tl.load(BT_ROW + offs_n // PAGE, mask=inb, other=0).to(tl.int64)
-            r = (offs_n % PAGE).to(tl.int64)
+        pg, r = _page_rows(n0, hi, offs_n, inb, BT_ROW, PAGE, BLOCK_N)
         return (pg * skb + r * skn)[:, None], pg * smkb + r * NG, (pg * svb + r * svn)[:, None], pg * smvb + r * NV
     else:
         return (offs_n[:, None].to(tl.int64) * skn, offs_n.to(tl.int64) * NG, offs_n[:, None].to(tl.int64) * svn,
@@ -279,16 +274,24 @@ def _block_rows(n0, hi, offs_n, inb, BT_ROW, skb, skn, smkb, svb, svn, smvb, NG:
 
 
 @triton.jit
+def _page_rows(n0, hi, offs_n, inb, BT_ROW, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A paged block's tokens as ``(page [BLOCK_N] or [], row in the page [BLOCK_N])`` int64: one block-table load
+    where a block never straddles pages, else one a token."""
+    if PAGE % BLOCK_N == 0:
+        pg = tl.load(BT_ROW + n0 // PAGE, mask=n0 < hi, other=0).to(tl.int64)
+        r = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
+    else:
+        pg = tl.load(BT_ROW + offs_n // PAGE, mask=inb, other=0).to(tl.int64)
+        r = (offs_n % PAGE).to(tl.int64)
+    return pg, r
+
+
+@triton.jit
 def _hi_rows(n0, hi, offs_n, inb, BT_ROW, skhb, skhn, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
     """Int64 offsets ``[BLOCK_N, 1]`` of a block's 3-bit keys' high-bit rows from the (row, KV head) base
-    (``PAGED``: page ``BT_ROW[j // PAGE]`` at stride ``skhb``, row ``j % PAGE``, as :func:`_block_rows`)."""
+    (``PAGED``: page stride ``skhb``, as :func:`_block_rows`)."""
     if PAGED:
-        if PAGE % BLOCK_N == 0:
-            pg = tl.load(BT_ROW + n0 // PAGE, mask=n0 < hi, other=0).to(tl.int64)
-            r = (n0 % PAGE + tl.arange(0, BLOCK_N)).to(tl.int64)
-        else:
-            pg = tl.load(BT_ROW + offs_n // PAGE, mask=inb, other=0).to(tl.int64)
-            r = (offs_n % PAGE).to(tl.int64)
+        pg, r = _page_rows(n0, hi, offs_n, inb, BT_ROW, PAGE, BLOCK_N)
         return (pg * skhb + r * skhn)[:, None]
     return offs_n[:, None].to(tl.int64) * skhn
 
