@@ -72,7 +72,7 @@ class OscarConfig:
     group_size: int | None = 64  # channels per group along head_dim (one scale + zero); None: head_dim (for_head_dim)
     bits: int = 2  # the values' code width (and the keys' unless key_bits); only 2 is implemented
     # the keys' code width: 2, or 3 (8 levels, "minmax" only: the keys carry most of the INT2 loss, docs/quality.md);
-    # 3-bit keys: the Triton kernels at power-of-two head_dims (kernels_serve), not the serving store
+    # 3-bit keys: the Triton kernels at power-of-two head_dims (kernels_serve), the serving store too
     key_bits: int = 2
     # the values' group size where it differs from the keys' (None: group_size): a coarser value group pays for the
     # keys' third bit (docs/quality.md, "Three-bit keys"); served as key_bits=3 is
