@@ -115,10 +115,16 @@ def test_save_and_load_keep_the_high_plane(tmp_path):
         OscarCache.load(tmp_path / "c", m)
 
 
-def test_the_serving_store_refuses_three_bit_keys():
+def test_the_serving_store_holds_three_bit_keys():
+    """The serving store keeps 3-bit keys as the cache does (their high bits a pool tensor of their own, paid for in
+    its pages); serving's tokens against OscarCache's: tests/serving/test_generate_batch.py."""
     from oscar_hf.serving.store import OscarPagedStore
 
     m = tiny_model("llama", head_dim=64)
-    with pytest.raises(NotImplementedError, match="INT2 keys only"):
-        OscarPagedStore(m, None, OscarConfig(key_bits=3, **{k: v for k, v in SMALL.items() if k != "method"}),
-                        num_pages=4, page_size=16)
+    settings = {k: v for k, v in SMALL.items() if k != "method"}
+    store = OscarPagedStore(m, None, OscarConfig(key_bits=3, **settings), num_pages=4, page_size=16)
+    int2 = OscarPagedStore(m, None, OscarConfig(**settings), num_pages=4, page_size=16)
+    k, v = store.pool.rows(0, "k"), store.pool.rows(0, "v")
+    assert (k.bits, v.bits, k.hi.shape[-1]) == (3, 2, 64 // 8)
+    hk, layers = m.config.num_key_value_heads, m.config.num_hidden_layers
+    assert store.page_bytes(16) - int2.page_bytes(16) == 16 * layers * hk * 64 // 8

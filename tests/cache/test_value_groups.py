@@ -127,13 +127,19 @@ def test_save_and_load_keep_the_values_groups(tmp_path):
         OscarCache.load(tmp_path / "c", m)
 
 
-def test_the_serving_store_refuses_values_at_their_own_group():
+def test_the_serving_store_holds_values_at_their_own_group():
+    """The serving store keeps the values' scale and zero at their own group (pool tensors of their own, paid for in
+    its pages); serving's tokens against OscarCache's: tests/serving/test_generate_batch.py."""
     from oscar_hf.serving.store import OscarPagedStore
 
     m = tiny_model("llama", head_dim=64)
-    cfg = OscarConfig(**{k: v for k, v in SMALL.items() if k != "method"}, value_group_size=64)
-    with pytest.raises(NotImplementedError, match="one group size"):
-        OscarPagedStore(m, None, cfg, num_pages=4, page_size=16)
+    settings = {k: v for k, v in SMALL.items() if k != "method"}
+    store = OscarPagedStore(m, None, OscarConfig(**settings, value_group_size=64), num_pages=4, page_size=16)
+    same = OscarPagedStore(m, None, OscarConfig(**settings), num_pages=4, page_size=16)
+    k, v = store.pool.rows(0, "k"), store.pool.rows(0, "v")
+    assert (k.scale.shape[-1], v.scale.shape[-1]) == (64 // 16, 64 // 64)
+    hk, layers, meta = m.config.num_key_value_heads, m.config.num_hidden_layers, store.pool.int2.scale.element_size()
+    assert same.page_bytes(16) - store.page_bytes(16) == 16 * layers * hk * 2 * meta * (64 // 16 - 64 // 64)
 
 
 def test_kernels_required_at_a_head_dim_they_do_not_take(monkeypatch):
