@@ -45,8 +45,8 @@ def _split_kernel(
     """Program ``(bh, s)``: history split ``s < S`` (``DEFERRED`` loop, else dequant) or window split ``s - S`` of one
     (row, KV head), one partial each; ``WIN_ONLY``: window programs only (``PID_OFF = S``, ``WIN_STAGES``). Flags:
     docs/kernels.md §3.4 (``PAIR``, ``ASM``), §3.8 (``PAGED``), §3.9 (``WHEAD``, ``QW_AT_HEAD``), §3.10
-    (``SOFTCAP``), §7 (``DP``), §3.11 (``KBITS`` 3: the keys' high bits ``KH [B, Hk, N, D/8]``, paged ``[pages, Hk, P, D/8]``; ``GV`` > 0: the
-    values' own group; the dequant loop only)."""
+    (``SOFTCAP``), §7 (``DP``), §3.11 (``KBITS`` 3: the keys' high bits ``KH [B, Hk, N, D/8]``, paged
+    ``[pages, Hk, P, D/8]``; ``GV`` > 0: the values' own group; the dequant loop only)."""
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     GVV: tl.constexpr = G if GV == 0 else GV  # the values' group

@@ -150,7 +150,8 @@ def test_gemma3_artifact_serves_as_it_generates(wikitext_file):
     gen = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
     cb = continuous_batching_config(num_blocks=64, max_batch_tokens=1024, page_size=64, max_requests_per_batch=2)
     with paged_oscar(model, rotations=rot, num_pages=32, page_size=64) as store:  # (its sliding layers: BF16 pages)
-        assert (store.config.key_bits, store.config.value_group_size) == (chosen["key_bits"], chosen["value_group_size"])
+        assert (store.config.key_bits, store.config.value_group_size) == (chosen["key_bits"],
+                                                                          chosen["value_group_size"])
         out = model.generate_batch(prompts, gen, continuous_batching_config=cb, warmup=False)
         assert store.pool.peak_used > 0  # the history did live in pages
     served = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]

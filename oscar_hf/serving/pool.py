@@ -110,7 +110,6 @@ class PagedInt2Pool:
         if sum(coded_heads):
             specs += [((rows, 2 * sum(coded_heads), page_size, last), dt)
                       for last, dt in heads.part_specs(layout.coded_bits, head_dim, layout.coded_dtype)]
-        self._own_values = own
         self._set_tensors([torch.zeros(shape, dtype=dt, device=device) for shape, dt in specs] if storage is None
                           else _views(storage, specs))
         # LIFO free list: a page freed by a leaving request is the next one handed out (warm in cache)
@@ -127,7 +126,7 @@ class PagedInt2Pool:
     def _set_tensors(self, tensors) -> None:
         """The page tensors, in the order of the layout's specs: codes, scale, zero (own value groups: the keys'),
         the values' scale and zero, the keys' high bits, then the coded parts."""
-        own, hi = self._own_values, self.layout.key_bits == 3
+        own, hi = (self.layout.value_group or self.group_size) != self.group_size, self.layout.key_bits == 3
         n_int2 = 3 + 2 * own + hi
         self.tensors = tuple(tensors)  # every page tensor (copies, bytes)
         self.int2 = QuantizedRows(*self.tensors[:3])  # the flat INT2 tensors (own value groups: the keys' metadata)
@@ -274,8 +273,9 @@ class PagedInt2Pool:
 
     def write(self, table: list[int], layer: int, kind: str, first: int, rows: QuantizedRows | QuantizedRows3
               ) -> None:
-        """Write packed rows ``rows.* [1, Hq_l, n, X]`` (the form :meth:`rows` holds) as history entries ``[first, first + n)`` of the (allocated)
-        pages of ``table``: one indexed write per tensor, however many pages."""
+        """Write packed rows ``rows.* [1, Hq_l, n, X]`` (the form :meth:`rows` holds) as history entries
+        ``[first, first + n)`` of the (allocated) pages of ``table``: one indexed write per tensor, however many
+        pages."""
         dst = self.rows(layer, kind)
         if type(rows) is not type(dst):  # (3-bit keys: the high bits' plane too)
             raise ValueError(f"the pool holds {kind} rows as {type(dst).__name__} ({dst.bits}-bit codes), got "

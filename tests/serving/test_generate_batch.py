@@ -25,8 +25,8 @@ def greedy_alone(model, prompt, cache=None):
     return out[0, len(prompt):].tolist()
 
 
-# the storage settings served: INT2 at one group; 3-bit keys with the values at a group of their own (what Gemma-3-270M's
-# artifact chose, at its ratio of groups: keys at D/8, values at D/2)
+# the storage settings served: INT2 at one group; 3-bit keys with the values at a group of their own (what
+# Gemma-3-270M's artifact chose, at its ratio of groups: keys at D/8, values at D/2)
 STORAGE = [{}, dict(group_size=16, key_bits=3, value_group_size=32)]
 
 
