@@ -138,30 +138,39 @@ def build_prompt(tokenizer, passage: str, prefix_ids: torch.Tensor):
 
 
 @torch.no_grad()
-def continuation(model, prompt: torch.Tensor, n: int, passage: str, tokenizer, seed: int) -> torch.Tensor:
-    """``[n]`` tokens BF16 samples after ``prompt`` (seeded; a draw that repeats 4 words of the passage in a row is
-    redrawn with the next seed, so the passage is recalled from the history, not from a fresh copy)."""
+def continuation(model, prompt: torch.Tensor, n: int, passage: str, tokenizer, seed: int) -> tuple[torch.Tensor, int]:
+    """``([n] tokens, the seed that drew them)``: what BF16 samples after ``prompt`` (seeded; a draw that repeats 4
+    words of the passage in a row is redrawn with the next seed, so the passage is recalled from the history, not
+    from a fresh copy). The draw is reproducible within one environment only: another Transformers or torch build
+    moves the logits by a rounding step, and a long sample then diverges (pass a run's ``continuation_ids`` back as
+    ``continuations`` to repeat it exactly)."""
     from transformers import DynamicCache
 
     grams = {tuple(words(passage)[i:i + 4]) for i in range(len(words(passage)) - 3)}
     for s in range(seed, seed + 10):
         torch.manual_seed(s)
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt),
-                             **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=True, top_k=50, top_p=0.95, temperature=1.0,
+                             **cache_kwargs(model, DynamicCache(config=model.config)), max_new_tokens=n,
+                             min_new_tokens=n, do_sample=True, top_k=50, top_p=0.95, temperature=1.0,
                              pad_token_id=tokenizer.pad_token_id)
         cont = out[0, prompt.shape[1]:]
         w = words(tokenizer.decode(cont, skip_special_tokens=True))
         if not any(tuple(w[i:i + 4]) in grams for i in range(len(w) - 3)):
-            return cont
+            return cont, s
     raise RuntimeError("every continuation drawn repeats the passage")
 
 
 def probe(model, tokenizer, methods: dict, passages=PASSAGES, tokens: int = 720, prefix: int = 256,
-          seed: int = 0, prefix_ids: torch.Tensor | None = None) -> dict:
+          seed: int = 0, prefix_ids: torch.Tensor | None = None, continuations: list | None = None) -> dict:
     """Run the probe for every ``methods`` entry (name -> zero-argument function returning a fresh cache; the first
     is the reference, e.g. BF16 ``DynamicCache``) on each passage. Returns per passage: the layout (passage slots,
-    prefill length, where the cue starts) and each method's :func:`recall_score` and time."""
+    prefill length, where the cue starts), the continuation's ids and seed, and each method's :func:`recall_score`
+    and time. ``continuations`` (one list of ``tokens`` ids per passage, e.g. an earlier run's
+    ``continuation_ids``) replaces the sampled ones, so a run can be repeated token for token."""
+    if continuations is not None and (len(continuations) != len(passages)
+                                      or any(len(c) != tokens for c in continuations)):
+        raise ValueError(f"continuations: expected {len(passages)} lists of {tokens} token ids (one per passage), got "
+                         f"{[len(c) for c in continuations]}")
     if prefix_ids is None:
         from .perplexity import evaluation_ids
 
@@ -189,11 +198,15 @@ def probe(model, tokenizer, methods: dict, passages=PASSAGES, tokens: int = 720,
                     raise ValueError(f"{name}: the passage (slots {p0}-{p1}) is still in the recent window when the "
                                      f"cue starts at {t_cue} (recent {w}): generate at least {p1 + w - t_prefill}")
         t0 = time.perf_counter()
-        cont = continuation(model, prompt, tokens, passage, tokenizer, seed + 100 * k)
+        if continuations is None:
+            cont, drawn = continuation(model, prompt, tokens, passage, tokenizer, seed + 100 * k)
+        else:
+            cont, drawn = torch.tensor(continuations[k], dtype=torch.long), None
         gen_s = time.perf_counter() - t0
         entry = {"passage": passage, "passage_slots": [p0, p1], "prefill_len": t_prefill, "cue_at": t_cue,
-                 "generated": tokens, "continuation": tokenizer.decode(cont), "continuation_s": round(gen_s, 1),
-                 "windows": windows, "methods": {}}
+                 "generated": tokens, "seed": drawn, "continuation": tokenizer.decode(cont),
+                 "continuation_ids": cont.tolist(), "continuation_s": round(gen_s, 1), "windows": windows,
+                 "methods": {}}
         for name, cache in caches.items():
             t0 = time.perf_counter()
             preds = run_cache(model, cache, prompt, torch.cat([cont, cue]), target)
@@ -232,7 +245,9 @@ def main(argv=None, model=None, tokenizer=None):
     p.add_argument("--prefix", type=int, default=256, help="held-out tokens before the passage")
     p.add_argument("--passages", type=int, default=len(PASSAGES))
     p.add_argument("--skip", type=int, default=0, help="passages left out before the first one probed")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="passage k's continuation is drawn with seed + 100 k")
+    p.add_argument("--continuations", default=None,
+                   help="an earlier run's JSON: read its passages' continuation_ids instead of sampling")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--name", default="retention")
@@ -250,8 +265,17 @@ def main(argv=None, model=None, tokenizer=None):
                "defaults (artifact)": lambda: OscarCache.from_pretrained(args.artifact, model)}
     load_s = time.perf_counter() - t_load
     t0 = time.perf_counter()
-    res = probe(model, tokenizer, methods, PASSAGES[args.skip:args.skip + args.passages], tokens=args.tokens,
-                prefix=args.prefix, seed=args.seed)
+    passages = PASSAGES[args.skip:args.skip + args.passages]
+    continuations = None
+    if args.continuations:
+        runs = json.loads(Path(args.continuations).read_text())["passages"]
+        earlier = {e["passage"]: e.get("continuation_ids") for e in runs}
+        missing = [p[:30] for p in passages if earlier.get(p) is None]
+        if missing:
+            raise ValueError(f"{args.continuations} holds no continuation_ids for the passages {missing}")
+        continuations = [earlier[p] for p in passages]
+    res = probe(model, tokenizer, methods, passages, tokens=args.tokens, prefix=args.prefix, seed=args.seed,
+                continuations=continuations)
     res.update(command="python -P -m oscar_hf.eval.retention " + " ".join(argv if argv is not None else sys.argv[1:]),
                setup=dict(model=model_name, dtype=str(dtype).removeprefix("torch."), artifact=args.artifact,
                           config=OscarCache.from_pretrained(args.artifact, model).oscar_config.to_dict(),

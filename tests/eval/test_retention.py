@@ -51,6 +51,13 @@ def test_probe_bf16_recalls_and_a_cache_that_loses_flushed_rows_does_not(smollm2
     assert 0 <= oscar["words_correct"] <= oscar["words"] and e["windows"]["oscar"]["cache"] == (SINK, RECENT)
     assert res["summary"]["bf16"] == {"exact": 1, "words_correct": bf16["words"], "words": bf16["words"],
                                       "passages": 1}
+    # the run repeated from its stored continuation: the same tokens, no sampling, the same scores
+    assert e["seed"] == 0 and len(e["continuation_ids"]) == TOKENS
+    again = probe(model, tok, {"oscar": methods["oscar"]}, PASSAGES[:1], tokens=TOKENS, prefix=PREFIX,
+                  continuations=[e["continuation_ids"]])["passages"][0]
+    assert again["continuation_ids"] == e["continuation_ids"] and again["seed"] is None
+    assert {k: again["methods"]["oscar"][k] for k in ("recalled", "words_correct")} == \
+        {k: oscar[k] for k in ("recalled", "words_correct")}
 
 
 @pytest.mark.slow
@@ -59,6 +66,8 @@ def test_probe_refuses_a_layout_that_does_not_flush_the_passage(smollm2):
     few = {"oscar": lambda: OscarCache(model, method="hadamard", sink=SINK, recent=RECENT)}
     with pytest.raises(ValueError, match="still in the recent window"):
         probe(model, tok, few, PASSAGES[:1], tokens=RECENT - 10, prefix=PREFIX)
+    with pytest.raises(ValueError, match="continuations: expected 1 lists of 52 token ids"):
+        probe(model, tok, few, PASSAGES[:1], tokens=TOKENS, prefix=PREFIX, continuations=[[1] * (TOKENS - 1)])
     narrow = {"oscar": lambda: OscarCache(model, method="hadamard", sink=SINK, recent=32)}  # < the passage's tokens
     with pytest.raises(ValueError, match="not inside the recent window at prefill"):
         probe(model, tok, narrow, PASSAGES[:1], tokens=TOKENS, prefix=PREFIX)
