@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """The host cost of `generate`'s compiled decode step before it runs: how many guards dynamo checks on every call
 (and dynamo's one timing of them at compile time, ``guard_latency_us``: a single sample, which moved by 1.7x between
-two runs of the same method on a 2-core CPU; the count is exact), per cache, on a random model with a real shape's
+two runs of the same method on a 2-core CPU; the count is exact; ``guard_check_us``: the check of the step's own
+locals, warm, the least of 20 rounds of 200), per cache, on a random model with a real shape's
 layers (the guards follow the layers, heads and cache objects, not the hidden size). Runs on the CPU (the step is
 compiled with the eager backend there, the guards are the same) or a GPU.
 
@@ -27,7 +28,10 @@ SHAPE = dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8
 
 def one(method: str, prompt: int, new_tokens: int) -> dict:
     """Compile ``method``'s decode step through ``generate`` in this process; dynamo's record of that compile."""
+    import time
+
     import torch
+    import torch._dynamo.guards as dynamo_guards
     import torch._dynamo.utils as dynamo_utils
     from transformers import AutoModelForCausalLM, CompileConfig, Qwen3Config
 
@@ -54,6 +58,8 @@ def one(method: str, prompt: int, new_tokens: int) -> dict:
                                    mode=None if device == "cpu" else "reduce-overhead")
     compile_config._compile_all_devices = True  # (generate compiles its step on CUDA only, unless told)
     ids = torch.randint(1, SHAPE["vocab_size"] - 1, (1, prompt), generator=torch.Generator().manual_seed(1))
+    built = []  # (guard manager, the frame's locals) of every frame dynamo compiles
+    dynamo_guards.guard_manager_testing_hook_fn = lambda manager, scope, _: built.append((manager, dict(scope)))
     with torch.no_grad():
         model.generate(ids.to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                        pad_token_id=0, compile_config=compile_config, **cache_kwargs(model, cache))
@@ -61,8 +67,19 @@ def one(method: str, prompt: int, new_tokens: int) -> dict:
     if not frames:
         raise RuntimeError(f"{method}: generate compiled no decode step")
     m = max(frames, key=lambda m: m.guard_count)  # (the decode step's frame: the one with the model's guards)
+    # the decode step's check, warm, as every step runs it: the least of 20 rounds of 200 checks of its frame's locals
+    manager, scope = next((g, s) for g, s in reversed(built) if "kwargs" in s)
+    with torch.no_grad():  # (generate's grad mode: a guard of its own)
+        if not manager.check(scope):
+            raise RuntimeError(f"{method}: the decode step's guards fail on its own locals")
+        rounds = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            for _ in range(200):
+                manager.check(scope)
+            rounds.append((time.perf_counter() - t0) / 200 * 1e6)
     return {"method": method, "guard_count": m.guard_count, "guard_latency_us": m.guard_latency_us,
-            "frames_compiled": len(frames), "device": device}
+            "guard_check_us": round(min(rounds), 1), "frames_compiled": len(frames), "device": device}
 
 
 def main(argv=None):
@@ -93,8 +110,8 @@ def main(argv=None):
     if a.out:
         Path(a.out).write_text(json.dumps(doc, indent=1))
     for r in rows:
-        print(f"{r['method']:12s} {r['guard_count']:6d} guards" + (f" ({r['extra_guards']:+d} against bf16-strong)"
-                                                                   if "extra_guards" in r else ""))
+        print(f"{r['method']:12s} {r['guard_count']:6d} guards, checked in {r['guard_check_us']} us"
+              + (f" ({r['extra_guards']:+d} against bf16-strong)" if "extra_guards" in r else ""))
 
 
 if __name__ == "__main__":
