@@ -3,7 +3,6 @@ short prefix, windows of 4 / 48, 52 generated tokens, so the passage goes from t
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig
