@@ -75,7 +75,7 @@ def default_method(rotations, label: str, todays: bool = False, **overrides):
 def row_settings(spec: str) -> dict:
     """``"sink=128,recent=2048,group_size=64"`` -> the OscarFamily overrides of one ``--row``."""
     kinds = {"sink": int, "recent": int, "group_size": int, "quantizer": str, "key_bits": int, "retrieval_heads": int,
-             "value_group_size": int}
+             "retrieval_bits": int, "value_group_size": int}
     kw = {}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
@@ -131,7 +131,7 @@ def main(argv=None, model=None, tokenizer=None):
                                               "not the settings the calibration chose)")
     p.add_argument("--row", action="append", default=[], metavar="KEY=V[,KEY=V]",
                    help="an extra row of the artifact with these settings (sink, recent, group_size, quantizer, "
-                        "key_bits, value_group_size, retrieval_heads) over its chosen ones, e.g. "
+                        "key_bits, value_group_size, retrieval_heads, retrieval_bits) over its chosen ones, e.g. "
                         "sink=128,recent=2048,group_size=64; repeatable")
     p.add_argument("--path", choices=["exact", "fast"], default="exact",
                    help="exact: token by token through the real caches; fast: one fake-quantized forward per window")

@@ -60,3 +60,12 @@ def test_row_adds_the_artifact_with_other_windows(setup):
     assert wide["budget_bits"] == {"context": 400, "bits": pytest.approx((160 * 16 + 240 * 3.0) / 400)}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         setup("--row", "window=4")
+
+
+def test_row_settings_parse_each_key_and_refuse_others():
+    assert default_perplexity.row_settings("retrieval_bits=4,sink=128,quantizer=std") == dict(
+        retrieval_bits=4, sink=128, quantizer="std")
+    with pytest.raises(ValueError, match="entries are KEY=VALUE"):
+        default_perplexity.row_settings("retrieval_width=4")
+    with pytest.raises(ValueError, match="entries are KEY=VALUE"):
+        default_perplexity.row_settings("sink=")
