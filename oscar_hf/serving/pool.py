@@ -32,6 +32,10 @@ class HeadLayout:
     key_bits: int = 2
     value_group: int | None = None
 
+    def values_group(self, group_size: int) -> int:
+        """The values' group size: their own, else the keys' ``group_size``."""
+        return self.value_group or group_size
+
 
 def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, group_size: int,
                meta_dtype: torch.dtype, layout: HeadLayout = HeadLayout()) -> int:
@@ -39,7 +43,7 @@ def page_bytes(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int
     coded rows."""
     int2 = num_layers * num_kv_heads if layout.int2_heads is None else sum(layout.int2_heads)
     meta = 2 * meta_dtype.itemsize
-    rows = (2 * (head_dim // 4) + meta * (head_dim // group_size + head_dim // (layout.value_group or group_size))
+    rows = (2 * (head_dim // 4) + meta * (head_dim // group_size + head_dim // layout.values_group(group_size))
             + (head_dim // 8 if layout.key_bits == 3 else 0))  # a key's and a value's bytes
     coded = sum(layout.coded_heads or ()) * heads.row_bytes(layout.coded_bits, head_dim, layout.coded_dtype)
     return page_size * (int2 * rows + 2 * coded)
@@ -79,7 +83,7 @@ class PagedInt2Pool:
                              f"num_kv_heads={num_kv_heads}, page_size={page_size}")
         check_group_size(head_dim, group_size)
         check_code_bits(layout.key_bits, head_dim, name="key_bits")
-        value_group = layout.value_group or group_size
+        value_group = layout.values_group(group_size)
         check_group_size(head_dim, value_group)
         if meta_dtype not in SUPPORTED_META_DTYPES:
             raise ValueError(f"meta_dtype must be one of {SUPPORTED_META_DTYPES}, got {meta_dtype}")
@@ -126,7 +130,7 @@ class PagedInt2Pool:
     def _set_tensors(self, tensors) -> None:
         """The page tensors, in the order of the layout's specs: codes, scale, zero (own value groups: the keys'),
         the values' scale and zero, the keys' high bits, then the coded parts."""
-        own, hi = (self.layout.value_group or self.group_size) != self.group_size, self.layout.key_bits == 3
+        own, hi = self.layout.values_group(self.group_size) != self.group_size, self.layout.key_bits == 3
         n_int2 = 3 + 2 * own + hi
         self.tensors = tuple(tensors)  # every page tensor (copies, bytes)
         self.int2 = QuantizedRows(*self.tensors[:3])  # the flat INT2 tensors (own value groups: the keys' metadata)
